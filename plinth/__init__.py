@@ -1,0 +1,35 @@
+"""plinth: a plugin-based, hardware-abstracting LLM inference and serving engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelRegistry", "__version__"]
+
+# Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
+_LAZY = {
+    "LLM": "plinth.entrypoints.llm:LLM",
+    "SamplingParams": "plinth.core.request:SamplingParams",
+    "RequestOutput": "plinth.core.request:RequestOutput",
+    "CompletionOutput": "plinth.core.request:CompletionOutput",
+    "ModelRegistry": "plinth.model_registry.registry:ModelRegistry",
+}
+
+if TYPE_CHECKING:
+    from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams
+    from plinth.entrypoints.llm import LLM
+    from plinth.model_registry.registry import ModelRegistry
+
+
+def __getattr__(name: str) -> Any:
+    ref = _LAZY.get(name)
+    if ref is None:
+        raise AttributeError(f"module 'plinth' has no attribute {name!r}")
+    import importlib
+
+    module_name, _, attr = ref.partition(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value

@@ -1,0 +1,151 @@
+"""The attention-backend contract and the per-step attention metadata.
+
+KV-cache layout (every backend unless it overrides :meth:`AttentionBackend.kv_cache_shape`)::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]
+              (index 0 = keys, 1 = values)
+
+Block 0 is never given to a sequence: it is the scratch block that padding rows (CUDA-graph
+padding) write into, so ``slot_mapping`` is never negative and writes need no mask.
+
+A token at position ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]``
+at offset ``p % block_size``; its flat slot is ``block * block_size + offset``.
+
+The batch of one step is flat: the ``T`` scheduled tokens of ``B`` sequences laid end to end.
+Sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s+1]`` of q/k/v; those tokens sit
+at positions ``context_lens[s] .. seq_lens[s]-1`` of the sequence, after ``context_lens[s]``
+tokens that are already in the cache (an earlier chunk, an earlier step, or a prefix-cache hit).
+Attention is causal over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """A yes/no answer with the reason for a no."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @classmethod
+    def yes(cls) -> Support:
+        return cls(True, "")
+
+    @classmethod
+    def no(cls, reason: str) -> Support:
+        return cls(False, reason)
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's flat batch.
+
+    Device tensors are on the model's device; ``*_cpu`` lists are host copies made from
+    the same numpy arrays (no device sync needed to read them).
+    """
+
+    num_tokens: int                 # T: scheduled tokens (may include padding for graphs)
+    num_seqs: int                   # B
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor   # [B + 1] int32
+    seq_lens: torch.Tensor          # [B] int32: tokens in the cache after this step
+    context_lens: torch.Tensor      # [B] int32: tokens already in the cache before this step
+    slot_mapping: torch.Tensor      # [T] int64: where each new token's K/V is written (padding -> block 0)
+    block_tables: torch.Tensor      # [B, max_blocks_per_seq] int32
+    query_start_loc_cpu: list[int]  # [B + 1]
+    seq_lens_cpu: list[int]         # [B]
+    backend_data: Any = None        # whatever the selected backend precomputes once per step
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @property
+    def context_lens_cpu(self) -> list[int]:
+        q = self.query_start_loc_cpu
+        return [self.seq_lens_cpu[i] - (q[i + 1] - q[i]) for i in range(self.num_seqs)]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """The attention shapes of a model, used by ``supports`` and by selection benchmarks."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    sliding_window: int | None = None
+
+
+class AttentionBackend(abc.ABC):
+    """A paged-attention implementation.
+
+    One instance serves every attention layer of a model; per-layer state (the scale, the
+    sliding window) is passed to :meth:`forward`.
+    """
+
+    #: registry name, e.g. ``"torch_sdpa"``
+    name: ClassVar[str]
+    #: with ``--selection off`` the highest-priority supported backend wins
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    @abc.abstractmethod
+    def supports(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """Say whether this backend can run ``spec`` on ``device_type`` (``"cpu"``, ``"cuda"``, ...).
+
+        Returns:
+            ``Support.yes()`` or ``Support.no(reason)``; the reason is shown to users
+            (e.g. ``"flash_attn not installed"``, ``"head size 96 unsupported"``).
+            Must not raise for a missing optional package.
+        """
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """The shape of one layer's KV-cache tensor."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Precompute per-step data once for all layers (store it in ``metadata.backend_data``).
+
+        Called by the model runner after building the metadata and before the forward pass.
+        """
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,     # [T, num_heads, head_size]
+        key: torch.Tensor,       # [T, num_kv_heads, head_size]
+        value: torch.Tensor,     # [T, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:           # [T, num_heads, head_size]
+        """Write the new keys/values into ``kv_cache`` at ``slot_mapping``, then attend.
+
+        Each query token attends causally to every cached and new token of its own sequence
+        at a position <= its own (and > position - sliding_window when a window is set).
+        Rows beyond ``query_start_loc[-1]`` (graph padding) may hold anything.
+        """
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into a ``[2, num_blocks, block_size, H, D]`` cache at ``slot_mapping``."""
+    n = slot_mapping.shape[0]
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, num_slots, H, D]
+    flat[0].index_copy_(0, slot_mapping, key[:n])
+    flat[1].index_copy_(0, slot_mapping, value[:n])

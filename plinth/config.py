@@ -1,0 +1,208 @@
+"""Engine configuration: frozen dataclasses, validated once at construction.
+
+Every validation failure raises :class:`ConfigError` (a ``ValueError``) whose
+message names the offending option and says what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SELECTION_MODES = ("benchmark", "cached", "off")
+EXECUTORS = ("auto", "uniproc", "mp", "ray")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message says which option and why."""
+
+
+def cache_dir() -> Path:
+    """plinth's cache directory: ``$PLINTH_CACHE_DIR`` or ``~/.cache/plinth``."""
+    root = os.environ.get("PLINTH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "plinth"
+    )
+    return Path(root)
+
+
+def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What to load.
+
+    Attributes:
+        model: a HF-style model directory, a ``.gguf`` file, or a preset name with
+            ``load_format="dummy"``; ``None`` means the default model.
+        tokenizer: a tokenizer directory (default: taken from the model).
+        dtype: the compute dtype; ``auto`` takes the checkpoint's (float32 on CPUs without bf16).
+        max_model_len: the longest sequence (prompt + output); default: the model's.
+        load_format: ``auto`` (by file type), ``safetensors``, ``gguf`` or ``dummy`` (random weights).
+        quantization: a quantization method name, or ``None`` for the checkpoint's own.
+        trust_remote_code: allow transformers to run code shipped with a checkpoint.
+        seed: the seed for random weights and for requests that have no seed.
+        served_model_name: the model name the server reports and accepts.
+        chat_template: a jinja2 chat template (text or a file path) replacing the tokenizer's.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    quantization: str | None = None
+    trust_remote_code: bool = False
+    seed: int = 0
+    served_model_name: str | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        _positive("max_model_len", self.max_model_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_blocks: force the number of KV blocks (default: sized from memory).
+        gpu_memory_utilization: the fraction of device memory plinth may use in all
+            (weights, activations and KV cache) on accelerators.
+        cpu_kv_cache_bytes: KV-cache bytes on the CPU platform (default: 2 GiB).
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size, allow_none=False)
+        _positive("num_blocks", self.num_blocks)
+        _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, allow_none=False)
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    Attributes:
+        max_num_seqs: the most requests running at once.
+        max_num_batched_tokens: the token budget of one step (decodes plus prefill chunks).
+        enable_chunked_prefill: split long prompts over several steps.
+        max_waiting_requests: the most requests queued before new ones are refused (None: unbounded).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
+        _positive("max_waiting_requests", self.max_waiting_requests)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor: str = "auto"
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size, allow_none=False)
+        if self.distributed_executor not in EXECUTORS:
+            raise ConfigError(
+                f"distributed_executor must be one of {', '.join(EXECUTORS)}, got {self.distributed_executor!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how to run.
+
+    Attributes:
+        platform: force a platform by name (default: ``$PLINTH_PLATFORM`` or auto-detect).
+        attention_backend: force an attention backend by name (default: selected).
+        selection: ``cached`` (benchmark on a cache miss), ``benchmark`` (always), ``off``
+            (highest-priority supported candidate, no timing).
+        enforce_eager: never capture graphs or compile.
+    """
+
+    platform: str | None = None
+    attention_backend: str | None = None
+    selection: str = "cached"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.selection not in SELECTION_MODES:
+            raise ConfigError(f"selection must be one of {', '.join(SELECTION_MODES)}, got {self.selection!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
+
+    _SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build a config from flat keyword arguments (``dtype=...``, ``block_size=...``).
+
+        Raises:
+            ConfigError: an unknown keyword (with the list of known ones) or a bad value.
+        """
+        sections: dict[str, dict[str, Any]] = {s: {} for s in cls._SECTIONS}
+        fields = {
+            f.name: s for s in cls._SECTIONS
+            for f in dataclasses.fields(cls.__dataclass_fields__[s].default_factory())  # type: ignore[misc]
+        }
+        for key, value in kwargs.items():
+            if key not in fields:
+                raise ConfigError(f"unknown engine option {key!r}; known: {', '.join(sorted(fields))}")
+            sections[fields[key]][key] = value
+        return cls(
+            model=ModelConfig(**sections["model"]),
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+            parallel=ParallelConfig(**sections["parallel"]),
+            device=DeviceConfig(**sections["device"]),
+        )
+
+    def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:
+        """Apply ``{"section.field": value}`` overrides, validating the result."""
+        sections = {s: getattr(self, s) for s in self._SECTIONS}
+        for dotted, value in overrides.items():
+            section, _, field = dotted.partition(".")
+            if section not in sections or field not in {f.name for f in dataclasses.fields(sections[section])}:
+                raise ConfigError(f"unknown engine option {dotted!r} in a plugin override")
+            sections[section] = dataclasses.replace(sections[section], **{field: value})
+        return EngineConfig(**sections)

@@ -1,0 +1,160 @@
+"""The core records: sampling parameters, requests and their outputs.
+
+These types are used everywhere (scheduler, sampler, engine, server); they live
+in one place so that every layer speaks of the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter. ``param`` names it (the OpenAI field name)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request, with the OpenAI / vLLM meanings.
+
+    ``temperature=0`` means greedy. ``top_k<=0`` and ``top_p=1`` and ``min_p=0`` turn those
+    filters off. ``repetition_penalty`` is the multiplicative (CTRL) penalty over prompt and
+    output tokens; ``presence_penalty`` and ``frequency_penalty`` are the additive OpenAI
+    penalties over output tokens. ``logprobs=k`` returns the sampled token's logprob and the
+    top-k; ``prompt_logprobs=k`` the same for every prompt token after the first.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def check(cond: bool, param: str, msg: str) -> None:
+            if not cond:
+                raise SamplingParamsError(param, msg)
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
+        check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            check(v is None or (isinstance(v, int) and 0 <= v <= self.MAX_LOGPROBS), name,
+                  f"must be an integer in [0, {self.MAX_LOGPROBS}], got {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"      # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"    # aborted by the user, a disconnect or an engine failure
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None          # 1 = most likely
+    decoded_token: str | None = None
+
+
+# One position's logprobs: token id -> Logprob (the sampled token plus the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sampled sequence of a request (``n`` of them per request).
+
+    ``text`` and ``token_ids`` are cumulative (everything so far).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None   # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The state of one request after an engine step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None   # set when the engine failed the request

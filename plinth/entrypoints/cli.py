@@ -1,0 +1,67 @@
+"""The ``plinth`` command: ``serve``, ``generate``, ``bench``, ``plugins``.
+
+Each sub-command lives in its own module exposing ``add_parser(subparsers)`` and
+``run(args) -> int``; modules are imported only when their command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from plinth import __version__
+
+SUBCOMMANDS = {
+    "serve": ("plinth.entrypoints.serve_cmd", "run the OpenAI-compatible HTTP server"),
+    "generate": ("plinth.entrypoints.generate_cmd", "offline batch generation from a prompt or a file"),
+    "bench": ("plinth.entrypoints.bench_cmd", "latency and throughput benchmarks"),
+    "plugins": ("plinth.entrypoints.plugins_cmd", "list discovered plugins and what they provide"),
+}
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plinth", description="plinth LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"plinth {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if wanted is None or name == wanted:
+            importlib.import_module(module).add_parser(sub, name, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"plinth {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from plinth.errors import UserFacingError
+
+        if isinstance(exc, UserFacingError | ValueError):
+            print(f"plinth {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Command-line flags shared by every command that starts an engine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from plinth.config import DTYPES, EXECUTORS, LOAD_FORMATS, SELECTION_MODES, EngineConfig
+
+# flag dest -> EngineConfig.from_kwargs keyword (identical names; listed to define the mapping once)
+ENGINE_KWARGS = (
+    "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "trust_remote_code",
+    "seed", "served_model_name", "chat_template",
+    "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
+    "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
+    "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
+    "platform", "attention_backend", "selection", "enforce_eager",
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positional: bool = True) -> None:
+    """Add the engine flags, then let plugins add theirs (hook ``plinth_add_cli_arguments``)."""
+    from plinth.plugins import get_plugin_manager
+
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="model directory, .gguf file, or preset (with --load-format dummy); "
+                                 "default: SmolLM2-135M-Instruct")
+    g = parser.add_argument_group("model")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    pm = get_plugin_manager()
+    quant_names = sorted(pm.registrations("quantization_methods"))
+    g.add_argument("--quantization", "-q", default=None, choices=quant_names or None,
+                   help="quantization method (plugins add names)")
+    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--chat-template", default=None, help="jinja2 template text or a file holding one")
+    g = parser.add_argument_group("cache")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--cpu-kv-cache-bytes", type=int, default=2 << 30)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g = parser.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--max-waiting-requests", type=int, default=None)
+    g = parser.add_argument_group("parallel")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--distributed-executor", default="auto", choices=EXECUTORS)
+    g = parser.add_argument_group("device")
+    g.add_argument("--platform", default=None, help="force a platform (default: $PLINTH_PLATFORM or auto)")
+    g.add_argument("--attention-backend", default=None, help="force an attention backend")
+    g.add_argument("--selection", default="cached", choices=SELECTION_MODES)
+    g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
+    pm.add_cli_arguments(parser, command)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ENGINE_KWARGS if hasattr(args, k)}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the config from parsed flags and apply plugin overrides."""
+    from plinth.plugins import get_plugin_manager
+
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    for overrides in get_plugin_manager().engine_config_overrides(config, vars(args)):
+        config = config.with_overrides(overrides)
+    return config

@@ -1,0 +1,19 @@
+"""In-tree model architectures, registered through the plugin hook like any third-party one."""
+
+from plinth.hookspecs import hookimpl
+
+PLINTH_PLUGIN_API = "1.0"
+
+_M = "plinth.model_registry.models"
+
+
+@hookimpl
+def plinth_models() -> dict[str, str]:
+    return {
+        "LlamaForCausalLM": f"{_M}.llama:LlamaForCausalLM",
+        "MistralForCausalLM": f"{_M}.llama:MistralForCausalLM",
+        "Qwen2ForCausalLM": f"{_M}.qwen2:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": f"{_M}.qwen3:Qwen3ForCausalLM",
+        "MixtralForCausalLM": f"{_M}.mixtral:MixtralForCausalLM",
+        "Qwen3MoeForCausalLM": f"{_M}.qwen3_moe:Qwen3MoeForCausalLM",
+    }

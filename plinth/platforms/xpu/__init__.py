@@ -1,0 +1,10 @@
+"""The xpu platform plugin (to be completed)."""
+
+from plinth.hookspecs import hookimpl
+
+PLINTH_PLUGIN_API = "1.0"
+
+
+@hookimpl
+def plinth_platforms() -> dict[str, str]:
+    return {"xpu": "plinth.platforms.xpu.platform:XpuPlatform"}
