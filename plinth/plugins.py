@@ -5,12 +5,22 @@ group ``plinth.plugins``. Environment variables:
 
 ``PLINTH_PLUGINS=a,b``
     Load only the third-party plugins named here (in-tree plugins always load).
-    A plugin named here that fails to import or validate stops startup.
+    A plugin named here that fails to import or validate stops startup, and so does
+    a name that no installed plugin has.
 ``PLINTH_DISABLE_PLUGIN_AUTOLOAD=1``
-    Load no third-party plugin at all; only the in-tree ones.
+    Load no third-party plugin automatically; only the in-tree ones, plus those
+    named explicitly in ``PLINTH_PLUGINS``.
 
 A plugin that fails to import or to validate and was not named explicitly is
 recorded in :attr:`PluginManager.failures` and skipped.
+
+Validation of each plugin, in order: its module imports; it declares a compatible
+``PLINTH_PLUGIN_API``; pluggy accepts its hook implementations (argument names match
+the hookspecs); it implements no hook that plinth does not define (a misspelled hook
+name would otherwise be ignored silently) and defines no hook-named function without
+the ``@hookimpl`` marker; its registration hooks return ``{name: "pkg.mod:Attr"}``
+mappings. Registration hooks are called once, at load; the references they return
+are resolved only when used, so discovery never imports a device runtime.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping
 from importlib import metadata
@@ -28,6 +39,7 @@ from typing import Any
 import pluggy
 
 from plinth import hookspecs
+from plinth.errors import UserFacingError
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +48,12 @@ IN_TREE_DISTRIBUTION = "plinth-llm"
 
 KINDS = ("platforms", "attention_backends", "quantization_methods", "models")
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
-class PluginError(RuntimeError):
+
+class PluginError(UserFacingError, RuntimeError):
     """A plugin could not be loaded, validated or resolved."""
 
 
@@ -100,21 +116,54 @@ class PluginRecord:
 
 
 def _check_api_version(name: str, module: ModuleType) -> str:
+    """Return the plugin's declared API version, or raise if plinth cannot host it.
+
+    The major numbers must be equal; the plugin's minor number must not exceed
+    plinth's (a plugin for API 1.3 may use hooks that plinth 1.0 lacks).
+    """
     declared = getattr(module, "PLINTH_PLUGIN_API", None)
     if declared is None:
         raise PluginApiVersionError(
             f"plugin {name!r} does not declare PLINTH_PLUGIN_API; "
             f"set PLINTH_PLUGIN_API = {hookspecs.PLUGIN_API_VERSION!r} in module {module.__name__!r}"
         )
-    if not isinstance(declared, str) or not declared.split(".")[0].isdigit():
-        raise PluginApiVersionError(f"plugin {name!r} declares an invalid PLINTH_PLUGIN_API {declared!r}")
-    want_major = hookspecs.PLUGIN_API_VERSION.split(".")[0]
-    if declared.split(".")[0] != want_major:
+    if not isinstance(declared, str) or not re.fullmatch(r"\d+\.\d+", declared):
+        raise PluginApiVersionError(
+            f"plugin {name!r} declares an invalid PLINTH_PLUGIN_API {declared!r}; expected 'MAJOR.MINOR', "
+            f"e.g. {hookspecs.PLUGIN_API_VERSION!r}"
+        )
+    have_major, have_minor = (int(p) for p in hookspecs.PLUGIN_API_VERSION.split("."))
+    want_major, want_minor = (int(p) for p in declared.split("."))
+    if want_major != have_major or want_minor > have_minor:
         raise PluginApiVersionError(
             f"plugin {name!r} was written for plinth plugin API {declared}, but this plinth provides "
             f"API {hookspecs.PLUGIN_API_VERSION}; upgrade the plugin or install a matching plinth"
         )
     return declared
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise PluginError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def _normalize(dist_name: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
+
+
+def _dist_of(ep: Any) -> Any:
+    return getattr(ep, "dist", None)
+
+
+def _is_in_tree(ep: Any) -> bool:
+    dist = _dist_of(ep)
+    if dist is not None:
+        return _normalize(dist.metadata["Name"]) == IN_TREE_DISTRIBUTION
+    return ep.value == "plinth" or ep.value.startswith("plinth.")
 
 
 class PluginManager:
@@ -125,15 +174,21 @@ class PluginManager:
             ``PLINTH_DISABLE_PLUGIN_AUTOLOAD`` (default: ``os.environ``).
         entry_points: entry points to load (default: the installed ones in
             ``plinth.plugins``); tests may pass a subset.
+
+    Raises:
+        PluginError: a plugin named in ``PLINTH_PLUGINS`` is missing or failed to load,
+            or an environment variable is malformed.
     """
 
     def __init__(self, env: Mapping[str, str] | None = None, entry_points: list | None = None):
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
+        # plugin name -> kind -> {registered name: ref}, in load order
+        self._provided: dict[str, dict[str, dict[str, str]]] = {}
+        self._shadowed: list[PluginRecord] = []
         self._registry_cache: dict[str, dict[str, Registration]] = {}
-        env = os.environ if env is None else env
-        self._load(env, entry_points)
+        self._load(os.environ if env is None else env, entry_points)
 
     @property
     def hook(self) -> Any:
@@ -141,74 +196,145 @@ class PluginManager:
 
     @property
     def failures(self) -> list[PluginRecord]:
-        return [r for r in self.records.values() if r.error is not None]
+        """Plugins that were discovered but not loaded, with their errors."""
+        return [r for r in self.records.values() if r.error is not None] + self._shadowed
+
+    # -- loading --------------------------------------------------------------------
 
     def _load(self, env: Mapping[str, str], entry_points: list | None) -> None:
         allow_raw = env.get("PLINTH_PLUGINS", "").strip()
         allow = {n.strip() for n in allow_raw.split(",") if n.strip()} if allow_raw else None
-        no_autoload = env.get("PLINTH_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower() in ("1", "true", "yes")
-        eps = list(metadata.entry_points(group=ENTRY_POINT_GROUP)) if entry_points is None else entry_points
-        seen: set[str] = set()
-        for ep in sorted(eps, key=lambda e: (not _is_in_tree(e), e.name)):
-            if ep.name in seen:
-                continue  # the same distribution found twice on sys.path
-            seen.add(ep.name)
+        no_autoload = _env_flag(env, "PLINTH_DISABLE_PLUGIN_AUTOLOAD")
+        eps = metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None else entry_points
+        eps = sorted(eps, key=lambda e: (not _is_in_tree(e), e.name))  # in-tree first: third-party override
+        discovered: dict[str, Any] = {}
+        for ep in eps:
+            if ep.name in discovered:
+                self._note_duplicate(ep, discovered[ep.name])
+                continue
+            discovered[ep.name] = ep
             in_tree = _is_in_tree(ep)
-            if not in_tree:
-                if no_autoload:
-                    continue
-                if allow is not None and ep.name not in allow:
-                    continue
-            dist = getattr(ep, "dist", None)
-            record = PluginRecord(
-                name=ep.name,
-                distribution=dist.metadata["Name"] if dist is not None else None,
-                version=dist.version if dist is not None else None,
-                in_tree=in_tree,
-                module=ep.value,
-            )
-            self.records[ep.name] = record
             explicit = allow is not None and ep.name in allow
-            module = None
-            try:
-                module = ep.load()
-                record.api_version = _check_api_version(ep.name, module)
-                self._pm.register(module, name=ep.name)
-            except Exception as exc:  # report every plugin failure; fatal only when asked for
-                record.error = f"{type(exc).__name__}: {exc}"
-                if module is not None and self._pm.is_registered(module):
-                    self._pm.unregister(name=ep.name)
-                if explicit or in_tree:
-                    raise PluginError(f"plugin {ep.name!r} failed to load: {record.error}") from exc
-                logger.warning("skipping plugin %r: %s", ep.name, record.error)
+            if not in_tree and not explicit and (no_autoload or allow is not None):
+                continue
+            self._load_entry_point(ep, in_tree, explicit)
         if allow is not None:
-            missing = sorted(allow - set(self.records))
-            if missing and not no_autoload:
+            missing = sorted(allow - set(discovered))
+            if missing:
                 raise PluginError(
                     f"PLINTH_PLUGINS names plugins that are not installed: {', '.join(missing)}; "
-                    f"installed: {', '.join(sorted(self.records)) or 'none'}"
+                    f"installed: {', '.join(sorted(discovered)) or 'none'}"
                 )
+
+    def _note_duplicate(self, ep: Any, first: Any) -> None:
+        dist, first_dist = _dist_of(ep), _dist_of(first)
+        dist_name = dist.metadata["Name"] if dist is not None else None
+        first_name = first_dist.metadata["Name"] if first_dist is not None else None
+        if dist_name is not None and first_name is not None and _normalize(dist_name) == _normalize(first_name):
+            return  # the same distribution found twice on sys.path
+        record = PluginRecord(
+            name=ep.name, distribution=dist_name, version=dist.version if dist is not None else None,
+            in_tree=_is_in_tree(ep), module=ep.value,
+            error=f"plugin name {ep.name!r} is already used by {first.value!r} "
+                  f"(distribution {first_name or 'unknown'}); skipped",
+        )
+        logger.warning("skipping plugin %r from %r: %s", ep.name, ep.value, record.error)
+        self._shadowed.append(record)
+
+    def _load_entry_point(self, ep: Any, in_tree: bool, explicit: bool) -> None:
+        dist = _dist_of(ep)
+        record = PluginRecord(
+            name=ep.name,
+            distribution=dist.metadata["Name"] if dist is not None else None,
+            version=dist.version if dist is not None else None,
+            in_tree=in_tree,
+            module=ep.value,
+        )
+        self.records[ep.name] = record
         try:
-            self._pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(str(exc)) from exc
-        for kind in KINDS:
-            for reg in self.registrations(kind).values():
-                self.records[reg.plugin].provides.setdefault(kind, []).append(reg.name)
+            module = ep.load()
+        except Exception as exc:  # any import-time error is reported with the plugin's name
+            self._fail(record, exc, explicit)
+            return
+        if not isinstance(module, ModuleType):
+            self._fail(record, PluginError(f"entry point {ep.value!r} must name a module, not an attribute"),
+                       explicit)
+            return
+        try:
+            self._register(module, record)
+        except PluginError as exc:
+            self._fail(record, exc, explicit)
+
+    def _fail(self, record: PluginRecord, exc: BaseException, explicit: bool) -> None:
+        record.error = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
+        if explicit:
+            raise PluginError(f"plugin {record.name!r} (named in PLINTH_PLUGINS) failed to load: {record.error}") \
+                from exc
+        log = logger.error if record.in_tree else logger.warning
+        log("skipping plugin %r: %s", record.name, record.error)
+
+    def _register(self, module: ModuleType, record: PluginRecord) -> None:
+        """Validate and register one plugin module; on failure leave no trace in pluggy.
+
+        Raises:
+            PluginError: any validation failure, with a message naming the plugin.
+        """
+        name = record.name
+        record.api_version = _check_api_version(name, module)
+        self._check_unmarked(module, name)
+        try:
+            self._pm.register(module, name=name)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            raise PluginError(f"plugin {name!r} is invalid: {exc}") from exc
+        try:
+            provided = self._validate_hooks(module, name)
+        except PluginError:
+            self._pm.unregister(module)
+            raise
+        self._provided[name] = provided
+        record.provides = {kind: sorted(regs) for kind, regs in provided.items() if regs}
+        self._registry_cache.clear()
+
+    def _check_unmarked(self, module: ModuleType, name: str) -> None:
+        for hook_name in _hook_names():
+            func = getattr(module, hook_name, None)
+            if callable(func) and self._pm.parse_hookimpl_opts(module, hook_name) is None:
+                raise PluginError(
+                    f"plugin {name!r} defines {hook_name}() without the @hookimpl marker "
+                    f"(from plinth.hookspecs import hookimpl); it would never be called"
+                )
+
+    def _validate_hooks(self, module: ModuleType, name: str) -> dict[str, dict[str, str]]:
+        """Reject unknown hooks and wrappers; call the registration hooks once."""
+        provided: dict[str, dict[str, str]] = {}
+        for caller in self._pm.get_hookcallers(module) or []:
+            impls = [i for i in caller.get_hookimpls() if i.plugin is module]
+            if not caller.has_spec() and not all(i.optionalhook for i in impls):
+                raise PluginError(
+                    f"plugin {name!r} implements unknown hook {caller.name!r}; "
+                    f"known hooks: {', '.join(_hook_names())}"
+                )
+            if any(i.hookwrapper or i.wrapper for i in impls):
+                raise PluginError(f"plugin {name!r}: {caller.name} must not be a hook wrapper")
+            kind = caller.name.removeprefix("plinth_")
+            if kind in KINDS:
+                for impl in impls:
+                    provided.setdefault(kind, {}).update(_call_registration(impl, name, kind))
+        return provided
 
     def register_module(self, module: ModuleType, name: str) -> None:
-        """Register an already-imported plugin module (used by tests and embedders)."""
-        _check_api_version(name, module)
-        self._pm.register(module, name=name)
-        self.records[name] = PluginRecord(
-            name=name, distribution=None, version=None, in_tree=False, module=module.__name__,
-            api_version=module.PLINTH_PLUGIN_API,
-        )
-        self._registry_cache.clear()
-        for kind in KINDS:
-            for reg in self.registrations(kind).values():
-                if reg.plugin == name:
-                    self.records[name].provides.setdefault(kind, []).append(reg.name)
+        """Register an already-imported plugin module (used by tests and embedders).
+
+        Raises:
+            PluginError: the module fails validation (the same checks as entry points).
+        """
+        if name in self.records:
+            raise PluginError(f"a plugin named {name!r} is already registered")
+        record = PluginRecord(name=name, distribution=None, version=None, in_tree=False, module=module.__name__)
+        self._register(module, record)
+        self.records[name] = record
+
+    # -- queries --------------------------------------------------------------------
 
     def registrations(self, kind: str) -> dict[str, Registration]:
         """All registrations of one kind (``"platforms"``, ``"models"``, ...), by name.
@@ -216,40 +342,79 @@ class PluginManager:
         When two plugins register the same name, the one registered last wins and a
         warning is logged (third-party plugins load after the in-tree ones, so they can
         replace a built-in).
+
+        Raises:
+            KeyError: ``kind`` is not one of :data:`KINDS`.
         """
         if kind not in KINDS:
             raise KeyError(f"unknown plugin kind {kind!r}; known: {', '.join(KINDS)}")
         if kind in self._registry_cache:
             return self._registry_cache[kind]
-        caller = getattr(self._pm.hook, f"plinth_{kind}")
         out: dict[str, Registration] = {}
-        # Call implementations one by one so each result is attributed to its plugin.
-        for impl in caller.get_hookimpls():  # registration order: in-tree first, then third-party
-            result = impl.function()
-            if result is None:
-                continue
-            if not isinstance(result, Mapping):
-                raise PluginError(f"plugin {impl.plugin_name!r}: plinth_{kind}() must return a dict, got {type(result).__name__}")
-            for name, ref in result.items():
-                if name in out and out[name].plugin != impl.plugin_name:
-                    logger.warning("%s %r from plugin %r replaces the one from %r", kind, name, impl.plugin_name, out[name].plugin)
-                out[name] = Registration(kind=kind, name=name, ref=ref, plugin=impl.plugin_name)
+        for plugin, provided in self._provided.items():  # load order: in-tree first, then third-party
+            for name, ref in provided.get(kind, {}).items():
+                if name in out:
+                    logger.warning("%s %r from plugin %r replaces the one from %r", kind, name, plugin,
+                                   out[name].plugin)
+                out[name] = Registration(kind=kind, name=name, ref=ref, plugin=plugin)
         self._registry_cache[kind] = out
         return out
 
     def add_cli_arguments(self, parser: Any, command: str) -> None:
-        self._pm.hook.plinth_add_cli_arguments(parser=parser, command=command)
+        """Let every plugin add its flags to the parser of ``command``.
+
+        Raises:
+            PluginError: a plugin's hook raised (e.g. a clashing option name).
+        """
+        for impl in self._pm.hook.plinth_add_cli_arguments.get_hookimpls():
+            _call_impl(impl, parser=parser, command=command)
 
     def engine_config_overrides(self, config: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
-        impls = self._pm.hook.plinth_adjust_engine_config.get_hookimpls()
-        return [r for impl in impls if (r := impl.function(config=config, args=args))]
+        """Collect the non-empty override mappings of every plugin, in registration order.
+
+        Raises:
+            PluginError: a plugin's hook raised or returned something other than a mapping.
+        """
+        out = []
+        for impl in self._pm.hook.plinth_adjust_engine_config.get_hookimpls():
+            result = _call_impl(impl, config=config, args=args)
+            if result is None:
+                continue
+            if not isinstance(result, Mapping):
+                raise PluginError(f"plugin {impl.plugin_name!r}: plinth_adjust_engine_config() must return "
+                                  f"a mapping or None, got {type(result).__name__}")
+            if result:
+                out.append(dict(result))
+        return out
 
 
-def _is_in_tree(ep: Any) -> bool:
-    dist = getattr(ep, "dist", None)
-    if dist is not None:
-        return dist.metadata["Name"] == IN_TREE_DISTRIBUTION
-    return ep.value.startswith("plinth.")
+def _hook_names() -> list[str]:
+    return sorted(n for n in vars(hookspecs) if n.startswith("plinth_"))
+
+
+def _call_impl(impl: Any, **kwargs: Any) -> Any:
+    """Call one hook implementation with the keyword arguments it declares."""
+    try:
+        return impl.function(**{k: kwargs[k] for k in impl.argnames})
+    except Exception as exc:  # attribute the failure to the plugin that raised it
+        hook = getattr(impl.function, "__name__", "hook")
+        raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook}(): {type(exc).__name__}: {exc}") \
+            from exc
+
+
+def _call_registration(impl: Any, plugin: str, kind: str) -> dict[str, str]:
+    result = _call_impl(impl)
+    if result is None:
+        return {}
+    if not isinstance(result, Mapping):
+        raise PluginError(f"plugin {plugin!r}: plinth_{kind}() must return a dict, got {type(result).__name__}")
+    for name, ref in result.items():
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {plugin!r}: plinth_{kind}() returned an invalid name {name!r}")
+        if not isinstance(ref, str) or not _REF.match(ref):
+            raise PluginError(f"plugin {plugin!r}: plinth_{kind}() maps {name!r} to {ref!r}; "
+                              f"expected a 'package.module:Attribute' string")
+    return dict(result)
 
 
 _lock = threading.Lock()

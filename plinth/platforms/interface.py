@@ -58,10 +58,10 @@ class Platform(abc.ABC):
     def device_name(self, index: int = 0) -> str:
         return self.name
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 (a no-op by default: host platforms have no queue)
         """Wait for all queued work on the current device."""
 
-    def set_device(self, index: int) -> None:
+    def set_device(self, index: int) -> None:  # noqa: B027 (a no-op by default: one host device)
         """Make device ``index`` current for this process."""
 
     def default_dtype(self) -> torch.dtype:

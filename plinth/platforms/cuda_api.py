@@ -1,0 +1,39 @@
+"""What NVIDIA (CUDA) and AMD (ROCm) builds of torch share: the ``torch.cuda`` API.
+
+A ROCm build of torch exposes HIP devices as ``torch.device("cuda")`` and runs RCCL
+behind the ``"nccl"`` distributed backend, so both platforms drive the device through
+the same calls; they differ in how they are detected and in the dtypes they prefer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plinth.platforms.interface import Platform
+
+
+class CudaApiPlatform(Platform):
+    """Device handling through ``torch.cuda``; subclasses implement detection and dtypes."""
+
+    device_type = "cuda"
+    dist_backend = "nccl"
+    supports_graph_capture = True
+
+    def total_memory(self, index: int = 0) -> int:
+        return int(torch.cuda.get_device_properties(index).total_memory)
+
+    def free_memory(self, index: int = 0) -> int:
+        free, _total = torch.cuda.mem_get_info(index)
+        return int(free)
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def device_name(self, index: int = 0) -> str:
+        return torch.cuda.get_device_name(index)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
