@@ -1,0 +1,296 @@
+"""LLMEngine: schedule -> execute -> sample -> update -> outputs, one step at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from plinth.config import EngineConfig
+from plinth.core.block_manager import BlockManager
+from plinth.core.detokenizer import IncrementalDetokenizer
+from plinth.core.request import (
+    CompletionOutput,
+    FinishReason,
+    PositionLogprobs,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+from plinth.core.sampler import Sampler, SamplingBatch, prompt_logprobs_from_logits
+from plinth.core.scheduler import RequestRejectedError, Scheduler
+from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """Engine-side state of one sampled sequence (a scheduler Request plus its text)."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+
+
+@dataclasses.dataclass
+class _Group:
+    """One user request: ``n`` sequences sharing a prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.aborted or all(s.request.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The engine core, used in-process by ``plinth.LLM`` and by the server's engine loop.
+
+    Args:
+        config: the engine configuration.
+    """
+
+    def __init__(self, config: EngineConfig):
+        from plinth.worker.setup import build_engine_parts
+
+        t0 = time.perf_counter()
+        self.config = config
+        parts = build_engine_parts(config)
+        self.platform = parts.platform
+        self.model_source = parts.source
+        self.tokenizer = parts.tokenizer
+        self.chat_template = parts.chat_template
+        self.dtype = parts.dtype
+        self.max_model_len = parts.max_model_len
+        self.vocab_size = parts.vocab_size
+        self.eos_token_ids = parts.eos_token_ids
+        self.selection = parts.selection
+        self.runner: ModelRunner = parts.runner
+        self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler()
+        self.device = parts.device
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, _Group] = {}
+        self._seqs: dict[str, _Sequence] = {}
+        self._aborted: list[_Group] = []
+        self.served_model_name = config.model.served_model_name or parts.model_name
+        self.load_time_s = time.perf_counter() - t0
+        logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks", self.load_time_s,
+                    parts.model_name, self.platform.name, str(self.dtype).removeprefix("torch."),
+                    self.selection.winner if self.selection else "?", parts.num_blocks)
+
+    # ----------------------------------------------------------------------------------- requests
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights without one): pass token ids")
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> str:
+        """Format a conversation with the chat template (rendered by transformers' sandboxed jinja2)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        template = chat_template or self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the model has no chat template; pass one with --chat-template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=template)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request.
+
+        Raises:
+            RequestRejectedError: the prompt is empty or too long, or the id is in use.
+            QueueFullError: the waiting queue is full.
+        """
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenize(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if not ids:
+            raise RequestRejectedError("the prompt is empty")
+        seqs: list[_Sequence] = []
+        group = _Group(request_id, text, ids, params, seqs,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        try:
+            for i in range(params.n):
+                child_params = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+                seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+                req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
+                self.scheduler.add_request(req)
+                detok = IncrementalDetokenizer(self.tokenizer, ids, child_params) if self.tokenizer is not None else None
+                seq = _Sequence(req, detok, [] if params.logprobs is not None else None,
+                                0.0 if params.logprobs is not None else None)
+                seqs.append(seq)
+                self._seqs[seq_id] = seq
+                self._seq_to_group[seq_id] = group
+        except Exception:
+            self.scheduler.abort([s.request.request_id for s in seqs])
+            for s in seqs:
+                self._seqs.pop(s.request.request_id, None)
+                self._seq_to_group.pop(s.request.request_id, None)
+            raise
+        self._groups[request_id] = group
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests at once (their KV blocks are freed); the next step reports them finished."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self._groups.get(rid)
+            if group is None or group.aborted:
+                continue
+            self.scheduler.abort([s.request.request_id for s in group.seqs])
+            group.aborted = True
+            self._aborted.append(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ----------------------------------------------------------------------------------- stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that progressed or finished in it."""
+        touched: dict[str, _Group] = {g.request_id: g for g in self._aborted}
+        self._aborted.clear()
+        out = self.scheduler.schedule()
+        if out.scheduled:
+            entries = [SeqBatchEntry(s.token_ids, s.num_computed_tokens, s.request.block_ids, s.sample)
+                       for s in out.scheduled]
+            logits, sample_idx, hidden = self.runner.execute(entries)
+            self._prompt_logprobs(out.scheduled, hidden)
+            sampled: list[int | None] = [None] * len(entries)
+            if sample_idx:
+                reqs = [out.scheduled[i].request for i in sample_idx]
+                batch = SamplingBatch.from_requests(reqs, self.vocab_size, logits.device)
+                result = self.sampler.sample(logits, batch)
+                token_ids = result.token_ids.tolist()   # the step's one host-device sync
+                for j, i in enumerate(sample_idx):
+                    sampled[i] = token_ids[j]
+                self._record_logprobs(reqs, result, token_ids)
+            finished = self.scheduler.update_from_output(out, sampled)
+            now_finished = {r.request_id for r in finished}
+            for i, tok in enumerate(sampled):
+                if tok is None:
+                    continue
+                req = out.scheduled[i].request
+                seq = self._seqs[req.request_id]
+                if seq.detok is not None:
+                    _, stop_str = seq.detok.add_tokens([tok])
+                    if stop_str is not None and req.request_id not in now_finished:
+                        self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_str)
+                group = self._seq_to_group[req.request_id]
+                touched[group.request_id] = group
+        outputs = [self._make_output(g) for g in touched.values()]
+        for g in touched.values():
+            if g.finished:
+                self._forget(g)
+        return outputs
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seqs.pop(s.request.request_id, None)
+            self._seq_to_group.pop(s.request.request_id, None)
+
+    def _record_logprobs(self, reqs: list[Request], result: Any, token_ids: list[int]) -> None:
+        if result.logprobs is None:
+            return
+        for j, req in enumerate(reqs):
+            seq = self._seqs[req.request_id]
+            if seq.logprobs is None:
+                continue
+            pos = result.logprobs[j]
+            seq.logprobs.append(self._decorate(pos))
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + pos[token_ids[j]].logprob
+
+    def _decorate(self, pos: PositionLogprobs) -> PositionLogprobs:
+        if self.tokenizer is not None:
+            for tid, lp in pos.items():
+                lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
+        return pos
+
+    def _prompt_logprobs(self, scheduled: Sequence[Any], hidden: torch.Tensor) -> None:
+        row = 0
+        for s in scheduled:
+            n = s.num_new_tokens
+            group = self._seq_to_group.get(s.request.request_id)
+            if (group is not None and group.prompt_logprobs is not None and not s.is_decode
+                    and s.request is group.seqs[0].request):
+                start = s.num_computed_tokens
+                prompt = group.prompt_token_ids
+                # rows predicting prompt tokens start+1 .. min(start+n, len(prompt)-1)
+                stop = min(start + n, len(prompt) - 1)
+                if stop > start and len(group.prompt_logprobs) < len(prompt):
+                    logits = self.runner.prompt_logits(hidden, slice(row, row + (stop - start)))
+                    targets = prompt[start + 1: stop + 1]
+                    k = group.params.prompt_logprobs or 0
+                    for pos in prompt_logprobs_from_logits(logits, targets, k):
+                        group.prompt_logprobs.append(self._decorate(pos))
+            row += n
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(group.seqs):
+            req = seq.request
+            reason = req.finish_reason
+            if group.aborted and reason is None:
+                reason = FinishReason.ABORT
+            completions.append(CompletionOutput(
+                index=i,
+                text=seq.detok.text if seq.detok is not None else "",
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs,
+                finish_reason=reason,
+                stop_reason=req.stop_reason,
+            ))
+        first = group.seqs[0].request
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            prompt_logprobs=group.prompt_logprobs,
+            metrics=first.metrics,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    # ----------------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_preemptions": s.num_preemptions,
+            "kv_cache_usage": s.kv_cache_usage,
+            "prefix_cache_hit_rate": s.prefix_cache.hit_rate,
+            "prefix_cache": dataclasses.asdict(s.prefix_cache),
+        }

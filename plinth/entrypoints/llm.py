@@ -1,0 +1,113 @@
+"""``plinth.LLM``: offline batch inference from Python."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from plinth.config import EngineConfig
+from plinth.core.request import RequestOutput, SamplingParams
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    """Generate text for many prompts at once, with continuous batching.
+
+    Args:
+        model: a HF model directory, a ``.gguf`` file, or a preset with ``load_format="dummy"``;
+            ``None`` loads the default model (SmolLM2-135M-Instruct).
+        **kwargs: any engine option (``dtype``, ``max_model_len``, ``block_size``,
+            ``max_num_seqs``, ``attention_backend``, ...; see :class:`plinth.config.EngineConfig`).
+
+    Example::
+
+        llm = LLM()
+        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        from plinth.core.engine import LLMEngine
+        from plinth.plugins import get_plugin_manager
+
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        for overrides in get_plugin_manager().engine_config_overrides(config, dict(kwargs, model=model)):
+            config = config.with_overrides(overrides)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions; outputs come back in the order of ``prompts``.
+
+        ``prompts`` is a string, a list of token ids, or a list of either.
+        ``sampling_params`` is one for all prompts or one per prompt (default: ``SamplingParams()``).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, params)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, formatted with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            for conv in conversations  # type: ignore[arg-type]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,150 @@
+"""The model runner: owns the KV cache, turns a step's schedule into one flat batch, runs the model.
+
+One runner per device (per rank). It knows nothing about scheduling policy: it receives, for each
+scheduled sequence, which tokens to compute, where they start and which KV blocks the sequence owns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SeqBatchEntry:
+    """One sequence's share of a step."""
+
+    token_ids: Sequence[int]   # the tokens to compute this step
+    start_pos: int             # position of token_ids[0] (= tokens already in the KV cache)
+    block_ids: Sequence[int]   # every KV block of the sequence, in order
+    sample: bool               # whether the logits of its last token are wanted
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """The flat batch of one step, on the device."""
+
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor    # [S] int64: rows of the flat batch whose logits are sampled
+    sample_seqs: list[int]       # [S]: which entries those rows belong to
+
+
+class ModelRunner:
+    """Runs a model over the paged KV cache.
+
+    Args:
+        model: a plinth CausalLM (see plinth.model_registry.interface).
+        backend: the selected attention backend instance (also held by the model's layers).
+        device: where the model lives.
+        num_blocks: KV blocks per layer (block 0 is the scratch block for padding).
+        block_size: tokens per block.
+        max_model_len: the longest sequence, bounds the block-table width.
+        kv_dtype: the KV-cache dtype.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
+                 num_blocks: int, block_size: int, max_model_len: int, kv_dtype: torch.dtype):
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.kv_caches: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        for layer in model.attention_layers():
+            shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+            cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB in %.2f s", num_blocks, block_size,
+                    self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
+
+    @staticmethod
+    def kv_bytes_per_block(model: torch.nn.Module, backend: AttentionBackend, block_size: int,
+                           kv_dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=kv_dtype).element_size()
+        total = 0
+        for layer in model.attention_layers():
+            shape = backend.kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
+            total += int(np.prod(shape)) * elem
+        return total
+
+    def prepare(self, entries: Sequence[SeqBatchEntry]) -> StepInputs:
+        """Build the flat batch. One Python pass over sequences collects their lists; the rest is numpy."""
+        bs = self.block_size
+        num_seqs = len(entries)
+        q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=num_seqs)
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        input_ids = np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=num_tokens)
+        seq_lens = starts + q_lens
+        max_blocks = int(-(-seq_lens.max() // bs)) if num_seqs else 1
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, e in enumerate(entries):
+            n = min(len(e.block_ids), max_blocks)
+            block_tables[i, :n] = e.block_ids[:n]
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)                  # [T]
+        positions = np.arange(num_tokens, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_seqs = [i for i, e in enumerate(entries) if e.sample]
+        sample_rows = qsl[1:][sample_seqs] - 1 if sample_seqs else np.zeros(0, dtype=np.int64)
+
+        dev = self.device
+
+        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=dev, dtype=dtype, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_query_len=int(q_lens.max()) if num_seqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+            query_start_loc=to_dev(qsl, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+            context_lens=to_dev(starts, torch.int32),
+            slot_mapping=to_dev(slot_mapping, torch.int64),
+            block_tables=to_dev(block_tables, torch.int32),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=to_dev(input_ids, torch.int64),
+            positions=to_dev(positions, torch.int64),
+            metadata=metadata,
+            sample_rows=to_dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Run one step.
+
+        Returns:
+            (logits [S, vocab] float32 for the sampled sequences, their entry indices,
+             hidden states [T, hidden] of the whole flat batch).
+        """
+        inputs = self.prepare(entries)
+        self.backend.prepare(inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        return logits, inputs.sample_seqs, hidden
+
+    @torch.inference_mode()
+    def prompt_logits(self, hidden: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Logits of a range of flat-batch rows (for prompt logprobs)."""
+        return self.model.compute_logits(hidden[rows])

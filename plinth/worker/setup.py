@@ -1,0 +1,173 @@
+"""Engine start-up: platform, model source, dtype, tokenizer, attention backend, weights, KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plinth.attention_backends.interface import AttentionSpec
+from plinth.config import EngineConfig
+from plinth.errors import ModelLoadError
+from plinth.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineParts:
+    platform: Any
+    device: torch.device
+    source: Any
+    model_name: str
+    tokenizer: Any
+    chat_template: str | None
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    selection: Any
+    runner: ModelRunner
+    num_blocks: int
+
+
+def load_tokenizer(source: Any, config: EngineConfig) -> Any:
+    """The tokenizer of the model (``None`` for a dummy preset without one)."""
+    path = source.tokenizer_path
+    if path is None:
+        return None
+    if str(path).lower().endswith(".gguf"):
+        from plinth.model_registry.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template`` is template text or a path to a file holding one."""
+    if value is None:
+        return None
+    if "{" not in value and Path(value).is_file():
+        return Path(value).read_text(encoding="utf-8")
+    if "{" not in value:
+        raise ModelLoadError(f"--chat-template {value!r} is neither a jinja2 template nor an existing file")
+    return value
+
+
+def eos_ids(hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (getattr(hf_config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if isinstance(src, int):
+            ids.append(src)
+        elif isinstance(src, (list, tuple)):
+            ids.extend(int(t) for t in src)
+    return tuple(dict.fromkeys(ids))
+
+
+def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+    heads = hf_config.num_attention_heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    window = getattr(hf_config, "sliding_window", None)
+    if not getattr(hf_config, "use_sliding_window", True):
+        window = None
+    return AttentionSpec(num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+                         head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window)
+
+
+def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_per_block: int,
+                max_model_len: int) -> int:
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    # Never more than every running sequence at full length could use (plus the scratch block).
+    useful = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size) + 1
+    if platform.device_type == "cpu":
+        budget = cache.cpu_kv_cache_bytes
+    else:
+        device = runner_args["device"]
+        index = device.index or 0
+        total = platform.total_memory(index)
+        used = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else total - platform.free_memory(index)
+        budget = int(total * cache.gpu_memory_utilization) - used
+        logger.info("KV budget: %.2f GiB of %.2f GiB (%.0f%% utilization, %.2f GiB peak used by weights+activations)",
+                    budget / 2**30, total / 2**30, cache.gpu_memory_utilization * 100, used / 2**30)
+    blocks = min(useful, budget // bytes_per_block)
+    if blocks < 2:
+        raise ModelLoadError(f"not enough memory for the KV cache: {budget / 2**20:.0f} MiB available, "
+                             f"{bytes_per_block / 2**20:.2f} MiB per block; lower --max-model-len or raise the "
+                             f"memory budget")
+    return int(blocks)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from plinth.core.selection import select_attention_backend
+    from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.loader import load_model, resolve_dtype, resolve_model_source
+    from plinth.platforms.selection import select_platform
+
+    platform = select_platform(config.device.platform)
+    device = platform.device(0)
+    source = resolve_model_source(config.model)
+    hf = source.hf_config
+    dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
+    tokenizer = load_tokenizer(source, config)
+    limit = getattr(hf, "max_position_embeddings", None) or 2048
+    max_model_len = config.model.max_model_len or limit
+    if config.model.max_model_len and config.model.max_model_len > limit:
+        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
+    spec = attention_spec(hf, dtype, config.cache.block_size)
+    selection = select_attention_backend(spec, platform, config.device)
+    logger.info("%s", selection.summary())
+    backend = selection.winner_cls()
+    ctx = ModelContext(hf_config=hf, dtype=dtype, device=device, attention_backend=backend,
+                       block_size=config.cache.block_size)
+    torch.manual_seed(config.model.seed)
+    model = load_model(source, ctx, seed=config.model.seed)
+    model.eval()
+    bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, dtype)
+    if device.type != "cpu":
+        _profile_peak(model, device, config, backend)
+    num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len)
+    runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, dtype)
+    name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")
+    if config.model.model is None:
+        from plinth.model_registry.default_model import DEFAULT_MODEL_NAME
+
+        name = DEFAULT_MODEL_NAME
+    return EngineParts(
+        platform=platform, device=device, source=source, model_name=name, tokenizer=tokenizer,
+        chat_template=read_chat_template(config.model.chat_template), dtype=dtype, max_model_len=max_model_len,
+        vocab_size=hf.vocab_size, eos_token_ids=eos_ids(hf, tokenizer), selection=selection, runner=runner,
+        num_blocks=num_blocks,
+    )
+
+
+@torch.inference_mode()
+def _profile_peak(model: Any, device: torch.device, config: EngineConfig, backend: Any) -> None:
+    """Run a forward at the maximum batched tokens so the peak activation memory is known."""
+    if device.type != "cuda":
+        return
+    runner = ModelRunner(model, backend, device, 2, config.cache.block_size,
+                         config.cache.block_size, model.ctx.dtype)
+    from plinth.worker.model_runner import SeqBatchEntry
+
+    n = config.scheduler.max_num_batched_tokens
+    bs = config.cache.block_size
+    per_seq = bs  # one block per dummy sequence keeps the KV cache at 2 blocks
+    entries = [SeqBatchEntry([0] * min(per_seq, n - i), 0, [1], True) for i in range(0, n, per_seq)]
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.execute(entries)
+    torch.cuda.synchronize(device)
+    for layer in model.attention_layers():
+        layer.kv_cache = None
+    del runner
