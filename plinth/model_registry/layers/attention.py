@@ -1,0 +1,50 @@
+"""The attention layer: holds its shapes and its KV cache, delegates the math to the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer.
+
+    The model runner assigns ``kv_cache`` (a tensor of shape
+    ``backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)``) before the
+    first forward pass.
+
+    Args:
+        num_heads: query heads on this rank.
+        head_size: features per head.
+        scale: the softmax scale (usually ``head_size ** -0.5``).
+        num_kv_heads: key/value heads on this rank.
+        backend: the attention backend instance shared by every layer.
+        sliding_window: attend only to the last ``sliding_window`` positions, or ``None``.
+        layer_idx: the layer's index (for messages and backends that need it).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache; the model runner assigns it")
+        return self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
+                                    sliding_window=self.sliding_window)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"sliding_window={self.sliding_window}")

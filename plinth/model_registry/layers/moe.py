@@ -1,0 +1,132 @@
+"""Mixture-of-experts: softmax top-k routing and stacked expert weights, in plain torch.
+
+Expert weights are stacked per layer: ``w13_weight`` ``[E, 2 * I, H]`` (gate rows, then up rows)
+and ``w2_weight`` ``[E, H, I]``. Under tensor parallelism each rank holds ``I / tp_size`` of the
+intermediate features of every expert and the outputs are summed with an all-reduce.
+Checkpoint tensors arrive per expert with shard ids ``(expert, "gate" | "up" | "down")``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plinth.errors import ModelLoadError
+from plinth.model_registry.layers.linear import ReplicatedLinear, divide
+
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
+
+
+def map_expert_weight(name: str, proj_names: dict[str, str]) -> tuple[str, Any] | None:
+    """Map ``...experts.{e}.{proj}.weight`` to ``(...experts.w13_weight|w2_weight, (e, role))``.
+
+    ``proj_names`` maps checkpoint projection names to roles, e.g. ``{"w1": "gate", "w3": "up",
+    "w2": "down"}``. Returns ``None`` when ``name`` is not an expert weight.
+    """
+    m = _EXPERT_RE.match(name)
+    if m is None or m["proj"] not in proj_names:
+        return None
+    role = proj_names[m["proj"]]
+    param = "w2_weight" if role == "down" else "w13_weight"
+    return f"{m['prefix']}.{param}", (int(m["expert"]), role)
+
+
+def expert_checkpoint_name(param_name: str, shard_id: Any, proj_names: dict[str, str]) -> str:
+    """The inverse of :func:`map_expert_weight`, for error messages."""
+    expert, role = shard_id
+    proj = next(p for p, r in proj_names.items() if r == role)
+    prefix = param_name.rsplit(".", 1)[0]
+    return f"{prefix}.{expert}.{proj}.weight"
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer.
+
+    Args:
+        num_experts: experts in the layer.
+        top_k: experts per token.
+        hidden_size: model width.
+        intermediate_size: each expert's full intermediate width.
+        renormalize: rescale the top-k probabilities to sum to one.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.intermediate_per_rank = divide(intermediate_size, tp_size, "MoE intermediate size")
+        i = self.intermediate_per_rank
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        for p, roles in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            p.expected_shards = tuple((e, r) for e in range(num_experts) for r in roles)  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        expert, role = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ModelLoadError(f"expert index {expert} out of range (the layer has {self.num_experts} experts)")
+        i, hidden = self.intermediate_per_rank, self.w2_weight.shape[1]
+        if role == "down":
+            want = (hidden, i * self.tp_size)
+            if tuple(loaded.shape) != want:
+                raise ModelLoadError(f"shape mismatch: expected {want}, checkpoint has {tuple(loaded.shape)}")
+            param.data[expert].copy_(loaded.narrow(1, self.tp_rank * i, i))
+            return
+        want = (i * self.tp_size, hidden)
+        if tuple(loaded.shape) != want:
+            raise ModelLoadError(f"shape mismatch: expected {want}, checkpoint has {tuple(loaded.shape)}")
+        offset = 0 if role == "gate" else i
+        param.data[expert, offset:offset + i].copy_(loaded.narrow(0, self.tp_rank * i, i))
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert weights ``[T, K]`` (float32) and ids ``[T, K]`` from router logits ``[T, E]``."""
+        probs = torch.softmax(router_logits.to(torch.float32), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H]``, ``router_logits`` ``[T, E]`` -> ``[T, H]``."""
+        weights, ids = self.route(router_logits)
+        flat_ids = ids.reshape(-1)                                # [T * K]
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // self.top_k                            # [T * K] source token of each slot
+        slot_weights = weights.reshape(-1)[order]                 # [T * K]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start:start + n]
+            gate, up = F.linear(x[rows], self.w13_weight[expert]).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(F.silu(gate) * up, self.w2_weight[expert])                 # [n, H]
+            out.index_add_(0, rows, y.to(torch.float32) * slot_weights[start:start + n, None])
+            start += n
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out)
+        return out.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """A router (``gate``) and its experts (``experts``), the layout of Mixtral and Qwen3-MoE."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
+                                tp_rank=tp_rank, tp_size=tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.experts(x, self.gate(x))

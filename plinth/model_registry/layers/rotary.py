@@ -1,0 +1,143 @@
+"""Rotary position embeddings (rotate-half layout) with default, linear, llama3 and YaRN frequencies.
+
+The inverse frequencies are a non-persistent float32 buffer; cos/sin are computed from the
+positions of each step (no table sized by the maximum context).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from plinth.errors import UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE parameters of a config, as one flat dict with ``rope_type`` and ``rope_theta``.
+
+    Reads ``rope_parameters`` (transformers >= 5) or the older ``rope_theta`` + ``rope_scaling``.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        out = dict(params)
+    else:
+        out = dict(getattr(hf_config, "rope_scaling", None) or {})
+        out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    return out
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))  # [dim/2]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor = p["factor"]
+    low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_ctx = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    in_between = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(in_between, smoothed, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_positions / orig
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[rotary_dim / 2]`` (float32) and the cos/sin scaling factor.
+
+    Raises:
+        UnsupportedModelError: an unsupported ``rope_type``.
+    """
+    rope_type, base = params["rope_type"], float(params["rope_theta"])
+    if rope_type == "default":
+        return _base_inv_freq(base, rotary_dim), 1.0
+    if rope_type == "linear":
+        return _base_inv_freq(base, rotary_dim) / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(_base_inv_freq(base, rotary_dim), params), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base, rotary_dim, params, max_positions)
+    raise UnsupportedModelError(
+        f"RoPE scaling type {rope_type!r} is not supported by plinth's native models; "
+        f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding over the first ``rotary_dim`` features of each head.
+
+    Args:
+        head_size: features per head.
+        params: from :func:`rope_parameters`.
+        max_positions: the config's ``max_position_embeddings`` (used by YaRN's default factor).
+        rotary_dim: rotated features (default: all of them).
+    """
+
+    def __init__(self, head_size: int, params: dict[str, Any], max_positions: int, rotary_dim: int | None = None):
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim or head_size
+        self.params = dict(params)
+        self.max_positions = max_positions
+        inv_freq, self.attention_scaling = compute_inv_freq(self.params, self.rotary_dim, max_positions)
+        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Recompute the frequencies (after the model was materialised from the meta device)."""
+        inv_freq, _ = compute_inv_freq(self.params, self.rotary_dim, self.max_positions)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[T, rotary_dim]`` for ``positions`` ``[T]``, in ``dtype``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)                               # [T, rotary_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` with ``cos``/``sin`` ``[T, R]`` (R <= D; the rest passes through)."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    half = rot_dim // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out

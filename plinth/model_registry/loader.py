@@ -1,0 +1,240 @@
+"""Resolve what to load from a :class:`~plinth.config.ModelConfig`, then build and load the model.
+
+Sources (``ModelSource.kind``):
+
+``hf_dir``
+    A Hugging Face style directory: ``config.json``, tokenizer files and one or more
+    ``*.safetensors`` shards (with ``model.safetensors.index.json`` when sharded).
+``gguf``
+    A ``.gguf`` file (read by :mod:`plinth.model_registry.gguf_loader`).
+``dummy``
+    Random weights for a configuration: a shipped preset name (see :func:`list_presets`),
+    a model directory's ``config.json`` or a ``.gguf`` file's metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plinth.config import ConfigError, ModelConfig
+from plinth.errors import ModelLoadError
+from plinth.model_registry.interface import CausalLM, ModelContext
+from plinth.model_registry.registry import ModelRegistry
+from plinth.model_registry.weights import (
+    SafetensorsWeights,
+    build_on_meta,
+    init_dummy_weights,
+    list_safetensors_files,
+)
+
+PRESET_DIR = Path(__file__).parent / "presets"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """What to load, resolved without reading any weight.
+
+    Attributes:
+        kind: ``"hf_dir"``, ``"gguf"`` or ``"dummy"``.
+        path: the model directory or ``.gguf`` file (``None`` for a dummy preset).
+        hf_config: the model's transformers configuration.
+        architecture: the registry key, e.g. ``"LlamaForCausalLM"``.
+        tokenizer_path: a directory or ``.gguf`` file for ``AutoTokenizer``, or ``None``.
+    """
+
+    kind: str
+    path: str | None
+    hf_config: Any
+    architecture: str
+    tokenizer_path: str | None
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped dummy presets (``model=NAME`` with ``load_format="dummy"``)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> Any:
+    """The transformers config of preset ``name``.
+
+    Raises:
+        ModelLoadError: no such preset (the message lists them).
+    """
+    path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ModelLoadError(f"unknown dummy preset {name!r}; presets: {', '.join(list_presets())}")
+    return config_from_dict(json.loads(path.read_text()), str(path))
+
+
+def config_from_dict(data: dict[str, Any], origin: str) -> Any:
+    """A transformers config from ``config.json`` contents; unknown model types get a generic config."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    model_type = data.get("model_type")
+    try:
+        if model_type in CONFIG_MAPPING:
+            return CONFIG_MAPPING[model_type].from_dict(data)
+        return PretrainedConfig.from_dict(data)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"invalid model configuration in {origin}: {type(exc).__name__}: {exc}") from exc
+
+
+def load_hf_config(model_dir: Path, trust_remote_code: bool = False) -> Any:
+    """Read ``model_dir/config.json``.
+
+    Raises:
+        ModelLoadError: the file is missing, is not JSON, or holds an invalid configuration.
+    """
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json; a model directory needs config.json and "
+                             f"*.safetensors weights")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    if trust_remote_code and "auto_map" in data:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True)
+    return config_from_dict(data, str(path))
+
+
+def architecture_of(hf_config: Any, origin: str) -> str:
+    """The registry key of a config: ``architectures[0]``, else the causal LM of its ``model_type``."""
+    archs = getattr(hf_config, "architectures", None)
+    if archs:
+        return archs[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+    if arch is None:
+        raise ModelLoadError(f"{origin} names no architecture (set \"architectures\": [\"...ForCausalLM\"])")
+    return arch
+
+
+def resolve_model_source(model_config: ModelConfig) -> ModelSource:
+    """Work out what ``model_config`` asks to load, reading configs but no weights.
+
+    Raises:
+        ModelLoadError: a missing path, a directory without ``config.json`` or weights, an
+            unknown preset, or a file that is not a ``.gguf``.
+    """
+    fmt = model_config.load_format
+    model = model_config.model
+    if model is None:
+        from plinth.model_registry.default_model import default_model_path
+
+        model = str(default_model_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        if fmt == "dummy":
+            cfg = load_preset(model)
+            return ModelSource("dummy", None, cfg, architecture_of(cfg, f"preset {model}"), model_config.tokenizer)
+        hint = " (a dummy preset: pass load_format='dummy')" if model in list_presets() else ""
+        raise ModelLoadError(f"model path {model!r} does not exist{hint}")
+    if path.is_file():
+        if fmt == "safetensors":
+            raise ModelLoadError(f"load_format 'safetensors' needs a model directory, got the file {path}")
+        if path.suffix.lower() != ".gguf" and fmt != "gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model "
+                                 f"directory (config.json + *.safetensors)")
+        from plinth.model_registry.gguf_loader import read_gguf_config
+
+        cfg, arch = read_gguf_config(str(path))
+        kind = "dummy" if fmt == "dummy" else "gguf"
+        return ModelSource(kind, str(path), cfg, arch, model_config.tokenizer or str(path))
+    if fmt == "gguf":
+        raise ModelLoadError(f"load_format 'gguf' needs a .gguf file, got the directory {path}")
+    cfg = load_hf_config(path, model_config.trust_remote_code)
+    arch = architecture_of(cfg, str(path / "config.json"))
+    if fmt != "dummy":
+        list_safetensors_files(path)  # fail now rather than after building the model
+    tokenizer = model_config.tokenizer
+    if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer = str(path)
+    return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer)
+
+
+def resolve_dtype(model_config: ModelConfig, hf_config: Any, platform_dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The compute dtype: the one asked for, else the checkpoint's when the platform runs it well,
+    else the platform's preferred one.
+
+    Raises:
+        ConfigError: an explicit dtype the platform does not support.
+    """
+    if model_config.dtype != "auto":
+        dtype = _DTYPES[model_config.dtype]
+        if platform_dtypes and dtype not in platform_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in platform_dtypes)
+            raise ConfigError(f"dtype {model_config.dtype} is not supported on this platform; supported: {names}")
+        return dtype
+    ckpt = getattr(hf_config, "dtype", None)
+    if ckpt is None and "torch_dtype" in getattr(hf_config, "__dict__", {}):
+        ckpt = hf_config.torch_dtype
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt.removeprefix("torch."))
+    if ckpt in platform_dtypes or not platform_dtypes:
+        return ckpt or torch.float32
+    return platform_dtypes[0]
+
+
+def build_model(architecture: str, ctx: ModelContext) -> CausalLM:
+    """Build an architecture's model with uninitialised weights on ``ctx.device``."""
+    cls = ModelRegistry.resolve(architecture)
+    create = getattr(cls, "create", None)
+    if callable(create):
+        return create(ctx)
+    return build_on_meta(cls, ctx, dtype=ctx.dtype, device=ctx.device)
+
+
+@torch.no_grad()
+def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> CausalLM:
+    """Build the model of ``source`` on ``ctx.device`` and fill its weights.
+
+    Args:
+        source: from :func:`resolve_model_source`.
+        ctx: the model context (its ``hf_config`` is normally ``source.hf_config``).
+        seed: the seed of random (dummy) weights.
+
+    Raises:
+        ModelLoadError: a weight problem; the message names the file and the tensor.
+        UnsupportedModelError: the architecture has no implementation.
+    """
+    model = build_model(source.architecture, ctx)
+    if source.kind == "dummy":
+        init_dummy_weights(model, seed)
+    elif source.kind == "hf_dir":
+        assert source.path is not None
+        weights = SafetensorsWeights(list_safetensors_files(Path(source.path)))
+        try:
+            model.load_weights(weights)
+        except ModelLoadError as exc:
+            where = weights.current_file or source.path
+            raise ModelLoadError(f"{where}: {exc}") from exc
+    elif source.kind == "gguf":
+        from plinth.model_registry.gguf_loader import iter_gguf_weights
+
+        assert source.path is not None
+        try:
+            model.load_weights(iter_gguf_weights(source.path, ctx.dtype))
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{source.path}: {exc}") from exc
+    else:
+        raise ModelLoadError(f"unknown model source kind {source.kind!r}")
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    model.eval()
+    return model

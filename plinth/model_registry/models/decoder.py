@@ -1,0 +1,197 @@
+"""The decoder-only transformer shared by the Llama family (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE).
+
+One implementation with options: architectures subclass :class:`DecoderForCausalLM` and
+override :meth:`~DecoderForCausalLM.attention_options` (biases, per-head q/k norm) and
+:meth:`~DecoderForCausalLM.make_mlp` (dense or mixture-of-experts). Parameter names follow
+the Hugging Face checkpoints, except the fused ``qkv_proj`` and ``gate_up_proj``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from plinth.attention_backends.interface import AttentionMetadata
+from plinth.model_registry.interface import CausalLM, ModelContext
+from plinth.model_registry.layers.activation import SiluAndMul
+from plinth.model_registry.layers.attention import Attention
+from plinth.model_registry.layers.embedding import LMHead, VocabEmbedding
+from plinth.model_registry.layers.layernorm import RMSNorm
+from plinth.model_registry.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from plinth.model_registry.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """How one architecture's attention block differs from Llama's."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False       # RMSNorm over each head's features of q and k (Qwen3)
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` (``None`` for full attention)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class DecoderAttention(nn.Module):
+    """Fused QKV projection, optional q/k norm, rotary embedding, paged attention, output projection."""
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions):
+        super().__init__()
+        cfg = ctx.hf_config
+        tp = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size, "quant_method": ctx.quant_method}
+        num_heads = cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, num_heads, num_kv_heads,
+                                          bias=options.qkv_bias, **tp)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg.hidden_size, bias=options.o_bias, **tp)
+        self.num_heads = self.qkv_proj.num_heads          # on this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads    # on this rank
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, metadata)                 # [T, Hq, D]
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class DenseMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, ctx: ModelContext, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        hidden = ctx.hf_config.hidden_size
+        tp = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size, "quant_method": ctx.quant_method}
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate_size] * 2, bias=bias, **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden, bias=bias, **tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks around one running residual stream."""
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module):
+        super().__init__()
+        eps = ctx.hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(ctx.hf_config.hidden_size, eps=eps)
+        self.self_attn = DecoderAttention(ctx, layer_idx, options)
+        self.post_attention_layernorm = RMSNorm(ctx.hf_config.hidden_size, eps=eps)
+        self.mlp = mlp
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the final norm (the checkpoint's ``model.`` prefix)."""
+
+    def __init__(self, ctx: ModelContext, owner: DecoderForCausalLM):
+        super().__init__()
+        cfg = ctx.hf_config
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        options = owner.attention_options(cfg)
+        self.layers = nn.ModuleList(
+            DecoderLayer(ctx, i, options, owner.make_mlp(ctx, i)) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), rope_parameters(cfg),
+                                          getattr(cfg, "max_position_embeddings", 2048))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)                      # [T, H]
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, D] each
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(CausalLM):
+    """A Llama-style causal LM; subclasses choose the attention options and the MLP."""
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__(ctx)
+        cfg = ctx.hf_config
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = DecoderModel(ctx, self)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+                              tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+
+    def attention_options(self, cfg: Any) -> AttentionOptions:
+        """Biases and norms of the attention block (default: Llama's ``attention_bias``)."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (default: a dense SiLU-gated MLP)."""
+        cfg = ctx.hf_config
+        return DenseMLP(ctx, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)))
+
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None  # some tied checkpoints store the shared matrix twice
+        return super().map_weight_name(name)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
