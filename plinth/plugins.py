@@ -26,6 +26,7 @@ are resolved only when used, so discovery never imports a device runtime.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import logging
 import os
@@ -310,8 +311,10 @@ class PluginManager:
         for caller in self._pm.get_hookcallers(module) or []:
             impls = [i for i in caller.get_hookimpls() if i.plugin is module]
             if not caller.has_spec() and not all(i.optionalhook for i in impls):
+                close = difflib.get_close_matches(caller.name, _hook_names(), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
                 raise PluginError(
-                    f"plugin {name!r} implements unknown hook {caller.name!r}; "
+                    f"plugin {name!r} implements unknown hook {caller.name!r}; {hint}"
                     f"known hooks: {', '.join(_hook_names())}"
                 )
             if any(i.hookwrapper or i.wrapper for i in impls):
