@@ -1,0 +1,172 @@
+"""The Triton paged-attention backend: one prefill/extend kernel, one split-KV decode kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata, AttentionSpec, Support
+from plinth.attention_backends.triton import tiles
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_GPU_DEVICE_TYPES = ("cuda", "xpu")
+#: programs-per-SM figure used by the interpreter (there is no real device to fill)
+_INTERPRETER_SMS = 4
+
+
+def interpret_requested() -> bool:
+    """Whether the kernels should run in Triton's interpreter (CPU tensors, tests)."""
+    return os.environ.get("PLINTH_TRITON_INTERPRET") == "1" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+    write_kv_cache: ModuleType
+    prefill: ModuleType
+    decode: ModuleType
+
+
+@functools.lru_cache(maxsize=1)
+def _load_kernels() -> _Kernels:
+    """Import the kernel modules; switches Triton to its interpreter first when asked to.
+
+    Triton decides between compiling and interpreting when a kernel is decorated, so
+    ``TRITON_INTERPRET`` must be set before these modules are imported.
+    """
+    if os.environ.get("PLINTH_TRITON_INTERPRET") == "1":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pkg = "plinth.attention_backends.triton"
+    return _Kernels(
+        write_kv_cache=importlib.import_module(f"{pkg}.cache_write"),
+        prefill=importlib.import_module(f"{pkg}.prefill"),
+        decode=importlib.import_module(f"{pkg}.decode"),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+    if device_type == "xpu":
+        props = torch.xpu.get_device_properties(index if index is not None else 0)
+        return int(getattr(props, "gpu_subslice_count", 0) or getattr(props, "max_compute_units", 64))
+    return _INTERPRETER_SMS
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonStepPlan:
+    """What :meth:`TritonAttentionBackend.prepare` works out once per step for every layer."""
+
+    decode_only: bool
+    max_blocks_per_seq: int     # the block-table width: the cache-capacity bound of the batch
+    num_sms: int                # streaming multiprocessors (or equivalent) of the device
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton kernels for CUDA (NVIDIA, ROCm) and XPU devices.
+
+    Args:
+        decode_splits: force the number of KV splits of the decode kernel (default: chosen
+            from the batch size, the head count and the device's multiprocessor count).
+    """
+
+    name: ClassVar[str] = "triton"
+    priority: ClassVar[int] = 20
+
+    def __init__(self, decode_splits: int | None = None) -> None:
+        if decode_splits is not None and decode_splits < 1:
+            raise ValueError(f"decode_splits must be >= 1, got {decode_splits}")
+        self.decode_splits = decode_splits
+        self.interpret = interpret_requested()
+
+    @classmethod
+    def supports(cls, spec: AttentionSpec, device_type: str) -> Support:
+        if importlib.util.find_spec("triton") is None:
+            return Support.no("triton not installed")
+        interpret = interpret_requested()
+        if device_type == "cpu":
+            if not interpret:
+                return Support.no(
+                    "triton kernels need a GPU; set PLINTH_TRITON_INTERPRET=1 to run them in the interpreter"
+                )
+            if spec.dtype == torch.bfloat16:
+                return Support.no("bfloat16 is not computed correctly by Triton's interpreter")
+        elif device_type not in _GPU_DEVICE_TYPES:
+            return Support.no(f"triton kernels run on cuda and xpu devices, not {device_type!r}")
+        if spec.dtype not in _DTYPES:
+            return Support.no(f"dtype {spec.dtype} unsupported (float16, bfloat16, float32)")
+        if not (16 <= spec.head_size <= 256 and spec.head_size % 16 == 0):
+            return Support.no(f"head size {spec.head_size} unsupported (multiples of 16 from 16 to 256)")
+        if spec.num_kv_heads < 1 or spec.num_heads % spec.num_kv_heads != 0:
+            return Support.no(f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads")
+        if spec.block_size < 1:
+            return Support.no(f"block size {spec.block_size} unsupported")
+        return Support.yes()
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Record the decode/prefill choice, the capacity bound and the device size for this step."""
+        metadata.backend_data = self._plan(metadata)
+
+    def _plan(self, metadata: AttentionMetadata) -> TritonStepPlan:
+        device = metadata.block_tables.device
+        num_sms = _INTERPRETER_SMS if self.interpret else _num_sms(device.type, device.index)
+        return TritonStepPlan(
+            decode_only=metadata.is_decode_only,
+            max_blocks_per_seq=metadata.block_tables.shape[1],
+            num_sms=num_sms,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,     # [T, num_heads, head_size]
+        key: torch.Tensor,       # [T, num_kv_heads, head_size]
+        value: torch.Tensor,     # [T, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:           # [T, num_heads, head_size]
+        """Write the new keys/values into ``kv_cache``, then attend (see the ABC)."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+        if kv_cache.stride(-1) != 1:
+            raise ValueError("the KV cache's last (head_size) dimension must be contiguous")
+        query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+        kernels = _load_kernels()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_size]
+        kernels.write_kv_cache.write_kv_cache_triton(key, value, k_cache, v_cache, metadata.slot_mapping)
+
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, num_heads, head_size]
+        if metadata.num_seqs == 0:
+            return out
+        plan = metadata.backend_data
+        if not isinstance(plan, TritonStepPlan):
+            plan = self._plan(metadata)
+        _, num_heads, head_size = query.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        if plan.decode_only:
+            decode_tiles = tiles.decode_tiles(head_size, group, query.dtype, self.interpret)
+            num_splits = self.decode_splits or tiles.decode_splits(
+                metadata.num_seqs, num_kv_heads, plan.max_blocks_per_seq * k_cache.shape[1],
+                decode_tiles.block_n, plan.num_sms,
+            )
+            kernels.decode.decode_attention(
+                query, k_cache, v_cache, out, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, metadata.num_seqs, scale, sliding_window, decode_tiles, num_splits,
+            )
+        else:
+            prefill_tiles = tiles.prefill_tiles(head_size, group, query.dtype, self.interpret)
+            kernels.prefill.prefill_attention(
+                query, k_cache, v_cache, out, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, metadata.num_seqs, scale, sliding_window, prefill_tiles,
+            )
+        return out

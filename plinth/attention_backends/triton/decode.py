@@ -1,0 +1,213 @@
+"""Split-KV decode (flash-decoding) for decode-only batches.
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``. Each program takes the one query token of a
+sequence for all ``GROUP`` query heads of one KV head (so each K/V tile is loaded once for
+the group) and reduces one contiguous range of the sequence's KV tiles to a partial
+``(max, sum, acc)``. A second kernel merges the splits. With one split the first kernel
+writes the output directly and the merge is skipped.
+
+The split count comes from the batch size and the cache-capacity bound only (see
+:func:`plinth.attention_backends.triton.tiles.decode_splits`); each program derives its KV
+range from the real sequence length on the device, so the launch is graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2
+
+_FINITE_MIN = -1.0e30
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,              # [T, num_heads, head_size]
+    k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache_ptr,
+    out_ptr,            # [T, num_heads, head_size] (written when NUM_SPLITS == 1)
+    part_acc_ptr,       # [B, num_heads, NUM_SPLITS, HEAD_SIZE] fp32
+    part_ml_ptr,        # [B, num_heads, NUM_SPLITS, 2] fp32: running max (log2 units), sum
+    block_tables_ptr,   # [B, max_blocks_per_seq] int32
+    seq_lens_ptr,       # [B] int32
+    query_start_loc_ptr,  # [B + 1] int32
+    num_tokens,
+    qk_scale,           # softmax scale * log2(e)
+    window,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + offs_g                                          # [G] query heads
+    g_ok = offs_g < tl.where(row < num_tokens, GROUP, 0)                   # no rows past the batch
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_SIZE
+    q = tl.load(
+        q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+    )                                                                        # [G, D]
+
+    if SLIDING:
+        kv_start = tl.maximum(seq_len - window, 0)    # the query sits at position seq_len - 1
+    else:
+        kv_start = seq_len * 0
+    first_tile = kv_start // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
+
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], _FINITE_MIN, dtype=tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                      # [N] key positions
+        n_ok = (offs_n < seq_len) & (offs_n >= kv_start)
+        page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        in_page = (offs_n % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(
+            k_base + page[None, :] * stride_kb + in_page[None, :] * stride_kt + offs_d[:, None],
+            mask=d_ok[:, None] & n_ok[None, :], other=0.0,
+        )                                                                    # [D, N]
+        v = tl.load(
+            v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vt + offs_d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )                                                                    # [N, D]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale          # [G, N]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(
+            out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split   # [G]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], acc,
+                 mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=g_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,            # [T, num_heads, head_size]
+    part_acc_ptr,       # [B, num_heads, NUM_SPLITS, HEAD_SIZE] fp32
+    part_ml_ptr,        # [B, num_heads, NUM_SPLITS, 2] fp32
+    query_start_loc_ptr,
+    num_tokens,
+    stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_SIZE
+    store_ok = offs_d < tl.where(row < num_tokens, HEAD_SIZE, 0)
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s       # [S]
+    m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=_FINITE_MIN)
+    lsum = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)             # [S, D]
+    m_all = tl.max(m, axis=0)
+    w = tl.exp2(m - m_all)                                                   # [S]
+    total = tl.sum(w * lsum, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(acc * w[:, None], axis=0) / total                           # [D]
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=store_ok)
+
+
+def decode_attention(
+    query: torch.Tensor,        # [T, num_heads, head_size]
+    k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: torch.Tensor,
+    out: torch.Tensor,          # [T, num_heads, head_size]
+    block_tables: torch.Tensor,     # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,         # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    num_seqs: int,
+    scale: float,
+    sliding_window: int | None,
+    tiles: DecodeTiles,
+    num_splits: int,
+) -> None:
+    """Launch split-KV decode (and the merge when ``num_splits > 1``) for one query per sequence."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_splits > 1:
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_size), dtype=torch.float32,
+                               device=query.device)
+        part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused by the kernel
+    block_d = next_power_of_2(head_size)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
+        num_tokens, scale * 1.4426950408889634, sliding_window or 0,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_SIZE=head_size,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1],
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_G=tiles.block_g,
+        BLOCK_N=tiles.block_n,
+        NUM_SPLITS=num_splits,
+        SLIDING=sliding_window is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_ml, query_start_loc, num_tokens,
+            out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=next_power_of_2(num_splits),
+            num_warps=4,
+        )

@@ -1,0 +1,81 @@
+"""Tile sizes and split counts for the Triton kernels: pure host arithmetic, no Triton import."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+#: the most KV splits one decode row is divided into
+MAX_DECODE_SPLITS = 32
+#: programs per streaming multiprocessor the decode grid aims for
+DECODE_PROGRAMS_PER_SM = 4
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTiles:
+    block_m: int      # rows of one program: block_q query tokens x group query heads (padded)
+    block_q: int      # query tokens of one program
+    block_n: int      # keys per inner-loop tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    block_g: int      # query heads of one KV head, padded to a dot-friendly size
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=64)
+def prefill_tiles(head_size: int, group: int, dtype: torch.dtype, interpret: bool) -> PrefillTiles:
+    """Pick the prefill tile for a head size, a GQA group size and a dtype."""
+    block_d = next_power_of_2(head_size)
+    if interpret:
+        block_m, block_n, warps, stages = 32, 16, 4, 1
+    elif dtype == torch.float32:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    elif block_d >= 256:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    elif block_d >= 128:
+        block_m, block_n, warps, stages = 128, 64, 8, 2
+    else:
+        block_m, block_n, warps, stages = 128, 64, 4, 3
+    block_m = max(block_m, next_power_of_2(group))
+    return PrefillTiles(block_m, block_m // group, block_n, warps, stages)
+
+
+@functools.lru_cache(maxsize=64)
+def decode_tiles(head_size: int, group: int, dtype: torch.dtype, interpret: bool) -> DecodeTiles:
+    """Pick the split-KV decode tile for a head size, a GQA group size and a dtype."""
+    block_d = next_power_of_2(head_size)
+    block_g = max(16, next_power_of_2(group))
+    if interpret:
+        return DecodeTiles(block_g, 16, 4, 1)
+    if dtype == torch.float32 or block_d >= 256:
+        return DecodeTiles(block_g, 32, 4, 2)
+    return DecodeTiles(block_g, 64, 4, 2)
+
+
+@functools.lru_cache(maxsize=256)
+def decode_splits(num_seqs: int, num_kv_heads: int, max_kv_tokens: int, block_n: int, num_sms: int) -> int:
+    """How many KV ranges each (sequence, KV head) of a decode step is split into.
+
+    Depends only on the batch size, the head count and the cache-capacity bound
+    (``max_blocks_per_seq * block_size``), never on the sequence lengths, so one captured
+    decode graph stays valid for every step of its batch size.
+    """
+    max_tiles = max(1, cdiv(max_kv_tokens, block_n))
+    wanted = cdiv(DECODE_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, max_tiles, MAX_DECODE_SPLITS))

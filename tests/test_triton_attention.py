@@ -1,0 +1,343 @@
+"""The Triton paged-attention backend against a float64 reference, in Triton's CPU interpreter.
+
+The interpreter is chosen when the kernels are decorated, so the kernel modules are imported
+with ``TRITON_INTERPRET=1`` set; every test sets it again (with ``PLINTH_TRITON_INTERPRET``)
+for its own duration only, so other test modules see an unchanged environment. float32 and
+float16 are exact in the interpreter; bfloat16 is not, and is covered by the GPU tests.
+On a machine with CUDA this module is skipped (tests/test_triton_attention_gpu.py runs there)
+unless ``PLINTH_TRITON_INTERPRET=1`` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("PLINTH_TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA present: the GPU test file covers the kernels", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec  # noqa: E402
+from plinth.attention_backends.triton import backend as triton_backend  # noqa: E402
+from plinth.attention_backends.triton import tiles  # noqa: E402
+from plinth.attention_backends.triton.backend import TritonAttentionBackend  # noqa: E402
+
+
+def _import_kernels_interpreted() -> bool:
+    """Import Triton and the kernels in interpreter mode; False if Triton was already imported compiled."""
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PLINTH_TRITON_INTERPRET")}
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["PLINTH_TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.zeros, InterpretedFunction):
+            return False
+        kernels = triton_backend._load_kernels()
+        return isinstance(kernels.prefill._prefill_kernel, InterpretedFunction)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+INTERPRETED = _import_kernels_interpreted()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="triton was imported compiled earlier in this session; see test_in_a_fresh_process"
+)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
+def test_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 3e-3}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PLINTH_TRITON_INTERPRET", "1")
+
+
+@dataclasses.dataclass
+class Batch:
+    query: torch.Tensor        # [T, H, D]
+    key: torch.Tensor          # [T, Hkv, D]
+    value: torch.Tensor        # [T, Hkv, D]
+    kv_cache: torch.Tensor     # [2, num_blocks, block_size, Hkv, D]
+    metadata: AttentionMetadata
+    full_k: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]: every key, cached and new
+    full_v: list[torch.Tensor]
+    num_real_tokens: int
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],  # (context_len, query_len) per sequence
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    pad_tokens: int = 0,
+    seed: int = 0,
+) -> Batch:
+    """A flat batch with shuffled (non-contiguous) blocks, cached context already in the cache.
+
+    Cache slots no sequence owns hold NaN, so a kernel that reads outside a sequence's
+    valid slots produces NaN. Padding rows write to the scratch block 0.
+    """
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in seqs]
+    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_needed) + 3
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    width = max(blocks_needed) + 2
+    # the unused tail of each row holds random block ids: a kernel must not follow them
+    block_tables = torch.randint(0, num_blocks, (len(seqs), width), generator=g, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
+    full_k, full_v, keys, values, slots = [], [], [], [], []
+    for s, ((ctx, _), n) in enumerate(zip(seqs, seq_lens, strict=True)):
+        table = [free.pop() for _ in range(blocks_needed[s])]
+        block_tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_size, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_size, generator=g).to(dtype)
+        full_k.append(k)
+        full_v.append(v)
+        for p in range(n):
+            slot = table[p // block_size] * block_size + p % block_size
+            if p < ctx:
+                kv_cache[0].view(-1, num_kv_heads, head_size)[slot] = k[p]
+                kv_cache[1].view(-1, num_kv_heads, head_size)[slot] = v[p]
+            else:
+                slots.append(slot)
+        keys.append(k[ctx:])
+        values.append(v[ctx:])
+    num_real = sum(q for _, q in seqs)
+    keys.append(torch.randn(pad_tokens, num_kv_heads, head_size, generator=g).to(dtype))
+    values.append(torch.randn(pad_tokens, num_kv_heads, head_size, generator=g).to(dtype))
+    slots += [i % block_size for i in range(pad_tokens)]  # padding rows -> scratch block 0
+    query = torch.randn(num_real + pad_tokens, num_heads, head_size, generator=g).to(dtype)
+    qsl = [0]
+    for _, q_len in seqs:
+        qsl.append(qsl[-1] + q_len)
+    metadata = AttentionMetadata(
+        num_tokens=num_real + pad_tokens,
+        num_seqs=len(seqs),
+        max_query_len=max(q for _, q in seqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    return Batch(query, torch.cat(keys), torch.cat(values), kv_cache, metadata, full_k, full_v, num_real)
+
+
+def reference_attention(batch: Batch, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Per-sequence causal attention in float64 with an explicit softmax. Returns [T_real, H, D]."""
+    md = batch.metadata
+    num_heads = batch.query.shape[1]
+    outs = []
+    for s in range(md.num_seqs):
+        lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+        n = md.seq_lens_cpu[s]
+        q = batch.query[lo:hi].double()                          # [q_len, H, D]
+        group = num_heads // batch.full_k[s].shape[1]
+        k = batch.full_k[s].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = batch.full_v[s].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale      # [H, q_len, n]
+        q_pos = torch.arange(n - (hi - lo), n)[:, None]
+        k_pos = torch.arange(n)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        weights = weights / weights.sum(-1, keepdim=True)
+        outs.append(torch.einsum("hqk,khd->qhd", weights, v))
+    return torch.cat(outs)
+
+
+def run_and_check(batch: Batch, sliding_window: int | None = None, backend: TritonAttentionBackend | None = None):
+    backend = backend or TritonAttentionBackend()
+    head_size = batch.query.shape[-1]
+    scale = head_size**-0.5
+    backend.prepare(batch.metadata)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
+                          scale=scale, sliding_window=sliding_window)
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    expected = reference_attention(batch, scale, sliding_window)
+    got = out[: batch.num_real_tokens].double()
+    assert torch.isfinite(got).all()
+    tol = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    # every new key/value is in the cache at its slot (padding rows in block 0)
+    flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[-2:])
+    torch.testing.assert_close(flat[0][batch.metadata.slot_mapping], batch.key, atol=0, rtol=0)
+    torch.testing.assert_close(flat[1][batch.metadata.slot_mapping], batch.value, atol=0, rtol=0)
+    return out
+
+
+@needs_interpreter
+def test_prefill_only_fp32():
+    batch = make_batch([(0, 37), (0, 20)], num_heads=2, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    run_and_check(batch)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_decode_only_split_kv_gqa(splits):
+    batch = make_batch([(50, 1), (130, 1), (6, 1)], num_heads=8, num_kv_heads=2, head_size=64,
+                       dtype=torch.float16, pad_tokens=2, seed=1)
+    assert batch.metadata.is_decode_only
+    run_and_check(batch, backend=TritonAttentionBackend(decode_splits=splits))
+
+
+@needs_interpreter
+def test_decode_default_splits_use_the_split_path():
+    backend = TritonAttentionBackend()
+    batch = make_batch([(40, 1), (20, 1)], num_heads=4, num_kv_heads=1, head_size=64, dtype=torch.float32, seed=2)
+    backend.prepare(batch.metadata)
+    plan = batch.metadata.backend_data
+    assert plan.decode_only and plan.max_blocks_per_seq == batch.metadata.block_tables.shape[1]
+    block_n = tiles.decode_tiles(64, 4, torch.float32, True).block_n
+    assert tiles.decode_splits(2, 1, plan.max_blocks_per_seq * 16, block_n, plan.num_sms) > 1
+    run_and_check(batch, backend=backend)
+
+
+@needs_interpreter
+def test_mixed_prefill_and_decode_head_128():
+    batch = make_batch([(40, 1), (0, 33), (17, 1), (20, 12)], num_heads=4, num_kv_heads=2, head_size=128,
+                       dtype=torch.float16, pad_tokens=3, seed=3)
+    assert not batch.metadata.is_decode_only
+    run_and_check(batch)
+
+
+@needs_interpreter
+def test_prefix_cached_context_and_new_chunk_gqa8():
+    batch = make_batch([(48, 25), (32, 5)], num_heads=8, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                       seed=4)
+    run_and_check(batch)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_block_sizes_smaller_and_larger_than_the_key_tile(block_size):
+    batch = make_batch([(21, 19), (0, 1), (40, 1)], num_heads=3, num_kv_heads=1, head_size=64,
+                       dtype=torch.float32, block_size=block_size, seed=5)
+    run_and_check(batch)
+
+
+@needs_interpreter
+def test_sliding_window_mixed():
+    batch = make_batch([(30, 20), (45, 1), (0, 9)], num_heads=4, num_kv_heads=2, head_size=64,
+                       dtype=torch.float16, seed=6)
+    run_and_check(batch, sliding_window=13)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sliding_window_decode(splits):
+    batch = make_batch([(70, 1), (9, 1)], num_heads=4, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                       seed=7)
+    run_and_check(batch, sliding_window=24, backend=TritonAttentionBackend(decode_splits=splits))
+
+
+@needs_interpreter
+def test_head_size_256_tiny():
+    batch = make_batch([(5, 6), (9, 1)], num_heads=2, num_kv_heads=1, head_size=256, dtype=torch.float16, seed=8)
+    run_and_check(batch)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("decode", [False, True])
+def test_head_size_80_padded(decode):
+    seqs = [(12, 1), (30, 1)] if decode else [(12, 9), (0, 4)]
+    batch = make_batch(seqs, num_heads=2, num_kv_heads=2, head_size=80, dtype=torch.float32, seed=9)
+    run_and_check(batch, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
+
+
+@needs_interpreter
+def test_strided_query_views_from_a_fused_qkv():
+    batch = make_batch([(10, 7), (3, 1)], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                       seed=10)
+    t, h, d = batch.query.shape
+    kvh = batch.key.shape[1]
+    qkv = torch.cat([batch.query.reshape(t, -1), batch.key.reshape(t, -1), batch.value.reshape(t, -1)], dim=1)
+    batch.query = qkv[:, : h * d].view(t, h, d)
+    batch.key = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+    batch.value = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+    assert batch.query.stride(0) == qkv.shape[1]
+    run_and_check(batch)
+
+
+@needs_interpreter
+def test_rejects_bad_sliding_window():
+    batch = make_batch([(0, 3)], num_heads=2, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="sliding_window"):
+        TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
+                                         scale=0.1, sliding_window=0)
+
+
+def _spec(**kw) -> AttentionSpec:
+    base = dict(num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.float16, block_size=16)
+    base.update(kw)
+    return AttentionSpec(**base)
+
+
+def test_supports(monkeypatch):
+    cls = TritonAttentionBackend
+    assert cls.supports(_spec(), "cpu")  # interpreter env set by the fixture
+    assert cls.supports(_spec(dtype=torch.float32, head_size=64), "cpu")
+    assert not cls.supports(_spec(dtype=torch.bfloat16), "cpu")
+    for device in ("cuda", "xpu"):
+        for head_size in (64, 128, 256, 80):
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                assert cls.supports(_spec(head_size=head_size, dtype=dtype), device)
+    assert "head size 72" in cls.supports(_spec(head_size=72), "cuda").reason
+    assert not cls.supports(_spec(head_size=512), "cuda")
+    assert not cls.supports(_spec(dtype=torch.float64), "cuda")
+    assert not cls.supports(_spec(num_heads=6, num_kv_heads=4), "cuda")
+    assert not cls.supports(_spec(), "mps")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("PLINTH_TRITON_INTERPRET")
+    answer = cls.supports(_spec(), "cpu")
+    assert not answer and "PLINTH_TRITON_INTERPRET=1" in answer.reason
+    assert cls.name == "triton" and cls.priority > 0
+
+
+def test_supports_without_triton(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    answer = TritonAttentionBackend.supports(_spec(), "cuda")
+    assert not answer and answer.reason == "triton not installed"
+
+
+def test_flash_attn_backend_says_no_without_the_package():
+    from plinth.attention_backends.flash_attn import FlashAttnBackend
+
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        answer = FlashAttnBackend.supports(_spec(), "cuda")
+        assert not answer and answer.reason == "flash_attn not installed"
+    assert not FlashAttnBackend.supports(_spec(), "cpu")
