@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 from typing import Any
 
@@ -158,3 +159,109 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None   # set when the engine failed the request
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. ``FINISHED_*`` are terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2          # back in the waiting queue after its blocks were taken
+    FINISHED_STOPPED = 3   # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4    # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One sequence inside the engine: its tokens, its progress and its KV blocks.
+
+    A user request with ``n > 1`` becomes ``n`` of these (the engine gives each its own id);
+    they share the prompt's KV blocks through the prefix cache.
+
+    Args:
+        request_id: unique among unfinished requests.
+        prompt_token_ids: the prompt, at least one token.
+        sampling_params: how to sample.
+        eos_token_ids: the model's end-of-sequence ids (ignored with ``ignore_eos``).
+        arrival_time: seconds since the epoch (default: now).
+        max_tokens: the output limit; the scheduler resolves it against ``max_model_len``
+            on ``add_request`` when left ``None``.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
+                 eos_token_ids: tuple[int, ...] | list[int] = (), arrival_time: float | None = None,
+                 max_tokens: int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.output_token_ids: list[int] = []
+        # prompt + output, grown in place: reading it costs nothing.
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0   # tokens whose K/V are in the cache (or will be after this step)
+        self.num_cached_tokens = 0     # prompt tokens found in the prefix cache at first admission
+        self.block_ids: list[int] = []  # owned by the block manager
+        self.stop_reason: str | int | None = None
+        self.metrics = RequestMetrics()
+        if arrival_time is not None:
+            self.metrics.arrival_time = arrival_time
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output tokens. Read-only view by convention: do not mutate."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end the request: EOS (unless ``ignore_eos``) and ``stop_token_ids``."""
+        eos = () if self.sampling_params.ignore_eos else self.eos_token_ids
+        return frozenset((*eos, *self.sampling_params.stop_token_ids))
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,266 @@
+"""Paged KV-cache blocks: reference counts, a prefix cache and LRU eviction.
+
+Blocks ``1 .. num_blocks-1`` are handed out; block 0 is the scratch block that padding rows
+write into (see :mod:`plinth.attention_backends.interface`) and never belongs to a request.
+
+Prefix cache. A FULL block is registered under the key ``(parent_id, tokens)``: ``tokens`` is
+the tuple of its ``block_size`` token ids and ``parent_id`` identifies the exact prefix before
+it (``ROOT`` for the first block). Every registration draws a fresh ``prefix id`` that is never
+reused, so a key names one token-for-token prefix: a hit is exact, there are no hash collisions
+to worry about (dict keys compare by equality) and a child whose parent was evicted simply
+becomes unreachable. A request's blocks are registered as soon as they are allocated for the
+step that fills them, so a request admitted later in the same step (an ``n > 1`` sibling) can
+reuse them: attention backends write a layer's new K/V for the whole batch before attending.
+
+Free blocks (reference count 0) sit in one LRU list. Cached ones keep their contents and can
+be revived by a hit until a new block is needed; then the least recently used goes first.
+Uncached free blocks are at the front (nothing to lose), and a freed request's blocks enter
+tail-first, so that the shared head of a prompt outlives its private tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from plinth.core.request import Request
+
+ROOT = -1  # the parent id of a sequence's first block
+
+_Key = tuple[int, tuple[int, ...]]
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Counters since construction (or the last :meth:`BlockManager.reset_stats`).
+
+    A query is one admission of a request (counted when its blocks are allocated, so that a
+    request waiting for blocks is not counted once per step).
+    """
+
+    queries: int = 0          # admissions that looked up the cache
+    query_tokens: int = 0     # tokens of those requests
+    hit_tokens: int = 0       # tokens served from the cache
+    hit_blocks: int = 0
+    miss_blocks: int = 0      # full blocks of those requests that had to be computed
+    evictions: int = 0        # cached blocks whose contents were dropped to make room
+
+    @property
+    def miss_tokens(self) -> int:
+        return self.query_tokens - self.hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class BlockManager:
+    """Hands out KV blocks to requests and keeps finished prefixes around for reuse.
+
+    Args:
+        num_blocks: blocks in the KV cache, block 0 included (it is never handed out).
+        block_size: tokens per block.
+        enable_prefix_caching: look up and register full blocks.
+
+    The manager owns ``request.block_ids``; callers only read it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        self._key: list[_Key | None] = [None] * num_blocks   # registration key of a cached block
+        self._prefix_id = [ROOT] * num_blocks                 # prefix id of a cached block
+        self._cache: dict[_Key, int] = {}                      # key -> block
+        # Free blocks in eviction order (front = evicted first); values unused.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # Per request: the prefix id of each of its leading full blocks that is known to the cache.
+        self._chains: dict[str, list[int]] = {}
+        self._next_prefix_id = 0
+        self.stats = PrefixCacheStats()
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no owner (cached or not): what new allocations can draw from."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """The fraction of usable blocks owned by at least one request."""
+        return 1.0 - len(self._free) / self.num_usable_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cache)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._key[block_id] is not None
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks, the next to be handed out (and evicted) first."""
+        return list(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Find the longest cached prefix of ``request.all_token_ids`` in whole blocks.
+
+        Never covers every token: the last token is always left to compute so that the step
+        produces logits. Pure: takes no reference and changes no counter.
+
+        Returns:
+            ``(blocks, num_cached_tokens)`` with ``num_cached_tokens == len(blocks) * block_size``.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        tokens = request.all_token_ids
+        blocks: list[int] = []
+        parent = ROOT
+        for i in range((len(tokens) - 1) // bs):
+            block = self._cache.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = self._prefix_id[block]
+        return blocks, len(blocks) * bs
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Whether :meth:`allocate_slots` with the same arguments would succeed."""
+        return self._num_to_take(request, num_new_tokens, cached_blocks) <= len(self._free)
+
+    # ---------------------------------------------------------------- changes
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow the request's blocks so that ``num_computed + num_new_tokens`` tokens fit.
+
+        Args:
+            request: its ``num_computed_tokens`` are the tokens already in its blocks.
+            num_new_tokens: tokens to be computed this step (all known: prompt or sampled).
+            cached_blocks: from :meth:`get_computed_blocks`, only for a request holding no
+                blocks; they are taken first and cover its leading tokens (the caller then
+                advances ``num_computed_tokens`` by ``len(cached_blocks) * block_size``).
+
+        Returns:
+            False, changing nothing, when there are not enough free blocks. On success, the
+            blocks that become full once this step's tokens are computed are registered in the
+            prefix cache.
+        """
+        if cached_blocks and request.block_ids:
+            raise ValueError(f"request {request.request_id!r} already holds blocks; cached blocks are only "
+                             "given at admission")
+        num_take = self._num_to_take(request, num_new_tokens, cached_blocks)
+        if num_take > len(self._free):
+            return False
+        is_admission = not request.block_ids
+        for block in cached_blocks:
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+        request.block_ids.extend(cached_blocks)
+        chain = self._chains.setdefault(request.request_id, [])
+        if cached_blocks:
+            chain[:] = [self._prefix_id[b] for b in cached_blocks]
+        num_total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        for _ in range(self.blocks_needed(num_total) - len(request.block_ids)):
+            request.block_ids.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, min(num_total, request.num_tokens), chain)
+            if is_admission:
+                self._record_query(request, len(cached_blocks))
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; its cached blocks stay reusable until evicted."""
+        for block in reversed(request.block_ids):
+            ref = self._ref[block] - 1
+            assert ref >= 0, f"block {block} freed more often than taken"
+            self._ref[block] = ref
+            if ref == 0:
+                self._free[block] = None
+                if self._key[block] is None:
+                    self._free.move_to_end(block, last=False)
+        request.block_ids = []
+        self._chains.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds; returns how many were dropped."""
+        dropped = 0
+        for block in self._free:
+            if self._key[block] is not None:
+                self._uncache(block)
+                dropped += 1
+        return dropped
+
+    def reset_stats(self) -> PrefixCacheStats:
+        """Return the counters so far and start new ones."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
+    # ---------------------------------------------------------------- internals
+
+    def _num_to_take(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int]) -> int:
+        """Free-list entries the allocation would consume (revived cached blocks included)."""
+        num_total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = max(0, self.blocks_needed(num_total) - len(request.block_ids) - len(cached_blocks))
+        return num_new_blocks + sum(1 for b in cached_blocks if self._ref[b] == 0)
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        if self._key[block] is not None:
+            self._uncache(block)
+            self.stats.evictions += 1
+        self._ref[block] = 1
+        return block
+
+    def _uncache(self, block: int) -> None:
+        key = self._key[block]
+        assert key is not None
+        del self._cache[key]
+        self._key[block] = None
+        self._prefix_id[block] = ROOT
+
+    def _register_full_blocks(self, request: Request, num_tokens: int, chain: list[int]) -> None:
+        """Register blocks ``len(chain) .. num_tokens // block_size - 1`` of the request."""
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(chain), num_tokens // bs):
+            parent = chain[-1] if chain else ROOT
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            existing = self._cache.get(key)
+            if existing is not None:
+                # Same prefix computed elsewhere (a sibling in the same step): keep that entry and
+                # continue the chain from it; this block stays private and uncached.
+                chain.append(self._prefix_id[existing])
+                continue
+            block = request.block_ids[i]
+            assert self._key[block] is None, f"block {block} is already cached"
+            self._cache[key] = block
+            self._key[block] = key
+            self._prefix_id[block] = self._next_prefix_id
+            chain.append(self._next_prefix_id)
+            self._next_prefix_id += 1
+
+    def _record_query(self, request: Request, num_hit_blocks: int) -> None:
+        s = self.stats
+        s.queries += 1
+        s.query_tokens += request.num_tokens
+        s.hit_blocks += num_hit_blocks
+        s.hit_tokens += num_hit_blocks * self.block_size
+        s.miss_blocks += max(0, request.num_tokens // self.block_size - num_hit_blocks)

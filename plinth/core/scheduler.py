@@ -1,0 +1,350 @@
+"""Continuous batching: which requests run each step, and how many tokens each computes.
+
+Policy, every step, within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences:
+
+1. running requests that decode (one new token each), oldest first;
+2. running requests still in their prefill (chunked prefill: a long prompt is spread over
+   several steps, mixed with decodes), oldest first, each taking what is left of the budget;
+3. waiting requests, first come first served, while blocks and budget last. A prompt whose
+   leading full blocks are in the prefix cache starts at the cached count; the queue is strict
+   (the head blocks the rest) so that a long prompt cannot starve.
+
+When a running request needs a block and none is free, the most recently admitted running
+request that is not yet scheduled in this step (possibly the one asking) is preempted: its
+blocks are released, it goes back to the FRONT of the waiting queue and is recomputed later
+(its sampled tokens are kept; its cached blocks usually survive). No admission happens in a
+step that preempted.
+
+``num_computed_tokens`` advances when a step is scheduled; ``update_from_output`` appends the
+sampled tokens and applies every stop condition but stop strings. How the engine learns finish
+reasons: ``update_from_output`` returns the requests it finished (``request.finish_reason``,
+``request.stop_reason``); stop strings are found by the engine's detokenizer, which then calls
+:meth:`Scheduler.finish_request`; aborts come from :meth:`Scheduler.abort`. Every finished id is
+also listed once in the next :class:`SchedulerOutput` (``finished_request_ids``) for the runner.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+
+from plinth.config import SchedulerConfig
+from plinth.core.block_manager import BlockManager, PrefixCacheStats
+from plinth.core.request import FinishReason, Request, RequestStatus
+from plinth.errors import UserFacingError
+
+
+class RequestRejectedError(UserFacingError, ValueError):
+    """A request that can never run (too long for the model or the KV cache, empty, duplicate id)."""
+
+
+class QueueFullError(UserFacingError, RuntimeError):
+    """The waiting queue holds ``max_waiting_requests`` requests; retry later."""
+
+
+_STATUS_OF_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int   # tokens already in the KV cache before this step: the first new position
+    sample: bool               # this step reaches the last known token: sample from its logits
+    is_decode: bool            # a running request computing just its last sampled token
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens computed this step."""
+        start = self.num_computed_tokens
+        return self.request.all_token_ids[start:start + self.num_new_tokens]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What to run in one step. ``scheduled`` is ordered: decodes first, then prefill chunks."""
+
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    num_decodes: int                     # the first ``num_decodes`` entries are decodes
+    new_request_ids: list[str]           # admitted (or resumed after preemption) in this step
+    preempted_request_ids: list[str]     # preempted in this step
+    finished_request_ids: list[str]      # finished or aborted since the previous step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def sampled(self) -> list[ScheduledRequest]:
+        """The entries whose last position is sampled, in batch order."""
+        return [s for s in self.scheduled if s.sample]
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_cache_usage: float
+    prefix_cache: PrefixCacheStats
+
+
+class Scheduler:
+    """Decides each step's batch and tracks every unfinished request.
+
+    Args:
+        config: the batching limits.
+        block_manager: the KV-cache allocator (its ``block_size`` and block count bound requests).
+        max_model_len: the longest sequence, prompt plus output.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []   # in admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # ---------------------------------------------------------------- intake
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, resolving ``request.max_tokens`` against ``max_model_len``.
+
+        Raises:
+            RequestRejectedError: empty prompt, duplicate id, or too long to ever run.
+            QueueFullError: ``max_waiting_requests`` are already waiting.
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise RequestRejectedError(f"request id {rid!r} is already in use")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise RequestRejectedError(f"request {rid!r}: the prompt is empty; at least one token is needed")
+        limit = self.max_model_len
+        if request.max_tokens is None:
+            request.max_tokens = limit - num_prompt
+        if num_prompt + max(request.max_tokens, 1) > limit:
+            raise RequestRejectedError(
+                f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
+                f"is {num_prompt + request.max_tokens} tokens, more than max_model_len ({limit}); "
+                "shorten the prompt or lower max_tokens")
+        bm = self.block_manager
+        # The last sampled token is never fed back, so it needs no KV slot.
+        need = bm.blocks_needed(num_prompt + request.max_tokens - 1)
+        if need > bm.num_usable_blocks:
+            raise RequestRejectedError(
+                f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
+                f"needs {need} KV blocks of {bm.block_size} tokens, but the KV cache has only "
+                f"{bm.num_usable_blocks}; lower max_tokens or give the cache more memory")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and num_prompt > budget:
+            raise RequestRejectedError(
+                f"request {rid!r}: the prompt has {num_prompt} tokens, more than max_num_batched_tokens "
+                f"({budget}) with chunked prefill disabled; enable chunked prefill or raise the budget")
+        cap = self.config.max_waiting_requests
+        if cap is not None and len(self.waiting) >= cap:
+            raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    # ---------------------------------------------------------------- scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch, allocating blocks; advances ``num_computed_tokens``."""
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        done: set[str] = set()        # request ids scheduled this step
+        preempted: list[str] = []
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for is_decode, group in ((True, decodes), (False, prefills)):
+            for req in group:
+                if budget == 0:
+                    break
+                if req.status != RequestStatus.RUNNING:   # preempted earlier in this loop
+                    continue
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                while not bm.allocate_slots(req, num_new):
+                    victim = next(r for r in reversed(self.running) if r.request_id not in done)
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+                else:
+                    scheduled.append(self._commit(req, num_new, is_decode))
+                    done.add(req.request_id)
+                    budget -= num_new
+        num_decodes = sum(1 for s in scheduled if s.is_decode)
+
+        new_ids: list[str] = []
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            if req.sampling_params.prompt_logprobs is None:
+                cached, num_cached = bm.get_computed_blocks(req)
+            else:   # every prompt position's logits are wanted
+                cached, num_cached = [], 0
+            num_new = req.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
+                    break
+                num_new = budget
+            if not bm.allocate_slots(req, num_new, cached):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            if req.status == RequestStatus.WAITING:   # first admission (not a resume)
+                req.num_cached_tokens = num_cached
+                req.metrics.num_cached_prompt_tokens = num_cached
+                req.metrics.first_scheduled_time = time.time()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            scheduled.append(self._commit(req, num_new, is_decode=False))
+            new_ids.append(req.request_id)
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            num_decodes=num_decodes,
+            new_request_ids=new_ids,
+            preempted_request_ids=preempted,
+            finished_request_ids=finished,
+        )
+
+    def _commit(self, req: Request, num_new: int, is_decode: bool) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        req.num_computed_tokens = start + num_new
+        return ScheduledRequest(req, num_new, start, sample=req.num_computed_tokens == req.num_tokens,
+                                is_decode=is_decode)
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---------------------------------------------------------------- results
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: Sequence[int | None]) -> list[Request]:
+        """Append this step's sampled tokens and apply stop conditions (all but stop strings).
+
+        Args:
+            scheduler_output: the step that ran.
+            sampled_token_ids: one per ``scheduled`` entry: the sampled id where ``sample`` is
+                set, ``None`` elsewhere.
+
+        Returns:
+            The requests finished by this update (EOS unless ``ignore_eos``, a stop token id,
+            ``max_tokens``, ``max_model_len``); their blocks are already released. EOS and
+            stop ids do not count before ``min_tokens`` output tokens.
+        """
+        entries = scheduler_output.scheduled
+        if len(sampled_token_ids) != len(entries):
+            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for {len(entries)} scheduled requests")
+        finished: list[Request] = []
+        now = time.time()
+        for entry, token in zip(entries, sampled_token_ids, strict=True):
+            req = entry.request
+            if entry.sample != (token is not None):
+                raise ValueError(f"request {req.request_id!r}: sample={entry.sample} but got token {token!r}")
+            if token is None or req.status != RequestStatus.RUNNING:
+                continue   # mid-prefill, or finished/aborted since it was scheduled
+            req.append_output_token(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status, remove_from_running=False)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return finished
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens > params.min_tokens and token in req.stop_token_ids:
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       stop_reason: str | int | None = None) -> Request | None:
+        """Finish an unfinished request (a stop string, an abort); returns it, or None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        self._finish(req, _STATUS_OF_REASON[FinishReason(reason)], remove_from_running=True)
+        return req
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort requests (waiting or running), releasing their blocks at once; unknown ids are ignored."""
+        out = []
+        for rid in request_ids:
+            req = self.finish_request(rid, FinishReason.ABORT)
+            if req is not None:
+                out.append(req)
+        return out
+
+    def _finish(self, req: Request, status: RequestStatus, remove_from_running: bool) -> None:
+        if req.status == RequestStatus.RUNNING:
+            if remove_from_running:
+                self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+        req.metrics.finished_time = time.time()
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    # ---------------------------------------------------------------- introspection
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_cache_usage=self.block_manager.usage,
+            prefix_cache=dataclasses.replace(self.block_manager.stats),
+        )

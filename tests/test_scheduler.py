@@ -1,0 +1,383 @@
+"""Scheduler: token budget, ordering, chunked prefill, prefix-cache hits, preemption, stop rules.
+
+``FakeRunner`` stands in for the model runner. Its KV cache holds, in each slot, the token at that
+position; the "model" sees a sequence's context ONLY through the block table (written first for the
+whole batch, then read, as the attention contract says) and returns a deterministic function of it.
+A wrong block table, a bad prefix-cache hit or a lost token after preemption changes the outputs,
+which are compared with an unconstrained reference run.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from plinth.config import SchedulerConfig
+from plinth.core.block_manager import BlockManager
+from plinth.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from plinth.core.scheduler import QueueFullError, RequestRejectedError, Scheduler, SchedulerOutput
+
+VOCAB = 1000
+
+
+def next_token(context: list[int]) -> int:
+    acc = len(context)
+    for t in context:
+        acc = (acc * 1_000_003 + t) % 2_147_483_647
+    return acc % VOCAB
+
+
+class FakeRunner:
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.slots: dict[tuple[int, int], int] = {}
+
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        for e in out.scheduled:                      # write every new token's "K/V" first
+            for j, tok in enumerate(e.token_ids):
+                p = e.num_computed_tokens + j
+                block = e.request.block_ids[p // self.bs]
+                assert block != 0
+                self.slots[(block, p % self.bs)] = tok
+        sampled: list[int | None] = []
+        for e in out.scheduled:                      # then "attend" over the paged context
+            if not e.sample:
+                sampled.append(None)
+                continue
+            n = e.num_computed_tokens + e.num_new_tokens
+            blocks = e.request.block_ids
+            sampled.append(next_token([self.slots[(blocks[p // self.bs], p % self.bs)] for p in range(n)]))
+        return sampled
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_model_len=256, **kw):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=kw.pop("prefix_caching", True))
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kw)
+    return Scheduler(cfg, bm, max_model_len)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 8, eos=(), **params) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=eos)
+
+
+def run(sched: Scheduler, requests=(), on_step=None, runner=None, max_steps=2000) -> dict[str, list[int]]:
+    """Drive the scheduler to completion; returns every request's output tokens."""
+    runner = runner or FakeRunner(sched.block_manager.block_size)
+    outputs = {}
+    for r in requests:
+        sched.add_request(r)
+        outputs[r.request_id] = r
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        if on_step is not None:
+            on_step(sched, out)
+        sched.update_from_output(out, runner.execute(out))
+    else:
+        raise AssertionError("requests did not finish")
+    return {rid: r.output_token_ids for rid, r in outputs.items()}
+
+
+def reference(requests: list[Request]) -> dict[str, list[int]]:
+    """Outputs with no constraint: every request alone, prompt in one step, no cache."""
+    out = {}
+    for r in requests:
+        s = make_scheduler(num_blocks=512, budget=4096, prefix_caching=False)
+        clone = Request(r.request_id, r.prompt_token_ids, r.sampling_params, eos_token_ids=r.eos_token_ids)
+        out.update(run(s, [clone]))
+    return out
+
+
+def prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    rng = __import__("random").Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# ------------------------------------------------------------------ budget and ordering
+
+def test_budget_seq_limit_and_decodes_first():
+    reqs = [req(f"r{i}", p, max_tokens=6 + i % 5) for i, p in enumerate(prompts(0, 12, 3, 40))]
+    expected = reference(reqs)
+    sched = make_scheduler(num_blocks=80, budget=24, max_seqs=5)
+    seen_mixed = False
+
+    def check(s: Scheduler, out: SchedulerOutput):
+        nonlocal seen_mixed
+        assert out.num_scheduled_tokens == sum(e.num_new_tokens for e in out.scheduled) <= 24
+        assert len(out.scheduled) <= 5 and s.num_running <= 5
+        flags = [e.is_decode for e in out.scheduled]
+        assert flags == sorted(flags, reverse=True), "a prefill chunk was placed before a decode"
+        assert sum(flags) == out.num_decodes
+        for e in out.scheduled:
+            if e.is_decode:
+                assert e.num_new_tokens == 1 and e.sample
+            assert e.sample == (e.num_computed_tokens + e.num_new_tokens == e.request.num_tokens)
+        seen_mixed |= 0 < out.num_decodes < len(out.scheduled)
+
+    assert run(sched, reqs, check) == expected
+    assert seen_mixed
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_mixes_with_decodes():
+    sched = make_scheduler(budget=16)
+    short = req("short", [1, 2, 3], max_tokens=20)
+    long = req("long", list(range(100, 150)), max_tokens=2)    # 50 tokens
+    runner = FakeRunner(4)
+    sched.add_request(short)
+    sched.update_from_output(first := sched.schedule(), runner.execute(first))
+    sched.add_request(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        out = sched.schedule()
+        entries = {e.request.request_id: e for e in out.scheduled}
+        assert entries["short"].is_decode and out.scheduled[0].request is short
+        chunk = entries["long"]
+        chunks.append((chunk.num_computed_tokens, chunk.num_new_tokens, chunk.sample))
+        assert out.num_scheduled_tokens <= 16
+        sched.update_from_output(out, runner.execute(out))
+    assert chunks == [(0, 15, False), (15, 15, False), (30, 15, False), (45, 5, True)]
+    assert long.num_output_tokens == 1 and long.output_token_ids[0] == next_token(long.prompt_token_ids)
+
+
+def test_without_chunked_prefill_prompts_run_whole_and_oversized_are_rejected():
+    sched = make_scheduler(budget=16, enable_chunked_prefill=False)
+    with pytest.raises(RequestRejectedError, match=r"17 tokens.*\(16\)"):
+        sched.add_request(req("big", list(range(17))))
+    a, b = req("a", list(range(10))), req("b", list(range(20, 30)))
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 10)]
+
+
+# ------------------------------------------------------------------ prefix cache
+
+def test_prefix_cache_hit_skips_cached_tokens():
+    sched = make_scheduler(block_size=8)
+    base = list(range(1, 41))                                   # 40 tokens = 5 blocks
+    runner = FakeRunner(8)
+    run(sched, [req("a", base)], runner=runner)
+    b = req("b", base[:32] + [500, 501, 502])
+    same = req("same", list(base))
+    seen = {}
+
+    def record(s, out):
+        for e in out.scheduled:
+            seen.setdefault(e.request.request_id, (e.num_computed_tokens, e.num_new_tokens))
+
+    outputs = run(sched, [b, same], record, runner)
+    assert b.num_cached_tokens == 32 and seen["b"] == (32, 3)
+    assert same.num_cached_tokens == 32 and seen["same"] == (32, 8)   # the last token is always computed
+    assert outputs == reference([b, same])
+    assert sched.block_manager.stats.hit_tokens == 64
+
+
+def test_prompt_logprobs_requests_skip_the_prefix_cache():
+    sched = make_scheduler(block_size=4)
+    run(sched, [req("a", list(range(1, 13)))])
+    b = req("b", list(range(1, 13)), prompt_logprobs=2)
+    out = (sched.add_request(b), sched.schedule())[1]
+    assert b.num_cached_tokens == 0 and out.scheduled[0].num_new_tokens == 12
+
+
+def test_n_siblings_share_the_prompt_blocks():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(7, 40))                                  # 33 tokens
+    sibs = [req(f"s{i}", prompt, max_tokens=5, seed=i) for i in range(3)]
+    out_first = []
+    outputs = run(sched, sibs, lambda s, out: out_first.append(out) if not out_first else None)
+    first = out_first[0]
+    assert [e.num_new_tokens for e in first.scheduled] == [33, 1, 1]
+    assert [s.num_cached_tokens for s in sibs] == [0, 32, 32]
+    assert outputs == reference(sibs)
+
+
+# ------------------------------------------------------------------ preemption
+
+def test_preemption_of_the_newest_and_unaffected_results():
+    # 3 running requests of 12 + 20 tokens each need 8 blocks of 4 at the end; the cache has 16.
+    # A 4th waits for a sequence slot: the preempted request must go back in FRONT of it.
+    reqs = [req(f"r{i}", p, max_tokens=20) for i, p in enumerate(prompts(1, 4, 12, 12))]
+    expected = reference(reqs)
+    sched = make_scheduler(num_blocks=17, block_size=4, budget=64, max_seqs=3)
+    events = []
+
+    def watch(s: Scheduler, out: SchedulerOutput):
+        if out.preempted_request_ids:
+            events.append(("preempted", list(out.preempted_request_ids), [r.request_id for r in s.running]))
+            for rid in out.preempted_request_ids:
+                assert s.get_request(rid).status == RequestStatus.PREEMPTED
+            assert [r.request_id for r in s.waiting][:len(out.preempted_request_ids)] == sorted(
+                out.preempted_request_ids)
+        for rid in out.new_request_ids:
+            events.append(("resumed" if s.get_request(rid).metrics.num_preemptions else "admitted", rid))
+
+    outputs = run(sched, reqs, watch)
+    assert sched.num_preemptions >= 1
+    first = next(e for e in events if e[0] == "preempted")
+    assert first[1] == ["r2"], "the most recently admitted request must be preempted first"
+    assert "r2" not in first[2]
+    assert events.index(("resumed", "r2")) < events.index(("admitted", "r3")), "FCFS: r2 resumes before r3"
+    assert reqs[2].metrics.num_preemptions >= 1
+    assert outputs == expected
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_preempted_request_resumes_from_its_cached_blocks():
+    sched = make_scheduler(num_blocks=9, block_size=4, budget=64, prefix_caching=True)
+    a = req("a", list(range(1, 9)), max_tokens=16)       # grows to 23 tokens: 6 blocks
+    b = req("b", list(range(50, 58)), max_tokens=16)
+    expected = reference([a, b])
+    resumed_at = []
+
+    def watch(s, out):
+        for e in out.scheduled:
+            if e.request.request_id in out.new_request_ids and e.request.metrics.num_preemptions:
+                resumed_at.append(e.num_computed_tokens)
+
+    assert run(sched, [a, b], watch) == expected
+    assert sched.num_preemptions >= 1 and resumed_at and resumed_at[0] > 0
+
+
+# ------------------------------------------------------------------ admission control
+
+def test_rejections_name_both_numbers():
+    sched = make_scheduler(num_blocks=9, block_size=4, max_model_len=64)
+    with pytest.raises(RequestRejectedError, match=r"60 tokens.*max_tokens \(8\).*68.*max_model_len \(64\)"):
+        sched.add_request(req("long", list(range(60)), max_tokens=8))
+    with pytest.raises(RequestRejectedError, match=r"needs 10 KV blocks.*only 8"):
+        sched.add_request(req("big", list(range(20)), max_tokens=20))
+    with pytest.raises(RequestRejectedError, match="empty"):
+        sched.add_request(req("empty", []))
+    sched.add_request(req("ok", [1, 2, 3]))
+    with pytest.raises(RequestRejectedError, match="already in use"):
+        sched.add_request(req("ok", [1, 2, 3]))
+    assert issubclass(RequestRejectedError, ValueError)
+
+
+def test_max_tokens_defaults_to_the_rest_of_max_model_len():
+    sched = make_scheduler(max_model_len=32)
+    r = Request("r", list(range(10)), SamplingParams(max_tokens=None))
+    sched.add_request(r)
+    assert r.max_tokens == 22
+    run(sched)
+    assert r.finish_reason == FinishReason.LENGTH and r.num_tokens == 32
+
+
+def test_queue_full():
+    sched = make_scheduler(max_waiting_requests=2)
+    sched.add_request(req("a", [1]))
+    sched.add_request(req("b", [1]))
+    with pytest.raises(QueueFullError, match="2 requests"):
+        sched.add_request(req("c", [1]))
+    sched.schedule()                                      # both admitted: the queue drains
+    sched.add_request(req("c", [1]))
+
+
+def test_abort_frees_blocks_at_once():
+    sched = make_scheduler(num_blocks=33, block_size=4, budget=8)
+    runner = FakeRunner(4)
+    a, b, c = req("a", list(range(20))), req("b", list(range(30, 50))), req("c", [5, 6])
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = sched.schedule()                                # a: first chunk of 8; b, c wait
+    sched.update_from_output(out, runner.execute(out))
+    assert sched.block_manager.num_free_blocks < 32
+    out = sched.schedule()
+    sampled = runner.execute(out)                         # the step is running on the device ...
+    aborted = sched.abort(["a", "c", "nope"])             # ... when a (running) and c (waiting) are aborted
+    assert [r.request_id for r in aborted] == ["a", "c"]
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.finish_reason == FinishReason.ABORT
+    assert a.block_ids == [] and list(sched.waiting) == [b]
+    sched.update_from_output(out, sampled)                # the in-flight step's result is dropped
+    assert a.num_output_tokens == 0
+    assert sched.block_manager.num_free_blocks + sum(len(r.block_ids) for r in sched.running) == 32
+    nxt = sched.schedule()
+    assert set(nxt.finished_request_ids) == {"a", "c"}
+    sched.abort(["b"])
+    assert sched.block_manager.num_free_blocks == 32 and not sched.has_unfinished_requests()
+
+
+# ------------------------------------------------------------------ stop conditions
+
+def one_request_steps(sched: Scheduler, r: Request, tokens: list[int]) -> list[Request]:
+    """Feed ``tokens`` as the sampled ids, one per step, until ``r`` finishes."""
+    sched.add_request(r)
+    for tok in tokens:
+        out = sched.schedule()
+        finished = sched.update_from_output(out, [tok if e.sample else None for e in out.scheduled])
+        if finished:
+            return finished
+    return []
+
+
+@pytest.mark.parametrize("case, params, tokens, n_out, reason, stop_reason", [
+    ("eos", {}, [5, 6, 2, 7], 3, FinishReason.STOP, None),
+    ("ignore_eos", {"ignore_eos": True}, [2, 2, 2, 2], 4, FinishReason.LENGTH, None),
+    ("stop id", {"stop_token_ids": [6]}, [5, 6, 7], 2, FinishReason.STOP, 6),
+    ("min_tokens", {"min_tokens": 2, "stop_token_ids": [6]}, [2, 6, 2, 7], 3, FinishReason.STOP, None),
+    ("min_tokens blocks all", {"min_tokens": 3}, [2, 2, 2, 9], 4, FinishReason.LENGTH, None),
+    ("max_tokens", {}, [5, 5, 5, 5, 5], 4, FinishReason.LENGTH, None),
+])
+def test_stop_conditions(case, params, tokens, n_out, reason, stop_reason):
+    sched = make_scheduler()
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=4, **params), eos_token_ids=[2])
+    finished = one_request_steps(sched, r, tokens)
+    assert finished == [r], case
+    assert r.output_token_ids == tokens[:n_out]
+    assert r.finish_reason == reason and r.stop_reason == stop_reason
+    assert r.block_ids == [] and not sched.running
+
+
+def test_max_model_len_stops_generation():
+    sched = make_scheduler(max_model_len=8)
+    r = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    assert one_request_steps(sched, r, [9] * 5) == [r]
+    assert r.num_tokens == 8 and r.finish_reason == FinishReason.LENGTH
+
+
+def test_finish_request_for_a_stop_string():
+    sched = make_scheduler()
+    r = req("r", [1, 2, 3], max_tokens=10)
+    sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, [4])
+    assert sched.finish_request("r", FinishReason.STOP, stop_reason="###") is r
+    assert r.finish_reason == FinishReason.STOP and r.stop_reason == "###"
+    assert sched.finish_request("r", FinishReason.STOP) is None     # already finished
+    assert sched.schedule().finished_request_ids == ["r"]
+
+
+def test_sampled_tokens_must_match_the_schedule():
+    sched = make_scheduler()
+    sched.add_request(req("r", [1, 2, 3]))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="1 scheduled"):
+        sched.update_from_output(out, [])
+    with pytest.raises(ValueError, match="sample=True"):
+        sched.update_from_output(out, [None])
+
+
+def test_long_random_workload_matches_reference():
+    ps = prompts(7, 20, 1, 30)
+    shared = ps[0][:16]
+    reqs = [req(f"r{i}", (shared + p) if i % 3 == 0 else p, max_tokens=3 + i % 7, eos=(13,))
+            for i, p in enumerate(ps)]
+    expected = reference(reqs)
+    sched = make_scheduler(num_blocks=30, block_size=4, budget=20, max_seqs=6)
+    # arrive in waves
+    runner = FakeRunner(4)
+    pending = list(reqs)
+    for step in itertools.count():
+        if step % 3 == 0 and pending:
+            sched.add_request(pending.pop(0))
+        if not pending and not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+        assert step < 3000
+    assert {r.request_id: r.output_token_ids for r in reqs} == expected
+    assert sched.block_manager.num_free_blocks == 29
