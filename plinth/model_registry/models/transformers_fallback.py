@@ -1,0 +1,163 @@
+"""Run any transformers causal LM with plinth's paged attention.
+
+The transformers modeling class is used as is, except for attention: the model is built with
+``attn_implementation="plinth_paged"``, a function registered in transformers'
+``AttentionInterface`` that hands each layer's (already rotated) q/k/v to a plinth
+:class:`~plinth.model_registry.layers.attention.Attention`, which writes the paged KV cache and
+attends through the selected backend. The flat batch of a step is fed as one row of ``T``
+tokens with explicit positions, so requests batch together and no transformers cache is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from plinth.attention_backends.interface import AttentionMetadata
+from plinth.errors import UnsupportedModelError
+from plinth.model_registry.interface import CausalLM, ModelContext
+from plinth.model_registry.layers.attention import Attention
+
+ATTN_IMPLEMENTATION = "plinth_paged"
+
+
+class _StepState:
+    """The metadata of the step in progress, shared by one model's attention hooks."""
+
+    def __init__(self) -> None:
+        self.metadata: AttentionMetadata | None = None
+
+
+class _PagedHook:
+    """Attached to a transformers attention module: its plinth layer and the step state."""
+
+    def __init__(self, layer: Attention, state: _StepState):
+        self.layer = layer
+        self.state = state
+
+
+def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q ``[1, Hq, T, D]``, k/v ``[1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+    hook: _PagedHook | None = getattr(module, "plinth_paged", None)
+    if hook is None or hook.state.metadata is None:
+        raise RuntimeError("plinth paged attention called outside a plinth forward pass")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedModelError("attention logit soft-capping is not supported by the transformers fallback")
+    out = hook.layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                     hook.state.metadata)  # [T, Hq, D]
+    return out.unsqueeze(0), None
+
+
+@functools.cache
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention)
+
+
+def transformers_class(architecture: str) -> type | None:
+    """The transformers causal-LM class named ``architecture``, or ``None``."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if architecture not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return None
+    return getattr(transformers, architecture, None)
+
+
+@functools.cache
+def fallback_class(architecture: str) -> type[TransformersForCausalLM]:
+    """A :class:`TransformersForCausalLM` subclass bound to ``architecture``."""
+    return type(f"Transformers{architecture}", (TransformersForCausalLM,), {"hf_architecture": architecture})
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+class TransformersForCausalLM(CausalLM):
+    """A transformers causal LM with plinth's paged attention (set ``hf_architecture``)."""
+
+    hf_architecture: str = ""
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__(ctx)
+        cls = transformers_class(self.hf_architecture)
+        if cls is None:
+            raise UnsupportedModelError(f"transformers has no causal LM named {self.hf_architecture!r}")
+        _register_attention()
+        cfg = ctx.hf_config
+        with torch.device(ctx.device), _no_init_weights():
+            self.hf_model = cls._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=ctx.dtype)
+        self.hf_model.tie_weights()  # skipped with the weight initialisation
+        self.hf_model.requires_grad_(False)
+        self._state = _StepState()
+        self._attn_layers = self._attach_attention(ctx)
+        if not self._attn_layers:
+            raise UnsupportedModelError(f"{self.hf_architecture}: found no attention layers to page")
+
+    @classmethod
+    def create(cls, ctx: ModelContext) -> TransformersForCausalLM:
+        """Built directly on ``ctx.device`` (transformers computes its buffers at construction)."""
+        return cls(ctx)
+
+    def _attach_attention(self, ctx: ModelContext) -> list[Attention]:
+        cfg = ctx.hf_config
+        found = [m for m in self.hf_model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        found.sort(key=lambda m: m.layer_idx)
+        layers = []
+        num_heads = cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        for m in found:
+            head_dim = getattr(m, "head_dim", None) or cfg.hidden_size // num_heads
+            layer = Attention(num_heads, head_dim, float(m.scaling), num_kv_heads, ctx.attention_backend,
+                              getattr(m, "sliding_window", None), m.layer_idx)
+            m.plinth_paged = _PagedHook(layer, self._state)
+            layers.append(layer)
+        return layers
+
+    def attention_layers(self) -> list[Attention]:
+        return list(self._attn_layers)
+
+    @contextlib.contextmanager
+    def _step(self, metadata: AttentionMetadata) -> Iterator[None]:
+        if self._state.metadata is not None:
+            raise RuntimeError("nested forward passes on one model are not supported")
+        self._state.metadata = metadata
+        try:
+            yield
+        finally:
+            self._state.metadata = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        with self._step(metadata):
+            out = self.hf_model.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out.last_hidden_state[0]  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.hf_model.get_output_embeddings()(hidden).float()
+        cap = getattr(self.ctx.hf_config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and getattr(self.ctx.hf_config, "tie_word_embeddings", False):
+            return None
+        return f"hf_model.{name}", None
+
+    def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
+        return param_name.removeprefix("hf_model.")
