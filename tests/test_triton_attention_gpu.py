@@ -1,0 +1,213 @@
+"""The Triton paged-attention backend on a CUDA GPU: many shapes, bf16, long contexts, graphs.
+
+Skipped without CUDA. Run with ``python -m pytest tests/test_triton_attention_gpu.py``.
+The reference is float64 attention over each sequence's full keys/values, in query chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 is set: these tests are for compiled kernels", allow_module_level=True)
+
+from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec  # noqa: E402
+from plinth.attention_backends.triton.backend import TritonAttentionBackend  # noqa: E402
+
+DEVICE = torch.device("cuda")
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass
+class Batch:
+    query: torch.Tensor         # [T, H, D]
+    key: torch.Tensor           # [T, Hkv, D]
+    value: torch.Tensor         # [T, Hkv, D]
+    kv_cache: torch.Tensor      # [2, num_blocks, block_size, Hkv, D]
+    metadata: AttentionMetadata
+    full_k: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]
+    full_v: list[torch.Tensor]
+    num_real_tokens: int
+
+
+def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_size: int,
+               dtype: torch.dtype, block_size: int = 16, pad_tokens: int = 0, seed: int = 0,
+               extra_table_columns: int = 2) -> Batch:
+    """Shuffled blocks, random block ids in the unused table tail, NaN in every unowned slot."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in seqs]
+    nblk = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(nblk) + 3
+    order = torch.randperm(num_blocks - 1, generator=g) + 1
+    width = max(nblk) + extra_table_columns
+    tables = torch.randint(0, num_blocks, (len(seqs), width), generator=g, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"),
+                          dtype=dtype, device=DEVICE)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    full_k, full_v, keys, values, slots = [], [], [], [], []
+    used = 0
+    for s, (ctx, _) in enumerate(seqs):
+        n = seq_lens[s]
+        tables[s, : nblk[s]] = order[used: used + nblk[s]].to(torch.int32)
+        used += nblk[s]
+        pos = torch.arange(n)
+        slot = (tables[s, pos // block_size].long() * block_size + pos % block_size).to(DEVICE)  # [n]
+        k = torch.randn(n, num_kv_heads, head_size, device=DEVICE).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_size, device=DEVICE).to(dtype)
+        flat[0, slot[:ctx]] = k[:ctx]
+        flat[1, slot[:ctx]] = v[:ctx]
+        full_k.append(k)
+        full_v.append(v)
+        keys.append(k[ctx:])
+        values.append(v[ctx:])
+        slots.append(slot[ctx:])
+    num_real = sum(q for _, q in seqs)
+    keys.append(torch.randn(pad_tokens, num_kv_heads, head_size, device=DEVICE).to(dtype))
+    values.append(torch.randn(pad_tokens, num_kv_heads, head_size, device=DEVICE).to(dtype))
+    slots.append(torch.arange(pad_tokens, device=DEVICE) % block_size)  # padding -> scratch block 0
+    query = torch.randn(num_real + pad_tokens, num_heads, head_size, device=DEVICE).to(dtype)
+    qsl = [0]
+    for _, q in seqs:
+        qsl.append(qsl[-1] + q)
+    md = AttentionMetadata(
+        num_tokens=num_real + pad_tokens, num_seqs=len(seqs), max_query_len=max(q for _, q in seqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.cat(slots).long(), block_tables=tables.to(DEVICE),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+    )
+    return Batch(query, torch.cat(keys), torch.cat(values), kv_cache, md, full_k, full_v, num_real)
+
+
+def reference_attention(batch: Batch, scale: float, sliding_window: int | None, chunk: int = 1024) -> torch.Tensor:
+    """float64 causal attention per sequence with an explicit softmax. Returns [T_real, H, D]."""
+    md = batch.metadata
+    h = batch.query.shape[1]
+    outs = []
+    for s in range(md.num_seqs):
+        lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+        n = md.seq_lens_cpu[s]
+        group = h // batch.full_k[s].shape[1]
+        k = batch.full_k[s].double().repeat_interleave(group, dim=1)   # [n, H, D]
+        v = batch.full_v[s].double().repeat_interleave(group, dim=1)
+        k_pos = torch.arange(n, device=DEVICE)[None, :]
+        for c in range(lo, hi, chunk):
+            q = batch.query[c: min(c + chunk, hi)].double()               # [c, H, D]
+            q_pos = (n - (hi - lo) + (c - lo) + torch.arange(q.shape[0], device=DEVICE))[:, None]
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+            scores = scores.masked_fill(~visible, float("-inf"))
+            w = torch.softmax(scores, dim=-1)
+            outs.append(torch.einsum("hqk,khd->qhd", w, v))
+    return torch.cat(outs)
+
+
+def check(batch: Batch, sliding_window: int | None = None, backend: TritonAttentionBackend | None = None):
+    backend = backend or TritonAttentionBackend()
+    scale = batch.query.shape[-1] ** -0.5
+    backend.prepare(batch.metadata)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
+                          scale=scale, sliding_window=sliding_window)
+    got = out[: batch.num_real_tokens].double()
+    assert torch.isfinite(got).all()
+    tol = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(got, reference_attention(batch, scale, sliding_window), atol=tol, rtol=tol)
+    flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[-2:])
+    assert torch.equal(flat[0][batch.metadata.slot_mapping], batch.key)
+    assert torch.equal(flat[1][batch.metadata.slot_mapping], batch.value)
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256, 80])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 4), (12, 4), (16, 2), (32, 4)])
+def test_mixed_batches(dtype, head_size, heads):
+    seqs = [(0, 100), (37, 1), (200, 64), (1, 1), (64, 129), (500, 1)]
+    batch = make_batch(seqs, *heads, head_size, dtype, pad_tokens=5, seed=head_size + heads[0])
+    check(batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 4), (32, 4), (9, 3)])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_decode(dtype, head_size, heads, splits):
+    seqs = [(n, 1) for n in (1, 15, 16, 17, 300, 1000, 2047, 64)]
+    batch = make_batch(seqs, *heads, head_size, dtype, pad_tokens=3, seed=splits or 0)
+    check(batch, backend=TritonAttentionBackend(decode_splits=splits))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("decode", [False, True])
+def test_block_sizes(block_size, decode):
+    seqs = [(300, 1), (129, 1)] if decode else [(300, 77), (0, 130), (129, 1)]
+    batch = make_batch(seqs, 16, 4, 128, torch.bfloat16, block_size=block_size)
+    check(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [1, 64, 1000])
+def test_sliding_window(dtype, window):
+    check(make_batch([(700, 90), (3, 20), (1200, 1)], 16, 4, 128, dtype, seed=window), sliding_window=window)
+    check(make_batch([(700, 1), (3, 1), (1200, 1)], 16, 4, 128, dtype, seed=window), sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_long_context_decode_8k(dtype):
+    batch = make_batch([(8191, 1), (8000, 1), (4096, 1), (12, 1)], 32, 8, 128, dtype, seed=3,
+                       extra_table_columns=64)
+    check(batch)
+
+
+def test_long_prefill_8k_with_prefix():
+    batch = make_batch([(4096, 4096), (0, 2048)], 8, 2, 128, torch.bfloat16, seed=4)
+    check(batch)
+
+
+def test_decode_graph_replay_with_new_lengths():
+    """One captured decode launch stays right when the lengths and tables change between replays."""
+    seqs = [(100, 1), (1900, 1), (300, 1), (2100, 1)]
+    batch = make_batch(seqs, 32, 8, 128, torch.bfloat16, seed=5, extra_table_columns=8)
+    backend = TritonAttentionBackend()
+    md = batch.metadata
+    scale = 128 ** -0.5
+    backend.prepare(md)
+    static_out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, md, scale=scale)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, md, scale=scale)
+    for seed, lens in ((6, (120, 40, 31, 1990)), (7, (1, 1500, 7, 2050))):
+        other = make_batch([(n, 1) for n in lens], 32, 8, 128, torch.bfloat16, seed=seed, extra_table_columns=0)
+        assert other.metadata.block_tables.shape[1] <= md.block_tables.shape[1]
+        assert other.kv_cache.shape[1] <= batch.kv_cache.shape[1]
+        batch.kv_cache.fill_(float("nan"))
+        batch.kv_cache[:, : other.kv_cache.shape[1]].copy_(other.kv_cache)
+        for dst, src in ((batch.query, other.query), (batch.key, other.key), (batch.value, other.value),
+                         (md.seq_lens, other.metadata.seq_lens), (md.slot_mapping, other.metadata.slot_mapping)):
+            dst.copy_(src)
+        md.block_tables.zero_()
+        md.block_tables[:, : other.metadata.block_tables.shape[1]].copy_(other.metadata.block_tables)
+        graph.replay()
+        got = static_out.double()
+        other.kv_cache = batch.kv_cache
+        torch.testing.assert_close(got, reference_attention(other, scale, None), atol=2e-2, rtol=2e-2)
+
+
+def test_supports_on_cuda():
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, block_size=16)
+    assert TritonAttentionBackend.supports(spec, "cuda")
