@@ -156,15 +156,23 @@ def _normalize(dist_name: str) -> str:
     return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
-def _dist_of(ep: Any) -> Any:
-    return getattr(ep, "dist", None)
-
-
 def _is_in_tree(ep: Any) -> bool:
-    dist = _dist_of(ep)
+    dist = getattr(ep, "dist", None)
     if dist is not None:
         return _normalize(dist.metadata["Name"]) == IN_TREE_DISTRIBUTION
     return ep.value == "plinth" or ep.value.startswith("plinth.")
+
+
+def _new_record(ep: Any) -> PluginRecord:
+    """The record of an entry point before its module is loaded."""
+    dist = getattr(ep, "dist", None)
+    return PluginRecord(
+        name=ep.name,
+        distribution=dist.metadata["Name"] if dist is not None else None,
+        version=dist.version if dist is not None else None,
+        in_tree=_is_in_tree(ep),
+        module=ep.value,
+    )
 
 
 class PluginManager:
@@ -218,7 +226,7 @@ class PluginManager:
             explicit = allow is not None and ep.name in allow
             if not in_tree and not explicit and (no_autoload or allow is not None):
                 continue
-            self._load_entry_point(ep, in_tree, explicit)
+            self._load_entry_point(ep, explicit)
         if allow is not None:
             missing = sorted(allow - set(discovered))
             if missing:
@@ -228,30 +236,17 @@ class PluginManager:
                 )
 
     def _note_duplicate(self, ep: Any, first: Any) -> None:
-        dist, first_dist = _dist_of(ep), _dist_of(first)
-        dist_name = dist.metadata["Name"] if dist is not None else None
-        first_name = first_dist.metadata["Name"] if first_dist is not None else None
-        if dist_name is not None and first_name is not None and _normalize(dist_name) == _normalize(first_name):
+        record, first_name = _new_record(ep), _new_record(first).distribution
+        if record.distribution is not None and first_name is not None \
+                and _normalize(record.distribution) == _normalize(first_name):
             return  # the same distribution found twice on sys.path
-        record = PluginRecord(
-            name=ep.name, distribution=dist_name, version=dist.version if dist is not None else None,
-            in_tree=_is_in_tree(ep), module=ep.value,
-            error=f"plugin name {ep.name!r} is already used by {first.value!r} "
-                  f"(distribution {first_name or 'unknown'}); skipped",
-        )
+        record.error = (f"plugin name {ep.name!r} is already used by {first.value!r} "
+                        f"(distribution {first_name or 'unknown'}); skipped")
         logger.warning("skipping plugin %r from %r: %s", ep.name, ep.value, record.error)
         self._shadowed.append(record)
 
-    def _load_entry_point(self, ep: Any, in_tree: bool, explicit: bool) -> None:
-        dist = _dist_of(ep)
-        record = PluginRecord(
-            name=ep.name,
-            distribution=dist.metadata["Name"] if dist is not None else None,
-            version=dist.version if dist is not None else None,
-            in_tree=in_tree,
-            module=ep.value,
-        )
-        self.records[ep.name] = record
+    def _load_entry_point(self, ep: Any, explicit: bool) -> None:
+        record = self.records[ep.name] = _new_record(ep)
         try:
             module = ep.load()
         except Exception as exc:  # any import-time error is reported with the plugin's name

@@ -34,7 +34,9 @@ from plinth.plugins import (
 
 FIXTURES = Path(__file__).parent / "fixtures" / "plugin_packages"
 IN_TREE_PLATFORMS = ("cpu", "cuda", "rocm", "xpu")
-FIXTURE_PLUGINS = {"test_good", "test_broken", "test_api_mismatch", "test_misspelled"}
+# fixture package directory -> the plugin (entry-point) name it installs
+FIXTURE_PACKAGES = {"good": "test_good", "broken": "test_broken", "api_mismatch": "test_api_mismatch",
+                    "misspelled": "test_misspelled"}
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +45,10 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("plugin_src")
     site = tmp_path_factory.mktemp("plugin_site")
     packages = []
-    for pkg in sorted(p for p in FIXTURES.iterdir() if (p / "pyproject.toml").is_file()):
+    for pkg in FIXTURE_PACKAGES:
         # build from a copy so that setuptools' build/ and egg-info stay out of the source tree
-        shutil.copytree(pkg, src / pkg.name, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        packages.append(str(src / pkg.name))
+        shutil.copytree(FIXTURES / pkg, src / pkg, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        packages.append(str(src / pkg))
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
          "--disable-pip-version-check", "--target", str(site), *packages],
@@ -100,6 +102,7 @@ def third_party(out: dict) -> set[str]:
 
 def test_good_plugin_is_discovered_with_its_registrations(plugin_site: Path) -> None:
     out = discover(plugin_site)
+    assert set(FIXTURE_PACKAGES.values()) <= set(out["records"])  # every installed fixture was found
     rec = out["records"]["test_good"]
     assert rec["distribution"] == "plinth-test-good"
     assert rec["version"] == "0.1.0"
