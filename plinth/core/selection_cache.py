@@ -1,0 +1,102 @@
+"""The on-disk record of earlier selections: one JSON file per kind and key.
+
+Files live in ``plinth.config.cache_dir() / "selection"`` and are named
+``<kind>-<sha256 of the key>.json``; each holds its full key, so a hash collision or a stale
+file is detected on read. Writes go to a temporary file in the same directory that is then
+renamed over the target, so a reader never sees half a record, even with several engines
+starting at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plinth import config
+from plinth.plugins import PluginManager, Registration
+
+logger = logging.getLogger(__name__)
+
+SUBDIR = "selection"
+#: bump when the record format or the meaning of a key part changes
+FORMAT_VERSION = 1
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def base_key(platform: Any, pm: PluginManager, registrations: Mapping[str, Registration]) -> dict[str, Any]:
+    """The key parts every kind shares: device, platform, library and candidate-plugin versions."""
+    candidates = {}
+    for name, reg in registrations.items():
+        record = pm.records.get(reg.plugin)
+        candidates[name] = {
+            "ref": reg.ref,
+            "plugin": reg.plugin,
+            "distribution": record.distribution if record else None,
+            "version": record.version if record else None,
+        }
+    return {
+        "format": FORMAT_VERSION,
+        "plinth": _dist_version("plinth-llm"),
+        "device": platform.device_name(),
+        "platform": platform.name,
+        "torch": torch.__version__,
+        "triton": _dist_version("triton"),
+        "candidates": candidates,
+    }
+
+
+class SelectionCache:
+    """The record for one ``kind`` and ``key`` in ``directory`` (default: the user cache)."""
+
+    def __init__(self, directory: Path | str | None, kind: str, key: dict[str, Any]):
+        self.directory = Path(directory) if directory is not None else config.cache_dir() / SUBDIR
+        self.key = key
+        blob = json.dumps(key, sort_keys=True, default=str)
+        self.path = self.directory / f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+        self._key_json = json.loads(blob)  # the key as it reads back from disk
+
+    def read(self) -> dict[str, Any] | None:
+        """The stored record for this key, or None (missing, unreadable or for another key)."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                record = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable selection record %s: %s", self.path, exc)
+            return None
+        if not isinstance(record, dict) or record.get("key") != self._key_json:
+            return None
+        return record
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Store ``record`` (plus the key) atomically; a failure is logged, never raised."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".json")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump({**record, "key": self._key_json}, f, indent=1, default=str)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:
+            logger.warning("could not store the selection in %s: %s", self.directory, exc)

@@ -1,0 +1,327 @@
+"""Startup selection: correctness gate, timing, the on-disk record, forced choices, modes.
+
+The candidates come from the fixture plugin package ``plinth-test-backends`` (a fast correct
+backend, a slow correct one, a fast wrong one, one that refuses every spec, one that cannot be
+imported). In-process tests register its module with a fresh plugin manager; the subprocess
+tests install it for real and let entry points find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from plinth.attention_backends.interface import AttentionSpec, Support
+from plinth.attention_backends.probe import AttentionWorkload
+from plinth.config import DeviceConfig
+from plinth.core.selection import ATTENTION_ENV, describe_platform, select_attention_backend
+from plinth.entrypoints.selection_report import format_selection_table, print_selection_table
+from plinth.errors import SelectionError
+from plinth.platforms.interface import Platform
+from plinth.plugins import PluginManager
+
+FIXTURE = Path(__file__).parent / "fixtures" / "plugin_packages" / "plinth-test-backends"
+TEST_BACKENDS = ["test_slow", "test_fast", "test_wrong", "test_picky", "test_broken"]
+QUICK = ["test_fast", "test_wrong", "test_picky"]  # still a real benchmark, without the sleeps
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, block_size=4)
+WORKLOAD = AttentionWorkload(prefill_seqs=1, prefill_len=12, decode_seqs=3, decode_context=9)
+
+
+class FakeCpu(Platform):
+    """A CPU platform that counts device synchronisations."""
+
+    name = "fakecpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    @classmethod
+    def is_available(cls) -> Support:
+        return Support.yes()
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32,)
+
+    def total_memory(self, index: int = 0) -> int:
+        return 1 << 30
+
+    def free_memory(self, index: int = 0) -> int:
+        return 1 << 30
+
+    def device_name(self, index: int = 0) -> str:
+        return "Fake CPU 9000"
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+
+@pytest.fixture
+def backends(monkeypatch):
+    """The fixture plugin's backends module, importable, with its call counter cleared."""
+    monkeypatch.syspath_prepend(str(FIXTURE))
+    import plinth_test_backends.backends as mod
+
+    mod.CALLS.clear()
+    return mod
+
+
+@pytest.fixture
+def pm(backends):
+    import plinth_test_backends
+
+    manager = PluginManager(env={"PLINTH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    manager.register_module(plinth_test_backends, "test_backends")
+    manager.records["test_backends"].version = "1.0.0"
+    return manager
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_env(monkeypatch):
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+
+
+def run(pm, tmp_path, *, spec=SPEC, mode="cached", forced=None, candidates=TEST_BACKENDS, platform=None):
+    platform = platform or FakeCpu()
+    config = DeviceConfig(selection=mode, attention_backend=forced)
+    result = select_attention_backend(spec, platform, config, pm=pm, cache_dir=tmp_path / "sel",
+                                      workload=WORKLOAD, candidates=candidates)
+    return result, platform
+
+
+def test_fast_correct_backend_wins(pm, backends, tmp_path):
+    result, platform = run(pm, tmp_path)
+    assert result.winner == "test_fast" and result.winner_cls is backends.FastBackend
+    assert not result.from_cache and result.how == "benchmark"
+    fast, slow, wrong = (result.report(n) for n in ("test_fast", "test_slow", "test_wrong"))
+    assert fast.chosen and fast.status == "chosen" and fast.max_error < 1e-5
+    # the wrong one is rejected with its error figure, and never timed
+    assert wrong.status == "rejected" and wrong.times_ms is None
+    assert wrong.max_error > 0.1 and f"{wrong.max_error:.3g}" in wrong.reason and "tolerance" in wrong.reason
+    # the slow one is correct but loses on time, in every workload step
+    assert slow.status == "slower" and slow.max_error < 1e-5
+    assert set(slow.times_ms) == {"prefill", "decode"}
+    assert all(t >= backends.SLOW_SECONDS * 1e3 for t in slow.times_ms.values())
+    assert slow.total_ms > fast.total_ms
+    assert result.runner_up is slow
+    assert platform.syncs > 0  # timing synchronised the device
+    # unsupported candidates keep their reasons
+    picky, broken = result.report("test_picky"), result.report("test_broken")
+    assert not picky.supported and "head size 16 unsupported" in picky.reason
+    assert not broken.supported and broken.reason.startswith("unsupported:") and "missing_module" in broken.reason
+    line = result.summary()
+    assert line.startswith("attention_backend: test_fast (prefill") and "runner-up test_slow" in line
+    exposed = json.loads(json.dumps(result.to_dict()))
+    assert exposed["winner"] == "test_fast"
+    assert {c["name"]: c["status"] for c in exposed["candidates"]} == {
+        "test_fast": "chosen", "test_slow": "slower", "test_wrong": "rejected",
+        "test_picky": "unsupported", "test_broken": "unsupported"}
+
+
+def test_second_selection_reads_the_cache_and_times_nothing(pm, backends, tmp_path):
+    first, _ = run(pm, tmp_path)
+    assert sum(backends.CALLS.values()) > 0
+    backends.CALLS.clear()
+    second, platform = run(pm, tmp_path)
+    assert second.from_cache and second.how == "cache"
+    assert sum(backends.CALLS.values()) == 0 and platform.syncs == 0
+    assert second.winner == "test_fast" and second.winner_cls is backends.FastBackend
+    assert second.report("test_wrong").max_error == pytest.approx(first.report("test_wrong").max_error)
+    assert second.report("test_slow").times_ms == pytest.approx(first.report("test_slow").times_ms)
+    files = list((tmp_path / "sel").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("attention_backend-") and files[0].suffix == ".json"
+    key = json.loads(files[0].read_text())["key"]
+    assert key["device"] == "Fake CPU 9000" and key["platform"] == "fakecpu"
+    assert key["torch"] == torch.__version__ and "triton" in key
+    assert key["candidates"]["test_fast"]["version"] == "1.0.0"
+    assert key["dtype"] == "float32" and key["spec"]["head_size"] == 16
+    assert key["workload"]["decode_seqs"] == WORKLOAD.decode_seqs
+
+
+@pytest.mark.parametrize("change", ["plugin_version", "dtype", "shapes", "device"])
+def test_cache_is_invalidated_when_a_key_part_changes(pm, backends, tmp_path, change):
+    run(pm, tmp_path, candidates=QUICK)
+    backends.CALLS.clear()
+    spec, platform = SPEC, FakeCpu()
+    if change == "plugin_version":
+        pm.records["test_backends"].version = "1.0.1"
+    elif change == "dtype":
+        spec = AttentionSpec(4, 2, 16, torch.float64, 4)
+    elif change == "shapes":
+        spec = AttentionSpec(4, 4, 16, torch.float32, 4)
+    else:
+        platform.device_name = lambda index=0: "Fake CPU 9001"
+    result, _ = run(pm, tmp_path, spec=spec, platform=platform, candidates=QUICK)
+    assert not result.from_cache and sum(backends.CALLS.values()) > 0
+    assert result.winner == "test_fast"
+    assert len(list((tmp_path / "sel").iterdir())) == 2  # both records kept
+
+
+def test_benchmark_mode_always_times(pm, backends, tmp_path):
+    run(pm, tmp_path, candidates=QUICK)
+    backends.CALLS.clear()
+    result, _ = run(pm, tmp_path, mode="benchmark", candidates=QUICK)
+    assert not result.from_cache and backends.CALLS["test_fast"] > 0
+
+
+def test_unreadable_record_is_a_miss_and_is_rewritten(pm, backends, tmp_path):
+    run(pm, tmp_path, candidates=QUICK)
+    (record,) = (tmp_path / "sel").iterdir()
+    record.write_text("{ half a record")
+    backends.CALLS.clear()
+    result, _ = run(pm, tmp_path, candidates=QUICK)
+    assert not result.from_cache and sum(backends.CALLS.values()) > 0
+    assert json.loads(record.read_text())["winner"] == "test_fast"
+    assert [p.name for p in (tmp_path / "sel").iterdir()] == [record.name]  # no temporary files left
+
+
+def test_selection_off_takes_highest_priority_without_timing(pm, backends, tmp_path):
+    result, platform = run(pm, tmp_path, mode="off")
+    assert result.winner == "test_slow"  # priority 50 beats test_fast (10) and test_wrong (1)
+    assert result.how == "priority (selection off)"
+    assert sum(backends.CALLS.values()) == 0 and platform.syncs == 0
+    assert not (tmp_path / "sel").exists()
+
+
+def test_single_supported_candidate_is_taken_untimed(pm, backends, tmp_path):
+    result, _ = run(pm, tmp_path, candidates=["test_wrong", "test_picky"])
+    assert result.winner == "test_wrong" and result.how == "only candidate"
+    assert sum(backends.CALLS.values()) == 0
+
+
+def test_forced_choice(pm, backends, tmp_path, monkeypatch):
+    result, _ = run(pm, tmp_path, forced="test_slow")
+    assert result.winner == "test_slow" and result.winner_cls is backends.SlowBackend
+    assert "forced" in result.how and sum(backends.CALLS.values()) == 0
+    monkeypatch.setenv(ATTENTION_ENV, "test_wrong")
+    result, _ = run(pm, tmp_path)
+    assert result.winner == "test_wrong" and ATTENTION_ENV in result.how
+    result, _ = run(pm, tmp_path, forced="test_fast")  # the config wins over the environment
+    assert result.winner == "test_fast"
+
+
+def test_forced_unknown_lists_known_backends(pm, tmp_path, monkeypatch):
+    with pytest.raises(SelectionError) as err:
+        run(pm, tmp_path, forced="nope")
+    assert "'nope'" in str(err.value) and "torch_sdpa" in str(err.value) and "test_fast" in str(err.value)
+    monkeypatch.setenv(ATTENTION_ENV, "nope2")
+    with pytest.raises(SelectionError, match=f"nope2.*{ATTENTION_ENV}"):
+        run(pm, tmp_path)
+
+
+@pytest.mark.parametrize("name,reason", [("test_picky", "head size 16 unsupported"),
+                                         ("test_broken", "missing_module")])
+def test_forced_but_unsupported_gives_the_reason(pm, tmp_path, name, reason):
+    with pytest.raises(SelectionError, match=reason) as err:
+        run(pm, tmp_path, forced=name)
+    assert name in str(err.value) and "cannot run here" in str(err.value)
+
+
+def test_no_usable_candidate(pm, tmp_path):
+    with pytest.raises(SelectionError, match="no attention_backend can run here.*test_picky.*head size"):
+        run(pm, tmp_path, candidates=["test_picky", "test_broken"])
+    with pytest.raises(SelectionError, match="unknown attention_backend 'bogus'"):
+        run(pm, tmp_path, candidates=["test_fast", "bogus"])
+
+
+def test_real_cpu_selection_between_sdpa_and_batched(tmp_path, capsys):
+    from plinth.platforms.cpu.platform import CpuPlatform
+
+    pm = PluginManager(env={"PLINTH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    platform = CpuPlatform()
+    spec = AttentionSpec(num_heads=9, num_kv_heads=3, head_size=64, dtype=torch.float32, block_size=16)
+    workload = AttentionWorkload(prefill_seqs=2, prefill_len=64, decode_seqs=8, decode_context=128)
+    result = select_attention_backend(spec, platform, DeviceConfig(), pm=pm, cache_dir=tmp_path, workload=workload)
+    assert result.winner in ("torch_sdpa", "torch_batched") and not result.from_cache
+    for name in ("torch_sdpa", "torch_batched"):
+        report = result.report(name)
+        assert report.supported and not report.reason and set(report.times_ms) == {"prefill", "decode"}
+        assert report.max_error < 1e-4
+    print_selection_table(describe_platform(platform, pm))
+    print_selection_table(result)
+    out = capsys.readouterr().out
+    assert "platform: cpu" in out and f"attention_backend: {result.winner} (benchmark" in out
+    winner_row = next(line for line in out.splitlines() if line.startswith("*") and "torch_" in line)
+    assert result.winner in winner_row and "chosen" in winner_row
+    assert "MAX ERROR" in out and "TIMES (ms)" in out
+    again = select_attention_backend(spec, platform, DeviceConfig(), pm=pm, cache_dir=tmp_path, workload=workload)
+    assert again.from_cache and again.winner == result.winner and again.elapsed_s < 0.5
+    assert "from cache" in format_selection_table(again)
+
+
+# -- the plugin package installed for real, selection in a fresh interpreter --------------------
+
+
+def _install(tmp_path_factory, version: str) -> Path:
+    src = tmp_path_factory.mktemp(f"src-{version}") / "pkg"
+    shutil.copytree(FIXTURE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pyproject = src / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('version = "1.0.0"', f'version = "{version}"'))
+    target = tmp_path_factory.mktemp(f"site-{version}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(src)], check=True, capture_output=True, timeout=300)
+    return target
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    return {v: _install(tmp_path_factory, v) for v in ("1.0.0", "1.1.0")}
+
+
+SCRIPT = textwrap.dedent("""
+    import json, torch
+    from plinth.attention_backends.interface import AttentionSpec
+    from plinth.attention_backends.probe import AttentionWorkload
+    from plinth.config import DeviceConfig
+    from plinth.core.selection import select_attention_backend
+    from plinth.platforms.cpu.platform import CpuPlatform
+    from plinth.plugins import get_plugin_manager
+    import plinth_test_backends.backends as tb
+
+    spec = AttentionSpec(4, 2, 16, torch.float32, 4)
+    workload = AttentionWorkload(prefill_seqs=1, prefill_len=12, decode_seqs=3, decode_context=9)
+    result = select_attention_backend(spec, CpuPlatform(), DeviceConfig(), workload=workload,
+                                      candidates=["test_slow", "test_fast", "test_wrong", "test_broken"])
+    pm = get_plugin_manager()
+    print(json.dumps({"result": result.to_dict(), "calls": dict(tb.CALLS),
+                      "version": pm.records["test_backends"].version, "file": tb.__file__}))
+""")
+
+
+def _select_in_subprocess(site: Path, cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLINTH_")}
+    env.update(PYTHONPATH=str(site), PLINTH_CACHE_DIR=str(cache))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_installed_plugin_package_selection_and_cache(installed, tmp_path):
+    cache = tmp_path / "cache"
+    first = _select_in_subprocess(installed["1.0.0"], cache)
+    assert first["version"] == "1.0.0" and first["file"].startswith(str(installed["1.0.0"]))
+    assert first["result"]["winner"] == "test_fast" and not first["result"]["from_cache"]
+    statuses = {c["name"]: c for c in first["result"]["candidates"]}
+    assert statuses["test_wrong"]["status"] == "rejected" and statuses["test_wrong"]["max_error"] > 0.1
+    assert statuses["test_slow"]["status"] == "slower"
+    assert statuses["test_broken"]["status"] == "unsupported"
+    assert first["calls"]["test_fast"] > 0
+    assert len(list((cache / "selection").glob("attention_backend-*.json"))) == 1
+
+    second = _select_in_subprocess(installed["1.0.0"], cache)
+    assert second["result"]["from_cache"] and second["result"]["winner"] == "test_fast"
+    assert second["calls"] == {}  # no candidate ran
+
+    bumped = _select_in_subprocess(installed["1.1.0"], cache)
+    assert bumped["version"] == "1.1.0"
+    assert not bumped["result"]["from_cache"] and bumped["calls"]["test_fast"] > 0
+    assert len(list((cache / "selection").glob("attention_backend-*.json"))) == 2
