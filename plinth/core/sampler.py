@@ -1,0 +1,328 @@
+"""Sampling: one step's logits to next tokens (and logprobs), vectorised over the batch.
+
+Order of operations, per row (vLLM's):
+
+1. logprobs, when asked, are taken from the RAW model logits (``log_softmax`` before
+   min_tokens, penalties, temperature or filters), as vLLM does by default;
+2. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf`` while fewer
+   than ``min_tokens`` tokens have been generated;
+3. penalties: repetition (CTRL: a logit of a token seen in prompt or output is divided by the
+   penalty when positive, multiplied when not), then frequency and presence (OpenAI:
+   ``logit -= frequency * count + presence * (count > 0)`` over output tokens);
+4. greedy rows (``temperature < 1e-5``) take the argmax here;
+5. temperature, then min-p (drop tokens whose probability is below ``min_p`` times the top
+   one), then top-k (keep the k highest logits, ties with the k-th included), then top-p (keep
+   the smallest set of most likely tokens whose mass reaches ``top_p``, renormalised after
+   top-k);
+6. a random choice with the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``.
+
+Seeds. A seeded row's noise is a counter-based hash of (seed, output index, token id), so a
+seed gives the same tokens whatever else is in the batch, after a preemption, and on any
+device. Unseeded rows draw from the sampler's own generator (seeded from the engine seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from plinth.core.request import Logprob, PositionLogprobs, Request
+
+SAMPLING_EPS = 1e-5   # temperatures below this are greedy
+_M32 = 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as device tensors (``None`` = unused by every row)."""
+
+    temperature: torch.Tensor                # [B] float32; 1.0 on greedy rows
+    greedy: torch.Tensor                     # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+    top_k: torch.Tensor | None               # [B] int64 in [1, V] (V = off)
+    max_top_k: int                           # host copy of max(top_k)
+    top_p: torch.Tensor | None               # [B] float32 (1.0 = off)
+    min_p: torch.Tensor | None               # [B] float32 (0.0 = off)
+    repetition_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None   # [B] float32
+    presence_penalty: torch.Tensor | None    # [B] float32
+    output_counts: torch.Tensor | None       # [B, V] float32: occurrences of each token in the output
+    prompt_mask: torch.Tensor | None         # [B, V] bool: token occurs in the prompt
+    min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None   # (rows [M], token ids [M]) to mask
+    seeded_rows: torch.Tensor | None         # [S] int64
+    seed_keys: torch.Tensor | None           # [S, 2] int64: 32-bit keys of (seed, output index)
+    num_logprobs: list[int | None]           # [B] per row
+    max_num_logprobs: int | None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_logprobs)
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        """Gather the parameters of ``requests`` (one row each, in order) for one step."""
+        device = torch.device(device)
+        V = vocab_size
+        params = [r.sampling_params for r in requests]
+        temp = np.array([p.temperature for p in params], dtype=np.float32)
+        greedy = temp < SAMPLING_EPS
+        temp[greedy] = 1.0
+        random = ~greedy
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        top_k = np.array([p.top_k if 0 < p.top_k < V else V for p in params], dtype=np.int64)
+        top_p = np.array([p.top_p for p in params], dtype=np.float32)
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)
+        use_k = bool((top_k[random] < V).any())
+        use_p = bool((top_p[random] < 1.0).any())
+        use_min_p = bool((min_p[random] > 0.0).any())
+
+        rep = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        freq = np.array([p.frequency_penalty for p in params], dtype=np.float32)
+        pres = np.array([p.presence_penalty for p in params], dtype=np.float32)
+        use_rep = bool((rep != 1.0).any())
+        use_add = bool((freq != 0.0).any() or (pres != 0.0).any())
+        counts = prompt_mask = None
+        if use_rep or use_add:
+            counts = torch.zeros(len(requests), V, dtype=torch.float32, device=device)
+            rows, ids = _flatten([r.output_token_ids for r in requests])
+            counts.index_put_((dev(rows), dev(ids)), torch.ones(len(ids), device=device), accumulate=True)
+            if use_rep:
+                prompt_mask = torch.zeros(len(requests), V, dtype=torch.bool, device=device)
+                rows, ids = _flatten([r.prompt_token_ids for r in requests])
+                prompt_mask[dev(rows), dev(ids)] = True
+
+        min_tokens_index = None
+        masked = [sorted(t for t in r.stop_token_ids if t < V)
+                  if r.num_output_tokens < r.sampling_params.min_tokens else [] for r in requests]
+        if any(masked):
+            rows, ids = _flatten(masked)
+            min_tokens_index = (dev(rows), dev(ids))
+
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
+        seeded_rows = seed_keys = None
+        if seeded:
+            seeds = np.array([params[i].seed & (2**64 - 1) for i in seeded], dtype=np.uint64)
+            steps = np.array([requests[i].num_output_tokens for i in seeded], dtype=np.uint64)
+            keys = _splitmix64(_splitmix64(seeds) ^ steps)
+            seed_keys = dev(np.stack([keys & _M32, keys >> np.uint64(32)], axis=1).astype(np.int64))
+            seeded_rows = dev(np.array(seeded, dtype=np.int64))
+
+        num_logprobs = [p.logprobs for p in params]
+        asked = [n for n in num_logprobs if n is not None]
+        return cls(
+            temperature=dev(temp), greedy=dev(greedy), all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            top_k=dev(top_k) if use_k else None, max_top_k=int(top_k[top_k < V].max()) if use_k else V,
+            top_p=dev(top_p) if use_p else None, min_p=dev(min_p) if use_min_p else None,
+            repetition_penalty=dev(rep) if use_rep else None,
+            frequency_penalty=dev(freq) if use_add else None, presence_penalty=dev(pres) if use_add else None,
+            output_counts=counts, prompt_mask=prompt_mask, min_tokens_index=min_tokens_index,
+            seeded_rows=seeded_rows, seed_keys=seed_keys,
+            num_logprobs=num_logprobs, max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+@dataclasses.dataclass
+class LogprobsTensors:
+    """Logprobs of one token per row: column 0 is the chosen token, columns 1.. the top-N."""
+
+    token_ids: torch.Tensor   # [B, N + 1] int64
+    logprobs: torch.Tensor    # [B, N + 1] float32
+    ranks: torch.Tensor       # [B] int64: rank of the chosen token (1 = most likely)
+
+    def to_position_logprobs(self, num_logprobs: Sequence[int | None]) -> list[PositionLogprobs | None]:
+        """Per row: ``{token id: Logprob}`` with the chosen token and the top ``num_logprobs[row]``."""
+        ids, lps, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        out: list[PositionLogprobs | None] = []
+        for row, n in enumerate(num_logprobs):
+            if n is None:
+                out.append(None)
+                continue
+            entry = {ids[row][0]: Logprob(lps[row][0], ranks[row])}
+            for j in range(1, n + 1):
+                entry.setdefault(ids[row][j], Logprob(lps[row][j], j))
+            out.append(entry)
+        return out
+
+
+@dataclasses.dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor          # [B] int64
+    logprobs: LogprobsTensors | None         # when any row asked for logprobs
+
+
+class Sampler:
+    """Samples the next token of every row of a batch.
+
+    Args:
+        seed: seeds the generator used by rows without their own seed.
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (``[B, V]``, any float dtype)."""
+        raw = logits
+        greedy_logits, random_logits = self.process_logits(logits, batch)
+        if batch.all_greedy:
+            tokens = greedy_logits.argmax(dim=-1)
+        else:
+            assert random_logits is not None
+            probs = random_logits.softmax(dim=-1)                 # [B, V]
+            noise = self._exponential(probs, batch)                # [B, V]
+            tokens = (probs / noise).argmax(dim=-1)
+            if batch.any_greedy:
+                tokens = torch.where(batch.greedy, greedy_logits.argmax(dim=-1), tokens)
+        lp = None
+        if batch.max_num_logprobs is not None:
+            lp = gather_logprobs(torch.log_softmax(raw.float(), dim=-1), tokens, batch.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=lp)
+
+    def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits the choice is made from.
+
+        Returns:
+            ``(penalised, filtered)``: ``penalised`` [B, V] after min_tokens and penalties (the
+            greedy rows' argmax); ``filtered`` [B, V] after temperature, min-p, top-k and top-p
+            (``-inf`` on dropped tokens; the random rows' distribution), or ``None`` when every
+            row is greedy.
+        """
+        x = logits.to(torch.float32, copy=True)                   # [B, V]
+        if batch.min_tokens_index is not None:
+            x[batch.min_tokens_index] = float("-inf")
+        x = apply_penalties(x, batch)
+        if batch.all_greedy:
+            return x, None
+        y = x / batch.temperature.unsqueeze(1)
+        if batch.min_p is not None:
+            y = apply_min_p(y, batch.min_p)
+        y = apply_top_k_top_p(y, batch.top_k, batch.top_p, batch.max_top_k)
+        return x, y
+
+    def _exponential(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        gen = self._generators.get(probs.device)
+        if gen is None:
+            gen = self._generators[probs.device] = torch.Generator(device=probs.device)
+            gen.manual_seed(self.seed)
+        noise = torch.empty_like(probs).exponential_(generator=gen).clamp_min_(1e-20)
+        if batch.seeded_rows is not None:
+            assert batch.seed_keys is not None
+            noise[batch.seeded_rows] = -torch.log(counter_uniform(batch.seed_keys, probs.shape[1]))
+        return noise
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt + output), then frequency and presence (output) penalties."""
+    counts = batch.output_counts
+    if batch.repetition_penalty is not None:
+        assert counts is not None and batch.prompt_mask is not None
+        seen = batch.prompt_mask | (counts > 0)                             # [B, V]
+        pen = batch.repetition_penalty.unsqueeze(1)                         # [B, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+    if batch.frequency_penalty is not None:
+        assert counts is not None and batch.presence_penalty is not None
+        logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+        logits = logits - batch.presence_penalty.unsqueeze(1) * (counts > 0).float()
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` ([B]) times the row's highest."""
+    probs = logits.softmax(dim=-1)                                          # [B, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)      # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      max_top_k: int | None = None) -> torch.Tensor:
+    """Keep the ``top_k`` ([B], V = off) highest logits, then the top-``top_p`` ([B]) mass."""
+    if top_k is None and top_p is None:
+        return logits
+    V = logits.shape[-1]
+    if top_p is None and max_top_k is not None and max_top_k < V:
+        assert top_k is not None
+        kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+        kth = torch.where((top_k >= V).unsqueeze(1), torch.full_like(kth, float("-inf")), kth)
+        return logits.masked_fill(logits < kth, float("-inf"))
+    ascending, order = logits.sort(dim=-1)                                  # [B, V]
+    if top_k is not None:
+        kth = ascending.gather(1, (V - top_k).unsqueeze(1))                 # [B, 1]: the k-th largest
+        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    if top_p is not None:
+        mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)               # [B, V]
+        drop = (mass_below <= (1 - top_p).unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        drop[:, -1] = False                                                 # always keep the top token
+        ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num: int) -> LogprobsTensors:
+    """Chosen-token logprob and rank plus the top ``num`` of each row of ``logprobs`` ([B, V])."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))                     # [B, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1                             # [B]
+    top_lp, top_ids = logprobs.topk(num, dim=-1)                            # [B, num]
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+        logprobs=torch.cat([chosen, top_lp], dim=1),
+        ranks=ranks,
+    )
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor | Sequence[int],
+                            num_logprobs: int) -> LogprobsTensors:
+    """Prompt logprobs from raw logits: row ``i`` of ``logits`` ([L, V]) predicts ``target_ids[i]``.
+
+    For a whole prompt, pass the logits of positions ``0 .. P-2`` and ``prompt_ids[1:]``; the
+    first prompt token has no logprob. Use :meth:`LogprobsTensors.to_position_logprobs`.
+    """
+    targets = torch.as_tensor(target_ids, dtype=torch.int64, device=logits.device)
+    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, num_logprobs)
+
+
+def counter_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), ``[S, V]`` float32, a pure function of ``keys`` ([S, 2] int64) and the column.
+
+    32-bit integer hashing done in int64 without overflow, so every device gives the same bits.
+    """
+    idx = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)  # [V]
+    x = (idx * 0x9E3779B1 + keys[:, :1]) & _M32                             # [S, V]
+    x = _fmix32(_fmix32(x) ^ keys[:, 1:])
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` with int64 intermediates below ``2**49``."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A 64-bit mixer over uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _flatten(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row index, value) pairs of a ragged list of lists, as int64 arrays."""
+    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
+    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum()))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), values
