@@ -37,85 +37,20 @@ from plinth.attention_backends.interface import AttentionBackend, AttentionSpec,
 from plinth.attention_backends.probe import AttentionWorkload
 from plinth.config import DeviceConfig
 from plinth.core.selection_cache import SelectionCache, base_key
+from plinth.core.selection_records import CandidateReport, SelectionResult
 from plinth.errors import SelectionError
 from plinth.plugins import PluginError, PluginManager, Registration, get_plugin_manager
+
+__all__ = [
+    "ATTENTION_ENV", "AttentionCandidates", "AttentionWorkload", "CandidateKind", "CandidateReport",
+    "SelectionResult", "describe_platform", "select", "select_attention_backend",
+]
 
 logger = logging.getLogger(__name__)
 
 #: untimed runs of every step before the timed ones, then timed runs whose median is kept
 WARMUP_RUNS = 2
 TIMED_RUNS = 5
-
-
-@dataclasses.dataclass
-class CandidateReport:
-    """What selection learned about one candidate.
-
-    ``supported`` is the answer of ``supports`` (False also when it cannot be imported);
-    a supported candidate with a non-empty ``reason`` was rejected (wrong results or a failure).
-    ``times_ms`` maps a workload step (e.g. ``"prefill"``) to its median time.
-    """
-
-    name: str
-    plugin: str
-    supported: bool
-    reason: str = ""
-    max_error: float | None = None
-    times_ms: dict[str, float] | None = None
-    chosen: bool = False
-
-    @property
-    def status(self) -> str:
-        if self.chosen:
-            return "chosen"
-        if not self.supported:
-            return "unsupported"
-        return "rejected" if self.reason else ("slower" if self.times_ms else "supported")
-
-    @property
-    def total_ms(self) -> float | None:
-        return sum(self.times_ms.values()) if self.times_ms else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "status": self.status}
-
-
-@dataclasses.dataclass
-class SelectionResult:
-    """The outcome of one selection; ``to_dict()`` is what the server exposes."""
-
-    kind: str
-    winner: str
-    winner_cls: Any
-    candidates: list[CandidateReport]
-    from_cache: bool
-    elapsed_s: float
-    how: str = ""  # "forced ...", "benchmark", "cache", "priority (selection off)", "only candidate"
-
-    @property
-    def runner_up(self) -> CandidateReport | None:
-        timed = [c for c in self.candidates if c.total_ms is not None and not c.chosen and not c.reason]
-        return min(timed, key=lambda c: c.total_ms) if timed else None
-
-    def report(self, name: str) -> CandidateReport:
-        return next(c for c in self.candidates if c.name == name)
-
-    def summary(self) -> str:
-        """One log line: winner, runner-up, times."""
-        def fmt(c: CandidateReport) -> str:
-            times = ", ".join(f"{k} {v:.3g} ms" for k, v in (c.times_ms or {}).items())
-            return f"{c.name} ({times})" if times else c.name
-        line = f"{self.kind}: {fmt(self.report(self.winner))} [{self.how}]"
-        if (ru := self.runner_up) is not None:
-            line += f"; runner-up {fmt(ru)}"
-        return line + f"; {self.elapsed_s:.2f} s"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind, "winner": self.winner, "from_cache": self.from_cache,
-            "elapsed_s": self.elapsed_s, "how": self.how,
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
 
 
 class CandidateKind(Protocol):
