@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plinth.attention_backends.interface import AttentionMetadata  # noqa: E402
+from plinth.attention_backends.triton import tiles  # noqa: E402
 from plinth.attention_backends.triton.backend import TritonAttentionBackend  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -136,6 +137,55 @@ def run_case(name: str, seqs: list[tuple[int, int]], args, ceilings: dict[str, f
     }
 
 
+def sweep(args) -> list[dict]:
+    """Time the prefill and decode kernels over a grid of tile configurations (for tuning)."""
+    heads, kv_heads, d, dtype = args.heads, args.kv_heads, args.head_size, DTYPES[args.dtype]
+    group = heads // kv_heads
+    rows = []
+    default_prefill, default_decode = tiles.prefill_tiles, tiles.decode_tiles
+    batch = paged_batch([(0, 4096)], heads, kv_heads, d, dtype, args.block_size)
+    flops = 4 * heads * d * 4096 * 4097 // 2
+    try:
+        for bm in (64, 128):
+            for bn in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        cfg = tiles.PrefillTiles(bm, bm // group, bn, warps, stages)
+                        tiles.prefill_tiles = lambda *a, cfg=cfg: cfg
+                        ms = _time_forward(TritonAttentionBackend(), batch, d, args)
+                        rows.append({"kind": "prefill", "config": str(cfg), "ms": ms, "tflop_s": flops / ms / 1e9})
+        tiles.prefill_tiles = default_prefill
+        batch = paged_batch([(2047, 1)] * 64, heads, kv_heads, d, dtype, args.block_size)
+        nbytes = 64 * 2048 * kv_heads * d * 2 * 2
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    for splits in (1, 2, 4):
+                        cfg = tiles.DecodeTiles(max(16, group), bn, warps, stages)
+                        tiles.decode_tiles = lambda *a, cfg=cfg: cfg
+                        ms = _time_forward(TritonAttentionBackend(decode_splits=splits), batch, d, args)
+                        rows.append({"kind": "decode", "config": f"{cfg} splits={splits}", "ms": ms,
+                                     "gb_s": nbytes / ms / 1e6})
+    finally:
+        tiles.prefill_tiles, tiles.decode_tiles = default_prefill, default_decode
+    for kind, key in (("prefill", "tflop_s"), ("decode", "gb_s")):
+        best = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["ms"])[:8]
+        for r in best:
+            print(f"{kind:<8} {r['ms']:8.3f} ms {r[key]:8.0f} {key}  {r['config']}")
+    return rows
+
+
+def _time_forward(backend: TritonAttentionBackend, batch, head_size: int, args) -> float:
+    query, key, value, kv_cache, md, _, _ = batch
+    backend.prepare(md)
+    try:
+        return bench_ms(lambda: backend.forward(query, key, value, kv_cache, md, scale=head_size**-0.5),
+                        args.warmup_ms / 5, args.rep_ms / 5)
+    except Exception as exc:  # a configuration the compiler cannot fit (shared memory, registers)
+        print(f"  skipped: {type(exc).__name__}: {str(exc)[:120]}")
+        return float("inf")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -146,9 +196,16 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warmup-ms", type=float, default=50.0)
     p.add_argument("--rep-ms", type=float, default=300.0)
+    p.add_argument("--sweep", action="store_true", help="time a grid of tile configurations instead")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_kernels.py needs a CUDA device")
+    if args.sweep:
+        rows = sweep(args)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "sweep": rows}, indent=2))
+        return
 
     ceilings = measured_ceilings(DTYPES[args.dtype], args.warmup_ms, args.rep_ms)
     cases = {

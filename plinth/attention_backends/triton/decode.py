@@ -19,7 +19,7 @@ import triton.language as tl
 
 from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2
 
-_FINITE_MIN = -1.0e30
+_FINITE_MIN = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from plinth.attention_backends.triton.tiles import PrefillTiles, next_power_of_2
 
-_FINITE_MIN = -1.0e30  # running-max start: finite, so fully masked rows never produce NaN
+_FINITE_MIN = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows never give NaN
 
 
 @triton.jit
