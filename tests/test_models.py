@@ -126,3 +126,122 @@ def test_sliding_window_is_applied(tmp_path):
     driver.add(1, [9, 9, 9, 9, 5, 6, 7, 8])
     out = driver.step({0: 8, 1: 8})
     assert (out[0] - out[1]).abs().max().item() > 1e-3
+
+
+# ---- building blocks ----
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+     "mscale": 1.0, "mscale_all_dim": 0.5},
+])
+def test_rope_scaling_matches_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from plinth.model_registry.layers.rotary import compute_inv_freq, rope_parameters
+
+    cfg = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 256,
+                                      "rope_parameters": {"rope_theta": 50000.0, **rope}})
+    ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
+    inv, scale = compute_inv_freq(rope_parameters(cfg), 16, cfg.max_position_embeddings)
+    assert torch.allclose(inv, ref_inv.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(ref_scale)
+
+
+def test_rope_parameters_from_old_style_config():
+    from plinth.model_registry.layers.rotary import rope_parameters
+
+    old = type("Cfg", (), {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})()
+    assert rope_parameters(old) == {"rope_theta": 5e5, "type": "linear", "factor": 2.0, "rope_type": "linear"}
+
+
+def test_unsupported_rope_type_is_a_clear_error():
+    from plinth.errors import UnsupportedModelError
+    from plinth.model_registry.layers.rotary import compute_inv_freq
+
+    with pytest.raises(UnsupportedModelError, match="'longrope'.*supported: default, linear, llama3, yarn"):
+        compute_inv_freq({"rope_type": "longrope", "rope_theta": 1e4}, 16, 128)
+
+
+def _split_mlp(tp_size: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    from plinth.model_registry.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    ranks = []
+    for r in range(tp_size):
+        gu = MergedColumnParallelLinear(16, [24, 24], tp_rank=r, tp_size=tp_size)
+        gu.weight_loader(gu.weight, gate, 0)
+        gu.weight_loader(gu.weight, up, 1)
+        dn = RowParallelLinear(24, 16, tp_rank=r, tp_size=tp_size)
+        dn.weight_loader(dn.weight, down)
+        ranks.append((gu, dn))
+    return ranks
+
+
+def test_tensor_parallel_mlp_shards_sum_to_the_full_result():
+    from plinth.model_registry.layers.activation import SiluAndMul
+
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g),
+                      torch.randn(16, 24, generator=g))
+    x = torch.randn(5, 16, generator=g)
+    full = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+    for tp in (1, 2, 4):
+        # each rank's partial output (before the all-reduce) summed over ranks
+        total = sum(dn.linear_method.apply(dn, SiluAndMul()(gu(x)), None) for gu, dn in _split_mlp(tp, gate, up, down))
+        assert torch.allclose(total, full, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_kv_heads,tp", [(4, 2), (2, 4), (1, 2)])
+def test_tensor_parallel_qkv_shards(num_kv_heads, tp):
+    from plinth.model_registry.layers.linear import QKVParallelLinear
+
+    d, hq = 4, 8
+    q = torch.arange(hq * d * 6, dtype=torch.float32).view(hq * d, 6)
+    k = -torch.arange(num_kv_heads * d * 6, dtype=torch.float32).view(num_kv_heads * d, 6)
+    v = k - 1000
+    for r in range(tp):
+        layer = QKVParallelLinear(6, d, hq, num_kv_heads, tp_rank=r, tp_size=tp)
+        for sid, w in (("q", q), ("k", k), ("v", v)):
+            layer.weight_loader(layer.weight, w, sid)
+        qs, kvs = layer.num_heads * d, layer.num_kv_heads * d
+        assert layer.num_heads == hq // tp
+        kv_head = r * num_kv_heads // tp if num_kv_heads >= tp else r // (tp // num_kv_heads)
+        w = layer.weight
+        assert torch.equal(w[:qs], q[r * qs:(r + 1) * qs])
+        assert torch.equal(w[qs:qs + kvs], k[kv_head * d:kv_head * d + kvs])
+        assert torch.equal(w[qs + kvs:], v[kv_head * d:kv_head * d + kvs])
+
+
+def test_tensor_parallel_vocab_shards():
+    from plinth.model_registry.layers.embedding import LMHead
+
+    full = torch.randn(1003, 8)
+    parts = []
+    for r in range(2):
+        head = LMHead(1003, 8, tp_rank=r, tp_size=2)
+        head.weight_loader(head.weight, full)
+        parts.append(head.weight)
+    assert parts[0].shape == (502, 8)
+    assert torch.equal(torch.cat(parts)[:1003], full) and torch.all(parts[1][-1] == 0)
+
+
+def test_moe_matches_a_per_token_loop():
+    from plinth.model_registry.layers.moe import FusedMoE
+
+    g = torch.Generator().manual_seed(0)
+    moe = FusedMoE(num_experts=5, top_k=2, hidden_size=8, intermediate_size=6, renormalize=False)
+    moe.w13_weight.data = torch.randn(5, 12, 8, generator=g)
+    moe.w2_weight.data = torch.randn(5, 8, 6, generator=g)
+    x, logits = torch.randn(7, 8, generator=g), torch.randn(7, 5, generator=g)
+    out = moe(x, logits)
+    probs = torch.softmax(logits.double(), -1)
+    for t in range(7):
+        top = torch.topk(probs[t], 2)
+        ref = torch.zeros(8, dtype=torch.float64)
+        for w, e in zip(top.values, top.indices, strict=True):
+            gate, up = (moe.w13_weight[e].double() @ x[t].double()).chunk(2)
+            ref += w * (moe.w2_weight[e].double() @ (torch.nn.functional.silu(gate) * up))
+        assert torch.allclose(out[t].double(), ref, atol=1e-4)

@@ -220,7 +220,9 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         try:
             model.load_weights(weights)
         except ModelLoadError as exc:
-            where = weights.current_file or source.path
+            where = str(weights.current_file or source.path)
+            if where in str(exc):
+                raise
             raise ModelLoadError(f"{where}: {exc}") from exc
     elif source.kind == "gguf":
         from plinth.model_registry.gguf_loader import iter_gguf_weights
@@ -229,6 +231,8 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         try:
             model.load_weights(iter_gguf_weights(source.path, ctx.dtype))
         except ModelLoadError as exc:
+            if source.path in str(exc):
+                raise
             raise ModelLoadError(f"{source.path}: {exc}") from exc
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
