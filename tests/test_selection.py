@@ -227,9 +227,9 @@ def test_forced_but_unsupported_gives_the_reason(pm, tmp_path, name, reason):
 
 
 def test_no_usable_candidate(pm, tmp_path):
-    with pytest.raises(SelectionError, match="no attention_backend can run here.*test_picky.*head size"):
+    with pytest.raises(SelectionError, match="no attention backend can run here.*test_picky.*head size"):
         run(pm, tmp_path, candidates=["test_picky", "test_broken"])
-    with pytest.raises(SelectionError, match="unknown attention_backend 'bogus'"):
+    with pytest.raises(SelectionError, match="unknown attention backend 'bogus'"):
         run(pm, tmp_path, candidates=["test_fast", "bogus"])
 
 
@@ -325,3 +325,73 @@ def test_installed_plugin_package_selection_and_cache(installed, tmp_path):
     assert bumped["version"] == "1.1.0"
     assert not bumped["result"]["from_cache"] and bumped["calls"]["test_fast"] > 0
     assert len(list((cache / "selection").glob("attention_backend-*.json"))) == 2
+
+
+def test_crashing_or_invalid_candidates_lose_but_do_not_stop_selection(pm, backends, tmp_path):
+    import types
+
+    from plinth.hookspecs import hookimpl
+
+    class CrashingBackend(backends.FastBackend):
+        name = "test_crash"
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("kernel exploded")
+
+    plugin = types.ModuleType("plinth_test_crash")
+    plugin.PLINTH_PLUGIN_API = "1.0"
+    plugin.CrashingBackend = CrashingBackend
+    plugin.NotABackend = object
+
+    @hookimpl
+    def plinth_attention_backends():
+        return {"test_crash": "plinth_test_crash:CrashingBackend", "test_object": "plinth_test_crash:NotABackend"}
+
+    plugin.plinth_attention_backends = plinth_attention_backends
+    sys.modules["plinth_test_crash"] = plugin
+    try:
+        pm.register_module(plugin, "test_crash_plugin")
+        result, _ = run(pm, tmp_path, candidates=["test_fast", "test_crash", "test_object"])
+    finally:
+        del sys.modules["plinth_test_crash"]
+    assert result.winner == "test_fast"
+    crash = result.report("test_crash")
+    assert crash.status == "rejected" and "RuntimeError: kernel exploded" in crash.reason
+    assert not result.report("test_object").supported
+    assert "not a subclass" in result.report("test_object").reason
+
+
+def test_plugins_benchmark_command_prints_the_table(tmp_path, monkeypatch, capsys):
+    """``plinth plugins --benchmark MODEL`` on a tiny random Llama saved to disk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plinth.entrypoints.cli import main
+    from plinth.plugins import reset_plugin_manager
+
+    model_dir = tmp_path / "tiny-llama"
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir, safe_serialization=True)
+    for key in [k for k in os.environ if k.startswith("PLINTH_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PLINTH_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("PLINTH_PLATFORM", "cpu")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    reset_plugin_manager()
+    try:
+        assert main(["plugins", "--benchmark", str(model_dir)]) == 0
+        out = capsys.readouterr().out
+        assert main(["plugins", "--benchmark", str(model_dir), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+    finally:
+        reset_plugin_manager()
+    assert out.startswith("platform: cpu") and "attention_backend: " in out
+    for name in ("torch_sdpa", "torch_batched", "triton", "flash_attn"):
+        assert name in out
+    platform, attention = data
+    assert platform["kind"] == "platform" and platform["winner"] == "cpu"
+    assert attention["how"] == "benchmark" and not attention["from_cache"]  # --benchmark always times
+    timed = {c["name"] for c in attention["candidates"] if c["times_ms"]}
+    assert {"torch_sdpa", "torch_batched"} <= timed
+    assert list((tmp_path / "cache" / "selection").glob("attention_backend-*.json"))

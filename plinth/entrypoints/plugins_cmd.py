@@ -17,11 +17,18 @@ _ENV_VARS = ("PLINTH_PLUGINS", "PLINTH_DISABLE_PLUGIN_AUTOLOAD", "PLINTH_PLATFOR
 def add_parser(subparsers: Any, name: str, help: str) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(name, help=help, description=help)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
+    parser.add_argument("--benchmark", nargs="?", const="", default=None, metavar="MODEL",
+                        help="time every attention-backend candidate on MODEL's shapes (default: the default "
+                             "model) and print the selection table")
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.benchmark is not None:
+        from plinth.entrypoints.selection_report import run_benchmark
+
+        return run_benchmark(args.benchmark or None, as_json=args.json)
     report = build_report(get_plugin_manager())
     if args.json:
         json.dump(report, sys.stdout, indent=2)

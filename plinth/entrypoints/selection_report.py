@@ -1,5 +1,9 @@
 """The selection table of ``plinth plugins --benchmark [MODEL]``: every candidate of every kind,
-whether it can run, its error against the reference, its times and which one won."""
+whether it can run, its error against the reference, its times and which one won.
+
+``print_selection_table(result)`` prints one kind's table (``SelectionResult`` from
+:mod:`plinth.core.selection`); :func:`run_benchmark` is the command itself.
+"""
 
 from __future__ import annotations
 
@@ -56,3 +60,19 @@ def benchmark_model(config: Any) -> list[SelectionResult]:
     if device.selection == "cached" and not device.attention_backend:
         device = dataclasses.replace(device, selection="benchmark")
     return [describe_platform(platform), select_attention_backend(spec, platform, device)]
+
+
+def run_benchmark(model: str | None, *, as_json: bool = False, file: TextIO | None = None) -> int:
+    """``plinth plugins --benchmark [MODEL]``: select for ``model`` and print every kind's table."""
+    import json
+
+    from plinth.config import EngineConfig
+
+    out = file or sys.stdout
+    results = benchmark_model(EngineConfig.from_kwargs(model=model))
+    if as_json:
+        json.dump([r.to_dict() for r in results], out, indent=2)
+        out.write("\n")
+    else:
+        out.write("\n".join(format_selection_table(r) for r in results))
+    return 0
