@@ -1,0 +1,156 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded over a small sliding window of token ids: ``prefix`` marks where the window
+starts (tokens already turned into text, kept as context so that tokenizers that drop a leading
+space or merge bytes see what came before) and ``read`` where the last emitted text ended.
+New text is the window's decoding minus the decoding of ``ids[prefix:read]``; it is emitted
+only when it does not end in U+FFFD, i.e. never half of a multi-byte character split over
+byte-level tokens. Only ``decode`` is called, so any transformers tokenizer works.
+
+Stop strings are searched in the text as it grows, across token boundaries. A match ends the
+sequence: the stop string is cut from the text (kept with ``include_stop_str_in_output``) and
+nothing after it is ever emitted. While a stop string could still be completing, the last
+``len(longest stop) - 1`` characters are held back, so a delta is never retracted. As in vLLM,
+stop strings are looked for only once ``min_tokens`` tokens have been generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from plinth.core.request import SamplingParams
+
+# Prompt tokens decoded as context before the first output token.
+PROMPT_CONTEXT_TOKENS = 5
+# Drop consumed ids from the window once this many have piled up.
+_TRIM_AT = 64
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output tokens into text deltas.
+
+    Args:
+        tokenizer: a transformers tokenizer (fast or slow); only ``decode`` is used.
+        prompt_token_ids: the prompt (its last few tokens give context).
+        params: ``stop``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self._ids: list[int] = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS):])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text: str | None = None
+        self._stops = list(params.stop)
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._hold = self._max_stop - 1 if self._stops and not params.include_stop_str_in_output else 0
+        self.output_text = ""
+        self._emitted = 0            # characters of output_text already returned
+        self.num_output_tokens = 0
+        self.stop_reason: str | None = None
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """All output text so far, including characters still held back."""
+        return self.output_text
+
+    @property
+    def emitted_text(self) -> str:
+        """The output text returned so far (what a stream has shown): never cut by a later stop string."""
+        return self.output_text[:self._emitted]
+
+    def add_tokens(self, new_token_ids: Iterable[int], *, finished: bool = False,
+                   stopped_by_token: bool = False) -> tuple[str, str | None]:
+        """Decode new output tokens.
+
+        Args:
+            new_token_ids: the tokens sampled since the last call.
+            finished: the sequence ended (length, EOS, stop id, abort): flush every held-back
+                character, even an incomplete one.
+            stopped_by_token: the last id is the EOS or stop token id that ended the sequence;
+                it is not turned into text unless ``include_stop_str_in_output``.
+
+        Returns:
+            ``(delta, stop_string)``: the text to emit now, and the stop string that ended the
+            sequence during this call (then the sequence is finished; later calls return ``""``).
+        """
+        if self.finished:
+            return "", None
+        ids = list(new_token_ids)
+        if stopped_by_token and ids and not self.params.include_stop_str_in_output:
+            self.num_output_tokens += 1
+            ids = ids[:-1]
+        stop = None
+        for token_id in ids:
+            self.num_output_tokens += 1
+            self._ids.append(token_id)
+            piece = self._decode_new()
+            if piece:
+                self.output_text += piece
+                stop = self._check_stop(len(piece))
+                if stop is not None:
+                    break
+        if finished and stop is None:
+            self.output_text += self._flush()
+        if stop is not None or finished:
+            self.finished = True
+            end = len(self.output_text)
+        else:
+            end = max(self._emitted, len(self.output_text) - self._hold)
+        delta = self.output_text[self._emitted:end]
+        self._emitted = end
+        return delta, stop
+
+    def flush(self) -> str:
+        """End the sequence: return what is still held back (see ``add_tokens(finished=True)``)."""
+        return self.add_tokens((), finished=True)[0]
+
+    # ---------------------------------------------------------------- internals
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def _decode_new(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full = self._decode(self._ids[self._prefix:])
+        if len(full) <= len(self._prefix_text) or full.endswith("\ufffd"):
+            return ""
+        piece = full[len(self._prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = None
+        if self._prefix >= _TRIM_AT:
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+        return piece
+
+    def _flush(self) -> str:
+        if self._read == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        self._prefix_text = None
+        return full[len(prefix_text):]
+
+    def _check_stop(self, num_new_chars: int) -> str | None:
+        """Find the earliest stop string that ends in the newest characters; cut the text there."""
+        if not self._stops or self.num_output_tokens <= self.params.min_tokens:
+            return None
+        text = self.output_text
+        best: tuple[int, str] | None = None
+        for s in self._stops:   # only matches that end in the new characters
+            i = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.output_text = text[:i + len(s)] if self.params.include_stop_str_in_output else text[:i]
+        self.stop_reason = s
+        return s
