@@ -359,6 +359,20 @@ def test_sampled_tokens_must_match_the_schedule():
         sched.update_from_output(out, [])
     with pytest.raises(ValueError, match="sample=True"):
         sched.update_from_output(out, [None])
+    with pytest.raises(ValueError, match="2 sampled tokens for 1"):
+        out.expand_sampled([4, 5])
+    assert out.expand_sampled([4]) == [4]
+
+
+def test_expand_sampled_skips_mid_prefill_entries():
+    sched = make_scheduler(budget=10)
+    sched.add_request(req("short", [1, 2]))
+    sched.add_request(req("long", list(range(30))))
+    out = sched.schedule()
+    assert [e.sample for e in out.scheduled] == [True, False]
+    assert out.expand_sampled([7]) == [7, None]
+    sched.update_from_output(out, out.expand_sampled([7]))
+    assert sched.get_request("short").output_token_ids == [7]
 
 
 def test_long_random_workload_matches_reference():

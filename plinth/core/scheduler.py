@@ -88,6 +88,15 @@ class SchedulerOutput:
         """The entries whose last position is sampled, in batch order."""
         return [s for s in self.scheduled if s.sample]
 
+    def expand_sampled(self, token_ids: Sequence[int]) -> list[int | None]:
+        """Spread the tokens sampled for :attr:`sampled` (same order) over every scheduled entry,
+        ``None`` for mid-prefill entries: the argument :meth:`Scheduler.update_from_output` takes."""
+        num_sampled = sum(1 for s in self.scheduled if s.sample)
+        if len(token_ids) != num_sampled:
+            raise ValueError(f"got {len(token_ids)} sampled tokens for {num_sampled} sampled requests")
+        it = iter(token_ids)
+        return [next(it) if s.sample else None for s in self.scheduled]
+
 
 @dataclasses.dataclass
 class SchedulerStats:
