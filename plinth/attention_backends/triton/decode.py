@@ -38,8 +38,7 @@ def _decode_split_kernel(
     window,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch,   # cache strides, the same for keys and values
     stride_bt,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -78,8 +77,8 @@ def _decode_split_kernel(
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -87,16 +86,16 @@ def _decode_split_kernel(
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                      # [N] key positions
         n_ok = (offs_n < seq_len) & (offs_n >= kv_start)
-        page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_page = (offs_n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_base + page[None, :] * stride_kb + in_page[None, :] * stride_kt + offs_d[:, None],
-            mask=d_ok[:, None] & n_ok[None, :], other=0.0,
-        )                                                                    # [D, N]
-        v = tl.load(
-            v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vt + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-        )                                                                    # [N, D]
+        page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+        slot_off = page.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct  # [N]
+        if BLOCK_D != HEAD_SIZE:
+            k = tl.load(k_base + slot_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :],
+                        other=0.0)                                           # [D, N]
+            v = tl.load(v_base + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                        other=0.0)                                           # [N, D]
+        else:
+            k = tl.load(k_base + slot_off[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_base + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale          # [G, N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -171,7 +170,11 @@ def decode_attention(
     tiles: DecodeTiles,
     num_splits: int,
 ) -> None:
-    """Launch split-KV decode (and the merge when ``num_splits > 1``) for one query per sequence."""
+    """Launch split-KV decode (and the merge when ``num_splits > 1``) for one query per sequence.
+
+    ``k_cache`` and ``v_cache`` must share strides (two halves of one cache tensor).
+    """
+    assert k_cache.stride() == v_cache.stride()
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
     if num_splits > 1:
@@ -187,7 +190,6 @@ def decode_attention(
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         HEAD_SIZE=head_size,
         BLOCK_D=block_d,

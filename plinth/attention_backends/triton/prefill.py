@@ -40,28 +40,35 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_tile(
     acc, l_i, m_i, q, pos, start, kv_end, window, qk_scale,
-    k_base, v_base, block_table_row,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    k_base, v_base, block_table_row, stride_cb, stride_ct,
     offs_d, d_ok,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold keys ``start .. start + BLOCK_N`` into the running softmax of the rows."""
     offs_n = start + tl.arange(0, BLOCK_N)                                   # [N] key positions
     if CAUSAL_MASK:
         n_ok = offs_n < kv_end
-        page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
     else:
-        page = tl.load(block_table_row + offs_n // BLOCK_SIZE).to(tl.int64)
-    in_page = (offs_n % BLOCK_SIZE).to(tl.int64)
-    k_ptrs = k_base + page[None, :] * stride_kb + in_page[None, :] * stride_kt + offs_d[:, None]
-    v_ptrs = v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vt + offs_d[None, :]
+        page = tl.load(block_table_row + offs_n // BLOCK_SIZE)
+    slot_off = page.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct  # [N]
+    k_ptrs = k_base + slot_off[None, :] + offs_d[:, None]                   # [D, N]
+    v_ptrs = v_base + slot_off[:, None] + offs_d[None, :]                   # [N, D]
     if CAUSAL_MASK:
-        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # [D, N]
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        if PAD_D:
+            k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
     else:
-        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if PAD_D:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale              # [M, N], log2 units
     if CAUSAL_MASK:
@@ -91,8 +98,7 @@ def _prefill_kernel(
     window,             # sliding window (used only when SLIDING)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch,   # cache strides, the same for keys and values
     stride_bt,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -132,8 +138,8 @@ def _prefill_kernel(
     last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
     min_pos = ctx_len + first_tok
     kv_end = ctx_len + last_tok + 1                                          # keys < kv_end
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -147,14 +153,14 @@ def _prefill_kernel(
         for start in range(0, masked_start, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, pos, start, kv_end, window, qk_scale, k_base, v_base, block_table_row,
-                stride_kb, stride_kt, stride_vb, stride_vt, offs_d, d_ok,
-                BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION,
+                stride_cb, stride_ct, offs_d, d_ok,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_SIZE, False, False, DOT_PRECISION,
             )
     for start in range(masked_start, kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start, kv_end, window, qk_scale, k_base, v_base, block_table_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, offs_d, d_ok,
-            BLOCK_SIZE, BLOCK_N, True, SLIDING, DOT_PRECISION,
+            stride_cb, stride_ct, offs_d, d_ok,
+            BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_SIZE, True, SLIDING, DOT_PRECISION,
         )
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -179,7 +185,11 @@ def prefill_attention(
     sliding_window: int | None,
     tiles: PrefillTiles,
 ) -> None:
-    """Launch the prefill kernel; writes every real query row of ``out``."""
+    """Launch the prefill kernel; writes every real query row of ``out``.
+
+    ``k_cache`` and ``v_cache`` must share strides (two halves of one cache tensor).
+    """
+    assert k_cache.stride() == v_cache.stride()
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -190,7 +200,6 @@ def prefill_attention(
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         HEAD_SIZE=head_size,
         BLOCK_D=next_power_of_2(head_size),

@@ -45,7 +45,7 @@ def prefill_tiles(head_size: int, group: int, dtype: torch.dtype, interpret: boo
     if interpret:
         block_m, block_n, warps, stages = 32, 16, 4, 1
     elif dtype == torch.float32:
-        block_m, block_n, warps, stages = 64, 32, 4, 2
+        block_m, block_n, warps, stages = (32, 32, 4, 1) if block_d >= 256 else (64, 32, 4, 2)
     elif block_d >= 256:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     elif block_d >= 128:
