@@ -21,7 +21,7 @@ from plinth.core.request import (
     RequestOutput,
     SamplingParams,
 )
-from plinth.core.sampler import Sampler, SamplingBatch, prompt_logprobs_from_logits
+from plinth.core.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from plinth.core.scheduler import RequestRejectedError, Scheduler
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
 
@@ -189,10 +189,11 @@ class LLMEngine:
                 reqs = [out.scheduled[i].request for i in sample_idx]
                 batch = SamplingBatch.from_requests(reqs, self.vocab_size, logits.device)
                 result = self.sampler.sample(logits, batch)
-                token_ids = result.token_ids.tolist()   # the step's one host-device sync
+                token_ids = result.sampled_token_ids.tolist()   # the step's one host-device sync
                 for j, i in enumerate(sample_idx):
                     sampled[i] = token_ids[j]
-                self._record_logprobs(reqs, result, token_ids)
+                if result.logprobs is not None:
+                    self._record_logprobs(reqs, result.logprobs.to_position_logprobs(batch.num_logprobs), token_ids)
             finished = self.scheduler.update_from_output(out, sampled)
             now_finished = {r.request_id for r in finished}
             for i, tok in enumerate(sampled):
@@ -201,8 +202,10 @@ class LLMEngine:
                 req = out.scheduled[i].request
                 seq = self._seqs[req.request_id]
                 if seq.detok is not None:
-                    _, stop_str = seq.detok.add_tokens([tok])
-                    if stop_str is not None and req.request_id not in now_finished:
+                    done = req.request_id in now_finished
+                    _, stop_str = seq.detok.add_tokens(
+                        [tok], finished=done, stopped_by_token=done and req.finish_reason == FinishReason.STOP)
+                    if stop_str is not None and not done:
                         self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_str)
                 group = self._seq_to_group[req.request_id]
                 touched[group.request_id] = group
@@ -218,14 +221,13 @@ class LLMEngine:
             self._seqs.pop(s.request.request_id, None)
             self._seq_to_group.pop(s.request.request_id, None)
 
-    def _record_logprobs(self, reqs: list[Request], result: Any, token_ids: list[int]) -> None:
-        if result.logprobs is None:
-            return
+    def _record_logprobs(self, reqs: list[Request], positions: list[PositionLogprobs | None],
+                         token_ids: list[int]) -> None:
         for j, req in enumerate(reqs):
             seq = self._seqs[req.request_id]
-            if seq.logprobs is None:
+            pos = positions[j]
+            if seq.logprobs is None or pos is None:
                 continue
-            pos = result.logprobs[j]
             seq.logprobs.append(self._decorate(pos))
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + pos[token_ids[j]].logprob
 
@@ -250,8 +252,8 @@ class LLMEngine:
                     logits = self.runner.prompt_logits(hidden, slice(row, row + (stop - start)))
                     targets = prompt[start + 1: stop + 1]
                     k = group.params.prompt_logprobs or 0
-                    for pos in prompt_logprobs_from_logits(logits, targets, k):
-                        group.prompt_logprobs.append(self._decorate(pos))
+                    lps = compute_prompt_logprobs(logits, targets, k).to_position_logprobs([k] * len(targets))
+                    group.prompt_logprobs.extend(self._decorate(pos) for pos in lps if pos is not None)
             row += n
 
     def _make_output(self, group: _Group) -> RequestOutput:
@@ -263,7 +265,7 @@ class LLMEngine:
                 reason = FinishReason.ABORT
             completions.append(CompletionOutput(
                 index=i,
-                text=seq.detok.text if seq.detok is not None else "",
+                text=seq.detok.emitted_text if seq.detok is not None else "",
                 token_ids=list(req.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=seq.logprobs,
