@@ -68,6 +68,11 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
     :attr:`packed_modules_mapping`) and hands each tensor to the parameter's
     ``weight_loader(param, tensor[, shard_id])``; it then checks that every parameter (and
     every shard of a fused parameter, listed in its ``expected_shards`` attribute) was loaded.
+
+    The loader builds a model on the meta device and allocates it on ``ctx.device`` (so
+    ``__init__`` must not compute values into parameters; modules recompute derived buffers in
+    an ``init_buffers()`` method). A class that must build itself differently defines a
+    classmethod ``create(ctx)`` returning the ready model (the transformers fallback does).
     """
 
     #: checkpoint name fragment -> (parameter name fragment, shard id), e.g.
@@ -140,7 +145,8 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}"
                 )
-            check_loadable_dtype(ckpt_name, tensor)
+            if param.is_floating_point():  # quantized (integer) parameters validate themselves
+                check_loadable_dtype(ckpt_name, tensor)
             loader = getattr(param, "weight_loader", None)
             try:
                 if loader is None:
