@@ -347,7 +347,8 @@ def test_platform_report(monkeypatch: pytest.MonkeyPatch, pm: PluginManager) -> 
     assert select_platform(pm=pm).name == "cpu"  # neither broken candidate is chosen
 
 
-def test_unloadable_platform_is_reported_and_skipped(pm: PluginManager) -> None:
+def test_unloadable_platform_is_reported_and_skipped(monkeypatch: pytest.MonkeyPatch, pm: PluginManager) -> None:
+    fake_torch(monkeypatch)
     @hookimpl
     def plinth_platforms():
         return {"ghost": "plinth_no_such_module:GhostPlatform"}

@@ -10,9 +10,11 @@ from importlib import metadata
 
 import pytest
 
+from plinth.platforms import select_platform
 from plinth.platforms.cuda.platform import CudaPlatform
 from plinth.platforms.rocm.platform import RocmPlatform
 from plinth.platforms.xpu.platform import XpuPlatform
+from plinth.plugins import PluginManager
 
 PLUGINS_TITLE = "plugins (entry-point group plinth.plugins"
 ACCELERATORS = {"cuda": CudaPlatform, "rocm": RocmPlatform, "xpu": XpuPlatform}
@@ -28,6 +30,11 @@ def _npu_installed() -> bool:
 
 needs_npu = pytest.mark.skipif(not _npu_installed(),
                                reason="plinth-npu is not installed (pip install ./plugins/plinth-npu)")
+
+
+def expected_selection() -> str:
+    """What selection picks in-process with the same plugins and no forced platform."""
+    return select_platform(forced="", pm=PluginManager(env={})).name
 
 
 def plinth_plugins(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -71,10 +78,11 @@ def test_text_report_gives_platform_availability(text_report: str) -> None:
     assert header == ["NAME", "PLUGIN", "PRIORITY", "AVAILABLE", "REASON"]
     by_name = {r[0]: r for r in rows}
     assert by_name["cpu"] == ["cpu", "cpu", "0", "yes"]
-    for name, cls in ACCELERATORS.items():
-        assert by_name[name][3] == "no"
-        assert by_name[name][4] == cls.is_available().reason
-    assert text_report.rstrip().endswith("selected platform: cpu")
+    for name, cls in ACCELERATORS.items():  # on a CPU-only machine: "no" and the probe's reason
+        support = cls.is_available()
+        assert by_name[name][:3] == [name, name, str(cls.priority)]
+        assert by_name[name][3:] == (["yes"] if support.ok else ["no", support.reason])
+    assert text_report.rstrip().endswith(f"selected platform: {expected_selection()}")
 
 
 @needs_npu
@@ -96,10 +104,11 @@ def test_json_report(json_report: dict) -> None:
     platforms = {p["name"]: p for p in json_report["platforms"]}
     assert platforms["cpu"] == {"name": "cpu", "plugin": "cpu", "priority": 0, "available": True, "reason": ""}
     for name, cls in ACCELERATORS.items():
-        assert platforms[name]["available"] is False
-        assert platforms[name]["reason"] == cls.is_available().reason
+        support = cls.is_available()
+        assert (platforms[name]["available"], platforms[name]["reason"]) == (support.ok, support.reason)
+        assert support.ok or support.reason  # unavailable always comes with a reason
         assert platforms[name]["priority"] == cls.priority
-    assert json_report["selected_platform"] == "cpu"
+    assert json_report["selected_platform"] == expected_selection()
     assert json_report["selection_error"] is None
     assert [p["priority"] for p in json_report["platforms"]] == sorted(
         (p["priority"] for p in json_report["platforms"]), reverse=True)
@@ -115,13 +124,15 @@ def test_json_report_shows_npu_unavailable(json_report: dict) -> None:
 
 
 def test_forced_unavailable_platform_is_reported() -> None:
-    proc = plinth_plugins("--json", PLINTH_PLATFORM="cuda")
+    # cuda and rocm are never both available, so one of them is unavailable on any machine
+    name, cls = next((n, c) for n, c in ACCELERATORS.items() if not c.is_available())
+    proc = plinth_plugins("--json", PLINTH_PLATFORM=name)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["environment"] == {"PLINTH_PLATFORM": "cuda"}
+    assert report["environment"] == {"PLINTH_PLATFORM": name}
     assert report["selected_platform"] is None
     assert report["selection_error"] == (
-        f"platform 'cuda' (set by PLINTH_PLATFORM) cannot run here: {CudaPlatform.is_available().reason}")
+        f"platform {name!r} (set by PLINTH_PLATFORM) cannot run here: {cls.is_available().reason}")
 
 
 def test_bad_plugin_environment_is_a_one_line_error() -> None:
