@@ -1,0 +1,73 @@
+"""Shared fixtures: small random models with a real (tiny, trained in memory) tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "Large language models generate text one token at a time.",
+    "Continuous batching keeps the accelerator busy while requests come and go.",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u4f60\u597d\u4e16\u754c \U0001f600 emoji and accents.",
+    "0123456789 + - * / = ( ) [ ] { } < > ! ? , . ; :",
+] * 20
+
+
+def make_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on a tiny corpus, with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a small random model of a real architecture plus the tiny tokenizer into ``path``."""
+    import torch
+    import transformers
+
+    tokenizer = make_tokenizer()
+    vocab = len(tokenizer)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).eval()
+    # Larger-than-default weights make greedy choices decisive (random models are otherwise near-uniform).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+

@@ -1,0 +1,175 @@
+"""Engine-level behaviour: greedy equality across batching modes, prefix cache, preemption, aborts,
+stop strings, n > 1, seeds and logprobs, against transformers running the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plinth import LLM, SamplingParams
+from plinth.core.scheduler import RequestRejectedError
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of France, and Berlin is",
+    "Large language models generate text one token at a time. Continuous batching keeps",
+    "0123",
+    "Caf\u00e9 na\u00efve",
+]
+MAX_TOKENS = 24
+
+
+def llm_for(model_dir, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("block_size", 4)
+    return LLM(str(model_dir), **kw)
+
+
+def greedy(n: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> list[list[int]]:
+    """Greedy tokens from transformers' own generate on the same weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    out = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS,
+                                 pad_token_id=tok.pad_token_id)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return llm_for(tiny_llama_dir)
+
+
+def test_batched_equals_transformers(llm, reference):
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+
+
+def test_one_at_a_time_equals_batched(llm, reference):
+    solo = [llm.generate(p, greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert solo == reference
+
+
+def test_prefix_cache_hit_skips_tokens_and_keeps_output(tiny_llama_dir, reference):
+    llm = llm_for(tiny_llama_dir)
+    first = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    hits_before = llm.engine.block_manager.stats.hit_tokens
+    second = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(first) == token_ids(second) == reference
+    assert llm.engine.block_manager.stats.hit_tokens > hits_before
+    assert sum(o.num_cached_tokens for o in second) > 0
+
+
+def test_preemption_keeps_outputs(tiny_llama_dir, reference):
+    # 23 usable blocks of 4 tokens hold the longest request (80 tokens) but not all five at once.
+    llm = llm_for(tiny_llama_dir, num_blocks=24, enable_prefix_caching=False)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+    assert token_ids(outs) == reference
+
+
+def test_chunked_prefill_small_budget(tiny_llama_dir, reference):
+    llm = llm_for(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=3)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+
+
+def test_abort_frees_all_blocks(tiny_llama_dir):
+    llm = llm_for(tiny_llama_dir, enable_prefix_caching=False)
+    engine = llm.engine
+    free0 = engine.block_manager.num_free_blocks
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, greedy(200))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < free0
+    engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
+    assert engine.block_manager.num_free_blocks == free0
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == sorted(f"r{i}" for i in range(len(PROMPTS)))
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+
+
+def test_stop_string_and_eos(llm):
+    full = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0].outputs[0]
+    # pick a stop string from the middle of the greedy text
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = llm.generate(PROMPTS[1], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate(PROMPTS[1], greedy(stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+    # a stop token id ends generation right there
+    tid = full.token_ids[5]
+    by_id = llm.generate(PROMPTS[1], greedy(stop_token_ids=[tid]), use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == full.token_ids[: full.token_ids.index(tid) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == tid
+
+
+def test_n_samples_and_seeds(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    a = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert len(a.outputs) == 3
+    # same seed, same outputs, whatever else is in the batch
+    b = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[3]], params, use_tqdm=False)[1]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # siblings differ
+
+
+def test_logprobs_match_transformers(llm, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    out = llm.generate(PROMPTS[0], greedy(6, logprobs=3, prompt_logprobs=2), use_tqdm=False)[0]
+    ids = tok(PROMPTS[0]).input_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    n_prompt = len(out.prompt_token_ids)
+    for i, pos in enumerate(out.outputs[0].logprobs):
+        tok_id = out.outputs[0].token_ids[i]
+        row = ref[n_prompt - 1 + i]
+        assert pos[tok_id].logprob == pytest.approx(row[tok_id].item(), abs=1e-4)
+        top = torch.topk(row, 3).indices.tolist()
+        assert set(top) <= set(pos)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n_prompt
+    for i in range(1, n_prompt):
+        t = out.prompt_token_ids[i]
+        assert out.prompt_logprobs[i][t].logprob == pytest.approx(ref[i - 1, t].item(), abs=1e-4)
+
+
+def test_token_id_prompts_and_rejections(llm):
+    ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    by_ids = llm.generate([ids], greedy(), use_tqdm=False)[0]
+    by_text = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0]
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    with pytest.raises(RequestRejectedError, match="512"):
+        llm.generate([[1] * 600], greedy(), use_tqdm=False)
+    with pytest.raises(RequestRejectedError, match="out of range"):
+        llm.generate([[10**6]], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_uses_template(llm):
+    conv = [{"role": "user", "content": "Paris is"}]
+    rendered = llm.engine.render_chat(conv)
+    assert rendered == "<|im_start|>user\nParis is<|im_end|>\n<|im_start|>assistant\n"
+    a = llm.chat(conv, greedy(8), use_tqdm=False)[0]
+    b = llm.generate(rendered, greedy(8), use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
