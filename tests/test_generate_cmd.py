@@ -1,0 +1,140 @@
+"""`plinth generate`: prompts on the command line, and JSONL/CSV/Parquet files with per-row overrides,
+bad rows, and resuming an interrupted run without duplicates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from plinth.entrypoints.cli import main
+
+ROWS = [
+    {"id": "a", "prompt": "The quick brown fox", "max_tokens": 6},
+    {"id": "b", "prompt": "Paris is the capital of", "max_tokens": 9, "temperature": 0},
+    {"id": "c", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5},
+    {"id": "d", "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 7},
+    {"id": "e", "prompt": "0123", "max_tokens": 4, "stop": ["\u00e9"]},
+]
+
+
+def engine_args(model_dir: Path) -> list[str]:
+    return ["generate", str(model_dir), "--dtype", "float32", "--ignore-eos", "--selection", "off"]
+
+
+def read_out(path: Path) -> dict[str, dict]:
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids)), f"duplicate rows in output: {ids}"
+    return {r["id"]: r for r in recs}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def jsonl_result(tiny_llama_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen")
+    out = d / "out.jsonl"
+    assert main([*engine_args(tiny_llama_dir), "--input", str(write_jsonl(d / "in.jsonl", ROWS)),
+                 "--output", str(out)]) == 0
+    return read_out(out)
+
+
+def test_jsonl_rows_with_overrides(jsonl_result):
+    assert set(jsonl_result) == {"a", "b", "c", "d", "e"}
+    for row in ROWS:
+        rec = jsonl_result[row["id"]]
+        n = len(rec["outputs"][0]["token_ids"])
+        if "stop" not in row:
+            assert n == row["max_tokens"], (row, rec)
+            assert rec["outputs"][0]["finish_reason"] == "length"
+        assert rec["completion_tokens"] == n
+    assert jsonl_result["d"]["prompt_tokens"] == 4
+
+
+def test_csv_and_parquet_give_the_same_results(tiny_llama_dir, tmp_path, jsonl_result):
+    flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in ROWS]
+    frame = pd.DataFrame(flat)
+    frame.to_csv(tmp_path / "in.csv", index=False)
+    frame.to_parquet(tmp_path / "in.parquet")
+    for name in ("in.csv", "in.parquet"):
+        out = tmp_path / f"{name}.out.jsonl"
+        assert main([*engine_args(tiny_llama_dir), "--input", str(tmp_path / name), "--output", str(out)]) == 0
+        got = read_out(out)
+        assert {k: v["outputs"][0]["token_ids"] for k, v in got.items()} == \
+               {k: v["outputs"][0]["token_ids"] for k, v in jsonl_result.items()}
+
+
+def test_interrupted_run_resumes_without_duplicates(tiny_llama_dir, tmp_path, jsonl_result):
+    rows = ROWS + [{"id": f"x{i}", "prompt": "Large language models", "max_tokens": 3 + i} for i in range(6)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    # Interrupt the first run after three rows were written, as a Ctrl-C would.
+    from plinth.core.engine import LLMEngine
+
+    original = LLMEngine.step
+
+    def interrupting_step(self):
+        if out.exists() and len(out.read_text().splitlines()) >= 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    LLMEngine.step = interrupting_step
+    try:
+        assert main([*engine_args(tiny_llama_dir), "--input", str(inp), "--output", str(out)]) == 130
+    finally:
+        LLMEngine.step = original
+    partial = read_out(out)
+    assert 3 <= len(partial) < len(rows)
+    # a torn last line (the process died mid-write) is discarded on resume
+    with out.open("a") as f:
+        f.write('{"id": "torn", "te')
+    assert main([*engine_args(tiny_llama_dir), "--input", str(inp), "--output", str(out)]) == 0
+    final = read_out(out)
+    assert set(final) == {r["id"] for r in rows}
+    for rid, rec in partial.items():
+        assert final[rid] == rec
+    for rid in "abcde":
+        assert final[rid]["outputs"][0]["token_ids"] == jsonl_result[rid]["outputs"][0]["token_ids"]
+
+
+def test_bad_rows_fail_or_skip_with_line_numbers(tiny_llama_dir, tmp_path):
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text(
+        json.dumps({"id": "ok", "prompt": "Paris", "max_tokens": 2}) + "\n"
+        + "{not json\n"
+        + json.dumps({"id": "t", "prompt": "x", "temperature": -1}) + "\n"
+        + json.dumps({"id": "u", "text": "no prompt"}) + "\n"
+    )
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "plinth.entrypoints.cli", *engine_args(tiny_llama_dir), "--input", str(inp),
+           "--output", str(out)]
+    failed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2
+    assert "row 2: invalid JSON" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    skipped = subprocess.run([*cmd, "--bad-rows", "skip"], capture_output=True, text=True, timeout=300)
+    assert skipped.returncode == 0, skipped.stderr
+    for needle in ("row 2: invalid JSON", "row 3: temperature", "row 4: needs exactly one of"):
+        assert needle in skipped.stderr
+    assert set(read_out(out)) == {"ok"}
+
+
+def test_prompt_on_command_line(tiny_llama_dir, capsys, jsonl_result):
+    assert main([*engine_args(tiny_llama_dir), "--prompt", "The quick brown fox", "--max-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip() != "" or jsonl_result["a"]["text"].strip() == ""
+    assert jsonl_result["a"]["text"] in printed
+
+
+def test_missing_input_is_a_clear_error(tiny_llama_dir, tmp_path, capsys):
+    assert main([*engine_args(tiny_llama_dir), "--input", str(tmp_path / "nope.jsonl"),
+                 "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
