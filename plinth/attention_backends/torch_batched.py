@@ -113,6 +113,8 @@ def _group_sequences(q_lens: list[int], seq_lens: list[int], max_keys: int = 1 <
 
 
 def _build_group(members: list[int], metadata: AttentionMetadata, block_size: int) -> _Group:
+    """Index tensors of one group. Everything about queries is known on the host (from the
+    ``*_cpu`` lists) and copied over; the block ids are gathered on the device. No sync."""
     device = metadata.block_tables.device
     qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     q_lens = [qsl[i + 1] - qsl[i] for i in members]
@@ -120,24 +122,27 @@ def _build_group(members: list[int], metadata: AttentionMetadata, block_size: in
     num_blocks = -(-max(lens[i] for i in members) // block_size)
     n = len(members)
 
-    seqs = torch.tensor(members, dtype=torch.int64, device=device)            # [n]
-    starts = metadata.query_start_loc.index_select(0, seqs).long()            # [n]
-    q_len = torch.tensor(q_lens, dtype=torch.int64, device=device)           # [n]
-    seq_len = metadata.seq_lens.index_select(0, seqs).long()                  # [n]
-    slot = torch.arange(max_q, device=device)                                 # [max_q]
-    clamped = torch.minimum(slot[None, :], q_len[:, None] - 1)                # [n, max_q]
-    q_index = (starts[:, None] + clamped).reshape(-1)                         # [n * max_q]
-    q_pos = seq_len[:, None] - q_len[:, None] + clamped                       # [n, max_q]
+    starts = torch.tensor([qsl[i] for i in members])                  # [n] (host)
+    q_len = torch.tensor(q_lens)                                      # [n]
+    seq_len = torch.tensor([lens[i] for i in members])                # [n]
+    slot = torch.arange(max_q)                                        # [max_q]
+    clamped = torch.minimum(slot[None, :], q_len[:, None] - 1)        # [n, max_q]: padding repeats the last
+    q_index = (starts[:, None] + clamped).reshape(-1)                 # [n * max_q]
+    q_pos = seq_len[:, None] - q_len[:, None] + clamped               # [n, max_q]
+    real = slot[None, :] < q_len[:, None]                             # [n, max_q]
+    out_rows = (starts[:, None] + slot[None, :])[real]                # [t]
+    out_src = (torch.arange(n)[:, None] * max_q + slot[None, :])[real]
+    used = (seq_len + block_size - 1) // block_size                   # [n]
+    keep = torch.arange(num_blocks)[None, :] < used[:, None]          # [n, num_blocks]
 
-    used = (seq_len + block_size - 1) // block_size                           # [n]
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    seqs = dev(torch.tensor(members))
     table = metadata.block_tables.index_select(0, seqs)[:, :num_blocks].long()  # [n, num_blocks]
-    col = torch.arange(num_blocks, device=device)
-    block_ids = torch.where(col[None, :] < used[:, None], table, 0).reshape(-1)  # unused -> scratch block 0
-
-    real = slot[None, :] < q_len[:, None]                                      # [n, max_q]
-    out_rows = (starts[:, None] + slot[None, :])[real]                         # [t]
-    out_src = (torch.arange(n, device=device)[:, None] * max_q + slot[None, :])[real]
-    return _Group(max_q, num_blocks, q_index, block_ids, q_pos, seq_len, out_rows, out_src)
+    block_ids = torch.where(dev(keep), table, 0).reshape(-1)          # unused -> scratch block 0
+    return _Group(max_q, num_blocks, dev(q_index), block_ids, dev(q_pos), dev(seq_len), dev(out_rows),
+                  dev(out_src))
 
 
 def build_plan(metadata: AttentionMetadata, block_size: int, max_keys: int = 1 << 30) -> _Plan:
