@@ -144,6 +144,10 @@ def make_paged_batch(
 # -- checking and timing a backend ----------------------------------------------------------
 
 
+#: most forwards per timed step that :meth:`AttentionWorkload.for_engine` asks for
+MAX_TIMED_LAYERS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionWorkload:
     """The shapes a backend is timed on: one prefill step and one decode step.
@@ -169,10 +173,18 @@ class AttentionWorkload:
     @classmethod
     def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                    num_layers: int = 1) -> AttentionWorkload:
-        """Shapes an engine with these limits will run, capped to keep startup timing short."""
-        prefill = max(1, min(max_num_batched_tokens, max_model_len, 512))
-        return cls(prefill_seqs=1, prefill_len=prefill, decode_seqs=max(1, min(max_num_seqs, 32)),
-                   decode_context=max(1, min(max_model_len - 1, 1024)), num_layers=num_layers)
+        """Shapes an engine with these limits will run, capped so that timing stays short at startup.
+
+        ``num_layers`` (the model's attention layers) is capped at :data:`MAX_TIMED_LAYERS`:
+        enough forwards per ``prepare`` to weigh per-step preparation as a deep model does.
+        """
+        return cls(
+            prefill_seqs=1,
+            prefill_len=max(1, min(max_num_batched_tokens, max_model_len, 512)),
+            decode_seqs=max(1, min(max_num_seqs, 32)),
+            decode_context=max(1, min(max_model_len - 1, 512)),
+            num_layers=max(1, min(num_layers, MAX_TIMED_LAYERS)),
+        )
 
     def steps(self) -> dict[str, tuple[list[int], list[int]]]:
         """``{label: (context_lens, query_lens)}``."""
