@@ -1,0 +1,259 @@
+"""An asyncio front for :class:`~plinth.core.engine.LLMEngine`, used by the HTTP server.
+
+The engine is not thread safe and its steps block, so one background thread owns it: the
+thread takes commands (add, abort) from a queue, runs ``step()`` while there is work, and
+sleeps on an event when there is none. Each request has an ``asyncio.Queue`` on the caller's
+event loop; a step's outputs are handed over with one ``loop.call_soon_threadsafe`` per loop,
+so the event loop never waits on the engine and the engine never waits on a client.
+
+The interface is deliberately small (``generate``, ``abort``, ``stats``, ``shutdown``, plus the
+read-only facts the server needs: tokenizer, limits, names), so the engine can later move to
+its own process behind the same methods.
+
+Failure handling: if ``step()`` raises, every in-flight request fails with
+:class:`EngineDeadError` (never a hang), later requests fail at once, and ``is_healthy`` turns
+False. The traceback goes to the log, not to the callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from plinth.core.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (it crashed or was shut down); the request cannot complete."""
+
+
+@dataclasses.dataclass
+class _Sink:
+    """Where the outputs of one request go: a queue living on one event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+    sink: _Sink
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    """Runs an engine in a background thread and streams its outputs to asyncio callers.
+
+    Args:
+        engine: a constructed :class:`~plinth.core.engine.LLMEngine` (owned from now on).
+    """
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.served_model_name: str = engine.served_model_name
+        self.selection = engine.selection
+        self.load_time_s: float = getattr(engine, "load_time_s", 0.0)
+        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._lock = threading.Lock()          # orders command submission against death/shutdown
+        self._wake = threading.Event()
+        self._sinks: dict[str, _Sink] = {}     # engine-thread only
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats: dict[str, Any] = self._read_stats()
+        self._thread = threading.Thread(target=self._run, name="plinth-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: Any) -> AsyncLLMEngine:
+        from plinth.core.engine import LLMEngine
+
+        return cls(LLMEngine(config))
+
+    # ------------------------------------------------------------------------------- public API
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """The exception that stopped the engine loop, or ``None`` while it runs."""
+        return self._dead
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` with the model's tokenizer (safe to call from the event loop)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The conversation formatted with the model's chat template (or ``--chat-template``)."""
+        return self._engine.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    async def generate(self, request_id: str, prompt: str | Sequence[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until it finishes.
+
+        Outputs are cumulative, so when the caller falls behind only the newest one is
+        yielded. Leaving the loop early (or being cancelled) aborts the request.
+
+        Raises:
+            RequestRejectedError, QueueFullError: from the engine, before anything is yielded.
+            EngineDeadError: the engine loop is not running.
+        """
+        loop = asyncio.get_running_loop()
+        sink = _Sink(loop, asyncio.Queue())
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        self._submit(_Add(request_id, prompt, params, time.time(), sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                while not sink.queue.empty():
+                    item = sink.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True   # nothing left to abort: rejected, or the engine is gone
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); its KV blocks are freed."""
+        with self._lock:
+            if self._dead is not None or self._stopping:
+                return   # a stopped engine holds no live requests (shutdown aborts them all)
+            self._commands.append(_Abort(request_id))
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters as of its latest step (see ``LLMEngine.stats``)."""
+        return dict(self._stats)
+
+    def shutdown(self, wait: bool = True, timeout_s: float = 10.0) -> None:
+        """Abort every request still running (each gets a final output with finish reason
+        ``abort``), stop the loop, and with ``wait`` join it for up to ``timeout_s`` seconds."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the engine loop did not stop within %.1f s", timeout_s)
+
+    # ------------------------------------------------------------------------------- engine thread
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine is not running ({self._dead_reason()})")
+            if self._stopping:
+                raise EngineDeadError("the engine is shutting down")
+            self._commands.append(command)
+        self._wake.set()
+
+    def _dead_reason(self) -> str:
+        exc = self._dead
+        return "shut down" if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
+
+    def _run(self) -> None:
+        engine = self._engine
+        try:
+            while True:
+                self._drain_commands()
+                if self._stopping:
+                    break
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+                else:
+                    self._stats = self._read_stats()
+                    self._wake.wait()
+                    self._wake.clear()
+            self._stop_gracefully()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting callers
+            logger.exception("the engine loop crashed; failing every in-flight request")
+            self._fail_everything(exc)
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            cmd = self._commands.popleft()
+            if isinstance(cmd, _Abort):
+                self._engine.abort_request(cmd.request_id)
+                continue
+            try:
+                self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+            except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
+                self._send({cmd.sink.loop: [(cmd.sink.queue, exc)]})
+                continue
+            self._sinks[cmd.request_id] = cmd.sink
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        self._stats = self._read_stats()
+        self._send(by_loop)
+
+    @staticmethod
+    def _send(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]) -> None:
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                logger.debug("an event loop closed before its outputs arrived")
+
+    def _read_stats(self) -> dict[str, Any]:
+        return self._engine.stats()
+
+    def _stop_gracefully(self) -> None:
+        """Abort whatever is left, report it, and mark the engine stopped."""
+        engine = self._engine
+        live = list(self._sinks)
+        if live:
+            logger.info("shutting down: aborting %d unfinished request(s)", len(live))
+            engine.abort_request(live)
+            self._deliver(engine.step())
+        self._fail_everything(EngineDeadError("the engine was shut down"))
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        with self._lock:
+            self._dead = exc
+            pending = list(self._commands)
+            self._commands.clear()
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"the engine failed ({type(exc).__name__}); see the server log")
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        sinks = list(self._sinks.values()) + [c.sink for c in pending if isinstance(c, _Add)]
+        self._sinks.clear()
+        for sink in sinks:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, error))
+        self._send(by_loop)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

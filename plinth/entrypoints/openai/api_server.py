@@ -1,0 +1,120 @@
+"""The FastAPI app: routes, API-key check, lifespan.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{model}``, ``GET /health``, ``GET /version``, ``GET /metrics``.
+
+With an API key, every ``/v1/...`` route needs ``Authorization: Bearer <key>``; ``/health``,
+``/version`` and ``/metrics`` stay open so that orchestrators and Prometheus can reach them
+without the key (they expose no request content: only liveness, versions, the startup
+selection and aggregate counters). Bind to a private interface or put a proxy in front if
+those must be hidden too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from plinth import __version__
+from plinth.core.async_engine import AsyncLLMEngine
+from plinth.entrypoints.openai.errors import APIError, install_error_handlers
+from plinth.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from plinth.entrypoints.openai.serving import ServerContext
+from plinth.entrypoints.openai.serving_chat import create_chat_completion
+from plinth.entrypoints.openai.serving_completion import create_completion
+from plinth.entrypoints.openai.streaming import ClientDisconnected
+from plinth.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+PROTECTED_PREFIX = "/v1"
+
+
+class APIKeyMiddleware:
+    """Refuse ``/v1`` requests without ``Authorization: Bearer <key>`` (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                missing = not given
+                message = ("missing API key: send 'Authorization: Bearer <key>'" if missing
+                           else "invalid API key")
+                response = APIError(401, message, "authentication_error", code="invalid_api_key",
+                                    headers={"WWW-Authenticate": "Bearer"}).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(front: AsyncLLMEngine, api_key: str | None = None) -> FastAPI:
+    """The server app around a running engine front (shut down with the app)."""
+    ctx = ServerContext(front=front, metrics=ServerMetrics(front.served_model_name),
+                        model_name=front.served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        front.shutdown()
+
+    app = FastAPI(title="plinth", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not front.is_healthy:
+            return APIError(503, "the inference engine is not running", "service_unavailable_error",
+                            code="engine_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        selection = front.selection.to_dict() if front.selection is not None else None
+        return JSONResponse({"version": __version__, "selection": selection})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(front.stats()), media_type=CONTENT_TYPE)
+
+    def card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, max_model_len=front.max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse(ModelList(data=[card()]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        ctx.check_model(model)
+        return JSONResponse(card().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        try:
+            return await create_completion(ctx, body, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)   # never delivered: the client is gone
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        try:
+            return await create_chat_completion(ctx, body, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    return app

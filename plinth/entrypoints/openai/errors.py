@@ -1,0 +1,119 @@
+"""Errors in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, and their handlers.
+
+Every failure reaching a client goes through here: user mistakes get a 4xx naming the field,
+an overloaded server a 503 with ``Retry-After``, and anything unexpected a generic 500 whose
+traceback stays in the server log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from plinth.core.async_engine import EngineDeadError
+from plinth.core.request import SamplingParamsError
+from plinth.core.scheduler import QueueFullError, RequestRejectedError
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map an exception raised while serving a request to the error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SamplingParamsError):
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), "service_unavailable_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestRejectedError):
+        return bad_request(str(exc), "prompt")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the inference engine is not available: {exc}", "service_unavailable_error",
+                        code="engine_unavailable")
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return internal_error()
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal server error; the server log has the details", "server_error")
+
+
+def error_json(exc: BaseException) -> str:
+    """The error as one JSON document (for a stream that already started)."""
+    return json.dumps(to_api_error(exc).body())
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {first.get('msg', 'cannot parse')}", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members (prompt: str | list[...]) add their type name to the path; drop those.
+    fields = [p for p in loc if not (p.startswith(("list[", "str", "int", "float", "bool")) or p.isdigit())]
+    param = fields[0] if fields else None
+    where = ".".join(fields) or "body"
+    if first.get("type") == "missing":
+        return bad_request(f"missing required field {where!r}", param)
+    return bad_request(f"invalid value for {where!r}: {first.get('msg', 'invalid')}", param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_, headers=exc.headers).response()
+
+    async def _known(_: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response()
+
+    for cls in (SamplingParamsError, RequestRejectedError, QueueFullError, EngineDeadError):
+        app.add_exception_handler(cls, _known)
+
+    # Reached through Starlette's ServerErrorMiddleware, which re-raises so the server logs the traceback.
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return internal_error().response()

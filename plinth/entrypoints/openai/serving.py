@@ -1,0 +1,204 @@
+"""What the completion and chat handlers share: the engine front, metrics, checks, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import re
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from plinth.core.async_engine import AsyncLLMEngine
+from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
+from plinth.entrypoints.openai.errors import APIError, bad_request
+from plinth.metrics import ServerMetrics
+
+MAX_N = 128   # choices per request
+
+
+@dataclasses.dataclass
+class ServerContext:
+    """Everything a handler needs, owned by one app (no module-level state)."""
+
+    front: AsyncLLMEngine
+    metrics: ServerMetrics
+    model_name: str
+    _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
+                     max_tokens_param: str = "max_tokens") -> None:
+        """Refuse a prompt that, with its ``max_tokens``, cannot fit in the model's context."""
+        limit = self.front.max_model_len
+        if num_prompt >= limit:
+            raise bad_request(
+                f"the prompt has {num_prompt} tokens, but this model's maximum context length is {limit} "
+                f"tokens (prompt plus output); shorten the prompt", prompt_param, "context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise bad_request(
+                f"the prompt has {num_prompt} tokens and {max_tokens_param} is {max_tokens}: "
+                f"{num_prompt + max_tokens} tokens in all, but this model's maximum context length is {limit} "
+                f"tokens; shorten the prompt or lower {max_tokens_param}", max_tokens_param,
+                "context_length_exceeded")
+
+    def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            return self.front.tokenize(text, add_special_tokens=add_special_tokens)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from exc
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token; a token that is only part of a UTF-8 character is written
+        ``bytes:\\xNN...`` (as OpenAI does), so that distinct tokens never share a name."""
+        return self._token_info(token_id)[0]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (its UTF-8 text when they cannot be recovered)."""
+        return self._token_info(token_id)[1]
+
+    def _token_info(self, token_id: int) -> tuple[str, bytes]:
+        cache = self._token_text_cache
+        info = cache.get(token_id)
+        if info is None:
+            info = cache[token_id] = _describe_token(self.front.tokenizer, token_id)
+        return info
+
+    @staticmethod
+    def top_logprobs(pos: PositionLogprobs, k: int) -> list[tuple[int, float]]:
+        """The ``k`` most likely tokens at one position, as (token id, logprob), most likely first."""
+        ranked = sorted(pos.items(), key=lambda kv: _rank_key(kv[1]))
+        return [(tid, lp.logprob) for tid, lp in ranked[:k]]
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """``front.generate`` with metrics; closing it aborts the engine request."""
+        tracker = self.metrics.request()
+        inner = self.front.generate(request_id, prompt_ids, params)
+        error = False
+        try:
+            async for out in inner:
+                tracker.observe(out)
+                yield out
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            error = True
+            raise
+        finally:
+            await inner.aclose()
+            tracker.close(error=error)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """The inverse of the byte-level BPE alphabet (each byte drawn as one printable character)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _describe_token(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
+    if tokenizer is None:
+        return str(token_id), str(token_id).encode()
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text, text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+    raw: bytes | None = None
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):          # SentencePiece byte fallback
+        raw = bytes([int(piece[3:5], 16)])
+    elif piece and all(ch in _byte_level_decoder() for ch in piece):   # byte-level BPE
+        raw = bytes(_byte_level_decoder()[ch] for ch in piece)
+    if raw is None or raw.decode("utf-8", errors="replace") != text:
+        return text, text.encode("utf-8")
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _rank_key(lp: Logprob) -> tuple[int, float]:
+    return (lp.rank if lp.rank is not None else 1 << 30, -lp.logprob)
+
+
+def sampling_params(build: Any, renames: dict[str, str] | None = None) -> SamplingParams:
+    """Call ``build()`` and turn a :class:`SamplingParamsError` into a 400 naming the request field."""
+    try:
+        params = build()
+    except SamplingParamsError as exc:
+        param = (renames or {}).get(exc.param, exc.param)
+        raise bad_request(str(exc).replace(f"{exc.param}:", f"{param}:", 1), param) from exc
+    if params.n > MAX_N:
+        raise bad_request(f"n: must be at most {MAX_N}, got {params.n}", "n")
+    return params
+
+
+async def first_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The first output of every stream, so that a rejected prompt fails the whole request
+    before a response starts; on any failure (or cancellation) every stream is closed,
+    which aborts its engine request."""
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()   # type: ignore[attr-defined]
+        raise
+
+
+async def merge(streams: Sequence[AsyncIterator[RequestOutput]],
+                firsts: Sequence[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as ``(prompt index, output)``, after their first ones."""
+    for i, out in enumerate(firsts):
+        yield i, out
+    live = {i for i, out in enumerate(firsts) if not out.finished}
+    if len(streams) == 1:
+        if live:
+            async for out in streams[0]:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in streams[i]:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i)) for i in sorted(live)]
+    try:
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live.discard(i)
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for s in streams:
+            await s.aclose()   # type: ignore[attr-defined]

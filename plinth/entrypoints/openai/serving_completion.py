@@ -1,0 +1,179 @@
+"""``POST /v1/completions``: prompts as text, token ids, or lists of either; streaming or not."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from plinth.core.request import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
+from plinth.entrypoints.openai.errors import bad_request
+from plinth.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from plinth.entrypoints.openai.serving import ServerContext, first_outputs, merge, sampling_params
+from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
+
+
+@dataclasses.dataclass
+class _Prompt:
+    text: str
+    token_ids: list[int]
+
+
+def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
+    raw = req.prompt
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        raw = [raw]  # type: ignore[list-item]
+    if not raw:
+        raise bad_request("prompt must not be empty", "prompt")
+    prompts = []
+    for p in raw:
+        if isinstance(p, str):
+            prompts.append(_Prompt(p, ctx.tokenize(p, add_special_tokens=True, param="prompt")))
+        else:
+            ids = list(p)   # type: ignore[arg-type]
+            tok = ctx.front.tokenizer
+            text = tok.decode(ids) if (req.echo and tok is not None and ids) else ""
+            prompts.append(_Prompt(text, ids))
+        if not prompts[-1].token_ids:
+            raise bad_request("prompt must not be empty", "prompt")
+    return prompts
+
+
+def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Sequence[int],
+                  positions: Sequence[PositionLogprobs | None], k: int, offset: int) -> int:
+    """Append one entry per token to ``dest``; returns the text offset after the last token."""
+    for tid, pos in zip(token_ids, positions, strict=True):
+        text = ctx.token_text(tid)
+        dest.tokens.append(text)
+        chosen = pos.get(tid) if pos is not None else None
+        dest.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        dest.top_logprobs.append({ctx.token_text(t): lp for t, lp in ctx.top_logprobs(pos, k)}
+                                 if pos is not None else None)
+        dest.text_offset.append(offset)
+        offset += len(text)
+    return offset
+
+
+def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int) -> tuple[CompletionLogprobs, int]:
+    lp = CompletionLogprobs()
+    positions = list(out.prompt_logprobs or [])
+    positions += [None] * (len(out.prompt_token_ids) - len(positions))
+    end = _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, 0)
+    return lp, end
+
+
+def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: RequestOutput,
+            c: CompletionOutput, index: int) -> CompletionChoice:
+    text = (prompt.text if req.echo else "") + c.text
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = _echo_logprobs(ctx, out, req.logprobs)[0] if req.echo else CompletionLogprobs()
+        offset = len(prompt.text) if req.echo else 0
+        n = len(c.token_ids)
+        _add_logprobs(ctx, logprobs, c.token_ids, (c.logprobs or [])[:n], req.logprobs, offset)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                            finish_reason=str(c.finish_reason) if c.finish_reason else None,
+                            stop_reason=c.stop_reason)
+
+
+async def _collect(events: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    latest: list[RequestOutput | None] = [None] * count
+    async for i, out in events:
+        latest[i] = out
+    return latest  # type: ignore[return-value]
+
+
+def _usage(prompts: Sequence[_Prompt], completion_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
+    ctx.check_model(req.model)
+    if (problem := req.unsupported()) is not None:
+        raise bad_request(problem[1], problem[0])
+    prompts = _prompts(ctx, req)
+    echo_k = req.logprobs if req.echo else None
+    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k))
+    for p in prompts:
+        ctx.check_length(len(p.token_ids), req.max_tokens, "prompt")
+    rid = random_id("cmpl")
+    streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params) for i, p in enumerate(prompts)]
+    firsts = await unless_disconnected(raw, first_outputs(streams))
+    events = merge(streams, firsts)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage))
+    finals = await unless_disconnected(raw, _collect(events, len(prompts)))
+    choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
+               for i, out in enumerate(finals) for c in out.outputs]
+    completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    body = CompletionResponse(id=rid, model=ctx.model_name, choices=choices,
+                              usage=_usage(prompts, completion_tokens))
+    return JSONResponse(body.model_dump())
+
+
+@dataclasses.dataclass
+class _ChoiceState:
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    offset: int = 0
+    started: bool = False
+    done: bool = False
+
+
+async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
+                  params: SamplingParams, events: AsyncIterator[tuple[int, RequestOutput]],
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    states = [_ChoiceState() for _ in range(len(prompts) * params.n)]
+    k = req.logprobs
+    try:
+        async for i, out in events:
+            for c in out.outputs:
+                index = i * params.n + c.index
+                st = states[index]
+                if st.done:
+                    continue
+                new_text = c.text[st.sent_chars:]
+                end = len(c.token_ids)
+                new_ids = c.token_ids[st.sent_tokens:end]
+                prefix, lp = "", None
+                if k is not None:
+                    lp = CompletionLogprobs()
+                if req.echo and not st.started:
+                    prefix = prompts[i].text
+                    if lp is not None:
+                        lp, _ = _echo_logprobs(ctx, out, k)  # type: ignore[arg-type]
+                    st.offset = len(prefix)
+                if lp is not None:
+                    st.offset = _add_logprobs(ctx, lp, new_ids, (c.logprobs or [])[st.sent_tokens:end], k,
+                                              st.offset)  # type: ignore[arg-type]
+                finish = str(c.finish_reason) if c.finish_reason else None
+                st.started = True
+                st.sent_chars, st.sent_tokens = len(c.text), end
+                st.done = finish is not None
+                if not (prefix or new_text or finish or (lp is not None and new_ids)):
+                    continue
+                choice = CompletionChoice(index=index, text=prefix + new_text, logprobs=lp, finish_reason=finish,
+                                          stop_reason=c.stop_reason if finish else None)
+                yield CompletionResponse(id=rid, created=created, model=ctx.model_name,
+                                         choices=[choice]).model_dump_json()
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    if include_usage:
+        usage = _usage(prompts, sum(st.sent_tokens for st in states))
+        yield CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=[],
+                                 usage=usage).model_dump_json()

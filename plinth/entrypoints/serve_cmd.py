@@ -1,0 +1,129 @@
+"""``plinth serve [MODEL]``: the OpenAI-compatible HTTP server.
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics.
+With --api-key (or $PLINTH_API_KEY) the /v1 routes need ``Authorization: Bearer <key>``;
+/health, /version and /metrics stay open.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests finish
+for up to --shutdown-timeout seconds, aborts the rest, and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "PLINTH_API_KEY"
+
+
+def add_parser(subparsers: Any, name: str, help_text: str) -> None:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p, "serve")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    g.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="do not log one line per HTTP request")
+    p.set_defaults(func=run)
+
+
+# After the grace period the remaining requests are aborted, so their clients get a final
+# chunk (finish_reason "abort"); uvicorn cancels whatever is still running this much later.
+ABORT_FLUSH_S = 3.0
+
+
+def _server_class() -> Any:
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with plinth's shutdown: after ``grace_s`` seconds the engine aborts
+        what is left (clients get a proper final response), and a SIGTERM/SIGINT shutdown ends
+        with a normal return (uvicorn would re-raise the signal, so the process would die of it
+        instead of exiting with status 0)."""
+
+        def __init__(self, config: uvicorn.Config, grace_s: float, on_grace_expired: Callable[[], None]):
+            super().__init__(config)
+            self.grace_s = grace_s
+            self.on_grace_expired = on_grace_expired
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(self.grace_s, self._grace_expired)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+        def _grace_expired(self) -> None:
+            if self.server_state.tasks:
+                logger.warning("shutdown grace period (%.1f s) over: aborting %d unfinished request(s)",
+                               self.grace_s, len(self.server_state.tasks))
+            self.on_grace_expired()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.entrypoints.cli import CliError
+    from plinth.entrypoints.openai.api_server import build_app
+
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in 0..65535, got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    config = engine_config_from_args(args)
+    uv_config = uvicorn.Config(
+        "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
+        host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel(),
+        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_FLUSH_S, access_log=args.access_log,
+    )
+    try:
+        sock = uv_config.bind_socket()   # fail on a taken port before the model loads
+    except SystemExit as exc:
+        raise CliError(f"cannot listen on {args.host}:{args.port}") from exc
+    try:
+        front = AsyncLLMEngine.from_config(config)
+        try:
+            uv_config.app = build_app(front, api_key=api_key)
+            server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
+            host, port = sock.getsockname()[:2]
+            logger.info("serving %s on http://%s:%d%s", front.served_model_name, host, port,
+                        " (API key required on /v1)" if api_key else "")
+            server.run(sockets=[sock])
+        finally:
+            front.shutdown(timeout_s=max(args.shutdown_timeout, 1.0))
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,129 @@
+"""Prometheus metrics of the server, in a registry of their own (one per app, no global state).
+
+Latencies are measured where the client sees them: from the moment the server hands a
+request to the engine front to the moment each output reaches the server.
+
+Metric names (all labelled with ``model_name``):
+
+- ``plinth_time_to_first_token_seconds`` (histogram)
+- ``plinth_inter_token_latency_seconds`` (histogram, one observation per generated token after the first)
+- ``plinth_e2e_request_latency_seconds`` (histogram)
+- ``plinth_num_requests_running``, ``plinth_num_requests_waiting`` (gauges)
+- ``plinth_kv_cache_usage_ratio`` (gauge, 0..1: blocks owned by requests over usable blocks)
+- ``plinth_prefix_cache_hit_rate`` (gauge, 0..1: prompt tokens served from the prefix cache)
+- ``plinth_prompt_tokens_total``, ``plinth_generation_tokens_total`` (counters)
+- ``plinth_requests_finished_total`` (counter, label ``finish_reason``: stop, length, abort, error)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from plinth.core.request import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Every metric of one server.
+
+    Args:
+        model_name: the served model name (the ``model_name`` label).
+        registry: where to register (default: a new ``CollectorRegistry``).
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram("plinth_time_to_first_token_seconds", "Time to the first generated token.",
+                              lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("plinth_inter_token_latency_seconds", "Time between generated tokens.",
+                             lab, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("plinth_e2e_request_latency_seconds", "Time from arrival to the last output.",
+                             lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.running = Gauge("plinth_num_requests_running", "Requests in the running batch.",
+                             lab, registry=r).labels(model_name)
+        self.waiting = Gauge("plinth_num_requests_waiting", "Requests queued for admission.",
+                             lab, registry=r).labels(model_name)
+        self.kv_usage = Gauge("plinth_kv_cache_usage_ratio", "Fraction of KV-cache blocks owned by requests.",
+                              lab, registry=r).labels(model_name)
+        self.prefix_hit_rate = Gauge("plinth_prefix_cache_hit_rate",
+                                     "Fraction of admitted prompt tokens served from the prefix cache.",
+                                     lab, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("plinth_prompt_tokens", "Prompt tokens of requests that started.",
+                                     lab, registry=r).labels(model_name)
+        self.generation_tokens = Counter("plinth_generation_tokens", "Generated tokens.",
+                                         lab, registry=r).labels(model_name)
+        self._finished = Counter("plinth_requests_finished", "Finished requests by finish reason.",
+                                 ["model_name", "finish_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self._finished.labels(model_name, reason)   # export zeros from the start
+
+    def count_finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+
+    def request(self) -> RequestTracker:
+        """Start timing one engine request."""
+        return RequestTracker(self)
+
+    def render(self, engine_stats: dict[str, Any] | None = None) -> bytes:
+        """The exposition text, with the gauges refreshed from ``engine_stats`` first."""
+        if engine_stats:
+            self.running.set(engine_stats.get("num_running", 0))
+            self.waiting.set(engine_stats.get("num_waiting", 0))
+            self.kv_usage.set(engine_stats.get("kv_cache_usage", 0.0))
+            self.prefix_hit_rate.set(engine_stats.get("prefix_cache_hit_rate", 0.0))
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Observes the outputs of one engine request; call :meth:`close` exactly once at the end."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._m = metrics
+        self._start = time.monotonic()
+        self._last: float | None = None
+        self._seen: list[int] = []      # tokens seen so far, per sequence
+        self._finish_reason: str | None = None
+        self._closed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        m = self._m
+        if not self._seen:
+            self._seen = [0] * len(out.outputs)
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+        growth = [len(c.token_ids) - seen for c, seen in zip(out.outputs, self._seen, strict=True)]
+        steps = max(growth, default=0)   # sequences of one request advance together
+        if steps > 0:
+            m.generation_tokens.inc(sum(growth))
+            if self._last is None:
+                m.ttft.observe(now - self._start)
+                steps -= 1   # the first token has no inter-token gap
+            else:
+                for _ in range(steps):
+                    m.itl.observe((now - self._last) / steps)
+            self._last = now
+            self._seen = [len(c.token_ids) for c in out.outputs]
+        if out.finished:
+            reasons = [str(c.finish_reason) for c in out.outputs if c.finish_reason is not None]
+            self._finish_reason = "abort" if "abort" in reasons else (reasons[0] if reasons else "abort")
+
+    def close(self, error: bool = False) -> None:
+        """Count the outcome: its finish reason, ``abort`` when it was cut short, or ``error``."""
+        if self._closed:
+            return
+        self._closed = True
+        m = self._m
+        m.e2e.observe(time.monotonic() - self._start)
+        m.count_finished("error" if error else (self._finish_reason or "abort"))

@@ -1,0 +1,516 @@
+"""The OpenAI-compatible server, through real ``plinth serve`` processes on 127.0.0.1.
+
+References: greedy texts and token counts come from an in-process ``LLMEngine`` on the same
+model and the same tokenizer; logprobs from a float64 transformers forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from server_utils import make_tiny_model, running_server, scrape_metrics
+
+pytestmark = pytest.mark.server
+
+API_KEY = "test-key-1234"
+MAX_MODEL_LEN = 1024
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path):
+    args = [str(model_dir), "--selection", "off", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
+            "--max-waiting-requests", "4", "--served-model-name", "tiny"]
+    with running_server(args, env={"PLINTH_API_KEY": API_KEY}) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path):
+    """The in-process reference engine, configured like the server."""
+    from plinth.config import EngineConfig
+    from plinth.core.engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", max_model_len=MAX_MODEL_LEN))
+
+
+def offline(engine, prompt, **params):
+    """Run one request to completion on the reference engine."""
+    from plinth.core.request import SamplingParams
+
+    rid = f"ref-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(**params))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    return final
+
+
+def chat_ids(engine, messages) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def headers(key: str | None = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def post(server, path: str, body, key: str | None = API_KEY, timeout: float | httpx.Timeout = 60) -> httpx.Response:
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{server.base_url}{path}", content=data, timeout=timeout,
+                      headers={"Content-Type": "application/json", **headers(key)})
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in resp.text and 'File "' not in resp.text
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+# ----------------------------------------------------------------------------------------- basics
+
+
+def test_health_version_models_and_auth(server, client):
+    assert httpx.get(f"{server.base_url}/health").status_code == 200          # open without a key
+    version = httpx.get(f"{server.base_url}/version").json()
+    import plinth
+
+    assert version["version"] == plinth.__version__
+    assert version["selection"]["kind"] == "attention_backend" and version["selection"]["winner"]
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200         # documented as open
+    assert_error(httpx.get(f"{server.base_url}/v1/models"), 401, code="invalid_api_key")
+    assert_error(httpx.get(f"{server.base_url}/v1/models", headers=headers("wrong")), 401, code="invalid_api_key")
+    resp = httpx.get(f"{server.base_url}/v1/models", headers=headers())
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0).models.list()
+    assert_error(post(server, "/v1/completions", {"prompt": "x"}, key="wrong"), 401)
+    assert_error(post(server, "/v1/completions", "{not json", key=None), 401)   # auth before parsing
+
+
+def test_completion_greedy_matches_reference(client, engine):
+    ref = offline(engine, PROMPT, temperature=0.0, max_tokens=12)
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = resp.choices[0]
+    assert choice.text == ref.outputs[0].text
+    assert choice.finish_reason == str(ref.outputs[0].finish_reason)
+    assert resp.usage.prompt_tokens == len(engine.tokenizer(PROMPT)["input_ids"])
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == choice.finish_reason and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == resp.usage.model_dump()
+
+
+def test_completion_prompt_forms_and_n(client, engine):
+    ids = engine.tokenizer(PROMPT)["input_ids"]
+    by_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    prompts = [PROMPT, "Hello world"]
+    ref = [offline(engine, p, temperature=0.0, max_tokens=8) for p in prompts]
+    resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in resp.choices] == [r.outputs[0].text for r in ref for _ in range(2)]
+    assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in ref)
+    assert resp.usage.completion_tokens == 2 * sum(len(r.outputs[0].token_ids) for r in ref)
+    batch_ids = client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=8, temperature=0)
+    assert [c.text for c in batch_ids.choices] == [by_text.choices[0].text] * 2
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2,
+                                           stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in resp.choices]
+
+
+def test_completion_logprobs_match_float64_reference(client, engine, model_dir):
+    from transformers import LlamaForCausalLM
+
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    n = resp.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    ref = offline(engine, PROMPT, temperature=0.0, max_tokens=6)
+    out_ids = ref.outputs[0].token_ids
+    for token, tid in zip(lp.tokens, out_ids, strict=True):
+        text = engine.tokenizer.decode([tid])
+        # a token holding part of a UTF-8 character is named by its bytes, as OpenAI does
+        assert token == text if "\ufffd" not in text else token.startswith("bytes:\\x")
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        all_ids = torch.tensor([ref.prompt_token_ids + out_ids])
+        logp = torch.log_softmax(model(all_ids).logits[0], dim=-1)   # [seq, vocab]
+    p = len(ref.prompt_token_ids)
+    for i, tid in enumerate(out_ids):
+        row = logp[p - 1 + i]
+        assert lp.token_logprobs[i] == pytest.approx(row[tid].item(), abs=2e-4)
+        top = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert len(lp.top_logprobs[i]) <= 3
+        assert top[0] == pytest.approx(row.max().item(), abs=2e-4)   # greedy: the chosen one is the best
+        assert top == pytest.approx(row.topk(len(top)).values.tolist(), abs=2e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+
+
+def test_completion_echo(client, engine):
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    choice = resp.choices[0]
+    assert choice.text == PROMPT + plain.choices[0].text
+    n_prompt = resp.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == n_prompt + resp.usage.completion_tokens
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in choice.logprobs.token_logprobs[1:])
+
+
+def test_stop_string(client, engine):
+    full = offline(engine, PROMPT, temperature=0.0, max_tokens=16, ignore_eos=True).outputs[0].text
+    k = next(i for i in range(2, len(full) - 2) if full.find(full[i:i + 2]) == i and full[i:i + 2].strip())
+    stop = full[k:k + 2]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == full[:k]
+    assert resp.choices[0].finish_reason == "stop"
+    chat_stop = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    text = chat_stop.choices[0].message.content
+    j = next(i for i in range(1, len(text) - 1) if text.find(text[i]) == i and text[i].strip())
+    cut = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                                         temperature=0, stop=text[j], extra_body={"ignore_eos": True})
+    assert cut.choices[0].message.content == text[:j] and cut.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility(client):
+    def sample(seed: int, n: int = 1) -> list[str]:
+        resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed,
+                                         n=n, extra_body={"ignore_eos": True})
+        return [c.text for c in resp.choices]
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+    pair = sample(1234, n=2)
+    assert pair == sample(1234, n=2) and pair[0] != pair[1]
+    messages = [{"role": "user", "content": "tell me something"}]
+    chats = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=7)
+             .choices[0].message.content for _ in range(2)]
+    assert chats[0] == chats[1]
+
+
+# ----------------------------------------------------------------------------------------- chat
+
+
+def test_chat_matches_reference_stream_and_usage(client, engine):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world"}]
+    ids = chat_ids(engine, messages)
+    ref = offline(engine, ids, temperature=0.0, max_tokens=10)
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and msg.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert resp.choices[0].finish_reason == str(ref.outputs[0].finish_reason)
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == msg.content
+    assert with_choices[-1].choices[0].finish_reason == resp.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == resp.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_n_logprobs_and_max_completion_tokens(client, engine):
+    messages = [{"role": "user", "content": "count to ten"}]
+    resp = client.chat.completions.create(model="tiny", messages=messages, n=2, temperature=1.0, seed=3,
+                                          max_completion_tokens=5, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert resp.usage.completion_tokens == 10
+    for c in resp.choices:
+        assert c.finish_reason == "length"
+        content = c.logprobs.content
+        assert len(content) == 5
+        # the tokens' bytes spell the message
+        assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == c.message.content
+        for t in content:
+            assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+            assert t.logprob <= 0
+            assert t.bytes == list(t.token.encode()) or t.token.startswith("bytes:")
+    streamed = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, n=2, temperature=1.0, seed=3,
+                                                max_completion_tokens=5, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert [streamed[0], streamed[1]] == [c.message.content for c in resp.choices]
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": [99999]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),                    # missing field (pydantic)
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30,
+                              "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+])
+def test_invalid_parameters_are_400_naming_the_field(server, path, body, param):
+    assert_error(post(server, path, body), 400, param=param)
+
+
+def test_malformed_json_unknown_model_and_route(server, client):
+    assert_error(post(server, "/v1/completions", '{"prompt": "x",'), 400, code="invalid_json")
+    assert_error(post(server, "/v1/chat/completions", b"\xff\xfe"), 400)
+    assert_error(post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model", "model_not_found")
+    assert_error(post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+                 404, "model", "model_not_found")
+    assert_error(httpx.get(f"{server.base_url}/v1/models/gpt-9", headers=headers()), 404)
+    assert_error(httpx.get(f"{server.base_url}/v1/nothing-here", headers=headers()), 404)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", temperature=-3)
+    assert info.value.status_code == 400
+
+
+def test_prompt_too_long_names_both_numbers(server, engine):
+    long_prompt = "hello world " * 700
+    n = len(engine.tokenizer(long_prompt)["input_ids"])
+    assert n > MAX_MODEL_LEN
+    err = assert_error(post(server, "/v1/completions", {"prompt": long_prompt}), 400, "prompt", "context_length_exceeded")
+    assert str(n) in err["message"] and str(MAX_MODEL_LEN) in err["message"]
+    short = "hello world " * 100
+    m = len(engine.tokenizer(short)["input_ids"])
+    err = assert_error(post(server, "/v1/completions", {"prompt": short, "max_tokens": MAX_MODEL_LEN}), 400,
+                       "max_tokens", "context_length_exceeded")
+    assert str(m) in err["message"] and str(MAX_MODEL_LEN) in err["message"]
+    err = assert_error(post(server, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": long_prompt}]}), 400, "messages")
+    assert str(MAX_MODEL_LEN) in err["message"]
+
+
+def test_queue_full_is_503_with_retry_after(server):
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=headers(), timeout=60) as http:
+            body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(16)))
+
+    responses = asyncio.run(flood())
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 503}, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert_error(r, 503, code="queue_full")
+            assert int(r.headers["Retry-After"]) >= 1
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 40
+
+
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
+    before = scrape_metrics(server.base_url)
+    with pytest.raises(httpx.TimeoutException):
+        post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True},
+             timeout=httpx.Timeout(60, read=0.5))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = scrape_metrics(server.base_url)
+        if m["plinth_requests_finished_total{finish_reason=abort}"] > before["plinth_requests_finished_total{finish_reason=abort}"]:
+            break
+        time.sleep(0.1)
+    assert m["plinth_requests_finished_total{finish_reason=abort}"] == before["plinth_requests_finished_total{finish_reason=abort}"] + 1
+    assert m["plinth_num_requests_running"] == 0 and m["plinth_kv_cache_usage_ratio"] == 0.0
+    assert m["plinth_generation_tokens_total"] - before["plinth_generation_tokens_total"] < 1000
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_server_keeps_serving_after_errors_and_never_logs_the_key(server, client):
+    for _ in range(3):
+        post(server, "/v1/completions", "{{{")
+        post(server, "/v1/completions", {"prompt": "x", "temperature": -1})
+        post(server, "/v1/completions", {"prompt": "x"}, key="wrong")
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    assert API_KEY not in server.output()
+
+
+# ----------------------------------------------------------------------------------------- in-process
+
+
+def test_engine_crash_fails_requests_and_unexpected_errors_stay_generic(engine):
+    """A crash in the engine loop fails in-flight and later requests (no hang); an unexpected
+    exception becomes a generic 500 without its details."""
+    from starlette.testclient import TestClient
+
+    from plinth.core.async_engine import AsyncLLMEngine, EngineDeadError
+    from plinth.core.request import SamplingParams
+    from plinth.entrypoints.openai.api_server import build_app
+
+    front = AsyncLLMEngine(engine)
+    try:
+        def broken_render(*_a, **_k):
+            raise RuntimeError("secret internal detail")
+
+        front.render_chat = broken_render   # type: ignore[method-assign]
+        with TestClient(build_app(front), raise_server_exceptions=False) as http:
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            err = assert_error(r, 500)
+            assert "secret" not in r.text and err["type"] == "server_error"
+            assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+            real_step = engine.step
+            calls = {"n": 0}
+
+            def failing_step():
+                calls["n"] += 1
+                if calls["n"] > 2:
+                    raise RuntimeError("device lost")
+                return real_step()
+
+            engine.step = failing_step   # type: ignore[method-assign]
+
+            async def one() -> None:
+                async for _ in front.generate("crash-1", engine.tokenizer(PROMPT)["input_ids"],
+                                              SamplingParams(max_tokens=50, ignore_eos=True)):
+                    pass
+
+            with pytest.raises(EngineDeadError):
+                asyncio.run(asyncio.wait_for(one(), timeout=30))
+            assert not front.is_healthy
+            with pytest.raises(EngineDeadError):
+                asyncio.run(asyncio.wait_for(one(), timeout=5))
+            assert_error(http.get("/health"), 503)
+            assert_error(http.post("/v1/completions", json={"prompt": PROMPT}), 503, code="engine_unavailable")
+    finally:
+        engine.__dict__.pop("step", None)
+        front.shutdown()
+    engine.abort_request("crash-1")   # the engine itself is reusable once the patched step is gone
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+# ----------------------------------------------------------------------------------------- shutdown
+
+
+def test_sigterm_finishes_in_flight_requests_then_aborts_after_grace(model_dir):
+    args = [str(model_dir), "--selection", "off", "--shutdown-timeout", "2", "--served-model-name", "tiny"]
+    with running_server(args) as srv:
+        results: dict[str, dict] = {}
+
+        def stream(name: str, max_tokens: int, started: threading.Event) -> None:
+            body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            finish, usage, done = None, None, False
+            with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    started.set()
+                    if line == "data: [DONE]":
+                        done = True
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                        finish = chunk["choices"][0]["finish_reason"]
+                    usage = chunk.get("usage") or usage
+            results[name] = {"finish": finish, "usage": usage, "done": done}
+
+        long_started, short_started = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=stream, args=("long", 3500, long_started)),
+                   threading.Thread(target=stream, args=("short", 30, short_started))]
+        threads[0].start()
+        assert long_started.wait(30)
+        threads[1].start()
+        assert short_started.wait(30)
+        t0 = time.monotonic()
+        srv.terminate()
+        code = srv.wait(30)
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+        assert code == 0, srv.output()
+        assert results["short"] == {"finish": "length", "usage": results["short"]["usage"], "done": True}
+        assert results["short"]["usage"]["completion_tokens"] == 30
+        assert results["long"]["finish"] == "abort" and results["long"]["done"]
+        assert results["long"]["usage"]["completion_tokens"] < 3500
+        assert 2.0 <= elapsed < 2.0 + 10, elapsed
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{srv.base_url}/health", timeout=2)
+
+
+# ----------------------------------------------------------------------------------------- default model
+
+
+@pytest.mark.slow
+def test_readme_examples_on_the_default_model():
+    """The requests of the serve section of the README, against ``plinth serve`` with no MODEL."""
+    with running_server(["--selection", "off"]) as srv:
+        # curl example
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        # openai client example
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Name three colors of the rainbow."}],
+            max_tokens=48, temperature=0, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        words = {w.strip(".,:;!*-").lower() for w in text.split()}
+        assert len(words & {"red", "orange", "yellow", "green", "blue", "indigo", "violet"}) >= 2, text
