@@ -100,6 +100,9 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     #: with ``--selection off`` the highest-priority supported backend wins
     priority: ClassVar[int] = 0
+    #: decode steps may be captured in a device graph: ``forward`` reads no host values that change
+    #: between steps (only tensors, ``num_seqs``, ``num_tokens`` and the block-table width)
+    graph_safe: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

@@ -183,7 +183,8 @@ class LLMEngine:
             entries = [SeqBatchEntry(s.token_ids, s.num_computed_tokens, s.request.block_ids, s.sample)
                        for s in out.scheduled]
             logits, sample_idx, hidden = self.runner.execute(entries)
-            self._prompt_logprobs(out.scheduled, hidden)
+            if hidden is not None:
+                self._prompt_logprobs(out.scheduled, hidden)
             sampled: list[int | None] = [None] * len(entries)
             if sample_idx:
                 reqs = [out.scheduled[i].request for i in sample_idx]

@@ -69,6 +69,7 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         logger.info("KV cache: %d blocks x %d tokens, %.1f MiB in %.2f s", num_blocks, block_size,
                     self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
 
@@ -130,14 +131,30 @@ class ModelRunner:
             sample_seqs=sample_seqs,
         )
 
+    def capture_decode_graphs(self, max_num_seqs: int) -> float:
+        """Capture decode steps as CUDA graphs for batch sizes up to ``max_num_seqs``; returns seconds."""
+        from plinth.worker.cuda_graphs import DecodeGraphRunner
+
+        graphs = DecodeGraphRunner(self.model, self.backend, self.device, max_num_seqs, self.max_blocks_per_seq,
+                                   self.block_size)
+        elapsed = graphs.capture()
+        self.graphs = graphs
+        return elapsed
+
     @torch.inference_mode()
-    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Run one step.
 
         Returns:
             (logits [S, vocab] float32 for the sampled sequences, their entry indices,
-             hidden states [T, hidden] of the whole flat batch).
+             hidden states [T, hidden] of the whole flat batch, or None for a replayed decode graph).
         """
+        if (self.graphs is not None and len(entries) <= self.graphs.max_size
+                and all(len(e.token_ids) == 1 and e.sample for e in entries)):
+            tokens = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=len(entries))
+            starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=len(entries))
+            logits = self.graphs.run(tokens, starts, [e.block_ids for e in entries])
+            return logits, list(range(len(entries))), None
         inputs = self.prepare(entries)
         self.backend.prepare(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)

@@ -139,6 +139,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         _profile_peak(model, device, config, backend)
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, dtype)
+    if config.device.enforce_eager:
+        logger.info("graph capture off (enforce_eager)")
+    elif not platform.supports_graph_capture or device.type != "cuda":
+        logger.info("graph capture not supported on %s: decode runs eagerly", platform.name)
+    elif not getattr(backend, "graph_safe", False):
+        logger.info("attention backend %s cannot be captured in a graph: decode runs eagerly", backend.name)
+    else:
+        runner.capture_decode_graphs(config.scheduler.max_num_seqs)
     name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")
     if config.model.model is None:
         from plinth.model_registry.default_model import DEFAULT_MODEL_NAME

@@ -79,6 +79,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 20
+    graph_safe: ClassVar[bool] = True
 
     def __init__(self, decode_splits: int | None = None) -> None:
         if decode_splits is not None and decode_splits < 1:

@@ -1,0 +1,180 @@
+"""Decode steps replayed from captured CUDA graphs.
+
+A graph is captured for each batch size of a ladder (1, 2, 4, 8, 16, 24, 32, 48, ...). A decode step of
+``B`` sequences replays the smallest captured size ``G >= B``; rows ``B..G-1`` are padding sequences of
+one token that live in the scratch block 0. Inputs are copied into static device buffers from pinned
+host buffers; the graph computes hidden states and the logits of every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The capture ladder: dense at small sizes, where batch-1..8 latency matters."""
+    sizes = [1, 2, 4, 8] + list(range(16, 129, 8)) + list(range(144, 513, 16))
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+@dataclasses.dataclass
+class _Static:
+    """Device buffers a graph reads (inputs) and writes (outputs), sized for the largest graph."""
+
+    input_ids: torch.Tensor      # [G] int64
+    positions: torch.Tensor      # [G] int64
+    slot_mapping: torch.Tensor   # [G] int64
+    seq_lens: torch.Tensor       # [G] int32
+    context_lens: torch.Tensor   # [G] int32
+    query_start_loc: torch.Tensor  # [G + 1] int32
+    block_tables: torch.Tensor   # [G, W] int32
+
+
+class DecodeGraphRunner:
+    """Captures and replays decode steps.
+
+    Args:
+        model: the CausalLM (its attention layers already hold their KV caches).
+        backend: the attention backend (must be ``graph_safe``).
+        device: a CUDA device.
+        max_num_seqs: the largest decode batch.
+        max_blocks_per_seq: the block-table width (max_model_len / block_size, rounded up).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
+                 max_num_seqs: int, max_blocks_per_seq: int, block_size: int):
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.block_size = block_size
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        g, w = self.sizes[-1], max_blocks_per_seq
+        self.max_size = g
+
+        def dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.static = _Static(
+            input_ids=dev((g,), torch.int64), positions=dev((g,), torch.int64),
+            slot_mapping=dev((g,), torch.int64), seq_lens=dev((g,), torch.int32),
+            context_lens=dev((g,), torch.int32), query_start_loc=dev((g + 1,), torch.int32),
+            block_tables=dev((g, w), torch.int32),
+        )
+        # Pinned host staging: one row per static buffer, packed as int64 [5, G] + int32 tables.
+        self.host_vec = torch.zeros((5, g), dtype=torch.int64, pin_memory=True)
+        self.host_tables = torch.zeros((g, w), dtype=torch.int32, pin_memory=True)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        s = self.static
+        return AttentionMetadata(
+            num_tokens=size, num_seqs=size, max_query_len=1,
+            max_seq_len=s.block_tables.shape[1] * self.block_size,
+            query_start_loc=s.query_start_loc[: size + 1], seq_lens=s.seq_lens[:size],
+            context_lens=s.context_lens[:size], slot_mapping=s.slot_mapping[:size],
+            block_tables=s.block_tables[:size],
+            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        md = self._metadata(size)
+        self.backend.prepare(md)
+        s = self.static
+        hidden = self.model(s.input_ids[:size], s.positions[:size], md)
+        return self.model.compute_logits(hidden)   # [size, vocab] float32
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every size of the ladder (largest first, sharing one memory pool); returns seconds."""
+        t0 = time.perf_counter()
+        self._fill_padding(0, self.max_size)
+        for size in reversed(self.sizes):
+            for _ in range(2):   # warm-up: compile Triton kernels, settle cuBLAS workspaces
+                self._forward(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+            self.outputs[size] = out
+        torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d decode graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
+                    self.sizes[-1], elapsed)
+        return elapsed
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        s = self.static
+        idx = torch.arange(start, end, device=self.device, dtype=torch.int32)
+        s.input_ids[start:end] = 0
+        s.positions[start:end] = 0
+        s.slot_mapping[start:end] = 0
+        s.seq_lens[start:end] = 1
+        s.context_lens[start:end] = 0
+        s.query_start_loc[start + 1: end + 1] = idx + 1
+        s.block_tables[start:end] = 0
+
+    def padded_size(self, batch: int) -> int | None:
+        for size in self.sizes:
+            if size >= batch:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, block_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Replay one decode step for ``B`` sequences; returns logits ``[B, vocab]`` (a view into static output).
+
+        Args:
+            token_ids: ``[B]`` the last token of each sequence.
+            positions: ``[B]`` its position (= tokens already in the cache).
+            block_ids: each sequence's KV blocks.
+        """
+        b = len(token_ids)
+        size = self.padded_size(b)
+        assert size is not None, f"decode batch {b} exceeds the largest graph {self.max_size}"
+        bs = self.block_size
+        w = self.host_tables.shape[1]
+        vec = self.host_vec.numpy()
+        tables = self.host_tables.numpy()
+        tables[:size] = 0
+        for i, blocks in enumerate(block_ids):
+            n = min(len(blocks), w)
+            tables[i, :n] = blocks[:n]
+        pos = positions.astype(np.int64)
+        vec[0, :b] = token_ids
+        vec[1, :b] = pos
+        vec[2, :b] = tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
+        vec[3, :b] = pos + 1          # seq_lens
+        vec[4, :b] = pos              # context_lens
+        # padding rows: one token at slot 0 of the scratch block
+        vec[0, b:size] = 0
+        vec[1, b:size] = 0
+        vec[2, b:size] = 0
+        vec[3, b:size] = 1
+        vec[4, b:size] = 0
+        s = self.static
+        dev_vec = self.host_vec.to(self.device, non_blocking=True)   # whole pinned buffer: one async copy
+        s.input_ids[:size].copy_(dev_vec[0])
+        s.positions[:size].copy_(dev_vec[1])
+        s.slot_mapping[:size].copy_(dev_vec[2])
+        s.seq_lens[:size].copy_(dev_vec[3])
+        s.context_lens[:size].copy_(dev_vec[4])
+        s.block_tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        # query_start_loc is 0..size for a decode batch: constant, filled at capture
+        self.graphs[size].replay()
+        return self.outputs[size][:b]
