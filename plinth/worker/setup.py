@@ -110,6 +110,7 @@ def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_pe
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from plinth.attention_backends.probe import AttentionWorkload
     from plinth.core.selection import select_attention_backend
     from plinth.model_registry.interface import ModelContext
     from plinth.model_registry.loader import load_model, resolve_dtype, resolve_model_source
@@ -126,8 +127,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.model.max_model_len and config.model.max_model_len > limit:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
     spec = attention_spec(hf, dtype, config.cache.block_size)
-    selection = select_attention_backend(spec, platform, config.device)
-    logger.info("%s", selection.summary())
+    workload = AttentionWorkload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                                            max_model_len, hf.num_hidden_layers)
+    selection = select_attention_backend(spec, platform, config.device, workload=workload)
     backend = selection.winner_cls()
     ctx = ModelContext(hf_config=hf, dtype=dtype, device=device, attention_backend=backend,
                        block_size=config.cache.block_size)
