@@ -1,0 +1,118 @@
+"""Physical floors for benchmarks: how fast a workload could possibly run on a known device.
+
+Two floors, both lower bounds on time:
+
+- **decode (memory bound)**: one decode step must read every weight that takes part in a matrix
+  product once. The input embedding table is read one row per token, so it is left out (unless it
+  is tied to the LM head, which reads it whole). Floor per step = streamed bytes / copy bandwidth.
+- **compute bound**: a forward over ``T`` tokens costs ``2 * P * T`` FLOPs, ``P`` being the matmul
+  parameters (all parameters except a lookup-only embedding table). Floor = FLOPs / matmul rate.
+
+The ceilings are figures measured on each device (bf16 matmul of 8192^3, device-to-device copy), keyed
+by a substring of the device name. Devices not in the table have no floor ("floor unknown ...").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCeilings:
+    """Measured ceilings of one device kind.
+
+    Attributes:
+        name: the device kind (for reports).
+        copy_bytes_per_s: measured device-to-device copy bandwidth, bytes per second.
+        matmul_flops_per_s: dense matmul rate per dtype (only measured dtypes are listed).
+    """
+
+    name: str
+    copy_bytes_per_s: float
+    matmul_flops_per_s: dict[torch.dtype, float]
+
+
+# device-name substring -> ceilings; first match wins (so put more specific names first).
+KNOWN_DEVICES: tuple[tuple[str, DeviceCeilings], ...] = (
+    ("H200", DeviceCeilings("NVIDIA H200", 4.21e12, {torch.bfloat16: 760e12})),
+)
+
+UNKNOWN = "floor unknown for this device"
+
+
+def ceilings_for(device_name: str) -> DeviceCeilings | None:
+    """The ceilings of a device by its name (``torch.cuda.get_device_name``), or ``None``."""
+    for key, ceilings in KNOWN_DEVICES:
+        if key.lower() in device_name.lower():
+            return ceilings
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    """A human-readable name of ``device``: the GPU's product name, else the device type."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (no-op on the CPU)."""
+    backend = getattr(torch, device.type, None)
+    sync = getattr(backend, "synchronize", None) if device.type != "cpu" else None
+    if callable(sync):
+        sync(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightStats:
+    """What a model's weights cost to run.
+
+    Attributes:
+        params: all parameters (shared ones counted once).
+        matmul_params: parameters used in matrix products (``params`` minus a lookup-only embedding).
+        streamed_bytes: bytes of those matmul parameters, read in full by every decode step.
+    """
+
+    params: int
+    matmul_params: int
+    streamed_bytes: int
+
+
+def _is_lookup(module: nn.Module) -> bool:
+    from plinth.model_registry.layers.embedding import LMHead, VocabEmbedding
+
+    return isinstance(module, nn.Embedding) or (isinstance(module, VocabEmbedding) and not isinstance(module, LMHead))
+
+
+def weight_stats(model: nn.Module) -> WeightStats:
+    """Count a model's parameters; works for plinth models and for transformers models."""
+    lookup: dict[int, torch.Tensor] = {}
+    used: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        target = lookup if _is_lookup(module) else used
+        for p in module.parameters(recurse=False):
+            target[id(p)] = p
+    lookup_only = {k: p for k, p in lookup.items() if k not in used}
+    all_params = {**lookup, **used}
+    matmul = [p for k, p in all_params.items() if k not in lookup_only]
+    return WeightStats(
+        params=sum(p.numel() for p in all_params.values()),
+        matmul_params=sum(p.numel() for p in matmul),
+        streamed_bytes=sum(p.numel() * p.element_size() for p in matmul),
+    )
+
+
+def decode_step_floor_s(stats: WeightStats, ceilings: DeviceCeilings) -> float:
+    """The least time one decode step can take: its weights read once at copy bandwidth."""
+    return stats.streamed_bytes / ceilings.copy_bytes_per_s
+
+
+def compute_floor_s(stats: WeightStats, num_tokens: int, dtype: torch.dtype, ceilings: DeviceCeilings) -> float | None:
+    """The least time ``num_tokens`` forward tokens can take at the matmul rate (None: dtype not measured)."""
+    rate = ceilings.matmul_flops_per_s.get(dtype)
+    if rate is None:
+        return None
+    return 2.0 * stats.matmul_params * num_tokens / rate

@@ -1,0 +1,112 @@
+"""``plinth bench latency|throughput`` on the tiny-llama dummy preset, and the floor arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from plinth import benchmarks_floor as floors
+from plinth.entrypoints import bench_cmd
+from plinth.entrypoints.cli import main
+
+TINY = ["tiny-llama", "--load-format", "dummy", "--num-blocks", "64", "--selection", "off"]
+
+
+def run_bench(capsys, tmp_path, mode: str, *argv: str) -> tuple[str, dict]:
+    out_path = tmp_path / "result.json"
+    rc = main(["--log-level", "WARNING", "bench", mode, *TINY, *argv, "--json", str(out_path)])
+    assert rc == 0
+    return capsys.readouterr().out, json.loads(out_path.read_text())
+
+
+def test_latency_prints_and_writes_the_fields(capsys, tmp_path):
+    text, r = run_bench(capsys, tmp_path, "latency", "--input-len", "16", "--output-len", "8", "--batch-size", "2",
+                        "--num-iters", "2", "--num-iters-warmup", "1")
+    assert r["mode"] == "latency" and r["model"] == "tiny-llama" and r["device"] == "cpu"
+    assert (r["batch_size"], r["input_len"], r["output_len"], r["num_iters"]) == (2, 16, 8, 2)
+    assert len(r["latencies_s"]) == 2 and all(t > 0 for t in r["latencies_s"])
+    assert 0 < r["median_ttft_s"] < r["median_latency_s"]
+    assert r["median_tpot_s"] > 0
+    assert r["output_tokens_per_s"] == pytest.approx(2 * 8 / r["median_latency_s"])
+    assert r["floor"] == floors.UNKNOWN
+    for label in ("end-to-end latency", "time to first token", "time per output token", "output tokens/s",
+                  floors.UNKNOWN):
+        assert label in text
+
+
+def test_throughput_counts_every_token(capsys, tmp_path):
+    text, r = run_bench(capsys, tmp_path, "throughput", "--num-prompts", "6", "--input-len-range", "4", "20",
+                        "--output-len", "5", "--num-warmup-prompts", "1", "--prompt-seed", "3")
+    expected = bench_cmd.random_prompts(6, (4, 20), 1024, 3)
+    assert r["num_prompts"] == 6
+    assert r["prompt_tokens"] == sum(len(p) for p in expected)
+    assert r["output_tokens"] == 6 * 5
+    assert r["elapsed_s"] > 0
+    assert r["requests_per_s"] == pytest.approx(6 / r["elapsed_s"])
+    assert r["output_tokens_per_s"] == pytest.approx(30 / r["elapsed_s"])
+    assert r["total_tokens_per_s"] == pytest.approx((30 + r["prompt_tokens"]) / r["elapsed_s"])
+    for label in ("requests/s", "output tokens/s", "total tokens/s", "elapsed"):
+        assert label in text
+
+
+def test_floor_fractions_on_a_known_device(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(floors, "device_name", lambda device: "NVIDIA H200 (pretend)")
+    _, lat = run_bench(capsys, tmp_path, "latency", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
+                       "--num-iters-warmup", "0", "--dtype", "bfloat16")
+    assert lat["floor_tpot_s"] == pytest.approx(lat["streamed_weight_bytes"] / 4.21e12)
+    assert lat["tpot_floor_fraction"] == pytest.approx(lat["floor_tpot_s"] / lat["median_tpot_s"])
+    _, tput = run_bench(capsys, tmp_path, "throughput", "--num-prompts", "2", "--input-len", "8",
+                        "--output-len", "3", "--dtype", "bfloat16")
+    tokens = tput["prompt_tokens"] + tput["output_tokens"]
+    assert tput["floor_elapsed_s"] == pytest.approx(2 * tput["matmul_params"] * tokens / 760e12)
+    assert tput["floor_fraction"] == pytest.approx(tput["floor_elapsed_s"] / tput["elapsed_s"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["throughput", "--input-len-range", "10", "10"], "1 <= A < B"),
+    (["latency", "--input-len-range", "1", "10"], "for the throughput benchmark"),
+    (["latency", "--output-len", "0"], "--output-len must be >= 1"),
+    (["latency", "--input-len", "2000", "--output-len", "100"], "exceeds the model length"),
+])
+def test_bad_workloads_are_one_line_errors(capsys, argv, message):
+    assert main(["--log-level", "WARNING", "bench", argv[0], *TINY, *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_random_prompts_are_seeded_and_in_range():
+    a = bench_cmd.random_prompts(50, (128, 1024), 1000, seed=7)
+    assert a == bench_cmd.random_prompts(50, (128, 1024), 1000, seed=7)
+    assert a != bench_cmd.random_prompts(50, (128, 1024), 1000, seed=8)
+    assert all(128 <= len(p) < 1024 for p in a)
+    assert all(0 <= t < 1000 for p in a for t in p)
+    assert [len(p) for p in bench_cmd.random_prompts(3, 17, 1000, seed=0)] == [17, 17, 17]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_stats_against_a_hand_count(tied):
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    h, i, kv = 16, 32, 2 * 4  # kv = key/value width (2 heads x head size 4)
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i + 2 * h   # q, k, v, o, gate/up/down, two norms
+    body = 2 * per_layer + h                                    # plus the final norm
+    emb = 100 * h
+    stats = floors.weight_stats(model)
+    assert stats.params == body + emb + (0 if tied else emb)
+    assert stats.matmul_params == body + emb   # the LM head reads the whole table; the lookup does not
+    assert stats.streamed_bytes == 2 * stats.matmul_params
+
+
+def test_ceilings_table():
+    assert floors.ceilings_for("NVIDIA H200").copy_bytes_per_s == 4.21e12
+    assert floors.ceilings_for("nvidia h200 nvl").matmul_flops_per_s[torch.bfloat16] == 760e12
+    assert floors.ceilings_for("NVIDIA A100-SXM4-80GB") is None
+    stats = floors.WeightStats(params=10, matmul_params=8, streamed_bytes=16)
+    h200 = floors.ceilings_for("H200")
+    assert floors.decode_step_floor_s(stats, h200) == 16 / 4.21e12
+    assert floors.compute_floor_s(stats, 5, torch.bfloat16, h200) == 2 * 8 * 5 / 760e12
+    assert floors.compute_floor_s(stats, 5, torch.float32, h200) is None
