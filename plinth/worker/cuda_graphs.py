@@ -169,11 +169,11 @@ class DecodeGraphRunner:
         vec[4, b:size] = 0
         s = self.static
         dev_vec = self.host_vec.to(self.device, non_blocking=True)   # whole pinned buffer: one async copy
-        s.input_ids[:size].copy_(dev_vec[0])
-        s.positions[:size].copy_(dev_vec[1])
-        s.slot_mapping[:size].copy_(dev_vec[2])
-        s.seq_lens[:size].copy_(dev_vec[3])
-        s.context_lens[:size].copy_(dev_vec[4])
+        s.input_ids[:size].copy_(dev_vec[0, :size])
+        s.positions[:size].copy_(dev_vec[1, :size])
+        s.slot_mapping[:size].copy_(dev_vec[2, :size])
+        s.seq_lens[:size].copy_(dev_vec[3, :size])
+        s.context_lens[:size].copy_(dev_vec[4, :size])
         s.block_tables[:size].copy_(self.host_tables[:size], non_blocking=True)
         # query_start_loc is 0..size for a decode batch: constant, filled at capture
         self.graphs[size].replay()

@@ -84,6 +84,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {first.get('msg', 'cannot parse')}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc:
+        return bad_request("the request body must be a JSON object (sent with Content-Type: application/json)",
+                           code="invalid_json")
     # Union members (prompt: str | list[...]) add their type name to the path; drop those.
     fields = [p for p in loc if not (p.startswith(("list[", "str", "int", "float", "bool")) or p.isdigit())]
     param = fields[0] if fields else None
