@@ -198,16 +198,17 @@ class AsyncLLMEngine:
 
     def _drain_commands(self) -> None:
         while self._commands:
-            cmd = self._commands.popleft()
+            cmd = self._commands[0]   # popped only once handled, so a crash here still fails its caller
             if isinstance(cmd, _Abort):
                 self._engine.abort_request(cmd.request_id)
-                continue
-            try:
-                self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
-            except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
-                self._send({cmd.sink.loop: [(cmd.sink.queue, exc)]})
-                continue
-            self._sinks[cmd.request_id] = cmd.sink
+            else:
+                try:
+                    self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+                except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
+                    self._send({cmd.sink.loop: [(cmd.sink.queue, exc)]})
+                else:
+                    self._sinks[cmd.request_id] = cmd.sink
+            self._commands.popleft()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -70,13 +70,12 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Any] | None = None):
+    def __init__(self, events: AsyncIterator[str]):
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
-        self._on_close = on_close
 
     async def _produce(self, send: Send) -> None:
         while True:
@@ -110,5 +109,3 @@ class SSEResponse(Response):
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
-            if self._on_close is not None:
-                self._on_close()
