@@ -79,3 +79,22 @@ def test_prefix_cache_on_gpu(tiny_llama_dir, reference):
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
     assert llm.engine.block_manager.stats.hit_tokens > 0
     assert tokens == again == reference
+
+
+def test_kv_cache_sizing_respects_memory_fraction():
+    """The KV cache fills the configured fraction of device memory, and a busy run stays within it."""
+    import numpy as np
+
+    fraction = 0.3
+    llm = LLM("llama-3-8b", load_format="dummy", dtype="bfloat16", gpu_memory_utilization=fraction,
+              max_model_len=4096, max_num_seqs=64)
+    total = torch.cuda.get_device_properties(0).total_memory
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(512, 2048, 64)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    peak = torch.cuda.max_memory_reserved(0)
+    assert peak <= fraction * total, (peak / 2**30, fraction * total / 2**30)
+    # and the cache takes most of what is left (not a token amount)
+    assert llm.engine.runner.kv_cache_bytes > 0.5 * (fraction * total - 16.1e9)
+    del llm
+    torch.cuda.empty_cache()

@@ -85,7 +85,8 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int) -> Atten
 
 
 def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_per_block: int,
-                max_model_len: int) -> int:
+                max_model_len: int, reserve: int = 0) -> int:
+    """KV blocks that fit the budget; ``reserve`` bytes are kept back for graphs and sampling."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -98,9 +99,10 @@ def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_pe
         index = device.index or 0
         total = platform.total_memory(index)
         used = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else total - platform.free_memory(index)
-        budget = int(total * cache.gpu_memory_utilization) - used
-        logger.info("KV budget: %.2f GiB of %.2f GiB (%.0f%% utilization, %.2f GiB peak used by weights+activations)",
-                    budget / 2**30, total / 2**30, cache.gpu_memory_utilization * 100, used / 2**30)
+        budget = int(total * cache.gpu_memory_utilization) - used - reserve
+        logger.info("KV budget: %.2f GiB of %.2f GiB (%.0f%% utilization; %.2f GiB peak of weights+activations, "
+                    "%.2f GiB kept for graphs and sampling)", budget / 2**30, total / 2**30,
+                    cache.gpu_memory_utilization * 100, used / 2**30, reserve / 2**30)
     blocks = min(useful, budget // bytes_per_block)
     if blocks < 2:
         raise ModelLoadError(f"not enough memory for the KV cache: {budget / 2**20:.0f} MiB available, "
@@ -137,9 +139,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model = load_model(source, ctx, seed=config.model.seed)
     model.eval()
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, dtype)
-    if device.type != "cpu":
+    reserve = 0
+    if device.type == "cuda":
+        weights = torch.cuda.memory_allocated(device)
         _profile_peak(model, device, config, backend)
-    num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len)
+        # Graph pools hold at most one decode batch's activations (below the profiled prefill peak);
+        # sampling needs a few [max_num_seqs, vocab] float32 temporaries.
+        reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
+    num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, dtype)
     if config.device.enforce_eager:
         logger.info("graph capture off (enforce_eager)")
