@@ -110,7 +110,8 @@ def _prefill_kernel(
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # heaviest query blocks (the ends of the sequences) first, so the tail of the grid is short
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
