@@ -514,3 +514,20 @@ def test_readme_examples_on_the_default_model():
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         words = {w.strip(".,:;!*-").lower() for w in text.split()}
         assert len(words & {"red", "orange", "yellow", "green", "blue", "indigo", "violet"}) >= 2, text
+
+
+def test_taken_port_fails_fast_with_a_clear_error(model_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "plinth.entrypoints.cli", "serve", str(model_dir),
+                            "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 60   # refused before the model loads

@@ -20,10 +20,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from plinth.errors import UserFacingError
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PLINTH_API_KEY"
+
+
+class ServeError(UserFacingError):
+    """The server cannot start as asked (bad flag value, port taken)."""
 
 
 def add_parser(subparsers: Any, name: str, help_text: str) -> None:
@@ -95,13 +100,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from plinth.core.async_engine import AsyncLLMEngine
-    from plinth.entrypoints.cli import CliError
     from plinth.entrypoints.openai.api_server import build_app
 
     if not 0 <= args.port <= 65535:
-        raise CliError(f"--port must be in 0..65535, got {args.port}")
+        raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if args.shutdown_timeout < 0:
-        raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        raise ServeError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = engine_config_from_args(args)
     uv_config = uvicorn.Config(
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = uv_config.bind_socket()   # fail on a taken port before the model loads
     except SystemExit as exc:
-        raise CliError(f"cannot listen on {args.host}:{args.port}") from exc
+        raise ServeError(f"cannot listen on {args.host}:{args.port}") from exc
     try:
         front = AsyncLLMEngine.from_config(config)
         try:
