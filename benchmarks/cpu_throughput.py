@@ -1,0 +1,179 @@
+"""Offline throughput on the CPU: plinth against transformers on the default model, in one run.
+
+    python benchmarks/cpu_throughput.py --out cpu_throughput.json
+    python benchmarks/cpu_throughput.py --num-prompts 16      # a quick, smaller run
+
+Workload: ``--num-prompts`` (64) prompts of random token ids (seeded), lengths uniform in
+[``--min-len``, ``--max-len``] (64..512), ``--output-len`` (128) new tokens each, greedy, EOS ignored.
+Model: SmolLM2-135M-Instruct (the GGUF plinth runs by default), dequantized to ``--dtype`` by both.
+
+Systems, each timed from the first request to the last token (loading not timed, a short warm-up first):
+  - plinth: ``LLMEngine`` (what ``LLM.generate`` drives), every request submitted at once;
+  - transformers ``generate``: left-padded batches of ``--hf-batch-size`` prompts (sorted by length,
+    so padding is small), sdpa attention;
+  - transformers ``generate_batch``: its continuous batching (paged attention).
+transformers reads the same GGUF file with its own reader (``load_gguf_checkpoint``, the code behind
+``from_pretrained(..., gguf_file=...)``, which also needs ``accelerate`` to place weights).
+Prints output and total tokens/s for each system and plinth's ratio to each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_vs_transformers import Recorder, disable_eos, free_memory, hf_generate_batch  # noqa: E402
+
+from plinth.entrypoints.bench_cmd import bench_throughput, random_prompts  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=512, help="longest prompt (inclusive)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--hf-batch-size", type=int, default=16, help="prompts per padded transformers batch")
+    p.add_argument("--only", default="plinth,generate,generate_batch",
+                   help="comma-separated systems: plinth, generate, generate_batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results to this JSON file")
+    args = p.parse_args(argv)
+    if not 1 <= args.min_len <= args.max_len:
+        p.error("need 1 <= --min-len <= --max-len")
+    args.systems = [s.strip() for s in args.only.split(",") if s.strip()]
+    return args
+
+
+def load_transformers(gguf_path: Path, dtype: torch.dtype) -> Any:
+    """The GGUF model in transformers, dequantized by transformers' own GGUF reader."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    result = model.load_state_dict(tensors, strict=False)
+    missing = set(result.missing_keys) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"GGUF load: missing {sorted(missing)}, unexpected {result.unexpected_keys}")
+    model.tie_weights()
+    disable_eos(model)
+    return model
+
+
+@torch.inference_mode()
+def hf_padded_generate(model: Any, prompts: list[list[int]], new_tokens: int, batch_size: int) -> dict[str, Any]:
+    """transformers ``generate`` over left-padded batches of prompts sorted by length."""
+    pad = 0
+
+    def batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)     # [B, L]
+        mask = torch.zeros_like(ids)                                    # [B, L]
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        return ids, mask
+
+    def generate(rows: list[list[int]], n: int) -> int:
+        ids, mask = batch(rows)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                             pad_token_id=pad)                          # [B, L + n]
+        if out.shape[1] - ids.shape[1] != n:
+            raise RuntimeError(f"generate made {out.shape[1] - ids.shape[1]} tokens, expected {n}")
+        return len(rows) * n
+
+    generate([p[:16] for p in prompts[:2]], 4)   # warm-up
+    ordered = sorted(prompts, key=len)
+    t0 = time.perf_counter()
+    out_tokens = sum(generate(ordered[i:i + batch_size], new_tokens) for i in range(0, len(ordered), batch_size))
+    elapsed = time.perf_counter() - t0
+    prompt_tokens = sum(len(p) for p in prompts)
+    padded = sum(len(ordered[min(i + batch_size, len(ordered)) - 1]) * len(ordered[i:i + batch_size])
+                 for i in range(0, len(ordered), batch_size))
+    return {"elapsed_s": elapsed, "prompt_tokens": prompt_tokens, "padded_prompt_tokens": padded,
+            "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
+            "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed, "batch_size": batch_size}
+
+
+def with_host_stats(fn: Any) -> Any:
+    """Record the 1-minute load average and this process's CPU time around a run (both include the
+    warm-up): other processes may share the cores, and the load average says how much they did."""
+    def wrapped() -> dict[str, Any]:
+        before, cpu0 = os.getloadavg()[0], time.process_time()
+        rec = fn()
+        rec.update(loadavg_before=before, loadavg_after=os.getloadavg()[0], process_cpu_s=time.process_time() - cpu0)
+        return rec
+    return wrapped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import transformers
+
+    import plinth
+    from plinth.model_registry.default_model import default_model_path
+    from plinth.model_registry.gguf_loader import read_gguf_config
+
+    gguf = Path(default_model_path())
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    meta = {"model": gguf.name, "dtype": args.dtype, "torch": torch.__version__,
+            "transformers": transformers.__version__, "plinth": plinth.__version__,
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "argv": sys.argv[1:],
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "num_prompts": args.num_prompts,
+            "prompt_lens": [args.min_len, args.max_len], "output_len": args.output_len}
+    rec = Recorder(args.out, meta)
+    vocab = int(read_gguf_config(str(gguf))[0].vocab_size)
+    prompts = random_prompts(args.num_prompts, (args.min_len, args.max_len + 1), vocab, args.seed)
+    if "plinth" in args.systems:
+        def run_plinth() -> dict[str, Any]:
+            engine = plinth.LLM(None, dtype=args.dtype).engine
+            result = bench_throughput(engine, prompts, args.output_len, 4, args.seed)
+            del engine
+            return result
+        rec.run("cpu", "plinth", with_host_stats(run_plinth))
+        free_memory()
+    if {"generate", "generate_batch"} & set(args.systems):
+        model = load_transformers(gguf, dtype)
+        if model.config.vocab_size != vocab:
+            raise RuntimeError(f"unexpected vocabulary size {model.config.vocab_size}")
+        if "generate" in args.systems:
+            rec.run("cpu", "transformers_generate",
+                    with_host_stats(lambda: hf_padded_generate(model, prompts, args.output_len, args.hf_batch_size)))
+        if "generate_batch" in args.systems:
+            rec.run("cpu", "transformers_generate_batch",
+                    with_host_stats(lambda: hf_generate_batch(model, prompts, args.output_len)))
+    print_table(rec.results.get("cpu", {}))
+    return 0
+
+
+def print_table(systems: dict[str, Any]) -> None:
+    plinth = systems.get("plinth", {})
+    print("\nsystem                         elapsed s   output tok/s   total tok/s   plinth/this (output tok/s)")
+    for name, r in systems.items():
+        if "error" in r:
+            print(f"{name:<30} error: {r['error'][:80]}")
+            continue
+        ratio = f"{plinth['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x" \
+            if plinth and "error" not in plinth else ""
+        print(f"{name:<30} {r['elapsed_s']:>9.1f}   {r['output_tokens_per_s']:>12.1f}   "
+              f"{r['total_tokens_per_s']:>11.1f}   {ratio}")
+    print(json.dumps({k: round(v["output_tokens_per_s"], 1) for k, v in systems.items() if "error" not in v}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
