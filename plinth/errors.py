@@ -7,6 +7,10 @@ class UserFacingError(Exception):
     """Base of errors caused by user input (bad model path, unsupported option, ...)."""
 
 
+class CliError(UserFacingError):
+    """A bad command-line usage: printed as one line, exit status 2."""
+
+
 class ModelLoadError(UserFacingError, ValueError):
     """A model could not be loaded; the message names the file and, where known, the tensor."""
 

@@ -120,7 +120,7 @@ class AttentionBackend(abc.ABC):
         """The shape of one layer's KV-cache tensor."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
+    def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Precompute per-step data once for all layers (store it in ``metadata.backend_data``).
 
         Called by the model runner after building the metadata and before the forward pass.

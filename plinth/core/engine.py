@@ -94,10 +94,10 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- requests
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights without one): pass token ids")
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> str:

@@ -188,7 +188,7 @@ def _compute_floor(engine: Any, tokens: int, elapsed: float) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- command
 
 def _check(args: argparse.Namespace) -> None:
-    from plinth.entrypoints.cli import CliError
+    from plinth.errors import CliError
 
     positive = ["input_len", "output_len", "batch_size", "num_iters", "num_prompts"]
     for name in positive:
@@ -209,7 +209,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from plinth.core.engine import LLMEngine
-    from plinth.entrypoints.cli import CliError
+    from plinth.errors import CliError
 
     _check(args)
     longest = (args.input_len_range[1] - 1 if args.input_len_range else args.input_len) + args.output_len

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from plinth import __version__
+from plinth.errors import UserFacingError
 
 SUBCOMMANDS = {
     "serve": ("plinth.entrypoints.serve_cmd", "run the OpenAI-compatible HTTP server"),
@@ -19,10 +20,6 @@ SUBCOMMANDS = {
     "bench": ("plinth.entrypoints.bench_cmd", "latency and throughput benchmarks"),
     "plugins": ("plinth.entrypoints.plugins_cmd", "list discovered plugins and what they provide"),
 }
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -49,18 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except CliError as exc:
+    except (UserFacingError, ValueError) as exc:   # CliError, config and model errors: one line
         print(f"plinth {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:
-        from plinth.errors import UserFacingError
-
-        if isinstance(exc, UserFacingError | ValueError):
-            print(f"plinth {args.command}: error: {exc}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def done_ids(output: Path) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plinth.entrypoints.cli import CliError
+    from plinth.errors import CliError
 
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) -> int:
     for i, text in enumerate(args.prompt):
-        prompt = engine.render_chat([{"role": "user", "content": text}]) if args.chat else text
+        prompt = (engine.tokenize(engine.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
+                  if args.chat else text)
         engine.add_request(f"cli-{i}", prompt, base)
     outs: dict[str, Any] = {}
     while engine.has_unfinished_requests():
@@ -200,7 +201,7 @@ def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_ro
             if rid in skip:
                 continue
             if is_chat:
-                prompt = engine.render_chat(prompt)
+                prompt = engine.tokenize(engine.render_chat(prompt), add_special_tokens=False)
             engine.add_request(rid, prompt, params)
         except ValueError as exc:
             msg = str(exc) if isinstance(exc, RowError) else f"row {line}: {exc}"

@@ -82,8 +82,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # The template writes the special tokens itself: tokenize without adding BOS again.
         prompts = [
-            self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            self.engine.tokenize(self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt,
+                                                         chat_template=chat_template), add_special_tokens=False)
             for conv in conversations  # type: ignore[arg-type]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -65,11 +65,14 @@ def benchmark_model(config: Any) -> list[SelectionResult]:
 def run_benchmark(model: str | None, *, as_json: bool = False, file: TextIO | None = None) -> int:
     """``plinth plugins --benchmark [MODEL]``: select for ``model`` and print every kind's table."""
     import json
+    from pathlib import Path
 
     from plinth.config import EngineConfig
+    from plinth.model_registry.loader import list_presets
 
     out = file or sys.stdout
-    results = benchmark_model(EngineConfig.from_kwargs(model=model))
+    fmt = "dummy" if model is not None and not Path(model).exists() and model in list_presets() else "auto"
+    results = benchmark_model(EngineConfig.from_kwargs(model=model, load_format=fmt))
     if as_json:
         json.dump([r.to_dict() for r in results], out, indent=2)
         out.write("\n")
