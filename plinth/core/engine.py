@@ -174,8 +174,13 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- stepping
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that progressed or finished in it."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; return the requests that progressed or finished in it.
+
+        Args:
+            final_only: report only requests that finished (offline use: skips building an
+                output per running request per step).
+        """
         touched: dict[str, _Group] = {g.request_id: g for g in self._aborted}
         self._aborted.clear()
         out = self.scheduler.schedule()
@@ -210,7 +215,7 @@ class LLMEngine:
                         self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_str)
                 group = self._seq_to_group[req.request_id]
                 touched[group.request_id] = group
-        outputs = [self._make_output(g) for g in touched.values()]
+        outputs = [self._make_output(g) for g in touched.values() if not final_only or g.finished]
         for g in touched.values():
             if g.finished:
                 self._forget(g)

@@ -175,7 +175,7 @@ def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) ->
         engine.add_request(f"cli-{i}", prompt, base)
     outs: dict[str, Any] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step(final_only=True):
             if out.finished:
                 outs[out.request_id] = out
     for i in range(len(args.prompt)):
@@ -217,7 +217,7 @@ def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_ro
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("a", encoding="utf-8") as f, tqdm(total=len(submitted), unit="row", disable=None) as bar:
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step(final_only=True):
                 if not out.finished:
                     continue
                 rec = {

@@ -100,7 +100,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
         try:
             while pending:
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out
