@@ -41,6 +41,9 @@ class ModelContext:
         quant_method: the quantization method, or ``None`` for unquantized weights.
         tp_rank: this process's tensor-parallel rank.
         tp_size: the tensor-parallel world size.
+        pp_rank: this process's pipeline stage (models that support pipeline parallelism build
+            only that stage's layers).
+        pp_size: the number of pipeline stages.
     """
 
     hf_config: PretrainedConfig
@@ -51,6 +54,8 @@ class ModelContext:
     quant_method: object | None = None
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

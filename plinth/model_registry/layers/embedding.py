@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plinth.distributed.communication import tp_all_gather, tp_all_reduce
 from plinth.errors import ModelLoadError
 
 
@@ -42,8 +43,7 @@ class VocabEmbedding(nn.Module):
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(in_range, input_ids - self.vocab_start, 0)
         out = F.embedding(local, self.weight) * in_range[:, None].to(self.weight.dtype)
-        torch.distributed.all_reduce(out)
-        return out
+        return tp_all_reduce(out)
 
 
 class LMHead(VocabEmbedding):
@@ -58,7 +58,5 @@ class LMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
+            logits = tp_all_gather(logits, dim=-1)   # [N, tp_size * rows_per_rank]
         return logits[..., : self.num_embeddings]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plinth.distributed.communication import tp_all_reduce
 from plinth.errors import ModelLoadError
 
 
@@ -139,7 +140,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x, None)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            tp_all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plinth.distributed.communication import tp_all_reduce
 from plinth.errors import ModelLoadError
 from plinth.model_registry.layers.linear import ReplicatedLinear, divide
 
@@ -114,7 +115,7 @@ class FusedMoE(nn.Module):
             out.index_add_(0, rows, y.to(torch.float32) * slot_weights[start:start + n, None])
             start += n
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            tp_all_reduce(out)
         return out.to(x.dtype)
 
 

@@ -9,12 +9,15 @@ the Hugging Face checkpoints, except the fused ``qkv_proj`` and ``gate_up_proj``
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
+from plinth.distributed.parallel_state import pp_layer_range
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.layers.activation import SiluAndMul
 from plinth.model_registry.layers.attention import Attention
@@ -26,6 +29,8 @@ from plinth.model_registry.layers.linear import (
     RowParallelLinear,
 )
 from plinth.model_registry.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+_LAYER_RE = re.compile(r"^model\.layers\.(?P<idx>\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,28 +135,61 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage runs (keeps layer indices aligned)."""
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers and the final norm (the checkpoint's ``model.`` prefix)."""
+    """Embedding, decoder layers and the final norm (the checkpoint's ``model.`` prefix).
+
+    Under pipeline parallelism (``ctx.pp_size > 1``) only this stage's layers are built
+    (:func:`~plinth.distributed.parallel_state.pp_layer_range`); the embedding lives on the
+    first stage and the final norm on the last.
+    """
 
     def __init__(self, ctx: ModelContext, owner: DecoderForCausalLM):
         super().__init__()
         cfg = ctx.hf_config
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, ctx.pp_rank, ctx.pp_size)
+        self.is_first_stage = ctx.pp_rank == 0
+        self.is_last_stage = ctx.pp_rank == ctx.pp_size - 1
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+                             if self.is_first_stage else None)
         options = owner.attention_options(cfg)
         self.layers = nn.ModuleList(
-            DecoderLayer(ctx, i, options, owner.make_mlp(ctx, i)) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(ctx, i, options, owner.make_mlp(ctx, i)) if self.start_layer <= i < self.end_layer
+            else MissingLayer()
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last_stage else None
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), rope_parameters(cfg),
                                           getattr(cfg, "max_position_embeddings", 2048))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)                      # [T, H]
+    def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                  hidden: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's share of the forward pass.
+
+        The first stage embeds ``input_ids``; later stages continue from the previous stage's
+        ``hidden`` and ``residual`` (``[T, H]`` each). Returns ``(hidden, residual)``; on the last
+        stage ``hidden`` is the normed final state and ``residual`` is ``None``.
+        """
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)                  # [T, H]
+        assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, D] each
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(hidden, residual, cos, sin, metadata)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
+        return hidden, None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, _ = self.run_stage(input_ids, positions, metadata)
         return hidden
 
 
@@ -166,14 +204,18 @@ class DecoderForCausalLM(CausalLM):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
+    #: stages can be built and run one at a time (see :meth:`forward_stage`)
+    supports_pipeline_parallel: ClassVar[bool] = True
+
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)
         cfg = ctx.hf_config
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = DecoderModel(ctx, self)
+        # a last stage without the embedding reads the tied matrix into its own LM head
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
-                              tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+                              tp_rank=ctx.tp_rank, tp_size=ctx.tp_size) if self.model.is_last_stage else None
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         """Biases and norms of the attention block (default: Llama's ``attention_bias``)."""
@@ -188,10 +230,37 @@ class DecoderForCausalLM(CausalLM):
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         if self.tie_word_embeddings and name == "lm_head.weight":
             return None  # some tied checkpoints store the shared matrix twice
+        if self.tie_word_embeddings and self.model.embed_tokens is None and name == "model.embed_tokens.weight":
+            return "lm_head.weight", None   # a last pipeline stage holds the tied matrix as its LM head
         return super().map_weight_name(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the checkpoint tensors of this pipeline stage (all of them without pipeline parallelism)."""
+        if self.ctx.pp_size > 1:
+            weights = ((name, t) for name, t in weights if self._on_this_stage(name))
+        super().load_weights(weights)
+
+    def _on_this_stage(self, name: str) -> bool:
+        m = _LAYER_RE.match(name)
+        if m is not None:
+            return self.model.start_layer <= int(m["idx"]) < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None or (self.lm_head is not None and self.tie_word_embeddings)
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)
 
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                      hidden: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pipeline stage: see :meth:`DecoderModel.run_stage`."""
+        return self.model.run_stage(input_ids, positions, metadata, hidden, residual)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden).float()
