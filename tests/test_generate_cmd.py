@@ -81,10 +81,10 @@ def test_interrupted_run_resumes_without_duplicates(tiny_llama_dir, tmp_path, js
 
     original = LLMEngine.step
 
-    def interrupting_step(self):
+    def interrupting_step(self, **kwargs):
         if out.exists() and len(out.read_text().splitlines()) >= 3:
             raise KeyboardInterrupt
-        return original(self)
+        return original(self, **kwargs)
 
     LLMEngine.step = interrupting_step
     try:
