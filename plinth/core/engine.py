@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from plinth.config import EngineConfig
+from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
 from plinth.core.request import (
@@ -23,6 +24,7 @@ from plinth.core.request import (
 )
 from plinth.core.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from plinth.core.scheduler import RequestRejectedError, Scheduler
+from plinth.distributed.executor import Executor, UniprocExecutor
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,9 @@ class LLMEngine:
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids
         self.selection = parts.selection
-        self.runner: ModelRunner = parts.runner
+        self.runner: ModelRunner | None = parts.runner   # None when worker processes own the model
+        self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection)
+        self._dead: EngineDeadError | None = None
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
@@ -119,6 +123,8 @@ class LLMEngine:
             QueueFullError: the waiting queue is full.
         """
         params = params or SamplingParams()
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -181,13 +187,15 @@ class LLMEngine:
             final_only: report only requests that finished (offline use: skips building an
                 output per running request per step).
         """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
         touched: dict[str, _Group] = {g.request_id: g for g in self._aborted}
         self._aborted.clear()
         out = self.scheduler.schedule()
         if out.scheduled:
             entries = [SeqBatchEntry(s.token_ids, s.num_computed_tokens, s.request.block_ids, s.sample)
                        for s in out.scheduled]
-            logits, sample_idx, hidden = self.runner.execute(entries)
+            logits, sample_idx, hidden = self._execute(entries)
             if hidden is not None:
                 self._prompt_logprobs(out.scheduled, hidden)
             sampled: list[int | None] = [None] * len(entries)
@@ -220,6 +228,44 @@ class LLMEngine:
             if g.finished:
                 self._forget(g)
         return outputs
+
+    def _execute(self, entries: list[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
+        return self._run_guarded(self.executor.execute, entries)
+
+    def _run_guarded(self, fn: Any, *args: Any) -> Any:
+        """Call the executor; when its workers are gone, fail every in-flight request and raise."""
+        try:
+            return fn(*args)
+        except EngineDeadError as exc:
+            raise self._die(exc) from exc
+
+    def _die(self, exc: EngineDeadError) -> EngineDeadError:
+        """Mark the engine dead after a worker failure: every unfinished request gets a final output
+        with ``error`` set (attached to the raised error as ``outputs``), the executor is shut down."""
+        message = f"the engine's workers failed: {exc}"
+        outputs = []
+        for group in list(self._groups.values()):
+            out = self._make_output(group)
+            out.finished, out.error = True, message
+            outputs.append(out)
+        self._groups.clear()
+        self._seqs.clear()
+        self._seq_to_group.clear()
+        self._dead = EngineDeadError(message)
+        self._dead.outputs = outputs  # type: ignore[attr-defined]
+        self.executor.shutdown()
+        logger.error("%s; %d in-flight request(s) failed", message, len(outputs))
+        return self._dead
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (bounded time; idempotent). The engine cannot step afterwards."""
+        self.executor.shutdown()
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
@@ -255,7 +301,7 @@ class LLMEngine:
                 # rows predicting prompt tokens start+1 .. min(start+n, len(prompt)-1)
                 stop = min(start + n, len(prompt) - 1)
                 if stop > start and len(group.prompt_logprobs) < len(prompt):
-                    logits = self.runner.prompt_logits(hidden, slice(row, row + (stop - start)))
+                    logits = self._run_guarded(self.executor.prompt_logits, hidden, slice(row, row + (stop - start)))
                     targets = prompt[start + 1: stop + 1]
                     k = group.params.prompt_logprobs or 0
                     lps = compute_prompt_logprobs(logits, targets, k).to_position_logprobs([k] * len(targets))

@@ -31,8 +31,9 @@ class EngineParts:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     selection: Any
-    runner: ModelRunner
+    runner: ModelRunner | None   # None when worker processes own the model (see executor)
     num_blocks: int
+    executor: Any = None         # a plinth.distributed executor; None: the runner runs in-process
 
 
 def load_tokenizer(source: Any, config: EngineConfig) -> Any:
@@ -114,11 +115,17 @@ def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_pe
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     from plinth.attention_backends.probe import AttentionWorkload
     from plinth.core.selection import select_attention_backend
+    from plinth.distributed.executor import resolve_executor_name
     from plinth.model_registry.interface import ModelContext
     from plinth.model_registry.loader import load_model, resolve_dtype, resolve_model_source
     from plinth.platforms.selection import select_platform
 
     platform = select_platform(config.device.platform)
+    executor_name = resolve_executor_name(config, platform)
+    if executor_name != "uniproc":
+        from plinth.distributed.driver import build_distributed_parts
+
+        return build_distributed_parts(config, platform, executor_name)
     device = platform.device(0)
     source = resolve_model_source(config.model)
     hf = source.hf_config

@@ -1,0 +1,219 @@
+"""Executors: how the engine runs a step's batch on one or many workers.
+
+* :class:`UniprocExecutor`: the model runner in the engine's own process (TP = PP = 1).
+* :class:`~plinth.distributed.executor_mp.MultiprocExecutor`: one spawned process per rank on
+  this machine, the batch sent over pipes.
+* :class:`~plinth.distributed.executor_ray.RayExecutor`: one Ray actor per rank, placed with a
+  placement group on an existing Ray cluster or a local one.
+
+The scheduler and the sampler stay in the engine (the driver); workers return the logits of
+the sampled rows from TP rank 0 of the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from plinth.config import ConfigError, EngineConfig
+from plinth.core.async_engine import EngineDeadError
+from plinth.distributed.messages import StepBatch
+from plinth.distributed.parallel_state import ParallelLayout
+from plinth.worker.model_runner import SeqBatchEntry
+
+logger = logging.getLogger(__name__)
+
+STEP_TIMEOUT_ENV = "PLINTH_WORKER_STEP_TIMEOUT_S"
+START_TIMEOUT_ENV = "PLINTH_WORKER_START_TIMEOUT_S"
+
+
+def env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"${name} must be a number of seconds, got {raw!r}") from exc
+    if value <= 0:
+        raise ConfigError(f"${name} must be positive, got {raw!r}")
+    return value
+
+
+class WorkerDiedError(EngineDeadError):
+    """A worker process or actor died or stopped answering; the engine cannot go on."""
+
+
+class Executor(abc.ABC):
+    """Runs the model for the engine.
+
+    Attributes:
+        num_blocks: KV blocks per layer (the same on every rank).
+        selection: the attention-backend selection result.
+    """
+
+    num_blocks: int
+    selection: Any
+
+    @abc.abstractmethod
+    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
+        """Run one step.
+
+        Returns:
+            (logits ``[S, vocab]`` float32 of the sampled sequences, their entry indices, a handle
+            to the step's hidden states for :meth:`prompt_logits`, or ``None``).
+
+        Raises:
+            WorkerDiedError: a worker died or timed out; the executor has shut itself down.
+        """
+
+    @abc.abstractmethod
+    def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
+        """Logits ``[len(rows), vocab]`` float32 of flat-batch rows of the latest step."""
+
+    def shutdown(self) -> None:  # noqa: B027 (nothing to release in-process)
+        """Stop the workers and release what the executor holds (bounded time; idempotent)."""
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers (the engine's own for the in-process executor)."""
+        return [os.getpid()]
+
+
+class UniprocExecutor(Executor):
+    """The model runner of the engine's own process."""
+
+    def __init__(self, runner: Any, num_blocks: int, selection: Any):
+        self.runner = runner
+        self.num_blocks = num_blocks
+        self.selection = selection
+
+    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
+        return self.runner.execute(entries)
+
+    def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
+        return self.runner.prompt_logits(hidden, rows)
+
+
+class DistributedExecutor(Executor):
+    """Start-up and step protocol shared by the multi-process and Ray executors.
+
+    Subclasses start the workers (each joins the process groups) and implement
+    :meth:`_call_all`, which calls one :class:`~plinth.distributed.worker.Worker` method on
+    every rank and returns the results in rank order, raising :class:`WorkerDiedError` when a
+    worker dies or does not answer in time.
+    """
+
+    def __init__(self, config: EngineConfig):
+        par = config.parallel
+        self.config = config
+        self.world_size = par.world_size
+        self.output_rank = ParallelLayout.output_rank(par.tensor_parallel_size, par.pipeline_parallel_size)
+        self.step_timeout_s = env_seconds(STEP_TIMEOUT_ENV, 600.0)
+        self.start_timeout_s = env_seconds(START_TIMEOUT_ENV, 900.0)
+        self._dead: BaseException | None = None
+        self._closed = False
+
+    def _start(self) -> None:
+        """Select the attention backend on rank 0, load every shard, size and allocate the KV cache."""
+        try:
+            self._start_workers()
+            self.selection = self._call_one(0, "select_attention", timeout_s=self.start_timeout_s)
+            fits = self._call_all("load", self.selection.winner, timeout_s=self.start_timeout_s)
+            self.num_blocks = min(fits)
+            self._call_all("init_cache", self.num_blocks, timeout_s=self.start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%s: %d workers ready (tp %d x pp %d), %d KV blocks", type(self).__name__, self.world_size,
+                    self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size,
+                    self.num_blocks)
+
+    @abc.abstractmethod
+    def _start_workers(self) -> None:
+        """Start one worker per rank and have each join the process groups."""
+
+    @abc.abstractmethod
+    def _call_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every rank; results in rank order."""
+
+    def _call_one(self, rank: int, method: str, *args: Any, timeout_s: float) -> Any:
+        """Call ``Worker.<method>(*args)`` on one rank (default: through :meth:`_call_all` on all)."""
+        return self._call_all(method, *args, timeout_s=timeout_s)[rank]
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(f"the workers are gone ({self._dead})")
+        if self._closed:
+            raise WorkerDiedError("the executor was shut down")
+
+    def _fail(self, exc: BaseException) -> WorkerDiedError:
+        """Record a fatal worker failure, stop every worker, return the error to raise."""
+        err = exc if isinstance(exc, WorkerDiedError) else WorkerDiedError(
+            f"a worker failed during a step: {type(exc).__name__}: {exc}")
+        self._dead = err
+        logger.error("%s; stopping all workers", err)
+        self.shutdown()
+        return err
+
+    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
+        self._check_alive()
+        batch = StepBatch.from_entries(entries)
+        try:
+            results = self._call_all("execute", batch, timeout_s=self.step_timeout_s)
+        except BaseException as exc:
+            raise self._fail(exc) from exc
+        logits, sample_seqs = results[self.output_rank]
+        return logits, sample_seqs, _RemoteHidden()
+
+    def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
+        self._check_alive()
+        try:
+            results = self._call_all("prompt_logits", rows.start, rows.stop, timeout_s=self.step_timeout_s)
+        except BaseException as exc:
+            raise self._fail(exc) from exc
+        return results[self.output_rank]
+
+
+class _RemoteHidden:
+    """Stands for the hidden states a step left on the last-stage workers."""
+
+
+def resolve_executor_name(config: EngineConfig, platform: Any) -> str:
+    """``auto``: in-process for one rank; Ray when ``$RAY_ADDRESS`` names a cluster or when the
+    ranks outnumber this machine's accelerators and Ray is installed; else one process per rank."""
+    par = config.parallel
+    name = par.distributed_executor
+    if name == "uniproc" and par.world_size > 1:
+        raise ConfigError(f"distributed_executor 'uniproc' runs one rank, but tensor_parallel_size x "
+                          f"pipeline_parallel_size = {par.world_size}; use 'mp' or 'ray'")
+    if name != "auto":
+        return name
+    if par.world_size == 1:
+        return "uniproc"
+    if os.environ.get("RAY_ADDRESS"):
+        return "ray"
+    if platform.device_type != "cpu" and platform.device_count() < par.world_size:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is not None:
+            return "ray"
+    return "mp"
+
+
+def create_distributed_executor(name: str, config: EngineConfig) -> DistributedExecutor:
+    """Start the workers of executor ``name`` (``mp`` or ``ray``)."""
+    if name == "mp":
+        from plinth.distributed.executor_mp import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    if name == "ray":
+        from plinth.distributed.executor_ray import RayExecutor
+
+        return RayExecutor(config)
+    raise ConfigError(f"unknown distributed executor {name!r}")

@@ -1,0 +1,66 @@
+"""What the driver sends to every worker each step: the batch as a few flat numpy arrays.
+
+Flat arrays pickle in one pass with no per-sequence Python objects, so one encoding is cheap
+to send to many workers (over pipes or through Ray's object store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from plinth.worker.model_runner import SeqBatchEntry
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One step's scheduled sequences.
+
+    Attributes:
+        token_ids: ``[T]`` int64, every sequence's new tokens, concatenated.
+        q_lens: ``[N]`` int64, new tokens per sequence.
+        starts: ``[N]`` int64, position of each sequence's first new token.
+        block_counts: ``[N]`` int64, KV blocks per sequence.
+        block_ids: ``[sum(block_counts)]`` int64, every sequence's blocks, concatenated.
+        sample: ``[N]`` bool, whether the sequence's last token is sampled.
+    """
+
+    token_ids: np.ndarray
+    q_lens: np.ndarray
+    starts: np.ndarray
+    block_counts: np.ndarray
+    block_ids: np.ndarray
+    sample: np.ndarray
+
+    @classmethod
+    def from_entries(cls, entries: Sequence[SeqBatchEntry]) -> StepBatch:
+        n = len(entries)
+        q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
+        block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
+        return cls(
+            token_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=int(q_lens.sum())),
+            q_lens=q_lens,
+            starts=np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=n),
+            block_counts=block_counts,
+            block_ids=np.fromiter((b for e in entries for b in e.block_ids), dtype=np.int64,
+                                  count=int(block_counts.sum())),
+            sample=np.fromiter((e.sample for e in entries), dtype=np.bool_, count=n),
+        )
+
+    def entries(self) -> list[SeqBatchEntry]:
+        """The batch as the model runner's entries (views into the arrays, no copies of the ids)."""
+        tok_ends = np.cumsum(self.q_lens)
+        blk_ends = np.cumsum(self.block_counts)
+        out = []
+        for i in range(len(self.q_lens)):
+            t1, b1 = int(tok_ends[i]), int(blk_ends[i])
+            out.append(SeqBatchEntry(self.token_ids[t1 - int(self.q_lens[i]):t1].tolist(), int(self.starts[i]),
+                                     self.block_ids[b1 - int(self.block_counts[i]):b1].tolist(),
+                                     bool(self.sample[i])))
+        return out
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.sample.sum())

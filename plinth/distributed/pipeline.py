@@ -1,0 +1,104 @@
+"""Pipeline-parallel execution of one step on one stage, in micro-batches.
+
+A step's sequences are cut into up to ``pp_size`` contiguous micro-batches of about equal
+token counts. Each stage runs the micro-batches in order: it receives a micro-batch's
+``(hidden, residual)`` from the previous stage (one ``[2, T, H]`` message), runs its layers
+and starts sending the result to the next stage asynchronously, then goes on with the next
+micro-batch. So while stage ``s`` works on micro-batch ``i`` stage ``s + 1`` works on ``i - 1``:
+a step costs about ``(m + p - 1) / m`` stage-times instead of ``p`` (``m`` micro-batches, ``p``
+stages; with ``m = p = 2``, 1.5 instead of 2). A batch of one sequence is one micro-batch and
+does not overlap.
+
+Micro-batches are contiguous and run in the same order on every stage, so a sequence that
+reads KV blocks another sequence of the same step writes (prefix-cache sharing, ``n > 1``)
+still finds them written: the writer comes first in the step, hence in the same or an earlier
+micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from plinth.distributed.communication import pp_recv, pp_send_async
+from plinth.distributed.parallel_state import ParallelLayout
+from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
+
+
+def split_microbatches(entries: Sequence[SeqBatchEntry], max_parts: int) -> list[range]:
+    """Contiguous ranges of entry indices, at most ``max_parts``, with balanced token counts."""
+    n = len(entries)
+    parts = max(1, min(max_parts, n))
+    if parts == 1:
+        return [range(n)]
+    cum = np.cumsum([len(e.token_ids) for e in entries])   # [N]
+    total = int(cum[-1])
+    bounds = [0]
+    for k in range(1, parts):
+        cut = int(np.searchsorted(cum, total * k / parts, side="left")) + 1
+        cut = min(max(cut, bounds[-1] + 1), n - (parts - k))    # every part keeps at least one entry
+        bounds.append(cut)
+    bounds.append(n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+class PipelineStage:
+    """Runs this rank's stage of the model over a step's micro-batches.
+
+    Args:
+        runner: the stage's model runner (its KV cache holds this stage's layers only).
+        layout: this rank's place in the TP x PP grid.
+        hidden_size: the model width.
+        dtype: the activation dtype.
+    """
+
+    def __init__(self, runner: ModelRunner, layout: ParallelLayout, hidden_size: int, dtype: torch.dtype):
+        self.runner = runner
+        self.model: Any = runner.model
+        self.layout = layout
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor | None, list[int], list[torch.Tensor]]:
+        """Run the step.
+
+        Returns:
+            (logits ``[S, vocab]`` float32 on the last stage, else ``None``; the sampled entry
+            indices; the final hidden states of each micro-batch on the last stage, else ``[]``).
+        """
+        runner, layout = self.runner, self.layout
+        sends: list[tuple[Any, torch.Tensor]] = []
+        logits: list[torch.Tensor] = []
+        sample_seqs: list[int] = []
+        hiddens: list[torch.Tensor] = []
+        try:
+            for mb in split_microbatches(entries, layout.pp_size):
+                inputs = runner.prepare([entries[i] for i in mb])
+                runner.backend.prepare(inputs.metadata)
+                hidden = residual = None
+                if not layout.is_first_stage:
+                    t = inputs.metadata.num_tokens
+                    packed = pp_recv((2, t, self.hidden_size), self.dtype, runner.device)   # [2, T, H]
+                    hidden, residual = packed[0], packed[1]
+                hidden, residual = self.model.forward_stage(inputs.input_ids, inputs.positions, inputs.metadata,
+                                                            hidden, residual)
+                if not layout.is_last_stage:
+                    packed = torch.stack((hidden, residual))    # [2, T, H]
+                    sends.append((pp_send_async(packed), packed))
+                    continue
+                hiddens.append(hidden)
+                if inputs.sample_seqs:
+                    logits.append(self.model.compute_logits(hidden[inputs.sample_rows]))
+                    sample_seqs.extend(mb.start + i for i in inputs.sample_seqs)
+        finally:
+            for work, _ in sends:
+                work.wait()
+        if not layout.is_last_stage:
+            return None, [], []
+        vocab = self.model.ctx.hf_config.vocab_size
+        out = torch.cat(logits) if logits else torch.empty(0, vocab, dtype=torch.float32, device=runner.device)
+        return out, sample_seqs, hiddens

@@ -1,0 +1,199 @@
+"""One rank of a distributed engine: its model shard, its KV cache, its part of each step.
+
+The same :class:`Worker` runs inside a spawned process (:mod:`~plinth.distributed.executor_mp`)
+and inside a Ray actor (:mod:`~plinth.distributed.executor_ray`). The driver calls, in order:
+:meth:`Worker.init_distributed` (every rank at once), :meth:`Worker.select_attention` (rank 0),
+:meth:`Worker.load` (every rank, with rank 0's choice; returns how many KV blocks fit here),
+:meth:`Worker.init_cache` (every rank, with the smallest of those counts), then
+:meth:`Worker.execute` once per step and :meth:`Worker.prompt_logits` when a step asked for
+prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+
+from plinth.config import DeviceConfig, EngineConfig
+from plinth.distributed.messages import StepBatch
+from plinth.distributed.parallel_state import ParallelLayout, init_parallel_state
+from plinth.distributed.pipeline import PipelineStage
+from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """One rank.
+
+    Args:
+        config: the engine configuration (the same on every rank).
+        rank: this worker's rank in ``[0, tp_size * pp_size)``.
+        device_index: which local device this rank drives (ignored on CPU).
+    """
+
+    def __init__(self, config: EngineConfig, rank: int, device_index: int):
+        par = config.parallel
+        self.config = config
+        self.layout = ParallelLayout(rank, par.tensor_parallel_size, par.pipeline_parallel_size)
+        self.device_index = device_index
+        self.runner: ModelRunner | None = None
+        self.stage: PipelineStage | None = None
+        self._last_hidden: list[torch.Tensor] = []
+        self._model: Any = None
+        self._backend: Any = None
+        self._num_blocks_fit = 0
+
+        from plinth.model_registry.loader import resolve_dtype, resolve_model_source
+        from plinth.platforms.selection import select_platform
+
+        self.platform = select_platform(config.device.platform)
+        if self.platform.device_type == "cpu":
+            if "OMP_NUM_THREADS" not in os.environ:   # share the cores, do not oversubscribe them
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.layout.world_size))
+        else:
+            self.platform.set_device(device_index)
+        self.device = self.platform.device(device_index)
+        self.source = resolve_model_source(config.model)
+        self.hf = self.source.hf_config
+        self.dtype = resolve_dtype(config.model, self.hf, self.platform.supported_dtypes())
+        limit = getattr(self.hf, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.model.max_model_len or limit
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    def init_distributed(self, store: Any, timeout_s: float) -> int:
+        """Join the process groups; returns this process's id."""
+        init_parallel_state(self.layout, self.platform.dist_backend, store, timeout_s)
+        return os.getpid()
+
+    def _spec(self) -> Any:
+        from plinth.worker.setup import attention_spec
+
+        spec = attention_spec(self.hf, self.dtype, self.config.cache.block_size)
+        tp = self.layout.tp_size
+        kv = spec.num_kv_heads // tp if spec.num_kv_heads >= tp else 1
+        return dataclasses.replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=kv)
+
+    def select_attention(self) -> Any:
+        """Choose the attention backend on this rank's shapes (run on one rank, used by all).
+
+        Returns:
+            the :class:`~plinth.core.selection_records.SelectionResult` without its class object.
+        """
+        from plinth.attention_backends.probe import AttentionWorkload
+        from plinth.core.selection import select_attention_backend
+
+        sched = self.config.scheduler
+        layers = self.hf.num_hidden_layers // self.layout.pp_size
+        workload = AttentionWorkload.for_engine(sched.max_num_seqs, sched.max_num_batched_tokens,
+                                                self.max_model_len, max(1, layers))
+        result = select_attention_backend(self._spec(), self.platform, self.config.device, workload=workload)
+        return dataclasses.replace(result, winner_cls=None)
+
+    def load(self, backend_name: str) -> int:
+        """Build this rank's model shard with the chosen backend and load its weights.
+
+        Returns:
+            how many KV blocks fit on this rank.
+        """
+        from plinth.core.selection import select_attention_backend
+        from plinth.model_registry.interface import ModelContext
+        from plinth.model_registry.loader import load_model
+        from plinth.worker.setup import _num_blocks
+
+        forced = DeviceConfig(platform=self.config.device.platform, attention_backend=backend_name, selection="off")
+        backend = select_attention_backend(self._spec(), self.platform, forced).winner_cls()
+        lay = self.layout
+        ctx = ModelContext(hf_config=self.hf, dtype=self.dtype, device=self.device, attention_backend=backend,
+                           block_size=self.config.cache.block_size, tp_rank=lay.tp_rank, tp_size=lay.tp_size,
+                           pp_rank=lay.pp_rank, pp_size=lay.pp_size)
+        torch.manual_seed(self.config.model.seed)
+        model = load_model(self.source, ctx, seed=self.config.model.seed)
+        model.eval()
+        self._model, self._backend = model, backend
+        block_size = self.config.cache.block_size
+        bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, block_size, self.dtype)
+        reserve = 0
+        if self.device.type == "cuda":
+            weights = torch.cuda.memory_allocated(self.device)
+            self._profile_peak()
+            reserve = (torch.cuda.max_memory_allocated(self.device) - weights
+                       + 4 * self.config.scheduler.max_num_seqs * self.hf.vocab_size * 4)
+        config = self.config
+        if self.platform.device_type == "cpu":   # the CPU budget is the whole engine's: split it over the ranks
+            cache = dataclasses.replace(config.cache,
+                                        cpu_kv_cache_bytes=max(1, config.cache.cpu_kv_cache_bytes // lay.world_size))
+            config = dataclasses.replace(config, cache=cache)
+        self._num_blocks_fit = _num_blocks(config, self.platform, {"device": self.device}, bytes_per_block,
+                                           self.max_model_len, reserve)
+        return self._num_blocks_fit
+
+    @torch.inference_mode()
+    def _profile_peak(self) -> None:
+        """One step at the full token budget through this rank's stage (every rank runs it at once)."""
+        n = self.config.scheduler.max_num_batched_tokens
+        bs = self.config.cache.block_size
+        self._make_runner(2)
+        entries = [SeqBatchEntry([0] * min(bs, n - i), 0, [1], True) for i in range(0, n, bs)]
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._run(entries)
+        torch.cuda.synchronize(self.device)
+        for layer in self._model.attention_layers():
+            layer.kv_cache = None
+        self.runner = self.stage = None
+
+    def _make_runner(self, num_blocks: int) -> None:
+        cfg = self.config
+        self.runner = ModelRunner(self._model, self._backend, self.device, num_blocks, cfg.cache.block_size,
+                                  self.max_model_len, self.dtype)
+        if self.layout.pp_size > 1:
+            self.stage = PipelineStage(self.runner, self.layout, self.hf.hidden_size, self.dtype)
+
+    def init_cache(self, num_blocks: int) -> int:
+        """Allocate the KV cache (the same block count on every rank); capture decode graphs where
+        supported (single-stage runs only). Returns the cache's bytes on this rank."""
+        self._make_runner(num_blocks)
+        assert self.runner is not None
+        dev = self.config.device
+        if (not dev.enforce_eager and self.layout.pp_size == 1 and self.device.type == "cuda"
+                and self.platform.supports_graph_capture and getattr(self._backend, "graph_safe", False)):
+            self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs)
+        return self.runner.kv_cache_bytes
+
+    def _run(self, entries: list[SeqBatchEntry]) -> tuple[torch.Tensor | None, list[int]]:
+        if self.stage is not None:
+            logits, sample_seqs, self._last_hidden = self.stage.execute(entries)
+            return logits, sample_seqs
+        assert self.runner is not None
+        logits, sample_seqs, hidden = self.runner.execute(entries)
+        self._last_hidden = [hidden] if hidden is not None else []
+        return logits, sample_seqs
+
+    def execute(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[int]]:
+        """Run this rank's part of a step.
+
+        Returns:
+            (logits ``[S, vocab]`` float32 on the host, on the output rank only, else ``None``;
+            the sampled entry indices).
+        """
+        logits, sample_seqs = self._run(batch.entries())
+        if not self.layout.is_output_rank or logits is None:
+            return None, sample_seqs
+        return logits.to("cpu", non_blocking=False), sample_seqs
+
+    @torch.inference_mode()
+    def prompt_logits(self, start: int, stop: int) -> torch.Tensor | None:
+        """Logits of rows ``[start, stop)`` of the last step's flat batch (last stage; every TP rank of
+        it takes part in the LM head's gather; the output rank returns them on the host)."""
+        if not self.layout.is_last_stage:
+            return None
+        hidden = self._last_hidden[0] if len(self._last_hidden) == 1 else torch.cat(self._last_hidden)
+        logits = self._model.compute_logits(hidden[start:stop])
+        return logits.cpu() if self.layout.is_output_rank else None
