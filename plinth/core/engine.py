@@ -62,14 +62,16 @@ class LLMEngine:
 
     Args:
         config: the engine configuration.
+        executor_factory: optional ``factory(config) -> Executor`` that runs the model in worker
+            processes (default: chosen from ``config.parallel``; see ``plinth.distributed``).
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, executor_factory: Any = None):
         from plinth.worker.setup import build_engine_parts
 
         t0 = time.perf_counter()
         self.config = config
-        parts = build_engine_parts(config)
+        parts = build_engine_parts(config, executor_factory)
         self.platform = parts.platform
         self.model_source = parts.source
         self.tokenizer = parts.tokenizer

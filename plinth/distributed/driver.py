@@ -46,8 +46,11 @@ def validate_parallel_layout(hf: Any, architecture: str, par: ParallelConfig) ->
             raise ConfigError(f"tensor_parallel_size {tp} must divide the model's {name} ({size})")
 
 
-def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: str) -> Any:
+def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: str,
+                            executor_factory: Any = None) -> Any:
     """What :class:`~plinth.core.engine.LLMEngine` needs, with the model on the workers.
+
+    ``executor_factory(config)``, when given, builds the executor instead of ``executor_name``.
 
     Returns:
         :class:`~plinth.worker.setup.EngineParts` whose ``runner`` is ``None`` and whose
@@ -65,7 +68,8 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     limit = getattr(hf, "max_position_embeddings", None) or 2048
     max_model_len = config.model.max_model_len or limit
     chat_template = read_chat_template(config.model.chat_template)
-    executor = create_distributed_executor(executor_name, config)
+    executor = (executor_factory(config) if executor_factory is not None
+                else create_distributed_executor(executor_name, config))
     if executor.selection is not None:
         logger.info("%s", executor.selection.summary())
     name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")

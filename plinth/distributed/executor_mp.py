@@ -18,6 +18,7 @@ Programs that create an engine with this executor must guard their entry point w
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing.connection as mpc
 import os
@@ -39,96 +40,87 @@ SHUTDOWN_WAIT_S = 5.0
 _HOST = "127.0.0.1"
 
 
-class MultiprocExecutor(DistributedExecutor):
-    """Spawned worker processes on this machine, one per rank (and per device on accelerators).
+class WorkerProcesses:
+    """``size`` spawned worker processes, process ``i`` serving rank ``i``; each has a pipe.
 
-    Raises:
-        ConfigError: more ranks than this machine has devices (CPUs accept any count).
+    An executor normally owns its processes and stops them on shutdown. Processes created
+    separately can serve several executors one after another (each releases its ranks on
+    shutdown), which saves the start-up of a process (importing torch) per engine.
+
+    Args:
+        size: the number of processes.
+        timeout_s: the bound on each worker's collectives and store connection.
     """
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
-        from plinth.platforms.selection import select_platform
-
-        platform = select_platform(config.device.platform)
-        if platform.device_type != "cpu" and platform.device_count() < self.world_size:
-            raise ConfigError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs "
-                              f"{self.world_size} {platform.name} devices; this machine has "
-                              f"{platform.device_count()}")
-        self._procs: list[Any] = []
-        self._conns: list[Any] = []
-        self._store: Any = None
-        self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._conns, SHUTDOWN_WAIT_S)
-        self._start()
-
-    # ------------------------------------------------------------------------------------ start
-
-    def _start_workers(self) -> None:
-        import torch.distributed as dist
+    def __init__(self, size: int, timeout_s: float = 600.0):
         import torch.multiprocessing as tmp
 
         ctx = tmp.get_context("spawn")
-        self._store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
-                                    timeout=_td(self.start_timeout_s))
-        port = self._store.port
-        for rank in range(self.world_size):
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns, SHUTDOWN_WAIT_S)
+        for index in range(size):
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker_main, name=f"plinth-worker-{rank}",
-                               args=(self.config, rank, rank, child, port, os.getpid(), self.step_timeout_s))
+            proc = ctx.Process(target=_worker_main, name=f"plinth-worker-{index}",
+                               args=(index, child, os.getpid(), timeout_s))
             proc.start()
             child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
-        self._call_all("init_distributed", timeout_s=self.start_timeout_s)
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self.broken = False
+
+    def __len__(self) -> int:
+        return len(self.procs)
 
     @property
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
-    # ------------------------------------------------------------------------------------ calls
+    def call(self, ranks: Any, method: str, args: tuple, timeout_s: float, describe: Any = None) -> list[Any]:
+        """Send ``(method, args)`` to the processes ``ranks`` and wait for every answer.
 
-    def _call_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        return self._call(range(self.world_size), method, args, timeout_s)
-
-    def _call_one(self, rank: int, method: str, *args: Any, timeout_s: float) -> Any:
-        return self._call([rank], method, args, timeout_s)[0]
-
-    def _call(self, ranks: Any, method: str, args: tuple, timeout_s: float) -> list[Any]:
-        self._check_alive()
+        Raises:
+            WorkerDiedError: a process died, its pipe closed, or an answer did not come in time.
+            the worker's own exception, when the call raised there.
+        """
+        ranks = list(ranks)
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        for r in ranks:
-            try:
-                self._conns[r].send_bytes(payload)
-            except OSError as exc:
-                raise self._died(r, f"its pipe is closed ({exc})") from exc
-        pending = {self._conns[r]: r for r in ranks}
-        sentinels = {self._procs[r].sentinel: r for r in range(self.world_size)}
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            left = deadline - time.monotonic()
-            ready = mpc.wait([*pending, *sentinels], timeout=max(0.0, left))
-            if not ready:
-                waiting = ", ".join(str(r) for r in sorted(pending.values()))
-                raise WorkerDiedError(f"worker(s) {waiting} did not answer {method!r} within {timeout_s:.0f} s "
-                                      f"(${STEP_TIMEOUT_ENV} raises the limit)")
-            for obj in ready:   # answers first: a worker may answer and then exit
-                if obj in pending:
-                    rank = pending.pop(obj)
-                    try:
-                        status, value = pickle.loads(obj.recv_bytes())
-                    except (EOFError, OSError) as exc:
-                        raise self._died(rank, "its pipe closed") from exc
-                    if status == "error":
-                        raise value
-                    results[rank] = value
-            for obj in ready:   # then deaths: any dead rank leaves the others stuck in collectives
-                if obj in sentinels:
-                    raise self._died(sentinels[obj], "")
+        try:
+            for r in ranks:
+                try:
+                    self.conns[r].send_bytes(payload)
+                except OSError as exc:
+                    raise self._died(r, f"its pipe is closed ({exc})", describe) from exc
+            pending = {self.conns[r]: r for r in ranks}
+            sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+            results: dict[int, Any] = {}
+            deadline = time.monotonic() + timeout_s
+            while pending:
+                ready = mpc.wait([*pending, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    waiting = ", ".join(str(r) for r in sorted(pending.values()))
+                    raise WorkerDiedError(f"worker(s) {waiting} did not answer {method!r} within {timeout_s:.0f} s "
+                                          f"(${STEP_TIMEOUT_ENV} raises the limit)")
+                for obj in ready:   # answers first: a worker may answer and then exit
+                    if obj in pending:
+                        rank = pending.pop(obj)
+                        try:
+                            status, value = pickle.loads(obj.recv_bytes())
+                        except (EOFError, OSError) as exc:
+                            raise self._died(rank, "its pipe closed", describe) from exc
+                        if status == "error":
+                            raise value
+                        results[rank] = value
+                for obj in ready:   # then deaths: a dead rank leaves the others stuck in collectives
+                    if obj in sentinels:
+                        raise self._died(sentinels[obj], "", describe)
+        except BaseException:
+            self.broken = True
+            raise
         return [results[r] for r in ranks]
 
-    def _died(self, rank: int, detail: str) -> WorkerDiedError:
-        proc = self._procs[rank]
+    def _died(self, rank: int, detail: str, describe: Any) -> WorkerDiedError:
+        proc = self.procs[rank]
         proc.join(0.5)
         code = proc.exitcode
         if code is None:
@@ -137,18 +129,80 @@ class MultiprocExecutor(DistributedExecutor):
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with status {code}"
-        par = self.config.parallel
-        tp, pp = rank % par.tensor_parallel_size, rank // par.tensor_parallel_size
-        msg = f"worker {rank} (pid {proc.pid}, tp rank {tp}, pp rank {pp}) {how}"
+        where = describe(rank) if describe is not None else ""
+        msg = f"worker {rank} (pid {proc.pid}{where}) {how}"
         return WorkerDiedError(f"{msg}: {detail}" if detail else msg)
 
-    # ------------------------------------------------------------------------------------ stop
+    def stop(self) -> None:
+        """Stop every process (shutdown message, SIGTERM, SIGKILL; bounded waits) and reap them."""
+        self._finalizer()
+
+
+class MultiprocExecutor(DistributedExecutor):
+    """Spawned worker processes on this machine, one per rank (and per device on accelerators).
+
+    Args:
+        config: the engine configuration.
+        processes: processes to run the ranks in (at least one per rank), kept running after
+            :meth:`shutdown`; by default the executor starts its own and stops them.
+
+    Raises:
+        ConfigError: more ranks than this machine has devices (CPUs accept any count).
+    """
+
+    def __init__(self, config: EngineConfig, processes: WorkerProcesses | None = None):
+        super().__init__(config)
+        from plinth.platforms.selection import select_platform
+
+        platform = select_platform(config.device.platform)
+        if platform.device_type != "cpu" and platform.device_count() < self.world_size:
+            raise ConfigError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs "
+                              f"{self.world_size} {platform.name} devices; this machine has "
+                              f"{platform.device_count()}")
+        if processes is not None and (len(processes) < self.world_size or processes.broken):
+            raise ConfigError(f"the given worker processes ({len(processes)}, broken={processes.broken}) cannot "
+                              f"serve {self.world_size} ranks")
+        self._owns_processes = processes is None
+        self._procs = processes or WorkerProcesses(self.world_size, self.step_timeout_s)
+        self._store: Any = None
+        self._start()
+
+    def _start_workers(self) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
+                                    timeout=_td(self.start_timeout_s))
+        self._call_all("__init_worker__", self.config, timeout_s=self.start_timeout_s)
+        self._call_all("init_distributed", self._store.port, self.step_timeout_s, timeout_s=self.start_timeout_s)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._procs.pids[: self.world_size]
+
+    def _call_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        self._check_alive()
+        return self._procs.call(range(self.world_size), method, args, timeout_s, self._describe)
+
+    def _call_one(self, rank: int, method: str, *args: Any, timeout_s: float) -> Any:
+        self._check_alive()
+        return self._procs.call([rank], method, args, timeout_s, self._describe)[0]
+
+    def _describe(self, rank: int) -> str:
+        tp = self.config.parallel.tensor_parallel_size
+        return f", tp rank {rank % tp}, pp rank {rank // tp}"
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._finalizer()
+        if self._owns_processes or self._procs.broken:
+            self._procs.stop()
+        else:
+            try:
+                self._procs.call(range(self.world_size), "__release__", (), SHUTDOWN_WAIT_S)
+            except BaseException:
+                self._procs.stop()
+                raise
         self._store = None
 
 
@@ -203,23 +257,16 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _worker_main(config: EngineConfig, rank: int, device_index: int, conn: Any, port: int, parent_pid: int,
-                 timeout_s: float) -> None:
+def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> None:
+    """A worker process: serves one rank at a time (``__init_worker__`` .. ``__release__``)."""
     _watch_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the driver, which stops the workers
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # the ranks of one machine talk over loopback
-    logging.basicConfig(level=logging.getLogger().level or logging.WARNING)
     from plinth.distributed.parallel_state import destroy_parallel_state
+    from plinth.distributed.worker import Worker
 
     worker: Any = None
-    init_error: BaseException | None = None
-    try:
-        from plinth.distributed.worker import Worker
-
-        worker = Worker(config, rank, device_index)
-    except BaseException as exc:  # noqa: BLE001 - reported to the driver on its first call
-        init_error = exc
     try:
         while True:
             try:
@@ -227,19 +274,36 @@ def _worker_main(config: EngineConfig, rank: int, device_index: int, conn: Any, 
             except (EOFError, OSError):
                 return   # the driver is gone
             if method == "shutdown":
-                return
+                break
             try:
-                if init_error is not None:
-                    raise init_error
-                if method == "init_distributed":
+                if method == "__init_worker__":
+                    worker = Worker(args[0], index, index)
+                    result: Any = os.getpid()
+                elif method == "__pid__":
+                    result = os.getpid()
+                elif method == "__release__":
+                    worker = None
+                    destroy_parallel_state()
+                    gc.collect()
+                    result = None
+                elif worker is None:
+                    raise RuntimeError(f"no rank is assigned to worker process {index}")
+                elif method == "init_distributed":
                     import torch.distributed as dist
 
+                    port, collective_timeout = args
                     store = dist.TCPStore(_HOST, port, None, is_master=False, timeout=_td(timeout_s))
-                    args = (store, timeout_s)
-                reply = ("ok", getattr(worker, method)(*args))
+                    result = worker.init_distributed(store, collective_timeout)
+                else:
+                    result = getattr(worker, method)(*args)
+                reply = ("ok", result)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
-                logger.error("worker %d: %s failed:\n%s", rank, method, traceback.format_exc())
+                logger.error("worker %d: %s failed:\n%s", index, method, traceback.format_exc())
                 reply = ("error", _picklable(exc))
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
     finally:
         destroy_parallel_state()
+    # asked to stop: skip the interpreter's slow teardown of torch (nothing is left to flush but stdio)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

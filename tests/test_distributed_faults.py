@@ -1,0 +1,93 @@
+"""Worker failures: a killed worker fails the in-flight requests with a clear error and the engine
+shuts down within a bounded time, leaving no process; workers exit when their driver dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_distributed_helpers import ENGINE_KW, PROMPTS, greedy, run_greedy, save_family
+
+from plinth import LLM, SamplingParams
+from plinth.config import EngineConfig
+from plinth.core.async_engine import EngineDeadError
+from plinth.core.engine import LLMEngine
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie waiting for a parent that is not us)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not _gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if not _gone(p)]
+
+
+def test_killed_worker_fails_requests_and_leaves_no_process(tmp_path):
+    path = save_family("llama", tmp_path)
+    reference = run_greedy(LLMEngine(EngineConfig.from_kwargs(model=str(path), **ENGINE_KW)))
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor="mp", **ENGINE_KW)
+    engine = llm.engine
+    pids = engine.executor.worker_pids
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    # the plain LLM path over worker processes works first
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[f"r{i}"][0] for i in range(len(PROMPTS))]
+
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"k{i}", prompt, params)
+    engine.step()
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker 1 \(pid \d+, tp rank 1, pp rank 0\) was killed by SIGKILL") \
+            as info:
+        for _ in range(50):
+            engine.step()
+    elapsed = time.monotonic() - start
+    assert elapsed < 20.0, f"noticing the dead worker and stopping the rest took {elapsed:.1f} s"
+    failed = info.value.outputs
+    assert sorted(o.request_id for o in failed) == [f"k{i}" for i in range(len(PROMPTS))]
+    assert all(o.finished and "killed by SIGKILL" in (o.error or "") for o in failed)
+    assert all(0 < len(o.outputs[0].token_ids) < 200 for o in failed)   # they were in flight
+    assert _wait_gone(pids, 10.0) == []
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS[0], greedy(), use_tqdm=False)
+    engine.shutdown()   # idempotent
+
+
+_DRIVER = """
+import os, signal, sys
+from plinth.distributed.executor_mp import WorkerProcesses
+if __name__ == "__main__":
+    procs = WorkerProcesses(2)
+    pids = procs.call([0, 1], "__pid__", (), 120.0)
+    print(" ".join(map(str, pids)), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_exit_when_their_driver_dies(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    assert _wait_gone(pids, 10.0) == []

@@ -1,0 +1,75 @@
+"""Helpers of the distributed tests (no tests here): small random checkpoints of each native family,
+a greedy run through an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from plinth import SamplingParams
+
+COMMON = dict(vocab_size=307, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+
+# family -> (config class, model class, overrides)
+FAMILIES = {
+    # GQA with one KV head: under TP=2 each rank holds a replica of it
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1)),
+    # q/k/v biases and tied embeddings (the last pipeline stage holds the tied matrix as its LM head)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # per-head q/k RMSNorm, explicit head_dim
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    # mixture of experts (each rank holds half of every expert's intermediate features)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+# token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)
+PROMPTS = [
+    [5, 17, 33, 250, 8, 91, 13, 77, 120, 4, 66, 200, 19, 3, 150, 42, 11, 9, 301, 88, 27],
+    [44, 2, 198, 71],
+    [5, 17, 33, 250, 8, 91, 13, 77, 120, 4, 66, 200, 19, 3, 150, 42, 11, 9, 301, 88, 27],
+    [9, 9, 100, 31, 7, 260, 55, 1, 14],
+]
+NEW_TOKENS = 10
+# small batches: prompts are chunked and mixed with decodes, several sequences per step
+ENGINE_KW = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, attention_backend="torch_sdpa",
+                 selection="off", cpu_kv_cache_bytes=16 << 20)
+
+
+def save_family(family: str, path: Path, seed: int = 0) -> Path:
+    """A random model of ``family`` with large weights, saved as safetensors: greedy choices are
+    decisive (no near-ties) and vary from token to token (small random models repeat one token)."""
+    config_cls, model_cls, overrides = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if "embed" in name else 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def greedy(prompt_logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+
+
+Result = dict[str, tuple[list[int], list[dict[int, float]]]]
+
+
+def run_greedy(engine, prompts=PROMPTS, max_steps: int = 200) -> Result:
+    """Greedy tokens of each prompt (and the first prompt's prompt logprobs) from an LLMEngine."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(prompt_logprobs=1 if i == 0 else None))
+    done: Result = {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.finished:
+                lps = [{t: lp.logprob for t, lp in pos.items()} for pos in out.prompt_logprobs or [] if pos]
+                done[out.request_id] = (out.outputs[0].token_ids, lps)
+        if not engine.has_unfinished_requests():
+            return done
+    raise AssertionError("the engine did not finish within the step bound")

@@ -1,0 +1,46 @@
+"""The Ray executor on a local, loopback-only Ray cluster started by the test: TP=2 greedy outputs and
+prompt logprobs equal the single-process engine's."""
+
+from __future__ import annotations
+
+import pytest
+from test_distributed_helpers import ENGINE_KW, run_greedy, save_family
+
+from plinth.config import ConfigError, EngineConfig
+from plinth.core.engine import LLMEngine
+
+ray = pytest.importorskip("ray", reason="the Ray executor needs the ray package (pip install 'plinth-llm[ray]')")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_tp2_equals_single_process(tmp_path, local_ray):
+    path = save_family("qwen2", tmp_path)
+    reference = run_greedy(LLMEngine(EngineConfig.from_kwargs(model=str(path), **ENGINE_KW)))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), tensor_parallel_size=2,
+                                                distributed_executor="ray", **ENGINE_KW))
+    try:
+        pids = engine.executor.worker_pids
+        assert len(set(pids)) == 2 and engine.runner is None
+        result = run_greedy(engine)
+    finally:
+        engine.shutdown()
+    for rid, (tokens, prompt_lps) in reference.items():
+        assert result[rid][0] == tokens
+        for ref_pos, got_pos in zip(prompt_lps, result[rid][1], strict=True):
+            assert ref_pos.keys() == got_pos.keys()
+            assert all(got_pos[t] == pytest.approx(lp, abs=1e-4) for t, lp in ref_pos.items())
+
+
+def test_ray_cluster_too_small_fails_clearly(tmp_path, local_ray):
+    path = save_family("llama", tmp_path)
+    config = EngineConfig.from_kwargs(model=str(path), tensor_parallel_size=2, pipeline_parallel_size=2,
+                                      distributed_executor="ray", **ENGINE_KW)
+    with pytest.raises(ConfigError, match="needs 4 CPUs in the Ray cluster; it has 2"):
+        LLMEngine(config)
