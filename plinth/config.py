@@ -148,6 +148,7 @@ class DeviceConfig:
     Attributes:
         platform: force a platform by name (default: ``$PLINTH_PLATFORM`` or auto-detect).
         attention_backend: force an attention backend by name (default: selected).
+        gemm_kernel: force the quantization method's GEMM kernel by name (default: selected).
         selection: ``cached`` (benchmark on a cache miss), ``benchmark`` (always), ``off``
             (highest-priority supported candidate, no timing).
         enforce_eager: never capture graphs or compile.
@@ -155,6 +156,7 @@ class DeviceConfig:
 
     platform: str | None = None
     attention_backend: str | None = None
+    gemm_kernel: str | None = None
     selection: str = "cached"
     enforce_eager: bool = False
 

@@ -14,7 +14,7 @@ ENGINE_KWARGS = (
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
-    "platform", "attention_backend", "selection", "enforce_eager",
+    "platform", "attention_backend", "gemm_kernel", "selection", "enforce_eager",
 )
 
 
@@ -57,6 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g = parser.add_argument_group("device")
     g.add_argument("--platform", default=None, help="force a platform (default: $PLINTH_PLATFORM or auto)")
     g.add_argument("--attention-backend", default=None, help="force an attention backend")
+    g.add_argument("--gemm-kernel", default=None, help="force the quantization method's GEMM kernel")
     g.add_argument("--selection", default="cached", choices=SELECTION_MODES)
     g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
     pm.add_cli_arguments(parser, command)

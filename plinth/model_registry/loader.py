@@ -212,6 +212,9 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         UnsupportedModelError: the architecture has no implementation.
     """
     model = build_model(source.architecture, ctx)
+    quant = ctx.quant_method
+    if quant is not None:  # which layers it quantizes, and its GEMM kernel (plinth.quantization)
+        quant.prepare_model(model)  # type: ignore[attr-defined]
     if source.kind == "dummy":
         init_dummy_weights(model, seed)
     elif source.kind == "hf_dir":
@@ -228,8 +231,9 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         from plinth.model_registry.gguf_loader import iter_gguf_weights
 
         assert source.path is not None
+        raw = quant.weights_iterator(source, model) if quant is not None else None  # type: ignore[attr-defined]
         try:
-            model.load_weights(iter_gguf_weights(source.path, ctx.dtype))
+            model.load_weights(raw if raw is not None else iter_gguf_weights(source.path, ctx.dtype))
         except ModelLoadError as exc:
             if source.path in str(exc):
                 raise

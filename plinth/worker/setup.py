@@ -121,6 +121,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     from plinth.model_registry.interface import ModelContext
     from plinth.model_registry.loader import load_model, resolve_dtype, resolve_model_source
     from plinth.platforms.selection import select_platform
+    from plinth.quantization.resolve import resolve_quantization
 
     platform = select_platform(config.device.platform)
     executor_name = resolve_executor_name(config, platform)
@@ -132,6 +133,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     source = resolve_model_source(config.model)
     hf = source.hf_config
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
+    quant_method = resolve_quantization(config, source, platform, dtype, device)
     tokenizer = load_tokenizer(source, config)
     limit = getattr(hf, "max_position_embeddings", None) or 2048
     max_model_len = config.model.max_model_len or limit
@@ -143,7 +145,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     selection = select_attention_backend(spec, platform, config.device, workload=workload)
     backend = selection.winner_cls()
     ctx = ModelContext(hf_config=hf, dtype=dtype, device=device, attention_backend=backend,
-                       block_size=config.cache.block_size)
+                       block_size=config.cache.block_size, quant_method=quant_method)
     torch.manual_seed(config.model.seed)
     model = load_model(source, ctx, seed=config.model.seed)
     model.eval()

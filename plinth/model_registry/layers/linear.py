@@ -74,7 +74,9 @@ class LinearBase(nn.Module):
         self.input_size_per_partition, self.output_sizes_per_partition = self._partition_sizes()
         self.linear_method = _linear_method(quant_method, self)
         self.linear_method.create_weights(self, self.input_size_per_partition, self.output_sizes_per_partition)
-        self._set_loader(self.weight)
+        for param in self.parameters(recurse=False):  # ``weight``, or a quantized method's packed tensors
+            if not hasattr(param, "weight_loader"):
+                self._set_loader(param)
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.output_sizes_per_partition)), requires_grad=False)
             self._set_loader(self.bias)

@@ -1,0 +1,15 @@
+"""In-tree quantization methods, registered through the plugin hook like any third-party one."""
+
+from plinth.hookspecs import hookimpl
+
+PLINTH_PLUGIN_API = "1.0"
+
+_Q = "plinth.quantization"
+
+
+@hookimpl
+def plinth_quantization_methods() -> dict[str, str]:
+    return {
+        "fp8": f"{_Q}.fp8:FP8Method",
+        "int4": f"{_Q}.int4:Int4Method",
+    }

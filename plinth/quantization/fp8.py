@@ -1,0 +1,149 @@
+"""``fp8``: FP8 E4M3 weights with dynamic per-token FP8 activations (W8A8).
+
+Two sources:
+
+- FP8 checkpoints with ``quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}``:
+  ``weight`` float8_e4m3fn ``[N, K]`` plus ``weight_scale`` (one value per tensor, or one per output
+  channel), or, with ``"weight_block_size": [bn, bk]``, ``weight_scale_inv`` ``[N / bn, K / bk]`` (the
+  multiplier of each block, despite the name). ``activation_scheme: "static"`` checkpoints carry an
+  ``input_scale`` per layer; it is read and not used (activations are scaled per token, which is at
+  least as accurate). Per-tensor scales of fused projections become per-channel scales.
+- float checkpoints with ``--quantization fp8``: each weight gets one scale per output channel.
+
+Kernels: ``fp8_scaled_mm`` (``torch._scaled_mm`` on GPUs with FP8 tensor cores) and ``dequant`` (any
+device; activations stay in the compute dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from plinth.config import ConfigError
+from plinth.errors import ModelLoadError
+from plinth.quantization.formats import FP8Weights
+from plinth.quantization.interface import QuantContext, QuantizationMethod
+from plinth.quantization.kernels.interface import GemmProblem
+from plinth.quantization.layers import float_weight
+from plinth.quantization.params import PackedLayout, load_packed, packed_parameter
+from plinth.quantization.quantizers import quantize_fp8_per_channel, random_fp8_weights
+
+_K = "plinth.quantization.kernels"
+FP8_KERNELS = {
+    "dequant": f"{_K}.dequant:DequantFP8Kernel",
+    "fp8_scaled_mm": f"{_K}.fp8_scaled_mm:ScaledMMFP8Kernel",
+}
+
+
+def _load_fp8_weight(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """FP8 weights are kept as their bytes (uint8) until conversion."""
+    if loaded.dtype != torch.float8_e4m3fn:
+        raise ModelLoadError(f"expected a float8_e4m3fn weight, checkpoint has "
+                             f"{str(loaded.dtype).removeprefix('torch.')} (a float layer missing from the "
+                             f"checkpoint's ignore list?)")
+    load_packed(layer, param, loaded.view(torch.uint8), shard_id)
+
+
+def _ignore_loaded(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Static activation scales are read and not used (activations are scaled per token)."""
+
+
+def create_fp8_checkpoint_weights(layer: nn.Module, input_size: int, output_sizes: list[int],
+                                  block: tuple[int, int] | None, static_input: bool) -> None:
+    """Parameters for an FP8 checkpoint layer: ``weight``, ``weight_scale`` or ``weight_scale_inv``,
+    and ``input_scale`` when activations were calibrated statically."""
+    n = sum(output_sizes)
+    weight = packed_parameter(layer, "weight", (n, input_size), torch.uint8, PackedLayout(out_dim=0, in_dim=1))
+    weight.weight_loader = functools.partial(_load_fp8_weight, layer)  # type: ignore[attr-defined]
+    if block is None:
+        packed_parameter(layer, "weight_scale", (n,), torch.float32, PackedLayout(out_dim=0, per_tensor_ok=True))
+    else:
+        bn, bk = block
+        if n % bn or input_size % bk:
+            raise ModelLoadError(f"FP8 block scales ({bn}x{bk}) do not tile a [{n}, {input_size}] weight shard")
+        packed_parameter(layer, "weight_scale_inv", (n // bn, input_size // bk), torch.float32,
+                         PackedLayout(out_dim=0, out_per_elem=bn, in_dim=1, in_per_elem=bk))
+    if static_input:
+        scale = nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=False)
+        scale.weight_loader = _ignore_loaded  # type: ignore[attr-defined]
+        layer.register_parameter("input_scale", scale)
+
+
+def fp8_checkpoint_weights(layer: nn.Module, block: tuple[int, int] | None) -> FP8Weights:
+    weight = layer.weight.view(torch.float8_e4m3fn)
+    scale = layer.weight_scale if block is None else layer.weight_scale_inv
+    return FP8Weights(weight, scale.to(torch.float32), block)
+
+
+class FP8Method(QuantizationMethod):
+    """FP8 E4M3 W8A8.
+
+    Args:
+        ctx: the engine context.
+        from_checkpoint: the checkpoint holds FP8 weights (else float weights are quantized).
+        block: ``(bn, bk)`` of block-wise scales, or ``None``.
+        static_input: the checkpoint has static ``input_scale`` tensors.
+        ignored: checkpoint module names (or name fragments) kept in floating point.
+    """
+
+    name = "fp8"
+    quantizes_float_checkpoints = True
+    source_kinds = ("hf_dir", "dummy")
+
+    def __init__(self, ctx: QuantContext, *, from_checkpoint: bool, block: tuple[int, int] | None = None,
+                 static_input: bool = False, ignored: tuple[str, ...] = ()):
+        super().__init__(ctx)
+        self.from_checkpoint = from_checkpoint
+        self.block = block
+        self.static_input = static_input
+        self.ignored = ignored
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any] | None, ctx: QuantContext) -> FP8Method:
+        if quant_config is None:
+            return cls(ctx, from_checkpoint=False)
+        fmt = str(quant_config.get("fmt", "e4m3")).lower()
+        if fmt != "e4m3":
+            raise ConfigError(f"fp8: weight format {fmt!r} unsupported; fp8 checkpoints must store e4m3 weights")
+        scheme = str(quant_config.get("activation_scheme", "dynamic")).lower()
+        if scheme not in ("dynamic", "static"):
+            raise ConfigError(f"fp8: activation_scheme {scheme!r} unsupported (dynamic, static)")
+        block = quant_config.get("weight_block_size")
+        if block is not None:
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
+                raise ConfigError(f"fp8: weight_block_size must be [rows, cols], got {block!r}")
+            block = (int(block[0]), int(block[1]))
+        ignored = quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or ()
+        return cls(ctx, from_checkpoint=True, block=block, static_input=scheme == "static", ignored=tuple(ignored))
+
+    def applies_to(self, name: str) -> bool:
+        return not any(name == ig or name.endswith(f".{ig}") or ig in name.split(".") for ig in self.ignored)
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
+        if self.from_checkpoint:
+            create_fp8_checkpoint_weights(layer, input_size, output_sizes, self.block, self.static_input)
+        else:
+            float_weight(layer, self.ctx.dtype, input_size, output_sizes)
+
+    def convert_weights(self, layer: nn.Module) -> FP8Weights:
+        if self.from_checkpoint:
+            return fp8_checkpoint_weights(layer, self.block)
+        with torch.no_grad():
+            return quantize_fp8_per_channel(layer.weight)
+
+    def kernel_candidates(self) -> dict[str, str]:
+        return dict(FP8_KERNELS)
+
+    def gemm_problem(self, shapes: tuple[tuple[int, int], ...]) -> GemmProblem:
+        return GemmProblem(weight_format="fp8", dtype=self.ctx.dtype, device_type=self.ctx.device.type,
+                           capability=self.ctx.capability, activation="fp8_token", block=self.block, shapes=shapes)
+
+    def random_weights(self, n: int, k: int, device: torch.device, generator: torch.Generator) -> FP8Weights:
+        return random_fp8_weights(n, k, device=device, generator=generator)
+
+    def kernel_tolerance(self) -> float:
+        # E4M3 keeps 3 mantissa bits: per-token activation rounding moves outputs by a few percent
+        return 8e-2

@@ -1,0 +1,243 @@
+"""The quantization-method contract.
+
+A :class:`QuantizationMethod` is registered by a plugin (hook ``plinth_quantization_methods``) under
+a name; that name is accepted by ``--quantization`` and is matched against a checkpoint's
+``config.json`` ``quantization_config.quant_method``. One instance serves a whole model and is the
+*linear method* of every linear layer it quantizes (``get_linear_method(layer)`` returns it):
+
+1. :meth:`from_config` parses the checkpoint's ``quantization_config`` (``None`` when a float
+   checkpoint is quantized while loading) and refuses what it cannot run (bit widths, formats);
+2. :meth:`create_weights` registers a layer's parameters in the checkpoint's packed layout
+   (see :mod:`plinth.quantization.params`), so checkpoint tensors load without conversion;
+3. :meth:`prepare_model` (before loading) says which layers it applies to (:meth:`applies_to` on
+   their checkpoint names; the others go back to plain weights) and chooses the GEMM kernel for
+   the layers' shapes among :meth:`kernel_candidates` (:mod:`plinth.quantization.selection`);
+4. :meth:`process_weights_after_loading` converts a loaded layer, once, to a canonical format
+   (:meth:`convert_weights`) and lets the kernel repack it;
+5. :meth:`apply` runs ``y = x W^T + b`` through the kernel.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from plinth.config import ConfigError
+from plinth.quantization.formats import QuantizedWeights
+from plinth.quantization.kernels.interface import GemmKernel, GemmProblem
+
+if TYPE_CHECKING:
+    from plinth.core.selection_records import SelectionResult
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmWorkload:
+    """Rows of the GEMMs timed during kernel selection (part of the cache key)."""
+
+    decode_tokens: int = 16
+    prefill_tokens: int = 256
+
+    @classmethod
+    def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int) -> GemmWorkload:
+        """Capped so that a cold selection stays short: 32 decode rows, 512 prefill rows at most."""
+        return cls(decode_tokens=min(max_num_seqs, 32), prefill_tokens=min(max_num_batched_tokens, 512))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantContext:
+    """What a method knows about the engine it serves.
+
+    Attributes:
+        hf_config: the model's transformers configuration.
+        dtype: the compute dtype.
+        device: where the model runs.
+        source_kind: ``"hf_dir"``, ``"gguf"`` or ``"dummy"`` (random weights).
+        capability: the CUDA compute capability, ``None`` elsewhere.
+        tp_size: the tensor-parallel world size.
+        platform: the platform instance (for timing and cache keys); ``None`` with selection off.
+        selection: kernel selection mode, as ``DeviceConfig.selection`` (``"off"`` takes the
+            highest-priority supported kernel).
+        gemm_kernel: a forced kernel name (``--gemm-kernel``), or ``None``.
+        workload: rows timed during selection.
+        cache_dir: where selection records live (default: the user cache).
+    """
+
+    hf_config: Any
+    dtype: torch.dtype
+    device: torch.device
+    source_kind: str = "hf_dir"
+    capability: tuple[int, int] | None = None
+    tp_size: int = 1
+    platform: Any = None
+    selection: str = "off"
+    gemm_kernel: str | None = None
+    workload: GemmWorkload = dataclasses.field(default_factory=GemmWorkload)
+    cache_dir: Path | None = None
+
+
+class QuantizationMethod(abc.ABC):
+    """A quantization method; see the module docstring for the life cycle.
+
+    Args:
+        ctx: the engine's :class:`QuantContext`.
+    """
+
+    #: the registered name (``--quantization NAME``); set by subclasses
+    name: ClassVar[str] = ""
+    #: it can quantize a float checkpoint while loading (``--quantization NAME`` on bf16 weights)
+    quantizes_float_checkpoints: ClassVar[bool] = False
+    #: checkpoint ``quant_method`` values it reads besides its own name
+    checkpoint_aliases: ClassVar[tuple[str, ...]] = ()
+    #: model sources it loads (``"hf_dir"``, ``"dummy"``, ``"gguf"``)
+    source_kinds: ClassVar[tuple[str, ...]] = ("hf_dir",)
+    #: the kernel every other candidate is checked against
+    reference_kernel: ClassVar[str] = "dequant"
+
+    def __init__(self, ctx: QuantContext):
+        self.ctx = ctx
+        self.kernel: GemmKernel | None = None
+        self.kernel_selection: SelectionResult | None = None
+        self.problem: GemmProblem | None = None
+
+    # -- configuration ------------------------------------------------------------------
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, quant_config: dict[str, Any] | None, ctx: QuantContext) -> QuantizationMethod:
+        """Build the method for a model.
+
+        Args:
+            quant_config: the checkpoint's ``quantization_config`` mapping, or ``None`` when a float
+                checkpoint is to be quantized while loading.
+            ctx: the engine context.
+
+        Raises:
+            ConfigError: a setting the method cannot run (bit width, format, scheme); the message
+                names it and what is supported.
+        """
+
+    def applies_to(self, name: str) -> bool:
+        """Whether the checkpoint module ``name`` (e.g. ``model.layers.0.self_attn.q_proj``) is quantized."""
+        return True
+
+    # -- the linear-method protocol (plinth.model_registry.layers.linear) ----------------
+
+    def get_linear_method(self, layer: nn.Module) -> Any:
+        """The linear method of ``layer``: this method (layers it skips are switched back in
+        :meth:`prepare_model`, once their checkpoint names are known)."""
+        return self
+
+    @abc.abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
+        """Register the layer's parameters in the checkpoint's layout.
+
+        Args:
+            layer: the linear layer (its ``tp_rank``/``tp_size`` and partition sizes are set).
+            input_size: input features on this rank.
+            output_sizes: output features on this rank, one entry per fused projection.
+        """
+
+    @abc.abstractmethod
+    def convert_weights(self, layer: nn.Module) -> QuantizedWeights:
+        """The loaded layer's weights in a canonical format (:mod:`plinth.quantization.formats`).
+
+        Raises:
+            ModelLoadError: loaded values that are inconsistent (e.g. an act-order index that is not
+                a permutation of the groups).
+        """
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert the checkpoint-layout parameters once and hand them to the kernel's layout."""
+        if self.kernel is None:
+            raise RuntimeError(f"{self.name}: no GEMM kernel chosen; prepare_model() selects one")
+        weights = self.convert_weights(layer)
+        for name in [n for n in layer._parameters if n != "bias"]:
+            del layer._parameters[name]
+        for name, value in self.kernel.prepare(weights).items():
+            if isinstance(value, torch.Tensor):
+                layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
+            else:
+                setattr(layer, name, value)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` ``[..., K]`` -> ``[..., N]`` through the selected kernel."""
+        assert self.kernel is not None
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = self.kernel.apply(layer, x2, bias)
+        return out.reshape(*lead, out.shape[-1])
+
+    # -- kernels --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def kernel_candidates(self) -> dict[str, str]:
+        """``{kernel_name: "pkg.mod:GemmKernelClass"}``; must include :attr:`reference_kernel`."""
+
+    @abc.abstractmethod
+    def gemm_problem(self, shapes: tuple[tuple[int, int], ...]) -> GemmProblem:
+        """What the kernels must compute for layers of these ``(N, K)`` shapes."""
+
+    @abc.abstractmethod
+    def random_weights(self, n: int, k: int, device: torch.device, generator: torch.Generator) -> QuantizedWeights:
+        """Random weights of shape ``[n, k]`` in the canonical format, for kernel checks and timing."""
+
+    def kernel_tolerance(self) -> float:
+        """The largest error (relative to the output's magnitude) a kernel may have against the reference."""
+        return {torch.float32: 2e-3, torch.float16: 1e-2}.get(self.ctx.dtype, 3e-2)
+
+    def select_kernel(self, shapes: Iterable[tuple[int, int]]) -> SelectionResult:
+        """Choose the GEMM kernel for layers of these shapes (see :mod:`plinth.quantization.selection`).
+
+        Raises:
+            SelectionError: a forced kernel is unknown or cannot run, or none can.
+        """
+        from plinth.quantization.selection import select_gemm_kernel
+
+        self.problem = self.gemm_problem(tuple(sorted(set(shapes))))
+        result = select_gemm_kernel(self, self.problem)
+        self.kernel = result.winner_cls(self.problem)
+        self.kernel_selection = result
+        return result
+
+    # -- loading --------------------------------------------------------------------------
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Before loading: switch the layers :meth:`applies_to` rejects to plain weights, then
+        select the kernel for the shapes of the others.
+
+        Raises:
+            ConfigError: the model has no layer this method can quantize, or a fused layer whose
+                projections are quantized differently.
+            SelectionError: no kernel can run.
+        """
+        from plinth.quantization.layers import checkpoint_names, use_plain_weights
+
+        shapes = []
+        for name, layer in model.named_modules():
+            if getattr(layer, "linear_method", None) is not self:
+                continue
+            names = checkpoint_names(model, name, layer)
+            verdicts = [self.applies_to(n) for n in names]
+            if all(verdicts):
+                shapes.append((sum(layer.output_sizes_per_partition), layer.input_size_per_partition))
+            elif not any(verdicts):
+                use_plain_weights(layer, self.ctx.dtype)
+            else:
+                raise ConfigError(f"{self.name}: layer {name!r} fuses {', '.join(names)}, but the checkpoint "
+                                  f"quantizes only some of them")
+        if not shapes:
+            raise ConfigError(f"{self.name}: {type(model).__name__} has no linear layer this method quantizes "
+                              f"(architectures run through the transformers fallback cannot be quantized)")
+        self.select_kernel(shapes)
+
+    def weights_iterator(self, source: Any, model: nn.Module) -> Iterable[tuple[str, Any]] | None:
+        """Checkpoint tensors to load instead of the loader's own (``None``: the loader's)."""
+        return None

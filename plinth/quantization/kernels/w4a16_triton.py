@@ -1,0 +1,137 @@
+"""The Triton W4A16 kernel as a selectable GEMM candidate (CUDA, ROCm, XPU; the interpreter on CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from plinth.quantization.formats import IntWeights
+from plinth.quantization.kernels.dequant import perm_state, permute_input
+from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
+from plinth.quantization.packing import pack_int32
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_GPU_DEVICE_TYPES = ("cuda", "xpu")
+_INTERPRETER_SMS = 4
+
+
+def interpret_requested() -> bool:
+    """Run Triton kernels in its CPU interpreter (tests): ``PLINTH_TRITON_INTERPRET=1`` or ``TRITON_INTERPRET=1``."""
+    return os.environ.get("PLINTH_TRITON_INTERPRET") == "1" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def load_jit_module() -> ModuleType:
+    """Import the ``@triton.jit`` module; Triton decides between compiling and interpreting at
+    decoration time, so ``TRITON_INTERPRET`` is set first when the interpreter is asked for."""
+    if os.environ.get("PLINTH_TRITON_INTERPRET") == "1":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return importlib.import_module("plinth.quantization.kernels.w4a16_triton_jit")
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16Tiles:
+    """Tiles for one call: small-M (decode) calls split K to give every SM work; large M uses big tiles."""
+    block_k = next(b for b in (128, 64, 32, 16) if group_size % b == 0 and k % b == 0)
+    if m <= 16:
+        block_m, block_n, warps, stages = 16, 64, 4, 3
+    elif m <= 64:
+        block_m, block_n, warps, stages = 64, 64, 4, 3
+        block_k = min(block_k, 64)
+    else:
+        block_m, block_n, warps, stages = 128, 128, 8, 3
+        block_k = min(block_k, 64)
+    tiles = -(-m // block_m) * -(-n // block_n)
+    k_tiles = k // block_k
+    split = 1
+    if tiles < num_sms:
+        split = max(1, min(k_tiles // 2 or 1, (2 * num_sms) // max(tiles, 1), 16))
+    return W4A16Tiles(block_m, block_n, block_k, split, warps, stages)
+
+
+class TritonW4A16Kernel(GemmKernel):
+    """4-bit codes, float32 group scales and zero points, dequantized in registers before ``tl.dot``."""
+
+    name: ClassVar[str] = "triton_w4a16"
+    priority: ClassVar[int] = 20
+
+    @classmethod
+    def supports(cls, problem: GemmProblem) -> Support:
+        if importlib.util.find_spec("triton") is None:
+            return Support.no("triton not installed")
+        if problem.weight_format != "int" or problem.bits != 4:
+            return Support.no("runs 4-bit integer weights only")
+        if problem.device_type == "cpu":
+            if not interpret_requested():
+                return Support.no("triton kernels need a GPU; set PLINTH_TRITON_INTERPRET=1 to run them in the "
+                                  "interpreter")
+            if problem.dtype == torch.bfloat16:
+                return Support.no("bfloat16 is not computed correctly by Triton's interpreter")
+        elif problem.device_type not in _GPU_DEVICE_TYPES:
+            return Support.no(f"triton kernels run on cuda and xpu devices, not {problem.device_type!r}")
+        if problem.dtype not in _DTYPES:
+            return Support.no(f"dtype {problem.dtype} unsupported (float16, bfloat16, float32)")
+        if problem.group_size is not None and problem.group_size % 16:
+            return Support.no(f"group size {problem.group_size} is not a multiple of 16")
+        if problem.group_size is None and any(k % 16 for _n, k in problem.shapes):
+            return Support.no("per-channel scales need input sizes that are multiples of 16")
+        return Support.yes()
+
+    def prepare(self, weights: IntWeights) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {
+            "w4_qweight": pack_int32(weights.q.t(), 4, dim=0),              # [K/8, N]
+            "w4_scales": weights.scales.t().to(torch.float32).contiguous(),   # [G, N]
+            "w4_zeros": weights.zeros.t().to(torch.float32).contiguous(),
+            **perm_state(weights),
+        }
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        jit = load_jit_module()
+        x = permute_input(layer, x)
+        m, k = x.shape
+        n = layer.w4_qweight.shape[1]
+        group = k // layer.w4_scales.shape[0]
+        sms = _INTERPRETER_SMS if interpret_requested() else _num_sms(x.device.type, x.device.index)
+        t = choose_tiles(m, n, k, group, sms)
+        if t.split_k == 1:
+            out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        else:
+            out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        grid = (-(-m // t.block_m), -(-n // t.block_n), t.split_k)
+        jit.w4a16_gemm_kernel[grid](
+            x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out,
+            m, n, k,
+            x.stride(0), x.stride(1),
+            layer.w4_qweight.stride(0), layer.w4_qweight.stride(1),
+            layer.w4_scales.stride(0), layer.w4_scales.stride(1),
+            out.stride(0), out.stride(1),
+            GROUP_SIZE=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+        out = out.to(x.dtype)
+        return out if bias is None else out + bias

@@ -1,0 +1,151 @@
+"""Which quantization method a model runs with: ``--quantization``, the checkpoint's own, or none.
+
+Rules (each refusal is a :class:`~plinth.config.ConfigError` or
+:class:`~plinth.errors.ModelLoadError` whose message says what to do instead):
+
+- a checkpoint whose ``config.json`` has ``quantization_config.quant_method = X`` runs with the
+  method registered as ``X`` (or one that lists ``X`` in ``checkpoint_aliases``); no installed method
+  for ``X`` is an error listing the installed ones;
+- ``--quantization NAME`` on such a checkpoint must name that method (a quantized checkpoint is
+  not re-quantized);
+- ``--quantization NAME`` on a float checkpoint (or random ``dummy`` weights) needs a method that
+  quantizes while loading (``quantizes_float_checkpoints``);
+- a ``.gguf`` file runs dequantized to floats unless ``--quantization gguf`` is given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plinth.config import ConfigError, EngineConfig
+from plinth.errors import ModelLoadError
+from plinth.plugins import PluginError, get_plugin_manager
+from plinth.quantization.interface import GemmWorkload, QuantContext, QuantizationMethod
+
+
+def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` as a plain mapping (``None`` for float checkpoints)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        to_dict = getattr(qc, "to_dict", None)
+        qc = to_dict() if callable(to_dict) else dict(vars(qc))
+    return dict(qc)
+
+
+def _load_class(name: str) -> type[QuantizationMethod]:
+    regs = get_plugin_manager().registrations("quantization_methods")
+    try:
+        cls = regs[name].load()
+    except PluginError as exc:
+        raise ConfigError(f"quantization method {name!r} cannot be loaded: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, QuantizationMethod)):
+        raise ConfigError(f"quantization method {name!r} ({regs[name].ref}) is not a "
+                          f"plinth.quantization.interface.QuantizationMethod subclass")
+    return cls
+
+
+def _method_for_checkpoint(ckpt_method: str, names: list[str], origin: str) -> str:
+    if ckpt_method in names:
+        return ckpt_method
+    regs = get_plugin_manager().registrations("quantization_methods")
+    for name in names:
+        try:
+            cls = regs[name].load()
+        except PluginError:
+            continue
+        if ckpt_method in getattr(cls, "checkpoint_aliases", ()):
+            return name
+    raise ModelLoadError(
+        f"{origin} is quantized with {ckpt_method!r} (quantization_config.quant_method), which no installed "
+        f"quantization plugin provides; installed methods: {', '.join(names) or 'none'}"
+    )
+
+
+def choose_method_name(requested: str | None, source_kind: str, quant_config: dict[str, Any] | None,
+                       origin: str) -> tuple[str | None, dict[str, Any] | None]:
+    """``(method name or None, the quantization_config it is built from)`` (see the module rules)."""
+    names = sorted(get_plugin_manager().registrations("quantization_methods"))
+    if requested is not None and requested not in names:
+        raise ConfigError(f"unknown quantization method {requested!r}; installed: {', '.join(names) or 'none'}")
+    if source_kind == "gguf":
+        if requested not in (None, "gguf"):
+            raise ConfigError(f"--quantization {requested} cannot be used with a .gguf file; GGUF files run "
+                              f"dequantized (default) or with --quantization gguf")
+        return requested, None
+    if requested == "gguf":
+        raise ConfigError("--quantization gguf needs a .gguf file")
+    ckpt_method = None
+    if quant_config is not None:
+        ckpt_method = str(quant_config.get("quant_method", "")).lower() or None
+        if ckpt_method is None:
+            raise ModelLoadError(f"{origin}: quantization_config has no quant_method")
+    if ckpt_method is not None:
+        name = _method_for_checkpoint(ckpt_method, names, origin)
+        if requested is not None and requested != name:
+            raise ConfigError(f"{origin} is already quantized with {ckpt_method!r}; --quantization {requested} "
+                              f"cannot re-quantize it (leave --quantization out, or pass {name})")
+        return name, quant_config
+    if requested is None:
+        return None, None
+    cls = _load_class(requested)
+    if not cls.quantizes_float_checkpoints:
+        raise ConfigError(f"quantization method {requested!r} reads checkpoints quantized with it "
+                          f"(quantization_config.quant_method = {requested!r}); {origin} holds float weights. "
+                          f"Methods that quantize float weights while loading: "
+                          f"{', '.join(_float_quantizers(names)) or 'none'}")
+    return requested, None
+
+
+def _float_quantizers(names: list[str]) -> list[str]:
+    regs = get_plugin_manager().registrations("quantization_methods")
+    out = []
+    for name in names:
+        try:
+            if getattr(regs[name].load(), "quantizes_float_checkpoints", False):
+                out.append(name)
+        except PluginError:
+            continue
+    return out
+
+
+def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype: torch.dtype,
+                         device: torch.device, *, tp_size: int = 1) -> QuantizationMethod | None:
+    """The quantization method for ``source`` (``None``: unquantized), ready to be put in the
+    :class:`~plinth.model_registry.interface.ModelContext`; its GEMM kernel is chosen when the model
+    is built (``QuantizationMethod.prepare_model``).
+
+    Args:
+        config: the engine configuration (``model.quantization``, ``device.selection`` and
+            ``device.gemm_kernel``, the scheduler limits for the timed workload).
+        source: from :func:`plinth.model_registry.loader.resolve_model_source`.
+        platform: the selected platform.
+        dtype: the compute dtype.
+        device: the device of this rank.
+        tp_size: the tensor-parallel world size.
+
+    Raises:
+        ConfigError: an unknown method, or one that cannot run this checkpoint or setting.
+        ModelLoadError: a checkpoint quantized with a method no plugin provides.
+    """
+    origin = str(source.path or config.model.model or "the model")
+    quant_config = checkpoint_quant_config(source.hf_config)
+    name, quant_config = choose_method_name(config.model.quantization, source.kind, quant_config, origin)
+    if name is None:
+        return None
+    cls = _load_class(name)
+    if source.kind not in cls.source_kinds:
+        kinds = {"hf_dir": "model directories", "dummy": "random (dummy) weights", "gguf": ".gguf files"}
+        raise ConfigError(f"quantization method {name!r} cannot load {kinds.get(source.kind, source.kind)}; it "
+                          f"loads {', '.join(kinds.get(k, k) for k in cls.source_kinds)}")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    ctx = QuantContext(
+        hf_config=source.hf_config, dtype=dtype, device=device, source_kind=source.kind, capability=capability,
+        tp_size=tp_size, platform=platform, selection=config.device.selection,
+        gemm_kernel=getattr(config.device, "gemm_kernel", None),
+        workload=GemmWorkload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
+    )
+    return cls.from_config(quant_config, ctx)

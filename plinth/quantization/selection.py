@@ -1,0 +1,161 @@
+"""Choosing a quantization method's GEMM kernel at startup, with the shared selection algorithm.
+
+:class:`GemmCandidates` is the :class:`~plinth.core.selection.CandidateKind` of GEMM kernels: the
+candidates are the method's :meth:`~plinth.quantization.interface.QuantizationMethod.kernel_candidates`;
+each is checked against the method's reference kernel (dequantize-then-matmul) on random weights in
+the method's format, then timed on every distinct layer shape of the model at a decode and a
+prefill row count; the record is cached under a key holding the method, the problem and the
+workload. ``--gemm-kernel NAME`` (or ``PLINTH_GEMM_KERNEL``) forces one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from plinth.attention_backends.interface import Support
+from plinth.core.selection import select
+from plinth.core.selection_records import SelectionResult
+from plinth.plugins import Registration, get_plugin_manager
+from plinth.quantization.kernels.interface import GemmKernel, GemmProblem
+
+if TYPE_CHECKING:
+    from plinth.quantization.interface import QuantizationMethod
+
+GEMM_KERNEL_ENV = "PLINTH_GEMM_KERNEL"
+#: the largest layer shape used for the correctness check (rows and input features)
+_CHECK_N, _CHECK_K = 256, 512
+_CHECK_ROWS = 7
+
+
+def holder(state: dict[str, Any]) -> nn.Module:
+    """A module holding a kernel's prepared tensors, as a layer would."""
+    module = nn.Module()
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            module.register_parameter(name, nn.Parameter(value, requires_grad=False))
+        else:
+            setattr(module, name, value)
+    return module
+
+
+class _NullPlatform:
+    """Stands in for a platform when selection never times anything (mode ``off`` or forced)."""
+
+    name = "none"
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def device_name(self, index: int = 0) -> str:
+        return "unknown"
+
+
+@dataclasses.dataclass
+class GemmCandidates:
+    """The GEMM-kernel :class:`~plinth.core.selection.CandidateKind` of one method and problem."""
+
+    method: QuantizationMethod
+    problem: GemmProblem
+    platform: Any
+    kind: str = "gemm_kernel"
+    reference: str | None = None
+    _ref: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.reference = self.method.reference_kernel
+
+    @property
+    def device(self) -> torch.device:
+        return self.method.ctx.device
+
+    def validate(self, obj: Any) -> str:
+        if isinstance(obj, type) and issubclass(obj, GemmKernel):
+            return ""
+        return f"unsupported: {obj!r} is not a subclass of plinth.quantization.kernels.interface.GemmKernel"
+
+    def supports(self, cls: Any) -> Support:
+        return cls.supports(self.problem)
+
+    def _check_case(self) -> tuple[Any, torch.Tensor]:
+        """Random weights of the first layer shape, cut to at most 256 x 512 (whole groups)."""
+        n, k = self.problem.shapes[0]
+        step = self.problem.group_size or (256 if self.problem.weight_format == "gguf" else 32)
+        k = min(k, max(step, _CHECK_K // step * step))
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        weights = self.method.random_weights(min(n, _CHECK_N), k, self.device, gen)
+        x = torch.randn(_CHECK_ROWS, k, generator=gen, device=self.device).to(self.problem.dtype)
+        return weights, x
+
+    def _run(self, cls: Any, weights: Any, x: torch.Tensor) -> torch.Tensor:
+        kernel = cls(self.problem)
+        return kernel.apply(holder(kernel.prepare(weights)), x, None).to(torch.float32)
+
+    def max_error(self, cls: Any, reference_cls: Any) -> float:
+        if self._ref is None or self._ref[0] is not reference_cls:
+            weights, x = self._check_case()
+            self._ref = (reference_cls, self._run(reference_cls, weights, x), weights, x)
+        _cls, ref, weights, x = self._ref
+        out = self._run(cls, weights, x)
+        return float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+
+    def tolerance(self) -> float:
+        return self.method.kernel_tolerance()
+
+    def step_runners(self, cls: Any) -> dict[str, Callable[[], None]]:
+        gen = torch.Generator(device=self.device).manual_seed(1)
+        kernel = cls(self.problem)
+        layers = [(holder(kernel.prepare(self.method.random_weights(n, k, self.device, gen))), k)
+                  for n, k in self.problem.shapes]
+        workload = self.method.ctx.workload
+        steps = {}
+        for label, rows in (("decode", workload.decode_tokens), ("prefill", workload.prefill_tokens)):
+            inputs = [torch.randn(rows, k, generator=gen, device=self.device).to(self.problem.dtype)
+                      for _layer, k in layers]
+
+            def run(inputs: list[torch.Tensor] = inputs) -> None:
+                for (layer, _k), x in zip(layers, inputs, strict=True):
+                    kernel.apply(layer, x, None)
+
+            steps[label] = run
+        return steps
+
+    def synchronize(self) -> None:
+        self.platform.synchronize()
+
+    def key(self) -> dict[str, Any]:
+        return {"method": self.method.name, "problem": self.problem.key(),
+                "workload": dataclasses.asdict(self.method.ctx.workload)}
+
+
+def kernel_registrations(method: QuantizationMethod) -> dict[str, Registration]:
+    """The method's kernel candidates as registrations of the plugin that provides the method."""
+    plugin = "unregistered"
+    method_reg = get_plugin_manager().registrations("quantization_methods").get(method.name)
+    if method_reg is not None:
+        plugin = method_reg.plugin
+    return {name: Registration(kind="gemm_kernels", name=name, ref=ref, plugin=plugin)
+            for name, ref in method.kernel_candidates().items()}
+
+
+def select_gemm_kernel(method: QuantizationMethod, problem: GemmProblem) -> SelectionResult:
+    """Choose the kernel of ``method`` for ``problem`` (mode, forced name and platform from ``method.ctx``).
+
+    Raises:
+        SelectionError: the forced kernel is unknown or cannot run here (with its reason), or no
+            kernel can run.
+    """
+    ctx = method.ctx
+    forced, source = ctx.gemm_kernel, "--gemm-kernel"
+    if not forced:
+        forced, source = os.environ.get(GEMM_KERNEL_ENV, "").strip() or None, f"set by {GEMM_KERNEL_ENV}"
+    platform = ctx.platform if ctx.platform is not None else _NullPlatform()
+    mode = ctx.selection if ctx.platform is not None else "off"
+    kind = GemmCandidates(method, problem, platform)
+    return select(kind, kernel_registrations(method), mode=mode, platform=platform, pm=get_plugin_manager(),
+                  forced=forced, forced_source=source, cache_dir=ctx.cache_dir)
