@@ -10,6 +10,8 @@ _Q = "plinth.quantization"
 @hookimpl
 def plinth_quantization_methods() -> dict[str, str]:
     return {
+        "awq": f"{_Q}.awq:AWQMethod",
         "fp8": f"{_Q}.fp8:FP8Method",
+        "gptq": f"{_Q}.gptq:GPTQMethod",
         "int4": f"{_Q}.int4:Int4Method",
     }

@@ -1,0 +1,111 @@
+"""``gptq``: GPTQ checkpoints (AutoGPTQ / GPTQModel layout), 4-bit and 8-bit, with act order.
+
+Per linear layer with ``K`` input and ``N`` output features, ``p = 32 / bits`` codes per word and
+group size ``g``:
+
+- ``qweight`` int32 ``[K / p, N]``: ``p`` consecutive input features per word, input ``p j + i`` in
+  bits ``bits * i ..``;
+- ``qzeros`` int32 ``[K / g, N / p]``: zero points packed along the output axis the same way. Version 1
+  checkpoints (``checkpoint_format`` ``"gptq"``, the default) store ``zero - 1``, a historical offset
+  that is added back; ``"gptq_v2"`` stores the zero point itself;
+- ``scales`` float16 ``[K / g, N]``;
+- ``g_idx`` int32 ``[K]``: the group of each input feature. With ``desc_act`` (act order) the groups
+  are not contiguous; plinth sorts the input features by group once and permutes the activations.
+
+``w[n, k] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from plinth.config import ConfigError
+from plinth.errors import ModelLoadError
+from plinth.quantization.awq import group_params, name_in, parse_group_size, skip_list
+from plinth.quantization.formats import IntWeights
+from plinth.quantization.int_method import IntWeightMethod
+from plinth.quantization.interface import QuantContext
+from plinth.quantization.packing import unpack_int32
+from plinth.quantization.params import PackedLayout, input_range, packed_parameter
+
+FORMATS = ("gptq", "gptq_v2")
+
+
+def sort_by_group(q: torch.Tensor, g_idx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reorder ``q`` ``[N, K]`` so that groups are contiguous; returns (codes, perm or None).
+
+    Raises:
+        ModelLoadError: ``g_idx`` does not put exactly ``group`` input features in every group.
+    """
+    k = g_idx.numel()
+    g_idx = g_idx.to(torch.int64)
+    contiguous = torch.arange(k, device=g_idx.device) // group
+    if torch.equal(g_idx, contiguous):
+        return q, None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], contiguous):
+        raise ModelLoadError(f"g_idx does not assign {group} input features to each of {k // group} groups")
+    return q[:, perm].contiguous(), perm
+
+
+class GPTQMethod(IntWeightMethod):
+    """GPTQ 4-bit (W4A16 kernels) and 8-bit (dequantize kernel)."""
+
+    name = "gptq"
+
+    def __init__(self, ctx: QuantContext, *, bits: int, group_size: int | None, desc_act: bool, symmetric: bool,
+                 zero_offset: int, skip: tuple[str, ...] = ()):
+        super().__init__(ctx, bits=bits, group_size=group_size, symmetric=symmetric, act_order=desc_act)
+        self.zero_offset = zero_offset
+        self.skip = skip
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any] | None, ctx: QuantContext) -> GPTQMethod:
+        if quant_config is None:
+            raise ConfigError("gptq reads GPTQ checkpoints; it cannot quantize float weights")
+        bits = int(quant_config.get("bits", 4))
+        if bits not in (4, 8):
+            raise ConfigError(f"gptq: {bits}-bit checkpoints are not supported (4 and 8 bits are)")
+        fmt = str(quant_config.get("checkpoint_format", "gptq")).lower()
+        if fmt not in FORMATS:
+            raise ConfigError(f"gptq: checkpoint_format {fmt!r} is not supported ({', '.join(FORMATS)})")
+        if quant_config.get("lm_head"):
+            raise ConfigError("gptq: checkpoints with a quantized lm_head are not supported")
+        group = parse_group_size(quant_config.get("group_size", 128), "gptq")
+        desc_act = bool(quant_config.get("desc_act", False))
+        if desc_act and group is not None and ctx.tp_size > 1:
+            raise ConfigError("gptq: act-order (desc_act) checkpoints with groups run with tensor-parallel size 1 "
+                              "only")
+        return cls(ctx, bits=bits, group_size=group, desc_act=desc_act and group is not None,
+                   symmetric=bool(quant_config.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0,
+                   skip=skip_list(quant_config))
+
+    def applies_to(self, name: str) -> bool:
+        return not name_in(name, self.skip)
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
+        per_word = 32 // self.bits
+        n = sum(output_sizes)
+        if input_size % per_word or any(size % per_word for size in output_sizes):
+            raise ModelLoadError(f"gptq packs {per_word} codes per word; sizes K={input_size}, N={output_sizes} "
+                                 f"per rank are not multiples of {per_word}")
+        packed_parameter(layer, "qweight", (input_size // per_word, n), torch.int32,
+                         PackedLayout(in_dim=0, in_per_elem=per_word, out_dim=1))
+        group_params(layer, input_size, n, self.group_size, per_word, zeros_packed=True)
+        packed_parameter(layer, "g_idx", (input_size,), torch.int32, PackedLayout(in_dim=0, same_for_all_shards=True))
+
+    def convert_weights(self, layer: nn.Module) -> IntWeights:
+        mask = (1 << self.bits) - 1
+        q = unpack_int32(layer.qweight.data, self.bits, dim=0).t().contiguous()             # [N, K]
+        stored = unpack_int32(layer.qzeros.data, self.bits, dim=1).to(torch.int32)           # [G, N]
+        zeros = ((stored + self.zero_offset) & mask).t().to(torch.float32).contiguous()      # [N, G]
+        scales = layer.scales.data.t().to(torch.float32).contiguous()
+        group = self.group_for(q.shape[1])
+        perm = None
+        if self.group_size is not None:
+            start, _size, _total = input_range(layer)  # a row-parallel rank's groups start at start / g
+            q, perm = sort_by_group(q, layer.g_idx.data.to(torch.int64) - start // group, group)
+        return IntWeights(q, scales, zeros, self.bits, group, perm=perm, symmetric=self.symmetric)

@@ -1,0 +1,245 @@
+"""AWQ and GPTQ checkpoints, packed here from the published layout descriptions (not with plinth's
+packing code), against transformers on the weights the packed tensors decode to.
+
+AWQ (AutoAWQ, GEMM version): ``qweight`` ``[K, N/8]`` int32 whose nibble ``i`` of word ``j`` holds
+output ``8j + [0, 2, 4, 6, 1, 3, 5, 7][i]``; ``qzeros`` ``[K/g, N/8]`` the same; ``scales`` ``[K/g, N]``.
+GPTQ (AutoGPTQ): ``qweight`` ``[K/p, N]`` with input ``p*r + i`` in bits ``b*i`` of row ``r``
+(``p = 32/b``); ``qzeros`` ``[K/g, N/p]`` packed sequentially along outputs, storing ``zero - 1`` in
+version-1 checkpoints; ``scales`` ``[K/g, N]``; ``g_idx`` ``[K]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_quantization_support import (
+    compare,
+    float_state,
+    is_linear,
+    load_plinth,
+    one_thread,  # noqa: F401 (an autouse fixture)
+    reference_model,
+    write_checkpoint,
+)
+
+from plinth.config import ConfigError
+from plinth.quantization.formats import IntWeights
+from plinth.quantization.packing import AWQ_ORDER, unpack_int32
+
+AWQ_NIBBLE_SOURCE = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+# ------------------------------------------------------------------------- packers from the layouts
+
+
+def to_int32(words: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy((words.astype(np.uint64) & 0xFFFFFFFF).astype(np.uint32).view(np.int32).copy())
+
+
+def awq_pack(codes: np.ndarray) -> torch.Tensor:
+    """``[rows, N]`` 4-bit codes -> ``[rows, N/8]`` int32 in AWQ's interleaved nibble order."""
+    rows, n = codes.shape
+    words = np.zeros((rows, n // 8), dtype=np.uint64)
+    for j in range(n // 8):
+        for i, src in enumerate(AWQ_NIBBLE_SOURCE):
+            words[:, j] |= codes[:, 8 * j + src].astype(np.uint64) << np.uint64(4 * i)
+    return to_int32(words)
+
+
+def gptq_pack_rows(codes: np.ndarray, bits: int) -> torch.Tensor:
+    """``[K, N]`` codes -> ``[K/p, N]``: ``p`` consecutive rows per word, row ``p*r + i`` in bits ``bits*i``."""
+    per = 32 // bits
+    k, n = codes.shape
+    words = np.zeros((k // per, n), dtype=np.uint64)
+    for r in range(k // per):
+        for i in range(per):
+            words[r] |= codes[per * r + i].astype(np.uint64) << np.uint64(bits * i)
+    return to_int32(words)
+
+
+def gptq_pack_cols(codes: np.ndarray, bits: int) -> torch.Tensor:
+    """``[G, N]`` codes -> ``[G, N/p]`` packed sequentially along the columns."""
+    return gptq_pack_rows(codes.T.copy(), bits).t().contiguous()
+
+
+def rtn_groups(w: np.ndarray, cols_of_group: list[np.ndarray], bits: int, symmetric: bool):
+    """Round-to-nearest per group of input columns: codes ``[N, K]``, scales and zeros ``[G, N]``."""
+    levels = (1 << bits) - 1
+    n, k = w.shape
+    codes = np.zeros((n, k), dtype=np.int64)
+    scales = np.zeros((len(cols_of_group), n))
+    zeros = np.zeros((len(cols_of_group), n), dtype=np.int64)
+    for g, cols in enumerate(cols_of_group):
+        block = w[:, cols]
+        if symmetric:
+            s = np.abs(block).max(1) / ((levels + 1) // 2 - 1)
+            z = np.full(n, (levels + 1) // 2)
+        else:
+            lo, hi = np.minimum(block.min(1), 0), np.maximum(block.max(1), 0)
+            s = (hi - lo) / levels
+            z = np.clip(np.round(-lo / s), 0, levels).astype(np.int64)
+        codes[:, cols] = np.clip(np.round(block / s[:, None]) + z[:, None], 0, levels)
+        scales[g], zeros[g] = s, z
+    return codes, scales.astype(np.float16), zeros
+
+
+def dequantize(codes, scales, zeros, group_of_col) -> torch.Tensor:
+    s = scales.astype(np.float64)[group_of_col].T                       # [N, K]
+    z = zeros[group_of_col].T
+    return torch.from_numpy((codes - z) * s).to(torch.float32)
+
+
+def awq_checkpoint(base, out, group: int):
+    tensors, deq = {}, {}
+    for name, w in float_state(base).items():
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        w64 = w.double().numpy()
+        k = w64.shape[1]
+        cols = [np.arange(g * group, (g + 1) * group) for g in range(k // group)]
+        codes, scales, zeros = rtn_groups(w64, cols, 4, symmetric=False)
+        stem = name.removesuffix(".weight")
+        tensors[f"{stem}.qweight"] = awq_pack(codes.T)
+        tensors[f"{stem}.qzeros"] = awq_pack(zeros)
+        tensors[f"{stem}.scales"] = torch.from_numpy(scales)
+        deq[name] = dequantize(codes, scales, zeros, np.arange(k) // group)
+    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    return write_checkpoint(base, out, tensors, config), deq
+
+
+def gptq_checkpoint(base, out, bits: int, group: int, desc_act: bool, symmetric: bool, fmt: str = "gptq"):
+    rng = np.random.default_rng(bits + group)
+    tensors, deq, orders = {}, {}, {}
+    for name, w in float_state(base).items():
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        w64 = w.double().numpy()
+        k = w64.shape[1]
+        # The order GPTQ visited the columns (by the Hessian of the layer's input): projections that
+        # read the same input (q/k/v, gate/up) share it.
+        shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        order = orders.setdefault(shared, rng.permutation(k) if desc_act else np.arange(k))
+        g_idx = np.empty(k, dtype=np.int64)
+        g_idx[order] = np.arange(k) // group
+        cols = [np.flatnonzero(g_idx == g) for g in range(k // group)]
+        codes, scales, zeros = rtn_groups(w64, cols, bits, symmetric)
+        stored = (zeros - 1) & ((1 << bits) - 1) if fmt == "gptq" else zeros
+        stem = name.removesuffix(".weight")
+        tensors[f"{stem}.qweight"] = gptq_pack_rows(codes.T.copy(), bits)
+        tensors[f"{stem}.qzeros"] = gptq_pack_cols(stored, bits)
+        tensors[f"{stem}.scales"] = torch.from_numpy(scales)
+        tensors[f"{stem}.g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
+        deq[name] = dequantize(codes, scales, zeros, g_idx)
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": symmetric,
+              "checkpoint_format": fmt}
+    return write_checkpoint(base, out, tensors, config), deq
+
+
+# -------------------------------------------------------------------------------------- round trips
+
+
+def test_packers_round_trip_through_plinth_unpacking():
+    rng = np.random.default_rng(0)
+    codes4 = rng.integers(0, 16, (32, 64))
+    assert torch.equal(unpack_int32(awq_pack(codes4), 4, dim=1, order=AWQ_ORDER).long(), torch.from_numpy(codes4))
+    for bits in (4, 8):
+        codes = rng.integers(0, 1 << bits, (64, 24))
+        assert torch.equal(unpack_int32(gptq_pack_rows(codes, bits), bits, dim=0).long(), torch.from_numpy(codes))
+        assert torch.equal(unpack_int32(gptq_pack_cols(codes, bits), bits, dim=1).long(), torch.from_numpy(codes))
+
+
+# ---------------------------------------------------------------------------------------- AWQ / GPTQ
+
+
+@pytest.mark.parametrize("kernel", ["dequant", "torch_int4pack"])
+def test_awq_matches_reference(tiny_llama_dir, tmp_path, kernel):
+    path, deq = awq_checkpoint(tiny_llama_dir, tmp_path / "awq", group=32)
+    model, backend, method = load_plinth(path, gemm_kernel=kernel)
+    assert method.name == "awq" and method.kernel.name == kernel
+    # measured: max logit error ~2e-5, 48/48 greedy tokens equal
+    compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
+
+
+@pytest.mark.parametrize("bits,desc_act,symmetric,fmt,kernel", [
+    (4, True, False, "gptq", "torch_int4pack"),
+    (4, False, True, "gptq_v2", "dequant"),
+    (8, True, True, "gptq", "dequant"),
+    (8, False, False, "gptq", "dequant"),
+], ids=["4bit-act_order", "4bit-sym-v2", "8bit-act_order-sym", "8bit"])
+def test_gptq_matches_reference(tiny_llama_dir, tmp_path, bits, desc_act, symmetric, fmt, kernel):
+    path, deq = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", bits, 32, desc_act, symmetric, fmt)
+    model, backend, method = load_plinth(path, gemm_kernel=kernel)
+    assert method.name == "gptq" and method.bits == bits and method.act_order == desc_act
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert hasattr(qkv, "perm") == desc_act  # act order: the input features were sorted by group
+    compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
+
+
+def test_gptq_default_kernel_choice(tiny_llama_dir, tmp_path):
+    """With selection off the highest-priority kernel that runs here is taken (not the Triton one on a CPU)."""
+    path, _ = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", 4, 32, False, False)
+    _model, _backend, method = load_plinth(path)
+    reasons = {r.name: r.reason for r in method.kernel_selection.candidates}
+    assert method.kernel.name == "torch_int4pack" and "need a GPU" in reasons["triton_w4a16"]
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+
+
+def _dequantized_layer(layer) -> torch.Tensor:
+    """The weight a 4-bit layer on the dequant kernel holds, in checkpoint input order."""
+    from plinth.quantization.packing import unpack_nibbles
+
+    codes = unpack_nibbles(layer.qcodes)                                   # [N, K]
+    group = codes.shape[1] // layer.qscales.shape[1]
+    return IntWeights(codes, layer.qscales, layer.qzeros, 4, group, getattr(layer, "perm", None)).dequantize()
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_tensor_parallel_shards_decode_to_slices(tiny_llama_dir, tmp_path, fmt):
+    if fmt == "awq":
+        path, deq = awq_checkpoint(tiny_llama_dir, tmp_path / "q", group=32)
+    else:
+        path, deq = gptq_checkpoint(tiny_llama_dir, tmp_path / "q", 4, 32, False, False)
+    pre = "model.layers.1"
+    q, k, v = (deq[f"{pre}.self_attn.{p}_proj.weight"] for p in "qkv")
+    gate, up = deq[f"{pre}.mlp.gate_proj.weight"], deq[f"{pre}.mlp.up_proj.weight"]
+    for rank in (0, 1):
+        model, _backend, _method = load_plinth(path, gemm_kernel="dequant", tp=(rank, 2))
+        layer = model.model.layers[1]
+        half = lambda t, dim, rank=rank: t.chunk(2, dim)[rank]  # noqa: E731
+        expected = {
+            "qkv": torch.cat([half(q, 0), half(k, 0), half(v, 0)]),
+            "o": half(deq[f"{pre}.self_attn.o_proj.weight"], 1),
+            "gate_up": torch.cat([half(gate, 0), half(up, 0)]),
+            "down": half(deq[f"{pre}.mlp.down_proj.weight"], 1),
+        }
+        got = {
+            "qkv": _dequantized_layer(layer.self_attn.qkv_proj), "o": _dequantized_layer(layer.self_attn.o_proj),
+            "gate_up": _dequantized_layer(layer.mlp.gate_up_proj), "down": _dequantized_layer(layer.mlp.down_proj),
+        }
+        for name in expected:
+            assert torch.allclose(got[name], expected[name], atol=1e-6), (fmt, rank, name)
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq: 3-bit checkpoints are not supported"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"quant_method": "awq", "bits": 8}, "awq: 8-bit checkpoints are not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv' is not supported"),
+])
+def test_unsupported_settings_fail_at_load(tiny_llama_dir, tmp_path, config, message):
+    path = write_checkpoint(tiny_llama_dir, tmp_path / "q", float_state(tiny_llama_dir), config)
+    with pytest.raises(ConfigError, match=message):
+        load_plinth(path)
+
+
+def test_awq_needs_an_awq_checkpoint(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="'awq' reads checkpoints quantized with it.*float weights.*fp8, int4"):
+        load_plinth(tiny_llama_dir, "awq")
