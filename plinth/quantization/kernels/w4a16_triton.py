@@ -55,7 +55,10 @@ class W4A16Tiles:
 
 
 def choose_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16Tiles:
-    """Tiles for one call: small-M (decode) calls split K to give every SM work; large M uses big tiles."""
+    """Tiles for one call: small-M (decode) calls split K to give every SM work; large M uses big tiles.
+
+    The figures are starting points for an H200-class GPU (132 SMs); they are not tuned yet.
+    """
     block_k = next(b for b in (128, 64, 32, 16) if group_size % b == 0 and k % b == 0)
     if m <= 16:
         block_m, block_n, warps, stages = 16, 64, 4, 3
@@ -68,7 +71,7 @@ def choose_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16
     tiles = -(-m // block_m) * -(-n // block_n)
     k_tiles = k // block_k
     split = 1
-    if tiles < num_sms:
+    if m <= 64 and tiles < num_sms:  # memory-bound GEMMs: split K until every SM streams weights
         split = max(1, min(k_tiles // 2 or 1, (2 * num_sms) // max(tiles, 1), 16))
     return W4A16Tiles(block_m, block_n, block_k, split, warps, stages)
 

@@ -1,0 +1,169 @@
+"""The Triton W4A16 kernel in Triton's CPU interpreter: against float64 math, against the other
+kernels, inside kernel selection and inside a model (an AWQ checkpoint).
+
+As in tests/test_triton_attention.py, the kernel module is imported with ``TRITON_INTERPRET=1`` and
+every test sets the variables for its own duration only. float32 and float16 are exact in the
+interpreter; bfloat16 is covered by tests/test_quantization_gpu.py. On a machine with CUDA this module
+is skipped unless ``PLINTH_TRITON_INTERPRET=1`` is set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("PLINTH_TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA present: the GPU test file covers the kernel", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from test_quantization_awq_gptq import awq_checkpoint  # noqa: E402
+from test_quantization_support import (  # noqa: E402
+    PROMPTS,
+    load_plinth,
+    one_thread,  # noqa: F401 (an autouse fixture)
+    reference_model,
+)
+
+from plinth.quantization.interface import GemmWorkload, QuantContext  # noqa: E402
+from plinth.quantization.kernels import w4a16_triton  # noqa: E402
+from plinth.quantization.kernels.dequant import DequantIntKernel  # noqa: E402
+from plinth.quantization.kernels.int4pack import TorchInt4PackKernel  # noqa: E402
+from plinth.quantization.kernels.interface import GemmProblem  # noqa: E402
+from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel, choose_tiles  # noqa: E402
+from plinth.quantization.quantizers import random_int_weights  # noqa: E402
+from plinth.quantization.selection import holder  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _import_interpreted() -> bool:
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PLINTH_TRITON_INTERPRET")}
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["PLINTH_TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.zeros, InterpretedFunction):
+            return False
+        return isinstance(w4a16_triton.load_jit_module().w4a16_gemm_kernel, InterpretedFunction)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+INTERPRETED = _import_interpreted()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="triton was imported compiled earlier in this session; see test_in_a_fresh_process"
+)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
+def test_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PLINTH_TRITON_INTERPRET", "1")
+
+
+def _problem(dtype, group, n, k, act_order=False) -> GemmProblem:
+    return GemmProblem("int", dtype, "cpu", bits=4, group_size=group, act_order=act_order, shapes=((n, k),))
+
+
+def _run(cls, problem, weights, x, bias=None) -> torch.Tensor:
+    kernel = cls(problem)
+    return kernel.apply(holder(kernel.prepare(weights)), x, bias)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("m,n,k,group,act_order", [
+    (1, 96, 256, 128, False),    # decode row, split K
+    (5, 80, 128, 32, True),      # N not a multiple of the tile, act order
+    (24, 64, 128, 64, False),    # the mid-size tile
+    (70, 48, 64, 64, False),     # the large tile, more rows than one tile
+], ids=["decode", "masked-act_order", "mid", "large"])
+def test_triton_w4a16_matches_float64(dtype, m, n, k, group, act_order):
+    gen = torch.Generator().manual_seed(m + n)
+    w = random_int_weights(n, k, 4, group, symmetric=False, act_order=act_order, device=CPU, generator=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    problem = _problem(dtype, group, n, k, act_order)
+    assert TritonW4A16Kernel.supports(problem)
+    out = _run(TritonW4A16Kernel, problem, w, x, bias)
+    assert out.dtype == dtype and out.shape == (m, n)
+    ref = x.double() @ w.dequantize(torch.float64).t() + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 3e-3  # relative to the largest output
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+def test_tile_choice_splits_k_for_small_batches():
+    decode = choose_tiles(1, 4096, 4096, 128, num_sms=132)
+    assert decode.block_m == 16 and decode.split_k > 1 and 4096 % decode.block_k == 0
+    prefill = choose_tiles(512, 4096, 4096, 128, num_sms=132)
+    assert prefill.split_k == 1 and prefill.block_m == 128
+    assert choose_tiles(8, 64, 96, 32, num_sms=4).block_k == 32  # a tile never straddles two groups
+
+
+@needs_interpreter
+def test_candidates_agree_with_each_other():
+    gen = torch.Generator().manual_seed(5)
+    w = random_int_weights(64, 256, 4, 64, symmetric=False, act_order=True, device=CPU, generator=gen)
+    x = torch.randn(9, 256, generator=gen)
+    problem = _problem(torch.float32, 64, 64, 256, act_order=True)
+    outs = {cls.name: _run(cls, problem, w, x) for cls in (TritonW4A16Kernel, TorchInt4PackKernel, DequantIntKernel)}
+    for name, out in outs.items():
+        assert torch.allclose(out, outs["dequant"], rtol=1e-4, atol=1e-5), name
+
+
+@needs_interpreter
+def test_selection_times_the_triton_kernel(tmp_path):
+    from plinth.platforms.selection import select_platform
+    from plinth.quantization.int4 import Int4Method
+
+    ctx = QuantContext(hf_config=None, dtype=torch.float32, device=CPU, platform=select_platform("cpu"),
+                       selection="benchmark", cache_dir=tmp_path, workload=GemmWorkload(2, 20))
+    result = Int4Method(ctx, bits=4, group_size=32).select_kernel([(64, 64)])
+    reports = {r.name: r for r in result.candidates}
+    assert reports["triton_w4a16"].supported and reports["triton_w4a16"].max_error < 1e-5
+    assert set(reports["triton_w4a16"].times_ms) == {"decode", "prefill"}
+
+
+@needs_interpreter
+def test_awq_model_on_the_triton_kernel(tiny_llama_dir, tmp_path):
+    from paged_driver import PagedDriver, build_metadata
+
+    path, deq = awq_checkpoint(tiny_llama_dir, tmp_path / "awq", group=32)
+    model, backend, method = load_plinth(path, gemm_kernel="triton_w4a16")
+    assert method.kernel.name == "triton_w4a16"
+    ref = reference_model(tiny_llama_dir, deq)
+    prompt = PROMPTS[0]
+    PagedDriver(model, backend, block_size=4)  # allocates the KV caches
+    ids, pos, md = build_metadata([(prompt, 0, [3, 9])], block_size=4)
+    backend.prepare(md)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(ids, pos, md))                     # [L, vocab]
+        theirs = ref(torch.tensor([prompt])).logits[0]
+    assert (ours - theirs).abs().max().item() < 1e-3  # measured: ~1e-5
+    generated, _ = PagedDriver(model, backend, block_size=4).generate_greedy(PROMPTS[:2], 4)
+    with torch.no_grad():
+        for p, got in zip(PROMPTS[:2], generated, strict=True):
+            seq = list(p)
+            for _ in range(4):
+                seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
+            assert got == seq[len(p):]
