@@ -11,6 +11,7 @@ _Q = "plinth.quantization"
 def plinth_quantization_methods() -> dict[str, str]:
     return {
         "awq": f"{_Q}.awq:AWQMethod",
+        "compressed-tensors": f"{_Q}.compressed_tensors:CompressedTensorsMethod",
         "fp8": f"{_Q}.fp8:FP8Method",
         "gptq": f"{_Q}.gptq:GPTQMethod",
         "int4": f"{_Q}.int4:Int4Method",
