@@ -1,5 +1,6 @@
-"""Tensor and pipeline parallelism on CPU (gloo): greedy outputs and prompt logprobs of TP=2, PP=2 and
-TP=2 x PP=2 equal the single-process engine's, for each native architecture family.
+"""Tensor and pipeline parallelism on CPU (gloo): greedy outputs, prompt logprobs and a seeded random
+sample with its logprobs under TP=2, PP=2 and TP=2 x PP=2 equal the single-process engine's, for each
+native architecture family.
 
 Four worker processes are spawned once for the module and serve every layout in turn
 (``WorkerProcesses``), so each case pays for loading a tiny model, not for starting Python.
@@ -65,6 +66,8 @@ def test_parallel_greedy_equals_single_process(family, processes, tp, pp):
     # the reference really depends on the prompt: a different prompt gives different tokens
     assert reference["r0"][0] != reference["r1"][0]
     assert reference["r0"][0] == reference["r2"][0]   # the repeated prompt (prefix cache hit) agrees
+    # the seeded sample (drawn on the output rank) is random, not greedy, and has its logprobs
+    assert reference["seeded"][0] != reference["r3"][0] and len(reference["seeded"][1]) == len(reference["r3"][0])
 
 
 def test_async_front_over_workers(family, processes):

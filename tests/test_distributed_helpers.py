@@ -60,15 +60,22 @@ def greedy(prompt_logprobs: int | None = None) -> SamplingParams:
 Result = dict[str, tuple[list[int], list[dict[int, float]]]]
 
 
+# a seeded random request: its tokens do not depend on the batch it runs in
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+
+
 def run_greedy(engine, prompts=PROMPTS, max_steps: int = 200) -> Result:
-    """Greedy tokens of each prompt (and the first prompt's prompt logprobs) from an LLMEngine."""
+    """Greedy tokens of each prompt (with the first prompt's prompt logprobs), plus the tokens and
+    logprobs of a seeded random sample of the last prompt (``"seeded"``), from an LLMEngine."""
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(prompt_logprobs=1 if i == 0 else None))
+    engine.add_request("seeded", prompts[-1], SEEDED)
     done: Result = {}
     for _ in range(max_steps):
         for out in engine.step():
             if out.finished:
-                lps = [{t: lp.logprob for t, lp in pos.items()} for pos in out.prompt_logprobs or [] if pos]
+                positions = out.prompt_logprobs if out.request_id != "seeded" else out.outputs[0].logprobs
+                lps = [{t: lp.logprob for t, lp in pos.items()} for pos in positions or [] if pos]
                 done[out.request_id] = (out.outputs[0].token_ids, lps)
         if not engine.has_unfinished_requests():
             return done

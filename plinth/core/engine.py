@@ -22,7 +22,7 @@ from plinth.core.request import (
     RequestOutput,
     SamplingParams,
 )
-from plinth.core.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from plinth.core.sampler import SamplingBatch, compute_prompt_logprobs
 from plinth.core.scheduler import RequestRejectedError, Scheduler
 from plinth.distributed.executor import Executor, UniprocExecutor
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
@@ -86,7 +86,6 @@ class LLMEngine:
         self._dead: EngineDeadError | None = None
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.sampler = Sampler()
         self.device = parts.device
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
@@ -197,19 +196,21 @@ class LLMEngine:
         if out.scheduled:
             entries = [SeqBatchEntry(s.token_ids, s.num_computed_tokens, s.request.block_ids, s.sample)
                        for s in out.scheduled]
-            logits, sample_idx, hidden = self._execute(entries)
+            sample_idx = [i for i, s in enumerate(out.scheduled) if s.sample]
+            reqs = [out.scheduled[i].request for i in sample_idx]
+            # built by the executor where it samples, after the forward pass is queued
+            make_batch = (lambda device: SamplingBatch.from_requests(reqs, self.vocab_size, device)) if reqs else None
+            result, hidden = self._run_guarded(self.executor.execute, entries, make_batch)
             if hidden is not None:
                 self._prompt_logprobs(out.scheduled, hidden)
             sampled: list[int | None] = [None] * len(entries)
-            if sample_idx:
-                reqs = [out.scheduled[i].request for i in sample_idx]
-                batch = SamplingBatch.from_requests(reqs, self.vocab_size, logits.device)
-                result = self.sampler.sample(logits, batch)
+            if result is not None:
                 token_ids = result.sampled_token_ids.tolist()   # the step's one host-device sync
                 for j, i in enumerate(sample_idx):
                     sampled[i] = token_ids[j]
                 if result.logprobs is not None:
-                    self._record_logprobs(reqs, result.logprobs.to_position_logprobs(batch.num_logprobs), token_ids)
+                    num_logprobs = [r.sampling_params.logprobs for r in reqs]
+                    self._record_logprobs(reqs, result.logprobs.to_position_logprobs(num_logprobs), token_ids)
             finished = self.scheduler.update_from_output(out, sampled)
             now_finished = {r.request_id for r in finished}
             for i, tok in enumerate(sampled):
@@ -230,9 +231,6 @@ class LLMEngine:
             if g.finished:
                 self._forget(g)
         return outputs
-
-    def _execute(self, entries: list[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
-        return self._run_guarded(self.executor.execute, entries)
 
     def _run_guarded(self, fn: Any, *args: Any) -> Any:
         """Call the executor; when its workers are gone, fail every in-flight request and raise."""

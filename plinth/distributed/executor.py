@@ -6,8 +6,10 @@
 * :class:`~plinth.distributed.executor_ray.RayExecutor`: one Ray actor per rank, placed with a
   placement group on an existing Ray cluster or a local one.
 
-The scheduler and the sampler stay in the engine (the driver); workers return the logits of
-the sampled rows from TP rank 0 of the last pipeline stage.
+The scheduler stays in the engine (the driver), which also gathers each step's sampling
+parameters (a :class:`~plinth.core.sampler.SamplingBatch`). The logits are sampled where they
+are: in-process, or on TP rank 0 of the last pipeline stage, which returns only the sampled
+token ids (and logprobs when asked), never the ``[batch, vocab]`` logits.
 """
 
 from __future__ import annotations
@@ -15,18 +17,22 @@ from __future__ import annotations
 import abc
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from plinth.config import ConfigError, EngineConfig
 from plinth.core.async_engine import EngineDeadError
+from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
 from plinth.distributed.messages import StepBatch
 from plinth.distributed.parallel_state import ParallelLayout
 from plinth.worker.model_runner import SeqBatchEntry
 
 logger = logging.getLogger(__name__)
+
+#: builds the step's sampling parameters on a device (called by the executor where it samples)
+MakeSamplingBatch = Callable[[torch.device], SamplingBatch]
 
 STEP_TIMEOUT_ENV = "PLINTH_WORKER_STEP_TIMEOUT_S"
 START_TIMEOUT_ENV = "PLINTH_WORKER_START_TIMEOUT_S"
@@ -61,12 +67,18 @@ class Executor(abc.ABC):
     selection: Any
 
     @abc.abstractmethod
-    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
-        """Run one step.
+    def execute(self, entries: Sequence[SeqBatchEntry],
+                make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:
+        """Run one step and sample the entries whose ``sample`` flag is set.
+
+        Args:
+            entries: the step's sequences.
+            make_sampling_batch: builds the sampling parameters of the sampled entries (in entry
+                order) on a device; ``None`` when no entry is sampled.
 
         Returns:
-            (logits ``[S, vocab]`` float32 of the sampled sequences, their entry indices, a handle
-            to the step's hidden states for :meth:`prompt_logits`, or ``None``).
+            (the sampler's output, one row per sampled entry, or ``None``; a handle to the step's
+            hidden states for :meth:`prompt_logits`, or ``None``).
 
         Raises:
             WorkerDiedError: a worker died or timed out; the executor has shut itself down.
@@ -92,9 +104,15 @@ class UniprocExecutor(Executor):
         self.runner = runner
         self.num_blocks = num_blocks
         self.selection = selection
+        self.sampler = Sampler()
 
-    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
-        return self.runner.execute(entries)
+    def execute(self, entries: Sequence[SeqBatchEntry],
+                make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:
+        logits, sample_seqs, hidden = self.runner.execute(entries)
+        if make_sampling_batch is None or not sample_seqs:
+            return None, hidden
+        # the batch is built while the device still runs the forward pass
+        return self.sampler.sample(logits, make_sampling_batch(logits.device)), hidden
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         return self.runner.prompt_logits(hidden, rows)
@@ -161,15 +179,16 @@ class DistributedExecutor(Executor):
         self.shutdown()
         return err
 
-    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], Any]:
+    def execute(self, entries: Sequence[SeqBatchEntry],
+                make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:
         self._check_alive()
         batch = StepBatch.from_entries(entries)
+        sampling = make_sampling_batch(torch.device("cpu")) if make_sampling_batch is not None else None
         try:
-            results = self._call_all("execute", batch, timeout_s=self.step_timeout_s)
+            results = self._call_all("execute", batch, sampling, timeout_s=self.step_timeout_s)
         except BaseException as exc:
             raise self._fail(exc) from exc
-        logits, sample_seqs = results[self.output_rank]
-        return logits, sample_seqs, _RemoteHidden()
+        return results[self.output_rank], _RemoteHidden()
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         self._check_alive()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from plinth.config import DeviceConfig, EngineConfig
+from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
 from plinth.distributed.messages import StepBatch
 from plinth.distributed.parallel_state import ParallelLayout, init_parallel_state
 from plinth.distributed.pipeline import PipelineStage
@@ -47,6 +48,7 @@ class Worker:
         self._model: Any = None
         self._backend: Any = None
         self._num_blocks_fit = 0
+        self.sampler = Sampler()
 
         from plinth.model_registry.loader import resolve_dtype, resolve_model_source
         from plinth.platforms.selection import select_platform
@@ -176,17 +178,21 @@ class Worker:
         self._last_hidden = [hidden] if hidden is not None else []
         return logits, sample_seqs
 
-    def execute(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[int]]:
-        """Run this rank's part of a step.
+    def execute(self, batch: StepBatch, sampling: SamplingBatch | None) -> SamplerOutput | None:
+        """Run this rank's part of a step; the output rank samples the logits.
+
+        Args:
+            batch: the step's sequences.
+            sampling: the sampled sequences' parameters (host tensors), or ``None``.
 
         Returns:
-            (logits ``[S, vocab]`` float32 on the host, on the output rank only, else ``None``;
-            the sampled entry indices).
+            on the output rank, the sampled token ids (and logprobs) on the host; else ``None``.
         """
         logits, sample_seqs = self._run(batch.entries())
-        if not self.layout.is_output_rank or logits is None:
-            return None, sample_seqs
-        return logits.to("cpu", non_blocking=False), sample_seqs
+        if not self.layout.is_output_rank or logits is None or sampling is None or not sample_seqs:
+            return None
+        out = self.sampler.sample(logits, _to_device(sampling, self.device))
+        return _to_device(out, torch.device("cpu"))
 
     @torch.inference_mode()
     def prompt_logits(self, start: int, stop: int) -> torch.Tensor | None:
@@ -197,3 +203,16 @@ class Worker:
         hidden = self._last_hidden[0] if len(self._last_hidden) == 1 else torch.cat(self._last_hidden)
         logits = self._model.compute_logits(hidden[start:stop])
         return logits.cpu() if self.layout.is_output_rank else None
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """A copy of a dataclass of tensors (sampling parameters, sampler output) with every tensor,
+    also inside tuples and nested dataclasses, moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=obj.device.type == "cpu")
+    if isinstance(obj, tuple):
+        return tuple(_to_device(x, device) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
