@@ -108,14 +108,16 @@ class Worker:
         from plinth.core.selection import select_attention_backend
         from plinth.model_registry.interface import ModelContext
         from plinth.model_registry.loader import load_model
+        from plinth.quantization.resolve import resolve_quantization
         from plinth.worker.setup import _num_blocks
 
         forced = DeviceConfig(platform=self.config.device.platform, attention_backend=backend_name, selection="off")
         backend = select_attention_backend(self._spec(), self.platform, forced).winner_cls()
+        quant_method = resolve_quantization(self.config, self.source, self.platform, self.dtype, self.device)
         lay = self.layout
         ctx = ModelContext(hf_config=self.hf, dtype=self.dtype, device=self.device, attention_backend=backend,
-                           block_size=self.config.cache.block_size, tp_rank=lay.tp_rank, tp_size=lay.tp_size,
-                           pp_rank=lay.pp_rank, pp_size=lay.pp_size)
+                           block_size=self.config.cache.block_size, quant_method=quant_method,
+                           tp_rank=lay.tp_rank, tp_size=lay.tp_size, pp_rank=lay.pp_rank, pp_size=lay.pp_size)
         torch.manual_seed(self.config.model.seed)
         model = load_model(self.source, ctx, seed=self.config.model.seed)
         model.eval()
