@@ -30,13 +30,21 @@ def processes():
     procs.stop()
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    """(family, checkpoint dir, reference result of the single-process engine)."""
-    name = request.param
+def _case(name: str, tmp_path_factory) -> tuple:
     path = save_family(name, tmp_path_factory.mktemp(name))
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), **ENGINE_KW))
     return name, path, run_greedy(engine)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, checkpoint dir, reference result of the single-process engine)."""
+    return _case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_case(tmp_path_factory):
+    return _case("llama", tmp_path_factory)
 
 
 def _engine(path, processes, tp: int, pp: int) -> LLMEngine:
@@ -70,16 +78,15 @@ def test_parallel_greedy_equals_single_process(family, processes, tp, pp):
     assert reference["seeded"][0] != reference["r3"][0] and len(reference["seeded"][1]) == len(reference["r3"][0])
 
 
-def test_async_front_over_workers(family, processes):
+def test_async_front_over_workers(llama_case, processes):
     """The server's asyncio front streams from a TP=2 x PP=2 engine."""
     from test_distributed_helpers import greedy
 
     from plinth.core.async_engine import AsyncLLMEngine
 
-    name, path, reference = family
-    if name != "llama":
-        pytest.skip("one family is enough for the front")
-    front = AsyncLLMEngine(_engine(path, processes, 2, 2))
+    _, path, reference = llama_case
+    engine = _engine(path, processes, 2, 2)
+    front = AsyncLLMEngine(engine)
 
     async def collect(i: int) -> list[int]:
         final = None
@@ -95,7 +102,7 @@ def test_async_front_over_workers(family, processes):
         got = asyncio.run(main())
     finally:
         front.shutdown()
-        front._engine.shutdown()
+        engine.shutdown()   # releases the worker processes for the next test
     assert got == [reference[f"r{i}"][0] for i in range(len(PROMPTS))]
 
 
