@@ -13,6 +13,7 @@ def plinth_quantization_methods() -> dict[str, str]:
         "awq": f"{_Q}.awq:AWQMethod",
         "compressed-tensors": f"{_Q}.compressed_tensors:CompressedTensorsMethod",
         "fp8": f"{_Q}.fp8:FP8Method",
+        "gguf": f"{_Q}.gguf:GGUFMethod",
         "gptq": f"{_Q}.gptq:GPTQMethod",
         "int4": f"{_Q}.int4:Int4Method",
     }
