@@ -5,7 +5,8 @@
 
 Workload: ``--num-prompts`` (64) prompts of random token ids (seeded), lengths uniform in
 [``--min-len``, ``--max-len``] (64..512), ``--output-len`` (128) new tokens each, greedy, EOS ignored.
-Model: SmolLM2-135M-Instruct (the GGUF plinth runs by default), dequantized to ``--dtype`` by both.
+Model: SmolLM2-135M-Instruct (the GGUF plinth runs by default), dequantized to ``--dtype`` by both
+(default: the dtype plinth picks on this machine, bfloat16 on CPUs with native bf16).
 
 Systems, each timed from the first request to the last token (loading not timed, a short warm-up first):
   - plinth: ``LLMEngine`` (what ``LLM.generate`` drives), every request submitted at once;
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=512, help="longest prompt (inclusive)")
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype of both (auto: what plinth picks on this machine)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="prompts per padded transformers batch")
     p.add_argument("--only", default="plinth,generate,generate_batch",
                    help="comma-separated systems: plinth, generate, generate_batch")
@@ -98,24 +100,26 @@ def hf_padded_generate(model: Any, prompts: list[list[int]], new_tokens: int, ba
 
     generate([p[:16] for p in prompts[:2]], 4)   # warm-up
     ordered = sorted(prompts, key=len)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     out_tokens = sum(generate(ordered[i:i + batch_size], new_tokens) for i in range(0, len(ordered), batch_size))
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     prompt_tokens = sum(len(p) for p in prompts)
     padded = sum(len(ordered[min(i + batch_size, len(ordered)) - 1]) * len(ordered[i:i + batch_size])
                  for i in range(0, len(ordered), batch_size))
     return {"elapsed_s": elapsed, "prompt_tokens": prompt_tokens, "padded_prompt_tokens": padded,
             "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
-            "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed, "batch_size": batch_size}
+            "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed, "batch_size": batch_size,
+            "process_cpu_s": cpu_s}
 
 
 def with_host_stats(fn: Any) -> Any:
-    """Record the 1-minute load average and this process's CPU time around a run (both include the
-    warm-up): other processes may share the cores, and the load average says how much they did."""
+    """Record the 1-minute load average around a run and the output tokens per CPU-second of the
+    timed part: other processes may share the cores, and the load average says how much they did."""
     def wrapped() -> dict[str, Any]:
-        before, cpu0 = os.getloadavg()[0], time.process_time()
+        before = os.getloadavg()[0]
         rec = fn()
-        rec.update(loadavg_before=before, loadavg_after=os.getloadavg()[0], process_cpu_s=time.process_time() - cpu0)
+        rec.update(loadavg_before=before, loadavg_after=os.getloadavg()[0],
+                   output_tokens_per_cpu_s=rec["output_tokens"] / rec["process_cpu_s"])
         return rec
     return wrapped
 
@@ -125,11 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     import plinth
+    from plinth.config import ModelConfig
     from plinth.model_registry.default_model import default_model_path
     from plinth.model_registry.gguf_loader import read_gguf_config
+    from plinth.model_registry.loader import resolve_dtype
+    from plinth.platforms.selection import select_platform
 
     gguf = Path(default_model_path())
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = resolve_dtype(ModelConfig(model=str(gguf), dtype=args.dtype), read_gguf_config(str(gguf))[0],
+                          select_platform(None).supported_dtypes())
+    args.dtype = str(dtype).removeprefix("torch.")
     meta = {"model": gguf.name, "dtype": args.dtype, "torch": torch.__version__,
             "transformers": transformers.__version__, "plinth": plinth.__version__,
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "argv": sys.argv[1:],
@@ -162,15 +171,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(systems: dict[str, Any]) -> None:
     plinth = systems.get("plinth", {})
-    print("\nsystem                         elapsed s   output tok/s   total tok/s   plinth/this (output tok/s)")
+    print("\nsystem                       elapsed s  output tok/s  total tok/s  plinth/this  "
+          "output tok/CPU-s  plinth/this  load avg")
     for name, r in systems.items():
         if "error" in r:
-            print(f"{name:<30} error: {r['error'][:80]}")
+            print(f"{name:<28} error: {r['error'][:80]}")
             continue
-        ratio = f"{plinth['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x" \
-            if plinth and "error" not in plinth else ""
-        print(f"{name:<30} {r['elapsed_s']:>9.1f}   {r['output_tokens_per_s']:>12.1f}   "
-              f"{r['total_tokens_per_s']:>11.1f}   {ratio}")
+        ok = plinth and "error" not in plinth
+        ratio = f"{plinth['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x" if ok else ""
+        cpu_ratio = f"{plinth['output_tokens_per_cpu_s'] / r['output_tokens_per_cpu_s']:.2f}x" if ok else ""
+        print(f"{name:<28} {r['elapsed_s']:>9.1f}  {r['output_tokens_per_s']:>12.1f}  {r['total_tokens_per_s']:>11.1f}  "
+              f"{ratio:>11}  {r['output_tokens_per_cpu_s']:>16.1f}  {cpu_ratio:>11}  "
+              f"{r['loadavg_before']:.1f}-{r['loadavg_after']:.1f}")
     print(json.dumps({k: round(v["output_tokens_per_s"], 1) for k, v in systems.items() if "error" not in v}),
           flush=True)
 

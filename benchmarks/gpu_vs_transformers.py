@@ -180,13 +180,13 @@ def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> 
     def call(inputs: list[list[int]], n: int) -> tuple[float, dict[str, Any]]:
         config = GenerationConfig(max_new_tokens=n, eos_token_id=-1, pad_token_id=0, do_sample=False)
         sync(model.device)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         res = model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False)
         sync(model.device)
-        return time.perf_counter() - t0, res
+        return time.perf_counter() - t0, time.process_time() - cpu0, res
 
-    warm_s, _ = call([p[:32] for p in prompts[:4]], 8)
-    elapsed, res = call(prompts, new_tokens)
+    warm_s, _, _ = call([p[:32] for p in prompts[:4]], 8)
+    elapsed, cpu_s, res = call(prompts, new_tokens)
     produced = [len(r.generated_tokens) for r in res.values()]
     errors = [r.error for r in res.values() if r.error]
     out_tokens = sum(produced)
@@ -196,7 +196,7 @@ def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> 
         "num_wrong_length": sum(n != new_tokens for n in produced) + len(prompts) - len(res),
         "errors": errors[:5], "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "requests_per_s": len(res) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
-        "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed,
+        "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed, "process_cpu_s": cpu_s,
     }
 
 
@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                         lambda: hf_generate_batch(model, prompts_b, args.output_len))
             del model
             free_memory()
+            if device.type == "cuda":
+                print(f"transformers freed: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB still allocated",
+                      flush=True)
         llm_box: dict[str, Any] = {}
 
         def load_plinth() -> dict[str, Any]:

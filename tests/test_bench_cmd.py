@@ -44,7 +44,7 @@ def test_throughput_counts_every_token(capsys, tmp_path):
     assert r["num_prompts"] == 6
     assert r["prompt_tokens"] == sum(len(p) for p in expected)
     assert r["output_tokens"] == 6 * 5
-    assert r["elapsed_s"] > 0
+    assert r["elapsed_s"] > 0 and r["process_cpu_s"] > 0
     assert r["requests_per_s"] == pytest.approx(6 / r["elapsed_s"])
     assert r["output_tokens_per_s"] == pytest.approx(30 / r["elapsed_s"])
     assert r["total_tokens_per_s"] == pytest.approx((30 + r["prompt_tokens"]) / r["elapsed_s"])

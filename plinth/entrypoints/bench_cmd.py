@@ -80,13 +80,14 @@ class RunTiming:
     first_token_s: float       # until every request has its first token
     output_tokens: int
     prompt_tokens: int
+    process_cpu_s: float       # CPU time of this process (all threads) over the run
 
 
 def timed_run(engine: Any, prompts: list[list[int]], output_len: int, tag: str) -> RunTiming:
     """Submit ``prompts`` at once and step the engine until all finish; every step syncs the device."""
     params = exact_length_params(output_len)
     floors.synchronize(engine.device)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
@@ -102,13 +103,14 @@ def timed_run(engine: Any, prompts: list[list[int]], output_len: int, tag: str) 
         if first_token_s is None and len(started) == len(ids):
             first_token_s = time.perf_counter() - t0
     elapsed = time.perf_counter() - t0
+    cpu_s = time.process_time() - cpu0
     produced = [len(finished[r].outputs[0].token_ids) for r in ids]
     if any(n != output_len for n in produced) or any(finished[r].error for r in ids):
         errors = {finished[r].error for r in ids if finished[r].error}
         raise RuntimeError(f"requests did not generate exactly {output_len} tokens "
                            f"(got {min(produced)}..{max(produced)}){'; errors: ' + str(errors) if errors else ''}")
     return RunTiming(elapsed, first_token_s if first_token_s is not None else elapsed,
-                     sum(produced), sum(len(p) for p in prompts))
+                     sum(produced), sum(len(p) for p in prompts), cpu_s)
 
 
 # ----------------------------------------------------------------------------------------- benchmarks
@@ -149,7 +151,7 @@ def bench_throughput(engine: Any, prompts: list[list[int]], output_len: int, num
         "mode": "throughput", "num_prompts": len(prompts), "output_len": output_len,
         "prompt_tokens": timing.prompt_tokens, "output_tokens": timing.output_tokens, "elapsed_s": elapsed,
         "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": timing.output_tokens / elapsed,
-        "total_tokens_per_s": total / elapsed,
+        "total_tokens_per_s": total / elapsed, "process_cpu_s": timing.process_cpu_s,
     }
     result.update(_compute_floor(engine, total, elapsed))
     return result
