@@ -1,0 +1,117 @@
+"""Quantized GEMM kernels on a GPU at Llama-3-8B's shapes, in bfloat16, against the dequantize reference.
+
+Shapes (one rank, no tensor parallelism): fused QKV ``N=6144, K=4096``, output ``4096 x 4096``, fused
+gate/up ``28672 x 4096``, down ``4096 x 14336``; row counts of a decode step (1, 16) and of prefill
+chunks (128, 1024). Skipped without CUDA; the FP8 tests also without FP8 tensor cores (capability 8.9).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from plinth.quantization.kernels.dequant import DequantFP8Kernel, DequantIntKernel  # noqa: E402
+from plinth.quantization.kernels.fp8_scaled_mm import ScaledMMFP8Kernel  # noqa: E402
+from plinth.quantization.kernels.int4pack import TorchInt4PackKernel  # noqa: E402
+from plinth.quantization.kernels.interface import GemmProblem  # noqa: E402
+from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel  # noqa: E402
+from plinth.quantization.quantizers import (  # noqa: E402
+    quantize_fp8_per_channel,
+    quantize_fp8_tokens,
+    quantize_int_rtn,
+)
+from plinth.quantization.selection import holder  # noqa: E402
+
+CUDA = torch.device("cuda")
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 16, 128, 1024)
+CAPABILITY = torch.cuda.get_device_capability()
+needs_fp8 = pytest.mark.skipif(CAPABILITY < (8, 9), reason=f"FP8 tensor cores need 8.9, this GPU has {CAPABILITY}")
+
+
+def _relative(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def int4_layers():
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    out = {}
+    for name, (n, k) in LLAMA3_8B.items():
+        w = torch.randn(n, k, generator=gen, device=CUDA) * 0.02
+        out[name] = quantize_int_rtn(w, 4, 128)
+    return out
+
+
+@pytest.mark.parametrize("kernel_cls", [TritonW4A16Kernel, TorchInt4PackKernel], ids=lambda c: c.name)
+@pytest.mark.parametrize("layer", list(LLAMA3_8B))
+def test_w4a16_kernels_match_dequant_reference(int4_layers, kernel_cls, layer):
+    if kernel_cls is TritonW4A16Kernel and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    weights = int4_layers[layer]
+    n, k = weights.shape
+    problem = GemmProblem("int", torch.bfloat16, "cuda", CAPABILITY, bits=4, group_size=128, shapes=((n, k),))
+    support = kernel_cls.supports(problem)
+    assert support, support.reason
+    kernel = kernel_cls(problem)
+    module = holder(kernel.prepare(weights))
+    dense = weights.dequantize(torch.bfloat16).float()                          # [N, K]
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
+        out = kernel.apply(module, x, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        ref = x.float() @ dense.t()
+        assert _relative(out, ref) < 2e-2, (layer, m)
+    reference = DequantIntKernel(problem)
+    ref_out = reference.apply(holder(reference.prepare(weights)), x, None)
+    assert _relative(out, ref_out.float()) < 2e-2  # agrees with the candidate selection checks against
+
+
+@needs_fp8
+@pytest.mark.parametrize("layer", list(LLAMA3_8B))
+def test_fp8_scaled_mm_matches_references(layer):
+    n, k = LLAMA3_8B[layer]
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    weights = quantize_fp8_per_channel(torch.randn(n, k, generator=gen, device=CUDA) * 0.02)
+    problem = GemmProblem("fp8", torch.bfloat16, "cuda", CAPABILITY, activation="fp8_token", shapes=((n, k),))
+    assert ScaledMMFP8Kernel.supports(problem)
+    kernel = ScaledMMFP8Kernel(problem)
+    module = holder(kernel.prepare(weights))
+    dense = weights.dequantize(torch.float32)                                   # [N, K]
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
+        out = kernel.apply(module, x, None)
+        # the same product with the activations rounded to FP8 per token, in float32: only the
+        # accumulation order and the bfloat16 output differ
+        xq, scale = quantize_fp8_tokens(x)
+        emulated = (xq.float() * scale) @ dense.t()
+        assert _relative(out, emulated) < 1e-2, (layer, m)
+        # against the weight-only reference the activation rounding shows: a few percent at most
+        assert _relative(out, x.float() @ dense.t()) < 8e-2, (layer, m)
+    reference = DequantFP8Kernel(problem)
+    assert _relative(out, reference.apply(holder(reference.prepare(weights)), x, None).float()) < 8e-2
+
+
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_quantized_engine_with_cuda_graphs(quantization):
+    """Decode replayed from CUDA graphs gives the eager run's greedy tokens."""
+    from plinth import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    runs = []
+    for eager in (True, False):
+        llm = LLM("tiny-llama", load_format="dummy", quantization=quantization, dtype="bfloat16",
+                  enforce_eager=eager, max_num_seqs=8, gpu_memory_utilization=0.3)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        method = llm.engine.runner.model.ctx.quant_method
+        assert method.kernel_selection is not None
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[0] == runs[1]
