@@ -91,3 +91,55 @@ def test_workers_exit_when_their_driver_dies(tmp_path):
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2
     assert _wait_gone(pids, 10.0) == []
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """Processes whose parent is ``pid`` and whose command line contains ``marker``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and marker in cmdline:
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+@pytest.mark.server
+def test_serve_with_tensor_parallel_workers_and_a_dead_worker(tmp_path):
+    """``plinth serve --tensor-parallel-size 2`` answers like one process; a killed worker turns
+    requests into 503s and /health unhealthy; SIGTERM then stops the server and leaves no worker."""
+    import httpx
+    from server_utils import make_tiny_model, running_server
+
+    path = make_tiny_model(tmp_path / "model", max_position_embeddings=256)
+    prompt = "The quick brown fox"
+    expected = LLM(str(path), dtype="float32", block_size=4).generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    args = [str(path), "--dtype", "float32", "--block-size", "4", "--tensor-parallel-size", "2",
+            "--distributed-executor", "mp"]
+    with running_server(args) as server:
+        body = {"model": server_model(server), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60.0)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+        workers = _children(server.proc.pid, "spawn_main")
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60.0)
+        assert r.status_code == 503 and "killed by SIGKILL" in r.text, r.text
+        assert httpx.get(f"{server.base_url}/health", timeout=10.0).status_code == 503
+        server.terminate()
+        assert server.wait(30.0) == 0
+    assert _wait_gone(workers, 10.0) == []
+
+
+def server_model(server) -> str:
+    import httpx
+
+    return httpx.get(f"{server.base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]

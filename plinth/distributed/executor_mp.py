@@ -109,6 +109,11 @@ class WorkerProcesses:
                         except (EOFError, OSError) as exc:
                             raise self._died(rank, "its pipe closed", describe) from exc
                         if status == "error":
+                            # a collective that failed because a peer died: report the death, the cause
+                            dead = mpc.wait(list(sentinels), timeout=1.0)
+                            if dead:
+                                raise self._died(sentinels[dead[0]], f"worker {rank} then failed ({type(value).__name__})",
+                                                 describe) from value
                             raise value
                         results[rank] = value
                 for obj in ready:   # then deaths: a dead rank leaves the others stuck in collectives
