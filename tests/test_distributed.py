@@ -153,3 +153,29 @@ def test_more_ranks_than_devices_fails_clearly(tmp_path, monkeypatch):
                                       distributed_executor="mp")
     with pytest.raises(ConfigError, match="needs 4 fake-gpu devices; this machine has 2"):
         MultiprocExecutor(config)
+
+
+def test_load_error_on_some_ranks_is_typed_and_keeps_processes_usable(llama_case, processes, tmp_path):
+    """A tensor missing from the checkpoint fails only the stage that needs it: the engine raises the
+    loader's own error, and the worker processes stay in step for the next engine."""
+    from safetensors.torch import load_file, save_file
+
+    from plinth.errors import ModelLoadError
+
+    _, good, reference = llama_case
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in good.iterdir():
+        if f.suffix != ".safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(good / "model.safetensors"))
+    del tensors["model.layers.2.mlp.down_proj.weight"]   # layer 2 lives on the second stage
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.mlp\.down_proj\.weight"):
+        _engine(bad, processes, 2, 2)
+    assert not processes.broken
+    engine = _engine(good, processes, 2, 1)
+    try:
+        assert run_greedy(engine)["r1"][0] == reference["r1"][0]
+    finally:
+        engine.shutdown()

@@ -37,7 +37,17 @@ from plinth.distributed.executor import STEP_TIMEOUT_ENV, DistributedExecutor, W
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_WAIT_S = 5.0
+DRAIN_WAIT_S = 5.0   # after one rank fails a call, how long the others may take to answer it too
 _HOST = "127.0.0.1"
+
+
+class _CallFailed(Exception):
+    """A worker raised; ``in_sync``: every other worker's answer to the same call was read."""
+
+    def __init__(self, error: BaseException, in_sync: bool):
+        super().__init__(str(error))
+        self.error = error
+        self.in_sync = in_sync
 
 
 class WorkerProcesses:
@@ -112,17 +122,37 @@ class WorkerProcesses:
                             # a collective that failed because a peer died: report the death, the cause
                             dead = mpc.wait(list(sentinels), timeout=1.0)
                             if dead:
-                                raise self._died(sentinels[dead[0]], f"worker {rank} then failed ({type(value).__name__})",
-                                                 describe) from value
-                            raise value
+                                raise self._died(sentinels[dead[0]], f"worker {rank} then failed "
+                                                 f"({type(value).__name__})", describe) from value
+                            in_sync = self._drain(pending, DRAIN_WAIT_S)
+                            raise _CallFailed(value, in_sync)
                         results[rank] = value
                 for obj in ready:   # then deaths: a dead rank leaves the others stuck in collectives
                     if obj in sentinels:
                         raise self._died(sentinels[obj], "", describe)
+        except _CallFailed as failed:
+            # every other rank answered too: the pipes are in step and the processes can serve on
+            self.broken = self.broken or not failed.in_sync
+            raise failed.error from None
         except BaseException:
             self.broken = True
             raise
         return [results[r] for r in ranks]
+
+    def _drain(self, pending: dict[Any, int], wait_s: float) -> bool:
+        """Read (and drop) the answers still due after one rank failed; whether all came in time."""
+        deadline = time.monotonic() + wait_s
+        while pending:
+            ready = mpc.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            for obj in ready:
+                pending.pop(obj)
+                try:
+                    obj.recv_bytes()
+                except (EOFError, OSError):
+                    return False
+        return True
 
     def _died(self, rank: int, detail: str, describe: Any) -> WorkerDiedError:
         proc = self.procs[rank]
