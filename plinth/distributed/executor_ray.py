@@ -3,7 +3,7 @@
 The actors are placed with a placement group, one bundle per rank (a GPU each on CUDA, a CPU
 each on CPUs), ``PACK``ed so the ranks of a small engine share a node. The executor joins the
 Ray cluster at ``$RAY_ADDRESS`` (``ray.init(address="auto")``), or uses the one this process
-already joined, or starts a local one (stopped again on shutdown). Each step's batch is put in
+already joined, or starts a local one on the loopback interface (stopped again on shutdown). Each step's batch is put in
 the object store once and handed to every actor; the ranks meet through a ``TCPStore`` hosted
 by the driver on its node address.
 
@@ -76,8 +76,8 @@ class RayExecutor(DistributedExecutor):
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
-            else:
-                ray.init(include_dashboard=False)
+            else:   # a cluster of this machine only: keep it on the loopback interface
+                ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
                 self._owns_ray = True
         try:
             platform = select_platform(config.device.platform)
