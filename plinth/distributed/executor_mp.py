@@ -3,7 +3,7 @@
 The driver (the engine's process) spawns the workers with torch.multiprocessing's ``spawn``
 start method and talks to each over a pipe: every step it pickles the batch once
 (:class:`~plinth.distributed.messages.StepBatch`, a few numpy arrays) and writes the same
-bytes to every pipe; each worker answers once per call, the output rank with the logits.
+bytes to every pipe; each worker answers once per call, the output rank with the sampled tokens.
 The ranks meet through a ``TCPStore`` the driver hosts on the loopback interface.
 
 Failure handling: the driver waits on the pipes and on the process sentinels together, with
@@ -59,7 +59,7 @@ class WorkerProcesses:
 
     Args:
         size: the number of processes.
-        timeout_s: the bound on each worker's collectives and store connection.
+        timeout_s: the bound on each worker's connection to the ranks' rendezvous store.
     """
 
     def __init__(self, size: int, timeout_s: float = 600.0):
