@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from plinth.core.request import Logprob, PositionLogprobs, Request
+from plinth.core.request import Logprob, PositionLogprobs, Request, SamplingParams
 
 SAMPLING_EPS = 1e-5   # temperatures below this are greedy
 _M32 = 0xFFFFFFFF
@@ -68,7 +69,10 @@ class SamplingBatch:
         """Gather the parameters of ``requests`` (one row each, in order) for one step."""
         device = torch.device(device)
         V = vocab_size
-        params = [r.sampling_params for r in requests]
+        params = list(map(_PARAMS, requests))
+        distinct = {id(p): p for p in params}.values()   # requests usually share a few params objects
+        if all(map(_plain_greedy, distinct)):
+            return cls.plain_greedy(len(params), device)
         temp = np.array([p.temperature for p in params], dtype=np.float32)
         greedy = temp < SAMPLING_EPS
         temp[greedy] = 1.0
@@ -129,6 +133,47 @@ class SamplingBatch:
         )
 
 
+    @classmethod
+    def plain_greedy(cls, batch_size: int, device: torch.device) -> SamplingBatch:
+        """Every row greedy, without penalties, min_tokens or logprobs: the argmax of the raw logits."""
+        ones = torch.ones(batch_size, dtype=torch.float32, device=device)
+        return cls(
+            temperature=ones, greedy=ones.bool(), all_greedy=True, any_greedy=batch_size > 0, top_k=None,
+            max_top_k=0, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
+            presence_penalty=None, output_counts=None, prompt_mask=None, min_tokens_index=None, seeded_rows=None,
+            seed_keys=None, num_logprobs=[None] * batch_size, max_num_logprobs=None,
+        )
+
+
+_PARAMS = operator.attrgetter("sampling_params")
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+
+def fast_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``[B, V]`` (first index of the maximum), through a blocked maximum on the CPU,
+    where ``argmax`` along a row is not vectorised and ``amax`` is (about 8x faster at V = 49k)."""
+    rows, vocab = x.shape
+    chunk = 1024
+    blocks = vocab // chunk
+    if x.device.type != "cpu" or blocks < 4 or rows == 0:
+        return x.argmax(dim=-1)
+    head = x[:, : blocks * chunk].reshape(rows, blocks, chunk)              # [B, nb, c]
+    best_block = head.amax(dim=-1).argmax(dim=-1)                           # [B]
+    within = head[torch.arange(rows, device=x.device), best_block].argmax(dim=-1)  # [B]
+    index = best_block * chunk + within
+    if blocks * chunk < vocab:                                              # the tail: later ids win only if larger
+        tail = x[:, blocks * chunk:]
+        tail_idx = tail.argmax(dim=-1)
+        best = x.gather(1, index[:, None])[:, 0]
+        tail_best = tail.gather(1, tail_idx[:, None])[:, 0]
+        index = torch.where(tail_best > best, tail_idx + blocks * chunk, index)
+    return index
+
+
 @dataclasses.dataclass
 class LogprobsTensors:
     """Logprobs of one token per row: column 0 is the chosen token, columns 1.. the top-N."""
@@ -172,16 +217,19 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype)."""
         raw = logits
-        greedy_logits, random_logits = self.process_logits(logits, batch)
+        if batch.all_greedy and batch.min_tokens_index is None and batch.output_counts is None:
+            greedy_logits, random_logits = logits, None   # nothing changes the logits: no copy
+        else:
+            greedy_logits, random_logits = self.process_logits(logits, batch)
         if batch.all_greedy:
-            tokens = greedy_logits.argmax(dim=-1)
+            tokens = fast_argmax(greedy_logits)
         else:
             assert random_logits is not None
             probs = random_logits.softmax(dim=-1)                 # [B, V]
             noise = self._exponential(probs, batch)                # [B, V]
             tokens = (probs / noise).argmax(dim=-1)
             if batch.any_greedy:
-                tokens = torch.where(batch.greedy, greedy_logits.argmax(dim=-1), tokens)
+                tokens = torch.where(batch.greedy, fast_argmax(greedy_logits), tokens)
         lp = None
         if batch.max_num_logprobs is not None:
             lp = gather_logprobs(torch.log_softmax(raw.float(), dim=-1), tokens, batch.max_num_logprobs)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+from plinth.worker.batching import block_table_array
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +96,7 @@ class ModelRunner:
         input_ids = np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=num_tokens)
         seq_lens = starts + q_lens
         max_blocks = int(-(-seq_lens.max() // bs)) if num_seqs else 1
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, e in enumerate(entries):
-            n = min(len(e.block_ids), max_blocks)
-            block_tables[i, :n] = e.block_ids[:n]
+        block_tables = block_table_array([e.block_ids for e in entries], max_blocks, dtype=np.int32)
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)                  # [T]
         positions = np.arange(num_tokens, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
         slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
@@ -141,6 +139,13 @@ class ModelRunner:
         self.graphs = graphs
         return elapsed
 
+    def compile_cpu_decode(self, max_num_seqs: int, sizes: Sequence[int] | None = None) -> None:
+        """Run decode batches of up to ``max_num_seqs`` through compiled forward passes (CPU; compiled lazily)."""
+        from plinth.worker.cpu_graphs import CompiledDecodeRunner, compile_batch_sizes
+
+        self.graphs = CompiledDecodeRunner(self.model, self.backend, max_num_seqs, self.block_size,
+                                           self.max_blocks_per_seq, sizes or compile_batch_sizes(max_num_seqs))
+
     @torch.inference_mode()
     def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Run one step.
@@ -154,7 +159,8 @@ class ModelRunner:
             tokens = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=len(entries))
             starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=len(entries))
             logits = self.graphs.run(tokens, starts, [e.block_ids for e in entries])
-            return logits, list(range(len(entries))), None
+            if logits is not None:   # None: this batch runs eagerly (a runner that could not compile)
+                return logits, list(range(len(entries))), None
         inputs = self.prepare(entries)
         self.backend.prepare(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)

@@ -129,6 +129,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         from plinth.distributed.driver import build_distributed_parts
 
         return build_distributed_parts(config, platform, executor_name, executor_factory)
+    platform.set_device(0)   # the CPU platform sizes its thread pool here
     device = platform.device(0)
     source = resolve_model_source(config.model)
     hf = source.hf_config
@@ -159,8 +160,13 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, dtype)
+    prepare_runner = getattr(platform, "prepare_runner", None)   # a platform's own fast path (CPU)
+    if prepare_runner is not None:
+        prepare_runner(runner, source, config)
     if config.device.enforce_eager:
         logger.info("graph capture off (enforce_eager)")
+    elif runner.graphs is not None:
+        pass   # the platform set up its own decode steps
     elif not platform.supports_graph_capture or device.type != "cuda":
         logger.info("graph capture not supported on %s: decode runs eagerly", platform.name)
     elif not getattr(backend, "graph_safe", False):

@@ -7,6 +7,8 @@ across ranks; the LM head gathers every rank's logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,9 +56,11 @@ class LMHead(VocabEmbedding):
         super().__init__(num_embeddings, embedding_dim, tp_rank=tp_rank, tp_size=tp_size)
         if tie_to is not None:
             self.weight = tie_to.weight
+        #: a device-specific GEMM installed after loading (e.g. plinth.worker.cpu_linear); None: F.linear
+        self.gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight) if self.gemm is None else self.gemm(hidden)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)   # [N, tp_size * rows_per_rank]
         return logits[..., : self.num_embeddings]

@@ -15,6 +15,49 @@ _PROC_MEMINFO = Path("/proc/meminfo")
 # cgroup v2, then v1: a container's memory limit, which can be far below the host's RAM
 _CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 _CGROUP_USAGE = (Path("/sys/fs/cgroup/memory.current"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")                       # v2: "quota period" or "max period"
+_CGROUP_CPU_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+THREADS_ENV = "PLINTH_CPU_THREADS"
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The container's CPU quota in cores (``None``: unlimited or unknown)."""
+    try:
+        quota, period = _CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max" and int(period) > 0:
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us, period_us = (int(p.read_text().strip()) for p in _CGROUP_CPU_V1)
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def cpu_thread_count() -> int:
+    """Threads for torch's CPU kernels: ``$PLINTH_CPU_THREADS``, else the CPUs this process may run on,
+    capped by the cgroup CPU quota (one thread per core: more only contend).
+
+    Raises:
+        ConfigError: ``PLINTH_CPU_THREADS`` is not a positive integer.
+    """
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        from plinth.config import ConfigError
+
+        if not raw.isdigit() or int(raw) < 1:
+            raise ConfigError(f"{THREADS_ENV}={raw!r}: expected a positive integer")
+        return int(raw)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, int(quota + 0.5)))
+    return max(1, cpus)
 
 
 def has_fast_bf16() -> bool:
@@ -114,6 +157,21 @@ class CpuPlatform(Platform):
             return available
         used = _read_int(_CGROUP_USAGE) or 0
         return max(0, min(available, limit - used))
+
+    def set_device(self, index: int = 0) -> None:
+        """Size torch's thread pool for this process (:func:`cpu_thread_count`), unless ``OMP_NUM_THREADS``
+        was set and ``PLINTH_CPU_THREADS`` was not."""
+        if os.environ.get("OMP_NUM_THREADS") and not os.environ.get(THREADS_ENV):
+            return
+        threads = cpu_thread_count()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+    def prepare_runner(self, runner: object, source: object, config: object) -> None:
+        """Set up the CPU fast path on a built runner (prepacked/int4 GEMMs, compiled decode steps)."""
+        from plinth.worker.cpu_path import accelerate_cpu_runner
+
+        accelerate_cpu_runner(runner, source, config)
 
     def device_name(self, index: int = 0) -> str:
         for line in _cpuinfo_lines():

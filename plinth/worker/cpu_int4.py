@@ -1,0 +1,154 @@
+"""4-bit copies of a GGUF model's ``Q4_0``/``Q4_1`` projections, for the CPU's small-batch GEMM.
+
+A ``Q4_1`` block holds 32 weights as ``w = d * q + m`` (``d``, ``m`` float16, ``q`` in 0..15; the low
+nibbles of its 16 bytes are weights 0..15, the high nibbles 16..31); ``Q4_0`` is ``w = d * (q - 8)``.
+torch's CPU int4 GEMM computes ``w = (q - 8) * scale + zero`` per group of 32, so a block maps onto
+it exactly with ``scale = d`` and ``zero = m + 8 d`` (``Q4_0``: ``zero = 0``); only the rounding of
+scale and zero to the activation dtype differs from the file.
+
+Fused layers (``qkv_proj``, ``gate_up_proj``) get their checkpoint projections stacked in the
+layer's shard order; a layer gets a copy only when every one of its projections is 4-bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def decode_q4_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``raw`` ``uint8 [N, K / 32 * block_bytes]`` -> ``(q [N, K] int32, scale [N, K/32], zero [N, K/32])``."""
+    size = _BLOCK_BYTES[type_name]
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, size)                 # [N, K/32, bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)   # [N, K/32]
+    if type_name == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+        zero = m + 8.0 * d
+    else:
+        qs = blocks[..., 2:]
+        zero = np.zeros_like(d)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                        # [N, K/32, 32]
+    return (torch.from_numpy(q.reshape(n, -1).astype(np.int32)), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def _module_shards(model: torch.nn.Module) -> dict[str, list[Any]]:
+    """Fused module name -> its shard ids in layout order (``["q", "k", "v"]``, ``[0, 1]``, ``[None]``)."""
+    from plinth.model_registry.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+
+    out: dict[str, list[Any]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or module.tp_size != 1 or module.bias is not None:
+            continue
+        if isinstance(module, QKVParallelLinear):
+            out[name] = ["q", "k", "v"]
+        elif isinstance(module, MergedColumnParallelLinear):
+            out[name] = list(range(len(module.output_sizes)))
+        else:
+            out[name] = [None]
+    return out
+
+
+def _cache_file(path: str, dtype: torch.dtype) -> Path | None:
+    """Where the repacked copies of ``path`` are kept (keyed by the file's identity and torch's version)."""
+    from plinth.config import cache_dir
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, torch.__version__, str(dtype), 1])
+    return Path(cache_dir()) / "cpu_int4" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+
+
+def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(file))
+    except (OSError, SafetensorError) as exc:
+        logger.warning("ignoring the unreadable int4 cache %s: %s", file, exc)
+        return None
+    out = {}
+    for name in {k.rsplit(".", 1)[0] for k in tensors}:
+        if name not in names or f"{name}.packed" not in tensors or f"{name}.scale_zeros" not in tensors:
+            return None
+        sz = tensors[f"{name}.scale_zeros"]
+        out[name] = Int4Weight(tensors[f"{name}.packed"], sz, sz.shape[1])
+    return out
+
+
+def _store_cached(file: Path, weights: dict[str, Int4Weight]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, w in weights.items():
+        tensors[f"{name}.packed"] = w.packed.contiguous()
+        tensors[f"{name}.scale_zeros"] = w.scale_zeros.contiguous()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, file)
+    except OSError as exc:
+        logger.warning("could not write the int4 cache %s: %s", file, exc)
+
+
+def int4_weights_from_gguf(path: str, model: Any, dtype: torch.dtype, use_cache: bool = True) -> dict[str, Int4Weight]:
+    """4-bit copies of every linear layer of ``model`` whose GGUF tensors are all ``Q4_0``/``Q4_1``.
+
+    The repacked copies are kept in ``$PLINTH_CACHE_DIR/cpu_int4`` (safetensors), keyed by the file's
+    path, size and modification time and torch's version; a later start reads them from there.
+    """
+    file = _cache_file(path, dtype) if use_cache else None
+    shards = _module_shards(model)
+    if file is not None and file.exists():
+        cached = _load_cached(file, set(shards))
+        if cached is not None:
+            logger.info("int4 copies of %d of %d linear layers from the cache %s", len(cached), len(shards), file)
+            return cached
+    out = _int4_from_file(path, model, dtype, shards)
+    if file is not None and out:
+        _store_cached(file, out)
+    return out
+
+
+def _int4_from_file(path: str, model: Any, dtype: torch.dtype, shards: dict[str, list[Any]]) -> dict[str, Int4Weight]:
+    from plinth.model_registry.gguf_loader import iter_gguf_raw
+
+    pieces: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    for hf_name, data, ggml_type, hf_shape in iter_gguf_raw(path):
+        target = model.map_weight_name(hf_name)
+        if target is None or not target[0].endswith(".weight"):
+            continue
+        module_name = target[0].removesuffix(".weight")
+        if module_name not in shards:
+            continue
+        if ggml_type.name not in _BLOCK_BYTES or hf_shape[-1] % INT4_GROUP:
+            pieces.setdefault(module_name, {})["unusable"] = None  # type: ignore[assignment]
+            continue
+        pieces.setdefault(module_name, {})[target[1]] = decode_q4_blocks(np.asarray(data), ggml_type.name)
+    out: dict[str, Int4Weight] = {}
+    for module_name, parts in pieces.items():
+        order = shards[module_name]
+        if "unusable" in parts or any(s not in parts for s in order):
+            continue
+        q, scale, zero = (torch.cat([parts[s][i] for s in order]) for i in range(3))
+        out[module_name] = Int4Weight.from_blocks(q, scale, zero, dtype)
+    logger.info("int4 copies of %d of %d linear layers from %s", len(out), len(shards), path)
+    return out

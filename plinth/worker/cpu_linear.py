@@ -1,0 +1,165 @@
+"""CPU GEMMs for the linear layers and the LM head: oneDNN-prepacked bfloat16, and int4 for small batches.
+
+Two kernels, chosen per call by the number of rows ``M`` of the input:
+
+- ``packed``: the bfloat16 weight reordered once into oneDNN's blocked layout
+  (``mkldnn._reorder_linear_weight``) and multiplied with ``mkldnn._linear_pointwise``. Same
+  arithmetic as ``F.linear`` (bit-identical outputs), without the per-call reorder.
+- ``int4``: for ``M <= int4_max_rows`` (decode of one or a few sequences, where the step reads every
+  weight once and memory traffic is the cost), a 4-bit copy of the weight in groups of 32 along the
+  input features with a scale and offset per group, multiplied with ``_weight_int4pack_mm_for_cpu``.
+  Built from a GGUF file's own ``Q4_0``/``Q4_1`` blocks (:mod:`plinth.worker.cpu_int4`), so it holds
+  the file's values (scales and offsets rounded to bfloat16); a quarter of the bytes of bfloat16.
+
+A layer gets a :class:`CpuLinearMethod` in place of its unquantized linear method; layers of a
+quantization method are left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from plinth.model_registry.layers.linear import LinearBase, UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+INT4_GROUP = 32
+
+
+@dataclasses.dataclass
+class Int4Weight:
+    """A weight ``[N, K]`` as 4-bit values in groups of 32: ``w = (q - 8) * scale + zero``."""
+
+    packed: torch.Tensor            # torch's CPU int4 layout of q [N, K] (values 0..15)
+    scale_zeros: torch.Tensor       # [K / 32, N, 2] in the activation dtype: (scale, zero)
+    out_features: int
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype) -> Int4Weight:
+        """``q`` ``[N, K]`` int32 in 0..15, ``scale``/``zero`` ``[N, K / 32]`` float32."""
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()   # [K/32, N, 2]
+        return cls(packed, sz, q.shape[0])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:   # [M, K] -> [M, N]
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
+
+
+#: methods by handle, for the custom op a compiled graph calls (the weights are not graph inputs)
+_METHODS: weakref.WeakValueDictionary[int, CpuLinearMethod] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("plinth::cpu_linear", mutates_args=())
+def cpu_linear_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """``x`` ``[M, K]`` times the weight of method ``handle`` -> ``[M, out_features]`` (opaque to the compiler)."""
+    return _METHODS[handle].matmul(x)
+
+
+@cpu_linear_op.register_fake
+def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+def packed_linear_supported(dtype: torch.dtype) -> bool:
+    """oneDNN prepacking is available for ``dtype`` in this torch build (bfloat16 only: float32 GEMMs go to
+    MKL, which needs no packing)."""
+    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class CpuLinearMethod:
+    """The GEMM of one layer on the CPU (see the module docstring).
+
+    Args:
+        weight: the layer's ``[N, K]`` weight (kept as it is; the packed copy is extra).
+        int4: a 4-bit copy for small batches, or ``None``.
+        int4_max_rows: inputs with at most this many rows use ``int4``.
+        pack_rows: the row count oneDNN packs the weight for (a hint; any ``M`` works).
+    """
+
+    def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int4_max_rows: int = 0,
+                 pack_rows: int = 32):
+        self.out_features = weight.shape[0]
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
+            if packed_linear_supported(weight.dtype) else None
+        self.weight = weight
+        self.int4 = int4
+        self.int4_max_rows = int4_max_rows if int4 is not None else 0
+        self.handle = next(_HANDLES)
+        _METHODS[self.handle] = self
+
+    def create_weights(self, layer: LinearBase, input_size: int, output_sizes: list[int]) -> None:
+        """The layer's weights already exist when this method is installed."""
+        raise RuntimeError("CpuLinearMethod is installed on built layers; it creates no weights")
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Nothing more to do: the weights were packed at construction."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[..., K]`` -> ``[..., N]``."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])                                # [M, K]
+        if torch.compiler.is_compiling():   # the packed weights stay out of the traced graph
+            y = cpu_linear_op(x2, self.handle, self.out_features)
+            y = y if bias is None else y + bias
+            return y.view(*lead, self.out_features)
+        m = x2.shape[0]
+        int4 = self.int4
+        if int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
+            y = int4.matmul(x2.contiguous())
+            if bias is not None:
+                y = y + bias
+        elif self.packed is not None and x2.dtype == self.dtype and m > 0:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+        else:
+            y = F.linear(x2, self.weight, bias)
+        return y.view(*lead, self.out_features)
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.matmul(x, bias)
+
+
+def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weight] | None = None,
+                       int4_max_rows: int = 0) -> dict[str, int]:
+    """Give every unquantized linear layer (and the LM head) a :class:`CpuLinearMethod`.
+
+    Args:
+        model: the loaded model.
+        int4_weights: 4-bit copies by module name (``model.layers.0.mlp.gate_up_proj``, ``lm_head``).
+        int4_max_rows: the row count up to which the 4-bit copies are used.
+
+    Returns:
+        counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy}``.
+    """
+    int4_weights = int4_weights or {}
+    counts = {"packed": 0, "int4": 0}
+    for name, module in model.named_modules():
+        is_linear = isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod)
+        is_head = name == "lm_head" and hasattr(module, "weight") and not isinstance(module, LinearBase)
+        if not (is_linear or is_head) or module.weight.device.type != "cpu":
+            continue
+        if is_head and getattr(module, "tp_size", 1) > 1:
+            continue
+        int4 = int4_weights.get(name)
+        n, k = module.weight.shape
+        if int4 is not None and (int4.out_features != n or int4.scale_zeros.shape[0] * INT4_GROUP != k):
+            logger.warning("int4 copy of %s has the wrong shape; using bfloat16 only", name)
+            int4 = None
+        method = CpuLinearMethod(module.weight, int4, int4_max_rows)
+        if is_linear:
+            module.linear_method = method
+        else:
+            module.gemm = method.matmul
+        counts["packed"] += method.packed is not None
+        counts["int4"] += method.int4 is not None
+    return counts
