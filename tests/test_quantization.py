@@ -99,7 +99,7 @@ def test_int4_matches_transformers_on_dequantized_weights(tiny_llama_dir, kernel
     assert method.kernel.name == kernel and method.group_size == 64  # hidden 64: groups of 64
     deq = dequantized_linears(float_state(tiny_llama_dir),
                               lambda n, w: quantize_int_rtn(w, 4, 64).dequantize(torch.float32))
-    # measured: max logit error ~1e-5, 48/48 greedy tokens equal
+    # measured: max logit error ~1.3e-6, 48/48 greedy tokens equal
     compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
     # the quantization is real: the layers hold 4-bit codes, not the float weights
     qkv = model.model.layers[0].self_attn.qkv_proj

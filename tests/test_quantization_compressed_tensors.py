@@ -3,6 +3,9 @@ transformers on the weights the library's own fake quantization gives."""
 
 from __future__ import annotations
 
+import importlib.util
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
@@ -16,32 +19,40 @@ from test_quantization_support import (
 
 from plinth.config import ConfigError
 
-ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors import ModelCompressor  # noqa: E402
-from compressed_tensors.quantization import (  # noqa: E402
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-    apply_quantization_config,
-)
-from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
-from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized  # noqa: E402
+if importlib.util.find_spec("compressed_tensors") is None:
+    pytest.skip("compressed-tensors is not installed", allow_module_level=True)
 
-INT_TOKEN = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-FP8_TOKEN = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
-SCHEMES = {
-    "w4a16-asym": dict(weights=QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
-                                                group_size=32)),
-    "w4a16-sym": dict(weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                                               group_size=32)),
-    "w8a16-channel": dict(weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")),
-    "int8-w8a8": dict(weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
-                      input_activations=INT_TOKEN),
-    "fp8-channel": dict(weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel"),
-                        input_activations=FP8_TOKEN),
-    "fp8-tensor": dict(weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor"),
-                       input_activations=FP8_TOKEN),
-}
+
+def _lib() -> SimpleNamespace:
+    """The library, imported when a test runs: it imports Triton, which must not happen while tests are
+    collected (the Triton test modules import it in interpreter mode then)."""
+    from compressed_tensors import compressors, quantization
+    from compressed_tensors.quantization import utils
+    from compressed_tensors.quantization.lifecycle import forward
+
+    return SimpleNamespace(
+        ModelCompressor=compressors.ModelCompressor, QuantizationArgs=quantization.QuantizationArgs,
+        QuantizationConfig=quantization.QuantizationConfig, QuantizationScheme=quantization.QuantizationScheme,
+        apply_quantization_config=quantization.apply_quantization_config, fake_quantize=forward.fake_quantize,
+        calculate_qparams=utils.calculate_qparams, is_module_quantized=utils.is_module_quantized,
+    )
+
+
+def _schemes(lib: SimpleNamespace) -> dict[str, dict]:
+    args = lib.QuantizationArgs
+    int_token = args(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    fp8_token = args(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+    return {
+        "w4a16-asym": dict(weights=args(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)),
+        "w4a16-sym": dict(weights=args(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)),
+        "w8a16-channel": dict(weights=args(num_bits=8, type="int", symmetric=True, strategy="channel")),
+        "int8-w8a8": dict(weights=args(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                          input_activations=int_token),
+        "fp8-channel": dict(weights=args(num_bits=8, type="float", symmetric=True, strategy="channel"),
+                            input_activations=fp8_token),
+        "fp8-tensor": dict(weights=args(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+                           input_activations=fp8_token),
+    }
 
 
 def _observe(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,25 +67,27 @@ def _observe(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ct_checkpoint(base, out, scheme: str, ignore=("lm_head",)):
     """Quantize the tiny model with the library and save it compressed; also return the dequantized weights."""
+    lib = _lib()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **SCHEMES[scheme])},
-                                ignore=list(ignore))
-    apply_quantization_config(model, config)
+    config = lib.QuantizationConfig(
+        config_groups={"group_0": lib.QuantizationScheme(targets=["Linear"], **_schemes(lib)[scheme])},
+        ignore=list(ignore))
+    lib.apply_quantization_config(model, config)
     deq = {}
     with torch.no_grad():
         for name, module in model.named_modules():
-            if not is_module_quantized(module):
+            if not lib.is_module_quantized(module):
                 if isinstance(module, torch.nn.Linear) and is_linear(f"{name}.weight"):
                     deq[f"{name}.weight"] = module.weight.detach().clone()
                 continue
             args = module.quantization_scheme.weights
-            scale, zero = calculate_qparams(*_observe(module.weight, args), args)
+            scale, zero = lib.calculate_qparams(*_observe(module.weight, args), args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-            deq[f"{name}.weight"] = fake_quantize(module.weight, module.weight_scale,
-                                                  getattr(module, "weight_zero_point", None), args).detach()
-    compressor = ModelCompressor.from_pretrained_model(model)
+            deq[f"{name}.weight"] = lib.fake_quantize(module.weight, module.weight_scale,
+                                                      getattr(module, "weight_zero_point", None), args).detach()
+    compressor = lib.ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(out)
@@ -89,7 +102,7 @@ def test_library_checkpoints_match_reference(tiny_llama_dir, tmp_path, scheme, k
     path, deq = ct_checkpoint(tiny_llama_dir, tmp_path / scheme, scheme)
     model, backend, method = load_plinth(path, gemm_kernel=kernel)
     assert method.name == "compressed-tensors" and method.kernel.name == kernel
-    # measured: max logit error below 1e-4, 48/48 greedy tokens equal
+    # measured: max logit error ~1.5e-6, 48/48 greedy tokens equal
     compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
 
 
@@ -98,8 +111,8 @@ def test_int8_w8a8_on_int_mm(tiny_llama_dir, tmp_path):
     path, deq = ct_checkpoint(tiny_llama_dir, tmp_path / "w8a8", "int8-w8a8")
     model, backend, method = load_plinth(path, gemm_kernel="torch_int_mm")
     assert method.activation == "int8_token"
-    # measured: max logit error ~1e-2 (activation rounding), 47-48/48 greedy tokens equal
-    err, _agree = compare(model, backend, reference_model(tiny_llama_dir, deq), atol=5e-2, min_agreement=0.75)
+    # measured: max logit error 3.9e-2 (activation rounding; logits up to ~2.5), 42/48 greedy tokens equal
+    err, _agree = compare(model, backend, reference_model(tiny_llama_dir, deq), atol=0.1, min_agreement=0.75)
     assert err > 1e-5  # the activations really were quantized
 
 

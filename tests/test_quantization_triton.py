@@ -159,7 +159,7 @@ def test_awq_model_on_the_triton_kernel(tiny_llama_dir, tmp_path):
     with torch.inference_mode():
         ours = model.compute_logits(model(ids, pos, md))                     # [L, vocab]
         theirs = ref(torch.tensor([prompt])).logits[0]
-    assert (ours - theirs).abs().max().item() < 1e-3  # measured: ~1e-5
+    assert (ours - theirs).abs().max().item() < 1e-3  # measured: ~1.4e-6
     generated, _ = PagedDriver(model, backend, block_size=4).generate_greedy(PROMPTS[:2], 4)
     with torch.no_grad():
         for p, got in zip(PROMPTS[:2], generated, strict=True):
