@@ -113,7 +113,7 @@ def _float_quantizers(names: list[str]) -> list[str]:
 
 
 def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype: torch.dtype,
-                         device: torch.device, *, tp_size: int = 1) -> QuantizationMethod | None:
+                         device: torch.device, *, tp_size: int | None = None) -> QuantizationMethod | None:
     """The quantization method for ``source`` (``None``: unquantized), ready to be put in the
     :class:`~plinth.model_registry.interface.ModelContext`; its GEMM kernel is chosen when the model
     is built (``QuantizationMethod.prepare_model``).
@@ -125,7 +125,7 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
         platform: the selected platform.
         dtype: the compute dtype.
         device: the device of this rank.
-        tp_size: the tensor-parallel world size.
+        tp_size: the tensor-parallel world size (default: ``config.parallel.tensor_parallel_size``).
 
     Raises:
         ConfigError: an unknown method, or one that cannot run this checkpoint or setting.
@@ -141,6 +141,8 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
         kinds = {"hf_dir": "model directories", "dummy": "random (dummy) weights", "gguf": ".gguf files"}
         raise ConfigError(f"quantization method {name!r} cannot load {kinds.get(source.kind, source.kind)}; it "
                           f"loads {', '.join(kinds.get(k, k) for k in cls.source_kinds)}")
+    if tp_size is None:
+        tp_size = config.parallel.tensor_parallel_size
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     ctx = QuantContext(
         hf_config=source.hf_config, dtype=dtype, device=device, source_kind=source.kind, capability=capability,

@@ -1,0 +1,1 @@
+"""GEMM kernels of quantized linear layers, each a selectable candidate (see ``kernels.interface``)."""
