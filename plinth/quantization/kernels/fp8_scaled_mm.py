@@ -37,8 +37,8 @@ class ScaledMMFP8Kernel(GemmKernel):
                               f"{problem.capability}")
         if problem.block is not None:
             return Support.no("block-wise weight scales need a block-scaled kernel; only per-channel scales run here")
-        if problem.dtype not in (torch.bfloat16, torch.float16):
-            return Support.no(f"output dtype {problem.dtype} unsupported (bfloat16, float16)")
+        if problem.dtype != torch.bfloat16:
+            return Support.no(f"row-wise scaled FP8 GEMMs output bfloat16, not {problem.dtype}")
         for n, k in problem.shapes:
             if n % 16 or k % 16:
                 return Support.no(f"shape N={n}, K={k}: both must be multiples of 16")
