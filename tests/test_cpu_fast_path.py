@@ -1,0 +1,260 @@
+"""The CPU fast path against the reference path: prepacked and int4 GEMMs, compiled decode steps,
+the greedy sampling fast path, batch arrays and thread sizing.
+
+References: ``F.linear`` on the same weights (prepacked GEMMs are bit-identical), float64 products
+with gguf's own dequantization (int4), the eager forward pass (compiled decode, bf16 tolerance and
+identical greedy tokens), ``torch.argmax`` and a Python loop (batch helpers).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plinth import LLM, SamplingParams
+from plinth.config import ConfigError
+from plinth.core.request import Request
+from plinth.core.sampler import Sampler, SamplingBatch, fast_argmax
+from plinth.platforms.cpu.platform import CpuPlatform, cpu_thread_count
+from plinth.worker.batching import block_table_array
+from plinth.worker.cpu_graphs import CompiledDecodeRunner
+from plinth.worker.cpu_int4 import decode_q4_blocks, int4_weights_from_gguf
+from plinth.worker.cpu_linear import CpuLinearMethod, Int4Weight
+from plinth.worker.model_runner import SeqBatchEntry
+
+PROMPTS = [[5, 17, 99], list(range(20, 61)), list(range(100, 117)), [7] * 9]   # mixed lengths
+Q = gguf.GGMLQuantizationType
+
+
+def greedy(n: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_llama_dir) -> list[list[int]]:
+    """Greedy tokens of the plain path: F.linear GEMMs, eager decode."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PLINTH_CPU_PACKED", "0")
+    try:
+        llm = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4)
+        assert llm.engine.runner.graphs is None
+        return tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def fast_llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4)
+
+
+# ---------------------------------------------------------------------------------------- GEMMs
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_prepacked_gemm_is_bit_identical(rows):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    method = CpuLinearMethod(weight)
+    assert method.packed is not None
+    assert torch.equal(method.matmul(x), F.linear(x, weight))
+    bias = torch.randn(96).bfloat16()
+    assert torch.equal(method.matmul(x, bias), F.linear(x, weight, bias))
+
+
+def test_fast_path_engine_equals_reference(fast_llm, reference_tokens):
+    model = fast_llm.engine.runner.model
+    methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
+    assert methods and all(isinstance(m, CpuLinearMethod) for m in methods)
+    assert model.lm_head.gemm is not None
+    assert tokens(fast_llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference_tokens
+    solo = [tokens(fast_llm.generate([p], greedy(), use_tqdm=False))[0] for p in PROMPTS[:2]]
+    assert solo == reference_tokens[:2]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_int4_blocks_match_gguf_dequantization(qtype):
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (48, 128)).astype(np.float32)
+    w[:, :32] += 0.03                                       # blocks whose minimum is not near -max
+    raw = gguf.quants.quantize(w, qtype)                    # uint8 [48, 4 * block bytes]
+    dequant = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()   # [48, 128]
+    q, scale, zero = decode_q4_blocks(raw, qtype.name)
+    assert q.shape == (48, 128) and int(q.min()) >= 0 and int(q.max()) <= 15
+    # the decoded blocks are the file's values exactly (in float32) ...
+    rebuilt = (q.double() - 8) * scale.double().repeat_interleave(32, 1) + zero.double().repeat_interleave(32, 1)
+    torch.testing.assert_close(rebuilt, dequant, rtol=0, atol=1e-6)
+    # ... and the int4 GEMM computes with them up to bfloat16 rounding of scale, zero, input and output
+    weight = Int4Weight.from_blocks(q, scale, zero, torch.bfloat16)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = weight.matmul(x).double()
+    ref = x.double() @ dequant.T
+    torch.testing.assert_close(got, ref, rtol=0, atol=0.02 * float(ref.abs().max()))
+
+
+def test_int4_copies_of_a_gguf_model(tmp_path, monkeypatch):
+    """Fused layers stack their projections in shard order, Q/K rows in HF order: every int4 copy
+    multiplies like the layer's dequantized bf16 weight; a second build reads the cache."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.config import ModelConfig
+    from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.layers.linear import LinearBase
+    from plinth.model_registry.loader import load_model, resolve_model_source
+
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", Q.Q4_1)
+    source = resolve_model_source(ModelConfig(model=path))
+    ctx = ModelContext(hf_config=source.hf_config, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       attention_backend=TorchBatchedBackend(), block_size=4)
+    model = load_model(source, ctx)
+    copies = int4_weights_from_gguf(path, model, torch.bfloat16)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
+    assert set(copies) == set(layers) and len(copies) == 2 * 4      # qkv, o, gate_up, down per layer
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for name, layer in layers.items():
+        xi = x if layer.weight.shape[1] == 64 else torch.randn(2, layer.weight.shape[1]).bfloat16()
+        ref = F.linear(xi.float(), layer.weight.float())
+        got = copies[name].matmul(xi).float()
+        torch.testing.assert_close(got, ref, rtol=0, atol=0.03 * float(ref.abs().max()), msg=name)
+    assert list((tmp_path / "cache" / "cpu_int4").glob("*.safetensors"))
+    again = int4_weights_from_gguf(path, model, torch.bfloat16)
+    for name, w in copies.items():
+        assert torch.equal(again[name].packed, w.packed) and torch.equal(again[name].scale_zeros, w.scale_zeros)
+
+
+# ------------------------------------------------------------------------------ compiled decode
+
+
+def _decode_entries(llm: LLM, n: int) -> list[SeqBatchEntry]:
+    """Prefill ``n`` prompts of mixed lengths, then the decode batch of their next step."""
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS[:n]):
+        engine.add_request(f"d{i}", prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    reqs = [engine._seqs[f"d{i}"].request for i in range(n)]
+    return [SeqBatchEntry([r.output_token_ids[-1]], r.num_computed_tokens, list(r.block_ids), True) for r in reqs]
+
+
+def test_compiled_decode_equals_eager_and_reuses_the_cache(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4)
+    runner = llm.engine.runner
+    entries = _decode_entries(llm, 3)
+    eager, rows, _ = runner.execute(entries)
+    assert rows == [0, 1, 2]
+    results = []
+    for attempt in range(2):          # the second compiles again after a reset: from the on-disk cache
+        torch._dynamo.reset()
+        runner.compile_cpu_decode(4, sizes=[4])
+        assert isinstance(runner.graphs, CompiledDecodeRunner)
+        logits, rows, hidden = runner.execute(entries)
+        assert hidden is None and runner.graphs.compiled_sizes == {4} and not runner.graphs.failed, attempt
+        results.append(logits.clone())
+    for logits in results:
+        assert logits.shape == eager.shape
+        torch.testing.assert_close(logits, eager, rtol=0, atol=0.05 * float(eager.abs().max()))
+        assert torch.equal(logits.argmax(-1), eager.argmax(-1))
+    # a whole generation through the compiled step (batches 4..1 padded to 4) keeps every greedy token
+    reference = tokens(LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4, enforce_eager=True)
+                       .generate(PROMPTS, greedy(), use_tqdm=False))
+    assert tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    assert runner.graphs.compiled_sizes == {4}
+
+
+def test_enforce_eager_turns_compilation_off(tiny_llama_dir, monkeypatch, reference_tokens):
+    monkeypatch.setenv("PLINTH_CPU_COMPILE", "1")
+    eager = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    assert tokens(eager.generate(PROMPTS, greedy(), use_tqdm=False)) == reference_tokens
+    compiled = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4, max_num_seqs=8)
+    assert isinstance(compiled.engine.runner.graphs, CompiledDecodeRunner)
+    assert compiled.engine.runner.graphs.sizes == [1, 2, 4, 8]   # compiled lazily: nothing yet
+    assert compiled.engine.runner.graphs.compiled_sizes == set()
+
+
+def test_bad_switch_values_are_config_errors(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PLINTH_CPU_COMPILE", "maybe")
+    with pytest.raises(ConfigError, match="PLINTH_CPU_COMPILE"):
+        LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4)
+
+
+# ------------------------------------------------------------------------- sampling and batching
+
+
+@pytest.mark.parametrize("vocab", [300, 4096, 49152, 5000])
+def test_fast_argmax_equals_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=gen)
+    x[1] = 0.0                                      # all ties: the first index
+    x[2, vocab - 1] = 100.0                         # the maximum in the tail
+    x[3, [5, vocab // 2]] = 50.0                    # two equal maxima: the first one
+    assert torch.equal(fast_argmax(x), x.argmax(dim=-1))
+    xb = x.bfloat16()
+    assert torch.equal(fast_argmax(xb), xb.argmax(dim=-1))
+
+
+def test_plain_greedy_batch_and_general_path_agree():
+    vocab = 2048
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    reqs = [Request(f"r{i}", [1, 2, 3], greedy()) for i in range(5)]
+    plain = SamplingBatch.from_requests(reqs, vocab, "cpu")
+    assert plain.all_greedy and plain.output_counts is None and plain.max_num_logprobs is None
+    assert torch.equal(Sampler().sample(logits, plain).sampled_token_ids, logits.argmax(-1))
+    # one row with logprobs takes the general path and still chooses the same tokens
+    reqs[2] = Request("lp", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))
+    general = SamplingBatch.from_requests(reqs, vocab, "cpu")
+    assert general.max_num_logprobs == 2
+    out = Sampler().sample(logits, general)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1)) and out.logprobs is not None
+
+
+def test_block_table_array_matches_a_loop():
+    rng = np.random.default_rng(0)
+    block_ids = [list(rng.integers(1, 100, size=n)) for n in (0, 1, 5, 9, 3)]
+    for width, rows in ((4, None), (9, 8), (1, 5)):
+        expected = np.zeros((rows or len(block_ids), width), dtype=np.int64)
+        for i, ids in enumerate(block_ids):
+            expected[i, : min(len(ids), width)] = ids[:width]
+        assert np.array_equal(block_table_array(block_ids, width, rows), expected)
+
+
+def test_compiled_runner_inputs_pad_rows():
+    runner = CompiledDecodeRunner.__new__(CompiledDecodeRunner)
+    runner.block_size = 4
+    ids, pos, slots, tables, lens = runner.inputs(np.array([7, 8]), np.array([5, 0]), [[3, 9], [4]], 4)
+    assert ids.tolist() == [7, 8, 0, 0] and pos.tolist() == [5, 0, 0, 0]
+    assert slots.tolist() == [9 * 4 + 1, 4 * 4, 0, 0] and lens.tolist() == [6, 1, 1, 1]
+    assert tables.tolist() == [[3, 9], [4, 0], [0, 0], [0, 0]]
+
+
+# -------------------------------------------------------------------------------------- threads
+
+
+def test_thread_count_from_env_and_affinity(monkeypatch):
+    import os
+
+    monkeypatch.delenv("PLINTH_CPU_THREADS", raising=False)
+    assert 1 <= cpu_thread_count() <= len(os.sched_getaffinity(0))
+    monkeypatch.setenv("PLINTH_CPU_THREADS", "1")
+    assert cpu_thread_count() == 1
+    before = torch.get_num_threads()
+    try:
+        CpuPlatform().set_device(0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("PLINTH_CPU_THREADS", bad)
+        with pytest.raises(ConfigError, match="PLINTH_CPU_THREADS"):
+            cpu_thread_count()
