@@ -55,8 +55,10 @@ class Worker:
 
         self.platform = select_platform(config.device.platform)
         if self.platform.device_type == "cpu":
-            if "OMP_NUM_THREADS" not in os.environ:   # share the cores, do not oversubscribe them
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.layout.world_size))
+            if "OMP_NUM_THREADS" not in os.environ:   # the ranks share the cores: do not oversubscribe them
+                from plinth.platforms.cpu.platform import cpu_thread_count
+
+                torch.set_num_threads(max(1, cpu_thread_count() // self.layout.world_size))
         else:
             self.platform.set_device(device_index)
         self.device = self.platform.device(device_index)
