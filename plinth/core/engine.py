@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ class LLMEngine:
             processes (default: chosen from ``config.parallel``; see ``plinth.distributed``).
     """
 
-    def __init__(self, config: EngineConfig, executor_factory: Any = None):
+    def __init__(self, config: EngineConfig, executor_factory: Callable[[EngineConfig], Executor] | None = None):
         from plinth.worker.setup import build_engine_parts
 
         t0 = time.perf_counter()
