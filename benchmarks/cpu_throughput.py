@@ -32,7 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_vs_transformers import Recorder, disable_eos, free_memory, hf_generate_batch  # noqa: E402
+from gpu_vs_transformers import (  # noqa: E402
+    Recorder,
+    disable_eos,
+    free_memory,
+    hf_generate_batch,
+    source_revision,
+)
 
 from plinth.entrypoints.bench_cmd import bench_throughput, random_prompts  # noqa: E402
 
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": gguf.name, "dtype": args.dtype, "torch": torch.__version__,
             "transformers": transformers.__version__, "plinth": plinth.__version__,
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "argv": sys.argv[1:],
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "num_prompts": args.num_prompts,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "revision": source_revision(), "num_prompts": args.num_prompts,
             "prompt_lens": [args.min_len, args.max_len], "output_len": args.output_len}
     rec = Recorder(args.out, meta)
     vocab = int(read_gguf_config(str(gguf))[0].vocab_size)

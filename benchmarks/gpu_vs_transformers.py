@@ -105,6 +105,21 @@ class Recorder:
             self.out.write_text(json.dumps(self.results, indent=2, default=str) + "\n", encoding="utf-8")
 
 
+def source_revision() -> str | None:
+    """The git commit of the plinth checkout this runs from (``+dirty`` with local changes), if any."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -259,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = floors.ceilings_for(name)
     meta = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
             "plinth": plinth.__version__, "preset": args.model_preset, "dtype": args.dtype,
-            "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S"), "revision": source_revision(),
             "floor": ceilings.name if ceilings else floors.UNKNOWN}
     rec = Recorder(args.out, meta)
     vocab = _preset_vocab(args.model_preset)
