@@ -258,3 +258,21 @@ def test_thread_count_from_env_and_affinity(monkeypatch):
         monkeypatch.setenv("PLINTH_CPU_THREADS", bad)
         with pytest.raises(ConfigError, match="PLINTH_CPU_THREADS"):
             cpu_thread_count()
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 3), (3, 3), (8, 1)])
+def test_matmul_decode_attention_equals_sdpa(num_kv_heads, group):
+    from plinth.attention_backends.torch_batched import _decode_attention
+
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    n, length, d = 7, 40, 16
+    q = torch.randn(n, num_kv_heads, group, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(n, length, num_kv_heads, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(n, length, num_kv_heads, d, generator=gen, dtype=torch.float64)
+    lens = torch.tensor([1, 5, 17, 40, 33, 2, 29])
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]         # [n, 1, 1, L]
+    ref = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-10, atol=1e-10)

@@ -158,11 +158,29 @@ def build_plan(metadata: AttentionMetadata, block_size: int, max_keys: int = 1 <
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """``q`` ``[n, Hkv, G, D]``, ``k``/``v`` ``[n, Hkv, L, D]``, ``mask`` ``[n, 1, 1, L]`` -> ``[n, Hkv, G, D]``."""
+    """One query per sequence, on the gathered keys as they lie (no transposed copies of K/V).
+
+    ``q`` ``[n, Hkv, G, D]``, ``k``/``v`` ``[n, L, Hkv, D]``, ``mask`` ``[n, 1, 1, L]`` -> ``[n, Hkv, G, D]``.
+    With few KV heads, every query head is multiplied with every KV head's keys in one batched
+    matmul over ``[L, Hkv * D]`` and the matching diagonal blocks are kept (``Hkv`` times the tiny
+    FLOPs, none of the copies); with more KV heads, one matmul per head on strided slices.
+    """
+    n, hkv, g, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale                  # [n, Hkv, G, L]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v)
+    key_mask = ~mask[:, 0]                                                             # [n, 1, L]
+    if hkv <= 4:
+        eye = torch.eye(hkv, dtype=q.dtype, device=q.device)
+        q_all = (q[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(n, hkv * g, hkv * d)
+        scores = torch.bmm(q_all, k.reshape(n, -1, hkv * d).transpose(1, 2)).to(acc) * scale   # [n, Hkv*G, L]
+        probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
+        full = torch.bmm(probs, v.reshape(n, -1, hkv * d)).view(n, hkv, g, hkv, d)    # [n, Hkv, G, Hkv, D]
+        return full.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)                      # [n, Hkv, G, D]
+    outs = []
+    for h in range(hkv):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).to(acc) * scale       # [n, G, L]
+        probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
+        outs.append(torch.bmm(probs, v[:, :, h]))                                     # [n, G, D]
+    return torch.stack(outs, dim=1)
 
 
 class TorchBatchedBackend(AttentionBackend):
@@ -223,14 +241,15 @@ class TorchBatchedBackend(AttentionBackend):
             # [n * max_q, H, D] -> [n, Hkv, G * max_q, D]: query heads sharing a KV head side by side
             q = query.index_select(0, grp.q_index).view(n, grp.max_q, num_kv_heads, g, head_size)
             q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, g * grp.max_q, head_size)
-            # [n * num_blocks, block_size, Hkv, D] -> [n, Hkv, L, D]
-            k = kv_cache[0].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size).transpose(1, 2)
-            v = kv_cache[1].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size).transpose(1, 2)
+            # [n * num_blocks, block_size, Hkv, D] -> [n, L, Hkv, D]
+            k = kv_cache[0].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size)
+            v = kv_cache[1].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size)
             mask = grp.mask(block_size, sliding_window, g)  # [n, 1, G * max_q or 1, L]
             if grp.max_q == 1 and n >= MATMUL_DECODE_MIN_SEQS and q.device.type == "cpu":
-                o = _decode_attention(q, k, v, mask, scale)   # CPU: 2-3x faster than SDPA at 16-32 sequences
+                o = _decode_attention(q, k, v, mask, scale)   # CPU: 3-4x faster than SDPA at 16-32 sequences
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [n, Hkv, G*max_q, D]
+                o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                                   scale=scale)  # [n, Hkv, G*max_q, D]
             o = o.view(n, num_kv_heads, g, grp.max_q, head_size).permute(0, 3, 1, 2, 4)
             o = o.reshape(n * grp.max_q, num_heads, head_size)
             out.index_copy_(0, grp.out_rows, o.index_select(0, grp.out_src))

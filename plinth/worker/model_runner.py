@@ -41,6 +41,15 @@ class StepInputs:
     sample_seqs: list[int]       # [S]: which entries those rows belong to
 
 
+def _zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU from calloc'd memory (numpy), whose pages the OS zeroes on first touch,
+    so a large KV cache costs no start-up time (``torch.zeros`` writes every byte)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(*shape)
+
+
 class ModelRunner:
     """Runs a model over the paged KV cache.
 
@@ -66,7 +75,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for layer in model.attention_layers():
             shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+            cache = _zeros(shape, kv_dtype, device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
