@@ -73,6 +73,28 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     return value
 
 
+#: the packed weight copies may use at most this fraction of the free memory
+MAX_PACKED_FRACTION = 0.5
+
+
+def _packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights that would get a packed copy (linear layers and the LM head)."""
+    from plinth.model_registry.layers.linear import LinearBase
+
+    total = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and (isinstance(module, LinearBase) or name == "lm_head"):
+            total += weight.numel() * weight.element_size()
+    return total
+
+
+def _free_memory() -> int:
+    from plinth.platforms.cpu.platform import CpuPlatform
+
+    return CpuPlatform().free_memory()
+
+
 def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, Any]:
     """Install the CPU GEMMs and the compiled decode step on ``runner``; returns what was set up."""
     from plinth.worker.cpu_linear import install_cpu_linear, packed_linear_supported
@@ -82,7 +104,11 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     report: dict[str, Any] = {"packed": 0, "int4": 0, "compile": False}
     tp_size = getattr(getattr(model, "ctx", None), "tp_size", 1)
     t0 = time.perf_counter()
-    if env_flag(PACKED_ENV, True) and packed_linear_supported(dtype):
+    pack = env_flag(PACKED_ENV, True) and packed_linear_supported(dtype)
+    if pack and (extra := _packed_bytes(model)) > MAX_PACKED_FRACTION * (free := _free_memory()):
+        logger.warning("not prepacking the CPU GEMMs: the packed copies (%.1f GiB) would take more than half of "
+                       "the free memory (%.1f GiB)", extra / 2**30, free / 2**30)
+    elif pack:
         int4 = {}
         int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS)
         if (source is not None and getattr(source, "kind", None) == "gguf" and dtype == torch.bfloat16
