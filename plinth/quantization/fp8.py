@@ -47,6 +47,13 @@ def _load_fp8_weight(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor
     load_packed(layer, param, loaded.view(torch.uint8), shard_id)
 
 
+def _load_float_row_shard(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
+    """A float weight whose input features are split across ranks: keep each output channel's
+    ``max |w|`` over the full checkpoint row, so every rank quantizes with the unsharded scales."""
+    layer.fp8_row_absmax = loaded.detach().abs().amax(dim=1).to(torch.float32)   # [N]
+    layer.weight_loader(param, loaded, *shard_id)
+
+
 def _ignore_loaded(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
     """Static activation scales are read and not used (activations are scaled per token)."""
 
@@ -126,13 +133,15 @@ class FP8Method(QuantizationMethod):
         if self.from_checkpoint:
             create_fp8_checkpoint_weights(layer, input_size, output_sizes, self.block, self.static_input)
         else:
-            float_weight(layer, self.ctx.dtype, input_size, output_sizes)
+            weight = float_weight(layer, self.ctx.dtype, input_size, output_sizes)
+            if input_size != getattr(layer, "input_size", input_size):   # a row-parallel shard
+                weight.weight_loader = functools.partial(_load_float_row_shard, layer)  # type: ignore[attr-defined]
 
     def convert_weights(self, layer: nn.Module) -> FP8Weights:
         if self.from_checkpoint:
             return fp8_checkpoint_weights(layer, self.block)
         with torch.no_grad():
-            return quantize_fp8_per_channel(layer.weight)
+            return quantize_fp8_per_channel(layer.weight, layer.__dict__.pop("fp8_row_absmax", None))
 
     def kernel_candidates(self) -> dict[str, str]:
         return dict(FP8_KERNELS)

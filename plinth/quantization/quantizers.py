@@ -34,10 +34,15 @@ def quantize_int_rtn(weight: torch.Tensor, bits: int, group_size: int, symmetric
     return IntWeights(q.reshape(n, k), scales, zeros, bits, group_size, symmetric=symmetric)
 
 
-def quantize_fp8_per_channel(weight: torch.Tensor) -> FP8Weights:
-    """FP8 E4M3 with one float32 scale per output channel (``max |w| / 448``)."""
+def quantize_fp8_per_channel(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> FP8Weights:
+    """FP8 E4M3 with one float32 scale per output channel (``max |w| / 448``).
+
+    ``row_absmax`` ``[N]``, when given, is each channel's ``max |w|`` over the whole row: a tensor-parallel
+    shard of the input features then gets the scales of the unsharded weight.
+    """
     w = weight.detach().to(torch.float32)
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)            # [N]
+    absmax = w.abs().amax(dim=1) if row_absmax is None else row_absmax.to(torch.float32)
+    scale = (absmax / FP8_MAX).clamp(min=1e-12)                         # [N]
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return FP8Weights(q, scale)
 
