@@ -37,3 +37,10 @@ class CudaApiPlatform(Platform):
 
     def set_device(self, index: int) -> None:
         torch.cuda.set_device(index)
+
+    def prepare_runner(self, runner: object, source: object, config: object) -> None:
+        """Time the skinny Triton GEMMs against the vendor GEMM per weight shape and install the winners
+        for decode-sized inputs (:mod:`plinth.worker.gpu_linear`)."""
+        from plinth.worker.gpu_linear import install_skinny_gemms
+
+        install_skinny_gemms(runner.model)  # type: ignore[attr-defined]

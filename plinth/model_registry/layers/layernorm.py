@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plinth.kernels import ops
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 and cast back to the input dtype.
@@ -27,6 +29,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 2 and x.stride(-1) == 1 and ops.fused_ops_enabled(x) and (
+                residual is None or residual.stride(-1) == 1):
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -18,6 +18,7 @@ from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.distributed.parallel_state import pp_layer_range
+from plinth.kernels import ops
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.layers.activation import SiluAndMul
 from plinth.model_registry.layers.attention import Attention
@@ -92,7 +93,10 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if ops.fused_ops_enabled(q):
+            ops.rotary_(q, k, cos, sin)                    # in place
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v, metadata)                 # [T, Hq, D]
         return self.o_proj(out.reshape(t, q_size))
 

@@ -76,6 +76,49 @@ def choose_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16
     return W4A16Tiles(block_m, block_n, block_k, split, warps, stages)
 
 
+#: the most rows that take the decode (skinny) kernel
+SKINNY_MAX_M = 16
+
+
+def skinny_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16Tiles | None:
+    """Tiles of the decode kernel, or ``None`` when ``k`` has no usable tile.
+
+    ``PLINTH_W4A16_SKINNY="BN,BK,SPLIT,WARPS,STAGES"`` overrides (for tuning sweeps).
+    """
+    override = os.environ.get("PLINTH_W4A16_SKINNY")
+    if override:
+        bn, bk, split, warps, stages = (int(v) for v in override.split(","))
+        if k % (bk * split) == 0:
+            return W4A16Tiles(16, bn, bk, split, warps, stages)
+    widest = 1024 if m == 1 else 256
+    block_k = next((b for b in (1024, 512, 256, 128, 64, 32, 16) if b <= widest and k % b == 0), None)
+    if block_k is None:
+        return None
+    block_n = 8 if m == 1 else 32
+    split = 1
+    while -(-n // block_n) * split < 2 * num_sms and k % (block_k * split * 2) == 0 and k // (split * 2) >= 1024:
+        split *= 2
+    return W4A16Tiles(16, block_n, block_k, split, 4, 3)
+
+
+def _skinny(jit: ModuleType, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group: int,
+            t: W4A16Tiles) -> torch.Tensor:
+    m, k = x.shape
+    n = layer.w4_qweight.shape[0]
+    if t.split_k == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    jit.w4a16_skinny_kernel[(-(-n // t.block_n), t.split_k)](
+        x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out, m, n, k,
+        x.stride(0), layer.w4_qweight.stride(0), layer.w4_scales.stride(0), out.stride(0),
+        GROUP_SIZE=group, BLOCK_M=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, USE_DOT=m > 1,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
 class TritonW4A16Kernel(GemmKernel):
     """4-bit codes, float32 group scales and zero points, dequantized in registers before ``tl.dot``."""
 
@@ -106,9 +149,9 @@ class TritonW4A16Kernel(GemmKernel):
 
     def prepare(self, weights: IntWeights) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return {
-            "w4_qweight": pack_int32(weights.q.t(), 4, dim=0),              # [K/8, N]
-            "w4_scales": weights.scales.t().to(torch.float32).contiguous(),   # [G, N]
-            "w4_zeros": weights.zeros.t().to(torch.float32).contiguous(),
+            "w4_qweight": pack_int32(weights.q, 4, dim=1),                  # [N, K/8]
+            "w4_scales": weights.scales.to(torch.float32).contiguous(),     # [N, G]
+            "w4_zeros": weights.zeros.to(torch.float32).contiguous(),
             **perm_state(weights),
         }
 
@@ -116,9 +159,11 @@ class TritonW4A16Kernel(GemmKernel):
         jit = load_jit_module()
         x = permute_input(layer, x)
         m, k = x.shape
-        n = layer.w4_qweight.shape[1]
-        group = k // layer.w4_scales.shape[0]
+        n = layer.w4_qweight.shape[0]
+        group = k // layer.w4_scales.shape[1]
         sms = _INTERPRETER_SMS if interpret_requested() else _num_sms(x.device.type, x.device.index)
+        if m <= SKINNY_MAX_M and (tiles := skinny_tiles(m, n, k, group, sms)) is not None:
+            return _skinny(jit, layer, x, bias, group, tiles)
         t = choose_tiles(m, n, k, group, sms)
         if t.split_k == 1:
             out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -129,8 +174,8 @@ class TritonW4A16Kernel(GemmKernel):
             x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out,
             m, n, k,
             x.stride(0), x.stride(1),
-            layer.w4_qweight.stride(0), layer.w4_qweight.stride(1),
-            layer.w4_scales.stride(0), layer.w4_scales.stride(1),
+            layer.w4_qweight.stride(1), layer.w4_qweight.stride(0),   # read as [K/8, N]
+            layer.w4_scales.stride(1), layer.w4_scales.stride(0),     # read as [G, N]
             out.stride(0), out.stride(1),
             GROUP_SIZE=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -65,3 +65,74 @@ def w4a16_gemm_kernel(
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(c, acc, mask=mask)
+
+
+@triton.jit
+def w4a16_skinny_kernel(
+    x_ptr,              # [M, K] activations, M <= 16
+    q_ptr,              # [N, K / 8] int32 packed codes (nibble k % 8 of word k // 8)
+    s_ptr,              # [N, K / GROUP_SIZE] float32 scales
+    z_ptr,              # [N, K / GROUP_SIZE] float32 zero points (code units)
+    y_ptr,              # [M, N] output (activation dtype, or float32 when SPLIT_K > 1)
+    M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Decode-sized W4A16: grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; ``K`` a multiple of ``BLOCK_K * SPLIT_K``,
+    ``BLOCK_K`` a multiple of 8 and of nothing else (a tile may span several groups).
+
+    Words are loaded once as ``[BLOCK_N, BLOCK_K / 8]`` and their eight nibbles unpacked along a third
+    axis; scales and zero points are read per word. One row (``USE_DOT`` false): with ``x`` viewed as
+    ``[BLOCK_K / 8, 8]``, each word contributes ``s * (sum_j c_j x_j - z * sum_j x_j)``. Several rows:
+    the dequantized tile is reshaped to ``[BLOCK_N, BLOCK_K]`` for ``tl.dot`` with the rows padded to 16.
+    """
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_len = K // SPLIT_K
+    k_begin = pid_k * k_len
+    offs_w = tl.arange(0, WORDS)
+    nib = tl.arange(0, 8)
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
+    if USE_DOT:
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_begin + k_len, BLOCK_K):
+            packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                            # [BN, W]
+            g = (k0 + offs_w * 8) // GROUP_SIZE                                               # [W]
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
+            z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
+            codes = ((packed[:, :, None] >> (nib * 4)[None, None, :]) & 0xF).to(tl.float32)    # [BN, W, 8]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                        mask=mask_m[:, None], other=0.0)                                       # [BM, BK]
+            w = ((codes - z[:, :, None]) * s[:, :, None]).to(x.dtype)
+            acc += tl.dot(x, tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K))), input_precision=DOT_PRECISION)
+            q_ptrs += WORDS
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask)
+    else:
+        acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        for k0 in range(k_begin, k_begin + k_len, BLOCK_K):
+            packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                            # [BN, W]
+            g = (k0 + offs_w * 8) // GROUP_SIZE                                               # [W]
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
+            z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptr + k0 + offs_w[:, None] * 8 + nib[None, :]).to(tl.float32)         # [W, 8]
+            codes = ((packed[:, :, None] >> (nib * 4)[None, None, :]) & 0xF).to(tl.float32)    # [BN, W, 8]
+            cx = tl.sum(codes * x[None, :, :], axis=2)                                         # [BN, W]
+            acc2 += s * (cx - z * tl.sum(x, axis=1)[None, :])
+            q_ptrs += WORDS
+        out = tl.sum(acc2, axis=1)                                                            # [BN]
+        if SPLIT_K == 1:
+            tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            tl.atomic_add(y_ptr + offs_n, out, mask=mask_n)

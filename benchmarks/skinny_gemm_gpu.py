@@ -1,0 +1,187 @@
+"""Decode-sized GEMMs on a GPU: cuBLAS against plinth's skinny Triton kernels, bf16 and W4A16.
+
+    python benchmarks/skinny_gemm_gpu.py --out skinny.json            # Llama-3-8B shapes (~2 min on an H200)
+    python benchmarks/skinny_gemm_gpu.py --rows 1 --quick             # the default tiles only
+
+For each Llama-3-8B weight shape and row count, the product runs over ``--copies`` distinct weight
+matrices (more bytes than the L2 cache) captured back to back in one CUDA graph, as a decode step
+runs them; the figure is the time per product and the weight bytes streamed per second. The
+candidates: cuBLAS (``F.linear``), the skinny kernel with its default tiles and with each swept tile;
+for W4A16 (RTN, group 128): the Triton GEMM's decode path with its default and swept tiles, and cuBLAS
+on the dequantized bf16 weight for reference. Every candidate's output is checked against cuBLAS
+(bf16) or the dequantized product (W4A16) first.
+"""
+
+# ruff: noqa: B023  (the timing lambdas run before their loop variables change)
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,8")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--copies", type=int, default=8)
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="default tiles only (no sweep)")
+    p.add_argument("--parts", default="bf16,w4a16")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def graph_time(fn: Any, copies: int, replays: int) -> float:
+    """Milliseconds per product: ``copies`` products in one graph, replayed, median of replays."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / copies)
+    return statistics.median(times)
+
+
+def bf16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
+    from plinth.kernels import ops
+
+    out = []
+    sweep_m1 = [ops.SkinnyTiles(bn, bk, sp, w, st) for bn, bk, sp, w, st in itertools.product(
+        (4, 8, 16), (512, 1024), (1, 2), (4,), (2, 3))]
+    sweep_mx = [ops.SkinnyTiles(bn, bk, sp, w, st) for bn, bk, sp, w, st in itertools.product(
+        (16, 32), (128, 256), (1, 2), (4,), (3,))]
+    for name in a.shapes.split(","):
+        n, k = SHAPES[name]
+        copies = a.copies if name != "lm_head" else 2
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        gbytes = n * k * 2 / 1e9
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ref = F.linear(x, ws[0]).float()
+            rec: dict[str, Any] = {"part": "bf16", "shape": name, "n": n, "k": k, "m": m}
+            t = graph_time(lambda i: F.linear(x, ws[i]), copies, a.replays)
+            rec["cublas_ms"], rec["cublas_tbs"] = t, gbytes / t
+            t = graph_time(lambda i: ops.skinny_linear(x, ws[i]), copies, a.replays)
+            err = (ops.skinny_linear(x, ws[0]).float() - ref).abs().max().item()
+            rec["default_ms"], rec["default_tbs"], rec["default_err"] = t, gbytes / t, err
+            rec["default_tiles"] = str(ops.default_tiles(m, n, k, ops.num_sms(x.device)))
+            if not a.quick:
+                best = None
+                for tiles in (sweep_m1 if m == 1 else sweep_mx):
+                    if k % (tiles.block_k * tiles.split_k):
+                        continue
+                    try:
+                        t = graph_time(lambda i, tl=tiles: ops.skinny_linear(x, ws[i], tiles=tl), copies, a.replays)
+                    except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
+                        print(f"  skip {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, tiles)
+                if best is not None:
+                    err = (ops.skinny_linear(x, ws[0], tiles=best[1]).float() - ref).abs().max().item()
+                    rec["best_ms"], rec["best_tbs"], rec["best_tiles"], rec["best_err"] = (
+                        best[0], gbytes / best[0], str(best[1]), err)
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+        torch.cuda.empty_cache()
+    return out
+
+
+def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
+    from plinth.quantization.kernels.interface import GemmProblem
+    from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
+    from plinth.quantization.quantizers import random_int_weights
+    from plinth.quantization.selection import holder
+
+    out = []
+    sweep = [f"{bn},{bk},{sp},{w},{st}" for bn, bk, sp, w, st in itertools.product(
+        (4, 8, 16, 32), (256, 512, 1024), (1, 2), (4,), (2, 3))]
+    for name in a.shapes.split(","):
+        if name == "lm_head":
+            continue
+        n, k = SHAPES[name]
+        problem = GemmProblem("int", torch.bfloat16, "cuda", capability=torch.cuda.get_device_capability(),
+                              bits=4, group_size=128, shapes=((n, k),))
+        kernel = TritonW4A16Kernel(problem)
+        copies = a.copies
+        layers, dense = [], []
+        for c in range(copies):
+            gen = torch.Generator(device="cuda").manual_seed(c)
+            w = random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=torch.device("cuda"),
+                                   generator=gen)
+            layers.append(holder(kernel.prepare(w)))
+            if c == 0:
+                dense.append(w.dequantize(torch.bfloat16))
+        gbytes = (n * k / 2 + 2 * n * (k // 128) * 4) / 1e9
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ref = F.linear(x.float(), dense[0].float())
+            rec: dict[str, Any] = {"part": "w4a16", "shape": name, "n": n, "k": k, "m": m}
+            t = graph_time(lambda i: F.linear(x, dense[0]), 1, a.replays)
+            rec["dequant_cublas_ms"] = t
+            os.environ.pop("PLINTH_W4A16_SKINNY", None)
+            t = graph_time(lambda i: kernel.apply(layers[i], x, None), copies, a.replays)
+            err = (kernel.apply(layers[0], x, None).float() - ref).abs().max().item() / ref.abs().max().item()
+            rec["default_ms"], rec["default_tbs"], rec["default_rel_err"] = t, gbytes / t, err
+            if not a.quick and m <= 16:
+                best = None
+                for tiles in sweep:
+                    bn, bk, sp, _w, _s = (int(v) for v in tiles.split(","))
+                    if k % (bk * sp):
+                        continue
+                    os.environ["PLINTH_W4A16_SKINNY"] = tiles
+                    try:
+                        t = graph_time(lambda i: kernel.apply(layers[i], x, None), copies, a.replays)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  skip {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+                        continue
+                    if best is None or t < best[0]:
+                        err = (kernel.apply(layers[0], x, None).float() - ref).abs().max().item() / ref.abs().max().item()
+                        best = (t, tiles, err)
+                os.environ.pop("PLINTH_W4A16_SKINNY", None)
+                if best is not None:
+                    rec["best_ms"], rec["best_tbs"], rec["best_tiles"], rec["best_rel_err"] = (
+                        best[0], gbytes / best[0], best[1], best[2])
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    rows = [int(r) for r in a.rows.split(",")]
+    results: list[dict[str, Any]] = []
+    if "bf16" in a.parts:
+        results += bf16_part(a, rows)
+    if "w4a16" in a.parts:
+        results += w4a16_part(a, rows)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

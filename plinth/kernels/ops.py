@@ -1,0 +1,156 @@
+"""Launchers for the Triton kernels of :mod:`plinth.kernels.triton_jit`, and when the layers use them.
+
+The model layers call :func:`fused_ops_enabled` with their input: on devices Triton compiles for
+(``cuda`` — NVIDIA and ROCm builds — and ``xpu``) the small per-layer ops run as one fused kernel
+each; elsewhere, or with ``PLINTH_FUSED_OPS=0``, the layers keep their plain torch code (the
+reference). The skinny GEMM is installed per layer by the GPU fast path (:mod:`plinth.worker.gpu_linear`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+FUSED_OPS_ENV = "PLINTH_FUSED_OPS"
+_TRITON_DEVICE_TYPES = ("cuda", "xpu")
+#: the most rows the skinny GEMM takes (decode batches); larger inputs go to the vendor GEMM
+SKINNY_MAX_M = 16
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=1)
+def jit_module() -> ModuleType:
+    """The ``@triton.jit`` kernels (Triton's interpreter when ``PLINTH_TRITON_INTERPRET=1``)."""
+    if os.environ.get("PLINTH_TRITON_INTERPRET") == "1":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return importlib.import_module("plinth.kernels.triton_jit")
+
+
+@functools.lru_cache(maxsize=1)
+def _env_enabled() -> bool:
+    return os.environ.get(FUSED_OPS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fused_ops_enabled(x: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels run for a tensor on ``x``'s device."""
+    return x.device.type in _TRITON_DEVICE_TYPES and triton_available() and _env_enabled()
+
+
+def _block(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the rows of ``x`` ``[T, H]``; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    t, n = x.shape
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else y
+    r = residual if residual is not None else x
+    block = _block(n)
+    jit_module().rmsnorm_kernel[(t,)](
+        x, r, weight, y, h, n, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return y if residual is None else (y, h)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``."""
+    t, two_d = x.shape
+    d = two_d // 2
+    y = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    block = min(1024, _block(d))
+    jit_module().silu_mul_kernel[(t, -(-d // block))](x, y, d, x.stride(0), y.stride(0), BLOCK=block,
+                                                      num_warps=4)
+    return y
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in place with ``cos``/``sin`` ``[T, R]``.
+
+    The last dimension of ``q``/``k`` must be contiguous; features ``R..D`` are left as they are.
+    """
+    t, hq, _ = q.shape
+    hk = k.shape[1]
+    half = cos.shape[-1] // 2
+    cos, sin = cos.contiguous(), sin.contiguous()
+    jit_module().rotary_kernel[(t,)](
+        q, k, cos, sin, hq, hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        HALF=half, BLOCK_H=min(16, _block(max(hq, hk))), BLOCK_D=_block(half), num_warps=4,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyTiles:
+    """Launch shape of :func:`skinny_linear`."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tiles(m: int, n: int, k: int, num_sms: int) -> SkinnyTiles | None:
+    """A launch shape for ``[m, k] @ [n, k].T``, or ``None`` when ``k`` has no usable tile.
+
+    From a sweep on an H200 (benchmarks/skinny_gemm_gpu.py): one row streams best with narrow column
+    tiles (8 weight rows of 512 features per step, many programs); several rows with 32 columns of
+    256 features. K is split only when the columns alone cannot fill the machine.
+    """
+    widest = 512 if m == 1 else 256
+    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= widest and k % b == 0), None)
+    if block_k is None:
+        return None
+    block_n = 8 if m == 1 else 32
+    split = 1
+    while -(-n // block_n) * split < 2 * num_sms and k % (block_k * split * 2) == 0 and k // (split * 2) >= 1024:
+        split *= 2
+    return SkinnyTiles(block_n, block_k, split, num_warps=4, num_stages=2 if m == 1 else 3)
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiles: SkinnyTiles | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` ``[M, K]`` with ``M <= 16``, ``weight`` ``[N, K]`` contiguous.
+
+    Raises:
+        ValueError: ``M`` above :data:`SKINNY_MAX_M`, or ``K`` not a multiple of the tile.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > SKINNY_MAX_M:
+        raise ValueError(f"skinny_linear takes at most {SKINNY_MAX_M} rows, got {m}")
+    tiles = tiles or default_tiles(m, n, k, num_sms(x.device))
+    if tiles is None or k % (tiles.block_k * tiles.split_k):
+        raise ValueError(f"input size {k} is not a multiple of the tile ({tiles})")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if tiles.split_k == 1:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    jit_module().skinny_gemm_kernel[(-(-n // tiles.block_n), tiles.split_k)](
+        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, USE_DOT=m > 1,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if tiles.split_k > 1:
+        y = y.to(x.dtype)
+    return y if bias is None else y + bias

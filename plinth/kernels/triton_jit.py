@@ -1,0 +1,138 @@
+"""Triton kernels for the small per-layer ops of a decoder and for skinny (decode) GEMMs.
+
+- ``rmsnorm_kernel``: ``h = x (+ residual)``; ``y = h * rsqrt(mean(h^2) + eps) * w`` (one row per program).
+- ``silu_mul_kernel``: ``y = silu(x[:, :d]) * x[:, d:]``.
+- ``rotary_kernel``: rotate-half RoPE of the q and k heads of one token, in place.
+- ``skinny_gemm_kernel``: ``y = x @ w.T`` for a few rows of ``x`` (decode batches), streaming each weight
+  tile once for all rows.
+
+Import through :func:`plinth.kernels.ops.jit_module` (which switches Triton to its interpreter first when
+``PLINTH_TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rmsnorm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,     # x, residual (read), weight, output, new residual (write)
+    N, stride_x, stride_r, stride_y, stride_h, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = x + r                                       # in the activation dtype, as the reference
+        tl.store(h_ptr + row * stride_h + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + row * stride_y + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, y_ptr, D, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr,
+    HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One token per program: every q head then every k head; features ``[0, 2*HALF)`` are rotated."""
+    t = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    for h0 in range(0, HQ, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        m = (h < HQ)[:, None] & dmask[None, :]
+        p = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
+        x1 = tl.load(p, mask=m, other=0.0)
+        x2 = tl.load(p + HALF, mask=m, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(p, (a * c1[None, :] - b * s1[None, :]).to(x1.dtype), mask=m)
+        tl.store(p + HALF, (b * c2[None, :] + a * s2[None, :]).to(x1.dtype), mask=m)
+    for h0 in range(0, HK, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        m = (h < HK)[:, None] & dmask[None, :]
+        p = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+        x1 = tl.load(p, mask=m, other=0.0)
+        x2 = tl.load(p + HALF, mask=m, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(p, (a * c1[None, :] - b * s1[None, :]).to(x1.dtype), mask=m)
+        tl.store(p + HALF, (b * c2[None, :] + a * s2[None, :]).to(x1.dtype), mask=m)
+
+
+@triton.jit
+def skinny_gemm_kernel(
+    x_ptr,              # [M, K] activations
+    w_ptr,              # [N, K] weight (nn.Linear layout)
+    y_ptr,              # [M, N] output (activation dtype, or float32 partial sums when SPLIT_K > 1)
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; ``K`` is a multiple of ``BLOCK_K * SPLIT_K``.
+
+    ``USE_DOT``: the rows padded to ``BLOCK_M >= 16`` go through ``tl.dot``; otherwise (``M == 1``)
+    a multiply-add over ``[BLOCK_N, BLOCK_K]`` tiles, reduced once at the end.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_len = K // SPLIT_K
+    k_begin = pid_k * k_len
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    if USE_DOT:
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, k_len, BLOCK_K):
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)                 # [BN, BK]
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)                 # [BM, BK]
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask)
+    else:
+        x_ptrs = x_ptr + offs_k
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for _ in range(0, k_len, BLOCK_K):
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)                 # [BN, BK]
+            x = tl.load(x_ptrs)                                                   # [BK] (row 0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc2, axis=1)                                                # [BN]
+        if SPLIT_K == 1:
+            tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            tl.atomic_add(y_ptr + offs_n, out, mask=mask_n)

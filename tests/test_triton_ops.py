@@ -1,0 +1,217 @@
+"""The fused per-layer Triton kernels and the skinny GEMMs, in Triton's CPU interpreter.
+
+float32 and float16 against float64 math (bfloat16 is garbage in the interpreter: the GPU test file
+tests/test_triton_ops_gpu.py covers it), the skinny decode paths of the W4A16 kernel with every tile
+variant, the per-shape method that routes decode rows, and a whole model whose norms, activations
+and rotary embeddings run through the kernels against the same model on its torch path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available() and os.environ.get("PLINTH_TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA present: tests/test_triton_ops_gpu.py covers the kernels", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from plinth.kernels import ops  # noqa: E402
+from plinth.model_registry.layers.rotary import apply_rotary  # noqa: E402
+from plinth.quantization.kernels.interface import GemmProblem  # noqa: E402
+from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel, skinny_tiles  # noqa: E402
+from plinth.quantization.quantizers import random_int_weights  # noqa: E402
+from plinth.quantization.selection import holder  # noqa: E402
+from plinth.worker.gpu_linear import SkinnyChoice, SkinnyLinearMethod  # noqa: E402
+
+
+def _import_interpreted() -> bool:
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PLINTH_TRITON_INTERPRET")}
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["PLINTH_TRITON_INTERPRET"] = "1"
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(ops.jit_module().rmsnorm_kernel, InterpretedFunction)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+INTERPRETED = _import_interpreted()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="triton was imported compiled earlier in this session; see test_in_a_fresh_process"
+)
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 2e-3
+
+
+@pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
+def test_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PLINTH_TRITON_INTERPRET", "1")
+
+
+@needs_interpreter
+@DTYPES
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 100, generator=g).to(dtype)         # 100: not a power of two (masked lanes)
+    r = torch.randn(5, 100, generator=g).to(dtype)
+    w = (torch.rand(100, generator=g) + 0.5).to(dtype)
+    h = (x + r) if with_residual else x
+    ref = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    out = ops.rms_norm(x, w, 1e-6, r if with_residual else None)
+    if with_residual:
+        out, new_residual = out
+        assert torch.equal(new_residual, x + r)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=_tol(dtype) * 4, rtol=_tol(dtype) * 4)
+
+
+@needs_interpreter
+@DTYPES
+def test_silu_and_mul(dtype):
+    x = torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gate, up = x.double().chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x).double(), F.silu(gate) * up, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+@needs_interpreter
+@DTYPES
+@pytest.mark.parametrize("heads,rot_dim", [((6, 2), 32), ((4, 4), 24)], ids=["gqa-full", "partial-rotary"])
+def test_rotary_in_place(dtype, heads, rot_dim):
+    hq, hk = heads
+    t, d = 4, 32
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q, k, _v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)              # views of the fused projection, as in a layer
+    pos = torch.tensor([0, 3, 17, 250])
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    freqs = pos.double()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    ref_q = apply_rotary(q.double(), emb.cos(), emb.sin())
+    ref_k = apply_rotary(k.double(), emb.cos(), emb.sin())
+    ops.rotary_(q, k, emb.cos().to(dtype), emb.sin().to(dtype))
+    tol = _tol(dtype) * 8
+    torch.testing.assert_close(q.double(), ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.double(), ref_k, atol=tol, rtol=tol)
+
+
+@needs_interpreter
+@DTYPES
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("tiles", [None, ops.SkinnyTiles(16, 64, 2), ops.SkinnyTiles(32, 128, 1)],
+                         ids=["default", "split-k", "wide"])
+def test_skinny_linear(dtype, m, tiles):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, 256, generator=g).to(dtype)
+    w = (torch.randn(72, 256, generator=g) * 0.1).to(dtype)   # 72 columns: a partial last tile
+    bias = torch.randn(72, generator=g).to(dtype)
+    ref = x.double() @ w.double().T + bias.double()
+    out = ops.skinny_linear(x, w, bias, tiles=tiles)
+    assert out.shape == (m, 72) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=_tol(dtype) * 20, rtol=_tol(dtype) * 4)
+
+
+def test_skinny_linear_rejects_what_it_cannot_run():
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        ops.skinny_linear(torch.zeros(17, 64), torch.zeros(8, 64))
+    with pytest.raises(ValueError, match="not a multiple"):
+        ops.skinny_linear(torch.zeros(1, 40), torch.zeros(8, 40))
+
+
+def _int4(n: int, k: int, group: int, dtype: torch.dtype):
+    weights = random_int_weights(n, k, 4, group, symmetric=False, act_order=False, device=torch.device("cpu"),
+                                 generator=torch.Generator().manual_seed(4))
+    problem = GemmProblem("int", dtype, "cpu", bits=4, group_size=group, shapes=((n, k),))
+    kernel = TritonW4A16Kernel(problem)
+    return kernel, holder(kernel.prepare(weights)), weights.dequantize(torch.float64)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("tiles", ["", "16,64,2,4,3", "32,32,4,4,3"], ids=["default", "split2", "split4"])
+def test_w4a16_skinny_paths(monkeypatch, dtype, m, tiles):
+    """The decode kernel (one row: nibble-axis multiply-add; several rows: tl.dot) against float64."""
+    if tiles:
+        monkeypatch.setenv("PLINTH_W4A16_SKINNY", tiles)
+    kernel, layer, dense = _int4(40, 256, 64, dtype)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ref = x.double() @ dense.T
+    out = kernel.apply(layer, x, None)
+    scale = ref.abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= (1e-5 if dtype == torch.float32 else 4e-3) * scale
+
+
+def test_w4a16_skinny_tiles_fit_the_input():
+    for m, n, k in ((1, 4096, 4096), (8, 28672, 4096), (1, 2048, 7168)):
+        t = skinny_tiles(m, n, k, 128, 132)
+        assert t is not None and t.block_k % 8 == 0 and k % (t.block_k * t.split_k) == 0
+    assert skinny_tiles(1, 64, 40, 40, 4) is None          # no tile of 16 or more divides 40 features
+
+
+@needs_interpreter
+def test_skinny_method_routes_rows(monkeypatch):
+    """Decode rows take the Triton kernel only where the choice says so; results equal F.linear."""
+    from plinth.model_registry.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(64, 48)
+    layer.weight.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(6))
+    layer.linear_method = SkinnyLinearMethod(layer.linear_method, SkinnyChoice(one_row=True, few_rows=False))
+    calls = []
+    real = ops.skinny_linear
+    monkeypatch.setattr(ops, "skinny_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    for m in (1, 4, 20):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    assert calls == [1]
+
+
+@needs_interpreter
+def test_model_with_fused_ops_matches_torch_path(monkeypatch, tiny_llama_dir):
+    """A whole Llama (float32, CPU) with its norms, SiLU and RoPE in the Triton kernels gives the
+    logits and greedy tokens of the same model on the torch path."""
+    from plinth import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "0123"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    monkeypatch.setenv("PLINTH_CPU_PACKED", "0")
+
+    def run(fused: bool):
+        monkeypatch.setattr(ops, "_TRITON_DEVICE_TYPES", ("cuda", "xpu", "cpu") if fused else ("cuda", "xpu"))
+        llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enforce_eager=True)
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            del llm
+
+    ref, fused = run(False), run(True)
+    for a, b in zip(ref, fused, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            tok = next(iter(la))
+            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4

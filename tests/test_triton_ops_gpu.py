@@ -1,0 +1,83 @@
+"""The fused per-layer kernels and the skinny GEMMs on a GPU, in bfloat16 at Llama-3-8B shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from plinth.kernels import ops  # noqa: E402
+from plinth.model_registry.layers.rotary import apply_rotary  # noqa: E402
+from plinth.quantization.kernels.interface import GemmProblem  # noqa: E402
+from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel  # noqa: E402
+from plinth.quantization.quantizers import random_int_weights  # noqa: E402
+from plinth.quantization.selection import holder  # noqa: E402
+from plinth.worker.gpu_linear import choose  # noqa: E402
+
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def test_rms_norm_bf16():
+    x, r = torch.randn(64, 4096, device=CUDA, dtype=BF16), torch.randn(64, 4096, device=CUDA, dtype=BF16)
+    w = torch.rand(4096, device=CUDA, dtype=BF16) + 0.5
+    y, h = ops.rms_norm(x, w, 1e-5, r)
+    ref_h = x + r
+    ref = w.float() * ref_h.float() * torch.rsqrt(ref_h.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(h, ref_h)
+    torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=1.6e-2)
+
+
+def test_silu_and_mul_bf16():
+    x = torch.randn(33, 2 * 14336, device=CUDA, dtype=BF16)
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x).float(), F.silu(gate) * up, atol=3e-2, rtol=1.6e-2)
+
+
+def test_rotary_bf16_llama3_heads():
+    t = 48
+    qkv = torch.randn(t, (32 + 16) * 128, device=CUDA, dtype=BF16)
+    q, k, _ = qkv.split([4096, 1024, 1024], dim=-1)
+    q, k = q.view(t, 32, 128), k.view(t, 8, 128)
+    pos = torch.randint(0, 8000, (t,), device=CUDA)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=CUDA, dtype=torch.float32) / 128))
+    emb = torch.cat([pos.float()[:, None] * inv] * 2, dim=-1)
+    cos, sin = emb.cos().to(BF16), emb.sin().to(BF16)
+    ref_q, ref_k = apply_rotary(q.float(), cos.float(), sin.float()), apply_rotary(k.float(), cos.float(), sin.float())
+    ops.rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q.float(), ref_q, atol=3e-2, rtol=1.6e-2)
+    torch.testing.assert_close(k.float(), ref_k, atol=3e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (128256, 4096), (3072, 2048)])
+def test_skinny_linear_bf16(m, n, k):
+    x = torch.randn(m, k, device=CUDA, dtype=BF16)
+    w = torch.randn(n, k, device=CUDA, dtype=BF16) * 0.02
+    ref = x.float() @ w.float().T
+    out = ops.skinny_linear(x, w)
+    assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_w4a16_paths_bf16(m):
+    n, k = 6144, 4096
+    weights = random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=CUDA,
+                                 generator=torch.Generator(device=CUDA).manual_seed(0))
+    kernel = TritonW4A16Kernel(GemmProblem("int", BF16, "cuda", capability=torch.cuda.get_device_capability(),
+                                           bits=4, group_size=128, shapes=((n, k),)))
+    layer = holder(kernel.prepare(weights))
+    x = torch.randn(m, k, device=CUDA, dtype=BF16)
+    ref = x.float() @ weights.dequantize(torch.float32).T
+    out = kernel.apply(layer, x, None)
+    assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+def test_choice_times_both_candidates():
+    ws = [torch.randn(4096, 4096, device=CUDA, dtype=BF16) for _ in range(2)]
+    choice, timings = choose(ws)
+    assert set(timings) == {1, 8} and all(v > 0 and t > 0 for v, t in timings.values())
+    assert choice.one_row == (timings[1][1] < timings[1][0])
