@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,13 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.model_registry.gguf_file import GGUFFile, open_gguf
 
 if TYPE_CHECKING:
     import gguf
     import torch
     import transformers
-
-_MAGIC = b"GGUF"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,46 +65,13 @@ _ROPE_FREQS = "rope_freqs.weight"
 # ----------------------------------------------------------------------------------------------- opening
 
 
-def _open_reader(path: str) -> gguf.GGUFReader:
-    """Open a GGUF file (memory-mapped), turning every way it can be unreadable into a ModelLoadError."""
-    import gguf
-
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"GGUF file {path!r} does not exist")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != _MAGIC:
-        raise ModelLoadError(f"{path!r} is not a GGUF file: it does not start with the bytes {_MAGIC!r}")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
-        raise ModelLoadError(f"GGUF file {path!r} is truncated or corrupt: {e}") from e
-    if _meta(reader, "split.count", 1) > 1:
-        raise ModelLoadError(
-            f"GGUF file {path!r} is one part of a split model; merge the parts into one file first "
-            "(llama.cpp's gguf-split --merge)"
-        )
-    if reader.byte_order != "I":
-        raise ModelLoadError(f"GGUF file {path!r} has the other byte order than this machine; convert it first")
-    size = os.path.getsize(path)
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size:
-            raise ModelLoadError(f"GGUF file {path!r} is truncated: tensor {tensor.name!r} runs past its end")
-    return reader
-
-
-def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def _float32_value(value: float) -> float:
     """A float32 metadata value as the shortest decimal that rounds to it (``1e-05``, not ``9.99999974e-06``)."""
     return float(str(np.float32(value)))
 
 
-def _architecture(reader: gguf.GGUFReader, path: str) -> tuple[str, _GGUFArchitecture]:
-    name = _meta(reader, "general.architecture")
+def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
+    name = reader.get("general.architecture")
     if name is None:
         raise ModelLoadError(f"GGUF file {path!r} has no general.architecture metadata")
     arch = _ARCHITECTURES.get(name)
@@ -115,7 +80,7 @@ def _architecture(reader: gguf.GGUFReader, path: str) -> tuple[str, _GGUFArchite
             f"GGUF file {path!r} has architecture {name!r}; supported GGUF architectures: "
             f"{', '.join(sorted(_ARCHITECTURES))}"
         )
-    if _meta(reader, f"{name}.expert_count", 0):
+    if reader.get(f"{name}.expert_count", 0):
         raise UnsupportedModelError(
             f"GGUF file {path!r} is a mixture-of-experts {name!r} model; GGUF loading supports dense "
             f"{', '.join(sorted(_ARCHITECTURES))} models only"
@@ -123,17 +88,12 @@ def _architecture(reader: gguf.GGUFReader, path: str) -> tuple[str, _GGUFArchite
     return name, arch
 
 
-def _hf_shape(tensor: Any) -> tuple[int, ...]:
-    # GGUF lists dimensions innermost first; Hugging Face (and numpy) outermost first.
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
-
-
 # ------------------------------------------------------------------------------------------------ config
 
 
-def _head_counts(reader: gguf.GGUFReader, name: str, path: str) -> tuple[int, int]:
-    n_heads = _meta(reader, f"{name}.attention.head_count")
-    n_kv_heads = _meta(reader, f"{name}.attention.head_count_kv", n_heads)
+def _head_counts(reader: GGUFFile, name: str, path: str) -> tuple[int, int]:
+    n_heads = reader.get(f"{name}.attention.head_count")
+    n_kv_heads = reader.get(f"{name}.attention.head_count_kv", n_heads)
     if not isinstance(n_heads, int) or not isinstance(n_kv_heads, int):
         raise ModelLoadError(
             f"GGUF file {path!r}: {name}.attention.head_count(_kv) must be one integer each, "
@@ -153,13 +113,13 @@ def _llama3_freq_factors(scaling: dict[str, Any], theta: float, head_dim: int) -
 
 
 def _rope_scaling(
-    reader: gguf.GGUFReader, name: str, theta: float, head_dim: int, path: str
+    reader: GGUFFile, name: str, theta: float, head_dim: int, path: str
 ) -> dict[str, Any] | None:
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is not None:
         # llama.cpp writes Llama 3's scaling as divisors only; recover the parameters and check they
         # reproduce every divisor (Llama 3.1/3.2/3.3 all use low 1, high 4, original length 8192).
-        factors = np.asarray(freqs.data, dtype=np.float64).reshape(-1)  # [head_dim // 2]
+        factors = np.asarray(reader.tensor_data(freqs), dtype=np.float64).reshape(-1)  # [head_dim // 2]
         scaling = {
             "rope_type": "llama3",
             "factor": float(factors.max()),
@@ -175,13 +135,13 @@ def _rope_scaling(
                 "(low_freq_factor 1, high_freq_factor 4, original length 8192), the only kind supported"
             )
         return scaling
-    kind = _meta(reader, f"{name}.rope.scaling.type", "none")
+    kind = reader.get(f"{name}.rope.scaling.type", "none")
     if kind == "none":
         return None
-    factor = _float32_value(_meta(reader, f"{name}.rope.scaling.factor", 1.0))
+    factor = _float32_value(reader.get(f"{name}.rope.scaling.factor", 1.0))
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
-    original = _meta(reader, f"{name}.rope.scaling.original_context_length")
+    original = reader.get(f"{name}.rope.scaling.original_context_length")
     if kind == "yarn" and original is not None:
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
     raise UnsupportedModelError(
@@ -205,30 +165,30 @@ def read_gguf_config(path: str) -> tuple[transformers.PretrainedConfig, str]:
     """
     from transformers import AutoConfig
 
-    reader = _open_reader(path)
+    reader = open_gguf(path)
     name, arch = _architecture(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"GGUF file {path!r} has no token_embd.weight tensor")
 
     def required(key: str) -> Any:
-        value = _meta(reader, f"{name}.{key}")
+        value = reader.get(f"{name}.{key}")
         if value is None:
             raise ModelLoadError(f"GGUF file {path!r} lacks the metadata key {name}.{key}")
         return value
 
     hidden_size = required("embedding_length")
     n_heads, n_kv_heads = _head_counts(reader, name, path)
-    head_dim = _meta(reader, f"{name}.attention.key_length", hidden_size // n_heads)
-    rotary_dim = _meta(reader, f"{name}.rope.dimension_count", head_dim)
+    head_dim = reader.get(f"{name}.attention.key_length", hidden_size // n_heads)
+    rotary_dim = reader.get(f"{name}.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise UnsupportedModelError(
             f"GGUF file {path!r} rotates {rotary_dim} of {head_dim} head dimensions; only full rotary is supported"
         )
-    rope_theta = _float32_value(_meta(reader, f"{name}.rope.freq_base", 10000.0))
+    rope_theta = _float32_value(reader.get(f"{name}.rope.freq_base", 10000.0))
     options: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
-        "vocab_size": _hf_shape(tensors["token_embd.weight"])[0],
+        "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden_size,
         "intermediate_size": required("feed_forward_length"),
         "num_hidden_layers": required("block_count"),
@@ -239,9 +199,9 @@ def read_gguf_config(path: str) -> tuple[transformers.PretrainedConfig, str]:
         "rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
+        "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
     if arch.model_type in ("llama", "qwen3"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
@@ -295,11 +255,11 @@ def iter_gguf_raw(path: str) -> Iterator[tuple[str, np.ndarray, gguf.GGMLQuantiz
         ModelLoadError: an unreadable file, or a tensor with no Hugging Face counterpart.
         UnsupportedModelError: an architecture without an implementation.
     """
-    return _iter_raw(_open_reader(path), path)
+    return _iter_raw(open_gguf(path), path)
 
 
 def _iter_raw(
-    reader: gguf.GGUFReader, path: str
+    reader: GGUFFile, path: str
 ) -> Iterator[tuple[str, np.ndarray, gguf.GGMLQuantizationType, tuple[int, ...]]]:
     name, arch = _architecture(reader, path)
     n_heads, n_kv_heads = _head_counts(reader, name, path)
@@ -311,7 +271,7 @@ def _iter_raw(
             raise ModelLoadError(
                 f"GGUF file {path!r}: tensor {tensor.name!r} has no counterpart in {arch.hf_architecture}"
             )
-        data = tensor.data
+        data = reader.tensor_data(tensor)
         if arch.permuted_qk and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
             heads = n_heads if ".q_proj." in hf_name else n_kv_heads
             if data.shape[0] % (2 * heads):
@@ -320,19 +280,7 @@ def _iter_raw(
                     f"not a multiple of 2 x {heads} heads"
                 )
             data = _unpermute_rows(data, heads)
-        yield hf_name, data, tensor.tensor_type, _hf_shape(tensor)
-
-
-def _dequantizable(ggml_type: gguf.GGMLQuantizationType) -> bool:
-    import gguf
-
-    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-    probe = np.zeros((1, type_size), dtype=np.uint8)  # one zero block
-    try:
-        gguf.quants.dequantize(probe, ggml_type)
-    except NotImplementedError:
-        return False
-    return True
+        yield hf_name, data, tensor.ggml_type, tensor.shape
 
 
 def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -346,57 +294,25 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
             before the first tensor is yielded).
         UnsupportedModelError: an architecture without an implementation.
     """
-    import gguf
-    import torch
+    from plinth.model_registry.gguf_dequant import can_dequantize, dequantize_tensor
 
-    reader = _open_reader(path)
-    for ggml_type in sorted({t.tensor_type for t in reader.tensors}):
-        if not _dequantizable(ggml_type):
-            tensor = next(t.name for t in reader.tensors if t.tensor_type == ggml_type)
+    reader = open_gguf(path)
+    for ggml_type in sorted({t.ggml_type for t in reader.tensors}):
+        if not can_dequantize(ggml_type):
+            tensor = next(t.name for t in reader.tensors if t.ggml_type == ggml_type)
             raise ModelLoadError(
                 f"GGUF file {path!r}: tensor {tensor!r} has type {ggml_type.name}, which cannot be dequantized"
             )
     for hf_name, data, ggml_type, shape in _iter_raw(reader, path):
-        values = gguf.quants.dequantize(data, ggml_type)  # float32 [*shape]
-        if not values.flags.writeable:  # a view of the read-only mapping: torch needs its own copy
-            values = values.copy()
-        yield hf_name, torch.from_numpy(values.reshape(shape)).to(dtype)
+        yield hf_name, dequantize_tensor(data, ggml_type, shape, dtype)
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
 
 
-def load_gguf_tokenizer(path: str) -> Any:
-    """A transformers tokenizer built from a GGUF file's metadata, offline.
+def load_gguf_tokenizer(path: str, use_cache: bool = True) -> Any:
+    """A transformers tokenizer built from a GGUF file's metadata, offline; see
+    :func:`plinth.model_registry.gguf_tokenizer.load_gguf_tokenizer` (cached on disk)."""
+    from plinth.model_registry.gguf_tokenizer import load_gguf_tokenizer as load
 
-    The chat template (``tokenizer.chat_template``) and the BOS/EOS/padding tokens are set from the
-    metadata.
-
-    Raises:
-        ModelLoadError: an unreadable file, or a tokenizer transformers cannot build.
-    """
-    from transformers import AutoTokenizer
-
-    path = os.path.abspath(path)
-    reader = _open_reader(path)
-    if _meta(reader, "tokenizer.ggml.model") is None or "tokenizer.ggml.tokens" not in reader.fields:
-        raise ModelLoadError(
-            f"GGUF file {path!r} holds no tokenizer (no tokenizer.ggml.model/tokens metadata); "
-            "give a tokenizer directory separately"
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    except (ValueError, KeyError, OSError) as e:
-        raise ModelLoadError(f"could not build a tokenizer from GGUF file {path!r}: {e}") from e
-    template = _meta(reader, "tokenizer.chat_template")
-    if template is not None:
-        tokenizer.chat_template = template
-    for attribute, key in (
-        ("bos_token", "tokenizer.ggml.bos_token_id"),
-        ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id"),
-    ):
-        token_id = _meta(reader, key)
-        if token_id is not None:
-            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
-    return tokenizer
+    return load(path, use_cache=use_cache)

@@ -1,0 +1,101 @@
+"""Dequantizing whole GGUF tensors at load time, fast for the block types small models ship in.
+
+``Q4_0``, ``Q4_1`` and ``Q8_0`` (ggml's published block layouts; see
+:mod:`plinth.quantization.kernels.gguf_blocks`) are expanded into one preallocated float32 buffer with
+in-place torch ops: no concatenations or per-element temporaries, a tenth of the time of the generic
+per-type functions on a 135M-parameter model. The arithmetic is the reference's, in float32 and in the
+same order (``d * q + m``, ``d * (q - 8)``, ``d * q``), then rounded once to the target dtype, so the
+result is bit-identical to ``gguf.quants.dequantize`` followed by ``.to(dtype)``. Other block types go
+through the generic torch functions, and types without one through ``gguf.quants``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30  # ggml type ids, fixed by the file format
+_BLOCK = 32
+
+
+def _scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """A float16 field at byte ``start`` of every block -> ``[rows, n_blocks, 1]`` float32."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles_into(out: torch.Tensor, qs: torch.Tensor) -> None:
+    """``[rows, n_blocks, 16]`` bytes -> ``out`` ``[rows, n_blocks, 32]``: low nibbles are elements 0-15."""
+    out[..., :16] = qs & 0xF
+    out[..., 16:] = qs >> 4
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(*blocks.shape[:-1], _BLOCK, dtype=torch.float32)  # [rows, n_blocks, 32]
+    _nibbles_into(out, blocks[..., 2:18])
+    return out.sub_(8).mul_(_scale(blocks, 0))
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(*blocks.shape[:-1], _BLOCK, dtype=torch.float32)  # [rows, n_blocks, 32]
+    _nibbles_into(out, blocks[..., 4:20])
+    return out.mul_(_scale(blocks, 0)).add_(_scale(blocks, 2))
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    out = blocks[..., 2:34].contiguous().view(torch.int8).float()  # [rows, n_blocks, 32]
+    return out.mul_(_scale(blocks, 0))
+
+
+_FAST = {Q4_0: (18, _q4_0), Q4_1: (20, _q4_1), Q8_0: (34, _q8_0)}
+
+
+def can_dequantize(ggml_type: Any) -> bool:
+    """Whether :func:`dequantize_tensor` handles this ``gguf.GGMLQuantizationType``."""
+    from plinth.quantization.kernels.gguf_blocks import BLOCK_TYPES
+
+    kind = int(ggml_type)
+    if kind in (F32, F16, BF16) or kind in _FAST or kind in BLOCK_TYPES:
+        return True
+    import gguf
+
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)  # one zero block
+    except NotImplementedError:
+        return False
+    return True
+
+
+def dequantize_tensor(data: np.ndarray, ggml_type: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One GGUF tensor as stored -> ``[*shape]`` of ``dtype``.
+
+    Args:
+        data: as :meth:`plinth.model_registry.gguf_file.GGUFFile.tensor_data` gives it: values for
+            float types, ``[*shape[:-1], bytes_per_row]`` uint8 blocks otherwise.
+        ggml_type: its ``gguf.GGMLQuantizationType``.
+        shape: the dequantized shape (outermost first).
+        dtype: the result's dtype.
+
+    Raises:
+        NotImplementedError: a type nothing here or in ``gguf.quants`` can dequantize.
+    """
+    kind = int(ggml_type)
+    if kind in (F32, F16):
+        return torch.from_numpy(np.array(data, copy=True)).reshape(shape).to(dtype)
+    rows = torch.from_numpy(np.array(data, copy=True).reshape(-1, data.shape[-1]))  # [rows, bytes_per_row]
+    if kind == BF16:
+        return rows.view(torch.bfloat16).reshape(shape).to(dtype)
+    if kind in _FAST:
+        type_size, expand = _FAST[kind]
+        blocks = rows.reshape(rows.shape[0], -1, type_size)  # [rows, n_blocks, type_size]
+        return expand(blocks).reshape(shape).to(dtype)
+    from plinth.quantization.kernels.gguf_blocks import BLOCK_TYPES, dequantize_blocks
+
+    if kind in BLOCK_TYPES:
+        return dequantize_blocks(rows, kind, shape[-1]).reshape(shape).to(dtype)
+    import gguf
+
+    values = gguf.quants.dequantize(data, ggml_type)  # float32 [*shape]; may raise NotImplementedError
+    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True).reshape(shape)).to(dtype)

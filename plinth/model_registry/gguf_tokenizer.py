@@ -1,0 +1,170 @@
+"""The tokenizer of a GGUF file: converted from its metadata once, then kept on disk.
+
+transformers builds a fast tokenizer from a GGUF file's vocabulary, merges and special-token ids; that
+takes seconds (it reads the whole header again with gguf's reader). The converted tokenizer is saved
+with ``save_pretrained`` under ``$PLINTH_CACHE_DIR/tokenizers/<key>/`` and later starts load it from there
+in a fraction of a second. An entry holds data only (``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja`` and plinth's own ``source.json``); it is loaded with ``trust_remote_code=False``,
+and an entry holding any other kind of file is ignored.
+
+The key is the GGUF file's real path, size and modification time, transformers' version and this
+module's format number: a changed file (or another transformers) gets a fresh conversion, and the entry
+of the file's previous state is removed when the new one is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from plinth.config import cache_dir
+from plinth.errors import ModelLoadError
+from plinth.model_registry.gguf_file import GGUFFile, open_gguf
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+_SOURCE_FILE = "source.json"  # written last: an entry without it is incomplete
+_DATA_SUFFIXES = (".json", ".jinja")
+_SPECIAL_TOKENS = (
+    ("bos_token", "tokenizer.ggml.bos_token_id"),
+    ("eos_token", "tokenizer.ggml.eos_token_id"),
+    ("pad_token", "tokenizer.ggml.padding_token_id"),
+)
+
+
+def _source_record(path: str) -> dict[str, Any]:
+    """What the cache entry of ``path`` is keyed by (and records, to be checked on load)."""
+    import transformers
+
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return {"format": CACHE_FORMAT, "source": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "transformers": transformers.__version__}
+
+
+def tokenizer_cache_entry(path: str) -> Path:
+    """The cache directory of the tokenizer of GGUF file ``path`` in its current state (may not exist)."""
+    record = _source_record(path)
+    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "tokenizers" / key
+
+
+def load_gguf_tokenizer(path: str, use_cache: bool = True) -> Any:
+    """A transformers tokenizer built from a GGUF file's metadata, offline.
+
+    The chat template (``tokenizer.chat_template``) and the BOS/EOS/padding tokens are set from the
+    metadata. With ``use_cache`` the converted tokenizer is read from (or written to) plinth's cache.
+
+    Raises:
+        ModelLoadError: an unreadable file, a file without a tokenizer, or a tokenizer transformers
+            cannot build.
+    """
+    path = os.path.abspath(path)
+    reader = open_gguf(path)
+    if reader.get("tokenizer.ggml.model") is None or "tokenizer.ggml.tokens" not in reader.metadata:
+        raise ModelLoadError(
+            f"GGUF file {path!r} holds no tokenizer (no tokenizer.ggml.model/tokens metadata); "
+            "give a tokenizer directory separately"
+        )
+    if not use_cache:
+        return _convert(path, reader)
+    record = _source_record(path)
+    entry = tokenizer_cache_entry(path)
+    start = time.perf_counter()
+    tokenizer = _load_entry(entry, record)
+    if tokenizer is not None:
+        logger.info("tokenizer of %s from the cache %s in %.2f s", os.path.basename(path), entry,
+                    time.perf_counter() - start)
+        return tokenizer
+    tokenizer = _convert(path, reader)
+    logger.info("tokenizer of %s converted from its metadata in %.2f s", os.path.basename(path),
+                time.perf_counter() - start)
+    _store_entry(tokenizer, entry, record)
+    return tokenizer
+
+
+def _convert(path: str, reader: GGUFFile) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"could not build a tokenizer from GGUF file {path!r}: {e}") from e
+    template = reader.get("tokenizer.chat_template")
+    if template is not None:
+        tokenizer.chat_template = template
+    for attribute, key in _SPECIAL_TOKENS:
+        token_id = reader.get(key)
+        if token_id is not None:
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
+    return tokenizer
+
+
+def _load_entry(entry: Path, record: dict[str, Any]) -> Any:
+    """The tokenizer saved in ``entry``; None when there is none, or it is incomplete, foreign or unreadable."""
+    from transformers import AutoTokenizer
+
+    try:
+        saved = json.loads((entry / _SOURCE_FILE).read_text(encoding="utf-8"))
+        names = os.listdir(entry)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring the tokenizer cache entry %s: %s", entry, e)
+        return None
+    if saved != record:
+        logger.warning("ignoring the tokenizer cache entry %s: it was made from %s", entry, saved)
+        return None
+    foreign = [n for n in names if not n.endswith(_DATA_SUFFIXES)]
+    if foreign:
+        logger.warning("ignoring the tokenizer cache entry %s: it holds files other than JSON and templates: %s",
+                       entry, ", ".join(sorted(foreign)))
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(entry), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        logger.warning("ignoring the tokenizer cache entry %s: %s", entry, e)
+        return None
+
+
+def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
+    """Save ``tokenizer`` as ``entry`` atomically (a temporary directory renamed into place), then drop
+    the entries of earlier states of the same file. A cache that cannot be written is only a warning."""
+    root = entry.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
+    except OSError as e:
+        logger.warning("could not write the tokenizer cache under %s: %s", root, e)
+        return
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _SOURCE_FILE).write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like the model files
+        os.rename(tmp, entry)
+    except OSError as e:
+        if not (entry / _SOURCE_FILE).is_file():  # not another process's finished entry
+            logger.warning("could not write the tokenizer cache entry %s: %s", entry, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    _remove_stale_entries(root, entry.name, record["source"])
+
+
+def _remove_stale_entries(root: Path, keep: str, source: str) -> None:
+    for other in root.iterdir():
+        if other.name == keep or other.name.startswith("."):
+            continue
+        try:
+            saved = json.loads((other / _SOURCE_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(saved, dict) and saved.get("source") == source:
+            shutil.rmtree(other, ignore_errors=True)

@@ -1,0 +1,326 @@
+"""Start-up caches: one parse of a GGUF file per process, the converted tokenizer on disk, fast dequantization.
+
+References: gguf's own reader (``gguf.GGUFReader``) for every metadata value and tensor, gguf's numpy
+dequantizers for the weights, and a tokenizer converted afresh from the file's metadata (transformers'
+GGUF conversion) for the cached one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from plinth.errors import ModelLoadError
+from plinth.model_registry import gguf_tokenizer
+from plinth.model_registry.gguf_dequant import dequantize_tensor
+from plinth.model_registry.gguf_file import GGUFFile, clear_gguf_cache, open_gguf
+from plinth.model_registry.gguf_loader import iter_gguf_raw, iter_gguf_weights, read_gguf_config
+from plinth.model_registry.gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_entry
+
+Q = gguf.GGMLQuantizationType
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "<|im_start|>user\nCaf\u00e9 na\u00efve \u4f60\u597d\u4e16\u754c \U0001f600<|im_end|>\n<|im_start|>assistant\n",
+    "  leading spaces, tabs\tand\n\nnewlines  ",
+    "0123456789 + - * / = ( ) [ ] { } < > ! ? , . ; :",
+    "",
+]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    clear_gguf_cache()
+    yield tmp_path / "cache"
+    clear_gguf_cache()
+
+
+def bpe_tokenizer_metadata() -> dict:
+    """The conftest's byte-level BPE tokenizer as GGUF metadata (llama.cpp's "gpt2" tokenizer model)."""
+    from conftest import make_tokenizer
+
+    state = json.loads(make_tokenizer().backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {a["content"]: a["id"] for a in state["added_tokens"]}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in state["model"]["merges"]]
+    return {"tokens": tokens, "merges": merges, "special": special}
+
+
+def write_small_gguf(path, template: str = TEMPLATE, tokenizer: bool = True, qtype=Q.Q4_1, seed: int = 0) -> str:
+    """A 2-layer llama GGUF with a BPE tokenizer, metadata of every scalar kind, and quantized weights."""
+    rng = np.random.default_rng(seed)
+    meta = bpe_tokenizer_metadata()
+    vocab, hidden, inter, layers = len(meta["tokens"]), 64, 128, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(16)
+    for add, key, value in ((w.add_uint8, "test.u8", 200), (w.add_int8, "test.i8", -5), (w.add_uint16, "test.u16", 60000),
+                            (w.add_int16, "test.i16", -300), (w.add_uint32, "test.u32", 4_000_000_000),
+                            (w.add_int32, "test.i32", -7), (w.add_uint64, "test.u64", 2**60), (w.add_int64, "test.i64", -(2**40)),
+                            (w.add_float32, "test.f32", 0.1), (w.add_float64, "test.f64", 0.1), (w.add_bool, "test.bool", True),
+                            (w.add_string, "test.str", "caf\u00e9"), (w.add_array, "test.ints", [1, 2, 3]),
+                            (w.add_array, "test.floats", [0.5, -1.5])):
+        add(key, value)
+    if tokenizer:
+        special = meta["special"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(meta["tokens"])
+        w.add_token_merges(meta["merges"])
+        w.add_token_types([3 if t in special else 1 for t in meta["tokens"]])
+        w.add_bos_token_id(special["<|im_start|>"])
+        w.add_eos_token_id(special["<|im_end|>"])
+        w.add_pad_token_id(special["<|endoftext|>"])
+        w.add_chat_template(template)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                   f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (32, hidden),
+                   f"blk.{i}.attn_v.weight": (32, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, inter)}
+    for name, shape in shapes.items():
+        data = rng.normal(0, 0.05, shape).astype(np.float32)
+        if len(shape) == 2:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def count_parses(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    original = GGUFFile.parse.__func__
+
+    def counting(cls, path):
+        calls.append(path)
+        return original(cls, path)
+
+    monkeypatch.setattr(GGUFFile, "parse", classmethod(counting))
+    return calls
+
+
+# ------------------------------------------------------------------------------------------ the reader
+
+
+def test_header_equals_gguf_reader(tmp_path):
+    path = write_small_gguf(tmp_path / "m.gguf")
+    ours = open_gguf(path)
+    theirs = gguf.GGUFReader(path)
+    assert list(ours.metadata) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):  # the reader's pseudo-fields for the header counts
+            continue
+        assert ours.metadata[key] == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.ggml_type == ref.tensor_type and mine.offset == ref.data_offset and mine.n_bytes == ref.n_bytes
+        assert mine.shape == tuple(reversed(ref.shape.tolist()))
+        data = ours.tensor_data(mine)
+        assert data.dtype == ref.data.dtype and data.shape == ref.data.shape and not data.flags.writeable
+        assert np.array_equal(data, ref.data), mine.name
+
+
+def test_one_parse_per_file_and_process(tmp_path, monkeypatch):
+    """Config, raw tensors, weights and tokenizer of one start read one parsed header."""
+    path = write_small_gguf(tmp_path / "m.gguf")
+    parses = count_parses(monkeypatch)
+    read_gguf_config(path)
+    list(iter_gguf_raw(path))
+    list(iter_gguf_weights(path, torch.bfloat16))
+    load_gguf_tokenizer(path)
+    assert len(parses) == 1
+    assert open_gguf(path) is open_gguf(os.path.join(str(tmp_path), ".", "m.gguf"))
+    assert len(parses) == 1
+
+
+def test_changed_file_is_parsed_again(tmp_path, monkeypatch):
+    path = write_small_gguf(tmp_path / "m.gguf")
+    parses = count_parses(monkeypatch)
+    first = open_gguf(path)
+    os.replace(write_small_gguf(tmp_path / "other.gguf", seed=1), path)  # new contents, new inode
+    second = open_gguf(path)
+    assert second is not first and len(parses) == 2
+    name = "blk.0.attn_q.weight"
+    tensor = next(t for t in second.tensors if t.name == name)
+    assert np.array_equal(second.tensor_data(tensor), gguf.GGUFReader(path).get_tensor(
+        [t.name for t in gguf.GGUFReader(path).tensors].index(name)).data)
+    # a rewrite in place (same inode) with a new modification time is seen as well
+    with open(path, "r+b") as f:
+        f.write(b"GGUF")
+    os.utime(path, ns=(second.identity[3] + 10**9, second.identity[3] + 10**9))
+    assert open_gguf(path) is not second and len(parses) == 3
+
+
+@pytest.mark.parametrize("damage", ["version", "alignment", "count"])
+def test_corrupt_header_is_a_model_load_error(tmp_path, damage):
+    path = write_small_gguf(tmp_path / "m.gguf", tokenizer=False)
+    data = bytearray(open(path, "rb").read())
+    if damage == "version":
+        data[4:8] = (1).to_bytes(4, "little")
+        match = "version 1; supported versions: 2, 3"
+    elif damage == "count":
+        data[16:24] = (2**62).to_bytes(8, "little")  # metadata count far beyond the file
+        match = "truncated or corrupt"
+    else:
+        data[4:8] = (3 << 16).to_bytes(4, "little")  # how a big-endian file's version reads here
+        match = "other byte order"
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=match):
+        open_gguf(str(tmp_path / "bad.gguf"))
+
+
+# --------------------------------------------------------------------------------------- dequantizing
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_equals_gguf(qtype, dtype):
+    values = np.random.default_rng(int(qtype)).normal(0, 0.05, (48, 256)).astype(np.float32)
+    stored = gguf.quants.quantize(values, qtype)
+    want = torch.from_numpy(np.asarray(gguf.quants.dequantize(stored, qtype), dtype=np.float32)).to(dtype)
+    got = dequantize_tensor(stored, qtype, (48, 256), dtype)
+    assert got.dtype == dtype and got.shape == (48, 256)
+    assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------ tokenizer cache
+
+
+def assert_same_tokenizer(got, want):
+    for text in TEXTS:
+        for special in (True, False):
+            ids = want(text, add_special_tokens=special)["input_ids"]
+            assert got(text, add_special_tokens=special)["input_ids"] == ids, text
+            assert got.decode(ids) == want.decode(ids)
+            assert got.decode(ids, skip_special_tokens=True) == want.decode(ids, skip_special_tokens=True)
+    assert (got.bos_token, got.eos_token, got.pad_token) == (want.bos_token, want.eos_token, want.pad_token)
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (want.bos_token_id, want.eos_token_id,
+                                                                      want.pad_token_id)
+    assert got.chat_template == want.chat_template and len(got) == len(want)
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    assert got.apply_chat_template(messages, tokenize=False) == want.apply_chat_template(messages, tokenize=False)
+
+
+def count_conversions(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    original = gguf_tokenizer._convert
+
+    def counting(path, reader):
+        calls.append(path)
+        return original(path, reader)
+
+    monkeypatch.setattr(gguf_tokenizer, "_convert", counting)
+    return calls
+
+
+def test_tokenizer_cached_on_disk_and_identical(tmp_path, monkeypatch, private_cache):
+    path = write_small_gguf(tmp_path / "m.gguf")
+    fresh = load_gguf_tokenizer(path, use_cache=False)
+    conversions = count_conversions(monkeypatch)
+    first = load_gguf_tokenizer(path)
+    entry = tokenizer_cache_entry(path)
+    assert entry.parent == private_cache / "tokenizers" and len(conversions) == 1
+    assert sorted(os.listdir(entry)) == ["chat_template.jinja", "source.json", "tokenizer.json", "tokenizer_config.json"]
+    clear_gguf_cache()  # as a new process would
+    cached = load_gguf_tokenizer(path)
+    assert len(conversions) == 1  # the second load read the disk cache
+    assert_same_tokenizer(first, fresh)
+    assert_same_tokenizer(cached, fresh)
+    assert cached.eos_token == "<|im_end|>" and cached.chat_template == TEMPLATE
+
+
+def test_tokenizer_cache_invalidated_when_the_file_changes(tmp_path, monkeypatch, private_cache):
+    path = write_small_gguf(tmp_path / "m.gguf")
+    conversions = count_conversions(monkeypatch)
+    old_entry = tokenizer_cache_entry(path)
+    assert load_gguf_tokenizer(path).chat_template == TEMPLATE
+    other = TEMPLATE.replace("<|im_end|>", "<|endoftext|>")
+    os.replace(write_small_gguf(tmp_path / "new.gguf", template=other), path)
+    os.utime(path, ns=(os.stat(path).st_mtime_ns + 10**9,) * 2)
+    new = load_gguf_tokenizer(path)
+    assert len(conversions) == 2 and new.chat_template == other
+    assert tokenizer_cache_entry(path) != old_entry
+    assert os.listdir(private_cache / "tokenizers") == [tokenizer_cache_entry(path).name]  # the old entry is gone
+    assert_same_tokenizer(new, load_gguf_tokenizer(path, use_cache=False))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign_file", "other_source"])
+def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog, damage):
+    path = write_small_gguf(tmp_path / "m.gguf")
+    load_gguf_tokenizer(path)
+    entry = tokenizer_cache_entry(path)
+    if damage == "truncated":
+        data = (entry / "tokenizer.json").read_bytes()
+        (entry / "tokenizer.json").write_bytes(data[: len(data) // 2])
+    elif damage == "foreign_file":
+        (entry / "tokenizer.py").write_text("raise SystemExit('code in a cache entry must never run')\n")
+    else:
+        record = json.loads((entry / "source.json").read_text())
+        (entry / "source.json").write_text(json.dumps({**record, "size": record["size"] + 1}))
+    conversions = count_conversions(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger=gguf_tokenizer.__name__):
+        tokenizer = load_gguf_tokenizer(path)
+    assert len(conversions) == 1 and "ignoring the tokenizer cache entry" in caplog.text
+    assert_same_tokenizer(tokenizer, load_gguf_tokenizer(path, use_cache=False))
+
+
+def test_unwritable_cache_still_loads(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(blocker / "cache"))
+    path = write_small_gguf(tmp_path / "m.gguf")
+    with caplog.at_level(logging.WARNING, logger=gguf_tokenizer.__name__):
+        tokenizer = load_gguf_tokenizer(path)
+    assert "could not write the tokenizer cache" in caplog.text
+    assert_same_tokenizer(tokenizer, load_gguf_tokenizer(path, use_cache=False))
+
+
+# ----------------------------------------------------------------------------- the real default model
+
+
+@pytest.fixture(scope="module")
+def default_gguf():
+    from plinth.model_registry.default_model import default_model_path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PLINTH_DEFAULT_MODEL", raising=False)
+        mp.delenv("PLINTH_CACHE_DIR", raising=False)
+        return default_model_path()
+
+
+@pytest.mark.slow
+def test_default_model_header_and_tokenizer(default_gguf, monkeypatch):
+    ours = open_gguf(default_gguf)
+    theirs = gguf.GGUFReader(default_gguf)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.chat_template", "llama.block_count", "general.architecture"):
+        assert ours.metadata[key] == theirs.fields[key].contents(), key
+    assert [(t.name, t.offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in theirs.tensors]
+    conversions = count_conversions(monkeypatch)
+    load_gguf_tokenizer(default_gguf)
+    clear_gguf_cache()
+    cached = load_gguf_tokenizer(default_gguf)
+    assert len(conversions) == 1
+    assert_same_tokenizer(cached, load_gguf_tokenizer(default_gguf, use_cache=False))
+
