@@ -115,8 +115,9 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     from plinth.quantization.selection import holder
 
     out = []
-    sweep = [f"{bn},{bk},{sp},{w},{st}" for bn, bk, sp, w, st in itertools.product(
-        (4, 8, 16, 32), (256, 512, 1024), (1, 2), (4,), (2, 3))]
+    from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
+
+    sweep = [f"{bn},{sp},{w},{st}" for bn, sp, w, st in itertools.product((4, 8, 16, 32), (1, 2, 4), (4,), (2, 3))]
     for name in a.shapes.split(","):
         if name == "lm_head":
             continue
@@ -124,13 +125,16 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
         problem = GemmProblem("int", torch.bfloat16, "cuda", capability=torch.cuda.get_device_capability(),
                               bits=4, group_size=128, shapes=((n, k),))
         kernel = TritonW4A16Kernel(problem)
+        tinygemm = TorchInt4PackKernel(problem) if TorchInt4PackKernel.supports(problem) else None
         copies = a.copies
-        layers, dense = [], []
+        layers, dense, packed = [], [], []
         for c in range(copies):
             gen = torch.Generator(device="cuda").manual_seed(c)
             w = random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=torch.device("cuda"),
                                    generator=gen)
             layers.append(holder(kernel.prepare(w)))
+            if tinygemm is not None:
+                packed.append(holder(tinygemm.prepare(w)))
             if c == 0:
                 dense.append(w.dequantize(torch.bfloat16))
         gbytes = (n * k / 2 + 2 * n * (k // 128) * 4) / 1e9
@@ -140,17 +144,16 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
             rec: dict[str, Any] = {"part": "w4a16", "shape": name, "n": n, "k": k, "m": m}
             t = graph_time(lambda i: F.linear(x, dense[0]), 1, a.replays)
             rec["dequant_cublas_ms"] = t
-            os.environ.pop("PLINTH_W4A16_SKINNY", None)
+            os.environ.pop("PLINTH_W4A16_GEMV", None)
             t = graph_time(lambda i: kernel.apply(layers[i], x, None), copies, a.replays)
             err = (kernel.apply(layers[0], x, None).float() - ref).abs().max().item() / ref.abs().max().item()
             rec["default_ms"], rec["default_tbs"], rec["default_rel_err"] = t, gbytes / t, err
-            if not a.quick and m <= 16:
+            if tinygemm is not None:
+                rec["int4pack_ms"] = graph_time(lambda i: tinygemm.apply(packed[i], x, None), copies, a.replays)
+            if not a.quick and m == 1:
                 best = None
                 for tiles in sweep:
-                    bn, bk, sp, _w, _s = (int(v) for v in tiles.split(","))
-                    if k % (bk * sp):
-                        continue
-                    os.environ["PLINTH_W4A16_SKINNY"] = tiles
+                    os.environ["PLINTH_W4A16_GEMV"] = tiles
                     try:
                         t = graph_time(lambda i: kernel.apply(layers[i], x, None), copies, a.replays)
                     except Exception as exc:  # noqa: BLE001
@@ -159,7 +162,7 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
                     if best is None or t < best[0]:
                         err = (kernel.apply(layers[0], x, None).float() - ref).abs().max().item() / ref.abs().max().item()
                         best = (t, tiles, err)
-                os.environ.pop("PLINTH_W4A16_SKINNY", None)
+                os.environ.pop("PLINTH_W4A16_GEMV", None)
                 if best is not None:
                     rec["best_ms"], rec["best_tbs"], rec["best_tiles"], rec["best_rel_err"] = (
                         best[0], gbytes / best[0], best[1], best[2])

@@ -25,7 +25,7 @@ if importlib.util.find_spec("triton") is None:
 from plinth.kernels import ops  # noqa: E402
 from plinth.model_registry.layers.rotary import apply_rotary  # noqa: E402
 from plinth.quantization.kernels.interface import GemmProblem  # noqa: E402
-from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel, skinny_tiles  # noqa: E402
+from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel, interleave_tile  # noqa: E402
 from plinth.quantization.quantizers import random_int_weights  # noqa: E402
 from plinth.quantization.selection import holder  # noqa: E402
 from plinth.worker.gpu_linear import SkinnyChoice, SkinnyLinearMethod  # noqa: E402
@@ -154,24 +154,29 @@ def _int4(n: int, k: int, group: int, dtype: torch.dtype):
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("tiles", ["", "16,64,2,4,3", "32,32,4,4,3"], ids=["default", "split2", "split4"])
-def test_w4a16_skinny_paths(monkeypatch, dtype, m, tiles):
-    """The decode kernel (one row: nibble-axis multiply-add; several rows: tl.dot) against float64."""
-    if tiles:
-        monkeypatch.setenv("PLINTH_W4A16_SKINNY", tiles)
-    kernel, layer, dense = _int4(40, 256, 64, dtype)
-    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(5)).to(dtype)
+@pytest.mark.parametrize("group,k", [(64, 256), (32, 384), (128, 1024)])
+@pytest.mark.parametrize("launch", ["", "8,2,4,3", "16,4,4,2"], ids=["default", "split2", "split4"])
+def test_w4a16_interleaved_paths(monkeypatch, dtype, m, group, k, launch):
+    """One row (the GEMV over interleaved words) and several rows (the tiled GEMM reading the same
+    layout) against float64 math on the dequantized weight."""
+    tile = interleave_tile(k, group)
+    if launch and k % (tile * int(launch.split(",")[1])):
+        pytest.skip("the split does not divide this input size")
+    if launch:
+        monkeypatch.setenv("PLINTH_W4A16_GEMV", launch)
+    kernel, layer, dense = _int4(40, k, group, dtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = x.double() @ dense.T
     out = kernel.apply(layer, x, None)
     scale = ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= (1e-5 if dtype == torch.float32 else 4e-3) * scale
 
 
-def test_w4a16_skinny_tiles_fit_the_input():
-    for m, n, k in ((1, 4096, 4096), (8, 28672, 4096), (1, 2048, 7168)):
-        t = skinny_tiles(m, n, k, 128, 132)
-        assert t is not None and t.block_k % 8 == 0 and k % (t.block_k * t.split_k) == 0
-    assert skinny_tiles(1, 64, 40, 40, 4) is None          # no tile of 16 or more divides 40 features
+def test_interleave_tile_fits_groups_and_inputs():
+    for k, group in ((4096, 128), (14336, 128), (384, 32), (4096, 4096), (576, 32)):
+        t = interleave_tile(k, group)
+        assert k % t == 0 and group % (t // 8) == 0
+    assert interleave_tile(4096, 128) == 512 and interleave_tile(384, 32) == 128
 
 
 @needs_interpreter

@@ -77,6 +77,8 @@ def _time(fn: Any, xs: list[torch.Tensor], weights: list[torch.Tensor]) -> float
 
 
 def _skinny_eligible(weight: torch.Tensor) -> bool:
+    if weight.dim() != 2:
+        return False
     n, k = weight.shape
     return (weight.dtype in (torch.float16, torch.bfloat16) and weight.is_contiguous()
             and ops.default_tiles(1, n, k, ops.num_sms(weight.device)) is not None)

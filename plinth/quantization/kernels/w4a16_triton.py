@@ -76,44 +76,54 @@ def choose_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16
     return W4A16Tiles(block_m, block_n, block_k, split, warps, stages)
 
 
-#: the most rows that take the decode (skinny) kernel
-SKINNY_MAX_M = 16
+def interleave_tile(k: int, group_size: int) -> int:
+    """The span of input features the packed words interleave (see the kernel module): the widest of
+    512..16 that divides ``k`` and whose eighth divides the group."""
+    return next((t for t in (512, 256, 128, 64, 32, 16) if k % t == 0 and group_size % (t // 8) == 0), 16)
 
 
-def skinny_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16Tiles | None:
-    """Tiles of the decode kernel, or ``None`` when ``k`` has no usable tile.
+def interleave_codes(q: torch.Tensor, tile: int) -> torch.Tensor:
+    """``[N, K]`` codes reordered so that packing runs of eight gives the interleaved words."""
+    n, k = q.shape
+    return q.reshape(n, k // tile, 8, tile // 8).transpose(2, 3).reshape(n, k)
 
-    ``PLINTH_W4A16_SKINNY="BN,BK,SPLIT,WARPS,STAGES"`` overrides (for tuning sweeps).
-    """
-    override = os.environ.get("PLINTH_W4A16_SKINNY")
+
+@dataclasses.dataclass(frozen=True)
+class GemvTiles:
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemv_tiles(n: int, k: int, tile: int, num_sms: int) -> GemvTiles:
+    """The one-row kernel's launch; ``PLINTH_W4A16_GEMV="BN,SPLIT,WARPS,STAGES"`` overrides (tuning sweeps)."""
+    override = os.environ.get("PLINTH_W4A16_GEMV")
     if override:
-        bn, bk, split, warps, stages = (int(v) for v in override.split(","))
-        if k % (bk * split) == 0:
-            return W4A16Tiles(16, bn, bk, split, warps, stages)
-    widest = 1024 if m == 1 else 256
-    block_k = next((b for b in (1024, 512, 256, 128, 64, 32, 16) if b <= widest and k % b == 0), None)
-    if block_k is None:
-        return None
-    block_n = 8 if m == 1 else 32
+        bn, split, warps, stages = (int(v) for v in override.split(","))
+        if k % (tile * split) == 0:
+            return GemvTiles(bn, split, warps, stages)
+    block_n = 16
     split = 1
-    while -(-n // block_n) * split < 2 * num_sms and k % (block_k * split * 2) == 0 and k // (split * 2) >= 1024:
+    while -(-n // block_n) * split < 2 * num_sms and k % (tile * split * 2) == 0 and k // (split * 2) >= 1024:
         split *= 2
-    return W4A16Tiles(16, block_n, block_k, split, 4, 3)
+    return GemvTiles(block_n, split, 4, 3)
 
 
-def _skinny(jit: ModuleType, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group: int,
-            t: W4A16Tiles) -> torch.Tensor:
-    m, k = x.shape
+def _gemv(jit: ModuleType, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group: int,
+          tile: int, sms: int) -> torch.Tensor:
+    k = x.shape[1]
     n = layer.w4_qweight.shape[0]
+    t = gemv_tiles(n, k, tile, sms)
     if t.split_k == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     else:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    jit.w4a16_skinny_kernel[(-(-n // t.block_n), t.split_k)](
-        x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out, m, n, k,
-        x.stride(0), layer.w4_qweight.stride(0), layer.w4_scales.stride(0), out.stride(0),
-        GROUP_SIZE=group, BLOCK_M=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, USE_DOT=m > 1,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps, num_stages=t.num_stages,
+        out = torch.zeros(1, n, dtype=torch.float32, device=x.device)
+    jit.w4a16_gemv_kernel[(-(-n // t.block_n), t.split_k)](
+        x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out, n, k,
+        layer.w4_qweight.stride(0), layer.w4_scales.stride(0),
+        GROUP_SIZE=group, TILE=tile, BLOCK_N=t.block_n, SPLIT_K=t.split_k,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     out = out.to(x.dtype)
     return out if bias is None else out + bias
@@ -148,8 +158,10 @@ class TritonW4A16Kernel(GemmKernel):
         return Support.yes()
 
     def prepare(self, weights: IntWeights) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        n, k = weights.q.shape
+        tile = interleave_tile(k, weights.group_size or k)
         return {
-            "w4_qweight": pack_int32(weights.q, 4, dim=1),                  # [N, K/8]
+            "w4_qweight": pack_int32(interleave_codes(weights.q, tile), 4, dim=1),   # [N, K/8] interleaved
             "w4_scales": weights.scales.to(torch.float32).contiguous(),     # [N, G]
             "w4_zeros": weights.zeros.to(torch.float32).contiguous(),
             **perm_state(weights),
@@ -162,8 +174,9 @@ class TritonW4A16Kernel(GemmKernel):
         n = layer.w4_qweight.shape[0]
         group = k // layer.w4_scales.shape[1]
         sms = _INTERPRETER_SMS if interpret_requested() else _num_sms(x.device.type, x.device.index)
-        if m <= SKINNY_MAX_M and (tiles := skinny_tiles(m, n, k, group, sms)) is not None:
-            return _skinny(jit, layer, x, bias, group, tiles)
+        tile = interleave_tile(k, group)
+        if m == 1 and x.is_contiguous():
+            return _gemv(jit, layer, x, bias, group, tile, sms)
         t = choose_tiles(m, n, k, group, sms)
         if t.split_k == 1:
             out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -177,7 +190,7 @@ class TritonW4A16Kernel(GemmKernel):
             layer.w4_qweight.stride(1), layer.w4_qweight.stride(0),   # read as [K/8, N]
             layer.w4_scales.stride(1), layer.w4_scales.stride(0),     # read as [G, N]
             out.stride(0), out.stride(1),
-            GROUP_SIZE=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
+            GROUP_SIZE=group, TILE=tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=t.num_warps, num_stages=t.num_stages,
         )

@@ -1,8 +1,10 @@
 """The Triton W4A16 GEMM: ``c = a @ ((q - z) * s)`` with 4-bit codes unpacked in registers.
 
 Weight layout (made by :class:`~plinth.quantization.kernels.w4a16_triton.TritonW4A16Kernel`):
-``q`` int32 ``[K / 8, N]``, code of input feature ``k`` in nibble ``k % 8`` of word row ``k // 8``
-(GPTQ's order: loads along N are contiguous); ``s`` and ``z`` float32 ``[K / GROUP_SIZE, N]``.
+``q`` int32 ``[N, K / 8]``, interleaved in spans of ``TILE`` input features: within span ``t``, word
+``t * TILE / 8 + w`` holds in nibble ``j`` the code of feature ``t * TILE + j * TILE / 8 + w``. A decode
+row then unpacks each nibble plane of a ``[BLOCK_N, TILE / 8]`` word tile against a contiguous slice
+of ``x``. ``s`` and ``z`` float32 ``[N, K / GROUP_SIZE]``.
 
 Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``. ``BLOCK_K`` divides ``GROUP_SIZE``, so each
 K tile needs one row of scales and zero points. With ``SPLIT_K > 1`` the programs of one output
@@ -32,6 +34,7 @@ def w4a16_gemm_kernel(
     stride_sg, stride_sn,
     stride_cm, stride_cn,
     GROUP_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -45,13 +48,16 @@ def w4a16_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    shifts = (tl.arange(0, BLOCK_K) % 8) * 4                                   # [BK]
+    SPAN: tl.constexpr = TILE // 8
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
                     mask=mask_m[:, None], other=0.0)                            # [BM, BK]
-        packed = tl.load(q_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :] * stride_qn,
+        within = offs_k % TILE
+        word = (offs_k // TILE) * SPAN + within % SPAN                           # [BK]
+        shifts = (within // SPAN) * 4
+        packed = tl.load(q_ptr + word[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                          mask=mask_n[None, :], other=0)                         # [BK, BN] int32
         codes = (packed >> shifts[:, None]) & 0xF
         group = k0 // GROUP_SIZE
@@ -68,71 +74,39 @@ def w4a16_gemm_kernel(
 
 
 @triton.jit
-def w4a16_skinny_kernel(
-    x_ptr,              # [M, K] activations, M <= 16
-    q_ptr,              # [N, K / 8] int32 packed codes (nibble k % 8 of word k // 8)
+def w4a16_gemv_kernel(
+    x_ptr,              # [K] one activation row
+    q_ptr,              # [N, K / 8] int32, interleaved in spans of TILE features
     s_ptr,              # [N, K / GROUP_SIZE] float32 scales
     z_ptr,              # [N, K / GROUP_SIZE] float32 zero points (code units)
-    y_ptr,              # [M, N] output (activation dtype, or float32 when SPLIT_K > 1)
-    M, N, K,
-    stride_xm, stride_qn, stride_sn, stride_ym,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    y_ptr,              # [N] output (activation dtype, or float32 when SPLIT_K > 1)
+    N, K, stride_qn, stride_sn,
+    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Decode-sized W4A16: grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; ``K`` a multiple of ``BLOCK_K * SPLIT_K``,
-    ``BLOCK_K`` a multiple of 8 and of nothing else (a tile may span several groups).
-
-    Words are loaded once as ``[BLOCK_N, BLOCK_K / 8]`` and their eight nibbles unpacked along a third
-    axis; scales and zero points are read per word. One row (``USE_DOT`` false): with ``x`` viewed as
-    ``[BLOCK_K / 8, 8]``, each word contributes ``s * (sum_j c_j x_j - z * sum_j x_j)``. Several rows:
-    the dequantized tile is reshaped to ``[BLOCK_N, BLOCK_K]`` for ``tl.dot`` with the rows padded to 16.
-    """
-    WORDS: tl.constexpr = BLOCK_K // 8
+    """One decode row: grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; ``K`` a multiple of ``TILE * SPLIT_K`` and
+    ``GROUP_SIZE`` a multiple of ``TILE / 8`` (each nibble plane of a span lies in one group)."""
+    SPAN: tl.constexpr = TILE // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    offs_w = tl.arange(0, SPAN)
     k_len = K // SPLIT_K
     k_begin = pid_k * k_len
-    offs_w = tl.arange(0, WORDS)
-    nib = tl.arange(0, 8)
     q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
-    if USE_DOT:
-        offs_m = tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_begin, k_begin + k_len, BLOCK_K):
-            packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                            # [BN, W]
-            g = (k0 + offs_w * 8) // GROUP_SIZE                                               # [W]
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
-            z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
-            codes = ((packed[:, :, None] >> (nib * 4)[None, None, :]) & 0xF).to(tl.float32)    # [BN, W, 8]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                        mask=mask_m[:, None], other=0.0)                                       # [BM, BK]
-            w = ((codes - z[:, :, None]) * s[:, :, None]).to(x.dtype)
-            acc += tl.dot(x, tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K))), input_precision=DOT_PRECISION)
-            q_ptrs += WORDS
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(y_ptrs, acc, mask=mask)
+    acc = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
+    for k0 in range(k_begin, k_begin + k_len, TILE):
+        packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                          # [BN, SPAN]
+        for j in tl.static_range(8):
+            g = (k0 + j * SPAN) // GROUP_SIZE
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)           # [BN]
+            zs = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0) * s
+            x = tl.load(x_ptr + k0 + j * SPAN + offs_w).to(tl.float32)                    # [SPAN]
+            codes = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+            acc += (codes * s[:, None] - zs[:, None]) * x[None, :]
+        q_ptrs += SPAN
+    out = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
     else:
-        acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-        for k0 in range(k_begin, k_begin + k_len, BLOCK_K):
-            packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                            # [BN, W]
-            g = (k0 + offs_w * 8) // GROUP_SIZE                                               # [W]
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
-            z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_ptr + k0 + offs_w[:, None] * 8 + nib[None, :]).to(tl.float32)         # [W, 8]
-            codes = ((packed[:, :, None] >> (nib * 4)[None, None, :]) & 0xF).to(tl.float32)    # [BN, W, 8]
-            cx = tl.sum(codes * x[None, :, :], axis=2)                                         # [BN, W]
-            acc2 += s * (cx - z * tl.sum(x, axis=1)[None, :])
-            q_ptrs += WORDS
-        out = tl.sum(acc2, axis=1)                                                            # [BN]
-        if SPLIT_K == 1:
-            tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
-        else:
-            tl.atomic_add(y_ptr + offs_n, out, mask=mask_n)
+        tl.atomic_add(y_ptr + offs_n, out, mask=mask_n)
