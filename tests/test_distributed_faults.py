@@ -8,34 +8,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from test_distributed_helpers import ENGINE_KW, PROMPTS, greedy, run_greedy, save_family
+from test_distributed_helpers import ENGINE_KW, PROMPTS, children, greedy, run_greedy, save_family, wait_gone
 
 from plinth import LLM, SamplingParams
 from plinth.config import EngineConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.engine import LLMEngine
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (reaped, or a zombie waiting for a parent that is not us)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if not _gone(p)]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if not _gone(p)]
 
 
 def test_killed_worker_fails_requests_and_leaves_no_process(tmp_path):
@@ -67,7 +47,7 @@ def test_killed_worker_fails_requests_and_leaves_no_process(tmp_path):
     assert all(o.finished and "killed by SIGKILL" in (o.error or "") for o in failed)
     lengths = [len(o.outputs[0].token_ids) for o in failed]
     assert max(lengths) > 0 and max(lengths) < 200, lengths   # they were in flight, not finished
-    assert _wait_gone(pids, 10.0) == []
+    assert wait_gone(pids, 10.0) == []
     with pytest.raises(EngineDeadError):
         llm.generate(PROMPTS[0], greedy(), use_tqdm=False)
     engine.shutdown()   # idempotent
@@ -91,23 +71,7 @@ def test_workers_exit_when_their_driver_dies(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2
-    assert _wait_gone(pids, 10.0) == []
-
-
-def _children(pid: int, marker: str) -> list[int]:
-    """Processes whose parent is ``pid`` and whose command line contains ``marker``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and marker in cmdline:
-            out.append(int(entry.name))
-    return sorted(out)
+    assert wait_gone(pids, 10.0) == []
 
 
 @pytest.mark.server
@@ -129,7 +93,7 @@ def test_serve_with_tensor_parallel_workers_and_a_dead_worker(tmp_path):
         r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60.0)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
-        workers = _children(server.proc.pid, "spawn_main")
+        workers = children(server.proc.pid, "spawn_main")
         assert len(workers) == 2, workers
         os.kill(workers[0], signal.SIGKILL)
         r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60.0)
@@ -137,10 +101,125 @@ def test_serve_with_tensor_parallel_workers_and_a_dead_worker(tmp_path):
         assert httpx.get(f"{server.base_url}/health", timeout=10.0).status_code == 503
         server.terminate()
         assert server.wait(30.0) == 0
-    assert _wait_gone(workers, 10.0) == []
+    assert wait_gone(workers, 10.0) == []
 
 
 def server_model(server) -> str:
     import httpx
 
     return httpx.get(f"{server.base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]
+
+
+# ------------------------------------------------------------------------------------------ shutdown
+
+
+def _tp2_kwargs() -> dict:
+    return dict(ENGINE_KW, tensor_parallel_size=2, distributed_executor="mp")
+
+
+def test_llm_close_and_deletion_stop_the_workers(tmp_path):
+    path = save_family("llama", tmp_path)
+    with LLM(str(path), **_tp2_kwargs()) as llm:
+        pids = llm.engine.executor.worker_pids
+        assert len(pids) == 2 and wait_gone(pids, 0.0) == pids
+        llm.generate(PROMPTS[1], greedy(), use_tqdm=False)
+    assert wait_gone(pids, 10.0) == []
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS[1], greedy(), use_tqdm=False)
+    llm.close()   # idempotent
+
+    llm = LLM(str(path), **_tp2_kwargs())
+    pids = llm.engine.executor.worker_pids
+    del llm   # the engine is referenced nowhere else: its workers stop with it
+    assert wait_gone(pids, 10.0) == []
+
+
+def test_async_front_stops_the_workers_of_the_engine_it_owns(tmp_path):
+    """A front built from a config owns its engine: shutdown stops the worker processes. A front given
+    an engine leaves it running: the caller can step it again (the server tests rely on that)."""
+    import asyncio
+
+    from plinth.core.async_engine import AsyncLLMEngine
+
+    path = save_family("llama", tmp_path)
+    config = EngineConfig.from_kwargs(model=str(path), **_tp2_kwargs())
+
+    async def one(front: AsyncLLMEngine, rid: str) -> list[int]:
+        final = None
+        async for out in front.generate(rid, PROMPTS[1], greedy()):
+            final = out
+        return final.outputs[0].token_ids
+
+    owning = AsyncLLMEngine.from_config(config)
+    pids = owning._engine.executor.worker_pids
+    expected = asyncio.run(one(owning, "a"))
+    assert len(expected) == 10
+    start = time.monotonic()
+    owning.shutdown(timeout_s=30.0)
+    assert wait_gone(pids, 10.0) == [] and time.monotonic() - start < 30.0
+    assert not owning.is_healthy
+
+    engine = LLMEngine(config)
+    pids = engine.executor.worker_pids
+    borrowing = AsyncLLMEngine(engine)
+    assert asyncio.run(one(borrowing, "b")) == expected
+    borrowing.shutdown()
+    assert wait_gone(pids, 0.5) == pids   # still running
+    assert run_greedy(engine, prompts=[PROMPTS[1]])["r0"][0] == expected   # and reusable
+    engine.shutdown()
+    assert wait_gone(pids, 10.0) == []
+
+
+def test_async_front_shutdown_stops_workers_stuck_in_a_step(tmp_path):
+    """A worker that stops answering (SIGSTOP) leaves the loop inside a step: shutdown still returns in
+    bounded time, stops every worker, and the stuck request ends with an error."""
+    import asyncio
+
+    from plinth.core.async_engine import AsyncLLMEngine
+
+    path = save_family("llama", tmp_path)
+    front = AsyncLLMEngine.from_config(EngineConfig.from_kwargs(model=str(path), **_tp2_kwargs()))
+    pids = front._engine.executor.worker_pids
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def stuck() -> BaseException | None:
+        try:
+            async for out in front.generate("s", PROMPTS[0], params):
+                if len(out.outputs[0].token_ids) == 2:
+                    os.kill(pids[1], signal.SIGSTOP)
+                    await asyncio.get_running_loop().run_in_executor(None, front.shutdown, True, 1.0)
+        except EngineDeadError as exc:
+            return exc
+        return None
+
+    start = time.monotonic()
+    try:
+        error = asyncio.run(asyncio.wait_for(stuck(), 60.0))
+    finally:
+        for pid in pids:   # never leave a stopped process behind, whatever happened
+            if wait_gone([pid], 0.0):
+                os.kill(pid, signal.SIGKILL)
+    elapsed = time.monotonic() - start
+    assert wait_gone(pids, 10.0) == []
+    assert elapsed < 30.0, f"shutting down a stuck engine took {elapsed:.1f} s"
+    assert isinstance(error, EngineDeadError)
+    assert not front.is_healthy and not front._thread.is_alive()
+
+
+@pytest.mark.server
+def test_serve_sigterm_stops_tensor_parallel_workers(tmp_path):
+    """``plinth serve -tp 2`` answers, then SIGTERM ends it with status 0 and no worker left."""
+    import httpx
+    from server_utils import make_tiny_model, running_server
+
+    path = make_tiny_model(tmp_path / "model", max_position_embeddings=256)
+    args = [str(path), "--dtype", "float32", "--block-size", "4", "--tensor-parallel-size", "2",
+            "--distributed-executor", "mp"]
+    with running_server(args) as server:
+        body = {"model": server_model(server), "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60.0).status_code == 200
+        workers = children(server.proc.pid, "spawn_main")
+        assert len(workers) == 2, workers
+        server.terminate()
+        assert server.wait(30.0) == 0
+    assert wait_gone(workers, 10.0) == []

@@ -3,6 +3,7 @@ a greedy run through an engine."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -80,3 +81,39 @@ def run_greedy(engine, prompts=PROMPTS, max_steps: int = 200) -> Result:
         if not engine.has_unfinished_requests():
             return done
     raise AssertionError("the engine did not finish within the step bound")
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie waiting for a parent that is not us)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for ``pids`` to exit; returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not process_gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if not process_gone(p)]
+
+
+def children(pid: int, marker: str) -> list[int]:
+    """Running processes whose parent is ``pid`` and whose command line contains ``marker``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and marker in cmdline and not process_gone(int(entry.name)):
+            out.append(int(entry.name))
+    return sorted(out)

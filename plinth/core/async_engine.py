@@ -13,6 +13,11 @@ its own process behind the same methods.
 Failure handling: if ``step()`` raises, every in-flight request fails with
 :class:`EngineDeadError` (never a hang), later requests fail at once, and ``is_healthy`` turns
 False. The traceback goes to the log, not to the callers.
+
+Ownership: a front built by :meth:`AsyncLLMEngine.from_config` (or with ``owns_engine=True``) owns
+its engine and shuts it down when its loop ends (on :meth:`~AsyncLLMEngine.shutdown`, or after a
+crash), which stops the engine's worker processes; a front given someone else's engine leaves it
+running, so the caller can go on using it.
 """
 
 from __future__ import annotations
@@ -61,11 +66,14 @@ class AsyncLLMEngine:
     """Runs an engine in a background thread and streams its outputs to asyncio callers.
 
     Args:
-        engine: a constructed :class:`~plinth.core.engine.LLMEngine` (owned from now on).
+        engine: a constructed :class:`~plinth.core.engine.LLMEngine`; only the front's thread steps it
+            from now on.
+        owns_engine: shut the engine down (and stop its workers) when the loop ends.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, owns_engine: bool = False):
         self._engine = engine
+        self._owns_engine = owns_engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.served_model_name: str = engine.served_model_name
@@ -85,7 +93,7 @@ class AsyncLLMEngine:
     def from_config(cls, config: Any) -> AsyncLLMEngine:
         from plinth.core.engine import LLMEngine
 
-        return cls(LLMEngine(config))
+        return cls(LLMEngine(config), owns_engine=True)
 
     # ------------------------------------------------------------------------------- public API
 
@@ -154,14 +162,22 @@ class AsyncLLMEngine:
 
     def shutdown(self, wait: bool = True, timeout_s: float = 10.0) -> None:
         """Abort every request still running (each gets a final output with finish reason
-        ``abort``), stop the loop, and with ``wait`` join it for up to ``timeout_s`` seconds."""
+        ``abort``), stop the loop, and with ``wait`` join it for up to ``timeout_s`` seconds.
+
+        An owned engine is shut down by the loop as it ends; when the loop is still stuck in a
+        step after ``timeout_s``, it is shut down from here, which stops its workers (and so
+        ends the step with an error)."""
         with self._lock:
             self._stopping = True
         self._wake.set()
         if wait and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                logger.warning("the engine loop did not stop within %.1f s", timeout_s)
+                logger.warning("the engine loop did not stop within %.1f s%s", timeout_s,
+                               "; stopping the engine's workers" if self._owns_engine else "")
+                if self._owns_engine:
+                    self._close_engine()
+                    self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------------------- engine thread
 
@@ -195,6 +211,16 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting callers
             logger.exception("the engine loop crashed; failing every in-flight request")
             self._fail_everything(exc)
+        finally:
+            if self._owns_engine:
+                self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Shut the owned engine down (its workers stop); a failure here is logged, not raised."""
+        try:
+            self._engine.shutdown()
+        except Exception:  # noqa: BLE001 - the loop is over either way; keep the reason in the log
+            logger.exception("shutting the engine down failed")
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,10 @@ class LLM:
         llm = LLM()
         out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
         print(out[0].outputs[0].text)
+
+    The worker processes of a tensor- or pipeline-parallel engine stop on :meth:`close` (or when a
+    ``with LLM(...) as llm:`` block ends), when the engine is garbage-collected (``del llm``, unless
+    ``llm.engine`` is still referenced elsewhere), or when the interpreter exits.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
@@ -37,6 +42,20 @@ class LLM:
             config = config.with_overrides(overrides)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        # stops the workers once: on close(), when the engine is collected, or at interpreter exit
+        self._finalizer = weakref.finalize(self.engine, self.engine.executor.shutdown)
+
+    def close(self) -> None:
+        """Shut the engine down and stop its workers (idempotent; bounded time). The LLM cannot
+        generate afterwards."""
+        self.engine.shutdown()
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
