@@ -162,7 +162,10 @@ class BlockManager:
             blocks that become full once this step's tokens are computed are registered in the
             prefix cache.
         """
-        if cached_blocks and request.block_ids:
+        if request.block_ids and not cached_blocks:
+            if self._fits(request, num_new_tokens):
+                return True
+        elif cached_blocks and request.block_ids:
             raise ValueError(f"request {request.request_id!r} already holds blocks; cached blocks are only "
                              "given at admission")
         num_take = self._num_to_take(request, num_new_tokens, cached_blocks)
@@ -214,6 +217,18 @@ class BlockManager:
         return stats
 
     # ---------------------------------------------------------------- internals
+
+    def _fits(self, request: Request, num_new_tokens: int) -> bool:
+        """The common case of a decode step: the tokens fit the blocks the request holds and no
+        block fills up, so :meth:`allocate_slots` has nothing to do."""
+        num_total = request.num_computed_tokens + num_new_tokens
+        bs = self.block_size
+        if num_total > len(request.block_ids) * bs:
+            return False
+        if not self.enable_prefix_caching:
+            return True
+        chain = self._chains.get(request.request_id)
+        return chain is not None and min(num_total, request.num_tokens) // bs <= len(chain)
 
     def _num_to_take(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int]) -> int:
         """Free-list entries the allocation would consume (revived cached blocks included)."""

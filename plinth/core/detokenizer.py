@@ -5,7 +5,9 @@ starts (tokens already turned into text, kept as context so that tokenizers that
 space or merge bytes see what came before) and ``read`` where the last emitted text ended.
 New text is the window's decoding minus the decoding of ``ids[prefix:read]``; it is emitted
 only when it does not end in U+FFFD, i.e. never half of a multi-byte character split over
-byte-level tokens. Only ``decode`` is called, so any transformers tokenizer works.
+byte-level tokens. Only ``decode`` is called, so any transformers tokenizer works; for a fast
+tokenizer whose ``decode`` is transformers' own, the Rust tokenizer's ``decode`` is called directly
+(the same text, without the Python argument handling around it, which cost several times more).
 
 Stop strings are searched in the text as it grows, across token boundaries. A match ends the
 sequence: the stop string is cut from the text (kept with ``include_stop_str_in_output``) and
@@ -16,7 +18,7 @@ stop strings are looked for only once ``min_tokens`` tokens have been generated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from plinth.core.request import SamplingParams
@@ -39,6 +41,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
+        self._decode = make_decoder(tokenizer, params.skip_special_tokens)
         self._ids: list[int] = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS):])
         self._prefix = 0
         self._read = len(self._ids)
@@ -79,7 +82,7 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return "", None
-        ids = list(new_token_ids)
+        ids = new_token_ids if type(new_token_ids) is list else list(new_token_ids)
         if stopped_by_token and ids and not self.params.include_stop_str_in_output:
             self.num_output_tokens += 1
             ids = ids[:-1]
@@ -90,9 +93,10 @@ class IncrementalDetokenizer:
             piece = self._decode_new()
             if piece:
                 self.output_text += piece
-                stop = self._check_stop(len(piece))
-                if stop is not None:
-                    break
+                if self._stops:
+                    stop = self._check_stop(len(piece))
+                    if stop is not None:
+                        break
         if finished and stop is None:
             self.output_text += self._flush()
         if stop is not None or finished:
@@ -109,10 +113,6 @@ class IncrementalDetokenizer:
         return self.add_tokens((), finished=True)[0]
 
     # ---------------------------------------------------------------- internals
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
 
     def _decode_new(self) -> str:
         if self._prefix_text is None:
@@ -154,3 +154,35 @@ class IncrementalDetokenizer:
         self.output_text = text[:i + len(s)] if self.params.include_stop_str_in_output else text[:i]
         self.stop_reason = s
         return s
+
+
+def make_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``.
+
+    When ``tokenizer`` is a transformers fast tokenizer that keeps the stock ``decode`` and
+    ``_decode`` (which, without clean-up, return the backend's decoding unchanged), the backend
+    ``tokenizers.Tokenizer.decode`` is returned instead: the same text for the same ids.
+    """
+    backend = _stock_backend(tokenizer)
+    if backend is not None:
+        decode = backend.decode
+        return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
+def _stock_backend(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind a fast tokenizer with transformers' own decode, else None."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or "decode" in vars(tokenizer):
+        return None
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None

@@ -22,10 +22,11 @@ from plinth.core.request import (
     RequestOutput,
     SamplingParams,
 )
-from plinth.core.sampler import SamplingBatch, compute_prompt_logprobs
-from plinth.core.scheduler import RequestRejectedError, Scheduler
+from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
+from plinth.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from plinth.distributed.executor import Executor, UniprocExecutor
-from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
+from plinth.worker.batching import BatchBuilder
+from plinth.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ class LLMEngine:
         self._seq_to_group: dict[str, _Group] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._aborted: list[_Group] = []
+        self._prompt_logprob_groups: set[str] = set()   # unfinished groups that asked for prompt logprobs
+        self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
+                                           config.scheduler.max_num_seqs)
+        self._sampling = SamplingBatchBuilder(self.vocab_size)
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.load_time_s = time.perf_counter() - t0
         logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks", self.load_time_s,
@@ -147,7 +152,8 @@ class LLMEngine:
                 seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
                 req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
                 self.scheduler.add_request(req)
-                detok = IncrementalDetokenizer(self.tokenizer, ids, child_params) if self.tokenizer is not None else None
+                detok = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
+                         if self.tokenizer is not None and child_params.detokenize else None)
                 seq = _Sequence(req, detok, [] if params.logprobs is not None else None,
                                 0.0 if params.logprobs is not None else None)
                 seqs.append(seq)
@@ -160,6 +166,8 @@ class LLMEngine:
                 self._seq_to_group.pop(s.request.request_id, None)
             raise
         self._groups[request_id] = group
+        if params.prompt_logprobs is not None:
+            self._prompt_logprob_groups.add(request_id)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests at once (their KV blocks are freed); the next step reports them finished."""
@@ -194,43 +202,51 @@ class LLMEngine:
         self._aborted.clear()
         out = self.scheduler.schedule()
         if out.scheduled:
-            entries = [SeqBatchEntry(s.token_ids, s.num_computed_tokens, s.request.block_ids, s.sample)
-                       for s in out.scheduled]
-            sample_idx = [i for i, s in enumerate(out.scheduled) if s.sample]
-            reqs = [out.scheduled[i].request for i in sample_idx]
-            # built by the executor where it samples, after the forward pass is queued
-            make_batch = (lambda device: SamplingBatch.from_requests(reqs, self.vocab_size, device)) if reqs else None
-            result, hidden = self._run_guarded(self.executor.execute, entries, make_batch)
-            if hidden is not None:
-                self._prompt_logprobs(out.scheduled, hidden)
-            sampled: list[int | None] = [None] * len(entries)
-            if result is not None:
-                token_ids = result.sampled_token_ids.tolist()   # the step's one host-device sync
-                for j, i in enumerate(sample_idx):
-                    sampled[i] = token_ids[j]
-                if result.logprobs is not None:
-                    num_logprobs = [r.sampling_params.logprobs for r in reqs]
-                    self._record_logprobs(reqs, result.logprobs.to_position_logprobs(num_logprobs), token_ids)
-            finished = self.scheduler.update_from_output(out, sampled)
-            now_finished = {r.request_id for r in finished}
-            for i, tok in enumerate(sampled):
-                if tok is None:
-                    continue
-                req = out.scheduled[i].request
-                seq = self._seqs[req.request_id]
-                if seq.detok is not None:
-                    done = req.request_id in now_finished
-                    _, stop_str = seq.detok.add_tokens(
-                        [tok], finished=done, stopped_by_token=done and req.finish_reason == FinishReason.STOP)
-                    if stop_str is not None and not done:
-                        self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_str)
-                group = self._seq_to_group[req.request_id]
-                touched[group.request_id] = group
-        outputs = [self._make_output(g) for g in touched.values() if not final_only or g.finished]
+            self._execute(out, touched, final_only)
+        outputs = []
         for g in touched.values():
-            if g.finished:
+            if final_only and not g.finished:
+                continue
+            output = self._make_output(g)
+            if output.finished:
                 self._forget(g)
+            outputs.append(output)
         return outputs
+
+    def _execute(self, out: SchedulerOutput, touched: dict[str, _Group], final_only: bool) -> None:
+        """Run the scheduled batch, apply its tokens, and note in ``touched`` the groups to report:
+        with ``final_only`` only those that may have finished, else every one that progressed."""
+        batch, reqs = self._batch_builder.build(out)
+        sampling = self._sampling
+        # built by the executor where it samples, after the forward pass is queued
+        make_batch = (lambda device: sampling.build(reqs, device)) if reqs else None
+        result, hidden = self._run_guarded(self.executor.execute, batch, make_batch)
+        if hidden is not None and self._prompt_logprob_groups:
+            self._prompt_logprobs(out, hidden)
+        if result is None:
+            self.scheduler.update_from_output(out, [None] * len(out.scheduled))
+            return
+        token_ids = result.sampled_token_ids.tolist()   # the step's one host-device sync
+        if result.logprobs is not None:
+            num_logprobs = [r.sampling_params.logprobs for r in reqs]
+            self._record_logprobs(reqs, result.logprobs.to_position_logprobs(num_logprobs), token_ids)
+        sampled = token_ids if len(reqs) == len(out.scheduled) else out.expand_sampled(token_ids)
+        finished = self.scheduler.update_from_output(out, sampled)
+        now_finished = {r.request_id for r in finished}
+        seqs, groups = self._seqs, self._seq_to_group
+        stop = FinishReason.STOP
+        for req, tok in zip(reqs, token_ids, strict=True):
+            rid = req.request_id
+            ended = rid in now_finished
+            detok = seqs[rid].detok
+            if detok is not None:
+                _, stop_str = detok.add_tokens([tok], finished=ended, stopped_by_token=ended and req.finish_reason == stop)
+                if stop_str is not None and not ended:
+                    self.scheduler.finish_request(rid, stop, stop_str)
+                    ended = True
+            if ended or not final_only:
+                group = groups[rid]
+                touched[group.request_id] = group
 
     def _run_guarded(self, fn: Any, *args: Any) -> Any:
         """Call the executor; when its workers are gone, fail every in-flight request and raise."""
@@ -251,6 +267,7 @@ class LLMEngine:
         self._groups.clear()
         self._seqs.clear()
         self._seq_to_group.clear()
+        self._prompt_logprob_groups.clear()
         self._dead = EngineDeadError(message)
         self._dead.outputs = outputs  # type: ignore[attr-defined]
         self.executor.shutdown()
@@ -269,6 +286,7 @@ class LLMEngine:
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
+        self._prompt_logprob_groups.discard(group.request_id)
         for s in group.seqs:
             self._seqs.pop(s.request.request_id, None)
             self._seq_to_group.pop(s.request.request_id, None)
@@ -289,9 +307,9 @@ class LLMEngine:
                 lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
         return pos
 
-    def _prompt_logprobs(self, scheduled: Sequence[Any], hidden: torch.Tensor) -> None:
-        row = 0
-        for s in scheduled:
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        row = out.num_decodes   # decodes come first, one row each; they have no prompt logprobs
+        for s in out.scheduled[out.num_decodes:]:
             n = s.num_new_tokens
             group = self._seq_to_group.get(s.request.request_id)
             if (group is not None and group.prompt_logprobs is not None and not s.is_decode
@@ -310,31 +328,23 @@ class LLMEngine:
 
     def _make_output(self, group: _Group) -> RequestOutput:
         completions = []
+        all_finished = True
         for i, seq in enumerate(group.seqs):
             req = seq.request
             reason = req.finish_reason
-            if group.aborted and reason is None:
-                reason = FinishReason.ABORT
-            completions.append(CompletionOutput(
-                index=i,
-                text=seq.detok.emitted_text if seq.detok is not None else "",
-                token_ids=list(req.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs,
-                finish_reason=reason,
-                stop_reason=req.stop_reason,
-            ))
+            if reason is None:
+                if group.aborted:
+                    reason = FinishReason.ABORT
+                else:
+                    all_finished = False
+            detok = seq.detok
+            completions.append(CompletionOutput(i, detok.emitted_text if detok is not None else "",
+                                                list(req.output_token_ids), seq.cumulative_logprob, seq.logprobs,
+                                                reason, req.stop_reason))
         first = group.seqs[0].request
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=group.finished,
-            prompt_logprobs=group.prompt_logprobs,
-            metrics=first.metrics,
-            num_cached_tokens=first.num_cached_tokens,
-        )
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             group.aborted or all_finished, group.prompt_logprobs, first.metrics,
+                             first.num_cached_tokens)
 
     # ----------------------------------------------------------------------------------- stats
 

@@ -30,6 +30,8 @@ class SamplingParams:
     output tokens; ``presence_penalty`` and ``frequency_penalty`` are the additive OpenAI
     penalties over output tokens. ``logprobs=k`` returns the sampled token's logprob and the
     top-k; ``prompt_logprobs=k`` the same for every prompt token after the first.
+    ``detokenize=False`` leaves the output text empty and skips turning tokens into text (token
+    ids only); stop strings need the text, so they require ``detokenize=True``.
     """
 
     n: int = 1
@@ -50,6 +52,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
 
     MAX_LOGPROBS = 20
 
@@ -80,6 +83,8 @@ class SamplingParams:
               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(self.detokenize or not self.stop, "stop", "stop strings are matched in the text: they need "
+              "detokenize=True")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):

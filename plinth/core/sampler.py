@@ -24,133 +24,16 @@ device. Unseeded rows draw from the sampler's own generator (seeded from the eng
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import operator
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from plinth.core.request import Logprob, PositionLogprobs, Request, SamplingParams
+from plinth.core.request import Logprob, PositionLogprobs
+from plinth.core.sampling_batch import M32, SAMPLING_EPS, SamplingBatch, SamplingBatchBuilder
 
-SAMPLING_EPS = 1e-5   # temperatures below this are greedy
-_M32 = 0xFFFFFFFF
-
-
-@dataclasses.dataclass
-class SamplingBatch:
-    """Per-row sampling parameters of one step, as device tensors (``None`` = unused by every row)."""
-
-    temperature: torch.Tensor                # [B] float32; 1.0 on greedy rows
-    greedy: torch.Tensor                     # [B] bool
-    all_greedy: bool
-    any_greedy: bool
-    top_k: torch.Tensor | None               # [B] int64 in [1, V] (V = off)
-    max_top_k: int                           # host copy of max(top_k)
-    top_p: torch.Tensor | None               # [B] float32 (1.0 = off)
-    min_p: torch.Tensor | None               # [B] float32 (0.0 = off)
-    repetition_penalty: torch.Tensor | None  # [B] float32
-    frequency_penalty: torch.Tensor | None   # [B] float32
-    presence_penalty: torch.Tensor | None    # [B] float32
-    output_counts: torch.Tensor | None       # [B, V] float32: occurrences of each token in the output
-    prompt_mask: torch.Tensor | None         # [B, V] bool: token occurs in the prompt
-    min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None   # (rows [M], token ids [M]) to mask
-    seeded_rows: torch.Tensor | None         # [S] int64
-    seed_keys: torch.Tensor | None           # [S, 2] int64: 32-bit keys of (seed, output index)
-    num_logprobs: list[int | None]           # [B] per row
-    max_num_logprobs: int | None
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.num_logprobs)
-
-    @classmethod
-    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device | str) -> SamplingBatch:
-        """Gather the parameters of ``requests`` (one row each, in order) for one step."""
-        device = torch.device(device)
-        V = vocab_size
-        params = list(map(_PARAMS, requests))
-        distinct = {id(p): p for p in params}.values()   # requests usually share a few params objects
-        if all(map(_plain_greedy, distinct)):
-            return cls.plain_greedy(len(params), device)
-        temp = np.array([p.temperature for p in params], dtype=np.float32)
-        greedy = temp < SAMPLING_EPS
-        temp[greedy] = 1.0
-        random = ~greedy
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device, non_blocking=True)
-
-        top_k = np.array([p.top_k if 0 < p.top_k < V else V for p in params], dtype=np.int64)
-        top_p = np.array([p.top_p for p in params], dtype=np.float32)
-        min_p = np.array([p.min_p for p in params], dtype=np.float32)
-        use_k = bool((top_k[random] < V).any())
-        use_p = bool((top_p[random] < 1.0).any())
-        use_min_p = bool((min_p[random] > 0.0).any())
-
-        rep = np.array([p.repetition_penalty for p in params], dtype=np.float32)
-        freq = np.array([p.frequency_penalty for p in params], dtype=np.float32)
-        pres = np.array([p.presence_penalty for p in params], dtype=np.float32)
-        use_rep = bool((rep != 1.0).any())
-        use_add = bool((freq != 0.0).any() or (pres != 0.0).any())
-        counts = prompt_mask = None
-        if use_rep or use_add:
-            counts = torch.zeros(len(requests), V, dtype=torch.float32, device=device)
-            rows, ids = _flatten([r.output_token_ids for r in requests])
-            counts.index_put_((dev(rows), dev(ids)), torch.ones(len(ids), device=device), accumulate=True)
-            if use_rep:
-                prompt_mask = torch.zeros(len(requests), V, dtype=torch.bool, device=device)
-                rows, ids = _flatten([r.prompt_token_ids for r in requests])
-                prompt_mask[dev(rows), dev(ids)] = True
-
-        min_tokens_index = None
-        masked = [sorted(t for t in r.stop_token_ids if t < V)
-                  if r.num_output_tokens < r.sampling_params.min_tokens else [] for r in requests]
-        if any(masked):
-            rows, ids = _flatten(masked)
-            min_tokens_index = (dev(rows), dev(ids))
-
-        seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
-        seeded_rows = seed_keys = None
-        if seeded:
-            seeds = np.array([params[i].seed & (2**64 - 1) for i in seeded], dtype=np.uint64)
-            steps = np.array([requests[i].num_output_tokens for i in seeded], dtype=np.uint64)
-            keys = _splitmix64(_splitmix64(seeds) ^ steps)
-            seed_keys = dev(np.stack([keys & _M32, keys >> np.uint64(32)], axis=1).astype(np.int64))
-            seeded_rows = dev(np.array(seeded, dtype=np.int64))
-
-        num_logprobs = [p.logprobs for p in params]
-        asked = [n for n in num_logprobs if n is not None]
-        return cls(
-            temperature=dev(temp), greedy=dev(greedy), all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
-            top_k=dev(top_k) if use_k else None, max_top_k=int(top_k[top_k < V].max()) if use_k else V,
-            top_p=dev(top_p) if use_p else None, min_p=dev(min_p) if use_min_p else None,
-            repetition_penalty=dev(rep) if use_rep else None,
-            frequency_penalty=dev(freq) if use_add else None, presence_penalty=dev(pres) if use_add else None,
-            output_counts=counts, prompt_mask=prompt_mask, min_tokens_index=min_tokens_index,
-            seeded_rows=seeded_rows, seed_keys=seed_keys,
-            num_logprobs=num_logprobs, max_num_logprobs=max(asked) if asked else None,
-        )
-
-
-    @classmethod
-    def plain_greedy(cls, batch_size: int, device: torch.device) -> SamplingBatch:
-        """Every row greedy, without penalties, min_tokens or logprobs: the argmax of the raw logits."""
-        ones = torch.ones(batch_size, dtype=torch.float32, device=device)
-        return cls(
-            temperature=ones, greedy=ones.bool(), all_greedy=True, any_greedy=batch_size > 0, top_k=None,
-            max_top_k=0, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
-            presence_penalty=None, output_counts=None, prompt_mask=None, min_tokens_index=None, seeded_rows=None,
-            seed_keys=None, num_logprobs=[None] * batch_size, max_num_logprobs=None,
-        )
-
-
-_PARAMS = operator.attrgetter("sampling_params")
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+__all__ = ["SAMPLING_EPS", "LogprobsTensors", "Sampler", "SamplerOutput", "SamplingBatch", "SamplingBatchBuilder",
+           "apply_min_p", "apply_penalties", "apply_top_k_top_p", "compute_prompt_logprobs", "counter_uniform",
+           "fast_argmax", "gather_logprobs"]
 
 
 def fast_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -342,14 +225,14 @@ def counter_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     32-bit integer hashing done in int64 without overflow, so every device gives the same bits.
     """
     idx = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)  # [V]
-    x = (idx * 0x9E3779B1 + keys[:, :1]) & _M32                             # [S, V]
+    x = (idx * 0x9E3779B1 + keys[:, :1]) & M32                             # [S, V]
     x = _fmix32(_fmix32(x) ^ keys[:, 1:])
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` with int64 intermediates below ``2**49``."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -358,19 +241,3 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     h = h ^ (h >> 13)
     h = _mul32(h, 0xC2B2AE35)
     return h ^ (h >> 16)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """A 64-bit mixer over uint64 arrays (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
-def _flatten(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(row index, value) pairs of a ragged list of lists, as int64 arrays."""
-    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
-    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum()))
-    return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), values

@@ -51,7 +51,7 @@ _STATUS_OF_REASON = {
 }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step."""
 
@@ -179,15 +179,24 @@ class Scheduler:
         done: set[str] = set()        # request ids scheduled this step
         preempted: list[str] = []
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = RequestStatus.RUNNING
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decodes.append(r)
+            elif left > 1:
+                prefills.append(r)
         for is_decode, group in ((True, decodes), (False, prefills)):
             for req in group:
                 if budget == 0:
                     break
-                if req.status != RequestStatus.RUNNING:   # preempted earlier in this loop
+                if preempted and req.status is not running:   # preempted earlier in this loop
                     continue
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                start = req.num_computed_tokens
+                num_tokens = req.num_tokens
+                num_new = min(num_tokens - start, budget)
                 while not bm.allocate_slots(req, num_new):
                     victim = next(r for r in reversed(self.running) if r.request_id not in done)
                     self._preempt(victim)
@@ -195,10 +204,11 @@ class Scheduler:
                     if victim is req:
                         break
                 else:
-                    scheduled.append(self._commit(req, num_new, is_decode))
+                    req.num_computed_tokens = start + num_new
+                    scheduled.append(ScheduledRequest(req, num_new, start, start + num_new == num_tokens, is_decode))
                     done.add(req.request_id)
                     budget -= num_new
-        num_decodes = sum(1 for s in scheduled if s.is_decode)
+        num_decodes = len(scheduled) if not prefills else sum(1 for s in scheduled if s.is_decode)
 
         new_ids: list[str] = []
         while (not preempted and self.waiting and budget > 0
@@ -273,33 +283,33 @@ class Scheduler:
             raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for {len(entries)} scheduled requests")
         finished: list[Request] = []
         now = time.time()
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for entry, token in zip(entries, sampled_token_ids, strict=True):
             req = entry.request
             if entry.sample != (token is not None):
                 raise ValueError(f"request {req.request_id!r}: sample={entry.sample} but got token {token!r}")
-            if token is None or req.status != RequestStatus.RUNNING:
+            if token is None or req.status is not running:
                 continue   # mid-prefill, or finished/aborted since it was scheduled
             req.append_output_token(token)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            status = self._stop_status(req, token)
-            if status is not None:
-                self._finish(req, status, remove_from_running=False)
-                finished.append(req)
+            metrics = req.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            num_output = len(req.output_token_ids)
+            if token in req.stop_token_ids and num_output > req.sampling_params.min_tokens:
+                if token in req.sampling_params.stop_token_ids:
+                    req.stop_reason = token
+                status = RequestStatus.FINISHED_STOPPED
+            elif num_output >= req.max_tokens or req.num_tokens >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            self._finish(req, status, remove_from_running=False)
+            finished.append(req)
         if finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running]
         return finished
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if req.num_output_tokens > params.min_tokens and token in req.stop_token_ids:
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_request(self, request_id: str, reason: FinishReason,
                        stop_reason: str | int | None = None) -> Request | None:

@@ -1,22 +1,55 @@
-"""Array helpers for building a step's batch without a Python loop over sequences."""
+"""A step's batch as flat arrays, and the engine-side block table that is kept between steps.
+
+* :class:`SeqBatchEntry`: one sequence's share of a step (the executor interface's unit).
+* :class:`FlatBatch`: a whole step as a few numpy arrays. It is also a ``Sequence[SeqBatchEntry]``
+  (entries made on demand), so every executor that takes entries takes it; the model runner reads
+  the arrays directly.
+* :class:`PersistentBlockTable`: one row of block ids per running request, mirrored from the
+  block manager's lists and updated incrementally (a decode step appends at most one block per
+  sequence), so a step's ``[N, W]`` block table is one gather, not a rebuild from Python lists.
+* :class:`BatchBuilder`: a scheduler's output to a :class:`FlatBatch`, through the persistent table.
+* :func:`block_table_array`: lists of block ids to a zero-padded table.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from plinth.core.request import Request
+    from plinth.core.scheduler import SchedulerOutput
 
-def block_table_array(block_ids: Sequence[Sequence[int]], width: int, rows: int | None = None,
+
+@dataclasses.dataclass
+class SeqBatchEntry:
+    """One sequence's share of a step."""
+
+    token_ids: Sequence[int]   # the tokens to compute this step
+    start_pos: int             # position of token_ids[0] (= tokens already in the KV cache)
+    block_ids: Sequence[int]   # every KV block of the sequence, in order
+    sample: bool               # whether the logits of its last token are wanted
+
+
+def block_table_array(block_ids: Sequence[Sequence[int]] | np.ndarray, width: int, rows: int | None = None,
                       dtype: type = np.int64) -> np.ndarray:
     """Each sequence's first ``width`` block ids as one row of a ``[rows, width]`` array (0-padded).
 
-    ``rows`` (default ``len(block_ids)``) may exceed the number of sequences: the extra rows are 0
-    (the scratch block), as padding rows of a fixed-size batch need.
+    ``block_ids`` is a list of lists, or a ``[B, W']`` array whose rows are 0-padded already.
+    ``rows`` (default the number of sequences) may exceed it: the extra rows are 0 (the scratch
+    block), as padding rows of a fixed-size batch need.
     """
     b = len(block_ids)
     rows = b if rows is None else rows
+    table = np.zeros((rows, width), dtype=dtype)
+    if isinstance(block_ids, np.ndarray):
+        w = min(width, block_ids.shape[1]) if block_ids.ndim == 2 else 0
+        table[:b, :w] = block_ids[:, :w]
+        return table
     lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=b)                 # [B]
     flat = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(lens.sum()))
     starts = np.zeros(b, dtype=np.int64)
@@ -24,6 +57,237 @@ def block_table_array(block_ids: Sequence[Sequence[int]], width: int, rows: int 
     take = np.minimum(lens, width)                                                   # [B]
     seq = np.repeat(np.arange(b), take)                                              # [N]
     col = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)       # [N]
-    table = np.zeros((rows, width), dtype=dtype)
     table[seq, col] = flat[starts[seq] + col]
     return table
+
+
+@dataclasses.dataclass(eq=False)
+class FlatBatch(Sequence[SeqBatchEntry]):
+    """One step's sequences as flat arrays.
+
+    Attributes:
+        token_ids: ``[T]`` int64, every sequence's new tokens, concatenated.
+        q_lens: ``[N]`` int64, new tokens per sequence.
+        starts: ``[N]`` int64, position of each sequence's first new token.
+        block_tables: ``[N, W]`` int32, each sequence's blocks, 0-padded (W: the most blocks any holds).
+        block_counts: ``[N]`` int64, blocks each sequence holds.
+        sample: ``[N]`` bool, whether the sequence's last token is sampled.
+        decode_only: every sequence computes one token and is sampled (a decode step).
+    """
+
+    token_ids: np.ndarray
+    q_lens: np.ndarray
+    starts: np.ndarray
+    block_tables: np.ndarray
+    block_counts: np.ndarray
+    sample: np.ndarray
+    decode_only: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def from_entries(cls, entries: Sequence[SeqBatchEntry]) -> FlatBatch:
+        """The arrays of a list of entries (one pass over them)."""
+        if isinstance(entries, FlatBatch):
+            return entries
+        n = len(entries)
+        q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
+        counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
+        sample = np.fromiter((e.sample for e in entries), dtype=np.bool_, count=n)
+        num_tokens = int(q_lens.sum())
+        return cls(
+            token_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=num_tokens),
+            q_lens=q_lens,
+            starts=np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=n),
+            block_tables=block_table_array([e.block_ids for e in entries], int(counts.max()) if n else 0,
+                                           dtype=np.int32),
+            block_counts=counts,
+            sample=sample,
+            decode_only=num_tokens == n and bool(sample.all()),
+        )
+
+    def block_ids_flat(self) -> np.ndarray:
+        """``[sum(block_counts)]`` int64: every sequence's blocks, concatenated."""
+        width = self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0
+        mask = np.arange(width) < self.block_counts[:, None]                     # [N, W]
+        return self.block_tables[mask].astype(np.int64)
+
+    # ---------------------------------------------------------------- Sequence[SeqBatchEntry]
+
+    def __len__(self) -> int:
+        return len(self.q_lens)
+
+    @overload
+    def __getitem__(self, i: int) -> SeqBatchEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[SeqBatchEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> SeqBatchEntry | list[SeqBatchEntry]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"entry {i} of a batch of {n}")
+        i %= n
+        end = int(self.q_lens[: i + 1].sum())
+        return SeqBatchEntry(self.token_ids[end - int(self.q_lens[i]):end].tolist(), int(self.starts[i]),
+                             self.block_tables[i, : int(self.block_counts[i])].tolist(), bool(self.sample[i]))
+
+    def __iter__(self) -> Iterator[SeqBatchEntry]:
+        ends = np.cumsum(self.q_lens).tolist()
+        tokens, starts, counts = self.token_ids.tolist(), self.starts.tolist(), self.block_counts.tolist()
+        tables, sample = self.block_tables.tolist(), self.sample.tolist()
+        begin = 0
+        for i, end in enumerate(ends):
+            yield SeqBatchEntry(tokens[begin:end], starts[i], tables[i][: counts[i]], sample[i])
+            begin = end
+
+
+class PersistentBlockTable:
+    """Block ids of running requests, one table row each, kept up to date between steps.
+
+    A row mirrors one request's ``block_ids`` list. The block manager only appends to that list
+    while the request holds its blocks, and gives the request a new list when it frees them
+    (finish, abort, preemption), so :meth:`row` writes just the appended ids, and rewrites the row
+    when the list object is not the one it mirrors. Entries past a row's length are always 0.
+
+    Args:
+        width: the most blocks a sequence can hold (grown on demand).
+        rows: the initial number of rows (grown on demand).
+    """
+
+    def __init__(self, width: int, rows: int = 64):
+        self.table = np.zeros((max(rows, 1), max(width, 1)), dtype=np.int32)   # [R, W]
+        self._lens: list[int] = [0] * len(self.table)
+        self._lens_array = np.zeros(len(self.table), dtype=np.int64)          # [R] the same, for gathers
+        self._lists: list[list[int] | None] = [None] * len(self.table)
+        self._row_of: dict[str, int] = {}
+        self._free_rows: list[int] = list(range(len(self.table) - 1, -1, -1))
+
+    @property
+    def num_rows_in_use(self) -> int:
+        return len(self._row_of)
+
+    def row(self, key: str, blocks: list[int]) -> int:
+        """The row of request ``key``, brought up to date with its block list ``blocks``."""
+        row = self._row_of.get(key)
+        if row is None:
+            row = self._free_rows.pop() if self._free_rows else self._grow_rows()
+            self._row_of[key] = row
+        n, have = len(blocks), self._lens[row]
+        if blocks is self._lists[row] and n >= have:
+            if n > have:
+                if n > self.table.shape[1]:
+                    self._grow_width(n)
+                self.table[row, have:n] = blocks[have:]
+                self._lens[row] = n
+                self._lens_array[row] = n
+            return row
+        self._write(row, blocks)
+        return row
+
+    def release(self, key: str) -> None:
+        """Forget request ``key`` (finished, aborted or preempted); unknown keys are ignored."""
+        row = self._row_of.pop(key, None)
+        if row is None:
+            return
+        self.table[row, : self._lens[row]] = 0
+        self._lens[row] = 0
+        self._lens_array[row] = 0
+        self._lists[row] = None
+        self._free_rows.append(row)
+
+    def counts(self, rows: np.ndarray) -> np.ndarray:
+        """``[len(rows)]`` int64: blocks held by the given rows."""
+        return self._lens_array[rows]
+
+    def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """``[len(rows), width]`` int32: the given rows, cut or 0-padded to ``width`` columns."""
+        if width <= self.table.shape[1]:
+            return self.table[rows, :width]
+        out = np.zeros((len(rows), width), dtype=np.int32)
+        out[:, : self.table.shape[1]] = self.table[rows]
+        return out
+
+    def _write(self, row: int, blocks: list[int]) -> None:
+        n = len(blocks)
+        if n > self.table.shape[1]:
+            self._grow_width(n)
+        self.table[row, : max(n, self._lens[row])] = 0
+        self.table[row, :n] = blocks
+        self._lens[row] = n
+        self._lens_array[row] = n
+        self._lists[row] = blocks
+
+    def _grow_rows(self) -> int:
+        old = len(self.table)
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self._lens += [0] * old
+        self._lens_array = np.concatenate([self._lens_array, np.zeros(old, dtype=np.int64)])
+        self._lists += [None] * old
+        self._free_rows.extend(range(2 * old - 1, old, -1))
+        return old
+
+    def _grow_width(self, width: int) -> None:
+        grown = np.zeros((len(self.table), max(width, 2 * self.table.shape[1])), dtype=np.int32)
+        grown[:, : self.table.shape[1]] = self.table
+        self.table = grown
+
+
+class BatchBuilder:
+    """Turns each step's schedule into a :class:`FlatBatch`, keeping the block table between steps.
+
+    Args:
+        max_blocks_per_seq: the block-table width (``max_model_len / block_size``, rounded up).
+        max_num_seqs: the most running requests (the initial number of table rows).
+    """
+
+    def __init__(self, max_blocks_per_seq: int, max_num_seqs: int):
+        self.block_table = PersistentBlockTable(max_blocks_per_seq, max_num_seqs)
+
+    def build(self, out: SchedulerOutput) -> tuple[FlatBatch, list[Request]]:
+        """The step's batch, and the requests it samples (in batch order)."""
+        table = self.block_table
+        for rid in out.preempted_request_ids:
+            table.release(rid)
+        for rid in out.finished_request_ids:
+            table.release(rid)
+        row_of = table.row
+        rows: list[int] = []
+        q_lens: list[int] = []
+        starts: list[int] = []
+        tokens: list[int] = []
+        sample: list[bool] = []
+        sampled: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            rows.append(row_of(req.request_id, req.block_ids))
+            start, num_new = s.num_computed_tokens, s.num_new_tokens
+            starts.append(start)
+            q_lens.append(num_new)
+            if num_new == 1:
+                tokens.append(req.all_token_ids[start])
+            else:
+                tokens.extend(req.all_token_ids[start:start + num_new])
+            sample.append(s.sample)
+            if s.sample:
+                sampled.append(req)
+        row_array = np.array(rows, dtype=np.int64)                                  # [N]
+        counts = table.counts(row_array)
+        batch = FlatBatch(
+            token_ids=np.array(tokens, dtype=np.int64),
+            q_lens=np.array(q_lens, dtype=np.int64),
+            starts=np.array(starts, dtype=np.int64),
+            block_tables=table.gather(row_array, int(counts.max()) if len(rows) else 0),
+            block_counts=counts,
+            sample=np.array(sample, dtype=np.bool_),
+            decode_only=len(tokens) == len(rows) == len(sampled),
+        )
+        return batch, sampled

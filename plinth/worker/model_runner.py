@@ -15,19 +15,12 @@ import numpy as np
 import torch
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
-from plinth.worker.batching import block_table_array
+from plinth.worker.batching import FlatBatch, SeqBatchEntry
+from plinth.worker.staging import HostStaging
+
+__all__ = ["ModelRunner", "SeqBatchEntry", "StepInputs"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class SeqBatchEntry:
-    """One sequence's share of a step."""
-
-    token_ids: Sequence[int]   # the tokens to compute this step
-    start_pos: int             # position of token_ids[0] (= tokens already in the KV cache)
-    block_ids: Sequence[int]   # every KV block of the sequence, in order
-    sample: bool               # whether the logits of its last token are wanted
 
 
 @dataclasses.dataclass
@@ -80,6 +73,7 @@ class ModelRunner:
             self.kv_caches.append(cache)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
+        self.staging = HostStaging(device)
         logger.info("KV cache: %d blocks x %d tokens, %.1f MiB in %.2f s", num_blocks, block_size,
                     self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
 
@@ -93,50 +87,47 @@ class ModelRunner:
             total += int(np.prod(shape)) * elem
         return total
 
-    def prepare(self, entries: Sequence[SeqBatchEntry]) -> StepInputs:
-        """Build the flat batch. One Python pass over sequences collects their lists; the rest is numpy."""
+    def prepare(self, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepInputs:
+        """Build the flat batch with numpy (no loop over sequences when given a :class:`FlatBatch`)."""
+        batch = FlatBatch.from_entries(entries)
         bs = self.block_size
-        num_seqs = len(entries)
-        q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=num_seqs)
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        input_ids = np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=num_tokens)
-        seq_lens = starts + q_lens
-        max_blocks = int(-(-seq_lens.max() // bs)) if num_seqs else 1
-        block_tables = block_table_array([e.block_ids for e in entries], max_blocks, dtype=np.int32)
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)                  # [T]
-        positions = np.arange(num_tokens, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
-        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sample_seqs = [i for i, e in enumerate(entries) if e.sample]
-        sample_rows = qsl[1:][sample_seqs] - 1 if sample_seqs else np.zeros(0, dtype=np.int64)
-
-        dev = self.device
-
-        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=dev, dtype=dtype, non_blocking=True)
-
+        num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
+        q_lens, starts = batch.q_lens, batch.starts
+        seq_lens = starts + q_lens                                              # [N]
+        max_seq_len = int(seq_lens.max()) if num_seqs else 0
+        max_blocks = -(-max_seq_len // bs) if num_seqs else 1
+        tables = batch.block_tables                                             # [N, W] int32
+        if tables.ndim != 2 or tables.shape[1] != max_blocks:
+            tables = _fit_width(tables, num_seqs, max_blocks)
+        if batch.decode_only:
+            qsl = np.arange(num_seqs + 1, dtype=np.int64)
+            positions = starts
+            slot_mapping = tables[np.arange(num_seqs), starts // bs].astype(np.int64) * bs + starts % bs
+        else:
+            qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=qsl[1:])
+            seq_of_token = np.repeat(np.arange(num_seqs), q_lens)              # [T]
+            positions = np.arange(num_tokens, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+            slot_mapping = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_seqs = np.flatnonzero(batch.sample)
+        sample_rows = qsl[1:][sample_seqs] - 1                                  # [S]
+        (input_ids, positions_t, slots, rows), (qsl_t, lens_t, ctx_t, tables_t) = self.staging.upload(
+            [batch.token_ids, positions, slot_mapping, sample_rows], [qsl, seq_lens, starts, tables])
         metadata = AttentionMetadata(
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             max_query_len=int(q_lens.max()) if num_seqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-            query_start_loc=to_dev(qsl, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            context_lens=to_dev(starts, torch.int32),
-            slot_mapping=to_dev(slot_mapping, torch.int64),
-            block_tables=to_dev(block_tables, torch.int32),
+            max_seq_len=max_seq_len,
+            query_start_loc=qsl_t,
+            seq_lens=lens_t,
+            context_lens=ctx_t,
+            slot_mapping=slots,
+            block_tables=tables_t,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return StepInputs(
-            input_ids=to_dev(input_ids, torch.int64),
-            positions=to_dev(positions, torch.int64),
-            metadata=metadata,
-            sample_rows=to_dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
-            sample_seqs=sample_seqs,
-        )
+        return StepInputs(input_ids=input_ids, positions=positions_t, metadata=metadata, sample_rows=rows,
+                          sample_seqs=sample_seqs.tolist())
 
     def capture_decode_graphs(self, max_num_seqs: int) -> float:
         """Capture decode steps as CUDA graphs for batch sizes up to ``max_num_seqs``; returns seconds."""
@@ -156,21 +147,24 @@ class ModelRunner:
                                            self.max_blocks_per_seq, sizes or compile_batch_sizes(max_num_seqs))
 
     @torch.inference_mode()
-    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    def execute(self, entries: Sequence[SeqBatchEntry] | FlatBatch) -> tuple[torch.Tensor, list[int],
+                                                                             torch.Tensor | None]:
         """Run one step.
+
+        Args:
+            entries: the step's sequences, as entries or (cheaper) as a :class:`FlatBatch`.
 
         Returns:
             (logits [S, vocab] float32 for the sampled sequences, their entry indices,
              hidden states [T, hidden] of the whole flat batch, or None for a replayed decode graph).
         """
-        if (self.graphs is not None and len(entries) <= self.graphs.max_size
-                and all(len(e.token_ids) == 1 and e.sample for e in entries)):
-            tokens = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=len(entries))
-            starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=len(entries))
-            logits = self.graphs.run(tokens, starts, [e.block_ids for e in entries])
+        batch = FlatBatch.from_entries(entries)
+        if self.graphs is not None and batch.decode_only and 0 < batch.num_seqs <= self.graphs.max_size:
+            # [B, W] rows, 0-padded: the graph runners copy them as they copy lists of block ids
+            logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables)
             if logits is not None:   # None: this batch runs eagerly (a runner that could not compile)
-                return logits, list(range(len(entries))), None
-        inputs = self.prepare(entries)
+                return logits, list(range(batch.num_seqs)), None
+        inputs = self.prepare(batch)
         self.backend.prepare(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -180,3 +174,12 @@ class ModelRunner:
     def prompt_logits(self, hidden: torch.Tensor, rows: slice) -> torch.Tensor:
         """Logits of a range of flat-batch rows (for prompt logprobs)."""
         return self.model.compute_logits(hidden[rows])
+
+
+def _fit_width(tables: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """``[rows, width]`` int32: ``tables`` cut or 0-padded to ``width`` columns."""
+    out = np.zeros((rows, width), dtype=np.int32)
+    if tables.ndim == 2 and rows:
+        w = min(width, tables.shape[1])
+        out[:, :w] = tables[:, :w]
+    return out

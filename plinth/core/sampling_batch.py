@@ -1,0 +1,218 @@
+"""A step's sampling parameters as tensors, rebuilt only as far as the batch changed.
+
+:class:`SamplingBatch` holds one row per sampled request. Most of it depends only on WHICH
+requests are in the batch (temperatures, filters, penalty weights, prompt masks, logprob counts);
+three parts move every step: the output-token counts (penalties), the ``min_tokens`` masks and
+the seeded rows' keys (they hash the output index). :class:`SamplingBatchBuilder` keeps the first
+kind between steps while the batch holds the same requests in the same order, updates the counts
+with the one token each request gained, and rebuilds everything when the composition changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from plinth.core.request import Request, SamplingParams
+
+SAMPLING_EPS = 1e-5   # temperatures below this are greedy
+M32 = 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as device tensors (``None`` = unused by every row)."""
+
+    temperature: torch.Tensor                # [B] float32; 1.0 on greedy rows
+    greedy: torch.Tensor                     # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+    top_k: torch.Tensor | None               # [B] int64 in [1, V] (V = off)
+    max_top_k: int                           # host copy of max(top_k)
+    top_p: torch.Tensor | None               # [B] float32 (1.0 = off)
+    min_p: torch.Tensor | None               # [B] float32 (0.0 = off)
+    repetition_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None   # [B] float32
+    presence_penalty: torch.Tensor | None    # [B] float32
+    output_counts: torch.Tensor | None       # [B, V] float32: occurrences of each token in the output
+    prompt_mask: torch.Tensor | None         # [B, V] bool: token occurs in the prompt
+    min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None   # (rows [M], token ids [M]) to mask
+    seeded_rows: torch.Tensor | None         # [S] int64
+    seed_keys: torch.Tensor | None           # [S, 2] int64: 32-bit keys of (seed, output index)
+    num_logprobs: list[int | None]           # [B] per row
+    max_num_logprobs: int | None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_logprobs)
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        """Gather the parameters of ``requests`` (one row each, in order) for one step."""
+        return _Composition(requests, vocab_size, torch.device(device)).batch(requests, remember=False)
+
+    @classmethod
+    def plain_greedy(cls, batch_size: int, device: torch.device) -> SamplingBatch:
+        """Every row greedy, without penalties, min_tokens or logprobs: the argmax of the raw logits."""
+        ones = torch.ones(batch_size, dtype=torch.float32, device=device)
+        return cls(
+            temperature=ones, greedy=ones.bool(), all_greedy=True, any_greedy=batch_size > 0, top_k=None,
+            max_top_k=0, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
+            presence_penalty=None, output_counts=None, prompt_mask=None, min_tokens_index=None, seeded_rows=None,
+            seed_keys=None, num_logprobs=[None] * batch_size, max_num_logprobs=None,
+        )
+
+
+class SamplingBatchBuilder:
+    """Builds each step's :class:`SamplingBatch`, keeping what only depends on the batch's requests.
+
+    Args:
+        vocab_size: the model's vocabulary.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._requests: list[Request] = []
+        self._compositions: dict[torch.device, _Composition] = {}
+        self.num_rebuilds = 0   # compositions built (for tests and benchmarks)
+
+    def build(self, requests: list[Request], device: torch.device | str) -> SamplingBatch:
+        """The batch of ``requests`` (one row each, in order) on ``device``."""
+        device = torch.device(device)
+        if requests != self._requests:   # identity per element: a different batch
+            self._requests = list(requests)
+            self._compositions.clear()
+        comp = self._compositions.get(device)
+        if comp is None:
+            comp = self._compositions[device] = _Composition(requests, self.vocab_size, device)
+            self.num_rebuilds += 1
+        return comp.batch(requests, remember=True)
+
+
+_PARAMS = operator.attrgetter("sampling_params")
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+
+class _Composition:
+    """The parts of a batch fixed by its requests, plus the output counts as of the latest step."""
+
+    def __init__(self, requests: Sequence[Request], vocab_size: int, device: torch.device):
+        self.device = device
+        self.vocab_size = V = vocab_size
+        params = list(map(_PARAMS, requests))
+        distinct = {id(p): p for p in params}.values()   # requests usually share a few params objects
+        self.plain: SamplingBatch | None = None
+        if all(map(_plain_greedy, distinct)):
+            self.plain = SamplingBatch.plain_greedy(len(params), device)
+            return
+        temp = np.array([p.temperature for p in params], dtype=np.float32)
+        greedy = temp < SAMPLING_EPS
+        temp[greedy] = 1.0
+        random = ~greedy
+        top_k = np.array([p.top_k if 0 < p.top_k < V else V for p in params], dtype=np.int64)
+        top_p = np.array([p.top_p for p in params], dtype=np.float32)
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)
+        use_k = bool((top_k[random] < V).any())
+        use_p = bool((top_p[random] < 1.0).any())
+        use_min_p = bool((min_p[random] > 0.0).any())
+        rep = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        freq = np.array([p.frequency_penalty for p in params], dtype=np.float32)
+        pres = np.array([p.presence_penalty for p in params], dtype=np.float32)
+        use_rep = bool((rep != 1.0).any())
+        use_add = bool((freq != 0.0).any() or (pres != 0.0).any())
+        dev = self._dev
+        prompt_mask = None
+        if use_rep:
+            prompt_mask = torch.zeros(len(params), V, dtype=torch.bool, device=device)
+            rows, ids = _flatten([r.prompt_token_ids for r in requests])
+            prompt_mask[dev(rows), dev(ids)] = True
+        self.use_counts = use_rep or use_add
+        self.counts: torch.Tensor | None = None      # [B, V] as of ``num_output`` tokens per row
+        self.num_output: list[int] = []
+        # rows with min_tokens: (row, min_tokens, the ids it masks)
+        self.min_tokens_rows = [(i, p.min_tokens, sorted(t for t in r.stop_token_ids if t < V))
+                                for i, (r, p) in enumerate(zip(requests, params, strict=True)) if p.min_tokens > 0]
+        self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
+        self.seeds = np.array([params[i].seed & (2**64 - 1) for i in self.seeded], dtype=np.uint64)
+        num_logprobs = [p.logprobs for p in params]
+        asked = [n for n in num_logprobs if n is not None]
+        self.static = SamplingBatch(
+            temperature=dev(temp), greedy=dev(greedy), all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            top_k=dev(top_k) if use_k else None, max_top_k=int(top_k[top_k < V].max()) if use_k else V,
+            top_p=dev(top_p) if use_p else None, min_p=dev(min_p) if use_min_p else None,
+            repetition_penalty=dev(rep) if use_rep else None,
+            frequency_penalty=dev(freq) if use_add else None, presence_penalty=dev(pres) if use_add else None,
+            output_counts=None, prompt_mask=prompt_mask, min_tokens_index=None,
+            seeded_rows=dev(np.array(self.seeded, dtype=np.int64)) if self.seeded else None, seed_keys=None,
+            num_logprobs=num_logprobs, max_num_logprobs=max(asked) if asked else None,
+        )
+
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def batch(self, requests: Sequence[Request], remember: bool) -> SamplingBatch:
+        """This step's batch of ``requests`` (the ones this composition was built for).
+
+        With ``remember``, the output counts are kept for the next step, which then adds one token
+        per row to them in place (a batch's ``output_counts`` is only valid until the next build)."""
+        if self.plain is not None:
+            return self.plain
+        if not (self.use_counts or self.min_tokens_rows or self.seeded):
+            return self.static
+        num_output = [len(r.output_token_ids) for r in requests]
+        counts = self._counts(requests, num_output) if self.use_counts else None
+        if remember:
+            self.counts, self.num_output = counts, num_output
+        min_tokens_index = None
+        masked = [(row, ids) for row, min_tokens, ids in self.min_tokens_rows if num_output[row] < min_tokens and ids]
+        if masked:
+            rows = np.repeat(np.array([row for row, _ in masked], dtype=np.int64), [len(ids) for _, ids in masked])
+            ids = np.fromiter(itertools.chain.from_iterable(ids for _, ids in masked), dtype=np.int64, count=len(rows))
+            min_tokens_index = (self._dev(rows), self._dev(ids))
+        seed_keys = None
+        if self.seeded:
+            steps = np.array([num_output[i] for i in self.seeded], dtype=np.uint64)
+            keys = splitmix64(splitmix64(self.seeds) ^ steps)
+            seed_keys = self._dev(np.stack([keys & M32, keys >> np.uint64(32)], axis=1).astype(np.int64))
+        return dataclasses.replace(self.static, output_counts=counts, min_tokens_index=min_tokens_index,
+                                   seed_keys=seed_keys)
+
+    def _counts(self, requests: Sequence[Request], num_output: list[int]) -> torch.Tensor:
+        """``[B, V]`` output-token counts: the previous step's plus one token per row when every row
+        gained exactly one since, else counted afresh."""
+        prev, before = self.counts, self.num_output
+        if prev is not None and all(n == b + 1 for n, b in zip(num_output, before, strict=True)):
+            last = np.fromiter((r.output_token_ids[-1] for r in requests), dtype=np.int64, count=len(requests))
+            rows = torch.arange(len(requests), device=self.device)
+            prev.index_put_((rows, self._dev(last)), torch.ones(len(requests), device=self.device), accumulate=True)
+            return prev
+        counts = torch.zeros(len(requests), self.vocab_size, dtype=torch.float32, device=self.device)
+        rows, ids = _flatten([r.output_token_ids for r in requests])
+        counts.index_put_((self._dev(rows), self._dev(ids)), torch.ones(len(ids), device=self.device),
+                          accumulate=True)
+        return counts
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """A 64-bit mixer over uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _flatten(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row index, value) pairs of a ragged list of lists, as int64 arrays."""
+    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
+    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum()))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), values
