@@ -110,3 +110,85 @@ def test_ceilings_table():
     assert floors.decode_step_floor_s(stats, h200) == 16 / 4.21e12
     assert floors.compute_floor_s(stats, 5, torch.bfloat16, h200) == 2 * 8 * 5 / 760e12
     assert floors.compute_floor_s(stats, 5, torch.float32, h200) is None
+
+
+# ----------------------------------------------------------------------------- tensor/pipeline parallel
+
+# the tiny-llama preset: hidden 64, MLP 128, 2 layers, 4 query heads and 2 KV heads of 16, vocabulary 1024
+H, MLP, LAYERS, VOCAB, KV = 64, 128, 2, 1024, 2 * 16
+MATMUL = H * H + 2 * H * KV + H * H + 3 * H * MLP  # q, k, v, o, gate/up/down of one layer
+NORMS = 2 * H                                      # the two norms of one layer
+TEST_CPU = floors.DeviceCeilings("test CPU", 1e11, {torch.float32: 1e12})
+
+
+def _run_parallel(monkeypatch, capsys, tmp_path, mode: str, argv: list[str]) -> tuple[str, dict, list[int]]:
+    """Run the benchmark with worker processes; returns its output, its result and the workers' pids."""
+    pids: list[int] = []
+    bench = getattr(bench_cmd, f"bench_{mode}")
+
+    def recording(engine, *args, **kwargs):
+        pids.extend(engine.executor.worker_pids)
+        return bench(engine, *args, **kwargs)
+
+    monkeypatch.setattr(bench_cmd, f"bench_{mode}", recording)
+    text, result = run_bench(capsys, tmp_path, mode, *argv, "--distributed-executor", "mp")
+    return text, result, pids
+
+
+def test_latency_with_tensor_parallel_workers(capsys, tmp_path, monkeypatch):
+    """TP=2: each rank streams half of every matmul weight (the norms are replicated), so the decode
+    floor is the larger shard's bytes; the worker processes stop with the command."""
+    from test_distributed_helpers import wait_gone
+
+    # the ranks report a CPU device; its ceilings are looked up here, in the driver
+    monkeypatch.setattr(floors, "KNOWN_DEVICES", (("cpu", TEST_CPU),))
+    argv = ["--input-len", "8", "--output-len", "6", "--num-iters", "2", "--num-iters-warmup", "1"]
+    text, r, pids = _run_parallel(monkeypatch, capsys, tmp_path, "latency", [*argv, "--tensor-parallel-size", "2"])
+    assert (r["tensor_parallel_size"], r["pipeline_parallel_size"], r["executor"]) == (2, 1, "MultiprocExecutor")
+    assert len(r["latencies_s"]) == 2 and r["median_tpot_s"] > 0
+    assert r["output_tokens_per_s"] == pytest.approx(6 / r["median_latency_s"])
+    shard = LAYERS * (MATMUL // 2 + NORMS) + H + VOCAB * H // 2     # layers, final norm, half the LM head
+    assert r["streamed_weight_bytes"] == 4 * shard
+    assert r["params"] == 2 * (shard + VOCAB * H // 2)             # each rank also holds half the embedding
+    assert r["floor_tpot_s"] == pytest.approx(4 * shard / 1e11)
+    assert r["tpot_floor_fraction"] == pytest.approx(r["floor_tpot_s"] / r["median_tpot_s"])
+    assert "tp 2 x pp 1, MultiprocExecutor" in text and "of the floor" in text
+    assert len(set(pids)) == 2 and wait_gone(pids, 10.0) == []
+
+    _, one = run_bench(capsys, tmp_path, "latency", *argv)   # one process: the whole model
+    assert one["streamed_weight_bytes"] == 4 * (LAYERS * (MATMUL + NORMS) + H + VOCAB * H)
+    assert one["params"] == LAYERS * (MATMUL + NORMS) + H + 2 * VOCAB * H
+    assert one["tensor_parallel_size"] == 1 and one["executor"] == "UniprocExecutor"
+
+
+def test_throughput_with_pipeline_stages(capsys, tmp_path, monkeypatch):
+    """PP=2: a decode step runs both stages one after the other (floor: all the weights); the compute
+    floor is the busier stage's, the last one with the LM head."""
+    from test_distributed_helpers import wait_gone
+
+    monkeypatch.setattr(floors, "KNOWN_DEVICES", (("cpu", TEST_CPU),))
+    text, r, pids = _run_parallel(monkeypatch, capsys, tmp_path, "throughput",
+                                  ["--num-prompts", "5", "--input-len", "8", "--output-len", "4",
+                                   "--num-warmup-prompts", "1", "--pipeline-parallel-size", "2"])
+    assert (r["tensor_parallel_size"], r["pipeline_parallel_size"]) == (1, 2)
+    assert r["output_tokens"] == 5 * 4 and r["prompt_tokens"] == 5 * 8
+    last_stage = MATMUL + NORMS + H + VOCAB * H          # one layer, the final norm, the LM head
+    assert r["matmul_params"] == last_stage
+    assert r["params"] == 2 * (MATMUL + NORMS) + H + 2 * VOCAB * H
+    tokens = r["prompt_tokens"] + r["output_tokens"]
+    assert r["floor_elapsed_s"] == pytest.approx(2 * last_stage * tokens / 1e12)
+    assert "tp 1 x pp 2" in text
+    assert len(set(pids)) == 2 and wait_gone(pids, 10.0) == []
+
+
+def test_parallel_weight_stats_takes_the_critical_path():
+    from plinth.distributed.executor import RankWeights
+
+    def rank(tp: int, pp: int, params: int, matmul: int, streamed: int) -> RankWeights:
+        return RankWeights(tp, pp, "cpu", floors.WeightStats(params, matmul, streamed))
+
+    ranks = [rank(0, 0, 10, 8, 16), rank(1, 0, 12, 9, 18), rank(0, 1, 7, 7, 14), rank(1, 1, 7, 6, 12)]
+    stats = bench_cmd.parallel_weight_stats(ranks)
+    assert stats == floors.WeightStats(params=36, matmul_params=9, streamed_bytes=18 + 14)
+    single = floors.WeightStats(5, 4, 8)
+    assert bench_cmd.parallel_weight_stats([RankWeights(0, 0, "cpu", single)]) == single

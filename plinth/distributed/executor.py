@@ -15,6 +15,7 @@ token ids (and logprobs when asked), never the ``[batch, vocab]`` logits.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from plinth import benchmarks_floor as floors
 from plinth.config import ConfigError, EngineConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -53,6 +55,26 @@ def env_seconds(name: str, default: float) -> float:
 
 class WorkerDiedError(EngineDeadError):
     """A worker process or actor died or stopped answering; the engine cannot go on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWeights:
+    """The model shard one rank holds (what benchmark floors are computed from).
+
+    Attributes:
+        tp_rank, pp_rank: the rank's place in the layout.
+        device_name: the product name of the rank's device (``"cpu"`` on the CPU).
+        stats: the parameters of the rank's shard.
+    """
+
+    tp_rank: int
+    pp_rank: int
+    device_name: str
+    stats: floors.WeightStats
+
+    @classmethod
+    def of(cls, model: Any, device: torch.device, tp_rank: int = 0, pp_rank: int = 0) -> RankWeights:
+        return cls(tp_rank, pp_rank, floors.device_name(device), floors.weight_stats(model))
 
 
 class Executor(abc.ABC):
@@ -88,6 +110,14 @@ class Executor(abc.ABC):
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         """Logits ``[len(rows), vocab]`` float32 of flat-batch rows of the latest step."""
 
+    @abc.abstractmethod
+    def rank_weights(self) -> list[RankWeights]:
+        """What each rank holds, in rank order (one entry for the in-process executor).
+
+        Raises:
+            WorkerDiedError: a worker died or timed out.
+        """
+
     def shutdown(self) -> None:  # noqa: B027 (nothing to release in-process)
         """Stop the workers and release what the executor holds (bounded time; idempotent)."""
 
@@ -116,6 +146,9 @@ class UniprocExecutor(Executor):
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         return self.runner.prompt_logits(hidden, rows)
+
+    def rank_weights(self) -> list[RankWeights]:
+        return [RankWeights.of(self.runner.model, self.runner.device)]
 
 
 class DistributedExecutor(Executor):
@@ -197,6 +230,13 @@ class DistributedExecutor(Executor):
         except BaseException as exc:
             raise self._fail(exc) from exc
         return results[self.output_rank]
+
+    def rank_weights(self) -> list[RankWeights]:
+        self._check_alive()
+        try:
+            return self._call_all("rank_weights", timeout_s=self.step_timeout_s)
+        except WorkerDiedError as exc:
+            raise self._fail(exc) from exc
 
 
 class _RemoteHidden:

@@ -198,6 +198,12 @@ class Worker:
         out = self.sampler.sample(logits, _to_device(sampling, self.device))
         return _to_device(out, torch.device("cpu"))
 
+    def rank_weights(self) -> Any:
+        """This rank's :class:`~plinth.distributed.executor.RankWeights`."""
+        from plinth.distributed.executor import RankWeights
+
+        return RankWeights.of(self._model, self.device, self.layout.tp_rank, self.layout.pp_rank)
+
     @torch.inference_mode()
     def prompt_logits(self, start: int, stop: int) -> torch.Tensor | None:
         """Logits of rows ``[start, stop)`` of the last step's flat batch (last stage; every TP rank of

@@ -13,6 +13,11 @@ Both print the fraction of the physical floor on a known device (see ``plinth.be
 a decode step reading every weight once at copy bandwidth (latency) and ``2 * params * tokens``
 FLOPs at the matmul rate (throughput). The engine waits for the device every step (it reads the
 sampled tokens on the host), and the clock starts after a device synchronisation.
+
+With ``--tensor-parallel-size`` / ``--pipeline-parallel-size`` the weights come from the workers
+(each reports its shard) and the floors count the critical path: a decode step reads the largest
+tensor-parallel shard of each stage, the stages one after another; the compute floor is the busiest
+rank's share (every rank runs every token through its shard).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +163,31 @@ def bench_throughput(engine: Any, prompts: list[list[int]], output_len: int, num
     return result
 
 
+def parallel_weight_stats(ranks: Sequence[Any]) -> floors.WeightStats:
+    """The weights of an engine's ranks (:class:`~plinth.distributed.executor.RankWeights`) as one
+    :class:`~plinth.benchmarks_floor.WeightStats` for the floors; for one rank, that rank's own.
+
+    ``params``: held by all ranks together (a replicated tensor counts once per rank);
+    ``streamed_bytes``: a decode step's critical path, the largest TP shard of each pipeline stage summed
+    over the stages; ``matmul_params``: the busiest rank's.
+    """
+    if not ranks:
+        raise ValueError("no rank reported its weights")
+    stages: dict[int, list[floors.WeightStats]] = {}
+    for r in ranks:
+        stages.setdefault(r.pp_rank, []).append(r.stats)
+    return floors.WeightStats(
+        params=sum(r.stats.params for r in ranks),
+        matmul_params=max(r.stats.matmul_params for r in ranks),
+        streamed_bytes=sum(max(s.streamed_bytes for s in stage) for stage in stages.values()),
+    )
+
+
 def _device_info(engine: Any) -> tuple[str, floors.DeviceCeilings | None, floors.WeightStats]:
-    name = floors.device_name(engine.device)
-    return name, floors.ceilings_for(name), floors.weight_stats(engine.runner.model)
+    """The device's name and ceilings (those of the workers' devices), and the weight statistics."""
+    ranks = engine.executor.rank_weights()
+    name = ranks[0].device_name
+    return name, floors.ceilings_for(name), parallel_weight_stats(ranks)
 
 
 def _latency_floor(engine: Any, prefill_tokens: int, tpot: float | None) -> dict[str, Any]:
@@ -216,18 +244,24 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     longest = (args.input_len_range[1] - 1 if args.input_len_range else args.input_len) + args.output_len
     engine = LLMEngine(engine_config_from_args(args))
-    if longest > engine.max_model_len:
-        raise CliError(f"prompt + output of {longest} tokens exceeds the model length {engine.max_model_len}; "
-                       f"shorten the workload or raise --max-model-len")
-    if args.mode == "latency":
-        result = bench_latency(engine, args.batch_size, args.input_len, args.output_len, args.num_iters,
-                               args.num_iters_warmup, args.prompt_seed)
-    else:
-        lengths = tuple(args.input_len_range) if args.input_len_range else args.input_len
-        prompts = random_prompts(args.num_prompts, lengths, engine.vocab_size, args.prompt_seed)
-        result = bench_throughput(engine, prompts, args.output_len, args.num_warmup_prompts, args.prompt_seed)
+    try:
+        if longest > engine.max_model_len:
+            raise CliError(f"prompt + output of {longest} tokens exceeds the model length {engine.max_model_len}; "
+                           f"shorten the workload or raise --max-model-len")
+        if args.mode == "latency":
+            result = bench_latency(engine, args.batch_size, args.input_len, args.output_len, args.num_iters,
+                                   args.num_iters_warmup, args.prompt_seed)
+        else:
+            lengths = tuple(args.input_len_range) if args.input_len_range else args.input_len
+            prompts = random_prompts(args.num_prompts, lengths, engine.vocab_size, args.prompt_seed)
+            result = bench_throughput(engine, prompts, args.output_len, args.num_warmup_prompts, args.prompt_seed)
+    finally:
+        engine.shutdown()   # worker processes stop with the benchmark
+    par = engine.config.parallel
     result.update(model=engine.served_model_name, dtype=str(engine.dtype).removeprefix("torch."),
-                  load_format=args.load_format, attention_backend=engine.selection.winner if engine.selection else None)
+                  load_format=args.load_format, attention_backend=engine.selection.winner if engine.selection else None,
+                  tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
+                  executor=type(engine.executor).__name__)
     print(format_result(result), flush=True)
     if args.json:
         path = Path(args.json)
@@ -239,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
 def format_result(r: dict[str, Any]) -> str:
     """The human-readable report of a benchmark result."""
     head = f"{r['mode']}: {r.get('model')} ({r.get('dtype')}) on {r['device']}"
+    tp, pp = r.get("tensor_parallel_size", 1), r.get("pipeline_parallel_size", 1)
+    if tp * pp > 1:
+        head += f" (tp {tp} x pp {pp}, {r.get('executor')})"
     if r["mode"] == "latency":
         tpot = r["median_tpot_s"]
         lines = [
