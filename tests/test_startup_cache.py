@@ -18,7 +18,7 @@ import torch
 
 from plinth.errors import ModelLoadError
 from plinth.model_registry import gguf_tokenizer
-from plinth.model_registry.gguf_dequant import dequantize_tensor
+from plinth.model_registry.gguf_dequant import dequantize_group, dequantize_tensor
 from plinth.model_registry.gguf_file import GGUFFile, clear_gguf_cache, open_gguf
 from plinth.model_registry.gguf_loader import iter_gguf_raw, iter_gguf_weights, read_gguf_config
 from plinth.model_registry.gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_entry
@@ -201,6 +201,21 @@ def test_dequantize_equals_gguf(qtype, dtype):
     got = dequantize_tensor(stored, qtype, (48, 256), dtype)
     assert got.dtype == dtype and got.shape == (48, 256)
     assert torch.equal(got, want)
+
+
+def test_group_dequantization_equals_one_by_one():
+    """Tensors of several types and shapes expanded together come back as each would alone, in order."""
+    rng = np.random.default_rng(7)
+    items = []
+    for qtype, shape in [(Q.Q4_1, (64, 96)), (Q.F32, (32,)), (Q.Q8_0, (16, 64)), (Q.Q4_1, (8, 32)),
+                         (Q.Q5_0, (8, 64)), (Q.Q4_0, (24, 128)), (Q.Q8_0, (40, 32)), (Q.Q4_1, (3, 256))]:
+        values = rng.normal(0, 0.05, shape).astype(np.float32)
+        items.append((gguf.quants.quantize(values, qtype) if len(shape) == 2 else values, qtype, shape))
+    grouped = dequantize_group(items, torch.bfloat16)
+    assert len(grouped) == len(items)
+    for (data, qtype, shape), got in zip(items, grouped, strict=True):
+        want = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)).to(torch.bfloat16)
+        assert got.shape == shape and torch.equal(got, want.reshape(shape)), qtype.name
 
 
 # ------------------------------------------------------------------------------------ tokenizer cache

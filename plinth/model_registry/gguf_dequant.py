@@ -1,9 +1,11 @@
-"""Dequantizing whole GGUF tensors at load time, fast for the block types small models ship in.
+"""Dequantizing GGUF tensors at load time, fast for the block types small models ship in.
 
 ``Q4_0``, ``Q4_1`` and ``Q8_0`` (ggml's published block layouts; see
 :mod:`plinth.quantization.kernels.gguf_blocks`) are expanded into one preallocated float32 buffer with
 in-place torch ops: no concatenations or per-element temporaries, a tenth of the time of the generic
-per-type functions on a 135M-parameter model. The arithmetic is the reference's, in float32 and in the
+per-type functions on a 135M-parameter model. :func:`dequantize_group` expands the blocks of many
+tensors of one type in one go: a few large torch ops instead of seven small ones per tensor, which
+matters on a busy machine, where every parallel region waits for a descheduled thread. The arithmetic is the reference's, in float32 and in the
 same order (``d * q + m``, ``d * (q - 8)``, ``d * q``), then rounded once to the target dtype, so the
 result is bit-identical to ``gguf.quants.dequantize`` followed by ``.to(dtype)``. Other block types go
 through the generic torch functions, and types without one through ``gguf.quants``.
@@ -49,6 +51,36 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _FAST = {Q4_0: (18, _q4_0), Q4_1: (20, _q4_1), Q8_0: (34, _q8_0)}
+
+
+def dequantize_group(items: list[tuple[np.ndarray, Any, tuple[int, ...]]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Several tensors, as :func:`dequantize_tensor` would give each: those of one fast block type are
+    expanded together (their blocks concatenated), the others one by one. The results of one type are
+    views of one buffer, which lives as long as any of them.
+
+    Args:
+        items: ``(data, ggml_type, shape)`` per tensor, as for :func:`dequantize_tensor`.
+        dtype: the results' dtype.
+    """
+    out: list[torch.Tensor | None] = [None] * len(items)
+    by_type: dict[int, list[int]] = {}
+    for i, (_, ggml_type, _) in enumerate(items):
+        if int(ggml_type) in _FAST:
+            by_type.setdefault(int(ggml_type), []).append(i)
+        else:
+            out[i] = dequantize_tensor(*items[i], dtype)
+    for kind, members in by_type.items():
+        type_size, expand = _FAST[kind]
+        raw = np.concatenate([items[i][0].reshape(-1) for i in members])  # all blocks, one after another
+        blocks = torch.from_numpy(raw).reshape(1, -1, type_size)          # [1, n_blocks, type_size]
+        values = expand(blocks).reshape(-1).to(dtype)                      # [n_elements]
+        start = 0
+        for i in members:
+            shape = items[i][2]
+            n = int(np.prod(shape, dtype=np.int64))
+            out[i] = values[start:start + n].view(shape)
+            start += n
+    return out  # type: ignore[return-value]
 
 
 def can_dequantize(ggml_type: Any) -> bool:

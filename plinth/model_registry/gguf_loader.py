@@ -294,7 +294,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
             before the first tensor is yielded).
         UnsupportedModelError: an architecture without an implementation.
     """
-    from plinth.model_registry.gguf_dequant import can_dequantize, dequantize_tensor
+    from plinth.model_registry.gguf_dequant import can_dequantize, dequantize_group
 
     reader = open_gguf(path)
     for ggml_type in sorted({t.ggml_type for t in reader.tensors}):
@@ -303,8 +303,25 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
             raise ModelLoadError(
                 f"GGUF file {path!r}: tensor {tensor!r} has type {ggml_type.name}, which cannot be dequantized"
             )
-    for hf_name, data, ggml_type, shape in _iter_raw(reader, path):
-        yield hf_name, dequantize_tensor(data, ggml_type, shape, dtype)
+    group: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType, tuple[int, ...]]] = []
+    size = 0
+    for item in _iter_raw(reader, path):
+        group.append(item)
+        size += math.prod(item[3])
+        if size >= _GROUP_ELEMENTS:
+            yield from _dequantized(group, dtype, dequantize_group)
+            group, size = [], 0
+    yield from _dequantized(group, dtype, dequantize_group)
+
+
+# Tensors are dequantized in groups of about this many elements (128 MB of float32 temporaries).
+_GROUP_ELEMENTS = 1 << 25
+
+
+def _dequantized(group: list, dtype: torch.dtype, dequantize_group: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    values = dequantize_group([(data, ggml_type, shape) for _, data, ggml_type, shape in group], dtype)
+    for (hf_name, *_), tensor in zip(group, values, strict=True):
+        yield hf_name, tensor
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
