@@ -153,3 +153,55 @@ def test_stop_token_is_not_detokenized(byte_level):
         detok = IncrementalDetokenizer(byte_level, [], params)
         delta, _ = detok.add_tokens(ids, finished=True, stopped_by_token=True)
         assert delta == expected and detok.num_output_tokens == len(ids)
+
+
+# ------------------------------------------------------------------ the backend decode shortcut
+
+
+class _OwnDecode(PreTrainedTokenizerFast):
+    """A tokenizer class with its own ``decode``: the shortcut must not bypass it."""
+
+    def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+        return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_decode_equals_the_tokenizers_decode(byte_level, metaspace, skip):
+    from plinth.core.detokenizer import _stock_backend, make_decoder
+
+    rng = random.Random(5)
+    for tok in (byte_level, metaspace):
+        assert _stock_backend(tok) is tok.backend_tokenizer
+        decode = make_decoder(tok, skip)
+        specials = [tok.convert_tokens_to_ids(s) for s in SPECIALS]
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))] + rng.sample(specials, 1)
+            rng.shuffle(ids)
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_with_its_own_decode_is_called(byte_level):
+    from plinth.core.detokenizer import _stock_backend
+
+    own = _OwnDecode(tokenizer_object=byte_level.backend_tokenizer, eos_token="<|endoftext|>")
+    assert _stock_backend(own) is None
+    ids = byte_level.encode("Hello world")
+    detok, deltas, _ = stream(own, [], ids, SamplingParams())
+    assert "".join(deltas) == "HELLO WORLD"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_through_the_shortcut_equals_the_plain_decode(byte_level, metaspace, text):
+    """The same deltas, token by token, whichever decode path the detokenizer takes."""
+    from plinth.core import detokenizer as mod
+
+    for tok in (byte_level, metaspace):
+        ids = tok.encode(text)
+        prompt = tok.encode("Answer:")
+        fast = stream(tok, prompt, ids, SamplingParams(stop=["wor"]))
+        slow_detok = IncrementalDetokenizer(tok, prompt, SamplingParams(stop=["wor"]))
+        slow_detok._decode = lambda ids, tok=tok: tok.decode(ids, skip_special_tokens=True,  # noqa: B023
+                                                             clean_up_tokenization_spaces=False)
+        deltas = [slow_detok.add_tokens([t], finished=i == len(ids) - 1)[0] for i, t in enumerate(ids)]
+        assert fast[1] == deltas and fast[0].text == slow_detok.text
+        assert mod.make_decoder(tok, True)(ids) == tok.decode(ids, skip_special_tokens=True)

@@ -203,6 +203,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.scheduled:
             self._execute(out, touched, final_only)
+        else:
+            self._batch_builder.release(out)
         outputs = []
         for g in touched.values():
             if final_only and not g.finished:

@@ -252,13 +252,18 @@ class BatchBuilder:
     def __init__(self, max_blocks_per_seq: int, max_num_seqs: int):
         self.block_table = PersistentBlockTable(max_blocks_per_seq, max_num_seqs)
 
-    def build(self, out: SchedulerOutput) -> tuple[FlatBatch, list[Request]]:
-        """The step's batch, and the requests it samples (in batch order)."""
+    def release(self, out: SchedulerOutput) -> None:
+        """Free the rows of the requests preempted or finished (call for every step, even an empty one)."""
         table = self.block_table
         for rid in out.preempted_request_ids:
             table.release(rid)
         for rid in out.finished_request_ids:
             table.release(rid)
+
+    def build(self, out: SchedulerOutput) -> tuple[FlatBatch, list[Request]]:
+        """The step's batch, and the requests it samples (in batch order)."""
+        self.release(out)
+        table = self.block_table
         row_of = table.row
         rows: list[int] = []
         q_lens: list[int] = []
