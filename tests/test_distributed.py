@@ -125,6 +125,56 @@ def test_microbatches_are_contiguous_and_balanced():
         assert len(parts) == k and [i for p in parts for i in p] == list(range(len(entries)))
 
 
+def _same_batch(a, b) -> bool:
+    return list(a) == list(b) and a.decode_only == b.decode_only
+
+
+def test_step_batch_carries_the_flat_batch_and_microbatches_slice_it():
+    import pickle
+
+    import numpy as np
+
+    from plinth.distributed.messages import StepBatch
+    from plinth.distributed.pipeline import sub_batch
+    from plinth.worker.batching import FlatBatch
+
+    entries = [SeqBatchEntry([3, 4, 5], 0, [7], True), SeqBatchEntry([9], 12, [2, 8, 4, 11], True),
+               SeqBatchEntry([1, 2], 4, [5, 6], False), SeqBatchEntry([6], 3, [1], True)]
+    flat = FlatBatch.from_entries(entries)
+    sent = pickle.loads(pickle.dumps(StepBatch.from_entries(flat)))   # what a worker receives
+    assert _same_batch(sent.flat(), flat) and sent.entries() == entries
+    assert np.array_equal(StepBatch.from_entries(entries).block_ids, sent.block_ids)
+    assert sent.flat().block_tables.shape == (4, 4) and not sent.flat().decode_only
+    for part in (range(0, 2), range(2, 4), range(1, 2), range(3, 4)):
+        assert _same_batch(sub_batch(flat, part), FlatBatch.from_entries(entries[part.start:part.stop]))
+    assert sub_batch(flat, range(3, 4)).decode_only and sub_batch(flat, range(1, 2)).decode_only
+    assert split_microbatches(flat, 2) == split_microbatches(entries, 2)
+
+
+def test_warm_up_collective_checks_the_capture_ladders(tmp_path):
+    """The eager collective run before graph capture passes when every TP rank will capture the same
+    batch sizes, and fails on every rank (instead of capturing mismatched graphs) when they differ."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.multiprocessing as tmp
+    from test_distributed_helpers import warm_up_rank
+
+    from plinth.worker.cuda_graphs import graph_batch_sizes
+
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    same = graph_batch_sizes(32)
+    fingerprints = [[same, same], [same, graph_batch_sizes(48)]]
+    tmp.start_processes(warm_up_rank, args=(store.port, fingerprints, str(tmp_path)), nprocs=2,
+                        start_method="spawn")
+    for rank in (0, 1):
+        ok, mismatch = (tmp_path / f"rank{rank}").read_text().split("\n")
+        assert ok == "ok"
+        assert "the ranks disagree on the graphs to capture" in mismatch and f"rank {rank}" in mismatch
+        assert str([len(same), sum(same)])[:-1] in mismatch
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(tensor_parallel_size=3), "attention heads"),
     (dict(pipeline_parallel_size=4), "exceeds the model's 3 layers"),

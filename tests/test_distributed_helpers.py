@@ -117,3 +117,30 @@ def children(pid: int, marker: str) -> list[int]:
         if ppid == pid and marker in cmdline and not process_gone(int(entry.name)):
             out.append(int(entry.name))
     return sorted(out)
+
+
+def warm_up_rank(rank: int, port: int, fingerprints: list[list[list[int]]], out_dir: str) -> None:
+    """One TP rank of a 2-rank gloo group (a spawned process): run ``tp_warm_up`` with each of its
+    fingerprints in turn and write, one line per call, ``ok`` or the error."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from plinth.distributed.communication import tp_warm_up
+    from plinth.distributed.parallel_state import ParallelLayout, destroy_parallel_state, init_parallel_state
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=60))
+    init_parallel_state(ParallelLayout(rank, 2, 1), "gloo", store, 60.0)
+    lines = []
+    try:
+        for fingerprint in fingerprints[rank]:
+            try:
+                tp_warm_up(torch.device("cpu"), torch.bfloat16, fingerprint)
+                lines.append("ok")
+            except RuntimeError as exc:
+                lines.append(str(exc))
+    finally:
+        destroy_parallel_state()
+    (Path(out_dir) / f"rank{rank}").write_text("\n".join(lines))

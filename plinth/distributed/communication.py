@@ -6,6 +6,8 @@ touches torch.distributed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -43,3 +45,30 @@ def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     out = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(out, src=layout.prev_rank)
     return out
+
+
+def tp_warm_up(device: torch.device, dtype: torch.dtype, fingerprint: Sequence[int]) -> None:
+    """Run the tensor-parallel collectives once, eagerly, on every rank of the TP group, and check that
+    every rank describes the same work with ``fingerprint`` (e.g. the batch sizes of the decode graphs
+    it will capture, in capture order).
+
+    Called before CUDA graph capture: NCCL builds a communicator on its first collective, which must
+    not happen inside a capture, and graphs holding collectives must be captured (and replayed) in
+    the same order on every rank. Returns once the collectives have finished on this device.
+
+    Raises:
+        RuntimeError: the ranks' fingerprints differ.
+    """
+    state = get_parallel_state()
+    probe = torch.ones(4, dtype=dtype, device=device)
+    tp_all_reduce(probe)                                             # [4] == tp_size everywhere
+    values = [int(v) for v in fingerprint]
+    summary = torch.tensor([len(values), sum(values), sum(v * v for v in values), max(values, default=0)],
+                           dtype=torch.int64, device=device)         # [4]: equal-shaped on every rank
+    everyone = tp_all_gather(summary.unsqueeze(0), dim=0)            # [tp, 4]
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+    if not bool((everyone == everyone[0]).all()) or not bool((probe == state.layout.tp_size).all()):
+        raise RuntimeError(f"tensor-parallel rank {state.layout.tp_rank}: the ranks disagree on the graphs to "
+                           f"capture (count, sum, sum of squares, largest of each rank's batch sizes: "
+                           f"{everyone.tolist()}); every rank must run the same configuration")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from plinth.worker.batching import FlatBatch
 from plinth.worker.model_runner import SeqBatchEntry
 
 
@@ -35,7 +36,12 @@ class StepBatch:
     sample: np.ndarray
 
     @classmethod
-    def from_entries(cls, entries: Sequence[SeqBatchEntry]) -> StepBatch:
+    def from_entries(cls, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepBatch:
+        """The batch of a step; a :class:`~plinth.worker.batching.FlatBatch` (the engine's) is taken
+        as its arrays, with no pass over the sequences."""
+        if isinstance(entries, FlatBatch):
+            return cls(token_ids=entries.token_ids, q_lens=entries.q_lens, starts=entries.starts,
+                       block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample)
         n = len(entries)
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
         block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
@@ -48,6 +54,16 @@ class StepBatch:
                                   count=int(block_counts.sum())),
             sample=np.fromiter((e.sample for e in entries), dtype=np.bool_, count=n),
         )
+
+    def flat(self) -> FlatBatch:
+        """The batch as the model runner's :class:`~plinth.worker.batching.FlatBatch` (numpy only)."""
+        n = len(self.q_lens)
+        width = int(self.block_counts.max()) if n else 0
+        tables = np.zeros((n, width), dtype=np.int32)                          # [N, W]
+        tables[np.arange(width) < self.block_counts[:, None]] = self.block_ids
+        return FlatBatch(token_ids=self.token_ids, q_lens=self.q_lens, starts=self.starts, block_tables=tables,
+                         block_counts=self.block_counts, sample=self.sample,
+                         decode_only=len(self.token_ids) == n and bool(self.sample.all()))
 
     def entries(self) -> list[SeqBatchEntry]:
         """The batch as the model runner's entries (views into the arrays, no copies of the ids)."""

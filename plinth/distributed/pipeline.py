@@ -25,16 +25,18 @@ import torch
 
 from plinth.distributed.communication import pp_recv, pp_send_async
 from plinth.distributed.parallel_state import ParallelLayout
+from plinth.worker.batching import FlatBatch
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
 
 
-def split_microbatches(entries: Sequence[SeqBatchEntry], max_parts: int) -> list[range]:
+def split_microbatches(entries: Sequence[SeqBatchEntry] | FlatBatch, max_parts: int) -> list[range]:
     """Contiguous ranges of entry indices, at most ``max_parts``, with balanced token counts."""
     n = len(entries)
     parts = max(1, min(max_parts, n))
     if parts == 1:
         return [range(n)]
-    cum = np.cumsum([len(e.token_ids) for e in entries])   # [N]
+    q_lens = entries.q_lens if isinstance(entries, FlatBatch) else [len(e.token_ids) for e in entries]
+    cum = np.cumsum(q_lens)   # [N]
     total = int(cum[-1])
     bounds = [0]
     for k in range(1, parts):
@@ -43,6 +45,18 @@ def split_microbatches(entries: Sequence[SeqBatchEntry], max_parts: int) -> list
         bounds.append(cut)
     bounds.append(n)
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def sub_batch(batch: FlatBatch, part: range) -> FlatBatch:
+    """Sequences ``part`` (contiguous) of ``batch``, as views of its arrays."""
+    a, b = part.start, part.stop
+    ends = np.cumsum(batch.q_lens)                                           # [N]
+    t0, t1 = (int(ends[a - 1]) if a else 0), int(ends[b - 1])
+    counts = batch.block_counts[a:b]
+    width = int(counts.max()) if b > a else 0
+    return FlatBatch(token_ids=batch.token_ids[t0:t1], q_lens=batch.q_lens[a:b], starts=batch.starts[a:b],
+                     block_tables=batch.block_tables[a:b, :width], block_counts=counts, sample=batch.sample[a:b],
+                     decode_only=t1 - t0 == b - a and bool(batch.sample[a:b].all()))
 
 
 class PipelineStage:
@@ -63,7 +77,8 @@ class PipelineStage:
         self.dtype = dtype
 
     @torch.inference_mode()
-    def execute(self, entries: Sequence[SeqBatchEntry]) -> tuple[torch.Tensor | None, list[int], list[torch.Tensor]]:
+    def execute(self, entries: Sequence[SeqBatchEntry] | FlatBatch) -> tuple[torch.Tensor | None, list[int],
+                                                                              list[torch.Tensor]]:
         """Run the step.
 
         Returns:
@@ -75,9 +90,10 @@ class PipelineStage:
         logits: list[torch.Tensor] = []
         sample_seqs: list[int] = []
         hiddens: list[torch.Tensor] = []
+        batch = FlatBatch.from_entries(entries)
         try:
-            for mb in split_microbatches(entries, layout.pp_size):
-                inputs = runner.prepare([entries[i] for i in mb])
+            for mb in split_microbatches(batch, layout.pp_size):
+                inputs = runner.prepare(sub_batch(batch, mb))
                 runner.backend.prepare(inputs.metadata)
                 hidden = residual = None
                 if not layout.is_first_stage:

@@ -23,6 +23,7 @@ from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
 from plinth.distributed.messages import StepBatch
 from plinth.distributed.parallel_state import ParallelLayout, init_parallel_state
 from plinth.distributed.pipeline import PipelineStage
+from plinth.worker.batching import FlatBatch
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
 
 logger = logging.getLogger(__name__)
@@ -164,16 +165,39 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> int:
         """Allocate the KV cache (the same block count on every rank); capture decode graphs where
-        supported (single-stage runs only). Returns the cache's bytes on this rank."""
+        supported (single-stage runs, not ``enforce_eager``). Returns the cache's bytes on this rank."""
         self._make_runner(num_blocks)
         assert self.runner is not None
         dev = self.config.device
         if (not dev.enforce_eager and self.layout.pp_size == 1 and self.device.type == "cuda"
                 and self.platform.supports_graph_capture and getattr(self._backend, "graph_safe", False)):
-            self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs)
+            self._capture_decode_graphs()
         return self.runner.kv_cache_bytes
 
-    def _run(self, entries: list[SeqBatchEntry]) -> tuple[torch.Tensor | None, list[int]]:
+    def _capture_decode_graphs(self) -> None:
+        """Capture the decode graphs; with TP, graphs that hold the layers' NCCL collectives.
+
+        Every TP rank captures at once (the driver calls :meth:`init_cache` on all of them), the same
+        batch-size ladder in the same order (checked); first an eager warm-up collective creates the
+        communicators and leaves no collective in flight. The capture runs in ``thread_local`` mode so
+        that the NCCL watchdog thread, polling the warm-up's events, cannot invalidate it.
+        """
+        from plinth.distributed.communication import tp_warm_up
+        from plinth.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
+
+        runner = self.runner
+        assert runner is not None
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        mode = "global"
+        if self.layout.tp_size > 1:
+            tp_warm_up(self.device, self.dtype, graph_batch_sizes(max_num_seqs))
+            mode = "thread_local"
+        graphs = DecodeGraphRunner(runner.model, runner.backend, self.device, max_num_seqs,
+                                   runner.max_blocks_per_seq, runner.block_size)
+        graphs.capture(capture_error_mode=mode)
+        runner.graphs = graphs
+
+    def _run(self, entries: list[SeqBatchEntry] | FlatBatch) -> tuple[torch.Tensor | None, list[int]]:
         if self.stage is not None:
             logits, sample_seqs, self._last_hidden = self.stage.execute(entries)
             return logits, sample_seqs
@@ -192,7 +216,7 @@ class Worker:
         Returns:
             on the output rank, the sampled token ids (and logprobs) on the host; else ``None``.
         """
-        logits, sample_seqs = self._run(batch.entries())
+        logits, sample_seqs = self._run(batch.flat())
         if not self.layout.is_output_rank or logits is None or sampling is None or not sample_seqs:
             return None
         out = self.sampler.sample(logits, _to_device(sampling, self.device))

@@ -97,8 +97,12 @@ class DecodeGraphRunner:
         return self.model.compute_logits(hidden)   # [size, vocab] float32
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every size of the ladder (largest first, sharing one memory pool); returns seconds."""
+    def capture(self, capture_error_mode: str = "global") -> float:
+        """Capture every size of the ladder (largest first, sharing one memory pool); returns seconds.
+
+        ``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"`` lets other threads of the
+        process (the NCCL watchdog of a tensor-parallel worker) make CUDA calls during a capture.
+        """
         t0 = time.perf_counter()
         self._fill_padding(0, self.max_size)
         for size in reversed(self.sizes):
@@ -106,7 +110,7 @@ class DecodeGraphRunner:
                 self._forward(size)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=capture_error_mode):
                 out = self._forward(size)
             if self.pool is None:
                 self.pool = graph.pool()
