@@ -22,6 +22,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _nibbles_as_float(codes):
+    """Codes 0..15 as float32 without an integer-to-float conversion (a slow instruction): OR-ed into
+    the mantissa of 2**23 they give ``2**23 + code`` exactly; subtracting ``2**23`` leaves the code."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def w4a16_gemm_kernel(
     a_ptr,              # [M, K] activations (fp16, bf16 or fp32)
     q_ptr,              # [K / 8, N] int32 packed codes
@@ -59,11 +66,11 @@ def w4a16_gemm_kernel(
         shifts = (within // SPAN) * 4
         packed = tl.load(q_ptr + word[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                          mask=mask_n[None, :], other=0)                         # [BK, BN] int32
-        codes = (packed >> shifts[:, None]) & 0xF
+        codes = _nibbles_as_float((packed >> shifts[:, None]) & 0xF)
         group = k0 // GROUP_SIZE
         s = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)   # [BN]
         z = tl.load(z_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
-        w = ((codes.to(tl.float32) - z[None, :]) * s[None, :]).to(a.dtype)    # [BK, BN]
+        w = ((codes - z[None, :]) * s[None, :]).to(a.dtype)                    # [BK, BN]
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
     c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     mask = mask_m[:, None] & mask_n[None, :]
@@ -102,7 +109,7 @@ def w4a16_gemv_kernel(
             s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)           # [BN]
             zs = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0) * s
             x = tl.load(x_ptr + k0 + j * SPAN + offs_w).to(tl.float32)                    # [SPAN]
-            codes = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+            codes = _nibbles_as_float((packed >> (4 * j)) & 0xF)
             acc += (codes * s[:, None] - zs[:, None]) * x[None, :]
         q_ptrs += SPAN
     out = tl.sum(acc, axis=1)
