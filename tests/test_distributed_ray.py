@@ -28,6 +28,9 @@ def test_ray_tp2_equals_single_process(tmp_path, local_ray):
     try:
         pids = engine.executor.worker_pids
         assert len(set(pids)) == 2 and engine.runner is None
+        ranks = engine.executor.rank_weights()   # what plinth bench's floors read, from each actor
+        assert [(r.tp_rank, r.pp_rank, r.device_name) for r in ranks] == [(0, 0, "cpu"), (1, 0, "cpu")]
+        assert ranks[0].stats == ranks[1].stats and ranks[0].stats.params > 0
         result = run_greedy(engine)
     finally:
         engine.shutdown()
