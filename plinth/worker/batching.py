@@ -82,6 +82,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     block_counts: np.ndarray
     sample: np.ndarray
     decode_only: bool
+    _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -120,6 +121,20 @@ class FlatBatch(Sequence[SeqBatchEntry]):
 
     # ---------------------------------------------------------------- Sequence[SeqBatchEntry]
 
+    def entries(self) -> list[SeqBatchEntry]:
+        """The batch as entries (built once, on first use: callers that take entries iterate it)."""
+        if self._entries is None:
+            ends = np.cumsum(self.q_lens).tolist()
+            tokens, starts, counts = self.token_ids.tolist(), self.starts.tolist(), self.block_counts.tolist()
+            tables, sample = self.block_tables.tolist(), self.sample.tolist()
+            out = []
+            begin = 0
+            for i, end in enumerate(ends):
+                out.append(SeqBatchEntry(tokens[begin:end], starts[i], tables[i][: counts[i]], sample[i]))
+                begin = end
+            self._entries = out
+        return self._entries
+
     def __len__(self) -> int:
         return len(self.q_lens)
 
@@ -130,24 +145,10 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     def __getitem__(self, i: slice) -> list[SeqBatchEntry]: ...
 
     def __getitem__(self, i: int | slice) -> SeqBatchEntry | list[SeqBatchEntry]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"entry {i} of a batch of {n}")
-        i %= n
-        end = int(self.q_lens[: i + 1].sum())
-        return SeqBatchEntry(self.token_ids[end - int(self.q_lens[i]):end].tolist(), int(self.starts[i]),
-                             self.block_tables[i, : int(self.block_counts[i])].tolist(), bool(self.sample[i]))
+        return self.entries()[i]
 
     def __iter__(self) -> Iterator[SeqBatchEntry]:
-        ends = np.cumsum(self.q_lens).tolist()
-        tokens, starts, counts = self.token_ids.tolist(), self.starts.tolist(), self.block_counts.tolist()
-        tables, sample = self.block_tables.tolist(), self.sample.tolist()
-        begin = 0
-        for i, end in enumerate(ends):
-            yield SeqBatchEntry(tokens[begin:end], starts[i], tables[i][: counts[i]], sample[i])
-            begin = end
+        return iter(self.entries())
 
 
 class PersistentBlockTable:
