@@ -183,10 +183,13 @@ def test_async_front_shutdown_stops_workers_stuck_in_a_step(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def stuck() -> BaseException | None:
+        stopped = False
         try:
             async for out in front.generate("s", PROMPTS[0], params):
-                if len(out.outputs[0].token_ids) == 2:
+                if not stopped and len(out.outputs[0].token_ids) >= 2:
+                    stopped = True
                     os.kill(pids[1], signal.SIGSTOP)
+                    await asyncio.sleep(1.0)   # the loop, stepping the running request, is now stuck
                     await asyncio.get_running_loop().run_in_executor(None, front.shutdown, True, 1.0)
         except EngineDeadError as exc:
             return exc
