@@ -44,6 +44,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)   # this checkout's plinth (plugins are found through its installed entry points)
+
 STEP_TIMEOUT_S = "120"
 
 
@@ -123,7 +126,7 @@ def _attempt(argv: list[str], layout: str, eager: bool, timeout_s: float, log_di
     deadline); returns its result or ``{"error": ...}``."""
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", layout, *(["--enforce-eager"] if eager else [])]
     log_path = os.path.join(log_dir, f"{layout}-{'eager' if eager else 'graphs'}.log")
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.setdefault("PLINTH_WORKER_STEP_TIMEOUT_S", STEP_TIMEOUT_S)
     env.setdefault("PLINTH_WORKER_START_TIMEOUT_S", str(int(max(60.0, timeout_s))))
     print(f"== {layout} ({'eager' if eager else 'decode graphs'}, deadline {timeout_s:.0f} s, log {log_path})",
@@ -160,7 +163,7 @@ def run_layout(args: argparse.Namespace, argv: list[str], layout: str, deadline:
     for i, eager in enumerate(modes):
         left = deadline - time.monotonic() - later * args.min_layout_s
         if left < 30.0:
-            errors["budget"] = f"{left:.0f} s left for this layout: not run"
+            errors["budget"] = f"{max(left, 0.0):.0f} s left for this layout: not run"
             break
         retry_left = len(modes) - i - 1
         # keep time for the eager retry, unless that would leave this attempt too little
