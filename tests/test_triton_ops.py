@@ -220,3 +220,21 @@ def test_model_with_fused_ops_matches_torch_path(monkeypatch, tiny_llama_dir):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             tok = next(iter(la))
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
+
+
+def test_split_w4a16_routes_by_rows(monkeypatch):
+    """The decode/prefill pair: up to 32 rows go to torch's int4 matmul, longer inputs to the Triton GEMM;
+    on CPU it declines (one kernel serves both there)."""
+    from plinth.quantization.kernels.w4a16_split import DECODE_MAX_ROWS, SplitW4A16Kernel
+
+    cpu = GemmProblem("int", torch.bfloat16, "cpu", bits=4, group_size=128, shapes=((256, 256),))
+    answer = SplitW4A16Kernel.supports(cpu)
+    assert not answer and "CPU" in answer.reason
+    kernel = SplitW4A16Kernel(GemmProblem("int", torch.bfloat16, "cuda", capability=(9, 0), bits=4,
+                                          group_size=128, shapes=((256, 256),)))
+    seen = []
+    monkeypatch.setattr(kernel.small, "apply", lambda layer, x, bias: seen.append(("small", x.shape[0])))
+    monkeypatch.setattr(kernel.large, "apply", lambda layer, x, bias: seen.append(("large", x.shape[0])))
+    for rows in (1, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 512):
+        kernel.apply(None, torch.zeros(rows, 256), None)
+    assert seen == [("small", 1), ("small", 32), ("large", 33), ("large", 512)]

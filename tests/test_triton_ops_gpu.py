@@ -81,3 +81,21 @@ def test_choice_times_both_candidates():
     choice, timings = choose(ws)
     assert set(timings) == {1, 8} and all(v > 0 and t > 0 for v, t in timings.values())
     assert choice.one_row == (timings[1][1] < timings[1][0])
+
+
+@pytest.mark.parametrize("m", [1, 32, 33, 200])
+def test_split_w4a16_bf16(m):
+    from plinth.quantization.kernels.w4a16_split import SplitW4A16Kernel
+
+    n, k = 4096, 4096
+    weights = random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=CUDA,
+                                 generator=torch.Generator(device=CUDA).manual_seed(1))
+    problem = GemmProblem("int", BF16, "cuda", capability=torch.cuda.get_device_capability(), bits=4,
+                          group_size=128, shapes=((n, k),))
+    assert SplitW4A16Kernel.supports(problem)
+    kernel = SplitW4A16Kernel(problem)
+    layer = holder(kernel.prepare(weights))
+    x = torch.randn(m, k, device=CUDA, dtype=BF16)
+    ref = x.float() @ weights.dequantize(torch.float32).T
+    out = kernel.apply(layer, x, None)
+    assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()

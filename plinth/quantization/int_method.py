@@ -18,6 +18,7 @@ INT_KERNELS = {
     "dequant": f"{_K}.dequant:DequantIntKernel",
     "triton_w4a16": f"{_K}.w4a16_triton:TritonW4A16Kernel",
     "torch_int4pack": f"{_K}.int4pack:TorchInt4PackKernel",
+    "w4a16_split": f"{_K}.w4a16_split:SplitW4A16Kernel",
     "torch_int_mm": f"{_K}.int8_mm:TorchIntMMKernel",
 }
 
@@ -50,7 +51,7 @@ class IntWeightMethod(QuantizationMethod):
     def kernel_candidates(self) -> dict[str, str]:
         names = ["dequant"]
         if self.bits == 4:
-            names += ["triton_w4a16", "torch_int4pack"]
+            names += ["triton_w4a16", "torch_int4pack", "w4a16_split"]
         if self.bits == 8 and self.activation == "int8_token":
             names.append("torch_int_mm")
         return {n: INT_KERNELS[n] for n in names}
