@@ -238,3 +238,20 @@ def test_split_w4a16_routes_by_rows(monkeypatch):
     for rows in (1, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 512):
         kernel.apply(None, torch.zeros(rows, 256), None)
     assert seen == [("small", 1), ("small", 32), ("large", 33), ("large", 512)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k", [100, 4100])            # one block and several blocks per row
+def test_quantize_rows_matches_the_tensor_ops(k):
+    """The fused per-row quantizer's scales and scaled values (float32 output in the interpreter, which
+    has no float8) against the reference per-token quantizer's arithmetic."""
+    from plinth.quantization.quantizers import FP8_MAX
+
+    x = (torch.randn(5, k, generator=torch.Generator().manual_seed(7)) * 3).to(torch.float16)
+    x[2] = 0.0                                         # an all-zero row keeps a positive scale
+    y, scale = ops.quantize_rows(x, torch.float32, FP8_MAX)
+    xf = x.float()
+    ref_scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(y, (xf / ref_scale).clamp(-FP8_MAX, FP8_MAX), rtol=1e-5, atol=1e-5)
+    assert y.abs().max().item() <= FP8_MAX

@@ -99,3 +99,15 @@ def test_split_w4a16_bf16(m):
     ref = x.float() @ weights.dequantize(torch.float32).T
     out = kernel.apply(layer, x, None)
     assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+def test_quantize_rows_fp8_equals_tensor_ops():
+    from plinth.quantization.quantizers import FP8_MAX, quantize_fp8_tokens
+
+    x = torch.randn(300, 14336, device=CUDA, dtype=BF16) * 4
+    y, scale = ops.quantize_rows(x, torch.float8_e4m3fn, FP8_MAX)
+    ref_y, ref_scale = quantize_fp8_tokens(x)
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
+    differ = (y.float() != ref_y.float()).float().mean().item()
+    assert differ < 1e-3, differ                       # the same rounding, up to division ulps
+    assert (y.float() - ref_y.float()).abs().max().item() <= 32.0   # at most one e4m3 step at the top

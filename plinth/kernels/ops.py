@@ -154,3 +154,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if tiles.split_k > 1:
         y = y.to(x.dtype)
     return y if bias is None else y + bias
+
+
+def quantize_rows(x: torch.Tensor, out_dtype: torch.dtype, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic quantization of ``x`` ``[M, K]``: (``[M, K]`` of ``out_dtype``, ``[M, 1]`` float32 scales)
+    with ``scale = max|row| / qmax`` and values clamped to ``[-qmax, qmax]`` (cast by the kernel: rounding to
+    nearest for float8 outputs)."""
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        jit_module().quant_rows_kernel[(m,)](x, y, scale, k, x.stride(0), y.stride(0), qmax,
+                                             BLOCK=min(2048, _block(k)), num_warps=4)
+    return y, scale

@@ -136,3 +136,25 @@ def skinny_gemm_kernel(
             tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
         else:
             tl.atomic_add(y_ptr + offs_n, out, mask=mask_n)
+
+
+@triton.jit
+def quant_rows_kernel(x_ptr, y_ptr, s_ptr, K, stride_x, stride_y, QMAX, BLOCK: tl.constexpr):
+    """Dynamic per-row quantization: ``s = max|x| / QMAX``, ``y = clamp(x / s)`` in ``y``'s dtype.
+
+    One row per program, two passes over it (the maximum, then the scaled values): the row is read
+    twice and written once, with no float32 copy in memory.
+    """
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+        tl.store(y_ptr + row * stride_y + k0 + offs, y.to(y_ptr.dtype.element_ty), mask=mask)

@@ -1,6 +1,7 @@
 """W8A8 FP8 through ``torch._scaled_mm``: dynamic per-token activation scales, per-channel weight scales.
 
-Each call quantizes the activations to E4M3 with one scale per row, then runs the FP8 tensor-core
+Each call quantizes the activations to E4M3 with one scale per row (one fused Triton kernel on GPUs,
+:func:`plinth.kernels.ops.quantize_rows`), then runs the FP8 tensor-core
 GEMM with row-wise scales on both sides (CUDA compute capability 8.9 and newer: Ada, Hopper, ...).
 """
 
@@ -11,9 +12,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from plinth.kernels import ops
 from plinth.quantization.formats import FP8Weights
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
-from plinth.quantization.quantizers import quantize_fp8_tokens
+from plinth.quantization.quantizers import FP8_MAX, quantize_fp8_tokens
 
 _MIN_CAPABILITY = (8, 9)
 
@@ -51,7 +53,10 @@ class ScaledMMFP8Kernel(GemmKernel):
         }
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        xq, x_scale = quantize_fp8_tokens(x)                                      # [M, K], [M, 1]
+        if ops.fused_ops_enabled(x):   # one Triton pass per row instead of eight float32 tensor ops
+            xq, x_scale = ops.quantize_rows(x, torch.float8_e4m3fn, FP8_MAX)     # [M, K], [M, 1]
+        else:
+            xq, x_scale = quantize_fp8_tokens(x)
         out = torch._scaled_mm(xq, layer.fp8_weight_t, scale_a=x_scale, scale_b=layer.fp8_scale_row,
                                out_dtype=x.dtype)
         return out if bias is None else out + bias
