@@ -140,13 +140,14 @@ class DecodeGraphRunner:
         return None
 
     @torch.inference_mode()
-    def run(self, token_ids: np.ndarray, positions: np.ndarray, block_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    def run(self, token_ids: np.ndarray, positions: np.ndarray,
+            block_ids: Sequence[Sequence[int]] | np.ndarray) -> torch.Tensor:
         """Replay one decode step for ``B`` sequences; returns logits ``[B, vocab]`` (a view into static output).
 
         Args:
             token_ids: ``[B]`` the last token of each sequence.
             positions: ``[B]`` its position (= tokens already in the cache).
-            block_ids: each sequence's KV blocks.
+            block_ids: each sequence's KV blocks (lists, or a zero-padded ``[B, W]`` integer array).
         """
         b = len(token_ids)
         size = self.padded_size(b)
@@ -156,9 +157,13 @@ class DecodeGraphRunner:
         vec = self.host_vec.numpy()
         tables = self.host_tables.numpy()
         tables[:size] = 0
-        for i, blocks in enumerate(block_ids):
-            n = min(len(blocks), w)
-            tables[i, :n] = blocks[:n]
+        if isinstance(block_ids, np.ndarray):          # a zero-padded [B, W'] table: one slice copy
+            n = min(block_ids.shape[1], w)
+            tables[:b, :n] = block_ids[:, :n]
+        else:
+            for i, blocks in enumerate(block_ids):
+                n = min(len(blocks), w)
+                tables[i, :n] = blocks[:n]
         pos = positions.astype(np.int64)
         vec[0, :b] = token_ids
         vec[1, :b] = pos
