@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from test_quantization_support import (  # noqa: E402
     one_thread,  # noqa: F401 (an autouse fixture)
     reference_model,
 )
+from triton_interpreter import import_interpreted, needs, run_in_fresh_process, set_interpreter_env  # noqa: E402
 
 from plinth.quantization.interface import GemmWorkload, QuantContext  # noqa: E402
 from plinth.quantization.kernels import w4a16_triton  # noqa: E402
@@ -42,43 +41,18 @@ from plinth.quantization.selection import holder  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def _import_interpreted() -> bool:
-    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PLINTH_TRITON_INTERPRET")}
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["PLINTH_TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(tl.zeros, InterpretedFunction):
-            return False
-        return isinstance(w4a16_triton.load_jit_module().w4a16_gemm_kernel, InterpretedFunction)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-INTERPRETED = _import_interpreted()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="triton was imported compiled earlier in this session; see test_in_a_fresh_process"
-)
+INTERPRETED = import_interpreted(lambda: w4a16_triton.load_jit_module().w4a16_gemm_kernel)
+needs_interpreter = needs(INTERPRETED)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
 def test_in_a_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    run_in_fresh_process(__file__)
 
 
 @pytest.fixture(autouse=True)
 def _interpreter_env(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PLINTH_TRITON_INTERPRET", "1")
+    set_interpreter_env(monkeypatch)
 
 
 def _problem(dtype, group, n, k, act_order=False) -> GemmProblem:

@@ -14,8 +14,6 @@ import dataclasses
 import importlib.util
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,45 +23,20 @@ if torch.cuda.is_available() and os.environ.get("PLINTH_TRITON_INTERPRET") != "1
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from triton_interpreter import import_interpreted, needs, run_in_fresh_process, set_interpreter_env  # noqa: E402
+
 from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec  # noqa: E402
 from plinth.attention_backends.triton import backend as triton_backend  # noqa: E402
 from plinth.attention_backends.triton import tiles  # noqa: E402
 from plinth.attention_backends.triton.backend import TritonAttentionBackend  # noqa: E402
 
-
-def _import_kernels_interpreted() -> bool:
-    """Import Triton and the kernels in interpreter mode; False if Triton was already imported compiled."""
-    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PLINTH_TRITON_INTERPRET")}
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["PLINTH_TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(tl.zeros, InterpretedFunction):
-            return False
-        kernels = triton_backend._load_kernels()
-        return isinstance(kernels.prefill._prefill_kernel, InterpretedFunction)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-INTERPRETED = _import_kernels_interpreted()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="triton was imported compiled earlier in this session; see test_in_a_fresh_process"
-)
+INTERPRETED = import_interpreted(lambda: triton_backend._load_kernels().prefill._prefill_kernel)
+needs_interpreter = needs(INTERPRETED)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
 def test_in_a_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    run_in_fresh_process(__file__)
 
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 3e-3}
@@ -71,8 +44,7 @@ TOLERANCE = {torch.float32: 2e-4, torch.float16: 3e-3}
 
 @pytest.fixture(autouse=True)
 def _interpreter_env(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PLINTH_TRITON_INTERPRET", "1")
+    set_interpreter_env(monkeypatch)
 
 
 @dataclasses.dataclass

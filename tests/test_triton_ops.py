@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,8 @@ if torch.cuda.is_available() and os.environ.get("PLINTH_TRITON_INTERPRET") != "1
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from triton_interpreter import import_interpreted, needs, run_in_fresh_process, set_interpreter_env  # noqa: E402
+
 from plinth.kernels import ops  # noqa: E402
 from plinth.model_registry.layers.rotary import apply_rotary  # noqa: E402
 from plinth.quantization.kernels.interface import GemmProblem  # noqa: E402
@@ -30,27 +30,8 @@ from plinth.quantization.quantizers import random_int_weights  # noqa: E402
 from plinth.quantization.selection import holder  # noqa: E402
 from plinth.worker.gpu_linear import SkinnyChoice, SkinnyLinearMethod  # noqa: E402
 
-
-def _import_interpreted() -> bool:
-    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PLINTH_TRITON_INTERPRET")}
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["PLINTH_TRITON_INTERPRET"] = "1"
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return isinstance(ops.jit_module().rmsnorm_kernel, InterpretedFunction)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-INTERPRETED = _import_interpreted()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="triton was imported compiled earlier in this session; see test_in_a_fresh_process"
-)
+INTERPRETED = import_interpreted(lambda: ops.jit_module().rmsnorm_kernel)
+needs_interpreter = needs(INTERPRETED)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 
 
@@ -60,16 +41,12 @@ def _tol(dtype: torch.dtype) -> float:
 
 @pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
 def test_in_a_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    run_in_fresh_process(__file__)
 
 
 @pytest.fixture(autouse=True)
 def _interpreter_env(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PLINTH_TRITON_INTERPRET", "1")
+    set_interpreter_env(monkeypatch)
 
 
 @needs_interpreter

@@ -1,0 +1,57 @@
+"""Shared set-up of the test modules that run Triton kernels in Triton's CPU interpreter.
+
+Triton decides between compiling and interpreting when a kernel module is imported, so each such test
+module imports its kernels with ``TRITON_INTERPRET=1`` set (:func:`import_interpreted`); when Triton was
+already imported compiled earlier in the session, the module's tests are skipped and
+:func:`run_in_fresh_process` runs the whole file again in a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+_VARS = ("TRITON_INTERPRET", "PLINTH_TRITON_INTERPRET")
+
+
+def import_interpreted(load_kernel: Callable[[], object]) -> bool:
+    """Import Triton and ``load_kernel()``'s kernel with the interpreter on; False if Triton was imported
+    compiled before (the kernel is then not an interpreted function)."""
+    saved = {k: os.environ.get(k) for k in _VARS}
+    for k in _VARS:
+        os.environ[k] = "1"
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(tl.zeros, InterpretedFunction) and isinstance(load_kernel(), InterpretedFunction)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def needs(interpreted: bool) -> pytest.MarkDecorator:
+    """Skip a test when the module's kernels could not be imported interpreted."""
+    return pytest.mark.skipif(not interpreted, reason="triton was imported compiled earlier in this session; "
+                                                      "see test_in_a_fresh_process")
+
+
+def run_in_fresh_process(path: str) -> None:
+    """Run the test file ``path`` in a new interpreter with the interpreter variables set."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def set_interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter variables for one test's duration (kernels read them when launched)."""
+    for k in _VARS:
+        monkeypatch.setenv(k, "1")
