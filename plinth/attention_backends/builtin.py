@@ -10,6 +10,7 @@ def plinth_attention_backends() -> dict[str, str]:
     return {
         "torch_sdpa": "plinth.attention_backends.torch_sdpa:TorchSDPABackend",
         "torch_batched": "plinth.attention_backends.torch_batched:TorchBatchedBackend",
+        "cpu_paged": "plinth.attention_backends.cpu_paged:CpuPagedBackend",
         "triton": "plinth.attention_backends.triton.backend:TritonAttentionBackend",
         "flash_attn": "plinth.attention_backends.flash_attn:FlashAttnBackend",
     }

@@ -1,0 +1,117 @@
+"""Native paged attention for CPUs: decode steps read the KV cache in place.
+
+Decode-only steps run a C++ kernel (:mod:`plinth.attention_backends.cpu_paged_build`) that walks
+each sequence's blocks through its block-table row, one work item per (sequence, KV head) spread
+over OpenMP threads, with every query head of the GQA group scored together and a float32 online
+softmax. Unlike :mod:`~plinth.attention_backends.torch_batched`, no step gathers the context of
+its sequences into padded tensors, so the work grows with the tokens attended, not with a copy of
+them. Prefill and mixed steps, and the static-shape decode of a compiled step, run the
+``torch_batched`` path this backend extends.
+
+``PLINTH_CPU_PAGED_ATTENTION=0`` turns the backend off (``supports()`` says so).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plinth.attention_backends.cpu_paged_build import load_kernel
+from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec, Support, write_kv_cache
+from plinth.attention_backends.torch_batched import TorchBatchedBackend
+from plinth.config import ConfigError
+
+ENABLE_ENV = "PLINTH_CPU_PAGED_ATTENTION"
+MAX_HEAD_SIZE = 256
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _enabled() -> bool:
+    from plinth.worker.cpu_path import env_flag
+
+    return env_flag(ENABLE_ENV, True)
+
+
+class CpuPagedBackend(TorchBatchedBackend):
+    """Decode through a native kernel over the paged cache; other steps as ``torch_batched``."""
+
+    name = "cpu_paged"
+    priority = 6
+
+    @classmethod
+    def supports(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """CPU, float32 or bfloat16, head size up to 256, and a C++ compiler (or an earlier build)."""
+        try:
+            if not _enabled():
+                return Support.no(f"unsupported: turned off by {ENABLE_ENV}")
+        except ConfigError as exc:
+            return Support.no(f"unsupported: {exc}")
+        if device_type != "cpu":
+            return Support.no(f"unsupported: runs on CPUs only, not {device_type}")
+        if spec.dtype not in _DTYPE_CODES:
+            return Support.no(f"unsupported: dtype {spec.dtype} (float32 and bfloat16 only)")
+        if not 0 < spec.head_size <= MAX_HEAD_SIZE:
+            return Support.no(f"unsupported: head size {spec.head_size} (at most {MAX_HEAD_SIZE})")
+        if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
+            return Support.no(f"unsupported: num_heads {spec.num_heads} is not a multiple of num_kv_heads "
+                              f"{spec.num_kv_heads}")
+        build = load_kernel()
+        if build.library is None:
+            return Support.no(f"unsupported: {build.reason}")
+        return Support.yes()
+
+    def forward(
+        self,
+        query: torch.Tensor,     # [T, H, D]
+        key: torch.Tensor,       # [T, Hkv, D]
+        value: torch.Tensor,     # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:           # [T, H, D]
+        if (not metadata.is_decode_only or getattr(metadata.backend_data, "static_decode", False)
+                or query.device.type != "cpu" or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
+            return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return paged_decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                            metadata.num_seqs, scale, sliding_window)
+
+
+def paged_decode(
+    query: torch.Tensor,            # [T, H, D] float32 or bfloat16
+    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, Hkv, D], same dtype
+    block_tables: torch.Tensor,     # [>= B, W] int32
+    seq_lens: torch.Tensor,         # [>= B] int32: tokens in the cache, this step's included
+    query_start_loc: torch.Tensor,  # [>= B + 1] int32: one query row per sequence
+    num_seqs: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:                  # [T, H, D]; rows not owned by a sequence are zero
+    """Attention of each sequence's one query token over its cached keys, read in place.
+
+    Raises:
+        RuntimeError: the kernel could not be built or loaded (``CpuPagedBackend.supports`` says why).
+        ValueError: shapes or dtypes the kernel does not take.
+    """
+    build = load_kernel()
+    if build.library is None:
+        raise RuntimeError(f"CPU paged-attention kernel unavailable: {build.reason}")
+    if query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype:
+        raise ValueError(f"query/kv_cache dtypes {query.dtype}/{kv_cache.dtype}: need one of float32, bfloat16")
+    t, h, d = query.shape
+    _, num_blocks, block_size, hkv, d_cache = kv_cache.shape
+    if d != d_cache or d > MAX_HEAD_SIZE or h % hkv:
+        raise ValueError(f"query [{t}, {h}, {d}] does not fit a cache with {hkv} KV heads of size {d_cache}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    query = query if query.stride(2) == 1 and query.stride(1) == d else query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay zero
+    build.library.plinth_cpu_paged_decode(
+        query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
+        out.data_ptr(), _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks, block_size, tables.shape[1],
+        query.stride(0), out.stride(0), float(scale), int(sliding_window or 0), torch.get_num_threads())
+    return out

@@ -1,0 +1,250 @@
+"""cpu_paged: the native decode kernel against torch_sdpa (float64 and same-dtype), its delegation for
+prefill/mixed steps, an end-to-end run with the backend forced, and its "unsupported" answers."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from plinth import LLM, SamplingParams
+from plinth.attention_backends import cpu_paged_build
+from plinth.attention_backends.cpu_paged import ENABLE_ENV, CpuPagedBackend, paged_decode
+from plinth.attention_backends.interface import AttentionSpec
+from plinth.attention_backends.probe import PagedBatch, make_paged_batch, max_error, run_steps
+from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+from plinth.errors import SelectionError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    """One build (or load of an earlier build) for the whole file."""
+    build = cpu_paged_build.load_kernel()
+    assert build.library is not None, build.reason
+    return build
+
+
+def spec_of(h=8, hkv=2, d=64, bs=16, dtype=torch.float32, window=None) -> AttentionSpec:
+    return AttentionSpec(num_heads=h, num_kv_heads=hkv, head_size=d, dtype=dtype, block_size=bs,
+                         sliding_window=window)
+
+
+def sdpa_reference(batch: PagedBatch, scale: float, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """torch_sdpa on a copy of the batch cast to ``dtype`` (float64: the exact answer)."""
+    cast = [t.to(dtype) for t in (batch.query, batch.key, batch.value, batch.kv_cache)]
+    return TorchSDPABackend().forward(*cast, batch.metadata, scale=scale, sliding_window=window)
+
+
+def run_paged(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
+    backend = CpuPagedBackend()
+    backend.prepare(batch.metadata)
+    return backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
+                           scale=scale, sliding_window=window)
+
+
+# several sequences of different lengths: shorter than a block, exactly a block, partial last blocks, long
+DECODE_CONTEXTS = [0, 4, 15, 16, 33, 100, 257]
+
+
+@pytest.mark.parametrize("heads,d,bs", [
+    ((8, 2, ), 64, 16),     # GQA 4
+    ((9, 3), 64, 16),       # SmolLM2's shapes
+    ((4, 4), 128, 8),       # MHA, head size 128
+    ((6, 1), 80, 16),       # MQA, head size with a tail (no compile-time specialisation)
+    ((2, 1), 256, 4),       # the largest head size
+], ids=["gqa4", "smollm2", "mha-d128", "mqa-d80", "d256"])
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_float32_matches_sdpa(heads, d, bs, window):
+    spec = spec_of(h=heads[0], hkv=heads[1], d=d, bs=bs, window=window)
+    gen = torch.Generator().manual_seed(d + bs + (window or 0))
+    batch = make_paged_batch(spec, DECODE_CONTEXTS, [1] * len(DECODE_CONTEXTS), generator=gen, pad_rows=2,
+                             garbage_table_tail=True)
+    scale = 1 / math.sqrt(d)
+    ref64 = sdpa_reference(batch, scale, window, torch.float64)      # before the cache is written
+    ref32 = sdpa_reference(batch, scale, window, torch.float32)
+    out = run_paged(batch, scale, window)
+    assert out.shape == batch.query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref64, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(out, ref32, rtol=1e-5, atol=5e-6)
+    assert torch.count_nonzero(out[len(DECODE_CONTEXTS):]) == 0     # padding rows
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3)], ids=["gqa4", "smollm2"])
+def test_decode_bfloat16_within_tolerance(heads):
+    spec = spec_of(h=heads[0], hkv=heads[1], dtype=torch.bfloat16)
+    batch = make_paged_batch(spec, DECODE_CONTEXTS, [1] * len(DECODE_CONTEXTS),
+                             generator=torch.Generator().manual_seed(5))
+    ref64 = sdpa_reference(batch, 0.125, None, torch.float64)
+    ref16 = sdpa_reference(batch, 0.125, None, torch.bfloat16)
+    out = run_paged(batch, 0.125, None)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref64).abs().max().item()
+    ref_err = (ref16.double() - ref64).abs().max().item()
+    # float32 accumulation: no worse than torch_sdpa in bfloat16, and within bfloat16 rounding of the output
+    assert err <= max(ref_err, 1e-2), (err, ref_err)
+    torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
+
+
+def test_cache_writes_match_sdpa():
+    """The new keys/values land in the same slots as the reference's, nothing else changes."""
+    spec = spec_of(h=4, hkv=2, d=64, bs=8)
+    batch = make_paged_batch(spec, [3, 9, 30], [1, 1, 1], generator=torch.Generator().manual_seed(2), pad_rows=1)
+    ref_cache = batch.kv_cache.clone()
+    TorchSDPABackend().forward(batch.query, batch.key, batch.value, ref_cache, batch.metadata, scale=0.1)
+    run_paged(batch, 0.1, None)
+    assert torch.equal(batch.kv_cache, ref_cache)
+
+
+def test_non_contiguous_tables_and_a_sequence_without_query():
+    """Blocks scattered over the cache in no order; a direct paged_decode call where one sequence has no row."""
+    spec = spec_of(h=4, hkv=1, d=64, bs=4)
+    batch = make_paged_batch(spec, [10, 6], [1, 1], generator=torch.Generator().manual_seed(4), spare_blocks=0)
+    md = batch.metadata
+    steps = md.block_tables[0, 1:3].long() - md.block_tables[0, :2].long()
+    assert (steps != 1).any()                                   # not laid out one after another
+    ref = sdpa_reference(batch, 0.2, None, torch.float64)
+    out = run_paged(batch, 0.2, None)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-6)
+    # sequence 1 with no query this step: its row (row 1) is left zero, sequence 0 is unchanged
+    starts = torch.tensor([0, 1, 1], dtype=torch.int32)
+    only_first = paged_decode(batch.query, batch.kv_cache, md.block_tables, md.seq_lens, starts, 2, 0.2)
+    torch.testing.assert_close(only_first[0].double(), ref[0], rtol=1e-5, atol=2e-6)
+    assert torch.count_nonzero(only_first[1]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_and_mixed_steps_through_the_backend(dtype):
+    """probe.run_steps (prefill, mixed, decode from an empty cache the backend writes) against torch_sdpa."""
+    spec = spec_of(h=6, hkv=2, d=64, bs=8, dtype=dtype, window=7)
+    reference = run_steps(TorchSDPABackend, spec, torch.device("cpu"))
+    err = max_error(CpuPagedBackend, reference, spec, torch.device("cpu"))
+    assert err < (1e-5 if dtype == torch.float32 else 5e-2), err
+
+
+def test_bad_inputs_are_value_errors():
+    spec = spec_of(h=4, hkv=2, d=64, bs=8)
+    batch = make_paged_batch(spec, [3], [1])
+    md = batch.metadata
+    with pytest.raises(ValueError, match="dtypes"):
+        paged_decode(batch.query.double(), batch.kv_cache.double(), md.block_tables, md.seq_lens,
+                     md.query_start_loc, 1, 0.1)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_decode(batch.query[:, :3], batch.kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, 1, 0.1)
+
+
+# ------------------------------------------------------------------------------- support answers
+
+
+def test_supports():
+    assert CpuPagedBackend.supports(spec_of(), "cpu")
+    assert CpuPagedBackend.supports(spec_of(dtype=torch.bfloat16, d=256), "cpu")
+    for spec, device, words in [
+        (spec_of(), "cuda", "CPUs only"),
+        (spec_of(dtype=torch.float16), "cpu", "dtype"),
+        (spec_of(d=320), "cpu", "head size 320"),
+        (spec_of(h=6, hkv=4), "cpu", "multiple"),
+    ]:
+        answer = CpuPagedBackend.supports(spec, device)
+        assert not answer and answer.reason.startswith("unsupported: ") and words in answer.reason
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv(ENABLE_ENV, "0")
+    answer = CpuPagedBackend.supports(spec_of(), "cpu")
+    assert not answer and ENABLE_ENV in answer.reason
+    monkeypatch.setenv(ENABLE_ENV, "maybe")
+    answer = CpuPagedBackend.supports(spec_of(), "cpu")
+    assert not answer and "expected 1/0" in answer.reason
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    assert CpuPagedBackend.supports(spec_of(), "cpu")
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty cache directory and a forgotten in-process build; the real one comes back afterwards."""
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_paged_build.load_kernel.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    cpu_paged_build.load_kernel.cache_clear()
+
+
+def test_missing_compiler_is_unsupported(fresh_build, monkeypatch, tiny_llama_dir):
+    monkeypatch.setenv("CXX", str(fresh_build / "no-such-compiler"))
+    answer = CpuPagedBackend.supports(spec_of(), "cpu")
+    assert not answer and answer.reason.startswith("unsupported: no C++ compiler found")
+    with pytest.raises(SelectionError, match="cpu_paged.*cannot run here: unsupported: no C\\+\\+ compiler"):
+        LLM(str(tiny_llama_dir), dtype="float32", block_size=4, attention_backend="cpu_paged")
+    # without forcing it, the engine starts on another backend
+    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, selection="off") as llm:
+        assert llm.engine.runner.backend.name != "cpu_paged"
+
+
+def test_failed_build_is_unsupported(fresh_build, monkeypatch):
+    failing = fresh_build / "cxx"
+    failing.write_text("#!/bin/sh\necho 'error: this compiler always fails' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
+    answer = CpuPagedBackend.supports(spec_of(), "cpu")
+    assert not answer and "kernel build failed" in answer.reason and "always fails" in answer.reason
+    assert not list((fresh_build / "cache" / "cpu_paged").glob("*.so"))  # no partial library left behind
+
+
+def test_build_is_reused_by_a_later_process(fresh_build):
+    first = cpu_paged_build.load_kernel()
+    assert first.library is not None and first.path.parent == fresh_build / "cache" / "cpu_paged"
+    cpu_paged_build.load_kernel.cache_clear()   # as a new process would: finds the file, compiles nothing
+    second = cpu_paged_build.load_kernel()
+    assert second.path == first.path and second.seconds == 0.0 and second.library is not None
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+
+PROMPTS = [[5, 17, 99], list(range(20, 61)), list(range(100, 117)), [7] * 9, [1, 2]]
+
+
+def _generate(model_dir, dtype: str, backend: str, params: SamplingParams):
+    with LLM(str(model_dir), dtype=dtype, block_size=4, attention_backend=backend) as llm:
+        assert llm.engine.runner.backend.name == backend
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_llm_float32_greedy_tokens_match_torch_sdpa(tiny_llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in _generate(tiny_llama_dir, "float32", "torch_sdpa", params)]
+    got = [o.token_ids for o in _generate(tiny_llama_dir, "float32", "cpu_paged", params)]
+    assert got == ref
+    assert all(len(t) == 24 for t in got)
+
+
+#: bfloat16 logits of this random model lie close together; a greedy choice may flip only where the
+#: reference's top two log-probabilities are this close (torch_sdpa rounds scores to bfloat16, cpu_paged does not)
+BF16_TIE = 0.05
+
+
+def test_llm_bfloat16_greedy_tokens_match_torch_sdpa_up_to_ties(tiny_llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    ref = _generate(tiny_llama_dir, "bfloat16", "torch_sdpa", params)
+    got = _generate(tiny_llama_dir, "bfloat16", "cpu_paged", params)
+    same = 0
+    for r, g in zip(ref, got, strict=True):
+        if r.token_ids == g.token_ids:
+            same += 1
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=True)) if a != b)
+        top = r.logprobs[i]
+        assert g.token_ids[i] in top, (i, r.token_ids, g.token_ids)
+        margin = top[r.token_ids[i]].logprob - top[g.token_ids[i]].logprob
+        assert margin <= BF16_TIE, (i, margin)
+    assert same >= len(PROMPTS) - 2
+
+
+def test_registered_as_a_candidate():
+    from plinth.plugins import get_plugin_manager
+
+    regs = get_plugin_manager().registrations("attention_backends")
+    assert "cpu_paged" in regs and regs["cpu_paged"].load() is CpuPagedBackend
+    assert os.path.isfile(cpu_paged_build.SOURCE)
