@@ -242,6 +242,22 @@ def test_llm_bfloat16_greedy_tokens_match_torch_sdpa_up_to_ties(tiny_llama_dir):
     assert same >= len(PROMPTS) - 2
 
 
+def test_timed_against_the_other_cpu_candidates(tmp_path):
+    from plinth.config import DeviceConfig
+    from plinth.core.selection import AttentionWorkload, select_attention_backend
+    from plinth.platforms.cpu.platform import CpuPlatform
+
+    spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16)
+    workload = AttentionWorkload(prefill_seqs=1, prefill_len=32, decode_seqs=8, decode_context=64)
+    pair = ["torch_batched", "cpu_paged"]
+    result = select_attention_backend(spec, CpuPlatform(), DeviceConfig(selection="benchmark"), cache_dir=tmp_path,
+                                      workload=workload, candidates=pair)
+    assert result.winner in pair and result.how == "benchmark"
+    report = result.report("cpu_paged")
+    assert report.supported and not report.reason and set(report.times_ms) == {"prefill", "decode"}
+    assert report.max_error < 5e-2
+
+
 def test_registered_as_a_candidate():
     from plinth.plugins import get_plugin_manager
 

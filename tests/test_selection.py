@@ -240,8 +240,10 @@ def test_real_cpu_selection_between_sdpa_and_batched(tmp_path, capsys):
     platform = CpuPlatform()
     spec = AttentionSpec(num_heads=9, num_kv_heads=3, head_size=64, dtype=torch.float32, block_size=16)
     workload = AttentionWorkload(prefill_seqs=2, prefill_len=64, decode_seqs=8, decode_context=128)
-    result = select_attention_backend(spec, platform, DeviceConfig(), pm=pm, cache_dir=tmp_path, workload=workload)
-    assert result.winner in ("torch_sdpa", "torch_batched") and not result.from_cache
+    pair = ["torch_sdpa", "torch_batched"]
+    result = select_attention_backend(spec, platform, DeviceConfig(), pm=pm, cache_dir=tmp_path, workload=workload,
+                                      candidates=pair)
+    assert result.winner in pair and not result.from_cache
     for name in ("torch_sdpa", "torch_batched"):
         report = result.report(name)
         assert report.supported and not report.reason and set(report.times_ms) == {"prefill", "decode"}
@@ -253,7 +255,8 @@ def test_real_cpu_selection_between_sdpa_and_batched(tmp_path, capsys):
     winner_row = next(line for line in out.splitlines() if line.startswith("*") and "torch_" in line)
     assert result.winner in winner_row and "chosen" in winner_row
     assert "MAX ERROR" in out and "TIMES (ms)" in out
-    again = select_attention_backend(spec, platform, DeviceConfig(), pm=pm, cache_dir=tmp_path, workload=workload)
+    again = select_attention_backend(spec, platform, DeviceConfig(), pm=pm, cache_dir=tmp_path, workload=workload,
+                                     candidates=pair)
     assert again.from_cache and again.winner == result.winner and again.elapsed_s < 0.5
     assert "from cache" in format_selection_table(again)
 
