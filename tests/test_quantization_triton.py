@@ -27,7 +27,13 @@ from test_quantization_support import (  # noqa: E402
     one_thread,  # noqa: F401 (an autouse fixture)
     reference_model,
 )
-from triton_interpreter import import_interpreted, needs, run_in_fresh_process, set_interpreter_env  # noqa: E402
+from triton_interpreter import (  # noqa: E402
+    import_interpreted,
+    interpreter_usable,  # noqa: F401 (read by the skip conditions)
+    needs,
+    run_in_fresh_process,
+    set_interpreter_env,
+)
 
 from plinth.quantization.interface import GemmWorkload, QuantContext  # noqa: E402
 from plinth.quantization.kernels import w4a16_triton  # noqa: E402
@@ -45,9 +51,8 @@ INTERPRETED = import_interpreted(lambda: w4a16_triton.load_jit_module().w4a16_ge
 needs_interpreter = needs(INTERPRETED)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
 def test_in_a_fresh_process():
-    run_in_fresh_process(__file__)
+    run_in_fresh_process(__file__, INTERPRETED)
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,13 @@ if torch.cuda.is_available() and os.environ.get("PLINTH_TRITON_INTERPRET") != "1
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from triton_interpreter import import_interpreted, needs, run_in_fresh_process, set_interpreter_env  # noqa: E402
+from triton_interpreter import (  # noqa: E402
+    import_interpreted,
+    interpreter_usable,  # noqa: F401 (read by the skip conditions)
+    needs,
+    run_in_fresh_process,
+    set_interpreter_env,
+)
 
 from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec  # noqa: E402
 from plinth.attention_backends.triton import backend as triton_backend  # noqa: E402
@@ -34,9 +40,8 @@ INTERPRETED = import_interpreted(lambda: triton_backend._load_kernels().prefill.
 needs_interpreter = needs(INTERPRETED)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
 def test_in_a_fresh_process():
-    run_in_fresh_process(__file__)
+    run_in_fresh_process(__file__, INTERPRETED)
 
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 3e-3}

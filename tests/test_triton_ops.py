@@ -20,7 +20,13 @@ if torch.cuda.is_available() and os.environ.get("PLINTH_TRITON_INTERPRET") != "1
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from triton_interpreter import import_interpreted, needs, run_in_fresh_process, set_interpreter_env  # noqa: E402
+from triton_interpreter import (  # noqa: E402
+    import_interpreted,
+    interpreter_usable,  # noqa: F401 (read by the skip conditions)
+    needs,
+    run_in_fresh_process,
+    set_interpreter_env,
+)
 
 from plinth.kernels import ops  # noqa: E402
 from plinth.model_registry.layers.rotary import apply_rotary  # noqa: E402
@@ -39,9 +45,8 @@ def _tol(dtype: torch.dtype) -> float:
     return 2e-5 if dtype == torch.float32 else 2e-3
 
 
-@pytest.mark.skipif(INTERPRETED, reason="only needed when triton was imported compiled before this module")
 def test_in_a_fresh_process():
-    run_in_fresh_process(__file__)
+    run_in_fresh_process(__file__, INTERPRETED)
 
 
 @pytest.fixture(autouse=True)

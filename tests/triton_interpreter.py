@@ -37,14 +37,29 @@ def import_interpreted(load_kernel: Callable[[], object]) -> bool:
                 os.environ[k] = v
 
 
+def interpreter_usable(interpreted: bool) -> bool:
+    """The module's kernels were imported interpreted and Triton's language functions still are
+    interpreted functions now (checked when each test starts, not only at collection)."""
+    if not interpreted:
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction) and isinstance(tl.zeros, InterpretedFunction)
+
+
 def needs(interpreted: bool) -> pytest.MarkDecorator:
-    """Skip a test when the module's kernels could not be imported interpreted."""
-    return pytest.mark.skipif(not interpreted, reason="triton was imported compiled earlier in this session; "
-                                                      "see test_in_a_fresh_process")
+    """Skip a test when the kernels cannot run interpreted in this process (test_in_a_fresh_process
+    covers the module then)."""
+    return pytest.mark.skipif(f"not interpreter_usable({interpreted})",
+                              reason="triton runs compiled in this process; see test_in_a_fresh_process")
 
 
-def run_in_fresh_process(path: str) -> None:
-    """Run the test file ``path`` in a new interpreter with the interpreter variables set."""
+def run_in_fresh_process(path: str, interpreted: bool) -> None:
+    """Run the test file ``path`` in a new interpreter with the interpreter variables set, unless its
+    kernels run interpreted in this process (then the module's own tests cover them)."""
+    if interpreter_usable(interpreted):
+        pytest.skip("the kernels run interpreted in this process")
     env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
                           env=env, capture_output=True, text=True, timeout=900)
