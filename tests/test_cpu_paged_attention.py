@@ -132,6 +132,8 @@ def test_bad_inputs_are_value_errors():
                      md.query_start_loc, 1, 0.1)
     with pytest.raises(ValueError, match="does not fit"):
         paged_decode(batch.query[:, :3], batch.kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, 1, 0.1)
+    with pytest.raises(ValueError, match="do not fit block tables"):   # longer than the table covers
+        paged_decode(batch.query, batch.kv_cache, md.block_tables, md.seq_lens * 100, md.query_start_loc, 1, 0.1)
 
 
 # ------------------------------------------------------------------------------- support answers

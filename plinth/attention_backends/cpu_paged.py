@@ -75,7 +75,7 @@ class CpuPagedBackend(TorchBatchedBackend):
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return paged_decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                            metadata.num_seqs, scale, sliding_window)
+                            metadata.num_seqs, scale, sliding_window, max_seq_len=metadata.max_seq_len)
 
 
 def paged_decode(
@@ -87,8 +87,13 @@ def paged_decode(
     num_seqs: int,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    max_seq_len: int | None = None,  # the largest of seq_lens[:B] when the caller knows it (saves a reduction)
 ) -> torch.Tensor:                  # [T, H, D]; rows not owned by a sequence are zero
     """Attention of each sequence's one query token over its cached keys, read in place.
+
+    The block ids in ``block_tables`` are trusted (the engine's block manager hands them out); the
+    lengths are checked against the table's width.
 
     Raises:
         RuntimeError: the kernel could not be built or loaded (``CpuPagedBackend.supports`` says why).
@@ -109,6 +114,11 @@ def paged_decode(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
+    longest = int(lens[:num_seqs].max()) if max_seq_len is None and num_seqs else (max_seq_len or 0)
+    if (longest > tables.shape[1] * block_size or tables.shape[0] < num_seqs or lens.shape[0] < num_seqs
+            or starts.shape[0] <= num_seqs):
+        raise ValueError(f"{num_seqs} sequences of up to {longest} tokens do not fit block tables "
+                         f"{list(tables.shape)} of {block_size}-token blocks and {starts.shape[0]} query offsets")
     out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay zero
     build.library.plinth_cpu_paged_decode(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
