@@ -48,7 +48,8 @@ def time_serve(python: str, env: dict[str, str], timeout_s: float, log: Path) ->
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen([python, "-m", "plinth.entrypoints.cli", "serve", "--port", str(port)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+                                env=env, cwd=env["PYTHONPATH"].split(os.pathsep)[0], stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
         while time.perf_counter() - start < timeout_s:
             if proc.poll() is not None:
@@ -75,14 +76,20 @@ def time_generate(python: str, env: dict[str, str], timeout_s: float, log: Path)
     start = time.perf_counter()
     with open(log, "w") as out:
         subprocess.run([python, "-m", "plinth.entrypoints.cli", "generate", "--prompt", "Hello", "--max-tokens", "1"],
-                       env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
+                       env=env, cwd=env["PYTHONPATH"].split(os.pathsep)[0], stdout=out, stderr=subprocess.STDOUT,
+                       timeout=timeout_s, check=True)
     return time.perf_counter() - start
 
 
-def _default_model(python: str, root: Path) -> str:
+def _python_facts(python: str, root: Path) -> tuple[str, str]:
+    """The default model's path and where ``plinth`` is imported from, as the timed runs see them
+    (``python -m`` puts the working directory first on ``sys.path``, so runs start in ``root``)."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    code = "from plinth.model_registry.default_model import default_model_path; print(default_model_path())"
-    return subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    code = ("import plinth; from plinth.model_registry.default_model import default_model_path; "
+            "print(default_model_path()); print(plinth.__file__)")
+    lines = subprocess.run([python, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    return lines[-2], lines[-1]
 
 
 def main() -> int:
@@ -94,18 +101,21 @@ def main() -> int:
     parser.add_argument("--cold", action="store_true", help="an empty cache directory for every run")
     parser.add_argument("--cache-dir", default=None, help="warm runs: the cache directory (default: plinth's)")
     parser.add_argument("--what", choices=["serve", "generate", "both"], default="both")
+    parser.add_argument("--no-prime", action="store_true", help="warm runs: the caches are already filled")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    model = os.environ.get("PLINTH_DEFAULT_MODEL") or _default_model(args.python, args.root)
+    model, package = _python_facts(args.python, args.root)
+    model = os.environ.get("PLINTH_DEFAULT_MODEL") or model
+    print(f"timing plinth from {os.path.dirname(package)}, model {model}", flush=True)
     commands = {"serve": time_serve, "generate": time_generate}
     wanted = list(commands) if args.what == "both" else [args.what]
     with tempfile.TemporaryDirectory(prefix="plinth-startup-") as tmp:
         log = Path(tmp) / "run.log"
         for name in wanted:
             timer = commands[name]
-            if not args.cold:
+            if not args.cold and not args.no_prime:
                 timer(args.python, _env(args.root, args.cache_dir, model), args.timeout, log)  # fills the caches
             times = []
             for i in range(args.runs):

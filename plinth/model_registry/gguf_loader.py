@@ -6,8 +6,10 @@ for llama-family models, the rows of the Q and K projections interleaved for lla
 convention. This module turns all of that back into what a Hugging Face checkpoint would hold, so the
 rest of the model registry loads a GGUF file exactly like a safetensors directory.
 
-Weights are dequantized here with the ``gguf`` package; :func:`iter_gguf_raw` gives the still-quantized
-blocks (already in Hugging Face names and row order) for kernels that run quantized.
+The header is parsed once per file and process (:mod:`plinth.model_registry.gguf_file`), the tokenizer
+is converted once and kept on disk (:mod:`plinth.model_registry.gguf_tokenizer`), and weights are
+dequantized in groups (:mod:`plinth.model_registry.gguf_dequant`); :func:`iter_gguf_raw` gives the
+still-quantized blocks (already in Hugging Face names and row order) for kernels that run quantized.
 """
 
 from __future__ import annotations
