@@ -6,6 +6,10 @@ With --api-key (or $PLINTH_API_KEY) the /v1 routes need ``Authorization: Bearer 
 
 On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests finish
 for up to --shutdown-timeout seconds, aborts the rest, and exits with status 0.
+
+On a CPU, --max-num-batched-tokens defaults to 256 here (2048 elsewhere): a step runs the decodes of
+every stream and the prefill chunks of new requests together, so the per-step token budget bounds how
+long a new prompt can hold up the streams already running (their inter-token latency).
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PLINTH_API_KEY"
 
+#: ``plinth serve`` on a CPU: the per-step token budget (decodes plus prefill chunks) when
+#: --max-num-batched-tokens is not given. On two cores a 256-token step takes about as long as a few
+#: decode steps of 32 streams, where the engine's offline default (2048) would stall them for seconds.
+CPU_SERVE_TOKEN_BUDGET = 256
+
 
 class ServeError(UserFacingError):
     """The server cannot start as asked (bad flag value, port taken)."""
@@ -44,7 +53,8 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
-    p.set_defaults(func=run)
+    # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
+    p.set_defaults(func=run, max_num_batched_tokens=None)
 
 
 # After the grace period the remaining requests are aborted, so their clients get a final
@@ -96,6 +106,27 @@ def _server_class() -> Any:
     return Server
 
 
+def serving_config(args: argparse.Namespace) -> Any:
+    """The engine configuration of ``plinth serve``: the flags, with the serving budget on a CPU.
+
+    Raises:
+        ConfigError, SelectionError: a bad flag value, or a forced platform that cannot run.
+    """
+    from plinth.config import SchedulerConfig
+
+    if args.max_num_batched_tokens is None:
+        budget = SchedulerConfig().max_num_batched_tokens
+        if args.enable_chunked_prefill:
+            from plinth.platforms.selection import select_platform
+
+            if select_platform(args.platform).device_type == "cpu":
+                budget = max(CPU_SERVE_TOKEN_BUDGET, args.max_num_seqs)
+                logger.info("serving on a CPU: %d tokens per step (decodes plus prefill chunks; "
+                            "--max-num-batched-tokens changes it)", budget)
+        args.max_num_batched_tokens = budget
+    return engine_config_from_args(args)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -107,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ServeError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    config = engine_config_from_args(args)
+    config = serving_config(args)
     uv_config = uvicorn.Config(
         "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
         host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel(),
