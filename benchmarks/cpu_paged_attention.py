@@ -7,9 +7,10 @@ The default model (SmolLM2-135M-Instruct, GGUF, ``plinth.LLM()`` defaults apart 
 backend) gets ``--num-seqs`` requests of 30-60 random prompt tokens at once, greedy, exactly
 ``--output-len`` new tokens each. Every ``engine.step`` and every attention ``forward`` call is timed with the
 calling thread's CPU time (``time.thread_time``, which other processes on a shared machine hardly move) and
-with wall time. Reported per backend: medians over the decode steps that run every sequence of the batch
-(attention summed over the model's layers, and the whole step), the wall time of the whole generation, and
-whether the greedy tokens equal the first backend's. Backends take turns for ``--rounds`` rounds.
+with wall time. Reported per backend: medians over the decode-only steps (all requests start together and
+stop together, so each runs every sequence; the first eighth is skipped as warm-up) of the attention time
+summed over the model's layers and of the whole step, the wall time of the whole generation, and whether the
+greedy tokens equal the first backend's. Backends take turns for ``--rounds`` rounds.
 
 Thread CPU time counts only the engine thread: the OpenMP worker threads of torch's ops and of the native
 kernel run beside it, so with 2 threads a parallel region counts about half of its total CPU time.
