@@ -116,8 +116,10 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_size
         self.params = dict(params)
         self.max_positions = max_positions
-        inv_freq, self.attention_scaling = compute_inv_freq(self.params, self.rotary_dim, max_positions)
-        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+        target = torch.empty(0).device   # the build's default device (meta while a model is built to load into)
+        with torch.device("cpu"):         # arithmetic on meta tensors would import torch._dynamo (~1 s per start)
+            inv_freq, self.attention_scaling = compute_inv_freq(self.params, self.rotary_dim, max_positions)
+        self.register_buffer("inv_freq", inv_freq.to(device=target, dtype=torch.float32), persistent=False)
 
     def init_buffers(self) -> None:
         """Recompute the frequencies (after the model was materialised from the meta device)."""
