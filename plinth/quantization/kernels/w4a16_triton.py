@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from plinth.kernels.ops import num_sms
 from plinth.quantization.formats import IntWeights
 from plinth.quantization.kernels.dequant import perm_state, permute_input
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
@@ -35,13 +36,6 @@ def load_jit_module() -> ModuleType:
     if os.environ.get("PLINTH_TRITON_INTERPRET") == "1":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return importlib.import_module("plinth.quantization.kernels.w4a16_triton_jit")
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_type: str, index: int | None) -> int:
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(index or 0).multi_processor_count
-    return _INTERPRETER_SMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +167,7 @@ class TritonW4A16Kernel(GemmKernel):
         m, k = x.shape
         n = layer.w4_qweight.shape[0]
         group = k // layer.w4_scales.shape[1]
-        sms = _INTERPRETER_SMS if interpret_requested() else _num_sms(x.device.type, x.device.index)
+        sms = _INTERPRETER_SMS if interpret_requested() else num_sms(x.device)
         tile = interleave_tile(k, group)
         if m == 1 and x.is_contiguous():
             return _gemv(jit, layer, x, bias, group, tile, sms)
