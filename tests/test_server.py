@@ -383,7 +383,9 @@ def test_server_keeps_serving_after_errors_and_never_logs_the_key(server, client
         post(server, "/v1/completions", "{{{")
         post(server, "/v1/completions", {"prompt": "x", "temperature": -1})
         post(server, "/v1/completions", {"prompt": "x"}, key="wrong")
-    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    # ignore_eos: the random model may sample its end-of-sequence token (default temperature 1.0)
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 2 and resp.choices[0].finish_reason == "length"
     assert API_KEY not in server.output()
 
 
