@@ -100,26 +100,44 @@ class CacheConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits.
 
     Attributes:
-        max_num_seqs: the most requests running at once.
-        max_num_batched_tokens: the token budget of one step (decodes plus prefill chunks).
+        max_num_seqs: the most requests running at once (None: the platform's default for the
+            device, see ``Platform.scheduler_defaults``; 256 unless the platform says otherwise).
+        max_num_batched_tokens: the token budget of one step, decodes plus prefill chunks (None: the
+            platform's default; 2048 unless the platform says otherwise).
         enable_chunked_prefill: split long prompts over several steps.
         max_waiting_requests: the most requests queued before new ones are refused (None: unbounded).
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
-        _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_waiting_requests", self.max_waiting_requests)
+
+    @property
+    def resolved(self) -> bool:
+        return self.max_num_seqs is not None and self.max_num_batched_tokens is not None
+
+    def with_defaults(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
+        """This configuration with its unset limits filled in."""
+        return dataclasses.replace(
+            self,
+            max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max_num_seqs,
+            max_num_batched_tokens=(self.max_num_batched_tokens if self.max_num_batched_tokens is not None
+                                    else max_num_batched_tokens))
 
 
 @dataclasses.dataclass(frozen=True)

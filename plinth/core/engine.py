@@ -71,8 +71,8 @@ class LLMEngine:
         from plinth.worker.setup import build_engine_parts
 
         t0 = time.perf_counter()
-        self.config = config
         parts = build_engine_parts(config, executor_factory)
+        self.config = config = parts.config or config   # scheduler limits resolved for the platform
         self.platform = parts.platform
         self.model_source = parts.source
         self.tokenizer = parts.tokenizer

@@ -30,7 +30,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
-from plinth.config import SchedulerConfig
+from plinth.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
 from plinth.core.block_manager import BlockManager, PrefixCacheStats
 from plinth.core.request import FinishReason, Request, RequestStatus
 from plinth.errors import UserFacingError
@@ -117,6 +117,8 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        if not config.resolved:   # the engine fills these from the platform; a bare scheduler takes the base values
+            config = config.with_defaults(DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len

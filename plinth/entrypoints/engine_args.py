@@ -46,8 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--cpu-kv-cache-bytes", type=int, default=2 << 30)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once (default: the platform's, 512 on GPUs of 70 GiB and more, else 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens computed per step, decodes plus prefill chunks (default: the platform's, 2048)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--max-waiting-requests", type=int, default=None)
     g = parser.add_argument_group("parallel")

@@ -55,7 +55,7 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
     # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
-    p.set_defaults(func=run, max_num_batched_tokens=None)
+    p.set_defaults(func=run)
 
 
 # After the grace period the remaining requests are aborted, so their clients get a final
@@ -113,18 +113,15 @@ def serving_config(args: argparse.Namespace) -> Any:
     Raises:
         ConfigError, SelectionError: a bad flag value, or a forced platform that cannot run.
     """
-    from plinth.config import SchedulerConfig
+    if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
+        from plinth.platforms.selection import select_platform
 
-    if args.max_num_batched_tokens is None:
-        budget = SchedulerConfig().max_num_batched_tokens
-        if args.enable_chunked_prefill:
-            from plinth.platforms.selection import select_platform
-
-            if select_platform(args.platform).device_type == "cpu":
-                budget = max(CPU_SERVE_TOKEN_BUDGET, args.max_num_seqs)
-                logger.info("serving on a CPU: %d tokens per step (decodes plus prefill chunks; "
-                            "--max-num-batched-tokens changes it)", budget)
-        args.max_num_batched_tokens = budget
+        platform = select_platform(args.platform)
+        if platform.device_type == "cpu":
+            budget = max(CPU_SERVE_TOKEN_BUDGET, args.max_num_seqs or platform.scheduler_defaults(0)[0])
+            logger.info("serving on a CPU: %d tokens per step (decodes plus prefill chunks; "
+                        "--max-num-batched-tokens changes it)", budget)
+            args.max_num_batched_tokens = budget
     return engine_config_from_args(args)
 
 

@@ -67,5 +67,12 @@ class Platform(abc.ABC):
     def default_dtype(self) -> torch.dtype:
         return self.supported_dtypes()[0]
 
+    def scheduler_defaults(self, index: int = 0) -> tuple[int, int]:
+        """``(max_num_seqs, max_num_batched_tokens)`` for an engine that did not set them: how many
+        requests run at once and how many tokens one step computes, sized for device ``index``."""
+        from plinth.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
+        return DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
     def __repr__(self) -> str:
         return f"<Platform {self.name}>"

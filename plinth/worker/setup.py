@@ -34,6 +34,19 @@ class EngineParts:
     runner: ModelRunner | None   # None when worker processes own the model (see executor)
     num_blocks: int
     executor: Any = None         # a plinth.distributed executor; None: the runner runs in-process
+    config: EngineConfig | None = None   # the configuration with the platform's scheduler defaults filled in
+
+
+def resolve_scheduler_limits(config: EngineConfig, platform: Any) -> EngineConfig:
+    """``config`` with unset scheduler limits replaced by the platform's defaults for its device 0."""
+    if config.scheduler.resolved:
+        return config
+    seqs, tokens = platform.scheduler_defaults(0)
+    scheduler = config.scheduler.with_defaults(seqs, tokens)
+    logger.info("scheduler limits: %d requests at once, %d tokens per step (%s defaults; --max-num-seqs and "
+                "--max-num-batched-tokens change them)", scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+                platform.name)
+    return dataclasses.replace(config, scheduler=scheduler)
 
 
 def load_tokenizer(source: Any, config: EngineConfig) -> Any:
@@ -124,11 +137,13 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     from plinth.quantization.resolve import resolve_quantization
 
     platform = select_platform(config.device.platform)
+    config = resolve_scheduler_limits(config, platform)
     executor_name = resolve_executor_name(config, platform)
     if executor_name != "uniproc" or executor_factory is not None:
         from plinth.distributed.driver import build_distributed_parts
 
-        return build_distributed_parts(config, platform, executor_name, executor_factory)
+        return dataclasses.replace(build_distributed_parts(config, platform, executor_name, executor_factory),
+                                   config=config)
     platform.set_device(0)   # the CPU platform sizes its thread pool here
     device = platform.device(0)
     source = resolve_model_source(config.model)
@@ -182,7 +197,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         platform=platform, device=device, source=source, model_name=name, tokenizer=tokenizer,
         chat_template=read_chat_template(config.model.chat_template), dtype=dtype, max_model_len=max_model_len,
         vocab_size=hf.vocab_size, eos_token_ids=eos_ids(hf, tokenizer), selection=selection, runner=runner,
-        num_blocks=num_blocks,
+        num_blocks=num_blocks, config=config,
     )
 
 
