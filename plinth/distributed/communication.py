@@ -1,7 +1,8 @@
 """Collectives the model layers and the pipeline use, over this process's groups.
 
 Layers call these only when their ``tp_size`` is above one, so a single-process model never
-touches torch.distributed.
+touches torch.distributed. TP all-reduces of small CUDA tensors (decode steps) go through the TP
+group's custom all-reduce where one was set up (:mod:`plinth.distributed.custom_all_reduce`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from plinth.distributed.parallel_state import get_parallel_state
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the tensor-parallel group, in place; returns ``x``."""
-    dist.all_reduce(x, group=get_parallel_state().tp_group)
+    """Sum ``x`` over the tensor-parallel group, in place; returns ``x``.
+
+    Small CUDA tensors take the group's custom all-reduce (one kernel over peer memory) when it is
+    set up; the rest, and every tensor without it, the group's backend (NCCL, gloo, ...).
+    """
+    state = get_parallel_state()
+    if state.custom_all_reduce is not None:
+        return state.custom_all_reduce.all_reduce(x)
+    dist.all_reduce(x, group=state.tp_group)
     return x
 
 

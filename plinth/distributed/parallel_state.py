@@ -7,6 +7,8 @@ TP rank across stages), which pipeline sends and receives use.
 
 The state lives in one module-level object per process, :data:`_STATE`, set once by
 :func:`init_parallel_state` when a worker starts and cleared by :func:`destroy_parallel_state`.
+On CUDA devices it also holds the TP group's custom all-reduce for small tensors
+(:mod:`plinth.distributed.custom_all_reduce`), set up with the groups.
 Layers read it only through :mod:`plinth.distributed.communication`, and only when their
 ``tp_size`` (passed explicitly at construction) is above one; ranks and sizes are always
 passed explicitly through :class:`~plinth.model_registry.interface.ModelContext`.
@@ -20,6 +22,7 @@ import logging
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -78,12 +81,17 @@ class ParallelLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelState:
-    """A worker's layout plus its process groups (``None`` where the group would hold one rank)."""
+    """A worker's layout plus its process groups (``None`` where the group would hold one rank).
+
+    ``custom_all_reduce`` is the TP group's :class:`~plinth.distributed.custom_all_reduce.CustomAllReduce`,
+    or ``None`` (every TP all-reduce goes to the group's backend).
+    """
 
     layout: ParallelLayout
     backend: str
     tp_group: Any
     pp_group: Any
+    custom_all_reduce: Any = None
 
 
 _STATE: ParallelState | None = None
@@ -113,7 +121,8 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
-def init_parallel_state(layout: ParallelLayout, backend: str, store: Any, timeout_s: float) -> ParallelState:
+def init_parallel_state(layout: ParallelLayout, backend: str, store: Any, timeout_s: float,
+                        device: torch.device | None = None) -> ParallelState:
     """Join the world's process group and create the TP and PP groups. Once per process.
 
     Args:
@@ -121,9 +130,12 @@ def init_parallel_state(layout: ParallelLayout, backend: str, store: Any, timeou
         backend: the platform's torch.distributed backend (``gloo``, ``nccl``, ``xccl``, ...).
         store: a ``torch.distributed.Store`` every rank of the world reaches.
         timeout_s: the bound on every collective (a peer that never answers fails the call).
+        device: this rank's device; a CUDA device with TP > 1 also sets up the TP group's custom
+            all-reduce (collective over the TP group, falls back to the backend's on any failure).
 
     Raises:
         RuntimeError: the state is already set in this process.
+        ConfigError: ``PLINTH_CUSTOM_ALL_REDUCE`` holds no switch value.
     """
     global _STATE
     if _STATE is not None:
@@ -143,6 +155,10 @@ def init_parallel_state(layout: ParallelLayout, backend: str, store: Any, timeou
         if t == layout.tp_rank:
             pp_group = group
     _STATE = ParallelState(layout, backend, tp_group, pp_group)
+    if device is not None and tp_group is not None:
+        from plinth.distributed.custom_all_reduce import create_custom_all_reduce
+
+        _STATE = dataclasses.replace(_STATE, custom_all_reduce=create_custom_all_reduce(tp_group, device))
     logger.debug("rank %d (pid %d): tp %d/%d, pp %d/%d over %s", layout.rank, os.getpid(), layout.tp_rank,
                  layout.tp_size, layout.pp_rank, layout.pp_size, backend)
     return _STATE
@@ -151,6 +167,8 @@ def init_parallel_state(layout: ParallelLayout, backend: str, store: Any, timeou
 def destroy_parallel_state() -> None:
     """Leave the process groups (safe to call when none were created)."""
     global _STATE
+    if _STATE is not None and _STATE.custom_all_reduce is not None:
+        _STATE.custom_all_reduce.close()   # its peer mappings go before the group does
     _STATE = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -74,8 +74,9 @@ class Worker:
         return os.getpid()
 
     def init_distributed(self, store: Any, timeout_s: float) -> int:
-        """Join the process groups; returns this process's id."""
-        init_parallel_state(self.layout, self.platform.dist_backend, store, timeout_s)
+        """Join the process groups (on CUDA with TP, also set up the TP group's custom all-reduce,
+        before any warm-up collective or graph capture); returns this process's id."""
+        init_parallel_state(self.layout, self.platform.dist_backend, store, timeout_s, device=self.device)
         return os.getpid()
 
     def _spec(self) -> Any:
@@ -164,18 +165,32 @@ class Worker:
             self.stage = PipelineStage(self.runner, self.layout, self.hf.hidden_size, self.dtype)
 
     def init_cache(self, num_blocks: int) -> int:
-        """Allocate the KV cache (the same block count on every rank); capture decode graphs where
-        supported (single-stage runs, not ``enforce_eager``). Returns the cache's bytes on this rank."""
+        """Allocate the KV cache (the same block count on every rank); set up the platform's fast path
+        (accelerators); capture decode graphs where supported (single-stage runs, not ``enforce_eager``).
+        Returns the cache's bytes on this rank."""
         self._make_runner(num_blocks)
         assert self.runner is not None
+        self._prepare_runner()
         dev = self.config.device
         if (not dev.enforce_eager and self.layout.pp_size == 1 and self.device.type == "cuda"
-                and self.platform.supports_graph_capture and getattr(self._backend, "graph_safe", False)):
+                and self.runner.graphs is None and self.platform.supports_graph_capture
+                and getattr(self._backend, "graph_safe", False)):
             self._capture_decode_graphs()
         return self.runner.kv_cache_bytes
 
+    def _prepare_runner(self) -> None:
+        """The platform's own set-up of a built runner, as in a single-process engine: on CUDA/ROCm the
+        skinny decode GEMMs, timed against the vendor GEMM per weight shape of this rank's shard. It
+        only swaps local GEMM kernels (no collective), so ranks may choose differently; it runs before
+        graph capture, which records the chosen kernels. Not on CPUs: there the fast path (prepacked
+        copies sized against the machine's free memory, compiled decode steps) assumes one process."""
+        prepare = getattr(self.platform, "prepare_runner", None)
+        if prepare is not None and self.platform.device_type != "cpu":
+            prepare(self.runner, self.source, self.config)
+
     def _capture_decode_graphs(self) -> None:
-        """Capture the decode graphs; with TP, graphs that hold the layers' NCCL collectives.
+        """Capture the decode graphs; with TP, graphs that hold the layers' collectives (NCCL's, and
+        the kernels of the custom all-reduce for small tensors).
 
         Every TP rank captures at once (the driver calls :meth:`init_cache` on all of them), the same
         batch-size ladder in the same order (checked); first an eager warm-up collective creates the
