@@ -257,6 +257,7 @@ def _gpu_rank(rank: int, port: int, out_dir: str) -> None:
     from plinth.distributed.communication import tp_all_gather
     from plinth.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 
+    os.environ.pop(car.CUSTOM_ALL_REDUCE_ENV, None)
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=120))
@@ -325,6 +326,8 @@ def _gpu_worker_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None
     from plinth.model_registry.layers.linear import LinearBase
     from plinth.worker import gpu_linear
 
+    os.environ.pop(car.CUSTOM_ALL_REDUCE_ENV, None)
+    os.environ.pop(gpu_linear.SKINNY_ENV, None)
     calls = []
     install = gpu_linear.install_skinny_gemms
 
