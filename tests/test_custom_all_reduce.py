@@ -58,11 +58,12 @@ class _RecordingOps:
 def test_off_switch_and_non_cuda_devices_set_nothing_up(monkeypatch):
     """No group, a CPU device, or PLINTH_CUSTOM_ALL_REDUCE=0: ``None`` at once, no collective, no
     peer-memory call (the stand-in group below would fail any collective)."""
-    monkeypatch.delenv(car.CUSTOM_ALL_REDUCE_ENV, raising=False)
+    monkeypatch.delenv(car.CUSTOM_ALL_REDUCE_ENV, raising=False)   # off unless asked for
     not_a_group = object()
     assert car.create_custom_all_reduce(None, torch.device("cpu")) is None
     assert car.create_custom_all_reduce(not_a_group, torch.device("cpu")) is None
     ops = _RecordingOps()
+    assert car.create_custom_all_reduce(not_a_group, torch.device("cpu"), ops=ops) is None
     for off in ("0", "false", "off", "NO"):
         monkeypatch.setenv(car.CUSTOM_ALL_REDUCE_ENV, off)
         assert car.create_custom_all_reduce(not_a_group, torch.device("cpu"), ops=ops) is None
@@ -160,7 +161,7 @@ def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
     from plinth.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.pop(car.CUSTOM_ALL_REDUCE_ENV, None)
+    os.environ[car.CUSTOM_ALL_REDUCE_ENV] = "1"
     warnings: list[str] = []
 
     class Collect(logging.Handler):
@@ -257,7 +258,7 @@ def _gpu_rank(rank: int, port: int, out_dir: str) -> None:
     from plinth.distributed.communication import tp_all_gather
     from plinth.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 
-    os.environ.pop(car.CUSTOM_ALL_REDUCE_ENV, None)
+    os.environ[car.CUSTOM_ALL_REDUCE_ENV] = "1"
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=120))
@@ -326,7 +327,7 @@ def _gpu_worker_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None
     from plinth.model_registry.layers.linear import LinearBase
     from plinth.worker import gpu_linear
 
-    os.environ.pop(car.CUSTOM_ALL_REDUCE_ENV, None)
+    os.environ[car.CUSTOM_ALL_REDUCE_ENV] = "1"
     os.environ.pop(gpu_linear.SKINNY_ENV, None)
     calls = []
     install = gpu_linear.install_skinny_gemms
@@ -403,7 +404,7 @@ def test_gpu_tp2_greedy_outputs_equal_with_and_without_the_custom_all_reduce(tin
     from plinth.worker.gpu_linear import SKINNY_ENV
 
     monkeypatch.setenv(SKINNY_ENV, "0")
-    monkeypatch.delenv(car.CUSTOM_ALL_REDUCE_ENV, raising=False)
+    monkeypatch.setenv(car.CUSTOM_ALL_REDUCE_ENV, "1")
     with_custom = _tp2_greedy(tiny_llama_dir)
     assert "custom all-reduce not used" not in capfd.readouterr().err   # the workers' warnings reach stderr
     monkeypatch.setenv(car.CUSTOM_ALL_REDUCE_ENV, "0")

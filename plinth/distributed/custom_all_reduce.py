@@ -18,7 +18,8 @@ rank: every rank gets the same bits (and with two ranks, the bits NCCL gives).
 Set-up (:func:`create_custom_all_reduce`) is collective over the TP group: after each local step
 (allocating the buffer, mapping the peers' buffers, a test reduction of known values) the ranks
 compare notes over the group's own backend, and if any rank failed, or the ranks are on different
-hosts, every rank logs one warning and keeps NCCL. ``PLINTH_CUSTOM_ALL_REDUCE=0`` turns it off.
+hosts, every rank logs one warning and keeps NCCL. It is off unless ``PLINTH_CUSTOM_ALL_REDUCE=1``:
+it has not yet been timed against NCCL on GPUs (benchmarks/tp_gpu.py measures both).
 NVLink multicast is never used: set-up sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` in the worker
 process, so mapping the buffers creates no multicast object. Ranks that share one device index
 (Ray actors that each see one GPU) fail the mapping on every rank alike and keep NCCL.
@@ -201,8 +202,8 @@ def create_custom_all_reduce(group: Any, device: torch.device, ops: Any = None) 
     """
     if group is None or (ops is None and device.type != "cuda"):
         return None
-    if not env_flag(CUSTOM_ALL_REDUCE_ENV, True):
-        logger.info("custom all-reduce off (%s=0)", CUSTOM_ALL_REDUCE_ENV)
+    if not env_flag(CUSTOM_ALL_REDUCE_ENV, False):
+        logger.info("custom all-reduce off (%s=1 turns it on)", CUSTOM_ALL_REDUCE_ENV)
         return None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
