@@ -17,6 +17,8 @@ from types import ModuleType
 
 import torch
 
+from plinth.kernels import cpu_native
+
 FUSED_OPS_ENV = "PLINTH_FUSED_OPS"
 _TRITON_DEVICE_TYPES = ("cuda", "xpu")
 #: the most rows the skinny GEMM takes (decode batches); larger inputs go to the vendor GEMM
@@ -42,8 +44,17 @@ def _env_enabled() -> bool:
 
 
 def fused_ops_enabled(x: torch.Tensor) -> bool:
-    """Whether the fused Triton kernels run for a tensor on ``x``'s device."""
+    """Whether the fused kernels run for ``x``: Triton on GPUs, the native kernels for bfloat16 on CPUs
+    (:mod:`plinth.kernels.cpu_native`)."""
+    if x.device.type == "cpu":
+        return _env_enabled() and cpu_native.enabled(x)
     return x.device.type in _TRITON_DEVICE_TYPES and triton_available() and _env_enabled()
+
+
+def _native_cpu(x: torch.Tensor) -> bool:
+    """A CPU tensor takes the native kernel (the Triton launchers run on the CPU only in the
+    interpreter, under ``PLINTH_TRITON_INTERPRET=1``, for tests)."""
+    return x.device.type == "cpu" and os.environ.get("PLINTH_TRITON_INTERPRET") != "1"
 
 
 def _block(n: int) -> int:
@@ -53,6 +64,8 @@ def _block(n: int) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the rows of ``x`` ``[T, H]``; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    if _native_cpu(x):
+        return cpu_native.rms_norm(x, weight, eps, residual)
     t, n = x.shape
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else y
@@ -67,6 +80,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``."""
+    if _native_cpu(x):
+        return cpu_native.silu_and_mul(x)
     t, two_d = x.shape
     d = two_d // 2
     y = torch.empty((t, d), dtype=x.dtype, device=x.device)
@@ -81,6 +96,9 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
     The last dimension of ``q``/``k`` must be contiguous; features ``R..D`` are left as they are.
     """
+    if _native_cpu(q):
+        cpu_native.rotary_(q, k, cos, sin)
+        return
     t, hq, _ = q.shape
     hk = k.shape[1]
     half = cos.shape[-1] // 2

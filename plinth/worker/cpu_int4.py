@@ -152,3 +152,32 @@ def _int4_from_file(path: str, model: Any, dtype: torch.dtype, shards: dict[str,
         out[module_name] = Int4Weight.from_blocks(q, scale, zero, dtype)
     logger.info("int4 copies of %d of %d linear layers from %s", len(out), len(shards), path)
     return out
+
+
+def q8_0_lm_head_from_gguf(path: str, model: Any) -> torch.Tensor | None:
+    """The LM head's GGUF ``Q8_0`` blocks (``uint8 [vocab, hidden / 32 * 34]``), or None.
+
+    The head is the file's ``output.weight``, or for a model with tied embeddings its token embedding.
+    None when that tensor is not ``Q8_0`` or its shape is not the head's (for instance a vocabulary
+    padded or split over tensor-parallel ranks).
+    """
+    from plinth.model_registry.gguf_loader import iter_gguf_raw
+
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or getattr(head, "tp_size", 1) != 1:
+        return None
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    found: dict[str, tuple[np.ndarray, str, tuple[int, ...]]] = {}
+    for hf_name, data, ggml_type, hf_shape in iter_gguf_raw(path):
+        if hf_name in ("lm_head.weight", "model.embed_tokens.weight"):
+            found[hf_name] = (data, ggml_type.name, tuple(hf_shape))
+    entry = found.get("lm_head.weight") or (found.get("model.embed_tokens.weight") if tied else None)
+    if entry is None:
+        return None
+    data, type_name, shape = entry
+    if type_name != "Q8_0" or shape != tuple(weight.shape) or shape[-1] % 32:
+        return None
+    blocks = torch.from_numpy(np.ascontiguousarray(data).copy())       # [vocab, hidden / 32 * 34] uint8
+    logger.info("LM head: the file's Q8_0 blocks (%.1f MiB) for decode rows", blocks.numel() / 2**20)
+    return blocks

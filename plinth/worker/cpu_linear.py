@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from plinth.kernels import cpu_native
 from plinth.model_registry.layers.linear import LinearBase, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class CpuLinearMethod:
     """
 
     def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int4_max_rows: int = 0,
-                 pack_rows: int = 32):
+                 pack_rows: int = 32, q8_0: torch.Tensor | None = None, q8_0_max_rows: int = 0):
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
@@ -95,6 +96,8 @@ class CpuLinearMethod:
         self.weight = weight
         self.int4 = int4
         self.int4_max_rows = int4_max_rows if int4 is not None else 0
+        self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
+        self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
         self.handle = next(_HANDLES)
         _METHODS[self.handle] = self
 
@@ -115,7 +118,9 @@ class CpuLinearMethod:
             return y.view(*lead, self.out_features)
         m = x2.shape[0]
         int4 = self.int4
-        if int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
+        if 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.enabled(x2):
+            y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features)
+        elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
             if bias is not None:
                 y = y + bias
@@ -130,13 +135,16 @@ class CpuLinearMethod:
 
 
 def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weight] | None = None,
-                       int4_max_rows: int = 0) -> dict[str, int]:
+                       int4_max_rows: int = 0, head_q8_0: torch.Tensor | None = None,
+                       q8_0_max_rows: int = 0) -> dict[str, int]:
     """Give every unquantized linear layer (and the LM head) a :class:`CpuLinearMethod`.
 
     Args:
         model: the loaded model.
         int4_weights: 4-bit copies by module name (``model.layers.0.mlp.gate_up_proj``, ``lm_head``).
         int4_max_rows: the row count up to which the 4-bit copies are used.
+        head_q8_0: the LM head's GGUF ``Q8_0`` blocks, or None.
+        q8_0_max_rows: the row count up to which the LM head multiplies the ``Q8_0`` blocks.
 
     Returns:
         counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy}``.
@@ -155,11 +163,13 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         if int4 is not None and (int4.out_features != n or int4.scale_zeros.shape[0] * INT4_GROUP != k):
             logger.warning("int4 copy of %s has the wrong shape; using bfloat16 only", name)
             int4 = None
-        method = CpuLinearMethod(module.weight, int4, int4_max_rows)
+        q8 = head_q8_0 if is_head and head_q8_0 is not None and head_q8_0.shape[0] == n else None
+        method = CpuLinearMethod(module.weight, int4, int4_max_rows, q8_0=q8, q8_0_max_rows=q8_0_max_rows)
         if is_linear:
             module.linear_method = method
         else:
             module.gemm = method.matmul
         counts["packed"] += method.packed is not None
         counts["int4"] += method.int4 is not None
+        counts["q8_0"] = counts.get("q8_0", 0) + (method.q8_0 is not None)
     return counts

@@ -8,6 +8,9 @@ Three parts, each with a switch (environment variables, read at start-up):
   tensors are ``Q4_0``/``Q4_1`` also get the file's 4-bit blocks for inputs of at most
   ``PLINTH_CPU_INT4_MAX_ROWS`` rows (default 4: decode of a few sequences), where a step is bound by
   reading the weights (:mod:`plinth.worker.cpu_int4`).
+- ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` (default 2; 0 turns it off): when the GGUF file stores the LM head
+  (or the tied embedding) as ``Q8_0``, inputs of at most this many rows multiply those blocks with the
+  native GEMV (:mod:`plinth.kernels.cpu_native`): half the bytes of bfloat16, and the file's values.
 - ``PLINTH_CPU_COMPILE`` (default off; ``--enforce-eager`` always turns it off): decode batches of up to
   ``PLINTH_CPU_COMPILE_MAX_BATCH`` sequences (default 8) run a ``torch.compile``d forward pass per
   padded batch size, compiled on first use (:mod:`plinth.worker.cpu_graphs`). Larger batches are
@@ -25,16 +28,19 @@ from typing import Any
 import torch
 
 from plinth.config import ConfigError
+from plinth.kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
 PACKED_ENV = "PLINTH_CPU_PACKED"
 INT4_ENV = "PLINTH_CPU_INT4"
 INT4_ROWS_ENV = "PLINTH_CPU_INT4_MAX_ROWS"
+Q8_HEAD_ROWS_ENV = "PLINTH_CPU_Q8_HEAD_MAX_ROWS"
 COMPILE_ENV = "PLINTH_CPU_COMPILE"
 COMPILE_BATCH_ENV = "PLINTH_CPU_COMPILE_MAX_BATCH"
 
 DEFAULT_INT4_MAX_ROWS = 4
+DEFAULT_Q8_HEAD_MAX_ROWS = 2
 DEFAULT_COMPILE_MAX_BATCH = 8
 
 
@@ -109,14 +115,20 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         logger.warning("not prepacking the CPU GEMMs: the packed copies (%.1f GiB) would take more than half of "
                        "the free memory (%.1f GiB)", extra / 2**30, free / 2**30)
     elif pack:
-        int4 = {}
+        int4, head_q8 = {}, None
         int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS)
-        if (source is not None and getattr(source, "kind", None) == "gguf" and dtype == torch.bfloat16
-                and tp_size == 1 and int4_rows > 0 and env_flag(INT4_ENV, True)):
+        q8_rows = env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
+        gguf_bf16 = (source is not None and getattr(source, "kind", None) == "gguf" and dtype == torch.bfloat16
+                     and tp_size == 1)
+        if gguf_bf16 and int4_rows > 0 and env_flag(INT4_ENV, True):
             from plinth.worker.cpu_int4 import int4_weights_from_gguf
 
             int4 = int4_weights_from_gguf(str(source.path), model, dtype)
-        report.update(install_cpu_linear(model, int4, int4_rows))
+        if gguf_bf16 and q8_rows > 0 and cpu_native.enabled(torch.empty(0, dtype=dtype)):
+            from plinth.worker.cpu_int4 import q8_0_lm_head_from_gguf
+
+            head_q8 = q8_0_lm_head_from_gguf(str(source.path), model)
+        report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
     max_batch = min(env_int(COMPILE_BATCH_ENV, DEFAULT_COMPILE_MAX_BATCH), config.scheduler.max_num_seqs)
@@ -128,7 +140,9 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         runner.compile_cpu_decode(max_batch)
         report["compile"] = True
     report["seconds"] = time.perf_counter() - t0
-    logger.info("CPU path: %d layers prepacked, %d with int4 copies (batches of <= %s rows), compiled decode %s "
-                "(<= %d sequences), set up in %.2f s", report["packed"], report["int4"],
-                report.get("int4_max_rows", 0), "on" if report["compile"] else "off", max_batch, report["seconds"])
+    logger.info("CPU path: %d layers prepacked, %d with int4 copies (batches of <= %s rows), LM head Q8_0 %s, "
+                "native fused ops %s, compiled decode %s (<= %d sequences), set up in %.2f s", report["packed"],
+                report["int4"], report.get("int4_max_rows", 0), "on" if report.get("q8_0") else "off",
+                "on" if cpu_native.enabled(torch.empty(0, dtype=dtype)) else "off",
+                "on" if report["compile"] else "off", max_batch, report["seconds"])
     return report

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.dim() == 2 and x.stride(-1) == 1 and ops.fused_ops_enabled(x) and (
+        if x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype and ops.fused_ops_enabled(x) and (
                 residual is None or residual.stride(-1) == 1):
             return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

@@ -1,0 +1,113 @@
+"""Native fused ops for bfloat16 models on CPUs (``csrc/cpu_ops.cpp``), called through ctypes.
+
+On a CPU a decode step of a small model is dominated by per-op overhead: an RMSNorm in torch is
+nine tensor ops (~17 us for one 576-feature row), a rotary embedding a dozen. The native kernels do
+each in one call of a few microseconds, reproducing the reference code's bfloat16 rounding steps
+(see the C++ file). :func:`enabled` says whether a tensor takes them: a CPU bfloat16 tensor, the
+library built (the system C++ compiler, at first use, cached like the paged-attention kernel), not
+inside ``torch.compile`` tracing, and ``PLINTH_CPU_NATIVE_OPS`` not ``0``. The GEMV of GGUF
+``Q8_0`` weights serves the LM head of GGUF models for a few rows (:mod:`plinth.worker.cpu_linear`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from plinth.kernels.native_build import NativeBuild, build_and_open
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+ABI_VERSION = 1
+NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_SIGNATURES = {
+    "plinth_rms_norm_bf16": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _D],
+    "plinth_silu_mul_bf16": [_P, _I, _P, _I, _I],
+    "plinth_rotary_bf16": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
+    "plinth_q8_0_gemv_bf16": [_P, _I, _P, _P, _I, _I, _I],
+}
+
+
+@functools.cache
+def load_library() -> NativeBuild:
+    """The ops library, built on first use (never raises; ``reason`` says why there is none)."""
+    build = build_and_open(SOURCE, "cpu_ops", "plinth_cpu_ops_abi", ABI_VERSION, "CPU fused-op kernels")
+    if build.library is None:
+        logger.info("native CPU ops unavailable (%s): the torch reference code runs", build.reason)
+        return build
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(build.library, name)
+        fn.restype = None
+        fn.argtypes = argtypes
+    return build
+
+
+@functools.cache
+def _env_enabled() -> bool:
+    return os.environ.get(NATIVE_OPS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the native ops run for ``x``."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and _env_enabled()
+            and not torch.compiler.is_compiling() and load_library().library is not None)
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load_library().library
+    assert lib is not None, "native CPU ops are unavailable (check enabled() first)"
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the rows of ``x`` ``[T, H]`` (features contiguous); with ``residual`` returns
+    ``(norm(x + residual), x + residual)``."""
+    t, n = x.shape
+    weight = weight.to(torch.bfloat16).contiguous()
+    y = torch.empty((t, n), dtype=x.dtype)
+    h = torch.empty((t, n), dtype=x.dtype) if residual is not None else None
+    _lib().plinth_rms_norm_bf16(
+        x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+        residual.stride(0) if residual is not None else 0, weight.data_ptr(), y.data_ptr(),
+        h.data_ptr() if h is not None else None, t, n, eps)
+    return y if h is None else (y, h)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]`` (features contiguous) -> ``[T, d]``."""
+    t, two_d = x.shape
+    d = two_d // 2
+    y = torch.empty((t, d), dtype=x.dtype)
+    _lib().plinth_silu_mul_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), t, d)
+    return y
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in place with ``cos``/``sin``
+    ``[T, R]`` (bfloat16); features ``R..D`` are left as they are."""
+    t, hq, _ = q.shape
+    cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
+    _lib().plinth_rotary_bf16(q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0), k.stride(1),
+                              k.shape[1], cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, cos.shape[-1])
+
+
+def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x`` ``[M, K]`` (bfloat16, features contiguous) times a weight ``[N, K]`` stored as GGUF ``Q8_0``
+    blocks ``blocks`` (``uint8 [N, K / 32 * 34]``) -> ``[M, N]`` bfloat16."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert blocks.shape == (out_features, k // Q8_0_BLOCK * Q8_0_BYTES) and blocks.is_contiguous()
+    y = torch.empty((m, out_features), dtype=torch.bfloat16)
+    _lib().plinth_q8_0_gemv_bf16(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), m, out_features, k)
+    return y

@@ -1,0 +1,193 @@
+// Fused per-layer ops for CPUs on bfloat16 tensors: RMSNorm (with the residual add), SiLU-and-mul,
+// in-place rotate-half RoPE, and the GEMV of GGUF Q8_0 weights.
+//
+// Each op reproduces the rounding steps of plinth's torch reference code (plinth/model_registry/
+// layers): every bfloat16 result of a torch op is rounded to bfloat16 here at the same point, and
+// the arithmetic in between is float32, so outputs agree with the reference up to float32
+// summation order and the exp approximation (well below one bfloat16 ulp, bar rare rounding ties).
+//
+// The file includes no torch headers (it compiles in about a second) and exports C functions that
+// take raw pointers and strides; rows are spread over OpenMP threads (torch's libgomp pool) when
+// there is enough work to pay for waking them.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf2f(uint16_t v) {
+  uint32_t word = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof(float));
+  return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even, as torch's float -> bfloat16 cast
+  uint32_t word;
+  std::memcpy(&word, &f, sizeof(float));
+  if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
+inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+inline float half2f(uint16_t h) {  // IEEE float16 bits -> float32 (exact)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t word;
+  if (exp == 0x1fu) {
+    word = sign | 0x7f800000u | (man << 13);            // inf / NaN
+  } else if (exp != 0) {
+    word = sign | ((exp + 112u) << 23) | (man << 13);   // normal: rebias 15 -> 127
+  } else if (man == 0) {
+    word = sign;                                         // zero
+  } else {                                               // subnormal: man * 2^-24
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&word, &f, sizeof(float));
+    word |= sign;
+  }
+  float out;
+  std::memcpy(&out, &word, sizeof(float));
+  return out;
+}
+
+// exp(x) for x <= 0 (vectorises): 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6
+// polynomial (relative error about 2e-7); arguments below -87 give about 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = y - n;
+  float p = 1.5403530393381609e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
+
+constexpr int kLanes = 16;
+constexpr int64_t kParallelWork = 1 << 15;   // elements below which one thread does a whole op
+
+}  // namespace
+
+extern "C" {
+
+int64_t plinth_cpu_ops_abi() { return 1; }
+
+// y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))) per row, h = x (no residual) or bf16(x + residual);
+// with a residual, h is written to h_out. x/residual rows are strided, y/h_out contiguous [rows, n].
+void plinth_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t r_stride,
+                          const uint16_t* weight, uint16_t* y, uint16_t* h_out, int64_t rows, int64_t n,
+                          double eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * x_stride;
+    uint16_t* yr = y + r * n;
+    float part[kLanes] = {0.f};
+    const int64_t full = n - n % kLanes;
+    if (residual != nullptr) {
+      const uint16_t* rr = residual + r * r_stride;
+      uint16_t* hr = h_out + r * n;
+      for (int64_t i = 0; i < n; ++i) hr[i] = f2bf(bf2f(xr[i]) + bf2f(rr[i]));
+      xr = hr;
+    }
+    for (int64_t i = 0; i < full; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) {
+        const float v = bf2f(xr[i + j]);
+        part[j] += v * v;
+      }
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int j = 0; j < width; ++j) part[j] += part[j + width];
+    float sum = part[0];
+    for (int64_t i = full; i < n; ++i) sum += bf2f(xr[i]) * bf2f(xr[i]);
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) yr[i] = f2bf(bf2f(weight[i]) * round_bf(bf2f(xr[i]) * inv));
+  }
+}
+
+// y[t, i] = bf16(bf16(silu(x[t, i])) * x[t, d + i]) for x [rows, 2d] (row stride x_stride), y [rows, d].
+void plinth_silu_mul_bf16(const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t rows, int64_t d) {
+#pragma omp parallel for schedule(static) if (rows * d >= kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* gate = x + r * x_stride;
+    const uint16_t* up = gate + d;
+    uint16_t* yr = y + r * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const float g = bf2f(gate[i]);
+      const float e = exp_nonpositive(-std::fabs(g));            // exp(-|g|)
+      const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+      yr[i] = f2bf(round_bf(g * sig) * bf2f(up[i]));
+    }
+  }
+}
+
+// Rotate-half RoPE in place on the first rot_dim features of every head of q [T, hq, D] and
+// k [T, hk, D] (strides per token and per head; features contiguous), with cos/sin [T, rot_dim]
+// (bfloat16, row stride c_stride): out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)).
+void plinth_rotary_bf16(uint16_t* q, int64_t q_tok, int64_t q_head, int64_t hq, uint16_t* k, int64_t k_tok,
+                        int64_t k_head, int64_t hk, const uint16_t* cos, const uint16_t* sin, int64_t c_stride,
+                        int64_t tokens, int64_t rot_dim) {
+  const int64_t half = rot_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * (hq + hk) * rot_dim >= kParallelWork)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* c = cos + t * c_stride;
+    const uint16_t* s = sin + t * c_stride;
+    for (int64_t h = 0; h < hq + hk; ++h) {
+      uint16_t* x = h < hq ? q + t * q_tok + h * q_head : k + t * k_tok + (h - hq) * k_head;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = bf2f(x[i]);
+        const float x2 = bf2f(x[i + half]);
+        const float a1 = round_bf(x1 * bf2f(c[i]));
+        const float b1 = round_bf(-x2 * bf2f(s[i]));
+        const float a2 = round_bf(x2 * bf2f(c[i + half]));
+        const float b2 = round_bf(x1 * bf2f(s[i + half]));
+        x[i] = f2bf(a1 + b1);
+        x[i + half] = f2bf(a2 + b2);
+      }
+    }
+  }
+}
+
+// y [M, N] = x [M, K] @ W^T for W [N, K] in GGUF Q8_0 blocks: 34 bytes per 32 weights, a float16
+// scale d then 32 int8 values q; w = d * q. x and y bfloat16 (x row stride x_stride); float32
+// accumulation in 16 lanes (each block's products times its d), y rounded to bfloat16 once.
+void plinth_q8_0_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* blocks, uint16_t* y,
+                           int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kBlock = 32, kBytes = 34;
+  const int64_t nb = k / kBlock;
+  std::vector<float> xf(static_cast<size_t>(m * k));   // the inputs in float32, converted once
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = bf2f(x[r * x_stride + i]);
+  const float* xs = xf.data();
+#pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
+  for (int64_t o = 0; o < n; ++o) {
+    const uint8_t* row = blocks + o * nb * kBytes;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = xs + r * k;
+      float lanes[kLanes] = {0.f};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * kBytes;
+        const float d = half2f(static_cast<uint16_t>(blk[0] | (blk[1] << 8)));
+        const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+        const float* xb = xr + b * kBlock;
+        for (int j = 0; j < kLanes; ++j)
+          lanes[j] += d * (static_cast<float>(qs[j]) * xb[j] + static_cast<float>(qs[j + kLanes]) * xb[j + kLanes]);
+      }
+      for (int width = kLanes / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+      y[r * n + o] = f2bf(lanes[0]);
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,143 @@
+"""The native CPU kernels (``plinth/kernels/csrc/cpu_ops.cpp``) against the torch reference code of the
+layers (same bfloat16 rounding steps: at most one bfloat16 ulp apart, almost always equal) and
+against float64 math; the GGUF ``Q8_0`` GEMV against gguf's own dequantization."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plinth.kernels import cpu_native, ops
+from plinth.model_registry.layers.activation import SiluAndMul
+from plinth.model_registry.layers.layernorm import RMSNorm
+from plinth.model_registry.layers.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu_native.load_library().library is None,
+                                reason=f"native CPU ops unavailable: {cpu_native.load_library().reason}")
+
+BF16 = torch.bfloat16
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bfloat16 steps between two bfloat16 tensors of finite values."""
+    ia = a.contiguous().view(torch.int16).to(torch.int32)
+    ib = b.contiguous().view(torch.int16).to(torch.int32)
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)      # sign-magnitude -> ordered integers
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return (ia - ib).abs()
+
+
+def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, min_equal: float = 0.98) -> None:
+    assert out.dtype == ref.dtype == BF16 and out.shape == ref.shape
+    d = ulps(out, ref)
+    assert int(d.max()) <= 1, f"{int(d.max())} bfloat16 ulps apart"
+    assert float((d == 0).float().mean()) >= min_equal
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def test_fused_ops_take_cpu_bfloat16_only():
+    assert ops.fused_ops_enabled(torch.zeros(2, 4, dtype=BF16))
+    assert not ops.fused_ops_enabled(torch.zeros(2, 4, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (7, 100), (64, 2048)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(rows, n, with_residual, gen):
+    norm = RMSNorm(n, eps=1e-5).to(BF16)
+    norm.weight.copy_(torch.randn(n, generator=gen) * 0.2 + 1)
+    base = torch.randn(rows, n + 8, generator=gen).to(BF16)
+    x = base[:, 3:n + 3]                                  # strided rows
+    residual = torch.randn(rows, n, generator=gen).to(BF16) if with_residual else None
+    out = ops.rms_norm(x, norm.weight, norm.eps, residual)
+    if residual is None:
+        ref = norm._norm(x)
+        assert_matches_reference(out, ref)
+        h64 = x.double()
+    else:
+        h_ref = x + residual
+        ref = norm._norm(h_ref)
+        assert torch.equal(out[1], h_ref)
+        assert_matches_reference(out[0], ref)
+        out, h64 = out[0], h_ref.double()
+    exact = h64 / h64.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * norm.weight.double()
+    torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 1536), (5, 37), (33, 256)])
+def test_silu_and_mul(rows, d, gen):
+    x = (torch.randn(rows, 2 * d, generator=gen) * 4).to(BF16)
+    gate, up = x.chunk(2, dim=-1)
+    out = ops.silu_and_mul(x)
+    assert_matches_reference(out, F.silu(gate) * up)
+    g64, u64 = gate.double(), up.double()
+    torch.testing.assert_close(out.double(), g64 * torch.sigmoid(g64) * u64, atol=3e-2, rtol=1.6e-2)
+    assert torch.equal(SiluAndMul()(x), out)   # the layer takes the native kernel
+
+
+@pytest.mark.parametrize("tokens,hq,hk,d,rot", [(1, 9, 3, 64, 64), (6, 4, 2, 32, 16), (40, 8, 8, 128, 128)])
+def test_rotary_in_place_on_fused_qkv(tokens, hq, hk, d, rot, gen):
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=gen).to(BF16)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(tokens, hk, d)
+    v_before = qkv[:, (hq + hk) * d:].clone()
+    pos = torch.randint(0, 4096, (tokens,), generator=gen).double()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    freqs = pos[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(BF16), emb.sin().to(BF16)
+    q_ref, k_ref = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q64, k64 = q.double(), k.double()
+    ops.rotary_(q, k, cos, sin)
+    assert_matches_reference(q, q_ref)
+    assert_matches_reference(k, k_ref)
+    assert torch.equal(qkv[:, (hq + hk) * d:], v_before)           # v untouched
+    for x64, out in ((q64, q), (k64, k)):
+        x1, x2 = x64[..., : rot // 2], x64[..., rot // 2: rot]
+        c, s = cos.double()[:, None, : rot // 2], sin.double()[:, None, : rot // 2]
+        exact = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x64[..., rot:]), dim=-1)
+        torch.testing.assert_close(out.double(), exact, atol=5e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 300, 576), (3, 77, 64), (9, 64, 1536)])
+def test_q8_0_matmul_against_gguf_dequantization(m, n, k):
+    rng = np.random.default_rng(m * 1000 + n)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)           # [N, K / 32 * 34]
+    w_file = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)   # the weights the file holds
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(BF16)
+    out = cpu_native.q8_0_matmul(x, torch.from_numpy(blocks), n)
+    exact = x.double() @ torch.from_numpy(w_file).double().T
+    assert out.dtype == BF16 and out.shape == (m, n)
+    # float32 accumulation, one rounding to bfloat16 at the end
+    torch.testing.assert_close(out.double(), exact, atol=2e-3 * exact.abs().max().item(), rtol=8e-3)
+
+
+def test_prompt_logprobs_with_and_without_native_ops(tiny_llama_dir, monkeypatch):
+    """A bfloat16 model scores the same prompt alike with the native ops and with the torch code."""
+    from plinth import LLM, SamplingParams
+
+    prompt = [[5, 17, 99, 3, 250, 41, 7, 7, 212, 64, 33, 2]]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def score() -> list[float]:
+        with LLM(str(tiny_llama_dir), dtype="bfloat16", selection="off") as llm:
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+        return [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+
+    native = score()
+    cpu_native._env_enabled.cache_clear()
+    monkeypatch.setenv(cpu_native.NATIVE_OPS_ENV, "0")
+    try:
+        reference = score()
+    finally:
+        monkeypatch.undo()
+        cpu_native._env_enabled.cache_clear()
+    assert len(native) == len(reference) == len(prompt[0]) - 1
+    np.testing.assert_allclose(native, reference, atol=0.05)
