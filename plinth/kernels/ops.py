@@ -2,8 +2,8 @@
 
 The model layers call :func:`fused_ops_enabled` with their input: on devices Triton compiles for
 (``cuda`` — NVIDIA and ROCm builds — and ``xpu``) the small per-layer ops run as one fused kernel
-each; elsewhere, or with ``PLINTH_FUSED_OPS=0``, the layers keep their plain torch code (the
-reference). The skinny GEMM is installed per layer by the GPU fast path (:mod:`plinth.worker.gpu_linear`).
+each, and bfloat16 tensors on CPUs take the native kernels of :mod:`plinth.kernels.cpu_native`;
+elsewhere, or with ``PLINTH_FUSED_OPS=0``, the layers keep their plain torch code (the reference). The skinny GEMM is installed per layer by the GPU fast path (:mod:`plinth.worker.gpu_linear`).
 """
 
 from __future__ import annotations
