@@ -141,3 +141,27 @@ def test_prompt_logprobs_with_and_without_native_ops(tiny_llama_dir, monkeypatch
         cpu_native._env_enabled.cache_clear()
     assert len(native) == len(reference) == len(prompt[0]) - 1
     np.testing.assert_allclose(native, reference, atol=0.05)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_q8_0_lm_head_of_a_gguf_model(tmp_path, monkeypatch, tied, tiny_llama_dir):
+    """A GGUF file's Q8_0 LM head (or tied embedding) serves decode rows with the file's exact values."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth import LLM
+
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", tied), "llama", gguf.GGMLQuantizationType.Q8_0)
+    with LLM(path, tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4, selection="off") as llm:
+        head = llm.engine.runner.model.lm_head
+        method = head.gemm.__self__
+        assert method.q8_0 is not None and method.q8_0_max_rows == 4
+        w_file = torch.from_numpy(gguf.quants.dequantize(method.q8_0.numpy(), gguf.GGMLQuantizationType.Q8_0))
+        gen = torch.Generator().manual_seed(1)
+        for m in (1, 4, 6):       # 6 rows: past the switch-over, the prepacked bfloat16 weight
+            x = torch.randn(m, 64, generator=gen).to(BF16)
+            got = head(x)
+            exact = x.double() @ w_file.double().T
+            torch.testing.assert_close(got.double(), exact, atol=0.02 * float(exact.abs().max()), rtol=0)
+            if m <= 4:
+                assert torch.equal(got, cpu_native.q8_0_matmul(x, method.q8_0, w_file.shape[0]))

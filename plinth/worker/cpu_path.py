@@ -8,7 +8,7 @@ Three parts, each with a switch (environment variables, read at start-up):
   tensors are ``Q4_0``/``Q4_1`` also get the file's 4-bit blocks for inputs of at most
   ``PLINTH_CPU_INT4_MAX_ROWS`` rows (default 4: decode of a few sequences), where a step is bound by
   reading the weights (:mod:`plinth.worker.cpu_int4`).
-- ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` (default 2; 0 turns it off): when the GGUF file stores the LM head
+- ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` (default 4; 0 turns it off): when the GGUF file stores the LM head
   (or the tied embedding) as ``Q8_0``, inputs of at most this many rows multiply those blocks with the
   native GEMV (:mod:`plinth.kernels.cpu_native`): half the bytes of bfloat16, and the file's values.
 - ``PLINTH_CPU_COMPILE`` (default off; ``--enforce-eager`` always turns it off): decode batches of up to
@@ -40,7 +40,7 @@ COMPILE_ENV = "PLINTH_CPU_COMPILE"
 COMPILE_BATCH_ENV = "PLINTH_CPU_COMPILE_MAX_BATCH"
 
 DEFAULT_INT4_MAX_ROWS = 4
-DEFAULT_Q8_HEAD_MAX_ROWS = 2
+DEFAULT_Q8_HEAD_MAX_ROWS = 4
 DEFAULT_COMPILE_MAX_BATCH = 8
 
 

@@ -16,6 +16,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float bf2f(uint16_t v) {
@@ -77,6 +81,45 @@ inline float exp_nonpositive(float x) {
 
 constexpr int kLanes = 16;
 constexpr int64_t kParallelWork = 1 << 15;   // elements below which one thread does a whole op
+
+// out[r] = sum over the nb blocks of one Q8_0 row of d_b * (q_b . x_r,b) for the rows = 1..kMaxRows
+// inputs x_r = x + r * k (float32); each block's codes are converted once for all rows.
+constexpr int kMaxRows = 4;
+inline void q8_0_row_dot(const uint8_t* row, const float* x, int64_t k, int64_t nb, int rows, float* out) {
+  constexpr int64_t kBlock = 32, kBytes = 34;
+#if defined(__AVX512F__)
+  __m512 acc[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBytes;
+    const __m512 d = _mm512_set1_ps(half2f(static_cast<uint16_t>(blk[0] | (blk[1] << 8))));
+    const __m512 q0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))));
+    const __m512 q1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))));
+    for (int r = 0; r < rows; ++r) {
+      const float* xb = x + r * k + b * kBlock;
+      acc[r] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb + 16), _mm512_fmadd_ps(q0, _mm512_loadu_ps(xb), acc[r]));
+    }
+  }
+  for (int r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+  for (int r = 0; r < rows; ++r) {
+    float lanes[kLanes] = {0.f};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * kBytes;
+      const float d = half2f(static_cast<uint16_t>(blk[0] | (blk[1] << 8)));
+      const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+      const float* xb = x + r * k + b * kBlock;
+      for (int j = 0; j < kLanes; ++j)
+        lanes[j] += d * static_cast<float>(qs[j]) * xb[j] + d * static_cast<float>(qs[j + kLanes]) * xb[j + kLanes];
+    }
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    out[r] = lanes[0];
+  }
+#endif
+}
 
 }  // namespace
 
@@ -160,32 +203,22 @@ void plinth_rotary_bf16(uint16_t* q, int64_t q_tok, int64_t q_head, int64_t hq, 
 
 // y [M, N] = x [M, K] @ W^T for W [N, K] in GGUF Q8_0 blocks: 34 bytes per 32 weights, a float16
 // scale d then 32 int8 values q; w = d * q. x and y bfloat16 (x row stride x_stride); float32
-// accumulation in 16 lanes (each block's products times its d), y rounded to bfloat16 once.
+// accumulation (each weight as d * q in float32, exact), y rounded to bfloat16 once.
 void plinth_q8_0_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* blocks, uint16_t* y,
                            int64_t m, int64_t n, int64_t k) {
-  constexpr int64_t kBlock = 32, kBytes = 34;
-  const int64_t nb = k / kBlock;
+  const int64_t nb = k / 32;
   std::vector<float> xf(static_cast<size_t>(m * k));   // the inputs in float32, converted once
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < k; ++i) xf[r * k + i] = bf2f(x[r * x_stride + i]);
   const float* xs = xf.data();
 #pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
   for (int64_t o = 0; o < n; ++o) {
-    const uint8_t* row = blocks + o * nb * kBytes;
-    for (int64_t r = 0; r < m; ++r) {
-      const float* xr = xs + r * k;
-      float lanes[kLanes] = {0.f};
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * kBytes;
-        const float d = half2f(static_cast<uint16_t>(blk[0] | (blk[1] << 8)));
-        const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
-        const float* xb = xr + b * kBlock;
-        for (int j = 0; j < kLanes; ++j)
-          lanes[j] += d * (static_cast<float>(qs[j]) * xb[j] + static_cast<float>(qs[j + kLanes]) * xb[j + kLanes]);
-      }
-      for (int width = kLanes / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-      y[r * n + o] = f2bf(lanes[0]);
+    const uint8_t* row = blocks + o * nb * 34;
+    float dots[kMaxRows];
+    for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
+      q8_0_row_dot(row, xs + r0 * k, k, nb, rows, dots);
+      for (int r = 0; r < rows; ++r) y[(r0 + r) * n + o] = f2bf(dots[r]);
     }
   }
 }
