@@ -19,6 +19,7 @@ from plinth.attention_backends.cpu_paged_build import load_kernel
 from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec, Support, write_kv_cache
 from plinth.attention_backends.torch_batched import TorchBatchedBackend
 from plinth.config import ConfigError
+from plinth.kernels import cpu_native
 
 ENABLE_ENV = "PLINTH_CPU_PAGED_ATTENTION"
 MAX_HEAD_SIZE = 256
@@ -73,9 +74,19 @@ class CpuPagedBackend(TorchBatchedBackend):
         if (not metadata.is_decode_only or getattr(metadata.backend_data, "static_decode", False)
                 or query.device.type != "cpu" or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return paged_decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                            metadata.num_seqs, scale, sliding_window, max_seq_len=metadata.max_seq_len)
+        if cpu_native.kv_write_supported(key, value, kv_cache):
+            cpu_native.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        else:
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        # the int32 index tensors are the same for every layer of the step: converted once
+        step = metadata.backend_data if isinstance(metadata.backend_data, dict) else {}
+        indices = step.get("cpu_paged")
+        if indices is None:
+            indices = step["cpu_paged"] = (metadata.block_tables.to(torch.int32).contiguous(),
+                                           metadata.seq_lens.to(torch.int32).contiguous(),
+                                           metadata.query_start_loc.to(torch.int32).contiguous())
+        return paged_decode(query, kv_cache, *indices, metadata.num_seqs, scale, sliding_window,
+                            max_seq_len=metadata.max_seq_len, every_row_owned=query.shape[0] == metadata.num_seqs)
 
 
 def paged_decode(
@@ -89,6 +100,7 @@ def paged_decode(
     sliding_window: int | None = None,
     *,
     max_seq_len: int | None = None,  # the largest of seq_lens[:B] when the caller knows it (saves a reduction)
+    every_row_owned: bool = False,   # the caller knows every query row belongs to a sequence (no zeroing)
 ) -> torch.Tensor:                  # [T, H, D]; rows not owned by a sequence are zero
     """Attention of each sequence's one query token over its cached keys, read in place.
 
@@ -119,7 +131,8 @@ def paged_decode(
             or starts.shape[0] <= num_seqs):
         raise ValueError(f"{num_seqs} sequences of up to {longest} tokens do not fit block tables "
                          f"{list(tables.shape)} of {block_size}-token blocks and {starts.shape[0]} query offsets")
-    out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay zero
+    # rows not owned by a sequence (padding) stay zero
+    out = (torch.empty if every_row_owned else torch.zeros)(query.shape, dtype=query.dtype, device=query.device)
     build.library.plinth_cpu_paged_decode(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
         out.data_ptr(), _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks, block_size, tables.shape[1],

@@ -34,6 +34,7 @@ _SIGNATURES = {
     "plinth_silu_mul_bf16": [_P, _I, _P, _I, _I],
     "plinth_rotary_bf16": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
     "plinth_q8_0_gemv_bf16": [_P, _I, _P, _P, _I, _I, _I],
+    "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
 }
 
 
@@ -111,3 +112,25 @@ def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> tor
     y = torch.empty((m, out_features), dtype=torch.bfloat16)
     _lib().plinth_q8_0_gemv_bf16(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), m, out_features, k)
     return y
+
+
+def kv_write_supported(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """:func:`write_kv` takes these tensors: CPU, one dtype, contiguous heads, a contiguous cache."""
+    return (kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
+            and key.dim() == 3 and key.stride(2) == 1 and key.stride(1) == key.shape[2]
+            and value.stride(2) == 1 and value.stride(1) == value.shape[2] and _env_enabled()
+            and not torch.compiler.is_compiling() and load_library().library is not None)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the ``[2, num_blocks, block_size, Hkv, D]`` cache at
+    ``slot_mapping`` (``[>= T]`` int64; a slot outside the cache is skipped), like
+    :func:`plinth.attention_backends.interface.write_kv_cache`."""
+    n = key.shape[0]
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+        else slot_mapping.to(torch.int64).contiguous()
+    elem = key.element_size()
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    _lib().plinth_kv_write(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
+                           kv_cache.data_ptr(), num_slots, slots.data_ptr(), min(n, slots.shape[0]),
+                           key.shape[1] * key.shape[2] * elem)

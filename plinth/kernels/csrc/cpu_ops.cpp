@@ -223,4 +223,17 @@ void plinth_q8_0_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* b
   }
 }
 
+// Scatter the keys and values of `tokens` tokens (rows of `row_bytes` bytes: heads x head size x element
+// size, token strides k_stride/v_stride bytes) into a [2, slots, row] cache at slots[t]; negative
+// slots are skipped.
+void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value, int64_t v_stride, uint8_t* cache,
+                     int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row_bytes) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0 || s >= num_slots) continue;
+    std::memcpy(cache + s * row_bytes, key + t * k_stride, row_bytes);
+    std::memcpy(cache + (num_slots + s) * row_bytes, value + t * v_stride, row_bytes);
+  }
+}
+
 }  // extern "C"
