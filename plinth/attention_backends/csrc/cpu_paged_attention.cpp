@@ -18,6 +18,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -83,6 +87,60 @@ inline void scale_add(float* __restrict__ acc, const float* __restrict__ v, floa
   for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// One block of one KV head for the `group` query rows q [group, kD] (scaled, float32): scores of the
+// block's tokens lo..hi-1, then the online-softmax update of row_max/row_sum and acc [group, kD].
+// Keys and values are read straight from the cache in their dtype, 16 features per vector.
+template <typename scalar_t, int64_t kD>
+inline void block_update_avx512(const scalar_t* k_base, const scalar_t* v_base, int64_t token_stride, int64_t lo,
+                                int64_t hi, const float* q, float* acc, float* row_max, float* row_sum,
+                                int64_t group, float* scores /* [group, BS] */, int64_t bs) {
+  constexpr int64_t kV = kD / 16;
+  const int64_t n = hi - lo;
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* kr = k_base + (lo + t) * token_stride;
+    __m512 kv[kV];
+    for (int64_t j = 0; j < kV; ++j) kv[j] = load16(kr + 16 * j);
+    for (int64_t r = 0; r < group; ++r) {
+      __m512 s = _mm512_mul_ps(load16(q + r * kD), kv[0]);
+      for (int64_t j = 1; j < kV; ++j) s = _mm512_fmadd_ps(load16(q + r * kD + 16 * j), kv[j], s);
+      scores[r * bs + t] = _mm512_reduce_add_ps(s);
+    }
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    float* sc = scores + r * bs;
+    float block_max = row_max[r];
+    for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sc[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      sc[t] = exp_nonpositive(sc[t] - block_max);
+      sum += sc[t];
+    }
+    const float correction = std::exp(row_max[r] - block_max);  // 0 on the first block (exp(-inf))
+    row_max[r] = block_max;
+    row_sum[r] = row_sum[r] * correction + sum;
+    const __m512 c = _mm512_set1_ps(correction);
+    for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + r * kD + 16 * j, _mm512_mul_ps(c, load16(acc + r * kD + 16 * j)));
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* vr = v_base + (lo + t) * token_stride;
+    __m512 vv[kV];
+    for (int64_t j = 0; j < kV; ++j) vv[j] = load16(vr + 16 * j);
+    for (int64_t r = 0; r < group; ++r) {
+      const __m512 p = _mm512_set1_ps(scores[r * bs + t]);
+      float* ar = acc + r * kD;
+      for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(ar + 16 * j, _mm512_fmadd_ps(p, vv[j], load16(ar + 16 * j)));
+    }
+  }
+}
+#endif
+
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, table_width;
   int64_t q_row, out_row, kv_half, block_stride, token_stride;
@@ -110,7 +168,7 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
     // per-thread scratch: the item's queries and accumulators [rows, D], one block's keys/values
     // of one head in float32 [BS, D], scores [BS]
     std::vector<float> q(rows * d_size), acc(rows * d_size), kblk(bs * d_size), vblk(bs * d_size), scores(bs),
-        row_max(rows), row_sum(rows);
+        row_max(rows), row_sum(rows), gscores(group * bs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t s = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
@@ -142,6 +200,15 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
         }
         for (int64_t hh = 0; hh < heads_per_item; ++hh) {
           const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + (h0 + hh) * d_size;
+#if defined(__AVX512F__)
+          if constexpr (kD > 0 && kD % 16 == 0) {
+            block_update_avx512<scalar_t, kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi,
+                                              q.data() + hh * group * kD, acc.data() + hh * group * kD,
+                                              row_max.data() + hh * group, row_sum.data() + hh * group, group,
+                                              gscores.data(), bs);
+            continue;
+          }
+#endif
           for (int64_t t = lo; t < hi; ++t) {
             to_float(k_cache + base + t * sh.token_stride, kblk.data() + (t - lo) * d_size, d_size);
             to_float(v_cache + base + t * sh.token_stride, vblk.data() + (t - lo) * d_size, d_size);
