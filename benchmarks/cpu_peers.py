@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, OSError, ValueError) as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(name, json.dumps(results[name]), flush=True)
-    peers = [("vllm", args.vllm_python, {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    peers = [("vllm", args.vllm_python, {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+                                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}),
              ("llamacpp", args.llamacpp_python, {})]
     for name, python, env in peers:
