@@ -157,13 +157,20 @@ def run_transformers(spec: dict[str, Any]) -> dict[str, Any]:
     return _workloads(spec, gen, startup)
 
 
+RESULT_MARK = "PEER_RESULT "
+
+
 def run_peer(python: str, system: str, spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """This file as a worker under another interpreter; its last stdout line is the JSON result."""
+    """This file as a worker under another interpreter; the JSON result is its stdout line marked with
+    ``RESULT_MARK`` (the peer's own logging may print to stdout after it)."""
     proc = subprocess.run([python, os.path.abspath(__file__), "--worker", system], input=json.dumps(spec),
                           capture_output=True, text=True, env={**os.environ, **env}, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    marked = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARK)]
+    if not marked:
+        raise RuntimeError(f"{system} worker printed no result: {proc.stdout[-2000:]}")
+    return json.loads(marked[-1][len(RESULT_MARK):])
 
 
 def serve_startup(runs: int = 2) -> list[float]:
@@ -281,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         spec = json.loads(sys.stdin.read())
         result = run_vllm(spec) if args.worker == "vllm" else run_llamacpp(spec)
-        print(json.dumps(result))
+        print(RESULT_MARK + json.dumps(result), flush=True)
         return 0
     if args.export_hf:
         from plinth.model_registry.default_model import default_model_path

@@ -1,6 +1,6 @@
 """The CPU fast path, set up by the CPU platform once the model and its KV cache exist.
 
-Three parts, each with a switch (environment variables, read at start-up):
+The parts, each with a switch (environment variables, read at start-up):
 
 - ``PLINTH_CPU_PACKED`` (default on): every unquantized linear layer and the LM head multiply with
   oneDNN-prepacked weights (:mod:`plinth.worker.cpu_linear`); bit-identical to ``F.linear``.
@@ -11,6 +11,10 @@ Three parts, each with a switch (environment variables, read at start-up):
 - ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` (default 4; 0 turns it off): when the GGUF file stores the LM head
   (or the tied embedding) as ``Q8_0``, inputs of at most this many rows multiply those blocks with the
   native GEMV (:mod:`plinth.kernels.cpu_native`): half the bytes of bfloat16, and the file's values.
+- ``PLINTH_CPU_DECODE_PLAN`` (default on): decode batches of a standard bfloat16 decoder model run
+  through a flat list of prepared kernel calls instead of the module tree
+  (:mod:`plinth.worker.cpu_decode_plan`; the same kernels, bit-identical results, a fraction of the
+  Python). Not used when decode steps are compiled.
 - ``PLINTH_CPU_COMPILE`` (default off; ``--enforce-eager`` always turns it off): decode batches of up to
   ``PLINTH_CPU_COMPILE_MAX_BATCH`` sequences (default 8) run a ``torch.compile``d forward pass per
   padded batch size, compiled on first use (:mod:`plinth.worker.cpu_graphs`). Larger batches are
@@ -37,6 +41,7 @@ INT4_ENV = "PLINTH_CPU_INT4"
 INT4_ROWS_ENV = "PLINTH_CPU_INT4_MAX_ROWS"
 Q8_HEAD_ROWS_ENV = "PLINTH_CPU_Q8_HEAD_MAX_ROWS"
 COMPILE_ENV = "PLINTH_CPU_COMPILE"
+DECODE_PLAN_ENV = "PLINTH_CPU_DECODE_PLAN"
 COMPILE_BATCH_ENV = "PLINTH_CPU_COMPILE_MAX_BATCH"
 
 DEFAULT_INT4_MAX_ROWS = 4
@@ -139,10 +144,21 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     elif env_flag(COMPILE_ENV, False) and max_batch > 0:
         runner.compile_cpu_decode(max_batch)
         report["compile"] = True
+    report["decode_plan"] = False
+    if not report["compile"] and env_flag(DECODE_PLAN_ENV, True):
+        from plinth.worker.cpu_decode_plan import build_decode_plan
+
+        plan, why_not = build_decode_plan(model, runner.backend, runner.block_size, config.scheduler.max_num_seqs)
+        if plan is None:
+            logger.info("CPU decode plan off: %s", why_not)
+        else:
+            runner.graphs = plan
+            report["decode_plan"] = True
     report["seconds"] = time.perf_counter() - t0
     logger.info("CPU path: %d layers prepacked, %d with int4 copies (batches of <= %s rows), LM head Q8_0 %s, "
-                "native fused ops %s, compiled decode %s (<= %d sequences), set up in %.2f s", report["packed"],
-                report["int4"], report.get("int4_max_rows", 0), "on" if report.get("q8_0") else "off",
+                "native fused ops %s, decode plan %s, compiled decode %s (<= %d sequences), set up in %.2f s",
+                report["packed"], report["int4"], report.get("int4_max_rows", 0), "on" if report.get("q8_0") else "off",
                 "on" if cpu_native.enabled(torch.empty(0, dtype=dtype)) else "off",
-                "on" if report["compile"] else "off", max_batch, report["seconds"])
+                "on" if report["decode_plan"] else "off", "on" if report["compile"] else "off", max_batch,
+                report["seconds"])
     return report

@@ -1,0 +1,193 @@
+"""Decode steps of a standard decoder model on the CPU, as a flat list of prepared calls.
+
+A decode step of a small model on a CPU spends about as long in Python as in arithmetic: every
+layer goes through a dozen ``nn.Module`` calls, each with its hooks, argument checks and attention
+metadata, around kernels that take microseconds. A :class:`CpuDecodePlan` does the same work with
+the same kernels in the same order — the layers' own GEMM methods, the native fused ops of
+:mod:`plinth.kernels.cpu_native` and the ``cpu_paged`` attention kernel — from per-layer records
+resolved once at start-up, so a step's results are bit-identical to the module path's and its Python
+cost is a loop over layers.
+
+It serves what the module path would run with those kernels: a bfloat16 model built from
+:class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (dense SiLU MLP, no
+q/k norm, any biases and sliding windows), one process (no tensor or pipeline parallelism), the
+``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
+not otherwise. ``PLINTH_CPU_DECODE_PLAN=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from plinth.kernels import cpu_native, ops
+
+logger = logging.getLogger(__name__)
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _linear(layer: torch.nn.Module) -> Linear:
+    """``x -> layer(x)`` without the module call: the layer's method (its GEMM), then its bias."""
+    method, bias = layer.linear_method, layer.bias
+    matmul = getattr(method, "matmul", None)
+    if matmul is not None:              # plinth.worker.cpu_linear.CpuLinearMethod: bias added inside
+        return (lambda x: matmul(x, bias)) if bias is not None else matmul
+    return lambda x: method.apply(layer, x, bias)
+
+
+def _row_linear(layer: torch.nn.Module) -> Linear:
+    """A row-parallel layer of one rank: its bias is added after the GEMM (``RowParallelLinear.forward``)."""
+    method, bias = layer.linear_method, layer.bias
+    if bias is None:
+        return _linear(layer)
+    return lambda x: method.apply(layer, x, None) + bias
+
+
+@dataclasses.dataclass
+class _Layer:
+    in_norm: torch.Tensor          # [H] bfloat16
+    post_norm: torch.Tensor        # [H]
+    eps: float
+    post_eps: float
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None
+    kv_cache: torch.Tensor         # [2, num_blocks, block_size, Hkv, D]
+
+
+def _why_not(model: torch.nn.Module, backend: object) -> str:
+    """Why the plan cannot run ``model`` (empty when it can)."""
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+    from plinth.model_registry.layers.activation import SiluAndMul
+    from plinth.model_registry.models.decoder import (
+        DecoderAttention,
+        DecoderForCausalLM,
+        DecoderLayer,
+        DenseMLP,
+    )
+
+    if not isinstance(model, DecoderForCausalLM):
+        return f"{type(model).__name__} is not a standard decoder model"
+    if not isinstance(backend, CpuPagedBackend):
+        return f"attention backend {getattr(backend, 'name', backend)} (needs cpu_paged)"
+    inner = model.model
+    if model.lm_head is None or inner.embed_tokens is None or inner.norm is None or inner.embed_tokens.tp_size != 1:
+        return "pipeline or tensor parallelism"
+    if inner.embed_tokens.weight.dtype != torch.bfloat16 or not cpu_native.enabled(inner.embed_tokens.weight):
+        return "not a bfloat16 model with the native CPU ops"
+    for layer in inner.layers:
+        if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn, DecoderAttention):
+            return f"layer {type(layer).__name__} is not a standard decoder layer"
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_norm is not None:
+            return "q/k norms"
+        if not isinstance(mlp, DenseMLP) or not isinstance(mlp.act_fn, SiluAndMul):
+            return f"feed-forward block {type(mlp).__name__} is not a dense SiLU MLP"
+        if attn.qkv_proj.tp_size != 1 or attn.attn.kv_cache is None:
+            return "tensor parallelism, or no KV cache"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype != torch.bfloat16:
+                return "norm weights are not bfloat16"
+    if inner.norm.weight.dtype != torch.bfloat16:
+        return "norm weights are not bfloat16"
+    return ""
+
+
+class CpuDecodePlan:
+    """Runs decode batches of up to ``max_size`` sequences (the model runner's ``graphs`` interface).
+
+    Args:
+        model: the loaded model (its attention layers already hold their KV caches).
+        block_size: tokens per KV block.
+        max_size: the largest decode batch (the engine's ``max_num_seqs``).
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int, max_size: int):
+        inner = model.model
+        self.model = model
+        self.block_size = block_size
+        self.max_size = max_size
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.final_norm = inner.norm.weight
+        self.final_eps = inner.norm.eps
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                eps=layer.input_layernorm.eps, post_eps=layer.post_attention_layernorm.eps,
+                qkv=_linear(attn.qkv_proj), o=_row_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
+                down=_row_linear(mlp.down_proj), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                head_size=attn.head_dim, scale=attn.attn.scale, sliding_window=attn.attn.sliding_window,
+                kv_cache=attn.attn.kv_cache))
+
+    @torch.inference_mode()
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
+        """One decode step for ``B`` sequences: logits ``[B, vocab]`` float32 (None: not a batch it takes).
+
+        Args:
+            token_ids: ``[B]`` the last token of each sequence.
+            positions: ``[B]`` its position (= tokens already in the cache).
+            block_tables: ``[B, W]`` int32, each sequence's blocks, 0-padded.
+        """
+        from plinth.attention_backends.cpu_paged import paged_decode
+
+        b = len(token_ids)
+        if not 0 < b <= self.max_size or not isinstance(block_tables, np.ndarray) or block_tables.ndim != 2:
+            return None
+        bs = self.block_size
+        pos = np.asarray(positions, dtype=np.int64)
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        if int(pos.max()) // bs >= tables.shape[1]:
+            return None   # a sequence without a block for its new token (the module path reports it)
+        slots = torch.from_numpy(tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs)   # [B]
+        lens = torch.from_numpy((pos + 1).astype(np.int32))                                           # [B]
+        starts = torch.arange(b + 1, dtype=torch.int32)                                               # [B + 1]
+        tables_t = torch.from_numpy(tables)
+        longest = int(pos.max()) + 1
+        hidden = F.embedding(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), self.embed)     # [B, H]
+        cos, sin = self.rotary.cos_sin(torch.from_numpy(pos), hidden.dtype)                          # [B, D]
+        residual = None
+        for lay in self.layers:
+            if residual is None:
+                residual = hidden
+                h = ops.rms_norm(hidden, lay.in_norm, lay.eps)
+            else:
+                h, residual = ops.rms_norm(hidden, lay.in_norm, lay.eps, residual)
+            qkv = lay.qkv(h)                                                                          # [B, (Hq+2Hkv)D]
+            d, hq, hkv = lay.head_size, lay.num_heads, lay.num_kv_heads
+            q = qkv[:, : hq * d].view(b, hq, d)
+            k = qkv[:, hq * d: (hq + hkv) * d].view(b, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+            cpu_native.rotary_(q, k, cos, sin)
+            cpu_native.write_kv(k, v, lay.kv_cache, slots)
+            out = paged_decode(q, lay.kv_cache, tables_t, lens, starts, b, lay.scale, lay.sliding_window,
+                               max_seq_len=longest, every_row_owned=True)                             # [B, Hq, D]
+            hidden = lay.o(out.view(b, hq * d))
+            h, residual = ops.rms_norm(hidden, lay.post_norm, lay.post_eps, residual)
+            hidden = lay.down(cpu_native.silu_and_mul(lay.gate_up(h)))
+        hidden, _ = ops.rms_norm(hidden, self.final_norm, self.final_eps, residual)
+        return self.model.compute_logits(hidden)
+
+
+def build_decode_plan(model: torch.nn.Module, backend: object, block_size: int,
+                      max_size: int) -> tuple[CpuDecodePlan | None, str]:
+    """A plan for ``model``, or ``(None, why not)``."""
+    reason = _why_not(model, backend)
+    if reason:
+        return None, reason
+    return CpuDecodePlan(model, block_size, max_size), ""

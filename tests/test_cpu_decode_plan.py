@@ -1,0 +1,87 @@
+"""The CPU decode plan runs the module path's kernels in the same order: bit-identical logits and tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from plinth import LLM, SamplingParams
+from plinth.kernels import cpu_native
+from plinth.worker.batching import FlatBatch
+from plinth.worker.cpu_decode_plan import CpuDecodePlan
+from plinth.worker.model_runner import SeqBatchEntry
+
+pytestmark = pytest.mark.skipif(cpu_native.load_library().library is None,
+                                reason=f"native CPU ops unavailable: {cpu_native.load_library().reason}")
+
+PROMPTS = [[5, 17, 99], list(range(20, 61)), list(range(100, 117)), [7] * 9, [1, 2], list(range(200, 290))]
+
+
+def make_llm(model_dir, **kw) -> LLM:
+    return LLM(str(model_dir), dtype="bfloat16", block_size=4, attention_backend="cpu_paged", **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    with make_llm(tiny_llama_dir) as llm:
+        yield llm
+
+
+def test_plan_is_installed(llm):
+    assert isinstance(llm.engine.runner.graphs, CpuDecodePlan)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_plan_logits_equal_the_module_path(llm, n):
+    """Same decode batch through the plan and through the modules: the same logits, bit for bit (both
+    write the same keys and values to the same slots, so the order does not matter)."""
+    engine, runner = llm.engine, llm.engine.runner
+    for i, prompt in enumerate(PROMPTS[:n]):
+        engine.add_request(f"p{n}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    reqs = [engine._seqs[f"p{n}-{i}"].request for i in range(n)]
+    for _ in range(12):   # decode until every sequence's next token has a slot in the blocks it holds
+        engine.step()
+        if all(r.output_token_ids and r.num_computed_tokens < 4 * len(r.block_ids) for r in reqs):
+            break
+    assert all(r.num_computed_tokens < 4 * len(r.block_ids) for r in reqs)
+    entries = [SeqBatchEntry([r.output_token_ids[-1]], r.num_computed_tokens, list(r.block_ids), True) for r in reqs]
+    plan = runner.graphs
+    via_plan, rows, _ = runner.execute(FlatBatch.from_entries(entries))
+    assert rows == list(range(n))
+    runner.graphs = None
+    try:
+        via_modules, _, _ = runner.execute(FlatBatch.from_entries(entries))
+    finally:
+        runner.graphs = plan
+    assert via_plan.dtype == via_modules.dtype == torch.float32
+    assert torch.equal(via_plan, via_modules)
+    engine.abort_request([f"p{n}-{i}" for i in range(n)])
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with_plan = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    monkeypatch.setenv("PLINTH_CPU_DECODE_PLAN", "0")
+    with make_llm(tiny_llama_dir) as plain:
+        assert plain.engine.runner.graphs is None
+        without = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert with_plan == without
+    assert len({tuple(t) for t in with_plan}) > 2
+
+
+def test_models_it_does_not_serve_run_the_modules(tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, attention_backend="cpu_paged") as fp32:
+        assert fp32.engine.runner.graphs is None            # the native ops are bfloat16 only
+    with LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4, attention_backend="torch_batched") as other:
+        assert other.engine.runner.graphs is None           # the plan calls the cpu_paged kernel
+
+
+def test_run_declines_batches_it_does_not_take(llm):
+    plan = llm.engine.runner.graphs
+    assert plan.run(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros((0, 1), np.int32)) is None
+    too_many = plan.max_size + 1
+    assert plan.run(np.zeros(too_many, dtype=np.int64), np.zeros(too_many, dtype=np.int64),
+                    np.ones((too_many, 1), np.int32)) is None
