@@ -39,9 +39,10 @@ def tokens(outs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llama_dir) -> list[list[int]]:
-    """Greedy tokens of the plain path: F.linear GEMMs, eager decode."""
+    """Greedy tokens of the plain path: F.linear GEMMs, eager decode through the modules."""
     mp = pytest.MonkeyPatch()
     mp.setenv("PLINTH_CPU_PACKED", "0")
+    mp.setenv("PLINTH_CPU_DECODE_PLAN", "0")
     try:
         llm = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4)
         assert llm.engine.runner.graphs is None

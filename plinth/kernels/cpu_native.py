@@ -59,8 +59,8 @@ def _env_enabled() -> bool:
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether the native ops run for ``x``."""
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and _env_enabled()
-            and not torch.compiler.is_compiling() and load_library().library is not None)
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+            and _env_enabled() and load_library().library is not None)
 
 
 def _lib() -> ctypes.CDLL:

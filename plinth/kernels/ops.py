@@ -47,7 +47,7 @@ def fused_ops_enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels run for ``x``: Triton on GPUs, the native kernels for bfloat16 on CPUs
     (:mod:`plinth.kernels.cpu_native`)."""
     if x.device.type == "cpu":
-        return _env_enabled() and cpu_native.enabled(x)
+        return cpu_native.enabled(x) and _env_enabled()
     return x.device.type in _TRITON_DEVICE_TYPES and triton_available() and _env_enabled()
 
 

@@ -14,7 +14,7 @@ The parts, each with a switch (environment variables, read at start-up):
 - ``PLINTH_CPU_DECODE_PLAN`` (default on): decode batches of a standard bfloat16 decoder model run
   through a flat list of prepared kernel calls instead of the module tree
   (:mod:`plinth.worker.cpu_decode_plan`; the same kernels, bit-identical results, a fraction of the
-  Python). Not used when decode steps are compiled.
+  Python). Not used when decode steps are compiled; ``--enforce-eager`` runs the modules.
 - ``PLINTH_CPU_COMPILE`` (default off; ``--enforce-eager`` always turns it off): decode batches of up to
   ``PLINTH_CPU_COMPILE_MAX_BATCH`` sequences (default 8) run a ``torch.compile``d forward pass per
   padded batch size, compiled on first use (:mod:`plinth.worker.cpu_graphs`). Larger batches are
@@ -145,7 +145,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         runner.compile_cpu_decode(max_batch)
         report["compile"] = True
     report["decode_plan"] = False
-    if not report["compile"] and env_flag(DECODE_PLAN_ENV, True):
+    if not report["compile"] and not enforce_eager and env_flag(DECODE_PLAN_ENV, True):
         from plinth.worker.cpu_decode_plan import build_decode_plan
 
         plan, why_not = build_decode_plan(model, runner.backend, runner.block_size, config.scheduler.max_num_seqs)
