@@ -169,15 +169,15 @@ def test_q8_0_lm_head_of_a_gguf_model(tmp_path, monkeypatch, tied, tiny_llama_di
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_kv_write_equals_index_copy(dtype, gen):
-    from plinth.attention_backends.interface import write_kv_cache
-
     cache = torch.randn(2, 6, 4, 3, 8, generator=gen).to(dtype)          # [2, blocks, block_size, Hkv, D]
     qkv = torch.randn(5, (4 + 2 * 3) * 8, generator=gen).to(dtype)      # keys/values as views of a fused output
     key = qkv[:, 32:56].view(5, 3, 8)
     value = qkv[:, 56:].view(5, 3, 8)
     slots = torch.tensor([7, 0, 23, 12, 5])
     expected = cache.clone()
-    write_kv_cache(key, value, expected, slots)
+    flat = expected.view(2, -1, 3, 8)                                     # [2, slots, Hkv, D]
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
     assert cpu_native.kv_write_supported(key, value, cache)
     cpu_native.write_kv(key, value, cache, slots)
     assert torch.equal(cache, expected)

@@ -19,7 +19,6 @@ from plinth.attention_backends.cpu_paged_build import load_kernel
 from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec, Support, write_kv_cache
 from plinth.attention_backends.torch_batched import TorchBatchedBackend
 from plinth.config import ConfigError
-from plinth.kernels import cpu_native
 
 ENABLE_ENV = "PLINTH_CPU_PAGED_ATTENTION"
 MAX_HEAD_SIZE = 256
@@ -74,10 +73,7 @@ class CpuPagedBackend(TorchBatchedBackend):
         if (not metadata.is_decode_only or getattr(metadata.backend_data, "static_decode", False)
                 or query.device.type != "cpu" or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
-        if cpu_native.kv_write_supported(key, value, kv_cache):
-            cpu_native.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        else:
-            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         # the int32 index tensors are the same for every layer of the step: converted once
         step = metadata.backend_data if isinstance(metadata.backend_data, dict) else {}
         indices = step.get("cpu_paged")

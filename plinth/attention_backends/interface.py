@@ -148,6 +148,11 @@ class AttentionBackend(abc.ABC):
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values into a ``[2, num_blocks, block_size, H, D]`` cache at ``slot_mapping``."""
+    from plinth.kernels import cpu_native
+
+    if kv_cache.device.type == "cpu" and cpu_native.kv_write_supported(key, value, kv_cache):
+        cpu_native.write_kv(key, value, kv_cache, slot_mapping)   # one native copy loop (CPU)
+        return
     n = slot_mapping.shape[0]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, num_slots, H, D]
     flat[0].index_copy_(0, slot_mapping, key[:n])
