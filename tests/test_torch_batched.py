@@ -59,6 +59,20 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("ctx,qlen", [(0, 300), (37, 256), (5, 401)])
+@pytest.mark.parametrize("window", [None, 90])
+def test_long_single_prefill_in_query_chunks(ctx, qlen, window):
+    """One sequence's long prefill (chunked by PREFILL_CHUNK queries on a CPU) equals float64 attention."""
+    from plinth.attention_backends.torch_batched import PREFILL_CHUNK
+
+    assert qlen >= 2 * PREFILL_CHUNK
+    spec = spec_of(h=6, hkv=2, bs=16, window=window)
+    batch = make_paged_batch(spec, [ctx], [qlen], generator=torch.Generator().manual_seed(qlen), dtype=torch.float64)
+    scale = 1 / math.sqrt(spec.head_size)
+    torch.testing.assert_close(run_backend(batch, scale, window), reference_attention(batch, scale, window),
+                               rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("window", [None, 5])

@@ -42,6 +42,10 @@ GATHER_ELEMENTS = 1 << 20
 #: CPU decode groups of at least this many sequences use matmul + softmax instead of SDPA (measured on
 #: 2 AVX512 cores: SDPA wins below ~6 sequences, the matmuls win 2.6x at 32)
 MATMUL_DECODE_MIN_SEQS = 6
+#: a CPU prefill of one sequence with at least twice this many query tokens attends in chunks of this many
+#: queries, each over the keys up to its last position only (SDPA with a mask computes every masked pair:
+#: a 500-token prompt takes 4.0 instead of 5.3 ms per layer on 2 AVX512 cores)
+PREFILL_CHUNK = 128
 
 
 @dataclasses.dataclass
@@ -183,6 +187,30 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.stack(outs, dim=1)
 
 
+def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     grp: _Group, g: int, block_size: int) -> torch.Tensor:
+    """One sequence's prefill, ``PREFILL_CHUNK`` queries at a time over the keys they can see.
+
+    ``q`` ``[1, Hkv, G * Q, D]`` (heads-major fold), ``k``/``v`` ``[1, L, Hkv, D]``, ``mask``
+    ``[1, 1, G * Q, L]`` -> ``[1, Hkv, G * Q, D]``: the same result as one masked SDPA call.
+    """
+    _, hkv, _, d = q.shape
+    max_q, length = grp.max_q, k.shape[1]
+    qv = q.view(1, hkv, g, max_q, d)
+    mv = mask.view(1, 1, g, max_q, length)
+    out = torch.empty_like(qv)
+    last_pos = grp.q_pos[0].tolist()          # [Q] position of each query (host tensors on a CPU)
+    for a in range(0, max_q, PREFILL_CHUNK):
+        b = min(max_q, a + PREFILL_CHUNK)
+        keys = min(length, -(-(last_pos[b - 1] + 1) // block_size) * block_size)
+        qc = qv[:, :, :, a:b].reshape(1, hkv, g * (b - a), d)
+        mc = mv[:, :, :, a:b, :keys].reshape(1, 1, g * (b - a), keys)
+        o = F.scaled_dot_product_attention(qc, k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2),
+                                           attn_mask=mc, scale=scale)      # [1, Hkv, G * (b - a), D]
+        out[:, :, :, a:b] = o.view(1, hkv, g, b - a, d)
+    return out.view(1, hkv, g * max_q, d)
+
+
 class TorchBatchedBackend(AttentionBackend):
     """Paged attention with one padded, masked SDPA call per group of sequences; any device."""
 
@@ -247,6 +275,8 @@ class TorchBatchedBackend(AttentionBackend):
             mask = grp.mask(block_size, sliding_window, g)  # [n, 1, G * max_q or 1, L]
             if grp.max_q == 1 and n >= MATMUL_DECODE_MIN_SEQS and q.device.type == "cpu":
                 o = _decode_attention(q, k, v, mask, scale)   # CPU: 3-4x faster than SDPA at 16-32 sequences
+            elif n == 1 and grp.max_q >= 2 * PREFILL_CHUNK and q.device.type == "cpu":
+                o = _chunked_prefill(q, k, v, mask, scale, grp, g, block_size)
             else:
                 o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                                    scale=scale)  # [n, Hkv, G*max_q, D]
