@@ -400,3 +400,49 @@ def test_npu_selected_when_torch_npu_finds_a_device(npu_pm, monkeypatch, tmp_pat
     assert (platform.name, platform.device_type, platform.dist_backend) == ("npu", "npu", "hccl")
     assert platform.supported_dtypes()[0] == torch.bfloat16
     assert select_platform("cpu", pm=npu_pm).name == "cpu"
+
+
+def test_async_engine_thread_takes_the_cpu_thread_count_and_the_builder_releases_its_pool(
+        tiny_llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenMP's thread count is per thread: the engine thread sizes its own pool; the thread that built the
+    engine frees its pool first (while it exists, the engine thread's parallel regions run ~3x slower)."""
+    import asyncio
+    import threading
+
+    import plinth.platforms.cpu.platform as cpu_platform
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import SamplingParams
+
+    before = torch.get_num_threads()
+    released: list[str] = []
+    monkeypatch.setattr(cpu_platform, "release_openmp_threads", lambda: released.append(threading.current_thread().name))
+    monkeypatch.setenv("PLINTH_CPU_THREADS", "1")
+    try:
+        engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", selection="off"))
+        seen: list[int] = []
+        step = engine.step
+        engine.step = lambda *a, **k: seen.append(torch.get_num_threads()) or step(*a, **k)  # type: ignore[method-assign]
+        async_engine = AsyncLLMEngine(engine)
+        assert released == [threading.current_thread().name]
+
+        async def run() -> int:
+            n = 0
+            async for _ in async_engine.generate("t", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)):
+                n += 1
+            return n
+
+        assert asyncio.run(run()) >= 1
+        assert seen and set(seen) == {1}
+        async_engine.shutdown()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_release_openmp_threads_where_gnu_openmp_is_loaded() -> None:
+    from plinth.platforms.cpu.platform import release_openmp_threads
+
+    loaded = "libgomp" in Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else False
+    assert release_openmp_threads() is loaded
+    assert torch.ones(64, 64).sum().item() == 4096.0   # torch's kernels still run (the pool comes back)

@@ -86,6 +86,9 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats: dict[str, Any] = self._read_stats()
+        self._platform = getattr(engine, "platform", None)
+        if self._platform is not None:
+            self._platform.hand_over_to_thread()
         self._thread = threading.Thread(target=self._run, name="plinth-engine-loop", daemon=True)
         self._thread.start()
 
@@ -197,6 +200,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self._engine
         try:
+            if self._platform is not None:
+                self._platform.enter_engine_thread()
             while True:
                 self._drain_commands()
                 if self._stopping:

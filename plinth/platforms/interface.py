@@ -64,6 +64,13 @@ class Platform(abc.ABC):
     def set_device(self, index: int) -> None:  # noqa: B027 (a no-op by default: one host device)
         """Make device ``index`` current for this process."""
 
+    def hand_over_to_thread(self) -> None:  # noqa: B027 (a no-op by default)
+        """The thread that built an engine is handing it to a background thread (``AsyncLLMEngine``):
+        called on the building thread just before, to release what only that thread would use."""
+
+    def enter_engine_thread(self) -> None:  # noqa: B027 (a no-op by default)
+        """Called first on a background thread that will run an engine's steps."""
+
     def default_dtype(self) -> torch.dtype:
         return self.supported_dtypes()[0]
 
