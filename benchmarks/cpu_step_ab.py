@@ -1,0 +1,71 @@
+"""A/B of one CPU fast-path switch on decode steps of the default model, both sides in one process.
+
+    python benchmarks/cpu_step_ab.py --toggle native --batch 1
+    python benchmarks/cpu_step_ab.py --toggle plan --batch 32 --rounds 6 --steps 15
+
+``--batch`` requests of 50 random prompt tokens (seeded) are prefilled, then decode steps (greedy, EOS
+ignored) alternate between the switch on and off, ``--steps`` steps per side per round. Printed: the
+median and lower quartile of ``LLMEngine.step`` wall time per side. Alternating in one process keeps the
+machine's load (other jobs on shared cores) about equal for both sides.
+
+Switches: ``native`` = the native fused CPU ops and the Q8_0 LM head (``PLINTH_CPU_NATIVE_OPS``);
+``plan`` = the decode plan (the runner's ``graphs``) against the module tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--toggle", choices=("native", "plan"), required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=15)
+    a = p.parse_args(argv)
+    from plinth import LLM, SamplingParams
+    from plinth.kernels import cpu_native
+
+    llm = LLM()
+    engine = llm.engine
+    plan = engine.runner.graphs
+    if a.toggle == "plan" and plan is None:
+        p.error("this engine runs no decode plan (see the start-up log)")
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True, detokenize=False)
+    for i in range(a.batch):
+        engine.add_request(f"r{i}", torch.randint(0, engine.vocab_size, (50,), generator=gen).tolist(), params)
+
+    def steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            engine.step()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    steps(5)   # prefill and warm-up
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(a.rounds):
+        for side in ("on", "off"):
+            if a.toggle == "native":
+                os.environ[cpu_native.NATIVE_OPS_ENV] = "1" if side == "on" else "0"
+                cpu_native._env_enabled.cache_clear()
+            else:
+                engine.runner.graphs = plan if side == "on" else None
+            times[side] += steps(a.steps)
+    for side, ts in times.items():
+        ts = sorted(ts)
+        print(f"{a.toggle} {side}, batch {a.batch}: median {statistics.median(ts) * 1e3:.2f} ms/step, "
+              f"p25 {ts[len(ts) // 4] * 1e3:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
