@@ -322,12 +322,13 @@ def test_gpu_custom_all_reduce_equals_nccl_eager_and_in_graphs(tmp_path):
 def _gpu_worker_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     from plinth.config import EngineConfig
     from plinth.distributed.parallel_state import destroy_parallel_state, get_parallel_state
-    from plinth.distributed.worker import Worker
+    from plinth.distributed.worker import WORKER_FAST_PATH_ENV, Worker
     from plinth.model_registry.layers.embedding import LMHead
     from plinth.model_registry.layers.linear import LinearBase
     from plinth.worker import gpu_linear
 
     os.environ[car.CUSTOM_ALL_REDUCE_ENV] = "1"
+    os.environ[WORKER_FAST_PATH_ENV] = "1"
     os.environ.pop(gpu_linear.SKINNY_ENV, None)
     calls = []
     install = gpu_linear.install_skinny_gemms

@@ -28,6 +28,9 @@ from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
 
 logger = logging.getLogger(__name__)
 
+#: run the platform's fast-path set-up (GPU: skinny decode GEMMs) in worker processes too
+WORKER_FAST_PATH_ENV = "PLINTH_WORKER_FAST_PATH"
+
 
 class Worker:
     """One rank.
@@ -183,9 +186,12 @@ class Worker:
         skinny decode GEMMs, timed against the vendor GEMM per weight shape of this rank's shard. It
         only swaps local GEMM kernels (no collective), so ranks may choose differently; it runs before
         graph capture, which records the chosen kernels. Not on CPUs: there the fast path (prepacked
-        copies sized against the machine's free memory, compiled decode steps) assumes one process."""
+        copies sized against the machine's free memory, compiled decode steps) assumes one process.
+        Off unless ``PLINTH_WORKER_FAST_PATH=1`` until it has been timed on GPUs."""
+        from plinth.worker.cpu_path import env_flag
+
         prepare = getattr(self.platform, "prepare_runner", None)
-        if prepare is not None and self.platform.device_type != "cpu":
+        if prepare is not None and self.platform.device_type != "cpu" and env_flag(WORKER_FAST_PATH_ENV, False):
             prepare(self.runner, self.source, self.config)
 
     def _capture_decode_graphs(self) -> None:
