@@ -3,8 +3,8 @@
 A kernel source (``csrc/*.cpp``) includes no torch headers, so one build takes about a second (a file
 that includes torch's extension headers takes about a minute on two cores). It is compiled at first
 use with the system C++ compiler (``$CXX``, else ``c++``) and OpenMP into
-``plinth.config.cache_dir() / <name>``, under a file name that hashes the source, the compiler flags,
-the compiler's version and the CPU's feature flags (the build targets the host CPU); later processes
+``plinth.config.cache_dir() / <name>``, under a file name that hashes the source, the shared headers of
+``csrc/`` (``-I``), the compiler flags, the compiler's version and the CPU's feature flags (the build targets the host CPU); later processes
 load that file without compiling. The built library links ``libgomp.so.1``, the same OpenMP runtime
 torch's CPU build loads, so both share one thread pool.
 
@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 300
+#: the shared headers every kernel source may include (``-I``); their text is part of every build's hash
+INCLUDE_DIR = Path(__file__).parent / "csrc"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,8 @@ def library_path(cxx: str, source: Path, name: str) -> Path:
     from plinth.config import cache_dir
 
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CXX_FLAGS).encode(), compiler_version(cxx).encode(),
+    headers = [h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, " ".join(CXX_FLAGS).encode(), compiler_version(cxx).encode(),
                  cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -93,7 +96,7 @@ def compile_library(cxx: str, source: Path, target: Path) -> str:
     except OSError as exc:
         return f"cannot write the build directory {target.parent}: {exc}"
     try:
-        done = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+        done = subprocess.run([cxx, *CXX_FLAGS, f"-I{INCLUDE_DIR}", "-o", tmp, str(source)], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()

@@ -18,6 +18,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -27,45 +29,16 @@ namespace {
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void to_float(const uint16_t* src, float* dst, int64_t n) {  // bfloat16 bits -> float32
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t word = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &word, sizeof(float));
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = plinth_cpu::bf2f(src[i]);
 }
 
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void from_float(const float* src, uint16_t* dst, int64_t n) {  // float32 -> bfloat16, nearest even
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t word;
-    std::memcpy(&word, src + i, sizeof(float));
-    if ((word & 0x7fffffffu) > 0x7f800000u) {
-      dst[i] = 0x7fc0;  // NaN
-    } else {
-      dst[i] = static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = plinth_cpu::f2bf(src[i]);
 }
 
-// exp(x) for x <= 0 in plain arithmetic (vectorises): 2^(x log2 e) = 2^n * 2^f with f in [-0.5, 0.5],
-// 2^f from a degree-6 polynomial (relative error about 2e-7); arguments below -87 give 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::nearbyint(y);
-  const float f = y - n;
-  float p = 1.5403530393381609e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(float));
-  return p * scale;
-}
+using plinth_cpu::exp_nonpositive;
 
 // Dot product over kLanes independent partial sums, then a pairwise tree: vectorises without
 // reassociation flags and keeps the final reduction's dependency chain short.

@@ -1,0 +1,69 @@
+// Scalar helpers shared by plinth's native CPU kernels: bfloat16 and float16 conversions, and an exp
+// for non-positive arguments that vectorises. Header-only; included with -I plinth/kernels/csrc.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace plinth_cpu {
+
+inline float bf2f(uint16_t v) {  // bfloat16 bits -> float32 (exact)
+  uint32_t word = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof(float));
+  return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even, as torch's float -> bfloat16 cast
+  uint32_t word;
+  std::memcpy(&word, &f, sizeof(float));
+  if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
+inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+inline float half2f(uint16_t h) {  // IEEE float16 bits -> float32 (exact)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t word;
+  if (exp == 0x1fu) {
+    word = sign | 0x7f800000u | (man << 13);            // inf / NaN
+  } else if (exp != 0) {
+    word = sign | ((exp + 112u) << 23) | (man << 13);   // normal: rebias 15 -> 127
+  } else if (man == 0) {
+    word = sign;                                         // zero
+  } else {                                               // subnormal: man * 2^-24
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&word, &f, sizeof(float));
+    word |= sign;
+  }
+  float out;
+  std::memcpy(&out, &word, sizeof(float));
+  return out;
+}
+
+// exp(x) for x <= 0 in plain arithmetic (vectorises): 2^(x log2 e) = 2^n * 2^f with f in [-0.5, 0.5],
+// 2^f from a degree-6 polynomial (relative error about 2e-7); arguments below -87 give about 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = y - n;
+  float p = 1.5403530393381609e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
+
+}  // namespace plinth_cpu
