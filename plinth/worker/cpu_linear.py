@@ -147,10 +147,11 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         q8_0_max_rows: the row count up to which the LM head multiplies the ``Q8_0`` blocks.
 
     Returns:
-        counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy}``.
+        counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy, "q8_0": 1 when the LM head
+        got the file's Q8_0 blocks}``.
     """
     int4_weights = int4_weights or {}
-    counts = {"packed": 0, "int4": 0}
+    counts = {"packed": 0, "int4": 0, "q8_0": 0}
     for name, module in model.named_modules():
         is_linear = isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod)
         is_head = name == "lm_head" and hasattr(module, "weight") and not isinstance(module, LinearBase)
@@ -171,5 +172,5 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
             module.gemm = method.matmul
         counts["packed"] += method.packed is not None
         counts["int4"] += method.int4 is not None
-        counts["q8_0"] = counts.get("q8_0", 0) + (method.q8_0 is not None)
+        counts["q8_0"] += method.q8_0 is not None
     return counts
