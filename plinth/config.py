@@ -131,6 +131,14 @@ class SchedulerConfig:
     def resolved(self) -> bool:
         return self.max_num_seqs is not None and self.max_num_batched_tokens is not None
 
+    @property
+    def limits(self) -> tuple[int, int]:
+        """``(max_num_seqs, max_num_batched_tokens)``, the base defaults standing in for unset ones (for
+        callers that size work before an engine resolved the platform's defaults)."""
+        return (self.max_num_seqs if self.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS,
+                self.max_num_batched_tokens if self.max_num_batched_tokens is not None
+                else DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
     def with_defaults(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
         """This configuration with its unset limits filled in."""
         return dataclasses.replace(

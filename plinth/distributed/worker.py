@@ -101,7 +101,7 @@ class Worker:
 
         sched = self.config.scheduler
         layers = self.hf.num_hidden_layers // self.layout.pp_size
-        workload = AttentionWorkload.for_engine(sched.max_num_seqs, sched.max_num_batched_tokens,
+        workload = AttentionWorkload.for_engine(*sched.limits,
                                                 self.max_model_len, max(1, layers))
         result = select_attention_backend(self._spec(), self.platform, self.config.device, workload=workload)
         return dataclasses.replace(result, winner_cls=None)

@@ -148,6 +148,6 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
         hf_config=source.hf_config, dtype=dtype, device=device, source_kind=source.kind, capability=capability,
         tp_size=tp_size, platform=platform, selection=config.device.selection,
         gemm_kernel=getattr(config.device, "gemm_kernel", None),
-        workload=GemmWorkload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
+        workload=GemmWorkload.for_engine(*config.scheduler.limits),
     )
     return cls.from_config(quant_config, ctx)

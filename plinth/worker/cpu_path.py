@@ -136,7 +136,8 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
-    max_batch = min(env_int(COMPILE_BATCH_ENV, DEFAULT_COMPILE_MAX_BATCH), config.scheduler.max_num_seqs)
+    max_num_seqs = config.scheduler.limits[0]
+    max_batch = min(env_int(COMPILE_BATCH_ENV, DEFAULT_COMPILE_MAX_BATCH), max_num_seqs)
     if enforce_eager:
         logger.info("CPU decode compilation off (enforce_eager)")
     elif not getattr(runner.backend, "compile_safe_decode", False):
@@ -148,7 +149,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     if not report["compile"] and not enforce_eager and env_flag(DECODE_PLAN_ENV, True):
         from plinth.worker.cpu_decode_plan import build_decode_plan
 
-        plan, why_not = build_decode_plan(model, runner.backend, runner.block_size, config.scheduler.max_num_seqs)
+        plan, why_not = build_decode_plan(model, runner.backend, runner.block_size, max_num_seqs)
         if plan is None:
             logger.info("CPU decode plan off: %s", why_not)
         else:

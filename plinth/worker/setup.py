@@ -156,7 +156,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     if config.model.max_model_len and config.model.max_model_len > limit:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
     spec = attention_spec(hf, dtype, config.cache.block_size)
-    workload = AttentionWorkload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+    workload = AttentionWorkload.for_engine(*config.scheduler.limits,
                                             max_model_len, hf.num_hidden_layers)
     selection = select_attention_backend(spec, platform, config.device, workload=workload)
     backend = selection.winner_cls()
