@@ -181,3 +181,53 @@ def test_kv_write_equals_index_copy(dtype, gen):
     assert cpu_native.kv_write_supported(key, value, cache)
     cpu_native.write_kv(key, value, cache, slots)
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 -march values")
+def test_portable_build_agrees_with_the_native_build(monkeypatch, gen):
+    """``PLINTH_CPU_MARCH=x86-64-v2`` builds the kernels without AVX512 (the scalar paths other CPUs run):
+    the same results as this machine's build, up to float32 summation order."""
+    from plinth.attention_backends import cpu_paged_build
+    from plinth.attention_backends.cpu_paged import paged_decode
+
+    x = torch.randn(3, 576, generator=gen).to(BF16)
+    w = (torch.randn(576, generator=gen) * 0.2 + 1).to(BF16)
+    gu = (torch.randn(3, 2 * 200, generator=gen) * 3).to(BF16)
+    rng = np.random.default_rng(5)
+    blocks = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((64, 576)).astype(np.float32) * 0.05,
+                                                   gguf.GGMLQuantizationType.Q8_0))
+    q = torch.randn(4, 6, 64, generator=gen).to(BF16)
+    cache = torch.randn(2, 9, 16, 2, 64, generator=gen).to(BF16)
+    tables = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 7]], dtype=torch.int32)
+    lens = torch.tensor([20, 9, 32, 17], dtype=torch.int32)
+    starts = torch.arange(5, dtype=torch.int32)
+
+    def outputs():
+        return (ops.rms_norm(x, w, 1e-5), ops.silu_and_mul(gu), cpu_native.q8_0_matmul(x, blocks, 64),
+                paged_decode(q, cache, tables, lens, starts, 4, 0.125))
+
+    native_path = cpu_native.load_library().path
+    native = outputs()
+    monkeypatch.setenv("PLINTH_CPU_MARCH", "x86-64-v2")
+    cpu_native.load_library.cache_clear()
+    cpu_paged_build.load_kernel.cache_clear()
+    try:
+        build = cpu_native.load_library()
+        assert build.library is not None and build.path != native_path, build.reason
+        portable = outputs()
+    finally:
+        monkeypatch.undo()
+        cpu_native.load_library.cache_clear()
+        cpu_paged_build.load_kernel.cache_clear()
+    for a, b in zip(native[:2], portable[:2], strict=True):
+        assert int(ulps(a, b).max()) <= 1
+    for a, b in zip(native[2:], portable[2:], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_malformed_march_is_a_build_failure_with_a_reason(monkeypatch, tmp_path):
+    from plinth.kernels.native_build import build_and_open
+
+    monkeypatch.setenv("PLINTH_CPU_MARCH", "native; rm -rf /")
+    build = build_and_open(cpu_native.SOURCE, "cpu_ops_test", "plinth_cpu_ops_abi", 1, "test")
+    assert build.library is None and "PLINTH_CPU_MARCH" in build.reason

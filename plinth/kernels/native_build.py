@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -29,7 +30,19 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CXX_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+#: the CPU the builds target: ``-march=$PLINTH_CPU_MARCH``, default ``native`` (this machine's instruction
+#: set). A portable value (``x86-64-v2``, ``armv8-a``) builds kernels that run on other CPUs of the family
+#: too, without their AVX512 paths.
+MARCH_ENV = "PLINTH_CPU_MARCH"
+
+
+def cxx_flags() -> tuple[str, ...]:
+    """The compiler flags of a build, or raise ValueError for a malformed ``$PLINTH_CPU_MARCH``."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):
+        raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value")
+    return (*CXX_FLAGS, f"-march={march}")
 BUILD_TIMEOUT_S = 300
 #: the shared headers every kernel source may include (``-I``); their text is part of every build's hash
 INCLUDE_DIR = Path(__file__).parent / "csrc"
@@ -77,7 +90,7 @@ def library_path(cxx: str, source: Path, name: str) -> Path:
 
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, " ".join(CXX_FLAGS).encode(), compiler_version(cxx).encode(),
+    for part in (source.read_bytes(), *headers, " ".join(cxx_flags()).encode(), compiler_version(cxx).encode(),
                  cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -96,7 +109,8 @@ def compile_library(cxx: str, source: Path, target: Path) -> str:
     except OSError as exc:
         return f"cannot write the build directory {target.parent}: {exc}"
     try:
-        done = subprocess.run([cxx, *CXX_FLAGS, f"-I{INCLUDE_DIR}", "-o", tmp, str(source)], capture_output=True, text=True,
+        done = subprocess.run([cxx, *cxx_flags(), f"-I{INCLUDE_DIR}", "-o", tmp, str(source)], capture_output=True,
+                              text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
@@ -127,7 +141,10 @@ def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, w
     cxx = compiler()
     if cxx is None:
         return NativeBuild(None, reason=f"no C++ compiler found ({os.environ.get('CXX') or 'c++'} is not on PATH)")
-    target = library_path(cxx, source, name)
+    try:
+        target = library_path(cxx, source, name)
+    except ValueError as exc:
+        return NativeBuild(None, reason=str(exc))
     seconds = 0.0
     if not target.is_file():
         logger.info("building the %s into %s", what, target.parent)
