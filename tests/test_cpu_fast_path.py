@@ -18,6 +18,7 @@ from plinth import LLM, SamplingParams
 from plinth.config import ConfigError
 from plinth.core.request import Request
 from plinth.core.sampler import Sampler, SamplingBatch, fast_argmax
+from plinth.kernels import cpu_native
 from plinth.platforms.cpu.platform import CpuPlatform, cpu_thread_count
 from plinth.worker.batching import block_table_array
 from plinth.worker.cpu_graphs import CompiledDecodeRunner
@@ -127,10 +128,19 @@ def test_int4_copies_of_a_gguf_model(tmp_path, monkeypatch):
         ref = F.linear(xi.float(), layer.weight.float())
         got = copies[name].matmul(xi).float()
         torch.testing.assert_close(got, ref, rtol=0, atol=0.03 * float(ref.abs().max()), msg=name)
+        # the panel layout of the same copy (decode batches above the int4 switch-over): the bf16-rounded
+        # file weights, i.e. the layer's own weight, up to float32 summation order
+        xm = torch.randn(9, layer.weight.shape[1]).bfloat16()
+        panel = cpu_native.q4_panel_matmul(xm, copies[name].panels)
+        if panel is not None:
+            exact = xm.double() @ layer.weight.double().T
+            torch.testing.assert_close(panel.double(), exact, rtol=8e-3, atol=2e-3 * float(exact.abs().max()), msg=name)
     assert list((tmp_path / "cache" / "cpu_int4").glob("*.safetensors"))
     again = int4_weights_from_gguf(path, model, torch.bfloat16)
     for name, w in copies.items():
         assert torch.equal(again[name].packed, w.packed) and torch.equal(again[name].scale_zeros, w.scale_zeros)
+        for field in ("codes", "scales", "offsets"):
+            assert torch.equal(getattr(again[name].panels, field), getattr(w.panels, field)), (name, field)
 
 
 # ------------------------------------------------------------------------------ compiled decode

@@ -231,3 +231,24 @@ def test_malformed_march_is_a_build_failure_with_a_reason(monkeypatch, tmp_path)
     monkeypatch.setenv("PLINTH_CPU_MARCH", "native; rm -rf /")
     build = build_and_open(cpu_native.SOURCE, "cpu_ops_test", "plinth_cpu_ops_abi", 1, "test")
     assert build.library is None and "PLINTH_CPU_MARCH" in build.reason
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 17, 96), (8, 96, 576), (33, 50, 128), (70, 32, 64)])
+def test_q4_panel_matmul_against_gguf_dequantization(qtype, m, n, k):
+    """The panel GEMM multiplies the file's 4-bit weights (bf16-rounded, as the model's dequantized weights)."""
+    from plinth.worker.cpu_int4 import decode_q4_blocks
+
+    gtype = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(m * 100 + n)
+    raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, gtype)
+    w_file = torch.from_numpy(gguf.quants.dequantize(raw, gtype))
+    q, scale, zero = decode_q4_blocks(raw, qtype)
+    panels = cpu_native.pack_q4_panels(q, scale, zero - 8 * scale)   # the int4 copies' (scale, zero) -> w = d q + c
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(BF16)
+    out = cpu_native.q4_panel_matmul(x, panels)
+    if out is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    exact = x.double() @ w_file.to(BF16).double().T
+    assert out.shape == (m, n) and out.dtype == BF16
+    torch.testing.assert_close(out.double(), exact, atol=2e-3 * float(exact.abs().max()), rtol=8e-3)

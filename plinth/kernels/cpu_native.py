@@ -12,11 +12,13 @@ inside ``torch.compile`` tracing, and ``PLINTH_CPU_NATIVE_OPS`` not ``0``. The G
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from plinth.kernels.native_build import NativeBuild, build_and_open
@@ -35,7 +37,9 @@ _SIGNATURES = {
     "plinth_rotary_bf16": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
     "plinth_q8_0_gemv_bf16": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
+    "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
 }
+_RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64}
 
 
 @functools.cache
@@ -47,7 +51,7 @@ def load_library() -> NativeBuild:
         return build
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(build.library, name)
-        fn.restype = None
+        fn.restype = _RETURNS.get(name)
         fn.argtypes = argtypes
     return build
 
@@ -134,3 +138,48 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     _lib().plinth_kv_write(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
                            kv_cache.data_ptr(), num_slots, slots.data_ptr(), min(n, slots.shape[0]),
                            key.shape[1] * key.shape[2] * elem)
+
+
+@dataclasses.dataclass
+class Q4Panels:
+    """4-bit weights ``[N, K]`` in the layout of the native panel GEMM: tiles of 16 output rows; per tile
+    and k-pair 16 bytes of codes (byte ``j``: low nibble = row ``j // 2`` at k parity ``j % 2``, high
+    nibble = row ``8 + j // 2``), and per tile and 32-k group float16 scales and offsets: ``w = d * q + c``."""
+
+    codes: torch.Tensor     # [T, K / 2, 16] uint8
+    scales: torch.Tensor    # [T, K / 32, 16] float16
+    offsets: torch.Tensor   # [T, K / 32, 16] float16
+    out_features: int
+
+
+def pack_q4_panels(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Panels:
+    """``q`` ``[N, K]`` codes in 0..15, ``scale``/``offset`` ``[N, K / 32]`` (``w = scale * q + offset``,
+    exact in float16 for GGUF Q4_0/Q4_1 blocks) -> :class:`Q4Panels` (rows padded to a multiple of 16)."""
+    n, k = q.shape
+    if k % 32:
+        raise ValueError(f"the input size {k} is not a multiple of 32")
+    tiles = -(-n // 16)
+    qp = np.zeros((tiles * 16, k), dtype=np.uint8)
+    qp[:n] = q.numpy().astype(np.uint8)
+    pairs = qp.reshape(tiles, 16, k // 2, 2)                                  # [T, row, k-pair, parity]
+    low = pairs[:, :8].transpose(0, 2, 1, 3).reshape(tiles, k // 2, 16)
+    high = pairs[:, 8:].transpose(0, 2, 1, 3).reshape(tiles, k // 2, 16)
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:
+        padded = np.zeros((tiles * 16, k // 32), dtype=np.float16)
+        padded[:n] = v.numpy().astype(np.float16)
+        return torch.from_numpy(np.ascontiguousarray(padded.reshape(tiles, 16, k // 32).transpose(0, 2, 1)))
+
+    return Q4Panels(torch.from_numpy(np.ascontiguousarray(low | (high << 4))), per_tile(scale), per_tile(offset), n)
+
+
+def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor | None:
+    """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16 (float32 accumulation of the
+    bfloat16-rounded weights); None where the CPU lacks AVX512-BF16."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty((m, panels.out_features), dtype=torch.bfloat16)
+    rc = _lib().plinth_q4p_gemm_bf16(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
+                                     panels.offsets.data_ptr(), y.data_ptr(), m, panels.out_features, k)
+    return y if rc == 0 else None

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plinth.kernels.cpu_native import Q4Panels
 from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def _cache_file(path: str, dtype: torch.dtype) -> Path | None:
         st = os.stat(path)
     except OSError:
         return None
-    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, torch.__version__, str(dtype), 1])
+    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, torch.__version__, str(dtype), 2])
     return Path(cache_dir()) / "cpu_int4" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
 
@@ -89,7 +90,11 @@ def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
         if name not in names or f"{name}.packed" not in tensors or f"{name}.scale_zeros" not in tensors:
             return None
         sz = tensors[f"{name}.scale_zeros"]
-        out[name] = Int4Weight(tensors[f"{name}.packed"], sz, sz.shape[1])
+        panels = None
+        if f"{name}.q4p_codes" in tensors:
+            panels = Q4Panels(tensors[f"{name}.q4p_codes"], tensors[f"{name}.q4p_scales"],
+                              tensors[f"{name}.q4p_offsets"], sz.shape[1])
+        out[name] = Int4Weight(tensors[f"{name}.packed"], sz, sz.shape[1], panels)
     return out
 
 
@@ -100,6 +105,10 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight]) -> None:
     for name, w in weights.items():
         tensors[f"{name}.packed"] = w.packed.contiguous()
         tensors[f"{name}.scale_zeros"] = w.scale_zeros.contiguous()
+        if w.panels is not None:
+            tensors[f"{name}.q4p_codes"] = w.panels.codes
+            tensors[f"{name}.q4p_scales"] = w.panels.scales
+            tensors[f"{name}.q4p_offsets"] = w.panels.offsets
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".tmp{os.getpid()}")

@@ -41,6 +41,7 @@ class Int4Weight:
     packed: torch.Tensor            # torch's CPU int4 layout of q [N, K] (values 0..15)
     scale_zeros: torch.Tensor       # [K / 32, N, 2] in the activation dtype: (scale, zero)
     out_features: int
+    panels: cpu_native.Q4Panels | None = None   # the native panel GEMM's layout (w = scale * q + zero - 8 scale)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -48,7 +49,8 @@ class Int4Weight:
         """``q`` ``[N, K]`` int32 in 0..15, ``scale``/``zero`` ``[N, K / 32]`` float32."""
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()   # [K/32, N, 2]
-        return cls(packed, sz, q.shape[0])
+        panels = cpu_native.pack_q4_panels(q, scale, zero - 8.0 * scale)
+        return cls(packed, sz, q.shape[0], panels)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:   # [M, K] -> [M, N]
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
@@ -88,7 +90,8 @@ class CpuLinearMethod:
     """
 
     def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int4_max_rows: int = 0,
-                 pack_rows: int = 32, q8_0: torch.Tensor | None = None, q8_0_max_rows: int = 0):
+                 pack_rows: int = 32, q8_0: torch.Tensor | None = None, q8_0_max_rows: int = 0,
+                 q4_panel_max_rows: int = 0):
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
@@ -96,6 +99,8 @@ class CpuLinearMethod:
         self.weight = weight
         self.int4 = int4
         self.int4_max_rows = int4_max_rows if int4 is not None else 0
+        # inputs of int4_max_rows + 1 .. q4_panel_max_rows rows take the native panel GEMM of the 4-bit copy
+        self.q4_panel_max_rows = q4_panel_max_rows if int4 is not None and int4.panels is not None else 0
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
         self.handle = next(_HANDLES)
@@ -118,7 +123,13 @@ class CpuLinearMethod:
             return y.view(*lead, self.out_features)
         m = x2.shape[0]
         int4 = self.int4
-        if 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.enabled(x2):
+        panel_y = None
+        if (int4 is not None and int4.panels is not None and self.int4_max_rows < m <= self.q4_panel_max_rows
+                and cpu_native.enabled(x2)):
+            panel_y = cpu_native.q4_panel_matmul(x2, int4.panels)   # None without AVX512-BF16
+        if panel_y is not None:
+            y = panel_y if bias is None else panel_y + bias
+        elif 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.enabled(x2):
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
@@ -136,7 +147,7 @@ class CpuLinearMethod:
 
 def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weight] | None = None,
                        int4_max_rows: int = 0, head_q8_0: torch.Tensor | None = None,
-                       q8_0_max_rows: int = 0) -> dict[str, int]:
+                       q8_0_max_rows: int = 0, q4_panel_max_rows: int = 0) -> dict[str, int]:
     """Give every unquantized linear layer (and the LM head) a :class:`CpuLinearMethod`.
 
     Args:
@@ -145,6 +156,8 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         int4_max_rows: the row count up to which the 4-bit copies are used.
         head_q8_0: the LM head's GGUF ``Q8_0`` blocks, or None.
         q8_0_max_rows: the row count up to which the LM head multiplies the ``Q8_0`` blocks.
+        q4_panel_max_rows: above ``int4_max_rows`` and up to this many rows, layers with a 4-bit copy multiply
+            it with the native panel GEMM (AVX512-BF16).
 
     Returns:
         counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy, "q8_0": 1 when the LM head
@@ -165,7 +178,8 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
             logger.warning("int4 copy of %s has the wrong shape; using bfloat16 only", name)
             int4 = None
         q8 = head_q8_0 if is_head and head_q8_0 is not None and head_q8_0.shape[0] == n else None
-        method = CpuLinearMethod(module.weight, int4, int4_max_rows, q8_0=q8, q8_0_max_rows=q8_0_max_rows)
+        method = CpuLinearMethod(module.weight, int4, int4_max_rows, q8_0=q8, q8_0_max_rows=q8_0_max_rows,
+                                 q4_panel_max_rows=q4_panel_max_rows)
         if is_linear:
             module.linear_method = method
         else:

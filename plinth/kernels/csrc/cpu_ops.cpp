@@ -74,6 +74,48 @@ inline void q8_0_row_dot(const uint8_t* row, const float* x, int64_t k, int64_t 
 
 }  // namespace
 
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// R input rows times the bfloat16 weights of `tiles` tiles of 16 output columns, k-pair interleaved in wbuf
+// ([K/2][tiles][32] bf16: per k-pair and tile, lanes (column, k parity)), accumulated in float32 per column
+// (one dpbf16 per row, tile and k-pair, the row's two inputs broadcast); y rows rounded to bfloat16 once.
+template <int R, int TILES>
+inline void q4p_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t kp_count, uint16_t* y,
+                     int64_t y_stride, int64_t cols) {
+  __m512 acc[R][TILES];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kp_count; ++kp) {
+    __m512bh wv[TILES];
+    for (int t = 0; t < TILES; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(wbuf + (kp * TILES + t) * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * kp, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, wv[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TILES; ++t) {
+      const int64_t c0 = 16 * t;
+      if (c0 >= cols) break;
+      const __mmask16 keep = cols - c0 >= 16 ? static_cast<__mmask16>(0xffff)
+                                             : static_cast<__mmask16>((1u << (cols - c0)) - 1u);
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[r][t]);
+      _mm256_mask_storeu_epi16(y + r * y_stride + c0, keep, out);
+    }
+}
+
+template <int TILES>
+inline void q4p_all_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t kp_count, uint16_t* y,
+                         int64_t y_stride, int64_t m, int64_t cols) {
+  int64_t r0 = 0;
+  for (; r0 + 8 <= m; r0 += 8) q4p_rows<8, TILES>(x + r0 * x_stride, x_stride, wbuf, kp_count, y + r0 * y_stride, y_stride, cols);
+  for (; r0 + 4 <= m; r0 += 4) q4p_rows<4, TILES>(x + r0 * x_stride, x_stride, wbuf, kp_count, y + r0 * y_stride, y_stride, cols);
+  for (; r0 < m; ++r0) q4p_rows<1, TILES>(x + r0 * x_stride, x_stride, wbuf, kp_count, y + r0 * y_stride, y_stride, cols);
+}
+#endif
+
 extern "C" {
 
 int64_t plinth_cpu_ops_abi() { return 1; }
@@ -172,6 +214,55 @@ void plinth_q8_0_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* b
       for (int r = 0; r < rows; ++r) y[(r0 + r) * n + o] = f2bf(dots[r]);
     }
   }
+}
+
+// y [M, N] = x [M, K] @ W^T for W in plinth's panel layout of 4-bit weights (built from GGUF Q4_0/Q4_1
+// blocks by plinth.kernels.cpu_native.pack_q4): tiles of 16 output columns; codes [T, K/2, 16] bytes
+// (byte j of a k-pair: low nibble = column j/2 at k parity j%2, high nibble = column 8 + j/2), per tile and
+// 32-k block float16 scales d and offsets c [T, K/32, 16]: w = d * q + c, rounded to bfloat16 (the model's
+// dequantized weights). Each thread expands two tiles at a time into a k-pair-interleaved bfloat16 panel and
+// multiplies every input row with it (dpbf16, inputs broadcast). Returns 0, or -1 without AVX512-BF16.
+int64_t plinth_q4p_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
+                             const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
+  const int64_t panels = (tiles + 1) / 2;
+  const __m512i idx_b = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i idx_a = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+#pragma omp parallel
+  {
+    std::vector<uint16_t> wbuf(static_cast<size_t>(kps * 2 * 32));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
+      for (int64_t ti = 0; ti < nt; ++ti) {
+        const int64_t t = t0 + ti;
+        for (int64_t kb = 0; kb < kbs; ++kb) {
+          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + (t * kbs + kb) * 16)));
+          const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + (t * kbs + kb) * 16)));
+          const __m512 db = _mm512_permutexvar_ps(idx_b, d), da = _mm512_permutexvar_ps(idx_a, d);
+          const __m512 cb = _mm512_permutexvar_ps(idx_b, c), ca = _mm512_permutexvar_ps(idx_a, c);
+          for (int64_t kk = 0; kk < 16; ++kk) {
+            const int64_t kp = kb * 16 + kk;
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (t * kps + kp) * 16));
+            const __m512 qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+            const __m512 qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+            const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(qa, da, ca), _mm512_fmadd_ps(qb, db, cb));
+            _mm512_storeu_si512(wbuf.data() + (kp * nt + ti) * 32, (__m512i)w);
+          }
+        }
+      }
+      const int64_t cols = std::min<int64_t>(32, n - 16 * t0);
+      if (nt == 2) q4p_all_rows<2>(x, x_stride, wbuf.data(), kps, y + 16 * t0, n, m, cols);
+      else q4p_all_rows<1>(x, x_stride, wbuf.data(), kps, y + 16 * t0, n, m, cols);
+    }
+  }
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
+  return -1;
+#endif
 }
 
 // Scatter the keys and values of `tokens` tokens (rows of `row_bytes` bytes: heads x head size x element
