@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from plinth.kernels import cpu_native
+
 
 @dataclasses.dataclass(frozen=True)
 class Support:
@@ -148,8 +150,6 @@ class AttentionBackend(abc.ABC):
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values into a ``[2, num_blocks, block_size, H, D]`` cache at ``slot_mapping``."""
-    from plinth.kernels import cpu_native
-
     if kv_cache.device.type == "cpu" and cpu_native.kv_write_supported(key, value, kv_cache):
         cpu_native.write_kv(key, value, kv_cache, slot_mapping)   # one native copy loop (CPU)
         return

@@ -61,10 +61,14 @@ def _env_enabled() -> bool:
     return os.environ.get(NATIVE_OPS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def available(dtype: torch.dtype) -> bool:
+    """Whether the native ops run for CPU tensors of ``dtype`` (bfloat16, switch on, library built)."""
+    return dtype == torch.bfloat16 and _env_enabled() and load_library().library is not None
+
+
 def enabled(x: torch.Tensor) -> bool:
-    """Whether the native ops run for ``x``."""
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
-            and _env_enabled() and load_library().library is not None)
+    """Whether the native ops run for ``x`` (never while ``torch.compile`` traces)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and available(x.dtype)
 
 
 def _lib() -> ctypes.CDLL:

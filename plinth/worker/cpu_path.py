@@ -136,7 +136,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
             from plinth.worker.cpu_int4 import int4_weights_from_gguf
 
             int4 = int4_weights_from_gguf(str(source.path), model, dtype)
-        if gguf_bf16 and q8_rows > 0 and cpu_native.enabled(torch.empty(0, dtype=dtype)):
+        if gguf_bf16 and q8_rows > 0 and cpu_native.available(dtype):
             from plinth.worker.cpu_int4 import q8_0_lm_head_from_gguf
 
             head_q8 = q8_0_lm_head_from_gguf(str(source.path), model)
@@ -167,7 +167,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     logger.info("CPU path: %d layers prepacked, %d with int4 copies (batches of <= %s rows), LM head Q8_0 %s, "
                 "native fused ops %s, decode plan %s, compiled decode %s (<= %d sequences), set up in %.2f s",
                 report["packed"], report["int4"], report.get("int4_max_rows", 0), "on" if report.get("q8_0") else "off",
-                "on" if cpu_native.enabled(torch.empty(0, dtype=dtype)) else "off",
+                "on" if cpu_native.available(dtype) else "off",
                 "on" if report["decode_plan"] else "off", "on" if report["compile"] else "off", max_batch,
                 report["seconds"])
     return report
