@@ -8,8 +8,9 @@ ignored) alternate between the switch on and off, ``--steps`` steps per side per
 median and lower quartile of ``LLMEngine.step`` wall time per side. Alternating in one process keeps the
 machine's load (other jobs on shared cores) about equal for both sides.
 
-Switches: ``native`` = the native fused CPU ops and the Q8_0 LM head (``PLINTH_CPU_NATIVE_OPS``);
-``plan`` = the decode plan (the runner's ``graphs``) against the module tree.
+Switches: ``native`` = everything ``PLINTH_CPU_NATIVE_OPS`` covers (the fused small ops, the Q8_0 LM head,
+the 4-bit panel GEMM), both sides through the module tree (the decode plan calls the native ops directly, so
+it is off for this A/B); ``plan`` = the decode plan (the runner's ``graphs``) against the module tree.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.toggle == "plan" and plan is None:
         p.error("this engine runs no decode plan (see the start-up log)")
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - 50, ignore_eos=True, detokenize=False)
     for i in range(a.batch):
         engine.add_request(f"r{i}", torch.randint(0, engine.vocab_size, (50,), generator=gen).tolist(), params)
 
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             out.append(time.perf_counter() - t0)
         return out
 
+    if a.toggle == "native":
+        engine.runner.graphs = None
     steps(5)   # prefill and warm-up
     times: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(a.rounds):
