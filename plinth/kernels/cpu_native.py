@@ -177,13 +177,29 @@ def pack_q4_panels(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return Q4Panels(torch.from_numpy(np.ascontiguousarray(low | (high << 4))), per_tile(scale), per_tile(offset), n)
 
 
-def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor | None:
-    """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16 (float32 accumulation of the
-    bfloat16-rounded weights); None where the CPU lacks AVX512-BF16."""
+def _q4_panel_call(x: torch.Tensor, panels: Q4Panels) -> tuple[int, torch.Tensor]:
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     y = torch.empty((m, panels.out_features), dtype=torch.bfloat16)
     rc = _lib().plinth_q4p_gemm_bf16(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
                                      panels.offsets.data_ptr(), y.data_ptr(), m, panels.out_features, k)
-    return y if rc == 0 else None
+    return rc, y
+
+
+@functools.cache
+def q4_panels_supported() -> bool:
+    """Whether this CPU runs the panel GEMM (the library was built with AVX512-BF16)."""
+    if load_library().library is None:
+        return False
+    tiny = pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.zeros(16, 1), torch.zeros(16, 1))
+    return _q4_panel_call(torch.zeros(1, 32, dtype=torch.bfloat16), tiny)[0] == 0
+
+
+def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
+    """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16 (float32 accumulation of the
+    bfloat16-rounded weights). Check :func:`q4_panels_supported` first."""
+    rc, y = _q4_panel_call(x, panels)
+    if rc != 0:
+        raise RuntimeError("the native panel GEMM needs AVX512-BF16 (q4_panels_supported() is False)")
+    return y

@@ -100,7 +100,8 @@ class CpuLinearMethod:
         self.int4 = int4
         self.int4_max_rows = int4_max_rows if int4 is not None else 0
         # inputs of int4_max_rows + 1 .. q4_panel_max_rows rows take the native panel GEMM of the 4-bit copy
-        self.q4_panel_max_rows = q4_panel_max_rows if int4 is not None and int4.panels is not None else 0
+        self.q4_panel_max_rows = (q4_panel_max_rows if int4 is not None and int4.panels is not None
+                                  and cpu_native.q4_panels_supported() else 0)
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
         self.handle = next(_HANDLES)
@@ -123,12 +124,10 @@ class CpuLinearMethod:
             return y.view(*lead, self.out_features)
         m = x2.shape[0]
         int4 = self.int4
-        panel_y = None
-        if (int4 is not None and int4.panels is not None and self.int4_max_rows < m <= self.q4_panel_max_rows
-                and cpu_native.enabled(x2)):
-            panel_y = cpu_native.q4_panel_matmul(x2, int4.panels)   # None without AVX512-BF16
-        if panel_y is not None:
-            y = panel_y if bias is None else panel_y + bias
+        if self.int4_max_rows < m <= self.q4_panel_max_rows and cpu_native.enabled(x2):
+            y = cpu_native.q4_panel_matmul(x2, int4.panels)
+            if bias is not None:
+                y = y + bias
         elif 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.enabled(x2):
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
