@@ -100,6 +100,8 @@ def run_one(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
         "kv_blocks": engine.executor.num_blocks,
         # single-stage layouts capture decode graphs unless eager (a failed capture fails the start-up)
         "decode_graphs": not args.enforce_eager and pp == 1,
+        # the switches of the multi-process workers' GPU paths, as this run had them
+        "env": {k: os.environ.get(k) for k in ("PLINTH_CUSTOM_ALL_REDUCE", "PLINTH_WORKER_FAST_PATH")},
     }
     try:
         lat = bench_latency(engine, 1, args.input_len, args.output_len, args.iters, 1)
