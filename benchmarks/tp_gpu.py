@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--breakdown-steps", type=int, default=64, help="batch-1 decode steps of the host-time breakdown")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true", help="no decode graphs (no graph attempt first)")
@@ -109,6 +110,7 @@ def run_one(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
                    streamed_weight_bytes=lat["streamed_weight_bytes"], params=lat["params"])
         if lat.get("floor_tpot_s"):
             out.update(floor_tpot_s=lat["floor_tpot_s"], tpot_floor_fraction=lat["tpot_floor_fraction"])
+        out["step_breakdown"] = step_breakdown(engine, args.input_len, args.breakdown_steps)
         prompts = random_prompts(args.num_prompts, args.input_len * 2, engine.vocab_size, 7)
         tput = bench_throughput(engine, prompts, args.output_len, num_warmup=4)
         out.update(throughput_elapsed_s=tput["elapsed_s"], output_tokens_per_s=tput["output_tokens_per_s"],
@@ -117,6 +119,50 @@ def run_one(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
             out["throughput_floor_fraction"] = tput["floor_fraction"]
     finally:
         llm.close()
+    return out
+
+
+def step_breakdown(engine: Any, input_len: int, steps: int) -> dict[str, Any]:
+    """Median host times of ``steps`` batch-1 decode steps: the engine's ``step()``, the executor's
+    ``execute`` inside it, and on each worker rank (multi-process layouts) the time to run the model
+    (launch its kernels) and then to sample and wait for the step's tokens."""
+    import statistics
+
+    from plinth import SamplingParams
+
+    ex = engine.executor
+    times: list[float] = []
+    original = ex.execute
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    workers = hasattr(ex, "_call_all")
+    if workers:
+        ex._call_all("take_step_times", timeout_s=60)
+    ex.execute = timed
+    walls: list[float] = []
+    try:
+        engine.add_request("breakdown", list(range(1, input_len + 1)),
+                           SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True, detokenize=False))
+        engine.step()   # the prefill
+        times.clear()
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+    finally:
+        del ex.execute
+    med = lambda xs: statistics.median(xs) * 1e3 if xs else None  # noqa: E731
+    out: dict[str, Any] = {"steps": len(walls), "engine_step_ms": med(walls), "executor_execute_ms": med(times[1:])}
+    if workers:
+        per_rank = ex._call_all("take_step_times", timeout_s=60)
+        out["worker_run_ms"] = [med([r for r, _ in t[1:]]) for t in per_rank]
+        out["worker_sample_wait_ms"] = [med([w for _, w in t[1:]]) for t in per_rank]
     return out
 
 
@@ -194,6 +240,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
         floor = f"{r['floor_tpot_s'] * 1e3:9.2f}" if r.get("floor_tpot_s") else f"{'?':>9}"
         print(f"{r['layout']:>7} {r['mode']:>6} {r['tpot_s'] * 1e3:9.2f} {floor} {r['ttft_s'] * 1e3:9.1f} "
               f"{r['output_tokens_per_s']:10.0f} {speed:>12} {tput:>13}")
+    for r in results:
+        b = r.get("step_breakdown")
+        if b:
+            ranks = ""
+            if "worker_run_ms" in b:
+                ranks = ", workers run / sample+wait: " + ", ".join(
+                    f"rank {i} {run:.3f} / {wait:.3f}" for i, (run, wait) in
+                    enumerate(zip(b["worker_run_ms"], b["worker_sample_wait_ms"], strict=True)) if run is not None)
+            print(f"{r['layout']:>7} batch-1 step (median ms): engine.step {b['engine_step_ms']:.3f}, "
+                  f"executor.execute {b['executor_execute_ms']:.3f}{ranks}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from test_distributed_helpers import ENGINE_KW, FAMILIES, PROMPTS, run_greedy, save_family
 
 from plinth.config import ConfigError, EngineConfig
@@ -149,6 +150,56 @@ def test_step_batch_carries_the_flat_batch_and_microbatches_slice_it():
         assert _same_batch(sub_batch(flat, part), FlatBatch.from_entries(entries[part.start:part.stop]))
     assert sub_batch(flat, range(3, 4)).decode_only and sub_batch(flat, range(1, 2)).decode_only
     assert split_microbatches(flat, 2) == split_microbatches(entries, 2)
+
+
+def test_sampling_parameters_and_outputs_cross_the_pipes_as_numpy_arrays():
+    """The step's sampling parameters and sampled tokens travel as numpy arrays (not torch's
+    serialiser) and come back as the same tensors, nested ones (tuples, dataclasses) included."""
+    import pickle
+
+    from plinth import SamplingParams
+    from plinth.core.request import Request
+    from plinth.core.sampler import LogprobsTensors, SamplerOutput
+    from plinth.core.sampling_batch import SamplingBatch
+    from plinth.distributed.messages import HostArray, pack_tensors, unpack_tensors
+
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                             presence_penalty=0.5, frequency_penalty=0.1, seed=3, logprobs=2),
+              SamplingParams(temperature=0.0)]
+    requests = [Request(f"r{i}", [1, 2, 3 + i], p) for i, p in enumerate(params)]
+    batch = SamplingBatch.from_requests(requests, 32, "cpu")
+    out = SamplerOutput(torch.tensor([4, 9]), LogprobsTensors(torch.tensor([[4, 4, 1], [9, 9, 2]]),
+                                                              torch.randn(2, 3), torch.tensor([1, 1])))
+    for obj in (batch, out):
+        packed = pickle.loads(pickle.dumps(pack_tensors(obj), protocol=pickle.HIGHEST_PROTOCOL))
+        arrays, tensors = [], []
+
+        def walk(x, arrays=arrays, tensors=tensors):
+            if isinstance(x, HostArray):
+                arrays.append(x)
+            elif isinstance(x, torch.Tensor):
+                tensors.append(x)
+            elif isinstance(x, tuple):
+                for y in x:
+                    walk(y)
+            elif hasattr(x, "__dataclass_fields__"):
+                for name in x.__dataclass_fields__:
+                    walk(getattr(x, name))
+
+        walk(packed)
+        assert arrays and not tensors   # every tensor went as an array
+        back = unpack_tensors(packed, torch.device("cpu"))
+        for name in obj.__dataclass_fields__:
+            a, b = getattr(obj, name), getattr(back, name)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+            elif isinstance(a, tuple):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), name
+            elif isinstance(a, LogprobsTensors):
+                assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("token_ids", "logprobs", "ranks"))
+            else:
+                assert a == b, name
+    assert batch.seed_keys is not None and batch.top_k is not None   # the optional fields were there
 
 
 def test_warm_up_collective_checks_the_capture_ladders(tmp_path):

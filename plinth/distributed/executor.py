@@ -27,7 +27,7 @@ from plinth import benchmarks_floor as floors
 from plinth.config import ConfigError, EngineConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
-from plinth.distributed.messages import StepBatch
+from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
 from plinth.distributed.parallel_state import ParallelLayout
 from plinth.worker.model_runner import SeqBatchEntry
 
@@ -218,10 +218,10 @@ class DistributedExecutor(Executor):
         batch = StepBatch.from_entries(entries)
         sampling = make_sampling_batch(torch.device("cpu")) if make_sampling_batch is not None else None
         try:
-            results = self._call_all("execute", batch, sampling, timeout_s=self.step_timeout_s)
+            results = self._call_all("execute", batch, pack_tensors(sampling), timeout_s=self.step_timeout_s)
         except BaseException as exc:
             raise self._fail(exc) from exc
-        return results[self.output_rank], _RemoteHidden()
+        return unpack_tensors(results[self.output_rank], torch.device("cpu")), _RemoteHidden()
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         self._check_alive()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import torch
 
 from plinth.worker.batching import FlatBatch
 from plinth.worker.model_runner import SeqBatchEntry
@@ -80,3 +82,52 @@ class StepBatch:
     @property
     def num_sampled(self) -> int:
         return int(self.sample.sum())
+
+
+#: torch dtypes whose host tensors travel as numpy arrays (the sampling parameters' and outputs')
+_NUMPY_DTYPES = frozenset({torch.bool, torch.int32, torch.int64, torch.float32, torch.float64})
+
+
+@dataclasses.dataclass
+class HostArray:
+    """A host tensor on its way between processes, as a numpy array.
+
+    Pickling a torch tensor serialises its storage through ``torch.save`` (~50 us a tensor, more to
+    load); a numpy array pickles as its raw bytes. The sampling parameters and the sampled tokens
+    cross the pipes every step, so they travel as these.
+    """
+
+    array: np.ndarray
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        t = torch.from_numpy(self.array)
+        return t if device.type == "cpu" else t.to(device)
+
+
+def pack_tensors(obj: Any) -> Any:
+    """``obj`` with every host tensor of a numpy-compatible dtype (also inside tuples and nested
+    dataclasses) replaced by a :class:`HostArray`; other values are kept."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and obj.dtype in _NUMPY_DTYPES:
+            return HostArray(obj.contiguous().numpy())
+        return obj
+    if isinstance(obj, tuple):
+        return tuple(pack_tensors(x) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not isinstance(obj, HostArray):
+        return dataclasses.replace(obj, **{f.name: pack_tensors(getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def unpack_tensors(obj: Any, device: torch.device) -> Any:
+    """The inverse of :func:`pack_tensors`, with every tensor (packed or not) on ``device``."""
+    if isinstance(obj, HostArray):
+        return obj.tensor(device)
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=obj.device.type == "cpu")
+    if isinstance(obj, tuple):
+        return tuple(unpack_tensors(x, device) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: unpack_tensors(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj

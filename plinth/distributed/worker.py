@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
+from collections import deque
 from typing import Any
 
 import torch
 
 from plinth.config import DeviceConfig, EngineConfig
 from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
-from plinth.distributed.messages import StepBatch
+from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
 from plinth.distributed.parallel_state import ParallelLayout, init_parallel_state
 from plinth.distributed.pipeline import PipelineStage
 from plinth.worker.batching import FlatBatch
@@ -53,6 +55,7 @@ class Worker:
         self._backend: Any = None
         self._num_blocks_fit = 0
         self.sampler = Sampler()
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)   # see take_step_times
 
         from plinth.model_registry.loader import resolve_dtype, resolve_model_source
         from plinth.platforms.selection import select_platform
@@ -232,16 +235,28 @@ class Worker:
 
         Args:
             batch: the step's sequences.
-            sampling: the sampled sequences' parameters (host tensors), or ``None``.
+            sampling: the sampled sequences' parameters (host tensors, packed by
+                :func:`~plinth.distributed.messages.pack_tensors`), or ``None``.
 
         Returns:
-            on the output rank, the sampled token ids (and logprobs) on the host; else ``None``.
+            on the output rank, the sampled token ids (and logprobs) on the host, packed; else ``None``.
         """
+        t0 = time.perf_counter()
         logits, sample_seqs = self._run(batch.flat())
-        if not self.layout.is_output_rank or logits is None or sampling is None or not sample_seqs:
-            return None
-        out = self.sampler.sample(logits, _to_device(sampling, self.device))
-        return _to_device(out, torch.device("cpu"))
+        t1 = time.perf_counter()
+        out = None
+        if self.layout.is_output_rank and logits is not None and sampling is not None and sample_seqs:
+            out = self.sampler.sample(logits, unpack_tensors(sampling, self.device))
+            out = pack_tensors(unpack_tensors(out, torch.device("cpu")))   # waits for the step's tokens
+        self.step_times.append((t1 - t0, time.perf_counter() - t1))
+        return out
+
+    def take_step_times(self) -> list[tuple[float, float]]:
+        """The host seconds of the steps since the last call, each ``(run, sample)``: running the
+        model (on accelerators: launching its kernels), then sampling and waiting for the tokens."""
+        times = list(self.step_times)
+        self.step_times.clear()
+        return times
 
     def rank_weights(self) -> Any:
         """This rank's :class:`~plinth.distributed.executor.RankWeights`."""
@@ -258,16 +273,3 @@ class Worker:
         hidden = self._last_hidden[0] if len(self._last_hidden) == 1 else torch.cat(self._last_hidden)
         logits = self._model.compute_logits(hidden[start:stop])
         return logits.cpu() if self.layout.is_output_rank else None
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """A copy of a dataclass of tensors (sampling parameters, sampler output) with every tensor,
-    also inside tuples and nested dataclasses, moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=obj.device.type == "cpu")
-    if isinstance(obj, tuple):
-        return tuple(_to_device(x, device) for x in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
