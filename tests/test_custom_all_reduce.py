@@ -361,6 +361,7 @@ def _gpu_worker_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None
             "graphs": worker.runner is not None and worker.runner.graphs is not None,
         }
     finally:
+        worker.close()   # the graphs hold NCCL collectives: they go before the process group
         destroy_parallel_state()
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 

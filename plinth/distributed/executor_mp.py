@@ -18,6 +18,7 @@ Programs that create an engine with this executor must guard their entry point w
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing.connection as mpc
@@ -317,6 +318,8 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
                 elif method == "__pid__":
                     result = os.getpid()
                 elif method == "__release__":
+                    if worker is not None:
+                        worker.close()   # its decode graphs go before the process groups
                     worker = None
                     destroy_parallel_state()
                     gc.collect()
@@ -337,6 +340,9 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
                 reply = ("error", _picklable(exc))
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
     finally:
+        if worker is not None:
+            with contextlib.suppress(Exception):   # a broken device must not keep the process from leaving
+                worker.close()
         destroy_parallel_state()
     # asked to stop: skip the interpreter's slow teardown of torch (nothing is left to flush but stdio)
     sys.stdout.flush()

@@ -12,6 +12,7 @@ prompt logprobs.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -250,6 +251,18 @@ class Worker:
             out = pack_tensors(unpack_tensors(out, torch.device("cpu")))   # waits for the step's tokens
         self.step_times.append((t1 - t0, time.perf_counter() - t1))
         return out
+
+    def close(self) -> None:
+        """Drop the model, its KV cache and its decode graphs; call before leaving the process groups.
+        A captured graph that holds NCCL collectives keeps their communicator in use, and destroying the
+        process group while such a graph is alive blocks."""
+        self.runner = self.stage = None
+        self._model = self._backend = None
+        self._last_hidden = []
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def take_step_times(self) -> list[tuple[float, float]]:
         """The host seconds of the steps since the last call, each ``(run, sample)``: running the
