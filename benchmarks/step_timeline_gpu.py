@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 KINDS = (
-    ("attention", ("attn", "attention", "paged", "merge", "split_kv", "decode_kernel")),
+    ("attention", ("attn", "attention", "paged", "merge", "split_kv", "decode_kernel", "decode_split", "_write_kv")),
     ("gemm", ("gemm", "gemv", "skinny", "matmul", "cutlass", "sm90", "nvjet", "xmma", "ampere", "w4a16",
               "int4", "mm_kernel")),
     ("norm/rope/act", ("rms", "norm", "rotary", "rope", "silu", "act_and_mul", "quantize_rows")),
