@@ -10,7 +10,9 @@ machine's load (other jobs on shared cores) about equal for both sides.
 
 Switches: ``native`` = everything ``PLINTH_CPU_NATIVE_OPS`` covers (the fused small ops, the Q8_0 LM head,
 the 4-bit panel GEMM), both sides through the module tree (the decode plan calls the native ops directly, so
-it is off for this A/B); ``plan`` = the decode plan (the runner's ``graphs``) against the module tree.
+it is off for this A/B); ``plan`` = the decode plan (the runner's ``graphs``) against the module tree;
+``int8`` = the GEMMs with 8-bit inputs (``PLINTH_CPU_INT8_ACT=1``, the engine built with it) against the
+default GEMMs of the same layers (4-bit panels, bfloat16 LM head), decode plan on for both.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--toggle", choices=("native", "plan"), required=True)
+    p.add_argument("--toggle", choices=("native", "plan", "int8"), required=True)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=15)
@@ -33,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     from plinth import LLM, SamplingParams
     from plinth.kernels import cpu_native
 
+    if a.toggle == "int8":
+        os.environ["PLINTH_CPU_INT8_ACT"] = "1"
     llm = LLM()
     engine = llm.engine
+    vnni = {m: m.vnni for m in _linear_methods(engine.runner.model) if getattr(m, "vnni", None) is not None}
+    if a.toggle == "int8" and not vnni:
+        p.error("no layer multiplies with 8-bit inputs (see the start-up log)")
     plan = engine.runner.graphs
     if a.toggle == "plan" and plan is None:
         p.error("this engine runs no decode plan (see the start-up log)")
@@ -60,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             if a.toggle == "native":
                 os.environ[cpu_native.NATIVE_OPS_ENV] = "1" if side == "on" else "0"
                 cpu_native._env_enabled.cache_clear()
+            elif a.toggle == "int8":
+                for method, panels in vnni.items():
+                    method.vnni = panels if side == "on" else None
             else:
                 engine.runner.graphs = plan if side == "on" else None
             times[side] += steps(a.steps)
@@ -68,6 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a.toggle} {side}, batch {a.batch}: median {statistics.median(ts) * 1e3:.2f} ms/step, "
               f"p25 {ts[len(ts) // 4] * 1e3:.2f} ms")
     return 0
+
+
+def _linear_methods(model: torch.nn.Module) -> list:
+    """The CPU GEMM methods of the layers and of the LM head."""
+    out = []
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        gemm = getattr(module, "gemm", None)
+        if method is not None and hasattr(method, "vnni"):
+            out.append(method)
+        elif gemm is not None and hasattr(getattr(gemm, "__self__", None), "vnni"):
+            out.append(gemm.__self__)
+    return out
 
 
 if __name__ == "__main__":

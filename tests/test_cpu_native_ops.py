@@ -215,9 +215,12 @@ def test_portable_build_agrees_with_the_native_build(monkeypatch, gen):
         build = cpu_native.load_library()
         assert build.library is not None and build.path != native_path, build.reason
         portable = outputs()
+        cpu_native.vnni_supported.cache_clear()
+        assert not cpu_native.vnni_supported()     # no AVX512-VNNI in this build: the 8-bit GEMM says so
     finally:
         monkeypatch.undo()
         cpu_native.load_library.cache_clear()
+        cpu_native.vnni_supported.cache_clear()
         cpu_paged_build.load_kernel.cache_clear()
     for a, b in zip(native[:2], portable[:2], strict=True):
         assert int(ulps(a, b).max()) <= 1
@@ -252,3 +255,89 @@ def test_q4_panel_matmul_against_gguf_dequantization(qtype, m, n, k):
     exact = x.double() @ w_file.to(BF16).double().T
     assert out.shape == (m, n) and out.dtype == BF16
     torch.testing.assert_close(out.double(), exact, atol=2e-3 * float(exact.abs().max()), rtol=8e-3)
+
+
+def _int8_reference(x: torch.Tensor, w_file: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8-bit-input product in float64: ``x`` quantized per row and 32-feature block as the kernel does
+    (scale = max |x| / 127 in float32, codes rounded to nearest even), times the file's weights; and the
+    magnitude ``|x| @ |w|`` that bounds its float32 summation error."""
+    xf = x.float().numpy()                                                    # [M, K] (bf16 values, exact)
+    m, k = xf.shape
+    blocks = xf.reshape(m, k // 32, 32)
+    amax = np.abs(blocks).max(-1).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    codes = np.rint((blocks * inv[..., None]).astype(np.float32))           # float32 product, round half even
+    xq = (codes.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)[..., None]).reshape(m, k)
+    w = w_file.astype(np.float64)
+    return xq @ w.T, np.abs(xq) @ np.abs(w).T
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 17, 96), (8, 96, 576), (33, 50, 128), (70, 33, 64)])
+def test_vnni_matmul_against_int8_inputs_and_gguf_weights(qtype, m, n, k):
+    """The 8-bit-input GEMM multiplies the file's exact weights (Q4: from the panel layout of the int4 copies;
+    Q8_0: from the file's blocks) with the inputs quantized per 32-feature block: a float64 computation of
+    that quantization agrees up to float32 summation and the final bfloat16 rounding; against the
+    unquantized inputs the error is the 8-bit rounding (~1% of the largest output here)."""
+    from plinth.worker.cpu_int4 import decode_q4_blocks
+
+    if not cpu_native.vnni_supported():
+        pytest.skip("this CPU has no AVX512-VNNI/BF16")
+    gtype = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(m * 100 + n)
+    raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, gtype)
+    w_file = gguf.quants.dequantize(raw, gtype)
+    if qtype == "Q8_0":
+        panels = cpu_native.vnni_from_q8_0(torch.from_numpy(raw), n)
+    else:
+        q, scale, zero = decode_q4_blocks(raw, qtype)
+        panels = cpu_native.vnni_from_q4_panels(cpu_native.pack_q4_panels(q, scale, zero - 8 * scale))
+        direct = cpu_native.pack_vnni_panels(q.to(torch.uint8), scale, zero - 8 * scale)
+        assert all(torch.equal(getattr(panels, f), getattr(direct, f)) for f in ("codes", "scales", "offsets"))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(BF16)
+    x[0, :32] = 0                                                  # an all-zero block: scale 0, no division
+    out = cpu_native.vnni_matmul(x, panels)
+    assert out.shape == (m, n) and out.dtype == BF16
+    ref, magnitude = _int8_reference(x, w_file)
+    err = np.abs(out.double().numpy() - ref)
+    assert (err <= np.abs(ref) * 2.0 ** -8 + magnitude * 1e-5).all(), float((err - np.abs(ref) * 2.0 ** -8).max())
+    exact = x.double().numpy() @ w_file.astype(np.float64).T
+    assert np.abs(out.double().numpy() - exact).max() <= 0.03 * np.abs(exact).max()
+
+
+def test_int8_inputs_switch_on_a_gguf_model(tmp_path, monkeypatch, tiny_llama_dir):
+    """``PLINTH_CPU_INT8_ACT=1``: every layer with the file's 4-bit blocks multiplies prefill and decode-batch rows
+    (more than the int4 switch-over of 4) with 8-bit inputs; the prompt's scores move by the 8-bit rounding of
+    the inputs only, and rows of at most 4 (batch-1 decode) keep the int4 path."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth import LLM, SamplingParams
+    from plinth.config import ConfigError
+
+    if not cpu_native.vnni_supported():
+        pytest.skip("this CPU has no AVX512-VNNI/BF16")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q4_1)
+    prompt = [[5, 17, 99, 3, 120, 41, 7, 7, 112, 64, 33, 2, 90, 11]]   # the model's vocabulary is 128
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def score(int8: str) -> tuple[list[float], int, list[int]]:
+        monkeypatch.setenv("PLINTH_CPU_INT8_ACT", int8)
+        with LLM(path, tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4, selection="off") as llm:
+            model = llm.engine.runner.model
+            methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
+            with_vnni = sum(getattr(m, "vnni", None) is not None for m in methods)
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            solo = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids
+        return [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]], with_vnni, solo
+
+    on, layers_on, tokens_on = score("1")
+    off, layers_off, tokens_off = score("0")
+    assert layers_on == 2 * 4 and layers_off == 0                  # qkv, o, gate_up, down of both layers
+    assert on != off                                               # the 8-bit path really ran
+    np.testing.assert_allclose(on, off, atol=0.05)
+    assert len(tokens_on) == len(tokens_off) == 6
+    monkeypatch.setenv("PLINTH_CPU_INT8_ACT", "sometimes")
+    with pytest.raises(ConfigError, match="PLINTH_CPU_INT8_ACT"):
+        LLM(path, tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4, selection="off")

@@ -26,7 +26,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -38,8 +38,9 @@ _SIGNATURES = {
     "plinth_q8_0_gemv_bf16": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
 }
-_RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64}
+_RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q8v_gemm_bf16": ctypes.c_int64}
 
 
 @functools.cache
@@ -203,3 +204,87 @@ def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
     if rc != 0:
         raise RuntimeError("the native panel GEMM needs AVX512-BF16 (q4_panels_supported() is False)")
     return y
+
+
+@dataclasses.dataclass
+class VnniPanels:
+    """Weights ``[N, K]`` as 8-bit codes in the layout of the native VNNI GEMM: tiles of 16 output rows
+    (padded to pairs of tiles); per tile and k-quad 64 bytes (byte ``4 j + i``: row ``j`` at ``k = 4 kq + i``),
+    and per tile and 32-k block float32 scales and offsets: ``w = d * u + c`` with ``u`` in 0..255."""
+
+    codes: torch.Tensor     # [T, K / 4, 64] uint8
+    scales: torch.Tensor    # [T, K / 32, 16] float32
+    offsets: torch.Tensor   # [T, K / 32, 16] float32
+    out_features: int
+
+
+def pack_vnni_panels(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> VnniPanels:
+    """``u`` ``[N, K]`` codes in 0..255, ``scale``/``offset`` ``[N, K / 32]`` (``w = scale * u + offset``;
+    GGUF Q4_0: ``u = q``, ``offset = -8 scale``; Q4_1: ``offset = min``; Q8_0: ``u = q + 128``,
+    ``offset = -128 scale``) -> :class:`VnniPanels`."""
+    n, k = u.shape
+    if k % 32:
+        raise ValueError(f"the input size {k} is not a multiple of 32")
+    tiles = 2 * -(-n // 32)
+    up = np.zeros((tiles * 16, k), dtype=np.uint8)
+    up[:n] = u.numpy().astype(np.uint8)
+    codes = up.reshape(tiles, 16, k // 4, 4).transpose(0, 2, 1, 3).reshape(tiles, k // 4, 64)
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:
+        padded = np.zeros((tiles * 16, k // 32), dtype=np.float32)
+        padded[:n] = v.numpy().astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(padded.reshape(tiles, 16, k // 32).transpose(0, 2, 1)))
+
+    return VnniPanels(torch.from_numpy(np.ascontiguousarray(codes)), per_tile(scale), per_tile(offset), n)
+
+
+def _vnni_call(x: torch.Tensor, panels: VnniPanels) -> tuple[int, torch.Tensor]:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty((m, panels.out_features), dtype=torch.bfloat16)
+    rc = _lib().plinth_q8v_gemm_bf16(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
+                                     panels.offsets.data_ptr(), y.data_ptr(), m, panels.out_features, k)
+    return rc, y
+
+
+@functools.cache
+def vnni_supported() -> bool:
+    """Whether this CPU runs the 8-bit VNNI GEMM (the library was built with AVX512-VNNI and -BF16)."""
+    if load_library().library is None:
+        return False
+    tiny = pack_vnni_panels(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 1), torch.zeros(16, 1))
+    return _vnni_call(torch.zeros(1, 32, dtype=torch.bfloat16), tiny)[0] == 0
+
+
+def vnni_matmul(x: torch.Tensor, panels: VnniPanels) -> torch.Tensor:
+    """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16, with ``x`` quantized to int8 per
+    row and 32-k block (scale ``max |x| / 127``) and exact integer block dot products. Check
+    :func:`vnni_supported` first."""
+    rc, y = _vnni_call(x, panels)
+    if rc != 0:
+        raise RuntimeError("the native VNNI GEMM needs AVX512-VNNI and AVX512-BF16 (vnni_supported() is False)")
+    return y
+
+
+def vnni_from_q4_panels(panels: Q4Panels) -> VnniPanels:
+    """The same 4-bit weights in the VNNI layout (codes unpacked to bytes; scales and offsets as float32)."""
+    codes = panels.codes.numpy()                                   # [T, K/2, 16]
+    tiles, kpairs, _ = codes.shape
+    low, high = codes & 0x0F, codes >> 4                           # rows 0..7 / 8..15, [T, K/2, (row, parity)]
+    u = np.empty((tiles, 16, kpairs, 2), dtype=np.uint8)
+    u[:, :8] = low.reshape(tiles, kpairs, 8, 2).transpose(0, 2, 1, 3)
+    u[:, 8:] = high.reshape(tiles, kpairs, 8, 2).transpose(0, 2, 1, 3)
+    n, k = panels.out_features, kpairs * 2
+    rows = lambda v: torch.from_numpy(v.numpy().transpose(0, 2, 1).reshape(tiles * 16, -1)[:n])  # noqa: E731
+    return pack_vnni_panels(torch.from_numpy(u.reshape(tiles * 16, k)[:n]), rows(panels.scales), rows(panels.offsets))
+
+
+def vnni_from_q8_0(blocks: torch.Tensor, out_features: int) -> VnniPanels:
+    """GGUF ``Q8_0`` blocks (``uint8 [N, K / 32 * 34]``: a float16 scale, then 32 int8 codes) in the VNNI layout:
+    ``u = q + 128``, ``offset = -128 scale`` (exact)."""
+    raw = blocks.numpy().reshape(out_features, -1, Q8_0_BYTES)
+    scale = raw[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)     # [N, K/32]
+    u = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)     # [N, K/32, 32]
+    return pack_vnni_panels(torch.from_numpy(u.reshape(out_features, -1)), torch.from_numpy(scale),
+                            torch.from_numpy(-128.0 * scale))

@@ -91,7 +91,7 @@ class CpuLinearMethod:
 
     def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int4_max_rows: int = 0,
                  pack_rows: int = 32, q8_0: torch.Tensor | None = None, q8_0_max_rows: int = 0,
-                 q4_panel_max_rows: int = 0):
+                 q4_panel_max_rows: int = 0, int8_activations: bool = False):
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
@@ -104,6 +104,15 @@ class CpuLinearMethod:
                                   and cpu_native.q4_panels_supported() else 0)
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
+        # int8_activations: inputs of more rows than the int4 / Q8_0 row limits multiply the file's codes with
+        # 8-bit inputs (the native VNNI GEMM) instead of the panel GEMM or the bfloat16 weights
+        self.vnni: cpu_native.VnniPanels | None = None
+        self.vnni_min_rows = 0
+        if int8_activations and cpu_native.vnni_supported():
+            if int4 is not None and int4.panels is not None:
+                self.vnni, self.vnni_min_rows = cpu_native.vnni_from_q4_panels(int4.panels), self.int4_max_rows
+            elif q8_0 is not None:
+                self.vnni, self.vnni_min_rows = cpu_native.vnni_from_q8_0(q8_0, self.out_features), self.q8_0_max_rows
         self.handle = next(_HANDLES)
         _METHODS[self.handle] = self
 
@@ -124,7 +133,11 @@ class CpuLinearMethod:
             return y.view(*lead, self.out_features)
         m = x2.shape[0]
         int4 = self.int4
-        if self.int4_max_rows < m <= self.q4_panel_max_rows and cpu_native.enabled(x2):
+        if self.vnni is not None and m > self.vnni_min_rows and cpu_native.enabled(x2):
+            y = cpu_native.vnni_matmul(x2, self.vnni)
+            if bias is not None:
+                y = y + bias
+        elif self.int4_max_rows < m <= self.q4_panel_max_rows and cpu_native.enabled(x2):
             y = cpu_native.q4_panel_matmul(x2, int4.panels)
             if bias is not None:
                 y = y + bias
@@ -146,7 +159,8 @@ class CpuLinearMethod:
 
 def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weight] | None = None,
                        int4_max_rows: int = 0, head_q8_0: torch.Tensor | None = None,
-                       q8_0_max_rows: int = 0, q4_panel_max_rows: int = 0) -> dict[str, int]:
+                       q8_0_max_rows: int = 0, q4_panel_max_rows: int = 0,
+                       int8_activations: bool = False) -> dict[str, int]:
     """Give every unquantized linear layer (and the LM head) a :class:`CpuLinearMethod`.
 
     Args:
@@ -157,13 +171,16 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         q8_0_max_rows: the row count up to which the LM head multiplies the ``Q8_0`` blocks.
         q4_panel_max_rows: above ``int4_max_rows`` and up to this many rows, layers with a 4-bit copy multiply
             it with the native panel GEMM (AVX512-BF16).
+        int8_activations: layers with a 4-bit copy (above ``int4_max_rows``) and a ``Q8_0`` LM head (above
+            ``q8_0_max_rows``) multiply the file's codes with inputs quantized to 8 bits per row and 32 features
+            (the native VNNI GEMM, AVX512-VNNI), in place of the panel GEMM and the bfloat16 weights.
 
     Returns:
         counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy, "q8_0": 1 when the LM head
-        got the file's Q8_0 blocks}``.
+        got the file's Q8_0 blocks, "int8": layers that multiply with 8-bit inputs}``.
     """
     int4_weights = int4_weights or {}
-    counts = {"packed": 0, "int4": 0, "q8_0": 0}
+    counts = {"packed": 0, "int4": 0, "q8_0": 0, "int8": 0}
     for name, module in model.named_modules():
         is_linear = isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod)
         is_head = name == "lm_head" and hasattr(module, "weight") and not isinstance(module, LinearBase)
@@ -178,7 +195,7 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
             int4 = None
         q8 = head_q8_0 if is_head and head_q8_0 is not None and head_q8_0.shape[0] == n else None
         method = CpuLinearMethod(module.weight, int4, int4_max_rows, q8_0=q8, q8_0_max_rows=q8_0_max_rows,
-                                 q4_panel_max_rows=q4_panel_max_rows)
+                                 q4_panel_max_rows=q4_panel_max_rows, int8_activations=int8_activations)
         if is_linear:
             module.linear_method = method
         else:
@@ -186,4 +203,5 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         counts["packed"] += method.packed is not None
         counts["int4"] += method.int4 is not None
         counts["q8_0"] += method.q8_0 is not None
+        counts["int8"] += method.vnni is not None
     return counts

@@ -116,9 +116,78 @@ inline void q4p_all_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wb
 }
 #endif
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// R input rows (int8 codes xq [R, K], per 32-k block scales sx and float sums xs [R, K/32]) times one pair of
+// 16-column tiles of u8 weight codes (k-quad interleaved: per tile and k-quad 64 bytes, byte 4 j + i = column
+// j at k = 4 kq + i) with per-block, per-column scales d and offsets c (w = d u + c): per block, integer dot
+// products (vpdpbusd: u8 weights x s8 inputs, exact in int32), then acc += d sx * dot + c xs in float32.
+template <int R>
+inline void q8v_rows(const int8_t* xq, const float* sx, const float* xs, int64_t k, int64_t kbs,
+                     const uint8_t* codes, int64_t tile_bytes, const float* d, const float* c, uint16_t* y,
+                     int64_t y_stride, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kbs; ++b) {
+    __m512i iacc[R][2];
+    for (int r = 0; r < R; ++r) iacc[r][0] = iacc[r][1] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < 8; ++q) {
+      const int64_t kq = b * 8 + q;
+      const __m512i w0 = _mm512_loadu_si512(codes + kq * 64);
+      const __m512i w1 = _mm512_loadu_si512(codes + tile_bytes + kq * 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * k + 4 * kq, sizeof(quad));
+        const __m512i xb = _mm512_set1_epi32(quad);
+        iacc[r][0] = _mm512_dpbusd_epi32(iacc[r][0], w0, xb);
+        iacc[r][1] = _mm512_dpbusd_epi32(iacc[r][1], w1, xb);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(d + b * 16), d1 = _mm512_loadu_ps(d + (kbs + b) * 16);
+    const __m512 c0 = _mm512_loadu_ps(c + b * 16), c1 = _mm512_loadu_ps(c + (kbs + b) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(sx[r * kbs + b]), m = _mm512_set1_ps(xs[r * kbs + b]);
+      acc[r][0] = _mm512_fmadd_ps(c0, m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][0]), _mm512_mul_ps(d0, s), acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(c1, m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][1]), _mm512_mul_ps(d1, s), acc[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 2; ++t) {
+      const int64_t c0 = 16 * t;
+      if (c0 >= cols) break;
+      const __mmask16 keep = cols - c0 >= 16 ? static_cast<__mmask16>(0xffff)
+                                             : static_cast<__mmask16>((1u << (cols - c0)) - 1u);
+      _mm256_mask_storeu_epi16(y + r * y_stride + c0, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][t]));
+    }
+}
+
+// One row of bfloat16 inputs -> int8 codes per 32-k block (scale = max |x| / 127, round to nearest even),
+// the block scales and the blocks' sums of the quantized inputs (scale x sum of codes).
+inline void q8v_quantize_row(const uint16_t* x, int64_t kbs, int8_t* xq, float* sx, float* xs) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < kbs; ++b) {
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * b))), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * b + 16))), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, sign_off), _mm512_and_ps(hi, sign_off)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));   // MXCSR: round to nearest even
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+    sx[b] = amax / 127.0f;
+    // the sum of the quantized inputs, not of the inputs: the offset term then multiplies the same inputs as
+    // the codes do, and the error is that of the 8-bit inputs times the (centred) weights d u + c
+    xs[b] = sx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * b), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * b + 16), _mm512_cvtsepi32_epi8(qhi));
+  }
+}
+#endif
+
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 1; }
+int64_t plinth_cpu_ops_abi() { return 2; }
 
 // y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))) per row, h = x (no residual) or bf16(x + residual);
 // with a residual, h is written to h_out. x/residual rows are strided, y/h_out contiguous [rows, n].
@@ -261,6 +330,42 @@ int64_t plinth_q4p_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t*
   return 0;
 #else
   (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
+  return -1;
+#endif
+}
+
+// y [M, N] = x [M, K] @ W^T with 8-bit arithmetic (AVX512-VNNI): W as u8 codes in plinth's VNNI panel layout
+// (built by plinth.kernels.cpu_native.pack_vnni_panels: tiles of 16 output columns in pairs, codes
+// [T, K/4, 64], per tile and 32-k block float32 scales d and offsets c [T, K/32, 16], w = d u + c; GGUF
+// Q4_0/Q4_1/Q8_0 blocks map exactly), the inputs quantized per row and 32-k block to int8 (as GGUF's Q8
+// activations). Returns 0, or -1 where the library was built without AVX512-VNNI/BF16.
+int64_t plinth_q8v_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const float* d,
+                             const float* c, uint16_t* y, int64_t m, int64_t n, int64_t k) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const int64_t kbs = k / 32, pairs = (n + 31) / 32, tile_bytes = (k / 4) * 64;
+  std::vector<int8_t> xq(static_cast<size_t>(m * k));
+  std::vector<float> sx(static_cast<size_t>(m * kbs)), xs(static_cast<size_t>(m * kbs));
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) q8v_quantize_row(x + r * x_stride, kbs, xq.data() + r * k, sx.data() + r * kbs, xs.data() + r * kbs);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* cp = codes + 2 * p * tile_bytes;
+      const float* dp = d + 2 * p * kbs * 16;
+      const float* op = c + 2 * p * kbs * 16;
+      const int64_t cols = std::min<int64_t>(32, n - 32 * p);
+      uint16_t* yp = y + 32 * p;
+      int64_t r0 = 0;
+      for (; r0 + 4 <= m; r0 += 4)
+        q8v_rows<4>(xq.data() + r0 * k, sx.data() + r0 * kbs, xs.data() + r0 * kbs, k, kbs, cp, tile_bytes, dp, op, yp + r0 * n, n, cols);
+      for (; r0 < m; ++r0)
+        q8v_rows<1>(xq.data() + r0 * k, sx.data() + r0 * kbs, xs.data() + r0 * kbs, k, kbs, cp, tile_bytes, dp, op, yp + r0 * n, n, cols);
+    }
+  }
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)codes; (void)d; (void)c; (void)y; (void)m; (void)n; (void)k;
   return -1;
 #endif
 }
