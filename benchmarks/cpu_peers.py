@@ -20,7 +20,7 @@ tokens rendered with the model's chat template;
 Each is run once untimed (warm-up, with other prompts, so no prefix cache helps), then timed.
 vLLM and llama-cpp-python run in their own virtual environments (``--vllm-python``,
 ``--llamacpp-python``): this file is re-run there as a worker that prints its results as JSON.
-Ratios in the table are plinth over each peer. The 1-minute load average is recorded: the cores
+Ratios in the table are plinth over each peer (``plinth-int8``: ``PLINTH_CPU_INT8_ACT=1``, ratios printed below the table). The 1-minute load average is recorded: the cores
 may be shared.
 """
 
@@ -125,6 +125,19 @@ def run_plinth(spec: dict[str, Any]) -> dict[str, Any]:
         return elapsed
 
     return _workloads(spec, gen, startup)
+
+
+def run_plinth_int8(spec: dict[str, Any]) -> dict[str, Any]:
+    """plinth with ``PLINTH_CPU_INT8_ACT=1``: 8-bit inputs for the GEMMs of batches above 4 rows."""
+    previous = os.environ.get("PLINTH_CPU_INT8_ACT")
+    os.environ["PLINTH_CPU_INT8_ACT"] = "1"
+    try:
+        return run_plinth(spec)
+    finally:
+        if previous is None:
+            os.environ.pop("PLINTH_CPU_INT8_ACT", None)
+        else:
+            os.environ["PLINTH_CPU_INT8_ACT"] = previous
 
 
 def run_transformers(spec: dict[str, Any]) -> dict[str, Any]:
@@ -261,19 +274,25 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         cells = []
         for key, _ in cols:
             cell = f"{r[key]:.1f}" if key in r else "-"
-            if name != "plinth" and key in r and key in base and key != "startup_s":
+            if not name.startswith("plinth") and key in r and key in base and key != "startup_s":
                 cell += f" ({base[key] / r[key]:.2f}x)"
             cells.append(f"{cell:>20}")
         print(f"{name:<14}" + "".join(cells) + f"{r.get('loadavg_before', 0):>10.1f}")
     print("(x) = plinth / system")
+    if "plinth-int8" in results and "error" not in results["plinth-int8"]:
+        r = results["plinth-int8"]
+        print("plinth-int8 / peers: " + ", ".join(
+            f"{name} {r['batch_tok_s'] / peer['batch_tok_s']:.2f}x (32 requests), "
+            f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x (prefill)"
+            for name, peer in results.items() if not name.startswith("plinth") and "batch_tok_s" in peer))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=["vllm", "llamacpp"], help=argparse.SUPPRESS)
     p.add_argument("--gguf", default=None, help="GGUF file (default: plinth's default model)")
-    p.add_argument("--systems", default="plinth,transformers", help="comma-separated: plinth, transformers "
-                   "(vllm and llamacpp run when their --*-python is given)")
+    p.add_argument("--systems", default="plinth,transformers", help="comma-separated: plinth, plinth-int8 "
+                   "(PLINTH_CPU_INT8_ACT=1), transformers (vllm and llamacpp run when their --*-python is given)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=500)
@@ -300,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompts: {len(spec['prompts'])} of {min(spec['prompt_lens'])}-{max(spec['prompt_lens'])} tokens; "
           f"{args.new_tokens} new tokens; prefill {len(spec['long'])} tokens", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    runners = {"plinth": run_plinth, "transformers": run_transformers}
+    runners = {"plinth": run_plinth, "plinth-int8": run_plinth_int8, "transformers": run_transformers}
     for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
         if name not in runners:
             p.error(f"unknown system {name!r}")
