@@ -287,3 +287,21 @@ def test_matmul_decode_attention_equals_sdpa(num_kv_heads, group):
     mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]         # [n, 1, 1, L]
     ref = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
     torch.testing.assert_close(_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_cpu_kv_cache_memory_is_zero_huge_page_aligned_and_writable():
+    """The CPU KV cache comes from an anonymous map aligned to 2 MiB (advised for transparent huge pages):
+    zero, writable, and alive as long as the tensor is; small tensors come from plain zeroed memory."""
+    import gc
+
+    from plinth.worker.model_runner import _zeros
+
+    cache = _zeros((2, 64, 16, 3, 64), torch.bfloat16, torch.device("cpu"))     # 786 KiB: plain
+    assert cache.shape == (2, 64, 16, 3, 64) and not cache.any()
+    big = _zeros((2, 300, 16, 4, 128), torch.bfloat16, torch.device("cpu"))     # 9.4 MiB: mapped
+    gc.collect()
+    assert big.dtype == torch.bfloat16 and big.shape == (2, 300, 16, 4, 128) and big.is_contiguous()
+    assert big.data_ptr() % (2 << 20) == 0 and not big.any()
+    big[1, 299, 15] = 1.5
+    big.view(-1)[0] = -2.0
+    assert float(big.double().sum()) == 1.5 * 4 * 128 - 2.0
