@@ -100,7 +100,9 @@ class HostArray:
     array: np.ndarray
 
     def tensor(self, device: torch.device) -> torch.Tensor:
-        t = torch.from_numpy(self.array)
+        # an array unpickled from a byte string is read-only: torch needs memory it may write
+        array = self.array if self.array.flags.writeable else self.array.copy()
+        t = torch.from_numpy(array)
         return t if device.type == "cpu" else t.to(device)
 
 
