@@ -178,14 +178,19 @@ def pack_q4_panels(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return Q4Panels(torch.from_numpy(np.ascontiguousarray(low | (high << 4))), per_tile(scale), per_tile(offset), n)
 
 
-def _q4_panel_call(x: torch.Tensor, panels: Q4Panels) -> tuple[int, torch.Tensor]:
+def _panel_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels) -> tuple[int, torch.Tensor]:
+    """Call a native GEMM over packed panels (codes, per-block scales and offsets): its return code, ``y``."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     y = torch.empty((m, panels.out_features), dtype=torch.bfloat16)
-    rc = _lib().plinth_q4p_gemm_bf16(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
-                                     panels.offsets.data_ptr(), y.data_ptr(), m, panels.out_features, k)
+    rc = getattr(_lib(), kernel)(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
+                                 panels.offsets.data_ptr(), y.data_ptr(), m, panels.out_features, k)
     return rc, y
+
+
+def _q4_panel_call(x: torch.Tensor, panels: Q4Panels) -> tuple[int, torch.Tensor]:
+    return _panel_gemm("plinth_q4p_gemm_bf16", x, panels)
 
 
 @functools.cache
@@ -239,13 +244,7 @@ def pack_vnni_panels(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
 
 
 def _vnni_call(x: torch.Tensor, panels: VnniPanels) -> tuple[int, torch.Tensor]:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty((m, panels.out_features), dtype=torch.bfloat16)
-    rc = _lib().plinth_q8v_gemm_bf16(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
-                                     panels.offsets.data_ptr(), y.data_ptr(), m, panels.out_features, k)
-    return rc, y
+    return _panel_gemm("plinth_q8v_gemm_bf16", x, panels)
 
 
 @functools.cache
