@@ -318,11 +318,13 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
                 elif method == "__pid__":
                     result = os.getpid()
                 elif method == "__release__":
-                    if worker is not None:
-                        worker.close()   # its decode graphs go before the process groups
-                    worker = None
-                    destroy_parallel_state()
-                    gc.collect()
+                    try:
+                        if worker is not None:
+                            worker.close()   # its decode graphs go before the process groups
+                    finally:
+                        worker = None
+                        destroy_parallel_state()
+                        gc.collect()
                     result = None
                 elif worker is None:
                     raise RuntimeError(f"no rank is assigned to worker process {index}")

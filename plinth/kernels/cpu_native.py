@@ -180,6 +180,10 @@ def pack_q4_panels(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
 
 def _panel_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels) -> tuple[int, torch.Tensor]:
     """Call a native GEMM over packed panels (codes, per-block scales and offsets): its return code, ``y``."""
+    k_packed = panels.scales.shape[1] * 32
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != k_packed:
+        raise ValueError(f"the panel GEMM takes CPU bfloat16 inputs [M, {k_packed}]; got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape

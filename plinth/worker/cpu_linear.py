@@ -108,7 +108,7 @@ class CpuLinearMethod:
         # 8-bit inputs (the native VNNI GEMM) instead of the panel GEMM or the bfloat16 weights
         self.vnni: cpu_native.VnniPanels | None = None
         self.vnni_min_rows = 0
-        if int8_activations and cpu_native.vnni_supported():
+        if int8_activations and cpu_native.available(self.dtype) and cpu_native.vnni_supported():
             if int4 is not None and int4.panels is not None:
                 self.vnni, self.vnni_min_rows = cpu_native.vnni_from_q4_panels(int4.panels), self.int4_max_rows
             elif q8_0 is not None:

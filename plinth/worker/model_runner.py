@@ -50,7 +50,8 @@ def _zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> to
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(*shape)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE)
+    # private: shared anonymous memory is shmem, which gets no transparent huge pages by default
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -_address(region) % _HUGE_PAGE
     with contextlib.suppress(OSError):   # no THP on this kernel: plain pages, as before
         region.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % mmap.PAGESIZE)
