@@ -271,3 +271,76 @@ def test_registered_as_a_candidate():
     regs = get_plugin_manager().registrations("attention_backends")
     assert "cpu_paged" in regs and regs["cpu_paged"].load() is CpuPagedBackend
     assert os.path.isfile(cpu_paged_build.SOURCE)
+
+
+@pytest.mark.parametrize("heads,d,bs", [((8, 2), 64, 16), ((9, 3), 64, 32), ((4, 4), 128, 16)],
+                         ids=["gqa4", "smollm2-bs32", "mha-d128"])
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_matches_sdpa(heads, d, bs, window, dtype, monkeypatch):
+    """The native prefill kernel (prefill chunks with and without cached context, decode rows mixed in,
+    a partial last tile, sliding windows) against float64 SDPA; the batched fallback must not run."""
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the prefill step fell back to torch_batched")
+
+    monkeypatch.setattr(TorchBatchedBackend, "forward", no_fallback)
+    spec = spec_of(h=heads[0], hkv=heads[1], d=d, bs=bs, dtype=dtype, window=window)
+    contexts, q_lens = [0, 5, 40, 100, 0, 16], [17, 1, 33, 3, 64, 1]
+    batch = make_paged_batch(spec, contexts, q_lens, generator=torch.Generator().manual_seed(d + bs))
+    assert not batch.metadata.is_decode_only
+    scale = 1 / math.sqrt(d)
+    ref = sdpa_reference(batch, scale, window, torch.float64)
+    got = run_paged(batch, scale, window)
+    assert got.dtype == dtype and got.shape == ref.shape
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert (got.double() - ref).abs().max().item() < tol
+
+
+def test_prefill_kernel_declines_shapes_it_does_not_take():
+    """Head sizes other than 64/128 and block sizes that are not multiples of 16 take the batched path."""
+    from plinth.attention_backends.cpu_paged import paged_prefill
+
+    for d, bs in ((80, 16), (64, 8)):
+        batch = make_paged_batch(spec_of(h=4, hkv=2, d=d, bs=bs), [3, 0], [5, 9])
+        md = batch.metadata
+        assert paged_prefill(batch.query, batch.kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                             md.num_seqs, 0.125) is None
+        ref = sdpa_reference(batch, 0.125, None, torch.float64)
+        torch.testing.assert_close(run_paged(batch, 0.125, None).double(), ref, rtol=1e-5, atol=2e-6)
+
+
+def test_engine_prompt_scores_with_the_prefill_kernel_equal_sdpa(tmp_path, monkeypatch):
+    """A Llama with 64-wide heads (the kernel's shapes), float32: prompt log-probabilities and greedy tokens of
+    chunked prefills (a 16-token budget splits the prompts) through cpu_paged equal torch_sdpa's."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=211, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 17, 99, 3, 120, 41, 7, 7, 112, 64, 33, 2, 90, 11, 150, 8, 19, 200, 4], [9, 8, 7], list(range(40, 77))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+
+    def run(backend: str):
+        with LLM(str(tmp_path), dtype="float32", attention_backend=backend, selection="off", block_size=16,
+                 max_num_batched_tokens=16) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        scores = [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in outs]
+        return scores, [o.outputs[0].token_ids for o in outs]
+
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+
+    with monkeypatch.context() as mp:   # every cpu_paged step runs a native kernel (no batched fallback)
+        mp.setattr(TorchBatchedBackend, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fallback")))
+        paged_scores, paged_tokens = run("cpu_paged")
+    sdpa_scores, sdpa_tokens = run("torch_sdpa")
+    assert paged_tokens == sdpa_tokens
+    for a, b in zip(paged_scores, sdpa_scores, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)

@@ -5,13 +5,17 @@ each sequence's blocks through its block-table row, one work item per (sequence,
 over OpenMP threads, with every query head of the GQA group scored together and a float32 online
 softmax. Unlike :mod:`~plinth.attention_backends.torch_batched`, no step gathers the context of
 its sequences into padded tensors, so the work grows with the tokens attended, not with a copy of
-them. Prefill and mixed steps, and the static-shape decode of a compiled step, run the
-``torch_batched`` path this backend extends.
+them. Prefill and mixed steps run a second kernel (:func:`paged_prefill`: causal over each sequence's
+cache, tiles of 16 query positions per KV head, each block's keys transposed once so a row's scores are
+plain vector multiply-adds; head sizes 64 and 128, AVX512); other shapes, and the static-shape decode of
+a compiled step, run the ``torch_batched`` path this backend extends.
 
 ``PLINTH_CPU_PAGED_ATTENTION=0`` turns the backend off (``supports()`` says so).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -70,8 +74,18 @@ class CpuPagedBackend(TorchBatchedBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:           # [T, H, D]
-        if (not metadata.is_decode_only or getattr(metadata.backend_data, "static_decode", False)
-                or query.device.type != "cpu" or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
+        if (getattr(metadata.backend_data, "static_decode", False) or query.device.type != "cpu"
+                or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
+            return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
+        if not metadata.is_decode_only:
+            # prefill chunks (with decode rows mixed in): the native causal kernel over the cache, where it
+            # takes the shapes (the same written cache, then one call for every sequence's rows)
+            if _prefill_supported(query, kv_cache):
+                write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+                out = paged_prefill(query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                    metadata.query_start_loc, metadata.num_seqs, scale, sliding_window)
+                if out is not None:
+                    return out
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         # the int32 index tensors are the same for every layer of the step: converted once
@@ -134,3 +148,52 @@ def paged_decode(
         out.data_ptr(), _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks, block_size, tables.shape[1],
         query.stride(0), out.stride(0), float(scale), int(sliding_window or 0), torch.get_num_threads())
     return out
+
+
+def _prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_prefill` takes these shapes (checked before the cache is written, so that a
+    fallback to the batched path writes it once)."""
+    return (query.shape[-1] in (64, 128) and kv_cache.shape[2] % 16 == 0 and kv_cache.is_contiguous()
+            and query.shape[1] % kv_cache.shape[3] == 0 and _prefill_kernel_ok())
+
+
+@functools.cache
+def _prefill_kernel_ok() -> bool:
+    """The library's prefill kernel runs on this CPU (built with AVX512): one tiny call answers."""
+    q = torch.zeros(1, 1, 64)
+    cache = torch.zeros(2, 2, 16, 1, 64)
+    one = torch.ones(1, dtype=torch.int32)
+    return paged_prefill(q, cache, one.view(1, 1), one, torch.tensor([0, 1], dtype=torch.int32), 1, 1.0) is not None
+
+
+def paged_prefill(
+    query: torch.Tensor,            # [T, H, D] float32 or bfloat16
+    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, Hkv, D], same dtype, this step's K/V written
+    block_tables: torch.Tensor,     # [>= B, W] int32
+    seq_lens: torch.Tensor,         # [>= B] int32: tokens in the cache, this step's included
+    query_start_loc: torch.Tensor,  # [>= B + 1] int32: sequence s owns query rows [start[s], start[s + 1])
+    num_seqs: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:           # [T, H, D]; rows not owned by a sequence are zero
+    """Causal attention of every sequence's query rows (the last ``q_len`` positions of its ``seq_len`` cached
+    tokens) over its cache, read in place: prefill chunks, with or without cached context, and decode rows, in
+    one call. ``None`` where the kernel does not take these shapes (head sizes 64 and 128, block sizes that are
+    multiples of 16, AVX512); the caller then runs its own path."""
+    build = load_kernel()
+    if build.library is None or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype:
+        return None
+    t, h, d = query.shape
+    _, num_blocks, block_size, hkv, d_cache = kv_cache.shape
+    if d != d_cache or h % hkv or not kv_cache.is_contiguous():
+        return None
+    query = query if query.stride(2) == 1 and query.stride(1) == d else query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    rc = build.library.plinth_cpu_paged_prefill(
+        query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
+        out.data_ptr(), _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks, block_size, tables.shape[1],
+        query.stride(0), out.stride(0), float(scale), int(sliding_window or 0), torch.get_num_threads())
+    return out if rc == 0 else None

@@ -16,7 +16,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 #: the ABI the Python side expects (``plinth_cpu_paged_abi()`` in the source)
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 KernelBuild = NativeBuild
 
@@ -33,5 +33,8 @@ def load_kernel() -> NativeBuild:
     if build.library is not None:
         fn = build.library.plinth_cpu_paged_decode
         fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_double] + [ctypes.c_int64] * 2
+        fn = build.library.plinth_cpu_paged_prefill
+        fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_double] + [ctypes.c_int64] * 2
     return build

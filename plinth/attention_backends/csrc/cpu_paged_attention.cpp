@@ -216,6 +216,146 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
   }
 }
 
+#if defined(__AVX512F__)
+// Attention of query rows that may be many per sequence (prefill chunks, mixed with decode rows), causal over
+// each sequence's cache. A work item is one sequence, one KV head and a tile of up to kTile consecutive query
+// positions (with all query heads of the KV head: rows = positions x group). Per cached block it transposes
+// the block's 16 keys to [D][16] float32 once, so each row's 16 scores come from D fused multiply-adds on
+// 16-lane vectors (no horizontal sum per key); then the rows' online softmax and P V with the block's values.
+constexpr int64_t kTile = 16;
+
+// exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+template <typename scalar_t, int64_t kD>
+void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
+             const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
+             int num_threads) {
+  constexpr int64_t kV = kD / 16;
+  const int64_t group = sh.num_heads / sh.num_kv_heads, bs = sh.block_size;
+  const scalar_t* k_cache = kv_cache;
+  const scalar_t* v_cache = kv_cache + sh.kv_half;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // work items: (sequence, KV head, tile of query positions); the tiles of all sequences in one list
+  std::vector<int64_t> item_seq, item_pos;
+  for (int64_t s = 0; s < sh.num_seqs; ++s)
+    for (int64_t i = starts[s]; i < starts[s + 1]; i += kTile) {
+      item_seq.push_back(s);
+      item_pos.push_back(i - starts[s]);
+    }
+  const int64_t tiles = static_cast<int64_t>(item_seq.size()), items = tiles * sh.num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int64_t max_rows = kTile * group;
+    std::vector<float> q(max_rows * kD), acc(max_rows * kD), row_max(max_rows), row_sum(max_rows),
+        kt(kD * 16), vb(16 * kD), p(16);
+    std::vector<int64_t> row_pos(max_rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t tile = item / sh.num_kv_heads, h = item % sh.num_kv_heads;
+      const int64_t s = item_seq[tile], i0 = item_pos[tile];
+      const int64_t q_len = starts[s + 1] - starts[s], seq_len = lens[s], ctx = seq_len - q_len;
+      const int64_t npos = std::min<int64_t>(kTile, q_len - i0), rows = npos * group;
+      // rows: position-major, the group's heads side by side; row r = (position i0 + r / group, head r % group)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r / group, head = h * group + r % group;
+        to_float(query + (starts[s] + i) * sh.q_row + head * kD, q.data() + r * kD, kD);
+        for (int64_t d = 0; d < kD; ++d) q[r * kD + d] *= scale;
+        row_pos[r] = ctx + i;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
+      std::fill(row_max.begin(), row_max.begin() + rows, neg_inf);
+      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+      const int64_t last = ctx + i0 + npos - 1;                      // the tile's last position
+      const int64_t lo_pos = sliding_window > 0 ? std::max<int64_t>(0, ctx + i0 + 1 - sliding_window) : 0;
+      const int32_t* table = tables + s * sh.table_width;
+      for (int64_t b = lo_pos / bs; b * bs <= last; ++b) {
+        const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + h * kD;
+        const int64_t n = std::min<int64_t>(bs, seq_len - b * bs);   // tokens of this block in the cache
+        for (int64_t c0 = 0; c0 < n; c0 += 16) {                     // 16 keys at a time (block sizes of 16k)
+          const int64_t m = std::min<int64_t>(16, n - c0), key0 = b * bs + c0;
+          if (key0 > last) break;
+          for (int64_t t = 0; t < 16; ++t) {                           // K^T [D][16], V [16][D] in float32
+            if (t < m) {
+              to_float(k_cache + base + (c0 + t) * sh.token_stride, vb.data() + t * kD, kD);
+              for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = vb[t * kD + d];
+              to_float(v_cache + base + (c0 + t) * sh.token_stride, vb.data() + t * kD, kD);
+            } else {
+              for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = 0.f;
+              std::fill(vb.begin() + t * kD, vb.begin() + (t + 1) * kD, 0.f);
+            }
+          }
+          for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+          // the scores of 4 rows at once: 4 independent chains of D fused multiply-adds sharing each key load
+          __m512 s4[4];
+          for (int u = 0; u < 4; ++u) s4[u] = _mm512_setzero_ps();
+          const int64_t r_end = std::min<int64_t>(rows, r0 + 4);
+          if (r_end - r0 == 4) {
+            const float* q0 = q.data() + r0 * kD;
+            for (int64_t d = 0; d < kD; ++d) {
+              const __m512 kd = _mm512_loadu_ps(kt.data() + d * 16);
+              for (int u = 0; u < 4; ++u) s4[u] = _mm512_fmadd_ps(_mm512_set1_ps(q0[u * kD + d]), kd, s4[u]);
+            }
+          } else {
+            for (int64_t r = r0; r < r_end; ++r)
+              for (int64_t d = 0; d < kD; ++d)
+                s4[r - r0] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * kD + d]), _mm512_loadu_ps(kt.data() + d * 16), s4[r - r0]);
+          }
+          for (int64_t r = r0; r < r_end; ++r) {
+            const int64_t pos = row_pos[r];
+            const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos + 1 - sliding_window) : 0;
+            if (key0 > pos || key0 + m <= first) continue;             // no visible key in these 16
+            __m512 sv = s4[r - r0];
+            // visible keys: key0 + t in [first, pos] and t < m
+            const int64_t t_lo = std::max<int64_t>(0, first - key0), t_hi = std::min<int64_t>(m, pos - key0 + 1);
+            const __mmask16 vis = static_cast<__mmask16>(((1u << t_hi) - 1u) & ~((1u << t_lo) - 1u));
+            sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), sv);
+            const float block_max = std::max(row_max[r], _mm512_reduce_max_ps(sv));
+            const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
+            _mm512_storeu_ps(p.data(), pv);
+            const float sum = _mm512_reduce_add_ps(pv);
+            const float correction = std::exp(row_max[r] - block_max);   // 0 on the first visible keys
+            row_max[r] = block_max;
+            row_sum[r] = row_sum[r] * correction + sum;
+            float* ar = acc.data() + r * kD;
+            __m512 a[kV];
+            const __m512 c = _mm512_set1_ps(correction);
+            for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_mul_ps(c, _mm512_loadu_ps(ar + 16 * j));
+            for (int64_t t = t_lo; t < t_hi; ++t) {
+              const __m512 pt = _mm512_set1_ps(p[t]);
+              for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vb.data() + t * kD + 16 * j), a[j]);
+            }
+            for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(ar + 16 * j, a[j]);
+          }
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* ar = acc.data() + r * kD;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        for (int64_t d = 0; d < kD; ++d) ar[d] *= inv;
+        const int64_t i = i0 + r / group, head = h * group + r % group;
+        from_float(ar, out + (starts[s] + i) * sh.out_row + head * kD, kD);
+      }
+    }
+  }
+}
+#endif
+
 template <typename scalar_t>
 void dispatch_head_size(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
                         const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
@@ -237,7 +377,7 @@ void dispatch_head_size(const scalar_t* query, const scalar_t* kv_cache, const i
 extern "C" {
 
 // The ABI version the Python side checks before calling.
-int64_t plinth_cpu_paged_abi() { return 1; }
+int64_t plinth_cpu_paged_abi() { return 2; }
 
 // query [T, H, D] rows of q_row elements; kv_cache [2, N, BS, Hkv, D] contiguous; tables [B, W] int32;
 // lens [B] int32 (tokens in the cache, this step's included); starts [B + 1] int32 (query row of each
@@ -260,6 +400,44 @@ void plinth_cpu_paged_decode(const void* query, const void* kv_cache, const int3
     dispatch_head_size(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
                        starts, static_cast<uint16_t*>(out), sh, static_cast<float>(scale), sliding_window, threads);
   }
+}
+
+// Causal attention of any number of query rows per sequence (prefill chunks and decode rows mixed): the rows of
+// sequence s are starts[s]..starts[s+1]-1 and sit at the last positions of its lens[s] cached tokens (this
+// step's keys and values already written). Same layouts as plinth_cpu_paged_decode; head sizes that are
+// multiples of 16 with AVX512 and block sizes that are multiples of 16. Returns 0, or -1 where unsupported.
+int64_t plinth_cpu_paged_prefill(const void* query, const void* kv_cache, const int32_t* tables, const int32_t* lens,
+                                 const int32_t* starts, void* out, int64_t dtype, int64_t num_seqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_size, int64_t num_blocks, int64_t block_size,
+                                 int64_t table_width, int64_t q_row, int64_t out_row, double scale,
+                                 int64_t sliding_window, int64_t num_threads) {
+#if defined(__AVX512F__)
+  if (block_size % 16 != 0 || (head_size != 64 && head_size != 128)) return -1;
+  const int64_t token_stride = num_kv_heads * head_size;
+  const int64_t block_stride = block_size * token_stride;
+  const Shape sh{num_seqs, num_heads, num_kv_heads, head_size, block_size, table_width,
+                 q_row, out_row, num_blocks * block_stride, block_stride, token_stride};
+  const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
+  const float sc = static_cast<float>(scale);
+  if (dtype == 0 && head_size == 64)
+    prefill<float, 64>(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
+                       static_cast<float*>(out), sh, sc, sliding_window, threads);
+  else if (dtype == 0)
+    prefill<float, 128>(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
+                        static_cast<float*>(out), sh, sc, sliding_window, threads);
+  else if (head_size == 64)
+    prefill<uint16_t, 64>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
+                          starts, static_cast<uint16_t*>(out), sh, sc, sliding_window, threads);
+  else
+    prefill<uint16_t, 128>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
+                           starts, static_cast<uint16_t*>(out), sh, sc, sliding_window, threads);
+  return 0;
+#else
+  (void)query; (void)kv_cache; (void)tables; (void)lens; (void)starts; (void)out; (void)dtype; (void)num_seqs;
+  (void)num_heads; (void)num_kv_heads; (void)head_size; (void)num_blocks; (void)block_size; (void)table_width;
+  (void)q_row; (void)out_row; (void)scale; (void)sliding_window; (void)num_threads;
+  return -1;
+#endif
 }
 
 }  // extern "C"
