@@ -147,13 +147,15 @@ def test_second_selection_reads_the_cache_and_times_nothing(pm, backends, tmp_pa
     assert key["workload"]["decode_seqs"] == WORKLOAD.decode_seqs
 
 
-@pytest.mark.parametrize("change", ["plugin_version", "dtype", "shapes", "device"])
-def test_cache_is_invalidated_when_a_key_part_changes(pm, backends, tmp_path, change):
+@pytest.mark.parametrize("change", ["plugin_version", "revision", "dtype", "shapes", "device"])
+def test_cache_is_invalidated_when_a_key_part_changes(pm, backends, tmp_path, change, monkeypatch):
     run(pm, tmp_path, candidates=QUICK)
     backends.CALLS.clear()
     spec, platform = SPEC, FakeCpu()
     if change == "plugin_version":
         pm.records["test_backends"].version = "1.0.1"
+    elif change == "revision":   # a new implementation in the same package version (its selection_revision)
+        monkeypatch.setattr(backends.FastBackend, "selection_revision", 2, raising=False)
     elif change == "dtype":
         spec = AttentionSpec(4, 2, 16, torch.float64, 4)
     elif change == "shapes":

@@ -36,7 +36,10 @@ def _enabled() -> bool:
 
 
 class CpuPagedBackend(TorchBatchedBackend):
-    """Decode through a native kernel over the paged cache; other steps as ``torch_batched``."""
+    """Decode and prefill through native kernels over the paged cache; other shapes as ``torch_batched``."""
+
+    #: part of the start-up selection's cache key: a new kernel (here the prefill kernel) is timed afresh
+    selection_revision = 2
 
     name = "cpu_paged"
     priority = 6

@@ -48,6 +48,9 @@ def base_key(platform: Any, pm: PluginManager, registrations: Mapping[str, Regis
             "plugin": reg.plugin,
             "distribution": record.distribution if record else None,
             "version": record.version if record else None,
+            # an implementation's own revision (``selection_revision``, e.g. of its native kernels): a new one
+            # times the candidates again even where the package version did not change
+            "revision": _revision(reg),
         }
     return {
         "format": FORMAT_VERSION,
@@ -58,6 +61,15 @@ def base_key(platform: Any, pm: PluginManager, registrations: Mapping[str, Regis
         "triton": _dist_version("triton"),
         "candidates": candidates,
     }
+
+
+def _revision(reg: Any) -> Any:
+    """``selection_revision`` of a registration's implementation, or None (also when it cannot be imported:
+    selection reports that candidate as unsupported)."""
+    try:
+        return getattr(reg.load(), "selection_revision", None)
+    except Exception:  # noqa: BLE001 - an import failure is the selection's to report, not the key's
+        return None
 
 
 class SelectionCache:
