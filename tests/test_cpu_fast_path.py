@@ -8,8 +8,6 @@ identical greedy tokens), ``torch.argmax`` and a Python loop (batch helpers).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -290,35 +288,3 @@ def test_matmul_decode_attention_equals_sdpa(num_kv_heads, group):
     ref = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
     torch.testing.assert_close(_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-10, atol=1e-10)
 
-
-def test_cpu_kv_cache_memory_is_zero_huge_page_aligned_and_writable():
-    """The CPU KV cache comes from an anonymous map aligned to 2 MiB (advised for transparent huge pages):
-    zero, writable, and alive as long as the tensor is; small tensors come from plain zeroed memory."""
-    import gc
-
-    from plinth.worker.model_runner import _zeros
-
-    cache = _zeros((2, 64, 16, 3, 64), torch.bfloat16, torch.device("cpu"))     # 786 KiB: plain
-    assert cache.shape == (2, 64, 16, 3, 64) and not cache.any()
-    big = _zeros((2, 300, 16, 4, 128), torch.bfloat16, torch.device("cpu"))     # 9.4 MiB: mapped
-    gc.collect()
-    assert big.dtype == torch.bfloat16 and big.shape == (2, 300, 16, 4, 128) and big.is_contiguous()
-    assert big.data_ptr() % (2 << 20) == 0 and not big.any()
-    big[0, 0, 0, 0, 0] = 0.5                           # touch the first huge page
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.exists() and "[never]" not in thp.read_text():
-        # the map is eligible for transparent huge pages (a private anonymous map, advised)
-        address, eligible = big.data_ptr(), None
-        for line in Path("/proc/self/smaps").read_text().splitlines():
-            head = line.split()[0] if line else ""
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(a, 16) for a in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("THPeligible:"):
-                eligible = line.split()[1]
-                break
-        assert eligible == "1", eligible
-    big[0, 0, 0, 0, 0] = 0
-    big[1, 299, 15] = 1.5
-    big.view(-1)[0] = -2.0
-    assert float(big.double().sum()) == 1.5 * 4 * 128 - 2.0
