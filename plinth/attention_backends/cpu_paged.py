@@ -85,21 +85,26 @@ class CpuPagedBackend(TorchBatchedBackend):
             # takes the shapes (the same written cache, then one call for every sequence's rows)
             if _prefill_supported(query, kv_cache):
                 write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-                out = paged_prefill(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                    metadata.query_start_loc, metadata.num_seqs, scale, sliding_window)
+                out = paged_prefill(query, kv_cache, *self._step_indices(metadata), metadata.num_seqs, scale,
+                                    sliding_window)
                 if out is not None:
                     return out
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        # the int32 index tensors are the same for every layer of the step: converted once
+        return paged_decode(query, kv_cache, *self._step_indices(metadata), metadata.num_seqs, scale, sliding_window,
+                            max_seq_len=metadata.max_seq_len, every_row_owned=query.shape[0] == metadata.num_seqs)
+
+    @staticmethod
+    def _step_indices(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's block tables, sequence lengths and query offsets as int32: the same for every layer of
+        the step, so converted once (kept in the step's ``backend_data``)."""
         step = metadata.backend_data if isinstance(metadata.backend_data, dict) else {}
         indices = step.get("cpu_paged")
         if indices is None:
             indices = step["cpu_paged"] = (metadata.block_tables.to(torch.int32).contiguous(),
                                            metadata.seq_lens.to(torch.int32).contiguous(),
                                            metadata.query_start_loc.to(torch.int32).contiguous())
-        return paged_decode(query, kv_cache, *indices, metadata.num_seqs, scale, sliding_window,
-                            max_seq_len=metadata.max_seq_len, every_row_owned=query.shape[0] == metadata.num_seqs)
+        return indices
 
 
 def paged_decode(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from plinth import config
-from plinth.plugins import PluginManager, Registration
+from plinth.plugins import PluginError, PluginManager, Registration
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _revision(reg: Any) -> Any:
     selection reports that candidate as unsupported)."""
     try:
         return getattr(reg.load(), "selection_revision", None)
-    except Exception:  # noqa: BLE001 - an import failure is the selection's to report, not the key's
+    except PluginError:   # an import failure is the selection's to report, not the key's
         return None
 
 
