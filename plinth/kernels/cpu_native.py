@@ -193,26 +193,34 @@ def _panel_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels) -> 
     return rc, y
 
 
-def _q4_panel_call(x: torch.Tensor, panels: Q4Panels) -> tuple[int, torch.Tensor]:
-    return _panel_gemm("plinth_q4p_gemm_bf16", x, panels)
+def _runs(kernel: str, tiny: Q4Panels | VnniPanels) -> bool:
+    """Whether a panel GEMM runs here (the library built with the instructions it needs): one 1 x 32 call."""
+    return load_library().library is not None and _panel_gemm(kernel, torch.zeros(1, 32, dtype=torch.bfloat16),
+                                                               tiny)[0] == 0
+
+
+def _checked_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels, needs: str) -> torch.Tensor:
+    rc, y = _panel_gemm(kernel, x, panels)
+    if rc != 0:
+        raise RuntimeError(f"the native {kernel} needs {needs}")
+    return y
+
+
+_Q4P_GEMM = "plinth_q4p_gemm_bf16"
+_Q8V_GEMM = "plinth_q8v_gemm_bf16"
 
 
 @functools.cache
 def q4_panels_supported() -> bool:
     """Whether this CPU runs the panel GEMM (the library was built with AVX512-BF16)."""
-    if load_library().library is None:
-        return False
-    tiny = pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.zeros(16, 1), torch.zeros(16, 1))
-    return _q4_panel_call(torch.zeros(1, 32, dtype=torch.bfloat16), tiny)[0] == 0
+    return _runs(_Q4P_GEMM, pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.zeros(16, 1),
+                                           torch.zeros(16, 1)))
 
 
 def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
     """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16 (float32 accumulation of the
     bfloat16-rounded weights). Check :func:`q4_panels_supported` first."""
-    rc, y = _q4_panel_call(x, panels)
-    if rc != 0:
-        raise RuntimeError("the native panel GEMM needs AVX512-BF16 (q4_panels_supported() is False)")
-    return y
+    return _checked_gemm(_Q4P_GEMM, x, panels, "AVX512-BF16 (q4_panels_supported() is False)")
 
 
 @dataclasses.dataclass
@@ -247,27 +255,18 @@ def pack_vnni_panels(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
     return VnniPanels(torch.from_numpy(np.ascontiguousarray(codes)), per_tile(scale), per_tile(offset), n)
 
 
-def _vnni_call(x: torch.Tensor, panels: VnniPanels) -> tuple[int, torch.Tensor]:
-    return _panel_gemm("plinth_q8v_gemm_bf16", x, panels)
-
-
 @functools.cache
 def vnni_supported() -> bool:
     """Whether this CPU runs the 8-bit VNNI GEMM (the library was built with AVX512-VNNI and -BF16)."""
-    if load_library().library is None:
-        return False
-    tiny = pack_vnni_panels(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 1), torch.zeros(16, 1))
-    return _vnni_call(torch.zeros(1, 32, dtype=torch.bfloat16), tiny)[0] == 0
+    return _runs(_Q8V_GEMM, pack_vnni_panels(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 1),
+                                             torch.zeros(16, 1)))
 
 
 def vnni_matmul(x: torch.Tensor, panels: VnniPanels) -> torch.Tensor:
     """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16, with ``x`` quantized to int8 per
     row and 32-k block (scale ``max |x| / 127``) and exact integer block dot products. Check
     :func:`vnni_supported` first."""
-    rc, y = _vnni_call(x, panels)
-    if rc != 0:
-        raise RuntimeError("the native VNNI GEMM needs AVX512-VNNI and AVX512-BF16 (vnni_supported() is False)")
-    return y
+    return _checked_gemm(_Q8V_GEMM, x, panels, "AVX512-VNNI and AVX512-BF16 (vnni_supported() is False)")
 
 
 def vnni_from_q4_panels(panels: Q4Panels) -> VnniPanels:
