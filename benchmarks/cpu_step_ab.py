@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     vnni = {m: m.vnni for m in _linear_methods(engine.runner.model) if getattr(m, "vnni", None) is not None}
     if a.toggle == "int8" and not vnni:
         p.error("no layer multiplies with 8-bit inputs (see the start-up log)")
+    # with 8-bit inputs a layer keeps no prepacked bfloat16 copy; the "off" side gets the default one back
+    packed = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32) for m in vnni}
     plan = engine.runner.graphs
     if a.toggle == "plan" and plan is None:
         p.error("this engine runs no decode plan (see the start-up log)")
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             elif a.toggle == "int8":
                 for method, panels in vnni.items():
                     method.vnni = panels if side == "on" else None
+                    method.packed = None if side == "on" else packed[method]
             else:
                 engine.runner.graphs = plan if side == "on" else None
             times[side] += steps(a.steps)

@@ -94,8 +94,6 @@ class CpuLinearMethod:
                  q4_panel_max_rows: int = 0, int8_activations: bool = False):
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
-            if packed_linear_supported(weight.dtype) else None
         self.weight = weight
         self.int4 = int4
         self.int4_max_rows = int4_max_rows if int4 is not None else 0
@@ -113,6 +111,10 @@ class CpuLinearMethod:
                 self.vnni, self.vnni_min_rows = cpu_native.vnni_from_q4_panels(int4.panels), self.int4_max_rows
             elif q8_0 is not None:
                 self.vnni, self.vnni_min_rows = cpu_native.vnni_from_q8_0(q8_0, self.out_features), self.q8_0_max_rows
+        # every row count is served by the 4-bit / Q8_0 kernels and the 8-bit-input GEMM once that exists: no
+        # prepacked bfloat16 copy then (F.linear on the weight stays the fallback)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
+            if packed_linear_supported(weight.dtype) and self.vnni is None else None
         self.handle = next(_HANDLES)
         _METHODS[self.handle] = self
 
