@@ -191,7 +191,8 @@ class Worker:
         only swaps local GEMM kernels (no collective), so ranks may choose differently; it runs before
         graph capture, which records the chosen kernels. Not on CPUs: there the fast path (prepacked
         copies sized against the machine's free memory, compiled decode steps) assumes one process.
-        Off unless ``PLINTH_WORKER_FAST_PATH=1`` until it has been timed on GPUs."""
+        Off unless ``PLINTH_WORKER_FAST_PATH=1``: on two H200s, together with the custom all-reduce, TP=2
+        batch-1 decode went from 5.75 to 5.66 ms per token only (benchmarks/RESULTS.md)."""
         from plinth.worker.cpu_path import env_flag
 
         prepare = getattr(self.platform, "prepare_runner", None)
