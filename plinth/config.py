@@ -115,12 +115,16 @@ class SchedulerConfig:
             platform's default; 2048 unless the platform says otherwise).
         enable_chunked_prefill: split long prompts over several steps.
         max_waiting_requests: the most requests queued before new ones are refused (None: unbounded).
+        async_scheduling: schedule and launch step N+1 before reading step N's sampled tokens, which
+            feed step N+1 on the device (None: on where the model runs in-process on an accelerator;
+            steps whose requests ask for logprobs, penalties, min_tokens or seeds run synchronously).
     """
 
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

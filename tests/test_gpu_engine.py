@@ -98,3 +98,23 @@ def test_kv_cache_sizing_respects_memory_fraction():
     assert llm.engine.runner.kv_cache_bytes > 0.5 * (fraction * total - 16.1e9)
     del llm
     torch.cuda.empty_cache()
+
+
+def test_async_scheduling_on_gpu(tiny_llama_dir, reference):
+    """One step in flight (the default on a GPU): graphs, eager steps, preemption with chunked prefill,
+    and early stops give the synchronous engine's tokens."""
+    for kw in (dict(), dict(enforce_eager=True),
+               dict(num_blocks=24, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=16)):
+        tokens, llm = run(tiny_llama_dir, attention_backend="triton", **kw)
+        assert llm.engine.async_scheduling, kw
+        assert tokens == reference, kw
+    sync = LLM(str(tiny_llama_dir), dtype="float32", attention_backend="triton", async_scheduling=False)
+    assert not sync.engine.async_scheduling
+    stop_id = reference[1][5]
+    for params in (SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_id]),
+                   SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)):
+        a = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        s = [o.outputs[0].token_ids for o in sync.generate(PROMPTS, params, use_tqdm=False)]
+        assert a == s
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks

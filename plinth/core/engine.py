@@ -24,7 +24,7 @@ from plinth.core.request import (
 )
 from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
 from plinth.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
-from plinth.distributed.executor import Executor, UniprocExecutor
+from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
 from plinth.worker.batching import BatchBuilder
 from plinth.worker.model_runner import ModelRunner
 
@@ -56,6 +56,26 @@ class _Group:
     @property
     def finished(self) -> bool:
         return self.aborted or all(s.request.is_finished for s in self.seqs)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet (asynchronous scheduling)."""
+
+    out: SchedulerOutput
+    reqs: list[Request]        # the requests it samples, in row order
+    step: PendingStep
+    rows: dict[str, int]       # request id -> row of its token in the step's output
+
+
+def _needs_sync_steps(params: SamplingParams) -> bool:
+    """Whether sampling reads what the previous step sampled on the host (output counts for penalties
+    and min_tokens, the output index of a seeded row) or reports logprobs: such requests run with
+    synchronous steps."""
+    seeded = params.seed is not None and params.temperature > 0
+    return (params.logprobs is not None or params.prompt_logprobs is not None or params.min_tokens > 0
+            or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0 or seeded)
 
 
 class LLMEngine:
@@ -93,14 +113,29 @@ class LLMEngine:
         self._seqs: dict[str, _Sequence] = {}
         self._aborted: list[_Group] = []
         self._prompt_logprob_groups: set[str] = set()   # unfinished groups that asked for prompt logprobs
+        self._sync_groups: set[str] = set()   # unfinished groups whose sampling needs synchronous steps
+        self._in_flight: _InFlight | None = None   # asynchronous scheduling: the step not read back yet
+        self.async_scheduling = self._resolve_async(config.scheduler.async_scheduling)
         self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
                                            config.scheduler.max_num_seqs)
         self._sampling = SamplingBatchBuilder(self.vocab_size)
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.load_time_s = time.perf_counter() - t0
-        logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks", self.load_time_s,
+        logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks%s", self.load_time_s,
                     parts.model_name, self.platform.name, str(self.dtype).removeprefix("torch."),
-                    self.selection.winner if self.selection else "?", parts.num_blocks)
+                    self.selection.winner if self.selection else "?", parts.num_blocks,
+                    ", asynchronous scheduling" if self.async_scheduling else "")
+
+    def _resolve_async(self, requested: bool | None) -> bool:
+        """Whether steps are scheduled asynchronously: as asked, else on for an in-process accelerator."""
+        supported = self.executor.supports_async_steps
+        if requested is None:
+            return supported and self.device is not None and torch.device(self.device).type != "cpu"
+        if requested and not supported:
+            logger.warning("asynchronous scheduling is not available with %s; steps run synchronously",
+                           type(self.executor).__name__)
+            return False
+        return requested
 
     # ----------------------------------------------------------------------------------- requests
 
@@ -168,6 +203,8 @@ class LLMEngine:
         self._groups[request_id] = group
         if params.prompt_logprobs is not None:
             self._prompt_logprob_groups.add(request_id)
+        if _needs_sync_steps(params):
+            self._sync_groups.add(request_id)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests at once (their KV blocks are freed); the next step reports them finished."""
@@ -200,11 +237,16 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         touched: dict[str, _Group] = {g.request_id: g for g in self._aborted}
         self._aborted.clear()
-        out = self.scheduler.schedule()
-        if out.scheduled:
-            self._execute(out, touched, final_only)
+        if self.async_scheduling and not self._sync_groups:
+            self._step_async(touched, final_only)
         else:
-            self._batch_builder.release(out)
+            if self._in_flight is not None:   # drain: the next step needs the host to know every token
+                self._finish_in_flight(touched, final_only)
+            out = self.scheduler.schedule()
+            if out.scheduled:
+                self._execute(out, touched, final_only)
+            else:
+                self._batch_builder.release(out)
         outputs = []
         for g in touched.values():
             if final_only and not g.finished:
@@ -215,14 +257,16 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
+    def _make_sampling_batch(self, reqs: list[Request]) -> Callable[[torch.device], Any] | None:
+        sampling = self._sampling
+        # built by the executor where it samples, after the forward pass is queued
+        return (lambda device: sampling.build(reqs, device)) if reqs else None
+
     def _execute(self, out: SchedulerOutput, touched: dict[str, _Group], final_only: bool) -> None:
         """Run the scheduled batch, apply its tokens, and note in ``touched`` the groups to report:
         with ``final_only`` only those that may have finished, else every one that progressed."""
         batch, reqs = self._batch_builder.build(out)
-        sampling = self._sampling
-        # built by the executor where it samples, after the forward pass is queued
-        make_batch = (lambda device: sampling.build(reqs, device)) if reqs else None
-        result, hidden = self._run_guarded(self.executor.execute, batch, make_batch)
+        result, hidden = self._run_guarded(self.executor.execute, batch, self._make_sampling_batch(reqs))
         if hidden is not None and self._prompt_logprob_groups:
             self._prompt_logprobs(out, hidden)
         if result is None:
@@ -232,6 +276,51 @@ class LLMEngine:
         if result.logprobs is not None:
             num_logprobs = [r.sampling_params.logprobs for r in reqs]
             self._record_logprobs(reqs, result.logprobs.to_position_logprobs(num_logprobs), token_ids)
+        self._apply_tokens(out, reqs, token_ids, touched, final_only)
+
+    def _step_async(self, touched: dict[str, _Group], final_only: bool) -> None:
+        """Schedule and launch the next step, then read back and apply the step in flight.
+
+        Requests sampled by the step in flight decode their unknown token in the new step: the
+        runner takes it from that step's output on the device (a :class:`TokenFeed`), so the
+        device never waits for the host between steps."""
+        prev = self._in_flight
+        out = self.scheduler.schedule()
+        if out.scheduled:
+            batch, reqs = self._batch_builder.build(out, prev.rows if prev is not None else None)
+            if batch.feed is not None:
+                assert prev is not None
+                batch.feed.tokens = prev.step.device_tokens
+            step = self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs))
+            for r in reqs:
+                r.num_pending_tokens += 1
+            self._in_flight = _InFlight(out, reqs, step, {r.request_id: i for i, r in enumerate(reqs)})
+        else:
+            self._batch_builder.release(out)
+            self._in_flight = None
+        if prev is not None:
+            self._apply_in_flight(prev, touched, final_only)
+
+    def _finish_in_flight(self, touched: dict[str, _Group], final_only: bool) -> None:
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            self._apply_in_flight(prev, touched, final_only)
+
+    def _apply_in_flight(self, prev: _InFlight, touched: dict[str, _Group], final_only: bool) -> None:
+        token_ids = self._run_guarded(prev.step.token_ids)   # waits for that step only
+        for r in prev.reqs:
+            r.num_pending_tokens -= 1
+        if prev.step.output is None:
+            self.scheduler.update_from_output(prev.out, [None] * len(prev.out.scheduled))
+            return
+        if prev.step.output.logprobs is not None:
+            num_logprobs = [r.sampling_params.logprobs for r in prev.reqs]
+            positions = prev.step.output.logprobs.to_position_logprobs(num_logprobs)
+            self._record_logprobs(prev.reqs, positions, token_ids)
+        self._apply_tokens(prev.out, prev.reqs, token_ids, touched, final_only)
+
+    def _apply_tokens(self, out: SchedulerOutput, reqs: list[Request], token_ids: list[int],
+                      touched: dict[str, _Group], final_only: bool) -> None:
         sampled = token_ids if len(reqs) == len(out.scheduled) else out.expand_sampled(token_ids)
         finished = self.scheduler.update_from_output(out, sampled)
         now_finished = {r.request_id for r in finished}
@@ -240,6 +329,8 @@ class LLMEngine:
         for req, tok in zip(reqs, token_ids, strict=True):
             rid = req.request_id
             ended = rid in now_finished
+            if not ended and req.is_finished:
+                continue   # stopped or aborted while this step was in flight: its token is dropped
             detok = seqs[rid].detok
             if detok is not None:
                 _, stop_str = detok.add_tokens([tok], finished=ended, stopped_by_token=ended and req.finish_reason == stop)
@@ -270,6 +361,8 @@ class LLMEngine:
         self._seqs.clear()
         self._seq_to_group.clear()
         self._prompt_logprob_groups.clear()
+        self._sync_groups.clear()
+        self._in_flight = None
         self._dead = EngineDeadError(message)
         self._dead.outputs = outputs  # type: ignore[attr-defined]
         self.executor.shutdown()
@@ -289,6 +382,7 @@ class LLMEngine:
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
         self._prompt_logprob_groups.discard(group.request_id)
+        self._sync_groups.discard(group.request_id)
         for s in group.seqs:
             self._seqs.pop(s.request.request_id, None)
             self._seq_to_group.pop(s.request.request_id, None)
@@ -296,9 +390,9 @@ class LLMEngine:
     def _record_logprobs(self, reqs: list[Request], positions: list[PositionLogprobs | None],
                          token_ids: list[int]) -> None:
         for j, req in enumerate(reqs):
-            seq = self._seqs[req.request_id]
+            seq = self._seqs.get(req.request_id)
             pos = positions[j]
-            if seq.logprobs is None or pos is None:
+            if seq is None or req.is_finished or seq.logprobs is None or pos is None:
                 continue
             seq.logprobs.append(self._decorate(pos))
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + pos[token_ids[j]].logprob

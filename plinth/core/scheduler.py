@@ -21,6 +21,13 @@ reasons: ``update_from_output`` returns the requests it finished (``request.fini
 ``request.stop_reason``); stop strings are found by the engine's detokenizer, which then calls
 :meth:`Scheduler.finish_request`; aborts come from :meth:`Scheduler.abort`. Every finished id is
 also listed once in the next :class:`SchedulerOutput` (``finished_request_ids``) for the runner.
+
+Asynchronous scheduling: the engine may schedule step N+1 before step N's sampled tokens are
+known. A request sampled by the step in flight has ``num_pending_tokens == 1``; it is scheduled as
+a decode of that unknown token (the runner takes it from step N's output on the device), unless
+the pending token will reach ``max_tokens`` or ``max_model_len`` anyway. A waiting (preempted)
+request with a pending token is not admitted until the token is known; a request that turns out
+to have stopped (EOS, stop string) had one wasted position computed, whose token is dropped.
 """
 
 from __future__ import annotations
@@ -184,9 +191,14 @@ class Scheduler:
         running = RequestStatus.RUNNING
         decodes: list[Request] = []
         prefills: list[Request] = []
+        max_model_len = self.max_model_len
         for r in self.running:
-            left = r.num_tokens - r.num_computed_tokens
+            pending = r.num_pending_tokens
+            left = r.num_tokens + pending - r.num_computed_tokens
             if left == 1:
+                if pending and (r.num_output_tokens + pending >= r.max_tokens
+                                or r.num_tokens + pending >= max_model_len):
+                    continue   # the token in flight is its last one
                 decodes.append(r)
             elif left > 1:
                 prefills.append(r)
@@ -197,7 +209,7 @@ class Scheduler:
                 if preempted and req.status is not running:   # preempted earlier in this loop
                     continue
                 start = req.num_computed_tokens
-                num_tokens = req.num_tokens
+                num_tokens = req.num_tokens + req.num_pending_tokens
                 num_new = min(num_tokens - start, budget)
                 while not bm.allocate_slots(req, num_new):
                     victim = next(r for r in reversed(self.running) if r.request_id not in done)
@@ -216,6 +228,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.num_pending_tokens:
+                break   # preempted with a token in flight: admitted once the token is known
             if req.sampling_params.prompt_logprobs is None:
                 cached, num_cached = bm.get_computed_blocks(req)
             else:   # every prompt position's logits are wanted
@@ -291,8 +305,9 @@ class Scheduler:
             req = entry.request
             if entry.sample != (token is not None):
                 raise ValueError(f"request {req.request_id!r}: sample={entry.sample} but got token {token!r}")
-            if token is None or req.status is not running:
+            if token is None or req.is_finished:
                 continue   # mid-prefill, or finished/aborted since it was scheduled
+            # (a request preempted since it was scheduled keeps the token and recomputes later)
             req.append_output_token(token)
             metrics = req.metrics
             if metrics.first_token_time is None:

@@ -29,6 +29,7 @@ from plinth.core.async_engine import EngineDeadError
 from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
 from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
 from plinth.distributed.parallel_state import ParallelLayout
+from plinth.worker.batching import FlatBatch
 from plinth.worker.model_runner import SeqBatchEntry
 
 logger = logging.getLogger(__name__)
@@ -77,16 +78,53 @@ class RankWeights:
         return cls(tp_rank, pp_rank, floors.device_name(device), floors.weight_stats(model))
 
 
+class PendingStep:
+    """A step whose work is queued on the device and whose sampled tokens are read later.
+
+    Args:
+        output: the sampler's output (device tensors), or None when the step samples nothing.
+        host: where the sampled tokens are being copied (pinned host memory), or None.
+        copied: an event recorded after that copy (None: the tokens are on the host already).
+    """
+
+    def __init__(self, output: SamplerOutput | None, host: torch.Tensor | None = None,
+                 copied: torch.cuda.Event | None = None):
+        self.output = output
+        self._host = host
+        self._copied = copied
+
+    @property
+    def device_tokens(self) -> torch.Tensor | None:
+        """The sampled token ids ``[S]`` int64 where they were sampled (feeds the next step)."""
+        return None if self.output is None else self.output.sampled_token_ids
+
+    def token_ids(self) -> list[int]:
+        """The sampled token ids, waiting for this step only (not for steps queued after it)."""
+        if self.output is None:
+            return []
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host if self._host is not None else self.output.sampled_token_ids
+        return host[: len(self.output.sampled_token_ids)].tolist()
+
+
 class Executor(abc.ABC):
     """Runs the model for the engine.
 
     Attributes:
         num_blocks: KV blocks per layer (the same on every rank).
         selection: the attention-backend selection result.
+        supports_async_steps: :meth:`launch` is implemented (asynchronous scheduling).
     """
 
     num_blocks: int
     selection: Any
+    supports_async_steps: bool = False
+
+    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
+        """Queue one step (its ``batch.feed`` rows read from the previous step's output on the device)
+        and return at once; :meth:`PendingStep.token_ids` waits for its tokens."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps synchronously")
 
     @abc.abstractmethod
     def execute(self, entries: Sequence[SeqBatchEntry],
@@ -130,11 +168,33 @@ class Executor(abc.ABC):
 class UniprocExecutor(Executor):
     """The model runner of the engine's own process."""
 
+    supports_async_steps = True
+
     def __init__(self, runner: Any, num_blocks: int, selection: Any):
         self.runner = runner
         self.num_blocks = num_blocks
         self.selection = selection
         self.sampler = Sampler()
+        self._pinned: list[torch.Tensor] = []   # two host buffers for sampled tokens, used in turn
+
+    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
+        logits, sample_seqs, _ = self.runner.execute(batch)
+        if make_sampling_batch is None or not sample_seqs:
+            return PendingStep(None)
+        out = self.sampler.sample(logits, make_sampling_batch(logits.device))
+        tokens = out.sampled_token_ids
+        if tokens.device.type != "cuda":
+            return PendingStep(out)
+        n = len(tokens)
+        if not self._pinned or self._pinned[0].numel() < n:
+            size = max(n, 256, 2 * self._pinned[0].numel() if self._pinned else 0)
+            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()   # the other buffer may still be read by the step in flight's owner
+        host = self._pinned[0]
+        host[:n].copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return PendingStep(out, host, copied)
 
     def execute(self, entries: Sequence[SeqBatchEntry],
                 make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:

@@ -13,6 +13,7 @@ ENGINE_KWARGS = (
     "seed", "served_model_name", "chat_template",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
+    "async_scheduling",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
     "platform", "attention_backend", "gemm_kernel", "selection", "enforce_eager",
 )
@@ -52,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="tokens computed per step, decodes plus prefill chunks (default: the platform's, 2048)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--max-waiting-requests", type=int, default=None)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs on the device (default: on for an in-process "
+                        "accelerator, off on CPUs and with worker processes)")
     g = parser.add_argument_group("parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)

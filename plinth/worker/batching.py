@@ -9,6 +9,8 @@
   sequence), so a step's ``[N, W]`` block table is one gather, not a rebuild from Python lists.
 * :class:`BatchBuilder`: a scheduler's output to a :class:`FlatBatch`, through the persistent table.
 * :func:`block_table_array`: lists of block ids to a zero-padded table.
+* :class:`TokenFeed`: under asynchronous scheduling, which input tokens of a step are the sampled
+  tokens of the step still in flight (taken from its output on the device).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -62,6 +64,28 @@ def block_table_array(block_ids: Sequence[Sequence[int]] | np.ndarray, width: in
 
 
 @dataclasses.dataclass(eq=False)
+class TokenFeed:
+    """Input tokens that the previous step samples (not known on the host when the step is built).
+
+    Attributes:
+        rows: ``[K]`` int64, rows of the batch's ``token_ids`` (their host value is a placeholder).
+        src: ``[K]`` int64, the row of each in the previous step's sampled tokens.
+        tokens: the previous step's sampled tokens ``[S]`` int64, on the device (set by the engine).
+    """
+
+    rows: np.ndarray
+    src: np.ndarray
+    tokens: Any = None
+
+    def apply_on_host(self, token_ids: np.ndarray) -> np.ndarray:
+        """``token_ids`` with the fed rows filled in, read from ``tokens`` (for a runner that computes
+        on the CPU, where the previous step's tokens are already there)."""
+        out = np.array(token_ids, dtype=np.int64, copy=True)
+        out[self.rows] = self.tokens.cpu().numpy()[self.src]
+        return out
+
+
+@dataclasses.dataclass(eq=False)
 class FlatBatch(Sequence[SeqBatchEntry]):
     """One step's sequences as flat arrays.
 
@@ -73,6 +97,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
         block_counts: ``[N]`` int64, blocks each sequence holds.
         sample: ``[N]`` bool, whether the sequence's last token is sampled.
         decode_only: every sequence computes one token and is sampled (a decode step).
+        feed: the tokens that the step in flight samples (asynchronous scheduling), or None.
     """
 
     token_ids: np.ndarray
@@ -82,6 +107,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     block_counts: np.ndarray
     sample: np.ndarray
     decode_only: bool
+    feed: TokenFeed | None = None
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -124,6 +150,8 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     def entries(self) -> list[SeqBatchEntry]:
         """The batch as entries (built once, on first use: callers that take entries iterate it)."""
         if self._entries is None:
+            if self.feed is not None:
+                raise ValueError("a batch fed by the step in flight has no host token ids to make entries of")
             ends = np.cumsum(self.q_lens).tolist()
             tokens, starts, counts = self.token_ids.tolist(), self.starts.tolist(), self.block_counts.tolist()
             tables, sample = self.block_tables.tolist(), self.sample.tolist()
@@ -261,8 +289,15 @@ class BatchBuilder:
         for rid in out.finished_request_ids:
             table.release(rid)
 
-    def build(self, out: SchedulerOutput) -> tuple[FlatBatch, list[Request]]:
-        """The step's batch, and the requests it samples (in batch order)."""
+    def build(self, out: SchedulerOutput, in_flight: dict[str, int] | None = None) -> tuple[FlatBatch, list[Request]]:
+        """The step's batch, and the requests it samples (in batch order).
+
+        Args:
+            out: the scheduler's output.
+            in_flight: request id -> row in the sampled tokens of the step in flight, for requests
+                whose last token that step samples (asynchronous scheduling); their rows go to
+                the batch's :class:`TokenFeed`.
+        """
         self.release(out)
         table = self.block_table
         row_of = table.row
@@ -272,6 +307,8 @@ class BatchBuilder:
         tokens: list[int] = []
         sample: list[bool] = []
         sampled: list[Request] = []
+        fed_rows: list[int] = []
+        fed_src: list[int] = []
         for s in out.scheduled:
             req = s.request
             rows.append(row_of(req.request_id, req.block_ids))
@@ -279,7 +316,16 @@ class BatchBuilder:
             starts.append(start)
             q_lens.append(num_new)
             if num_new == 1:
-                tokens.append(req.all_token_ids[start])
+                known = req.all_token_ids
+                if start < len(known):
+                    tokens.append(known[start])
+                else:   # sampled by the step in flight
+                    if in_flight is None or req.request_id not in in_flight:
+                        raise ValueError(f"request {req.request_id!r}: token {start} is not known and no step "
+                                         "in flight samples it")
+                    fed_rows.append(len(tokens))
+                    fed_src.append(in_flight[req.request_id])
+                    tokens.append(0)
             else:
                 tokens.extend(req.all_token_ids[start:start + num_new])
             sample.append(s.sample)
@@ -295,5 +341,7 @@ class BatchBuilder:
             block_counts=counts,
             sample=np.array(sample, dtype=np.bool_),
             decode_only=len(tokens) == len(rows) == len(sampled),
+            feed=(TokenFeed(np.array(fed_rows, dtype=np.int64), np.array(fed_src, dtype=np.int64))
+                  if fed_rows else None),
         )
         return batch, sampled

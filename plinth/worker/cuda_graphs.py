@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+from plinth.worker.batching import TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,11 @@ class DecodeGraphRunner:
             context_lens=dev((g,), torch.int32), query_start_loc=dev((g + 1,), torch.int32),
             block_tables=dev((g, w), torch.int32),
         )
-        # Pinned host staging: one row per static buffer, packed as int64 [5, G] + int32 tables.
-        self.host_vec = torch.zeros((5, g), dtype=torch.int64, pin_memory=True)
+        # Pinned host staging: one row per static buffer, packed as int64 [5, G] + int32 tables, plus
+        # two rows for fed tokens (asynchronous scheduling: batch rows, rows of the previous output).
+        self.host_vec = torch.zeros((7, g), dtype=torch.int64, pin_memory=True)
         self.host_tables = torch.zeros((g, w), dtype=torch.int32, pin_memory=True)
+        self._copied: torch.cuda.Event | None = None   # recorded after the latest copies from the host buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -141,17 +144,20 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(self, token_ids: np.ndarray, positions: np.ndarray,
-            block_ids: Sequence[Sequence[int]] | np.ndarray) -> torch.Tensor:
+            block_ids: Sequence[Sequence[int]] | np.ndarray, feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay one decode step for ``B`` sequences; returns logits ``[B, vocab]`` (a view into static output).
 
         Args:
             token_ids: ``[B]`` the last token of each sequence.
             positions: ``[B]`` its position (= tokens already in the cache).
             block_ids: each sequence's KV blocks (lists, or a zero-padded ``[B, W]`` integer array).
+            feed: rows of ``token_ids`` to take from the previous step's sampled tokens on the device.
         """
         b = len(token_ids)
         size = self.padded_size(b)
         assert size is not None, f"decode batch {b} exceeds the largest graph {self.max_size}"
+        if self._copied is not None:   # the previous step's copies may still read the host buffers
+            self._copied.synchronize()
         bs = self.block_size
         w = self.host_tables.shape[1]
         vec = self.host_vec.numpy()
@@ -176,14 +182,22 @@ class DecodeGraphRunner:
         vec[2, b:size] = 0
         vec[3, b:size] = 1
         vec[4, b:size] = 0
+        k = 0 if feed is None else len(feed.rows)
+        if k:
+            vec[5, :k] = feed.rows
+            vec[6, :k] = feed.src
         s = self.static
         dev_vec = self.host_vec.to(self.device, non_blocking=True)   # whole pinned buffer: one async copy
         s.input_ids[:size].copy_(dev_vec[0, :size])
+        if k:
+            s.input_ids.index_copy_(0, dev_vec[5, :k], feed.tokens.index_select(0, dev_vec[6, :k]))
         s.positions[:size].copy_(dev_vec[1, :size])
         s.slot_mapping[:size].copy_(dev_vec[2, :size])
         s.seq_lens[:size].copy_(dev_vec[3, :size])
         s.context_lens[:size].copy_(dev_vec[4, :size])
         s.block_tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         # query_start_loc is 0..size for a decode batch: constant, filled at capture
         self.graphs[size].replay()
         return self.outputs[size][:b]

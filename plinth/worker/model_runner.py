@@ -115,8 +115,18 @@ class ModelRunner:
             slot_mapping = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         sample_seqs = np.flatnonzero(batch.sample)
         sample_rows = qsl[1:][sample_seqs] - 1                                  # [S]
-        (input_ids, positions_t, slots, rows), (qsl_t, lens_t, ctx_t, tables_t) = self.staging.upload(
-            [batch.token_ids, positions, slot_mapping, sample_rows], [qsl, seq_lens, starts, tables])
+        feed = batch.feed
+        if feed is not None and self.device.type == "cpu":
+            token_ids, feed = feed.apply_on_host(batch.token_ids), None
+        else:
+            token_ids = batch.token_ids
+        int64 = [token_ids, positions, slot_mapping, sample_rows]
+        if feed is not None:
+            int64 += [feed.rows, feed.src]
+        (input_ids, positions_t, slots, rows, *fed), (qsl_t, lens_t, ctx_t, tables_t) = self.staging.upload(
+            int64, [qsl, seq_lens, starts, tables])
+        if feed is not None:   # the step in flight's sampled tokens, gathered on the device
+            input_ids.index_copy_(0, fed[0], feed.tokens.index_select(0, fed[1]))
         metadata = AttentionMetadata(
             num_tokens=num_tokens,
             num_seqs=num_seqs,
@@ -163,9 +173,16 @@ class ModelRunner:
              hidden states [T, hidden] of the whole flat batch, or None for a replayed decode graph).
         """
         batch = FlatBatch.from_entries(entries)
+        feed = batch.feed
+        if feed is not None and self.device.type == "cpu":   # the previous step's tokens are computed already
+            batch = dataclasses.replace(batch, token_ids=feed.apply_on_host(batch.token_ids), feed=None)
+            feed = None
         if self.graphs is not None and batch.decode_only and 0 < batch.num_seqs <= self.graphs.max_size:
             # [B, W] rows, 0-padded: the graph runners copy them as they copy lists of block ids
-            logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables)
+            if feed is None:
+                logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables)
+            else:
+                logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables, feed=feed)
             if logits is not None:   # None: this batch runs eagerly (a runner that could not compile)
                 return logits, list(range(batch.num_seqs)), None
         inputs = self.prepare(batch)
