@@ -13,14 +13,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_engine import MAX_TOKENS, PROMPTS, greedy, llm_for, token_ids, transformers_greedy
+from test_scheduler import FakeRunner, make_scheduler, next_token, req
+from test_scheduler import run as run_sync
 
 from plinth import LLM, SamplingParams
 from plinth.core.request import RequestStatus
 from plinth.core.scheduler import Scheduler, SchedulerOutput
 from plinth.worker.batching import BatchBuilder
-from test_engine import MAX_TOKENS, PROMPTS, greedy, llm_for, reference, token_ids  # noqa: F401
-from test_scheduler import FakeRunner, make_scheduler, next_token, req
-from test_scheduler import run as run_sync
 
 
 class FedRunner(FakeRunner):
@@ -175,6 +175,11 @@ def test_batch_builder_feeds_unknown_tokens():
 
 
 # ------------------------------------------------------------------------------------ engine level
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> list[list[int]]:
+    return transformers_greedy(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")

@@ -33,13 +33,12 @@ def token_ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir) -> list[list[int]]:
-    """Greedy tokens from transformers' own generate on the same weights."""
+def transformers_greedy(model_dir) -> list[list[int]]:
+    """Greedy tokens of PROMPTS from transformers' own generate on the same weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for p in PROMPTS:
         ids = tok(p, return_tensors="pt").input_ids
@@ -48,6 +47,11 @@ def reference(tiny_llama_dir) -> list[list[int]]:
                                  pad_token_id=tok.pad_token_id)
         out.append(gen[0, ids.shape[1]:].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> list[list[int]]:
+    return transformers_greedy(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
