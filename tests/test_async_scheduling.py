@@ -131,7 +131,7 @@ def test_pending_token_reaching_max_tokens_is_not_scheduled():
     assert r.output_token_ids == [7, 8] and r.status == RequestStatus.FINISHED_LENGTH
 
 
-def test_preempted_request_with_token_in_flight_waits_for_it():
+def test_pending_decodes_do_not_preempt_and_preempted_ones_wait_for_their_token():
     sched = make_scheduler(num_blocks=5, block_size=4, budget=64)   # 4 usable blocks
     a, b = req("a", list(range(8)), max_tokens=8), req("b", list(range(20, 27)), max_tokens=8)
     sched.add_request(a)
@@ -139,16 +139,24 @@ def test_preempted_request_with_token_in_flight_waits_for_it():
     first = sched.schedule()                                      # a: 2 blocks, b: 2 blocks (7 tokens)
     assert len(first.scheduled) == 2
     a.num_pending_tokens = b.num_pending_tokens = 1
-    second = sched.schedule()                                     # a needs a third block: b is preempted
-    assert second.preempted_request_ids == ["b"] and b.status == RequestStatus.PREEMPTED
+    second = sched.schedule()    # a's unknown token needs a third block: a waits, nobody is preempted
+    assert [e.request.request_id for e in second.scheduled] == ["b"] and not second.preempted_request_ids
+    b.num_pending_tokens += 1                                     # second is launched
+    a.num_pending_tokens -= 1
+    b.num_pending_tokens -= 1
+    sched.update_from_output(first, [5, 6])                       # first is read back
+    third = sched.schedule()     # a's token is known now: a takes b's blocks (b's token still in flight)
+    assert third.preempted_request_ids == ["b"] and b.status == RequestStatus.PREEMPTED
+    assert [e.request.request_id for e in third.scheduled] == ["a"]
+    a.num_pending_tokens += 1
     sched.abort(["a"])                                            # room again, but b's token is in flight
     assert sched.schedule().scheduled == []
-    a.num_pending_tokens = b.num_pending_tokens = 0
-    sched.update_from_output(first, [5, 6])
-    assert a.output_token_ids == [] and b.output_token_ids == [6]  # the preempted request keeps its token
-    third = sched.schedule()                                      # b is admitted again, with all its tokens
+    b.num_pending_tokens -= 1
+    sched.update_from_output(second, [9])
+    assert b.output_token_ids == [6, 9]                           # the preempted request keeps its token
+    nxt = sched.schedule()                                        # b is admitted again, with all its tokens
     assert [(e.request.request_id, e.num_computed_tokens + e.num_new_tokens, e.sample)
-            for e in third.scheduled] == [("b", 8, True)]
+            for e in nxt.scheduled] == [("b", 9, True)]
 
 
 def test_batch_builder_feeds_unknown_tokens():
@@ -255,32 +263,163 @@ def test_async_engine_abort_in_flight(tiny_llama_dir):
     assert engine.block_manager.num_free_blocks == free0
 
 
-def test_logprobs_requests_run_synchronously_and_match(async_llm, llm):
+def outputs_summary(outs) -> list:
+    return [[(c.token_ids, c.text, str(c.finish_reason), c.stop_reason) for c in o.outputs] for o in outs]
+
+
+def test_logprobs_seeds_and_min_tokens_run_async_and_match(async_llm, llm):
     p = greedy(8, logprobs=2)
+    counts = count_launches(async_llm)
     a = async_llm.generate(PROMPTS[:3], p, use_tqdm=False)
     s = llm.generate(PROMPTS[:3], p, use_tqdm=False)
+    assert counts["fed"] > 0                                      # logprobs do not stop the overlap
     for x, y in zip(a, s, strict=True):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for pa, ps in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
             assert {k: round(v.logprob, 4) for k, v in pa.items()} == {k: round(v.logprob, 4) for k, v in ps.items()}
-    # a plain request joining a logprobs request mid-run: steps go synchronous, then async again
+    full = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    # seeded sampling keys on the output index (the token in flight counts); min_tokens masks stop ids
+    for params in (SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True),
+                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=6, stop_token_ids=full[:6])):
+        a = async_llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        s = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        assert outputs_summary(a) == outputs_summary(s)
+
+
+def test_penalties_run_synchronously_and_match(async_llm, llm):
+    """A request with penalties (its sampling counts the earlier tokens on the host) joining mid-run:
+    steps go synchronous while it runs, and every output equals the synchronous engine's."""
+    pen = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.3)
     engine = async_llm.engine
     engine.add_request("plain", PROMPTS[0], greedy())
     engine.step()
     engine.step()
     assert engine._in_flight is not None
-    engine.add_request("lp", PROMPTS[2], greedy(4, logprobs=1))
+    engine.add_request("pen", PROMPTS[2], pen)
     done = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o
-        if "lp" not in done:
+        if "pen" not in done:
             assert engine._in_flight is None
-    ref = {o.prompt: o for o in llm.generate([PROMPTS[0], PROMPTS[2]], [greedy(), greedy(4, logprobs=1)],
-                                            use_tqdm=False)}
-    assert done["plain"].outputs[0].token_ids == ref[PROMPTS[0]].outputs[0].token_ids
-    assert done["lp"].outputs[0].token_ids == ref[PROMPTS[2]].outputs[0].token_ids
+    ref = llm.generate([PROMPTS[0], PROMPTS[2]], [greedy(), pen], use_tqdm=False)
+    assert done["plain"].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert done["pen"].outputs[0].token_ids == ref[1].outputs[0].token_ids
+
+
+def test_prefix_cache_registers_the_block_a_pending_token_completes(tiny_llama_dir):
+    """The last block of a finished request is cached as with synchronous steps (a follow-up turn hits it)."""
+    cached = {}
+    for mode in (True, False):
+        llm = llm_for(tiny_llama_dir, async_scheduling=mode)
+        prompt = llm.engine.tokenize(PROMPTS[2])[:5]
+        out = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+        follow = llm.generate([prompt + out + [5, 6, 7]], greedy(2), use_tqdm=False)[0]
+        cached[mode] = follow.num_cached_tokens
+    assert cached[True] == cached[False] == 12
+
+
+def test_failed_step_aborts_the_requests_in_flight(tiny_llama_dir, reference):
+    llm = llm_for(tiny_llama_dir, async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], greedy())
+    engine.add_request("b", PROMPTS[1], greedy())
+    for _ in range(3):
+        engine.step()
+    launch = engine.executor.launch
+
+    def failing(batch, make):
+        raise RuntimeError("device error")
+
+    engine.executor.launch = failing
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.step()
+    engine.executor.launch = launch
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["a", "b"]
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests() and engine._in_flight is None
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    # the engine goes on: a new request gives the reference tokens
+    assert token_ids(llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)) == reference[:2]
+
+
+def test_randomized_async_equals_sync(tiny_llama_dir):
+    """Random mixes of stop ids, stop strings, n=2, logprobs, lengths, late arrivals and aborts under
+    preemption and chunked prefill: every request that was not aborted ends as in the synchronous engine."""
+    import random
+
+    configs = [dict(max_num_batched_tokens=3, max_num_seqs=3, num_blocks=26),
+               dict(num_blocks=22, max_num_batched_tokens=12, max_num_seqs=5, enable_prefix_caching=False)]
+    words = "the quick brown fox Paris capital France models 0123 tokens batching keeps".split()
+    for ci, config in enumerate(configs):
+        engines = [llm_for(tiny_llama_dir, async_scheduling=m, **config).engine for m in (True, False)]
+        for seed in range(3):
+            rng = random.Random(100 * ci + seed)
+            reqs = []
+            for i in range(8):
+                kw = dict(temperature=0.0, max_tokens=rng.randrange(1, 24), ignore_eos=rng.random() < 0.3)
+                r = rng.random()
+                if r < 0.3:
+                    kw["stop_token_ids"] = rng.sample(range(300), 15)
+                elif r < 0.5:
+                    kw["stop"] = [rng.choice(["e", "a", " t", "o"])]
+                if rng.random() < 0.2:
+                    kw["n"] = 2
+                if rng.random() < 0.15:
+                    kw["logprobs"] = 1
+                prompt = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 10)))
+                reqs.append((rng.randrange(0, 6), f"q{i}", prompt, SamplingParams(**kw)))
+            aborts = {f"q{i}": rng.randrange(1, 12) for i in range(8) if rng.random() < 0.15}
+            results = []
+            for engine in engines:
+                done, step = {}, 0
+                todo = sorted(reqs, key=lambda r: r[0])
+                while todo or engine.has_unfinished_requests():
+                    while todo and todo[0][0] <= step:
+                        _, rid, prompt, params = todo.pop(0)
+                        engine.add_request(rid, prompt, params)
+                    engine.abort_request([rid for rid, at in aborts.items() if at == step])
+                    for o in engine.step():
+                        if o.finished:
+                            assert o.request_id not in done
+                            done[o.request_id] = o
+                    step += 1
+                    assert step < 2000
+                assert set(done) == {r[1] for r in reqs}
+                bm = engine.block_manager
+                assert bm.num_free_blocks == bm.num_usable_blocks
+                results.append({rid: outputs_summary([o])[0] for rid, o in done.items() if rid not in aborts})
+            assert results[0] == results[1], (ci, seed)
+
+
+def test_async_front_streams_with_async_steps(tiny_llama_dir, reference):
+    import asyncio
+
+    from plinth.core.async_engine import AsyncLLMEngine
+
+    llm = llm_for(tiny_llama_dir, async_scheduling=True, max_num_seqs=3)
+    front = AsyncLLMEngine(llm.engine)
+
+    async def one(i: int) -> list[int]:
+        last: list[int] = []
+        async for out in front.generate(f"s{i}", PROMPTS[i], greedy()):
+            tokens = out.outputs[0].token_ids
+            assert tokens[: len(last)] == last                   # streamed outputs only grow
+            last = list(tokens)
+        return last
+
+    async def main() -> list[list[int]]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(PROMPTS)))), 120)
+
+    try:
+        assert asyncio.run(main()) == reference
+    finally:
+        front.shutdown()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
 
 
 def test_async_scheduling_defaults_off_on_cpu(llm):

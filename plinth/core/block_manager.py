@@ -189,6 +189,13 @@ class BlockManager:
                 self._record_query(request, len(cached_blocks))
         return True
 
+    def register_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose tokens are all known and computed (or being
+        computed): for a block completed by a token that was unknown when its slot was allocated."""
+        if self.enable_prefix_caching and request.block_ids:
+            chain = self._chains.setdefault(request.request_id, [])
+            self._register_full_blocks(request, min(request.num_computed_tokens, request.num_tokens), chain)
+
     def free(self, request: Request) -> None:
         """Drop the request's references; its cached blocks stay reusable until evicted."""
         for block in reversed(request.block_ids):

@@ -69,13 +69,12 @@ class _InFlight:
 
 
 def _needs_sync_steps(params: SamplingParams) -> bool:
-    """Whether sampling reads what the previous step sampled on the host (output counts for penalties
-    and min_tokens, the output index of a seeded row) or reports logprobs: such requests run with
-    synchronous steps."""
-    seeded = params.seed is not None and params.temperature > 0
-    return (params.logprobs is not None or params.prompt_logprobs is not None or params.min_tokens > 0
-            or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0 or seeded)
+    """Whether the request needs every earlier token on the host before a step is built: penalties
+    count the output tokens, prompt logprobs read the step's hidden states. Such requests run with
+    synchronous steps. (Seeded rows and ``min_tokens`` count the token in flight as an output;
+    logprobs come back with the tokens.)"""
+    return (params.prompt_logprobs is not None or params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
 
 
 class LLMEngine:
@@ -255,6 +254,8 @@ class LLMEngine:
             if output.finished:
                 self._forget(g)
             outputs.append(output)
+        if self._in_flight is not None and not self._groups:
+            self._finish_in_flight({}, final_only)   # only stopped requests' dropped tokens are left
         return outputs
 
     def _make_sampling_batch(self, reqs: list[Request]) -> Callable[[torch.device], Any] | None:
@@ -284,27 +285,50 @@ class LLMEngine:
         Requests sampled by the step in flight decode their unknown token in the new step: the
         runner takes it from that step's output on the device (a :class:`TokenFeed`), so the
         device never waits for the host between steps."""
-        prev = self._in_flight
-        out = self.scheduler.schedule()
-        if out.scheduled:
-            batch, reqs = self._batch_builder.build(out, prev.rows if prev is not None else None)
-            if batch.feed is not None:
-                assert prev is not None
-                batch.feed.tokens = prev.step.device_tokens
-            step = self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs))
-            for r in reqs:
-                r.num_pending_tokens += 1
-            self._in_flight = _InFlight(out, reqs, step, {r.request_id: i for i, r in enumerate(reqs)})
-        else:
-            self._batch_builder.release(out)
+        prev, self._in_flight = self._in_flight, None
+        out: SchedulerOutput | None = None
+        try:
+            out = self.scheduler.schedule()
+            if out.scheduled:
+                batch, reqs = self._batch_builder.build(out, prev.rows if prev is not None else None)
+                if batch.feed is not None:
+                    assert prev is not None
+                    batch.feed.tokens = prev.step.device_tokens
+                step = self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs))
+                for r in reqs:
+                    r.num_pending_tokens += 1
+                self._in_flight = _InFlight(out, reqs, step, {r.request_id: i for i, r in enumerate(reqs)})
+            else:
+                self._batch_builder.release(out)
+            if prev is not None:
+                self._apply_in_flight(prev, touched, final_only)
+        except BaseException:
+            # The tokens of these steps are lost (and the device may have fed them on): abort their
+            # requests rather than let them continue out of step with their KV cache.
+            self._abort_after_failure([prev.out if prev is not None else None, out])
             self._in_flight = None
-        if prev is not None:
-            self._apply_in_flight(prev, touched, final_only)
+            raise
+
+    def _abort_after_failure(self, outs: list[SchedulerOutput | None]) -> None:
+        groups = {self._seq_to_group[s.request.request_id].request_id
+                  for o in outs if o is not None for s in o.scheduled
+                  if s.request.request_id in self._seq_to_group and not s.request.is_finished}
+        for o in outs:
+            for s in o.scheduled if o is not None else ():
+                s.request.num_pending_tokens = 0
+        if groups:
+            logger.error("a step failed with requests in flight; aborting %d request(s)", len(groups))
+            self.abort_request(sorted(groups))
 
     def _finish_in_flight(self, touched: dict[str, _Group], final_only: bool) -> None:
         prev, self._in_flight = self._in_flight, None
-        if prev is not None:
+        if prev is None:
+            return
+        try:
             self._apply_in_flight(prev, touched, final_only)
+        except BaseException:
+            self._abort_after_failure([prev.out])
+            raise
 
     def _apply_in_flight(self, prev: _InFlight, touched: dict[str, _Group], final_only: bool) -> None:
         token_ids = self._run_guarded(prev.step.token_ids)   # waits for that step only

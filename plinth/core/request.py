@@ -222,7 +222,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache (or will be after this step)
         self.num_cached_tokens = 0     # prompt tokens found in the prefix cache at first admission
-        # tokens sampled by a step still in flight, not yet appended (asynchronous scheduling: 0 or 1)
+        # tokens sampled by steps not read back yet (asynchronous scheduling): 0 or 1 between steps,
+        # 2 while a new step is launched before the previous one is read back
         self.num_pending_tokens = 0
         self.block_ids: list[int] = []  # owned by the block manager
         self.stop_reason: str | int | None = None

@@ -168,7 +168,8 @@ class _Composition:
             return self.plain
         if not (self.use_counts or self.min_tokens_rows or self.seeded):
             return self.static
-        num_output = [len(r.output_token_ids) for r in requests]
+        # a token sampled by the step in flight (asynchronous scheduling) counts as an output
+        num_output = [len(r.output_token_ids) + r.num_pending_tokens for r in requests]
         counts = self._counts(requests, num_output) if self.use_counts else None
         if remember:
             self.counts, self.num_output = counts, num_output

@@ -23,11 +23,14 @@ reasons: ``update_from_output`` returns the requests it finished (``request.fini
 also listed once in the next :class:`SchedulerOutput` (``finished_request_ids``) for the runner.
 
 Asynchronous scheduling: the engine may schedule step N+1 before step N's sampled tokens are
-known. A request sampled by the step in flight has ``num_pending_tokens == 1``; it is scheduled as
+known. A request sampled by the step in flight has ``num_pending_tokens > 0``; it is scheduled as
 a decode of that unknown token (the runner takes it from step N's output on the device), unless
 the pending token will reach ``max_tokens`` or ``max_model_len`` anyway. A waiting (preempted)
-request with a pending token is not admitted until the token is known; a request that turns out
-to have stopped (EOS, stop string) had one wasted position computed, whose token is dropped.
+request with a pending token is not admitted until the token is known, and a decode of a pending
+token that needs a block nobody has free waits for the next step instead of preempting anyone (the
+token may end the request). A request that turns out to have stopped (EOS, stop string) had one
+wasted position computed, whose token is dropped. The prefix-cache block that a pending token
+completes is registered when the token arrives.
 """
 
 from __future__ import annotations
@@ -211,6 +214,8 @@ class Scheduler:
                 start = req.num_computed_tokens
                 num_tokens = req.num_tokens + req.num_pending_tokens
                 num_new = min(num_tokens - start, budget)
+                if req.num_pending_tokens and not bm.can_allocate(req, num_new):
+                    continue   # no preemption for a token that may end the request: next step, once known
                 while not bm.allocate_slots(req, num_new):
                     victim = next(r for r in reversed(self.running) if r.request_id not in done)
                     self._preempt(victim)
@@ -309,6 +314,9 @@ class Scheduler:
                 continue   # mid-prefill, or finished/aborted since it was scheduled
             # (a request preempted since it was scheduled keeps the token and recomputes later)
             req.append_output_token(token)
+            if req.num_computed_tokens >= req.num_tokens:
+                # the step in flight computes past this token: the block it completed is known now
+                self.block_manager.register_computed_blocks(req)
             metrics = req.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now

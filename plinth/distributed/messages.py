@@ -42,6 +42,9 @@ class StepBatch:
         """The batch of a step; a :class:`~plinth.worker.batching.FlatBatch` (the engine's) is taken
         as its arrays, with no pass over the sequences."""
         if isinstance(entries, FlatBatch):
+            if entries.feed is not None:
+                raise ValueError("a batch fed by the step in flight (asynchronous scheduling) cannot go to "
+                                 "worker processes: its token ids are on the engine's device")
             return cls(token_ids=entries.token_ids, q_lens=entries.q_lens, starts=entries.starts,
                        block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample)
         n = len(entries)

@@ -49,6 +49,8 @@ def split_microbatches(entries: Sequence[SeqBatchEntry] | FlatBatch, max_parts: 
 
 def sub_batch(batch: FlatBatch, part: range) -> FlatBatch:
     """Sequences ``part`` (contiguous) of ``batch``, as views of its arrays."""
+    if batch.feed is not None:
+        raise ValueError("pipeline micro-batches do not take tokens fed by a step in flight")
     a, b = part.start, part.stop
     ends = np.cumsum(batch.q_lens)                                           # [N]
     t0, t1 = (int(ends[a - 1]) if a else 0), int(ends[b - 1])
