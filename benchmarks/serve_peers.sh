@@ -7,7 +7,8 @@
 #
 # Each server runs alone on the machine, with the client beside it: for every concurrency C (default
 # 1 8 32) the client sends 64 prompts of 256 random tokens, asks for 128 new tokens each (EOS ignored)
-# and keeps C requests in flight. The two tables (output tok/s, TTFT and inter-token latency, median and
+# and keeps C requests in flight; the prompts are seeded with C, so each concurrency has its own (a run
+# cannot hit prefix-cache blocks of an earlier run's prompts on the same server). The two tables (output tok/s, TTFT and inter-token latency, median and
 # p99, the load average before each run) are printed and written to OUT/serve_peers.md; the client's
 # own JSON results stay in OUT. See benchmarks/README.md for how to build the vLLM environment.
 set -euo pipefail
@@ -108,7 +109,7 @@ run_client() {  # system, port
             --base-url "http://127.0.0.1:$2" --endpoint /v1/completions \
             --model "$MODEL_NAME" --tokenizer "$EXPORT_DIR" \
             --dataset-name random --random-input-len 256 --random-output-len 128 --ignore-eos \
-            --num-prompts "$NUM_PROMPTS" --request-rate inf --max-concurrency "$c" --seed 0 \
+            --num-prompts "$NUM_PROMPTS" --request-rate inf --max-concurrency "$c" --seed "$c" \
             --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --disable-tqdm \
             --save-result --result-dir "$OUT" --result-filename "$1-c$c.json" \
             --metadata "loadavg=${load// /,}" > "$OUT/$1-c$c.log" 2>&1 \

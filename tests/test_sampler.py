@@ -284,3 +284,19 @@ def test_prompt_logprobs_helper():
         assert entries[i][target].rank == 1 + int((ref[i] > ref[i, target]).sum())
         top2 = np.argsort(-ref[i])[:2].tolist()
         assert set(entries[i]) == set(top2) | {target}
+
+
+def test_cpu_draws_never_pick_dropped_tokens_and_follow_the_rest():
+    """The CPU's inverse-CDF draw: tokens of probability 0 (filtered: at either end and inside) are never
+    picked, and the kept ones follow their probabilities."""
+    probs = np.array([0.0, 0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = torch.from_numpy(np.log(np.where(probs > 0, probs, 1.0))).float()
+    logits[torch.from_numpy(probs == 0)] = float("-inf")
+    n = 6000
+    reqs = [make(SamplingParams(temperature=1.0)) for _ in range(n)]
+    tokens = Sampler(seed=11).sample(logits.expand(n, -1), batch_of(reqs, vocab=7)).sampled_token_ids
+    counts = np.bincount(tokens.numpy(), minlength=7)
+    assert counts[probs == 0].sum() == 0, counts
+    kept = probs > 0
+    # 2 degrees of freedom: 13.82 is the 0.999 quantile
+    assert chi_square(counts[kept], probs[kept]) < 13.82, counts
