@@ -85,14 +85,46 @@ class CpuPagedBackend(TorchBatchedBackend):
             # takes the shapes (the same written cache, then one call for every sequence's rows)
             if _prefill_supported(query, kv_cache):
                 write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-                out = paged_prefill(query, kv_cache, *self._step_indices(metadata), metadata.num_seqs, scale,
-                                    sliding_window)
+                out = self._mixed(query, kv_cache, metadata, scale, sliding_window)
                 if out is not None:
                     return out
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return paged_decode(query, kv_cache, *self._step_indices(metadata), metadata.num_seqs, scale, sliding_window,
                             max_seq_len=metadata.max_seq_len, every_row_owned=query.shape[0] == metadata.num_seqs)
+
+    def _mixed(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+               sliding_window: int | None) -> torch.Tensor | None:
+        """A step with prefill rows: its leading one-token sequences (the scheduler puts decodes first)
+        through the decode kernel, which reads each KV head's cache once for all the query heads that
+        share it, and the rest through the causal prefill kernel (``None``: the kernel declined)."""
+        tables, lens, starts = self._step_indices(metadata)
+        num_decodes, prefill_starts = self._decode_split(metadata, starts)
+        if num_decodes == 0:
+            return paged_prefill(query, kv_cache, tables, lens, starts, metadata.num_seqs, scale, sliding_window)
+        rest = paged_prefill(query[num_decodes:], kv_cache, tables[num_decodes:], lens[num_decodes:], prefill_starts,
+                             metadata.num_seqs - num_decodes, scale, sliding_window)
+        if rest is None:
+            return None
+        head = paged_decode(query[:num_decodes], kv_cache, tables, lens, starts, num_decodes, scale, sliding_window,
+                            every_row_owned=True)
+        return torch.cat([head, rest])
+
+    @staticmethod
+    def _decode_split(metadata: AttentionMetadata, starts: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """How many leading sequences compute one token, and the query offsets of the others (from 0);
+        once per step."""
+        step = metadata.backend_data if isinstance(metadata.backend_data, dict) else {}
+        split = step.get("cpu_paged_split")
+        if split is None:
+            q = metadata.query_start_loc_cpu
+            n = 0
+            while n < metadata.num_seqs and q[n + 1] - q[n] == 1:
+                n += 1
+            if n == metadata.num_seqs:   # every sequence one token, some not sampled: the prefill kernel
+                n = 0
+            split = step["cpu_paged_split"] = (n, (starts[n:] - n).contiguous())
+        return split
 
     @staticmethod
     def _step_indices(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
