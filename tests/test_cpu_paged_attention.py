@@ -277,9 +277,11 @@ def test_registered_as_a_candidate():
                          ids=["gqa4", "smollm2-bs32", "mha-d128"])
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_kernel_matches_sdpa(heads, d, bs, window, dtype, monkeypatch):
+@pytest.mark.parametrize("layout", ["interleaved", "decodes-first"])
+def test_prefill_kernel_matches_sdpa(heads, d, bs, window, dtype, layout, monkeypatch):
     """The native prefill kernel (prefill chunks with and without cached context, decode rows mixed in,
-    a partial last tile, sliding windows) against float64 SDPA; the batched fallback must not run."""
+    a partial last tile, sliding windows) against float64 SDPA; the batched fallback must not run. With
+    the decodes first (the scheduler's order) those rows go through the decode kernel."""
     from plinth.attention_backends import cpu_paged
     from plinth.attention_backends.torch_batched import TorchBatchedBackend
 
@@ -289,7 +291,10 @@ def test_prefill_kernel_matches_sdpa(heads, d, bs, window, dtype, monkeypatch):
     if cpu_paged._prefill_kernel_ok():   # a build without AVX512 has no prefill kernel: the fallback is checked
         monkeypatch.setattr(TorchBatchedBackend, "forward", no_fallback)
     spec = spec_of(h=heads[0], hkv=heads[1], d=d, bs=bs, dtype=dtype, window=window)
-    contexts, q_lens = [0, 5, 40, 100, 0, 16], [17, 1, 33, 3, 64, 1]
+    if layout == "interleaved":
+        contexts, q_lens = [0, 5, 40, 100, 0, 16], [17, 1, 33, 3, 64, 1]
+    else:
+        contexts, q_lens = [30, 7, 100, 0, 40, 16], [1, 1, 1, 20, 5, 33]
     batch = make_paged_batch(spec, contexts, q_lens, generator=torch.Generator().manual_seed(d + bs))
     assert not batch.metadata.is_decode_only
     scale = 1 / math.sqrt(d)
