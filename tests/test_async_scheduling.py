@@ -14,7 +14,7 @@ import random
 
 import pytest
 from test_engine import MAX_TOKENS, PROMPTS, greedy, llm_for, token_ids, transformers_greedy
-from test_scheduler import FakeRunner, make_scheduler, next_token, req
+from test_scheduler import FakeRunner, make_scheduler, req
 from test_scheduler import run as run_sync
 
 from plinth import LLM, SamplingParams
@@ -23,32 +23,9 @@ from plinth.core.scheduler import Scheduler, SchedulerOutput
 from plinth.worker.batching import BatchBuilder
 
 
-class FedRunner(FakeRunner):
-    """The fake runner, taking the tokens of a step in flight from that step's output (as the device does)."""
-
-    def execute_fed(self, out: SchedulerOutput, fed: dict[str, int]) -> list[int | None]:
-        for e in out.scheduled:
-            known = e.request.all_token_ids
-            for j in range(e.num_new_tokens):
-                p = e.num_computed_tokens + j
-                tok = known[p] if p < len(known) else fed[e.request.request_id]
-                block = e.request.block_ids[p // self.bs]
-                assert block != 0
-                self.slots[(block, p % self.bs)] = tok
-        sampled: list[int | None] = []
-        for e in out.scheduled:
-            if not e.sample:
-                sampled.append(None)
-                continue
-            n = e.num_computed_tokens + e.num_new_tokens
-            blocks = e.request.block_ids
-            sampled.append(next_token([self.slots[(blocks[p // self.bs], p % self.bs)] for p in range(n)]))
-        return sampled
-
-
 def run_async(sched: Scheduler, requests, max_steps: int = 3000) -> tuple[dict[str, list[int]], int, int]:
     """Drive with one step in flight; returns the outputs, the number of fed tokens and of wasted rows."""
-    runner = FedRunner(sched.block_manager.block_size)
+    runner = FakeRunner(sched.block_manager.block_size)
     for r in requests:
         sched.add_request(r)
     prev: tuple[SchedulerOutput, list[int | None]] | None = None
@@ -61,7 +38,7 @@ def run_async(sched: Scheduler, requests, max_steps: int = 3000) -> tuple[dict[s
         if prev is not None:
             fed = {e.request.request_id: t for e, t in zip(prev[0].scheduled, prev[1], strict=True) if t is not None}
         num_fed += sum(1 for e in out.scheduled if e.num_computed_tokens >= e.request.num_tokens)
-        sampled = runner.execute_fed(out, fed) if out.scheduled else []
+        sampled = runner.execute(out, fed) if out.scheduled else []
         for e in out.scheduled:
             if e.sample:
                 e.request.num_pending_tokens += 1

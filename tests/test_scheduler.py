@@ -33,10 +33,14 @@ class FakeRunner:
         self.bs = block_size
         self.slots: dict[tuple[int, int], int] = {}
 
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
+    def execute(self, out: SchedulerOutput, fed: dict[str, int] | None = None) -> list[int | None]:
+        """``fed``: the tokens of a step in flight by request id (asynchronous scheduling), for positions
+        the host does not know yet (the device takes them from that step's output)."""
         for e in out.scheduled:                      # write every new token's "K/V" first
-            for j, tok in enumerate(e.token_ids):
+            known = e.request.all_token_ids
+            for j in range(e.num_new_tokens):
                 p = e.num_computed_tokens + j
+                tok = known[p] if p < len(known) else fed[e.request.request_id]   # type: ignore[index]
                 block = e.request.block_ids[p // self.bs]
                 assert block != 0
                 self.slots[(block, p % self.bs)] = tok
