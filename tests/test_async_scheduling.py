@@ -407,3 +407,34 @@ def test_async_scheduling_defaults_off_on_cpu(llm):
 def llm(tiny_llama_dir) -> LLM:
     return llm_for(tiny_llama_dir, async_scheduling=False)
 
+
+
+def test_failed_read_back_of_a_stopped_requests_step_keeps_the_outputs(tiny_llama_dir):
+    """The last step in flight holds only a stopped request's dropped token: if reading it back fails,
+    the step still returns the request's final output."""
+    llm = llm_for(tiny_llama_dir, async_scheduling=True)
+    engine = llm.engine
+    full = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = full.index(full[4])                  # the stop token's first position in the output
+    engine.add_request("a", PROMPTS[1], greedy(stop_token_ids=[full[4]]))
+    request = engine.scheduler.get_request("a")
+    launch = engine.executor.launch
+    broken = []
+
+    def failing_read_back():
+        raise RuntimeError("device error")
+
+    def recording(batch, make):
+        step = launch(batch, make)
+        if len(request.output_token_ids) == stop_at:   # launched while the stop token is in flight
+            step.token_ids = failing_read_back
+            broken.append(step)
+        return step
+
+    engine.executor.launch = recording
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.finished), None)
+    assert broken and final.outputs[0].token_ids == full[: stop_at + 1]
+    assert final.outputs[0].finish_reason == "stop"
+    assert engine._in_flight is None and not engine.has_unfinished_requests()

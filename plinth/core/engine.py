@@ -255,7 +255,12 @@ class LLMEngine:
                 self._forget(g)
             outputs.append(output)
         if self._in_flight is not None and not self._groups:
-            self._finish_in_flight({}, final_only)   # only stopped requests' dropped tokens are left
+            # only the dropped tokens of stopped requests are left in it: read it back now, and let a
+            # failure surface on the next step rather than lose this step's outputs
+            try:
+                self._finish_in_flight({}, final_only)
+            except Exception:
+                logger.exception("reading back the last step in flight failed")
         return outputs
 
     def _make_sampling_batch(self, reqs: list[Request]) -> Callable[[torch.device], Any] | None:
