@@ -39,7 +39,7 @@ class CpuPagedBackend(TorchBatchedBackend):
     """Decode and prefill through native kernels over the paged cache; other shapes as ``torch_batched``."""
 
     #: part of the start-up selection's cache key: a new kernel (here the prefill kernel) is timed afresh
-    selection_revision = 2
+    selection_revision = 3
 
     name = "cpu_paged"
     priority = 6

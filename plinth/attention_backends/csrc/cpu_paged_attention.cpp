@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -110,6 +111,31 @@ inline void block_update_avx512(const scalar_t* k_base, const scalar_t* v_base, 
       float* ar = acc + r * kD;
       for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(ar + 16 * j, _mm512_fmadd_ps(p, vv[j], load16(ar + 16 * j)));
     }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 16 rows of 16 dwords, transposed in place: afterwards r[e] holds dword e of rows 0..15 (lane t = row t).
+inline void transpose16_epi32(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {   // lane L of t[i]: r_i[4L], r_i+1[4L], r_i[4L+1], r_i+1[4L+1]; t[i+1]: 4L+2, 4L+3
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {   // lane L of u[i + k]: rows i..i+3 of dword 4L + k
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {       // lane L of u[k], u[4 + k], u[8 + k], u[12 + k] side by side: dword 4L + k
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88), d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+    r[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(a, c, 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(b, d, 0xdd);
   }
 }
 #endif
@@ -264,6 +290,7 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
     std::vector<float> q(max_rows * kD), acc(max_rows * kD), row_max(max_rows), row_sum(max_rows),
         kt(kD * 16), vb(16 * kD), p(16);
     std::vector<int64_t> row_pos(max_rows);
+    std::vector<const uint16_t*> qraw(max_rows);   // bfloat16: each row's query in the input
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t tile = item / sh.num_kv_heads, h = item % sh.num_kv_heads;
@@ -273,7 +300,9 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
       // rows: position-major, the group's heads side by side; row r = (position i0 + r / group, head r % group)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r / group, head = h * group + r % group;
-        to_float(query + (starts[s] + i) * sh.q_row + head * kD, q.data() + r * kD, kD);
+        const scalar_t* qr = query + (starts[s] + i) * sh.q_row + head * kD;
+        if constexpr (std::is_same_v<scalar_t, uint16_t>) qraw[r] = qr;
+        to_float(qr, q.data() + r * kD, kD);
         for (int64_t d = 0; d < kD; ++d) q[r * kD + d] *= scale;
         row_pos[r] = ctx + i;
       }
@@ -289,13 +318,33 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
         for (int64_t c0 = 0; c0 < n; c0 += 16) {                     // 16 keys at a time (block sizes of 16k)
           const int64_t m = std::min<int64_t>(16, n - c0), key0 = b * bs + c0;
           if (key0 > last) break;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          // bfloat16: the keys' bfloat16 pairs transposed to [D/2][16] dwords (no conversion), for vdpbf16ps
+          constexpr bool kPairs = std::is_same_v<scalar_t, uint16_t> && kD % 32 == 0;
+          __m512i ktb[kPairs ? kD / 2 : 1];
+          if constexpr (kPairs) {
+            for (int64_t w = 0; w < kD / 32; ++w) {
+              __m512i rows16[16];
+              for (int64_t t = 0; t < 16; ++t)
+                rows16[t] = t < m ? _mm512_loadu_si512(k_cache + base + (c0 + t) * sh.token_stride + 32 * w)
+                                  : _mm512_setzero_si512();
+              transpose16_epi32(rows16);
+              for (int64_t e = 0; e < 16; ++e) ktb[16 * w + e] = rows16[e];
+            }
+          }
+#else
+          constexpr bool kPairs = false;
+#endif
           for (int64_t t = 0; t < 16; ++t) {                           // K^T [D][16], V [16][D] in float32
             if (t < m) {
-              to_float(k_cache + base + (c0 + t) * sh.token_stride, vb.data() + t * kD, kD);
-              for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = vb[t * kD + d];
+              if constexpr (!kPairs) {
+                to_float(k_cache + base + (c0 + t) * sh.token_stride, vb.data() + t * kD, kD);
+                for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = vb[t * kD + d];
+              }
               to_float(v_cache + base + (c0 + t) * sh.token_stride, vb.data() + t * kD, kD);
             } else {
-              for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = 0.f;
+              if constexpr (!kPairs)
+                for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = 0.f;
               std::fill(vb.begin() + t * kD, vb.begin() + (t + 1) * kD, 0.f);
             }
           }
@@ -304,6 +353,23 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
           __m512 s4[4];
           for (int u = 0; u < 4; ++u) s4[u] = _mm512_setzero_ps();
           const int64_t r_end = std::min<int64_t>(rows, r0 + 4);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if constexpr (kPairs) {   // the raw bfloat16 query rows, two features per dword, scaled afterwards
+            const __m512 sc = _mm512_set1_ps(scale);
+            for (int64_t r = r0; r < r_end; ++r) {
+              const uint16_t* qr = qraw[r];
+              __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+              for (int64_t pr = 0; pr < kD / 2; pr += 2) {
+                int32_t pair0, pair1;
+                std::memcpy(&pair0, qr + 2 * pr, sizeof(pair0));
+                std::memcpy(&pair1, qr + 2 * pr + 2, sizeof(pair1));
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)ktb[pr], (__m512bh)_mm512_set1_epi32(pair0));
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)ktb[pr + 1], (__m512bh)_mm512_set1_epi32(pair1));
+              }
+              s4[r - r0] = _mm512_mul_ps(_mm512_add_ps(a0, a1), sc);
+            }
+          } else
+#endif
           if (r_end - r0 == 4) {
             const float* q0 = q.data() + r0 * kD;
             for (int64_t d = 0; d < kD; ++d) {
