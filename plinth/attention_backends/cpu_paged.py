@@ -99,7 +99,7 @@ class CpuPagedBackend(TorchBatchedBackend):
         through the decode kernel, which reads each KV head's cache once for all the query heads that
         share it, and the rest through the causal prefill kernel (``None``: the kernel declined)."""
         tables, lens, starts = self._step_indices(metadata)
-        num_decodes, prefill_starts = self._decode_split(metadata, starts)
+        num_decodes, longest_decode, prefill_starts = self._decode_split(metadata, starts)
         if num_decodes == 0:
             return paged_prefill(query, kv_cache, tables, lens, starts, metadata.num_seqs, scale, sliding_window)
         rest = paged_prefill(query[num_decodes:], kv_cache, tables[num_decodes:], lens[num_decodes:], prefill_starts,
@@ -107,13 +107,13 @@ class CpuPagedBackend(TorchBatchedBackend):
         if rest is None:
             return None
         head = paged_decode(query[:num_decodes], kv_cache, tables, lens, starts, num_decodes, scale, sliding_window,
-                            every_row_owned=True)
+                            max_seq_len=longest_decode, every_row_owned=True)
         return torch.cat([head, rest])
 
     @staticmethod
-    def _decode_split(metadata: AttentionMetadata, starts: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """How many leading sequences compute one token, and the query offsets of the others (from 0);
-        once per step."""
+    def _decode_split(metadata: AttentionMetadata, starts: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """How many leading sequences compute one token, the longest of them, and the query offsets of the
+        others (from 0); once per step."""
         step = metadata.backend_data if isinstance(metadata.backend_data, dict) else {}
         split = step.get("cpu_paged_split")
         if split is None:
@@ -123,7 +123,8 @@ class CpuPagedBackend(TorchBatchedBackend):
                 n += 1
             if n == metadata.num_seqs:   # every sequence one token, some not sampled: the prefill kernel
                 n = 0
-            split = step["cpu_paged_split"] = (n, (starts[n:] - n).contiguous())
+            longest = max(metadata.seq_lens_cpu[:n], default=0)
+            split = step["cpu_paged_split"] = (n, longest, (starts[n:] - n).contiguous())
         return split
 
     @staticmethod

@@ -157,13 +157,11 @@ class Sampler:
         gen = self._generator(probs.device)
         if probs.device.type != "cpu":
             noise = torch.empty_like(probs).exponential_(generator=gen).clamp_min_(1e-20)
-            if batch.seeded_rows is not None:
-                assert batch.seed_keys is not None
-                noise[batch.seeded_rows] = -torch.log(counter_uniform(batch.seed_keys, probs.shape[1]))
-            return (probs / noise).argmax(dim=-1)
-        cdf = probs.to(torch.float64).cumsum_(dim=-1)                                  # [B, V]
-        target = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+            tokens = (probs / noise).argmax(dim=-1)
+        else:
+            cdf = probs.to(torch.float64).cumsum_(dim=-1)                              # [B, V]
+            target = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]
+            tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
         if batch.seeded_rows is not None:
             assert batch.seed_keys is not None
             rows = batch.seeded_rows

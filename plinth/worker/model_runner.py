@@ -116,11 +116,7 @@ class ModelRunner:
         sample_seqs = np.flatnonzero(batch.sample)
         sample_rows = qsl[1:][sample_seqs] - 1                                  # [S]
         feed = batch.feed
-        if feed is not None and self.device.type == "cpu":
-            token_ids, feed = feed.apply_on_host(batch.token_ids), None
-        else:
-            token_ids = batch.token_ids
-        int64 = [token_ids, positions, slot_mapping, sample_rows]
+        int64 = [batch.token_ids, positions, slot_mapping, sample_rows]
         if feed is not None:
             int64 += [feed.rows, feed.src]
         (input_ids, positions_t, slots, rows, *fed), (qsl_t, lens_t, ctx_t, tables_t) = self.staging.upload(
@@ -179,6 +175,7 @@ class ModelRunner:
             feed = None
         if self.graphs is not None and batch.decode_only and 0 < batch.num_seqs <= self.graphs.max_size:
             # [B, W] rows, 0-padded: the graph runners copy them as they copy lists of block ids
+            # only the CUDA graph runner takes a feed: a CPU runner's fed tokens were filled in above
             if feed is None:
                 logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables)
             else:
