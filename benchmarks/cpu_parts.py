@@ -1,0 +1,159 @@
+"""Parts of a CPU step on the default model, timed one at a time (two threads).
+
+* ``sampler``: sampling 32 rows of the 49k vocabulary at temperature 1 and greedily;
+* ``prefill-kernel``: ``paged_prefill`` per layer (SmolLM2 shapes, bf16): one 500-token prompt, and a
+  224-token chunk after 100 cached tokens;
+* ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens in a 2 GiB cache of 30
+  layers, cold (a 64 MiB write between calls, as the GEMMs between layers evict the caches) and warm;
+* ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
+  decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
+
+    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+H, HKV, D, BS, VOCAB = 9, 3, 64, 16, 49152
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
+def sampler_part() -> dict:
+    from plinth.core.request import Request, SamplingParams
+    from plinth.core.sampler import Sampler
+    from plinth.core.sampling_batch import SamplingBatch
+
+    logits = torch.randn(32, VOCAB)
+    out = {}
+    for name, temp in (("temperature_1", 1.0), ("greedy", 0.0)):
+        reqs = [Request(str(i), [1], SamplingParams(temperature=temp)) for i in range(32)]
+        batch = SamplingBatch.from_requests(reqs, VOCAB, "cpu")
+        sampler = Sampler()
+        out[f"sample_32_rows_{name}_ms"] = median_ms(lambda s=sampler, b=batch: s.sample(logits, b), 20)
+    return out
+
+
+def prefill_kernel_part() -> dict:
+    from plinth.attention_backends.cpu_paged import paged_prefill
+
+    out = {}
+    for name, q_len, ctx in (("prompt_500", 500, 0), ("chunk_224_after_100", 224, 100)):
+        n = ctx + q_len
+        nb = -(-n // BS)
+        cache = torch.randn(2, nb + 1, BS, HKV, D).bfloat16()
+        tables = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
+        lens = torch.tensor([n], dtype=torch.int32)
+        starts = torch.tensor([0, q_len], dtype=torch.int32)
+        q = torch.randn(q_len, H, D).bfloat16()
+        out[f"paged_prefill_{name}_ms_per_layer"] = median_ms(
+            lambda q=q, c=cache, t=tables, ln=lens, s=starts: paged_prefill(q, c, t, ln, s, 1, D ** -0.5), 20)
+    return out
+
+
+def decode_kernel_part() -> dict:
+    from plinth.attention_backends.cpu_paged import paged_decode
+
+    seqs, ctx, layers, blocks = 32, 330, 30, 5825
+    caches = []
+    for _ in range(layers):
+        buf = np.zeros(2 * blocks * BS * HKV * D * 2, dtype=np.uint8)
+        cache = torch.from_numpy(buf).view(torch.bfloat16).view(2, blocks, BS, HKV, D)
+        cache.normal_()
+        caches.append(cache)
+    nb = -(-ctx // BS)
+    ids = np.random.default_rng(0).permutation(np.arange(1, blocks))[: seqs * nb]
+    tables = torch.from_numpy(ids.reshape(seqs, nb).astype(np.int32))
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    starts = torch.arange(seqs + 1, dtype=torch.int32)
+    q = torch.randn(seqs, H, D).bfloat16()
+    junk = torch.empty(64 << 20, dtype=torch.uint8)
+
+    def call(layer: int) -> float:
+        t = time.perf_counter()
+        paged_decode(q, caches[layer], tables, lens, starts, seqs, D ** -0.5, max_seq_len=ctx, every_row_owned=True)
+        return time.perf_counter() - t
+
+    cold = []
+    for it in range(4):
+        for layer in range(layers):
+            junk.fill_(it)
+            cold.append(call(layer))
+    warm = [call(0) for _ in range(40)]
+    kv_bytes = seqs * ctx * HKV * D * 2 * 2
+    cold_ms, warm_ms = float(np.median(cold[layers:])) * 1e3, float(np.median(warm[5:])) * 1e3
+    return {"paged_decode_32x330_cold_ms_per_layer": cold_ms, "cold_gb_s": kv_bytes / cold_ms / 1e6,
+            "paged_decode_32x330_warm_ms_per_layer": warm_ms, "warm_gb_s": kv_bytes / warm_ms / 1e6}
+
+
+def steps_part() -> dict:
+    from plinth import LLM, SamplingParams
+
+    llm = LLM()
+    engine = llm.engine
+    rng = np.random.default_rng(1)
+    counter = iter(range(10**6))
+
+    def one_prefill() -> None:
+        engine.add_request(f"p{next(counter)}", rng.integers(100, 40000, 500).tolist(), SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    out = {"prefill_500_step_ms": median_ms(one_prefill, 5)}
+    params = SamplingParams(temperature=1.0, max_tokens=512, ignore_eos=True)
+    for i in range(31):
+        engine.add_request(f"d{i}", rng.integers(100, 40000, 256).tolist(), params)
+    for _ in range(60):
+        engine.step()                         # every prompt prefilled: 31 decodes per step
+
+    def mixed() -> None:
+        engine.add_request(f"m{next(counter)}", rng.integers(100, 40000, 224).tolist(), SamplingParams(max_tokens=1))
+        engine.step()
+
+    out["mixed_31_decodes_plus_224_chunk_step_ms"] = median_ms(mixed, 5)
+    out["decode_31_step_ms"] = median_ms(engine.step, 5)
+    engine.abort_request([f"d{i}" for i in range(31)])
+    engine.step()
+    engine.add_request("one", rng.integers(100, 40000, 256).tolist(),
+                       SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    out["decode_1_step_ms_ctx_280"] = median_ms(engine.step, 30)
+    return out
+
+
+PARTS = {"sampler": sampler_part, "prefill-kernel": prefill_kernel_part, "decode-kernel": decode_kernel_part,
+         "steps": steps_part}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    for name in args.parts.split(","):
+        if name not in PARTS:
+            p.error(f"unknown part {name!r}; known: {', '.join(PARTS)}")
+        print(json.dumps({"part": name, **PARTS[name]()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
