@@ -172,14 +172,96 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+def interleave_pairs(q: torch.Tensor, tile: int) -> torch.Tensor:
+    """Codes reordered for the pair layout of ``w4a16_mma_pairs_kernel``."""
+    n, k = q.shape
+    return q.reshape(n, k // tile, 4, tile // 8, 2).permute(0, 1, 3, 4, 2).reshape(n, k)
+
+
+def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
+    """The tensor-core W4A16 kernels for decode rows (group 128, TILE 128), swept over their launch."""
+    from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
+    from plinth.quantization.kernels.interface import GemmProblem
+    from plinth.quantization.kernels.w4a16_triton import interleave_codes, load_jit_module
+    from plinth.quantization.packing import pack_int32
+    from plinth.quantization.quantizers import random_int_weights
+    from plinth.quantization.selection import holder
+
+    jit = load_jit_module()
+    out = []
+    sweep = list(itertools.product((16, 32, 64, 128), (1, 2, 4), (2, 4), (3, 5)))
+    if a.quick:
+        sweep = [(32, 1, 4, 3), (16, 1, 4, 4), (64, 1, 4, 3)]
+    variants = {"planes": (jit.w4a16_mma_kernel, interleave_codes), "pairs": (jit.w4a16_mma_pairs_kernel, interleave_pairs)}
+    for name in a.shapes.split(","):
+        if name == "lm_head":
+            continue
+        n, k = SHAPES[name]
+        problem = GemmProblem("int", torch.bfloat16, "cuda", capability=torch.cuda.get_device_capability(),
+                              bits=4, group_size=128, shapes=((n, k),))
+        tinygemm = TorchInt4PackKernel(problem)
+        ws, packed = [], []
+        for c in range(a.copies):
+            gen = torch.Generator(device="cuda").manual_seed(c)
+            ws.append(random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=torch.device("cuda"),
+                                         generator=gen))
+            packed.append(holder(tinygemm.prepare(ws[-1])))
+        dense0 = ws[0].dequantize(torch.float32)
+        gbytes = (n * k / 2 + 2 * n * (k // 128) * 4) / 1e9
+        layouts = {v: [pack_int32(lay(w.q, 128), 4, dim=1) for w in ws] for v, (_kern, lay) in variants.items()}
+        scales = [w.scales.float().contiguous() for w in ws]
+        zeros = [w.zeros.float().contiguous() for w in ws]
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ref = x.float() @ dense0.T
+            rec: dict[str, Any] = {"part": "w4mma", "shape": name, "n": n, "k": k, "m": m, "gbytes": gbytes}
+            rec["int4pack_ms"] = graph_time(lambda i: tinygemm.apply(packed[i], x, None), a.copies, a.replays)
+
+            def launch(i, kern, v, bn, split, warps, stages, asm):
+                y = (torch.zeros(m, n, dtype=torch.float32, device="cuda") if split > 1
+                     else torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
+                q = layouts[v][i]
+                kern[(-(-m // 16), -(-n // bn), split)](
+                    x, q, scales[i], zeros[i], y, m, n, k, x.stride(0), q.stride(0), scales[i].stride(0), y.stride(0),
+                    GROUP_SIZE=128, TILE=128, BLOCK_N=bn, SPLIT_K=split, MAGIC_BITS=0x4300, MAGIC=128.0, ASM=asm,
+                    num_warps=warps, num_stages=stages)
+                return y.to(torch.bfloat16) if split > 1 else y
+
+            for v, (kern, _lay) in variants.items():
+                best = None
+                for bn, split, warps, stages in sweep:
+                    if (k // 128) % split:
+                        continue
+                    try:
+                        err = (launch(0, kern, v, bn, split, warps, stages, True).float() - ref).abs().max().item()
+                        t = graph_time(lambda i: launch(i, kern, v, bn, split, warps, stages, True), a.copies, a.replays)
+                    except Exception as exc:  # noqa: BLE001 - a launch that does not compile is skipped
+                        print(f"  skip {v} {(bn, split, warps, stages)}: {type(exc).__name__}: {str(exc)[:300]}")
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, (bn, split, warps, stages), err / ref.abs().max().item())
+                if best is None:
+                    continue
+                rec[f"{v}_ms"], rec[f"{v}_tbs"], rec[f"{v}_tiles"], rec[f"{v}_rel_err"] = (
+                    best[0], gbytes / best[0], best[1], best[2])
+                cfg = best[1]
+                rec[f"{v}_noasm_ms"] = graph_time(lambda i: launch(i, kern, v, *cfg, False), a.copies, a.replays)
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     rows = [int(r) for r in a.rows.split(",")]
     results: list[dict[str, Any]] = []
     if "bf16" in a.parts:
         results += bf16_part(a, rows)
-    if "w4a16" in a.parts:
+    if "w4a16" in a.parts.split(","):
         results += w4a16_part(a, rows)
+    if "w4mma" in a.parts.split(","):
+        results += w4mma_part(a, rows)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)

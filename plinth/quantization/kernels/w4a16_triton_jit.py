@@ -117,3 +117,150 @@ def w4a16_gemv_kernel(
         tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
     else:
         tl.atomic_add(y_ptr + offs_n, out, mask=mask_n)
+
+
+@triton.jit
+def _magic_halves(words, MAGIC_BITS: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
+    """The codes in bits 0-3 and 16-19 of int32 ``words`` as 16-bit floats ``MAGIC + code``, exactly.
+
+    OR-ing a code into the mantissa of a 16-bit float whose unit in the last place is 1 (128 in
+    bfloat16, ``MAGIC_BITS`` 0x4300; 1024 in float16, 0x6400) gives ``MAGIC + code`` with no
+    conversion instruction. With ``ASM`` one ``lop3`` makes both halves at once (two codes per
+    instruction); without it (Triton's interpreter, other GPUs) the same bits come from plain integer ops.
+    """
+    if ASM:
+        if MAGIC_BITS == 0x4300:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; mov.b32 {$0, $1}, t; }",
+                "=h,=h,r", [words], dtype=(OUT, OUT), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; mov.b32 {$0, $1}, t; }",
+                "=h,=h,r", [words], dtype=(OUT, OUT), is_pure=True, pack=1)
+    else:
+        lo = ((words & 0xF) | MAGIC_BITS).to(tl.int16).to(OUT, bitcast=True)
+        hi = (((words >> 16) & 0xF) | MAGIC_BITS).to(tl.int16).to(OUT, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, g, MAGIC: tl.constexpr):
+    """``part`` holds ``x @ (MAGIC + q)`` over one group: ``(q - z) * s`` weights give
+    ``s * (part - (MAGIC + z) * sum(x))``."""
+    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
+    z = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
+    return acc + part * s[None, :] - xsum[:, None] * ((z + MAGIC) * s)[None, :]
+
+
+@triton.jit
+def w4a16_mma_kernel(
+    x_ptr,              # [M, K] activations (float16 or bfloat16), M small
+    q_ptr,              # [N, K / 8] int32, interleaved in spans of TILE features (TILE divides GROUP_SIZE)
+    s_ptr,              # [N, K / GROUP_SIZE] float32 scales
+    z_ptr,              # [N, K / GROUP_SIZE] float32 zero points (code units)
+    y_ptr,              # [M, N] output (activation dtype, or float32 when SPLIT_K > 1)
+    M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
+):
+    """Decode-sized rows on the tensor cores: grid ``(cdiv(M, 16), cdiv(N, BLOCK_N), SPLIT_K)``.
+
+    Each word tile ``[BLOCK_N, TILE / 8]`` gives eight nibble planes, two per ``lop3``
+    (:func:`_magic_halves`); each plane is ``MAGIC + code`` exactly and multiplies its slice of ``x``
+    (padded to 16 rows) on the tensor cores with float32 accumulation. Zero points and scales are
+    applied once per group (:func:`_close_group`), so the weights cost about one integer instruction
+    per code. ``K / SPLIT_K`` is a multiple of ``GROUP_SIZE``.
+    """
+    SPAN: tl.constexpr = TILE // 8
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * 16 + tl.arange(0, 16)
+    mask_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, SPAN)
+    k_len = K // SPLIT_K
+    k_begin = pid_k * k_len
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_w[None, :]
+    OUT: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    xsum = tl.zeros((16,), dtype=tl.float32)
+    for k0 in range(k_begin, k_begin + k_len, TILE):
+        words = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                           # [BN, SPAN]
+        for h in tl.static_range(4):
+            lo, hi = _magic_halves(words >> (4 * h), MAGIC_BITS, OUT, ASM)
+            xl = tl.load(x_ptrs + k0 + h * SPAN, mask=mask_m[:, None], other=0.0)           # [16, SPAN]
+            xh = tl.load(x_ptrs + k0 + (h + 4) * SPAN, mask=mask_m[:, None], other=0.0)
+            part = tl.dot(xl, tl.trans(lo), part)
+            part = tl.dot(xh, tl.trans(hi), part)
+            xsum += tl.sum(xl.to(tl.float32), axis=1) + tl.sum(xh.to(tl.float32), axis=1)
+        q_ptrs += SPAN
+        if GROUP_SIZE == TILE:
+            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((16,), dtype=tl.float32)
+        elif (k0 + TILE) % GROUP_SIZE == 0:
+            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((16,), dtype=tl.float32)
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y, acc, mask=mask)
+
+
+@triton.jit
+def w4a16_mma_pairs_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, y_ptr,
+    M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
+):
+    """:func:`w4a16_mma_kernel` over the pair layout: within a span, bits ``4h`` and ``16 + 4h`` of word
+    ``w`` hold features ``h * TILE / 4 + 2w`` and ``+ 1``, so one ``lop3`` yields two neighbouring
+    features (the pairs a tensor-core operand register holds) and four dots of ``TILE / 4`` cover a span."""
+    SPAN: tl.constexpr = TILE // 8
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * 16 + tl.arange(0, 16)
+    mask_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, SPAN)
+    k_len = K // SPLIT_K
+    k_begin = pid_k * k_len
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, 2 * SPAN)[None, :]
+    OUT: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    xsum = tl.zeros((16,), dtype=tl.float32)
+    for k0 in range(k_begin, k_begin + k_len, TILE):
+        words = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                           # [BN, SPAN]
+        for h in tl.static_range(4):
+            lo, hi = _magic_halves(words >> (4 * h), MAGIC_BITS, OUT, ASM)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * SPAN))
+            xv = tl.load(x_ptrs + k0 + h * 2 * SPAN, mask=mask_m[:, None], other=0.0)     # [16, 2 * SPAN]
+            part = tl.dot(xv, tl.trans(w), part)
+            xsum += tl.sum(xv.to(tl.float32), axis=1)
+        q_ptrs += SPAN
+        if GROUP_SIZE == TILE:
+            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((16,), dtype=tl.float32)
+        elif (k0 + TILE) % GROUP_SIZE == 0:
+            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((16,), dtype=tl.float32)
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y, acc, mask=mask)
