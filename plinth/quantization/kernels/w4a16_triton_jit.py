@@ -132,11 +132,11 @@ def _magic_halves(words, MAGIC_BITS: tl.constexpr, OUT: tl.constexpr, ASM: tl.co
         if MAGIC_BITS == 0x4300:
             lo, hi = tl.inline_asm_elementwise(
                 "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r", [words], dtype=(OUT, OUT), is_pure=True, pack=1)
+                "=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
         else:
             lo, hi = tl.inline_asm_elementwise(
                 "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r", [words], dtype=(OUT, OUT), is_pure=True, pack=1)
+                "=h,=h,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
     else:
         lo = ((words & 0xF) | MAGIC_BITS).to(tl.int16).to(OUT, bitcast=True)
         hi = (((words >> 16) & 0xF) | MAGIC_BITS).to(tl.int16).to(OUT, bitcast=True)
@@ -144,9 +144,10 @@ def _magic_halves(words, MAGIC_BITS: tl.constexpr, OUT: tl.constexpr, ASM: tl.co
 
 
 @triton.jit
-def _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, g, MAGIC: tl.constexpr):
-    """``part`` holds ``x @ (MAGIC + q)`` over one group: ``(q - z) * s`` weights give
-    ``s * (part - (MAGIC + z) * sum(x))``."""
+def _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, g, MAGIC: tl.constexpr):
+    """``part`` holds ``x @ (MAGIC + q)`` over one group and ``xs`` the group's ``x`` folded to a few
+    columns: ``(q - z) * s`` weights give ``s * (part - (MAGIC + z) * sum(x))``."""
+    xsum = tl.sum(xs, axis=1)
     s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
     z = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
     return acc + part * s[None, :] - xsum[:, None] * ((z + MAGIC) * s)[None, :]
@@ -185,9 +186,10 @@ def w4a16_mma_kernel(
     q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_w[None, :]
     OUT: tl.constexpr = x_ptr.dtype.element_ty
+    XW: tl.constexpr = SPAN
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    xsum = tl.zeros((16,), dtype=tl.float32)
+    xs = tl.zeros((16, XW), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_len, TILE):
         words = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                           # [BN, SPAN]
         for h in tl.static_range(4):
@@ -196,16 +198,16 @@ def w4a16_mma_kernel(
             xh = tl.load(x_ptrs + k0 + (h + 4) * SPAN, mask=mask_m[:, None], other=0.0)
             part = tl.dot(xl, tl.trans(lo), part)
             part = tl.dot(xh, tl.trans(hi), part)
-            xsum += tl.sum(xl.to(tl.float32), axis=1) + tl.sum(xh.to(tl.float32), axis=1)
+            xs += xl.to(tl.float32) + xh.to(tl.float32)
         q_ptrs += SPAN
         if GROUP_SIZE == TILE:
-            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
             part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((16,), dtype=tl.float32)
+            xs = tl.zeros((16, XW), dtype=tl.float32)
         elif (k0 + TILE) % GROUP_SIZE == 0:
-            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
             part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((16,), dtype=tl.float32)
+            xs = tl.zeros((16, XW), dtype=tl.float32)
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -238,9 +240,10 @@ def w4a16_mma_pairs_kernel(
     q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, 2 * SPAN)[None, :]
     OUT: tl.constexpr = x_ptr.dtype.element_ty
+    XW: tl.constexpr = 2 * SPAN
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    xsum = tl.zeros((16,), dtype=tl.float32)
+    xs = tl.zeros((16, XW), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_len, TILE):
         words = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                           # [BN, SPAN]
         for h in tl.static_range(4):
@@ -248,16 +251,16 @@ def w4a16_mma_pairs_kernel(
             w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * SPAN))
             xv = tl.load(x_ptrs + k0 + h * 2 * SPAN, mask=mask_m[:, None], other=0.0)     # [16, 2 * SPAN]
             part = tl.dot(xv, tl.trans(w), part)
-            xsum += tl.sum(xv.to(tl.float32), axis=1)
+            xs += xv.to(tl.float32)
         q_ptrs += SPAN
         if GROUP_SIZE == TILE:
-            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
             part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((16,), dtype=tl.float32)
+            xs = tl.zeros((16, XW), dtype=tl.float32)
         elif (k0 + TILE) % GROUP_SIZE == 0:
-            acc = _close_group(acc, part, xsum, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
+            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
             part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((16,), dtype=tl.float32)
+            xs = tl.zeros((16, XW), dtype=tl.float32)
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
