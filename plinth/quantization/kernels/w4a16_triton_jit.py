@@ -120,6 +120,67 @@ def w4a16_gemv_kernel(
 
 
 @triton.jit
+def _unit_plus_code(packed, J: tl.constexpr):
+    """Nibble ``J`` of int32 ``packed`` as the float32 ``1 + code / 16``: the code shifted into the four
+    highest mantissa bits of 1.0 (one shift and one ``lop3``; no conversion instruction)."""
+    if 4 * J <= 19:
+        t = packed << (19 - 4 * J)
+    else:
+        t = packed >> (4 * J - 19)
+    return ((t & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def w4a16_gemv_fold_kernel(
+    x_ptr,              # [K] one activation row
+    q_ptr,              # [N, K / 8] int32, interleaved in spans of TILE features (TILE divides GROUP_SIZE)
+    s_ptr,              # [N, K / GROUP_SIZE] float32 scales
+    z_ptr,              # [N, K / GROUP_SIZE] float32 zero points (code units)
+    y_ptr,              # [N] output (activation dtype, or float32 when SPLIT_K > 1)
+    N, K, stride_qn, stride_sn,
+    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """One decode row on the CUDA cores, about three instructions per weight: grid
+    ``(cdiv(N, BLOCK_N), SPLIT_K)``, ``K / SPLIT_K`` a multiple of ``GROUP_SIZE``.
+
+    Each code enters as ``u = 1 + q / 16`` (:func:`_unit_plus_code`) and meets ``x`` in one FMA; over a
+    group, ``sum((q - z) * s * x) = s * (16 * sum(u * x) - (16 + z) * sum(x))``, folded in once per group
+    (per output and column of the word tile, so the cross-lane sum happens once at the end).
+    """
+    SPAN: tl.constexpr = TILE // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, SPAN)
+    k_len = K // SPLIT_K
+    k_begin = pid_k * k_len
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
+    out = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
+    xs = tl.zeros((SPAN,), dtype=tl.float32)
+    for k0 in range(k_begin, k_begin + k_len, TILE):
+        packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                          # [BN, SPAN]
+        for j in tl.static_range(8):
+            x = tl.load(x_ptr + k0 + j * SPAN + offs_w).to(tl.float32)                    # [SPAN]
+            part += _unit_plus_code(packed, j) * x[None, :]
+            xs += x
+        q_ptrs += SPAN
+        if (k0 + TILE) % GROUP_SIZE == 0:
+            g = k0 // GROUP_SIZE
+            sc = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)            # [BN]
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
+            out += sc[:, None] * (16.0 * part - (16.0 + z)[:, None] * xs[None, :])
+            part = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
+            xs = tl.zeros((SPAN,), dtype=tl.float32)
+    res = tl.sum(out, axis=1)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offs_n, res.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.atomic_add(y_ptr + offs_n, res, mask=mask_n)
+
+
+@triton.jit
 def _magic_halves(words, MAGIC_BITS: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
     """The codes in bits 0-3 and 16-19 of int32 ``words`` as 16-bit floats ``MAGIC + code``, exactly.
 
