@@ -190,9 +190,9 @@ def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     jit = load_jit_module()
     out = []
     sweep = list(itertools.product((32, 64, 128), (1, 2, 4), (2,), (3, 4)))
-    fold_sweep = list(itertools.product((8, 16, 32, 64), (1, 2), (2, 4), (2, 3, 4)))
+    fold_sweep = list(itertools.product((8, 16, 32), (2, 4, 8), (1, 2, 4), (2, 4)))
     if a.quick:
-        sweep, fold_sweep = [(64, 4, 2, 3), (128, 2, 2, 3)], [(16, 1, 4, 3), (32, 1, 4, 3)]
+        sweep, fold_sweep = [(64, 4, 2, 3), (128, 2, 2, 3)], [(16, 4, 1, 4), (16, 4, 2, 4)]
     variants = {"planes": (jit.w4a16_mma_kernel, interleave_codes)}
     for name in a.shapes.split(","):
         if name == "lm_head":
@@ -228,18 +228,20 @@ def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
                     num_warps=warps, num_stages=stages)
                 return y.to(torch.bfloat16) if split > 1 else y
 
-            def fold(i, bn, split, warps, stages):
+            def fold(i, bn, spans, split, warps):
                 y = (torch.zeros(1, n, dtype=torch.float32, device="cuda") if split > 1
                      else torch.empty(1, n, dtype=torch.bfloat16, device="cuda"))
                 q = layouts["planes"][i]
                 jit.w4a16_gemv_fold_kernel[(-(-n // bn), split)](
                     x, q, scales[i], zeros[i], y, n, k, q.stride(0), scales[i].stride(0),
-                    GROUP_SIZE=128, TILE=128, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                    GROUP_SIZE=128, TILE=128, SPANS=spans, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=1)
                 return y.to(torch.bfloat16) if split > 1 else y
 
             if m == 1:
                 best = None
                 for cfg in fold_sweep:
+                    if k % (128 * cfg[1] * cfg[2]):
+                        continue
                     try:
                         err = (fold(0, *cfg).float() - ref).abs().max().item()
                         t = graph_time(lambda i: fold(i, *cfg), a.copies, a.replays)

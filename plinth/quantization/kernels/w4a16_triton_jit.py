@@ -138,42 +138,47 @@ def w4a16_gemv_fold_kernel(
     z_ptr,              # [N, K / GROUP_SIZE] float32 zero points (code units)
     y_ptr,              # [N] output (activation dtype, or float32 when SPLIT_K > 1)
     N, K, stride_qn, stride_sn,
-    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, SPANS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One decode row on the CUDA cores, about three instructions per weight: grid
-    ``(cdiv(N, BLOCK_N), SPLIT_K)``, ``K / SPLIT_K`` a multiple of ``GROUP_SIZE``.
+    ``(cdiv(N, BLOCK_N), SPLIT_K)``, ``K / SPLIT_K`` a multiple of ``TILE * SPANS``.
 
-    Each code enters as ``u = 1 + q / 16`` (:func:`_unit_plus_code`) and meets ``x`` in one FMA; over a
-    group, ``sum((q - z) * s * x) = s * (16 * sum(u * x) - (16 + z) * sum(x))``, folded in once per group
-    (per output and column of the word tile, so the cross-lane sum happens once at the end).
+    Each code enters as ``u = 1 + q / 16`` (:func:`_unit_plus_code`) and meets ``x`` in one FMA; within
+    a span (one group or part of one), ``sum((q - z) * s * x) = s * (16 * sum(u * x) - (16 + z) *
+    sum(x))``, folded in per span and column of the word tile (the cross-lane sum happens once, at the
+    end). Each step loads ``SPANS`` spans at once, so that enough loads are in flight: the loop is not
+    software-pipelined, and one span per step leaves the kernel waiting on memory latency.
     """
     SPAN: tl.constexpr = TILE // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    offs_u = tl.arange(0, SPANS)
     offs_w = tl.arange(0, SPAN)
     k_len = K // SPLIT_K
     k_begin = pid_k * k_len
-    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
-    out = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
-    part = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
-    xs = tl.zeros((SPAN,), dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_len, TILE):
-        packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                          # [BN, SPAN]
+    q_ptrs = (q_ptr + offs_n[:, None, None] * stride_qn + (k_begin // 8 + offs_u * SPAN)[None, :, None]
+              + offs_w[None, None, :])                                                  # [BN, SPANS, SPAN]
+    x_ptrs = x_ptr + offs_u[:, None] * TILE + offs_w[None, :]                           # [SPANS, SPAN]
+    s_ptrs = s_ptr + offs_n[:, None] * stride_sn                                        # [BN, 1]
+    z_ptrs = z_ptr + offs_n[:, None] * stride_sn
+    out = tl.zeros((BLOCK_N, SPANS, SPAN), dtype=tl.float32)
+    for k0 in range(k_begin, k_begin + k_len, TILE * SPANS):
+        packed = tl.load(q_ptrs, mask=mask_n[:, None, None], other=0)
+        g = ((k0 + offs_u * TILE) // GROUP_SIZE)[None, :]                                  # [1, SPANS]
+        sc = tl.load(s_ptrs + g, mask=mask_n[:, None], other=0.0)                          # [BN, SPANS]
+        z = tl.load(z_ptrs + g, mask=mask_n[:, None], other=0.0)
+        part = tl.zeros((BLOCK_N, SPANS, SPAN), dtype=tl.float32)
+        xs = tl.zeros((SPANS, SPAN), dtype=tl.float32)
         for j in tl.static_range(8):
-            x = tl.load(x_ptr + k0 + j * SPAN + offs_w).to(tl.float32)                    # [SPAN]
-            part += _unit_plus_code(packed, j) * x[None, :]
+            x = tl.load(x_ptrs + k0 + j * SPAN).to(tl.float32)                             # [SPANS, SPAN]
+            part += _unit_plus_code(packed, j) * x[None, :, :]
             xs += x
-        q_ptrs += SPAN
-        if (k0 + TILE) % GROUP_SIZE == 0:
-            g = k0 // GROUP_SIZE
-            sc = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)            # [BN]
-            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
-            out += sc[:, None] * (16.0 * part - (16.0 + z)[:, None] * xs[None, :])
-            part = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
-            xs = tl.zeros((SPAN,), dtype=tl.float32)
-    res = tl.sum(out, axis=1)
+        out += sc[:, :, None] * (16.0 * part - (16.0 + z)[:, :, None] * xs[None, :, :])
+        q_ptrs += SPANS * SPAN
+    res = tl.sum(tl.sum(out, axis=2), axis=1)
     if SPLIT_K == 1:
         tl.store(y_ptr + offs_n, res.to(y_ptr.dtype.element_ty), mask=mask_n)
     else:
