@@ -117,7 +117,7 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     out = []
     from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
 
-    sweep = [f"{bn},{sp},{w},{st}" for bn, sp, w, st in itertools.product((4, 8, 16, 32), (1, 2, 4), (4,), (2, 3))]
+    sweep = [f"{bn},{sp},{split},{w}" for bn, sp, split, w in itertools.product((8, 16, 32), (2, 4, 8), (1, 2, 4), (2, 4))]
     for name in a.shapes.split(","):
         if name == "lm_head":
             continue
@@ -170,12 +170,6 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
             out.append(rec)
         torch.cuda.empty_cache()
     return out
-
-
-def interleave_pairs(q: torch.Tensor, tile: int) -> torch.Tensor:
-    """Codes reordered for the pair layout of ``w4a16_mma_pairs_kernel``."""
-    n, k = q.shape
-    return q.reshape(n, k // tile, 4, tile // 8, 2).permute(0, 1, 3, 4, 2).reshape(n, k)
 
 
 def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:

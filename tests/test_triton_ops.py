@@ -135,30 +135,49 @@ def _int4(n: int, k: int, group: int, dtype: torch.dtype):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("group,k", [(64, 256), (32, 384), (128, 1024)])
-@pytest.mark.parametrize("launch", ["", "8,2,4,3", "16,4,4,2"], ids=["default", "split2", "split4"])
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("group,k", [(64, 256), (32, 384), (128, 1024), (1024, 1024)])
+@pytest.mark.parametrize("launch", ["", "8,2,2,2", "16,1,4,4"], ids=["default", "split2", "split4"])
 def test_w4a16_interleaved_paths(monkeypatch, dtype, m, group, k, launch):
-    """One row (the GEMV over interleaved words) and several rows (the tiled GEMM reading the same
-    layout) against float64 math on the dequantized weight."""
+    """One row (the CUDA-core GEMV), up to 16 float16 rows (the tensor-core decode kernel; float32 rows
+    take the GEMM) and more rows (the tiled GEMM), all reading one layout, against float64 math on the
+    dequantized weight; ``launch`` forces K splits on the two decode kernels."""
     tile = interleave_tile(k, group)
-    if launch and k % (tile * int(launch.split(",")[1])):
-        pytest.skip("the split does not divide this input size")
     if launch:
+        bn, spans, split, warps = (int(v) for v in launch.split(","))
+        if k % (tile * spans * split) or (k // group) % split:
+            pytest.skip("the split does not divide this input size")
         monkeypatch.setenv("PLINTH_W4A16_GEMV", launch)
+        monkeypatch.setenv("PLINTH_W4A16_MMA", f"{bn * 2},{split},{warps},2")
     kernel, layer, dense = _int4(40, k, group, dtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = x.double() @ dense.T
     out = kernel.apply(layer, x, None)
     scale = ref.abs().max().item()
+    assert out.dtype == dtype and out.shape == (m, 40)
     assert (out.double() - ref).abs().max().item() <= (1e-5 if dtype == torch.float32 else 4e-3) * scale
 
 
-def test_interleave_tile_fits_groups_and_inputs():
-    for k, group in ((4096, 128), (14336, 128), (384, 32), (4096, 4096), (576, 32)):
+def test_w4a16_launch_choices():
+    """Every span lies in one group; the decode launches divide the input size they split."""
+    from plinth.quantization.kernels.w4a16_triton import gemv_tiles, mma_tiles
+
+    for k, group in ((4096, 128), (14336, 128), (384, 32), (4096, 4096), (576, 32), (1024, 1024)):
         t = interleave_tile(k, group)
-        assert k % t == 0 and group % (t // 8) == 0
-    assert interleave_tile(4096, 128) == 512 and interleave_tile(384, 32) == 128
+        assert k % t == 0 and group % t == 0
+        g = gemv_tiles(4096, k, t, 132)
+        assert k % (t * g.spans * g.split_k) == 0
+        mm = mma_tiles(4096, k, group)
+        assert (k // group) % mm.split_k == 0
+    assert interleave_tile(4096, 128) == 128 and interleave_tile(4096, 4096) == 512
+
+
+def test_w4a16_launch_override_is_checked(monkeypatch):
+    from plinth.quantization.kernels.w4a16_triton import gemv_tiles
+
+    monkeypatch.setenv("PLINTH_W4A16_GEMV", "8,2")
+    with pytest.raises(ValueError, match="expected 4 comma-separated integers"):
+        gemv_tiles(4096, 4096, 128, 132)
 
 
 @needs_interpreter
@@ -205,7 +224,7 @@ def test_model_with_fused_ops_matches_torch_path(monkeypatch, tiny_llama_dir):
 
 
 def test_split_w4a16_routes_by_rows(monkeypatch):
-    """The decode/prefill pair: up to 32 rows go to torch's int4 matmul, longer inputs to the Triton GEMM;
+    """The decode/prefill pair: up to four rows go to torch's int4 matmul, more rows to the Triton kernels;
     on CPU it declines (one kernel serves both there)."""
     from plinth.quantization.kernels.w4a16_split import DECODE_MAX_ROWS, SplitW4A16Kernel
 
@@ -219,7 +238,7 @@ def test_split_w4a16_routes_by_rows(monkeypatch):
     monkeypatch.setattr(kernel.large, "apply", lambda layer, x, bias: seen.append(("large", x.shape[0])))
     for rows in (1, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 512):
         kernel.apply(None, torch.zeros(rows, 256), None)
-    assert seen == [("small", 1), ("small", 32), ("large", 33), ("large", 512)]
+    assert seen == [("small", 1), ("small", 4), ("large", 5), ("large", 512)]
 
 
 @needs_interpreter

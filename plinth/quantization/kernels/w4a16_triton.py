@@ -72,8 +72,8 @@ def choose_tiles(m: int, n: int, k: int, group_size: int, num_sms: int) -> W4A16
 
 def interleave_tile(k: int, group_size: int) -> int:
     """The span of input features the packed words interleave (see the kernel module): the widest of
-    512..16 that divides ``k`` and whose eighth divides the group."""
-    return next((t for t in (512, 256, 128, 64, 32, 16) if k % t == 0 and group_size % (t // 8) == 0), 16)
+    512..16 that divides both ``k`` and the group, so that every span lies in one group."""
+    return next((t for t in (512, 256, 128, 64, 32, 16) if k % t == 0 and group_size % t == 0), 16)
 
 
 def interleave_codes(q: torch.Tensor, tile: int) -> torch.Tensor:
@@ -85,46 +85,105 @@ def interleave_codes(q: torch.Tensor, tile: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class GemvTiles:
     block_n: int
+    spans: int
+    split_k: int
+    num_warps: int
+
+
+def _override(name: str, fields: int) -> tuple[int, ...] | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    parts = tuple(int(v) for v in value.split(","))
+    if len(parts) != fields:
+        raise ValueError(f"{name}={value!r}: expected {fields} comma-separated integers")
+    return parts
+
+
+def gemv_tiles(n: int, k: int, tile: int, num_sms: int) -> GemvTiles:
+    """The one-row kernel's launch (swept on an H200 with ``benchmarks/skinny_gemm_gpu.py --parts w4mma``):
+    eight spans per step where they divide ``k``, narrow output blocks, and a K split only where a
+    program would otherwise walk more than eight steps. ``PLINTH_W4A16_GEMV="BN,SPANS,SPLIT,WARPS"``
+    overrides (tuning sweeps)."""
+    forced = _override("PLINTH_W4A16_GEMV", 4)
+    if forced and k % (tile * forced[1] * forced[2]) == 0:
+        return GemvTiles(*forced)
+    spans = next(s for s in (8, 4, 2, 1) if k % (tile * s) == 0)
+    block_n = 16 if n >= 16384 else 8
+    split = 1
+    while k // (tile * spans * split) > 8 and k % (tile * spans * split * 2) == 0:
+        split *= 2
+    while -(-n // block_n) * split < 2 * num_sms and k % (tile * spans * split * 2) == 0:
+        split *= 2
+    return GemvTiles(block_n, spans, split, 2 if block_n <= 8 else 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaTiles:
+    block_n: int
     split_k: int
     num_warps: int
     num_stages: int
 
 
-def gemv_tiles(n: int, k: int, tile: int, num_sms: int) -> GemvTiles:
-    """The one-row kernel's launch; ``PLINTH_W4A16_GEMV="BN,SPLIT,WARPS,STAGES"`` overrides (tuning sweeps)."""
-    override = os.environ.get("PLINTH_W4A16_GEMV")
-    if override:
-        bn, split, warps, stages = (int(v) for v in override.split(","))
-        if k % (tile * split) == 0:
-            return GemvTiles(bn, split, warps, stages)
-    block_n = 16
-    split = 1
-    while -(-n // block_n) * split < 2 * num_sms and k % (tile * split * 2) == 0 and k // (split * 2) >= 1024:
-        split *= 2
-    return GemvTiles(block_n, split, 4, 3)
+def mma_tiles(n: int, k: int, group: int) -> MmaTiles:
+    """The few-row tensor-core kernel's launch (the same sweep); ``PLINTH_W4A16_MMA="BN,SPLIT,WARPS,STAGES"``
+    overrides."""
+    forced = _override("PLINTH_W4A16_MMA", 4)
+    if forced and (k // group) % forced[1] == 0:
+        return MmaTiles(*forced)
+    block_n, split = (128, 2) if n >= 16384 else (64, 4)
+    while split > 1 and (k // group) % split:
+        split //= 2
+    return MmaTiles(block_n, split, 2, 3)
 
 
-def _gemv(jit: ModuleType, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group: int,
-          tile: int, sms: int) -> torch.Tensor:
+#: the most rows the tensor-core decode kernel takes (one 16-row block per program)
+MMA_MAX_ROWS = 16
+
+
+def _output(m: int, n: int, split: int, x: torch.Tensor) -> torch.Tensor:
+    if split == 1:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    return torch.zeros(m, n, dtype=torch.float32, device=x.device)
+
+
+def _gemv(jit: ModuleType, layer: nn.Module, x: torch.Tensor, group: int, tile: int, sms: int) -> torch.Tensor:
     k = x.shape[1]
     n = layer.w4_qweight.shape[0]
     t = gemv_tiles(n, k, tile, sms)
-    if t.split_k == 1:
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros(1, n, dtype=torch.float32, device=x.device)
-    jit.w4a16_gemv_kernel[(-(-n // t.block_n), t.split_k)](
+    out = _output(1, n, t.split_k, x)
+    jit.w4a16_gemv_fold_kernel[(-(-n // t.block_n), t.split_k)](
         x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out, n, k,
         layer.w4_qweight.stride(0), layer.w4_scales.stride(0),
-        GROUP_SIZE=group, TILE=tile, BLOCK_N=t.block_n, SPLIT_K=t.split_k,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        GROUP_SIZE=group, TILE=tile, SPANS=t.spans, BLOCK_N=t.block_n, SPLIT_K=t.split_k,
+        num_warps=t.num_warps, num_stages=1,
     )
-    out = out.to(x.dtype)
-    return out if bias is None else out + bias
+    return out
+
+
+def _mma(jit: ModuleType, layer: nn.Module, x: torch.Tensor, group: int, tile: int,
+         asm: bool | None = None) -> torch.Tensor:
+    m, k = x.shape
+    n = layer.w4_qweight.shape[0]
+    t = mma_tiles(n, k, group)
+    out = _output(m, n, t.split_k, x)
+    magic_bits, magic = (0x6400, 1024.0) if x.dtype == torch.float16 else (0x4300, 128.0)
+    if asm is None:   # the one-instruction unpacking is PTX; elsewhere the same bits come from integer ops
+        asm = x.device.type == "cuda" and torch.version.hip is None and not interpret_requested()
+    jit.w4a16_mma_kernel[(-(-m // 16), -(-n // t.block_n), t.split_k)](
+        x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out, m, n, k,
+        x.stride(0), layer.w4_qweight.stride(0), layer.w4_scales.stride(0), out.stride(0),
+        GROUP_SIZE=group, TILE=tile, BLOCK_N=t.block_n, SPLIT_K=t.split_k,
+        MAGIC_BITS=magic_bits, MAGIC=magic, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
 
 
 class TritonW4A16Kernel(GemmKernel):
-    """4-bit codes, float32 group scales and zero points, dequantized in registers before ``tl.dot``."""
+    """4-bit codes with float32 group scales and zero points, unpacked in registers: one row through the
+    CUDA-core GEMV, up to :data:`MMA_MAX_ROWS` float16/bfloat16 rows through the tensor-core decode
+    kernel, longer inputs through the tiled GEMM."""
 
     name: ClassVar[str] = "triton_w4a16"
     priority: ClassVar[int] = 20
@@ -165,17 +224,24 @@ class TritonW4A16Kernel(GemmKernel):
         jit = load_jit_module()
         x = permute_input(layer, x)
         m, k = x.shape
-        n = layer.w4_qweight.shape[0]
         group = k // layer.w4_scales.shape[1]
         sms = _INTERPRETER_SMS if interpret_requested() else num_sms(x.device)
         tile = interleave_tile(k, group)
         if m == 1 and x.is_contiguous():
-            return _gemv(jit, layer, x, bias, group, tile, sms)
-        t = choose_tiles(m, n, k, group, sms)
-        if t.split_k == 1:
-            out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+            out = _gemv(jit, layer, x, group, tile, sms)
+        elif m <= MMA_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1:
+            out = _mma(jit, layer, x, group, tile)
         else:
-            out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+            out = self._gemm(jit, layer, x, group, tile, sms)
+        out = out.to(x.dtype)
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def _gemm(jit: ModuleType, layer: nn.Module, x: torch.Tensor, group: int, tile: int, sms: int) -> torch.Tensor:
+        m, k = x.shape
+        n = layer.w4_qweight.shape[0]
+        t = choose_tiles(m, n, k, group, sms)
+        out = _output(m, n, t.split_k, x)
         grid = (-(-m // t.block_m), -(-n // t.block_n), t.split_k)
         jit.w4a16_gemm_kernel[grid](
             x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, out,
@@ -188,5 +254,4 @@ class TritonW4A16Kernel(GemmKernel):
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
-        out = out.to(x.dtype)
-        return out if bias is None else out + bias
+        return out

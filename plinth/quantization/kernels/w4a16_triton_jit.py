@@ -1,12 +1,15 @@
-"""The Triton W4A16 GEMM: ``c = a @ ((q - z) * s)`` with 4-bit codes unpacked in registers.
+"""The Triton W4A16 kernels: ``c = a @ ((q - z) * s)`` with 4-bit codes unpacked in registers.
 
 Weight layout (made by :class:`~plinth.quantization.kernels.w4a16_triton.TritonW4A16Kernel`):
-``q`` int32 ``[N, K / 8]``, interleaved in spans of ``TILE`` input features: within span ``t``, word
-``t * TILE / 8 + w`` holds in nibble ``j`` the code of feature ``t * TILE + j * TILE / 8 + w``. A decode
-row then unpacks each nibble plane of a ``[BLOCK_N, TILE / 8]`` word tile against a contiguous slice
-of ``x``. ``s`` and ``z`` float32 ``[N, K / GROUP_SIZE]``.
+``q`` int32 ``[N, K / 8]``, interleaved in spans of ``TILE`` input features (``TILE`` divides the
+group): within span ``t``, word ``t * TILE / 8 + w`` holds in nibble ``j`` the code of feature
+``t * TILE + j * TILE / 8 + w``. A decode row then unpacks each nibble plane of a
+``[BLOCK_N, TILE / 8]`` word tile against a contiguous slice of ``x``. ``s`` and ``z`` float32
+``[N, K / GROUP_SIZE]``.
 
-Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``. ``BLOCK_K`` divides ``GROUP_SIZE``, so each
+Three kernels read that layout: :func:`w4a16_gemv_fold_kernel` (one row, CUDA cores),
+:func:`w4a16_mma_kernel` (up to 16 rows per program, tensor cores) and :func:`w4a16_gemm_kernel`
+(prefill-sized inputs). For the GEMM: grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``. ``BLOCK_K`` divides ``GROUP_SIZE``, so each
 K tile needs one row of scales and zero points. With ``SPLIT_K > 1`` the programs of one output
 tile take every ``SPLIT_K``-th K tile and add their partial sums into a float32 output atomically
 (more programs for small-M decode GEMMs).
@@ -78,45 +81,6 @@ def w4a16_gemm_kernel(
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(c, acc, mask=mask)
-
-
-@triton.jit
-def w4a16_gemv_kernel(
-    x_ptr,              # [K] one activation row
-    q_ptr,              # [N, K / 8] int32, interleaved in spans of TILE features
-    s_ptr,              # [N, K / GROUP_SIZE] float32 scales
-    z_ptr,              # [N, K / GROUP_SIZE] float32 zero points (code units)
-    y_ptr,              # [N] output (activation dtype, or float32 when SPLIT_K > 1)
-    N, K, stride_qn, stride_sn,
-    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    """One decode row: grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; ``K`` a multiple of ``TILE * SPLIT_K`` and
-    ``GROUP_SIZE`` a multiple of ``TILE / 8`` (each nibble plane of a span lies in one group)."""
-    SPAN: tl.constexpr = TILE // 8
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_w = tl.arange(0, SPAN)
-    k_len = K // SPLIT_K
-    k_begin = pid_k * k_len
-    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
-    acc = tl.zeros((BLOCK_N, SPAN), dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_len, TILE):
-        packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                          # [BN, SPAN]
-        for j in tl.static_range(8):
-            g = (k0 + j * SPAN) // GROUP_SIZE
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)           # [BN]
-            zs = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0) * s
-            x = tl.load(x_ptr + k0 + j * SPAN + offs_w).to(tl.float32)                    # [SPAN]
-            codes = _nibbles_as_float((packed >> (4 * j)) & 0xF)
-            acc += (codes * s[:, None] - zs[:, None]) * x[None, :]
-        q_ptrs += SPAN
-    out = tl.sum(acc, axis=1)
-    if SPLIT_K == 1:
-        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.atomic_add(y_ptr + offs_n, out, mask=mask_n)
 
 
 @triton.jit
@@ -265,59 +229,6 @@ def w4a16_mma_kernel(
             part = tl.dot(xl, tl.trans(lo), part)
             part = tl.dot(xh, tl.trans(hi), part)
             xs += xl.to(tl.float32) + xh.to(tl.float32)
-        q_ptrs += SPAN
-        if GROUP_SIZE == TILE:
-            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
-            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xs = tl.zeros((16, XW), dtype=tl.float32)
-        elif (k0 + TILE) % GROUP_SIZE == 0:
-            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
-            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xs = tl.zeros((16, XW), dtype=tl.float32)
-    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y, acc, mask=mask)
-
-
-@triton.jit
-def w4a16_mma_pairs_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, y_ptr,
-    M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
-    GROUP_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
-):
-    """:func:`w4a16_mma_kernel` over the pair layout: within a span, bits ``4h`` and ``16 + 4h`` of word
-    ``w`` hold features ``h * TILE / 4 + 2w`` and ``+ 1``, so one ``lop3`` yields two neighbouring
-    features (the pairs a tensor-core operand register holds) and four dots of ``TILE / 4`` cover a span."""
-    SPAN: tl.constexpr = TILE // 8
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * 16 + tl.arange(0, 16)
-    mask_m = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_w = tl.arange(0, SPAN)
-    k_len = K // SPLIT_K
-    k_begin = pid_k * k_len
-    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + (k_begin // 8 + offs_w)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, 2 * SPAN)[None, :]
-    OUT: tl.constexpr = x_ptr.dtype.element_ty
-    XW: tl.constexpr = 2 * SPAN
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    xs = tl.zeros((16, XW), dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_len, TILE):
-        words = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                           # [BN, SPAN]
-        for h in tl.static_range(4):
-            lo, hi = _magic_halves(words >> (4 * h), MAGIC_BITS, OUT, ASM)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * SPAN))
-            xv = tl.load(x_ptrs + k0 + h * 2 * SPAN, mask=mask_m[:, None], other=0.0)     # [16, 2 * SPAN]
-            part = tl.dot(xv, tl.trans(w), part)
-            xs += xv.to(tl.float32)
         q_ptrs += SPAN
         if GROUP_SIZE == TILE:
             acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
