@@ -92,11 +92,13 @@ def _latency(a: argparse.Namespace, config: str) -> dict[str, Any]:
     vocab = llm.engine.vocab_size
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
     prompt_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([rng.integers(0, vocab, a.input_len).tolist()], params, use_tqdm=False)  # warm-up
     totals, ttfts = [], []
 
     def fresh() -> list[list[int]]:  # fresh prompts: the prefix cache never helps
         return [rng.integers(0, vocab, a.input_len).tolist() for _ in range(a.batch)]
+
+    llm.generate(fresh(), params, use_tqdm=False)  # warm-up at the measured batch
+    llm.generate(fresh(), prompt_params, use_tqdm=False)
 
     for _ in range(a.iters):
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)

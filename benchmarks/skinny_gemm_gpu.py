@@ -184,7 +184,7 @@ def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     jit = load_jit_module()
     out = []
     sweep = list(itertools.product((32, 64, 128), (1, 2, 4), (2,), (3, 4)))
-    fold_sweep = list(itertools.product((8, 16, 32), (2, 4, 8), (1, 2, 4), (2, 4)))
+    fold_sweep = list(itertools.product((2, 4, 8, 16), (4, 8, 16, 32), (1, 2, 4), (1, 2, 4)))
     if a.quick:
         sweep, fold_sweep = [(64, 4, 2, 3), (128, 2, 2, 3)], [(16, 4, 1, 4), (16, 4, 2, 4)]
     variants = {"planes": (jit.w4a16_mma_kernel, interleave_codes)}

@@ -81,8 +81,9 @@ def test_w4a16_paths(m, n, k, group, dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
-def test_w4a16_mma_unpacking_asm_equals_integer_ops(dtype):
-    """The one-``lop3`` unpacking and the plain integer ops give the same bits, hence the same products."""
+def test_w4a16_mma_unpacking_asm_matches_integer_ops(dtype):
+    """The one-``lop3`` unpacking and the plain integer ops make the same operands: the two builds agree
+    to the output's rounding (their float32 epilogues may fuse differently) and both match float32 math."""
     from plinth.quantization.kernels import w4a16_triton
 
     n, k = 4096, 4096
@@ -94,9 +95,13 @@ def test_w4a16_mma_unpacking_asm_equals_integer_ops(dtype):
     x = torch.randn(7, k, device=CUDA, dtype=dtype)
     jit = w4a16_triton.load_jit_module()
     tile = w4a16_triton.interleave_tile(k, 128)
-    fast = w4a16_triton._mma(jit, layer, x, 128, tile, asm=True)
-    plain = w4a16_triton._mma(jit, layer, x, 128, tile, asm=False)
-    assert torch.equal(fast, plain)
+    fast = w4a16_triton._mma(jit, layer, x, 128, tile, asm=True).float()
+    plain = w4a16_triton._mma(jit, layer, x, 128, tile, asm=False).float()
+    ref = x.float() @ weights.dequantize(torch.float32).T
+    scale = ref.abs().max().item()
+    ulp = 2.0 ** -7 if dtype == BF16 else 2.0 ** -10
+    assert (fast - plain).abs().max().item() <= ulp * scale
+    assert (fast - ref).abs().max().item() <= 8e-3 * scale and (plain - ref).abs().max().item() <= 8e-3 * scale
 
 
 def test_choice_times_both_candidates():

@@ -110,9 +110,9 @@ def w4a16_gemv_fold_kernel(
 
     Each code enters as ``u = 1 + q / 16`` (:func:`_unit_plus_code`) and meets ``x`` in one FMA; within
     a span (one group or part of one), ``sum((q - z) * s * x) = s * (16 * sum(u * x) - (16 + z) *
-    sum(x))``, folded in per span and column of the word tile (the cross-lane sum happens once, at the
-    end). Each step loads ``SPANS`` spans at once, so that enough loads are in flight: the loop is not
-    software-pipelined, and one span per step leaves the kernel waiting on memory latency.
+    sum(x))``, folded in per span. Each step loads ``SPANS`` spans at once, so that enough loads are in
+    flight: the loop is not software-pipelined, and one span per step leaves the kernel waiting on
+    memory latency.
     """
     SPAN: tl.constexpr = TILE // 8
     pid_n = tl.program_id(0)
@@ -128,7 +128,7 @@ def w4a16_gemv_fold_kernel(
     x_ptrs = x_ptr + offs_u[:, None] * TILE + offs_w[None, :]                           # [SPANS, SPAN]
     s_ptrs = s_ptr + offs_n[:, None] * stride_sn                                        # [BN, 1]
     z_ptrs = z_ptr + offs_n[:, None] * stride_sn
-    out = tl.zeros((BLOCK_N, SPANS, SPAN), dtype=tl.float32)
+    out = tl.zeros((BLOCK_N, SPANS), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_len, TILE * SPANS):
         packed = tl.load(q_ptrs, mask=mask_n[:, None, None], other=0)
         g = ((k0 + offs_u * TILE) // GROUP_SIZE)[None, :]                                  # [1, SPANS]
@@ -140,9 +140,9 @@ def w4a16_gemv_fold_kernel(
             x = tl.load(x_ptrs + k0 + j * SPAN).to(tl.float32)                             # [SPANS, SPAN]
             part += _unit_plus_code(packed, j) * x[None, :, :]
             xs += x
-        out += sc[:, :, None] * (16.0 * part - (16.0 + z)[:, :, None] * xs[None, :, :])
+        out += sc * (16.0 * tl.sum(part, axis=2) - (16.0 + z) * tl.sum(xs, axis=1)[None, :])
         q_ptrs += SPANS * SPAN
-    res = tl.sum(tl.sum(out, axis=2), axis=1)
+    res = tl.sum(out, axis=1)
     if SPLIT_K == 1:
         tl.store(y_ptr + offs_n, res.to(y_ptr.dtype.element_ty), mask=mask_n)
     else:
