@@ -102,20 +102,18 @@ def _override(name: str, fields: int) -> tuple[int, ...] | None:
 
 def gemv_tiles(n: int, k: int, tile: int, num_sms: int) -> GemvTiles:
     """The one-row kernel's launch (swept on an H200 with ``benchmarks/skinny_gemm_gpu.py --parts w4mma``):
-    eight spans per step where they divide ``k``, narrow output blocks, and a K split only where a
-    program would otherwise walk more than eight steps. ``PLINTH_W4A16_GEMV="BN,SPANS,SPLIT,WARPS"``
-    overrides (tuning sweeps)."""
+    sixteen spans per step where they divide ``k``, narrow output blocks, and a K split only where the
+    output blocks alone would leave SMs idle. ``PLINTH_W4A16_GEMV="BN,SPANS,SPLIT,WARPS"`` overrides
+    (tuning sweeps)."""
     forced = _override("PLINTH_W4A16_GEMV", 4)
     if forced and k % (tile * forced[1] * forced[2]) == 0:
         return GemvTiles(*forced)
-    spans = next(s for s in (8, 4, 2, 1) if k % (tile * s) == 0)
-    block_n = 16 if n >= 16384 else 8
+    spans = next(s for s in (16, 8, 4, 2, 1) if k % (tile * s) == 0)
+    block_n = 16 if n >= 6144 else 8
     split = 1
-    while k // (tile * spans * split) > 8 and k % (tile * spans * split * 2) == 0:
-        split *= 2
     while -(-n // block_n) * split < 2 * num_sms and k % (tile * spans * split * 2) == 0:
         split *= 2
-    return GemvTiles(block_n, spans, split, 2 if block_n <= 8 else 4)
+    return GemvTiles(block_n, spans, split, 4)
 
 
 @dataclasses.dataclass(frozen=True)
