@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from plinth.config import EngineConfig
+from plinth.config import DEFAULT_CPU_ITL_TARGET_MS, EngineConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
@@ -24,6 +24,7 @@ from plinth.core.request import (
 )
 from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
 from plinth.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from plinth.core.step_cost import StepCostModel
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
 from plinth.worker.batching import BatchBuilder
 from plinth.worker.model_runner import ModelRunner
@@ -115,6 +116,12 @@ class LLMEngine:
         self._sync_groups: set[str] = set()   # unfinished groups whose sampling needs synchronous steps
         self._in_flight: _InFlight | None = None   # asynchronous scheduling: the step not read back yet
         self.async_scheduling = self._resolve_async(config.scheduler.async_scheduling)
+        self.itl_target_ms = self._resolve_itl_target(config.scheduler.itl_target_ms)
+        self.step_cost: StepCostModel | None = None
+        if self.itl_target_ms:
+            cost = self.step_cost = StepCostModel()
+            target_s = self.itl_target_ms / 1e3
+            self.scheduler.prefill_allowance = lambda decodes: cost.prefill_allowance(decodes, target_s)
         self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
                                            config.scheduler.max_num_seqs)
         self._sampling = SamplingBatchBuilder(self.vocab_size)
@@ -124,6 +131,17 @@ class LLMEngine:
                     parts.model_name, self.platform.name, str(self.dtype).removeprefix("torch."),
                     self.selection.winner if self.selection else "?", parts.num_blocks,
                     ", asynchronous scheduling" if self.async_scheduling else "")
+
+    def _resolve_itl_target(self, requested: float | None) -> float:
+        """The inter-token latency target in ms (0: off): as asked, else the CPU default for a CPU model
+        with synchronous steps. Asynchronous steps are not timed one by one, so they keep no target."""
+        on_cpu = self.device is not None and torch.device(self.device).type == "cpu"
+        if requested is None:
+            return DEFAULT_CPU_ITL_TARGET_MS if on_cpu and not self.async_scheduling else 0.0
+        if requested and self.async_scheduling:
+            logger.warning("itl_target_ms applies to synchronous steps; with asynchronous scheduling it is off")
+            return 0.0
+        return float(requested)
 
     def _resolve_async(self, requested: bool | None) -> bool:
         """Whether steps are scheduled asynchronously: as asked, else on for an in-process accelerator."""
@@ -271,6 +289,7 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput, touched: dict[str, _Group], final_only: bool) -> None:
         """Run the scheduled batch, apply its tokens, and note in ``touched`` the groups to report:
         with ``final_only`` only those that may have finished, else every one that progressed."""
+        started = time.perf_counter()
         batch, reqs = self._batch_builder.build(out)
         result, hidden = self._run_guarded(self.executor.execute, batch, self._make_sampling_batch(reqs))
         if hidden is not None and self._prompt_logprob_groups:
@@ -279,6 +298,9 @@ class LLMEngine:
             self.scheduler.update_from_output(out, [None] * len(out.scheduled))
             return
         token_ids = result.sampled_token_ids.tolist()   # the step's one host-device sync
+        if self.step_cost is not None:
+            self.step_cost.observe(out.num_scheduled_tokens - out.num_decodes, out.num_decodes,
+                                   time.perf_counter() - started)
         if result.logprobs is not None:
             num_logprobs = [r.sampling_params.logprobs for r in reqs]
             self._record_logprobs(reqs, result.logprobs.to_position_logprobs(num_logprobs), token_ids)

@@ -9,6 +9,11 @@ Policy, every step, within ``max_num_batched_tokens`` tokens and ``max_num_seqs`
    leading full blocks are in the prefix cache starts at the cached count; the queue is strict
    (the head blocks the rest) so that a long prompt cannot starve.
 
+With a prefill allowance (``Scheduler.prefill_allowance``, set by the engine for an inter-token
+latency target), a step that carries decodes gives its prefill chunks only the tokens the allowance
+grants for that many decodes (at least one block's worth, so prompts keep moving); steps without
+decodes keep the whole budget.
+
 When a running request needs a block and none is free, the most recently admitted running
 request that is not yet scheduled in this step (possibly the one asking) is preempted: its
 blocks are released, it goes back to the FRONT of the waiting queue and is recomputed later
@@ -38,7 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from plinth.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
 from plinth.core.block_manager import BlockManager, PrefixCacheStats
@@ -137,6 +142,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        #: ``decodes -> prefill tokens`` that fit beside them (None: no limit); set by the engine
+        self.prefill_allowance: Callable[[int], int | None] | None = None
 
     # ---------------------------------------------------------------- intake
 
@@ -206,6 +213,8 @@ class Scheduler:
             elif left > 1:
                 prefills.append(r)
         for is_decode, group in ((True, decodes), (False, prefills)):
+            if not is_decode:
+                budget = self._prefill_budget(budget, len(scheduled))
             for req in group:
                 if budget == 0:
                     break
@@ -261,12 +270,21 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
-            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            num_scheduled_tokens=sum(s.num_new_tokens for s in scheduled),
             num_decodes=num_decodes,
             new_request_ids=new_ids,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
         )
+
+    def _prefill_budget(self, budget: int, num_decodes: int) -> int:
+        """What is left of ``budget`` for prefill chunks beside ``num_decodes`` scheduled decodes."""
+        if not num_decodes or self.prefill_allowance is None or not self.config.enable_chunked_prefill:
+            return budget
+        allowance = self.prefill_allowance(num_decodes)
+        if allowance is None:
+            return budget
+        return min(budget, max(allowance, self.block_manager.block_size))
 
     def _commit(self, req: Request, num_new: int, is_decode: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
