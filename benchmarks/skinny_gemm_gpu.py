@@ -108,8 +108,16 @@ def bf16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
+def _int4_shapes(a: argparse.Namespace) -> list[tuple[str, int, int, Any]]:
+    """``(name, N, K, GemmProblem)`` of the asked shapes that the int4 parts run (RTN, group 128, bf16)."""
     from plinth.quantization.kernels.interface import GemmProblem
+
+    return [(name, *SHAPES[name], GemmProblem("int", torch.bfloat16, "cuda", capability=torch.cuda.get_device_capability(),
+                                              bits=4, group_size=128, shapes=(SHAPES[name],)))
+            for name in a.shapes.split(",") if name != "lm_head"]
+
+
+def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
     from plinth.quantization.quantizers import random_int_weights
     from plinth.quantization.selection import holder
@@ -118,12 +126,7 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
 
     sweep = [f"{bn},{sp},{split},{w}" for bn, sp, split, w in itertools.product((8, 16, 32), (2, 4, 8), (1, 2, 4), (2, 4))]
-    for name in a.shapes.split(","):
-        if name == "lm_head":
-            continue
-        n, k = SHAPES[name]
-        problem = GemmProblem("int", torch.bfloat16, "cuda", capability=torch.cuda.get_device_capability(),
-                              bits=4, group_size=128, shapes=((n, k),))
+    for name, n, k, problem in _int4_shapes(a):
         kernel = TritonW4A16Kernel(problem)
         tinygemm = TorchInt4PackKernel(problem) if TorchInt4PackKernel.supports(problem) else None
         copies = a.copies
@@ -175,7 +178,6 @@ def w4a16_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
 def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     """The tensor-core W4A16 kernels for decode rows (group 128, TILE 128), swept over their launch."""
     from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
-    from plinth.quantization.kernels.interface import GemmProblem
     from plinth.quantization.kernels.w4a16_triton import interleave_codes, load_jit_module
     from plinth.quantization.packing import pack_int32
     from plinth.quantization.quantizers import random_int_weights
@@ -188,12 +190,7 @@ def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     if a.quick:
         sweep, fold_sweep = [(64, 4, 2, 3), (128, 2, 2, 3)], [(16, 4, 1, 4), (16, 4, 2, 4)]
     variants = {"planes": (jit.w4a16_mma_kernel, interleave_codes)}
-    for name in a.shapes.split(","):
-        if name == "lm_head":
-            continue
-        n, k = SHAPES[name]
-        problem = GemmProblem("int", torch.bfloat16, "cuda", capability=torch.cuda.get_device_capability(),
-                              bits=4, group_size=128, shapes=((n, k),))
+    for name, n, k, problem in _int4_shapes(a):
         tinygemm = TorchInt4PackKernel(problem)
         ws, packed = [], []
         for c in range(a.copies):

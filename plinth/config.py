@@ -102,8 +102,6 @@ class CacheConfig:
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-#: the inter-token latency a CPU server keeps while it prefills new prompts (see SchedulerConfig.itl_target_ms)
-DEFAULT_CPU_ITL_TARGET_MS = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +120,8 @@ class SchedulerConfig:
             steps whose requests ask for logprobs, penalties, min_tokens or seeds run synchronously).
         itl_target_ms: the inter-token latency to keep while sequences decode: a step that carries
             decodes takes only the prefill tokens a fitted cost model predicts fit in this time (at
-            least one block's worth, so prompts keep moving). 0: off. None: the engine's default,
-            :data:`DEFAULT_CPU_ITL_TARGET_MS` for a model in a CPU process with synchronous steps, else
-            off (``plinth.LLM`` passes 0: offline batches want throughput, not latency).
+            least one block's worth, so prompts keep moving). 0: off (the default). Synchronous steps
+            only (with asynchronous scheduling the engine warns and keeps it off).
     """
 
     max_num_seqs: int | None = None
@@ -132,14 +129,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     async_scheduling: bool | None = None
-    itl_target_ms: float | None = None
+    itl_target_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_waiting_requests", self.max_waiting_requests)
-        if self.itl_target_ms is not None and (
-                isinstance(self.itl_target_ms, bool) or not isinstance(self.itl_target_ms, (int, float))
+        if (isinstance(self.itl_target_ms, bool) or not isinstance(self.itl_target_ms, (int, float))
                 or not 0 <= self.itl_target_ms < float("inf")):
             raise ConfigError(f"itl_target_ms must be a number of milliseconds >= 0 (0: off), "
                               f"got {self.itl_target_ms!r}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_scheduler import make_scheduler, prompts, reference, req, run
 
 from plinth.core.step_cost import StepCostModel
-from test_scheduler import make_scheduler, prompts, reference, req, run
 
 
 def feed(model: StepCostModel, a: float, b: float, c: float, n: int, noise: float = 0.0, seed: int = 0) -> None:
@@ -156,15 +156,14 @@ def test_engine_times_its_steps_and_limits_prefill(tiny_llama_dir):
     assert len(engine.step_cost._rows) > 10
 
 
-def test_offline_and_serving_defaults(tiny_llama_dir, caplog):
+def test_off_by_default_and_not_with_asynchronous_steps(tiny_llama_dir, caplog):
     from plinth import LLM
-    from plinth.config import DEFAULT_CPU_ITL_TARGET_MS, EngineConfig
+    from plinth.config import EngineConfig
     from plinth.core.engine import LLMEngine
 
     llm = LLM(str(tiny_llama_dir), dtype="float32")
     assert llm.engine.itl_target_ms == 0 and llm.engine.scheduler.prefill_allowance is None
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32"))
-    assert engine.itl_target_ms == DEFAULT_CPU_ITL_TARGET_MS and engine.step_cost is not None
+    assert llm.engine.step_cost is None
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", async_scheduling=True,
                                                 itl_target_ms=80))
     assert engine.async_scheduling and engine.itl_target_ms == 0 and engine.scheduler.prefill_allowance is None
@@ -178,9 +177,8 @@ def test_the_flag_and_bad_values():
     def parsed(*argv):
         return build_parser(list(argv)).parse_args(list(argv))
 
-    assert parsed("serve").itl_target_ms is None
+    assert parsed("serve").itl_target_ms == 0
     assert parsed("serve", "--itl-target-ms", "90").itl_target_ms == 90
-    assert parsed("generate", "--input", "x.jsonl").itl_target_ms == 0
-    for bad in (-1, float("inf"), float("nan"), True, "100"):
+    for bad in (-1, float("inf"), float("nan"), True, "100", None):
         with pytest.raises(ConfigError, match="itl_target_ms"):
             SchedulerConfig(itl_target_ms=bad)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from plinth.config import DEFAULT_CPU_ITL_TARGET_MS, EngineConfig
+from plinth.config import EngineConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
@@ -132,12 +132,9 @@ class LLMEngine:
                     self.selection.winner if self.selection else "?", parts.num_blocks,
                     ", asynchronous scheduling" if self.async_scheduling else "")
 
-    def _resolve_itl_target(self, requested: float | None) -> float:
-        """The inter-token latency target in ms (0: off): as asked, else the CPU default for a CPU model
-        with synchronous steps. Asynchronous steps are not timed one by one, so they keep no target."""
-        on_cpu = self.device is not None and torch.device(self.device).type == "cpu"
-        if requested is None:
-            return DEFAULT_CPU_ITL_TARGET_MS if on_cpu and not self.async_scheduling else 0.0
+    def _resolve_itl_target(self, requested: float) -> float:
+        """The inter-token latency target in ms (0: off). Asynchronous steps are not timed one by one,
+        so they keep no target."""
         if requested and self.async_scheduling:
             logger.warning("itl_target_ms applies to synchronous steps; with asynchronous scheduling it is off")
             return 0.0

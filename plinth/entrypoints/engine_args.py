@@ -56,11 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs on the device (default: on for an in-process "
                         "accelerator, off on CPUs and with worker processes)")
-    serving = command == "serve"
-    g.add_argument("--itl-target-ms", type=float, default=None if serving else 0.0,
+    g.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="while sequences decode, prefill only the prompt tokens predicted to keep each step within "
-                        "this many ms (0: off; default: " + ("120 for a model on CPUs with synchronous steps, else "
-                                                             "off)" if serving else "off for offline work)"))
+                        "this many ms (synchronous steps; default 0: off)")
     g = parser.add_argument_group("parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)

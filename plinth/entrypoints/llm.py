@@ -37,7 +37,6 @@ class LLM:
         from plinth.core.engine import LLMEngine
         from plinth.plugins import get_plugin_manager
 
-        kwargs.setdefault("itl_target_ms", 0.0)   # offline batches want throughput; a server keeps latency
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         for overrides in get_plugin_manager().engine_config_overrides(config, dict(kwargs, model=model)):
             config = config.with_overrides(overrides)
