@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from plinth.kernels import cpu_native, ops
+from plinth.kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,32 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
     return ""
 
 
+class _Native:
+    """The native entry points a step calls, looked up once: calling them straight with pointers skips
+    the checks, conversions and allocations of the Python wrappers (a few microseconds per call, ten calls
+    a layer, which at one sequence is a tenth of the step)."""
+
+    def __init__(self) -> None:
+        from plinth.attention_backends.cpu_paged_build import load_kernel
+
+        lib = cpu_native.load_library().library
+        attn = load_kernel().library
+        assert lib is not None and attn is not None
+        self.rms_norm = lib.plinth_rms_norm_bf16
+        self.silu_mul = lib.plinth_silu_mul_bf16
+        self.rotary = lib.plinth_rotary_bf16
+        self.kv_write = lib.plinth_kv_write
+        self.decode = attn.plinth_cpu_paged_decode
+
+
+@dataclasses.dataclass
+class _Buffers:
+    """Per batch size: the normed activations and the attention output, reused by every layer and step."""
+
+    normed: torch.Tensor     # [B, H] bfloat16
+    attn: torch.Tensor       # [B, Hq * D]
+
+
 class CpuDecodePlan:
     """Runs decode batches of up to ``max_size`` sequences (the model runner's ``graphs`` interface).
 
@@ -134,6 +160,17 @@ class CpuDecodePlan:
                 down=_row_linear(mlp.down_proj), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                 head_size=attn.head_dim, scale=attn.attn.scale, sliding_window=attn.attn.sliding_window,
                 kv_cache=attn.attn.kv_cache))
+        self.native = _Native()
+        self._buffers: dict[int, _Buffers] = {}
+
+    def _buffers_for(self, b: int) -> _Buffers:
+        bufs = self._buffers.get(b)
+        if bufs is None:
+            lay = self.layers[0]
+            bufs = self._buffers[b] = _Buffers(
+                normed=torch.empty((b, self.embed.shape[1]), dtype=torch.bfloat16),
+                attn=torch.empty((b, lay.num_heads * lay.head_size), dtype=torch.bfloat16))
+        return bufs
 
     @torch.inference_mode()
     def run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
@@ -144,8 +181,6 @@ class CpuDecodePlan:
             positions: ``[B]`` its position (= tokens already in the cache).
             block_tables: ``[B, W]`` int32, each sequence's blocks, 0-padded.
         """
-        from plinth.attention_backends.cpu_paged import paged_decode
-
         b = len(token_ids)
         if not 0 < b <= self.max_size or not isinstance(block_tables, np.ndarray) or block_tables.ndim != 2:
             return None
@@ -158,30 +193,49 @@ class CpuDecodePlan:
         lens = torch.from_numpy((pos + 1).astype(np.int32))                                           # [B]
         starts = torch.arange(b + 1, dtype=torch.int32)                                               # [B + 1]
         tables_t = torch.from_numpy(tables)
-        longest = int(pos.max()) + 1
         hidden = F.embedding(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), self.embed)     # [B, H]
-        cos, sin = self.rotary.cos_sin(torch.from_numpy(pos), hidden.dtype)                          # [B, D]
-        residual = None
+        cos, sin = self.rotary.cos_sin(torch.from_numpy(pos), hidden.dtype)                          # [B, R]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        native, bufs = self.native, self._buffers_for(b)
+        normed, attn_out = bufs.normed, bufs.attn
+        width = hidden.shape[1]
+        slots_p, lens_p, starts_p, tables_p = slots.data_ptr(), lens.data_ptr(), starts.data_ptr(), tables_t.data_ptr()
+        cos_p, sin_p, rot_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
+        threads = torch.get_num_threads()
+        residual = hidden   # the embedding output, then the running residual stream, updated in place
+        first = True
         for lay in self.layers:
-            if residual is None:
-                residual = hidden
-                h = ops.rms_norm(hidden, lay.in_norm, lay.eps)
-            else:
-                h, residual = ops.rms_norm(hidden, lay.in_norm, lay.eps, residual)
-            qkv = lay.qkv(h)                                                                          # [B, (Hq+2Hkv)D]
+            if first:
+                native.rms_norm(hidden.data_ptr(), hidden.stride(0), None, 0, lay.in_norm.data_ptr(), normed.data_ptr(), None,
+                                b, width, lay.eps)
+                first = False
+            else:   # residual += hidden; normed = norm(residual)
+                native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, lay.in_norm.data_ptr(),
+                                normed.data_ptr(), residual.data_ptr(), b, width, lay.eps)
+            qkv = lay.qkv(normed)                                                                     # [B, (Hq+2Hkv)D]
             d, hq, hkv = lay.head_size, lay.num_heads, lay.num_kv_heads
-            q = qkv[:, : hq * d].view(b, hq, d)
-            k = qkv[:, hq * d: (hq + hkv) * d].view(b, hkv, d)
-            v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
-            cpu_native.rotary_(q, k, cos, sin)
-            cpu_native.write_kv(k, v, lay.kv_cache, slots)
-            out = paged_decode(q, lay.kv_cache, tables_t, lens, starts, b, lay.scale, lay.sliding_window,
-                               max_seq_len=longest, every_row_owned=True)                             # [B, Hq, D]
-            hidden = lay.o(out.view(b, hq * d))
-            h, residual = ops.rms_norm(hidden, lay.post_norm, lay.post_eps, residual)
-            hidden = lay.down(cpu_native.silu_and_mul(lay.gate_up(h)))
-        hidden, _ = ops.rms_norm(hidden, self.final_norm, self.final_eps, residual)
-        return self.model.compute_logits(hidden)
+            row, elem = qkv.stride(0), qkv.element_size()
+            q_p = qkv.data_ptr()
+            k_p, v_p = q_p + hq * d * elem, q_p + (hq + hkv) * d * elem
+            native.rotary(q_p, row, d, hq, k_p, row, d, hkv, cos_p, sin_p, rot_dim, b, rot_dim)
+            cache = lay.kv_cache                                                   # [2, N, BS, Hkv, D]
+            native.kv_write(k_p, row * elem, v_p, row * elem, cache.data_ptr(), cache.shape[1] * cache.shape[2],
+                            slots_p, b, hkv * d * elem)
+            native.decode(q_p, cache.data_ptr(), tables_p, lens_p, starts_p, attn_out.data_ptr(), 1, b, hq, hkv, d,
+                          cache.shape[1], bs, tables.shape[1], row, hq * d, lay.scale, lay.sliding_window or 0,
+                          threads)
+            hidden = lay.o(attn_out)
+            native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, lay.post_norm.data_ptr(),
+                            normed.data_ptr(), residual.data_ptr(), b, width, lay.post_eps)
+            gate_up = lay.gate_up(normed)                                                             # [B, 2I]
+            inter = gate_up.shape[1] // 2
+            act = torch.empty((b, inter), dtype=torch.bfloat16)
+            native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), b, inter)
+            hidden = lay.down(act)
+        out = torch.empty_like(normed)
+        native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, self.final_norm.data_ptr(),
+                        out.data_ptr(), residual.data_ptr(), b, width, self.final_eps)
+        return self.model.compute_logits(out)
 
 
 def build_decode_plan(model: torch.nn.Module, backend: object, block_size: int,
