@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -32,14 +33,13 @@ def test_plan_is_installed(llm):
     assert isinstance(llm.engine.runner.graphs, CpuDecodePlan)
 
 
-@pytest.mark.parametrize("n", [1, 3, 6])
-def test_plan_logits_equal_the_module_path(llm, n):
+def _plan_equals_modules(llm: LLM, n: int, tag: str) -> None:
     """Same decode batch through the plan and through the modules: the same logits, bit for bit (both
     write the same keys and values to the same slots, so the order does not matter)."""
     engine, runner = llm.engine, llm.engine.runner
     for i, prompt in enumerate(PROMPTS[:n]):
-        engine.add_request(f"p{n}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    reqs = [engine._seqs[f"p{n}-{i}"].request for i in range(n)]
+        engine.add_request(f"{tag}{n}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    reqs = [engine._seqs[f"{tag}{n}-{i}"].request for i in range(n)]
     for _ in range(12):   # decode until every sequence's next token has a slot in the blocks it holds
         engine.step()
         if all(r.output_token_ids and r.num_computed_tokens < 4 * len(r.block_ids) for r in reqs):
@@ -56,9 +56,31 @@ def test_plan_logits_equal_the_module_path(llm, n):
         runner.graphs = plan
     assert via_plan.dtype == via_modules.dtype == torch.float32
     assert torch.equal(via_plan, via_modules)
-    engine.abort_request([f"p{n}-{i}" for i in range(n)])
+    engine.abort_request([f"{tag}{n}-{i}" for i in range(n)])
     while engine.has_unfinished_requests():
         engine.step()
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_plan_logits_equal_the_module_path(llm, n):
+    _plan_equals_modules(llm, n, "p")
+
+
+def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypatch, tiny_llama_dir):
+    """A GGUF Q4_1 model keeps 4-bit copies of its layers: one-row steps of the plan call them directly,
+    several rows go through the layers' own routing; both bit-identical to the module path."""
+    from test_gguf import small_model, write_gguf
+
+    tmp = tmp_path_factory.mktemp("q4plan")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp / "cache"))
+    path = write_gguf(tmp / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q4_1)
+    with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4,
+             attention_backend="cpu_paged") as llm:      # the small model's vocabulary is 128: PROMPTS[:3] fit
+        plan = llm.engine.runner.graphs
+        assert isinstance(plan, CpuDecodePlan)
+        assert all(set(lay.int4_copies) == {"qkv", "o", "gate_up", "down"} for lay in plan.layers)
+        for n in (1, 3):
+            _plan_equals_modules(llm, n, "q")
 
 
 def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch):

@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from plinth.kernels import cpu_native
+from plinth.worker.cpu_linear import INT4_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,23 @@ def _row_linear(layer: torch.nn.Module) -> Linear:
     return lambda x: method.apply(layer, x, None) + bias
 
 
+def _int4_copy(layer: torch.nn.Module) -> Any:
+    """The layer's 4-bit copy when one-row inputs go straight to it (bias-free, no other kernel first)."""
+    method = layer.linear_method
+    kernel_for = getattr(method, "int4_kernel_for", None)
+    if kernel_for is None or layer.bias is not None:
+        return None
+    return kernel_for(1, layer.weight.dtype)
+
+
+def _matmul(lay: _Layer, name: str, x: torch.Tensor) -> torch.Tensor:
+    """``lay.<name>(x)``; one contiguous row goes straight to the layer's 4-bit copy where it has one."""
+    copy = lay.int4_copies.get(name) if x.shape[0] == 1 else None
+    if copy is not None:
+        return torch._weight_int4pack_mm_for_cpu(x, copy.packed, INT4_GROUP, copy.scale_zeros)
+    return getattr(lay, name)(x)
+
+
 @dataclasses.dataclass
 class _Layer:
     in_norm: torch.Tensor          # [H] bfloat16
@@ -66,6 +85,7 @@ class _Layer:
     scale: float
     sliding_window: int | None
     kv_cache: torch.Tensor         # [2, num_blocks, block_size, Hkv, D]
+    int4_copies: dict[str, Any] = dataclasses.field(default_factory=dict)   # one-row 4-bit copies by GEMM
 
 
 def _why_not(model: torch.nn.Module, backend: object) -> str:
@@ -160,6 +180,9 @@ class CpuDecodePlan:
                 down=_row_linear(mlp.down_proj), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                 head_size=attn.head_dim, scale=attn.attn.scale, sliding_window=attn.attn.sliding_window,
                 kv_cache=attn.attn.kv_cache))
+            copies = {"qkv": _int4_copy(attn.qkv_proj), "o": _int4_copy(attn.o_proj),
+                      "gate_up": _int4_copy(mlp.gate_up_proj), "down": _int4_copy(mlp.down_proj)}
+            self.layers[-1].int4_copies = {k: v for k, v in copies.items() if v is not None}
         self.native = _Native()
         self._buffers: dict[int, _Buffers] = {}
 
@@ -212,7 +235,7 @@ class CpuDecodePlan:
             else:   # residual += hidden; normed = norm(residual)
                 native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, lay.in_norm.data_ptr(),
                                 normed.data_ptr(), residual.data_ptr(), b, width, lay.eps)
-            qkv = lay.qkv(normed)                                                                     # [B, (Hq+2Hkv)D]
+            qkv = _matmul(lay, "qkv", normed)                                                         # [B, (Hq+2Hkv)D]
             d, hq, hkv = lay.head_size, lay.num_heads, lay.num_kv_heads
             row, elem = qkv.stride(0), qkv.element_size()
             q_p = qkv.data_ptr()
@@ -224,14 +247,14 @@ class CpuDecodePlan:
             native.decode(q_p, cache.data_ptr(), tables_p, lens_p, starts_p, attn_out.data_ptr(), 1, b, hq, hkv, d,
                           cache.shape[1], bs, tables.shape[1], row, hq * d, lay.scale, lay.sliding_window or 0,
                           threads)
-            hidden = lay.o(attn_out)
+            hidden = _matmul(lay, "o", attn_out)
             native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, lay.post_norm.data_ptr(),
                             normed.data_ptr(), residual.data_ptr(), b, width, lay.post_eps)
-            gate_up = lay.gate_up(normed)                                                             # [B, 2I]
+            gate_up = _matmul(lay, "gate_up", normed)                                                 # [B, 2I]
             inter = gate_up.shape[1] // 2
             act = torch.empty((b, inter), dtype=torch.bfloat16)
             native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), b, inter)
-            hidden = lay.down(act)
+            hidden = _matmul(lay, "down", act)
         out = torch.empty_like(normed)
         native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, self.final_norm.data_ptr(),
                         out.data_ptr(), residual.data_ptr(), b, width, self.final_eps)

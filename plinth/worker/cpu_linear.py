@@ -158,6 +158,14 @@ class CpuLinearMethod:
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.matmul(x, bias)
 
+    def int4_kernel_for(self, rows: int, dtype: torch.dtype) -> Int4Weight | None:
+        """The 4-bit copy :meth:`matmul` multiplies contiguous ``[rows, K]`` inputs of ``dtype`` with, or None
+        when it takes another kernel for them (callers that run many such inputs skip the routing)."""
+        if (self.int4 is None or not 0 < rows <= self.int4_max_rows or dtype != self.int4.scale_zeros.dtype
+                or (self.vnni is not None and rows > self.vnni_min_rows) or rows <= self.q8_0_max_rows):
+            return None
+        return self.int4
+
 
 def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weight] | None = None,
                        int4_max_rows: int = 0, head_q8_0: torch.Tensor | None = None,
