@@ -58,6 +58,34 @@ def test_the_window_follows_a_change_of_costs():
     assert model.coefficients()[1] == pytest.approx(0.0016, rel=1e-6)
 
 
+def test_decode_only_steps_keep_the_last_good_fit():
+    model = StepCostModel(refit_every=1)
+    feed(model, 0.010, 0.0008, 0.0015, 64)
+    before = model.prefill_allowance(8, 0.1)
+    for _ in range(200):                 # a long stretch of decodes only: the window holds no prefill
+        model.observe(0, 8, 0.010 + 0.0015 * 8)
+    assert model.prefill_allowance(8, 0.1) == before == 97          # (100 - 10 - 12) ms / 0.8 ms
+
+
+def test_a_warm_up_outlier_does_not_skew_the_fit():
+    """The first step of an engine compiles and warms caches: 3 s for a 256-token prefill. Left in, it made the
+    fitted per-step cost seconds and the allowance 0 (and the decode cost negative)."""
+    model = StepCostModel(refit_every=1)
+    model.observe(256, 0, 3.0)
+    feed(model, 0.010, 0.0008, 0.0015, 40, noise=0.05, seed=4)
+    a, b, c = model.coefficients()
+    assert b == pytest.approx(0.0008, rel=0.15) and a < 0.03 and c >= 0
+    assert abs(model.prefill_allowance(31, 0.120) - 79) <= 15
+
+
+def test_a_negative_term_is_dropped_and_the_rest_refitted():
+    model = StepCostModel(refit_every=1)
+    for p, d in ((0, 30), (64, 30), (128, 2), (256, 2), (32, 16), (200, 10), (16, 30), (100, 2)):
+        model.observe(p, d, 0.001 * p + 0.002 * max(0, 20 - d))   # more decodes, shorter steps: no cost model
+    a, b, c = model.coefficients()
+    assert c == 0.0 and b > 0 and a >= 0
+
+
 def test_an_unphysical_fit_is_not_used():
     model = StepCostModel(refit_every=1)
     for p in (0, 64, 128, 256, 512, 64, 0, 256):
@@ -149,8 +177,13 @@ def test_engine_times_its_steps_and_limits_prefill(tiny_llama_dir):
         return out
 
     engine.scheduler.schedule = spy
+    real_observe, observed = engine.step_cost.observe, []
+    engine.step_cost.observe = lambda *args: observed.append(args)   # keep the seeded fit for this step
     engine.step()
-    assert seen[0]["a"] == 1 and seen[0]["b"] < 100     # the prompt came in a chunk beside the decode
+    # 50 ms target, 10 ms per step and decode, 1 ms per prefill token: 40 prompt tokens beside the decode
+    assert seen[0]["a"] == 1 and 38 <= seen[0]["b"] <= 40
+    assert observed and observed[0][:2] == (seen[0]["b"], 1)          # the step's prefill tokens and decodes
+    engine.step_cost.observe = real_observe
     while engine.has_unfinished_requests():
         engine.step()
     assert len(engine.step_cost._rows) > 10
@@ -168,6 +201,9 @@ def test_off_by_default_and_not_with_asynchronous_steps(tiny_llama_dir, caplog):
                                                 itl_target_ms=80))
     assert engine.async_scheduling and engine.itl_target_ms == 0 and engine.scheduler.prefill_allowance is None
     assert "itl_target_ms applies to synchronous steps" in caplog.text
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", itl_target_ms=80,
+                                                enable_chunked_prefill=False))
+    assert engine.itl_target_ms == 0 and "itl_target_ms needs chunked prefill" in caplog.text
 
 
 def test_the_flag_and_bad_values():

@@ -172,12 +172,24 @@ def test_w4a16_launch_choices():
     assert interleave_tile(4096, 128) == 128 and interleave_tile(4096, 4096) == 512
 
 
-def test_w4a16_launch_override_is_checked(monkeypatch):
+@pytest.mark.parametrize("value", ["8,2", "8,x,1,4", "0,4,1,4", "12,4,1,4", "8,3,1,4", "8,4,-1,4"])
+def test_w4a16_launch_override_is_checked(monkeypatch, value):
     from plinth.quantization.kernels.w4a16_triton import gemv_tiles
 
-    monkeypatch.setenv("PLINTH_W4A16_GEMV", "8,2")
-    with pytest.raises(ValueError, match="expected 4 comma-separated integers"):
+    monkeypatch.setenv("PLINTH_W4A16_GEMV", value)
+    with pytest.raises(ValueError, match="PLINTH_W4A16_GEMV=.*expected 4 comma-separated positive integers"):
         gemv_tiles(4096, 4096, 128, 132)
+
+
+def test_w4a16_launch_override_that_does_not_divide_is_reported(monkeypatch):
+    from plinth.quantization.kernels.w4a16_triton import GemvTiles, gemv_tiles, mma_tiles
+
+    monkeypatch.setenv("PLINTH_W4A16_GEMV", "8,16,4,4")        # 16 spans x 4 splits x 128 > 4096
+    with pytest.warns(RuntimeWarning, match="PLINTH_W4A16_GEMV ignored"):
+        assert gemv_tiles(4096, 4096, 128, 132) != GemvTiles(8, 16, 4, 4)
+    monkeypatch.setenv("PLINTH_W4A16_MMA", "64,3,2,3")         # 3 does not divide 32 groups
+    with pytest.warns(RuntimeWarning, match="PLINTH_W4A16_MMA ignored"):
+        assert mma_tiles(4096, 4096, 128).split_k != 3
 
 
 @needs_interpreter

@@ -138,6 +138,9 @@ class LLMEngine:
         if requested and self.async_scheduling:
             logger.warning("itl_target_ms applies to synchronous steps; with asynchronous scheduling it is off")
             return 0.0
+        if requested and not self.config.scheduler.enable_chunked_prefill:
+            logger.warning("itl_target_ms needs chunked prefill (a prompt cannot be split to fit); it is off")
+            return 0.0
         return float(requested)
 
     def _resolve_async(self, requested: bool | None) -> bool:
@@ -289,15 +292,18 @@ class LLMEngine:
         started = time.perf_counter()
         batch, reqs = self._batch_builder.build(out)
         result, hidden = self._run_guarded(self.executor.execute, batch, self._make_sampling_batch(reqs))
+        extra = 0.0   # prompt logprobs cost per prompt token far more than a prefill: not a step's usual cost
         if hidden is not None and self._prompt_logprob_groups:
+            t = time.perf_counter()
             self._prompt_logprobs(out, hidden)
+            extra = time.perf_counter() - t
         if result is None:
             self.scheduler.update_from_output(out, [None] * len(out.scheduled))
             return
         token_ids = result.sampled_token_ids.tolist()   # the step's one host-device sync
         if self.step_cost is not None:
             self.step_cost.observe(out.num_scheduled_tokens - out.num_decodes, out.num_decodes,
-                                   time.perf_counter() - started)
+                                   time.perf_counter() - started - extra)
         if result.logprobs is not None:
             num_logprobs = [r.sampling_params.logprobs for r in reqs]
             self._record_logprobs(reqs, result.logprobs.to_position_logprobs(num_logprobs), token_ids)

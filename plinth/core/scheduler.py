@@ -213,7 +213,7 @@ class Scheduler:
             elif left > 1:
                 prefills.append(r)
         for is_decode, group in ((True, decodes), (False, prefills)):
-            if not is_decode:
+            if not is_decode and (prefills or self.waiting):
                 budget = self._prefill_budget(budget, len(scheduled))
             for req in group:
                 if budget == 0:

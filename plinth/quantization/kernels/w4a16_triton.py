@@ -7,6 +7,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import warnings
 from types import ModuleType
 from typing import ClassVar
 
@@ -90,14 +91,25 @@ class GemvTiles:
     num_warps: int
 
 
-def _override(name: str, fields: int) -> tuple[int, ...] | None:
+def _override(name: str, fields: int, powers_of_two: int) -> tuple[int, ...] | None:
+    """A launch forced through ``$name``: ``fields`` positive integers, the first ``powers_of_two`` of them
+    powers of two (tile sizes)."""
     value = os.environ.get(name)
     if not value:
         return None
-    parts = tuple(int(v) for v in value.split(","))
-    if len(parts) != fields:
-        raise ValueError(f"{name}={value!r}: expected {fields} comma-separated integers")
+    try:
+        parts = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        parts = ()
+    if (len(parts) != fields or any(v <= 0 for v in parts)
+            or any(v & (v - 1) for v in parts[:powers_of_two])):
+        raise ValueError(f"{name}={value!r}: expected {fields} comma-separated positive integers, the first "
+                         f"{powers_of_two} powers of two")
     return parts
+
+
+def _ignored(name: str, why: str) -> None:
+    warnings.warn(f"{name} ignored for this product: {why}", RuntimeWarning, stacklevel=3)
 
 
 def gemv_tiles(n: int, k: int, tile: int, num_sms: int) -> GemvTiles:
@@ -105,9 +117,11 @@ def gemv_tiles(n: int, k: int, tile: int, num_sms: int) -> GemvTiles:
     sixteen spans per step where they divide ``k``, narrow output blocks, and a K split only where the
     output blocks alone would leave SMs idle. ``PLINTH_W4A16_GEMV="BN,SPANS,SPLIT,WARPS"`` overrides
     (tuning sweeps)."""
-    forced = _override("PLINTH_W4A16_GEMV", 4)
+    forced = _override("PLINTH_W4A16_GEMV", 4, 2)
     if forced and k % (tile * forced[1] * forced[2]) == 0:
         return GemvTiles(*forced)
+    if forced:
+        _ignored("PLINTH_W4A16_GEMV", f"SPANS x SPLIT x {tile} does not divide the input size {k}")
     spans = next(s for s in (16, 8, 4, 2, 1) if k % (tile * s) == 0)
     block_n = 16 if n >= 6144 else 8
     split = 1
@@ -127,9 +141,11 @@ class MmaTiles:
 def mma_tiles(n: int, k: int, group: int) -> MmaTiles:
     """The few-row tensor-core kernel's launch (the same sweep); ``PLINTH_W4A16_MMA="BN,SPLIT,WARPS,STAGES"``
     overrides."""
-    forced = _override("PLINTH_W4A16_MMA", 4)
+    forced = _override("PLINTH_W4A16_MMA", 4, 1)
     if forced and (k // group) % forced[1] == 0:
         return MmaTiles(*forced)
+    if forced:
+        _ignored("PLINTH_W4A16_MMA", f"SPLIT does not divide the {k // group} groups")
     block_n, split = (128, 2) if n >= 16384 else (64, 4)
     while split > 1 and (k // group) % split:
         split //= 2
@@ -138,6 +154,9 @@ def mma_tiles(n: int, k: int, group: int) -> MmaTiles:
 
 #: the most rows the tensor-core decode kernel takes (one 16-row block per program)
 MMA_MAX_ROWS = 16
+#: the narrowest span it takes: each nibble plane is one ``tl.dot`` over TILE / 8 features, and the GPUs'
+#: 16-bit dots need at least 16 (groups of 32 or 64 send their few-row inputs to the GEMM instead)
+MMA_MIN_TILE = 128
 
 
 def _output(m: int, n: int, split: int, x: torch.Tensor) -> torch.Tensor:
@@ -227,7 +246,8 @@ class TritonW4A16Kernel(GemmKernel):
         tile = interleave_tile(k, group)
         if m == 1 and x.is_contiguous():
             out = _gemv(jit, layer, x, group, tile, sms)
-        elif m <= MMA_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1:
+        elif (m <= MMA_MAX_ROWS and tile >= MMA_MIN_TILE and x.dtype in (torch.float16, torch.bfloat16)
+              and x.stride(1) == 1):
             out = _mma(jit, layer, x, group, tile)
         else:
             out = self._gemm(jit, layer, x, group, tile, sms)

@@ -199,8 +199,9 @@ def w4a16_mma_kernel(
     Each word tile ``[BLOCK_N, TILE / 8]`` gives eight nibble planes, two per ``lop3``
     (:func:`_magic_halves`); each plane is ``MAGIC + code`` exactly and multiplies its slice of ``x``
     (padded to 16 rows) on the tensor cores with float32 accumulation. Zero points and scales are
-    applied once per group (:func:`_close_group`), so the weights cost about one integer instruction
-    per code. ``K / SPLIT_K`` is a multiple of ``GROUP_SIZE``.
+    applied once per span (:func:`_close_group`), so the weights cost about one integer instruction
+    per code. ``K / SPLIT_K`` is a multiple of ``GROUP_SIZE``; ``TILE / 8`` is at least 16 (the
+    smallest 16-bit ``tl.dot`` the GPUs take).
     """
     SPAN: tl.constexpr = TILE // 8
     pid_m = tl.program_id(0)
@@ -218,10 +219,10 @@ def w4a16_mma_kernel(
     OUT: tl.constexpr = x_ptr.dtype.element_ty
     XW: tl.constexpr = SPAN
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    xs = tl.zeros((16, XW), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_len, TILE):
         words = tl.load(q_ptrs, mask=mask_n[:, None], other=0)                           # [BN, SPAN]
+        part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        xs = tl.zeros((16, XW), dtype=tl.float32)
         for h in tl.static_range(4):
             lo, hi = _magic_halves(words >> (4 * h), MAGIC_BITS, OUT, ASM)
             xl = tl.load(x_ptrs + k0 + h * SPAN, mask=mask_m[:, None], other=0.0)           # [16, SPAN]
@@ -230,14 +231,9 @@ def w4a16_mma_kernel(
             part = tl.dot(xh, tl.trans(hi), part)
             xs += xl.to(tl.float32) + xh.to(tl.float32)
         q_ptrs += SPAN
-        if GROUP_SIZE == TILE:
-            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
-            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xs = tl.zeros((16, XW), dtype=tl.float32)
-        elif (k0 + TILE) % GROUP_SIZE == 0:
-            acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
-            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            xs = tl.zeros((16, XW), dtype=tl.float32)
+        # closed every span (a span lies in one group, and the close is linear): part never carries more
+        # than TILE features' MAGIC * sum(x), which keeps the cancellation small for any group size
+        acc = _close_group(acc, part, xs, s_ptr, z_ptr, offs_n, mask_n, stride_sn, k0 // GROUP_SIZE, MAGIC)
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
