@@ -81,7 +81,7 @@ def test_a_warm_up_outlier_does_not_skew_the_fit():
 def test_a_negative_term_is_dropped_and_the_rest_refitted():
     model = StepCostModel(refit_every=1)
     for p, d in ((0, 30), (64, 30), (128, 2), (256, 2), (32, 16), (200, 10), (16, 30), (100, 2)):
-        model.observe(p, d, 0.001 * p + 0.002 * max(0, 20 - d))   # more decodes, shorter steps: no cost model
+        model.observe(p, d, 0.005 + 0.001 * p + 0.002 * max(0, 20 - d))   # more decodes, shorter steps
     a, b, c = model.coefficients()
     assert c == 0.0 and b > 0 and a >= 0
 
