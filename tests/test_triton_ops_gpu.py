@@ -64,10 +64,11 @@ def test_skinny_linear_bf16(m, n, k):
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 64])
-@pytest.mark.parametrize("n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 128), (1024, 2048, 2048)])
+@pytest.mark.parametrize("n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 128), (1024, 2048, 2048),
+                                       (2048, 4096, 64), (2048, 4096, 32)])
 def test_w4a16_paths(m, n, k, group, dtype):
-    """The GEMV (1 row), the tensor-core decode kernel (2-16 rows) and the GEMM at Llama-3-8B shapes (and
-    per-channel scales) against float32 math on the dequantized weight."""
+    """The GEMV (1 row), the tensor-core decode kernel (2-16 rows; groups of 32 and 64 take the GEMM there) and
+    the GEMM at Llama-3-8B shapes (and per-channel scales) against float32 math on the dequantized weight."""
     weights = random_int_weights(n, k, 4, group, symmetric=False, act_order=False, device=CUDA,
                                  generator=torch.Generator(device=CUDA).manual_seed(0))
     kernel = TritonW4A16Kernel(GemmProblem("int", dtype, "cuda", capability=torch.cuda.get_device_capability(),
