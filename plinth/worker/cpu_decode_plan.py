@@ -20,14 +20,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from plinth.kernels import cpu_native
-from plinth.worker.cpu_linear import INT4_GROUP
+
+if TYPE_CHECKING:
+    from plinth.worker.cpu_linear import Int4Weight
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ def _row_linear(layer: torch.nn.Module) -> Linear:
     return lambda x: method.apply(layer, x, None) + bias
 
 
-def _int4_copy(layer: torch.nn.Module) -> Any:
+def _int4_copy(layer: torch.nn.Module) -> Int4Weight | None:
     """The layer's 4-bit copy when one-row inputs go straight to it (bias-free, no other kernel first)."""
     method = layer.linear_method
     kernel_for = getattr(method, "int4_kernel_for", None)
@@ -64,9 +66,7 @@ def _int4_copy(layer: torch.nn.Module) -> Any:
 def _matmul(lay: _Layer, name: str, x: torch.Tensor) -> torch.Tensor:
     """``lay.<name>(x)``; one contiguous row goes straight to the layer's 4-bit copy where it has one."""
     copy = lay.int4_copies.get(name) if x.shape[0] == 1 else None
-    if copy is not None:
-        return torch._weight_int4pack_mm_for_cpu(x, copy.packed, INT4_GROUP, copy.scale_zeros)
-    return getattr(lay, name)(x)
+    return copy.matmul(x) if copy is not None else getattr(lay, name)(x)
 
 
 @dataclasses.dataclass
@@ -85,7 +85,7 @@ class _Layer:
     scale: float
     sliding_window: int | None
     kv_cache: torch.Tensor         # [2, num_blocks, block_size, Hkv, D]
-    int4_copies: dict[str, Any] = dataclasses.field(default_factory=dict)   # one-row 4-bit copies by GEMM
+    int4_copies: dict[str, Int4Weight] = dataclasses.field(default_factory=dict)   # one-row 4-bit copies by GEMM
 
 
 def _why_not(model: torch.nn.Module, backend: object) -> str:
@@ -179,10 +179,10 @@ class CpuDecodePlan:
                 qkv=_linear(attn.qkv_proj), o=_row_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
                 down=_row_linear(mlp.down_proj), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                 head_size=attn.head_dim, scale=attn.attn.scale, sliding_window=attn.attn.sliding_window,
-                kv_cache=attn.attn.kv_cache))
-            copies = {"qkv": _int4_copy(attn.qkv_proj), "o": _int4_copy(attn.o_proj),
-                      "gate_up": _int4_copy(mlp.gate_up_proj), "down": _int4_copy(mlp.down_proj)}
-            self.layers[-1].int4_copies = {k: v for k, v in copies.items() if v is not None}
+                kv_cache=attn.attn.kv_cache, int4_copies={
+                    name: copy for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
+                                                  ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))
+                    if (copy := _int4_copy(proj)) is not None}))
         self.native = _Native()
         self._buffers: dict[int, _Buffers] = {}
 
@@ -225,16 +225,20 @@ class CpuDecodePlan:
         slots_p, lens_p, starts_p, tables_p = slots.data_ptr(), lens.data_ptr(), starts.data_ptr(), tables_t.data_ptr()
         cos_p, sin_p, rot_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
         threads = torch.get_num_threads()
+        rms_norm = native.rms_norm
+
+        def add_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+            """residual += x (in place); out = norm(residual)."""
+            rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), width, weight.data_ptr(), out.data_ptr(),
+                     residual.data_ptr(), b, width, eps)
+
         residual = hidden   # the embedding output, then the running residual stream, updated in place
-        first = True
-        for lay in self.layers:
-            if first:
-                native.rms_norm(hidden.data_ptr(), hidden.stride(0), None, 0, lay.in_norm.data_ptr(), normed.data_ptr(), None,
-                                b, width, lay.eps)
-                first = False
-            else:   # residual += hidden; normed = norm(residual)
-                native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, lay.in_norm.data_ptr(),
-                                normed.data_ptr(), residual.data_ptr(), b, width, lay.eps)
+        for i, lay in enumerate(self.layers):
+            if i == 0:   # the residual stream starts as the embedding output itself: nothing to add
+                rms_norm(hidden.data_ptr(), hidden.stride(0), None, 0, lay.in_norm.data_ptr(), normed.data_ptr(),
+                         None, b, width, lay.eps)
+            else:
+                add_norm(hidden, lay.in_norm, lay.eps, normed)
             qkv = _matmul(lay, "qkv", normed)                                                         # [B, (Hq+2Hkv)D]
             d, hq, hkv = lay.head_size, lay.num_heads, lay.num_kv_heads
             row, elem = qkv.stride(0), qkv.element_size()
@@ -248,16 +252,14 @@ class CpuDecodePlan:
                           cache.shape[1], bs, tables.shape[1], row, hq * d, lay.scale, lay.sliding_window or 0,
                           threads)
             hidden = _matmul(lay, "o", attn_out)
-            native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, lay.post_norm.data_ptr(),
-                            normed.data_ptr(), residual.data_ptr(), b, width, lay.post_eps)
+            add_norm(hidden, lay.post_norm, lay.post_eps, normed)
             gate_up = _matmul(lay, "gate_up", normed)                                                 # [B, 2I]
             inter = gate_up.shape[1] // 2
             act = torch.empty((b, inter), dtype=torch.bfloat16)
             native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), b, inter)
             hidden = _matmul(lay, "down", act)
         out = torch.empty_like(normed)
-        native.rms_norm(hidden.data_ptr(), hidden.stride(0), residual.data_ptr(), width, self.final_norm.data_ptr(),
-                        out.data_ptr(), residual.data_ptr(), b, width, self.final_eps)
+        add_norm(hidden, self.final_norm, self.final_eps, out)
         return self.model.compute_logits(out)
 
 

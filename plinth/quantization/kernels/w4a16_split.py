@@ -4,8 +4,9 @@ torch's tiled int4 matmul (:class:`~plinth.quantization.kernels.int4pack.TorchIn
 the weights fastest for one to four rows, but its time grows with the rows (on an H200, 34 us for the
 Llama-3-8B gate/up product at one row, 80 us at eight, 138 us at sixteen); the Triton kernels
 (:class:`~plinth.quantization.kernels.w4a16_triton.TritonW4A16Kernel`: a tensor-core kernel whose
-time barely moves up to 16 rows, 50-55 us there, then the tiled GEMM) take everything longer. This kernel keeps both layouts of every layer (twice the packed bytes: still half of
-bfloat16) and picks by row count. Selection times it like any other candidate, so it is used only
+time barely moves up to 16 rows, 50-55 us there, then the tiled GEMM) take everything longer. This
+kernel keeps both layouts of every layer (twice the packed bytes: still half of bfloat16) and picks by
+row count. Selection times it like any other candidate, so it is used only
 where the pair beats each kernel alone.
 """
 
