@@ -257,6 +257,69 @@ def test_q4_panel_matmul_against_gguf_dequantization(qtype, m, n, k):
     torch.testing.assert_close(out.double(), exact, atol=2e-3 * float(exact.abs().max()), rtol=8e-3)
 
 
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 17, 96), (3, 96, 576), (4, 50, 32), (1, 576, 1536)])
+def test_q4_panel_gemv_against_float64(qtype, m, n, k):
+    """The panel GEMV multiplies the file's exact 4-bit weights (``d q + c`` in float32, no bfloat16 rounding of
+    the weights): a float64 product agrees up to the output's bfloat16 rounding and float32 summation (the
+    ``128 + q`` operands cancel against the block sums, bounded here by 1e-4 of ``|x| @ |w|``); inputs with a
+    row stride wider than ``K`` and outputs not a multiple of 16 included."""
+    from plinth.worker.cpu_int4 import decode_q4_blocks
+
+    if not cpu_native.q4_gemv_supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    gtype = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(m * 1000 + n + k)
+    raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, gtype)
+    w_file = torch.from_numpy(gguf.quants.dequantize(raw, gtype)).double()
+    q, scale, zero = decode_q4_blocks(raw, qtype)
+    panels = cpu_native.pack_q4_panels(q, scale, zero - 8 * scale)
+    wide = torch.from_numpy(rng.standard_normal((m, k + 24)).astype(np.float32) * 3).to(BF16)
+    x = wide[:, 5:5 + k]                                             # row stride k + 24, features contiguous
+    out = cpu_native.Q4Gemv(panels)(x)
+    exact = x.double() @ w_file.T
+    bound = 2.0 ** -8 * exact.abs() + 1e-4 * (x.double().abs() @ w_file.abs().T)
+    assert out.shape == (m, n) and out.dtype == BF16
+    assert bool(((out.double() - exact).abs() <= bound).all()), float(((out.double() - exact).abs() - bound).max())
+    # the same numbers as the panel GEMM, whose weights are rounded to bfloat16 first
+    torch.testing.assert_close(out.double(), cpu_native.q4_panel_matmul(x.contiguous(), panels).double(),
+                               atol=4e-3 * float(exact.abs().max()), rtol=1.6e-2)
+
+
+def test_q4_panel_gemv_rejects_shapes_it_does_not_take():
+    if not cpu_native.q4_gemv_supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    panels = cpu_native.pack_q4_panels(torch.zeros(16, 64, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
+    gemv = cpu_native.Q4Gemv(panels)
+    for bad in (torch.zeros(5, 64, dtype=BF16), torch.zeros(1, 32, dtype=BF16), torch.zeros(1, 64),
+                torch.zeros(1, 128, dtype=BF16)[:, ::2]):
+        with pytest.raises(ValueError, match="panel GEMV takes"):
+            gemv(bad)
+    assert torch.equal(gemv(torch.ones(1, 64, dtype=BF16)), torch.zeros(1, 16, dtype=BF16))
+
+
+def test_int4_weight_routes_few_bf16_rows_to_the_gemv():
+    """``Int4Weight.matmul``: bfloat16 inputs of 1..4 rows take the native GEMV (bit-identical to calling it),
+    more rows and float32 inputs torch's int4 kernel (bit-identical to calling that)."""
+    from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
+
+    if not cpu_native.q4_gemv_supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    rng = np.random.default_rng(3)
+    q = torch.from_numpy(rng.integers(0, 16, (48, 96))).to(torch.int32)
+    scale = torch.from_numpy(rng.random((48, 3)).astype(np.float32)) * 0.01
+    zero = torch.from_numpy(rng.standard_normal((48, 3)).astype(np.float32)) * 0.01
+    weight = Int4Weight.from_blocks(q, scale, zero, BF16)
+    assert weight.gemv is not None
+    for rows in (1, 4, 5):
+        x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32)).to(BF16)
+        torch_int4 = torch._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scale_zeros)
+        expect = weight.gemv(x) if rows <= cpu_native.Q4_GEMV_MAX_ROWS else torch_int4
+        assert torch.equal(weight.matmul(x), expect)
+        torch.testing.assert_close(weight.matmul(x).float(), torch_int4.float(), atol=2e-2, rtol=2e-2)
+
+
 def _int8_reference(x: torch.Tensor, w_file: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 8-bit-input product in float64: ``x`` quantized per row and 32-feature block as the kernel does
     (scale = max |x| / 127 in float32, codes rounded to nearest even), times the file's weights; and the

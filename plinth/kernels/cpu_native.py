@@ -39,8 +39,10 @@ _SIGNATURES = {
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
 }
-_RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q8v_gemm_bf16": ctypes.c_int64}
+_RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q8v_gemm_bf16": ctypes.c_int64,
+            "plinth_q4p_gemv_bf16": ctypes.c_int64}
 
 
 @functools.cache
@@ -221,6 +223,53 @@ def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
     """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16 (float32 accumulation of the
     bfloat16-rounded weights). Check :func:`q4_panels_supported` first."""
     return _checked_gemm(_Q4P_GEMM, x, panels, "AVX512-BF16 (q4_panels_supported() is False)")
+
+
+_Q4P_GEMV = "plinth_q4p_gemv_bf16"
+#: the most input rows the panel GEMV takes (more take :func:`q4_panel_matmul`)
+Q4_GEMV_MAX_ROWS = 4
+
+
+@functools.cache
+def q4_gemv_supported() -> bool:
+    """Whether this CPU runs the panel GEMV (the library was built with AVX512-BF16)."""
+    return _runs(_Q4P_GEMV, pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.zeros(16, 1),
+                                           torch.zeros(16, 1)))
+
+
+class Q4Gemv:
+    """The panel GEMV of one packed weight, its entry point and pointers resolved once: a call costs the C
+    call and the output's allocation (a decode step makes four a layer, so wrapper time counts). Build it
+    only where :func:`q4_gemv_supported` is true."""
+
+    def __init__(self, panels: Q4Panels):
+        self.panels = panels                       # keeps the tensors behind the pointers alive
+        self.out_features = panels.out_features
+        self.in_features = panels.scales.shape[1] * 32
+        self._fn = _lib().plinth_q4p_gemv_bf16
+        self._weights = (panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr())
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[M, K]`` bfloat16 on the CPU, ``1 <= M <=`` :data:`Q4_GEMV_MAX_ROWS`, features contiguous ->
+        ``[M, N]`` bfloat16 (into ``out``, contiguous ``[M, N]``, when given): float32 weights ``d * q + c``,
+        float32 accumulation, rounded to bfloat16 once."""
+        m, k = x.shape
+        if (k != self.in_features or not 1 <= m <= Q4_GEMV_MAX_ROWS or x.dtype != torch.bfloat16
+                or not x.is_cpu or x.stride(1) != 1):
+            raise ValueError(f"the panel GEMV takes CPU bfloat16 inputs [1..{Q4_GEMV_MAX_ROWS}, {self.in_features}] "
+                             f"with contiguous features; got {x.dtype} {list(x.shape)} (strides {x.stride()}) "
+                             f"on {x.device}")
+        y = torch.empty((m, self.out_features), dtype=torch.bfloat16) if out is None else out
+        self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
+        return y
+
+
+def q4_panel_gemv(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
+    """``x`` ``[M, K]`` bfloat16 with ``1 <= M <=`` :data:`Q4_GEMV_MAX_ROWS` times the packed weight -> ``[M, N]``
+    bfloat16, the codes streamed once (see :class:`Q4Gemv`). Check :func:`q4_gemv_supported` first."""
+    if not q4_gemv_supported():
+        raise RuntimeError("the native panel GEMV needs AVX512-BF16 (q4_gemv_supported() is False)")
+    return Q4Gemv(panels)(x if x.stride(-1) == 1 else x.contiguous())
 
 
 @dataclasses.dataclass

@@ -52,7 +52,19 @@ class Int4Weight:
         panels = cpu_native.pack_q4_panels(q, scale, zero - 8.0 * scale)
         return cls(packed, sz, q.shape[0], panels)
 
+    def __post_init__(self) -> None:
+        # the native panel GEMV for bfloat16 inputs of at most Q4_GEMV_MAX_ROWS rows, where this CPU runs it
+        self.gemv = (cpu_native.Q4Gemv(self.panels) if self.panels is not None and cpu_native.available(torch.bfloat16)
+                     and cpu_native.q4_gemv_supported() else None)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:   # [M, K] -> [M, N]
+        """``x`` ``[M, K]`` (features contiguous) times the weight: bfloat16 inputs of at most
+        :data:`cpu_native.Q4_GEMV_MAX_ROWS` rows through the native panel GEMV where there is one (it streams
+        the codes faster than torch's kernel, which takes the rest)."""
+        gemv = self.gemv
+        if (gemv is not None and x.dtype == torch.bfloat16 and x.shape[0] <= cpu_native.Q4_GEMV_MAX_ROWS
+                and not torch.compiler.is_compiling()):
+            return gemv(x)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
 
 
