@@ -67,8 +67,9 @@ def test_plan_logits_equal_the_module_path(llm, n):
 
 
 def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypatch, tiny_llama_dir):
-    """A GGUF Q4_1 model keeps 4-bit copies of its layers: one-row steps of the plan call them directly,
-    several rows go through the layers' own routing; both bit-identical to the module path."""
+    """A GGUF Q4_1 model keeps 4-bit copies of its layers: steps of up to four rows run every layer in one native
+    call (the native GEMV on the copies), and the plan's Python loop calls one-row copies directly and the
+    layers' own routing otherwise; all bit-identical to the module path."""
     from test_gguf import small_model, write_gguf
 
     tmp = tmp_path_factory.mktemp("q4plan")
@@ -79,8 +80,15 @@ def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypa
         plan = llm.engine.runner.graphs
         assert isinstance(plan, CpuDecodePlan)
         assert all(set(lay.int4_copies) == {"qkv", "o", "gate_up", "down"} for lay in plan.layers)
-        for n in (1, 3):
-            _plan_equals_modules(llm, n, "q")
+        assert (plan.fused_layers is not None) == cpu_native.q4_gemv_supported()
+        for n in (1, 3, 4):
+            _plan_equals_modules(llm, n, "q")        # all layers in one native call, where it runs
+        fused, plan.fused_layers = plan.fused_layers, None
+        try:
+            for n in (1, 3):
+                _plan_equals_modules(llm, n, "r")    # the plan's Python loop over the same kernels
+        finally:
+            plan.fused_layers = fused
 
 
 def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch):

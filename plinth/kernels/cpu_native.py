@@ -40,9 +40,10 @@ _SIGNATURES = {
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_decode_layers_bf16": [_P, _I, _P],
 }
 _RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q8v_gemm_bf16": ctypes.c_int64,
-            "plinth_q4p_gemv_bf16": ctypes.c_int64}
+            "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64}
 
 
 @functools.cache
@@ -270,6 +271,50 @@ def q4_panel_gemv(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
     if not q4_gemv_supported():
         raise RuntimeError("the native panel GEMV needs AVX512-BF16 (q4_gemv_supported() is False)")
     return Q4Gemv(panels)(x if x.stride(-1) == 1 else x.contiguous())
+
+
+class PanelWeight(ctypes.Structure):
+    """``PlinthPanelWeight`` of ``csrc/cpu_ops.cpp``: one GEMM's 4-bit panels."""
+
+    _fields_ = [("codes", _P), ("scales", _P), ("offsets", _P), ("n", _I), ("k", _I)]
+
+    @classmethod
+    def of(cls, panels: Q4Panels) -> PanelWeight:
+        return cls(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(), panels.out_features,
+                   panels.scales.shape[1] * 32)
+
+
+class DecodeLayer(ctypes.Structure):
+    """``PlinthDecodeLayer``: one decoder layer's weights, norms and KV cache for :func:`decode_layers`."""
+
+    _fields_ = [("qkv", PanelWeight), ("o", PanelWeight), ("gate_up", PanelWeight), ("down", PanelWeight),
+                ("in_norm", _P), ("post_norm", _P), ("eps", _D), ("post_eps", _D), ("kv_cache", _P),
+                ("num_blocks", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_size", _I), ("scale", _D),
+                ("sliding_window", _I)]
+
+
+class DecodeStep(ctypes.Structure):
+    """``PlinthDecodeStep``: one step's inputs, buffers and the attention entry point."""
+
+    _fields_ = [("rows", _I), ("width", _I), ("block_size", _I), ("table_width", _I), ("rot_dim", _I),
+                ("threads", _I), ("residual", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("lens", _P),
+                ("starts", _P), ("tables", _P), ("normed", _P), ("qkv", _P), ("attn", _P), ("o", _P),
+                ("gate_up", _P), ("act", _P), ("down", _P), ("out", _P), ("final_norm", _P), ("final_eps", _D),
+                ("attention", _P)]
+
+
+#: the most rows :func:`decode_layers` takes
+DECODE_LAYERS_MAX_ROWS = 4
+
+
+def decode_layers(layers: ctypes.Array, step: DecodeStep) -> None:
+    """Run every layer of a decode step natively (``plinth_decode_layers_bf16``): the caller owns every pointer's
+    memory and keeps it alive. Raises RuntimeError where the kernel declines (no AVX512-BF16, rows outside
+    ``1..`` :data:`DECODE_LAYERS_MAX_ROWS`)."""
+    rc = _lib().plinth_decode_layers_bf16(ctypes.addressof(layers), len(layers), ctypes.byref(step))
+    if rc != 0:
+        raise RuntimeError(f"the native decode step declined ({rc}: "
+                           f"{'no AVX512-BF16' if rc == -1 else f'{step.rows} rows'})")
 
 
 @dataclasses.dataclass

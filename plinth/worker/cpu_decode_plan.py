@@ -17,6 +17,7 @@ not otherwise. ``PLINTH_CPU_DECODE_PLAN=0`` turns it off.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -150,6 +151,17 @@ class _Buffers:
 
     normed: torch.Tensor     # [B, H] bfloat16
     attn: torch.Tensor       # [B, Hq * D]
+    fused: _FusedBuffers | None = None
+
+
+@dataclasses.dataclass
+class _FusedBuffers:
+    """Per batch size, for the native whole-step call: every GEMV output and the step's argument block, its
+    buffer pointers filled once (a call sets only the step's inputs)."""
+
+    tensors: list[torch.Tensor]
+    out: torch.Tensor        # [B, H]: the final norm's output
+    step: cpu_native.DecodeStep
 
 
 class CpuDecodePlan:
@@ -161,7 +173,7 @@ class CpuDecodePlan:
         max_size: the largest decode batch (the engine's ``max_num_seqs``).
     """
 
-    def __init__(self, model: torch.nn.Module, block_size: int, max_size: int):
+    def __init__(self, model: torch.nn.Module, block_size: int, max_size: int, fused: bool = True):
         inner = model.model
         self.model = model
         self.block_size = block_size
@@ -185,6 +197,40 @@ class CpuDecodePlan:
                     if (copy := _int4_copy(proj)) is not None}))
         self.native = _Native()
         self._buffers: dict[int, _Buffers] = {}
+        #: every layer's GEMMs on 4-bit panels with the native GEMV: batches of up to DECODE_LAYERS_MAX_ROWS
+        #: run all layers in one native call (the same kernels in the same order: bit-identical)
+        self.fused_layers = self._fused_layers() if fused else None
+
+    def _fused_layers(self) -> ctypes.Array | None:
+        """The layers' argument blocks for :func:`cpu_native.decode_layers`, or None where a layer lacks a
+        4-bit copy with the native GEMV for one of its four GEMMs (or its cache is not bfloat16)."""
+        specs = []
+        for lay in self.layers:
+            copies = [lay.int4_copies.get(name) for name in ("qkv", "o", "gate_up", "down")]
+            if any(c is None or c.gemv is None for c in copies) or lay.kv_cache.dtype != torch.bfloat16:
+                return None
+            cache = lay.kv_cache
+            specs.append(cpu_native.DecodeLayer(
+                *(cpu_native.PanelWeight.of(c.panels) for c in copies),
+                lay.in_norm.data_ptr(), lay.post_norm.data_ptr(), lay.eps, lay.post_eps, cache.data_ptr(),
+                cache.shape[1], lay.num_heads, lay.num_kv_heads, lay.head_size, lay.scale, lay.sliding_window or 0))
+        return (cpu_native.DecodeLayer * len(specs))(*specs)
+
+    def _fused_buffers(self, bufs: _Buffers, b: int) -> _FusedBuffers:
+        if bufs.fused is None:
+            lay, width = self.layers[0], self.embed.shape[1]
+            qkv_n, gate_up_n = lay.int4_copies["qkv"].out_features, lay.int4_copies["gate_up"].out_features
+            tensors = [torch.empty((b, n), dtype=torch.bfloat16)
+                       for n in (qkv_n, width, gate_up_n, gate_up_n // 2, width, width)]
+            qkv, o, gate_up, act, down, out = tensors
+            step = cpu_native.DecodeStep(
+                rows=b, width=width, block_size=self.block_size, threads=torch.get_num_threads(),
+                normed=bufs.normed.data_ptr(), qkv=qkv.data_ptr(), attn=bufs.attn.data_ptr(), o=o.data_ptr(),
+                gate_up=gate_up.data_ptr(), act=act.data_ptr(), down=down.data_ptr(), out=out.data_ptr(),
+                final_norm=self.final_norm.data_ptr(), final_eps=self.final_eps,
+                attention=ctypes.cast(self.native.decode, ctypes.c_void_p).value)
+            bufs.fused = _FusedBuffers(tensors, out, step)
+        return bufs.fused
 
     def _buffers_for(self, b: int) -> _Buffers:
         bufs = self._buffers.get(b)
@@ -220,6 +266,15 @@ class CpuDecodePlan:
         cos, sin = self.rotary.cos_sin(torch.from_numpy(pos), hidden.dtype)                          # [B, R]
         cos, sin = cos.contiguous(), sin.contiguous()
         native, bufs = self.native, self._buffers_for(b)
+        if self.fused_layers is not None and b <= cpu_native.DECODE_LAYERS_MAX_ROWS:
+            fused = self._fused_buffers(bufs, b)
+            step = fused.step
+            step.residual, step.cos, step.sin = hidden.data_ptr(), cos.data_ptr(), sin.data_ptr()
+            step.slots, step.lens, step.starts = slots.data_ptr(), lens.data_ptr(), starts.data_ptr()
+            step.tables, step.table_width, step.rot_dim = tables_t.data_ptr(), tables.shape[1], cos.shape[-1]
+            step.threads = torch.get_num_threads()
+            cpu_native.decode_layers(self.fused_layers, step)
+            return self.model.compute_logits(fused.out)
         normed, attn_out = bufs.normed, bufs.attn
         width = hidden.shape[1]
         slots_p, lens_p, starts_p, tables_p = slots.data_ptr(), lens.data_ptr(), starts.data_ptr(), tables_t.data_ptr()

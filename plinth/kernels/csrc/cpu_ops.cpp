@@ -491,4 +491,99 @@ void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value,
   }
 }
 
+
+// ---- a whole decode step of a standard decoder over 4-bit panel weights, in one call ----------------------
+// The layers of plinth.worker.cpu_decode_plan run back to back without returning to Python between kernels:
+// per layer the same calls, in the same order and on the same buffers, as the plan's Python loop (so the
+// results are bit-identical to it), for 1..4 rows. Attention is the paged-attention library's decode entry
+// point, passed in as a function pointer (same signature as plinth_cpu_paged_decode).
+typedef void (*plinth_attention_fn)(const void*, const void*, const int32_t*, const int32_t*, const int32_t*, void*,
+                                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                    int64_t, double, int64_t, int64_t);
+
+struct PlinthPanelWeight {   // one GEMM's 4-bit panels: codes [T, K/2, 16], scales/offsets [T, K/32, 16] float16
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint16_t* offsets;
+  int64_t n, k;
+};
+
+struct PlinthDecodeLayer {
+  PlinthPanelWeight qkv, o, gate_up, down;
+  const uint16_t* in_norm;
+  const uint16_t* post_norm;
+  double eps, post_eps;
+  uint16_t* kv_cache;              // [2, num_blocks, block_size, Hkv, D] bfloat16
+  int64_t num_blocks, num_heads, num_kv_heads, head_size;
+  double scale;
+  int64_t sliding_window;          // <= 0: none
+};
+
+struct PlinthDecodeStep {
+  int64_t rows, width, block_size, table_width, rot_dim, threads;
+  uint16_t* residual;              // [B, H]: the embedding output in, the residual stream (updated in place)
+  const uint16_t* cos;             // [B, rot_dim]
+  const uint16_t* sin;
+  const int64_t* slots;            // [B]
+  const int32_t* lens;             // [B]
+  const int32_t* starts;           // [B + 1]
+  const int32_t* tables;           // [B, table_width]
+  uint16_t* normed;                // [B, H]
+  uint16_t* qkv;                   // [B, (Hq + 2 Hkv) D]
+  uint16_t* attn;                  // [B, Hq D]
+  uint16_t* o;                     // [B, H]
+  uint16_t* gate_up;               // [B, 2 I]
+  uint16_t* act;                   // [B, I]
+  uint16_t* down;                  // [B, H]
+  uint16_t* out;                   // [B, H]: the final norm's output
+  const uint16_t* final_norm;
+  double final_eps;
+  plinth_attention_fn attention;
+};
+
+static int64_t panel_gemv(const PlinthPanelWeight& w, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t m) {
+  return plinth_q4p_gemv_bf16(x, x_stride, w.codes, w.scales, w.offsets, y, m, w.n, w.k);
+}
+
+// Returns 0, -1 without AVX512-BF16 (nothing written), -2 for a row count outside 1..4.
+int64_t plinth_decode_layers_bf16(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const int64_t b = st->rows, width = st->width;
+  if (b < 1 || b > 4) return -2;
+  uint16_t* residual = st->residual;
+  const uint16_t* hidden = residual;
+  constexpr int64_t elem = sizeof(uint16_t);
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const PlinthDecodeLayer& lay = layers[i];
+    if (i == 0)   // the residual stream starts as the embedding output itself: nothing to add
+      plinth_rms_norm_bf16(hidden, width, nullptr, 0, lay.in_norm, st->normed, nullptr, b, width, lay.eps);
+    else
+      plinth_rms_norm_bf16(hidden, width, residual, width, lay.in_norm, st->normed, residual, b, width, lay.eps);
+    panel_gemv(lay.qkv, st->normed, width, st->qkv, b);
+    const int64_t d = lay.head_size, hq = lay.num_heads, hkv = lay.num_kv_heads, row = lay.qkv.n;
+    uint16_t* q = st->qkv;
+    uint16_t* k = q + hq * d;
+    uint16_t* v = q + (hq + hkv) * d;
+    plinth_rotary_bf16(q, row, d, hq, k, row, d, hkv, st->cos, st->sin, st->rot_dim, b, st->rot_dim);
+    const int64_t num_slots = lay.num_blocks * st->block_size;
+    plinth_kv_write(reinterpret_cast<const uint8_t*>(k), row * elem, reinterpret_cast<const uint8_t*>(v), row * elem,
+                    reinterpret_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d * elem);
+    st->attention(q, lay.kv_cache, st->tables, st->lens, st->starts, st->attn, 1, b, hq, hkv, d, lay.num_blocks,
+                  st->block_size, st->table_width, row, hq * d, lay.scale, lay.sliding_window, st->threads);
+    panel_gemv(lay.o, st->attn, hq * d, st->o, b);
+    plinth_rms_norm_bf16(st->o, width, residual, width, lay.post_norm, st->normed, residual, b, width, lay.post_eps);
+    panel_gemv(lay.gate_up, st->normed, width, st->gate_up, b);
+    const int64_t inter = lay.gate_up.n / 2;
+    plinth_silu_mul_bf16(st->gate_up, lay.gate_up.n, st->act, b, inter);
+    panel_gemv(lay.down, st->act, inter, st->down, b);
+    hidden = st->down;
+  }
+  plinth_rms_norm_bf16(hidden, width, residual, width, st->final_norm, st->out, residual, b, width, st->final_eps);
+  return 0;
+#else
+  (void)layers; (void)num_layers; (void)st;
+  return -1;
+#endif
+}
+
 }  // extern "C"
