@@ -38,8 +38,9 @@ def _enabled() -> bool:
 class CpuPagedBackend(TorchBatchedBackend):
     """Decode and prefill through native kernels over the paged cache; other shapes as ``torch_batched``."""
 
-    #: part of the start-up selection's cache key: a new kernel (here the prefill kernel) is timed afresh
-    selection_revision = 3
+    #: part of the start-up selection's cache key: a changed kernel (here the decode kernel's prefetching) is
+    #: timed afresh
+    selection_revision = 4
 
     name = "cpu_paged"
     priority = 6
