@@ -76,9 +76,12 @@ def test_decode_float32_matches_sdpa(heads, d, bs, window):
     assert torch.count_nonzero(out[len(DECODE_CONTEXTS):]) == 0     # padding rows
 
 
-@pytest.mark.parametrize("heads", [(8, 2), (9, 3)], ids=["gqa4", "smollm2"])
-def test_decode_bfloat16_within_tolerance(heads):
-    spec = spec_of(h=heads[0], hkv=heads[1], dtype=torch.bfloat16)
+@pytest.mark.parametrize("heads,d", [((8, 2), 64), ((9, 3), 64), ((12, 2), 64), ((4, 2), 128)],
+                         ids=["gqa4", "smollm2", "gqa6", "d128"])
+def test_decode_bfloat16_within_tolerance(heads, d):
+    """bfloat16 scores 16 keys at a time (dpbf16 over transposed key pairs), rows four at a time (group 6: a
+    partial second set), head sizes 64 and 128."""
+    spec = spec_of(h=heads[0], hkv=heads[1], d=d, dtype=torch.bfloat16)
     batch = make_paged_batch(spec, DECODE_CONTEXTS, [1] * len(DECODE_CONTEXTS),
                              generator=torch.Generator().manual_seed(5))
     ref64 = sdpa_reference(batch, 0.125, None, torch.float64)
@@ -91,6 +94,19 @@ def test_decode_bfloat16_within_tolerance(heads):
     assert err <= max(ref_err, 1e-2), (err, ref_err)
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
 
+
+
+@pytest.mark.parametrize("window", [5, 23])
+def test_decode_bfloat16_sliding_window(window):
+    """A window that starts inside a block: the bfloat16 path's 16-key chunks begin at the first visible key."""
+    spec = spec_of(h=9, hkv=3, dtype=torch.bfloat16, window=window)
+    batch = make_paged_batch(spec, DECODE_CONTEXTS, [1] * len(DECODE_CONTEXTS),
+                             generator=torch.Generator().manual_seed(6))
+    ref64 = sdpa_reference(batch, 0.125, window, torch.float64)
+    ref16 = sdpa_reference(batch, 0.125, window, torch.bfloat16)
+    out = run_paged(batch, 0.125, window)
+    err = (out.double() - ref64).abs().max().item()
+    assert err <= max((ref16.double() - ref64).abs().max().item(), 1e-2), err
 
 def test_cache_writes_match_sdpa():
     """The new keys/values land in the same slots as the reference's, nothing else changes."""

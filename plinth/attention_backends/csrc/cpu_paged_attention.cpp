@@ -140,6 +140,92 @@ inline void transpose16_epi32(__m512i* r) {
 }
 #endif
 
+// exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// One block of one KV head for the `group` bfloat16 query rows qraw (unscaled): the bfloat16 decode path of
+// block_update_avx512. Keys 16 at a time: their bfloat16 pairs transposed to [kD/2][16] dwords once, so each
+// row's 16 scores are kD/2 vdpbf16ps with the row's pairs broadcast (no per-key horizontal sum); the 16
+// scores' online softmax as vectors; P V with each row's accumulators held in registers over the 16 keys,
+// four rows at a time.
+template <int64_t kD>
+inline void block_update_bf16(const uint16_t* k_base, const uint16_t* v_base, int64_t token_stride, int64_t lo,
+                              int64_t hi, const uint16_t* const* qraw, float scale, float* acc, float* row_max,
+                              float* row_sum, int64_t group) {
+  constexpr int64_t kV = kD / 16;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t c0 = lo; c0 < hi; c0 += 16) {
+    const int64_t m = std::min<int64_t>(16, hi - c0);
+    __m512i ktb[kD / 2];
+    for (int64_t w = 0; w < kD / 32; ++w) {
+      __m512i rows16[16];
+      for (int64_t t = 0; t < 16; ++t)
+        rows16[t] = t < m ? _mm512_loadu_si512(k_base + (c0 + t) * token_stride + 32 * w) : _mm512_setzero_si512();
+      transpose16_epi32(rows16);
+      for (int64_t e = 0; e < 16; ++e) ktb[16 * w + e] = rows16[e];
+    }
+    const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
+    float p[4][16];
+    for (int64_t r0 = 0; r0 < group; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, group - r0);
+      float corr[4];
+      for (int64_t u = 0; u < nr; ++u) {
+        const int64_t r = r0 + u;
+        const uint16_t* qr = qraw[r];
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int64_t pr = 0; pr < kD / 2; pr += 2) {
+          int32_t pair0, pair1;
+          std::memcpy(&pair0, qr + 2 * pr, sizeof(pair0));
+          std::memcpy(&pair1, qr + 2 * pr + 2, sizeof(pair1));
+          a0 = _mm512_dpbf16_ps(a0, (__m512bh)ktb[pr], (__m512bh)_mm512_set1_epi32(pair0));
+          a1 = _mm512_dpbf16_ps(a1, (__m512bh)ktb[pr + 1], (__m512bh)_mm512_set1_epi32(pair1));
+        }
+        const __m512 sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), _mm512_mul_ps(_mm512_add_ps(a0, a1), sc));
+        const float block_max = std::max(row_max[r], _mm512_reduce_max_ps(sv));
+        const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
+        _mm512_storeu_ps(p[u], pv);
+        corr[u] = std::exp(row_max[r] - block_max);   // 0 on the first keys (exp(-inf))
+        row_max[r] = block_max;
+        row_sum[r] = row_sum[r] * corr[u] + _mm512_reduce_add_ps(pv);
+      }
+      __m512 a[4][kV];
+      for (int64_t u = 0; u < 4; ++u)
+        for (int64_t j = 0; j < kV; ++j)
+          a[u][j] = u < nr ? _mm512_mul_ps(_mm512_set1_ps(corr[u]), _mm512_loadu_ps(acc + (r0 + u) * kD + 16 * j))
+                           : _mm512_setzero_ps();
+      for (int64_t t = 0; t < m; ++t) {
+        const uint16_t* vr = v_base + (c0 + t) * token_stride;
+        __m512 vv[kV];
+        for (int64_t j = 0; j < kV; ++j) vv[j] = load16(vr + 16 * j);
+        for (int64_t u = 0; u < 4; ++u) {
+          if (u >= nr) break;
+          const __m512 pt = _mm512_set1_ps(p[u][t]);
+          for (int64_t j = 0; j < kV; ++j) a[u][j] = _mm512_fmadd_ps(pt, vv[j], a[u][j]);
+        }
+      }
+      for (int64_t u = 0; u < nr; ++u)
+        for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + (r0 + u) * kD + 16 * j, a[u][j]);
+    }
+  }
+}
+#endif
+
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, table_width;
   int64_t q_row, out_row, kv_half, block_stride, token_stride;
@@ -168,6 +254,7 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
     // of one head in float32 [BS, D], scores [BS]
     std::vector<float> q(rows * d_size), acc(rows * d_size), kblk(bs * d_size), vblk(bs * d_size), scores(bs),
         row_max(rows), row_sum(rows), gscores(group * bs);
+    std::vector<const scalar_t*> qraw(rows);   // bfloat16: each row's query in the input
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t s = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
@@ -176,6 +263,8 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
       const int64_t seq_len = lens[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       to_float(query + row * sh.q_row + h0 * group * d_size, q.data(), rows * d_size);
+      if constexpr (std::is_same_v<scalar_t, uint16_t>)
+        for (int64_t r = 0; r < rows; ++r) qraw[r] = query + row * sh.q_row + (h0 * group + r) * d_size;
       for (int64_t i = 0; i < rows * d_size; ++i) q[i] *= scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(row_max.begin(), row_max.end(), neg_inf);
@@ -202,6 +291,14 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
             }
           }
           const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + (h0 + hh) * d_size;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if constexpr (std::is_same_v<scalar_t, uint16_t> && kD > 0 && kD % 32 == 0) {
+            block_update_bf16<kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi, qraw.data() + hh * group, scale,
+                                  acc.data() + hh * group * kD, row_max.data() + hh * group,
+                                  row_sum.data() + hh * group, group);
+            continue;
+          }
+#endif
 #if defined(__AVX512F__)
           if constexpr (kD > 0 && kD % 16 == 0) {
             block_update_avx512<scalar_t, kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi,
@@ -252,23 +349,6 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
 // the block's 16 keys to [D][16] float32 once, so each row's 16 scores come from D fused multiply-adds on
 // 16-lane vectors (no horizontal sum per key); then the rows' online softmax and P V with the block's values.
 constexpr int64_t kTile = 16;
-
-// exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 template <typename scalar_t, int64_t kD>
 void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
