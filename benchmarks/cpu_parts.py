@@ -5,10 +5,14 @@
   224-token chunk after 100 cached tokens;
 * ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens in a 2 GiB cache of 30
   layers, cold (a 64 MiB write between calls, as the GEMMs between layers evict the caches) and warm;
+* ``decode-gemv``: a decode step's int4 GEMMs per layer (qkv / o / gate_up / down at SmolLM2 shapes, random
+  4-bit codes) for 1 and 4 input rows, 30 layers cycled so the weights come from memory as in a step: torch's
+  ``_weight_int4pack_mm_for_cpu`` against plinth's native panel GEMV (``Q4Gemv``), with the GB/s of the 4-bit
+  codes, scales and offsets streamed;
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
   decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
 
-    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,steps
+    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,steps
 """
 
 from __future__ import annotations
@@ -102,6 +106,44 @@ def decode_kernel_part() -> dict:
             "paged_decode_32x330_warm_ms_per_layer": warm_ms, "warm_gb_s": kv_bytes / warm_ms / 1e6}
 
 
+def decode_gemv_part() -> dict:
+    from plinth.kernels import cpu_native
+    from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
+
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(30):
+        layer = {}
+        for name, (n, k) in shapes.items():
+            q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+            scale = torch.rand(n, k // 32, generator=gen) * 0.01
+            layer[name] = Int4Weight.from_blocks(q, scale, torch.rand(n, k // 32, generator=gen) * 0.01, torch.bfloat16)
+        layers.append(layer)
+    streamed = sum(w.panels.codes.numel() + 4 * w.panels.scales.numel() for w in layers[0].values())
+    kernels = {"torch_int4pack": lambda w, x: torch._weight_int4pack_mm_for_cpu(x, w.packed, INT4_GROUP,
+                                                                                 w.scale_zeros)}
+    if cpu_native.q4_gemv_supported():
+        kernels["native_gemv"] = lambda w, x: w.gemv(x)
+    out: dict = {"bytes_per_layer": streamed}
+    for rows in (1, 4):
+        xs = {name: torch.randn(rows, k, generator=gen).bfloat16() for name, (_, k) in shapes.items()}
+        for kname, fn in kernels.items():
+            per: dict[str, list[float]] = {name: [] for name in shapes}
+            for rep in range(6):
+                for layer in layers:
+                    for name, w in layer.items():
+                        t = time.perf_counter()
+                        fn(w, xs[name])
+                        if rep:                   # the first pass warms up
+                            per[name].append(time.perf_counter() - t)
+            us = {name: float(np.median(v)) * 1e6 for name, v in per.items()}
+            total = sum(us.values())
+            out[f"{kname}_rows{rows}_us"] = {**{k: round(v, 1) for k, v in us.items()}, "layer": round(total, 1),
+                                             "gb_s": round(streamed / total / 1e3, 1)}
+    return out
+
+
 def steps_part() -> dict:
     from plinth import LLM, SamplingParams
 
@@ -139,7 +181,7 @@ def steps_part() -> dict:
 
 
 PARTS = {"sampler": sampler_part, "prefill-kernel": prefill_kernel_part, "decode-kernel": decode_kernel_part,
-         "steps": steps_part}
+         "decode-gemv": decode_gemv_part, "steps": steps_part}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,9 +67,9 @@ def test_plan_logits_equal_the_module_path(llm, n):
 
 
 def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypatch, tiny_llama_dir):
-    """A GGUF Q4_1 model keeps 4-bit copies of its layers: steps of up to four rows run every layer in one native
-    call (the native GEMV on the copies), and the plan's Python loop calls one-row copies directly and the
-    layers' own routing otherwise; all bit-identical to the module path."""
+    """A GGUF Q4_1 model keeps 4-bit copies of its layers: steps of up to ``Q4_GEMV_MAX_ROWS`` rows run every
+    layer in one native call (the native GEMV on the copies), and the plan's Python loop calls one-row copies
+    directly and the layers' own routing otherwise; all bit-identical to the module path."""
     from test_gguf import small_model, write_gguf
 
     tmp = tmp_path_factory.mktemp("q4plan")
@@ -81,7 +81,8 @@ def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypa
         assert isinstance(plan, CpuDecodePlan)
         assert all(set(lay.int4_copies) == {"qkv", "o", "gate_up", "down"} for lay in plan.layers)
         assert (plan.fused_layers is not None) == cpu_native.q4_gemv_supported()
-        for n in (1, 3, 4):
+        assert plan.fused_max_rows == (cpu_native.Q4_GEMV_MAX_ROWS if cpu_native.q4_gemv_supported() else 0)
+        for n in (1, 3, 5):   # 5: past the int4 row limit, the layers' own routing sends it to the GEMV as well
             _plan_equals_modules(llm, n, "q")        # all layers in one native call, where it runs
         fused, plan.fused_layers = plan.fused_layers, None
         try:

@@ -259,7 +259,8 @@ def test_q4_panel_matmul_against_gguf_dequantization(qtype, m, n, k):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 17, 96), (3, 96, 576), (4, 50, 32), (1, 576, 1536)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 17, 96), (3, 96, 576), (4, 50, 32), (1, 576, 1536),
+                                   (7, 33, 64), (12, 64, 576)])
 def test_q4_panel_gemv_against_float64(qtype, m, n, k):
     """The panel GEMV multiplies the file's exact 4-bit weights (``d q + c`` in float32, no bfloat16 rounding of
     the weights): a float64 product agrees up to the output's bfloat16 rounding and float32 summation (the
@@ -292,7 +293,8 @@ def test_q4_panel_gemv_rejects_shapes_it_does_not_take():
         pytest.skip("this CPU has no AVX512-BF16")
     panels = cpu_native.pack_q4_panels(torch.zeros(16, 64, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
     gemv = cpu_native.Q4Gemv(panels)
-    for bad in (torch.zeros(5, 64, dtype=BF16), torch.zeros(1, 32, dtype=BF16), torch.zeros(1, 64),
+    for bad in (torch.zeros(cpu_native.Q4_GEMV_MAX_ROWS + 1, 64, dtype=BF16), torch.zeros(1, 32, dtype=BF16),
+                torch.zeros(1, 64),
                 torch.zeros(1, 128, dtype=BF16)[:, ::2]):
         with pytest.raises(ValueError, match="panel GEMV takes"):
             gemv(bad)
@@ -300,8 +302,8 @@ def test_q4_panel_gemv_rejects_shapes_it_does_not_take():
 
 
 def test_int4_weight_routes_few_bf16_rows_to_the_gemv():
-    """``Int4Weight.matmul``: bfloat16 inputs of 1..4 rows take the native GEMV (bit-identical to calling it),
-    more rows and float32 inputs torch's int4 kernel (bit-identical to calling that)."""
+    """``Int4Weight.matmul``: bfloat16 inputs of up to ``Q4_GEMV_MAX_ROWS`` rows take the native GEMV
+    (bit-identical to calling it), more rows torch's int4 kernel (bit-identical to calling that)."""
     from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
 
     if not cpu_native.q4_gemv_supported():
@@ -312,7 +314,7 @@ def test_int4_weight_routes_few_bf16_rows_to_the_gemv():
     zero = torch.from_numpy(rng.standard_normal((48, 3)).astype(np.float32)) * 0.01
     weight = Int4Weight.from_blocks(q, scale, zero, BF16)
     assert weight.gemv is not None
-    for rows in (1, 4, 5):
+    for rows in (1, 4, cpu_native.Q4_GEMV_MAX_ROWS, cpu_native.Q4_GEMV_MAX_ROWS + 1):
         x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32)).to(BF16)
         torch_int4 = torch._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scale_zeros)
         expect = weight.gemv(x) if rows <= cpu_native.Q4_GEMV_MAX_ROWS else torch_int4

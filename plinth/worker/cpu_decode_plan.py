@@ -197,9 +197,14 @@ class CpuDecodePlan:
                     if (copy := _int4_copy(proj)) is not None}))
         self.native = _Native()
         self._buffers: dict[int, _Buffers] = {}
-        #: every layer's GEMMs on 4-bit panels with the native GEMV: batches of up to DECODE_LAYERS_MAX_ROWS
-        #: run all layers in one native call (the same kernels in the same order: bit-identical)
+        #: every layer's GEMMs on 4-bit panels with the native GEMV: batches of up to fused_max_rows (the rows
+        #: the layers' methods send to the GEMV) run all layers in one native call (the same kernels in the same
+        #: order: bit-identical)
         self.fused_layers = self._fused_layers() if fused else None
+        self.fused_max_rows = min((getattr(proj.linear_method, "gemv_max_rows", 0)
+                                   for layer in inner.layers
+                                   for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)), default=0)
 
     def _fused_layers(self) -> ctypes.Array | None:
         """The layers' argument blocks for :func:`cpu_native.decode_layers`, or None where a layer lacks a
@@ -266,7 +271,7 @@ class CpuDecodePlan:
         cos, sin = self.rotary.cos_sin(torch.from_numpy(pos), hidden.dtype)                          # [B, R]
         cos, sin = cos.contiguous(), sin.contiguous()
         native, bufs = self.native, self._buffers_for(b)
-        if self.fused_layers is not None and b <= cpu_native.DECODE_LAYERS_MAX_ROWS:
+        if self.fused_layers is not None and b <= self.fused_max_rows:
             fused = self._fused_buffers(bufs, b)
             step = fused.step
             step.residual, step.cos, step.sin = hidden.data_ptr(), cos.data_ptr(), sin.data_ptr()

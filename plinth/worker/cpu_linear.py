@@ -112,6 +112,12 @@ class CpuLinearMethod:
         # inputs of int4_max_rows + 1 .. q4_panel_max_rows rows take the native panel GEMM of the 4-bit copy
         self.q4_panel_max_rows = (q4_panel_max_rows if int4 is not None and int4.panels is not None
                                   and cpu_native.q4_panels_supported() else 0)
+        # inputs of up to gemv_max_rows bfloat16 rows take the 4-bit copy's native GEMV (past int4_max_rows too,
+        # where it beats the panel GEMM; not past it when the opt-in 8-bit-input GEMM takes those rows)
+        self.gemv_max_rows = 0
+        if int4 is not None and int4.gemv is not None and self.int4_max_rows > 0:
+            self.gemv_max_rows = (min(self.int4_max_rows, cpu_native.Q4_GEMV_MAX_ROWS) if int8_activations
+                                  else max(self.int4_max_rows, cpu_native.Q4_GEMV_MAX_ROWS))
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
         # int8_activations: inputs of more rows than the int4 / Q8_0 row limits multiply the file's codes with
@@ -149,6 +155,11 @@ class CpuLinearMethod:
         int4 = self.int4
         if self.vnni is not None and m > self.vnni_min_rows and cpu_native.enabled(x2):
             y = cpu_native.vnni_matmul(x2, self.vnni)
+            if bias is not None:
+                y = y + bias
+        elif (self.int4_max_rows < m <= self.gemv_max_rows and x2.dtype == torch.bfloat16
+              and cpu_native.enabled(x2)):
+            y = int4.gemv(x2 if x2.stride(1) == 1 else x2.contiguous())
             if bias is not None:
                 y = y + bias
         elif self.int4_max_rows < m <= self.q4_panel_max_rows and cpu_native.enabled(x2):

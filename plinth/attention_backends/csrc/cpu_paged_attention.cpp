@@ -140,6 +140,7 @@ inline void transpose16_epi32(__m512i* r) {
 }
 #endif
 
+#if defined(__AVX512F__)
 // exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
 inline __m512 exp16_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -156,6 +157,7 @@ inline __m512 exp16_nonpositive(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // One block of one KV head for the `group` bfloat16 query rows qraw (unscaled): the bfloat16 decode path of

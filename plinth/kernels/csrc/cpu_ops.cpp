@@ -176,16 +176,19 @@ inline void q4p_gemv_tile(const __m512i* xq, const float* xs, int64_t kbs, const
   for (int r = 0; r < R; ++r) _mm256_mask_storeu_epi16(y + r * n + col, keep, (__m256i)_mm512_cvtneps_pbh(acc[r]));
 }
 
-template <int R>
-void q4p_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh, const uint16_t* ch,
-              uint16_t* y, int64_t n, int64_t k) {
+constexpr int64_t kGemvMaxRows = 16;
+
+// y [m, N] for 1 <= m <= kGemvMaxRows: per tile, the rows four at a time (the tile's codes come from memory
+// once; the later row groups re-read them from L1/L2).
+inline void q4p_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh, const uint16_t* ch,
+                     uint16_t* y, int64_t m, int64_t n, int64_t k) {
   const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
   // per row: the inputs' k-pairs four to a vector (128-bit lane L: k-pair 4 i + L, broadcast) and block sums
-  std::vector<int32_t> xq_buf(static_cast<size_t>(R * kbs * 4 * 16));
+  std::vector<int32_t> xq_buf(static_cast<size_t>(m * kbs * 4 * 16));
   __m512i* xq = reinterpret_cast<__m512i*>(xq_buf.data());
-  std::vector<float> xs(static_cast<size_t>(R * kbs));
+  std::vector<float> xs(static_cast<size_t>(m * kbs));
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  for (int r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < m; ++r) {
     const uint16_t* xr = x + r * x_stride;
     for (int64_t i = 0; i < kbs * 4; ++i)
       _mm512_storeu_si512(xq + r * kbs * 4 + i, _mm512_permutexvar_epi32(
@@ -200,8 +203,22 @@ void q4p_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const u
   // one tile at a time (two at once, with twice the arrays streamed per thread, measured slower); static
   // schedule: each thread reads one contiguous range of tiles
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t)
-    q4p_gemv_tile<R>(xq, xs.data(), kbs, codes + t * kps * 16, dh + t * kbs * 16, ch + t * kbs * 16, y, n, 16 * t);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* ct = codes + t * kps * 16;
+    const uint16_t* dt = dh + t * kbs * 16;
+    const uint16_t* ot = ch + t * kbs * 16;
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+      const __m512i* xr = xq + r0 * kbs * 4;
+      const float* sr = xs.data() + r0 * kbs;
+      uint16_t* yr = y + r0 * n;
+      switch (std::min<int64_t>(4, m - r0)) {
+        case 1: q4p_gemv_tile<1>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+        case 2: q4p_gemv_tile<2>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+        case 3: q4p_gemv_tile<3>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+        default: q4p_gemv_tile<4>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+      }
+    }
+  }
 }
 #endif
 
@@ -422,20 +439,16 @@ int64_t plinth_q4p_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t*
 #endif
 }
 
-// y [M, N] = x [M, K] @ W^T for 1 <= M <= 4 rows over the same panel layout as plinth_q4p_gemm_bf16, reading the
+// y [M, N] = x [M, K] @ W^T for 1 <= M <= 16 rows over the same panel layout as plinth_q4p_gemm_bf16, reading the
 // codes once in memory order (no bfloat16 panel in between): the small-batch decode GEMV. The weights are
 // w = d * q + c in float32 (not rounded to bfloat16 first); float32 accumulation, y rounded to bfloat16 once.
-// Returns 0, -1 without AVX512-BF16, -2 for M outside 1..4.
+// Returns 0, -1 without AVX512-BF16, -2 for M outside 1..16.
 int64_t plinth_q4p_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                              const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  switch (m) {
-    case 1: q4p_gemv<1>(x, x_stride, codes, dh, ch, y, n, k); return 0;
-    case 2: q4p_gemv<2>(x, x_stride, codes, dh, ch, y, n, k); return 0;
-    case 3: q4p_gemv<3>(x, x_stride, codes, dh, ch, y, n, k); return 0;
-    case 4: q4p_gemv<4>(x, x_stride, codes, dh, ch, y, n, k); return 0;
-    default: return -2;
-  }
+  if (m < 1 || m > kGemvMaxRows) return -2;
+  q4p_gemv(x, x_stride, codes, dh, ch, y, m, n, k);
+  return 0;
 #else
   (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
   return -1;
@@ -495,7 +508,7 @@ void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value,
 // ---- a whole decode step of a standard decoder over 4-bit panel weights, in one call ----------------------
 // The layers of plinth.worker.cpu_decode_plan run back to back without returning to Python between kernels:
 // per layer the same calls, in the same order and on the same buffers, as the plan's Python loop (so the
-// results are bit-identical to it), for 1..4 rows. Attention is the paged-attention library's decode entry
+// results are bit-identical to it), for 1..16 rows. Attention is the paged-attention library's decode entry
 // point, passed in as a function pointer (same signature as plinth_cpu_paged_decode).
 typedef void (*plinth_attention_fn)(const void*, const void*, const int32_t*, const int32_t*, const int32_t*, void*,
                                     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -545,11 +558,11 @@ static int64_t panel_gemv(const PlinthPanelWeight& w, const uint16_t* x, int64_t
   return plinth_q4p_gemv_bf16(x, x_stride, w.codes, w.scales, w.offsets, y, m, w.n, w.k);
 }
 
-// Returns 0, -1 without AVX512-BF16 (nothing written), -2 for a row count outside 1..4.
+// Returns 0, -1 without AVX512-BF16 (nothing written), -2 for a row count outside 1..16.
 int64_t plinth_decode_layers_bf16(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const int64_t b = st->rows, width = st->width;
-  if (b < 1 || b > 4) return -2;
+  if (b < 1 || b > kGemvMaxRows) return -2;
   uint16_t* residual = st->residual;
   const uint16_t* hidden = residual;
   constexpr int64_t elem = sizeof(uint16_t);
