@@ -117,6 +117,14 @@ def test_q8_0_matmul_against_gguf_dequantization(m, n, k):
     assert out.dtype == BF16 and out.shape == (m, n)
     # float32 accumulation, one rounding to bfloat16 at the end
     torch.testing.assert_close(out.double(), exact, atol=2e-3 * exact.abs().max().item(), rtol=8e-3)
+    # float32 out: the same sums unrounded (float32 summation error only), and bfloat16 is their rounding
+    out32 = cpu_native.q8_0_matmul(x, torch.from_numpy(blocks), n, torch.float32)
+    assert out32.dtype == torch.float32
+    bound = 1e-5 * (x.double().abs() @ torch.from_numpy(w_file).double().abs().T)
+    assert bool(((out32.double() - exact).abs() <= bound).all())
+    assert torch.equal(out32.to(BF16), out)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        cpu_native.q8_0_matmul(x, torch.from_numpy(blocks), n, torch.float16)
 
 
 def test_prompt_logprobs_with_and_without_native_ops(tiny_llama_dir, monkeypatch):
@@ -163,8 +171,9 @@ def test_q8_0_lm_head_of_a_gguf_model(tmp_path, monkeypatch, tied, tiny_llama_di
             got = head(x)
             exact = x.double() @ w_file.double().T
             torch.testing.assert_close(got.double(), exact, atol=0.02 * float(exact.abs().max()), rtol=0)
-            if m <= 4:
-                assert torch.equal(got, cpu_native.q8_0_matmul(x, method.q8_0, w_file.shape[0]))
+            if m <= 4:   # the logits in float32 (the kernel's sums unrounded)
+                assert got.dtype == torch.float32
+                assert torch.equal(got, cpu_native.q8_0_matmul(x, method.q8_0, w_file.shape[0], torch.float32))
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

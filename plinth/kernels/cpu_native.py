@@ -35,7 +35,7 @@ _SIGNATURES = {
     "plinth_rms_norm_bf16": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _D],
     "plinth_silu_mul_bf16": [_P, _I, _P, _I, _I],
     "plinth_rotary_bf16": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
-    "plinth_q8_0_gemv_bf16": [_P, _I, _P, _P, _I, _I, _I],
+    "plinth_q8_0_gemv": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -114,15 +114,20 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                               k.shape[1], cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, cos.shape[-1])
 
 
-def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
+def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x`` ``[M, K]`` (bfloat16, features contiguous) times a weight ``[N, K]`` stored as GGUF ``Q8_0``
-    blocks ``blocks`` (``uint8 [N, K / 32 * 34]``) -> ``[M, N]`` bfloat16."""
+    blocks ``blocks`` (``uint8 [N, K / 32 * 34]``) -> ``[M, N]`` in ``out_dtype`` (bfloat16, or float32: the
+    float32 sums unrounded)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the Q8_0 GEMV writes bfloat16 or float32, not {out_dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     assert blocks.shape == (out_features, k // Q8_0_BLOCK * Q8_0_BYTES) and blocks.is_contiguous()
-    y = torch.empty((m, out_features), dtype=torch.bfloat16)
-    _lib().plinth_q8_0_gemv_bf16(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), m, out_features, k)
+    y = torch.empty((m, out_features), dtype=out_dtype)
+    _lib().plinth_q8_0_gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(),
+                            int(out_dtype == torch.float32), m, out_features, k)
     return y
 
 

@@ -167,7 +167,9 @@ class CpuLinearMethod:
             if bias is not None:
                 y = y + bias
         elif 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.enabled(x2):
-            y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features)
+            # the LM head's logits as the kernel's float32 sums: bfloat16 would round them to steps of 1/8 at
+            # magnitude 16-32, where greedy near-ties then break by token id
+            y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
             if bias is not None:

@@ -160,6 +160,34 @@ inline __m512 exp16_nonpositive(__m512 x) {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The bfloat16 pairs of m <= 16 consecutive keys (rows token_stride apart from keys[0]; missing ones zero)
+// transposed to ktb [kD/2] dwords: lane t of ktb[i] is pair i of key t.
+template <int64_t kD>
+inline void transpose_keys16(const uint16_t* keys, int64_t token_stride, int64_t m, __m512i* ktb) {
+  for (int64_t w = 0; w < kD / 32; ++w) {
+    __m512i rows16[16];
+    for (int64_t t = 0; t < 16; ++t)
+      rows16[t] = t < m ? _mm512_loadu_si512(keys + t * token_stride + 32 * w) : _mm512_setzero_si512();
+    transpose16_epi32(rows16);
+    for (int64_t e = 0; e < 16; ++e) ktb[16 * w + e] = rows16[e];
+  }
+}
+
+// The 16 scores of one bfloat16 query row qr against keys transposed by transpose_keys16, times sc: kD/2
+// vdpbf16ps with the row's pairs broadcast, in two independent sums.
+template <int64_t kD>
+inline __m512 scores16_bf16(const __m512i* ktb, const uint16_t* qr, __m512 sc) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (int64_t pr = 0; pr < kD / 2; pr += 2) {
+    int32_t pair0, pair1;
+    std::memcpy(&pair0, qr + 2 * pr, sizeof(pair0));
+    std::memcpy(&pair1, qr + 2 * pr + 2, sizeof(pair1));
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)ktb[pr], (__m512bh)_mm512_set1_epi32(pair0));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)ktb[pr + 1], (__m512bh)_mm512_set1_epi32(pair1));
+  }
+  return _mm512_mul_ps(_mm512_add_ps(a0, a1), sc);
+}
+
 // One block of one KV head for the `group` bfloat16 query rows qraw (unscaled): the bfloat16 decode path of
 // block_update_avx512. Keys 16 at a time: their bfloat16 pairs transposed to [kD/2][16] dwords once, so each
 // row's 16 scores are kD/2 vdpbf16ps with the row's pairs broadcast (no per-key horizontal sum); the 16
@@ -175,13 +203,7 @@ inline void block_update_bf16(const uint16_t* k_base, const uint16_t* v_base, in
   for (int64_t c0 = lo; c0 < hi; c0 += 16) {
     const int64_t m = std::min<int64_t>(16, hi - c0);
     __m512i ktb[kD / 2];
-    for (int64_t w = 0; w < kD / 32; ++w) {
-      __m512i rows16[16];
-      for (int64_t t = 0; t < 16; ++t)
-        rows16[t] = t < m ? _mm512_loadu_si512(k_base + (c0 + t) * token_stride + 32 * w) : _mm512_setzero_si512();
-      transpose16_epi32(rows16);
-      for (int64_t e = 0; e < 16; ++e) ktb[16 * w + e] = rows16[e];
-    }
+    transpose_keys16<kD>(k_base + c0 * token_stride, token_stride, m, ktb);
     const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
     float p[4][16];
     for (int64_t r0 = 0; r0 < group; r0 += 4) {
@@ -189,16 +211,7 @@ inline void block_update_bf16(const uint16_t* k_base, const uint16_t* v_base, in
       float corr[4];
       for (int64_t u = 0; u < nr; ++u) {
         const int64_t r = r0 + u;
-        const uint16_t* qr = qraw[r];
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (int64_t pr = 0; pr < kD / 2; pr += 2) {
-          int32_t pair0, pair1;
-          std::memcpy(&pair0, qr + 2 * pr, sizeof(pair0));
-          std::memcpy(&pair1, qr + 2 * pr + 2, sizeof(pair1));
-          a0 = _mm512_dpbf16_ps(a0, (__m512bh)ktb[pr], (__m512bh)_mm512_set1_epi32(pair0));
-          a1 = _mm512_dpbf16_ps(a1, (__m512bh)ktb[pr + 1], (__m512bh)_mm512_set1_epi32(pair1));
-        }
-        const __m512 sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), _mm512_mul_ps(_mm512_add_ps(a0, a1), sc));
+        const __m512 sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), scores16_bf16<kD>(ktb, qraw[r], sc));
         const float block_max = std::max(row_max[r], _mm512_reduce_max_ps(sv));
         const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
         _mm512_storeu_ps(p[u], pv);
@@ -407,16 +420,7 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
           // bfloat16: the keys' bfloat16 pairs transposed to [D/2][16] dwords (no conversion), for vdpbf16ps
           constexpr bool kPairs = std::is_same_v<scalar_t, uint16_t> && kD % 32 == 0;
           __m512i ktb[kPairs ? kD / 2 : 1];
-          if constexpr (kPairs) {
-            for (int64_t w = 0; w < kD / 32; ++w) {
-              __m512i rows16[16];
-              for (int64_t t = 0; t < 16; ++t)
-                rows16[t] = t < m ? _mm512_loadu_si512(k_cache + base + (c0 + t) * sh.token_stride + 32 * w)
-                                  : _mm512_setzero_si512();
-              transpose16_epi32(rows16);
-              for (int64_t e = 0; e < 16; ++e) ktb[16 * w + e] = rows16[e];
-            }
-          }
+          if constexpr (kPairs) transpose_keys16<kD>(k_cache + base + c0 * sh.token_stride, sh.token_stride, m, ktb);
 #else
           constexpr bool kPairs = false;
 #endif
@@ -441,18 +445,7 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
           if constexpr (kPairs) {   // the raw bfloat16 query rows, two features per dword, scaled afterwards
             const __m512 sc = _mm512_set1_ps(scale);
-            for (int64_t r = r0; r < r_end; ++r) {
-              const uint16_t* qr = qraw[r];
-              __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-              for (int64_t pr = 0; pr < kD / 2; pr += 2) {
-                int32_t pair0, pair1;
-                std::memcpy(&pair0, qr + 2 * pr, sizeof(pair0));
-                std::memcpy(&pair1, qr + 2 * pr + 2, sizeof(pair1));
-                a0 = _mm512_dpbf16_ps(a0, (__m512bh)ktb[pr], (__m512bh)_mm512_set1_epi32(pair0));
-                a1 = _mm512_dpbf16_ps(a1, (__m512bh)ktb[pr + 1], (__m512bh)_mm512_set1_epi32(pair1));
-              }
-              s4[r - r0] = _mm512_mul_ps(_mm512_add_ps(a0, a1), sc);
-            }
+            for (int64_t r = r0; r < r_end; ++r) s4[r - r0] = scores16_bf16<kD>(ktb, qraw[r], sc);
           } else
 #endif
           if (r_end - r0 == 4) {

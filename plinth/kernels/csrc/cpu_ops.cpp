@@ -369,15 +369,18 @@ void plinth_rotary_bf16(uint16_t* q, int64_t q_tok, int64_t q_head, int64_t hq, 
 }
 
 // y [M, N] = x [M, K] @ W^T for W [N, K] in GGUF Q8_0 blocks: 34 bytes per 32 weights, a float16
-// scale d then 32 int8 values q; w = d * q. x and y bfloat16 (x row stride x_stride); float32
-// accumulation (each weight as d * q in float32, exact), y rounded to bfloat16 once.
-void plinth_q8_0_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* blocks, uint16_t* y,
-                           int64_t m, int64_t n, int64_t k) {
+// scale d then 32 int8 values q; w = d * q. x bfloat16 (row stride x_stride); float32 accumulation (each
+// weight as d * q in float32, exact). y float32 (y_f32 = 1: the sums as they are, e.g. an LM head's logits,
+// which bfloat16 would round to steps of 1/8 at magnitude 16-32) or bfloat16 (rounded once).
+void plinth_q8_0_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* blocks, void* y, int64_t y_f32,
+                      int64_t m, int64_t n, int64_t k) {
   const int64_t nb = k / 32;
   std::vector<float> xf(static_cast<size_t>(m * k));   // the inputs in float32, converted once
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < k; ++i) xf[r * k + i] = bf2f(x[r * x_stride + i]);
   const float* xs = xf.data();
+  float* yf = static_cast<float*>(y);
+  uint16_t* yb = static_cast<uint16_t*>(y);
 #pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
   for (int64_t o = 0; o < n; ++o) {
     const uint8_t* row = blocks + o * nb * 34;
@@ -385,7 +388,10 @@ void plinth_q8_0_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* b
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
       q8_0_row_dot(row, xs + r0 * k, k, nb, rows, dots);
-      for (int r = 0; r < rows; ++r) y[(r0 + r) * n + o] = f2bf(dots[r]);
+      for (int r = 0; r < rows; ++r) {
+        if (y_f32) yf[(r0 + r) * n + o] = dots[r];
+        else yb[(r0 + r) * n + o] = f2bf(dots[r]);
+      }
     }
   }
 }
