@@ -183,39 +183,43 @@ constexpr int64_t kGemvMaxRows = 16;
 inline void q4p_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh, const uint16_t* ch,
                      uint16_t* y, int64_t m, int64_t n, int64_t k) {
   const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
-  // per row: the inputs' k-pairs four to a vector (128-bit lane L: k-pair 4 i + L, broadcast) and block sums
-  std::vector<int32_t> xq_buf(static_cast<size_t>(m * kbs * 4 * 16));
-  __m512i* xq = reinterpret_cast<__m512i*>(xq_buf.data());
-  std::vector<float> xs(static_cast<size_t>(m * kbs));
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  for (int64_t r = 0; r < m; ++r) {
-    const uint16_t* xr = x + r * x_stride;
-    for (int64_t i = 0; i < kbs * 4; ++i)
-      _mm512_storeu_si512(xq + r * kbs * 4 + i, _mm512_permutexvar_epi32(
-          spread, _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 8 * i)))));
-    for (int64_t kb = 0; kb < kbs; ++kb) {
-      const __m512i raw = _mm512_loadu_si512(xr + 32 * kb);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-      xs[r * kbs + kb] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+#pragma omp parallel
+  {
+    // per thread (each builds its own, so no thread waits for another's caches): per row, the inputs' k-pairs
+    // four to a vector (128-bit lane L: k-pair 4 i + L, broadcast) and the 32-feature block sums
+    std::vector<int32_t> xq_buf(static_cast<size_t>(m * kbs * 4 * 16));
+    __m512i* xq = reinterpret_cast<__m512i*>(xq_buf.data());
+    std::vector<float> xs(static_cast<size_t>(m * kbs));
+    for (int64_t r = 0; r < m; ++r) {
+      const uint16_t* xr = x + r * x_stride;
+      for (int64_t i = 0; i < kbs * 4; ++i)
+        _mm512_storeu_si512(xq + r * kbs * 4 + i, _mm512_permutexvar_epi32(
+            spread, _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 8 * i)))));
+      for (int64_t kb = 0; kb < kbs; ++kb) {
+        const __m512i raw = _mm512_loadu_si512(xr + 32 * kb);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+        xs[r * kbs + kb] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+      }
     }
-  }
-  // one tile at a time (two at once, with twice the arrays streamed per thread, measured slower); static
-  // schedule: each thread reads one contiguous range of tiles
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* ct = codes + t * kps * 16;
-    const uint16_t* dt = dh + t * kbs * 16;
-    const uint16_t* ot = ch + t * kbs * 16;
-    for (int64_t r0 = 0; r0 < m; r0 += 4) {
-      const __m512i* xr = xq + r0 * kbs * 4;
-      const float* sr = xs.data() + r0 * kbs;
-      uint16_t* yr = y + r0 * n;
-      switch (std::min<int64_t>(4, m - r0)) {
-        case 1: q4p_gemv_tile<1>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
-        case 2: q4p_gemv_tile<2>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
-        case 3: q4p_gemv_tile<3>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
-        default: q4p_gemv_tile<4>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+    // one tile at a time (two at once, with twice the arrays streamed per thread, measured slower); static
+    // schedule: each thread reads one contiguous range of tiles
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint8_t* ct = codes + t * kps * 16;
+      const uint16_t* dt = dh + t * kbs * 16;
+      const uint16_t* ot = ch + t * kbs * 16;
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const __m512i* xr = xq + r0 * kbs * 4;
+        const float* sr = xs.data() + r0 * kbs;
+        uint16_t* yr = y + r0 * n;
+        switch (std::min<int64_t>(4, m - r0)) {
+          case 1: q4p_gemv_tile<1>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+          case 2: q4p_gemv_tile<2>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+          case 3: q4p_gemv_tile<3>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+          default: q4p_gemv_tile<4>(xr, sr, kbs, ct, dt, ot, yr, n, 16 * t); break;
+        }
       }
     }
   }
