@@ -33,11 +33,11 @@ def test_plan_is_installed(llm):
     assert isinstance(llm.engine.runner.graphs, CpuDecodePlan)
 
 
-def _plan_equals_modules(llm: LLM, n: int, tag: str) -> None:
+def _plan_equals_modules(llm: LLM, n: int, tag: str, prompts: list[list[int]] = PROMPTS) -> None:
     """Same decode batch through the plan and through the modules: the same logits, bit for bit (both
     write the same keys and values to the same slots, so the order does not matter)."""
     engine, runner = llm.engine, llm.engine.runner
-    for i, prompt in enumerate(PROMPTS[:n]):
+    for i, prompt in enumerate(prompts[:n]):
         engine.add_request(f"{tag}{n}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     reqs = [engine._seqs[f"{tag}{n}-{i}"].request for i in range(n)]
     for _ in range(12):   # decode until every sequence's next token has a slot in the blocks it holds
@@ -82,8 +82,10 @@ def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypa
         assert all(set(lay.int4_copies) == {"qkv", "o", "gate_up", "down"} for lay in plan.layers)
         assert (plan.fused_layers is not None) == cpu_native.q4_gemv_supported()
         assert plan.fused_max_rows == (cpu_native.Q4_GEMV_MAX_ROWS if cpu_native.q4_gemv_supported() else 0)
-        for n in (1, 3, 5):   # 5: past the int4 row limit, the layers' own routing sends it to the GEMV as well
-            _plan_equals_modules(llm, n, "q")        # all layers in one native call, where it runs
+        # lengths alike modulo the 4-token block: every sequence then has a free slot at the same steps
+        small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * i)] for i in range(12)]
+        for n in (1, 3, 5, 12):   # past the int4 row limit the layers' own routing sends rows to the GEMV too
+            _plan_equals_modules(llm, n, "q", small_vocab)   # all layers in one native call, where it runs
         fused, plan.fused_layers = plan.fused_layers, None
         try:
             for n in (1, 3):

@@ -174,6 +174,12 @@ def test_q8_0_lm_head_of_a_gguf_model(tmp_path, monkeypatch, tied, tiny_llama_di
             if m <= 4:   # the logits in float32 (the kernel's sums unrounded)
                 assert got.dtype == torch.float32
                 assert torch.equal(got, cpu_native.q8_0_matmul(x, method.q8_0, w_file.shape[0], torch.float32))
+            # the compiled path's custom op: its fake (what a traced graph expects) has the real output's dtype
+            from plinth.worker.cpu_linear import _cpu_linear_fake, cpu_linear_op
+            real = cpu_linear_op(x, method.handle, method.out_features)
+            with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+                fake = _cpu_linear_fake(mode.from_tensor(x), method.handle, method.out_features)
+            assert fake.dtype == real.dtype == got.dtype and tuple(fake.shape) == tuple(real.shape)
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

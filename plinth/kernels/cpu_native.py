@@ -257,17 +257,16 @@ class Q4Gemv:
         self._fn = _lib().plinth_q4p_gemv_bf16
         self._weights = (panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr())
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, K]`` bfloat16 on the CPU, ``1 <= M <=`` :data:`Q4_GEMV_MAX_ROWS`, features contiguous ->
-        ``[M, N]`` bfloat16 (into ``out``, contiguous ``[M, N]``, when given): float32 weights ``d * q + c``,
-        float32 accumulation, rounded to bfloat16 once."""
+        ``[M, N]`` bfloat16: float32 weights ``d * q + c``, float32 accumulation, rounded to bfloat16 once."""
         m, k = x.shape
         if (k != self.in_features or not 1 <= m <= Q4_GEMV_MAX_ROWS or x.dtype != torch.bfloat16
                 or not x.is_cpu or x.stride(1) != 1):
             raise ValueError(f"the panel GEMV takes CPU bfloat16 inputs [1..{Q4_GEMV_MAX_ROWS}, {self.in_features}] "
                              f"with contiguous features; got {x.dtype} {list(x.shape)} (strides {x.stride()}) "
                              f"on {x.device}")
-        y = torch.empty((m, self.out_features), dtype=torch.bfloat16) if out is None else out
+        y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
         self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
         return y
 

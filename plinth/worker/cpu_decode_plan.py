@@ -201,7 +201,7 @@ class CpuDecodePlan:
         #: the layers' methods send to the GEMV) run all layers in one native call (the same kernels in the same
         #: order: bit-identical)
         self.fused_layers = self._fused_layers() if fused else None
-        self.fused_max_rows = min((getattr(proj.linear_method, "gemv_max_rows", 0)
+        self.fused_max_rows = min((min(getattr(proj.linear_method, "gemv_max_rows", 0), cpu_native.Q4_GEMV_MAX_ROWS)
                                    for layer in inner.layers
                                    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)), default=0)
@@ -210,9 +210,16 @@ class CpuDecodePlan:
         """The layers' argument blocks for :func:`cpu_native.decode_layers`, or None where a layer lacks a
         4-bit copy with the native GEMV for one of its four GEMMs (or its cache is not bfloat16)."""
         specs = []
+        first = self.layers[0]
         for lay in self.layers:
             copies = [lay.int4_copies.get(name) for name in ("qkv", "o", "gate_up", "down")]
             if any(c is None or c.gemv is None for c in copies) or lay.kv_cache.dtype != torch.bfloat16:
+                return None
+            # the step's buffers are sized once, from the first layer: every layer must have its shapes
+            if ((lay.num_heads, lay.num_kv_heads, lay.head_size) != (first.num_heads, first.num_kv_heads,
+                                                                     first.head_size)
+                    or [c.out_features for c in copies] != [first.int4_copies[name].out_features
+                                                            for name in ("qkv", "o", "gate_up", "down")]):
                 return None
             cache = lay.kv_cache
             specs.append(cpu_native.DecodeLayer(

@@ -62,8 +62,8 @@ class Int4Weight:
         :data:`cpu_native.Q4_GEMV_MAX_ROWS` rows through the native panel GEMV where there is one (it streams
         the codes faster than torch's kernel, which takes the rest)."""
         gemv = self.gemv
-        if (gemv is not None and x.dtype == torch.bfloat16 and x.shape[0] <= cpu_native.Q4_GEMV_MAX_ROWS
-                and not torch.compiler.is_compiling()):
+        if (gemv is not None and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= cpu_native.Q4_GEMV_MAX_ROWS
+                and x.stride(1) == 1 and cpu_native.enabled(x)):
             return gemv(x)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
 
@@ -81,7 +81,7 @@ def cpu_linear_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tens
 
 @cpu_linear_op.register_fake
 def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], out_features))
+    return x.new_empty((x.shape[0], out_features), dtype=_METHODS[handle].output_dtype(x.shape[0], x.dtype))
 
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
@@ -117,7 +117,7 @@ class CpuLinearMethod:
         self.gemv_max_rows = 0
         if int4 is not None and int4.gemv is not None and self.int4_max_rows > 0:
             self.gemv_max_rows = (min(self.int4_max_rows, cpu_native.Q4_GEMV_MAX_ROWS) if int8_activations
-                                  else max(self.int4_max_rows, cpu_native.Q4_GEMV_MAX_ROWS))
+                                  else cpu_native.Q4_GEMV_MAX_ROWS)
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
         # int8_activations: inputs of more rows than the int4 / Q8_0 row limits multiply the file's codes with
@@ -182,6 +182,13 @@ class CpuLinearMethod:
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.matmul(x, bias)
+
+    def output_dtype(self, rows: int, dtype: torch.dtype) -> torch.dtype:
+        """The dtype :meth:`matmul` returns for ``rows`` bias-free rows of ``dtype``: float32 where the Q8_0 LM
+        head's GEMV takes them (its logits), else ``dtype``."""
+        if 0 < rows <= self.q8_0_max_rows and cpu_native.available(dtype):
+            return torch.float32
+        return dtype
 
     def int4_kernel_for(self, rows: int, dtype: torch.dtype) -> Int4Weight | None:
         """The 4-bit copy :meth:`matmul` multiplies contiguous ``[rows, K]`` inputs of ``dtype`` with, or None

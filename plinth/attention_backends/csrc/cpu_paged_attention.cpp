@@ -253,6 +253,11 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
             int num_threads) {
   const int64_t group = sh.num_heads / sh.num_kv_heads, bs = sh.block_size;
   const int64_t d_size = kD > 0 ? kD : sh.head_size;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  constexpr bool kBf16Blocks = std::is_same_v<scalar_t, uint16_t> && kD > 0 && kD % 32 == 0;
+#else
+  constexpr bool kBf16Blocks = false;
+#endif
   // A work item is one sequence and a range of its KV heads: all heads when there are enough
   // sequences to keep the threads busy (each block is then read once, front to back), else one.
   const int64_t heads_per_item = sh.num_seqs >= 4 * num_threads ? sh.num_kv_heads : 1;
@@ -277,10 +282,12 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
       if (starts[s + 1] == row) continue;  // no query token for this sequence in this step
       const int64_t seq_len = lens[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-      to_float(query + row * sh.q_row + h0 * group * d_size, q.data(), rows * d_size);
-      if constexpr (std::is_same_v<scalar_t, uint16_t>)
+      if constexpr (kBf16Blocks) {   // the bfloat16 block update reads the raw query rows
         for (int64_t r = 0; r < rows; ++r) qraw[r] = query + row * sh.q_row + (h0 * group + r) * d_size;
-      for (int64_t i = 0; i < rows * d_size; ++i) q[i] *= scale;
+      } else {
+        to_float(query + row * sh.q_row + h0 * group * d_size, q.data(), rows * d_size);
+        for (int64_t i = 0; i < rows * d_size; ++i) q[i] *= scale;
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(row_max.begin(), row_max.end(), neg_inf);
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
@@ -307,7 +314,7 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
           }
           const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + (h0 + hh) * d_size;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-          if constexpr (std::is_same_v<scalar_t, uint16_t> && kD > 0 && kD % 32 == 0) {
+          if constexpr (kBf16Blocks) {
             block_update_bf16<kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi, qraw.data() + hh * group, scale,
                                   acc.data() + hh * group * kD, row_max.data() + hh * group,
                                   row_sum.data() + hh * group, group);

@@ -188,9 +188,11 @@ inline void q4p_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* codes, 
   {
     // per thread (each builds its own, so no thread waits for another's caches): per row, the inputs' k-pairs
     // four to a vector (128-bit lane L: k-pair 4 i + L, broadcast) and the 32-feature block sums
-    std::vector<int32_t> xq_buf(static_cast<size_t>(m * kbs * 4 * 16));
+    static thread_local std::vector<int32_t> xq_buf;   // kept between calls: no allocation per GEMV
+    static thread_local std::vector<float> xs;
+    if (xq_buf.size() < static_cast<size_t>(m * kbs * 4 * 16)) xq_buf.resize(static_cast<size_t>(m * kbs * 4 * 16));
+    if (xs.size() < static_cast<size_t>(m * kbs)) xs.resize(static_cast<size_t>(m * kbs));
     __m512i* xq = reinterpret_cast<__m512i*>(xq_buf.data());
-    std::vector<float> xs(static_cast<size_t>(m * kbs));
     for (int64_t r = 0; r < m; ++r) {
       const uint16_t* xr = x + r * x_stride;
       for (int64_t i = 0; i < kbs * 4; ++i)
@@ -564,7 +566,7 @@ struct PlinthDecodeStep {
   plinth_attention_fn attention;
 };
 
-static int64_t panel_gemv(const PlinthPanelWeight& w, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t m) {
+[[maybe_unused]] static int64_t panel_gemv(const PlinthPanelWeight& w, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t m) {
   return plinth_q4p_gemv_bf16(x, x_stride, w.codes, w.scales, w.offsets, y, m, w.n, w.k);
 }
 
