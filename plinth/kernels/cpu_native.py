@@ -164,6 +164,10 @@ class Q4Panels:
     offsets: torch.Tensor   # [T, K / 32, 16] float16
     out_features: int
 
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * 32
+
 
 def pack_q4_panels(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Panels:
     """``q`` ``[N, K]`` codes in 0..15, ``scale``/``offset`` ``[N, K / 32]`` (``w = scale * q + offset``,
@@ -253,7 +257,7 @@ class Q4Gemv:
     def __init__(self, panels: Q4Panels):
         self.panels = panels                       # keeps the tensors behind the pointers alive
         self.out_features = panels.out_features
-        self.in_features = panels.scales.shape[1] * 32
+        self.in_features = panels.in_features
         self._fn = _lib().plinth_q4p_gemv_bf16
         self._weights = (panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr())
 
@@ -271,14 +275,6 @@ class Q4Gemv:
         return y
 
 
-def q4_panel_gemv(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
-    """``x`` ``[M, K]`` bfloat16 with ``1 <= M <=`` :data:`Q4_GEMV_MAX_ROWS` times the packed weight -> ``[M, N]``
-    bfloat16, the codes streamed once (see :class:`Q4Gemv`). Check :func:`q4_gemv_supported` first."""
-    if not q4_gemv_supported():
-        raise RuntimeError("the native panel GEMV needs AVX512-BF16 (q4_gemv_supported() is False)")
-    return Q4Gemv(panels)(x if x.stride(-1) == 1 else x.contiguous())
-
-
 class PanelWeight(ctypes.Structure):
     """``PlinthPanelWeight`` of ``csrc/cpu_ops.cpp``: one GEMM's 4-bit panels."""
 
@@ -287,7 +283,7 @@ class PanelWeight(ctypes.Structure):
     @classmethod
     def of(cls, panels: Q4Panels) -> PanelWeight:
         return cls(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(), panels.out_features,
-                   panels.scales.shape[1] * 32)
+                   panels.in_features)
 
 
 class DecodeLayer(ctypes.Structure):

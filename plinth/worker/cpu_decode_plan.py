@@ -157,7 +157,7 @@ class _Buffers:
 @dataclasses.dataclass
 class _FusedBuffers:
     """Per batch size, for the native whole-step call: every GEMV output and the step's argument block, its
-    buffer pointers filled once (a call sets only the step's inputs)."""
+    buffer pointers filled once (a call sets only the step's inputs and thread count)."""
 
     tensors: list[torch.Tensor]
     out: torch.Tensor        # [B, H]: the final norm's output
@@ -236,7 +236,7 @@ class CpuDecodePlan:
                        for n in (qkv_n, width, gate_up_n, gate_up_n // 2, width, width)]
             qkv, o, gate_up, act, down, out = tensors
             step = cpu_native.DecodeStep(
-                rows=b, width=width, block_size=self.block_size, threads=torch.get_num_threads(),
+                rows=b, width=width, block_size=self.block_size,
                 normed=bufs.normed.data_ptr(), qkv=qkv.data_ptr(), attn=bufs.attn.data_ptr(), o=o.data_ptr(),
                 gate_up=gate_up.data_ptr(), act=act.data_ptr(), down=down.data_ptr(), out=out.data_ptr(),
                 final_norm=self.final_norm.data_ptr(), final_eps=self.final_eps,

@@ -566,9 +566,12 @@ struct PlinthDecodeStep {
   plinth_attention_fn attention;
 };
 
-[[maybe_unused]] static int64_t panel_gemv(const PlinthPanelWeight& w, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t m) {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static int64_t panel_gemv(const PlinthPanelWeight& w, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t m) {
   return plinth_q4p_gemv_bf16(x, x_stride, w.codes, w.scales, w.offsets, y, m, w.n, w.k);
 }
+#endif
 
 // Returns 0, -1 without AVX512-BF16 (nothing written), -2 for a row count outside 1..16.
 int64_t plinth_decode_layers_bf16(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
