@@ -268,6 +268,63 @@ def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
+    """The NVRTC tensor-core decode kernel (``cuda_w4a16``) against torch's int4 kernel and the Triton
+    decode kernels (``triton_w4a16``: the GEMV for one row, the tensor-core kernel for 2-16), RTN group 128;
+    the CUDA kernel at its default launch and swept over ``PLINTH_W4A16_CUDA="WARPS,UNROLL"``."""
+    from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
+    from plinth.quantization.kernels.w4a16_cuda import CudaW4A16Kernel, launch_config
+    from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
+    from plinth.quantization.quantizers import random_int_weights
+    from plinth.quantization.selection import holder
+
+    out = []
+    sweep = [(w, u) for w in (4, 8, 16) for u in (2, 4, 8)]
+    if a.quick:
+        sweep = []
+    for name, n, k, problem in _int4_shapes(a):
+        kernels = {"int4pack": TorchInt4PackKernel(problem), "triton": TritonW4A16Kernel(problem),
+                   "cuda": CudaW4A16Kernel(problem)}
+        layers: dict[str, list[Any]] = {key: [] for key in kernels}
+        for c in range(a.copies):
+            gen = torch.Generator(device="cuda").manual_seed(c)
+            w = random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=torch.device("cuda"),
+                                   generator=gen)
+            for key, kern in kernels.items():
+                layers[key].append(holder(kern.prepare(w)))
+            if c == 0:
+                dense0 = w.dequantize(torch.float32)
+        gbytes = (n * k / 2 + n * (k // 128) * 4) / 1e9
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ref = x.float() @ dense0.T
+            scale = ref.abs().max().item()
+            rec: dict[str, Any] = {"part": "w4cuda", "shape": name, "n": n, "k": k, "m": m, "gbytes": gbytes,
+                                   "cuda_default": str(launch_config(k))}
+            for key, kern in kernels.items():
+                err = (kern.apply(layers[key][0], x, None).float() - ref).abs().max().item() / scale
+                t = graph_time(lambda i: kern.apply(layers[key][i], x, None), a.copies, a.replays)
+                rec[f"{key}_us"], rec[f"{key}_tbs"], rec[f"{key}_rel_err"] = t * 1e3, gbytes / t, err
+            best = None
+            for warps, unroll in sweep:
+                os.environ["PLINTH_W4A16_CUDA"] = f"{warps},{unroll}"
+                kern = kernels["cuda"]
+                try:
+                    t = graph_time(lambda i: kern.apply(layers["cuda"][i], x, None), a.copies, a.replays)
+                except Exception as exc:  # noqa: BLE001 - a launch that does not build is skipped
+                    print(f"  skip {warps},{unroll}: {type(exc).__name__}: {str(exc)[-300:]}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, f"{warps},{unroll}")
+            os.environ.pop("PLINTH_W4A16_CUDA", None)
+            if best is not None:
+                rec["cuda_best_us"], rec["cuda_best_tbs"], rec["cuda_best_launch"] = best[0] * 1e3, gbytes / best[0], best[1]
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     rows = [int(r) for r in a.rows.split(",")]
@@ -278,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         results += w4a16_part(a, rows)
     if "w4mma" in a.parts.split(","):
         results += w4mma_part(a, rows)
+    if "w4cuda" in a.parts.split(","):
+        results += w4cuda_part(a, rows)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)

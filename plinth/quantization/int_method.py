@@ -19,6 +19,7 @@ INT_KERNELS = {
     "triton_w4a16": f"{_K}.w4a16_triton:TritonW4A16Kernel",
     "torch_int4pack": f"{_K}.int4pack:TorchInt4PackKernel",
     "w4a16_split": f"{_K}.w4a16_split:SplitW4A16Kernel",
+    "cuda_w4a16": f"{_K}.w4a16_cuda:CudaW4A16Kernel",
     "torch_int_mm": f"{_K}.int8_mm:TorchIntMMKernel",
 }
 
@@ -51,7 +52,7 @@ class IntWeightMethod(QuantizationMethod):
     def kernel_candidates(self) -> dict[str, str]:
         names = ["dequant"]
         if self.bits == 4:
-            names += ["triton_w4a16", "torch_int4pack", "w4a16_split"]
+            names += ["triton_w4a16", "torch_int4pack", "w4a16_split", "cuda_w4a16"]
         if self.bits == 8 and self.activation == "int8_token":
             names.append("torch_int_mm")
         return {n: INT_KERNELS[n] for n in names}

@@ -1,0 +1,215 @@
+// W4A16 decode GEMM on tensor cores: y[M, N] = x[M, K] @ ((q - z) * s)^T for M <= 8 * NB rows.
+//
+// Compiled at run time with NVRTC (plinth/quantization/kernels/w4a16_cuda.py); no CUDA headers are
+// needed: 16-bit values travel as raw bits and every arithmetic instruction is inline PTX.
+//
+// The weight is the mma's A operand (16 output channels per mma), the activations its B operand
+// (one batch row per B column), so one m16n8k16 instruction consumes 256 weights whatever the batch
+// (up to 8 rows; NB = 2 reuses each unpacked A fragment for rows 8..15).
+//
+// Packed layout (made by pack_mma_codes in w4a16_cuda.py): 32-bit words [N/16][K/64][32 lanes][4 steps].
+// A chunk is 64 input features; step s of a chunk is one mma. Lane l (g = l / 4, t = l % 4) holds,
+// in nibble p of its word for step s, the weight of
+//     row 16 * tile + g + 8 * (p % 2),   feature 64 * chunk + 16 * t + 4 * s + 2 * ((p / 2) % 2) + p / 4.
+// Nibbles p and p + 4 become the two halves of A register p % 4 ... (p = 0..3) with one lop3 each, and
+// the features of one lane are 16 consecutive activations (two 16-byte loads per chunk), read as the
+// B registers of the four steps. The mma's k order is a permutation of the features, the same on
+// both operands, so the dot products are unchanged.
+//
+// Scales: 32-bit words [N/16][groups][16]: the low half is the scale, the high half -zero * scale,
+// both in the activation dtype. A code q becomes w = q * s + (-z * s) in two packed FMAs:
+// (magic + q) * 1 - magic (exact), then * s + m (one rounding, like a dequantized 16-bit weight).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+struct __align__(16) Words4 {
+  u32 x, y, z, w;
+};
+
+__device__ __forceinline__ Words4 load_stream(const Words4* p) {
+  Words4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ Words4 load_cached(const Words4* p) {
+  Words4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 load_word(const u32* p) {
+  u32 v;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// (a & b) | c
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// both halves set to the low (sel 0x1010) or high (0x3232) half of a
+__device__ __forceinline__ u32 dup_half(u32 a, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  if (BF16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+  if (BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ u16 to_half(float v) {
+  u16 h;
+  if (BF16) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  } else {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  }
+  return h;
+}
+
+// Two codes (nibbles at bits 0-3 and 16-19 of v) as 16-bit weights q * s + m.
+template <bool BF16>
+__device__ __forceinline__ u32 dequant2(u32 v, u32 s2, u32 m2) {
+  const u32 magic = BF16 ? 0x43004300u : 0x64006400u;       // 128 (bf16) / 1024 (fp16): magic + q exact
+  const u32 one = BF16 ? 0x3F803F80u : 0x3C003C00u;
+  const u32 neg_magic = BF16 ? 0xC300C300u : 0xE400E400u;
+  u32 q = fma2<BF16>(and_or(v, 0x000F000Fu, magic), one, neg_magic);
+  return fma2<BF16>(q, s2, m2);
+}
+
+// grid (N / 16), block (32 * warps); dynamic shared memory warps * NB * 128 floats (when warps > 1).
+// The warps of a block split the K chunks of one 16-channel tile and add their sums through shared memory.
+template <bool BF16, int NB, int U>
+__global__ void __launch_bounds__(512) w4a16_mma_decode(
+    const Words4* __restrict__ codes, const u32* __restrict__ scales, const u16* __restrict__ x,
+    u16* __restrict__ y, int M, int K, int ldx, int ldy, int chunks_per_group, int groups) {
+  extern __shared__ float partial[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int tile = blockIdx.x;
+  const int chunks = K >> 6;
+  const int per_warp = (chunks + warps - 1) / warps;
+  const int c_begin = warp * per_warp;
+  const int c_end = min(chunks, c_begin + per_warp);
+
+  const Words4* wp = codes + (size_t)tile * chunks * 32 + lane;
+  const u32* sp = scales + (size_t)tile * groups * 16 + g;
+  const Words4* xp[NB];
+  bool xv[NB];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int row = g + 8 * nb;
+    xv[nb] = row < M;
+    xp[nb] = reinterpret_cast<const Words4*>(x + (size_t)(xv[nb] ? row : 0) * ldx) + 2 * t;
+  }
+  float acc[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+  }
+
+  for (int c = c_begin; c < c_end; c += U) {
+    Words4 w[U];
+    Words4 xa[NB][U][2];
+    u32 s_lo[U], s_hi[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int cc = c + u;
+      const bool live = cc < c_end;
+      w[u] = live ? load_stream(wp + (size_t)cc * 32) : Words4{0u, 0u, 0u, 0u};
+      const int gi = live ? cc / chunks_per_group : 0;
+      s_lo[u] = live ? load_word(sp + gi * 16) : 0u;
+      s_hi[u] = live ? load_word(sp + gi * 16 + 8) : 0u;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const bool on = live && xv[nb];
+        xa[nb][u][0] = on ? load_cached(xp[nb] + cc * 8) : Words4{0u, 0u, 0u, 0u};
+        xa[nb][u][1] = on ? load_cached(xp[nb] + cc * 8 + 1) : Words4{0u, 0u, 0u, 0u};
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 s_g = dup_half(s_lo[u], 0x1010u), m_g = dup_half(s_lo[u], 0x3232u);
+      const u32 s_g8 = dup_half(s_hi[u], 0x1010u), m_g8 = dup_half(s_hi[u], 0x3232u);
+      const u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const u32 v = words[s];
+        u32 a[4];
+        a[0] = dequant2<BF16>(v, s_g, m_g);
+        a[1] = dequant2<BF16>(v >> 4, s_g8, m_g8);
+        a[2] = dequant2<BF16>(v >> 8, s_g, m_g);
+        a[3] = dequant2<BF16>(v >> 12, s_g8, m_g8);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          const Words4& lo = xa[nb][u][s >> 1];
+          const u32 b0 = (s & 1) ? lo.z : lo.x;
+          const u32 b1 = (s & 1) ? lo.w : lo.y;
+          mma16816<BF16>(acc[nb], a, b0, b1);
+        }
+      }
+    }
+  }
+
+  if (warps > 1) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[((warp * NB + nb) * 4 + i) * 32 + lane] = acc[nb][i];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float sum = 0.f;
+        for (int w2 = 0; w2 < warps; ++w2) sum += partial[((w2 * NB + nb) * 4 + i) * 32 + lane];
+        acc[nb][i] = sum;
+      }
+    }
+  }
+  // C fragment: c0, c1 at (channel g, batch rows 2t, 2t + 1), c2, c3 at channel g + 8.
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = 8 * nb + 2 * t + (i & 1);
+      const int channel = 16 * tile + g + 8 * (i >> 1);
+      if (row < M) y[(size_t)row * ldy + channel] = to_half<BF16>(acc[nb][i]);
+    }
+  }
+}

@@ -1,0 +1,215 @@
+"""A CUDA W4A16 decode kernel on tensor cores, compiled at run time with NVRTC.
+
+Decode inputs (1-16 rows) run ``plinth/kernels/csrc/w4a16_mma.cu``: each ``mma.m16n8k16`` takes 16
+output channels of unpacked 4-bit weights as its A operand and up to eight activation rows as its B
+operand, so the weights are read once for the whole batch and every code costs about two
+instructions (a ``lop3`` and two packed FMAs per pair). Longer inputs take the Triton tiled GEMM
+(:class:`~plinth.quantization.kernels.w4a16_triton.TritonW4A16Kernel`), so each layer keeps both
+layouts (twice the packed bytes: still half of bfloat16).
+
+The kernel source needs no CUDA toolkit: NVRTC ships with PyTorch's CUDA wheels, and the source
+includes no headers. The layout functions below are plain torch and run anywhere (the tests check
+them on the CPU against an independent reading of PTX's fragment layout).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from plinth.quantization.formats import IntWeights
+from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
+from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
+
+SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "w4a16_mma.cu"
+#: the most rows the decode kernel takes (two 8-row B operands per unpacked A fragment)
+MAX_ROWS = 16
+#: input features per packed chunk (four mma steps of 16)
+CHUNK = 64
+_ENV = "PLINTH_W4A16_CUDA"
+
+
+def pack_mma_codes(q: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` 4-bit codes as the kernel's int32 words ``[N/16, K/64, 32, 4]`` (see the .cu file).
+
+    Row ``16 r + 8 rs + g`` and feature ``64 c + 16 t + 4 s + 2 eh + el`` go to lane ``4 g + t``, step
+    ``s``, nibble ``rs + 2 eh + 4 el``.
+    """
+    n, k = q.shape
+    if n % 16 or k % CHUNK:
+        raise ValueError(f"the mma layout needs N % 16 == 0 and K % {CHUNK} == 0, got {n} x {k}")
+    v = q.to(torch.int64).reshape(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2)   # r rs g c t s eh el
+    v = v.permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(n // 16, k // CHUNK, 32, 4, 8)   # r c (g t) s (el eh rs)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    words = (v << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def unpack_mma_codes(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of :func:`pack_mma_codes`, written from PTX's description of the m16n8k16 A fragment
+    (register ``i`` of lane ``4 g + t`` holds ``a[2i], a[2i+1]``; element ``j`` sits at row ``g + 8 ((j // 2) % 2)``,
+    k ``2 t + j % 2 + 8 (j // 4)``) and the kernel's k order (mma k ``kk`` of step ``s`` is feature
+    ``16 ((kk % 8) // 2) + 4 s + 2 (kk // 8) + kk % 2``)."""
+    out = torch.empty(n, k, dtype=torch.uint8)
+    w = words.reshape(n // 16, k // CHUNK, 32, 4).to(torch.int64).cpu()
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for nibble in range(8):
+            j = 2 * (nibble % 4) + nibble // 4          # register nibble % 4, low half (< 4) or high half
+            row = g + 8 * ((j // 2) % 2)
+            kk = 2 * t + j % 2 + 8 * (j // 4)
+            for s in range(4):
+                feature = 16 * ((kk % 8) // 2) + 4 * s + 2 * (kk // 8) + kk % 2
+                codes = (w[:, :, lane, s] >> (4 * nibble)) & 0xF                      # [N/16, K/64]
+                rows = torch.arange(n // 16) * 16 + row
+                cols = torch.arange(k // CHUNK) * CHUNK + feature
+                out[rows[:, None], cols[None, :]] = codes.to(torch.uint8)
+    return out
+
+
+def pack_mma_scales(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, G]`` scales and zero points as int32 words ``[N/16, G, 16]``: the scale in the low half and
+    ``-zero * scale`` in the high half, both in ``dtype``."""
+    n, groups = scales.shape
+    s = scales.to(torch.float32)
+    pair = torch.stack([s.to(dtype), (-zeros.to(torch.float32) * s).to(dtype)], dim=-1)   # [N, G, 2]
+    pair = pair.reshape(n // 16, 16, groups, 2).permute(0, 2, 1, 3).contiguous()
+    return pair.view(torch.int32).reshape(n // 16, groups, 16)
+
+
+def reference_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """What the kernel computes, in float32 torch from its packed tensors: weights ``q * s + m`` rounded to
+    the activation dtype (as the packed FMAs round them), products summed in float32."""
+    k = x.shape[1]
+    q = unpack_mma_codes(codes, n, k).to(torch.float32)
+    pairs = scales.cpu().reshape(n // 16, -1, 16).view(x.dtype).reshape(n // 16, -1, 16, 2).float()
+    s = pairs[..., 0].permute(0, 2, 1).reshape(n, -1)
+    m = pairs[..., 1].permute(0, 2, 1).reshape(n, -1)
+    group = k // s.shape[1]
+    w = (q.view(n, -1, group) * s[..., None] + m[..., None]).reshape(n, k).to(x.dtype).float()
+    return x.float().cpu() @ w.T
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> Any:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    return lib
+
+
+_compile_lock = threading.Lock()
+
+
+@functools.cache
+def compiled(bf16: bool, nb: int, unroll: int, device_index: int) -> Any:
+    """The kernel instance for one dtype, B-operand count and unroll depth, loaded on one device."""
+    name = f"w4a16_mma_decode<{'true' if bf16 else 'false'}, {nb}, {unroll}>"
+    with _compile_lock, torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(SOURCE.read_text(), name)
+
+
+def launch_config(k: int) -> tuple[int, int]:
+    """``(warps per block, chunks loaded per step)``: eight warps split a tile's K chunks, four chunks in
+    flight per warp. ``PLINTH_W4A16_CUDA="WARPS,UNROLL"`` overrides (sweeps)."""
+    forced = os.environ.get(_ENV)
+    if forced:
+        try:
+            warps, unroll = (int(v) for v in forced.split(","))
+        except ValueError:
+            warps = unroll = 0
+        if warps not in (1, 2, 4, 8, 16) or unroll not in (1, 2, 4, 8):
+            raise ValueError(f"{_ENV}={forced!r}: expected WARPS (1, 2, 4, 8 or 16),UNROLL (1, 2, 4 or 8)")
+        return warps, unroll
+    return 8, 4
+
+
+def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``[M, N]`` for ``x`` ``[M, K]`` (``M <= 16``, float16/bfloat16, unit feature stride) on the packed
+    weight (:func:`pack_mma_codes`, :func:`pack_mma_scales`)."""
+    m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) % 8:
+        x = x.contiguous()
+    if x.data_ptr() % 16:   # the kernel reads activations 16 bytes at a time
+        x = x.clone()
+    groups = scales.shape[1]
+    warps, unroll = launch_config(k)
+    nb = 1 if m <= 8 else 2
+    kernel = compiled(x.dtype == torch.bfloat16, nb, unroll, x.device.index or 0)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
+            ctypes.c_int(n), ctypes.c_int((k // groups) // CHUNK), ctypes.c_int(groups)]
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    shared = warps * nb * 128 * 4 if warps > 1 else 0
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    status = _libcuda().cuLaunchKernel(kernel.func, n // 16, 1, 1, 32 * warps, 1, 1, shared,
+                                       ctypes.c_void_p(stream), params, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernel failed for the W4A16 decode kernel (CUresult {status})")
+    return y
+
+
+class CudaW4A16Kernel(GemmKernel):
+    """4-bit weights: up to :data:`MAX_ROWS` float16/bfloat16 rows through the NVRTC tensor-core decode
+    kernel, longer inputs through Triton's tiled GEMM."""
+
+    name: ClassVar[str] = "cuda_w4a16"
+    priority: ClassVar[int] = 30
+
+    def __init__(self, problem: GemmProblem):
+        super().__init__(problem)
+        self.large = TritonW4A16Kernel(problem)
+
+    @classmethod
+    def supports(cls, problem: GemmProblem) -> Support:
+        if problem.weight_format != "int" or problem.bits != 4:
+            return Support.no("runs 4-bit integer weights only")
+        if problem.device_type != "cuda" or torch.version.hip is not None:
+            return Support.no("an NVRTC kernel for NVIDIA GPUs")
+        if problem.capability is None or problem.capability < (8, 0):
+            return Support.no(f"needs compute capability 8.0 or newer (bf16 mma), this GPU has {problem.capability}")
+        if problem.dtype not in (torch.float16, torch.bfloat16):
+            return Support.no(f"dtype {problem.dtype} unsupported (float16, bfloat16)")
+        if not hasattr(torch.cuda, "_compile_kernel"):
+            return Support.no("this torch has no torch.cuda._compile_kernel (NVRTC)")
+        if importlib.util.find_spec("triton") is None:
+            return Support.no("triton not installed (prefill-sized inputs run its GEMM)")
+        if problem.group_size is not None and problem.group_size % CHUNK:
+            return Support.no(f"group size {problem.group_size} is not a multiple of {CHUNK}")
+        for n, k in problem.shapes:
+            if n % 16 or k % CHUNK:
+                return Support.no(f"shape N={n}, K={k}: needs N % 16 == 0 and K % {CHUNK} == 0")
+        return cls._compiles(problem.dtype)
+
+    @staticmethod
+    def _compiles(dtype: torch.dtype) -> Support:
+        try:
+            compiled(dtype == torch.bfloat16, 1, launch_config(0)[1], torch.cuda.current_device())
+        except Exception as exc:  # noqa: BLE001 - any NVRTC or driver failure means "not here"
+            return Support.no(f"NVRTC could not build the kernel: {type(exc).__name__}: {str(exc)[:200]}")
+        return Support.yes()
+
+    def prepare(self, weights: IntWeights) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {
+            **self.large.prepare(weights),
+            "w4m_codes": pack_mma_codes(weights.q),
+            "w4m_scales": pack_mma_scales(weights.scales, weights.zeros, self.problem.dtype),
+        }
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS or x.shape[0] == 0:
+            return self.large.apply(layer, x, bias)
+        perm = getattr(layer, "perm", None)
+        if perm is not None:
+            x = x.index_select(1, perm)
+        out = mma_decode(x, layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16)
+        return out if bias is None else out + bias

@@ -1,0 +1,106 @@
+"""The NVRTC W4A16 decode kernel on an NVIDIA GPU, at Llama-3-8B's shapes.
+
+Checked against :func:`~plinth.quantization.kernels.w4a16_cuda.reference_decode` (the same 16-bit weights
+in float32 torch: only the summation order differs) and against the float32 product of the dequantized
+weights. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.version.hip is not None:
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+
+from plinth.quantization.kernels.interface import GemmProblem  # noqa: E402
+from plinth.quantization.kernels.w4a16_cuda import (  # noqa: E402
+    CudaW4A16Kernel,
+    mma_decode,
+    pack_mma_codes,
+    pack_mma_scales,
+    reference_decode,
+)
+from plinth.quantization.quantizers import quantize_int_rtn  # noqa: E402
+from plinth.quantization.selection import holder  # noqa: E402
+
+CUDA = torch.device("cuda")
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+CAPABILITY = torch.cuda.get_device_capability()
+
+
+def _relative(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float().cpu() - ref.float().cpu()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def layers():
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    return {name: quantize_int_rtn(torch.randn(n, k, generator=gen, device=CUDA) * 0.02, 4, 128)
+            for name, (n, k) in LLAMA3_8B.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layer", list(LLAMA3_8B))
+def test_decode_kernel_matches_references(layers, layer, dtype):
+    weights = layers[layer]
+    n, k = weights.shape
+    codes = pack_mma_codes(weights.q)
+    scales = pack_mma_scales(weights.scales, weights.zeros, dtype)
+    dense = weights.dequantize(torch.float32)
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    for rows in (1, 3, 8, 9, 16):
+        x = torch.randn(rows, k, generator=gen, device=CUDA).to(dtype)
+        out = mma_decode(x, codes, scales, n)
+        torch.cuda.synchronize()
+        assert out.shape == (rows, n) and out.dtype == dtype
+        assert _relative(out, reference_decode(x.cpu(), codes.cpu(), scales.cpu(), n)) < 5e-3, (layer, rows)
+        limit = 1e-2 if dtype == torch.bfloat16 else 3e-3
+        assert _relative(out, x.float() @ dense.T) < limit, (layer, rows)
+
+
+@pytest.mark.parametrize("group", [64, None])
+def test_other_group_sizes(group):
+    n, k = 4096, 4096
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    weights = quantize_int_rtn(torch.randn(n, k, generator=gen, device=CUDA) * 0.02, 4, group or k)
+    x = torch.randn(4, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    out = mma_decode(x, pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros, torch.bfloat16), n)
+    assert _relative(out, x.float() @ weights.dequantize(torch.float32).T) < 1e-2
+
+
+@pytest.mark.parametrize("launch", ["1,1", "2,2", "4,8", "16,4", "8,1"])
+def test_launch_configurations_agree(layers, launch, monkeypatch):
+    weights = layers["down"]
+    n, k = weights.shape
+    codes = pack_mma_codes(weights.q)
+    scales = pack_mma_scales(weights.scales, weights.zeros, torch.bfloat16)
+    x = torch.randn(5, k, generator=torch.Generator(device=CUDA).manual_seed(3), device=CUDA).to(torch.bfloat16)
+    base = mma_decode(x, codes, scales, n).float()
+    monkeypatch.setenv("PLINTH_W4A16_CUDA", launch)
+    assert torch.allclose(mma_decode(x, codes, scales, n).float(), base, rtol=2e-2, atol=1e-3)
+
+
+def test_kernel_class_in_a_cuda_graph_and_for_long_inputs(layers):
+    weights = layers["qkv"]
+    n, k = weights.shape
+    problem = GemmProblem("int", torch.bfloat16, "cuda", CAPABILITY, bits=4, group_size=128, shapes=((n, k),))
+    support = CudaW4A16Kernel.supports(problem)
+    assert support, support.reason
+    kernel = CudaW4A16Kernel(problem)
+    layer = holder(kernel.prepare(weights))
+    dense = weights.dequantize(torch.float32)
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    static = torch.randn(2, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    kernel.apply(layer, static, None)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.apply(layer, static, None)
+    fresh = torch.randn(2, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _relative(captured, fresh.float() @ dense.T) < 1e-2
+    long = torch.randn(40, k, generator=gen, device=CUDA).to(torch.bfloat16)   # the Triton GEMM's rows
+    assert _relative(kernel.apply(layer, long, None), long.float() @ dense.T) < 1e-2

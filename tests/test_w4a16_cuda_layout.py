@@ -1,0 +1,87 @@
+"""The NVRTC W4A16 decode kernel's packed layout, checked on the CPU.
+
+The kernel itself needs an NVIDIA GPU (``tests/test_w4a16_cuda_gpu.py``); its weight layout and its
+arithmetic are plain torch and are checked here: packing against an unpacking written independently
+from PTX's m16n8k16 fragment description, and the kernel's math (16-bit weights ``q * s + m``,
+float32 sums) against the dequantized weights in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plinth.quantization.kernels.interface import GemmProblem
+from plinth.quantization.kernels.w4a16_cuda import (
+    SOURCE,
+    CudaW4A16Kernel,
+    pack_mma_codes,
+    pack_mma_scales,
+    reference_decode,
+    unpack_mma_codes,
+)
+from plinth.quantization.quantizers import random_int_weights
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (48, 192), (32, 512)])
+def test_pack_inverts_the_fragment_layout(shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    words = pack_mma_codes(q)
+    assert words.dtype == torch.int32 and tuple(words.shape) == (n // 16, k // 64, 32, 4)
+    assert torch.equal(unpack_mma_codes(words, n, k), q)
+
+
+def test_pack_places_one_known_code():
+    """Row 9 = 8 + 1 (g = 1, second half), feature 64 + 16 * 2 + 4 * 3 + 3 (chunk 1, t = 2, step 3, e = 3):
+    lane 4 * 1 + 2 = 6, word 3, nibble rs + 2 eh + 4 el = 1 + 2 + 4 = 7."""
+    q = torch.zeros(16, 128, dtype=torch.uint8)
+    q[9, 64 + 32 + 12 + 3] = 0xB
+    words = pack_mma_codes(q)
+    nonzero = words.nonzero().tolist()
+    assert nonzero == [[0, 1, 6, 3]]
+    assert (int(words[0, 1, 6, 3]) & 0xFFFFFFFF) == 0xB << 28
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [64, 128, None])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_kernel_math_matches_float64_dequant(dtype, group, rows):
+    n, k = 32, 256
+    gen = torch.Generator().manual_seed(rows)
+    weights = random_int_weights(n, k, 4, group or k, symmetric=False, act_order=False,
+                                 device=torch.device("cpu"), generator=gen)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    codes = pack_mma_codes(weights.q)
+    scales = pack_mma_scales(weights.scales, weights.zeros, dtype)
+    assert tuple(scales.shape) == (n // 16, k // (group or k), 16)
+    out = reference_decode(x, codes, scales, n)
+    ref = x.double() @ weights.dequantize(torch.float64).T
+    rel = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 8e-3 if dtype == torch.bfloat16 else rel < 1.5e-3, rel
+
+
+def test_scales_pack_scale_low_and_negated_offset_high():
+    scales = torch.full((16, 2), 0.5)
+    zeros = torch.full((16, 2), 3.0)
+    words = pack_mma_scales(scales, zeros, torch.bfloat16)
+    halves = words.view(torch.bfloat16).reshape(1, 2, 16, 2).float()
+    assert torch.all(halves[..., 0] == 0.5) and torch.all(halves[..., 1] == -1.5)
+
+
+@pytest.mark.parametrize("problem,reason", [
+    (GemmProblem("int", torch.bfloat16, "cpu", None, bits=4, group_size=128, shapes=((64, 128),)), "NVIDIA"),
+    (GemmProblem("int", torch.bfloat16, "cuda", (9, 0), bits=8, group_size=128, shapes=((64, 128),)), "4-bit"),
+    (GemmProblem("int", torch.bfloat16, "cuda", (7, 5), bits=4, group_size=128, shapes=((64, 128),)), "8.0"),
+    (GemmProblem("int", torch.float32, "cuda", (9, 0), bits=4, group_size=128, shapes=((64, 128),)), "float32"),
+])
+def test_supports_says_why_not(problem, reason):
+    support = CudaW4A16Kernel.supports(problem)
+    assert not support and reason in support.reason
+
+
+def test_layout_needs_whole_tiles_and_chunks():
+    with pytest.raises(ValueError, match="N % 16"):
+        pack_mma_codes(torch.zeros(24, 64, dtype=torch.uint8))
+    assert SOURCE.is_file() and "w4a16_mma_decode" in SOURCE.read_text()
