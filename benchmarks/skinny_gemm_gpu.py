@@ -273,13 +273,13 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     decode kernels (``triton_w4a16``: the GEMV for one row, the tensor-core kernel for 2-16), RTN group 128;
     the CUDA kernel at its default launch and swept over ``PLINTH_W4A16_CUDA="WARPS,UNROLL"``."""
     from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
-    from plinth.quantization.kernels.w4a16_cuda import CudaW4A16Kernel, launch_config
+    from plinth.quantization.kernels.w4a16_cuda import CudaW4A16Kernel, launch_config, registers
     from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
     from plinth.quantization.quantizers import random_int_weights
     from plinth.quantization.selection import holder
 
     out = []
-    sweep = [(w, u) for w in (4, 8, 16) for u in (2, 4, 8)]
+    sweep = [(w, st) for w in (4, 8, 16) for st in (4, 6, 8, 12)]
     if a.quick:
         sweep = []
     for name, n, k, problem in _int4_shapes(a):
@@ -300,7 +300,8 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
             ref = x.float() @ dense0.T
             scale = ref.abs().max().item()
             rec: dict[str, Any] = {"part": "w4cuda", "shape": name, "n": n, "k": k, "m": m, "gbytes": gbytes,
-                                   "cuda_default": str(launch_config(k))}
+                                   "cuda_default": str(launch_config(k)),
+                                   "cuda_registers": registers(True, 1 if m <= 8 else 2, launch_config(k)[1])}
             for key, kern in kernels.items():
                 err = (kern.apply(layers[key][0], x, None).float() - ref).abs().max().item() / scale
                 t = graph_time(lambda i: kern.apply(layers[key][i], x, None), a.copies, a.replays)

@@ -27,22 +27,9 @@ struct __align__(16) Words4 {
   u32 x, y, z, w;
 };
 
-__device__ __forceinline__ Words4 load_stream(const Words4* p) {
-  Words4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ Words4 load_cached(const Words4* p) {
   Words4 v;
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ u32 load_word(const u32* p) {
-  u32 v;
-  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -107,13 +94,39 @@ __device__ __forceinline__ u32 dequant2(u32 v, u32 s2, u32 m2) {
   return fma2<BF16>(q, s2, m2);
 }
 
-// grid (N / 16), block (32 * warps); dynamic shared memory warps * NB * 128 floats (when warps > 1).
-// The warps of a block split the K chunks of one 16-channel tile and add their sums through shared memory.
-template <bool BF16, int NB, int U>
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return static_cast<u32>(a);
+}
+
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// One ring slot: a chunk's codes (32 lanes x 16 bytes), then each lane's two scale words (rows g, g + 8).
+constexpr int kSlotWords4 = 48;
+
+// grid (N / 16), block (32 * warps), dynamic shared memory warps * S * 768 bytes.
+// The warps of a block split the K chunks of one 16-channel tile. Each warp streams its chunks through
+// its own ring of S shared-memory slots with cp.async, S - 1 chunks in flight; every lane copies and
+// reads only its own 16 bytes, so no barrier is needed until the warps add their sums at the end.
+template <bool BF16, int NB, int S>
 __global__ void __launch_bounds__(512) w4a16_mma_decode(
     const Words4* __restrict__ codes, const u32* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ y, int M, int K, int ldx, int ldy, int chunks_per_group, int groups) {
-  extern __shared__ float partial[];
+  extern __shared__ __align__(16) unsigned char shared[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
@@ -125,6 +138,7 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   const int c_begin = warp * per_warp;
   const int c_end = min(chunks, c_begin + per_warp);
 
+  Words4* ring = reinterpret_cast<Words4*>(shared) + warp * S * kSlotWords4;
   const Words4* wp = codes + (size_t)tile * chunks * 32 + lane;
   const u32* sp = scales + (size_t)tile * groups * 16 + g;
   const Words4* xp[NB];
@@ -141,54 +155,73 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
   }
 
-  for (int c = c_begin; c < c_end; c += U) {
-    Words4 w[U];
-    Words4 xa[NB][U][2];
-    u32 s_lo[U], s_hi[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int cc = c + u;
-      const bool live = cc < c_end;
-      w[u] = live ? load_stream(wp + (size_t)cc * 32) : Words4{0u, 0u, 0u, 0u};
-      const int gi = live ? cc / chunks_per_group : 0;
-      s_lo[u] = live ? load_word(sp + gi * 16) : 0u;
-      s_hi[u] = live ? load_word(sp + gi * 16 + 8) : 0u;
+  for (int i = 0; i < S - 1; ++i) {
+    const int cc = c_begin + i;
+    if (cc < c_end) {
+      Words4* slot = ring + i * kSlotWords4;
+      const int gi = cc / chunks_per_group;
+      copy_async16(slot + lane, wp + (size_t)cc * 32);
+      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane, sp + gi * 16);
+      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane + 1, sp + gi * 16 + 8);
+    }
+    commit_copies();
+  }
+
+  int read = 0;        // the slot of chunk cc
+  int write = S - 1;   // the slot consumed one iteration ago
+  for (int cc = c_begin; cc < c_end; ++cc) {
+    Words4 xa[NB][2];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      xa[nb][0] = xv[nb] ? load_cached(xp[nb] + cc * 8) : Words4{0u, 0u, 0u, 0u};
+      xa[nb][1] = xv[nb] ? load_cached(xp[nb] + cc * 8 + 1) : Words4{0u, 0u, 0u, 0u};
+    }
+    wait_copies<S - 2>();   // S - 1 + (cc - c_begin) groups committed; chunk cc's is complete
+    const Words4 w = ring[read * kSlotWords4 + lane];
+    const u32 s_lo = reinterpret_cast<const u32*>(ring + read * kSlotWords4 + 32)[2 * lane];
+    const u32 s_hi = reinterpret_cast<const u32*>(ring + read * kSlotWords4 + 32)[2 * lane + 1];
+    const int next = cc + S - 1;
+    if (next < c_end) {
+      Words4* slot = ring + write * kSlotWords4;
+      const int gi = next / chunks_per_group;
+      copy_async16(slot + lane, wp + (size_t)next * 32);
+      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane, sp + gi * 16);
+      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane + 1, sp + gi * 16 + 8);
+    }
+    commit_copies();
+    write = read;
+    read = read + 1 == S ? 0 : read + 1;
+
+    const u32 s_g = dup_half(s_lo, 0x1010u), m_g = dup_half(s_lo, 0x3232u);
+    const u32 s_g8 = dup_half(s_hi, 0x1010u), m_g8 = dup_half(s_hi, 0x3232u);
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const u32 v = words[s];
+      u32 a[4];
+      a[0] = dequant2<BF16>(v, s_g, m_g);
+      a[1] = dequant2<BF16>(v >> 4, s_g8, m_g8);
+      a[2] = dequant2<BF16>(v >> 8, s_g, m_g);
+      a[3] = dequant2<BF16>(v >> 12, s_g8, m_g8);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        const bool on = live && xv[nb];
-        xa[nb][u][0] = on ? load_cached(xp[nb] + cc * 8) : Words4{0u, 0u, 0u, 0u};
-        xa[nb][u][1] = on ? load_cached(xp[nb] + cc * 8 + 1) : Words4{0u, 0u, 0u, 0u};
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const u32 s_g = dup_half(s_lo[u], 0x1010u), m_g = dup_half(s_lo[u], 0x3232u);
-      const u32 s_g8 = dup_half(s_hi[u], 0x1010u), m_g8 = dup_half(s_hi[u], 0x3232u);
-      const u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const u32 v = words[s];
-        u32 a[4];
-        a[0] = dequant2<BF16>(v, s_g, m_g);
-        a[1] = dequant2<BF16>(v >> 4, s_g8, m_g8);
-        a[2] = dequant2<BF16>(v >> 8, s_g, m_g);
-        a[3] = dequant2<BF16>(v >> 12, s_g8, m_g8);
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const Words4& lo = xa[nb][u][s >> 1];
-          const u32 b0 = (s & 1) ? lo.z : lo.x;
-          const u32 b1 = (s & 1) ? lo.w : lo.y;
-          mma16816<BF16>(acc[nb], a, b0, b1);
-        }
+        const Words4& lo = xa[nb][s >> 1];
+        const u32 b0 = (s & 1) ? lo.z : lo.x;
+        const u32 b1 = (s & 1) ? lo.w : lo.y;
+        mma16816<BF16>(acc[nb], a, b0, b1);
       }
     }
   }
+  wait_copies<0>();
 
   if (warps > 1) {
+    // each warp's sums go to the start of its own ring (>= 1 KiB), which no other warp writes
+    float* mine = reinterpret_cast<float*>(ring);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[((warp * NB + nb) * 4 + i) * 32 + lane] = acc[nb][i];
+      for (int i = 0; i < 4; ++i) mine[(nb * 4 + i) * 32 + lane] = acc[nb][i];
     }
     __syncthreads();
     if (warp != 0) return;
@@ -197,7 +230,10 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float sum = 0.f;
-        for (int w2 = 0; w2 < warps; ++w2) sum += partial[((w2 * NB + nb) * 4 + i) * 32 + lane];
+        for (int w2 = 0; w2 < warps; ++w2) {
+          sum += reinterpret_cast<const float*>(reinterpret_cast<Words4*>(shared) + w2 * S * kSlotWords4)
+              [(nb * 4 + i) * 32 + lane];
+        }
         acc[nb][i] = sum;
       }
     }

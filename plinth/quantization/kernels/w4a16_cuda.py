@@ -103,33 +103,60 @@ def _libcuda() -> Any:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
     lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuFuncSetAttribute.restype = ctypes.c_int
     return lib
 
 
 _compile_lock = threading.Lock()
 
 
+#: bytes of one ring slot: a chunk's codes (32 lanes x 16) and each lane's two scale words
+SLOT_BYTES = 768
+_STAGES = (2, 3, 4, 6, 8, 12, 16)
+_WARPS = (1, 2, 4, 8, 16)
+#: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
+_MAX_DYNAMIC_SHARED = 8
+
+
 @functools.cache
-def compiled(bf16: bool, nb: int, unroll: int, device_index: int) -> Any:
-    """The kernel instance for one dtype, B-operand count and unroll depth, loaded on one device."""
-    name = f"w4a16_mma_decode<{'true' if bf16 else 'false'}, {nb}, {unroll}>"
+def compiled(bf16: bool, nb: int, stages: int, device_index: int) -> Any:
+    """The kernel instance for one dtype, B-operand count and ring depth, loaded on one device."""
+    name = f"w4a16_mma_decode<{'true' if bf16 else 'false'}, {nb}, {stages}>"
     with _compile_lock, torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(SOURCE.read_text(), name)
 
 
+@functools.cache
+def _allow_shared(func: int, nbytes: int) -> None:
+    """Opt the kernel into more than 48 KiB of dynamic shared memory (once per size)."""
+    status = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(func), _MAX_DYNAMIC_SHARED, nbytes)
+    if status != 0:
+        raise RuntimeError(f"cuFuncSetAttribute({nbytes} bytes of shared memory) failed (CUresult {status})")
+
+
+def registers(bf16: bool, nb: int, stages: int) -> int:
+    """Registers per thread of one kernel instance (``CU_FUNC_ATTRIBUTE_NUM_REGS``; for benchmarks)."""
+    kernel = compiled(bf16, nb, stages, torch.cuda.current_device())
+    value = ctypes.c_int()
+    _libcuda().cuFuncGetAttribute(ctypes.byref(value), 4, kernel.func)
+    return value.value
+
+
 def launch_config(k: int) -> tuple[int, int]:
-    """``(warps per block, chunks loaded per step)``: eight warps split a tile's K chunks, four chunks in
-    flight per warp. ``PLINTH_W4A16_CUDA="WARPS,UNROLL"`` overrides (sweeps)."""
+    """``(warps per block, ring slots per warp)``: eight warps split a tile's K chunks, each with eight
+    slots (seven chunks in flight). ``PLINTH_W4A16_CUDA="WARPS,STAGES"`` overrides (sweeps)."""
     forced = os.environ.get(_ENV)
     if forced:
         try:
-            warps, unroll = (int(v) for v in forced.split(","))
+            warps, stages = (int(v) for v in forced.split(","))
         except ValueError:
-            warps = unroll = 0
-        if warps not in (1, 2, 4, 8, 16) or unroll not in (1, 2, 4, 8):
-            raise ValueError(f"{_ENV}={forced!r}: expected WARPS (1, 2, 4, 8 or 16),UNROLL (1, 2, 4 or 8)")
-        return warps, unroll
-    return 8, 4
+            warps = stages = 0
+        if warps not in _WARPS or stages not in _STAGES:
+            raise ValueError(f"{_ENV}={forced!r}: expected WARPS ({', '.join(map(str, _WARPS))}),"
+                             f"STAGES ({', '.join(map(str, _STAGES))})")
+        return warps, stages
+    return 8, 8
 
 
 def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
@@ -141,15 +168,17 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
     if x.data_ptr() % 16:   # the kernel reads activations 16 bytes at a time
         x = x.clone()
     groups = scales.shape[1]
-    warps, unroll = launch_config(k)
+    warps, stages = launch_config(k)
     nb = 1 if m <= 8 else 2
-    kernel = compiled(x.dtype == torch.bfloat16, nb, unroll, x.device.index or 0)
+    kernel = compiled(x.dtype == torch.bfloat16, nb, stages, x.device.index or 0)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(x.data_ptr()),
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
             ctypes.c_int(n), ctypes.c_int((k // groups) // CHUNK), ctypes.c_int(groups)]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    shared = warps * nb * 128 * 4 if warps > 1 else 0
+    shared = warps * stages * SLOT_BYTES
+    if shared > 48 * 1024:
+        _allow_shared(kernel.func.value if hasattr(kernel.func, "value") else kernel.func, shared)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     status = _libcuda().cuLaunchKernel(kernel.func, n // 16, 1, 1, 32 * warps, 1, 1, shared,
                                        ctypes.c_void_p(stream), params, None)
