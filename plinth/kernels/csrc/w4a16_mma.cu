@@ -119,7 +119,7 @@ __device__ __forceinline__ void wait_copies() {
 constexpr int kSlotWords4 = 48;
 
 // grid (N / 16), block (32 * warps), dynamic shared memory warps * S * 768 bytes.
-// The warps of a block split the K chunks of one 16-channel tile. Each warp streams its chunks through
+// The warps of a block share the K chunks of one 16-channel tile, in turn. Each warp streams its chunks through
 // its own ring of S shared-memory slots with cp.async, S - 1 chunks in flight; every lane copies and
 // reads only its own 16 bytes, so no barrier is needed until the warps add their sums at the end.
 template <bool BF16, int NB, int S>
@@ -134,9 +134,9 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   const int t = lane & 3;
   const int tile = blockIdx.x;
   const int chunks = K >> 6;
-  const int per_warp = (chunks + warps - 1) / warps;
-  const int c_begin = warp * per_warp;
-  const int c_end = min(chunks, c_begin + per_warp);
+  // the warps take the tile's chunks in turn (chunk warp + warps * j), so that a block reads one
+  // contiguous stretch of the tile at a time
+  const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
 
   Words4* ring = reinterpret_cast<Words4*>(shared) + warp * S * kSlotWords4;
   const Words4* wp = codes + (size_t)tile * chunks * 32 + lane;
@@ -157,8 +157,8 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
-    const int cc = c_begin + i;
-    if (cc < c_end) {
+    const int cc = warp + warps * i;
+    if (i < mine) {
       Words4* slot = ring + i * kSlotWords4;
       const int gi = cc / chunks_per_group;
       copy_async16(slot + lane, wp + (size_t)cc * 32);
@@ -170,19 +170,20 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
 
   int read = 0;        // the slot of chunk cc
   int write = S - 1;   // the slot consumed one iteration ago
-  for (int cc = c_begin; cc < c_end; ++cc) {
+  for (int j = 0; j < mine; ++j) {
+    const int cc = warp + warps * j;
     Words4 xa[NB][2];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       xa[nb][0] = xv[nb] ? load_cached(xp[nb] + cc * 8) : Words4{0u, 0u, 0u, 0u};
       xa[nb][1] = xv[nb] ? load_cached(xp[nb] + cc * 8 + 1) : Words4{0u, 0u, 0u, 0u};
     }
-    wait_copies<S - 2>();   // S - 1 + (cc - c_begin) groups committed; chunk cc's is complete
+    wait_copies<S - 2>();   // S - 1 + j groups committed; chunk cc's is complete
     const Words4 w = ring[read * kSlotWords4 + lane];
     const u32 s_lo = reinterpret_cast<const u32*>(ring + read * kSlotWords4 + 32)[2 * lane];
     const u32 s_hi = reinterpret_cast<const u32*>(ring + read * kSlotWords4 + 32)[2 * lane + 1];
-    const int next = cc + S - 1;
-    if (next < c_end) {
+    const int next = cc + warps * (S - 1);
+    if (j + S - 1 < mine) {
       Words4* slot = ring + write * kSlotWords4;
       const int gi = next / chunks_per_group;
       copy_async16(slot + lane, wp + (size_t)next * 32);
@@ -217,11 +218,11 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
 
   if (warps > 1) {
     // each warp's sums go to the start of its own ring (>= 1 KiB), which no other warp writes
-    float* mine = reinterpret_cast<float*>(ring);
+    float* own = reinterpret_cast<float*>(ring);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mine[(nb * 4 + i) * 32 + lane] = acc[nb][i];
+      for (int i = 0; i < 4; ++i) own[(nb * 4 + i) * 32 + lane] = acc[nb][i];
     }
     __syncthreads();
     if (warp != 0) return;
