@@ -27,12 +27,6 @@ struct __align__(16) Words4 {
   u32 x, y, z, w;
 };
 
-__device__ __forceinline__ Words4 load_cached(const Words4* p) {
-  Words4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 // (a & b) | c
 __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
   u32 d;
@@ -115,17 +109,49 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-// One ring slot: a chunk's codes (32 lanes x 16 bytes), then each lane's two scale words (rows g, g + 8).
-constexpr int kSlotWords4 = 48;
+// One ring slot, in 16-byte words: a chunk's codes (32 lanes x 1), each lane's two scale words (rows g and
+// g + 8; 32 x 8 bytes), then the chunk's activations, 128 bytes per batch row (lane 4 g + t holds features
+// 16 t .. 16 t + 15 of row g, and of row g + 8 when NB = 2); a slot has as many rows as the batch.
+constexpr int kCodeWords4 = 32;
+constexpr int kScaleWords4 = 16;
 
-// grid (N / 16), block (32 * warps), dynamic shared memory warps * S * 768 bytes.
-// The warps of a block share the K chunks of one 16-channel tile, in turn. Each warp streams its chunks through
-// its own ring of S shared-memory slots with cp.async, S - 1 chunks in flight; every lane copies and
-// reads only its own 16 bytes, so no barrier is needed until the warps add their sums at the end.
+struct Stream {
+  const Words4* codes;   // this lane's 16 bytes of chunk 0 of the tile
+  const u32* scales;     // row g's scale word of group 0 of the tile
+  const Words4* x[2];    // this lane's 32 bytes of chunk 0 of batch rows g and g + 8
+  bool has_x[2];
+  int chunks_per_group;
+};
+
+// Copy chunk cc of the stream into a slot (every lane its own bytes).
+template <int NB>
+__device__ __forceinline__ void fetch(Words4* slot, const Stream& st, int cc, int lane) {
+  copy_async16(slot + lane, st.codes + (size_t)cc * 32);
+  const int gi = cc / st.chunks_per_group;
+  u32* sdst = reinterpret_cast<u32*>(slot + kCodeWords4) + 2 * lane;
+  copy_async4(sdst, st.scales + gi * 16);
+  copy_async4(sdst + 1, st.scales + gi * 16 + 8);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (st.has_x[nb]) {
+      Words4* xdst = slot + kCodeWords4 + kScaleWords4 + (nb * 32 + lane) * 2;
+      copy_async16(xdst, st.x[nb] + cc * 8);
+      copy_async16(xdst + 1, st.x[nb] + cc * 8 + 1);
+    }
+  }
+}
+
+// grid (N / 16), block (32 * warps), dynamic shared memory warps * S * (768 + 128 * M) bytes.
+// The warps of a block share the K chunks of one 16-channel tile, in turn (chunk warp + warps * j, so that
+// a block reads one contiguous stretch of the tile at a time). Each warp streams its chunks, with their
+// scales and activations, through its own ring of S shared-memory slots with cp.async, S - 1 chunks in
+// flight; every lane copies and reads only its own bytes, so no barrier is needed until the warps add
+// their sums at the end. Even and odd mma steps accumulate separately (two dependency chains).
 template <bool BF16, int NB, int S>
 __global__ void __launch_bounds__(512) w4a16_mma_decode(
     const Words4* __restrict__ codes, const u32* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ y, int M, int K, int ldx, int ldy, int chunks_per_group, int groups) {
+  const int slot_words = kCodeWords4 + kScaleWords4 + 8 * min(M, 8 * NB);   // only the batch rows there are
   extern __shared__ __align__(16) unsigned char shared[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -134,62 +160,50 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   const int t = lane & 3;
   const int tile = blockIdx.x;
   const int chunks = K >> 6;
-  // the warps take the tile's chunks in turn (chunk warp + warps * j), so that a block reads one
-  // contiguous stretch of the tile at a time
   const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
 
-  Words4* ring = reinterpret_cast<Words4*>(shared) + warp * S * kSlotWords4;
-  const Words4* wp = codes + (size_t)tile * chunks * 32 + lane;
-  const u32* sp = scales + (size_t)tile * groups * 16 + g;
-  const Words4* xp[NB];
-  bool xv[NB];
+  Words4* ring = reinterpret_cast<Words4*>(shared) + warp * S * slot_words;
+  Stream st;
+  st.codes = codes + (size_t)tile * chunks * 32 + lane;
+  st.scales = scales + (size_t)tile * groups * 16 + g;
+  st.chunks_per_group = chunks_per_group;
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
+  for (int nb = 0; nb < 2; ++nb) {
     const int row = g + 8 * nb;
-    xv[nb] = row < M;
-    xp[nb] = reinterpret_cast<const Words4*>(x + (size_t)(xv[nb] ? row : 0) * ldx) + 2 * t;
+    st.has_x[nb] = nb < NB && row < M;
+    st.x[nb] = reinterpret_cast<const Words4*>(x + (size_t)(st.has_x[nb] ? row : 0) * ldx) + 2 * t;
   }
-  float acc[NB][4];
+  float acc[2][NB][4];
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      acc[h][nb][0] = acc[h][nb][1] = acc[h][nb][2] = acc[h][nb][3] = 0.f;
+    }
   }
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
-    const int cc = warp + warps * i;
-    if (i < mine) {
-      Words4* slot = ring + i * kSlotWords4;
-      const int gi = cc / chunks_per_group;
-      copy_async16(slot + lane, wp + (size_t)cc * 32);
-      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane, sp + gi * 16);
-      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane + 1, sp + gi * 16 + 8);
-    }
+    if (i < mine) fetch<NB>(ring + i * slot_words, st, warp + warps * i, lane);
     commit_copies();
   }
 
-  int read = 0;        // the slot of chunk cc
+  int read = 0;        // the slot of this iteration's chunk
   int write = S - 1;   // the slot consumed one iteration ago
   for (int j = 0; j < mine; ++j) {
-    const int cc = warp + warps * j;
+    wait_copies<S - 2>();   // S - 1 + j groups committed: this chunk's is complete
+    const Words4* slot = ring + read * slot_words;
+    const Words4 w = slot[lane];
+    const u32 s_lo = reinterpret_cast<const u32*>(slot + kCodeWords4)[2 * lane];
+    const u32 s_hi = reinterpret_cast<const u32*>(slot + kCodeWords4)[2 * lane + 1];
     Words4 xa[NB][2];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      xa[nb][0] = xv[nb] ? load_cached(xp[nb] + cc * 8) : Words4{0u, 0u, 0u, 0u};
-      xa[nb][1] = xv[nb] ? load_cached(xp[nb] + cc * 8 + 1) : Words4{0u, 0u, 0u, 0u};
+      const Words4* xs = slot + kCodeWords4 + kScaleWords4 + (nb * 32 + lane) * 2;
+      xa[nb][0] = st.has_x[nb] ? xs[0] : Words4{0u, 0u, 0u, 0u};
+      xa[nb][1] = st.has_x[nb] ? xs[1] : Words4{0u, 0u, 0u, 0u};
     }
-    wait_copies<S - 2>();   // S - 1 + j groups committed; chunk cc's is complete
-    const Words4 w = ring[read * kSlotWords4 + lane];
-    const u32 s_lo = reinterpret_cast<const u32*>(ring + read * kSlotWords4 + 32)[2 * lane];
-    const u32 s_hi = reinterpret_cast<const u32*>(ring + read * kSlotWords4 + 32)[2 * lane + 1];
-    const int next = cc + warps * (S - 1);
-    if (j + S - 1 < mine) {
-      Words4* slot = ring + write * kSlotWords4;
-      const int gi = next / chunks_per_group;
-      copy_async16(slot + lane, wp + (size_t)next * 32);
-      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane, sp + gi * 16);
-      copy_async4(reinterpret_cast<u32*>(slot + 32) + 2 * lane + 1, sp + gi * 16 + 8);
-    }
+    if (j + S - 1 < mine) fetch<NB>(ring + write * slot_words, st, warp + warps * (j + S - 1), lane);
     commit_copies();
     write = read;
     read = read + 1 == S ? 0 : read + 1;
@@ -210,19 +224,24 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
         const Words4& lo = xa[nb][s >> 1];
         const u32 b0 = (s & 1) ? lo.z : lo.x;
         const u32 b1 = (s & 1) ? lo.w : lo.y;
-        mma16816<BF16>(acc[nb], a, b0, b1);
+        mma16816<BF16>(acc[s & 1][nb], a, b0, b1);
       }
     }
   }
   wait_copies<0>();
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[0][nb][i] += acc[1][nb][i];
+  }
 
   if (warps > 1) {
-    // each warp's sums go to the start of its own ring (>= 1 KiB), which no other warp writes
+    // each warp's sums go to the start of its own ring, which no other warp writes
     float* own = reinterpret_cast<float*>(ring);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) own[(nb * 4 + i) * 32 + lane] = acc[nb][i];
+      for (int i = 0; i < 4; ++i) own[(nb * 4 + i) * 32 + lane] = acc[0][nb][i];
     }
     __syncthreads();
     if (warp != 0) return;
@@ -232,10 +251,10 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
       for (int i = 0; i < 4; ++i) {
         float sum = 0.f;
         for (int w2 = 0; w2 < warps; ++w2) {
-          sum += reinterpret_cast<const float*>(reinterpret_cast<Words4*>(shared) + w2 * S * kSlotWords4)
+          sum += reinterpret_cast<const float*>(reinterpret_cast<Words4*>(shared) + w2 * S * slot_words)
               [(nb * 4 + i) * 32 + lane];
         }
-        acc[nb][i] = sum;
+        acc[0][nb][i] = sum;
       }
     }
   }
@@ -246,7 +265,7 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     for (int i = 0; i < 4; ++i) {
       const int row = 8 * nb + 2 * t + (i & 1);
       const int channel = 16 * tile + g + 8 * (i >> 1);
-      if (row < M) y[(size_t)row * ldy + channel] = to_half<BF16>(acc[nb][i]);
+      if (row < M) y[(size_t)row * ldy + channel] = to_half<BF16>(acc[0][nb][i]);
     }
   }
 }

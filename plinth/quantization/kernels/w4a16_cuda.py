@@ -111,8 +111,12 @@ def _libcuda() -> Any:
 _compile_lock = threading.Lock()
 
 
-#: bytes of one ring slot: a chunk's codes (32 lanes x 16) and each lane's two scale words
-SLOT_BYTES = 768
+def slot_bytes(rows: int) -> int:
+    """Bytes of one ring slot: a chunk's codes (32 lanes x 16), each lane's two scale words, and 128 bytes
+    of activations per batch row."""
+    return 768 + 128 * rows
+
+
 _STAGES = (2, 3, 4, 6, 8, 12, 16)
 _WARPS = (1, 2, 4, 8, 16)
 #: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
@@ -159,6 +163,23 @@ def launch_config(k: int) -> tuple[int, int]:
     return 8, 8
 
 
+@functools.cache
+def _max_shared(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
+
+
+def fit_shared(warps: int, stages: int, rows: int, device: torch.device) -> tuple[int, int]:
+    """The launch with fewer ring slots (then fewer warps) where ``warps x stages`` slots of ``rows`` batch
+    rows would not fit in one block's shared memory."""
+    limit = _max_shared(device.index or 0)
+    while warps * stages * slot_bytes(rows) > limit and stages > _STAGES[0]:
+        stages = max(s for s in _STAGES if s < stages)
+    while warps * stages * slot_bytes(rows) > limit and warps > 1:
+        warps //= 2
+    return warps, stages
+
+
 def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """``[M, N]`` for ``x`` ``[M, K]`` (``M <= 16``, float16/bfloat16, unit feature stride) on the packed
     weight (:func:`pack_mma_codes`, :func:`pack_mma_scales`)."""
@@ -168,7 +189,7 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
     if x.data_ptr() % 16:   # the kernel reads activations 16 bytes at a time
         x = x.clone()
     groups = scales.shape[1]
-    warps, stages = launch_config(k)
+    warps, stages = fit_shared(*launch_config(k), m, x.device)
     nb = 1 if m <= 8 else 2
     kernel = compiled(x.dtype == torch.bfloat16, nb, stages, x.device.index or 0)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -176,7 +197,7 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
             ctypes.c_int(n), ctypes.c_int((k // groups) // CHUNK), ctypes.c_int(groups)]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    shared = warps * stages * SLOT_BYTES
+    shared = warps * stages * slot_bytes(m)
     if shared > 48 * 1024:
         _allow_shared(kernel.func.value if hasattr(kernel.func, "value") else kernel.func, shared)
     stream = torch.cuda.current_stream(x.device).cuda_stream
