@@ -15,10 +15,12 @@ from plinth.quantization.kernels.interface import GemmProblem
 from plinth.quantization.kernels.w4a16_cuda import (
     SOURCE,
     CudaW4A16Kernel,
+    group_shift,
     pack_mma_codes,
     pack_mma_scales,
     reference_decode,
     unpack_mma_codes,
+    unpack_mma_scales,
 )
 from plinth.quantization.quantizers import random_int_weights
 
@@ -48,26 +50,38 @@ def test_pack_places_one_known_code():
 @pytest.mark.parametrize("group", [64, 128, None])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_kernel_math_matches_float64_dequant(dtype, group, rows):
+    """The kernel's weights differ from the file's only by bfloat16 scales (zero points are exact)."""
     n, k = 32, 256
     gen = torch.Generator().manual_seed(rows)
     weights = random_int_weights(n, k, 4, group or k, symmetric=False, act_order=False,
                                  device=torch.device("cpu"), generator=gen)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     codes = pack_mma_codes(weights.q)
-    scales = pack_mma_scales(weights.scales, weights.zeros, dtype)
-    assert tuple(scales.shape) == (n // 16, k // (group or k), 16)
+    scales = pack_mma_scales(weights.scales, weights.zeros)
+    assert tuple(scales.shape) == (n // 16, k // (group or k), 8, 2)
     out = reference_decode(x, codes, scales, n)
     ref = x.double() @ weights.dequantize(torch.float64).T
-    rel = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-    assert rel < 8e-3 if dtype == torch.bfloat16 else rel < 1.5e-3, rel
+    rel = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert 0 < rel < 4e-3, rel
 
 
-def test_scales_pack_scale_low_and_negated_offset_high():
-    scales = torch.full((16, 2), 0.5)
-    zeros = torch.full((16, 2), 3.0)
-    words = pack_mma_scales(scales, zeros, torch.bfloat16)
-    halves = words.view(torch.bfloat16).reshape(1, 2, 16, 2).float()
-    assert torch.all(halves[..., 0] == 0.5) and torch.all(halves[..., 1] == -1.5)
+def test_scales_pack_pairs_rows_g_and_g_plus_8():
+    n, groups = 32, 3
+    scales = torch.rand(n, groups) + 0.5
+    zeros = torch.randint(0, 16, (n, groups)).float()
+    words = pack_mma_scales(scales, zeros)
+    s, z = unpack_mma_scales(words, n)
+    assert torch.equal(s, scales.to(torch.bfloat16).float()) and torch.equal(z, zeros)
+    # tile 1, group 2, g = 3: rows 16 + 3 and 16 + 11
+    halves = words[1, 2, 3].view(torch.bfloat16).float()
+    assert halves.tolist() == [scales[19, 2].bfloat16().item(), zeros[19, 2].item(),
+                               scales[27, 2].bfloat16().item(), zeros[27, 2].item()]
+
+
+@pytest.mark.parametrize("k,groups,shift", [(4096, 32, 1), (4096, 64, 0), (4096, 1, 31), (14336, 112, 1),
+                                            (4096, 16, 2), (768, 4, None)])
+def test_group_shift(k, groups, shift):
+    assert group_shift(k, groups) == shift
 
 
 @pytest.mark.parametrize("problem,reason", [

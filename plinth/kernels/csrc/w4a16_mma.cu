@@ -11,14 +11,15 @@
 // A chunk is 64 input features; step s of a chunk is one mma. Lane l (g = l / 4, t = l % 4) holds,
 // in nibble p of its word for step s, the weight of
 //     row 16 * tile + g + 8 * (p % 2),   feature 64 * chunk + 16 * t + 4 * s + 2 * ((p / 2) % 2) + p / 4.
-// Nibbles p and p + 4 become the two halves of A register p % 4 ... (p = 0..3) with one lop3 each, and
-// the features of one lane are 16 consecutive activations (two 16-byte loads per chunk), read as the
-// B registers of the four steps. The mma's k order is a permutation of the features, the same on
-// both operands, so the dot products are unchanged.
+// Nibbles p and p + 4 become the two halves of A register p % 4 (p = 0..3) with one lop3 each, as the
+// exact 16-bit numbers magic + q (magic = 128 in bfloat16, 1024 in float16), and the features of one
+// lane are 16 consecutive activations, read as the B registers of the four steps. The mma's k order is
+// a permutation of the features, the same on both operands, so the dot products are unchanged.
 //
-// Scales: 32-bit words [N/16][groups][16]: the low half is the scale, the high half -zero * scale,
-// both in the activation dtype. A code q becomes w = q * s + (-z * s) in two packed FMAs:
-// (magic + q) * 1 - magic (exact), then * s + m (one rounding, like a dequantized 16-bit weight).
+// Scales: 32-bit words [N/16][groups][8][2] (rows g and g + 8 of a tile side by side), each the group's
+// scale (low half) and zero point in code units (high half), both bfloat16. Per chunk the float32 sums
+// A = sum x * (magic + q) and X = sum x (one more mma, with an all-ones A) fold into the output as
+// s * (A - (magic + z) * X) = s * sum x * (q - z): the weights are never rounded to 16 bits.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -34,36 +35,18 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
   return d;
 }
 
-// both halves set to the low (sel 0x1010) or high (0x3232) half of a
-__device__ __forceinline__ u32 dup_half(u32 a, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "r"(sel));
-  return d;
-}
-
 template <bool BF16>
-__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
-  u32 d;
-  if (BF16) {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  } else {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  }
-  return d;
-}
-
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1, const float* c) {
   if (BF16) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        "{%10, %11, %12, %13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
   } else {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        "{%10, %11, %12, %13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
   }
 }
 
@@ -76,16 +59,6 @@ __device__ __forceinline__ u16 to_half(float v) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
   }
   return h;
-}
-
-// Two codes (nibbles at bits 0-3 and 16-19 of v) as 16-bit weights q * s + m.
-template <bool BF16>
-__device__ __forceinline__ u32 dequant2(u32 v, u32 s2, u32 m2) {
-  const u32 magic = BF16 ? 0x43004300u : 0x64006400u;       // 128 (bf16) / 1024 (fp16): magic + q exact
-  const u32 one = BF16 ? 0x3F803F80u : 0x3C003C00u;
-  const u32 neg_magic = BF16 ? 0xC300C300u : 0xE400E400u;
-  u32 q = fma2<BF16>(and_or(v, 0x000F000Fu, magic), one, neg_magic);
-  return fma2<BF16>(q, s2, m2);
 }
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
@@ -109,49 +82,51 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-// One ring slot, in 16-byte words: a chunk's codes (32 lanes x 1), each lane's two scale words (rows g and
-// g + 8; 32 x 8 bytes), then the chunk's activations, 128 bytes per batch row (lane 4 g + t holds features
-// 16 t .. 16 t + 15 of row g, and of row g + 8 when NB = 2); a slot has as many rows as the batch.
+// One ring slot, in 16-byte words: a chunk's codes (32 lanes x 1), then its activations, 128 bytes per
+// batch row (lane 4 g + t holds features 16 t .. 16 t + 15 of row g, and of row g + 8 when NB = 2); a
+// slot has as many activation rows as the batch.
 constexpr int kCodeWords4 = 32;
-constexpr int kScaleWords4 = 16;
 
-struct Stream {
-  const Words4* codes;   // this lane's 16 bytes of chunk 0 of the tile
-  const u32* scales;     // row g's scale word of group 0 of the tile
-  const Words4* x[2];    // this lane's 32 bytes of chunk 0 of batch rows g and g + 8
-  bool has_x[2];
-  int chunks_per_group;
-};
-
-// Copy chunk cc of the stream into a slot (every lane its own bytes).
+// Copy one chunk (codes at src, activations at xs[nb]) into a slot, every lane its own bytes.
 template <int NB>
-__device__ __forceinline__ void fetch(Words4* slot, const Stream& st, int cc, int lane) {
-  copy_async16(slot + lane, st.codes + (size_t)cc * 32);
-  const int gi = cc / st.chunks_per_group;
-  u32* sdst = reinterpret_cast<u32*>(slot + kCodeWords4) + 2 * lane;
-  copy_async4(sdst, st.scales + gi * 16);
-  copy_async4(sdst + 1, st.scales + gi * 16 + 8);
+__device__ __forceinline__ void fetch(Words4* slot, const Words4* src, const Words4* const* xs, const bool* has_x,
+                                      int lane) {
+  copy_async16(slot + lane, src);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    if (st.has_x[nb]) {
-      Words4* xdst = slot + kCodeWords4 + kScaleWords4 + (nb * 32 + lane) * 2;
-      copy_async16(xdst, st.x[nb] + cc * 8);
-      copy_async16(xdst + 1, st.x[nb] + cc * 8 + 1);
+    if (has_x[nb]) {
+      Words4* dst = slot + kCodeWords4 + (nb * 32 + lane) * 2;
+      copy_async16(dst, xs[nb]);
+      copy_async16(dst + 1, xs[nb] + 1);
     }
   }
 }
 
-// grid (N / 16), block (32 * warps), dynamic shared memory warps * S * (768 + 128 * M) bytes.
-// The warps of a block share the K chunks of one 16-channel tile, in turn (chunk warp + warps * j, so that
-// a block reads one contiguous stretch of the tile at a time). Each warp streams its chunks, with their
-// scales and activations, through its own ring of S shared-memory slots with cp.async, S - 1 chunks in
-// flight; every lane copies and reads only its own bytes, so no barrier is needed until the warps add
-// their sums at the end. Even and odd mma steps accumulate separately (two dependency chains).
+__device__ __forceinline__ float as_float(u32 v) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(v));
+  return f;
+}
+__device__ __forceinline__ float low_bf16(u32 v) { return as_float(v << 16); }
+__device__ __forceinline__ float high_bf16(u32 v) { return as_float(v & 0xFFFF0000u); }
+
+// a b + c, rounded once
+__device__ __forceinline__ float fma_f32(float a, float b, float c) {
+  float d;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+  return d;
+}
+
+// grid (N / 16), block (32 * warps), dynamic shared memory groups * 64 + warps * S * (512 + 128 * M) bytes.
+// A block stages its tile's scales in shared memory, then its warps share the tile's K chunks in turn
+// (chunk warp + warps * j, so that a block reads one contiguous stretch at a time). Each warp streams its
+// chunks and their activations through its own ring of S slots with cp.async, S - 1 chunks in flight;
+// every lane copies and reads only its own bytes, so no barrier is needed until the warps add their sums.
+// Chunk cc's scale group is cc >> group_shift.
 template <bool BF16, int NB, int S>
 __global__ void __launch_bounds__(512) w4a16_mma_decode(
-    const Words4* __restrict__ codes, const u32* __restrict__ scales, const u16* __restrict__ x,
-    u16* __restrict__ y, int M, int K, int ldx, int ldy, int chunks_per_group, int groups) {
-  const int slot_words = kCodeWords4 + kScaleWords4 + 8 * min(M, 8 * NB);   // only the batch rows there are
+    const Words4* __restrict__ codes, const Words4* __restrict__ scales, const u16* __restrict__ x,
+    u16* __restrict__ y, int M, int K, int ldx, int ldy, int group_shift, int groups) {
   extern __shared__ __align__(16) unsigned char shared[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -161,87 +136,115 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   const int tile = blockIdx.x;
   const int chunks = K >> 6;
   const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
+  const int slot_words = kCodeWords4 + 8 * min(M, 8 * NB);
 
-  Words4* ring = reinterpret_cast<Words4*>(shared) + warp * S * slot_words;
-  Stream st;
-  st.codes = codes + (size_t)tile * chunks * 32 + lane;
-  st.scales = scales + (size_t)tile * groups * 16 + g;
-  st.chunks_per_group = chunks_per_group;
+  Words4* tile_scales = reinterpret_cast<Words4*>(shared);   // groups x 4 words: [8][2] u32 per group
+  Words4* ring = tile_scales + groups * 4 + warp * S * slot_words;
+  const Words4* scale_src = scales + (size_t)tile * groups * 4;
+  for (int i = threadIdx.x; i < groups * 4; i += blockDim.x) copy_async16(tile_scales + i, scale_src + i);
+
+  const Words4* src = codes + ((size_t)tile * chunks + warp) * 32 + lane;
+  const size_t src_step = (size_t)warps * 32;
+  const Words4* xs[NB];
+  bool has_x[NB];
 #pragma unroll
-  for (int nb = 0; nb < 2; ++nb) {
+  for (int nb = 0; nb < NB; ++nb) {
     const int row = g + 8 * nb;
-    st.has_x[nb] = nb < NB && row < M;
-    st.x[nb] = reinterpret_cast<const Words4*>(x + (size_t)(st.has_x[nb] ? row : 0) * ldx) + 2 * t;
+    has_x[nb] = row < M;
+    xs[nb] = reinterpret_cast<const Words4*>(x + (size_t)(has_x[nb] ? row : 0) * ldx) + 2 * t + warp * 8;
   }
-  float acc[2][NB][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      acc[h][nb][0] = acc[h][nb][1] = acc[h][nb][2] = acc[h][nb][3] = 0.f;
-    }
-  }
+  const int x_step = warps * 8;
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
-    if (i < mine) fetch<NB>(ring + i * slot_words, st, warp + warps * i, lane);
+    if (i < mine) {
+      const Words4* xi[NB];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) xi[nb] = xs[nb] + i * x_step;
+      fetch<NB>(ring + i * slot_words, src + i * src_step, xi, has_x, lane);
+    }
     commit_copies();
   }
+  wait_copies<S - 2>();   // the first group (with the scales) is complete for this thread ...
+  __syncthreads();        // ... and for every thread
+
+  const u32 magic = BF16 ? 0x43004300u : 0x64006400u;
+  const u32 ones[4] = {BF16 ? 0x3F803F80u : 0x3C003C00u, BF16 ? 0x3F803F80u : 0x3C003C00u,
+                       BF16 ? 0x3F803F80u : 0x3C003C00u, BF16 ? 0x3F803F80u : 0x3C003C00u};
+  const float magic_f = BF16 ? 128.f : 1024.f;
+  const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+  float out[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) out[nb][0] = out[nb][1] = out[nb][2] = out[nb][3] = 0.f;
 
   int read = 0;        // the slot of this iteration's chunk
   int write = S - 1;   // the slot consumed one iteration ago
   for (int j = 0; j < mine; ++j) {
+    const int cc = warp + warps * j;
     wait_copies<S - 2>();   // S - 1 + j groups committed: this chunk's is complete
     const Words4* slot = ring + read * slot_words;
     const Words4 w = slot[lane];
-    const u32 s_lo = reinterpret_cast<const u32*>(slot + kCodeWords4)[2 * lane];
-    const u32 s_hi = reinterpret_cast<const u32*>(slot + kCodeWords4)[2 * lane + 1];
     Words4 xa[NB][2];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      const Words4* xs = slot + kCodeWords4 + kScaleWords4 + (nb * 32 + lane) * 2;
-      xa[nb][0] = st.has_x[nb] ? xs[0] : Words4{0u, 0u, 0u, 0u};
-      xa[nb][1] = st.has_x[nb] ? xs[1] : Words4{0u, 0u, 0u, 0u};
+      xa[nb][0] = has_x[nb] ? slot[kCodeWords4 + (nb * 32 + lane) * 2] : Words4{0u, 0u, 0u, 0u};
+      xa[nb][1] = has_x[nb] ? slot[kCodeWords4 + (nb * 32 + lane) * 2 + 1] : Words4{0u, 0u, 0u, 0u};
     }
-    if (j + S - 1 < mine) fetch<NB>(ring + write * slot_words, st, warp + warps * (j + S - 1), lane);
+    if (j + S - 1 < mine) {
+      const Words4* xi[NB];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) xi[nb] = xs[nb] + (j + S - 1) * x_step;
+      fetch<NB>(ring + write * slot_words, src + (j + S - 1) * src_step, xi, has_x, lane);
+    }
     commit_copies();
     write = read;
     read = read + 1 == S ? 0 : read + 1;
 
-    const u32 s_g = dup_half(s_lo, 0x1010u), m_g = dup_half(s_lo, 0x3232u);
-    const u32 s_g8 = dup_half(s_hi, 0x1010u), m_g8 = dup_half(s_hi, 0x3232u);
+    const u32* sz = reinterpret_cast<const u32*>(tile_scales + (cc >> group_shift) * 4) + 2 * g;
+    const u32 sz0 = sz[0], sz1 = sz[1];   // rows g and g + 8: scale (low half), zero point (high half)
+
+    float aq[2][NB][4];   // sum x * (magic + q), even and odd steps
+    float ax[NB][4];      // sum x
     const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const u32 v = words[s];
       u32 a[4];
-      a[0] = dequant2<BF16>(v, s_g, m_g);
-      a[1] = dequant2<BF16>(v >> 4, s_g8, m_g8);
-      a[2] = dequant2<BF16>(v >> 8, s_g, m_g);
-      a[3] = dequant2<BF16>(v >> 12, s_g8, m_g8);
+      a[0] = and_or(v, 0x000F000Fu, magic);
+      a[1] = and_or(v >> 4, 0x000F000Fu, magic);
+      a[2] = and_or(v >> 8, 0x000F000Fu, magic);
+      a[3] = and_or(v >> 12, 0x000F000Fu, magic);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         const Words4& lo = xa[nb][s >> 1];
         const u32 b0 = (s & 1) ? lo.z : lo.x;
         const u32 b1 = (s & 1) ? lo.w : lo.y;
-        mma16816<BF16>(acc[s & 1][nb], a, b0, b1);
+        mma16816<BF16>(aq[s & 1][nb], a, b0, b1, s < 2 ? zero4 : aq[s & 1][nb]);
+        mma16816<BF16>(ax[nb], ones, b0, b1, s == 0 ? zero4 : ax[nb]);
+      }
+    }
+    const float s_g = low_bf16(sz0), zz_g = high_bf16(sz0) + magic_f;
+    const float s_g8 = low_bf16(sz1), zz_g8 = high_bf16(sz1) + magic_f;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float sc = i < 2 ? s_g : s_g8;
+        const float zz = i < 2 ? zz_g : zz_g8;
+        out[nb][i] = fma_f32(sc, fma_f32(-zz, ax[nb][i], aq[0][nb][i] + aq[1][nb][i]), out[nb][i]);
       }
     }
   }
   wait_copies<0>();
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[0][nb][i] += acc[1][nb][i];
-  }
 
   if (warps > 1) {
-    // each warp's sums go to the start of its own ring, which no other warp writes
+    // each warp's sums go to the start of its own ring (at least 1 KiB), which no other warp writes
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");   // every lane has read its last slot
     float* own = reinterpret_cast<float*>(ring);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) own[(nb * 4 + i) * 32 + lane] = acc[0][nb][i];
+      for (int i = 0; i < 4; ++i) own[(nb * 4 + i) * 32 + lane] = out[nb][i];
     }
     __syncthreads();
     if (warp != 0) return;
@@ -251,10 +254,10 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
       for (int i = 0; i < 4; ++i) {
         float sum = 0.f;
         for (int w2 = 0; w2 < warps; ++w2) {
-          sum += reinterpret_cast<const float*>(reinterpret_cast<Words4*>(shared) + w2 * S * slot_words)
+          sum += reinterpret_cast<const float*>(tile_scales + groups * 4 + w2 * S * slot_words)
               [(nb * 4 + i) * 32 + lane];
         }
-        acc[0][nb][i] = sum;
+        out[nb][i] = sum;
       }
     }
   }
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     for (int i = 0; i < 4; ++i) {
       const int row = 8 * nb + 2 * t + (i & 1);
       const int channel = 16 * tile + g + 8 * (i >> 1);
-      if (row < M) y[(size_t)row * ldy + channel] = to_half<BF16>(acc[0][nb][i]);
+      if (row < M) y[(size_t)row * ldy + channel] = to_half<BF16>(out[nb][i]);
     }
   }
 }

@@ -75,27 +75,42 @@ def unpack_mma_codes(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return out
 
 
-def pack_mma_scales(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, G]`` scales and zero points as int32 words ``[N/16, G, 16]``: the scale in the low half and
-    ``-zero * scale`` in the high half, both in ``dtype``."""
+def pack_mma_scales(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``[N, G]`` scales and zero points (code units) as int32 words ``[N/16, G, 8, 2]``: for tile ``r``,
+    group ``i``, ``g`` and ``h``, row ``16 r + g + 8 h``'s scale in the low half and its zero point in
+    the high half, both bfloat16."""
     n, groups = scales.shape
-    s = scales.to(torch.float32)
-    pair = torch.stack([s.to(dtype), (-zeros.to(torch.float32) * s).to(dtype)], dim=-1)   # [N, G, 2]
-    pair = pair.reshape(n // 16, 16, groups, 2).permute(0, 2, 1, 3).contiguous()
-    return pair.view(torch.int32).reshape(n // 16, groups, 16)
+    pair = torch.stack([scales.to(torch.bfloat16), zeros.to(torch.bfloat16)], dim=-1)      # [N, G, 2]
+    pair = pair.reshape(n // 16, 2, 8, groups, 2).permute(0, 3, 2, 1, 4).contiguous()      # r i g h .
+    return pair.view(torch.int32).reshape(n // 16, groups, 8, 2)
+
+
+def unpack_mma_scales(words: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, zeros)`` ``[N, G]`` float32 from :func:`pack_mma_scales`'s words."""
+    groups = words.shape[1]
+    pair = words.cpu().contiguous().view(torch.bfloat16).reshape(n // 16, groups, 8, 2, 2).float()
+    pair = pair.permute(0, 3, 2, 1, 4).reshape(n, groups, 2)
+    return pair[..., 0], pair[..., 1]
 
 
 def reference_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """What the kernel computes, in float32 torch from its packed tensors: weights ``q * s + m`` rounded to
-    the activation dtype (as the packed FMAs round them), products summed in float32."""
+    """What the kernel computes, in float64 torch from its packed tensors: ``x @ ((q - z) * s).T`` with the
+    bfloat16 scales and zero points (the kernel sums in float32 and never rounds the weights)."""
     k = x.shape[1]
-    q = unpack_mma_codes(codes, n, k).to(torch.float32)
-    pairs = scales.cpu().reshape(n // 16, -1, 16).view(x.dtype).reshape(n // 16, -1, 16, 2).float()
-    s = pairs[..., 0].permute(0, 2, 1).reshape(n, -1)
-    m = pairs[..., 1].permute(0, 2, 1).reshape(n, -1)
+    q = unpack_mma_codes(codes, n, k).to(torch.float64)
+    s, z = unpack_mma_scales(scales, n)
     group = k // s.shape[1]
-    w = (q.view(n, -1, group) * s[..., None] + m[..., None]).reshape(n, k).to(x.dtype).float()
-    return x.float().cpu() @ w.T
+    w = ((q.view(n, -1, group) - z.double()[..., None]) * s.double()[..., None]).reshape(n, k)
+    return x.double().cpu() @ w.T
+
+
+def group_shift(k: int, groups: int) -> int | None:
+    """``log2`` of the chunks per scale group (the kernel's ``cc >> shift``), 31 for one group per row,
+    ``None`` where a group is not a power-of-two number of chunks."""
+    if groups == 1:
+        return 31
+    per = k // groups // CHUNK
+    return per.bit_length() - 1 if per >= 1 and per & (per - 1) == 0 and per * CHUNK * groups == k else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,9 +127,8 @@ _compile_lock = threading.Lock()
 
 
 def slot_bytes(rows: int) -> int:
-    """Bytes of one ring slot: a chunk's codes (32 lanes x 16), each lane's two scale words, and 128 bytes
-    of activations per batch row."""
-    return 768 + 128 * rows
+    """Bytes of one ring slot: a chunk's codes (32 lanes x 16) and 128 bytes of activations per batch row."""
+    return 512 + 128 * rows
 
 
 _STAGES = (2, 3, 4, 6, 8, 12, 16)
@@ -169,10 +183,10 @@ def _max_shared(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
 
 
-def fit_shared(warps: int, stages: int, rows: int, device: torch.device) -> tuple[int, int]:
-    """The launch with fewer ring slots (then fewer warps) where ``warps x stages`` slots of ``rows`` batch
-    rows would not fit in one block's shared memory."""
-    limit = _max_shared(device.index or 0)
+def fit_shared(warps: int, stages: int, rows: int, groups: int, device: torch.device) -> tuple[int, int]:
+    """The launch with fewer ring slots (then fewer warps) where the tile's scales (64 bytes a group) and
+    ``warps x stages`` slots of ``rows`` batch rows would not fit in one block's shared memory."""
+    limit = _max_shared(device.index or 0) - 64 * groups
     while warps * stages * slot_bytes(rows) > limit and stages > _STAGES[0]:
         stages = max(s for s in _STAGES if s < stages)
     while warps * stages * slot_bytes(rows) > limit and warps > 1:
@@ -181,23 +195,26 @@ def fit_shared(warps: int, stages: int, rows: int, device: torch.device) -> tupl
 
 
 def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """``[M, N]`` for ``x`` ``[M, K]`` (``M <= 16``, float16/bfloat16, unit feature stride) on the packed
-    weight (:func:`pack_mma_codes`, :func:`pack_mma_scales`)."""
+    """``[M, N]`` for ``x`` ``[M, K]`` (``M <= 16``, float16/bfloat16) on the packed weight
+    (:func:`pack_mma_codes`, :func:`pack_mma_scales`)."""
     m, k = x.shape
     if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
-    if x.data_ptr() % 16:   # the kernel reads activations 16 bytes at a time
+    if x.data_ptr() % 16:   # the kernel copies activations 16 bytes at a time
         x = x.clone()
     groups = scales.shape[1]
-    warps, stages = fit_shared(*launch_config(k), m, x.device)
+    shift = group_shift(k, groups)
+    if shift is None:
+        raise ValueError(f"scale groups of {k // groups} features are not a power-of-two number of {CHUNK}-feature chunks")
+    warps, stages = fit_shared(*launch_config(k), m, groups, x.device)
     nb = 1 if m <= 8 else 2
     kernel = compiled(x.dtype == torch.bfloat16, nb, stages, x.device.index or 0)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(x.data_ptr()),
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
-            ctypes.c_int(n), ctypes.c_int((k // groups) // CHUNK), ctypes.c_int(groups)]
+            ctypes.c_int(n), ctypes.c_int(shift), ctypes.c_int(groups)]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    shared = warps * stages * slot_bytes(m)
+    shared = 64 * groups + warps * stages * slot_bytes(m)
     if shared > 48 * 1024:
         _allow_shared(kernel.func.value if hasattr(kernel.func, "value") else kernel.func, shared)
     stream = torch.cuda.current_stream(x.device).cuda_stream
@@ -233,11 +250,12 @@ class CudaW4A16Kernel(GemmKernel):
             return Support.no("this torch has no torch.cuda._compile_kernel (NVRTC)")
         if importlib.util.find_spec("triton") is None:
             return Support.no("triton not installed (prefill-sized inputs run its GEMM)")
-        if problem.group_size is not None and problem.group_size % CHUNK:
-            return Support.no(f"group size {problem.group_size} is not a multiple of {CHUNK}")
         for n, k in problem.shapes:
             if n % 16 or k % CHUNK:
                 return Support.no(f"shape N={n}, K={k}: needs N % 16 == 0 and K % {CHUNK} == 0")
+            group = problem.group_size or k
+            if k % group or group_shift(k, k // group) is None:
+                return Support.no(f"group size {group}: needs a power-of-two multiple of {CHUNK} features (K={k})")
         return cls._compiles(problem.dtype)
 
     @staticmethod
@@ -252,7 +270,7 @@ class CudaW4A16Kernel(GemmKernel):
         return {
             **self.large.prepare(weights),
             "w4m_codes": pack_mma_codes(weights.q),
-            "w4m_scales": pack_mma_scales(weights.scales, weights.zeros, self.problem.dtype),
+            "w4m_scales": pack_mma_scales(weights.scales, weights.zeros),
         }
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
