@@ -105,3 +105,15 @@ def test_kernel_class_in_a_cuda_graph_and_for_long_inputs(layers):
     assert _relative(captured, fresh.float() @ dense.T) < 1e-2
     long = torch.randn(40, k, generator=gen, device=CUDA).to(torch.bfloat16)   # the Triton GEMM's rows
     assert _relative(kernel.apply(layer, long, None), long.float() @ dense.T) < 1e-2
+
+
+def test_fractional_zero_points_take_the_triton_kernels(layers):
+    weights = layers["o"]
+    n, k = weights.shape
+    weights = type(weights)(weights.q, weights.scales, weights.zeros + 0.25, 4, 128)
+    problem = GemmProblem("int", torch.bfloat16, "cuda", CAPABILITY, bits=4, group_size=128, shapes=((n, k),))
+    kernel = CudaW4A16Kernel(problem)
+    layer = holder(kernel.prepare(weights))
+    assert layer.w4m_exact is False
+    x = torch.randn(3, k, generator=torch.Generator(device=CUDA).manual_seed(5), device=CUDA).to(torch.bfloat16)
+    assert _relative(kernel.apply(layer, x, None), x.float() @ weights.dequantize(torch.float32).T) < 1e-2

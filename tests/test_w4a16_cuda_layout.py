@@ -16,6 +16,7 @@ from plinth.quantization.kernels.w4a16_cuda import (
     SOURCE,
     CudaW4A16Kernel,
     group_shift,
+    integral_zeros,
     pack_mma_codes,
     pack_mma_scales,
     reference_decode,
@@ -99,3 +100,9 @@ def test_layout_needs_whole_tiles_and_chunks():
     with pytest.raises(ValueError, match="N % 16"):
         pack_mma_codes(torch.zeros(24, 64, dtype=torch.uint8))
     assert SOURCE.is_file() and "w4a16_mma_decode" in SOURCE.read_text()
+
+
+def test_fractional_zero_points_are_left_to_triton():
+    assert integral_zeros(torch.tensor([[0.0, 15.0], [8.0, 3.0]]))
+    assert not integral_zeros(torch.tensor([[0.5, 15.0]]))
+    assert not integral_zeros(torch.tensor([[200.0]]))

@@ -12,14 +12,14 @@
 // in nibble p of its word for step s, the weight of
 //     row 16 * tile + g + 8 * (p % 2),   feature 64 * chunk + 16 * t + 4 * s + 2 * ((p / 2) % 2) + p / 4.
 // Nibbles p and p + 4 become the two halves of A register p % 4 (p = 0..3) with one lop3 each, as the
-// exact 16-bit numbers magic + q (magic = 128 in bfloat16, 1024 in float16), and the features of one
-// lane are 16 consecutive activations, read as the B registers of the four steps. The mma's k order is
-// a permutation of the features, the same on both operands, so the dot products are unchanged.
+// exact 16-bit numbers magic + q (magic = 128 in bfloat16, 1024 in float16), and one packed FMA
+// subtracts magic + z, leaving the exact integers q - z (zero points must be integers). The features of
+// one lane are 16 consecutive activations, read as the B registers of the four steps. The mma's k order
+// is a permutation of the features, the same on both operands, so the dot products are unchanged.
 //
 // Scales: 32-bit words [N/16][groups][8][2] (rows g and g + 8 of a tile side by side), each the group's
-// scale (low half) and zero point in code units (high half), both bfloat16. Per chunk the float32 sums
-// A = sum x * (magic + q) and X = sum x (one more mma, with an all-ones A) fold into the output as
-// s * (A - (magic + z) * X) = s * sum x * (q - z): the weights are never rounded to 16 bits.
+// scale (low half) and zero point in code units (high half), both bfloat16. Each chunk's float32 sums
+// of x * (q - z) are multiplied by the scale in float32: the weights are never rounded to 16 bits.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -169,8 +169,7 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   __syncthreads();        // ... and for every thread
 
   const u32 magic = BF16 ? 0x43004300u : 0x64006400u;
-  const u32 ones[4] = {BF16 ? 0x3F803F80u : 0x3C003C00u, BF16 ? 0x3F803F80u : 0x3C003C00u,
-                       BF16 ? 0x3F803F80u : 0x3C003C00u, BF16 ? 0x3F803F80u : 0x3C003C00u};
+  const u32 one = BF16 ? 0x3F803F80u : 0x3C003C00u;
   const float magic_f = BF16 ? 128.f : 1024.f;
   const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
   float out[NB][4];
@@ -203,35 +202,32 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     const u32* sz = reinterpret_cast<const u32*>(tile_scales + (cc >> group_shift) * 4) + 2 * g;
     const u32 sz0 = sz[0], sz1 = sz[1];   // rows g and g + 8: scale (low half), zero point (high half)
 
-    float aq[2][NB][4];   // sum x * (magic + q), even and odd steps
-    float ax[NB][4];      // sum x
+    const u32 nz_g = splat2<BF16>(-(high_bf16(sz0) + magic_f));   // -(magic + z), rows g and g + 8
+    const u32 nz_g8 = splat2<BF16>(-(high_bf16(sz1) + magic_f));
+    float aq[2][NB][4];   // sum x * (q - z), even and odd steps
     const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const u32 v = words[s];
       u32 a[4];
-      a[0] = and_or(v, 0x000F000Fu, magic);
-      a[1] = and_or(v >> 4, 0x000F000Fu, magic);
-      a[2] = and_or(v >> 8, 0x000F000Fu, magic);
-      a[3] = and_or(v >> 12, 0x000F000Fu, magic);
+      a[0] = fma2<BF16>(and_or(v, 0x000F000Fu, magic), one, nz_g);
+      a[1] = fma2<BF16>(and_or(v >> 4, 0x000F000Fu, magic), one, nz_g8);
+      a[2] = fma2<BF16>(and_or(v >> 8, 0x000F000Fu, magic), one, nz_g);
+      a[3] = fma2<BF16>(and_or(v >> 12, 0x000F000Fu, magic), one, nz_g8);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         const Words4& lo = xa[nb][s >> 1];
         const u32 b0 = (s & 1) ? lo.z : lo.x;
         const u32 b1 = (s & 1) ? lo.w : lo.y;
         mma16816<BF16>(aq[s & 1][nb], a, b0, b1, s < 2 ? zero4 : aq[s & 1][nb]);
-        mma16816<BF16>(ax[nb], ones, b0, b1, s == 0 ? zero4 : ax[nb]);
       }
     }
-    const float s_g = low_bf16(sz0), zz_g = high_bf16(sz0) + magic_f;
-    const float s_g8 = low_bf16(sz1), zz_g8 = high_bf16(sz1) + magic_f;
+    const float s_g = low_bf16(sz0), s_g8 = low_bf16(sz1);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float sc = i < 2 ? s_g : s_g8;
-        const float zz = i < 2 ? zz_g : zz_g8;
-        out[nb][i] = fma_f32(sc, fma_f32(-zz, ax[nb][i], aq[0][nb][i] + aq[1][nb][i]), out[nb][i]);
+        out[nb][i] = fma_f32(i < 2 ? s_g : s_g8, aq[0][nb][i] + aq[1][nb][i], out[nb][i]);
       }
     }
   }

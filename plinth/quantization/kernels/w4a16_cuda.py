@@ -104,6 +104,12 @@ def reference_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return x.double().cpu() @ w.T
 
 
+def integral_zeros(zeros: torch.Tensor) -> bool:
+    """Whether the kernel can take these zero points: integers (every format plinth reads has them) that
+    bfloat16 holds exactly next to the codes; layers with others run the Triton kernels."""
+    return bool(torch.equal(zeros, zeros.round()) and zeros.abs().max().item() <= 64) if zeros.numel() else True
+
+
 def group_shift(k: int, groups: int) -> int | None:
     """``log2`` of the chunks per scale group (the kernel's ``cc >> shift``), 31 for one group per row,
     ``None`` where a group is not a power-of-two number of chunks."""
@@ -227,7 +233,7 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
 
 class CudaW4A16Kernel(GemmKernel):
     """4-bit weights: up to :data:`MAX_ROWS` float16/bfloat16 rows through the NVRTC tensor-core decode
-    kernel, longer inputs through Triton's tiled GEMM."""
+    kernel, longer inputs (and layers with fractional zero points) through the Triton kernels."""
 
     name: ClassVar[str] = "cuda_w4a16"
     priority: ClassVar[int] = 30
@@ -266,15 +272,15 @@ class CudaW4A16Kernel(GemmKernel):
             return Support.no(f"NVRTC could not build the kernel: {type(exc).__name__}: {str(exc)[:200]}")
         return Support.yes()
 
-    def prepare(self, weights: IntWeights) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return {
-            **self.large.prepare(weights),
-            "w4m_codes": pack_mma_codes(weights.q),
-            "w4m_scales": pack_mma_scales(weights.scales, weights.zeros),
-        }
+    def prepare(self, weights: IntWeights) -> dict[str, Any]:  # type: ignore[override]
+        state: dict[str, Any] = {**self.large.prepare(weights), "w4m_exact": integral_zeros(weights.zeros)}
+        if state["w4m_exact"]:
+            state["w4m_codes"] = pack_mma_codes(weights.q)
+            state["w4m_scales"] = pack_mma_scales(weights.scales, weights.zeros)
+        return state
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS or x.shape[0] == 0:
+        if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact:
             return self.large.apply(layer, x, bias)
         perm = getattr(layer, "perm", None)
         if perm is not None:
