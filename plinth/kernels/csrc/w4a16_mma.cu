@@ -36,6 +36,30 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
 }
 
 template <bool BF16>
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  if (BF16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+  return d;
+}
+
+// v in both halves
+template <bool BF16>
+__device__ __forceinline__ u32 splat2(float v) {
+  u32 d;
+  if (BF16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(v));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(v));
+  }
+  return d;
+}
+
+// d = a b + c
+template <bool BF16>
 __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1, const float* c) {
   if (BF16) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
