@@ -91,39 +91,31 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
   return static_cast<u32>(a);
 }
 
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src) : "memory");
+// 16 bytes from global to shared memory (a shared-space address), bypassing L1
+__device__ __forceinline__ void copy_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
-__device__ __forceinline__ void copy_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_address(dst)), "l"(src) : "memory");
+// the same, only where on != 0
+__device__ __forceinline__ void copy_async16_if(u32 dst, const void* src, int on) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(dst),
+      "l"(src), "r"(on)
+      : "memory");
 }
 
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
+__device__ __forceinline__ Words4 load_shared16(u32 addr) {
+  Words4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
-// One ring slot, in 16-byte words: a chunk's codes (32 lanes x 1), then its activations, 128 bytes per
-// batch row (lane 4 g + t holds features 16 t .. 16 t + 15 of row g, and of row g + 8 when NB = 2); a
-// slot has as many activation rows as the batch.
-constexpr int kCodeWords4 = 32;
-
-// Copy one chunk (codes at src, activations at xs[nb]) into a slot, every lane its own bytes.
-template <int NB>
-__device__ __forceinline__ void fetch(Words4* slot, const Words4* src, const Words4* const* xs, const bool* has_x,
-                                      int lane) {
-  copy_async16(slot + lane, src);
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    if (has_x[nb]) {
-      Words4* dst = slot + kCodeWords4 + (nb * 32 + lane) * 2;
-      copy_async16(dst, xs[nb]);
-      copy_async16(dst + 1, xs[nb] + 1);
-    }
-  }
 }
 
 __device__ __forceinline__ float as_float(u32 v) {
@@ -131,8 +123,12 @@ __device__ __forceinline__ float as_float(u32 v) {
   asm("mov.b32 %0, %1;" : "=f"(f) : "r"(v));
   return f;
 }
-__device__ __forceinline__ float low_bf16(u32 v) { return as_float(v << 16); }
-__device__ __forceinline__ float high_bf16(u32 v) { return as_float(v & 0xFFFF0000u); }
+
+__device__ __forceinline__ u32 as_u32(float f) {
+  u32 v;
+  asm("mov.b32 %0, %1;" : "=r"(v) : "f"(f));
+  return v;
+}
 
 // a b + c, rounded once
 __device__ __forceinline__ float fma_f32(float a, float b, float c) {
@@ -141,15 +137,20 @@ __device__ __forceinline__ float fma_f32(float a, float b, float c) {
   return d;
 }
 
-// grid (N / 16), block (32 * warps), dynamic shared memory groups * 64 + warps * S * (512 + 128 * M) bytes.
-// A block stages its tile's scales in shared memory, then its warps share the tile's K chunks in turn
-// (chunk warp + warps * j, so that a block reads one contiguous stretch at a time). Each warp streams its
-// chunks and their activations through its own ring of S slots with cp.async, S - 1 chunks in flight;
-// every lane copies and reads only its own bytes, so no barrier is needed until the warps add their sums.
+// grid (N / 16), block (32 * warps), dynamic shared memory groups * 192 + warps * S * (512 + 128 * R) bytes,
+// R = min(M, 8 * NB) activation rows per slot.
+//
+// A block first stages its tile's scales in shared memory and turns each (scale, zero point) into the
+// 16 bytes a lane reads per chunk: the float32 scales of rows g and g + 8 and the packed -(magic + z) of
+// each. Its warps then share the tile's K chunks in turn (chunk warp + warps * j, so that a block reads
+// one contiguous stretch at a time). Each warp streams its chunks through its own ring of S slots with
+// cp.async, S - 1 chunks in flight; a slot holds the chunk's codes (512 bytes) and activations (128
+// bytes per batch row: lane 4 g + t copies features 16 t .. 16 t + 15 of rows g and g + 8). Every lane
+// copies and reads only its own bytes, so no barrier is needed until the warps add their sums.
 // Chunk cc's scale group is cc >> group_shift.
 template <bool BF16, int NB, int S>
 __global__ void __launch_bounds__(512) w4a16_mma_decode(
-    const Words4* __restrict__ codes, const Words4* __restrict__ scales, const u16* __restrict__ x,
+    const Words4* __restrict__ codes, const u32* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ y, int M, int K, int ldx, int ldy, int group_shift, int groups) {
   extern __shared__ __align__(16) unsigned char shared[];
   const int lane = threadIdx.x & 31;
@@ -160,99 +161,127 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   const int tile = blockIdx.x;
   const int chunks = K >> 6;
   const int mine = chunks > warp ? (chunks - warp + warps - 1) / warps : 0;
-  const int slot_words = kCodeWords4 + 8 * min(M, 8 * NB);
+  const int xrows = min(M, 8 * NB);
+  const u32 slot_bytes = 512u + 128u * xrows;
 
-  Words4* tile_scales = reinterpret_cast<Words4*>(shared);   // groups x 4 words: [8][2] u32 per group
-  Words4* ring = tile_scales + groups * 4 + warp * S * slot_words;
-  const Words4* scale_src = scales + (size_t)tile * groups * 4;
-  for (int i = threadIdx.x; i < groups * 4; i += blockDim.x) copy_async16(tile_scales + i, scale_src + i);
+  // shared memory: per group 128 bytes of converted scales and 64 of raw ones, then each warp's ring
+  const u32 base = shared_address(shared);
+  const u32 scale_base = base;
+  const u32 ring = base + groups * 192u + warp * S * slot_bytes;
 
-  const Words4* src = codes + ((size_t)tile * chunks + warp) * 32 + lane;
-  const size_t src_step = (size_t)warps * 32;
-  const Words4* xs[NB];
-  bool has_x[NB];
+  // stage the raw (scale, zero) words after each group's converted ones
+  const u32* raw = scales + (size_t)tile * groups * 16;
+  for (int i = threadIdx.x; i < groups * 4; i += blockDim.x) {
+    copy_async16(scale_base + (i >> 2) * 192u + 128u + (i & 3) * 16u, raw + i * 4);
+  }
+
+  const char* code_src = reinterpret_cast<const char*>(codes + ((size_t)tile * chunks + warp) * 32 + lane);
+  const size_t code_step = (size_t)warps * 512;
+  const char* x_src[NB];
+  int x_on[NB];
+  u32 x_dst[NB];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int row = g + 8 * nb;
-    has_x[nb] = row < M;
-    xs[nb] = reinterpret_cast<const Words4*>(x + (size_t)(has_x[nb] ? row : 0) * ldx) + 2 * t + warp * 8;
+    x_on[nb] = row < M;
+    x_src[nb] = reinterpret_cast<const char*>(x + (size_t)(x_on[nb] ? row : 0) * ldx + warp * 64 + 16 * t);
+    // the lanes of rows the batch does not have read row 0's bytes (finite values for unused columns)
+    x_dst[nb] = 512u + (x_on[nb] ? row : 0) * 128u + t * 32u;
   }
-  const int x_step = warps * 8;
+  const size_t x_step = (size_t)warps * 128;
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
-    if (i < mine) {
-      const Words4* xi[NB];
+    const u32 slot = ring + i * slot_bytes;
+    const int live = i < mine;
+    copy_async16_if(slot + lane * 16u, code_src, live);
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) xi[nb] = xs[nb] + i * x_step;
-      fetch<NB>(ring + i * slot_words, src + i * src_step, xi, has_x, lane);
+    for (int nb = 0; nb < NB; ++nb) {
+      copy_async16_if(slot + x_dst[nb], x_src[nb], live & x_on[nb]);
+      copy_async16_if(slot + x_dst[nb] + 16u, x_src[nb] + 16, live & x_on[nb]);
+      x_src[nb] += x_step;
     }
+    code_src += code_step;
     commit_copies();
   }
   wait_copies<S - 2>();   // the first group (with the scales) is complete for this thread ...
   __syncthreads();        // ... and for every thread
 
-  const u32 magic = BF16 ? 0x43004300u : 0x64006400u;
-  const u32 one = BF16 ? 0x3F803F80u : 0x3C003C00u;
   const float magic_f = BF16 ? 128.f : 1024.f;
+  // convert: [group][row 0..15] (scale, zero) -> [group][g][(scale g, -(magic + z_g), scale g+8, -(magic + z_g8))]
+  for (int i = threadIdx.x; i < groups * 8; i += blockDim.x) {
+    const u32 entry = scale_base + (i >> 3) * 192u;
+    const int gg = i & 7;
+    u32 w0, w1;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w0), "=r"(w1) : "r"(entry + 128u + gg * 8u) : "memory");
+    const u32 out0 = as_u32(as_float(w0 << 16)), out2 = as_u32(as_float(w1 << 16));
+    const u32 out1 = splat2<BF16>(-(as_float(w0 & 0xFFFF0000u) + magic_f));
+    const u32 out3 = splat2<BF16>(-(as_float(w1 & 0xFFFF0000u) + magic_f));
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(entry + gg * 16u), "r"(out0), "r"(out1),
+                 "r"(out2), "r"(out3)
+                 : "memory");
+  }
+  __syncthreads();
+
+  const u32 magic = BF16 ? 0x43004300u : 0x64006400u;
   const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
   float out[NB][4];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) out[nb][0] = out[nb][1] = out[nb][2] = out[nb][3] = 0.f;
 
-  int read = 0;        // the slot of this iteration's chunk
-  int write = S - 1;   // the slot consumed one iteration ago
-  for (int j = 0; j < mine; ++j) {
-    const int cc = warp + warps * j;
+  u32 read = ring;                             // the slot of this iteration's chunk
+  u32 write = ring + (S - 1) * slot_bytes;     // the slot consumed one iteration ago
+  const u32 ring_end = ring + S * slot_bytes;
+  int cc = warp;
+  for (int j = 0; j < mine; ++j, cc += warps) {
     wait_copies<S - 2>();   // S - 1 + j groups committed: this chunk's is complete
-    const Words4* slot = ring + read * slot_words;
-    const Words4 w = slot[lane];
+    const Words4 w = load_shared16(read + lane * 16u);
     Words4 xa[NB][2];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      xa[nb][0] = has_x[nb] ? slot[kCodeWords4 + (nb * 32 + lane) * 2] : Words4{0u, 0u, 0u, 0u};
-      xa[nb][1] = has_x[nb] ? slot[kCodeWords4 + (nb * 32 + lane) * 2 + 1] : Words4{0u, 0u, 0u, 0u};
+      xa[nb][0] = load_shared16(read + x_dst[nb]);
+      xa[nb][1] = load_shared16(read + x_dst[nb] + 16u);
     }
-    if (j + S - 1 < mine) {
-      const Words4* xi[NB];
+    const int live = j + S - 1 < mine;
+    copy_async16_if(write + lane * 16u, code_src, live);
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) xi[nb] = xs[nb] + (j + S - 1) * x_step;
-      fetch<NB>(ring + write * slot_words, src + (j + S - 1) * src_step, xi, has_x, lane);
+    for (int nb = 0; nb < NB; ++nb) {
+      copy_async16_if(write + x_dst[nb], x_src[nb], live & x_on[nb]);
+      copy_async16_if(write + x_dst[nb] + 16u, x_src[nb] + 16, live & x_on[nb]);
+      x_src[nb] += x_step;
     }
+    code_src += code_step;
     commit_copies();
     write = read;
-    read = read + 1 == S ? 0 : read + 1;
+    read += slot_bytes;
+    if (read == ring_end) read = ring;
 
-    const u32* sz = reinterpret_cast<const u32*>(tile_scales + (cc >> group_shift) * 4) + 2 * g;
-    const u32 sz0 = sz[0], sz1 = sz[1];   // rows g and g + 8: scale (low half), zero point (high half)
-
-    const u32 nz_g = splat2<BF16>(-(high_bf16(sz0) + magic_f));   // -(magic + z), rows g and g + 8
-    const u32 nz_g8 = splat2<BF16>(-(high_bf16(sz1) + magic_f));
-    float aq[2][NB][4];   // sum x * (q - z), even and odd steps
+    const Words4 sc = load_shared16(scale_base + (cc >> group_shift) * 192u + g * 16u);
+    float acc[NB][4];   // sum x * (q - z) over the chunk
     const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const u32 v = words[s];
       u32 a[4];
-      a[0] = fma2<BF16>(and_or(v, 0x000F000Fu, magic), one, nz_g);
-      a[1] = fma2<BF16>(and_or(v >> 4, 0x000F000Fu, magic), one, nz_g8);
-      a[2] = fma2<BF16>(and_or(v >> 8, 0x000F000Fu, magic), one, nz_g);
-      a[3] = fma2<BF16>(and_or(v >> 12, 0x000F000Fu, magic), one, nz_g8);
+      a[0] = fma2<BF16>(and_or(v, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.y);
+      a[1] = fma2<BF16>(and_or(v >> 4, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.w);
+      a[2] = fma2<BF16>(and_or(v >> 8, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.y);
+      a[3] = fma2<BF16>(and_or(v >> 12, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.w);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         const Words4& lo = xa[nb][s >> 1];
         const u32 b0 = (s & 1) ? lo.z : lo.x;
         const u32 b1 = (s & 1) ? lo.w : lo.y;
-        mma16816<BF16>(aq[s & 1][nb], a, b0, b1, s < 2 ? zero4 : aq[s & 1][nb]);
+        mma16816<BF16>(acc[nb], a, b0, b1, s == 0 ? zero4 : acc[nb]);
       }
     }
-    const float s_g = low_bf16(sz0), s_g8 = low_bf16(sz1);
+    const float s_g = as_float(sc.x), s_g8 = as_float(sc.z);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        out[nb][i] = fma_f32(i < 2 ? s_g : s_g8, aq[0][nb][i] + aq[1][nb][i], out[nb][i]);
-      }
+      out[nb][0] = fma_f32(s_g, acc[nb][0], out[nb][0]);
+      out[nb][1] = fma_f32(s_g, acc[nb][1], out[nb][1]);
+      out[nb][2] = fma_f32(s_g8, acc[nb][2], out[nb][2]);
+      out[nb][3] = fma_f32(s_g8, acc[nb][3], out[nb][3]);
     }
   }
   wait_copies<0>();
@@ -260,11 +289,13 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   if (warps > 1) {
     // each warp's sums go to the start of its own ring (at least 1 KiB), which no other warp writes
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");   // every lane has read its last slot
-    float* own = reinterpret_cast<float*>(ring);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) own[(nb * 4 + i) * 32 + lane] = out[nb][i];
+      for (int i = 0; i < 4; ++i) {
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"(ring + ((nb * 4 + i) * 32 + lane) * 4u), "f"(out[nb][i])
+                     : "memory");
+      }
     }
     __syncthreads();
     if (warp != 0) return;
@@ -274,8 +305,12 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
       for (int i = 0; i < 4; ++i) {
         float sum = 0.f;
         for (int w2 = 0; w2 < warps; ++w2) {
-          sum += reinterpret_cast<const float*>(tile_scales + groups * 4 + w2 * S * slot_words)
-              [(nb * 4 + i) * 32 + lane];
+          float v;
+          asm volatile("ld.shared.f32 %0, [%1];"
+                       : "=f"(v)
+                       : "r"(base + groups * 192u + w2 * S * slot_bytes + ((nb * 4 + i) * 32 + lane) * 4u)
+                       : "memory");
+          sum += v;
         }
         out[nb][i] = sum;
       }

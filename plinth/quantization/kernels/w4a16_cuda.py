@@ -190,9 +190,9 @@ def _max_shared(device_index: int) -> int:
 
 
 def fit_shared(warps: int, stages: int, rows: int, groups: int, device: torch.device) -> tuple[int, int]:
-    """The launch with fewer ring slots (then fewer warps) where the tile's scales (64 bytes a group) and
+    """The launch with fewer ring slots (then fewer warps) where the tile's scales (192 bytes a group) and
     ``warps x stages`` slots of ``rows`` batch rows would not fit in one block's shared memory."""
-    limit = _max_shared(device.index or 0) - 64 * groups
+    limit = _max_shared(device.index or 0) - 192 * groups
     while warps * stages * slot_bytes(rows) > limit and stages > _STAGES[0]:
         stages = max(s for s in _STAGES if s < stages)
     while warps * stages * slot_bytes(rows) > limit and warps > 1:
@@ -220,7 +220,7 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
             ctypes.c_int(n), ctypes.c_int(shift), ctypes.c_int(groups)]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    shared = 64 * groups + warps * stages * slot_bytes(m)
+    shared = 192 * groups + warps * stages * slot_bytes(m)
     if shared > 48 * 1024:
         _allow_shared(kernel.func.value if hasattr(kernel.func, "value") else kernel.func, shared)
     stream = torch.cuda.current_stream(x.device).cuda_stream
