@@ -279,7 +279,7 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     from plinth.quantization.selection import holder
 
     out = []
-    sweep = [(w, st) for w in (4, 8, 16) for st in (4, 6, 8, 12)]
+    sweep = [(w, st) for w in (2, 4, 8) for st in (3, 4, 6, 8)]
     if a.quick:
         sweep = []
     for name, n, k, problem in _int4_shapes(a):

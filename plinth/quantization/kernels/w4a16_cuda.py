@@ -138,7 +138,7 @@ def slot_bytes(rows: int) -> int:
 
 
 _STAGES = (2, 3, 4, 6, 8, 12, 16)
-_WARPS = (1, 2, 4, 8, 16)
+_WARPS = (1, 2, 4, 8)
 #: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
 _MAX_DYNAMIC_SHARED = 8
 
@@ -168,8 +168,9 @@ def registers(bf16: bool, nb: int, stages: int) -> int:
 
 
 def launch_config(k: int) -> tuple[int, int]:
-    """``(warps per block, ring slots per warp)``: eight warps split a tile's K chunks, each with eight
-    slots (seven chunks in flight). ``PLINTH_W4A16_CUDA="WARPS,STAGES"`` overrides (sweeps)."""
+    """``(warps per block, ring slots per warp)``: four warps with four slots each, eight warps for long
+    rows (K > 8192; each tile has more chunks to share). Swept on an H200 at Llama-3-8B's shapes
+    (``benchmarks/skinny_gemm_gpu.py --parts w4cuda``); ``PLINTH_W4A16_CUDA="WARPS,STAGES"`` overrides."""
     forced = os.environ.get(_ENV)
     if forced:
         try:
@@ -180,7 +181,7 @@ def launch_config(k: int) -> tuple[int, int]:
             raise ValueError(f"{_ENV}={forced!r}: expected WARPS ({', '.join(map(str, _WARPS))}),"
                              f"STAGES ({', '.join(map(str, _STAGES))})")
         return warps, stages
-    return 8, 8
+    return (8, 4) if k > 8192 else (4, 4)
 
 
 @functools.cache
