@@ -73,7 +73,8 @@ class WeightStats:
     Attributes:
         params: all parameters (shared ones counted once).
         matmul_params: parameters used in matrix products (``params`` minus a lookup-only embedding).
-        streamed_bytes: bytes of those matmul parameters, read in full by every decode step.
+        streamed_bytes: bytes of those matmul parameters, read in full by every decode step (of a quantized
+            layer that keeps two layouts, only the one decode steps read: its ``decode_tensors``).
     """
 
     params: int
@@ -98,10 +99,16 @@ def weight_stats(model: nn.Module) -> WeightStats:
     lookup_only = {k: p for k, p in lookup.items() if k not in used}
     all_params = {**lookup, **used}
     matmul = [p for k, p in all_params.items() if k not in lookup_only]
+    # a quantized layer whose kernel keeps a second layout for long inputs names what decode reads
+    unread: set[int] = set()
+    for module in model.modules():
+        names = getattr(module, "decode_tensors", None)
+        if names is not None:
+            unread.update(id(p) for n, p in module.named_parameters(recurse=False) if n not in names and n != "bias")
     return WeightStats(
         params=sum(p.numel() for p in all_params.values()),
         matmul_params=sum(p.numel() for p in matmul),
-        streamed_bytes=sum(p.numel() * p.element_size() for p in matmul),
+        streamed_bytes=sum(p.numel() * p.element_size() for p in matmul if id(p) not in unread),
     )
 
 

@@ -101,6 +101,19 @@ def test_weight_stats_against_a_hand_count(tied):
     assert stats.streamed_bytes == 2 * stats.matmul_params
 
 
+def test_weight_stats_counts_only_what_decode_reads_of_two_layouts():
+    """A quantized layer whose kernel keeps a second layout for long inputs (``decode_tensors``) streams
+    only the decode layout per step."""
+    layer = torch.nn.Linear(4, 4, bias=True)
+    del layer._parameters["weight"]
+    layer.register_parameter("fast", torch.nn.Parameter(torch.zeros(8, dtype=torch.int32), requires_grad=False))
+    layer.register_parameter("wide", torch.nn.Parameter(torch.zeros(100, dtype=torch.int32), requires_grad=False))
+    model = torch.nn.Sequential(layer)
+    assert floors.weight_stats(model).streamed_bytes == (8 + 100 + 4) * 4
+    layer.decode_tensors = frozenset({"fast"})
+    assert floors.weight_stats(model).streamed_bytes == (8 + 4) * 4
+
+
 def test_ceilings_table():
     assert floors.ceilings_for("NVIDIA H200").copy_bytes_per_s == 4.21e12
     assert floors.ceilings_for("nvidia h200 nvl").matmul_flops_per_s[torch.bfloat16] == 760e12

@@ -164,6 +164,9 @@ class QuantizationMethod(abc.ABC):
                 layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
             else:
                 setattr(layer, name, value)
+        decode = self.kernel.decode_tensors()
+        if decode is not None:
+            layer.decode_tensors = decode | {"perm"}
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` ``[..., K]`` -> ``[..., N]`` through the selected kernel."""

@@ -101,6 +101,11 @@ class GemmKernel(abc.ABC):
             what :meth:`apply` reads.
         """
 
+    def decode_tensors(self) -> frozenset[str] | None:
+        """The prepared tensors a decode step (a few rows) reads, where the kernel keeps another layout for
+        longer inputs; ``None``: all of them. Only the decode floor of benchmarks uses it."""
+        return None
+
     @abc.abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Compute the layer.

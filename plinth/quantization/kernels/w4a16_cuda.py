@@ -280,6 +280,9 @@ class CudaW4A16Kernel(GemmKernel):
             state["w4m_scales"] = pack_mma_scales(weights.scales, weights.zeros)
         return state
 
+    def decode_tensors(self) -> frozenset[str]:
+        return frozenset({"w4m_codes", "w4m_scales"})
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact:
             return self.large.apply(layer, x, bias)

@@ -50,6 +50,9 @@ class SplitW4A16Kernel(GemmKernel):
     def prepare(self, weights: IntWeights) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return {**self.small.prepare(weights), **self.large.prepare(weights)}
 
+    def decode_tensors(self) -> frozenset[str]:
+        return frozenset({"int4_packed", "int4_scales_zeros"})
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = self.small if x.shape[0] <= DECODE_MAX_ROWS else self.large
         return kernel.apply(layer, x, bias)
