@@ -271,7 +271,7 @@ def w4mma_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
 def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     """The NVRTC tensor-core decode kernel (``cuda_w4a16``) against torch's int4 kernel and the Triton
     decode kernels (``triton_w4a16``: the GEMV for one row, the tensor-core kernel for 2-16), RTN group 128;
-    the CUDA kernel at its default launch and swept over ``PLINTH_W4A16_CUDA="WARPS,UNROLL"``."""
+    the CUDA kernel at its default launch and swept over ``PLINTH_W4A16_CUDA="WARPS,STAGES"``."""
     from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
     from plinth.quantization.kernels.w4a16_cuda import CudaW4A16Kernel, launch_config, registers
     from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
@@ -307,16 +307,16 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
                 t = graph_time(lambda i: kern.apply(layers[key][i], x, None), a.copies, a.replays)
                 rec[f"{key}_us"], rec[f"{key}_tbs"], rec[f"{key}_rel_err"] = t * 1e3, gbytes / t, err
             best = None
-            for warps, unroll in sweep:
-                os.environ["PLINTH_W4A16_CUDA"] = f"{warps},{unroll}"
+            for warps, stages in sweep:
+                os.environ["PLINTH_W4A16_CUDA"] = f"{warps},{stages}"
                 kern = kernels["cuda"]
                 try:
                     t = graph_time(lambda i: kern.apply(layers["cuda"][i], x, None), a.copies, a.replays)
                 except Exception as exc:  # noqa: BLE001 - a launch that does not build is skipped
-                    print(f"  skip {warps},{unroll}: {type(exc).__name__}: {str(exc)[-300:]}")
+                    print(f"  skip {warps},{stages}: {type(exc).__name__}: {str(exc)[-300:]}")
                     continue
                 if best is None or t < best[0]:
-                    best = (t, f"{warps},{unroll}")
+                    best = (t, f"{warps},{stages}")
             os.environ.pop("PLINTH_W4A16_CUDA", None)
             if best is not None:
                 rec["cuda_best_us"], rec["cuda_best_tbs"], rec["cuda_best_launch"] = best[0] * 1e3, gbytes / best[0], best[1]

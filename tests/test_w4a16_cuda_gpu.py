@@ -117,3 +117,31 @@ def test_fractional_zero_points_take_the_triton_kernels(layers):
     assert layer.w4m_exact is False
     x = torch.randn(3, k, generator=torch.Generator(device=CUDA).manual_seed(5), device=CUDA).to(torch.bfloat16)
     assert _relative(kernel.apply(layer, x, None), x.float() @ weights.dequantize(torch.float32).T) < 1e-2
+
+
+def test_shrinking_and_growing_batches_reuse_the_kernels(layers):
+    """8, then 5, then 8 rows again on one shape: each launch has the shared memory it needs."""
+    weights = layers["down"]
+    n, k = weights.shape
+    codes, scales = pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros)
+    dense = weights.dequantize(torch.float32)
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    for rows in (8, 5, 8, 16, 1, 16):
+        x = torch.randn(rows, k, generator=gen, device=CUDA).to(torch.bfloat16)
+        assert _relative(mma_decode(x, codes, scales, n), x.float() @ dense.T) < 1e-2, rows
+
+
+def test_act_order_and_bias_through_the_kernel_class():
+    n, k = 1024, 2048
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    weights = quantize_int_rtn(torch.randn(n, k, generator=gen, device=CUDA) * 0.02, 4, 128)
+    perm = torch.randperm(k, generator=gen, device=CUDA)
+    weights = type(weights)(weights.q, weights.scales, weights.zeros, 4, 128, perm=perm)
+    problem = GemmProblem("int", torch.bfloat16, "cuda", CAPABILITY, bits=4, group_size=128, act_order=True,
+                          shapes=((n, k),))
+    kernel = CudaW4A16Kernel(problem)
+    layer = holder(kernel.prepare(weights))
+    bias = torch.randn(n, generator=gen, device=CUDA).to(torch.bfloat16)
+    x = torch.randn(4, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    ref = x.float() @ weights.dequantize(torch.float32).T + bias.float()
+    assert _relative(kernel.apply(layer, x, bias), ref) < 1e-2

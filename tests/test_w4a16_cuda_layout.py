@@ -1,9 +1,9 @@
-"""The NVRTC W4A16 decode kernel's packed layout, checked on the CPU.
+"""The NVRTC W4A16 decode kernel's packed layout and data flow, checked on the CPU.
 
-The kernel itself needs an NVIDIA GPU (``tests/test_w4a16_cuda_gpu.py``); its weight layout and its
-arithmetic are plain torch and are checked here: packing against an unpacking written independently
-from PTX's m16n8k16 fragment description, and the kernel's math (16-bit weights ``q * s + m``,
-float32 sums) against the dequantized weights in float64.
+The kernel itself needs an NVIDIA GPU (``tests/test_w4a16_cuda_gpu.py``); here: packing against an
+unpacking written independently from PTX's m16n8k16 fragment description, a lane-by-lane simulation of
+the kernel's operands (A from the packed words, B from the activation slots, C to the output) against
+float64, the scales' rounding, and the kernel source compiled with NVRTC.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ import torch
 
 from plinth.quantization.kernels.interface import GemmProblem
 from plinth.quantization.kernels.w4a16_cuda import (
+    SCALE_BYTES,
     SOURCE,
     CudaW4A16Kernel,
+    fit_shared,
     group_shift,
     integral_zeros,
+    mma_decode,
     pack_mma_codes,
     pack_mma_scales,
     reference_decode,
+    slot_bytes,
     unpack_mma_codes,
     unpack_mma_scales,
 )
@@ -50,8 +54,9 @@ def test_pack_places_one_known_code():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [64, 128, None])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_kernel_math_matches_float64_dequant(dtype, group, rows):
-    """The kernel's weights differ from the file's only by bfloat16 scales (zero points are exact)."""
+def test_bfloat16_scales_are_the_only_difference_from_the_file(dtype, group, rows):
+    """``reference_decode`` (the packed codes and bfloat16 scales in float64) against the file's weights:
+    zero points are exact, scales rounded to bfloat16."""
     n, k = 32, 256
     gen = torch.Generator().manual_seed(rows)
     weights = random_int_weights(n, k, 4, group or k, symmetric=False, act_order=False,
@@ -90,6 +95,7 @@ def test_group_shift(k, groups, shift):
     (GemmProblem("int", torch.bfloat16, "cuda", (9, 0), bits=8, group_size=128, shapes=((64, 128),)), "4-bit"),
     (GemmProblem("int", torch.bfloat16, "cuda", (7, 5), bits=4, group_size=128, shapes=((64, 128),)), "8.0"),
     (GemmProblem("int", torch.float32, "cuda", (9, 0), bits=4, group_size=128, shapes=((64, 128),)), "float32"),
+    (GemmProblem("int", torch.float16, "cuda", (9, 0), bits=4, group_size=128, shapes=((64, 128),)), "bfloat16"),
 ])
 def test_supports_says_why_not(problem, reason):
     support = CudaW4A16Kernel.supports(problem)
@@ -99,6 +105,8 @@ def test_supports_says_why_not(problem, reason):
 def test_layout_needs_whole_tiles_and_chunks():
     with pytest.raises(ValueError, match="N % 16"):
         pack_mma_codes(torch.zeros(24, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="N % 16"):
+        pack_mma_scales(torch.ones(24, 1), torch.zeros(24, 1))
     assert SOURCE.is_file() and "w4a16_mma_decode" in SOURCE.read_text()
 
 
@@ -152,3 +160,81 @@ def test_kernel_source_compiles_without_spills(arch, bf16, nb):
         assert status == 0, f"{name.decode()} ({arch}):\n{text}"
         if stages in defaults and arch == "sm_90":
             assert "0 bytes spill stores" in text, f"{name.decode()} ({arch}) spills:\n{text}"
+
+
+def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The kernel's data flow lane by lane, in float64, with the mma written from PTX's m16n8k16 fragment
+    description: lane ``4 g + t`` gives A registers (rows g, g+8, g, g+8; k 2t, 2t, 2t+8, 2t+8, two
+    halves each), B registers (k 2t and 2t+8, two halves each, column g) and takes C (rows g, g+8;
+    columns 2t, 2t+1). The operands come from the packed words and from the slot layout the kernel
+    copies activations into (lane ``4 g + t``: features ``16 t .. 16 t + 15`` of batch row ``g + 8 nb``, B
+    words ``2 s, 2 s + 1`` for step ``s``). Batch rows the input lacks are NaN: they must stay in their
+    own output columns."""
+    m, k = x.shape
+    words = codes.to(torch.int64) & 0xFFFFFFFF                       # [N/16, K/64, 32, 4]
+    s_all, z_all = unpack_mma_scales(scales, n)                      # [N, G]
+    per_group = k // s_all.shape[1]
+    xs = torch.full((16, k), float("nan"), dtype=torch.float64)
+    xs[:m] = x.double()
+    y = torch.zeros(m, n, dtype=torch.float64)
+    for tile in range(n // 16):
+        for nb in range(1 if m <= 8 else 2):
+            out = torch.zeros(16, 8, dtype=torch.float64)
+            for c in range(k // 64):
+                group = c * 64 // per_group
+                rows = torch.arange(16) + 16 * tile
+                for s in range(4):
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    b = torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        v = int(words[tile, c, lane, s])
+                        for reg, (row, kk) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+                            zero = float(z_all[16 * tile + row, group])
+                            a[row, kk] = ((v >> (4 * reg)) & 0xF) - zero           # low half
+                            a[row, kk + 1] = ((v >> (4 * reg + 16)) & 0xF) - zero  # high half
+                        feats = xs[g + 8 * nb, 64 * c + 16 * t: 64 * c + 16 * t + 16]
+                        b[2 * t: 2 * t + 2, g] = feats[4 * s: 4 * s + 2]          # word 2 s
+                        b[2 * t + 8: 2 * t + 10, g] = feats[4 * s + 2: 4 * s + 4]  # word 2 s + 1
+                    out += s_all[rows, group].double()[:, None] * (a @ b)
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                for i in range(4):
+                    row, channel = 8 * nb + 2 * t + (i & 1), g + 8 * (i >> 1)
+                    if row < m:
+                        y[row, 16 * tile + channel] = out[channel, 2 * t + (i & 1)]
+    return y
+
+
+@pytest.mark.parametrize("rows,group", [(1, 128), (5, 64), (13, 256)])
+def test_lane_simulation_matches_float64(rows, group):
+    n, k = 32, 256
+    gen = torch.Generator().manual_seed(rows)
+    weights = random_int_weights(n, k, 4, group, symmetric=False, act_order=False, device=torch.device("cpu"),
+                                 generator=gen)
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    codes, scales = pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros)
+    y = simulate_kernel(x, codes, scales, n)
+    assert not torch.isnan(y).any()
+    ref = reference_decode(x, codes, scales, n)                      # the same bfloat16 scales
+    assert torch.allclose(y, ref, rtol=1e-12, atol=1e-12)
+    file = x @ weights.dequantize(torch.float64).T
+    assert ((y - file).abs().max() / file.abs().max()).item() < 4e-3
+
+
+def test_launcher_rejects_what_the_kernel_cannot_take():
+    codes = pack_mma_codes(torch.zeros(32, 128, dtype=torch.uint8))
+    scales = pack_mma_scales(torch.ones(32, 1), torch.zeros(32, 1))
+    with pytest.raises(ValueError, match="1-16 rows"):
+        mma_decode(torch.zeros(17, 128, dtype=torch.bfloat16), codes, scales, 32)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        mma_decode(torch.zeros(2, 128), codes, scales, 32)
+    with pytest.raises(ValueError, match="do not hold"):
+        mma_decode(torch.zeros(2, 192, dtype=torch.bfloat16), codes, scales, 32)
+
+
+def test_launch_shrinks_to_the_shared_memory_there_is():
+    limit = 100 * 1024
+    assert fit_shared(8, 4, 1, 32, limit) == (8, 4)
+    warps, stages = fit_shared(8, 16, 16, 112, limit)
+    assert SCALE_BYTES * 112 + warps * stages * slot_bytes(16) <= limit and (warps, stages) == (8, 3)

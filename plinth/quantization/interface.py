@@ -165,7 +165,7 @@ class QuantizationMethod(abc.ABC):
             else:
                 setattr(layer, name, value)
         decode = self.kernel.decode_tensors()
-        if decode is not None:
+        if decode is not None and decode & set(layer._parameters):   # this layer keeps the decode layout
             layer.decode_tensors = decode | {"perm"}
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

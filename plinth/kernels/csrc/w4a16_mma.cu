@@ -185,7 +185,8 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     const int row = g + 8 * nb;
     x_on[nb] = row < M;
     x_src[nb] = reinterpret_cast<const char*>(x + (size_t)(x_on[nb] ? row : 0) * ldx + warp * 64 + 16 * t);
-    // the lanes of rows the batch does not have read row 0's bytes (finite values for unused columns)
+    // the lanes of rows the batch does not have read row 0's bytes: their B column only feeds an output
+    // column that is not stored (the mma's columns are independent)
     x_dst[nb] = 512u + (x_on[nb] ? row : 0) * 128u + t * 32u;
   }
   const size_t x_step = (size_t)warps * 128;

@@ -2,8 +2,8 @@
 
 Decode inputs (1-16 rows) run ``plinth/kernels/csrc/w4a16_mma.cu``: each ``mma.m16n8k16`` takes 16
 output channels of unpacked 4-bit weights as its A operand and up to eight activation rows as its B
-operand, so the weights are read once for the whole batch and every code costs about two
-instructions (a ``lop3`` and two packed FMAs per pair). Longer inputs take the Triton tiled GEMM
+operand, so the weights are read once for the whole batch and a pair of codes costs a shift, a ``lop3``
+and a packed add. Longer inputs take the Triton tiled GEMM
 (:class:`~plinth.quantization.kernels.w4a16_triton.TritonW4A16Kernel`), so each layer keeps both
 layouts (twice the packed bytes: still half of bfloat16).
 
@@ -14,7 +14,9 @@ them on the CPU against an independent reading of PTX's fragment layout).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from plinth.quantization.formats import IntWeights
+from plinth.quantization.kernels.dequant import permute_input
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
 from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
 
@@ -80,6 +83,8 @@ def pack_mma_scales(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     group ``i``, ``g`` and ``h``, row ``16 r + g + 8 h``'s scale in the low half and its zero point in
     the high half, both bfloat16."""
     n, groups = scales.shape
+    if n % 16:
+        raise ValueError(f"the mma layout needs N % 16 == 0, got {n}")
     pair = torch.stack([scales.to(torch.bfloat16), zeros.to(torch.bfloat16)], dim=-1)      # [N, G, 2]
     pair = pair.reshape(n // 16, 2, 8, groups, 2).permute(0, 3, 2, 1, 4).contiguous()      # r i g h .
     return pair.view(torch.int32).reshape(n // 16, groups, 8, 2)
@@ -126,6 +131,8 @@ def _libcuda() -> Any:
     lib.cuLaunchKernel.restype = ctypes.c_int
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuFuncSetAttribute.restype = ctypes.c_int
+    lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
+    lib.cuFuncGetAttribute.restype = ctypes.c_int
     return lib
 
 
@@ -137,33 +144,48 @@ def slot_bytes(rows: int) -> int:
     return 512 + 128 * rows
 
 
+#: shared-memory bytes per scale group a block stages (converted 128 and raw 64)
+SCALE_BYTES = 192
 _STAGES = (2, 3, 4, 6, 8, 12, 16)
 _WARPS = (1, 2, 4, 8)
-#: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
-_MAX_DYNAMIC_SHARED = 8
+#: ``CU_FUNC_ATTRIBUTE_NUM_REGS``, ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
+_NUM_REGS, _MAX_DYNAMIC_SHARED = 4, 8
+
+
+def _func(kernel: Any) -> int:
+    func = getattr(kernel, "func", None)
+    if func is None:
+        raise RuntimeError("torch.cuda._compile_kernel returned no CUfunction handle (.func)")
+    return int(func.value if hasattr(func, "value") else func)
 
 
 @functools.cache
-def compiled(bf16: bool, nb: int, stages: int, device_index: int) -> Any:
-    """The kernel instance for one dtype, B-operand count and ring depth, loaded on one device."""
+def max_shared(device_index: int) -> int:
+    """Bytes of shared memory one block may opt into on the device."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
+
+
+@functools.cache
+def compiled(bf16: bool, nb: int, stages: int, device_index: int) -> int:
+    """The CUfunction of one dtype, B-operand count and ring depth, loaded on one device and allowed all of
+    the device's opt-in shared memory (set once: the attribute is a limit, not a request)."""
     name = f"w4a16_mma_decode<{'true' if bf16 else 'false'}, {nb}, {stages}>"
     with _compile_lock, torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(SOURCE.read_text(), name)
-
-
-@functools.cache
-def _allow_shared(func: int, nbytes: int) -> None:
-    """Opt the kernel into more than 48 KiB of dynamic shared memory (once per size)."""
-    status = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(func), _MAX_DYNAMIC_SHARED, nbytes)
+        func = _func(torch.cuda._compile_kernel(SOURCE.read_text(), name))
+        status = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(func), _MAX_DYNAMIC_SHARED, max_shared(device_index))
     if status != 0:
-        raise RuntimeError(f"cuFuncSetAttribute({nbytes} bytes of shared memory) failed (CUresult {status})")
+        raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory) failed for {name} (CUresult {status})")
+    return func
 
 
 def registers(bf16: bool, nb: int, stages: int) -> int:
     """Registers per thread of one kernel instance (``CU_FUNC_ATTRIBUTE_NUM_REGS``; for benchmarks)."""
-    kernel = compiled(bf16, nb, stages, torch.cuda.current_device())
     value = ctypes.c_int()
-    _libcuda().cuFuncGetAttribute(ctypes.byref(value), 4, kernel.func)
+    status = _libcuda().cuFuncGetAttribute(ctypes.byref(value), _NUM_REGS,
+                                           ctypes.c_void_p(compiled(bf16, nb, stages, torch.cuda.current_device())))
+    if status != 0:
+        raise RuntimeError(f"cuFuncGetAttribute failed (CUresult {status})")
     return value.value
 
 
@@ -184,16 +206,10 @@ def launch_config(k: int) -> tuple[int, int]:
     return (8, 4) if k > 8192 else (4, 4)
 
 
-@functools.cache
-def _max_shared(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
-
-
-def fit_shared(warps: int, stages: int, rows: int, groups: int, device: torch.device) -> tuple[int, int]:
-    """The launch with fewer ring slots (then fewer warps) where the tile's scales (192 bytes a group) and
-    ``warps x stages`` slots of ``rows`` batch rows would not fit in one block's shared memory."""
-    limit = _max_shared(device.index or 0) - 192 * groups
+def fit_shared(warps: int, stages: int, rows: int, groups: int, limit: int) -> tuple[int, int]:
+    """The launch with fewer ring slots (then fewer warps) where the tile's scales and ``warps x stages``
+    slots of ``rows`` batch rows would not fit in ``limit`` bytes of shared memory."""
+    limit -= SCALE_BYTES * groups
     while warps * stages * slot_bytes(rows) > limit and stages > _STAGES[0]:
         stages = max(s for s in _STAGES if s < stages)
     while warps * stages * slot_bytes(rows) > limit and warps > 1:
@@ -201,32 +217,62 @@ def fit_shared(warps: int, stages: int, rows: int, groups: int, device: torch.de
     return warps, stages
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What one call shape needs: the kernel, its grid, block and shared memory, and the group shift."""
+
+    func: int
+    blocks: int
+    threads: int
+    shared: int
+    shift: int
+
+
+@functools.lru_cache(maxsize=256)
+def plan(m: int, n: int, k: int, groups: int, bf16: bool, device_index: int, forced: str | None) -> Launch:
+    """The launch of one call shape (``forced``: the ``PLINTH_W4A16_CUDA`` value, part of the cache key)."""
+    shift = group_shift(k, groups)
+    if shift is None:
+        raise ValueError(f"scale groups of {k // groups} features are not a power-of-two number of "
+                         f"{CHUNK}-feature chunks")
+    warps, stages = fit_shared(*launch_config(k), m, groups, max_shared(device_index))
+    shared = SCALE_BYTES * groups + warps * stages * slot_bytes(m)
+    if shared > max_shared(device_index):
+        raise ValueError(f"{groups} scale groups need more shared memory than the GPU has for one block")
+    nb = 1 if m <= 8 else 2
+    return Launch(compiled(bf16, nb, stages, device_index), n // 16, 32 * warps, shared, shift)
+
+
 def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """``[M, N]`` for ``x`` ``[M, K]`` (``M <= 16``, float16/bfloat16) on the packed weight
-    (:func:`pack_mma_codes`, :func:`pack_mma_scales`)."""
+    """``[M, N]`` for ``x`` ``[M, K]`` (``1 <= M <= 16``, float16/bfloat16) on the packed weight
+    (:func:`pack_mma_codes`, :func:`pack_mma_scales`), on ``x``'s device."""
     m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"the W4A16 decode kernel takes 1-{MAX_ROWS} rows, got {m}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the W4A16 decode kernel takes float16/bfloat16 activations, not {x.dtype}")
+    if codes.dim() != 4 or tuple(codes.shape[1:]) != (k // CHUNK, 32, 4) or codes.shape[0] * 16 != n:
+        raise ValueError(f"packed codes of shape {tuple(codes.shape)} do not hold a {n} x {k} weight")
+    if codes.data_ptr() % 16 or scales.data_ptr() % 16 or not (codes.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("packed codes and scales must be contiguous and 16-byte aligned")
     if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
     if x.data_ptr() % 16:   # the kernel copies activations 16 bytes at a time
         x = x.clone()
     groups = scales.shape[1]
-    shift = group_shift(k, groups)
-    if shift is None:
-        raise ValueError(f"scale groups of {k // groups} features are not a power-of-two number of {CHUNK}-feature chunks")
-    warps, stages = fit_shared(*launch_config(k), m, groups, x.device)
-    nb = 1 if m <= 8 else 2
-    kernel = compiled(x.dtype == torch.bfloat16, nb, stages, x.device.index or 0)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    launch = plan(m, n, k, groups, x.dtype == torch.bfloat16, index, os.environ.get(_ENV))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(x.data_ptr()),
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
-            ctypes.c_int(n), ctypes.c_int(shift), ctypes.c_int(groups)]
+            ctypes.c_int(n), ctypes.c_int(launch.shift), ctypes.c_int(groups)]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    shared = 192 * groups + warps * stages * slot_bytes(m)
-    if shared > 48 * 1024:
-        _allow_shared(kernel.func.value if hasattr(kernel.func, "value") else kernel.func, shared)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    status = _libcuda().cuLaunchKernel(kernel.func, n // 16, 1, 1, 32 * warps, 1, 1, shared,
-                                       ctypes.c_void_p(stream), params, None)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+    with contextlib.ExitStack() as stack:
+        if torch.cuda.current_device() != index:   # the function belongs to the device's context
+            stack.enter_context(torch.cuda.device(index))
+        status = _libcuda().cuLaunchKernel(ctypes.c_void_p(launch.func), launch.blocks, 1, 1, launch.threads, 1, 1,
+                                           launch.shared, stream, params, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernel failed for the W4A16 decode kernel (CUresult {status})")
     return y
@@ -251,24 +297,29 @@ class CudaW4A16Kernel(GemmKernel):
             return Support.no("an NVRTC kernel for NVIDIA GPUs")
         if problem.capability is None or problem.capability < (8, 0):
             return Support.no(f"needs compute capability 8.0 or newer (bf16 mma), this GPU has {problem.capability}")
-        if problem.dtype not in (torch.float16, torch.bfloat16):
-            return Support.no(f"dtype {problem.dtype} unsupported (float16, bfloat16)")
+        if problem.dtype != torch.bfloat16:
+            # its scales are bfloat16: float16 checkpoints' scales would lose three bits (~6x float16's own
+            # rounding); float16 models take the other W4A16 kernels
+            return Support.no(f"runs bfloat16 activations (its scales are bfloat16), not {problem.dtype}")
         if not hasattr(torch.cuda, "_compile_kernel"):
             return Support.no("this torch has no torch.cuda._compile_kernel (NVRTC)")
         if importlib.util.find_spec("triton") is None:
             return Support.no("triton not installed (prefill-sized inputs run its GEMM)")
+        try:
+            launch_config(0)
+        except ValueError as exc:
+            return Support.no(str(exc))
+        device = torch.cuda.current_device()
         for n, k in problem.shapes:
             if n % 16 or k % CHUNK:
                 return Support.no(f"shape N={n}, K={k}: needs N % 16 == 0 and K % {CHUNK} == 0")
             group = problem.group_size or k
             if k % group or group_shift(k, k // group) is None:
                 return Support.no(f"group size {group}: needs a power-of-two multiple of {CHUNK} features (K={k})")
-        return cls._compiles(problem.dtype)
-
-    @staticmethod
-    def _compiles(dtype: torch.dtype) -> Support:
+            if SCALE_BYTES * (k // group) + 2 * slot_bytes(MAX_ROWS) > max_shared(device):
+                return Support.no(f"K={k} in groups of {group}: the scales of a tile do not fit in shared memory")
         try:
-            compiled(dtype == torch.bfloat16, 1, launch_config(0)[1], torch.cuda.current_device())
+            compiled(True, 1, launch_config(0)[1], device)
         except Exception as exc:  # noqa: BLE001 - any NVRTC or driver failure means "not here"
             return Support.no(f"NVRTC could not build the kernel: {type(exc).__name__}: {str(exc)[:200]}")
         return Support.yes()
@@ -286,8 +337,5 @@ class CudaW4A16Kernel(GemmKernel):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact:
             return self.large.apply(layer, x, bias)
-        perm = getattr(layer, "perm", None)
-        if perm is not None:
-            x = x.index_select(1, perm)
-        out = mma_decode(x, layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16)
+        out = mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16)
         return out if bias is None else out + bias
