@@ -137,6 +137,7 @@ def _libcuda() -> Any:
 
 
 _compile_lock = threading.Lock()
+_LOADED: list[Any] = []
 
 
 def slot_bytes(rows: int) -> int:
@@ -172,7 +173,9 @@ def compiled(bf16: bool, nb: int, stages: int, device_index: int) -> int:
     the device's opt-in shared memory (set once: the attribute is a limit, not a request)."""
     name = f"w4a16_mma_decode<{'true' if bf16 else 'false'}, {nb}, {stages}>"
     with _compile_lock, torch.cuda.device(device_index):
-        func = _func(torch.cuda._compile_kernel(SOURCE.read_text(), name))
+        kernel = torch.cuda._compile_kernel(SOURCE.read_text(), name)
+        _LOADED.append(kernel)   # the loaded module lives as long as the process
+        func = _func(kernel)
         status = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(func), _MAX_DYNAMIC_SHARED, max_shared(device_index))
     if status != 0:
         raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory) failed for {name} (CUresult {status})")
