@@ -40,7 +40,7 @@ class CpuPagedBackend(TorchBatchedBackend):
 
     #: part of the start-up selection's cache key: a changed kernel (here the decode kernel's prefetching) is
     #: timed afresh
-    selection_revision = 4
+    selection_revision = 5
 
     name = "cpu_paged"
     priority = 6

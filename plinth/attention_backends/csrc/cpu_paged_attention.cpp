@@ -371,6 +371,8 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
 // the block's 16 keys to [D][16] float32 once, so each row's 16 scores come from D fused multiply-adds on
 // 16-lane vectors (no horizontal sum per key); then the rows' online softmax and P V with the block's values.
 constexpr int64_t kTile = 16;
+// key chunks of 16 per online-softmax update in prefill
+constexpr int64_t kGroup = 4;
 
 template <typename scalar_t, int64_t kD>
 void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
@@ -393,7 +395,8 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
   {
     const int64_t max_rows = kTile * group;
     std::vector<float> q(max_rows * kD), acc(max_rows * kD), row_max(max_rows), row_sum(max_rows),
-        kt(kD * 16), vb(16 * kD), p(16);
+        kt(kGroup * kD * 16), vb(kGroup * 16 * kD), p(kGroup * 16);
+    std::vector<int64_t> chunk_key, chunk_base, chunk_len;
     std::vector<int64_t> row_pos(max_rows);
     std::vector<const uint16_t*> qraw(max_rows);   // bfloat16: each row's query in the input
 #pragma omp for schedule(dynamic, 1)
@@ -417,81 +420,121 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
       const int64_t last = ctx + i0 + npos - 1;                      // the tile's last position
       const int64_t lo_pos = sliding_window > 0 ? std::max<int64_t>(0, ctx + i0 + 1 - sliding_window) : 0;
       const int32_t* table = tables + s * sh.table_width;
+      // the visible keys in chunks of 16 (blocks hold a multiple of 16 tokens), taken kGroup chunks at a time:
+      // one online-softmax update (max, exponentials, rescale) per group instead of per chunk
+      chunk_key.clear();
+      chunk_base.clear();
+      chunk_len.clear();
       for (int64_t b = lo_pos / bs; b * bs <= last; ++b) {
         const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + h * kD;
         const int64_t n = std::min<int64_t>(bs, seq_len - b * bs);   // tokens of this block in the cache
-        for (int64_t c0 = 0; c0 < n; c0 += 16) {                     // 16 keys at a time (block sizes of 16k)
-          const int64_t m = std::min<int64_t>(16, n - c0), key0 = b * bs + c0;
-          if (key0 > last) break;
+        for (int64_t c0 = 0; c0 < n && b * bs + c0 <= last; c0 += 16) {
+          chunk_key.push_back(b * bs + c0);
+          chunk_base.push_back(base + c0 * sh.token_stride);
+          chunk_len.push_back(std::min<int64_t>(16, n - c0));
+        }
+      }
+      const int64_t nchunks = static_cast<int64_t>(chunk_key.size());
+      for (int64_t g0 = 0; g0 < nchunks; g0 += kGroup) {
+        const int64_t gn = std::min<int64_t>(kGroup, nchunks - g0);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-          // bfloat16: the keys' bfloat16 pairs transposed to [D/2][16] dwords (no conversion), for vdpbf16ps
-          constexpr bool kPairs = std::is_same_v<scalar_t, uint16_t> && kD % 32 == 0;
-          __m512i ktb[kPairs ? kD / 2 : 1];
-          if constexpr (kPairs) transpose_keys16<kD>(k_cache + base + c0 * sh.token_stride, sh.token_stride, m, ktb);
+        // bfloat16: the keys' bfloat16 pairs transposed to [D/2][16] dwords (no conversion), for vdpbf16ps
+        constexpr bool kPairs = std::is_same_v<scalar_t, uint16_t> && kD % 32 == 0;
+        __m512i ktb[kGroup][kPairs ? kD / 2 : 1];
 #else
-          constexpr bool kPairs = false;
+        constexpr bool kPairs = false;
+#endif
+        for (int64_t j = 0; j < gn; ++j) {
+          const int64_t m = chunk_len[g0 + j];
+          const scalar_t* kc = k_cache + chunk_base[g0 + j];
+          const scalar_t* vc = v_cache + chunk_base[g0 + j];
+          float* kt_j = kt.data() + j * kD * 16;
+          float* vb_j = vb.data() + j * 16 * kD;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if constexpr (kPairs) transpose_keys16<kD>(reinterpret_cast<const uint16_t*>(kc), sh.token_stride, m, ktb[j]);
 #endif
           for (int64_t t = 0; t < 16; ++t) {                           // K^T [D][16], V [16][D] in float32
             if (t < m) {
               if constexpr (!kPairs) {
-                to_float(k_cache + base + (c0 + t) * sh.token_stride, vb.data() + t * kD, kD);
-                for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = vb[t * kD + d];
+                to_float(kc + t * sh.token_stride, vb_j + t * kD, kD);
+                for (int64_t d = 0; d < kD; ++d) kt_j[d * 16 + t] = vb_j[t * kD + d];
               }
-              to_float(v_cache + base + (c0 + t) * sh.token_stride, vb.data() + t * kD, kD);
+              to_float(vc + t * sh.token_stride, vb_j + t * kD, kD);
             } else {
               if constexpr (!kPairs)
-                for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = 0.f;
-              std::fill(vb.begin() + t * kD, vb.begin() + (t + 1) * kD, 0.f);
+                for (int64_t d = 0; d < kD; ++d) kt_j[d * 16 + t] = 0.f;
+              std::fill(vb_j + t * kD, vb_j + (t + 1) * kD, 0.f);
             }
           }
-          for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-          // the scores of 4 rows at once: 4 independent chains of D fused multiply-adds sharing each key load
-          __m512 s4[4];
-          for (int u = 0; u < 4; ++u) s4[u] = _mm512_setzero_ps();
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+          // the scores of 4 rows against each chunk of the group
+          __m512 s4[4][kGroup];
           const int64_t r_end = std::min<int64_t>(rows, r0 + 4);
+          for (int64_t j = 0; j < gn; ++j) {
+            for (int u = 0; u < 4; ++u) s4[u][j] = _mm512_setzero_ps();
+            const float* kt_j = kt.data() + j * kD * 16;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-          if constexpr (kPairs) {   // the raw bfloat16 query rows, two features per dword, scaled afterwards
-            const __m512 sc = _mm512_set1_ps(scale);
-            for (int64_t r = r0; r < r_end; ++r) s4[r - r0] = scores16_bf16<kD>(ktb, qraw[r], sc);
-          } else
+            if constexpr (kPairs) {   // the raw bfloat16 query rows, two features per dword, scaled afterwards
+              const __m512 sc = _mm512_set1_ps(scale);
+              for (int64_t r = r0; r < r_end; ++r) s4[r - r0][j] = scores16_bf16<kD>(ktb[j], qraw[r], sc);
+            } else
 #endif
-          if (r_end - r0 == 4) {
-            const float* q0 = q.data() + r0 * kD;
-            for (int64_t d = 0; d < kD; ++d) {
-              const __m512 kd = _mm512_loadu_ps(kt.data() + d * 16);
-              for (int u = 0; u < 4; ++u) s4[u] = _mm512_fmadd_ps(_mm512_set1_ps(q0[u * kD + d]), kd, s4[u]);
+            if (r_end - r0 == 4) {
+              const float* q0 = q.data() + r0 * kD;
+              for (int64_t d = 0; d < kD; ++d) {
+                const __m512 kd = _mm512_loadu_ps(kt_j + d * 16);
+                for (int u = 0; u < 4; ++u) s4[u][j] = _mm512_fmadd_ps(_mm512_set1_ps(q0[u * kD + d]), kd, s4[u][j]);
+              }
+            } else {
+              for (int64_t r = r0; r < r_end; ++r)
+                for (int64_t d = 0; d < kD; ++d)
+                  s4[r - r0][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * kD + d]), _mm512_loadu_ps(kt_j + d * 16),
+                                                  s4[r - r0][j]);
             }
-          } else {
-            for (int64_t r = r0; r < r_end; ++r)
-              for (int64_t d = 0; d < kD; ++d)
-                s4[r - r0] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * kD + d]), _mm512_loadu_ps(kt.data() + d * 16), s4[r - r0]);
           }
           for (int64_t r = r0; r < r_end; ++r) {
             const int64_t pos = row_pos[r];
             const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos + 1 - sliding_window) : 0;
-            if (key0 > pos || key0 + m <= first) continue;             // no visible key in these 16
-            __m512 sv = s4[r - r0];
-            // visible keys: key0 + t in [first, pos] and t < m
-            const int64_t t_lo = std::max<int64_t>(0, first - key0), t_hi = std::min<int64_t>(m, pos - key0 + 1);
-            const __mmask16 vis = static_cast<__mmask16>(((1u << t_hi) - 1u) & ~((1u << t_lo) - 1u));
-            sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), sv);
-            const float block_max = std::max(row_max[r], _mm512_reduce_max_ps(sv));
-            const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
-            _mm512_storeu_ps(p.data(), pv);
-            const float sum = _mm512_reduce_add_ps(pv);
+            // visible keys of chunk j: key0 + t in [first, pos] and t < m
+            __mmask16 vis[kGroup];
+            __m512 top = _mm512_set1_ps(neg_inf);
+            bool any = false;
+            for (int64_t j = 0; j < gn; ++j) {
+              const int64_t key0 = chunk_key[g0 + j], m = chunk_len[g0 + j];
+              const int64_t t_lo = std::clamp<int64_t>(first - key0, 0, 16);
+              const int64_t t_hi = std::clamp<int64_t>(pos - key0 + 1, 0, m);
+              vis[j] = t_hi > t_lo ? static_cast<__mmask16>(((1u << t_hi) - 1u) & ~((1u << t_lo) - 1u)) : 0;
+              any = any || vis[j] != 0;
+              s4[r - r0][j] = _mm512_mask_blend_ps(vis[j], _mm512_set1_ps(neg_inf), s4[r - r0][j]);
+              top = _mm512_max_ps(top, s4[r - r0][j]);
+            }
+            if (!any) continue;                                        // no visible key in the group
+            const float block_max = std::max(row_max[r], _mm512_reduce_max_ps(top));
+            const __m512 bm = _mm512_set1_ps(block_max);
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t j = 0; j < gn; ++j) {
+              const __m512 pv = _mm512_maskz_mov_ps(vis[j], exp16_nonpositive(_mm512_sub_ps(s4[r - r0][j], bm)));
+              _mm512_storeu_ps(p.data() + 16 * j, pv);
+              total = _mm512_add_ps(total, pv);
+            }
             const float correction = std::exp(row_max[r] - block_max);   // 0 on the first visible keys
             row_max[r] = block_max;
-            row_sum[r] = row_sum[r] * correction + sum;
+            row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(total);
             float* ar = acc.data() + r * kD;
             __m512 a[kV];
             const __m512 c = _mm512_set1_ps(correction);
-            for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_mul_ps(c, _mm512_loadu_ps(ar + 16 * j));
-            for (int64_t t = t_lo; t < t_hi; ++t) {
-              const __m512 pt = _mm512_set1_ps(p[t]);
-              for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vb.data() + t * kD + 16 * j), a[j]);
+            for (int64_t v = 0; v < kV; ++v) a[v] = _mm512_mul_ps(c, _mm512_loadu_ps(ar + 16 * v));
+            for (int64_t j = 0; j < gn; ++j) {
+              if (!vis[j]) continue;
+              const float* vb_j = vb.data() + j * 16 * kD;
+              const int t_lo = __builtin_ctz(vis[j]), t_hi = 16 - __builtin_clz(static_cast<unsigned>(vis[j]) << 16);
+              for (int t = t_lo; t < t_hi; ++t) {
+                const __m512 pt = _mm512_set1_ps(p[16 * j + t]);
+                for (int64_t v = 0; v < kV; ++v) a[v] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vb_j + t * kD + 16 * v), a[v]);
+              }
             }
-            for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(ar + 16 * j, a[j]);
-          }
+            for (int64_t v = 0; v < kV; ++v) _mm512_storeu_ps(ar + 16 * v, a[v]);
           }
         }
       }
