@@ -188,6 +188,24 @@ inline __m512 scores16_bf16(const __m512i* ktb, const uint16_t* qr, __m512 sc) {
   return _mm512_mul_ps(_mm512_add_ps(a0, a1), sc);
 }
 
+// The bfloat16 values of m <= 16 consecutive keys (rows token_stride apart; missing ones zero) as dwords
+// vp [8][kD]: dword d of pair kp holds dimension d of keys 2 kp (low half) and 2 kp + 1 (high half).
+template <int64_t kD>
+inline void interleave_value_pairs(const uint16_t* values, int64_t token_stride, int64_t m, uint32_t* vp) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t kp = 0; kp < 8; ++kp) {
+    for (int64_t w = 0; w < kD / 32; ++w) {
+      const int64_t t0 = 2 * kp, t1 = 2 * kp + 1;
+      const __m512i a = t0 < m ? _mm512_loadu_si512(values + t0 * token_stride + 32 * w) : _mm512_setzero_si512();
+      const __m512i b = t1 < m ? _mm512_loadu_si512(values + t1 * token_stride + 32 * w) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + kp * kD + 32 * w, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(vp + kp * kD + 32 * w + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
 // One block of one KV head for the `group` bfloat16 query rows qraw (unscaled): the bfloat16 decode path of
 // block_update_avx512. Keys 16 at a time: their bfloat16 pairs transposed to [kD/2][16] dwords once, so each
 // row's 16 scores are kD/2 vdpbf16ps with the row's pairs broadcast (no per-key horizontal sum); the 16
@@ -397,6 +415,7 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
     std::vector<float> q(max_rows * kD), acc(max_rows * kD), row_max(max_rows), row_sum(max_rows),
         kt(kGroup * kD * 16), vb(kGroup * 16 * kD), p(kGroup * 16);
     std::vector<int64_t> chunk_key, chunk_base, chunk_len;
+    std::vector<uint32_t> vp(kGroup * 8 * kD);   // bfloat16 V, two keys per dword: [chunk][key pair][D]
     std::vector<int64_t> row_pos(max_rows);
     std::vector<const uint16_t*> qraw(max_rows);   // bfloat16: each row's query in the input
 #pragma omp for schedule(dynamic, 1)
@@ -451,7 +470,11 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
           float* kt_j = kt.data() + j * kD * 16;
           float* vb_j = vb.data() + j * 16 * kD;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-          if constexpr (kPairs) transpose_keys16<kD>(reinterpret_cast<const uint16_t*>(kc), sh.token_stride, m, ktb[j]);
+          if constexpr (kPairs) {
+            transpose_keys16<kD>(reinterpret_cast<const uint16_t*>(kc), sh.token_stride, m, ktb[j]);
+            interleave_value_pairs<kD>(reinterpret_cast<const uint16_t*>(vc), sh.token_stride, m, vp.data() + j * 8 * kD);
+            continue;
+          }
 #endif
           for (int64_t t = 0; t < 16; ++t) {                           // K^T [D][16], V [16][D] in float32
             if (t < m) {
@@ -525,6 +548,26 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
             __m512 a[kV];
             const __m512 c = _mm512_set1_ps(correction);
             for (int64_t v = 0; v < kV; ++v) a[v] = _mm512_mul_ps(c, _mm512_loadu_ps(ar + 16 * v));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+            if constexpr (kPairs) {   // P V with vdpbf16ps: the probabilities of two keys per dword, rounded to bf16
+              for (int64_t j = 0; j < gn; ++j) {
+                if (!vis[j]) continue;
+                const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p.data() + 16 * j));
+                alignas(32) int32_t pairs[8];
+                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), pb);
+                const uint32_t* vp_j = vp.data() + j * 8 * kD;
+                const int kp_lo = __builtin_ctz(vis[j]) / 2;
+                const int kp_hi = (16 - __builtin_clz(static_cast<unsigned>(vis[j]) << 16) + 1) / 2;
+                for (int kp = kp_lo; kp < kp_hi; ++kp) {
+                  const __m512bh pp = (__m512bh)_mm512_set1_epi32(pairs[kp]);
+                  for (int64_t v = 0; v < kV; ++v)
+                    a[v] = _mm512_dpbf16_ps(a[v], pp, (__m512bh)_mm512_loadu_si512(vp_j + kp * kD + 16 * v));
+                }
+              }
+              for (int64_t v = 0; v < kV; ++v) _mm512_storeu_ps(ar + 16 * v, a[v]);
+              continue;
+            }
+#endif
             for (int64_t j = 0; j < gn; ++j) {
               if (!vis[j]) continue;
               const float* vb_j = vb.data() + j * 16 * kD;
