@@ -188,6 +188,27 @@ inline __m512 scores16_bf16(const __m512i* ktb, const uint16_t* qr, __m512 sc) {
   return _mm512_mul_ps(_mm512_add_ps(a0, a1), sc);
 }
 
+// The scores of one bfloat16 query row qr against G chunks of 16 keys (each transposed by transpose_keys16),
+// times sc: each of the row's pairs is broadcast once for all G chunks; two independent sums per chunk.
+template <int64_t kD, int G>
+inline void scores_chunks_bf16(const __m512i (*ktb)[kD / 2], int gn, const uint16_t* qr, __m512 sc, __m512* out) {
+  __m512 a0[G], a1[G];
+  for (int j = 0; j < G; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
+  for (int64_t pr = 0; pr < kD / 2; pr += 2) {
+    int32_t pair0, pair1;
+    std::memcpy(&pair0, qr + 2 * pr, sizeof(pair0));
+    std::memcpy(&pair1, qr + 2 * pr + 2, sizeof(pair1));
+    const __m512bh b0 = (__m512bh)_mm512_set1_epi32(pair0), b1 = (__m512bh)_mm512_set1_epi32(pair1);
+    for (int j = 0; j < G; ++j) {
+      if (j >= gn) break;
+      a0[j] = _mm512_dpbf16_ps(a0[j], (__m512bh)ktb[j][pr], b0);
+      a1[j] = _mm512_dpbf16_ps(a1[j], (__m512bh)ktb[j][pr + 1], b1);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    if (j < gn) out[j] = _mm512_mul_ps(_mm512_add_ps(a0[j], a1[j]), sc);
+}
+
 // The bfloat16 values of m <= 16 consecutive keys (rows token_stride apart; missing ones zero) as dwords
 // vp [8][kD]: dword d of pair kp holds dimension d of keys 2 kp (low half) and 2 kp + 1 (high half).
 template <int64_t kD>
@@ -494,15 +515,16 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
           // the scores of 4 rows against each chunk of the group
           __m512 s4[4][kGroup];
           const int64_t r_end = std::min<int64_t>(rows, r0 + 4);
-          for (int64_t j = 0; j < gn; ++j) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if constexpr (kPairs) {   // the raw bfloat16 query rows, two features per dword, scaled afterwards
+            const __m512 sc = _mm512_set1_ps(scale);
+            for (int64_t r = r0; r < r_end; ++r)
+              scores_chunks_bf16<kD, kGroup>(ktb, static_cast<int>(gn), qraw[r], sc, s4[r - r0]);
+          }
+#endif
+          for (int64_t j = 0; j < gn && !kPairs; ++j) {
             for (int u = 0; u < 4; ++u) s4[u][j] = _mm512_setzero_ps();
             const float* kt_j = kt.data() + j * kD * 16;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-            if constexpr (kPairs) {   // the raw bfloat16 query rows, two features per dword, scaled afterwards
-              const __m512 sc = _mm512_set1_ps(scale);
-              for (int64_t r = r0; r < r_end; ++r) s4[r - r0][j] = scores16_bf16<kD>(ktb[j], qraw[r], sc);
-            } else
-#endif
             if (r_end - r0 == 4) {
               const float* q0 = q.data() + r0 * kD;
               for (int64_t d = 0; d < kD; ++d) {
