@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-# Engines here fault their CPU KV-cache pages in on first use: a background thread filling a 2 GiB cache
-# for each of the suite's engines would only compete with the tests (tests/test_cpu_memory.py turns it on).
-os.environ.setdefault("PLINTH_CPU_KV_POPULATE", "0")
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -183,7 +183,6 @@ class Worker:
                 and self.runner.graphs is None and self.platform.supports_graph_capture
                 and getattr(self._backend, "graph_safe", False)):
             self._capture_decode_graphs()
-        self.runner.start_kv_populate()
         return self.runner.kv_cache_bytes
 
     def _prepare_runner(self) -> None:

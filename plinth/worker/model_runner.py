@@ -16,7 +16,6 @@ import torch
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
 from plinth.worker.batching import FlatBatch, SeqBatchEntry
-from plinth.worker.cpu_memory import populate_in_background
 from plinth.worker.staging import HostStaging
 
 __all__ = ["ModelRunner", "SeqBatchEntry", "StepInputs"]
@@ -77,18 +76,10 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
-        self.kv_populate = None   # the background page-in of a CPU cache, once start_kv_populate() ran
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         self.staging = HostStaging(device)
         logger.info("KV cache: %d blocks x %d tokens, %.1f MiB in %.2f s", num_blocks, block_size,
                     self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
-
-    def start_kv_populate(self) -> None:
-        """CPU caches are calloc'd: fault their pages in from a low-priority background thread rather than inside
-        the first steps that write them (:mod:`plinth.worker.cpu_memory`). Called once the engine is built, so
-        that it does not compete with loading."""
-        if self.device.type == "cpu" and self.kv_populate is None:
-            self.kv_populate = populate_in_background(self.kv_caches)
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, backend: AttentionBackend, block_size: int,

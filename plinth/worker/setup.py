@@ -188,7 +188,6 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         logger.info("attention backend %s cannot be captured in a graph: decode runs eagerly", backend.name)
     else:
         runner.capture_decode_graphs(config.scheduler.max_num_seqs)
-    runner.start_kv_populate()
     name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")
     if config.model.model is None:
         from plinth.model_registry.default_model import DEFAULT_MODEL_NAME
