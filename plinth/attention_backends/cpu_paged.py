@@ -38,8 +38,8 @@ def _enabled() -> bool:
 class CpuPagedBackend(TorchBatchedBackend):
     """Decode and prefill through native kernels over the paged cache; other shapes as ``torch_batched``."""
 
-    #: part of the start-up selection's cache key: a changed kernel (here the decode kernel's prefetching) is
-    #: timed afresh
+    #: part of the start-up selection's cache key: a changed kernel (here the prefill kernel's 64-key softmax
+    #: updates and bfloat16 P V) is timed afresh
     selection_revision = 5
 
     name = "cpu_paged"

@@ -406,9 +406,11 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
 #if defined(__AVX512F__)
 // Attention of query rows that may be many per sequence (prefill chunks, mixed with decode rows), causal over
 // each sequence's cache. A work item is one sequence, one KV head and a tile of up to kTile consecutive query
-// positions (with all query heads of the KV head: rows = positions x group). Per cached block it transposes
-// the block's 16 keys to [D][16] float32 once, so each row's 16 scores come from D fused multiply-adds on
-// 16-lane vectors (no horizontal sum per key); then the rows' online softmax and P V with the block's values.
+// positions (with all query heads of the KV head: rows = positions x group). The visible keys go in chunks of
+// 16, kGroup chunks per online-softmax update. Each chunk's keys are transposed once (bfloat16 pairs for
+// vdpbf16ps with a bfloat16 cache on AVX512-BF16, else [D][16] float32 for fused multiply-adds), so a row's
+// scores need no horizontal sum per key; P V runs on vdpbf16ps over the values of two keys per dword (the
+// probabilities rounded to bfloat16, and the softmax sum taken over the rounded values) or in float32.
 constexpr int64_t kTile = 16;
 // key chunks of 16 per online-softmax update in prefill
 constexpr int64_t kGroup = 4;
@@ -559,7 +561,13 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
             const __m512 bm = _mm512_set1_ps(block_max);
             __m512 total = _mm512_setzero_ps();
             for (int64_t j = 0; j < gn; ++j) {
-              const __m512 pv = _mm512_maskz_mov_ps(vis[j], exp16_nonpositive(_mm512_sub_ps(s4[r - r0][j], bm)));
+              __m512 pv = _mm512_maskz_mov_ps(vis[j], exp16_nonpositive(_mm512_sub_ps(s4[r - r0][j], bm)));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+              // P V takes the probabilities in bfloat16: normalise by the sum of the same rounded values
+              if constexpr (kPairs)
+                pv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pv)), 16));
+#endif
               _mm512_storeu_ps(p.data() + 16 * j, pv);
               total = _mm512_add_ps(total, pv);
             }
