@@ -38,9 +38,10 @@ def _zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> to
     """A zero tensor; on the CPU from calloc'd memory (numpy), whose pages the OS zeroes on first touch,
     so a large KV cache costs no start-up time (``torch.zeros`` writes every byte).
 
-    Not advised for transparent huge pages: that cut a 32-sequence decode step's KV writes from 2.3 to
-    0.3 ms, but a first touch then zeroes (and, with the kernel's usual ``defrag=madvise``, may compact) a
-    whole 2 MiB page inside a step; serving-like runs got slower (318 vs 355 tok/s, step p99 483 vs 358 ms)."""
+    numpy advises transparent huge pages for arrays of 4 MiB or more, so where THP is in ``madvise`` mode the
+    cache gets 2 MiB pages on first touch. Forcing 4 KiB pages instead made no difference beyond noise under
+    ``benchmarks/serve_peers.sh`` at 8 and 32 streams (benchmarks/RESULTS.md, session 8); an earlier
+    experiment that madvised huge pages explicitly had measured slower serving (318 vs 355 tok/s)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
