@@ -470,7 +470,8 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
       for (int64_t b = lo_pos / bs; b * bs <= last; ++b) {
         const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + h * kD;
         const int64_t n = std::min<int64_t>(bs, seq_len - b * bs);   // tokens of this block in the cache
-        for (int64_t c0 = 0; c0 < n && b * bs + c0 <= last; c0 += 16) {
+        // chunks wholly before the window of the tile's first row are visible to none of its rows
+        for (int64_t c0 = std::max<int64_t>(0, (lo_pos - b * bs) / 16 * 16); c0 < n && b * bs + c0 <= last; c0 += 16) {
           chunk_key.push_back(b * bs + c0);
           chunk_base.push_back(base + c0 * sh.token_stride);
           chunk_len.push_back(std::min<int64_t>(16, n - c0));
