@@ -124,12 +124,6 @@ __device__ __forceinline__ float as_float(u32 v) {
   return f;
 }
 
-__device__ __forceinline__ u32 as_u32(float f) {
-  u32 v;
-  asm("mov.b32 %0, %1;" : "=r"(v) : "f"(f));
-  return v;
-}
-
 // a b + c, rounded once
 __device__ __forceinline__ float fma_f32(float a, float b, float c) {
   float d;
@@ -215,7 +209,7 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     const int gg = i & 7;
     u32 w0, w1;
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w0), "=r"(w1) : "r"(entry + 128u + gg * 8u) : "memory");
-    const u32 out0 = as_u32(as_float(w0 << 16)), out2 = as_u32(as_float(w1 << 16));
+    const u32 out0 = w0 << 16, out2 = w1 << 16;   // the bfloat16 scales' bits as float32
     const u32 out1 = splat2<BF16>(-(as_float(w0 & 0xFFFF0000u) + magic_f));
     const u32 out3 = splat2<BF16>(-(as_float(w1 & 0xFFFF0000u) + magic_f));
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(entry + gg * 16u), "r"(out0), "r"(out1),

@@ -30,7 +30,7 @@ from torch import nn
 from plinth.quantization.formats import IntWeights
 from plinth.quantization.kernels.dequant import permute_input
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
-from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
+from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel, _override
 
 SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "w4a16_mma.cu"
 #: the most rows the decode kernel takes (two 8-row B operands per unpacked A fragment)
@@ -196,17 +196,14 @@ def launch_config(k: int) -> tuple[int, int]:
     """``(warps per block, ring slots per warp)``: four warps with four slots each, eight warps for long
     rows (K > 8192; each tile has more chunks to share). Swept on an H200 at Llama-3-8B's shapes
     (``benchmarks/skinny_gemm_gpu.py --parts w4cuda``); ``PLINTH_W4A16_CUDA="WARPS,STAGES"`` overrides."""
-    forced = os.environ.get(_ENV)
-    if forced:
-        try:
-            warps, stages = (int(v) for v in forced.split(","))
-        except ValueError:
-            warps = stages = 0
-        if warps not in _WARPS or stages not in _STAGES:
-            raise ValueError(f"{_ENV}={forced!r}: expected WARPS ({', '.join(map(str, _WARPS))}),"
-                             f"STAGES ({', '.join(map(str, _STAGES))})")
-        return warps, stages
-    return (8, 4) if k > 8192 else (4, 4)
+    forced = _override(_ENV, 2, 1)
+    if forced is None:
+        return (8, 4) if k > 8192 else (4, 4)
+    warps, stages = forced
+    if warps not in _WARPS or stages not in _STAGES:
+        raise ValueError(f"{_ENV}={os.environ[_ENV]!r}: expected WARPS ({', '.join(map(str, _WARPS))}),"
+                         f"STAGES ({', '.join(map(str, _STAGES))})")
+    return warps, stages
 
 
 def fit_shared(warps: int, stages: int, rows: int, groups: int, limit: int) -> tuple[int, int]:
