@@ -248,8 +248,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 ranks = ", workers run / sample+wait: " + ", ".join(
                     f"rank {i} {run:.3f} / {wait:.3f}" for i, (run, wait) in
                     enumerate(zip(b["worker_run_ms"], b["worker_sample_wait_ms"], strict=True)) if run is not None)
-            print(f"{r['layout']:>7} batch-1 step (median ms): engine.step {b['engine_step_ms']:.3f}, "
-                  f"executor.execute {b['executor_execute_ms']:.3f}{ranks}")
+            execute = b.get("executor_execute_ms")
+            execute_text = f", executor.execute {execute:.3f}" if execute is not None else ""
+            print(f"{r['layout']:>7} batch-1 step (median ms): engine.step {b['engine_step_ms']:.3f}"
+                  f"{execute_text}{ranks}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,12 +58,11 @@ class _RecordingOps:
 def test_off_switch_and_non_cuda_devices_set_nothing_up(monkeypatch):
     """No group, a CPU device, or PLINTH_CUSTOM_ALL_REDUCE=0: ``None`` at once, no collective, no
     peer-memory call (the stand-in group below would fail any collective)."""
-    monkeypatch.delenv(car.CUSTOM_ALL_REDUCE_ENV, raising=False)   # off unless asked for
+    monkeypatch.delenv(car.CUSTOM_ALL_REDUCE_ENV, raising=False)   # on by default, but only for CUDA devices
     not_a_group = object()
     assert car.create_custom_all_reduce(None, torch.device("cpu")) is None
     assert car.create_custom_all_reduce(not_a_group, torch.device("cpu")) is None
     ops = _RecordingOps()
-    assert car.create_custom_all_reduce(not_a_group, torch.device("cpu"), ops=ops) is None
     for off in ("0", "false", "off", "NO"):
         monkeypatch.setenv(car.CUSTOM_ALL_REDUCE_ENV, off)
         assert car.create_custom_all_reduce(not_a_group, torch.device("cpu"), ops=ops) is None
@@ -307,6 +306,50 @@ def _gpu_rank(rank: int, port: int, out_dir: str) -> None:
             dist.all_reduce(rb, group=group)
             assert torch.equal(a_out, ra) and torch.equal(b_out, rb), step
             assert not torch.equal(ra, fresh)   # the inputs really differ across ranks
+
+        # plinth's peer kernel: bfloat16 rows, alone and with the residual add and RMSNorm, eager and in a graph
+        assert comm.peer is not None, "plinth's peer all-reduce kernel was not set up"
+        from plinth.distributed.communication import tp_all_reduce_add_rms_norm
+        from plinth.kernels import ops
+        from plinth.model_registry.layers.layernorm import RMSNorm
+
+        norm = RMSNorm(4096, eps=1e-5).to(device=device, dtype=torch.bfloat16)
+        norm.weight.data = (torch.rand(4096, generator=gen, device=device) + 0.5).to(torch.bfloat16)
+        dist.broadcast(norm.weight.data, 0, group=group)
+        assert comm.peer.can_reduce(torch.empty(128, 4096, dtype=torch.bfloat16, device=device))
+        assert not comm.peer.can_reduce(torch.empty(129, 4096, dtype=torch.bfloat16, device=device))   # > 1 MiB
+        assert not comm.peer.can_reduce(torch.empty(2, 4100, dtype=torch.bfloat16, device=device))    # not 8k wide
+        for rows in (1, 5, 16, 128, 129):
+            x = torch.randn(rows, 4096, generator=gen, device=device).to(torch.bfloat16)
+            residual = torch.randn(rows, 4096, generator=gen, device=device).to(torch.bfloat16)
+            reference = x.clone()
+            dist.all_reduce(reference, group=group)
+            ref_y, ref_h = ops.rms_norm(reference, norm.weight, norm.eps, residual.clone())
+            y, h = tp_all_reduce_add_rms_norm(x.clone(), residual.clone(), norm)
+            assert torch.equal(y, ref_y) and torch.equal(h, ref_h), rows
+            fused = comm.all_reduce_add_rms_norm(x.clone(), residual.clone(), norm.weight, norm.eps)
+            assert (fused is None) == (rows > 128), rows
+
+        xs = torch.zeros(3, 4096, dtype=torch.bfloat16, device=device)    # [3, 4096] the graph's inputs
+        rs = torch.zeros(3, 4096, dtype=torch.bfloat16, device=device)
+
+        def fused_body() -> tuple[torch.Tensor, torch.Tensor]:
+            return tp_all_reduce_add_rms_norm(xs.clone(), rs.clone(), norm)
+
+        fused_body()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            y_out, h_out = fused_body()
+        for step in range(5):
+            xs.copy_(torch.randn(3, 4096, generator=gen, device=device).to(torch.bfloat16))
+            rs.copy_(torch.randn(3, 4096, generator=gen, device=device).to(torch.bfloat16))
+            dist.broadcast(rs, 0, group=group)
+            graph.replay()
+            reference = xs.clone()
+            dist.all_reduce(reference, group=group)
+            ref_y, ref_h = ops.rms_norm(reference, norm.weight, norm.eps, rs.clone())
+            assert torch.equal(y_out, ref_y) and torch.equal(h_out, ref_h), step
         (Path(out_dir) / f"rank{rank}").write_text("ok")
     finally:
         destroy_parallel_state()
@@ -413,3 +456,19 @@ def test_gpu_tp2_greedy_outputs_equal_with_and_without_the_custom_all_reduce(tin
     with_nccl = _tp2_greedy(tiny_llama_dir)
     assert with_custom == with_nccl
     assert len({tuple(t) for t in with_custom}) > 2   # the outputs depend on the prompt
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("fused", ["false", "true"])
+def test_peer_kernel_source_compiles_without_spills(arch, fused):
+    """The peer all-reduce kernel compiles with NVRTC (from its wheel; no GPU needed) for Ampere and
+    Hopper, every value in registers."""
+    from nvrtc_compile import compile_source
+
+    from plinth.kernels.nvrtc import CSRC
+
+    source = (CSRC / "tp_all_reduce.cu").read_bytes()
+    status, log = compile_source(source, "tp_all_reduce.cu", f"tp_all_reduce<{fused}>", arch)
+    assert status == 0, log
+    assert "0 bytes spill stores" in log, log
+    assert f"#define FLAG_BYTES {car.PeerKernel.FLAG_BYTES}\n" in source.decode()   # the two sides agree

@@ -245,3 +245,30 @@ def test_moe_matches_a_per_token_loop():
             gate, up = (moe.w13_weight[e].double() @ x[t].double()).chunk(2)
             ref += w * (moe.w2_weight[e].double() @ (torch.nn.functional.silu(gate) * up))
         assert torch.allclose(out[t].double(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch,pp_rank,pp_size", [("MistralForCausalLM", 0, 1), ("MistralForCausalLM", 0, 2),
+                                                  ("MistralForCausalLM", 1, 2), ("LlamaForCausalLM", 0, 1),
+                                                  ("Qwen3MoeForCausalLM", 0, 1)])
+def test_tensor_parallel_layers_leave_each_reduction_to_the_norm_after_it(arch, pp_rank, pp_size):
+    """Under TP a layer returns its dense MLP's partial sums and the next norm reduces them (the final norm
+    after the last layer); a stage without the final norm, a down-projection with a bias and an MoE block
+    reduce their own output; an output projection with a bias keeps its reduction."""
+    config_cls, overrides = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "num_hidden_layers": 4})
+    ctx = ModelContext(hf_config=config, dtype=torch.float32, device=torch.device("cpu"),
+                       attention_backend=TorchSDPABackend(), block_size=4, tp_rank=0, tp_size=2,
+                       pp_rank=pp_rank, pp_size=pp_size)
+    model = ModelRegistry.resolve(arch)(ctx).model
+    built = [layer for layer in model.layers if hasattr(layer, "defer_output")]
+    deferred = [layer.defer_output for layer in built]
+    assert [layer.reduce_input for layer in built] == [False] + deferred[:-1]
+    assert model.reduce_final == (model.norm is not None and deferred[-1])
+    if arch == "MistralForCausalLM":
+        assert len(built) == 4 // pp_size
+        assert deferred == [True] * (len(built) - 1) + [model.norm is not None]
+        assert all(layer.fuse_attention_reduce for layer in built)
+    elif arch == "LlamaForCausalLM":   # attention_bias and mlp_bias
+        assert deferred == [False] * 4 and not any(layer.fuse_attention_reduce for layer in built)
+    else:   # Qwen3-MoE: layer 1 is dense (mlp_only_layers), the others are MoE
+        assert deferred == [False, True, False, False]

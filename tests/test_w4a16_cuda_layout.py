@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvrtc_compile import compile_source
 
 from plinth.quantization.kernels.interface import GemmProblem
 from plinth.quantization.kernels.w4a16_cuda import (
@@ -116,22 +117,6 @@ def test_fractional_zero_points_are_left_to_triton():
     assert not integral_zeros(torch.tensor([[200.0]]))
 
 
-def _nvrtc():
-    """NVRTC from the ``nvidia-cuda-nvrtc-cu12`` wheel (a test dependency; no GPU needed to compile)."""
-    import ctypes
-    import glob
-    import importlib.util
-
-    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("nvidia-cuda-nvrtc-cu12 not installed")
-    libs = sorted(glob.glob(f"{list(spec.submodule_search_locations)[0]}/lib/libnvrtc.so*"))
-    libs = [p for p in libs if "builtins" not in p and ".alt." not in p]
-    if not libs:
-        pytest.skip("no libnvrtc in nvidia-cuda-nvrtc-cu12")
-    return ctypes, ctypes.CDLL(libs[0])
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("bf16", ["true", "false"])
 @pytest.mark.parametrize("nb", [1, 2])
@@ -139,27 +124,16 @@ def test_kernel_source_compiles_without_spills(arch, bf16, nb):
     """Every instance the launcher can ask for compiles with NVRTC, and on Hopper (where it was tuned) the
     default ring depths keep every value in registers (a spill would add local-memory traffic to a
     bandwidth-bound kernel; for sm_80 ptxas spills 4 bytes in the 9-16-row instances)."""
-    ctypes, lib = _nvrtc()
     from plinth.quantization.kernels.w4a16_cuda import _STAGES, launch_config
 
     source = SOURCE.read_text().encode()
     defaults = {launch_config(4096)[1], launch_config(14336)[1]}
     for stages in _STAGES:
-        name = f"w4a16_mma_decode<{bf16}, {nb}, {stages}>".encode()
-        prog = ctypes.c_void_p()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"w4a16_mma.cu", 0, None, None) == 0
-        assert lib.nvrtcAddNameExpression(prog, name) == 0
-        opts = [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]
-        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        text = log.value.decode(errors="replace")
-        assert status == 0, f"{name.decode()} ({arch}):\n{text}"
+        name = f"w4a16_mma_decode<{bf16}, {nb}, {stages}>"
+        status, text = compile_source(source, "w4a16_mma.cu", name, arch)
+        assert status == 0, f"{name} ({arch}):\n{text}"
         if stages in defaults and arch == "sm_90":
-            assert "0 bytes spill stores" in text, f"{name.decode()} ({arch}) spills:\n{text}"
+            assert "0 bytes spill stores" in text, f"{name} ({arch}) spills:\n{text}"
 
 
 def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:

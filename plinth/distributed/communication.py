@@ -8,6 +8,7 @@ group's custom all-reduce where one was set up (:mod:`plinth.distributed.custom_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,26 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return state.custom_all_reduce.all_reduce(x)
     dist.all_reduce(x, group=state.tp_group)
     return x
+
+
+def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` with ``h = sum over the TP group of x, plus residual``: what a decoder layer computes
+    after a row-parallel projection. One launch of the custom all-reduce's peer kernel where it takes the
+    tensors (bfloat16 decode rows; ``residual`` is then updated in place), else the all-reduce, then
+    ``norm(x, residual)``; both give the same bits.
+
+    Args:
+        x: ``[T, H]`` this rank's partial sums (overwritten).
+        residual: ``[T, H]`` the residual stream.
+        norm: an :class:`~plinth.model_registry.layers.layernorm.RMSNorm` (``weight``, ``eps``).
+    """
+    comm = get_parallel_state().custom_all_reduce
+    if comm is not None and x.dim() == 2:
+        fused = comm.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+    tp_all_reduce(x)
+    return norm(x, residual)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

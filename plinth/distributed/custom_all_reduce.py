@@ -18,8 +18,14 @@ rank: every rank gets the same bits (and with two ranks, the bits NCCL gives).
 Set-up (:func:`create_custom_all_reduce`) is collective over the TP group: after each local step
 (allocating the buffer, mapping the peers' buffers, a test reduction of known values) the ranks
 compare notes over the group's own backend, and if any rank failed, or the ranks are on different
-hosts, every rank logs one warning and keeps NCCL. It is off unless ``PLINTH_CUSTOM_ALL_REDUCE=1``:
-it has not yet been timed against NCCL on GPUs (benchmarks/tp_gpu.py measures both).
+hosts, every rank logs one warning and keeps NCCL. ``PLINTH_CUSTOM_ALL_REDUCE=0`` turns it off.
+
+bfloat16 rows (the decode steps' all-reduces) take plinth's own kernel (:class:`PeerKernel`,
+``plinth/kernels/csrc/tp_all_reduce.cu``) where it builds and passes its test on every rank: it stages the
+rows itself (one launch, not a copy and a reduction) and can also add the residual and apply the RMSNorm
+that follows (:meth:`CustomAllReduce.all_reduce_add_rms_norm`). On two H200s one all-reduce of a
+``[1, 4096]`` row costs 5.0 us there, 7.5 us through torch's one-shot kernel and 20.3 us through NCCL
+(``benchmarks/tp_allreduce_gpu.py``).
 NVLink multicast is never used: set-up sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` in the worker
 process, so mapping the buffers creates no multicast object. Ranks that share one device index
 (Ray actors that each see one GPU) fail the mapping on every rank alike and keep NCCL.
@@ -87,6 +93,132 @@ class SymmetricMemoryOps:
         self._one_shot(staged, "sum", group_name, out)
 
 
+class PeerKernel:
+    """The all-reduce kernel of ``plinth/kernels/csrc/tp_all_reduce.cu`` over a buffer that every rank of
+    the group maps: one launch per all-reduce of bfloat16 rows, which stages this rank's rows itself and
+    can finish with the residual add and RMSNorm that follow the reduction in a decoder layer.
+
+    Build it on every rank of the group at once (allocation and mapping are collective).
+
+    Args:
+        group: the TP process group.
+        device: this rank's CUDA device.
+        max_bytes: the largest tensor it reduces.
+        blocks: blocks per launch (at most ``MAX_BLOCKS``; each takes every ``blocks``-th row).
+
+    Raises:
+        RuntimeError, ImportError, AttributeError: NVRTC, the driver or symmetric memory failed here.
+    """
+
+    #: blocks per launch by default: fixed per buffer (the per-block call counters must agree across calls)
+    BLOCKS = 16
+    #: the most blocks the flags region has room for (``FLAG_BYTES / (4 * MAX_RANKS)``)
+    MAX_BLOCKS = 128
+    #: bytes of flags at the start of each rank's buffer (``FLAG_BYTES`` in the source)
+    FLAG_BYTES = 4096
+    #: the widest row a block takes (eight values per thread, 1024 threads)
+    MAX_COLS = 8192
+
+    def __init__(self, group: Any, device: torch.device, max_bytes: int = MAX_BYTES, blocks: int = BLOCKS):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from plinth.kernels import nvrtc
+
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if self.world_size > 8:
+            raise RuntimeError("the peer all-reduce kernel takes at most 8 ranks")
+        if not 1 <= blocks <= self.MAX_BLOCKS:
+            raise ValueError(f"blocks must be 1-{self.MAX_BLOCKS}, got {blocks}")
+        self.blocks = blocks
+        self.max_bytes = max_bytes
+        source = (nvrtc.CSRC / "tp_all_reduce.cu").read_text()
+        self._plain = nvrtc.compile_function(source, "tp_all_reduce<false>", device.index)
+        self._fused = nvrtc.compile_function(source, "tp_all_reduce<true>", device.index)
+        total = self.FLAG_BYTES + 2 * max_bytes
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+        buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        buffer[: self.FLAG_BYTES].zero_()
+        torch.cuda.synchronize(device)   # the flags are zero before any peer can write them
+        self._buffer: torch.Tensor | None = buffer
+        self._group_name = group.group_name
+        self._handle: Any = None
+        self._ptrs: torch.Tensor | None = None
+        self._calls = torch.zeros(blocks, dtype=torch.int32, device=device)    # [blocks]
+        self._nvrtc = nvrtc
+
+    def connect(self) -> None:
+        """Map the peers' buffers (collective over the group)."""
+        assert self._buffer is not None
+        handle = SymmetricMemoryOps().rendezvous(self._buffer, self._group_name)
+        total = self._buffer.numel()
+        ptrs = [handle.get_buffer(r, (total,), torch.uint8).data_ptr() for r in range(self.world_size)]
+        self._ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)     # [world]
+        self._handle = handle
+
+    def can_reduce(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (rows of its last dimension) takes the kernel; the same answer on every rank."""
+        cols = x.shape[-1] if x.dim() else 0
+        return (self._handle is not None and x.dtype == torch.bfloat16 and x.device == self.device
+                and x.dim() >= 1 and cols % 8 == 0 and 0 < cols <= self.MAX_COLS and x.is_contiguous()
+                and 0 < x.numel() * 2 <= self.max_bytes and x.data_ptr() % ALIGN_BYTES == 0)
+
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`all_reduce_add_rms_norm` takes these tensors."""
+        return (self.can_reduce(x) and residual.shape == x.shape and residual.dtype == x.dtype
+                and residual.is_contiguous() and residual.device == x.device and residual.data_ptr() % ALIGN_BYTES == 0
+                and weight.shape == x.shape[-1:] and weight.dtype == x.dtype and weight.is_contiguous()
+                and weight.device == x.device and weight.data_ptr() % ALIGN_BYTES == 0)
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum ``x`` over the group, in place (``can_reduce(x)`` must hold)."""
+        self._launch(self._plain, x, x, None, None, 0.0)
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> torch.Tensor:
+        """``RMSNorm(sum(x) + residual) * weight``; ``residual`` becomes ``sum(x) + residual`` in place.
+
+        ``x`` and ``residual`` ``[T, H]`` bfloat16, ``weight`` ``[H]`` bfloat16 (``can_reduce(x)`` must hold,
+        and ``residual``/``weight`` contiguous and 16-byte aligned)."""
+        out = torch.empty_like(x)
+        self._launch(self._fused, x, out, residual, weight, eps)
+        return out
+
+    def _launch(self, func: int, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+                weight: torch.Tensor | None, eps: float) -> None:
+        import ctypes
+
+        cols = x.shape[-1]
+        rows = x.numel() // cols
+        units = cols // 8
+        threads = max(32, -(-units // 32) * 32)
+        null = ctypes.c_void_p(0)
+        assert self._ptrs is not None, "connect() first"
+        args = [ctypes.c_void_p(self._ptrs.data_ptr()), ctypes.c_void_p(self._calls.data_ptr()),
+                ctypes.c_int(self.rank), ctypes.c_int(self.world_size), ctypes.c_void_p(x.data_ptr()),
+                ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(residual.data_ptr()) if residual is not None else null,
+                ctypes.c_void_p(weight.data_ptr()) if weight is not None else null, ctypes.c_int(rows),
+                ctypes.c_int(units), ctypes.c_float(eps), ctypes.c_uint64(self.max_bytes)]
+        self._nvrtc.launch(func, self.blocks, threads, 0, self.device, args, "the peer all-reduce kernel")
+
+    def self_test(self) -> bool:
+        """Reduce known values (one row, and the largest tensor) and check the sums; True if all exact."""
+        ok = True
+        for rows in (1, self.max_bytes // (2 * 4096)):
+            base = (torch.arange(rows * 4096, device=self.device) % 8).view(rows, 4096).to(torch.bfloat16)
+            x = base + self.rank
+            self.all_reduce(x)
+            w = self.world_size
+            ok &= bool(torch.equal(x, base * w + w * (w - 1) // 2))
+        return ok
+
+    def close(self) -> None:
+        """Drop the buffer and the peer mappings."""
+        self._handle = None
+        self._buffer = None
+
+
 class CustomAllReduce:
     """The all-reduce of one TP group on one device. Build it with :func:`create_custom_all_reduce`.
 
@@ -108,6 +240,8 @@ class CustomAllReduce:
         self._ops = ops
         self._buffer: torch.Tensor | None = ops.empty(max_bytes, device)   # [max_bytes] uint8
         self._handle: Any = None
+        #: the peer all-reduce kernel, for bfloat16 rows (set up after the one-shot path passed its test)
+        self.peer: PeerKernel | None = None
 
     def connect(self) -> None:
         """Map the peers' buffers (collective over the group)."""
@@ -123,11 +257,23 @@ class CustomAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place; returns ``x``."""
-        if self.can_reduce(x):
+        if self.peer is not None and self.peer.can_reduce(x):
+            self.peer.all_reduce(x)
+        elif self.can_reduce(x):
             self._reduce(x)
         else:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(RMSNorm(sum(x) + residual) * weight, sum(x) + residual)`` in one launch of the peer kernel
+        (``residual`` is updated in place and returned); ``None`` where the kernel does not take these
+        tensors (the caller reduces and norms separately). The same answer on every rank."""
+        peer = self.peer
+        if peer is None or not peer.can_fuse(x, residual, weight):
+            return None
+        return peer.all_reduce_add_rms_norm(x, residual, weight, eps), residual
 
     def _reduce(self, x: torch.Tensor) -> None:
         assert self._buffer is not None
@@ -164,7 +310,10 @@ class CustomAllReduce:
         return bool(torch.equal(x, base * w + w * (w - 1) // 2))
 
     def close(self) -> None:
-        """Drop the buffer and the peer mappings (when the process group goes)."""
+        """Drop the buffers and the peer mappings (when the process group goes)."""
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
         self._handle = None
         self._buffer = None
 
@@ -202,8 +351,8 @@ def create_custom_all_reduce(group: Any, device: torch.device, ops: Any = None) 
     """
     if group is None or (ops is None and device.type != "cuda"):
         return None
-    if not env_flag(CUSTOM_ALL_REDUCE_ENV, False):
-        logger.info("custom all-reduce off (%s=1 turns it on)", CUSTOM_ALL_REDUCE_ENV)
+    if not env_flag(CUSTOM_ALL_REDUCE_ENV, True):
+        logger.info("custom all-reduce off (%s=0)", CUSTOM_ALL_REDUCE_ENV)
         return None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -241,12 +390,53 @@ def create_custom_all_reduce(group: Any, device: torch.device, ops: Any = None) 
         assert comm is not None
         extra = {d for i, d in enumerate(OPTIONAL_DTYPES) if bool(table[:, 1 + i].all())}
         comm.dtypes = frozenset(REQUIRED_DTYPES) | extra
-        logger.info("custom all-reduce on: tensors of up to %d KiB (%s) over peer memory, %d ranks",
+        if ops is None:
+            comm.peer = _create_peer_kernel(group, device)
+        logger.info("custom all-reduce on: tensors of up to %d KiB (%s) over peer memory, %d ranks%s",
                     comm.max_bytes >> 10, ", ".join(sorted(str(d).removeprefix("torch.") for d in comm.dtypes)),
-                    comm.world_size)
+                    comm.world_size, "; bfloat16 rows through plinth's kernel" if comm.peer is not None else "")
         return comm
     if comm is not None:
         comm.close()
     logger.warning("custom all-reduce not used, tensor-parallel all-reduces use %s: %s", dist.get_backend(group),
                    problem)
+    return None
+
+
+def _create_peer_kernel(group: Any, device: torch.device) -> PeerKernel | None:
+    """Build, connect and test :class:`PeerKernel` on every rank (collective; the ranks compare notes after
+    each step, so a failure on one rank never leaves another waiting in a collective step); ``None`` on every
+    rank if any failed (each logs one warning; the one-shot path and NCCL stay)."""
+    peer: PeerKernel | None = None
+    problem: str | None = None
+
+    def step(what: str, fn: Any) -> None:
+        nonlocal problem
+        if problem is None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - any failure of NVRTC, the driver or the mapping
+                problem = f"{what} failed on this rank ({type(exc).__name__}: {str(exc)[:300]})"
+        table = _gather_flags(group, device, [problem is None])
+        if problem is None and _failed_ranks(table):
+            problem = f"{what} failed on rank(s) {_failed_ranks(table)}"
+
+    def build() -> None:
+        nonlocal peer
+        peer = PeerKernel(group, device)
+
+    def test() -> None:
+        assert peer is not None
+        if not peer.self_test():
+            raise RuntimeError("wrong sums")
+
+    step("building it", build)
+    step("mapping the peers' buffers", lambda: peer.connect())   # type: ignore[union-attr]
+    step("its test reduction", test)
+    if problem is None:
+        return peer
+    if peer is not None:
+        peer.close()
+    logger.warning("plinth's peer all-reduce kernel not used (torch's one-shot kernel and %s stay): %s",
+                   dist.get_backend(group), problem)
     return None

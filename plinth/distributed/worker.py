@@ -28,6 +28,7 @@ from plinth.distributed.parallel_state import ParallelLayout, init_parallel_stat
 from plinth.distributed.pipeline import PipelineStage
 from plinth.worker.batching import FlatBatch
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
+from plinth.worker.profiling import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Worker:
         self._num_blocks_fit = 0
         self.sampler = Sampler()
         self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)   # see take_step_times
+        self.profiler = StepProfiler(rank, self._sync)
 
         from plinth.model_registry.loader import resolve_dtype, resolve_model_source
         from plinth.platforms.selection import select_platform
@@ -191,8 +193,9 @@ class Worker:
         only swaps local GEMM kernels (no collective), so ranks may choose differently; it runs before
         graph capture, which records the chosen kernels. Not on CPUs: there the fast path (prepacked
         copies sized against the machine's free memory, compiled decode steps) assumes one process.
-        Off unless ``PLINTH_WORKER_FAST_PATH=1``: on two H200s, together with the custom all-reduce, TP=2
-        batch-1 decode went from 5.75 to 5.66 ms per token only (benchmarks/RESULTS.md)."""
+        Off unless ``PLINTH_WORKER_FAST_PATH=1``: on two H200s it did not lower TP=2's batch-1 time per token
+        (4.77 ms with it, 4.64 without) and halved the throughput of 256 requests (7,162 against 14,991
+        output tok/s; benchmarks/RESULTS.md)."""
         from plinth.worker.cpu_path import env_flag
 
         prepare = getattr(self.platform, "prepare_runner", None)
@@ -243,6 +246,7 @@ class Worker:
         Returns:
             on the output rank, the sampled token ids (and logprobs) on the host, packed; else ``None``.
         """
+        self.profiler.before_step()
         t0 = time.perf_counter()
         logits, sample_seqs = self._run(batch.flat())
         t1 = time.perf_counter()
@@ -251,7 +255,12 @@ class Worker:
             out = self.sampler.sample(logits, unpack_tensors(sampling, self.device))
             out = pack_tensors(unpack_tensors(out, torch.device("cpu")))   # waits for the step's tokens
         self.step_times.append((t1 - t0, time.perf_counter() - t1))
+        self.profiler.after_step()
         return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         """Drop the model, its KV cache and its decode graphs; call before leaving the process groups.

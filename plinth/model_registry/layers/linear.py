@@ -139,8 +139,14 @@ class RowParallelLinear(LinearBase):
         _check_shape(param, loaded)
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` summed over the ranks; with ``reduce=False`` this rank's partial sums, which
+        the caller reduces (a layer without a bias only: the bias is added after the reduction)."""
         out = self.linear_method.apply(self, x, None)
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("a row-parallel layer with a bias cannot leave its reduction to the caller")
+            return out
         if self.tp_size > 1:
             tp_all_reduce(out)
         if self.bias is not None:

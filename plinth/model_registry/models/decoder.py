@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
+from plinth.distributed.communication import tp_all_reduce_add_rms_norm
 from plinth.distributed.parallel_state import pp_layer_range
 from plinth.kernels import ops
 from plinth.model_registry.interface import CausalLM, ModelContext
@@ -84,7 +85,7 @@ class DecoderAttention(nn.Module):
                               ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
         t = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
@@ -98,7 +99,7 @@ class DecoderAttention(nn.Module):
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v, metadata)                 # [T, Hq, D]
-        return self.o_proj(out.reshape(t, q_size))
+        return self.o_proj(out.reshape(t, q_size), reduce=reduce)
 
 
 class DenseMLP(nn.Module):
@@ -112,12 +113,19 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden, bias=bias, **tp)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)), reduce=reduce)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks around one running residual stream."""
+    """Pre-norm attention and MLP blocks around one running residual stream.
+
+    Under tensor parallelism the all-reduce after each row-parallel projection is left to the RMSNorm
+    that follows it (:func:`~plinth.distributed.communication.tp_all_reduce_add_rms_norm`: one kernel where
+    the custom all-reduce takes it): after ``o_proj`` always, after the MLP's ``down_proj`` when
+    :attr:`defer_output` is set, in which case the layer returns its MLP output as this rank's partial sums
+    and the next layer (:attr:`reduce_input`) or the final norm reduces them. :class:`DecoderModel` sets both.
+    """
 
     def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module):
         super().__init__()
@@ -126,16 +134,30 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(ctx, layer_idx, options)
         self.post_attention_layernorm = RMSNorm(ctx.hf_config.hidden_size, eps=eps)
         self.mlp = mlp
+        #: the attention output's all-reduce happens in the norm after it
+        self.fuse_attention_reduce = ctx.tp_size > 1 and self.self_attn.o_proj.bias is None
+        #: the layer may return the MLP's partial sums (a dense MLP without a down-projection bias)
+        self.can_defer_output = (ctx.tp_size > 1 and isinstance(mlp, DenseMLP) and mlp.down_proj.bias is None)
+        self.defer_output = False   # return the MLP's partial sums (set by DecoderModel)
+        self.reduce_input = False   # the hidden state arrives as the previous layer's partial sums
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
+        elif self.reduce_input:
+            hidden, residual = tp_all_reduce_add_rms_norm(hidden, residual, self.input_layernorm)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.fuse_attention_reduce:
+            hidden = self.self_attn(hidden, cos, sin, metadata, reduce=False)
+            hidden, residual = tp_all_reduce_add_rms_norm(hidden, residual, self.post_attention_layernorm)
+        else:
+            hidden = self.self_attn(hidden, cos, sin, metadata)
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.defer_output:
+            return self.mlp(hidden, reduce=False), residual
         return self.mlp(hidden), residual
 
 
@@ -169,6 +191,14 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last_stage else None
+        # each layer's MLP output is reduced by whatever norms it next (see DecoderLayer); the last layer of a
+        # stage without the final norm hands reduced states to the next stage
+        built = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        for i, layer in enumerate(built):
+            layer.defer_output = layer.can_defer_output and (i + 1 < len(built) or self.norm is not None)
+            if i + 1 < len(built):
+                built[i + 1].reduce_input = layer.defer_output
+        self.reduce_final = bool(built) and built[-1].defer_output
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), rope_parameters(cfg),
                                           getattr(cfg, "max_position_embeddings", 2048))
 
@@ -189,7 +219,11 @@ class DecoderModel(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, metadata)
         if self.norm is None:
             return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
+        if self.reduce_final:
+            assert residual is not None
+            hidden, _ = tp_all_reduce_add_rms_norm(hidden, residual, self.norm)
+        else:
+            hidden, _ = self.norm(hidden, residual)
         return hidden, None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

@@ -14,25 +14,23 @@ them on the CPU against an independent reading of PTX's fragment layout).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
 import importlib.util
 import os
-import threading
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from plinth.kernels import nvrtc
 from plinth.quantization.formats import IntWeights
 from plinth.quantization.kernels.dequant import permute_input
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
 from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel, _override
 
-SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "w4a16_mma.cu"
+SOURCE = nvrtc.CSRC / "w4a16_mma.cu"
 #: the most rows the decode kernel takes (two 8-row B operands per unpacked A fragment)
 MAX_ROWS = 16
 #: input features per packed chunk (four mma steps of 16)
@@ -124,22 +122,6 @@ def group_shift(k: int, groups: int) -> int | None:
     return per.bit_length() - 1 if per >= 1 and per & (per - 1) == 0 and per * CHUNK * groups == k else None
 
 
-@functools.lru_cache(maxsize=1)
-def _libcuda() -> Any:
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.cuFuncSetAttribute.restype = ctypes.c_int
-    lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
-    lib.cuFuncGetAttribute.restype = ctypes.c_int
-    return lib
-
-
-_compile_lock = threading.Lock()
-_LOADED: list[Any] = []
-
-
 def slot_bytes(rows: int) -> int:
     """Bytes of one ring slot: a chunk's codes (32 lanes x 16) and 128 bytes of activations per batch row."""
     return 512 + 128 * rows
@@ -149,17 +131,6 @@ def slot_bytes(rows: int) -> int:
 SCALE_BYTES = 192
 _STAGES = (2, 3, 4, 6, 8, 12, 16)
 _WARPS = (1, 2, 4, 8)
-#: ``CU_FUNC_ATTRIBUTE_NUM_REGS``, ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
-_NUM_REGS, _MAX_DYNAMIC_SHARED = 4, 8
-
-
-def _func(kernel: Any) -> int:
-    func = getattr(kernel, "func", None)
-    if func is None:
-        raise RuntimeError("torch.cuda._compile_kernel returned no CUfunction handle (.func)")
-    return int(func.value if hasattr(func, "value") else func)
-
-
 @functools.cache
 def max_shared(device_index: int) -> int:
     """Bytes of shared memory one block may opt into on the device."""
@@ -172,24 +143,14 @@ def compiled(bf16: bool, nb: int, stages: int, device_index: int) -> int:
     """The CUfunction of one dtype, B-operand count and ring depth, loaded on one device and allowed all of
     the device's opt-in shared memory (set once: the attribute is a limit, not a request)."""
     name = f"w4a16_mma_decode<{'true' if bf16 else 'false'}, {nb}, {stages}>"
-    with _compile_lock, torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(SOURCE.read_text(), name)
-        _LOADED.append(kernel)   # the loaded module lives as long as the process
-        func = _func(kernel)
-        status = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(func), _MAX_DYNAMIC_SHARED, max_shared(device_index))
-    if status != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory) failed for {name} (CUresult {status})")
+    func = nvrtc.compile_function(SOURCE.read_text(), name, device_index)
+    nvrtc.set_attribute(func, nvrtc.MAX_DYNAMIC_SHARED, max_shared(device_index), name)
     return func
 
 
 def registers(bf16: bool, nb: int, stages: int) -> int:
     """Registers per thread of one kernel instance (``CU_FUNC_ATTRIBUTE_NUM_REGS``; for benchmarks)."""
-    value = ctypes.c_int()
-    status = _libcuda().cuFuncGetAttribute(ctypes.byref(value), _NUM_REGS,
-                                           ctypes.c_void_p(compiled(bf16, nb, stages, torch.cuda.current_device())))
-    if status != 0:
-        raise RuntimeError(f"cuFuncGetAttribute failed (CUresult {status})")
-    return value.value
+    return nvrtc.get_attribute(compiled(bf16, nb, stages, torch.cuda.current_device()), nvrtc.NUM_REGS)
 
 
 def launch_config(k: int) -> tuple[int, int]:
@@ -266,15 +227,7 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
     args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(x.data_ptr()),
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
             ctypes.c_int(n), ctypes.c_int(launch.shift), ctypes.c_int(groups)]
-    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
-    with contextlib.ExitStack() as stack:
-        if torch.cuda.current_device() != index:   # the function belongs to the device's context
-            stack.enter_context(torch.cuda.device(index))
-        status = _libcuda().cuLaunchKernel(ctypes.c_void_p(launch.func), launch.blocks, 1, 1, launch.threads, 1, 1,
-                                           launch.shared, stream, params, None)
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernel failed for the W4A16 decode kernel (CUresult {status})")
+    nvrtc.launch(launch.func, launch.blocks, launch.threads, launch.shared, x.device, args, "the W4A16 decode kernel")
     return y
 
 
