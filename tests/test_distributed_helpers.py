@@ -24,6 +24,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
     # mixture of experts (each rank holds half of every expert's intermediate features)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # dense and MoE layers mixed: under TP a dense layer leaves its MLP's reduction to the next layer's norm,
+    # an MoE layer reduces its own output
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                                moe_intermediate_size=32, mlp_only_layers=[0, 2],
+                                                                head_dim=16)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

@@ -51,3 +51,15 @@ def test_a_malformed_window_is_a_config_error(monkeypatch, tmp_path, raw):
 def test_union_of_intervals():
     assert union_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
     assert union_us([]) == 0.0
+
+
+def test_the_in_process_engine_profiles_its_steps(monkeypatch, tmp_path, tiny_llama_dir):
+    from plinth import LLM, SamplingParams
+
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path / "prof"))
+    monkeypatch.setenv(PROFILE_STEPS_ENV, "1:2")
+    with LLM(str(tiny_llama_dir), dtype="float32", selection="off") as llm:
+        llm.generate("hello there", SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    (summary_file,) = [p for p in (tmp_path / "prof").glob("rank0-pid*.json") if not p.name.endswith(".trace.json")]
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == 2 and summary["first_step"] == 1 and summary["wall_ms_per_step"] > 0

@@ -32,12 +32,16 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(h), h)`` with ``h = sum over the TP group of x, plus residual``: what a decoder layer computes
     after a row-parallel projection. One launch of the custom all-reduce's peer kernel where it takes the
-    tensors (bfloat16 decode rows; ``residual`` is then updated in place), else the all-reduce, then
-    ``norm(x, residual)``; both give the same bits.
+    tensors (bfloat16 decode rows), else the all-reduce, then ``norm(x, residual)``. Both round the same
+    values the same way (the sum, then the residual add, then the norm); the norm's sum of squares may be
+    added in another order than the Triton kernel's, so the last bit can differ (at hidden size 4096 they
+    were equal bit for bit on an H200).
 
     Args:
-        x: ``[T, H]`` this rank's partial sums (overwritten).
-        residual: ``[T, H]`` the residual stream.
+        x: ``[T, H]`` this rank's partial sums (may be overwritten).
+        residual: ``[T, H]`` the residual stream: the fused kernel updates it in place (the callers pass
+            an intermediate of the forward pass, never a tensor they read again), the fallback returns a
+            new tensor.
         norm: an :class:`~plinth.model_registry.layers.layernorm.RMSNorm` (``weight``, ``eps``).
     """
     comm = get_parallel_state().custom_all_reduce

@@ -55,6 +55,8 @@ ALIGN_BYTES = 16
 #: dtypes that must pass the set-up test (the kernel's), and one that is used where it passes
 REQUIRED_DTYPES = (torch.bfloat16, torch.float32)
 OPTIONAL_DTYPES = (torch.float16,)
+#: how long the set-up test waits for a peer (a peer that failed before launching it fails this rank too)
+SELF_TEST_WAIT_NS = 10_000_000_000
 #: the sizes of the set-up test reductions (one decode row, and the largest)
 _TEST_BYTES = (4096, MAX_BYTES)
 
@@ -105,6 +107,8 @@ class PeerKernel:
         device: this rank's CUDA device.
         max_bytes: the largest tensor it reduces.
         blocks: blocks per launch (at most ``MAX_BLOCKS``; each takes every ``blocks``-th row).
+        wait_s: how long a launch waits for a peer before it fails with a CUDA error (trap); default the
+            workers' step timeout (``PLINTH_WORKER_STEP_TIMEOUT_S``, 600 s).
 
     Raises:
         RuntimeError, ImportError, AttributeError: NVRTC, the driver or symmetric memory failed here.
@@ -119,9 +123,11 @@ class PeerKernel:
     #: the widest row a block takes (eight values per thread, 1024 threads)
     MAX_COLS = 8192
 
-    def __init__(self, group: Any, device: torch.device, max_bytes: int = MAX_BYTES, blocks: int = BLOCKS):
+    def __init__(self, group: Any, device: torch.device, max_bytes: int = MAX_BYTES, blocks: int = BLOCKS,
+                 wait_s: float | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
+        from plinth.distributed.executor import STEP_TIMEOUT_ENV, env_seconds
         from plinth.kernels import nvrtc
 
         self.device = device
@@ -132,6 +138,7 @@ class PeerKernel:
         if not 1 <= blocks <= self.MAX_BLOCKS:
             raise ValueError(f"blocks must be 1-{self.MAX_BLOCKS}, got {blocks}")
         self.blocks = blocks
+        self.wait_ns = int(1e9 * (wait_s if wait_s is not None else env_seconds(STEP_TIMEOUT_ENV, 600.0)))
         self.max_bytes = max_bytes
         source = (nvrtc.CSRC / "tp_all_reduce.cu").read_text()
         self._plain = nvrtc.compile_function(source, "tp_all_reduce<false>", device.index)
@@ -171,9 +178,9 @@ class PeerKernel:
                 and weight.shape == x.shape[-1:] and weight.dtype == x.dtype and weight.is_contiguous()
                 and weight.device == x.device and weight.data_ptr() % ALIGN_BYTES == 0)
 
-    def all_reduce(self, x: torch.Tensor) -> None:
+    def all_reduce(self, x: torch.Tensor, wait_ns: int | None = None) -> None:
         """Sum ``x`` over the group, in place (``can_reduce(x)`` must hold)."""
-        self._launch(self._plain, x, x, None, None, 0.0)
+        self._launch(self._plain, x, x, None, None, 0.0, wait_ns)
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float) -> torch.Tensor:
@@ -186,7 +193,7 @@ class PeerKernel:
         return out
 
     def _launch(self, func: int, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
-                weight: torch.Tensor | None, eps: float) -> None:
+                weight: torch.Tensor | None, eps: float, wait_ns: int | None = None) -> None:
         import ctypes
 
         cols = x.shape[-1]
@@ -199,7 +206,8 @@ class PeerKernel:
                 ctypes.c_int(self.rank), ctypes.c_int(self.world_size), ctypes.c_void_p(x.data_ptr()),
                 ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(residual.data_ptr()) if residual is not None else null,
                 ctypes.c_void_p(weight.data_ptr()) if weight is not None else null, ctypes.c_int(rows),
-                ctypes.c_int(units), ctypes.c_float(eps), ctypes.c_uint64(self.max_bytes)]
+                ctypes.c_int(units), ctypes.c_float(eps), ctypes.c_uint64(self.max_bytes),
+                ctypes.c_uint64(self.wait_ns if wait_ns is None else wait_ns)]
         self._nvrtc.launch(func, self.blocks, threads, 0, self.device, args, "the peer all-reduce kernel")
 
     def self_test(self) -> bool:
@@ -208,7 +216,7 @@ class PeerKernel:
         for rows in (1, self.max_bytes // (2 * 4096)):
             base = (torch.arange(rows * 4096, device=self.device) % 8).view(rows, 4096).to(torch.bfloat16)
             x = base + self.rank
-            self.all_reduce(x)
+            self.all_reduce(x, wait_ns=SELF_TEST_WAIT_NS)
             w = self.world_size
             ok &= bool(torch.equal(x, base * w + w * (w - 1) // 2))
         return ok

@@ -171,13 +171,26 @@ class UniprocExecutor(Executor):
     supports_async_steps = True
 
     def __init__(self, runner: Any, num_blocks: int, selection: Any):
+        from plinth.worker.profiling import StepProfiler
+
         self.runner = runner
         self.num_blocks = num_blocks
         self.selection = selection
         self.sampler = Sampler()
         self._pinned: list[torch.Tensor] = []   # two host buffers for sampled tokens, used in turn
+        device = getattr(runner, "device", None)
+        sync = (lambda: torch.cuda.synchronize(device)) if device is not None and device.type == "cuda" else (
+            lambda: None)
+        self.profiler = StepProfiler(0, sync)
 
     def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
+        self.profiler.before_step()
+        try:
+            return self._launch(batch, make_sampling_batch)
+        finally:
+            self.profiler.after_step()
+
+    def _launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
         logits, sample_seqs, _ = self.runner.execute(batch)
         if make_sampling_batch is None or not sample_seqs:
             return PendingStep(None)
@@ -198,11 +211,15 @@ class UniprocExecutor(Executor):
 
     def execute(self, entries: Sequence[SeqBatchEntry],
                 make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:
-        logits, sample_seqs, hidden = self.runner.execute(entries)
-        if make_sampling_batch is None or not sample_seqs:
-            return None, hidden
-        # the batch is built while the device still runs the forward pass
-        return self.sampler.sample(logits, make_sampling_batch(logits.device)), hidden
+        self.profiler.before_step()
+        try:
+            logits, sample_seqs, hidden = self.runner.execute(entries)
+            if make_sampling_batch is None or not sample_seqs:
+                return None, hidden
+            # the batch is built while the device still runs the forward pass
+            return self.sampler.sample(logits, make_sampling_batch(logits.device)), hidden
+        finally:
+            self.profiler.after_step()
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         return self.runner.prompt_logits(hidden, rows)

@@ -97,7 +97,7 @@ class WorkerProcesses:
         ranks = list(ranks)
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            for r in reversed(ranks):   # the output rank (rank 0) last: it also samples, so the others start first
+            for r in ranks:
                 try:
                     self.conns[r].send_bytes(payload)
                 except OSError as exc:

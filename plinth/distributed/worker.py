@@ -194,8 +194,7 @@ class Worker:
         graph capture, which records the chosen kernels. Not on CPUs: there the fast path (prepacked
         copies sized against the machine's free memory, compiled decode steps) assumes one process.
         Off unless ``PLINTH_WORKER_FAST_PATH=1``: on two H200s it did not lower TP=2's batch-1 time per token
-        (4.77 ms with it, 4.64 without) and halved the throughput of 256 requests (7,162 against 14,991
-        output tok/s; benchmarks/RESULTS.md)."""
+        (4.77 ms with it, 4.45-4.64 without; benchmarks/RESULTS.md)."""
         from plinth.worker.cpu_path import env_flag
 
         prepare = getattr(self.platform, "prepare_runner", None)
@@ -247,15 +246,17 @@ class Worker:
             on the output rank, the sampled token ids (and logprobs) on the host, packed; else ``None``.
         """
         self.profiler.before_step()
-        t0 = time.perf_counter()
-        logits, sample_seqs = self._run(batch.flat())
-        t1 = time.perf_counter()
-        out = None
-        if self.layout.is_output_rank and logits is not None and sampling is not None and sample_seqs:
-            out = self.sampler.sample(logits, unpack_tensors(sampling, self.device))
-            out = pack_tensors(unpack_tensors(out, torch.device("cpu")))   # waits for the step's tokens
-        self.step_times.append((t1 - t0, time.perf_counter() - t1))
-        self.profiler.after_step()
+        try:
+            t0 = time.perf_counter()
+            logits, sample_seqs = self._run(batch.flat())
+            t1 = time.perf_counter()
+            out = None
+            if self.layout.is_output_rank and logits is not None and sampling is not None and sample_seqs:
+                out = self.sampler.sample(logits, unpack_tensors(sampling, self.device))
+                out = pack_tensors(unpack_tensors(out, torch.device("cpu")))   # waits for the step's tokens
+            self.step_times.append((t1 - t0, time.perf_counter() - t1))
+        finally:
+            self.profiler.after_step()
         return out
 
     def _sync(self) -> None:

@@ -15,7 +15,8 @@
 // counters (`calls`, in this rank's ordinary memory) agree across blocks and ranks.
 // Two slots: a peer may still be reading call n's rows when this rank starts call n + 1, but not call
 // n - 1's (it signalled call n only after its call n - 1 had finished), so call n + 1 writes the other slot.
-// A wait gives up after WAIT_NS with a trap (a dead peer must not hang the process).
+// A wait gives up after wait_ns with a trap (a dead peer must not hang the process: the trap fails the
+// step with a CUDA error).
 //
 // FUSED: out = RMSNorm(sum + residual) * weight and residual = sum + residual, with the roundings of the
 // unfused path (the sum rounded to bfloat16, then the residual add rounded, then the norm in float32).
@@ -25,7 +26,6 @@ typedef unsigned long long u64;
 
 #define FLAG_BYTES 4096
 #define MAX_RANKS 8
-#define WAIT_NS 30000000000ull
 
 struct __align__(16) Vec {
   u32 v[4];   // eight bfloat16 values
@@ -76,7 +76,7 @@ tp_all_reduce(const u64* __restrict__ buffers,   // [world] every rank's buffer,
               Vec* residual,                     // FUSED: [rows][units] read, then overwritten with sum + residual
               const Vec* __restrict__ weight,    // FUSED: [units] the norm's weight
               int rows, int units,               // units: eight values each (a row is 8 * units values)
-              float eps, u64 slot_bytes) {
+              float eps, u64 slot_bytes, u64 wait_ns) {
   const int tid = threadIdx.x;
   const u32 call = calls[blockIdx.x] + 1;
   const u64 slot_offset = FLAG_BYTES + (call & 1) * slot_bytes;
@@ -92,7 +92,7 @@ tp_all_reduce(const u64* __restrict__ buffers,   // [world] every rank's buffer,
     const u32* flag = reinterpret_cast<const u32*>(buffers[rank]) + blockIdx.x * MAX_RANKS + tid;
     const u64 start = now_ns();
     while ((int)(load_acquire(flag) - call) < 0) {   // a later call number also means this one was written
-      if (now_ns() - start > WAIT_NS) asm volatile("trap;");
+      if (now_ns() - start > wait_ns) asm volatile("trap;");
     }
   }
   __syncthreads();
