@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true", help="no decode graphs (no graph attempt first)")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="asynchronous scheduling (auto: the engine's default, on for GPUs without pipeline stages)")
     p.add_argument("--budget-s", type=float, default=500.0, help="wall-clock limit of the whole invocation")
     p.add_argument("--min-layout-s", type=float, default=100.0,
                    help="time kept for each layout still to run when an attempt's deadline is set")
@@ -94,11 +96,12 @@ def run_one(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     llm = LLM(args.model_preset, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              distributed_executor="mp" if tp * pp > 1 else "auto")
+              distributed_executor="mp" if tp * pp > 1 else "auto",
+              async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     engine = llm.engine
     out: dict[str, Any] = {
         "layout": f"{tp}x{pp}", "startup_s": time.perf_counter() - t0, "executor": type(engine.executor).__name__,
-        "kv_blocks": engine.executor.num_blocks,
+        "kv_blocks": engine.executor.num_blocks, "async_scheduling": engine.async_scheduling,
         # single-stage layouts capture decode graphs unless eager (a failed capture fails the start-up)
         "decode_graphs": not args.enforce_eager and pp == 1,
         # the switches of the multi-process workers' GPU paths, as this run had them

@@ -18,11 +18,14 @@ from plinth.core.async_engine import EngineDeadError
 from plinth.core.engine import LLMEngine
 
 
-def test_killed_worker_fails_requests_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_killed_worker_fails_requests_and_leaves_no_process(tmp_path, async_scheduling):
     path = save_family("llama", tmp_path)
     reference = run_greedy(LLMEngine(EngineConfig.from_kwargs(model=str(path), **ENGINE_KW)))
-    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor="mp", **ENGINE_KW)
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor="mp", async_scheduling=async_scheduling,
+              **ENGINE_KW)
     engine = llm.engine
+    assert engine.async_scheduling == async_scheduling
     pids = engine.executor.worker_pids
     assert len(set(pids)) == 2 and os.getpid() not in pids
     # the plain LLM path over worker processes works first

@@ -144,10 +144,13 @@ class LLMEngine:
         return float(requested)
 
     def _resolve_async(self, requested: bool | None) -> bool:
-        """Whether steps are scheduled asynchronously: as asked, else on for an in-process accelerator."""
+        """Whether steps are scheduled asynchronously: as asked, else on where the executor supports it and
+        the model runs on an accelerator (in this process, or in TP-only worker processes)."""
         supported = self.executor.supports_async_steps
         if requested is None:
-            return supported and self.device is not None and torch.device(self.device).type != "cpu"
+            device_type = getattr(self.platform, "device_type", None) if self.runner is None else (
+                torch.device(self.device).type if self.device is not None else None)
+            return supported and device_type is not None and device_type != "cpu"
         if requested and not supported:
             logger.warning("asynchronous scheduling is not available with %s; steps run synchronously",
                            type(self.executor).__name__)

@@ -53,6 +53,15 @@ def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: An
     return norm(x, residual)
 
 
+def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` of the TP group's first rank (TP rank 0 of this stage) on every rank, in place (a no-op
+    without a TP group); returns ``x``."""
+    state = get_parallel_state()
+    if state.tp_group is not None:
+        dist.broadcast(x, src=state.layout.rank_of(state.layout.pp_rank, 0), group=state.tp_group)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every TP rank's ``x`` along ``dim`` (rank order)."""
     state = get_parallel_state()

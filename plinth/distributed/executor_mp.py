@@ -18,7 +18,9 @@ Programs that create an engine with this executor must guard their entry point w
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import gc
 import logging
 import multiprocessing.connection as mpc
@@ -32,8 +34,18 @@ import traceback
 import weakref
 from typing import Any
 
+import torch
+
 from plinth.config import ConfigError, EngineConfig
-from plinth.distributed.executor import STEP_TIMEOUT_ENV, DistributedExecutor, WorkerDiedError
+from plinth.distributed.executor import (
+    STEP_TIMEOUT_ENV,
+    DistributedExecutor,
+    MakeSamplingBatch,
+    PendingStep,
+    WorkerDiedError,
+)
+from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
+from plinth.worker.batching import FlatBatch
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +107,16 @@ class WorkerProcesses:
             the worker's own exception, when the call raised there.
         """
         ranks = list(ranks)
+        self.send(ranks, method, args, describe)
+        return self.receive(ranks, method, timeout_s, describe)
+
+    def send(self, ranks: Any, method: str, args: tuple, describe: Any = None) -> None:
+        """Send ``(method, args)`` to the processes ``ranks`` without waiting; read the answers, in order,
+        with :meth:`receive`.
+
+        Raises:
+            WorkerDiedError: a pipe is closed.
+        """
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for r in ranks:
@@ -102,6 +124,19 @@ class WorkerProcesses:
                     self.conns[r].send_bytes(payload)
                 except OSError as exc:
                     raise self._died(r, f"its pipe is closed ({exc})", describe) from exc
+        except BaseException:
+            self.broken = True
+            raise
+
+    def receive(self, ranks: Any, method: str, timeout_s: float, describe: Any = None) -> list[Any]:
+        """The next answer of every process ``ranks`` (to a call of ``method``, sent before), in rank order.
+
+        Raises:
+            WorkerDiedError: a process died, its pipe closed, or an answer did not come in time.
+            the worker's own exception, when the call raised there.
+        """
+        ranks = list(ranks)
+        try:
             pending = {self.conns[r]: r for r in ranks}
             sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
             results: dict[int, Any] = {}
@@ -201,6 +236,12 @@ class MultiprocExecutor(DistributedExecutor):
         self._owns_processes = processes is None
         self._procs = processes or WorkerProcesses(self.world_size, self.step_timeout_s)
         self._store: Any = None
+        # asynchronous steps (TP-only layouts): for each launch/collect message whose answers are unread,
+        # the step whose output those answers carry (None: nothing); the last launched step, until a
+        # message asks for its output
+        self.supports_async_steps = config.parallel.pipeline_parallel_size == 1
+        self._unread: collections.deque[_RemoteStep | None] = collections.deque()
+        self._owed: _RemoteStep | None = None
         self._start()
 
     def _start_workers(self) -> None:
@@ -217,11 +258,67 @@ class MultiprocExecutor(DistributedExecutor):
 
     def _call_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         self._check_alive()
+        self._settle()
         return self._procs.call(range(self.world_size), method, args, timeout_s, self._describe)
 
     def _call_one(self, rank: int, method: str, *args: Any, timeout_s: float) -> Any:
         self._check_alive()
+        self._settle()
         return self._procs.call([rank], method, args, timeout_s, self._describe)[0]
+
+    # ------------------------------------------------------------------ asynchronous steps
+
+    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
+        """Send one step to every worker and return at once. The workers queue it (its ``batch.feed`` rows
+        read the previous launched step's tokens on their devices) and answer with the previous launched
+        step's output, so one step's answer travels while the next runs."""
+        self._check_alive()
+        if not self.supports_async_steps:
+            raise NotImplementedError("asynchronous steps need a TP-only layout (no pipeline stages)")
+        feed = batch.feed
+        step_batch = StepBatch.from_entries(dataclasses.replace(batch, feed=None) if feed is not None else batch)
+        sampling = make_sampling_batch(torch.device("cpu")) if make_sampling_batch is not None else None
+        args = (step_batch, pack_tensors(sampling), (feed.rows, feed.src) if feed is not None else None)
+        step = _RemoteStep(self)
+        try:
+            self._procs.send(range(self.world_size), "launch", args, self._describe)
+        except BaseException as exc:
+            raise self._fail(exc) from exc
+        self._unread.append(self._owed)   # its answers carry the step launched before this one
+        self._owed = step
+        return step
+
+    def _await(self, step: _RemoteStep) -> None:
+        """Read answers until ``step``'s output is in (asking for it when no later launch will carry it)."""
+        self._check_alive()
+        try:
+            if step is self._owed:
+                self._procs.send(range(self.world_size), "collect", (), self._describe)
+                self._unread.append(step)
+                self._owed = None
+            while not step.done:
+                self._read_answer()
+        except BaseException as exc:
+            raise self._fail(exc) from exc
+
+    def _read_answer(self) -> None:
+        carried = self._unread.popleft()
+        results = self._procs.receive(range(self.world_size), "launch", self.step_timeout_s, self._describe)
+        if carried is not None:
+            out = results[self.output_rank]
+            carried.output = unpack_tensors(out, torch.device("cpu")) if out is not None else None
+            carried.done = True
+
+    def _settle(self) -> None:
+        """Before any other call: read every answer due and collect the last launched step, so the pipes
+        carry answers to that call next."""
+        if self._owed is not None:
+            self._await(self._owed)
+        while self._unread:
+            try:
+                self._read_answer()
+            except BaseException as exc:
+                raise self._fail(exc) from exc
 
     def _describe(self, rank: int) -> str:
         tp = self.config.parallel.tensor_parallel_size
@@ -230,7 +327,12 @@ class MultiprocExecutor(DistributedExecutor):
     def shutdown(self) -> None:
         if self._closed:
             return
+        if not self._owns_processes and not self._procs.broken and self._dead is None:
+            with contextlib.suppress(BaseException):   # the answers still due go before the release's
+                self._settle()
         self._closed = True
+        self._unread.clear()
+        self._owed = None
         if self._owns_processes or self._procs.broken:
             self._procs.stop()
         else:
@@ -350,3 +452,22 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class _RemoteStep(PendingStep):
+    """A step launched on the workers; its output arrives with a later answer (:meth:`token_ids` reads it)."""
+
+    def __init__(self, executor: MultiprocExecutor):
+        super().__init__(None)
+        self._executor = executor
+        self.done = False
+
+    @property
+    def device_tokens(self) -> None:
+        """The tokens stay on the workers' devices (they feed the next step there)."""
+        return None
+
+    def token_ids(self) -> list[int]:
+        if not self.done:
+            self._executor._await(self)
+        return [] if self.output is None else self.output.sampled_token_ids.tolist()

@@ -6,7 +6,8 @@ and inside a Ray actor (:mod:`~plinth.distributed.executor_ray`). The driver cal
 :meth:`Worker.load` (every rank, with rank 0's choice; returns how many KV blocks fit here),
 :meth:`Worker.init_cache` (every rank, with the smallest of those counts), then
 :meth:`Worker.execute` once per step and :meth:`Worker.prompt_logits` when a step asked for
-prompt logprobs.
+prompt logprobs. Under asynchronous scheduling (TP-only layouts, worker processes) steps come as
+:meth:`Worker.launch` instead, and :meth:`Worker.collect` reads back the last one.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from plinth.config import DeviceConfig, EngineConfig
 from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
+from plinth.distributed.communication import tp_broadcast
 from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
 from plinth.distributed.parallel_state import ParallelLayout, init_parallel_state
 from plinth.distributed.pipeline import PipelineStage
-from plinth.worker.batching import FlatBatch
+from plinth.worker.batching import FlatBatch, TokenFeed
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
 from plinth.worker.profiling import StepProfiler
 
@@ -58,6 +61,11 @@ class Worker:
         self._num_blocks_fit = 0
         self.sampler = Sampler()
         self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)   # see take_step_times
+        # asynchronous steps: the last launched step's sampled tokens on this device (they feed the next
+        # step), and its output on its way to the host (output rank) until an answer carries it
+        self._feed_tokens: torch.Tensor | None = None
+        self._owes = False
+        self._owed: _HostCopy | None = None
         self.profiler = StepProfiler(rank, self._sync)
 
         from plinth.model_registry.loader import resolve_dtype, resolve_model_source
@@ -245,6 +253,9 @@ class Worker:
         Returns:
             on the output rank, the sampled token ids (and logprobs) on the host, packed; else ``None``.
         """
+        if self._owes:
+            raise RuntimeError("a synchronous step while a launched step's output was not collected")
+        self._feed_tokens = None
         self.profiler.before_step()
         try:
             t0 = time.perf_counter()
@@ -258,6 +269,61 @@ class Worker:
         finally:
             self.profiler.after_step()
         return out
+
+    def launch(self, batch: StepBatch, sampling: SamplingBatch | None,
+               feed: tuple[np.ndarray, np.ndarray] | None) -> Any:
+        """Queue one step (asynchronous scheduling) and answer with the previous launched step's output.
+
+        The rows ``feed[0]`` of ``batch.token_ids`` take the tokens ``feed[1]`` of the previous launched
+        step, which every rank holds on its device: the output rank samples them, then broadcasts them
+        over the TP group. The output rank starts copying this step's sampler output to pinned host
+        memory and answers with the previous step's (waiting for that copy only), so the device runs
+        this step while the answer travels; other ranks answer ``None``.
+
+        Args:
+            batch: the step's sequences (fed rows hold placeholders).
+            sampling: the sampled sequences' parameters, packed, or ``None``.
+            feed: ``(rows, src)`` int64 arrays, or ``None``.
+
+        Returns:
+            the previous launched step's sampler output, packed (``None`` if it sampled nothing, off the
+            output rank, or when no launched step was waiting to be read).
+        """
+        self.profiler.before_step()
+        try:
+            t0 = time.perf_counter()
+            flat = batch.flat()
+            if feed is not None:
+                if self._feed_tokens is None:
+                    raise RuntimeError("a step fed by the previous step's tokens, but that step sampled nothing")
+                flat = dataclasses.replace(flat, feed=TokenFeed(rows=np.asarray(feed[0]), src=np.asarray(feed[1]),
+                                                                tokens=self._feed_tokens))
+            logits, sample_seqs = self._run(flat)
+            t1 = time.perf_counter()
+            staged = None
+            tokens = None
+            if sampling is not None and sample_seqs:
+                if self.layout.is_output_rank:
+                    assert logits is not None
+                    out = self.sampler.sample(logits, unpack_tensors(sampling, self.device))
+                    tokens = out.sampled_token_ids
+                    staged = _HostCopy(out)
+                else:
+                    tokens = torch.empty(len(sample_seqs), dtype=torch.int64, device=self.device)
+                tp_broadcast(tokens)
+            self._feed_tokens = tokens
+            previous, owed = self._owed, self._owes
+            self._owed, self._owes = staged, True
+            answer = previous.packed() if owed and previous is not None else None
+            self.step_times.append((t1 - t0, time.perf_counter() - t1))
+            return answer
+        finally:
+            self.profiler.after_step()
+
+    def collect(self) -> Any:
+        """The last launched step's sampler output, packed (``None``: see :meth:`launch`)."""
+        owed, self._owed, self._owes = self._owed, None, False
+        return owed.packed() if owed is not None else None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -297,3 +363,37 @@ class Worker:
         hidden = self._last_hidden[0] if len(self._last_hidden) == 1 else torch.cat(self._last_hidden)
         logits = self._model.compute_logits(hidden[start:stop])
         return logits.cpu() if self.layout.is_output_rank else None
+
+
+class _HostCopy:
+    """A sampler output being copied to pinned host memory behind an event (on the CPU: already there)."""
+
+    def __init__(self, out: SamplerOutput):
+        self.event: Any = None
+        if out.sampled_token_ids.device.type == "cuda":
+            self.host = _to_pinned(out)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = unpack_tensors(out, torch.device("cpu"))
+
+    def packed(self) -> Any:
+        """The output on the host, packed for the pipe (waits for the copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return pack_tensors(self.host)
+
+
+def _to_pinned(obj: Any) -> Any:
+    """``obj`` with every device tensor (also in tuples and dataclasses) copied to pinned host memory,
+    asynchronously."""
+    if isinstance(obj, torch.Tensor):
+        host = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+        host.copy_(obj, non_blocking=True)
+        return host
+    if isinstance(obj, tuple):
+        return tuple(_to_pinned(x) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to_pinned(getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
