@@ -128,7 +128,9 @@ def run_one(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
 def step_breakdown(engine: Any, input_len: int, steps: int) -> dict[str, Any]:
     """Median host times of ``steps`` batch-1 decode steps: the engine's ``step()``, the executor's
     ``execute`` inside it, and on each worker rank (multi-process layouts) the time to run the model
-    (launch its kernels) and then to sample and wait for the step's tokens."""
+    (launch its kernels) and then to sample and wait for the step's tokens. Under asynchronous scheduling
+    the executor's ``launch`` replaces ``execute`` (not timed), and a worker's second figure is the time to
+    sample, then wait for the previous step's tokens and answer."""
     import statistics
 
     from plinth import SamplingParams

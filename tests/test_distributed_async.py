@@ -86,9 +86,9 @@ def test_async_tp2_equals_sync_tp2(llama, processes):
 
 
 def test_async_tp2_random_mixes_equal_sync(llama, processes):
-    """Random stop ids, stop strings, n=2, logprobs, lengths, late arrivals and aborts, with chunked prefill
-    and preemption (few KV blocks): every request that was not aborted ends as in the synchronous engine,
-    and every KV block is free afterwards."""
+    """Random stop ids, n=2, logprobs, penalties (synchronous steps in between), lengths, late arrivals and
+    aborts, with chunked prefill and preemption (few KV blocks): every request that was not aborted ends as
+    in the synchronous engine, and every KV block is free afterwards."""
     config = dict(max_num_batched_tokens=6, max_num_seqs=3, num_blocks=40, enable_prefix_caching=False)
     cases = []
     for seed in range(2):
@@ -102,10 +102,13 @@ def test_async_tp2_random_mixes_equal_sync(llama, processes):
                 kw["n"] = 2
             if rng.random() < 0.2:
                 kw["logprobs"] = 1
+            if rng.random() < 0.15:   # penalties make the steps synchronous while the request runs
+                kw["presence_penalty"] = 0.5
             prompt = [rng.randrange(1, 300) for _ in range(rng.randrange(1, 12))]
             reqs.append((rng.randrange(0, 5), f"q{i}", prompt, SamplingParams(**kw)))
         aborts = {f"q{i}": rng.randrange(1, 10) for i in range(7) if rng.random() < 0.2}
         cases.append((reqs, aborts))
+    assert any(params.presence_penalty for reqs, _ in cases for *_, params in reqs)   # sync steps in between
     results: dict[bool, list] = {}
     for mode in (True, False):   # one engine at a time: the two worker processes serve one executor
         engine = _engine(llama, processes, mode, **config)
@@ -176,3 +179,28 @@ def test_gpu_tp2_async_equals_sync_with_decode_graphs(tmp_path):
             results[mode] = (batched, alone)
     assert results[None] == results[False]
     assert len({tuple(t) for t in results[None][0]}) > 2
+
+
+def test_a_launch_that_fails_on_every_rank_fails_the_step_and_retires_shared_processes(llama):
+    """A launch raises on every worker (here: rows fed before any step sampled); its error arrives with a
+    later answer. The step raises, the executor shuts down, and processes shared with other executors are
+    marked broken (answers were still due: their pipes are out of step), so no later engine reads stale
+    answers."""
+    import numpy as np
+
+    from plinth.distributed.executor import WorkerDiedError
+    from plinth.worker.batching import FlatBatch, TokenFeed
+
+    procs = WorkerProcesses(2, timeout_s=120.0)
+    try:
+        engine = _engine(llama, procs, True)
+        batch = FlatBatch(token_ids=np.array([5]), q_lens=np.array([1]), starts=np.array([0]),
+                          block_tables=np.array([[1]], np.int32), block_counts=np.array([1]),
+                          sample=np.array([True]), decode_only=True,
+                          feed=TokenFeed(rows=np.array([0]), src=np.array([0])))
+        step = engine.executor.launch(batch, None)
+        with pytest.raises((RuntimeError, WorkerDiedError), match="sampled nothing|failed"):
+            step.token_ids()
+        assert procs.broken and engine.executor._closed
+    finally:
+        procs.stop()

@@ -288,7 +288,7 @@ class MultiprocExecutor(DistributedExecutor):
         self._owed = step
         return step
 
-    def _await(self, step: _RemoteStep) -> None:
+    def _await(self, step: _RemoteStep, timeout_s: float | None = None) -> None:
         """Read answers until ``step``'s output is in (asking for it when no later launch will carry it)."""
         self._check_alive()
         try:
@@ -297,26 +297,28 @@ class MultiprocExecutor(DistributedExecutor):
                 self._unread.append(step)
                 self._owed = None
             while not step.done:
-                self._read_answer()
+                self._read_answer(timeout_s)
         except BaseException as exc:
             raise self._fail(exc) from exc
 
-    def _read_answer(self) -> None:
-        carried = self._unread.popleft()
-        results = self._procs.receive(range(self.world_size), "launch", self.step_timeout_s, self._describe)
+    def _read_answer(self, timeout_s: float | None = None) -> None:
+        carried = self._unread[0]
+        results = self._procs.receive(range(self.world_size), "launch", timeout_s or self.step_timeout_s,
+                                      self._describe)
+        self._unread.popleft()
         if carried is not None:
             out = results[self.output_rank]
             carried.output = unpack_tensors(out, torch.device("cpu")) if out is not None else None
             carried.done = True
 
-    def _settle(self) -> None:
+    def _settle(self, timeout_s: float | None = None) -> None:
         """Before any other call: read every answer due and collect the last launched step, so the pipes
         carry answers to that call next."""
         if self._owed is not None:
-            self._await(self._owed)
+            self._await(self._owed, timeout_s)
         while self._unread:
             try:
-                self._read_answer()
+                self._read_answer(timeout_s)
             except BaseException as exc:
                 raise self._fail(exc) from exc
 
@@ -327,9 +329,14 @@ class MultiprocExecutor(DistributedExecutor):
     def shutdown(self) -> None:
         if self._closed:
             return
-        if not self._owns_processes and not self._procs.broken and self._dead is None:
+        if (self._unread or self._owed is not None) and not self._owns_processes and not self._procs.broken \
+                and self._dead is None:
             with contextlib.suppress(BaseException):   # the answers still due go before the release's
-                self._settle()
+                self._settle(SHUTDOWN_WAIT_S)
+            if self._closed:   # settling failed, and that failure shut the executor down
+                return
+        if self._unread or self._owed is not None:
+            self._procs.broken = True   # answers still due: the pipes are out of step, stop the processes
         self._closed = True
         self._unread.clear()
         self._owed = None

@@ -102,11 +102,17 @@ class HostArray:
 
     array: np.ndarray
 
-    def tensor(self, device: torch.device) -> torch.Tensor:
+    def tensor(self, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+        """The array as a tensor on ``device``; with ``non_blocking`` a CUDA copy goes through pinned
+        memory and does not wait for the device (a copy from pageable memory synchronises the stream)."""
         # an array unpickled from a byte string is read-only: torch needs memory it may write
         array = self.array if self.array.flags.writeable else self.array.copy()
         t = torch.from_numpy(array)
-        return t if device.type == "cpu" else t.to(device)
+        if device.type == "cpu":
+            return t
+        if non_blocking and device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
 
 
 def pack_tensors(obj: Any) -> Any:
@@ -124,15 +130,16 @@ def pack_tensors(obj: Any) -> Any:
     return obj
 
 
-def unpack_tensors(obj: Any, device: torch.device) -> Any:
-    """The inverse of :func:`pack_tensors`, with every tensor (packed or not) on ``device``."""
+def unpack_tensors(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """The inverse of :func:`pack_tensors`, with every tensor (packed or not) on ``device``
+    (``non_blocking``: see :meth:`HostArray.tensor`)."""
     if isinstance(obj, HostArray):
-        return obj.tensor(device)
+        return obj.tensor(device, non_blocking)
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=obj.device.type == "cpu")
     if isinstance(obj, tuple):
-        return tuple(unpack_tensors(x, device) for x in obj)
+        return tuple(unpack_tensors(x, device, non_blocking) for x in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: unpack_tensors(getattr(obj, f.name), device)
+        return dataclasses.replace(obj, **{f.name: unpack_tensors(getattr(obj, f.name), device, non_blocking)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj

@@ -292,6 +292,9 @@ class Worker:
         self.profiler.before_step()
         try:
             t0 = time.perf_counter()
+            # the sampling parameters go up first and without waiting: a blocking copy would hold this
+            # process until the step now running finishes, and the answer below until this one does
+            on_device = unpack_tensors(sampling, self.device, non_blocking=True) if sampling is not None else None
             flat = batch.flat()
             if feed is not None:
                 if self._feed_tokens is None:
@@ -305,7 +308,7 @@ class Worker:
             if sampling is not None and sample_seqs:
                 if self.layout.is_output_rank:
                     assert logits is not None
-                    out = self.sampler.sample(logits, unpack_tensors(sampling, self.device))
+                    out = self.sampler.sample(logits, on_device)
                     tokens = out.sampled_token_ids
                     staged = _HostCopy(out)
                 else:
