@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true", help="no decode graphs (no graph attempt first)")
+    p.add_argument("--executor", choices=("auto", "mp"), default="auto",
+                   help="mp: worker processes for one GPU too (1x1), to compare with the in-process engine")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="asynchronous scheduling (auto: the engine's default, on for GPUs without pipeline stages)")
     p.add_argument("--budget-s", type=float, default=500.0, help="wall-clock limit of the whole invocation")
@@ -96,7 +98,7 @@ def run_one(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     llm = LLM(args.model_preset, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              distributed_executor="mp" if tp * pp > 1 else "auto",
+              distributed_executor="mp" if tp * pp > 1 or args.executor == "mp" else "auto",
               async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     engine = llm.engine
     out: dict[str, Any] = {

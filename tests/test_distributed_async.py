@@ -160,10 +160,13 @@ def test_the_default_follows_the_platform(llama, processes):
         engine.shutdown()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_tp2_async_equals_sync_with_decode_graphs(tmp_path):
-    """Two GPUs, bfloat16, decode graphs: the default (asynchronous) TP=2 engine gives the synchronous one's
-    greedy tokens, batched and at batch 1 (the fed tokens enter the captured graphs)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpu_worker_processes_async_equals_sync_with_decode_graphs(tmp_path, tp):
+    """GPUs, bfloat16, decode graphs, worker processes (``tp`` of them): the default (asynchronous) engine
+    gives the synchronous one's greedy tokens, batched and at batch 1 (the fed tokens enter the captured
+    graphs; with two ranks they are broadcast from rank 0)."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
     from plinth import LLM
 
     path = save_family("llama", tmp_path / "m")
@@ -171,8 +174,8 @@ def test_gpu_tp2_async_equals_sync_with_decode_graphs(tmp_path):
     prompts = [list(p) for p in PROMPTS]
     results = {}
     for mode in (None, False):
-        with LLM(str(path), tensor_parallel_size=2, dtype="bfloat16", block_size=16, max_num_seqs=8,
-                 async_scheduling=mode) as llm:
+        with LLM(str(path), tensor_parallel_size=tp, distributed_executor="mp", dtype="bfloat16", block_size=16,
+                 max_num_seqs=8, async_scheduling=mode) as llm:
             assert llm.engine.async_scheduling == (mode is None)
             batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             alone = llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids
