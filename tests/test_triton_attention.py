@@ -202,6 +202,20 @@ def test_decode_default_splits_use_the_split_path():
 
 
 @needs_interpreter
+def test_the_split_that_finishes_last_merges_and_leaves_the_counters_at_zero():
+    """One launch per decode step: the last split of each (sequence, KV head) merges; the counters it
+    counts on are zero again afterwards, so the next launch (or graph replay) merges too."""
+    from plinth.attention_backends.triton import decode
+
+    for seed in (3, 4):
+        batch = make_batch([(70, 1), (9, 1), (33, 1)], num_heads=6, num_kv_heads=3, head_size=64,
+                           dtype=torch.float32, pad_tokens=1, seed=seed)
+        run_and_check(batch, backend=TritonAttentionBackend(decode_splits=5))
+        counters = decode._COUNTERS[batch.query.device]
+        assert int(counters.abs().sum()) == 0
+
+
+@needs_interpreter
 def test_mixed_prefill_and_decode_head_128():
     batch = make_batch([(40, 1), (0, 33), (17, 1), (20, 12)], num_heads=4, num_kv_heads=2, head_size=128,
                        dtype=torch.float16, pad_tokens=3, seed=3)
