@@ -36,27 +36,13 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by ``(start, end)`` intervals."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
-
-
 def run_batch(engine: Any, batch: int, a: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from plinth import SamplingParams
+    from plinth.worker.profiling import union_us
 
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=a.warmup + a.steps + 8, ignore_eos=True, detokenize=False)
@@ -89,7 +75,7 @@ def run_batch(engine: Any, batch: int, a: argparse.Namespace) -> dict[str, Any]:
         k = kind_of(evt.name)
         by_kind[k] = by_kind.get(k, 0.0) + (e - s)
         by_name[evt.name] = by_name.get(evt.name, 0.0) + (e - s)
-    busy_us = union_length(intervals)
+    busy_us = union_us(intervals)
     span_us = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
     engine.abort_request([f"b{batch}-{i}" for i in range(batch)])
     while engine.has_unfinished_requests():
