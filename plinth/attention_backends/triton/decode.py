@@ -53,6 +53,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PEER_LOAD: tl.constexpr,   # cache modifier of the merge's loads of other programs' partials
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -133,8 +134,8 @@ def _decode_split_kernel(
             offs_s = tl.arange(0, BLOCK_S)
             gs_ok = g_ok[:, None] & (offs_s[None, :] < NUM_SPLITS)                # [G, S]
             idx = first[:, None] + offs_s[None, :]
-            m_s = tl.load(part_ml_ptr + idx * 2, mask=gs_ok, other=_FINITE_MIN, cache_modifier=".cg")
-            l_s = tl.load(part_ml_ptr + idx * 2 + 1, mask=gs_ok, other=0.0, cache_modifier=".cg")
+            m_s = tl.load(part_ml_ptr + idx * 2, mask=gs_ok, other=_FINITE_MIN, cache_modifier=PEER_LOAD)
+            l_s = tl.load(part_ml_ptr + idx * 2 + 1, mask=gs_ok, other=0.0, cache_modifier=PEER_LOAD)
             m_all = tl.max(m_s, axis=1)                                              # [G]
             w = tl.exp2(m_s - m_all[:, None])                                        # [G, S]
             total = tl.sum(w * l_s, axis=1)
@@ -143,7 +144,7 @@ def _decode_split_kernel(
             for s in range(NUM_SPLITS):
                 w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)         # [G]
                 a = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_SIZE + offs_d[None, :],
-                            mask=g_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                            mask=g_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=PEER_LOAD)
                 merged += a * w_s[:, None]
             tl.store(
                 out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -197,6 +198,8 @@ def decode_attention(
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits,
         BLOCK_S=next_power_of_2(num_splits),
+        # NVIDIA: read other programs' partials from L2 (".cg"), never a stale L1 line; elsewhere the default
+        PEER_LOAD=".cg" if query.device.type == "cuda" and torch.version.hip is None else "",
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
