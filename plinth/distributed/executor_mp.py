@@ -4,7 +4,10 @@ The driver (the engine's process) spawns the workers with torch.multiprocessing'
 start method and talks to each over a pipe: every step it pickles the batch once
 (:class:`~plinth.distributed.messages.StepBatch`, a few numpy arrays) and writes the same
 bytes to every pipe; each worker answers once per call, the output rank with the sampled tokens.
-The ranks meet through a ``TCPStore`` the driver hosts on the loopback interface.
+Under asynchronous scheduling (TP-only layouts) a step goes out as ``launch`` without waiting, and the
+answers to each launch carry the previous launched step's output (a ``collect`` asks for the last one),
+so the pipes and the driver's work overlap the device's. The ranks meet through a ``TCPStore`` the
+driver hosts on the loopback interface.
 
 Failure handling: the driver waits on the pipes and on the process sentinels together, with
 a deadline, so a worker that dies (or an answer that never comes) is noticed at once and
