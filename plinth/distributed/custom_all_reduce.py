@@ -33,6 +33,7 @@ process, so mapping the buffers creates no multicast object. Ranks that share on
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plinth.kernels import nvrtc
 from plinth.worker.cpu_path import env_flag
 
 logger = logging.getLogger(__name__)
@@ -128,7 +130,6 @@ class PeerKernel:
         import torch.distributed._symmetric_memory as symm_mem
 
         from plinth.distributed.executor import STEP_TIMEOUT_ENV, env_seconds
-        from plinth.kernels import nvrtc
 
         self.device = device
         self.rank = dist.get_rank(group)
@@ -153,7 +154,6 @@ class PeerKernel:
         self._handle: Any = None
         self._ptrs: torch.Tensor | None = None
         self._calls = torch.zeros(blocks, dtype=torch.int32, device=device)    # [blocks]
-        self._nvrtc = nvrtc
 
     def connect(self) -> None:
         """Map the peers' buffers (collective over the group)."""
@@ -194,8 +194,6 @@ class PeerKernel:
 
     def _launch(self, func: int, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
                 weight: torch.Tensor | None, eps: float, wait_ns: int | None = None) -> None:
-        import ctypes
-
         cols = x.shape[-1]
         rows = x.numel() // cols
         units = cols // 8
@@ -208,7 +206,7 @@ class PeerKernel:
                 ctypes.c_void_p(weight.data_ptr()) if weight is not None else null, ctypes.c_int(rows),
                 ctypes.c_int(units), ctypes.c_float(eps), ctypes.c_uint64(self.max_bytes),
                 ctypes.c_uint64(self.wait_ns if wait_ns is None else wait_ns)]
-        self._nvrtc.launch(func, self.blocks, threads, 0, self.device, args, "the peer all-reduce kernel")
+        nvrtc.launch(func, self.blocks, threads, 0, self.device, args, "the peer all-reduce kernel")
 
     def self_test(self) -> bool:
         """Reduce known values (one row, and the largest tensor) and check the sums; True if all exact."""
