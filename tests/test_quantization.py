@@ -289,7 +289,7 @@ def test_selection_checks_times_and_caches(tmp_path):
     reports = {r.name: r for r in first.candidates}
     assert not first.from_cache and first.how == "benchmark"
     assert reports["off_by_one"].status == "rejected" and "exceeds tolerance" in reports["off_by_one"].reason
-    assert reports["dequant"].max_error == 0.0 and set(reports["dequant"].times_ms) == {"decode", "prefill"}
+    assert reports["dequant"].max_error == 0.0 and set(reports["dequant"].times_ms) == {"decode-1", "decode", "prefill"}
     assert reports["torch_int4pack"].max_error < 1e-5
     assert first.winner in ("dequant", "torch_int4pack")
     assert "PLINTH_TRITON_INTERPRET" in reports["triton_w4a16"].reason or not reports["triton_w4a16"].supported

@@ -115,3 +115,29 @@ def test_quantized_engine_with_cuda_graphs(quantization):
         del llm
         torch.cuda.empty_cache()
     assert runs[0] == runs[1]
+
+
+def test_selection_times_decode_steps_on_the_device(tmp_path):
+    """GEMM selection on a GPU times the decode steps by device time (events around launches queued behind
+    a sleep kernel, so the host's launch path is not measured) and the prefill by the host clock; the
+    record carries the per-row weights of the three steps."""
+    from plinth.platforms.selection import select_platform
+    from plinth.quantization.int4 import Int4Method
+    from plinth.quantization.interface import GemmWorkload, QuantContext
+    from plinth.quantization.selection import GemmCandidates
+
+    ctx = QuantContext(hf_config=None, dtype=torch.bfloat16, device=CUDA, platform=select_platform("cuda"),
+                       selection="benchmark", cache_dir=tmp_path, workload=GemmWorkload(8, 64))
+    method = Int4Method(ctx, bits=4, group_size=128)
+    result = method.select_kernel([(1024, 512), (512, 1024)])
+    timed = [r for r in result.candidates if r.times_ms]
+    assert len(timed) >= 2
+    for report in timed:
+        assert set(report.times_ms) == {"decode-1", "decode", "prefill"}
+        assert report.weights == {"decode-1": 1.0, "decode": 1 / 8, "prefill": 1 / 64}
+    runners = GemmCandidates(method, method.problem, ctx.platform).step_runners(result.winner_cls)
+    for label in ("decode-1", "decode"):
+        first, second = runners[label](), runners[label]()
+        # device time of a few small GEMMs: well under the 2 ms sleep they queue behind
+        assert isinstance(second, float) and 0 < second < 1.0, (label, first, second)
+    assert runners["prefill"]() is None

@@ -120,7 +120,8 @@ def test_selection_times_the_triton_kernel(tmp_path):
     result = Int4Method(ctx, bits=4, group_size=32).select_kernel([(64, 64)])
     reports = {r.name: r for r in result.candidates}
     assert reports["triton_w4a16"].supported and reports["triton_w4a16"].max_error < 1e-5
-    assert set(reports["triton_w4a16"].times_ms) == {"decode", "prefill"}
+    assert set(reports["triton_w4a16"].times_ms) == {"decode-1", "decode", "prefill"}
+    assert reports["triton_w4a16"].weights == {"decode-1": 1.0, "decode": 0.5, "prefill": 0.05}
 
 
 @needs_interpreter

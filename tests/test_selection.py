@@ -400,3 +400,53 @@ def test_plugins_benchmark_command_prints_the_table(tmp_path, monkeypatch, capsy
     timed = {c["name"] for c in attention["candidates"] if c["times_ms"]}
     assert {"torch_sdpa", "torch_batched"} <= timed
     assert list((tmp_path / "cache" / "selection").glob("attention_backend-*.json"))
+
+
+def test_step_weights_decide_between_regimes(monkeypatch):
+    """A kind with ``step_weights`` scores per row: a candidate 30% faster on one-row decode steps wins
+    over one 3% faster on 512-row prefills, although its plain sum of times is larger; without weights
+    the prefill decides."""
+    from plinth.core import selection
+    from plinth.core.selection_records import CandidateReport
+
+    times = {"prefill_fast": {"decode-1": 0.100, "prefill": 0.970},
+             "decode_fast": {"decode-1": 0.070, "prefill": 1.000}}
+    monkeypatch.setattr(selection, "_time_interleaved", lambda kind, runners: {n: times[n] for n in runners})
+
+    class Kind:
+        kind, reference = "gemm_kernel", None
+
+        def __init__(self, weights):
+            self.weights = weights
+
+        def step_runners(self, cls):
+            return {label: (lambda: None) for label in times[cls]}
+
+        def tolerance(self):
+            return 0.0
+
+    for weights, winner in (({"decode-1": 1.0, "prefill": 1 / 512}, "decode_fast"), (None, "prefill_fast")):
+        kind = Kind(weights)
+        if weights is not None:
+            kind.step_weights = lambda weights=weights: weights
+        reports = [CandidateReport(name, "test", supported=True) for name in times]
+        assert selection._benchmark(kind, {}, {name: name for name in times}, reports) == winner
+        assert all(r.weights == weights for r in reports)
+    # records written before weights existed load and score as plain sums
+    old = CandidateReport(**{"name": "x", "plugin": "p", "supported": True, "times_ms": {"a": 1.0, "b": 2.0}})
+    assert old.total_ms == 3.0
+
+
+def test_a_runner_may_report_its_own_time(monkeypatch):
+    """A step runner that returns milliseconds (device time) is recorded with that figure instead of the
+    host clock's; one that returns None is timed by the host clock."""
+    from plinth.core import selection
+
+    class Kind:
+        def synchronize(self):
+            pass
+
+    runners = {"a": {"own": lambda: 123.0, "host": lambda: None}}
+    times = selection._time_interleaved(Kind(), runners, warmup=1, repeats=3)
+    assert times["a"]["own"] == 123.0
+    assert 0 <= times["a"]["host"] < 50.0

@@ -202,22 +202,6 @@ def test_decode_default_splits_use_the_split_path():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fused", [True, False])
-def test_the_split_that_finishes_last_merges_and_leaves_the_counters_at_zero(fused, monkeypatch):
-    """One launch per decode step: the last split of each (sequence, KV head) merges; the counters it
-    counts on are zero again afterwards, so the next launch (or graph replay) merges too. Where the
-    merge runs as its own kernel (ROCm, XPU), the same results."""
-    decode = triton_backend._load_kernels().decode
-    monkeypatch.setattr(decode, "fused_merge_supported", lambda device: fused)
-    for seed in (3, 4):
-        batch = make_batch([(70, 1), (9, 1), (33, 1)], num_heads=6, num_kv_heads=3, head_size=64,
-                           dtype=torch.float32, pad_tokens=1, seed=seed)
-        run_and_check(batch, backend=TritonAttentionBackend(decode_splits=5))
-        if fused:
-            assert int(decode._COUNTERS[batch.query.device].abs().sum()) == 0
-
-
-@needs_interpreter
 def test_mixed_prefill_and_decode_head_128():
     batch = make_batch([(40, 1), (0, 33), (17, 1), (20, 12)], num_heads=4, num_kv_heads=2, head_size=128,
                        dtype=torch.float16, pad_tokens=3, seed=3)

@@ -73,9 +73,12 @@ class CandidateKind(Protocol):
     def tolerance(self) -> float:
         """The largest acceptable :meth:`max_error` for the model's dtype."""
 
-    def step_runners(self, cls: Any) -> dict[str, Callable[[], None]]:
+    def step_runners(self, cls: Any) -> dict[str, Callable[[], float | None]]:
         """One callable per workload step (e.g. ``"prefill"``, ``"decode"``) on the model's real
-        shapes; each call runs the step once. The selection loop times them."""
+        shapes; each call runs the step once. The selection loop times them by the host clock, unless
+        a call returns its own measurement in milliseconds (e.g. device time from events)."""
+
+    # Optional: ``step_weights() -> dict[str, float]``, each step's factor in the score (default 1).
 
     def synchronize(self) -> None:
         """Wait for the device (called around every timed run)."""
@@ -194,7 +197,7 @@ def _benchmark(kind: CandidateKind, all_registrations: Mapping[str, Registration
         logger.warning("reference %s %r cannot run; candidates are timed without a correctness check",
                        kind.kind, kind.reference)
     tol = kind.tolerance()
-    runners: dict[str, dict[str, Callable[[], None]]] = {}
+    runners: dict[str, dict[str, Callable[[], float | None]]] = {}
     for name, cls in usable.items():
         report = by_name[name]
         try:
@@ -208,11 +211,13 @@ def _benchmark(kind: CandidateKind, all_registrations: Mapping[str, Registration
             runners[name] = kind.step_runners(cls)
         except Exception as exc:  # a crashing candidate loses; the others still compete
             report.reason = f"rejected: failed its check: {type(exc).__name__}: {exc}"
+    weights = kind.step_weights() if hasattr(kind, "step_weights") else None
     for name, times in _time_interleaved(kind, runners).items():
         if isinstance(times, str):
             by_name[name].reason = times
         else:
             by_name[name].times_ms = times
+            by_name[name].weights = weights
     timed = [r for r in reports if r.name in usable and r.times_ms is not None and not r.reason]
     if not timed:
         reasons = "; ".join(f"{r.name}: {r.reason}" for r in reports if r.name in usable)
@@ -220,7 +225,7 @@ def _benchmark(kind: CandidateKind, all_registrations: Mapping[str, Registration
     return min(timed, key=lambda r: r.total_ms).name
 
 
-def _time_interleaved(kind: CandidateKind, runners: dict[str, dict[str, Callable[[], None]]],
+def _time_interleaved(kind: CandidateKind, runners: dict[str, dict[str, Callable[[], float | None]]],
                       warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> dict[str, dict[str, float] | str]:
     """Median milliseconds per candidate and step; candidates take turns, so that load from
     other processes slows all of them alike. A candidate that raises gets the error text."""
@@ -234,13 +239,14 @@ def _time_interleaved(kind: CandidateKind, runners: dict[str, dict[str, Callable
                 try:
                     kind.synchronize()
                     start = time.perf_counter()
-                    run()
+                    measured = run()
                     kind.synchronize()
                 except Exception as exc:  # a crashing candidate loses; the others still compete
                     failed[name] = f"rejected: failed while timing {label}: {type(exc).__name__}: {exc}"
                     break
                 if i >= warmup:
-                    samples[name][label].append((time.perf_counter() - start) * 1e3)
+                    wall = (time.perf_counter() - start) * 1e3
+                    samples[name][label].append(measured if isinstance(measured, float) else wall)
     return {n: failed.get(n) or {label: statistics.median(v) for label, v in s.items()} for n, s in samples.items()}
 
 

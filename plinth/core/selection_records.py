@@ -16,7 +16,8 @@ class CandidateReport:
 
     ``supported`` is the answer of ``supports`` (False also when it cannot be imported);
     a supported candidate with a non-empty ``reason`` was rejected (wrong results or a failure).
-    ``times_ms`` maps a workload step (e.g. ``"prefill"``) to its median time.
+    ``times_ms`` maps a workload step (e.g. ``"prefill"``) to its median time; ``weights`` (when the
+    kind gives them) scale each step's time in :attr:`total_ms`, the score the fastest candidate wins on.
     """
 
     name: str
@@ -26,6 +27,7 @@ class CandidateReport:
     max_error: float | None = None
     times_ms: dict[str, float] | None = None
     chosen: bool = False
+    weights: dict[str, float] | None = None
 
     @property
     def status(self) -> str:
@@ -37,7 +39,10 @@ class CandidateReport:
 
     @property
     def total_ms(self) -> float | None:
-        return sum(self.times_ms.values()) if self.times_ms else None
+        if not self.times_ms:
+            return None
+        weights = self.weights or {}
+        return sum(t * weights.get(label, 1.0) for label, t in self.times_ms.items())
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "status": self.status}

@@ -3,8 +3,9 @@
 :class:`GemmCandidates` is the :class:`~plinth.core.selection.CandidateKind` of GEMM kernels: the
 candidates are the method's :meth:`~plinth.quantization.interface.QuantizationMethod.kernel_candidates`;
 each is checked against the method's reference kernel (dequantize-then-matmul) on random weights in
-the method's format, then timed on every distinct layer shape of the model at a decode and a
-prefill row count; the record is cached under a key holding the method, the problem and the
+the method's format, then timed on every distinct layer shape of the model at one row, a decode batch
+and a prefill chunk (scored per row; on GPUs the decode steps by their device time, as the engine's
+decode graphs see them); the record is cached under a key holding the method, the problem and the
 workload. ``--gemm-kernel NAME`` (or ``PLINTH_GEMM_KERNEL``) forces one.
 """
 
@@ -31,6 +32,8 @@ GEMM_KERNEL_ENV = "PLINTH_GEMM_KERNEL"
 #: the largest layer shape used for the correctness check (rows and input features)
 _CHECK_N, _CHECK_K = 256, 512
 _CHECK_ROWS = 7
+#: GPU clock cycles of the sleep that decode launches queue behind while timed (~2 ms at 1-2 GHz)
+_QUEUE_CYCLES = 3_000_000
 
 
 def holder(state: dict[str, Any]) -> nn.Module:
@@ -107,14 +110,14 @@ class GemmCandidates:
     def tolerance(self) -> float:
         return self.method.kernel_tolerance()
 
-    def step_runners(self, cls: Any) -> dict[str, Callable[[], None]]:
+    def step_runners(self, cls: Any) -> dict[str, Callable[[], float | None]]:
         gen = torch.Generator(device=self.device).manual_seed(1)
         kernel = cls(self.problem)
         layers = [(holder(kernel.prepare(self.method.random_weights(n, k, self.device, gen))), k)
                   for n, k in self.problem.shapes]
         workload = self.method.ctx.workload
         steps = {}
-        for label, rows in (("decode", workload.decode_tokens), ("prefill", workload.prefill_tokens)):
+        for label, rows in workload.steps().items():
             inputs = [torch.randn(rows, k, generator=gen, device=self.device).to(self.problem.dtype)
                       for _layer, k in layers]
 
@@ -122,8 +125,31 @@ class GemmCandidates:
                 for (layer, _k), x in zip(layers, inputs, strict=True):
                     kernel.apply(layer, x, None)
 
-            steps[label] = run
+            steps[label] = self._device_timed(run) if label.startswith("decode") else run
         return steps
+
+    def _device_timed(self, run: Callable[[], None]) -> Callable[[], float | None]:
+        """On CUDA (and ROCm) devices, ``run`` returning its device time in milliseconds: the launches
+        queue up behind a ~2 ms sleep kernel and two events time the kernels alone, as the engine's
+        decode graphs see them (timed by the host clock, one-row GEMMs would measure each kernel's
+        launch path in Python instead, which the graphs never pay)."""
+        if self.device.type != "cuda":
+            return run
+
+        def timed() -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_QUEUE_CYCLES)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        return timed
+
+    def step_weights(self) -> dict[str, float]:
+        """Each step counts per row (see :class:`~plinth.quantization.interface.GemmWorkload`)."""
+        return {label: 1.0 / rows for label, rows in self.method.ctx.workload.steps().items()}
 
     def synchronize(self) -> None:
         self.platform.synchronize()

@@ -3,16 +3,8 @@
 Grid ``(num_seqs, num_kv_heads, num_splits)``. Each program takes the one query token of a
 sequence for all ``GROUP`` query heads of one KV head (so each K/V tile is loaded once for
 the group) and reduces one contiguous range of the sequence's KV tiles to a partial
-``(max, sum, acc)``. On NVIDIA GPUs (and in Triton's interpreter) the last program of a
-(sequence, KV head) to finish merges the splits: each program counts itself in with an atomic add
-on a per-(sequence, KV head) counter after writing its partial (a block barrier, then a release),
-and the one that sees every other split done reads the partials (acquire), writes the output and
-resets the counter to zero for the next launch. So a decode step costs one launch, not a split
-kernel and a merge kernel (a launch is a few microseconds at batch 1, where a step runs ~64 of
-them). Elsewhere (ROCm, XPU: whether their block barrier orders global stores before the release is
-not established) a second kernel merges the splits. With one split the program writes the output
-directly. The counters are shared by every launch on a device, which is safe because the launches
-of one device run in one stream, one after another.
+``(max, sum, acc)``. A second kernel merges the splits. With one split the first kernel
+writes the output directly and the merge is skipped.
 
 The split count comes from the batch size and the cache-capacity bound only (see
 :func:`plinth.attention_backends.triton.tiles.decode_splits`); each program derives its KV
@@ -35,10 +27,9 @@ def _decode_split_kernel(
     q_ptr,              # [T, num_heads, head_size]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_size]
     v_cache_ptr,
-    out_ptr,            # [T, num_heads, head_size] (written when NUM_SPLITS == 1 or by the merging program)
+    out_ptr,            # [T, num_heads, head_size] (written when NUM_SPLITS == 1)
     part_acc_ptr,       # [B, num_heads, NUM_SPLITS, HEAD_SIZE] fp32
     part_ml_ptr,        # [B, num_heads, NUM_SPLITS, 2] fp32: running max (log2 units), sum
-    counters_ptr,       # [B * num_kv_heads] int32: zero between launches (the merging program resets it)
     block_tables_ptr,   # [B, max_blocks_per_seq] int32
     seq_lens_ptr,       # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
@@ -56,9 +47,6 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,   # the last split merges (else the merge kernel runs after this one)
-    PEER_LOAD: tl.constexpr,     # cache modifier of the merge's loads of other programs' partials
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -125,39 +113,11 @@ def _decode_split_kernel(
             mask=g_ok[:, None] & d_ok[None, :],
         )
     else:
-        first = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS           # [G] split 0 of each head
-        part = first + split
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split   # [G]
         tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], acc,
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_ok)
-        if FUSED_MERGE:
-            tl.debug_barrier()   # every thread's partial is written before the release below
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")   # splits done before this one
-            if finished == NUM_SPLITS - 1:
-                # the last split of this (sequence, KV head): merge every split of the group's heads
-                offs_s = tl.arange(0, BLOCK_S)
-                gs_ok = g_ok[:, None] & (offs_s[None, :] < NUM_SPLITS)                # [G, S]
-                idx = first[:, None] + offs_s[None, :]
-                m_s = tl.load(part_ml_ptr + idx * 2, mask=gs_ok, other=_FINITE_MIN, cache_modifier=PEER_LOAD)
-                l_s = tl.load(part_ml_ptr + idx * 2 + 1, mask=gs_ok, other=0.0, cache_modifier=PEER_LOAD)
-                m_all = tl.max(m_s, axis=1)                                              # [G]
-                w = tl.exp2(m_s - m_all[:, None])                                        # [G, S]
-                total = tl.sum(w * l_s, axis=1)
-                total = tl.where(total == 0.0, 1.0, total)
-                merged = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                for s in range(NUM_SPLITS):
-                    w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)         # [G]
-                    a = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_SIZE + offs_d[None, :],
-                                mask=g_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=PEER_LOAD)
-                    merged += a * w_s[:, None]
-                tl.store(
-                    out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                    (merged / total[:, None]).to(out_ptr.dtype.element_ty),
-                    mask=g_ok[:, None] & d_ok[None, :],
-                )
-                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -221,14 +181,11 @@ def decode_attention(
         part_acc = torch.empty((num_seqs, num_heads, num_splits, head_size), dtype=torch.float32,
                                device=query.device)
         part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
-        fused = fused_merge_supported(query.device)
-        counters = merge_counters(query.device, num_seqs * num_kv_heads) if fused else out   # unused if not fused
     else:
-        fused = False
-        part_acc = part_ml = counters = out  # unused by the kernel
+        part_acc = part_ml = out  # unused by the kernel
     block_d = next_power_of_2(head_size)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, part_acc, part_ml, counters, block_tables, seq_lens, query_start_loc,
+        query, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
         num_tokens, scale * 1.4426950408889634, sliding_window or 0,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
@@ -241,17 +198,12 @@ def decode_attention(
         BLOCK_G=tiles.block_g,
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits,
-        BLOCK_S=next_power_of_2(num_splits),
-        FUSED_MERGE=fused,
-        # NVIDIA: read other programs' partials from L2 (".cg"), never a stale L1 line; elsewhere the default
-        PEER_LOAD=".cg" if query.device.type == "cuda" and torch.version.hip is None else "",
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out, part_acc, part_ml, query_start_loc, num_tokens,
             out.stride(0), out.stride(1),
@@ -261,29 +213,3 @@ def decode_attention(
             BLOCK_S=next_power_of_2(num_splits),
             num_warps=4,
         )
-
-
-def fused_merge_supported(device: torch.device) -> bool:
-    """Whether the last split merges in the same launch: on NVIDIA GPUs and in the interpreter (CPU), not on
-    ROCm or XPU."""
-    return device.type == "cpu" or (device.type == "cuda" and torch.version.hip is None)
-
-
-#: merge counters per device: one int32 per (sequence, KV head), zero between launches
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-#: the counters allocated per device (enough for 4096 sequences of 64 KV heads)
-MAX_COUNTERS = 1 << 18
-
-
-def merge_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The device's zeroed merge counters (allocated once, so captured graphs keep a valid address)."""
-    if needed > MAX_COUNTERS:
-        raise ValueError(f"a decode step of {needed} (sequence, KV head) pairs exceeds {MAX_COUNTERS}")
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("the decode merge counters must be allocated before graph capture")
-        counters = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return counters
