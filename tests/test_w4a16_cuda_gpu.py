@@ -145,3 +145,43 @@ def test_act_order_and_bias_through_the_kernel_class():
     x = torch.randn(4, k, generator=gen, device=CUDA).to(torch.bfloat16)
     ref = x.float() @ weights.dequantize(torch.float32).T + bias.float()
     assert _relative(kernel.apply(layer, x, bias), ref) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_dependent_launches_in_a_graph_match_eager_kernels(layers, rows, monkeypatch):
+    """A decoder MLP chain captured in a CUDA graph, where on Hopper each GEMV starts while the Triton
+    kernel before it runs (programmatic dependent launch) and reads its activations only after
+    ``griddepcontrol.wait``: the replay's outputs equal the eager (ordinary launch) results bit for bit,
+    with inputs changed between replays (a GEMV reading its input early would see the old values)."""
+    from plinth.kernels import nvrtc, ops
+
+    up, down = layers["gate_up"], layers["down"]
+    packed = {name: (pack_mma_codes(w.q), pack_mma_scales(w.scales, w.zeros), w.shape[0])
+              for name, w in (("up", up), ("down", down))}
+    norm_w = torch.rand(4096, device=CUDA).to(torch.bfloat16) + 0.5
+
+    def chain(x, residual):
+        h, r = ops.rms_norm(x, norm_w, 1e-5, residual)
+        g = mma_decode(h, *packed["up"])
+        return mma_decode(ops.silu_and_mul(g), *packed["down"]), r
+
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    x = torch.randn(rows, 4096, generator=gen, device=CUDA).to(torch.bfloat16)
+    residual = torch.randn(rows, 4096, generator=gen, device=CUDA).to(torch.bfloat16)
+    chain(x, residual)   # compile outside the capture
+    torch.cuda.synchronize()
+    seen = []
+    real = nvrtc.dependent_launch
+    monkeypatch.setattr(nvrtc, "dependent_launch", lambda device: seen.append(real(device)) or seen[-1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, new_residual = chain(x, residual)
+    assert seen and all(flag == (CAPABILITY >= (9, 0)) for flag in seen)
+    for seed in (8, 9, 10):
+        gen.manual_seed(seed)
+        x.copy_(torch.randn(rows, 4096, generator=gen, device=CUDA))
+        residual.copy_(torch.randn(rows, 4096, generator=gen, device=CUDA))
+        graph.replay()
+        expect, expect_residual = chain(x, residual)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expect) and torch.equal(new_residual, expect_residual), seed

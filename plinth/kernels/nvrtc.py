@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,24 @@ import torch
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: ``CU_FUNC_ATTRIBUTE_NUM_REGS``, ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
 NUM_REGS, MAX_DYNAMIC_SHARED = 4, 8
+#: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
+_PROGRAMMATIC_SERIALIZATION = 6
+_PDL_ENV = "PLINTH_PDL"
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (its first int here)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` of ``cuLaunchKernelEx``."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
 
 _compile_lock = threading.Lock()
 _LOADED: list[Any] = []   # loaded modules live as long as the process
@@ -35,7 +54,31 @@ def libcuda() -> Any:
     lib.cuFuncSetAttribute.restype = ctypes.c_int
     lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
     lib.cuFuncGetAttribute.restype = ctypes.c_int
+    if hasattr(lib, "cuLaunchKernelEx"):   # CUDA 12 drivers
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_void_p]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
     return lib
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_device(index: int) -> bool:
+    return (torch.cuda.get_device_capability(index) >= (9, 0) and torch.version.hip is None
+            and hasattr(libcuda(), "cuLaunchKernelEx"))
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether a kernel launched now on ``device`` may start before the kernel ahead of it ends
+    (programmatic dependent launch: Hopper or newer, ``PLINTH_PDL`` not ``0``).
+
+    Only while a CUDA graph is being captured: the graphs replay decode steps, whose kernels read
+    weights no kernel of the step writes, while an eager launch may directly follow the kernel that
+    wrote its weights (packing at load time). A kernel so launched must read what earlier kernels
+    write only after ``griddepcontrol.wait``.
+    """
+    if not torch.cuda.is_current_stream_capturing() or os.environ.get(_PDL_ENV, "1") == "0":
+        return False
+    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def available() -> bool:
@@ -76,8 +119,11 @@ def get_attribute(func: int, attribute: int) -> int:
 
 
 def launch(func: int, grid: int, block: int, shared: int, device: torch.device, args: list[Any],
-           what: str) -> None:
+           what: str, dependent: bool = False) -> None:
     """Launch ``func`` on ``device``'s current stream with ctypes ``args`` (a 1-D grid and block).
+
+    ``dependent``: let it start while the previous kernel of the stream finishes (see
+    :func:`dependent_launch`; the kernel must ``griddepcontrol.wait`` before reading its inputs).
 
     Raises:
         RuntimeError: the driver refused the launch (``what`` names the kernel).
@@ -88,6 +134,13 @@ def launch(func: int, grid: int, block: int, shared: int, device: torch.device, 
     with contextlib.ExitStack() as stack:
         if torch.cuda.current_device() != index:   # the function belongs to the device's context
             stack.enter_context(torch.cuda.device(index))
-        status = libcuda().cuLaunchKernel(ctypes.c_void_p(func), grid, 1, 1, block, 1, 1, shared, stream, params, None)
+        if dependent:
+            attribute = _LaunchAttribute(id=_PROGRAMMATIC_SERIALIZATION, value=1)
+            config = _LaunchConfig((ctypes.c_uint * 3)(grid, 1, 1), (ctypes.c_uint * 3)(block, 1, 1), shared,
+                                   stream, ctypes.pointer(attribute), 1)
+            status = libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(func), params, None)
+        else:
+            status = libcuda().cuLaunchKernel(ctypes.c_void_p(func), grid, 1, 1, block, 1, 1, shared, stream,
+                                              params, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernel failed for {what} (CUresult {status})")

@@ -57,6 +57,17 @@ def _native_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and os.environ.get("PLINTH_TRITON_INTERPRET") != "1"
 
 
+def launch_dependents(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel launched now on ``x``'s device should let the next kernel of the stream
+    start before it ends (``LAUNCH_DEPENDENTS``; see :func:`plinth.kernels.nvrtc.dependent_launch`, whose
+    GEMVs then stream their weights while this kernel runs)."""
+    if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return False
+    from plinth.kernels import nvrtc
+
+    return nvrtc.dependent_launch(x.device) and jit_module().HAS_GDC
+
+
 def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
@@ -74,6 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     jit_module().rmsnorm_kernel[(t,)](
         x, r, weight, y, h, n, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        LAUNCH_DEPENDENTS=launch_dependents(x),
     )
     return y if residual is None else (y, h)
 
@@ -87,7 +99,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((t, d), dtype=x.dtype, device=x.device)
     block = min(1024, _block(d))
     jit_module().silu_mul_kernel[(t, -(-d // block))](x, y, d, x.stride(0), y.stride(0), BLOCK=block,
-                                                      num_warps=4)
+                                                      num_warps=4, LAUNCH_DEPENDENTS=launch_dependents(x))
     return y
 
 

@@ -15,13 +15,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:   # programmatic dependent launch (Triton 3.4+)
+    from triton.language.extra.cuda import gdc_launch_dependents
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: LAUNCH_DEPENDENTS stays False (a stand-in keeps the
+    gdc_launch_dependents = tl.debug_barrier  # kernels' globals resolvable)
+    HAS_GDC = False
+
 
 @triton.jit
 def rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,     # x, residual (read), weight, output, new residual (write)
     N, stride_x, stride_r, stride_y, stride_h, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:   # the next kernel (a GEMV) may start streaming its weights now
+        gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -38,7 +47,10 @@ def rmsnorm_kernel(
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, y_ptr, D, stride_x, stride_y, BLOCK: tl.constexpr):
+def silu_mul_kernel(x_ptr, y_ptr, D, stride_x, stride_y, BLOCK: tl.constexpr,
+                    LAUNCH_DEPENDENTS: tl.constexpr = False):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D

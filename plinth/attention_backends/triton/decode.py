@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2
+from plinth.kernels.ops import launch_dependents
+from plinth.kernels.triton_jit import gdc_launch_dependents
 
 _FINITE_MIN = tl.constexpr(-1.0e30)
 
@@ -49,7 +51,10 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,   # the next kernel (the output projection) may start now
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,7 +137,10 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -184,6 +192,7 @@ def decode_attention(
     else:
         part_acc = part_ml = out  # unused by the kernel
     block_d = next_power_of_2(head_size)
+    early = launch_dependents(query)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
         num_tokens, scale * 1.4426950408889634, sliding_window or 0,
@@ -200,6 +209,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        LAUNCH_DEPENDENTS=early and num_splits == 1,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -211,5 +221,6 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits),
+            LAUNCH_DEPENDENTS=early,
             num_warps=4,
         )

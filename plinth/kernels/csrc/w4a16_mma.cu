@@ -118,6 +118,15 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
+// With programmatic dependent launch the kernel may start while the previous kernel of the stream is
+// still running: everything before this waits only on weights (which no kernel of a decode step writes);
+// activations are read after it. Without such a launch it returns at once.
+__device__ __forceinline__ void wait_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float as_float(u32 v) {
   float f;
   asm("mov.b32 %0, %1;" : "=f"(f) : "r"(v));
@@ -134,8 +143,9 @@ __device__ __forceinline__ float fma_f32(float a, float b, float c) {
 // grid (N / 16), block (32 * warps), dynamic shared memory groups * 192 + warps * S * (512 + 128 * R) bytes,
 // R = min(M, 8 * NB) activation rows per slot.
 //
-// A block first stages its tile's scales in shared memory and turns each (scale, zero point) into the
-// 16 bytes a lane reads per chunk: the float32 scales of rows g and g + 8 and the packed -(magic + z) of
+// A block first stages its tile's scales in shared memory (while the codes of its first chunks are on
+// their way: neither depends on the previous kernel, see wait_previous_kernel) and turns each (scale,
+// zero point) into the 16 bytes a lane reads per chunk: the float32 scales of rows g and g + 8 and the packed -(magic + z) of
 // each. Its warps then share the tile's K chunks in turn (chunk warp + warps * j, so that a block reads
 // one contiguous stretch at a time). Each warp streams its chunks through its own ring of S slots with
 // cp.async, S - 1 chunks in flight; a slot holds the chunk's codes (512 bytes) and activations (128
@@ -185,22 +195,32 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   }
   const size_t x_step = (size_t)warps * 128;
 
+  commit_copies();   // group: the scales
+  // then a group with the codes of the first S - 1 chunks
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    copy_async16_if(ring + i * slot_bytes + lane * 16u, code_src, i < mine);
+    code_src += code_step;
+  }
+  commit_copies();
+  // the activations of the first S - 1 chunks (a group per chunk) once the previous kernel is done: the
+  // loop's wait for at most S - 2 pending groups then finds chunk j's codes and activations complete
+  wait_previous_kernel();
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
     const u32 slot = ring + i * slot_bytes;
     const int live = i < mine;
-    copy_async16_if(slot + lane * 16u, code_src, live);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       copy_async16_if(slot + x_dst[nb], x_src[nb], live & x_on[nb]);
       copy_async16_if(slot + x_dst[nb] + 16u, x_src[nb] + 16, live & x_on[nb]);
       x_src[nb] += x_step;
     }
-    code_src += code_step;
     commit_copies();
   }
-  wait_copies<S - 2>();   // the first group (with the scales) is complete for this thread ...
-  __syncthreads();        // ... and for every thread
+
+  wait_copies<S>();   // the scales (the oldest of S + 1 groups) are complete for this thread ...
+  __syncthreads();    // ... and for every thread
 
   const float magic_f = BF16 ? 128.f : 1024.f;
   // convert: [group][row 0..15] (scale, zero) -> [group][g][(scale g, -(magic + z_g), scale g+8, -(magic + z_g8))]
@@ -229,7 +249,7 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
   const u32 ring_end = ring + S * slot_bytes;
   int cc = warp;
   for (int j = 0; j < mine; ++j, cc += warps) {
-    wait_copies<S - 2>();   // S - 1 + j groups committed: this chunk's is complete
+    wait_copies<S - 2>();   // pending: at most the S - 2 chunks after this one
     const Words4 w = load_shared16(read + lane * 16u);
     Words4 xa[NB][2];
 #pragma unroll

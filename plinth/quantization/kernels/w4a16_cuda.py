@@ -227,7 +227,8 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
     args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(x.data_ptr()),
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
             ctypes.c_int(n), ctypes.c_int(launch.shift), ctypes.c_int(groups)]
-    nvrtc.launch(launch.func, launch.blocks, launch.threads, launch.shared, x.device, args, "the W4A16 decode kernel")
+    nvrtc.launch(launch.func, launch.blocks, launch.threads, launch.shared, x.device, args, "the W4A16 decode kernel",
+                 dependent=nvrtc.dependent_launch(x.device))
     return y
 
 
