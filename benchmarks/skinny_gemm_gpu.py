@@ -9,7 +9,9 @@ runs them; the figure is the time per product and the weight bytes streamed per 
 candidates: cuBLAS (``F.linear``), the skinny kernel with its default tiles and with each swept tile;
 for W4A16 (RTN, group 128): the Triton GEMM's decode path with its default and swept tiles, and cuBLAS
 on the dequantized bf16 weight for reference. Every candidate's output is checked against cuBLAS
-(bf16) or the dequantized product (W4A16) first.
+(bf16) or the dequantized product (W4A16) first. In these graphs ``cuda_w4a16`` (``--parts w4cuda``) is
+launched with programmatic dependent launch on Hopper, as in a decode step (each product starts while the
+one before finishes), the other kernels are not: ``PLINTH_PDL=0`` compares them launched alike.
 """
 
 # ruff: noqa: B023  (the timing lambdas run before their loop variables change)

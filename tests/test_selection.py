@@ -402,22 +402,21 @@ def test_plugins_benchmark_command_prints_the_table(tmp_path, monkeypatch, capsy
     assert list((tmp_path / "cache" / "selection").glob("attention_backend-*.json"))
 
 
-def test_step_weights_decide_between_regimes(monkeypatch):
-    """A kind with ``step_weights`` scores per row: a candidate 30% faster on one-row decode steps wins
-    over one 3% faster on 512-row prefills, although its plain sum of times is larger; without weights
-    the prefill decides."""
+def test_relative_steps_count_each_step_alike(monkeypatch):
+    """A kind with ``relative_steps`` ranks by the mean over steps of each time relative to the fastest
+    candidate at that step: a candidate 30% faster at one-row decodes wins over one 3% faster at prefill,
+    although its plain sum of times is larger (the sum decides without the option); and one much slower
+    at the batched decode loses, however fast its one-row decode."""
     from plinth.core import selection
     from plinth.core.selection_records import CandidateReport
 
-    times = {"prefill_fast": {"decode-1": 0.100, "prefill": 0.970},
-             "decode_fast": {"decode-1": 0.070, "prefill": 1.000}}
+    times = {"prefill_fast": {"decode-1": 0.100, "decode": 0.200, "prefill": 0.970},
+             "decode_fast": {"decode-1": 0.070, "decode": 0.200, "prefill": 1.020},
+             "batch_slow": {"decode-1": 0.050, "decode": 0.660, "prefill": 0.980}}
     monkeypatch.setattr(selection, "_time_interleaved", lambda kind, runners: {n: times[n] for n in runners})
 
     class Kind:
         kind, reference = "gemm_kernel", None
-
-        def __init__(self, weights):
-            self.weights = weights
 
         def step_runners(self, cls):
             return {label: (lambda: None) for label in times[cls]}
@@ -425,16 +424,31 @@ def test_step_weights_decide_between_regimes(monkeypatch):
         def tolerance(self):
             return 0.0
 
-    for weights, winner in (({"decode-1": 1.0, "prefill": 1 / 512}, "decode_fast"), (None, "prefill_fast")):
-        kind = Kind(weights)
-        if weights is not None:
-            kind.step_weights = lambda weights=weights: weights
-        reports = [CandidateReport(name, "test", supported=True) for name in times]
-        assert selection._benchmark(kind, {}, {name: name for name in times}, reports) == winner
-        assert all(r.weights == weights for r in reports)
-    # records written before weights existed load and score as plain sums
-    old = CandidateReport(**{"name": "x", "plugin": "p", "supported": True, "times_ms": {"a": 1.0, "b": 2.0}})
-    assert old.total_ms == 3.0
+    for relative, winner in ((True, "decode_fast"), (False, "prefill_fast")):
+        kind = Kind()
+        kind.relative_steps = relative
+        for order in (list(times), list(reversed(times))):
+            reports = [CandidateReport(name, "test", supported=True) for name in order]
+            assert selection._benchmark(kind, {}, {name: name for name in order}, reports) == winner, (relative, order)
+            scores = {r.name: r.score for r in reports}
+            if relative:
+                assert scores["decode_fast"] == pytest.approx((0.070 / 0.050 + 1 + 1.020 / 0.970) / 3)
+                assert scores["batch_slow"] == pytest.approx((1 + 3.3 + 0.980 / 0.970) / 3)
+            else:
+                assert set(scores.values()) == {None}
+
+
+def test_cached_records_without_scores_still_load(tmp_path):
+    """A record written before scores existed (no ``score`` field) is read back from the cache and ranks
+    by the sum of its times."""
+    from plinth.core import selection
+
+    reports = selection._cached_reports({"candidates": [
+        {"name": "a", "plugin": "p", "supported": True, "times_ms": {"x": 1.0, "y": 2.0}, "chosen": True},
+        {"name": "b", "plugin": "p", "supported": True, "times_ms": {"x": 2.0, "y": 2.0}},
+    ]})
+    assert reports is not None and [r.score for r in reports] == [None, None]
+    assert [r.rank for r in reports] == [3.0, 4.0]
 
 
 def test_a_runner_may_report_its_own_time(monkeypatch):

@@ -8,7 +8,9 @@ For one kind (attention backend now; a quantization method's GEMM kernel later):
 3. with more than one left, each is checked against the kind's reference on small random
    inputs (an error above the dtype's tolerance rejects it, with the error figure) and then
    timed on the model's shapes (warm-up, device synchronisation, median of several runs);
-   the fastest wins;
+   the fastest wins: the lowest sum of step times, or, for kinds with ``relative_steps``, the
+   lowest mean over steps of the time relative to the fastest candidate at that step (so that
+   each step counts alike however long it takes);
 4. the outcome is stored under ``plinth.config.cache_dir() / "selection"``, keyed by device,
    platform, torch/triton/plugin versions, dtype and shapes, so a later start with the same
    key reads it and times nothing. Modes (``DeviceConfig.selection``): ``cached`` (time on a
@@ -78,7 +80,7 @@ class CandidateKind(Protocol):
         shapes; each call runs the step once. The selection loop times them by the host clock, unless
         a call returns its own measurement in milliseconds (e.g. device time from events)."""
 
-    # Optional: ``step_weights() -> dict[str, float]``, each step's factor in the score (default 1).
+    # Optional: ``relative_steps = True``: rank by the mean relative time per step (see the module docstring).
 
     def synchronize(self) -> None:
         """Wait for the device (called around every timed run)."""
@@ -211,18 +213,21 @@ def _benchmark(kind: CandidateKind, all_registrations: Mapping[str, Registration
             runners[name] = kind.step_runners(cls)
         except Exception as exc:  # a crashing candidate loses; the others still compete
             report.reason = f"rejected: failed its check: {type(exc).__name__}: {exc}"
-    weights = kind.step_weights() if hasattr(kind, "step_weights") else None
     for name, times in _time_interleaved(kind, runners).items():
         if isinstance(times, str):
             by_name[name].reason = times
         else:
             by_name[name].times_ms = times
-            by_name[name].weights = weights
     timed = [r for r in reports if r.name in usable and r.times_ms is not None and not r.reason]
     if not timed:
         reasons = "; ".join(f"{r.name}: {r.reason}" for r in reports if r.name in usable)
         raise SelectionError(f"every {_label(kind)} failed its check: {reasons}")
-    return min(timed, key=lambda r: r.total_ms).name
+    if getattr(kind, "relative_steps", False):
+        best = {label: min(r.times_ms[label] for r in timed) for label in timed[0].times_ms}
+        for r in timed:
+            r.score = statistics.fmean(t / best[label] if best[label] > 0 else 1.0
+                                       for label, t in r.times_ms.items())
+    return min(timed, key=lambda r: r.rank).name
 
 
 def _time_interleaved(kind: CandidateKind, runners: dict[str, dict[str, Callable[[], float | None]]],

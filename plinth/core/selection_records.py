@@ -16,8 +16,9 @@ class CandidateReport:
 
     ``supported`` is the answer of ``supports`` (False also when it cannot be imported);
     a supported candidate with a non-empty ``reason`` was rejected (wrong results or a failure).
-    ``times_ms`` maps a workload step (e.g. ``"prefill"``) to its median time; ``weights`` (when the
-    kind gives them) scale each step's time in :attr:`total_ms`, the score the fastest candidate wins on.
+    ``times_ms`` maps a workload step (e.g. ``"prefill"``) to its median time. ``score`` (kinds that
+    compare step by step) is the mean over steps of the time relative to the fastest candidate at that
+    step (1.0: fastest at every step); the lowest score wins, else the lowest :attr:`total_ms`.
     """
 
     name: str
@@ -27,7 +28,7 @@ class CandidateReport:
     max_error: float | None = None
     times_ms: dict[str, float] | None = None
     chosen: bool = False
-    weights: dict[str, float] | None = None
+    score: float | None = None
 
     @property
     def status(self) -> str:
@@ -39,10 +40,12 @@ class CandidateReport:
 
     @property
     def total_ms(self) -> float | None:
-        if not self.times_ms:
-            return None
-        weights = self.weights or {}
-        return sum(t * weights.get(label, 1.0) for label, t in self.times_ms.items())
+        return sum(self.times_ms.values()) if self.times_ms else None
+
+    @property
+    def rank(self) -> float | None:
+        """What the candidates are ordered by: :attr:`score` where given, else :attr:`total_ms`."""
+        return self.score if self.score is not None else self.total_ms
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "status": self.status}
@@ -62,8 +65,8 @@ class SelectionResult:
 
     @property
     def runner_up(self) -> CandidateReport | None:
-        timed = [c for c in self.candidates if c.total_ms is not None and not c.chosen and not c.reason]
-        return min(timed, key=lambda c: c.total_ms) if timed else None
+        timed = [c for c in self.candidates if c.rank is not None and not c.chosen and not c.reason]
+        return min(timed, key=lambda c: c.rank) if timed else None
 
     def report(self, name: str) -> CandidateReport:
         return next(c for c in self.candidates if c.name == name)
@@ -72,6 +75,8 @@ class SelectionResult:
         """One log line: winner, runner-up, times."""
         def fmt(c: CandidateReport) -> str:
             times = ", ".join(f"{k} {v:.3g} ms" for k, v in (c.times_ms or {}).items())
+            if times and c.score is not None:
+                times += f"; score {c.score:.3f}"
             return f"{c.name} ({times})" if times else c.name
         line = f"{self.kind}: {fmt(self.report(self.winner))} [{self.how}]"
         if (ru := self.runner_up) is not None:

@@ -24,7 +24,8 @@ def format_selection_table(result: SelectionResult) -> str:
     header = ("", "NAME", "PLUGIN", "STATUS", "MAX ERROR", "TIMES (ms)", "REASON")
     rows = [
         ("*" if c.chosen else "", c.name, c.plugin, c.status,
-         "-" if c.max_error is None else f"{c.max_error:.2e}", _fmt_times(c.times_ms), c.reason)
+         "-" if c.max_error is None else f"{c.max_error:.2e}",
+         _fmt_times(c.times_ms) + ("" if c.score is None else f" (score {c.score:.3f})"), c.reason)
         for c in result.candidates
     ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]

@@ -54,6 +54,8 @@ def libcuda() -> Any:
     lib.cuFuncSetAttribute.restype = ctypes.c_int
     lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
     lib.cuFuncGetAttribute.restype = ctypes.c_int
+    lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.cuDriverGetVersion.restype = ctypes.c_int
     if hasattr(lib, "cuLaunchKernelEx"):   # CUDA 12 drivers
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_void_p]
@@ -63,22 +65,32 @@ def libcuda() -> Any:
 
 @functools.lru_cache(maxsize=16)
 def _pdl_device(index: int) -> bool:
-    return (torch.cuda.get_device_capability(index) >= (9, 0) and torch.version.hip is None
-            and hasattr(libcuda(), "cuLaunchKernelEx"))
+    if torch.version.hip is not None or torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    lib = libcuda()
+    version = ctypes.c_int()
+    # launches with programmatic serialization are captured into graphs from CUDA 12.3 drivers on
+    return (hasattr(lib, "cuLaunchKernelEx") and lib.cuDriverGetVersion(ctypes.byref(version)) == 0
+            and version.value >= 12030)
+
+
+def dependent_launches(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch: Hopper or newer, a CUDA 12.3+
+    driver, and ``PLINTH_PDL`` not ``0``."""
+    if os.environ.get(_PDL_ENV, "1") == "0":
+        return False
+    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether a kernel launched now on ``device`` may start before the kernel ahead of it ends
-    (programmatic dependent launch: Hopper or newer, ``PLINTH_PDL`` not ``0``).
+    (:func:`dependent_launches`, and a CUDA graph is being captured).
 
-    Only while a CUDA graph is being captured: the graphs replay decode steps, whose kernels read
-    weights no kernel of the step writes, while an eager launch may directly follow the kernel that
-    wrote its weights (packing at load time). A kernel so launched must read what earlier kernels
-    write only after ``griddepcontrol.wait``.
+    Only in graphs: they replay decode steps, whose kernels read weights no kernel of the step writes,
+    while an eager launch may directly follow the kernel that wrote its weights (packing at load time).
+    A kernel so launched must read what earlier kernels write only after ``griddepcontrol.wait``.
     """
-    if not torch.cuda.is_current_stream_capturing() or os.environ.get(_PDL_ENV, "1") == "0":
-        return False
-    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.is_current_stream_capturing() and dependent_launches(device)
 
 
 def available() -> bool:
@@ -143,4 +155,5 @@ def launch(func: int, grid: int, block: int, shared: int, device: torch.device, 
             status = libcuda().cuLaunchKernel(ctypes.c_void_p(func), grid, 1, 1, block, 1, 1, shared, stream,
                                               params, None)
     if status != 0:
-        raise RuntimeError(f"cuLaunchKernel failed for {what} (CUresult {status})")
+        call = "cuLaunchKernelEx" if dependent else "cuLaunchKernel"
+        raise RuntimeError(f"{call} failed for {what} (CUresult {status})")

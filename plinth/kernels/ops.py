@@ -58,14 +58,16 @@ def _native_cpu(x: torch.Tensor) -> bool:
 
 
 def launch_dependents(x: torch.Tensor) -> bool:
-    """Whether a Triton kernel launched now on ``x``'s device should let the next kernel of the stream
-    start before it ends (``LAUNCH_DEPENDENTS``; see :func:`plinth.kernels.nvrtc.dependent_launch`, whose
-    GEMVs then stream their weights while this kernel runs)."""
-    if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+    """Whether a Triton kernel on ``x``'s device lets the next kernel of the stream start before it ends
+    (``LAUNCH_DEPENDENTS``: ``griddepcontrol.launch_dependents`` at its start). Only a kernel launched
+    for it (:func:`plinth.kernels.nvrtc.dependent_launch`: the W4A16 GEMVs in CUDA graphs) starts early,
+    streaming its weights while this one runs; others wait as usual. Eager and captured launches take
+    the same kernel variant, so the warm-up before a capture compiles it."""
+    if x.device.type != "cuda" or not jit_module().HAS_GDC:
         return False
     from plinth.kernels import nvrtc
 
-    return nvrtc.dependent_launch(x.device) and jit_module().HAS_GDC
+    return nvrtc.dependent_launches(x.device)
 
 
 def _block(n: int) -> int:

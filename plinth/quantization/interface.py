@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class GemmWorkload:
     """Rows of the GEMMs timed during kernel selection (part of the cache key): a one-row decode step, a
-    batched decode step and a prefill chunk. Each is scored per row (token), so that the regime with
-    the most rows does not decide alone: a kernel 30% faster at one row and 3% slower at 512 wins."""
+    batched decode step and a prefill chunk. Each step counts alike (relative to the fastest candidate
+    there), so the longest step does not decide alone: a kernel 30% faster at one row and 3% slower at
+    512 rows wins."""
 
     decode_tokens: int = 16
     prefill_tokens: int = 256

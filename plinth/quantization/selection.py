@@ -4,8 +4,8 @@
 candidates are the method's :meth:`~plinth.quantization.interface.QuantizationMethod.kernel_candidates`;
 each is checked against the method's reference kernel (dequantize-then-matmul) on random weights in
 the method's format, then timed on every distinct layer shape of the model at one row, a decode batch
-and a prefill chunk (scored per row; on GPUs the decode steps by their device time, as the engine's
-decode graphs see them); the record is cached under a key holding the method, the problem and the
+and a prefill chunk (each step counting alike, relative to the fastest candidate there; on GPUs the
+decode steps by their device time, as the engine's decode graphs see them); the record is cached under a key holding the method, the problem and the
 workload. ``--gemm-kernel NAME`` (or ``PLINTH_GEMM_KERNEL``) forces one.
 """
 
@@ -68,6 +68,8 @@ class GemmCandidates:
     platform: Any
     kind: str = "gemm_kernel"
     reference: str | None = None
+    #: rank by the mean relative time per step (one-row decode, batched decode, prefill)
+    relative_steps: bool = True
     _ref: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,15 +137,17 @@ class GemmCandidates:
         launch path in Python instead, which the graphs never pay)."""
         if self.device.type != "cuda":
             return run
+        device = self.device
 
         def timed() -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_QUEUE_CYCLES)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
+            with torch.cuda.device(device):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(_QUEUE_CYCLES)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end)
 
         return timed
 
@@ -155,8 +159,9 @@ class GemmCandidates:
         self.platform.synchronize()
 
     def key(self) -> dict[str, Any]:
+        workload = self.method.ctx.workload
         return {"method": self.method.name, "problem": self.problem.key(),
-                "workload": dataclasses.asdict(self.method.ctx.workload)}
+                "workload": dataclasses.asdict(workload), "steps": workload.steps(), "scoring": "relative-steps"}
 
 
 def kernel_registrations(method: QuantizationMethod) -> dict[str, Registration]:

@@ -238,6 +238,9 @@ class CudaW4A16Kernel(GemmKernel):
 
     name: ClassVar[str] = "cuda_w4a16"
     priority: ClassVar[int] = 30
+    #: part of the selection's cache key: a changed kernel is timed afresh (2: weights staged before the
+    #: previous kernel ends, programmatic dependent launch in CUDA graphs)
+    selection_revision: ClassVar[int] = 2
 
     def __init__(self, problem: GemmProblem):
         super().__init__(problem)
