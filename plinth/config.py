@@ -48,6 +48,8 @@ class ModelConfig:
         max_model_len: the longest sequence (prompt + output); default: the model's.
         load_format: ``auto`` (by file type), ``safetensors``, ``gguf`` or ``dummy`` (random weights).
         quantization: a quantization method name, or ``None`` for the checkpoint's own.
+        quantize_lm_head: quantize the LM head too, with the method's float-weight quantizer (``int4``,
+            ``fp8``); off by default, as in most checkpoints: the logits come from the float weight.
         trust_remote_code: allow transformers to run code shipped with a checkpoint.
         seed: the seed for random weights and for requests that have no seed.
         served_model_name: the model name the server reports and accepts.
@@ -60,6 +62,7 @@ class ModelConfig:
     max_model_len: int | None = None
     load_format: str = "auto"
     quantization: str | None = None
+    quantize_lm_head: bool = False
     trust_remote_code: bool = False
     seed: int = 0
     served_model_name: str | None = None

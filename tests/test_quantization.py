@@ -114,6 +114,54 @@ def test_fp8_from_float_checkpoint_matches_reference(tiny_llama_dir):
     compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
 
 
+_FLOAT_QUANTIZERS = {
+    "int4": lambda w: quantize_int_rtn(w, 4, 64).dequantize(torch.float32),
+    "fp8": lambda w: quantize_fp8_per_channel(w).dequantize(torch.float32),
+}
+
+
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_quantized_lm_head_matches_reference(tiny_llama_dir, quantization):
+    """``--quantize-lm-head``: the LM head's logits come from its quantized weight through the method's
+    kernel (transformers with every linear weight and the head replaced by their dequantized values agrees),
+    and the float copy of an untied head is released."""
+    quantize = _FLOAT_QUANTIZERS[quantization]
+    model, backend, method = load_plinth(tiny_llama_dir, quantization, quantize_lm_head=True)
+    state = float_state(tiny_llama_dir)
+    ref = reference_model(tiny_llama_dir, dequantized_linears(state, lambda n, w: quantize(w)))
+    with torch.no_grad():
+        ref.lm_head.weight.copy_(quantize(state["lm_head.weight"]))
+    compare(model, backend, ref, atol=1e-3, min_agreement=0.95)
+    head = model.lm_head
+    assert head.gemm is not None and head.weight.numel() == 0
+    assert dict(head.quantized.named_parameters()) and "weight" not in dict(head.quantized.named_parameters())
+    # the head's quantization is visible in the logits: a reference with the float head is further off
+    with torch.no_grad():
+        ref.lm_head.weight.copy_(state["lm_head.weight"])
+    with pytest.raises(AssertionError, match="max logit error"):
+        compare(model, backend, ref, atol=1e-3, min_agreement=0.0)
+
+
+def test_quantized_lm_head_keeps_a_tied_embedding(tmp_path):
+    """A head tied to the embedding gets its quantized copy; the embedding keeps the float weight."""
+    from conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    model, _backend, _method = load_plinth(path, "int4", quantize_lm_head=True)
+    embed = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embed and embed.numel() > 0 and model.lm_head.gemm is not None
+    hidden = torch.randn(3, embed.shape[1])
+    expected = hidden @ quantize_int_rtn(embed, 4, 64).dequantize(torch.float32).T
+    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_quantize_lm_head_needs_a_method_that_can(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="needs a quantization method"):
+        load_plinth(tiny_llama_dir, None, quantize_lm_head=True)
+    with pytest.raises(ConfigError, match="cannot quantize the LM head"):
+        load_plinth(tiny_llama_dir, "int8", quantize_lm_head=True)
+
+
 def _fp8_checkpoint(base, out, scheme: str, block=(32, 32), ignored=()):
     """An FP8 checkpoint in the layout of ``quant_method: fp8`` and its dequantized weights."""
     state, deq = float_state(base), {}

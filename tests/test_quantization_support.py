@@ -60,10 +60,10 @@ def write_checkpoint(base_dir: Path, out_dir: Path, tensors: dict[str, torch.Ten
 
 
 def load_plinth(path: Path | str, quantization: str | None = None, *, gemm_kernel: str | None = None,
-                dtype: str = "float32", tp: tuple[int, int] = (0, 1)):
+                dtype: str = "float32", tp: tuple[int, int] = (0, 1), quantize_lm_head: bool = False):
     """A plinth model (torch_sdpa attention, CPU) with the quantization the engine would resolve."""
     config = EngineConfig.from_kwargs(model=str(path), quantization=quantization, dtype=dtype,
-                                      gemm_kernel=gemm_kernel, selection="off")
+                                      gemm_kernel=gemm_kernel, selection="off", quantize_lm_head=quantize_lm_head)
     source = resolve_model_source(config.model)
     torch_dtype = getattr(torch, dtype)
     device = torch.device("cpu")

@@ -9,7 +9,8 @@ from plinth.config import DTYPES, EXECUTORS, LOAD_FORMATS, SELECTION_MODES, Engi
 
 # flag dest -> EngineConfig.from_kwargs keyword (identical names; listed to define the mapping once)
 ENGINE_KWARGS = (
-    "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "trust_remote_code",
+    "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "quantize_lm_head",
+    "trust_remote_code",
     "seed", "served_model_name", "chat_template",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
@@ -36,6 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     quant_names = sorted(pm.registrations("quantization_methods"))
     g.add_argument("--quantization", "-q", default=None, choices=quant_names or None,
                    help="quantization method (plugins add names)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the LM head too (methods that quantize float weights: int4, fp8)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--served-model-name", default=None)

@@ -244,5 +244,10 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         method = getattr(module, "linear_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    head = getattr(model, "lm_head", None)
+    if quant is not None and quant.ctx.quantize_lm_head and head is not None:  # type: ignore[attr-defined]
+        tied = any(p is head.weight for name, p in model.named_parameters(remove_duplicate=False)
+                   if not name.startswith("lm_head."))
+        quant.quantize_lm_head(head, tied=tied)  # type: ignore[attr-defined]
     model.eval()
     return model

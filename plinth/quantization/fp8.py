@@ -98,6 +98,7 @@ class FP8Method(QuantizationMethod):
 
     name = "fp8"
     quantizes_float_checkpoints = True
+    quantizes_lm_head = True
     source_kinds = ("hf_dir", "dummy")
 
     def __init__(self, ctx: QuantContext, *, from_checkpoint: bool, block: tuple[int, int] | None = None,
@@ -142,6 +143,12 @@ class FP8Method(QuantizationMethod):
             return fp8_checkpoint_weights(layer, self.block)
         with torch.no_grad():
             return quantize_fp8_per_channel(layer.weight, layer.__dict__.pop("fp8_row_absmax", None))
+
+    def float_weights(self, weight: torch.Tensor) -> FP8Weights:
+        """Per-channel FP8 of a float weight (also for the LM head of an FP8 checkpoint, whose head is
+        stored in the float dtype)."""
+        with torch.no_grad():
+            return quantize_fp8_per_channel(weight, None)
 
     def kernel_candidates(self) -> dict[str, str]:
         return dict(FP8_KERNELS)

@@ -69,6 +69,7 @@ class Int4Method(IntWeightMethod):
 
     name = "int4"
     quantizes_float_checkpoints = True
+    quantizes_lm_head = True
     source_kinds = ("hf_dir", "dummy")
 
     @classmethod
@@ -83,7 +84,9 @@ class Int4Method(IntWeightMethod):
         float_weight(layer, self.ctx.dtype, input_size, output_sizes)
 
     def convert_weights(self, layer: nn.Module) -> IntWeights:
-        weight = layer.weight  # [N, K]
+        return self.float_weights(layer.weight)
+
+    def float_weights(self, weight: torch.Tensor) -> IntWeights:
         if weight.shape[1] % self.group_for(weight.shape[1]):
             raise ModelLoadError(f"int4: input size {weight.shape[1]} is not a multiple of the group size "
                                  f"{self.group_size}")

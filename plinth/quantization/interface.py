@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -74,6 +75,7 @@ class QuantContext:
         gemm_kernel: a forced kernel name (``--gemm-kernel``), or ``None``.
         workload: rows timed during selection.
         cache_dir: where selection records live (default: the user cache).
+        quantize_lm_head: the LM head is quantized too (``--quantize-lm-head``).
     """
 
     hf_config: Any
@@ -87,6 +89,7 @@ class QuantContext:
     gemm_kernel: str | None = None
     workload: GemmWorkload = dataclasses.field(default_factory=GemmWorkload)
     cache_dir: Path | None = None
+    quantize_lm_head: bool = False
 
 
 class QuantizationMethod(abc.ABC):
@@ -106,6 +109,8 @@ class QuantizationMethod(abc.ABC):
     source_kinds: ClassVar[tuple[str, ...]] = ("hf_dir",)
     #: the kernel every other candidate is checked against
     reference_kernel: ClassVar[str] = "dequant"
+    #: it can quantize the LM head's float weight (``--quantize-lm-head``; see :meth:`float_weights`)
+    quantizes_lm_head: ClassVar[bool] = False
 
     def __init__(self, ctx: QuantContext):
         self.ctx = ctx
@@ -175,6 +180,34 @@ class QuantizationMethod(abc.ABC):
         decode = self.kernel.decode_tensors()
         if decode is not None and decode & set(layer._parameters):   # this layer keeps the decode layout
             layer.decode_tensors = decode | {"perm"}
+
+    def float_weights(self, weight: torch.Tensor) -> QuantizedWeights:
+        """A float weight ``[N, K]`` in the method's format, quantized now (methods with
+        :attr:`quantizes_lm_head`)."""
+        raise NotImplementedError(f"{self.name} does not quantize float weights outside its layers")
+
+    def quantize_lm_head(self, head: nn.Module, *, tied: bool) -> None:
+        """Give ``head`` (an LM head with a float ``weight`` ``[vocab rows, hidden]``) a quantized copy
+        through the selected kernel: it is kept in a child module ``quantized`` and used as the head's
+        ``gemm``. The float weight is released unless ``tied`` (the embedding reads it)."""
+        if self.kernel is None:
+            raise RuntimeError(f"{self.name}: no GEMM kernel chosen; prepare_model() selects one")
+        weight = head.weight
+        module = nn.Module()
+        with torch.no_grad():
+            prepared = self.kernel.prepare(self.float_weights(weight))
+        for name, value in prepared.items():
+            if isinstance(value, torch.Tensor):
+                module.register_parameter(name, nn.Parameter(value, requires_grad=False))
+            else:
+                setattr(module, name, value)
+        decode = self.kernel.decode_tensors()
+        if decode is not None and decode & set(module._parameters):
+            module.decode_tensors = decode | {"perm"}
+        head.quantized = module
+        head.gemm = functools.partial(self.apply, module, bias=None)
+        if not tied:
+            head.weight = nn.Parameter(weight.new_empty((0, weight.shape[1])), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` ``[..., K]`` -> ``[..., N]`` through the selected kernel."""
@@ -247,6 +280,9 @@ class QuantizationMethod(abc.ABC):
         if not shapes:
             raise ConfigError(f"{self.name}: {type(model).__name__} has no linear layer this method quantizes "
                               f"(architectures run through the transformers fallback cannot be quantized)")
+        head = getattr(model, "lm_head", None) if self.ctx.quantize_lm_head else None
+        if head is not None:   # the last pipeline stage's LM head (this rank's vocabulary rows)
+            shapes.append(tuple(head.weight.shape))
         self.select_kernel(shapes)
 
     def weights_iterator(self, source: Any, model: nn.Module) -> Iterable[tuple[str, Any]] | None:

@@ -134,9 +134,15 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
     origin = str(source.path or config.model.model or "the model")
     quant_config = checkpoint_quant_config(source.hf_config)
     name, quant_config = choose_method_name(config.model.quantization, source.kind, quant_config, origin)
+    lm_head = getattr(config.model, "quantize_lm_head", False)
     if name is None:
+        if lm_head:
+            raise ConfigError("--quantize-lm-head needs a quantization method (e.g. --quantization int4)")
         return None
     cls = _load_class(name)
+    if lm_head and not cls.quantizes_lm_head:
+        raise ConfigError(f"quantization method {name!r} cannot quantize the LM head (--quantize-lm-head); "
+                          f"methods that can: int4, fp8")
     if source.kind not in cls.source_kinds:
         kinds = {"hf_dir": "model directories", "dummy": "random (dummy) weights", "gguf": ".gguf files"}
         raise ConfigError(f"quantization method {name!r} cannot load {kinds.get(source.kind, source.kind)}; it "
@@ -148,6 +154,6 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
         hf_config=source.hf_config, dtype=dtype, device=device, source_kind=source.kind, capability=capability,
         tp_size=tp_size, platform=platform, selection=config.device.selection,
         gemm_kernel=getattr(config.device, "gemm_kernel", None),
-        workload=GemmWorkload.for_engine(*config.scheduler.limits),
+        workload=GemmWorkload.for_engine(*config.scheduler.limits), quantize_lm_head=lm_head,
     )
     return cls.from_config(quant_config, ctx)

@@ -225,7 +225,8 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
     counts = {"packed": 0, "int4": 0, "q8_0": 0, "int8": 0}
     for name, module in model.named_modules():
         is_linear = isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod)
-        is_head = name == "lm_head" and hasattr(module, "weight") and not isinstance(module, LinearBase)
+        is_head = (name == "lm_head" and hasattr(module, "weight") and not isinstance(module, LinearBase)
+                   and getattr(module, "gemm", None) is None)   # not an LM head quantized by a method
         if not (is_linear or is_head) or module.weight.device.type != "cpu":
             continue
         if is_head and getattr(module, "tp_size", 1) > 1:
