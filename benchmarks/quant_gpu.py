@@ -4,8 +4,8 @@
     python benchmarks/quant_gpu.py --configs int4:triton_w4a16,int4:torch_int4pack --parts latency
     python benchmarks/quant_gpu.py --model-preset tiny-llama --num-prompts 8 --output-len 16 --iters 1  # smoke
 
-Configurations are ``METHOD[:KERNEL]`` (``bf16`` is no quantization; a kernel name forces
-``--gemm-kernel``, else startup selection chooses). Each runs in its own process, so the GPU starts
+Configurations are ``METHOD[+head][:KERNEL]`` (``bf16`` is no quantization; ``+head`` adds
+``--quantize-lm-head``; a kernel name forces ``--gemm-kernel``, else startup selection chooses). Each runs in its own process, so the GPU starts
 empty, with the ``llama-3-8b`` dummy preset: the bf16 random weights are quantized while loading.
 
   latency     batch 1: a 128-token prompt, 256 new tokens; median of ``--iters`` runs after one warm-up.
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-preset", default="llama-3-8b")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--configs", default="bf16,int4,fp8", help="latency configurations, METHOD[:KERNEL]")
+    p.add_argument("--configs", default="bf16,int4,fp8", help="latency configurations, METHOD[+head][:KERNEL]")
     p.add_argument("--throughput-configs", default="bf16,fp8", help="throughput configurations")
     p.add_argument("--parts", default="latency,throughput")
     p.add_argument("--iters", type=int, default=3)
@@ -56,11 +56,13 @@ def _engine(a: argparse.Namespace, config: str) -> tuple[Any, dict[str, Any]]:
     from plinth import LLM
 
     method, _, kernel = config.partition(":")
+    method, head, _ = method.partition("+head")
     kwargs: dict[str, Any] = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.max_model_len,
                                   gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
                                   selection=a.selection)
     if method != "bf16":
         kwargs["quantization"] = method
+        kwargs["quantize_lm_head"] = bool(head)
         if kernel:
             kwargs["gemm_kernel"] = kernel
     t0 = time.perf_counter()
