@@ -56,13 +56,16 @@ def _engine(a: argparse.Namespace, config: str) -> tuple[Any, dict[str, Any]]:
     from plinth import LLM
 
     method, _, kernel = config.partition(":")
-    method, head, _ = method.partition("+head")
+    method, plus, suffix = method.partition("+")
+    head = bool(plus)
+    if plus and (suffix != "head" or method == "bf16"):
+        raise SystemExit(f"configuration {config!r}: expected METHOD[+head][:KERNEL] with a quantization method")
     kwargs: dict[str, Any] = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.max_model_len,
                                   gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
                                   selection=a.selection)
     if method != "bf16":
         kwargs["quantization"] = method
-        kwargs["quantize_lm_head"] = bool(head)
+        kwargs["quantize_lm_head"] = head
         if kernel:
             kwargs["gemm_kernel"] = kernel
     t0 = time.perf_counter()
@@ -80,6 +83,9 @@ def _engine(a: argparse.Namespace, config: str) -> tuple[Any, dict[str, Any]]:
         quant = runner.model.ctx.quant_method
         if quant is not None and quant.kernel_selection is not None:
             info["gemm_kernel"] = quant.kernel_selection.to_dict()
+        head_selection = getattr(getattr(runner.model, "lm_head", None), "kernel_selection", None)
+        if head_selection is not None:
+            info["lm_head_kernel"] = head_selection.to_dict()
     return llm, info
 
 

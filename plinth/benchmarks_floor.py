@@ -85,7 +85,9 @@ class WeightStats:
 def _is_lookup(module: nn.Module) -> bool:
     from plinth.model_registry.layers.embedding import LMHead, VocabEmbedding
 
-    return isinstance(module, nn.Embedding) or (isinstance(module, VocabEmbedding) and not isinstance(module, LMHead))
+    if isinstance(module, LMHead):   # a head with a quantized copy reads that copy, not its (tied) float weight
+        return hasattr(module, "quantized")
+    return isinstance(module, nn.Embedding) or isinstance(module, VocabEmbedding)
 
 
 def weight_stats(model: nn.Module) -> WeightStats:

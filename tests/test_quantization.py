@@ -114,27 +114,35 @@ def test_fp8_from_float_checkpoint_matches_reference(tiny_llama_dir):
     compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
 
 
-_FLOAT_QUANTIZERS = {
-    "int4": lambda w: quantize_int_rtn(w, 4, 64).dequantize(torch.float32),
-    "fp8": lambda w: quantize_fp8_per_channel(w).dequantize(torch.float32),
-}
+@pytest.fixture(scope="module")
+def vocab320_dirs(tmp_path_factory):
+    """Tiny Llamas with a vocabulary of 320 rows (a multiple of 16, which torch_int4pack needs), untied and
+    tied."""
+    from conftest import save_tiny_model
+
+    root = tmp_path_factory.mktemp("vocab320")
+    return {tied: save_tiny_model(root / str(tied), vocab_size=320, tie_word_embeddings=tied) for tied in (False, True)}
 
 
-@pytest.mark.parametrize("quantization", ["int4", "fp8"])
-def test_quantized_lm_head_matches_reference(tiny_llama_dir, quantization):
-    """``--quantize-lm-head``: the LM head's logits come from its quantized weight through the method's
-    kernel (transformers with every linear weight and the head replaced by their dequantized values agrees),
-    and the float copy of an untied head is released."""
-    quantize = _FLOAT_QUANTIZERS[quantization]
-    model, backend, method = load_plinth(tiny_llama_dir, quantization, quantize_lm_head=True)
-    state = float_state(tiny_llama_dir)
-    ref = reference_model(tiny_llama_dir, dequantized_linears(state, lambda n, w: quantize(w)))
-    with torch.no_grad():
-        ref.lm_head.weight.copy_(quantize(state["lm_head.weight"]))
-    compare(model, backend, ref, atol=1e-3, min_agreement=0.95)
+def _int4(w: torch.Tensor) -> torch.Tensor:
+    return quantize_int_rtn(w, 4, 64).dequantize(torch.float32)
+
+
+def test_quantized_lm_head_matches_reference(vocab320_dirs):
+    """``--quantize-lm-head`` with int4: the head gets a kernel selected for its shape alone, its logits come
+    from the quantized weight (transformers with every linear weight and the head dequantized agrees), and
+    the float copy of an untied head is released."""
+    path = vocab320_dirs[False]
+    model, backend, method = load_plinth(path, "int4", quantize_lm_head=True)
     head = model.lm_head
+    assert head.kernel_selection.winner == "torch_int4pack" and (320, 64) not in method.problem.shapes
     assert head.gemm is not None and head.weight.numel() == 0
     assert dict(head.quantized.named_parameters()) and "weight" not in dict(head.quantized.named_parameters())
+    state = float_state(path)
+    ref = reference_model(path, dequantized_linears(state, lambda n, w: _int4(w)))
+    with torch.no_grad():
+        ref.lm_head.weight.copy_(_int4(state["lm_head.weight"]))
+    compare(model, backend, ref, atol=1e-3, min_agreement=0.95)
     # the head's quantization is visible in the logits: a reference with the float head is further off
     with torch.no_grad():
         ref.lm_head.weight.copy_(state["lm_head.weight"])
@@ -142,24 +150,54 @@ def test_quantized_lm_head_matches_reference(tiny_llama_dir, quantization):
         compare(model, backend, ref, atol=1e-3, min_agreement=0.0)
 
 
-def test_quantized_lm_head_keeps_a_tied_embedding(tmp_path):
+def test_quantized_lm_head_keeps_a_tied_embedding(vocab320_dirs):
     """A head tied to the embedding gets its quantized copy; the embedding keeps the float weight."""
-    from conftest import save_tiny_model
-
-    path = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    path = vocab320_dirs[True]
     model, _backend, _method = load_plinth(path, "int4", quantize_lm_head=True)
     embed = model.model.embed_tokens.weight
-    assert model.lm_head.weight is embed and embed.numel() > 0 and model.lm_head.gemm is not None
+    assert model.lm_head.weight is embed and model.lm_head.gemm is not None
+    torch.testing.assert_close(embed, float_state(path)["model.embed_tokens.weight"], atol=0, rtol=0)
     hidden = torch.randn(3, embed.shape[1])
-    expected = hidden @ quantize_int_rtn(embed, 4, 64).dequantize(torch.float32).T
-    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ _int4(embed).T, atol=1e-4, rtol=1e-4)
 
 
-def test_quantize_lm_head_needs_a_method_that_can(tiny_llama_dir):
-    with pytest.raises(ConfigError, match="needs a quantization method"):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_quantized_lm_head_of_a_tensor_parallel_rank(vocab320_dirs, rank):
+    """Under TP=2 each rank quantizes its own 160 vocabulary rows; its gemm is that shard's product."""
+    path = vocab320_dirs[False]
+    model, _backend, method = load_plinth(path, "int4", quantize_lm_head=True, tp=(rank, 2))
+    head = model.lm_head
+    assert head.kernel_selection.winner == "torch_int4pack" and head.weight.numel() == 0
+    assert method.group_size == 32   # the attention output's 32 features per rank set the group
+    shard = float_state(path)["lm_head.weight"][rank * 160:(rank + 1) * 160]
+    hidden = torch.randn(2, 64)
+    expected = hidden @ quantize_int_rtn(shard, 4, 32).dequantize(torch.float32).T
+    torch.testing.assert_close(head.gemm(hidden), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_lm_head_only_the_reference_kernel_runs_stays_float(tiny_llama_dir, caplog):
+    """Where only dequantize-then-matmul can run the head (fp8 on a CPU; int4 with a vocabulary of 300 rows,
+    which torch_int4pack cannot split), the head keeps its float weight, with a warning: expanding the whole
+    matrix per call would be slower than the float head. The layers' kernel is chosen without the head."""
+    for quantization, layer_kernel in (("fp8", "dequant"), ("int4", "torch_int4pack")):
+        with caplog.at_level("WARNING"):
+            model, _backend, method = load_plinth(tiny_llama_dir, quantization, quantize_lm_head=True)
+        head = model.lm_head
+        assert head.kernel_selection.winner == "dequant" and head.gemm is None and head.weight.numel() > 0
+        assert method.kernel.name == layer_kernel
+        assert "stays in torch.float32" in caplog.text
+
+
+def test_quantize_lm_head_errors(tiny_llama_dir, tmp_path):
+    with pytest.raises(ConfigError, match="needs a quantization method that can quantize it: .*int4"):
         load_plinth(tiny_llama_dir, None, quantize_lm_head=True)
-    with pytest.raises(ConfigError, match="cannot quantize the LM head"):
+    with pytest.raises(ConfigError, match="'int8' cannot quantize the LM head.*methods that can: fp8, int4"):
         load_plinth(tiny_llama_dir, "int8", quantize_lm_head=True)
+    path, _deq = _fp8_checkpoint(tiny_llama_dir, tmp_path / "block", "block")
+    with pytest.raises(ConfigError, match="block-scaled"):
+        load_plinth(path, None, quantize_lm_head=True)
+    with pytest.raises(SelectionError, match=r"the LM head \(300 x 64, --quantize-lm-head\)"):
+        load_plinth(tiny_llama_dir, "int4", gemm_kernel="torch_int4pack", quantize_lm_head=True)
 
 
 def _fp8_checkpoint(base, out, scheme: str, block=(32, 32), ignored=()):

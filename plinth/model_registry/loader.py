@@ -248,6 +248,6 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
     if quant is not None and quant.ctx.quantize_lm_head and head is not None:  # type: ignore[attr-defined]
         tied = any(p is head.weight for name, p in model.named_parameters(remove_duplicate=False)
                    if not name.startswith("lm_head."))
-        quant.quantize_lm_head(head, tied=tied)  # type: ignore[attr-defined]
+        quant.quantize_lm_head(head, tied=tied)  # type: ignore[attr-defined] # False: the float head stays
     model.eval()
     return model

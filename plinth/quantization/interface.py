@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -32,6 +33,8 @@ from torch import nn
 from plinth.config import ConfigError
 from plinth.quantization.formats import QuantizedWeights
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from plinth.core.selection_records import SelectionResult
@@ -186,38 +189,59 @@ class QuantizationMethod(abc.ABC):
         :attr:`quantizes_lm_head`)."""
         raise NotImplementedError(f"{self.name} does not quantize float weights outside its layers")
 
-    def quantize_lm_head(self, head: nn.Module, *, tied: bool) -> None:
-        """Give ``head`` (an LM head with a float ``weight`` ``[vocab rows, hidden]``) a quantized copy
-        through the selected kernel: it is kept in a child module ``quantized`` and used as the head's
-        ``gemm``. The float weight is released unless ``tied`` (the embedding reads it)."""
-        if self.kernel is None:
-            raise RuntimeError(f"{self.name}: no GEMM kernel chosen; prepare_model() selects one")
+    def quantize_lm_head(self, head: nn.Module, *, tied: bool) -> bool:
+        """Give ``head`` (an :class:`~plinth.model_registry.layers.embedding.LMHead`, float ``weight``
+        ``[vocab rows, hidden]``) a quantized copy run by a kernel selected for its shape alone (its own
+        selection record: the head neither votes on the layers' kernel nor disqualifies one for them). The
+        copy lives in a child module ``quantized`` and is the head's ``gemm``; the float weight is released
+        unless ``tied`` (the embedding reads it). Returns False, keeping the float head, where only the
+        reference kernel can run it (expanding the whole matrix per call would be slower than the float one).
+
+        Raises:
+            ConfigError: ``head`` is not an ``LMHead``.
+            SelectionError: a forced kernel (``--gemm-kernel``) cannot run the head's shape.
+        """
+        from plinth.errors import SelectionError
+        from plinth.model_registry.layers.embedding import LMHead
+        from plinth.quantization.selection import select_gemm_kernel
+
+        if not isinstance(head, LMHead):
+            raise ConfigError(f"--quantize-lm-head: the model's lm_head is a {type(head).__name__}, not plinth's "
+                              f"LMHead")
         weight = head.weight
+        problem = self.gemm_problem((tuple(weight.shape),))
+        try:
+            result = select_gemm_kernel(self, problem)
+        except SelectionError as exc:
+            raise SelectionError(f"the LM head ({weight.shape[0]} x {weight.shape[1]}, --quantize-lm-head): {exc}") \
+                from None
+        head.kernel_selection = result
+        if result.winner == self.reference_kernel:
+            logger.warning("%s: no kernel but %s runs the LM head's %d x %d here; it stays in %s", self.name,
+                           result.winner, weight.shape[0], weight.shape[1], weight.dtype)
+            return False
+        kernel = result.winner_cls(problem)
         module = nn.Module()
         with torch.no_grad():
-            prepared = self.kernel.prepare(self.float_weights(weight))
+            prepared = kernel.prepare(self.float_weights(weight))
         for name, value in prepared.items():
             if isinstance(value, torch.Tensor):
                 module.register_parameter(name, nn.Parameter(value, requires_grad=False))
             else:
                 setattr(module, name, value)
-        decode = self.kernel.decode_tensors()
+        decode = kernel.decode_tensors()
         if decode is not None and decode & set(module._parameters):
             module.decode_tensors = decode | {"perm"}
         head.quantized = module
-        head.gemm = functools.partial(self.apply, module, bias=None)
+        head.gemm = functools.partial(_run_kernel, kernel, module, bias=None)
         if not tied:
             head.weight = nn.Parameter(weight.new_empty((0, weight.shape[1])), requires_grad=False)
+        return True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` ``[..., K]`` -> ``[..., N]`` through the selected kernel."""
         assert self.kernel is not None
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        out = self.kernel.apply(layer, x2, bias)
-        return out.reshape(*lead, out.shape[-1])
+        return _run_kernel(self.kernel, layer, x, bias)
 
     # -- kernels --------------------------------------------------------------------------
 
@@ -280,11 +304,18 @@ class QuantizationMethod(abc.ABC):
         if not shapes:
             raise ConfigError(f"{self.name}: {type(model).__name__} has no linear layer this method quantizes "
                               f"(architectures run through the transformers fallback cannot be quantized)")
-        head = getattr(model, "lm_head", None) if self.ctx.quantize_lm_head else None
-        if head is not None:   # the last pipeline stage's LM head (this rank's vocabulary rows)
-            shapes.append(tuple(head.weight.shape))
         self.select_kernel(shapes)
 
     def weights_iterator(self, source: Any, model: nn.Module) -> Iterable[tuple[str, Any]] | None:
         """Checkpoint tensors to load instead of the loader's own (``None``: the loader's)."""
         return None
+
+
+def _run_kernel(kernel: GemmKernel, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[..., K]`` -> ``[..., N]`` through ``kernel`` on ``layer``'s prepared tensors."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = kernel.apply(layer, x2, bias)
+    return out.reshape(*lead, out.shape[-1])

@@ -112,6 +112,18 @@ def _float_quantizers(names: list[str]) -> list[str]:
     return out
 
 
+def _lm_head_quantizers() -> list[str]:
+    regs = get_plugin_manager().registrations("quantization_methods")
+    out = []
+    for name in sorted(regs):
+        try:
+            if getattr(regs[name].load(), "quantizes_lm_head", False):
+                out.append(name)
+        except PluginError:
+            continue
+    return out
+
+
 def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype: torch.dtype,
                          device: torch.device, *, tp_size: int | None = None) -> QuantizationMethod | None:
     """The quantization method for ``source`` (``None``: unquantized), ready to be put in the
@@ -135,14 +147,17 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
     quant_config = checkpoint_quant_config(source.hf_config)
     name, quant_config = choose_method_name(config.model.quantization, source.kind, quant_config, origin)
     lm_head = getattr(config.model, "quantize_lm_head", False)
+    if lm_head and source.kind == "gguf":
+        raise ConfigError("--quantize-lm-head quantizes a float LM head; a .gguf file stores its own head type")
     if name is None:
         if lm_head:
-            raise ConfigError("--quantize-lm-head needs a quantization method (e.g. --quantization int4)")
+            raise ConfigError(f"--quantize-lm-head needs a quantization method that can quantize it: "
+                              f"{', '.join(_lm_head_quantizers()) or 'none installed'}")
         return None
     cls = _load_class(name)
     if lm_head and not cls.quantizes_lm_head:
         raise ConfigError(f"quantization method {name!r} cannot quantize the LM head (--quantize-lm-head); "
-                          f"methods that can: int4, fp8")
+                          f"methods that can: {', '.join(_lm_head_quantizers()) or 'none installed'}")
     if source.kind not in cls.source_kinds:
         kinds = {"hf_dir": "model directories", "dummy": "random (dummy) weights", "gguf": ".gguf files"}
         raise ConfigError(f"quantization method {name!r} cannot load {kinds.get(source.kind, source.kind)}; it "
@@ -156,4 +171,8 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
         gemm_kernel=getattr(config.device, "gemm_kernel", None),
         workload=GemmWorkload.for_engine(*config.scheduler.limits), quantize_lm_head=lm_head,
     )
-    return cls.from_config(quant_config, ctx)
+    method = cls.from_config(quant_config, ctx)
+    if lm_head and getattr(method, "block", None) is not None:
+        raise ConfigError(f"{origin}: --quantize-lm-head makes per-channel FP8 scales, and this checkpoint's "
+                          f"block-scaled layers (weight_block_size) take kernels that read block scales only")
+    return method

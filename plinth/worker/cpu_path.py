@@ -110,7 +110,8 @@ def _packed_bytes(model: torch.nn.Module) -> int:
     total = 0
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and (isinstance(module, LinearBase) or name == "lm_head"):
+        head = name == "lm_head" and getattr(module, "gemm", None) is None   # not a quantized head
+        if isinstance(weight, torch.Tensor) and (isinstance(module, LinearBase) or head):
             total += weight.numel() * weight.element_size()
     return total
 
