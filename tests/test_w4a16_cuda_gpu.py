@@ -147,6 +147,29 @@ def test_act_order_and_bias_through_the_kernel_class():
     assert _relative(kernel.apply(layer, x, bias), ref) < 1e-2
 
 
+@pytest.mark.parametrize("launch", ["8,16", "4,6", "2,12", "8,4"])
+@pytest.mark.parametrize("k", [512, 1024])
+def test_rings_deeper_than_a_warps_chunks(launch, k, monkeypatch):
+    """K of 512 or 1024 features (8 or 16 chunks): with 8 warps some warps get one chunk or none and the
+    ring's S - 1 prologue slots outnumber them, so most prologue copies are predicated off; eager and in a
+    CUDA graph (dependent launches on Hopper) the result equals the float64 reference of the same codes."""
+    n = 256
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    weights = quantize_int_rtn(torch.randn(n, k, generator=gen, device=CUDA) * 0.02, 4, 128)
+    codes, scales = pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros)
+    x = torch.randn(3, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    monkeypatch.setenv("PLINTH_W4A16_CUDA", launch)
+    exact = reference_decode(x.cpu(), codes.cpu(), scales.cpu(), n)
+    eager = mma_decode(x, codes, scales, n)
+    assert _relative(eager, exact) < 5e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mma_decode(x, codes, scales, n)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 13])
 def test_dependent_launches_in_a_graph_match_eager_kernels(layers, rows, monkeypatch):
     """A decoder MLP chain captured in a CUDA graph, where on Hopper each GEMV starts while the Triton
