@@ -100,28 +100,26 @@ def choose_method_name(requested: str | None, source_kind: str, quant_config: di
     return requested, None
 
 
-def _float_quantizers(names: list[str]) -> list[str]:
+def _methods_with(flag: str, names: list[str] | None = None) -> list[str]:
+    """The installed methods (of ``names``, default all, sorted) whose class sets ``flag``; a method that
+    cannot be imported is left out."""
     regs = get_plugin_manager().registrations("quantization_methods")
     out = []
-    for name in names:
+    for name in names if names is not None else sorted(regs):
         try:
-            if getattr(regs[name].load(), "quantizes_float_checkpoints", False):
+            if getattr(regs[name].load(), flag, False):
                 out.append(name)
         except PluginError:
             continue
     return out
+
+
+def _float_quantizers(names: list[str]) -> list[str]:
+    return _methods_with("quantizes_float_checkpoints", names)
 
 
 def _lm_head_quantizers() -> list[str]:
-    regs = get_plugin_manager().registrations("quantization_methods")
-    out = []
-    for name in sorted(regs):
-        try:
-            if getattr(regs[name].load(), "quantizes_lm_head", False):
-                out.append(name)
-        except PluginError:
-            continue
-    return out
+    return _methods_with("quantizes_lm_head")
 
 
 def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype: torch.dtype,
