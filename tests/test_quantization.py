@@ -180,12 +180,25 @@ def test_lm_head_only_the_reference_kernel_runs_stays_float(tiny_llama_dir, capl
     which torch_int4pack cannot split), the head keeps its float weight, with a warning: expanding the whole
     matrix per call would be slower than the float head. The layers' kernel is chosen without the head."""
     for quantization, layer_kernel in (("fp8", "dequant"), ("int4", "torch_int4pack")):
+        caplog.clear()
         with caplog.at_level("WARNING"):
             model, _backend, method = load_plinth(tiny_llama_dir, quantization, quantize_lm_head=True)
         head = model.lm_head
         assert head.kernel_selection.winner == "dequant" and head.gemm is None and head.weight.numel() > 0
         assert method.kernel.name == layer_kernel
-        assert "stays in torch.float32" in caplog.text
+        assert "dequant is the only kernel that runs it here; the head stays in torch.float32" in caplog.text
+
+
+def test_lm_head_on_a_forced_reference_kernel_is_quantized(vocab320_dirs):
+    """Forcing the reference kernel (``--gemm-kernel dequant``) quantizes the head through it: the user asked
+    for the reference numerics everywhere."""
+    model, _backend, method = load_plinth(vocab320_dirs[False], "int4", gemm_kernel="dequant", quantize_lm_head=True)
+    head = model.lm_head
+    assert method.kernel.name == "dequant" and head.kernel_selection.winner == "dequant"
+    assert head.gemm is not None and head.weight.numel() == 0
+    hidden = torch.randn(2, 64)
+    expected = hidden @ _int4(float_state(vocab320_dirs[False])["lm_head.weight"]).T
+    torch.testing.assert_close(head.gemm(hidden), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_quantize_lm_head_errors(tiny_llama_dir, tmp_path):

@@ -403,8 +403,8 @@ def test_plugins_benchmark_command_prints_the_table(tmp_path, monkeypatch, capsy
 
 
 def test_relative_steps_count_each_step_alike(monkeypatch):
-    """A kind with ``relative_steps`` ranks by the mean over steps of each time relative to the fastest
-    candidate at that step: a candidate 30% faster at one-row decodes wins over one 3% faster at prefill,
+    """A kind with ``relative_steps`` ranks by the geometric mean over steps of each time relative to the
+    fastest candidate at that step: a candidate 30% faster at one-row decodes wins over one 3% faster at prefill,
     although its plain sum of times is larger (the sum decides without the option); and one much slower
     at the batched decode loses, however fast its one-row decode."""
     from plinth.core import selection
@@ -432,20 +432,38 @@ def test_relative_steps_count_each_step_alike(monkeypatch):
             assert selection._benchmark(kind, {}, {name: name for name in order}, reports) == winner, (relative, order)
             scores = {r.name: r.score for r in reports}
             if relative:
-                assert scores["decode_fast"] == pytest.approx((0.070 / 0.050 + 1 + 1.020 / 0.970) / 3)
-                assert scores["batch_slow"] == pytest.approx((1 + 3.3 + 0.980 / 0.970) / 3)
+                assert scores["decode_fast"] == pytest.approx((0.070 / 0.050 * 1 * 1.020 / 0.970) ** (1 / 3))
+                assert scores["batch_slow"] == pytest.approx((1 * 3.3 * 0.980 / 0.970) ** (1 / 3))
             else:
                 assert set(scores.values()) == {None}
 
 
+def test_relative_order_does_not_depend_on_a_third_candidate(monkeypatch):
+    """With the geometric mean, adding a candidate that is fastest at one step leaves the order of two
+    others unchanged (an arithmetic mean of ratios flips it for these times)."""
+    from plinth.core import selection
+    from plinth.core.selection_records import CandidateReport
+
+    a = {"decode-1": 0.052, "decode": 0.10, "prefill": 1.0}
+    b = {"decode-1": 0.060, "decode": 0.09, "prefill": 0.95}
+    c = {"decode-1": 0.040, "decode": 0.30, "prefill": 5.0}
+    orders = []
+    for times in ({"a": a, "b": b}, {"a": a, "b": b, "c": c}):
+        reports = [CandidateReport(n, "test", supported=True, times_ms=t) for n, t in times.items()]
+        selection._relative_scores(reports)
+        ranked = sorted(reports, key=lambda r: r.score)
+        orders.append([r.name for r in ranked if r.name in "ab"])
+    assert orders[0] == orders[1] == ["b", "a"]
+
+
 def test_cached_records_without_scores_still_load(tmp_path):
-    """A record written before scores existed (no ``score`` field) is read back from the cache and ranks
-    by the sum of its times."""
+    """A record written before scores existed (no ``score`` field; or with a field this version does not
+    know) is read back from the cache and ranks by the sum of its times."""
     from plinth.core import selection
 
     reports = selection._cached_reports({"candidates": [
         {"name": "a", "plugin": "p", "supported": True, "times_ms": {"x": 1.0, "y": 2.0}, "chosen": True},
-        {"name": "b", "plugin": "p", "supported": True, "times_ms": {"x": 2.0, "y": 2.0}},
+        {"name": "b", "plugin": "p", "supported": True, "times_ms": {"x": 2.0, "y": 2.0}, "weights": None},
     ]})
     assert reports is not None and [r.score for r in reports] == [None, None]
     assert [r.rank for r in reports] == [3.0, 4.0]

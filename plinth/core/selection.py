@@ -9,8 +9,8 @@ For one kind (attention backend now; a quantization method's GEMM kernel later):
    inputs (an error above the dtype's tolerance rejects it, with the error figure) and then
    timed on the model's shapes (warm-up, device synchronisation, median of several runs);
    the fastest wins: the lowest sum of step times, or, for kinds with ``relative_steps``, the
-   lowest mean over steps of the time relative to the fastest candidate at that step (so that
-   each step counts alike however long it takes);
+   lowest geometric mean over steps of the time relative to the fastest candidate at that step
+   (so that each step counts alike however long it takes);
 4. the outcome is stored under ``plinth.config.cache_dir() / "selection"``, keyed by device,
    platform, torch/triton/plugin versions, dtype and shapes, so a later start with the same
    key reads it and times nothing. Modes (``DeviceConfig.selection``): ``cached`` (time on a
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import time
@@ -80,7 +81,7 @@ class CandidateKind(Protocol):
         shapes; each call runs the step once. The selection loop times them by the host clock, unless
         a call returns its own measurement in milliseconds (e.g. device time from events)."""
 
-    # Optional: ``relative_steps = True``: rank by the mean relative time per step (see the module docstring).
+    # Optional: ``relative_steps = True``: rank by the geometric mean relative time per step (module docstring).
 
     def synchronize(self) -> None:
         """Wait for the device (called around every timed run)."""
@@ -181,7 +182,9 @@ def _cached_reports(record: dict[str, Any] | None) -> list[CandidateReport] | No
     if record is None:
         return None
     try:
-        return [CandidateReport(**r) for r in record["candidates"]]
+        fields = {f.name for f in dataclasses.fields(CandidateReport)}
+        # fields a record of another plinth version carries and this one does not know are dropped
+        return [CandidateReport(**{k: v for k, v in r.items() if k in fields}) for r in record["candidates"]]
     except (KeyError, TypeError) as exc:  # a record from another format, or edited by hand
         logger.warning("ignoring malformed selection record: %s", exc)
         return None
@@ -218,16 +221,24 @@ def _benchmark(kind: CandidateKind, all_registrations: Mapping[str, Registration
             by_name[name].reason = times
         else:
             by_name[name].times_ms = times
-    timed = [r for r in reports if r.name in usable and r.times_ms is not None and not r.reason]
+    timed = [r for r in reports if r.name in usable and r.times_ms and not r.reason]
     if not timed:
-        reasons = "; ".join(f"{r.name}: {r.reason}" for r in reports if r.name in usable)
+        reasons = "; ".join(f"{r.name}: {r.reason or 'no steps timed'}" for r in reports if r.name in usable)
         raise SelectionError(f"every {_label(kind)} failed its check: {reasons}")
     if getattr(kind, "relative_steps", False):
-        best = {label: min(r.times_ms[label] for r in timed) for label in timed[0].times_ms}
-        for r in timed:
-            r.score = statistics.fmean(t / best[label] if best[label] > 0 else 1.0
-                                       for label, t in r.times_ms.items())
+        _relative_scores(timed)
     return min(timed, key=lambda r: r.rank).name
+
+
+def _relative_scores(timed: list[CandidateReport]) -> None:
+    """Each report's score: the geometric mean over the steps every candidate ran of its time over the
+    fastest time at that step (1.0: fastest everywhere). Geometric, so that the order of two candidates
+    does not depend on a third one's times."""
+    labels = [label for label in timed[0].times_ms if all(label in r.times_ms for r in timed)]
+    best = {label: max(min(r.times_ms[label] for r in timed), 1e-9) for label in labels}
+    for r in timed:
+        r.score = math.exp(statistics.fmean(math.log(max(r.times_ms[label], 1e-9) / best[label])
+                                            for label in labels)) if labels else None
 
 
 def _time_interleaved(kind: CandidateKind, runners: dict[str, dict[str, Callable[[], float | None]]],

@@ -17,8 +17,8 @@ class CandidateReport:
     ``supported`` is the answer of ``supports`` (False also when it cannot be imported);
     a supported candidate with a non-empty ``reason`` was rejected (wrong results or a failure).
     ``times_ms`` maps a workload step (e.g. ``"prefill"``) to its median time. ``score`` (kinds that
-    compare step by step) is the mean over steps of the time relative to the fastest candidate at that
-    step (1.0: fastest at every step); the lowest score wins, else the lowest :attr:`total_ms`.
+    compare step by step) is the geometric mean over steps of the time relative to the fastest candidate
+    at that step (1.0: fastest at every step); the lowest score wins, else the lowest :attr:`total_ms`.
     """
 
     name: str

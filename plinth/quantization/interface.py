@@ -194,8 +194,9 @@ class QuantizationMethod(abc.ABC):
         ``[vocab rows, hidden]``) a quantized copy run by a kernel selected for its shape alone (its own
         selection record: the head neither votes on the layers' kernel nor disqualifies one for them). The
         copy lives in a child module ``quantized`` and is the head's ``gemm``; the float weight is released
-        unless ``tied`` (the embedding reads it). Returns False, keeping the float head, where only the
-        reference kernel can run it (expanding the whole matrix per call would be slower than the float one).
+        unless ``tied`` (the embedding reads it). Returns False, keeping the float head, where the reference
+        kernel (dequantize-then-matmul, which expands the whole matrix per call: slower than the float head)
+        is the only one that runs it or the fastest one, unless it was forced (``--gemm-kernel``).
 
         Raises:
             ConfigError: ``head`` is not an ``LMHead``.
@@ -216,10 +217,15 @@ class QuantizationMethod(abc.ABC):
             raise SelectionError(f"the LM head ({weight.shape[0]} x {weight.shape[1]}, --quantize-lm-head): {exc}") \
                 from None
         head.kernel_selection = result
-        if result.winner == self.reference_kernel:
-            logger.warning("%s: no kernel but %s runs the LM head's %d x %d here; it stays in %s", self.name,
-                           result.winner, weight.shape[0], weight.shape[1], weight.dtype)
+        if result.winner == self.reference_kernel and not result.how.startswith("forced"):
+            others = [c.name for c in result.candidates if c.supported and not c.reason and not c.chosen]
+            why = (f"was faster than {', '.join(others)}" if others else "is the only kernel that runs it here")
+            logger.warning("%s: for the LM head's %d x %d, %s %s; the head stays in %s (the reference expands "
+                           "the whole matrix per call)", self.name, weight.shape[0], weight.shape[1],
+                           result.winner, why, weight.dtype)
             return False
+        logger.info("%s: the LM head's %d x %d runs on %s", self.name, weight.shape[0], weight.shape[1],
+                    result.winner)
         kernel = result.winner_cls(problem)
         module = nn.Module()
         with torch.no_grad():

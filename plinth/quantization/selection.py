@@ -4,9 +4,10 @@
 candidates are the method's :meth:`~plinth.quantization.interface.QuantizationMethod.kernel_candidates`;
 each is checked against the method's reference kernel (dequantize-then-matmul) on random weights in
 the method's format, then timed on every distinct layer shape of the model at one row, a decode batch
-and a prefill chunk (each step counting alike, relative to the fastest candidate there; on GPUs the
-decode steps by their device time, as the engine's decode graphs see them); the record is cached under a key holding the method, the problem and the
-workload. ``--gemm-kernel NAME`` (or ``PLINTH_GEMM_KERNEL``) forces one.
+and a prefill chunk (each step counting alike: a geometric mean of the times relative to the fastest
+candidate at each step; on GPUs the decode steps by their device time, as the engine's decode graphs
+see them); the record is cached under a key holding the method, the problem, the workload and its
+steps. ``--gemm-kernel NAME`` (or ``PLINTH_GEMM_KERNEL``) forces one.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class GemmCandidates:
     platform: Any
     kind: str = "gemm_kernel"
     reference: str | None = None
-    #: rank by the mean relative time per step (one-row decode, batched decode, prefill)
+    #: rank by the geometric mean relative time per step (one-row decode, batched decode, prefill)
     relative_steps: bool = True
     _ref: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
@@ -150,10 +151,6 @@ class GemmCandidates:
                 return start.elapsed_time(end)
 
         return timed
-
-    def step_weights(self) -> dict[str, float]:
-        """Each step counts per row (see :class:`~plinth.quantization.interface.GemmWorkload`)."""
-        return {label: 1.0 / rows for label, rows in self.method.ctx.workload.steps().items()}
 
     def synchronize(self) -> None:
         self.platform.synchronize()
