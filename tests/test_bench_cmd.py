@@ -205,3 +205,23 @@ def test_parallel_weight_stats_takes_the_critical_path():
     assert stats == floors.WeightStats(params=36, matmul_params=9, streamed_bytes=18 + 14)
     single = floors.WeightStats(5, 4, 8)
     assert bench_cmd.parallel_weight_stats([RankWeights(0, 0, "cpu", single)]) == single
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_stats_of_a_quantized_lm_head(tmp_path, tied):
+    """With ``--quantize-lm-head`` a decode step reads the head's quantized copy, not its float weight: the
+    float table counts once as a lookup when tied (the embedding) and is gone when untied; the CPU packing
+    estimate leaves the head out (its gemm is the quantized kernel, not a packed copy)."""
+    from conftest import save_tiny_model
+    from test_quantization_support import load_plinth
+
+    from plinth.worker.cpu_path import _packed_bytes
+
+    path = save_tiny_model(tmp_path / "m", vocab_size=320, tie_word_embeddings=tied)
+    plain, _b, _m = load_plinth(path, "int4")
+    quant, _b, _m = load_plinth(path, "int4", quantize_lm_head=True)
+    head_float = 320 * 64 * 4   # float32 model
+    copy = sum(p.numel() * p.element_size() for p in quant.lm_head.quantized.parameters())
+    assert 0 < copy < head_float / 4
+    assert floors.weight_stats(quant).streamed_bytes == floors.weight_stats(plain).streamed_bytes - head_float + copy
+    assert _packed_bytes(quant) == _packed_bytes(plain) - head_float
