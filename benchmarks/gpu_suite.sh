@@ -3,7 +3,7 @@
 #   benchmarks/gpu_suite.sh [OUT] [PARTS]
 # PARTS (comma-separated, default tests,int4,fp8,tp): tests = every GPU test file (it also fills Triton's
 # cache, so the timed parts that follow are not compiling); int4 = batch-1 decode of the Llama-3-8B dummy
-# preset in bf16, int4 and int4 with --quantize-lm-head; fp8 = workload (b) throughput, bf16 against fp8;
+# preset in bf16, int4 and int4 with --quantize-lm-head (and where an int4 step with it spends its time); fp8 = workload (b) throughput, bf16 against fp8;
 # tp = with two or more GPUs, the two-GPU tests and TP=2 against TP=1 (benchmarks/tp_gpu.py).
 set -u
 OUT=${1:-gpu-suite}
@@ -20,6 +20,9 @@ fi
 if has int4; then
   python3 benchmarks/quant_gpu.py --parts latency --configs bf16,int4,int4+head --iters 2 --batch 1 \
     --out "$OUT/int4_latency.json" 2>&1 | grep -E '^latency|"tpot_ms"|"error"' | tee "$OUT/int4_latency.txt"
+  python3 benchmarks/step_timeline_gpu.py --batch-sizes 1 \
+    --engine-kwargs '{"quantization": "int4", "quantize_lm_head": true}' --out "$OUT/int4_head_timeline.json" 2>&1 \
+    | grep -v -i warn | tail -14 | tee "$OUT/int4_head_timeline.txt"
 fi
 if has fp8; then
   python3 benchmarks/quant_gpu.py --parts throughput --throughput-configs bf16,fp8 --num-prompts 512 \
