@@ -204,7 +204,7 @@ class QuantizationMethod(abc.ABC):
         """
         from plinth.errors import SelectionError
         from plinth.model_registry.layers.embedding import LMHead
-        from plinth.quantization.selection import select_gemm_kernel
+        from plinth.quantization.selection import holder, select_gemm_kernel
 
         if not isinstance(head, LMHead):
             raise ConfigError(f"--quantize-lm-head: the model's lm_head is a {type(head).__name__}, not plinth's "
@@ -227,14 +227,8 @@ class QuantizationMethod(abc.ABC):
         logger.info("%s: the LM head's %d x %d runs on %s", self.name, weight.shape[0], weight.shape[1],
                     result.winner)
         kernel = result.winner_cls(problem)
-        module = nn.Module()
         with torch.no_grad():
-            prepared = kernel.prepare(self.float_weights(weight))
-        for name, value in prepared.items():
-            if isinstance(value, torch.Tensor):
-                module.register_parameter(name, nn.Parameter(value, requires_grad=False))
-            else:
-                setattr(module, name, value)
+            module = holder(kernel.prepare(self.float_weights(weight)))
         decode = kernel.decode_tensors()
         if decode is not None and decode & set(module._parameters):
             module.decode_tensors = decode | {"perm"}
