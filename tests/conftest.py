@@ -71,3 +71,13 @@ def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
+
+@pytest.fixture(scope="module")
+def processes():
+    """Two worker processes shared by a test module's engines, one executor at a time (modules that need
+    another pool define their own ``processes``)."""
+    from plinth.distributed.executor_mp import WorkerProcesses
+
+    procs = WorkerProcesses(2, timeout_s=120.0)
+    yield procs
+    procs.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_driving import drive
 from test_engine import MAX_TOKENS, PROMPTS, greedy, llm_for, token_ids, transformers_greedy
 from test_scheduler import FakeRunner, make_scheduler, req
 from test_scheduler import run as run_sync
@@ -350,22 +351,7 @@ def test_randomized_async_equals_sync(tiny_llama_dir):
             aborts = {f"q{i}": rng.randrange(1, 12) for i in range(8) if rng.random() < 0.15}
             results = []
             for engine in engines:
-                done, step = {}, 0
-                todo = sorted(reqs, key=lambda r: r[0])
-                while todo or engine.has_unfinished_requests():
-                    while todo and todo[0][0] <= step:
-                        _, rid, prompt, params = todo.pop(0)
-                        engine.add_request(rid, prompt, params)
-                    engine.abort_request([rid for rid, at in aborts.items() if at == step])
-                    for o in engine.step():
-                        if o.finished:
-                            assert o.request_id not in done
-                            done[o.request_id] = o
-                    step += 1
-                    assert step < 2000
-                assert set(done) == {r[1] for r in reqs}
-                bm = engine.block_manager
-                assert bm.num_free_blocks == bm.num_usable_blocks
+                done = drive(engine, reqs, aborts, max_steps=2000)
                 results.append({rid: outputs_summary([o])[0] for rid, o in done.items() if rid not in aborts})
             assert results[0] == results[1], (ci, seed)
 

@@ -253,6 +253,16 @@ def test_a_failure_on_any_rank_makes_every_rank_fall_back_with_one_warning(gloo_
 # ------------------------------------------------------------------------------------ two CUDA GPUs
 
 
+def _captured(body):
+    """``body`` run once eagerly (compilation, warm-up), then captured as a CUDA graph: (graph, its outputs)."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = body()
+    return graph, out
+
+
 def _gpu_rank(rank: int, port: int, out_dir: str) -> None:
     from plinth.distributed.communication import tp_all_gather
     from plinth.distributed.parallel_state import destroy_parallel_state, init_parallel_state
@@ -291,11 +301,7 @@ def _gpu_rank(rank: int, port: int, out_dir: str) -> None:
             tp_all_reduce(b)                     # [1, 4096] float32
             return a, b
 
-        body()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            a_out, b_out = body()
+        graph, (a_out, b_out) = _captured(body)
         for step in range(5):
             fresh = torch.randn(4, 4096, generator=gen, device=device).to(torch.bfloat16)
             static.copy_(fresh)
@@ -336,11 +342,7 @@ def _gpu_rank(rank: int, port: int, out_dir: str) -> None:
         def fused_body() -> tuple[torch.Tensor, torch.Tensor]:
             return tp_all_reduce_add_rms_norm(xs.clone(), rs.clone(), norm)
 
-        fused_body()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            y_out, h_out = fused_body()
+        graph, (y_out, h_out) = _captured(fused_body)
         for step in range(5):
             xs.copy_(torch.randn(3, 4096, generator=gen, device=device).to(torch.bfloat16))
             rs.copy_(torch.randn(3, 4096, generator=gen, device=device).to(torch.bfloat16))

@@ -13,19 +13,13 @@ import random
 
 import pytest
 import torch
+from engine_driving import drive
 from test_distributed_helpers import ENGINE_KW, PROMPTS, SEEDED, greedy, run_greedy, save_family
 
 from plinth import SamplingParams
 from plinth.config import EngineConfig
 from plinth.core.engine import LLMEngine
 from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
-
-
-@pytest.fixture(scope="module")
-def processes():
-    procs = WorkerProcesses(2, timeout_s=120.0)
-    yield procs
-    procs.stop()
 
 
 @pytest.fixture(scope="module")
@@ -122,20 +116,7 @@ def test_async_tp2_random_mixes_equal_sync(llama, processes):
 
 
 def _drive(engine: LLMEngine, reqs: list, aborts: dict[str, int]) -> dict:
-    done, step = {}, 0
-    todo = sorted(reqs, key=lambda r: r[0])
-    while todo or engine.has_unfinished_requests():
-        while todo and todo[0][0] <= step:
-            _, rid, prompt, params = todo.pop(0)
-            engine.add_request(rid, prompt, params)
-        engine.abort_request([rid for rid, at in aborts.items() if at == step])
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        step += 1
-        assert step < 1000
-    assert set(done) == {r[1] for r in reqs}
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    done = drive(engine, reqs, aborts, max_steps=1000)
     return {rid: [(c.token_ids, str(c.finish_reason)) for c in o.outputs] for rid, o in done.items()
             if rid not in aborts}
 

@@ -14,7 +14,7 @@ from test_distributed_helpers import COMMON, ENGINE_KW, FAMILIES, run_greedy, sa
 
 from plinth.config import EngineConfig
 from plinth.core.engine import LLMEngine
-from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
+from plinth.distributed.executor_mp import MultiprocExecutor
 from plinth.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
 from plinth.quantization.fp8 import FP8Method
 from plinth.quantization.interface import QuantContext
@@ -23,13 +23,6 @@ from plinth.quantization.quantizers import quantize_fp8_per_channel
 SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=2)
 CASES = [("int4", "dequant"), ("int4", None), ("fp8", "dequant")]   # (quantization, forced GEMM kernel)
-
-
-@pytest.fixture(scope="module")
-def processes():
-    procs = WorkerProcesses(2, timeout_s=120.0)
-    yield procs
-    procs.stop()
 
 
 @pytest.fixture(scope="module")
