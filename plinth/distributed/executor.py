@@ -184,11 +184,8 @@ class UniprocExecutor(Executor):
         self.profiler = StepProfiler(0, sync)
 
     def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
-        self.profiler.before_step()
-        try:
+        with self.profiler:
             return self._launch(batch, make_sampling_batch)
-        finally:
-            self.profiler.after_step()
 
     def _launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
         logits, sample_seqs, _ = self.runner.execute(batch)
@@ -211,15 +208,12 @@ class UniprocExecutor(Executor):
 
     def execute(self, entries: Sequence[SeqBatchEntry],
                 make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:
-        self.profiler.before_step()
-        try:
+        with self.profiler:
             logits, sample_seqs, hidden = self.runner.execute(entries)
             if make_sampling_batch is None or not sample_seqs:
                 return None, hidden
             # the batch is built while the device still runs the forward pass
             return self.sampler.sample(logits, make_sampling_batch(logits.device)), hidden
-        finally:
-            self.profiler.after_step()
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         return self.runner.prompt_logits(hidden, rows)

@@ -256,8 +256,7 @@ class Worker:
         if self._owes:
             raise RuntimeError("a synchronous step while a launched step's output was not collected")
         self._feed_tokens = None
-        self.profiler.before_step()
-        try:
+        with self.profiler:
             t0 = time.perf_counter()
             logits, sample_seqs = self._run(batch.flat())
             t1 = time.perf_counter()
@@ -266,8 +265,6 @@ class Worker:
                 out = self.sampler.sample(logits, unpack_tensors(sampling, self.device))
                 out = pack_tensors(unpack_tensors(out, torch.device("cpu")))   # waits for the step's tokens
             self.step_times.append((t1 - t0, time.perf_counter() - t1))
-        finally:
-            self.profiler.after_step()
         return out
 
     def launch(self, batch: StepBatch, sampling: SamplingBatch | None,
@@ -289,8 +286,7 @@ class Worker:
             the previous launched step's sampler output, packed (``None`` if it sampled nothing, off the
             output rank, or when no launched step was waiting to be read).
         """
-        self.profiler.before_step()
-        try:
+        with self.profiler:
             t0 = time.perf_counter()
             # the sampling parameters go up first and without waiting: a blocking copy would hold this
             # process until the step now running finishes, and the answer below until this one does
@@ -320,8 +316,6 @@ class Worker:
             answer = previous.packed() if owed and previous is not None else None
             self.step_times.append((t1 - t0, time.perf_counter() - t1))
             return answer
-        finally:
-            self.profiler.after_step()
 
     def collect(self) -> Any:
         """The last launched step's sampler output, packed (``None``: see :meth:`launch`)."""

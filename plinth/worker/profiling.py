@@ -52,8 +52,8 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 class StepProfiler:
-    """Call :meth:`before_step` and :meth:`after_step` around every step; a no-op unless
-    ``PLINTH_PROFILE_DIR`` is set.
+    """Call :meth:`before_step` and :meth:`after_step` around every step (or run it inside ``with profiler:``,
+    which calls them, the latter also when the step raises); a no-op unless ``PLINTH_PROFILE_DIR`` is set.
 
     Args:
         rank: this process's rank (names the output file).
@@ -71,6 +71,13 @@ class StepProfiler:
         self._prof: Any = None
         self._t0 = 0.0
         self.start, self.count = _window() if self.directory else (0, 0)
+
+    def __enter__(self) -> StepProfiler:
+        self.before_step()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.after_step()
 
     def before_step(self) -> None:
         if self.directory is None or self._step != self.start:
