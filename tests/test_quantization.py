@@ -106,6 +106,39 @@ def test_int4_matches_transformers_on_dequantized_weights(tiny_llama_dir, kernel
     assert not hasattr(qkv, "weight") and "weight" not in dict(qkv.named_parameters())
 
 
+def test_gate_up_layers_can_apply_silu_and_mul_in_their_kernel(tiny_llama_dir, monkeypatch):
+    """A kernel with ``silu_pairs`` is told which layers feed SiLU-and-mul (the MLPs' gate/up, nothing
+    else) and computes it for them; the model's outputs stay those of the reference."""
+    import torch.nn.functional as F
+
+    from plinth.quantization.kernels import dequant
+
+    calls = []
+
+    class PairingDequant(DequantIntKernel):
+        silu_pairs = True
+
+        def prepare(self, weights, *, silu_pairs=False):
+            return {**super().prepare(weights), "paired": silu_pairs}
+
+        def apply_silu_mul(self, layer, x, bias):
+            calls.append(tuple(x.shape))
+            y = self.apply(layer, x, bias)
+            d = y.shape[-1] // 2
+            return F.silu(y[:, :d]) * y[:, d:]
+
+    monkeypatch.setattr(dequant, "DequantIntKernel", PairingDequant)
+    model, backend, method = load_plinth(tiny_llama_dir, "int4", gemm_kernel="dequant")
+    assert isinstance(method.kernel, PairingDequant)
+    layer0 = model.model.layers[0]
+    assert layer0.mlp.gate_up_proj.paired and not layer0.mlp.down_proj.paired
+    assert not layer0.self_attn.qkv_proj.paired
+    deq = dequantized_linears(float_state(tiny_llama_dir),
+                              lambda n, w: quantize_int_rtn(w, 4, 64).dequantize(torch.float32))
+    compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
+    assert len(calls) >= len(model.model.layers)
+
+
 def test_fp8_from_float_checkpoint_matches_reference(tiny_llama_dir):
     model, backend, method = load_plinth(tiny_llama_dir, "fp8")
     assert method.kernel.name == "dequant"  # no FP8 tensor cores on a CPU

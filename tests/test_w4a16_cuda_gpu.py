@@ -19,6 +19,7 @@ from plinth.quantization.kernels.w4a16_cuda import (  # noqa: E402
     mma_decode,
     pack_mma_codes,
     pack_mma_scales,
+    pair_rows,
     reference_decode,
 )
 from plinth.quantization.quantizers import quantize_int_rtn  # noqa: E402
@@ -80,6 +81,52 @@ def test_launch_configurations_agree(layers, launch, monkeypatch):
     base = mma_decode(x, codes, scales, n).float()
     monkeypatch.setenv("PLINTH_W4A16_CUDA", launch)
     assert torch.allclose(mma_decode(x, codes, scales, n).float(), base, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_paired_gate_up_rows_and_the_fused_silu(layers, rows):
+    """Gate/up rows packed side by side (``pair_rows``): the plain output equals the unpaired kernel's bit
+    for bit (the same sums, stored back at their own channels), and ``silu=True`` gives
+    ``silu(gate) * up`` of those outputs as the separate kernel computes it (to a bfloat16 step)."""
+    from plinth.kernels import ops
+
+    weights = layers["gate_up"]
+    n, k = weights.shape
+    order = pair_rows(n).to(CUDA)
+    codes, scales = pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros)
+    pcodes = pack_mma_codes(weights.q[order])
+    pscales = pack_mma_scales(weights.scales[order], weights.zeros[order])
+    x = torch.randn(rows, k, generator=torch.Generator(device=CUDA).manual_seed(6), device=CUDA).to(torch.bfloat16)
+    plain = mma_decode(x, codes, scales, n)
+    assert torch.equal(mma_decode(x, pcodes, pscales, n, paired=True), plain)
+    fused = mma_decode(x, pcodes, pscales, n, paired=True, silu=True)
+    separate = ops.silu_and_mul(plain)
+    assert fused.shape == (rows, n // 2) and fused.dtype == torch.bfloat16
+    ulp = separate.float().abs() * 2.0 ** -7 + 1e-6
+    assert ((fused.float() - separate.float()).abs() <= ulp).all()
+    assert (fused == separate).float().mean().item() > 0.95
+
+
+def test_kernel_class_pairs_gate_up_rows_in_a_graph(layers):
+    weights = layers["gate_up"]
+    n, k = weights.shape
+    problem = GemmProblem("int", torch.bfloat16, "cuda", CAPABILITY, bits=4, group_size=128, shapes=((n, k),))
+    kernel = CudaW4A16Kernel(problem)
+    paired, plain = holder(kernel.prepare(weights, silu_pairs=True)), holder(kernel.prepare(weights))
+    assert paired.w4m_paired and not plain.w4m_paired
+    static = torch.randn(3, k, generator=torch.Generator(device=CUDA).manual_seed(11), device=CUDA).to(torch.bfloat16)
+    assert kernel.apply_silu_mul(plain, static, None) is None
+    assert kernel.apply_silu_mul(paired, torch.zeros(17, k, device=CUDA, dtype=torch.bfloat16), None) is None
+    eager = kernel.apply_silu_mul(paired, static, None)
+    assert torch.equal(kernel.apply(paired, static, None), kernel.apply(plain, static, None))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.apply_silu_mul(paired, static, None)
+    static.copy_(torch.randn(3, k, device=CUDA))
+    graph.replay()
+    assert torch.equal(captured, kernel.apply_silu_mul(paired, static, None))
+    assert not torch.equal(captured, eager)
 
 
 def test_kernel_class_in_a_cuda_graph_and_for_long_inputs(layers):

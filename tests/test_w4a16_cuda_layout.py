@@ -23,6 +23,7 @@ from plinth.quantization.kernels.w4a16_cuda import (
     mma_decode,
     pack_mma_codes,
     pack_mma_scales,
+    pair_rows,
     reference_decode,
     slot_bytes,
     unpack_mma_codes,
@@ -136,7 +137,7 @@ def test_kernel_source_compiles_without_spills(arch, bf16, nb):
             assert "0 bytes spill stores" in text, f"{name} ({arch}) spills:\n{text}"
 
 
-def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, pair_half: int = 0) -> torch.Tensor:
     """The kernel's data flow lane by lane, in float64, with the mma written from PTX's m16n8k16 fragment
     description: lane ``4 g + t`` gives A registers (rows g, g+8, g, g+8; k 2t, 2t, 2t+8, 2t+8, two
     halves each), B registers (k 2t and 2t+8, two halves each, column g) and takes C (rows g, g+8;
@@ -175,8 +176,10 @@ def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
                 g, t = divmod(lane, 4)
                 for i in range(4):
                     row, channel = 8 * nb + 2 * t + (i & 1), g + 8 * (i >> 1)
+                    # the kernel's store: paired rows go back to the layer's own channels
+                    store = (i >> 1) * pair_half + 8 * tile + g if pair_half else 16 * tile + channel
                     if row < m:
-                        y[row, 16 * tile + channel] = out[channel, 2 * t + (i & 1)]
+                        y[row, store] = out[channel, 2 * t + (i & 1)]
     return y
 
 
@@ -196,6 +199,32 @@ def test_lane_simulation_matches_float64(rows, group):
     assert ((y - file).abs().max() / file.abs().max()).item() < 4e-3
 
 
+def test_paired_rows_put_gate_and_up_rows_in_one_tile():
+    n = 64
+    order = pair_rows(n)
+    assert sorted(order.tolist()) == list(range(n))
+    # tile 1: gate rows 8..15 as its rows 0..7, up rows 32 + 8..15 as its rows 8..15
+    assert order[16:32].tolist() == list(range(8, 16)) + list(range(40, 48))
+    with pytest.raises(ValueError, match="N % 16"):
+        pair_rows(24)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 11])
+def test_paired_rows_come_back_in_the_layers_channel_order(rows):
+    """Packed in :func:`pair_rows` order, the lane simulation with the kernel's paired store gives the same
+    outputs, channel for channel, as the layer packed in its own order."""
+    n, k = 64, 128
+    gen = torch.Generator().manual_seed(rows)
+    weights = random_int_weights(n, k, 4, 64, symmetric=False, act_order=False, device=torch.device("cpu"),
+                                 generator=gen)
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    order = pair_rows(n)
+    paired = simulate_kernel(x, pack_mma_codes(weights.q[order]),
+                             pack_mma_scales(weights.scales[order], weights.zeros[order]), n, pair_half=n // 2)
+    plain = reference_decode(x, pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros), n)
+    assert torch.allclose(paired, plain, rtol=1e-12, atol=1e-12)
+
+
 def test_launcher_rejects_what_the_kernel_cannot_take():
     codes = pack_mma_codes(torch.zeros(32, 128, dtype=torch.uint8))
     scales = pack_mma_scales(torch.ones(32, 1), torch.zeros(32, 1))
@@ -205,6 +234,8 @@ def test_launcher_rejects_what_the_kernel_cannot_take():
         mma_decode(torch.zeros(2, 128), codes, scales, 32)
     with pytest.raises(ValueError, match="do not hold"):
         mma_decode(torch.zeros(2, 192, dtype=torch.bfloat16), codes, scales, 32)
+    with pytest.raises(ValueError, match="paired gate/up rows"):
+        mma_decode(torch.zeros(2, 128, dtype=torch.bfloat16), codes, scales, 32, silu=True)
 
 
 def test_launch_shrinks_to_the_shared_memory_there_is():

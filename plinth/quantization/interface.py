@@ -175,7 +175,8 @@ class QuantizationMethod(abc.ABC):
         weights = self.convert_weights(layer)
         for name in [n for n in layer._parameters if n != "bias"]:
             del layer._parameters[name]
-        for name, value in self.kernel.prepare(weights).items():
+        pairs = {"silu_pairs": True} if getattr(layer, "feeds_silu_and_mul", False) and self.kernel.silu_pairs else {}
+        for name, value in self.kernel.prepare(weights, **pairs).items():
             if isinstance(value, torch.Tensor):
                 layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
             else:
@@ -242,6 +243,14 @@ class QuantizationMethod(abc.ABC):
         """``x`` ``[..., K]`` -> ``[..., N]`` through the selected kernel."""
         assert self.kernel is not None
         return _run_kernel(self.kernel, layer, x, bias)
+
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a gate/up layer's output in one kernel where the selected kernel can for
+        this input (see :attr:`GemmKernel.silu_pairs`); ``None``: :meth:`apply` and a separate activation."""
+        assert self.kernel is not None
+        if not getattr(layer, "feeds_silu_and_mul", False) or x.dim() != 2 or not x.is_contiguous():
+            return None
+        return self.kernel.apply_silu_mul(layer, x, bias)
 
     # -- kernels --------------------------------------------------------------------------
 

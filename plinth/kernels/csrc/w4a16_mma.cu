@@ -85,6 +85,27 @@ __device__ __forceinline__ u16 to_half(float v) {
   return h;
 }
 
+// v rounded to the nearest 16-bit value (bfloat16 or float16), as float32
+template <bool BF16>
+__device__ __forceinline__ float round16(float v) {
+  const u16 h = to_half<BF16>(v);
+  float f;
+  if (BF16) {
+    asm("mov.b32 %0, %1;" : "=f"(f) : "r"(static_cast<u32>(h) << 16));
+  } else {
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  }
+  return f;
+}
+
+// silu(gate) * up = gate / (1 + exp(-gate)) * up in float32
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  float e, q;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(gate * -1.4426950408889634f));
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(gate), "f"(1.f + e));
+  return q * up;
+}
+
 __device__ __forceinline__ u32 shared_address(const void* p) {
   unsigned long long a;
   asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
@@ -152,10 +173,16 @@ __device__ __forceinline__ float fma_f32(float a, float b, float c) {
 // bytes per batch row: lane 4 g + t copies features 16 t .. 16 t + 15 of rows g and g + 8). Every lane
 // copies and reads only its own bytes, so no barrier is needed until the warps add their sums.
 // Chunk cc's scale group is cc >> group_shift.
+//
+// Paired rows (pair_half = D > 0, a gate/up layer of N = 2 D packed by pack_mma_codes(pair_rows(...))):
+// tile r holds gate rows 8 r .. 8 r + 7 as its rows g and up rows D + 8 r + g as its rows g + 8, so one
+// lane ends with a gate sum and its up sum. With silu == 0 the outputs are stored at their own channels
+// (y [M, N], as from unpaired rows); with silu != 0 the lane stores silu(gate) * up (y [M, D]), both
+// rounded to 16 bits first, as a separate SiLU-and-mul kernel would read them.
 template <bool BF16, int NB, int S>
 __global__ void __launch_bounds__(512) w4a16_mma_decode(
     const Words4* __restrict__ codes, const u32* __restrict__ scales, const u16* __restrict__ x,
-    u16* __restrict__ y, int M, int K, int ldx, int ldy, int group_shift, int groups) {
+    u16* __restrict__ y, int M, int K, int ldx, int ldy, int group_shift, int groups, int pair_half, int silu) {
   extern __shared__ __align__(16) unsigned char shared[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -331,13 +358,27 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
       }
     }
   }
-  // C fragment: c0, c1 at (channel g, batch rows 2t, 2t + 1), c2, c3 at channel g + 8.
+  // C fragment: c0, c1 at (tile row g, batch rows 2t, 2t + 1), c2, c3 at tile row g + 8.
+  if (silu) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = 8 * nb + 2 * t + i;
+        if (row < M) {
+          const float gate = round16<BF16>(out[nb][i]), up = round16<BF16>(out[nb][i + 2]);
+          y[(size_t)row * ldy + 8 * tile + g] = to_half<BF16>(silu_mul(gate, up));
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = 8 * nb + 2 * t + (i & 1);
-      const int channel = 16 * tile + g + 8 * (i >> 1);
+      const int channel = pair_half ? (i >> 1) * pair_half + 8 * tile + g : 16 * tile + g + 8 * (i >> 1);
       if (row < M) y[(size_t)row * ldy + channel] = to_half<BF16>(out[nb][i]);
     }
   }

@@ -96,6 +96,13 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this gate/up layer's output in one kernel, where its linear method can
+        (a layer marked ``feeds_silu_and_mul`` before loading, with a kernel that pairs the halves' rows);
+        ``None``: run :meth:`forward`, then the activation."""
+        fused = getattr(self.linear_method, "apply_silu_mul", None)
+        return fused(self, x, self.bias) if fused is not None else None
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}"
 

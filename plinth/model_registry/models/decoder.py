@@ -112,9 +112,14 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate_size] * 2, bias=bias, **tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden, bias=bias, **tp)
         self.act_fn = SiluAndMul()
+        # a quantized kernel may pack gate and up rows side by side and apply the activation itself
+        self.gate_up_proj.feeds_silu_and_mul = True
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)), reduce=reduce)
+        h = self.gate_up_proj.forward_silu_and_mul(x)
+        if h is None:
+            h = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(h, reduce=reduce)
 
 
 class DecoderLayer(nn.Module):

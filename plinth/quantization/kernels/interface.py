@@ -101,6 +101,16 @@ class GemmKernel(abc.ABC):
             what :meth:`apply` reads.
         """
 
+    #: :meth:`prepare` takes ``silu_pairs=True`` for a gate/up layer (its output's halves are the gate and
+    #: up projections of ``silu(gate) * up``) and :meth:`apply_silu_mul` may then compute that in one go
+    silu_pairs: ClassVar[bool] = False
+
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(gate) * up`` ``[M, N / 2]`` of the layer's output ``[M, N]`` (gate half first) for a layer
+        prepared with ``silu_pairs=True``, or ``None`` where this input takes :meth:`apply` and a separate
+        activation kernel."""
+        return None
+
     def decode_tensors(self) -> frozenset[str] | None:
         """The prepared tensors a decode step (a few rows) reads, where the kernel keeps another layout for
         longer inputs; ``None``: all of them. Only the decode floor of benchmarks uses it."""

@@ -36,6 +36,8 @@ MAX_ROWS = 16
 #: input features per packed chunk (four mma steps of 16)
 CHUNK = 64
 _ENV = "PLINTH_W4A16_CUDA"
+#: ``0``: gate/up layers leave SiLU-and-mul to its own kernel (for comparisons)
+_SILU_ENV = "PLINTH_W4A16_SILU"
 
 
 def pack_mma_codes(q: torch.Tensor) -> torch.Tensor:
@@ -52,6 +54,16 @@ def pack_mma_codes(q: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
     words = (v << shifts).sum(dim=-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def pair_rows(n: int) -> torch.Tensor:
+    """The row order of a gate/up weight ``[2 D, K]`` (gate rows first) that puts gate rows ``8 r .. 8 r + 7``
+    and up rows ``D + 8 r .. D + 8 r + 7`` in tile ``r`` (the kernel's ``pair_half``): index ``[N]`` into the
+    rows, applied to codes, scales and zero points before packing."""
+    if n % 16:
+        raise ValueError(f"paired gate/up rows need N % 16 == 0, got {n}")
+    half = torch.arange(n // 2).reshape(n // 16, 1, 8)
+    return torch.cat([half, half + n // 2], dim=1).reshape(n)
 
 
 def unpack_mma_codes(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -204,9 +216,16 @@ def plan(m: int, n: int, k: int, groups: int, bf16: bool, device_index: int, for
     return Launch(compiled(bf16, nb, stages, device_index), n // 16, 32 * warps, shared, shift)
 
 
-def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, *, paired: bool = False,
+               silu: bool = False) -> torch.Tensor:
     """``[M, N]`` for ``x`` ``[M, K]`` (``1 <= M <= 16``, float16/bfloat16) on the packed weight
-    (:func:`pack_mma_codes`, :func:`pack_mma_scales`), on ``x``'s device."""
+    (:func:`pack_mma_codes`, :func:`pack_mma_scales`), on ``x``'s device.
+
+    ``paired``: the weight's rows were packed in :func:`pair_rows` order (a gate/up layer); the output is
+    still in the layer's own channel order. ``silu`` (paired only): ``silu(gate) * up``, ``[M, N / 2]``.
+    """
+    if silu and not paired:
+        raise ValueError("silu(gate) * up needs a weight packed with paired gate/up rows")
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the W4A16 decode kernel takes 1-{MAX_ROWS} rows, got {m}")
@@ -223,10 +242,11 @@ def mma_decode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: in
     groups = scales.shape[1]
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     launch = plan(m, n, k, groups, x.dtype == torch.bfloat16, index, os.environ.get(_ENV))
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n // 2 if silu else n, dtype=x.dtype, device=x.device)
     args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(x.data_ptr()),
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
-            ctypes.c_int(n), ctypes.c_int(launch.shift), ctypes.c_int(groups)]
+            ctypes.c_int(y.shape[1]), ctypes.c_int(launch.shift), ctypes.c_int(groups),
+            ctypes.c_int(n // 2 if paired else 0), ctypes.c_int(int(silu))]
     nvrtc.launch(launch.func, launch.blocks, launch.threads, launch.shared, x.device, args, "the W4A16 decode kernel",
                  dependent=nvrtc.dependent_launch(x.device))
     return y
@@ -239,8 +259,9 @@ class CudaW4A16Kernel(GemmKernel):
     name: ClassVar[str] = "cuda_w4a16"
     priority: ClassVar[int] = 30
     #: part of the selection's cache key: a changed kernel is timed afresh (2: weights staged before the
-    #: previous kernel ends, programmatic dependent launch in CUDA graphs)
-    selection_revision: ClassVar[int] = 2
+    #: previous kernel ends, programmatic dependent launch in CUDA graphs; 3: paired gate/up rows)
+    selection_revision: ClassVar[int] = 3
+    silu_pairs: ClassVar[bool] = True
 
     def __init__(self, problem: GemmProblem):
         super().__init__(problem)
@@ -281,11 +302,17 @@ class CudaW4A16Kernel(GemmKernel):
             return Support.no(f"NVRTC could not build the kernel: {type(exc).__name__}: {str(exc)[:200]}")
         return Support.yes()
 
-    def prepare(self, weights: IntWeights) -> dict[str, Any]:  # type: ignore[override]
-        state: dict[str, Any] = {**self.large.prepare(weights), "w4m_exact": integral_zeros(weights.zeros)}
+    def prepare(self, weights: IntWeights, *, silu_pairs: bool = False) -> dict[str, Any]:  # type: ignore[override]
+        state: dict[str, Any] = {**self.large.prepare(weights), "w4m_exact": integral_zeros(weights.zeros),
+                                 "w4m_paired": False}
         if state["w4m_exact"]:
-            state["w4m_codes"] = pack_mma_codes(weights.q)
-            state["w4m_scales"] = pack_mma_scales(weights.scales, weights.zeros)
+            q, sc, z = weights.q, weights.scales, weights.zeros
+            if silu_pairs and q.shape[0] % 32 == 0:
+                order = pair_rows(q.shape[0]).to(q.device)
+                q, sc, z = q[order], sc[order], z[order]
+                state["w4m_paired"] = True
+            state["w4m_codes"] = pack_mma_codes(q)
+            state["w4m_scales"] = pack_mma_scales(sc, z)
         return state
 
     def decode_tensors(self) -> frozenset[str]:
@@ -294,5 +321,16 @@ class CudaW4A16Kernel(GemmKernel):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact:
             return self.large.apply(layer, x, bias)
-        out = mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16)
+        out = mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16,
+                         paired=layer.w4m_paired)
         return out if bias is None else out + bias
+
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a layer prepared with ``silu_pairs`` in one launch for decode inputs;
+        ``None`` where :meth:`apply` then a separate kernel must do it (long inputs, a bias)."""
+        if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact or not layer.w4m_paired or bias is not None:
+            return None
+        if os.environ.get(_SILU_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            return None
+        return mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16,
+                          paired=True, silu=True)
