@@ -137,6 +137,14 @@ def test_gate_up_layers_can_apply_silu_and_mul_in_their_kernel(tiny_llama_dir, m
                               lambda n, w: quantize_int_rtn(w, 4, 64).dequantize(torch.float32))
     compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
     assert len(calls) >= len(model.model.layers)
+    # a method that overrides apply keeps its own path for gate/up layers too
+    from plinth.quantization.interface import QuantizationMethod
+
+    gate_up = layer0.mlp.gate_up_proj
+    x = torch.randn(2, gate_up.input_size_per_partition)
+    assert method.apply_silu_mul(gate_up, x, None) is not None
+    monkeypatch.setattr(type(method), "apply", lambda self, layer, x, bias: QuantizationMethod.apply(self, layer, x, bias))
+    assert method.apply_silu_mul(gate_up, x, None) is None
 
 
 def test_fp8_from_float_checkpoint_matches_reference(tiny_llama_dir):
@@ -404,6 +412,45 @@ class OffByOneKernel(GemmKernel):
 
     def apply(self, layer, x, bias):
         return DequantIntKernel(self.problem).apply(layer, x, bias) + 1.0
+
+
+class WrongSiluKernel(GemmKernel):
+    """Right products, wrong fused activation (silu(up) * gate): selection must reject it."""
+
+    name = "wrong_silu"
+    priority = 99
+    silu_pairs = True
+
+    @classmethod
+    def supports(cls, problem: GemmProblem) -> Support:
+        return Support.yes()
+
+    def prepare(self, weights: IntWeights, *, silu_pairs=False):
+        return {**DequantIntKernel(self.problem).prepare(weights), "paired": silu_pairs}
+
+    def apply(self, layer, x, bias):
+        return DequantIntKernel(self.problem).apply(layer, x, bias)
+
+    def apply_silu_mul(self, layer, x, bias):
+        assert layer.paired
+        y = self.apply(layer, x, bias)
+        d = y.shape[1] // 2
+        return torch.nn.functional.silu(y[:, d:]) * y[:, :d]
+
+
+def test_selection_checks_a_kernels_fused_activation(tmp_path):
+    from plinth.platforms.selection import select_platform
+    from plinth.quantization.int4 import Int4Method
+
+    class WithWrongSilu(Int4Method):
+        def kernel_candidates(self):
+            return {**super().kernel_candidates(), "wrong_silu": "test_quantization:WrongSiluKernel"}
+
+    ctx = QuantContext(hf_config=None, dtype=torch.float32, device=CPU, platform=select_platform("cpu"),
+                       selection="benchmark", cache_dir=tmp_path)
+    result = WithWrongSilu(ctx, bits=4, group_size=64).select_kernel([(128, 64)])
+    report = {r.name: r for r in result.candidates}["wrong_silu"]
+    assert report.status == "rejected" and "exceeds tolerance" in report.reason and report.max_error > 0.1
 
 
 def test_selection_checks_times_and_caches(tmp_path):

@@ -117,6 +117,7 @@ def test_kernel_class_pairs_gate_up_rows_in_a_graph(layers):
     static = torch.randn(3, k, generator=torch.Generator(device=CUDA).manual_seed(11), device=CUDA).to(torch.bfloat16)
     assert kernel.apply_silu_mul(plain, static, None) is None
     assert kernel.apply_silu_mul(paired, torch.zeros(17, k, device=CUDA, dtype=torch.bfloat16), None) is None
+    assert kernel.apply_silu_mul(paired, static, torch.zeros(n, device=CUDA, dtype=torch.bfloat16)) is None
     eager = kernel.apply_silu_mul(paired, static, None)
     assert torch.equal(kernel.apply(paired, static, None), kernel.apply(plain, static, None))
     torch.cuda.synchronize()

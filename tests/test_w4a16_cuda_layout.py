@@ -137,7 +137,8 @@ def test_kernel_source_compiles_without_spills(arch, bf16, nb):
             assert "0 bytes spill stores" in text, f"{name} ({arch}) spills:\n{text}"
 
 
-def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, pair_half: int = 0) -> torch.Tensor:
+def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, pair_half: int = 0,
+                    silu: bool = False) -> torch.Tensor:
     """The kernel's data flow lane by lane, in float64, with the mma written from PTX's m16n8k16 fragment
     description: lane ``4 g + t`` gives A registers (rows g, g+8, g, g+8; k 2t, 2t, 2t+8, 2t+8, two
     halves each), B registers (k 2t and 2t+8, two halves each, column g) and takes C (rows g, g+8;
@@ -151,7 +152,7 @@ def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     per_group = k // s_all.shape[1]
     xs = torch.full((16, k), float("nan"), dtype=torch.float64)
     xs[:m] = x.double()
-    y = torch.zeros(m, n, dtype=torch.float64)
+    y = torch.zeros(m, n // 2 if silu else n, dtype=torch.float64)
     for tile in range(n // 16):
         for nb in range(1 if m <= 8 else 2):
             out = torch.zeros(16, 8, dtype=torch.float64)
@@ -176,7 +177,13 @@ def simulate_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
                 g, t = divmod(lane, 4)
                 for i in range(4):
                     row, channel = 8 * nb + 2 * t + (i & 1), g + 8 * (i >> 1)
-                    # the kernel's store: paired rows go back to the layer's own channels
+                    # the kernel's store: paired rows go back to the layer's own channels, or (silu) the
+                    # lane's gate sum (tile row g) and up sum (tile row g + 8) become one output
+                    if silu:
+                        if i < 2 and row < m:
+                            gate, up = out[g, 2 * t + i], out[g + 8, 2 * t + i]
+                            y[row, 8 * tile + g] = gate / (1 + torch.exp(-gate)) * up
+                        continue
                     store = (i >> 1) * pair_half + 8 * tile + g if pair_half else 16 * tile + channel
                     if row < m:
                         y[row, store] = out[channel, 2 * t + (i & 1)]
@@ -223,6 +230,11 @@ def test_paired_rows_come_back_in_the_layers_channel_order(rows):
                              pack_mma_scales(weights.scales[order], weights.zeros[order]), n, pair_half=n // 2)
     plain = reference_decode(x, pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros), n)
     assert torch.allclose(paired, plain, rtol=1e-12, atol=1e-12)
+    fused = simulate_kernel(x, pack_mma_codes(weights.q[order]),
+                            pack_mma_scales(weights.scales[order], weights.zeros[order]), n, pair_half=n // 2,
+                            silu=True)
+    gate, up = plain[:, : n // 2], plain[:, n // 2:]
+    assert torch.allclose(fused, torch.nn.functional.silu(gate) * up, rtol=1e-12, atol=1e-12)
 
 
 def test_launcher_rejects_what_the_kernel_cannot_take():

@@ -250,6 +250,8 @@ class QuantizationMethod(abc.ABC):
         assert self.kernel is not None
         if not getattr(layer, "feeds_silu_and_mul", False) or x.dim() != 2 or not x.is_contiguous():
             return None
+        if type(self).apply is not QuantizationMethod.apply:   # a method with its own apply keeps it
+            return None
         return self.kernel.apply_silu_mul(layer, x, bias)
 
     # -- kernels --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plinth.attention_backends.interface import Support
@@ -103,12 +104,22 @@ class GemmCandidates:
         return kernel.apply(holder(kernel.prepare(weights)), x, None).to(torch.float32)
 
     def max_error(self, cls: Any, reference_cls: Any) -> float:
+        """The kernel's largest error against the reference, relative to the output's magnitude; for a kernel
+        that fuses SiLU-and-mul (``silu_pairs``) also that of its fused output against the reference's."""
         if self._ref is None or self._ref[0] is not reference_cls:
             weights, x = self._check_case()
             self._ref = (reference_cls, self._run(reference_cls, weights, x), weights, x)
         _cls, ref, weights, x = self._ref
         out = self._run(cls, weights, x)
-        return float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        error = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        if getattr(cls, "silu_pairs", False) and ref.shape[1] % 2 == 0:
+            kernel = cls(self.problem)
+            fused = kernel.apply_silu_mul(holder(kernel.prepare(weights, silu_pairs=True)), x, None)
+            if fused is not None:
+                half = ref.shape[1] // 2
+                expect = F.silu(ref[:, :half]) * ref[:, half:]
+                error = max(error, float((fused.float() - expect).abs().max() / expect.abs().max().clamp(min=1e-6)))
+        return error
 
     def tolerance(self) -> float:
         return self.method.kernel_tolerance()

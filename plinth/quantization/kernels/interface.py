@@ -103,6 +103,8 @@ class GemmKernel(abc.ABC):
 
     #: :meth:`prepare` takes ``silu_pairs=True`` for a gate/up layer (its output's halves are the gate and
     #: up projections of ``silu(gate) * up``) and :meth:`apply_silu_mul` may then compute that in one go
+    #: (a subclass that sets it, or inherits it, must accept that keyword; selection checks the fused output
+    #: against the reference kernel's)
     silu_pairs: ClassVar[bool] = False
 
     def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

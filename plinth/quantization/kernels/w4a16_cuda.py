@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from plinth.kernels import nvrtc
+from plinth.kernels import nvrtc, ops
 from plinth.quantization.formats import IntWeights
 from plinth.quantization.kernels.dequant import permute_input
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
@@ -307,7 +307,7 @@ class CudaW4A16Kernel(GemmKernel):
                                  "w4m_paired": False}
         if state["w4m_exact"]:
             q, sc, z = weights.q, weights.scales, weights.zeros
-            if silu_pairs and q.shape[0] % 32 == 0:
+            if silu_pairs and q.shape[0] % 16 == 0:
                 order = pair_rows(q.shape[0]).to(q.device)
                 q, sc, z = q[order], sc[order], z[order]
                 state["w4m_paired"] = True
@@ -331,6 +331,8 @@ class CudaW4A16Kernel(GemmKernel):
         if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact or not layer.w4m_paired or bias is not None:
             return None
         if os.environ.get(_SILU_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            return None
+        if not ops.fused_ops_enabled(x):   # PLINTH_FUSED_OPS=0: the plain path everywhere
             return None
         return mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16,
                           paired=True, silu=True)
