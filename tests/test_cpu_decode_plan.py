@@ -6,6 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from cpu_features import needs_packed_bf16
 
 from plinth import LLM, SamplingParams
 from plinth.kernels import cpu_native
@@ -66,6 +67,7 @@ def test_plan_logits_equal_the_module_path(llm, n):
     _plan_equals_modules(llm, n, "p")
 
 
+@needs_packed_bf16
 def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypatch, tiny_llama_dir):
     """A GGUF Q4_1 model keeps 4-bit copies of its layers: steps of up to ``Q4_GEMV_MAX_ROWS`` rows run every
     layer in one native call (the native GEMV on the copies), and the plan's Python loop calls one-row copies

@@ -8,11 +8,14 @@ identical greedy tokens), ``torch.argmax`` and a Python loop (batch helpers).
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_features import needs_packed_bf16
 
 from plinth import LLM, SamplingParams
 from plinth.config import ConfigError
@@ -60,6 +63,25 @@ def fast_llm(tiny_llama_dir) -> LLM:
 # ---------------------------------------------------------------------------------------- GEMMs
 
 
+def test_cpus_without_the_packed_bf16_linear_take_f_linear(monkeypatch):
+    """Where oneDNN refuses the packed bfloat16 linear (CPUs without AVX512 BW/VL/DQ or AVX-NE-CONVERT: torch
+    raises at the first use), no layer is prepacked and the GEMM is ``F.linear``'s."""
+    from plinth.worker import cpu_linear
+
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or ...")
+
+    probe = functools.cache(cpu_linear._onednn_bf16_linear_runs.__wrapped__)   # a fresh cache for this test
+    monkeypatch.setattr(cpu_linear, "_onednn_bf16_linear_runs", probe)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    assert not cpu_linear.packed_linear_supported(torch.bfloat16)
+    assert not cpu_linear.packed_linear_supported(torch.float32)
+    weight, x = torch.randn(96, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    method = CpuLinearMethod(weight)
+    assert method.packed is None and torch.equal(method.matmul(x), F.linear(x, weight))
+
+
+@needs_packed_bf16
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_prepacked_gemm_is_bit_identical(rows):
     torch.manual_seed(0)
@@ -72,6 +94,7 @@ def test_prepacked_gemm_is_bit_identical(rows):
     assert torch.equal(method.matmul(x, bias), F.linear(x, weight, bias))
 
 
+@needs_packed_bf16
 def test_fast_path_engine_equals_reference(fast_llm, reference_tokens):
     model = fast_llm.engine.runner.model
     methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_features import needs_packed_bf16
 
 from plinth.kernels import cpu_native, ops
 from plinth.model_registry.layers.activation import SiluAndMul
@@ -152,6 +153,7 @@ def test_prompt_logprobs_with_and_without_native_ops(tiny_llama_dir, monkeypatch
 
 
 @pytest.mark.parametrize("tied", [True, False])
+@needs_packed_bf16
 def test_q8_0_lm_head_of_a_gguf_model(tmp_path, monkeypatch, tied, tiny_llama_dir):
     """A GGUF file's Q8_0 LM head (or tied embedding) serves decode rows with the file's exact values."""
     from test_gguf import small_model, write_gguf

@@ -18,6 +18,7 @@ quantization method are left alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import weakref
@@ -85,10 +86,25 @@ def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.T
 
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
-    """oneDNN prepacking is available for ``dtype`` in this torch build (bfloat16 only: float32 GEMMs go to
-    MKL, which needs no packing)."""
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN prepacking is available for ``dtype`` in this torch build and on this CPU (bfloat16 only:
+    float32 GEMMs go to MKL, which needs no packing)."""
+    return dtype == torch.bfloat16 and _onednn_bf16_linear_runs()
+
+
+@functools.cache
+def _onednn_bf16_linear_runs() -> bool:
+    """Whether oneDNN's packed bfloat16 linear runs here: torch must have it, and it refuses CPUs without
+    AVX512 (BW, VL, DQ) or AVX-NE-CONVERT with an error at the first use; tried once on a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError as exc:
+        logger.info("oneDNN's packed bfloat16 linear does not run on this CPU (%s); bfloat16 GEMMs use F.linear",
+                    str(exc).splitlines()[0])
+        return False
+    return bool((y == 16).all())
 
 
 class CpuLinearMethod:
