@@ -311,3 +311,43 @@ def test_matmul_decode_attention_equals_sdpa(num_kv_heads, group):
     ref = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
     torch.testing.assert_close(_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-10, atol=1e-10)
 
+
+
+def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_path, monkeypatch, tiny_llama_dir):
+    """On a CPU without native bfloat16 (float32 is the default there), a Q4_1 GGUF model's decode rows (up to
+    ``PLINTH_CPU_INT4_MAX_ROWS``) multiply the file's 4-bit blocks with bfloat16 inputs; longer inputs keep the
+    float32 weights. Layer outputs are the file's weights times the inputs rounded to bfloat16; greedy
+    tokens follow the float32 path's (``PLINTH_CPU_INT4=0``) except where a near tie parts them."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.platforms.cpu import platform as cpu_platform
+
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12]]
+    runs = []
+    for int4 in ("1", "0"):
+        monkeypatch.setenv("PLINTH_CPU_INT4", int4)
+        with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4) as llm:
+            model = llm.engine.runner.model
+            down = model.model.layers[0].mlp.down_proj
+            if int4 == "1":
+                method = down.linear_method
+                assert isinstance(method, CpuLinearMethod) and method.int4 is not None and method.int4_max_rows == 4
+                raw = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+                w_file = torch.from_numpy(gguf.quants.dequantize(np.asarray(raw.data), raw.tensor_type)).double()
+                x = torch.randn(3, w_file.shape[1], generator=torch.Generator().manual_seed(3))
+                got = method.matmul(x)
+                assert got.dtype == torch.float32
+                want = x.bfloat16().double() @ w_file.T
+                assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+                many = torch.randn(9, w_file.shape[1])          # past the row limit: the float32 weight
+                assert torch.equal(method.matmul(many), F.linear(many, down.weight))
+            else:
+                assert not isinstance(down.linear_method, CpuLinearMethod)
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert [r[:3] for r in runs[0]] == [r[:3] for r in runs[1]]
+    agree = sum(a == b for x, y in zip(*runs, strict=True) for a, b in zip(x, y, strict=True))
+    assert agree >= 0.75 * sum(len(r) for r in runs[0])

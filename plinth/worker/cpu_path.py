@@ -122,6 +122,17 @@ def _free_memory() -> int:
     return CpuPlatform().free_memory()
 
 
+def _float32_int4(source: Any, dtype: torch.dtype, tp_size: int) -> bool:
+    """Whether a float32 GGUF model keeps 4-bit copies for decode rows: on CPUs without native bfloat16
+    (where float32 is the default because bfloat16 GEMMs are emulated, and torch's int4 kernel with
+    bfloat16 inputs streams a decode step's weights ~3x faster than the float32 GEMV); ``PLINTH_CPU_INT4=0``
+    turns it off."""
+    from plinth.platforms.cpu import platform as cpu_platform
+
+    return (source is not None and getattr(source, "kind", None) == "gguf" and dtype == torch.float32
+            and tp_size == 1 and env_flag(INT4_ENV, True) and not cpu_platform.has_fast_bf16())
+
+
 def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, Any]:
     """Install the CPU GEMMs and the compiled decode step on ``runner``; returns what was set up."""
     from plinth.worker.cpu_linear import install_cpu_linear, packed_linear_supported
@@ -156,6 +167,12 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
                            INT8_ACT_ENV)
         report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows, panel_rows,
                                          int8_activations=int8_act))
+        report["int4_max_rows"] = int4_rows if report["int4"] else 0
+    elif _float32_int4(source, dtype, tp_size) and (int4_rows := env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS)) > 0:
+        from plinth.worker.cpu_int4 import int4_weights_from_gguf
+
+        int4 = int4_weights_from_gguf(str(source.path), model, torch.bfloat16)
+        report.update(install_cpu_linear(model, int4, int4_rows))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
     max_num_seqs = config.scheduler.limits[0]
