@@ -341,6 +341,9 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
                 x = torch.randn(3, w_file.shape[1], generator=torch.Generator().manual_seed(3))
                 got = method.matmul(x)
                 assert got.dtype == torch.float32
+                # the 4-bit copy on the bfloat16-rounded rows, also for a strided input
+                assert torch.equal(got, method.int4.matmul(x.bfloat16()).float())
+                assert torch.equal(method.matmul(x.t().contiguous().t()), got)
                 want = x.bfloat16().double() @ w_file.T
                 assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
                 many = torch.randn(9, w_file.shape[1])          # past the row limit: the float32 weight

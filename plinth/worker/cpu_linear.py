@@ -9,7 +9,9 @@ Two kernels, chosen per call by the number of rows ``M`` of the input:
   weight once and memory traffic is the cost), a 4-bit copy of the weight in groups of 32 along the
   input features with a scale and offset per group, multiplied with ``_weight_int4pack_mm_for_cpu``.
   Built from a GGUF file's own ``Q4_0``/``Q4_1`` blocks (:mod:`plinth.worker.cpu_int4`), so it holds
-  the file's values (scales and offsets rounded to bfloat16); a quarter of the bytes of bfloat16.
+  the file's values (scales and offsets rounded to bfloat16); a quarter of the bytes of bfloat16. A float32
+  model on a CPU without native bfloat16 keeps bfloat16 copies too: its decode rows are rounded to
+  bfloat16 for them and the output comes back in float32.
 
 A layer gets a :class:`CpuLinearMethod` in place of its unquantized linear method; layers of a
 quantization method are left alone.
@@ -40,7 +42,7 @@ class Int4Weight:
     """A weight ``[N, K]`` as 4-bit values in groups of 32: ``w = (q - 8) * scale + zero``."""
 
     packed: torch.Tensor            # torch's CPU int4 layout of q [N, K] (values 0..15)
-    scale_zeros: torch.Tensor       # [K / 32, N, 2] in the activation dtype: (scale, zero)
+    scale_zeros: torch.Tensor       # [K / 32, N, 2] in the dtype of the inputs it takes: (scale, zero)
     out_features: int
     panels: cpu_native.Q4Panels | None = None   # the native panel GEMM's layout (w = scale * q + zero - 8 scale)
 
@@ -194,7 +196,7 @@ class CpuLinearMethod:
               and int4.scale_zeros.dtype == torch.bfloat16):
             # a float32 model on a CPU without native bfloat16: decode rows multiply the 4-bit copy with
             # bfloat16 inputs (torch's int4 kernel), a third of the float32 GEMV's time there
-            y = int4.matmul(x2.to(torch.bfloat16)).float()
+            y = int4.matmul(x2.to(torch.bfloat16, memory_format=torch.contiguous_format)).float()
             if bias is not None:
                 y = y + bias
         elif self.packed is not None and x2.dtype == self.dtype and m > 0:

@@ -4,7 +4,8 @@ The parts, each with a switch (environment variables, read at start-up):
 
 - ``PLINTH_CPU_PACKED`` (default on): every unquantized linear layer and the LM head multiply with
   oneDNN-prepacked weights (:mod:`plinth.worker.cpu_linear`); bit-identical to ``F.linear``.
-- ``PLINTH_CPU_INT4`` (default on for a bfloat16 model read from a GGUF file): layers whose GGUF
+- ``PLINTH_CPU_INT4`` (default on for a bfloat16 model read from a GGUF file, and for a float32 one on a
+  CPU without native bfloat16, whose decode rows are then rounded to bfloat16 for it): layers whose GGUF
   tensors are ``Q4_0``/``Q4_1`` also get the file's 4-bit blocks for inputs of at most
   ``PLINTH_CPU_INT4_MAX_ROWS`` rows (default 4: decode of a few sequences), where a step is bound by
   reading the weights (:mod:`plinth.worker.cpu_int4`).
