@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -438,32 +440,29 @@ class WrongSiluKernel(GemmKernel):
         return torch.nn.functional.silu(y[:, d:]) * y[:, :d]
 
 
-def test_selection_checks_a_kernels_fused_activation(tmp_path):
+def _int4_with_extra_kernel(name: str, cls_name: str, selection: str, cache_dir) -> Callable[[], Any]:
+    """A factory of CPU int4 methods (float32, groups of 64) whose candidates add ``test_quantization:CLS``."""
     from plinth.platforms.selection import select_platform
     from plinth.quantization.int4 import Int4Method
 
-    class WithWrongSilu(Int4Method):
+    class WithExtraKernel(Int4Method):
         def kernel_candidates(self):
-            return {**super().kernel_candidates(), "wrong_silu": "test_quantization:WrongSiluKernel"}
+            return {**super().kernel_candidates(), name: f"test_quantization:{cls_name}"}
 
     ctx = QuantContext(hf_config=None, dtype=torch.float32, device=CPU, platform=select_platform("cpu"),
-                       selection="benchmark", cache_dir=tmp_path)
-    result = WithWrongSilu(ctx, bits=4, group_size=64).select_kernel([(128, 64)])
+                       selection=selection, cache_dir=cache_dir)
+    return lambda: WithExtraKernel(ctx, bits=4, group_size=64)
+
+
+def test_selection_checks_a_kernels_fused_activation(tmp_path):
+    result = _int4_with_extra_kernel("wrong_silu", "WrongSiluKernel", "benchmark", tmp_path)().select_kernel([(128, 64)])
     report = {r.name: r for r in result.candidates}["wrong_silu"]
     assert report.status == "rejected" and "exceeds tolerance" in report.reason and report.max_error > 0.1
 
 
 def test_selection_checks_times_and_caches(tmp_path):
-    from plinth.platforms.selection import select_platform
-    from plinth.quantization.int4 import Int4Method
-
-    class WithWrongKernel(Int4Method):
-        def kernel_candidates(self):
-            return {**super().kernel_candidates(), "off_by_one": "test_quantization:OffByOneKernel"}
-
-    ctx = QuantContext(hf_config=None, dtype=torch.float32, device=CPU, platform=select_platform("cpu"),
-                       selection="cached", cache_dir=tmp_path)
-    method = WithWrongKernel(ctx, bits=4, group_size=64)
+    new_method = _int4_with_extra_kernel("off_by_one", "OffByOneKernel", "cached", tmp_path)
+    method = new_method()
     first = method.select_kernel([(128, 64), (64, 128)])
     reports = {r.name: r for r in first.candidates}
     assert not first.from_cache and first.how == "benchmark"
@@ -472,10 +471,10 @@ def test_selection_checks_times_and_caches(tmp_path):
     assert reports["torch_int4pack"].max_error < 1e-5
     assert first.winner in ("dequant", "torch_int4pack")
     assert "PLINTH_TRITON_INTERPRET" in reports["triton_w4a16"].reason or not reports["triton_w4a16"].supported
-    second = WithWrongKernel(ctx, bits=4, group_size=64).select_kernel([(128, 64), (64, 128)])
+    second = new_method().select_kernel([(128, 64), (64, 128)])
     assert second.from_cache and second.winner == first.winner
     # another shape is another key
-    third = WithWrongKernel(ctx, bits=4, group_size=64).select_kernel([(256, 64)])
+    third = new_method().select_kernel([(256, 64)])
     assert not third.from_cache
 
 

@@ -318,21 +318,29 @@ class CudaW4A16Kernel(GemmKernel):
     def decode_tensors(self) -> frozenset[str]:
         return frozenset({"w4m_codes", "w4m_scales"})
 
+    @staticmethod
+    def _decodes(layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether ``x`` takes the decode kernel (1-16 rows, a layer with integral zero points)."""
+        return 0 < x.shape[0] <= MAX_ROWS and layer.w4m_exact
+
+    @staticmethod
+    def _decode(layer: nn.Module, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        return mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16,
+                          paired=layer.w4m_paired, silu=silu)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact:
+        if not self._decodes(layer, x):
             return self.large.apply(layer, x, bias)
-        out = mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16,
-                         paired=layer.w4m_paired)
+        out = self._decode(layer, x)
         return out if bias is None else out + bias
 
     def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``silu(gate) * up`` of a layer prepared with ``silu_pairs`` in one launch for decode inputs;
         ``None`` where :meth:`apply` then a separate kernel must do it (long inputs, a bias)."""
-        if x.shape[0] > MAX_ROWS or x.shape[0] == 0 or not layer.w4m_exact or not layer.w4m_paired or bias is not None:
+        if not self._decodes(layer, x) or not layer.w4m_paired or bias is not None:
             return None
         if os.environ.get(_SILU_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
             return None
         if not ops.fused_ops_enabled(x):   # PLINTH_FUSED_OPS=0: the plain path everywhere
             return None
-        return mma_decode(permute_input(layer, x), layer.w4m_codes, layer.w4m_scales, layer.w4m_codes.shape[0] * 16,
-                          paired=True, silu=True)
+        return self._decode(layer, x, silu=True)
