@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copies", type=int, default=8)
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="default tiles only (no sweep)")
+    p.add_argument("--w4cuda-sweep", default="2x3,2x4,2x6,2x8,4x3,4x4,4x6,4x8,8x3,8x4,8x6,8x8",
+                   help="the cuda_w4a16 launches swept (--parts w4cuda): WARPSxSTAGES, comma-separated")
     p.add_argument("--parts", default="bf16,w4a16")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
@@ -281,7 +283,7 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     from plinth.quantization.selection import holder
 
     out = []
-    sweep = [(w, st) for w in (2, 4, 8) for st in (3, 4, 6, 8)]
+    sweep = [tuple(int(v) for v in item.split("x")) for item in a.w4cuda_sweep.split(",")]
     if a.quick:
         sweep = []
     for name, n, k, problem in _int4_shapes(a):

@@ -267,6 +267,84 @@ def test_strided_query_views_from_a_fused_qkv():
     run_and_check(batch)
 
 
+def rotary_tables(batch: Batch, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rotate-half angles per token: ``cos``/``sin`` ``[T, D]`` (both halves the same)."""
+    t, _, d = batch.query.shape
+    angles = torch.rand(t, d // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(batch.query.dtype), angles.sin().to(batch.query.dtype)
+
+
+def rotate64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` ``[T, H, D]`` in float64."""
+    half = x.shape[-1] // 2
+    x = x.double()
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.double()[:, None, :] + rotated * sin.double()[:, None, :]
+
+
+def run_rotary_and_check(batch: Batch, *, fused: bool, monkeypatch, sliding_window: int | None = None,
+                         backend: TritonAttentionBackend | None = None) -> None:
+    """``forward(rotary=...)`` on un-rotated q/k against the float64 reference on rotated ones; ``fused``:
+    whether the decode kernel should have written the cache itself (no separate cache-write launch)."""
+    backend = backend or TritonAttentionBackend()
+    cos, sin = rotary_tables(batch, seed=batch.query.shape[0])
+    md = batch.metadata
+    q_rot, k_rot = rotate64(batch.query, cos, sin), rotate64(batch.key, cos, sin)
+    rotated = dataclasses.replace(batch, query=q_rot.to(batch.query.dtype), full_k=list(batch.full_k))
+    for s in range(md.num_seqs):   # the new keys of each sequence are its last rows
+        lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+        rotated.full_k[s] = torch.cat([batch.full_k[s][: md.seq_lens_cpu[s] - (hi - lo)], k_rot[lo:hi].to(batch.key.dtype)])
+    kernels = triton_backend._load_kernels()
+    writes = []
+    real_write = kernels.write_kv_cache.write_kv_cache_triton
+    monkeypatch.setattr(kernels.write_kv_cache, "write_kv_cache_triton",
+                        lambda *a: (writes.append(1), real_write(*a))[1])
+    head_size = batch.query.shape[-1]
+    backend.prepare(md)
+    query, key = batch.query.clone(), batch.key.clone()
+    out = backend.forward(query, key, batch.value, batch.kv_cache, md, scale=head_size**-0.5,
+                          sliding_window=sliding_window, rotary=(cos, sin))
+    assert (not writes) == fused
+    if fused:   # the inputs are left as they were
+        assert torch.equal(query, batch.query) and torch.equal(key, batch.key)
+    expected = reference_attention(rotated, head_size**-0.5, sliding_window)
+    tol = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(out[: batch.num_real_tokens].double(), expected, atol=tol, rtol=tol)
+    flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[-2:])
+    n = md.slot_mapping.shape[0]
+    torch.testing.assert_close(flat[0][md.slot_mapping].double(), k_rot[:n], atol=tol, rtol=tol)
+    torch.testing.assert_close(flat[1][md.slot_mapping], batch.value[:n], atol=0, rtol=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_decode_kernel_applies_rotary_and_writes_the_cache(splits, monkeypatch):
+    batch = make_batch([(50, 1), (130, 1), (6, 1), (0, 1)], num_heads=8, num_kv_heads=2, head_size=64,
+                       dtype=torch.float16, seed=11)
+    run_rotary_and_check(batch, fused=True, monkeypatch=monkeypatch, backend=TritonAttentionBackend(decode_splits=splits))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("head_size", [80, 128])
+def test_decode_rotary_other_head_sizes_and_sliding_window(head_size, monkeypatch):
+    batch = make_batch([(70, 1), (9, 1), (64, 1)], num_heads=4, num_kv_heads=1, head_size=head_size,
+                       dtype=torch.float32, seed=12)
+    run_rotary_and_check(batch, fused=True, monkeypatch=monkeypatch, sliding_window=24,
+                         backend=TritonAttentionBackend(decode_splits=4))
+
+
+@needs_interpreter
+def test_rotary_before_the_kernels_for_prefill_and_padded_decode(monkeypatch):
+    mixed = make_batch([(40, 1), (0, 33), (17, 5)], num_heads=4, num_kv_heads=2, head_size=64,
+                       dtype=torch.float16, seed=13)
+    run_rotary_and_check(mixed, fused=False, monkeypatch=monkeypatch)
+    # decode rows beyond the sequences (padding): the separate write covers them
+    padded = make_batch([(21, 1), (5, 1)], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                        pad_tokens=2, seed=14)
+    run_rotary_and_check(padded, fused=False, monkeypatch=monkeypatch)
+
+
 @needs_interpreter
 def test_rejects_bad_sliding_window():
     batch = make_batch([(0, 3)], num_heads=2, num_kv_heads=2, head_size=64, dtype=torch.float32)

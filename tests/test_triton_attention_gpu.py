@@ -208,6 +208,48 @@ def test_decode_graph_replay_with_new_lengths():
         torch.testing.assert_close(got, reference_attention(other, scale, None), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 80])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_decode_with_rotary_in_the_kernel(dtype, head_size, splits):
+    """``rotary=(cos, sin)`` on a decode step: the kernel rotates q and the new keys and writes the cache;
+    the same as rotating with ``ops.rotary_`` first and attending (checked against float64 in ``check``)."""
+    from plinth.kernels import ops
+
+    seqs = [(n, 1) for n in (0, 15, 16, 300, 2047, 64)]
+    batch = make_batch(seqs, 32, 8, head_size, dtype, seed=head_size + (splits or 0))
+    angles = torch.rand(batch.query.shape[0], head_size // 2, device=DEVICE) * 6.3
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    rotated = dataclasses.replace(batch, query=batch.query.clone(), key=batch.key.clone(),
+                                  kv_cache=batch.kv_cache.clone(), full_k=list(batch.full_k))
+    ops.rotary_(rotated.query, rotated.key, cos, sin)
+    for s in range(len(seqs)):   # each sequence's new key is its last
+        rotated.full_k[s] = torch.cat([batch.full_k[s][:-1], rotated.key[s:s + 1]])
+    backend = TritonAttentionBackend(decode_splits=splits)
+    check(rotated, backend=backend)   # the separate kernels, against float64
+    expected_cache = rotated.kv_cache
+
+    md = batch.metadata
+    backend.prepare(md)
+    query, key = batch.query.clone(), batch.key.clone()
+    out = backend.forward(query, key, batch.value, batch.kv_cache, md, scale=head_size ** -0.5, rotary=(cos, sin))
+    assert torch.equal(query, batch.query) and torch.equal(key, batch.key)   # inputs left as they were
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), reference_attention(rotated, head_size ** -0.5, None), atol=tol, rtol=tol)
+    # the cache: the rotated keys (within one rounding of the separate kernel's) and the values at the slots,
+    # nothing else touched
+    flat, flat_expected = (c.view(2, -1, *c.shape[-2:]) for c in (batch.kv_cache, expected_cache))
+    slots = md.slot_mapping
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(flat[0][slots], flat_expected[0][slots], atol=4 * eps, rtol=2 * eps)
+    assert torch.equal(flat[1][slots], batch.value)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched].isnan(), flat_expected[:, untouched].isnan())
+    assert torch.equal(flat[:, untouched].nan_to_num(), flat_expected[:, untouched].nan_to_num())
+
+
 def test_supports_on_cuda():
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, block_size=16)
     assert TritonAttentionBackend.supports(spec, "cuda")

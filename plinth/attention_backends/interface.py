@@ -105,6 +105,10 @@ class AttentionBackend(abc.ABC):
     #: decode steps may be captured in a device graph: ``forward`` reads no host values that change
     #: between steps (only tensors, ``num_seqs``, ``num_tokens`` and the block-table width)
     graph_safe: ClassVar[bool] = False
+    #: ``forward`` also takes ``rotary=(cos, sin)`` (``[T, head_size]`` each): ``query`` and ``key`` then
+    #: arrive before their rotate-half RoPE and the backend applies it (so a decode kernel can rotate and
+    #: write the cache in the same launch); the attention layer rotates them itself for other backends
+    fuses_rotary: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

@@ -14,6 +14,7 @@ import torch
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata, AttentionSpec, Support
 from plinth.attention_backends.triton import tiles
+from plinth.kernels import ops
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _GPU_DEVICE_TYPES = ("cuda", "xpu")
@@ -80,6 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 20
     graph_safe: ClassVar[bool] = True
+    fuses_rotary: ClassVar[bool] = True
 
     def __init__(self, decode_splits: int | None = None) -> None:
         if decode_splits is not None and decode_splits < 1:
@@ -134,8 +136,14 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:           # [T, num_heads, head_size]
-        """Write the new keys/values into ``kv_cache``, then attend (see the ABC)."""
+        """Write the new keys/values into ``kv_cache``, then attend (see the ABC).
+
+        With ``rotary`` (``cos``, ``sin``) ``query`` and ``key`` arrive before their RoPE: a decode-only step
+        with one token per sequence rotates them in the decode kernel, which also writes the new keys and
+        values (one kernel instead of three); other steps rotate them in place first.
+        """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         if kv_cache.stride(-1) != 1:
@@ -143,15 +151,26 @@ class TritonAttentionBackend(AttentionBackend):
         query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
         kernels = _load_kernels()
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_size]
-        kernels.write_kv_cache.write_kv_cache_triton(key, value, k_cache, v_cache, metadata.slot_mapping)
-
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, num_heads, head_size]
-        if metadata.num_seqs == 0:
-            return out
         plan = metadata.backend_data
         if not isinstance(plan, TritonStepPlan):
             plan = self._plan(metadata)
         _, num_heads, head_size = query.shape
+        fused_rotary = None
+        if rotary is not None:
+            cos, sin = rotary
+            if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+                cos, sin = cos.contiguous(), sin.contiguous()
+            if (plan.decode_only and metadata.num_seqs == metadata.num_tokens == metadata.slot_mapping.shape[0]
+                    and cos.shape[-1] == head_size and cos.stride() == sin.stride()):
+                fused_rotary = (key, value, cos, sin, metadata.slot_mapping)
+            else:
+                ops.rotary_(query, key, cos, sin)
+        if fused_rotary is None:
+            kernels.write_kv_cache.write_kv_cache_triton(key, value, k_cache, v_cache, metadata.slot_mapping)
+
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, num_heads, head_size]
+        if metadata.num_seqs == 0:
+            return out
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
         if plan.decode_only:
@@ -163,6 +182,7 @@ class TritonAttentionBackend(AttentionBackend):
             kernels.decode.decode_attention(
                 query, k_cache, v_cache, out, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, metadata.num_seqs, scale, sliding_window, decode_tiles, num_splits,
+                rotary=fused_rotary,
             )
         else:
             prefill_tiles = tiles.prefill_tiles(head_size, group, query.dtype, self.interpret)

@@ -52,6 +52,13 @@ def _decode_split_kernel(
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False,   # the next kernel (the output projection) may start now
+    key_ptr=None,       # ROTARY: [T, num_kv_heads, head_size] the step's keys, not yet rotated
+    value_ptr=None,     # ROTARY: [T, num_kv_heads, head_size]
+    cos_ptr=None,       # ROTARY: [T, head_size] (rotate-half layout: both halves hold the same angles)
+    sin_ptr=None,
+    slot_mapping_ptr=None,   # ROTARY: [T] int64
+    stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, stride_rt=0,
+    ROTARY: tl.constexpr = False,   # rotate q and the new key here, and write the new key/value to the cache
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -71,6 +78,26 @@ def _decode_split_kernel(
         q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=g_ok[:, None] & d_ok[None, :], other=0.0,
     )                                                                        # [G, D]
+    if ROTARY:
+        # rotate-half RoPE: x[d] cos[d] - x[d + D/2] sin[d] in the first half, x[d] cos[d] + x[d - D/2] sin[d]
+        # in the second, in float32 and rounded once (as ops.rotary_)
+        half = HEAD_SIZE // 2
+        d_row_ok = offs_d < tl.where(row < num_tokens, HEAD_SIZE, 0)       # [D]: none past the batch
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)    # [D]
+        cos = tl.load(cos_ptr + row * stride_rt + offs_d, mask=d_row_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_rt + offs_d, mask=d_row_ok, other=0.0).to(tl.float32)
+        sin = tl.where(offs_d < half, -sin, sin)
+        q2 = tl.load(
+            q_ptr + row * stride_qt + head[:, None] * stride_qh + partner[None, :],
+            mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        q = (q.to(tl.float32) * cos[None, :] + q2.to(tl.float32) * sin[None, :]).to(q.dtype)
+        k_row = key_ptr + row * stride_kt + kv_head * stride_kh
+        k1 = tl.load(k_row + offs_d, mask=d_row_ok, other=0.0)
+        k2 = tl.load(k_row + partner, mask=d_row_ok, other=0.0)
+        k_new = (k1.to(tl.float32) * cos + k2.to(tl.float32) * sin).to(k1.dtype).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(value_ptr + row * stride_vt + kv_head * stride_vh + offs_d, mask=d_row_ok,
+                        other=0.0).to(v_cache_ptr.dtype.element_ty)                # [D]
 
     if SLIDING:
         kv_start = tl.maximum(seq_len - window, 0)    # the query sits at position seq_len - 1
@@ -101,6 +128,10 @@ def _decode_split_kernel(
         else:
             k = tl.load(k_base + slot_off[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
             v = tl.load(v_base + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if ROTARY:   # the step's own token is not in the cache yet: take it from the registers
+            is_new = offs_n == seq_len - 1
+            k = tl.where(is_new[None, :], k_new[:, None], k)
+            v = tl.where(is_new[:, None], v_new[None, :], v)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale          # [G, N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -109,6 +140,16 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+
+    if ROTARY:
+        # the program whose range holds the last tile writes the new key and value to their slot
+        last_tile = first_tile + num_tiles - 1
+        owner = (tile_lo <= last_tile) & (last_tile < tile_hi)
+        store_ok = d_row_ok & (offs_d < tl.where(owner, HEAD_SIZE, 0))
+        slot = tl.load(slot_mapping_ptr + tl.minimum(row, num_tokens - 1)).to(tl.int64)
+        slot_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_d
+        tl.store(k_base + slot_off, k_new, mask=store_ok)
+        tl.store(v_base + slot_off, v_new, mask=store_ok)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -177,10 +218,15 @@ def decode_attention(
     sliding_window: int | None,
     tiles: DecodeTiles,
     num_splits: int,
+    rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch split-KV decode (and the merge when ``num_splits > 1``) for one query per sequence.
 
     ``k_cache`` and ``v_cache`` must share strides (two halves of one cache tensor).
+    ``rotary``: ``(key, value, cos, sin, slot_mapping)`` with one token per sequence (``key``/``value``
+    ``[T, num_kv_heads, head_size]``, ``cos``/``sin`` ``[T, head_size]`` sharing strides): ``query`` and
+    ``key`` are taken before their rotate-half RoPE, which the kernel applies (``query`` is left as it was),
+    and the kernel writes the rotated key and the value to the cache itself.
     """
     assert k_cache.stride() == v_cache.stride()
     num_tokens, num_heads, head_size = query.shape
@@ -210,6 +256,7 @@ def decode_attention(
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LAUNCH_DEPENDENTS=early and num_splits == 1,
+        **_rotary_args(rotary),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -224,3 +271,14 @@ def decode_attention(
             LAUNCH_DEPENDENTS=early,
             num_warps=4,
         )
+
+
+def _rotary_args(rotary: tuple[torch.Tensor, ...] | None) -> dict:
+    """The split kernel's ROTARY arguments (none without ``rotary``)."""
+    if rotary is None:
+        return {}
+    key, value, cos, sin, slot_mapping = rotary
+    assert cos.stride() == sin.stride() and cos.stride(-1) == 1 and key.stride(-1) == value.stride(-1) == 1
+    return dict(key_ptr=key, value_ptr=value, cos_ptr=cos, sin_ptr=sin, slot_mapping_ptr=slot_mapping,
+                stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
+                stride_rt=cos.stride(0), ROTARY=True)

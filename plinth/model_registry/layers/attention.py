@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+from plinth.kernels import ops
+from plinth.model_registry.layers.rotary import rotate_qk
 
 
 class Attention(nn.Module):
@@ -37,11 +39,22 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``.
+
+        ``rotary``: ``(cos, sin)`` ``[T, R]`` of a rotate-half RoPE still to be applied to ``q`` and ``k``
+        (over their first ``R`` features): by the backend where it takes it, else here (in place where the
+        fused ops run).
+        """
         if self.kv_cache is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache; the model runner assigns it")
+        if rotary is not None:
+            cos, sin = rotary
+            if (self.backend.fuses_rotary and cos.shape[-1] == self.head_size and ops.fused_ops_enabled(q)):
+                return self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
+                                            sliding_window=self.sliding_window, rotary=rotary)
+            q, k = rotate_qk(q, k, cos, sin)
         return self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
                                     sliding_window=self.sliding_window)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from plinth.errors import UnsupportedModelError
+from plinth.kernels import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -143,3 +144,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` rotated: in place by the fused kernel where it runs,
+    else as new tensors (:func:`apply_rotary`)."""
+    if ops.fused_ops_enabled(q):
+        ops.rotary_(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

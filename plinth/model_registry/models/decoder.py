@@ -19,7 +19,6 @@ from torch import nn
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.distributed.communication import tp_all_reduce_add_rms_norm
 from plinth.distributed.parallel_state import pp_layer_range
-from plinth.kernels import ops
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.layers.activation import SiluAndMul
 from plinth.model_registry.layers.attention import Attention
@@ -30,7 +29,7 @@ from plinth.model_registry.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from plinth.model_registry.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from plinth.model_registry.layers.rotary import RotaryEmbedding, rope_parameters
 
 _LAYER_RE = re.compile(r"^model\.layers\.(?P<idx>\d+)\.")
 
@@ -94,11 +93,7 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if ops.fused_ops_enabled(q):
-            ops.rotary_(q, k, cos, sin)                    # in place
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v, metadata)                 # [T, Hq, D]
+        out = self.attn(q, k, v, metadata, rotary=(cos, sin))   # RoPE in the attention backend or before it
         return self.o_proj(out.reshape(t, q_size), reduce=reduce)
 
 

@@ -142,7 +142,7 @@ def slot_bytes(rows: int) -> int:
 #: shared-memory bytes per scale group a block stages (converted 128 and raw 64)
 SCALE_BYTES = 192
 _STAGES = (2, 3, 4, 6, 8, 12, 16)
-_WARPS = (1, 2, 4, 8)
+_WARPS = (1, 2, 4, 8, 16)
 @functools.cache
 def max_shared(device_index: int) -> int:
     """Bytes of shared memory one block may opt into on the device."""
