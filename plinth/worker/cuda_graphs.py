@@ -63,19 +63,20 @@ class DecodeGraphRunner:
         g, w = self.sizes[-1], max_blocks_per_seq
         self.max_size = g
 
-        def dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
+        # The static inputs are views into two device buffers, each filled from a pinned host buffer of the
+        # same layout with one copy per step: int64 rows (token ids, positions, slots, then the two rows of
+        # fed tokens: batch rows and rows of the previous output) and int32 words (sequence lengths, context
+        # lengths, then the block table, whose first `size` rows are copied).
+        self.host_vec = torch.zeros((5, g), dtype=torch.int64, pin_memory=True)
+        self.host_words = torch.zeros(2 * g + g * w, dtype=torch.int32, pin_memory=True)
+        self.dev_vec = torch.zeros((5, g), dtype=torch.int64, device=device)
+        self.dev_words = torch.zeros(2 * g + g * w, dtype=torch.int32, device=device)
         self.static = _Static(
-            input_ids=dev((g,), torch.int64), positions=dev((g,), torch.int64),
-            slot_mapping=dev((g,), torch.int64), seq_lens=dev((g,), torch.int32),
-            context_lens=dev((g,), torch.int32), query_start_loc=dev((g + 1,), torch.int32),
-            block_tables=dev((g, w), torch.int32),
+            input_ids=self.dev_vec[0], positions=self.dev_vec[1], slot_mapping=self.dev_vec[2],
+            seq_lens=self.dev_words[:g], context_lens=self.dev_words[g: 2 * g],
+            query_start_loc=torch.zeros(g + 1, dtype=torch.int32, device=device),
+            block_tables=self.dev_words[2 * g:].view(g, w),
         )
-        # Pinned host staging: one row per static buffer, packed as int64 [5, G] + int32 tables, plus
-        # two rows for fed tokens (asynchronous scheduling: batch rows, rows of the previous output).
-        self.host_vec = torch.zeros((7, g), dtype=torch.int64, pin_memory=True)
-        self.host_tables = torch.zeros((g, w), dtype=torch.int32, pin_memory=True)
         self._copied: torch.cuda.Event | None = None   # recorded after the latest copies from the host buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -159,10 +160,12 @@ class DecodeGraphRunner:
         if self._copied is not None:   # the previous step's copies may still read the host buffers
             self._copied.synchronize()
         bs = self.block_size
-        w = self.host_tables.shape[1]
+        g, w = self.host_vec.shape[1], self.static.block_tables.shape[1]
         vec = self.host_vec.numpy()
-        tables = self.host_tables.numpy()
-        tables[:size] = 0
+        words = self.host_words.numpy()
+        lens = words[: 2 * g].reshape(2, g)
+        tables = words[2 * g: 2 * g + size * w].reshape(size, w)
+        tables[:] = 0
         if isinstance(block_ids, np.ndarray):          # a zero-padded [B, W'] table: one slice copy
             n = min(block_ids.shape[1], w)
             tables[:b, :n] = block_ids[:, :n]
@@ -174,28 +177,22 @@ class DecodeGraphRunner:
         vec[0, :b] = token_ids
         vec[1, :b] = pos
         vec[2, :b] = tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
-        vec[3, :b] = pos + 1          # seq_lens
-        vec[4, :b] = pos              # context_lens
+        lens[0, :b] = pos + 1         # seq_lens
+        lens[1, :b] = pos             # context_lens
         # padding rows: one token at slot 0 of the scratch block
-        vec[0, b:size] = 0
-        vec[1, b:size] = 0
-        vec[2, b:size] = 0
-        vec[3, b:size] = 1
-        vec[4, b:size] = 0
+        vec[:3, b:size] = 0
+        lens[0, b:size] = 1
+        lens[1, b:size] = 0
         k = 0 if feed is None else len(feed.rows)
         if k:
-            vec[5, :k] = feed.rows
-            vec[6, :k] = feed.src
+            vec[3, :k] = feed.rows
+            vec[4, :k] = feed.src
         s = self.static
-        dev_vec = self.host_vec.to(self.device, non_blocking=True)   # whole pinned buffer: one async copy
-        s.input_ids[:size].copy_(dev_vec[0, :size])
+        # two copies from the pinned buffers (the block table's first `size` rows only)
+        self.dev_vec.copy_(self.host_vec, non_blocking=True)
+        self.dev_words[: 2 * g + size * w].copy_(self.host_words[: 2 * g + size * w], non_blocking=True)
         if k:
-            s.input_ids.index_copy_(0, dev_vec[5, :k], feed.tokens.index_select(0, dev_vec[6, :k]))
-        s.positions[:size].copy_(dev_vec[1, :size])
-        s.slot_mapping[:size].copy_(dev_vec[2, :size])
-        s.seq_lens[:size].copy_(dev_vec[3, :size])
-        s.context_lens[:size].copy_(dev_vec[4, :size])
-        s.block_tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+            s.input_ids.index_copy_(0, self.dev_vec[3, :k], feed.tokens.index_select(0, self.dev_vec[4, :k]))
         self._copied = torch.cuda.Event()
         self._copied.record()
         # query_start_loc is 0..size for a decode batch: constant, filled at capture
