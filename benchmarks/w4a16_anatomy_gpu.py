@@ -7,8 +7,10 @@ Each variant is the kernel's source with one edit (compiled with NVRTC like the 
 as a dependent of the one before on Hopper): ``full`` (unchanged), ``launch`` (returns at once: the cost of
 a launch in the graph), ``prologue`` (returns after staging and converting the tile's scales, with the first
 chunks' copies done), ``no_mma`` (the tensor-core instructions replaced by one add per register: the
-streaming and unpacking without the products). Outputs of the cut variants are wrong by construction; only
-``full`` is checked against the float32 product.
+streaming and unpacking without the products), and ``read``: the packed codes alone read by a plain
+kernel (16-byte loads, ordinary launches), once with the GEMV's grid (a block of 4 warps per 16-row tile)
+and once grid-stride (8 blocks per multiprocessor), the bytes' own floor in this harness. Outputs of the
+cut variants are wrong by construction; only ``full`` is checked against the float32 product.
 """
 
 from __future__ import annotations
@@ -41,12 +43,68 @@ def variants(source: str) -> dict[str, str]:
     }
 
 
+# The bytes alone: every 16-byte word of the packed codes read once (kept live by a never-taken store), by
+# one block of 4 warps per 16-row tile (the GEMV's grid) or by a grid-stride loop over the whole buffer.
+READ_SOURCE = r"""
+typedef unsigned int u32;
+struct __align__(16) Words4 { u32 x, y, z, w; };
+extern "C" __global__ void read_tiles(const Words4* __restrict__ codes, u32* __restrict__ sink, int words) {
+  const Words4* p = codes + (size_t)blockIdx.x * words;
+  u32 acc = 0;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < words; i += blockDim.x) {
+    const Words4 v = p[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;
+}
+extern "C" __global__ void read_flat(const Words4* __restrict__ codes, u32* __restrict__ sink, long long words) {
+  u32 acc = 0;
+#pragma unroll 4
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < words; i += (long long)gridDim.x * blockDim.x) {
+    const Words4 v = codes[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;
+}
+"""
+
+
+def read_times(layers: list[Any], copies: int, replays: int) -> dict[str, float]:
+    """Microseconds per weight for the two plain-read kernels (ordinary launches in the graph)."""
+    import ctypes
+
+    from skinny_gemm_gpu import graph_time
+
+    from plinth.kernels import nvrtc
+
+    index = torch.cuda.current_device()
+    tiles_fn = nvrtc.compile_function(READ_SOURCE, "read_tiles", index)
+    flat_fn = nvrtc.compile_function(READ_SOURCE, "read_flat", index)
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    sink = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    device = torch.device("cuda", index)
+    out = {}
+    for name, fn in (("read_tiles", tiles_fn), ("read_flat", flat_fn)):
+        def run(i: int, fn: int = fn, name: str = name) -> None:
+            codes = layers[i].w4m_codes
+            tiles, words = codes.shape[0], codes.numel() // 4
+            args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(sink.data_ptr())]
+            if name == "read_tiles":
+                nvrtc.launch(fn, tiles, 128, 0, device, args + [ctypes.c_int(words // tiles)], name)
+            else:
+                nvrtc.launch(fn, sms * 8, 256, 0, device, args + [ctypes.c_longlong(words)], name)
+        out[f"{name}_us"] = graph_time(run, copies, replays) * 1e3
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--copies", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--variants", default="full,launch,prologue,no_mma,read")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -78,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             rec: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "gbytes": gbytes}
             for variant, text in variants(source).items():
+                if variant not in a.variants.split(","):
+                    continue
                 path = tmp / f"{variant}.cu"
                 path.write_text(text)
                 w4a16_cuda.SOURCE = path
@@ -89,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                     ref = x.float() @ dense0.T
                     err = (kern.apply(layers[0], x, None).float() - ref).abs().max().item() / ref.abs().max().item()
                     rec["full_rel_err"], rec["full_tbs"] = err, gbytes / t
+            if "read" in a.variants.split(","):
+                rec.update(read_times(layers, a.copies, a.replays))
+                rec["codes_gbytes"] = n * k / 2 / 1e9
             print(json.dumps(rec), flush=True)
             results.append(rec)
     if a.out:
