@@ -354,3 +354,47 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
     assert [r[:3] for r in runs[0]] == [r[:3] for r in runs[1]]
     agree = sum(a == b for x, y in zip(*runs, strict=True) for a, b in zip(x, y, strict=True))
     assert agree >= 0.75 * sum(len(r) for r in runs[0])
+
+
+def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(tmp_path, monkeypatch, tiny_llama_dir):
+    """On a CPU without native bfloat16 a float32 GGUF model's Q8_0 LM head (here the tied embedding) serves
+    decode rows from the file's blocks with float32 inputs: the logits are the file's weights times the
+    rows as they are (float32 sums); longer inputs keep the float32 weight. Greedy tokens match the float32
+    head's (``PLINTH_CPU_Q8_HEAD_MAX_ROWS=0``) up to near ties."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.kernels import cpu_native
+    from plinth.platforms.cpu import platform as cpu_platform
+    from plinth.worker.cpu_path import Q8_HEAD_ROWS_ENV
+
+    if not cpu_native.q8_0_supported(torch.float32):
+        pytest.skip("the native CPU kernels are not built here")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q8_0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12]]
+    runs = []
+    for rows in ("4", "0"):
+        monkeypatch.setenv(Q8_HEAD_ROWS_ENV, rows)
+        with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4) as llm:
+            head = llm.engine.runner.model.lm_head
+            method = getattr(getattr(head, "gemm", None), "__self__", None)
+            if rows == "4":
+                assert isinstance(method, CpuLinearMethod) and method.q8_0 is not None and method.q8_0_max_rows == 4
+                w_file = torch.from_numpy(gguf.quants.dequantize(method.q8_0.numpy(), gguf.GGMLQuantizationType.Q8_0))
+                gen = torch.Generator().manual_seed(4)
+                for m in (1, 4):
+                    x = torch.randn(m, w_file.shape[1], generator=gen)
+                    got = head(x)
+                    exact = x.double() @ w_file.double().T
+                    bound = 1e-5 * (x.double().abs() @ w_file.double().abs().T)
+                    assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
+                many = torch.randn(7, w_file.shape[1], generator=gen)      # past the row limit: the float32 weight
+                assert torch.equal(head(many), F.linear(many, head.weight))
+            else:
+                assert method is None or method.q8_0 is None
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert [r[:3] for r in runs[0]] == [r[:3] for r in runs[1]]
+    agree = sum(a == b for x, y in zip(*runs, strict=True) for a, b in zip(x, y, strict=True))
+    assert agree >= 0.75 * sum(len(r) for r in runs[0])

@@ -126,6 +126,15 @@ def test_q8_0_matmul_against_gguf_dequantization(m, n, k):
     assert torch.equal(out32.to(BF16), out)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         cpu_native.q8_0_matmul(x, torch.from_numpy(blocks), n, torch.float16)
+    # float32 inputs are used as they are (a float32 model's LM head), also rows of a wider tensor
+    wide = torch.from_numpy(rng.standard_normal((m, k + 40)).astype(np.float32))
+    for xf in (wide[:, :k].contiguous(), wide[:, 40:]):
+        got = cpu_native.q8_0_matmul(xf, torch.from_numpy(blocks), n, torch.float32)
+        exact32 = xf.double() @ torch.from_numpy(w_file).double().T
+        bound = 1e-5 * (xf.double().abs() @ torch.from_numpy(w_file).double().abs().T)
+        assert got.dtype == torch.float32 and bool(((got.double() - exact32).abs() <= bound).all())
+    with pytest.raises(ValueError, match="inputs"):
+        cpu_native.q8_0_matmul(x.half(), torch.from_numpy(blocks), n, torch.float32)
 
 
 def test_prompt_logprobs_with_and_without_native_ops(tiny_llama_dir, monkeypatch):
@@ -201,9 +210,13 @@ def test_kv_write_equals_index_copy(dtype, gen):
 
 
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 -march values")
-def test_portable_build_agrees_with_the_native_build(monkeypatch, gen):
-    """``PLINTH_CPU_MARCH=x86-64-v2`` builds the kernels without AVX512 (the scalar paths other CPUs run):
-    the same results as this machine's build, up to float32 summation order."""
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
+def test_portable_build_agrees_with_the_native_build(monkeypatch, gen, march):
+    """``PLINTH_CPU_MARCH=x86-64-v2`` builds the kernels without AVX (the scalar paths other CPUs run),
+    ``x86-64-v3`` with AVX2/FMA/F16C but no AVX512 (the 8-lane Q8_0 GEMV): the same results as this
+    machine's build, up to float32 summation order."""
+    if march == "x86-64-v3" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
     from plinth.attention_backends import cpu_paged_build
     from plinth.attention_backends.cpu_paged import paged_decode
 
@@ -225,7 +238,7 @@ def test_portable_build_agrees_with_the_native_build(monkeypatch, gen):
 
     native_path = cpu_native.load_library().path
     native = outputs()
-    monkeypatch.setenv("PLINTH_CPU_MARCH", "x86-64-v2")
+    monkeypatch.setenv("PLINTH_CPU_MARCH", march)
     cpu_native.load_library.cache_clear()
     cpu_paged_build.load_kernel.cache_clear()
     try:

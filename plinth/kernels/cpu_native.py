@@ -26,7 +26,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 2
+ABI_VERSION = 3
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -36,6 +36,7 @@ _SIGNATURES = {
     "plinth_silu_mul_bf16": [_P, _I, _P, _I, _I],
     "plinth_rotary_bf16": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
     "plinth_q8_0_gemv": [_P, _I, _P, _P, _I, _I, _I, _I],
+    "plinth_q8_0_gemv_f32": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -73,6 +74,16 @@ def available(dtype: torch.dtype) -> bool:
 def enabled(x: torch.Tensor) -> bool:
     """Whether the native ops run for ``x`` (never while ``torch.compile`` traces)."""
     return x.device.type == "cpu" and not torch.compiler.is_compiling() and available(x.dtype)
+
+
+def q8_0_supported(dtype: torch.dtype) -> bool:
+    """Whether :func:`q8_0_matmul` runs for inputs of ``dtype`` (bfloat16 or float32, switch on, library built)."""
+    return dtype in (torch.bfloat16, torch.float32) and _env_enabled() and load_library().library is not None
+
+
+def q8_0_enabled(x: torch.Tensor) -> bool:
+    """Whether :func:`q8_0_matmul` runs for ``x`` (never while ``torch.compile`` traces)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and q8_0_supported(x.dtype)
 
 
 def _lib() -> ctypes.CDLL:
@@ -116,18 +127,21 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``x`` ``[M, K]`` (bfloat16, features contiguous) times a weight ``[N, K]`` stored as GGUF ``Q8_0``
-    blocks ``blocks`` (``uint8 [N, K / 32 * 34]``) -> ``[M, N]`` in ``out_dtype`` (bfloat16, or float32: the
-    float32 sums unrounded)."""
+    """``x`` ``[M, K]`` (bfloat16 or float32, features contiguous) times a weight ``[N, K]`` stored as GGUF
+    ``Q8_0`` blocks ``blocks`` (``uint8 [N, K / 32 * 34]``) -> ``[M, N]`` in ``out_dtype`` (bfloat16, or
+    float32: the float32 sums unrounded)."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the Q8_0 GEMV writes bfloat16 or float32, not {out_dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the Q8_0 GEMV takes bfloat16 or float32 inputs, not {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     assert blocks.shape == (out_features, k // Q8_0_BLOCK * Q8_0_BYTES) and blocks.is_contiguous()
     y = torch.empty((m, out_features), dtype=out_dtype)
-    _lib().plinth_q8_0_gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(),
-                            int(out_dtype == torch.float32), m, out_features, k)
+    gemv = _lib().plinth_q8_0_gemv if x.dtype == torch.bfloat16 else _lib().plinth_q8_0_gemv_f32
+    gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), int(out_dtype == torch.float32), m,
+         out_features, k)
     return y
 
 

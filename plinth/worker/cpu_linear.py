@@ -184,7 +184,7 @@ class CpuLinearMethod:
             y = cpu_native.q4_panel_matmul(x2, int4.panels)
             if bias is not None:
                 y = y + bias
-        elif 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.enabled(x2):
+        elif 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.q8_0_enabled(x2):
             # the LM head's logits as the kernel's float32 sums: bfloat16 would round them to steps of 1/8 at
             # magnitude 16-32, where greedy near-ties then break by token id
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32)
@@ -211,7 +211,7 @@ class CpuLinearMethod:
     def output_dtype(self, rows: int, dtype: torch.dtype) -> torch.dtype:
         """The dtype :meth:`matmul` returns for ``rows`` bias-free rows of ``dtype``: float32 where the Q8_0 LM
         head's GEMV takes them (its logits), else ``dtype``."""
-        if 0 < rows <= self.q8_0_max_rows and cpu_native.available(dtype):
+        if 0 < rows <= self.q8_0_max_rows and cpu_native.q8_0_supported(dtype):
             return torch.float32
         return dtype
 

@@ -173,7 +173,13 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         from plinth.worker.cpu_int4 import int4_weights_from_gguf
 
         int4 = int4_weights_from_gguf(str(source.path), model, torch.bfloat16)
-        report.update(install_cpu_linear(model, int4, int4_rows))
+        head_q8, q8_rows = None, env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
+        if q8_rows > 0 and cpu_native.q8_0_supported(torch.float32):
+            # the LM head from the file's Q8_0 blocks (a quarter of the float32 weight's bytes), float32 inputs
+            from plinth.worker.cpu_int4 import q8_0_lm_head_from_gguf
+
+            head_q8 = q8_0_lm_head_from_gguf(str(source.path), model)
+        report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
     max_num_seqs = config.scheduler.limits[0]

@@ -18,7 +18,7 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -36,7 +36,7 @@ constexpr int64_t kParallelWork = 1 << 15;   // elements below which one thread 
 // out[r] = sum over the nb blocks of one Q8_0 row of d_b * (q_b . x_r,b) for the rows = 1..kMaxRows
 // inputs x_r = x + r * k (float32); each block's codes are converted once for all rows.
 constexpr int kMaxRows = 4;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 // bytes ahead of the current block the Q8_0 GEMV prefetches (the rows are read once, in order)
 constexpr int64_t kQ8Prefetch = 1024;
 #endif
@@ -59,6 +59,33 @@ inline void q8_0_row_dot(const uint8_t* row, const float* x, int64_t k, int64_t 
     }
   }
   for (int r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // 8 lanes: the block's scale times each code first (exact in float32: 11 x 8 significant bits)
+  __m256 acc[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kQ8Prefetch, _MM_HINT_T0);
+    uint16_t dh;
+    std::memcpy(&dh, blk, sizeof(dh));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+    __m256 w[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j));
+      w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+    }
+    for (int r = 0; r < rows; ++r) {
+      const float* xb = x + r * k + b * kBlock;
+      __m256 sum = acc[r];
+      for (int j = 0; j < 4; ++j) sum = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), sum);
+      acc[r] = sum;
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    v = _mm_hadd_ps(v, v);
+    out[r] = _mm_cvtss_f32(_mm_hadd_ps(v, v));
+  }
 #else
   for (int r = 0; r < rows; ++r) {
     float lanes[kLanes] = {0.f};
@@ -298,7 +325,7 @@ inline void q8v_quantize_row(const uint16_t* x, int64_t kbs, int8_t* xq, float* 
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 2; }
+int64_t plinth_cpu_ops_abi() { return 3; }
 
 // y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))) per row, h = x (no residual) or bf16(x + residual);
 // with a residual, h is written to h_out. x/residual rows are strided, y/h_out contiguous [rows, n].
@@ -378,13 +405,12 @@ void plinth_rotary_bf16(uint16_t* q, int64_t q_tok, int64_t q_head, int64_t hq, 
 // scale d then 32 int8 values q; w = d * q. x bfloat16 (row stride x_stride); float32 accumulation (each
 // weight as d * q in float32, exact). y float32 (y_f32 = 1: the sums as they are, e.g. an LM head's logits,
 // which bfloat16 would round to steps of 1/8 at magnitude 16-32) or bfloat16 (rounded once).
-void plinth_q8_0_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* blocks, void* y, int64_t y_f32,
-                      int64_t m, int64_t n, int64_t k) {
+namespace {
+
+// the rows of plinth_q8_0_gemv on float32 inputs xs [M, K] (contiguous)
+void q8_0_gemv_rows(const float* xs, const uint8_t* blocks, void* y, int64_t y_f32, int64_t m, int64_t n,
+                    int64_t k) {
   const int64_t nb = k / 32;
-  std::vector<float> xf(static_cast<size_t>(m * k));   // the inputs in float32, converted once
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = bf2f(x[r * x_stride + i]);
-  const float* xs = xf.data();
   float* yf = static_cast<float*>(y);
   uint16_t* yb = static_cast<uint16_t*>(y);
 #pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
@@ -400,6 +426,28 @@ void plinth_q8_0_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* blocks
       }
     }
   }
+}
+
+}  // namespace
+
+void plinth_q8_0_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* blocks, void* y, int64_t y_f32,
+                      int64_t m, int64_t n, int64_t k) {
+  std::vector<float> xf(static_cast<size_t>(m * k));   // the inputs in float32, converted once
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = bf2f(x[r * x_stride + i]);
+  q8_0_gemv_rows(xf.data(), blocks, y, y_f32, m, n, k);
+}
+
+// the same for float32 inputs x (row stride x_stride), used as they are
+void plinth_q8_0_gemv_f32(const float* x, int64_t x_stride, const uint8_t* blocks, void* y, int64_t y_f32,
+                          int64_t m, int64_t n, int64_t k) {
+  std::vector<float> xf;
+  if (x_stride != k) {   // q8_0_row_dot reads rows k apart
+    xf.resize(static_cast<size_t>(m * k));
+    for (int64_t r = 0; r < m; ++r) std::memcpy(xf.data() + r * k, x + r * x_stride, sizeof(float) * k);
+    x = xf.data();
+  }
+  q8_0_gemv_rows(x, blocks, y, y_f32, m, n, k);
 }
 
 // y [M, N] = x [M, K] @ W^T for W in plinth's panel layout of 4-bit weights (built from GGUF Q4_0/Q4_1
