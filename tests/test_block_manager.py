@@ -220,6 +220,7 @@ def test_duplicate_prefix_stays_private_and_the_chain_continues():
     b.append_output_token(6)
     assert bm.allocate_slots(b, 1)               # fills b's third block: [5, 6] after a's prefix
     assert bm.is_cached(b.block_ids[2])
+    bm.begin_schedule()                         # a later step (b's decode token completed that block)
     blocks, n = bm.get_computed_blocks(make_request([1, 2, 3, 4, 5, 6, 7]))
     assert n == 6 and blocks == [a.block_ids[0], a.block_ids[1], b.block_ids[2]]
 
@@ -262,3 +263,27 @@ def test_bad_construction_is_a_value_error():
         BlockManager(1, 16)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(8, 0)
+
+
+def test_a_block_completed_by_a_one_token_query_is_reusable_from_the_next_step():
+    """In a step where every query is one token an attention backend may write the new K/V inside the
+    attention launch, so a block a decode token completes is not offered to a request admitted in the same
+    step (it would read the slot while it is written); from the next step on it is. A block completed by a
+    longer query (that step attends after writing) is offered at once, e.g. to an n > 1 sibling."""
+    bm = BlockManager(NUM_BLOCKS, BS)
+    a = make_request([1, 2, 3])
+    bm.begin_schedule()
+    assert bm.allocate_slots(a, 3)
+    a.num_computed_tokens = 3
+    a.append_output_token(4)                          # a's decode token completes its first block
+    bm.begin_schedule()
+    assert bm.allocate_slots(a, 1)
+    b = make_request([1, 2, 3, 4, 5])
+    assert bm.get_computed_blocks(b) == ([], 0)       # admitted in the same step: computes them itself
+    bm.begin_schedule()
+    assert bm.get_computed_blocks(b) == (a.block_ids[:1], BS)
+
+    c = make_request([9, 8, 7, 6, 5, 4, 3, 2, 1])     # a prefill completes two blocks
+    assert bm.allocate_slots(c, 9)
+    sibling = make_request([9, 8, 7, 6, 5, 4, 3, 2, 1])
+    assert bm.get_computed_blocks(sibling) == (c.block_ids[:2], 2 * BS)

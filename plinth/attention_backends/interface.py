@@ -107,7 +107,8 @@ class AttentionBackend(abc.ABC):
     graph_safe: ClassVar[bool] = False
     #: ``forward`` also takes ``rotary=(cos, sin)`` (``[T, head_size]`` each): ``query`` and ``key`` then
     #: arrive before their rotate-half RoPE and the backend applies it (so a decode kernel can rotate and
-    #: write the cache in the same launch); the attention layer rotates them itself for other backends
+    #: write the cache in the same launch); the attention layer rotates them itself for other backends. A
+    #: subclass that overrides ``forward`` must take ``rotary`` too, or set this back to False
     fuses_rotary: ClassVar[bool] = False
 
     @classmethod

@@ -10,7 +10,12 @@ reused, so a key names one token-for-token prefix: a hit is exact, there are no 
 to worry about (dict keys compare by equality) and a child whose parent was evicted simply
 becomes unreachable. A request's blocks are registered as soon as they are allocated for the
 step that fills them, so a request admitted later in the same step (an ``n > 1`` sibling) can
-reuse them: attention backends write a layer's new K/V for the whole batch before attending.
+reuse them: attention backends write a layer's new K/V for the whole batch before attending,
+except in a step where every query is one token, where a backend may write them inside the
+attention launch (the Triton decode kernel that applies RoPE); so a block completed by a
+one-token query is offered to other requests only from the next :meth:`BlockManager.begin_schedule`
+on (a request admitted in the same step computes those tokens itself, which also makes its
+step a prefill step).
 
 Free blocks (reference count 0) sit in one LRU list. Cached ones keep their contents and can
 be revived by a hit until a new block is needed; then the least recently used goes first.
@@ -83,6 +88,8 @@ class BlockManager:
         # Per request: the prefix id of each of its leading full blocks that is known to the cache.
         self._chains: dict[str, list[int]] = {}
         self._next_prefix_id = 0
+        # cached blocks completed by a one-token query of the step being scheduled (not reusable in it)
+        self._filling: set[int] = set()
         self.stats = PrefixCacheStats()
 
     # ---------------------------------------------------------------- queries
@@ -118,6 +125,11 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def begin_schedule(self) -> None:
+        """A new step is being scheduled: blocks completed by last step's one-token queries (now
+        written) become reusable."""
+        self._filling.clear()
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Find the longest cached prefix of ``request.all_token_ids`` in whole blocks.
 
@@ -135,7 +147,7 @@ class BlockManager:
         parent = ROOT
         for i in range((len(tokens) - 1) // bs):
             block = self._cache.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
-            if block is None:
+            if block is None or block in self._filling:
                 break
             blocks.append(block)
             parent = self._prefix_id[block]
@@ -184,7 +196,8 @@ class BlockManager:
         for _ in range(self.blocks_needed(num_total) - len(request.block_ids)):
             request.block_ids.append(self._take_free_block())
         if self.enable_prefix_caching:
-            self._register_full_blocks(request, min(num_total, request.num_tokens), chain)
+            self._register_full_blocks(request, min(num_total, request.num_tokens), chain,
+                                       filling=num_new_tokens == 1)
             if is_admission:
                 self._record_query(request, len(cached_blocks))
         return True
@@ -255,11 +268,14 @@ class BlockManager:
         key = self._key[block]
         assert key is not None
         del self._cache[key]
+        self._filling.discard(block)
         self._key[block] = None
         self._prefix_id[block] = ROOT
 
-    def _register_full_blocks(self, request: Request, num_tokens: int, chain: list[int]) -> None:
-        """Register blocks ``len(chain) .. num_tokens // block_size - 1`` of the request."""
+    def _register_full_blocks(self, request: Request, num_tokens: int, chain: list[int],
+                              filling: bool = False) -> None:
+        """Register blocks ``len(chain) .. num_tokens // block_size - 1`` of the request (``filling``:
+        completed by this step's one-token query, so not offered until the next step)."""
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(chain), num_tokens // bs):
@@ -275,6 +291,8 @@ class BlockManager:
             assert self._key[block] is None, f"block {block} is already cached"
             self._cache[key] = block
             self._key[block] = key
+            if filling:
+                self._filling.add(block)
             self._prefix_id[block] = self._next_prefix_id
             chain.append(self._next_prefix_id)
             self._next_prefix_id += 1

@@ -193,6 +193,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating blocks; advances ``num_computed_tokens``."""
         bm = self.block_manager
+        bm.begin_schedule()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         done: set[str] = set()        # request ids scheduled this step
