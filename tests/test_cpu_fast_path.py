@@ -374,6 +374,10 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(tmp_path,
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q8_0)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12]]
+    calls: list[tuple[int, torch.dtype]] = []   # (rows, input dtype) of every Q8_0 GEMV
+    real = cpu_native.q8_0_matmul
+    monkeypatch.setattr(cpu_native, "q8_0_matmul", lambda x, *a, **k: (calls.append((x.shape[0], x.dtype)),
+                                                                        real(x, *a, **k))[1])
     runs = []
     for rows in ("4", "0"):
         monkeypatch.setenv(Q8_HEAD_ROWS_ENV, rows)
@@ -386,15 +390,20 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(tmp_path,
                 gen = torch.Generator().manual_seed(4)
                 for m in (1, 4):
                     x = torch.randn(m, w_file.shape[1], generator=gen)
+                    calls.clear()
                     got = head(x)
+                    assert calls == [(m, torch.float32)]               # the file's blocks, float32 rows as they are
                     exact = x.double() @ w_file.double().T
                     bound = 1e-5 * (x.double().abs() @ w_file.double().abs().T)
                     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
                 many = torch.randn(7, w_file.shape[1], generator=gen)      # past the row limit: the float32 weight
-                assert torch.equal(head(many), F.linear(many, head.weight))
+                calls.clear()
+                assert torch.equal(head(many), F.linear(many, head.weight)) and not calls
             else:
                 assert method is None or method.q8_0 is None
+            calls.clear()
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert bool(calls) == (rows == "4")   # decode steps of 2 sequences took the Q8_0 head, or never
     assert [r[:3] for r in runs[0]] == [r[:3] for r in runs[1]]
     agree = sum(a == b for x, y in zip(*runs, strict=True) for a, b in zip(x, y, strict=True))
     assert agree >= 0.75 * sum(len(r) for r in runs[0])

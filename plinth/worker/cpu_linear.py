@@ -262,6 +262,8 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
             logger.warning("int4 copy of %s has the wrong shape; using bfloat16 only", name)
             int4 = None
         q8 = head_q8_0 if is_head and head_q8_0 is not None and head_q8_0.shape[0] == n else None
+        if int4 is None and q8 is None and not packed_linear_supported(module.weight.dtype):
+            continue   # nothing but F.linear to offer: the layer keeps its own method
         method = CpuLinearMethod(module.weight, int4, int4_max_rows, q8_0=q8, q8_0_max_rows=q8_0_max_rows,
                                  q4_panel_max_rows=q4_panel_max_rows, int8_activations=int8_activations)
         if is_linear:

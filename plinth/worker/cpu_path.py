@@ -123,15 +123,15 @@ def _free_memory() -> int:
     return CpuPlatform().free_memory()
 
 
-def _float32_int4(source: Any, dtype: torch.dtype, tp_size: int) -> bool:
-    """Whether a float32 GGUF model keeps 4-bit copies for decode rows: on CPUs without native bfloat16
-    (where float32 is the default because bfloat16 GEMMs are emulated, and torch's int4 kernel with
-    bfloat16 inputs streams a decode step's weights ~3x faster than the float32 GEMV); ``PLINTH_CPU_INT4=0``
-    turns it off."""
+def _float32_gguf(source: Any, dtype: torch.dtype, tp_size: int) -> bool:
+    """Whether a float32 GGUF model may keep the file's blocks for decode rows (4-bit layers, a Q8_0 LM head):
+    on CPUs without native bfloat16, where float32 is the default because bfloat16 GEMMs are emulated, and
+    torch's int4 kernel with bfloat16 inputs streams a decode step's weights ~3x faster than the float32
+    GEMV (``PLINTH_CPU_INT4=0`` turns the 4-bit copies off, ``PLINTH_CPU_Q8_HEAD_MAX_ROWS=0`` the head)."""
     from plinth.platforms.cpu import platform as cpu_platform
 
     return (source is not None and getattr(source, "kind", None) == "gguf" and dtype == torch.float32
-            and tp_size == 1 and env_flag(INT4_ENV, True) and not cpu_platform.has_fast_bf16())
+            and tp_size == 1 and not cpu_platform.has_fast_bf16())
 
 
 def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, Any]:
@@ -169,18 +169,24 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows, panel_rows,
                                          int8_activations=int8_act))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
-    elif _float32_int4(source, dtype, tp_size) and (int4_rows := env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS)) > 0:
-        from plinth.worker.cpu_int4 import int4_weights_from_gguf
+    elif _float32_gguf(source, dtype, tp_size):
+        # decode rows of a float32 GGUF model on a CPU without native bfloat16: the file's 4-bit blocks with
+        # inputs rounded to bfloat16, and the LM head from the file's Q8_0 blocks (a quarter of the float32
+        # weight's bytes) with the float32 rows as they are; each can be turned off alone
+        int4, head_q8 = {}, None
+        int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS) if env_flag(INT4_ENV, True) else 0
+        q8_rows = env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
+        if int4_rows > 0:
+            from plinth.worker.cpu_int4 import int4_weights_from_gguf
 
-        int4 = int4_weights_from_gguf(str(source.path), model, torch.bfloat16)
-        head_q8, q8_rows = None, env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
+            int4 = int4_weights_from_gguf(str(source.path), model, torch.bfloat16)
         if q8_rows > 0 and cpu_native.q8_0_supported(torch.float32):
-            # the LM head from the file's Q8_0 blocks (a quarter of the float32 weight's bytes), float32 inputs
             from plinth.worker.cpu_int4 import q8_0_lm_head_from_gguf
 
             head_q8 = q8_0_lm_head_from_gguf(str(source.path), model)
-        report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows))
-        report["int4_max_rows"] = int4_rows if report["int4"] else 0
+        if int4 or head_q8 is not None:
+            report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows))
+            report["int4_max_rows"] = int4_rows if report["int4"] else 0
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
     max_num_seqs = config.scheduler.limits[0]
     max_batch = min(env_int(COMPILE_BATCH_ENV, DEFAULT_COMPILE_MAX_BATCH), max_num_seqs)
