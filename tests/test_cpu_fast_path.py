@@ -315,9 +315,10 @@ def test_matmul_decode_attention_equals_sdpa(num_kv_heads, group):
 
 def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_path, monkeypatch, tiny_llama_dir):
     """On a CPU without native bfloat16 (float32 is the default there), a Q4_1 GGUF model's decode rows (up to
-    ``PLINTH_CPU_INT4_MAX_ROWS``) multiply the file's 4-bit blocks with bfloat16 inputs; longer inputs keep the
-    float32 weights. Layer outputs are the file's weights times the inputs rounded to bfloat16; greedy
-    tokens follow the float32 path's (``PLINTH_CPU_INT4=0``) except where a near tie parts them."""
+    ``PLINTH_CPU_INT4_MAX_ROWS``) multiply the file's 4-bit blocks: with the rows as they are through the
+    native float32 GEMV (AVX2/FMA), else rounded to bfloat16 through torch's int4 kernel; longer inputs keep
+    the float32 weights. Greedy tokens follow the float32 path's (``PLINTH_CPU_INT4=0``) except where a near
+    tie parts them."""
     from test_gguf import small_model, write_gguf
 
     from plinth.platforms.cpu import platform as cpu_platform
@@ -341,11 +342,17 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
                 x = torch.randn(3, w_file.shape[1], generator=torch.Generator().manual_seed(3))
                 got = method.matmul(x)
                 assert got.dtype == torch.float32
-                # the 4-bit copy on the bfloat16-rounded rows, also for a strided input
-                assert torch.equal(got, method.int4.matmul(x.bfloat16()).float())
-                assert torch.equal(method.matmul(x.t().contiguous().t()), got)
-                want = x.bfloat16().double() @ w_file.T
-                assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+                assert torch.equal(method.matmul(x.t().contiguous().t()), got)   # a strided input alike
+                if cpu_native.q4_gemv_f32_supported():
+                    # the native float32 GEMV: the file's weights times the rows as they are, float32 sums
+                    assert method.int4.gemv_f32 is not None and torch.equal(got, method.int4.gemv_f32(x))
+                    want = x.double() @ w_file.T
+                    bound = 1e-5 * (x.double().abs() @ w_file.abs().T)
+                    assert bool(((got.double() - want).abs() <= bound).all())
+                else:   # torch's int4 kernel on the bfloat16-rounded rows
+                    assert torch.equal(got, method.int4.matmul(x.bfloat16()).float())
+                    want = x.bfloat16().double() @ w_file.T
+                    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
                 many = torch.randn(9, w_file.shape[1])          # past the row limit: the float32 weight
                 assert torch.equal(method.matmul(many), F.linear(many, down.weight))
             else:

@@ -233,15 +233,24 @@ def test_portable_build_agrees_with_the_native_build(monkeypatch, gen, march):
     lens = torch.tensor([20, 9, 32, 17], dtype=torch.int32)
     starts = torch.arange(5, dtype=torch.int32)
 
+    from plinth.worker.cpu_int4 import decode_q4_blocks
+
+    q4, q4_scale, q4_zero = decode_q4_blocks(gguf.quants.quantize(
+        rng.standard_normal((40, 576)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q4_1), "Q4_1")
+    q4_panels = cpu_native.pack_q4_panels(q4, q4_scale, q4_zero - 8 * q4_scale)
+
     def outputs():
+        gemv_f32 = (cpu_native.Q4GemvF32(q4_panels)(x.float()) if cpu_native.q4_gemv_f32_supported()
+                    else None)   # the float32 GEMV where the build has AVX2/FMA/F16C
         return (ops.rms_norm(x, w, 1e-5), ops.silu_and_mul(gu), cpu_native.q8_0_matmul(x, blocks, 64),
                 cpu_native.q8_0_matmul(x.float(), blocks, 64, torch.float32),
-                paged_decode(q, cache, tables, lens, starts, 4, 0.125))
+                paged_decode(q, cache, tables, lens, starts, 4, 0.125), gemv_f32)
 
     native_path = cpu_native.load_library().path
     native = outputs()
     monkeypatch.setenv("PLINTH_CPU_MARCH", march)
     cpu_native.load_library.cache_clear()
+    cpu_native.q4_gemv_f32_supported.cache_clear()
     cpu_paged_build.load_kernel.cache_clear()
     try:
         build = cpu_native.load_library()
@@ -253,11 +262,16 @@ def test_portable_build_agrees_with_the_native_build(monkeypatch, gen, march):
         monkeypatch.undo()
         cpu_native.load_library.cache_clear()
         cpu_native.vnni_supported.cache_clear()
+        cpu_native.q4_gemv_f32_supported.cache_clear()
         cpu_paged_build.load_kernel.cache_clear()
     for a, b in zip(native[:2], portable[:2], strict=True):
         assert int(ulps(a, b).max()) <= 1
     for a, b in zip(native[2:], portable[2:], strict=True):
+        if a is None or b is None:   # the float32 GEMV: only in builds with AVX2 (x86-64-v3, most native ones)
+            assert b is None or a is not None
+            continue
         torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=1e-2)
+    assert (portable[-1] is None) == (march == "x86-64-v2")
 
 
 def test_malformed_march_is_a_build_failure_with_a_reason(monkeypatch, tmp_path):
@@ -266,6 +280,33 @@ def test_malformed_march_is_a_build_failure_with_a_reason(monkeypatch, tmp_path)
     monkeypatch.setenv("PLINTH_CPU_MARCH", "native; rm -rf /")
     build = build_and_open(cpu_native.SOURCE, "cpu_ops_test", "plinth_cpu_ops_abi", 1, "test")
     assert build.library is None and "PLINTH_CPU_MARCH" in build.reason
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 17, 96), (4, 96, 576), (7, 50, 1536), (16, 33, 128)])
+def test_q4_panel_gemv_f32_against_gguf_dequantization(qtype, m, n, k):
+    """The float32 panel GEMV (AVX2/FMA): the file's 4-bit weights (``d q + c`` in float32, not rounded) times
+    float32 rows as they are, float32 sums; column counts that are not a multiple of 16, strided rows."""
+    from plinth.worker.cpu_int4 import decode_q4_blocks
+
+    if not cpu_native.q4_gemv_f32_supported():
+        pytest.skip("the native kernels were not built with AVX2/FMA/F16C")
+    gtype = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(m * 100 + n)
+    raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, gtype)
+    w_file = torch.from_numpy(gguf.quants.dequantize(raw, gtype)).double()
+    q, scale, zero = decode_q4_blocks(raw, qtype)
+    gemv = cpu_native.Q4GemvF32(cpu_native.pack_q4_panels(q, scale, zero - 8 * scale))
+    wide = torch.from_numpy(rng.standard_normal((m, k + 8)).astype(np.float32))
+    for x in (wide[:, :k].contiguous(), wide[:, 8:]):
+        y = gemv(x)
+        want = x.double() @ w_file.T
+        bound = 1e-5 * (x.double().abs() @ w_file.abs().T) + 1e-7
+        assert y.dtype == torch.float32 and y.shape == (m, n) and bool(((y.double() - want).abs() <= bound).all())
+    with pytest.raises(ValueError, match="float32 panel GEMV"):
+        gemv(wide[:, :k].contiguous().bfloat16())
+    with pytest.raises(ValueError, match="float32 panel GEMV"):
+        gemv(torch.zeros(17, k))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])

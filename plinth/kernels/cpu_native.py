@@ -26,7 +26,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 3
+ABI_VERSION = 4
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -41,10 +41,12 @@ _SIGNATURES = {
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_q4p_gemv_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_decode_layers_bf16": [_P, _I, _P],
 }
 _RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q8v_gemm_bf16": ctypes.c_int64,
-            "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64}
+            "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
+            "plinth_decode_layers_bf16": ctypes.c_int64}
 
 
 @functools.cache
@@ -286,6 +288,49 @@ class Q4Gemv:
                              f"on {x.device}")
         y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
         self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
+        return y
+
+
+#: the most input rows the float32 panel GEMV takes
+Q4_GEMV_F32_MAX_ROWS = 16
+
+
+@functools.cache
+def q4_gemv_f32_supported() -> bool:
+    """Whether this CPU runs the float32 panel GEMV (the library was built with AVX2, FMA and F16C; native ops
+    switched on)."""
+    if not _env_enabled() or load_library().library is None:
+        return False
+    tiny = pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.zeros(16, 1), torch.zeros(16, 1))
+    y = torch.empty(1, 16)
+    return _lib().plinth_q4p_gemv_f32(torch.zeros(1, 32).data_ptr(), 32, tiny.codes.data_ptr(), tiny.scales.data_ptr(),
+                                      tiny.offsets.data_ptr(), y.data_ptr(), 1, 16, 32) == 0
+
+
+class Q4GemvF32:
+    """The float32 panel GEMV of one packed weight (AVX2/FMA): decode rows of float32 models on CPUs without
+    native bfloat16. Build it only where :func:`q4_gemv_f32_supported` is true."""
+
+    def __init__(self, panels: Q4Panels):
+        self.panels = panels                       # keeps the tensors behind the pointers alive
+        self.out_features = panels.out_features
+        self.in_features = panels.in_features
+        self._fn = _lib().plinth_q4p_gemv_f32
+        self._weights = (panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` float32 on the CPU, ``1 <= M <=`` :data:`Q4_GEMV_F32_MAX_ROWS`, features contiguous ->
+        ``[M, N]`` float32: weights ``d * q + c`` and the inputs as they are, float32 accumulation."""
+        m, k = x.shape
+        if (k != self.in_features or not 1 <= m <= Q4_GEMV_F32_MAX_ROWS or x.dtype != torch.float32
+                or not x.is_cpu or x.stride(1) != 1):
+            raise ValueError(f"the float32 panel GEMV takes CPU float32 inputs [1..{Q4_GEMV_F32_MAX_ROWS}, "
+                             f"{self.in_features}] with contiguous features; got {x.dtype} {list(x.shape)} "
+                             f"(strides {x.stride()}) on {x.device}")
+        y = torch.empty((m, self.out_features), dtype=torch.float32)
+        rc = self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
+        if rc != 0:
+            raise RuntimeError(f"the float32 panel GEMV declined ({rc}): the library lacks AVX2/FMA/F16C")
         return y
 
 

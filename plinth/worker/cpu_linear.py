@@ -59,6 +59,9 @@ class Int4Weight:
         # the native panel GEMV for bfloat16 inputs of at most Q4_GEMV_MAX_ROWS rows, where this CPU runs it
         self.gemv = (cpu_native.Q4Gemv(self.panels) if self.panels is not None and cpu_native.available(torch.bfloat16)
                      and cpu_native.q4_gemv_supported() else None)
+        # and for float32 inputs (AVX2/FMA): float32 models on CPUs without native bfloat16
+        self.gemv_f32 = (cpu_native.Q4GemvF32(self.panels) if self.panels is not None
+                         and cpu_native.q4_gemv_f32_supported() else None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:   # [M, K] -> [M, N]
         """``x`` ``[M, K]`` (features contiguous) times the weight: bfloat16 inputs of at most
@@ -194,9 +197,13 @@ class CpuLinearMethod:
                 y = y + bias
         elif (int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == torch.float32
               and int4.scale_zeros.dtype == torch.bfloat16):
-            # a float32 model on a CPU without native bfloat16: decode rows multiply the 4-bit copy with
-            # bfloat16 inputs (torch's int4 kernel), a third of the float32 GEMV's time there
-            y = int4.matmul(x2.to(torch.bfloat16, memory_format=torch.contiguous_format)).float()
+            # a float32 model on a CPU without native bfloat16: decode rows multiply the 4-bit copy, through the
+            # native float32 GEMV (AVX2/FMA, the rows as they are) or torch's int4 kernel on bfloat16-rounded
+            # rows; either streams the weights several times faster than the float32 GEMV there
+            if int4.gemv_f32 is not None and m <= cpu_native.Q4_GEMV_F32_MAX_ROWS:
+                y = int4.gemv_f32(x2 if x2.stride(1) == 1 else x2.contiguous())
+            else:
+                y = int4.matmul(x2.to(torch.bfloat16, memory_format=torch.contiguous_format)).float()
             if bias is not None:
                 y = y + bias
         elif self.packed is not None and x2.dtype == self.dtype and m > 0:

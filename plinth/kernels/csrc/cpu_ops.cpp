@@ -323,9 +323,88 @@ inline void q8v_quantize_row(const uint16_t* x, int64_t kbs, int8_t* xq, float* 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+namespace {
+
+// bytes ahead of the current codes the float32 GEMV prefetches
+constexpr int64_t kGemvF32Prefetch = 2048;
+constexpr int64_t kGemvF32MaxRows = 16;
+
+// R float32 input rows times one 16-column tile of the 4-bit panel layout (8 lanes, AVX2/FMA): per k-pair the 16
+// code bytes become the 16 columns' codes at k and at k + 1 (a byte shuffle puts parities apart, low nibbles =
+// columns 0-7, high = 8-15), multiplied with the inputs as float32; per 32-k block the sums are folded:
+// y += d * s + c * xs with xs the block's input sum (w = d q + c in float32, never rounded).
+template <int R>
+inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, const uint8_t* codes,
+                              const uint16_t* dh, const uint16_t* ch, float* y, int64_t n, int64_t col) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const __m128i parity = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    // eight independent sums per row (columns 0-7 / 8-15, k parity, even / odd k-pair): FMA latency, not
+    // throughput, bounded a single chain per column half
+    __m256 part[R][8];
+    float xs[R];
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 8; ++i) part[r][i] = _mm256_setzero_ps();
+      const float* xb = x + r * x_stride + kb * 32;
+      __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+      v = _mm_hadd_ps(v, v);
+      xs[r] = _mm_cvtss_f32(_mm_hadd_ps(v, v));
+    }
+    const uint8_t* cb = codes + kb * 16 * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 128, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 192, _MM_HINT_T0);
+    for (int64_t kp = 0; kp < 16; ++kp) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + kp * 16));
+      const __m128i lo = _mm_shuffle_epi8(_mm_and_si128(bytes, low4), parity);                      // cols 0-7: k, k+1
+      const __m128i hi = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), parity);   // cols 8-15
+      const __m256 q_lo0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      const __m256 q_lo1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      const __m256 q_hi0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      const __m256 q_hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      const int u = static_cast<int>(kp & 1) * 4;
+      for (int r = 0; r < R; ++r) {
+        const float* xk = x + r * x_stride + kb * 32 + 2 * kp;
+        const __m256 x0 = _mm256_broadcast_ss(xk), x1 = _mm256_broadcast_ss(xk + 1);
+        part[r][u] = _mm256_fmadd_ps(q_lo0, x0, part[r][u]);
+        part[r][u + 1] = _mm256_fmadd_ps(q_lo1, x1, part[r][u + 1]);
+        part[r][u + 2] = _mm256_fmadd_ps(q_hi0, x0, part[r][u + 2]);
+        part[r][u + 3] = _mm256_fmadd_ps(q_hi1, x1, part[r][u + 3]);
+      }
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16 + 8)));
+    const __m256 c0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + kb * 16)));
+    const __m256 c1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + kb * 16 + 8)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 sx = _mm256_set1_ps(xs[r]);
+      const __m256 lo = _mm256_add_ps(_mm256_add_ps(part[r][0], part[r][1]), _mm256_add_ps(part[r][4], part[r][5]));
+      const __m256 hi = _mm256_add_ps(_mm256_add_ps(part[r][2], part[r][3]), _mm256_add_ps(part[r][6], part[r][7]));
+      acc[r][0] = _mm256_fmadd_ps(d0, lo, _mm256_fmadd_ps(c0, sx, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(d1, hi, _mm256_fmadd_ps(c1, sx, acc[r][1]));
+    }
+  }
+  const int64_t cols = std::min<int64_t>(16, n - col);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    std::memcpy(y + r * n + col, out, sizeof(float) * cols);
+  }
+}
+
+}  // namespace
+#endif
+
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 3; }
+int64_t plinth_cpu_ops_abi() { return 4; }
 
 // y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))) per row, h = x (no residual) or bf16(x + residual);
 // with a residual, h is written to h_out. x/residual rows are strided, y/h_out contiguous [rows, n].
@@ -508,6 +587,39 @@ int64_t plinth_q4p_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t*
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (m < 1 || m > kGemvMaxRows) return -2;
   q4p_gemv(x, x_stride, codes, dh, ch, y, m, n, k);
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
+  return -1;
+#endif
+}
+
+
+// y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T over the panel layout of
+// plinth_q4p_gemm_bf16, for 1 <= M <= 16: the decode GEMV of float32 models on CPUs without native bfloat16.
+// w = d * q + c in float32, float32 inputs as they are, float32 accumulation. Returns 0, -1 where the library
+// was built without AVX2/FMA/F16C, -2 for M outside 1..16.
+int64_t plinth_q4p_gemv_f32(const float* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
+                            const uint16_t* ch, float* y, int64_t m, int64_t n, int64_t k) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (m < 1 || m > kGemvF32MaxRows) return -2;
+  const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
+#pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* ct = codes + t * kps * 16;
+    const uint16_t* dt = dh + t * kbs * 16;
+    const uint16_t* cht = ch + t * kbs * 16;
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {   // rows four at a time (the tile's codes stay in L1/L2)
+      const float* xr = x + r0 * x_stride;
+      float* yr = y + r0 * n;
+      switch (std::min<int64_t>(4, m - r0)) {
+        case 1: q4p_gemv_f32_tile<1>(xr, x_stride, kbs, ct, dt, cht, yr, n, t * 16); break;
+        case 2: q4p_gemv_f32_tile<2>(xr, x_stride, kbs, ct, dt, cht, yr, n, t * 16); break;
+        case 3: q4p_gemv_f32_tile<3>(xr, x_stride, kbs, ct, dt, cht, yr, n, t * 16); break;
+        default: q4p_gemv_f32_tile<4>(xr, x_stride, kbs, ct, dt, cht, yr, n, t * 16); break;
+      }
+    }
+  }
   return 0;
 #else
   (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
