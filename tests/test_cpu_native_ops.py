@@ -283,7 +283,8 @@ def test_malformed_march_is_a_build_failure_with_a_reason(monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 17, 96), (4, 96, 576), (7, 50, 1536), (16, 33, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 17, 96), (3, 17, 96), (4, 96, 576), (7, 50, 1536),
+                                   (16, 33, 128)])
 def test_q4_panel_gemv_f32_against_gguf_dequantization(qtype, m, n, k):
     """The float32 panel GEMV (AVX2/FMA): the file's 4-bit weights (``d q + c`` in float32, not rounded) times
     float32 rows as they are, float32 sums; column counts that are not a multiple of 16, strided rows."""

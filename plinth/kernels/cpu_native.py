@@ -68,6 +68,11 @@ def _env_enabled() -> bool:
     return os.environ.get(NATIVE_OPS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def native_ops_on() -> bool:
+    """``PLINTH_CPU_NATIVE_OPS`` is not switched off (checked at call time by kernels built at load time)."""
+    return _env_enabled()
+
+
 def available(dtype: torch.dtype) -> bool:
     """Whether the native ops run for CPU tensors of ``dtype`` (bfloat16, switch on, library built)."""
     return dtype == torch.bfloat16 and _env_enabled() and load_library().library is not None
@@ -302,8 +307,8 @@ def q4_gemv_f32_supported() -> bool:
     if not _env_enabled() or load_library().library is None:
         return False
     tiny = pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.zeros(16, 1), torch.zeros(16, 1))
-    y = torch.empty(1, 16)
-    return _lib().plinth_q4p_gemv_f32(torch.zeros(1, 32).data_ptr(), 32, tiny.codes.data_ptr(), tiny.scales.data_ptr(),
+    x, y = torch.zeros(1, 32), torch.empty(1, 16)
+    return _lib().plinth_q4p_gemv_f32(x.data_ptr(), 32, tiny.codes.data_ptr(), tiny.scales.data_ptr(),
                                       tiny.offsets.data_ptr(), y.data_ptr(), 1, 16, 32) == 0
 
 

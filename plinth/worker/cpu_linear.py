@@ -200,7 +200,7 @@ class CpuLinearMethod:
             # a float32 model on a CPU without native bfloat16: decode rows multiply the 4-bit copy, through the
             # native float32 GEMV (AVX2/FMA, the rows as they are) or torch's int4 kernel on bfloat16-rounded
             # rows; either streams the weights several times faster than the float32 GEMV there
-            if int4.gemv_f32 is not None and m <= cpu_native.Q4_GEMV_F32_MAX_ROWS:
+            if int4.gemv_f32 is not None and m <= cpu_native.Q4_GEMV_F32_MAX_ROWS and cpu_native.native_ops_on():
                 y = int4.gemv_f32(x2 if x2.stride(1) == 1 else x2.contiguous())
             else:
                 y = int4.matmul(x2.to(torch.bfloat16, memory_format=torch.contiguous_format)).float()
