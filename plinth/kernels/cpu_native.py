@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -275,24 +276,32 @@ class Q4Gemv:
     call and the output's allocation (a decode step makes four a layer, so wrapper time counts). Build it
     only where :func:`q4_gemv_supported` is true."""
 
+    ENTRY: ClassVar[str] = "plinth_q4p_gemv_bf16"
+    DTYPE: ClassVar[torch.dtype] = torch.bfloat16
+    MAX_ROWS: ClassVar[int] = Q4_GEMV_MAX_ROWS
+    WHAT: ClassVar[str] = "the panel GEMV"
+
     def __init__(self, panels: Q4Panels):
         self.panels = panels                       # keeps the tensors behind the pointers alive
         self.out_features = panels.out_features
         self.in_features = panels.in_features
-        self._fn = _lib().plinth_q4p_gemv_bf16
+        self._fn = getattr(_lib(), self.ENTRY)
         self._weights = (panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, K]`` bfloat16 on the CPU, ``1 <= M <=`` :data:`Q4_GEMV_MAX_ROWS`, features contiguous ->
-        ``[M, N]`` bfloat16: float32 weights ``d * q + c``, float32 accumulation, rounded to bfloat16 once."""
+        """``x`` ``[M, K]`` of :attr:`DTYPE` on the CPU, ``1 <= M <=`` :attr:`MAX_ROWS`, features contiguous ->
+        ``[M, N]`` of :attr:`DTYPE`: float32 weights ``d * q + c``, float32 accumulation (bfloat16: the inputs
+        as they are and the output rounded once)."""
         m, k = x.shape
-        if (k != self.in_features or not 1 <= m <= Q4_GEMV_MAX_ROWS or x.dtype != torch.bfloat16
+        if (k != self.in_features or not 1 <= m <= self.MAX_ROWS or x.dtype != self.DTYPE
                 or not x.is_cpu or x.stride(1) != 1):
-            raise ValueError(f"the panel GEMV takes CPU bfloat16 inputs [1..{Q4_GEMV_MAX_ROWS}, {self.in_features}] "
-                             f"with contiguous features; got {x.dtype} {list(x.shape)} (strides {x.stride()}) "
-                             f"on {x.device}")
-        y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
-        self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
+            raise ValueError(f"{self.WHAT} takes CPU {str(self.DTYPE).removeprefix('torch.')} inputs "
+                             f"[1..{self.MAX_ROWS}, {self.in_features}] with contiguous features; got {x.dtype} "
+                             f"{list(x.shape)} (strides {x.stride()}) on {x.device}")
+        y = torch.empty((m, self.out_features), dtype=self.DTYPE)
+        rc = self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
+        if rc != 0:
+            raise RuntimeError(f"{self.WHAT} declined ({rc}): the library lacks the instructions it needs")
         return y
 
 
@@ -312,31 +321,14 @@ def q4_gemv_f32_supported() -> bool:
                                       tiny.offsets.data_ptr(), y.data_ptr(), 1, 16, 32) == 0
 
 
-class Q4GemvF32:
-    """The float32 panel GEMV of one packed weight (AVX2/FMA): decode rows of float32 models on CPUs without
-    native bfloat16. Build it only where :func:`q4_gemv_f32_supported` is true."""
+class Q4GemvF32(Q4Gemv):
+    """The float32 panel GEMV (AVX2/FMA): decode rows of float32 models on CPUs without native bfloat16, the
+    inputs as they are. Build it only where :func:`q4_gemv_f32_supported` is true."""
 
-    def __init__(self, panels: Q4Panels):
-        self.panels = panels                       # keeps the tensors behind the pointers alive
-        self.out_features = panels.out_features
-        self.in_features = panels.in_features
-        self._fn = _lib().plinth_q4p_gemv_f32
-        self._weights = (panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr())
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, K]`` float32 on the CPU, ``1 <= M <=`` :data:`Q4_GEMV_F32_MAX_ROWS`, features contiguous ->
-        ``[M, N]`` float32: weights ``d * q + c`` and the inputs as they are, float32 accumulation."""
-        m, k = x.shape
-        if (k != self.in_features or not 1 <= m <= Q4_GEMV_F32_MAX_ROWS or x.dtype != torch.float32
-                or not x.is_cpu or x.stride(1) != 1):
-            raise ValueError(f"the float32 panel GEMV takes CPU float32 inputs [1..{Q4_GEMV_F32_MAX_ROWS}, "
-                             f"{self.in_features}] with contiguous features; got {x.dtype} {list(x.shape)} "
-                             f"(strides {x.stride()}) on {x.device}")
-        y = torch.empty((m, self.out_features), dtype=torch.float32)
-        rc = self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
-        if rc != 0:
-            raise RuntimeError(f"the float32 panel GEMV declined ({rc}): the library lacks AVX2/FMA/F16C")
-        return y
+    ENTRY: ClassVar[str] = "plinth_q4p_gemv_f32"
+    DTYPE: ClassVar[torch.dtype] = torch.float32
+    MAX_ROWS: ClassVar[int] = Q4_GEMV_F32_MAX_ROWS
+    WHAT: ClassVar[str] = "the float32 panel GEMV"
 
 
 class PanelWeight(ctypes.Structure):
