@@ -4,8 +4,8 @@ A ``Q4_1`` block holds 32 weights as ``w = d * q + m`` (``d``, ``m`` float16, ``
 nibbles of its 16 bytes are weights 0..15, the high nibbles 16..31); ``Q4_0`` is ``w = d * (q - 8)``.
 torch's CPU int4 GEMM computes ``w = (q - 8) * scale + zero`` per group of 32, so a block maps onto
 it exactly with ``scale = d`` and ``zero = m + 8 d`` (``Q4_0``: ``zero = 0``); only the rounding of
-scale and zero to the copy's dtype differs from the file (and, for a float32 model's bfloat16 copies, the
-rounding of the inputs to bfloat16).
+scale and zero to the copy's dtype differs from the file (and, where a float32 model's rows go to torch's
+kernel rather than the native float32 GEMV over the panels, their rounding to bfloat16).
 
 Fused layers (``qkv_proj``, ``gate_up_proj``) get their checkpoint projections stacked in the
 layer's shard order; a layer gets a copy only when every one of its projections is 4-bit.

@@ -10,8 +10,9 @@ Two kernels, chosen per call by the number of rows ``M`` of the input:
   input features with a scale and offset per group, multiplied with ``_weight_int4pack_mm_for_cpu``.
   Built from a GGUF file's own ``Q4_0``/``Q4_1`` blocks (:mod:`plinth.worker.cpu_int4`), so it holds
   the file's values (scales and offsets rounded to bfloat16); a quarter of the bytes of bfloat16. A float32
-  model on a CPU without native bfloat16 keeps bfloat16 copies too: its decode rows are rounded to
-  bfloat16 for them and the output comes back in float32.
+  model on a CPU without native bfloat16 keeps these copies too: its decode rows go through the native
+  float32 GEMV over the copy's panels (AVX2/FMA), else are rounded to bfloat16 for torch's kernel and the
+  output comes back in float32.
 
 A layer gets a :class:`CpuLinearMethod` in place of its unquantized linear method; layers of a
 quantization method are left alone.

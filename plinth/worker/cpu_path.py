@@ -5,7 +5,7 @@ The parts, each with a switch (environment variables, read at start-up):
 - ``PLINTH_CPU_PACKED`` (default on): every unquantized linear layer and the LM head multiply with
   oneDNN-prepacked weights (:mod:`plinth.worker.cpu_linear`); bit-identical to ``F.linear``.
 - ``PLINTH_CPU_INT4`` (default on for a bfloat16 model read from a GGUF file, and for a float32 one on a
-  CPU without native bfloat16, whose decode rows are then rounded to bfloat16 for it): layers whose GGUF
+  CPU without native bfloat16, whose decode rows then take the native float32 GEMV): layers whose GGUF
   tensors are ``Q4_0``/``Q4_1`` also get the file's 4-bit blocks for inputs of at most
   ``PLINTH_CPU_INT4_MAX_ROWS`` rows (default 4: decode of a few sequences), where a step is bound by
   reading the weights (:mod:`plinth.worker.cpu_int4`).
@@ -126,8 +126,8 @@ def _free_memory() -> int:
 def _float32_gguf(source: Any, dtype: torch.dtype, tp_size: int) -> bool:
     """Whether a float32 GGUF model may keep the file's blocks for decode rows (4-bit layers, a Q8_0 LM head):
     on CPUs without native bfloat16, where float32 is the default because bfloat16 GEMMs are emulated, and
-    torch's int4 kernel with bfloat16 inputs streams a decode step's weights ~3x faster than the float32
-    GEMV (``PLINTH_CPU_INT4=0`` turns the 4-bit copies off, ``PLINTH_CPU_Q8_HEAD_MAX_ROWS=0`` the head)."""
+    the 4-bit copies stream a decode step's weights several times faster than the float32 GEMV
+    (``PLINTH_CPU_INT4=0`` turns the 4-bit copies off, ``PLINTH_CPU_Q8_HEAD_MAX_ROWS=0`` the head)."""
     from plinth.platforms.cpu import platform as cpu_platform
 
     return (source is not None and getattr(source, "kind", None) == "gguf" and dtype == torch.float32
@@ -170,9 +170,9 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
                                          int8_activations=int8_act))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
     elif _float32_gguf(source, dtype, tp_size):
-        # decode rows of a float32 GGUF model on a CPU without native bfloat16: the file's 4-bit blocks with
-        # inputs rounded to bfloat16, and the LM head from the file's Q8_0 blocks (a quarter of the float32
-        # weight's bytes) with the float32 rows as they are; each can be turned off alone
+        # decode rows of a float32 GGUF model on a CPU without native bfloat16: the file's 4-bit blocks, and
+        # the LM head from the file's Q8_0 blocks (a quarter of the float32 weight's bytes), both taking the
+        # float32 rows as they are where the native kernels run; each can be turned off alone
         int4, head_q8 = {}, None
         int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS) if env_flag(INT4_ENV, True) else 0
         q8_rows = env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)

@@ -161,7 +161,7 @@ class TritonAttentionBackend(AttentionBackend):
             if cos.stride(-1) != 1 or cos.stride() != sin.stride():
                 cos, sin = cos.contiguous(), sin.contiguous()
             if (plan.decode_only and metadata.num_seqs == metadata.num_tokens == metadata.slot_mapping.shape[0]
-                    and cos.shape[-1] == head_size and cos.stride() == sin.stride()):
+                    and cos.shape[-1] == head_size):
                 fused_rotary = (key, value, cos, sin, metadata.slot_mapping)
             else:
                 ops.rotary_(query, key, cos, sin)

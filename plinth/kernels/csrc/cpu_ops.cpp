@@ -18,7 +18,12 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// 8-lane paths (the Q8_0 GEMV, the float32 panel GEMV) on CPUs with AVX2, FMA and F16C but no AVX512
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PLINTH_CPU_AVX2 1
+#endif
+
+#if defined(__AVX512F__) || defined(PLINTH_CPU_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -36,9 +41,17 @@ constexpr int64_t kParallelWork = 1 << 15;   // elements below which one thread 
 // out[r] = sum over the nb blocks of one Q8_0 row of d_b * (q_b . x_r,b) for the rows = 1..kMaxRows
 // inputs x_r = x + r * k (float32); each block's codes are converted once for all rows.
 constexpr int kMaxRows = 4;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if defined(__AVX512F__) || defined(PLINTH_CPU_AVX2)
 // bytes ahead of the current block the Q8_0 GEMV prefetches (the rows are read once, in order)
 constexpr int64_t kQ8Prefetch = 1024;
+#endif
+#if defined(PLINTH_CPU_AVX2)
+// the sum of the 8 lanes
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+}
 #endif
 inline void q8_0_row_dot(const uint8_t* row, const float* x, int64_t k, int64_t nb, int rows, float* out) {
   constexpr int64_t kBlock = 32, kBytes = 34;
@@ -59,7 +72,7 @@ inline void q8_0_row_dot(const uint8_t* row, const float* x, int64_t k, int64_t 
     }
   }
   for (int r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(PLINTH_CPU_AVX2)
   // 8 lanes: the block's scale times each code first (exact in float32: 11 x 8 significant bits)
   __m256 acc[kMaxRows];
   for (int r = 0; r < kMaxRows; ++r) acc[r] = _mm256_setzero_ps();
@@ -81,11 +94,7 @@ inline void q8_0_row_dot(const uint8_t* row, const float* x, int64_t k, int64_t 
       acc[r] = sum;
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    v = _mm_hadd_ps(v, v);
-    out[r] = _mm_cvtss_f32(_mm_hadd_ps(v, v));
-  }
+  for (int r = 0; r < rows; ++r) out[r] = hsum8(acc[r]);
 #else
   for (int r = 0; r < rows; ++r) {
     float lanes[kLanes] = {0.f};
@@ -323,7 +332,7 @@ inline void q8v_quantize_row(const uint16_t* x, int64_t kbs, int8_t* xq, float* 
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(PLINTH_CPU_AVX2)
 namespace {
 
 // bytes ahead of the current codes the float32 GEMV prefetches
@@ -349,11 +358,8 @@ inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, con
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < 8; ++i) part[r][i] = _mm256_setzero_ps();
       const float* xb = x + r * x_stride + kb * 32;
-      __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
-      __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-      v = _mm_hadd_ps(v, v);
-      xs[r] = _mm_cvtss_f32(_mm_hadd_ps(v, v));
+      xs[r] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                  _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
     }
     const uint8_t* cb = codes + kb * 16 * 16;
     _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch, _MM_HINT_T0);
@@ -601,7 +607,7 @@ int64_t plinth_q4p_gemv_bf16(const uint16_t* x, int64_t x_stride, const uint8_t*
 // was built without AVX2/FMA/F16C, -2 for M outside 1..16.
 int64_t plinth_q4p_gemv_f32(const float* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                             const uint16_t* ch, float* y, int64_t m, int64_t n, int64_t k) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(PLINTH_CPU_AVX2)
   if (m < 1 || m > kGemvF32MaxRows) return -2;
   const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
 #pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
