@@ -117,6 +117,39 @@ def test_quantized_engine_with_cuda_graphs(quantization):
     assert runs[0] == runs[1]
 
 
+@needs_fp8
+def test_fp8_engine_takes_rows_quantized_by_the_norms(monkeypatch):
+    """With ``fp8_scaled_mm`` the qkv, gate/up and down projections get their FP8 rows from the RMSNorm and
+    SiLU-and-mul kernels (eager and in CUDA graphs), and the greedy tokens are those of the kernel quantizing
+    its own input (the same bits)."""
+    from plinth import LLM, SamplingParams
+    from plinth.kernels import ops
+
+    handed = []
+    real = ScaledMMFP8Kernel.apply
+
+    def counting(self, layer, x, bias):
+        handed.append(isinstance(x, ops.QuantizedRows))
+        return real(self, layer, x, bias)
+
+    monkeypatch.setattr(ScaledMMFP8Kernel, "apply", counting)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    runs = {}
+    for hand_over, eager in ((True, True), (True, False), (False, False)):
+        if not hand_over:
+            monkeypatch.setattr(ScaledMMFP8Kernel, "input_quant", None)
+        llm = LLM("tiny-llama", load_format="dummy", quantization="fp8", dtype="bfloat16",
+                  enforce_eager=eager, max_num_seqs=8, gpu_memory_utilization=0.3)
+        handed.clear()   # (kernel selection and warm-up ran the kernel on plain inputs)
+        runs[hand_over, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if eager:   # qkv, gate/up, down of every layer and step get FP8 rows; o_proj quantizes its own
+            assert sum(handed) == 3 * handed.count(False), handed.count(False)
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[True, True] == runs[True, False] == runs[False, False]
+
+
 def test_engine_fuses_silu_into_the_int4_gate_up_kernel(monkeypatch):
     """With ``cuda_w4a16`` the MLPs' gate/up layers return ``silu(gate) * up`` for decode rows, and the
     greedy tokens follow those of the separate activation kernel (``PLINTH_W4A16_SILU=0``; the two differ by

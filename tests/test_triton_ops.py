@@ -9,6 +9,7 @@ and rotary embeddings run through the kernels against the same model on its torc
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -209,6 +210,15 @@ def test_skinny_method_routes_rows(monkeypatch):
     assert calls == [1]
 
 
+def _count_launches(monkeypatch) -> list[str]:
+    """Names of the fused ops the model calls from now on (``rms_norm``, ``silu_and_mul``, ``rotary_``)."""
+    launched: list[str] = []
+    for name in ("rms_norm", "silu_and_mul", "rotary_"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: launched.append(_name) or _real(*a, **k))
+    return launched
+
+
 @needs_interpreter
 def test_model_with_fused_ops_matches_torch_path(monkeypatch, tiny_llama_dir):
     """A whole Llama (float32, CPU) with its norms, SiLU and RoPE in the Triton kernels gives the
@@ -219,6 +229,8 @@ def test_model_with_fused_ops_matches_torch_path(monkeypatch, tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     monkeypatch.setenv("PLINTH_CPU_PACKED", "0")
 
+    launched = _count_launches(monkeypatch)
+
     def run(fused: bool):
         monkeypatch.setattr(ops, "_TRITON_DEVICE_TYPES", ("cuda", "xpu", "cpu") if fused else ("cuda", "xpu"))
         llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enforce_eager=True)
@@ -227,7 +239,10 @@ def test_model_with_fused_ops_matches_torch_path(monkeypatch, tiny_llama_dir):
         finally:
             del llm
 
-    ref, fused = run(False), run(True)
+    ref = run(False)
+    assert not launched
+    fused = run(True)
+    assert {"rms_norm", "silu_and_mul"} <= set(launched), launched      # the kernels did run
     for a, b in zip(ref, fused, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
@@ -268,3 +283,93 @@ def test_quantize_rows_matches_the_tensor_ops(k):
     torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(y, (xf / ref_scale).clamp(-FP8_MAX, FP8_MAX), rtol=1e-5, atol=1e-5)
     assert y.abs().max().item() <= FP8_MAX
+
+
+@needs_interpreter
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_quantized_rows_equal_quantize_rows(with_residual):
+    """The norm's per-row quantized output is bit for bit :func:`ops.quantize_rows` of its plain output
+    (float32 codes in the interpreter, which has no float8)."""
+    from plinth.quantization.quantizers import FP8_MAX
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 100, generator=g) * 2).to(torch.float16)
+    r = torch.randn(6, 100, generator=g).to(torch.float16)
+    w = (torch.rand(100, generator=g) + 0.5).to(torch.float16)
+    x[4] = 0.0
+    if with_residual:
+        r[4] = 0.0                                      # an all-zero row keeps a positive scale
+    res = r if with_residual else None
+    plain = ops.rms_norm(x, w, 1e-6, res)
+    quant = ops.rms_norm(x, w, 1e-6, res, quant=ops.RowQuant(torch.float32, FP8_MAX))
+    if with_residual:
+        (plain, h_plain), (quant, h_quant) = plain, quant
+        assert torch.equal(h_plain, h_quant)
+    assert isinstance(quant, ops.QuantizedRows)
+    ref_y, ref_scale = ops.quantize_rows(plain, torch.float32, FP8_MAX)
+    assert torch.equal(quant.scale, ref_scale) and torch.equal(quant.data, ref_y)
+    assert quant.scale[4].item() > 0 and quant.data.abs().max().item() == FP8_MAX
+
+
+@needs_interpreter
+@pytest.mark.parametrize("d,row_limit", [(200, None), (4100, None), (4100, 1024)],
+                         ids=["short", "one-pass", "two-pass"])
+def test_silu_and_mul_quantized_rows_equal_quantize_rows(monkeypatch, d, row_limit):
+    from plinth.quantization.quantizers import FP8_MAX
+
+    if row_limit is not None:                          # rows longer than this take two passes
+        monkeypatch.setattr(ops, "_SILU_QUANT_ROW", row_limit)
+
+    x = (torch.randn(4, 2 * d, generator=torch.Generator().manual_seed(5)) * 3).to(torch.float16)
+    x[1] = 0.0
+    quant = ops.silu_and_mul(x, quant=ops.RowQuant(torch.float32, FP8_MAX))
+    ref_y, ref_scale = ops.quantize_rows(ops.silu_and_mul(x), torch.float32, FP8_MAX)
+    assert isinstance(quant, ops.QuantizedRows)
+    assert torch.equal(quant.scale, ref_scale) and torch.equal(quant.data, ref_y)
+
+
+@needs_interpreter
+def test_fp8_model_takes_rows_quantized_by_the_norms(monkeypatch, tiny_llama_dir):
+    """A kernel asking for quantized input rows (``GemmKernel.input_quant``) gets them from the RMSNorms and
+    the SiLU-and-mul before its qkv, gate/up and down projections (three per layer and step), and the model
+    gives the tokens and log-probabilities of the same kernel quantizing its own plain input."""
+    from plinth import LLM, SamplingParams
+    from plinth.quantization.kernels.dequant import DequantFP8Kernel
+    from plinth.quantization.quantizers import FP8_MAX
+
+    real_apply = DequantFP8Kernel.apply
+    seen: list[int] = []
+
+    def apply(self, layer, x, bias):
+        if isinstance(x, ops.QuantizedRows):
+            seen.append(x.data.shape[0])
+            return real_apply(self, layer, x.data * x.scale, bias)
+        xq, scale = ops.quantize_rows(x, torch.float32, FP8_MAX)     # the same rounding, done here
+        return real_apply(self, layer, xq * scale, bias)
+
+    monkeypatch.setattr(DequantFP8Kernel, "apply", apply)
+    monkeypatch.setattr(ops, "_TRITON_DEVICE_TYPES", ("cuda", "xpu", "cpu"))
+    monkeypatch.setenv("PLINTH_CPU_PACKED", "0")
+    prompts = ["The quick brown fox", "0123"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+
+    def run(hand_over: bool):
+        monkeypatch.setattr(DequantFP8Kernel, "input_quant", ops.RowQuant(torch.float32, FP8_MAX) if hand_over
+                            else None)
+        llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enforce_eager=True, quantization="fp8")
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            del llm
+
+    layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
+    ref = run(False)
+    assert not seen
+    out = run(True)
+    steps = 1 + params.max_tokens - 1                  # one prefill and three decode steps (both prompts)
+    assert len(seen) >= 3 * layers * steps, (len(seen), layers)
+    for a, b in zip(ref, out, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            tok = next(iter(la))
+            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4

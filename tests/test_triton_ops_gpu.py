@@ -37,6 +37,26 @@ def test_silu_and_mul_bf16():
     torch.testing.assert_close(ops.silu_and_mul(x).float(), F.silu(gate) * up, atol=3e-2, rtol=1.6e-2)
 
 
+def test_rows_quantized_by_the_norm_and_activation_equal_quantize_rows():
+    """FP8 rows written by the RMSNorm and SiLU-and-mul kernels are bit for bit those of the separate
+    quantizer on their plain outputs (what the W8A8 GEMM got before)."""
+    from plinth.quantization.quantizers import FP8_MAX
+
+    fp8 = ops.RowQuant(torch.float8_e4m3fn, FP8_MAX)
+    x, r = torch.randn(300, 4096, device=CUDA, dtype=BF16) * 3, torch.randn(300, 4096, device=CUDA, dtype=BF16)
+    w = torch.rand(4096, device=CUDA, dtype=BF16) + 0.5
+    (q, h), (y, ref_h) = ops.rms_norm(x, w, 1e-5, r, quant=fp8), ops.rms_norm(x, w, 1e-5, r)
+    ref_q, ref_s = ops.quantize_rows(y, torch.float8_e4m3fn, FP8_MAX)
+    assert torch.equal(h, ref_h) and torch.equal(q.scale, ref_s)
+    assert torch.equal(q.data.view(torch.uint8), ref_q.view(torch.uint8))
+    for rows in (1, 300):
+        gu = torch.randn(rows, 2 * 14336, device=CUDA, dtype=BF16) * 2
+        q = ops.silu_and_mul(gu, quant=fp8)
+        ref_q, ref_s = ops.quantize_rows(ops.silu_and_mul(gu), torch.float8_e4m3fn, FP8_MAX)
+        assert torch.equal(q.scale, ref_s)
+        assert torch.equal(q.data.view(torch.uint8), ref_q.view(torch.uint8))
+
+
 def test_rotary_bf16_llama3_heads():
     t = 48
     qkv = torch.randn(t, (32 + 16) * 128, device=CUDA, dtype=BF16)

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import os
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,9 +47,11 @@ def _env_enabled() -> bool:
 def fused_ops_enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels run for ``x``: Triton on GPUs, the native kernels for bfloat16 on CPUs
     (:mod:`plinth.kernels.cpu_native`)."""
-    if x.device.type == "cpu":
-        return cpu_native.enabled(x) and _env_enabled()
-    return x.device.type in _TRITON_DEVICE_TYPES and triton_available() and _env_enabled()
+    if not _env_enabled():
+        return False
+    if x.device.type in _TRITON_DEVICE_TYPES:   # CPUs only where a test lists them (Triton's interpreter)
+        return triton_available()
+    return x.device.type == "cpu" and cpu_native.enabled(x)
 
 
 def _native_cpu(x: torch.Tensor) -> bool:
@@ -74,30 +77,74 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of the rows of ``x`` ``[T, H]``; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+class QuantizedRows(NamedTuple):
+    """Activations quantized per row for a W8A8 GEMM: ``data`` ``[M, K]`` (``float8_e4m3fn`` ...) with
+    ``scale`` ``[M, 1]`` float32, ``data * scale`` the values. Made by the kernel before the GEMM (an RMSNorm,
+    SiLU-and-mul) where the GEMM's kernel asks for it (:attr:`RowQuant`)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+class RowQuant(NamedTuple):
+    """How a GEMM kernel wants its input rows quantized: ``scale = max|row| / qmax``, values clamped to
+    ``[-qmax, qmax]`` and cast to ``dtype``."""
+
+    dtype: torch.dtype
+    qmax: float
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quant: RowQuant | None = None) -> Any:
+    """RMSNorm of the rows of ``x`` ``[T, H]``; with ``residual`` returns ``(norm(x + residual), x + residual)``.
+
+    With ``quant`` (Triton devices; ignored on CPUs) the normalized rows come back as :class:`QuantizedRows`,
+    equal to :func:`quantize_rows` of the unquantized output.
+    """
     if _native_cpu(x):
         return cpu_native.rms_norm(x, weight, eps, residual)
     t, n = x.shape
-    y = torch.empty_like(x)
-    h = torch.empty_like(x) if residual is not None else y
+    if quant is None:
+        y = torch.empty_like(x)
+        scale = y
+    else:
+        y = torch.empty((t, n), dtype=quant.dtype, device=x.device)
+        scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    h = torch.empty_like(x) if residual is not None else x
     r = residual if residual is not None else x
     block = _block(n)
     jit_module().rmsnorm_kernel[(t,)](
-        x, r, weight, y, h, n, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
+        x, r, weight, y, h, scale, n, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
+        quant.qmax if quant is not None else 1.0,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        LAUNCH_DEPENDENTS=launch_dependents(x),
+        LAUNCH_DEPENDENTS=launch_dependents(x), QUANT=quant is not None,
     )
-    return y if residual is None else (y, h)
+    out = y if quant is None else QuantizedRows(y, scale)
+    return out if residual is None else (out, h)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``."""
+#: the most features of a row :func:`silu_and_mul` quantizes in one pass (the row in registers); longer rows
+#: take two passes of this many features at a time
+_SILU_QUANT_ROW = 16384
+
+
+def silu_and_mul(x: torch.Tensor, quant: RowQuant | None = None) -> Any:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``; with ``quant`` (Triton devices; ignored on CPUs)
+    as :class:`QuantizedRows`, equal to :func:`quantize_rows` of the unquantized output."""
     if _native_cpu(x):
         return cpu_native.silu_and_mul(x)
     t, two_d = x.shape
     d = two_d // 2
+    if quant is not None:
+        y = torch.empty((t, d), dtype=quant.dtype, device=x.device)
+        scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+        if t:   # a row per program, in registers up to 16384 features (16 warps: 32 per lane)
+            block = min(_SILU_QUANT_ROW, _block(d))
+            jit_module().silu_mul_quant_kernel[(t,)](x, y, scale, d, x.stride(0), y.stride(0), quant.qmax,
+                                                     BLOCK=block, ONE_PASS=block >= d,
+                                                     num_warps=min(16, max(4, block // 1024)),
+                                                     LAUNCH_DEPENDENTS=launch_dependents(x))
+        return QuantizedRows(y, scale)
     y = torch.empty((t, d), dtype=x.dtype, device=x.device)
     block = min(1024, _block(d))
     jit_module().silu_mul_kernel[(t, -(-d // block))](x, y, d, x.stride(0), y.stride(0), BLOCK=block,

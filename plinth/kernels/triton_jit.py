@@ -1,7 +1,8 @@
 """Triton kernels for the small per-layer ops of a decoder and for skinny (decode) GEMMs.
 
-- ``rmsnorm_kernel``: ``h = x (+ residual)``; ``y = h * rsqrt(mean(h^2) + eps) * w`` (one row per program).
-- ``silu_mul_kernel``: ``y = silu(x[:, :d]) * x[:, d:]``.
+- ``rmsnorm_kernel``: ``h = x (+ residual)``; ``y = h * rsqrt(mean(h^2) + eps) * w`` (one row per program),
+  optionally quantized per row for the next layer's W8A8 GEMM.
+- ``silu_mul_kernel``: ``y = silu(x[:, :d]) * x[:, d:]``; ``silu_mul_quant_kernel`` writes it quantized per row.
 - ``rotary_kernel``: rotate-half RoPE of the q and k heads of one token, in place.
 - ``skinny_gemm_kernel``: ``y = x @ w.T`` for a few rows of ``x`` (decode batches), streaming each weight
   tile once for all rows.
@@ -25,10 +26,14 @@ except ImportError:  # pragma: no cover - older Triton: LAUNCH_DEPENDENTS stays 
 
 @triton.jit
 def rmsnorm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,     # x, residual (read), weight, output, new residual (write)
-    N, stride_x, stride_r, stride_y, stride_h, eps,
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, s_ptr,   # x, residual (read), weight, output, new residual (write), scales
+    N, stride_x, stride_r, stride_y, stride_h, eps, QMAX,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
+    QUANT: tl.constexpr = False,
 ):
+    """With ``QUANT`` the normalized row (rounded to the activation dtype) is written quantized per row
+    (``s = max|y| / QMAX``, ``y / s`` clamped, in ``y``'s dtype, the scale to ``s_ptr[row]``): the
+    arithmetic of ``quant_rows_kernel`` on this kernel's unquantized output."""
     if LAUNCH_DEPENDENTS:   # the next kernel (a GEMV) may start streaming its weights now
         gdc_launch_dependents()
     row = tl.program_id(0)
@@ -43,7 +48,14 @@ def rmsnorm_kernel(
     var = tl.sum(xf * xf, axis=0) / N
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + row * stride_y + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        y = (normed * w).to(x.dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / QMAX, 1e-12)
+        tl.store(s_ptr + row, scale)
+        y = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
+        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + row * stride_y + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -58,6 +70,48 @@ def silu_mul_kernel(x_ptr, y_ptr, D, stride_x, stride_y, BLOCK: tl.constexpr,
     up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_quant_kernel(x_ptr, y_ptr, s_ptr, D, stride_x, stride_y, QMAX, BLOCK: tl.constexpr,
+                          ONE_PASS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False):
+    """``silu_mul_kernel`` quantized per row, one row per program: the arithmetic of ``quant_rows_kernel``
+    on ``silu_mul_kernel``'s output (the activation rounded to the input dtype first). ``ONE_PASS``
+    (``BLOCK >= D``): the row stays in registers; otherwise two passes, the maximum then the scaled values
+    (the second rereads the row, from L2)."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = offs < D
+        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / QMAX, 1e-12)
+        tl.store(s_ptr + row, scale)
+        y = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
+        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK):
+            mask = d0 + offs < D
+            gate = tl.load(x_ptr + row * stride_x + d0 + offs, mask=mask, other=0.0)
+            up = tl.load(x_ptr + row * stride_x + D + d0 + offs, mask=mask, other=0.0)
+            g = gate.to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
+        tl.store(s_ptr + row, scale)
+        for d0 in range(0, D, BLOCK):
+            mask = d0 + offs < D
+            gate = tl.load(x_ptr + row * stride_x + d0 + offs, mask=mask, other=0.0)
+            up = tl.load(x_ptr + row * stride_x + D + d0 + offs, mask=mask, other=0.0)
+            g = gate.to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            y = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
+            tl.store(y_ptr + row * stride_y + d0 + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

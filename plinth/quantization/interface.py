@@ -254,6 +254,13 @@ class QuantizationMethod(abc.ABC):
             return None
         return self.kernel.apply_silu_mul(layer, x, bias)
 
+    def input_quant(self, layer: nn.Module) -> Any:
+        """How ``layer``'s kernel wants its input rows quantized (:attr:`GemmKernel.input_quant`), for the
+        kernel before the layer to do it; ``None``: a plain input."""
+        if self.kernel is None or type(self).apply is not QuantizationMethod.apply:
+            return None
+        return self.kernel.input_quant
+
     # -- kernels --------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -323,7 +330,10 @@ class QuantizationMethod(abc.ABC):
 
 
 def _run_kernel(kernel: GemmKernel, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``[..., K]`` -> ``[..., N]`` through ``kernel`` on ``layer``'s prepared tensors."""
+    """``x`` ``[..., K]`` (or :class:`~plinth.kernels.ops.QuantizedRows`) -> ``[..., N]`` through ``kernel``
+    on ``layer``'s prepared tensors."""
+    if not isinstance(x, torch.Tensor):   # QuantizedRows, for a kernel with input_quant
+        return kernel.apply(layer, x, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():

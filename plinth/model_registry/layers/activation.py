@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,8 +14,9 @@ from plinth.kernels import ops
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for an input of ``2d`` features (fused gate/up output)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2d] -> [T, d]
+    def forward(self, x: torch.Tensor, quant: ops.RowQuant | None = None) -> Any:  # [T, 2d] -> [T, d]
+        """``quant``: as for :meth:`RMSNorm.forward <plinth.model_registry.layers.layernorm.RMSNorm.forward>`."""
         if x.dim() == 2 and x.stride(-1) == 1 and ops.fused_ops_enabled(x):
-            return ops.silu_and_mul(x)
+            return ops.silu_and_mul(x, quant)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

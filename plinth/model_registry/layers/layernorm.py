@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -26,12 +28,14 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                quant: ops.RowQuant | None = None) -> Any:
+        """``quant``: the next GEMM takes its input quantized per row (its kernel's
+        :attr:`~plinth.quantization.kernels.interface.GemmKernel.input_quant`); the fused kernel then returns
+        :class:`~plinth.kernels.ops.QuantizedRows`, other paths the plain output."""
         if x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype and ops.fused_ops_enabled(x) and (
                 residual is None or residual.stride(-1) == 1):
-            return ops.rms_norm(x, self.weight, self.eps, residual)
+            return ops.rms_norm(x, self.weight, self.eps, residual, quant)
         if residual is None:
             return self._norm(x)
         x = x + residual

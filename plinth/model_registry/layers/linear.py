@@ -101,7 +101,16 @@ class LinearBase(nn.Module):
         (a layer marked ``feeds_silu_and_mul`` before loading, with a kernel that pairs the halves' rows);
         ``None``: run :meth:`forward`, then the activation."""
         fused = getattr(self.linear_method, "apply_silu_mul", None)
-        return fused(self, x, self.bias) if fused is not None else None
+        if fused is None or not isinstance(x, torch.Tensor):
+            return None
+        return fused(self, x, self.bias)
+
+    def input_quant(self) -> Any:
+        """How this layer's GEMM kernel wants its input rows quantized (a
+        :class:`~plinth.kernels.ops.RowQuant`), so that the kernel before the layer can hand it
+        :class:`~plinth.kernels.ops.QuantizedRows`; ``None``: a plain input."""
+        method = getattr(self.linear_method, "input_quant", None)
+        return method(self) if method is not None else None
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}"

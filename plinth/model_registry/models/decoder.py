@@ -83,11 +83,12 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: Any, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
-        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)       # ``hidden`` may be QuantizedRows (DecoderLayer.input_quant)
+        t = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -110,10 +111,14 @@ class DenseMLP(nn.Module):
         # a quantized kernel may pack gate and up rows side by side and apply the activation itself
         self.gate_up_proj.feeds_silu_and_mul = True
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # [T, H] -> [T, H]
+    def input_quant(self) -> Any:
+        """The gate/up projection's :meth:`~plinth.model_registry.layers.linear.LinearBase.input_quant`."""
+        return self.gate_up_proj.input_quant()
+
+    def forward(self, x: Any, reduce: bool = True) -> torch.Tensor:  # [T, H] -> [T, H]
         h = self.gate_up_proj.forward_silu_and_mul(x)
         if h is None:
-            h = self.act_fn(self.gate_up_proj(x))
+            h = self.act_fn(self.gate_up_proj(x), self.down_proj.input_quant())
         return self.down_proj(h, reduce=reduce)
 
 
@@ -140,22 +145,33 @@ class DecoderLayer(nn.Module):
         self.can_defer_output = (ctx.tp_size > 1 and isinstance(mlp, DenseMLP) and mlp.down_proj.bias is None)
         self.defer_output = False   # return the MLP's partial sums (set by DecoderModel)
         self.reduce_input = False   # the hidden state arrives as the previous layer's partial sums
+        self._input_quant: tuple[Any, Any] | None = None   # input_quant(), read at the first forward
+
+    def input_quant(self) -> tuple[Any, Any]:
+        """How the attention block's and the MLP's first GEMMs want their inputs quantized per row (see
+        :meth:`~plinth.model_registry.layers.linear.LinearBase.input_quant`): the norms before them then
+        write the quantized rows. Fixed once the quantization kernel is selected (before loading)."""
+        mlp = self.mlp.input_quant() if isinstance(self.mlp, DenseMLP) else None
+        return self.self_attn.qkv_proj.input_quant(), mlp
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._input_quant is None:
+            self._input_quant = self.input_quant()
+        attn_quant, mlp_quant = self._input_quant
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, quant=attn_quant)
         elif self.reduce_input:
             hidden, residual = tp_all_reduce_add_rms_norm(hidden, residual, self.input_layernorm)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quant=attn_quant)
         if self.fuse_attention_reduce:
             hidden = self.self_attn(hidden, cos, sin, metadata, reduce=False)
             hidden, residual = tp_all_reduce_add_rms_norm(hidden, residual, self.post_attention_layernorm)
         else:
             hidden = self.self_attn(hidden, cos, sin, metadata)
-            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            hidden, residual = self.post_attention_layernorm(hidden, residual, quant=mlp_quant)
         if self.defer_output:
             return self.mlp(hidden, reduce=False), residual
         return self.mlp(hidden), residual

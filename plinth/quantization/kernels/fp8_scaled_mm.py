@@ -1,7 +1,8 @@
 """W8A8 FP8 through ``torch._scaled_mm``: dynamic per-token activation scales, per-channel weight scales.
 
 Each call quantizes the activations to E4M3 with one scale per row (one fused Triton kernel on GPUs,
-:func:`plinth.kernels.ops.quantize_rows`), then runs the FP8 tensor-core
+:func:`plinth.kernels.ops.quantize_rows`; or the RMSNorm or SiLU-and-mul kernel before the layer wrote them
+so, :attr:`ScaledMMFP8Kernel.input_quant`), then runs the FP8 tensor-core
 GEMM with row-wise scales on both sides (CUDA compute capability 8.9 and newer: Ada, Hopper, ...).
 """
 
@@ -25,6 +26,7 @@ class ScaledMMFP8Kernel(GemmKernel):
 
     name: ClassVar[str] = "fp8_scaled_mm"
     priority: ClassVar[int] = 20
+    input_quant: ClassVar[ops.RowQuant] = ops.RowQuant(torch.float8_e4m3fn, FP8_MAX)
 
     @classmethod
     def supports(cls, problem: GemmProblem) -> Support:
@@ -52,7 +54,11 @@ class ScaledMMFP8Kernel(GemmKernel):
             "fp8_scale_row": weights.scale.to(torch.float32).reshape(1, -1).contiguous(),  # [1, N]
         }
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | ops.QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, ops.QuantizedRows):   # quantized by the kernel before (RMSNorm, SiLU-and-mul)
+            out = torch._scaled_mm(x.data, layer.fp8_weight_t, scale_a=x.scale, scale_b=layer.fp8_scale_row,
+                                   out_dtype=self.problem.dtype)
+            return out if bias is None else out + bias
         if ops.fused_ops_enabled(x):   # one Triton pass per row instead of eight float32 tensor ops
             xq, x_scale = ops.quantize_rows(x, torch.float8_e4m3fn, FP8_MAX)     # [M, K], [M, 1]
         else:

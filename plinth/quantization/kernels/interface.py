@@ -113,6 +113,11 @@ class GemmKernel(abc.ABC):
         activation kernel."""
         return None
 
+    #: the kernel quantizes its input rows itself as this :class:`~plinth.kernels.ops.RowQuant` (W8A8 kernels):
+    #: the layer before the GEMM (RMSNorm, SiLU-and-mul) may then hand :meth:`apply` the rows already
+    #: quantized (:class:`~plinth.kernels.ops.QuantizedRows`), saving a pass over them
+    input_quant: ClassVar[Any] = None
+
     def decode_tensors(self) -> frozenset[str] | None:
         """The prepared tensors a decode step (a few rows) reads, where the kernel keeps another layout for
         longer inputs; ``None``: all of them. Only the decode floor of benchmarks uses it."""
@@ -124,7 +129,8 @@ class GemmKernel(abc.ABC):
 
         Args:
             layer: a module holding the tensors returned by :meth:`prepare` as attributes.
-            x: ``[M, K]`` activations of ``problem.dtype``, contiguous.
+            x: ``[M, K]`` activations of ``problem.dtype``, contiguous; or, for a kernel with
+                :attr:`input_quant`, :class:`~plinth.kernels.ops.QuantizedRows`.
             bias: ``[N]`` or ``None``.
 
         Returns:
