@@ -283,6 +283,7 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     from plinth.quantization.selection import holder
 
     out = []
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     sweep = [tuple(int(v) for v in item.split("x")) for item in a.w4cuda_sweep.split(",")]
     if a.quick:
         sweep = []
@@ -304,8 +305,8 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
             ref = x.float() @ dense0.T
             scale = ref.abs().max().item()
             rec: dict[str, Any] = {"part": "w4cuda", "shape": name, "n": n, "k": k, "m": m, "gbytes": gbytes,
-                                   "cuda_default": str(launch_config(k)),
-                                   "cuda_registers": registers(True, 1 if m <= 8 else 2, launch_config(k)[1])}
+                                   "cuda_default": str(launch_config(k, n, m, sms)),
+                                   "cuda_registers": registers(True, 1 if m <= 8 else 2, launch_config(k, n, m, sms)[1])}
             for key, kern in kernels.items():
                 err = (kern.apply(layers[key][0], x, None).float() - ref).abs().max().item() / scale
                 t = graph_time(lambda i: kern.apply(layers[key][i], x, None), a.copies, a.replays)
@@ -319,6 +320,7 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
                 except Exception as exc:  # noqa: BLE001 - a launch that does not build is skipped
                     print(f"  skip {warps},{stages}: {type(exc).__name__}: {str(exc)[-300:]}")
                     continue
+                rec[f"cuda_{warps}x{stages}_us"] = t * 1e3
                 if best is None or t < best[0]:
                     best = (t, f"{warps},{stages}")
             os.environ.pop("PLINTH_W4A16_CUDA", None)

@@ -11,10 +11,11 @@ streaming and unpacking without the products), and ``read``: the packed codes al
 kernel (16-byte loads, ordinary launches), once with the GEMV's grid (a block of 4 warps per 16-row tile)
 and once grid-stride (8 blocks per multiprocessor), the bytes' own floor in this harness. Outputs of the
 cut variants are wrong by construction; only ``full`` is checked against the float32 product.
-``chunk_major`` is not a cut: the codes stored chunk-major (chunk c of every tile side by side) and the kernel's
-two address lines changed to match, so that blocks at the same chunk read one contiguous stretch (as the
-grid-stride read does) instead of N/16 regions a tile apart; it must give the kernel's own bits
-(``chunk_major_equal``).
+``baseline`` (with ``--baseline FILE``) is another version of the kernel's source (the one before a change),
+timed in the same process for an A/B; ``--baseline-slot A,B`` gives its ring slot size, ``A + B * rows``
+bytes, where it differs from the current kernel's. Its result is checked against the float32 product too.
+
+    python benchmarks/w4a16_anatomy_gpu.py --rows 1,4 --variants full,baseline --baseline old.cu --baseline-slot 512,128
 """
 
 from __future__ import annotations
@@ -36,28 +37,14 @@ _START = "extern __shared__ __align__(16) unsigned char shared[];"
 _LOOP = "  const u32 magic = BF16 ? 0x43004300u : 0x64006400u;"
 
 
-# chunk-major codes: chunk c of every tile side by side ([K/64][N/16][32 lanes][4 words]), so that blocks
-# working on the same chunk index read one contiguous stretch instead of N/16 regions a tile apart
-_TILE_MAJOR = ("codes + ((size_t)tile * chunks + warp) * 32 + lane", "const size_t code_step = (size_t)warps * 512;")
-_CHUNK_MAJOR = ("codes + ((size_t)warp * gridDim.x + tile) * 32 + lane",
-                "const size_t code_step = (size_t)warps * gridDim.x * 512;")
-
-
-def chunk_major(codes: torch.Tensor) -> torch.Tensor:
-    """The tile-major packed codes ``[N/16, K/64, 32, 4]`` stored chunk-major (viewed with the same shape,
-    so the launcher's checks pass)."""
-    return codes.transpose(0, 1).contiguous().view(codes.shape)
-
-
 def variants(source: str) -> dict[str, str]:
-    for anchor in (_MMA, _START, _LOOP, *_TILE_MAJOR):
+    for anchor in (_MMA, _START, _LOOP):
         assert source.count(anchor) == 1, f"the kernel source changed: {anchor!r}"
     return {
         "full": source,
         "launch": source.replace(_START, _START + "\n  if (K >= 0) return;"),
         "prologue": source.replace(_LOOP, "  wait_copies<0>();\n  if (K >= 0) return;\n" + _LOOP),
         "no_mma": source.replace(_MMA, _NO_MMA),
-        "chunk_major": source.replace(_TILE_MAJOR[0], _CHUNK_MAJOR[0]).replace(_TILE_MAJOR[1], _CHUNK_MAJOR[1]),
     }
 
 
@@ -122,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--copies", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--variants", default="full,launch,prologue,no_mma,chunk_major,read")
+    p.add_argument("--variants", default="full,launch,prologue,no_mma,read")
+    p.add_argument("--baseline", default=None, help="another kernel source, timed as the variant 'baseline'")
+    p.add_argument("--baseline-slot", default=None, help="A,B: the baseline's ring slot is A + B * rows bytes")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -134,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from plinth.quantization.selection import holder
 
     source = w4a16_cuda.SOURCE.read_text()
+    slot_bytes = w4a16_cuda.slot_bytes
     tmp = Path(tempfile.mkdtemp())
     results: list[dict[str, Any]] = []
     for name in a.shapes.split(","):
@@ -141,22 +131,22 @@ def main(argv: list[str] | None = None) -> int:
         problem = GemmProblem("int", torch.bfloat16, "cuda", capability=torch.cuda.get_device_capability(),
                               bits=4, group_size=128, shapes=((n, k),))
         kern = w4a16_cuda.CudaW4A16Kernel(problem)
-        layers, cm_layers, dense0 = [], [], None
+        layers, dense0 = [], None
         for c in range(a.copies):
             gen = torch.Generator(device="cuda").manual_seed(c)
             w = random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=torch.device("cuda"),
                                    generator=gen)
-            state = kern.prepare(w)
-            layers.append(holder(state))
-            if "chunk_major" in a.variants.split(","):
-                cm_layers.append(holder({**state, "w4m_codes": chunk_major(state["w4m_codes"])}))
+            layers.append(holder(kern.prepare(w)))
             if c == 0:
                 dense0 = w.dequantize(torch.float32)
         gbytes = (n * k / 2 + n * (k // 128) * 4) / 1e9
         for m in (int(r) for r in a.rows.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             rec: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "gbytes": gbytes}
-            for variant, text in variants(source).items():
+            sources = variants(source)
+            if a.baseline:
+                sources["baseline"] = Path(a.baseline).read_text()
+            for variant, text in sources.items():
                 if variant not in a.variants.split(","):
                     continue
                 path = tmp / f"{variant}.cu"
@@ -164,20 +154,18 @@ def main(argv: list[str] | None = None) -> int:
                 w4a16_cuda.SOURCE = path
                 w4a16_cuda.compiled.cache_clear()
                 w4a16_cuda.plan.cache_clear()
-                held = cm_layers if variant == "chunk_major" else layers
-                t = graph_time(lambda i: kern.apply(held[i], x, None), a.copies, a.replays)  # noqa: B023
+                if variant == "baseline" and a.baseline_slot:
+                    fixed, per_row = (int(v) for v in a.baseline_slot.split(","))
+                    w4a16_cuda.slot_bytes = lambda rows, f=fixed, r=per_row: f + r * rows
+                else:
+                    w4a16_cuda.slot_bytes = slot_bytes
+                t = graph_time(lambda i: kern.apply(layers[i], x, None), a.copies, a.replays)  # noqa: B023
                 rec[f"{variant}_us"] = t * 1e3
-                if variant == "chunk_major":   # the same sums in the same order: the same bits as the kernel's
-                    got = kern.apply(held[0], x, None)
-                    (tmp / "full.cu").write_text(source)
-                    w4a16_cuda.SOURCE = tmp / "full.cu"
-                    w4a16_cuda.compiled.cache_clear()
-                    w4a16_cuda.plan.cache_clear()
-                    rec["chunk_major_equal"] = bool(torch.equal(got, kern.apply(layers[0], x, None)))
-                if variant == "full":
+                if variant in ("full", "baseline"):
                     ref = x.float() @ dense0.T
                     err = (kern.apply(layers[0], x, None).float() - ref).abs().max().item() / ref.abs().max().item()
-                    rec["full_rel_err"], rec["full_tbs"] = err, gbytes / t
+                    rec[f"{variant}_rel_err"], rec[f"{variant}_tbs"] = err, gbytes / t
+            w4a16_cuda.slot_bytes = slot_bytes
             if "read" in a.variants.split(","):
                 rec.update(read_times(layers, a.copies, a.replays))
                 rec["codes_gbytes"] = n * k / 2 / 1e9

@@ -329,6 +329,16 @@ def test_silu_and_mul_quantized_rows_equal_quantize_rows(monkeypatch, d, row_lim
 
 
 @needs_interpreter
+def test_integer_row_quantization_is_refused():
+    """The kernels' cast truncates toward zero: integer codes would be biased, so they are refused."""
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="floating point"):
+        ops.rms_norm(x, torch.ones(64), 1e-6, quant=ops.RowQuant(torch.int8, 127.0))
+    with pytest.raises(ValueError, match="floating point"):
+        ops.silu_and_mul(x, quant=ops.RowQuant(torch.int8, 127.0))
+
+
+@needs_interpreter
 def test_fp8_model_takes_rows_quantized_by_the_norms(monkeypatch, tiny_llama_dir):
     """A kernel asking for quantized input rows (``GemmKernel.input_quant``) gets them from the RMSNorms and
     the SiLU-and-mul before its qkv, gate/up and down projections (three per layer and step), and the model

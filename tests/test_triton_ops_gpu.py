@@ -49,8 +49,11 @@ def test_rows_quantized_by_the_norm_and_activation_equal_quantize_rows():
     ref_q, ref_s = ops.quantize_rows(y, torch.float8_e4m3fn, FP8_MAX)
     assert torch.equal(h, ref_h) and torch.equal(q.scale, ref_s)
     assert torch.equal(q.data.view(torch.uint8), ref_q.view(torch.uint8))
-    for rows in (1, 300):
-        gu = torch.randn(rows, 2 * 14336, device=CUDA, dtype=BF16) * 2
+    q = ops.rms_norm(x, w, 1e-5, quant=fp8)                # a first layer's norm: no residual
+    ref_q, ref_s = ops.quantize_rows(ops.rms_norm(x, w, 1e-5), torch.float8_e4m3fn, FP8_MAX)
+    assert torch.equal(q.scale, ref_s) and torch.equal(q.data.view(torch.uint8), ref_q.view(torch.uint8))
+    for rows, d in ((1, 14336), (300, 14336), (7, 28672)):   # 28672 features: the two-pass kernel
+        gu = torch.randn(rows, 2 * d, device=CUDA, dtype=BF16) * 2
         q = ops.silu_and_mul(gu, quant=fp8)
         ref_q, ref_s = ops.quantize_rows(ops.silu_and_mul(gu), torch.float8_e4m3fn, FP8_MAX)
         assert torch.equal(q.scale, ref_s)

@@ -71,6 +71,20 @@ def test_other_group_sizes(group):
     assert _relative(out, x.float() @ weights.dequantize(torch.float32).T) < 1e-2
 
 
+@pytest.mark.parametrize("k", [192, 4160])
+@pytest.mark.parametrize("rows", [1, 13])
+def test_odd_chunk_counts(k, rows):
+    """Warps take the 64-feature chunks in pairs: K with an odd number of chunks ends with a pair of one
+    (and at K = 192 some of the four warps have no pair at all)."""
+    n = 256
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    weights = quantize_int_rtn(torch.randn(n, k, generator=gen, device=CUDA) * 0.02, 4, 64)
+    x = torch.randn(rows, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    out = mma_decode(x, pack_mma_codes(weights.q), pack_mma_scales(weights.scales, weights.zeros), n)
+    exact = x.double() @ weights.dequantize(torch.float64).T
+    assert _relative(out, exact) < 5e-3
+
+
 @pytest.mark.parametrize("launch", ["1,2", "2,3", "4,8", "8,4", "8,12", "8,16"])
 def test_launch_configurations_agree(layers, launch, monkeypatch):
     weights = layers["down"]

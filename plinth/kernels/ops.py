@@ -47,11 +47,9 @@ def _env_enabled() -> bool:
 def fused_ops_enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels run for ``x``: Triton on GPUs, the native kernels for bfloat16 on CPUs
     (:mod:`plinth.kernels.cpu_native`)."""
-    if not _env_enabled():
-        return False
     if x.device.type in _TRITON_DEVICE_TYPES:   # CPUs only where a test lists them (Triton's interpreter)
-        return triton_available()
-    return x.device.type == "cpu" and cpu_native.enabled(x)
+        return triton_available() and _env_enabled()
+    return x.device.type == "cpu" and cpu_native.enabled(x) and _env_enabled()
 
 
 def _native_cpu(x: torch.Tensor) -> bool:
@@ -88,10 +86,17 @@ class QuantizedRows(NamedTuple):
 
 class RowQuant(NamedTuple):
     """How a GEMM kernel wants its input rows quantized: ``scale = max|row| / qmax``, values clamped to
-    ``[-qmax, qmax]`` and cast to ``dtype``."""
+    ``[-qmax, qmax]`` and cast to ``dtype``, a floating-point type (``float8_e4m3fn``: the cast rounds to
+    nearest; a cast to an integer type would truncate, so integer codes are refused)."""
 
     dtype: torch.dtype
     qmax: float
+
+
+def _check_quant(quant: RowQuant) -> None:
+    if not quant.dtype.is_floating_point:
+        raise ValueError(f"rows quantized by the norm or activation kernels must be floating point (float8), "
+                         f"not {quant.dtype}: the kernels' cast would truncate integer codes")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -104,6 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if _native_cpu(x):
         return cpu_native.rms_norm(x, weight, eps, residual)
     t, n = x.shape
+    if quant is not None:
+        _check_quant(quant)
     if quant is None:
         y = torch.empty_like(x)
         scale = y
@@ -136,6 +143,7 @@ def silu_and_mul(x: torch.Tensor, quant: RowQuant | None = None) -> Any:
     t, two_d = x.shape
     d = two_d // 2
     if quant is not None:
+        _check_quant(quant)
         y = torch.empty((t, d), dtype=quant.dtype, device=x.device)
         scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
         if t:   # a row per program, in registers up to 16384 features (16 warps: 32 per lane)

@@ -333,6 +333,8 @@ def _run_kernel(kernel: GemmKernel, layer: nn.Module, x: torch.Tensor, bias: tor
     """``x`` ``[..., K]`` (or :class:`~plinth.kernels.ops.QuantizedRows`) -> ``[..., N]`` through ``kernel``
     on ``layer``'s prepared tensors."""
     if not isinstance(x, torch.Tensor):   # QuantizedRows, for a kernel with input_quant
+        if kernel.input_quant is None:
+            raise TypeError(f"{kernel.name} takes plain activations, not {type(x).__name__}")
         return kernel.apply(layer, x, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])

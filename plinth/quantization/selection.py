@@ -105,6 +105,7 @@ class GemmCandidates:
 
     def max_error(self, cls: Any, reference_cls: Any) -> float:
         """The kernel's largest error against the reference, relative to the output's magnitude; for a kernel
+        that takes rows quantized before it (``input_quant``, on Triton devices) also on such rows, and for one
         that fuses SiLU-and-mul (``silu_pairs``) also that of its fused output against the reference's."""
         if self._ref is None or self._ref[0] is not reference_cls:
             weights, x = self._check_case()
@@ -112,6 +113,14 @@ class GemmCandidates:
         _cls, ref, weights, x = self._ref
         out = self._run(cls, weights, x)
         error = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        quant = getattr(cls, "input_quant", None)
+        if quant is not None and self.device.type in ("cuda", "xpu"):   # the rows a norm hands over
+            from plinth.kernels import ops
+
+            kernel = cls(self.problem)
+            handed = kernel.apply(holder(kernel.prepare(weights)), ops.QuantizedRows(
+                *ops.quantize_rows(x, quant.dtype, quant.qmax)), None).to(torch.float32)
+            error = max(error, float((handed - ref).abs().max() / ref.abs().max().clamp(min=1e-6)))
         if getattr(cls, "silu_pairs", False) and ref.shape[1] % 2 == 0:
             kernel = cls(self.problem)
             fused = kernel.apply_silu_mul(holder(kernel.prepare(weights, silu_pairs=True)), x, None)

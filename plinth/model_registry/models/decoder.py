@@ -110,6 +110,7 @@ class DenseMLP(nn.Module):
         self.act_fn = SiluAndMul()
         # a quantized kernel may pack gate and up rows side by side and apply the activation itself
         self.gate_up_proj.feeds_silu_and_mul = True
+        self._down_quant: tuple[Any] | None = None   # (down_proj.input_quant(),), read at the first forward
 
     def input_quant(self) -> Any:
         """The gate/up projection's :meth:`~plinth.model_registry.layers.linear.LinearBase.input_quant`."""
@@ -118,7 +119,9 @@ class DenseMLP(nn.Module):
     def forward(self, x: Any, reduce: bool = True) -> torch.Tensor:  # [T, H] -> [T, H]
         h = self.gate_up_proj.forward_silu_and_mul(x)
         if h is None:
-            h = self.act_fn(self.gate_up_proj(x), self.down_proj.input_quant())
+            if self._down_quant is None:
+                self._down_quant = (self.down_proj.input_quant(),)
+            h = self.act_fn(self.gate_up_proj(x), self._down_quant[0])
         return self.down_proj(h, reduce=reduce)
 
 

@@ -165,13 +165,18 @@ def registers(bf16: bool, nb: int, stages: int) -> int:
     return nvrtc.get_attribute(compiled(bf16, nb, stages, torch.cuda.current_device()), nvrtc.NUM_REGS)
 
 
-def launch_config(k: int) -> tuple[int, int]:
-    """``(warps per block, ring slots per warp)``: four warps with four slots each, eight warps for long
-    rows (K > 8192; each tile has more chunks to share). Swept on an H200 at Llama-3-8B's shapes
-    (``benchmarks/skinny_gemm_gpu.py --parts w4cuda``); ``PLINTH_W4A16_CUDA="WARPS,STAGES"`` overrides."""
+def launch_config(k: int, n: int = 0, m: int = 1, sms: int = 0) -> tuple[int, int]:
+    """``(warps per block, ring slots per warp)`` for ``[m, k] @ [n, k].T`` on a GPU with ``sms``
+    multiprocessors: four slots per warp; eight warps (a tile's chunks shared by more warps) for long rows
+    (K > 8192), for fewer 16-row tiles than two per multiprocessor, and for 3-8 rows; four otherwise.
+    Swept on an H200 at Llama-3-8B's shapes (``benchmarks/skinny_gemm_gpu.py --parts w4cuda --rows
+    1,2,4,8,16 --w4cuda-sweep 4x4,8x4,...``: o at one row 6.22 us with eight warps against 6.62 with four;
+    gate/up at four rows 28.7 against 30.8, qkv 8.60 against 9.95; at two and sixteen rows four warps won
+    for qkv and gate/up). ``PLINTH_W4A16_CUDA="WARPS,STAGES"`` overrides."""
     forced = _override(_ENV, 2, 1)
     if forced is None:
-        return (8, 4) if k > 8192 else (4, 4)
+        few_tiles = sms > 0 and n // 16 < 2 * sms
+        return (8, 4) if k > 8192 or few_tiles or 3 <= m <= 8 else (4, 4)
     warps, stages = forced
     if warps not in _WARPS or stages not in _STAGES:
         raise ValueError(f"{_ENV}={os.environ[_ENV]!r}: expected WARPS ({', '.join(map(str, _WARPS))}),"
@@ -208,7 +213,8 @@ def plan(m: int, n: int, k: int, groups: int, bf16: bool, device_index: int, for
     if shift is None:
         raise ValueError(f"scale groups of {k // groups} features are not a power-of-two number of "
                          f"{CHUNK}-feature chunks")
-    warps, stages = fit_shared(*launch_config(k), m, groups, max_shared(device_index))
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    warps, stages = fit_shared(*launch_config(k, n, m, sms), m, groups, max_shared(device_index))
     shared = SCALE_BYTES * groups + warps * stages * slot_bytes(m)
     if shared > max_shared(device_index):
         raise ValueError(f"{groups} scale groups need more shared memory than the GPU has for one block")
