@@ -12,7 +12,9 @@ Switches: ``native`` = everything ``PLINTH_CPU_NATIVE_OPS`` covers (the fused sm
 the 4-bit panel GEMM), both sides through the module tree (the decode plan calls the native ops directly, so
 it is off for this A/B); ``plan`` = the decode plan (the runner's ``graphs``) against the module tree;
 ``int8`` = the GEMMs with 8-bit inputs (``PLINTH_CPU_INT8_ACT=1``, the engine built with it) against the
-default GEMMs of the same layers (4-bit panels, bfloat16 LM head), decode plan on for both.
+default GEMMs of the same layers (4-bit panels, bfloat16 LM head), decode plan on for both; ``layer_ops`` =
+the native RMSNorm, SiLU-and-mul and RoPE for float32 models (CPUs without native bfloat16, where the default
+model runs in float32) against the torch code of those layers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--toggle", choices=("native", "plan", "int8"), required=True)
+    p.add_argument("--toggle", choices=("native", "plan", "int8", "layer_ops"), required=True)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=15)
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.toggle == "native":
         engine.runner.graphs = None
+    layer_ops = cpu_native.layer_ops_enabled
     steps(5)   # prefill and warm-up
     times: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(a.rounds):
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.toggle == "native":
                 os.environ[cpu_native.NATIVE_OPS_ENV] = "1" if side == "on" else "0"
                 cpu_native._env_enabled.cache_clear()
+            elif a.toggle == "layer_ops":
+                cpu_native.layer_ops_enabled = layer_ops if side == "on" else cpu_native.enabled
             elif a.toggle == "int8":
                 for method, panels in vnni.items():
                     method.vnni = panels if side == "on" else None

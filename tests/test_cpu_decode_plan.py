@@ -107,11 +107,61 @@ def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch)
     assert len({tuple(t) for t in with_plan}) > 2
 
 
-def test_models_it_does_not_serve_run_the_modules(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, attention_backend="cpu_paged") as fp32:
-        assert fp32.engine.runner.graphs is None            # the native ops are bfloat16 only
+def test_models_it_does_not_serve_run_the_modules(tiny_llama_dir, monkeypatch):
     with LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4, attention_backend="torch_batched") as other:
         assert other.engine.runner.graphs is None           # the plan calls the cpu_paged kernel
+    monkeypatch.setenv("PLINTH_CPU_NATIVE_OPS", "0")
+    cpu_native._env_enabled.cache_clear()
+    try:
+        with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, attention_backend="cpu_paged") as fp32:
+            assert fp32.engine.runner.graphs is None        # no native ops: the modules' torch code
+    finally:
+        cpu_native._env_enabled.cache_clear()
+
+
+def test_float32_model_plan_equals_the_module_path(tiny_llama_dir):
+    """float32 models (the default on CPUs without native bfloat16) run the plan too: the native float32
+    RMSNorm, RoPE and SiLU-and-mul, the float32 attention kernel, the layers' own GEMMs."""
+    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, attention_backend="cpu_paged") as llm:
+        plan = llm.engine.runner.graphs
+        assert isinstance(plan, CpuDecodePlan) and plan.dtype == torch.float32
+        assert plan.fused_layers is None                    # no 4-bit copies: the plan's Python loop
+        for n in (1, 3, 6):
+            _plan_equals_modules(llm, n, "f")
+
+
+def test_float32_gguf_plan_runs_every_layer_natively(tmp_path_factory, monkeypatch, tiny_llama_dir):
+    """A float32 Q4_1 GGUF model on a CPU without native bfloat16 keeps 4-bit copies that take float32 rows
+    (the native float32 GEMV): steps of up to the layers' row limit run every layer in one native call
+    (``plinth_decode_layers_f32``), bit-identical to the module path, as is the plan's Python loop."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.platforms.cpu import platform as cpu_platform
+
+    if not cpu_native.q4_gemv_f32_supported():
+        pytest.skip("the float32 panel GEMV needs AVX2/FMA/F16C")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
+    tmp = tmp_path_factory.mktemp("q4plan32")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp / "cache"))
+    path = write_gguf(tmp / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
+    calls = []
+    real = cpu_native.decode_layers
+    monkeypatch.setattr(cpu_native, "decode_layers", lambda *a: (calls.append(a[1].rows), real(*a))[1])
+    with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4,
+             attention_backend="cpu_paged") as llm:
+        plan = llm.engine.runner.graphs
+        assert isinstance(plan, CpuDecodePlan) and plan.dtype == torch.float32
+        assert plan.fused_layers is not None and plan.fused_max_rows == 4    # PLINTH_CPU_INT4_MAX_ROWS
+        small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * i)] for i in range(6)]
+        for n in (1, 3, 4, 6):    # past the row limit the layers take the float32 weights (the plan's loop)
+            _plan_equals_modules(llm, n, "g", small_vocab)
+        assert sorted(set(calls)) == [1, 3, 4], calls
+        fused, plan.fused_layers = plan.fused_layers, None
+        try:
+            for n in (1, 3):
+                _plan_equals_modules(llm, n, "h", small_vocab)
+        finally:
+            plan.fused_layers = fused
 
 
 def test_run_declines_batches_it_does_not_take(llm):

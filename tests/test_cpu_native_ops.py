@@ -43,9 +43,51 @@ def gen():
     return torch.Generator().manual_seed(0)
 
 
-def test_fused_ops_take_cpu_bfloat16_only():
+def test_fused_ops_take_cpu_bfloat16_and_float32():
     assert ops.fused_ops_enabled(torch.zeros(2, 4, dtype=BF16))
-    assert not ops.fused_ops_enabled(torch.zeros(2, 4, dtype=torch.float32))
+    assert ops.fused_ops_enabled(torch.zeros(2, 4, dtype=torch.float32))
+    assert not ops.fused_ops_enabled(torch.zeros(2, 4, dtype=torch.float16))
+    assert not cpu_native.enabled(torch.zeros(2, 4, dtype=torch.float32))   # the GEMMs stay bfloat16-only
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_float32_layer_ops_against_float64(with_residual, gen):
+    """float32 models: RMSNorm, SiLU-and-mul and RoPE in one native call each, within float32 rounding of
+    float64 math and of the torch code the layers run otherwise."""
+    n, rows = 576, 5
+    norm = RMSNorm(n, eps=1e-5)
+    norm.weight.copy_(torch.randn(n, generator=gen) * 0.2 + 1)
+    x = torch.randn(rows, n + 8, generator=gen)[:, 3:n + 3]                 # strided rows
+    residual = torch.randn(rows, n, generator=gen) if with_residual else None
+    out = norm(x, residual)
+    if residual is not None:
+        out, h = out
+        assert torch.equal(h, x + residual)
+    h64 = (x + residual).double() if residual is not None else x.double()
+    exact = h64 / h64.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * norm.weight.double()
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+    ref = norm._norm(x + residual if residual is not None else x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+    gu = torch.randn(rows, 2 * 1536, generator=gen) * 4
+    act = SiluAndMul()(gu)
+    g64, u64 = gu.double().chunk(2, dim=-1)
+    torch.testing.assert_close(act.double(), g64 * torch.sigmoid(g64) * u64, atol=1e-5, rtol=1e-5)
+
+    tokens, hq, hk, d = 3, 9, 3, 64
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=gen)
+    q, k = qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d: (hq + hk) * d].view(tokens, hk, d)
+    pos = torch.randint(0, 4096, (tokens,), generator=gen).double()
+    freqs = pos[:, None] * (1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    q64, q_ref = q.double(), apply_rotary(q, cos, sin)
+    ops.rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    x1, x2 = q64[..., : d // 2], q64[..., d // 2:]
+    c, s = cos.double()[:, None, : d // 2], sin.double()[:, None, : d // 2]
+    torch.testing.assert_close(q.double(), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1), atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 576), (7, 100), (64, 2048)])

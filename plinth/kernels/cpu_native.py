@@ -1,11 +1,12 @@
-"""Native fused ops for bfloat16 models on CPUs (``csrc/cpu_ops.cpp``), called through ctypes.
+"""Native fused ops for bfloat16 (and float32) models on CPUs (``csrc/cpu_ops.cpp``), called through ctypes.
 
 On a CPU a decode step of a small model is dominated by per-op overhead: an RMSNorm in torch is
 nine tensor ops (~17 us for one 576-feature row), a rotary embedding a dozen. The native kernels do
 each in one call of a few microseconds, reproducing the reference code's bfloat16 rounding steps
 (see the C++ file). :func:`enabled` says whether a tensor takes them: a CPU bfloat16 tensor, the
 library built (the system C++ compiler, at first use, cached like the paged-attention kernel), not
-inside ``torch.compile`` tracing, and ``PLINTH_CPU_NATIVE_OPS`` not ``0``. The GEMV of GGUF
+inside ``torch.compile`` tracing, and ``PLINTH_CPU_NATIVE_OPS`` not ``0``; the per-layer ops (RMSNorm,
+SiLU-and-mul, RoPE) also take float32 tensors (:func:`layer_ops_enabled`). The GEMV of GGUF
 ``Q8_0`` weights serves the LM head of GGUF models for a few rows (:mod:`plinth.worker.cpu_linear`).
 """
 
@@ -27,7 +28,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 4
+ABI_VERSION = 5
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -36,6 +37,9 @@ _SIGNATURES = {
     "plinth_rms_norm_bf16": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _D],
     "plinth_silu_mul_bf16": [_P, _I, _P, _I, _I],
     "plinth_rotary_bf16": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
+    "plinth_rms_norm_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _D],
+    "plinth_silu_mul_f32": [_P, _I, _P, _I, _I],
+    "plinth_rotary_f32": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
     "plinth_q8_0_gemv": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_q8_0_gemv_f32": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
@@ -44,10 +48,11 @@ _SIGNATURES = {
     "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_decode_layers_bf16": [_P, _I, _P],
+    "plinth_decode_layers_f32": [_P, _I, _P],
 }
 _RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
-            "plinth_decode_layers_bf16": ctypes.c_int64}
+            "plinth_decode_layers_bf16": ctypes.c_int64, "plinth_decode_layers_f32": ctypes.c_int64}
 
 
 @functools.cache
@@ -84,6 +89,14 @@ def enabled(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not torch.compiler.is_compiling() and available(x.dtype)
 
 
+def layer_ops_enabled(x: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm`, :func:`silu_and_mul` and :func:`rotary_` run for ``x``: as :func:`enabled`,
+    for float32 tensors too (float32 models: the torch code's chain of tensor ops in one call, without
+    intermediate roundings)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and _env_enabled()
+            and not torch.compiler.is_compiling() and load_library().library is not None)
+
+
 def q8_0_supported(dtype: torch.dtype) -> bool:
     """Whether :func:`q8_0_matmul` runs for inputs of ``dtype`` (bfloat16 or float32, switch on, library built)."""
     return dtype in (torch.bfloat16, torch.float32) and _env_enabled() and load_library().library is not None
@@ -100,15 +113,22 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def _op(name: str, x: torch.Tensor) -> ctypes._CFuncPtr:
+    """The ``_bf16`` or ``_f32`` entry point of op ``name`` for ``x``'s dtype."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the native {name} takes bfloat16 or float32 tensors, not {x.dtype}")
+    return getattr(_lib(), f"plinth_{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f32'}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of the rows of ``x`` ``[T, H]`` (features contiguous); with ``residual`` returns
-    ``(norm(x + residual), x + residual)``."""
+    """RMSNorm of the rows of ``x`` ``[T, H]`` (bfloat16 or float32, features contiguous); with ``residual``
+    returns ``(norm(x + residual), x + residual)``."""
     t, n = x.shape
-    weight = weight.to(torch.bfloat16).contiguous()
+    weight = weight.to(x.dtype).contiguous()
     y = torch.empty((t, n), dtype=x.dtype)
     h = torch.empty((t, n), dtype=x.dtype) if residual is not None else None
-    _lib().plinth_rms_norm_bf16(
+    _op("rms_norm", x)(
         x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
         residual.stride(0) if residual is not None else 0, weight.data_ptr(), y.data_ptr(),
         h.data_ptr() if h is not None else None, t, n, eps)
@@ -116,20 +136,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]`` (features contiguous) -> ``[T, d]``."""
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]`` (bfloat16 or float32, features contiguous) ->
+    ``[T, d]``."""
     t, two_d = x.shape
     d = two_d // 2
     y = torch.empty((t, d), dtype=x.dtype)
-    _lib().plinth_silu_mul_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), t, d)
+    _op("silu_mul", x)(x.data_ptr(), x.stride(0), y.data_ptr(), t, d)
     return y
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half RoPE of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in place with ``cos``/``sin``
-    ``[T, R]`` (bfloat16); features ``R..D`` are left as they are."""
+    ``[T, R]`` (bfloat16 or float32, as ``q``); features ``R..D`` are left as they are."""
     t, hq, _ = q.shape
     cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
-    _lib().plinth_rotary_bf16(q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0), k.stride(1),
+    _op("rotary", q)(q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0), k.stride(1),
                               k.shape[1], cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, cos.shape[-1])
 
 
@@ -361,14 +382,17 @@ class DecodeStep(ctypes.Structure):
                 ("attention", _P)]
 
 
-def decode_layers(layers: ctypes.Array, step: DecodeStep) -> None:
-    """Run every layer of a decode step natively (``plinth_decode_layers_bf16``): the caller owns every pointer's
-    memory and keeps it alive. Raises RuntimeError where the kernel declines (no AVX512-BF16, rows outside
-    ``1..`` :data:`Q4_GEMV_MAX_ROWS`)."""
-    rc = _lib().plinth_decode_layers_bf16(ctypes.addressof(layers), len(layers), ctypes.byref(step))
+def decode_layers(layers: ctypes.Array, step: DecodeStep, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Run every layer of a decode step natively (``plinth_decode_layers_bf16``, or ``_f32`` for a float32
+    model): the caller owns every pointer's memory and keeps it alive. Raises RuntimeError where the kernel
+    declines (bfloat16 without AVX512-BF16, float32 without AVX2/FMA/F16C, rows outside ``1..16``)."""
+    f32 = dtype == torch.float32
+    entry = _lib().plinth_decode_layers_f32 if f32 else _lib().plinth_decode_layers_bf16
+    rc = entry(ctypes.addressof(layers), len(layers), ctypes.byref(step))
     if rc != 0:
+        need = "AVX2/FMA/F16C" if f32 else "AVX512-BF16"
         raise RuntimeError(f"the native decode step declined ({rc}: "
-                           f"{'no AVX512-BF16' if rc == -1 else f'{step.rows} rows'})")
+                           f"{f'no {need}' if rc == -1 else f'{step.rows} rows'})")
 
 
 @dataclasses.dataclass

@@ -45,11 +45,11 @@ def _env_enabled() -> bool:
 
 
 def fused_ops_enabled(x: torch.Tensor) -> bool:
-    """Whether the fused kernels run for ``x``: Triton on GPUs, the native kernels for bfloat16 on CPUs
-    (:mod:`plinth.kernels.cpu_native`)."""
+    """Whether the fused kernels run for ``x``: Triton on GPUs, the native kernels for bfloat16 and float32
+    on CPUs (:mod:`plinth.kernels.cpu_native`)."""
     if x.device.type in _TRITON_DEVICE_TYPES:   # CPUs only where a test lists them (Triton's interpreter)
         return triton_available() and _env_enabled()
-    return x.device.type == "cpu" and cpu_native.enabled(x) and _env_enabled()
+    return x.device.type == "cpu" and cpu_native.layer_ops_enabled(x) and _env_enabled()
 
 
 def _native_cpu(x: torch.Tensor) -> bool:

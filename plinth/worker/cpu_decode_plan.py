@@ -8,7 +8,8 @@ the same kernels in the same order — the layers' own GEMM methods, the native 
 resolved once at start-up, so a step's results are bit-identical to the module path's and its Python
 cost is a loop over layers.
 
-It serves what the module path would run with those kernels: a bfloat16 model built from
+It serves what the module path would run with those kernels: a bfloat16 model (or a float32 one: the
+default GGUF model on CPUs without native bfloat16) built from
 :class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (dense SiLU MLP, no
 q/k norm, any biases and sliding windows), one process (no tensor or pipeline parallelism), the
 ``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
@@ -64,6 +65,17 @@ def _int4_copy(layer: torch.nn.Module) -> Int4Weight | None:
     return kernel_for(1, layer.weight.dtype)
 
 
+def _f32_rows(layer: torch.nn.Module) -> int:
+    """The most float32 rows the layer's method sends to its 4-bit copy's float32 GEMV (0: none, or a bias)."""
+    rows = getattr(layer.linear_method, "gemv_f32_max_rows", None)
+    return rows() if rows is not None and layer.bias is None else 0
+
+
+def _f32_copy(layer: torch.nn.Module) -> Int4Weight | None:
+    """The 4-bit copy whose float32 GEMV the layer's method runs one float32 row on, or None."""
+    return layer.linear_method.int4 if _f32_rows(layer) > 0 else None
+
+
 def _matmul(lay: _Layer, name: str, x: torch.Tensor) -> torch.Tensor:
     """``lay.<name>(x)``; one contiguous row goes straight to the layer's 4-bit copy where it has one."""
     copy = lay.int4_copies.get(name) if x.shape[0] == 1 else None
@@ -107,8 +119,11 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
     inner = model.model
     if model.lm_head is None or inner.embed_tokens is None or inner.norm is None or inner.embed_tokens.tp_size != 1:
         return "pipeline or tensor parallelism"
-    if inner.embed_tokens.weight.dtype != torch.bfloat16 or not cpu_native.enabled(inner.embed_tokens.weight):
-        return "not a bfloat16 model with the native CPU ops"
+    embed = inner.embed_tokens.weight
+    dtype = embed.dtype
+    if not ((dtype == torch.bfloat16 and cpu_native.enabled(embed))
+            or (dtype == torch.float32 and cpu_native.layer_ops_enabled(embed))):
+        return "not a bfloat16 or float32 model with the native CPU ops"
     for layer in inner.layers:
         if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn, DecoderAttention):
             return f"layer {type(layer).__name__} is not a standard decoder layer"
@@ -120,10 +135,12 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         if attn.qkv_proj.tp_size != 1 or attn.attn.kv_cache is None:
             return "tensor parallelism, or no KV cache"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if norm.weight.dtype != torch.bfloat16:
-                return "norm weights are not bfloat16"
-    if inner.norm.weight.dtype != torch.bfloat16:
-        return "norm weights are not bfloat16"
+            if norm.weight.dtype != dtype:
+                return f"norm weights are not {dtype}"
+        if attn.attn.kv_cache.dtype != dtype:
+            return f"the KV cache is not {dtype}"
+    if inner.norm.weight.dtype != dtype:
+        return f"norm weights are not {dtype}"
     return ""
 
 
@@ -132,24 +149,26 @@ class _Native:
     the checks, conversions and allocations of the Python wrappers (a few microseconds per call, ten calls
     a layer, which at one sequence is a tenth of the step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         from plinth.attention_backends.cpu_paged_build import load_kernel
 
         lib = cpu_native.load_library().library
         attn = load_kernel().library
         assert lib is not None and attn is not None
-        self.rms_norm = lib.plinth_rms_norm_bf16
-        self.silu_mul = lib.plinth_silu_mul_bf16
-        self.rotary = lib.plinth_rotary_bf16
+        suffix = "bf16" if dtype == torch.bfloat16 else "f32"
+        self.rms_norm = getattr(lib, f"plinth_rms_norm_{suffix}")
+        self.silu_mul = getattr(lib, f"plinth_silu_mul_{suffix}")
+        self.rotary = getattr(lib, f"plinth_rotary_{suffix}")
         self.kv_write = lib.plinth_kv_write
         self.decode = attn.plinth_cpu_paged_decode
+        self.dtype_code = 1 if dtype == torch.bfloat16 else 0   # the attention entry point's dtype argument
 
 
 @dataclasses.dataclass
 class _Buffers:
     """Per batch size: the normed activations and the attention output, reused by every layer and step."""
 
-    normed: torch.Tensor     # [B, H] bfloat16
+    normed: torch.Tensor     # [B, H] in the model's dtype
     attn: torch.Tensor       # [B, Hq * D]
     fused: _FusedBuffers | None = None
 
@@ -179,6 +198,7 @@ class CpuDecodePlan:
         self.block_size = block_size
         self.max_size = max_size
         self.embed = inner.embed_tokens.weight
+        self.dtype = self.embed.dtype
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight
         self.final_eps = inner.norm.eps
@@ -195,31 +215,37 @@ class CpuDecodePlan:
                     name: copy for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))
                     if (copy := _int4_copy(proj)) is not None}))
-        self.native = _Native()
+        self.native = _Native(self.dtype)
         self._buffers: dict[int, _Buffers] = {}
         #: every layer's GEMMs on 4-bit panels with the native GEMV: batches of up to fused_max_rows (the rows
         #: the layers' methods send to the GEMV) run all layers in one native call (the same kernels in the same
         #: order: bit-identical)
+        projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                       for layer in inner.layers]
+        if self.dtype == torch.float32:   # float32 rows the layers' methods send to the float32 GEMV
+            self._gemv_copies = [[_f32_copy(proj) for proj in projs] for projs in projections]
+            self.fused_max_rows = min((_f32_rows(proj) for projs in projections for proj in projs), default=0)
+        else:
+            self._gemv_copies = [[lay.int4_copies.get(name) for name in ("qkv", "o", "gate_up", "down")]
+                                 for lay in self.layers]
+            self.fused_max_rows = min((min(getattr(proj.linear_method, "gemv_max_rows", 0), cpu_native.Q4_GEMV_MAX_ROWS)
+                                       for projs in projections for proj in projs), default=0)
         self.fused_layers = self._fused_layers() if fused else None
-        self.fused_max_rows = min((min(getattr(proj.linear_method, "gemv_max_rows", 0), cpu_native.Q4_GEMV_MAX_ROWS)
-                                   for layer in inner.layers
-                                   for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)), default=0)
 
     def _fused_layers(self) -> ctypes.Array | None:
         """The layers' argument blocks for :func:`cpu_native.decode_layers`, or None where a layer lacks a
-        4-bit copy with the native GEMV for one of its four GEMMs (or its cache is not bfloat16)."""
+        4-bit copy with the native GEMV (bfloat16, or float32 for a float32 model) for one of its four GEMMs."""
         specs = []
         first = self.layers[0]
-        for lay in self.layers:
-            copies = [lay.int4_copies.get(name) for name in ("qkv", "o", "gate_up", "down")]
-            if any(c is None or c.gemv is None for c in copies) or lay.kv_cache.dtype != torch.bfloat16:
+        first_copies = self._gemv_copies[0]
+        for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
+            if any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies) \
+                    or lay.kv_cache.dtype != self.dtype:
                 return None
             # the step's buffers are sized once, from the first layer: every layer must have its shapes
             if ((lay.num_heads, lay.num_kv_heads, lay.head_size) != (first.num_heads, first.num_kv_heads,
                                                                      first.head_size)
-                    or [c.out_features for c in copies] != [first.int4_copies[name].out_features
-                                                            for name in ("qkv", "o", "gate_up", "down")]):
+                    or [c.out_features for c in copies] != [c.out_features for c in first_copies]):
                 return None
             cache = lay.kv_cache
             specs.append(cpu_native.DecodeLayer(
@@ -230,9 +256,9 @@ class CpuDecodePlan:
 
     def _fused_buffers(self, bufs: _Buffers, b: int) -> _FusedBuffers:
         if bufs.fused is None:
-            lay, width = self.layers[0], self.embed.shape[1]
-            qkv_n, gate_up_n = lay.int4_copies["qkv"].out_features, lay.int4_copies["gate_up"].out_features
-            tensors = [torch.empty((b, n), dtype=torch.bfloat16)
+            width = self.embed.shape[1]
+            qkv_n, gate_up_n = self._gemv_copies[0][0].out_features, self._gemv_copies[0][2].out_features
+            tensors = [torch.empty((b, n), dtype=self.dtype)
                        for n in (qkv_n, width, gate_up_n, gate_up_n // 2, width, width)]
             qkv, o, gate_up, act, down, out = tensors
             step = cpu_native.DecodeStep(
@@ -249,8 +275,8 @@ class CpuDecodePlan:
         if bufs is None:
             lay = self.layers[0]
             bufs = self._buffers[b] = _Buffers(
-                normed=torch.empty((b, self.embed.shape[1]), dtype=torch.bfloat16),
-                attn=torch.empty((b, lay.num_heads * lay.head_size), dtype=torch.bfloat16))
+                normed=torch.empty((b, self.embed.shape[1]), dtype=self.dtype),
+                attn=torch.empty((b, lay.num_heads * lay.head_size), dtype=self.dtype))
         return bufs
 
     @torch.inference_mode()
@@ -285,7 +311,7 @@ class CpuDecodePlan:
             step.slots, step.lens, step.starts = slots.data_ptr(), lens.data_ptr(), starts.data_ptr()
             step.tables, step.table_width, step.rot_dim = tables_t.data_ptr(), tables.shape[1], cos.shape[-1]
             step.threads = torch.get_num_threads()
-            cpu_native.decode_layers(self.fused_layers, step)
+            cpu_native.decode_layers(self.fused_layers, step, self.dtype)
             return self.model.compute_logits(fused.out)
         normed, attn_out = bufs.normed, bufs.attn
         width = hidden.shape[1]
@@ -315,14 +341,15 @@ class CpuDecodePlan:
             cache = lay.kv_cache                                                   # [2, N, BS, Hkv, D]
             native.kv_write(k_p, row * elem, v_p, row * elem, cache.data_ptr(), cache.shape[1] * cache.shape[2],
                             slots_p, b, hkv * d * elem)
-            native.decode(q_p, cache.data_ptr(), tables_p, lens_p, starts_p, attn_out.data_ptr(), 1, b, hq, hkv, d,
+            native.decode(q_p, cache.data_ptr(), tables_p, lens_p, starts_p, attn_out.data_ptr(), native.dtype_code, b,
+                          hq, hkv, d,
                           cache.shape[1], bs, tables.shape[1], row, hq * d, lay.scale, lay.sliding_window or 0,
                           threads)
             hidden = _matmul(lay, "o", attn_out)
             add_norm(hidden, lay.post_norm, lay.post_eps, normed)
             gate_up = _matmul(lay, "gate_up", normed)                                                 # [B, 2I]
             inter = gate_up.shape[1] // 2
-            act = torch.empty((b, inter), dtype=torch.bfloat16)
+            act = torch.empty((b, inter), dtype=self.dtype)
             native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), b, inter)
             hidden = _matmul(lay, "down", act)
         out = torch.empty_like(normed)

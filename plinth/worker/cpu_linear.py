@@ -223,6 +223,15 @@ class CpuLinearMethod:
             return torch.float32
         return dtype
 
+    def gemv_f32_max_rows(self) -> int:
+        """The most float32 rows :meth:`matmul` sends to the 4-bit copy's native float32 GEMV (0: none): the
+        float32 branch of its routing, where no earlier branch takes float32 rows (a Q8_0 head's rows do)."""
+        int4 = self.int4
+        if (int4 is None or int4.gemv_f32 is None or int4.scale_zeros.dtype != torch.bfloat16
+                or self.q8_0_max_rows > 0 or not cpu_native.native_ops_on()):
+            return 0
+        return min(self.int4_max_rows, cpu_native.Q4_GEMV_F32_MAX_ROWS)
+
     def int4_kernel_for(self, rows: int, dtype: torch.dtype) -> Int4Weight | None:
         """The 4-bit copy :meth:`matmul` multiplies contiguous ``[rows, K]`` inputs of ``dtype`` with, or None
         when it takes another kernel for them (callers that run many such inputs skip the routing)."""

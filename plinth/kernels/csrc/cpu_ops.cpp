@@ -408,82 +408,136 @@ inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, con
 }  // namespace
 #endif
 
-extern "C" {
+namespace {
 
-int64_t plinth_cpu_ops_abi() { return 4; }
+// Element types of the per-row ops: T in memory, load/store to float32, and round(v): v rounded to T and
+// back (the reference code's intermediate roundings in the activation dtype; none for float32).
+struct Bf16 {
+  using T = uint16_t;
+  static float load(T v) { return bf2f(v); }
+  static T store(float v) { return f2bf(v); }
+  static float round(float v) { return round_bf(v); }
+};
+struct F32 {
+  using T = float;
+  static float load(T v) { return v; }
+  static T store(float v) { return v; }
+  static float round(float v) { return v; }
+};
 
-// y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))) per row, h = x (no residual) or bf16(x + residual);
-// with a residual, h is written to h_out. x/residual rows are strided, y/h_out contiguous [rows, n].
-void plinth_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t r_stride,
-                          const uint16_t* weight, uint16_t* y, uint16_t* h_out, int64_t rows, int64_t n,
-                          double eps) {
+template <class E>
+void rms_norm_rows(const typename E::T* x, int64_t x_stride, const typename E::T* residual, int64_t r_stride,
+                   const typename E::T* weight, typename E::T* y, typename E::T* h_out, int64_t rows, int64_t n,
+                   double eps) {
 #pragma omp parallel for schedule(static) if (rows * n >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = x + r * x_stride;
-    uint16_t* yr = y + r * n;
+    const typename E::T* xr = x + r * x_stride;
+    typename E::T* yr = y + r * n;
     float part[kLanes] = {0.f};
     const int64_t full = n - n % kLanes;
     if (residual != nullptr) {
-      const uint16_t* rr = residual + r * r_stride;
-      uint16_t* hr = h_out + r * n;
-      for (int64_t i = 0; i < n; ++i) hr[i] = f2bf(bf2f(xr[i]) + bf2f(rr[i]));
+      const typename E::T* rr = residual + r * r_stride;
+      typename E::T* hr = h_out + r * n;
+      for (int64_t i = 0; i < n; ++i) hr[i] = E::store(E::load(xr[i]) + E::load(rr[i]));
       xr = hr;
     }
     for (int64_t i = 0; i < full; i += kLanes)
       for (int j = 0; j < kLanes; ++j) {
-        const float v = bf2f(xr[i + j]);
+        const float v = E::load(xr[i + j]);
         part[j] += v * v;
       }
     for (int width = kLanes / 2; width > 0; width /= 2)
       for (int j = 0; j < width; ++j) part[j] += part[j + width];
     float sum = part[0];
-    for (int64_t i = full; i < n; ++i) sum += bf2f(xr[i]) * bf2f(xr[i]);
+    for (int64_t i = full; i < n; ++i) sum += E::load(xr[i]) * E::load(xr[i]);
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) yr[i] = f2bf(bf2f(weight[i]) * round_bf(bf2f(xr[i]) * inv));
+    for (int64_t i = 0; i < n; ++i) yr[i] = E::store(E::load(weight[i]) * E::round(E::load(xr[i]) * inv));
   }
 }
 
-// y[t, i] = bf16(bf16(silu(x[t, i])) * x[t, d + i]) for x [rows, 2d] (row stride x_stride), y [rows, d].
-void plinth_silu_mul_bf16(const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t rows, int64_t d) {
+template <class E>
+void silu_mul_rows(const typename E::T* x, int64_t x_stride, typename E::T* y, int64_t rows, int64_t d) {
 #pragma omp parallel for schedule(static) if (rows * d >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* gate = x + r * x_stride;
-    const uint16_t* up = gate + d;
-    uint16_t* yr = y + r * d;
+    const typename E::T* gate = x + r * x_stride;
+    const typename E::T* up = gate + d;
+    typename E::T* yr = y + r * d;
     for (int64_t i = 0; i < d; ++i) {
-      const float g = bf2f(gate[i]);
+      const float g = E::load(gate[i]);
       const float e = exp_nonpositive(-std::fabs(g));            // exp(-|g|)
       const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-      yr[i] = f2bf(round_bf(g * sig) * bf2f(up[i]));
+      yr[i] = E::store(E::round(g * sig) * E::load(up[i]));
     }
   }
+}
+
+template <class E>
+void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, typename E::T* k, int64_t k_tok,
+                  int64_t k_head, int64_t hk, const typename E::T* cos, const typename E::T* sin, int64_t c_stride,
+                  int64_t tokens, int64_t rot_dim) {
+  const int64_t half = rot_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * (hq + hk) * rot_dim >= kParallelWork)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const typename E::T* c = cos + t * c_stride;
+    const typename E::T* s = sin + t * c_stride;
+    for (int64_t h = 0; h < hq + hk; ++h) {
+      typename E::T* x = h < hq ? q + t * q_tok + h * q_head : k + t * k_tok + (h - hq) * k_head;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = E::load(x[i]);
+        const float x2 = E::load(x[i + half]);
+        const float a1 = E::round(x1 * E::load(c[i]));
+        const float b1 = E::round(-x2 * E::load(s[i]));
+        const float a2 = E::round(x2 * E::load(c[i + half]));
+        const float b2 = E::round(x1 * E::load(s[i + half]));
+        x[i] = E::store(a1 + b1);
+        x[i + half] = E::store(a2 + b2);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t plinth_cpu_ops_abi() { return 5; }
+
+// y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
+// the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
+// x/residual rows are strided, y/h_out contiguous [rows, n].
+void plinth_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t r_stride,
+                          const uint16_t* weight, uint16_t* y, uint16_t* h_out, int64_t rows, int64_t n,
+                          double eps) {
+  rms_norm_rows<Bf16>(x, x_stride, residual, r_stride, weight, y, h_out, rows, n, eps);
+}
+
+void plinth_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, int64_t r_stride,
+                         const float* weight, float* y, float* h_out, int64_t rows, int64_t n, double eps) {
+  rms_norm_rows<F32>(x, x_stride, residual, r_stride, weight, y, h_out, rows, n, eps);
+}
+
+// y[t, i] = round(round(silu(x[t, i])) * x[t, d + i]) for x [rows, 2d] (row stride x_stride), y [rows, d].
+void plinth_silu_mul_bf16(const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t rows, int64_t d) {
+  silu_mul_rows<Bf16>(x, x_stride, y, rows, d);
+}
+
+void plinth_silu_mul_f32(const float* x, int64_t x_stride, float* y, int64_t rows, int64_t d) {
+  silu_mul_rows<F32>(x, x_stride, y, rows, d);
 }
 
 // Rotate-half RoPE in place on the first rot_dim features of every head of q [T, hq, D] and
 // k [T, hk, D] (strides per token and per head; features contiguous), with cos/sin [T, rot_dim]
-// (bfloat16, row stride c_stride): out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)).
+// (the activation dtype, row stride c_stride): out = round(round(x * cos) + round(rotate_half(x) * sin)).
 void plinth_rotary_bf16(uint16_t* q, int64_t q_tok, int64_t q_head, int64_t hq, uint16_t* k, int64_t k_tok,
                         int64_t k_head, int64_t hk, const uint16_t* cos, const uint16_t* sin, int64_t c_stride,
                         int64_t tokens, int64_t rot_dim) {
-  const int64_t half = rot_dim / 2;
-#pragma omp parallel for schedule(static) if (tokens * (hq + hk) * rot_dim >= kParallelWork)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* c = cos + t * c_stride;
-    const uint16_t* s = sin + t * c_stride;
-    for (int64_t h = 0; h < hq + hk; ++h) {
-      uint16_t* x = h < hq ? q + t * q_tok + h * q_head : k + t * k_tok + (h - hq) * k_head;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = bf2f(x[i]);
-        const float x2 = bf2f(x[i + half]);
-        const float a1 = round_bf(x1 * bf2f(c[i]));
-        const float b1 = round_bf(-x2 * bf2f(s[i]));
-        const float a2 = round_bf(x2 * bf2f(c[i + half]));
-        const float b2 = round_bf(x1 * bf2f(s[i + half]));
-        x[i] = f2bf(a1 + b1);
-        x[i + half] = f2bf(a2 + b2);
-      }
-    }
-  }
+  rotary_heads<Bf16>(q, q_tok, q_head, hq, k, k_tok, k_head, hk, cos, sin, c_stride, tokens, rot_dim);
+}
+
+void plinth_rotary_f32(float* q, int64_t q_tok, int64_t q_head, int64_t hq, float* k, int64_t k_tok,
+                       int64_t k_head, int64_t hk, const float* cos, const float* sin, int64_t c_stride,
+                       int64_t tokens, int64_t rot_dim) {
+  rotary_heads<F32>(q, q_tok, q_head, hq, k, k_tok, k_head, hk, cos, sin, c_stride, tokens, rot_dim);
 }
 
 // y [M, N] = x [M, K] @ W^T for W [N, K] in GGUF Q8_0 blocks: 34 bytes per 32 weights, a float16
@@ -701,79 +755,111 @@ struct PlinthPanelWeight {   // one GEMM's 4-bit panels: codes [T, K/2, 16], sca
 
 struct PlinthDecodeLayer {
   PlinthPanelWeight qkv, o, gate_up, down;
-  const uint16_t* in_norm;
-  const uint16_t* post_norm;
+  const void* in_norm;             // [H], the activation dtype (bfloat16 or float32)
+  const void* post_norm;
   double eps, post_eps;
-  uint16_t* kv_cache;              // [2, num_blocks, block_size, Hkv, D] bfloat16
+  void* kv_cache;                  // [2, num_blocks, block_size, Hkv, D], the activation dtype
   int64_t num_blocks, num_heads, num_kv_heads, head_size;
   double scale;
   int64_t sliding_window;          // <= 0: none
 };
 
-struct PlinthDecodeStep {
+struct PlinthDecodeStep {          // every buffer in the activation dtype except the integer ones
   int64_t rows, width, block_size, table_width, rot_dim, threads;
-  uint16_t* residual;              // [B, H]: the embedding output in, the residual stream (updated in place)
-  const uint16_t* cos;             // [B, rot_dim]
-  const uint16_t* sin;
+  void* residual;                  // [B, H]: the embedding output in, the residual stream (updated in place)
+  const void* cos;                 // [B, rot_dim]
+  const void* sin;
   const int64_t* slots;            // [B]
   const int32_t* lens;             // [B]
   const int32_t* starts;           // [B + 1]
   const int32_t* tables;           // [B, table_width]
-  uint16_t* normed;                // [B, H]
-  uint16_t* qkv;                   // [B, (Hq + 2 Hkv) D]
-  uint16_t* attn;                  // [B, Hq D]
-  uint16_t* o;                     // [B, H]
-  uint16_t* gate_up;               // [B, 2 I]
-  uint16_t* act;                   // [B, I]
-  uint16_t* down;                  // [B, H]
-  uint16_t* out;                   // [B, H]: the final norm's output
-  const uint16_t* final_norm;
+  void* normed;                    // [B, H]
+  void* qkv;                       // [B, (Hq + 2 Hkv) D]
+  void* attn;                      // [B, Hq D]
+  void* o;                         // [B, H]
+  void* gate_up;                   // [B, 2 I]
+  void* act;                       // [B, I]
+  void* down;                      // [B, H]
+  void* out;                       // [B, H]: the final norm's output
+  const void* final_norm;
   double final_eps;
   plinth_attention_fn attention;
 };
 
+}  // extern "C"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-static int64_t panel_gemv(const PlinthPanelWeight& w, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t m) {
-  return plinth_q4p_gemv_bf16(x, x_stride, w.codes, w.scales, w.offsets, y, m, w.n, w.k);
+namespace {
+
+// The layers of one decode step for element type E (Bf16 or F32, see rms_norm_rows) with panel GEMV Gemv;
+// `dtype` is the attention entry point's dtype code (0 float32, 1 bfloat16).
+template <class E, int64_t (*Gemv)(const typename E::T*, int64_t, const uint8_t*, const uint16_t*, const uint16_t*,
+                                   typename E::T*, int64_t, int64_t, int64_t)>
+int64_t decode_layers(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st,
+                      int64_t dtype) {
+  using T = typename E::T;
+  const int64_t b = st->rows, width = st->width;
+  T* residual = static_cast<T*>(st->residual);
+  const T* hidden = residual;
+  T* normed = static_cast<T*>(st->normed);
+  const T* cos = static_cast<const T*>(st->cos);
+  const T* sin = static_cast<const T*>(st->sin);
+  constexpr int64_t elem = sizeof(T);
+  auto gemv = [&](const PlinthPanelWeight& w, const T* x, int64_t x_stride, void* y) {
+    return Gemv(x, x_stride, w.codes, w.scales, w.offsets, static_cast<T*>(y), b, w.n, w.k);
+  };
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const PlinthDecodeLayer& lay = layers[i];
+    const T* in_norm = static_cast<const T*>(lay.in_norm);
+    if (i == 0)   // the residual stream starts as the embedding output itself: nothing to add
+      rms_norm_rows<E>(hidden, width, nullptr, 0, in_norm, normed, nullptr, b, width, lay.eps);
+    else
+      rms_norm_rows<E>(hidden, width, residual, width, in_norm, normed, residual, b, width, lay.eps);
+    if (int64_t rc = gemv(lay.qkv, normed, width, st->qkv); rc != 0) return rc;
+    const int64_t d = lay.head_size, hq = lay.num_heads, hkv = lay.num_kv_heads, row = lay.qkv.n;
+    T* q = static_cast<T*>(st->qkv);
+    T* k = q + hq * d;
+    T* v = q + (hq + hkv) * d;
+    rotary_heads<E>(q, row, d, hq, k, row, d, hkv, cos, sin, st->rot_dim, b, st->rot_dim);
+    const int64_t num_slots = lay.num_blocks * st->block_size;
+    plinth_kv_write(reinterpret_cast<const uint8_t*>(k), row * elem, reinterpret_cast<const uint8_t*>(v), row * elem,
+                    static_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d * elem);
+    st->attention(q, lay.kv_cache, st->tables, st->lens, st->starts, st->attn, dtype, b, hq, hkv, d, lay.num_blocks,
+                  st->block_size, st->table_width, row, hq * d, lay.scale, lay.sliding_window, st->threads);
+    if (int64_t rc = gemv(lay.o, static_cast<const T*>(st->attn), hq * d, st->o); rc != 0) return rc;
+    rms_norm_rows<E>(static_cast<const T*>(st->o), width, residual, width, static_cast<const T*>(lay.post_norm),
+                     normed, residual, b, width, lay.post_eps);
+    if (int64_t rc = gemv(lay.gate_up, normed, width, st->gate_up); rc != 0) return rc;
+    const int64_t inter = lay.gate_up.n / 2;
+    silu_mul_rows<E>(static_cast<const T*>(st->gate_up), lay.gate_up.n, static_cast<T*>(st->act), b, inter);
+    if (int64_t rc = gemv(lay.down, static_cast<const T*>(st->act), inter, st->down); rc != 0) return rc;
+    hidden = static_cast<const T*>(st->down);
+  }
+  rms_norm_rows<E>(hidden, width, residual, width, static_cast<const T*>(st->final_norm), static_cast<T*>(st->out),
+                   residual, b, width, st->final_eps);
+  return 0;
 }
-#endif
+
+}  // namespace
+
+extern "C" {
 
 // Returns 0, -1 without AVX512-BF16 (nothing written), -2 for a row count outside 1..16.
 int64_t plinth_decode_layers_bf16(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const int64_t b = st->rows, width = st->width;
-  if (b < 1 || b > kGemvMaxRows) return -2;
-  uint16_t* residual = st->residual;
-  const uint16_t* hidden = residual;
-  constexpr int64_t elem = sizeof(uint16_t);
-  for (int64_t i = 0; i < num_layers; ++i) {
-    const PlinthDecodeLayer& lay = layers[i];
-    if (i == 0)   // the residual stream starts as the embedding output itself: nothing to add
-      plinth_rms_norm_bf16(hidden, width, nullptr, 0, lay.in_norm, st->normed, nullptr, b, width, lay.eps);
-    else
-      plinth_rms_norm_bf16(hidden, width, residual, width, lay.in_norm, st->normed, residual, b, width, lay.eps);
-    panel_gemv(lay.qkv, st->normed, width, st->qkv, b);
-    const int64_t d = lay.head_size, hq = lay.num_heads, hkv = lay.num_kv_heads, row = lay.qkv.n;
-    uint16_t* q = st->qkv;
-    uint16_t* k = q + hq * d;
-    uint16_t* v = q + (hq + hkv) * d;
-    plinth_rotary_bf16(q, row, d, hq, k, row, d, hkv, st->cos, st->sin, st->rot_dim, b, st->rot_dim);
-    const int64_t num_slots = lay.num_blocks * st->block_size;
-    plinth_kv_write(reinterpret_cast<const uint8_t*>(k), row * elem, reinterpret_cast<const uint8_t*>(v), row * elem,
-                    reinterpret_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d * elem);
-    st->attention(q, lay.kv_cache, st->tables, st->lens, st->starts, st->attn, 1, b, hq, hkv, d, lay.num_blocks,
-                  st->block_size, st->table_width, row, hq * d, lay.scale, lay.sliding_window, st->threads);
-    panel_gemv(lay.o, st->attn, hq * d, st->o, b);
-    plinth_rms_norm_bf16(st->o, width, residual, width, lay.post_norm, st->normed, residual, b, width, lay.post_eps);
-    panel_gemv(lay.gate_up, st->normed, width, st->gate_up, b);
-    const int64_t inter = lay.gate_up.n / 2;
-    plinth_silu_mul_bf16(st->gate_up, lay.gate_up.n, st->act, b, inter);
-    panel_gemv(lay.down, st->act, inter, st->down, b);
-    hidden = st->down;
-  }
-  plinth_rms_norm_bf16(hidden, width, residual, width, st->final_norm, st->out, residual, b, width, st->final_eps);
-  return 0;
+  if (st->rows < 1 || st->rows > kGemvMaxRows) return -2;
+  return decode_layers<Bf16, plinth_q4p_gemv_bf16>(layers, num_layers, st, 1);
+#else
+  (void)layers; (void)num_layers; (void)st;
+  return -1;
+#endif
+}
+
+// The same for float32 models over the float32 panel GEMV (CPUs with AVX2/FMA/F16C): returns 0, -1 where the
+// library was built without them (nothing written), -2 for a row count outside 1..16.
+int64_t plinth_decode_layers_f32(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
+#if defined(PLINTH_CPU_AVX2)
+  if (st->rows < 1 || st->rows > kGemvF32MaxRows) return -2;
+  return decode_layers<F32, plinth_q4p_gemv_f32>(layers, num_layers, st, 0);
 #else
   (void)layers; (void)num_layers; (void)st;
   return -1;
