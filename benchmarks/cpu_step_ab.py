@@ -14,7 +14,7 @@ it is off for this A/B); ``plan`` = the decode plan (the runner's ``graphs``) ag
 ``int8`` = the GEMMs with 8-bit inputs (``PLINTH_CPU_INT8_ACT=1``, the engine built with it) against the
 default GEMMs of the same layers (4-bit panels, bfloat16 LM head), decode plan on for both; ``layer_ops`` =
 the native RMSNorm, SiLU-and-mul and RoPE for float32 models (CPUs without native bfloat16, where the default
-model runs in float32) against the torch code of those layers.
+model runs in float32) against the torch code of those layers, both through the module tree.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             out.append(time.perf_counter() - t0)
         return out
 
-    if a.toggle == "native":
+    if a.toggle in ("native", "layer_ops"):   # the plan calls the native ops directly
         engine.runner.graphs = None
     layer_ops = cpu_native.layer_ops_enabled
     steps(5)   # prefill and warm-up

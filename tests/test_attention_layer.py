@@ -42,11 +42,15 @@ def _inputs(rot: int, dtype: torch.dtype):
 @pytest.mark.parametrize("fused_ops", [True, False])
 @pytest.mark.parametrize("fuses", [True, False])
 @pytest.mark.parametrize("rot", [16, 8])
-def test_rotary_goes_to_the_backend_only_where_it_takes_it(fuses, rot, fused_ops):
-    """bfloat16 on the CPU runs the fused (native) ops, float32 the torch code (``fused_ops_enabled``)."""
-    dtype = torch.bfloat16 if fused_ops else torch.float32
-    if fused_ops and not cpu_native.available(dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rotary_goes_to_the_backend_only_where_it_takes_it(fuses, rot, fused_ops, dtype, monkeypatch):
+    """RoPE goes to a backend that takes it where the fused ops run for the input (``fused_ops_enabled``: the
+    native CPU ops, here bfloat16 and float32), else it is applied before the backend (the native op or the
+    torch code)."""
+    if not cpu_native.load_library().library:
         pytest.skip("the native CPU kernels are not built here")
+    if not fused_ops:
+        monkeypatch.setattr(cpu_native, "layer_ops_enabled", lambda x: False)
     backend = Recorder(fuses)
     layer = Attention(4, 16, 0.25, 2, backend)
     layer.kv_cache = torch.zeros(1)
@@ -60,7 +64,8 @@ def test_rotary_goes_to_the_backend_only_where_it_takes_it(fuses, rot, fused_ops
         assert torch.equal(call["query"], q) and torch.equal(call["key"], k)
     else:                                   # rotated before the backend (partial RoPE: the first `rot` features)
         assert "rotary" not in call
-        tol = 2e-2 if fused_ops else 1e-6   # the native kernel rounds once, the torch code after each op
+        # the bfloat16 native kernel rounds once, the torch code after each op
+        tol = 2e-2 if fused_ops and dtype == torch.bfloat16 else 1e-6
         torch.testing.assert_close(call["query"], apply_rotary(q, cos, sin), rtol=tol, atol=tol)
         torch.testing.assert_close(call["key"], apply_rotary(k, cos, sin), rtol=tol, atol=tol)
         assert not torch.equal(call["query"], q)

@@ -119,6 +119,20 @@ def test_models_it_does_not_serve_run_the_modules(tiny_llama_dir, monkeypatch):
         cpu_native._env_enabled.cache_clear()
 
 
+def test_no_plan_with_the_fused_ops_off(tiny_llama_dir, monkeypatch):
+    """``PLINTH_FUSED_OPS=0`` sends the modules to the torch code: the plan (native ops) is not built then."""
+    from plinth.kernels import ops
+
+    monkeypatch.setenv("PLINTH_FUSED_OPS", "0")
+    ops._env_enabled.cache_clear()
+    try:
+        for dtype in ("float32", "bfloat16"):
+            with LLM(str(tiny_llama_dir), dtype=dtype, block_size=4, attention_backend="cpu_paged") as llm:
+                assert llm.engine.runner.graphs is None
+    finally:
+        ops._env_enabled.cache_clear()
+
+
 def test_float32_model_plan_equals_the_module_path(tiny_llama_dir):
     """float32 models (the default on CPUs without native bfloat16) run the plan too: the native float32
     RMSNorm, RoPE and SiLU-and-mul, the float32 attention kernel, the layers' own GEMMs."""

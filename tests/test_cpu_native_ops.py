@@ -51,9 +51,13 @@ def test_fused_ops_take_cpu_bfloat16_and_float32():
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_float32_layer_ops_against_float64(with_residual, gen):
-    """float32 models: RMSNorm, SiLU-and-mul and RoPE in one native call each, within float32 rounding of
-    float64 math and of the torch code the layers run otherwise."""
+def test_float32_layer_ops_against_float64(with_residual, gen, monkeypatch):
+    """float32 models: RMSNorm, SiLU-and-mul and RoPE in one native call each (counted), within float32
+    rounding of float64 math and of the torch code the layers run otherwise."""
+    calls = []
+    for name in ("rms_norm", "silu_and_mul", "rotary_"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     n, rows = 576, 5
     norm = RMSNorm(n, eps=1e-5)
     norm.weight.copy_(torch.randn(n, generator=gen) * 0.2 + 1)
@@ -75,19 +79,24 @@ def test_float32_layer_ops_against_float64(with_residual, gen):
     torch.testing.assert_close(act.double(), g64 * torch.sigmoid(g64) * u64, atol=1e-5, rtol=1e-5)
 
     tokens, hq, hk, d = 3, 9, 3, 64
-    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=gen)
-    q, k = qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d: (hq + hk) * d].view(tokens, hk, d)
-    pos = torch.randint(0, 4096, (tokens,), generator=gen).double()
-    freqs = pos[:, None] * (1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)))[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().float(), emb.sin().float()
-    q64, q_ref = q.double(), apply_rotary(q, cos, sin)
-    ops.rotary_(q, k, cos, sin)
-    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
-    x1, x2 = q64[..., : d // 2], q64[..., d // 2:]
-    c, s = cos.double()[:, None, : d // 2], sin.double()[:, None, : d // 2]
-    torch.testing.assert_close(q.double(), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1), atol=1e-5,
-                               rtol=1e-5)
+    for rot in (64, 32):                                   # all features, and partial RoPE
+        qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=gen)
+        q, k = qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d: (hq + hk) * d].view(tokens, hk, d)
+        v_before = qkv[:, (hq + hk) * d:].clone()
+        pos = torch.randint(0, 4096, (tokens,), generator=gen).double()
+        freqs = pos[:, None] * (1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)))[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().float(), emb.sin().float()
+        before = [(t.double(), apply_rotary(t, cos, sin)) for t in (q, k)]
+        ops.rotary_(q, k, cos, sin)
+        assert torch.equal(qkv[:, (hq + hk) * d:], v_before)                 # v untouched
+        for out_t, (x64, ref_t) in zip((q, k), before, strict=True):
+            torch.testing.assert_close(out_t, ref_t, atol=1e-5, rtol=1e-5)
+            x1, x2 = x64[..., : rot // 2], x64[..., rot // 2: rot]
+            c, s = cos.double()[:, None, : rot // 2], sin.double()[:, None, : rot // 2]
+            exact = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x64[..., rot:]), dim=-1)
+            torch.testing.assert_close(out_t.double(), exact, atol=1e-5, rtol=1e-5)
+    assert calls == ["rms_norm", "silu_and_mul", "rotary_", "rotary_"], calls
 
 
 @pytest.mark.parametrize("rows,n", [(1, 576), (7, 100), (64, 2048)])

@@ -229,9 +229,6 @@ def test_model_with_fused_ops_matches_torch_path(monkeypatch, tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     monkeypatch.setenv("PLINTH_CPU_PACKED", "0")
 
-    from plinth.kernels import cpu_native
-
-    monkeypatch.setattr(cpu_native, "layer_ops_enabled", lambda x: False)   # float32: the torch path
     launched = _count_launches(monkeypatch)
 
     def run(fused: bool):

@@ -75,7 +75,8 @@ def _env_enabled() -> bool:
 
 
 def native_ops_on() -> bool:
-    """``PLINTH_CPU_NATIVE_OPS`` is not switched off (checked at call time by kernels built at load time)."""
+    """``PLINTH_CPU_NATIVE_OPS`` is not switched off (checked at call time by kernels built at load time; the
+    switch is read once per process unless ``_env_enabled``'s cache is cleared, as benchmarks do)."""
     return _env_enabled()
 
 
@@ -93,8 +94,8 @@ def layer_ops_enabled(x: torch.Tensor) -> bool:
     """Whether :func:`rms_norm`, :func:`silu_and_mul` and :func:`rotary_` run for ``x``: as :func:`enabled`,
     for float32 tensors too (float32 models: the torch code's chain of tensor ops in one call, without
     intermediate roundings)."""
-    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and _env_enabled()
-            and not torch.compiler.is_compiling() and load_library().library is not None)
+    return (x.device.type == "cpu" and not torch.compiler.is_compiling() and x.dtype in (torch.bfloat16, torch.float32)
+            and _env_enabled() and load_library().library is not None)
 
 
 def q8_0_supported(dtype: torch.dtype) -> bool:

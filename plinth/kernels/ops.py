@@ -2,7 +2,7 @@
 
 The model layers call :func:`fused_ops_enabled` with their input: on devices Triton compiles for
 (``cuda`` — NVIDIA and ROCm builds — and ``xpu``) the small per-layer ops run as one fused kernel
-each, and bfloat16 tensors on CPUs take the native kernels of :mod:`plinth.kernels.cpu_native`;
+each, and bfloat16 and float32 tensors on CPUs take the native kernels of :mod:`plinth.kernels.cpu_native`;
 elsewhere, or with ``PLINTH_FUSED_OPS=0``, the layers keep their plain torch code (the reference). The skinny GEMM is installed per layer by the GPU fast path (:mod:`plinth.worker.gpu_linear`).
 """
 
@@ -49,7 +49,7 @@ def fused_ops_enabled(x: torch.Tensor) -> bool:
     on CPUs (:mod:`plinth.kernels.cpu_native`)."""
     if x.device.type in _TRITON_DEVICE_TYPES:   # CPUs only where a test lists them (Triton's interpreter)
         return triton_available() and _env_enabled()
-    return x.device.type == "cpu" and cpu_native.layer_ops_enabled(x) and _env_enabled()
+    return x.device.type == "cpu" and _native_cpu(x) and cpu_native.layer_ops_enabled(x) and _env_enabled()
 
 
 def _native_cpu(x: torch.Tensor) -> bool:

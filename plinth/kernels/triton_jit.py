@@ -73,6 +73,16 @@ def silu_mul_kernel(x_ptr, y_ptr, D, stride_x, stride_y, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _silu_mul_rounded(x_ptr, row_start, D, offs, mask):
+    """``silu(gate) * up`` of features ``offs`` of a row starting at ``x_ptr + row_start``, rounded to the input
+    dtype (as ``silu_mul_kernel`` stores it), in float32."""
+    gate = tl.load(x_ptr + row_start + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row_start + D + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    return (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
 def silu_mul_quant_kernel(x_ptr, y_ptr, s_ptr, D, stride_x, stride_y, QMAX, BLOCK: tl.constexpr,
                           ONE_PASS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False):
     """``silu_mul_kernel`` quantized per row, one row per program: the arithmetic of ``quant_rows_kernel``
@@ -85,10 +95,7 @@ def silu_mul_quant_kernel(x_ptr, y_ptr, s_ptr, D, stride_x, stride_y, QMAX, BLOC
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = offs < D
-        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        y = _silu_mul_rounded(x_ptr, row * stride_x, D, offs, mask)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / QMAX, 1e-12)
         tl.store(s_ptr + row, scale)
         y = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
@@ -96,20 +103,13 @@ def silu_mul_quant_kernel(x_ptr, y_ptr, s_ptr, D, stride_x, stride_y, QMAX, BLOC
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK):
-            mask = d0 + offs < D
-            gate = tl.load(x_ptr + row * stride_x + d0 + offs, mask=mask, other=0.0)
-            up = tl.load(x_ptr + row * stride_x + D + d0 + offs, mask=mask, other=0.0)
-            g = gate.to(tl.float32)
-            y = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            y = _silu_mul_rounded(x_ptr, row * stride_x + d0, D, offs, d0 + offs < D)
             amax = tl.maximum(amax, tl.abs(y))
         scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
         tl.store(s_ptr + row, scale)
         for d0 in range(0, D, BLOCK):
             mask = d0 + offs < D
-            gate = tl.load(x_ptr + row * stride_x + d0 + offs, mask=mask, other=0.0)
-            up = tl.load(x_ptr + row * stride_x + D + d0 + offs, mask=mask, other=0.0)
-            g = gate.to(tl.float32)
-            y = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            y = _silu_mul_rounded(x_ptr, row * stride_x + d0, D, offs, mask)
             y = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
             tl.store(y_ptr + row * stride_y + d0 + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from plinth.kernels import cpu_native
+from plinth.kernels import cpu_native, ops
 
 if TYPE_CHECKING:
     from plinth.worker.cpu_linear import Int4Weight
@@ -84,7 +84,7 @@ def _matmul(lay: _Layer, name: str, x: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class _Layer:
-    in_norm: torch.Tensor          # [H] bfloat16
+    in_norm: torch.Tensor          # [H] in the model's dtype (bfloat16 or float32)
     post_norm: torch.Tensor        # [H]
     eps: float
     post_eps: float
@@ -121,6 +121,8 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         return "pipeline or tensor parallelism"
     embed = inner.embed_tokens.weight
     dtype = embed.dtype
+    if not ops.fused_ops_enabled(embed):   # PLINTH_FUSED_OPS=0: the modules run the torch code
+        return "the fused ops are off"
     if not ((dtype == torch.bfloat16 and cpu_native.enabled(embed))
             or (dtype == torch.float32 and cpu_native.layer_ops_enabled(embed))):
         return "not a bfloat16 or float32 model with the native CPU ops"
@@ -289,6 +291,8 @@ class CpuDecodePlan:
             block_tables: ``[B, W]`` int32, each sequence's blocks, 0-padded.
         """
         b = len(token_ids)
+        if not cpu_native.native_ops_on():   # switched off since the plan was built: the modules' routing
+            return None
         if not 0 < b <= self.max_size or not isinstance(block_tables, np.ndarray) or block_tables.ndim != 2:
             return None
         bs = self.block_size

@@ -24,7 +24,7 @@ The parts, each with a switch (environment variables, read at start-up):
   (AVX512-VNNI), twice the multiply rate of bfloat16, so batched decode and prefill GEMMs run ~1.4x faster.
   Outputs differ from the bfloat16 reference by the 8-bit rounding of the inputs (~0.5% of a product), so
   it is a switch, not the default.
-- ``PLINTH_CPU_DECODE_PLAN`` (default on): decode batches of a standard bfloat16 decoder model run
+- ``PLINTH_CPU_DECODE_PLAN`` (default on): decode batches of a standard bfloat16 or float32 decoder model run
   through a flat list of prepared kernel calls instead of the module tree
   (:mod:`plinth.worker.cpu_decode_plan`; the same kernels, bit-identical results, a fraction of the
   Python). Not used when decode steps are compiled; ``--enforce-eager`` runs the modules.
@@ -213,7 +213,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
                 "set up in %.2f s",
                 report["packed"], report["int4"], report.get("int4_max_rows", 0), "on" if report.get("q8_0") else "off",
                 report.get("int8", 0),
-                "on" if cpu_native.available(dtype) else "off",
+                "on" if cpu_native.layer_ops_enabled(torch.empty(0, dtype=dtype)) else "off",
                 "on" if report["decode_plan"] else "off", "on" if report["compile"] else "off", max_batch,
                 report["seconds"])
     return report

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         :attr:`~plinth.quantization.kernels.interface.GemmKernel.input_quant`); the fused kernel then returns
         :class:`~plinth.kernels.ops.QuantizedRows`, other paths the plain output."""
         if x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype and ops.fused_ops_enabled(x) and (
-                residual is None or residual.stride(-1) == 1):
+                residual is None or (residual.stride(-1) == 1 and residual.dtype == x.dtype)):
             return ops.rms_norm(x, self.weight, self.eps, residual, quant)
         if residual is None:
             return self._norm(x)
