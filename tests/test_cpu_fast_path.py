@@ -71,14 +71,36 @@ def test_cpus_without_the_packed_bf16_linear_take_f_linear(monkeypatch):
     def refuse(*args):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or ...")
 
-    probe = functools.cache(cpu_linear._onednn_bf16_linear_runs.__wrapped__)   # a fresh cache for this test
-    monkeypatch.setattr(cpu_linear, "_onednn_bf16_linear_runs", probe)
+    for name in ("_onednn_bf16_linear_runs", "_onednn_f32_linear_runs"):   # fresh caches for this test
+        monkeypatch.setattr(cpu_linear, name, functools.cache(getattr(cpu_linear, name).__wrapped__))
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     assert not cpu_linear.packed_linear_supported(torch.bfloat16)
     assert not cpu_linear.packed_linear_supported(torch.float32)
     weight, x = torch.randn(96, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     method = CpuLinearMethod(weight)
     assert method.packed is None and torch.equal(method.matmul(x), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_float32_weights_are_packed_where_float32_is_the_default(monkeypatch, fast_bf16):
+    """On CPUs without native bfloat16 (float32 the default dtype) float32 layers multiply oneDNN-packed
+    weights (within float32 rounding of ``F.linear``); with native bfloat16 float32 stays on ``F.linear``."""
+    from plinth.platforms.cpu import platform as cpu_platform
+    from plinth.worker import cpu_linear
+
+    if not cpu_linear._onednn_f32_linear_runs():
+        pytest.skip("oneDNN's packed float32 linear does not run here")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: fast_bf16)
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    method = CpuLinearMethod(weight)
+    assert (method.packed is None) == fast_bf16
+    assert CpuLinearMethod(weight, pack=False).packed is None
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(method.matmul(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    long = torch.randn(cpu_linear.F32_PACKED_MAX_ROWS + 1, 64)        # prefill-sized: MKL's GEMM, exactly
+    assert torch.equal(method.matmul(long), F.linear(long, weight))
 
 
 @needs_packed_bf16
@@ -354,9 +376,10 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
                     want = x.bfloat16().double() @ w_file.T
                     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
                 many = torch.randn(9, w_file.shape[1])          # past the row limit: the float32 weight
-                assert torch.equal(method.matmul(many), F.linear(many, down.weight))
-            else:
-                assert not isinstance(down.linear_method, CpuLinearMethod)
+                # the float32 weights (oneDNN-packed where float32 is the default: the same sums in its order)
+                torch.testing.assert_close(method.matmul(many), F.linear(many, down.weight), rtol=1e-5, atol=1e-5)
+            else:   # no 4-bit copy (a packed float32 weight at most)
+                assert getattr(down.linear_method, "int4", None) is None
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert [r[:3] for r in runs[0]] == [r[:3] for r in runs[1]]
     agree = sum(a == b for x, y in zip(*runs, strict=True) for a, b in zip(x, y, strict=True))
@@ -405,7 +428,8 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(tmp_path,
                     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
                 many = torch.randn(7, w_file.shape[1], generator=gen)      # past the row limit: the float32 weight
                 calls.clear()
-                assert torch.equal(head(many), F.linear(many, head.weight)) and not calls
+                torch.testing.assert_close(head(many), F.linear(many, head.weight), rtol=1e-5, atol=1e-5)
+                assert not calls
             else:
                 assert method is None or method.q8_0 is None
             calls.clear()
