@@ -167,7 +167,7 @@ def test_float32_gguf_plan_runs_every_layer_natively(tmp_path_factory, monkeypat
         assert isinstance(plan, CpuDecodePlan) and plan.dtype == torch.float32
         assert plan.fused_layers is not None and plan.fused_max_rows == 4    # PLINTH_CPU_INT4_MAX_ROWS
         small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * i)] for i in range(6)]
-        for n in (1, 3, 4, 6):    # past the row limit the layers take the float32 weights (the plan's loop)
+        for n in (1, 3, 4, 6):    # past the row limit the layers take their float32 GEMM (the plan's loop)
             _plan_equals_modules(llm, n, "g", small_vocab)
         assert sorted(set(calls)) == [1, 3, 4], calls
         fused, plan.fused_layers = plan.fused_layers, None

@@ -9,6 +9,7 @@ identical greedy tokens), ``torch.argmax`` and a Python loop (batch helpers).
 from __future__ import annotations
 
 import functools
+import platform
 
 import gguf
 import numpy as np
@@ -83,24 +84,68 @@ def test_cpus_without_the_packed_bf16_linear_take_f_linear(monkeypatch):
 
 @pytest.mark.parametrize("fast_bf16", [False, True])
 def test_float32_weights_are_packed_where_float32_is_the_default(monkeypatch, fast_bf16):
-    """On CPUs without native bfloat16 (float32 the default dtype) float32 layers multiply oneDNN-packed
-    weights (within float32 rounding of ``F.linear``); with native bfloat16 float32 stays on ``F.linear``."""
+    """On x86-64 CPUs without native bfloat16 (float32 the default dtype) float32 layers multiply oneDNN-packed
+    weights for inputs of up to ``F32_PACKED_MAX_ROWS`` rows (float32 sums: within float32 rounding of the
+    exact product), longer inputs ``F.linear``; with native bfloat16 float32 stays on ``F.linear``."""
     from plinth.platforms.cpu import platform as cpu_platform
     from plinth.worker import cpu_linear
 
-    if not cpu_linear._onednn_f32_linear_runs():
-        pytest.skip("oneDNN's packed float32 linear does not run here")
+    if not cpu_linear._onednn_f32_linear_runs() or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("oneDNN's packed float32 linear is not used here")
     monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: fast_bf16)
-    torch.manual_seed(0)
-    weight = torch.randn(96, 64)
+    packed_calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: packed_calls.append(x.shape[0]) or real(x, *a))
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     method = CpuLinearMethod(weight)
     assert (method.packed is None) == fast_bf16
     assert CpuLinearMethod(weight, pack=False).packed is None
-    for rows in (1, 5, 40):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(method.matmul(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
-    long = torch.randn(cpu_linear.F32_PACKED_MAX_ROWS + 1, 64)        # prefill-sized: MKL's GEMM, exactly
-    assert torch.equal(method.matmul(long), F.linear(long, weight))
+    cap = cpu_linear.F32_PACKED_MAX_ROWS
+    for rows in (1, 5, 40, cap, cap + 1):
+        x = torch.randn(rows, 64, generator=gen)
+        packed_calls.clear()
+        for b in (None, bias):
+            out = method.matmul(x, b)
+            exact = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+            bound = 1e-5 * (x.double().abs() @ weight.double().abs().T + 1)
+            assert bool(((out.double() - exact).abs() <= bound).all()), rows
+        assert packed_calls == ([] if fast_bf16 or rows > cap else [rows, rows]), (rows, packed_calls)
+    x3 = torch.randn(2, 3, 64, generator=gen)                               # leading dimensions kept
+    torch.testing.assert_close(method.matmul(x3), F.linear(x3, weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["hf", "fast_bf16", "gguf_unpacked", "gguf_low_memory"])
+def test_float32_cpu_path_set_up(case, monkeypatch, tmp_path, tiny_llama_dir):
+    """What the CPU path installs for float32 models: packed GEMMs on x86-64 CPUs without native bfloat16 (a
+    safetensors model), nothing where bfloat16 is native; a GGUF model keeps its 4-bit copies and Q8_0 head
+    with packing switched off (``PLINTH_CPU_PACKED=0``) or refused for memory."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.platforms.cpu import platform as cpu_platform
+    from plinth.worker import cpu_linear, cpu_path
+
+    if not cpu_linear._onednn_f32_linear_runs() or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("oneDNN's packed float32 linear is not used here")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: case == "fast_bf16")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    if case == "gguf_unpacked":
+        monkeypatch.setenv("PLINTH_CPU_PACKED", "0")
+    if case == "gguf_low_memory":
+        monkeypatch.setattr(cpu_path, "_free_memory", lambda: 1)
+    model = tiny_llama_dir
+    if case.startswith("gguf"):
+        model = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
+    with LLM(str(model), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4) as llm:
+        methods = [m.linear_method for m in llm.engine.runner.model.modules() if hasattr(m, "linear_method")]
+        ours = [m for m in methods if isinstance(m, CpuLinearMethod)]
+        if case == "hf":
+            assert ours and all(m.packed is not None and m.int4 is None for m in ours)
+        elif case == "fast_bf16":
+            assert not ours
+        else:
+            assert ours and all(m.packed is None and m.int4 is not None for m in ours)
 
 
 @needs_packed_bf16
@@ -344,6 +389,7 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
     from test_gguf import small_model, write_gguf
 
     from plinth.platforms.cpu import platform as cpu_platform
+    from plinth.worker import cpu_linear as cpu_linear_mod
 
     monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
@@ -378,8 +424,11 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
                 many = torch.randn(9, w_file.shape[1])          # past the row limit: the float32 weight
                 # the float32 weights (oneDNN-packed where float32 is the default: the same sums in its order)
                 torch.testing.assert_close(method.matmul(many), F.linear(many, down.weight), rtol=1e-5, atol=1e-5)
-            else:   # no 4-bit copy (a packed float32 weight at most)
-                assert getattr(down.linear_method, "int4", None) is None
+            else:   # no 4-bit copy; the float32 weight packed where oneDNN's float32 GEMM is used
+                method = down.linear_method
+                assert getattr(method, "int4", None) is None
+                assert (isinstance(method, CpuLinearMethod) and method.packed is not None) == \
+                    cpu_linear_mod.packed_linear_supported(torch.float32)
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert [r[:3] for r in runs[0]] == [r[:3] for r in runs[1]]
     agree = sum(a == b for x, y in zip(*runs, strict=True) for a, b in zip(x, y, strict=True))

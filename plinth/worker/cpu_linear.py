@@ -1,10 +1,12 @@
-"""CPU GEMMs for the linear layers and the LM head: oneDNN-prepacked bfloat16, and int4 for small batches.
+"""CPU GEMMs for the linear layers and the LM head: oneDNN-prepacked weights, and int4 for small batches.
 
 Two kernels, chosen per call by the number of rows ``M`` of the input:
 
-- ``packed``: the bfloat16 weight reordered once into oneDNN's blocked layout
-  (``mkldnn._reorder_linear_weight``) and multiplied with ``mkldnn._linear_pointwise``. Same
-  arithmetic as ``F.linear`` (bit-identical outputs), without the per-call reorder.
+- ``packed``: the weight reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``)
+  and multiplied with ``mkldnn._linear_pointwise``. bfloat16: the same arithmetic as ``F.linear``
+  (bit-identical outputs), without the per-call reorder. float32 (x86-64 CPUs without native bfloat16, where
+  float32 is the default dtype): oneDNN's float32 GEMM, faster there than MKL's at decode sizes, for inputs of
+  up to :data:`F32_PACKED_MAX_ROWS` rows (the same sums in another order: within float32 rounding).
 - ``int4``: for ``M <= int4_max_rows`` (decode of one or a few sequences, where the step reads every
   weight once and memory traffic is the cost), a 4-bit copy of the weight in groups of 32 along the
   input features with a scale and offset per group, multiplied with ``_weight_int4pack_mm_for_cpu``.
@@ -24,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import platform
 import sys
 import weakref
 from typing import Any
@@ -99,15 +102,17 @@ F32_PACKED_MAX_ROWS = 128
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
     """oneDNN prepacking is available for ``dtype`` in this torch build and on this CPU, and used: bfloat16
-    wherever it runs; float32 on CPUs without native bfloat16 (where float32 is the default dtype), where the
-    packed GEMM beat MKL's at 8-64 rows on the default model's shapes (2-core AMD EPYC, AVX2: the 49,152-row LM
-    head at 32 rows 17.2 against 33.0 ms, gate/up 0.88 against 1.08 ms). Elsewhere float32 GEMMs go to MKL."""
+    wherever it runs; float32 on x86-64 CPUs without native bfloat16 (where float32 is the default dtype), where
+    the packed GEMM beat MKL's at 1-128 rows on the default model's shapes (2-core AMD EPYC, AVX2: the 49,152-row
+    LM head at 32 rows 17.2 against 33.0 ms, gate/up 0.88 against 1.08 ms; see benchmarks/RESULTS.md). Elsewhere
+    (other architectures: not measured) float32 GEMMs go to MKL."""
     if dtype == torch.bfloat16:
         return _onednn_bf16_linear_runs()
     if dtype == torch.float32:
         from plinth.platforms.cpu import platform as cpu_platform
 
-        return not cpu_platform.has_fast_bf16() and _onednn_f32_linear_runs()
+        return (platform.machine().lower() in ("x86_64", "amd64") and not cpu_platform.has_fast_bf16()
+                and _onednn_f32_linear_runs())
     return False
 
 
@@ -144,6 +149,8 @@ class CpuLinearMethod:
         int4: a 4-bit copy for small batches, or ``None``.
         int4_max_rows: inputs with at most this many rows use ``int4``.
         pack_rows: the row count oneDNN packs the weight for (a hint; any ``M`` works).
+        q8_0, q8_0_max_rows, q4_panel_max_rows, int8_activations: see :func:`install_cpu_linear`.
+        pack: give the weight a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
     """
 
     def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int4_max_rows: int = 0,

@@ -106,8 +106,10 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
 MAX_PACKED_FRACTION = 0.5
 
 
-def _packed_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights that would get a packed copy (linear layers and the LM head)."""
+def _packed_bytes(model: torch.nn.Module, int4_copies: bool = False) -> int:
+    """Bytes of the weights that would get a packed copy (linear layers and the LM head), plus about one byte
+    per weight for the 4-bit copies of a GGUF model (``int4_copies``: the codes in torch's layout and in the
+    native panels, and their scales)."""
     from plinth.model_registry.layers.linear import LinearBase
 
     total = 0
@@ -115,7 +117,7 @@ def _packed_bytes(model: torch.nn.Module) -> int:
         weight = getattr(module, "weight", None)
         head = name == "lm_head" and getattr(module, "gemm", None) is None   # not a quantized head
         if isinstance(weight, torch.Tensor) and (isinstance(module, LinearBase) or head):
-            total += weight.numel() * weight.element_size()
+            total += weight.numel() * (weight.element_size() + (1 if int4_copies else 0))
     return total
 
 
@@ -146,11 +148,12 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     tp_size = getattr(getattr(model, "ctx", None), "tp_size", 1)
     t0 = time.perf_counter()
     pack = env_flag(PACKED_ENV, True) and packed_linear_supported(dtype)
-    if pack and (extra := _packed_bytes(model)) > MAX_PACKED_FRACTION * (free := _free_memory()):
+    gguf = source is not None and getattr(source, "kind", None) == "gguf" and tp_size == 1
+    int4_copies = gguf and env_flag(INT4_ENV, True)
+    if pack and (extra := _packed_bytes(model, int4_copies)) > MAX_PACKED_FRACTION * (free := _free_memory()):
         logger.warning("not prepacking the CPU GEMMs: the packed copies (%.1f GiB) would take more than half of "
                        "the free memory (%.1f GiB)", extra / 2**30, free / 2**30)
         pack = False
-    gguf = source is not None and getattr(source, "kind", None) == "gguf" and tp_size == 1
     if pack and dtype == torch.bfloat16:
         int4, head_q8 = {}, None
         int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS)
