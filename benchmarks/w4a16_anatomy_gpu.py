@@ -8,7 +8,7 @@ as a dependent of the one before on Hopper): ``full`` (unchanged), ``launch`` (r
 a launch in the graph), ``prologue`` (returns after staging and converting the tile's scales, with the first
 chunks' copies done), ``no_mma`` (the tensor-core instructions replaced by one add per register: the
 streaming and unpacking without the products), and ``read``: the packed codes alone read by a plain
-kernel (16-byte loads, ordinary launches), once with the GEMV's grid (a block of 4 warps per 16-row tile)
+kernel (16-byte loads, ordinary launches), once with the GEMV's grid at 4 warps (a block of 4 warps per 16-row tile)
 and once grid-stride (8 blocks per multiprocessor), the bytes' own floor in this harness. Outputs of the
 cut variants are wrong by construction; only ``full`` is checked against the float32 product.
 ``baseline`` (with ``--baseline FILE``) is another version of the kernel's source (the one before a change),

@@ -4,7 +4,7 @@ The parts, each with a switch (environment variables, read at start-up):
 
 - ``PLINTH_CPU_PACKED`` (default on): every unquantized linear layer and the LM head multiply with
   oneDNN-prepacked weights (:mod:`plinth.worker.cpu_linear`): bfloat16 models (bit-identical to
-  ``F.linear``), and float32 models on CPUs without native bfloat16 (the same sums in oneDNN's order: within
+  ``F.linear``), and float32 models on x86-64 CPUs without native bfloat16 (the same sums in oneDNN's order: within
   float32 rounding of ``F.linear``, and about twice as fast for the LM head there).
 - ``PLINTH_CPU_INT4`` (default on for a bfloat16 model read from a GGUF file, and for a float32 one on a
   CPU without native bfloat16, whose decode rows then take the native float32 GEMV): layers whose GGUF
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from plinth.config import ConfigError
-from plinth.kernels import cpu_native
+from plinth.kernels import cpu_native, ops
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
                 "set up in %.2f s",
                 report["packed"], report["int4"], report.get("int4_max_rows", 0), "on" if report.get("q8_0") else "off",
                 report.get("int8", 0),
-                "on" if cpu_native.layer_ops_enabled(torch.empty(0, dtype=dtype)) else "off",
+                "on" if ops.fused_ops_enabled(torch.empty(0, dtype=dtype)) else "off",
                 "on" if report["decode_plan"] else "off", "on" if report["compile"] else "off", max_batch,
                 report["seconds"])
     return report
