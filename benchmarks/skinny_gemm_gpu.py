@@ -276,6 +276,7 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     """The NVRTC tensor-core decode kernel (``cuda_w4a16``) against torch's int4 kernel and the Triton
     decode kernels (``triton_w4a16``: the GEMV for one row, the tensor-core kernel for 2-16), RTN group 128;
     the CUDA kernel at its default launch and swept over ``PLINTH_W4A16_CUDA="WARPS,STAGES"``."""
+    from plinth.kernels import ops
     from plinth.quantization.kernels.int4pack import TorchInt4PackKernel
     from plinth.quantization.kernels.w4a16_cuda import CudaW4A16Kernel, launch_config, registers
     from plinth.quantization.kernels.w4a16_triton import TritonW4A16Kernel
@@ -283,7 +284,7 @@ def w4cuda_part(a: argparse.Namespace, rows: list[int]) -> list[dict[str, Any]]:
     from plinth.quantization.selection import holder
 
     out = []
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = ops.num_sms(torch.device("cuda", torch.cuda.current_device()))
     sweep = [tuple(int(v) for v in item.split("x")) for item in a.w4cuda_sweep.split(",")]
     if a.quick:
         sweep = []

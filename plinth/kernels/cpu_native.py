@@ -93,9 +93,8 @@ def enabled(x: torch.Tensor) -> bool:
 def layer_ops_enabled(x: torch.Tensor) -> bool:
     """Whether :func:`rms_norm`, :func:`silu_and_mul` and :func:`rotary_` run for ``x``: as :func:`enabled`,
     for float32 tensors too (float32 models: the torch code's chain of tensor ops in one call, without
-    intermediate roundings)."""
-    return (x.device.type == "cpu" and not torch.compiler.is_compiling() and x.dtype in (torch.bfloat16, torch.float32)
-            and _env_enabled() and load_library().library is not None)
+    intermediate roundings). The same tensors as :func:`q8_0_enabled`."""
+    return q8_0_enabled(x)
 
 
 def q8_0_supported(dtype: torch.dtype) -> bool:

@@ -117,9 +117,7 @@ class GemmCandidates:
         if quant is not None and self.device.type in ("cuda", "xpu"):   # the rows a norm hands over
             from plinth.kernels import ops
 
-            kernel = cls(self.problem)
-            handed = kernel.apply(holder(kernel.prepare(weights)), ops.QuantizedRows(
-                *ops.quantize_rows(x, quant.dtype, quant.qmax)), None).to(torch.float32)
+            handed = self._run(cls, weights, ops.QuantizedRows(*ops.quantize_rows(x, quant.dtype, quant.qmax)))
             error = max(error, float((handed - ref).abs().max() / ref.abs().max().clamp(min=1e-6)))
         if getattr(cls, "silu_pairs", False) and ref.shape[1] % 2 == 0:
             kernel = cls(self.problem)

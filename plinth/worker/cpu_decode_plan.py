@@ -121,8 +121,7 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         return "pipeline or tensor parallelism"
     embed = inner.embed_tokens.weight
     dtype = embed.dtype
-    if not ((dtype == torch.bfloat16 and cpu_native.enabled(embed))
-            or (dtype == torch.float32 and cpu_native.layer_ops_enabled(embed))):
+    if not cpu_native.layer_ops_enabled(embed):   # bfloat16 or float32, the library built and switched on
         return "not a bfloat16 or float32 model with the native CPU ops"
     if not ops.fused_ops_enabled(embed):   # PLINTH_FUSED_OPS=0: the modules run the torch code
         return "the fused ops are off (PLINTH_FUSED_OPS=0)"

@@ -56,13 +56,11 @@ class ScaledMMFP8Kernel(GemmKernel):
 
     def apply(self, layer: nn.Module, x: torch.Tensor | ops.QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, ops.QuantizedRows):   # quantized by the kernel before (RMSNorm, SiLU-and-mul)
-            out = torch._scaled_mm(x.data, layer.fp8_weight_t, scale_a=x.scale, scale_b=layer.fp8_scale_row,
-                                   out_dtype=self.problem.dtype)
-            return out if bias is None else out + bias
-        if ops.fused_ops_enabled(x):   # one Triton pass per row instead of eight float32 tensor ops
+            xq, x_scale = x
+        elif ops.fused_ops_enabled(x):   # one Triton pass per row instead of eight float32 tensor ops
             xq, x_scale = ops.quantize_rows(x, torch.float8_e4m3fn, FP8_MAX)     # [M, K], [M, 1]
         else:
             xq, x_scale = quantize_fp8_tokens(x)
         out = torch._scaled_mm(xq, layer.fp8_weight_t, scale_a=x_scale, scale_b=layer.fp8_scale_row,
-                               out_dtype=x.dtype)
+                               out_dtype=self.problem.dtype)
         return out if bias is None else out + bias

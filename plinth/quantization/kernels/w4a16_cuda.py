@@ -213,7 +213,7 @@ def plan(m: int, n: int, k: int, groups: int, bf16: bool, device_index: int, for
     if shift is None:
         raise ValueError(f"scale groups of {k // groups} features are not a power-of-two number of "
                          f"{CHUNK}-feature chunks")
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    sms = ops.num_sms(torch.device("cuda", device_index))
     warps, stages = fit_shared(*launch_config(k, n, m, sms), m, groups, max_shared(device_index))
     shared = SCALE_BYTES * groups + warps * stages * slot_bytes(m)
     if shared > max_shared(device_index):
