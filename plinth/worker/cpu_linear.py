@@ -103,9 +103,10 @@ F32_PACKED_MAX_ROWS = 128
 def packed_linear_supported(dtype: torch.dtype) -> bool:
     """oneDNN prepacking is available for ``dtype`` in this torch build and on this CPU, and used: bfloat16
     wherever it runs; float32 on x86-64 CPUs without native bfloat16 (where float32 is the default dtype), where
-    the packed GEMM beat MKL's at 8-128 rows on the default model's shapes (and in a noisier check at 1-4) (2-core AMD EPYC, AVX2: the 49,152-row
-    LM head at 32 rows 17.2 against 33.0 ms, gate/up 0.88 against 1.08 ms; see benchmarks/RESULTS.md). Elsewhere
-    (other architectures: not measured) float32 GEMMs go to MKL."""
+    the packed GEMM beat MKL's at 8-128 rows on the default model's shapes (2-core AMD EPYC, AVX2: the 49,152-row
+    LM head at 32 rows 17.2 against 33.0 ms, gate/up 0.88 against 1.08 ms; see benchmarks/RESULTS.md; fewer rows
+    were not benchmarked: a GGUF model's decode rows take its 4-bit copies). Elsewhere (other architectures: not
+    measured) float32 GEMMs go to MKL."""
     if dtype == torch.bfloat16:
         return _onednn_bf16_linear_runs()
     if dtype == torch.float32:
