@@ -6,9 +6,11 @@ bfloat16 default, both measured from a float32 run of the same GGUF weights.
 Each mode runs in its own process (the switch is read at engine start-up): ``fp32`` (the file's weights
 dequantized to float32, float32 compute: the reference), ``bf16`` (the default CPU path) and ``int8``. For
 eight texts (prose, code, a chat turn; ~50 tokens each) the teacher-forced log-probability of every prompt
-token is taken (``prompt_logprobs``), and for four of them 64 greedy tokens. Printed per mode, against fp32:
-the mean and largest change of the prompt tokens' log-probabilities, how often the most likely next token
-is the same, and how many greedy tokens agree before the first difference.
+token is taken (``prompt_logprobs``), and for four of them 64 greedy tokens with their log-probabilities.
+Printed per mode, against fp32: the mean and largest change of the prompt tokens' log-probabilities, how often
+the most likely next token is the same, how many greedy tokens agree before the first difference, and the mean
+and largest change of the greedy tokens' log-probabilities up to there (decode steps: on CPUs without native
+bfloat16 the default is float32 and the prompt runs no 8-bit GEMM, so this is where ``int8`` differs).
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ def run_mode(mode: str) -> dict:
                 top = max(d.items(), key=lambda kv: kv[1].logprob)[0]
                 rows.append((d[o.prompt_token_ids[pos]].logprob, top))
         scores.append(rows)
-    greedy = llm.generate(TEXTS[:4], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), use_tqdm=False)
-    return {"scores": scores, "greedy": [g.outputs[0].token_ids for g in greedy]}
+    greedy = llm.generate(TEXTS[:4], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=1),
+                          use_tqdm=False)
+    return {"scores": scores, "greedy": [g.outputs[0].token_ids for g in greedy],
+            "greedy_logprobs": [[d[t].logprob for t, d in zip(g.outputs[0].token_ids, g.outputs[0].logprobs,
+                                                              strict=True)] for g in greedy]}
 
 
 def main() -> int:
@@ -68,13 +73,16 @@ def main() -> int:
         pairs = [(a, b) for ra, rb in zip(ref["scores"], r["scores"], strict=True) for a, b in zip(ra, rb, strict=True)]
         delta = np.array([abs(a[0] - b[0]) for a, b in pairs])
         top1 = np.mean([a[1] == b[1] for a, b in pairs])
-        agree = []
-        for x, y in zip(ref["greedy"], r["greedy"], strict=True):
+        agree, steps = [], []
+        for i, (x, y) in enumerate(zip(ref["greedy"], r["greedy"], strict=True)):
             n = next((i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q), len(x))
             agree.append(n)
+            steps += [abs(a - b) for a, b in zip(ref["greedy_logprobs"][i][:n], r["greedy_logprobs"][i][:n],
+                                                 strict=True)]
+        steps_txt = f"mean {np.mean(steps):.4f}, max {np.max(steps):.3f}" if steps else "none"
         print(f"{mode} vs fp32: prompt log-probabilities |change| mean {delta.mean():.4f}, max {delta.max():.3f}; "
               f"same top-1 token {top1:.1%} of {len(pairs)} positions; greedy tokens equal before the first "
-              f"difference: {agree} of 64")
+              f"difference: {agree} of 64; their log-probabilities |change| {steps_txt}")
     return 0
 
 

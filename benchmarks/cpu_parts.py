@@ -9,10 +9,14 @@
   4-bit codes) for 1 and 4 input rows, 30 layers cycled so the weights come from memory as in a step: torch's
   ``_weight_int4pack_mm_for_cpu`` against plinth's native panel GEMV (``Q4Gemv``), with the GB/s of the 4-bit
   codes, scales and offsets streamed;
+* ``f32-gemm``: the float32 GEMMs of a float32 GGUF model on a CPU without native bfloat16, per layer (SmolLM2
+  shapes, 30 layers cycled as in a step) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
+  rows), the 8-bit-input panel GEMM (``Q4GemmF32Q8``), oneDNN's packed float32 GEMM and ``F.linear`` (MKL);
+  and the Q8_0 LM head at one row with float32 and with 8-bit inputs;
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
   decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
 
-    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,steps
+    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,f32-gemm,steps
 """
 
 from __future__ import annotations
@@ -106,6 +110,21 @@ def decode_kernel_part() -> dict:
             "paged_decode_32x330_warm_ms_per_layer": warm_ms, "warm_gb_s": kv_bytes / warm_ms / 1e6}
 
 
+def _layer_times(layers: list[dict], fn: Callable[[object, torch.Tensor], object], xs: dict[str, torch.Tensor],
+                 reps: int) -> dict[str, float]:
+    """Median microseconds of ``fn(weight, xs[name])`` per GEMM name, the layers cycled ``reps`` times (the
+    first pass warms up)."""
+    per: dict[str, list[float]] = {name: [] for name in xs}
+    for rep in range(reps):
+        for layer in layers:
+            for name, w in layer.items():
+                t = time.perf_counter()
+                fn(w, xs[name])
+                if rep:
+                    per[name].append(time.perf_counter() - t)
+    return {name: float(np.median(v)) * 1e6 for name, v in per.items()}
+
+
 def decode_gemv_part() -> dict:
     from plinth.kernels import cpu_native
     from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
@@ -129,18 +148,50 @@ def decode_gemv_part() -> dict:
     for rows in (1, 4):
         xs = {name: torch.randn(rows, k, generator=gen).bfloat16() for name, (_, k) in shapes.items()}
         for kname, fn in kernels.items():
-            per: dict[str, list[float]] = {name: [] for name in shapes}
-            for rep in range(6):
-                for layer in layers:
-                    for name, w in layer.items():
-                        t = time.perf_counter()
-                        fn(w, xs[name])
-                        if rep:                   # the first pass warms up
-                            per[name].append(time.perf_counter() - t)
-            us = {name: float(np.median(v)) * 1e6 for name, v in per.items()}
+            us = _layer_times(layers, fn, xs, 6)
             total = sum(us.values())
             out[f"{kname}_rows{rows}_us"] = {**{k: round(v, 1) for k, v in us.items()}, "layer": round(total, 1),
                                              "gb_s": round(streamed / total / 1e3, 1)}
+    return out
+
+
+def f32_gemm_part() -> dict:
+    from plinth.kernels import cpu_native
+
+    if not cpu_native.q4_gemv_f32_supported():
+        return {"error": "the native kernels were not built with AVX2/FMA/F16C"}
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(30):
+        layer = {}
+        for name, (n, k) in shapes.items():
+            d = torch.rand(n, k // 32, generator=gen) * 0.01
+            panels = cpu_native.pack_q4_panels(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen), d, -8 * d)
+            w = torch.randn(n, k, generator=gen) * 0.02
+            layer[name] = {"f32_gemv": cpu_native.Q4GemvF32(panels), "q8_gemm": cpu_native.Q4GemmF32Q8(panels),
+                           "onednn": torch.ops.mkldnn._reorder_linear_weight(w, 32), "mkl": w}
+        layers.append(layer)
+    kernels = {"f32_gemv": lambda e, x: e["f32_gemv"](x), "q8_gemm": lambda e, x: e["q8_gemm"](x),
+               "onednn": lambda e, x: torch.ops.mkldnn._linear_pointwise(x, e["onednn"], None, "none", [], ""),
+               "mkl": lambda e, x: torch.nn.functional.linear(x, e["mkl"])}
+    out: dict = {}
+    for rows in (1, 4, 16, 32, 128, 512):
+        xs = {name: torch.randn(rows, k, generator=gen) for name, (_, k) in shapes.items()}
+        used = layers if rows <= 32 else layers[:6]
+        for kname, fn in kernels.items():
+            if kname == "f32_gemv" and rows > cpu_native.Q4_GEMV_F32_MAX_ROWS:
+                continue
+            us = _layer_times(used, fn, xs, 4 if rows <= 32 else 3)
+            out[f"{kname}_rows{rows}_us"] = {**{k: round(v, 1) for k, v in us.items()}, "layer": round(sum(us.values()), 1)}
+    n, k = VOCAB, 576
+    codes = torch.randint(-127, 128, (n, k // 32, 32), dtype=torch.int8, generator=gen)
+    scales = (torch.rand(n, k // 32, 1, generator=gen) * 0.01).half()
+    blocks = torch.cat([scales.view(torch.uint8), codes.view(torch.uint8)], -1).reshape(n, -1).contiguous()
+    x = torch.randn(1, k, generator=gen)
+    for label, int8 in (("float32", False), ("int8_two_planes", True)):
+        out[f"q8_0_head_rows1_{label}_ms"] = median_ms(
+            lambda i=int8: cpu_native.q8_0_matmul(x, blocks, n, torch.float32, int8_inputs=i), 20)
     return out
 
 
@@ -181,7 +232,7 @@ def steps_part() -> dict:
 
 
 PARTS = {"sampler": sampler_part, "prefill-kernel": prefill_kernel_part, "decode-kernel": decode_kernel_part,
-         "decode-gemv": decode_gemv_part, "steps": steps_part}
+         "decode-gemv": decode_gemv_part, "f32-gemm": f32_gemm_part, "steps": steps_part}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -144,10 +146,14 @@ def test_float32_model_plan_equals_the_module_path(tiny_llama_dir):
             _plan_equals_modules(llm, n, "f")
 
 
-def test_float32_gguf_plan_runs_every_layer_natively(tmp_path_factory, monkeypatch, tiny_llama_dir):
+@pytest.mark.parametrize("int8", [False, True])
+def test_float32_gguf_plan_runs_every_layer_natively(int8, tmp_path_factory, monkeypatch, tiny_llama_dir):
     """A float32 Q4_1 GGUF model on a CPU without native bfloat16 keeps 4-bit copies that take float32 rows
     (the native float32 GEMV): steps of up to the layers' row limit run every layer in one native call
-    (``plinth_decode_layers_f32``), bit-identical to the module path, as is the plan's Python loop."""
+    (``plinth_decode_layers_f32``), bit-identical to the module path, as is the plan's Python loop. With
+    8-bit inputs (the default there) every GEMM of a decode step quantizes its rows to 8 bits
+    (``plinth_decode_layers_f32q8``, any batch size), still bit-identical to the modules, which take the 8-bit
+    GEMM in decode steps too (and never for a prompt)."""
     from test_gguf import small_model, write_gguf
 
     from plinth.platforms.cpu import platform as cpu_platform
@@ -155,21 +161,35 @@ def test_float32_gguf_plan_runs_every_layer_natively(tmp_path_factory, monkeypat
     if not cpu_native.q4_gemv_f32_supported():
         pytest.skip("the float32 panel GEMV needs AVX2/FMA/F16C")
     monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
+    if not int8:
+        monkeypatch.setenv("PLINTH_CPU_INT8_ACT", "0")
+    q8_rows: list[int] = []   # rows of every 8-bit GEMM call from Python (the module path)
+    real_q8 = cpu_native.Q4GemmF32Q8.__call__
+    monkeypatch.setattr(cpu_native.Q4GemmF32Q8, "__call__", lambda self, x: (q8_rows.append(x.shape[0]),
+                                                                            real_q8(self, x))[1])
     tmp = tmp_path_factory.mktemp("q4plan32")
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp / "cache"))
     path = write_gguf(tmp / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
     calls = []
     real = cpu_native.decode_layers
-    monkeypatch.setattr(cpu_native, "decode_layers", lambda *a: (calls.append(a[1].rows), real(*a))[1])
+    monkeypatch.setattr(cpu_native, "decode_layers",
+                        lambda *a, **k: (calls.append((a[1].rows, k.get("int8_inputs"))), real(*a, **k))[1])
     with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4,
              attention_backend="cpu_paged") as llm:
         plan = llm.engine.runner.graphs
         assert isinstance(plan, CpuDecodePlan) and plan.dtype == torch.float32
-        assert plan.fused_layers is not None and plan.fused_max_rows == 4    # PLINTH_CPU_INT4_MAX_ROWS
+        # PLINTH_CPU_INT4_MAX_ROWS; with 8-bit inputs every row count takes the copies' GEMM
+        assert plan.fused_layers is not None and plan.fused_max_rows == (sys.maxsize if int8 else 4)
+        assert plan.int8_inputs == int8
+        copy = llm.engine.runner.model.model.layers[0].mlp.down_proj.linear_method.int4
+        assert (copy.gemm_q8 is not None) == int8
         small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * i)] for i in range(6)]
+        llm.generate([small_vocab[5]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        assert not q8_rows and not calls    # a prompt (23 rows) and its logits: float32 rows only
         for n in (1, 3, 4, 6):    # past the row limit the layers take their float32 GEMM (the plan's loop)
             _plan_equals_modules(llm, n, "g", small_vocab)
-        assert sorted(set(calls)) == [1, 3, 4], calls
+        assert sorted(set(calls)) == [(n, int8) for n in ((1, 3, 4, 6) if int8 else (1, 3, 4))], calls
+        assert (6 in q8_rows) == int8       # the module path of a 6-row decode step took the 8-bit GEMM
         fused, plan.fused_layers = plan.fused_layers, None
         try:
             for n in (1, 3):

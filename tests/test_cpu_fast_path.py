@@ -380,19 +380,26 @@ def test_matmul_decode_attention_equals_sdpa(num_kv_heads, group):
 
 
 
-def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_path, monkeypatch, tiny_llama_dir):
+@pytest.mark.parametrize("int8", ["default", "0"])
+def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(int8, tmp_path, monkeypatch,
+                                                                            tiny_llama_dir):
     """On a CPU without native bfloat16 (float32 is the default there), a Q4_1 GGUF model's decode rows (up to
-    ``PLINTH_CPU_INT4_MAX_ROWS``) multiply the file's 4-bit blocks: with the rows as they are through the
-    native float32 GEMV (AVX2/FMA), else rounded to bfloat16 through torch's int4 kernel; longer inputs keep
-    the float32 weights. Greedy tokens follow the float32 path's (``PLINTH_CPU_INT4=0``) except where a near
-    tie parts them."""
+    ``PLINTH_CPU_INT4_MAX_ROWS``) multiply the file's 4-bit blocks through the native float32 GEMV (AVX2/FMA),
+    the rows as they are; without AVX2 rounded to bfloat16 through torch's int4 kernel; longer inputs keep the
+    float32 weights. In decode steps (by default; not with ``PLINTH_CPU_INT8_ACT=0``) every row count takes
+    the copies' 8-bit-input GEMM instead.
+    Greedy tokens follow the float32 path's (``PLINTH_CPU_INT4=0``) except where a near tie parts them."""
+    from test_cpu_native_ops import int8_rows
     from test_gguf import small_model, write_gguf
 
     from plinth.platforms.cpu import platform as cpu_platform
     from plinth.worker import cpu_linear as cpu_linear_mod
+    from plinth.worker.cpu_linear import decode_step
 
     monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    if int8 != "default":
+        monkeypatch.setenv("PLINTH_CPU_INT8_ACT", int8)
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12]]
@@ -412,18 +419,29 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
                 assert got.dtype == torch.float32
                 assert torch.equal(method.matmul(x.t().contiguous().t()), got)   # a strided input alike
                 if cpu_native.q4_gemv_f32_supported():
-                    # the native float32 GEMV: the file's weights times the rows as they are, float32 sums
+                    # the native float32 GEMV: the file's weights times the rows as they are, float32 sums (a
+                    # prompt's rows, whether or not the copy has the 8-bit GEMM for decode steps)
                     assert method.int4.gemv_f32 is not None and torch.equal(got, method.int4.gemv_f32(x))
                     want = x.double() @ w_file.T
                     bound = 1e-5 * (x.double().abs() @ w_file.abs().T)
                     assert bool(((got.double() - want).abs() <= bound).all())
+                    assert method.int4.int8_inputs == (int8 == "default")
                 else:   # torch's int4 kernel on the bfloat16-rounded rows
                     assert torch.equal(got, method.int4.matmul(x.bfloat16()).float())
                     want = x.bfloat16().double() @ w_file.T
                     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
-                many = torch.randn(9, w_file.shape[1])          # past the row limit: the float32 weight
-                # the float32 weights (oneDNN-packed where float32 is the default: the same sums in its order)
+                many = torch.randn(40, w_file.shape[1])
+                # past the row limit the float32 weights (oneDNN-packed where float32 is the default: the same
+                # sums in its order)
                 torch.testing.assert_close(method.matmul(many), F.linear(many, down.weight), rtol=1e-5, atol=1e-5)
+                if method.int4.int8_inputs:   # in a decode step every row count takes the 8-bit GEMM
+                    for rows_in in (x, many):
+                        with decode_step():
+                            got8 = method.matmul(rows_in)
+                        assert torch.equal(got8, method.int4.gemm_q8(rows_in))
+                        want = int8_rows(rows_in) @ w_file.T
+                        bound = 1e-5 * (int8_rows(rows_in).abs() @ w_file.abs().T)
+                        assert bool(((got8.double() - want).abs() <= bound).all())
             else:   # no 4-bit copy; the float32 weight packed where oneDNN's float32 GEMM is used
                 method = down.linear_method
                 assert getattr(method, "int4", None) is None
@@ -435,11 +453,14 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(tmp_
     assert agree >= 0.75 * sum(len(r) for r in runs[0])
 
 
-def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(tmp_path, monkeypatch, tiny_llama_dir):
+@pytest.mark.parametrize("int8", ["default", "0"])
+def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp_path, monkeypatch, tiny_llama_dir):
     """On a CPU without native bfloat16 a float32 GGUF model's Q8_0 LM head (here the tied embedding) serves
-    decode rows from the file's blocks with float32 inputs: the logits are the file's weights times the
-    rows as they are (float32 sums); longer inputs keep the float32 weight. Greedy tokens match the float32
-    head's (``PLINTH_CPU_Q8_HEAD_MAX_ROWS=0``) up to near ties."""
+    decode rows from the file's blocks with float32 inputs: the logits are the file's weights times the rows,
+    quantized to 8 bits per 32 features (the default, with AVX2) or as they are (``PLINTH_CPU_INT8_ACT=0``),
+    in float32 sums; longer inputs keep the float32 weight. Greedy tokens match the float32 head's
+    (``PLINTH_CPU_Q8_HEAD_MAX_ROWS=0``) up to near ties."""
+    from test_cpu_native_ops import int8_rows
     from test_gguf import small_model, write_gguf
 
     from plinth.kernels import cpu_native
@@ -450,13 +471,17 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(tmp_path,
         pytest.skip("the native CPU kernels are not built here")
     monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    if int8 != "default":
+        monkeypatch.setenv("PLINTH_CPU_INT8_ACT", int8)
+    quantized = int8 == "default" and cpu_native.q8_0_int8_supported()
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q8_0)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12]]
-    calls: list[tuple[int, torch.dtype]] = []   # (rows, input dtype) of every Q8_0 GEMV
+    calls: list[tuple[int, torch.dtype, bool]] = []   # (rows, input dtype, 8-bit inputs) of every Q8_0 GEMV
     real = cpu_native.q8_0_matmul
-    monkeypatch.setattr(cpu_native, "q8_0_matmul", lambda x, *a, **k: (calls.append((x.shape[0], x.dtype)),
-                                                                        real(x, *a, **k))[1])
+    monkeypatch.setattr(cpu_native, "q8_0_matmul",
+                        lambda x, *a, **k: (calls.append((x.shape[0], x.dtype, k.get("int8_inputs", False))),
+                                            real(x, *a, **k))[1])
     runs = []
     for rows in ("4", "0"):
         monkeypatch.setenv(Q8_HEAD_ROWS_ENV, rows)
@@ -471,9 +496,10 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(tmp_path,
                     x = torch.randn(m, w_file.shape[1], generator=gen)
                     calls.clear()
                     got = head(x)
-                    assert calls == [(m, torch.float32)]               # the file's blocks, float32 rows as they are
-                    exact = x.double() @ w_file.double().T
-                    bound = 1e-5 * (x.double().abs() @ w_file.double().abs().T)
+                    assert calls == [(m, torch.float32, quantized)]    # the file's blocks, float32 rows
+                    rows_in = int8_rows(x, planes=2) if quantized else x.double()
+                    exact = rows_in @ w_file.double().T
+                    bound = 1e-5 * (rows_in.abs() @ w_file.double().abs().T)
                     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
                 many = torch.randn(7, w_file.shape[1], generator=gen)      # past the row limit: the float32 weight
                 calls.clear()

@@ -361,6 +361,84 @@ def test_q4_panel_gemv_f32_against_gguf_dequantization(qtype, m, n, k):
         gemv(torch.zeros(17, k))
 
 
+def int8_rows(x: torch.Tensor, planes: int = 1) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 as the 8-bit-input kernels see it, in float64: per row and 32 features the
+    codes ``q = round_half_even(t)``, ``t = x * (127 / max |x|)`` (float32 arithmetic), times the scale
+    ``max |x| / 127``; with two planes (the Q8_0 head) ``q + round_half_even((t - q) * 128) / 128``."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    t = blocks * inv
+    codes = torch.round(t).double()                                     # torch.round: half to even
+    if planes == 2:
+        codes = codes + torch.round((t - torch.round(t)) * 128).double() / 128
+    return (codes * (top / 127.0).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 17, 96), (4, 96, 576), (7, 50, 1536), (16, 33, 128),
+                                   (33, 24, 64), (70, 17, 96)])
+def test_q4_panel_gemm_f32_with_int8_inputs(qtype, m, n, k):
+    """``Q4GemmF32Q8`` (AVX2 vpmaddubsw): the file's 4-bit weights times the rows quantized to int8 per 32
+    features, i.e. exactly the product with the dequantized rows up to float32 summation, for any row count
+    (blocks of 32 rows); an all-zero block stays zero; against the float32 rows the change is the 8-bit
+    rounding of the inputs only."""
+    from plinth.worker.cpu_int4 import decode_q4_blocks
+
+    if not cpu_native.q4_gemv_f32_supported():
+        pytest.skip("the native kernels were not built with AVX2/FMA/F16C")
+    gtype = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(m * 100 + n + 7)
+    raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, gtype)
+    w_file = torch.from_numpy(gguf.quants.dequantize(raw, gtype)).double()
+    q, scale, zero = decode_q4_blocks(raw, qtype)
+    panels = cpu_native.pack_q4_panels(q, scale, zero - 8 * scale)
+    gemv = cpu_native.Q4GemmF32Q8(panels)
+    wide = torch.from_numpy(rng.standard_normal((m, k + 8)).astype(np.float32) * 3)
+    wide[0, 8:40] = 0.0                                              # one all-zero block
+    for x in (wide[:, :k].contiguous(), wide[:, 8:]):
+        y = gemv(x)
+        xd = int8_rows(x.contiguous())
+        want = xd @ w_file.T
+        bound = 1e-5 * (xd.abs() @ w_file.abs().T) + 1e-7
+        assert y.dtype == torch.float32 and y.shape == (m, n) and bool(((y.double() - want).abs() <= bound).all())
+        # the 8-bit inputs do change the result, by their rounding (at most half a step per feature)
+        exact = x.double() @ w_file.T
+        step = (x.reshape(m, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(m, k // 32, 32).reshape(m, k)
+        assert not torch.equal(y[:16], cpu_native.Q4GemvF32(panels)(x[:16]))
+        assert bool(((y.double() - exact).abs() <= (step.double() / 2) @ w_file.abs().T + bound).all())
+    with pytest.raises(ValueError, match="8-bit inputs"):
+        gemv(torch.zeros(3, k, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 300, 576), (3, 77, 64), (6, 64, 1536)])
+def test_q8_0_matmul_with_int8_inputs(m, n, k):
+    """The Q8_0 GEMV's 8-bit-input path (AVX2: vpmaddubsw on |q| and the inputs with q's signs, in two planes:
+    the codes and their rounding in 1/128 steps): the file's weights times the dequantized rows up to float32
+    summation, incl. codes of -128 and 127 at full scale; ~100x closer to the float32 rows than one plane."""
+    if not cpu_native.q8_0_int8_supported():
+        pytest.skip("the native kernels were not built with AVX2")
+    rng = np.random.default_rng(m * 10 + n)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    codes = blocks.reshape(n, k // 32, 34)[:, :, 2:].view(np.int8)
+    codes[0, 0, :4] = [-128, 127, -128, 127]                        # extreme codes (the file's d stays)
+    w_file = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).double()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x[0, :32] = torch.tensor([127.0, -127.0] * 16)                   # a block of full-scale codes
+    y = cpu_native.q8_0_matmul(x, torch.from_numpy(blocks), n, torch.float32, int8_inputs=True)
+    xd = int8_rows(x, planes=2)
+    want = xd @ w_file.T
+    bound = 1e-5 * (xd.abs() @ w_file.abs().T) + 1e-7
+    assert y.dtype == torch.float32 and bool(((y.double() - want).abs() <= bound).all())
+    exact = x.double() @ w_file.T
+    one_plane = int8_rows(x) @ w_file.T
+    assert (y.double() - exact).abs().max() * 30 < (one_plane - exact).abs().max()
+    assert not torch.equal(y, cpu_native.q8_0_matmul(x, torch.from_numpy(blocks), n, torch.float32))
+    with pytest.raises(ValueError, match="8-bit inputs from float32"):
+        cpu_native.q8_0_matmul(x.bfloat16(), torch.from_numpy(blocks), n, torch.float32, int8_inputs=True)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 17, 96), (8, 96, 576), (33, 50, 128), (70, 32, 64)])
 def test_q4_panel_matmul_against_gguf_dequantization(qtype, m, n, k):

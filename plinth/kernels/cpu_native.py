@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 5
+ABI_VERSION = 6
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -42,17 +43,22 @@ _SIGNATURES = {
     "plinth_rotary_f32": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
     "plinth_q8_0_gemv": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_q8_0_gemv_f32": [_P, _I, _P, _P, _I, _I, _I, _I],
+    "plinth_q8_0_gemv_f32q8": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_q4p_gemm_f32q8": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_decode_layers_bf16": [_P, _I, _P],
     "plinth_decode_layers_f32": [_P, _I, _P],
+    "plinth_decode_layers_f32q8": [_P, _I, _P],
 }
-_RETURNS = {"plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q8v_gemm_bf16": ctypes.c_int64,
+_RETURNS = {"plinth_q8_0_gemv_f32q8": ctypes.c_int64, "plinth_q4p_gemm_bf16": ctypes.c_int64,
+            "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
-            "plinth_decode_layers_bf16": ctypes.c_int64, "plinth_decode_layers_f32": ctypes.c_int64}
+            "plinth_q4p_gemm_f32q8": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64,
+            "plinth_decode_layers_f32": ctypes.c_int64, "plinth_decode_layers_f32q8": ctypes.c_int64}
 
 
 @functools.cache
@@ -100,6 +106,17 @@ def layer_ops_enabled(x: torch.Tensor) -> bool:
 def q8_0_supported(dtype: torch.dtype) -> bool:
     """Whether :func:`q8_0_matmul` runs for inputs of ``dtype`` (bfloat16 or float32, switch on, library built)."""
     return dtype in (torch.bfloat16, torch.float32) and _env_enabled() and load_library().library is not None
+
+
+@functools.cache
+def q8_0_int8_supported() -> bool:
+    """Whether :func:`q8_0_matmul` takes ``int8_inputs`` here (the library was built with AVX2; switch on)."""
+    if not q8_0_supported(torch.float32):
+        return False
+    blocks = torch.zeros(1, Q8_0_BYTES, dtype=torch.uint8)
+    x, y = torch.zeros(1, Q8_0_BLOCK), torch.empty(1, 1)
+    return _lib().plinth_q8_0_gemv_f32q8(x.data_ptr(), Q8_0_BLOCK, blocks.data_ptr(), y.data_ptr(), 1, 1, 1,
+                                         Q8_0_BLOCK) == 0
 
 
 def q8_0_enabled(x: torch.Tensor) -> bool:
@@ -155,22 +172,30 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
-                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.bfloat16, int8_inputs: bool = False) -> torch.Tensor:
     """``x`` ``[M, K]`` (bfloat16 or float32, features contiguous) times a weight ``[N, K]`` stored as GGUF
     ``Q8_0`` blocks ``blocks`` (``uint8 [N, K / 32 * 34]``) -> ``[M, N]`` in ``out_dtype`` (bfloat16, or
-    float32: the float32 sums unrounded)."""
+    float32: the float32 sums unrounded). ``int8_inputs`` (float32 ``x``, AVX2): the rows quantized to int8 per
+    32 features first (as GGUF's Q8 activations) and multiplied in integer arithmetic."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the Q8_0 GEMV writes bfloat16 or float32, not {out_dtype}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the Q8_0 GEMV takes bfloat16 or float32 inputs, not {x.dtype}")
+    if int8_inputs and x.dtype != torch.float32:
+        raise ValueError(f"the Q8_0 GEMV takes 8-bit inputs from float32 rows, not {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     assert blocks.shape == (out_features, k // Q8_0_BLOCK * Q8_0_BYTES) and blocks.is_contiguous()
     y = torch.empty((m, out_features), dtype=out_dtype)
-    gemv = _lib().plinth_q8_0_gemv if x.dtype == torch.bfloat16 else _lib().plinth_q8_0_gemv_f32
-    gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), int(out_dtype == torch.float32), m,
-         out_features, k)
+    if int8_inputs:
+        gemv = _lib().plinth_q8_0_gemv_f32q8
+    else:
+        gemv = _lib().plinth_q8_0_gemv if x.dtype == torch.bfloat16 else _lib().plinth_q8_0_gemv_f32
+    rc = gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), int(out_dtype == torch.float32), m,
+              out_features, k)
+    if rc:   # (only the 8-bit-input entry returns a status)
+        raise RuntimeError("the Q8_0 GEMV with 8-bit inputs declined: the library was built without AVX2")
     return y
 
 
@@ -316,8 +341,9 @@ class Q4Gemv:
         m, k = x.shape
         if (k != self.in_features or not 1 <= m <= self.MAX_ROWS or x.dtype != self.DTYPE
                 or not x.is_cpu or x.stride(1) != 1):
+            rows = f"1..{self.MAX_ROWS}" if self.MAX_ROWS < sys.maxsize else "M"
             raise ValueError(f"{self.WHAT} takes CPU {str(self.DTYPE).removeprefix('torch.')} inputs "
-                             f"[1..{self.MAX_ROWS}, {self.in_features}] with contiguous features; got {x.dtype} "
+                             f"[{rows}, {self.in_features}] with contiguous features; got {x.dtype} "
                              f"{list(x.shape)} (strides {x.stride()}) on {x.device}")
         y = torch.empty((m, self.out_features), dtype=self.DTYPE)
         rc = self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), m, self.out_features, k)
@@ -352,6 +378,17 @@ class Q4GemvF32(Q4Gemv):
     WHAT: ClassVar[str] = "the float32 panel GEMV"
 
 
+class Q4GemmF32Q8(Q4GemvF32):
+    """The float32 panel GEMM with 8-bit inputs (AVX2 ``vpmaddubsw``), for any number of rows: each input row
+    quantized per 32-feature block to int8 (scale ``max |x| / 127``, as GGUF's Q8 activations), the 4-bit codes
+    times the codes in exact integer sums, folded per block in float32; the result is the weights times the
+    dequantized inputs. Same support as :class:`Q4GemvF32`."""
+
+    ENTRY: ClassVar[str] = "plinth_q4p_gemm_f32q8"
+    MAX_ROWS: ClassVar[int] = sys.maxsize
+    WHAT: ClassVar[str] = "the float32 panel GEMM with 8-bit inputs"
+
+
 class PanelWeight(ctypes.Structure):
     """``PlinthPanelWeight`` of ``csrc/cpu_ops.cpp``: one GEMM's 4-bit panels."""
 
@@ -382,12 +419,17 @@ class DecodeStep(ctypes.Structure):
                 ("attention", _P)]
 
 
-def decode_layers(layers: ctypes.Array, step: DecodeStep, dtype: torch.dtype = torch.bfloat16) -> None:
+def decode_layers(layers: ctypes.Array, step: DecodeStep, dtype: torch.dtype = torch.bfloat16,
+                  int8_inputs: bool = False) -> None:
     """Run every layer of a decode step natively (``plinth_decode_layers_bf16``, or ``_f32`` for a float32
-    model): the caller owns every pointer's memory and keeps it alive. Raises RuntimeError where the kernel
-    declines (bfloat16 without AVX512-BF16, float32 without AVX2/FMA/F16C, rows outside ``1..16``)."""
+    model; ``_f32q8`` with ``int8_inputs``: the GEMVs of :class:`Q4GemmF32Q8`): the caller owns every pointer's
+    memory and keeps it alive. Raises RuntimeError where the kernel declines (bfloat16 without AVX512-BF16,
+    float32 without AVX2/FMA/F16C, rows outside ``1..16``)."""
     f32 = dtype == torch.float32
-    entry = _lib().plinth_decode_layers_f32 if f32 else _lib().plinth_decode_layers_bf16
+    if int8_inputs and not f32:
+        raise ValueError("the native decode step takes 8-bit inputs for float32 models only")
+    entry = (_lib().plinth_decode_layers_f32q8 if int8_inputs else _lib().plinth_decode_layers_f32) if f32 \
+        else _lib().plinth_decode_layers_bf16
     rc = entry(ctypes.addressof(layers), len(layers), ctypes.byref(step))
     if rc != 0:
         need = "AVX2/FMA/F16C" if f32 else "AVX512-BF16"

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.kernels import cpu_native, ops
+from plinth.worker.cpu_linear import decode_step
 
 if TYPE_CHECKING:
     from plinth.worker.cpu_linear import Int4Weight
@@ -231,6 +232,7 @@ class CpuDecodePlan:
                                  for lay in self.layers]
             self.fused_max_rows = min((min(getattr(proj.linear_method, "gemv_max_rows", 0), cpu_native.Q4_GEMV_MAX_ROWS)
                                        for projs in projections for proj in projs), default=0)
+        self.int8_inputs = False
         self.fused_layers = self._fused_layers() if fused else None
 
     def _fused_layers(self) -> ctypes.Array | None:
@@ -239,6 +241,10 @@ class CpuDecodePlan:
         specs = []
         first = self.layers[0]
         first_copies = self._gemv_copies[0]
+        # float32 GEMVs with 8-bit inputs (PLINTH_CPU_INT8_ACT on AVX2): every copy alike, or no native step
+        self.int8_inputs = all(c is not None and c.int8_inputs for copies in self._gemv_copies for c in copies)
+        if not self.int8_inputs and any(c is not None and c.int8_inputs for copies in self._gemv_copies for c in copies):
+            return None
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
             if any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies) \
                     or lay.kv_cache.dtype != self.dtype:
@@ -282,6 +288,11 @@ class CpuDecodePlan:
 
     @torch.inference_mode()
     def run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
+        """One decode step for ``B`` sequences (see :meth:`_run`), as a decode step for the layers' GEMMs."""
+        with decode_step():
+            return self._run(token_ids, positions, block_tables)
+
+    def _run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
         """One decode step for ``B`` sequences: logits ``[B, vocab]`` float32 (None: not a batch it takes).
 
         Args:
@@ -314,7 +325,7 @@ class CpuDecodePlan:
             step.slots, step.lens, step.starts = slots.data_ptr(), lens.data_ptr(), starts.data_ptr()
             step.tables, step.table_width, step.rot_dim = tables_t.data_ptr(), tables.shape[1], cos.shape[-1]
             step.threads = torch.get_num_threads()
-            cpu_native.decode_layers(self.fused_layers, step, self.dtype)
+            cpu_native.decode_layers(self.fused_layers, step, self.dtype, int8_inputs=self.int8_inputs)
             return self.model.compute_logits(fused.out)
         normed, attn_out = bufs.normed, bufs.attn
         width = hidden.shape[1]

@@ -137,6 +137,14 @@ class CompiledDecodeRunner:
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray,
             block_ids: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """One decode step (:meth:`_run`), as a decode step for the layers' GEMMs (``cpu_linear.decode_step``)."""
+        from plinth.worker.cpu_linear import decode_step
+
+        with decode_step():
+            return self._run(token_ids, positions, block_ids)
+
+    def _run(self, token_ids: np.ndarray, positions: np.ndarray,
+             block_ids: Sequence[Sequence[int]]) -> torch.Tensor | None:
         """One decode step for ``B`` sequences; logits ``[B, vocab]`` float32, or ``None`` (run it eagerly).
 
         Args:

@@ -22,13 +22,16 @@ quantization method are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import platform
 import sys
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,6 +70,20 @@ class Int4Weight:
         # and for float32 inputs (AVX2/FMA): float32 models on CPUs without native bfloat16
         self.gemv_f32 = (cpu_native.Q4GemvF32(self.panels) if self.panels is not None
                          and cpu_native.q4_gemv_f32_supported() else None)
+        # float32 rows of decode steps, quantized to 8 bits per 32 features (take_int8_inputs)
+        self.gemm_q8: cpu_native.Q4GemmF32Q8 | None = None
+
+    @property
+    def int8_inputs(self) -> bool:
+        return self.gemm_q8 is not None
+
+    def take_int8_inputs(self) -> bool:
+        """Give the copy the 8-bit-input GEMM (:class:`cpu_native.Q4GemmF32Q8`, AVX2 ``vpmaddubsw``) for the float32
+        rows of decode steps (see :func:`decode_step`); False where this copy has no float32 GEMV."""
+        if self.gemv_f32 is None:
+            return False
+        self.gemm_q8 = cpu_native.Q4GemmF32Q8(self.panels)
+        return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:   # [M, K] -> [M, N]
         """``x`` ``[M, K]`` (features contiguous) times the weight: bfloat16 inputs of at most
@@ -80,6 +97,40 @@ class Int4Weight:
 
 
 #: methods by handle, for the custom op a compiled graph calls (the weights are not graph inputs)
+_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def decode_step(active: bool = True) -> Iterator[None]:
+    """Within it (on this thread) the forward pass is a decode step: layers whose 4-bit copy has the 8-bit-input
+    GEMM multiply every row count with it; prompts and mixed steps keep the float32 weights (beyond the copies'
+    row limit), so a prompt's logits carry no 8-bit rounding."""
+    previous = getattr(_STEP, "decode", False)
+    _STEP.decode = active
+    try:
+        yield
+    finally:
+        _STEP.decode = previous
+
+
+def in_decode_step() -> bool:
+    return getattr(_STEP, "decode", False)
+
+
+def mark_decode_steps(model: torch.nn.Module) -> None:
+    """Make ``model``'s eager forward pass a :func:`decode_step` when its attention metadata says the batch is
+    decode-only (the decode plan and the compiled decode runner mark their own steps)."""
+    forward = model.forward
+
+    def marked(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return forward(input_ids, positions, metadata, *args, **kwargs)
+        with decode_step(bool(getattr(metadata, "is_decode_only", False))):
+            return forward(input_ids, positions, metadata, *args, **kwargs)
+
+    model.forward = marked
+
+
 _METHODS: weakref.WeakValueDictionary[int, CpuLinearMethod] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
@@ -173,6 +224,9 @@ class CpuLinearMethod:
                                   else cpu_native.Q4_GEMV_MAX_ROWS)
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
+        # float32 models without AVX512-VNNI (AVX2): the Q8_0 GEMV quantizes its rows to 8 bits per 32 features
+        self.q8_0_int8 = bool(int8_activations and q8_0 is not None and weight.dtype == torch.float32
+                              and not cpu_native.vnni_supported() and cpu_native.q8_0_int8_supported())
         # int8_activations: inputs of more rows than the int4 / Q8_0 row limits multiply the file's codes with
         # 8-bit inputs (the native VNNI GEMM) instead of the panel GEMM or the bfloat16 weights
         self.vnni: cpu_native.VnniPanels | None = None
@@ -224,17 +278,22 @@ class CpuLinearMethod:
         elif 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.q8_0_enabled(x2):
             # the LM head's logits as the kernel's float32 sums: bfloat16 would round them to steps of 1/8 at
             # magnitude 16-32, where greedy near-ties then break by token id
-            y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32)
+            y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32,
+                                       int8_inputs=self.q8_0_int8 and x2.dtype == torch.float32)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
             if bias is not None:
                 y = y + bias
-        elif (int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == torch.float32
-              and int4.scale_zeros.dtype == torch.bfloat16):
+        elif (int4 is not None and x2.dtype == torch.float32 and int4.scale_zeros.dtype == torch.bfloat16 and 0 < m
+              and (m <= self.int4_max_rows or (int4.int8_inputs and in_decode_step() and cpu_native.native_ops_on()))):
             # a float32 model on a CPU without native bfloat16: decode rows multiply the 4-bit copy, through the
             # native float32 GEMV (AVX2/FMA, the rows as they are) or torch's int4 kernel on bfloat16-rounded
-            # rows; either streams the weights several times faster than the float32 GEMV there
-            if int4.gemv_f32 is not None and m <= cpu_native.Q4_GEMV_F32_MAX_ROWS and cpu_native.native_ops_on():
+            # rows; either streams the weights several times faster than the float32 GEMV there. With 8-bit
+            # inputs a decode step's rows, however many, take the copy's 8-bit GEMM (faster than oneDNN's float32
+            # GEMM at 1-512 rows)
+            if int4.gemm_q8 is not None and in_decode_step() and cpu_native.native_ops_on():
+                y = int4.gemm_q8(x2 if x2.stride(1) == 1 else x2.contiguous())
+            elif int4.gemv_f32 is not None and m <= cpu_native.Q4_GEMV_F32_MAX_ROWS and cpu_native.native_ops_on():
                 y = int4.gemv_f32(x2 if x2.stride(1) == 1 else x2.contiguous())
             else:
                 y = int4.matmul(x2.to(torch.bfloat16, memory_format=torch.contiguous_format)).float()
@@ -257,13 +316,14 @@ class CpuLinearMethod:
         return dtype
 
     def gemv_f32_max_rows(self) -> int:
-        """The most float32 rows :meth:`matmul` sends to the 4-bit copy's native float32 GEMV (0: none): the
-        float32 branch of its routing, where no earlier branch takes float32 rows (a Q8_0 head's rows do)."""
+        """The most float32 rows of a decode step :meth:`matmul` sends to the 4-bit copy's native float32 GEMV or
+        8-bit GEMM (0: none): the float32 branch of its routing, where no earlier branch takes float32 rows (a Q8_0
+        head's rows do); every row count (``sys.maxsize``) for a copy with 8-bit inputs."""
         int4 = self.int4
         if (int4 is None or int4.gemv_f32 is None or int4.scale_zeros.dtype != torch.bfloat16
                 or self.q8_0_max_rows > 0 or not cpu_native.native_ops_on()):
             return 0
-        return min(self.int4_max_rows, cpu_native.Q4_GEMV_F32_MAX_ROWS)
+        return sys.maxsize if int4.int8_inputs else min(self.int4_max_rows, cpu_native.Q4_GEMV_F32_MAX_ROWS)
 
     def int4_kernel_for(self, rows: int, dtype: torch.dtype) -> Int4Weight | None:
         """The 4-bit copy :meth:`matmul` multiplies contiguous ``[rows, K]`` inputs of ``dtype`` with, or None
@@ -324,5 +384,6 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         counts["packed"] += method.packed is not None
         counts["int4"] += method.int4 is not None
         counts["q8_0"] += method.q8_0 is not None
-        counts["int8"] += method.vnni is not None
+        counts["int8"] += (method.vnni is not None or method.q8_0_int8
+                           or (method.int4 is not None and method.int4.int8_inputs))
     return counts

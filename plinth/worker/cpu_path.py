@@ -19,13 +19,16 @@ The parts, each with a switch (environment variables, read at start-up):
 - ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` (default 4; 0 turns it off): when the GGUF file stores the LM head
   (or the tied embedding) as ``Q8_0``, inputs of at most this many rows multiply those blocks with the
   native GEMV (:mod:`plinth.kernels.cpu_native`): half the bytes of bfloat16, and the file's values.
-- ``PLINTH_CPU_INT8_ACT`` (default off): layers with the file's 4-bit blocks, for inputs of more than
-  ``PLINTH_CPU_INT4_MAX_ROWS`` rows (decode batches and prefill), and a ``Q8_0`` LM head, for more than
-  ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` rows, multiply the file's codes with the inputs quantized to int8 per row
-  and 32 features (GGUF's own activation format, as llama.cpp computes): integer dot products per block
+- ``PLINTH_CPU_INT8_ACT`` (bfloat16 models: default off): layers with the file's 4-bit blocks, for inputs of
+  more than ``PLINTH_CPU_INT4_MAX_ROWS`` rows (decode batches and prefill), and a ``Q8_0`` LM head, for more
+  than ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` rows, multiply the file's codes with the inputs quantized to int8 per
+  row and 32 features (GGUF's own activation format, as llama.cpp computes): integer dot products per block
   (AVX512-VNNI), twice the multiply rate of bfloat16, so batched decode and prefill GEMMs run ~1.4x faster.
   Outputs differ from the bfloat16 reference by the 8-bit rounding of the inputs (~0.5% of a product), so
-  it is a switch, not the default.
+  it is a switch, not the default. Float32 GGUF models (CPUs without native bfloat16): default on; in decode
+  steps (any batch size) their 4-bit layers multiply with 8-bit inputs (AVX2 ``vpmaddubsw``, 1.2-2.2x the
+  float32 GEMV and GEMM there; prompts keep float32) and a ``Q8_0`` head's decode rows with two 8-bit planes
+  (~15 bits); ``0`` turns it off.
 - ``PLINTH_CPU_DECODE_PLAN`` (default on): decode batches of a standard bfloat16 or float32 decoder model run
   through a flat list of prepared kernel calls instead of the module tree
   (:mod:`plinth.worker.cpu_decode_plan`; the same kernels, bit-identical results, a fraction of the
@@ -180,6 +183,9 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         # blocks, and the LM head from the file's Q8_0 blocks (a quarter of the float32 weight's bytes), both
         # taking the float32 rows as they are where the native kernels run; each can be turned off alone
         int4, head_q8, int4_rows, q8_rows = {}, None, 0, 0
+        # PLINTH_CPU_INT8_ACT (default on here): the 4-bit layers' and the Q8_0 head's decode GEMVs quantize
+        # their float32 rows to 8 bits per 32 features (AVX2 vpmaddubsw)
+        int8_act = env_flag(INT8_ACT_ENV, True) and _float32_gguf(source, dtype, tp_size)
         if _float32_gguf(source, dtype, tp_size):
             int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS) if env_flag(INT4_ENV, True) else 0
             q8_rows = env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
@@ -187,12 +193,20 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
                 from plinth.worker.cpu_int4 import int4_weights_from_gguf
 
                 int4 = int4_weights_from_gguf(str(source.path), model, torch.bfloat16)
+                if int8_act:
+                    for weight in int4.values():
+                        weight.take_int8_inputs()
             if q8_rows > 0 and cpu_native.q8_0_supported(torch.float32):
                 from plinth.worker.cpu_int4 import q8_0_lm_head_from_gguf
 
                 head_q8 = q8_0_lm_head_from_gguf(str(source.path), model)
         if pack or int4 or head_q8 is not None:
-            report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows, pack=pack))
+            report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows, pack=pack,
+                                             int8_activations=int8_act))
+            if any(w.int8_inputs for w in int4.values()):
+                from plinth.worker.cpu_linear import mark_decode_steps
+
+                mark_decode_steps(model)
             report["int4_max_rows"] = int4_rows if report["int4"] else 0
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
     max_num_seqs = config.scheduler.limits[0]

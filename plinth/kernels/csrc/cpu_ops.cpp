@@ -405,6 +405,156 @@ inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, con
   }
 }
 
+
+// The 8-bit-input version of the float32 panel GEMV (AVX2): the inputs quantized per row and 32-k block to
+// int8 as GGUF's Q8 activations (scale max |x| / 127, round to nearest even; the block's sum is that of the
+// quantized inputs, so the result is the product of the weights with the dequantized inputs), then per
+// 32-byte load (two k-pairs of the tile's 16 columns) the low and the high nibbles are each a column's (k, k + 1)
+// codes side by side, and vpmaddubsw multiplies them with the inputs' pairs, accumulating exact int16 sums (at most
+// 8 x 2 x 15 x 127 = 30480) over a block; per block the sums are folded: y += d sx s + c xs in float32.
+constexpr int64_t kQ8xBytes = 8;   // expanded input bytes per input feature (see q8x_expand)
+constexpr int64_t kQ8BlockRows = 32;   // rows of one block of plinth_q4p_gemm_f32q8
+
+// One float32 row -> int8 codes per 32-k block (scale max |x| / 127, round to nearest even), the blocks'
+// scales and the sums of the quantized inputs (scale x sum of codes). With xr, also the rounding left over in
+// 1/128 steps of the scale, as int8 codes (|xr| <= 64): x = scale (xq + xr / 128) to ~15 bits.
+inline void q8_quantize_row_f32(const float* x, int64_t kbs, int8_t* xq, float* sx, float* xs,
+                                int8_t* xr = nullptr) {
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < kbs; ++b) {
+    const float* xb = x + 32 * b;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], sign_off));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i q[4], rest[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 t = _mm256_mul_ps(v[j], inv);
+      q[j] = _mm256_cvtps_epi32(t);   // MXCSR: round to nearest even
+      // t - q is exact (|t - q| <= 1/2 and q is t's nearest integer), and so is its product with 128
+      rest[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(t, _mm256_cvtepi32_ps(q[j])), _mm256_set1_ps(128.0f)));
+    }
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    if (xr != nullptr) {   // 128 codes + the second plane: the sum in 1/128 steps (exact in int32)
+      total = _mm256_add_epi32(_mm256_slli_epi32(total, 7), _mm256_add_epi32(_mm256_add_epi32(rest[0], rest[1]),
+                                                                              _mm256_add_epi32(rest[2], rest[3])));
+    }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    sx[b] = top / 127.0f;
+    xs[b] = sx[b] * static_cast<float>(_mm_cvtsi128_si32(t)) * (xr != nullptr ? 1.0f / 128.0f : 1.0f);
+    // int32 -> int8 (|q| <= 127, no saturation): packs interleave the 128-bit lanes, the permute restores order
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * b), _mm256_permutevar8x32_epi32(bytes, order));
+    if (xr != nullptr) {
+      const __m256i rb = _mm256_packs_epi16(_mm256_packs_epi32(rest[0], rest[1]), _mm256_packs_epi32(rest[2], rest[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xr + 32 * b), _mm256_permutevar8x32_epi32(rb, order));
+    }
+  }
+}
+
+// int8 codes [K] -> the tile loop's expanded inputs: per 4 features 32 bytes, the first 16 the pair (x0, x1)
+// eight times, the last 16 (x2, x3) eight times.
+inline void q8x_expand(const int8_t* xq, int64_t k, uint8_t* xe) {
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  for (int64_t i = 0; i < k; i += 4) {
+    int32_t four;
+    std::memcpy(&four, xq + i, sizeof(four));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xe + i * kQ8xBytes),
+                        _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs));
+  }
+}
+
+// R expanded input rows (q8x_expand; row stride k * kQ8xBytes) times one 16-column tile of the panel layout.
+template <int R>
+inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs, int64_t k, int64_t kbs,
+                             const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, float* y, int64_t n,
+                             int64_t col) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    const uint8_t* cb = codes + kb * 16 * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 128, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 192, _MM_HINT_T0);
+    __m256i sum[R][2];   // int16 per column: lane 0 the even k-pairs, lane 1 the odd ones
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {   // k-pairs 2 j (lane 0) and 2 j + 1 (lane 1)
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j));
+      const __m256i w0 = _mm256_and_si256(v, low4);                        // columns 0-7: (k, k + 1)
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // columns 8-15
+      for (int r = 0; r < R; ++r) {
+        const __m256i xp = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(xe + r * k * kQ8xBytes + (kb * 32 + 4 * j) * kQ8xBytes));
+        sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_maddubs_epi16(w0, xp));
+        sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_maddubs_epi16(w1, xp));
+      }
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16 + 8)));
+    const __m256 c0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + kb * 16)));
+    const __m256 c1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + kb * 16 + 8)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(sx[r * kbs + kb]), total = _mm256_set1_ps(xs[r * kbs + kb]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i s32 = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum[r][h])),
+                                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum[r][h], 1)));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(h ? d1 : d0, scale), _mm256_cvtepi32_ps(s32),
+                                    _mm256_fmadd_ps(h ? c1 : c0, total, acc[r][h]));
+      }
+    }
+  }
+  const int64_t cols = std::min<int64_t>(16, n - col);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    std::memcpy(y + r * n + col, out, sizeof(float) * cols);
+  }
+}
+
+// out[r] = sum over the nb blocks of one Q8_0 row of d_b sx_r,b (q_b . (xq_r,b + xr_r,b / 128)) for rows =
+// 1..kMaxRows inputs quantized per 32-k block (q8_quantize_row_f32 with its second plane xr; codes k apart,
+// scales nb apart): vpmaddubsw takes |q| and the inputs with q's signs (llama.cpp's way to multiply two
+// signed byte vectors), exact in int16 (at most 2 x 128 x 127 per pair); per block the two planes' int32 sums
+// combine exactly as 128 p + p_r (|p| <= 32 x 128 x 127) and are scaled in float32.
+inline void q8_0_row_dot_q8(const uint8_t* row, const int8_t* xq, const int8_t* xr, const float* sx, int64_t k,
+                            int64_t nb, int rows, float* out) {
+  constexpr int64_t kBlock = 32, kBytes = 34;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kQ8Prefetch, _MM_HINT_T0);
+    uint16_t dh;
+    std::memcpy(&dh, blk, sizeof(dh));
+    const float d = _cvtsh_ss(dh);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i aw = _mm256_abs_epi8(w);
+    for (int r = 0; r < rows; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock));
+      const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + r * k + b * kBlock));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+      const __m256i dot2 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x2, w)), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[r * nb + b] * (1.0f / 128.0f)),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot, 7), dot2)), acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) out[r] = hsum8(acc[r]);
+}
+
 }  // namespace
 #endif
 
@@ -500,7 +650,7 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 5; }
+int64_t plinth_cpu_ops_abi() { return 6; }
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
@@ -544,11 +694,13 @@ void plinth_rotary_f32(float* q, int64_t q_tok, int64_t q_head, int64_t hq, floa
 // scale d then 32 int8 values q; w = d * q. x bfloat16 (row stride x_stride); float32 accumulation (each
 // weight as d * q in float32, exact). y float32 (y_f32 = 1: the sums as they are, e.g. an LM head's logits,
 // which bfloat16 would round to steps of 1/8 at magnitude 16-32) or bfloat16 (rounded once).
+extern "C++" {   // templates need C++ linkage
 namespace {
 
-// the rows of plinth_q8_0_gemv on float32 inputs xs [M, K] (contiguous)
-void q8_0_gemv_rows(const float* xs, const uint8_t* blocks, void* y, int64_t y_f32, int64_t m, int64_t n,
-                    int64_t k) {
+// y [M, N] of a Q8_0 weight: per output row, the input rows kMaxRows at a time through
+// dot(row, r0, rows, dots) (the weight row stays in L1 between them)
+template <class Dot>
+void q8_0_gemv_outputs(const uint8_t* blocks, void* y, int64_t y_f32, int64_t m, int64_t n, int64_t k, Dot dot) {
   const int64_t nb = k / 32;
   float* yf = static_cast<float*>(y);
   uint16_t* yb = static_cast<uint16_t*>(y);
@@ -558,7 +710,7 @@ void q8_0_gemv_rows(const float* xs, const uint8_t* blocks, void* y, int64_t y_f
     float dots[kMaxRows];
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
-      q8_0_row_dot(row, xs + r0 * k, k, nb, rows, dots);
+      dot(row, r0, rows, dots);
       for (int r = 0; r < rows; ++r) {
         if (y_f32) yf[(r0 + r) * n + o] = dots[r];
         else yb[(r0 + r) * n + o] = f2bf(dots[r]);
@@ -567,7 +719,17 @@ void q8_0_gemv_rows(const float* xs, const uint8_t* blocks, void* y, int64_t y_f
   }
 }
 
+// the rows of plinth_q8_0_gemv on float32 inputs xs [M, K] (contiguous)
+void q8_0_gemv_rows(const float* xs, const uint8_t* blocks, void* y, int64_t y_f32, int64_t m, int64_t n,
+                    int64_t k) {
+  const int64_t nb = k / 32;
+  q8_0_gemv_outputs(blocks, y, y_f32, m, n, k, [&](const uint8_t* row, int64_t r0, int rows, float* dots) {
+    q8_0_row_dot(row, xs + r0 * k, k, nb, rows, dots);
+  });
+}
+
 }  // namespace
+}  // extern "C++"
 
 void plinth_q8_0_gemv(const uint16_t* x, int64_t x_stride, const uint8_t* blocks, void* y, int64_t y_f32,
                       int64_t m, int64_t n, int64_t k) {
@@ -587,6 +749,27 @@ void plinth_q8_0_gemv_f32(const float* x, int64_t x_stride, const uint8_t* block
     x = xf.data();
   }
   q8_0_gemv_rows(x, blocks, y, y_f32, m, n, k);
+}
+
+// plinth_q8_0_gemv_f32 with the inputs quantized per row and 32-k block to two int8 planes (q8_0_row_dot_q8: ~15
+// bits, so that an LM head's logits stay within ~1e-4 of float32 inputs' and greedy near-ties keep their order):
+// the weights times the dequantized inputs. Returns 0, or -1 where the library was built without AVX2.
+int64_t plinth_q8_0_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t* blocks, void* y, int64_t y_f32,
+                               int64_t m, int64_t n, int64_t k) {
+#if defined(PLINTH_CPU_AVX2)
+  const int64_t nb = k / 32;
+  std::vector<int8_t> xq(static_cast<size_t>(m * k)), xr(static_cast<size_t>(m * k));
+  std::vector<float> sx(static_cast<size_t>(m * nb)), xs(static_cast<size_t>(m * nb));
+  for (int64_t r = 0; r < m; ++r) q8_quantize_row_f32(x + r * x_stride, nb, xq.data() + r * k, sx.data() + r * nb,
+                                                      xs.data() + r * nb, xr.data() + r * k);
+  q8_0_gemv_outputs(blocks, y, y_f32, m, n, k, [&](const uint8_t* row, int64_t r0, int rows, float* dots) {
+    q8_0_row_dot_q8(row, xq.data() + r0 * k, xr.data() + r0 * k, sx.data() + r0 * nb, k, nb, rows, dots);
+  });
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)blocks; (void)y; (void)y_f32; (void)m; (void)n; (void)k;
+  return -1;
+#endif
 }
 
 // y [M, N] = x [M, K] @ W^T for W in plinth's panel layout of 4-bit weights (built from GGUF Q4_0/Q4_1
@@ -677,6 +860,61 @@ int64_t plinth_q4p_gemv_f32(const float* x, int64_t x_stride, const uint8_t* cod
         case 2: q4p_gemv_f32_tile<2>(xr, x_stride, kbs, ct, dt, cht, yr, n, t * 16); break;
         case 3: q4p_gemv_f32_tile<3>(xr, x_stride, kbs, ct, dt, cht, yr, n, t * 16); break;
         default: q4p_gemv_f32_tile<4>(xr, x_stride, kbs, ct, dt, cht, yr, n, t * 16); break;
+      }
+    }
+  }
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
+  return -1;
+#endif
+}
+
+// y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T over the panel layout, any M >= 1, with the
+// inputs quantized to int8 per row and 32-k block (see q4p_gemv_q8_tile): the product of the weights with the
+// dequantized inputs, in float32. Rows go in blocks of kQ8BlockRows (their expanded inputs stay in L2), each
+// block's tiles spread over the threads, four rows at a time per tile (its codes then come from L1). Returns 0,
+// -1 where the library was built without AVX2/FMA/F16C, -2 for M < 1.
+int64_t plinth_q4p_gemm_f32q8(const float* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
+                              const uint16_t* ch, float* y, int64_t m, int64_t n, int64_t k) {
+#if defined(PLINTH_CPU_AVX2)
+  if (m < 1) return -2;
+  const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
+  const int64_t block = std::min<int64_t>(m, kQ8BlockRows);
+  thread_local std::vector<uint8_t> xe;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> sx, xs;
+  xe.resize(static_cast<size_t>(block * k * kQ8xBytes));
+  xq.resize(static_cast<size_t>(k));
+  sx.resize(static_cast<size_t>(m * kbs));
+  xs.resize(static_cast<size_t>(m * kbs));
+  for (int64_t b0 = 0; b0 < m; b0 += block) {
+    const int64_t rows = std::min<int64_t>(block, m - b0);
+    for (int64_t r = 0; r < rows; ++r) {
+      q8_quantize_row_f32(x + (b0 + r) * x_stride, kbs, xq.data(), sx.data() + (b0 + r) * kbs,
+                          xs.data() + (b0 + r) * kbs);
+      q8x_expand(xq.data(), k, xe.data() + r * k * kQ8xBytes);
+    }
+    const uint8_t* xep = xe.data();
+    const float* sxp = sx.data() + b0 * kbs;
+    const float* xsp = xs.data() + b0 * kbs;
+    float* yb = y + b0 * n;
+#pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint8_t* ct = codes + t * kps * 16;
+      const uint16_t* dt = dh + t * kbs * 16;
+      const uint16_t* cht = ch + t * kbs * 16;
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const uint8_t* xr = xep + r0 * k * kQ8xBytes;
+        const float* sr = sxp + r0 * kbs;
+        const float* tr = xsp + r0 * kbs;
+        float* yr = yb + r0 * n;
+        switch (std::min<int64_t>(4, rows - r0)) {
+          case 1: q4p_gemv_q8_tile<1>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+          case 2: q4p_gemv_q8_tile<2>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+          case 3: q4p_gemv_q8_tile<3>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+          default: q4p_gemv_q8_tile<4>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+        }
       }
     }
   }
@@ -860,6 +1098,17 @@ int64_t plinth_decode_layers_f32(const PlinthDecodeLayer* layers, int64_t num_la
 #if defined(PLINTH_CPU_AVX2)
   if (st->rows < 1 || st->rows > kGemvF32MaxRows) return -2;
   return decode_layers<F32, plinth_q4p_gemv_f32>(layers, num_layers, st, 0);
+#else
+  (void)layers; (void)num_layers; (void)st;
+  return -1;
+#endif
+}
+
+// The same with the 8-bit-input GEMM (plinth_q4p_gemm_f32q8) for every projection, for any row count >= 1.
+int64_t plinth_decode_layers_f32q8(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
+#if defined(PLINTH_CPU_AVX2)
+  if (st->rows < 1) return -2;
+  return decode_layers<F32, plinth_q4p_gemm_f32q8>(layers, num_layers, st, 0);
 #else
   (void)layers; (void)num_layers; (void)st;
   return -1;
