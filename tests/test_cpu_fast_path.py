@@ -492,12 +492,13 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
                 assert isinstance(method, CpuLinearMethod) and method.q8_0 is not None and method.q8_0_max_rows == 4
                 w_file = torch.from_numpy(gguf.quants.dequantize(method.q8_0.numpy(), gguf.GGMLQuantizationType.Q8_0))
                 gen = torch.Generator().manual_seed(4)
-                for m in (1, 4):
+                for m in (1, 2, 4):
                     x = torch.randn(m, w_file.shape[1], generator=gen)
                     calls.clear()
                     got = head(x)
-                    assert calls == [(m, torch.float32, quantized)]    # the file's blocks, float32 rows
-                    rows_in = int8_rows(x, planes=2) if quantized else x.double()
+                    # the file's blocks, float32 rows (two 8-bit planes for 1-2 rows)
+                    assert calls == [(m, torch.float32, quantized and m <= 2)]
+                    rows_in = int8_rows(x, planes=2) if quantized and m <= 2 else x.double()
                     exact = rows_in @ w_file.double().T
                     bound = 1e-5 * (rows_in.abs() @ w_file.double().abs().T)
                     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())

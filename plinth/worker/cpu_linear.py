@@ -146,6 +146,11 @@ def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.T
     return x.new_empty((x.shape[0], out_features), dtype=_METHODS[handle].output_dtype(x.shape[0], x.dtype))
 
 
+#: the most rows a Q8_0 head multiplies with two-plane 8-bit inputs (AVX2): the integer work grows with the rows,
+#: and from 3 rows on the float32 GEMV was faster (2-core AVX2 machine, 49152 x 576: 1 row 1.5 against 2.2 ms,
+#: 2 rows 2.0-2.4 against 2.6, 3 rows 3.3-3.6 against 2.9-3.0)
+Q8_0_INT8_MAX_ROWS = 2
+
 #: float32 inputs of more rows than this skip the packed weights (MKL's GEMM was as fast from 256 rows on, in the
 #: measurements of benchmarks/RESULTS.md, CPU session 13)
 F32_PACKED_MAX_ROWS = 128
@@ -279,7 +284,8 @@ class CpuLinearMethod:
             # the LM head's logits as the kernel's float32 sums: bfloat16 would round them to steps of 1/8 at
             # magnitude 16-32, where greedy near-ties then break by token id
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32,
-                                       int8_inputs=self.q8_0_int8 and x2.dtype == torch.float32)
+                                       int8_inputs=self.q8_0_int8 and x2.dtype == torch.float32
+                                       and m <= Q8_0_INT8_MAX_ROWS)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
             if bias is not None:
