@@ -474,6 +474,7 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
     if int8 != "default":
         monkeypatch.setenv("PLINTH_CPU_INT8_ACT", int8)
     quantized = int8 == "default" and cpu_native.q8_0_int8_supported()
+    from plinth.worker.cpu_linear import decode_step
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q8_0)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12]]
@@ -492,13 +493,15 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
                 assert isinstance(method, CpuLinearMethod) and method.q8_0 is not None and method.q8_0_max_rows == 4
                 w_file = torch.from_numpy(gguf.quants.dequantize(method.q8_0.numpy(), gguf.GGMLQuantizationType.Q8_0))
                 gen = torch.Generator().manual_seed(4)
-                for m in (1, 2, 4):
+                for m, decoding in ((1, False), (1, True), (2, True), (4, True)):
                     x = torch.randn(m, w_file.shape[1], generator=gen)
                     calls.clear()
-                    got = head(x)
-                    # the file's blocks, float32 rows (two 8-bit planes for 1-2 rows)
-                    assert calls == [(m, torch.float32, quantized and m <= 2)]
-                    rows_in = int8_rows(x, planes=2) if quantized and m <= 2 else x.double()
+                    with decode_step(decoding):
+                        got = head(x)
+                    # the file's blocks, float32 rows (two 8-bit planes for 1-2 rows of a decode step)
+                    two_planes = quantized and decoding and m <= 2
+                    assert calls == [(m, torch.float32, two_planes)]
+                    rows_in = int8_rows(x, planes=2) if two_planes else x.double()
                     exact = rows_in @ w_file.double().T
                     bound = 1e-5 * (rows_in.abs() @ w_file.double().abs().T)
                     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
@@ -511,6 +514,8 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
             calls.clear()
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
             assert bool(calls) == (rows == "4")   # decode steps of 2 sequences took the Q8_0 head, or never
+            if rows == "4":   # the prompts' step (its 2 logits rows) in float32, the decode steps' 2 rows in 8 bits
+                assert calls[0][2] is False and {flag for _, _, flag in calls[1:]} == {quantized}, calls
     assert [r[:3] for r in runs[0]] == [r[:3] for r in runs[1]]
     agree = sum(a == b for x, y in zip(*runs, strict=True) for a, b in zip(x, y, strict=True))
     assert agree >= 0.75 * sum(len(r) for r in runs[0])

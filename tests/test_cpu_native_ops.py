@@ -411,6 +411,32 @@ def test_q4_panel_gemm_f32_with_int8_inputs(qtype, m, n, k):
         gemv(torch.zeros(3, k, dtype=torch.bfloat16))
 
 
+def test_int8_input_kernels_at_their_limits():
+    """The 8-bit-input kernels at the ends of their ranges: every 4-bit code 15 against full-scale inputs (the
+    int16 block sums at their bound, 8 x 2 x 15 x 127), Q8_0 codes of -128 against -127 inputs, and a NaN or an
+    infinity in one block of a row: that row's outputs are NaN (as the float32 product's), the other rows'
+    finite."""
+    if not cpu_native.q4_gemv_f32_supported() or not cpu_native.q8_0_int8_supported():
+        pytest.skip("the native kernels were not built with AVX2/FMA/F16C")
+    n, k = 32, 256
+    scale = torch.full((n, k // 32), 0.0625)
+    panels = cpu_native.pack_q4_panels(torch.full((n, k), 15, dtype=torch.int32), scale, torch.zeros(n, k // 32))
+    gemm = cpu_native.Q4GemmF32Q8(panels)
+    x = torch.full((3, k), 2.5)                                             # codes 127, scale 2.5 / 127
+    torch.testing.assert_close(gemm(x), torch.full((3, n), 15 * 0.0625 * 2.5 * k), rtol=1e-6, atol=0)
+    blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)
+    blocks[:, :, 2:] = np.uint8(0x80)                                       # code -128 everywhere
+    blocks = torch.from_numpy(blocks.reshape(n, -1))
+    y = cpu_native.q8_0_matmul(-x[:2], blocks, n, torch.float32, int8_inputs=True)
+    torch.testing.assert_close(y, torch.full((2, n), 64.0 * 2.5 * k), rtol=1e-6, atol=0)   # -128 * 0.5 * -2.5 each
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        rows = torch.randn(3, k)
+        rows[1, 40] = bad
+        for out in (gemm(rows), cpu_native.q8_0_matmul(rows[:2], blocks, n, torch.float32, int8_inputs=True)):
+            assert bool(out[1].isnan().all()) and bool(out[0].isfinite().all()), (bad, out)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 300, 576), (3, 77, 64), (6, 64, 1536)])
 def test_q8_0_matmul_with_int8_inputs(m, n, k):
     """The Q8_0 GEMV's 8-bit-input path (AVX2: vpmaddubsw on |q| and the inputs with q's signs, in two planes:

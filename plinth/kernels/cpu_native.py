@@ -424,7 +424,7 @@ def decode_layers(layers: ctypes.Array, step: DecodeStep, dtype: torch.dtype = t
     """Run every layer of a decode step natively (``plinth_decode_layers_bf16``, or ``_f32`` for a float32
     model; ``_f32q8`` with ``int8_inputs``: the GEMVs of :class:`Q4GemmF32Q8`): the caller owns every pointer's
     memory and keeps it alive. Raises RuntimeError where the kernel declines (bfloat16 without AVX512-BF16,
-    float32 without AVX2/FMA/F16C, rows outside ``1..16``)."""
+    float32 without AVX2/FMA/F16C, rows outside ``1..16``; with ``int8_inputs`` any row count ``>= 1``)."""
     f32 = dtype == torch.float32
     if int8_inputs and not f32:
         raise ValueError("the native decode step takes 8-bit inputs for float32 models only")

@@ -168,20 +168,21 @@ class _Native:
 
 @dataclasses.dataclass
 class _Buffers:
-    """Per batch size: the normed activations and the attention output, reused by every layer and step."""
+    """The normed activations and the attention output for up to ``C`` rows (a batch of ``B <= C`` uses the first
+    ``B``), reused by every layer and step; replaced by a larger set when a larger batch comes."""
 
-    normed: torch.Tensor     # [B, H] in the model's dtype
-    attn: torch.Tensor       # [B, Hq * D]
+    normed: torch.Tensor     # [C, H] in the model's dtype
+    attn: torch.Tensor       # [C, Hq * D]
     fused: _FusedBuffers | None = None
 
 
 @dataclasses.dataclass
 class _FusedBuffers:
-    """Per batch size, for the native whole-step call: every GEMV output and the step's argument block, its
-    buffer pointers filled once (a call sets only the step's inputs and thread count)."""
+    """For the native whole-step call, for up to ``C`` rows: every GEMV output and the step's argument block, its
+    buffer pointers filled once (a call sets only the step's rows, inputs and thread count)."""
 
     tensors: list[torch.Tensor]
-    out: torch.Tensor        # [B, H]: the final norm's output
+    out: torch.Tensor        # [C, H]: the final norm's output
     step: cpu_native.DecodeStep
 
 
@@ -218,7 +219,7 @@ class CpuDecodePlan:
                                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))
                     if (copy := _int4_copy(proj)) is not None}))
         self.native = _Native(self.dtype)
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers: _Buffers | None = None
         #: every layer's GEMMs on 4-bit panels with the native GEMV: batches of up to fused_max_rows (the rows
         #: the layers' methods send to the GEMV) run all layers in one native call (the same kernels in the same
         #: order: bit-identical)
@@ -261,15 +262,15 @@ class CpuDecodePlan:
                 cache.shape[1], lay.num_heads, lay.num_kv_heads, lay.head_size, lay.scale, lay.sliding_window or 0))
         return (cpu_native.DecodeLayer * len(specs))(*specs)
 
-    def _fused_buffers(self, bufs: _Buffers, b: int) -> _FusedBuffers:
+    def _fused_buffers(self, bufs: _Buffers) -> _FusedBuffers:
         if bufs.fused is None:
-            width = self.embed.shape[1]
+            width, cap = self.embed.shape[1], bufs.normed.shape[0]
             qkv_n, gate_up_n = self._gemv_copies[0][0].out_features, self._gemv_copies[0][2].out_features
-            tensors = [torch.empty((b, n), dtype=self.dtype)
+            tensors = [torch.empty((cap, n), dtype=self.dtype)
                        for n in (qkv_n, width, gate_up_n, gate_up_n // 2, width, width)]
             qkv, o, gate_up, act, down, out = tensors
             step = cpu_native.DecodeStep(
-                rows=b, width=width, block_size=self.block_size,
+                rows=cap, width=width, block_size=self.block_size,
                 normed=bufs.normed.data_ptr(), qkv=qkv.data_ptr(), attn=bufs.attn.data_ptr(), o=o.data_ptr(),
                 gate_up=gate_up.data_ptr(), act=act.data_ptr(), down=down.data_ptr(), out=out.data_ptr(),
                 final_norm=self.final_norm.data_ptr(), final_eps=self.final_eps,
@@ -278,12 +279,15 @@ class CpuDecodePlan:
         return bufs.fused
 
     def _buffers_for(self, b: int) -> _Buffers:
-        bufs = self._buffers.get(b)
-        if bufs is None:
+        """Buffers for at least ``b`` rows: grown (doubling, up to ``max_size``) when ``b`` exceeds them, so the
+        memory held follows the largest batch seen, not every batch size seen."""
+        bufs = self._buffers
+        if bufs is None or bufs.normed.shape[0] < b:
+            cap = min(self.max_size, max(b, 2 * bufs.normed.shape[0])) if bufs is not None else b
             lay = self.layers[0]
-            bufs = self._buffers[b] = _Buffers(
-                normed=torch.empty((b, self.embed.shape[1]), dtype=self.dtype),
-                attn=torch.empty((b, lay.num_heads * lay.head_size), dtype=self.dtype))
+            bufs = self._buffers = _Buffers(
+                normed=torch.empty((cap, self.embed.shape[1]), dtype=self.dtype),
+                attn=torch.empty((cap, lay.num_heads * lay.head_size), dtype=self.dtype))
         return bufs
 
     @torch.inference_mode()
@@ -319,15 +323,16 @@ class CpuDecodePlan:
         cos, sin = cos.contiguous(), sin.contiguous()
         native, bufs = self.native, self._buffers_for(b)
         if self.fused_layers is not None and b <= self.fused_max_rows:
-            fused = self._fused_buffers(bufs, b)
+            fused = self._fused_buffers(bufs)
             step = fused.step
+            step.rows = b
             step.residual, step.cos, step.sin = hidden.data_ptr(), cos.data_ptr(), sin.data_ptr()
             step.slots, step.lens, step.starts = slots.data_ptr(), lens.data_ptr(), starts.data_ptr()
             step.tables, step.table_width, step.rot_dim = tables_t.data_ptr(), tables.shape[1], cos.shape[-1]
             step.threads = torch.get_num_threads()
             cpu_native.decode_layers(self.fused_layers, step, self.dtype, int8_inputs=self.int8_inputs)
-            return self.model.compute_logits(fused.out)
-        normed, attn_out = bufs.normed, bufs.attn
+            return self.model.compute_logits(fused.out[:b])
+        normed, attn_out = bufs.normed[:b], bufs.attn[:b]
         width = hidden.shape[1]
         slots_p, lens_p, starts_p, tables_p = slots.data_ptr(), lens.data_ptr(), starts.data_ptr(), tables_t.data_ptr()
         cos_p, sin_p, rot_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]

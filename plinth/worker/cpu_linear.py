@@ -102,9 +102,11 @@ _STEP = threading.local()
 
 @contextlib.contextmanager
 def decode_step(active: bool = True) -> Iterator[None]:
-    """Within it (on this thread) the forward pass is a decode step: layers whose 4-bit copy has the 8-bit-input
-    GEMM multiply every row count with it; prompts and mixed steps keep the float32 weights (beyond the copies'
-    row limit), so a prompt's logits carry no 8-bit rounding."""
+    """Within it (on this thread) the forward pass is a decode step (every sequence computes one token): layers
+    whose 4-bit copy has the 8-bit-input GEMM multiply every row count with it, and a Q8_0 head with 8-bit inputs
+    takes them for 1-2 rows; other steps keep the float32 path. A prompt computed in one step of several tokens
+    thus carries no 8-bit rounding; a prompt with one token left to compute (a prefix-cache hit that leaves the
+    last token, or a one-token chunk) is computed like a decode step."""
     previous = getattr(_STEP, "decode", False)
     _STEP.decode = active
     try:
@@ -119,16 +121,25 @@ def in_decode_step() -> bool:
 
 def mark_decode_steps(model: torch.nn.Module) -> None:
     """Make ``model``'s eager forward pass a :func:`decode_step` when its attention metadata says the batch is
-    decode-only (the decode plan and the compiled decode runner mark their own steps)."""
-    forward = model.forward
+    decode-only (every sequence computes one token), and its ``compute_logits`` one when the forward pass before
+    it was (the decode plan and the compiled decode runner mark their own steps)."""
+    forward, compute_logits = model.forward, model.compute_logits
 
     def marked(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return forward(input_ids, positions, metadata, *args, **kwargs)
-        with decode_step(bool(getattr(metadata, "is_decode_only", False))):
+        _STEP.forward_decode = bool(getattr(metadata, "is_decode_only", False))
+        with decode_step(_STEP.forward_decode):
             return forward(input_ids, positions, metadata, *args, **kwargs)
 
+    def marked_logits(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compute_logits(hidden, *args, **kwargs)
+        with decode_step(in_decode_step() or getattr(_STEP, "forward_decode", False)):
+            return compute_logits(hidden, *args, **kwargs)
+
     model.forward = marked
+    model.compute_logits = marked_logits
 
 
 _METHODS: weakref.WeakValueDictionary[int, CpuLinearMethod] = weakref.WeakValueDictionary()
@@ -285,7 +296,7 @@ class CpuLinearMethod:
             # magnitude 16-32, where greedy near-ties then break by token id
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32,
                                        int8_inputs=self.q8_0_int8 and x2.dtype == torch.float32
-                                       and m <= Q8_0_INT8_MAX_ROWS)
+                                       and m <= Q8_0_INT8_MAX_ROWS and in_decode_step())
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
             if bias is not None:
@@ -354,9 +365,11 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         q8_0_max_rows: the row count up to which the LM head multiplies the ``Q8_0`` blocks.
         q4_panel_max_rows: above ``int4_max_rows`` and up to this many rows, layers with a 4-bit copy multiply
             it with the native panel GEMM (AVX512-BF16).
-        int8_activations: layers with a 4-bit copy (above ``int4_max_rows``) and a ``Q8_0`` LM head (above
-            ``q8_0_max_rows``) multiply the file's codes with inputs quantized to 8 bits per row and 32 features
-            (the native VNNI GEMM, AVX512-VNNI), in place of the panel GEMM and the bfloat16 weights.
+        int8_activations: bfloat16 models: layers with a 4-bit copy (above ``int4_max_rows``) and a ``Q8_0`` LM
+            head (above ``q8_0_max_rows``) multiply the file's codes with inputs quantized to 8 bits per row and 32
+            features (the native VNNI GEMM, AVX512-VNNI), in place of the panel GEMM and the bfloat16 weights.
+            float32 models: a ``Q8_0`` head takes 1-2 rows of decode steps in two 8-bit planes (AVX2); their 4-bit
+            copies get the 8-bit GEMM from :meth:`Int4Weight.take_int8_inputs`.
         pack: give the weights a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
 
     Returns:

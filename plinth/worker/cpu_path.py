@@ -185,7 +185,9 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         int4, head_q8, int4_rows, q8_rows = {}, None, 0, 0
         # PLINTH_CPU_INT8_ACT (default on here): the 4-bit layers' and the Q8_0 head's decode GEMVs quantize
         # their float32 rows to 8 bits per 32 features (AVX2 vpmaddubsw)
-        int8_act = env_flag(INT8_ACT_ENV, True) and _float32_gguf(source, dtype, tp_size)
+        # (one pipeline stage: stages run forward_stage, which the decode-step marking does not reach)
+        int8_act = (env_flag(INT8_ACT_ENV, True) and _float32_gguf(source, dtype, tp_size)
+                    and getattr(getattr(model, "ctx", None), "pp_size", 1) == 1)
         if _float32_gguf(source, dtype, tp_size):
             int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS) if env_flag(INT4_ENV, True) else 0
             q8_rows = env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
@@ -203,7 +205,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         if pack or int4 or head_q8 is not None:
             report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows, pack=pack,
                                              int8_activations=int8_act))
-            if any(w.int8_inputs for w in int4.values()):
+            if report.get("int8"):   # layers or the head with 8-bit inputs for decode steps
                 from plinth.worker.cpu_linear import mark_decode_steps
 
                 mark_decode_steps(model)

@@ -424,14 +424,23 @@ inline void q8_quantize_row_f32(const float* x, int64_t kbs, int8_t* xq, float* 
   for (int64_t b = 0; b < kbs; ++b) {
     const float* xb = x + 32 * b;
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
+    __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
       v[j] = _mm256_loadu_ps(xb + 8 * j);
       amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], sign_off));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
     }
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    if (_mm256_movemask_ps(nan) != 0 || std::isinf(top)) {
+      // a NaN or an infinity: the block's scale and sum are NaN, so every output it feeds is NaN (as the float32
+      // product's would be) rather than the product of saturated codes
+      sx[b] = xs[b] = std::nanf("");
+      std::memset(xq + 32 * b, 0, 32);
+      if (xr != nullptr) std::memset(xr + 32 * b, 0, 32);
+      continue;
+    }
     const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
     __m256i q[4], rest[4];
     for (int j = 0; j < 4; ++j) {
