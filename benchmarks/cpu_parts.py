@@ -10,7 +10,7 @@
   ``_weight_int4pack_mm_for_cpu`` against plinth's native panel GEMV (``Q4Gemv``), with the GB/s of the 4-bit
   codes, scales and offsets streamed;
 * ``f32-gemm``: the float32 GEMMs of a float32 GGUF model on a CPU without native bfloat16, per layer (SmolLM2
-  shapes, 30 layers cycled as in a step) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
+  shapes, 30 layers cycled as in a step; 6 at 128 and 512 rows, where the GEMMs are compute-bound) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
   rows), the 8-bit-input panel GEMM (``Q4GemmF32Q8``), oneDNN's packed float32 GEMM and ``F.linear`` (MKL);
   and the Q8_0 LM head at one row with float32 and with 8-bit inputs;
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
@@ -110,6 +110,16 @@ def decode_kernel_part() -> dict:
             "paged_decode_32x330_warm_ms_per_layer": warm_ms, "warm_gb_s": kv_bytes / warm_ms / 1e6}
 
 
+#: a SmolLM2 layer's four GEMMs, (N, K)
+LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def _random_layers(make: Callable[[int, int], object], count: int = 30) -> list[dict]:
+    """``count`` layers of ``{name: make(N, K)}`` for :data:`LAYER_SHAPES` (enough weights that cycling them
+    streams from memory as a step does)."""
+    return [{name: make(n, k) for name, (n, k) in LAYER_SHAPES.items()} for _ in range(count)]
+
+
 def _layer_times(layers: list[dict], fn: Callable[[object, torch.Tensor], object], xs: dict[str, torch.Tensor],
                  reps: int) -> dict[str, float]:
     """Median microseconds of ``fn(weight, xs[name])`` per GEMM name, the layers cycled ``reps`` times (the
@@ -129,16 +139,15 @@ def decode_gemv_part() -> dict:
     from plinth.kernels import cpu_native
     from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
 
-    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    shapes = LAYER_SHAPES
     gen = torch.Generator().manual_seed(0)
-    layers = []
-    for _ in range(30):
-        layer = {}
-        for name, (n, k) in shapes.items():
-            q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
-            scale = torch.rand(n, k // 32, generator=gen) * 0.01
-            layer[name] = Int4Weight.from_blocks(q, scale, torch.rand(n, k // 32, generator=gen) * 0.01, torch.bfloat16)
-        layers.append(layer)
+
+    def int4_weight(n: int, k: int) -> Int4Weight:
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        scale = torch.rand(n, k // 32, generator=gen) * 0.01
+        return Int4Weight.from_blocks(q, scale, torch.rand(n, k // 32, generator=gen) * 0.01, torch.bfloat16)
+
+    layers = _random_layers(int4_weight)
     streamed = sum(w.panels.codes.numel() + 4 * w.panels.scales.numel() for w in layers[0].values())
     kernels = {"torch_int4pack": lambda w, x: torch._weight_int4pack_mm_for_cpu(x, w.packed, INT4_GROUP,
                                                                                  w.scale_zeros)}
@@ -160,18 +169,17 @@ def f32_gemm_part() -> dict:
 
     if not cpu_native.q4_gemv_f32_supported():
         return {"error": "the native kernels were not built with AVX2/FMA/F16C"}
-    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    shapes = LAYER_SHAPES
     gen = torch.Generator().manual_seed(0)
-    layers = []
-    for _ in range(30):
-        layer = {}
-        for name, (n, k) in shapes.items():
-            d = torch.rand(n, k // 32, generator=gen) * 0.01
-            panels = cpu_native.pack_q4_panels(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen), d, -8 * d)
-            w = torch.randn(n, k, generator=gen) * 0.02
-            layer[name] = {"f32_gemv": cpu_native.Q4GemvF32(panels), "q8_gemm": cpu_native.Q4GemmF32Q8(panels),
-                           "onednn": torch.ops.mkldnn._reorder_linear_weight(w, 32), "mkl": w}
-        layers.append(layer)
+
+    def kernels_of(n: int, k: int) -> dict:
+        d = torch.rand(n, k // 32, generator=gen) * 0.01
+        panels = cpu_native.pack_q4_panels(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen), d, -8 * d)
+        w = torch.randn(n, k, generator=gen) * 0.02
+        return {"f32_gemv": cpu_native.Q4GemvF32(panels), "q8_gemm": cpu_native.Q4GemmF32Q8(panels),
+                "onednn": torch.ops.mkldnn._reorder_linear_weight(w, 32), "mkl": w}
+
+    layers = _random_layers(kernels_of)
     kernels = {"f32_gemv": lambda e, x: e["f32_gemv"](x), "q8_gemm": lambda e, x: e["q8_gemm"](x),
                "onednn": lambda e, x: torch.ops.mkldnn._linear_pointwise(x, e["onednn"], None, "none", [], ""),
                "mkl": lambda e, x: torch.nn.functional.linear(x, e["mkl"])}

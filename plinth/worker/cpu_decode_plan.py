@@ -233,8 +233,11 @@ class CpuDecodePlan:
                                  for lay in self.layers]
             self.fused_max_rows = min((min(getattr(proj.linear_method, "gemv_max_rows", 0), cpu_native.Q4_GEMV_MAX_ROWS)
                                        for projs in projections for proj in projs), default=0)
-        self.int8_inputs = False
-        self.fused_layers = self._fused_layers() if fused else None
+        # float32 GEMMs with 8-bit inputs (PLINTH_CPU_INT8_ACT on AVX2): every copy alike, or no native step
+        copies = [c for projs in self._gemv_copies for c in projs if c is not None]
+        self.int8_inputs = bool(copies) and all(c.int8_inputs for c in copies)
+        mixed = not self.int8_inputs and any(c.int8_inputs for c in copies)
+        self.fused_layers = self._fused_layers() if fused and not mixed else None
 
     def _fused_layers(self) -> ctypes.Array | None:
         """The layers' argument blocks for :func:`cpu_native.decode_layers`, or None where a layer lacks a
@@ -242,10 +245,6 @@ class CpuDecodePlan:
         specs = []
         first = self.layers[0]
         first_copies = self._gemv_copies[0]
-        # float32 GEMVs with 8-bit inputs (PLINTH_CPU_INT8_ACT on AVX2): every copy alike, or no native step
-        self.int8_inputs = all(c is not None and c.int8_inputs for copies in self._gemv_copies for c in copies)
-        if not self.int8_inputs and any(c is not None and c.int8_inputs for copies in self._gemv_copies for c in copies):
-            return None
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
             if any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies) \
                     or lay.kv_cache.dtype != self.dtype:

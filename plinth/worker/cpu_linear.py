@@ -96,7 +96,6 @@ class Int4Weight:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
 
 
-#: methods by handle, for the custom op a compiled graph calls (the weights are not graph inputs)
 _STEP = threading.local()
 
 
@@ -142,6 +141,7 @@ def mark_decode_steps(model: torch.nn.Module) -> None:
     model.compute_logits = marked_logits
 
 
+#: methods by handle, for the custom op a compiled graph calls (the weights are not graph inputs)
 _METHODS: weakref.WeakValueDictionary[int, CpuLinearMethod] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
@@ -242,7 +242,7 @@ class CpuLinearMethod:
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
         # float32 models without AVX512-VNNI (AVX2): the Q8_0 GEMV quantizes its rows to 8 bits per 32 features
         self.q8_0_int8 = bool(int8_activations and q8_0 is not None and weight.dtype == torch.float32
-                              and not cpu_native.vnni_supported() and cpu_native.q8_0_int8_supported())
+                              and cpu_native.q8_0_int8_supported())
         # int8_activations: inputs of more rows than the int4 / Q8_0 row limits multiply the file's codes with
         # 8-bit inputs (the native VNNI GEMM) instead of the panel GEMM or the bfloat16 weights
         self.vnni: cpu_native.VnniPanels | None = None
@@ -278,6 +278,9 @@ class CpuLinearMethod:
             return y.view(*lead, self.out_features)
         m = x2.shape[0]
         int4 = self.int4
+        # a decode step's float32 rows, however many, take the 4-bit copy's 8-bit GEMM where it has one
+        decode_q8 = (int4 is not None and int4.gemm_q8 is not None and in_decode_step()
+                     and cpu_native.native_ops_on())
         if self.vnni is not None and m > self.vnni_min_rows and cpu_native.enabled(x2):
             y = cpu_native.vnni_matmul(x2, self.vnni)
             if bias is not None:
@@ -302,13 +305,13 @@ class CpuLinearMethod:
             if bias is not None:
                 y = y + bias
         elif (int4 is not None and x2.dtype == torch.float32 and int4.scale_zeros.dtype == torch.bfloat16 and 0 < m
-              and (m <= self.int4_max_rows or (int4.int8_inputs and in_decode_step() and cpu_native.native_ops_on()))):
+              and (m <= self.int4_max_rows or decode_q8)):
             # a float32 model on a CPU without native bfloat16: decode rows multiply the 4-bit copy, through the
             # native float32 GEMV (AVX2/FMA, the rows as they are) or torch's int4 kernel on bfloat16-rounded
             # rows; either streams the weights several times faster than the float32 GEMV there. With 8-bit
             # inputs a decode step's rows, however many, take the copy's 8-bit GEMM (faster than oneDNN's float32
             # GEMM at 1-512 rows)
-            if int4.gemm_q8 is not None and in_decode_step() and cpu_native.native_ops_on():
+            if decode_q8:
                 y = int4.gemm_q8(x2 if x2.stride(1) == 1 else x2.contiguous())
             elif int4.gemv_f32 is not None and m <= cpu_native.Q4_GEMV_F32_MAX_ROWS and cpu_native.native_ops_on():
                 y = int4.gemv_f32(x2 if x2.stride(1) == 1 else x2.contiguous())

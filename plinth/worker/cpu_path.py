@@ -183,12 +183,13 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         # blocks, and the LM head from the file's Q8_0 blocks (a quarter of the float32 weight's bytes), both
         # taking the float32 rows as they are where the native kernels run; each can be turned off alone
         int4, head_q8, int4_rows, q8_rows = {}, None, 0, 0
+        f32_gguf = _float32_gguf(source, dtype, tp_size)
         # PLINTH_CPU_INT8_ACT (default on here): the 4-bit layers' and the Q8_0 head's decode GEMVs quantize
         # their float32 rows to 8 bits per 32 features (AVX2 vpmaddubsw)
         # (one pipeline stage: stages run forward_stage, which the decode-step marking does not reach)
-        int8_act = (env_flag(INT8_ACT_ENV, True) and _float32_gguf(source, dtype, tp_size)
+        int8_act = (f32_gguf and env_flag(INT8_ACT_ENV, True)
                     and getattr(getattr(model, "ctx", None), "pp_size", 1) == 1)
-        if _float32_gguf(source, dtype, tp_size):
+        if f32_gguf:
             int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS) if env_flag(INT4_ENV, True) else 0
             q8_rows = env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
             if int4_rows > 0:

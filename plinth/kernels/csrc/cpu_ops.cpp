@@ -339,6 +339,25 @@ namespace {
 constexpr int64_t kGemvF32Prefetch = 2048;
 constexpr int64_t kGemvF32MaxRows = 16;
 
+// one 32-k block's codes of a tile (256 bytes), kGemvF32Prefetch bytes ahead
+inline void prefetch_block_codes(const uint8_t* cb) {
+  for (int line = 0; line < 4; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 64 * line, _MM_HINT_T0);
+}
+
+// R rows of a tile's 16 float32 sums (columns 0-7, 8-15) into y [R, n] at column col (the last tile may be
+// narrower)
+template <int R>
+inline void store_tile_rows(const __m256 (&acc)[R][2], float* y, int64_t n, int64_t col) {
+  const int64_t cols = std::min<int64_t>(16, n - col);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    std::memcpy(y + r * n + col, out, sizeof(float) * cols);
+  }
+}
+
 // R float32 input rows times one 16-column tile of the 4-bit panel layout (8 lanes, AVX2/FMA): per k-pair the 16
 // code bytes become the 16 columns' codes at k and at k + 1 (a byte shuffle puts parities apart, low nibbles =
 // columns 0-7, high = 8-15), multiplied with the inputs as float32; per 32-k block the sums are folded:
@@ -362,10 +381,7 @@ inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, con
                                   _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
     }
     const uint8_t* cb = codes + kb * 16 * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 128, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 192, _MM_HINT_T0);
+    prefetch_block_codes(cb);
     for (int64_t kp = 0; kp < 16; ++kp) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + kp * 16));
       const __m128i lo = _mm_shuffle_epi8(_mm_and_si128(bytes, low4), parity);                      // cols 0-7: k, k+1
@@ -396,13 +412,7 @@ inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, con
       acc[r][1] = _mm256_fmadd_ps(d1, hi, _mm256_fmadd_ps(c1, sx, acc[r][1]));
     }
   }
-  const int64_t cols = std::min<int64_t>(16, n - col);
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float out[16];
-    _mm256_store_ps(out, acc[r][0]);
-    _mm256_store_ps(out + 8, acc[r][1]);
-    std::memcpy(y + r * n + col, out, sizeof(float) * cols);
-  }
+  store_tile_rows<R>(acc, y, n, col);
 }
 
 
@@ -493,10 +503,7 @@ inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* cb = codes + kb * 16 * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 128, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb) + kGemvF32Prefetch + 192, _MM_HINT_T0);
+    prefetch_block_codes(cb);
     __m256i sum[R][2];   // int16 per column: lane 0 the even k-pairs, lane 1 the odd ones
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {   // k-pairs 2 j (lane 0) and 2 j + 1 (lane 1)
@@ -524,13 +531,7 @@ inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs
       }
     }
   }
-  const int64_t cols = std::min<int64_t>(16, n - col);
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float out[16];
-    _mm256_store_ps(out, acc[r][0]);
-    _mm256_store_ps(out + 8, acc[r][1]);
-    std::memcpy(y + r * n + col, out, sizeof(float) * cols);
-  }
+  store_tile_rows<R>(acc, y, n, col);
 }
 
 // out[r] = sum over the nb blocks of one Q8_0 row of d_b sx_r,b (q_b . (xq_r,b + xr_r,b / 128)) for rows =
