@@ -12,7 +12,7 @@
 * ``f32-gemm``: the float32 GEMMs of a float32 GGUF model on a CPU without native bfloat16, per layer (SmolLM2
   shapes, 30 layers cycled as in a step; 6 at 128 and 512 rows, where the GEMMs are compute-bound) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
   rows), the 8-bit-input panel GEMM (``Q4GemmF32Q8``), oneDNN's packed float32 GEMM and ``F.linear`` (MKL);
-  and the Q8_0 LM head at one row with float32 and with 8-bit inputs;
+  and the Q8_0 LM head at 1-4 and 8 rows with float32 and with 8-bit inputs;
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
   decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
 
@@ -196,10 +196,13 @@ def f32_gemm_part() -> dict:
     codes = torch.randint(-127, 128, (n, k // 32, 32), dtype=torch.int8, generator=gen)
     scales = (torch.rand(n, k // 32, 1, generator=gen) * 0.01).half()
     blocks = torch.cat([scales.view(torch.uint8), codes.view(torch.uint8)], -1).reshape(n, -1).contiguous()
-    x = torch.randn(1, k, generator=gen)
-    for label, int8 in (("float32", False), ("int8_two_planes", True)):
-        out[f"q8_0_head_rows1_{label}_ms"] = median_ms(
-            lambda i=int8: cpu_native.q8_0_matmul(x, blocks, n, torch.float32, int8_inputs=i), 20)
+    rows8 = cpu_native.pack_q8_0_rows8(blocks)
+    for rows in (1, 2, 3, 4, 8):
+        x = torch.randn(rows, k, generator=gen)
+        for label, int8 in (("float32", False), ("int8_two_planes", True)):
+            out[f"q8_0_head_rows{rows}_{label}_ms"] = round(median_ms(
+                lambda i=int8, xr=x: cpu_native.q8_0_matmul(xr, blocks, n, torch.float32, int8_inputs=i, rows8=rows8),
+                20), 3)
     return out
 
 

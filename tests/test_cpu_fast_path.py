@@ -27,7 +27,7 @@ from plinth.platforms.cpu.platform import CpuPlatform, cpu_thread_count
 from plinth.worker.batching import block_table_array
 from plinth.worker.cpu_graphs import CompiledDecodeRunner
 from plinth.worker.cpu_int4 import decode_q4_blocks, int4_weights_from_gguf
-from plinth.worker.cpu_linear import CpuLinearMethod, Int4Weight
+from plinth.worker.cpu_linear import Q8_0_INT8_MAX_ROWS, CpuLinearMethod, Int4Weight
 from plinth.worker.model_runner import SeqBatchEntry
 
 PROMPTS = [[5, 17, 99], list(range(20, 61)), list(range(100, 117)), [7] * 9]   # mixed lengths
@@ -498,8 +498,8 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
                     calls.clear()
                     with decode_step(decoding):
                         got = head(x)
-                    # the file's blocks, float32 rows (two 8-bit planes for 1-2 rows of a decode step)
-                    two_planes = quantized and decoding and m <= 2
+                    # the file's blocks, float32 rows (two 8-bit planes for 1-3 rows of a decode step)
+                    two_planes = quantized and decoding and m <= Q8_0_INT8_MAX_ROWS
                     assert calls == [(m, torch.float32, two_planes)]
                     rows_in = int8_rows(x, planes=2) if two_planes else x.double()
                     exact = rows_in @ w_file.double().T

@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 6
+ABI_VERSION = 7
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -43,7 +43,7 @@ _SIGNATURES = {
     "plinth_rotary_f32": [_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I],
     "plinth_q8_0_gemv": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_q8_0_gemv_f32": [_P, _I, _P, _P, _I, _I, _I, _I],
-    "plinth_q8_0_gemv_f32q8": [_P, _I, _P, _P, _I, _I, _I, _I],
+    "plinth_q8_0r8_gemv_f32q8": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -54,7 +54,7 @@ _SIGNATURES = {
     "plinth_decode_layers_f32": [_P, _I, _P],
     "plinth_decode_layers_f32q8": [_P, _I, _P],
 }
-_RETURNS = {"plinth_q8_0_gemv_f32q8": ctypes.c_int64, "plinth_q4p_gemm_bf16": ctypes.c_int64,
+_RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q4p_gemm_bf16": ctypes.c_int64,
             "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
             "plinth_q4p_gemm_f32q8": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64,
@@ -113,10 +113,27 @@ def q8_0_int8_supported() -> bool:
     """Whether :func:`q8_0_matmul` takes ``int8_inputs`` here (the library was built with AVX2; switch on)."""
     if not q8_0_supported(torch.float32):
         return False
-    blocks = torch.zeros(1, Q8_0_BYTES, dtype=torch.uint8)
+    packed = pack_q8_0_rows8(torch.zeros(1, Q8_0_BYTES, dtype=torch.uint8))
     x, y = torch.zeros(1, Q8_0_BLOCK), torch.empty(1, 1)
-    return _lib().plinth_q8_0_gemv_f32q8(x.data_ptr(), Q8_0_BLOCK, blocks.data_ptr(), y.data_ptr(), 1, 1, 1,
-                                         Q8_0_BLOCK) == 0
+    return _lib().plinth_q8_0r8_gemv_f32q8(x.data_ptr(), Q8_0_BLOCK, packed.data_ptr(), y.data_ptr(), 1, 1,
+                                           Q8_0_BLOCK) == 0
+
+
+def pack_q8_0_rows8(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF ``Q8_0`` rows ``blocks`` (``uint8 [N, K / 32 * 34]``) regrouped eight rows at a time for the 8-bit-input
+    GEMV (``plinth_q8_0r8_gemv_f32q8``): ``uint8 [ceil(N / 8), K / 32, 272]``, per tile of 8 rows and 32-feature
+    block the 8 rows' float16 scales, then for ``j = 0..7`` the 8 rows' codes ``4 j .. 4 j + 3``; the last tile is
+    padded with zero rows. Same bytes, another order (the file's ``[N, K]`` weight is unchanged)."""
+    n = blocks.shape[0]
+    nb = blocks.shape[1] // Q8_0_BYTES
+    tiles = (n + 7) // 8
+    rows = blocks.reshape(n, nb, Q8_0_BYTES)
+    if tiles * 8 != n:
+        rows = torch.cat([rows, rows.new_zeros(tiles * 8 - n, nb, Q8_0_BYTES)])
+    rows = rows.reshape(tiles, 8, nb, Q8_0_BYTES).transpose(1, 2)                    # [T, nb, 8 rows, 34]
+    scales = rows[..., :2].reshape(tiles, nb, 16)
+    codes = rows[..., 2:].reshape(tiles, nb, 8, 8, 4).transpose(2, 3).reshape(tiles, nb, 256)   # [T, nb, j, row, 4]
+    return torch.cat([scales, codes], -1).contiguous()
 
 
 def q8_0_enabled(x: torch.Tensor) -> bool:
@@ -172,30 +189,37 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
-                out_dtype: torch.dtype = torch.bfloat16, int8_inputs: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.bfloat16, int8_inputs: bool = False,
+                rows8: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[M, K]`` (bfloat16 or float32, features contiguous) times a weight ``[N, K]`` stored as GGUF
     ``Q8_0`` blocks ``blocks`` (``uint8 [N, K / 32 * 34]``) -> ``[M, N]`` in ``out_dtype`` (bfloat16, or
-    float32: the float32 sums unrounded). ``int8_inputs`` (float32 ``x``, AVX2): the rows quantized to int8 per
-    32 features first (as GGUF's Q8 activations) and multiplied in integer arithmetic."""
+    float32: the float32 sums unrounded). ``int8_inputs`` (float32 ``x`` and output, AVX2): the rows quantized to
+    int8 per 32 features first (two planes, ~15 bits) and multiplied in integer arithmetic with the blocks
+    regrouped by :func:`pack_q8_0_rows8` (``rows8``: that copy made once by the caller; else made here)."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the Q8_0 GEMV writes bfloat16 or float32, not {out_dtype}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the Q8_0 GEMV takes bfloat16 or float32 inputs, not {x.dtype}")
-    if int8_inputs and x.dtype != torch.float32:
-        raise ValueError(f"the Q8_0 GEMV takes 8-bit inputs from float32 rows, not {x.dtype}")
+    if int8_inputs and (x.dtype != torch.float32 or out_dtype != torch.float32):
+        raise ValueError(f"the Q8_0 GEMV takes 8-bit inputs from float32 rows into float32, not {x.dtype} into "
+                         f"{out_dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     assert blocks.shape == (out_features, k // Q8_0_BLOCK * Q8_0_BYTES) and blocks.is_contiguous()
     y = torch.empty((m, out_features), dtype=out_dtype)
+    if m == 0:
+        return y
     if int8_inputs:
-        gemv = _lib().plinth_q8_0_gemv_f32q8
-    else:
-        gemv = _lib().plinth_q8_0_gemv if x.dtype == torch.bfloat16 else _lib().plinth_q8_0_gemv_f32
-    rc = gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), int(out_dtype == torch.float32), m,
-              out_features, k)
-    if rc:   # (only the 8-bit-input entry returns a status)
-        raise RuntimeError("the Q8_0 GEMV with 8-bit inputs declined: the library was built without AVX2")
+        packed = pack_q8_0_rows8(blocks) if rows8 is None else rows8
+        assert packed.shape == ((out_features + 7) // 8, k // Q8_0_BLOCK, 272) and packed.is_contiguous()
+        if _lib().plinth_q8_0r8_gemv_f32q8(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), m,
+                                           out_features, k):
+            raise RuntimeError("the Q8_0 GEMV with 8-bit inputs declined: the library was built without AVX2")
+        return y
+    gemv = _lib().plinth_q8_0_gemv if x.dtype == torch.bfloat16 else _lib().plinth_q8_0_gemv_f32
+    gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), int(out_dtype == torch.float32), m,
+         out_features, k)
     return y
 
 

@@ -103,7 +103,7 @@ _STEP = threading.local()
 def decode_step(active: bool = True) -> Iterator[None]:
     """Within it (on this thread) the forward pass is a decode step (every sequence computes one token): layers
     whose 4-bit copy has the 8-bit-input GEMM multiply every row count with it, and a Q8_0 head with 8-bit inputs
-    takes them for 1-2 rows; other steps keep the float32 path. A prompt computed in one step of several tokens
+    takes them for 1-3 rows; other steps keep the float32 path. A prompt computed in one step of several tokens
     thus carries no 8-bit rounding; a prompt with one token left to compute (a prefix-cache hit that leaves the
     last token, or a one-token chunk) is computed like a decode step."""
     previous = getattr(_STEP, "decode", False)
@@ -158,9 +158,10 @@ def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.T
 
 
 #: the most rows a Q8_0 head multiplies with two-plane 8-bit inputs (AVX2): the integer work grows with the rows,
-#: and from 3 rows on the float32 GEMV was faster (2-core AVX2 machine, 49152 x 576: 1 row 1.5 against 2.2 ms,
-#: 2 rows 2.0-2.4 against 2.6, 3 rows 3.3-3.6 against 2.9-3.0)
-Q8_0_INT8_MAX_ROWS = 2
+#: and from 4 rows on the float32 GEMV was as fast (2-core AVX2 machine, 49152 x 576, `benchmarks/cpu_parts.py
+#: --parts f32-gemm`: 1 row 1.06 against 2.75 ms, 2 rows 1.91 against 3.02, 3 rows 2.73 against 3.53, 4 rows 3.66
+#: against 3.75)
+Q8_0_INT8_MAX_ROWS = 3
 
 #: float32 inputs of more rows than this skip the packed weights (MKL's GEMM was as fast from 256 rows on, in the
 #: measurements of benchmarks/RESULTS.md, CPU session 13)
@@ -243,6 +244,8 @@ class CpuLinearMethod:
         # float32 models without AVX512-VNNI (AVX2): the Q8_0 GEMV quantizes its rows to 8 bits per 32 features
         self.q8_0_int8 = bool(int8_activations and q8_0 is not None and weight.dtype == torch.float32
                               and cpu_native.q8_0_int8_supported())
+        # ... multiplied with the blocks regrouped eight rows at a time (the same bytes in another order)
+        self.q8_0_rows8 = cpu_native.pack_q8_0_rows8(q8_0) if self.q8_0_int8 else None
         # int8_activations: inputs of more rows than the int4 / Q8_0 row limits multiply the file's codes with
         # 8-bit inputs (the native VNNI GEMM) instead of the panel GEMM or the bfloat16 weights
         self.vnni: cpu_native.VnniPanels | None = None
@@ -299,7 +302,7 @@ class CpuLinearMethod:
             # magnitude 16-32, where greedy near-ties then break by token id
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32,
                                        int8_inputs=self.q8_0_int8 and x2.dtype == torch.float32
-                                       and m <= Q8_0_INT8_MAX_ROWS and in_decode_step())
+                                       and m <= Q8_0_INT8_MAX_ROWS and in_decode_step(), rows8=self.q8_0_rows8)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
             if bias is not None:
@@ -371,7 +374,7 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         int8_activations: bfloat16 models: layers with a 4-bit copy (above ``int4_max_rows``) and a ``Q8_0`` LM
             head (above ``q8_0_max_rows``) multiply the file's codes with inputs quantized to 8 bits per row and 32
             features (the native VNNI GEMM, AVX512-VNNI), in place of the panel GEMM and the bfloat16 weights.
-            float32 models: a ``Q8_0`` head takes 1-2 rows of decode steps in two 8-bit planes (AVX2); their 4-bit
+            float32 models: a ``Q8_0`` head takes 1-3 rows of decode steps in two 8-bit planes (AVX2); their 4-bit
             copies get the 8-bit GEMM from :meth:`Int4Weight.take_int8_inputs`.
         pack: give the weights a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
 

@@ -27,7 +27,7 @@ The parts, each with a switch (environment variables, read at start-up):
   Outputs differ from the bfloat16 reference by the 8-bit rounding of the inputs (~0.5% of a product), so
   it is a switch, not the default. Float32 GGUF models (CPUs without native bfloat16): default on; in decode
   steps (any batch size) their 4-bit layers multiply with 8-bit inputs (AVX2 ``vpmaddubsw``, 1.4-3.4x the
-  float32 GEMV and GEMM there at 1-32 rows; prompts keep float32) and a ``Q8_0`` head's 1-2 rows with two 8-bit planes
+  float32 GEMV and GEMM there at 1-32 rows; prompts keep float32) and a ``Q8_0`` head's 1-3 rows with two 8-bit planes
   (~15 bits); ``0`` turns it off.
 - ``PLINTH_CPU_DECODE_PLAN`` (default on): decode batches of a standard bfloat16 or float32 decoder model run
   through a flat list of prepared kernel calls instead of the module tree

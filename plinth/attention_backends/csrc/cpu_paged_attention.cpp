@@ -5,8 +5,9 @@
 // sequences to keep the threads busy, else one). It walks the sequence's blocks through its
 // block-table row (prefetching the next block), scores every query head of each GQA group against
 // the block's keys, and keeps a float32 online softmax (running max, running sum, rescaled
-// accumulator) per query head. Nothing is gathered: one block's keys/values of one head are
-// converted to float32 at a time. A sliding window starts the walk at the window's first token.
+// accumulator) per query head. Nothing is gathered: with AVX512 or AVX2 the keys and values are read in
+// place, converted in registers; elsewhere one block's keys/values of one head are converted to float32 at a
+// time. A sliding window starts the walk at the window's first token.
 //
 // The file includes no torch headers (it compiles in about a second) and exports C functions that
 // take raw pointers; work items are spread over OpenMP threads (the libgomp runtime torch loads).
@@ -21,7 +22,7 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -111,6 +112,65 @@ inline void block_update_avx512(const scalar_t* k_base, const scalar_t* v_base, 
       float* ar = acc + r * kD;
       for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(ar + 16 * j, _mm512_fmadd_ps(p, vv[j], load16(ar + 16 * j)));
     }
+  }
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> float32
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// block_update_avx512 for CPUs with AVX2/FMA but no AVX512: the same online-softmax update of one block of one
+// KV head, 8 features per vector, keys and values read in place from the cache in their dtype. Each query row
+// keeps its kD features in registers across the block's keys (scores) and its accumulator across the block's
+// values (P V), so nothing is copied out of the cache.
+template <typename scalar_t, int64_t kD>
+inline void block_update_avx2(const scalar_t* k_base, const scalar_t* v_base, int64_t token_stride, int64_t lo,
+                              int64_t hi, const float* q, float* acc, float* row_max, float* row_sum, int64_t group,
+                              float* scores /* [BS] */) {
+  constexpr int64_t kV = kD / 8;
+  const int64_t n = hi - lo;
+  for (int64_t r = 0; r < group; ++r) {
+    __m256 qv[kV];
+    for (int64_t j = 0; j < kV; ++j) qv[j] = load8(q + r * kD + 8 * j);
+    float block_max = row_max[r];
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* kr = k_base + (lo + t) * token_stride;
+      __m256 s0 = _mm256_mul_ps(qv[0], load8(kr)), s1 = _mm256_mul_ps(qv[1], load8(kr + 8));
+      for (int64_t j = 2; j < kV; j += 2) {
+        s0 = _mm256_fmadd_ps(qv[j], load8(kr + 8 * j), s0);
+        s1 = _mm256_fmadd_ps(qv[j + 1], load8(kr + 8 * j + 8), s1);
+      }
+      scores[t] = hsum8(_mm256_add_ps(s0, s1));
+      block_max = std::max(block_max, scores[t]);
+    }
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      scores[t] = exp_nonpositive(scores[t] - block_max);
+      sum += scores[t];
+    }
+    const float correction = std::exp(row_max[r] - block_max);  // 0 on the first block (exp(-inf))
+    row_max[r] = block_max;
+    row_sum[r] = row_sum[r] * correction + sum;
+    float* ar = acc + r * kD;
+    __m256 a[kV];
+    const __m256 c = _mm256_set1_ps(correction);
+    for (int64_t j = 0; j < kV; ++j) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ar + 8 * j));
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* vr = v_base + (lo + t) * token_stride;
+      const __m256 p = _mm256_set1_ps(scores[t]);
+      for (int64_t j = 0; j < kV; ++j) a[j] = _mm256_fmadd_ps(p, load8(vr + 8 * j), a[j]);
+    }
+    for (int64_t j = 0; j < kV; ++j) _mm256_storeu_ps(ar + 8 * j, a[j]);
   }
 }
 #endif
@@ -366,6 +426,15 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
                                               q.data() + hh * group * kD, acc.data() + hh * group * kD,
                                               row_max.data() + hh * group, row_sum.data() + hh * group, group,
                                               gscores.data(), bs);
+            continue;
+          }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          if constexpr (kD > 0 && kD % 16 == 0) {
+            block_update_avx2<scalar_t, kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi,
+                                            q.data() + hh * group * kD, acc.data() + hh * group * kD,
+                                            row_max.data() + hh * group, row_sum.data() + hh * group, group,
+                                            scores.data());
             continue;
           }
 #endif

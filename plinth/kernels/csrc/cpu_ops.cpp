@@ -534,35 +534,49 @@ inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs
   store_tile_rows<R>(acc, y, n, col);
 }
 
-// out[r] = sum over the nb blocks of one Q8_0 row of d_b sx_r,b (q_b . (xq_r,b + xr_r,b / 128)) for rows =
-// 1..kMaxRows inputs quantized per 32-k block (q8_quantize_row_f32 with its second plane xr; codes k apart,
-// scales nb apart): vpmaddubsw takes |q| and the inputs with q's signs (llama.cpp's way to multiply two
-// signed byte vectors), exact in int16 (at most 2 x 128 x 127 per pair); per block the two planes' int32 sums
-// combine exactly as 128 p + p_r (|p| <= 32 x 128 x 127) and are scaled in float32.
-inline void q8_0_row_dot_q8(const uint8_t* row, const int8_t* xq, const int8_t* xr, const float* sx, int64_t k,
-                            int64_t nb, int rows, float* out) {
-  constexpr int64_t kBlock = 32, kBytes = 34;
+// GGUF Q8_0 rows regrouped eight at a time (plinth.kernels.cpu_native.pack_q8_0_rows8), for the 8-bit-input GEMV:
+// per tile of 8 rows and 32-k block kQ8R8Bytes bytes: the 8 rows' float16 scales, then for j = 0..7 a 32-byte
+// chunk of the 8 rows' codes 4 j .. 4 j + 3 (row after row). One 32-byte load then holds four codes of each of
+// the 8 rows, and vpmaddubsw + vpmaddwd against four inputs broadcast leave one int32 sum per row in each lane:
+// no horizontal sums, and the scales of the 8 rows convert in one instruction.
+constexpr int64_t kQ8R8Bytes = 16 + 8 * 32;
+constexpr int kQ8R8MaxRows = 4;   // input rows per pass over a tile
+
+// R input rows quantized per 32-k block in two planes (q8_quantize_row_f32 with xr: x = sx (xq + xr / 128)) times
+// one tile of 8 rows: out [R][8]. vpmaddubsw takes |q| and the inputs with q's signs (llama.cpp's way to multiply
+// two signed byte vectors), exact in int16 (at most 2 x 128 x 127 per pair); per block each plane's int32 sums
+// (at most 32 x 128 x 127) combine exactly as 128 p + p_r and are scaled in float32.
+template <int R>
+inline void q8_0r8_tile(const uint8_t* tile, const int8_t* xq, const int8_t* xr, const float* sx, int64_t k,
+                        int64_t nb, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[kMaxRows];
-  for (int r = 0; r < kMaxRows; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(blk) + kQ8Prefetch, _MM_HINT_T0);
-    uint16_t dh;
-    std::memcpy(&dh, blk, sizeof(dh));
-    const float d = _cvtsh_ss(dh);
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    const __m256i aw = _mm256_abs_epi8(w);
-    for (int r = 0; r < rows; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock));
-      const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + r * k + b * kBlock));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
-      const __m256i dot2 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x2, w)), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[r * nb + b] * (1.0f / 128.0f)),
-                               _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot, 7), dot2)), acc[r]);
+    const uint8_t* blk = tile + b * kQ8R8Bytes;
+    for (int line = 0; line < kQ8R8Bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvF32Prefetch + line, _MM_HINT_T0);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i p[R], pr[R];
+    for (int r = 0; r < R; ++r) p[r] = pr[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
+      const __m256i aw = _mm256_abs_epi8(w);
+      for (int r = 0; r < R; ++r) {
+        int32_t four, four_r;
+        std::memcpy(&four, xq + r * k + b * 32 + 4 * j, sizeof(four));
+        std::memcpy(&four_r, xr + r * k + b * 32 + 4 * j, sizeof(four_r));
+        p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(four), w)), ones));
+        pr[r] = _mm256_add_epi32(pr[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(four_r), w)), ones));
+      }
     }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(sx[r * nb + b] * (1.0f / 128.0f))),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(p[r], 7), pr[r])), acc[r]);
   }
-  for (int r = 0; r < rows; ++r) out[r] = hsum8(acc[r]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
 }  // namespace
@@ -625,7 +639,9 @@ void silu_mul_rows(const typename E::T* x, int64_t x_stride, typename E::T* y, i
     for (int64_t i = 0; i < d; ++i) {
       const float g = E::load(gate[i]);
       const float e = exp_nonpositive(-std::fabs(g));            // exp(-|g|)
-      const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+      // both quotients, then a select (no branch, so the loop vectorises)
+      const float pos = 1.f / (1.f + e), neg = e / (1.f + e);
+      const float sig = g >= 0.f ? pos : neg;
       yr[i] = E::store(E::round(g * sig) * E::load(up[i]));
     }
   }
@@ -660,7 +676,7 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 6; }
+int64_t plinth_cpu_ops_abi() { return 7; }
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
@@ -761,23 +777,49 @@ void plinth_q8_0_gemv_f32(const float* x, int64_t x_stride, const uint8_t* block
   q8_0_gemv_rows(x, blocks, y, y_f32, m, n, k);
 }
 
-// plinth_q8_0_gemv_f32 with the inputs quantized per row and 32-k block to two int8 planes (q8_0_row_dot_q8: ~15
-// bits, so that an LM head's logits stay within ~1e-4 of float32 inputs' and greedy near-ties keep their order):
-// the weights times the dequantized inputs. Returns 0, or -1 where the library was built without AVX2.
-int64_t plinth_q8_0_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t* blocks, void* y, int64_t y_f32,
-                               int64_t m, int64_t n, int64_t k) {
+// y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T for a Q8_0 weight regrouped by
+// plinth.kernels.cpu_native.pack_q8_0_rows8 (ceil(N / 8) tiles, the last one padded with zero rows), the inputs
+// quantized per row and 32-k block to two int8 planes (~15 bits, so that an LM head's logits stay within ~1e-4 of
+// float32 inputs' and greedy near-ties keep their order): the weights times the dequantized inputs. Returns 0, -1
+// where the library was built without AVX2, -2 for M < 1.
+int64_t plinth_q8_0r8_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t* packed, float* y, int64_t m,
+                                 int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AVX2)
-  const int64_t nb = k / 32;
-  std::vector<int8_t> xq(static_cast<size_t>(m * k)), xr(static_cast<size_t>(m * k));
-  std::vector<float> sx(static_cast<size_t>(m * nb)), xs(static_cast<size_t>(m * nb));
+  if (m < 1) return -2;
+  const int64_t nb = k / 32, tiles = (n + 7) / 8;
+  thread_local std::vector<int8_t> xq, xr;
+  thread_local std::vector<float> sx, xs;
+  xq.resize(static_cast<size_t>(m * k));
+  xr.resize(static_cast<size_t>(m * k));
+  sx.resize(static_cast<size_t>(m * nb));
+  xs.resize(static_cast<size_t>(m * nb));
   for (int64_t r = 0; r < m; ++r) q8_quantize_row_f32(x + r * x_stride, nb, xq.data() + r * k, sx.data() + r * nb,
                                                       xs.data() + r * nb, xr.data() + r * k);
-  q8_0_gemv_outputs(blocks, y, y_f32, m, n, k, [&](const uint8_t* row, int64_t r0, int rows, float* dots) {
-    q8_0_row_dot_q8(row, xq.data() + r0 * k, xr.data() + r0 * k, sx.data() + r0 * nb, k, nb, rows, dots);
-  });
+  const int8_t* xqp = xq.data();
+  const int8_t* xrp = xr.data();
+  const float* sxp = sx.data();
+#pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile = packed + t * nb * kQ8R8Bytes;
+    const int64_t cols = std::min<int64_t>(8, n - 8 * t);
+    for (int64_t r0 = 0; r0 < m; r0 += kQ8R8MaxRows) {
+      alignas(32) float out[kQ8R8MaxRows * 8];
+      const int rows = static_cast<int>(std::min<int64_t>(kQ8R8MaxRows, m - r0));
+      const int8_t* q = xqp + r0 * k;
+      const int8_t* qr = xrp + r0 * k;
+      const float* sr = sxp + r0 * nb;
+      switch (rows) {
+        case 1: q8_0r8_tile<1>(tile, q, qr, sr, k, nb, out); break;
+        case 2: q8_0r8_tile<2>(tile, q, qr, sr, k, nb, out); break;
+        case 3: q8_0r8_tile<3>(tile, q, qr, sr, k, nb, out); break;
+        default: q8_0r8_tile<4>(tile, q, qr, sr, k, nb, out); break;
+      }
+      for (int r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * n + 8 * t, out + 8 * r, sizeof(float) * cols);
+    }
+  }
   return 0;
 #else
-  (void)x; (void)x_stride; (void)blocks; (void)y; (void)y_f32; (void)m; (void)n; (void)k;
+  (void)x; (void)x_stride; (void)packed; (void)y; (void)m; (void)n; (void)k;
   return -1;
 #endif
 }
