@@ -76,6 +76,39 @@ def test_decode_float32_matches_sdpa(heads, d, bs, window):
     assert torch.count_nonzero(out[len(DECODE_CONTEXTS):]) == 0     # padding rows
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_of_few_sequences_splits_their_blocks(threads, dtype, window):
+    """One or two sequences give fewer work items than two per thread: each item's blocks are split into ranges
+    for different threads and the partial softmax states merged. Same answer as the float64 reference for short
+    and long contexts, one KV head (MQA) or three, a window that leaves ranges with no visible key, and a
+    sequence with no query row in the step."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for heads, contexts in (((9, 3), [700]), ((4, 1), [5, 300]), ((8, 2), [1]), ((9, 3), [64, 33])):
+            spec = spec_of(h=heads[0], hkv=heads[1], d=64, bs=16, dtype=dtype, window=window)
+            batch = make_paged_batch(spec, contexts, [1] * len(contexts),
+                                     generator=torch.Generator().manual_seed(sum(contexts)))
+            ref64 = sdpa_reference(batch, 0.125, window, torch.float64)
+            out = run_paged(batch, 0.125, window)
+            if dtype == torch.float32:
+                torch.testing.assert_close(out.double(), ref64, rtol=1e-5, atol=2e-6)
+            else:
+                err = (out.double() - ref64).abs().max().item()
+                ref_err = (sdpa_reference(batch, 0.125, window, torch.bfloat16).double() - ref64).abs().max().item()
+                assert err <= max(ref_err, 1e-2), (heads, contexts, err, ref_err)
+        # two sequences, the first without a query row this step: its row stays zero, the second is unchanged
+        md = batch.metadata
+        starts = torch.tensor([0, 0, 1], dtype=torch.int32)
+        only_second = paged_decode(batch.query[1:], batch.kv_cache, md.block_tables, md.seq_lens, starts, 2, 0.125,
+                                   window)
+        torch.testing.assert_close(only_second.double(), out[1:].double(), rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("heads,d", [((8, 2), 64), ((9, 3), 64), ((12, 2), 64), ((4, 2), 128)],
                          ids=["gqa4", "smollm2", "gqa6", "d128"])
 def test_decode_bfloat16_within_tolerance(heads, d):

@@ -361,8 +361,20 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
   // sequences to keep the threads busy (each block is then read once, front to back), else one.
   const int64_t heads_per_item = sh.num_seqs >= 4 * num_threads ? sh.num_kv_heads : 1;
   const int64_t items_per_seq = sh.num_kv_heads / heads_per_item;
-  const int64_t items = sh.num_seqs * items_per_seq;
+  const int64_t seq_items = sh.num_seqs * items_per_seq;
   const int64_t rows = heads_per_item * group;  // query heads per item
+  // Fewer items than two per thread (a batch of one or two sequences): each item's blocks are split into
+  // `parts` ranges taken by different threads, whose partial softmax states (max, sum, unnormalised
+  // accumulator per row) are merged afterwards, so every thread has work however few KV heads there are.
+  int64_t max_blocks = 0;
+  for (int64_t s = 0; s < sh.num_seqs; ++s) max_blocks = std::max<int64_t>(max_blocks, (lens[s] + bs - 1) / bs);
+  const int64_t parts = seq_items < 2 * num_threads
+      ? std::max<int64_t>(1, std::min<int64_t>((2 * num_threads + seq_items - 1) / seq_items, max_blocks / 2))
+      : 1;
+  const int64_t items = seq_items * parts;
+  // the parts' states: [items][rows] max and sum, [items][rows][D] accumulators
+  std::vector<float> part_max(parts > 1 ? items * rows : 0), part_sum(parts > 1 ? items * rows : 0),
+      part_acc(parts > 1 ? items * rows * d_size : 0);
   const scalar_t* k_cache = kv_cache;
   const scalar_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -376,11 +388,15 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
     std::vector<const scalar_t*> qraw(rows);   // bfloat16: each row's query in the input
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t s = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
+      const int64_t seq_item = item / parts, part = item % parts;
+      const int64_t s = seq_item / items_per_seq, h0 = (seq_item % items_per_seq) * heads_per_item;
       const int64_t row = starts[s];
       if (starts[s + 1] == row) continue;  // no query token for this sequence in this step
       const int64_t seq_len = lens[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      // this part's blocks: b_lo .. b_hi - 1 of the sequence's first / bs .. ceil(seq_len / bs) - 1
+      const int64_t b_first = first / bs, b_count = (seq_len + bs - 1) / bs - b_first;
+      const int64_t b_lo = b_first + b_count * part / parts, b_hi = b_first + b_count * (part + 1) / parts;
       if constexpr (kBf16Blocks) {   // the bfloat16 block update reads the raw query rows
         for (int64_t r = 0; r < rows; ++r) qraw[r] = query + row * sh.q_row + (h0 * group + r) * d_size;
       } else {
@@ -391,7 +407,7 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
       std::fill(row_max.begin(), row_max.end(), neg_inf);
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       const int32_t* table = tables + s * sh.table_width;
-      for (int64_t b = first / bs; b * bs < seq_len; ++b) {
+      for (int64_t b = b_lo; b < b_hi; ++b) {
         const int64_t lo = std::max<int64_t>(first - b * bs, 0);     // tokens lo..hi-1 of this block count
         const int64_t hi = std::min<int64_t>(seq_len - b * bs, bs);
         const int64_t n = hi - lo;
@@ -399,7 +415,7 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
           // the next block sits elsewhere in memory: fetch it into L2 while this one runs, a share of its
           // tokens before each head's update (a burst of the whole block at once left most of it unfetched
           // in time: 32 sequences x 330 tokens per layer 1.03 -> 0.70 ms from a cold cache)
-          if ((b + 1) * bs < seq_len) {
+          if (b + 1 < b_hi) {
             const int64_t next = static_cast<int64_t>(table[b + 1]) * sh.block_stride + h0 * d_size;
             const int64_t row_bytes = heads_per_item * d_size * static_cast<int64_t>(sizeof(scalar_t));
             for (int64_t t = hh * bs / heads_per_item; t < (hh + 1) * bs / heads_per_item; ++t) {
@@ -462,12 +478,44 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
           }
         }
       }
+      if (parts > 1) {   // this part's state, merged below
+        std::copy(row_max.begin(), row_max.end(), part_max.begin() + item * rows);
+        std::copy(row_sum.begin(), row_sum.end(), part_sum.begin() + item * rows);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + item * rows * d_size);
+        continue;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         float* ar = acc.data() + r * d_size;
         const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
         for (int64_t d = 0; d < d_size; ++d) ar[d] *= inv;
       }
       from_float(acc.data(), out + row * sh.out_row + h0 * group * d_size, rows * d_size);
+    }
+    if (parts > 1) {
+      // (the loop above ends with the implicit barrier of `omp for`) one query head of one item at a time:
+      // rescale each part's accumulator to the common maximum, add, divide by the summed rescaled sums
+#pragma omp for schedule(static)
+      for (int64_t ir = 0; ir < seq_items * rows; ++ir) {
+        const int64_t seq_item = ir / rows, r = ir % rows;
+        const int64_t s = seq_item / items_per_seq, h0 = (seq_item % items_per_seq) * heads_per_item;
+        if (starts[s + 1] == starts[s]) continue;
+        float top = neg_inf;
+        for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_max[(seq_item * parts + p) * rows + r]);
+        float* ar = acc.data();
+        std::fill(ar, ar + d_size, 0.f);
+        float total = 0.f;
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t at = (seq_item * parts + p) * rows + r;
+          if (part_max[at] == neg_inf) continue;   // a part without visible keys
+          const float w = std::exp(part_max[at] - top);
+          total += part_sum[at] * w;
+          const float* pa = part_acc.data() + at * d_size;
+          for (int64_t d = 0; d < d_size; ++d) ar[d] += pa[d] * w;
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t d = 0; d < d_size; ++d) ar[d] *= inv;
+        from_float(ar, out + starts[s] * sh.out_row + (h0 * group + r) * d_size, d_size);
+      }
     }
   }
 }
