@@ -3,8 +3,9 @@
 * ``sampler``: sampling 32 rows of the 49k vocabulary at temperature 1 and greedily;
 * ``prefill-kernel``: ``paged_prefill`` per layer (SmolLM2 shapes, bf16): one 500-token prompt, and a
   224-token chunk after 100 cached tokens;
-* ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens in a 2 GiB cache of 30
-  layers, cold (a 64 MiB write between calls, as the GEMMs between layers evict the caches) and warm;
+* ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens and for one sequence of 128 and
+  of 2,000 tokens, in a cache of 30 layers in the default model's dtype here, cold (a 64 MiB write between calls,
+  as the GEMMs between layers evict the caches) and warm;
 * ``decode-gemv``: a decode step's int4 GEMMs per layer (qkv / o / gate_up / down at SmolLM2 shapes, random
   4-bit codes) for 1 and 4 input rows, 30 layers cycled so the weights come from memory as in a step: torch's
   ``_weight_int4pack_mm_for_cpu`` against plinth's native panel GEMV (``Q4Gemv``), with the GB/s of the 4-bit
@@ -77,37 +78,46 @@ def prefill_kernel_part() -> dict:
 
 def decode_kernel_part() -> dict:
     from plinth.attention_backends.cpu_paged import paged_decode
+    from plinth.platforms.cpu import platform as cpu_platform
 
-    seqs, ctx, layers, blocks = 32, 330, 30, 5825
+    # the KV dtype the default model runs with here (bfloat16 where the CPU has it natively, else float32)
+    dtype = torch.bfloat16 if cpu_platform.has_fast_bf16() else torch.float32
+    layers, blocks = 30, 5825
     caches = []
     for _ in range(layers):
-        buf = np.zeros(2 * blocks * BS * HKV * D * 2, dtype=np.uint8)
-        cache = torch.from_numpy(buf).view(torch.bfloat16).view(2, blocks, BS, HKV, D)
+        buf = np.zeros(2 * blocks * BS * HKV * D * dtype.itemsize, dtype=np.uint8)
+        cache = torch.from_numpy(buf).view(dtype).view(2, blocks, BS, HKV, D)
         cache.normal_()
         caches.append(cache)
-    nb = -(-ctx // BS)
-    ids = np.random.default_rng(0).permutation(np.arange(1, blocks))[: seqs * nb]
-    tables = torch.from_numpy(ids.reshape(seqs, nb).astype(np.int32))
-    lens = torch.full((seqs,), ctx, dtype=torch.int32)
-    starts = torch.arange(seqs + 1, dtype=torch.int32)
-    q = torch.randn(seqs, H, D).bfloat16()
     junk = torch.empty(64 << 20, dtype=torch.uint8)
+    out: dict = {"dtype": str(dtype).removeprefix("torch.")}
+    # 32 sequences of 330 tokens; one sequence of 128 and of 2,000 tokens (its blocks split over the threads)
+    for seqs, ctx in ((32, 330), (1, 128), (1, 2000)):
+        nb = -(-ctx // BS)
+        ids = np.random.default_rng(0).permutation(np.arange(1, blocks))[: seqs * nb]
+        tables = torch.from_numpy(ids.reshape(seqs, nb).astype(np.int32))
+        lens = torch.full((seqs,), ctx, dtype=torch.int32)
+        starts = torch.arange(seqs + 1, dtype=torch.int32)
+        q = torch.randn(seqs, H, D).to(dtype)
 
-    def call(layer: int) -> float:
-        t = time.perf_counter()
-        paged_decode(q, caches[layer], tables, lens, starts, seqs, D ** -0.5, max_seq_len=ctx, every_row_owned=True)
-        return time.perf_counter() - t
+        def call(layer: int, q=q, tables=tables, lens=lens, starts=starts, seqs=seqs, ctx=ctx) -> float:
+            t = time.perf_counter()
+            paged_decode(q, caches[layer], tables, lens, starts, seqs, D ** -0.5, max_seq_len=ctx,
+                         every_row_owned=True)
+            return time.perf_counter() - t
 
-    cold = []
-    for it in range(4):
-        for layer in range(layers):
-            junk.fill_(it)
-            cold.append(call(layer))
-    warm = [call(0) for _ in range(40)]
-    kv_bytes = seqs * ctx * HKV * D * 2 * 2
-    cold_ms, warm_ms = float(np.median(cold[layers:])) * 1e3, float(np.median(warm[5:])) * 1e3
-    return {"paged_decode_32x330_cold_ms_per_layer": cold_ms, "cold_gb_s": kv_bytes / cold_ms / 1e6,
-            "paged_decode_32x330_warm_ms_per_layer": warm_ms, "warm_gb_s": kv_bytes / warm_ms / 1e6}
+        cold = []
+        for it in range(4):
+            for layer in range(layers):
+                junk.fill_(it)
+                cold.append(call(layer))
+        warm = [call(0) for _ in range(40)]
+        kv_bytes = seqs * ctx * HKV * D * 2 * dtype.itemsize
+        cold_ms, warm_ms = float(np.median(cold[layers:])) * 1e3, float(np.median(warm[5:])) * 1e3
+        key = f"paged_decode_{seqs}x{ctx}"
+        out.update({f"{key}_cold_ms_per_layer": round(cold_ms, 4), f"{key}_cold_gb_s": round(kv_bytes / cold_ms / 1e6, 1),
+                    f"{key}_warm_ms_per_layer": round(warm_ms, 4), f"{key}_warm_gb_s": round(kv_bytes / warm_ms / 1e6, 1)})
+    return out
 
 
 #: a SmolLM2 layer's four GEMMs, (N, K)
