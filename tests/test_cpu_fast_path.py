@@ -493,7 +493,7 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
                 assert isinstance(method, CpuLinearMethod) and method.q8_0 is not None and method.q8_0_max_rows == 4
                 w_file = torch.from_numpy(gguf.quants.dequantize(method.q8_0.numpy(), gguf.GGMLQuantizationType.Q8_0))
                 gen = torch.Generator().manual_seed(4)
-                for m, decoding in ((1, False), (1, True), (2, True), (4, True)):
+                for m, decoding in ((1, False), (1, True), (2, True), (3, True), (4, True)):
                     x = torch.randn(m, w_file.shape[1], generator=gen)
                     calls.clear()
                     with decode_step(decoding):

@@ -99,12 +99,21 @@ def test_decode_of_few_sequences_splits_their_blocks(threads, dtype, window):
                 err = (out.double() - ref64).abs().max().item()
                 ref_err = (sdpa_reference(batch, 0.125, window, torch.bfloat16).double() - ref64).abs().max().item()
                 assert err <= max(ref_err, 1e-2), (heads, contexts, err, ref_err)
-        # two sequences, the first without a query row this step: its row stays zero, the second is unchanged
+        # two sequences, the first without a query row this step: the second's row is unchanged
         md = batch.metadata
         starts = torch.tensor([0, 0, 1], dtype=torch.int32)
         only_second = paged_decode(batch.query[1:], batch.kv_cache, md.block_tables, md.seq_lens, starts, 2, 0.125,
                                    window)
         torch.testing.assert_close(only_second.double(), out[1:].double(), rtol=0, atol=0)
+        # no sequences: nothing to do (and no division by the item count)
+        none = paged_decode(batch.query, batch.kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0, 0.125)
+        assert torch.count_nonzero(none) == 0
+        # a NaN in one query head: that head's output is NaN however the blocks are split, the others finite
+        spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=dtype, window=window)
+        batch = make_paged_batch(spec, [700], [1], generator=torch.Generator().manual_seed(7))
+        batch.query[0, 0, 5] = float("nan")
+        out = run_paged(batch, 0.125, window)
+        assert bool(out[0, 0].isnan().all()) and bool(out[0, 1:].isfinite().all())
     finally:
         torch.set_num_threads(previous)
 

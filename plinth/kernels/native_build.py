@@ -31,7 +31,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 #: ``-fno-trapping-math``: no code here reads floating-point exception flags, so loops with a select between two
-#: quotients (SiLU's sigmoid) may compute both and vectorise; results are unchanged (no reassociation, no contraction)
+#: quotients (SiLU's sigmoid) may compute both and vectorise; it permits neither reassociation nor contraction, so
+#: results are unchanged
 CXX_FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 #: the CPU the builds target: ``-march=$PLINTH_CPU_MARCH``, default ``native`` (this machine's instruction
 #: set). A portable value (``x86-64-v2``, ``armv8-a``) builds kernels that run on other CPUs of the family

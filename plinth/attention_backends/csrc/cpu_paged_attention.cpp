@@ -2,12 +2,13 @@
 //
 // Cache layout: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = keys, 1 = values).
 // One work item is one sequence and a range of its KV heads (all of them when there are enough
-// sequences to keep the threads busy, else one). It walks the sequence's blocks through its
+// sequences to keep the threads busy, else one), and with fewer items than two per thread a range of
+// the sequence's blocks (the ranges' softmax states merged at the end). It walks its blocks through the
 // block-table row (prefetching the next block), scores every query head of each GQA group against
 // the block's keys, and keeps a float32 online softmax (running max, running sum, rescaled
-// accumulator) per query head. Nothing is gathered: with AVX512 or AVX2 the keys and values are read in
-// place, converted in registers; elsewhere one block's keys/values of one head are converted to float32 at a
-// time. A sliding window starts the walk at the window's first token.
+// accumulator) per query head. Nothing is gathered: with AVX512 or AVX2 (head sizes 64 and 128) the keys
+// and values are read in place, converted in registers; otherwise one block's keys/values of one head are
+// converted to float32 at a time. A sliding window starts the walk at the window's first token.
 //
 // The file includes no torch headers (it compiles in about a second) and exports C functions that
 // take raw pointers; work items are spread over OpenMP threads (the libgomp runtime torch loads).
@@ -366,9 +367,12 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
   // Fewer items than two per thread (a batch of one or two sequences): each item's blocks are split into
   // `parts` ranges taken by different threads, whose partial softmax states (max, sum, unnormalised
   // accumulator per row) are merged afterwards, so every thread has work however few KV heads there are.
-  int64_t max_blocks = 0;
-  for (int64_t s = 0; s < sh.num_seqs; ++s) max_blocks = std::max<int64_t>(max_blocks, (lens[s] + bs - 1) / bs);
-  const int64_t parts = seq_items < 2 * num_threads
+  int64_t max_blocks = 0;   // the most blocks a sequence's window spans
+  for (int64_t s = 0; s < sh.num_seqs; ++s) {
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, lens[s] - sliding_window) : 0;
+    max_blocks = std::max<int64_t>(max_blocks, (lens[s] + bs - 1) / bs - first / bs);
+  }
+  const int64_t parts = num_threads > 1 && seq_items > 0 && seq_items < 2 * num_threads
       ? std::max<int64_t>(1, std::min<int64_t>((2 * num_threads + seq_items - 1) / seq_items, max_blocks / 2))
       : 1;
   const int64_t items = seq_items * parts;
@@ -506,7 +510,9 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
         float total = 0.f;
         for (int64_t p = 0; p < parts; ++p) {
           const int64_t at = (seq_item * parts + p) * rows + r;
-          if (part_max[at] == neg_inf) continue;   // a part without visible keys
+          // a part without keys (sum 0) adds nothing; NaN scores (max -inf, sum NaN) make the output NaN, as
+          // without the split
+          if (part_sum[at] == 0.f) continue;
           const float w = std::exp(part_max[at] - top);
           total += part_sum[at] * w;
           const float* pa = part_acc.data() + at * d_size;
