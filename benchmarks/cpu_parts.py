@@ -1,8 +1,9 @@
 """Parts of a CPU step on the default model, timed one at a time (two threads).
 
 * ``sampler``: sampling 32 rows of the 49k vocabulary at temperature 1 and greedily;
-* ``prefill-kernel``: ``paged_prefill`` per layer (SmolLM2 shapes, bf16): one 500-token prompt, and a
-  224-token chunk after 100 cached tokens;
+* ``prefill-kernel``: prefill attention per layer (SmolLM2 shapes, the default model's dtype here): one
+  500-token prompt, and a 224-token chunk after 100 cached tokens, through ``cpu_paged`` (its native kernel
+  where the CPU has one) and through the ``torch_batched`` path it falls back to;
 * ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens and for one sequence of 128 and
   of 2,000 tokens, in a cache of 30 layers in the default model's dtype here, cold (a 64 MiB write between calls,
   as the GEMMs between layers evict the caches) and warm;
@@ -60,19 +61,26 @@ def sampler_part() -> dict:
 
 
 def prefill_kernel_part() -> dict:
-    from plinth.attention_backends.cpu_paged import paged_prefill
+    from plinth.attention_backends import cpu_paged
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+    from plinth.attention_backends.interface import AttentionSpec
+    from plinth.attention_backends.probe import make_paged_batch
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.platforms.cpu import platform as cpu_platform
 
-    out = {}
+    dtype = torch.bfloat16 if cpu_platform.has_fast_bf16() else torch.float32   # the default model's dtype here
+    out: dict = {"dtype": str(dtype).removeprefix("torch."), "native_kernel": cpu_paged._prefill_kernel_ok()}
+    spec = AttentionSpec(num_heads=H, num_kv_heads=HKV, head_size=D, dtype=dtype, block_size=BS)
     for name, q_len, ctx in (("prompt_500", 500, 0), ("chunk_224_after_100", 224, 100)):
-        n = ctx + q_len
-        nb = -(-n // BS)
-        cache = torch.randn(2, nb + 1, BS, HKV, D).bfloat16()
-        tables = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
-        lens = torch.tensor([n], dtype=torch.int32)
-        starts = torch.tensor([0, q_len], dtype=torch.int32)
-        q = torch.randn(q_len, H, D).bfloat16()
-        out[f"paged_prefill_{name}_ms_per_layer"] = median_ms(
-            lambda q=q, c=cache, t=tables, ln=lens, s=starts: paged_prefill(q, c, t, ln, s, 1, D ** -0.5), 20)
+        batch = make_paged_batch(spec, [ctx], [q_len], generator=torch.Generator().manual_seed(q_len))
+        # cpu_paged (its native prefill kernel where the CPU has one) and the batched path it falls back to
+        # (gathers the context, masked SDPA); each writes this step's keys and values, as in a step
+        for label, backend in (("cpu_paged", CpuPagedBackend()), ("torch_batched", TorchBatchedBackend())):
+            def call(b=backend, batch=batch) -> None:
+                b.prepare(batch.metadata)
+                b.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, scale=D ** -0.5)
+
+            out[f"{label}_{name}_ms_per_layer"] = round(median_ms(call, 20), 3)
     return out
 
 

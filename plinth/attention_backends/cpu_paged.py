@@ -7,7 +7,7 @@ softmax. Unlike :mod:`~plinth.attention_backends.torch_batched`, no step gathers
 its sequences into padded tensors, so the work grows with the tokens attended, not with a copy of
 them. Prefill and mixed steps run a second kernel (:func:`paged_prefill`: causal over each sequence's
 cache, tiles of 16 query positions per KV head, each block's keys transposed once so a row's scores are
-plain vector multiply-adds; head sizes 64 and 128, AVX512); other shapes, and the static-shape decode of
+plain vector multiply-adds; head sizes 64 and 128, AVX512 or AVX2); other shapes, and the static-shape decode of
 a compiled step, run the ``torch_batched`` path this backend extends.
 
 ``PLINTH_CPU_PAGED_ATTENTION=0`` turns the backend off (``supports()`` says so).
@@ -201,7 +201,7 @@ def _prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 @functools.cache
 def _prefill_kernel_ok() -> bool:
-    """The library's prefill kernel runs on this CPU (built with AVX512): one tiny call answers."""
+    """The library's prefill kernel runs on this CPU (built with AVX512 or AVX2/FMA): one tiny call answers."""
     q = torch.zeros(1, 1, 64)
     cache = torch.zeros(2, 2, 16, 1, 64)
     one = torch.ones(1, dtype=torch.int32)
@@ -221,7 +221,7 @@ def paged_prefill(
     """Causal attention of every sequence's query rows (the last ``q_len`` positions of its ``seq_len`` cached
     tokens) over its cache, read in place: prefill chunks, with or without cached context, and decode rows, in
     one call. ``None`` where the kernel does not take these shapes (head sizes 64 and 128, block sizes that are
-    multiples of 16, AVX512); the caller then runs its own path."""
+    multiples of 16, AVX512 or AVX2/FMA); the caller then runs its own path."""
     build = load_kernel()
     if build.library is None or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype:
         return None

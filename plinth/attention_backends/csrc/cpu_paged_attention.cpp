@@ -526,6 +526,9 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
   }
 }
 
+// query positions per prefill work item
+constexpr int64_t kTile = 16;
+
 #if defined(__AVX512F__)
 // Attention of query rows that may be many per sequence (prefill chunks, mixed with decode rows), causal over
 // each sequence's cache. A work item is one sequence, one KV head and a tile of up to kTile consecutive query
@@ -534,7 +537,6 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
 // vdpbf16ps with a bfloat16 cache on AVX512-BF16, else [D][16] float32 for fused multiply-adds), so a row's
 // scores need no horizontal sum per key; P V runs on vdpbf16ps over the values of two keys per dword (the
 // probabilities rounded to bfloat16, and the softmax sum taken over the rounded values) or in float32.
-constexpr int64_t kTile = 16;
 // key chunks of 16 per online-softmax update in prefill
 constexpr int64_t kGroup = 4;
 
@@ -747,6 +749,211 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 8 rows of 8 floats transposed in place: afterwards r[i] holds element i of rows 0..7
+inline void transpose8_ps(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// exp_nonpositive on 8 lanes (the same reduction and polynomial)
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// prefill() for CPUs with AVX2/FMA but no AVX512: the same work items (sequence, KV head, kTile query positions
+// with the group's heads), keys in chunks of 8 (a block size that is a multiple of 16 holds whole chunks),
+// kPrefillChunks chunks per online-softmax update. Each chunk's keys are transposed once to [D][8] float32, so a
+// row's 8 scores are plain multiply-adds (two rows at a time, a query feature broadcast once for every chunk);
+// the exponentials are vectorised; P V keeps 8 vectors of a row's accumulator in registers over the keys.
+// float32 throughout (a bfloat16 cache is converted as it is read).
+constexpr int64_t kPrefillChunks = 4;
+
+template <typename scalar_t, int64_t kD>
+void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
+                  const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
+                  int num_threads) {
+  constexpr int64_t kV = kD / 8;
+  const int64_t group = sh.num_heads / sh.num_kv_heads, bs = sh.block_size;
+  const scalar_t* k_cache = kv_cache;
+  const scalar_t* v_cache = kv_cache + sh.kv_half;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> item_seq, item_pos;
+  for (int64_t s = 0; s < sh.num_seqs; ++s)
+    for (int64_t i = starts[s]; i < starts[s + 1]; i += kTile) {
+      item_seq.push_back(s);
+      item_pos.push_back(i - starts[s]);
+    }
+  const int64_t tiles = static_cast<int64_t>(item_seq.size()), items = tiles * sh.num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int64_t max_rows = kTile * group;
+    std::vector<float> q(max_rows * kD), acc(max_rows * kD), row_max(max_rows), row_sum(max_rows),
+        kt(kPrefillChunks * kD * 8), vb(kPrefillChunks * 8 * kD), p(kPrefillChunks * 8),
+        sc(max_rows * kPrefillChunks * 8);
+    std::vector<int64_t> chunk_key, chunk_base, chunk_len, row_pos(max_rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t tile = item / sh.num_kv_heads, h = item % sh.num_kv_heads;
+      const int64_t s = item_seq[tile], i0 = item_pos[tile];
+      const int64_t q_len = starts[s + 1] - starts[s], seq_len = lens[s], ctx = seq_len - q_len;
+      const int64_t npos = std::min<int64_t>(kTile, q_len - i0), rows = npos * group;
+      for (int64_t r = 0; r < rows; ++r) {   // position-major, the group's heads side by side
+        const int64_t i = i0 + r / group, head = h * group + r % group;
+        to_float(query + (starts[s] + i) * sh.q_row + head * kD, q.data() + r * kD, kD);
+        for (int64_t d = 0; d < kD; ++d) q[r * kD + d] *= scale;
+        row_pos[r] = ctx + i;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
+      std::fill(row_max.begin(), row_max.begin() + rows, neg_inf);
+      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+      const int64_t last = ctx + i0 + npos - 1;
+      const int64_t lo_pos = sliding_window > 0 ? std::max<int64_t>(0, ctx + i0 + 1 - sliding_window) : 0;
+      const int32_t* table = tables + s * sh.table_width;
+      chunk_key.clear();
+      chunk_base.clear();
+      chunk_len.clear();
+      for (int64_t b = lo_pos / bs; b * bs <= last; ++b) {
+        const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + h * kD;
+        const int64_t n = std::min<int64_t>(bs, seq_len - b * bs);
+        for (int64_t c0 = std::max<int64_t>(0, (lo_pos - b * bs) / 8 * 8); c0 < n && b * bs + c0 <= last; c0 += 8) {
+          chunk_key.push_back(b * bs + c0);
+          chunk_base.push_back(base + c0 * sh.token_stride);
+          chunk_len.push_back(std::min<int64_t>(8, n - c0));
+        }
+      }
+      const int64_t nchunks = static_cast<int64_t>(chunk_key.size());
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      for (int64_t g0 = 0; g0 < nchunks; g0 += kPrefillChunks) {
+        const int64_t gn = std::min<int64_t>(kPrefillChunks, nchunks - g0);
+        for (int64_t j = 0; j < kPrefillChunks; ++j) {   // K^T [D][8] and V [8][D] in float32, missing keys zero
+          const int64_t m = j < gn ? chunk_len[g0 + j] : 0;
+          const scalar_t* kc = k_cache + (j < gn ? chunk_base[g0 + j] : 0);
+          const scalar_t* vc = v_cache + (j < gn ? chunk_base[g0 + j] : 0);
+          float* kt_j = kt.data() + j * kD * 8;
+          float* vb_j = vb.data() + j * 8 * kD;
+          for (int64_t d0 = 0; d0 < kD; d0 += 8) {   // 8 keys x 8 features at a time, transposed in registers
+            __m256 r[8];
+            for (int64_t t = 0; t < 8; ++t) r[t] = t < m ? load8(kc + t * sh.token_stride + d0) : _mm256_setzero_ps();
+            transpose8_ps(r);
+            for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(kt_j + (d0 + i) * 8, r[i]);
+          }
+          for (int64_t t = 0; t < 8; ++t)
+            for (int64_t d0 = 0; d0 < kD; d0 += 8)
+              _mm256_storeu_ps(vb_j + t * kD + d0, t < m ? load8(vc + t * sh.token_stride + d0) : _mm256_setzero_ps());
+        }
+        // the scores of every row against the group's chunks (all kPrefillChunks, so that the sums stay in
+        // registers; a group's missing chunks are zero and masked below), two rows at a time
+        for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+          const bool two = r0 + 1 < rows;
+          __m256 s0[kPrefillChunks], s1[kPrefillChunks];
+          for (int64_t j = 0; j < kPrefillChunks; ++j) s0[j] = s1[j] = _mm256_setzero_ps();
+          const float* q0 = q.data() + r0 * kD;
+          const float* q1 = two ? q0 + kD : q0;
+          for (int64_t d = 0; d < kD; ++d) {
+            const __m256 a = _mm256_broadcast_ss(q0 + d), b = _mm256_broadcast_ss(q1 + d);
+            for (int64_t j = 0; j < kPrefillChunks; ++j) {
+              const __m256 kd = _mm256_loadu_ps(kt.data() + j * kD * 8 + d * 8);
+              s0[j] = _mm256_fmadd_ps(a, kd, s0[j]);
+              s1[j] = _mm256_fmadd_ps(b, kd, s1[j]);
+            }
+          }
+          for (int64_t j = 0; j < kPrefillChunks; ++j) {   // (a constant trip count keeps s0, s1 in registers)
+            _mm256_storeu_ps(sc.data() + (r0 * kPrefillChunks + j) * 8, s0[j]);
+            if (two) _mm256_storeu_ps(sc.data() + ((r0 + 1) * kPrefillChunks + j) * 8, s1[j]);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = row_pos[r];
+          const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos + 1 - sliding_window) : 0;
+          // visible keys of chunk j: key0 + t in [first, pos] and t < m
+          __m256 vis[kPrefillChunks];
+          __m256 top = _mm256_set1_ps(neg_inf);
+          bool any = false;
+          for (int64_t j = 0; j < gn; ++j) {
+            const int64_t key0 = chunk_key[g0 + j], m = chunk_len[g0 + j];
+            const int32_t t_lo = static_cast<int32_t>(std::clamp<int64_t>(first - key0, 0, 8));
+            const int32_t t_hi = static_cast<int32_t>(std::clamp<int64_t>(pos - key0 + 1, 0, m));
+            any = any || t_hi > t_lo;
+            vis[j] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(t_hi), lane),
+                                                          _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(t_lo - 1))));
+            const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(neg_inf),
+                                               _mm256_loadu_ps(sc.data() + (r * kPrefillChunks + j) * 8), vis[j]);
+            _mm256_storeu_ps(p.data() + 8 * j, sv);
+            top = _mm256_max_ps(top, sv);
+          }
+          if (!any) continue;                                        // no visible key in the group
+          __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+          t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+          t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
+          const float block_max = std::max(row_max[r], _mm_cvtss_f32(t4));
+          const __m256 bm = _mm256_set1_ps(block_max);
+          __m256 total = _mm256_setzero_ps();
+          for (int64_t j = 0; j < gn; ++j) {
+            const __m256 pv = _mm256_and_ps(vis[j], exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p.data() + 8 * j), bm)));
+            _mm256_storeu_ps(p.data() + 8 * j, pv);
+            total = _mm256_add_ps(total, pv);
+          }
+          const float correction = std::exp(row_max[r] - block_max);   // 0 on the first visible keys
+          row_max[r] = block_max;
+          row_sum[r] = row_sum[r] * correction + hsum8(total);
+          float* ar = acc.data() + r * kD;
+          const __m256 c = _mm256_set1_ps(correction);
+          for (int64_t v0 = 0; v0 < kV; v0 += 8) {   // 8 vectors of the accumulator at a time
+            __m256 a[8];
+            for (int64_t v = 0; v < 8; ++v) a[v] = _mm256_mul_ps(c, _mm256_loadu_ps(ar + 8 * (v0 + v)));
+            for (int64_t j = 0; j < gn; ++j) {
+              const float* vb_j = vb.data() + j * 8 * kD;
+              for (int64_t t = 0; t < 8; ++t) {
+                const float pt = p[8 * j + t];
+                if (pt == 0.f) continue;
+                const __m256 pb = _mm256_set1_ps(pt);
+                for (int64_t v = 0; v < 8; ++v)
+                  a[v] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb_j + t * kD + 8 * (v0 + v)), a[v]);
+              }
+            }
+            for (int64_t v = 0; v < 8; ++v) _mm256_storeu_ps(ar + 8 * (v0 + v), a[v]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* ar = acc.data() + r * kD;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        for (int64_t d = 0; d < kD; ++d) ar[d] *= inv;
+        const int64_t i = i0 + r / group, head = h * group + r % group;
+        from_float(ar, out + (starts[s] + i) * sh.out_row + head * kD, kD);
+      }
+    }
+  }
+}
+#endif
+
 template <typename scalar_t>
 void dispatch_head_size(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
                         const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
@@ -762,6 +969,20 @@ void dispatch_head_size(const scalar_t* query, const scalar_t* kv_cache, const i
       decode<scalar_t, 0>(query, kv_cache, tables, lens, starts, out, sh, scale, sliding_window, num_threads);
   }
 }
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// the prefill kernel this build has: AVX512, else AVX2
+template <typename scalar_t, int64_t kD>
+void prefill_native(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
+                    const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
+                    int num_threads) {
+#if defined(__AVX512F__)
+  prefill<scalar_t, kD>(query, kv_cache, tables, lens, starts, out, sh, scale, sliding_window, num_threads);
+#else
+  prefill_avx2<scalar_t, kD>(query, kv_cache, tables, lens, starts, out, sh, scale, sliding_window, num_threads);
+#endif
+}
+#endif
 
 }  // namespace
 
@@ -802,7 +1023,7 @@ int64_t plinth_cpu_paged_prefill(const void* query, const void* kv_cache, const 
                                  int64_t num_kv_heads, int64_t head_size, int64_t num_blocks, int64_t block_size,
                                  int64_t table_width, int64_t q_row, int64_t out_row, double scale,
                                  int64_t sliding_window, int64_t num_threads) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (block_size % 16 != 0 || (head_size != 64 && head_size != 128)) return -1;
   const int64_t token_stride = num_kv_heads * head_size;
   const int64_t block_stride = block_size * token_stride;
@@ -811,17 +1032,17 @@ int64_t plinth_cpu_paged_prefill(const void* query, const void* kv_cache, const 
   const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
   const float sc = static_cast<float>(scale);
   if (dtype == 0 && head_size == 64)
-    prefill<float, 64>(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
-                       static_cast<float*>(out), sh, sc, sliding_window, threads);
+    prefill_native<float, 64>(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
+                              static_cast<float*>(out), sh, sc, sliding_window, threads);
   else if (dtype == 0)
-    prefill<float, 128>(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
-                        static_cast<float*>(out), sh, sc, sliding_window, threads);
+    prefill_native<float, 128>(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
+                               static_cast<float*>(out), sh, sc, sliding_window, threads);
   else if (head_size == 64)
-    prefill<uint16_t, 64>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
-                          starts, static_cast<uint16_t*>(out), sh, sc, sliding_window, threads);
+    prefill_native<uint16_t, 64>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
+                                 starts, static_cast<uint16_t*>(out), sh, sc, sliding_window, threads);
   else
-    prefill<uint16_t, 128>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
-                           starts, static_cast<uint16_t*>(out), sh, sc, sliding_window, threads);
+    prefill_native<uint16_t, 128>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
+                                  starts, static_cast<uint16_t*>(out), sh, sc, sliding_window, threads);
   return 0;
 #else
   (void)query; (void)kv_cache; (void)tables; (void)lens; (void)starts; (void)out; (void)dtype; (void)num_seqs;
