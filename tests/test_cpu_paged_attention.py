@@ -179,13 +179,65 @@ def test_non_contiguous_tables_and_a_sequence_without_query():
     assert torch.count_nonzero(only_first[1]) == 0
 
 
+def prefill_kernel_expected() -> bool:
+    """Whether this CPU has what the native prefill kernel needs (AVX512F, or AVX2 with FMA; Linux flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
+
+
+@pytest.mark.parametrize("bs", [8, 16], ids=["bs8-batched", "bs16-native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_and_mixed_steps_through_the_backend(dtype):
-    """probe.run_steps (prefill, mixed, decode from an empty cache the backend writes) against torch_sdpa."""
-    spec = spec_of(h=6, hkv=2, d=64, bs=8, dtype=dtype, window=7)
+def test_prefill_and_mixed_steps_through_the_backend(dtype, bs, monkeypatch):
+    """probe.run_steps (prefill, mixed, decode from an empty cache the backend writes) against torch_sdpa; with
+    16-token blocks every step runs a native kernel where the CPU has the prefill kernel (no batched fallback)."""
+    from plinth.attention_backends import cpu_paged
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+
+    if bs == 16 and cpu_paged._prefill_kernel_ok():
+        monkeypatch.setattr(TorchBatchedBackend, "forward",
+                            lambda *a, **k: (_ for _ in ()).throw(AssertionError("fell back to torch_batched")))
+    spec = spec_of(h=6, hkv=2, d=64, bs=bs, dtype=dtype, window=7)
     reference = run_steps(TorchSDPABackend, spec, torch.device("cpu"))
     err = max_error(CpuPagedBackend, reference, spec, torch.device("cpu"))
     assert err < (1e-5 if dtype == torch.float32 else 5e-2), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_nan_key_reaches_the_rows_that_see_it(dtype):
+    """A NaN in one cached key: exactly the query rows that attend to it (causal, within the window) come out NaN,
+    as from SDPA; every other row stays finite."""
+    from plinth.attention_backends.cpu_paged import paged_prefill
+
+    for window in (None, 9):
+        spec = spec_of(h=4, hkv=2, d=64, bs=16, dtype=dtype, window=window)
+        batch = make_paged_batch(spec, [0], [40], generator=torch.Generator().manual_seed(3))
+        md = batch.metadata
+        run_paged(batch, 0.125, window)                        # writes the cache
+        block, slot = divmod(20, 16)
+        batch.kv_cache[0, int(md.block_tables[0, block]), slot, 1, 7] = float("nan")   # key of position 20, KV head 1
+        out = paged_prefill(batch.query, batch.kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, 1, 0.125,
+                            window)
+        if out is None:
+            pytest.skip("no native prefill kernel on this CPU")
+        sees = torch.tensor([20 <= p and (window is None or p - 20 < window) for p in range(40)])
+        nan = out.isnan().any(-1)                              # [T, H]
+        assert torch.equal(nan[:, 2:], sees[:, None].expand(40, 2)), nan   # query heads 2, 3 share KV head 1
+        assert not nan[:, :2].any()
+
+
+def test_prefill_lengths_that_do_not_fit_are_value_errors():
+    from plinth.attention_backends.cpu_paged import paged_prefill
+
+    batch = make_paged_batch(spec_of(h=4, hkv=2, d=64, bs=16), [3], [9])
+    md = batch.metadata
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_prefill(batch.query, batch.kv_cache, md.block_tables, md.seq_lens * 100, md.query_start_loc, 1, 0.1)
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_prefill(batch.query, batch.kv_cache, md.block_tables, md.seq_lens, md.query_start_loc * 2, 1, 0.1)
 
 
 def test_bad_inputs_are_value_errors():
@@ -348,7 +400,9 @@ def test_prefill_kernel_matches_sdpa(heads, d, bs, window, dtype, layout, monkey
     def no_fallback(*args, **kwargs):
         raise AssertionError("the prefill step fell back to torch_batched")
 
-    if cpu_paged._prefill_kernel_ok():   # a build without AVX512 has no prefill kernel: the fallback is checked
+    if prefill_kernel_expected():
+        assert cpu_paged._prefill_kernel_ok(), "this CPU has AVX512 or AVX2/FMA: the prefill kernel must run"
+    if cpu_paged._prefill_kernel_ok():   # a build for a CPU without AVX2/FMA has none: the fallback is checked
         monkeypatch.setattr(TorchBatchedBackend, "forward", no_fallback)
     spec = spec_of(h=heads[0], hkv=heads[1], d=d, bs=bs, dtype=dtype, window=window)
     if layout == "interleaved":

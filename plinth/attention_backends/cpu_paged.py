@@ -221,7 +221,10 @@ def paged_prefill(
     """Causal attention of every sequence's query rows (the last ``q_len`` positions of its ``seq_len`` cached
     tokens) over its cache, read in place: prefill chunks, with or without cached context, and decode rows, in
     one call. ``None`` where the kernel does not take these shapes (head sizes 64 and 128, block sizes that are
-    multiples of 16, AVX512 or AVX2/FMA); the caller then runs its own path."""
+    multiples of 16, AVX512 or AVX2/FMA); the caller then runs its own path.
+
+    Raises:
+        ValueError: lengths or query offsets that do not fit the block tables or the query rows."""
     build = load_kernel()
     if build.library is None or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype:
         return None
@@ -233,6 +236,12 @@ def paged_prefill(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
+    longest = int(lens[:num_seqs].max()) if num_seqs else 0
+    if (longest > tables.shape[1] * block_size or tables.shape[0] < num_seqs or lens.shape[0] < num_seqs
+            or starts.shape[0] <= num_seqs or (num_seqs and int(starts[num_seqs]) > t)):
+        raise ValueError(f"{num_seqs} sequences of up to {longest} tokens do not fit block tables "
+                         f"{list(tables.shape)} of {block_size}-token blocks, {starts.shape[0]} query offsets "
+                         f"and {t} query rows")
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     rc = build.library.plinth_cpu_paged_prefill(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),

@@ -204,7 +204,7 @@ inline void transpose16_epi32(__m512i* r) {
 #if defined(__AVX512F__)
 // exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
 inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
@@ -772,7 +772,7 @@ inline void transpose8_ps(__m256* r) {
 
 // exp_nonpositive on 8 lanes (the same reduction and polynomial)
 inline __m256 exp8_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
   const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(y, n);
