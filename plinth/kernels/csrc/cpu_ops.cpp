@@ -506,6 +506,8 @@ inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs
     prefetch_block_codes(cb);
     __m256i sum[R][2];   // int16 per column: lane 0 the even k-pairs, lane 1 the odd ones
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    // (unrolled twice, not eight times: fully unrolled, GCC computed all the products first and spilled them)
+#pragma GCC unroll 2
     for (int j = 0; j < 8; ++j) {   // k-pairs 2 j (lane 0) and 2 j + 1 (lane 1)
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j));
       const __m256i w0 = _mm256_and_si256(v, low4);                        // columns 0-7: (k, k + 1)
