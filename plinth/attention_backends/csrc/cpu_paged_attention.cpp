@@ -529,6 +529,49 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
 // query positions per prefill work item
 constexpr int64_t kTile = 16;
 
+// The prefill work items' tiles: (sequence, first query position) of every kTile positions of every sequence
+inline void prefill_tiles(const int32_t* starts, int64_t num_seqs, std::vector<int64_t>& seq,
+                          std::vector<int64_t>& pos) {
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t i = starts[s]; i < starts[s + 1]; i += kTile) {
+      seq.push_back(s);
+      pos.push_back(i - starts[s]);
+    }
+}
+
+// The keys positions lo_pos..last of one sequence and KV head h may see, in chunks of `width` keys inside its
+// blocks (block sizes are multiples of 16): each chunk's first key position, its offset in the cache half and its
+// length. Chunks wholly before lo_pos (the window of the tile's first row) are visible to none of its rows.
+inline void visible_chunks(const int32_t* table, int64_t block_stride, int64_t token_stride, int64_t block_size,
+                           int64_t head_offset, int64_t seq_len, int64_t lo_pos, int64_t last, int64_t width,
+                           std::vector<int64_t>& key, std::vector<int64_t>& base, std::vector<int64_t>& len) {
+  key.clear();
+  base.clear();
+  len.clear();
+  for (int64_t b = lo_pos / block_size; b * block_size <= last; ++b) {
+    const int64_t start = static_cast<int64_t>(table[b]) * block_stride + head_offset;
+    const int64_t n = std::min<int64_t>(block_size, seq_len - b * block_size);   // tokens of this block in the cache
+    for (int64_t c0 = std::max<int64_t>(0, (lo_pos - b * block_size) / width * width);
+         c0 < n && b * block_size + c0 <= last; c0 += width) {
+      key.push_back(b * block_size + c0);
+      base.push_back(start + c0 * token_stride);
+      len.push_back(std::min<int64_t>(width, n - c0));
+    }
+  }
+}
+
+// A finished prefill item: each row's accumulator over its softmax sum, written to its (position, head) in out
+template <typename scalar_t>
+inline void store_prefill_rows(float* acc, const float* row_sum, int64_t rows, int64_t d_size, int64_t group,
+                               int64_t h, int64_t first_row, scalar_t* out, int64_t out_row) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* ar = acc + r * d_size;
+    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    for (int64_t d = 0; d < d_size; ++d) ar[d] *= inv;
+    from_float(ar, out + (first_row + r / group) * out_row + (h * group + r % group) * d_size, d_size);
+  }
+}
+
 #if defined(__AVX512F__)
 // Attention of query rows that may be many per sequence (prefill chunks, mixed with decode rows), causal over
 // each sequence's cache. A work item is one sequence, one KV head and a tile of up to kTile consecutive query
@@ -551,11 +594,7 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // work items: (sequence, KV head, tile of query positions); the tiles of all sequences in one list
   std::vector<int64_t> item_seq, item_pos;
-  for (int64_t s = 0; s < sh.num_seqs; ++s)
-    for (int64_t i = starts[s]; i < starts[s + 1]; i += kTile) {
-      item_seq.push_back(s);
-      item_pos.push_back(i - starts[s]);
-    }
+  prefill_tiles(starts, sh.num_seqs, item_seq, item_pos);
   const int64_t tiles = static_cast<int64_t>(item_seq.size()), items = tiles * sh.num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -589,19 +628,8 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
       const int32_t* table = tables + s * sh.table_width;
       // the visible keys in chunks of 16 (blocks hold a multiple of 16 tokens), taken kGroup chunks at a time:
       // one online-softmax update (max, exponentials, rescale) per group instead of per chunk
-      chunk_key.clear();
-      chunk_base.clear();
-      chunk_len.clear();
-      for (int64_t b = lo_pos / bs; b * bs <= last; ++b) {
-        const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + h * kD;
-        const int64_t n = std::min<int64_t>(bs, seq_len - b * bs);   // tokens of this block in the cache
-        // chunks wholly before the window of the tile's first row are visible to none of its rows
-        for (int64_t c0 = std::max<int64_t>(0, (lo_pos - b * bs) / 16 * 16); c0 < n && b * bs + c0 <= last; c0 += 16) {
-          chunk_key.push_back(b * bs + c0);
-          chunk_base.push_back(base + c0 * sh.token_stride);
-          chunk_len.push_back(std::min<int64_t>(16, n - c0));
-        }
-      }
+      visible_chunks(table, sh.block_stride, sh.token_stride, bs, h * kD, seq_len, lo_pos, last, 16, chunk_key,
+                     chunk_base, chunk_len);
       const int64_t nchunks = static_cast<int64_t>(chunk_key.size());
       for (int64_t g0 = 0; g0 < nchunks; g0 += kGroup) {
         const int64_t gn = std::min<int64_t>(kGroup, nchunks - g0);
@@ -737,13 +765,7 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* ar = acc.data() + r * kD;
-        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-        for (int64_t d = 0; d < kD; ++d) ar[d] *= inv;
-        const int64_t i = i0 + r / group, head = h * group + r % group;
-        from_float(ar, out + (starts[s] + i) * sh.out_row + head * kD, kD);
-      }
+      store_prefill_rows(acc.data(), row_sum.data(), rows, kD, group, h, starts[s] + i0, out, sh.out_row);
     }
   }
 }
@@ -805,11 +827,7 @@ void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t
   const scalar_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<int64_t> item_seq, item_pos;
-  for (int64_t s = 0; s < sh.num_seqs; ++s)
-    for (int64_t i = starts[s]; i < starts[s + 1]; i += kTile) {
-      item_seq.push_back(s);
-      item_pos.push_back(i - starts[s]);
-    }
+  prefill_tiles(starts, sh.num_seqs, item_seq, item_pos);
   const int64_t tiles = static_cast<int64_t>(item_seq.size()), items = tiles * sh.num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -836,18 +854,8 @@ void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t
       const int64_t last = ctx + i0 + npos - 1;
       const int64_t lo_pos = sliding_window > 0 ? std::max<int64_t>(0, ctx + i0 + 1 - sliding_window) : 0;
       const int32_t* table = tables + s * sh.table_width;
-      chunk_key.clear();
-      chunk_base.clear();
-      chunk_len.clear();
-      for (int64_t b = lo_pos / bs; b * bs <= last; ++b) {
-        const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + h * kD;
-        const int64_t n = std::min<int64_t>(bs, seq_len - b * bs);
-        for (int64_t c0 = std::max<int64_t>(0, (lo_pos - b * bs) / 8 * 8); c0 < n && b * bs + c0 <= last; c0 += 8) {
-          chunk_key.push_back(b * bs + c0);
-          chunk_base.push_back(base + c0 * sh.token_stride);
-          chunk_len.push_back(std::min<int64_t>(8, n - c0));
-        }
-      }
+      visible_chunks(table, sh.block_stride, sh.token_stride, bs, h * kD, seq_len, lo_pos, last, 8, chunk_key,
+                     chunk_base, chunk_len);
       const int64_t nchunks = static_cast<int64_t>(chunk_key.size());
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       for (int64_t g0 = 0; g0 < nchunks; g0 += kPrefillChunks) {
@@ -942,13 +950,7 @@ void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* ar = acc.data() + r * kD;
-        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-        for (int64_t d = 0; d < kD; ++d) ar[d] *= inv;
-        const int64_t i = i0 + r / group, head = h * group + r % group;
-        from_float(ar, out + (starts[s] + i) * sh.out_row + head * kD, kD);
-      }
+      store_prefill_rows(acc.data(), row_sum.data(), rows, kD, group, h, starts[s] + i0, out, sh.out_row);
     }
   }
 }
