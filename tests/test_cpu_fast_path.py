@@ -27,7 +27,7 @@ from plinth.platforms.cpu.platform import CpuPlatform, cpu_thread_count
 from plinth.worker.batching import block_table_array
 from plinth.worker.cpu_graphs import CompiledDecodeRunner
 from plinth.worker.cpu_int4 import decode_q4_blocks, int4_weights_from_gguf
-from plinth.worker.cpu_linear import Q8_0_INT8_MAX_ROWS, CpuLinearMethod, Int4Weight
+from plinth.worker.cpu_linear import Q8_0_INT8_MAX_ROWS, Q8_0_ROWS8_F32_MAX_ROWS, CpuLinearMethod, Int4Weight
 from plinth.worker.model_runner import SeqBatchEntry
 
 PROMPTS = [[5, 17, 99], list(range(20, 61)), list(range(100, 117)), [7] * 9]   # mixed lengths
@@ -505,10 +505,22 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
                     exact = rows_in @ w_file.double().T
                     bound = 1e-5 * (rows_in.abs() @ w_file.double().abs().T)
                     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
-                many = torch.randn(7, w_file.shape[1], generator=gen)      # past the row limit: the float32 weight
-                calls.clear()
-                torch.testing.assert_close(head(many), F.linear(many, head.weight), rtol=1e-5, atol=1e-5)
-                assert not calls
+                # 5-8 rows: the regrouped blocks in float32 where the head has them (8-bit inputs on), else the
+                # float32 weight; past 8 rows the float32 weight
+                for m in (6, Q8_0_ROWS8_F32_MAX_ROWS + 1):
+                    many = torch.randn(m, w_file.shape[1], generator=gen)
+                    regrouped = []
+                    real_rows8 = cpu_native.q8_0_rows8_matmul
+                    monkeypatch.setattr(cpu_native, "q8_0_rows8_matmul",
+                                        lambda x, *a, seen=regrouped, real=real_rows8, **k:
+                                        (seen.append(x.shape[0]), real(x, *a, **k))[1])
+                    calls.clear()
+                    got = head(many)
+                    monkeypatch.setattr(cpu_native, "q8_0_rows8_matmul", real_rows8)
+                    assert not calls and regrouped == ([m] if quantized and m <= Q8_0_ROWS8_F32_MAX_ROWS else [])
+                    exact = many.double() @ w_file.double().T
+                    assert bool(((got.double() - exact).abs() <= 1e-5 * (many.double().abs() @ w_file.double().abs().T)
+                                 + 1e-6).all())
             else:
                 assert method is None or method.q8_0 is None
             calls.clear()

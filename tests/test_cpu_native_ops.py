@@ -465,6 +465,30 @@ def test_q8_0_matmul_with_int8_inputs(m, n, k):
         cpu_native.q8_0_matmul(x.bfloat16(), torch.from_numpy(blocks), n, torch.float32, int8_inputs=True)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 300, 576), (5, 77, 64), (8, 64, 1536), (11, 9, 96)])
+def test_q8_0_regrouped_matmul_in_float32(m, n, k):
+    """The regrouped Q8_0 blocks times float32 rows in float32 (AVX2): the file's weights d q exactly, float32
+    sums, for 1-11 rows (8 per pass over a tile and a remainder) and N not a multiple of 8 (a padded tile)."""
+    if not cpu_native.q8_0_int8_supported():
+        pytest.skip("the native kernels were not built with AVX2")
+    rng = np.random.default_rng(m * 100 + n)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    codes = blocks.reshape(n, k // 32, 34)[:, :, 2:].view(np.int8)
+    codes[0, 0, :4] = [-128, 127, -128, 127]
+    w_file = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).double()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    rows8 = cpu_native.pack_q8_0_rows8(torch.from_numpy(blocks))
+    y = cpu_native.q8_0_rows8_matmul(x, rows8, n)
+    want = x.double() @ w_file.T
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert bool(((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ w_file.abs().T) + 1e-7).all())
+    strided = torch.cat([x, x], 1)[:, :k]                              # a row stride of 2 k
+    assert torch.equal(cpu_native.q8_0_rows8_matmul(strided, rows8, n), y)
+    with pytest.raises(ValueError, match="float32 rows"):
+        cpu_native.q8_0_rows8_matmul(x.bfloat16(), rows8, n)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 17, 96), (8, 96, 576), (33, 50, 128), (70, 32, 64)])
 def test_q4_panel_matmul_against_gguf_dequantization(qtype, m, n, k):

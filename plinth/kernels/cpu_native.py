@@ -44,6 +44,7 @@ _SIGNATURES = {
     "plinth_q8_0_gemv": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_q8_0_gemv_f32": [_P, _I, _P, _P, _I, _I, _I, _I],
     "plinth_q8_0r8_gemv_f32q8": [_P, _I, _P, _P, _I, _I, _I],
+    "plinth_q8_0r8_gemm_f32": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -54,7 +55,7 @@ _SIGNATURES = {
     "plinth_decode_layers_f32": [_P, _I, _P],
     "plinth_decode_layers_f32q8": [_P, _I, _P],
 }
-_RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q4p_gemm_bf16": ctypes.c_int64,
+_RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64, "plinth_q4p_gemm_bf16": ctypes.c_int64,
             "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
             "plinth_q4p_gemm_f32q8": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64,
@@ -220,6 +221,22 @@ def q8_0_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
     gemv = _lib().plinth_q8_0_gemv if x.dtype == torch.bfloat16 else _lib().plinth_q8_0_gemv_f32
     gemv(x.data_ptr(), x.stride(0), blocks.data_ptr(), y.data_ptr(), int(out_dtype == torch.float32), m,
          out_features, k)
+    return y
+
+
+def q8_0_rows8_matmul(x: torch.Tensor, rows8: torch.Tensor, out_features: int) -> torch.Tensor:
+    """float32 ``x`` ``[M, K]`` times a ``Q8_0`` weight ``[N, K]`` regrouped by :func:`pack_q8_0_rows8`, in float32
+    (each weight ``d q`` exact, float32 sums; the inputs as they are) -> ``[M, N]`` float32 (AVX2)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"the regrouped Q8_0 GEMM takes float32 rows, not {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert rows8.shape == ((out_features + 7) // 8, k // Q8_0_BLOCK, 272) and rows8.is_contiguous()
+    y = torch.empty((m, out_features), dtype=torch.float32)
+    if m and _lib().plinth_q8_0r8_gemm_f32(x.data_ptr(), x.stride(0), rows8.data_ptr(), y.data_ptr(), m, out_features,
+                                           k):
+        raise RuntimeError("the regrouped Q8_0 GEMM declined: the library was built without AVX2")
     return y
 
 

@@ -163,6 +163,12 @@ def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.T
 #: against 3.75)
 Q8_0_INT8_MAX_ROWS = 3
 
+#: float32 inputs of up to this many rows (past ``q8_0_max_rows``) multiply a Q8_0 head's regrouped blocks in
+#: float32 (``cpu_native.q8_0_rows8_matmul``): a quarter of the float32 weight's bytes; from ~12 rows on oneDNN's
+#: packed float32 GEMM was as fast (2-core AVX2 machine, 49152 x 576: 5 rows 4.4-6.6 against 7.2-7.8 ms, 8 rows
+#: 6.0-6.8 against 7.5-9.3, 12 rows 9.7-10.9 against 8.9-10.0)
+Q8_0_ROWS8_F32_MAX_ROWS = 8
+
 #: float32 inputs of more rows than this skip the packed weights (MKL's GEMM was as fast from 256 rows on, in the
 #: measurements of benchmarks/RESULTS.md, CPU session 13)
 F32_PACKED_MAX_ROWS = 128
@@ -303,6 +309,9 @@ class CpuLinearMethod:
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32,
                                        int8_inputs=self.q8_0_int8 and x2.dtype == torch.float32
                                        and m <= Q8_0_INT8_MAX_ROWS and in_decode_step(), rows8=self.q8_0_rows8)
+        elif (self.q8_0_rows8 is not None and 0 < m <= Q8_0_ROWS8_F32_MAX_ROWS and bias is None
+              and x2.dtype == torch.float32 and cpu_native.q8_0_enabled(x2)):
+            y = cpu_native.q8_0_rows8_matmul(x2, self.q8_0_rows8, self.out_features)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
             y = int4.matmul(x2.contiguous())
             if bias is not None:

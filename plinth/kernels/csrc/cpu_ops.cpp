@@ -581,6 +581,40 @@ inline void q8_0r8_tile(const uint8_t* tile, const int8_t* xq, const int8_t* xr,
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
+// R float32 input rows (row stride x_stride) times one tile of 8 rows of the regrouped Q8_0 layout, in float32:
+// out [R][8]. Per 32-byte chunk (four codes of each of the 8 rows) a byte shuffle and a dword permute give, for each
+// of the four features, the 8 rows' codes side by side; each is converted once, scaled by the rows' d, and
+// multiplied into every input row (an FMA with the row's feature broadcast), the R sums held in registers.
+template <int R>
+inline void q8_0r8_f32_tile(const uint8_t* tile, const float* x, int64_t x_stride, int64_t nb, float* out) {
+  const __m256i by_feature = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i halves = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * kQ8R8Bytes;
+    for (int line = 0; line < kQ8R8Bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvF32Prefetch + line, _MM_HINT_T0);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+      // [row][4 features] -> per 128-bit lane [feature][4 rows] -> [feature][8 rows]: 8 bytes per feature
+      const __m256i v = _mm256_permutevar8x32_epi32(
+          _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)), by_feature),
+          halves);
+      const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+      const __m128i f[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+      const float* xk = x + b * 32 + 4 * j;
+      for (int kk = 0; kk < 4; ++kk) {
+        const __m256 w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(f[kk])));   // d q, exact
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + r * x_stride + kk), w, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
 }  // namespace
 #endif
 
@@ -815,6 +849,44 @@ int64_t plinth_q8_0r8_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t
         case 2: q8_0r8_tile<2>(tile, q, qr, sr, k, nb, out); break;
         case 3: q8_0r8_tile<3>(tile, q, qr, sr, k, nb, out); break;
         default: q8_0r8_tile<4>(tile, q, qr, sr, k, nb, out); break;
+      }
+      for (int r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * n + 8 * t, out + 8 * r, sizeof(float) * cols);
+    }
+  }
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)packed; (void)y; (void)m; (void)n; (void)k;
+  return -1;
+#endif
+}
+
+// y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T for a Q8_0 weight regrouped by
+// plinth.kernels.cpu_native.pack_q8_0_rows8, in float32 (each weight d q exact, float32 sums): the inputs as they
+// are, any M >= 1, 8 rows per pass over a tile (its codes then come from L1). Returns 0, -1 where the
+// library was built without AVX2, -2 for M < 1.
+int64_t plinth_q8_0r8_gemm_f32(const float* x, int64_t x_stride, const uint8_t* packed, float* y, int64_t m,
+                               int64_t n, int64_t k) {
+#if defined(PLINTH_CPU_AVX2)
+  if (m < 1) return -2;
+  constexpr int64_t kRows = 8;
+  const int64_t nb = k / 32, tiles = (n + 7) / 8;
+#pragma omp parallel for schedule(static) if (m * n * k >= kParallelWork)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile = packed + t * nb * kQ8R8Bytes;
+    const int64_t cols = std::min<int64_t>(8, n - 8 * t);
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      alignas(32) float out[kRows * 8];
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
+      const float* xr = x + r0 * x_stride;
+      switch (rows) {
+        case 1: q8_0r8_f32_tile<1>(tile, xr, x_stride, nb, out); break;
+        case 2: q8_0r8_f32_tile<2>(tile, xr, x_stride, nb, out); break;
+        case 3: q8_0r8_f32_tile<3>(tile, xr, x_stride, nb, out); break;
+        case 4: q8_0r8_f32_tile<4>(tile, xr, x_stride, nb, out); break;
+        case 5: q8_0r8_f32_tile<5>(tile, xr, x_stride, nb, out); break;
+        case 6: q8_0r8_f32_tile<6>(tile, xr, x_stride, nb, out); break;
+        case 7: q8_0r8_f32_tile<7>(tile, xr, x_stride, nb, out); break;
+        default: q8_0r8_f32_tile<8>(tile, xr, x_stride, nb, out); break;
       }
       for (int r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * n + 8 * t, out + 8 * r, sizeof(float) * cols);
     }
