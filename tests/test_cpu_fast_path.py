@@ -458,7 +458,8 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
     """On a CPU without native bfloat16 a float32 GGUF model's Q8_0 LM head (here the tied embedding) serves
     decode rows from the file's blocks with float32 inputs: the logits are the file's weights times the rows,
     quantized to 8 bits per 32 features (the default, with AVX2) or as they are (``PLINTH_CPU_INT8_ACT=0``),
-    in float32 sums; longer inputs keep the float32 weight. Greedy tokens match the float32 head's
+    in float32 sums; 5-8 rows multiply the blocks regrouped eight rows at a time in float32 (AVX2, whatever the
+    8-bit setting), more rows the float32 weight. Greedy tokens match the float32 head's
     (``PLINTH_CPU_Q8_HEAD_MAX_ROWS=0``) up to near ties."""
     from test_cpu_native_ops import int8_rows
     from test_gguf import small_model, write_gguf
@@ -505,9 +506,9 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
                     exact = rows_in @ w_file.double().T
                     bound = 1e-5 * (rows_in.abs() @ w_file.double().abs().T)
                     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
-                # 5-8 rows: the regrouped blocks in float32 where the head has them (8-bit inputs on), else the
-                # float32 weight; past 8 rows the float32 weight
-                for m in (6, Q8_0_ROWS8_F32_MAX_ROWS + 1):
+                # 5-8 rows: the regrouped blocks in float32 where the head has them (AVX2), whatever the 8-bit
+                # setting; past 8 rows the float32 weight
+                for m in (5, Q8_0_ROWS8_F32_MAX_ROWS, Q8_0_ROWS8_F32_MAX_ROWS + 1):
                     many = torch.randn(m, w_file.shape[1], generator=gen)
                     regrouped = []
                     real_rows8 = cpu_native.q8_0_rows8_matmul
@@ -517,7 +518,9 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
                     calls.clear()
                     got = head(many)
                     monkeypatch.setattr(cpu_native, "q8_0_rows8_matmul", real_rows8)
-                    assert not calls and regrouped == ([m] if quantized and m <= Q8_0_ROWS8_F32_MAX_ROWS else [])
+                    has_rows8 = cpu_native.q8_0_int8_supported()
+                    assert method.q8_0_rows8 is not None if has_rows8 else method.q8_0_rows8 is None
+                    assert not calls and regrouped == ([m] if has_rows8 and m <= Q8_0_ROWS8_F32_MAX_ROWS else [])
                     exact = many.double() @ w_file.double().T
                     assert bool(((got.double() - exact).abs() <= 1e-5 * (many.double().abs() @ w_file.double().abs().T)
                                  + 1e-6).all())

@@ -485,8 +485,15 @@ def test_q8_0_regrouped_matmul_in_float32(m, n, k):
     assert bool(((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ w_file.abs().T) + 1e-7).all())
     strided = torch.cat([x, x], 1)[:, :k]                              # a row stride of 2 k
     assert torch.equal(cpu_native.q8_0_rows8_matmul(strided, rows8, n), y)
+    assert torch.equal(cpu_native.q8_0_rows8_matmul(x[-1:], rows8, n), y[-1:])   # a row's result whatever the batch
+    bad = x.clone()
+    bad[0, 3] = float("nan")
+    got = cpu_native.q8_0_rows8_matmul(bad, rows8, n)
+    assert bool(got[0].isnan().all()) and torch.equal(got[1:], y[1:])
     with pytest.raises(ValueError, match="float32 rows"):
         cpu_native.q8_0_rows8_matmul(x.bfloat16(), rows8, n)
+    with pytest.raises(ValueError, match="regrouped Q8_0 layout"):
+        cpu_native.q8_0_rows8_matmul(x, rows8[:-1].contiguous(), n)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])

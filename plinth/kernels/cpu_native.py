@@ -55,7 +55,8 @@ _SIGNATURES = {
     "plinth_decode_layers_f32": [_P, _I, _P],
     "plinth_decode_layers_f32q8": [_P, _I, _P],
 }
-_RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64, "plinth_q4p_gemm_bf16": ctypes.c_int64,
+_RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64,
+            "plinth_q4p_gemm_bf16": ctypes.c_int64,
             "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
             "plinth_q4p_gemm_f32q8": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64,
@@ -122,7 +123,8 @@ def q8_0_int8_supported() -> bool:
 
 def pack_q8_0_rows8(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF ``Q8_0`` rows ``blocks`` (``uint8 [N, K / 32 * 34]``) regrouped eight rows at a time for the 8-bit-input
-    GEMV (``plinth_q8_0r8_gemv_f32q8``): ``uint8 [ceil(N / 8), K / 32, 272]``, per tile of 8 rows and 32-feature
+    GEMV (``plinth_q8_0r8_gemv_f32q8``) and the float32 GEMM (``plinth_q8_0r8_gemm_f32``): ``uint8 [ceil(N / 8), K / 32,
+    272]``, per tile of 8 rows and 32-feature
     block the 8 rows' float16 scales, then for ``j = 0..7`` the 8 rows' codes ``4 j .. 4 j + 3``; the last tile is
     padded with zero rows. Same bytes, another order (the file's ``[N, K]`` weight is unchanged)."""
     n = blocks.shape[0]
@@ -232,7 +234,10 @@ def q8_0_rows8_matmul(x: torch.Tensor, rows8: torch.Tensor, out_features: int) -
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    assert rows8.shape == ((out_features + 7) // 8, k // Q8_0_BLOCK, 272) and rows8.is_contiguous()
+    if (k % Q8_0_BLOCK or rows8.dtype != torch.uint8 or not rows8.is_contiguous()
+            or tuple(rows8.shape) != ((out_features + 7) // 8, k // Q8_0_BLOCK, 272)):
+        raise ValueError(f"rows8 {rows8.dtype} {list(rows8.shape)} is not the regrouped Q8_0 layout of a "
+                         f"[{out_features}, {k}] weight (pack_q8_0_rows8; K a multiple of {Q8_0_BLOCK})")
     y = torch.empty((m, out_features), dtype=torch.float32)
     if m and _lib().plinth_q8_0r8_gemm_f32(x.data_ptr(), x.stride(0), rows8.data_ptr(), y.data_ptr(), m, out_features,
                                            k):

@@ -163,8 +163,8 @@ def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.T
 #: against 3.75)
 Q8_0_INT8_MAX_ROWS = 3
 
-#: float32 inputs of up to this many rows (past ``q8_0_max_rows``) multiply a Q8_0 head's regrouped blocks in
-#: float32 (``cpu_native.q8_0_rows8_matmul``): a quarter of the float32 weight's bytes; from ~12 rows on oneDNN's
+#: float32 inputs of up to this many rows (past ``q8_0_max_rows``; any step) multiply a Q8_0 head's regrouped blocks
+#: in float32 (``cpu_native.q8_0_rows8_matmul``, AVX2): a quarter of the float32 weight's bytes; from ~12 rows on oneDNN's
 #: packed float32 GEMM was as fast (2-core AVX2 machine, 49152 x 576: 5 rows 4.4-6.6 against 7.2-7.8 ms, 8 rows
 #: 6.0-6.8 against 7.5-9.3, 12 rows 9.7-10.9 against 8.9-10.0)
 Q8_0_ROWS8_F32_MAX_ROWS = 8
@@ -250,8 +250,10 @@ class CpuLinearMethod:
         # float32 models without AVX512-VNNI (AVX2): the Q8_0 GEMV quantizes its rows to 8 bits per 32 features
         self.q8_0_int8 = bool(int8_activations and q8_0 is not None and weight.dtype == torch.float32
                               and cpu_native.q8_0_int8_supported())
-        # ... multiplied with the blocks regrouped eight rows at a time (the same bytes in another order)
-        self.q8_0_rows8 = cpu_native.pack_q8_0_rows8(q8_0) if self.q8_0_int8 else None
+        # float32 models on AVX2: the blocks regrouped eight rows at a time (the same bytes in another order), for
+        # those 8-bit rows and, in float32, for the rows past q8_0_max_rows up to Q8_0_ROWS8_F32_MAX_ROWS
+        self.q8_0_rows8 = (cpu_native.pack_q8_0_rows8(q8_0) if q8_0 is not None and self.q8_0_max_rows > 0
+                           and weight.dtype == torch.float32 and cpu_native.q8_0_int8_supported() else None)
         # int8_activations: inputs of more rows than the int4 / Q8_0 row limits multiply the file's codes with
         # 8-bit inputs (the native VNNI GEMM) instead of the panel GEMM or the bfloat16 weights
         self.vnni: cpu_native.VnniPanels | None = None
@@ -309,7 +311,7 @@ class CpuLinearMethod:
             y = cpu_native.q8_0_matmul(x2, self.q8_0, self.out_features, torch.float32,
                                        int8_inputs=self.q8_0_int8 and x2.dtype == torch.float32
                                        and m <= Q8_0_INT8_MAX_ROWS and in_decode_step(), rows8=self.q8_0_rows8)
-        elif (self.q8_0_rows8 is not None and 0 < m <= Q8_0_ROWS8_F32_MAX_ROWS and bias is None
+        elif (self.q8_0_rows8 is not None and 0 < m <= Q8_0_ROWS8_F32_MAX_ROWS and bias is None   # past q8_0_max_rows
               and x2.dtype == torch.float32 and cpu_native.q8_0_enabled(x2)):
             y = cpu_native.q8_0_rows8_matmul(x2, self.q8_0_rows8, self.out_features)
         elif int4 is not None and 0 < m <= self.int4_max_rows and x2.dtype == int4.scale_zeros.dtype:
@@ -384,7 +386,9 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
             head (above ``q8_0_max_rows``) multiply the file's codes with inputs quantized to 8 bits per row and 32
             features (the native VNNI GEMM, AVX512-VNNI), in place of the panel GEMM and the bfloat16 weights.
             float32 models: a ``Q8_0`` head takes 1-3 rows of decode steps in two 8-bit planes (AVX2); their 4-bit
-            copies get the 8-bit GEMM from :meth:`Int4Weight.take_int8_inputs`.
+            copies get the 8-bit GEMM from :meth:`Int4Weight.take_int8_inputs`. (Whatever this flag, a float32
+            ``Q8_0`` head on AVX2 multiplies float32 rows past ``q8_0_max_rows`` up to
+            ``Q8_0_ROWS8_F32_MAX_ROWS`` with its regrouped blocks in float32.)
         pack: give the weights a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
 
     Returns:

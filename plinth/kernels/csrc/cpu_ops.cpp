@@ -862,7 +862,7 @@ int64_t plinth_q8_0r8_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t
 
 // y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T for a Q8_0 weight regrouped by
 // plinth.kernels.cpu_native.pack_q8_0_rows8, in float32 (each weight d q exact, float32 sums): the inputs as they
-// are, any M >= 1, 8 rows per pass over a tile (its codes then come from L1). Returns 0, -1 where the
+// are, any M >= 1, 8 rows per pass over a tile (its codes then come from L1/L2). Returns 0, -1 where the
 // library was built without AVX2, -2 for M < 1.
 int64_t plinth_q8_0r8_gemm_f32(const float* x, int64_t x_stride, const uint8_t* packed, float* y, int64_t m,
                                int64_t n, int64_t k) {
