@@ -437,6 +437,16 @@ def test_int8_input_kernels_at_their_limits():
             assert bool(out[1].isnan().all()) and bool(out[0].isfinite().all()), (bad, out)
 
 
+def q8_0_file_weight(rng: np.random.Generator, n: int, k: int) -> tuple[np.ndarray, torch.Tensor]:
+    """A random ``[n, k]`` weight as GGUF ``Q8_0`` blocks (by gguf's own quantizer), with extreme codes -128 and 127
+    in its first block (the file's d stays), and the blocks' dequantized values in float64."""
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    codes = blocks.reshape(n, k // 32, 34)[:, :, 2:].view(np.int8)
+    codes[0, 0, :4] = [-128, 127, -128, 127]
+    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).double()
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 300, 576), (3, 77, 64), (6, 64, 1536)])
 def test_q8_0_matmul_with_int8_inputs(m, n, k):
     """The Q8_0 GEMV's 8-bit-input path (AVX2: vpmaddubsw on |q| and the inputs with q's signs, in two planes:
@@ -445,11 +455,7 @@ def test_q8_0_matmul_with_int8_inputs(m, n, k):
     if not cpu_native.q8_0_int8_supported():
         pytest.skip("the native kernels were not built with AVX2")
     rng = np.random.default_rng(m * 10 + n)
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    codes = blocks.reshape(n, k // 32, 34)[:, :, 2:].view(np.int8)
-    codes[0, 0, :4] = [-128, 127, -128, 127]                        # extreme codes (the file's d stays)
-    w_file = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).double()
+    blocks, w_file = q8_0_file_weight(rng, n, k)
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     x[0, :32] = torch.tensor([127.0, -127.0] * 16)                   # a block of full-scale codes
     y = cpu_native.q8_0_matmul(x, torch.from_numpy(blocks), n, torch.float32, int8_inputs=True)
@@ -472,11 +478,7 @@ def test_q8_0_regrouped_matmul_in_float32(m, n, k):
     if not cpu_native.q8_0_int8_supported():
         pytest.skip("the native kernels were not built with AVX2")
     rng = np.random.default_rng(m * 100 + n)
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    codes = blocks.reshape(n, k // 32, 34)[:, :, 2:].view(np.int8)
-    codes[0, 0, :4] = [-128, 127, -128, 127]
-    w_file = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).double()
+    blocks, w_file = q8_0_file_weight(rng, n, k)
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     rows8 = cpu_native.pack_q8_0_rows8(torch.from_numpy(blocks))
     y = cpu_native.q8_0_rows8_matmul(x, rows8, n)

@@ -544,6 +544,13 @@ inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs
 constexpr int64_t kQ8R8Bytes = 16 + 8 * 32;
 constexpr int kQ8R8MaxRows = 4;   // input rows per pass over a tile
 
+// One block of a regrouped tile: its bytes kGemvF32Prefetch ahead asked for, the 8 rows' scales as float32
+inline __m256 q8_0r8_block_scales(const uint8_t* blk) {
+  for (int line = 0; line < kQ8R8Bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvF32Prefetch + line, _MM_HINT_T0);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+}
+
 // R input rows quantized per 32-k block in two planes (q8_quantize_row_f32 with xr: x = sx (xq + xr / 128)) times
 // one tile of 8 rows: out [R][8]. vpmaddubsw takes |q| and the inputs with q's signs (llama.cpp's way to multiply
 // two signed byte vectors), exact in int16 (at most 2 x 128 x 127 per pair); per block each plane's int32 sums
@@ -556,9 +563,7 @@ inline void q8_0r8_tile(const uint8_t* tile, const int8_t* xq, const int8_t* xr,
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = tile + b * kQ8R8Bytes;
-    for (int line = 0; line < kQ8R8Bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvF32Prefetch + line, _MM_HINT_T0);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 d = q8_0r8_block_scales(blk);
     __m256i p[R], pr[R];
     for (int r = 0; r < R; ++r) p[r] = pr[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
@@ -594,9 +599,7 @@ inline void q8_0r8_f32_tile(const uint8_t* tile, const float* x, int64_t x_strid
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = tile + b * kQ8R8Bytes;
-    for (int line = 0; line < kQ8R8Bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + kGemvF32Prefetch + line, _MM_HINT_T0);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 d = q8_0r8_block_scales(blk);
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       // [row][4 features] -> per 128-bit lane [feature][4 rows] -> [feature][8 rows]: 8 bytes per feature
@@ -613,6 +616,26 @@ inline void q8_0r8_f32_tile(const uint8_t* tile, const float* x, int64_t x_strid
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+// For every tile of 8 output rows of a regrouped Q8_0 weight (over the threads when `parallel`) and every pass
+// of up to PASS input rows: tile_pass(tile, r0, rows, out) leaves the pass's sums in out [rows][8], stored at
+// their columns of y [M, N] (the last tile's padded rows dropped).
+template <int64_t PASS, class TilePass>
+void q8_0r8_tiles(const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t nb, bool parallel,
+                  TilePass tile_pass) {
+  const int64_t tiles = (n + 7) / 8;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile = packed + t * nb * kQ8R8Bytes;
+    const int64_t cols = std::min<int64_t>(8, n - 8 * t);
+    for (int64_t r0 = 0; r0 < m; r0 += PASS) {
+      alignas(32) float out[PASS * 8];
+      const int rows = static_cast<int>(std::min<int64_t>(PASS, m - r0));
+      tile_pass(tile, r0, rows, out);
+      for (int r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * n + 8 * t, out + 8 * r, sizeof(float) * cols);
+    }
+  }
 }
 
 }  // namespace
@@ -822,7 +845,7 @@ int64_t plinth_q8_0r8_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t
                                  int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AVX2)
   if (m < 1) return -2;
-  const int64_t nb = k / 32, tiles = (n + 7) / 8;
+  const int64_t nb = k / 32;
   thread_local std::vector<int8_t> xq, xr;
   thread_local std::vector<float> sx, xs;
   xq.resize(static_cast<size_t>(m * k));
@@ -834,25 +857,18 @@ int64_t plinth_q8_0r8_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t
   const int8_t* xqp = xq.data();
   const int8_t* xrp = xr.data();
   const float* sxp = sx.data();
-#pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tile = packed + t * nb * kQ8R8Bytes;
-    const int64_t cols = std::min<int64_t>(8, n - 8 * t);
-    for (int64_t r0 = 0; r0 < m; r0 += kQ8R8MaxRows) {
-      alignas(32) float out[kQ8R8MaxRows * 8];
-      const int rows = static_cast<int>(std::min<int64_t>(kQ8R8MaxRows, m - r0));
-      const int8_t* q = xqp + r0 * k;
-      const int8_t* qr = xrp + r0 * k;
-      const float* sr = sxp + r0 * nb;
-      switch (rows) {
-        case 1: q8_0r8_tile<1>(tile, q, qr, sr, k, nb, out); break;
-        case 2: q8_0r8_tile<2>(tile, q, qr, sr, k, nb, out); break;
-        case 3: q8_0r8_tile<3>(tile, q, qr, sr, k, nb, out); break;
-        default: q8_0r8_tile<4>(tile, q, qr, sr, k, nb, out); break;
-      }
-      for (int r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * n + 8 * t, out + 8 * r, sizeof(float) * cols);
+  q8_0r8_tiles<kQ8R8MaxRows>(packed, y, m, n, nb, n * k >= kParallelWork,
+                             [&](const uint8_t* tile, int64_t r0, int rows, float* out) {
+    const int8_t* q = xqp + r0 * k;
+    const int8_t* qr = xrp + r0 * k;
+    const float* sr = sxp + r0 * nb;
+    switch (rows) {
+      case 1: q8_0r8_tile<1>(tile, q, qr, sr, k, nb, out); break;
+      case 2: q8_0r8_tile<2>(tile, q, qr, sr, k, nb, out); break;
+      case 3: q8_0r8_tile<3>(tile, q, qr, sr, k, nb, out); break;
+      default: q8_0r8_tile<4>(tile, q, qr, sr, k, nb, out); break;
     }
-  }
+  });
   return 0;
 #else
   (void)x; (void)x_stride; (void)packed; (void)y; (void)m; (void)n; (void)k;
@@ -868,29 +884,21 @@ int64_t plinth_q8_0r8_gemm_f32(const float* x, int64_t x_stride, const uint8_t* 
                                int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AVX2)
   if (m < 1) return -2;
-  constexpr int64_t kRows = 8;
-  const int64_t nb = k / 32, tiles = (n + 7) / 8;
-#pragma omp parallel for schedule(static) if (m * n * k >= kParallelWork)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tile = packed + t * nb * kQ8R8Bytes;
-    const int64_t cols = std::min<int64_t>(8, n - 8 * t);
-    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      alignas(32) float out[kRows * 8];
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
-      const float* xr = x + r0 * x_stride;
-      switch (rows) {
-        case 1: q8_0r8_f32_tile<1>(tile, xr, x_stride, nb, out); break;
-        case 2: q8_0r8_f32_tile<2>(tile, xr, x_stride, nb, out); break;
-        case 3: q8_0r8_f32_tile<3>(tile, xr, x_stride, nb, out); break;
-        case 4: q8_0r8_f32_tile<4>(tile, xr, x_stride, nb, out); break;
-        case 5: q8_0r8_f32_tile<5>(tile, xr, x_stride, nb, out); break;
-        case 6: q8_0r8_f32_tile<6>(tile, xr, x_stride, nb, out); break;
-        case 7: q8_0r8_f32_tile<7>(tile, xr, x_stride, nb, out); break;
-        default: q8_0r8_f32_tile<8>(tile, xr, x_stride, nb, out); break;
-      }
-      for (int r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * n + 8 * t, out + 8 * r, sizeof(float) * cols);
+  const int64_t nb = k / 32;
+  q8_0r8_tiles<8>(packed, y, m, n, nb, m * n * k >= kParallelWork,
+                  [&](const uint8_t* tile, int64_t r0, int rows, float* out) {
+    const float* xr = x + r0 * x_stride;
+    switch (rows) {
+      case 1: q8_0r8_f32_tile<1>(tile, xr, x_stride, nb, out); break;
+      case 2: q8_0r8_f32_tile<2>(tile, xr, x_stride, nb, out); break;
+      case 3: q8_0r8_f32_tile<3>(tile, xr, x_stride, nb, out); break;
+      case 4: q8_0r8_f32_tile<4>(tile, xr, x_stride, nb, out); break;
+      case 5: q8_0r8_f32_tile<5>(tile, xr, x_stride, nb, out); break;
+      case 6: q8_0r8_f32_tile<6>(tile, xr, x_stride, nb, out); break;
+      case 7: q8_0r8_f32_tile<7>(tile, xr, x_stride, nb, out); break;
+      default: q8_0r8_f32_tile<8>(tile, xr, x_stride, nb, out); break;
     }
-  }
+  });
   return 0;
 #else
   (void)x; (void)x_stride; (void)packed; (void)y; (void)m; (void)n; (void)k;
