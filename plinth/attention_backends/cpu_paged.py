@@ -102,9 +102,10 @@ class CpuPagedBackend(TorchBatchedBackend):
         tables, lens, starts = self._step_indices(metadata)
         num_decodes, longest_decode, prefill_starts = self._decode_split(metadata, starts)
         if num_decodes == 0:
-            return paged_prefill(query, kv_cache, tables, lens, starts, metadata.num_seqs, scale, sliding_window)
+            return paged_prefill(query, kv_cache, tables, lens, starts, metadata.num_seqs, scale, sliding_window,
+                                 max_seq_len=metadata.max_seq_len)
         rest = paged_prefill(query[num_decodes:], kv_cache, tables[num_decodes:], lens[num_decodes:], prefill_starts,
-                             metadata.num_seqs - num_decodes, scale, sliding_window)
+                             metadata.num_seqs - num_decodes, scale, sliding_window, max_seq_len=metadata.max_seq_len)
         if rest is None:
             return None
         head = paged_decode(query[:num_decodes], kv_cache, tables, lens, starts, num_decodes, scale, sliding_window,
@@ -217,6 +218,8 @@ def paged_prefill(
     num_seqs: int,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    max_seq_len: int | None = None,  # at least the largest of seq_lens[:B] when the caller knows it (saves a reduction)
 ) -> torch.Tensor | None:           # [T, H, D]; rows not owned by a sequence are zero
     """Causal attention of every sequence's query rows (the last ``q_len`` positions of its ``seq_len`` cached
     tokens) over its cache, read in place: prefill chunks, with or without cached context, and decode rows, in
@@ -236,7 +239,7 @@ def paged_prefill(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
-    longest = int(lens[:num_seqs].max()) if num_seqs else 0
+    longest = int(lens[:num_seqs].max()) if max_seq_len is None and num_seqs else (max_seq_len or 0)
     if (longest > tables.shape[1] * block_size or tables.shape[0] < num_seqs or lens.shape[0] < num_seqs
             or starts.shape[0] <= num_seqs or (num_seqs and int(starts[num_seqs]) > t)):
         raise ValueError(f"{num_seqs} sequences of up to {longest} tokens do not fit block tables "

@@ -560,6 +560,46 @@ inline void visible_chunks(const int32_t* table, int64_t block_stride, int64_t t
   }
 }
 
+// A prefill work item's tile of query positions of one sequence and one KV head h: rows = positions x group
+struct PrefillTile {
+  int64_t s, h, i0, rows;
+};
+
+// Start work item `item`: its rows' queries scaled into q [rows][d] (position-major, the group's heads side by side:
+// row r = position i0 + r / group, head h * group + r % group; qraw, where given, the raw rows), each row's position
+// in row_pos, the softmax state reset (acc 0, row_max -inf, row_sum 0), and the key chunks of `width` the tile may
+// see (visible_chunks, from the window of its first row to its last position).
+template <typename scalar_t>
+inline PrefillTile begin_prefill_item(int64_t item, const std::vector<int64_t>& item_seq,
+                                      const std::vector<int64_t>& item_pos, const scalar_t* query,
+                                      const int32_t* tables, const int32_t* lens, const int32_t* starts,
+                                      const Shape& sh, int64_t d, float scale, int64_t sliding_window, int64_t width,
+                                      float* q, const scalar_t** qraw, float* acc, float* row_max, float* row_sum,
+                                      int64_t* row_pos, std::vector<int64_t>& chunk_key,
+                                      std::vector<int64_t>& chunk_base, std::vector<int64_t>& chunk_len) {
+  const int64_t group = sh.num_heads / sh.num_kv_heads;
+  const int64_t tile = item / sh.num_kv_heads, h = item % sh.num_kv_heads;
+  const int64_t s = item_seq[tile], i0 = item_pos[tile];
+  const int64_t q_len = starts[s + 1] - starts[s], seq_len = lens[s], ctx = seq_len - q_len;
+  const int64_t npos = std::min<int64_t>(kTile, q_len - i0), rows = npos * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r / group, head = h * group + r % group;
+    const scalar_t* qr = query + (starts[s] + i) * sh.q_row + head * d;
+    if (qraw != nullptr) qraw[r] = qr;
+    to_float(qr, q + r * d, d);
+    for (int64_t j = 0; j < d; ++j) q[r * d + j] *= scale;
+    row_pos[r] = ctx + i;
+  }
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + rows, 0.f);
+  const int64_t last = ctx + i0 + npos - 1;                      // the tile's last position
+  const int64_t lo_pos = sliding_window > 0 ? std::max<int64_t>(0, ctx + i0 + 1 - sliding_window) : 0;
+  visible_chunks(tables + s * sh.table_width, sh.block_stride, sh.token_stride, sh.block_size, h * d, seq_len, lo_pos,
+                 last, width, chunk_key, chunk_base, chunk_len);
+  return {s, h, i0, rows};
+}
+
 // A finished prefill item: each row's accumulator over its softmax sum, written to its (position, head) in out
 template <typename scalar_t>
 inline void store_prefill_rows(float* acc, const float* row_sum, int64_t rows, int64_t d_size, int64_t group,
@@ -588,7 +628,7 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
              const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
              int num_threads) {
   constexpr int64_t kV = kD / 16;
-  const int64_t group = sh.num_heads / sh.num_kv_heads, bs = sh.block_size;
+  const int64_t group = sh.num_heads / sh.num_kv_heads;
   const scalar_t* k_cache = kv_cache;
   const scalar_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -604,32 +644,15 @@ void prefill(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tab
     std::vector<int64_t> chunk_key, chunk_base, chunk_len;
     std::vector<uint32_t> vp(kGroup * 8 * kD);   // bfloat16 V, two keys per dword: [chunk][key pair][D]
     std::vector<int64_t> row_pos(max_rows);
-    std::vector<const uint16_t*> qraw(max_rows);   // bfloat16: each row's query in the input
+    std::vector<const scalar_t*> qraw(max_rows);   // bfloat16: each row's query in the input
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t tile = item / sh.num_kv_heads, h = item % sh.num_kv_heads;
-      const int64_t s = item_seq[tile], i0 = item_pos[tile];
-      const int64_t q_len = starts[s + 1] - starts[s], seq_len = lens[s], ctx = seq_len - q_len;
-      const int64_t npos = std::min<int64_t>(kTile, q_len - i0), rows = npos * group;
-      // rows: position-major, the group's heads side by side; row r = (position i0 + r / group, head r % group)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r / group, head = h * group + r % group;
-        const scalar_t* qr = query + (starts[s] + i) * sh.q_row + head * kD;
-        if constexpr (std::is_same_v<scalar_t, uint16_t>) qraw[r] = qr;
-        to_float(qr, q.data() + r * kD, kD);
-        for (int64_t d = 0; d < kD; ++d) q[r * kD + d] *= scale;
-        row_pos[r] = ctx + i;
-      }
-      std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
-      std::fill(row_max.begin(), row_max.begin() + rows, neg_inf);
-      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
-      const int64_t last = ctx + i0 + npos - 1;                      // the tile's last position
-      const int64_t lo_pos = sliding_window > 0 ? std::max<int64_t>(0, ctx + i0 + 1 - sliding_window) : 0;
-      const int32_t* table = tables + s * sh.table_width;
       // the visible keys in chunks of 16 (blocks hold a multiple of 16 tokens), taken kGroup chunks at a time:
       // one online-softmax update (max, exponentials, rescale) per group instead of per chunk
-      visible_chunks(table, sh.block_stride, sh.token_stride, bs, h * kD, seq_len, lo_pos, last, 16, chunk_key,
-                     chunk_base, chunk_len);
+      const auto [s, h, i0, rows] = begin_prefill_item<scalar_t>(
+          item, item_seq, item_pos, query, tables, lens, starts, sh, kD, scale, sliding_window, 16, q.data(),
+          std::is_same_v<scalar_t, uint16_t> ? qraw.data() : nullptr, acc.data(), row_max.data(), row_sum.data(),
+          row_pos.data(), chunk_key, chunk_base, chunk_len);
       const int64_t nchunks = static_cast<int64_t>(chunk_key.size());
       for (int64_t g0 = 0; g0 < nchunks; g0 += kGroup) {
         const int64_t gn = std::min<int64_t>(kGroup, nchunks - g0);
@@ -822,7 +845,7 @@ void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t
                   const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
                   int num_threads) {
   constexpr int64_t kV = kD / 8;
-  const int64_t group = sh.num_heads / sh.num_kv_heads, bs = sh.block_size;
+  const int64_t group = sh.num_heads / sh.num_kv_heads;
   const scalar_t* k_cache = kv_cache;
   const scalar_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -838,24 +861,9 @@ void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t
     std::vector<int64_t> chunk_key, chunk_base, chunk_len, row_pos(max_rows);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t tile = item / sh.num_kv_heads, h = item % sh.num_kv_heads;
-      const int64_t s = item_seq[tile], i0 = item_pos[tile];
-      const int64_t q_len = starts[s + 1] - starts[s], seq_len = lens[s], ctx = seq_len - q_len;
-      const int64_t npos = std::min<int64_t>(kTile, q_len - i0), rows = npos * group;
-      for (int64_t r = 0; r < rows; ++r) {   // position-major, the group's heads side by side
-        const int64_t i = i0 + r / group, head = h * group + r % group;
-        to_float(query + (starts[s] + i) * sh.q_row + head * kD, q.data() + r * kD, kD);
-        for (int64_t d = 0; d < kD; ++d) q[r * kD + d] *= scale;
-        row_pos[r] = ctx + i;
-      }
-      std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
-      std::fill(row_max.begin(), row_max.begin() + rows, neg_inf);
-      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
-      const int64_t last = ctx + i0 + npos - 1;
-      const int64_t lo_pos = sliding_window > 0 ? std::max<int64_t>(0, ctx + i0 + 1 - sliding_window) : 0;
-      const int32_t* table = tables + s * sh.table_width;
-      visible_chunks(table, sh.block_stride, sh.token_stride, bs, h * kD, seq_len, lo_pos, last, 8, chunk_key,
-                     chunk_base, chunk_len);
+      const auto [s, h, i0, rows] = begin_prefill_item<scalar_t>(
+          item, item_seq, item_pos, query, tables, lens, starts, sh, kD, scale, sliding_window, 8, q.data(),
+          nullptr, acc.data(), row_max.data(), row_sum.data(), row_pos.data(), chunk_key, chunk_base, chunk_len);
       const int64_t nchunks = static_cast<int64_t>(chunk_key.size());
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       for (int64_t g0 = 0; g0 < nchunks; g0 += kPrefillChunks) {
