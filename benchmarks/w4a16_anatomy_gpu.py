@@ -11,6 +11,7 @@ streaming and unpacking without the products), and ``read``: the packed codes al
 kernel (16-byte loads, ordinary launches), once with the GEMV's grid at 4 warps (a block of 4 warps per 16-row tile)
 and once grid-stride (8 blocks per multiprocessor), the bytes' own floor in this harness. Outputs of the
 cut variants are wrong by construction; only ``full`` is checked against the float32 product.
+``--dtypes bfloat16,float16`` times each variant with activations of each dtype (the same codes).
 ``baseline`` (with ``--baseline FILE``) is another version of the kernel's source (the one before a change),
 timed in the same process for an A/B; ``--baseline-slot A,B`` gives its ring slot size, ``A + B * rows``
 bytes, where it differs from the current kernel's. Its result is checked against the float32 product too.
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="full,launch,prologue,no_mma,read")
     p.add_argument("--baseline", default=None, help="another kernel source, timed as the variant 'baseline'")
     p.add_argument("--baseline-slot", default=None, help="A,B: the baseline's ring slot is A + B * rows bytes")
+    p.add_argument("--dtypes", default="bfloat16",
+                   help="activation dtypes (bfloat16,float16): each variant is timed with each")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -140,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             if c == 0:
                 dense0 = w.dequantize(torch.float32)
         gbytes = (n * k / 2 + n * (k // 128) * 4) / 1e9
-        for m in (int(r) for r in a.rows.split(",")):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            rec: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "gbytes": gbytes}
+        for m, dtype_name in ((int(r), d) for r in a.rows.split(",") for d in a.dtypes.split(",")):
+            x = torch.randn(m, k, device="cuda").to(getattr(torch, dtype_name))
+            rec: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "dtype": dtype_name, "gbytes": gbytes}
             sources = variants(source)
             if a.baseline:
                 sources["baseline"] = Path(a.baseline).read_text()

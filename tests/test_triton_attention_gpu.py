@@ -208,6 +208,44 @@ def test_decode_graph_replay_with_new_lengths():
         torch.testing.assert_close(got, reference_attention(other, scale, None), atol=2e-2, rtol=2e-2)
 
 
+def test_decode_kernels_launched_as_dependents_in_a_graph(monkeypatch):
+    """Where the decode steps run weight-prefetching GEMVs, the split and merge kernels are launched as
+    programmatic dependents (Hopper) and wait for the kernel before them first: in a graph whose query is
+    written by the kernel right before the split kernel, and whose output is read by an RMSNorm (also a
+    dependent) right after the merge, every replay equals the eager launches bit for bit, with new queries
+    between replays, and matches float64 attention."""
+    from plinth.kernels import nvrtc, ops
+
+    monkeypatch.setattr(nvrtc, "prefetching_kernels", nvrtc.dependent_launches)
+    batch = make_batch([(100, 1), (1900, 1), (300, 1), (2100, 1)], 32, 8, 128, torch.bfloat16, seed=5)
+    hopper = torch.cuda.get_device_capability() >= (9, 0) and nvrtc.dependent_launches(DEVICE)
+    assert ops.dependent_options(batch.query) == ({"DEPENDENT": True, "launch_pdl": True} if hopper else {})
+    backend = TritonAttentionBackend()
+    md, scale = batch.metadata, 128 ** -0.5
+    source = batch.query.clone()
+    norm_w = torch.rand(128, device=DEVICE).to(torch.bfloat16) + 0.5
+
+    def step():
+        torch.mul(source, 2.0, out=batch.query)
+        out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, md, scale=scale)
+        return out, ops.rms_norm(out.view(-1, 128), norm_w, 1e-5)
+
+    backend.prepare(md)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, normed = step()
+    gen = torch.Generator(device=DEVICE)
+    for seed in (1, 2, 3):
+        source.copy_(torch.randn(source.shape, generator=gen.manual_seed(seed), device=DEVICE))
+        graph.replay()
+        expect, expect_normed = step()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expect) and torch.equal(normed, expect_normed), seed
+    torch.testing.assert_close(out.double(), reference_attention(batch, scale, None), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", [64, 128, 80])
 @pytest.mark.parametrize("splits", [None, 1, 7])

@@ -237,8 +237,11 @@ def test_dependent_launches_in_a_graph_match_eager_kernels(layers, rows, monkeyp
     """A decoder MLP chain captured in a CUDA graph, where on Hopper each GEMV starts while the Triton
     kernel before it runs (programmatic dependent launch) and reads its activations only after
     ``griddepcontrol.wait``: the replay's outputs equal the eager (ordinary launch) results bit for bit,
-    with inputs changed between replays (a GEMV reading its input early would see the old values)."""
+    with inputs changed between replays (a GEMV reading its input early would see the old values). The
+    Triton kernels are launched as dependents too (as next to prepared W4A16 weights) and wait first."""
     from plinth.kernels import nvrtc, ops
+
+    monkeypatch.setattr(nvrtc, "prefetching_kernels", nvrtc.dependent_launches)
 
     up, down = layers["gate_up"], layers["down"]
     packed = {name: (pack_mma_codes(w.q), pack_mma_scales(w.scales, w.zeros), w.shape[0])
@@ -253,6 +256,7 @@ def test_dependent_launches_in_a_graph_match_eager_kernels(layers, rows, monkeyp
     gen = torch.Generator(device=CUDA).manual_seed(7)
     x = torch.randn(rows, 4096, generator=gen, device=CUDA).to(torch.bfloat16)
     residual = torch.randn(rows, 4096, generator=gen, device=CUDA).to(torch.bfloat16)
+    assert ops.dependent_options(x) == ({"DEPENDENT": True, "launch_pdl": True} if CAPABILITY >= (9, 0) else {})
     chain(x, residual)   # compile outside the capture
     torch.cuda.synchronize()
     seen = []

@@ -82,6 +82,22 @@ def dependent_launches(device: torch.device) -> bool:
     return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_PREFETCHING: set[int] = set()   # devices with kernels that stream weights before their dependency wait
+
+
+def note_prefetching_kernels(device: torch.device) -> None:
+    """Record that decode steps on ``device`` run kernels that read their weights before
+    ``griddepcontrol.wait`` (the W4A16 GEMVs, from their ``prepare``): the small Triton kernels around them
+    are then launched as programmatic dependents too (:func:`plinth.kernels.ops.dependent_options`)."""
+    _PREFETCHING.add(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def prefetching_kernels(device: torch.device) -> bool:
+    """Whether :func:`note_prefetching_kernels` was called for ``device`` and dependent launches are on."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index in _PREFETCHING and dependent_launches(device)
+
+
 def dependent_launch(device: torch.device) -> bool:
     """Whether a kernel launched now on ``device`` may start before the kernel ahead of it ends
     (:func:`dependent_launches`, and a CUDA graph is being captured).

@@ -58,17 +58,20 @@ def _native_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and os.environ.get("PLINTH_TRITON_INTERPRET") != "1"
 
 
-def launch_dependents(x: torch.Tensor) -> bool:
-    """Whether a Triton kernel on ``x``'s device lets the next kernel of the stream start before it ends
-    (``LAUNCH_DEPENDENTS``: ``griddepcontrol.launch_dependents`` at its start). Only a kernel launched
-    for it (:func:`plinth.kernels.nvrtc.dependent_launch`: the W4A16 GEMVs in CUDA graphs) starts early,
-    streaming its weights while this one runs; others wait as usual. Eager and captured launches take
-    the same kernel variant, so the warm-up before a capture compiles it."""
+def dependent_options(x: torch.Tensor) -> dict[str, bool]:
+    """Launch options of a Triton kernel on ``x``'s device that starts with
+    :func:`~plinth.kernels.triton_jit.dependent_start`: where the decode steps run W4A16 GEMVs that stream
+    their weights before waiting (:func:`plinth.kernels.nvrtc.prefetching_kernels`) it is launched as a
+    dependent of the kernel before it (``DEPENDENT`` and ``launch_pdl``), so its launch overlaps that
+    kernel's end, and lets the next kernel start once it runs (a GEMV then streams its weights meanwhile).
+    It waits for the kernel before it first, so eager and captured launches alike are safe, and take the
+    same compiled variant (the warm-up before a capture compiles it). Elsewhere none: next to cuBLAS GEMMs
+    (bfloat16 models) dependent launches made a decode step slower (benchmarks/RESULTS.md)."""
     if x.device.type != "cuda" or not jit_module().HAS_GDC:
-        return False
+        return {}
     from plinth.kernels import nvrtc
 
-    return nvrtc.dependent_launches(x.device)
+    return {"DEPENDENT": True, "launch_pdl": True} if nvrtc.prefetching_kernels(x.device) else {}
 
 
 def _block(n: int) -> int:
@@ -124,7 +127,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x, r, weight, y, h, scale, n, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
         quant.qmax if quant is not None else 1.0,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        LAUNCH_DEPENDENTS=launch_dependents(x), QUANT=quant is not None,
+        QUANT=quant is not None, **dependent_options(x),
     )
     out = y if quant is None else QuantizedRows(y, scale)
     return out if residual is None else (out, h)
@@ -151,12 +154,12 @@ def silu_and_mul(x: torch.Tensor, quant: RowQuant | None = None) -> Any:
             jit_module().silu_mul_quant_kernel[(t,)](x, y, scale, d, x.stride(0), y.stride(0), quant.qmax,
                                                      BLOCK=block, ONE_PASS=block >= d,
                                                      num_warps=min(16, max(4, block // 1024)),
-                                                     LAUNCH_DEPENDENTS=launch_dependents(x))
+                                                     **dependent_options(x))
         return QuantizedRows(y, scale)
     y = torch.empty((t, d), dtype=x.dtype, device=x.device)
     block = min(1024, _block(d))
     jit_module().silu_mul_kernel[(t, -(-d // block))](x, y, d, x.stride(0), y.stride(0), BLOCK=block,
-                                                      num_warps=4, LAUNCH_DEPENDENTS=launch_dependents(x))
+                                                      num_warps=4, **dependent_options(x))
     return y
 
 

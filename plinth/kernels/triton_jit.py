@@ -17,25 +17,36 @@ import triton
 import triton.language as tl
 
 try:   # programmatic dependent launch (Triton 3.4+)
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_GDC = True
-except ImportError:  # pragma: no cover - older Triton: LAUNCH_DEPENDENTS stays False (a stand-in keeps the
-    gdc_launch_dependents = tl.debug_barrier  # kernels' globals resolvable)
+except ImportError:  # pragma: no cover - older Triton: DEPENDENT stays False (stand-ins keep the kernels'
+    gdc_launch_dependents = gdc_wait = tl.debug_barrier  # globals resolvable)
     HAS_GDC = False
+
+
+@triton.jit
+def dependent_start(DEPENDENT: tl.constexpr):
+    """The first statement of a kernel that may be launched as a programmatic dependent (``DEPENDENT``,
+    launched with ``launch_pdl``, see :func:`plinth.kernels.ops.dependent_options`): wait until the kernel
+    before it in the stream has finished and its writes are visible (it may still be running when this
+    one starts), then let the kernel after it start (a GEMV streams its weights meanwhile). Nothing may
+    touch memory before it."""
+    if DEPENDENT:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
 def rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, s_ptr,   # x, residual (read), weight, output, new residual (write), scales
     N, stride_x, stride_r, stride_y, stride_h, eps, QMAX,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr = False,
     QUANT: tl.constexpr = False,
 ):
     """With ``QUANT`` the normalized row (rounded to the activation dtype) is written quantized per row
     (``s = max|y| / QMAX``, ``y / s`` clamped, in ``y``'s dtype, the scale to ``s_ptr[row]``): the
     arithmetic of ``quant_rows_kernel`` on this kernel's unquantized output."""
-    if LAUNCH_DEPENDENTS:   # the next kernel (a GEMV) may start streaming its weights now
-        gdc_launch_dependents()
+    dependent_start(DEPENDENT)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -60,9 +71,8 @@ def rmsnorm_kernel(
 
 @triton.jit
 def silu_mul_kernel(x_ptr, y_ptr, D, stride_x, stride_y, BLOCK: tl.constexpr,
-                    LAUNCH_DEPENDENTS: tl.constexpr = False):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+                    DEPENDENT: tl.constexpr = False):
+    dependent_start(DEPENDENT)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -84,13 +94,12 @@ def _silu_mul_rounded(x_ptr, row_start, D, offs, mask):
 
 @triton.jit
 def silu_mul_quant_kernel(x_ptr, y_ptr, s_ptr, D, stride_x, stride_y, QMAX, BLOCK: tl.constexpr,
-                          ONE_PASS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False):
+                          ONE_PASS: tl.constexpr, DEPENDENT: tl.constexpr = False):
     """``silu_mul_kernel`` quantized per row, one row per program: the arithmetic of ``quant_rows_kernel``
     on ``silu_mul_kernel``'s output (the activation rounded to the input dtype first). ``ONE_PASS``
     (``BLOCK >= D``): the row stays in registers; otherwise two passes, the maximum then the scaled values
     (the second rereads the row, from L2)."""
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    dependent_start(DEPENDENT)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2
-from plinth.kernels.ops import launch_dependents
-from plinth.kernels.triton_jit import gdc_launch_dependents
+from plinth.kernels.ops import dependent_options
+from plinth.kernels.triton_jit import dependent_start
 
 _FINITE_MIN = tl.constexpr(-1.0e30)
 
@@ -51,7 +51,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,   # the next kernel (the output projection) may start now
+    DEPENDENT: tl.constexpr = False,   # launched as a programmatic dependent (see dependent_start)
     key_ptr=None,       # ROTARY: [T, num_kv_heads, head_size] the step's keys, not yet rotated
     value_ptr=None,     # ROTARY: [T, num_kv_heads, head_size]
     cos_ptr=None,       # ROTARY: [T, head_size] (rotate-half layout: both halves hold the same angles)
@@ -60,8 +60,7 @@ def _decode_split_kernel(
     stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, stride_rt=0,
     ROTARY: tl.constexpr = False,   # rotate q and the new key here, and write the new key/value to the cache
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    dependent_start(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,10 +177,9 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
+    DEPENDENT: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    dependent_start(DEPENDENT)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -238,7 +236,7 @@ def decode_attention(
     else:
         part_acc = part_ml = out  # unused by the kernel
     block_d = next_power_of_2(head_size)
-    early = launch_dependents(query)
+    dependent = dependent_options(query)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
         num_tokens, scale * 1.4426950408889634, sliding_window or 0,
@@ -255,8 +253,8 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        LAUNCH_DEPENDENTS=early and num_splits == 1,
         **_rotary_args(rotary),
+        **dependent,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -268,8 +266,8 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits),
-            LAUNCH_DEPENDENTS=early,
             num_warps=4,
+            **dependent,
         )
 
 

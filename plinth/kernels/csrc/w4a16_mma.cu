@@ -12,8 +12,9 @@
 // in nibble p of its word for step s, the weight of
 //     row 16 * tile + g + 8 * (p % 2),   feature 64 * chunk + 16 * t + 4 * s + 2 * ((p / 2) % 2) + p / 4.
 // Nibbles p and p + 4 become the two halves of A register p % 4 (p = 0..3) with one lop3 each, as the
-// exact 16-bit numbers magic + q (magic = 128 in bfloat16, 1024 in float16), and one packed FMA
-// subtracts magic + z, leaving the exact integers q - z (zero points must be integers). The features of
+// exact 16-bit numbers magic + q (magic = 128 in bfloat16, 1024 in float16; float16's registers 1 and 3
+// take their nibbles where they lie, as 1024 + 16 q), and one packed FMA scales by 1 (1 / 16) and
+// subtracts magic + z (magic / 16 + z), leaving the exact integers q - z (zero points must be integers). The features of
 // one lane are 16 consecutive activations, read as the B registers of the four steps. The mma's k order
 // is a permutation of the features, the same on both operands, so the dot products are unchanged.
 //
@@ -258,7 +259,8 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w0), "=r"(w1) : "r"(entry + 128u + gg * 8u) : "memory");
     const u32 out0 = w0 << 16, out2 = w1 << 16;   // the bfloat16 scales' bits as float32
     const u32 out1 = splat2<BF16>(-(as_float(w0 & 0xFFFF0000u) + magic_f));
-    const u32 out3 = splat2<BF16>(-(as_float(w1 & 0xFFFF0000u) + magic_f));
+    // float16: rows g + 8 come out of their nibbles as 1024 + 16 q (no shift, see the loop), scaled by 1 / 16
+    const u32 out3 = splat2<BF16>(-(as_float(w1 & 0xFFFF0000u) + (BF16 ? magic_f : magic_f / 16.f)));
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(entry + gg * 16u), "r"(out0), "r"(out1),
                  "r"(out2), "r"(out3)
                  : "memory");
@@ -305,10 +307,20 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
     for (int s = 0; s < 4; ++s) {
       const u32 v = words[s];
       u32 a[4];
-      a[0] = fma2<BF16>(and_or(v, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.y);
-      a[1] = fma2<BF16>(and_or(v >> 4, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.w);
-      a[2] = fma2<BF16>(and_or(v >> 8, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.y);
-      a[3] = fma2<BF16>(and_or(v >> 12, 0x000F000Fu, magic), BF16 ? 0x3F803F80u : 0x3C003C00u, sc.w);
+      if (BF16) {
+        // 7 mantissa bits hold one nibble per half: each register needs its nibbles at bits 0..3
+        a[0] = fma2<BF16>(and_or(v, 0x000F000Fu, magic), 0x3F803F80u, sc.y);
+        a[1] = fma2<BF16>(and_or(v >> 4, 0x000F000Fu, magic), 0x3F803F80u, sc.w);
+        a[2] = fma2<BF16>(and_or(v >> 8, 0x000F000Fu, magic), 0x3F803F80u, sc.y);
+        a[3] = fma2<BF16>(and_or(v >> 12, 0x000F000Fu, magic), 0x3F803F80u, sc.w);
+      } else {
+        // 10 mantissa bits: nibbles at bits 4..7 of a half are 1024 + 16 q as they lie, times 1 / 16 exactly
+        const u32 v8 = v >> 8;
+        a[0] = fma2<BF16>(and_or(v, 0x000F000Fu, magic), 0x3C003C00u, sc.y);
+        a[1] = fma2<BF16>(and_or(v, 0x00F000F0u, magic), 0x2C002C00u, sc.w);
+        a[2] = fma2<BF16>(and_or(v8, 0x000F000Fu, magic), 0x3C003C00u, sc.y);
+        a[3] = fma2<BF16>(and_or(v8, 0x00F000F0u, magic), 0x2C002C00u, sc.w);
+      }
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         const Words4& lo = xa[nb][s >> 1];

@@ -266,7 +266,7 @@ class CudaW4A16Kernel(GemmKernel):
     priority: ClassVar[int] = 30
     #: part of the selection's cache key: a changed kernel is timed afresh (2: weights staged before the
     #: previous kernel ends, programmatic dependent launch in CUDA graphs; 3: paired gate/up rows)
-    selection_revision: ClassVar[int] = 3
+    selection_revision: ClassVar[int] = 4
     silu_pairs: ClassVar[bool] = True
 
     def __init__(self, problem: GemmProblem):
@@ -319,6 +319,8 @@ class CudaW4A16Kernel(GemmKernel):
                 state["w4m_paired"] = True
             state["w4m_codes"] = pack_mma_codes(q)
             state["w4m_scales"] = pack_mma_scales(sc, z)
+            if q.device.type == "cuda":
+                nvrtc.note_prefetching_kernels(q.device)
         return state
 
     def decode_tensors(self) -> frozenset[str]:
