@@ -189,6 +189,33 @@ def test_corrupt_header_is_a_model_load_error(tmp_path, damage):
         open_gguf(str(tmp_path / "bad.gguf"))
 
 
+def test_string_arrays_are_decoded_when_read(tmp_path):
+    """The header's arrays of strings (a tokenizer's tokens and merges) are walked past by the parse and
+    decoded on first use; a string that is not UTF-8 is a ModelLoadError then, and a length that runs past
+    the file one at the parse."""
+    from plinth.model_registry.gguf_file import StringArray
+
+    path = write_small_gguf(tmp_path / "m.gguf")
+    tokens = bpe_tokenizer_metadata()["tokens"]
+    ours = open_gguf(path).metadata["tokenizer.ggml.tokens"]
+    assert isinstance(ours, StringArray) and len(ours) == len(tokens) and ours._items is None
+    assert ours == tokens and ours[1] == tokens[1] and list(ours)[-1] == tokens[-1]
+    data = bytearray(open(path, "rb").read())
+    first = len(tokens[0].encode()).to_bytes(8, "little") + tokens[0].encode()
+    at = data.find(first)
+    assert at > 0
+    bad = bytearray(data)
+    bad[at + 8] = 0xFF   # not UTF-8
+    (tmp_path / "bad.gguf").write_bytes(bytes(bad))
+    damaged = open_gguf(str(tmp_path / "bad.gguf")).metadata["tokenizer.ggml.tokens"]
+    with pytest.raises(ModelLoadError, match="not UTF-8"):
+        damaged[0]
+    data[at:at + 8] = (2**40).to_bytes(8, "little")   # a length far beyond the file
+    (tmp_path / "long.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        open_gguf(str(tmp_path / "long.gguf"))
+
+
 # --------------------------------------------------------------------------------------- dequantizing
 
 

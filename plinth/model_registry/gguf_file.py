@@ -19,6 +19,7 @@ inode) is parsed again.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import mmap
 import os
@@ -97,6 +98,18 @@ class _Cursor:
         start = self.need(n)
         return self.buf[start:start + n].decode("utf-8")
 
+    def strings(self, count: int) -> StringArray:
+        """An array of ``count`` strings, walked past now (their lengths only) and decoded when first read."""
+        start, pos, buf = self.pos, self.pos, self.buf
+        unpack = _U64.unpack_from
+        try:
+            for _ in range(count):
+                pos += 8 + unpack(buf, pos)[0]
+        except struct.error:
+            raise _Truncated(f"an array of {count} strings at offset {start}") from None
+        self.need(pos - start)
+        return StringArray(buf, start, count)
+
     def value(self, kind: int) -> Any:
         if kind in _FIXED:
             fmt, _ = _FIXED[kind]
@@ -112,9 +125,47 @@ class _Cursor:
             if count * 8 > self.size - self.pos:  # every element takes at least 8 bytes
                 raise _Truncated(f"an array of {count} elements at offset {self.pos}")
             if item == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             return [self.value(item) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {kind} at offset {self.pos}")
+
+
+class StringArray(collections.abc.Sequence):
+    """A metadata array of strings (a tokenizer's 50k tokens and merges), decoded on first use: a start whose
+    tokenizer comes from plinth's cache never reads them. Compares equal to the list of its strings."""
+
+    def __init__(self, buf: Any, start: int, count: int):
+        self._buf, self._start, self._count = buf, start, count
+        self._items: list[str] | None = None
+
+    def _list(self) -> list[str]:
+        if self._items is None:
+            cur = _Cursor(self._buf, len(self._buf))
+            cur.pos = self._start
+            try:
+                self._items = [cur.string() for _ in range(self._count)]
+            except UnicodeDecodeError as e:
+                raise ModelLoadError(f"a GGUF metadata array of strings is not UTF-8: {e}") from e
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._list()[index]
+
+    def __iter__(self) -> Any:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            other = other._list()
+        return self._list() == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._count} strings)"
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,7 +175,8 @@ class GGUFFile:
     Attributes:
         path: the path it was opened with.
         identity: ``(device, inode, size, mtime_ns)`` when parsed; a changed file has another.
-        metadata: every key as a Python value (lists for arrays).
+        metadata: every key as a Python value (lists for arrays; arrays of strings as
+            :class:`StringArray`, decoded when first read).
         tensors: the tensor table in file order.
     """
 
