@@ -156,20 +156,36 @@ def _normalize(dist_name: str) -> str:
     return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
-def _is_in_tree(ep: Any) -> bool:
+_DIST_IDS: dict[int, tuple[Any, str, str]] = {}   # id(distribution) -> (it, name, version)
+
+
+def _dist_id(ep: Any) -> tuple[str, str] | None:
+    """The name and version of the distribution that declares ``ep`` (None without one). Read once per
+    distribution: each read parses its whole METADATA file, the README included."""
     dist = getattr(ep, "dist", None)
-    if dist is not None:
-        return _normalize(dist.metadata["Name"]) == IN_TREE_DISTRIBUTION
+    if dist is None:
+        return None
+    known = _DIST_IDS.get(id(dist))
+    if known is None or known[0] is not dist:
+        meta = dist.metadata
+        known = _DIST_IDS[id(dist)] = (dist, meta["Name"], meta["Version"])
+    return known[1], known[2]
+
+
+def _is_in_tree(ep: Any) -> bool:
+    ident = _dist_id(ep)
+    if ident is not None:
+        return _normalize(ident[0]) == IN_TREE_DISTRIBUTION
     return ep.value == "plinth" or ep.value.startswith("plinth.")
 
 
 def _new_record(ep: Any) -> PluginRecord:
     """The record of an entry point before its module is loaded."""
-    dist = getattr(ep, "dist", None)
+    ident = _dist_id(ep)
     return PluginRecord(
         name=ep.name,
-        distribution=dist.metadata["Name"] if dist is not None else None,
-        version=dist.version if dist is not None else None,
+        distribution=ident[0] if ident is not None else None,
+        version=ident[1] if ident is not None else None,
         in_tree=_is_in_tree(ep),
         module=ep.value,
     )
