@@ -156,7 +156,7 @@ def _normalize(dist_name: str) -> str:
     return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
-_DIST_IDS: dict[int, tuple[Any, str, str]] = {}   # id(distribution) -> (it, name, version)
+_DIST_IDS: dict[int, tuple[Any, str, str]] = {}   # id(distribution) -> (it, name, version), per discovery
 
 
 def _dist_id(ep: Any) -> tuple[str, str] | None:
@@ -227,6 +227,7 @@ class PluginManager:
     # -- loading --------------------------------------------------------------------
 
     def _load(self, env: Mapping[str, str], entry_points: list | None) -> None:
+        _DIST_IDS.clear()   # each discovery reads its own distribution objects
         allow_raw = env.get("PLINTH_PLUGINS", "").strip()
         allow = {n.strip() for n in allow_raw.split(",") if n.strip()} if allow_raw else None
         no_autoload = _env_flag(env, "PLINTH_DISABLE_PLUGIN_AUTOLOAD")

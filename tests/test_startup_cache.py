@@ -210,10 +210,11 @@ def test_string_arrays_are_decoded_when_read(tmp_path):
     damaged = open_gguf(str(tmp_path / "bad.gguf")).metadata["tokenizer.ggml.tokens"]
     with pytest.raises(ModelLoadError, match="not UTF-8"):
         damaged[0]
-    data[at:at + 8] = (2**40).to_bytes(8, "little")   # a length far beyond the file
-    (tmp_path / "long.gguf").write_bytes(bytes(data))
-    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
-        open_gguf(str(tmp_path / "long.gguf"))
+    for i, length in enumerate((2**40, 2**64 - 1)):   # lengths far beyond the file (the last past any offset)
+        data[at:at + 8] = length.to_bytes(8, "little")
+        (tmp_path / f"long{i}.gguf").write_bytes(bytes(data))
+        with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+            open_gguf(str(tmp_path / f"long{i}.gguf"))
 
 
 # --------------------------------------------------------------------------------------- dequantizing

@@ -212,8 +212,8 @@ def test_decode_kernels_launched_as_dependents_in_a_graph(monkeypatch):
     """Where the decode steps run weight-prefetching GEMVs, the split and merge kernels are launched as
     programmatic dependents (Hopper) and wait for the kernel before them first: in a graph whose query is
     written by the kernel right before the split kernel, and whose output is read by an RMSNorm (also a
-    dependent) right after the merge, every replay equals the eager launches bit for bit, with new queries
-    between replays, and matches float64 attention."""
+    dependent) right after the merge, every replay equals ordinary eager launches bit for bit, with new
+    queries between replays, and matches float64 attention."""
     from plinth.kernels import nvrtc, ops
 
     monkeypatch.setattr(nvrtc, "prefetching_kernels", nvrtc.dependent_launches)
@@ -236,6 +236,8 @@ def test_decode_kernels_launched_as_dependents_in_a_graph(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, normed = step()
+    monkeypatch.setenv("PLINTH_PDL", "0")   # the references below: ordinary launches
+    assert ops.dependent_options(batch.query) == {}
     gen = torch.Generator(device=DEVICE)
     for seed in (1, 2, 3):
         source.copy_(torch.randn(source.shape, generator=gen.manual_seed(seed), device=DEVICE))

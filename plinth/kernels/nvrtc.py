@@ -87,7 +87,7 @@ _PREFETCHING: set[int] = set()   # devices with kernels that stream weights befo
 
 def note_prefetching_kernels(device: torch.device) -> None:
     """Record that decode steps on ``device`` run kernels that read their weights before
-    ``griddepcontrol.wait`` (the W4A16 GEMVs, from their ``prepare``): the small Triton kernels around them
+    ``griddepcontrol.wait`` (the W4A16 GEMVs, once a layer is installed on one): the small Triton kernels around them
     are then launched as programmatic dependents too (:func:`plinth.kernels.ops.dependent_options`)."""
     _PREFETCHING.add(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -67,8 +67,8 @@ def dependent_options(x: torch.Tensor) -> dict[str, bool]:
     It waits for the kernel before it first, so eager and captured launches alike are safe, and take the
     same compiled variant (the warm-up before a capture compiles it). Elsewhere none: next to cuBLAS GEMMs
     (bfloat16 models) dependent launches made a decode step slower (benchmarks/RESULTS.md)."""
-    if x.device.type != "cuda" or not jit_module().HAS_GDC:
-        return {}
+    if x.device.type != "cuda" or os.environ.get("PLINTH_TRITON_INTERPRET") == "1" or not jit_module().HAS_GDC:
+        return {}   # (Triton's interpreter runs no programmatic launches)
     from plinth.kernels import nvrtc
 
     return {"DEPENDENT": True, "launch_pdl": True} if nvrtc.prefetching_kernels(x.device) else {}

@@ -8,7 +8,7 @@ first), ``u32`` ggml type and ``u64`` offset into the data section, which starts
 ``general.alignment`` (32 by default).
 
 This reader walks the header once with ``struct`` over a read-only memory map and builds plain Python
-values, which takes a few hundredths of a second where ``gguf.GGUFReader`` (numpy views of every
+values (arrays of strings are decoded when first read), which takes a few hundredths of a second where ``gguf.GGUFReader`` (numpy views of every
 token string) takes seconds. Tensor data stays in the map until a caller asks for it.
 
 :func:`open_gguf` shares one parsed file per path within the process: the config, the tokenizer and
@@ -105,6 +105,8 @@ class _Cursor:
         try:
             for _ in range(count):
                 pos += 8 + unpack(buf, pos)[0]
+                if pos > self.size:
+                    raise struct.error("past the end")
         except struct.error:
             raise _Truncated(f"an array of {count} strings at offset {start}") from None
         self.need(pos - start)
@@ -131,8 +133,9 @@ class _Cursor:
 
 
 class StringArray(collections.abc.Sequence):
-    """A metadata array of strings (a tokenizer's 50k tokens and merges), decoded on first use: a start whose
-    tokenizer comes from plinth's cache never reads them. Compares equal to the list of its strings."""
+    """A metadata array of strings (a tokenizer's 50k tokens and merges), decoded on first use: plinth itself
+    never reads them (a tokenizer is converted by transformers from the file, or comes from plinth's cache).
+    Compares equal to the list of its strings; slices are lists."""
 
     def __init__(self, buf: Any, start: int, count: int):
         self._buf, self._start, self._count = buf, start, count

@@ -176,7 +176,9 @@ class QuantizationMethod(abc.ABC):
         for name in [n for n in layer._parameters if n != "bias"]:
             del layer._parameters[name]
         pairs = {"silu_pairs": True} if getattr(layer, "feeds_silu_and_mul", False) and self.kernel.silu_pairs else {}
-        for name, value in self.kernel.prepare(weights, **pairs).items():
+        prepared = self.kernel.prepare(weights, **pairs)
+        self.kernel.installed(prepared)
+        for name, value in prepared.items():
             if isinstance(value, torch.Tensor):
                 layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
             else:
@@ -229,7 +231,9 @@ class QuantizationMethod(abc.ABC):
                     result.winner)
         kernel = result.winner_cls(problem)
         with torch.no_grad():
-            module = holder(kernel.prepare(self.float_weights(weight)))
+            prepared = kernel.prepare(self.float_weights(weight))
+        kernel.installed(prepared)
+        module = holder(prepared)
         decode = kernel.decode_tensors()
         if decode is not None and decode & set(module._parameters):
             module.decode_tensors = decode | {"perm"}

@@ -168,7 +168,7 @@ __device__ __forceinline__ float fma_f32(float a, float b, float c) {
 // A block first stages its tile's scales in shared memory (while the codes of its first chunks are on
 // their way: neither depends on the previous kernel, see wait_previous_kernel) and turns each (scale,
 // zero point) into the 16 bytes a lane reads per chunk: the float32 scales of rows g and g + 8 and the packed -(magic + z) of
-// each. Its warps then share the tile's K chunks in turn (chunk warp + warps * j, so that a block reads
+// each (float16: -(magic / 16 + z) for rows g + 8, see the loop). Its warps then share the tile's K chunks in turn (chunk warp + warps * j, so that a block reads
 // one contiguous stretch at a time). Each warp streams its chunks through its own ring of S slots with
 // cp.async, S - 1 chunks in flight; a slot holds the chunk's codes (512 bytes) and activations (128
 // bytes per batch row: lane 4 g + t copies features 16 t .. 16 t + 15 of rows g and g + 8). Every lane
@@ -252,6 +252,7 @@ __global__ void __launch_bounds__(512) w4a16_mma_decode(
 
   const float magic_f = BF16 ? 128.f : 1024.f;
   // convert: [group][row 0..15] (scale, zero) -> [group][g][(scale g, -(magic + z_g), scale g+8, -(magic + z_g8))]
+  // (float16: -(magic / 16 + z_g8) in the last)
   for (int i = threadIdx.x; i < groups * 8; i += blockDim.x) {
     const u32 entry = scale_base + (i >> 3) * 192u;
     const int gg = i & 7;

@@ -118,6 +118,11 @@ class GemmKernel(abc.ABC):
     #: quantized (:class:`~plinth.kernels.ops.QuantizedRows`), saving a pass over them
     input_quant: ClassVar[Any] = None
 
+    def installed(self, tensors: dict[str, Any]) -> None:
+        """Called with a layer's prepared tensors once the layer runs on this kernel (the selected one,
+        not a selection trial). Nothing by default."""
+        return None
+
     def decode_tensors(self) -> frozenset[str] | None:
         """The prepared tensors a decode step (a few rows) reads, where the kernel keeps another layout for
         longer inputs; ``None``: all of them. Only the decode floor of benchmarks uses it."""

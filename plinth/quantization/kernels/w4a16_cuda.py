@@ -265,7 +265,8 @@ class CudaW4A16Kernel(GemmKernel):
     name: ClassVar[str] = "cuda_w4a16"
     priority: ClassVar[int] = 30
     #: part of the selection's cache key: a changed kernel is timed afresh (2: weights staged before the
-    #: previous kernel ends, programmatic dependent launch in CUDA graphs; 3: paired gate/up rows)
+    #: previous kernel ends, programmatic dependent launch in CUDA graphs; 3: paired gate/up rows; 4: the
+    #: float16 unpack with one shift, the Triton kernels around it launched as dependents)
     selection_revision: ClassVar[int] = 4
     silu_pairs: ClassVar[bool] = True
 
@@ -319,9 +320,12 @@ class CudaW4A16Kernel(GemmKernel):
                 state["w4m_paired"] = True
             state["w4m_codes"] = pack_mma_codes(q)
             state["w4m_scales"] = pack_mma_scales(sc, z)
-            if q.device.type == "cuda":
-                nvrtc.note_prefetching_kernels(q.device)
         return state
+
+    def installed(self, tensors: dict[str, Any]) -> None:
+        codes = tensors.get("w4m_codes")
+        if codes is not None and codes.device.type == "cuda":
+            nvrtc.note_prefetching_kernels(codes.device)
 
     def decode_tensors(self) -> frozenset[str]:
         return frozenset({"w4m_codes", "w4m_scales"})
