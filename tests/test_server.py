@@ -308,9 +308,42 @@ def test_chat_n_logprobs_and_max_completion_tokens(client, engine):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+    ("/v1/completions", {"prompt": [1, -5], "echo": True, "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2**40], "echo": True, "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 128, "max_tokens": 1}, "n"),
+    ("/v1/completions", {"prompt": "x", "stream": 5}, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": "x"}, "stream_options"),
+    ("/v1/completions", '{"prompt": "x", "temperature": Infinity}', "temperature"),
+    ("/v1/completions", '{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty"),
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\udc00"}]}', "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "modalities"),
 ])
 def test_invalid_parameters_are_400_naming_the_field(server, path, body, param):
     assert_error(post(server, path, body), 400, param=param)
+
+
+def test_error_paths_keep_list_indices_and_unreachable_min_tokens_is_refused(server):
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"content": "c"}]
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": messages}), 400, "messages")
+    assert "messages[2].role" in err["message"]
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": messages[:1], "min_tokens": 10**9}), 400)
+    assert "min_tokens" in err["message"] and str(MAX_MODEL_LEN) in err["message"]
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server, client):
+    from plinth.entrypoints.openai.serving import MAX_CHARS_PER_TOKEN
+
+    huge = "a" * (MAX_CHARS_PER_TOKEN * MAX_MODEL_LEN + 1)
+    err = assert_error(post(server, "/v1/completions", {"prompt": huge}), 400, "prompt", "context_length_exceeded")
+    assert f"{len(huge)} characters" in err["message"]
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}), 400,
+                       "messages", "context_length_exceeded")
+    assert client.completions.create(model="tiny", prompt="hello", max_tokens=2).choices[0].text is not None
 
 
 def test_malformed_json_unknown_model_and_route(server, client):

@@ -198,6 +198,10 @@ class LLMEngine:
                 raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
         if not ids:
             raise RequestRejectedError("the prompt is empty")
+        if params.min_tokens > self.max_model_len - len(ids):
+            raise RequestRejectedError(
+                f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
+                f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")
         seqs: list[_Sequence] = []
         group = _Group(request_id, text, ids, params, seqs,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)

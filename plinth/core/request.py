@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import time
 from typing import Any
 
@@ -69,13 +70,15 @@ class SamplingParams:
                 raise SamplingParamsError(param, msg)
 
         check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
+              f"must be a finite number >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
         check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        check(self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty), "repetition_penalty",
+              f"must be a finite number > 0, got {self.repetition_penalty}")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")

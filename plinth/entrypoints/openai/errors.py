@@ -87,13 +87,24 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         return bad_request("the request body must be a JSON object (sent with Content-Type: application/json)",
                            code="invalid_json")
-    # Union members (prompt: str | list[...]) add their type name to the path; drop those.
-    fields = [p for p in loc if not (p.startswith(("list[", "str", "int", "float", "bool")) or p.isdigit())]
+    # Union members (prompt: str | list[...]) add their type name to the path; drop those. List indices stay
+    # in the message (messages[2].role) but not in ``param``.
+    path = [p for p in loc if not _is_union_tag(p)]
+    fields = [p for p in path if not p.isdigit()]
     param = fields[0] if fields else None
-    where = ".".join(fields) or "body"
+    where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path).lstrip(".") or "body"
     if first.get("type") == "missing":
         return bad_request(f"missing required field {where!r}", param)
     return bad_request(f"invalid value for {where!r}: {first.get('msg', 'invalid')}", param)
+
+
+_UNION_TAGS = ("str", "int", "float", "bool", "none", "bytes")
+
+
+def _is_union_tag(part: str) -> bool:
+    """Whether a pydantic error-location part names a union member (``str``, ``list[int]``,
+    ``function-after[...]``) rather than a field (``stream``, ``stream_options``)."""
+    return part in _UNION_TAGS or ("[" in part and part.endswith("]"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -127,6 +127,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None        # the deprecated form of tools
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -134,6 +138,12 @@ class ChatCompletionRequest(_SamplingFields):
             return "tools", "tool calling is not supported"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool calling is not supported"
+        if self.functions:
+            return "functions", "function calling is not supported"
+        if self.function_call not in (None, "none"):
+            return "function_call", "function calling is not supported"
+        if self.audio is not None or any(m != "text" for m in self.modalities or ()):
+            return ("audio" if self.audio is not None else "modalities"), "only text output is supported"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format", "only response_format {\"type\": \"text\"} is supported"
         if self.top_logprobs is not None and not self.logprobs:

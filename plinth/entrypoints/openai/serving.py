@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,7 +16,11 @@ from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, Sampli
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.metrics import ServerMetrics
 
-MAX_N = 128   # choices per request
+MAX_N = 128   # choices per prompt
+MAX_CHOICES = 2048   # choices per request (prompts x n)
+#: text longer than this many characters per token of the model's context cannot fit in it (real text has a
+#: few characters per token); such a prompt is refused before it is tokenized
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclasses.dataclass
@@ -26,6 +31,8 @@ class ServerContext:
     metrics: ServerMetrics
     model_name: str
     _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
+    # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
+    _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -47,11 +54,41 @@ class ServerContext:
                 f"tokens; shorten the prompt or lower {max_tokens_param}", max_tokens_param,
                 "context_length_exceeded")
 
-    def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def check_text(self, chars: int, param: str) -> None:
+        """Refuse ``chars`` characters of prompt text that cannot fit in the context whatever the tokenizer
+        makes of them (before spending time tokenizing them)."""
+        limit = self.front.max_model_len
+        if chars > MAX_CHARS_PER_TOKEN * limit:
+            raise bad_request(
+                f"the prompt has {chars} characters, more than {MAX_CHARS_PER_TOKEN} per token of this model's "
+                f"maximum context length ({limit} tokens); shorten the prompt", param, "context_length_exceeded")
+
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of ``text``, tokenized in a worker thread (a long prompt does not stall the server)."""
+        self.check_text(len(text), param)
         try:
-            return self.front.tokenize(text, add_special_tokens=add_special_tokens)
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:   # a lone UTF-16 surrogate (JSON "\\ud800")
+            raise bad_request(f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}",
+                              param) from None
+
+        def run() -> list[int]:
+            with self._tokenize_lock:
+                return self.front.tokenize(text, add_special_tokens=add_special_tokens)
+
+        try:
+            return await asyncio.to_thread(run)
         except ValueError as exc:
             raise bad_request(str(exc), param) from exc
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Refuse token ids outside the model's vocabulary."""
+        vocab = self.front.vocab_size
+        if vocab is None:   # the engine checks them when the request arrives
+            return
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range [0, {vocab})", param)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token; a token that is only part of a UTF-8 character is written
@@ -141,6 +178,13 @@ def sampling_params(build: Any, renames: dict[str, str] | None = None) -> Sampli
     if params.n > MAX_N:
         raise bad_request(f"n: must be at most {MAX_N}, got {params.n}", "n")
     return params
+
+
+def check_choices(prompts: int, n: int) -> None:
+    """Refuse a request for more than :data:`MAX_CHOICES` completions in all."""
+    if prompts * n > MAX_CHOICES:
+        raise bad_request(f"the request asks for {prompts} prompts x n={n} = {prompts * n} completions; at most "
+                          f"{MAX_CHOICES} per request", "n" if n > 1 else "prompt")
 
 
 async def first_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

@@ -39,9 +39,11 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         else:
             parts = []
             for part in m.content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
                                       "messages")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}]: a text content part needs its 'text'", "messages")
                 parts.append(part.text)
             content = "".join(parts)
         msg: dict[str, Any] = {"role": m.role, "content": content}
@@ -83,6 +85,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
     messages = _messages(req)
+    ctx.check_text(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
     try:
         text = ctx.front.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as exc:
@@ -93,7 +96,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = sampling_params(lambda: req.sampling_params(max_tokens, k),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
     # The template writes the special tokens itself, so none are added here.
-    ids = ctx.tokenize(text, add_special_tokens=False, param="messages")
+    ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
     ctx.check_length(len(ids), max_tokens, "messages", max_param)
     rid = random_id("chatcmpl")
     stream = ctx.generate(rid, ids, params)

@@ -20,7 +20,13 @@ from plinth.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from plinth.entrypoints.openai.serving import ServerContext, first_outputs, merge, sampling_params
+from plinth.entrypoints.openai.serving import (
+    ServerContext,
+    check_choices,
+    first_outputs,
+    merge,
+    sampling_params,
+)
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
 
 
@@ -30,18 +36,21 @@ class _Prompt:
     token_ids: list[int]
 
 
-def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
+async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
     if not raw:
         raise bad_request("prompt must not be empty", "prompt")
+    check_choices(len(raw), req.n)
+    ctx.check_text(sum(len(p) for p in raw if isinstance(p, str)), "prompt")
     prompts = []
     for p in raw:
         if isinstance(p, str):
-            prompts.append(_Prompt(p, ctx.tokenize(p, add_special_tokens=True, param="prompt")))
+            prompts.append(_Prompt(p, await ctx.tokenize(p, add_special_tokens=True, param="prompt")))
         else:
             ids = list(p)   # type: ignore[arg-type]
+            ctx.check_token_ids(ids, "prompt")
             tok = ctx.front.tokenizer
             text = tok.decode(ids) if (req.echo and tok is not None and ids) else ""
             prompts.append(_Prompt(text, ids))
@@ -104,7 +113,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     ctx.check_model(req.model)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
-    prompts = _prompts(ctx, req)
+    prompts = await _prompts(ctx, req)
     echo_k = req.logprobs if req.echo else None
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k))
     for p in prompts:
