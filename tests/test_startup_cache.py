@@ -367,3 +367,31 @@ def test_default_model_header_and_tokenizer(default_gguf, monkeypatch):
     assert len(conversions) == 1
     assert_same_tokenizer(cached, load_gguf_tokenizer(default_gguf, use_cache=False))
 
+
+
+def test_dequantization_scratch_is_reused_only_when_free():
+    """The loader's float32 expansion buffers are reused from one group to the next, never while a tensor
+    (or any view) still shares their storage: a weight kept by a loader stays intact."""
+    from plinth.model_registry.gguf_dequant import Scratch, _storage_uses, dequantize_group
+
+    if _storage_uses(torch.empty(1)) is None:
+        pytest.skip("this torch does not count a storage's users")
+    rng = np.random.default_rng(0)
+    values = [rng.normal(0, 0.05, (64, 256)).astype(np.float32) for _ in range(4)]
+    items = [(gguf.quants.quantize(v, Q.Q4_1), Q.Q4_1, v.shape) for v in values]
+    want = [torch.from_numpy(np.asarray(gguf.quants.dequantize(i[0], Q.Q4_1), dtype=np.float32)) for i in items]
+    scratch = Scratch()
+    first = dequantize_group(items[:2], torch.float32, scratch)
+    kept = first[0][3:9]                     # a loader keeps a view of one weight
+    first_ptr = first[1].untyped_storage().data_ptr()
+    del first
+    second = dequantize_group(items[2:], torch.float32, scratch)
+    assert second[0].untyped_storage().data_ptr() != first_ptr   # in use: a new buffer
+    assert torch.equal(kept, want[0][3:9]) and torch.equal(second[0], want[2]) and torch.equal(second[1], want[3])
+    second_ptr = second[0].untyped_storage().data_ptr()
+    del kept, second
+    third = dequantize_group(items[:2], torch.float32, scratch)   # both buffers free again: one is reused
+    assert third[0].untyped_storage().data_ptr() in (first_ptr, second_ptr)
+    assert torch.equal(third[0], want[0]) and torch.equal(third[1], want[1])
+    bf16 = dequantize_group(items[2:], torch.bfloat16, scratch)   # bfloat16 results are copies
+    assert torch.equal(bf16[0], want[2].to(torch.bfloat16)) and torch.equal(third[1], want[1])

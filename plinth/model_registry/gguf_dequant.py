@@ -33,27 +33,59 @@ def _nibbles_into(out: torch.Tensor, qs: torch.Tensor) -> None:
     out[..., 16:] = qs >> 4
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(*blocks.shape[:-1], _BLOCK, dtype=torch.float32)  # [rows, n_blocks, 32]
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     _nibbles_into(out, blocks[..., 2:18])
     return out.sub_(8).mul_(_scale(blocks, 0))
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(*blocks.shape[:-1], _BLOCK, dtype=torch.float32)  # [rows, n_blocks, 32]
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     _nibbles_into(out, blocks[..., 4:20])
     return out.mul_(_scale(blocks, 0)).add_(_scale(blocks, 2))
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    out = blocks[..., 2:34].contiguous().view(torch.int8).float()  # [rows, n_blocks, 32]
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    out.copy_(blocks[..., 2:34].contiguous().view(torch.int8))
     return out.mul_(_scale(blocks, 0))
 
 
 _FAST = {Q4_0: (18, _q4_0), Q4_1: (20, _q4_1), Q8_0: (34, _q8_0)}
 
 
-def dequantize_group(items: list[tuple[np.ndarray, Any, tuple[int, ...]]], dtype: torch.dtype) -> list[torch.Tensor]:
+def _storage_uses(t: torch.Tensor) -> int | None:
+    """How many tensors share ``t``'s storage (torch's own count), or None where torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    try:
+        return int(count(t.untyped_storage()._cdata))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+class Scratch:
+    """float32 buffers that :func:`dequantize_group` expands blocks into, reused from one group to the next
+    once nothing else holds a view of them (two, since a reader still holds the last tensor of a group while
+    it asks for the next). A fresh buffer's first touch costs more than the expansion itself on machines with
+    slow page faults; one that is still referenced is never reused (a new one is made)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[tuple[torch.Tensor, int]] = []   # (buffer, its storage count when free)
+
+    def take(self, n: int) -> torch.Tensor:
+        """``n`` float32 values (uninitialized) of a buffer nothing else uses."""
+        for i, (buf, free) in enumerate(self._buffers):
+            if buf.numel() >= n and _storage_uses(buf) == free:
+                self._buffers.append(self._buffers.pop(i))   # most recently used last
+                return buf[:n]
+        buf = torch.empty(n, dtype=torch.float32)
+        free = _storage_uses(buf)
+        if free is not None:
+            self._buffers = [*self._buffers[-1:], (buf, free)]
+        return buf
+
+
+def dequantize_group(items: list[tuple[np.ndarray, Any, tuple[int, ...]]], dtype: torch.dtype,
+                     scratch: Scratch | None = None) -> list[torch.Tensor]:
     """Several tensors, as :func:`dequantize_tensor` would give each: those of one fast block type are
     expanded together (their blocks concatenated), the others one by one. The results of one type are
     views of one buffer, which lives as long as any of them.
@@ -61,6 +93,8 @@ def dequantize_group(items: list[tuple[np.ndarray, Any, tuple[int, ...]]], dtype
     Args:
         items: ``(data, ggml_type, shape)`` per tensor, as for :func:`dequantize_tensor`.
         dtype: the results' dtype.
+        scratch: where the float32 expansions go (float32 results are views of its buffers, which it
+            reuses only once they are no longer referenced); None: a new buffer per type.
     """
     out: list[torch.Tensor | None] = [None] * len(items)
     by_type: dict[int, list[int]] = {}
@@ -73,7 +107,10 @@ def dequantize_group(items: list[tuple[np.ndarray, Any, tuple[int, ...]]], dtype
         type_size, expand = _FAST[kind]
         raw = np.concatenate([items[i][0].reshape(-1) for i in members])  # all blocks, one after another
         blocks = torch.from_numpy(raw).reshape(1, -1, type_size)          # [1, n_blocks, type_size]
-        values = expand(blocks).reshape(-1).to(dtype)                      # [n_elements]
+        n_values = blocks.shape[1] * _BLOCK
+        buf = scratch.take(n_values) if scratch is not None else torch.empty(n_values, dtype=torch.float32)
+        values = expand(blocks, buf.view(1, -1, _BLOCK)).reshape(-1).to(dtype)   # [n_elements]
+        del buf
         start = 0
         for i in members:
             shape = items[i][2]
@@ -122,7 +159,8 @@ def dequantize_tensor(data: np.ndarray, ggml_type: Any, shape: tuple[int, ...], 
     if kind in _FAST:
         type_size, expand = _FAST[kind]
         blocks = rows.reshape(rows.shape[0], -1, type_size)  # [rows, n_blocks, type_size]
-        return expand(blocks).reshape(shape).to(dtype)
+        out = torch.empty(*blocks.shape[:-1], _BLOCK, dtype=torch.float32)
+        return expand(blocks, out).reshape(shape).to(dtype)
     from plinth.quantization.kernels.gguf_blocks import BLOCK_TYPES, dequantize_blocks
 
     if kind in BLOCK_TYPES:

@@ -15,6 +15,7 @@ still-quantized blocks (already in Hugging Face names and row order) for kernels
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Iterator
@@ -296,7 +297,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
             before the first tensor is yielded).
         UnsupportedModelError: an architecture without an implementation.
     """
-    from plinth.model_registry.gguf_dequant import can_dequantize, dequantize_group
+    from plinth.model_registry.gguf_dequant import Scratch, can_dequantize, dequantize_group
 
     reader = open_gguf(path)
     for ggml_type in sorted({t.ggml_type for t in reader.tensors}):
@@ -307,13 +308,15 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
             )
     group: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType, tuple[int, ...]]] = []
     size = 0
+    scratch = Scratch()
+    expand = functools.partial(dequantize_group, scratch=scratch)
     for item in _iter_raw(reader, path):
         group.append(item)
         size += math.prod(item[3])
         if size >= _GROUP_ELEMENTS:
-            yield from _dequantized(group, dtype, dequantize_group)
+            yield from _dequantized(group, dtype, expand)
             group, size = [], 0
-    yield from _dequantized(group, dtype, dequantize_group)
+    yield from _dequantized(group, dtype, expand)
 
 
 # Tensors are dequantized in groups of about this many elements (128 MB of float32 temporaries).
