@@ -168,6 +168,16 @@ def test_token_id_prompts_and_rejections(llm):
     with pytest.raises(RequestRejectedError, match="out of range"):
         llm.generate([[10**6]], greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    # a batch with a rejected prompt after good ones leaves none of them queued
+    with pytest.raises(RequestRejectedError, match="out of range"):
+        llm.generate([ids, ids, [10**6]], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    # min_tokens that cannot fit after the prompt; a prompt that is itself too long still says so
+    with pytest.raises(RequestRejectedError, match="min_tokens is 600"):
+        llm.generate([ids], SamplingParams(max_tokens=None, min_tokens=600), use_tqdm=False)
+    with pytest.raises(RequestRejectedError, match="512"):
+        llm.generate([[1] * 600], SamplingParams(max_tokens=None, min_tokens=1), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_chat_uses_template(llm):

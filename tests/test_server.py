@@ -331,18 +331,27 @@ def test_error_paths_keep_list_indices_and_unreachable_min_tokens_is_refused(ser
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"content": "c"}]
     err = assert_error(post(server, "/v1/chat/completions", {"messages": messages}), 400, "messages")
     assert "messages[2].role" in err["message"]
-    err = assert_error(post(server, "/v1/chat/completions", {"messages": messages[:1], "min_tokens": 10**9}), 400)
-    assert "min_tokens" in err["message"] and str(MAX_MODEL_LEN) in err["message"]
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": messages[:1], "min_tokens": 10**9}), 400,
+                       "min_tokens")
+    assert str(MAX_MODEL_LEN) in err["message"]
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": None, "min_tokens": MAX_MODEL_LEN}),
+                 400, "min_tokens")
 
 
-def test_text_that_cannot_fit_is_refused_before_tokenizing(server, client):
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server, client, engine):
     from plinth.entrypoints.openai.serving import MAX_CHARS_PER_TOKEN
 
-    huge = "a" * (MAX_CHARS_PER_TOKEN * MAX_MODEL_LEN + 1)
+    per_token = max(MAX_CHARS_PER_TOKEN, max(len(t) for t in engine.tokenizer.get_vocab()))
+    huge = "a" * (per_token * MAX_MODEL_LEN + 1)
     err = assert_error(post(server, "/v1/completions", {"prompt": huge}), 400, "prompt", "context_length_exceeded")
     assert f"{len(huge)} characters" in err["message"]
     err = assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}), 400,
                        "messages", "context_length_exceeded")
+    # each prompt of a batch has its own context: many prompts that each fit pass the text check together
+    # (this server's queue of 4 then refuses so many, a 503)
+    batch = ["hello " * 60] * (2 * per_token * MAX_MODEL_LEN // len("hello " * 60))
+    resp = post(server, "/v1/completions", {"prompt": batch, "max_tokens": 1})
+    assert resp.status_code in (200, 503) and "characters" not in resp.text, resp.text
     assert client.completions.create(model="tiny", prompt="hello", max_tokens=2).choices[0].text is not None
 
 

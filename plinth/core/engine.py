@@ -198,7 +198,7 @@ class LLMEngine:
                 raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
         if not ids:
             raise RequestRejectedError("the prompt is empty")
-        if params.min_tokens > self.max_model_len - len(ids):
+        if len(ids) < self.max_model_len and params.min_tokens > self.max_model_len - len(ids):
             raise RequestRejectedError(
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
                 f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")

@@ -84,10 +84,16 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         ids = []
-        for prompt, params in zip(prompts, params_list, strict=True):
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, params)
-            ids.append(rid)
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except BaseException:
+            if ids:   # a rejected prompt leaves none of the call's requests queued
+                self.engine.abort_request(ids)
+                self.engine.step(final_only=True)   # reports (and forgets) the aborted requests
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -66,7 +66,8 @@ class Scratch:
     """float32 buffers that :func:`dequantize_group` expands blocks into, reused from one group to the next
     once nothing else holds a view of them (two, since a reader still holds the last tensor of a group while
     it asks for the next). A fresh buffer's first touch costs more than the expansion itself on machines with
-    slow page faults; one that is still referenced is never reused (a new one is made)."""
+    slow page faults; one that is still referenced by a tensor is never reused (a new one is made). A reader
+    that keeps only a result's ``untyped_storage()`` and no tensor is not seen: copy the values instead."""
 
     def __init__(self) -> None:
         self._buffers: list[tuple[torch.Tensor, int]] = []   # (buffer, its storage count when free)

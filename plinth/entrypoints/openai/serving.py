@@ -18,8 +18,8 @@ from plinth.metrics import ServerMetrics
 
 MAX_N = 128   # choices per prompt
 MAX_CHOICES = 2048   # choices per request (prompts x n)
-#: text longer than this many characters per token of the model's context cannot fit in it (real text has a
-#: few characters per token); such a prompt is refused before it is tokenized
+#: prompt text is refused before it is tokenized when it has more characters than the context's tokens times
+#: the longest token of the vocabulary (at least this many; real text has a few characters per token)
 MAX_CHARS_PER_TOKEN = 64
 
 
@@ -40,13 +40,18 @@ class ServerContext:
                            "not_found_error", "model", "model_not_found")
 
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
-                     max_tokens_param: str = "max_tokens") -> None:
-        """Refuse a prompt that, with its ``max_tokens``, cannot fit in the model's context."""
+                     max_tokens_param: str = "max_tokens", min_tokens: int = 0) -> None:
+        """Refuse a prompt that, with its ``max_tokens`` (or ``min_tokens``), cannot fit in the model's context."""
         limit = self.front.max_model_len
         if num_prompt >= limit:
             raise bad_request(
                 f"the prompt has {num_prompt} tokens, but this model's maximum context length is {limit} "
                 f"tokens (prompt plus output); shorten the prompt", prompt_param, "context_length_exceeded")
+        if min_tokens > limit - num_prompt:
+            raise bad_request(
+                f"min_tokens is {min_tokens}, but after the prompt's {num_prompt} tokens this model's maximum "
+                f"context length of {limit} tokens leaves room for {limit - num_prompt}", "min_tokens",
+                "context_length_exceeded")
         if max_tokens is not None and num_prompt + max_tokens > limit:
             raise bad_request(
                 f"the prompt has {num_prompt} tokens and {max_tokens_param} is {max_tokens}: "
@@ -55,13 +60,24 @@ class ServerContext:
                 "context_length_exceeded")
 
     def check_text(self, chars: int, param: str) -> None:
-        """Refuse ``chars`` characters of prompt text that cannot fit in the context whatever the tokenizer
-        makes of them (before spending time tokenizing them)."""
+        """Refuse ``chars`` characters of prompt text that cannot fit in the context: more than its tokens
+        times the longest token of the vocabulary (before spending time tokenizing them)."""
         limit = self.front.max_model_len
-        if chars > MAX_CHARS_PER_TOKEN * limit:
+        per_token = self._chars_per_token
+        if chars > per_token * limit:
             raise bad_request(
-                f"the prompt has {chars} characters, more than {MAX_CHARS_PER_TOKEN} per token of this model's "
-                f"maximum context length ({limit} tokens); shorten the prompt", param, "context_length_exceeded")
+                f"the prompt has {chars} characters, more than {per_token} (the longest token) per token of this "
+                f"model's maximum context length ({limit} tokens); shorten the prompt", param,
+                "context_length_exceeded")
+
+    @functools.cached_property
+    def _chars_per_token(self) -> int:
+        tok = self.front.tokenizer
+        try:   # a vocabulary entry is at least as long as the text its token stands for
+            longest = max((len(t) for t in tok.get_vocab()), default=0) if tok is not None else 0
+        except (AttributeError, TypeError, NotImplementedError):
+            longest = 0
+        return max(MAX_CHARS_PER_TOKEN, longest)
 
     async def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of ``text``, tokenized in a worker thread (a long prompt does not stall the server)."""

@@ -97,7 +97,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
     # The template writes the special tokens itself, so none are added here.
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
-    ctx.check_length(len(ids), max_tokens, "messages", max_param)
+    ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     rid = random_id("chatcmpl")
     stream = ctx.generate(rid, ids, params)
     firsts = await unless_disconnected(raw, first_outputs([stream]))

@@ -43,7 +43,9 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
     if not raw:
         raise bad_request("prompt must not be empty", "prompt")
     check_choices(len(raw), req.n)
-    ctx.check_text(sum(len(p) for p in raw if isinstance(p, str)), "prompt")
+    for p in raw:   # every prompt has a context of its own: each is checked before any is tokenized
+        if isinstance(p, str):
+            ctx.check_text(len(p), "prompt")
     prompts = []
     for p in raw:
         if isinstance(p, str):
@@ -51,6 +53,7 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
         else:
             ids = list(p)   # type: ignore[arg-type]
             ctx.check_token_ids(ids, "prompt")
+            ctx.check_length(len(ids), None, "prompt")   # before echo decodes them
             tok = ctx.front.tokenizer
             text = tok.decode(ids) if (req.echo and tok is not None and ids) else ""
             prompts.append(_Prompt(text, ids))
@@ -117,7 +120,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     echo_k = req.logprobs if req.echo else None
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k))
     for p in prompts:
-        ctx.check_length(len(p.token_ids), req.max_tokens, "prompt")
+        ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
     rid = random_id("cmpl")
     streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params) for i, p in enumerate(prompts)]
     firsts = await unless_disconnected(raw, first_outputs(streams))
