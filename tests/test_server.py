@@ -331,6 +331,8 @@ def test_error_paths_keep_list_indices_and_unreachable_min_tokens_is_refused(ser
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"content": "c"}]
     err = assert_error(post(server, "/v1/chat/completions", {"messages": messages}), 400, "messages")
     assert "messages[2].role" in err["message"]
+    err = assert_error(post(server, "/v1/completions", {"prompt": [[1, "a"]]}), 400, "prompt")
+    assert "prompt[0][1]" in err["message"] and "integer" in err["message"]
     err = assert_error(post(server, "/v1/chat/completions", {"messages": messages[:1], "min_tokens": 10**9}), 400,
                        "min_tokens")
     assert str(MAX_MODEL_LEN) in err["message"]

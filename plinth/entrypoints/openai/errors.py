@@ -80,7 +80,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
+    # a value that matches no member of a union fails in every member: the deepest location is the member
+    # that came closest (prompt [[1, "a"]]: its list[list[int]] member at [0][1], not "a valid string")
+    first = max(errors, key=lambda e: (e.get("type") == "json_invalid", len(e.get("loc", ()))))
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {first.get('msg', 'cannot parse')}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
