@@ -63,6 +63,11 @@ def libcuda() -> Any:
     return lib
 
 
+def cuda_index(device: torch.device) -> int:
+    """``device``'s CUDA index (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=16)
 def _pdl_device(index: int) -> bool:
     if torch.version.hip is not None or torch.cuda.get_device_capability(index) < (9, 0):
@@ -79,7 +84,7 @@ def dependent_launches(device: torch.device) -> bool:
     driver, and ``PLINTH_PDL`` not ``0``."""
     if os.environ.get(_PDL_ENV, "1") == "0":
         return False
-    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+    return _pdl_device(cuda_index(device))
 
 
 _PREFETCHING: set[int] = set()   # devices with kernels that stream weights before their dependency wait
@@ -89,13 +94,12 @@ def note_prefetching_kernels(device: torch.device) -> None:
     """Record that decode steps on ``device`` run kernels that read their weights before
     ``griddepcontrol.wait`` (the W4A16 GEMVs, once a layer is installed on one): the small Triton kernels around them
     are then launched as programmatic dependents too (:func:`plinth.kernels.ops.dependent_options`)."""
-    _PREFETCHING.add(device.index if device.index is not None else torch.cuda.current_device())
+    _PREFETCHING.add(cuda_index(device))
 
 
 def prefetching_kernels(device: torch.device) -> bool:
     """Whether :func:`note_prefetching_kernels` was called for ``device`` and dependent launches are on."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return index in _PREFETCHING and dependent_launches(device)
+    return cuda_index(device) in _PREFETCHING and dependent_launches(device)
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -156,7 +160,7 @@ def launch(func: int, grid: int, block: int, shared: int, device: torch.device, 
     Raises:
         RuntimeError: the driver refused the launch (``what`` names the kernel).
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     with contextlib.ExitStack() as stack:
