@@ -12,11 +12,14 @@ kernel (16-byte loads, ordinary launches), once with the GEMV's grid at 4 warps 
 and once grid-stride (8 blocks per multiprocessor), the bytes' own floor in this harness. Outputs of the
 cut variants are wrong by construction; only ``full`` is checked against the float32 product.
 ``--dtypes bfloat16,float16`` times each variant with activations of each dtype (the same codes).
-``baseline`` (with ``--baseline FILE``) is another version of the kernel's source (the one before a change),
-timed in the same process for an A/B; ``--baseline-slot A,B`` gives its ring slot size, ``A + B * rows``
-bytes, where it differs from the current kernel's. Its result is checked against the float32 product too.
+``--baseline FILE[,FILE...]`` times other versions of the kernel's source (the one before a change,
+experiments) in the same process for an A/B, each as a variant named after its file (``old.cu`` ->
+``old``); ``--baseline-slot A,B`` gives their ring slot size, ``A + B * rows`` bytes, where it differs from
+the current kernel's. Their results are checked against the float32 product too. They are launched with
+the current kernel's shared-memory layout sizes (``SCALE_BYTES`` per scale group): a version that needs
+more must be the current one.
 
-    python benchmarks/w4a16_anatomy_gpu.py --rows 1,4 --variants full,baseline --baseline old.cu --baseline-slot 512,128
+    python benchmarks/w4a16_anatomy_gpu.py --rows 1,4 --variants full --baseline old.cu,new_idea.cu
 """
 
 from __future__ import annotations
@@ -111,12 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--variants", default="full,launch,prologue,no_mma,read")
-    p.add_argument("--baseline", default=None, help="another kernel source, timed as the variant 'baseline'")
-    p.add_argument("--baseline-slot", default=None, help="A,B: the baseline's ring slot is A + B * rows bytes")
+    p.add_argument("--baseline", default=None,
+                   help="other kernel sources (comma-separated), each timed as a variant named after its file")
+    p.add_argument("--baseline-slot", default=None, help="A,B: the baselines' ring slot is A + B * rows bytes")
     p.add_argument("--dtypes", default="bfloat16",
                    help="activation dtypes (bfloat16,float16): each variant is timed with each")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    stems = [Path(f).stem for f in a.baseline.split(",")] if a.baseline else []
+    clash = set(stems) & ({"full", "launch", "prologue", "no_mma", "read"} | {s for s in stems if stems.count(s) > 1})
+    if clash:
+        p.error(f"--baseline files must have distinct names other than the built-in variants: {sorted(clash)}")
 
     from skinny_gemm_gpu import graph_time
 
@@ -146,25 +154,23 @@ def main(argv: list[str] | None = None) -> int:
         for m, dtype_name in ((int(r), d) for r in a.rows.split(",") for d in a.dtypes.split(",")):
             x = torch.randn(m, k, device="cuda").to(getattr(torch, dtype_name))
             rec: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "dtype": dtype_name, "gbytes": gbytes}
-            sources = variants(source)
-            if a.baseline:
-                sources["baseline"] = Path(a.baseline).read_text()
+            sources = {v: text for v, text in variants(source).items() if v in a.variants.split(",")}
+            baselines = {Path(f).stem: Path(f).read_text() for f in a.baseline.split(",")} if a.baseline else {}
+            sources.update(baselines)
             for variant, text in sources.items():
-                if variant not in a.variants.split(","):
-                    continue
                 path = tmp / f"{variant}.cu"
                 path.write_text(text)
                 w4a16_cuda.SOURCE = path
                 w4a16_cuda.compiled.cache_clear()
                 w4a16_cuda.plan.cache_clear()
-                if variant == "baseline" and a.baseline_slot:
+                if variant in baselines and a.baseline_slot:
                     fixed, per_row = (int(v) for v in a.baseline_slot.split(","))
                     w4a16_cuda.slot_bytes = lambda rows, f=fixed, r=per_row: f + r * rows
                 else:
                     w4a16_cuda.slot_bytes = slot_bytes
                 t = graph_time(lambda i: kern.apply(layers[i], x, None), a.copies, a.replays)  # noqa: B023
                 rec[f"{variant}_us"] = t * 1e3
-                if variant in ("full", "baseline"):
+                if variant == "full" or variant in baselines:
                     ref = x.float() @ dense0.T
                     err = (kern.apply(layers[0], x, None).float() - ref).abs().max().item() / ref.abs().max().item()
                     rec[f"{variant}_rel_err"], rec[f"{variant}_tbs"] = err, gbytes / t
