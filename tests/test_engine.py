@@ -178,6 +178,10 @@ def test_token_id_prompts_and_rejections(llm):
     with pytest.raises(RequestRejectedError, match="512"):
         llm.generate([[1] * 600], SamplingParams(max_tokens=None, min_tokens=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    # a logit_bias token outside the vocabulary
+    with pytest.raises(RequestRejectedError, match="logit_bias: token id 1000000 is out of range"):
+        llm.generate([ids], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_chat_uses_template(llm):

@@ -19,6 +19,7 @@ ROWS = [
     {"id": "c", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5},
     {"id": "d", "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 7},
     {"id": "e", "prompt": "0123", "max_tokens": 4, "stop": ["\u00e9"]},
+    {"id": "f", "prompt": "Hello", "max_tokens": 3, "logit_bias": {"7": 100}},
 ]
 
 
@@ -48,7 +49,8 @@ def jsonl_result(tiny_llama_dir, tmp_path_factory):
 
 
 def test_jsonl_rows_with_overrides(jsonl_result):
-    assert set(jsonl_result) == {"a", "b", "c", "d", "e"}
+    assert set(jsonl_result) == {"a", "b", "c", "d", "e", "f"}
+    assert jsonl_result["f"]["outputs"][0]["token_ids"] == [7, 7, 7]   # forced by its logit_bias
     for row in ROWS:
         rec = jsonl_result[row["id"]]
         n = len(rec["outputs"][0]["token_ids"])
@@ -60,7 +62,7 @@ def test_jsonl_rows_with_overrides(jsonl_result):
 
 
 def test_csv_and_parquet_give_the_same_results(tiny_llama_dir, tmp_path, jsonl_result):
-    flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in ROWS]
+    flat = [{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()} for r in ROWS]
     frame = pd.DataFrame(flat)
     frame.to_csv(tmp_path / "in.csv", index=False)
     frame.to_parquet(tmp_path / "in.parquet")

@@ -185,6 +185,51 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert Sampler().sample(logits, batch_of(reqs)).sampled_token_ids.tolist() == [1, 0, 0, 0]
 
 
+def test_logit_bias_is_added_before_penalties_greedy_and_filters():
+    """OpenAI's logit_bias: the value is added to the token's logit before the repetition (CTRL) penalty,
+    so a biased seen token is divided/multiplied after the bias (vLLM's order); rows without a bias, and
+    the raw logprobs, are untouched. Checked against a float64 computation of the same definition."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 3, size=(4, V)).astype(np.float32)
+    biases = [{5: 100.0, 6: -3.5}, None, {0: -100, 63: 2.25}, {7: 1.5}]
+    reps = [1.0, 1.0, 1.0, 1.3]
+    prompt, output = (1, 7), (7, 9)
+    reqs = [make(SamplingParams(temperature=0.0, logit_bias=b, repetition_penalty=rep, logprobs=2), prompt, output)
+            for b, rep in zip(biases, reps, strict=True)]
+    out = Sampler().sample(torch.from_numpy(logits), batch_of(reqs))
+    penalised, _ = Sampler().process_logits(torch.from_numpy(logits), batch_of(reqs))
+    for i, (bias, rep) in enumerate(zip(biases, reps, strict=True)):
+        x = logits[i].astype(np.float64).copy()
+        for token, value in (bias or {}).items():
+            x[token] += value
+        ref = reference_penalised(x, prompt, output, rep, 0.0, 0.0)
+        np.testing.assert_allclose(penalised[i].numpy(), ref, rtol=1e-6, atol=1e-5)
+        assert out.sampled_token_ids[i].item() == int(np.argmax(ref))
+    assert out.sampled_token_ids[0].item() == 5
+    # logprobs stay those of the raw logits (vLLM's default)
+    raw = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+    assert torch.allclose(out.logprobs.logprobs[:, 0].double(), raw.gather(1, out.sampled_token_ids[:, None])[:, 0],
+                          atol=1e-5)
+    # random rows draw from softmax((logits + bias) / T): a -100 bias removes a token in practice
+    n = 2000
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    hot = torch.from_numpy(np.log(probs)).float().expand(n, -1)
+    reqs = [make(SamplingParams(temperature=1.0, seed=s, logit_bias={0: -100.0, 3: math.log(3.0)})) for s in range(n)]
+    counts = np.bincount(Sampler().sample(hot, batch_of(reqs, vocab=4)).sampled_token_ids.numpy(), minlength=4)
+    expected = np.array([0.0, 0.3, 0.2, 0.3]) / 0.8
+    assert counts[0] == 0
+    # 2 degrees of freedom: 13.8 is the 0.999 quantile
+    assert chi_square(counts[1:], expected[1:]) < 13.8, counts
+
+
+def test_logit_bias_validation_names_the_field():
+    assert SamplingParams(logit_bias={"12": 3, 4: -100}).logit_bias == {12: 3.0, 4: -100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({"x": 1}, {-1: 1}, {1: 100.5}, {1: float("nan")}, {1: "a"}, [1, 2], {True: 1}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
 # ------------------------------------------------------------------ seeds
 
 def generate(sampler: Sampler, logits_fn, reqs, steps: int):

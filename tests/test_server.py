@@ -138,6 +138,23 @@ def test_completion_greedy_matches_reference(client, engine):
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == resp.usage.model_dump()
 
 
+def test_logit_bias_matches_the_reference_engine(client, engine):
+    """logit_bias (token-id strings to values in [-100, 100]) changes greedy outputs as the in-process
+    engine with the same bias does; -100 bans a token and +100 forces one."""
+    plain = offline(engine, PROMPT, temperature=0.0, max_tokens=6, ignore_eos=True)
+    banned = plain.outputs[0].token_ids[0]
+    bias = {banned: -100.0, 300: 4.0}
+    ref = offline(engine, PROMPT, temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias=bias)
+    assert banned not in ref.outputs[0].token_ids
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                     logit_bias={str(k): v for k, v in bias.items()}, extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == ref.outputs[0].text
+    messages = [{"role": "user", "content": "Say something."}]
+    forced = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=4, temperature=0.7,
+                                            logit_bias={"300": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].message.content == engine.tokenizer.decode([300] * 4)
+
+
 def test_completion_prompt_forms_and_n(client, engine):
     ids = engine.tokenizer(PROMPT)["input_ids"]
     by_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
@@ -300,7 +317,12 @@ def test_chat_n_logprobs_and_max_completion_tokens(client, engine):
     ("/v1/completions", {"max_tokens": 3}, "prompt"),                    # missing field (pydantic)
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}},
+     "logit_bias"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30,

@@ -180,7 +180,8 @@ class LLMEngine:
         """Queue a request.
 
         Raises:
-            RequestRejectedError: the prompt is empty or too long, or the id is in use.
+            RequestRejectedError: the prompt is empty or too long, a token id (of the prompt or of
+                ``logit_bias``) is not in the vocabulary, or the id is in use.
             QueueFullError: the waiting queue is full.
         """
         params = params or SamplingParams()
@@ -198,6 +199,9 @@ class LLMEngine:
                 raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
         if not ids:
             raise RequestRejectedError("the prompt is empty")
+        bad_bias = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad_bias is not None:
+            raise RequestRejectedError(f"logit_bias: token id {bad_bias} is out of range [0, {self.vocab_size})")
         if len(ids) < self.max_model_len and params.min_tokens > self.max_model_len - len(ids):
             raise RequestRejectedError(
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "

@@ -33,6 +33,8 @@ class SamplingParams:
     top-k; ``prompt_logprobs=k`` the same for every prompt token after the first.
     ``detokenize=False`` leaves the output text empty and skips turning tokens into text (token
     ids only); stop strings need the text, so they require ``detokenize=True``.
+    ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before the
+    penalties, greedy choice and filters (OpenAI's ``logit_bias``; keys may be given as digit strings).
     """
 
     n: int = 1
@@ -54,14 +56,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _token_bias(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -90,6 +95,10 @@ class SamplingParams:
               "detokenize=True")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
+        bound = self.MAX_LOGIT_BIAS
+        bad = next(((t, v) for t, v in (self.logit_bias or {}).items() if not -bound <= v <= bound), None)
+        check(bad is None, "logit_bias", f"values must be numbers in [-{bound:g}, {bound:g}], got {bad and bad[1]!r} "
+              f"for token {bad and bad[0]}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             check(v is None or (isinstance(v, int) and 0 <= v <= self.MAX_LOGPROBS), name,
@@ -101,6 +110,29 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def _token_bias(bias: Any) -> dict[int, float] | None:
+    """``logit_bias`` as ``{token id: float}`` (``None`` when empty); digit-string keys become ids.
+
+    Raises:
+        SamplingParamsError: not a mapping, a key that is not a token id, a value that is not a number.
+    """
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", f"must be a mapping of token ids to numbers, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise SamplingParamsError("logit_bias", f"keys must be token ids (integers >= 0), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise SamplingParamsError("logit_bias", f"the bias of token {token} must be a number, got {value!r}")
+        out[token] = float(value)
+    return out or None
 
 
 class FinishReason(str, enum.Enum):

@@ -4,8 +4,8 @@ Order of operations, per row (vLLM's):
 
 1. logprobs, when asked, are taken from the RAW model logits (``log_softmax`` before
    min_tokens, penalties, temperature or filters), as vLLM does by default;
-2. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf`` while fewer
-   than ``min_tokens`` tokens have been generated;
+2. ``logit_bias`` is added to its tokens' logits; ``min_tokens``: EOS (unless ``ignore_eos``) and
+   ``stop_token_ids`` get ``-inf`` while fewer than ``min_tokens`` tokens have been generated;
 3. penalties: repetition (CTRL: a logit of a token seen in prompt or output is divided by the
    penalty when positive, multiplied when not), then frequency and presence (OpenAI:
    ``logit -= frequency * count + presence * (count > 0)`` over output tokens);
@@ -102,7 +102,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype)."""
         raw = logits
-        if batch.all_greedy and batch.min_tokens_index is None and batch.output_counts is None:
+        if (batch.all_greedy and batch.min_tokens_index is None and batch.output_counts is None
+                and batch.logit_bias is None):
             greedy_logits, random_logits = logits, None   # nothing changes the logits: no copy
         else:
             greedy_logits, random_logits = self.process_logits(logits, batch)
@@ -123,12 +124,15 @@ class Sampler:
         """The logits the choice is made from.
 
         Returns:
-            ``(penalised, filtered)``: ``penalised`` [B, V] after min_tokens and penalties (the
+            ``(penalised, filtered)``: ``penalised`` [B, V] after logit_bias, min_tokens and penalties (the
             greedy rows' argmax); ``filtered`` [B, V] after temperature, min-p, top-k and top-p
             (``-inf`` on dropped tokens; the random rows' distribution), or ``None`` when every
             row is greedy.
         """
         x = logits.to(torch.float32, copy=True)                   # [B, V]
+        if batch.logit_bias is not None:
+            rows, ids, values = batch.logit_bias
+            x.index_put_((rows, ids), values, accumulate=True)
         if batch.min_tokens_index is not None:
             x[batch.min_tokens_index] = float("-inf")
         x = apply_penalties(x, batch)

@@ -42,6 +42,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None       # [B, V] float32: occurrences of each token in the output
     prompt_mask: torch.Tensor | None         # [B, V] bool: token occurs in the prompt
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None   # (rows [M], token ids [M]) to mask
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # (rows [L], token ids [L], float32 [L])
     seeded_rows: torch.Tensor | None         # [S] int64
     seed_keys: torch.Tensor | None           # [S, 2] int64: 32-bit keys of (seed, output index)
     num_logprobs: list[int | None]           # [B] per row
@@ -63,8 +64,8 @@ class SamplingBatch:
         return cls(
             temperature=ones, greedy=ones.bool(), all_greedy=True, any_greedy=batch_size > 0, top_k=None,
             max_top_k=0, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
-            presence_penalty=None, output_counts=None, prompt_mask=None, min_tokens_index=None, seeded_rows=None,
-            seed_keys=None, num_logprobs=[None] * batch_size, max_num_logprobs=None,
+            presence_penalty=None, output_counts=None, prompt_mask=None, min_tokens_index=None, logit_bias=None,
+            seeded_rows=None, seed_keys=None, num_logprobs=[None] * batch_size, max_num_logprobs=None,
         )
 
 
@@ -98,7 +99,7 @@ _PARAMS = operator.attrgetter("sampling_params")
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
-    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0 and not p.logit_bias
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
@@ -143,6 +144,14 @@ class _Composition:
                                 for i, (r, p) in enumerate(zip(requests, params, strict=True)) if p.min_tokens > 0]
         self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         self.seeds = np.array([params[i].seed & (2**64 - 1) for i in self.seeded], dtype=np.uint64)
+        logit_bias = None
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b) for _, b in biased])
+            ids = np.fromiter(itertools.chain.from_iterable(b for _, b in biased), dtype=np.int64, count=len(rows))
+            values = np.fromiter(itertools.chain.from_iterable(b.values() for _, b in biased), dtype=np.float32,
+                                 count=len(rows))
+            logit_bias = (dev(rows), dev(ids), dev(values))
         num_logprobs = [p.logprobs for p in params]
         asked = [n for n in num_logprobs if n is not None]
         self.static = SamplingBatch(
@@ -151,7 +160,7 @@ class _Composition:
             top_p=dev(top_p) if use_p else None, min_p=dev(min_p) if use_min_p else None,
             repetition_penalty=dev(rep) if use_rep else None,
             frequency_penalty=dev(freq) if use_add else None, presence_penalty=dev(pres) if use_add else None,
-            output_counts=None, prompt_mask=prompt_mask, min_tokens_index=None,
+            output_counts=None, prompt_mask=prompt_mask, min_tokens_index=None, logit_bias=logit_bias,
             seeded_rows=dev(np.array(self.seeded, dtype=np.int64)) if self.seeded else None, seed_keys=None,
             num_logprobs=num_logprobs, max_num_logprobs=max(asked) if asked else None,
         )

@@ -89,6 +89,8 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         return value.tolist() if hasattr(value, "tolist") else value
     if name in ("stop", "stop_token_ids"):
         return json.loads(value) if value.startswith("[") else [int(value)] if name == "stop_token_ids" else [value]
+    if name == "logit_bias":
+        return json.loads(value) if value.strip() else None
     if isinstance(default, bool):
         return value.strip().lower() in ("1", "true", "yes")
     if isinstance(default, int) or name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):

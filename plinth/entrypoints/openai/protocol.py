@@ -56,8 +56,6 @@ class _SamplingFields(_Request):
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for the first field set to a value plinth cannot honour."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
@@ -88,6 +86,7 @@ class _SamplingFields(_Request):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
         )
 
 
