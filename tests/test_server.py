@@ -155,6 +155,33 @@ def test_logit_bias_matches_the_reference_engine(client, engine):
     assert forced.choices[0].message.content == engine.tokenizer.decode([300] * 4)
 
 
+def test_tokenize_and_detokenize_match_the_tokenizer(server, engine):
+    """/tokenize gives the ids the completion and chat routes feed the model (a prompt with special tokens,
+    messages through the chat template), /detokenize the tokenizer's text; both need the API key."""
+    tok = engine.tokenizer
+    resp = post(server, "/tokenize", {"prompt": PROMPT})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == tok(PROMPT)["input_ids"] and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN and "token_strs" not in body
+    messages = [{"role": "user", "content": "Hello there"}]
+    body = post(server, "/tokenize", {"messages": messages, "return_token_strs": True}).json()
+    assert body["tokens"] == chat_ids(engine, messages)
+    assert len(body["token_strs"]) == body["count"]
+    assert "".join(body["token_strs"]) == tok.convert_tokens_to_string(tok.convert_ids_to_tokens(body["tokens"]))
+    ids = body["tokens"]
+    resp = post(server, "/detokenize", {"tokens": ids})
+    assert resp.status_code == 200 and resp.json() == {"prompt": tok.decode(ids)}
+    assert_error(post(server, "/tokenize", {"prompt": "x"}, key=None), 401)
+    assert_error(post(server, "/detokenize", {"tokens": [1]}, key="wrong"), 401)
+    assert_error(post(server, "/tokenize", {"prompt": "x", "messages": messages}), 400, param="messages")
+    assert_error(post(server, "/tokenize", {}), 400, param="prompt")
+    assert_error(post(server, "/tokenize", {"prompt": "x", "model": "other"}), 404)
+    assert_error(post(server, "/detokenize", {"tokens": [1, 10**6]}), 400, param="tokens")
+    assert_error(post(server, "/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}), 400, param="tokens")
+    assert_error(post(server, "/detokenize", {"tokens": "abc"}), 400, param="tokens")
+
+
 def test_completion_prompt_forms_and_n(client, engine):
     ids = engine.tokenizer(PROMPT)["input_ids"]
     by_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)

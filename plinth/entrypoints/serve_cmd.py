@@ -1,7 +1,7 @@
 """``plinth serve [MODEL]``: the OpenAI-compatible HTTP server.
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics.
-With --api-key (or $PLINTH_API_KEY) the /v1 routes need ``Authorization: Bearer <key>``;
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
+/metrics. With --api-key (or $PLINTH_API_KEY) the /v1 and tokenizer routes need ``Authorization: Bearer <key>``;
 /health, /version and /metrics stay open.
 
 On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests finish

@@ -1,9 +1,10 @@
 """The FastAPI app: routes, API-key check, lifespan.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health``, ``GET /version``, ``GET /metrics``.
+``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``,
+``GET /metrics``.
 
-With an API key, every ``/v1/...`` route needs ``Authorization: Bearer <key>``; ``/health``,
+With an API key, every ``/v1/...`` route and the tokenizer routes need ``Authorization: Bearer <key>``; ``/health``,
 ``/version`` and ``/metrics`` stay open so that orchestrators and Prometheus can reach them
 without the key (they expose no request content: only liveness, versions, the startup
 selection and aggregate counters). Bind to a private interface or put a proxy in front if
@@ -26,16 +27,25 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from plinth import __version__
 from plinth.core.async_engine import AsyncLLMEngine
 from plinth.entrypoints.openai.errors import APIError, install_error_handlers
-from plinth.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from plinth.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from plinth.entrypoints.openai.serving import ServerContext
 from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_completion import create_completion
+from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from plinth.entrypoints.openai.streaming import ClientDisconnected
 from plinth.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-PROTECTED_PREFIX = "/v1"
+#: routes that need the API key when one is set: /v1/... and the tokenizer routes
+PROTECTED = ("/v1", "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
@@ -46,7 +56,7 @@ class APIKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 missing = not given
@@ -116,5 +126,13 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None) -> FastAPI:
             return await create_chat_completion(ctx, body, raw)
         except ClientDisconnected:
             return Response(status_code=499)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> Response:
+        return await tokenize(ctx, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> Response:
+        return await detokenize(ctx, body)
 
     return app

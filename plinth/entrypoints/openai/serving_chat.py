@@ -20,6 +20,7 @@ from plinth.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     DeltaMessage,
     ResponseMessage,
     TokenLogprob,
@@ -31,9 +32,10 @@ from plinth.entrypoints.openai.serving import ServerContext, first_outputs, merg
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them (text parts joined)."""
     messages = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(items):
         if m.content is None or isinstance(m.content, str):
             content = m.content or ""
         else:
@@ -84,7 +86,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_model(req.model)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
-    messages = _messages(req)
+    messages = chat_messages(req.messages)
     ctx.check_text(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
     try:
         text = ctx.front.render_chat(messages, add_generation_prompt=req.add_generation_prompt)

@@ -1,0 +1,61 @@
+"""``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer, as vLLM's server offers it.
+
+``/tokenize`` takes a ``prompt`` (special tokens added by default, as a completion's prompt is) or chat
+``messages`` (rendered with the chat template, which writes the special tokens itself) and returns the ids,
+their count and the model's context length; ``/detokenize`` turns ids back into text. Both follow the
+completion routes' checks: the text bound before tokenizing, ids inside the vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import jinja2
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from plinth.entrypoints.openai.errors import bad_request
+from plinth.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from plinth.entrypoints.openai.serving import ServerContext
+from plinth.entrypoints.openai.serving_chat import chat_messages
+
+
+async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt" if req.prompt is None else "messages")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        messages = chat_messages(req.messages)
+        ctx.check_text(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            text = ctx.front.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+        special, param = bool(req.add_special_tokens), "messages"
+    else:
+        assert req.prompt is not None
+        text, special, param = req.prompt, req.add_special_tokens is not False, "prompt"
+    ids = await ctx.tokenize(text, add_special_tokens=special, param=param)
+    strs = [ctx.token_text(t) for t in ids] if req.return_token_strs else None
+    body = TokenizeResponse(count=len(ids), max_model_len=ctx.front.max_model_len, tokens=ids, token_strs=strs)
+    return JSONResponse(body.model_dump(exclude_none=True))
+
+
+async def detokenize(ctx: ServerContext, req: DetokenizeRequest) -> Response:
+    ctx.check_model(req.model)
+    limit = ctx.front.max_model_len
+    if len(req.tokens) > limit:
+        raise bad_request(f"at most {limit} token ids (the model's context), got {len(req.tokens)}", "tokens")
+    ctx.check_token_ids(req.tokens, "tokens")
+    tokenizer = ctx.front.tokenizer
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer", "tokens")
+    text = await asyncio.to_thread(tokenizer.decode, req.tokens)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
