@@ -25,6 +25,8 @@ from plinth.core.request import (
 from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
 from plinth.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from plinth.core.step_cost import StepCostModel
+from plinth.core.structured import PARAM as STRUCTURED_PARAM
+from plinth.core.structured import GrammarCompiler, StructuredOutputError
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
 from plinth.worker.batching import BatchBuilder
 from plinth.worker.model_runner import ModelRunner
@@ -71,11 +73,12 @@ class _InFlight:
 
 def _needs_sync_steps(params: SamplingParams) -> bool:
     """Whether the request needs every earlier token on the host before a step is built: penalties
-    count the output tokens, prompt logprobs read the step's hidden states. Such requests run with
-    synchronous steps. (Seeded rows and ``min_tokens`` count the token in flight as an output;
-    logprobs come back with the tokens.)"""
+    count the output tokens, prompt logprobs read the step's hidden states, a grammar's next tokens
+    depend on the last one. Such requests run with synchronous steps. (Seeded rows and ``min_tokens``
+    count the token in flight as an output; logprobs come back with the tokens.)"""
     return (params.prompt_logprobs is not None or params.repetition_penalty != 1.0
-            or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
+            or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+            or params.structured_outputs is not None)
 
 
 class LLMEngine:
@@ -125,6 +128,7 @@ class LLMEngine:
         self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
                                            config.scheduler.max_num_seqs)
         self._sampling = SamplingBatchBuilder(self.vocab_size)
+        self._grammars: GrammarCompiler | None = None   # structured outputs, made on the first such request
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.load_time_s = time.perf_counter() - t0
         logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks%s", self.load_time_s,
@@ -199,6 +203,7 @@ class LLMEngine:
                 raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
         if not ids:
             raise RequestRejectedError("the prompt is empty")
+        matcher = self._matcher(params) if params.structured_outputs is not None else None
         bad_bias = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
         if bad_bias is not None:
             raise RequestRejectedError(f"logit_bias: token id {bad_bias} is out of range [0, {self.vocab_size})")
@@ -214,6 +219,8 @@ class LLMEngine:
                 child_params = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
                 seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
                 req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
+                if matcher is not None:
+                    req.matcher = matcher if i == 0 else matcher.deep_copy()
                 self.scheduler.add_request(req)
                 detok = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
                          if self.tokenizer is not None and child_params.detokenize else None)
@@ -233,6 +240,19 @@ class LLMEngine:
             self._prompt_logprob_groups.add(request_id)
         if _needs_sync_steps(params):
             self._sync_groups.add(request_id)
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A grammar matcher for ``params.structured_outputs``; a constraint that cannot compile is a
+        :class:`RequestRejectedError` naming ``structured_outputs``."""
+        assert params.structured_outputs is not None
+        if self.tokenizer is None:
+            raise RequestRejectedError("structured_outputs: this model has no tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            return self._grammars.matcher(params.structured_outputs)
+        except StructuredOutputError as exc:
+            raise RequestRejectedError(f"{STRUCTURED_PARAM}: {exc}") from None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests at once (their KV blocks are freed); the next step reports them finished."""
@@ -396,15 +416,29 @@ class LLMEngine:
             ended = rid in now_finished
             if not ended and req.is_finished:
                 continue   # stopped or aborted while this step was in flight: its token is dropped
+            by_token = ended and req.finish_reason == stop
+            if req.matcher is not None and not ended and self._grammar_done(req, tok):
+                self.scheduler.finish_request(rid, stop)   # the text is complete: nothing but EOS could follow
+                ended = True
             detok = seqs[rid].detok
             if detok is not None:
-                _, stop_str = detok.add_tokens([tok], finished=ended, stopped_by_token=ended and req.finish_reason == stop)
+                _, stop_str = detok.add_tokens([tok], finished=ended, stopped_by_token=by_token)
                 if stop_str is not None and not ended:
                     self.scheduler.finish_request(rid, stop, stop_str)
                     ended = True
             if ended or not final_only:
                 group = groups[rid]
                 touched[group.request_id] = group
+
+    @staticmethod
+    def _grammar_done(req: Request, token: int) -> bool:
+        """Advance the sequence's matcher by its new token; whether the constrained text is complete."""
+        matcher = req.matcher
+        if not matcher.consume_token(token):   # the mask allowed it, so only a matcher error gets here
+            logger.warning("request %s: the grammar matcher failed at token %d (%s); ending the sequence",
+                           req.request_id, token, matcher.get_error())
+            return True
+        return bool(matcher.is_stopped())
 
     def _run_guarded(self, fn: Any, *args: Any) -> Any:
         """Call the executor; when its workers are gone, fail every in-flight request and raise."""

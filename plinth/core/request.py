@@ -13,6 +13,8 @@ import math
 import time
 from typing import Any
 
+from plinth.core import structured
+
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter. ``param`` names it (the OpenAI field name)."""
@@ -35,6 +37,9 @@ class SamplingParams:
     ids only); stop strings need the text, so they require ``detokenize=True``.
     ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before the
     penalties, greedy choice and filters (OpenAI's ``logit_bias``; keys may be given as digit strings).
+    ``structured_outputs`` constrains the text to JSON, a regular expression, a choice of strings or a
+    grammar (``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+    ``{"grammar": ...}``; see :mod:`plinth.core.structured`).
     """
 
     n: int = 1
@@ -57,6 +62,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0
@@ -67,6 +73,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_bias(self.logit_bias)
+        try:
+            self.structured_outputs = structured.normalize(self.structured_outputs)
+        except ValueError as exc:
+            raise SamplingParamsError(structured.PARAM, str(exc)) from None
         self.validate()
 
     def validate(self) -> None:
@@ -95,6 +105,8 @@ class SamplingParams:
               "detokenize=True")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
+        check(not (self.structured_outputs and self.min_tokens), "min_tokens",
+              "cannot be combined with structured_outputs (the grammar decides where the text may end)")
         bound = self.MAX_LOGIT_BIAS
         bad = next(((t, v) for t, v in (self.logit_bias or {}).items() if not -bound <= v <= bound), None)
         check(bad is None, "logit_bias", f"values must be numbers in [-{bound:g}, {bound:g}], got {bad and bad[1]!r} "
@@ -263,6 +275,7 @@ class Request:
         self.block_ids: list[int] = []  # owned by the block manager
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics()
+        self.matcher: Any = None   # structured outputs: the sequence's grammar matcher (plinth.core.structured)
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 

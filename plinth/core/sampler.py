@@ -4,7 +4,8 @@ Order of operations, per row (vLLM's):
 
 1. logprobs, when asked, are taken from the RAW model logits (``log_softmax`` before
    min_tokens, penalties, temperature or filters), as vLLM does by default;
-2. ``logit_bias`` is added to its tokens' logits; ``min_tokens``: EOS (unless ``ignore_eos``) and
+2. structured outputs: tokens the request's grammar does not allow next get ``-inf``;
+   ``logit_bias`` is added to its tokens' logits; ``min_tokens``: EOS (unless ``ignore_eos``) and
    ``stop_token_ids`` get ``-inf`` while fewer than ``min_tokens`` tokens have been generated;
 3. penalties: repetition (CTRL: a logit of a token seen in prompt or output is divided by the
    penalty when positive, multiplied when not), then frequency and presence (OpenAI:
@@ -103,7 +104,7 @@ class Sampler:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype)."""
         raw = logits
         if (batch.all_greedy and batch.min_tokens_index is None and batch.output_counts is None
-                and batch.logit_bias is None):
+                and batch.logit_bias is None and batch.allowed is None):
             greedy_logits, random_logits = logits, None   # nothing changes the logits: no copy
         else:
             greedy_logits, random_logits = self.process_logits(logits, batch)
@@ -124,12 +125,15 @@ class Sampler:
         """The logits the choice is made from.
 
         Returns:
-            ``(penalised, filtered)``: ``penalised`` [B, V] after logit_bias, min_tokens and penalties (the
-            greedy rows' argmax); ``filtered`` [B, V] after temperature, min-p, top-k and top-p
+            ``(penalised, filtered)``: ``penalised`` [B, V] after the grammar masks, logit_bias, min_tokens
+            and penalties (the greedy rows' argmax); ``filtered`` [B, V] after temperature, min-p, top-k and top-p
             (``-inf`` on dropped tokens; the random rows' distribution), or ``None`` when every
             row is greedy.
         """
         x = logits.to(torch.float32, copy=True)                   # [B, V]
+        if batch.allowed is not None:
+            rows, allowed = batch.allowed
+            x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
         if batch.logit_bias is not None:
             rows, ids, values = batch.logit_bias
             x.index_put_((rows, ids), values, accumulate=True)

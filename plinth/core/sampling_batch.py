@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from plinth.core.request import Request, SamplingParams
+from plinth.core.structured import allowed_tokens
 
 SAMPLING_EPS = 1e-5   # temperatures below this are greedy
 M32 = 0xFFFFFFFF
@@ -43,6 +44,7 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None         # [B, V] bool: token occurs in the prompt
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None   # (rows [M], token ids [M]) to mask
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # (rows [L], token ids [L], float32 [L])
+    allowed: tuple[torch.Tensor, torch.Tensor] | None   # structured outputs: (rows [R], bool [R, V] tokens allowed)
     seeded_rows: torch.Tensor | None         # [S] int64
     seed_keys: torch.Tensor | None           # [S, 2] int64: 32-bit keys of (seed, output index)
     num_logprobs: list[int | None]           # [B] per row
@@ -65,7 +67,7 @@ class SamplingBatch:
             temperature=ones, greedy=ones.bool(), all_greedy=True, any_greedy=batch_size > 0, top_k=None,
             max_top_k=0, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
             presence_penalty=None, output_counts=None, prompt_mask=None, min_tokens_index=None, logit_bias=None,
-            seeded_rows=None, seed_keys=None, num_logprobs=[None] * batch_size, max_num_logprobs=None,
+            allowed=None, seeded_rows=None, seed_keys=None, num_logprobs=[None] * batch_size, max_num_logprobs=None,
         )
 
 
@@ -100,6 +102,7 @@ _PARAMS = operator.attrgetter("sampling_params")
 
 def _plain_greedy(p: SamplingParams) -> bool:
     return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0 and not p.logit_bias
+            and p.structured_outputs is None
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
@@ -142,6 +145,7 @@ class _Composition:
         # rows with min_tokens: (row, min_tokens, the ids it masks)
         self.min_tokens_rows = [(i, p.min_tokens, sorted(t for t in r.stop_token_ids if t < V))
                                 for i, (r, p) in enumerate(zip(requests, params, strict=True)) if p.min_tokens > 0]
+        self.structured = [i for i, r in enumerate(requests) if r.matcher is not None]
         self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         self.seeds = np.array([params[i].seed & (2**64 - 1) for i in self.seeded], dtype=np.uint64)
         logit_bias = None
@@ -160,7 +164,7 @@ class _Composition:
             top_p=dev(top_p) if use_p else None, min_p=dev(min_p) if use_min_p else None,
             repetition_penalty=dev(rep) if use_rep else None,
             frequency_penalty=dev(freq) if use_add else None, presence_penalty=dev(pres) if use_add else None,
-            output_counts=None, prompt_mask=prompt_mask, min_tokens_index=None, logit_bias=logit_bias,
+            output_counts=None, prompt_mask=prompt_mask, min_tokens_index=None, logit_bias=logit_bias, allowed=None,
             seeded_rows=dev(np.array(self.seeded, dtype=np.int64)) if self.seeded else None, seed_keys=None,
             num_logprobs=num_logprobs, max_num_logprobs=max(asked) if asked else None,
         )
@@ -175,7 +179,7 @@ class _Composition:
         per row to them in place (a batch's ``output_counts`` is only valid until the next build)."""
         if self.plain is not None:
             return self.plain
-        if not (self.use_counts or self.min_tokens_rows or self.seeded):
+        if not (self.use_counts or self.min_tokens_rows or self.seeded or self.structured):
             return self.static
         # a token sampled by the step in flight (asynchronous scheduling) counts as an output
         num_output = [len(r.output_token_ids) + r.num_pending_tokens for r in requests]
@@ -193,8 +197,12 @@ class _Composition:
             steps = np.array([num_output[i] for i in self.seeded], dtype=np.uint64)
             keys = splitmix64(splitmix64(self.seeds) ^ steps)
             seed_keys = self._dev(np.stack([keys & M32, keys >> np.uint64(32)], axis=1).astype(np.int64))
+        allowed = None
+        if self.structured:   # the grammar matchers are as of the requests' latest tokens (synchronous steps)
+            mask = allowed_tokens([requests[i].matcher for i in self.structured], self.vocab_size)
+            allowed = (self._dev(np.array(self.structured, dtype=np.int64)), mask.to(self.device, non_blocking=True))
         return dataclasses.replace(self.static, output_counts=counts, min_tokens_index=min_tokens_index,
-                                   seed_keys=seed_keys)
+                                   seed_keys=seed_keys, allowed=allowed)
 
     def _counts(self, requests: Sequence[Request], num_output: list[int]) -> torch.Tensor:
         """``[B, V]`` output-token counts: the previous step's plus one token per row when every row

@@ -4,7 +4,8 @@ Requests ignore unknown fields (clients send many optional ones); fields plinth 
 support are declared so that a non-default value is refused with a clear 400 rather than
 silently ignored. Beyond the OpenAI fields, requests accept the usual sampling extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``).
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) and vLLM's structured-output
+fields (``structured_outputs``, ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plinth.core.request import SamplingParams
+from plinth.core.request import SamplingParams, SamplingParamsError
+from plinth.core.structured import grammar_of
+from plinth.core.structured import normalize as normalize_structured
 
 
 def random_id(prefix: str) -> str:
@@ -53,6 +56,48 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    # structured outputs as vLLM's server takes them (only one of these and response_format)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[str, dict[str, Any]] | None:
+        """``(field, spec)``: the constraint asked for (a ``structured_outputs`` value, see
+        :mod:`plinth.core.structured`) and the request field it came from; ``None`` for free text.
+
+        Raises:
+            SamplingParamsError: naming the field, for a malformed ``response_format`` or two constraints.
+        """
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict | str):
+                    raise SamplingParamsError("response_format", "json_schema needs {\"json_schema\": {\"schema\": "
+                                              "{...}}}")
+                asked.append(("response_format", {"json": schema}))
+            elif kind not in (None, "text"):
+                raise SamplingParamsError("response_format", f"type must be 'text', 'json_object' or 'json_schema', "
+                                          f"got {kind!r}")
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, {key: value}))
+        if len(asked) > 1:
+            raise SamplingParamsError(asked[1][0], f"only one structured output constraint per request "
+                                      f"(also given: {asked[0][0]})")
+        return asked[0] if asked else None
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for the first field set to a value plinth cannot honour."""
@@ -65,6 +110,16 @@ class _SamplingFields(_Request):
         """The engine's parameters; raises ``SamplingParamsError`` naming a bad field."""
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
+
+        structured = self.structured()
+        spec = None
+        if structured is not None:
+            field, spec = structured
+            try:
+                spec = normalize_structured(spec)
+                grammar_of(spec)   # a bad schema, pattern or grammar is the request's fault: say which field
+            except ValueError as exc:
+                raise SamplingParamsError(field, str(exc)) from None
 
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -87,6 +142,7 @@ class _SamplingFields(_Request):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
+            structured_outputs=spec,
         )
 
 
@@ -130,7 +186,6 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
@@ -143,8 +198,6 @@ class ChatCompletionRequest(_SamplingFields):
             return "function_call", "function calling is not supported"
         if self.audio is not None or any(m != "text" for m in self.modalities or ()):
             return ("audio" if self.audio is not None else "modalities"), "only text output is supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         return super().unsupported()

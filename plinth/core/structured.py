@@ -1,0 +1,158 @@
+"""Structured outputs: generation constrained to JSON, a regular expression, a choice or a grammar.
+
+A request's ``structured_outputs`` names one constraint:
+
+- ``{"json": SCHEMA}``: JSON matching a JSON schema (a dict or its JSON text);
+- ``{"json_object": True}``: any JSON object;
+- ``{"regex": PATTERN}``: text matching a regular expression (Rust ``regex`` syntax);
+- ``{"choice": [STRING, ...]}``: exactly one of the strings;
+- ``{"grammar": TEXT}``: a context-free grammar in Lark or llama.cpp's GBNF syntax.
+
+The constraint is compiled by `llguidance <https://github.com/guidance-ai/llguidance>`_ into a matcher
+per sequence. Before each sampling step the matcher gives the set of tokens that keep the text inside
+the language (EOS once the text is complete); every other token's logit becomes ``-inf``, then the
+usual sampling runs. After the step the sampled token advances the matcher; a matcher that can take no
+further token ends the sequence (finish reason ``stop``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+PARAM = "structured_outputs"
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled (a bad schema, pattern or grammar)."""
+
+
+def normalize(spec: Any) -> dict[str, Any] | None:
+    """``spec`` checked for shape: ``None``, or a dict with exactly one of :data:`KINDS`.
+
+    Raises:
+        ValueError: a message naming what is wrong (the caller adds the parameter's name).
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"must be an object with one of {', '.join(KINDS)}, got {type(spec).__name__}")
+    given = [k for k in KINDS if spec.get(k) not in (None, False)]
+    unknown = sorted(set(spec) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}: expected one of {', '.join(KINDS)}")
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of {', '.join(KINDS)}" + (f", got {', '.join(given)}" if given else ""))
+    kind = given[0]
+    value = spec[kind]
+    if kind == "json" and not isinstance(value, dict | str):
+        raise ValueError(f"json must be a JSON schema (an object or its JSON text), got {type(value).__name__}")
+    if kind == "json_object" and value is not True:
+        raise ValueError("json_object must be true")
+    if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+        raise ValueError(f"{kind} must be a non-empty string")
+    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+    return {kind: value}
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar(kind: str, text: str) -> str:
+    import llguidance
+
+    try:
+        if kind == "json":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+        elif kind == "json_object":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(text)
+        elif kind == "choice":
+            grammar = llguidance.grammar_from("choice", text)
+        else:
+            grammar = llguidance.grammar_from("grammar", text)
+    except Exception as exc:  # noqa: BLE001 - llguidance reports bad input with assorted exception types
+        raise StructuredOutputError(f"invalid {kind}: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise StructuredOutputError(f"invalid {kind}: {error}")
+    return grammar
+
+
+def grammar_of(spec: dict[str, Any]) -> str:
+    """The llguidance grammar of a normalized ``spec`` (cached by its text).
+
+    Raises:
+        StructuredOutputError: the schema, pattern or grammar does not compile.
+    """
+    kind, value = next(iter(spec.items()))
+    if kind == "json":
+        text = value if isinstance(value, str) else json.dumps(value)   # key order matters: properties come in it
+    elif kind == "choice":
+        text = json.dumps(value)
+    elif kind == "json_object":
+        text = ""
+    else:
+        text = value
+    return _grammar(kind, text)
+
+
+class GrammarCompiler:
+    """Matchers for one engine's tokenizer. The llguidance tokenizer (about a second to build for a
+    49k vocabulary) is made on the first structured request.
+
+    Args:
+        tokenizer: the model's Hugging Face fast tokenizer.
+        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary).
+        eos_token_ids: the tokens that end a sequence.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                if not self.eos_token_ids:
+                    raise StructuredOutputError("the model has no EOS token, so a constrained output cannot end")
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                      eos_token=self.eos_token_ids)
+                except ValueError as exc:
+                    raise StructuredOutputError(f"structured outputs need a fast tokenizer: {exc}") from None
+            return self._ll_tokenizer
+
+    def matcher(self, spec: dict[str, Any]) -> Any:
+        """A fresh matcher for ``spec``.
+
+        Raises:
+            StructuredOutputError: the constraint does not compile.
+        """
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0)
+        if matcher.is_error():
+            raise StructuredOutputError(f"invalid {next(iter(spec))}: {matcher.get_error()}")
+        return matcher
+
+
+def allowed_tokens(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:
+    """``[len(matchers), vocab_size]`` bool: the tokens each matcher accepts next."""
+    words = (vocab_size + 31) // 32
+    bits = np.empty((len(matchers), words * 4), dtype=np.uint8)
+    for i, m in enumerate(matchers):
+        bits[i] = np.frombuffer(m.compute_bitmask(), dtype=np.uint8, count=words * 4)
+    return torch.from_numpy(np.unpackbits(bits, axis=1, bitorder="little")[:, :vocab_size].astype(bool))

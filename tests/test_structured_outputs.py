@@ -1,0 +1,156 @@
+"""Structured outputs (JSON schema, any JSON object, regex, choice, grammar) on a small random Llama.
+
+References: every token of a constrained greedy output is checked against the float32 logits of the same
+weights run by transformers, restricted to the tokens an independent llguidance matcher allows after the
+tokens before it; the finished texts are checked against the constraint itself (``json.loads`` and the
+schema's fields, ``re.fullmatch``, the list of choices).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from plinth import LLM, SamplingParams
+from plinth.core.request import Request
+from plinth.core.sampler import Sampler, SamplingBatch
+from plinth.core.scheduler import RequestRejectedError
+
+PROMPT = "The quick brown fox"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+
+
+def generate(llm: LLM, spec: dict, **kw) -> list:
+    kw.setdefault("max_tokens", 48)
+    return llm.generate([PROMPT], SamplingParams(structured_outputs=spec, **kw), use_tqdm=False)[0].outputs
+
+
+def check_schema(text: str) -> bool:
+    value = json.loads(text)
+    assert set(value) == {"name", "age"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool) and value["age"] >= 0
+    return True
+
+
+def test_greedy_json_follows_the_grammar_and_the_reference_logits(llm, tiny_llama_dir):
+    import llguidance
+    import llguidance.hf
+    import transformers
+
+    out = generate(llm, {"json": SCHEMA}, temperature=0.0, max_tokens=40)[0]
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    ll_tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=tokenizer.eos_token_id)
+    matcher = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA), log_level=0)
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for token in out.token_ids:
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            allowed = torch.from_numpy(bits[:vocab].astype(bool))
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            assert allowed[token], f"token {token} is outside the grammar after {ids[len(prompt_ids):]}"
+            best = logits.masked_fill(~allowed, float("-inf")).max().item()
+            assert logits[token].item() >= best - 1e-4, (token, logits[token].item(), best)
+            assert matcher.consume_token(token)
+            ids.append(token)
+    if out.finish_reason == "stop":
+        assert matcher.is_stopped() or matcher.is_accepting()
+        check_schema(out.text)
+    else:
+        assert out.finish_reason == "length" and len(out.token_ids) == 40
+
+
+@pytest.mark.parametrize("spec, check", [
+    ({"json": SCHEMA}, check_schema),
+    ({"json": json.dumps(SCHEMA)}, check_schema),
+    ({"json_object": True}, lambda text: isinstance(json.loads(text), dict)),
+    ({"regex": r"[0-9]{3}-[a-z]{2,4}"}, lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text)),
+    ({"choice": ["yes", "no", "maybe not"]}, lambda text: text in ("yes", "no", "maybe not")),
+    ({"grammar": 'start: "A" ("B" | "C")+ "D"'}, lambda text: re.fullmatch(r"A[BC]+D", text)),
+    ({"grammar": 'root ::= "x" [0-9]+ "y"'}, lambda text: re.fullmatch(r"x[0-9]+y", text)),   # GBNF
+])
+def test_sampled_outputs_satisfy_each_kind_of_constraint(llm, spec, check):
+    outs = generate(llm, spec, temperature=1.0, seed=7, n=4, max_tokens=64)
+    assert len(outs) == 4
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    kind = next(iter(spec))
+    if kind in ("regex", "choice", "grammar"):   # short languages: a random model finishes them in 64 tokens
+        assert len(finished) == 4, [(o.text, o.finish_reason) for o in outs]
+    assert finished, [(o.text, o.finish_reason) for o in outs]
+    eos = llm.get_tokenizer().eos_token_id
+    for o in finished:
+        assert check(o.text), o.text
+        assert eos not in o.token_ids[:-1]   # EOS only ever ends the text
+
+
+def test_constrained_and_free_requests_share_a_batch(llm):
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPT], free, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate([PROMPT, "Hello there"], [SamplingParams(temperature=0.0, max_tokens=12,
+                                                                  structured_outputs={"choice": ["left", "right"]}),
+                                                   free.clone()], use_tqdm=False)
+    assert mixed[0].outputs[0].text in ("left", "right")
+    assert mixed[1].outputs[0].token_ids == llm.generate(["Hello there"], free, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(alone) == 12
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"regex": "("}, "regex"),
+    ({"json": {"type": "nonsense"}}, "json"),
+    ({"json": "{not json"}, "json"),
+    ({"grammar": "start: undefined_rule"}, "grammar"),
+])
+def test_constraints_that_do_not_compile_are_rejected(llm, spec, needle):
+    with pytest.raises(RequestRejectedError, match=f"structured_outputs: invalid {needle}"):
+        generate(llm, spec)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_malformed_specs_name_the_parameter():
+    for bad in ({"json": 1}, {"regex": ""}, {"choice": []}, {"choice": ["a", 3]}, {"xml": "a"},
+                {"regex": "a", "choice": ["b"]}, "json", {"json_object": "yes"}):
+        with pytest.raises(ValueError, match="structured_outputs"):
+            SamplingParams(structured_outputs=bad)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(structured_outputs={"regex": "a+"}, min_tokens=3)
+
+
+def test_sampler_draws_only_allowed_tokens_in_proportion():
+    """The mask sets disallowed logits to -inf before sampling: the draws follow the renormalised
+    distribution over the allowed tokens (chi-square against the float64 probabilities)."""
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.05])
+    n = 3000
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, seed=i)) for i in range(n)]
+    batch = SamplingBatch.from_requests(reqs, 6, "cpu")
+    allowed = torch.tensor([False, True, True, False, True, False])
+    batch.allowed = (torch.arange(n), allowed.expand(n, -1))
+    logits = torch.from_numpy(np.log(probs)).float().expand(n, -1)
+    counts = np.bincount(Sampler(seed=1).sample(logits, batch).sampled_token_ids.numpy(), minlength=6)
+    assert counts[~allowed.numpy()].sum() == 0
+    kept = probs[allowed.numpy()] / probs[allowed.numpy()].sum()
+    observed = counts[allowed.numpy()]
+    chi2 = float(((observed - kept * n) ** 2 / (kept * n)).sum())
+    assert chi2 < 13.8, observed   # 2 degrees of freedom, the 0.999 quantile
+    # greedy rows take the best allowed token
+    greedy = SamplingBatch.from_requests([Request("g", [1], SamplingParams(temperature=0.0))], 6, "cpu")
+    greedy.allowed = (torch.tensor([0]), allowed[None])
+    assert Sampler().sample(logits[:1], greedy).sampled_token_ids.item() == 1
+    assert math.isfinite(float(torch.log_softmax(logits[:1], -1)[0, 1]))
