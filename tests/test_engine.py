@@ -134,6 +134,37 @@ def test_n_samples_and_seeds(llm):
     b = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[3]], params, use_tqdm=False)[1]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # siblings differ
+    # sample 0 is the request's own seed; the others are hashed from (seed, index), so nearby seeds
+    # do not share samples (seed + index would make seed 1235's first sample a's second)
+    alone = llm.generate(PROMPTS[0], params.clone(n=1), use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == a.outputs[0].token_ids
+    nearby = llm.generate(PROMPTS[0], params.clone(seed=1235), use_tqdm=False)[0].outputs
+    assert not {tuple(c.token_ids) for c in nearby} & {tuple(c.token_ids) for c in a.outputs[1:]}
+
+
+def test_prompts_and_params_of_the_wrong_type_are_clear_errors(llm, tiny_llama_dir):
+    import numpy as np
+
+    ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    as_list = llm.generate([ids], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(np.array(ids), greedy(4), use_tqdm=False)[0].outputs[0].token_ids == as_list
+    assert llm.generate(torch.tensor(ids), greedy(4), use_tqdm=False)[0].outputs[0].token_ids == as_list
+    for bad in ([[1.7, 2.2]], [["1", "2"]], [None], [[True, 2]]):
+        with pytest.raises(RequestRejectedError, match="list of token ids"):
+            llm.generate(bad, greedy(4), use_tqdm=False)
+    with pytest.raises(RequestRejectedError, match="not valid Unicode"):
+        llm.generate("a\ud800b", greedy(4), use_tqdm=False)
+    limit = llm.engine.chars_per_token * llm.engine.max_model_len
+    with pytest.raises(RequestRejectedError, match="characters"):
+        llm.generate("x" * (limit + 1), greedy(4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    for kw in (dict(temperature="0.5"), dict(top_p=None), dict(n=2.0), dict(max_tokens=True)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)
+    from plinth.errors import UserFacingError
+
+    with pytest.raises(UserFacingError, match="not a valid jinja2 template"):
+        llm_for(tiny_llama_dir, chat_template="{{ messages ")
 
 
 def test_logprobs_match_transformers(llm, tiny_llama_dir):

@@ -140,3 +140,69 @@ def test_missing_input_is_a_clear_error(tiny_llama_dir, tmp_path, capsys):
     assert main([*engine_args(tiny_llama_dir), "--input", str(tmp_path / "nope.jsonl"),
                  "--output", str(tmp_path / "o.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plinth.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_files_are_checked_before_the_model_loads_and_never_damaged(tiny_llama_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", ROWS[:2])
+    foreign = tmp_path / "notes.jsonl"
+    foreign.write_text('{"foo": 1}\n{"id": 3}')                       # not results, no trailing newline
+    cases = [
+        (["--input", str(inp), "--output", str(inp)], "is the input file"),
+        (["--input", str(inp), "--output", str(foreign)], "is not a result of plinth generate"),
+        (["--input", str(inp), "--output", str(tmp_path)], "is not a file"),
+        (["--input", str(inp), "--output", str(inp / "x.jsonl")], "not a writable directory"),
+        (["--input", str(tmp_path), "--output", str(tmp_path / "o.jsonl")], "is not a file"),
+        (["--prompt", "hi", "--output", str(tmp_path / "o.jsonl")], "--output applies to --input files"),
+        (["--prompt", "hi", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")], "not both"),
+        (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--chat"], "'messages'"),
+    ]
+    for extra, needle in cases:
+        res = run_cli([*engine_args(tiny_llama_dir), *extra])
+        assert res.returncode == 2 and needle in res.stderr, (extra, res.stderr)
+        assert "Traceback" not in res.stderr
+    assert inp.read_text() == "".join(json.dumps(r) + "\n" for r in ROWS[:2])
+    assert foreign.read_text() == '{"foo": 1}\n{"id": 3}'
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_rows_of_every_shape_are_run_or_reported(tiny_llama_dir, tmp_path):
+    """Parquet lists and integer columns with nulls, chat content parts, bad chat rows, text that is not valid
+    Unicode, stop strings that look like JSON, a byte order mark, logprobs in the records, and more rows than
+    the waiting queue holds."""
+    rows = [
+        {"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 3},
+        {"id": "nocontent", "messages": [{"role": "user"}], "max_tokens": 3},
+        {"id": "surrogate", "prompt": "a\ud800b", "max_tokens": 3},
+        {"id": "brackets", "prompt": "Hello", "stop": "[END]", "max_tokens": 4},
+        {"id": "lp", "prompt": "Hello", "max_tokens": 3, "logprobs": 2, "prompt_logprobs": 1},
+    ] + [{"id": f"q{i}", "prompt": "Paris is", "max_tokens": 2} for i in range(5)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode() + b'{"prompt": "caf\xe9"}\n')
+    out = tmp_path / "out.jsonl"
+    res = run_cli([*engine_args(tiny_llama_dir), "--input", str(inp), "--output", str(out), "--bad-rows", "skip",
+                   "--max-waiting-requests", "2"])
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    for needle in ("row 2: messages[0] needs a 'content' string", "row 3: the prompt is not valid Unicode",
+                   "row 11: not valid UTF-8"):
+        assert needle in res.stderr, res.stderr
+    got = read_out(out)
+    assert set(got) == {"parts", "brackets", "lp"} | {f"q{i}" for i in range(5)}
+    lp = got["lp"]["outputs"][0]
+    assert len(lp["logprobs"]) == 3 and all(2 <= len(pos) <= 3 for pos in lp["logprobs"])
+    assert lp["cumulative_logprob"] == pytest.approx(sum(
+        next(e["logprob"] for e in pos if e["token_id"] == t) for pos, t in zip(lp["logprobs"], lp["token_ids"], strict=True)))
+    assert got["lp"]["prompt_logprobs"][0] is None and len(got["lp"]["prompt_logprobs"]) == got["lp"]["prompt_tokens"]
+    # Parquet: a list column and an integer column with a null
+    frame = pd.DataFrame({"id": ["a", "b"], "prompt_token_ids": [[5, 6, 7], [8, 9]], "max_tokens": [2, None]})
+    frame.to_parquet(tmp_path / "in.parquet")
+    res = run_cli([*engine_args(tiny_llama_dir), "--input", str(tmp_path / "in.parquet"), "--output",
+                   str(tmp_path / "pq.jsonl")])
+    assert res.returncode == 0, res.stderr
+    got = read_out(tmp_path / "pq.jsonl")
+    assert got["a"]["completion_tokens"] == 2 and got["a"]["prompt_tokens"] == 3 and got["b"]["prompt_tokens"] == 2

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from plinth.config import EngineConfig
@@ -23,6 +26,7 @@ from plinth.core.request import (
     SamplingParams,
 )
 from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
+from plinth.core.sampling_batch import splitmix64
 from plinth.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from plinth.core.step_cost import StepCostModel
 from plinth.core.structured import PARAM as STRUCTURED_PARAM
@@ -69,6 +73,27 @@ class _InFlight:
     reqs: list[Request]        # the requests it samples, in row order
     step: PendingStep
     rows: dict[str, int]       # request id -> row of its token in the step's output
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A token-id prompt as a list of ints (numpy and torch integers too; not floats, strings or bools)."""
+    try:
+        items = list(prompt) if not isinstance(prompt, bytes) else []
+        ids = [operator.index(t) for t in items if not isinstance(t, bool)]
+        ok = len(ids) == len(items) and not isinstance(prompt, bytes)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise RequestRejectedError(f"a prompt is text or a list of token ids (integers), got {type(prompt).__name__} "
+                                   "holding something else")
+    return ids
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` (> 0) of a seeded request with ``n > 1``: a hash of both, so that the
+    samples of requests with nearby seeds do not coincide (sample 0 keeps the request's seed)."""
+    value = splitmix64(np.array([(seed ^ (index * 0x9E3779B97F4A7C15)) & (2**64 - 1)], dtype=np.uint64))
+    return int(value[0] >> np.uint64(1))
 
 
 def _needs_sync_steps(params: SamplingParams) -> bool:
@@ -164,9 +189,36 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- requests
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt``.
+
+        Raises:
+            RequestRejectedError: text that is not valid Unicode (a lone surrogate), or longer than the
+                context could hold whatever its tokens (checked before tokenizing it).
+        """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights without one): pass token ids")
+        if not isinstance(prompt, str):
+            raise RequestRejectedError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
+        per_token = self.chars_per_token
+        if len(prompt) > per_token * self.max_model_len:
+            raise RequestRejectedError(
+                f"the prompt has {len(prompt)} characters, more than {per_token} (the longest token) per token of "
+                f"this model's context of {self.max_model_len} tokens")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestRejectedError(f"the prompt is not valid Unicode text: {exc.reason} at character "
+                                       f"{exc.start}") from None
         return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    @functools.cached_property
+    def chars_per_token(self) -> int:
+        """The most characters one token can stand for: the vocabulary's longest entry, at least 64."""
+        try:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=0) if self.tokenizer else 0
+        except (AttributeError, TypeError, NotImplementedError):
+            longest = 0
+        return max(64, longest)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> str:
@@ -197,7 +249,7 @@ class LLMEngine:
             text: str | None = prompt
             ids = self.tokenize(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
+            text, ids = None, _token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
@@ -216,7 +268,7 @@ class LLMEngine:
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         try:
             for i in range(params.n):
-                child_params = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+                child_params = params if i == 0 or params.seed is None else params.clone(seed=_child_seed(params.seed, i))
                 seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
                 req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
                 if matcher is not None:

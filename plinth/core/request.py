@@ -84,6 +84,13 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamsError(param, msg)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, int | float) and not isinstance(value, bool), name,
+                  f"must be a number, got {value!r}")
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
         check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
               f"must be a finite number >= 0, got {self.temperature}")
@@ -94,7 +101,8 @@ class SamplingParams:
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         check(self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty), "repetition_penalty",
               f"must be a finite number > 0, got {self.repetition_penalty}")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+                                          and self.max_tokens >= 1),
               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -242,6 +243,12 @@ def run(args: argparse.Namespace) -> int:
     from plinth.errors import CliError
 
     _check(args)
+    if args.json:   # before the benchmark runs, not after
+        target = Path(args.json)
+        parent = target.parent if target.parent != Path("") else Path(".")
+        if target.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise CliError(f"cannot write --json {args.json!r}: " + ("it is a directory" if target.is_dir()
+                                                                     else f"{parent} is not a writable directory"))
     longest = (args.input_len_range[1] - 1 if args.input_len_range else args.input_len) + args.output_len
     engine = LLMEngine(engine_config_from_args(args))
     try:

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserFacingError, ValueError) as exc:   # CliError, config and model errors: one line
         print(f"plinth {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:   # a file that cannot be read or written (disk full, permissions)
+        print(f"plinth {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

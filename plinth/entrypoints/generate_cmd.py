@@ -43,8 +43,9 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--chat", action="store_true", help="format --prompt with the chat template")
     g.add_argument("--input", default=None, help="prompts file: .jsonl, .csv or .parquet")
     g.add_argument("--output", default=None, help="results file (.jsonl); required with --input")
-    g.add_argument("--bad-rows", choices=["fail", "skip"], default="fail",
-                   help="a malformed row stops the run (fail) or is reported with its line and skipped")
+    g.add_argument("--bad-rows", choices=["fail", "skip"], default=None,
+                   help="a malformed row stops the run (fail, the default) or is reported with its line and "
+                        "skipped; rows written before a failure stay in the output, and a rerun resumes")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -55,60 +56,113 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
 
 
 def read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """Yield (line number, row or RowError) from a JSONL, CSV or Parquet file."""
+    """Yield (line number, row or RowError) from a JSONL, CSV or Parquet file. CSV and Parquet rows carry
+    ``_cells: True`` (their text cells may hold JSON lists and numbers to decode, see :func:`parse_row`).
+
+    Raises:
+        ValueError: an unsupported suffix, or a CSV/Parquet file that cannot be read (naming the file).
+    """
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with path.open(encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for i, raw in enumerate(f, 1):
+                if i == 1 and raw.startswith(b"\xef\xbb\xbf"):   # a UTF-8 byte order mark
+                    raw = raw[3:]
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield i, RowError(i, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at position {exc.start})")
+                    continue
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    yield i, RowError(i, f"invalid JSON: {exc.msg} at column {exc.colno}")
+                    yield i, RowError(i, f"invalid JSON: {exc.msg} at column {exc.pos + 1}")
                     continue
                 yield i, row if isinstance(row, dict) else RowError(i, "expected a JSON object")
     elif suffix in (".csv", ".parquet"):
         import pandas as pd
 
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False) if suffix == ".csv" else pd.read_parquet(path)
+        try:
+            frame = (pd.read_csv(path, dtype=str, keep_default_na=False) if suffix == ".csv"
+                     else pd.read_parquet(path))
+        except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError) as exc:
+            raise ValueError(f"cannot read {path} as {suffix[1:].upper()}: {exc}") from None
         first = 2 if suffix == ".csv" else 1  # CSV line numbers count the header
         for i, rec in enumerate(frame.to_dict(orient="records")):
-            yield i + first, {k: v for k, v in rec.items() if not _is_missing(v)}
+            yield i + first, {**{k: v for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
     else:
         raise ValueError(f"unsupported input file type {suffix!r}: use .jsonl, .csv or .parquet")
 
 
 def _is_missing(v: Any) -> bool:
-    return v is None or v == "" or (isinstance(v, float) and math.isnan(v))
+    return v is None or (isinstance(v, str) and v == "") or (isinstance(v, float) and math.isnan(v))
 
 
-def _coerce(name: str, value: Any, default: Any) -> Any:
-    """CSV cells arrive as strings: convert them to the type of the field's default."""
-    if not isinstance(value, str):
-        return value.tolist() if hasattr(value, "tolist") else value
+INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)
+              if f.type in ("int", "int | None") or isinstance(f.default, int) and not isinstance(f.default, bool)}
+
+
+def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
+    """A row's value for sampling field ``name``. CSV and Parquet text cells (``cells``) are decoded to
+    the field's type (JSON for lists and mappings); Parquet numbers come as numpy scalars, and a null in
+    an integer column turns it into floats, so integral floats become ints for integer fields."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and name in INT_FIELDS and value.is_integer():
+        return int(value)
+    if not (cells and isinstance(value, str)):
+        return value
     if name in ("stop", "stop_token_ids"):
         return json.loads(value) if value.startswith("[") else [int(value)] if name == "stop_token_ids" else [value]
-    if name == "logit_bias":
+    if name in ("logit_bias", "structured_outputs"):
         return json.loads(value) if value.strip() else None
     if isinstance(default, bool):
-        return value.strip().lower() in ("1", "true", "yes")
-    if isinstance(default, int) or name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        flag = value.strip().lower()
+        if flag not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return flag in ("1", "true", "yes")
+    if name in INT_FIELDS:
         return int(value)
     if isinstance(default, float):
         return float(value)
     return value
 
 
+def _chat_messages(line: int, value: Any) -> list[dict[str, Any]]:
+    """A row's ``messages``: role and content strings (OpenAI's text content parts are joined)."""
+    if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
+        raise RowError(line, "'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(value):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise RowError(line, f"messages[{i}] needs a 'role' string")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RowError(line, f"messages[{i}]: only text content parts ({{type: text, text}}) are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RowError(line, f"messages[{i}] needs a 'content' string")
+        out.append({**m, "role": role, "content": content})
+    return out
+
+
 def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str, Any, SamplingParams, bool]:
     """Validate one row: (id, prompt, sampling params, is_chat)."""
-    rid = str(row.get("id", line))
+    cells = bool(row.pop("_cells", False))
+    rid = row.get("id", line)
+    if not isinstance(rid, str | int) or isinstance(rid, bool):
+        raise RowError(line, f"'id' must be a string or an integer, got {rid!r}")
+    rid = str(rid)
     sources = [k for k in ("prompt", "messages", "prompt_token_ids") if k in row]
     if len(sources) != 1:
         raise RowError(line, "needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")
     key = sources[0]
     value = row[key]
-    if isinstance(value, str) and key != "prompt":
+    if cells and isinstance(value, str) and key != "prompt":
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
@@ -117,17 +171,21 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
         value = value.tolist()
     if key == "prompt" and (not isinstance(value, str) or not value):
         raise RowError(line, "'prompt' must be a non-empty string")
-    if key == "messages" and not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
-        raise RowError(line, "'messages' must be a non-empty list of {role, content} objects")
-    if key == "prompt_token_ids" and not (isinstance(value, list) and value and all(isinstance(t, int) for t in value)):
+    if key == "messages":
+        value = _chat_messages(line, value)
+    if key == "prompt_token_ids" and not (isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)):
         raise RowError(line, "'prompt_token_ids' must be a non-empty list of integers")
     unknown = set(row) - SAMPLING_FIELDS - {"id", key}
     if unknown:
         raise RowError(line, f"unknown field(s) {', '.join(sorted(unknown))}")
     overrides = {}
+    for k in sorted(SAMPLING_FIELDS & set(row)):
+        try:
+            overrides[k] = _coerce(k, row[k], getattr(base, k), cells)
+        except (ValueError, TypeError) as exc:
+            raise RowError(line, f"{k}: {exc}") from None
     try:
-        for k in SAMPLING_FIELDS & set(row):
-            overrides[k] = _coerce(k, row[k], getattr(base, k))
         params = base.clone(**overrides)
     except (SamplingParamsError, ValueError, TypeError) as exc:
         raise RowError(line, str(exc)) from None
@@ -135,39 +193,86 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
 
 
 def done_ids(output: Path) -> set[str]:
-    """Ids already in the output; a torn last line (interrupted write) is cut off."""
+    """Ids already in ``output`` (a results file of an earlier run). A last line cut short by an interrupted
+    write is removed; any other line that is not a result record stops the run before anything is changed.
+
+    Raises:
+        CliError: the file holds lines that are not ``plinth generate`` records.
+    """
+    from plinth.errors import CliError
+
     if not output.exists():
         return set()
     data = output.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep != len(data):
-        with output.open("r+b") as f:
-            f.truncate(keep)
-    ids = set()
-    for line in data[:keep].splitlines():
-        if line.strip():
-            ids.add(str(json.loads(line)["id"]))
+    lines = data.split(b"\n")
+    ids: set[str] = set()
+    torn = False
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            ok = isinstance(rec, dict) and "id" in rec and "outputs" in rec
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if n == len(lines):   # the torn end of an interrupted write: it is run again
+                with output.open("r+b") as f:
+                    f.truncate(len(data) - len(raw))
+                torn = True
+                break
+            ok = False
+        if not ok:
+            raise CliError(f"{output} line {n} is not a result of plinth generate; give another --output "
+                           "(an existing results file is resumed, never overwritten)")
+        ids.add(str(rec["id"]))
+    if not torn and lines[-1].strip():   # a complete last record without its newline
+        with output.open("ab") as f:
+            f.write(b"\n")
     return ids
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse option combinations that would be ignored and paths that cannot work, before the model loads."""
     from plinth.errors import CliError
 
-    base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     if args.input is None and not args.prompt:
         raise CliError("give --prompt TEXT or --input FILE")
-    if args.input is not None and args.output is None:
+    if args.input is not None and args.prompt:
+        raise CliError("give either --prompt or --input, not both")
+    if args.input is None:
+        for flag, given in (("--output", args.output is not None), ("--bad-rows", args.bad_rows is not None)):
+            if given:
+                raise CliError(f"{flag} applies to --input files; --prompt prints its results")
+        return
+    if args.chat:
+        raise CliError("--chat formats --prompt; in an --input file give the conversation as 'messages'")
+    if args.output is None:
         raise CliError("--input needs --output FILE.jsonl")
-    if args.input is not None and not Path(args.input).exists():
+    inp, out = Path(args.input), Path(args.output)
+    if not inp.exists():
         raise CliError(f"input file {args.input!r} does not exist")
+    if not inp.is_file():
+        raise CliError(f"input {args.input!r} is not a file")
+    if out.exists() and (not out.is_file() or os.path.samefile(inp, out)):
+        raise CliError(f"--output {args.output!r} " + ("is the input file" if out.is_file() else "is not a file"))
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise CliError(f"cannot write --output {args.output!r} ({parent} is not a writable directory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    _check_paths(args)
+    skip = done_ids(Path(args.output)) if args.input is not None else set()
     config = engine_config_from_args(args)
     from plinth.core.engine import LLMEngine
 
     engine = LLMEngine(config)
     if args.input is None:
         return _run_prompts(engine, args, base)
-    return _run_file(engine, Path(args.input), Path(args.output), base, args.bad_rows)
+    return _run_file(engine, Path(args.input), Path(args.output), base, args.bad_rows or "fail", skip)
 
 
 def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) -> int:
@@ -180,16 +285,57 @@ def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) ->
         for out in engine.step(final_only=True):
             if out.finished:
                 outs[out.request_id] = out
+    several = len(args.prompt) > 1
     for i in range(len(args.prompt)):
+        if several:
+            print(f"=== prompt {i + 1} ===")
         print(outs[f"cli-{i}"].outputs[0].text)
     return 0
 
 
-def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_rows: str) -> int:
+def _logprobs(positions: Any) -> Any:
+    """Per position, the chosen token's and the top tokens' logprobs as ``[{token_id, logprob, rank}]``."""
+    if positions is None:
+        return None
+    return [None if pos is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank} for t, lp in pos.items()]
+            for pos in positions]
+
+
+def _record(out: Any, line: int | None) -> dict[str, Any]:
+    outputs = []
+    for c in out.outputs:
+        item: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids, "finish_reason": str(c.finish_reason)}
+        if c.stop_reason is not None:
+            item["stop_reason"] = c.stop_reason
+        if c.logprobs is not None:
+            item["logprobs"] = _logprobs(c.logprobs)
+            item["cumulative_logprob"] = c.cumulative_logprob
+        outputs.append(item)
+    rec: dict[str, Any] = {"id": out.request_id, "line": line, "outputs": outputs, "text": out.outputs[0].text,
+                           "prompt_tokens": len(out.prompt_token_ids),
+                           "completion_tokens": sum(len(c.token_ids) for c in out.outputs)}
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = _logprobs(out.prompt_logprobs)
+    return rec
+
+
+def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_rows: str, skip: set[str]) -> int:
+    """Validate every row first (a malformed row with ``fail`` stops the run before anything is generated),
+    then queue the rows as the engine's waiting queue has room, writing each result as it finishes."""
+    import jinja2
     from tqdm.auto import tqdm
 
-    skip = done_ids(output)
-    submitted: dict[str, int] = {}
+    from plinth.core.scheduler import QueueFullError, RequestRejectedError
+
+    def report(msg: str) -> bool:
+        """Report a bad row; whether the run goes on."""
+        if bad_rows == "fail":
+            print(f"plinth generate: error: {inp}: {msg}", file=sys.stderr)
+            return False
+        print(f"plinth generate: skipping {inp}: {msg}", file=sys.stderr)
+        return True
+
+    rows: list[tuple[int, str, Any, SamplingParams, bool]] = []
     bad = 0
     seen: set[str] = set()
     for line, row in read_rows(inp):
@@ -200,41 +346,45 @@ def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_ro
             if rid in seen:
                 raise RowError(line, f"duplicate id {rid!r}")
             seen.add(rid)
-            if rid in skip:
-                continue
-            if is_chat:
-                prompt = engine.tokenize(engine.render_chat(prompt), add_special_tokens=False)
-            engine.add_request(rid, prompt, params)
-        except ValueError as exc:
-            msg = str(exc) if isinstance(exc, RowError) else f"row {line}: {exc}"
-            if bad_rows == "fail":
-                engine.abort_request(list(submitted))
-                print(f"plinth generate: error: {inp}: {msg}", file=sys.stderr)
-                return 2
+        except RowError as exc:
             bad += 1
-            print(f"plinth generate: skipping {inp}: {msg}", file=sys.stderr)
+            if not report(str(exc)):
+                return 2
             continue
-        submitted[rid] = line
-    print(f"{len(submitted)} rows to run, {len(skip)} already done, {bad} skipped", file=sys.stderr)
+        if rid not in skip:
+            rows.append((line, rid, prompt, params, is_chat))
+    print(f"{len(rows)} rows to run, {len(skip & seen)} already done, {bad} skipped", file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("a", encoding="utf-8") as f, tqdm(total=len(submitted), unit="row", disable=None) as bar:
-        while engine.has_unfinished_requests():
+    submitted: dict[str, int] = {}
+    with output.open("a", encoding="utf-8") as f, tqdm(total=len(rows), unit="row", disable=None) as bar:
+        def step() -> None:
             for out in engine.step(final_only=True):
-                if not out.finished:
-                    continue
-                rec = {
-                    "id": out.request_id,
-                    "line": submitted.get(out.request_id),
-                    "outputs": [
-                        {"text": c.text, "token_ids": c.token_ids, "finish_reason": str(c.finish_reason)}
-                        for c in out.outputs
-                    ],
-                    "text": out.outputs[0].text,
-                    "prompt_tokens": len(out.prompt_token_ids),
-                    "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
-                }
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+                if out.finished:
+                    f.write(json.dumps(_record(out, submitted.pop(out.request_id, None)), ensure_ascii=False) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    bar.update(1)
+
+        for line, rid, prompt, params, is_chat in rows:
+            try:
+                if is_chat:
+                    prompt = engine.tokenize(engine.render_chat(prompt), add_special_tokens=False)
+                while True:
+                    try:
+                        engine.add_request(rid, prompt, params)
+                        break
+                    except QueueFullError:
+                        step()   # room frees as requests finish
+            except (RequestRejectedError, ValueError, TypeError, jinja2.TemplateError) as exc:
+                bad += 1
                 bar.update(1)
-    return 1 if bad and bad_rows == "fail" else 0
+                if not report(f"row {line}: {exc}"):
+                    engine.abort_request(list(submitted))
+                    while engine.has_unfinished_requests():
+                        engine.step(final_only=True)
+                    return 2
+                continue
+            submitted[rid] = line
+        while engine.has_unfinished_requests():
+            step()
+    return 0

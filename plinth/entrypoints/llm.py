@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -72,7 +73,10 @@ class LLM:
         ``prompts`` is a string, a list of token ids, or a list of either.
         ``sampling_params`` is one for all prompts or one per prompt (default: ``SamplingParams()``).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
+            prompts = [prompts.tolist()]  # type: ignore[union-attr]
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:

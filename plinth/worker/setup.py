@@ -71,10 +71,21 @@ def read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     if "{" not in value and Path(value).is_file():
-        return Path(value).read_text(encoding="utf-8")
+        return _checked_template(Path(value).read_text(encoding="utf-8"))
     if "{" not in value:
         raise ModelLoadError(f"--chat-template {value!r} is neither a jinja2 template nor an existing file")
-    return value
+    return _checked_template(value)
+
+
+def _checked_template(text: str) -> str:
+    """``text`` if it parses as a jinja2 template (in the sandbox the chat renderer uses)."""
+    import jinja2.sandbox
+
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelLoadError(f"--chat-template is not a valid jinja2 template: {exc.message} (line {exc.lineno})") from None
+    return text
 
 
 def eos_ids(hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
