@@ -119,8 +119,8 @@ class SchedulerConfig:
         enable_chunked_prefill: split long prompts over several steps.
         max_waiting_requests: the most requests queued before new ones are refused (None: unbounded).
         async_scheduling: schedule and launch step N+1 before reading step N's sampled tokens, which
-            feed step N+1 on the device (None: on where the model runs in-process on an accelerator;
-            steps whose requests ask for logprobs, penalties, min_tokens or seeds run synchronously).
+            feed step N+1 on the device (None: on for accelerators where the executor supports it; steps
+            whose requests ask for penalties, prompt logprobs or structured outputs run synchronously).
         itl_target_ms: the inter-token latency to keep while sequences decode: a step that carries
             decodes takes only the prefill tokens a fitted cost model predicts fit in this time (at
             least one block's worth, so prompts keep moving). 0: off (the default). Synchronous steps

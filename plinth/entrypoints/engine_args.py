@@ -57,8 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--max-waiting-requests", type=int, default=None)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step N+1 while step N runs on the device (default: on for an in-process "
-                        "accelerator, off on CPUs and with worker processes)")
+                   help="schedule step N+1 while step N runs on the device (default: on for accelerators, in-process "
+                        "or with tensor-parallel worker processes; off on CPUs)")
     g.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="while sequences decode, prefill only the prompt tokens predicted to keep each step within "
                         "this many ms (synchronous steps; default 0: off)")
