@@ -189,7 +189,7 @@ def test_logprobs_match_transformers(llm, tiny_llama_dir):
         assert out.prompt_logprobs[i][t].logprob == pytest.approx(ref[i - 1, t].item(), abs=1e-4)
 
 
-def test_token_id_prompts_and_rejections(llm):
+def test_token_id_prompts_and_rejections(llm, tiny_llama_dir):
     ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
     by_ids = llm.generate([ids], greedy(), use_tqdm=False)[0]
     by_text = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0]
@@ -209,6 +209,11 @@ def test_token_id_prompts_and_rejections(llm):
     with pytest.raises(RequestRejectedError, match="512"):
         llm.generate([[1] * 600], SamplingParams(max_tokens=None, min_tokens=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    # more sequences than the waiting queue can ever hold
+    capped = llm_for(tiny_llama_dir, max_waiting_requests=2)
+    with pytest.raises(RequestRejectedError, match="n is 3"):
+        capped.generate([ids], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+    capped.close()
     # a logit_bias token outside the vocabulary
     with pytest.raises(RequestRejectedError, match="logit_bias: token id 1000000 is out of range"):
         llm.generate([ids], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)

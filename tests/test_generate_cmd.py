@@ -206,3 +206,14 @@ def test_rows_of_every_shape_are_run_or_reported(tiny_llama_dir, tmp_path):
     assert res.returncode == 0, res.stderr
     got = read_out(tmp_path / "pq.jsonl")
     assert got["a"]["completion_tokens"] == 2 and got["a"]["prompt_tokens"] == 3 and got["b"]["prompt_tokens"] == 2
+
+
+def test_csv_stop_cells_are_json_lists_or_one_string():
+    from plinth.entrypoints.generate_cmd import _coerce
+
+    assert _coerce("stop", '["a", "b"]', [], True) == ["a", "b"]
+    assert _coerce("stop", "[/INST]", [], True) == ["[/INST]"]
+    assert _coerce("stop", "[1]", [], True) == ["[1]"]
+    assert _coerce("stop", "[END]", [], False) == "[END]"        # JSONL values are taken as they are
+    with pytest.raises(ValueError, match="true or false"):
+        _coerce("ignore_eos", "maybe", False, True)

@@ -222,10 +222,25 @@ def test_logit_bias_is_added_before_penalties_greedy_and_filters():
     assert chi_square(counts[1:], expected[1:]) < 13.8, counts
 
 
+def test_uniform_noise_stays_strictly_inside_the_unit_interval():
+    """The seeded rows' noise -log(u) must be positive: u == 1 would make a zero-probability token's
+    p / noise NaN, and argmax picks NaN (a token the filters or a grammar had removed)."""
+    from plinth.core.sampler import unit_interval
+
+    bits = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = unit_interval(bits)
+    assert (u > 0).all() and (u < 1).all()
+    assert u[-1].item() == (2**23 - 0.5) / 2**23 and u[0].item() == 0.5 / 2**23
+    noise = -torch.log(u)
+    probs = torch.tensor([0.0, 1.0]).expand(len(bits), 2)
+    assert ((probs / noise[:, None]).argmax(dim=-1) == 1).all()
+
+
 def test_logit_bias_validation_names_the_field():
     assert SamplingParams(logit_bias={"12": 3, 4: -100}).logit_bias == {12: 3.0, 4: -100.0}
     assert SamplingParams(logit_bias={}).logit_bias is None
-    for bad in ({"x": 1}, {-1: 1}, {1: 100.5}, {1: float("nan")}, {1: "a"}, [1, 2], {True: 1}):
+    for bad in ({"x": 1}, {-1: 1}, {1: 100.5}, {1: float("nan")}, {1: "a"}, [1, 2], {True: 1}, {"\u00b2": 1},
+                {"\u0663": 1}):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
 

@@ -154,3 +154,53 @@ def test_sampler_draws_only_allowed_tokens_in_proportion():
     greedy.allowed = (torch.tensor([0]), allowed[None])
     assert Sampler().sample(logits[:1], greedy).sampled_token_ids.item() == 1
     assert math.isfinite(float(torch.log_softmax(logits[:1], -1)[0, 1]))
+
+
+def test_long_choice_lists_and_stop_strings(llm):
+    """A choice of thousands of strings compiles as one pattern (a grammar rule of that many alternatives
+    exceeds llguidance's row limit); a stop string completed by the grammar's last token is still reported."""
+    cities = [f"city{i}" for i in range(2500)]
+    out = generate(llm, {"choice": cities}, temperature=1.0, seed=3, max_tokens=16)[0]
+    assert out.text in cities and out.finish_reason == "stop"
+    out = generate(llm, {"choice": ["yes"]}, temperature=0.0, max_tokens=8, stop=["es"])[0]
+    assert out.text == "y" and out.finish_reason == "stop" and out.stop_reason == "es"
+
+
+def test_a_matcher_failure_aborts_the_sequence_instead_of_passing_as_complete():
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import FinishReason
+
+    class Failing:
+        def consume_token(self, token):
+            return False
+
+        def is_error(self):
+            return True
+
+        def get_error(self):
+            return "limit exceeded"
+
+    class Done(Failing):
+        def consume_token(self, token):
+            return True
+
+        def is_error(self):
+            return False
+
+        def is_stopped(self):
+            return True
+
+    req = Request("r", [1], SamplingParams())
+    req.matcher = Failing()
+    assert LLMEngine._grammar_state(req, 5) == FinishReason.ABORT
+    req.matcher = Done()
+    assert LLMEngine._grammar_state(req, 5) == FinishReason.STOP
+
+
+def test_oversized_specs_are_refused():
+    from plinth.core.structured import MAX_CHOICES, MAX_SPEC_CHARS
+
+    for bad in ({"choice": ["a"] * (MAX_CHOICES + 1)}, {"regex": "a" * (MAX_SPEC_CHARS + 1)},
+                {"json": {"enum": ["x" * MAX_SPEC_CHARS]}}):
+        with pytest.raises(ValueError, match="more than"):
+            SamplingParams(structured_outputs=bad)

@@ -255,14 +255,19 @@ class LLMEngine:
                 raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
         if not ids:
             raise RequestRejectedError("the prompt is empty")
-        matcher = self._matcher(params) if params.structured_outputs is not None else None
         bad_bias = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
         if bad_bias is not None:
-            raise RequestRejectedError(f"logit_bias: token id {bad_bias} is out of range [0, {self.vocab_size})")
+            raise RequestRejectedError(f"logit_bias: token id {bad_bias} is out of range [0, {self.vocab_size})",
+                                       param="logit_bias")
+        cap = self.scheduler.config.max_waiting_requests
+        if cap is not None and params.n > cap:
+            raise RequestRejectedError(f"n is {params.n}, more sequences than the waiting queue holds ({cap})",
+                                       param="n")
         if len(ids) < self.max_model_len and params.min_tokens > self.max_model_len - len(ids):
             raise RequestRejectedError(
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
                 f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")
+        matcher = self._matcher(params) if params.structured_outputs is not None else None   # after the cheap checks
         seqs: list[_Sequence] = []
         group = _Group(request_id, text, ids, params, seqs,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
@@ -304,7 +309,7 @@ class LLMEngine:
         try:
             return self._grammars.matcher(params.structured_outputs)
         except StructuredOutputError as exc:
-            raise RequestRejectedError(f"{STRUCTURED_PARAM}: {exc}") from None
+            raise RequestRejectedError(f"{STRUCTURED_PARAM}: {exc}", param=STRUCTURED_PARAM) from None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests at once (their KV blocks are freed); the next step reports them finished."""
@@ -469,28 +474,35 @@ class LLMEngine:
             if not ended and req.is_finished:
                 continue   # stopped or aborted while this step was in flight: its token is dropped
             by_token = ended and req.finish_reason == stop
-            if req.matcher is not None and not ended and self._grammar_done(req, tok):
-                self.scheduler.finish_request(rid, stop)   # the text is complete: nothing but EOS could follow
-                ended = True
+            by_grammar = False
+            if req.matcher is not None and not ended:
+                state = self._grammar_state(req, tok)
+                if state is not None:   # complete (nothing but EOS could follow), or the matcher failed
+                    self.scheduler.finish_request(rid, state)
+                    ended = by_grammar = True
             detok = seqs[rid].detok
             if detok is not None:
                 _, stop_str = detok.add_tokens([tok], finished=ended, stopped_by_token=by_token)
                 if stop_str is not None and not ended:
                     self.scheduler.finish_request(rid, stop, stop_str)
                     ended = True
+                elif stop_str is not None and by_grammar and req.finish_reason == stop:
+                    req.stop_reason = stop_str   # the grammar's last token also completed a stop string
             if ended or not final_only:
                 group = groups[rid]
                 touched[group.request_id] = group
 
     @staticmethod
-    def _grammar_done(req: Request, token: int) -> bool:
-        """Advance the sequence's matcher by its new token; whether the constrained text is complete."""
+    def _grammar_state(req: Request, token: int) -> FinishReason | None:
+        """Advance the sequence's matcher by its new token: ``STOP`` when the constrained text is complete,
+        ``ABORT`` when the matcher failed (a resource limit: the text may not satisfy the constraint),
+        else ``None``."""
         matcher = req.matcher
-        if not matcher.consume_token(token):   # the mask allowed it, so only a matcher error gets here
-            logger.warning("request %s: the grammar matcher failed at token %d (%s); ending the sequence",
-                           req.request_id, token, matcher.get_error())
-            return True
-        return bool(matcher.is_stopped())
+        if not matcher.consume_token(token) or matcher.is_error():
+            logger.warning("request %s: the structured-output matcher failed at token %d (%s); the sequence is "
+                           "aborted", req.request_id, token, matcher.get_error())
+            return FinishReason.ABORT
+        return FinishReason.STOP if matcher.is_stopped() else None
 
     def _run_guarded(self, fn: Any, *args: Any) -> Any:
         """Call the executor; when its workers are gone, fail every in-flight request and raise."""

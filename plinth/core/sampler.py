@@ -254,7 +254,14 @@ def counter_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     idx = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)  # [V]
     x = (idx * 0x9E3779B1 + keys[:, :1]) & M32                             # [S, V]
     x = _fmix32(_fmix32(x) ^ keys[:, 1:])
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(x)
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit integers (in int64) to float32 strictly inside (0, 1): the top 23 bits plus a half, times 2**-23
+    (every value exact; 24 bits would round the largest to exactly 1.0, whose noise -log(1) = 0 turns a
+    zero-probability token's p / noise into NaN, which argmax picks)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -52,7 +52,12 @@ from plinth.errors import UserFacingError
 
 
 class RequestRejectedError(UserFacingError, ValueError):
-    """A request that can never run (too long for the model or the KV cache, empty, duplicate id)."""
+    """A request that can never run (too long for the model or the KV cache, empty, duplicate id).
+    ``param``: the request field at fault, when it is not the prompt."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFullError(UserFacingError, RuntimeError):

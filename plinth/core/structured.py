@@ -12,7 +12,9 @@ The constraint is compiled by `llguidance <https://github.com/guidance-ai/llguid
 per sequence. Before each sampling step the matcher gives the set of tokens that keep the text inside
 the language (EOS once the text is complete); every other token's logit becomes ``-inf``, then the
 usual sampling runs. After the step the sampled token advances the matcher; a matcher that can take no
-further token ends the sequence (finish reason ``stop``).
+further token ends the sequence (finish reason ``stop``). Requests are bounded (:data:`MAX_SPEC_CHARS`,
+:data:`MAX_CHOICES`, :func:`limits`); a matcher that still fails during generation (a resource limit)
+ends its sequence with finish reason ``abort``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 PARAM = "structured_outputs"
+#: the longest schema (as JSON text), pattern, grammar or list of choices (characters in all) a request may give
+MAX_SPEC_CHARS = 65_536
+MAX_CHOICES = 10_000
+_REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")
 
 
 class StructuredOutputError(ValueError):
@@ -60,7 +66,34 @@ def normalize(spec: Any) -> dict[str, Any] | None:
         raise ValueError(f"{kind} must be a non-empty string")
     if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
         raise ValueError("choice must be a non-empty list of non-empty strings")
+    if kind == "choice" and len(value) > MAX_CHOICES:
+        raise ValueError(f"choice has {len(value)} entries, more than {MAX_CHOICES}")
+    size = (sum(map(len, value)) if kind == "choice" else len(value) if isinstance(value, str)
+            else len(json.dumps(value)) if kind == "json" else 0)
+    if size > MAX_SPEC_CHARS:
+        raise ValueError(f"{kind} is {size} characters long, more than {MAX_SPEC_CHARS}")
     return {kind: value}
+
+
+@functools.cache
+def limits() -> Any:
+    """llguidance's resource limits for request grammars: tighter than its defaults on the work done
+    before the first token (a pathological pattern fails in milliseconds instead of seconds), and
+    errors without backtraces."""
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=200_000, max_lexer_states=50_000, max_grammar_size=100_000,
+                                     verbose_errors=False)
+
+
+def _short(message: str) -> str:
+    """An llguidance error as one line (no backtrace, at most 300 characters)."""
+    line = " ".join(message.split("<backtrace>")[0].split()) or "unknown error"
+    return line[:300]
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
 
 
 @functools.lru_cache(maxsize=256)
@@ -74,15 +107,15 @@ def _grammar(kind: str, text: str) -> str:
             grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(text)
-        elif kind == "choice":
-            grammar = llguidance.grammar_from("choice", text)
+        elif kind == "choice":   # one lexeme (a grammar rule of N alternatives is limited to 2000 of them)
+            grammar = llguidance.LLMatcher.grammar_from_regex("|".join(map(_regex_escape, json.loads(text))))
         else:
             grammar = llguidance.grammar_from("grammar", text)
     except Exception as exc:  # noqa: BLE001 - llguidance reports bad input with assorted exception types
-        raise StructuredOutputError(f"invalid {kind}: {exc}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+        raise StructuredOutputError(f"invalid {kind}: {_short(str(exc))}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=limits())
     if error and not error.startswith("WARNING"):
-        raise StructuredOutputError(f"invalid {kind}: {error}")
+        raise StructuredOutputError(f"invalid {kind}: {_short(error)}")
     return grammar
 
 
@@ -143,9 +176,11 @@ class GrammarCompiler:
         """
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0, limits=limits())
+        if not matcher.is_error():
+            matcher.compute_bitmask()   # the first mask: a grammar that exceeds the limits fails here, not later
         if matcher.is_error():
-            raise StructuredOutputError(f"invalid {next(iter(spec))}: {matcher.get_error()}")
+            raise StructuredOutputError(f"invalid {next(iter(spec))}: {_short(matcher.get_error())}")
         return matcher
 
 

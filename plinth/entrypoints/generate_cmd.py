@@ -100,6 +100,9 @@ def _is_missing(v: Any) -> bool:
     return v is None or (isinstance(v, str) and v == "") or (isinstance(v, float) and math.isnan(v))
 
 
+#: waiting requests a file run keeps queued when --max-waiting-requests is not given
+FILE_QUEUE = 512
+
 INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)
               if f.type in ("int", "int | None") or isinstance(f.default, int) and not isinstance(f.default, bool)}
 
@@ -114,8 +117,14 @@ def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
         return int(value)
     if not (cells and isinstance(value, str)):
         return value
-    if name in ("stop", "stop_token_ids"):
-        return json.loads(value) if value.startswith("[") else [int(value)] if name == "stop_token_ids" else [value]
+    if name == "stop_token_ids":
+        return json.loads(value) if value.startswith("[") else [int(value)]
+    if name == "stop":   # a JSON list of strings, else the cell is one stop string ("[/INST]" included)
+        try:
+            decoded = json.loads(value) if value.startswith("[") else None
+        except json.JSONDecodeError:
+            decoded = None
+        return decoded if isinstance(decoded, list) and all(isinstance(x, str) for x in decoded) else [value]
     if name in ("logit_bias", "structured_outputs"):
         return json.loads(value) if value.strip() else None
     if isinstance(default, bool):
@@ -266,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
                           top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     _check_paths(args)
     skip = done_ids(Path(args.output)) if args.input is not None else set()
+    if args.input is not None and args.max_waiting_requests is None:
+        args.max_waiting_requests = FILE_QUEUE   # rows are tokenized and queued as they are needed
     config = engine_config_from_args(args)
     from plinth.core.engine import LLMEngine
 
@@ -374,6 +385,9 @@ def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_ro
                         engine.add_request(rid, prompt, params)
                         break
                     except QueueFullError:
+                        if not engine.has_unfinished_requests():   # nothing to wait for: it can never fit
+                            raise RequestRejectedError("the row's sequences do not fit in the waiting queue "
+                                                       "(--max-waiting-requests)") from None
                         step()   # room frees as requests finish
             except (RequestRejectedError, ValueError, TypeError, jinja2.TemplateError) as exc:
                 bad += 1

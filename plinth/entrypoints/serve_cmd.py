@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on http://%s:%d%s", front.served_model_name, host, port,
-                        " (API key required on /v1)" if api_key else "")
+                        " (API key required on /v1 and the tokenizer routes)" if api_key else "")
             server.run(sockets=[sock])
         finally:
             front.shutdown(timeout_s=max(args.shutdown_timeout, 1.0))

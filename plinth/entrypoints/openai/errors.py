@@ -59,7 +59,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), "service_unavailable_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, RequestRejectedError):
-        return bad_request(str(exc), "prompt")
+        return bad_request(str(exc), exc.param or "prompt")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the inference engine is not available: {exc}", "service_unavailable_error",
                         code="engine_unavailable")

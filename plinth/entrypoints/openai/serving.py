@@ -13,6 +13,7 @@ from typing import Any
 
 from plinth.core.async_engine import AsyncLLMEngine
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
+from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.metrics import ServerMetrics
 
@@ -194,6 +195,19 @@ def sampling_params(build: Any, renames: dict[str, str] | None = None) -> Sampli
     if params.n > MAX_N:
         raise bad_request(f"n: must be at most {MAX_N}, got {params.n}", "n")
     return params
+
+
+async def check_structured(req: Any, params: SamplingParams) -> None:
+    """Compile the request's structured-output constraint in a worker thread (a large schema or grammar
+    takes a while; the event loop keeps serving): one that does not compile is a 400 naming its field."""
+    if params.structured_outputs is None:
+        return
+    asked = req.structured()
+    field = asked[0] if asked is not None else "structured_outputs"
+    try:
+        await asyncio.to_thread(grammar_of, params.structured_outputs)
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), field) from None
 
 
 def check_choices(prompts: int, n: int) -> None:

@@ -28,7 +28,13 @@ from plinth.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from plinth.entrypoints.openai.serving import ServerContext, first_outputs, merge, sampling_params
+from plinth.entrypoints.openai.serving import (
+    ServerContext,
+    check_structured,
+    first_outputs,
+    merge,
+    sampling_params,
+)
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
 
 
@@ -98,6 +104,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = sampling_params(lambda: req.sampling_params(max_tokens, k),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
     ctx.check_token_ids(list(params.logit_bias or ()), "logit_bias")
+    await check_structured(req, params)
     # The template writes the special tokens itself, so none are added here.
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
