@@ -217,3 +217,14 @@ def test_csv_stop_cells_are_json_lists_or_one_string():
     assert _coerce("stop", "[END]", [], False) == "[END]"        # JSONL values are taken as they are
     with pytest.raises(ValueError, match="true or false"):
         _coerce("ignore_eos", "maybe", False, True)
+
+
+def test_csv_rows_keep_their_starting_line_after_quoted_line_breaks(tmp_path):
+    from plinth.entrypoints.generate_cmd import read_rows
+
+    path = tmp_path / "in.csv"
+    path.write_text('id,prompt\na,"two\nlines"\nb,one line\nc,x,extra\n', encoding="utf-8")
+    rows = list(read_rows(path))
+    assert [line for line, _ in rows] == [2, 4, 5]
+    assert rows[0][1]["prompt"] == "two\nlines" and rows[1][1]["prompt"] == "one line"
+    assert "more cells than the header" in str(rows[2][1])

@@ -13,6 +13,7 @@ overriding the command-line defaults for that row.
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import math
@@ -81,17 +82,28 @@ def read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
                     yield i, RowError(i, f"invalid JSON: {exc.msg} at column {exc.pos + 1}")
                     continue
                 yield i, row if isinstance(row, dict) else RowError(i, "expected a JSON object")
-    elif suffix in (".csv", ".parquet"):
+    elif suffix == ".csv":   # the csv module: a record's line is where it starts, quoted line breaks included
+        try:
+            with path.open(encoding="utf-8-sig", newline="") as f:
+                reader = csv.DictReader(f)
+                start = 2
+                for rec in reader:
+                    if None in rec:
+                        yield start, RowError(start, "more cells than the header has columns")
+                    else:
+                        yield start, {**{k: v for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
+                    start = reader.line_num + 1
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise ValueError(f"cannot read {path} as CSV: {exc}") from None
+    elif suffix == ".parquet":
         import pandas as pd
 
         try:
-            frame = (pd.read_csv(path, dtype=str, keep_default_na=False) if suffix == ".csv"
-                     else pd.read_parquet(path))
-        except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError) as exc:
-            raise ValueError(f"cannot read {path} as {suffix[1:].upper()}: {exc}") from None
-        first = 2 if suffix == ".csv" else 1  # CSV line numbers count the header
+            frame = pd.read_parquet(path)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"cannot read {path} as Parquet: {exc}") from None
         for i, rec in enumerate(frame.to_dict(orient="records")):
-            yield i + first, {**{k: v for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
+            yield i + 1, {**{k: v for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
     else:
         raise ValueError(f"unsupported input file type {suffix!r}: use .jsonl, .csv or .parquet")
 
