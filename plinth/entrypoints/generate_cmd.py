@@ -96,11 +96,13 @@ def read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
         except (UnicodeDecodeError, csv.Error) as exc:
             raise ValueError(f"cannot read {path} as CSV: {exc}") from None
     elif suffix == ".parquet":
-        import pandas as pd
-
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ValueError("reading Parquet files needs pandas and pyarrow (pip install pandas pyarrow)") from None
         try:
             frame = pd.read_parquet(path)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, ImportError) as exc:
             raise ValueError(f"cannot read {path} as Parquet: {exc}") from None
         for i, rec in enumerate(frame.to_dict(orient="records")):
             yield i + 1, {**{k: v for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
