@@ -154,6 +154,13 @@ def test_logit_bias_matches_the_reference_engine(client, engine):
     forced = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=4, temperature=0.7,
                                             logit_bias={"300": 100}, extra_body={"ignore_eos": True})
     assert forced.choices[0].message.content == engine.tokenizer.decode([300] * 4)
+    # vLLM's allowed_token_ids: the same as the reference engine with the same restriction
+    allowed = [300, 301, 302]
+    ref = offline(engine, PROMPT, temperature=0.0, max_tokens=5, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(ref.outputs[0].token_ids) <= set(allowed)
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert resp.choices[0].text == ref.outputs[0].text
 
 
 def test_tokenize_and_detokenize_match_the_tokenizer(server, engine):
@@ -386,6 +393,8 @@ def test_chat_n_logprobs_and_max_completion_tokens(client, engine):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}},
      "logit_bias"),

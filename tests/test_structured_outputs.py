@@ -204,3 +204,33 @@ def test_oversized_specs_are_refused():
                 {"json": {"enum": ["x" * MAX_SPEC_CHARS]}}):
         with pytest.raises(ValueError, match="more than"):
             SamplingParams(structured_outputs=bad)
+
+
+def test_allowed_token_ids_restrict_every_step_to_the_reference_argmax(llm, tiny_llama_dir):
+    """vLLM's allowed_token_ids: each greedy token is the best of the allowed ids under transformers'
+    float32 logits; with a grammar too, only tokens both allow are drawn."""
+    import transformers
+
+    allowed = [5, 17, 40, 41, 42, 299]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed)
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    ids = llm.get_tokenizer()(PROMPT)["input_ids"]
+    with torch.no_grad():
+        for token in out.token_ids:
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            assert logits[token].item() >= logits[allowed].max().item() - 1e-4
+            ids.append(token)
+    tok = llm.get_tokenizer()
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+    digits = [t for t in digits if t is not None and t >= 0 and tok.decode([t]) in "0123456789"]
+    keep = digits[:3]
+    both = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=4, max_tokens=12, allowed_token_ids=keep,
+                                                 structured_outputs={"regex": "[0-9]{3}"}), use_tqdm=False)[0]
+    text = both.outputs[0].text
+    assert re.fullmatch("[0-9]{3}", text) and set(text) <= {tok.decode([t]) for t in keep}, text
+    with pytest.raises(RequestRejectedError, match="allowed_token_ids"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

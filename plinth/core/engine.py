@@ -259,6 +259,10 @@ class LLMEngine:
         if bad_bias is not None:
             raise RequestRejectedError(f"logit_bias: token id {bad_bias} is out of range [0, {self.vocab_size})",
                                        param="logit_bias")
+        bad_allowed = next((t for t in params.allowed_token_ids or () if t >= self.vocab_size), None)
+        if bad_allowed is not None:
+            raise RequestRejectedError(f"allowed_token_ids: token id {bad_allowed} is out of range "
+                                       f"[0, {self.vocab_size})", param="allowed_token_ids")
         cap = self.scheduler.config.max_waiting_requests
         if cap is not None and params.n > cap:
             raise RequestRejectedError(f"n is {params.n}, more sequences than the waiting queue holds ({cap})",

@@ -39,7 +39,8 @@ class SamplingParams:
     penalties, greedy choice and filters (OpenAI's ``logit_bias``; keys may be given as digit strings).
     ``structured_outputs`` constrains the text to JSON, a regular expression, a choice of strings or a
     grammar (``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
-    ``{"grammar": ...}``; see :mod:`plinth.core.structured`).
+    ``{"grammar": ...}``; see :mod:`plinth.core.structured`). ``allowed_token_ids`` restricts every
+    sampled token to the listed ids (vLLM's parameter).
     """
 
     n: int = 1
@@ -63,6 +64,7 @@ class SamplingParams:
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0
@@ -73,6 +75,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_bias(self.logit_bias)
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
+            try:
+                self.allowed_token_ids = list(self.allowed_token_ids)
+            except TypeError:
+                pass   # validate() names it
         try:
             self.structured_outputs = structured.normalize(self.structured_outputs)
         except ValueError as exc:
@@ -113,6 +120,10 @@ class SamplingParams:
               "detokenize=True")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
+        ids = self.allowed_token_ids
+        check(ids is None or (isinstance(ids, list) and ids and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)), "allowed_token_ids",
+            f"must be a non-empty list of token ids (integers >= 0), got {ids!r}")
         check(not (self.structured_outputs and self.min_tokens), "min_tokens",
               "cannot be combined with structured_outputs (the grammar decides where the text may end)")
         bound = self.MAX_LOGIT_BIAS

@@ -44,7 +44,7 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None         # [B, V] bool: token occurs in the prompt
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None   # (rows [M], token ids [M]) to mask
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # (rows [L], token ids [L], float32 [L])
-    allowed: tuple[torch.Tensor, torch.Tensor] | None   # structured outputs: (rows [R], bool [R, V] tokens allowed)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None   # (rows [R], bool [R, V]): grammars, allowed_token_ids
     seeded_rows: torch.Tensor | None         # [S] int64
     seed_keys: torch.Tensor | None           # [S, 2] int64: 32-bit keys of (seed, output index)
     num_logprobs: list[int | None]           # [B] per row
@@ -102,7 +102,7 @@ _PARAMS = operator.attrgetter("sampling_params")
 
 def _plain_greedy(p: SamplingParams) -> bool:
     return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0 and not p.logit_bias
-            and p.structured_outputs is None
+            and p.structured_outputs is None and p.allowed_token_ids is None
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
@@ -146,6 +146,14 @@ class _Composition:
         self.min_tokens_rows = [(i, p.min_tokens, sorted(t for t in r.stop_token_ids if t < V))
                                 for i, (r, p) in enumerate(zip(requests, params, strict=True)) if p.min_tokens > 0]
         self.structured = [i for i, r in enumerate(requests) if r.matcher is not None]
+        # allowed_token_ids: a fixed mask per row, combined with the grammar's where a row has both
+        self.fixed_allowed: dict[int, np.ndarray] = {}
+        for i, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                mask = np.zeros(V, dtype=bool)
+                mask[[t for t in p.allowed_token_ids if t < V]] = True
+                self.fixed_allowed[i] = mask
+        self.masked_rows = sorted(set(self.structured) | set(self.fixed_allowed))
         self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         self.seeds = np.array([params[i].seed & (2**64 - 1) for i in self.seeded], dtype=np.uint64)
         logit_bias = None
@@ -179,7 +187,7 @@ class _Composition:
         per row to them in place (a batch's ``output_counts`` is only valid until the next build)."""
         if self.plain is not None:
             return self.plain
-        if not (self.use_counts or self.min_tokens_rows or self.seeded or self.structured):
+        if not (self.use_counts or self.min_tokens_rows or self.seeded or self.masked_rows):
             return self.static
         # a token sampled by the step in flight (asynchronous scheduling) counts as an output
         num_output = [len(r.output_token_ids) + r.num_pending_tokens for r in requests]
@@ -198,9 +206,15 @@ class _Composition:
             keys = splitmix64(splitmix64(self.seeds) ^ steps)
             seed_keys = self._dev(np.stack([keys & M32, keys >> np.uint64(32)], axis=1).astype(np.int64))
         allowed = None
-        if self.structured:   # the grammar matchers are as of the requests' latest tokens (synchronous steps)
-            mask = allowed_tokens([requests[i].matcher for i in self.structured], self.vocab_size)
-            allowed = (self._dev(np.array(self.structured, dtype=np.int64)), mask.to(self.device, non_blocking=True))
+        if self.masked_rows:   # the grammar matchers are as of the requests' latest tokens (synchronous steps)
+            mask = np.ones((len(self.masked_rows), self.vocab_size), dtype=bool)
+            if self.structured:
+                at = [self.masked_rows.index(i) for i in self.structured]
+                mask[at] = allowed_tokens([requests[i].matcher for i in self.structured], self.vocab_size).numpy()
+            for j, i in enumerate(self.masked_rows):
+                if i in self.fixed_allowed:
+                    mask[j] &= self.fixed_allowed[i]
+            allowed = (self._dev(np.array(self.masked_rows, dtype=np.int64)), self._dev(mask))
         return dataclasses.replace(self.static, output_counts=counts, min_tokens_index=min_tokens_index,
                                    seed_keys=seed_keys, allowed=allowed)
 

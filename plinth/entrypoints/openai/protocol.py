@@ -62,6 +62,7 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None
 
     def structured(self) -> tuple[str, dict[str, Any]] | None:
         """``(field, spec)``: the constraint asked for (a ``structured_outputs`` value, see
@@ -141,6 +142,7 @@ class _SamplingFields(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
             structured_outputs=spec,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
 
