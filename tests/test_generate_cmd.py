@@ -160,6 +160,8 @@ def test_files_are_checked_before_the_model_loads_and_never_damaged(tiny_llama_d
         (["--prompt", "hi", "--output", str(tmp_path / "o.jsonl")], "--output applies to --input files"),
         (["--prompt", "hi", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")], "not both"),
         (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--chat"], "'messages'"),
+        (["--input", str(write_jsonl(tmp_path / "n.jsonl", [{"prompt": "hi", "n": 3}])), "--output",
+          str(tmp_path / "o.jsonl"), "--max-waiting-requests", "2"], "row 1: n is 3, more than --max-waiting-requests"),
     ]
     for extra, needle in cases:
         res = run_cli([*engine_args(tiny_llama_dir), *extra])
@@ -215,6 +217,8 @@ def test_csv_stop_cells_are_json_lists_or_one_string():
     assert _coerce("stop", "[/INST]", [], True) == ["[/INST]"]
     assert _coerce("stop", "[1]", [], True) == ["[1]"]
     assert _coerce("stop", "[END]", [], False) == "[END]"        # JSONL values are taken as they are
+    with pytest.raises(ValueError, match="JSON list of strings"):
+        _coerce("stop", '["a", 1]', [], True)
     with pytest.raises(ValueError, match="true or false"):
         _coerce("ignore_eos", "maybe", False, True)
 

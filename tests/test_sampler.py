@@ -240,7 +240,7 @@ def test_logit_bias_validation_names_the_field():
     assert SamplingParams(logit_bias={"12": 3, 4: -100}).logit_bias == {12: 3.0, 4: -100.0}
     assert SamplingParams(logit_bias={}).logit_bias is None
     for bad in ({"x": 1}, {-1: 1}, {1: 100.5}, {1: float("nan")}, {1: "a"}, [1, 2], {True: 1}, {"\u00b2": 1},
-                {"\u0663": 1}):
+                {"\u0663": 1}, {"9" * 5000: 1}):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
 

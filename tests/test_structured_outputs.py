@@ -234,3 +234,15 @@ def test_allowed_token_ids_restrict_every_step_to_the_reference_argmax(llm, tiny
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_matchers_of_one_grammar_are_independent_copies(llm):
+    """The engine keeps a prepared matcher per grammar and hands out copies: advancing one request's
+    matcher leaves the next request's at the start."""
+    first = llm.engine.grammar_matcher({"choice": ["alpha", "beta"]})
+    second = llm.engine.grammar_matcher({"choice": ["alpha", "beta"]})
+    assert first is not second
+    tok = llm.get_tokenizer()
+    assert first.consume_tokens(tok("alpha", add_special_tokens=False)["input_ids"])
+    assert first.is_stopped() or first.is_accepting()
+    assert not second.is_stopped() and not second.is_accepting()

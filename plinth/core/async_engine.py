@@ -116,6 +116,15 @@ class AsyncLLMEngine:
             raise ValueError("this model has no tokenizer: pass token ids")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
+    def prepare_grammar(self, spec: dict[str, Any]) -> None:
+        """Compile a structured-output constraint, off the engine's thread (call it in a worker thread
+        before :meth:`generate`): the request then copies the prepared matcher.
+
+        Raises:
+            StructuredOutputError: the constraint does not compile.
+        """
+        self._engine.grammar_matcher(spec)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The conversation formatted with the model's chat template (or ``--chat-template``)."""
         return self._engine.render_chat(messages, add_generation_prompt=add_generation_prompt)

@@ -302,16 +302,25 @@ class LLMEngine:
         if _needs_sync_steps(params):
             self._sync_groups.add(request_id)
 
+    def grammar_matcher(self, spec: dict[str, Any]) -> Any:
+        """A matcher for the structured-output ``spec`` (thread-safe; the server calls it from a worker
+        thread first, so that the request's own call on the engine's thread copies a prepared one).
+
+        Raises:
+            StructuredOutputError: the constraint does not compile, or the model has no tokenizer.
+        """
+        if self.tokenizer is None:
+            raise StructuredOutputError("this model has no tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars.matcher(spec)
+
     def _matcher(self, params: SamplingParams) -> Any:
         """A grammar matcher for ``params.structured_outputs``; a constraint that cannot compile is a
         :class:`RequestRejectedError` naming ``structured_outputs``."""
         assert params.structured_outputs is not None
-        if self.tokenizer is None:
-            raise RequestRejectedError("structured_outputs: this model has no tokenizer")
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         try:
-            return self._grammars.matcher(params.structured_outputs)
+            return self.grammar_matcher(params.structured_outputs)
         except StructuredOutputError as exc:
             raise RequestRejectedError(f"{STRUCTURED_PARAM}: {exc}", param=STRUCTURED_PARAM) from None
 

@@ -13,12 +13,14 @@ per sequence. Before each sampling step the matcher gives the set of tokens that
 the language (EOS once the text is complete); every other token's logit becomes ``-inf``, then the
 usual sampling runs. After the step the sampled token advances the matcher; a matcher that can take no
 further token ends the sequence (finish reason ``stop``). Requests are bounded (:data:`MAX_SPEC_CHARS`,
-:data:`MAX_CHOICES`, :func:`limits`); a matcher that still fails during generation (a resource limit)
+:data:`MAX_CHOICES`, :func:`limits`); most constraints beyond the limits fail when the request arrives (the
+first mask is computed then), and a matcher that fails later (e.g. ``a{99999999}`` on its first token)
 ends its sequence with finish reason ``abort``.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import threading
@@ -147,12 +149,16 @@ class GrammarCompiler:
         eos_token_ids: the tokens that end a sequence.
     """
 
+    #: matchers kept at their start state, by grammar (a request copies one instead of building it)
+    PROTOTYPES = 32
+
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._lock = threading.Lock()
+        self._prototypes: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     def _tokenizer(self) -> Any:
         with self._lock:
@@ -169,19 +175,30 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def matcher(self, spec: dict[str, Any]) -> Any:
-        """A fresh matcher for ``spec``.
+        """A fresh matcher for ``spec``: a copy of the grammar's prototype, built on first use (the costly
+        part, which the server does in a worker thread before the request reaches the engine's thread).
 
         Raises:
             StructuredOutputError: the constraint does not compile.
         """
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0, limits=limits())
-        if not matcher.is_error():
-            matcher.compute_bitmask()   # the first mask: a grammar that exceeds the limits fails here, not later
-        if matcher.is_error():
-            raise StructuredOutputError(f"invalid {next(iter(spec))}: {_short(matcher.get_error())}")
-        return matcher
+        grammar = grammar_of(spec)
+        with self._lock:
+            prototype = self._prototypes.get(grammar)
+            if prototype is not None:
+                self._prototypes.move_to_end(grammar)
+        if prototype is None:
+            prototype = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=limits())
+            if not prototype.is_error():
+                prototype.compute_bitmask()   # most grammars beyond the limits fail here rather than mid-text
+            if prototype.is_error():
+                raise StructuredOutputError(f"invalid {next(iter(spec))}: {_short(prototype.get_error())}")
+            with self._lock:
+                self._prototypes[grammar] = prototype
+                while len(self._prototypes) > self.PROTOTYPES:
+                    self._prototypes.popitem(last=False)
+        return prototype.deep_copy()
 
 
 def allowed_tokens(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:

@@ -134,11 +134,12 @@ def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
     if name == "stop_token_ids":
         return json.loads(value) if value.startswith("[") else [int(value)]
     if name == "stop":   # a JSON list of strings, else the cell is one stop string ("[/INST]" included)
-        try:
-            decoded = json.loads(value) if value.startswith("[") else None
-        except json.JSONDecodeError:
-            decoded = None
-        return decoded if isinstance(decoded, list) and all(isinstance(x, str) for x in decoded) else [value]
+        if value.startswith('["'):   # meant as a JSON list: it must be one
+            decoded = json.loads(value)
+            if not (isinstance(decoded, list) and all(isinstance(x, str) for x in decoded)):
+                raise ValueError(f"expected a JSON list of strings, got {value!r}")
+            return decoded
+        return [value]
     if name in ("logit_bias", "structured_outputs"):
         return json.loads(value) if value.strip() else None
     if isinstance(default, bool):
@@ -288,16 +289,20 @@ def run(args: argparse.Namespace) -> int:
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     _check_paths(args)
-    skip = done_ids(Path(args.output)) if args.input is not None else set()
-    if args.input is not None and args.max_waiting_requests is None:
-        args.max_waiting_requests = FILE_QUEUE   # rows are tokenized and queued as they are needed
-    config = engine_config_from_args(args)
     from plinth.core.engine import LLMEngine
 
-    engine = LLMEngine(config)
     if args.input is None:
-        return _run_prompts(engine, args, base)
-    return _run_file(engine, Path(args.input), Path(args.output), base, args.bad_rows or "fail", skip)
+        return _run_prompts(LLMEngine(engine_config_from_args(args)), args, base)
+    inp, output, bad_rows = Path(args.input), Path(args.output), args.bad_rows or "fail"
+    skip = done_ids(output)
+    checked = _checked_rows(inp, base, skip, bad_rows, args.max_waiting_requests)
+    if checked is None:
+        return 2
+    rows, bad = checked
+    if args.max_waiting_requests is None:   # rows are tokenized and queued as they are needed
+        args.max_waiting_requests = max([FILE_QUEUE, args.max_num_seqs or 0] + [r[3].n for r in rows])
+    print(f"{len(rows)} rows to run, {len(skip)} already done, {bad} skipped", file=sys.stderr)
+    return _run_file(LLMEngine(engine_config_from_args(args)), inp, output, rows, bad_rows)
 
 
 def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) -> int:
@@ -344,23 +349,23 @@ def _record(out: Any, line: int | None) -> dict[str, Any]:
     return rec
 
 
-def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_rows: str, skip: set[str]) -> int:
-    """Validate every row first (a malformed row with ``fail`` stops the run before anything is generated),
-    then queue the rows as the engine's waiting queue has room, writing each result as it finishes."""
-    import jinja2
-    from tqdm.auto import tqdm
+def _report(inp: Path, bad_rows: str, msg: str) -> bool:
+    """Report a bad row; whether the run goes on."""
+    if bad_rows == "fail":
+        print(f"plinth generate: error: {inp}: {msg}", file=sys.stderr)
+        return False
+    print(f"plinth generate: skipping {inp}: {msg}", file=sys.stderr)
+    return True
 
-    from plinth.core.scheduler import QueueFullError, RequestRejectedError
 
-    def report(msg: str) -> bool:
-        """Report a bad row; whether the run goes on."""
-        if bad_rows == "fail":
-            print(f"plinth generate: error: {inp}: {msg}", file=sys.stderr)
-            return False
-        print(f"plinth generate: skipping {inp}: {msg}", file=sys.stderr)
-        return True
+Row = tuple[int, str, Any, SamplingParams, bool]   # line, id, prompt, params, is_chat
 
-    rows: list[tuple[int, str, Any, SamplingParams, bool]] = []
+
+def _checked_rows(inp: Path, base: SamplingParams, skip: set[str], bad_rows: str,
+                  queue: int | None) -> tuple[list[Row], int] | None:
+    """Every row of ``inp`` validated before the model loads: the rows to run (those not in ``skip``)
+    and the number skipped as bad; ``None`` when a bad row stops the run (``fail``)."""
+    rows: list[Row] = []
     bad = 0
     seen: set[str] = set()
     for line, row in read_rows(inp):
@@ -370,15 +375,27 @@ def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_ro
             rid, prompt, params, is_chat = parse_row(line, row, base)
             if rid in seen:
                 raise RowError(line, f"duplicate id {rid!r}")
+            if queue is not None and params.n > queue:
+                raise RowError(line, f"n is {params.n}, more than --max-waiting-requests ({queue})")
             seen.add(rid)
         except RowError as exc:
             bad += 1
-            if not report(str(exc)):
-                return 2
+            if not _report(inp, bad_rows, str(exc)):
+                return None
             continue
         if rid not in skip:
             rows.append((line, rid, prompt, params, is_chat))
-    print(f"{len(rows)} rows to run, {len(skip & seen)} already done, {bad} skipped", file=sys.stderr)
+    return rows, bad
+
+
+def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: str) -> int:
+    """Queue the checked rows as the engine's waiting queue has room, writing each result as it finishes
+    (a row the engine refuses, e.g. a chat template that fails on its messages, is a bad row too)."""
+    import jinja2
+    from tqdm.auto import tqdm
+
+    from plinth.core.scheduler import QueueFullError, RequestRejectedError
+
     output.parent.mkdir(parents=True, exist_ok=True)
     submitted: dict[str, int] = {}
     with output.open("a", encoding="utf-8") as f, tqdm(total=len(rows), unit="row", disable=None) as bar:
@@ -404,9 +421,8 @@ def _run_file(engine: Any, inp: Path, output: Path, base: SamplingParams, bad_ro
                                                        "(--max-waiting-requests)") from None
                         step()   # room frees as requests finish
             except (RequestRejectedError, ValueError, TypeError, jinja2.TemplateError) as exc:
-                bad += 1
                 bar.update(1)
-                if not report(f"row {line}: {exc}"):
+                if not _report(inp, bad_rows, f"row {line}: {exc}"):
                     engine.abort_request(list(submitted))
                     while engine.has_unfinished_requests():
                         engine.step(final_only=True)

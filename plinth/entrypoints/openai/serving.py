@@ -197,15 +197,23 @@ def sampling_params(build: Any, renames: dict[str, str] | None = None) -> Sampli
     return params
 
 
-async def check_structured(req: Any, params: SamplingParams) -> None:
+async def check_structured(ctx: ServerContext, req: Any, params: SamplingParams) -> None:
     """Compile the request's structured-output constraint in a worker thread (a large schema or grammar
     takes a while; the event loop keeps serving): one that does not compile is a 400 naming its field."""
     if params.structured_outputs is None:
         return
     asked = req.structured()
     field = asked[0] if asked is not None else "structured_outputs"
+    spec = params.structured_outputs
+
+    def compile_it() -> None:
+        grammar_of(spec)
+        prepare = getattr(ctx.front, "prepare_grammar", None)
+        if prepare is not None:
+            prepare(spec)
+
     try:
-        await asyncio.to_thread(grammar_of, params.structured_outputs)
+        await asyncio.to_thread(compile_it)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), field) from None
 

@@ -105,7 +105,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
     ctx.check_token_ids(list(params.logit_bias or ()), "logit_bias")
     ctx.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
-    await check_structured(req, params)
+    await check_structured(ctx, req, params)
     # The template writes the special tokens itself, so none are added here.
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
