@@ -111,10 +111,14 @@ class AsyncLLMEngine:
         return self._dead
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` with the model's tokenizer (safe to call from the event loop)."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass token ids")
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        """Token ids of ``text`` with the model's tokenizer and the engine's checks (text that is not valid
+        Unicode, or longer than the context could hold: :class:`RequestRejectedError`)."""
+        return self._engine.tokenize(text, add_special_tokens=add_special_tokens)
+
+    @property
+    def chars_per_token(self) -> int:
+        """The most characters one token can stand for (see ``LLMEngine.chars_per_token``)."""
+        return self._engine.chars_per_token
 
     def prepare_grammar(self, spec: dict[str, Any]) -> None:
         """Compile a structured-output constraint, off the engine's thread (call it in a worker thread

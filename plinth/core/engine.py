@@ -75,6 +75,10 @@ class _InFlight:
     rows: dict[str, int]       # request id -> row of its token in the step's output
 
 
+#: the floor of ``LLMEngine.chars_per_token`` (real text has a few characters per token)
+MIN_CHARS_PER_TOKEN = 64
+
+
 def _token_ids(prompt: Any) -> list[int]:
     """A token-id prompt as a list of ints (numpy and torch integers too; not floats, strings or bools)."""
     try:
@@ -213,12 +217,13 @@ class LLMEngine:
 
     @functools.cached_property
     def chars_per_token(self) -> int:
-        """The most characters one token can stand for: the vocabulary's longest entry, at least 64."""
+        """The most characters one token can stand for: the vocabulary's longest entry (a vocabulary entry is
+        at least as long as the text its token stands for), at least :data:`MIN_CHARS_PER_TOKEN`."""
         try:
             longest = max((len(t) for t in self.tokenizer.get_vocab()), default=0) if self.tokenizer else 0
         except (AttributeError, TypeError, NotImplementedError):
             longest = 0
-        return max(64, longest)
+        return max(MIN_CHARS_PER_TOKEN, longest)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> str:
@@ -250,19 +255,11 @@ class LLMEngine:
             ids = self.tokenize(prompt)
         else:
             text, ids = None, _token_ids(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestRejectedError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+            self._check_vocab(ids, None)
         if not ids:
             raise RequestRejectedError("the prompt is empty")
-        bad_bias = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
-        if bad_bias is not None:
-            raise RequestRejectedError(f"logit_bias: token id {bad_bias} is out of range [0, {self.vocab_size})",
-                                       param="logit_bias")
-        bad_allowed = next((t for t in params.allowed_token_ids or () if t >= self.vocab_size), None)
-        if bad_allowed is not None:
-            raise RequestRejectedError(f"allowed_token_ids: token id {bad_allowed} is out of range "
-                                       f"[0, {self.vocab_size})", param="allowed_token_ids")
+        self._check_vocab(params.logit_bias or (), "logit_bias")
+        self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
         cap = self.scheduler.config.max_waiting_requests
         if cap is not None and params.n > cap:
             raise RequestRejectedError(f"n is {params.n}, more sequences than the waiting queue holds ({cap})",
@@ -301,6 +298,13 @@ class LLMEngine:
             self._prompt_logprob_groups.add(request_id)
         if _needs_sync_steps(params):
             self._sync_groups.add(request_id)
+
+    def _check_vocab(self, ids: Any, param: str | None) -> None:
+        """Refuse token ids outside the vocabulary (``param``: the field they came from; None: the prompt)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejectedError(f"{param + ': ' if param else ''}token id {bad} is out of range "
+                                       f"[0, {self.vocab_size})", param=param)
 
     def grammar_matcher(self, spec: dict[str, Any]) -> Any:
         """A matcher for the structured-output ``spec`` (thread-safe; the server calls it from a worker

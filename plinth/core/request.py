@@ -102,7 +102,6 @@ class SamplingParams:
         check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
               f"must be a finite number >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
         check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")

@@ -157,12 +157,10 @@ class _Composition:
         self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         self.seeds = np.array([params[i].seed & (2**64 - 1) for i in self.seeded], dtype=np.uint64)
         logit_bias = None
-        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
-        if biased:
-            rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b) for _, b in biased])
-            ids = np.fromiter(itertools.chain.from_iterable(b for _, b in biased), dtype=np.int64, count=len(rows))
-            values = np.fromiter(itertools.chain.from_iterable(b.values() for _, b in biased), dtype=np.float32,
-                                 count=len(rows))
+        if any(p.logit_bias for p in params):
+            rows, ids = _flatten([list(p.logit_bias or ()) for p in params])
+            values = np.fromiter(itertools.chain.from_iterable((p.logit_bias or {}).values() for p in params),
+                                 dtype=np.float32, count=len(ids))
             logit_bias = (dev(rows), dev(ids), dev(values))
         num_logprobs = [p.logprobs for p in params]
         asked = [n for n in num_logprobs if n is not None]
@@ -208,12 +206,12 @@ class _Composition:
         allowed = None
         if self.masked_rows:   # the grammar matchers are as of the requests' latest tokens (synchronous steps)
             mask = np.ones((len(self.masked_rows), self.vocab_size), dtype=bool)
+            position = {i: j for j, i in enumerate(self.masked_rows)}
             if self.structured:
-                at = [self.masked_rows.index(i) for i in self.structured]
-                mask[at] = allowed_tokens([requests[i].matcher for i in self.structured], self.vocab_size).numpy()
-            for j, i in enumerate(self.masked_rows):
-                if i in self.fixed_allowed:
-                    mask[j] &= self.fixed_allowed[i]
+                at = [position[i] for i in self.structured]
+                mask[at] = allowed_tokens([requests[i].matcher for i in self.structured], self.vocab_size)
+            for i, fixed in self.fixed_allowed.items():
+                mask[position[i]] &= fixed
             allowed = (self._dev(np.array(self.masked_rows, dtype=np.int64)), self._dev(mask))
         return dataclasses.replace(self.static, output_counts=counts, min_tokens_index=min_tokens_index,
                                    seed_keys=seed_keys, allowed=allowed)

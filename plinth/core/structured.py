@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 PARAM = "structured_outputs"
@@ -201,10 +200,10 @@ class GrammarCompiler:
         return prototype.deep_copy()
 
 
-def allowed_tokens(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:
+def allowed_tokens(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     """``[len(matchers), vocab_size]`` bool: the tokens each matcher accepts next."""
     words = (vocab_size + 31) // 32
     bits = np.empty((len(matchers), words * 4), dtype=np.uint8)
     for i, m in enumerate(matchers):
         bits[i] = np.frombuffer(m.compute_bitmask(), dtype=np.uint8, count=words * 4)
-    return torch.from_numpy(np.unpackbits(bits, axis=1, bitorder="little")[:, :vocab_size].astype(bool))
+    return np.unpackbits(bits, axis=1, bitorder="little")[:, :vocab_size].astype(bool)

@@ -117,8 +117,7 @@ def _is_missing(v: Any) -> bool:
 #: waiting requests a file run keeps queued when --max-waiting-requests is not given
 FILE_QUEUE = 512
 
-INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)
-              if f.type in ("int", "int | None") or isinstance(f.default, int) and not isinstance(f.default, bool)}
+INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.type in ("int", "int | None")}
 
 
 def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:

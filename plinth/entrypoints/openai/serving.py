@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from plinth.core.async_engine import AsyncLLMEngine
+from plinth.core.engine import MIN_CHARS_PER_TOKEN
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.openai.errors import APIError, bad_request
@@ -21,7 +22,7 @@ MAX_N = 128   # choices per prompt
 MAX_CHOICES = 2048   # choices per request (prompts x n)
 #: prompt text is refused before it is tokenized when it has more characters than the context's tokens times
 #: the longest token of the vocabulary (at least this many; real text has a few characters per token)
-MAX_CHARS_PER_TOKEN = 64
+MAX_CHARS_PER_TOKEN = MIN_CHARS_PER_TOKEN
 
 
 @dataclasses.dataclass
@@ -64,30 +65,17 @@ class ServerContext:
         """Refuse ``chars`` characters of prompt text that cannot fit in the context: more than its tokens
         times the longest token of the vocabulary (before spending time tokenizing them)."""
         limit = self.front.max_model_len
-        per_token = self._chars_per_token
+        per_token = self.front.chars_per_token
         if chars > per_token * limit:
             raise bad_request(
                 f"the prompt has {chars} characters, more than {per_token} (the longest token) per token of this "
                 f"model's maximum context length ({limit} tokens); shorten the prompt", param,
                 "context_length_exceeded")
 
-    @functools.cached_property
-    def _chars_per_token(self) -> int:
-        tok = self.front.tokenizer
-        try:   # a vocabulary entry is at least as long as the text its token stands for
-            longest = max((len(t) for t in tok.get_vocab()), default=0) if tok is not None else 0
-        except (AttributeError, TypeError, NotImplementedError):
-            longest = 0
-        return max(MAX_CHARS_PER_TOKEN, longest)
-
     async def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """Token ids of ``text``, tokenized in a worker thread (a long prompt does not stall the server)."""
+        """Token ids of ``text``, tokenized in a worker thread (a long prompt does not stall the server); the
+        engine's refusals (text that is not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``."""
         self.check_text(len(text), param)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:   # a lone UTF-16 surrogate (JSON "\\ud800")
-            raise bad_request(f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}",
-                              param) from None
 
         def run() -> list[int]:
             with self._tokenize_lock:

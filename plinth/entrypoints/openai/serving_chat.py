@@ -103,8 +103,6 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(max_tokens, k),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
-    ctx.check_token_ids(list(params.logit_bias or ()), "logit_bias")
-    ctx.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
     await check_structured(ctx, req, params)
     # The template writes the special tokens itself, so none are added here.
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")

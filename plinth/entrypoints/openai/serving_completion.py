@@ -120,8 +120,6 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     prompts = await _prompts(ctx, req)
     echo_k = req.logprobs if req.echo else None
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k))
-    ctx.check_token_ids(list(params.logit_bias or ()), "logit_bias")
-    ctx.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
     await check_structured(ctx, req, params)
     for p in prompts:
         ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
