@@ -96,7 +96,7 @@ def read_times(layers: list[Any], copies: int, replays: int) -> dict[str, float]
     out = {}
     for name, fn in (("read_tiles", tiles_fn), ("read_flat", flat_fn)):
         def run(i: int, fn: int = fn, name: str = name) -> None:
-            codes = layers[i].w4m_codes
+            codes = layers[i % len(layers)].w4m_codes
             tiles, words = codes.shape[0], codes.numel() // 4
             args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(sink.data_ptr())]
             if name == "read_tiles":
@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--copies", type=int, default=8)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--distinct", type=int, default=0,
+                   help="distinct weights among the --copies products (default: all distinct; 1: the same weight, "
+                        "L2-resident where it fits)")
     p.add_argument("--variants", default="full,launch,prologue,no_mma,read")
     p.add_argument("--baseline", default=None,
                    help="other kernel sources (comma-separated), each timed as a variant named after its file")
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                               bits=4, group_size=128, shapes=((n, k),))
         kern = w4a16_cuda.CudaW4A16Kernel(problem)
         layers, dense0 = [], None
-        for c in range(a.copies):
+        for c in range(a.distinct or a.copies):
             gen = torch.Generator(device="cuda").manual_seed(c)
             w = random_int_weights(n, k, 4, 128, symmetric=False, act_order=False, device=torch.device("cuda"),
                                    generator=gen)
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                     w4a16_cuda.slot_bytes = lambda rows, f=fixed, r=per_row: f + r * rows
                 else:
                     w4a16_cuda.slot_bytes = slot_bytes
-                t = graph_time(lambda i: kern.apply(layers[i], x, None), a.copies, a.replays)  # noqa: B023
+                t = graph_time(lambda i: kern.apply(layers[i % len(layers)], x, None), a.copies, a.replays)  # noqa: B023
                 rec[f"{variant}_us"] = t * 1e3
                 if variant == "full" or variant in baselines:
                     ref = x.float() @ dense0.T
