@@ -96,6 +96,18 @@ def plinth_models() -> dict[str, str]:
 
 
 @hookspec
+def plinth_tool_parsers() -> dict[str, str]:
+    """Provide tool-call parsers (``plinth serve --tool-call-parser NAME``).
+
+    Called once when the tool-parser registry is built.
+
+    Returns:
+        ``{parser_name: "pkg.mod:ParserClass"}``; each class subclasses
+        :class:`plinth.entrypoints.openai.tool_parsers.ToolParser`.
+    """
+
+
+@hookspec
 def plinth_add_cli_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """Add command-line arguments to a plinth sub-command.
 

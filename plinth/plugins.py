@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "plinth.plugins"
 IN_TREE_DISTRIBUTION = "plinth-llm"
 
-KINDS = ("platforms", "attention_backends", "quantization_methods", "models")
+KINDS = ("platforms", "attention_backends", "quantization_methods", "models", "tool_parsers")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")

@@ -657,6 +657,18 @@ def test_readme_examples_on_the_default_model():
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         words = {w.strip(".,:;!*-").lower() for w in text.split()}
         assert len(words & {"red", "orange", "yellow", "green", "blue", "indigo", "violet"}) >= 2, text
+        # tool calling example: a forced function's arguments follow its schema
+        weather = {"type": "function", "function": {
+            "name": "get_weather", "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}}
+        resp = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=32, temperature=0)
+        call = resp.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and resp.choices[0].finish_reason == "stop"
+        assert "paris" in json.loads(call.function.arguments)["city"].lower(), call.function.arguments
 
 
 def test_taken_port_fails_fast_with_a_clear_error(model_dir):

@@ -129,9 +129,16 @@ class AsyncLLMEngine:
         """
         self._engine.grammar_matcher(spec)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def chat_template_source(self) -> str | None:
+        """The chat template's text (``--chat-template`` or the model's), if there is one."""
+        template = self._engine.chat_template or getattr(self._engine.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation formatted with the model's chat template (or ``--chat-template``)."""
-        return self._engine.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self._engine.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     async def generate(self, request_id: str, prompt: str | Sequence[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

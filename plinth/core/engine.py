@@ -226,15 +226,16 @@ class LLMEngine:
         return max(MIN_CHARS_PER_TOKEN, longest)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> str:
-        """Format a conversation with the chat template (rendered by transformers' sandboxed jinja2)."""
+                    chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """Format a conversation with the chat template (rendered by transformers' sandboxed jinja2); ``tools``
+        (OpenAI's function definitions) are handed to templates that describe tools to the model."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the model has no chat template; pass one with --chat-template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=template)
+                                                  chat_template=template, tools=tools or None)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

@@ -107,14 +107,17 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations, formatted with the model's chat template."""
+        """Generate replies to conversations, formatted with the model's chat template (``tools``: OpenAI's
+        function definitions, for templates that show them to the model)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         # The template writes the special tokens itself: tokenize without adding BOS again.
         prompts = [
             self.engine.tokenize(self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt,
-                                                         chat_template=chat_template), add_special_tokens=False)
+                                                         chat_template=chat_template, tools=tools),
+                                 add_special_tokens=False)
             for conv in conversations  # type: ignore[arg-type]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

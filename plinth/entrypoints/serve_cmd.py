@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from plinth.entrypoints.openai.tool_parsers import resolve_tool_parser
 from plinth.errors import UserFacingError
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call format (hermes, llama3_json, mistral, or one a plugin adds): enables "
+                        "tool_choice 'auto', the default for chat requests with tools")
     # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
     p.set_defaults(func=run)
 
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ServeError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    tool_parser = resolve_tool_parser(args.tool_call_parser)
     config = serving_config(args)
     uv_config = uvicorn.Config(
         "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
@@ -149,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         front = AsyncLLMEngine.from_config(config)
         try:
-            uv_config.app = build_app(front, api_key=api_key)
+            uv_config.app = build_app(front, api_key=api_key, tool_parser=tool_parser)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on http://%s:%d%s", front.served_model_name, host, port,

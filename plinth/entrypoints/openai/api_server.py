@@ -40,6 +40,7 @@ from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_completion import create_completion
 from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from plinth.entrypoints.openai.streaming import ClientDisconnected
+from plinth.entrypoints.openai.tool_parsers import ToolParser
 from plinth.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,15 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(front: AsyncLLMEngine, api_key: str | None = None) -> FastAPI:
-    """The server app around a running engine front (shut down with the app)."""
+def build_app(front: AsyncLLMEngine, api_key: str | None = None,
+              tool_parser: type[ToolParser] | None = None) -> FastAPI:
+    """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
+    tool calls of ``tool_choice: "auto"`` requests."""
     ctx = ServerContext(front=front, metrics=ServerMetrics(front.served_model_name),
-                        model_name=front.served_model_name)
+                        model_name=front.served_model_name, tool_parser=tool_parser)
+    if tool_parser is not None and "tools" not in (front.chat_template_source or ""):
+        logger.warning("--tool-call-parser %s: the chat template does not mention tools, so the model will not "
+                       "see their definitions; pass a --chat-template that renders them", tool_parser.name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -6,6 +6,8 @@ silently ignored. Beyond the OpenAI fields, requests accept the usual sampling e
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) and vLLM's structured-output
 fields (``structured_outputs``, ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``).
+Chat requests take OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (see
+:mod:`plinth.entrypoints.openai.tools`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from plinth.core.request import SamplingParams, SamplingParamsError
 from plinth.core.structured import normalize as normalize_structured
+from plinth.entrypoints.openai.tools import tool_mode
 
 
 def random_id(prefix: str) -> str:
@@ -89,6 +92,7 @@ class _SamplingFields(_Request):
                                           f"got {kind!r}")
         if self.structured_outputs is not None:
             asked.append(("structured_outputs", self.structured_outputs))
+        asked.extend(self._tool_constraint())
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                           ("guided_grammar", "grammar")):
             value = getattr(self, name)
@@ -98,6 +102,10 @@ class _SamplingFields(_Request):
             raise SamplingParamsError(asked[1][0], f"only one structured output constraint per request "
                                       f"(also given: {asked[0][0]})")
         return asked[0] if asked else None
+
+    def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
+        """The constraint a tool choice adds (chat requests)."""
+        return []
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for the first field set to a value plinth cannot honour."""
@@ -171,6 +179,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -182,20 +192,24 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None        # the deprecated form of tools
     function_call: Any = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
 
+    def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return []
+        mode = tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls, None)
+        spec = mode.constraint() if mode is not None else None
+        return [("tool_choice", spec)] if spec is not None else []
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool calling is not supported"
         if self.functions:
-            return "functions", "function calling is not supported"
+            return "functions", "the deprecated functions field is not supported: use tools"
         if self.function_call not in (None, "none"):
-            return "function_call", "function calling is not supported"
+            return "function_call", "the deprecated function_call field is not supported: use tool_choice"
         if self.audio is not None or any(m != "text" for m in self.modalities or ()):
             return ("audio" if self.audio is not None else "modalities"), "only text output is supported"
         if self.top_logprobs is not None and not self.logprobs:
@@ -211,6 +225,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None   # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None   # shown to templates that render tools, as in a chat request
     return_token_strs: bool = False
 
 
@@ -279,14 +294,31 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+def _without_unset_calls(handler: Any, value: BaseModel) -> dict[str, Any]:
+    out = handler(value)
+    if out.get("tool_calls") is None:
+        out.pop("tool_calls", None)
+    return out
+
+
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # {"id", "type": "function", "function": {"name", "arguments"}}
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_unset_calls(handler, self)
 
 
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # streamed pieces, by "index"
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_unset_calls(handler, self)
 
 
 class ChatChoice(BaseModel):

@@ -1,7 +1,10 @@
-"""``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template; tool calls
+(:mod:`plinth.entrypoints.openai.tools`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -11,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.request import PositionLogprobs, RequestOutput
+from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParamsError
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     ChatChoice,
@@ -36,6 +39,7 @@ from plinth.entrypoints.openai.serving import (
     sampling_params,
 )
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
+from plinth.entrypoints.openai.tools import ToolCallTracker, ToolMode, template_messages, tool_mode
 
 
 def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -57,8 +61,49 @@ def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [_checked_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
     return messages
+
+
+def _checked_call(call: dict[str, Any], i: int, j: int) -> dict[str, Any]:
+    """One of an assistant message's earlier tool calls, checked for the shape templates read."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+            fn.get("arguments", ""), str | dict):
+        raise bad_request(f"messages[{i}].tool_calls[{j}]: a tool call is {{\"id\", \"type\": \"function\", "
+                          f"\"function\": {{\"name\", \"arguments\"}}}}", "messages")
+    return call
+
+
+def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | None:
+    try:
+        return tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def render_messages(ctx: ServerContext, items: Sequence[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None) -> str:
+    """The conversation as the chat template renders it (with the tools' definitions); a template error is a
+    400 naming ``messages``."""
+    messages = chat_messages(items)
+    ctx.check_text(_message_chars(messages, tools), "messages")
+    try:
+        return ctx.front.render_chat(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                     tools=tools)
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+
+
+def _message_chars(messages: list[dict[str, Any]], tools: list[Any] | None) -> int:
+    """Characters the template will render: contents, earlier calls and the tools' definitions."""
+    chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
+    return chars + (len(json.dumps(tools)) if tools else 0)
 
 
 def _logprobs(ctx: ServerContext, token_ids: Sequence[int], positions: Sequence[PositionLogprobs],
@@ -92,17 +137,15 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_model(req.model)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
-    messages = chat_messages(req.messages)
-    ctx.check_text(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
-    try:
-        text = ctx.front.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
-    except (ValueError, jinja2.TemplateError) as exc:
-        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    mode = _tool_mode(ctx, req)
+    text = render_messages(ctx, req.messages, req.add_generation_prompt, mode.tools if mode is not None else None)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(max_tokens, k),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
+    if mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
     await check_structured(ctx, req, params)
     # The template writes the special tokens itself, so none are added here.
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
@@ -113,21 +156,24 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     events = merge([stream], firsts)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(_stream(ctx, rid, params.n, k, events, include_usage))
+        return SSEResponse(_stream(ctx, rid, params.n, k, events, include_usage, mode))
     final = await unless_disconnected(raw, _last(events))
     choices = []
     for c in final.outputs:
         n = len(c.token_ids)
         lp = _logprobs(ctx, c.token_ids, (c.logprobs or [])[:n], k) if k is not None else None
-        choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text), logprobs=lp,
-                                  finish_reason=str(c.finish_reason) if c.finish_reason else None,
+        tracker = ToolCallTracker(mode)
+        tracker.update(c.text, final=True)
+        message = ResponseMessage(content=tracker.content, tool_calls=tracker.message_calls())
+        reason = tracker.finish_reason(str(c.finish_reason) if c.finish_reason else None)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason,
                                   stop_reason=c.stop_reason))
     body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices, usage=_usage(final))
     return JSONResponse(body.model_dump())
 
 
-async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None,
-                  events: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool) -> AsyncIterator[str]:
+async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: AsyncIterator[tuple[int, RequestOutput]],
+                  include_usage: bool, mode: ToolMode | None = None) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> str:
@@ -136,7 +182,8 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None,
 
     for index in range(n):
         yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-    sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+    sent_tokens, done = [0] * n, [False] * n
+    trackers = [ToolCallTracker(mode) for _ in range(n)]
     last: RequestOutput | None = None
     try:
         async for _, out in events:
@@ -146,16 +193,19 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None,
                 if done[i]:
                     continue
                 end = len(c.token_ids)
-                delta = c.text[sent_chars[i]:]
+                finished = c.finish_reason is not None
+                delta, calls = trackers[i].update(c.text, final=finished)
                 lp = None
                 if k is not None and end > sent_tokens[i]:
                     lp = _logprobs(ctx, c.token_ids[sent_tokens[i]:end], (c.logprobs or [])[sent_tokens[i]:end], k)
-                if delta or lp is not None:
-                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=delta), logprobs=lp))
-                sent_chars[i], sent_tokens[i] = len(c.text), end
-                if c.finish_reason is not None:
+                if delta or calls or lp is not None:
+                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=delta if delta or not calls else None,
+                                                                            tool_calls=calls or None), logprobs=lp))
+                sent_tokens[i] = end
+                if finished:
                     done[i] = True
-                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=str(c.finish_reason)))
+                    reason = trackers[i].finish_reason(str(c.finish_reason))
+                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     if include_usage and last is not None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 
-import jinja2
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from plinth.core.request import SamplingParamsError
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -22,7 +22,8 @@ from plinth.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from plinth.entrypoints.openai.serving import ServerContext
-from plinth.entrypoints.openai.serving_chat import chat_messages
+from plinth.entrypoints.openai.serving_chat import render_messages
+from plinth.entrypoints.openai.tools import tool_mode
 
 
 async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
@@ -32,12 +33,11 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
     if req.messages is not None:
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
-        messages = chat_messages(req.messages)
-        ctx.check_text(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = ctx.front.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
-        except (ValueError, jinja2.TemplateError) as exc:
-            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+            mode = tool_mode(req.tools, "none", None, None)   # the tools as the template sees them
+        except SamplingParamsError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        text = render_messages(ctx, req.messages, req.add_generation_prompt, mode.tools if mode else None)
         special, param = bool(req.add_special_tokens), "messages"
     else:
         assert req.prompt is not None

@@ -1,0 +1,295 @@
+"""Tool-call parsers: find the tool calls a model wrote in its own markup.
+
+With ``tool_choice: "auto"`` the model decides whether to call a tool, and writes the call in the format its
+chat template taught it. ``plinth serve --tool-call-parser NAME`` names that format; a parser turns the
+generated text into content and calls. Parsers are plugins (``plinth_tool_parsers`` hook), and the built-in
+ones register through the same hook:
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the text
+  (Hermes 2 Pro, Qwen2 and Qwen2.5, and the many models trained on that format);
+- ``llama3_json``: the whole reply is one JSON object ``{"name": ..., "parameters": {...}}``, or several
+  separated by ``;``, optionally after ``<|python_tag|>`` (Llama 3.1-3.3 with JSON tool calling);
+- ``mistral``: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name": ..., "arguments": {...}}``.
+
+A parser looks at the whole text generated so far (:meth:`ToolParser.scan`) and returns the content and
+the complete calls it finds. While the text grows, both only grow: text that may still become markup
+(``<tool_c`` at the end, an open block, trailing whitespace) is held back until it is decided, so a stream
+sends each piece once. Markup that turns out not to hold a valid call is content, verbatim: no generated text
+is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from plinth.errors import UserFacingError
+from plinth.hookspecs import hookimpl
+
+PLINTH_PLUGIN_API = "1.0"
+
+
+@hookimpl
+def plinth_tool_parsers() -> dict[str, str]:
+    return {
+        "hermes": "plinth.entrypoints.openai.tool_parsers:HermesToolParser",
+        "llama3_json": "plinth.entrypoints.openai.tool_parsers:Llama3JsonToolParser",
+        "mistral": "plinth.entrypoints.openai.tool_parsers:MistralToolParser",
+    }
+
+
+class ToolParserError(UserFacingError, ValueError):
+    """``--tool-call-parser`` names no registered parser, or one that is not a :class:`ToolParser`."""
+
+
+def tool_parser_names() -> list[str]:
+    from plinth.plugins import get_plugin_manager
+
+    return sorted(get_plugin_manager().registrations("tool_parsers"))
+
+
+def resolve_tool_parser(name: str | None) -> type[ToolParser] | None:
+    """The parser class registered as ``name`` (``None``: no parser).
+
+    Raises:
+        ToolParserError: no parser has that name, or the registration is not a ToolParser subclass.
+        PluginError: its module cannot be imported.
+    """
+    if name is None:
+        return None
+    from plinth.plugins import get_plugin_manager
+
+    found = get_plugin_manager().registrations("tool_parsers").get(name)
+    if found is None:
+        raise ToolParserError(f"--tool-call-parser {name!r} is not a registered tool-call parser; "
+                              f"registered: {', '.join(tool_parser_names()) or 'none'}")
+    cls = found.load()
+    if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+        raise ToolParserError(f"tool-call parser {name!r} from plugin {found.plugin!r} ({found.ref}) is not a "
+                              f"ToolParser subclass")
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedCall:
+    """One tool call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """What a text holds so far: its content (the text outside tool-call markup) and its complete calls."""
+
+    content: str
+    calls: tuple[ParsedCall, ...] = ()
+
+
+def call_from(value: Any, argument_keys: Sequence[str] = ("arguments", "parameters")) -> ParsedCall | None:
+    """The call a decoded JSON value describes: an object with a string ``name`` and an object of arguments
+    under one of ``argument_keys`` (missing: no arguments); ``None`` for anything else."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    args: Any = {}
+    for key in argument_keys:
+        if key in value:
+            args = value[key]
+            break
+    if isinstance(args, str):   # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a proper start of ``marker`` (text that may
+    still become the marker)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """Base class of tool-call parsers. Subclass it, set :attr:`name`, implement :meth:`scan`, and register
+    the class with the ``plinth_tool_parsers`` hook; one instance serves one request's choice."""
+
+    name: ClassVar[str] = ""
+    #: the markup is made of special tokens (e.g. ``[TOOL_CALLS]``): requests keep them in the text
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def __init__(self, tools: Sequence[dict[str, Any]]):
+        self.tools = list(tools)
+
+    def scan(self, text: str, final: bool) -> Scan:
+        """The content and complete calls of ``text``, all the model has generated so far (``final``:
+        all it will generate). For a growing text, each scan's content and calls must start with the
+        previous scan's; with ``final`` nothing is held back."""
+        raise NotImplementedError
+
+
+def _join(segments: list[str], has_calls: bool, final: bool) -> str:
+    """Content from the text between calls (one segment per stretch; a call starts a new one): whitespace
+    next to a call is dropped, segments are joined by a line break, and trailing whitespace is held back
+    until the text goes on. Without calls the final content is the text itself."""
+    if final and not has_calls:
+        return "".join(segments)
+    last = len(segments) - 1
+    parts = []
+    for i, seg in enumerate(segments):
+        if i > 0:
+            seg = seg.lstrip()
+        if i < last or not final or has_calls:
+            seg = seg.rstrip()
+        if seg:
+            parts.append(seg)
+    return "\n".join(parts)
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>`` JSON ``</tool_call>`` blocks among ordinary text."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        segments = [""]
+        calls: list[ParsedCall] = []
+        pos = 0
+        while True:
+            start = text.find(self.OPEN, pos)
+            if start < 0:
+                tail = text[pos:]
+                segments[-1] += tail if final else tail[:len(tail) - held_prefix(tail, self.OPEN)]
+                break
+            segments[-1] += text[pos:start]
+            end = text.find(self.CLOSE, start + len(self.OPEN))
+            if end < 0 and not final:   # an open block: wait for the rest
+                break
+            block_end = end + len(self.CLOSE) if end >= 0 else len(text)
+            call = _decode_one(text[start + len(self.OPEN):end if end >= 0 else len(text)])
+            if call is None:   # not a call after all: the markup is content
+                segments[-1] += text[start:block_end]
+            else:
+                calls.append(call)
+                segments.append("")
+            pos = block_end
+        return Scan(_join(segments, bool(calls), final), tuple(calls))
+
+
+def _decode_one(body: str) -> ParsedCall | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return call_from(value)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """A reply that is a JSON call (or several joined by ``;``), optionally after ``<|python_tag|>``."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].lstrip()
+        maybe_call = not body or body.startswith("{") or self.TAG.startswith(text.lstrip())
+        if not final:
+            return Scan("" if maybe_call else text.rstrip())
+        if maybe_call and body:
+            calls = self._calls(body)
+            if calls:
+                return Scan("", tuple(calls))
+        return Scan(text)
+
+    @staticmethod
+    def _calls(body: str) -> list[ParsedCall]:
+        decoder = json.JSONDecoder()
+        calls, pos = [], 0
+        while True:
+            try:
+                value, pos = decoder.raw_decode(body, pos)
+            except ValueError:
+                return []
+            call = call_from(value, ("parameters", "arguments"))
+            if call is None:
+                return []
+            calls.append(call)
+            rest = body[pos:].lstrip()
+            if not rest:
+                return calls
+            if not rest.startswith(";"):
+                return []
+            pos = len(body) - len(rest) + 1
+            while pos < len(body) and body[pos].isspace():
+                pos += 1
+
+
+class MistralToolParser(ToolParser):
+    """Content, then ``[TOOL_CALLS]`` and a JSON array of calls."""
+
+    name = "mistral"
+    keeps_special_tokens = True
+    MARKER = "[TOOL_CALLS]"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = text.find(self.MARKER)
+        if start < 0:
+            if final:
+                return Scan(text)
+            return Scan(text[:len(text) - held_prefix(text, self.MARKER)].rstrip())
+        before = text[:start]
+        if not final:
+            return Scan(before.rstrip())
+        calls = self._calls(text[start + len(self.MARKER):])
+        if calls is None:
+            return Scan(text)
+        return Scan(before.rstrip(), tuple(calls))
+
+    @staticmethod
+    def _calls(body: str) -> list[ParsedCall] | None:
+        try:
+            value, end = json.JSONDecoder().raw_decode(body.strip())
+        except ValueError:
+            return None
+        if body.strip()[end:].strip():
+            return None
+        items = value if isinstance(value, list) else [value]
+        calls = [call_from(v) for v in items]
+        if not calls or any(c is None for c in calls):
+            return None
+        return calls   # type: ignore[return-value]
+
+
+_ELEMENT_GAP = re.compile(r"\s*,?\s*")
+
+
+def complete_array_elements(text: str) -> tuple[list[Any], bool]:
+    """The complete elements at the start of a JSON array being written (``text`` may stop anywhere), and
+    whether the array is closed. Elements must be objects or arrays (a number cut short would parse)."""
+    decoder = json.JSONDecoder()
+    body = text.lstrip()
+    if not body.startswith("["):
+        return [], False
+    pos, out = 1, []
+    while True:
+        pos = _ELEMENT_GAP.match(body, pos).end()   # type: ignore[union-attr]
+        if body.startswith("]", pos):
+            return out, True
+        if pos >= len(body) or body[pos] not in "{[":
+            return out, False
+        try:
+            value, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return out, False
+        out.append(value)

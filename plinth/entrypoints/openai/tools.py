@@ -1,0 +1,232 @@
+"""Tool calling for ``/v1/chat/completions``: the request's ``tools`` and ``tool_choice``, and the calls in
+the output.
+
+- ``tool_choice: "none"`` (the default without tools): the tools are shown to the template, the reply is text.
+- ``"auto"`` (the default with tools): the model decides; the server's ``--tool-call-parser`` finds the calls
+  in its text (:mod:`plinth.entrypoints.openai.tool_parsers`). Without a parser such requests are refused.
+- ``"required"``: the output is constrained (structured outputs) to a JSON array of one or more
+  ``{"name": ..., "parameters": {...}}`` objects, each naming a tool with arguments matching its schema
+  (one call with ``parallel_tool_calls: false``).
+- ``{"type": "function", "function": {"name": NAME}}``: the output is constrained to the arguments of that
+  function (its ``parameters`` schema); the reply is that one call.
+
+The constrained JSON is compact (``", "`` and ``": "`` separators, no free whitespace), so that a model
+cannot pad it with whitespace until it runs out of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from plinth.core.request import SamplingParamsError
+from plinth.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, complete_array_elements
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: how the constrained JSON is written (llguidance's JSON options)
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MODES = ("none", "auto", "required", "function")
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolMode:
+    """A request's tool setup: ``kind`` is one of :data:`MODES`; ``function`` names the forced function."""
+
+    kind: str
+    tools: list[dict[str, Any]]
+    function: str | None = None
+    parallel: bool = True
+    parser: type[ToolParser] | None = None
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The structured-output spec of a ``required`` or forced-function request."""
+        schemas = {t["function"]["name"]: _parameters(t) for t in self.tools}
+        if self.kind == "function":
+            assert self.function is not None
+            return {"json": {**schemas[self.function], "x-guidance": COMPACT_JSON}}
+        if self.kind != "required":
+            return None
+        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, schema in schemas.items()]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return {"json": {**array, "x-guidance": COMPACT_JSON}}
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    schema = tool["function"].get("parameters")
+    return dict(schema) if schema else {"type": "object", "properties": {}}
+
+
+def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
+              parser: type[ToolParser] | None) -> ToolMode | None:
+    """The checked tool setup of a request; ``None`` without tools and tool choice.
+
+    Raises:
+        SamplingParamsError: naming ``tools``, ``tool_choice`` or ``parallel_tool_calls``.
+    """
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise SamplingParamsError("tool_choice", "tool_choice needs tools")
+        return None
+    checked = [_check_tool(t, i) for i, t in enumerate(tools)]
+    names = [t["function"]["name"] for t in checked]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise SamplingParamsError("tools", f"two tools are named {dup!r}")
+    choice = "auto" if tool_choice is None else tool_choice
+    function = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise SamplingParamsError("tool_choice", 'a named tool choice is {"type": "function", "function": '
+                                      '{"name": NAME}}')
+        if fn["name"] not in names:
+            raise SamplingParamsError("tool_choice", f"tool_choice names {fn['name']!r}, which is not in tools")
+        kind, function = "function", fn["name"]
+    elif choice in ("none", "auto", "required"):
+        kind = choice
+    else:
+        raise SamplingParamsError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named "
+                                  f"function, got {choice!r}")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise SamplingParamsError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if kind == "auto" and parser is None:
+        raise SamplingParamsError("tool_choice", "tool_choice 'auto' (the default with tools) needs the server "
+                                  "started with --tool-call-parser; use 'required', a named function or 'none'")
+    return ToolMode(kind, checked, function, parallel is not False, parser if kind == "auto" else None)
+
+
+def _check_tool(tool: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise SamplingParamsError("tools", f'{where}: a tool is {{"type": "function", "function": {{...}}}}')
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise SamplingParamsError("tools", f"{where}: needs a 'function' object")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise SamplingParamsError("tools", f"{where}: the function name must be 1-64 letters, digits, '_', '.' "
+                                  f"or '-', got {name!r}")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise SamplingParamsError("tools", f"{where}: description must be a string")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise SamplingParamsError("tools", f"{where}: parameters must be a JSON schema object")
+    return {"type": "function", "function": fn}
+
+
+def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant ``tool_calls`` as chat templates read them: arguments written as a JSON object become the
+    object (templates iterate or re-serialize them); other arguments stay as they are."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_template_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
+class ToolCallTracker:
+    """The tool calls of one choice as its text grows: content deltas and tool-call deltas for a stream,
+    and the final content and calls.
+
+    :meth:`update` takes the whole text so far and returns what is new: ``(content, tool_call_deltas)``,
+    each delta in the shape of OpenAI's streamed ``delta.tool_calls`` entries.
+    """
+
+    def __init__(self, mode: ToolMode | None):
+        self.mode = mode
+        self.parser = mode.parser(mode.tools) if mode is not None and mode.parser is not None else None
+        self.content: str | None = ""
+        self.calls: list[tuple[str, ParsedCall]] = []   # (id, call)
+        self._sent_args = 0   # forced function: argument characters sent
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode is not None and self.mode.kind in ("required", "function")
+
+    def update(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        kind = self.mode.kind if self.mode is not None else "none"
+        if kind == "function":
+            assert self.mode is not None and self.mode.function is not None
+            self.content = None
+            deltas: list[dict[str, Any]] = []
+            if not self.calls:
+                self.calls.append((call_id(), ParsedCall(self.mode.function, "")))
+            cid, call = self.calls[0]
+            self.calls[0] = (cid, ParsedCall(call.name, text))
+            if text[self._sent_args:] or (final and self._sent_args == 0):
+                piece: dict[str, Any] = {"index": 0, "function": {"arguments": text[self._sent_args:]}}
+                if self._sent_args == 0:
+                    piece = {"index": 0, "id": cid, "type": "function",
+                             "function": {"name": call.name, "arguments": text}}
+                deltas.append(piece)
+                self._sent_args = len(text)
+            return "", deltas
+        if kind == "required":
+            calls = [c for c in map(_required_call, complete_array_elements(text)[0]) if c is not None]
+            self.content = None
+            if final and not calls:   # cut short before a complete call: the text is the content
+                self.content = text
+                return text, []
+            return "", self._new_calls(calls)
+        before = self.content or ""
+        if self.parser is None:
+            self.content = text
+            return text[len(before):], []
+        scan = self.parser.scan(text, final)
+        self.content = None if final and scan.calls and not scan.content else scan.content
+        # a parser keeps its content growing (ToolParser.scan); one that does not loses only stream deltas
+        delta = scan.content[len(before):] if scan.content.startswith(before) else ""
+        return delta, self._new_calls(list(scan.calls))
+
+    def _new_calls(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
+        deltas = []
+        for i in range(len(self.calls), len(calls)):
+            cid = call_id()
+            self.calls.append((cid, calls[i]))
+            deltas.append({"index": i, "id": cid, "type": "function",
+                           "function": {"name": calls[i].name, "arguments": calls[i].arguments}})
+        return deltas
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """``tool_calls`` for a choice that stopped after calls it chose to make (auto, required)."""
+        if reason == "stop" and self.calls and self.mode is not None and self.mode.kind in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def message_calls(self) -> list[dict[str, Any]] | None:
+        if not self.calls:
+            return None
+        return [{"id": cid, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for cid, c in self.calls]
+
+
+def _required_call(value: Any) -> ParsedCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+            value.get("parameters"), dict):
+        return None
+    return ParsedCall(value["name"], json.dumps(value["parameters"], ensure_ascii=False))

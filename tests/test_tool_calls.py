@@ -1,0 +1,403 @@
+"""Tool calling on /v1/chat/completions: tools shown to the template, forced and required calls constrained
+to the tools' schemas, "auto" calls found by the --tool-call-parser, streamed deltas that add up to the
+non-streamed reply.
+
+Forced and required calls are checked with ``jsonschema`` against the tools' own schemas; parsers against
+hand-written outputs in each model family's published format, and for their streaming contract on every
+prefix of those outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_utils import make_tiny_model, running_server
+
+from plinth.entrypoints.openai.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    ParsedCall,
+    complete_array_elements,
+    resolve_tool_parser,
+)
+from plinth.entrypoints.openai.tools import ToolCallTracker, tool_mode
+
+# ChatML with the tools in a system message and earlier calls as <tool_call> blocks (hermes format)
+TOOL_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call these functions; write each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
+{%- for tool in tools %}
+{{ tool.function | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# an "auto" reply the random model is made to write (guided_regex), in hermes format
+CALL_REGEX = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,6}"\}\}\n</tool_call>'
+
+
+# ------------------------------------------------------------------------------------------------ parsers
+
+HERMES_TEXT = ('I will look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+
+
+def prefixes_scan(parser, text: str) -> tuple[str, list[ParsedCall]]:
+    """Scan every prefix of ``text`` as a stream would, checking that content and calls only grow; the
+    concatenated content deltas and the calls in order, after the final scan."""
+    content, calls = "", []
+    for i in range(len(text) + 1):
+        scan = parser.scan(text[:i], final=i == len(text))
+        assert scan.content.startswith(content), (text[:i], scan.content, content)
+        assert list(scan.calls[:len(calls)]) == calls
+        content, calls = scan.content, list(scan.calls)
+    return content, calls
+
+
+def test_hermes_parser_finds_calls_and_keeps_every_other_character():
+    parser = HermesToolParser(TOOLS)
+    content, calls = prefixes_scan(parser, HERMES_TEXT)
+    assert content == "I will look that up."
+    assert calls == [ParsedCall("get_weather", '{"city": "Paris", "days": 2}'), ParsedCall("get_time", '{"zone": "CET"}')]
+    # text on both sides of a call, joined by a line break; whitespace next to the call dropped
+    content, calls = prefixes_scan(parser, 'Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call>  Done.')
+    assert (content, [c.name for c in calls]) == ("Sure.\nDone.", ["f"])
+    # markup that is no call is content, verbatim; so is plain text (trailing whitespace included)
+    for text in ('Look: <tool_call>{not json}</tool_call> ok', "<tool_call>[1, 2]</tool_call>", "plain text \n",
+                 '<tool_call>{"arguments": {}}</tool_call>', "a <tool_ca", "<tool_call>"):
+        assert prefixes_scan(parser, text) == (text, [])
+    # cut short inside a block: a complete JSON call still counts; anything else is content
+    assert prefixes_scan(parser, 'x <tool_call>{"name": "f", "arguments": {"a": 1}}')[1] == [ParsedCall("f", '{"a": 1}')]
+    assert prefixes_scan(parser, 'x <tool_call>{"name": "f", "argu') == ('x <tool_call>{"name": "f", "argu', [])
+    # arguments written as a JSON string, and "parameters" for "arguments"
+    assert prefixes_scan(parser, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1] == [
+        ParsedCall("f", '{"a": 1}')]
+    assert prefixes_scan(parser, '<tool_call>{"name": "f", "parameters": {"b": 2}}</tool_call>')[1] == [
+        ParsedCall("f", '{"b": 2}')]
+
+
+def test_llama3_json_and_mistral_parsers():
+    llama = Llama3JsonToolParser(TOOLS)
+    assert prefixes_scan(llama, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                                '{"name": "get_weather", "parameters": {"city": "Oslo"}}') == (
+        "", [ParsedCall("get_time", '{"zone": "UTC"}'), ParsedCall("get_weather", '{"city": "Oslo"}')])
+    assert prefixes_scan(llama, '{"name": "f", "parameters": {}}') == ("", [ParsedCall("f", "{}")])
+    for text in ("It is sunny.", '{"city": "Paris"}', '{"name": "f", "parameters": {}} and more', "<|pyth"):
+        assert prefixes_scan(llama, text) == (text, [])
+    mistral = MistralToolParser(TOOLS)
+    assert MistralToolParser.keeps_special_tokens
+    assert prefixes_scan(mistral, 'Let me check. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]') == (
+        "Let me check.", [ParsedCall("get_time", '{"zone": "UTC"}')])
+    for text in ("[TOOL_CALLS] nonsense", "no calls [TOOL_", '[TOOL_CALLS][{"name": "f", "arguments": 3}]'):
+        assert prefixes_scan(mistral, text) == (text, [])
+
+
+PIECES = st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}', "{", "}", " ",
+                          "\n", "text", "<tool", "_call>", '"', "[TOOL_CALLS]", "[", "]", ";", "<|python_tag|>"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(PIECES, max_size=12))
+def test_every_parser_only_grows_its_content_and_calls_and_loses_no_text(pieces):
+    """The streaming contract on arbitrary mixes of markup and text: content and calls only grow, and
+    without calls the final content is the text itself."""
+    text = "".join(pieces)
+    for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser):
+        content, calls = prefixes_scan(cls(TOOLS), text)
+        if not calls:
+            assert content == text
+
+
+def test_complete_array_elements():
+    assert complete_array_elements('[{"name": "a", "parameters": {}}, {"name": "b", "par') == (
+        [{"name": "a", "parameters": {}}], False)
+    assert complete_array_elements('[{"a": 1}, {"b": [2]}]') == ([{"a": 1}, {"b": [2]}], True)
+    assert complete_array_elements("") == ([], False)
+    assert complete_array_elements("[1, 2]") == ([], False)   # objects only: a number cut short would parse
+
+
+def test_tool_mode_checks_and_constraints():
+    from plinth.core.request import SamplingParamsError
+    from plinth.core.structured import grammar_of
+
+    assert tool_mode(None, None, None, None) is None
+    mode = tool_mode(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None, None)
+    assert (mode.kind, mode.function) == ("function", "get_time")
+    grammar_of(mode.constraint())   # compiles
+    required = tool_mode(TOOLS, "required", False, None)
+    spec = required.constraint()["json"]
+    assert spec["maxItems"] == 1 and len(spec["items"]["anyOf"]) == 2
+    grammar_of(required.constraint())
+    assert tool_mode(TOOLS, "auto", None, HermesToolParser).parser is HermesToolParser
+    assert tool_mode(TOOLS, "none", None, HermesToolParser).constraint() is None
+    bad = [
+        ((TOOLS, "auto", None, None), "tool_choice"),                     # auto needs a parser
+        ((TOOLS, None, None, None), "tool_choice"),                       # ... and is the default with tools
+        ((None, "required", None, None), "tool_choice"),
+        ((TOOLS, {"type": "function", "function": {"name": "nope"}}, None, None), "tool_choice"),
+        ((TOOLS, "sometimes", None, None), "tool_choice"),
+        (([{"type": "function", "function": {"name": "bad name!"}}], "none", None, None), "tools"),
+        (([{"type": "retrieval"}], "none", None, None), "tools"),
+        (([WEATHER, WEATHER], "none", None, None), "tools"),
+        (([{"type": "function", "function": {"name": "f", "parameters": [1]}}], "none", None, None), "tools"),
+        ((TOOLS, "none", "yes", None), "parallel_tool_calls"),
+    ]
+    for args, param in bad:
+        with pytest.raises(SamplingParamsError) as info:
+            tool_mode(*args)
+        assert info.value.param == param, args
+
+
+def stream_deltas(tracker: ToolCallTracker, text: str) -> tuple[str, dict[int, dict]]:
+    """Feed ``text`` a character at a time and assemble the deltas as an OpenAI client does."""
+    content, calls = "", {}
+    for i in range(1, len(text) + 1):
+        delta, pieces = tracker.update(text[:i], final=i == len(text))
+        content += delta
+        for p in pieces:
+            slot = calls.setdefault(p["index"], {"id": None, "name": "", "arguments": ""})
+            slot["id"] = p.get("id", slot["id"])
+            slot["name"] += p.get("function", {}).get("name", "")
+            slot["arguments"] += p["function"].get("arguments", "")
+    return content, calls
+
+
+@pytest.mark.parametrize("choice, text", [
+    ("auto", HERMES_TEXT),
+    ("auto", "Just text, no calls."),
+    ("required", '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": '
+                 '{"city": "Rome"}}]'),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Rome", "days": 3}'),
+    ("none", HERMES_TEXT),
+])
+def test_streamed_deltas_add_up_to_the_final_message(choice, text):
+    mode = tool_mode(TOOLS, choice, None, HermesToolParser)
+    streamed = ToolCallTracker(mode)
+    content, calls = stream_deltas(streamed, text)
+    final = ToolCallTracker(mode)
+    final.update(text, final=True)
+    assert content == (final.content or "")
+    expected = final.message_calls() or []
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in expected]
+    assert all(c["id"] and c["id"].startswith("call_") for c in calls.values())
+    if choice == "none":
+        assert final.content == text and not expected
+
+
+# ------------------------------------------------------------------------------------------------ server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-tools"))
+
+
+@pytest.fixture(scope="module")
+def http(model_dir: Path):
+    """An in-process server on the tiny model with the tool template and the hermes parser."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", max_model_len=1024,
+                                                served_model_name="tiny", chat_template=TOOL_TEMPLATE))
+    with TestClient(build_app(AsyncLLMEngine(engine), tool_parser=HermesToolParser)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(http) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def check_calls(message, allow: set[str]) -> list[tuple[str, dict]]:
+    out = []
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in allow
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+        out.append((call.function.name, args))
+    return out
+
+
+def test_forced_function_gives_arguments_matching_its_schema(client):
+    for seed in range(3):
+        resp = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, max_completion_tokens=48, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = resp.choices[0]
+        assert choice.message.content is None and choice.finish_reason in ("stop", "length")
+        if choice.finish_reason == "stop":
+            assert check_calls(choice.message, {"get_weather"})[0][0] == "get_weather"
+        else:   # out of tokens inside the JSON: what was written is its beginning
+            assert choice.message.tool_calls[0].function.arguments.startswith("{")
+    # the same request streamed: the deltas add up to the same call (greedy)
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_completion_tokens=48, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    args, name, reasons = "", "", []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            for piece in c.delta.tool_calls or ():
+                assert piece.index == 0
+                name += piece.function.name or ""
+                args += piece.function.arguments or ""
+            reasons.append(c.finish_reason)
+    assert (name, args) == ("get_time", whole.message.tool_calls[0].function.arguments)
+    assert reasons[-1] == whole.finish_reason
+    if whole.finish_reason == "stop":
+        assert json.loads(args)["zone"] in ("UTC", "CET")
+
+
+def test_required_gives_calls_of_listed_tools(client):
+    for parallel in (True, False):
+        for seed in range(3):
+            resp = client.chat.completions.create(
+                model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+                max_completion_tokens=96, temperature=1.0, seed=seed)
+            choice = resp.choices[0]
+            if choice.finish_reason == "length" and not choice.message.tool_calls:
+                assert choice.message.content.startswith("[")   # cut before the first call was complete
+                continue
+            calls = check_calls(choice.message, {"get_weather", "get_time"})
+            assert calls and (parallel or len(calls) == 1)
+            assert choice.finish_reason in ("tool_calls", "length")
+
+
+def test_auto_finds_the_call_the_model_writes(client):
+    """The model writes a hermes call (made to by a regex constraint); the parser turns it into a call."""
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_completion_tokens=200, temperature=0.8, seed=3,
+                  extra_body={"guided_regex": CALL_REGEX})
+    resp = client.chat.completions.create(**kwargs)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (name, args), = check_calls(choice.message, {"get_weather"})
+    assert name == "get_weather" and 2 <= len(args["city"]) <= 6
+    text = ""
+    calls = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            calls.extend(c.delta.tool_calls or ())
+    assert text == "" and [(c.function.name, c.function.arguments) for c in calls] == [
+        (name, choice.message.tool_calls[0].function.arguments)]
+    # free text with tools: content, no calls, finish reason as usual
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_completion_tokens=12,
+                                          temperature=0, extra_body={"guided_regex": "[a-z]{3,8}( [a-z]{3,8})?"})
+    choice = resp.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert choice.message.content and choice.message.content[0].isalpha()
+
+
+def test_tools_reach_the_template_and_history_with_calls_renders(http):
+    without = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    with_tools = http.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()
+    assert with_tools["count"] > without["count"]
+    text = http.post("/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]
+    assert '"name": "get_weather"' in text and "The weather in a city." in text
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    rendered = http.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()
+    text = http.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+    # the arguments reach the template as an object (re-serialized by it), the tool's answer as a message
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "sunny, 21 C" in text
+    r = http.post("/v1/chat/completions", json={"messages": history, "tools": TOOLS, "max_tokens": 4,
+                                                 "tool_choice": "none"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "x y"}}], "tool_choice": "none"}, "tools"),
+    ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "none", "parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]}, "messages"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(http, body, param):
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_auto_without_a_parser_is_refused_and_the_flag_names_its_choices(model_dir: Path):
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.entrypoints.openai.tool_parsers import ToolParserError
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", max_model_len=256))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "--tool-call-parser" in r.json()["error"]["message"]
+    assert resolve_tool_parser("hermes") is HermesToolParser and resolve_tool_parser(None) is None
+    with pytest.raises(ToolParserError, match="hermes, llama3_json, mistral"):
+        resolve_tool_parser("nope")
+    r = subprocess.run([sys.executable, "-m", "plinth.entrypoints.cli", "serve", str(model_dir), "--tool-call-parser",
+                        "nope"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "not a registered tool-call parser" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.server
+def test_plinth_serve_with_a_tool_parser(model_dir: Path, tmp_path: Path):
+    """``plinth serve --tool-call-parser hermes --chat-template FILE``: a streamed auto call over HTTP."""
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOL_TEMPLATE)
+    args = [str(model_dir), "--selection", "off", "--max-model-len", "1024", "--served-model-name", "tiny",
+            "--tool-call-parser", "hermes", "--chat-template", str(template)]
+    with running_server(args) as srv:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, stream=True,
+                                                max_completion_tokens=200, temperature=0,
+                                                extra_body={"guided_regex": CALL_REGEX})
+        calls, reasons = [], []
+        for chunk in stream:
+            for c in chunk.choices:
+                calls.extend(c.delta.tool_calls or ())
+                reasons.append(c.finish_reason)
+        assert [c.function.name for c in calls] == ["get_weather"] and reasons[-1] == "tool_calls"
+        jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_weather"])
