@@ -49,7 +49,8 @@ You may call these functions; write each call as <tool_call>{"name": ..., "argum
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if think is false %}<think></think>
+{% endif %}{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -401,3 +402,29 @@ def test_plinth_serve_with_a_tool_parser(model_dir: Path, tmp_path: Path):
                 reasons.append(c.finish_reason)
         assert [c.function.name for c in calls] == ["get_weather"] and reasons[-1] == "tool_calls"
         jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_weather"])
+
+
+def test_continue_final_message_and_chat_template_kwargs(http):
+    """An open last message (no end-of-turn after it) and template variables, through /tokenize and chat."""
+    def rendered(body):
+        r = http.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+    partial = MESSAGES + [{"role": "assistant", "content": "The weather in Paris is"}]
+    text = rendered({"messages": partial, "add_generation_prompt": False, "continue_final_message": True})
+    assert text.endswith("The weather in Paris is")
+    closed = rendered({"messages": partial, "add_generation_prompt": False})
+    assert closed.rstrip().endswith("The weather in Paris is<|im_end|>")
+    assert rendered({"messages": MESSAGES, "chat_template_kwargs": {"think": False}}).endswith("<think></think>\n")
+    assert not rendered({"messages": MESSAGES}).endswith("<think></think>\n")
+    r = http.post("/v1/chat/completions", json={"messages": partial, "add_generation_prompt": False,
+                                                 "continue_final_message": True, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    for body, param in [({"messages": partial, "continue_final_message": True}, "continue_final_message"),
+                        ({"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                        ({"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
+                         "chat_template_kwargs")]:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)

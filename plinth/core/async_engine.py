@@ -136,9 +136,12 @@ class AsyncLLMEngine:
         return template if isinstance(template, str) else None
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation formatted with the model's chat template (or ``--chat-template``)."""
-        return self._engine.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self._engine.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                        continue_final_message=continue_final_message,
+                                        template_kwargs=template_kwargs)
 
     async def generate(self, request_id: str, prompt: str | Sequence[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -226,16 +226,21 @@ class LLMEngine:
         return max(MIN_CHARS_PER_TOKEN, longest)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+                    chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
         """Format a conversation with the chat template (rendered by transformers' sandboxed jinja2); ``tools``
-        (OpenAI's function definitions) are handed to templates that describe tools to the model."""
+        (OpenAI's function definitions) are handed to templates that describe tools to the model.
+        ``continue_final_message``: the last message is left open for the reply to go on (no end-of-turn
+        after it); ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the model has no chat template; pass one with --chat-template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=template, tools=tools or None)
+                                                  chat_template=template, tools=tools or None,
+                                                  continue_final_message=continue_final_message,
+                                                  **(template_kwargs or {}))
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

@@ -108,15 +108,21 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted with the model's chat template (``tools``: OpenAI's
-        function definitions, for templates that show them to the model)."""
+        function definitions, for templates that show them to the model; ``continue_final_message``: go on
+        with the last message instead of starting a reply, with ``add_generation_prompt=False``;
+        ``chat_template_kwargs``: more template variables, e.g. ``{"enable_thinking": False}``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         # The template writes the special tokens itself: tokenize without adding BOS again.
         prompts = [
             self.engine.tokenize(self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt,
-                                                         chat_template=chat_template, tools=tools),
+                                                         chat_template=chat_template, tools=tools,
+                                                         continue_final_message=continue_final_message,
+                                                         template_kwargs=chat_template_kwargs),
                                  add_special_tokens=False)
             for conv in conversations  # type: ignore[arg-type]
         ]

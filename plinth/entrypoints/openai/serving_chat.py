@@ -86,15 +86,31 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | Non
         raise bad_request(str(exc), exc.param) from None
 
 
-def render_messages(ctx: ServerContext, items: Sequence[ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None) -> str:
-    """The conversation as the chat template renders it (with the tools' definitions); a template error is a
-    400 naming ``messages``."""
-    messages = chat_messages(items)
-    ctx.check_text(_message_chars(messages, tools), "messages")
+#: apply_chat_template's own parameters, which chat_template_kwargs may not set
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools: list[dict[str, Any]] | None) -> str:
+    """The conversation of a chat or tokenize request as the chat template renders it (with the tools'
+    definitions, ``continue_final_message`` and ``chat_template_kwargs``); a template error is a 400 naming
+    ``messages``."""
+    messages = chat_messages(req.messages)
+    kwargs = req.chat_template_kwargs or {}
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (request fields of their own)",
+                          "chat_template_kwargs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message continues the last message, so add_generation_prompt must be "
+                          "false", "continue_final_message")
+    ctx.check_text(_message_chars(messages, tools) + (len(json.dumps(kwargs)) if kwargs else 0), "messages")
     try:
-        return ctx.front.render_chat(template_messages(messages), add_generation_prompt=add_generation_prompt,
-                                     tools=tools)
+        return ctx.front.render_chat(template_messages(messages), add_generation_prompt=req.add_generation_prompt,
+                                     tools=tools, continue_final_message=req.continue_final_message,
+                                     template_kwargs=kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
 
@@ -138,7 +154,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
     mode = _tool_mode(ctx, req)
-    text = render_messages(ctx, req.messages, req.add_generation_prompt, mode.tools if mode is not None else None)
+    text = render_messages(ctx, req, mode.tools if mode is not None else None)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None

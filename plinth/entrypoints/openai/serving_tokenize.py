@@ -37,7 +37,7 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
             mode = tool_mode(req.tools, "none", None, None)   # the tools as the template sees them
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from None
-        text = render_messages(ctx, req.messages, req.add_generation_prompt, mode.tools if mode else None)
+        text = render_messages(ctx, req, mode.tools if mode else None)
         special, param = bool(req.add_special_tokens), "messages"
     else:
         assert req.prompt is not None
