@@ -108,6 +108,18 @@ def plinth_tool_parsers() -> dict[str, str]:
 
 
 @hookspec
+def plinth_reasoning_parsers() -> dict[str, str]:
+    """Provide reasoning parsers (``plinth serve --reasoning-parser NAME``).
+
+    Called once when the reasoning-parser registry is built.
+
+    Returns:
+        ``{parser_name: "pkg.mod:ParserClass"}``; each class subclasses
+        :class:`plinth.entrypoints.openai.reasoning_parsers.ReasoningParser`.
+    """
+
+
+@hookspec
 def plinth_add_cli_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """Add command-line arguments to a plinth sub-command.
 

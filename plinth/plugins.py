@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "plinth.plugins"
 IN_TREE_DISTRIBUTION = "plinth-llm"
 
-KINDS = ("platforms", "attention_backends", "quantization_methods", "models", "tool_parsers")
+KINDS = ("platforms", "attention_backends", "quantization_methods", "models", "tool_parsers",
+         "reasoning_parsers")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")

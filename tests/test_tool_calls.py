@@ -368,7 +368,7 @@ def test_auto_without_a_parser_is_refused_and_the_flag_names_its_choices(model_d
     from plinth.core.async_engine import AsyncLLMEngine
     from plinth.core.engine import LLMEngine
     from plinth.entrypoints.openai.api_server import build_app
-    from plinth.entrypoints.openai.tool_parsers import ToolParserError
+    from plinth.entrypoints.openai.tool_parsers import ParserChoiceError
 
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", max_model_len=256))
     with TestClient(build_app(AsyncLLMEngine(engine))) as http:
@@ -376,7 +376,7 @@ def test_auto_without_a_parser_is_refused_and_the_flag_names_its_choices(model_d
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert "--tool-call-parser" in r.json()["error"]["message"]
     assert resolve_tool_parser("hermes") is HermesToolParser and resolve_tool_parser(None) is None
-    with pytest.raises(ToolParserError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ParserChoiceError, match="hermes, llama3_json, mistral"):
         resolve_tool_parser("nope")
     r = subprocess.run([sys.executable, "-m", "plinth.entrypoints.cli", "serve", str(model_dir), "--tool-call-parser",
                         "nope"], capture_output=True, text=True, timeout=120)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
 from plinth.entrypoints.openai.tool_parsers import resolve_tool_parser
 from plinth.errors import UserFacingError
 
@@ -58,6 +59,9 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model's tool-call format (hermes, llama3_json, mistral, or one a plugin adds): enables "
                         "tool_choice 'auto', the default for chat requests with tools")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): chat replies "
+                        "carry the thinking as reasoning_content, apart from the content")
     # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
     p.set_defaults(func=run)
 
@@ -141,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         raise ServeError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     tool_parser = resolve_tool_parser(args.tool_call_parser)
+    reasoning_parser = resolve_reasoning_parser(args.reasoning_parser)
     config = serving_config(args)
     uv_config = uvicorn.Config(
         "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
@@ -154,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         front = AsyncLLMEngine.from_config(config)
         try:
-            uv_config.app = build_app(front, api_key=api_key, tool_parser=tool_parser)
+            uv_config.app = build_app(front, api_key=api_key, tool_parser=tool_parser,
+                                      reasoning_parser=reasoning_parser)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on http://%s:%d%s", front.served_model_name, host, port,

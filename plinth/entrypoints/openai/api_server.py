@@ -35,6 +35,7 @@ from plinth.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.serving import ServerContext
 from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_completion import create_completion
@@ -70,12 +71,13 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(front: AsyncLLMEngine, api_key: str | None = None,
-              tool_parser: type[ToolParser] | None = None) -> FastAPI:
+def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: type[ToolParser] | None = None,
+              reasoning_parser: type[ReasoningParser] | None = None) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
-    tool calls of ``tool_choice: "auto"`` requests."""
+    tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies."""
     ctx = ServerContext(front=front, metrics=ServerMetrics(front.served_model_name),
-                        model_name=front.served_model_name, tool_parser=tool_parser)
+                        model_name=front.served_model_name, tool_parser=tool_parser,
+                        reasoning_parser=reasoning_parser)
     if tool_parser is not None and "tools" not in (front.chat_template_source or ""):
         logger.warning("--tool-call-parser %s: the chat template does not mention tools, so the model will not "
                        "see their definitions; pass a --chat-template that renders them", tool_parser.name)

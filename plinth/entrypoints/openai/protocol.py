@@ -300,8 +300,9 @@ class ChatLogprobs(BaseModel):
 
 def _without_unset_calls(handler: Any, value: BaseModel) -> dict[str, Any]:
     out = handler(value)
-    if out.get("tool_calls") is None:
-        out.pop("tool_calls", None)
+    for key in ("tool_calls", "reasoning_content"):   # only when there are some (OpenAI's shape otherwise)
+        if out.get(key) is None:
+            out.pop(key, None)
     return out
 
 
@@ -309,6 +310,7 @@ class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # {"id", "type": "function", "function": {"name", "arguments"}}
+    reasoning_content: str | None = None              # the thinking, with --reasoning-parser
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:
@@ -319,6 +321,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # streamed pieces, by "index"
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from plinth.core.engine import MIN_CHARS_PER_TOKEN
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.openai.errors import APIError, bad_request
+from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.tool_parsers import ToolParser
 from plinth.metrics import ServerMetrics
 
@@ -35,6 +36,8 @@ class ServerContext:
     model_name: str
     #: the ``--tool-call-parser`` class (tool_choice "auto"), if any
     tool_parser: type[ToolParser] | None = None
+    #: the ``--reasoning-parser`` class, if any
+    reasoning_parser: type[ReasoningParser] | None = None
     _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
     # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
     _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)

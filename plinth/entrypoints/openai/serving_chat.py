@@ -31,6 +31,7 @@ from plinth.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.serving import (
     ServerContext,
     check_structured,
@@ -77,6 +78,31 @@ def _checked_call(call: dict[str, Any], i: int, j: int) -> dict[str, Any]:
         raise bad_request(f"messages[{i}].tool_calls[{j}]: a tool call is {{\"id\", \"type\": \"function\", "
                           f"\"function\": {{\"name\", \"arguments\"}}}}", "messages")
     return call
+
+
+class _Reply:
+    """One choice's reply as its text grows: the thinking (with a reasoning parser), the content and the
+    tool calls (found in the content only). :meth:`update` takes the whole text so far and returns what is
+    new: ``(thinking, content, tool-call deltas)``."""
+
+    def __init__(self, mode: ToolMode | None, reasoning: type[ReasoningParser] | None):
+        self.reasoning = reasoning() if reasoning is not None else None
+        self.tools = ToolCallTracker(mode)
+        self.thinking = ""
+
+    def update(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        thinking = ""
+        if self.reasoning is not None:
+            split = self.reasoning.scan(text, final)
+            if split.reasoning.startswith(self.thinking):
+                thinking = split.reasoning[len(self.thinking):]
+            self.thinking, text = split.reasoning, split.content
+        content, calls = self.tools.update(text, final)
+        return thinking, content, calls
+
+    def message(self) -> ResponseMessage:
+        return ResponseMessage(content=self.tools.content, tool_calls=self.tools.message_calls(),
+                               reasoning_content=self.thinking or None)
 
 
 def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | None:
@@ -178,11 +204,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     for c in final.outputs:
         n = len(c.token_ids)
         lp = _logprobs(ctx, c.token_ids, (c.logprobs or [])[:n], k) if k is not None else None
-        tracker = ToolCallTracker(mode)
-        tracker.update(c.text, final=True)
-        message = ResponseMessage(content=tracker.content, tool_calls=tracker.message_calls())
-        reason = tracker.finish_reason(str(c.finish_reason) if c.finish_reason else None)
-        choices.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason,
+        reply = _Reply(mode, ctx.reasoning_parser)
+        reply.update(c.text, final=True)
+        reason = reply.tools.finish_reason(str(c.finish_reason) if c.finish_reason else None)
+        choices.append(ChatChoice(index=c.index, message=reply.message(), logprobs=lp, finish_reason=reason,
                                   stop_reason=c.stop_reason))
     body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices, usage=_usage(final))
     return JSONResponse(body.model_dump())
@@ -199,7 +224,7 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: A
     for index in range(n):
         yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
     sent_tokens, done = [0] * n, [False] * n
-    trackers = [ToolCallTracker(mode) for _ in range(n)]
+    replies = [_Reply(mode, ctx.reasoning_parser) for _ in range(n)]
     last: RequestOutput | None = None
     try:
         async for _, out in events:
@@ -210,17 +235,18 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: A
                     continue
                 end = len(c.token_ids)
                 finished = c.finish_reason is not None
-                delta, calls = trackers[i].update(c.text, final=finished)
+                thinking, delta, calls = replies[i].update(c.text, final=finished)
                 lp = None
                 if k is not None and end > sent_tokens[i]:
                     lp = _logprobs(ctx, c.token_ids[sent_tokens[i]:end], (c.logprobs or [])[sent_tokens[i]:end], k)
-                if delta or calls or lp is not None:
-                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=delta if delta or not calls else None,
-                                                                            tool_calls=calls or None), logprobs=lp))
+                if thinking or delta or calls or lp is not None:
+                    piece = DeltaMessage(content=delta if delta or not (calls or thinking) else None,
+                                         tool_calls=calls or None, reasoning_content=thinking or None)
+                    yield chunk(ChatChunkChoice(index=i, delta=piece, logprobs=lp))
                 sent_tokens[i] = end
                 if finished:
                     done[i] = True
-                    reason = trackers[i].finish_reason(str(c.finish_reason))
+                    reason = replies[i].tools.finish_reason(str(c.finish_reason))
                     yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason))
     finally:
         await events.aclose()  # type: ignore[attr-defined]

@@ -41,8 +41,8 @@ def plinth_tool_parsers() -> dict[str, str]:
     }
 
 
-class ToolParserError(UserFacingError, ValueError):
-    """``--tool-call-parser`` names no registered parser, or one that is not a :class:`ToolParser`."""
+class ParserChoiceError(UserFacingError, ValueError):
+    """``--tool-call-parser`` or ``--reasoning-parser`` names no registered parser, or one of the wrong class."""
 
 
 def tool_parser_names() -> list[str]:
@@ -55,7 +55,7 @@ def resolve_tool_parser(name: str | None) -> type[ToolParser] | None:
     """The parser class registered as ``name`` (``None``: no parser).
 
     Raises:
-        ToolParserError: no parser has that name, or the registration is not a ToolParser subclass.
+        ParserChoiceError: no parser has that name, or the registration is not a ToolParser subclass.
         PluginError: its module cannot be imported.
     """
     if name is None:
@@ -64,11 +64,11 @@ def resolve_tool_parser(name: str | None) -> type[ToolParser] | None:
 
     found = get_plugin_manager().registrations("tool_parsers").get(name)
     if found is None:
-        raise ToolParserError(f"--tool-call-parser {name!r} is not a registered tool-call parser; "
+        raise ParserChoiceError(f"--tool-call-parser {name!r} is not a registered tool-call parser; "
                               f"registered: {', '.join(tool_parser_names()) or 'none'}")
     cls = found.load()
     if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
-        raise ToolParserError(f"tool-call parser {name!r} from plugin {found.plugin!r} ({found.ref}) is not a "
+        raise ParserChoiceError(f"tool-call parser {name!r} from plugin {found.plugin!r} ({found.ref}) is not a "
                               f"ToolParser subclass")
     return cls
 
