@@ -136,7 +136,8 @@ def test_completion_greedy_matches_reference(client, engine):
     assert text == choice.text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == choice.finish_reason and all(f is None for f in finishes[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == resp.usage.model_dump()
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump(exclude={"prompt_tokens_details"}) == resp.usage.model_dump(
+        exclude={"prompt_tokens_details"})   # the second run finds the prompt cached
 
 
 def test_logit_bias_matches_the_reference_engine(client, engine):
@@ -344,7 +345,8 @@ def test_chat_matches_reference_stream_and_usage(client, engine):
     assert "".join(c.choices[0].delta.content or "" for c in with_choices) == msg.content
     assert with_choices[-1].choices[0].finish_reason == resp.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == resp.usage.model_dump()
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump(exclude={"prompt_tokens_details"}) == resp.usage.model_dump(
+        exclude={"prompt_tokens_details"})
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -686,3 +688,21 @@ def test_taken_port_fails_fast_with_a_clear_error(model_dir):
     assert r.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
     assert time.monotonic() - t0 < 60   # refused before the model loads
+
+
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(client):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a new prompt, whole cached blocks when it comes again."""
+    prompt = "A long and unusual prompt about prefix caching, " * 8
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in again if chunk.usage is not None][0]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert usage.prompt_tokens == first.usage.prompt_tokens and 0 < cached < usage.prompt_tokens
+    assert cached >= usage.prompt_tokens - 32   # every full block but the last
+    messages = [{"role": "user", "content": prompt + "(chat)"}]
+    chat = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+            for _ in range(2)]
+    assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < chat[1].usage.prompt_tokens_details.cached_tokens < chat[1].usage.prompt_tokens

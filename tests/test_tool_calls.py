@@ -428,3 +428,88 @@ def test_continue_final_message_and_chat_template_kwargs(http):
         for path in ("/v1/chat/completions", "/tokenize"):
             r = http.post(path, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_calls_whose_arguments_have_no_json_text_are_content():
+    """NaN, Infinity, out-of-range numbers and lone surrogate escapes cannot be written back as JSON that
+    clients parse: such a block is content, not a call."""
+    parser = HermesToolParser(TOOLS)
+    for args in ('{"city": NaN}', '{"days": Infinity}', '{"days": 1e400}', '{"city": "\\ud800"}'):
+        text = f'<tool_call>{{"name": "get_weather", "arguments": {args}}}</tool_call>'
+        assert prefixes_scan(parser, text) == (text, [])
+    assert prefixes_scan(parser, '<tool_call>{"name": "f", "arguments": {"city": "Z\\u00fcrich"}}</tool_call>')[1] == [
+        ParsedCall("f", '{"city": "Zürich"}')]
+    mode = tool_mode(TOOLS, "required", None, None)
+    tracker = ToolCallTracker(mode)
+    tracker.update('[{"name": "get_weather", "parameters": {"days": NaN}}]', final=True)
+    assert tracker.message_calls() is None
+
+
+def test_tool_schemas_edge_cases(http):
+    """$defs in required mode (hoisted to the array's root), a function without parameters (no arguments),
+    parameters that are not an object, an uncompilable schema, a name with a line break."""
+    city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+            "additionalProperties": False}
+    nested = {"type": "function", "function": {"name": "visit", "parameters": {
+        "type": "object", "$defs": {"City": city}, "properties": {"city": {"$ref": "#/$defs/City"}},
+        "required": ["city"], "additionalProperties": False}}}
+    bare = {"type": "function", "function": {"name": "ping"}}
+    body = {"messages": MESSAGES, "tools": [nested, bare], "tool_choice": "required", "max_tokens": 120,
+            "temperature": 0.8, "seed": 4}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    for call in r.json()["choices"][0]["message"]["tool_calls"] or []:
+        schema = nested["function"]["parameters"] if call["function"]["name"] == "visit" else {
+            "type": "object", "additionalProperties": False}
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [bare], "max_tokens": 20,
+                                                 "tool_choice": {"type": "function", "function": {"name": "ping"}}})
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == "{}"
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "$defs": {"City": {"type": "string"}}, "properties": {"c": {"$ref": "#/$defs/City"}}}}}
+    bad = [
+        ({"tools": [nested, other], "tool_choice": "required"}, "tools", "'City'"),
+        ({"tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}],
+          "tool_choice": "none"}, "tools", "object"),
+        ({"tools": [{"type": "function", "function": {"name": "r", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}}}],
+          "tool_choice": "required"}, "tools", "tools[0] (r)"),
+        ({"tools": [{"type": "function", "function": {"name": "get_weather\n"}}], "tool_choice": "none"}, "tools",
+         "name"),
+    ]
+    for extra, param, words in bad:
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert words in r.json()["error"]["message"], r.text
+
+
+def test_history_must_name_its_calls(http):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    ok = MESSAGES + [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1",
+                                                                    "content": "sunny"}]
+    assert http.post("/v1/chat/completions", json={"messages": ok, "max_tokens": 1}).status_code == 200
+    for messages in (ok[:2] + [{"role": "tool", "content": "sunny"}],
+                     MESSAGES + [{"role": "assistant", "tool_calls": [{**call, "id": None}]}],
+                     MESSAGES + [{"role": "assistant", "tool_calls": [{**call, "type": "retrieval"}]}]):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_one_call_without_parallel_calls_and_mistral_ids():
+    mode = tool_mode(TOOLS, "auto", False, HermesToolParser)
+    tracker = ToolCallTracker(mode)
+    assert stream_deltas(tracker, HERMES_TEXT)[1][0]["name"] == "get_weather"
+    assert len(tracker.message_calls()) == 1
+    mistral = tool_mode(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None, MistralToolParser)
+    tracker = ToolCallTracker(mistral)
+    tracker.update('{"zone": "UTC"}', final=True)
+    cid = tracker.message_calls()[0]["id"]
+    assert len(cid) == 9 and cid.isalnum()
+
+
+def test_streamed_forced_call_has_null_content(http):
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 30, "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -15,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParamsError
+from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     ChatChoice,
@@ -25,6 +27,7 @@ from plinth.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     DeltaMessage,
+    PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
     TopLogprob,
@@ -40,7 +43,14 @@ from plinth.entrypoints.openai.serving import (
     sampling_params,
 )
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
-from plinth.entrypoints.openai.tools import ToolCallTracker, ToolMode, template_messages, tool_mode
+from plinth.entrypoints.openai.tools import (
+    ToolCallTracker,
+    ToolMode,
+    compact_schema,
+    parameters,
+    template_messages,
+    tool_mode,
+)
 
 
 def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -66,15 +76,18 @@ def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_calls"] = [_checked_call(c, i, j) for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        elif m.role == "tool":
+            raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
+                              "messages")
         messages.append(msg)
     return messages
 
 
 def _checked_call(call: dict[str, Any], i: int, j: int) -> dict[str, Any]:
-    """One of an assistant message's earlier tool calls, checked for the shape templates read."""
+    """One of an assistant message's earlier tool calls, checked for OpenAI's shape."""
     fn = call.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
-            fn.get("arguments", ""), str | dict):
+    if not isinstance(call.get("id"), str) or call.get("type", "function") != "function" or not isinstance(
+            fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str | dict):
         raise bad_request(f"messages[{i}].tool_calls[{j}]: a tool call is {{\"id\", \"type\": \"function\", "
                           f"\"function\": {{\"name\", \"arguments\"}}}}", "messages")
     return call
@@ -103,6 +116,25 @@ class _Reply:
     def message(self) -> ResponseMessage:
         return ResponseMessage(content=self.tools.content, tool_calls=self.tools.message_calls(),
                                reasoning_content=self.thinking or None)
+
+
+async def _check_tool_schemas(mode: ToolMode | None) -> None:
+    """Compile the schema of each tool a constrained call may use, in a worker thread: one that does not
+    compile is a 400 naming ``tools`` and the tool."""
+    if mode is None or mode.kind not in ("required", "function"):
+        return
+
+    def compile_all() -> None:
+        for i, tool in enumerate(mode.tools):
+            name = tool["function"]["name"]
+            if mode.kind == "function" and name != mode.function:
+                continue
+            try:
+                grammar_of({"json": compact_schema(parameters(tool))})
+            except StructuredOutputError as exc:
+                raise bad_request(f"tools[{i}] ({name}): {exc}", "tools") from None
+
+    await asyncio.to_thread(compile_all)
 
 
 def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | None:
@@ -164,7 +196,8 @@ def _logprobs(ctx: ServerContext, token_ids: Sequence[int], positions: Sequence[
 def _usage(out: RequestOutput) -> UsageInfo:
     prompt = len(out.prompt_token_ids)
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
 async def _last(events: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutput:
@@ -188,6 +221,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
     if mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
+    await _check_tool_schemas(mode)
     await check_structured(ctx, req, params)
     # The template writes the special tokens itself, so none are added here.
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
@@ -222,7 +256,10 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: A
                                    choices=[choice] if choice is not None else [], usage=usage).model_dump_json()
 
     for index in range(n):
-        yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        # a forced or required call's reply has no content (null, as in the non-streamed message)
+        first = DeltaMessage(role="assistant", content=None if mode is not None and mode.kind in ("required",
+                                                                                                "function") else "")
+        yield chunk(ChatChunkChoice(index=index, delta=first))
     sent_tokens, done = [0] * n, [False] * n
     replies = [_Reply(mode, ctx.reasoning_parser) for _ in range(n)]
     last: RequestOutput | None = None

@@ -17,6 +17,7 @@ from plinth.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
     random_id,
 )
@@ -107,10 +108,11 @@ async def _collect(events: AsyncIterator[tuple[int, RequestOutput]], count: int)
     return latest  # type: ignore[return-value]
 
 
-def _usage(prompts: Sequence[_Prompt], completion_tokens: int) -> UsageInfo:
+def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: int) -> UsageInfo:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
@@ -135,7 +137,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                for i, out in enumerate(finals) for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     body = CompletionResponse(id=rid, model=ctx.model_name, choices=choices,
-                              usage=_usage(prompts, completion_tokens))
+                              usage=_usage(prompts, completion_tokens, sum(o.num_cached_tokens for o in finals)))
     return JSONResponse(body.model_dump())
 
 
@@ -153,9 +155,11 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                   include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
     states = [_ChoiceState() for _ in range(len(prompts) * params.n)]
+    cached = [0] * len(prompts)
     k = req.logprobs
     try:
         async for i, out in events:
+            cached[i] = out.num_cached_tokens
             for c in out.outputs:
                 index = i * params.n + c.index
                 st = states[index]
@@ -188,6 +192,6 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     if include_usage:
-        usage = _usage(prompts, sum(st.sent_tokens for st in states))
+        usage = _usage(prompts, sum(st.sent_tokens for st in states), sum(cached))
         yield CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=[],
                                  usage=usage).model_dump_json()

@@ -23,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
+import string
+import uuid
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -106,7 +109,19 @@ def call_from(value: Any, argument_keys: Sequence[str] = ("arguments", "paramete
             return None
     if not isinstance(args, dict):
         return None
-    return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
+    text = arguments_json(args)
+    return ParsedCall(value["name"], text) if text is not None else None
+
+
+def arguments_json(args: dict[str, Any]) -> str | None:
+    """Decoded arguments as JSON text any client can read back; ``None`` for values that have no such text
+    (``NaN``, ``Infinity``, a number out of float range, a lone UTF-16 surrogate escape)."""
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (ValueError, UnicodeEncodeError):
+        return None
+    return text
 
 
 def held_prefix(text: str, marker: str) -> int:
@@ -128,6 +143,11 @@ class ToolParser:
 
     def __init__(self, tools: Sequence[dict[str, Any]]):
         self.tools = list(tools)
+
+    @classmethod
+    def call_id(cls) -> str:
+        """A new id for a call (the model's chat template reads it back in later turns)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def scan(self, text: str, final: bool) -> Scan:
         """The content and complete calls of ``text``, all the model has generated so far (``final``:
@@ -241,6 +261,11 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     keeps_special_tokens = True
     MARKER = "[TOOL_CALLS]"
+
+    @classmethod
+    def call_id(cls) -> str:
+        """Nine letters and digits: Mistral's templates refuse any other id."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.MARKER)

@@ -19,26 +19,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from plinth.core.request import SamplingParamsError
-from plinth.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, complete_array_elements
+from plinth.entrypoints.openai.tool_parsers import (
+    ParsedCall,
+    ToolParser,
+    arguments_json,
+    complete_array_elements,
+)
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: how the constrained JSON is written (llguidance's JSON options)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MODES = ("none", "auto", "required", "function")
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 @dataclasses.dataclass(frozen=True)
 class ToolMode:
-    """A request's tool setup: ``kind`` is one of :data:`MODES`; ``function`` names the forced function."""
+    """A request's tool setup: ``kind`` is one of :data:`MODES`; ``function`` names the forced function;
+    ``parser`` is the server's tool-call parser (it reads ``auto`` replies, and makes every call's id)."""
 
     kind: str
     tools: list[dict[str, Any]]
@@ -46,26 +47,49 @@ class ToolMode:
     parallel: bool = True
     parser: type[ToolParser] | None = None
 
+    def call_id(self) -> str:
+        return (self.parser or ToolParser).call_id()
+
     def constraint(self) -> dict[str, Any] | None:
-        """The structured-output spec of a ``required`` or forced-function request."""
-        schemas = {t["function"]["name"]: _parameters(t) for t in self.tools}
+        """The structured-output spec of a ``required`` or forced-function request.
+
+        Raises:
+            SamplingParamsError: two tools define the same ``$defs`` name differently (``required``).
+        """
+        schemas = {t["function"]["name"]: parameters(t) for t in self.tools}
         if self.kind == "function":
             assert self.function is not None
-            return {"json": {**schemas[self.function], "x-guidance": COMPACT_JSON}}
+            return {"json": compact_schema(schemas[self.function])}
         if self.kind != "required":
             return None
-        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, schema in schemas.items()]
-        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        # each tool's definitions move to the array's root, where its "#/$defs/..." references then point
+        hoisted: dict[str, dict[str, Any]] = {}
+        items = []
+        for name, schema in schemas.items():
+            schema = dict(schema)
+            for key in ("$defs", "definitions"):
+                for def_name, definition in (schema.pop(key, None) or {}).items():
+                    if hoisted.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                        raise SamplingParamsError("tools", f"tool_choice 'required' puts every tool's {key} in "
+                                                  f"one schema, and two tools define {def_name!r} differently")
+            schema.pop("x-guidance", None)
+            items.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **hoisted}
         if not self.parallel:
             array["maxItems"] = 1
-        return {"json": {**array, "x-guidance": COMPACT_JSON}}
+        return {"json": compact_schema(array)}
 
 
-def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` written as compact JSON (its own ``x-guidance`` options, if any, take precedence)."""
+    return {**schema, "x-guidance": {**COMPACT_JSON, **(schema.get("x-guidance") or {})}}
+
+
+def parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A checked tool's arguments schema (no ``parameters``: no arguments, as OpenAI defines it)."""
     schema = tool["function"].get("parameters")
-    return dict(schema) if schema else {"type": "object", "properties": {}}
+    return dict(schema) if schema else {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
@@ -104,7 +128,7 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
     if kind == "auto" and parser is None:
         raise SamplingParamsError("tool_choice", "tool_choice 'auto' (the default with tools) needs the server "
                                   "started with --tool-call-parser; use 'required', a named function or 'none'")
-    return ToolMode(kind, checked, function, parallel is not False, parser if kind == "auto" else None)
+    return ToolMode(kind, checked, function, parallel is not False, parser)
 
 
 def _check_tool(tool: Any, i: int) -> dict[str, Any]:
@@ -115,14 +139,15 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(fn, dict):
         raise SamplingParamsError("tools", f"{where}: needs a 'function' object")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise SamplingParamsError("tools", f"{where}: the function name must be 1-64 letters, digits, '_', '.' "
                                   f"or '-', got {name!r}")
     if fn.get("description") is not None and not isinstance(fn["description"], str):
         raise SamplingParamsError("tools", f"{where}: description must be a string")
     params = fn.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        raise SamplingParamsError("tools", f"{where}: parameters must be a JSON schema object")
+    if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
+        raise SamplingParamsError("tools", f"{where}: parameters must be a JSON schema of an object "
+                                  f'({{"type": "object", "properties": {{...}}}})')
     return {"type": "function", "function": fn}
 
 
@@ -159,7 +184,8 @@ class ToolCallTracker:
 
     def __init__(self, mode: ToolMode | None):
         self.mode = mode
-        self.parser = mode.parser(mode.tools) if mode is not None and mode.parser is not None else None
+        auto = mode is not None and mode.kind == "auto" and mode.parser is not None
+        self.parser = mode.parser(mode.tools) if auto else None   # type: ignore[union-attr,misc]
         self.content: str | None = ""
         self.calls: list[tuple[str, ParsedCall]] = []   # (id, call)
         self._sent_args = 0   # forced function: argument characters sent
@@ -175,7 +201,7 @@ class ToolCallTracker:
             self.content = None
             deltas: list[dict[str, Any]] = []
             if not self.calls:
-                self.calls.append((call_id(), ParsedCall(self.mode.function, "")))
+                self.calls.append((self.mode.call_id(), ParsedCall(self.mode.function, "")))
             cid, call = self.calls[0]
             self.calls[0] = (cid, ParsedCall(call.name, text))
             if text[self._sent_args:] or (final and self._sent_args == 0):
@@ -201,12 +227,13 @@ class ToolCallTracker:
         self.content = None if final and scan.calls and not scan.content else scan.content
         # a parser keeps its content growing (ToolParser.scan); one that does not loses only stream deltas
         delta = scan.content[len(before):] if scan.content.startswith(before) else ""
-        return delta, self._new_calls(list(scan.calls))
+        calls = list(scan.calls) if self.mode is None or self.mode.parallel else list(scan.calls[:1])
+        return delta, self._new_calls(calls)
 
     def _new_calls(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
         deltas = []
         for i in range(len(self.calls), len(calls)):
-            cid = call_id()
+            cid = self.mode.call_id() if self.mode is not None else ToolParser.call_id()
             self.calls.append((cid, calls[i]))
             deltas.append({"index": i, "id": cid, "type": "function",
                            "function": {"name": calls[i].name, "arguments": calls[i].arguments}})
@@ -229,4 +256,5 @@ def _required_call(value: Any) -> ParsedCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
             value.get("parameters"), dict):
         return None
-    return ParsedCall(value["name"], json.dumps(value["parameters"], ensure_ascii=False))
+    text = arguments_json(value["parameters"])
+    return ParsedCall(value["name"], text) if text is not None else None
