@@ -100,6 +100,9 @@ def test_hermes_parser_finds_calls_and_keeps_every_other_character():
     # cut short inside a block: a complete JSON call still counts; anything else is content
     assert prefixes_scan(parser, 'x <tool_call>{"name": "f", "arguments": {"a": 1}}')[1] == [ParsedCall("f", '{"a": 1}')]
     assert prefixes_scan(parser, 'x <tool_call>{"name": "f", "argu') == ('x <tool_call>{"name": "f", "argu', [])
+    # one instance fed a text that does not continue the last one starts over (nothing carried over)
+    assert parser.scan("plain", final=True).calls == () and parser.scan(HERMES_TEXT[:HERMES_TEXT.index("</tool_call>") + 12], final=False).calls == (
+        ParsedCall("get_weather", '{"city": "Paris", "days": 2}'),)
     # arguments written as a JSON string, and "parameters" for "arguments"
     assert prefixes_scan(parser, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1] == [
         ParsedCall("f", '{"a": 1}')]

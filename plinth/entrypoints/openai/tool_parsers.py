@@ -180,10 +180,17 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
+    def __init__(self, tools: Sequence[dict[str, Any]]):
+        super().__init__(tools)
+        # the decided part of the text seen last (up to the end of its last closed block): a longer text
+        # with the same start resumes there, so a stream decodes each block once
+        self._done: tuple[str, list[str], list[ParsedCall]] = ("", [""], [])
+
     def scan(self, text: str, final: bool) -> Scan:
-        segments = [""]
-        calls: list[ParsedCall] = []
-        pos = 0
+        done_text, done_segments, done_calls = self._done
+        if not text.startswith(done_text):
+            done_text, done_segments, done_calls = "", [""], []
+        segments, calls, pos = list(done_segments), list(done_calls), len(done_text)
         while True:
             start = text.find(self.OPEN, pos)
             if start < 0:
@@ -202,6 +209,8 @@ class HermesToolParser(ToolParser):
                 calls.append(call)
                 segments.append("")
             pos = block_end
+            if end >= 0:
+                self._done = (text[:pos], list(segments), list(calls))
         return Scan(_join(segments, bool(calls), final), tuple(calls))
 
 
@@ -302,19 +311,38 @@ _ELEMENT_GAP = re.compile(r"\s*,?\s*")
 def complete_array_elements(text: str) -> tuple[list[Any], bool]:
     """The complete elements at the start of a JSON array being written (``text`` may stop anywhere), and
     whether the array is closed. Elements must be objects or arrays (a number cut short would parse)."""
-    decoder = json.JSONDecoder()
-    body = text.lstrip()
-    if not body.startswith("["):
-        return [], False
-    pos, out = 1, []
-    while True:
-        pos = _ELEMENT_GAP.match(body, pos).end()   # type: ignore[union-attr]
-        if body.startswith("]", pos):
-            return out, True
-        if pos >= len(body) or body[pos] not in "{[":
-            return out, False
-        try:
-            value, pos = decoder.raw_decode(body, pos)
-        except ValueError:
-            return out, False
-        out.append(value)
+    scanner = ArrayScanner()
+    return scanner.feed(text), scanner.closed
+
+
+class ArrayScanner:
+    """:func:`complete_array_elements` for a growing text: :meth:`feed` decodes only what is new and returns
+    the elements completed since the last call."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._text = ""   # the text up to the end of the last complete element
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> list[Any]:
+        if not text.startswith(self._text) or self.closed:
+            return []
+        body = text.lstrip()
+        if not body.startswith("["):
+            return []
+        lead = len(text) - len(body)
+        pos = max(len(self._text) - lead, 1)
+        out = []
+        while True:
+            pos = _ELEMENT_GAP.match(body, pos).end()   # type: ignore[union-attr]
+            if body.startswith("]", pos):
+                self.closed = True
+                return out
+            if pos >= len(body) or body[pos] not in "{[":
+                return out
+            try:
+                value, pos = self._decoder.raw_decode(body, pos)
+            except ValueError:
+                return out
+            out.append(value)
+            self._text = text[:lead + pos]

@@ -24,10 +24,10 @@ from typing import Any
 
 from plinth.core.request import SamplingParamsError
 from plinth.entrypoints.openai.tool_parsers import (
+    ArrayScanner,
     ParsedCall,
     ToolParser,
     arguments_json,
-    complete_array_elements,
 )
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -189,6 +189,8 @@ class ToolCallTracker:
         self.content: str | None = ""
         self.calls: list[tuple[str, ParsedCall]] = []   # (id, call)
         self._sent_args = 0   # forced function: argument characters sent
+        self._array = ArrayScanner()   # required: the array's complete elements so far
+        self._found: list[ParsedCall] = []
 
     @property
     def constrained(self) -> bool:
@@ -213,7 +215,8 @@ class ToolCallTracker:
                 self._sent_args = len(text)
             return "", deltas
         if kind == "required":
-            calls = [c for c in map(_required_call, complete_array_elements(text)[0]) if c is not None]
+            self._found.extend(c for c in map(_required_call, self._array.feed(text)) if c is not None)
+            calls = self._found
             self.content = None
             if final and not calls:   # cut short before a complete call: the text is the content
                 self.content = text
