@@ -106,6 +106,8 @@ class CacheConfig:
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
@@ -125,6 +127,10 @@ class SchedulerConfig:
             decodes takes only the prefill tokens a fitted cost model predicts fit in this time (at
             least one block's worth, so prompts keep moving). 0: off (the default). Synchronous steps
             only (with asynchronous scheduling the engine warns and keeps it off).
+        scheduling_policy: ``fcfs`` (first come, first served; the default) or ``priority``: waiting
+            requests are admitted by their ``priority`` (lower first, then arrival), and when KV blocks run
+            short the least important running request is preempted, also to admit a more important
+            waiting one.
     """
 
     max_num_seqs: int | None = None
@@ -133,8 +139,12 @@ class SchedulerConfig:
     max_waiting_requests: int | None = None
     async_scheduling: bool | None = None
     itl_target_ms: float = 0.0
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                              f"got {self.scheduling_policy!r}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_waiting_requests", self.max_waiting_requests)

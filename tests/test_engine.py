@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from plinth import LLM, SamplingParams
+from plinth.config import ConfigError
 from plinth.core.scheduler import RequestRejectedError
 
 PROMPTS = [
@@ -84,6 +85,24 @@ def test_preemption_keeps_outputs(tiny_llama_dir, reference):
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert llm.engine.scheduler.stats().num_preemptions > 0
     assert token_ids(outs) == reference
+
+
+def test_priority_policy_keeps_outputs_and_fcfs_refuses_priorities(tiny_llama_dir, reference, llm):
+    """With scheduling_policy="priority", priorities reorder and preempt (a small cache) but never change a
+    greedy output (transformers' tokens); first come, first served refuses a priority."""
+    prio = llm_for(tiny_llama_dir, num_blocks=24, enable_prefix_caching=False, scheduling_policy="priority",
+                   max_num_seqs=2)
+    outs = prio.generate(PROMPTS, greedy(), priority=[4, 0, 3, 1, 2], use_tqdm=False)
+    assert token_ids(outs) == reference
+    assert prio.engine.scheduler.stats().num_preemptions > 0
+    with pytest.raises(ValueError, match="priorities"):
+        prio.generate(PROMPTS[:2], greedy(), priority=[1], use_tqdm=False)
+    prio.close()
+    with pytest.raises(RequestRejectedError, match="scheduling-policy priority") as info:
+        llm.generate(PROMPTS[0], greedy(), priority=[1], use_tqdm=False)
+    assert info.value.param == "priority" and not llm.engine.has_unfinished_requests()
+    with pytest.raises(ConfigError, match="scheduling_policy"):
+        llm_for(tiny_llama_dir, scheduling_policy="lifo")
 
 
 def test_chunked_prefill_small_budget(tiny_llama_dir, reference):

@@ -399,3 +399,78 @@ def test_long_random_workload_matches_reference():
         assert step < 3000
     assert {r.request_id: r.output_token_ids for r in reqs} == expected
     assert sched.block_manager.num_free_blocks == 29
+
+
+# ------------------------------------------------------------------ the priority policy
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    reqs = [req(f"p{rank}-{i}", p, max_tokens=3) for i, (rank, p) in enumerate(zip([3, 1, 2, 1], prompts(7, 4, 5, 9),
+                                                                                    strict=True))]
+    for r, rank in zip(reqs, [3, 1, 2, 1], strict=True):
+        r.priority = rank
+    expected = reference(reqs)
+    sched = make_scheduler(max_seqs=1, scheduling_policy="priority")
+    admitted = []
+    outputs = run(sched, reqs, lambda s, out: admitted.extend(out.new_request_ids))
+    assert admitted == ["p1-1", "p1-3", "p2-2", "p3-0"]
+    assert outputs == expected
+    # first come, first served ignores the field
+    sched = make_scheduler(max_seqs=1)
+    admitted.clear()
+    clones = [req(r.request_id, r.prompt_token_ids, max_tokens=3) for r in reqs]
+    run(sched, clones, lambda s, out: admitted.extend(out.new_request_ids))
+    assert admitted == [r.request_id for r in reqs]
+
+
+@pytest.mark.parametrize("short_of", ["seqs", "blocks"])
+def test_priority_policy_preempts_the_least_important_for_a_more_important_arrival(short_of):
+    """Two unimportant requests run; an important one arrives: the later unimportant one is preempted at
+    once (a full batch, or too few KV blocks), the important one runs, and every output is unchanged."""
+    low = [req(f"low{i}", p, max_tokens=24) for i, p in enumerate(prompts(11, 2, 10, 10))]
+    high = req("high", prompts(12, 1, 10, 10)[0], max_tokens=6)
+    for r in low:
+        r.priority = 5
+    expected = reference([*low, high])
+    if short_of == "seqs":
+        sched = make_scheduler(num_blocks=64, block_size=4, max_seqs=2, scheduling_policy="priority")
+        arrive = 4
+    else:   # the two low requests hold 12 of 13 usable blocks when high arrives (3 blocks for its prompt)
+        sched = make_scheduler(num_blocks=14, block_size=4, max_seqs=8, scheduling_policy="priority")
+        arrive = 12
+    events = []
+
+    def watch(s: Scheduler, out: SchedulerOutput):
+        if len(events) == arrive:
+            s.add_request(high)
+        events.append((list(out.new_request_ids), list(out.preempted_request_ids)))
+        running = {r.request_id for r in s.running}
+        assert {e.request.request_id for e in out.scheduled} <= running
+
+    outputs = run(sched, low, watch)
+    admitted_at = next(i for i, (new, _) in enumerate(events) if "high" in new)
+    assert admitted_at == arrive + 1, events
+    assert "low1" in events[admitted_at][1] and "low0" not in events[admitted_at][1]
+    assert {**outputs, "high": high.output_token_ids} == expected
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
+
+
+def test_priority_policy_never_preempts_for_an_equal_or_less_important_arrival():
+    low = [req(f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts(13, 3, 8, 8))]
+    low[2].priority = 1
+    sched = make_scheduler(max_seqs=2, scheduling_policy="priority")
+    preempted = []
+    run(sched, low, lambda s, out: preempted.extend(out.preempted_request_ids))
+    assert preempted == []
+
+
+def test_priority_policy_preempts_the_least_important_when_running_requests_outgrow_the_cache():
+    """Blocks run out while running requests grow: the victim is the least important running request,
+    not the newest (which first come, first served would take)."""
+    reqs = [req(f"r{i}", p, max_tokens=20) for i, p in enumerate(prompts(1, 3, 12, 12))]
+    reqs[0].priority, reqs[1].priority, reqs[2].priority = 2, 9, 0
+    expected = reference(reqs)
+    sched = make_scheduler(num_blocks=17, block_size=4, budget=64, max_seqs=3, scheduling_policy="priority")
+    first = []
+    outputs = run(sched, reqs, lambda s, out: first.extend(out.preempted_request_ids[:1]) if not first else None)
+    assert first == ["r1"]
+    assert outputs == expected

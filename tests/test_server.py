@@ -397,6 +397,8 @@ def test_chat_n_logprobs_and_max_completion_tokens(client, engine):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, "priority"),   # the server runs first come, first served
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": -2}, "priority"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}},
      "logit_bias"),

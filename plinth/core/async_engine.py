@@ -55,6 +55,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     sink: _Sink
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -144,7 +145,7 @@ class AsyncLLMEngine:
                                         template_kwargs=template_kwargs)
 
     async def generate(self, request_id: str, prompt: str | Sequence[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is
@@ -157,7 +158,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._submit(_Add(request_id, prompt, params, time.time(), sink))
+        self._submit(_Add(request_id, prompt, params, time.time(), sink, priority))
         finished = False
         try:
             while True:
@@ -258,7 +259,8 @@ class AsyncLLMEngine:
                 self._engine.abort_request(cmd.request_id)
             else:
                 try:
-                    self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+                    self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                             priority=cmd.priority)
                 except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
                     self._send({cmd.sink.loop: [(cmd.sink.queue, exc)]})
                 else:

@@ -243,12 +243,13 @@ class LLMEngine:
                                                   **(template_kwargs or {}))
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request.
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request. ``priority`` (the ``priority`` scheduling policy only): lower runs first.
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt or of
-                ``logit_bias``) is not in the vocabulary, or the id is in use.
+                ``logit_bias``) is not in the vocabulary, the id is in use, or a priority without the
+                priority policy.
             QueueFullError: the waiting queue is full.
         """
         params = params or SamplingParams()
@@ -256,6 +257,11 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestRejectedError(f"priority must be an integer, got {priority!r}", param="priority")
+        if priority and self.scheduler.config.scheduling_policy != "priority":
+            raise RequestRejectedError("priority needs the priority scheduling policy (--scheduling-policy "
+                                       "priority)", param="priority")
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenize(prompt)
@@ -283,6 +289,7 @@ class LLMEngine:
                 child_params = params if i == 0 or params.seed is None else params.clone(seed=_child_seed(params.seed, i))
                 seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
                 req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
+                req.priority = priority
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
                 self.scheduler.add_request(req)

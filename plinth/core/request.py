@@ -277,6 +277,8 @@ class Request:
                  eos_token_ids: tuple[int, ...] | list[int] = (), arrival_time: float | None = None,
                  max_tokens: int | None = None):
         self.request_id = request_id
+        self.priority = 0       # with the priority scheduling policy: lower is more important
+        self.arrival_seq = 0    # the scheduler's arrival order (ties of priority)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)

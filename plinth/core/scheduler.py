@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -147,6 +148,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self._arrivals = itertools.count()
+        self._by_priority = config.scheduling_policy == "priority"
         #: ``decodes -> prefill tokens`` that fit beside them (None: no limit); set by the engine
         self.prefill_allowance: Callable[[int], int | None] | None = None
 
@@ -190,8 +193,35 @@ class Scheduler:
         if cap is not None and len(self.waiting) >= cap:
             raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
         request.status = RequestStatus.WAITING
+        request.arrival_seq = next(self._arrivals)
         self.requests[rid] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    @staticmethod
+    def _rank(req: Request) -> tuple[int, int]:
+        """A request's place in the priority policy's order (smaller: more important)."""
+        return req.priority, req.arrival_seq
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Into the waiting queue: at its end (``front``: its start) first come, first served; by rank with
+        the priority policy."""
+        if not self._by_priority:
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        rank = self._rank(req)
+        index = next((i for i, w in enumerate(self.waiting) if self._rank(w) > rank), len(self.waiting))
+        self.waiting.insert(index, req)
+
+    def _victim(self, exclude: set[str]) -> Request | None:
+        """The running request to preempt: the last admitted (first come, first served) or the least
+        important (priority); none outside ``exclude`` -> None."""
+        candidates = (r for r in reversed(self.running) if r.request_id not in exclude)
+        if not self._by_priority:
+            return next(candidates, None)
+        return max(candidates, key=self._rank, default=None)
 
     # ---------------------------------------------------------------- scheduling
 
@@ -232,7 +262,8 @@ class Scheduler:
                 if req.num_pending_tokens and not bm.can_allocate(req, num_new):
                     continue   # no preemption for a token that may end the request: next step, once known
                 while not bm.allocate_slots(req, num_new):
-                    victim = next(r for r in reversed(self.running) if r.request_id not in done)
+                    victim = self._victim(done)
+                    assert victim is not None   # req itself is a candidate
                     self._preempt(victim)
                     preempted.append(victim.request_id)
                     if victim is req:
@@ -242,14 +273,17 @@ class Scheduler:
                     scheduled.append(ScheduledRequest(req, num_new, start, start + num_new == num_tokens, is_decode))
                     done.add(req.request_id)
                     budget -= num_new
-        num_decodes = len(scheduled) if not prefills else sum(1 for s in scheduled if s.is_decode)
 
         new_ids: list[str] = []
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while (not preempted or self._by_priority) and self.waiting and budget > 0:
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break   # preempted with a token in flight: admitted once the token is known
+            if len(self.running) >= self.config.max_num_seqs:
+                refund = self._make_room(req, scheduled, preempted)
+                if refund is None:
+                    break
+                budget += refund
             if req.sampling_params.prompt_logprobs is None:
                 cached, num_cached = bm.get_computed_blocks(req)
             else:   # every prompt position's logits are wanted
@@ -259,7 +293,14 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
                     break
                 num_new = budget
-            if not bm.allocate_slots(req, num_new, cached):
+            allocated = bm.allocate_slots(req, num_new, cached)
+            while not allocated:
+                refund = self._make_room(req, scheduled, preempted)
+                if refund is None:
+                    break
+                budget += refund
+                allocated = bm.allocate_slots(req, num_new, cached)
+            if not allocated:
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -273,6 +314,7 @@ class Scheduler:
             new_ids.append(req.request_id)
             budget -= num_new
 
+        num_decodes = sum(1 for s in scheduled if s.is_decode)   # first in the list
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -282,6 +324,24 @@ class Scheduler:
             preempted_request_ids=preempted,
             finished_request_ids=finished,
         )
+
+    def _make_room(self, req: Request, scheduled: list[ScheduledRequest], preempted: list[str]) -> int | None:
+        """Priority policy: preempt the least important running request if it ranks below the waiting ``req``.
+        Returns the tokens it had scheduled this step (back to the budget), or None when none may go."""
+        if not self._by_priority:
+            return None
+        victim = self._victim(set())
+        if victim is None or self._rank(victim) <= self._rank(req):
+            return None
+        refund = 0
+        for i, s in enumerate(scheduled):
+            if s.request is victim:
+                refund = s.num_new_tokens
+                del scheduled[i]
+                break
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        return refund
 
     def _prefill_budget(self, budget: int, num_decodes: int) -> int:
         """What is left of ``budget`` for prefill chunks beside ``num_decodes`` scheduled decodes."""
@@ -305,7 +365,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     # ---------------------------------------------------------------- results
 

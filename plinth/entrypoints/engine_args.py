@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from plinth.config import DTYPES, EXECUTORS, LOAD_FORMATS, SELECTION_MODES, EngineConfig
+from plinth.config import DTYPES, EXECUTORS, LOAD_FORMATS, SCHEDULING_POLICIES, SELECTION_MODES, EngineConfig
 
 # flag dest -> EngineConfig.from_kwargs keyword (identical names; listed to define the mapping once)
 ENGINE_KWARGS = (
@@ -14,7 +14,7 @@ ENGINE_KWARGS = (
     "seed", "served_model_name", "chat_template",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
-    "async_scheduling", "itl_target_ms",
+    "async_scheduling", "itl_target_ms", "scheduling_policy",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
     "platform", "attention_backend", "gemm_kernel", "selection", "enforce_eager",
 )
@@ -62,6 +62,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="while sequences decode, prefill only the prompt tokens predicted to keep each step within "
                         "this many ms (synchronous steps; default 0: off)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="fcfs: first come, first served; priority: requests' priority (lower first) orders "
+                        "admission and preemption")
     g = parser.add_argument_group("parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)

@@ -66,12 +66,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of ``prompts``.
 
         ``prompts`` is a string, a list of token ids, or a list of either.
         ``sampling_params`` is one for all prompts or one per prompt (default: ``SamplingParams()``).
+        ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).
         """
         if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
             prompts = [prompts.tolist()]  # type: ignore[union-attr]
@@ -87,11 +89,14 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, priority=rank)
                 ids.append(rid)
         except BaseException:
             if ids:   # a rejected prompt leaves none of the call's requests queued

@@ -66,6 +66,7 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     allowed_token_ids: list[int] | None = None
+    priority: int = 0   # vLLM's: with --scheduling-policy priority, lower runs first
 
     def structured(self) -> tuple[str, dict[str, Any]] | None:
         """``(field, spec)``: the constraint asked for (a ``structured_outputs`` value, see

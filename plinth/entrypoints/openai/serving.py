@@ -123,11 +123,11 @@ class ServerContext:
         ranked = sorted(pos.items(), key=lambda kv: _rank_key(kv[1]))
         return [(tid, lp.logprob) for tid, lp in ranked[:k]]
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """``front.generate`` with metrics; closing it aborts the engine request."""
         tracker = self.metrics.request()
-        inner = self.front.generate(request_id, prompt_ids, params)
+        inner = self.front.generate(request_id, prompt_ids, params, priority)
         error = False
         try:
             async for out in inner:

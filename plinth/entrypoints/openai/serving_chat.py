@@ -227,7 +227,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     rid = random_id("chatcmpl")
-    stream = ctx.generate(rid, ids, params)
+    stream = ctx.generate(rid, ids, params, req.priority)
     firsts = await unless_disconnected(raw, first_outputs([stream]))
     events = merge([stream], firsts)
     if req.stream:

@@ -126,7 +126,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     for p in prompts:
         ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
     rid = random_id("cmpl")
-    streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params) for i, p in enumerate(prompts)]
+    streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params, req.priority) for i, p in enumerate(prompts)]
     firsts = await unless_disconnected(raw, first_outputs(streams))
     events = merge(streams, firsts)
     if req.stream:
