@@ -97,6 +97,11 @@ def test_priority_policy_keeps_outputs_and_fcfs_refuses_priorities(tiny_llama_di
     assert prio.engine.scheduler.stats().num_preemptions > 0
     with pytest.raises(ValueError, match="priorities"):
         prio.generate(PROMPTS[:2], greedy(), priority=[1], use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        prio.generate(PROMPTS[:2], greedy(), priority=3, use_tqdm=False)
+    import numpy as np
+    again = prio.generate(PROMPTS[:2], greedy(), priority=np.array([1, 0]), use_tqdm=False)
+    assert token_ids(again) == reference[:2]
     prio.close()
     with pytest.raises(RequestRejectedError, match="scheduling-policy priority") as info:
         llm.generate(PROMPTS[0], greedy(), priority=[1], use_tqdm=False)

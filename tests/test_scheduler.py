@@ -474,3 +474,47 @@ def test_priority_policy_preempts_the_least_important_when_running_requests_outg
     outputs = run(sched, reqs, lambda s, out: first.extend(out.preempted_request_ids[:1]) if not first else None)
     assert first == ["r1"]
     assert outputs == expected
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_priority_arrival_never_reads_blocks_its_victim_did_not_write(shared):
+    """A prompt chunk in progress is displaced by an important arrival (sharing its prefix or not): the
+    blocks that chunk would have filled must not be offered from the prefix cache (FakeRunner raises on
+    a slot nobody wrote)."""
+    victim = req("V", list(range(100, 130)), max_tokens=4)
+    victim.priority = 5
+    head = req("H", list(range(100, 126)) + [7, 7] if shared else [500, 501], max_tokens=4)
+    expected = reference([victim, head])
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=1, scheduling_policy="priority")
+    steps = []
+
+    def watch(s, out):
+        steps.append(out)
+        if len(steps) == 1:
+            s.add_request(head)
+        scheduled = {e.request.request_id for e in out.scheduled}
+        assert not scheduled & set(out.preempted_request_ids)
+
+    outputs = run(sched, [victim], watch)
+    assert {**outputs, "H": head.output_token_ids} == expected
+    assert steps[1].preempted_request_ids == ["V"] and steps[1].new_request_ids == ["H"]
+
+
+def test_priority_policy_does_not_readmit_what_it_just_preempted():
+    """Equal priorities and a tight cache: a request preempted by the running requests' growth waits a
+    step, as under first come, first served (no preempt-and-readmit churn)."""
+    reqs = [req(f"r{i}", p, max_tokens=20) for i, p in enumerate(prompts(3, 2, 32, 32))]
+    totals = {}
+    for policy in ("fcfs", "priority"):
+        sched = make_scheduler(num_blocks=17, block_size=4, budget=16, max_seqs=3, prefix_caching=False,
+                               scheduling_policy=policy)
+        computed = []
+        clones = [req(r.request_id, r.prompt_token_ids, max_tokens=20) for r in reqs]
+
+        def watch(s, out, computed=computed):
+            computed.append(out.num_scheduled_tokens)
+            assert not set(out.new_request_ids) & set(out.preempted_request_ids)
+
+        assert run(sched, clones, watch) == reference(reqs)
+        totals[policy] = sum(computed)
+    assert totals["priority"] == totals["fcfs"]

@@ -153,6 +153,14 @@ class BlockManager:
             parent = self._prefix_id[block]
         return blocks, len(blocks) * bs
 
+    def blocks_to_take(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
+        """Free blocks :meth:`allocate_slots` with these arguments would take (cached ones revived included)."""
+        return self._num_to_take(request, num_new_tokens, cached_blocks)
+
+    def num_exclusive_blocks(self, request: Request) -> int:
+        """Blocks :meth:`free` of the request would return to the free list (those no other request holds)."""
+        return sum(1 for b in request.block_ids if self._ref[b] == 1)
+
     def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Whether :meth:`allocate_slots` with the same arguments would succeed."""
         return self._num_to_take(request, num_new_tokens, cached_blocks) <= len(self._free)

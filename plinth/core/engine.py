@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -257,8 +258,9 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise RequestRejectedError(f"priority must be an integer, got {priority!r}", param="priority")
+        priority = int(priority)
         if priority and self.scheduler.config.scheduling_policy != "priority":
             raise RequestRejectedError("priority needs the priority scheduling policy (--scheduling-policy "
                                        "priority)", param="priority")

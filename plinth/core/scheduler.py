@@ -20,6 +20,15 @@ blocks are released, it goes back to the FRONT of the waiting queue and is recom
 (its sampled tokens are kept; its cached blocks usually survive). No admission happens in a
 step that preempted.
 
+The ``priority`` policy (``SchedulerConfig.scheduling_policy``) orders by each request's rank,
+``(priority, arrival)``, smaller first: the waiting queue (a preempted request goes back to its
+rank's place), the running requests within the decodes and within the prefills, and the choice of
+victim (the least important running request not yet scheduled in this step). Before anything else
+in a step, a waiting head that outranks running requests but finds no sequence slot or too few
+blocks is admitted by preempting the least important of them, only when enough of them can make
+the room (its first chunk leaves a token of budget for each running request); no other request is
+admitted in that step.
+
 ``num_computed_tokens`` advances when a step is scheduled; ``update_from_output`` appends the
 sampled tokens and applies every stop condition but stop strings. How the engine learns finish
 reasons: ``update_from_output`` returns the requests it finished (``request.finish_reason``,
@@ -40,6 +49,7 @@ completes is registered when the token arrives.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -212,8 +222,10 @@ class Scheduler:
                 self.waiting.append(req)
             return
         rank = self._rank(req)
-        index = next((i for i, w in enumerate(self.waiting) if self._rank(w) > rank), len(self.waiting))
-        self.waiting.insert(index, req)
+        if not self.waiting or rank >= self._rank(self.waiting[-1]):
+            self.waiting.append(req)
+        else:
+            self.waiting.insert(bisect.bisect_right(self.waiting, rank, key=self._rank), req)
 
     def _victim(self, exclude: set[str]) -> Request | None:
         """The running request to preempt: the last admitted (first come, first served) or the least
@@ -232,7 +244,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         done: set[str] = set()        # request ids scheduled this step
-        preempted: list[str] = []
+        preempted: list[str] = []     # by the running requests' growth (no admission then)
+        displaced: list[str] = []     # by a more important arrival (priority policy)
+        early: list[ScheduledRequest] = []
+        new_ids: list[str] = []
+        if self._by_priority and self.waiting:
+            budget -= self._admit_over_lower_ranks(budget, early, done, displaced, new_ids)
 
         running = RequestStatus.RUNNING
         decodes: list[Request] = []
@@ -248,14 +265,17 @@ class Scheduler:
                 decodes.append(r)
             elif left > 1:
                 prefills.append(r)
+        if self._by_priority:
+            decodes.sort(key=self._rank)
+            prefills.sort(key=self._rank)
         for is_decode, group in ((True, decodes), (False, prefills)):
             if not is_decode and (prefills or self.waiting):
                 budget = self._prefill_budget(budget, len(scheduled))
             for req in group:
                 if budget == 0:
                     break
-                if preempted and req.status is not running:   # preempted earlier in this loop
-                    continue
+                if req.request_id in done or (preempted and req.status is not running):
+                    continue   # admitted before the loop, or preempted earlier in it
                 start = req.num_computed_tokens
                 num_tokens = req.num_tokens + req.num_pending_tokens
                 num_new = min(num_tokens - start, budget)
@@ -274,43 +294,21 @@ class Scheduler:
                     done.add(req.request_id)
                     budget -= num_new
 
-        new_ids: list[str] = []
-        while (not preempted or self._by_priority) and self.waiting and budget > 0:
+        scheduled.extend(early)   # prefills, after the decodes
+        while (not preempted and not displaced and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break   # preempted with a token in flight: admitted once the token is known
-            if len(self.running) >= self.config.max_num_seqs:
-                refund = self._make_room(req, scheduled, preempted)
-                if refund is None:
-                    break
-                budget += refund
-            if req.sampling_params.prompt_logprobs is None:
-                cached, num_cached = bm.get_computed_blocks(req)
-            else:   # every prompt position's logits are wanted
-                cached, num_cached = [], 0
+            cached, num_cached = self._cached_prefix(req)
             num_new = req.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
                     break
                 num_new = budget
-            allocated = bm.allocate_slots(req, num_new, cached)
-            while not allocated:
-                refund = self._make_room(req, scheduled, preempted)
-                if refund is None:
-                    break
-                budget += refund
-                allocated = bm.allocate_slots(req, num_new, cached)
-            if not allocated:
+            if not bm.allocate_slots(req, num_new, cached):
                 break
-            self.waiting.popleft()
-            self.running.append(req)
-            if req.status == RequestStatus.WAITING:   # first admission (not a resume)
-                req.num_cached_tokens = num_cached
-                req.metrics.num_cached_prompt_tokens = num_cached
-                req.metrics.first_scheduled_time = time.time()
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_cached
-            scheduled.append(self._commit(req, num_new, is_decode=False))
+            scheduled.append(self._admit(req, num_new, num_cached))
             new_ids.append(req.request_id)
             budget -= num_new
 
@@ -321,27 +319,69 @@ class Scheduler:
             num_scheduled_tokens=sum(s.num_new_tokens for s in scheduled),
             num_decodes=num_decodes,
             new_request_ids=new_ids,
-            preempted_request_ids=preempted,
+            preempted_request_ids=displaced + preempted,
             finished_request_ids=finished,
         )
 
-    def _make_room(self, req: Request, scheduled: list[ScheduledRequest], preempted: list[str]) -> int | None:
-        """Priority policy: preempt the least important running request if it ranks below the waiting ``req``.
-        Returns the tokens it had scheduled this step (back to the budget), or None when none may go."""
-        if not self._by_priority:
-            return None
-        victim = self._victim(set())
-        if victim is None or self._rank(victim) <= self._rank(req):
-            return None
-        refund = 0
-        for i, s in enumerate(scheduled):
-            if s.request is victim:
-                refund = s.num_new_tokens
-                del scheduled[i]
+    def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        if req.sampling_params.prompt_logprobs is None:
+            return self.block_manager.get_computed_blocks(req)
+        return [], 0   # every prompt position's logits are wanted
+
+    def _admit(self, req: Request, num_new: int, num_cached: int) -> ScheduledRequest:
+        """Move the waiting head, whose slots are allocated, to the running requests."""
+        self.waiting.popleft()
+        self.running.append(req)
+        if req.status == RequestStatus.WAITING:   # first admission (not a resume)
+            req.num_cached_tokens = num_cached
+            req.metrics.num_cached_prompt_tokens = num_cached
+            req.metrics.first_scheduled_time = time.time()
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_cached
+        return self._commit(req, num_new, is_decode=False)
+
+    def _admit_over_lower_ranks(self, budget: int, early: list[ScheduledRequest], done: set[str],
+                                displaced: list[str], new_ids: list[str]) -> int:
+        """Priority policy, before anything else is scheduled: admit the waiting head by preempting less
+        important running requests, when it outranks them and finds no sequence slot or too few blocks, and
+        only when enough of them can make the room. Returns the tokens it takes from the budget."""
+        bm = self.block_manager
+        head = self.waiting[0]
+        if head.num_pending_tokens:
+            return 0
+        rank = self._rank(head)
+        lower = sorted((r for r in self.running if self._rank(r) > rank), key=self._rank, reverse=True)
+        if not lower:
+            return 0
+        cached, num_cached = self._cached_prefix(head)
+        # leave one token of budget to each running request (decodes first)
+        num_new = min(head.num_tokens - num_cached, budget - len(self.running))
+        if num_new <= 0 or (num_new < head.num_tokens - num_cached and not self.config.enable_chunked_prefill
+                            and head.num_output_tokens == 0):
+            return 0
+        full = len(self.running) >= self.config.max_num_seqs
+        if not full and bm.can_allocate(head, num_new, cached):
+            return 0   # fits as it is: admitted in turn
+        need = bm.blocks_to_take(head, num_new, cached)
+        free, victims = bm.num_free_blocks, []
+        for victim in lower:
+            if free >= need and (victims or not full):
                 break
-        self._preempt(victim)
-        preempted.append(victim.request_id)
-        return refund
+            victims.append(victim)
+            free += bm.num_exclusive_blocks(victim)
+        if free < need or (full and not victims):
+            return 0   # not even all of them make the room: nobody is preempted
+        for victim in victims:
+            self._preempt(victim)
+            displaced.append(victim.request_id)
+        cached, num_cached = self._cached_prefix(head)
+        num_new = min(head.num_tokens - num_cached, budget - len(self.running))
+        if not bm.allocate_slots(head, num_new, cached):
+            return 0   # cannot happen: the freed blocks were counted
+        early.append(self._admit(head, num_new, num_cached))
+        done.add(head.request_id)
+        new_ids.append(head.request_id)
+        return num_new
 
     def _prefill_budget(self, budget: int, num_decodes: int) -> int:
         """What is left of ``budget`` for prefill chunks beside ``num_decodes`` scheduled decodes."""

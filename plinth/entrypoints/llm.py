@@ -89,6 +89,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        if priority is not None and (isinstance(priority, str) or not hasattr(priority, "__len__")):
+            raise ValueError(f"priority must be a list of integers, one per prompt, got {priority!r}")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
