@@ -251,3 +251,36 @@ def test_chat_uses_template(llm):
     a = llm.chat(conv, greedy(8), use_tqdm=False)[0]
     b = llm.generate(rendered, greedy(8), use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_prompt_logprobs_survive_preemption_during_the_prefill(tiny_llama_dir):
+    """A request preempted in the middle of its chunked prefill computes its prompt again: its prompt
+    logprobs still have one entry per position, equal to those of the request run alone."""
+    from plinth.config import EngineConfig
+    from plinth.core.engine import LLMEngine
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", selection="off",
+                                                  block_size=4, max_model_len=64, enable_prefix_caching=False, **kw))
+
+    def finish(eng, reqs):
+        for rid, prompt, params in reqs:
+            eng.add_request(rid, prompt, params)
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        return done
+
+    prompt = list(range(10, 50))
+    plp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    # 11 usable blocks: "hog" decodes while "p" is prefilled 3 tokens a step, until "p" is preempted mid-prompt
+    tight = engine(num_blocks=12, max_num_batched_tokens=4, max_num_seqs=2)
+    got = finish(tight, [("hog", [5, 6, 7, 8], greedy(24)), ("p", prompt, plp)])["p"]
+    assert tight.scheduler.num_preemptions > 0
+    want = finish(engine(num_blocks=64, max_num_batched_tokens=64), [("p", prompt, plp)])["p"]
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert got.prompt_logprobs[i].keys() == want.prompt_logprobs[i].keys() and prompt[i] in got.prompt_logprobs[i]
+        for t, lp in got.prompt_logprobs[i].items():
+            assert lp.logprob == pytest.approx(want.prompt_logprobs[i][t].logprob, abs=1e-4)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -518,3 +518,16 @@ def test_priority_policy_does_not_readmit_what_it_just_preempted():
         assert run(sched, clones, watch) == reference(reqs)
         totals[policy] = sum(computed)
     assert totals["priority"] == totals["fcfs"]
+
+
+def test_unset_max_tokens_stops_at_what_the_cache_holds():
+    """A KV cache smaller than max_model_len: a request without max_tokens gets the rest of the cache (not
+    a refusal); an explicit max_tokens beyond it is still refused with the numbers."""
+    sched = make_scheduler(num_blocks=9, block_size=4, max_model_len=64)   # 8 usable blocks: 32 tokens
+    r = req("a", [5] * 10, max_tokens=None)
+    outputs = run(sched, [r])
+    assert len(outputs["a"]) == 32 - 10 + 1 and r.finish_reason == FinishReason.LENGTH
+    with pytest.raises(RequestRejectedError, match="needs 9 KV blocks"):
+        sched.add_request(req("b", [5] * 10, max_tokens=24))
+    with pytest.raises(RequestRejectedError, match="KV blocks"):   # the prompt alone does not fit
+        sched.add_request(req("c", [5] * 40, max_tokens=None))

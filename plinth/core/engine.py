@@ -140,6 +140,11 @@ class LLMEngine:
         self._dead: EngineDeadError | None = None
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        cache_tokens = self.block_manager.num_usable_blocks * config.cache.block_size
+        if cache_tokens < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request gets at most "
+                           "that many in all (without max_tokens it stops there); give the cache more memory or "
+                           "lower --max-model-len", cache_tokens, self.max_model_len)
         self.device = parts.device
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
@@ -607,11 +612,15 @@ class LLMEngine:
                     and s.request is group.seqs[0].request):
                 start = s.num_computed_tokens
                 prompt = group.prompt_token_ids
-                # rows predicting prompt tokens start+1 .. min(start+n, len(prompt)-1)
+                # rows predicting prompt tokens start+1 .. min(start+n, len(prompt)-1); a request preempted
+                # during its prefill computes its prompt again from the start: positions already recorded
+                # (entry i is position i) are skipped
                 stop = min(start + n, len(prompt) - 1)
-                if stop > start and len(group.prompt_logprobs) < len(prompt):
-                    logits = self._run_guarded(self.executor.prompt_logits, hidden, slice(row, row + (stop - start)))
-                    targets = prompt[start + 1: stop + 1]
+                first = max(start, len(group.prompt_logprobs) - 1)
+                if stop > first:
+                    logits = self._run_guarded(self.executor.prompt_logits, hidden,
+                                               slice(row + first - start, row + stop - start))
+                    targets = prompt[first + 1: stop + 1]
                     k = group.params.prompt_logprobs or 0
                     lps = compute_prompt_logprobs(logits, targets, k).to_position_logprobs([k] * len(targets))
                     group.prompt_logprobs.extend(self._decorate(pos) for pos in lps if pos is not None)

@@ -179,14 +179,17 @@ class Scheduler:
         if num_prompt == 0:
             raise RequestRejectedError(f"request {rid!r}: the prompt is empty; at least one token is needed")
         limit = self.max_model_len
-        if request.max_tokens is None:
+        bm = self.block_manager
+        if request.max_tokens is None:   # the rest of the context, or of the KV cache when it holds less
             request.max_tokens = limit - num_prompt
+            room = bm.num_usable_blocks * bm.block_size - num_prompt + 1   # the last token needs no slot
+            if 1 <= room < request.max_tokens:
+                request.max_tokens = room
         if num_prompt + max(request.max_tokens, 1) > limit:
             raise RequestRejectedError(
                 f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
                 f"is {num_prompt + request.max_tokens} tokens, more than max_model_len ({limit}); "
                 "shorten the prompt or lower max_tokens")
-        bm = self.block_manager
         # The last sampled token is never fed back, so it needs no KV slot.
         need = bm.blocks_needed(num_prompt + request.max_tokens - 1)
         if need > bm.num_usable_blocks:
