@@ -133,21 +133,11 @@ def serving_config(args: argparse.Namespace) -> Any:
     return engine_config_from_args(args)
 
 
-def _import_web_stack() -> None:
-    """Import the HTTP stack (FastAPI, pydantic, Starlette: ~0.7 s of imports that the engine never
-    needs) while the model loads: much of loading is tensor work that releases the GIL."""
-    with contextlib.suppress(Exception):   # the main thread imports them again and reports any failure
-        import fastapi  # noqa: F401
-        import fastapi.responses  # noqa: F401
-        import prometheus_client  # noqa: F401
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    web = threading.Thread(target=_import_web_stack, name="plinth-import-web", daemon=True)
-    web.start()
     from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
 
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
@@ -169,9 +159,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         front = AsyncLLMEngine.from_config(config)
         try:
-            web.join()
-            from plinth.entrypoints.openai.api_server import build_app
-
             uv_config.app = build_app(front, api_key=api_key, tool_parser=tool_parser,
                                       reasoning_parser=reasoning_parser)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
