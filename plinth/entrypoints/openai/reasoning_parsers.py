@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from plinth.entrypoints.openai.tool_parsers import ParserChoiceError, held_prefix
+from plinth.entrypoints.openai.tool_parsers import held_prefix, resolve_parser
 from plinth.hookspecs import hookimpl
 
 PLINTH_PLUGIN_API = "1.0"
@@ -95,17 +95,5 @@ def resolve_reasoning_parser(name: str | None) -> type[ReasoningParser] | None:
     Raises:
         ParserChoiceError: no parser has that name, or the registration is not a ReasoningParser subclass.
     """
-    if name is None:
-        return None
-    from plinth.plugins import get_plugin_manager
-
-    registered = get_plugin_manager().registrations("reasoning_parsers")
-    found = registered.get(name)
-    if found is None:
-        raise ParserChoiceError(f"--reasoning-parser {name!r} is not a registered reasoning parser; registered: "
-                              f"{', '.join(sorted(registered)) or 'none'}")
-    cls = found.load()
-    if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)):
-        raise ParserChoiceError(f"reasoning parser {name!r} from plugin {found.plugin!r} ({found.ref}) is not a "
-                              f"ReasoningParser subclass")
-    return cls
+    return resolve_parser("reasoning_parsers", "--reasoning-parser", "reasoning parser", name,  # type: ignore[no-any-return]
+                          ReasoningParser)

@@ -48,12 +48,6 @@ class ParserChoiceError(UserFacingError, ValueError):
     """``--tool-call-parser`` or ``--reasoning-parser`` names no registered parser, or one of the wrong class."""
 
 
-def tool_parser_names() -> list[str]:
-    from plinth.plugins import get_plugin_manager
-
-    return sorted(get_plugin_manager().registrations("tool_parsers"))
-
-
 def resolve_tool_parser(name: str | None) -> type[ToolParser] | None:
     """The parser class registered as ``name`` (``None``: no parser).
 
@@ -61,18 +55,25 @@ def resolve_tool_parser(name: str | None) -> type[ToolParser] | None:
         ParserChoiceError: no parser has that name, or the registration is not a ToolParser subclass.
         PluginError: its module cannot be imported.
     """
+    return resolve_parser("tool_parsers", "--tool-call-parser", "tool-call parser", name, ToolParser)
+
+
+def resolve_parser(kind: str, flag: str, what: str, name: str | None, base: type) -> Any:
+    """The class a plugin registered as ``name`` among ``kind`` (``None``: none), checked to subclass ``base``
+    (``flag`` and ``what`` name it in errors)."""
     if name is None:
         return None
     from plinth.plugins import get_plugin_manager
 
-    found = get_plugin_manager().registrations("tool_parsers").get(name)
+    registered = get_plugin_manager().registrations(kind)
+    found = registered.get(name)
     if found is None:
-        raise ParserChoiceError(f"--tool-call-parser {name!r} is not a registered tool-call parser; "
-                              f"registered: {', '.join(tool_parser_names()) or 'none'}")
+        raise ParserChoiceError(f"{flag} {name!r} is not a registered {what}; registered: "
+                                f"{', '.join(sorted(registered)) or 'none'}")
     cls = found.load()
-    if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
-        raise ParserChoiceError(f"tool-call parser {name!r} from plugin {found.plugin!r} ({found.ref}) is not a "
-                              f"ToolParser subclass")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ParserChoiceError(f"{what} {name!r} from plugin {found.plugin!r} ({found.ref}) is not a "
+                                f"{base.__name__} subclass")
     return cls
 
 
