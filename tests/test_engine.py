@@ -284,3 +284,14 @@ def test_prompt_logprobs_survive_preemption_during_the_prefill(tiny_llama_dir):
         for t, lp in got.prompt_logprobs[i].items():
             assert lp.logprob == pytest.approx(want.prompt_logprobs[i][t].logprob, abs=1e-4)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_sample_ids_of_n_that_collide_with_a_request_id_are_a_clear_error(llm):
+    engine = llm.engine
+    engine.add_request("a#1", PROMPTS[0], greedy(2))
+    with pytest.raises(RequestRejectedError, match="names its samples"):
+        engine.add_request("a", PROMPTS[0], SamplingParams(n=2, max_tokens=2))
+    engine.abort_request(["a#1"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

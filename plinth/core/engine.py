@@ -263,6 +263,11 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        taken = next((f"{request_id}#{i}" for i in range(params.n) if f"{request_id}#{i}" in self._seqs),
+                     None) if params.n > 1 else None
+        if taken is not None:
+            raise RequestRejectedError(f"request id {request_id!r} with n={params.n} names its samples "
+                                       f"{request_id}#0 .. #{params.n - 1}, and {taken!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise RequestRejectedError(f"priority must be an integer, got {priority!r}", param="priority")
         priority = int(priority)
