@@ -6,12 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelRegistry", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "ModelRegistry",
+           "__version__"]
 
 # Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
 _LAZY = {
     "LLM": "plinth.entrypoints.llm:LLM",
     "SamplingParams": "plinth.core.request:SamplingParams",
+    "BeamSearchParams": "plinth.entrypoints.beam_search:BeamSearchParams",
     "RequestOutput": "plinth.core.request:RequestOutput",
     "CompletionOutput": "plinth.core.request:CompletionOutput",
     "ModelRegistry": "plinth.model_registry.registry:ModelRegistry",
@@ -19,6 +21,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams
+    from plinth.entrypoints.beam_search import BeamSearchParams
     from plinth.entrypoints.llm import LLM
     from plinth.model_registry.registry import ModelRegistry
 

@@ -6,10 +6,13 @@ import itertools
 import numbers
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plinth.config import EngineConfig
 from plinth.core.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 
 PromptType = str | Sequence[int]
 
@@ -106,6 +109,16 @@ class LLM:
                 self.engine.step(final_only=True)   # reports (and forgets) the aborted requests
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (:mod:`plinth.entrypoints.beam_search`): each prompt's ``params.beam_width`` best
+        sequences, best first."""
+        from plinth.entrypoints.beam_search import beam_search
+
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return beam_search(self, list(prompts), params)  # type: ignore[arg-type]
 
     def chat(
         self,

@@ -1,0 +1,112 @@
+"""Beam search on top of the engine (``LLM.beam_search``).
+
+Each round extends every live beam by one token: the beams run as one batch of one-token requests (their
+token ids as prompts, so the prefix cache supplies all but the last partial block of each), each asking for
+its ``2 * beam_width`` most likely next tokens. Of all the extensions, those ending in EOS are complete; the
+``beam_width`` best others (by cumulative log-probability) go on to the next round. After ``max_tokens``
+rounds (or when no beam is left) the complete and the live beams are ranked by
+``cumulative_logprob / length ** length_penalty`` (length: prompt plus generated tokens, an ending EOS not
+counted) and the best ``beam_width`` returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from plinth.core.request import SamplingParams
+
+if TYPE_CHECKING:
+    from plinth.entrypoints.llm import LLM
+
+#: beams x 2 candidates must fit in the most logprobs a request may ask for
+MAX_BEAM_WIDTH = SamplingParams.MAX_LOGPROBS // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """``beam_width`` beams of at most ``max_tokens`` new tokens, ranked by the model's log-probabilities;
+    ``length_penalty`` weighs the length in the final ranking (0: none; larger values favour longer
+    sequences); ``ignore_eos`` keeps beams going past EOS."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH} (2 x beam_width logprobs per step, at "
+                             f"most {SamplingParams.MAX_LOGPROBS}), got {self.beam_width}")
+        if not -float("inf") < self.length_penalty < float("inf"):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+
+
+@dataclasses.dataclass
+class BeamSequence:
+    """One beam: its generated tokens (an ending EOS included), their text, the sum of their log-probabilities,
+    the ranking score and why it ended (``stop``: EOS, ``length``: ``max_tokens``)."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    text: str = ""
+    score: float = 0.0
+    finish_reason: str = "length"
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
+
+
+def score(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
+    """``cumulative_logprob / length ** length_penalty`` (length: prompt and generated tokens, an ending EOS
+    not counted)."""
+    length = num_prompt + len(beam.token_ids)
+    if beam.finish_reason == "stop" and beam.token_ids and beam.token_ids[-1] in eos_ids:
+        length -= 1
+    return beam.cumulative_logprob / max(length, 1) ** length_penalty
+
+
+def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search for each prompt (text or token ids); see the module docstring."""
+    engine = llm.engine
+    eos = tuple(engine.eos_token_ids)
+    starts = [list(engine.tokenize(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    live: list[list[BeamSequence]] = [[BeamSequence([], 0.0)] for _ in starts]
+    done: list[list[BeamSequence]] = [[] for _ in starts]
+    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True,
+                          detokenize=False)
+    for _ in range(params.max_tokens):
+        batch = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+        if not batch:
+            break
+        outs = llm.generate([starts[i] + beam.token_ids for i, beam in batch], step, use_tqdm=False)
+        grown: list[list[BeamSequence]] = [[] for _ in starts]
+        for (i, beam), out in zip(batch, outs, strict=True):
+            for token, lp in (out.outputs[0].logprobs or [{}])[0].items():
+                child = BeamSequence(beam.token_ids + [token], beam.cumulative_logprob + lp.logprob)
+                if token in eos and not params.ignore_eos:
+                    child.finish_reason = "stop"
+                    done[i].append(child)
+                else:
+                    grown[i].append(child)
+        live = [sorted(g, key=lambda b: b.cumulative_logprob, reverse=True)[:params.beam_width] for g in grown]
+    results = []
+    for i, start in enumerate(starts):
+        beams = done[i] + live[i]
+        for beam in beams:
+            beam.score = score(len(start), beam, eos, params.length_penalty)
+        best = sorted(beams, key=lambda b: b.score, reverse=True)[:params.beam_width]
+        for beam in best:
+            beam.text = engine.tokenizer.decode(beam.token_ids, skip_special_tokens=True) if engine.tokenizer else ""
+        results.append(BeamSearchOutput(start, best))
+    return results

@@ -1,0 +1,101 @@
+"""``LLM.beam_search`` against the same beam search written directly on transformers' float64 log-probabilities
+of the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from plinth import LLM, BeamSearchParams
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "0123"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", block_size=4, selection="off")
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_llama_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float64).eval()
+
+
+@torch.no_grad()
+def reference(model, prompt: list[int], width: int, max_tokens: int, eos: set[int], length_penalty: float,
+              ignore_eos: bool = False) -> list[tuple[list[int], float, str]]:
+    """The module's algorithm on float64 log-probabilities: (tokens, cumulative logprob, finish), best first."""
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    done: list[tuple[list[int], float]] = []
+    for _ in range(max_tokens):
+        if not live:
+            break
+        grown = []
+        for tokens, cum in live:
+            lps = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0, -1], -1)
+            top = torch.topk(lps, 2 * width)
+            for lp, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                (done if t in eos and not ignore_eos else grown).append((tokens + [t], cum + lp))
+        live = sorted(grown, key=lambda b: b[1], reverse=True)[:width]
+    beams = [(t, c, "stop") for t, c in done] + [(t, c, "length") for t, c in live]
+
+    def score(beam):
+        tokens, cum, finish = beam
+        length = len(prompt) + len(tokens) - (1 if finish == "stop" else 0)
+        return cum / length ** length_penalty
+
+    return sorted(beams, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("width, max_tokens, length_penalty", [(1, 12, 1.0), (3, 10, 1.0), (4, 8, 0.0), (2, 8, 2.0)])
+def test_beams_match_a_float64_reference(llm, reference_model, width, max_tokens, length_penalty):
+    eos = set(llm.engine.eos_token_ids)
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                                     length_penalty=length_penalty))
+    assert len(outs) == len(PROMPTS)
+    for text, out in zip(PROMPTS, outs, strict=True):
+        assert out.prompt_token_ids == llm.engine.tokenize(text)
+        want = reference(reference_model, out.prompt_token_ids, width, max_tokens, eos, length_penalty)
+        assert [(b.token_ids, b.finish_reason) for b in out.sequences] == [(t, f) for t, _, f in want]
+        for beam, (_, cum, _) in zip(out.sequences, want, strict=True):
+            assert beam.cumulative_logprob == pytest.approx(cum, abs=1e-4)
+            assert beam.text == llm.get_tokenizer().decode(beam.token_ids, skip_special_tokens=True)
+        scores = [b.score for b in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+    # beam width 1 is greedy decoding
+    if width == 1:
+        greedy = llm.generate(PROMPTS, __import__("plinth").SamplingParams(temperature=0, max_tokens=max_tokens),
+                              use_tqdm=False)
+        assert [o.sequences[0].token_ids for o in outs] == [g.outputs[0].token_ids for g in greedy]
+
+
+def test_ignore_eos_token_id_prompts_and_bad_parameters(llm, reference_model):
+    ids = llm.engine.tokenize(PROMPTS[1])
+    out = llm.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    assert len(out) == 1 and all(len(b.token_ids) == 6 and b.finish_reason == "length" for b in out[0].sequences)
+    want = reference(reference_model, ids, 2, 6, set(llm.engine.eos_token_ids), 1.0, ignore_eos=True)
+    assert [b.token_ids for b in out[0].sequences] == [t for t, _, _ in want]
+    for bad in (dict(beam_width=0, max_tokens=4), dict(beam_width=11, max_tokens=4), dict(beam_width=2, max_tokens=0),
+                dict(beam_width=True, max_tokens=4), dict(beam_width=2, max_tokens=4, length_penalty=float("nan"))):
+        with pytest.raises(ValueError):
+            BeamSearchParams(**bad)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@torch.no_grad()
+def test_beams_that_end_in_eos_are_complete(llm, reference_model):
+    """A one-token prompt after which EOS is among the two most likely tokens: the beam ending there is
+    complete (finish "stop", ranked without its EOS) and the result still equals the reference."""
+    eos = llm.engine.eos_token_ids[0]
+    vocab = reference_model.config.vocab_size
+    starts = torch.arange(3, vocab).unsqueeze(1)
+    logits = reference_model(starts).logits[:, -1]
+    rank = (logits > logits[:, eos:eos + 1]).sum(-1)
+    prompt = [int(starts[int(torch.argmin(rank))])]
+    assert int(rank.min()) <= 1
+    # no length penalty: the short complete beam keeps its lead over longer ones
+    out = llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=5, length_penalty=0.0))[0]
+    want = reference(reference_model, prompt, 2, 5, {eos}, 0.0)
+    assert [(b.token_ids, b.finish_reason) for b in out.sequences] == [(t, f) for t, _, f in want]
+    assert any(b.finish_reason == "stop" and b.token_ids[-1] == eos for b in out.sequences)
