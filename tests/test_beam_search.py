@@ -99,3 +99,38 @@ def test_beams_that_end_in_eos_are_complete(llm, reference_model):
     want = reference(reference_model, prompt, 2, 5, {eos}, 0.0)
     assert [(b.token_ids, b.finish_reason) for b in out.sequences] == [(t, f) for t, _, f in want]
     assert any(b.finish_reason == "stop" and b.token_ids[-1] == eos for b in out.sequences)
+
+
+def test_score_counts_the_prompt_and_not_an_ending_eos():
+    from plinth.entrypoints.beam_search import BeamSequence, score
+
+    ended = BeamSequence([7, 8, 2], -3.0, finish_reason="stop")
+    assert score(5, ended, (2,), 2.0) == pytest.approx(-3.0 / (5 + 3 - 1) ** 2)
+    cut = BeamSequence([7, 8, 9], -3.0)
+    assert score(5, cut, (2,), 1.0) == pytest.approx(-3.0 / 8)
+    assert score(5, cut, (2,), 0.0) == -3.0
+    # ignore_eos: an EOS that happens to end a beam is not counted either (as vLLM does)
+    assert score(5, BeamSequence([7, 2], -1.0), (2,), 1.0) == pytest.approx(-1.0 / 6)
+
+
+def test_context_limit_array_prompts_and_wrong_parameters(tiny_llama_dir, llm):
+    import numpy as np
+
+    from plinth import SamplingParams
+    from plinth.core.scheduler import RequestRejectedError
+
+    short = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, selection="off", max_model_len=24)
+    ids = short.engine.tokenize(PROMPTS[0])
+    out = short.beam_search(np.array(ids), BeamSearchParams(beam_width=2, max_tokens=40, ignore_eos=True))[0]
+    assert out.prompt_token_ids == ids
+    assert all(len(ids) + len(b.token_ids) == 24 and b.finish_reason == "length" for b in out.sequences)
+    with pytest.raises(RequestRejectedError, match="prompt 1: 30 tokens leave no room"):
+        short.beam_search([ids, [5] * 30], BeamSearchParams(beam_width=2, max_tokens=4))
+    with pytest.raises(RequestRejectedError, match="token ids"):
+        short.beam_search([[5.5, 7.0]], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert not short.engine.has_unfinished_requests()
+    short.close()
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        llm.beam_search(PROMPTS[0], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty="1")

@@ -360,3 +360,13 @@ def test_cpu_draws_never_pick_dropped_tokens_and_follow_the_rest():
     kept = probs > 0
     # 2 degrees of freedom: 13.82 is the 0.999 quantile
     assert chi_square(counts[kept], probs[kept]) < 13.82, counts
+
+
+def test_logprobs_of_more_tokens_than_the_vocabulary_has():
+    """A request may ask for more top logprobs than a small vocabulary holds: it gets them all."""
+    from plinth.core.sampler import gather_logprobs
+
+    lps = torch.log_softmax(torch.randn(2, 5, dtype=torch.float64), -1)
+    out = gather_logprobs(lps, torch.tensor([0, 3]), 8).to_position_logprobs([8, 8])
+    assert [sorted(row) for row in out] == [[0, 1, 2, 3, 4]] * 2
+    assert out[1][3].logprob == pytest.approx(lps[1, 3].item())

@@ -77,7 +77,7 @@ class LogprobsTensors:
                 out.append(None)
                 continue
             entry = {ids[row][0]: Logprob(lps[row][0], ranks[row])}
-            for j in range(1, n + 1):
+            for j in range(1, min(n, len(ids[row]) - 1) + 1):
                 entry.setdefault(ids[row][j], Logprob(lps[row][j], j))
             out.append(entry)
         return out
@@ -227,7 +227,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num: int) -
     """Chosen-token logprob and rank plus the top ``num`` of each row of ``logprobs`` ([B, V])."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))                     # [B, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1                             # [B]
-    top_lp, top_ids = logprobs.topk(num, dim=-1)                            # [B, num]
+    top_lp, top_ids = logprobs.topk(min(num, logprobs.shape[-1]), dim=-1)   # [B, num] (a vocabulary may be smaller)
     return LogprobsTensors(
         token_ids=torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
         logprobs=torch.cat([chosen, top_lp], dim=1),

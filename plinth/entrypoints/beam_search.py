@@ -4,18 +4,22 @@ Each round extends every live beam by one token: the beams run as one batch of o
 token ids as prompts, so the prefix cache supplies all but the last partial block of each), each asking for
 its ``2 * beam_width`` most likely next tokens. Of all the extensions, those ending in EOS are complete; the
 ``beam_width`` best others (by cumulative log-probability) go on to the next round. After ``max_tokens``
-rounds (or when no beam is left) the complete and the live beams are ranked by
-``cumulative_logprob / length ** length_penalty`` (length: prompt plus generated tokens, an ending EOS not
-counted) and the best ``beam_width`` returned.
+rounds (or when no beam is left, or the beams reach ``max_model_len``) the complete and the live beams are
+ranked by ``cumulative_logprob / length ** length_penalty`` (length: prompt plus generated tokens, an ending
+EOS not counted, as vLLM does) and the best ``beam_width`` returned.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from plinth.core.engine import _token_ids
 from plinth.core.request import SamplingParams
+from plinth.core.scheduler import RequestRejectedError
 
 if TYPE_CHECKING:
     from plinth.entrypoints.llm import LLM
@@ -43,8 +47,11 @@ class BeamSearchParams:
         if self.beam_width > MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH} (2 x beam_width logprobs per step, at "
                              f"most {SamplingParams.MAX_LOGPROBS}), got {self.beam_width}")
-        if not -float("inf") < self.length_penalty < float("inf"):
+        if (isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, numbers.Real)
+                or not math.isfinite(self.length_penalty)):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
 
 @dataclasses.dataclass
@@ -71,22 +78,38 @@ def score(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_pe
     """``cumulative_logprob / length ** length_penalty`` (length: prompt and generated tokens, an ending EOS
     not counted)."""
     length = num_prompt + len(beam.token_ids)
-    if beam.finish_reason == "stop" and beam.token_ids and beam.token_ids[-1] in eos_ids:
+    if beam.token_ids and beam.token_ids[-1] in eos_ids:
         length -= 1
     return beam.cumulative_logprob / max(length, 1) ** length_penalty
 
 
 def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (text or token ids); see the module docstring."""
+    """Beam search for each prompt (text or token ids); see the module docstring.
+
+    Raises:
+        TypeError: ``params`` is not a :class:`BeamSearchParams`.
+        RequestRejectedError: a prompt is empty, not token ids, or leaves no room in the context.
+    """
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"beam search takes BeamSearchParams, not {type(params).__name__}")
     engine = llm.engine
     eos = tuple(engine.eos_token_ids)
-    starts = [list(engine.tokenize(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    limit = engine.max_model_len
+    starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
+    for i, start in enumerate(starts):
+        if not start or len(start) >= limit:
+            raise RequestRejectedError(f"prompt {i}: " + ("the prompt is empty" if not start else
+                                       f"{len(start)} tokens leave no room for a new one in this model's context "
+                                       f"of {limit} tokens"), param="prompt")
     live: list[list[BeamSequence]] = [[BeamSequence([], 0.0)] for _ in starts]
     done: list[list[BeamSequence]] = [[] for _ in starts]
-    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True,
-                          detokenize=False)
+    vocab = engine.vocab_size or 2 * params.beam_width
+    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=min(2 * params.beam_width, vocab),
+                          ignore_eos=True, detokenize=False)
     for _ in range(params.max_tokens):
-        batch = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+        # beams that fill the context end there (finish "length")
+        batch = [(i, beam) for i, beams in enumerate(live) for beam in beams
+                 if len(starts[i]) + len(beam.token_ids) < limit]
         if not batch:
             break
         outs = llm.generate([starts[i] + beam.token_ids for i, beam in batch], step, use_tqdm=False)
@@ -99,7 +122,9 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> l
                     done[i].append(child)
                 else:
                     grown[i].append(child)
-        live = [sorted(g, key=lambda b: b.cumulative_logprob, reverse=True)[:params.beam_width] for g in grown]
+        full = [[b for b in beams if len(starts[i]) + len(b.token_ids) >= limit] for i, beams in enumerate(live)]
+        live = [sorted(g + f, key=lambda b: b.cumulative_logprob, reverse=True)[:params.beam_width]
+                for g, f in zip(grown, full, strict=True)]
     results = []
     for i, start in enumerate(starts):
         beams = done[i] + live[i]

@@ -115,6 +115,8 @@ class LLM:
         sequences, best first."""
         from plinth.entrypoints.beam_search import beam_search
 
+        if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
+            prompts = [prompts.tolist()]  # type: ignore[union-attr]
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -166,6 +168,7 @@ class LLM:
                             bar.update(1)
         except BaseException:
             self.engine.abort_request(list(pending))
+            self.engine.step(final_only=True)   # reports (and forgets) the aborted requests
             raise
         finally:
             if bar is not None:
