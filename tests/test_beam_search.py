@@ -134,3 +134,38 @@ def test_context_limit_array_prompts_and_wrong_parameters(tiny_llama_dir, llm):
         llm.beam_search(PROMPTS[0], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="length_penalty"):
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty="1")
+
+
+def test_server_use_beam_search(tiny_llama_dir, llm):
+    """vLLM's use_beam_search on both routes: the n best beams, as LLM.beam_search finds them."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", block_size=4,
+                                                selection="off", served_model_name="tiny"))
+    want = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPTS[:2], "n": 3, "max_tokens": 6, "use_beam_search": True,
+                                               "length_penalty": 0.5, "echo": True})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(6))
+        assert [c["text"] for c in choices] == [p + b.text for p, o in zip(PROMPTS[:2], want, strict=True)
+                                                for b in o.sequences]
+        assert [c["finish_reason"] for c in choices] == [b.finish_reason for o in want for b in o.sequences]
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                                    "max_tokens": 5, "use_beam_search": True})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        ids = engine.tokenize(engine.render_chat([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+        beams = llm.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=5))[0].sequences
+        assert [c["message"]["content"] for c in r.json()["choices"]] == [b.text for b in beams]
+        for body, param in [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n"),
+                            ({"guided_regex": "a+"}, "use_beam_search"), ({"length_penalty": "x"}, "length_penalty")]:
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "use_beam_search": True, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

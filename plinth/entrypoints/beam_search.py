@@ -11,10 +11,12 @@ EOS not counted, as vLLM does) and the best ``beam_width`` returned.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import itertools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from plinth.core.engine import _token_ids
@@ -83,28 +85,25 @@ def score(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_pe
     return beam.cumulative_logprob / max(length, 1) ** length_penalty
 
 
-def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (text or token ids); see the module docstring.
-
-    Raises:
-        TypeError: ``params`` is not a :class:`BeamSearchParams`.
-        RequestRejectedError: a prompt is empty, not token ids, or leaves no room in the context.
-    """
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"beam search takes BeamSearchParams, not {type(params).__name__}")
-    engine = llm.engine
-    eos = tuple(engine.eos_token_ids)
-    limit = engine.max_model_len
-    starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
+def check_prompts(starts: list[list[int]], limit: int) -> None:
+    """Raises RequestRejectedError for an empty prompt or one that leaves no room in the context."""
     for i, start in enumerate(starts):
         if not start or len(start) >= limit:
             raise RequestRejectedError(f"prompt {i}: " + ("the prompt is empty" if not start else
                                        f"{len(start)} tokens leave no room for a new one in this model's context "
                                        f"of {limit} tokens"), param="prompt")
+
+
+def search(starts: list[list[int]], params: BeamSearchParams, eos: tuple[int, ...], limit: int,
+           vocab: int | None) -> Generator[tuple[list[list[int]], SamplingParams], list[Any], list[BeamSearchOutput]]:
+    """The search, driven from outside: yields each round's ``(token-id prompts, params)`` and is sent their
+    outputs (``RequestOutput``s, in order); returns the beams (texts not filled in)."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"beam search takes BeamSearchParams, not {type(params).__name__}")
+    check_prompts(starts, limit)
     live: list[list[BeamSequence]] = [[BeamSequence([], 0.0)] for _ in starts]
     done: list[list[BeamSequence]] = [[] for _ in starts]
-    vocab = engine.vocab_size or 2 * params.beam_width
-    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=min(2 * params.beam_width, vocab),
+    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=min(2 * params.beam_width, vocab or 2 * params.beam_width),
                           ignore_eos=True, detokenize=False)
     for _ in range(params.max_tokens):
         # beams that fill the context end there (finish "length")
@@ -112,7 +111,7 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> l
                  if len(starts[i]) + len(beam.token_ids) < limit]
         if not batch:
             break
-        outs = llm.generate([starts[i] + beam.token_ids for i, beam in batch], step, use_tqdm=False)
+        outs = yield [starts[i] + beam.token_ids for i, beam in batch], step
         grown: list[list[BeamSequence]] = [[] for _ in starts]
         for (i, beam), out in zip(batch, outs, strict=True):
             for token, lp in (out.outputs[0].logprobs or [{}])[0].items():
@@ -130,8 +129,52 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> l
         beams = done[i] + live[i]
         for beam in beams:
             beam.score = score(len(start), beam, eos, params.length_penalty)
-        best = sorted(beams, key=lambda b: b.score, reverse=True)[:params.beam_width]
-        for beam in best:
-            beam.text = engine.tokenizer.decode(beam.token_ids, skip_special_tokens=True) if engine.tokenizer else ""
-        results.append(BeamSearchOutput(start, best))
+        results.append(BeamSearchOutput(start, sorted(beams, key=lambda b: b.score, reverse=True)[:params.beam_width]))
     return results
+
+
+def _with_text(results: list[BeamSearchOutput], tokenizer: Any) -> list[BeamSearchOutput]:
+    for out in results:
+        for beam in out.sequences:
+            beam.text = tokenizer.decode(beam.token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    return results
+
+
+def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search for each prompt (text or token ids) on an offline engine; see the module docstring.
+
+    Raises:
+        TypeError: ``params`` is not a :class:`BeamSearchParams`.
+        RequestRejectedError: a prompt is empty, not token ids, or leaves no room in the context.
+    """
+    engine = llm.engine
+    starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
+    rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_model_len, engine.vocab_size)
+    try:
+        batch, step = next(rounds)
+        while True:
+            batch, step = rounds.send(llm.generate(batch, step, use_tqdm=False))
+    except StopIteration as end:
+        return _with_text(end.value, engine.tokenizer)
+
+
+async def beam_search_async(front: Any, request_id: str, starts: list[list[int]],
+                            params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """The same search on a running :class:`~plinth.core.async_engine.AsyncLLMEngine` (the server's): each
+    round's beams run as concurrent requests ``{request_id}-{round}-{beam}``."""
+    rounds = search(starts, params, tuple(front.eos_token_ids), front.max_model_len, front.vocab_size)
+
+    async def last(rid: str, prompt: list[int], step: SamplingParams) -> Any:
+        final = None
+        async for out in front.generate(rid, prompt, step):
+            final = out
+        return final
+
+    try:
+        batch, step = next(rounds)
+        for r in itertools.count():
+            outs = await asyncio.gather(*(last(f"{request_id}-{r}-{j}", p, step) for j, p in enumerate(batch)))
+            batch, step = rounds.send(list(outs))
+    except StopIteration as end:
+        return _with_text(end.value, front.tokenizer)
+    raise AssertionError("unreachable")

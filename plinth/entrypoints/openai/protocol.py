@@ -67,6 +67,8 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
     allowed_token_ids: list[int] | None = None
     priority: int = 0   # vLLM's: with --scheduling-policy priority, lower runs first
+    use_beam_search: bool = False   # vLLM's: n beams, the n best returned (plinth.entrypoints.beam_search)
+    length_penalty: float = 1.0
 
     def structured(self) -> tuple[str, dict[str, Any]] | None:
         """``(field, spec)``: the constraint asked for (a ``structured_outputs`` value, see

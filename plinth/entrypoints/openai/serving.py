@@ -15,6 +15,7 @@ from plinth.core.async_engine import AsyncLLMEngine
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
+from plinth.entrypoints.beam_search import BeamSearchParams
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.tool_parsers import ToolParser
@@ -210,6 +211,26 @@ async def check_structured(ctx: ServerContext, req: Any, params: SamplingParams)
         await asyncio.to_thread(compile_it)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), field) from None
+
+
+def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, room: int) -> BeamSearchParams:
+    """The beam search a ``use_beam_search`` request asks for (``n`` beams; ``room``: the tokens the context
+    leaves after the longest prompt, the default ``max_tokens``); what it cannot do is a 400."""
+    if req.stream:
+        raise bad_request("use_beam_search does not stream; set stream to false", "stream")
+    if getattr(req, "logprobs", None) not in (None, False):
+        raise bad_request("use_beam_search does not return logprobs", "logprobs")
+    if req.structured() is not None or getattr(req, "tools", None):
+        raise bad_request("use_beam_search cannot be combined with a structured-output constraint or tools",
+                          "use_beam_search")
+    try:
+        return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else room,
+                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+    except ValueError as exc:
+        text = str(exc)
+        param = ("length_penalty" if "length_penalty" in text else "n" if "beam_width" in text
+                 else max_tokens_param)
+        raise bad_request(text.replace("beam_width", "n (the beam width)"), param) from None
 
 
 def check_choices(prompts: int, n: int) -> None:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
+from plinth.entrypoints.beam_search import beam_search_async
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     ChatChoice,
@@ -37,6 +38,7 @@ from plinth.entrypoints.openai.protocol import (
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.serving import (
     ServerContext,
+    beam_search_params,
     check_structured,
     first_outputs,
     merge,
@@ -227,6 +229,18 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     rid = random_id("chatcmpl")
+    if req.use_beam_search:
+        beam = beam_search_params(req, max_tokens, max_param, ctx.front.max_model_len - len(ids))
+        out = (await unless_disconnected(raw, beam_search_async(ctx.front, rid, [ids], beam)))[0]
+        choices = []
+        for j, b in enumerate(out.sequences):
+            reply = _Reply(None, ctx.reasoning_parser)
+            reply.update(b.text, final=True)
+            choices.append(ChatChoice(index=j, message=reply.message(), finish_reason=b.finish_reason))
+        completion = sum(len(b.token_ids) for b in out.sequences)
+        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
+        return JSONResponse(ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices,
+                                                   usage=usage).model_dump())
     stream = ctx.generate(rid, ids, params, req.priority)
     firsts = await unless_disconnected(raw, first_outputs([stream]))
     events = merge([stream], firsts)

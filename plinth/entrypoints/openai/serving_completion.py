@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from plinth.core.request import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
+from plinth.entrypoints.beam_search import beam_search_async
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -23,6 +24,7 @@ from plinth.entrypoints.openai.protocol import (
 )
 from plinth.entrypoints.openai.serving import (
     ServerContext,
+    beam_search_params,
     check_choices,
     check_structured,
     first_outputs,
@@ -126,6 +128,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     for p in prompts:
         ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
     rid = random_id("cmpl")
+    if req.use_beam_search:
+        return await _beam_search(ctx, req, rid, prompts, raw)
     streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params, req.priority) for i, p in enumerate(prompts)]
     firsts = await unless_disconnected(raw, first_outputs(streams))
     events = merge(streams, firsts)
@@ -138,6 +142,20 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     body = CompletionResponse(id=rid, model=ctx.model_name, choices=choices,
                               usage=_usage(prompts, completion_tokens, sum(o.num_cached_tokens for o in finals)))
+    return JSONResponse(body.model_dump())
+
+
+async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
+                       raw: Request) -> Response:
+    room = ctx.front.max_model_len - max(len(p.token_ids) for p in prompts)
+    beam = beam_search_params(req, req.max_tokens, "max_tokens", room)
+    outs = await unless_disconnected(raw, beam_search_async(ctx.front, rid, [p.token_ids for p in prompts], beam))
+    choices = [CompletionChoice(index=i * req.n + j, text=(prompts[i].text if req.echo else "") + b.text,
+                                finish_reason=b.finish_reason)
+               for i, out in enumerate(outs) for j, b in enumerate(out.sequences)]
+    completion_tokens = sum(len(b.token_ids) for out in outs for b in out.sequences)
+    body = CompletionResponse(id=rid, model=ctx.model_name, choices=choices,
+                              usage=_usage(prompts, completion_tokens, 0))
     return JSONResponse(body.model_dump())
 
 
