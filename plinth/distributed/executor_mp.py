@@ -203,6 +203,9 @@ class WorkerProcesses:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with status {code}"
+            if code == 1:   # a Python error in the worker: at start-up, most often an unguarded main module
+                how += (" (its error is on stderr; if it died while starting, a script that starts worker "
+                        "processes must run its engine under `if __name__ == \"__main__\":`)")
         where = describe(rank) if describe is not None else ""
         msg = f"worker {rank} (pid {proc.pid}{where}) {how}"
         return WorkerDiedError(f"{msg}: {detail}" if detail else msg)
