@@ -123,7 +123,7 @@ class _Reply:
 async def _check_tool_schemas(mode: ToolMode | None) -> None:
     """Compile the schema of each tool a constrained call may use, in a worker thread: one that does not
     compile is a 400 naming ``tools`` and the tool."""
-    if mode is None or mode.kind not in ("required", "function"):
+    if mode is None or not mode.constrained:
         return
 
     def compile_all() -> None:
@@ -271,8 +271,7 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: A
 
     for index in range(n):
         # a forced or required call's reply has no content (null, as in the non-streamed message)
-        first = DeltaMessage(role="assistant", content=None if mode is not None and mode.kind in ("required",
-                                                                                                "function") else "")
+        first = DeltaMessage(role="assistant", content=None if mode is not None and mode.constrained else "")
         yield chunk(ChatChunkChoice(index=index, delta=first))
     sent_tokens, done = [0] * n, [False] * n
     replies = [_Reply(mode, ctx.reasoning_parser) for _ in range(n)]

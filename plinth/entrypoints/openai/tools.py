@@ -50,6 +50,11 @@ class ToolMode:
     def call_id(self) -> str:
         return (self.parser or ToolParser).call_id()
 
+    @property
+    def constrained(self) -> bool:
+        """The output is held to the tools' schemas (``required``, a forced function)."""
+        return self.kind in ("required", "function")
+
     def constraint(self) -> dict[str, Any] | None:
         """The structured-output spec of a ``required`` or forced-function request.
 
@@ -191,10 +196,6 @@ class ToolCallTracker:
         self._sent_args = 0   # forced function: argument characters sent
         self._array = ArrayScanner()   # required: the array's complete elements so far
         self._found: list[ParsedCall] = []
-
-    @property
-    def constrained(self) -> bool:
-        return self.mode is not None and self.mode.kind in ("required", "function")
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         kind = self.mode.kind if self.mode is not None else "none"
