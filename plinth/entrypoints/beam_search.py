@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import math
 import numbers
 from collections.abc import Generator, Sequence
@@ -170,11 +169,12 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
             final = out
         return final
 
+    r = 0
     try:
         batch, step = next(rounds)
-        for r in itertools.count():
+        while True:
             outs = await asyncio.gather(*(last(f"{request_id}-{r}-{j}", p, step) for j, p in enumerate(batch)))
             batch, step = rounds.send(list(outs))
+            r += 1
     except StopIteration as end:
         return _with_text(end.value, front.tokenizer)
-    raise AssertionError("unreachable")

@@ -17,6 +17,16 @@ if TYPE_CHECKING:
 PromptType = str | Sequence[int]
 
 
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, a list of token ids, a 1-D numpy array or tensor of them) or several, as a list."""
+    if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
+        return [prompts.tolist()]
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                    and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Generate text for many prompts at once, with continuous batching.
 
@@ -78,12 +88,7 @@ class LLM:
         ``sampling_params`` is one for all prompts or one per prompt (default: ``SamplingParams()``).
         ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).
         """
-        if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
-            prompts = [prompts.tolist()]  # type: ignore[union-attr]
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -115,12 +120,7 @@ class LLM:
         sequences, best first."""
         from plinth.entrypoints.beam_search import beam_search
 
-        if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
-            prompts = [prompts.tolist()]  # type: ignore[union-attr]
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return beam_search(self, list(prompts), params)  # type: ignore[arg-type]
+        return beam_search(self, _prompt_list(prompts), params)
 
     def chat(
         self,
