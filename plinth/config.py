@@ -7,6 +7,7 @@ message names the offending option and says what would be accepted.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,13 @@ class ModelConfig:
         seed: the seed for random weights and for requests that have no seed.
         served_model_name: the model name the server reports and accepts.
         chat_template: a jinja2 chat template (text or a file path) replacing the tokenizer's.
+        generation_config: where the default sampling settings come from
+            (:mod:`plinth.model_registry.generation_config`): ``auto`` (the model folder's
+            ``generation_config.json``), ``none``, or a folder or JSON file.
+        override_generation_config: generation-config keys set on top (a dict or its JSON text; kept as
+            sorted ``(key, value)`` pairs).
+        reasoning_parser: the model's thinking markers (a registered reasoning parser, e.g. ``qwen3``):
+            structured-output constraints then start after the thinking.
     """
 
     model: str | None = None
@@ -67,8 +75,25 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     chat_template: str | None = None
+    generation_config: str = "auto"
+    override_generation_config: Any = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        override = self.override_generation_config
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"override_generation_config is not valid JSON: {exc}") from None
+        if isinstance(override, dict):
+            override = tuple(sorted(override.items()))
+        if override is not None and not (isinstance(override, tuple)
+                                         and all(isinstance(kv, tuple) and len(kv) == 2 for kv in override)):
+            raise ConfigError(f"override_generation_config must be a JSON object, got {self.override_generation_config!r}")
+        object.__setattr__(self, "override_generation_config", override or None)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError(f"generation_config must be 'auto', 'none' or a path, got {self.generation_config!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:

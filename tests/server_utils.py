@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -30,8 +30,10 @@ _CORPUS = [
 ]
 
 
-def make_tiny_model(path: Path, *, max_position_embeddings: int = 4096, seed: int = 0) -> Path:
-    """Save a 2-layer random Llama and a byte-level BPE tokenizer (ChatML template) into ``path``."""
+def make_tiny_model(path: Path, *, max_position_embeddings: int = 4096, seed: int = 0,
+                    added_tokens: Sequence[str] = ()) -> Path:
+    """Save a 2-layer random Llama and a byte-level BPE tokenizer (ChatML template) into ``path``;
+    ``added_tokens``: plain (not special) single tokens the tokenizer gets, such as ``<think>``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -47,6 +49,8 @@ def make_tiny_model(path: Path, *, max_position_embeddings: int = 4096, seed: in
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   bos_token=None, unk_token=None)
     tok.chat_template = CHATML
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
     tok.save_pretrained(path)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     config = LlamaConfig(

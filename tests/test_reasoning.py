@@ -4,6 +4,7 @@ streamed deltas adding up to the same, tool calls found in the answer only."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -129,3 +130,119 @@ def test_server_splits_thinking_from_the_answer_and_calls(http):
     # no thinking: no reasoning_content key at all
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "guided_regex": "abc"}).json()
     assert r["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
+
+
+# ---------------------------------------------------------------- constraints that start after the thinking
+
+THINK = ("<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def think_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-think"), added_tokens=THINK)
+
+
+def test_after_reasoning_states(think_model):
+    """The gate's masks and hand-over on a real llguidance matcher: the grammar's own mask plus ``<think>`` at
+    the start, every token while thinking, the grammar's mask again (at its start) after ``</think>``."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from plinth.core.structured import AfterReasoning, GrammarCompiler, allowed_tokens, reasoning_markers
+
+    tok = AutoTokenizer.from_pretrained(think_model)
+    vocab = len(tok)
+    markers = reasoning_markers(tok, *THINK, starts_in_thinking=False)
+    assert markers is not None and tok.convert_ids_to_tokens([markers.start, markers.end]) == list(THINK)
+    assert reasoning_markers(tok, "<thinking>", "</thinking>", False) is None   # not single tokens
+    grammar = GrammarCompiler(tok, vocab, [tok.eos_token_id])
+    spec = {"regex": "ab|cd"}
+    plain = allowed_tokens([grammar.matcher(spec)], vocab)[0]
+    gate = AfterReasoning(grammar.matcher(spec), markers, vocab)
+    opening = allowed_tokens([gate], vocab)[0]
+    assert opening[markers.start] and not plain[markers.start]
+    opening[markers.start] = False
+    assert np.array_equal(opening, plain)
+    assert gate.consume_token(markers.start) and gate.thinking
+    thought = tok.encode("x < y, so { } [", add_special_tokens=False)   # text the grammar would refuse
+    for t in thought:
+        assert allowed_tokens([gate], vocab)[0].all()
+        assert gate.consume_token(t) and not gate.is_stopped()
+    copy = gate.deep_copy()
+    assert gate.consume_token(markers.end) and not gate.thinking
+    assert np.array_equal(allowed_tokens([gate], vocab)[0], plain)
+    for t in tok.encode("cd", add_special_tokens=False):
+        assert gate.consume_token(t)
+    assert gate.is_stopped() or allowed_tokens([gate], vocab)[0][tok.eos_token_id]
+    assert copy.thinking and allowed_tokens([copy], vocab)[0].all()   # the copy kept its own state
+    # a first token that is the grammar's: constrained from there on
+    direct = AfterReasoning(grammar.matcher(spec), markers, vocab)
+    first = tok.encode("ab", add_special_tokens=False)[0]
+    assert direct.consume_token(first) and not direct.thinking
+    assert not allowed_tokens([direct], vocab)[0][markers.start]
+    # a reply that starts in thinking (DeepSeek-R1): everything goes until </think>
+    r1 = AfterReasoning(grammar.matcher(spec), reasoning_markers(tok, *THINK, starts_in_thinking=True), vocab)
+    assert r1.thinking and allowed_tokens([r1], vocab)[0].all()
+
+
+def test_engine_constrains_the_answer_after_the_thinking(think_model):
+    """With ``reasoning_parser`` the reply may think first: a bias makes the model write ``</think>`` at once
+    (allowed while thinking, refused by the grammar after it), then the answer matches the regex."""
+    from plinth import LLM, SamplingParams
+
+    llm = LLM(str(think_model), dtype="float32", selection="off", reasoning_parser="deepseek_r1")
+    end = llm.engine.tokenizer.convert_tokens_to_ids("</think>")
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3, logit_bias={end: 100.0},
+                            structured_outputs={"regex": "[a-z]{2,6}\\."}, skip_special_tokens=False)
+    out = llm.generate(["hello"], params)[0].outputs[0]
+    assert out.token_ids[0] == end and out.token_ids.count(end) == 1
+    answer = out.text.split("</think>", 1)[1]
+    assert re.fullmatch("[a-z]{2,6}\\.", answer), out.text
+    assert out.finish_reason == "stop"
+    # without the parser the grammar applies from the first token, so the biased </think> never comes
+    plain = LLM(str(think_model), dtype="float32", selection="off", generation_config="none")
+    out = plain.generate(["hello"], params)[0].outputs[0]
+    assert end not in out.token_ids and re.fullmatch("[a-z]{2,6}\\.", out.text), out.text
+    # qwen3: the first token may open the thinking; unbiased sampling either thinks or answers at once
+    llm = LLM(str(think_model), dtype="float32", selection="off", reasoning_parser="qwen3")
+    for seed in range(6):
+        text = llm.generate(["hello"], SamplingParams(max_tokens=40, temperature=1.0, seed=seed,
+                                                      structured_outputs={"regex": "[a-z]{2,6}\\."}))[0].outputs[0].text
+        assert text.startswith("<think>") or re.fullmatch("[a-z]{2,6}\\.", text), text
+
+
+def test_unknown_parser_and_plain_tokenizer(tmp_path, caplog):
+    from plinth import LLM
+    from plinth.entrypoints.openai.tool_parsers import ParserChoiceError
+
+    model = make_tiny_model(tmp_path / "plain")
+    with pytest.raises(ParserChoiceError, match="deepseek_r1, qwen3"):
+        LLM(str(model), dtype="float32", selection="off", reasoning_parser="nope")
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(model), dtype="float32", selection="off", reasoning_parser="qwen3")
+    assert "not single tokens" in caplog.text and llm.engine._reasoning is None
+
+
+def test_server_structured_answer_after_thinking(think_model):
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(think_model), dtype="float32", selection="off",
+                                                served_model_name="tiny", reasoning_parser="deepseek_r1"))
+    end = engine.tokenizer.convert_tokens_to_ids("</think>")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}, "required": ["city"],
+              "additionalProperties": False}
+    with TestClient(build_app(AsyncLLMEngine(engine), reasoning_parser=DeepSeekR1ReasoningParser)) as http:
+        body = {"messages": [{"role": "user", "content": "Where?"}], "max_tokens": 60, "temperature": 0.8,
+                "seed": 4, "logit_bias": {str(end): 100},
+                "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        assert not choice["message"].get("reasoning_content")
+        assert isinstance(json.loads(choice["message"]["content"])["city"], str)

@@ -31,7 +31,13 @@ from plinth.core.sampling_batch import splitmix64
 from plinth.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from plinth.core.step_cost import StepCostModel
 from plinth.core.structured import PARAM as STRUCTURED_PARAM
-from plinth.core.structured import GrammarCompiler, StructuredOutputError
+from plinth.core.structured import (
+    AfterReasoning,
+    GrammarCompiler,
+    ReasoningMarkers,
+    StructuredOutputError,
+    reasoning_markers,
+)
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
 from plinth.worker.batching import BatchBuilder
 from plinth.worker.model_runner import ModelRunner
@@ -101,6 +107,16 @@ def _child_seed(seed: int, index: int) -> int:
     return int(value[0] >> np.uint64(1))
 
 
+def _reasoning_parser(name: str | None) -> Any:
+    """The reasoning parser class registered as ``name`` (``None`` for none); an unknown name is a
+    :class:`~plinth.entrypoints.openai.tool_parsers.ParserChoiceError`."""
+    if name is None:
+        return None
+    from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
+
+    return resolve_reasoning_parser(name)
+
+
 def _needs_sync_steps(params: SamplingParams) -> bool:
     """Whether the request needs every earlier token on the host before a step is built: penalties
     count the output tokens, prompt logprobs read the step's hidden states, a grammar's next tokens
@@ -124,6 +140,7 @@ class LLMEngine:
         from plinth.worker.setup import build_engine_parts
 
         t0 = time.perf_counter()
+        reasoning = _reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
         parts = build_engine_parts(config, executor_factory)
         self.config = config = parts.config or config   # scheduler limits resolved for the platform
         self.platform = parts.platform
@@ -134,6 +151,8 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids
+        #: the model's generation-config sampling defaults (see :meth:`default_sampling_params`)
+        self.default_sampling: dict[str, Any] = dict(parts.default_sampling)
         self.selection = parts.selection
         self.runner: ModelRunner | None = parts.runner   # None when worker processes own the model
         self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection)
@@ -164,6 +183,7 @@ class LLMEngine:
                                            config.scheduler.max_num_seqs)
         self._sampling = SamplingBatchBuilder(self.vocab_size)
         self._grammars: GrammarCompiler | None = None   # structured outputs, made on the first such request
+        self._reasoning = self._reasoning_markers(reasoning)
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.load_time_s = time.perf_counter() - t0
         logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks%s", self.load_time_s,
@@ -258,7 +278,7 @@ class LLMEngine:
                 priority policy.
             QueueFullError: the waiting queue is full.
         """
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._groups:
@@ -331,6 +351,11 @@ class LLMEngine:
             raise RequestRejectedError(f"{param + ': ' if param else ''}token id {bad} is out of range "
                                        f"[0, {self.vocab_size})", param=param)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The parameters of a request that sets none: plinth's defaults with the model's generation config
+        on top (:mod:`plinth.model_registry.generation_config`)."""
+        return SamplingParams(**self.default_sampling)
+
     def grammar_matcher(self, spec: dict[str, Any]) -> Any:
         """A matcher for the structured-output ``spec`` (thread-safe; the server calls it from a worker
         thread first, so that the request's own call on the engine's thread copies a prepared one).
@@ -344,12 +369,28 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars.matcher(spec)
 
+    def _reasoning_markers(self, parser: Any) -> ReasoningMarkers | None:
+        """The thinking markers of the ``reasoning_parser`` class as tokens (constraints start after them)."""
+        if parser is None:
+            return None
+        name = parser.name
+        markers = (reasoning_markers(self.tokenizer, parser.START, parser.END, parser.starts_in_thinking)
+                   if self.tokenizer is not None else None)
+        if markers is None:
+            logger.warning("reasoning parser %s: %r and %r are not single tokens of this model's tokenizer, so "
+                           "structured-output constraints apply to the whole reply, thinking included", name,
+                           parser.START, parser.END)
+        return markers
+
     def _matcher(self, params: SamplingParams) -> Any:
         """A grammar matcher for ``params.structured_outputs``; a constraint that cannot compile is a
         :class:`RequestRejectedError` naming ``structured_outputs``."""
         assert params.structured_outputs is not None
         try:
-            return self.grammar_matcher(params.structured_outputs)
+            matcher = self.grammar_matcher(params.structured_outputs)
+            if self._reasoning is not None:
+                return AfterReasoning(matcher, self._reasoning, self.vocab_size)
+            return matcher
         except StructuredOutputError as exc:
             raise RequestRejectedError(f"{STRUCTURED_PARAM}: {exc}", param=STRUCTURED_PARAM) from None
 

@@ -16,11 +16,15 @@ further token ends the sequence (finish reason ``stop``). Requests are bounded (
 :data:`MAX_CHOICES`, :func:`limits`); most constraints beyond the limits fail when the request arrives (the
 first mask is computed then), and a matcher that fails later (e.g. ``a{99999999}`` on its first token)
 ends its sequence with finish reason ``abort``.
+
+With a reasoning model (an engine given ``reasoning_parser``), the constraint starts after the thinking
+(:class:`AfterReasoning`): the model thinks freely, then its answer is constrained.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import threading
@@ -207,3 +211,80 @@ def allowed_tokens(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     for i, m in enumerate(matchers):
         bits[i] = np.frombuffer(m.compute_bitmask(), dtype=np.uint8, count=words * 4)
     return np.unpackbits(bits, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningMarkers:
+    """The single tokens around a reasoning model's thinking.
+
+    Attributes:
+        start: the token that opens the thinking at the start of a reply (``<think>``).
+        end: the token that closes it (``</think>``).
+        starts_in_thinking: the chat template opens the thinking in the prompt (DeepSeek-R1), so every reply
+            begins inside it; otherwise a reply thinks only if its first token is ``start``.
+    """
+
+    start: int
+    end: int
+    starts_in_thinking: bool
+
+
+class AfterReasoning:
+    """A grammar matcher whose constraint starts after the thinking: while the reply thinks every token is
+    allowed and none reaches the grammar; the ``end`` token hands over to it. Without
+    ``starts_in_thinking`` the first token may be the grammar's or ``start`` (which opens the thinking).
+    The matcher interface the engine uses (``compute_bitmask``, ``consume_token``, ``is_stopped``,
+    ``is_error``, ``get_error``, ``deep_copy``)."""
+
+    _OPENING, _THINKING, _ANSWER = range(3)
+
+    def __init__(self, inner: Any, markers: ReasoningMarkers, vocab_size: int, state: int | None = None):
+        self.inner = inner
+        self.markers = markers
+        self.vocab_size = vocab_size
+        self.state = (self._THINKING if markers.starts_in_thinking else self._OPENING) if state is None else state
+
+    @property
+    def thinking(self) -> bool:
+        return self.state == self._THINKING
+
+    def compute_bitmask(self) -> bytes:
+        if self.state == self._ANSWER:
+            return self.inner.compute_bitmask()
+        if self.state == self._THINKING:
+            return b"\xff" * (((self.vocab_size + 31) // 32) * 4)
+        bits = bytearray(self.inner.compute_bitmask())
+        bits[self.markers.start >> 3] |= 1 << (self.markers.start & 7)
+        return bytes(bits)
+
+    def consume_token(self, token: int) -> bool:
+        if self.state == self._THINKING:
+            if token == self.markers.end:
+                self.state = self._ANSWER
+            return True
+        if self.state == self._OPENING:
+            if token == self.markers.start:
+                self.state = self._THINKING
+                return True
+            self.state = self._ANSWER
+        return bool(self.inner.consume_token(token))
+
+    def is_stopped(self) -> bool:
+        return self.state == self._ANSWER and bool(self.inner.is_stopped())
+
+    def is_error(self) -> bool:
+        return bool(self.inner.is_error())
+
+    def get_error(self) -> str:
+        return str(self.inner.get_error())
+
+    def deep_copy(self) -> AfterReasoning:
+        return AfterReasoning(self.inner.deep_copy(), self.markers, self.vocab_size, self.state)
+
+
+def reasoning_markers(tokenizer: Any, start: str, end: str, starts_in_thinking: bool) -> ReasoningMarkers | None:
+    """The markers as single tokens of ``tokenizer``; ``None`` where either is not one token."""
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in (start, end)]
+    if any(len(i) != 1 for i in ids):
+        return None
+    return ReasoningMarkers(ids[0][0], ids[1][0], starts_in_thinking)

@@ -58,7 +58,7 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     """
     from plinth.distributed.executor import create_distributed_executor
     from plinth.model_registry.loader import resolve_dtype, resolve_model_source
-    from plinth.worker.setup import EngineParts, eos_ids, load_tokenizer, read_chat_template
+    from plinth.worker.setup import EngineParts, generation_defaults, load_tokenizer, read_chat_template
 
     source = resolve_model_source(config.model)
     hf = source.hf_config
@@ -68,6 +68,7 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     limit = getattr(hf, "max_position_embeddings", None) or 2048
     max_model_len = config.model.max_model_len or limit
     chat_template = read_chat_template(config.model.chat_template)
+    default_sampling, eos = generation_defaults(source, config, hf, tokenizer)
     executor = (executor_factory(config) if executor_factory is not None
                 else create_distributed_executor(executor_name, config))
     if executor.selection is not None:
@@ -80,6 +81,6 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     return EngineParts(
         platform=platform, device=torch.device("cpu"), source=source, model_name=name, tokenizer=tokenizer,
         chat_template=chat_template, dtype=dtype, max_model_len=max_model_len, vocab_size=hf.vocab_size,
-        eos_token_ids=eos_ids(hf, tokenizer), selection=executor.selection, runner=None,
-        num_blocks=executor.num_blocks, executor=executor,
+        eos_token_ids=eos, selection=executor.selection, runner=None,
+        num_blocks=executor.num_blocks, executor=executor, default_sampling=default_sampling,
     )

@@ -11,7 +11,8 @@ from plinth.config import DTYPES, EXECUTORS, LOAD_FORMATS, SCHEDULING_POLICIES, 
 ENGINE_KWARGS = (
     "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "quantize_lm_head",
     "trust_remote_code",
-    "seed", "served_model_name", "chat_template",
+    "seed", "served_model_name", "chat_template", "generation_config", "override_generation_config",
+    "reasoning_parser",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
@@ -43,6 +44,15 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--chat-template", default=None, help="jinja2 template text or a file holding one")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling settings: 'auto' (the model folder's generation_config.json), 'none', "
+                        "or a folder or JSON file holding them")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): structured "
+                        "outputs start after the thinking; chat replies carry it as reasoning_content")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="generation-config keys set on top, e.g. '{\"temperature\": 0.5}' (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty, max_new_tokens)")
     g = parser.add_argument_group("cache")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None)

@@ -85,12 +85,13 @@ class LLM:
         """Generate completions; outputs come back in the order of ``prompts``.
 
         ``prompts`` is a string, a list of token ids, or a list of either.
-        ``sampling_params`` is one for all prompts or one per prompt (default: ``SamplingParams()``).
+        ``sampling_params`` is one for all prompts or one per prompt (default:
+        :meth:`get_default_sampling_params`).
         ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
+            params_list = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -114,6 +115,13 @@ class LLM:
                 self.engine.step(final_only=True)   # reports (and forgets) the aborted requests
             raise
         return self._run(ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's recommended settings on top: its ``generation_config.json``
+        (or ``generation_config=`` / ``override_generation_config=``; see
+        :mod:`plinth.model_registry.generation_config`). Start from it to keep them:
+        ``dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)``."""
+        return self.engine.default_sampling_params()
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search (:mod:`plinth.entrypoints.beam_search`): each prompt's ``params.beam_width`` best

@@ -59,9 +59,6 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model's tool-call format (hermes, llama3_json, mistral, or one a plugin adds): enables "
                         "tool_choice 'auto', the default for chat requests with tools")
-    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): chat replies "
-                        "carry the thinking as reasoning_content, apart from the content")
     # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
     p.set_defaults(func=run)
 

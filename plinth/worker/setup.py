@@ -35,6 +35,19 @@ class EngineParts:
     num_blocks: int
     executor: Any = None         # a plinth.distributed executor; None: the runner runs in-process
     config: EngineConfig | None = None   # the configuration with the platform's scheduler defaults filled in
+    default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)   # the generation config's
+
+
+def generation_defaults(source: Any, config: EngineConfig, hf_config: Any,
+                        tokenizer: Any) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """``(default sampling keywords, end-of-sequence ids)``: the model's own ids and its generation
+    config's (:mod:`plinth.model_registry.generation_config`)."""
+    from plinth.model_registry.generation_config import read_generation_defaults
+
+    model = config.model
+    found = read_generation_defaults(model.generation_config, dict(model.override_generation_config or ()),
+                                     source.path, source.kind)
+    return found.sampling, tuple(dict.fromkeys(eos_ids(hf_config, tokenizer) + found.eos_token_ids))
 
 
 def resolve_scheduler_limits(config: EngineConfig, platform: Any) -> EngineConfig:
@@ -162,6 +175,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
     quant_method = resolve_quantization(config, source, platform, dtype, device)
     tokenizer = load_tokenizer(source, config)
+    default_sampling, eos = generation_defaults(source, config, hf, tokenizer)
     limit = getattr(hf, "max_position_embeddings", None) or 2048
     max_model_len = config.model.max_model_len or limit
     if config.model.max_model_len and config.model.max_model_len > limit:
@@ -207,8 +221,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     return EngineParts(
         platform=platform, device=device, source=source, model_name=name, tokenizer=tokenizer,
         chat_template=read_chat_template(config.model.chat_template), dtype=dtype, max_model_len=max_model_len,
-        vocab_size=hf.vocab_size, eos_token_ids=eos_ids(hf, tokenizer), selection=selection, runner=runner,
-        num_blocks=num_blocks, config=config,
+        vocab_size=hf.vocab_size, eos_token_ids=eos, selection=selection, runner=runner,
+        num_blocks=num_blocks, config=config, default_sampling=default_sampling,
     )
 
 

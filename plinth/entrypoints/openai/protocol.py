@@ -117,10 +117,14 @@ class _SamplingFields(_Request):
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters; raises ``SamplingParamsError`` naming a bad field."""
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+                        prompt_logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters; raises ``SamplingParamsError`` naming a bad field. ``defaults``: the
+        model's generation config (:mod:`plinth.model_registry.generation_config`), for fields left unset."""
+        model = defaults or {}
+        plain = SamplingParams()
+
+        def pick(value: Any, name: str) -> Any:
+            return model.get(name, getattr(plain, name)) if value is None else value
 
         structured = self.structured()
         spec = None
@@ -134,13 +138,13 @@ class _SamplingFields(_Request):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
-            temperature=pick(self.temperature, 1.0),
-            top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, 0),
-            min_p=pick(self.min_p, 0.0),
-            presence_penalty=pick(self.presence_penalty, 0.0),
-            frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            temperature=pick(self.temperature, "temperature"),
+            top_p=pick(self.top_p, "top_p"),
+            top_k=pick(self.top_k, "top_k"),
+            min_p=pick(self.min_p, "min_p"),
+            presence_penalty=pick(self.presence_penalty, "presence_penalty"),
+            frequency_penalty=pick(self.frequency_penalty, "frequency_penalty"),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty"),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

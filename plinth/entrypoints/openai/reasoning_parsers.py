@@ -49,6 +49,9 @@ class ReasoningParser:
     name: ClassVar[str] = ""
     START: ClassVar[str] = "<think>"
     END: ClassVar[str] = "</think>"
+    #: the chat template opens the thinking in the prompt, so a reply starts inside it (structured outputs
+    #: then wait for END; otherwise they let the reply open the thinking with START first)
+    starts_in_thinking: ClassVar[bool] = False
 
     def scan(self, text: str, final: bool) -> Split:
         """The thinking and the answer in ``text`` (all generated so far; ``final``: all there will be).
@@ -77,6 +80,7 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
+    starts_in_thinking = True
 
     def scan(self, text: str, final: bool) -> Split:
         body = text.lstrip()

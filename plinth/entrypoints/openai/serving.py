@@ -43,6 +43,11 @@ class ServerContext:
     # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
     _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's generation-config defaults (``SamplingParams`` keywords) for fields a request leaves unset."""
+        return getattr(self.front, "default_sampling", None) or {}
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",

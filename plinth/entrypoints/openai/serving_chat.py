@@ -218,8 +218,11 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     text = render_messages(ctx, req, mode.tools if mode is not None else None)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    defaults = ctx.default_sampling
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(lambda: req.sampling_params(max_tokens, k),
+    params = sampling_params(lambda: req.sampling_params(max_tokens, k, defaults=defaults),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
     if mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)

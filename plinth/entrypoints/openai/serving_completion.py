@@ -123,7 +123,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         raise bad_request(problem[1], problem[0])
     prompts = await _prompts(ctx, req)
     echo_k = req.logprobs if req.echo else None
-    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k))
+    defaults = ctx.default_sampling
+    if "max_tokens" not in req.model_fields_set and "max_tokens" in defaults:
+        req.max_tokens = defaults["max_tokens"]   # the model's max_new_tokens instead of OpenAI's 16
+    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k,
+                                                         defaults=defaults))
     await check_structured(ctx, req, params)
     for p in prompts:
         ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
