@@ -14,17 +14,37 @@ from plinth.core.request import RequestOutput, SamplingParams
 if TYPE_CHECKING:
     from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 
-PromptType = str | Sequence[int]
+#: a prompt: text, token ids, or vLLM's dict forms ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+def _one_prompt(prompt: Any) -> Any:
+    """A dict prompt as its text or token ids (other forms as they are)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt) & {"prompt", "prompt_token_ids"}
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if len(keys) != 1 or unknown:
+        raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids)"
+                         f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
+    value = prompt[keys.pop()]
+    if "prompt" in prompt and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be text, got {type(value).__name__}")
+    if "prompt_token_ids" in prompt and (isinstance(value, str) or not isinstance(value, Sequence)
+                                          and getattr(value, "ndim", None) != 1):
+        raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
+    return value.tolist() if getattr(value, "ndim", None) == 1 else value
 
 
 def _prompt_list(prompts: Any) -> list[Any]:
-    """One prompt (a string, a list of token ids, a 1-D numpy array or tensor of them) or several, as a list."""
+    """One prompt (a string, a list of token ids, a 1-D numpy array or tensor of them, a dict) or several,
+    as a list of strings and token-id lists."""
     if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
         return [prompts.tolist()]
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and isinstance(prompts[0], numbers.Integral)):
-        return [prompts]
-    return list(prompts)
+    if isinstance(prompts, str | dict) or (isinstance(prompts, Sequence) and prompts
+                                           and isinstance(prompts[0], numbers.Integral)):
+        return [_one_prompt(prompts)]
+    return [_one_prompt(p) for p in prompts]
 
 
 class LLM:
@@ -84,7 +104,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of ``prompts``.
 
-        ``prompts`` is a string, a list of token ids, or a list of either.
+        ``prompts`` is a string, a list of token ids, a dict (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``),
+        or a list of these.
         ``sampling_params`` is one for all prompts or one per prompt (default:
         :meth:`get_default_sampling_params`).
         ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -56,6 +57,17 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
+    g.add_argument("--allowed-origins", default=None, metavar="JSON",
+                   help="CORS: the origins browsers may call from, a JSON list (e.g. '[\"http://localhost:3000\"]'); "
+                        "off by default")
+    g.add_argument("--allowed-methods", default='["*"]', metavar="JSON", help="CORS: methods (with --allowed-origins)")
+    g.add_argument("--allowed-headers", default='["*"]', metavar="JSON", help="CORS: headers (with --allowed-origins)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (with --allowed-origins)")
+    g.add_argument("--root-path", default=None, help="the path prefix a proxy serves this server under")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
+    g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model's tool-call format (hermes, llama3_json, mistral, or one a plugin adds): enables "
                         "tool_choice 'auto', the default for chat requests with tools")
@@ -130,6 +142,32 @@ def serving_config(args: argparse.Namespace) -> Any:
     return engine_config_from_args(args)
 
 
+def _json_list(value: str, flag: str) -> tuple[str, ...]:
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise ServeError(f"{flag} must be a JSON list of strings, e.g. '[\"http://localhost:3000\"]', got {value!r}")
+    return tuple(items)
+
+
+def cors_settings(args: argparse.Namespace) -> Any:
+    """The CORS settings the flags ask for (``None``: no ``--allowed-origins``, no CORS)."""
+    from plinth.entrypoints.openai.api_server import CorsSettings
+
+    cors_flags = (args.allow_credentials or args.allowed_methods != '["*"]' or args.allowed_headers != '["*"]')
+    if args.allowed_origins is None:
+        if cors_flags:
+            raise ServeError("--allow-credentials, --allowed-methods and --allowed-headers need --allowed-origins")
+        return None
+    origins = _json_list(args.allowed_origins, "--allowed-origins")
+    if args.allow_credentials and "*" in origins:
+        raise ServeError("--allow-credentials needs explicit --allowed-origins, not '*'")
+    return CorsSettings(origins, args.allow_credentials, _json_list(args.allowed_methods, "--allowed-methods"),
+                        _json_list(args.allowed_headers, "--allowed-headers"))
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -141,6 +179,12 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ServeError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ServeError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            raise ServeError(f"{flag} {path!r} is not a file")
+    cors = cors_settings(args)
     tool_parser = resolve_tool_parser(args.tool_call_parser)
     reasoning_parser = resolve_reasoning_parser(args.reasoning_parser)
     config = serving_config(args)
@@ -148,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
         host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel(),
         timeout_graceful_shutdown=args.shutdown_timeout + ABORT_FLUSH_S, access_log=args.access_log,
+        root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
     )
     try:
         sock = uv_config.bind_socket()   # fail on a taken port before the model loads
@@ -157,10 +202,12 @@ def run(args: argparse.Namespace) -> int:
         front = AsyncLLMEngine.from_config(config)
         try:
             uv_config.app = build_app(front, api_key=api_key, tool_parser=tool_parser,
-                                      reasoning_parser=reasoning_parser)
+                                      reasoning_parser=reasoning_parser,
+                                      return_tokens_as_token_ids=args.return_tokens_as_token_ids, cors=cors)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
-            logger.info("serving %s on http://%s:%d%s", front.served_model_name, host, port,
+            logger.info("serving %s on %s://%s:%d%s", front.served_model_name,
+                        "https" if args.ssl_certfile else "http", host, port,
                         " (API key required on /v1 and the tokenizer routes)" if api_key else "")
             server.run(sockets=[sock])
         finally:

@@ -1,11 +1,11 @@
 """The FastAPI app: routes, API-key check, lifespan.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``,
-``GET /metrics``.
+``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (also ``GET|POST /ping``),
+``GET /version``, ``GET /metrics``. A request's ``X-Request-Id`` header comes back on its response.
 
 With an API key, every ``/v1/...`` route and the tokenizer routes need ``Authorization: Bearer <key>``; ``/health``,
-``/version`` and ``/metrics`` stay open so that orchestrators and Prometheus can reach them
+``/ping``, ``/version`` and ``/metrics`` stay open so that orchestrators and Prometheus can reach them
 without the key (they expose no request content: only liveness, versions, the startup
 selection and aggregate counters). Bind to a private interface or put a proxy in front if
 those must be hidden too.
@@ -14,11 +14,14 @@ those must be hidden too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -71,13 +74,47 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Send a request's ``X-Request-Id`` header back on its response (for tracing through proxies)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = dict(scope["headers"]).get(b"x-request-id") if scope["type"] == "http" else None
+        if not given or len(given) > 256:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorsSettings:
+    """Cross-origin requests from browsers (off unless origins are given: a page on any site could otherwise
+    use a server on the user's machine)."""
+
+    allowed_origins: tuple[str, ...]
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+
 def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: type[ToolParser] | None = None,
-              reasoning_parser: type[ReasoningParser] | None = None) -> FastAPI:
+              reasoning_parser: type[ReasoningParser] | None = None, return_tokens_as_token_ids: bool = False,
+              cors: CorsSettings | None = None) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
-    tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies."""
+    tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
+    ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
+    the origins (and methods, headers) browsers may call from."""
     ctx = ServerContext(front=front, metrics=ServerMetrics(front.served_model_name),
                         model_name=front.served_model_name, tool_parser=tool_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, return_tokens_as_token_ids=return_tokens_as_token_ids)
     if tool_parser is not None and "tools" not in (front.chat_template_source or ""):
         logger.warning("--tool-call-parser %s: the chat template does not mention tools, so the model will not "
                        "see their definitions; pass a --chat-template that renders them", tool_parser.name)
@@ -92,7 +129,13 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if cors is not None:   # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers))
+    app.add_middleware(RequestIdMiddleware)
 
+    @app.api_route("/ping", methods=["GET", "POST"])   # the health check's name on some hosting platforms
     @app.get("/health")
     async def health() -> Response:
         if not front.is_healthy:

@@ -33,10 +33,14 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: usage so far on every chunk
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Unknown fields are kept (``model_extra``) so that
+    the server can name them in its log, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -69,6 +73,17 @@ class _SamplingFields(_Request):
     priority: int = 0   # vLLM's: with --scheduling-policy priority, lower runs first
     use_beam_search: bool = False   # vLLM's: n beams, the n best returned (plinth.entrypoints.beam_search)
     length_penalty: float = 1.0
+    # vLLM's request extensions
+    prompt_logprobs: int | None = None          # log-probabilities of the prompt's tokens (top k besides)
+    add_special_tokens: bool | None = None      # default: true for completions, false for chat (the template's)
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
+    return_tokens_as_token_ids: bool | None = None   # logprob tokens as "token_id:N" (default: the server's flag)
+    bad_words: list[str] | None = None
+    spaces_between_special_tokens: bool = True
+
+    def ignored_fields(self) -> list[str]:
+        """The request's fields plinth does not know (ignored)."""
+        return sorted(self.model_extra or ())
 
     def structured(self) -> tuple[str, dict[str, Any]] | None:
         """``(field, spec)``: the constraint asked for (a ``structured_outputs`` value, see
@@ -114,6 +129,14 @@ class _SamplingFields(_Request):
         """``(param, message)`` for the first field set to a value plinth cannot honour."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if self.bad_words:
+            return "bad_words", "bad_words is not supported (logit_bias can ban single tokens)"
+        if not self.spaces_between_special_tokens:
+            return "spaces_between_special_tokens", "spaces_between_special_tokens: false is not supported"
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            return "truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs is not available when streaming"
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -202,6 +225,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    documents: list[dict[str, Any]] | None = None   # for templates that render retrieved documents
+    echo: bool = False
     functions: list[Any] | None = None        # the deprecated form of tools
     function_call: Any = None
     modalities: list[str] | None = None
@@ -223,6 +248,8 @@ class ChatCompletionRequest(_SamplingFields):
             return ("audio" if self.audio is not None else "modalities"), "only text output is supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if self.echo:
+            return "echo", "echo is not supported on chat completions"
         return super().unsupported()
 
 
@@ -285,6 +312,11 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_unset_calls(handler, self)
 
 
 class CompletionResponse(BaseModel):
@@ -312,10 +344,16 @@ class ChatLogprobs(BaseModel):
 
 def _without_unset_calls(handler: Any, value: BaseModel) -> dict[str, Any]:
     out = handler(value)
-    for key in ("tool_calls", "reasoning_content"):   # only when there are some (OpenAI's shape otherwise)
+    # only when there are some (OpenAI's shape otherwise)
+    for key in ("tool_calls", "reasoning_content", "prompt_logprobs"):
         if out.get(key) is None:
             out.pop(key, None)
     return out
+
+
+#: vLLM's prompt log-probabilities: ``None`` for the first token, then per token ``{token id: {"logprob",
+#: "rank", "decoded_token"}}`` for the prompt's token and the k most likely
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 
 class ResponseMessage(BaseModel):
@@ -355,6 +393,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_unset_calls(handler, self)
 
 
 class ChatChunkChoice(BaseModel):
@@ -362,6 +405,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from plinth.core.async_engine import AsyncLLMEngine
@@ -20,6 +21,8 @@ from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.tool_parsers import ToolParser
 from plinth.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 128   # choices per prompt
 MAX_CHOICES = 2048   # choices per request (prompts x n)
@@ -39,6 +42,8 @@ class ServerContext:
     tool_parser: type[ToolParser] | None = None
     #: the ``--reasoning-parser`` class, if any
     reasoning_parser: type[ReasoningParser] | None = None
+    #: ``--return-tokens-as-token-ids``: logprob tokens as ``token_id:N`` unless a request says otherwise
+    return_tokens_as_token_ids: bool = False
     _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
     # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
     _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -106,6 +111,43 @@ class ServerContext:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of range [0, {vocab})", param)
+
+    def note_ignored_fields(self, req: Any) -> None:
+        """Log the request's fields plinth does not know (they are ignored, as vLLM does)."""
+        ignored = req.ignored_fields()
+        if ignored:
+            logger.warning("request fields ignored (not supported): %s", ", ".join(ignored[:20]))
+
+    def token_namer(self, req: Any) -> Callable[[int], str]:
+        """How the request's logprobs name tokens: ``token_id:N`` with ``return_tokens_as_token_ids`` (the
+        request's, else the server's flag), else their text (:meth:`token_text`)."""
+        as_ids = req.return_tokens_as_token_ids
+        if as_ids if as_ids is not None else self.return_tokens_as_token_ids:
+            return lambda token_id: f"token_id:{token_id}"
+        return self.token_text
+
+    def truncated(self, ids: list[int], req: Any) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (all without it)."""
+        keep = req.truncate_prompt_tokens
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+    def prompt_logprobs(self, out: RequestOutput, k: int, name: Callable[[int], str]) -> list[Any]:
+        """vLLM's ``prompt_logprobs``: ``None`` for the first token, then for each prompt token its own
+        log-probability and the ``k`` most likely, keyed by token id."""
+        positions = list(out.prompt_logprobs or [])
+        body: list[Any] = []
+        for i, tid in enumerate(out.prompt_token_ids):
+            pos = positions[i] if i < len(positions) else None
+            if pos is None:
+                body.append(None)
+                continue
+            keep = dict(self.top_logprobs(pos, k))
+            entry = {}
+            for t, lp in pos.items():
+                if t == tid or t in keep:
+                    entry[str(t)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": name(t)}
+            body.append(entry)
+        return body
 
     def token_text(self, token_id: int) -> str:
         """The text of one token; a token that is only part of a UTF-8 character is written

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import jinja2
@@ -166,6 +166,9 @@ def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools:
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message continues the last message, so add_generation_prompt must be "
                           "false", "continue_final_message")
+    documents = getattr(req, "documents", None)
+    if documents:
+        kwargs = {**kwargs, "documents": documents}
     ctx.check_text(_message_chars(messages, tools) + (len(json.dumps(kwargs)) if kwargs else 0), "messages")
     try:
         return ctx.front.render_chat(template_messages(messages), add_generation_prompt=req.add_generation_prompt,
@@ -183,11 +186,11 @@ def _message_chars(messages: list[dict[str, Any]], tools: list[Any] | None) -> i
 
 
 def _logprobs(ctx: ServerContext, token_ids: Sequence[int], positions: Sequence[PositionLogprobs],
-              k: int) -> ChatLogprobs:
+              k: int, name: Callable[[int], str]) -> ChatLogprobs:
     content = []
     for tid, pos in zip(token_ids, positions, strict=True):
-        text = ctx.token_text(tid)
-        top = [TopLogprob(token=ctx.token_text(t), logprob=lp, bytes=list(ctx.token_bytes(t)))
+        text = name(tid)
+        top = [TopLogprob(token=name(t), logprob=lp, bytes=list(ctx.token_bytes(t)))
                for t, lp in ctx.top_logprobs(pos, k)]
         chosen = pos.get(tid)
         content.append(TokenLogprob(token=text, logprob=chosen.logprob if chosen is not None else float("nan"),
@@ -212,6 +215,7 @@ async def _last(events: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutp
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
+    ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
     mode = _tool_mode(ctx, req)
@@ -222,14 +226,15 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(lambda: req.sampling_params(max_tokens, k, defaults=defaults),
+    params = sampling_params(lambda: req.sampling_params(max_tokens, k, req.prompt_logprobs, defaults=defaults),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
     if mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     await _check_tool_schemas(mode)
     await check_structured(ctx, req, params)
-    # The template writes the special tokens itself, so none are added here.
-    ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
+    # The template writes the special tokens itself, so none are added unless asked for.
+    ids = ctx.truncated(await ctx.tokenize(text, add_special_tokens=bool(req.add_special_tokens), param="messages"),
+                        req)
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     rid = random_id("chatcmpl")
     if req.use_beam_search:
@@ -248,25 +253,33 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     firsts = await unless_disconnected(raw, first_outputs([stream]))
     events = merge([stream], firsts)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(_stream(ctx, rid, params.n, k, events, include_usage, mode))
+        options = req.stream_options
+        usage = "every" if options and options.continuous_usage_stats else "end" if options and options.include_usage else None
+        return SSEResponse(_stream(ctx, rid, params.n, k, events, usage, ctx.token_namer(req), mode))
     final = await unless_disconnected(raw, _last(events))
     choices = []
+    name = ctx.token_namer(req)
     for c in final.outputs:
         n = len(c.token_ids)
-        lp = _logprobs(ctx, c.token_ids, (c.logprobs or [])[:n], k) if k is not None else None
+        lp = _logprobs(ctx, c.token_ids, (c.logprobs or [])[:n], k, name) if k is not None else None
         reply = _Reply(mode, ctx.reasoning_parser)
         reply.update(c.text, final=True)
         reason = reply.tools.finish_reason(str(c.finish_reason) if c.finish_reason else None)
         choices.append(ChatChoice(index=c.index, message=reply.message(), logprobs=lp, finish_reason=reason,
                                   stop_reason=c.stop_reason))
-    body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices, usage=_usage(final))
+    prompt_logprobs = (ctx.prompt_logprobs(final, req.prompt_logprobs, name)
+                       if req.prompt_logprobs is not None else None)
+    body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices, usage=_usage(final),
+                                  prompt_logprobs=prompt_logprobs)
     return JSONResponse(body.model_dump())
 
 
 async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: AsyncIterator[tuple[int, RequestOutput]],
-                  include_usage: bool, mode: ToolMode | None = None) -> AsyncIterator[str]:
+                  usage: str | None, name: Callable[[int], str], mode: ToolMode | None = None) -> AsyncIterator[str]:
+    """``usage``: ``"end"`` for a last chunk with the usage, ``"every"`` for the usage so far on every chunk too
+    (vLLM's ``continuous_usage_stats``)."""
     created = int(time.time())
+    so_far: UsageInfo | None = None
 
     def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> str:
         return ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
@@ -291,17 +304,21 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: A
                 thinking, delta, calls = replies[i].update(c.text, final=finished)
                 lp = None
                 if k is not None and end > sent_tokens[i]:
-                    lp = _logprobs(ctx, c.token_ids[sent_tokens[i]:end], (c.logprobs or [])[sent_tokens[i]:end], k)
+                    lp = _logprobs(ctx, c.token_ids[sent_tokens[i]:end], (c.logprobs or [])[sent_tokens[i]:end], k,
+                                   name)
+                if usage == "every":
+                    so_far = _usage(out)
                 if thinking or delta or calls or lp is not None:
                     piece = DeltaMessage(content=delta if delta or not (calls or thinking) else None,
                                          tool_calls=calls or None, reasoning_content=thinking or None)
-                    yield chunk(ChatChunkChoice(index=i, delta=piece, logprobs=lp))
+                    yield chunk(ChatChunkChoice(index=i, delta=piece, logprobs=lp), so_far)
                 sent_tokens[i] = end
                 if finished:
                     done[i] = True
                     reason = replies[i].tools.finish_reason(str(c.finish_reason))
-                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason))
+                    yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
+                                                stop_reason=c.stop_reason), so_far)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    if include_usage and last is not None:
+    if usage is not None and last is not None:
         yield chunk(None, _usage(last))

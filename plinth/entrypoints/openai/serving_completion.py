@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
@@ -51,14 +51,18 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
         if isinstance(p, str):
             ctx.check_text(len(p), "prompt")
     prompts = []
+    special = req.add_special_tokens if req.add_special_tokens is not None else True
+    tok = ctx.front.tokenizer
     for p in raw:
         if isinstance(p, str):
-            prompts.append(_Prompt(p, await ctx.tokenize(p, add_special_tokens=True, param="prompt")))
+            ids = await ctx.tokenize(p, add_special_tokens=special, param="prompt")
+            kept = ctx.truncated(ids, req)
+            text = p if len(kept) == len(ids) or tok is None else tok.decode(kept)
+            prompts.append(_Prompt(text, kept))
         else:
-            ids = list(p)   # type: ignore[arg-type]
+            ids = ctx.truncated(list(p), req)   # type: ignore[arg-type]
             ctx.check_token_ids(ids, "prompt")
             ctx.check_length(len(ids), None, "prompt")   # before echo decodes them
-            tok = ctx.front.tokenizer
             text = tok.decode(ids) if (req.echo and tok is not None and ids) else ""
             prompts.append(_Prompt(text, ids))
         if not prompts[-1].token_ids:
@@ -67,25 +71,27 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
 
 
 def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Sequence[int],
-                  positions: Sequence[PositionLogprobs | None], k: int, offset: int) -> int:
-    """Append one entry per token to ``dest``; returns the text offset after the last token."""
+                  positions: Sequence[PositionLogprobs | None], k: int, offset: int, name: Callable[[int], str]) -> int:
+    """Append one entry per token to ``dest`` (tokens named by ``name``); returns the text offset after the
+    last token."""
     for tid, pos in zip(token_ids, positions, strict=True):
-        text = ctx.token_text(tid)
+        text = name(tid)
         dest.tokens.append(text)
         chosen = pos.get(tid) if pos is not None else None
         dest.token_logprobs.append(chosen.logprob if chosen is not None else None)
-        dest.top_logprobs.append({ctx.token_text(t): lp for t, lp in ctx.top_logprobs(pos, k)}
+        dest.top_logprobs.append({name(t): lp for t, lp in ctx.top_logprobs(pos, k)}
                                  if pos is not None else None)
         dest.text_offset.append(offset)
         offset += len(text)
     return offset
 
 
-def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int) -> tuple[CompletionLogprobs, int]:
+def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int,
+                   name: Callable[[int], str]) -> tuple[CompletionLogprobs, int]:
     lp = CompletionLogprobs()
     positions = list(out.prompt_logprobs or [])
     positions += [None] * (len(out.prompt_token_ids) - len(positions))
-    end = _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, 0)
+    end = _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, 0, name)
     return lp, end
 
 
@@ -93,14 +99,17 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: Re
             c: CompletionOutput, index: int) -> CompletionChoice:
     text = (prompt.text if req.echo else "") + c.text
     logprobs = None
+    name = ctx.token_namer(req)
     if req.logprobs is not None:
-        logprobs = _echo_logprobs(ctx, out, req.logprobs)[0] if req.echo else CompletionLogprobs()
+        logprobs = _echo_logprobs(ctx, out, req.logprobs, name)[0] if req.echo else CompletionLogprobs()
         offset = len(prompt.text) if req.echo else 0
         n = len(c.token_ids)
-        _add_logprobs(ctx, logprobs, c.token_ids, (c.logprobs or [])[:n], req.logprobs, offset)
+        _add_logprobs(ctx, logprobs, c.token_ids, (c.logprobs or [])[:n], req.logprobs, offset, name)
+    prompt_logprobs = (ctx.prompt_logprobs(out, req.prompt_logprobs, name)
+                       if req.prompt_logprobs is not None else None)
     return CompletionChoice(index=index, text=text, logprobs=logprobs,
                             finish_reason=str(c.finish_reason) if c.finish_reason else None,
-                            stop_reason=c.stop_reason)
+                            stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs)
 
 
 async def _collect(events: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
@@ -119,10 +128,12 @@ def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: in
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
+    ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
     prompts = await _prompts(ctx, req)
-    echo_k = req.logprobs if req.echo else None
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    echo_k = max(asked) if asked else None
     defaults = ctx.default_sampling
     if "max_tokens" not in req.model_fields_set and "max_tokens" in defaults:
         req.max_tokens = defaults["max_tokens"]   # the model's max_new_tokens instead of OpenAI's 16
@@ -179,6 +190,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
     states = [_ChoiceState() for _ in range(len(prompts) * params.n)]
     cached = [0] * len(prompts)
     k = req.logprobs
+    name = ctx.token_namer(req)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     try:
         async for i, out in events:
             cached[i] = out.num_cached_tokens
@@ -196,11 +209,11 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                 if req.echo and not st.started:
                     prefix = prompts[i].text
                     if lp is not None:
-                        lp, _ = _echo_logprobs(ctx, out, k)  # type: ignore[arg-type]
+                        lp, _ = _echo_logprobs(ctx, out, k, name)  # type: ignore[arg-type]
                     st.offset = len(prefix)
                 if lp is not None:
                     st.offset = _add_logprobs(ctx, lp, new_ids, (c.logprobs or [])[st.sent_tokens:end], k,
-                                              st.offset)  # type: ignore[arg-type]
+                                              st.offset, name)  # type: ignore[arg-type]
                 finish = str(c.finish_reason) if c.finish_reason else None
                 st.started = True
                 st.sent_chars, st.sent_tokens = len(c.text), end
@@ -209,8 +222,13 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                     continue
                 choice = CompletionChoice(index=index, text=prefix + new_text, logprobs=lp, finish_reason=finish,
                                           stop_reason=c.stop_reason if finish else None)
+                usage = None
+                if continuous:   # vLLM's: this choice's counts so far on every chunk
+                    prompt_tokens = len(prompts[i].token_ids)
+                    usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=end,
+                                      total_tokens=prompt_tokens + end)
                 yield CompletionResponse(id=rid, created=created, model=ctx.model_name,
-                                         choices=[choice]).model_dump_json()
+                                         choices=[choice], usage=usage).model_dump_json()
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     if include_usage:

@@ -1,0 +1,239 @@
+"""vLLM's request extensions and server options: prompt_logprobs, add_special_tokens, truncate_prompt_tokens,
+return_tokens_as_token_ids, continuous_usage_stats, documents, stop_reason in chunks, ignored fields, /ping,
+X-Request-Id, CORS, HTTPS flags; and LLM.generate's dict prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+import torch
+from server_utils import make_tiny_model
+
+from plinth import LLM, SamplingParams
+
+PROMPT = "Paris is the capital of France; Berlin is"
+DOC_TEMPLATE = ("{% for d in documents or [] %}<doc>{{ d['text'] }}</doc>{% endfor %}"
+                "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model with a tokenizer that adds a BOS token to plain text (so add_special_tokens matters)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-ext"))
+    tok = AutoTokenizer.from_pretrained(path)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                 special_tokens=[("<|im_start|>", bos)])
+    tok.bos_token = "<|im_start|>"
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def app_parts(model_dir):
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", selection="off",
+                                                served_model_name="tiny", chat_template=DOC_TEMPLATE))
+    return engine, AsyncLLMEngine(engine)
+
+
+@pytest.fixture(scope="module")
+def http(app_parts):
+    from starlette.testclient import TestClient
+
+    from plinth.entrypoints.openai.api_server import CorsSettings, build_app
+
+    app = build_app(app_parts[1], api_key="sekret", cors=CorsSettings(("http://ui.example",)))
+    with TestClient(app, headers={"Authorization": "Bearer sekret"}) as client:
+        yield client
+
+
+def post(http, route: str, body: dict, status: int = 200) -> dict:
+    r = http.post(route, json=body)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def test_prompt_logprobs_match_transformers(http, app_parts, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    engine = app_parts[0]
+    ids = engine.tokenize(PROMPT)
+    body = post(http, "/v1/completions", {"prompt": ids, "max_tokens": 2, "prompt_logprobs": 3})
+    prompt_lp = body["choices"][0]["prompt_logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    assert prompt_lp[0] is None and len(prompt_lp) == len(ids)
+    for i in range(1, len(ids)):
+        entry = {int(k): v for k, v in prompt_lp[i].items()}
+        assert ids[i] in entry and len(entry) in (3, 4)
+        assert entry[ids[i]]["logprob"] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
+        top3 = torch.topk(ref[i - 1], 3).indices.tolist()
+        assert {t for t, v in entry.items() if v["rank"] <= 3} == set(top3)
+        assert entry[ids[i]]["rank"] == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
+        assert entry[ids[i]]["decoded_token"] == engine.tokenizer.decode([ids[i]])
+    # not asked: no key; chat: on the response; streaming: refused
+    assert "prompt_logprobs" not in post(http, "/v1/completions", {"prompt": ids, "max_tokens": 1})["choices"][0]
+    chat = post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                               "prompt_logprobs": 0})
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])   # k = 0: the prompt's own token only
+    err = post(http, "/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, status=400)
+    assert err["error"]["param"] == "prompt_logprobs"
+
+
+def test_add_special_tokens_and_truncation(http, app_parts):
+    engine = app_parts[0]
+    plain = engine.tokenize(PROMPT, add_special_tokens=False)
+    usage = lambda body: body["usage"]["prompt_tokens"]   # noqa: E731
+    assert usage(post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})) == len(plain) + 1
+    assert usage(post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
+                                                "add_special_tokens": False})) == len(plain)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = usage(post(http, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}))
+    assert usage(post(http, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                     "add_special_tokens": True})) == chat + 1
+    # truncation keeps the last N tokens: the same completion as those tokens given directly
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cut = post(http, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 5, "echo": True, **greedy})
+    direct = post(http, "/v1/completions", {"prompt": plain[-5:], **greedy})
+    assert usage(cut) == 5
+    assert cut["choices"][0]["text"] == engine.tokenizer.decode(plain[-5:]) + direct["choices"][0]["text"]
+    assert usage(post(http, "/v1/chat/completions", {"messages": messages, "truncate_prompt_tokens": 3,
+                                                     "max_tokens": 1})) == 3
+    assert post(http, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0},
+                status=400)["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_tokens_as_ids_and_continuous_usage(http, app_parts):
+    body = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "logprobs": 2, "temperature": 0,
+                                          "ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = body["choices"][0]["logprobs"]
+    ids = app_parts[0].tokenize(body["choices"][0]["text"], add_special_tokens=False)
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    assert [int(t.split(":")[1]) for t in lp["tokens"]] == ids
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    chat = post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                               "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})
+    assert all(c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"])
+    # usage so far on every chunk
+    for route, body in (("/v1/completions", {"prompt": PROMPT}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        counts = []
+        with http.stream("POST", route, json={**body, "max_tokens": 5, "ignore_eos": True, "stream": True,
+                                              "stream_options": {"include_usage": True,
+                                                                 "continuous_usage_stats": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["usage"] is not None:
+                        counts.append(chunk["usage"]["completion_tokens"])
+        assert counts and counts == sorted(counts) and counts[-1] == 5, (route, counts)
+
+
+def test_documents_stop_reason_and_refusals(http, app_parts, caplog):
+    engine = app_parts[0]
+    messages = [{"role": "user", "content": "hi"}]
+    docs = [{"title": "a", "text": "Berlin is in Germany."}]
+    with_docs = post(http, "/v1/chat/completions", {"messages": messages, "documents": docs, "max_tokens": 1})
+    rendered = "<doc>Berlin is in Germany.</doc><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert with_docs["usage"]["prompt_tokens"] == len(engine.tokenize(rendered, add_special_tokens=False))
+    # the finishing chunk of a stream names the stop string
+    stop = post(http, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True})["choices"][0]["message"]["content"][2:4]
+    last = None
+    with http.stream("POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                            "ignore_eos": True, "stop": [stop], "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    if c["finish_reason"]:
+                        last = c
+    assert last is not None and last["finish_reason"] == "stop" and last["stop_reason"] == stop
+    for body, param in (({"bad_words": ["x"]}, "bad_words"), ({"spaces_between_special_tokens": False},
+                                                                "spaces_between_special_tokens"),
+                        ({"echo": True}, "echo")):
+        assert post(http, "/v1/chat/completions", {"messages": messages, **body}, status=400)["error"]["param"] == param
+    with caplog.at_level(logging.WARNING):
+        post(http, "/v1/completions", {"prompt": "x", "max_tokens": 1, "store": False, "metadata": {"a": 1}})
+    assert "request fields ignored (not supported): metadata, store" in caplog.text
+
+
+def test_ping_request_id_and_cors(http):
+    for method in ("GET", "POST"):
+        assert http.request(method, "/ping").json() == {"status": "ok"}
+    r = http.get("/v1/models", headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    assert "x-request-id" not in http.get("/v1/models").headers
+    # a browser's preflight from an allowed origin passes (without the API key); another origin gets no grant
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = http.options("/v1/chat/completions", headers={**preflight, "Authorization": ""})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = http.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = http.get("/v1/models", headers={"Origin": "http://ui.example"})
+    assert r.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+def test_no_cors_by_default(app_parts):
+    from starlette.testclient import TestClient
+
+    from plinth.entrypoints.openai.api_server import build_app
+
+    with TestClient(build_app(app_parts[1])) as client:
+        r = client.options("/v1/models", headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "GET"})
+        assert "access-control-allow-origin" not in r.headers
+        body = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 0}).json()
+        assert not body["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_server_flag_checks(tmp_path, capsys):
+    from plinth.entrypoints.cli import main
+    from plinth.entrypoints.serve_cmd import ServeError, cors_settings
+
+    def args(**kw):
+        base = dict(allowed_origins=None, allow_credentials=False, allowed_methods='["*"]', allowed_headers='["*"]')
+        return argparse.Namespace(**{**base, **kw})
+
+    assert cors_settings(args()) is None
+    got = cors_settings(args(allowed_origins='["http://a"]', allowed_methods='["GET", "POST"]'))
+    assert got.allowed_origins == ("http://a",) and got.allowed_methods == ("GET", "POST")
+    for bad, message in ((dict(allowed_origins="http://a"), "JSON list"),
+                         (dict(allow_credentials=True), "need --allowed-origins"),
+                         (dict(allowed_origins='["*"]', allow_credentials=True), "explicit")):
+        with pytest.raises(ServeError, match=message):
+            cors_settings(args(**bad))
+    key = tmp_path / "key.pem"
+    key.write_text("x")
+    assert main(["serve", "--ssl-keyfile", str(key)]) == 2
+    assert "needs both --ssl-keyfile and --ssl-certfile" in capsys.readouterr().err
+    assert main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(tmp_path / "none.pem")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+
+
+def test_llm_dict_prompts(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", selection="off")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ids = llm.engine.tokenize(PROMPT)
+    expected = llm.generate([PROMPT, ids], params)
+    got = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert llm.generate({"prompt_token_ids": torch.tensor(ids)}, params)[0].outputs[0].token_ids == \
+        expected[1].outputs[0].token_ids
+    for bad, message in (({"text": "x"}, "exactly one"), ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
+                         ({"prompt": [1, 2]}, "must be text"), ({"prompt_token_ids": "abc"}, "list of token ids"),
+                         ({"prompt": "x", "multi_modal_data": {}}, "unknown keys: 'multi_modal_data'")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(bad, params)
