@@ -50,6 +50,8 @@ def test_reads_the_sampling_keys_and_eos_ids(tmp_path):
     ({"temperature": -1.0}, None, "temperature"),
     ({"top_p": 1.5}, None, "top_p"),
     ({"max_new_tokens": 0}, None, "max_new_tokens must be at least 1"),
+    ({"temperature": 10**400}, None, "temperature must be a number"),
+    ({}, {"max_new_tokens": 10**400}, "max_new_tokens must be an integer"),
     ({"eos_token_id": "x"}, None, "eos_token_id"),
     ("[1, 2]", None, "not a JSON object"),
     ("{", None, "cannot read"),
@@ -95,7 +97,8 @@ def test_engine_defaults_and_extra_eos(model_dir, tmp_path):
     llm = LLM(str(folder), dtype="float32", selection="off")
     assert reference[stop_at] in llm.engine.eos_token_ids
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.max_tokens) == (0.0, 9)
+    # max_tokens None: at most max_new_tokens, where the context leaves room for them
+    assert (defaults.temperature, defaults.max_tokens, llm.engine.default_max_tokens) == (0.0, None, 9)
     # no parameters: greedy, at most max_new_tokens, ending at the generation config's eos id
     out = llm.generate([PROMPT])[0].outputs[0]
     expected = reference[:min(stop_at + 1, 9)]
@@ -139,3 +142,37 @@ def test_server_uses_the_defaults_for_unset_fields(model_dir, tmp_path):
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                     "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+
+
+def test_max_new_tokens_is_a_cap_not_a_demand(model_dir, tmp_path):
+    """A max_new_tokens beyond the context is the most a request without max_tokens gets, not a limit it must
+    fit: such requests run to the context's end (the model's 512 positions); an eos id outside the vocabulary
+    stops the start."""
+    from starlette.testclient import TestClient
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    write(folder, {"max_new_tokens": 2048})
+    llm = LLM(str(folder), dtype="float32", selection="off", max_model_len=64)
+    ids = llm.engine.tokenize(PROMPT)
+    out = llm.generate([PROMPT], dataclasses.replace(llm.get_default_sampling_params(), ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 64 - len(ids) and out.outputs[0].finish_reason == "length"
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", selection="off", max_model_len=64,
+                                                override_generation_config={"max_new_tokens": 5}))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        for body in ({"prompt": PROMPT}, {"prompt": PROMPT, "max_tokens": None}, {"prompt": PROMPT, "min_tokens": 7}):
+            r = http.post("/v1/completions", json={**body, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == max(5, body.get("min_tokens", 0))
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "use_beam_search": True, "n": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
+        assert r.json()["usage"]["completion_tokens"] == 2 * 5
+    write(folder, {"eos_token_id": [5, 100000]})
+    with pytest.raises(ModelLoadError, match="eos_token_id 100000 is not below the model's vocab_size"):
+        LLM(str(folder), dtype="float32", selection="off")

@@ -3,6 +3,7 @@ streamed deltas adding up to the same, tool calls found in the answer only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -158,7 +159,8 @@ def test_after_reasoning_states(think_model):
     grammar = GrammarCompiler(tok, vocab, [tok.eos_token_id])
     spec = {"regex": "ab|cd"}
     plain = allowed_tokens([grammar.matcher(spec)], vocab)[0]
-    gate = AfterReasoning(grammar.matcher(spec), markers, vocab)
+    eos = tok.eos_token_id
+    gate = AfterReasoning(grammar.matcher(spec), markers, vocab, [eos])
     opening = allowed_tokens([gate], vocab)[0]
     assert opening[markers.start] and not plain[markers.start]
     opening[markers.start] = False
@@ -166,7 +168,8 @@ def test_after_reasoning_states(think_model):
     assert gate.consume_token(markers.start) and gate.thinking
     thought = tok.encode("x < y, so { } [", add_special_tokens=False)   # text the grammar would refuse
     for t in thought:
-        assert allowed_tokens([gate], vocab)[0].all()
+        mask = allowed_tokens([gate], vocab)[0]
+        assert mask.sum() == vocab - 1 and not mask[eos]   # anything but the end of the reply
         assert gate.consume_token(t) and not gate.is_stopped()
     copy = gate.deep_copy()
     assert gate.consume_token(markers.end) and not gate.thinking
@@ -174,7 +177,7 @@ def test_after_reasoning_states(think_model):
     for t in tok.encode("cd", add_special_tokens=False):
         assert gate.consume_token(t)
     assert gate.is_stopped() or allowed_tokens([gate], vocab)[0][tok.eos_token_id]
-    assert copy.thinking and allowed_tokens([copy], vocab)[0].all()   # the copy kept its own state
+    assert copy.thinking and allowed_tokens([copy], vocab)[0].sum() == vocab - 1   # the copy kept its own state
     # a first token that is the grammar's: constrained from there on
     direct = AfterReasoning(grammar.matcher(spec), markers, vocab)
     first = tok.encode("ab", add_special_tokens=False)[0]
@@ -182,7 +185,7 @@ def test_after_reasoning_states(think_model):
     assert not allowed_tokens([direct], vocab)[0][markers.start]
     # a reply that starts in thinking (DeepSeek-R1): everything goes until </think>
     r1 = AfterReasoning(grammar.matcher(spec), reasoning_markers(tok, *THINK, starts_in_thinking=True), vocab)
-    assert r1.thinking and allowed_tokens([r1], vocab)[0].all()
+    assert r1.thinking and allowed_tokens([r1], vocab)[0].all()   # no EOS ids given: nothing masked
 
 
 def test_engine_constrains_the_answer_after_the_thinking(think_model):
@@ -199,6 +202,10 @@ def test_engine_constrains_the_answer_after_the_thinking(think_model):
     answer = out.text.split("</think>", 1)[1]
     assert re.fullmatch("[a-z]{2,6}\\.", answer), out.text
     assert out.finish_reason == "stop"
+    # the reply cannot end while it thinks: a forced EOS is refused until max_tokens
+    eos = llm.engine.tokenizer.eos_token_id
+    out = llm.generate(["hello"], dataclasses.replace(params, logit_bias={eos: 100.0}, max_tokens=12))[0].outputs[0]
+    assert eos not in out.token_ids and out.finish_reason == "length" and len(out.token_ids) == 12
     # without the parser the grammar applies from the first token, so the biased </think> never comes
     plain = LLM(str(think_model), dtype="float32", selection="off", generation_config="none")
     out = plain.generate(["hello"], params)[0].outputs[0]

@@ -151,8 +151,10 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids
-        #: the model's generation-config sampling defaults (see :meth:`default_sampling_params`)
+        #: the model's generation-config sampling defaults (see :meth:`default_sampling_params`), and its
+        #: ``max_new_tokens``: the most a request without ``max_tokens`` generates (the context's end permitting)
         self.default_sampling: dict[str, Any] = dict(parts.default_sampling)
+        self.default_max_tokens: int | None = self.default_sampling.pop("max_tokens", None)
         self.selection = parts.selection
         self.runner: ModelRunner | None = parts.runner   # None when worker processes own the model
         self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection)
@@ -320,7 +322,8 @@ class LLMEngine:
             for i in range(params.n):
                 child_params = params if i == 0 or params.seed is None else params.clone(seed=_child_seed(params.seed, i))
                 seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-                req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
+                req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                              default_max_tokens=self.default_max_tokens)
                 req.priority = priority
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
@@ -353,7 +356,10 @@ class LLMEngine:
 
     def default_sampling_params(self) -> SamplingParams:
         """The parameters of a request that sets none: plinth's defaults with the model's generation config
-        on top (:mod:`plinth.model_registry.generation_config`)."""
+        on top (:mod:`plinth.model_registry.generation_config`); with its ``max_new_tokens``, ``max_tokens``
+        is ``None``: the request stops there or where the context ends, whichever comes first."""
+        if self.default_max_tokens is not None:
+            return SamplingParams(**self.default_sampling, max_tokens=None)
         return SamplingParams(**self.default_sampling)
 
     def grammar_matcher(self, spec: dict[str, Any]) -> Any:
@@ -389,7 +395,7 @@ class LLMEngine:
         try:
             matcher = self.grammar_matcher(params.structured_outputs)
             if self._reasoning is not None:
-                return AfterReasoning(matcher, self._reasoning, self.vocab_size)
+                return AfterReasoning(matcher, self._reasoning, self.vocab_size, self.eos_token_ids)
             return matcher
         except StructuredOutputError as exc:
             raise RequestRejectedError(f"{STRUCTURED_PARAM}: {exc}", param=STRUCTURED_PARAM) from None

@@ -271,11 +271,13 @@ class Request:
         arrival_time: seconds since the epoch (default: now).
         max_tokens: the output limit; the scheduler resolves it against ``max_model_len``
             on ``add_request`` when left ``None``.
+        default_max_tokens: the cap for a request without a limit (the model's ``max_new_tokens``): the rest
+            of the context, at most this many.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                  eos_token_ids: tuple[int, ...] | list[int] = (), arrival_time: float | None = None,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, default_max_tokens: int | None = None):
         self.request_id = request_id
         self.priority = 0       # with the priority scheduling policy: lower is more important
         self.arrival_seq = 0    # the scheduler's arrival order (ties of priority)
@@ -283,6 +285,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.default_max_tokens = default_max_tokens
         self.output_token_ids: list[int] = []
         # prompt + output, grown in place: reading it costs nothing.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)

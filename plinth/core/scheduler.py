@@ -185,6 +185,9 @@ class Scheduler:
             room = bm.num_usable_blocks * bm.block_size - num_prompt + 1   # the last token needs no slot
             if 1 <= room < request.max_tokens:
                 request.max_tokens = room
+            if request.default_max_tokens is not None and request.max_tokens > request.default_max_tokens:
+                request.max_tokens = min(request.max_tokens,
+                                         max(request.default_max_tokens, request.sampling_params.min_tokens))
         if num_prompt + max(request.max_tokens, 1) > limit:
             raise RequestRejectedError(
                 f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "

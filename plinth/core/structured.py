@@ -230,19 +230,32 @@ class ReasoningMarkers:
 
 
 class AfterReasoning:
-    """A grammar matcher whose constraint starts after the thinking: while the reply thinks every token is
-    allowed and none reaches the grammar; the ``end`` token hands over to it. Without
-    ``starts_in_thinking`` the first token may be the grammar's or ``start`` (which opens the thinking).
-    The matcher interface the engine uses (``compute_bitmask``, ``consume_token``, ``is_stopped``,
-    ``is_error``, ``get_error``, ``deep_copy``)."""
+    """A grammar matcher whose constraint starts after the thinking: while the reply thinks every token but
+    EOS is allowed (the reply may not end before its constrained answer) and none reaches the grammar; the
+    ``end`` token hands over to it. Without ``starts_in_thinking`` the first token may be the grammar's or
+    ``start`` (which opens the thinking). The matcher interface the engine uses (``compute_bitmask``,
+    ``consume_token``, ``is_stopped``, ``is_error``, ``get_error``, ``deep_copy``)."""
 
     _OPENING, _THINKING, _ANSWER = range(3)
 
-    def __init__(self, inner: Any, markers: ReasoningMarkers, vocab_size: int, state: int | None = None):
+    def __init__(self, inner: Any, markers: ReasoningMarkers, vocab_size: int, eos_token_ids: Sequence[int] = (),
+                 state: int | None = None):
         self.inner = inner
         self.markers = markers
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.state = (self._THINKING if markers.starts_in_thinking else self._OPENING) if state is None else state
+        self._thinking_mask: bytes | None = None
+
+    def _thinking_bits(self) -> bytes:
+        """Every token but EOS."""
+        if self._thinking_mask is None:
+            bits = bytearray(b"\xff" * (((self.vocab_size + 31) // 32) * 4))
+            for t in self.eos_token_ids:
+                if t < self.vocab_size:
+                    bits[t >> 3] &= ~(1 << (t & 7)) & 0xFF
+            self._thinking_mask = bytes(bits)
+        return self._thinking_mask
 
     @property
     def thinking(self) -> bool:
@@ -252,7 +265,7 @@ class AfterReasoning:
         if self.state == self._ANSWER:
             return self.inner.compute_bitmask()
         if self.state == self._THINKING:
-            return b"\xff" * (((self.vocab_size + 31) // 32) * 4)
+            return self._thinking_bits()
         bits = bytearray(self.inner.compute_bitmask())
         bits[self.markers.start >> 3] |= 1 << (self.markers.start & 7)
         return bytes(bits)
@@ -279,7 +292,7 @@ class AfterReasoning:
         return str(self.inner.get_error())
 
     def deep_copy(self) -> AfterReasoning:
-        return AfterReasoning(self.inner.deep_copy(), self.markers, self.vocab_size, self.state)
+        return AfterReasoning(self.inner.deep_copy(), self.markers, self.vocab_size, self.eos_token_ids, self.state)
 
 
 def reasoning_markers(tokenizer: Any, start: str, end: str, starts_in_thinking: bool) -> ReasoningMarkers | None:

@@ -79,7 +79,11 @@ def _config_file(setting: str, model_path: str | None, kind: str) -> Path | None
 def _checked_value(key: str, value: Any, origin: str) -> Any:
     integer = key in _INTEGER_KEYS
     ok = (isinstance(value, int) if integer else isinstance(value, int | float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value):
+    try:
+        ok = ok and math.isfinite(value)
+    except OverflowError:   # an integer too large for a float
+        ok = False
+    if not ok:
         kind = "an integer" if integer else "a number"
         raise ModelLoadError(f"{origin}: {key} must be {kind}, got {value!r}")
     return value

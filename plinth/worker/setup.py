@@ -47,6 +47,10 @@ def generation_defaults(source: Any, config: EngineConfig, hf_config: Any,
     model = config.model
     found = read_generation_defaults(model.generation_config, dict(model.override_generation_config or ()),
                                      source.path, source.kind)
+    vocab = getattr(hf_config, "vocab_size", None)
+    bad = next((t for t in found.eos_token_ids if vocab is not None and t >= vocab), None)
+    if bad is not None:
+        raise ModelLoadError(f"{found.origin}: eos_token_id {bad} is not below the model's vocab_size {vocab}")
     return found.sampling, tuple(dict.fromkeys(eos_ids(hf_config, tokenizer) + found.eos_token_ids))
 
 

@@ -53,6 +53,18 @@ class ServerContext:
         """The model's generation-config defaults (``SamplingParams`` keywords) for fields a request leaves unset."""
         return getattr(self.front, "default_sampling", None) or {}
 
+    @property
+    def front_default_max_tokens(self) -> int | None:
+        """The model's ``max_new_tokens``: the most a request without ``max_tokens`` generates."""
+        return getattr(self.front, "default_max_tokens", None)
+
+    def default_room(self, num_prompt: int) -> int:
+        """The output a request without ``max_tokens`` gets after ``num_prompt`` tokens: the rest of the context,
+        at most the model's ``max_new_tokens``."""
+        room = self.front.max_model_len - num_prompt
+        cap = self.front_default_max_tokens
+        return min(room, cap) if cap is not None and room >= 1 else room
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",

@@ -223,8 +223,6 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     defaults = ctx.default_sampling
-    if max_tokens is None:
-        max_tokens = defaults.get("max_tokens")
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(max_tokens, k, req.prompt_logprobs, defaults=defaults),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
@@ -238,7 +236,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     rid = random_id("chatcmpl")
     if req.use_beam_search:
-        beam = beam_search_params(req, max_tokens, max_param, ctx.front.max_model_len - len(ids))
+        beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)))
         out = (await unless_disconnected(raw, beam_search_async(ctx.front, rid, [ids], beam)))[0]
         choices = []
         for j, b in enumerate(out.sequences):

@@ -135,8 +135,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     echo_k = max(asked) if asked else None
     defaults = ctx.default_sampling
-    if "max_tokens" not in req.model_fields_set and "max_tokens" in defaults:
-        req.max_tokens = defaults["max_tokens"]   # the model's max_new_tokens instead of OpenAI's 16
+    if "max_tokens" not in req.model_fields_set and ctx.front_default_max_tokens is not None:
+        req.max_tokens = None   # the model's max_new_tokens (the context permitting) instead of OpenAI's 16
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k,
                                                          defaults=defaults))
     await check_structured(ctx, req, params)
@@ -162,7 +162,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 
 async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
                        raw: Request) -> Response:
-    room = ctx.front.max_model_len - max(len(p.token_ids) for p in prompts)
+    room = ctx.default_room(max(len(p.token_ids) for p in prompts))
     beam = beam_search_params(req, req.max_tokens, "max_tokens", room)
     outs = await unless_disconnected(raw, beam_search_async(ctx.front, rid, [p.token_ids for p in prompts], beam))
     choices = [CompletionChoice(index=i * req.n + j, text=(prompts[i].text if req.echo else "") + b.text,
