@@ -6,20 +6,22 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "ModelRegistry",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "ModelRegistry", "__version__"]
 
 # Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
 _LAZY = {
     "LLM": "plinth.entrypoints.llm:LLM",
     "SamplingParams": "plinth.core.request:SamplingParams",
     "BeamSearchParams": "plinth.entrypoints.beam_search:BeamSearchParams",
+    "PoolingParams": "plinth.core.pooling:PoolingParams",
     "RequestOutput": "plinth.core.request:RequestOutput",
     "CompletionOutput": "plinth.core.request:CompletionOutput",
     "ModelRegistry": "plinth.model_registry.registry:ModelRegistry",
 }
 
 if TYPE_CHECKING:
+    from plinth.core.pooling import PoolingParams
     from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams
     from plinth.entrypoints.beam_search import BeamSearchParams
     from plinth.entrypoints.llm import LLM

@@ -62,6 +62,10 @@ class ModelConfig:
             sorted ``(key, value)`` pairs).
         reasoning_parser: the model's thinking markers (a registered reasoning parser, e.g. ``qwen3``):
             structured-output constraints then start after the thinking.
+        task: ``generate`` (text) or ``embed`` (embedding vectors; see :mod:`plinth.core.pooling`).
+        pooling: an embedding model's pooling (``last``, ``mean``, ``cls``; default: the model's
+            sentence-transformers configuration, else ``last``).
+        normalize_embeddings: L2-normalize embeddings (default: as the model's configuration says, else yes).
     """
 
     model: str | None = None
@@ -78,6 +82,9 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: Any = None
     reasoning_parser: str | None = None
+    task: str = "generate"
+    pooling: str | None = None
+    normalize_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
         override = self.override_generation_config
@@ -94,6 +101,12 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", override or None)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'none' or a path, got {self.generation_config!r}")
+        if self.task not in ("generate", "embed"):
+            raise ConfigError(f"task must be 'generate' or 'embed', got {self.task!r}")
+        if self.pooling is not None and self.pooling not in ("last", "mean", "cls"):
+            raise ConfigError(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}")
+        if (self.pooling is not None or self.normalize_embeddings is not None) and self.task != "embed":
+            raise ConfigError("pooling and normalize_embeddings need task='embed'")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:

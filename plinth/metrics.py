@@ -97,9 +97,14 @@ class RequestTracker:
         self._finish_reason: str | None = None
         self._closed = False
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput | Any) -> None:
         now = time.monotonic()
         m = self._m
+        if not isinstance(out.outputs, list):   # an embedding (PoolingRequestOutput): prompt tokens only
+            if out.finished and not self._finish_reason:
+                m.prompt_tokens.inc(len(out.prompt_token_ids))
+                self._finish_reason = "stop" if out.outputs is not None else "abort"
+            return
         if not self._seen:
             self._seen = [0] * len(out.outputs)
             m.prompt_tokens.inc(len(out.prompt_token_ids))

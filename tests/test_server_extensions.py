@@ -127,19 +127,30 @@ def test_tokens_as_ids_and_continuous_usage(http, app_parts):
     chat = post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                                "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})
     assert all(c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"])
-    # usage so far on every chunk
+    # each chunk's choice's usage so far (with include_usage only), per choice with n = 2
     for route, body in (("/v1/completions", {"prompt": PROMPT}),
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-        counts = []
-        with http.stream("POST", route, json={**body, "max_tokens": 5, "ignore_eos": True, "stream": True,
-                                              "stream_options": {"include_usage": True,
-                                                                 "continuous_usage_stats": True}}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if chunk["choices"] and chunk["usage"] is not None:
-                        counts.append(chunk["usage"]["completion_tokens"])
-        assert counts and counts == sorted(counts) and counts[-1] == 5, (route, counts)
+        for include in (True, False):
+            counts: dict[int, list[int]] = {0: [], 1: []}
+            usage_chunks = 0
+            with http.stream("POST", route, json={**body, "max_tokens": 5, "ignore_eos": True, "stream": True,
+                                                  "n": 2, "temperature": 1.0, "seed": 3,
+                                                  "stream_options": {"include_usage": include,
+                                                                     "continuous_usage_stats": True}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        usage_chunks += chunk.get("usage") is not None
+                        for c in chunk["choices"]:
+                            if chunk.get("usage") is not None:
+                                counts[c["index"]].append(chunk["usage"]["completion_tokens"])
+            if not include:
+                assert usage_chunks == 0, route
+                continue
+            for seen in counts.values():
+                assert seen and seen == sorted(seen) and seen[-1] == 5, (route, counts)
+            if "chat" in route:
+                assert counts[0][0] == 0   # the role chunk
 
 
 def test_documents_stop_reason_and_refusals(http, app_parts, caplog):
@@ -166,8 +177,13 @@ def test_documents_stop_reason_and_refusals(http, app_parts, caplog):
                         ({"echo": True}, "echo")):
         assert post(http, "/v1/chat/completions", {"messages": messages, **body}, status=400)["error"]["param"] == param
     with caplog.at_level(logging.WARNING):
-        post(http, "/v1/completions", {"prompt": "x", "max_tokens": 1, "store": False, "metadata": {"a": 1}})
-    assert "request fields ignored (not supported): metadata, store" in caplog.text
+        post(http, "/v1/completions", {"prompt": "x", "max_tokens": 1, "store": False, "metadata": {"a": 1},
+                                       "x\nERROR forged" + "A" * 1000: 1})
+    assert "request fields ignored (not supported): 'metadata', 'store', 'x\\nERROR forged" in caplog.text
+    assert "A" * 100 not in caplog.text and "\nERROR forged" not in caplog.text
+    for body, param in (({"prompt": "x", "echo": True, "logprobs": 2, "prompt_logprobs": -1}, "prompt_logprobs"),
+                        ({"prompt": "x", "use_beam_search": True, "n": 2, "prompt_logprobs": 1}, "prompt_logprobs")):
+        assert post(http, "/v1/completions", body, status=400)["error"]["param"] == param
 
 
 def test_ping_request_id_and_cors(http):
@@ -187,12 +203,34 @@ def test_ping_request_id_and_cors(http):
     assert r.headers["access-control-allow-origin"] == "http://ui.example"
 
 
-def test_no_cors_by_default(app_parts):
+def own_front(model_dir):
+    """A front of its own (an app's shutdown stops its front)."""
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+
+    return AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", selection="off")))
+
+
+def test_api_key_under_a_root_path(model_dir):
+    """Behind --root-path the server sees paths with the prefix in front: the key is still needed."""
     from starlette.testclient import TestClient
 
     from plinth.entrypoints.openai.api_server import build_app
 
-    with TestClient(build_app(app_parts[1])) as client:
+    with TestClient(build_app(own_front(model_dir), api_key="sekret"), root_path="/api") as client:
+        for path in ("/api/v1/models", "/api/tokenize", "/api/v1/other"):
+            assert client.get(path).status_code == 401, path
+        assert client.get("/api/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert client.get("/api/health").status_code == 200 and client.get("/api/metrics").status_code == 200
+
+
+def test_no_cors_by_default(model_dir):
+    from starlette.testclient import TestClient
+
+    from plinth.entrypoints.openai.api_server import build_app
+
+    with TestClient(build_app(own_front(model_dir))) as client:
         r = client.options("/v1/models", headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "GET"})
         assert "access-control-allow-origin" not in r.headers
         body = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 0}).json()

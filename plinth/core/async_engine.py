@@ -81,6 +81,7 @@ class AsyncLLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(engine, "eos_token_ids", ()))
         self.default_sampling: dict[str, Any] = dict(getattr(engine, "default_sampling", None) or {})
         self.default_max_tokens: int | None = getattr(engine, "default_max_tokens", None)
+        self.task: str = getattr(engine, "task", "generate")   # "embed": requests take PoolingParams
         self.served_model_name: str = engine.served_model_name
         self.selection = engine.selection
         self.load_time_s: float = getattr(engine, "load_time_s", 0.0)

@@ -18,6 +18,14 @@ from plinth.config import EngineConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
+from plinth.core.pooling import (
+    EmbeddingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    PoolState,
+    finish_embedding,
+    resolve_pooling,
+)
 from plinth.core.request import (
     CompletionOutput,
     FinishReason,
@@ -159,7 +167,20 @@ class LLMEngine:
         self.runner: ModelRunner | None = parts.runner   # None when worker processes own the model
         self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection)
         self._dead: EngineDeadError | None = None
-        self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        #: ``generate`` or ``embed`` (an embedding model: :meth:`add_request` takes PoolingParams)
+        self.task = config.model.task
+        self.pooling = (resolve_pooling(parts.source.path, config.model.pooling, config.model.normalize_embeddings)
+                        if self.task == "embed" else None)
+        self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
+        prefix_caching = config.cache.enable_prefix_caching
+        if self.pooling is not None:
+            logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,
+                        ", normalized" if self.pooling.normalize else "", self.pooling.origin)
+            if self.pooling.kind != "last" and prefix_caching:
+                logger.info("%s pooling needs every prompt position computed: the prefix cache is off",
+                            self.pooling.kind)
+                prefix_caching = False
+        self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         cache_tokens = self.block_manager.num_usable_blocks * config.cache.block_size
         if cache_tokens < self.max_model_len:
@@ -172,6 +193,7 @@ class LLMEngine:
         self._seqs: dict[str, _Sequence] = {}
         self._aborted: list[_Group] = []
         self._prompt_logprob_groups: set[str] = set()   # unfinished groups that asked for prompt logprobs
+        self._pooling_params: dict[str, PoolingParams] = {}   # unfinished embedding requests
         self._sync_groups: set[str] = set()   # unfinished groups whose sampling needs synchronous steps
         self._in_flight: _InFlight | None = None   # asynchronous scheduling: the step not read back yet
         self.async_scheduling = self._resolve_async(config.scheduler.async_scheduling)
@@ -270,9 +292,12 @@ class LLMEngine:
                                                   continue_final_message=continue_final_message,
                                                   **(template_kwargs or {}))
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. ``priority`` (the ``priority`` scheduling policy only): lower runs first.
+        An embedding engine (``task="embed"``) takes :class:`~plinth.core.pooling.PoolingParams` (or none);
+        its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput`.
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt or of
@@ -280,7 +305,11 @@ class LLMEngine:
                 priority policy.
             QueueFullError: the waiting queue is full.
         """
+        pooling = self._pooling_request(params)
+        if pooling is not None:   # the prompt's prefill; the one token sampled after it is dropped
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         params = params or self.default_sampling_params()
+        assert isinstance(params, SamplingParams)
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._groups:
@@ -325,6 +354,8 @@ class LLMEngine:
                 req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                               default_max_tokens=self.default_max_tokens)
                 req.priority = priority
+                if pooling is not None:
+                    req.pooling = PoolState(self.pooling.kind, len(ids))   # type: ignore[union-attr]
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
                 self.scheduler.add_request(req)
@@ -344,8 +375,30 @@ class LLMEngine:
         self._groups[request_id] = group
         if params.prompt_logprobs is not None:
             self._prompt_logprob_groups.add(request_id)
-        if _needs_sync_steps(params):
+        if pooling is not None:
+            self._pooling_params[request_id] = pooling
+        if _needs_sync_steps(params) or pooling is not None:   # pooling reads the step's hidden states
             self._sync_groups.add(request_id)
+
+    def _pooling_request(self, params: Any) -> PoolingParams | None:
+        """The pooling options of a request to an embedding engine (``None`` for a generation request).
+
+        Raises:
+            RequestRejectedError: PoolingParams on a generation engine, SamplingParams on an embedding engine,
+                or more ``dimensions`` than the model's hidden size.
+        """
+        if self.task != "embed":
+            if isinstance(params, PoolingParams):
+                raise RequestRejectedError("embeddings need an engine started with task='embed' (--task embed)")
+            return None
+        if params is not None and not isinstance(params, PoolingParams):
+            raise RequestRejectedError("this engine serves an embedding model (task='embed'): it takes "
+                                       "PoolingParams, not sampling parameters")
+        pooling = params or PoolingParams()
+        if pooling.dimensions is not None and self.hidden_size and pooling.dimensions > self.hidden_size:
+            raise RequestRejectedError(f"dimensions is {pooling.dimensions}, but this model's embeddings have "
+                                       f"{self.hidden_size}", param="dimensions")
+        return pooling
 
     def _check_vocab(self, ids: Any, param: str | None) -> None:
         """Refuse token ids outside the vocabulary (``param``: the field they came from; None: the prompt)."""
@@ -474,6 +527,8 @@ class LLMEngine:
             t = time.perf_counter()
             self._prompt_logprobs(out, hidden)
             extra = time.perf_counter() - t
+        if hidden is not None and self._pooling_params:
+            self._pool(out, hidden)
         if result is None:
             self.scheduler.update_from_output(out, [None] * len(out.scheduled))
             return
@@ -613,6 +668,7 @@ class LLMEngine:
         self._seqs.clear()
         self._seq_to_group.clear()
         self._prompt_logprob_groups.clear()
+        self._pooling_params.clear()
         self._sync_groups.clear()
         self._in_flight = None
         self._dead = EngineDeadError(message)
@@ -634,6 +690,7 @@ class LLMEngine:
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
         self._prompt_logprob_groups.discard(group.request_id)
+        self._pooling_params.pop(group.request_id, None)
         self._sync_groups.discard(group.request_id)
         for s in group.seqs:
             self._seqs.pop(s.request.request_id, None)
@@ -678,7 +735,30 @@ class LLMEngine:
                     group.prompt_logprobs.extend(self._decorate(pos) for pos in lps if pos is not None)
             row += n
 
-    def _make_output(self, group: _Group) -> RequestOutput:
+    def _pool(self, out: SchedulerOutput, hidden: Any) -> None:
+        """Hand embedding requests the hidden states of the positions they pool."""
+        row = out.num_decodes   # decodes come first, one row each; embedding requests never decode
+        for s in out.scheduled[out.num_decodes:]:
+            state = s.request.pooling
+            wanted = state.rows_wanted(s.num_computed_tokens, s.num_new_tokens) if state is not None else None
+            if wanted is not None:
+                first, stop = wanted
+                start = s.num_computed_tokens
+                rows = self._run_guarded(self.executor.hidden_rows, hidden,
+                                         slice(row + first - start, row + stop - start))
+                state.add(first, rows.numpy())
+            row += s.num_new_tokens
+
+    def _make_output(self, group: _Group) -> RequestOutput | PoolingRequestOutput:
+        pooling = self._pooling_params.get(group.request_id)
+        if pooling is not None:
+            req = group.seqs[0].request
+            finished = group.finished
+            vector = req.pooling.vector if req.pooling is not None else None
+            done = finished and not group.aborted and req.finish_reason != FinishReason.ABORT and vector is not None
+            embedding = EmbeddingOutput(finish_embedding(vector, pooling, self.pooling)) if done else None
+            return PoolingRequestOutput(group.request_id, group.prompt_token_ids, embedding, finished,
+                                        req.num_cached_tokens, metrics=req.metrics)
         completions = []
         all_finished = True
         for i, seq in enumerate(group.seqs):

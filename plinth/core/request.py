@@ -299,6 +299,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics()
         self.matcher: Any = None   # structured outputs: the sequence's grammar matcher (plinth.core.structured)
+        self.pooling: Any = None   # an embedding request's PoolState (plinth.core.pooling)
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 

@@ -149,6 +149,11 @@ class Executor(abc.ABC):
         """Logits ``[len(rows), vocab]`` float32 of flat-batch rows of the latest step."""
 
     @abc.abstractmethod
+    def hidden_rows(self, hidden: Any, rows: slice) -> torch.Tensor:
+        """Final hidden states ``[len(rows), hidden]`` float32, on the host, of flat-batch rows of the latest
+        step (embeddings)."""
+
+    @abc.abstractmethod
     def rank_weights(self) -> list[RankWeights]:
         """What each rank holds, in rank order (one entry for the in-process executor).
 
@@ -217,6 +222,9 @@ class UniprocExecutor(Executor):
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         return self.runner.prompt_logits(hidden, rows)
+
+    def hidden_rows(self, hidden: Any, rows: slice) -> torch.Tensor:
+        return hidden[rows].float().cpu()
 
     def rank_weights(self) -> list[RankWeights]:
         return [RankWeights.of(self.runner.model, self.runner.device)]
@@ -298,6 +306,14 @@ class DistributedExecutor(Executor):
         self._check_alive()
         try:
             results = self._call_all("prompt_logits", rows.start, rows.stop, timeout_s=self.step_timeout_s)
+        except BaseException as exc:
+            raise self._fail(exc) from exc
+        return results[self.output_rank]
+
+    def hidden_rows(self, hidden: Any, rows: slice) -> torch.Tensor:
+        self._check_alive()
+        try:
+            results = self._call_all("hidden_rows", rows.start, rows.stop, timeout_s=self.step_timeout_s)
         except BaseException as exc:
             raise self._fail(exc) from exc
         return results[self.output_rank]

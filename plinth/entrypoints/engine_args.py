@@ -12,7 +12,7 @@ ENGINE_KWARGS = (
     "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "quantize_lm_head",
     "trust_remote_code",
     "seed", "served_model_name", "chat_template", "generation_config", "override_generation_config",
-    "reasoning_parser",
+    "reasoning_parser", "task", "pooling", "normalize_embeddings",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
@@ -50,6 +50,12 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): structured "
                         "outputs start after the thinking; chat replies carry it as reasoning_content")
+    g.add_argument("--task", default="generate", choices=("generate", "embed"),
+                   help="generate text, or serve an embedding model (embed: /v1/embeddings, LLM.embed)")
+    g.add_argument("--pooling", default=None, choices=("last", "mean", "cls"),
+                   help="an embedding model's pooling (default: its sentence-transformers configuration, else last)")
+    g.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalize embeddings (default: as the model's configuration says, else yes)")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="generation-config keys set on top, e.g. '{\"temperature\": 0.5}' (temperature, top_p, "
                         "top_k, min_p, repetition_penalty, max_new_tokens)")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from plinth.config import EngineConfig
+from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -124,18 +125,38 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        ids = []
+        return self._run(self._submit(zip(prompts, params_list, priorities, strict=True)), use_tqdm)
+
+    def _submit(self, requests: Any) -> list[str]:
+        """Queue ``(prompt, params, priority)`` triples; their ids. A rejected prompt leaves none of them queued."""
+        ids: list[str] = []
         try:
-            for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
+            for prompt, params, rank in requests:
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(rid, prompt, params, priority=rank)
                 ids.append(rid)
         except BaseException:
-            if ids:   # a rejected prompt leaves none of the call's requests queued
+            if ids:
                 self.engine.abort_request(ids)
                 self.engine.step(final_only=True)   # reports (and forgets) the aborted requests
             raise
-        return self._run(ids, use_tqdm)
+        return ids
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Embeddings of ``prompts`` (an engine made with ``task="embed"``), in prompt order: each output's
+        ``outputs.embedding`` is a list of floats (see :mod:`plinth.core.pooling`).
+
+        Raises:
+            RequestRejectedError: the engine generates text, or a prompt cannot run (empty, too long).
+        """
+        if self.engine.task != "embed":
+            from plinth.core.scheduler import RequestRejectedError
+
+            raise RequestRejectedError("LLM.embed needs an embedding engine: LLM(model, task='embed')")
+        params = pooling_params or PoolingParams()
+        ids = self._submit((prompt, params, 0) for prompt in _prompt_list(prompts))
+        return self._run(ids, use_tqdm)   # type: ignore[return-value]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's recommended settings on top: its ``generation_config.json``

@@ -307,6 +307,7 @@ class BatchBuilder:
         tokens: list[int] = []
         sample: list[bool] = []
         sampled: list[Request] = []
+        pooled = False   # an embedding request needs the step's hidden states: never a replayed decode step
         fed_rows: list[int] = []
         fed_src: list[int] = []
         for s in out.scheduled:
@@ -331,6 +332,7 @@ class BatchBuilder:
             sample.append(s.sample)
             if s.sample:
                 sampled.append(req)
+            pooled = pooled or req.pooling is not None
         row_array = np.array(rows, dtype=np.int64)                                  # [N]
         counts = table.counts(row_array)
         batch = FlatBatch(
@@ -340,7 +342,7 @@ class BatchBuilder:
             block_tables=table.gather(row_array, int(counts.max()) if len(rows) else 0),
             block_counts=counts,
             sample=np.array(sample, dtype=np.bool_),
-            decode_only=len(tokens) == len(rows) == len(sampled),
+            decode_only=len(tokens) == len(rows) == len(sampled) and not pooled,
             feed=(TokenFeed(np.array(fed_rows, dtype=np.int64), np.array(fed_src, dtype=np.int64))
                   if fed_rows else None),
         )

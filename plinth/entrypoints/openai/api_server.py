@@ -1,11 +1,12 @@
 """The FastAPI app: routes, API-key check, lifespan.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings`` (``--task embed``),
+``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (also ``GET|POST /ping``),
 ``GET /version``, ``GET /metrics``. A request's ``X-Request-Id`` header comes back on its response.
 
-With an API key, every ``/v1/...`` route and the tokenizer routes need ``Authorization: Bearer <key>``; ``/health``,
-``/ping``, ``/version`` and ``/metrics`` stay open so that orchestrators and Prometheus can reach them
+With an API key, every route but ``/health``, ``/ping``, ``/version`` and ``/metrics`` needs
+``Authorization: Bearer <key>``; those stay open so that orchestrators and Prometheus can reach them
 without the key (they expose no request content: only liveness, versions, the startup
 selection and aggregate counters). Bind to a private interface or put a proxy in front if
 those must be hidden too.
@@ -34,6 +35,7 @@ from plinth.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -42,6 +44,7 @@ from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.serving import ServerContext
 from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_completion import create_completion
+from plinth.entrypoints.openai.serving_embedding import create_embedding
 from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from plinth.entrypoints.openai.streaming import ClientDisconnected
 from plinth.entrypoints.openai.tool_parsers import ToolParser
@@ -49,19 +52,25 @@ from plinth.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-#: routes that need the API key when one is set: /v1/... and the tokenizer routes
-PROTECTED = ("/v1", "/tokenize", "/detokenize")
+#: the routes that stay open when an API key is set (everything else needs it)
+OPEN = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
 class APIKeyMiddleware:
-    """Refuse ``/v1`` requests without ``Authorization: Bearer <key>`` (compared in constant time)."""
+    """Refuse requests without ``Authorization: Bearer <key>`` (compared in constant time), except to the
+    :data:`OPEN` routes. Paths are taken relative to the ASGI ``root_path`` (``--root-path``), which the
+    server puts in front of them."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+        path = scope.get("path", "")
+        root = scope.get("root_path") or ""
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if scope["type"] == "http" and path.rstrip("/") not in OPEN:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 missing = not given
@@ -175,6 +184,13 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         try:
             return await create_chat_completion(ctx, body, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        try:
+            return await create_embedding(ctx, body, raw)
         except ClientDisconnected:
             return Response(status_code=499)
 

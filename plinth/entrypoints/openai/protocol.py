@@ -135,6 +135,8 @@ class _SamplingFields(_Request):
             return "spaces_between_special_tokens", "spaces_between_special_tokens: false is not supported"
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             return "truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}"
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            return "prompt_logprobs", f"must be at least 0, got {self.prompt_logprobs}"
         if self.prompt_logprobs is not None and self.stream:
             return "prompt_logprobs", "prompt_logprobs is not available when streaming"
         return None
@@ -253,6 +255,41 @@ class ChatCompletionRequest(_SamplingFields):
         return super().unsupported()
 
 
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings`` (an engine with ``task="embed"``)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extensions
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    priority: int = 0
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str   # base64: the little-endian float32 bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class TokenizeRequest(_Request):
     """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered with the chat template)."""
 
@@ -264,6 +301,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None   # shown to templates that render tools, as in a chat request
+    documents: list[dict[str, Any]] | None = None   # as in a chat request
     return_token_strs: bool = False
 
 

@@ -65,6 +65,16 @@ class ServerContext:
         cap = self.front_default_max_tokens
         return min(room, cap) if cap is not None and room >= 1 else room
 
+    def check_task(self, task: str) -> None:
+        """Refuse a route the engine's task does not serve (text generation or embeddings)."""
+        if getattr(self.front, "task", "generate") == task:
+            return
+        if task == "embed":
+            raise bad_request(f"the model {self.model_name!r} generates text; /v1/embeddings needs an embedding "
+                              f"model served with --task embed", "model", "model_not_supported")
+        raise bad_request(f"the model {self.model_name!r} is an embedding model (--task embed): use /v1/embeddings",
+                          "model", "model_not_supported")
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
@@ -127,8 +137,10 @@ class ServerContext:
     def note_ignored_fields(self, req: Any) -> None:
         """Log the request's fields plinth does not know (they are ignored, as vLLM does)."""
         ignored = req.ignored_fields()
-        if ignored:
-            logger.warning("request fields ignored (not supported): %s", ", ".join(ignored[:20]))
+        if ignored:   # names only (never values), shortened, quoted: client text cannot forge log lines
+            shown = ", ".join(repr(name[:64]) for name in ignored[:20])
+            more = f" and {len(ignored) - 20} more" if len(ignored) > 20 else ""
+            logger.warning("request fields ignored (not supported): %s%s", shown, more)
 
     def token_namer(self, req: Any) -> Callable[[int], str]:
         """How the request's logprobs name tokens: ``token_id:N`` with ``return_tokens_as_token_ids`` (the
@@ -279,7 +291,9 @@ def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, 
         raise bad_request("use_beam_search does not stream; set stream to false", "stream")
     if getattr(req, "logprobs", None) not in (None, False):
         raise bad_request("use_beam_search does not return logprobs", "logprobs")
-    if req.structured() is not None or getattr(req, "tools", None):
+    if req.prompt_logprobs is not None:
+        raise bad_request("use_beam_search does not return prompt_logprobs", "prompt_logprobs")
+    if req.structured() is not None or ("tools" in type(req).model_fields and req.tools):
         raise bad_request("use_beam_search cannot be combined with a structured-output constraint or tools",
                           "use_beam_search")
     try:
@@ -297,6 +311,14 @@ def check_choices(prompts: int, n: int) -> None:
     if prompts * n > MAX_CHOICES:
         raise bad_request(f"the request asks for {prompts} prompts x n={n} = {prompts * n} completions; at most "
                           f"{MAX_CHOICES} per request", "n" if n > 1 else "prompt")
+
+
+async def collect(events: AsyncIterator[tuple[int, Any]], count: int) -> list[Any]:
+    """The last output of each of ``count`` merged streams (see :func:`merge`)."""
+    latest: list[Any] = [None] * count
+    async for i, out in events:
+        latest[i] = out
+    return latest
 
 
 async def first_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

@@ -215,6 +215,7 @@ async def _last(events: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutp
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
+    ctx.check_task("generate")
     ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
@@ -252,8 +253,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     events = merge([stream], firsts)
     if req.stream:
         options = req.stream_options
-        usage = "every" if options and options.continuous_usage_stats else "end" if options and options.include_usage else None
-        return SSEResponse(_stream(ctx, rid, params.n, k, events, usage, ctx.token_namer(req), mode))
+        usage = None
+        if options is not None and options.include_usage:
+            usage = "every" if options.continuous_usage_stats else "end"
+        return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode))
     final = await unless_disconnected(raw, _last(events))
     choices = []
     name = ctx.token_namer(req)
@@ -272,12 +275,17 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return JSONResponse(body.model_dump())
 
 
-async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: AsyncIterator[tuple[int, RequestOutput]],
-                  usage: str | None, name: Callable[[int], str], mode: ToolMode | None = None) -> AsyncIterator[str]:
-    """``usage``: ``"end"`` for a last chunk with the usage, ``"every"`` for the usage so far on every chunk too
-    (vLLM's ``continuous_usage_stats``)."""
+async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_prompt: int,
+                  events: AsyncIterator[tuple[int, RequestOutput]], usage: str | None, name: Callable[[int], str],
+                  mode: ToolMode | None = None) -> AsyncIterator[str]:
+    """``usage``: ``"end"`` for a last chunk with the usage, ``"every"`` also for each chunk's choice's usage so
+    far (vLLM's ``continuous_usage_stats``)."""
     created = int(time.time())
-    so_far: UsageInfo | None = None
+
+    def so_far(tokens: int) -> UsageInfo | None:
+        if usage != "every":
+            return None
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=tokens, total_tokens=num_prompt + tokens)
 
     def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> str:
         return ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
@@ -286,7 +294,7 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: A
     for index in range(n):
         # a forced or required call's reply has no content (null, as in the non-streamed message)
         first = DeltaMessage(role="assistant", content=None if mode is not None and mode.constrained else "")
-        yield chunk(ChatChunkChoice(index=index, delta=first))
+        yield chunk(ChatChunkChoice(index=index, delta=first), so_far(0))
     sent_tokens, done = [0] * n, [False] * n
     replies = [_Reply(mode, ctx.reasoning_parser) for _ in range(n)]
     last: RequestOutput | None = None
@@ -304,18 +312,16 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, events: A
                 if k is not None and end > sent_tokens[i]:
                     lp = _logprobs(ctx, c.token_ids[sent_tokens[i]:end], (c.logprobs or [])[sent_tokens[i]:end], k,
                                    name)
-                if usage == "every":
-                    so_far = _usage(out)
                 if thinking or delta or calls or lp is not None:
                     piece = DeltaMessage(content=delta if delta or not (calls or thinking) else None,
                                          tool_calls=calls or None, reasoning_content=thinking or None)
-                    yield chunk(ChatChunkChoice(index=i, delta=piece, logprobs=lp), so_far)
+                    yield chunk(ChatChunkChoice(index=i, delta=piece, logprobs=lp), so_far(end))
                 sent_tokens[i] = end
                 if finished:
                     done[i] = True
                     reason = replies[i].tools.finish_reason(str(c.finish_reason))
                     yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
-                                                stop_reason=c.stop_reason), so_far)
+                                                stop_reason=c.stop_reason), so_far(end))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     if usage is not None and last is not None:

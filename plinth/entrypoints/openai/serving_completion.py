@@ -27,6 +27,7 @@ from plinth.entrypoints.openai.serving import (
     beam_search_params,
     check_choices,
     check_structured,
+    collect,
     first_outputs,
     merge,
     sampling_params,
@@ -112,11 +113,6 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: Re
                             stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs)
 
 
-async def _collect(events: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
-    latest: list[RequestOutput | None] = [None] * count
-    async for i, out in events:
-        latest[i] = out
-    return latest  # type: ignore[return-value]
 
 
 def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: int) -> UsageInfo:
@@ -128,6 +124,7 @@ def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: in
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
+    ctx.check_task("generate")
     ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
@@ -151,7 +148,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage))
-    finals = await unless_disconnected(raw, _collect(events, len(prompts)))
+    finals = await unless_disconnected(raw, collect(events, len(prompts)))
     choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
                for i, out in enumerate(finals) for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -191,7 +188,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
     cached = [0] * len(prompts)
     k = req.logprobs
     name = ctx.token_namer(req)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
     try:
         async for i, out in events:
             cached[i] = out.num_cached_tokens

@@ -1,0 +1,177 @@
+"""Embeddings: a prompt's final hidden states pooled into one vector (``task="embed"``).
+
+An engine started with ``task="embed"`` serves embedding models (decoder models trained for retrieval, such as
+Qwen3-Embedding or e5-mistral): a request is its prompt's prefill, whose final-norm hidden states are pooled
+
+- ``last``: the last token's (the usual choice of decoder embedding models),
+- ``mean``: the average over the prompt's tokens,
+- ``cls``: the first token's,
+
+then L2-normalized (unless turned off). The pooling comes from the model folder's sentence-transformers files
+(``modules.json`` naming a ``Pooling`` module and its ``config.json``, a ``Normalize`` module) when it has them,
+else ``last`` with normalization; ``pooling=`` and ``normalize_embeddings=`` override. A request may ask for
+fewer ``dimensions`` (the first ones, normalized again: models trained with Matryoshka loss keep most of
+their quality) and turn normalization off.
+
+The prefill runs as the engine's other prompts do (chunked, batched with other requests, preemptible); mean
+and ``cls`` pooling need every position's hidden state, so an embedding engine with them computes prompts
+without the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plinth.errors import ModelLoadError
+
+POOLING_TYPES = ("last", "mean", "cls")
+TASKS = ("generate", "embed")
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+                     "pooling_mode_cls_token": "cls"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingParams:
+    """One embedding request's options.
+
+    Attributes:
+        normalize: L2-normalize the vector (``None``: the engine's setting).
+        dimensions: keep the first ``dimensions`` components (then normalize, where normalizing).
+    """
+
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingConfig:
+    """How an embedding engine pools: ``kind`` in :data:`POOLING_TYPES`, ``normalize``, and where that came from."""
+
+    kind: str = "last"
+    normalize: bool = True
+    origin: str = "the default"
+
+
+def resolve_pooling(model_path: str | None, pooling: str | None, normalize: bool | None) -> PoolingConfig:
+    """The pooling of an embedding model: the flags where given, else the model folder's sentence-transformers
+    configuration, else ``last`` with normalization.
+
+    Raises:
+        ModelLoadError: an unknown ``pooling``, or sentence-transformers modules plinth cannot run (a ``Dense``
+            projection, a pooling mode other than last/mean/cls).
+    """
+    if pooling is not None and pooling not in POOLING_TYPES:
+        raise ModelLoadError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {pooling!r}")
+    found = _sentence_transformers(Path(model_path)) if model_path and Path(model_path).is_dir() else None
+    kind, norm, origin = "last", True, "the default"
+    if found is not None:
+        kind, norm, origin = found
+    if pooling is not None or normalize is not None:
+        origin = "the engine's options" if found is None else f"{origin} and the engine's options"
+    return PoolingConfig(pooling or kind, norm if normalize is None else normalize, origin)
+
+
+def _sentence_transformers(folder: Path) -> tuple[str, bool, str] | None:
+    """``(pooling, normalize, origin)`` from ``modules.json`` and the pooling module's config, or ``None``."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf-8"))
+        kinds = [str(m.get("type", "")) for m in modules]
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read {modules_file}: {exc}") from None
+    unsupported = [k for k in kinds if k.rsplit(".", 1)[-1] not in ("Transformer", "Pooling", "Normalize")]
+    if unsupported:
+        raise ModelLoadError(f"{modules_file}: plinth runs the Transformer, Pooling and Normalize modules only, "
+                             f"not {', '.join(unsupported)}")
+    kind = "last"
+    pooling_module = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+    if pooling_module is not None:
+        config_file = folder / str(pooling_module.get("path", "")) / "config.json"
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read the pooling configuration {config_file}: {exc}") from None
+        modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+        if len(modes) != 1 or modes[0] not in _ST_POOLING_MODES:
+            raise ModelLoadError(f"{config_file}: plinth pools by last token, mean or CLS token, one at a time; "
+                                 f"this asks for {', '.join(modes) or 'none'}")
+        kind = _ST_POOLING_MODES[modes[0]]
+    return kind, any(k.endswith(".Normalize") for k in kinds), str(modules_file)
+
+
+class PoolState:
+    """What an embedding request has gathered of its prompt's hidden states (float64 on the host)."""
+
+    def __init__(self, kind: str, num_prompt: int):
+        self.kind = kind
+        self.num_prompt = num_prompt
+        self.covered = 0            # positions added to ``total`` (a preempted prefill starts again at 0)
+        self.total: np.ndarray | None = None
+        self.vector: np.ndarray | None = None
+
+    def rows_wanted(self, start: int, num_new: int) -> tuple[int, int] | None:
+        """The positions ``[a, b)`` of the chunk ``[start, start + num_new)`` whose hidden states are needed."""
+        end = min(start + num_new, self.num_prompt)
+        if self.kind == "last":
+            return (self.num_prompt - 1, self.num_prompt) if start < self.num_prompt <= end else None
+        if self.kind == "cls":
+            return (0, 1) if start == 0 and end > 0 and self.vector is None else None
+        first = max(start, self.covered)
+        return (first, end) if end > first else None
+
+    def add(self, first: int, rows: np.ndarray) -> None:
+        """Hidden states ``[n, hidden]`` of positions ``first ..``."""
+        rows = rows.astype(np.float64)
+        if self.kind == "mean":
+            self.total = rows.sum(axis=0) if self.total is None else self.total + rows.sum(axis=0)
+            self.covered = first + len(rows)
+            if self.covered >= self.num_prompt:
+                self.vector = self.total / self.num_prompt
+        else:
+            self.vector = rows[-1]
+
+
+def finish_embedding(vector: np.ndarray, params: PoolingParams, config: PoolingConfig) -> list[float]:
+    """The pooled vector cut to ``params.dimensions`` and normalized as asked, as Python floats.
+
+    Raises:
+        ValueError: ``dimensions`` beyond the vector's size.
+    """
+    if params.dimensions is not None:
+        if params.dimensions > len(vector):
+            raise ValueError(f"dimensions is {params.dimensions}, but this model's embeddings have {len(vector)}")
+        vector = vector[:params.dimensions]
+    if config.normalize if params.normalize is None else params.normalize:
+        norm = float(np.linalg.norm(vector))
+        vector = vector / norm if norm > 0 else vector
+    return vector.astype(np.float32).tolist()
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """An embedding request's result (``outputs.embedding``), as vLLM's ``EmbeddingRequestOutput``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: Any = None

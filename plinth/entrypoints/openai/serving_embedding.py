@@ -1,0 +1,82 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings route, for a server started with ``--task embed``."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from plinth.core.pooling import PoolingParams
+from plinth.entrypoints.openai.errors import APIError, bad_request
+from plinth.entrypoints.openai.protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    random_id,
+)
+from plinth.entrypoints.openai.serving import ServerContext, check_choices, collect, first_outputs, merge
+from plinth.entrypoints.openai.streaming import unless_disconnected
+
+
+async def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[list[int]]:
+    """The request's inputs as token ids (texts tokenized, each truncated as asked and checked against the
+    context)."""
+    raw = req.input
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        raw = [raw]  # type: ignore[list-item]
+    if not raw:
+        raise bad_request("input must not be empty", "input")
+    check_choices(len(raw), 1)
+    for item in raw:
+        if isinstance(item, str):
+            ctx.check_text(len(item), "input")
+    out = []
+    for item in raw:
+        if isinstance(item, str):
+            ids = await ctx.tokenize(item, add_special_tokens=req.add_special_tokens, param="input")
+        else:
+            ids = list(item)   # type: ignore[arg-type]
+            ctx.check_token_ids(ids, "input")
+        ids = ctx.truncated(ids, req)
+        if not ids:
+            raise bad_request("input must not hold an empty text or token list", "input")
+        ctx.check_length(len(ids), None, "input")   # at most max_model_len - 1 tokens (one position is sampled, then dropped)
+        out.append(ids)
+    return out
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
+
+
+async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:
+    ctx.check_model(req.model)
+    ctx.check_task("embed")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1:
+        raise bad_request(f"truncate_prompt_tokens must be at least 1, got {req.truncate_prompt_tokens}",
+                          "truncate_prompt_tokens")
+    try:
+        params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
+    except ValueError as exc:
+        raise bad_request(str(exc), "dimensions") from None
+    inputs = await _inputs(ctx, req)
+    rid = random_id("embd")
+    streams = [ctx.generate(f"{rid}-{i}", ids, params, req.priority) for i, ids in enumerate(inputs)]  # type: ignore[arg-type]
+    firsts = await unless_disconnected(raw, first_outputs(streams))
+    finals = await unless_disconnected(raw, collect(merge(streams, firsts), len(inputs)))
+    missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
+    if missing is not None:
+        raise APIError(500, f"embedding input {missing} ended without a result", "server_error")
+    vectors = [out.outputs.embedding for out in finals]
+    prompt_tokens = sum(len(ids) for ids in inputs)
+    body = EmbeddingResponse(id=rid, model=ctx.model_name,
+                             data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
+                                   for i, v in enumerate(vectors)],
+                             usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
+    return JSONResponse(body.model_dump())

@@ -1,0 +1,197 @@
+"""Embedding models (``task="embed"``): pooled final hidden states against transformers running the same
+weights, through chunked prefill, the prefix cache, tensor parallelism and the server's /v1/embeddings."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from plinth import LLM, PoolingParams
+from plinth.config import ConfigError, EngineConfig
+from plinth.core.scheduler import RequestRejectedError
+from plinth.errors import ModelLoadError
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of France, and Berlin is the capital of Germany. Large language models",
+    "0123",
+    "Continuous batching keeps the accelerator busy while requests come and go, one token at a time.",
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp(f"tiny-embed-{request.param}"), arch=request.param)
+
+
+def reference(model_dir, ids: list[int], kind: str, normalize: bool) -> np.ndarray:
+    """The pooled final-norm hidden states from transformers (float64 from the float32 model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0].double()
+    vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[kind]
+    return (vector / vector.norm() if normalize else vector).numpy()
+
+
+@pytest.mark.parametrize("kind, normalize", [("last", True), ("mean", True), ("cls", False), ("mean", False)])
+def test_pooled_hidden_states_match_transformers(model_dir, kind, normalize):
+    """Prompts of 3-30 tokens in one call, prefilled in chunks of at most 8 tokens next to each other."""
+    llm = LLM(str(model_dir), dtype="float32", selection="off", task="embed", pooling=kind,
+              normalize_embeddings=normalize, max_num_batched_tokens=8, block_size=4)
+    assert (llm.engine.pooling.kind, llm.engine.pooling.normalize) == (kind, normalize)
+    assert llm.engine.block_manager.enable_prefix_caching == (kind == "last")
+    outs = llm.embed(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = llm.engine.tokenize(prompt)
+        assert out.finished and out.prompt_token_ids == ids
+        got = np.array(out.outputs.embedding)
+        assert got.shape == (64,)
+        np.testing.assert_allclose(got, reference(model_dir, ids, kind, normalize), atol=2e-5, rtol=1e-4)
+
+
+def test_prefix_cache_dimensions_and_errors(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", selection="off", task="embed", block_size=4)
+    first = llm.embed(PROMPTS[1])[0]
+    # the same prompt again: all but its last token come from the cache, so its step computes one token
+    # (never a replayed decode step, which keeps no hidden states)
+    long_first = llm.embed(PROMPTS[3])[0]
+    n = len(long_first.prompt_token_ids)
+    assert n % 4 == 1   # n - 1 tokens fill whole blocks
+    same = llm.embed(PROMPTS[3])[0]
+    assert same.num_cached_tokens == n - 1
+    np.testing.assert_allclose(same.outputs.embedding, long_first.outputs.embedding, atol=1e-6)
+    again = llm.embed(PROMPTS[1] + " one token at a time")[0]   # shares the first prompt's blocks
+    assert again.num_cached_tokens >= 8
+    ids = llm.engine.tokenize(PROMPTS[1] + " one token at a time")
+    np.testing.assert_allclose(again.outputs.embedding, reference(model_dir, ids, "last", True), atol=2e-5)
+    # the first dimensions of the raw vector, normalized again; or not normalized at all
+    raw = reference(model_dir, first.prompt_token_ids, "last", False)
+    cut = llm.embed(PROMPTS[1], PoolingParams(dimensions=16))[0].outputs.embedding
+    np.testing.assert_allclose(cut, raw[:16] / np.linalg.norm(raw[:16]), atol=2e-5)
+    plain = llm.embed(PROMPTS[1], PoolingParams(normalize=False))[0].outputs.embedding
+    np.testing.assert_allclose(plain, raw, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RequestRejectedError, match="dimensions is 65, but this model's embeddings have 64"):
+        llm.embed("x", PoolingParams(dimensions=65))
+    with pytest.raises(ValueError, match="dimensions must be a positive integer"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(RequestRejectedError, match="takes PoolingParams"):
+        llm.generate(["hi"])
+    with pytest.raises(ConfigError, match="need task='embed'"):
+        EngineConfig.from_kwargs(pooling="mean")
+
+
+def test_embed_needs_an_embedding_engine(tmp_path):
+    llm = LLM(str(save_tiny_model(tmp_path / "m")), dtype="float32", selection="off")
+    with pytest.raises(RequestRejectedError, match="task='embed'"):
+        llm.embed("hi")
+    with pytest.raises(RequestRejectedError, match="task='embed'"):
+        llm.engine.add_request("x", "hi", PoolingParams())
+
+
+def test_sentence_transformers_configuration(tmp_path):
+    model = save_tiny_model(tmp_path / "st")
+    (model / "1_Pooling").mkdir()
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (model / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+         "pooling_mode_lasttoken": False}))
+    llm = LLM(str(model), dtype="float32", selection="off", task="embed")
+    assert (llm.engine.pooling.kind, llm.engine.pooling.normalize) == ("mean", True)
+    out = llm.embed(PROMPTS[0])[0]
+    np.testing.assert_allclose(out.outputs.embedding, reference(model, out.prompt_token_ids, "mean", True), atol=2e-5)
+    # the engine's options win over the files
+    assert LLM(str(model), dtype="float32", selection="off", task="embed", pooling="last",
+               normalize_embeddings=False).engine.pooling.kind == "last"
+    modules = json.loads((model / "modules.json").read_text())
+    (model / "modules.json").write_text(json.dumps(modules + [
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ModelLoadError, match="not sentence_transformers.models.Dense"):
+        LLM(str(model), dtype="float32", selection="off", task="embed")
+
+
+def test_tensor_parallel_embeddings_equal(tmp_path, processes):
+    from plinth.core.engine import LLMEngine
+    from plinth.distributed.executor_mp import MultiprocExecutor
+
+    model = save_tiny_model(tmp_path / "tp")
+    one = LLM(str(model), dtype="float32", selection="off", task="embed", pooling="mean").embed(PROMPTS)
+    config = EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off", task="embed", pooling="mean",
+                                      tensor_parallel_size=2, distributed_executor="mp", max_num_batched_tokens=8)
+    engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, PoolingParams())
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs.embedding
+    finally:
+        engine.shutdown()
+    for i, out in enumerate(one):
+        np.testing.assert_allclose(done[f"r{i}"], out.outputs.embedding, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory):
+    from starlette.testclient import TestClient
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    model = save_tiny_model(tmp_path_factory.mktemp("tiny-embed-server"))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off",
+                                                served_model_name="tiny-embed", task="embed"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        yield client, engine, model
+
+
+def test_server_embeddings(http):
+    client, engine, model = http
+    ids = engine.tokenize(PROMPTS[0])
+    r = client.post("/v1/embeddings", json={"model": "tiny-embed", "input": [PROMPTS[0], PROMPTS[2]]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1]
+    np.testing.assert_allclose(body["data"][0]["embedding"], reference(model, ids, "last", True), atol=2e-5)
+    prompt_tokens = len(ids) + len(engine.tokenize(PROMPTS[2]))
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    # token ids, base64 (little-endian float32), fewer dimensions, no normalization
+    r = client.post("/v1/embeddings", json={"input": ids, "encoding_format": "base64", "dimensions": 8,
+                                            "normalize": False}).json()
+    decoded = np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, reference(model, ids, "last", False)[:8], atol=1e-4, rtol=1e-4)
+    for body, param in (({"input": []}, "input"), ({"input": ""}, "input"), ({"input": "x", "dimensions": 999},
+                                                                            "dimensions"),
+                        ({"input": [10**9]}, "input"), ({"input": "x", "model": "other"}, "model")):
+        r = client.post("/v1/embeddings", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "use /v1/embeddings" in r.json()["error"]["message"]
+    metrics = client.get("/metrics").text
+    assert 'finish_reason="stop"' in metrics
+
+
+def test_embeddings_route_on_a_generation_server(tmp_path):
+    from starlette.testclient import TestClient
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(save_tiny_model(tmp_path / "g")), dtype="float32",
+                                                selection="off"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        r = client.post("/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"]
