@@ -195,3 +195,28 @@ def test_embeddings_route_on_a_generation_server(tmp_path):
     with TestClient(build_app(AsyncLLMEngine(engine))) as client:
         r = client.post("/v1/embeddings", json={"input": "hi"})
         assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"]
+
+
+def test_base_model_checkpoints(tmp_path):
+    """A checkpoint of the base model (``architectures: ["LlamaModel"]``: no ``model.`` prefix, no LM head), as
+    many embedding models ship: it runs as an embedding model, and refuses to generate."""
+    import transformers
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    base = transformers.LlamaModel(config).eval()
+    base.save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    llm = LLM(str(tmp_path), dtype="float32", selection="off", task="embed", pooling="mean")
+    for prompt, out in zip(PROMPTS[:2], llm.embed(PROMPTS[:2]), strict=True):
+        ids = llm.engine.tokenize(prompt)
+        with torch.no_grad():
+            hidden = base(torch.tensor([ids])).last_hidden_state[0].double().mean(0)
+        np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
+    with pytest.raises(ModelLoadError, match="base model without an LM head .*--task embed"):
+        LLM(str(tmp_path), dtype="float32", selection="off")

@@ -61,6 +61,7 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     from plinth.worker.setup import EngineParts, generation_defaults, load_tokenizer, read_chat_template
 
     source = resolve_model_source(config.model)
+    source.check_task(config.model.task)
     hf = source.hf_config
     validate_parallel_layout(hf, source.architecture, config.parallel)
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,9 @@ class ModelSource:
         hf_config: the model's transformers configuration.
         architecture: the registry key, e.g. ``"LlamaForCausalLM"``.
         tokenizer_path: a directory or ``.gguf`` file for ``AutoTokenizer``, or ``None``.
+        headless: a base-model checkpoint (``architectures: ["MistralModel"]``, tensors without the ``model.``
+            prefix, no LM head), run as its causal LM with the head tied to the embeddings: embedding
+            models only (``task="embed"``).
     """
 
     kind: str
@@ -55,6 +58,17 @@ class ModelSource:
     hf_config: Any
     architecture: str
     tokenizer_path: str | None
+    headless: bool = False
+
+    def check_task(self, task: str) -> None:
+        """Refuse text generation from a checkpoint without an LM head.
+
+        Raises:
+            ModelLoadError: a headless checkpoint with ``task`` other than ``embed``.
+        """
+        if self.headless and task != "embed":
+            raise ModelLoadError(f"{self.path} is a base model without an LM head ({self.hf_config.architectures[0]}): "
+                                 f"it cannot generate text; serve it as an embedding model with --task embed")
 
 
 def list_presets() -> list[str]:
@@ -158,12 +172,20 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         raise ModelLoadError(f"load_format 'gguf' needs a .gguf file, got the directory {path}")
     cfg = load_hf_config(path, model_config.trust_remote_code)
     arch = architecture_of(cfg, str(path / "config.json"))
+    headless = False
+    if arch.endswith("Model") and not arch.endswith("ForCausalLM"):
+        from plinth.model_registry.registry import ModelRegistry
+
+        causal = arch.removesuffix("Model") + "ForCausalLM"
+        if not ModelRegistry.is_native(arch) and ModelRegistry.is_native(causal):
+            arch, headless = causal, True
+            cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
     if fmt != "dummy":
         list_safetensors_files(path)  # fail now rather than after building the model
     tokenizer = model_config.tokenizer
     if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = str(path)
-    return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer)
+    return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless)
 
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any, platform_dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -199,6 +221,12 @@ def build_model(architecture: str, ctx: ModelContext) -> CausalLM:
 
 
 @torch.no_grad()
+def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A base model's tensors under the causal LM's names (``layers.0...`` -> ``model.layers.0...``)."""
+    for name, tensor in weights:
+        yield (name if name.startswith("model.") else f"model.{name}"), tensor
+
+
 def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> CausalLM:
     """Build the model of ``source`` on ``ctx.device`` and fill its weights.
 
@@ -221,7 +249,7 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         assert source.path is not None
         weights = SafetensorsWeights(list_safetensors_files(Path(source.path)))
         try:
-            model.load_weights(weights)
+            model.load_weights(_with_model_prefix(weights) if source.headless else weights)
         except ModelLoadError as exc:
             where = str(weights.current_file or source.path)
             if where in str(exc):

@@ -175,6 +175,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     platform.set_device(0)   # the CPU platform sizes its thread pool here
     device = platform.device(0)
     source = resolve_model_source(config.model)
+    source.check_task(config.model.task)
     hf = source.hf_config
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
     quant_method = resolve_quantization(config, source, platform, dtype, device)
