@@ -1,4 +1,4 @@
-"""The ``plinth`` command: ``serve``, ``generate``, ``bench``, ``plugins``.
+"""The ``plinth`` command: ``serve``, ``generate``, ``run-batch``, ``bench``, ``plugins``.
 
 Each sub-command lives in its own module exposing ``add_parser(subparsers)`` and
 ``run(args) -> int``; modules are imported only when their command runs.
@@ -17,6 +17,7 @@ from plinth.errors import UserFacingError
 SUBCOMMANDS = {
     "serve": ("plinth.entrypoints.serve_cmd", "run the OpenAI-compatible HTTP server"),
     "generate": ("plinth.entrypoints.generate_cmd", "offline batch generation from a prompt or a file"),
+    "run-batch": ("plinth.entrypoints.run_batch_cmd", "run a file of OpenAI Batch API requests offline"),
     "bench": ("plinth.entrypoints.bench_cmd", "latency and throughput benchmarks"),
     "plugins": ("plinth.entrypoints.plugins_cmd", "list discovered plugins and what they provide"),
 }

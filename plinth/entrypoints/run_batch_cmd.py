@@ -1,0 +1,212 @@
+"""``plinth run-batch``: a file of OpenAI Batch API requests, run offline through the server's routes.
+
+Each input line is one request in OpenAI's batch format::
+
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
+
+(``url``: ``/v1/chat/completions``, ``/v1/completions``, or ``/v1/embeddings`` with ``--task embed``). Each
+result is one output line in OpenAI's batch output format, written as soon as its request finishes::
+
+    {"id": "batch_req_...", "custom_id": "q1", "response": {"status_code": 200, "request_id": "chatcmpl-...",
+     "body": {...the route's response...}}, "error": null}
+
+A request the route refuses keeps its response (``status_code`` 400 and the error body) and also has ``error``
+set; a line that is not a request (not JSON, no ``custom_id``, another method or URL, ``stream: true``) has
+``response: null`` and ``error`` (a line without a usable ``custom_id``, or repeating an earlier line's, is
+named ``<line N>``). The requests run concurrently through the same handlers as ``plinth serve``
+(in this process; no port is opened), so bodies mean exactly what they mean to the server. Rerunning the command
+after an interruption skips the requests whose results are already in ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from plinth.errors import CliError
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: requests in flight at once by default: enough to fill the engine's batch, not the whole file
+DEFAULT_CONCURRENCY = 256
+
+
+def add_parser(subparsers: Any, name: str, help_text: str) -> None:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p, "run-batch")
+    g = p.add_argument_group("batch")
+    g.add_argument("--input", "-i", required=True, help="the requests: OpenAI batch JSONL")
+    g.add_argument("--output", "-o", required=True, help="the results: OpenAI batch output JSONL (appended; resumed)")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help=f"requests in flight at once (default: the larger of {DEFAULT_CONCURRENCY} and --max-num-seqs)")
+    p.set_defaults(func=run)
+
+
+def _invalid(custom_id: Any, message: str) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": "invalid_request", "message": message}}
+
+
+def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(requests to run, results for lines that are not requests)``, skipping ``custom_id``s in ``done``.
+
+    Raises:
+        CliError: the file cannot be read as UTF-8 text.
+    """
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read --input {path}: {exc}") from None
+    requests, invalid = [], []
+    seen: set[str] = set()
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        anonymous = f"<line {n}>"   # the custom_id of the result of a line without one (a rerun skips it)
+        if anonymous in done:
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            invalid.append(_invalid(anonymous, f"line {n} is not JSON: {exc.msg}"))
+            continue
+        custom_id = item.get("custom_id") if isinstance(item, dict) else None
+        if not isinstance(custom_id, str) or not custom_id:
+            invalid.append(_invalid(anonymous, f"line {n}: a request is an object with a string custom_id"))
+            continue
+        if custom_id in done:
+            continue
+        if custom_id in seen:   # its result goes under the line's name: custom_ids stay unique in the results
+            invalid.append(_invalid(anonymous, f"line {n}: custom_id {custom_id!r} appears more than once"))
+            continue
+        problem = None
+        if item.get("method", "POST") != "POST":
+            problem = f"line {n}: method must be POST, got {item.get('method')!r}"
+        elif item.get("url") not in ROUTES:
+            problem = f"line {n}: url must be one of {', '.join(ROUTES)}, got {item.get('url')!r}"
+        elif not isinstance(item.get("body"), dict):
+            problem = f"line {n}: body must be a JSON object"
+        elif item["body"].get("stream"):
+            problem = f"line {n}: stream is not supported in a batch"
+        seen.add(custom_id)
+        if problem is not None:
+            invalid.append(_invalid(custom_id, problem))
+        else:
+            requests.append(item)
+    return requests, invalid
+
+
+async def call_route(app: Any, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST ``body`` to the ASGI ``app``'s ``path`` in this process: ``(status, decoded JSON body)``."""
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    delivered = False
+    finished = asyncio.Event()
+    status, chunks = 500, []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await finished.wait()   # this client never goes away before its response is complete
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                finished.set()
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        finished.set()
+    raw = b"".join(chunks)
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, {"error": {"message": raw.decode("utf-8", "replace")[:500], "type": "server_error"}}
+
+
+def result_record(request: dict[str, Any], status: int, body: Any) -> dict[str, Any]:
+    """The OpenAI batch output line of one answered request."""
+    error = None
+    if status != 200:
+        info = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else {}
+        error = {"code": info.get("code") or f"http_{status}", "message": info.get("message") or f"HTTP {status}"}
+    request_id = body.get("id") if isinstance(body, dict) else None
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request["custom_id"],
+            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": error}
+
+
+async def run_requests(app: Any, requests: list[dict[str, Any]], concurrency: int, write: Any) -> int:
+    """Run ``requests`` through ``app``, at most ``concurrency`` at once, calling ``write(record)`` as each
+    finishes; the number that failed."""
+    from tqdm.auto import tqdm
+
+    gate = asyncio.Semaphore(concurrency)
+    failed = 0
+
+    async def one(request: dict[str, Any], bar: Any) -> None:
+        nonlocal failed
+        async with gate:
+            status, body = await call_route(app, request["url"], request["body"])
+        record = result_record(request, status, body)
+        failed += record["error"] is not None
+        write(record)
+        bar.update(1)
+
+    with tqdm(total=len(requests), unit="req", disable=None, file=sys.stderr) as bar:
+        await asyncio.gather(*(one(r, bar) for r in requests))
+    return failed
+
+
+def run(args: argparse.Namespace) -> int:
+    from plinth.entrypoints.generate_cmd import done_ids
+
+    inp, out = Path(args.input), Path(args.output)
+    if not inp.is_file():
+        raise CliError(f"--input {args.input!r} is not a file")
+    if out.exists() and (not out.is_file() or os.path.samefile(inp, out)):
+        raise CliError(f"--output {args.output!r} " + ("is the input file" if out.is_file() else "is not a file"))
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise CliError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    done = done_ids(out, key="custom_id", marker="response", command="plinth run-batch")
+    requests, invalid = read_requests(inp, done)
+    print(f"{len(requests)} requests to run, {len(done)} already done, {len(invalid)} invalid", file=sys.stderr)
+    concurrency = args.max_concurrency or max(DEFAULT_CONCURRENCY, args.max_num_seqs or 0)
+    config = engine_config_from_args(args)
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    front = AsyncLLMEngine.from_config(config)
+    try:
+        app = build_app(front)
+        with out.open("a", encoding="utf-8") as f:
+            def write(record: dict[str, Any]) -> None:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+
+            for record in invalid:
+                write(record)
+            failed = asyncio.run(run_requests(app, requests, concurrency, write))
+            os.fsync(f.fileno())
+    finally:
+        front.shutdown()
+    print(f"{len(requests) - failed} succeeded, {failed + len(invalid)} failed; results in {out}", file=sys.stderr)
+    return 0
