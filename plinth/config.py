@@ -53,7 +53,8 @@ class ModelConfig:
             ``fp8``); off by default, as in most checkpoints: the logits come from the float weight.
         trust_remote_code: allow transformers to run code shipped with a checkpoint.
         seed: the seed for random weights and for requests that have no seed.
-        served_model_name: the model name the server reports and accepts.
+        served_model_name: the model name the server reports and accepts (given several, as a list: the first is
+            reported, every one accepted; the others are kept in ``served_model_aliases``).
         chat_template: a jinja2 chat template (text or a file path) replacing the tokenizer's.
         generation_config: where the default sampling settings come from
             (:mod:`plinth.model_registry.generation_config`): ``auto`` (the model folder's
@@ -78,6 +79,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     seed: int = 0
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()
     chat_template: str | None = None
     generation_config: str = "auto"
     override_generation_config: Any = None
@@ -87,6 +89,14 @@ class ModelConfig:
     normalize_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if isinstance(names, list | tuple):
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"served_model_name must be a name or a list of names, got {names!r}")
+            object.__setattr__(self, "served_model_name", names[0])
+            object.__setattr__(self, "served_model_aliases",
+                                tuple(dict.fromkeys(n for n in [*names[1:], *self.served_model_aliases]
+                                                    if n != names[0])))
         override = self.override_generation_config
         if isinstance(override, str):
             try:

@@ -275,3 +275,30 @@ def test_llm_dict_prompts(model_dir):
                          ({"prompt": "x", "multi_modal_data": {}}, "unknown keys: 'multi_modal_data'")):
         with pytest.raises(ValueError, match=message):
             llm.generate(bad, params)
+
+
+def test_served_model_aliases_and_vllm_flags(model_dir):
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.cli import build_parser
+    from plinth.entrypoints.engine_args import engine_config_from_args
+    from plinth.entrypoints.openai.api_server import build_app
+
+    argv = ["serve", str(model_dir), "--served-model-name", "tiny", "alias", "--enable-prefix-caching",
+            "--disable-log-requests"]
+    config = engine_config_from_args(build_parser(argv).parse_args(argv))
+    assert (config.model.served_model_name, config.model.served_model_aliases) == ("tiny", ("alias",))
+    assert config.cache.enable_prefix_caching
+    argv = ["serve", "--no-prefix-caching"]
+    assert not engine_config_from_args(build_parser(argv).parse_args(argv)).cache.enable_prefix_caching
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", selection="off",
+                                                served_model_name=["tiny", "alias"]))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "alias"]
+        r = client.post("/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        assert client.get("/v1/models/alias").json()["id"] == "alias"
+        assert client.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404

@@ -83,6 +83,7 @@ class AsyncLLMEngine:
         self.default_max_tokens: int | None = getattr(engine, "default_max_tokens", None)
         self.task: str = getattr(engine, "task", "generate")   # "embed": requests take PoolingParams
         self.served_model_name: str = engine.served_model_name
+        self.served_model_aliases: tuple[str, ...] = tuple(getattr(engine, "served_model_aliases", ()))
         self.selection = engine.selection
         self.load_time_s: float = getattr(engine, "load_time_s", 0.0)
         self._commands: collections.deque[_Add | _Abort] = collections.deque()

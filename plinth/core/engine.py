@@ -209,6 +209,7 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None   # structured outputs, made on the first such request
         self._reasoning = self._reasoning_markers(reasoning)
         self.served_model_name = config.model.served_model_name or parts.model_name
+        self.served_model_aliases: tuple[str, ...] = config.model.served_model_aliases
         self.load_time_s = time.perf_counter() - t0
         logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks%s", self.load_time_s,
                     parts.model_name, self.platform.name, str(self.dtype).removeprefix("torch."),

@@ -42,7 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="quantize the LM head too (methods that quantize float weights: int4, fp8)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="the model's name in the API (several: the first is reported, all are accepted)")
     g.add_argument("--chat-template", default=None, help="jinja2 template text or a file holding one")
     g.add_argument("--generation-config", default="auto",
                    help="default sampling settings: 'auto' (the model folder's generation_config.json), 'none', "
@@ -65,6 +66,8 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--cpu-kv-cache-bytes", type=int, default=2 << 30)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="on by default (accepted as vLLM's flag)")
     g = parser.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once (default: the platform's, 512 on GPUs of 70 GiB and more, else 256)")

@@ -57,6 +57,8 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted as vLLM's flag; plinth never logs request contents (only the access line)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
     g.add_argument("--allowed-origins", default=None, metavar="JSON",

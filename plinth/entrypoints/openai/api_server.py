@@ -161,17 +161,17 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     async def metrics() -> Response:
         return Response(ctx.metrics.render(front.stats()), media_type=CONTENT_TYPE)
 
-    def card() -> ModelCard:
-        return ModelCard(id=ctx.model_name, max_model_len=front.max_model_len)
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, max_model_len=front.max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return JSONResponse(ModelList(data=[card()]).model_dump())
+        return JSONResponse(ModelList(data=[card(name) for name in ctx.model_names]).model_dump())
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:
         ctx.check_model(model)
-        return JSONResponse(card().model_dump())
+        return JSONResponse(card(model).model_dump())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -75,8 +75,13 @@ class ServerContext:
         raise bad_request(f"the model {self.model_name!r} is an embedding model (--task embed): use /v1/embeddings",
                           "model", "model_not_supported")
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to (``--served-model-name A B ...``), the reported one first."""
+        return (self.model_name, *getattr(self.front, "served_model_aliases", ()))
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
