@@ -295,3 +295,40 @@ def test_sample_ids_of_n_that_collide_with_a_request_id_are_a_clear_error(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def find_sub(seq: list[int], sub: list[int]) -> int:
+    return next((i for i in range(len(seq) - len(sub) + 1) if seq[i:i + len(sub)] == sub), -1)
+
+
+def test_bad_words_ban_the_last_token_after_the_prefix(tiny_llama_dir):
+    """A word the greedy output contains: with it in bad_words the output is the same up to the word's last
+    token, differs there, and contains none of the word's token sequences; a one-token word never appears."""
+    llm = llm_for(tiny_llama_dir)
+    free = llm.generate([PROMPTS[1]], greedy(32))[0].outputs[0].token_ids
+    tok = llm.engine.tokenizer
+    found = None
+    for i in range(len(free)):
+        for n in (2, 3):
+            word = tok.decode(free[i:i + n]).strip()
+            seqs = llm.engine._bad_words_ids([word]) if word else []
+            hits = [(find_sub(free, s), s) for s in seqs if len(s) > 1 and find_sub(free, s) >= 0]
+            if hits:
+                found = (word, seqs, min(hits))
+                break
+        if found:
+            break
+    assert found is not None, "no multi-token word in the greedy output"
+    word, seqs, (at, seq) = found
+    out = llm.generate([PROMPTS[1]], greedy(32, bad_words=[word]))[0].outputs[0].token_ids
+    cut = at + len(seq) - 1
+    assert out[:cut] == free[:cut] and out[cut] != free[cut]
+    assert all(find_sub(out, s) < 0 for s in seqs)
+    # a one-token word: the first output token whose text tokenizes back to it
+    single, text = next((t, tok.decode([t]).strip()) for t in free
+                        if tok.decode([t]).strip() and [t] in llm.engine._bad_words_ids([tok.decode([t]).strip()]))
+    out = llm.generate([PROMPTS[1]], greedy(32, bad_words=[text]))[0].outputs[0].token_ids
+    first = free.index(single)
+    assert single not in out and out[:first] == free[:first]
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])

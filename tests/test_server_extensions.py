@@ -172,10 +172,16 @@ def test_documents_stop_reason_and_refusals(http, app_parts, caplog):
                     if c["finish_reason"]:
                         last = c
     assert last is not None and last["finish_reason"] == "stop" and last["stop_reason"] == stop
-    for body, param in (({"bad_words": ["x"]}, "bad_words"), ({"spaces_between_special_tokens": False},
-                                                                "spaces_between_special_tokens"),
+    for body, param in (({"bad_words": [" "]}, "bad_words"), ({"spaces_between_special_tokens": False},
+                                                                 "spaces_between_special_tokens"),
                         ({"echo": True}, "echo")):
         assert post(http, "/v1/chat/completions", {"messages": messages, **body}, status=400)["error"]["param"] == param
+    # bad_words reach the engine (tests/test_engine.py checks what they ban)
+    free = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    word = free["choices"][0]["text"].split()[0]
+    banned = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                             "bad_words": [word]})
+    assert banned["choices"][0]["text"] != free["choices"][0]["text"]
     with caplog.at_level(logging.WARNING):
         post(http, "/v1/completions", {"prompt": "x", "max_tokens": 1, "store": False, "metadata": {"a": 1},
                                        "x\nERROR forged" + "A" * 1000: 1})

@@ -132,7 +132,7 @@ def _needs_sync_steps(params: SamplingParams) -> bool:
     count the token in flight as an output; logprobs come back with the tokens.)"""
     return (params.prompt_logprobs is not None or params.repetition_penalty != 1.0
             or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-            or params.structured_outputs is not None)
+            or params.structured_outputs is not None or bool(params.bad_words))
 
 
 class LLMEngine:
@@ -344,6 +344,7 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
                 f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")
+        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
         matcher = self._matcher(params) if params.structured_outputs is not None else None   # after the cheap checks
         seqs: list[_Sequence] = []
         group = _Group(request_id, text, ids, params, seqs,
@@ -355,6 +356,7 @@ class LLMEngine:
                 req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                               default_max_tokens=self.default_max_tokens)
                 req.priority = priority
+                req.bad_words_ids = bad_words
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(ids))   # type: ignore[union-attr]
                 if matcher is not None:
@@ -400,6 +402,19 @@ class LLMEngine:
             raise RequestRejectedError(f"dimensions is {pooling.dimensions}, but this model's embeddings have "
                                        f"{self.hidden_size}", param="dimensions")
         return pooling
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """``bad_words`` as token sequences: each word alone and after a space (how it appears mid-text),
+        as vLLM forms them."""
+        if self.tokenizer is None:
+            raise RequestRejectedError("bad_words needs the model's tokenizer", param="bad_words")
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(form, add_special_tokens=False))
+                if ids and all(0 <= t < self.vocab_size for t in ids):
+                    seqs[ids] = None
+        return [list(s) for s in seqs]
 
     def _check_vocab(self, ids: Any, param: str | None) -> None:
         """Refuse token ids outside the vocabulary (``param``: the field they came from; None: the prompt)."""

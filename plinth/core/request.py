@@ -40,7 +40,9 @@ class SamplingParams:
     ``structured_outputs`` constrains the text to JSON, a regular expression, a choice of strings or a
     grammar (``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
     ``{"grammar": ...}``; see :mod:`plinth.core.structured`). ``allowed_token_ids`` restricts every
-    sampled token to the listed ids (vLLM's parameter).
+    sampled token to the listed ids (vLLM's parameter). ``bad_words`` (vLLM's) are never generated: each word,
+    tokenized alone and after a space, has its last token banned wherever the output ends with the tokens
+    before it (a one-token word is banned everywhere).
     """
 
     n: int = 1
@@ -65,6 +67,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0
@@ -75,6 +78,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_bias(self.logit_bias)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
             try:
                 self.allowed_token_ids = list(self.allowed_token_ids)
@@ -123,6 +128,9 @@ class SamplingParams:
         check(ids is None or (isinstance(ids, list) and ids and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)), "allowed_token_ids",
             f"must be a non-empty list of token ids (integers >= 0), got {ids!r}")
+        words = self.bad_words
+        check(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
+              "bad_words", f"must be a list of non-blank strings, got {words!r}")
         check(not (self.structured_outputs and self.min_tokens), "min_tokens",
               "cannot be combined with structured_outputs (the grammar decides where the text may end)")
         bound = self.MAX_LOGIT_BIAS
@@ -300,6 +308,7 @@ class Request:
         self.metrics = RequestMetrics()
         self.matcher: Any = None   # structured outputs: the sequence's grammar matcher (plinth.core.structured)
         self.pooling: Any = None   # an embedding request's PoolState (plinth.core.pooling)
+        self.bad_words_ids: list[list[int]] = []   # sampling_params.bad_words as token sequences (the engine's)
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 

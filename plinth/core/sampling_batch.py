@@ -102,7 +102,7 @@ _PARAMS = operator.attrgetter("sampling_params")
 
 def _plain_greedy(p: SamplingParams) -> bool:
     return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.min_tokens == 0 and not p.logit_bias
-            and p.structured_outputs is None and p.allowed_token_ids is None
+            and p.structured_outputs is None and p.allowed_token_ids is None and not p.bad_words
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
@@ -153,7 +153,11 @@ class _Composition:
                 mask = np.zeros(V, dtype=bool)
                 mask[[t for t in p.allowed_token_ids if t < V]] = True
                 self.fixed_allowed[i] = mask
-        self.masked_rows = sorted(set(self.structured) | set(self.fixed_allowed))
+        # bad_words: (row, one-token words, longer words) banned where the output ends with a word's prefix
+        self.bad_word_rows = [(i, [w[0] for w in r.bad_words_ids if len(w) == 1],
+                               [w for w in r.bad_words_ids if len(w) > 1])
+                              for i, r in enumerate(requests) if r.bad_words_ids]
+        self.masked_rows = sorted(set(self.structured) | set(self.fixed_allowed) | {i for i, _, _ in self.bad_word_rows})
         self.seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         self.seeds = np.array([params[i].seed & (2**64 - 1) for i in self.seeded], dtype=np.uint64)
         logit_bias = None
@@ -212,6 +216,11 @@ class _Composition:
                 mask[at] = allowed_tokens([requests[i].matcher for i in self.structured], self.vocab_size)
             for i, fixed in self.fixed_allowed.items():
                 mask[position[i]] &= fixed
+            for i, single, longer in self.bad_word_rows:   # as of the request's latest token (synchronous steps)
+                out = requests[i].output_token_ids
+                banned = single + [w[-1] for w in longer
+                                   if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
+                mask[position[i], banned] = False
             allowed = (self._dev(np.array(self.masked_rows, dtype=np.int64)), self._dev(mask))
         return dataclasses.replace(self.static, output_counts=counts, min_tokens_index=min_tokens_index,
                                    seed_keys=seed_keys, allowed=allowed)

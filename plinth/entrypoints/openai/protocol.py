@@ -129,8 +129,6 @@ class _SamplingFields(_Request):
         """``(param, message)`` for the first field set to a value plinth cannot honour."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
-        if self.bad_words:
-            return "bad_words", "bad_words is not supported (logit_bias can ban single tokens)"
         if not self.spaces_between_special_tokens:
             return "spaces_between_special_tokens", "spaces_between_special_tokens: false is not supported"
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
@@ -183,6 +181,7 @@ class _SamplingFields(_Request):
             logit_bias=self.logit_bias,
             structured_outputs=spec,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
 
