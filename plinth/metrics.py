@@ -101,8 +101,10 @@ class RequestTracker:
         now = time.monotonic()
         m = self._m
         if not isinstance(out.outputs, list):   # an embedding (PoolingRequestOutput): prompt tokens only
-            if out.finished and not self._finish_reason:
+            if not self._seen:
+                self._seen = [0]
                 m.prompt_tokens.inc(len(out.prompt_token_ids))
+            if out.finished:
                 self._finish_reason = "stop" if out.outputs is not None else "abort"
             return
         if not self._seen:

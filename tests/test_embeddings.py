@@ -56,6 +56,43 @@ def test_pooled_hidden_states_match_transformers(model_dir, kind, normalize):
         np.testing.assert_allclose(got, reference(model_dir, ids, kind, normalize), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_every_chunk_split(model_dir, kind):
+    """Prompts of 1-13 tokens against step budgets of 1-9 tokens: a prompt's last chunk is often one token (the
+    scheduler counts it among the decodes) or shares its step with other prompts' chunks."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [list(range(5, 5 + n)) for n in range(1, 14)]
+    with torch.no_grad():
+        refs = []
+        for ids in prompts:
+            hidden = model.model(torch.tensor([ids])).last_hidden_state[0].double()
+            vector = hidden[-1] if kind == "last" else hidden.mean(0)
+            refs.append((vector / vector.norm()).numpy())
+    for budget in (1, 2, 3, 5, 8, 9):
+        llm = LLM(str(model_dir), dtype="float32", selection="off", task="embed", pooling=kind,
+                  max_num_batched_tokens=budget, max_num_seqs=4, block_size=4)
+        for out, ref in zip(llm.embed(prompts, use_tqdm=False), refs, strict=True):
+            assert out.outputs is not None, (budget, len(out.prompt_token_ids))
+            np.testing.assert_allclose(out.outputs.embedding, ref, atol=2e-5, err_msg=f"budget {budget}")
+
+
+def test_one_token_steps_are_not_decode_graphs_on_workers():
+    """A step whose every entry is one sampled token but which an embedding request needs the hidden states
+    of: worker processes must not replay a decode graph for it either."""
+    from plinth.distributed.messages import StepBatch
+    from plinth.worker.batching import FlatBatch
+
+    def flat(decode_only: bool) -> FlatBatch:
+        return FlatBatch(token_ids=np.array([3, 4]), q_lens=np.array([1, 1]), starts=np.array([7, 9]),
+                         block_tables=np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int32),
+                         block_counts=np.array([2, 3]), sample=np.array([True, True]), decode_only=decode_only)
+
+    assert StepBatch.from_entries(flat(False)).flat().decode_only is False
+    assert StepBatch.from_entries(flat(True)).flat().decode_only is True
+
+
 def test_prefix_cache_dimensions_and_errors(model_dir):
     llm = LLM(str(model_dir), dtype="float32", selection="off", task="embed", block_size=4)
     first = llm.embed(PROMPTS[1])[0]
@@ -174,6 +211,7 @@ def test_server_embeddings(http):
     np.testing.assert_allclose(decoded, reference(model, ids, "last", False)[:8], atol=1e-4, rtol=1e-4)
     for body, param in (({"input": []}, "input"), ({"input": ""}, "input"), ({"input": "x", "dimensions": 999},
                                                                             "dimensions"),
+                        ({"input": "x", "dimensions": True}, "dimensions"), ({"input": ["x"] * 3000}, "input"),
                         ({"input": [10**9]}, "input"), ({"input": "x", "model": "other"}, "model")):
         r = client.post("/v1/embeddings", json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)

@@ -752,18 +752,25 @@ class LLMEngine:
             row += n
 
     def _pool(self, out: SchedulerOutput, hidden: Any) -> None:
-        """Hand embedding requests the hidden states of the positions they pool."""
-        row = out.num_decodes   # decodes come first, one row each; embedding requests never decode
-        for s in out.scheduled[out.num_decodes:]:
+        """Hand embedding requests the hidden states of the positions they pool (one executor call a step).
+        Every entry counts: a prompt's last chunk of one token is scheduled among the decodes."""
+        row = 0
+        wanted: list[tuple[PoolState, int, int, int]] = []   # (state, first position, rows start, rows stop)
+        for s in out.scheduled:
             state = s.request.pooling
-            wanted = state.rows_wanted(s.num_computed_tokens, s.num_new_tokens) if state is not None else None
-            if wanted is not None:
-                first, stop = wanted
+            span = state.rows_wanted(s.num_computed_tokens, s.num_new_tokens) if state is not None else None
+            if span is not None:
+                first, stop = span
                 start = s.num_computed_tokens
-                rows = self._run_guarded(self.executor.hidden_rows, hidden,
-                                         slice(row + first - start, row + stop - start))
-                state.add(first, rows.numpy())
+                wanted.append((state, first, row + first - start, row + stop - start))
             row += s.num_new_tokens
+        if not wanted:
+            return
+        rows = self._run_guarded(self.executor.hidden_rows, hidden, [(a, b) for _, _, a, b in wanted]).numpy()
+        at = 0
+        for state, first, a, b in wanted:
+            state.add(first, rows[at:at + b - a])
+            at += b - a
 
     def _make_output(self, group: _Group) -> RequestOutput | PoolingRequestOutput:
         pooling = self._pooling_params.get(group.request_id)

@@ -108,6 +108,18 @@ class PendingStep:
         return host[: len(self.output.sampled_token_ids)].tolist()
 
 
+def gather_rows(hidden: torch.Tensor | None, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``hidden`` for each range, concatenated, float32 on the host.
+
+    Raises:
+        RuntimeError: the step kept no hidden states (a replayed decode step).
+    """
+    if hidden is None:
+        raise RuntimeError("the step kept no hidden states (a replayed decode graph); embeddings need an eager step")
+    index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(hidden.device)
+    return hidden.index_select(0, index).float().cpu()
+
+
 class Executor(abc.ABC):
     """Runs the model for the engine.
 
@@ -149,9 +161,9 @@ class Executor(abc.ABC):
         """Logits ``[len(rows), vocab]`` float32 of flat-batch rows of the latest step."""
 
     @abc.abstractmethod
-    def hidden_rows(self, hidden: Any, rows: slice) -> torch.Tensor:
-        """Final hidden states ``[len(rows), hidden]`` float32, on the host, of flat-batch rows of the latest
-        step (embeddings)."""
+    def hidden_rows(self, hidden: Any, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Final hidden states float32, on the host, of the flat-batch rows ``[a, b)`` of each range of the latest
+        step, concatenated (embeddings)."""
 
     @abc.abstractmethod
     def rank_weights(self) -> list[RankWeights]:
@@ -223,8 +235,8 @@ class UniprocExecutor(Executor):
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         return self.runner.prompt_logits(hidden, rows)
 
-    def hidden_rows(self, hidden: Any, rows: slice) -> torch.Tensor:
-        return hidden[rows].float().cpu()
+    def hidden_rows(self, hidden: Any, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        return gather_rows(hidden, ranges)
 
     def rank_weights(self) -> list[RankWeights]:
         return [RankWeights.of(self.runner.model, self.runner.device)]
@@ -310,10 +322,10 @@ class DistributedExecutor(Executor):
             raise self._fail(exc) from exc
         return results[self.output_rank]
 
-    def hidden_rows(self, hidden: Any, rows: slice) -> torch.Tensor:
+    def hidden_rows(self, hidden: Any, ranges: list[tuple[int, int]]) -> torch.Tensor:
         self._check_alive()
         try:
-            results = self._call_all("hidden_rows", rows.start, rows.stop, timeout_s=self.step_timeout_s)
+            results = self._call_all("hidden_rows", ranges, timeout_s=self.step_timeout_s)
         except BaseException as exc:
             raise self._fail(exc) from exc
         return results[self.output_rank]

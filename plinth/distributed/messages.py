@@ -28,6 +28,7 @@ class StepBatch:
         block_counts: ``[N]`` int64, KV blocks per sequence.
         block_ids: ``[sum(block_counts)]`` int64, every sequence's blocks, concatenated.
         sample: ``[N]`` bool, whether the sequence's last token is sampled.
+        needs_hidden: the step's hidden states are read afterwards (embeddings): never a replayed decode step.
     """
 
     token_ids: np.ndarray
@@ -36,6 +37,7 @@ class StepBatch:
     block_counts: np.ndarray
     block_ids: np.ndarray
     sample: np.ndarray
+    needs_hidden: bool = False
 
     @classmethod
     def from_entries(cls, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepBatch:
@@ -45,8 +47,10 @@ class StepBatch:
             if entries.feed is not None:
                 raise ValueError("a batch fed by the step in flight (asynchronous scheduling) cannot go to "
                                  "worker processes: its token ids are on the engine's device")
+            one_token_each = len(entries.token_ids) == len(entries.q_lens) and bool(entries.sample.all())
             return cls(token_ids=entries.token_ids, q_lens=entries.q_lens, starts=entries.starts,
-                       block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample)
+                       block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample,
+                       needs_hidden=one_token_each and not entries.decode_only)
         n = len(entries)
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
         block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
@@ -68,7 +72,7 @@ class StepBatch:
         tables[np.arange(width) < self.block_counts[:, None]] = self.block_ids
         return FlatBatch(token_ids=self.token_ids, q_lens=self.q_lens, starts=self.starts, block_tables=tables,
                          block_counts=self.block_counts, sample=self.sample,
-                         decode_only=len(self.token_ids) == n and bool(self.sample.all()))
+                         decode_only=len(self.token_ids) == n and bool(self.sample.all()) and not self.needs_hidden)
 
     def entries(self) -> list[SeqBatchEntry]:
         """The batch as the model runner's entries (views into the arrays, no copies of the ids)."""

@@ -351,13 +351,16 @@ class Worker:
 
         return RankWeights.of(self._model, self.device, self.layout.tp_rank, self.layout.pp_rank)
 
-    def hidden_rows(self, start: int, stop: int) -> torch.Tensor | None:
-        """Final hidden states of rows ``[start, stop)`` of the last step's flat batch, float32 on the host (the
-        output rank of the last stage; embeddings)."""
+    def hidden_rows(self, ranges: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Final hidden states of the rows ``[a, b)`` of the last step's flat batch, concatenated, float32 on the
+        host (the output rank of the last stage; embeddings)."""
+        from plinth.distributed.executor import gather_rows
+
         if not (self.layout.is_last_stage and self.layout.is_output_rank):
             return None
-        hidden = self._last_hidden[0] if len(self._last_hidden) == 1 else torch.cat(self._last_hidden)
-        return hidden[start:stop].float().cpu()
+        hidden = (None if not self._last_hidden else self._last_hidden[0] if len(self._last_hidden) == 1
+                  else torch.cat(self._last_hidden))
+        return gather_rows(hidden, ranges)
 
     @torch.inference_mode()
     def prompt_logits(self, start: int, stop: int) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
 from plinth.core.request import SamplingParams, SamplingParamsError
 from plinth.core.structured import normalize as normalize_structured
@@ -260,7 +260,7 @@ class EmbeddingRequest(_Request):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
     # vLLM's extensions
     add_special_tokens: bool = True

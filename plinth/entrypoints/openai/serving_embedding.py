@@ -18,7 +18,7 @@ from plinth.entrypoints.openai.protocol import (
     EmbeddingUsage,
     random_id,
 )
-from plinth.entrypoints.openai.serving import ServerContext, check_choices, collect, first_outputs, merge
+from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext, collect, first_outputs, merge
 from plinth.entrypoints.openai.streaming import unless_disconnected
 
 
@@ -30,7 +30,8 @@ async def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[list[int]]:
         raw = [raw]  # type: ignore[list-item]
     if not raw:
         raise bad_request("input must not be empty", "input")
-    check_choices(len(raw), 1)
+    if len(raw) > MAX_CHOICES:
+        raise bad_request(f"input holds {len(raw)} items; at most {MAX_CHOICES} per request", "input")
     for item in raw:
         if isinstance(item, str):
             ctx.check_text(len(item), "input")
