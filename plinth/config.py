@@ -89,6 +89,12 @@ class ModelConfig:
     normalize_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
+        aliases = self.served_model_aliases
+        if not isinstance(aliases, tuple) or not all(isinstance(a, str) and a for a in aliases):
+            if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+                raise ConfigError(f"served_model_aliases must be a list of names, got {aliases!r}")
+        object.__setattr__(self, "served_model_aliases",
+                            tuple(dict.fromkeys(a for a in aliases if a != self.served_model_name)))
         names = self.served_model_name
         if isinstance(names, list | tuple):
             if not names or not all(isinstance(n, str) and n for n in names):

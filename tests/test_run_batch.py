@@ -50,17 +50,65 @@ def test_run_batch(tmp_path, capsys):
         assert by_id[key]["response"] is None and text in by_id[key]["error"]["message"]
     # the repeated c1 line was refused, not run: the first c1's result stands
     assert "custom_id 'c1' appears more than once" in by_id["<line 5>"]["error"]["message"]
-    # a rerun finds everything done; a new line runs alone
+    # a rerun keeps the answered requests (200 and 400 are final) and evaluates the other lines again, writing
+    # each result once; a new line runs alone
     capsys.readouterr()
     assert main(args) == 0
-    assert "0 requests to run, 7 already done, 0 invalid" in capsys.readouterr().err
+    assert "0 requests to run, 3 already done, 4 invalid" in capsys.readouterr().err
+    assert sorted(json.loads(line)["custom_id"] for line in out.read_text().splitlines()) == sorted(by_id)
     with inp.open("a") as f:
         f.write(json.dumps({"custom_id": "c3", "url": "/v1/chat/completions", "body": chat}) + "\n")
+        f.write(json.dumps({"custom_id": "c4\u2028", "url": "/v1/completions",
+                            "body": {"prompt": "x\u2028y", "max_tokens": 2}}, ensure_ascii=False) + "\n")
     assert main(args) == 0
-    lines = out.read_text().splitlines()
-    assert len(lines) == 8 and json.loads(lines[-1])["custom_id"] == "c3"
+    records = [json.loads(line) for line in out.read_text().split("\n") if line]
+    assert len(records) == 9 and {"c3", "c4\u2028"} <= {r["custom_id"] for r in records}
+    assert all(r["error"] is None for r in records if r["custom_id"].startswith("c"))
     # a results file of something else is never overwritten
     other = tmp_path / "other.jsonl"
     other.write_text('{"something": 1}\n')
     assert main(args[:-1] + [str(other)]) == 2
     assert "is not a result of plinth run-batch" in capsys.readouterr().err
+
+
+def test_a_full_queue_is_waited_out(tmp_path):
+    model = save_tiny_model(tmp_path / "m")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [{"custom_id": f"r{i}", "url": "/v1/completions",
+                       "body": {"prompt": f"prompt {i}", "max_tokens": 4, "ignore_eos": True}} for i in range(12)])
+    assert main(["run-batch", str(model), "--dtype", "float32", "--selection", "off", "--max-num-seqs", "2",
+                 "--max-waiting-requests", "1", "--max-concurrency", "12", "-i", str(inp), "-o", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 12 and all(r["response"]["status_code"] == 200 for r in records)
+
+
+def test_engine_death_and_app_errors_leave_requests_for_the_rerun():
+    """After the engine dies nothing more is sent and unanswered requests get no record; an exception inside
+    the app fails only its own request."""
+    import asyncio
+
+    from plinth.entrypoints.run_batch_cmd import run_requests
+
+    state = {"calls": 0, "healthy": True}
+
+    async def app(scope, receive, send):
+        await receive()
+        state["calls"] += 1
+        body = json.dumps({"id": "x", "choices": []}).encode()
+        status = 200
+        if state["calls"] == 2:
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "boom"}}'})
+            raise RuntimeError("boom")
+        if state["calls"] >= 4:
+            state["healthy"] = False
+            status, body = 503, b'{"error": {"message": "dead", "code": "engine_unavailable"}}'
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    written = []
+    requests = [{"custom_id": f"r{i}", "url": "/v1/completions", "body": {}} for i in range(8)]
+    failed, not_run = asyncio.run(run_requests(app, requests, 1, written.append, lambda: state["healthy"]))
+    assert [r["custom_id"] for r in written] == ["r0", "r1", "r2"]
+    assert written[1]["response"]["status_code"] == 500 and written[1]["error"]["message"] == "boom"
+    assert (failed, not_run) == (1, 5) and state["calls"] == 4

@@ -298,6 +298,11 @@ def test_served_model_aliases_and_vllm_flags(model_dir):
     config = engine_config_from_args(build_parser(argv).parse_args(argv))
     assert (config.model.served_model_name, config.model.served_model_aliases) == ("tiny", ("alias",))
     assert config.cache.enable_prefix_caching
+    from plinth.config import ConfigError
+
+    argv = ["serve", "--served-model-name", "tiny", str(model_dir)]   # the path would be read as a second name
+    with pytest.raises(ConfigError, match="put the model before --served-model-name"):
+        engine_config_from_args(build_parser(argv).parse_args(argv))
     argv = ["serve", "--no-prefix-caching"]
     assert not engine_config_from_args(build_parser(argv).parse_args(argv)).cache.enable_prefix_caching
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", selection="off",

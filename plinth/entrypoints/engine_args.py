@@ -105,6 +105,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the config from parsed flags and apply plugin overrides."""
     from plinth.plugins import get_plugin_manager
 
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, list) and len(names) > 1 and getattr(args, "model", "given") is None:
+        from plinth.config import ConfigError
+
+        raise ConfigError(f"--served-model-name took {len(names)} names ({', '.join(names)}) and no model was given: "
+                          f"put the model before --served-model-name (a model path after it is read as a name)")
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     for overrides in get_plugin_manager().engine_config_overrides(config, vars(args)):
         config = config.with_overrides(overrides)

@@ -15,7 +15,8 @@ set; a line that is not a request (not JSON, no ``custom_id``, another method or
 ``response: null`` and ``error`` (a line without a usable ``custom_id``, or repeating an earlier line's, is
 named ``<line N>``). The requests run concurrently through the same handlers as ``plinth serve``
 (in this process; no port is opened), so bodies mean exactly what they mean to the server. Rerunning the command
-after an interruption skips the requests whose results are already in ``--output``.
+after an interruption skips the requests whose results are final in ``--output`` (answered, with a status below
+500); the others (server errors, lines that were not requests) are dropped from it and run again.
 """
 
 from __future__ import annotations
@@ -54,6 +55,49 @@ def _invalid(custom_id: Any, message: str) -> dict[str, Any]:
             "error": {"code": "invalid_request", "message": message}}
 
 
+def _final(record: Any) -> bool:
+    """Whether a result record is final: its request was answered with a status below 500."""
+    response = record.get("response") if isinstance(record, dict) else None
+    return isinstance(response, dict) and isinstance(response.get("status_code"), int) and response["status_code"] < 500
+
+
+def settled_ids(output: Path) -> set[str]:
+    """The ``custom_id``s with a final result in ``output`` (see :func:`_final`). Other records and a last line cut
+    short by an interrupted write are dropped from the file (rewritten whole, then renamed over it), so that a
+    rerun writes each request's result once.
+
+    Raises:
+        CliError: a line that is not a ``plinth run-batch`` record (the file is left alone).
+    """
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    lines = data.split(b"\n")
+    kept: list[bytes] = []
+    ids: set[str] = set()
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if n == len(lines):   # the torn end of an interrupted write
+                continue
+            record = None
+        if not (isinstance(record, dict) and "custom_id" in record and "response" in record):
+            raise CliError(f"{output} line {n} is not a result of plinth run-batch; give another --output "
+                           "(an existing results file is resumed, never overwritten)")
+        if _final(record) and str(record["custom_id"]) not in ids:
+            ids.add(str(record["custom_id"]))
+            kept.append(raw.rstrip(b"\r"))
+    body = b"".join(line + b"\n" for line in kept)
+    if body != data:
+        partial = output.with_name(output.name + ".partial")
+        partial.write_bytes(body)
+        os.replace(partial, output)
+    return ids
+
+
 def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(requests to run, results for lines that are not requests)``, skipping ``custom_id``s in ``done``.
 
@@ -66,12 +110,11 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
         raise CliError(f"cannot read --input {path}: {exc}") from None
     requests, invalid = [], []
     seen: set[str] = set()
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):   # not splitlines(): JSON strings may hold U+2028 and the like
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
-        anonymous = f"<line {n}>"   # the custom_id of the result of a line without one (a rerun skips it)
-        if anonymous in done:
-            continue
+        anonymous = f"<line {n}>"   # the custom_id of the result of a line without a usable one
         try:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -81,10 +124,11 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
         if not isinstance(custom_id, str) or not custom_id:
             invalid.append(_invalid(anonymous, f"line {n}: a request is an object with a string custom_id"))
             continue
-        if custom_id in done:
-            continue
         if custom_id in seen:   # its result goes under the line's name: custom_ids stay unique in the results
             invalid.append(_invalid(anonymous, f"line {n}: custom_id {custom_id!r} appears more than once"))
+            continue
+        seen.add(custom_id)
+        if custom_id in done:
             continue
         problem = None
         if item.get("method", "POST") != "POST":
@@ -93,9 +137,8 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
             problem = f"line {n}: url must be one of {', '.join(ROUTES)}, got {item.get('url')!r}"
         elif not isinstance(item.get("body"), dict):
             problem = f"line {n}: body must be a JSON object"
-        elif item["body"].get("stream"):
+        elif str(item["body"].get("stream", "")).lower() in ("true", "1"):
             problem = f"line {n}: stream is not supported in a batch"
-        seen.add(custom_id)
         if problem is not None:
             invalid.append(_invalid(custom_id, problem))
         else:
@@ -133,6 +176,12 @@ async def call_route(app: Any, path: str, body: dict[str, Any]) -> tuple[int, An
 
     try:
         await app(scope, receive, send)
+    except Exception as exc:   # the app answered 500 (or nothing) and re-raised: that request fails, not the batch
+        if status < 500:
+            status = 500
+        if not chunks:
+            chunks = [json.dumps({"error": {"message": f"internal error: {type(exc).__name__}",
+                                            "type": "server_error"}}).encode()]
     finally:
         finished.set()
     raw = b"".join(chunks)
@@ -153,31 +202,48 @@ def result_record(request: dict[str, Any], status: int, body: Any) -> dict[str, 
             "response": {"status_code": status, "request_id": request_id, "body": body}, "error": error}
 
 
-async def run_requests(app: Any, requests: list[dict[str, Any]], concurrency: int, write: Any) -> int:
-    """Run ``requests`` through ``app``, at most ``concurrency`` at once, calling ``write(record)`` as each
-    finishes; the number that failed."""
+def _queue_full(status: int, body: Any) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return status == 503 and isinstance(error, dict) and error.get("code") == "queue_full"
+
+
+async def run_requests(app: Any, requests: list[dict[str, Any]], concurrency: int, write: Any,
+                       healthy: Any = lambda: True) -> tuple[int, int]:
+    """Run ``requests`` through ``app`` with ``concurrency`` workers, calling ``write(record)`` as each finishes
+    (a full waiting queue is waited out); ``(failed, not run)``. Once ``healthy()`` is false (the engine died)
+    nothing more is sent and unanswered requests get no record, so a rerun runs them."""
     from tqdm.auto import tqdm
 
-    gate = asyncio.Semaphore(concurrency)
     failed = 0
+    pending = iter(requests)
+    answered = 0
 
-    async def one(request: dict[str, Any], bar: Any) -> None:
-        nonlocal failed
-        async with gate:
-            status, body = await call_route(app, request["url"], request["body"])
-        record = result_record(request, status, body)
-        failed += record["error"] is not None
-        write(record)
-        bar.update(1)
+    async def worker(bar: Any) -> None:
+        nonlocal failed, answered
+        for request in pending:
+            if not healthy():
+                return
+            delay = 0.01
+            while True:
+                status, body = await call_route(app, request["url"], request["body"])
+                if not _queue_full(status, body):
+                    break
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+            if status >= 500 and not healthy():
+                return   # the engine is gone: no record, the rerun runs it
+            record = result_record(request, status, body)
+            failed += record["error"] is not None
+            answered += 1
+            write(record)
+            bar.update(1)
 
     with tqdm(total=len(requests), unit="req", disable=None, file=sys.stderr) as bar:
-        await asyncio.gather(*(one(r, bar) for r in requests))
-    return failed
+        await asyncio.gather(*(worker(bar) for _ in range(min(concurrency, max(len(requests), 1)))))
+    return failed, len(requests) - answered
 
 
 def run(args: argparse.Namespace) -> int:
-    from plinth.entrypoints.generate_cmd import done_ids
-
     inp, out = Path(args.input), Path(args.output)
     if not inp.is_file():
         raise CliError(f"--input {args.input!r} is not a file")
@@ -185,17 +251,21 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--output {args.output!r} " + ("is the input file" if out.is_file() else "is not a file"))
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CliError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
-    done = done_ids(out, key="custom_id", marker="response", command="plinth run-batch")
+    config = engine_config_from_args(args)
+    done = settled_ids(out)
     requests, invalid = read_requests(inp, done)
     print(f"{len(requests)} requests to run, {len(done)} already done, {len(invalid)} invalid", file=sys.stderr)
-    concurrency = args.max_concurrency or max(DEFAULT_CONCURRENCY, args.max_num_seqs or 0)
-    config = engine_config_from_args(args)
 
     from plinth.core.async_engine import AsyncLLMEngine
     from plinth.entrypoints.openai.api_server import build_app
 
     front = AsyncLLMEngine.from_config(config)
     try:
+        scheduler = front.config.scheduler if front.config is not None else config.scheduler
+        # enough to keep the engine's batch full, never more than its waiting queue takes
+        concurrency = args.max_concurrency or max(DEFAULT_CONCURRENCY, 2 * (scheduler.max_num_seqs or 0))
+        if scheduler.max_waiting_requests is not None:
+            concurrency = min(concurrency, (scheduler.max_num_seqs or 1) + scheduler.max_waiting_requests)
         app = build_app(front)
         with out.open("a", encoding="utf-8") as f:
             def write(record: dict[str, Any]) -> None:
@@ -204,9 +274,14 @@ def run(args: argparse.Namespace) -> int:
 
             for record in invalid:
                 write(record)
-            failed = asyncio.run(run_requests(app, requests, concurrency, write))
+            failed, not_run = asyncio.run(run_requests(app, requests, concurrency, write,
+                                                       lambda: front.is_healthy))
             os.fsync(f.fileno())
     finally:
         front.shutdown()
+    if not_run:
+        print(f"the engine stopped: {not_run} requests were not run; rerun the command to run them "
+              f"({front.dead_error})", file=sys.stderr)
+        return 1
     print(f"{len(requests) - failed} succeeded, {failed + len(invalid)} failed; results in {out}", file=sys.stderr)
     return 0
