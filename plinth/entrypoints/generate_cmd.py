@@ -215,13 +215,12 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     return rid, value, params, key == "messages"
 
 
-def done_ids(output: Path, key: str = "id", marker: str = "outputs", command: str = "plinth generate") -> set[str]:
-    """Ids already in ``output`` (a results file of an earlier run: records with ``key`` and ``marker``). A last
-    line cut short by an interrupted write is removed; any other line that is not a result record stops the run
-    before anything is changed.
+def done_ids(output: Path) -> set[str]:
+    """Ids already in ``output`` (a results file of an earlier run). A last line cut short by an interrupted
+    write is removed; any other line that is not a result record stops the run before anything is changed.
 
     Raises:
-        CliError: the file holds lines that are not records of ``command``.
+        CliError: the file holds lines that are not ``plinth generate`` records.
     """
     from plinth.errors import CliError
 
@@ -236,7 +235,7 @@ def done_ids(output: Path, key: str = "id", marker: str = "outputs", command: st
             continue
         try:
             rec = json.loads(raw)
-            ok = isinstance(rec, dict) and key in rec and marker in rec
+            ok = isinstance(rec, dict) and "id" in rec and "outputs" in rec
         except (json.JSONDecodeError, UnicodeDecodeError):
             if n == len(lines):   # the torn end of an interrupted write: it is run again
                 with output.open("r+b") as f:
@@ -245,9 +244,9 @@ def done_ids(output: Path, key: str = "id", marker: str = "outputs", command: st
                 break
             ok = False
         if not ok:
-            raise CliError(f"{output} line {n} is not a result of {command}; give another --output "
+            raise CliError(f"{output} line {n} is not a result of plinth generate; give another --output "
                            "(an existing results file is resumed, never overwritten)")
-        ids.add(str(rec[key]))
+        ids.add(str(rec["id"]))
     if not torn and lines[-1].strip():   # a complete last record without its newline
         with output.open("ab") as f:
             f.write(b"\n")
