@@ -173,26 +173,23 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
         ctx.check_model(model)
         return JSONResponse(card(model).model_dump())
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
+    async def answer(handler: Any, body: Any, raw: Request) -> Response:
         try:
-            return await create_completion(ctx, body, raw)
+            return await handler(ctx, body, raw)
         except ClientDisconnected:
             return Response(status_code=499)   # never delivered: the client is gone
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await answer(create_completion, body, raw)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        try:
-            return await create_chat_completion(ctx, body, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await answer(create_chat_completion, body, raw)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
-        try:
-            return await create_embedding(ctx, body, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await answer(create_embedding, body, raw)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:
