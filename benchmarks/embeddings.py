@@ -1,0 +1,147 @@
+"""Embedding throughput: plinth (``task="embed"``) against transformers on the same model shape, in one run.
+
+    python benchmarks/embeddings.py                                  # Llama-3-8B shape, bf16, on the GPU
+    python benchmarks/embeddings.py --preset tiny-llama --dtype float32 --num-prompts 64   # anywhere
+
+Workload: ``--num-prompts`` prompts of random token ids, lengths uniform in ``[--len-range)`` (seeded), each
+pooled to one vector (last token, normalized). plinth gets all prompts at once (``LLM.embed``, prefix cache off:
+every run computes every prompt); transformers
+runs its base model (sdpa) over length-sorted batches of ``--hf-batch`` prompts, padded on the right, and takes
+each prompt's last real position. Both models have random weights of the preset's shape (plinth's dummy
+weights, transformers' own initialisation: speed does not depend on the values; tests/test_embeddings.py
+compares the vectors on shared weights). The floor is ``2 * params * tokens`` FLOPs at the device's measured
+matmul rate (``plinth.benchmarks_floor``). Each system is timed ``--iters`` times after a warm-up; the median
+is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from plinth import benchmarks_floor as floors
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama-3-8b", help="a plinth dummy preset (the model's shape)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--len-range", type=int, nargs=2, default=(128, 1024), metavar=("A", "B"))
+    p.add_argument("--hf-batch", type=int, default=32, help="prompts per transformers forward")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--systems", default="plinth,transformers")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def prompts_of(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(args.seed)
+    lens = rng.integers(args.len_range[0], args.len_range[1], size=args.num_prompts)
+    return [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in lens]
+
+
+def timed(fn, iters: int, device: torch.device) -> float:
+    fn()   # warm-up (compilation, allocator)
+    times = []
+    for _ in range(iters):
+        floors.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        floors.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_plinth(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int, str]:
+    from plinth import LLM
+
+    # without the prefix cache: the timed runs repeat the warm-up's prompts, which would otherwise be cached
+    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, task="embed", enable_prefix_caching=False)
+    device = llm.engine.device
+    seconds = timed(lambda: llm.embed(prompts, use_tqdm=False), args.iters, device)
+    params = floors.weight_stats(llm.engine.runner.model).matmul_params if llm.engine.runner is not None else 0
+    name = floors.device_name(device)
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    return seconds, params, name
+
+
+def run_transformers(args: argparse.Namespace, prompts: list[list[int]], device: torch.device) -> float:
+    from transformers import AutoConfig, AutoModel
+
+    from plinth.model_registry.loader import PRESET_DIR
+
+    config = AutoConfig.for_model(**json.loads((PRESET_DIR / f"{args.preset}.json").read_text()))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = AutoModel.from_config(config, dtype=DTYPES[args.dtype]).eval()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+
+    @torch.no_grad()
+    def embed_all() -> None:
+        for start in range(0, len(order), args.hf_batch):
+            batch = [prompts[i] for i in order[start:start + args.hf_batch]]
+            width = max(map(len, batch))
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, p in enumerate(batch):
+                ids[row, :len(p)] = torch.tensor(p)
+                mask[row, :len(p)] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            last = hidden[torch.arange(len(batch), device=device), mask.sum(1) - 1].float()
+            torch.nn.functional.normalize(last, dim=-1).cpu()
+
+    seconds = timed(embed_all, args.iters, device)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from plinth.model_registry.loader import load_preset
+
+    vocab = load_preset(args.preset).vocab_size
+    prompts = prompts_of(args, vocab)
+    tokens = sum(map(len, prompts))
+    systems = args.systems.split(",")
+    results: dict[str, float] = {}
+    params, name = 0, "cpu"
+    if "plinth" in systems:
+        results["plinth"], params, name = run_plinth(args, prompts)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if "transformers" in systems:
+        results["transformers"] = run_transformers(args, prompts, device)
+    print(f"{args.preset} {args.dtype} on {name}: {len(prompts)} prompts, {tokens} tokens "
+          f"(lengths {args.len_range[0]}-{args.len_range[1] - 1}), median of {args.iters}")
+    for system, seconds in results.items():
+        print(f"  {system:13s} {seconds:8.3f} s  {tokens / seconds:12,.0f} prompt tok/s  "
+              f"{len(prompts) / seconds:9,.1f} embeddings/s")
+    if len(results) == 2:
+        print(f"  plinth / transformers: {results['transformers'] / results['plinth']:.2f}x")
+    ceilings = floors.ceilings_for(name)
+    floor = (floors.compute_floor_s(floors.WeightStats(params, params, 0), tokens, DTYPES[args.dtype], ceilings)
+             if ceilings is not None and params else None)
+    if floor is not None and "plinth" in results:
+        print(f"  floor (2 x {params / 1e9:.2f} G params x tokens at the matmul rate): {floor:.3f} s; "
+              f"plinth at {floor / results['plinth'] * 100:.0f}% of it")
+    else:
+        print(f"  {floors.UNKNOWN}")
+
+
+if __name__ == "__main__":
+    main()
