@@ -112,3 +112,20 @@ def test_engine_death_and_app_errors_leave_requests_for_the_rerun():
     assert [r["custom_id"] for r in written] == ["r0", "r1", "r2"]
     assert written[1]["response"]["status_code"] == 500 and written[1]["error"]["message"] == "boom"
     assert (failed, not_run) == (1, 5) and state["calls"] == 4
+
+
+def test_embedding_lines(tmp_path):
+    import numpy as np
+
+    model = save_tiny_model(tmp_path / "m")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [{"custom_id": "e1", "url": "/v1/embeddings", "body": {"input": [PROMPT, "hello"]}},
+                      {"custom_id": "c1", "url": "/v1/completions", "body": {"prompt": PROMPT}}])
+    assert main(["run-batch", str(model), "--dtype", "float32", "--selection", "off", "--task", "embed",
+                 "-i", str(inp), "-o", str(out)]) == 0
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    data = by_id["e1"]["response"]["body"]["data"]
+    expected = LLM(str(model), dtype="float32", selection="off", task="embed").embed([PROMPT, "hello"])
+    for got, want in zip(data, expected, strict=True):
+        np.testing.assert_allclose(got["embedding"], want.outputs.embedding, atol=1e-6)
+    assert by_id["c1"]["response"]["status_code"] == 400 and "/v1/embeddings" in by_id["c1"]["error"]["message"]
