@@ -71,8 +71,6 @@ def run_plinth(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[floa
     params = floors.weight_stats(llm.engine.runner.model).matmul_params if llm.engine.runner is not None else 0
     name = floors.device_name(device)
     llm.engine.shutdown()
-    del llm
-    gc.collect()
     return seconds, params, name
 
 
@@ -103,12 +101,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]], device:
             last = hidden[torch.arange(len(batch), device=device), mask.sum(1) - 1].float()
             torch.nn.functional.normalize(last, dim=-1).cpu()
 
-    seconds = timed(embed_all, args.iters, device)
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return seconds
+    return timed(embed_all, args.iters, device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     params, name = 0, "cpu"
     if "plinth" in systems:
         results["plinth"], params, name = run_plinth(args, prompts)
+        gc.collect()   # the engine's memory back before transformers' model is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "transformers" in systems:
         results["transformers"] = run_transformers(args, prompts, device)

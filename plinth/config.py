@@ -16,6 +16,10 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SELECTION_MODES = ("benchmark", "cached", "off")
 EXECUTORS = ("auto", "uniproc", "mp", "ray")
+TASKS = ("generate", "embed")
+POOLING_TYPES = ("last", "mean", "cls")
+#: the keys ``override_generation_config`` takes (see plinth.model_registry.generation_config)
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 class ConfigError(ValueError):
@@ -90,9 +94,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         aliases = self.served_model_aliases
-        if not isinstance(aliases, tuple) or not all(isinstance(a, str) and a for a in aliases):
-            if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
-                raise ConfigError(f"served_model_aliases must be a list of names, got {aliases!r}")
+        if not isinstance(aliases, list | tuple) or not all(isinstance(a, str) and a for a in aliases):
+            raise ConfigError(f"served_model_aliases must be a list of names, got {aliases!r}")
         object.__setattr__(self, "served_model_aliases",
                             tuple(dict.fromkeys(a for a in aliases if a != self.served_model_name)))
         names = self.served_model_name
@@ -114,13 +117,21 @@ class ModelConfig:
         if override is not None and not (isinstance(override, tuple)
                                          and all(isinstance(kv, tuple) and len(kv) == 2 for kv in override)):
             raise ConfigError(f"override_generation_config must be a JSON object, got {self.override_generation_config!r}")
+        unknown = sorted(k for k, _ in override or () if k not in GENERATION_CONFIG_KEYS)
+        if unknown:
+            raise ConfigError(f"override_generation_config: unknown key(s) {', '.join(map(repr, unknown))}; it takes "
+                              f"{', '.join(GENERATION_CONFIG_KEYS)}")
         object.__setattr__(self, "override_generation_config", override or None)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'none' or a path, got {self.generation_config!r}")
-        if self.task not in ("generate", "embed"):
-            raise ConfigError(f"task must be 'generate' or 'embed', got {self.task!r}")
-        if self.pooling is not None and self.pooling not in ("last", "mean", "cls"):
-            raise ConfigError(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}")
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ConfigError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
+        if self.normalize_embeddings is not None and not isinstance(self.normalize_embeddings, bool):
+            raise ConfigError(f"normalize_embeddings must be true or false, got {self.normalize_embeddings!r}")
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            raise ConfigError(f"reasoning_parser must be a parser's name, got {self.reasoning_parser!r}")
         if (self.pooling is not None or self.normalize_embeddings is not None) and self.task != "embed":
             raise ConfigError("pooling and normalize_embeddings need task='embed'")
         if self.dtype not in DTYPES:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from plinth import LLM, PoolingParams
+from plinth import LLM, PoolingParams, SamplingParams
 from plinth.config import ConfigError, EngineConfig
 from plinth.core.scheduler import RequestRejectedError
 from plinth.errors import ModelLoadError
@@ -84,13 +84,14 @@ def test_one_token_steps_are_not_decode_graphs_on_workers():
     from plinth.distributed.messages import StepBatch
     from plinth.worker.batching import FlatBatch
 
-    def flat(decode_only: bool) -> FlatBatch:
+    def flat(needs_hidden: bool) -> FlatBatch:
         return FlatBatch(token_ids=np.array([3, 4]), q_lens=np.array([1, 1]), starts=np.array([7, 9]),
                          block_tables=np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int32),
-                         block_counts=np.array([2, 3]), sample=np.array([True, True]), decode_only=decode_only)
+                         block_counts=np.array([2, 3]), sample=np.array([True, True]),
+                         decode_only=not needs_hidden, needs_hidden=needs_hidden)
 
-    assert StepBatch.from_entries(flat(False)).flat().decode_only is False
-    assert StepBatch.from_entries(flat(True)).flat().decode_only is True
+    assert StepBatch.from_entries(flat(True)).flat().decode_only is False
+    assert StepBatch.from_entries(flat(False)).flat().decode_only is True
 
 
 def test_prefix_cache_dimensions_and_errors(model_dir):
@@ -118,8 +119,10 @@ def test_prefix_cache_dimensions_and_errors(model_dir):
         llm.embed("x", PoolingParams(dimensions=65))
     with pytest.raises(ValueError, match="dimensions must be a positive integer"):
         PoolingParams(dimensions=0)
-    with pytest.raises(RequestRejectedError, match="takes PoolingParams"):
+    with pytest.raises(RequestRejectedError, match="use LLM.embed"):
         llm.generate(["hi"])
+    with pytest.raises(RequestRejectedError, match="takes PoolingParams"):
+        llm.engine.add_request("x", "hi", SamplingParams())
     with pytest.raises(ConfigError, match="need task='embed'"):
         EngineConfig.from_kwargs(pooling="mean")
 

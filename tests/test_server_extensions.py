@@ -248,7 +248,7 @@ def test_server_flag_checks(tmp_path, capsys):
     from plinth.entrypoints.serve_cmd import ServeError, cors_settings
 
     def args(**kw):
-        base = dict(allowed_origins=None, allow_credentials=False, allowed_methods='["*"]', allowed_headers='["*"]')
+        base = dict(allowed_origins=None, allow_credentials=False, allowed_methods=None, allowed_headers=None)
         return argparse.Namespace(**{**base, **kw})
 
     assert cors_settings(args()) is None
@@ -256,6 +256,7 @@ def test_server_flag_checks(tmp_path, capsys):
     assert got.allowed_origins == ("http://a",) and got.allowed_methods == ("GET", "POST")
     for bad, message in ((dict(allowed_origins="http://a"), "JSON list"),
                          (dict(allow_credentials=True), "need --allowed-origins"),
+                         (dict(allowed_methods='["*"]'), "need --allowed-origins"),
                          (dict(allowed_origins='["*"]', allow_credentials=True), "explicit")):
         with pytest.raises(ServeError, match=message):
             cors_settings(args(**bad))

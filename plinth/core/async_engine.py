@@ -151,7 +151,7 @@ class AsyncLLMEngine:
                                         template_kwargs=template_kwargs)
 
     async def generate(self, request_id: str, prompt: str | Sequence[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams | Any, priority: int = 0) -> AsyncIterator[RequestOutput | Any]:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is

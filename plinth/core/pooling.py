@@ -29,8 +29,6 @@ import numpy as np
 
 from plinth.errors import ModelLoadError
 
-POOLING_TYPES = ("last", "mean", "cls")
-TASKS = ("generate", "embed")
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
                      "pooling_mode_cls_token": "cls"}
 
@@ -48,6 +46,8 @@ class PoolingParams:
     dimensions: int | None = None
 
     def __post_init__(self) -> None:
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
@@ -55,7 +55,8 @@ class PoolingParams:
 
 @dataclasses.dataclass(frozen=True)
 class PoolingConfig:
-    """How an embedding engine pools: ``kind`` in :data:`POOLING_TYPES`, ``normalize``, and where that came from."""
+    """How an embedding engine pools: ``kind`` (one of ``plinth.config.POOLING_TYPES``), ``normalize``, and where
+    that came from."""
 
     kind: str = "last"
     normalize: bool = True
@@ -67,11 +68,9 @@ def resolve_pooling(model_path: str | None, pooling: str | None, normalize: bool
     configuration, else ``last`` with normalization.
 
     Raises:
-        ModelLoadError: an unknown ``pooling``, or sentence-transformers modules plinth cannot run (a ``Dense``
-            projection, a pooling mode other than last/mean/cls).
+        ModelLoadError: sentence-transformers modules plinth cannot run (a ``Dense`` projection, a pooling mode
+            other than last/mean/cls).
     """
-    if pooling is not None and pooling not in POOLING_TYPES:
-        raise ModelLoadError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {pooling!r}")
     found = _sentence_transformers(Path(model_path)) if model_path and Path(model_path).is_dir() else None
     kind, norm, origin = "last", True, "the default"
     if found is not None:
@@ -144,14 +143,9 @@ class PoolState:
 
 
 def finish_embedding(vector: np.ndarray, params: PoolingParams, config: PoolingConfig) -> list[float]:
-    """The pooled vector cut to ``params.dimensions`` and normalized as asked, as Python floats.
-
-    Raises:
-        ValueError: ``dimensions`` beyond the vector's size.
-    """
+    """The pooled vector cut to ``params.dimensions`` (checked against the model's size when the request
+    arrived) and normalized as asked, as Python floats."""
     if params.dimensions is not None:
-        if params.dimensions > len(vector):
-            raise ValueError(f"dimensions is {params.dimensions}, but this model's embeddings have {len(vector)}")
         vector = vector[:params.dimensions]
     if config.normalize if params.normalize is None else params.normalize:
         norm = float(np.linalg.norm(vector))

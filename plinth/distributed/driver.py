@@ -69,7 +69,7 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     limit = getattr(hf, "max_position_embeddings", None) or 2048
     max_model_len = config.model.max_model_len or limit
     chat_template = read_chat_template(config.model.chat_template)
-    default_sampling, eos = generation_defaults(source, config, hf, tokenizer)
+    default_sampling, eos = generation_defaults(source, config, tokenizer)
     executor = (executor_factory(config) if executor_factory is not None
                 else create_distributed_executor(executor_name, config))
     if executor.selection is not None:

@@ -47,10 +47,9 @@ class StepBatch:
             if entries.feed is not None:
                 raise ValueError("a batch fed by the step in flight (asynchronous scheduling) cannot go to "
                                  "worker processes: its token ids are on the engine's device")
-            one_token_each = len(entries.token_ids) == len(entries.q_lens) and bool(entries.sample.all())
             return cls(token_ids=entries.token_ids, q_lens=entries.q_lens, starts=entries.starts,
                        block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample,
-                       needs_hidden=one_token_each and not entries.decode_only)
+                       needs_hidden=entries.needs_hidden)
         n = len(entries)
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
         block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
@@ -71,7 +70,7 @@ class StepBatch:
         tables = np.zeros((n, width), dtype=np.int32)                          # [N, W]
         tables[np.arange(width) < self.block_counts[:, None]] = self.block_ids
         return FlatBatch(token_ids=self.token_ids, q_lens=self.q_lens, starts=self.starts, block_tables=tables,
-                         block_counts=self.block_counts, sample=self.sample,
+                         block_counts=self.block_counts, sample=self.sample, needs_hidden=self.needs_hidden,
                          decode_only=len(self.token_ids) == n and bool(self.sample.all()) and not self.needs_hidden)
 
     def entries(self) -> list[SeqBatchEntry]:

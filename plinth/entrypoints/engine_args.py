@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from plinth.config import DTYPES, EXECUTORS, LOAD_FORMATS, SCHEDULING_POLICIES, SELECTION_MODES, EngineConfig
+from plinth.config import (
+    DTYPES,
+    EXECUTORS,
+    LOAD_FORMATS,
+    POOLING_TYPES,
+    SCHEDULING_POLICIES,
+    SELECTION_MODES,
+    TASKS,
+    EngineConfig,
+)
 
 # flag dest -> EngineConfig.from_kwargs keyword (identical names; listed to define the mapping once)
 ENGINE_KWARGS = (
@@ -51,9 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): structured "
                         "outputs start after the thinking; chat replies carry it as reasoning_content")
-    g.add_argument("--task", default="generate", choices=("generate", "embed"),
+    g.add_argument("--task", default="generate", choices=TASKS,
                    help="generate text, or serve an embedding model (embed: /v1/embeddings, LLM.embed)")
-    g.add_argument("--pooling", default=None, choices=("last", "mean", "cls"),
+    g.add_argument("--pooling", default=None, choices=POOLING_TYPES,
                    help="an embedding model's pooling (default: its sentence-transformers configuration, else last)")
     g.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="L2-normalize embeddings (default: as the model's configuration says, else yes)")

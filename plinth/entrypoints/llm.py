@@ -111,6 +111,10 @@ class LLM:
         :meth:`get_default_sampling_params`).
         ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).
         """
+        if self.engine.task == "embed":
+            from plinth.core.scheduler import RequestRejectedError
+
+            raise RequestRejectedError("this LLM serves an embedding model (task='embed'): use LLM.embed")
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompts)

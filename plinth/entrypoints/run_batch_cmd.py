@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from plinth.entrypoints.serve_cmd import add_api_args, api_app
 from plinth.errors import CliError
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -43,10 +44,12 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, "run-batch")
     g = p.add_argument_group("batch")
+    add_api_args(g)
     g.add_argument("--input", "-i", required=True, help="the requests: OpenAI batch JSONL")
     g.add_argument("--output", "-o", required=True, help="the results: OpenAI batch output JSONL (appended; resumed)")
     g.add_argument("--max-concurrency", type=int, default=None,
-                   help=f"requests in flight at once (default: the larger of {DEFAULT_CONCURRENCY} and --max-num-seqs)")
+                   help=f"requests in flight at once (default: the larger of {DEFAULT_CONCURRENCY} and twice the "
+                        "engine's max_num_seqs, at most what its waiting queue takes)")
     p.set_defaults(func=run)
 
 
@@ -252,12 +255,16 @@ def run(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CliError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     config = engine_config_from_args(args)
+    from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
+    from plinth.entrypoints.openai.tool_parsers import resolve_tool_parser
+
+    resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
+    resolve_reasoning_parser(args.reasoning_parser)
     done = settled_ids(out)
     requests, invalid = read_requests(inp, done)
     print(f"{len(requests)} requests to run, {len(done)} already done, {len(invalid)} invalid", file=sys.stderr)
 
     from plinth.core.async_engine import AsyncLLMEngine
-    from plinth.entrypoints.openai.api_server import build_app
 
     front = AsyncLLMEngine.from_config(config)
     try:
@@ -266,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency = args.max_concurrency or max(DEFAULT_CONCURRENCY, 2 * (scheduler.max_num_seqs or 0))
         if scheduler.max_waiting_requests is not None:
             concurrency = min(concurrency, (scheduler.max_num_seqs or 1) + scheduler.max_waiting_requests)
-        app = build_app(front)
+        app = api_app(front, args)
         with out.open("a", encoding="utf-8") as f:
             def write(record: dict[str, Any]) -> None:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -59,22 +59,38 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="do not log one line per HTTP request")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted as vLLM's flag; plinth never logs request contents (only the access line)")
-    g.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
+    add_api_args(g)
     g.add_argument("--allowed-origins", default=None, metavar="JSON",
                    help="CORS: the origins browsers may call from, a JSON list (e.g. '[\"http://localhost:3000\"]'); "
                         "off by default")
-    g.add_argument("--allowed-methods", default='["*"]', metavar="JSON", help="CORS: methods (with --allowed-origins)")
-    g.add_argument("--allowed-headers", default='["*"]', metavar="JSON", help="CORS: headers (with --allowed-origins)")
+    g.add_argument("--allowed-methods", default=None, metavar="JSON",
+                   help='CORS: methods (with --allowed-origins; default ["*"])')
+    g.add_argument("--allowed-headers", default=None, metavar="JSON",
+                   help='CORS: headers (with --allowed-origins; default ["*"])')
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (with --allowed-origins)")
     g.add_argument("--root-path", default=None, help="the path prefix a proxy serves this server under")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+    # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
+    p.set_defaults(func=run)
+
+
+def add_api_args(g: Any) -> None:
+    """The flags that shape the API's answers (``serve`` and ``run-batch``)."""
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model's tool-call format (hermes, llama3_json, mistral, or one a plugin adds): enables "
                         "tool_choice 'auto', the default for chat requests with tools")
-    # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
-    p.set_defaults(func=run)
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
+
+
+def api_app(front: Any, args: argparse.Namespace, **kwargs: Any) -> Any:
+    """The server app of ``front`` with the API flags (:func:`add_api_args`) and the engine's reasoning parser."""
+    from plinth.entrypoints.openai.api_server import build_app
+
+    return build_app(front, tool_parser=resolve_tool_parser(args.tool_call_parser),
+                     reasoning_parser=resolve_reasoning_parser(args.reasoning_parser),
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids, **kwargs)
 
 
 # After the grace period the remaining requests are aborted, so their clients get a final
@@ -158,7 +174,7 @@ def cors_settings(args: argparse.Namespace) -> Any:
     """The CORS settings the flags ask for (``None``: no ``--allowed-origins``, no CORS)."""
     from plinth.entrypoints.openai.api_server import CorsSettings
 
-    cors_flags = (args.allow_credentials or args.allowed_methods != '["*"]' or args.allowed_headers != '["*"]')
+    cors_flags = args.allow_credentials or args.allowed_methods is not None or args.allowed_headers is not None
     if args.allowed_origins is None:
         if cors_flags:
             raise ServeError("--allow-credentials, --allowed-methods and --allowed-headers need --allowed-origins")
@@ -166,15 +182,14 @@ def cors_settings(args: argparse.Namespace) -> Any:
     origins = _json_list(args.allowed_origins, "--allowed-origins")
     if args.allow_credentials and "*" in origins:
         raise ServeError("--allow-credentials needs explicit --allowed-origins, not '*'")
-    return CorsSettings(origins, args.allow_credentials, _json_list(args.allowed_methods, "--allowed-methods"),
-                        _json_list(args.allowed_headers, "--allowed-headers"))
+    return CorsSettings(origins, args.allow_credentials, _json_list(args.allowed_methods or '["*"]', "--allowed-methods"),
+                        _json_list(args.allowed_headers or '["*"]', "--allowed-headers"))
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from plinth.core.async_engine import AsyncLLMEngine
-    from plinth.entrypoints.openai.api_server import build_app
 
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
@@ -187,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not os.path.isfile(path):
             raise ServeError(f"{flag} {path!r} is not a file")
     cors = cors_settings(args)
-    tool_parser = resolve_tool_parser(args.tool_call_parser)
-    reasoning_parser = resolve_reasoning_parser(args.reasoning_parser)
+    resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
+    resolve_reasoning_parser(args.reasoning_parser)
     config = serving_config(args)
     uv_config = uvicorn.Config(
         "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
@@ -203,14 +218,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         front = AsyncLLMEngine.from_config(config)
         try:
-            uv_config.app = build_app(front, api_key=api_key, tool_parser=tool_parser,
-                                      reasoning_parser=reasoning_parser,
-                                      return_tokens_as_token_ids=args.return_tokens_as_token_ids, cors=cors)
+            uv_config.app = api_app(front, args, api_key=api_key, cors=cors)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on %s://%s:%d%s", front.served_model_name,
                         "https" if args.ssl_certfile else "http", host, port,
-                        " (API key required on /v1 and the tokenizer routes)" if api_key else "")
+                        " (API key required on every route but /health, /ping, /version, /metrics)" if api_key else "")
             server.run(sockets=[sock])
         finally:
             front.shutdown(timeout_s=max(args.shutdown_timeout, 1.0))

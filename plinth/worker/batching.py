@@ -96,8 +96,10 @@ class FlatBatch(Sequence[SeqBatchEntry]):
         block_tables: ``[N, W]`` int32, each sequence's blocks, 0-padded (W: the most blocks any holds).
         block_counts: ``[N]`` int64, blocks each sequence holds.
         sample: ``[N]`` bool, whether the sequence's last token is sampled.
-        decode_only: every sequence computes one token and is sampled (a decode step).
+        decode_only: every sequence computes one token and is sampled (a decode step), and no one reads the
+            step's hidden states: it may be a replayed decode graph.
         feed: the tokens that the step in flight samples (asynchronous scheduling), or None.
+        needs_hidden: the step's hidden states are read afterwards (embeddings), so it is never decode-only.
     """
 
     token_ids: np.ndarray
@@ -108,6 +110,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     sample: np.ndarray
     decode_only: bool
     feed: TokenFeed | None = None
+    needs_hidden: bool = False
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -343,6 +346,7 @@ class BatchBuilder:
             block_counts=counts,
             sample=np.array(sample, dtype=np.bool_),
             decode_only=len(tokens) == len(rows) == len(sampled) and not pooled,
+            needs_hidden=pooled,
             feed=(TokenFeed(np.array(fed_rows, dtype=np.int64), np.array(fed_src, dtype=np.int64))
                   if fed_rows else None),
         )

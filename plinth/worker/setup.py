@@ -38,8 +38,7 @@ class EngineParts:
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)   # the generation config's
 
 
-def generation_defaults(source: Any, config: EngineConfig, hf_config: Any,
-                        tokenizer: Any) -> tuple[dict[str, Any], tuple[int, ...]]:
+def generation_defaults(source: Any, config: EngineConfig, tokenizer: Any) -> tuple[dict[str, Any], tuple[int, ...]]:
     """``(default sampling keywords, end-of-sequence ids)``: the model's own ids and its generation
     config's (:mod:`plinth.model_registry.generation_config`)."""
     from plinth.model_registry.generation_config import read_generation_defaults
@@ -47,6 +46,7 @@ def generation_defaults(source: Any, config: EngineConfig, hf_config: Any,
     model = config.model
     found = read_generation_defaults(model.generation_config, dict(model.override_generation_config or ()),
                                      source.path, source.kind)
+    hf_config = source.hf_config
     vocab = getattr(hf_config, "vocab_size", None)
     bad = next((t for t in found.eos_token_ids if vocab is not None and t >= vocab), None)
     if bad is not None:
@@ -180,7 +180,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
     quant_method = resolve_quantization(config, source, platform, dtype, device)
     tokenizer = load_tokenizer(source, config)
-    default_sampling, eos = generation_defaults(source, config, hf, tokenizer)
+    default_sampling, eos = generation_defaults(source, config, tokenizer)
     limit = getattr(hf, "max_position_embeddings", None) or 2048
     max_model_len = config.model.max_model_len or limit
     if config.model.max_model_len and config.model.max_model_len > limit:

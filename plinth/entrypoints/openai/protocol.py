@@ -36,11 +36,19 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False   # vLLM's: usage so far on every chunk
 
 
-class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions. Unknown fields are kept (``model_extra``) so that
-    the server can name them in its log, as vLLM does."""
+class _NamedExtras(_Request):
+    """A request whose unknown fields are kept (``model_extra``) so that the server can name them in its log,
+    as vLLM does."""
 
     model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        """The request's fields plinth does not know (ignored)."""
+        return sorted(self.model_extra or ())
+
+
+class _SamplingFields(_NamedExtras):
+    """Fields shared by completions and chat completions."""
 
     model: str | None = None
     n: int = 1
@@ -80,10 +88,6 @@ class _SamplingFields(_Request):
     return_tokens_as_token_ids: bool | None = None   # logprob tokens as "token_id:N" (default: the server's flag)
     bad_words: list[str] | None = None
     spaces_between_special_tokens: bool = True
-
-    def ignored_fields(self) -> list[str]:
-        """The request's fields plinth does not know (ignored)."""
-        return sorted(self.model_extra or ())
 
     def structured(self) -> tuple[str, dict[str, Any]] | None:
         """``(field, spec)``: the constraint asked for (a ``structured_outputs`` value, see
@@ -254,7 +258,7 @@ class ChatCompletionRequest(_SamplingFields):
         return super().unsupported()
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(_NamedExtras):
     """``POST /v1/embeddings`` (an engine with ``task="embed"``)."""
 
     model: str | None = None
@@ -353,7 +357,7 @@ class CompletionChoice(BaseModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:
-        return _without_unset_calls(handler, self)
+        return _without_empty_extras(handler, self)
 
 
 class CompletionResponse(BaseModel):
@@ -379,7 +383,7 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-def _without_unset_calls(handler: Any, value: BaseModel) -> dict[str, Any]:
+def _without_empty_extras(handler: Any, value: BaseModel) -> dict[str, Any]:
     out = handler(value)
     # only when there are some (OpenAI's shape otherwise)
     for key in ("tool_calls", "reasoning_content", "prompt_logprobs"):
@@ -401,7 +405,7 @@ class ResponseMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:
-        return _without_unset_calls(handler, self)
+        return _without_empty_extras(handler, self)
 
 
 class DeltaMessage(BaseModel):
@@ -412,7 +416,7 @@ class DeltaMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:
-        return _without_unset_calls(handler, self)
+        return _without_empty_extras(handler, self)
 
 
 class ChatChoice(BaseModel):
@@ -434,7 +438,7 @@ class ChatCompletionResponse(BaseModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:
-        return _without_unset_calls(handler, self)
+        return _without_empty_extras(handler, self)
 
 
 class ChatChunkChoice(BaseModel):

@@ -14,6 +14,7 @@ from typing import Any
 
 from plinth.core.async_engine import AsyncLLMEngine
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
+from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.beam_search import BeamSearchParams
@@ -54,7 +55,7 @@ class ServerContext:
         return getattr(self.front, "default_sampling", None) or {}
 
     @property
-    def front_default_max_tokens(self) -> int | None:
+    def default_max_tokens(self) -> int | None:
         """The model's ``max_new_tokens``: the most a request without ``max_tokens`` generates."""
         return getattr(self.front, "default_max_tokens", None)
 
@@ -62,7 +63,7 @@ class ServerContext:
         """The output a request without ``max_tokens`` gets after ``num_prompt`` tokens: the rest of the context,
         at most the model's ``max_new_tokens``."""
         room = self.front.max_model_len - num_prompt
-        cap = self.front_default_max_tokens
+        cap = self.default_max_tokens
         return min(room, cap) if cap is not None and room >= 1 else room
 
     def check_task(self, task: str) -> None:
@@ -200,9 +201,10 @@ class ServerContext:
         ranked = sorted(pos.items(), key=lambda kv: _rank_key(kv[1]))
         return [(tid, lp.logprob) for tid, lp in ranked[:k]]
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """``front.generate`` with metrics; closing it aborts the engine request."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
+        request."""
         tracker = self.metrics.request()
         inner = self.front.generate(request_id, prompt_ids, params, priority)
         error = False

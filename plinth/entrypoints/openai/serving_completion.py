@@ -113,8 +113,6 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: Re
                             stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs)
 
 
-
-
 def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: int) -> UsageInfo:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -132,7 +130,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     echo_k = max(asked) if asked else None
     defaults = ctx.default_sampling
-    if "max_tokens" not in req.model_fields_set and ctx.front_default_max_tokens is not None:
+    if "max_tokens" not in req.model_fields_set and ctx.default_max_tokens is not None:
         req.max_tokens = None   # the model's max_new_tokens (the context permitting) instead of OpenAI's 16
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k,
                                                          defaults=defaults))

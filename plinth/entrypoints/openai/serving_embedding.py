@@ -59,6 +59,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
     ctx.check_task("embed")
+    ctx.note_ignored_fields(req)
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1:
         raise bad_request(f"truncate_prompt_tokens must be at least 1, got {req.truncate_prompt_tokens}",
                           "truncate_prompt_tokens")
@@ -68,7 +69,7 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
         raise bad_request(str(exc), "dimensions") from None
     inputs = await _inputs(ctx, req)
     rid = random_id("embd")
-    streams = [ctx.generate(f"{rid}-{i}", ids, params, req.priority) for i, ids in enumerate(inputs)]  # type: ignore[arg-type]
+    streams = [ctx.generate(f"{rid}-{i}", ids, params, req.priority) for i, ids in enumerate(inputs)]
     firsts = await unless_disconnected(raw, first_outputs(streams))
     finals = await unless_disconnected(raw, collect(merge(streams, firsts), len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
