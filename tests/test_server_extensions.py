@@ -172,9 +172,25 @@ def test_documents_stop_reason_and_refusals(http, app_parts, caplog):
                     if c["finish_reason"]:
                         last = c
     assert last is not None and last["finish_reason"] == "stop" and last["stop_reason"] == stop
+    # echo: the reply goes on from the assistant's last message and starts with it, streamed or not
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Paris is"}]
+    greedy = {"messages": history, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+              "add_generation_prompt": False, "continue_final_message": True}
+    plain = post(http, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
+    echoed = post(http, "/v1/chat/completions", {**greedy, "echo": True})["choices"][0]["message"]["content"]
+    assert echoed == "Paris is" + plain
+    text = ""
+    with http.stream("POST", "/v1/chat/completions", json={**greedy, "echo": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    assert text == echoed
+    # a user message last, with a generation prompt: nothing to echo
+    asked = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    assert (post(http, "/v1/chat/completions", {**asked, "echo": True})["choices"][0]["message"]["content"]
+            == post(http, "/v1/chat/completions", asked)["choices"][0]["message"]["content"])
     for body, param in (({"bad_words": [" "]}, "bad_words"), ({"spaces_between_special_tokens": False},
-                                                                 "spaces_between_special_tokens"),
-                        ({"echo": True}, "echo")):
+                                                                 "spaces_between_special_tokens")):
         assert post(http, "/v1/chat/completions", {"messages": messages, **body}, status=400)["error"]["param"] == param
     # bad_words reach the engine (tests/test_engine.py checks what they ban)
     free = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})

@@ -231,7 +231,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     documents: list[dict[str, Any]] | None = None   # for templates that render retrieved documents
-    echo: bool = False
+    echo: bool = False   # vLLM's: the reply starts with the last message when it has the reply's role
     functions: list[Any] | None = None        # the deprecated form of tools
     function_call: Any = None
     modalities: list[str] | None = None
@@ -253,8 +253,6 @@ class ChatCompletionRequest(_SamplingFields):
             return ("audio" if self.audio is not None else "modalities"), "only text output is supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
-        if self.echo:
-            return "echo", "echo is not supported on chat completions"
         return super().unsupported()
 
 

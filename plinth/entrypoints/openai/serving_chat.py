@@ -213,6 +213,16 @@ async def _last(events: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutp
     return last
 
 
+def _echoed(req: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before the reply (vLLM's rule): the last message's text when it has the reply's role,
+    which is the assistant's with ``add_generation_prompt`` and the last message's own without."""
+    if not req.echo:
+        return ""
+    last = chat_messages(req.messages[-1:])[0]
+    role = "assistant" if req.add_generation_prompt else last["role"]
+    return last["content"] if last["role"] == role else ""
+
+
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
     ctx.check_task("generate")
@@ -256,17 +266,22 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         usage = None
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
-        return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode))
+        return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
+                                   _echoed(req)))
     final = await unless_disconnected(raw, _last(events))
     choices = []
     name = ctx.token_namer(req)
+    echoed = _echoed(req)
     for c in final.outputs:
         n = len(c.token_ids)
         lp = _logprobs(ctx, c.token_ids, (c.logprobs or [])[:n], k, name) if k is not None else None
         reply = _Reply(mode, ctx.reasoning_parser)
         reply.update(c.text, final=True)
         reason = reply.tools.finish_reason(str(c.finish_reason) if c.finish_reason else None)
-        choices.append(ChatChoice(index=c.index, message=reply.message(), logprobs=lp, finish_reason=reason,
+        message = reply.message()
+        if echoed:
+            message.content = echoed + (message.content or "")
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason,
                                   stop_reason=c.stop_reason))
     prompt_logprobs = (ctx.prompt_logprobs(final, req.prompt_logprobs, name)
                        if req.prompt_logprobs is not None else None)
@@ -277,9 +292,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
 async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_prompt: int,
                   events: AsyncIterator[tuple[int, RequestOutput]], usage: str | None, name: Callable[[int], str],
-                  mode: ToolMode | None = None) -> AsyncIterator[str]:
+                  mode: ToolMode | None = None, echoed: str = "") -> AsyncIterator[str]:
     """``usage``: ``"end"`` for a last chunk with the usage, ``"every"`` also for each chunk's choice's usage so
-    far (vLLM's ``continuous_usage_stats``)."""
+    far (vLLM's ``continuous_usage_stats``); ``echoed``: text each choice starts with (``echo``)."""
     created = int(time.time())
 
     def so_far(tokens: int) -> UsageInfo | None:
@@ -295,6 +310,8 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_promp
         # a forced or required call's reply has no content (null, as in the non-streamed message)
         first = DeltaMessage(role="assistant", content=None if mode is not None and mode.constrained else "")
         yield chunk(ChatChunkChoice(index=index, delta=first), so_far(0))
+        if echoed:
+            yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed)), so_far(0))
     sent_tokens, done = [0] * n, [False] * n
     replies = [_Reply(mode, ctx.reasoning_parser) for _ in range(n)]
     last: RequestOutput | None = None
