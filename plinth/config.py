@@ -71,6 +71,8 @@ class ModelConfig:
         pooling: an embedding model's pooling (``last``, ``mean``, ``cls``; default: the model's
             sentence-transformers configuration, else ``last``).
         normalize_embeddings: L2-normalize embeddings (default: as the model's configuration says, else yes).
+        max_logprobs: the most log-probabilities a request may ask for per position (``logprobs``,
+            ``prompt_logprobs``).
     """
 
     model: str | None = None
@@ -91,6 +93,7 @@ class ModelConfig:
     task: str = "generate"
     pooling: str | None = None
     normalize_embeddings: bool | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         aliases = self.served_model_aliases
@@ -124,6 +127,7 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", override or None)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'none' or a path, got {self.generation_config!r}")
+        _positive("max_logprobs", self.max_logprobs)
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:

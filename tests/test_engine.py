@@ -332,3 +332,19 @@ def test_bad_words_ban_the_last_token_after_the_prefix(tiny_llama_dir):
     assert single not in out and out[:first] == free[:first]
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[" "])
+
+
+def test_max_logprobs(tiny_llama_dir):
+    """The engine's max_logprobs bounds logprobs and prompt_logprobs (default 20; --max-logprobs raises it)."""
+    from plinth.core.scheduler import RequestRejectedError
+
+    llm = llm_for(tiny_llama_dir)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(RequestRejectedError, match=f"{name}: at most 20 .*--max-logprobs"):
+            llm.generate([PROMPTS[0]], greedy(2, **{name: 25}))
+    wide = llm_for(tiny_llama_dir, max_logprobs=40)
+    out = wide.generate([PROMPTS[0]], greedy(2, logprobs=30, prompt_logprobs=30))[0]
+    assert all(len(pos) >= 30 for pos in out.outputs[0].logprobs)
+    assert all(len(pos) >= 30 for pos in out.prompt_logprobs[1:])
+    with pytest.raises(ConfigError, match="max_logprobs"):
+        llm_for(tiny_llama_dir, max_logprobs=0)

@@ -330,3 +330,25 @@ def test_served_model_aliases_and_vllm_flags(model_dir):
         assert r.status_code == 200 and r.json()["model"] == "tiny"
         assert client.get("/v1/models/alias").json()["id"] == "alias"
         assert client.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
+
+
+def test_max_logprobs_flag(model_dir):
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", selection="off",
+                                                max_logprobs=30))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                      "logprobs": True, "top_logprobs": 25})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 31})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        assert "--max-logprobs" in r.json()["error"]["message"]
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "logprobs": True, "top_logprobs": 31})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"

@@ -83,6 +83,7 @@ class AsyncLLMEngine:
         self.default_max_tokens: int | None = getattr(engine, "default_max_tokens", None)
         self.task: str = getattr(engine, "task", "generate")   # "embed": requests take PoolingParams
         self.config: Any = getattr(engine, "config", None)     # the engine's resolved configuration
+        self.max_logprobs: int = getattr(engine, "max_logprobs", 20)
         self.served_model_name: str = engine.served_model_name
         self.served_model_aliases: tuple[str, ...] = tuple(getattr(engine, "served_model_aliases", ()))
         self.selection = engine.selection

@@ -210,6 +210,7 @@ class LLMEngine:
         self._reasoning = self._reasoning_markers(reasoning)
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.served_model_aliases: tuple[str, ...] = config.model.served_model_aliases
+        self.max_logprobs: int = config.model.max_logprobs
         self.load_time_s = time.perf_counter() - t0
         logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks%s", self.load_time_s,
                     parts.model_name, self.platform.name, str(self.dtype).removeprefix("torch."),
@@ -334,6 +335,11 @@ class LLMEngine:
             self._check_vocab(ids, None)
         if not ids:
             raise RequestRejectedError("the prompt is empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise RequestRejectedError(f"{name}: at most {self.max_logprobs} per position (the engine's "
+                                           f"max_logprobs, --max-logprobs), got {asked}", param=name)
         self._check_vocab(params.logit_bias or (), "logit_bias")
         self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
         cap = self.scheduler.config.max_waiting_requests

@@ -69,7 +69,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
 
+    #: the default of the engine's ``max_logprobs`` (``--max-logprobs`` raises it)
     MAX_LOGPROBS = 20
+    #: no position holds more alternatives than this, whatever the engine allows
+    LOGPROBS_CEILING = 1 << 20
     MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
@@ -139,8 +142,8 @@ class SamplingParams:
               f"for token {bad and bad[0]}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            check(v is None or (isinstance(v, int) and 0 <= v <= self.MAX_LOGPROBS), name,
-                  f"must be an integer in [0, {self.MAX_LOGPROBS}], got {v!r}")
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= self.LOGPROBS_CEILING),
+                  name, f"must be an integer >= 0, got {v!r}")
 
     @property
     def greedy(self) -> bool:

@@ -21,7 +21,7 @@ ENGINE_KWARGS = (
     "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "quantize_lm_head",
     "trust_remote_code",
     "seed", "served_model_name", "chat_template", "generation_config", "override_generation_config",
-    "reasoning_parser", "task", "pooling", "normalize_embeddings",
+    "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
@@ -60,6 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): structured "
                         "outputs start after the thinking; chat replies carry it as reasoning_content")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most log-probabilities a request may ask for per position (logprobs, prompt_logprobs)")
     g.add_argument("--task", default="generate", choices=TASKS,
                    help="generate text, or serve an embedding model (embed: /v1/embeddings, LLM.embed)")
     g.add_argument("--pooling", default=None, choices=POOLING_TYPES,

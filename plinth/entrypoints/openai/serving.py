@@ -258,10 +258,15 @@ def _rank_key(lp: Logprob) -> tuple[int, float]:
     return (lp.rank if lp.rank is not None else 1 << 30, -lp.logprob)
 
 
-def sampling_params(build: Any, renames: dict[str, str] | None = None) -> SamplingParams:
-    """Call ``build()`` and turn a :class:`SamplingParamsError` into a 400 naming the request field."""
+def sampling_params(build: Any, renames: dict[str, str] | None = None, max_logprobs: int | None = None) -> SamplingParams:
+    """Call ``build()`` and turn a :class:`SamplingParamsError` into a 400 naming the request field; log-probability
+    counts above ``max_logprobs`` (the engine's) are 400s too."""
     try:
         params = build()
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if max_logprobs is not None and asked is not None and asked > max_logprobs:
+                raise SamplingParamsError(name, f"must be at most {max_logprobs} (--max-logprobs), got {asked}")
     except SamplingParamsError as exc:
         param = (renames or {}).get(exc.param, exc.param)
         raise bad_request(str(exc).replace(f"{exc.param}:", f"{param}:", 1), param) from exc

@@ -236,7 +236,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     defaults = ctx.default_sampling
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(max_tokens, k, req.prompt_logprobs, defaults=defaults),
-                             renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
+                             renames={"max_tokens": max_param, "logprobs": "top_logprobs"},
+                             max_logprobs=ctx.front.max_logprobs)
     if mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     await _check_tool_schemas(mode)

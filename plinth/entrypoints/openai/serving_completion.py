@@ -133,7 +133,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if "max_tokens" not in req.model_fields_set and ctx.default_max_tokens is not None:
         req.max_tokens = None   # the model's max_new_tokens (the context permitting) instead of OpenAI's 16
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k,
-                                                         defaults=defaults))
+                                                         defaults=defaults), max_logprobs=ctx.front.max_logprobs)
     await check_structured(ctx, req, params)
     for p in prompts:
         ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
