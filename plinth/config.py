@@ -127,7 +127,9 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", override or None)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'none' or a path, got {self.generation_config!r}")
-        _positive("max_logprobs", self.max_logprobs)
+        _positive("max_logprobs", self.max_logprobs, allow_none=False)
+        if self.max_logprobs > 1 << 20:
+            raise ConfigError(f"max_logprobs must be at most {1 << 20}, got {self.max_logprobs}")
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:

@@ -169,3 +169,31 @@ def test_server_use_beam_search(tiny_llama_dir, llm):
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_width_bounded_by_the_engines_max_logprobs(tmp_path):
+    from conftest import save_tiny_model
+
+    from plinth import LLM, BeamSearchParams
+
+    llm = LLM(str(save_tiny_model(tmp_path / "m")), dtype="float32", selection="off", max_logprobs=4)
+    with pytest.raises(ValueError, match="beam_width must be at most 2 on this engine .*max_logprobs is 4"):
+        llm.beam_search(["hello"], BeamSearchParams(beam_width=3, max_tokens=2))
+    assert len(llm.beam_search(["hello"], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences) == 2
+
+
+def test_server_width_bounded_by_max_logprobs(tmp_path):
+    from conftest import save_tiny_model
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(save_tiny_model(tmp_path / "m")), dtype="float32",
+                                                selection="off", max_logprobs=4))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert "at most 2 on this server" in r.json()["error"]["message"]

@@ -346,6 +346,14 @@ def test_max_logprobs_flag(model_dir):
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                       "logprobs": True, "top_logprobs": 25})
         assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 11})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "at most 10" in r.json()["error"]["message"]
+        # echo reaches beam-search replies too
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Paris is"}]
+        r = client.post("/v1/chat/completions", json={"messages": history, "add_generation_prompt": False,
+                                                      "continue_final_message": True, "echo": True, "max_tokens": 3,
+                                                      "use_beam_search": True, "n": 2})
+        assert r.status_code == 200 and all(c["message"]["content"].startswith("Paris is") for c in r.json()["choices"])
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 31})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
         assert "--max-logprobs" in r.json()["error"]["message"]

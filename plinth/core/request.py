@@ -143,7 +143,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             check(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= self.LOGPROBS_CEILING),
-                  name, f"must be an integer >= 0, got {v!r}")
+                  name, f"must be an integer in [0, {self.LOGPROBS_CEILING}], got {v!r}")
 
     @property
     def greedy(self) -> bool:

@@ -25,7 +25,8 @@ from plinth.core.scheduler import RequestRejectedError
 if TYPE_CHECKING:
     from plinth.entrypoints.llm import LLM
 
-#: beams x 2 candidates must fit in the most logprobs a request may ask for
+#: the widest search: beams x 2 candidates fit in the engine's default max_logprobs (an engine with a lower
+#: max_logprobs allows less, see :func:`search`)
 MAX_BEAM_WIDTH = SamplingParams.MAX_LOGPROBS // 2
 
 
@@ -94,11 +95,19 @@ def check_prompts(starts: list[list[int]], limit: int) -> None:
 
 
 def search(starts: list[list[int]], params: BeamSearchParams, eos: tuple[int, ...], limit: int,
-           vocab: int | None) -> Generator[tuple[list[list[int]], SamplingParams], list[Any], list[BeamSearchOutput]]:
+           vocab: int | None, max_logprobs: int = SamplingParams.MAX_LOGPROBS,
+           ) -> Generator[tuple[list[list[int]], SamplingParams], list[Any], list[BeamSearchOutput]]:
     """The search, driven from outside: yields each round's ``(token-id prompts, params)`` and is sent their
-    outputs (``RequestOutput``s, in order); returns the beams (texts not filled in)."""
+    outputs (``RequestOutput``s, in order); returns the beams (texts not filled in).
+
+    Raises:
+        ValueError: a beam width whose ``2 x beam_width`` candidates exceed the engine's ``max_logprobs``.
+    """
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"beam search takes BeamSearchParams, not {type(params).__name__}")
+    if 2 * params.beam_width > max_logprobs:
+        raise ValueError(f"beam_width must be at most {max_logprobs // 2} on this engine (2 x beam_width candidates "
+                         f"per round, and its max_logprobs is {max_logprobs}), got {params.beam_width}")
     check_prompts(starts, limit)
     live: list[list[BeamSequence]] = [[BeamSequence([], 0.0)] for _ in starts]
     done: list[list[BeamSequence]] = [[] for _ in starts]
@@ -148,7 +157,8 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> l
     """
     engine = llm.engine
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
-    rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_model_len, engine.vocab_size)
+    rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_model_len, engine.vocab_size,
+                    engine.max_logprobs)
     try:
         batch, step = next(rounds)
         while True:
@@ -161,7 +171,8 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
                             params: BeamSearchParams) -> list[BeamSearchOutput]:
     """The same search on a running :class:`~plinth.core.async_engine.AsyncLLMEngine` (the server's): each
     round's beams run as concurrent requests ``{request_id}-{round}-{beam}``."""
-    rounds = search(starts, params, tuple(front.eos_token_ids), front.max_model_len, front.vocab_size)
+    rounds = search(starts, params, tuple(front.eos_token_ids), front.max_model_len, front.vocab_size,
+                    front.max_logprobs)
 
     async def last(rid: str, prompt: list[int], step: SamplingParams) -> Any:
         final = None

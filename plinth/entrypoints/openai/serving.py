@@ -296,7 +296,8 @@ async def check_structured(ctx: ServerContext, req: Any, params: SamplingParams)
         raise bad_request(str(exc), field) from None
 
 
-def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, room: int) -> BeamSearchParams:
+def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, room: int,
+                       max_logprobs: int = SamplingParams.MAX_LOGPROBS) -> BeamSearchParams:
     """The beam search a ``use_beam_search`` request asks for (``n`` beams; ``room``: the tokens the context
     leaves after the longest prompt, the default ``max_tokens``); what it cannot do is a 400."""
     if req.stream:
@@ -309,8 +310,12 @@ def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, 
         raise bad_request("use_beam_search cannot be combined with a structured-output constraint or tools",
                           "use_beam_search")
     try:
-        return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else room,
-                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+        params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else room,
+                                  ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+        if 2 * params.beam_width > max_logprobs:
+            raise ValueError(f"beam_width must be at most {max_logprobs // 2} on this server (2 x n candidates per "
+                             f"round, and --max-logprobs is {max_logprobs}), got {params.beam_width}")
+        return params
     except ValueError as exc:
         text = str(exc)
         param = ("length_penalty" if "length_penalty" in text else "n" if "beam_width" in text

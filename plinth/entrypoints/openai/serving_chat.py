@@ -248,13 +248,16 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     rid = random_id("chatcmpl")
     if req.use_beam_search:
-        beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)))
+        beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)), ctx.front.max_logprobs)
         out = (await unless_disconnected(raw, beam_search_async(ctx.front, rid, [ids], beam)))[0]
         choices = []
         for j, b in enumerate(out.sequences):
             reply = _Reply(None, ctx.reasoning_parser)
             reply.update(b.text, final=True)
-            choices.append(ChatChoice(index=j, message=reply.message(), finish_reason=b.finish_reason))
+            message = reply.message()
+            if _echoed(req):
+                message.content = _echoed(req) + (message.content or "")
+            choices.append(ChatChoice(index=j, message=message, finish_reason=b.finish_reason))
         completion = sum(len(b.token_ids) for b in out.sequences)
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
         return JSONResponse(ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices,

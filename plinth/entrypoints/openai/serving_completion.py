@@ -158,7 +158,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
                        raw: Request) -> Response:
     room = ctx.default_room(max(len(p.token_ids) for p in prompts))
-    beam = beam_search_params(req, req.max_tokens, "max_tokens", room)
+    beam = beam_search_params(req, req.max_tokens, "max_tokens", room, ctx.front.max_logprobs)
     outs = await unless_disconnected(raw, beam_search_async(ctx.front, rid, [p.token_ids for p in prompts], beam))
     choices = [CompletionChoice(index=i * req.n + j, text=(prompts[i].text if req.echo else "") + b.text,
                                 finish_reason=b.finish_reason)
