@@ -12,14 +12,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+from plinth.model_registry.generation_config import SAMPLING_KEYS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SELECTION_MODES = ("benchmark", "cached", "off")
 EXECUTORS = ("auto", "uniproc", "mp", "ray")
 TASKS = ("generate", "embed")
 POOLING_TYPES = ("last", "mean", "cls")
-#: the keys ``override_generation_config`` takes (see plinth.model_registry.generation_config)
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+#: the keys ``override_generation_config`` takes
+GENERATION_CONFIG_KEYS = tuple(SAMPLING_KEYS)
 
 
 class ConfigError(ValueError):

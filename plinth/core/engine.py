@@ -115,16 +115,6 @@ def _child_seed(seed: int, index: int) -> int:
     return int(value[0] >> np.uint64(1))
 
 
-def _reasoning_parser(name: str | None) -> Any:
-    """The reasoning parser class registered as ``name`` (``None`` for none); an unknown name is a
-    :class:`~plinth.entrypoints.openai.tool_parsers.ParserChoiceError`."""
-    if name is None:
-        return None
-    from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
-
-    return resolve_reasoning_parser(name)
-
-
 def _needs_sync_steps(params: SamplingParams) -> bool:
     """Whether the request needs every earlier token on the host before a step is built: penalties
     count the output tokens, prompt logprobs read the step's hidden states, a grammar's next tokens
@@ -145,10 +135,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, executor_factory: Callable[[EngineConfig], Executor] | None = None):
+        from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
         from plinth.worker.setup import build_engine_parts
 
         t0 = time.perf_counter()
-        reasoning = _reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
+        reasoning = resolve_reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
         parts = build_engine_parts(config, executor_factory)
         self.config = config = parts.config or config   # scheduler limits resolved for the platform
         self.platform = parts.platform
@@ -193,7 +184,6 @@ class LLMEngine:
         self._seqs: dict[str, _Sequence] = {}
         self._aborted: list[_Group] = []
         self._prompt_logprob_groups: set[str] = set()   # unfinished groups that asked for prompt logprobs
-        self._pooling_params: dict[str, PoolingParams] = {}   # unfinished embedding requests
         self._sync_groups: set[str] = set()   # unfinished groups whose sampling needs synchronous steps
         self._in_flight: _InFlight | None = None   # asynchronous scheduling: the step not read back yet
         self.async_scheduling = self._resolve_async(config.scheduler.async_scheduling)
@@ -204,7 +194,7 @@ class LLMEngine:
             target_s = self.itl_target_ms / 1e3
             self.scheduler.prefill_allowance = lambda decodes: cost.prefill_allowance(decodes, target_s)
         self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
-                                           config.scheduler.max_num_seqs)
+                                           config.scheduler.max_num_seqs, keep_hidden=self.pooling is not None)
         self._sampling = SamplingBatchBuilder(self.vocab_size)
         self._grammars: GrammarCompiler | None = None   # structured outputs, made on the first such request
         self._reasoning = self._reasoning_markers(reasoning)
@@ -364,7 +354,7 @@ class LLMEngine:
                 req.priority = priority
                 req.bad_words_ids = bad_words
                 if pooling is not None:
-                    req.pooling = PoolState(self.pooling.kind, len(ids))   # type: ignore[union-attr]
+                    req.pooling = PoolState(self.pooling.kind, len(ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
                 self.scheduler.add_request(req)
@@ -384,8 +374,6 @@ class LLMEngine:
         self._groups[request_id] = group
         if params.prompt_logprobs is not None:
             self._prompt_logprob_groups.add(request_id)
-        if pooling is not None:
-            self._pooling_params[request_id] = pooling
         if _needs_sync_steps(params) or pooling is not None:   # pooling reads the step's hidden states
             self._sync_groups.add(request_id)
 
@@ -549,7 +537,7 @@ class LLMEngine:
             t = time.perf_counter()
             self._prompt_logprobs(out, hidden)
             extra = time.perf_counter() - t
-        if hidden is not None and self._pooling_params:
+        if hidden is not None and self.pooling is not None:
             self._pool(out, hidden)
         if result is None:
             self.scheduler.update_from_output(out, [None] * len(out.scheduled))
@@ -690,7 +678,6 @@ class LLMEngine:
         self._seqs.clear()
         self._seq_to_group.clear()
         self._prompt_logprob_groups.clear()
-        self._pooling_params.clear()
         self._sync_groups.clear()
         self._in_flight = None
         self._dead = EngineDeadError(message)
@@ -712,7 +699,6 @@ class LLMEngine:
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
         self._prompt_logprob_groups.discard(group.request_id)
-        self._pooling_params.pop(group.request_id, None)
         self._sync_groups.discard(group.request_id)
         for s in group.seqs:
             self._seqs.pop(s.request.request_id, None)
@@ -779,13 +765,13 @@ class LLMEngine:
             at += b - a
 
     def _make_output(self, group: _Group) -> RequestOutput | PoolingRequestOutput:
-        pooling = self._pooling_params.get(group.request_id)
-        if pooling is not None:
+        state = group.seqs[0].request.pooling
+        if state is not None:
             req = group.seqs[0].request
             finished = group.finished
-            vector = req.pooling.vector if req.pooling is not None else None
+            vector = state.vector
             done = finished and not group.aborted and req.finish_reason != FinishReason.ABORT and vector is not None
-            embedding = EmbeddingOutput(finish_embedding(vector, pooling, self.pooling)) if done else None
+            embedding = EmbeddingOutput(finish_embedding(vector, state.params, self.pooling)) if done else None
             return PoolingRequestOutput(group.request_id, group.prompt_token_ids, embedding, finished,
                                         req.num_cached_tokens, metrics=req.metrics)
         completions = []

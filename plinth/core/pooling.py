@@ -111,11 +111,13 @@ def _sentence_transformers(folder: Path) -> tuple[str, bool, str] | None:
 
 
 class PoolState:
-    """What an embedding request has gathered of its prompt's hidden states (float64 on the host)."""
+    """What an embedding request has gathered of its prompt's hidden states (float64 on the host), and its
+    options."""
 
-    def __init__(self, kind: str, num_prompt: int):
+    def __init__(self, kind: str, num_prompt: int, params: PoolingParams):
         self.kind = kind
         self.num_prompt = num_prompt
+        self.params = params
         self.covered = 0            # positions added to ``total`` (a preempted prefill starts again at 0)
         self.total: np.ndarray | None = None
         self.vector: np.ndarray | None = None

@@ -358,9 +358,13 @@ class Worker:
 
         if not (self.layout.is_last_stage and self.layout.is_output_rank):
             return None
-        hidden = (None if not self._last_hidden else self._last_hidden[0] if len(self._last_hidden) == 1
-                  else torch.cat(self._last_hidden))
-        return gather_rows(hidden, ranges)
+        return gather_rows(self._joined_hidden(), ranges)
+
+    def _joined_hidden(self) -> torch.Tensor | None:
+        """The last step's hidden states (its micro-batches' joined), ``None`` when it kept none."""
+        if not self._last_hidden:
+            return None
+        return self._last_hidden[0] if len(self._last_hidden) == 1 else torch.cat(self._last_hidden)
 
     @torch.inference_mode()
     def prompt_logits(self, start: int, stop: int) -> torch.Tensor | None:
@@ -368,7 +372,8 @@ class Worker:
         it takes part in the LM head's gather; the output rank returns them on the host)."""
         if not self.layout.is_last_stage:
             return None
-        hidden = self._last_hidden[0] if len(self._last_hidden) == 1 else torch.cat(self._last_hidden)
+        hidden = self._joined_hidden()
+        assert hidden is not None, "prompt logits of a step that kept no hidden states"
         logits = self._model.compute_logits(hidden[start:stop])
         return logits.cpu() if self.layout.is_output_rank else None
 

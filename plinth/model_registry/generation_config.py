@@ -30,8 +30,7 @@ from plinth.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "generation_config.json"
-#: generation-config key -> :class:`~plinth.core.request.SamplingParams` field (the keys are
-#: ``plinth.config.GENERATION_CONFIG_KEYS``)
+#: generation-config key -> :class:`~plinth.core.request.SamplingParams` field
 SAMPLING_KEYS = {
     "temperature": "temperature",
     "top_p": "top_p",

@@ -279,10 +279,13 @@ class BatchBuilder:
     Args:
         max_blocks_per_seq: the block-table width (``max_model_len / block_size``, rounded up).
         max_num_seqs: the most running requests (the initial number of table rows).
+        keep_hidden: every step's hidden states are read afterwards (an embedding engine): no batch is
+            decode-only, so none is a replayed decode graph.
     """
 
-    def __init__(self, max_blocks_per_seq: int, max_num_seqs: int):
+    def __init__(self, max_blocks_per_seq: int, max_num_seqs: int, keep_hidden: bool = False):
         self.block_table = PersistentBlockTable(max_blocks_per_seq, max_num_seqs)
+        self.keep_hidden = keep_hidden
 
     def release(self, out: SchedulerOutput) -> None:
         """Free the rows of the requests preempted or finished (call for every step, even an empty one)."""
@@ -310,7 +313,6 @@ class BatchBuilder:
         tokens: list[int] = []
         sample: list[bool] = []
         sampled: list[Request] = []
-        pooled = False   # an embedding request needs the step's hidden states: never a replayed decode step
         fed_rows: list[int] = []
         fed_src: list[int] = []
         for s in out.scheduled:
@@ -335,7 +337,6 @@ class BatchBuilder:
             sample.append(s.sample)
             if s.sample:
                 sampled.append(req)
-            pooled = pooled or req.pooling is not None
         row_array = np.array(rows, dtype=np.int64)                                  # [N]
         counts = table.counts(row_array)
         batch = FlatBatch(
@@ -345,8 +346,8 @@ class BatchBuilder:
             block_tables=table.gather(row_array, int(counts.max()) if len(rows) else 0),
             block_counts=counts,
             sample=np.array(sample, dtype=np.bool_),
-            decode_only=len(tokens) == len(rows) == len(sampled) and not pooled,
-            needs_hidden=pooled,
+            decode_only=len(tokens) == len(rows) == len(sampled) and not self.keep_hidden,
+            needs_hidden=self.keep_hidden,
             feed=(TokenFeed(np.array(fed_rows, dtype=np.int64), np.array(fed_src, dtype=np.int64))
                   if fed_rows else None),
         )

@@ -135,8 +135,6 @@ class _SamplingFields(_NamedExtras):
             return "stream_options", "stream_options is only allowed when stream is true"
         if not self.spaces_between_special_tokens:
             return "spaces_between_special_tokens", "spaces_between_special_tokens: false is not supported"
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            return "truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}"
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             return "prompt_logprobs", f"must be at least 0, got {self.prompt_logprobs}"
         if self.prompt_logprobs is not None and self.stream:

@@ -157,8 +157,10 @@ class ServerContext:
         return self.token_text
 
     def truncated(self, ids: list[int], req: Any) -> list[int]:
-        """The prompt's last ``truncate_prompt_tokens`` tokens (all without it)."""
+        """The prompt's last ``truncate_prompt_tokens`` tokens (all without it); a value below 1 is a 400."""
         keep = req.truncate_prompt_tokens
+        if keep is not None and keep < 1:
+            raise bad_request(f"truncate_prompt_tokens must be at least 1, got {keep}", "truncate_prompt_tokens")
         return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
     def prompt_logprobs(self, out: RequestOutput, k: int, name: Callable[[int], str]) -> list[Any]:

@@ -60,9 +60,6 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
     ctx.check_model(req.model)
     ctx.check_task("embed")
     ctx.note_ignored_fields(req)
-    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1:
-        raise bad_request(f"truncate_prompt_tokens must be at least 1, got {req.truncate_prompt_tokens}",
-                          "truncate_prompt_tokens")
     try:
         params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
     except ValueError as exc:
