@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "ModelRegistry", "__version__"]
+           "LoRARequest", "ModelRegistry", "__version__"]
 
 # Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
 _LAZY = {
@@ -17,6 +17,7 @@ _LAZY = {
     "PoolingParams": "plinth.core.pooling:PoolingParams",
     "RequestOutput": "plinth.core.request:RequestOutput",
     "CompletionOutput": "plinth.core.request:CompletionOutput",
+    "LoRARequest": "plinth.lora.request:LoRARequest",
     "ModelRegistry": "plinth.model_registry.registry:ModelRegistry",
 }
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams
     from plinth.entrypoints.beam_search import BeamSearchParams
     from plinth.entrypoints.llm import LLM
+    from plinth.lora.request import LoRARequest
     from plinth.model_registry.registry import ModelRegistry
 
 

@@ -291,14 +291,49 @@ class DeviceConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served next to the base model (:mod:`plinth.lora`).
+
+    Attributes:
+        enable_lora: reserve room for adapters; requests may then name one (``LoRARequest``).
+        max_loras: adapters that can be in use in one step (each one's requests run in the same batches as
+            every other request's); a request whose adapter finds no free slot waits for one.
+        max_lora_rank: the largest adapter rank accepted (the slots are sized for it).
+        max_cpu_loras: adapters kept read in host memory (least recently used dropped first); default
+            ``max(max_loras, 8)``.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ConfigError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _positive("max_loras", self.max_loras, allow_none=False)
+        _positive("max_lora_rank", self.max_lora_rank, allow_none=False)
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_lora_rank > 1024:
+            raise ConfigError(f"max_lora_rank must be at most 1024, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+    @property
+    def cpu_cache_size(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, 8)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
-    _SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
+    _SECTIONS = ("model", "cache", "scheduler", "parallel", "device", "lora")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -322,6 +357,7 @@ class EngineConfig:
             scheduler=SchedulerConfig(**sections["scheduler"]),
             parallel=ParallelConfig(**sections["parallel"]),
             device=DeviceConfig(**sections["device"]),
+            lora=LoRAConfig(**sections["lora"]),
         )
 
     def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:

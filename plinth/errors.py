@@ -21,3 +21,7 @@ class UnsupportedModelError(UserFacingError, ValueError):
 
 class SelectionError(UserFacingError, ValueError):
     """A forced platform, backend or kernel cannot run; the message gives its reason."""
+
+
+class LoRAAdapterError(UserFacingError, ValueError):
+    """A LoRA adapter that cannot be served; the message names the folder and what is wrong with it."""

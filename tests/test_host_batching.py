@@ -193,6 +193,7 @@ def _runner(block_size: int, staging: HostStaging | None = None) -> ModelRunner:
     runner.block_size = block_size
     runner.device = torch.device("cpu")
     runner.staging = staging or HostStaging(torch.device("cpu"))
+    runner.lora = None
     return runner
 
 

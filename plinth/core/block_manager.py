@@ -8,7 +8,9 @@ the tuple of its ``block_size`` token ids and ``parent_id`` identifies the exact
 it (``ROOT`` for the first block). Every registration draws a fresh ``prefix id`` that is never
 reused, so a key names one token-for-token prefix: a hit is exact, there are no hash collisions
 to worry about (dict keys compare by equality) and a child whose parent was evicted simply
-becomes unreachable. A request's blocks are registered as soon as they are allocated for the
+becomes unreachable. The first block of a request with a LoRA adapter hangs from that adapter's own root
+(``ROOT - lora_int_id``): the same tokens give other keys and values under another adapter.
+A request's blocks are registered as soon as they are allocated for the
 step that fills them, so a request admitted later in the same step (an ``n > 1`` sibling) can
 reuse them: attention backends write a layer's new K/V for the whole batch before attending,
 except in a step where every query is one token, where a backend may write them inside the
@@ -144,7 +146,7 @@ class BlockManager:
         bs = self.block_size
         tokens = request.all_token_ids
         blocks: list[int] = []
-        parent = ROOT
+        parent = ROOT - request.lora_id
         for i in range((len(tokens) - 1) // bs):
             block = self._cache.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if block is None or block in self._filling:
@@ -287,7 +289,7 @@ class BlockManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(chain), num_tokens // bs):
-            parent = chain[-1] if chain else ROOT
+            parent = chain[-1] if chain else ROOT - request.lora_id
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             existing = self._cache.get(key)
             if existing is not None:

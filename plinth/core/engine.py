@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -47,6 +48,10 @@ from plinth.core.structured import (
     reasoning_markers,
 )
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
+from plinth.errors import LoRAAdapterError
+from plinth.lora.adapter import LoRAAdapter, load_adapter
+from plinth.lora.request import LoRARequest
+from plinth.lora.slots import LoRASlotTable
 from plinth.worker.batching import BatchBuilder
 from plinth.worker.model_runner import ModelRunner
 
@@ -74,6 +79,7 @@ class _Group:
     seqs: list[_Sequence]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     aborted: bool = False
+    lora_request: Any = None
 
     @property
     def finished(self) -> bool:
@@ -172,7 +178,11 @@ class LLMEngine:
                             self.pooling.kind)
                 prefix_caching = False
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        lora = config.lora
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   max_loras=lora.max_loras if lora.enable_lora else 0)
+        #: LoRA adapters read so far, least recently used first (at most ``lora.cpu_cache_size``)
+        self._adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         cache_tokens = self.block_manager.num_usable_blocks * config.cache.block_size
         if cache_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request gets at most "
@@ -195,6 +205,9 @@ class LLMEngine:
             self.scheduler.prefill_allowance = lambda decodes: cost.prefill_allowance(decodes, target_s)
         self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
                                            config.scheduler.max_num_seqs, keep_hidden=self.pooling is not None)
+        if lora.enable_lora:
+            self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
+            self._batch_builder.running = self.scheduler.running
         self._sampling = SamplingBatchBuilder(self.vocab_size)
         self._grammars: GrammarCompiler | None = None   # structured outputs, made on the first such request
         self._reasoning = self._reasoning_markers(reasoning)
@@ -284,17 +297,54 @@ class LLMEngine:
                                                   continue_final_message=continue_final_message,
                                                   **(template_kwargs or {}))
 
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check a LoRA adapter (kept in host memory for the requests that name it); a request naming
+        it later finds it read. Requests name adapters with ``add_request(..., lora_request=...)``.
+
+        Raises:
+            RequestRejectedError: LoRA adapters are not enabled, the id names another adapter already, or the
+                adapter cannot be served (param ``lora_request``; the message says why).
+        """
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestRejectedError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                       param="lora_request")
+        if not self.config.lora.enable_lora:
+            raise RequestRejectedError("LoRA adapters are not enabled: start the engine with enable_lora=True "
+                                       "(--enable-lora)", param="lora_request")
+        adapter = self._adapters.get(lora_request.lora_int_id)
+        if adapter is not None:
+            if (adapter.name, adapter.path) != (lora_request.lora_name, lora_request.lora_path):
+                raise RequestRejectedError(
+                    f"lora_int_id {lora_request.lora_int_id} names adapter {adapter.name!r} ({adapter.path}) "
+                    f"already; give {lora_request.lora_name!r} ({lora_request.lora_path}) another id",
+                    param="lora_request")
+            self._adapters.move_to_end(lora_request.lora_int_id)
+            return adapter
+        try:
+            adapter = load_adapter(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path,
+                                   self.model_source.hf_config, self.config.lora.max_lora_rank)
+        except LoRAAdapterError as exc:
+            raise RequestRejectedError(str(exc), param="lora_request") from None
+        self._adapters[lora_request.lora_int_id] = adapter
+        while len(self._adapters) > self.config.lora.cpu_cache_size:
+            self._adapters.popitem(last=False)   # running requests keep their own reference
+        logger.info("LoRA adapter %r (id %d, rank %d, %d modules, %.1f MiB) read from %s", adapter.name,
+                    adapter.lora_id, adapter.rank, len(adapter.modules), adapter.nbytes / 2**20, adapter.path)
+        return adapter
+
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. ``priority`` (the ``priority`` scheduling policy only): lower runs first.
         An embedding engine (``task="embed"``) takes :class:`~plinth.core.pooling.PoolingParams` (or none);
-        its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput`.
+        its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput`. ``lora_request``: a LoRA adapter to
+        run the request with (an engine with ``enable_lora``; see :meth:`add_lora`).
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt or of
-                ``logit_bias``) is not in the vocabulary, the id is in use, or a priority without the
-                priority policy.
+                ``logit_bias``) is not in the vocabulary, the id is in use, a priority without the
+                priority policy, or an adapter that cannot be served.
             QueueFullError: the waiting queue is full.
         """
         pooling = self._pooling_request(params)
@@ -341,10 +391,12 @@ class LLMEngine:
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
                 f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
+        adapter = self.add_lora(lora_request) if lora_request is not None else None
         matcher = self._matcher(params) if params.structured_outputs is not None else None   # after the cheap checks
         seqs: list[_Sequence] = []
         group = _Group(request_id, text, ids, params, seqs,
-                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                       lora_request=lora_request)
         try:
             for i in range(params.n):
                 child_params = params if i == 0 or params.seed is None else params.clone(seed=_child_seed(params.seed, i))
@@ -353,6 +405,7 @@ class LLMEngine:
                               default_max_tokens=self.default_max_tokens)
                 req.priority = priority
                 req.bad_words_ids = bad_words
+                req.lora = adapter
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:
@@ -791,7 +844,7 @@ class LLMEngine:
         first = group.seqs[0].request
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.aborted or all_finished, group.prompt_logprobs, first.metrics,
-                             first.num_cached_tokens)
+                             first.num_cached_tokens, lora_request=group.lora_request)
 
     # ----------------------------------------------------------------------------------- stats
 

@@ -240,6 +240,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None   # set when the engine failed the request
+    lora_request: Any = None   # the request's plinth.lora.LoRARequest, if it named one
 
 
 class RequestStatus(enum.IntEnum):
@@ -312,8 +313,14 @@ class Request:
         self.matcher: Any = None   # structured outputs: the sequence's grammar matcher (plinth.core.structured)
         self.pooling: Any = None   # an embedding request's PoolState (plinth.core.pooling)
         self.bad_words_ids: list[list[int]] = []   # sampling_params.bad_words as token sequences (the engine's)
+        self.lora: Any = None      # the LoRA adapter it runs with (plinth.lora.adapter.LoRAAdapter), or None
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's ``lora_int_id``; 0 for the base model."""
+        return self.lora.lora_id if self.lora is not None else 0
 
     @property
     def arrival_time(self) -> float:

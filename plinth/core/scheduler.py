@@ -7,7 +7,8 @@ Policy, every step, within ``max_num_batched_tokens`` tokens and ``max_num_seqs`
    several steps, mixed with decodes), oldest first, each taking what is left of the budget;
 3. waiting requests, first come first served, while blocks and budget last. A prompt whose
    leading full blocks are in the prefix cache starts at the cached count; the queue is strict
-   (the head blocks the rest) so that a long prompt cannot starve.
+   (the head blocks the rest) so that a long prompt cannot starve. A head with a LoRA adapter also needs
+   its adapter among the running requests' or a free adapter slot (``max_loras``), else it waits.
 
 With a prefill allowance (``Scheduler.prefill_allowance``, set by the engine for an inter-token
 latency target), a step that carries decodes gives its prefill chunks only the tokens the allowance
@@ -147,7 +148,8 @@ class Scheduler:
         max_model_len: the longest sequence, prompt plus output.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 max_loras: int = 0):
         if not config.resolved:   # the engine fills these from the platform; a bare scheduler takes the base values
             config = config.with_defaults(DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self.config = config
@@ -162,6 +164,8 @@ class Scheduler:
         self._by_priority = config.scheduling_policy == "priority"
         #: ``decodes -> prefill tokens`` that fit beside them (None: no limit); set by the engine
         self.prefill_allowance: Callable[[int], int | None] | None = None
+        #: the most LoRA adapters among the running requests (0: no adapters)
+        self.max_loras = max_loras
 
     # ---------------------------------------------------------------- intake
 
@@ -306,6 +310,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break   # preempted with a token in flight: admitted once the token is known
+            if req.lora is not None and not self._adapter_fits(req):
+                break   # its adapter waits for a slot: the running requests of another adapter to finish
             cached, num_cached = self._cached_prefix(req)
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -328,6 +334,12 @@ class Scheduler:
             preempted_request_ids=displaced + preempted,
             finished_request_ids=finished,
         )
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether ``req``'s LoRA adapter can run beside the running requests' (at most ``max_loras`` adapters
+        among them: one device slot each)."""
+        adapters = {r.lora_id for r in self.running if r.lora is not None}
+        return req.lora_id in adapters or len(adapters) < self.max_loras
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
         if req.sampling_params.prompt_logprobs is None:
@@ -353,7 +365,7 @@ class Scheduler:
         only when enough of them can make the room. Returns the tokens it takes from the budget."""
         bm = self.block_manager
         head = self.waiting[0]
-        if head.num_pending_tokens:
+        if head.num_pending_tokens or (head.lora is not None and not self._adapter_fits(head)):
             return 0
         rank = self._rank(head)
         lower = sorted((r for r in self.running if self._rank(r) > rank), key=self._rank, reverse=True)

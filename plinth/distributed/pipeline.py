@@ -58,7 +58,8 @@ def sub_batch(batch: FlatBatch, part: range) -> FlatBatch:
     width = int(counts.max()) if b > a else 0
     return FlatBatch(token_ids=batch.token_ids[t0:t1], q_lens=batch.q_lens[a:b], starts=batch.starts[a:b],
                      block_tables=batch.block_tables[a:b, :width], block_counts=counts, sample=batch.sample[a:b],
-                     decode_only=t1 - t0 == b - a and bool(batch.sample[a:b].all()))
+                     decode_only=t1 - t0 == b - a and bool(batch.sample[a:b].all()),
+                     lora_slots=batch.lora_slots[a:b] if batch.lora_slots is not None else None)
 
 
 class PipelineStage:
@@ -93,6 +94,7 @@ class PipelineStage:
         sample_seqs: list[int] = []
         hiddens: list[torch.Tensor] = []
         batch = FlatBatch.from_entries(entries)
+        runner.load_adapters(batch)
         try:
             for mb in split_microbatches(batch, layout.pp_size):
                 inputs = runner.prepare(sub_batch(batch, mb))

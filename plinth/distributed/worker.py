@@ -127,6 +127,7 @@ class Worker:
             how many KV blocks fit on this rank.
         """
         from plinth.core.selection import select_attention_backend
+        from plinth.lora.layers import enable_lora_for
         from plinth.model_registry.interface import ModelContext
         from plinth.model_registry.loader import load_model
         from plinth.quantization.resolve import resolve_quantization
@@ -142,6 +143,7 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         model = load_model(self.source, ctx, seed=self.config.model.seed)
         model.eval()
+        enable_lora_for(model, self.config)
         self._model, self._backend = model, backend
         block_size = self.config.cache.block_size
         bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, block_size, self.dtype)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from plinth.config import EngineConfig
 from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import RequestOutput, SamplingParams
+from plinth.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
@@ -35,6 +36,18 @@ def _one_prompt(prompt: Any) -> Any:
                                           and getattr(value, "ndim", None) != 1):
         raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
     return value.tolist() if getattr(value, "ndim", None) == 1 else value
+
+
+def _per_prompt_loras(lora_request: Any, count: int) -> list[Any]:
+    """``lora_request`` (one for all, or one per prompt) as a list of ``count``."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if isinstance(lora_request, (str, bytes)) or not hasattr(lora_request, "__len__"):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, one per prompt, got {lora_request!r}")
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras
 
 
 def _prompt_list(prompts: Any) -> list[Any]:
@@ -101,6 +114,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of ``prompts``.
@@ -110,6 +124,8 @@ class LLM:
         ``sampling_params`` is one for all prompts or one per prompt (default:
         :meth:`get_default_sampling_params`).
         ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).
+        ``lora_request``: a :class:`~plinth.lora.LoRARequest` for every prompt, or one (or ``None``) per prompt
+        (an engine with ``enable_lora=True``).
         """
         if self.engine.task == "embed":
             from plinth.core.scheduler import RequestRejectedError
@@ -129,15 +145,17 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        return self._run(self._submit(zip(prompts, params_list, priorities, strict=True)), use_tqdm)
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        return self._run(self._submit(zip(prompts, params_list, priorities, loras, strict=True)), use_tqdm)
 
     def _submit(self, requests: Any) -> list[str]:
-        """Queue ``(prompt, params, priority)`` triples; their ids. A rejected prompt leaves none of them queued."""
+        """Queue ``(prompt, params, priority, lora_request)`` tuples; their ids. A rejected prompt leaves none of
+        them queued."""
         ids: list[str] = []
         try:
-            for prompt, params, rank in requests:
+            for prompt, params, rank, lora in requests:
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, params, priority=rank)
+                self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora)
                 ids.append(rid)
         except BaseException:
             if ids:
@@ -147,6 +165,7 @@ class LLM:
         return ids
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """Embeddings of ``prompts`` (an engine made with ``task="embed"``), in prompt order: each output's
         ``outputs.embedding`` is a list of floats (see :mod:`plinth.core.pooling`).
@@ -159,7 +178,9 @@ class LLM:
 
             raise RequestRejectedError("LLM.embed needs an embedding engine: LLM(model, task='embed')")
         params = pooling_params or PoolingParams()
-        ids = self._submit((prompt, params, 0) for prompt in _prompt_list(prompts))
+        prompts = _prompt_list(prompts)
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        ids = self._submit((prompt, params, 0, lora) for prompt, lora in zip(prompts, loras, strict=True))
         return self._run(ids, use_tqdm)   # type: ignore[return-value]
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -186,6 +207,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted with the model's chat template (``tools``: OpenAI's
@@ -202,7 +224,7 @@ class LLM:
                                  add_special_tokens=False)
             for conv in conversations  # type: ignore[arg-type]
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)

@@ -100,6 +100,9 @@ class FlatBatch(Sequence[SeqBatchEntry]):
             step's hidden states: it may be a replayed decode graph.
         feed: the tokens that the step in flight samples (asynchronous scheduling), or None.
         needs_hidden: the step's hidden states are read afterwards (embeddings), so it is never decode-only.
+        lora_slots: ``[N]`` int64, each sequence's LoRA adapter slot (-1: the base model); ``None``: no adapters.
+        lora_loads: ``(slot, adapter)`` pairs (:class:`~plinth.lora.adapter.LoRAAdapter`) to copy into the
+            slots before the step runs.
     """
 
     token_ids: np.ndarray
@@ -111,6 +114,8 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     decode_only: bool
     feed: TokenFeed | None = None
     needs_hidden: bool = False
+    lora_slots: np.ndarray | None = None
+    lora_loads: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -286,6 +291,9 @@ class BatchBuilder:
     def __init__(self, max_blocks_per_seq: int, max_num_seqs: int, keep_hidden: bool = False):
         self.block_table = PersistentBlockTable(max_blocks_per_seq, max_num_seqs)
         self.keep_hidden = keep_hidden
+        #: with LoRA adapters: the engine's :class:`~plinth.lora.slots.LoRASlotTable`, and the running requests
+        self.lora_slots: Any = None
+        self.running: Sequence[Request] = ()
 
     def release(self, out: SchedulerOutput) -> None:
         """Free the rows of the requests preempted or finished (call for every step, even an empty one)."""
@@ -337,6 +345,8 @@ class BatchBuilder:
             sample.append(s.sample)
             if s.sample:
                 sampled.append(req)
+        lora_slots, lora_loads = (self.lora_slots.assign([s.request for s in out.scheduled], self.running)
+                                  if self.lora_slots is not None else (None, []))
         row_array = np.array(rows, dtype=np.int64)                                  # [N]
         counts = table.counts(row_array)
         batch = FlatBatch(
@@ -350,5 +360,7 @@ class BatchBuilder:
             needs_hidden=self.keep_hidden,
             feed=(TokenFeed(np.array(fed_rows, dtype=np.int64), np.array(fed_src, dtype=np.int64))
                   if fed_rows else None),
+            lora_slots=lora_slots,
+            lora_loads=lora_loads,
         )
         return batch, sampled

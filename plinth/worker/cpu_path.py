@@ -219,11 +219,14 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         logger.info("CPU decode compilation off (enforce_eager)")
     elif not getattr(runner.backend, "compile_safe_decode", False):
         logger.info("attention backend %s has no static-shape decode path: decode runs eagerly", runner.backend.name)
+    elif getattr(model, "lora_state", None) is not None:
+        logger.info("LoRA adapters enabled: decode runs the module tree (no compiled step or decode plan)")
     elif env_flag(COMPILE_ENV, False) and max_batch > 0:
         runner.compile_cpu_decode(max_batch)
         report["compile"] = True
     report["decode_plan"] = False
-    if not report["compile"] and not enforce_eager and env_flag(DECODE_PLAN_ENV, True):
+    if (not report["compile"] and not enforce_eager and env_flag(DECODE_PLAN_ENV, True)
+            and getattr(model, "lora_state", None) is None):
         from plinth.worker.cpu_decode_plan import build_decode_plan
 
         plan, why_not = build_decode_plan(model, runner.backend, runner.block_size, max_num_seqs)

@@ -109,6 +109,10 @@ class DecodeGraphRunner:
         """
         t0 = time.perf_counter()
         self._fill_padding(0, self.max_size)
+        lora = getattr(self.model, "lora_state", None)
+        if lora is not None:   # captured with the adapters' products: a replay's weights pick each row's slot
+            lora.set_tokens(None)
+            lora.active = True
         for size in reversed(self.sizes):
             for _ in range(2):   # warm-up: compile Triton kernels, settle cuBLAS workspaces
                 self._forward(size)
@@ -121,6 +125,8 @@ class DecodeGraphRunner:
             self.graphs[size] = graph
             self.outputs[size] = out
         torch.cuda.synchronize(self.device)
+        if lora is not None:
+            lora.active = False
         elapsed = time.perf_counter() - t0
         logger.info("captured %d decode graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                     self.sizes[-1], elapsed)

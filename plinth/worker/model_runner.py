@@ -79,6 +79,7 @@ class ModelRunner:
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         self.staging = HostStaging(device)
+        self.lora = getattr(model, "lora_state", None)   # a plinth.lora.layers.LoRAState with adapters enabled
         logger.info("KV cache: %d blocks x %d tokens, %.1f MiB in %.2f s", num_blocks, block_size,
                     self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
 
@@ -114,6 +115,9 @@ class ModelRunner:
             seq_of_token = np.repeat(np.arange(num_seqs), q_lens)              # [T]
             positions = np.arange(num_tokens, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
             slot_mapping = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        if self.lora is not None:
+            lora = batch.lora_slots
+            self.lora.set_tokens(lora if lora is None or batch.decode_only else np.repeat(lora, q_lens))
         sample_seqs = np.flatnonzero(batch.sample)
         sample_rows = qsl[1:][sample_seqs] - 1                                  # [S]
         feed = batch.feed
@@ -170,6 +174,7 @@ class ModelRunner:
              hidden states [T, hidden] of the whole flat batch, or None for a replayed decode graph).
         """
         batch = FlatBatch.from_entries(entries)
+        self.load_adapters(batch)
         feed = batch.feed
         if feed is not None and self.device.type == "cpu":   # the previous step's tokens are computed already
             batch = dataclasses.replace(batch, token_ids=feed.apply_on_host(batch.token_ids), feed=None)
@@ -177,6 +182,8 @@ class ModelRunner:
         if self.graphs is not None and batch.decode_only and 0 < batch.num_seqs <= self.graphs.max_size:
             # [B, W] rows, 0-padded: the graph runners copy them as they copy lists of block ids
             # only the CUDA graph runner takes a feed: a CPU runner's fed tokens were filled in above
+            if self.lora is not None:   # a captured step always runs the adapters' products (base rows: zeros)
+                self.lora.set_tokens(batch.lora_slots, rows=self.graphs.padded_size(batch.num_seqs))
             if feed is None:
                 logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables)
             else:
@@ -188,6 +195,12 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return logits, inputs.sample_seqs, hidden
+
+    def load_adapters(self, batch: FlatBatch) -> None:
+        """Copy the step's new LoRA adapters into their slots (before anything of the step runs)."""
+        for slot, adapter in batch.lora_loads:
+            assert self.lora is not None, "a LoRA adapter sent to a runner without LoRA slots"
+            self.lora.load(slot, adapter.lora_id, adapter.modules, self.model)
 
     @torch.inference_mode()
     def prompt_logits(self, hidden: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -159,6 +159,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     from plinth.attention_backends.probe import AttentionWorkload
     from plinth.core.selection import select_attention_backend
     from plinth.distributed.executor import resolve_executor_name
+    from plinth.lora.layers import enable_lora_for
     from plinth.model_registry.interface import ModelContext
     from plinth.model_registry.loader import load_model, resolve_dtype, resolve_model_source
     from plinth.platforms.selection import select_platform
@@ -195,6 +196,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     torch.manual_seed(config.model.seed)
     model = load_model(source, ctx, seed=config.model.seed)
     model.eval()
+    enable_lora_for(model, config)
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, dtype)
     reserve = 0
     if device.type == "cuda":

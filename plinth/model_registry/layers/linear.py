@@ -71,6 +71,7 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.lora: Any = None   # a plinth.lora.layers.LinearLoRA once LoRA adapters are enabled
         self.input_size_per_partition, self.output_sizes_per_partition = self._partition_sizes()
         self.linear_method = _linear_method(quant_method, self)
         self.linear_method.create_weights(self, self.input_size_per_partition, self.output_sizes_per_partition)
@@ -94,21 +95,31 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.linear_method.apply(self, x, bias)
+        lora = self.lora
+        if lora is not None and lora.state.active:
+            y = lora.apply(x, y)
+        return y
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this gate/up layer's output in one kernel, where its linear method can
         (a layer marked ``feeds_silu_and_mul`` before loading, with a kernel that pairs the halves' rows);
         ``None``: run :meth:`forward`, then the activation."""
         fused = getattr(self.linear_method, "apply_silu_mul", None)
-        if fused is None or not isinstance(x, torch.Tensor):
+        if fused is None or not isinstance(x, torch.Tensor) or self.lora is not None:
             return None
         return fused(self, x, self.bias)
 
     def input_quant(self) -> Any:
         """How this layer's GEMM kernel wants its input rows quantized (a
         :class:`~plinth.kernels.ops.RowQuant`), so that the kernel before the layer can hand it
-        :class:`~plinth.kernels.ops.QuantizedRows`; ``None``: a plain input."""
+        :class:`~plinth.kernels.ops.QuantizedRows`; ``None``: a plain input (always for a layer with LoRA
+        adapters, whose products read the input rows themselves)."""
+        if self.lora is not None:
+            return None
         method = getattr(self.linear_method, "input_quant", None)
         return method(self) if method is not None else None
 
@@ -158,7 +169,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``x @ W^T (+ bias)`` summed over the ranks; with ``reduce=False`` this rank's partial sums, which
         the caller reduces (a layer without a bias only: the bias is added after the reduction)."""
-        out = self.linear_method.apply(self, x, None)
+        out = self._matmul(x, None)
         if not reduce:
             if self.bias is not None:
                 raise ValueError("a row-parallel layer with a bias cannot leave its reduction to the caller")

@@ -263,6 +263,8 @@ class DecoderForCausalLM(CausalLM):
 
     #: stages can be built and run one at a time (see :meth:`forward_stage`)
     supports_pipeline_parallel: ClassVar[bool] = True
+    #: the linear layers that take LoRA adapters (:mod:`plinth.lora`); a mixture-of-experts MLP has none of the last two
+    lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)

@@ -1,0 +1,212 @@
+"""LoRA adapters in PEFT's format, read and checked on the host.
+
+An adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, ``rank_pattern``,
+``alpha_pattern``, ...) and ``adapter_model.safetensors`` (or ``adapter_model.bin``, read with
+``torch.load(weights_only=True)``), whose tensors are named
+``base_model.model.<module>.lora_A.weight`` (``[r, in]``) and ``...lora_B.weight`` (``[out, r]``) for each adapted
+linear module of the base model. A layer's output becomes ``x W^T + scale * (x A^T) B^T`` with
+``scale = alpha / r`` (``alpha / sqrt(r)`` with ``use_rslora``).
+
+Everything that could make an adapter unusable is found here, when a request first names it (or when the server
+starts), so that the workers that later copy it into a slot never fail: the format and its options, each tensor's
+module (the attention and dense-MLP projections of plinth's decoder models), its shapes against the model's and its
+rank against the engine's ``max_lora_rank``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from plinth.errors import LoRAAdapterError
+
+#: the modules an adapter may adapt, and which of the model's sizes are their (input, output) features
+TARGETS = {
+    "q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"), "o_proj": ("q", "hidden"),
+    "gate_proj": ("hidden", "intermediate"), "up_proj": ("hidden", "intermediate"),
+    "down_proj": ("intermediate", "hidden"),
+}
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\."
+                  r"(?P<proj>[A-Za-z_0-9]+))\.lora_(?P<ab>[AB])\.weight$")
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"
+
+
+@dataclasses.dataclass(eq=False)
+class LoRAAdapter:
+    """An adapter read into host memory.
+
+    Attributes:
+        name, lora_id, path: from its :class:`~plinth.lora.request.LoRARequest`.
+        rank: the largest rank among its modules.
+        modules: the base model's module name (``model.layers.3.self_attn.q_proj``) -> ``(A, B)``: float32
+            arrays ``[r, in]`` and ``[out, r]``, the scale folded into ``B``.
+    """
+
+    name: str
+    lora_id: int
+    path: str
+    rank: int
+    modules: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
+
+
+def model_sizes(hf_config: Any) -> dict[str, int]:
+    """The features of each kind of projection input/output (whole model, before tensor parallelism)."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return {"hidden": hf_config.hidden_size, "q": heads * head_dim, "kv": kv_heads * head_dim,
+            "intermediate": getattr(hf_config, "intermediate_size", 0) or 0}
+
+
+def is_moe(hf_config: Any) -> bool:
+    return bool(getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0))
+
+
+def _fail(path: str, message: str) -> LoRAAdapterError:
+    return LoRAAdapterError(f"LoRA adapter {path}: {message}")
+
+
+def read_adapter_config(path: str) -> dict[str, Any]:
+    """The adapter's ``adapter_config.json``, checked for options plinth does not apply."""
+    if not os.path.isdir(path):
+        raise _fail(path, "no such folder")
+    file = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise _fail(path, f"{CONFIG_FILE} is missing (a PEFT LoRA adapter folder has it)") from None
+    except (OSError, ValueError) as exc:
+        raise _fail(path, f"{CONFIG_FILE} is not readable JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise _fail(path, f"{CONFIG_FILE} must hold a JSON object")
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise _fail(path, f"peft_type is {peft_type!r}; only LORA adapters are supported")
+    for key, unsupported in (("use_dora", "DoRA adapters"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) weights"),
+                             ("lora_bias", "LoRA biases")):
+        if cfg.get(key):
+            raise _fail(path, f"{unsupported} are not supported ({key} is set)")
+    if cfg.get("bias", "none") not in (None, "none"):
+        raise _fail(path, f"bias={cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("modules_to_save"):
+        raise _fail(path, f"modules_to_save {cfg['modules_to_save']!r} is not supported (fully trained copies of "
+                          "base modules)")
+    if cfg.get("target_parameters"):
+        raise _fail(path, "target_parameters is not supported")
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise _fail(path, f"{key} must be a positive number, got {value!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise _fail(path, f"{key} must be an object")
+    return cfg
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's per-module override: the first pattern that matches the module name's end."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?{pattern}$", module):
+            return value
+    return default
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, SAFETENSORS_FILE)
+    if os.path.isfile(st):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(st)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise _fail(path, f"{SAFETENSORS_FILE} is not a readable safetensors file: {exc}") from None
+    binary = os.path.join(path, BIN_FILE)
+    if os.path.isfile(binary):
+        try:
+            loaded = torch.load(binary, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
+            raise _fail(path, f"{BIN_FILE} cannot be read as plain tensors: {exc}") from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            raise _fail(path, f"{BIN_FILE} must hold a dictionary of tensors")
+        return loaded
+    raise _fail(path, f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in the folder")
+
+
+def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: int) -> LoRAAdapter:
+    """Read and check an adapter against the model ``hf_config`` describes.
+
+    Raises:
+        LoRAAdapterError: the folder, its config or its tensors cannot be served (the message says why).
+    """
+    cfg = read_adapter_config(path)
+    tensors = _read_tensors(path)
+    sizes = model_sizes(hf_config)
+    num_layers = hf_config.num_hidden_layers
+    moe = is_moe(hf_config)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise _fail(path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's projection (plinth "
+                              f"applies adapters to {', '.join(TARGETS)}; embeddings and the LM head are not supported)")
+        proj, block = m["proj"], m["block"]
+        if proj not in TARGETS or _BLOCK[proj] != block:
+            raise _fail(path, f"tensor {key!r} adapts {block}.{proj}; plinth applies adapters to "
+                              f"{', '.join(f'{_BLOCK[t]}.{t}' for t in TARGETS)}")
+        if moe and block == "mlp":
+            raise _fail(path, f"tensor {key!r} adapts the MLP of a mixture-of-experts model; only the attention "
+                              "projections of such models take adapters")
+        if int(m["layer"]) >= num_layers:
+            raise _fail(path, f"tensor {key!r} names layer {m['layer']}, but the model has {num_layers} layers")
+        pairs.setdefault(m["module"], {})[m["ab"]] = tensor
+    if not pairs:
+        raise _fail(path, "the adapter has no LoRA weights")
+    alpha_default, rank_default = cfg["lora_alpha"], cfg["r"]
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    top = 0
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise _fail(path, f"module {module} has no {missing} weight")
+        a, b = ab["A"], ab["B"]
+        proj = module.rsplit(".", 1)[1]
+        in_kind, out_kind = TARGETS[proj]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise _fail(path, f"module {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+                              "[r, in] and [out, r]")
+        r = int(a.shape[0])
+        if (a.shape[1], b.shape[0]) != (sizes[in_kind], sizes[out_kind]):
+            raise _fail(path, f"module {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                              f"the model's {proj} ({sizes[in_kind]} inputs, {sizes[out_kind]} outputs): an adapter "
+                              "for another base model?")
+        if r > max_rank:
+            raise _fail(path, f"module {module} has rank {r}, more than the engine's max_lora_rank {max_rank} "
+                              "(--max-lora-rank)")
+        expected_rank = _pattern_value(rank_pattern, module, rank_default)
+        if r != expected_rank:
+            raise _fail(path, f"module {module} has rank {r}, but the config says {expected_rank}")
+        alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise _fail(path, f"module {module} has non-finite weights")
+        modules[module] = (a.float().numpy().copy(), (b.double() * scale).float().numpy())
+        top = max(top, r)
+    return LoRAAdapter(name=name, lora_id=lora_id, path=path, rank=top, modules=modules)
