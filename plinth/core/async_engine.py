@@ -56,6 +56,7 @@ class _Add:
     arrival_time: float
     sink: _Sink
     priority: int = 0
+    lora_request: Any = None
 
 
 @dataclasses.dataclass
@@ -128,6 +129,19 @@ class AsyncLLMEngine:
         """The most characters one token can stand for (see ``LLMEngine.chars_per_token``)."""
         return self._engine.chars_per_token
 
+    def add_lora(self, lora_request: Any) -> Any:
+        """Read and check a LoRA adapter for later requests, off the engine's thread (call it in a worker
+        thread; see ``LLMEngine.add_lora``).
+
+        Raises:
+            RequestRejectedError: adapters are not enabled, or this one cannot be served.
+        """
+        return self._engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the engine's host memory (see ``LLMEngine.remove_lora``)."""
+        return self._engine.remove_lora(lora_int_id)
+
     def prepare_grammar(self, spec: dict[str, Any]) -> None:
         """Compile a structured-output constraint, off the engine's thread (call it in a worker thread
         before :meth:`generate`): the request then copies the prepared matcher.
@@ -151,8 +165,8 @@ class AsyncLLMEngine:
                                         continue_final_message=continue_final_message,
                                         template_kwargs=template_kwargs)
 
-    async def generate(self, request_id: str, prompt: str | Sequence[int],
-                       params: SamplingParams | Any, priority: int = 0) -> AsyncIterator[RequestOutput | Any]:
+    async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | Any,
+                       priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput | Any]:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is
@@ -165,7 +179,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._submit(_Add(request_id, prompt, params, time.time(), sink, priority))
+        self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request))
         finished = False
         try:
             while True:
@@ -267,7 +281,7 @@ class AsyncLLMEngine:
             else:
                 try:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                             priority=cmd.priority)
+                                             priority=cmd.priority, lora_request=cmd.lora_request)
                 except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
                     self._send({cmd.sink.loop: [(cmd.sink.queue, exc)]})
                 else:

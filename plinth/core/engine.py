@@ -8,6 +8,7 @@ import functools
 import logging
 import numbers
 import operator
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -181,8 +182,12 @@ class LLMEngine:
         lora = config.lora
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    max_loras=lora.max_loras if lora.enable_lora else 0)
-        #: LoRA adapters read so far, least recently used first (at most ``lora.cpu_cache_size``)
+        #: LoRA adapters read so far, least recently used first (at most ``lora.cpu_cache_size``); every id ever
+        #: used, with the (name, path) it stands for: an id keeps naming the same adapter (its prefix-cache entries
+        #: and its device slot are keyed by it); a lock, as a server reads adapters outside the engine's thread
         self._adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
+        self._lora_names: dict[int, tuple[str, str]] = {}
+        self._lora_lock = threading.Lock()
         cache_tokens = self.block_manager.num_usable_blocks * config.cache.block_size
         if cache_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request gets at most "
@@ -207,7 +212,7 @@ class LLMEngine:
                                            config.scheduler.max_num_seqs, keep_hidden=self.pooling is not None)
         if lora.enable_lora:
             self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
-            self._batch_builder.running = self.scheduler.running
+            self._batch_builder.running = functools.partial(getattr, self.scheduler, "running")
         self._sampling = SamplingBatchBuilder(self.vocab_size)
         self._grammars: GrammarCompiler | None = None   # structured outputs, made on the first such request
         self._reasoning = self._reasoning_markers(reasoning)
@@ -299,7 +304,8 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
         """Read and check a LoRA adapter (kept in host memory for the requests that name it); a request naming
-        it later finds it read. Requests name adapters with ``add_request(..., lora_request=...)``.
+        it later finds it read. Requests name adapters with ``add_request(..., lora_request=...)``. Safe to call
+        from another thread than the one stepping the engine (the adapter is read outside the engine's lock).
 
         Raises:
             RequestRejectedError: LoRA adapters are not enabled, the id names another adapter already, or the
@@ -311,26 +317,40 @@ class LLMEngine:
         if not self.config.lora.enable_lora:
             raise RequestRejectedError("LoRA adapters are not enabled: start the engine with enable_lora=True "
                                        "(--enable-lora)", param="lora_request")
-        adapter = self._adapters.get(lora_request.lora_int_id)
-        if adapter is not None:
-            if (adapter.name, adapter.path) != (lora_request.lora_name, lora_request.lora_path):
-                raise RequestRejectedError(
-                    f"lora_int_id {lora_request.lora_int_id} names adapter {adapter.name!r} ({adapter.path}) "
-                    f"already; give {lora_request.lora_name!r} ({lora_request.lora_path}) another id",
-                    param="lora_request")
-            self._adapters.move_to_end(lora_request.lora_int_id)
-            return adapter
+        lora_id = lora_request.lora_int_id
+        with self._lora_lock:
+            self._check_lora_id(lora_request)
+            adapter = self._adapters.get(lora_id)
+            if adapter is not None:
+                self._adapters.move_to_end(lora_id)
+                return adapter
         try:
-            adapter = load_adapter(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path,
+            adapter = load_adapter(lora_request.lora_name, lora_id, lora_request.lora_path,
                                    self.model_source.hf_config, self.config.lora.max_lora_rank)
         except LoRAAdapterError as exc:
             raise RequestRejectedError(str(exc), param="lora_request") from None
-        self._adapters[lora_request.lora_int_id] = adapter
-        while len(self._adapters) > self.config.lora.cpu_cache_size:
-            self._adapters.popitem(last=False)   # running requests keep their own reference
+        with self._lora_lock:
+            self._check_lora_id(lora_request)
+            self._lora_names[lora_id] = (lora_request.lora_name, lora_request.lora_path)
+            self._adapters[lora_id] = adapter
+            while len(self._adapters) > self.config.lora.cpu_cache_size:
+                self._adapters.popitem(last=False)   # running requests keep their own reference
         logger.info("LoRA adapter %r (id %d, rank %d, %d modules, %.1f MiB) read from %s", adapter.name,
-                    adapter.lora_id, adapter.rank, len(adapter.modules), adapter.nbytes / 2**20, adapter.path)
+                    lora_id, adapter.rank, len(adapter.modules), adapter.nbytes / 2**20, adapter.path)
         return adapter
+
+    def _check_lora_id(self, lora_request: LoRARequest) -> None:
+        known = self._lora_names.get(lora_request.lora_int_id)
+        if known is not None and known != (lora_request.lora_name, lora_request.lora_path):
+            raise RequestRejectedError(
+                f"lora_int_id {lora_request.lora_int_id} names adapter {known[0]!r} ({known[1]}) already; give "
+                f"{lora_request.lora_name!r} ({lora_request.lora_path}) another id", param="lora_request")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from host memory (requests running with it finish with it); its id stays reserved
+        for it. Returns whether it was held."""
+        with self._lora_lock:
+            return self._adapters.pop(lora_int_id, None) is not None
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | PoolingParams | None = None,

@@ -148,7 +148,8 @@ def _with_text(results: list[BeamSearchOutput], tokenizer: Any) -> list[BeamSear
     return results
 
 
-def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
+                lora_request: Any = None) -> list[BeamSearchOutput]:
     """Beam search for each prompt (text or token ids) on an offline engine; see the module docstring.
 
     Raises:
@@ -162,13 +163,13 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams) -> l
     try:
         batch, step = next(rounds)
         while True:
-            batch, step = rounds.send(llm.generate(batch, step, use_tqdm=False))
+            batch, step = rounds.send(llm.generate(batch, step, lora_request=lora_request, use_tqdm=False))
     except StopIteration as end:
         return _with_text(end.value, engine.tokenizer)
 
 
 async def beam_search_async(front: Any, request_id: str, starts: list[list[int]],
-                            params: BeamSearchParams) -> list[BeamSearchOutput]:
+                            params: BeamSearchParams, lora_request: Any = None) -> list[BeamSearchOutput]:
     """The same search on a running :class:`~plinth.core.async_engine.AsyncLLMEngine` (the server's): each
     round's beams run as concurrent requests ``{request_id}-{round}-{beam}``."""
     rounds = search(starts, params, tuple(front.eos_token_ids), front.max_model_len, front.vocab_size,
@@ -176,7 +177,7 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
 
     async def last(rid: str, prompt: list[int], step: SamplingParams) -> Any:
         final = None
-        async for out in front.generate(rid, prompt, step):
+        async for out in front.generate(rid, prompt, step, lora_request=lora_request):
             final = out
         return final
 

@@ -27,6 +27,7 @@ ENGINE_KWARGS = (
     "async_scheduling", "itl_target_ms", "scheduling_policy",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
     "platform", "attention_backend", "gemm_kernel", "selection", "enforce_eager",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
 )
 
 
@@ -99,6 +100,13 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--distributed-executor", default="auto", choices=EXECUTORS)
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters next to the base model (requests name one)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters in use at once (device slots; default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept read in host memory (default: max(--max-loras, 8))")
     g = parser.add_argument_group("device")
     g.add_argument("--platform", default=None, help="force a platform (default: $PLINTH_PLATFORM or auto)")
     g.add_argument("--attention-backend", default=None, help="force an attention backend")

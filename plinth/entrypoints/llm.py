@@ -190,12 +190,13 @@ class LLM:
         ``dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)``."""
         return self.engine.default_sampling_params()
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """Beam search (:mod:`plinth.entrypoints.beam_search`): each prompt's ``params.beam_width`` best
-        sequences, best first."""
+        sequences, best first (``lora_request``: with that LoRA adapter)."""
         from plinth.entrypoints.beam_search import beam_search
 
-        return beam_search(self, _prompt_list(prompts), params)
+        return beam_search(self, _prompt_list(prompts), params, lora_request)
 
     def chat(
         self,

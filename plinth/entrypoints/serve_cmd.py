@@ -71,6 +71,9 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--root-path", default=None, help="the path prefix a proxy serves this server under")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter serve adapters from folders on this "
+                        "machine while running (with --enable-lora; off by default: they read server-side paths)")
     # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
     p.set_defaults(func=run)
 
@@ -82,15 +85,52 @@ def add_api_args(g: Any) -> None:
                         "tool_choice 'auto', the default for chat requests with tools")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served as models of these names (with --enable-lora): NAME=PATH, or a JSON "
+                        "object '{\"name\": NAME, \"path\": PATH}'")
+
+
+def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``--lora-modules`` as ``(name, path)`` pairs.
+
+    Raises:
+        ServeError: a malformed entry, a repeated name, or adapters without --enable-lora.
+    """
+    out: list[tuple[str, str]] = []
+    for item in getattr(args, "lora_modules", None) or ():
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except json.JSONDecodeError:
+                spec = None
+            name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (None, None)
+        else:
+            name, _, path = item.partition("=")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise ServeError(f"--lora-modules takes NAME=PATH or '{{\"name\": ..., \"path\": ...}}', got {item!r}")
+        if any(name == n for n, _ in out):
+            raise ServeError(f"--lora-modules names {name!r} twice")
+        out.append((name, path))
+    if out and not args.enable_lora:
+        raise ServeError("--lora-modules needs --enable-lora")
+    return out
 
 
 def api_app(front: Any, args: argparse.Namespace, **kwargs: Any) -> Any:
-    """The server app of ``front`` with the API flags (:func:`add_api_args`) and the engine's reasoning parser."""
+    """The server app of ``front`` with the API flags (:func:`add_api_args`) and the engine's reasoning parser.
+
+    Raises:
+        ServeError: a ``--lora-modules`` adapter cannot be served.
+    """
     from plinth.entrypoints.openai.api_server import build_app
 
-    return build_app(front, tool_parser=resolve_tool_parser(args.tool_call_parser),
-                     reasoning_parser=resolve_reasoning_parser(args.reasoning_parser),
-                     return_tokens_as_token_ids=args.return_tokens_as_token_ids, **kwargs)
+    try:
+        return build_app(front, tool_parser=resolve_tool_parser(args.tool_call_parser),
+                         reasoning_parser=resolve_reasoning_parser(args.reasoning_parser),
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         lora_modules=lora_modules(args), **kwargs)
+    except ValueError as exc:
+        raise ServeError(f"--lora-modules: {exc}") from None
 
 
 # After the grace period the remaining requests are aborted, so their clients get a final
@@ -202,6 +242,9 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not os.path.isfile(path):
             raise ServeError(f"{flag} {path!r} is not a file")
     cors = cors_settings(args)
+    lora_modules(args)   # a malformed --lora-modules fails before the model loads
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        raise ServeError("--allow-runtime-lora-updating needs --enable-lora")
     resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
     resolve_reasoning_parser(args.reasoning_parser)
     config = serving_config(args)
@@ -218,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         front = AsyncLLMEngine.from_config(config)
         try:
-            uv_config.app = api_app(front, args, api_key=api_key, cors=cors)
+            uv_config.app = api_app(front, args, api_key=api_key, cors=cors,
+                                    allow_lora_updates=args.allow_runtime_lora_updating)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on %s://%s:%d%s", front.served_model_name,

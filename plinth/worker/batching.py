@@ -291,9 +291,10 @@ class BatchBuilder:
     def __init__(self, max_blocks_per_seq: int, max_num_seqs: int, keep_hidden: bool = False):
         self.block_table = PersistentBlockTable(max_blocks_per_seq, max_num_seqs)
         self.keep_hidden = keep_hidden
-        #: with LoRA adapters: the engine's :class:`~plinth.lora.slots.LoRASlotTable`, and the running requests
+        #: with LoRA adapters: the engine's :class:`~plinth.lora.slots.LoRASlotTable`, and a function that returns
+        #: the scheduler's running requests (whose adapters keep their slots)
         self.lora_slots: Any = None
-        self.running: Sequence[Request] = ()
+        self.running: Any = tuple
 
     def release(self, out: SchedulerOutput) -> None:
         """Free the rows of the requests preempted or finished (call for every step, even an empty one)."""
@@ -345,7 +346,7 @@ class BatchBuilder:
             sample.append(s.sample)
             if s.sample:
                 sampled.append(req)
-        lora_slots, lora_loads = (self.lora_slots.assign([s.request for s in out.scheduled], self.running)
+        lora_slots, lora_loads = (self.lora_slots.assign([s.request for s in out.scheduled], self.running())
                                   if self.lora_slots is not None else (None, []))
         row_array = np.array(rows, dtype=np.int64)                                  # [N]
         counts = table.counts(row_array)

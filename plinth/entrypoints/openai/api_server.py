@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings`` (``--task embed``),
 ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (also ``GET|POST /ping``),
-``GET /version``, ``GET /metrics``. A request's ``X-Request-Id`` header comes back on its response.
+``GET /version``, ``GET /metrics``; with ``--allow-runtime-lora-updating`` also ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter``. A request's ``X-Request-Id`` header comes back on its response.
 
 With an API key, every route but ``/health``, ``/ping``, ``/version`` and ``/metrics`` needs
 ``Authorization: Bearer <key>``; those stay open so that orchestrators and Prometheus can reach them
@@ -14,11 +15,12 @@ those must be hidden too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -30,15 +32,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plinth import __version__
 from plinth.core.async_engine import AsyncLLMEngine
-from plinth.entrypoints.openai.errors import APIError, install_error_handlers
+from plinth.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from plinth.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.serving import ServerContext
@@ -116,14 +120,24 @@ class CorsSettings:
 
 def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: type[ToolParser] | None = None,
               reasoning_parser: type[ReasoningParser] | None = None, return_tokens_as_token_ids: bool = False,
-              cors: CorsSettings | None = None) -> FastAPI:
+              cors: CorsSettings | None = None, lora_modules: Sequence[tuple[str, str]] = (),
+              allow_lora_updates: bool = False) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
     tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
     ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
-    the origins (and methods, headers) browsers may call from."""
+    the origins (and methods, headers) browsers may call from; ``lora_modules``: ``(name, folder)`` of the LoRA
+    adapters served as models of those names (read and checked here); ``allow_lora_updates``: the routes that
+    load and unload adapters while serving.
+
+    Raises:
+        ValueError: an adapter cannot be served, or its name is taken.
+    """
     ctx = ServerContext(front=front, metrics=ServerMetrics(front.served_model_name),
                         model_name=front.served_model_name, tool_parser=tool_parser,
-                        reasoning_parser=reasoning_parser, return_tokens_as_token_ids=return_tokens_as_token_ids)
+                        reasoning_parser=reasoning_parser, return_tokens_as_token_ids=return_tokens_as_token_ids,
+                        allow_lora_updates=allow_lora_updates)
+    for name, path in lora_modules:
+        ctx.add_lora(name, path)
     if tool_parser is not None and "tools" not in (front.chat_template_source or ""):
         logger.warning("--tool-call-parser %s: the chat template does not mention tools, so the model will not "
                        "see their definitions; pass a --chat-template that renders them", tool_parser.name)
@@ -162,16 +176,48 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
         return Response(ctx.metrics.render(front.stats()), media_type=CONTENT_TYPE)
 
     def card(name: str) -> ModelCard:
+        lora = ctx.loras.get(name)
+        if name not in ctx.model_names and lora is not None:
+            return ModelCard(id=name, root=lora.lora_path, parent=ctx.model_name, max_model_len=front.max_model_len)
         return ModelCard(id=name, max_model_len=front.max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return JSONResponse(ModelList(data=[card(name) for name in ctx.model_names]).model_dump())
+        return JSONResponse(ModelList(data=[card(name) for name in (*ctx.model_names, *ctx.loras)]).model_dump())
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:
         ctx.check_model(model)
         return JSONResponse(card(model).model_dump())
+
+    def check_lora_updates() -> None:
+        if not ctx.allow_lora_updates:
+            raise APIError(404, "loading and unloading LoRA adapters while serving is off (plinth serve "
+                                "--allow-runtime-lora-updating turns it on)", "not_found_error", code="not_found")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        check_lora_updates()
+        if body.lora_name in ctx.loras or body.lora_name in ctx.model_names:
+            raise bad_request(f"the model name {body.lora_name!r} is taken; unload that adapter first",
+                              "lora_name", "model_name_taken")
+        try:
+            await asyncio.to_thread(ctx.add_lora, body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise bad_request(str(exc), "lora_path") from None
+        logger.info("serving LoRA adapter %r from %s", body.lora_name, body.lora_path)
+        return JSONResponse({"status": "ok", "lora_name": body.lora_name})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        check_lora_updates()
+        lora = ctx.loras.pop(body.lora_name, None)
+        if lora is None:
+            raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is served", "not_found_error",
+                           "lora_name", "model_not_found")
+        front.remove_lora(lora.lora_int_id)
+        logger.info("stopped serving LoRA adapter %r", body.lora_name)
+        return JSONResponse({"status": "ok", "lora_name": body.lora_name})
 
     async def answer(handler: Any, body: Any, raw: Request) -> Response:
         try:

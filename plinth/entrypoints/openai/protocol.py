@@ -459,6 +459,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "plinth"
+    root: str | None = None      # a LoRA adapter's folder
+    parent: str | None = None    # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
@@ -476,3 +478,17 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (with ``--allow-runtime-lora-updating``)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (with ``--allow-runtime-lora-updating``)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from plinth.core.async_engine import AsyncLLMEngine
@@ -21,6 +22,7 @@ from plinth.entrypoints.beam_search import BeamSearchParams
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.tool_parsers import ToolParser
+from plinth.lora.request import LoRARequest
 from plinth.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,11 @@ class ServerContext:
     reasoning_parser: type[ReasoningParser] | None = None
     #: ``--return-tokens-as-token-ids``: logprob tokens as ``token_id:N`` unless a request says otherwise
     return_tokens_as_token_ids: bool = False
+    #: LoRA adapters served by name (``--lora-modules``, ``/v1/load_lora_adapter``): a request's ``model``
+    loras: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
+    #: ``--allow-runtime-lora-updating``: the load/unload routes are on
+    allow_lora_updates: bool = False
+    _lora_ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))
     _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
     # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
     _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -81,10 +88,39 @@ class ServerContext:
         """Every name the model answers to (``--served-model-name A B ...``), the reported one first."""
         return (self.model_name, *getattr(self.front, "served_model_aliases", ()))
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (``None``: the base model, or no name).
+
+        Raises:
+            APIError: 404, no such model or adapter.
+        """
+        if name is None or name in self.model_names:
+            return None
+        lora = self.loras.get(name)
+        if lora is None:
+            adapters = f" and the LoRA adapters {', '.join(map(repr, self.loras))}" if self.loras else ""
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}{adapters}",
                            "not_found_error", "model", "model_not_found")
+        return lora
+
+    def reply_model(self, req: Any) -> str:
+        """The ``model`` of a reply: the adapter's name for a request that named one, else the served name."""
+        name = getattr(req, "model", None)
+        return name if name is not None and name in self.loras else self.model_name
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at ``path`` as model ``name`` (read and checked by the engine; a fresh id, so a name
+        loaded again after an unload reads its files again).
+
+        Raises:
+            ValueError: the name is taken (the base model's or another adapter's), or the adapter cannot be served.
+        """
+        if not name or name in self.model_names or name in self.loras:
+            raise ValueError(f"the model name {name!r} is taken" if name else "an adapter needs a name")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        self.front.add_lora(lora)
+        self.loras[name] = lora
+        return lora
 
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
                      max_tokens_param: str = "max_tokens", min_tokens: int = 0) -> None:
@@ -204,11 +240,12 @@ class ServerContext:
         return [(tid, lp.logprob) for tid, lp in ranked[:k]]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+                       priority: int = 0, lora: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
         request."""
         tracker = self.metrics.request()
-        inner = self.front.generate(request_id, prompt_ids, params, priority)
+        inner = self.front.generate(request_id, prompt_ids, params, priority, lora)
         error = False
         try:
             async for out in inner:

@@ -224,7 +224,7 @@ def _echoed(req: ChatCompletionRequest) -> str:
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     ctx.check_task("generate")
     ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
@@ -249,7 +249,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     rid = random_id("chatcmpl")
     if req.use_beam_search:
         beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)), ctx.front.max_logprobs)
-        out = (await unless_disconnected(raw, beam_search_async(ctx.front, rid, [ids], beam)))[0]
+        out = (await unless_disconnected(raw, beam_search_async(ctx.front, rid, [ids], beam, lora)))[0]
         choices = []
         for j, b in enumerate(out.sequences):
             reply = _Reply(None, ctx.reasoning_parser)
@@ -260,9 +260,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             choices.append(ChatChoice(index=j, message=message, finish_reason=b.finish_reason))
         completion = sum(len(b.token_ids) for b in out.sequences)
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
-        return JSONResponse(ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices,
+        return JSONResponse(ChatCompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices,
                                                    usage=usage).model_dump())
-    stream = ctx.generate(rid, ids, params, req.priority)
+    stream = ctx.generate(rid, ids, params, req.priority, lora)
     firsts = await unless_disconnected(raw, first_outputs([stream]))
     events = merge([stream], firsts)
     if req.stream:
@@ -271,7 +271,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
         return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
-                                   _echoed(req)))
+                                   _echoed(req), ctx.reply_model(req)))
     final = await unless_disconnected(raw, _last(events))
     choices = []
     name = ctx.token_namer(req)
@@ -289,16 +289,17 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                   stop_reason=c.stop_reason))
     prompt_logprobs = (ctx.prompt_logprobs(final, req.prompt_logprobs, name)
                        if req.prompt_logprobs is not None else None)
-    body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices, usage=_usage(final),
+    body = ChatCompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices, usage=_usage(final),
                                   prompt_logprobs=prompt_logprobs)
     return JSONResponse(body.model_dump())
 
 
 async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_prompt: int,
                   events: AsyncIterator[tuple[int, RequestOutput]], usage: str | None, name: Callable[[int], str],
-                  mode: ToolMode | None = None, echoed: str = "") -> AsyncIterator[str]:
+                  mode: ToolMode | None = None, echoed: str = "", model: str = "") -> AsyncIterator[str]:
     """``usage``: ``"end"`` for a last chunk with the usage, ``"every"`` also for each chunk's choice's usage so
-    far (vLLM's ``continuous_usage_stats``); ``echoed``: text each choice starts with (``echo``)."""
+    far (vLLM's ``continuous_usage_stats``); ``echoed``: text each choice starts with (``echo``); ``model``: the
+    chunks' model name."""
     created = int(time.time())
 
     def so_far(tokens: int) -> UsageInfo | None:
@@ -307,7 +308,7 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_promp
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=tokens, total_tokens=num_prompt + tokens)
 
     def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> str:
-        return ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
+        return ChatCompletionChunk(id=rid, created=created, model=model,
                                    choices=[choice] if choice is not None else [], usage=usage).model_dump_json()
 
     for index in range(n):

@@ -33,6 +33,7 @@ from plinth.entrypoints.openai.serving import (
     sampling_params,
 )
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
+from plinth.lora.request import LoRARequest
 
 
 @dataclasses.dataclass
@@ -121,7 +122,7 @@ def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: in
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     ctx.check_task("generate")
     ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
@@ -139,8 +140,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
     rid = random_id("cmpl")
     if req.use_beam_search:
-        return await _beam_search(ctx, req, rid, prompts, raw)
-    streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params, req.priority) for i, p in enumerate(prompts)]
+        return await _beam_search(ctx, req, rid, prompts, raw, lora)
+    streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params, req.priority, lora) for i, p in enumerate(prompts)]
     firsts = await unless_disconnected(raw, first_outputs(streams))
     events = merge(streams, firsts)
     if req.stream:
@@ -150,21 +151,21 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
                for i, out in enumerate(finals) for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    body = CompletionResponse(id=rid, model=ctx.model_name, choices=choices,
+    body = CompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices,
                               usage=_usage(prompts, completion_tokens, sum(o.num_cached_tokens for o in finals)))
     return JSONResponse(body.model_dump())
 
 
 async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
-                       raw: Request) -> Response:
+                       raw: Request, lora: LoRARequest | None) -> Response:
     room = ctx.default_room(max(len(p.token_ids) for p in prompts))
     beam = beam_search_params(req, req.max_tokens, "max_tokens", room, ctx.front.max_logprobs)
-    outs = await unless_disconnected(raw, beam_search_async(ctx.front, rid, [p.token_ids for p in prompts], beam))
+    outs = await unless_disconnected(raw, beam_search_async(ctx.front, rid, [p.token_ids for p in prompts], beam, lora))
     choices = [CompletionChoice(index=i * req.n + j, text=(prompts[i].text if req.echo else "") + b.text,
                                 finish_reason=b.finish_reason)
                for i, out in enumerate(outs) for j, b in enumerate(out.sequences)]
     completion_tokens = sum(len(b.token_ids) for out in outs for b in out.sequences)
-    body = CompletionResponse(id=rid, model=ctx.model_name, choices=choices,
+    body = CompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices,
                               usage=_usage(prompts, completion_tokens, 0))
     return JSONResponse(body.model_dump())
 
@@ -222,11 +223,11 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                     prompt_tokens = len(prompts[i].token_ids)
                     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=end,
                                       total_tokens=prompt_tokens + end)
-                yield CompletionResponse(id=rid, created=created, model=ctx.model_name,
+                yield CompletionResponse(id=rid, created=created, model=ctx.reply_model(req),
                                          choices=[choice], usage=usage).model_dump_json()
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     if include_usage:
         usage = _usage(prompts, sum(st.sent_tokens for st in states), sum(cached))
-        yield CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=[],
+        yield CompletionResponse(id=rid, created=created, model=ctx.reply_model(req), choices=[],
                                  usage=usage).model_dump_json()

@@ -57,7 +57,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 
 
 async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     ctx.check_task("embed")
     ctx.note_ignored_fields(req)
     try:
@@ -66,7 +66,7 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
         raise bad_request(str(exc), "dimensions") from None
     inputs = await _inputs(ctx, req)
     rid = random_id("embd")
-    streams = [ctx.generate(f"{rid}-{i}", ids, params, req.priority) for i, ids in enumerate(inputs)]
+    streams = [ctx.generate(f"{rid}-{i}", ids, params, req.priority, lora) for i, ids in enumerate(inputs)]
     firsts = await unless_disconnected(raw, first_outputs(streams))
     finals = await unless_disconnected(raw, collect(merge(streams, firsts), len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
@@ -74,7 +74,7 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
         raise APIError(500, f"embedding input {missing} ended without a result", "server_error")
     vectors = [out.outputs.embedding for out in finals]
     prompt_tokens = sum(len(ids) for ids in inputs)
-    body = EmbeddingResponse(id=rid, model=ctx.model_name,
+    body = EmbeddingResponse(id=rid, model=ctx.reply_model(req),
                              data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
                                    for i, v in enumerate(vectors)],
                              usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
