@@ -383,3 +383,26 @@ def test_fp8_model_takes_rows_quantized_by_the_norms(monkeypatch, tiny_llama_dir
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             tok = next(iter(la))
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
+
+
+@needs_interpreter
+@DTYPES
+@pytest.mark.parametrize("k, r", [(1, 8), (3, 16), (2, 4)], ids=["o", "qkv", "gate_up"])
+def test_lora_shrink_expand(dtype, k, r):
+    """Each token's adapter product from its own slot, against float64; a token without one (-1) is untouched."""
+    torch.manual_seed(0)
+    t, s, n_in, out = 5, 3, 72, 40
+    x = torch.randn(t, n_in, dtype=dtype)
+    a = torch.randn(k, s, r, n_in, dtype=dtype) * 0.2
+    b = torch.randn(out, k, s, r, dtype=dtype) * 0.2
+    slots = torch.tensor([0, -1, 2, 1, 2], dtype=torch.int32)
+    y = torch.randn(t, out, dtype=dtype)
+    want = y.double().clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            shrink = x[i].double() @ a[:, slot].double().reshape(k * r, n_in).T
+            want[i] += shrink @ b[:, :, slot].double().reshape(out, k * r).T
+    before = y[1].clone()
+    ops.lora_shrink_expand_(x, a, b, slots, y)
+    assert torch.equal(y[1], before)
+    torch.testing.assert_close(y.double(), want, atol=_tol(dtype) * 10, rtol=_tol(dtype) * 10)

@@ -258,3 +258,39 @@ def quantize_rows(x: torch.Tensor, out_dtype: torch.dtype, qmax: float) -> tuple
         jit_module().quant_rows_kernel[(m,)](x, y, scale, k, x.stride(0), y.stride(0), qmax,
                                              BLOCK=min(2048, _block(k)), num_warps=4)
     return y, scale
+
+
+#: the most tokens the LoRA kernels take (decode batches); larger steps run the adapters as two masked GEMMs
+LORA_KERNEL_MAX_TOKENS = 16
+
+
+def lora_kernels_enabled(x: torch.Tensor) -> bool:
+    """Whether a LoRA product of ``x`` runs the Triton kernels (:func:`lora_shrink_expand_`)."""
+    return (x.device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1") and \
+        x.shape[0] <= LORA_KERNEL_MAX_TOKENS and triton_available() and _env_enabled()
+
+
+def lora_shrink_expand_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                        y: torch.Tensor) -> torch.Tensor:
+    """``y[t] += (x[t] A[:, s]^T) B[:, :, s]^T`` with ``s = slots[t]`` (nothing where ``s < 0``), in place: the
+    adapter product of a few tokens reading only each token's slot (Punica's BGMV).
+
+    Shapes: ``x`` ``[T, IN]``, ``a`` ``[K, S, R, IN]``, ``b`` ``[OUT, K, S, R]`` (both contiguous), ``slots``
+    ``[T]`` int32, ``y`` ``[T, OUT]`` with contiguous rows.
+    """
+    t, n_in = x.shape
+    k, s, r, _ = a.shape
+    out = b.shape[0]
+    kr = k * r
+    xa = torch.empty((t, kr), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return y
+    rows = 2
+    mod = jit_module()
+    mod.lora_shrink_kernel[(t, -(-kr // rows))](x, a, slots, xa, n_in, s, x.stride(0), KR=kr, R=r, ROWS=rows,
+                                                BLOCK_IN=min(1024, _block(n_in)), num_warps=4)
+    kr_p = _block(kr)
+    block_out = max(16, min(128, 4096 // kr_p))
+    mod.lora_expand_kernel[(t, -(-out // block_out))](xa, b, slots, y, out, s, y.stride(0), KR=kr, R=r, KR_P=kr_p,
+                                                      BLOCK_OUT=block_out, num_warps=4)
+    return y

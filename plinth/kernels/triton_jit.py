@@ -233,3 +233,50 @@ def quant_rows_kernel(x_ptr, y_ptr, s_ptr, K, stride_x, stride_y, QMAX, BLOCK: t
         x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
         tl.store(y_ptr + row * stride_y + k0 + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def lora_shrink_kernel(
+    x_ptr, a_ptr, slot_ptr, xa_ptr,    # x [T, IN], A [K, S, R, IN], slots [T] int32 (-1: none), xa [T, K*R] f32
+    IN, S, stride_x,
+    KR: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, BLOCK_IN: tl.constexpr,
+):
+    """``xa[t, k*R + r] = x[t] . A[k, slot[t], r]`` for ``ROWS`` of the ``K*R`` outputs per program (zeros for a
+    token without an adapter: its loads are masked off)."""
+    t = tl.program_id(0)
+    c = tl.program_id(1) * ROWS + tl.arange(0, ROWS)                     # [ROWS] output columns
+    s = tl.load(slot_ptr + t)
+    used = (c * 0 + s) >= 0                                               # the token has an adapter
+    row = ((c // R) * S + s) * R + c % R                                  # A's row of each column
+    acc = tl.zeros((ROWS,), dtype=tl.float32)
+    for i0 in range(0, IN, BLOCK_IN):
+        i = i0 + tl.arange(0, BLOCK_IN)
+        imask = (i < IN) & ((i * 0 + s) >= 0)
+        xv = tl.load(x_ptr + t * stride_x + i, mask=imask, other=0.0).to(tl.float32)
+        av = tl.load(a_ptr + row[:, None].to(tl.int64) * IN + i[None, :],
+                     mask=((c < KR) & used)[:, None] & imask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(av * xv[None, :], axis=1)
+    tl.store(xa_ptr + t * KR + c, acc, mask=c < KR)
+
+
+@triton.jit
+def lora_expand_kernel(
+    xa_ptr, b_ptr, slot_ptr, y_ptr,    # xa [T, K*R] f32, B [OUT, K, S, R], slots [T] int32, y [T, OUT] (in place)
+    OUT, S, stride_y,
+    KR: tl.constexpr, R: tl.constexpr, KR_P: tl.constexpr, BLOCK_OUT: tl.constexpr,
+):
+    """``y[t, o] += sum_c xa[t, c] B[o, c // R, slot[t], c % R]`` for a block of outputs per program (nothing for a
+    token without an adapter)."""
+    t = tl.program_id(0)
+    o = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    s = tl.load(slot_ptr + t)
+    ymask = (o < OUT) & ((o * 0 + s) >= 0)                                # nothing for a token without an adapter
+    c = tl.arange(0, KR_P)
+    cmask = (c < KR) & ((c * 0 + s) >= 0)
+    xa = tl.load(xa_ptr + t * KR + c, mask=cmask, other=0.0)
+    col = ((c // R) * S + s) * R + c % R                                  # B's column of each xa entry
+    b = tl.load(b_ptr + o[:, None].to(tl.int64) * (S * KR) + col[None, :],
+                mask=ymask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    delta = tl.sum(b * xa[None, :], axis=1)
+    y = tl.load(y_ptr + t * stride_y + o, mask=ymask, other=0.0)
+    tl.store(y_ptr + t * stride_y + o, (y.to(tl.float32) + delta).to(y.dtype), mask=ymask)

@@ -14,6 +14,9 @@ For ``T`` tokens with slot weights ``w`` (``[T, S]``: one-hot rows, all zero for
     y += xa @ B.view(out, K*S*R).T           # the expand, added to the base layer's output
 
 Two GEMMs per layer whatever the mix of adapters, no gather, static shapes (the decode steps stay CUDA graphs).
+Steps of at most :data:`~plinth.kernels.ops.LORA_KERNEL_MAX_TOKENS` tokens on a GPU (decode) instead run two Triton
+kernels that read each token's own slot only (:func:`~plinth.kernels.ops.lora_shrink_expand_`, Punica's BGMV):
+fewer launches and bytes where a step's time is launches and bytes.
 An adapter of rank ``r < R`` fills its slot's first ``r`` rows of ``A`` and columns of ``B`` (zeros after them),
 its scale folded into ``B``.
 
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from plinth.kernels import ops
 from plinth.model_registry.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -55,8 +59,10 @@ class LoRAState:
         self.device = device
         self.dtype = dtype
         self.weights = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)   # [T, S]
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)   # [T] (the kernels')
         self._pinned = device.type == "cuda"
         self._host = torch.zeros(max_tokens, max_loras, dtype=torch.float32, pin_memory=self._pinned)
+        self._host_slots = torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=self._pinned)
         self._copied: Any = None      # a CUDA event after the latest copy from the host buffer
         self._dirty = 0               # rows of ``weights`` that may be nonzero
         #: whether the layers apply their adapters: set per step (any adapter's token in it), and on while a
@@ -81,16 +87,20 @@ class LoRAState:
         if not self.active:
             if self._dirty:
                 self.weights[: self._dirty].zero_()
+                self.slots[: self._dirty].fill_(-1)
                 self._dirty = 0
             return
-        if self._copied is not None:     # the previous copy may still read the host buffer
+        if self._copied is not None:     # the previous copy may still read the host buffers
             self._copied.synchronize()
         clear = max(rows, self._dirty)
-        host = self._host[:clear]
+        host, host_slots = self._host[:clear], self._host_slots[:clear]
         host.zero_()
+        host_slots.fill_(-1)
         idx = np.flatnonzero(use)
         host.numpy()[idx, slots[idx]] = 1.0
+        host_slots.numpy()[:n] = np.where(use, slots, -1)
         self.weights[:clear].copy_(host, non_blocking=self._pinned)
+        self.slots[:clear].copy_(host_slots, non_blocking=self._pinned)
         if self._pinned:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -172,8 +182,12 @@ class LinearLoRA:
                 self.B[offset:offset + size, k, slot, :r].copy_(b_full.narrow(0, start, size))
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base output, ``[T, out]``) plus each token's adapter delta, in place where it can."""
+        """``y`` (the base output, ``[T, out]``) plus each token's adapter delta, in place where it can: a few
+        tokens on a GPU through the Triton kernels that read only their own slots, else two masked GEMMs over
+        every slot."""
         t = x.shape[0]
+        if y.dtype == x.dtype and y.is_contiguous() and x.stride(-1) == 1 and ops.lora_kernels_enabled(x):
+            return ops.lora_shrink_expand_(x, self.A, self.B, self.state.slots[:t], y)
         k = len(self.shard_ids)
         s, r = self.state.max_loras, self.state.max_rank
         xa = F.linear(x, self._a_flat)                                      # [T, K*S*R]
