@@ -89,6 +89,10 @@ def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
                                targets=("k_proj", "o_proj", "down_proj")),
         "patterns": make_adapter(model_dir, root / "patterns", 4, r=4, alpha=8, targets=("q_proj", "up_proj"),
                                  rank_pattern={"up_proj": 2}, alpha_pattern={"q_proj": 32}),
+        # PEFT's pattern keys are regular expressions: an alternation covers both modules
+        "alternation": make_adapter(model_dir, root / "alternation", 5, r=8, alpha=16,
+                                    targets=("q_proj", "v_proj", "o_proj"), rank_pattern={"q_proj|v_proj": 4},
+                                    alpha_pattern={"q_proj|v_proj": 64}),
     }
 
 
@@ -197,6 +201,7 @@ def _edit(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Pat
     ("nan", "non-finite weights"),
     ("no_config", "adapter_config.json is missing"),
     ("pickle", "cannot be read as plain tensors"),
+    ("alora", "alora_invocation_tokens is set"),
 ])
 def test_bad_adapters_are_refused(model_dir, adapters, tmp_path, case, message):
     src = adapters["all"]
@@ -226,6 +231,8 @@ def test_bad_adapters_are_refused(model_dir, adapters, tmp_path, case, message):
     elif case == "nan":
         path = _edit(src, tmp_path / case, tensors=lambda w: {
             **w, f"{q}.lora_B.weight": torch.full_like(w[f"{q}.lora_B.weight"], float("nan"))})
+    elif case == "alora":   # a LoRA variant that applies the adapter after an invocation sequence only
+        path = _edit(src, tmp_path / case, {"alora_invocation_tokens": [5, 6]})
     elif case == "no_config":
         path = _edit(src, tmp_path / case)
         (path / "adapter_config.json").unlink()

@@ -531,3 +531,60 @@ def test_unset_max_tokens_stops_at_what_the_cache_holds():
         sched.add_request(req("b", [5] * 10, max_tokens=24))
     with pytest.raises(RequestRejectedError, match="KV blocks"):   # the prompt alone does not fit
         sched.add_request(req("c", [5] * 40, max_tokens=None))
+
+
+# ------------------------------------------------------------------ LoRA adapter slots
+
+
+class _Adapter:
+    def __init__(self, lora_id: int):
+        self.lora_id = lora_id
+
+
+def _with_adapter(r: Request, lora_id: int | None) -> Request:
+    r.lora = _Adapter(lora_id) if lora_id is not None else None
+    return r
+
+
+def test_requests_pass_one_waiting_for_an_adapter_slot():
+    """One slot held by adapter 1: a request of adapter 2 waits, and the base-model and adapter-1 requests behind
+    it are admitted meanwhile; at most max_loras adapters ever run together, and every output is unchanged."""
+    sched = make_scheduler(budget=256)
+    sched.max_loras = 1
+    order = [1, 2, None, 1, 2, None]
+    reqs = [_with_adapter(req(f"r{i}", [i + 1] * 5, max_tokens=6), a) for i, a in enumerate(order)]
+    first_step: dict[str, int] = {}
+    step = itertools.count()
+
+    def check(s: Scheduler, out: SchedulerOutput) -> None:
+        n = next(step)
+        adapters = {r.lora_id for r in s.running if r.lora is not None}
+        assert len(adapters) <= 1
+        for rid in out.new_request_ids:
+            first_step.setdefault(rid, n)
+
+    outputs = run(sched, reqs, on_step=check)
+    assert outputs == reference([req(f"r{i}", [i + 1] * 5, max_tokens=6) for i in range(len(order))])
+    assert first_step["r0"] == first_step["r2"] == first_step["r3"] == first_step["r5"] == 0   # passed r1
+    assert first_step["r1"] > 0 and first_step["r4"] > 0
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved():
+    """Adapter-1 requests keep arriving; a waiting adapter-2 request stops letting them pass after
+    MAX_ADAPTER_WAIT_STEPS steps, so adapter 1 drains and adapter 2 gets the slot."""
+    from plinth.core.scheduler import MAX_ADAPTER_WAIT_STEPS
+
+    sched = make_scheduler(budget=256, max_seqs=64, num_blocks=4096)
+    sched.max_loras = 1
+    runner = FakeRunner(sched.block_manager.block_size)
+    sched.add_request(_with_adapter(req("a0", [1, 2, 3], max_tokens=4), 1))
+    sched.add_request(_with_adapter(req("b", [4, 5, 6], max_tokens=4), 2))
+    admitted_at = None
+    for n in range(10 * MAX_ADAPTER_WAIT_STEPS):
+        sched.add_request(_with_adapter(req(f"a{n + 1}", [7, 8, 9], max_tokens=4), 1))   # a new one every step
+        out = sched.schedule()
+        if "b" in out.new_request_ids:
+            admitted_at = n
+            break
+        sched.update_from_output(out, runner.execute(out))
+    assert admitted_at is not None and MAX_ADAPTER_WAIT_STEPS <= admitted_at <= MAX_ADAPTER_WAIT_STEPS + 8

@@ -10,6 +10,7 @@ import numbers
 import operator
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -186,6 +187,7 @@ class LLMEngine:
         #: used, with the (name, path) it stands for: an id keeps naming the same adapter (its prefix-cache entries
         #: and its device slot are keyed by it); a lock, as a server reads adapters outside the engine's thread
         self._adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
+        self._live_adapters: weakref.WeakValueDictionary[int, LoRAAdapter] = weakref.WeakValueDictionary()
         self._lora_names: dict[int, tuple[str, str]] = {}
         self._lora_lock = threading.Lock()
         cache_tokens = self.block_manager.num_usable_blocks * config.cache.block_size
@@ -324,6 +326,10 @@ class LLMEngine:
             if adapter is not None:
                 self._adapters.move_to_end(lora_id)
                 return adapter
+            adapter = self._live_adapters.get(lora_id)   # dropped from the cache, still held by running requests
+            if adapter is not None:
+                self._keep(adapter)
+                return adapter
         try:
             adapter = load_adapter(lora_request.lora_name, lora_id, lora_request.lora_path,
                                    self.model_source.hf_config, self.config.lora.max_lora_rank)
@@ -332,12 +338,18 @@ class LLMEngine:
         with self._lora_lock:
             self._check_lora_id(lora_request)
             self._lora_names[lora_id] = (lora_request.lora_name, lora_request.lora_path)
-            self._adapters[lora_id] = adapter
-            while len(self._adapters) > self.config.lora.cpu_cache_size:
-                self._adapters.popitem(last=False)   # running requests keep their own reference
+            self._keep(adapter)
         logger.info("LoRA adapter %r (id %d, rank %d, %d modules, %.1f MiB) read from %s", adapter.name,
                     lora_id, adapter.rank, len(adapter.modules), adapter.nbytes / 2**20, adapter.path)
         return adapter
+
+    def _keep(self, adapter: LoRAAdapter) -> None:
+        """Into the host cache (the lock held), dropping the least recently used beyond its size (requests running
+        with a dropped one keep their reference, through which a new request finds it too)."""
+        self._adapters[adapter.lora_id] = adapter
+        self._live_adapters[adapter.lora_id] = adapter
+        while len(self._adapters) > self.config.lora.cpu_cache_size:
+            self._adapters.popitem(last=False)
 
     def _check_lora_id(self, lora_request: LoRARequest) -> None:
         known = self._lora_names.get(lora_request.lora_int_id)
@@ -350,6 +362,7 @@ class LLMEngine:
         """Drop an adapter from host memory (requests running with it finish with it); its id stays reserved
         for it. Returns whether it was held."""
         with self._lora_lock:
+            self._live_adapters.pop(lora_int_id, None)
             return self._adapters.pop(lora_int_id, None) is not None
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],

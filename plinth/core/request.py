@@ -314,6 +314,7 @@ class Request:
         self.pooling: Any = None   # an embedding request's PoolState (plinth.core.pooling)
         self.bad_words_ids: list[list[int]] = []   # sampling_params.bad_words as token sequences (the engine's)
         self.lora: Any = None      # the LoRA adapter it runs with (plinth.lora.adapter.LoRAAdapter), or None
+        self.adapter_waits = 0     # steps it waited for a slot for its adapter while others passed it
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 

@@ -7,8 +7,10 @@ Policy, every step, within ``max_num_batched_tokens`` tokens and ``max_num_seqs`
    several steps, mixed with decodes), oldest first, each taking what is left of the budget;
 3. waiting requests, first come first served, while blocks and budget last. A prompt whose
    leading full blocks are in the prefix cache starts at the cached count; the queue is strict
-   (the head blocks the rest) so that a long prompt cannot starve. A head with a LoRA adapter also needs
-   its adapter among the running requests' or a free adapter slot (``max_loras``), else it waits.
+   (the head blocks the rest) so that a long prompt cannot starve. A request with a LoRA adapter also needs
+   its adapter among the running requests' or a free adapter slot (``max_loras``); until then it keeps its
+   place and the requests behind it are considered (at most ``MAX_ADAPTER_SKIPS`` passed over per step), for
+   ``MAX_ADAPTER_WAIT_STEPS`` steps; after that it blocks the queue until a slot frees.
 
 With a prefill allowance (``Scheduler.prefill_allowance``, set by the engine for an inter-token
 latency target), a step that carries decodes gives its prefill chunks only the tokens the allowance
@@ -61,6 +63,11 @@ from plinth.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, 
 from plinth.core.block_manager import BlockManager, PrefixCacheStats
 from plinth.core.request import FinishReason, Request, RequestStatus
 from plinth.errors import UserFacingError
+
+#: waiting requests whose LoRA adapter has no slot passed over in one step (the requests behind them are admitted)
+MAX_ADAPTER_SKIPS = 64
+#: steps a request waiting for an adapter slot lets the requests behind it pass; then it blocks the queue
+MAX_ADAPTER_WAIT_STEPS = 64
 
 
 class RequestRejectedError(UserFacingError, ValueError):
@@ -305,13 +312,24 @@ class Scheduler:
                     budget -= num_new
 
         scheduled.extend(early)   # prefills, after the decodes
-        while (not preempted and not displaced and self.waiting and budget > 0
+        adapters = self._running_adapters() if self.max_loras else set()
+        skipped = 0   # waiting requests passed over because their adapter has no slot
+        while (not preempted and not displaced and len(self.waiting) > skipped and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[skipped]
             if req.num_pending_tokens:
                 break   # preempted with a token in flight: admitted once the token is known
-            if req.lora is not None and not self._adapter_fits(req):
-                break   # its adapter waits for a slot: the running requests of another adapter to finish
+            if req.lora is not None and req.lora_id not in adapters and len(adapters) >= self.max_loras:
+                # its adapter waits for a slot (the running requests of another adapter to finish); the requests
+                # behind it whose adapter has a slot, or that need none, go on, until it has waited long enough
+                # that the running adapters must drain for it (else a stream of their requests would starve it)
+                req.adapter_waits += 1
+                if req.adapter_waits > MAX_ADAPTER_WAIT_STEPS:
+                    break
+                skipped += 1
+                if skipped >= MAX_ADAPTER_SKIPS:
+                    break
+                continue
             cached, num_cached = self._cached_prefix(req)
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -320,9 +338,11 @@ class Scheduler:
                 num_new = budget
             if not bm.allocate_slots(req, num_new, cached):
                 break
-            scheduled.append(self._admit(req, num_new, num_cached))
+            scheduled.append(self._admit(req, num_new, num_cached, skipped))
             new_ids.append(req.request_id)
             budget -= num_new
+            if req.lora is not None:
+                adapters.add(req.lora_id)
 
         num_decodes = sum(1 for s in scheduled if s.is_decode)   # first in the list
         finished, self._finished_ids = self._finished_ids, []
@@ -335,10 +355,13 @@ class Scheduler:
             finished_request_ids=finished,
         )
 
+    def _running_adapters(self) -> set[int]:
+        return {r.lora_id for r in self.running if r.lora is not None}
+
     def _adapter_fits(self, req: Request) -> bool:
         """Whether ``req``'s LoRA adapter can run beside the running requests' (at most ``max_loras`` adapters
         among them: one device slot each)."""
-        adapters = {r.lora_id for r in self.running if r.lora is not None}
+        adapters = self._running_adapters()
         return req.lora_id in adapters or len(adapters) < self.max_loras
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
@@ -346,9 +369,13 @@ class Scheduler:
             return self.block_manager.get_computed_blocks(req)
         return [], 0   # every prompt position's logits are wanted
 
-    def _admit(self, req: Request, num_new: int, num_cached: int) -> ScheduledRequest:
-        """Move the waiting head, whose slots are allocated, to the running requests."""
-        self.waiting.popleft()
+    def _admit(self, req: Request, num_new: int, num_cached: int, index: int = 0) -> ScheduledRequest:
+        """Move waiting request ``index`` (the head, or one behind requests waiting for an adapter slot), whose
+        slots are allocated, to the running requests."""
+        if index:
+            del self.waiting[index]
+        else:
+            self.waiting.popleft()
         self.running.append(req)
         if req.status == RequestStatus.WAITING:   # first admission (not a resume)
             req.num_cached_tokens = num_cached

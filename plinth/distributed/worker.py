@@ -170,7 +170,10 @@ class Worker:
         self._make_runner(2)
         entries = [SeqBatchEntry([0] * min(bs, n - i), 0, [1], True) for i in range(0, n, bs)]
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._run(entries)
+        from plinth.lora.layers import products_forced
+
+        with products_forced(self._model):
+            self._run(entries)
         torch.cuda.synchronize(self.device)
         for layer in self._model.attention_layers():
             layer.kv_cache = None

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from plinth.entrypoints.serve_cmd import add_api_args, api_app
+from plinth.entrypoints.serve_cmd import add_api_args, api_app, lora_modules
 from plinth.errors import CliError
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
     resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
     resolve_reasoning_parser(args.reasoning_parser)
+    lora_modules(args)   # and so does a malformed --lora-modules
     done = settled_ids(out)
     requests, invalid = read_requests(inp, done)
     print(f"{len(requests)} requests to run, {len(done)} already done, {len(invalid)} invalid", file=sys.stderr)

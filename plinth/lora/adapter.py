@@ -37,6 +37,15 @@ _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\."
                   r"(?P<proj>[A-Za-z_0-9]+))\.lora_(?P<ab>[AB])\.weight$")
+#: ``adapter_config.json`` keys that do not change what a plain LoRA adapter computes at inference (training and
+#: initialisation settings, bookkeeping, which modules and layers carry weights: read from the tensors' names)
+HARMLESS_CONFIG_KEYS = frozenset({
+    "peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "bias",
+    "use_rslora", "rank_pattern", "alpha_pattern", "base_model_name_or_path", "revision", "inference_mode",
+    "init_lora_weights", "layers_to_transform", "layers_pattern", "fan_in_fan_out", "modules_to_save", "use_dora",
+    "lora_bias", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "runtime_config",
+    "auto_mapping", "peft_version", "ensure_weight_tying", "qalora_group_size",
+})
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 BIN_FILE = "adapter_model.bin"
@@ -107,8 +116,12 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     if cfg.get("modules_to_save"):
         raise _fail(path, f"modules_to_save {cfg['modules_to_save']!r} is not supported (fully trained copies of "
                           "base modules)")
-    if cfg.get("target_parameters"):
-        raise _fail(path, "target_parameters is not supported")
+    # any other option that is set may change the forward pass (a LoRA variant: aLoRA, QALoRA, ...): refused
+    # unless it is one of those known to only describe training or which modules the weights belong to
+    changes = sorted(k for k, v in cfg.items() if k not in HARMLESS_CONFIG_KEYS and v not in (None, False, "", [], {}))
+    if changes:
+        raise _fail(path, f"{', '.join(changes)} {'is' if len(changes) == 1 else 'are'} set: plinth applies plain "
+                          "LoRA (x A^T B^T scaled) only, and these options change what an adapter computes")
     for key in ("r", "lora_alpha"):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -122,7 +135,7 @@ def read_adapter_config(path: str) -> dict[str, Any]:
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's per-module override: the first pattern that matches the module name's end."""
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?{pattern}$", module):
+        if re.match(rf"(.*\.)?({pattern})$", module):
             return value
     return default
 

@@ -27,6 +27,8 @@ input columns of ``A`` and all of ``B``, so its delta is a partial sum like the 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,8 @@ class LoRAState:
         #: whether the layers apply their adapters: set per step (any adapter's token in it), and on while a
         #: decode graph is captured (a replay then always runs the products; base rows have zero weights)
         self.active = False
+        #: run the products in every step (memory profiling: the peak must include their temporaries)
+        self.forced = False
         self.layers: list[LinearLoRA] = []
         self.slot_ids: list[int | None] = [None] * max_loras   # the adapter id each slot holds (worker side)
 
@@ -85,6 +89,7 @@ class LoRAState:
         use = slots >= 0 if n else None
         self.active = bool(n and use.any())
         if not self.active:
+            self.active = self.forced
             if self._dirty:
                 self.weights[: self._dirty].zero_()
                 self.slots[: self._dirty].fill_(-1)
@@ -215,6 +220,21 @@ def enable_lora(model: torch.nn.Module, max_loras: int, max_rank: int, max_token
             state.layers.append(module.lora)
     model.lora_state = state
     return state
+
+
+@contextlib.contextmanager
+def products_forced(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: a model with adapters runs their products in every step (a memory-profiling step must count
+    their temporaries, whatever its tokens' slots)."""
+    state = getattr(model, "lora_state", None)
+    if state is None:
+        yield
+        return
+    state.forced = True
+    try:
+        yield
+    finally:
+        state.forced = False
 
 
 def enable_lora_for(model: torch.nn.Module, config: Any) -> LoRAState | None:

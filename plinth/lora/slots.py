@@ -19,7 +19,6 @@ class LoRASlotTable:
 
     def __init__(self, max_loras: int):
         self.holder: list[int | None] = [None] * max_loras   # adapter id per slot
-        self._held: list[Any] = [None] * max_loras           # the adapter object each slot was loaded from
         self._slot_of: dict[int, int] = {}
         self._last_use = [0] * max_loras
         self._clock = 0
@@ -37,10 +36,7 @@ class LoRASlotTable:
             adapter = req.lora
             if adapter is None:
                 continue
-            slot = self._slot_of.get(adapter.lora_id)
-            if slot is not None and self._held[slot] is not adapter:   # read again since: copy it in again
-                loads.append((slot, adapter))
-                self._held[slot] = adapter
+            slot = self._slot_of.get(adapter.lora_id)   # an id always names the same files (LLMEngine.add_lora)
             if slot is None:
                 if pinned is None:
                     pinned = {r.lora_id for r in running if r.lora is not None}
@@ -49,7 +45,6 @@ class LoRASlotTable:
                 if old is not None:
                     del self._slot_of[old]
                 self.holder[slot] = adapter.lora_id
-                self._held[slot] = adapter
                 self._slot_of[adapter.lora_id] = slot
                 loads.append((slot, adapter))
             self._last_use[slot] = self._clock

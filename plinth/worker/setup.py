@@ -240,6 +240,7 @@ def _profile_peak(model: Any, device: torch.device, config: EngineConfig, backen
         return
     runner = ModelRunner(model, backend, device, 2, config.cache.block_size,
                          config.cache.block_size, model.ctx.dtype)
+    from plinth.lora.layers import products_forced
     from plinth.worker.model_runner import SeqBatchEntry
 
     n = config.scheduler.max_num_batched_tokens
@@ -247,7 +248,8 @@ def _profile_peak(model: Any, device: torch.device, config: EngineConfig, backen
     per_seq = bs  # one block per dummy sequence keeps the KV cache at 2 blocks
     entries = [SeqBatchEntry([0] * min(per_seq, n - i), 0, [1], True) for i in range(0, n, per_seq)]
     torch.cuda.reset_peak_memory_stats(device)
-    runner.execute(entries)
+    with products_forced(model):
+        runner.execute(entries)
     torch.cuda.synchronize(device)
     for layer in model.attention_layers():
         layer.kv_cache = None

@@ -52,6 +52,8 @@ class ServerContext:
     #: ``--allow-runtime-lora-updating``: the load/unload routes are on
     allow_lora_updates: bool = False
     _lora_ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))
+    _loading: set[str] = dataclasses.field(default_factory=set)   # adapter names being read
+    _lora_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
     # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
     _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -103,23 +105,31 @@ class ServerContext:
                            "not_found_error", "model", "model_not_found")
         return lora
 
-    def reply_model(self, req: Any) -> str:
-        """The ``model`` of a reply: the adapter's name for a request that named one, else the served name."""
-        name = getattr(req, "model", None)
-        return name if name is not None and name in self.loras else self.model_name
+    def reply_model(self, lora: LoRARequest | None) -> str:
+        """The ``model`` of a reply: the adapter's name for a request that named one (decided when it arrived,
+        whatever is unloaded meanwhile), else the served name."""
+        return lora.lora_name if lora is not None else self.model_name
 
     def add_lora(self, name: str, path: str) -> LoRARequest:
         """Serve the adapter at ``path`` as model ``name`` (read and checked by the engine; a fresh id, so a name
-        loaded again after an unload reads its files again).
+        loaded again after an unload reads its files again). Blocks while the adapter is read: call it in a worker
+        thread while serving.
 
         Raises:
-            ValueError: the name is taken (the base model's or another adapter's), or the adapter cannot be served.
+            ValueError: the name is taken (the base model's or another adapter's, or one being loaded), or the
+                adapter cannot be served.
         """
-        if not name or name in self.model_names or name in self.loras:
-            raise ValueError(f"the model name {name!r} is taken" if name else "an adapter needs a name")
-        lora = LoRARequest(name, next(self._lora_ids), path)
-        self.front.add_lora(lora)
-        self.loras[name] = lora
+        with self._lora_lock:
+            if not name or name in self.model_names or name in self.loras or name in self._loading:
+                raise ValueError(f"the model name {name!r} is taken" if name else "an adapter needs a name")
+            self._loading.add(name)
+            lora = LoRARequest(name, next(self._lora_ids), path)
+        try:
+            self.front.add_lora(lora)
+            self.loras[name] = lora
+        finally:
+            with self._lora_lock:
+                self._loading.discard(name)
         return lora
 
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
@@ -244,6 +254,8 @@ class ServerContext:
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
         request."""
+        if lora is not None:   # read (again, if it left the host cache) off the engine's thread
+            await asyncio.to_thread(self.front.add_lora, lora)
         tracker = self.metrics.request()
         inner = self.front.generate(request_id, prompt_ids, params, priority, lora)
         error = False

@@ -260,7 +260,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             choices.append(ChatChoice(index=j, message=message, finish_reason=b.finish_reason))
         completion = sum(len(b.token_ids) for b in out.sequences)
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
-        return JSONResponse(ChatCompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices,
+        return JSONResponse(ChatCompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices,
                                                    usage=usage).model_dump())
     stream = ctx.generate(rid, ids, params, req.priority, lora)
     firsts = await unless_disconnected(raw, first_outputs([stream]))
@@ -271,7 +271,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
         return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
-                                   _echoed(req), ctx.reply_model(req)))
+                                   _echoed(req), ctx.reply_model(lora)))
     final = await unless_disconnected(raw, _last(events))
     choices = []
     name = ctx.token_namer(req)
@@ -289,7 +289,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                   stop_reason=c.stop_reason))
     prompt_logprobs = (ctx.prompt_logprobs(final, req.prompt_logprobs, name)
                        if req.prompt_logprobs is not None else None)
-    body = ChatCompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices, usage=_usage(final),
+    body = ChatCompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices, usage=_usage(final),
                                   prompt_logprobs=prompt_logprobs)
     return JSONResponse(body.model_dump())
 

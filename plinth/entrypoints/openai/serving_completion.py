@@ -146,12 +146,12 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     events = merge(streams, firsts)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage))
+        return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage, ctx.reply_model(lora)))
     finals = await unless_disconnected(raw, collect(events, len(prompts)))
     choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
                for i, out in enumerate(finals) for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    body = CompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices,
+    body = CompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices,
                               usage=_usage(prompts, completion_tokens, sum(o.num_cached_tokens for o in finals)))
     return JSONResponse(body.model_dump())
 
@@ -165,7 +165,7 @@ async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, pro
                                 finish_reason=b.finish_reason)
                for i, out in enumerate(outs) for j, b in enumerate(out.sequences)]
     completion_tokens = sum(len(b.token_ids) for out in outs for b in out.sequences)
-    body = CompletionResponse(id=rid, model=ctx.reply_model(req), choices=choices,
+    body = CompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices,
                               usage=_usage(prompts, completion_tokens, 0))
     return JSONResponse(body.model_dump())
 
@@ -181,7 +181,7 @@ class _ChoiceState:
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
                   params: SamplingParams, events: AsyncIterator[tuple[int, RequestOutput]],
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, model: str) -> AsyncIterator[str]:
     created = int(time.time())
     states = [_ChoiceState() for _ in range(len(prompts) * params.n)]
     cached = [0] * len(prompts)
@@ -223,11 +223,11 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                     prompt_tokens = len(prompts[i].token_ids)
                     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=end,
                                       total_tokens=prompt_tokens + end)
-                yield CompletionResponse(id=rid, created=created, model=ctx.reply_model(req),
+                yield CompletionResponse(id=rid, created=created, model=model,
                                          choices=[choice], usage=usage).model_dump_json()
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     if include_usage:
         usage = _usage(prompts, sum(st.sent_tokens for st in states), sum(cached))
-        yield CompletionResponse(id=rid, created=created, model=ctx.reply_model(req), choices=[],
+        yield CompletionResponse(id=rid, created=created, model=model, choices=[],
                                  usage=usage).model_dump_json()

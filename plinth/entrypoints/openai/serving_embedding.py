@@ -74,7 +74,7 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
         raise APIError(500, f"embedding input {missing} ended without a result", "server_error")
     vectors = [out.outputs.embedding for out in finals]
     prompt_tokens = sum(len(ids) for ids in inputs)
-    body = EmbeddingResponse(id=rid, model=ctx.reply_model(req),
+    body = EmbeddingResponse(id=rid, model=ctx.reply_model(lora),
                              data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
                                    for i, v in enumerate(vectors)],
                              usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
