@@ -110,6 +110,8 @@ def test_adapters_match_peft(model_dir, adapters):
         assert_matches_peft(model_dir, None if name is None else adapters[name], out)
         tokens.add(tuple(out.outputs[0].token_ids))
     assert len(tokens) == len(names)   # the adapters change the outputs
+    if torch.cuda.is_available():   # decode steps replayed the graphs captured with the adapters' products
+        assert {key[1] for key in llm.engine.runner.graphs.graphs} == {False, True}
 
 
 def test_fewer_slots_than_adapters(model_dir, adapters):

@@ -78,8 +78,10 @@ class DecodeGraphRunner:
             block_tables=self.dev_words[2 * g:].view(g, w),
         )
         self._copied: torch.cuda.Event | None = None   # recorded after the latest copies from the host buffers
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # keyed by (batch size, with the LoRA adapters' products)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.lora = getattr(model, "lora_state", None)   # its slot weights are set before each replay
         self.pool = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -109,27 +111,32 @@ class DecodeGraphRunner:
         """
         t0 = time.perf_counter()
         self._fill_padding(0, self.max_size)
-        lora = getattr(self.model, "lora_state", None)
-        if lora is not None:   # captured with the adapters' products: a replay's weights pick each row's slot
+        lora = self.lora
+        # with LoRA adapters, each size twice: without the adapters' products (steps of base-model requests only)
+        # and with them (a replay's slot weights pick each row's adapter; base rows have zero weights)
+        variants = (False, True) if lora is not None else (False,)
+        if lora is not None:
             lora.set_tokens(None)
-            lora.active = True
-        for size in reversed(self.sizes):
-            for _ in range(2):   # warm-up: compile Triton kernels, settle cuBLAS workspaces
-                self._forward(size)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=capture_error_mode):
-                out = self._forward(size)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
-            self.outputs[size] = out
+        for with_lora in variants:
+            if lora is not None:
+                lora.active = with_lora
+            for size in reversed(self.sizes):
+                for _ in range(2):   # warm-up: compile Triton kernels, settle cuBLAS workspaces
+                    self._forward(size)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=capture_error_mode):
+                    out = self._forward(size)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[size, with_lora] = graph
+                self.outputs[size, with_lora] = out
         torch.cuda.synchronize(self.device)
         if lora is not None:
             lora.active = False
         elapsed = time.perf_counter() - t0
-        logger.info("captured %d decode graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], elapsed)
+        logger.info("captured %d decode graphs (batch %d..%d%s) in %.1f s", len(self.graphs), self.sizes[0],
+                    self.sizes[-1], ", with and without LoRA products" if lora is not None else "", elapsed)
         return elapsed
 
     def _fill_padding(self, start: int, end: int) -> None:
@@ -202,5 +209,6 @@ class DecodeGraphRunner:
         self._copied = torch.cuda.Event()
         self._copied.record()
         # query_start_loc is 0..size for a decode batch: constant, filled at capture
-        self.graphs[size].replay()
-        return self.outputs[size][:b]
+        key = (size, self.lora is not None and self.lora.active)
+        self.graphs[key].replay()
+        return self.outputs[key][:b]
