@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SELECTION_MODES = ("benchmark", "cached", "off")
 EXECUTORS = ("auto", "uniproc", "mp", "ray")
 TASKS = ("generate", "embed")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 POOLING_TYPES = ("last", "mean", "cls")
 #: the keys ``override_generation_config`` takes
 GENERATION_CONFIG_KEYS = tuple(SAMPLING_KEYS)
@@ -160,6 +161,9 @@ class CacheConfig:
             (weights, activations and KV cache) on accelerators.
         cpu_kv_cache_bytes: KV-cache bytes on the CPU platform (default: 2 GiB).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8`` / ``fp8_e4m3`` (float8 e4m3) / ``fp8_e5m2``: keys
+            and values stored in 8 bits (twice the tokens in the same memory, half the bytes read per attention
+            step), rounded when written, with a scale of 1 (no calibration).
     """
 
     block_size: int = 16
@@ -167,8 +171,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("block_size", self.block_size, allow_none=False)
         _positive("num_blocks", self.num_blocks)
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, allow_none=False)

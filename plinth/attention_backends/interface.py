@@ -89,6 +89,33 @@ class AttentionSpec:
     dtype: torch.dtype
     block_size: int
     sliding_window: int | None = None
+    #: the KV cache's element type; ``None``: ``dtype``
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
+
+
+#: KV-cache element types below the model's precision, and the largest value each holds
+FP8_KV_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type a ``kv_cache_dtype`` setting (``auto``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) stands for."""
+    return {"auto": model_dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+            "fp8_e5m2": torch.float8_e5m2}[name]
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's element type: an 8-bit float cache gets values clamped to its range first (a value
+    beyond it would otherwise become NaN or infinity)."""
+    if x.dtype == dtype:
+        return x
+    limit = FP8_KV_DTYPES.get(dtype)
+    if limit is not None:
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 class AttentionBackend(abc.ABC):
@@ -121,6 +148,20 @@ class AttentionBackend(abc.ABC):
             (e.g. ``"flash_attn not installed"``, ``"head size 96 unsupported"``).
             Must not raise for a missing optional package.
         """
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """Whether the backend keeps a KV cache of ``spec.cache_dtype`` (default: the model's dtype only; a backend
+        that reads 8-bit caches overrides this)."""
+        if spec.cache_dtype == spec.dtype:
+            return Support.yes()
+        return Support.no(f"KV cache of {spec.cache_dtype} unsupported (only the model's {spec.dtype})")
+
+    @classmethod
+    def check(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """:meth:`supports` and :meth:`supports_kv_cache_dtype` together (what selection asks)."""
+        support = cls.supports(spec, device_type)
+        return support if not support else cls.supports_kv_cache_dtype(spec, device_type)
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -160,5 +201,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         return
     n = slot_mapping.shape[0]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, num_slots, H, D]
-    flat[0].index_copy_(0, slot_mapping, key[:n])
-    flat[1].index_copy_(0, slot_mapping, value[:n])
+    key, value = to_cache_dtype(key[:n], kv_cache.dtype), to_cache_dtype(value[:n], kv_cache.dtype)
+    if kv_cache.dtype in FP8_KV_DTYPES:   # torch copies 8-bit floats as their bytes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)

@@ -220,7 +220,7 @@ def run_steps(backend_cls: type[AttentionBackend], spec: AttentionSpec, device: 
     steps = _check_steps(bs)
     final_lens = [x + y for x, y in zip(*steps[-1], strict=True)]
     table, num_blocks = random_block_tables(final_lens, bs, gen, garbage_table_tail=True)
-    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, bs, hkv, d), dtype=spec.dtype, device=device)
+    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, bs, hkv, d), dtype=spec.cache_dtype, device=device)
     backend = backend_cls()
     scale = d ** -0.5
     outs = []
@@ -259,7 +259,7 @@ def step_runners(
         seq_lens = [x + y for x, y in zip(ctx, q, strict=True)]
         table, num_blocks = random_block_tables(seq_lens, bs, gen, spare_blocks=0)
         cache = torch.randn(backend_cls.kv_cache_shape(num_blocks, bs, hkv, d), generator=gen)
-        cache = cache.to(device=device, dtype=spec.dtype)
+        cache = cache.to(device=device, dtype=spec.cache_dtype)
         md = step_metadata(table, ctx, q, bs, device=device)
         qkv = [torch.randn(md.num_tokens, n, d, generator=gen).to(device=device, dtype=spec.dtype)
                for n in (h, hkv, hkv)]

@@ -227,6 +227,11 @@ class TorchBatchedBackend(AttentionBackend):
             return Support.no(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
         return Support.yes()
 
+    @classmethod
+    def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """Any cache type torch converts from (keys and values are gathered, then converted)."""
+        return Support.yes()
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         # The block size is only known from the cache in forward(); keep the plan lazy but shared.
         metadata.backend_data = {}
@@ -270,8 +275,8 @@ class TorchBatchedBackend(AttentionBackend):
             q = query.index_select(0, grp.q_index).view(n, grp.max_q, num_kv_heads, g, head_size)
             q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, g * grp.max_q, head_size)
             # [n * num_blocks, block_size, Hkv, D] -> [n, L, Hkv, D]
-            k = kv_cache[0].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size)
-            v = kv_cache[1].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size)
+            k = kv_cache[0].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size).to(query.dtype)
+            v = kv_cache[1].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size).to(query.dtype)
             mask = grp.mask(block_size, sliding_window, g)  # [n, 1, G * max_q or 1, L]
             if grp.max_q == 1 and n >= MATMUL_DECODE_MIN_SEQS and q.device.type == "cpu":
                 o = _decode_attention(q, k, v, mask, scale)   # CPU: 3-4x faster than SDPA at 16-32 sequences

@@ -43,6 +43,11 @@ class TorchSDPABackend(AttentionBackend):
         """Every device, dtype and head size."""
         return Support.yes()
 
+    @classmethod
+    def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """Any cache type torch converts from (8-bit floats included)."""
+        return Support.yes()
+
     def forward(
         self,
         query: torch.Tensor,     # [T, Hq, D]

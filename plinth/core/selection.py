@@ -319,7 +319,7 @@ class AttentionCandidates:
         return f"unsupported: {obj!r} is not a subclass of plinth.attention_backends.interface.AttentionBackend"
 
     def supports(self, cls: Any) -> Support:
-        return cls.supports(self.spec, self.platform.device_type)
+        return cls.check(self.spec, self.platform.device_type)
 
     def max_error(self, cls: Any, reference_cls: Any) -> float:
         if self._reference_out is None or self._reference_out[0] is not reference_cls:

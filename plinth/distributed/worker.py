@@ -99,7 +99,7 @@ class Worker:
     def _spec(self) -> Any:
         from plinth.worker.setup import attention_spec
 
-        spec = attention_spec(self.hf, self.dtype, self.config.cache.block_size)
+        spec = attention_spec(self.hf, self.dtype, self.config.cache.block_size, self.config.cache.kv_cache_dtype)
         tp = self.layout.tp_size
         kv = spec.num_kv_heads // tp if spec.num_kv_heads >= tp else 1
         return dataclasses.replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=kv)
@@ -146,7 +146,7 @@ class Worker:
         enable_lora_for(model, self.config)
         self._model, self._backend = model, backend
         block_size = self.config.cache.block_size
-        bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, block_size, self.dtype)
+        bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, block_size, self._spec().cache_dtype)
         reserve = 0
         if self.device.type == "cuda":
             weights = torch.cuda.memory_allocated(self.device)
@@ -182,7 +182,7 @@ class Worker:
     def _make_runner(self, num_blocks: int) -> None:
         cfg = self.config
         self.runner = ModelRunner(self._model, self._backend, self.device, num_blocks, cfg.cache.block_size,
-                                  self.max_model_len, self.dtype)
+                                  self.max_model_len, self._spec().cache_dtype)
         if self.layout.pp_size > 1:
             self.stage = PipelineStage(self.runner, self.layout, self.hf.hidden_size, self.dtype)
 

@@ -8,6 +8,7 @@ from typing import Any
 from plinth.config import (
     DTYPES,
     EXECUTORS,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     POOLING_TYPES,
     SCHEDULING_POLICIES,
@@ -23,6 +24,7 @@ ENGINE_KWARGS = (
     "seed", "served_model_name", "chat_template", "generation_config", "override_generation_config",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
+    "kv_cache_dtype",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
@@ -80,6 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                    help="on by default (accepted as vLLM's flag)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: keys and values in 8 bits (twice the "
+                        "tokens per GiB), with backends that read them (Triton on GPUs with FP8, the torch backends)")
     g = parser.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once (default: the platform's, 512 on GPUs of 70 GiB and more, else 256)")

@@ -56,7 +56,7 @@ def benchmark_model(config: Any) -> list[SelectionResult]:
     platform = select_platform(config.device.platform)
     source = resolve_model_source(config.model)
     dtype = resolve_dtype(config.model, source.hf_config, platform.supported_dtypes())
-    spec = attention_spec(source.hf_config, dtype, config.cache.block_size)
+    spec = attention_spec(source.hf_config, dtype, config.cache.block_size, config.cache.kv_cache_dtype)
     device = config.device
     if device.selection == "cached" and not device.attention_backend:
         device = dataclasses.replace(device, selection="benchmark")

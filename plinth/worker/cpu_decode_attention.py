@@ -61,8 +61,8 @@ def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     width = block_tables.shape[1]
     length = width * block_size
     flat_blocks = block_tables.reshape(-1)                                              # [G * W]
-    k = kv_cache[0].index_select(0, flat_blocks).view(g_rows, length, num_kv_heads, head_size)
-    v = kv_cache[1].index_select(0, flat_blocks).view(g_rows, length, num_kv_heads, head_size)
+    k = kv_cache[0].index_select(0, flat_blocks).view(g_rows, length, num_kv_heads, head_size).to(query.dtype)
+    v = kv_cache[1].index_select(0, flat_blocks).view(g_rows, length, num_kv_heads, head_size).to(query.dtype)
     q = query.view(g_rows, num_kv_heads, group, head_size)                              # [G, Hkv, Gq, D]
     # [G, Hkv, Gq, D] @ [G, Hkv, D, L] -> [G, Hkv, Gq, L]
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)).to(torch.promote_types(query.dtype, torch.float32)) * scale

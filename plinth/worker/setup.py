@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from plinth.attention_backends.interface import AttentionSpec
+from plinth.attention_backends.interface import AttentionSpec, kv_cache_torch_dtype
 from plinth.config import EngineConfig
 from plinth.errors import ModelLoadError
 from plinth.worker.model_runner import ModelRunner
@@ -116,14 +116,16 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> AttentionSpec:
+    """The model's attention shapes; ``kv_cache_dtype`` is :attr:`~plinth.config.CacheConfig.kv_cache_dtype`."""
     heads = hf_config.num_attention_heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     window = getattr(hf_config, "sliding_window", None)
     if not getattr(hf_config, "use_sliding_window", True):
         window = None
     return AttentionSpec(num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-                         head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window)
+                         head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window,
+                         kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype))
 
 
 def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_per_block: int,
@@ -186,7 +188,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     max_model_len = config.model.max_model_len or limit
     if config.model.max_model_len and config.model.max_model_len > limit:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
-    spec = attention_spec(hf, dtype, config.cache.block_size)
+    spec = attention_spec(hf, dtype, config.cache.block_size, config.cache.kv_cache_dtype)
     workload = AttentionWorkload.for_engine(*config.scheduler.limits,
                                             max_model_len, hf.num_hidden_layers)
     selection = select_attention_backend(spec, platform, config.device, workload=workload)
@@ -197,7 +199,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     model = load_model(source, ctx, seed=config.model.seed)
     model.eval()
     enable_lora_for(model, config)
-    bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, dtype)
+    bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, spec.cache_dtype)
     reserve = 0
     if device.type == "cuda":
         weights = torch.cuda.memory_allocated(device)
@@ -206,7 +208,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         # sampling needs a few [max_num_seqs, vocab] float32 temporaries.
         reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
-    runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, dtype)
+    runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, spec.cache_dtype)
     prepare_runner = getattr(platform, "prepare_runner", None)   # a platform's own fast path (CPU)
     if prepare_runner is not None:
         prepare_runner(runner, source, config)

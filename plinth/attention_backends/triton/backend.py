@@ -12,7 +12,13 @@ from typing import ClassVar
 
 import torch
 
-from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata, AttentionSpec, Support
+from plinth.attention_backends.interface import (
+    FP8_KV_DTYPES,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    Support,
+)
 from plinth.attention_backends.triton import tiles
 from plinth.kernels import ops
 
@@ -111,6 +117,21 @@ class TritonAttentionBackend(AttentionBackend):
             return Support.no(f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads")
         if spec.block_size < 1:
             return Support.no(f"block size {spec.block_size} unsupported")
+        return Support.yes()
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """The model's dtype, or an 8-bit float cache on CUDA GPUs that convert to and from FP8 (compute
+        capability 8.9 and up: Ada, Hopper, Blackwell)."""
+        if spec.cache_dtype == spec.dtype:
+            return Support.yes()
+        if spec.cache_dtype not in FP8_KV_DTYPES:
+            return Support.no(f"KV cache of {spec.cache_dtype} unsupported")
+        if device_type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
+            return Support.no("an FP8 KV cache needs an NVIDIA GPU (compute capability 8.9 or higher)")
+        if torch.cuda.get_device_capability() < (8, 9):
+            major, minor = torch.cuda.get_device_capability()
+            return Support.no(f"an FP8 KV cache needs compute capability 8.9 or higher, this GPU has {major}.{minor}")
         return Support.yes()
 
     def prepare(self, metadata: AttentionMetadata) -> None:

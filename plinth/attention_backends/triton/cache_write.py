@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plinth.attention_backends.interface import FP8_KV_DTYPES
 from plinth.attention_backends.triton.tiles import next_power_of_2
 
 
@@ -25,6 +26,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    LIMIT: tl.constexpr = 0.0,   # an 8-bit float cache: values clamped to +-LIMIT before rounding
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -35,6 +37,9 @@ def _write_kv_kernel(
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_SIZE)[None, :]   # [H, D]
     k = tl.load(key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if LIMIT > 0:
+        k = tl.clamp(k.to(tl.float32), -LIMIT, LIMIT)
+        v = tl.clamp(v.to(tl.float32), -LIMIT, LIMIT)
     tl.store(k_cache_ptr + page * stride_ckb + in_page * stride_ckt + offs_h[:, None] * stride_ckh
              + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + page * stride_cvb + in_page * stride_cvt + offs_h[:, None] * stride_cvh
@@ -66,5 +71,6 @@ def write_kv_cache_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1],
+        LIMIT=FP8_KV_DTYPES.get(k_cache.dtype, 0.0),
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )

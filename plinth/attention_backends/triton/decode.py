@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plinth.attention_backends.interface import FP8_KV_DTYPES
 from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2
 from plinth.kernels.ops import dependent_options
 from plinth.kernels.triton_jit import dependent_start
@@ -59,6 +60,7 @@ def _decode_split_kernel(
     slot_mapping_ptr=None,   # ROTARY: [T] int64
     stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, stride_rt=0,
     ROTARY: tl.constexpr = False,   # rotate q and the new key here, and write the new key/value to the cache
+    LIMIT: tl.constexpr = 0.0,      # an 8-bit float cache: new keys/values are clamped to +-LIMIT before rounding
 ):
     dependent_start(DEPENDENT)
     seq = tl.program_id(0)
@@ -94,9 +96,13 @@ def _decode_split_kernel(
         k_row = key_ptr + row * stride_kt + kv_head * stride_kh
         k1 = tl.load(k_row + offs_d, mask=d_row_ok, other=0.0)
         k2 = tl.load(k_row + partner, mask=d_row_ok, other=0.0)
-        k_new = (k1.to(tl.float32) * cos + k2.to(tl.float32) * sin).to(k1.dtype).to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(value_ptr + row * stride_vt + kv_head * stride_vh + offs_d, mask=d_row_ok,
-                        other=0.0).to(v_cache_ptr.dtype.element_ty)                # [D]
+        k_new = (k1.to(tl.float32) * cos + k2.to(tl.float32) * sin).to(k1.dtype)
+        v_new = tl.load(value_ptr + row * stride_vt + kv_head * stride_vh + offs_d, mask=d_row_ok, other=0.0)
+        if LIMIT > 0:
+            k_new = tl.clamp(k_new.to(tl.float32), -LIMIT, LIMIT)
+            v_new = tl.clamp(v_new.to(tl.float32), -LIMIT, LIMIT)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)                       # [D] as the cache holds them
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
 
     if SLIDING:
         kv_start = tl.maximum(seq_len - window, 0)    # the query sits at position seq_len - 1
@@ -131,6 +137,8 @@ def _decode_split_kernel(
             is_new = offs_n == seq_len - 1
             k = tl.where(is_new[None, :], k_new[:, None], k)
             v = tl.where(is_new[:, None], v_new[None, :], v)
+        k = k.to(q.dtype)   # an 8-bit cache's values widened (a no-op for a cache of the model's dtype)
+        v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale          # [G, N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -253,7 +261,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        **_rotary_args(rotary),
+        **_rotary_args(rotary, k_cache.dtype),
         **dependent,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -271,12 +279,12 @@ def decode_attention(
         )
 
 
-def _rotary_args(rotary: tuple[torch.Tensor, ...] | None) -> dict:
-    """The split kernel's ROTARY arguments (none without ``rotary``)."""
+def _rotary_args(rotary: tuple[torch.Tensor, ...] | None, cache_dtype: torch.dtype) -> dict:
+    """The split kernel's ROTARY arguments (none without ``rotary``), with the clamp of an 8-bit cache."""
     if rotary is None:
         return {}
     key, value, cos, sin, slot_mapping = rotary
     assert cos.stride() == sin.stride() and cos.stride(-1) == 1 and key.stride(-1) == value.stride(-1) == 1
     return dict(key_ptr=key, value_ptr=value, cos_ptr=cos, sin_ptr=sin, slot_mapping_ptr=slot_mapping,
                 stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
-                stride_rt=cos.stride(0), ROTARY=True)
+                stride_rt=cos.stride(0), ROTARY=True, LIMIT=FP8_KV_DTYPES.get(cache_dtype, 0.0))

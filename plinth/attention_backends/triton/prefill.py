@@ -69,6 +69,8 @@ def _attend_tile(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+    k = k.to(q.dtype)   # an 8-bit cache's values widened (a no-op for a cache of the model's dtype)
+    v = v.to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale              # [M, N], log2 units
     if CAUSAL_MASK:

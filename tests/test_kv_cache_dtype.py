@@ -1,0 +1,144 @@
+"""8-bit float KV caches (``kv_cache_dtype="fp8"``): every backend that takes one against float64 attention over
+the keys and values rounded to the cache's format (as the format's specification rounds them: clamped to its
+range, nearest value), and engines with an FP8 cache: twice the blocks of a 16-bit cache, backends agreeing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from paged_driver import build_metadata
+
+from plinth import LLM, SamplingParams
+from plinth.attention_backends.interface import FP8_KV_DTYPES, AttentionSpec, write_kv_cache
+from plinth.attention_backends.torch_batched import TorchBatchedBackend
+from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+from plinth.config import ConfigError, EngineConfig
+from plinth.errors import SelectionError
+
+CUDA = torch.cuda.is_available()
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache holds it, in float64: clamped to the format's largest value, rounded to nearest."""
+    limit = FP8_KV_DTYPES[dtype]
+    return x.double().clamp(-limit, limit).to(dtype).double()
+
+
+def _reference(q, k_all, v_all, ctx_len, scale):
+    """float64 causal attention of one sequence: q [Q, Hq, D] at positions ctx_len.., k/v [L, Hkv, D]."""
+    group = q.shape[1] // k_all.shape[1]
+    k = k_all.repeat_interleave(group, dim=1).transpose(0, 1)            # [Hq, L, D]
+    v = v_all.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.einsum("qhd,hld->hql", q.double(), k) * scale          # [Hq, Q, L]
+    pos = torch.arange(ctx_len, ctx_len + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > pos, float("-inf"))
+    return torch.einsum("hql,hld->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def _backends():
+    out = [("torch_sdpa", TorchSDPABackend, "cpu"), ("torch_batched", TorchBatchedBackend, "cpu")]
+    if CUDA:
+        from plinth.attention_backends.triton.backend import TritonAttentionBackend
+
+        out += [("torch_sdpa-cuda", TorchSDPABackend, "cuda"), ("triton", TritonAttentionBackend, "cuda")]
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name, backend_cls, device", _backends(), ids=[b[0] for b in _backends()])
+def test_attention_over_rounded_keys_and_values(name, backend_cls, device, cache_dtype):
+    """A cached prefix, a prefill, a decode and a chunk in one step; some keys and values beyond the format's
+    range (clamped, never NaN); new keys and values stored rounded."""
+    g = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 16, 4, 48
+    shapes = [(0, 7), (9, 3), (13, 1), (5, 6)]
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=cache_dtype, device=device)
+    entries, full_k, full_v, used = [], [], [], 0
+    for ctx_len, new in shapes:
+        total = ctx_len + new
+        blocks = perm[used:used + -(-total // block_size)].tolist()
+        used += len(blocks)
+        k_all = torch.randn(total, num_kv_heads, head_size, generator=g) * 3
+        v_all = torch.randn(total, num_kv_heads, head_size, generator=g) * 3
+        k_all[0, 0, :2] = torch.tensor([1e6, -1e6])   # beyond every 8-bit format's range
+        v_all[-1, -1, -2:] = torch.tensor([-1e6, 1e6])
+        if ctx_len:   # the prefix is already in the cache (written as the engine writes)
+            slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx_len)])
+            write_kv_cache(k_all[:ctx_len].to(device), v_all[:ctx_len].to(device), cache, slots.to(device))
+        entries.append((list(range(new)), ctx_len, blocks))
+        full_k.append(k_all)
+        full_v.append(v_all)
+    _, _, md = build_metadata(entries, block_size, device=device)
+    query = torch.randn(md.num_tokens, num_heads, head_size, generator=g)
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
+    spec = AttentionSpec(num_heads, num_kv_heads, head_size, torch.float32, block_size, kv_cache_dtype=cache_dtype)
+    assert backend_cls.check(spec, device), backend_cls.check(spec, device).reason
+    backend = backend_cls()
+    backend.prepare(md)
+    scale = 1 / math.sqrt(head_size)
+    out = backend.forward(query.to(device), key.to(device), value.to(device), cache, md, scale=scale).cpu()
+    assert torch.isfinite(out).all()
+    for s, (ctx_len, _) in enumerate(shapes):
+        lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+        ref = _reference(query[lo:hi], _rounded(full_k[s], cache_dtype), _rounded(full_v[s], cache_dtype), ctx_len,
+                         scale)
+        torch.testing.assert_close(out[lo:hi].double(), ref, rtol=2e-5, atol=1e-4)   # float32 math, values to 6e4
+    flat = cache.view(2, -1, num_kv_heads, head_size).cpu()
+    assert torch.equal(flat[0, md.slot_mapping.cpu()].double(), _rounded(key, cache_dtype))
+    assert torch.equal(flat[1, md.slot_mapping.cpu()].double(), _rounded(value, cache_dtype))
+
+
+def test_engine_with_an_fp8_cache(tmp_path):
+    """The cache holds FP8 and four times the blocks of a float32 cache in the same bytes; the two torch backends
+    read it alike (same tokens and log-probabilities)."""
+    model = save_tiny_model(tmp_path / "m")
+    prompts = ["The quick brown fox", "Paris is the capital of France, and Berlin is", "0123"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    common = dict(dtype="float32", selection="off", cpu_kv_cache_bytes=1 << 22)
+    runs = {}
+    for name, kw in {"f32": {}, "sdpa": dict(kv_cache_dtype="fp8", attention_backend="torch_sdpa"),
+                     "batched": dict(kv_cache_dtype="fp8", attention_backend="torch_batched")}.items():
+        llm = LLM(str(model), **common, **kw)
+        runs[name] = (llm.generate(prompts, params, use_tqdm=False), llm.engine)
+    f32_engine, fp8_engine = runs["f32"][1], runs["sdpa"][1]
+    assert fp8_engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert fp8_engine.block_manager.num_usable_blocks + 1 == 4 * (f32_engine.block_manager.num_usable_blocks + 1)
+    for a, b in zip(runs["sdpa"][0], runs["batched"][0], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = lambda out: [pos[t].logprob for pos, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids,  # noqa: E731
+                                                           strict=True)]
+        assert lp(a) == pytest.approx(lp(b), abs=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_triton_with_graphs_equals_the_reference_backend(tmp_path):
+    """On a GPU: the Triton backend (decode graphs, RoPE and the cache write fused in the decode kernel) and
+    the reference backend, both with an FP8 cache, generate the same tokens."""
+    model = save_tiny_model(tmp_path / "m", head_dim=16, hidden_size=64)
+    prompts = ["The quick brown fox", "Paris is the capital of France, and Berlin is", "0123"] * 3
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("triton", "torch_sdpa"):
+        llm = LLM(str(model), dtype="float32", selection="off", kv_cache_dtype="fp8", attention_backend=backend)
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if backend == "triton":
+            assert llm.engine.runner.graphs is not None
+    assert outs["triton"] == outs["torch_sdpa"]
+
+
+def test_backends_that_cannot_read_an_fp8_cache_say_so(tmp_path):
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+
+    spec = AttentionSpec(4, 2, 16, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e4m3fn)
+    assert "KV cache of torch.float8_e4m3fn unsupported" in CpuPagedBackend.check(spec, "cpu").reason
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+        EngineConfig.from_kwargs(kv_cache_dtype="int8")
+    model = save_tiny_model(tmp_path / "m")
+    with pytest.raises(SelectionError, match="KV cache of torch.float8_e4m3fn unsupported"):
+        LLM(str(model), dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu_paged")
