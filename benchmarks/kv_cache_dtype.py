@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--latency-context", type=int, default=16384)
+    p.add_argument("--latency-context", type=int, default=7936, help="the prompt of the latency run (with the "
+                   "output, within the model's max_position_embeddings)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: enough for both workloads")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

@@ -100,7 +100,7 @@ def test_engine_with_an_fp8_cache(tmp_path):
     model = save_tiny_model(tmp_path / "m")
     prompts = ["The quick brown fox", "Paris is the capital of France, and Berlin is", "0123"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    common = dict(dtype="float32", selection="off", cpu_kv_cache_bytes=1 << 22)
+    common = dict(dtype="float32", selection="off", cpu_kv_cache_bytes=1 << 22, platform="cpu")
     runs = {}
     for name, kw in {"f32": {}, "sdpa": dict(kv_cache_dtype="fp8", attention_backend="torch_sdpa"),
                      "batched": dict(kv_cache_dtype="fp8", attention_backend="torch_batched")}.items():
@@ -141,4 +141,4 @@ def test_backends_that_cannot_read_an_fp8_cache_say_so(tmp_path):
         EngineConfig.from_kwargs(kv_cache_dtype="int8")
     model = save_tiny_model(tmp_path / "m")
     with pytest.raises(SelectionError, match="KV cache of torch.float8_e4m3fn unsupported"):
-        LLM(str(model), dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu_paged")
+        LLM(str(model), dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu_paged", platform="cpu")
