@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
 
 from plinth import benchmarks_floor as floors
+
+timed = floors.median_seconds   # (fn, iters, device) -> median seconds after a warm-up
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -47,18 +47,6 @@ def prompts_of(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(args.seed)
     lens = rng.integers(args.len_range[0], args.len_range[1], size=args.num_prompts)
     return [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in lens]
-
-
-def timed(fn, iters: int, device: torch.device) -> float:
-    fn()   # warm-up (compilation, allocator)
-    times = []
-    for _ in range(iters):
-        floors.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        floors.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run_plinth(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int, str]:

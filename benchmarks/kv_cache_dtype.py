@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 
 import numpy as np
 import torch
 
 from plinth import benchmarks_floor as floors
+
+timed = floors.median_seconds   # (fn, iters, device) -> median seconds after a warm-up
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,18 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def timed(fn, iters: int, device: torch.device) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        floors.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        floors.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run(args: argparse.Namespace, kv: str, vocab: int) -> dict:

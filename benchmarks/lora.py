@@ -27,15 +27,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from plinth import benchmarks_floor as floors
+
+timed = floors.median_seconds   # (fn, iters, device) -> median seconds after a warm-up
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -87,18 +87,6 @@ def write_adapter(path: Path, cfg: dict, rank: int, seed: int, dtype: torch.dtyp
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
         "target_modules": list(TARGETS), "bias": "none"}))
     return path
-
-
-def timed(fn, iters: int, device: torch.device) -> float:
-    fn()   # warm-up
-    times = []
-    for _ in range(iters):
-        floors.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        floors.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def free_memory() -> None:

@@ -15,6 +15,9 @@ by a substring of the device name. Devices not in the table have no floor ("floo
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -64,6 +67,19 @@ def synchronize(device: torch.device) -> None:
     sync = getattr(backend, "synchronize", None) if device.type != "cpu" else None
     if callable(sync):
         sync(device)
+
+
+def median_seconds(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """The median wall time of ``iters`` device-synchronised calls of ``fn``, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 @dataclasses.dataclass(frozen=True)
