@@ -454,3 +454,32 @@ def test_plinth_serve_with_lora_modules(tmp_path):
                          env={**os.environ, "PLINTH_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert bad.returncode != 0
     assert "no such folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_mixture_of_experts_attention_adapter(tmp_path):
+    """A Mixtral model: an adapter on the attention projections matches PEFT; one on the experts is refused
+    (plinth applies adapters to dense MLPs only)."""
+    import transformers
+    from conftest import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    config = transformers.MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(3)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path / "m", safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path / "m")
+    attn = make_adapter(tmp_path / "m", tmp_path / "attn", 31, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    llm = LLM(str(tmp_path / "m"), dtype="float32", selection="off", enable_lora=True, max_lora_rank=8)
+    out = llm.generate(PROMPTS[1], greedy(), lora_request=LoRARequest("attn", 1, str(attn)), use_tqdm=False)[0]
+    assert_matches_peft(tmp_path / "m", attn, out)
+    experts = _edit(attn, tmp_path / "experts", tensors=lambda w: {
+        **w, "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(8, 64)})
+    with pytest.raises(RequestRejectedError, match="experts.0.gate_proj.lora_A.weight. is not a LoRA A/B weight"):
+        llm.generate("hi", greedy(), lora_request=LoRARequest("experts", 2, str(experts)))
