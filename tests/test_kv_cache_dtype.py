@@ -142,3 +142,16 @@ def test_backends_that_cannot_read_an_fp8_cache_say_so(tmp_path):
     model = save_tiny_model(tmp_path / "m")
     with pytest.raises(SelectionError, match="KV cache of torch.float8_e4m3fn unsupported"):
         LLM(str(model), dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu_paged", platform="cpu")
+
+
+def test_selection_cache_keeps_cache_dtypes_apart(tmp_path, monkeypatch):
+    """Benchmark-mode selection with its on-disk cache: a winner chosen for a float32 cache is not reused for an
+    FP8 one (the native CPU backend cannot read it), and the FP8 choice is cached under its own key."""
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    model = save_tiny_model(tmp_path / "m")
+    winners = []
+    for kv in ("auto", "fp8", "fp8"):
+        llm = LLM(str(model), dtype="float32", platform="cpu", selection="cached", kv_cache_dtype=kv)
+        winners.append(llm.engine.selection.winner)
+        assert llm.engine.runner.kv_caches[0].dtype == (torch.float32 if kv == "auto" else torch.float8_e4m3fn)
+    assert winners[1] in ("torch_sdpa", "torch_batched") and winners[2] == winners[1]

@@ -338,6 +338,7 @@ class AttentionCandidates:
     def key(self) -> dict[str, Any]:
         spec = {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)}
         spec["dtype"] = str(self.spec.dtype).removeprefix("torch.")
+        spec["kv_cache_dtype"] = str(self.spec.cache_dtype).removeprefix("torch.")
         return {"dtype": spec["dtype"], "spec": spec, "workload": dataclasses.asdict(self.workload)}
 
 
