@@ -56,8 +56,12 @@ def run(args: argparse.Namespace, kv: str, vocab: int) -> dict:
     engine = llm.engine
     device = engine.device
     bs = engine.config.cache.block_size
+    caches = engine.runner.kv_caches if engine.runner is not None else []
     out = {"backend": engine.selection.winner if engine.selection else "?",
-           "blocks": engine.block_manager.num_usable_blocks, "tokens": engine.block_manager.num_usable_blocks * bs}
+           "blocks": engine.block_manager.num_usable_blocks, "tokens": engine.block_manager.num_usable_blocks * bs,
+           # every layer's keys and values of one token (the block count may be capped by max_num_seqs x the
+           # sequence length, so bytes per token is the capacity's measure)
+           "token_bytes": sum(c[:, :1].numel() * c.element_size() for c in caches) // bs}
     many = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     # without the prefix cache's help: every run computes every prompt (fresh random prompts would too)
@@ -70,8 +74,8 @@ def run(args: argparse.Namespace, kv: str, vocab: int) -> dict:
     ceilings = floors.ceilings_for(floors.device_name(device))
     model = engine.runner.model if engine.runner is not None else None
     if ceilings is not None and model is not None:
-        kv_bytes = sum(c[:, :1].numel() * c.element_size() for c in engine.runner.kv_caches) // bs   # per token
-        step_bytes = floors.weight_stats(model).streamed_bytes + kv_bytes * (args.latency_context + args.output_len // 2)
+        step_bytes = (floors.weight_stats(model).streamed_bytes
+                      + out["token_bytes"] * (args.latency_context + args.output_len // 2))
         out["floor_ms"] = step_bytes / ceilings.copy_bytes_per_s * 1e3
     engine.shutdown()
     return out
@@ -93,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     base = next(iter(results.values()))
     for kv, r in results.items():
         floor = f"   floor {r['floor_ms']:.3f} ({r['floor_ms'] / r['ms'] * 100:.0f}%)" if "floor_ms" in r else ""
-        print(f"  kv_cache_dtype={kv:5s} ({r['backend']}): {r['tokens']:,} tokens in the cache "
-              f"({r['tokens'] / base['tokens']:.2f}x), {r['throughput']:,.0f} output tok/s "
+        print(f"  kv_cache_dtype={kv:5s} ({r['backend']}): {r['token_bytes']:,} KV bytes per token, {r['tokens']:,} "
+              f"tokens in the cache ({r['tokens'] / base['tokens']:.2f}x), {r['throughput']:,.0f} output tok/s "
               f"({r['throughput'] / base['throughput']:.2f}x), batch-1 {r['ms']:.3f} ms/token{floor}")
 
 

@@ -28,14 +28,18 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.double().clamp(-limit, limit).to(dtype).double()
 
 
-def _reference(q, k_all, v_all, ctx_len, scale):
+def _reference(q, k_all, v_all, ctx_len, scale, window=None):
     """float64 causal attention of one sequence: q [Q, Hq, D] at positions ctx_len.., k/v [L, Hkv, D]."""
     group = q.shape[1] // k_all.shape[1]
     k = k_all.repeat_interleave(group, dim=1).transpose(0, 1)            # [Hq, L, D]
     v = v_all.repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.einsum("qhd,hld->hql", q.double(), k) * scale          # [Hq, Q, L]
     pos = torch.arange(ctx_len, ctx_len + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > pos, float("-inf"))
+    key_pos = torch.arange(k.shape[1])[None, :]
+    hidden = key_pos > pos
+    if window is not None:
+        hidden |= key_pos <= pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hql,hld->qhd", torch.softmax(scores, dim=-1), v)
 
 
@@ -44,7 +48,8 @@ def _backends():
     if CUDA:
         from plinth.attention_backends.triton.backend import TritonAttentionBackend
 
-        out += [("torch_sdpa-cuda", TorchSDPABackend, "cuda"), ("triton", TritonAttentionBackend, "cuda")]
+        out += [("torch_sdpa-cuda", TorchSDPABackend, "cuda"), ("torch_batched-cuda", TorchBatchedBackend, "cuda"),
+                ("triton", TritonAttentionBackend, "cuda")]
     return out
 
 
@@ -94,6 +99,47 @@ def test_attention_over_rounded_keys_and_values(name, backend_cls, device, cache
     assert torch.equal(flat[1, md.slot_mapping.cpu()].double(), _rounded(value, cache_dtype))
 
 
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name, backend_cls, device", _backends(), ids=[b[0] for b in _backends()])
+def test_decode_steps_over_rounded_keys_and_values(name, backend_cls, device, cache_dtype, window, model_dtype):
+    """Decode-only steps (one query per sequence, the decode kernels' path; Triton with one split and with three)
+    over cached contexts of 5 to 40 tokens, with and without a sliding window, float32 and bfloat16 models."""
+    g = torch.Generator().manual_seed(11)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 8, 2, 32, 4, 64
+    ctx_lens = [9, 40, 5, 17]
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=cache_dtype, device=device)
+    entries, full_k, full_v, used = [], [], [], 0
+    for ctx_len in ctx_lens:
+        blocks = perm[used:used + -(-(ctx_len + 1) // block_size)].tolist()
+        used += len(blocks)
+        k_all = (torch.randn(ctx_len + 1, num_kv_heads, head_size, generator=g) * 2).to(model_dtype)
+        v_all = (torch.randn(ctx_len + 1, num_kv_heads, head_size, generator=g) * 2).to(model_dtype)
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx_len)])
+        write_kv_cache(k_all[:ctx_len].to(device), v_all[:ctx_len].to(device), cache, slots.to(device))
+        entries.append(([0], ctx_len, blocks))
+        full_k.append(k_all)
+        full_v.append(v_all)
+    _, _, md = build_metadata(entries, block_size, device=device)
+    query = torch.randn(len(ctx_lens), num_heads, head_size, generator=g).to(model_dtype)
+    key = torch.stack([k[-1] for k in full_k])
+    value = torch.stack([v[-1] for v in full_v])
+    scale = 1 / math.sqrt(head_size)
+    backends = [backend_cls()] if name != "triton" else [backend_cls(decode_splits=1), backend_cls(decode_splits=3)]
+    for backend in backends:
+        layer_cache = cache.clone()
+        backend.prepare(md)
+        out = backend.forward(query.to(device), key.to(device), value.to(device), layer_cache, md, scale=scale,
+                              sliding_window=window).cpu()
+        for s, ctx_len in enumerate(ctx_lens):
+            ref = _reference(query[s:s + 1], _rounded(full_k[s], cache_dtype), _rounded(full_v[s], cache_dtype),
+                             ctx_len, scale, window)
+            tol = 2e-5 if model_dtype == torch.float32 else 2e-2   # bfloat16 math and output
+            torch.testing.assert_close(out[s:s + 1].double(), ref, rtol=tol, atol=tol * 5)
+
+
 def test_engine_with_an_fp8_cache(tmp_path):
     """The cache holds FP8 and four times the blocks of a float32 cache in the same bytes; the two torch backends
     read it alike (same tokens and log-probabilities)."""
@@ -136,11 +182,14 @@ def test_backends_that_cannot_read_an_fp8_cache_say_so(tmp_path):
     from plinth.attention_backends.cpu_paged import CpuPagedBackend
 
     spec = AttentionSpec(4, 2, 16, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e4m3fn)
-    assert "KV cache of torch.float8_e4m3fn unsupported" in CpuPagedBackend.check(spec, "cpu").reason
+    assert "an 8-bit KV cache (float8_e4m3fn, --kv-cache-dtype) unsupported" in CpuPagedBackend.check(spec, "cpu").reason
+    # a subclass with its own kernels does not inherit its parent's acceptance (cpu_paged is a torch_batched)
+    assert TorchBatchedBackend.check(spec, "cpu") and not CpuPagedBackend.check(spec, "cpu")
+    assert "on 'npu' unsupported" in TorchSDPABackend.check(spec, "npu").reason
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
         EngineConfig.from_kwargs(kv_cache_dtype="int8")
     model = save_tiny_model(tmp_path / "m")
-    with pytest.raises(SelectionError, match="KV cache of torch.float8_e4m3fn unsupported"):
+    with pytest.raises(SelectionError, match="an 8-bit KV cache .float8_e4m3fn, --kv-cache-dtype. unsupported"):
         LLM(str(model), dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu_paged", platform="cpu")
 
 

@@ -20,13 +20,7 @@ import functools
 import torch
 
 from plinth.attention_backends.cpu_paged_build import load_kernel
-from plinth.attention_backends.interface import (
-    AttentionBackend,
-    AttentionMetadata,
-    AttentionSpec,
-    Support,
-    write_kv_cache,
-)
+from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec, Support, write_kv_cache
 from plinth.attention_backends.torch_batched import TorchBatchedBackend
 from plinth.config import ConfigError
 
@@ -50,11 +44,6 @@ class CpuPagedBackend(TorchBatchedBackend):
 
     name = "cpu_paged"
     priority = 6
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
-        """The native kernels read a cache of the model's dtype only."""
-        return AttentionBackend.supports_kv_cache_dtype.__func__(cls, spec, device_type)
 
     @classmethod
     def supports(cls, spec: AttentionSpec, device_type: str) -> Support:

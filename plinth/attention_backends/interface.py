@@ -97,6 +97,8 @@ class AttentionSpec:
         return self.kv_cache_dtype or self.dtype
 
 
+#: device types where torch converts and copies 8-bit floats (the torch backends read such caches there)
+FP8_TORCH_DEVICES = ("cpu", "cuda")
 #: KV-cache element types below the model's precision, and the largest value each holds
 FP8_KV_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -155,13 +157,20 @@ class AttentionBackend(abc.ABC):
         that reads 8-bit caches overrides this)."""
         if spec.cache_dtype == spec.dtype:
             return Support.yes()
-        return Support.no(f"KV cache of {spec.cache_dtype} unsupported (only the model's {spec.dtype})")
+        return Support.no(f"an 8-bit KV cache ({str(spec.cache_dtype).removeprefix('torch.')}, --kv-cache-dtype) "
+                          f"unsupported: keeps the model's {str(spec.dtype).removeprefix('torch.')}")
 
     @classmethod
     def check(cls, spec: AttentionSpec, device_type: str) -> Support:
-        """:meth:`supports` and :meth:`supports_kv_cache_dtype` together (what selection asks)."""
+        """:meth:`supports` and :meth:`supports_kv_cache_dtype` together (what selection asks). A cache of another
+        type than the model's needs the class itself to define :meth:`supports_kv_cache_dtype`: a subclass with
+        its own kernels does not inherit its parent's answer."""
         support = cls.supports(spec, device_type)
-        return support if not support else cls.supports_kv_cache_dtype(spec, device_type)
+        if not support or spec.cache_dtype == spec.dtype:
+            return support
+        if "supports_kv_cache_dtype" not in cls.__dict__:
+            return AttentionBackend.supports_kv_cache_dtype.__func__(cls, spec, device_type)
+        return cls.supports_kv_cache_dtype(spec, device_type)
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.attention_backends.interface import (
+    FP8_TORCH_DEVICES,
     AttentionBackend,
     AttentionMetadata,
     AttentionSpec,
@@ -230,7 +231,10 @@ class TorchBatchedBackend(AttentionBackend):
     @classmethod
     def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
         """Any cache type torch converts from (keys and values are gathered, then converted)."""
-        return Support.yes()
+        if spec.cache_dtype == spec.dtype or device_type in FP8_TORCH_DEVICES:
+            return Support.yes()
+        return Support.no(f"an 8-bit KV cache on {device_type!r} unsupported (torch converts 8-bit floats on "
+                          f"{', '.join(FP8_TORCH_DEVICES)})")
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         # The block size is only known from the cache in forward(); keep the plan lazy but shared.

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.attention_backends.interface import (
+    FP8_TORCH_DEVICES,
     AttentionBackend,
     AttentionMetadata,
     AttentionSpec,
@@ -46,7 +47,10 @@ class TorchSDPABackend(AttentionBackend):
     @classmethod
     def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
         """Any cache type torch converts from (8-bit floats included)."""
-        return Support.yes()
+        if spec.cache_dtype == spec.dtype or device_type in FP8_TORCH_DEVICES:
+            return Support.yes()
+        return Support.no(f"an 8-bit KV cache on {device_type!r} unsupported (torch converts 8-bit floats on "
+                          f"{', '.join(FP8_TORCH_DEVICES)})")
 
     def forward(
         self,

@@ -221,11 +221,27 @@ class LLMEngine:
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.served_model_aliases: tuple[str, ...] = config.model.served_model_aliases
         self.max_logprobs: int = config.model.max_logprobs
+        if config.cache.kv_cache_dtype != "auto":
+            self._note_kv_cache_dtype()
         self.load_time_s = time.perf_counter() - t0
         logger.info("engine ready in %.2f s: %s, %s, %s, attention %s, %d KV blocks%s", self.load_time_s,
                     parts.model_name, self.platform.name, str(self.dtype).removeprefix("torch."),
                     self.selection.winner if self.selection else "?", parts.num_blocks,
                     ", asynchronous scheduling" if self.async_scheduling else "")
+
+    def _note_kv_cache_dtype(self) -> None:
+        """Warn what an 8-bit KV cache costs here: its scale of 1 (no calibration), and a torch reference backend
+        where the fast ones cannot read it (decode then runs without graphs or the CPU decode plan)."""
+        kind = self.config.cache.kv_cache_dtype
+        logger.warning("--kv-cache-dtype %s: keys and values rounded to 8 bits with a scale of 1 (no calibrated "
+                       "scales); accuracy may drop", kind)
+        selection = self.selection
+        if selection is None or selection.winner not in ("torch_sdpa", "torch_batched"):
+            return
+        refused = [f"{c.name}: {c.reason}" for c in selection.candidates if c.reason and not c.chosen]
+        logger.warning("--kv-cache-dtype %s runs on the %s attention backend, slower than the backends that keep the "
+                       "model's dtype (%s); --kv-cache-dtype auto keeps them", kind, selection.winner,
+                       "; ".join(refused) or "none refused")
 
     def _resolve_itl_target(self, requested: float) -> float:
         """The inter-token latency target in ms (0: off). Asynchronous steps are not timed one by one,

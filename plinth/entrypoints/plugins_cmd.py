@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from plinth import hookspecs
+from plinth.config import KV_CACHE_DTYPES
 from plinth.plugins import ENTRY_POINT_GROUP, PluginManager, PluginRecord, get_plugin_manager
 
 _ENV_VARS = ("PLINTH_PLUGINS", "PLINTH_DISABLE_PLUGIN_AUTOLOAD", "PLINTH_PLATFORM")
@@ -20,6 +21,8 @@ def add_parser(subparsers: Any, name: str, help: str) -> argparse.ArgumentParser
     parser.add_argument("--benchmark", nargs="?", const="", default=None, metavar="MODEL",
                         help="time every attention-backend candidate on MODEL's shapes (default: the default "
                              "model) and print the selection table")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="with --benchmark: the KV cache's element type the candidates must read")
     parser.set_defaults(func=run)
     return parser
 
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.benchmark is not None:
         from plinth.entrypoints.selection_report import run_benchmark
 
-        return run_benchmark(args.benchmark or None, as_json=args.json)
+        return run_benchmark(args.benchmark or None, as_json=args.json, kv_cache_dtype=args.kv_cache_dtype)
     report = build_report(get_plugin_manager())
     if args.json:
         json.dump(report, sys.stdout, indent=2)

@@ -63,8 +63,10 @@ def benchmark_model(config: Any) -> list[SelectionResult]:
     return [describe_platform(platform), select_attention_backend(spec, platform, device)]
 
 
-def run_benchmark(model: str | None, *, as_json: bool = False, file: TextIO | None = None) -> int:
-    """``plinth plugins --benchmark [MODEL]``: select for ``model`` and print every kind's table."""
+def run_benchmark(model: str | None, *, as_json: bool = False, file: TextIO | None = None,
+                  kv_cache_dtype: str = "auto") -> int:
+    """``plinth plugins --benchmark [MODEL] [--kv-cache-dtype ...]``: select for ``model`` and print every kind's
+    table."""
     import json
     from pathlib import Path
 
@@ -73,7 +75,7 @@ def run_benchmark(model: str | None, *, as_json: bool = False, file: TextIO | No
 
     out = file or sys.stdout
     fmt = "dummy" if model is not None and not Path(model).exists() and model in list_presets() else "auto"
-    results = benchmark_model(EngineConfig.from_kwargs(model=model, load_format=fmt))
+    results = benchmark_model(EngineConfig.from_kwargs(model=model, load_format=fmt, kv_cache_dtype=kv_cache_dtype))
     if as_json:
         json.dump([r.to_dict() for r in results], out, indent=2)
         out.write("\n")

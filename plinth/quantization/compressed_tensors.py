@@ -108,7 +108,9 @@ def parse_config(quant_config: dict[str, Any]) -> tuple[Scheme, list[list[str]],
         if quant_config.get(key):
             raise ConfigError(f"compressed-tensors: checkpoints with a {key} are not supported")
     if config.kv_cache_scheme is not None:
-        raise ConfigError("compressed-tensors: KV-cache quantization (kv_cache_scheme) is not supported")
+        raise ConfigError("compressed-tensors: checkpoints with KV-cache quantization (kv_cache_scheme) and their "
+                          "calibrated scales are not supported; quantize the weights only and run with "
+                          "--kv-cache-dtype fp8 (a scale of 1)")
     status = str(_value(config.quantization_status))
     if status != "compressed":
         raise ConfigError(f"compressed-tensors: quantization_status {status!r}: only compressed checkpoints load")

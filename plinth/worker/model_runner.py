@@ -80,8 +80,8 @@ class ModelRunner:
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         self.staging = HostStaging(device)
         self.lora = getattr(model, "lora_state", None)   # a plinth.lora.layers.LoRAState with adapters enabled
-        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB in %.2f s", num_blocks, block_size,
-                    self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
+        logger.info("KV cache: %d blocks x %d tokens, %s, %.1f MiB in %.2f s", num_blocks, block_size,
+                    str(kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, backend: AttentionBackend, block_size: int,

@@ -203,7 +203,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     reserve = 0
     if device.type == "cuda":
         weights = torch.cuda.memory_allocated(device)
-        _profile_peak(model, device, config, backend)
+        _profile_peak(model, device, config, backend, spec.cache_dtype)
         # Graph pools hold at most one decode batch's activations (below the profiled prefill peak);
         # sampling needs a few [max_num_seqs, vocab] float32 temporaries.
         reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
@@ -236,12 +236,12 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
 
 
 @torch.inference_mode()
-def _profile_peak(model: Any, device: torch.device, config: EngineConfig, backend: Any) -> None:
+def _profile_peak(model: Any, device: torch.device, config: EngineConfig, backend: Any,
+                  kv_dtype: torch.dtype) -> None:
     """Run a forward at the maximum batched tokens so the peak activation memory is known."""
     if device.type != "cuda":
         return
-    runner = ModelRunner(model, backend, device, 2, config.cache.block_size,
-                         config.cache.block_size, model.ctx.dtype)
+    runner = ModelRunner(model, backend, device, 2, config.cache.block_size, config.cache.block_size, kv_dtype)
     from plinth.lora.layers import products_forced
     from plinth.worker.model_runner import SeqBatchEntry
 
