@@ -483,3 +483,21 @@ def test_mixture_of_experts_attention_adapter(tmp_path):
         **w, "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(8, 64)})
     with pytest.raises(RequestRejectedError, match="experts.0.gate_proj.lora_A.weight. is not a LoRA A/B weight"):
         llm.generate("hi", greedy(), lora_request=LoRARequest("experts", 2, str(experts)))
+
+
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+def test_adapter_on_a_quantized_base(tmp_path, method):
+    """An adapter over weights quantized on the fly: PEFT on transformers running the dequantized weights is the
+    reference (the adapter adds its product to the quantized layer's output)."""
+    from test_quantization_support import dequantized_linears, float_state, reference_model
+
+    from plinth.quantization.quantizers import quantize_fp8_per_channel, quantize_int_rtn
+
+    base = save_tiny_model(tmp_path / "m")
+    dequant = {"int4": lambda n, w: quantize_int_rtn(w, 4, 64).dequantize(torch.float32),
+               "fp8": lambda n, w: quantize_fp8_per_channel(w).dequantize(torch.float32)}[method]
+    reference_model(base, dequantized_linears(float_state(base), dequant)).save_pretrained(tmp_path / "ref")
+    adapter = make_adapter(base, tmp_path / "a", 41)
+    llm = LLM(str(base), dtype="float32", selection="off", quantization=method, enable_lora=True, max_lora_rank=8)
+    out = llm.generate(PROMPTS[3], greedy(), lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)[0]
+    assert_matches_peft(tmp_path / "ref", adapter, out, tol=1e-3)
