@@ -67,13 +67,12 @@ class LoRAState:
         self._host_slots = torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=self._pinned)
         self._copied: Any = None      # a CUDA event after the latest copy from the host buffer
         self._dirty = 0               # rows of ``weights`` that may be nonzero
-        #: whether the layers apply their adapters: set per step (any adapter's token in it), and on while a
-        #: decode graph is captured (a replay then always runs the products; base rows have zero weights)
+        #: whether the layers apply their adapters: set per step (any adapter's token in it); the decode graphs
+        #: are captured with it off and on (see plinth.worker.cuda_graphs), and a replay picks by it
         self.active = False
         #: run the products in every step (memory profiling: the peak must include their temporaries)
         self.forced = False
         self.layers: list[LinearLoRA] = []
-        self.slot_ids: list[int | None] = [None] * max_loras   # the adapter id each slot holds (worker side)
 
     @property
     def max_tokens(self) -> int:
@@ -111,8 +110,7 @@ class LoRAState:
             self._copied.record()
         self._dirty = rows
 
-    def load(self, slot: int, adapter_id: int, modules: dict[str, tuple[np.ndarray, np.ndarray]],
-             model: torch.nn.Module) -> None:
+    def load(self, slot: int, modules: dict[str, tuple[np.ndarray, np.ndarray]], model: torch.nn.Module) -> None:
         """Write an adapter into ``slot`` of every adapted layer (a layer it does not adapt gets zeros there).
 
         ``modules``: the adapter's base-model module names -> ``(A [r, in], B [out, r])``, as checked by
@@ -128,7 +126,6 @@ class LoRAState:
                 pieces.setdefault(id(layer.lora), {})[shard_id] = ab
         for lora in self.layers:
             lora.load(slot, pieces.get(id(lora), {}))
-        self.slot_ids[slot] = adapter_id
 
 
 def _find(model: torch.nn.Module, name: str) -> LinearBase | None:

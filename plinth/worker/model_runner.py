@@ -200,7 +200,7 @@ class ModelRunner:
         """Copy the step's new LoRA adapters into their slots (before anything of the step runs)."""
         for slot, adapter in batch.lora_loads:
             assert self.lora is not None, "a LoRA adapter sent to a runner without LoRA slots"
-            self.lora.load(slot, adapter.lora_id, adapter.modules, self.model)
+            self.lora.load(slot, adapter.modules, self.model)
 
     @torch.inference_mode()
     def prompt_logits(self, hidden: torch.Tensor, rows: slice) -> torch.Tensor:
