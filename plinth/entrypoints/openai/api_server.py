@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API-key check, lifespan.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings`` (``--task embed``),
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``
+(``--task embed``),
 ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (also ``GET|POST /ping``),
 ``GET /version``, ``GET /metrics``; with ``--allow-runtime-lora-updating`` also ``POST /v1/load_lora_adapter`` and
@@ -41,6 +42,7 @@ from plinth.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -49,6 +51,7 @@ from plinth.entrypoints.openai.serving import ServerContext
 from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_completion import create_completion
 from plinth.entrypoints.openai.serving_embedding import create_embedding
+from plinth.entrypoints.openai.serving_responses import create_response
 from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from plinth.entrypoints.openai.streaming import ClientDisconnected
 from plinth.entrypoints.openai.tool_parsers import ToolParser
@@ -232,6 +235,10 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await answer(create_chat_completion, body, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await answer(create_response, body, raw)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:

@@ -492,3 +492,32 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str
     lora_int_id: int | None = None
+
+
+class ResponsesRequest(_NamedExtras):
+    """``POST /v1/responses`` (OpenAI's Responses API, stateless: text in, text out).
+
+    ``input`` is a string (one user message) or a list of messages (``{"role", "content"}``, optionally with
+    ``"type": "message"``; content a string or ``input_text``/``output_text`` parts); ``instructions`` becomes a
+    system message. ``text.format`` may ask for JSON (``json_object``) or a JSON schema (``json_schema``).
+    """
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    priority: int = 0

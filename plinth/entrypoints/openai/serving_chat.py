@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParamsError
+from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.beam_search import beam_search_async
 from plinth.entrypoints.openai.errors import bad_request
@@ -53,6 +53,7 @@ from plinth.entrypoints.openai.tools import (
     template_messages,
     tool_mode,
 )
+from plinth.lora.request import LoRARequest
 
 
 def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -223,10 +224,29 @@ def _echoed(req: ChatCompletionRequest) -> str:
     return last["content"] if last["role"] == role else ""
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+@dataclasses.dataclass
+class PreparedChat:
+    """A chat request checked and turned into the engine's terms (shared with the Responses API's route)."""
+
+    lora: LoRARequest | None
+    mode: ToolMode | None
+    params: SamplingParams
+    ids: list[int]
+    max_tokens: int | None
+    max_param: str
+    k: int | None
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_ignored: bool = True) -> PreparedChat:
+    """Check a chat request (model, task, fields, tools, structured outputs, length) and render, tokenize it.
+
+    Raises:
+        APIError: what is wrong with the request (400, or 404 for an unknown model).
+    """
     lora = ctx.check_model(req.model)
     ctx.check_task("generate")
-    ctx.note_ignored_fields(req)
+    if note_ignored:
+        ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
     mode = _tool_mode(ctx, req)
@@ -246,6 +266,13 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ids = ctx.truncated(await ctx.tokenize(text, add_special_tokens=bool(req.add_special_tokens), param="messages"),
                         req)
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
+    return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    prep = await prepare_chat(ctx, req)
+    lora, mode, params, ids, max_tokens, max_param, k = (prep.lora, prep.mode, prep.params, prep.ids, prep.max_tokens,
+                                                        prep.max_param, prep.k)
     rid = random_id("chatcmpl")
     if req.use_beam_search:
         beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)), ctx.front.max_logprobs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
@@ -70,12 +71,21 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(self, events: AsyncIterator[str], named_events: bool = False):
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
+        #: the Responses API's form: ``event: <the payload's type>`` before each ``data:`` line, no ``[DONE]``
+        self._named = named_events
+
+    def _frame(self, payload: str, kind: str | None = None) -> bytes:
+        if not self._named:
+            return f"data: {payload}\n\n".encode()
+        if kind is None:
+            kind = json.loads(payload).get("type", "message")
+        return f"event: {kind}\ndata: {payload}\n\n".encode()
 
     async def _produce(self, send: Send) -> None:
         while True:
@@ -85,11 +95,11 @@ class SSEResponse(Response):
                 break
             except Exception as exc:  # noqa: BLE001 - reported to the client in the OpenAI error shape
                 payload = error_json(exc)
-                await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(),
-                            "more_body": True})
+                await send({"type": "http.response.body", "body": self._frame(payload, "error"), "more_body": True})
                 break
-            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            await send({"type": "http.response.body", "body": self._frame(payload), "more_body": True})
+        await send({"type": "http.response.body", "body": b"" if self._named else b"data: [DONE]\n\n",
+                    "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

@@ -1,0 +1,188 @@
+"""``POST /v1/responses``: OpenAI's Responses API, stateless, for text.
+
+A request is turned into a chat request (``instructions`` as the system message, ``input`` as the conversation,
+``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` as the response format) and run through the chat
+route's checks and rendering; the reply is one ``message`` output item with one ``output_text`` part (without the
+thinking, with a reasoning parser), ``status`` ``completed`` or ``incomplete`` (``max_output_tokens``), and
+``usage``. With ``stream`` the answer comes as the API's server-sent events: ``response.created``,
+``response.in_progress``, the item and its part added, ``response.output_text.delta`` as the text grows, then the
+``done`` events and ``response.completed``. Not supported (a 400 naming the field): tools, ``previous_response_id``
+(nothing is stored), ``background``, input items other than messages, content other than text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from plinth.core.request import RequestOutput
+from plinth.entrypoints.openai.errors import bad_request
+from plinth.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, random_id
+from plinth.entrypoints.openai.serving import ServerContext, first_outputs, merge
+from plinth.entrypoints.openai.serving_chat import _last, _Reply, prepare_chat
+from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, str]]:
+    """The conversation as chat messages (instructions first)."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        kind = item.get("type", "message")
+        if kind != "message" or "role" not in item:
+            raise bad_request(f"input[{i}]: items of type {kind!r} are not supported (messages only)", "input")
+        role = _ROLES.get(item["role"])
+        if role is None:
+            raise bad_request(f"input[{i}]: role {item['role']!r} is not one of {', '.join(_ROLES)}", "input")
+        content = item.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if (not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS
+                        or not isinstance(part.get("text"), str)):
+                    raise bad_request(f"input[{i}].content[{j}]: only text parts are supported", "input")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise bad_request(f"input[{i}]: content must be a string or a list of text parts", "input")
+        messages.append({"role": role, "content": content})
+    if not messages:
+        raise bad_request("input has no messages", "input")
+    return messages
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = (req.text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    raise bad_request(f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                      "text")
+
+
+def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    for field, value, why in (("tools", req.tools, "tools are not supported on /v1/responses: use "
+                                                    "/v1/chat/completions"),
+                              ("previous_response_id", req.previous_response_id,
+                               "responses are not stored: send the whole conversation as input"),
+                              ("background", req.background, "background responses are not supported")):
+        if value:
+            raise bad_request(why, field)
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise bad_request(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "max_tokens": req.max_output_tokens,
+                            "temperature": req.temperature, "top_p": req.top_p, "user": req.user,
+                            "priority": req.priority}
+    fmt = _response_format(req)
+    if fmt is not None:
+        body["response_format"] = fmt
+    return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+class _Body:
+    """The response object as it grows (the same fields in every event and in the final answer)."""
+
+    def __init__(self, req: ResponsesRequest, model: str, num_prompt: int):
+        self.id = random_id("resp")
+        self.item_id = random_id("msg")
+        self.created = int(time.time())
+        self.req, self.model, self.num_prompt = req, model, num_prompt
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        """The output message item (no content part yet while it is only announced)."""
+        parts = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [],
+                                                      "logprobs": []}]
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": parts}
+
+    def response(self, status: str, output: list[dict[str, Any]],
+                 final: RequestOutput | None = None) -> dict[str, Any]:
+        req = self.req
+        body: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+            "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "metadata": req.metadata or {},
+            "parallel_tool_calls": bool(req.parallel_tool_calls) if req.parallel_tool_calls is not None else True,
+            "tool_choice": "auto", "tools": [], "text": req.text or {"format": {"type": "text"}},
+            "incomplete_details": None, "error": None, "usage": None, "user": req.user, "store": False,
+            "previous_response_id": None, "truncation": req.truncation or "disabled",
+        }
+        if final is not None:
+            c = final.outputs[0]
+            if str(c.finish_reason) == "length":
+                body["status"] = "incomplete"
+                body["incomplete_details"] = {"reason": "max_output_tokens"}
+            out_tokens = len(c.token_ids)
+            body["usage"] = {"input_tokens": self.num_prompt,
+                             "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
+                             "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": self.num_prompt + out_tokens}
+        return body
+
+
+async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
+    ctx.note_ignored_fields(req)
+    prep = await prepare_chat(ctx, _chat_request(req), note_ignored=False)
+    body = _Body(req, ctx.reply_model(prep.lora), len(prep.ids))
+    stream = ctx.generate(body.id, prep.ids, prep.params, req.priority, prep.lora)
+    firsts = await unless_disconnected(raw, first_outputs([stream]))
+    events = merge([stream], firsts)
+    if req.stream:
+        return SSEResponse(_events(ctx, body, events), named_events=True)
+    final = await unless_disconnected(raw, _last(events))
+    reply = _Reply(None, ctx.reasoning_parser)
+    reply.update(final.outputs[0].text, final=True)
+    text = reply.message().content or ""
+    out = body.response("completed", [body.message(text, "completed")], final)
+    return JSONResponse(out)
+
+
+async def _events(ctx: ServerContext, body: _Body,
+                  events: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    """The Responses API's stream: ``event: <type>`` lines with the JSON event (each with its ``sequence_number``)."""
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal seq
+        data = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return json.dumps(data, ensure_ascii=False)
+
+    yield event("response.created", response=body.response("in_progress", []))
+    yield event("response.in_progress", response=body.response("in_progress", []))
+    yield event("response.output_item.added", output_index=0, item=body.message("", "in_progress"))
+    yield event("response.content_part.added", item_id=body.item_id, output_index=0, content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+    reply = _Reply(None, ctx.reasoning_parser)
+    text, final = "", None
+    try:
+        async for _, out in events:
+            final = out
+            c = out.outputs[0]
+            _, delta, _ = reply.update(c.text, final=c.finish_reason is not None)
+            if delta:
+                text += delta
+                yield event("response.output_text.delta", item_id=body.item_id, output_index=0, content_index=0,
+                            delta=delta, logprobs=[])
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    yield event("response.output_text.done", item_id=body.item_id, output_index=0, content_index=0, text=text,
+                logprobs=[])
+    yield event("response.content_part.done", item_id=body.item_id, output_index=0, content_index=0, part=part)
+    item = body.message(text, "completed")
+    yield event("response.output_item.done", output_index=0, item=item)
+    done = body.response("completed", [item], final)
+    yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)

@@ -1,0 +1,132 @@
+"""``POST /v1/responses``: OpenAI's Responses API (stateless, text), read back through the ``openai`` SDK's own
+types (the published format): the same text as the chat route for the same conversation, every streamed event in
+order with its sequence number, the deltas adding up to the final text, ``incomplete`` at ``max_output_tokens``,
+JSON schemas, and clear 400s for what is not supported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from server_utils import make_tiny_model
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-responses"))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off",
+                                                served_model_name="tiny"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        yield http
+
+
+def sdk(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
+
+
+def test_a_response_equals_the_chat_reply(client):
+    """Instructions and a conversation: the reply's text is the chat route's for the same messages."""
+    out = sdk(client).responses.create(model="tiny", instructions="Be brief.", temperature=0, max_output_tokens=12,
+                                       input=[{"role": "user", "content": "Hello world!"},
+                                              {"role": "assistant", "content": [{"type": "output_text",
+                                                                                 "text": "Hi."}]},
+                                              {"type": "message", "role": "user",
+                                               "content": [{"type": "input_text", "text": "How are you today?"}]}])
+    chat = client.post("/v1/chat/completions", json={
+        "model": "tiny", "temperature": 0, "max_tokens": 12,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"},
+                     {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you today?"}]}).json()
+    assert out.object == "response" and out.model == "tiny" and out.id.startswith("resp")
+    from openai.types.responses import Response   # the raw body validates against the SDK's model (required fields)
+
+    raw = client.post("/v1/responses", json={"model": "tiny", "input": "Hello world!", **GREEDY}).json()
+    assert Response.model_validate(raw).output[0].content[0].type == "output_text"
+    assert out.output_text == chat["choices"][0]["message"]["content"]
+    assert out.output[0].type == "message" and out.output[0].role == "assistant"
+    assert out.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert out.usage.output_tokens == chat["usage"]["completion_tokens"]
+    assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+    if chat["choices"][0]["finish_reason"] == "length":
+        assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert out.status == "completed" and out.incomplete_details is None
+
+
+def test_incomplete_at_max_output_tokens(client):
+    out = sdk(client).responses.create(model="tiny", input="The quick brown fox", temperature=0, max_output_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.usage.output_tokens == 3
+
+
+def test_stream_events(client):
+    """Every event parses as the SDK's event types, in the API's order, numbered from 0; the deltas add up to
+    the final text, which equals the non-streamed response's."""
+    body = {"model": "tiny", "input": "Paris is the capital of", **GREEDY}
+    plain = sdk(client).responses.create(**body)
+    events = list(sdk(client).responses.create(**body, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == plain.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.usage.output_tokens == plain.usage.output_tokens
+    assert final.status == plain.status
+    # the raw stream: an `event:` line names each `data:` payload's type, and there is no [DONE]
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert not any("[DONE]" in line for line in lines)
+    pairs = list(zip(lines[::2], lines[1::2], strict=True))
+    assert all(e.startswith("event: ") and json.loads(d[6:])["type"] == e[7:] for e, d in pairs)
+    # and each payload validates (strictly: every required field, the right types) as the SDK's event union
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    assert [adapter.validate_python(json.loads(d[6:])).type for _, d in pairs] == [e[7:] for e, _ in pairs]
+
+
+def test_json_schema_format(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    out = sdk(client).responses.create(model="tiny", input="Name a city as JSON.", max_output_tokens=40,
+                                       text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                        "strict": True}})
+    value = json.loads(out.output_text)
+    assert set(value) == {"city"} and isinstance(value["city"], str)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tools are not supported"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+    ({"background": True}, "background", "background"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input",
+     "'function_call_output' are not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+     "only text parts"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input", "role 'tool'"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+    ({"text": {"format": {"type": "grammar"}}}, "text", "text.format type 'grammar'"),
+    ({"model": "other"}, "model", "does not exist"),
+])
+def test_unsupported_requests_are_400s(client, body, param, message):
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"]
