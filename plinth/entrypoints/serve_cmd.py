@@ -1,8 +1,9 @@
 """``plinth serve [MODEL]``: the OpenAI-compatible HTTP server.
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version,
-/metrics. With --api-key (or $PLINTH_API_KEY) the /v1 and tokenizer routes need ``Authorization: Bearer <key>``;
-/health, /version and /metrics stay open.
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings (--task embed), /v1/models,
+/tokenize, /detokenize, /health, /version, /metrics (and, with --allow-runtime-lora-updating,
+/v1/load_lora_adapter and /v1/unload_lora_adapter). With --api-key (or $PLINTH_API_KEY) every route needs
+``Authorization: Bearer <key>`` but /health, /ping, /version and /metrics.
 
 On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests finish
 for up to --shutdown-timeout seconds, aborts the rest, and exits with status 0.
