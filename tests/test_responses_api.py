@@ -49,7 +49,9 @@ def test_a_response_equals_the_chat_reply(client):
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"},
                      {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you today?"}]}).json()
     assert out.object == "response" and out.model == "tiny" and out.id.startswith("resp")
-    from openai.types.responses import Response   # the raw body validates against the SDK's model (required fields)
+    from openai.types.responses import (
+        Response,  # the raw body validates against the SDK's model (required fields)
+    )
 
     raw = client.post("/v1/responses", json={"model": "tiny", "input": "Hello world!", **GREEDY}).json()
     assert Response.model_validate(raw).output[0].content[0].type == "output_text"
