@@ -67,10 +67,45 @@ def test_a_response_equals_the_chat_reply(client):
 
 
 def test_incomplete_at_max_output_tokens(client):
-    out = sdk(client).responses.create(model="tiny", input="The quick brown fox", temperature=0, max_output_tokens=3,
+    """vLLM's sampling fields pass through (ignore_eos keeps EOS from ending it early): the output limit makes the
+    response and its message incomplete."""
+    out = sdk(client).responses.create(model="tiny", input="The quick brown fox", temperature=0, max_output_tokens=24,
                                        extra_body={"ignore_eos": True})
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
-    assert out.usage.output_tokens == 3
+    assert out.usage.output_tokens == 24 and out.output[0].status == "incomplete"
+    # min_tokens, also passed through, is checked against the limit as on the chat route
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+def test_a_failure_mid_stream_ends_with_the_error_events(client, monkeypatch):
+    """An engine failure after the first outputs: the API's error event, then response.failed (both validate as
+    the SDK's event types); an aborted request is cancelled, not completed."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from plinth.entrypoints.openai.serving import ServerContext
+
+    real = ServerContext.generate
+
+    async def failing(self, *args, **kwargs):
+        n = 0
+        async for out in real(self, *args, **kwargs):
+            yield out
+            n += 1
+            if n == 2:
+                raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(ServerContext, "generate", failing)
+    body = {"model": "tiny", "input": "Paris is the capital of", "max_output_tokens": 40, "ignore_eos": True,
+            "stream": True}
+    with client.stream("POST", "/v1/responses", json=body) as r:
+        payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    kinds = [adapter.validate_python(p).type for p in payloads]
+    assert "error" in kinds and kinds[-1] == "response.failed"
+    assert payloads[-1]["response"]["status"] == "failed"
+    assert "device fell over" not in json.dumps(payloads)   # an unexpected error's text stays in the server log
 
 
 def test_stream_events(client):
@@ -125,6 +160,9 @@ def test_json_schema_format(client):
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role 'tool'"),
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"text": {"format": {"type": "grammar"}}}, "text", "text.format type 'grammar'"),
+    ({"text": {"format": "json"}}, "text", "text.format must be an object"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs a schema"),
+    ({"max_output_tokens": 10 ** 7}, "max_output_tokens", "max_output_tokens is 10000000"),
     ({"model": "other"}, "model", "does not exist"),
 ])
 def test_unsupported_requests_are_400s(client, body, param, message):

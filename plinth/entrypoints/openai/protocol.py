@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
@@ -521,3 +521,18 @@ class ResponsesRequest(_NamedExtras):
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     priority: int = 0
+    # vLLM's sampling extensions, as on the chat route
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    #: the fields passed on to the chat request as they are
+    CHAT_FIELDS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "user", "priority", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from plinth.core.request import RequestOutput
-from plinth.entrypoints.openai.errors import bad_request
+from plinth.entrypoints.openai.errors import APIError, bad_request, to_api_error
 from plinth.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, random_id
 from plinth.entrypoints.openai.serving import ServerContext, first_outputs, merge
 from plinth.entrypoints.openai.serving_chat import _last, _Reply, prepare_chat
@@ -63,14 +63,25 @@ def _messages(req: ResponsesRequest) -> list[dict[str, str]]:
 
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     fmt = (req.text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object such as {\"type\": \"json_schema\", \"name\": ..., "
+                          "\"schema\": {...}}", "text")
+    if fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format of type json_schema needs a schema (a JSON object)", "text")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     raise bad_request(f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
                       "text")
+
+
+#: chat fields named in errors -> the Responses API's (the request a user sent)
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
 
 
 def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -84,8 +95,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "max_tokens": req.max_output_tokens,
-                            "temperature": req.temperature, "top_p": req.top_p, "user": req.user,
-                            "priority": req.priority}
+                            **{k: getattr(req, k) for k in ResponsesRequest.CHAT_FIELDS}}
     fmt = _response_format(req)
     if fmt is not None:
         body["response_format"] = fmt
@@ -100,6 +110,14 @@ class _Body:
         self.item_id = random_id("msg")
         self.created = int(time.time())
         self.req, self.model, self.num_prompt = req, model, num_prompt
+
+    @staticmethod
+    def status_of(final: RequestOutput | None, failed: bool = False) -> str:
+        """``completed``, ``incomplete`` (the output limit), ``cancelled`` (aborted) or ``failed``."""
+        if failed or (final is not None and final.error):
+            return "failed"
+        reason = str(final.outputs[0].finish_reason) if final is not None else "abort"
+        return {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         """The output message item (no content part yet while it is only announced)."""
@@ -119,11 +137,10 @@ class _Body:
             "incomplete_details": None, "error": None, "usage": None, "user": req.user, "store": False,
             "previous_response_id": None, "truncation": req.truncation or "disabled",
         }
+        if status == "incomplete":
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
         if final is not None:
             c = final.outputs[0]
-            if str(c.finish_reason) == "length":
-                body["status"] = "incomplete"
-                body["incomplete_details"] = {"reason": "max_output_tokens"}
             out_tokens = len(c.token_ids)
             body["usage"] = {"input_tokens": self.num_prompt,
                              "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
@@ -134,7 +151,15 @@ class _Body:
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
     ctx.note_ignored_fields(req)
-    prep = await prepare_chat(ctx, _chat_request(req), note_ignored=False)
+    chat = _chat_request(req)
+    try:
+        prep = await prepare_chat(ctx, chat, note_ignored=False)
+    except APIError as exc:   # name the Responses API's fields, not the chat request's
+        param = _PARAMS.get(exc.param or "", exc.param)
+        message = exc.message
+        for old, new in _PARAMS.items():
+            message = message.replace(old, new)
+        raise APIError(exc.status, message, exc.type, param, exc.code, exc.headers) from None
     body = _Body(req, ctx.reply_model(prep.lora), len(prep.ids))
     stream = ctx.generate(body.id, prep.ids, prep.params, req.priority, prep.lora)
     firsts = await unless_disconnected(raw, first_outputs([stream]))
@@ -145,8 +170,16 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     reply = _Reply(None, ctx.reasoning_parser)
     reply.update(final.outputs[0].text, final=True)
     text = reply.message().content or ""
-    out = body.response("completed", [body.message(text, "completed")], final)
+    status = body.status_of(final)
+    out = body.response(status, [body.message(text, _item_status(status))], final)
+    if final.error:
+        out["error"] = {"code": "server_error", "message": final.error}
     return JSONResponse(out)
+
+
+def _item_status(status: str) -> str:
+    """The output message's status for the response's."""
+    return "completed" if status == "completed" else "incomplete"
 
 
 async def _events(ctx: ServerContext, body: _Body,
@@ -166,7 +199,7 @@ async def _events(ctx: ServerContext, body: _Body,
     yield event("response.content_part.added", item_id=body.item_id, output_index=0, content_index=0,
                 part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
     reply = _Reply(None, ctx.reasoning_parser)
-    text, final = "", None
+    text, final, failure = "", None, None
     try:
         async for _, out in events:
             final = out
@@ -176,13 +209,24 @@ async def _events(ctx: ServerContext, body: _Body,
                 text += delta
                 yield event("response.output_text.delta", item_id=body.item_id, output_index=0, content_index=0,
                             delta=delta, logprobs=[])
+    except Exception as exc:  # noqa: BLE001 - reported in the stream: the API's error event, then response.failed
+        error = to_api_error(exc)   # a message fit for the client (an unexpected one is logged, not sent)
+        failure = error.message
+        yield event("error", code=error.code or error.type, message=failure, param=error.param,
+                    error={"type": error.type, "code": error.code, "message": failure, "param": error.param})
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+    status = body.status_of(final, failed=failure is not None)
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     yield event("response.output_text.done", item_id=body.item_id, output_index=0, content_index=0, text=text,
                 logprobs=[])
     yield event("response.content_part.done", item_id=body.item_id, output_index=0, content_index=0, part=part)
-    item = body.message(text, "completed")
+    item = body.message(text, _item_status(status))
     yield event("response.output_item.done", output_index=0, item=item)
-    done = body.response("completed", [item], final)
-    yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
+    done = body.response(status, [item], final)
+    if status in ("failed", "cancelled"):
+        done["error"] = {"code": "server_error", "message": failure or (final.error if final else None)
+                         or "the request was cancelled"}
+        yield event("response.failed", response=done)
+    else:
+        yield event(f"response.{status}", response=done)
