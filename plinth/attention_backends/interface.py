@@ -103,6 +103,15 @@ FP8_TORCH_DEVICES = ("cpu", "cuda")
 FP8_KV_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+def torch_reads_kv_cache(spec: AttentionSpec, device_type: str) -> Support:
+    """The answer of a backend that gathers keys and values with torch and widens them: any cache type torch
+    converts from, on the devices where it converts 8-bit floats."""
+    if spec.cache_dtype == spec.dtype or device_type in FP8_TORCH_DEVICES:
+        return Support.yes()
+    return Support.no(f"an 8-bit KV cache on {device_type!r} unsupported (torch converts 8-bit floats on "
+                      f"{', '.join(FP8_TORCH_DEVICES)})")
+
+
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type a ``kv_cache_dtype`` setting (``auto``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) stands for."""
     return {"auto": model_dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,

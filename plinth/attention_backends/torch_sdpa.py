@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from plinth.attention_backends.interface import (
-    FP8_TORCH_DEVICES,
     AttentionBackend,
     AttentionMetadata,
     AttentionSpec,
     Support,
+    torch_reads_kv_cache,
     write_kv_cache,
 )
 
@@ -47,10 +47,7 @@ class TorchSDPABackend(AttentionBackend):
     @classmethod
     def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
         """Any cache type torch converts from (8-bit floats included)."""
-        if spec.cache_dtype == spec.dtype or device_type in FP8_TORCH_DEVICES:
-            return Support.yes()
-        return Support.no(f"an 8-bit KV cache on {device_type!r} unsupported (torch converts 8-bit floats on "
-                          f"{', '.join(FP8_TORCH_DEVICES)})")
+        return torch_reads_kv_cache(spec, device_type)
 
     def forward(
         self,
