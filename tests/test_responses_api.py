@@ -170,3 +170,52 @@ def test_unsupported_requests_are_400s(client, body, param, message):
     assert r.status_code in (400, 404), r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):
+    """With a reasoning parser, the thinking comes as a reasoning output item before the message (streamed as
+    reasoning_text events), the answer as the message's text."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import CompletionOutput, FinishReason, RequestOutput
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
+    from plinth.entrypoints.openai.serving import ServerContext
+
+    pieces = ["<think>", "<think>let me", "<think>let me think</think>", "<think>let me think</think>\n\nAnswer",
+              "<think>let me think</think>\n\nAnswer!"]
+
+    async def scripted(self, rid, ids, params, priority=0, lora=None):
+        for i, text in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield RequestOutput(rid, None, list(ids), [CompletionOutput(0, text, list(range(i + 1)),
+                                                                        finish_reason=FinishReason.STOP if last else None)],
+                                last)
+
+    monkeypatch.setattr(ServerContext, "generate", scripted)
+    model = make_tiny_model(tmp_path / "m")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off",
+                                                served_model_name="tiny"))
+    app = build_app(AsyncLLMEngine(engine), reasoning_parser=resolve_reasoning_parser("qwen3"))
+    with TestClient(app) as http:
+        raw = http.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json()
+        out = Response.model_validate(raw)
+        assert [item.type for item in out.output] == ["reasoning", "message"]
+        assert out.output[0].content[0].text == "let me think" and out.output_text == "Answer!"   # as chat's content
+        with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
+            payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(p) for p in payloads]
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "let me think"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Answer!"
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "Answer!"
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [(e.output_index, e.item.type) for e in added] == [(0, "reasoning"), (1, "message")]

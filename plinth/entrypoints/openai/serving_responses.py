@@ -2,11 +2,13 @@
 
 A request is turned into a chat request (``instructions`` as the system message, ``input`` as the conversation,
 ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` as the response format) and run through the chat
-route's checks and rendering; the reply is one ``message`` output item with one ``output_text`` part (without the
-thinking, with a reasoning parser), ``status`` ``completed`` or ``incomplete`` (``max_output_tokens``), and
-``usage``. With ``stream`` the answer comes as the API's server-sent events: ``response.created``,
-``response.in_progress``, the item and its part added, ``response.output_text.delta`` as the text grows, then the
-``done`` events and ``response.completed``. Not supported (a 400 naming the field): tools, ``previous_response_id``
+route's checks and rendering; the reply is one ``message`` output item with one ``output_text`` part (after a
+``reasoning`` item holding the thinking, with a reasoning parser), ``status`` ``completed``, ``incomplete``
+(``max_output_tokens``), ``cancelled`` or ``failed``, and ``usage``. With ``stream`` the answer comes as the
+API's server-sent events: ``response.created``, ``response.in_progress``, each item added, its text deltas
+(``response.reasoning_text.delta``, ``response.output_text.delta``), its ``done`` events, then
+``response.completed`` (``response.incomplete``; an ``error`` event and ``response.failed`` on a failure). Not
+supported (a 400 naming the field): tools, ``previous_response_id``
 (nothing is stored), ``background``, input items other than messages, content other than text.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -108,6 +110,7 @@ class _Body:
     def __init__(self, req: ResponsesRequest, model: str, num_prompt: int):
         self.id = random_id("resp")
         self.item_id = random_id("msg")
+        self.reasoning_id = random_id("rs")
         self.created = int(time.time())
         self.req, self.model, self.num_prompt = req, model, num_prompt
 
@@ -118,6 +121,11 @@ class _Body:
             return "failed"
         reason = str(final.outputs[0].finish_reason) if final is not None else "abort"
         return {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
+
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        """The thinking (with a reasoning parser) as a reasoning output item."""
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         """The output message item (no content part yet while it is only announced)."""
@@ -171,7 +179,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     reply.update(final.outputs[0].text, final=True)
     text = reply.message().content or ""
     status = body.status_of(final)
-    out = body.response(status, [body.message(text, _item_status(status))], final)
+    items = [body.reasoning(reply.thinking, "completed")] if reply.thinking else []
+    out = body.response(status, [*items, body.message(text, _item_status(status))], final)
     if final.error:
         out["error"] = {"code": "server_error", "message": final.error}
     return JSONResponse(out)
@@ -195,20 +204,51 @@ async def _events(ctx: ServerContext, body: _Body,
 
     yield event("response.created", response=body.response("in_progress", []))
     yield event("response.in_progress", response=body.response("in_progress", []))
-    yield event("response.output_item.added", output_index=0, item=body.message("", "in_progress"))
-    yield event("response.content_part.added", item_id=body.item_id, output_index=0, content_index=0,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
     reply = _Reply(None, ctx.reasoning_parser)
+    items: list[dict[str, Any]] = []     # output items finished
+    thinking: int | None = None          # the reasoning item's output index while it is open
+    message: int | None = None           # the message's output index once it is announced
     text, final, failure = "", None, None
+
+    def close_thinking() -> Iterator[str]:
+        nonlocal thinking
+        if thinking is None:
+            return
+        yield event("response.reasoning_text.done", item_id=body.reasoning_id, output_index=thinking,
+                    content_index=0, text=reply.thinking)
+        item = body.reasoning(reply.thinking, "completed")
+        yield event("response.output_item.done", output_index=thinking, item=item)
+        items.append(item)
+        thinking = None
+
+    def open_message() -> Iterator[str]:
+        nonlocal message
+        yield from close_thinking()
+        message = len(items)
+        yield event("response.output_item.added", output_index=message, item=body.message("", "in_progress"))
+        yield event("response.content_part.added", item_id=body.item_id, output_index=message, content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
     try:
         async for _, out in events:
             final = out
             c = out.outputs[0]
-            _, delta, _ = reply.update(c.text, final=c.finish_reason is not None)
+            thought, delta, _ = reply.update(c.text, final=c.finish_reason is not None)
+            if thought:
+                if thinking is None and message is None:
+                    thinking = len(items)
+                    yield event("response.output_item.added", output_index=thinking,
+                                item=body.reasoning("", "in_progress"))
+                if thinking is not None:
+                    yield event("response.reasoning_text.delta", item_id=body.reasoning_id, output_index=thinking,
+                                content_index=0, delta=thought)
             if delta:
+                if message is None:
+                    for e in open_message():
+                        yield e
                 text += delta
-                yield event("response.output_text.delta", item_id=body.item_id, output_index=0, content_index=0,
-                            delta=delta, logprobs=[])
+                yield event("response.output_text.delta", item_id=body.item_id, output_index=message,
+                            content_index=0, delta=delta, logprobs=[])
     except Exception as exc:  # noqa: BLE001 - reported in the stream: the API's error event, then response.failed
         error = to_api_error(exc)   # a message fit for the client (an unexpected one is logged, not sent)
         failure = error.message
@@ -216,14 +256,17 @@ async def _events(ctx: ServerContext, body: _Body,
                     error={"type": error.type, "code": error.code, "message": failure, "param": error.param})
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+    if message is None:   # every response has its message, if empty
+        for e in open_message():
+            yield e
     status = body.status_of(final, failed=failure is not None)
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    yield event("response.output_text.done", item_id=body.item_id, output_index=0, content_index=0, text=text,
+    yield event("response.output_text.done", item_id=body.item_id, output_index=message, content_index=0, text=text,
                 logprobs=[])
-    yield event("response.content_part.done", item_id=body.item_id, output_index=0, content_index=0, part=part)
+    yield event("response.content_part.done", item_id=body.item_id, output_index=message, content_index=0, part=part)
     item = body.message(text, _item_status(status))
-    yield event("response.output_item.done", output_index=0, item=item)
-    done = body.response(status, [item], final)
+    yield event("response.output_item.done", output_index=message, item=item)
+    done = body.response(status, [*items, item], final)
     if status in ("failed", "cancelled"):
         done["error"] = {"code": "server_error", "message": failure or (final.error if final else None)
                          or "the request was cancelled"}
