@@ -52,7 +52,9 @@ def run(args: argparse.Namespace, kv: str, vocab: int) -> dict:
     prompts = [rng.integers(10, vocab - 10, size=args.prompt_len).tolist() for _ in range(args.num_prompts)]
     long_prompt = rng.integers(10, vocab - 10, size=args.latency_context).tolist()
     max_len = args.max_model_len or max(args.prompt_len, args.latency_context) + args.output_len
-    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, kv_cache_dtype=kv, max_model_len=max_len)
+    # without the prefix cache: every run computes every prompt (the runs repeat the same prompts)
+    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, kv_cache_dtype=kv, max_model_len=max_len,
+              enable_prefix_caching=False)
     engine = llm.engine
     device = engine.device
     bs = engine.config.cache.block_size
@@ -64,8 +66,6 @@ def run(args: argparse.Namespace, kv: str, vocab: int) -> dict:
            "token_bytes": sum(c[:, :1].numel() * c.element_size() for c in caches) // bs}
     many = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    # without the prefix cache's help: every run computes every prompt (fresh random prompts would too)
-    engine.block_manager.enable_prefix_caching = False
     seconds = timed(lambda: llm.generate(prompts, many, use_tqdm=False), args.iters, device)
     out["throughput"] = args.num_prompts * args.output_len / seconds
     t1 = timed(lambda: llm.generate([long_prompt], one, use_tqdm=False), args.iters, device)

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from plinth import benchmarks_floor as floors
+from plinth.lora.adapter import TARGETS  # the projections adapted (all seven)
 
 timed = floors.median_seconds   # (fn, iters, device) -> median seconds after a warm-up
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,20 +65,19 @@ def preset_config(preset: str) -> dict:
 
 def write_adapter(path: Path, cfg: dict, rank: int, seed: int, dtype: torch.dtype) -> Path:
     """A PEFT-format LoRA adapter with random weights for a model of config ``cfg``."""
+    from types import SimpleNamespace
+
     from safetensors.torch import save_file
 
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv = cfg.get("num_key_value_heads") or heads
-    sizes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
-             "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, cfg["intermediate_size"]),
-             "up_proj": (hidden, cfg["intermediate_size"]), "down_proj": (cfg["intermediate_size"], hidden)}
+    from plinth.lora.adapter import BLOCK, model_sizes
+
+    sizes = model_sizes(SimpleNamespace(**{"head_dim": None, "num_key_value_heads": None, **cfg}))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg["num_hidden_layers"]):
-        for proj, (n_in, n_out) in sizes.items():
-            block = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+        for proj, (in_kind, out_kind) in TARGETS.items():
+            n_in, n_out = sizes[in_kind], sizes[out_kind]
+            prefix = f"base_model.model.model.layers.{layer}.{BLOCK[proj]}.{proj}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=gen) / n_in ** 0.5).to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=gen) * 0.01).to(dtype)
     path.mkdir(parents=True, exist_ok=True)

@@ -138,6 +138,10 @@ class AsyncLLMEngine:
         """
         return self._engine.add_lora(lora_request)
 
+    def has_lora(self, lora_int_id: int) -> bool:
+        """Whether the adapter is read already (see ``LLMEngine.has_lora``)."""
+        return self._engine.has_lora(lora_int_id)
+
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter from the engine's host memory (see ``LLMEngine.remove_lora``)."""
         return self._engine.remove_lora(lora_int_id)

@@ -359,6 +359,10 @@ class LLMEngine:
                     lora_id, adapter.rank, len(adapter.modules), adapter.nbytes / 2**20, adapter.path)
         return adapter
 
+    def has_lora(self, lora_int_id: int) -> bool:
+        """Whether the adapter is read and in host memory (naming it costs a lookup, no file reads)."""
+        return lora_int_id in self._adapters
+
     def _keep(self, adapter: LoRAAdapter) -> None:
         """Into the host cache (the lock held), dropping the least recently used beyond its size (requests running
         with a dropped one keep their reference, through which a new request finds it too)."""

@@ -33,7 +33,7 @@ TARGETS = {
     "gate_proj": ("hidden", "intermediate"), "up_proj": ("hidden", "intermediate"),
     "down_proj": ("intermediate", "hidden"),
 }
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\."
                   r"(?P<proj>[A-Za-z_0-9]+))\.lora_(?P<ab>[AB])\.weight$")
@@ -75,8 +75,10 @@ class LoRAAdapter:
 
 def model_sizes(hf_config: Any) -> dict[str, int]:
     """The features of each kind of projection input/output (whole model, before tensor parallelism)."""
+    from plinth.model_registry.models.decoder import head_dim_of
+
     heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    head_dim = head_dim_of(hf_config)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     return {"hidden": hf_config.hidden_size, "q": heads * head_dim, "kv": kv_heads * head_dim,
             "intermediate": getattr(hf_config, "intermediate_size", 0) or 0}
@@ -180,9 +182,9 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
             raise _fail(path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's projection (plinth "
                               f"applies adapters to {', '.join(TARGETS)}; embeddings and the LM head are not supported)")
         proj, block = m["proj"], m["block"]
-        if proj not in TARGETS or _BLOCK[proj] != block:
+        if proj not in TARGETS or BLOCK[proj] != block:
             raise _fail(path, f"tensor {key!r} adapts {block}.{proj}; plinth applies adapters to "
-                              f"{', '.join(f'{_BLOCK[t]}.{t}' for t in TARGETS)}")
+                              f"{', '.join(f'{BLOCK[t]}.{t}' for t in TARGETS)}")
         if moe and block == "mlp":
             raise _fail(path, f"tensor {key!r} adapts the MLP of a mixture-of-experts model; only the attention "
                               "projections of such models take adapters")

@@ -254,8 +254,8 @@ class ServerContext:
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
         request."""
-        if lora is not None:   # read (again, if it left the host cache) off the engine's thread
-            await asyncio.to_thread(self.front.add_lora, lora)
+        if lora is not None and not self.front.has_lora(lora.lora_int_id):
+            await asyncio.to_thread(self.front.add_lora, lora)   # read (again) off the engine's thread
         tracker = self.metrics.request()
         inner = self.front.generate(request_id, prompt_ids, params, priority, lora)
         error = False
