@@ -319,7 +319,7 @@ class Scheduler:
             req = self.waiting[skipped]
             if req.num_pending_tokens:
                 break   # preempted with a token in flight: admitted once the token is known
-            if req.lora is not None and req.lora_id not in adapters and len(adapters) >= self.max_loras:
+            if req.lora is not None and not self._fits(req, adapters):
                 # its adapter waits for a slot (the running requests of another adapter to finish); the requests
                 # behind it whose adapter has a slot, or that need none, go on, until it has waited long enough
                 # that the running adapters must drain for it (else a stream of their requests would starve it)
@@ -358,10 +358,9 @@ class Scheduler:
     def _running_adapters(self) -> set[int]:
         return {r.lora_id for r in self.running if r.lora is not None}
 
-    def _adapter_fits(self, req: Request) -> bool:
-        """Whether ``req``'s LoRA adapter can run beside the running requests' (at most ``max_loras`` adapters
-        among them: one device slot each)."""
-        adapters = self._running_adapters()
+    def _fits(self, req: Request, adapters: set[int]) -> bool:
+        """Whether ``req``'s LoRA adapter can run beside ``adapters`` (at most ``max_loras`` of them: one device
+        slot each)."""
         return req.lora_id in adapters or len(adapters) < self.max_loras
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
@@ -392,7 +391,7 @@ class Scheduler:
         only when enough of them can make the room. Returns the tokens it takes from the budget."""
         bm = self.block_manager
         head = self.waiting[0]
-        if head.num_pending_tokens or (head.lora is not None and not self._adapter_fits(head)):
+        if head.num_pending_tokens or (head.lora is not None and not self._fits(head, self._running_adapters())):
             return 0
         rank = self._rank(head)
         lower = sorted((r for r in self.running if self._rank(r) > rank), key=self._rank, reverse=True)
