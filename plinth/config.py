@@ -21,6 +21,7 @@ EXECUTORS = ("auto", "uniproc", "mp", "ray")
 TASKS = ("generate", "embed")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 POOLING_TYPES = ("last", "mean", "cls")
+SPECULATIVE_METHODS = ("ngram",)
 #: the keys ``override_generation_config`` takes
 GENERATION_CONFIG_KEYS = tuple(SAMPLING_KEYS)
 
@@ -332,6 +333,74 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (:mod:`plinth.core.speculative`).
+
+    Attributes:
+        speculative_method: ``ngram`` (prompt lookup: drafts copied from an earlier occurrence of the
+            sequence's last tokens), or None: off.
+        num_speculative_tokens: the most draft tokens a sequence carries in one step.
+        prompt_lookup_min, prompt_lookup_max: the n-gram sizes searched (largest first).
+    """
+
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    #: the keys of the ``speculative_config`` option, as vLLM names them -> this section's fields
+    KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+            "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is None:
+            if self.num_speculative_tokens:
+                raise ConfigError("num_speculative_tokens needs a speculative method "
+                                  f"({', '.join(SPECULATIVE_METHODS)})")
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.speculative_method!r}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens, allow_none=False)
+        _positive("prompt_lookup_min", self.prompt_lookup_min, allow_none=False)
+        _positive("prompt_lookup_max", self.prompt_lookup_max, allow_none=False)
+        if self.num_speculative_tokens > 64:
+            raise ConfigError(f"num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                              f"({self.prompt_lookup_max})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+    @classmethod
+    def parse(cls, value: Any) -> dict[str, Any]:
+        """The section's fields from a ``speculative_config`` value: a dict or JSON object text with vLLM's keys
+        (``method``, ``num_speculative_tokens``, ``prompt_lookup_min``, ``prompt_lookup_max``); None: off."""
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON ({exc.msg}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.KEYS))
+        if unknown:
+            raise ConfigError(f"unknown speculative_config key(s) {', '.join(map(repr, unknown))}; known: "
+                              f"{', '.join(cls.KEYS)}")
+        if "method" not in value:
+            raise ConfigError(f"speculative_config needs a method ({', '.join(SPECULATIVE_METHODS)})")
+        fields = {cls.KEYS[k]: v for k, v in value.items()}
+        if fields.get("speculative_method") == "ngram" and "prompt_lookup_max" in fields \
+                and "prompt_lookup_min" not in fields and isinstance(fields["prompt_lookup_max"], int):
+            fields["prompt_lookup_min"] = min(cls.prompt_lookup_min, fields["prompt_lookup_max"])
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -339,8 +408,9 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
-    _SECTIONS = ("model", "cache", "scheduler", "parallel", "device", "lora")
+    _SECTIONS = ("model", "cache", "scheduler", "parallel", "device", "lora", "speculative")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -355,6 +425,9 @@ class EngineConfig:
             for f in dataclasses.fields(cls.__dataclass_fields__[s].default_factory())  # type: ignore[misc]
         }
         for key, value in kwargs.items():
+            if key == "speculative_config":   # vLLM's form: one dict (or JSON text) for the section
+                sections["speculative"].update(SpeculativeConfig.parse(value))
+                continue
             if key not in fields:
                 raise ConfigError(f"unknown engine option {key!r}; known: {', '.join(sorted(fields))}")
             sections[fields[key]][key] = value
@@ -365,6 +438,7 @@ class EngineConfig:
             parallel=ParallelConfig(**sections["parallel"]),
             device=DeviceConfig(**sections["device"]),
             lora=LoRAConfig(**sections["lora"]),
+            speculative=SpeculativeConfig(**sections["speculative"]),
         )
 
     def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:

@@ -206,8 +206,9 @@ class BlockManager:
         for _ in range(self.blocks_needed(num_total) - len(request.block_ids)):
             request.block_ids.append(self._take_free_block())
         if self.enable_prefix_caching:
+            # a decode's one token (and the drafts after it) completes a block while this step computes it
             self._register_full_blocks(request, min(num_total, request.num_tokens), chain,
-                                       filling=num_new_tokens == 1)
+                                       filling=num_new_tokens == 1 or num_total > request.num_tokens)
             if is_admission:
                 self._record_query(request, len(cached_blocks))
         return True

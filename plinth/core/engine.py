@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plinth.config import EngineConfig
+from plinth.config import EngineConfig, SpeculativeConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
@@ -35,11 +35,13 @@ from plinth.core.request import (
     PositionLogprobs,
     Request,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
 )
 from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
 from plinth.core.sampling_batch import splitmix64
 from plinth.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from plinth.core.speculative import NgramProposer, SpeculativeStats, accepted_tokens, speculates
 from plinth.core.step_cost import StepCostModel
 from plinth.core.structured import PARAM as STRUCTURED_PARAM
 from plinth.core.structured import (
@@ -203,6 +205,9 @@ class LLMEngine:
         self._prompt_logprob_groups: set[str] = set()   # unfinished groups that asked for prompt logprobs
         self._sync_groups: set[str] = set()   # unfinished groups whose sampling needs synchronous steps
         self._in_flight: _InFlight | None = None   # asynchronous scheduling: the step not read back yet
+        self.speculative: SpeculativeStats | None = None
+        if config.speculative.enabled:
+            self._enable_speculation(config.speculative)
         self.async_scheduling = self._resolve_async(config.scheduler.async_scheduling)
         self.itl_target_ms = self._resolve_itl_target(config.scheduler.itl_target_ms)
         self.step_cost: StepCostModel | None = None
@@ -243,6 +248,19 @@ class LLMEngine:
                        "model's dtype (%s); --kv-cache-dtype auto keeps them", kind, selection.winner,
                        "; ".join(refused) or "none refused")
 
+    def _enable_speculation(self, spec: SpeculativeConfig) -> None:
+        """Let the scheduler give decodes draft tokens (``ngram``: prompt lookup over each sequence's tokens)."""
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+        def propose(req: Request, limit: int) -> list[int]:
+            return proposer.propose(req.all_token_ids, limit) if speculates(req) else []
+
+        self.scheduler.proposer = propose
+        self.speculative = SpeculativeStats()
+        logger.info("speculative decoding: %s, up to %d draft tokens (n-grams of %d-%d tokens)",
+                    spec.speculative_method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                    spec.prompt_lookup_max)
+
     def _resolve_itl_target(self, requested: float) -> float:
         """The inter-token latency target in ms (0: off). Asynchronous steps are not timed one by one,
         so they keep no target."""
@@ -258,6 +276,11 @@ class LLMEngine:
         """Whether steps are scheduled asynchronously: as asked, else on where the executor supports it and
         the model runs on an accelerator (in this process, or in TP-only worker processes)."""
         supported = self.executor.supports_async_steps
+        if self.speculative is not None:   # a step's drafts come from the tokens of the step before
+            if requested:
+                logger.warning("asynchronous scheduling is off with speculative decoding (each step's drafts "
+                               "need the previous step's tokens)")
+            return False
         if requested is None:
             device_type = getattr(self.platform, "device_type", None) if self.runner is None else (
                 torch.device(self.device).type if self.device is not None else None)
@@ -652,10 +675,96 @@ class LLMEngine:
         if self.step_cost is not None:
             self.step_cost.observe(out.num_scheduled_tokens - out.num_decodes, out.num_decodes,
                                    time.perf_counter() - started - extra)
+        positions = None
         if result.logprobs is not None:
-            num_logprobs = [r.sampling_params.logprobs for r in reqs]
-            self._record_logprobs(reqs, result.logprobs.to_position_logprobs(num_logprobs), token_ids)
+            positions = result.logprobs.to_position_logprobs([r.sampling_params.logprobs for r in reqs])
+        if len(reqs) > len(out.sampled):   # speculative rows
+            self._apply_verified(out, reqs, token_ids, positions, touched, final_only)
+            return
+        if positions is not None:
+            self._record_logprobs(reqs, positions, token_ids)
         self._apply_tokens(out, reqs, token_ids, touched, final_only)
+
+    def _apply_verified(self, out: SchedulerOutput, rows: list[Any], samples: list[int],
+                        positions: list[PositionLogprobs | None] | None, touched: dict[str, _Group],
+                        final_only: bool) -> None:
+        """Apply a step with draft tokens: ``samples`` (and ``positions``, the logprobs) hold one entry per
+        sampled position (``rows``); each sequence takes the samples that verify its drafts
+        (:func:`~plinth.core.speculative.accepted_tokens`), which go through the usual stop conditions one by
+        one; a stop string inside them ends the output where it ends."""
+        per_entry: list[int | list[int] | None] = []
+        reqs: list[Request] = []
+        kept: list[tuple[Request, list[int], list[PositionLogprobs | None]]] = []
+        stats = self.speculative
+        at = 0
+        for s in out.scheduled:
+            if not s.sample:
+                per_entry.append(None)
+                continue
+            n = 1 + s.num_drafts
+            tokens = samples[at:at + n]
+            if s.num_drafts:
+                tokens = accepted_tokens(s.request.draft_token_ids, tokens)
+                if stats is not None:
+                    stats.num_drafts += 1
+                    stats.num_draft_tokens += s.num_drafts
+                    stats.num_accepted_tokens += len(tokens) - 1
+            reqs.append(s.request)
+            kept.append((s.request, tokens, positions[at:at + len(tokens)] if positions is not None else []))
+            per_entry.append(tokens if s.num_drafts else tokens[0])
+            at += n
+        assert at == len(rows)
+        before = {r.request_id: r.num_output_tokens for r in reqs}
+        for req, tokens, pos in kept:
+            if pos:
+                self._record_logprobs([req] * len(tokens), pos, tokens)
+        finished = {r.request_id for r in self.scheduler.update_from_output(out, per_entry)}
+        seqs, groups = self._seqs, self._seq_to_group
+        for req, _, _ in kept:
+            rid = req.request_id
+            ended = rid in finished
+            if not ended and req.is_finished:
+                continue
+            seq = seqs[rid]
+            new = req.output_token_ids[before[rid]:]   # the tokens the request took (fewer when it stopped)
+            by_grammar = False
+            for i, tok in enumerate(new):
+                last = i == len(new) - 1
+                if req.matcher is not None and not ended:   # (a request with a grammar carries no drafts)
+                    state = self._grammar_state(req, tok)
+                    if state is not None:
+                        self.scheduler.finish_request(rid, state)
+                        ended = by_grammar = True
+                if seq.detok is None:
+                    continue
+                final = ended and last
+                _, stop_str = seq.detok.add_tokens([tok], finished=final,
+                                                   stopped_by_token=final and req.finish_reason == FinishReason.STOP)
+                if stop_str is None:
+                    continue
+                if not ended:
+                    self.scheduler.finish_request(rid, FinishReason.STOP, stop_str)
+                    ended = True
+                elif not last:   # it ended at a later token; the stop string comes first
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+                elif by_grammar and req.finish_reason == FinishReason.STOP:
+                    req.stop_reason = stop_str   # the grammar's last token also completed a stop string
+                if not last:
+                    req.truncate_output(before[rid] + i + 1)
+                break
+            if seq.logprobs is not None and len(seq.logprobs) > req.num_output_tokens:
+                self._trim_logprobs(seq, req)
+            if ended or not final_only:
+                group = groups[rid]
+                touched[group.request_id] = group
+
+    def _trim_logprobs(self, seq: _Sequence, req: Request) -> None:
+        """Keep the logprobs of the tokens the request kept (after a speculative step ended it early)."""
+        if seq.logprobs is None:
+            return
+        del seq.logprobs[req.num_output_tokens:]
+        seq.cumulative_logprob = sum(pos[t].logprob for pos, t in zip(seq.logprobs, req.output_token_ids,
+                                                                        strict=True)) if seq.logprobs else None
 
     def _step_async(self, touched: dict[str, _Group], final_only: bool) -> None:
         """Schedule and launch the next step, then read back and apply the step in flight.
@@ -827,7 +936,8 @@ class LLMEngine:
         return pos
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
-        row = out.num_decodes   # decodes come first, one row each; they have no prompt logprobs
+        # decodes come first (one row each, more with drafts); they have no prompt logprobs
+        row = sum(s.num_new_tokens for s in out.scheduled[:out.num_decodes])
         for s in out.scheduled[out.num_decodes:]:
             n = s.num_new_tokens
             group = self._seq_to_group.get(s.request.request_id)
@@ -910,4 +1020,8 @@ class LLMEngine:
             "kv_cache_usage": s.kv_cache_usage,
             "prefix_cache_hit_rate": s.prefix_cache.hit_rate,
             "prefix_cache": dataclasses.asdict(s.prefix_cache),
+            **({"speculative": dict(dataclasses.asdict(self.speculative),
+                                    acceptance_rate=self.speculative.acceptance_rate,
+                                    mean_accepted_length=self.speculative.mean_accepted_length)}
+               if self.speculative is not None else {}),
         }

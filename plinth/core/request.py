@@ -315,6 +315,7 @@ class Request:
         self.bad_words_ids: list[list[int]] = []   # sampling_params.bad_words as token sequences (the engine's)
         self.lora: Any = None      # the LoRA adapter it runs with (plinth.lora.adapter.LoRAAdapter), or None
         self.adapter_waits = 0     # steps it waited for a slot for its adapter while others passed it
+        self.draft_token_ids: list[int] = []   # speculative decoding: the drafts its scheduled step verifies
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 
@@ -361,6 +362,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first ``num_output_tokens`` (a stop string found inside the
+        tokens of one speculative step ends the output where it ends)."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self._all_token_ids[len(self._all_token_ids) - drop:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -98,12 +98,15 @@ class ScheduledRequest:
     num_new_tokens: int
     num_computed_tokens: int   # tokens already in the KV cache before this step: the first new position
     sample: bool               # this step reaches the last known token: sample from its logits
-    is_decode: bool            # a running request computing just its last sampled token
+    is_decode: bool            # a running request computing its last sampled token (and any drafts)
+    num_drafts: int = 0        # speculative decoding: draft tokens after it (``request.draft_token_ids``)
 
     @property
     def token_ids(self) -> list[int]:
         """The tokens computed this step."""
         start = self.num_computed_tokens
+        if self.num_drafts:
+            return self.request.all_token_ids[start:start + 1] + self.request.draft_token_ids
         return self.request.all_token_ids[start:start + self.num_new_tokens]
 
 
@@ -173,6 +176,9 @@ class Scheduler:
         self.prefill_allowance: Callable[[int], int | None] | None = None
         #: the most LoRA adapters among the running requests (0: no adapters)
         self.max_loras = max_loras
+        #: speculative decoding: ``(request, limit) -> draft tokens`` (at most ``limit``) for a decode; set by
+        #: the engine
+        self.proposer: Callable[[Request, int], list[int]] | None = None
 
     # ---------------------------------------------------------------- intake
 
@@ -298,6 +304,14 @@ class Scheduler:
                 num_new = min(num_tokens - start, budget)
                 if req.num_pending_tokens and not bm.can_allocate(req, num_new):
                     continue   # no preemption for a token that may end the request: next step, once known
+                drafts = self._drafts(req, budget) if is_decode and self.proposer is not None else ()
+                if drafts:   # verified with the token: the step samples after each of them
+                    req.draft_token_ids = drafts
+                    scheduled.append(ScheduledRequest(req, 1 + len(drafts), start, True, True, len(drafts)))
+                    req.num_computed_tokens = start + 1 + len(drafts)
+                    done.add(req.request_id)
+                    budget -= 1 + len(drafts)
+                    continue
                 while not bm.allocate_slots(req, num_new):
                     victim = self._victim(done)
                     assert victim is not None   # req itself is a candidate
@@ -354,6 +368,19 @@ class Scheduler:
             preempted_request_ids=displaced + preempted,
             finished_request_ids=finished,
         )
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode of ``req``, with their slots allocated (none when they would not fit the
+        budget, the request's limits or the free blocks: speculation never preempts)."""
+        assert self.proposer is not None
+        if req.num_pending_tokens:
+            return []
+        limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+        drafts = self.proposer(req, limit) if limit > 0 else []
+        if drafts and not self.block_manager.allocate_slots(req, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _running_adapters(self) -> set[int]:
         return {r.lora_id for r in self.running if r.lora is not None}
@@ -460,7 +487,9 @@ class Scheduler:
         Args:
             scheduler_output: the step that ran.
             sampled_token_ids: one per ``scheduled`` entry: the sampled id where ``sample`` is
-                set, ``None`` elsewhere.
+                set, ``None`` elsewhere; for an entry with drafts, the list of the step's tokens
+                (accepted drafts, then the one sampled after them: see
+                :func:`plinth.core.speculative.accepted_tokens`).
 
         Returns:
             The requests finished by this update (EOS unless ``ignore_eos``, a stop token id,
@@ -480,23 +509,39 @@ class Scheduler:
                 raise ValueError(f"request {req.request_id!r}: sample={entry.sample} but got token {token!r}")
             if token is None or req.is_finished:
                 continue   # mid-prefill, or finished/aborted since it was scheduled
-            # (a request preempted since it was scheduled keeps the token and recomputes later)
-            req.append_output_token(token)
-            if req.num_computed_tokens >= req.num_tokens:
-                # the step in flight computes past this token: the block it completed is known now
-                self.block_manager.register_computed_blocks(req)
+            if entry.num_drafts:
+                tokens = token if isinstance(token, list) else [token]
+                if not 1 <= len(tokens) <= entry.num_drafts + 1:
+                    raise ValueError(f"request {req.request_id!r}: {len(tokens)} tokens from a step with "
+                                     f"{entry.num_drafts} drafts")
+                req.draft_token_ids = []
+                # the cache holds the step's first token and the accepted drafts; the rejected positions are
+                # overwritten later
+                req.num_computed_tokens = entry.num_computed_tokens + len(tokens)
+            else:
+                tokens = (token,)
             metrics = req.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            num_output = len(req.output_token_ids)
-            if token in req.stop_token_ids and num_output > req.sampling_params.min_tokens:
-                if token in req.sampling_params.stop_token_ids:
-                    req.stop_reason = token
-                status = RequestStatus.FINISHED_STOPPED
-            elif num_output >= req.max_tokens or req.num_tokens >= max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-            else:
+            status = None
+            for token in tokens:
+                # (a request preempted since it was scheduled keeps the token and recomputes later)
+                req.append_output_token(token)
+                num_output = len(req.output_token_ids)
+                if token in req.stop_token_ids and num_output > req.sampling_params.min_tokens:
+                    if token in req.sampling_params.stop_token_ids:
+                        req.stop_reason = token
+                    status = RequestStatus.FINISHED_STOPPED
+                elif num_output >= req.max_tokens or req.num_tokens >= max_model_len:
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    break
+            if req.num_computed_tokens >= req.num_tokens or entry.num_drafts:
+                # the step in flight computes past this token (or this step computed the accepted drafts):
+                # the blocks they completed are known now
+                self.block_manager.register_computed_blocks(req)
+            if status is None:
                 continue
             self._finish(req, status, remove_from_running=False)
             finished.append(req)

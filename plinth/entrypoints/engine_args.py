@@ -29,7 +29,7 @@ ENGINE_KWARGS = (
     "async_scheduling", "itl_target_ms", "scheduling_policy",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
     "platform", "attention_backend", "gemm_kernel", "selection", "enforce_eager",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "speculative_config",
 )
 
 
@@ -112,6 +112,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept read in host memory (default: max(--max-loras, 8))")
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\': decodes '
+                        "carry draft tokens copied from earlier in their context, verified in the same step")
     g = parser.add_argument_group("device")
     g.add_argument("--platform", default=None, help="force a platform (default: $PLINTH_PLATFORM or auto)")
     g.add_argument("--attention-backend", default=None, help="force an attention backend")

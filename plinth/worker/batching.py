@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
+from plinth.core.speculative import DraftRow
+
 if TYPE_CHECKING:
-    from plinth.core.request import Request
     from plinth.core.scheduler import SchedulerOutput
 
 
@@ -103,6 +104,8 @@ class FlatBatch(Sequence[SeqBatchEntry]):
         lora_slots: ``[N]`` int64, each sequence's LoRA adapter slot (-1: the base model); ``None``: no adapters.
         lora_loads: ``(slot, adapter)`` pairs (:class:`~plinth.lora.adapter.LoRAAdapter`) to copy into the
             slots before the step runs.
+        num_logits: ``[N]`` int64, how many of a sampled sequence's last positions are sampled (speculative
+            decoding: its token and each draft), or ``None``: one each.
     """
 
     token_ids: np.ndarray
@@ -116,6 +119,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     needs_hidden: bool = False
     lora_slots: np.ndarray | None = None
     lora_loads: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+    num_logits: np.ndarray | None = None
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -304,8 +308,9 @@ class BatchBuilder:
         for rid in out.finished_request_ids:
             table.release(rid)
 
-    def build(self, out: SchedulerOutput, in_flight: dict[str, int] | None = None) -> tuple[FlatBatch, list[Request]]:
-        """The step's batch, and the requests it samples (in batch order).
+    def build(self, out: SchedulerOutput, in_flight: dict[str, int] | None = None) -> tuple[FlatBatch, list[Any]]:
+        """The step's batch, and the requests it samples, one per sampled row in batch order (a sequence with
+        drafts: a :class:`~plinth.core.speculative.DraftRow` for each of its sampled positions).
 
         Args:
             out: the scheduler's output.
@@ -321,15 +326,27 @@ class BatchBuilder:
         starts: list[int] = []
         tokens: list[int] = []
         sample: list[bool] = []
-        sampled: list[Request] = []
+        sampled: list[Any] = []
         fed_rows: list[int] = []
         fed_src: list[int] = []
-        for s in out.scheduled:
+        num_logits: list[int] | None = None
+        for i, s in enumerate(out.scheduled):
             req = s.request
             rows.append(row_of(req.request_id, req.block_ids))
             start, num_new = s.num_computed_tokens, s.num_new_tokens
             starts.append(start)
             q_lens.append(num_new)
+            if s.num_drafts:   # its token, then the drafts: a row of logits after each
+                if num_logits is None:
+                    num_logits = [1] * i
+                num_logits.append(1 + s.num_drafts)
+                tokens.append(req.all_token_ids[start])
+                tokens.extend(req.draft_token_ids)
+                sample.append(True)
+                sampled.extend(DraftRow(req, j) for j in range(1 + s.num_drafts))
+                continue
+            if num_logits is not None:
+                num_logits.append(1)
             if num_new == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -363,5 +380,6 @@ class BatchBuilder:
                   if fed_rows else None),
             lora_slots=lora_slots,
             lora_loads=lora_loads,
+            num_logits=np.array(num_logits, dtype=np.int64) if num_logits is not None else None,
         )
         return batch, sampled

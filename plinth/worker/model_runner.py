@@ -31,7 +31,7 @@ class StepInputs:
     positions: torch.Tensor      # [T] int64
     metadata: AttentionMetadata
     sample_rows: torch.Tensor    # [S] int64: rows of the flat batch whose logits are sampled
-    sample_seqs: list[int]       # [S]: which entries those rows belong to
+    sample_seqs: list[int]       # [S]: which entries those rows belong to (repeated for several rows of one)
 
 
 def _zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -120,6 +120,11 @@ class ModelRunner:
             self.lora.set_tokens(lora if lora is None or batch.decode_only else np.repeat(lora, q_lens))
         sample_seqs = np.flatnonzero(batch.sample)
         sample_rows = qsl[1:][sample_seqs] - 1                                  # [S]
+        if batch.num_logits is not None:   # speculative decoding: the last k positions of such sequences
+            k = batch.num_logits[sample_seqs]
+            sample_seqs = np.repeat(sample_seqs, k)
+            sample_rows = np.repeat(sample_rows + 1 - k, k) + (np.arange(len(sample_seqs)) - np.repeat(
+                np.cumsum(k) - k, k))
         feed = batch.feed
         int64 = [batch.token_ids, positions, slot_mapping, sample_rows]
         if feed is not None:

@@ -1,0 +1,288 @@
+"""Speculative decoding (n-gram prompt lookup): drafts verified in one step change no token a request gets.
+
+The reference is the same engine without speculation: greedy requests, seeded random requests (each position's
+noise is keyed by its output index), penalties, logprobs, stop strings and tokens, ``n > 1``, LoRA adapters,
+preemption, the prefix cache and tensor/pipeline parallelism all give identical tokens, while the statistics
+show that drafts were accepted (so the checks are not vacuous)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import save_tiny_model
+
+from plinth import LLM, SamplingParams
+from plinth.config import ConfigError, EngineConfig
+from plinth.core.speculative import NgramProposer, accepted_tokens
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# repetitive prompts (their continuations repeat too, so prompt lookup finds drafts), and a plain one
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "0123456789 0123456789 0123456789 01",
+    "Paris is the capital of France, and Berlin is",
+    "Large language models generate text one token at a time. Large language models generate",
+]
+
+
+# ------------------------------------------------------------------------------------ the proposer
+
+
+def _brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix n-gram (max_n .. min_n) and the <= k tokens after it."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_proposer_against_brute_force():
+    rng = random.Random(0)
+    for case in range(2000):
+        tokens = [rng.randrange(rng.choice((2, 3, 5, 50))) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        k, limit = rng.randint(1, 6), rng.randint(0, 7)
+        got = NgramProposer(k, min_n, max_n).propose(tokens, limit)
+        assert got == _brute_force(tokens, min(k, limit), min_n, max_n), (case, tokens, min_n, max_n, k, limit)
+
+
+def test_ngram_proposer_cases():
+    p = NgramProposer(3, 1, 3)
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], 10) == [4, 1, 2]      # 3-gram "1 2 3" seen at the start
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]          # the limit caps it
+    assert p.propose([7, 8, 9, 7, 5, 9, 7], 10) == [5, 9, 7]      # "9 7" at 2..3: the latest 2-gram wins over "7"
+    assert p.propose([1, 2, 3], 10) == []                         # nothing repeats
+    assert NgramProposer(3, 2, 3).propose([5, 1, 6, 1], 10) == []   # only a 1-gram repeats, below min_n
+    assert p.propose([4, 4], 10) == [4]                           # the continuation stops at the end
+
+
+def test_accepted_tokens():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]   # every draft, then the bonus sample
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]         # the first differing sample replaces a draft
+    assert accepted_tokens([5, 6, 7], [1, 6, 7, 8]) == [1]
+    assert accepted_tokens([], [3]) == [3]
+
+
+# ------------------------------------------------------------------------------------ configuration
+
+
+def test_speculative_config_parsing_and_errors():
+    spec = EngineConfig.from_kwargs(speculative_config=NGRAM).speculative
+    assert (spec.speculative_method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+            spec.prompt_lookup_max) == ("ngram", 4, 2, 4)
+    text = EngineConfig.from_kwargs(speculative_config='{"method": "ngram", "num_speculative_tokens": 2, '
+                                                       '"prompt_lookup_max": 1}').speculative
+    assert (text.num_speculative_tokens, text.prompt_lookup_min, text.prompt_lookup_max) == (2, 1, 1)
+    assert not EngineConfig.from_kwargs(speculative_config=None).speculative.enabled
+    for value, message in [
+        ("{not json", "not valid JSON"),
+        ([1], "must be a JSON object"),
+        ({"num_speculative_tokens": 3}, "needs a method"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "must be one of ngram"),
+        ({"method": "ngram"}, "num_speculative_tokens must be a positive integer"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+        ({"method": "ngram", "num_speculative_tokens": 100}, "at most 64"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+         "must not exceed"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown speculative_config key"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig.from_kwargs(speculative_config=value)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    import argparse
+
+    from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, "generate")
+    args = parser.parse_args(["m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert engine_config_from_args(args).speculative.num_speculative_tokens == 3
+    with pytest.raises(ConfigError, match="unknown speculative_config key"):
+        engine_config_from_args(parser.parse_args(["m", "--speculative-config", '{"method": "ngram", "k": 1}']))
+
+
+# ------------------------------------------------------------------------------------ engines
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("spec-llama"))
+
+
+def _llm(model_dir, spec, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("selection", "off")
+    return LLM(str(model_dir), speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    return _llm(model_dir, None), _llm(model_dir, NGRAM)
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+
+def _accepted(llm) -> int:
+    return llm.engine.stats()["speculative"]["num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.0),
+    dict(temperature=0.1, seed=11),
+    dict(temperature=0.15, top_p=0.9, top_k=20, min_p=0.02, seed=3),
+    dict(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.05, presence_penalty=0.02),
+    dict(temperature=0.1, seed=5, presence_penalty=0.05, logit_bias={17: 2.0}),
+    dict(temperature=0.0, bad_words=["fox"]),
+], ids=["greedy", "seeded", "seeded-top-p-k-min-p", "penalties", "seeded-penalty-bias", "bad-words"])
+def test_same_tokens_as_without_speculation(pair, params):
+    base, spec = pair
+    sp = SamplingParams(max_tokens=48, ignore_eos=True, **params)
+    before = _accepted(spec)
+    assert _run(spec, PROMPTS, sp) == _run(base, PROMPTS, sp)
+    assert _accepted(spec) > before, "no draft was accepted: the comparison did not exercise verification"
+
+
+def test_stop_conditions_inside_a_verified_step(pair, monkeypatch):
+    """Stop strings, stop tokens, min_tokens and max_tokens that fall among a step's accepted tokens end the output
+    exactly where they end it without speculation (text, tokens, finish and stop reasons)."""
+    from plinth.core.request import Request
+
+    base, spec = pair
+    cuts = []
+    truncate = Request.truncate_output
+    monkeypatch.setattr(Request, "truncate_output", lambda self, n: (cuts.append(n), truncate(self, n)))
+    greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # prompts followed by their own greedy continuation: the model goes on repeating it, so drafts copied from the
+    # prompt are accepted and a stop string met first in the output can fall inside a step's accepted tokens
+    prompts = [{"prompt_token_ids": base.engine.tokenize(p) + list(o.outputs[0].token_ids)}
+               for p, o in zip(PROMPTS, base.generate(PROMPTS, SamplingParams(**greedy), use_tqdm=False), strict=True)]
+    cases = []
+    for prompt, outs in zip(prompts, _run(base, prompts, SamplingParams(**greedy)), strict=True):
+        ids, text = outs[0][0], outs[0][1]
+        # (the random model's text is mostly partial UTF-8 bytes: stop strings from its printable pairs)
+        for stop in sorted({text[k:k + 2] for k in range(len(text) - 1) if text[k:k + 2].isprintable()
+                            and "\ufffd" not in text[k:k + 2]})[:6]:
+            for include in (False, True):
+                cases.append((prompt, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=include)))
+        cases.append((prompt, SamplingParams(**greedy, stop_token_ids=[ids[9]])))
+        cases.append((prompt, SamplingParams(**greedy, stop_token_ids=[ids[3]], min_tokens=7)))
+        cases.append((prompt, SamplingParams(**dict(greedy, max_tokens=13))))
+    reasons = set()
+    for prompt, sp in cases:
+        got, want = _run(spec, [prompt], sp), _run(base, [prompt], sp)
+        assert got == want, (prompt, sp)
+        reasons |= {(c[0][2], c[0][3] is not None) for c in want}
+    assert reasons == {("stop", True), ("length", False)}   # stop strings and ids, and lengths, were reached
+    assert cuts, "no stop string fell inside a step's accepted tokens"
+
+
+def test_logprobs_and_n(pair):
+    base, spec = pair
+    sp = SamplingParams(max_tokens=30, temperature=0.9, seed=7, n=2, logprobs=3, ignore_eos=True)
+    got = spec.generate(PROMPTS[:2], sp, use_tqdm=False)
+    want = base.generate(PROMPTS[:2], sp, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g.outputs, w.outputs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert len(a.logprobs) == len(a.token_ids)
+            for pa, pb in zip(a.logprobs, b.logprobs, strict=True):
+                assert pa.keys() == pb.keys()
+                for t in pa:
+                    assert pa[t].logprob == pytest.approx(pb[t].logprob, abs=1e-4)
+                    assert pa[t].rank == pb[t].rank
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+
+
+def test_budget_preemption_and_prefix_cache(model_dir):
+    """A small token budget (drafts cut to fit), a small KV cache (preemption, never caused by drafts) and the
+    prefix cache (only verified tokens' blocks are registered) give the tokens of the same engine without drafts."""
+    kw = dict(max_num_batched_tokens=16, block_size=4, num_blocks=40, max_num_seqs=8)
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    base, spec = _llm(model_dir, None, **kw), _llm(model_dir, NGRAM, **kw)
+    want = _run(base, prompts, sp)
+    assert _run(spec, prompts, sp) == want
+    stats = spec.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["speculative"]["num_accepted_tokens"] > 0
+    # the same prompts again: served from the prefix cache, same tokens
+    hits = stats["prefix_cache"]["hit_blocks"]
+    assert _run(spec, prompts, sp) == want
+    assert spec.engine.stats()["prefix_cache"]["hit_blocks"] > hits
+
+
+def test_structured_output_requests_decode_without_drafts(pair):
+    base, spec = pair
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    sp = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs={"json": schema})
+    assert _run(spec, PROMPTS[:2], sp) == _run(base, PROMPTS[:2], sp)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_architectures(tmp_path, arch):
+    model = save_tiny_model(tmp_path / arch, arch=arch)
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    spec = _llm(model, {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1})
+    assert _run(spec, PROMPTS, sp) == _run(_llm(model, None), PROMPTS, sp)
+    assert _accepted(spec) > 0
+
+
+def test_lora_adapters(tmp_path):
+    pytest.importorskip("peft")
+    from test_lora import make_adapter
+
+    from plinth import LoRARequest
+
+    model = save_tiny_model(tmp_path / "m")
+    lora = LoRARequest("a", 1, str(make_adapter(model, tmp_path / "a", 5)))
+    kw = dict(enable_lora=True, max_loras=1, max_lora_rank=8)
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    picks = [lora, None, lora, None]
+    base, spec = _llm(model, None, **kw), _llm(model, NGRAM, **kw)
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, sp, lora_request=picks, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, sp, lora_request=picks, use_tqdm=False)]
+    assert got == want
+    assert _accepted(spec) > 0
+
+
+def test_tensor_and_pipeline_parallel(tmp_path, processes):
+    from plinth.core.engine import LLMEngine
+    from plinth.distributed.executor_mp import MultiprocExecutor
+
+    model = save_tiny_model(tmp_path / "m", num_key_value_heads=1)
+    kw = dict(model=str(model), dtype="float32", selection="off", max_num_batched_tokens=32, block_size=4)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(PROMPTS, sp, use_tqdm=False)]
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        engine = LLMEngine(EngineConfig.from_kwargs(**kw, **layout, distributed_executor="mp",
+                                                    speculative_config=NGRAM),
+                           executor_factory=lambda c: MultiprocExecutor(c, processes))
+        try:
+            for i, prompt in enumerate(PROMPTS):
+                engine.add_request(f"r{i}", prompt, sp)
+            done = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
+            assert engine.stats()["speculative"]["num_accepted_tokens"] > 0
+        finally:
+            engine.shutdown()
+        assert [done[f"r{i}"] for i in range(len(PROMPTS))] == want, layout
+
+
+def test_async_scheduling_is_turned_off(model_dir, caplog):
+    with caplog.at_level("WARNING"):
+        llm = _llm(model_dir, NGRAM, async_scheduling=True)
+    assert not llm.engine.async_scheduling
+    assert "asynchronous scheduling is off with speculative decoding" in caplog.text
