@@ -217,6 +217,12 @@ class LLMEngine:
             self.scheduler.prefill_allowance = lambda decodes: cost.prefill_allowance(decodes, target_s)
         self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
                                            config.scheduler.max_num_seqs, keep_hidden=self.pooling is not None)
+        if self.speculative is not None:
+            # on CPUs every attention backend writes a step's keys before any row attends: a sequence's token and
+            # drafts can go as rows of a decode batch (the decode plan and compiled decode steps run those)
+            device_type = torch.device(self.device).type if self.device is not None else getattr(
+                self.platform, "device_type", None)
+            self._batch_builder.drafts_as_rows = device_type == "cpu"
         if lora.enable_lora:
             self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
             self._batch_builder.running = functools.partial(getattr, self.scheduler, "running")
@@ -253,7 +259,7 @@ class LLMEngine:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
         def propose(req: Request, limit: int) -> list[int]:
-            return proposer.propose(req.all_token_ids, limit) if speculates(req) else []
+            return proposer.propose_for(req, limit) if speculates(req) else []
 
         self.scheduler.proposer = propose
         self.speculative = SpeculativeStats()

@@ -14,6 +14,7 @@ too (each position's noise is keyed by its output index), and unseeded ones the 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,10 @@ class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last ``n``
     tokens, for the largest ``n`` from ``max_n`` down to ``min_n`` that occurs.
 
+    Each request's tokens are mirrored in a numpy buffer that grows with them (a step appends a few), so a
+    proposal costs one vectorised pass over the context for the last token's earlier occurrences, then a check of
+    those few candidates, rather than a conversion of the whole token list.
+
     Args:
         num_tokens: the most draft tokens proposed.
         min_n, max_n: the n-gram sizes searched.
@@ -35,22 +40,59 @@ class NgramProposer:
         self.num_tokens = num_tokens
         self.min_n = min_n
         self.max_n = max_n
+        self._buffers: weakref.WeakKeyDictionary[Any, _TokenBuffer] = weakref.WeakKeyDictionary()
+
+    def propose_for(self, req: Request, limit: int) -> list[int]:
+        """Drafts for ``req`` (at most ``limit``), its tokens mirrored incrementally."""
+        buf = self._buffers.get(req)
+        if buf is None:
+            buf = self._buffers[req] = _TokenBuffer()
+        return self._search(buf.sync(req.all_token_ids), limit)
 
     def propose(self, token_ids: Sequence[int], limit: int) -> list[int]:
         """At most ``min(limit, num_tokens)`` draft tokens to follow ``token_ids`` (possibly none)."""
+        return self._search(np.asarray(token_ids, dtype=np.int64), limit)
+
+    def _search(self, tokens: np.ndarray, limit: int) -> list[int]:
         k = min(limit, self.num_tokens)
-        length = len(token_ids)
+        length = len(tokens)
         if k <= 0 or length <= self.min_n:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        # ends c (< length - 1, so a token follows) of earlier n-grams: first where the last token occurs
+        ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+        if not ends.size:
+            return []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            pattern = tokens[length - n:]
-            # starts i of earlier occurrences: tokens[i:i + n] == pattern with i + n < length (a token follows)
-            starts = np.flatnonzero(tokens[:length - n] == pattern[0])
-            for i in starts[::-1].tolist():
-                if n == 1 or np.array_equal(tokens[i:i + n], pattern):
-                    return tokens[i + n:i + n + k].tolist()
+            c = ends[ends >= n - 1]
+            ok = np.ones(len(c), dtype=bool)
+            for j in range(1, n):
+                ok &= tokens[c - j] == tokens[length - 1 - j]
+            hits = c[ok]
+            if hits.size:
+                end = int(hits[-1]) + 1
+                return tokens[end:end + k].tolist()
         return []
+
+
+class _TokenBuffer:
+    """A request's tokens as a growing int64 array (appends only; rebuilt if the tokens shrank)."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(0, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, tokens: list[int]) -> np.ndarray:
+        n, have = len(tokens), self.length
+        if n < have:
+            have = 0
+        if n > len(self.array):
+            grown = np.empty(max(n, 2 * len(self.array), 256), dtype=np.int64)
+            grown[:have] = self.array[:have]
+            self.array = grown
+        if n > have:
+            self.array[have:n] = tokens[have:n]
+        self.length = n
+        return self.array[:n]
 
 
 def speculates(req: Request) -> bool:

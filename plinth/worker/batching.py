@@ -299,6 +299,11 @@ class BatchBuilder:
         #: the scheduler's running requests (whose adapters keep their slots)
         self.lora_slots: Any = None
         self.running: Any = tuple
+        #: speculative decoding: a sequence's token and drafts go as one-token rows of the sequence at consecutive
+        #: positions (a decode batch: CPU decode plans and compiled steps run it), instead of a query of several
+        #: tokens sampled at each. Only for attention backends that write every row's keys before any row attends
+        #: (the CPU backends; not a decode kernel that writes a row's keys itself, as Triton's fused one does).
+        self.drafts_as_rows = False
 
     def release(self, out: SchedulerOutput) -> None:
         """Free the rows of the requests preempted or finished (call for every step, even an empty one)."""
@@ -330,10 +335,26 @@ class BatchBuilder:
         fed_rows: list[int] = []
         fed_src: list[int] = []
         num_logits: list[int] | None = None
+        expanded: list[int] | None = None   # drafts as rows: rows per scheduled entry
         for i, s in enumerate(out.scheduled):
             req = s.request
-            rows.append(row_of(req.request_id, req.block_ids))
+            row = row_of(req.request_id, req.block_ids)
             start, num_new = s.num_computed_tokens, s.num_new_tokens
+            if s.num_drafts and self.drafts_as_rows:
+                if expanded is None:
+                    expanded = [1] * i
+                expanded.append(1 + s.num_drafts)
+                rows.extend([row] * (1 + s.num_drafts))
+                starts.extend(range(start, start + 1 + s.num_drafts))
+                q_lens.extend([1] * (1 + s.num_drafts))
+                tokens.append(req.all_token_ids[start])
+                tokens.extend(req.draft_token_ids)
+                sample.extend([True] * (1 + s.num_drafts))
+                sampled.extend(DraftRow(req, j) for j in range(1 + s.num_drafts))
+                continue
+            if expanded is not None:
+                expanded.append(1)
+            rows.append(row)
             starts.append(start)
             q_lens.append(num_new)
             if s.num_drafts:   # its token, then the drafts: a row of logits after each
@@ -365,6 +386,8 @@ class BatchBuilder:
                 sampled.append(req)
         lora_slots, lora_loads = (self.lora_slots.assign([s.request for s in out.scheduled], self.running())
                                   if self.lora_slots is not None else (None, []))
+        if lora_slots is not None and expanded is not None:
+            lora_slots = np.repeat(lora_slots, expanded)
         row_array = np.array(rows, dtype=np.int64)                                  # [N]
         counts = table.counts(row_array)
         batch = FlatBatch(
