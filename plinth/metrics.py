@@ -13,6 +13,9 @@ Metric names (all labelled with ``model_name``):
 - ``plinth_prefix_cache_hit_rate`` (gauge, 0..1: prompt tokens served from the prefix cache)
 - ``plinth_prompt_tokens_total``, ``plinth_generation_tokens_total`` (counters)
 - ``plinth_requests_finished_total`` (counter, label ``finish_reason``: stop, length, abort, error)
+- ``plinth_spec_decode_num_drafts_total``, ``plinth_spec_decode_num_draft_tokens_total``,
+  ``plinth_spec_decode_num_accepted_tokens_total`` (counters, speculative decoding: sequence steps with drafts,
+  draft tokens, accepted draft tokens)
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ class ServerMetrics:
                                  ["model_name", "finish_reason"], registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self._finished.labels(model_name, reason)   # export zeros from the start
+        # speculative decoding: the engine's running totals, added to the counters as they grow
+        self._spec = {key: Counter(f"plinth_spec_decode_{key}", help_text, lab, registry=r).labels(model_name)
+                      for key, help_text in (("num_drafts", "Sequence steps that carried draft tokens."),
+                                             ("num_draft_tokens", "Draft tokens computed."),
+                                             ("num_accepted_tokens", "Draft tokens accepted."))}
+        self._spec_seen = dict.fromkeys(self._spec, 0)
 
     def count_finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
@@ -83,6 +92,12 @@ class ServerMetrics:
             self.waiting.set(engine_stats.get("num_waiting", 0))
             self.kv_usage.set(engine_stats.get("kv_cache_usage", 0.0))
             self.prefix_hit_rate.set(engine_stats.get("prefix_cache_hit_rate", 0.0))
+            spec = engine_stats.get("speculative") or {}
+            for key, counter in self._spec.items():
+                total = int(spec.get(key, 0))
+                if total > self._spec_seen[key]:
+                    counter.inc(total - self._spec_seen[key])
+                    self._spec_seen[key] = total
         return generate_latest(self.registry)
 
 

@@ -334,3 +334,31 @@ def test_default_model_edit_prompt():
     assert got == want
     stats = spec.engine.stats()["speculative"]
     assert stats["acceptance_rate"] > 0.4 and stats["mean_accepted_length"] > 2.0, stats
+
+
+def test_server_with_speculation(tmp_path):
+    """``plinth serve --speculative-config``: completions equal those of a server without it, and /metrics counts
+    the drafts; a bad value stops the server at start with the reason."""
+    import subprocess
+    import sys
+
+    import httpx
+    from server_utils import running_server, scrape_metrics
+
+    model = save_tiny_model(tmp_path / "m")
+    body = {"prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    texts = []
+    for extra in ([], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']):
+        with running_server([str(model), "--selection", "off", "--dtype", "float32", *extra]) as srv:
+            reply = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60.0).json()
+            texts.append(reply["choices"][0]["text"])
+            metrics = scrape_metrics(srv.base_url)
+    assert texts[0] == texts[1]
+    assert metrics["plinth_spec_decode_num_drafts_total"] > 0
+    assert 0 < metrics["plinth_spec_decode_num_accepted_tokens_total"] <= metrics[
+        "plinth_spec_decode_num_draft_tokens_total"]
+    bad = subprocess.run([sys.executable, "-m", "plinth.entrypoints.cli", "serve", str(model), "--speculative-config",
+                          '{"method": "medusa", "num_speculative_tokens": 2}'], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0
+    assert "must be one of ngram" in bad.stderr and "Traceback" not in bad.stderr
