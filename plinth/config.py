@@ -394,8 +394,9 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ConfigError(f"speculative_config needs a method ({', '.join(SPECULATIVE_METHODS)})")
         fields = {cls.KEYS[k]: v for k, v in value.items()}
-        if fields.get("speculative_method") == "ngram" and "prompt_lookup_max" in fields \
-                and "prompt_lookup_min" not in fields and isinstance(fields["prompt_lookup_max"], int):
+        lookup_max = fields.get("prompt_lookup_max")
+        if "prompt_lookup_min" not in fields and isinstance(lookup_max, int) and not isinstance(lookup_max, bool) \
+                and lookup_max > 0:
             fields["prompt_lookup_min"] = min(cls.prompt_lookup_min, fields["prompt_lookup_max"])
         return fields
 
@@ -411,6 +412,11 @@ class EngineConfig:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
     _SECTIONS = ("model", "cache", "scheduler", "parallel", "device", "lora", "speculative")
+
+    def __post_init__(self) -> None:
+        if self.speculative.enabled and self.model.task == "embed":
+            raise ConfigError("speculative decoding applies to generation; an embedding model (task embed) decodes "
+                              "nothing: drop speculative_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

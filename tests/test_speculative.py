@@ -106,9 +106,12 @@ def test_speculative_config_parsing_and_errors():
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
          "must not exceed"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown speculative_config key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
     ]:
         with pytest.raises(ConfigError, match=message):
             EngineConfig.from_kwargs(speculative_config=value)
+    with pytest.raises(ConfigError, match="embedding model"):
+        EngineConfig.from_kwargs(task="embed", speculative_config=NGRAM)
 
 
 def test_cli_flag_reaches_the_engine_config():
@@ -188,10 +191,9 @@ def test_stop_conditions_inside_a_verified_step(pair, monkeypatch):
     truncate = Request.truncate_output
     monkeypatch.setattr(Request, "truncate_output", lambda self, n: (cuts.append(n), truncate(self, n)))
     greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
-    # prompts followed by their own greedy continuation: the model goes on repeating it, so drafts copied from the
-    # prompt are accepted and a stop string met first in the output can fall inside a step's accepted tokens
-    prompts = [{"prompt_token_ids": base.engine.tokenize(p) + list(o.outputs[0].token_ids)}
-               for p, o in zip(PROMPTS, base.generate(PROMPTS, SamplingParams(**greedy), use_tqdm=False), strict=True)]
+    # a stop string met first in the output can fall inside a step's accepted tokens when the drafts are copied
+    # from the prompt
+    prompts = _looped(base, PROMPTS)
     cases = []
     for prompt, outs in zip(prompts, _run(base, prompts, SamplingParams(**greedy)), strict=True):
         ids, text = outs[0][0], outs[0][1]
@@ -246,11 +248,31 @@ def test_budget_preemption_and_prefix_cache(model_dir):
     assert spec.engine.stats()["prefix_cache"]["hit_blocks"] > hits
 
 
+def _looped(base, prompts):
+    """Prompts followed by their own greedy continuation (as token ids): the model goes on repeating it, so drafts
+    copied from the prompt are accepted."""
+    outs = base.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return [{"prompt_token_ids": base.engine.tokenize(p) + list(o.outputs[0].token_ids)}
+            for p, o in zip(prompts, outs, strict=True)]
+
+
 def test_structured_output_requests_decode_without_drafts(pair):
+    """Requests with a grammar decode without drafts, also in steps where their neighbours carry drafts (their text
+    then goes through the verified steps' path: it must end as it ends alone)."""
     base, spec = pair
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    sp = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs={"json": schema})
-    assert _run(spec, PROMPTS[:2], sp) == _run(base, PROMPTS[:2], sp)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = _looped(base, PROMPTS[:2]) + PROMPTS[2:]
+    for constraint in ({"json": schema}, {"choice": ["yes", "no", "maybe"]}, {"regex": "[a-c]{3}"}):
+        params = [greedy, greedy] + [SamplingParams(max_tokens=30, temperature=0.0,
+                                                    structured_outputs=constraint)] * 2
+        before = _accepted(spec)
+        got = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+               for o in spec.generate(prompts, params, use_tqdm=False)]
+        want = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+                for o in base.generate(prompts, params, use_tqdm=False)]
+        assert got == want, constraint
+        assert _accepted(spec) > before
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

@@ -714,13 +714,13 @@ class LLMEngine:
                 if stats is not None:
                     stats.num_drafts += 1
                     stats.num_draft_tokens += s.num_drafts
-                    stats.num_accepted_tokens += len(tokens) - 1
             reqs.append(s.request)
             kept.append((s.request, tokens, positions[at:at + len(tokens)] if positions is not None else []))
             per_entry.append(tokens if s.num_drafts else tokens[0])
             at += n
         assert at == len(rows)
         before = {r.request_id: r.num_output_tokens for r in reqs}
+        drafted = {s.request.request_id for s in out.scheduled if s.num_drafts}
         for req, tokens, pos in kept:
             if pos:
                 self._record_logprobs([req] * len(tokens), pos, tokens)
@@ -733,6 +733,7 @@ class LLMEngine:
                 continue
             seq = seqs[rid]
             new = req.output_token_ids[before[rid]:]   # the tokens the request took (fewer when it stopped)
+            by_token = ended and req.finish_reason == FinishReason.STOP   # the scheduler's verdict: its last token
             by_grammar = False
             for i, tok in enumerate(new):
                 last = i == len(new) - 1
@@ -743,9 +744,7 @@ class LLMEngine:
                         ended = by_grammar = True
                 if seq.detok is None:
                     continue
-                final = ended and last
-                _, stop_str = seq.detok.add_tokens([tok], finished=final,
-                                                   stopped_by_token=final and req.finish_reason == FinishReason.STOP)
+                _, stop_str = seq.detok.add_tokens([tok], finished=ended and last, stopped_by_token=by_token and last)
                 if stop_str is None:
                     continue
                 if not ended:
@@ -760,6 +759,8 @@ class LLMEngine:
                 break
             if seq.logprobs is not None and len(seq.logprobs) > req.num_output_tokens:
                 self._trim_logprobs(seq, req)
+            if stats is not None and rid in drafted:   # the drafts it kept (not those after a stop)
+                stats.num_accepted_tokens += max(0, req.num_output_tokens - before[rid] - 1)
             if ended or not final_only:
                 group = groups[rid]
                 touched[group.request_id] = group
