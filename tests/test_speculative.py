@@ -384,3 +384,30 @@ def test_server_with_speculation(tmp_path):
                          timeout=120)
     assert bad.returncode != 0
     assert "must be one of ngram" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_scheduler_limits_drafts():
+    """Drafts fit the decode-row cap, the token budget and the request's max_tokens; a step with drafts rolls the
+    computed tokens back to the accepted ones and keeps the blocks."""
+    from test_scheduler import make_scheduler, req
+
+    sched = make_scheduler(budget=12, block_size=4)
+    sched.proposer = lambda r, limit: [7] * min(limit, 5)
+    sched.max_decode_rows = 6
+    reqs = [req(f"r{i}", [1, 2, 3], max_tokens=4) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()   # the prompts
+    sched.update_from_output(out, [9] * 3)
+    out = sched.schedule()
+    drafts = [s.num_drafts for s in out.scheduled]
+    assert sum(drafts) == 3 and sum(drafts) + len(drafts) <= 6   # the cap: 6 rows for 3 decodes
+    assert all(d <= 2 for d in drafts)   # max_tokens 4, one output token: at most 2 drafts before the limit
+    blocks = [list(s.request.block_ids) for s in out.scheduled]
+    # the first request accepts one draft of its two; the others none
+    tokens = [[7, 8] if s.num_drafts == 2 else [5] for s in out.scheduled]
+    sched.update_from_output(out, [t if s.num_drafts else t[0] for s, t in zip(out.scheduled, tokens, strict=True)])
+    for s, t, b in zip(out.scheduled, tokens, blocks, strict=True):
+        r = s.request
+        assert r.output_token_ids == [9, *t] and r.num_computed_tokens == 3 + len(t) and r.block_ids == b
+        assert r.draft_token_ids == []

@@ -223,6 +223,9 @@ class LLMEngine:
             device_type = torch.device(self.device).type if self.device is not None else getattr(
                 self.platform, "device_type", None)
             self._batch_builder.drafts_as_rows = device_type == "cpu"
+            plan_rows = getattr(getattr(self.runner, "graphs", None), "fused_max_rows", 0)
+            if self._batch_builder.drafts_as_rows and plan_rows:   # the rows the decode plan runs in one call
+                self.scheduler.max_decode_rows = plan_rows
         if lora.enable_lora:
             self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
             self._batch_builder.running = functools.partial(getattr, self.scheduler, "running")

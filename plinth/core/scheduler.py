@@ -179,6 +179,9 @@ class Scheduler:
         #: speculative decoding: ``(request, limit) -> draft tokens`` (at most ``limit``) for a decode; set by
         #: the engine
         self.proposer: Callable[[Request, int], list[int]] | None = None
+        #: the most rows a step's decodes take with their drafts (None: no cap): drafts beyond it are not sent (a
+        #: CPU decode plan runs up to so many rows in one native call; more rows cost more than drafts gain there)
+        self.max_decode_rows: int | None = None
 
     # ---------------------------------------------------------------- intake
 
@@ -291,6 +294,7 @@ class Scheduler:
         if self._by_priority:
             decodes.sort(key=self._rank)
             prefills.sort(key=self._rank)
+        draft_room = (self.max_decode_rows - len(decodes) if self.max_decode_rows is not None else max_model_len)
         for is_decode, group in ((True, decodes), (False, prefills)):
             if not is_decode and (prefills or self.waiting):
                 budget = self._prefill_budget(budget, len(scheduled))
@@ -304,8 +308,10 @@ class Scheduler:
                 num_new = min(num_tokens - start, budget)
                 if req.num_pending_tokens and not bm.can_allocate(req, num_new):
                     continue   # no preemption for a token that may end the request: next step, once known
-                drafts = self._drafts(req, budget) if is_decode and self.proposer is not None else ()
+                drafts = (self._drafts(req, min(budget, draft_room + 1))
+                          if is_decode and self.proposer is not None and draft_room > 0 else ())
                 if drafts:   # verified with the token: the step samples after each of them
+                    draft_room -= len(drafts)
                     req.draft_token_ids = drafts
                     scheduled.append(ScheduledRequest(req, 1 + len(drafts), start, True, True, len(drafts)))
                     req.num_computed_tokens = start + 1 + len(drafts)

@@ -229,7 +229,10 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
             and getattr(model, "lora_state", None) is None):
         from plinth.worker.cpu_decode_plan import build_decode_plan
 
-        plan, why_not = build_decode_plan(model, runner.backend, runner.block_size, max_num_seqs)
+        spec = getattr(config, "speculative", None)
+        # with speculative decoding a sequence's drafts go as decode rows beside its token
+        max_rows = max_num_seqs * (1 + spec.num_speculative_tokens if spec is not None and spec.enabled else 1)
+        plan, why_not = build_decode_plan(model, runner.backend, runner.block_size, max_rows)
         if plan is None:
             logger.info("CPU decode plan off: %s", why_not)
         else:
