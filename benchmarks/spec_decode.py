@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--iters", type=int, default=1, help="timed runs per case (median), after a warm-up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-path", default="auto", choices=("auto", "query"),
+                   help="query: drafts as a multi-token query of each sequence even where they could go as rows of "
+                        "a decode step (for comparison)")
     p.add_argument("--oracle", action="store_true",
                    help="draft the k = 0 run's own next tokens (every draft accepted: the ceiling)")
     return p.parse_args(argv)
@@ -124,6 +127,9 @@ def run_case(args, k: int, batch: int, reference: dict | None = None) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     if reference is not None and k:
         llm.engine.scheduler.proposer = oracle_proposer(reference, k)
+    if args.draft_path == "query":
+        llm.engine._batch_builder.drafts_as_rows = False
+    rows = llm.engine._batch_builder.drafts_as_rows
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     times, outs = [], None
     before = dict(llm.engine.stats().get("speculative", {}))
@@ -150,7 +156,7 @@ def run_case(args, k: int, batch: int, reference: dict | None = None) -> dict:
     return {"k": k, "batch": batch, "seconds": seconds, "tok_s": n_out / seconds,
             "ms_per_token": seconds / args.max_tokens * 1e3, "acceptance": accepted / drafts if drafts else None,
             "per_step": 1 + accepted / steps if steps else None, "tokens": tokens, "text": text, "by_prompt": by_prompt,
-            "device": str(device)}
+            "device": str(device) + (", drafts as decode rows" if k and rows else ", drafts as queries" if k else "")}
 
 
 def _sync(device) -> None:

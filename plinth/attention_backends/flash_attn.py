@@ -37,6 +37,8 @@ class FlashAttnStepData:
 class FlashAttnBackend(AttentionBackend):
     """flash-attn 2 varlen attention over the paged KV cache (NVIDIA GPUs, fp16/bf16)."""
 
+    decode_rows_may_share_sequences = True   # every key and value is written before attention
+
     name: ClassVar[str] = "flash_attn"
     priority: ClassVar[int] = 30
 

@@ -68,6 +68,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # [B + 1]
     seq_lens_cpu: list[int]         # [B]
     backend_data: Any = None        # whatever the selected backend precomputes once per step
+    #: rows of a decode step may be one sequence's consecutive positions (speculative decoding's drafts): every
+    #: row's keys and values must be in the cache before any row attends
+    rows_share_sequences: bool = False
 
     @property
     def is_decode_only(self) -> bool:
@@ -148,6 +151,11 @@ class AttentionBackend(abc.ABC):
     #: write the cache in the same launch); the attention layer rotates them itself for other backends. A
     #: subclass that overrides ``forward`` must take ``rotary`` too, or set this back to False
     fuses_rotary: ClassVar[bool] = False
+    #: ``forward`` honours ``AttentionMetadata.rows_share_sequences``: with it, a step's keys and values are all
+    #: written before any row attends, so a sequence's token and its draft tokens can run as rows of a decode
+    #: step (a replayed decode graph). A subclass that overrides ``forward`` must honour it too, or set this back
+    #: to False (its drafts then run as multi-token queries)
+    decode_rows_may_share_sequences: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

@@ -215,6 +215,8 @@ def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 class TorchBatchedBackend(AttentionBackend):
     """Paged attention with one padded, masked SDPA call per group of sequences; any device."""
 
+    decode_rows_may_share_sequences = True   # every key and value is written before attention
+
     name = "torch_batched"
     priority = 5
     #: a compiled CPU decode step may pass a ``StaticDecode`` as ``metadata.backend_data``

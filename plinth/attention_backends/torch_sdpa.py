@@ -36,6 +36,8 @@ def _mask(num_queries: int, seq_len: int, sliding_window: int | None, device: to
 class TorchSDPABackend(AttentionBackend):
     """Paged attention with one ``scaled_dot_product_attention`` call per sequence."""
 
+    decode_rows_may_share_sequences = True   # every key and value is written before attention
+
     name: ClassVar[str] = "torch_sdpa"
     priority: ClassVar[int] = 0
 

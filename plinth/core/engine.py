@@ -217,15 +217,14 @@ class LLMEngine:
             self.scheduler.prefill_allowance = lambda decodes: cost.prefill_allowance(decodes, target_s)
         self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
                                            config.scheduler.max_num_seqs, keep_hidden=self.pooling is not None)
-        if self.speculative is not None:
-            # on CPUs every attention backend writes a step's keys before any row attends: a sequence's token and
-            # drafts can go as rows of a decode batch (the decode plan and compiled decode steps run those)
-            device_type = torch.device(self.device).type if self.device is not None else getattr(
-                self.platform, "device_type", None)
-            self._batch_builder.drafts_as_rows = device_type == "cpu"
-            plan_rows = getattr(getattr(self.runner, "graphs", None), "fused_max_rows", 0)
-            if self._batch_builder.drafts_as_rows and plan_rows:   # the rows the decode plan runs in one call
-                self.scheduler.max_decode_rows = plan_rows
+        if self.speculative is not None and self.runner is not None and self.runner.shared_decode_rows:
+            # the attention backend lets a sequence's token and drafts go as rows of a decode step (a CPU decode
+            # plan, a replayed graph); at most the rows the decode plan runs in one call, or the largest graph
+            self._batch_builder.drafts_as_rows = True
+            graphs = self.runner.graphs
+            rows = getattr(graphs, "fused_max_rows", 0) or getattr(graphs, "max_size", 0)
+            if rows:
+                self.scheduler.max_decode_rows = rows
         if lora.enable_lora:
             self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
             self._batch_builder.running = functools.partial(getattr, self.scheduler, "running")

@@ -51,11 +51,14 @@ class DecodeGraphRunner:
         max_num_seqs: the largest decode batch.
         max_blocks_per_seq: the block-table width (max_model_len / block_size, rounded up).
         block_size: tokens per block.
+        shared_rows: rows may be one sequence's consecutive positions (speculative decoding's drafts): captured
+            with ``AttentionMetadata.rows_share_sequences``.
     """
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
-                 max_num_seqs: int, max_blocks_per_seq: int, block_size: int):
+                 max_num_seqs: int, max_blocks_per_seq: int, block_size: int, shared_rows: bool = False):
         self.model = model
+        self.shared_rows = shared_rows
         self.backend = backend
         self.device = device
         self.block_size = block_size
@@ -93,6 +96,7 @@ class DecodeGraphRunner:
             context_lens=s.context_lens[:size], slot_mapping=s.slot_mapping[:size],
             block_tables=s.block_tables[:size],
             query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
+            rows_share_sequences=self.shared_rows,
         )
 
     def _forward(self, size: int) -> torch.Tensor:

@@ -78,6 +78,9 @@ class ModelRunner:
             self.kv_caches.append(cache)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
+        #: speculative decoding: a decode step's rows may be one sequence's consecutive positions (its token and
+        #: drafts); the attention metadata says so, and captured graphs are captured so
+        self.shared_decode_rows = False
         self.staging = HostStaging(device)
         self.lora = getattr(model, "lora_state", None)   # a plinth.lora.layers.LoRAState with adapters enabled
         logger.info("KV cache: %d blocks x %d tokens, %s, %.1f MiB in %.2f s", num_blocks, block_size,
@@ -145,6 +148,7 @@ class ModelRunner:
             block_tables=tables_t,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            rows_share_sequences=self.shared_decode_rows,
         )
         return StepInputs(input_ids=input_ids, positions=positions_t, metadata=metadata, sample_rows=rows,
                           sample_seqs=sample_seqs.tolist())
@@ -154,7 +158,7 @@ class ModelRunner:
         from plinth.worker.cuda_graphs import DecodeGraphRunner
 
         graphs = DecodeGraphRunner(self.model, self.backend, self.device, max_num_seqs, self.max_blocks_per_seq,
-                                   self.block_size)
+                                   self.block_size, shared_rows=self.shared_decode_rows)
         elapsed = graphs.capture()
         self.graphs = graphs
         return elapsed

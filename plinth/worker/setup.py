@@ -209,6 +209,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, spec.cache_dtype)
+    # speculative decoding: drafts go as decode rows (decode plans and graphs run them) where the backend allows
+    runner.shared_decode_rows = config.speculative.enabled and type(backend).decode_rows_may_share_sequences
     prepare_runner = getattr(platform, "prepare_runner", None)   # a platform's own fast path (CPU)
     if prepare_runner is not None:
         prepare_runner(runner, source, config)

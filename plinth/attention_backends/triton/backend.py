@@ -84,6 +84,8 @@ class TritonAttentionBackend(AttentionBackend):
             from the batch size, the head count and the device's multiprocessor count).
     """
 
+    decode_rows_may_share_sequences = True   # such steps skip the fused RoPE + cache-write decode kernel
+
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 20
     graph_safe: ClassVar[bool] = True
@@ -163,7 +165,8 @@ class TritonAttentionBackend(AttentionBackend):
 
         With ``rotary`` (``cos``, ``sin``) ``query`` and ``key`` arrive before their RoPE: a decode-only step
         with one token per sequence rotates them in the decode kernel, which also writes the new keys and
-        values (one kernel instead of three); other steps rotate them in place first.
+        values (one kernel instead of three); other steps rotate them in place first, as do decode steps whose
+        rows may share a sequence (``metadata.rows_share_sequences``: a row reads the keys other rows write).
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
@@ -182,7 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
             if cos.stride(-1) != 1 or cos.stride() != sin.stride():
                 cos, sin = cos.contiguous(), sin.contiguous()
             if (plan.decode_only and metadata.num_seqs == metadata.num_tokens == metadata.slot_mapping.shape[0]
-                    and cos.shape[-1] == head_size):
+                    and cos.shape[-1] == head_size and not metadata.rows_share_sequences):
                 fused_rotary = (key, value, cos, sin, metadata.slot_mapping)
             else:
                 ops.rotary_(query, key, cos, sin)
