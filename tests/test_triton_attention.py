@@ -396,3 +396,44 @@ def test_flash_attn_backend_says_no_without_the_package():
         answer = FlashAttnBackend.supports(_spec(), "cuda")
         assert not answer and answer.reason == "flash_attn not installed"
     assert not FlashAttnBackend.supports(_spec(), "cpu")
+
+
+@needs_interpreter
+def test_decode_rows_of_one_sequence_see_each_others_keys(monkeypatch):
+    """Speculative decoding's decode rows: a sequence's token and drafts as one-token rows at consecutive positions
+    (``rows_share_sequences``): the keys are rotated and written before any row attends (no fused decode kernel),
+    so each row sees the rows before it, as the same tokens do as one multi-token query."""
+    batch = make_batch([(40, 4), (9, 3)], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32, seed=15)
+    md = batch.metadata
+    cos, sin = rotary_tables(batch, seed=3)
+    q_rot, k_rot = rotate64(batch.query, cos, sin), rotate64(batch.key, cos, sin)
+    full_k = []
+    for s in range(md.num_seqs):
+        lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+        full_k.append(torch.cat([batch.full_k[s][: md.seq_lens_cpu[s] - (hi - lo)], k_rot[lo:hi].float()]))
+    expected = reference_attention(dataclasses.replace(batch, query=q_rot.float(), full_k=full_k), 64**-0.5, None)
+    seq_of_row, lens = [], []
+    for s in range(md.num_seqs):
+        q_len = md.query_start_loc_cpu[s + 1] - md.query_start_loc_cpu[s]
+        for j in range(q_len):
+            seq_of_row.append(s)
+            lens.append(md.seq_lens_cpu[s] - q_len + j + 1)
+    t = len(lens)
+    rows = AttentionMetadata(
+        num_tokens=t, num_seqs=t, max_query_len=1, max_seq_len=max(lens),
+        query_start_loc=torch.arange(t + 1, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32) - 1, slot_mapping=md.slot_mapping,
+        block_tables=md.block_tables[seq_of_row], query_start_loc_cpu=list(range(t + 1)), seq_lens_cpu=lens,
+        rows_share_sequences=True)
+    kernels = triton_backend._load_kernels()
+    writes = []
+    real_write = kernels.write_kv_cache.write_kv_cache_triton
+    monkeypatch.setattr(kernels.write_kv_cache, "write_kv_cache_triton",
+                        lambda *a: (writes.append(1), real_write(*a))[1])
+    backend = TritonAttentionBackend(decode_splits=2)
+    backend.prepare(rows)
+    out = backend.forward(batch.query.clone(), batch.key.clone(), batch.value, batch.kv_cache, rows, scale=64**-0.5,
+                          rotary=(cos, sin))
+    assert writes, "the fused decode kernel ran: a row may read keys another row has not written yet"
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
