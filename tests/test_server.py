@@ -508,9 +508,11 @@ def test_queue_full_is_503_with_retry_after(server):
 
 def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
     before = scrape_metrics(server.base_url)
+    # 1,000 tokens take far longer than 0.1 s (a step of the tiny model costs ~0.2 ms of host time or more; at 0.5 s
+    # a fast CPU finished the request before the client gave up)
     with pytest.raises(httpx.TimeoutException):
         post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True},
-             timeout=httpx.Timeout(60, read=0.5))
+             timeout=httpx.Timeout(60, read=0.1))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         m = scrape_metrics(server.base_url)
