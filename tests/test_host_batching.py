@@ -194,6 +194,7 @@ def _runner(block_size: int, staging: HostStaging | None = None) -> ModelRunner:
     runner.device = torch.device("cpu")
     runner.staging = staging or HostStaging(torch.device("cpu"))
     runner.lora = None
+    runner.shared_decode_rows = False
     return runner
 
 

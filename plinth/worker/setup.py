@@ -223,7 +223,10 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     elif not getattr(backend, "graph_safe", False):
         logger.info("attention backend %s cannot be captured in a graph: decode runs eagerly", backend.name)
     else:
-        runner.capture_decode_graphs(config.scheduler.max_num_seqs)
+        graph_rows = config.scheduler.max_num_seqs
+        if runner.shared_decode_rows:   # room for draft rows beside full decodes (at most 512 rows a graph)
+            graph_rows = max(graph_rows, min(graph_rows * (1 + config.speculative.num_speculative_tokens), 512))
+        runner.capture_decode_graphs(graph_rows)
     name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")
     if config.model.model is None:
         from plinth.model_registry.default_model import DEFAULT_MODEL_NAME
