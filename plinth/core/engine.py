@@ -701,7 +701,6 @@ class LLMEngine:
         (:func:`~plinth.core.speculative.accepted_tokens`), which go through the usual stop conditions one by
         one; a stop string inside them ends the output where it ends."""
         per_entry: list[int | list[int] | None] = []
-        reqs: list[Request] = []
         kept: list[tuple[Request, list[int], list[PositionLogprobs | None]]] = []
         stats = self.speculative
         at = 0
@@ -716,12 +715,11 @@ class LLMEngine:
                 if stats is not None:
                     stats.num_drafts += 1
                     stats.num_draft_tokens += s.num_drafts
-            reqs.append(s.request)
             kept.append((s.request, tokens, positions[at:at + len(tokens)] if positions is not None else []))
             per_entry.append(tokens if s.num_drafts else tokens[0])
             at += n
         assert at == len(rows)
-        before = {r.request_id: r.num_output_tokens for r in reqs}
+        before = {r.request_id: r.num_output_tokens for r, _, _ in kept}
         drafted = {s.request.request_id for s in out.scheduled if s.num_drafts}
         for req, tokens, pos in kept:
             if pos:
