@@ -85,15 +85,21 @@ def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypa
         assert isinstance(plan, CpuDecodePlan)
         assert all(set(lay.int4_copies) == {"qkv", "o", "gate_up", "down"} for lay in plan.layers)
         assert (plan.fused_layers is not None) == cpu_native.q4_gemv_supported()
-        assert plan.fused_max_rows == (cpu_native.Q4_GEMV_MAX_ROWS if cpu_native.q4_gemv_supported() else 0)
+        # with AMX tiles the fused step takes any batch (rows past the GEMV's on the AMX panel GEMM)
+        amx = cpu_native.q4_amx_supported()
+        assert plan.amx == amx
+        assert plan.fused_max_rows == (plan.max_size if amx else cpu_native.Q4_GEMV_MAX_ROWS
+                                       if cpu_native.q4_gemv_supported() else 0)
         # lengths alike modulo the 4-token block: every sequence then has a free slot at the same steps
-        small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * i)] for i in range(12)]
-        for n in (1, 3, 5, 12):   # past the int4 row limit the layers' own routing sends rows to the GEMV too
+        small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * (i % 12))] for i in range(20)]
+        # past the int4 row limit the layers' own routing sends rows to the GEMV too; with AMX, past
+        # Q4_GEMV_AMX_MAX_ROWS rows to the AMX panel GEMM, in the fused step as in the layers' routing
+        for n in (1, 3, 5, 12, 20):
             _plan_equals_modules(llm, n, "q", small_vocab)   # all layers in one native call, where it runs
         fused, plan.fused_layers = plan.fused_layers, None
         try:
-            for n in (1, 3):
-                _plan_equals_modules(llm, n, "r")    # the plan's Python loop over the same kernels
+            for n in (1, 3, 12):
+                _plan_equals_modules(llm, n, "r", small_vocab)    # the plan's Python loop over the same kernels
         finally:
             plan.fused_layers = fused
 

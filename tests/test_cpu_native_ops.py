@@ -520,6 +520,47 @@ def test_q4_panel_matmul_against_gguf_dequantization(qtype, m, n, k):
 
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (9, 40, 64), (16, 48, 96), (17, 17, 576), (32, 96, 128),
+                                   (33, 50, 64), (100, 32, 1536), (500, 80, 64)])
+def test_q4_panel_matmul_on_amx_tiles(m, n, k):
+    """The AMX panel GEMM multiplies the same bfloat16-rounded weights as the AVX512-BF16 one: against a float64
+    product of those weights up to float32 summation and the output's bfloat16 rounding, and within one bfloat16
+    step of the AVX512 kernel (summation order only); row counts around the 16-row tiles and the 32-row chunks,
+    odd tile counts, inputs with a wider row stride."""
+    from plinth.worker.cpu_int4 import decode_q4_blocks
+
+    if not cpu_native.q4_amx_supported():
+        pytest.skip("this CPU has no AMX-BF16 (or the kernel refused the tile state)")
+    rng = np.random.default_rng(m * 1000 + n + k)
+    raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q4_1)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)).to(BF16)
+    q, scale, zero = decode_q4_blocks(raw, "Q4_1")
+    panels = cpu_native.pack_q4_panels(q, scale, zero - 8 * scale)
+    wide = torch.from_numpy(rng.standard_normal((m, k + 32)).astype(np.float32)).to(BF16)
+    x = wide[:, 16:16 + k]                       # row stride k + 32
+    out = cpu_native.q4_panel_matmul(x, panels, amx=True)
+    exact = x.double() @ w.double().T
+    assert out.shape == (m, n) and out.dtype == BF16
+    bound = 1e-5 * float((x.double().abs() @ w.double().abs().T).max())
+    torch.testing.assert_close(out.double(), exact, atol=bound, rtol=2 ** -8)
+    avx512 = cpu_native.q4_panel_matmul(x.contiguous(), panels, amx=False)
+    torch.testing.assert_close(out.double(), avx512.double(), atol=bound, rtol=2 ** -7)
+
+
+def test_amx_is_routed_only_where_it_runs(monkeypatch):
+    """``PLINTH_CPU_AMX=0`` turns the AMX GEMM off; ``amx=True`` on a CPU without it is a clear error."""
+    panels = cpu_native.pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.ones(16, 1), torch.zeros(16, 1))
+    monkeypatch.setenv(cpu_native.AMX_ENV, "0")
+    assert not cpu_native.q4_amx_supported()
+    assert cpu_native.q4_gemv_max_rows() == cpu_native.Q4_GEMV_MAX_ROWS
+    monkeypatch.delenv(cpu_native.AMX_ENV)
+    if not cpu_native._amx_ready():
+        assert not cpu_native.q4_amx_supported()
+        with pytest.raises(RuntimeError, match="AMX"):
+            cpu_native.q4_panel_matmul(torch.zeros(1, 32, dtype=BF16), panels, amx=True)
+    else:
+        assert cpu_native.q4_gemv_max_rows() == cpu_native.Q4_GEMV_AMX_MAX_ROWS
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 17, 96), (3, 96, 576), (4, 50, 32), (1, 576, 1536),
                                    (7, 33, 64), (12, 64, 576)])

@@ -470,3 +470,39 @@ def test_engine_prompt_scores_with_the_prefill_kernel_equal_sdpa(tmp_path, monke
     assert paged_tokens == sdpa_tokens
     for a, b in zip(paged_scores, sdpa_scores, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_bfloat16_prefill_sequences_take_torch_fused_attention(window, monkeypatch):
+    """bfloat16 prefill sequences of at least ``SDPA_MIN_ROWS`` query rows (fresh prompts, and chunks after cached
+    context, whose keys come from the cache) go through ``sdpa_prefill``; shorter ones, decode rows and those a
+    sliding window cuts stay on the native kernels, in the same step. Against float64 attention either way, and
+    within bfloat16 rounding of the step with the route off (``PLINTH_CPU_SDPA_PREFILL=0``)."""
+    from plinth.attention_backends import cpu_paged
+
+    if not cpu_paged._prefill_kernel_ok():
+        pytest.skip("no native prefill kernel on this CPU")
+    calls = []
+    real = cpu_paged.sdpa_prefill
+
+    def counted(query, *args):
+        calls.append(query.shape[0])
+        return real(query, *args)
+
+    monkeypatch.setattr(cpu_paged, "sdpa_prefill", counted)
+    spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16, window=window)
+    contexts, q_lens = [20, 0, 5, 0, 70, 9], [1, 100, 31, 32, 40, 1]
+    batch = make_paged_batch(spec, contexts, q_lens, generator=torch.Generator().manual_seed(3))
+    scale = 0.125
+    ref = sdpa_reference(batch, scale, window, torch.float64)
+    got = run_paged(batch, scale, window)
+    # 100 fresh rows, 32 fresh rows, 40 rows after 70 cached tokens; with the window of 50 the sequences longer
+    # than it (100 and 110 tokens) run the kernel
+    assert sorted(calls) == ([32, 40, 100] if window is None else [32])
+    assert (got.double() - ref).abs().max().item() < 2e-2
+    monkeypatch.setattr(cpu_paged, "_sdpa_prefill_on", lambda: False)
+    calls.clear()
+    native = run_paged(batch, scale, window)
+    assert calls == []
+    assert (native.double() - ref).abs().max().item() < 2e-2
+    torch.testing.assert_close(got.double(), native.double(), atol=2e-2, rtol=0)

@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 7
+ABI_VERSION = 8
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -47,19 +47,24 @@ _SIGNATURES = {
     "plinth_q8_0r8_gemm_f32": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_q4p_gemm_amx": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_amx_init": [],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_f32q8": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_decode_layers_bf16": [_P, _I, _P],
+    "plinth_decode_layers_amx": [_P, _I, _P],
     "plinth_decode_layers_f32": [_P, _I, _P],
     "plinth_decode_layers_f32q8": [_P, _I, _P],
 }
 _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64,
-            "plinth_q4p_gemm_bf16": ctypes.c_int64,
+            "plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q4p_gemm_amx": ctypes.c_int64,
+            "plinth_amx_init": ctypes.c_int64,
             "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
             "plinth_q4p_gemm_f32q8": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64,
+            "plinth_decode_layers_amx": ctypes.c_int64,
             "plinth_decode_layers_f32": ctypes.c_int64, "plinth_decode_layers_f32q8": ctypes.c_int64}
 
 
@@ -343,9 +348,41 @@ def q4_panels_supported() -> bool:
                                            torch.zeros(16, 1)))
 
 
-def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
+_Q4P_AMX = "plinth_q4p_gemm_amx"
+AMX_ENV = "PLINTH_CPU_AMX"
+
+
+@functools.cache
+def _amx_ready() -> bool:
+    """The library built with AMX-BF16, Linux granting the tile state (asked for here: without it the tile
+    instructions fault), and a small product equal to the AVX512-BF16 kernel's."""
+    if not q4_panels_supported():
+        return False
+    if _lib().plinth_amx_init() != 0:
+        logger.info("AMX tiles unavailable (not built for them, or the kernel refused the tile state)")
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 64), generator=gen, dtype=torch.int32)
+    panels = pack_q4_panels(q, torch.full((48, 2), 0.5), torch.full((48, 2), -4.0))
+    x = torch.randint(-8, 8, (33, 64), generator=gen).to(torch.bfloat16)
+    rc, y = _panel_gemm(_Q4P_AMX, x, panels)
+    return rc == 0 and torch.equal(y, _panel_gemm(_Q4P_GEMM, x, panels)[1])
+
+
+def q4_amx_supported() -> bool:
+    """Whether the panel GEMM runs on AMX tiles here (see :func:`_amx_ready`; ``PLINTH_CPU_AMX=0`` turns it
+    off)."""
+    return os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "false", "no", "off") and _amx_ready()
+
+
+def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels, amx: bool | None = None) -> torch.Tensor:
     """``x`` ``[M, K]`` bfloat16 times the packed weight -> ``[M, N]`` bfloat16 (float32 accumulation of the
-    bfloat16-rounded weights). Check :func:`q4_panels_supported` first."""
+    bfloat16-rounded weights): on AMX tiles where :func:`q4_amx_supported` (``amx=None``) or when ``amx`` is
+    True, else AVX512-BF16 dot products. Check :func:`q4_panels_supported` first."""
+    if amx if amx is not None else q4_amx_supported():
+        if not _amx_ready():
+            raise RuntimeError("the AMX panel GEMM needs AMX-BF16 and the tile state (q4_amx_supported() is False)")
+        return _checked_gemm(_Q4P_AMX, x, panels, "AMX-BF16")
     return _checked_gemm(_Q4P_GEMM, x, panels, "AVX512-BF16 (q4_panels_supported() is False)")
 
 
@@ -354,6 +391,15 @@ _Q4P_GEMV = "plinth_q4p_gemv_bf16"
 #: unpacks them again for every four rows, which beats the panel GEMM's bfloat16 expansion up to about a dozen
 #: rows (a layer's four GEMMs at 8 rows 240 vs 342 us, at 12 rows 370 vs 425, at 16 rows 472 vs 440)
 Q4_GEMV_MAX_ROWS = 12
+#: the same where the panel GEMM runs on AMX tiles, whose cost is mostly the bfloat16 expansion, the same for any
+#: row count: a step's 30 layers of the default model at 4 / 8 / 12 rows, GEMV 7.8 / 13.8 / 19.4 ms, AMX 14.9 /
+#: 12.7 / 11.8 ms (Xeon with AMX, 2 cores, weights cold)
+Q4_GEMV_AMX_MAX_ROWS = 8
+
+
+def q4_gemv_max_rows() -> int:
+    """The most rows the panel GEMV should take here (more go to :func:`q4_panel_matmul`)."""
+    return Q4_GEMV_AMX_MAX_ROWS if q4_amx_supported() else Q4_GEMV_MAX_ROWS
 
 
 @functools.cache
@@ -466,19 +512,27 @@ class DecodeStep(ctypes.Structure):
 
 
 def decode_layers(layers: ctypes.Array, step: DecodeStep, dtype: torch.dtype = torch.bfloat16,
-                  int8_inputs: bool = False) -> None:
+                  int8_inputs: bool = False, amx: bool = False) -> None:
     """Run every layer of a decode step natively (``plinth_decode_layers_bf16``, or ``_f32`` for a float32
-    model; ``_f32q8`` with ``int8_inputs``: the GEMVs of :class:`Q4GemmF32Q8`): the caller owns every pointer's
-    memory and keeps it alive. Raises RuntimeError where the kernel declines (bfloat16 without AVX512-BF16,
-    float32 without AVX2/FMA/F16C, rows outside ``1..16``; with ``int8_inputs`` any row count ``>= 1``)."""
+    model; ``_f32q8`` with ``int8_inputs``: the GEMVs of :class:`Q4GemmF32Q8`; ``_amx`` with ``amx``: bfloat16, the
+    GEMMs of more than :data:`Q4_GEMV_AMX_MAX_ROWS` rows on AMX tiles): the caller owns every pointer's memory and
+    keeps it alive. Raises RuntimeError where the kernel declines (bfloat16 without AVX512-BF16, float32 without
+    AVX2/FMA/F16C, ``amx`` without :func:`q4_amx_supported`, rows outside ``1..16``; with ``int8_inputs`` or ``amx``
+    any row count ``>= 1``)."""
     f32 = dtype == torch.float32
     if int8_inputs and not f32:
         raise ValueError("the native decode step takes 8-bit inputs for float32 models only")
-    entry = (_lib().plinth_decode_layers_f32q8 if int8_inputs else _lib().plinth_decode_layers_f32) if f32 \
-        else _lib().plinth_decode_layers_bf16
+    if amx and (f32 or not _amx_ready()):
+        raise RuntimeError("the AMX decode step needs a bfloat16 model and AMX-BF16 (q4_amx_supported() is False)")
+    if amx:
+        entry = _lib().plinth_decode_layers_amx
+    elif f32:
+        entry = _lib().plinth_decode_layers_f32q8 if int8_inputs else _lib().plinth_decode_layers_f32
+    else:
+        entry = _lib().plinth_decode_layers_bf16
     rc = entry(ctypes.addressof(layers), len(layers), ctypes.byref(step))
     if rc != 0:
-        need = "AVX2/FMA/F16C" if f32 else "AVX512-BF16"
+        need = "AVX2/FMA/F16C" if f32 else "AMX-BF16" if amx else "AVX512-BF16"
         raise RuntimeError(f"the native decode step declined ({rc}: "
                            f"{f'no {need}' if rc == -1 else f'{step.rows} rows'})")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -220,6 +221,7 @@ class CpuDecodePlan:
                     if (copy := _int4_copy(proj)) is not None}))
         self.native = _Native(self.dtype)
         self._buffers: _Buffers | None = None
+        self.amx = False   # the fused step's GEMMs past the GEMV's rows on AMX tiles (any batch size)
         #: every layer's GEMMs on 4-bit panels with the native GEMV: batches of up to fused_max_rows (the rows
         #: the layers' methods send to the GEMV) run all layers in one native call (the same kernels in the same
         #: order: bit-identical)
@@ -233,11 +235,23 @@ class CpuDecodePlan:
                                  for lay in self.layers]
             self.fused_max_rows = min((min(getattr(proj.linear_method, "gemv_max_rows", 0), cpu_native.Q4_GEMV_MAX_ROWS)
                                        for projs in projections for proj in projs), default=0)
+            # every projection's rows past the GEMV's on AMX tiles: the fused step takes any batch
+            if self.fused_max_rows > 0 and self._amx_rows(projections):
+                self.amx, self.fused_max_rows = True, max_size
         # float32 GEMMs with 8-bit inputs (PLINTH_CPU_INT8_ACT on AVX2): every copy alike, or no native step
         copies = [c for projs in self._gemv_copies for c in projs if c is not None]
         self.int8_inputs = bool(copies) and all(c.int8_inputs for c in copies)
         mixed = not self.int8_inputs and any(c.int8_inputs for c in copies)
         self.fused_layers = self._fused_layers() if fused and not mixed else None
+
+    @staticmethod
+    def _amx_rows(projections: list[tuple[torch.nn.Module, ...]]) -> bool:
+        """Whether every projection sends its rows past :data:`cpu_native.Q4_GEMV_AMX_MAX_ROWS` to the AMX panel
+        GEMM (as ``plinth_decode_layers_amx`` does) and its fewer rows to the GEMV."""
+        return cpu_native.q4_amx_supported() and all(
+            getattr(proj.linear_method, "q4_panel_max_rows", 0) == sys.maxsize
+            and getattr(proj.linear_method, "gemv_max_rows", 0) == cpu_native.Q4_GEMV_AMX_MAX_ROWS
+            for projs in projections for proj in projs)
 
     def _fused_layers(self) -> ctypes.Array | None:
         """The layers' argument blocks for :func:`cpu_native.decode_layers`, or None where a layer lacks a
@@ -329,7 +343,7 @@ class CpuDecodePlan:
             step.slots, step.lens, step.starts = slots.data_ptr(), lens.data_ptr(), starts.data_ptr()
             step.tables, step.table_width, step.rot_dim = tables_t.data_ptr(), tables.shape[1], cos.shape[-1]
             step.threads = torch.get_num_threads()
-            cpu_native.decode_layers(self.fused_layers, step, self.dtype, int8_inputs=self.int8_inputs)
+            cpu_native.decode_layers(self.fused_layers, step, self.dtype, int8_inputs=self.int8_inputs, amx=self.amx)
             return self.model.compute_logits(fused.out[:b])
         normed, attn_out = bufs.normed[:b], bufs.attn[:b]
         width = hidden.shape[1]

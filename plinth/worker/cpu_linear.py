@@ -243,8 +243,8 @@ class CpuLinearMethod:
         # where it beats the panel GEMM; not past it when the opt-in 8-bit-input GEMM takes those rows)
         self.gemv_max_rows = 0
         if int4 is not None and int4.gemv is not None and self.int4_max_rows > 0:
-            self.gemv_max_rows = (min(self.int4_max_rows, cpu_native.Q4_GEMV_MAX_ROWS) if int8_activations
-                                  else cpu_native.Q4_GEMV_MAX_ROWS)
+            self.gemv_max_rows = (min(self.int4_max_rows, cpu_native.q4_gemv_max_rows()) if int8_activations
+                                  else cpu_native.q4_gemv_max_rows())
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
         # float32 models without AVX512-VNNI (AVX2): the Q8_0 GEMV quantizes its rows to 8 bits per 32 features
@@ -265,8 +265,10 @@ class CpuLinearMethod:
                 self.vnni, self.vnni_min_rows = cpu_native.vnni_from_q8_0(q8_0, self.out_features), self.q8_0_max_rows
         # every row count is served by the 4-bit / Q8_0 kernels and the 8-bit-input GEMM once that exists: no
         # prepacked bfloat16 copy then (F.linear on the weight stays the fallback)
+        # the same where the 4-bit panels on AMX tiles take every row count past the GEMV's
+        panels_all = self.q4_panel_max_rows == sys.maxsize and cpu_native.q4_amx_supported()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
-            if pack and packed_linear_supported(weight.dtype) and self.vnni is None else None
+            if pack and packed_linear_supported(weight.dtype) and self.vnni is None and not panels_all else None
         # float32: the packed GEMM for decode-sized inputs only; longer ones (prefill) run MKL's as fast or faster
         self.packed_max_rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize
         self.handle = next(_HANDLES)

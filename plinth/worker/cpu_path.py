@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -170,7 +171,9 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
             from plinth.worker.cpu_int4 import q8_0_lm_head_from_gguf
 
             head_q8 = q8_0_lm_head_from_gguf(str(source.path), model)
-        panel_rows = env_int(Q4_PANEL_ROWS_ENV, DEFAULT_Q4_PANEL_MAX_ROWS)
+        # on AMX tiles the panel GEMM beats oneDNN's bfloat16 GEMM at every row count past the GEMV's
+        panel_rows = env_int(Q4_PANEL_ROWS_ENV, sys.maxsize if cpu_native.q4_amx_supported()
+                             else DEFAULT_Q4_PANEL_MAX_ROWS)
         int8_act = env_flag(INT8_ACT_ENV, False)
         if int8_act and not cpu_native.vnni_supported():
             logger.warning("%s=1 ignored: the native kernels were not built with AVX512-VNNI and AVX512-BF16",

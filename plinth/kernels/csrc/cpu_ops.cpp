@@ -27,6 +27,14 @@
 #include <immintrin.h>
 #endif
 
+// AMX tiles (bfloat16 tile products) for the panel GEMM, where the compiler targets them
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define PLINTH_CPU_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 using plinth_cpu::bf2f;
@@ -155,6 +163,126 @@ inline void q4p_all_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wb
   for (; r0 + 4 <= m; r0 += 4) q4p_rows<4, TILES>(x + r0 * x_stride, x_stride, wbuf, kp_count, y + r0 * y_stride, y_stride, cols);
   for (; r0 < m; ++r0) q4p_rows<1, TILES>(x + r0 * x_stride, x_stride, wbuf, kp_count, y + r0 * y_stride, y_stride, cols);
 }
+
+// Tiles t0 .. t0 + nt - 1 (nt <= 2) of the 4-bit panel layout expanded into wbuf [K/2][nt][32] bfloat16: per k-pair
+// and tile the 16 columns' weights at k parity 0 and 1 side by side, w = d q + c rounded to bfloat16 once.
+inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t t0, int64_t nt,
+                       int64_t k, uint16_t* wbuf) {
+  const int64_t kps = k / 2, kbs = k / 32;
+  const __m512i idx_b = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i idx_a = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    const int64_t t = t0 + ti;
+    for (int64_t kb = 0; kb < kbs; ++kb) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + (t * kbs + kb) * 16)));
+      const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + (t * kbs + kb) * 16)));
+      const __m512 db = _mm512_permutexvar_ps(idx_b, d), da = _mm512_permutexvar_ps(idx_a, d);
+      const __m512 cb = _mm512_permutexvar_ps(idx_b, c), ca = _mm512_permutexvar_ps(idx_a, c);
+      for (int64_t kk = 0; kk < 16; ++kk) {
+        const int64_t kp = kb * 16 + kk;
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (t * kps + kp) * 16));
+        const __m512 qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+        const __m512 qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(qa, da, ca), _mm512_fmadd_ps(qb, db, cb));
+        _mm512_storeu_si512(wbuf + (kp * nt + ti) * 32, (__m512i)w);
+      }
+    }
+  }
+}
+
+#if defined(PLINTH_CPU_AMX)
+// One thread's AMX tiles for y [M, cols <= 32] = x [M, K] (bfloat16) times a k-pair-interleaved bfloat16 panel of
+// nt <= 2 tiles of 16 columns (q4p_expand's layout). Tiles 0-3: float32 sums (row group g, column tile t: 2 g + t),
+// 4-5: the two row groups' inputs, 6-7: the two column tiles' weights. The configuration (the row counts) is loaded
+// when a chunk of rows needs another one.
+class AmxTiles {
+ public:
+  void gemm(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t nt, int64_t k, uint16_t* y,
+            int64_t y_stride, int64_t m, int64_t cols) {
+    for (int64_t r0 = 0; r0 < m; r0 += 32) {
+      const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
+      const int rows1 = static_cast<int>(std::min<int64_t>(16, std::max<int64_t>(0, m - r0 - 16)));
+      configure(rows0, rows1);
+      const uint16_t* xr = x + r0 * x_stride;
+      if (rows1 > 0) {
+        if (nt == 2) run<2, 2>(xr, x_stride, wbuf, k);
+        else run<2, 1>(xr, x_stride, wbuf, k);
+      } else {
+        if (nt == 2) run<1, 2>(xr, x_stride, wbuf, k);
+        else run<1, 1>(xr, x_stride, wbuf, k);
+      }
+      store(0, rows0, y + r0 * y_stride, y_stride, cols);
+      if (rows1 > 0) store(2, rows1, y + (r0 + 16) * y_stride, y_stride, cols);
+    }
+  }
+
+  void release() {
+    if (configured_) _tile_release();
+    configured_ = false;
+  }
+
+ private:
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+
+  void configure(int rows0, int rows1) {
+    if (configured_ && rows0 == rows0_ && rows1 == rows1_) return;
+    Config cfg;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(rows0);
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(rows1);
+    if (rows1 == 0) cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = 0;
+    cfg.rows[6] = cfg.rows[7] = 16;
+    _tile_loadconfig(&cfg);
+    configured_ = true;
+    rows0_ = rows0;
+    rows1_ = rows1;
+  }
+
+  template <int G, int NT>
+  void run(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t k) {
+    _tile_zero(0);
+    if (NT == 2) _tile_zero(1);
+    if (G == 2) _tile_zero(2);
+    if (G == 2 && NT == 2) _tile_zero(3);
+    const int64_t xb = x_stride * 2, wb = NT * 64;
+    for (int64_t kb = 0; kb < k / 32; ++kb) {
+      _tile_loadd(4, x + kb * 32, xb);
+      if (G == 2) _tile_loadd(5, x + 16 * x_stride + kb * 32, xb);
+      _tile_loadd(6, wbuf + kb * 16 * NT * 32, wb);
+      if (NT == 2) _tile_loadd(7, wbuf + (kb * 16 * NT + 1) * 32, wb);
+      _tile_dpbf16ps(0, 4, 6);
+      if (NT == 2) _tile_dpbf16ps(1, 4, 7);
+      if (G == 2) _tile_dpbf16ps(2, 5, 6);
+      if (G == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, acc_[0], 64);
+    if (NT == 2) _tile_stored(1, acc_[1], 64);
+    if (G == 2) _tile_stored(2, acc_[2], 64);
+    if (G == 2 && NT == 2) _tile_stored(3, acc_[3], 64);
+  }
+
+  // the float32 sums of row group (first: 0 or 2) -> bfloat16 rows of y, columns 0 .. cols - 1
+  void store(int first, int rows, uint16_t* y, int64_t y_stride, int64_t cols) {
+    for (int t = 0; t < 2 && 16 * t < cols; ++t) {
+      const __mmask16 keep = cols - 16 * t >= 16 ? static_cast<__mmask16>(0xffff)
+                                                 : static_cast<__mmask16>((1u << (cols - 16 * t)) - 1u);
+      for (int r = 0; r < rows; ++r) {
+        const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc_[first + t][r]));
+        _mm256_mask_storeu_epi16(y + r * y_stride + 16 * t, keep, out);
+      }
+    }
+  }
+
+  float acc_[4][16][16];
+  bool configured_ = false;
+  int rows0_ = -1, rows1_ = -1;
+};
+#endif
 #endif
 
 
@@ -735,7 +863,7 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 7; }
+int64_t plinth_cpu_ops_abi() { return 8; }
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
@@ -915,38 +1043,61 @@ int64_t plinth_q8_0r8_gemm_f32(const float* x, int64_t x_stride, const uint8_t* 
 int64_t plinth_q4p_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                              const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
+  const int64_t tiles = (n + 15) / 16, kps = k / 2;
   const int64_t panels = (tiles + 1) / 2;
-  const __m512i idx_b = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i idx_a = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const __m128i low4 = _mm_set1_epi8(0x0f);
 #pragma omp parallel
   {
     std::vector<uint16_t> wbuf(static_cast<size_t>(kps * 2 * 32));
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
-      for (int64_t ti = 0; ti < nt; ++ti) {
-        const int64_t t = t0 + ti;
-        for (int64_t kb = 0; kb < kbs; ++kb) {
-          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + (t * kbs + kb) * 16)));
-          const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + (t * kbs + kb) * 16)));
-          const __m512 db = _mm512_permutexvar_ps(idx_b, d), da = _mm512_permutexvar_ps(idx_a, d);
-          const __m512 cb = _mm512_permutexvar_ps(idx_b, c), ca = _mm512_permutexvar_ps(idx_a, c);
-          for (int64_t kk = 0; kk < 16; ++kk) {
-            const int64_t kp = kb * 16 + kk;
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (t * kps + kp) * 16));
-            const __m512 qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
-            const __m512 qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
-            const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(qa, da, ca), _mm512_fmadd_ps(qb, db, cb));
-            _mm512_storeu_si512(wbuf.data() + (kp * nt + ti) * 32, (__m512i)w);
-          }
-        }
-      }
+      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data());
       const int64_t cols = std::min<int64_t>(32, n - 16 * t0);
       if (nt == 2) q4p_all_rows<2>(x, x_stride, wbuf.data(), kps, y + 16 * t0, n, m, cols);
       else q4p_all_rows<1>(x, x_stride, wbuf.data(), kps, y + 16 * t0, n, m, cols);
     }
+  }
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
+  return -1;
+#endif
+}
+
+// Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; granted to the whole
+// process, once): 0 when the tile instructions may run, -1 where the library was built without AMX-BF16 or the
+// kernel refuses.
+int64_t plinth_amx_init() {
+#if defined(PLINTH_CPU_AMX)
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0 ? 0 : -1;
+#else
+  return -1;
+#endif
+}
+
+// plinth_q4p_gemm_bf16 with AMX tiles: each thread expands two tiles of 16 columns into the same k-pair-interleaved
+// bfloat16 panel, which is already the tile layout of AMX's right-hand operand (per 32-k block 16 rows of k-pairs,
+// 64 bytes each), then per 32 input rows and 32-k block two input tiles times the two weight tiles (tdpbf16ps,
+// float32 sums) into four accumulator tiles; y rounded to bfloat16 once. The same bfloat16-rounded weights and
+// float32 sums as plinth_q4p_gemm_bf16 (in another order). Returns 0, or -1 without AMX-BF16 (call
+// plinth_amx_init first: without the tile state the instructions fault).
+int64_t plinth_q4p_gemm_amx(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
+                            const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
+#if defined(PLINTH_CPU_AMX)
+  const int64_t tiles = (n + 15) / 16, kps = k / 2;
+  const int64_t panels = (tiles + 1) / 2;
+#pragma omp parallel if (panels > 1 && m * n * k >= kParallelWork)
+  {
+    std::vector<uint16_t> wbuf(static_cast<size_t>(kps * 2 * 32));
+    AmxTiles amx;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
+      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data());
+      amx.gemm(x, x_stride, wbuf.data(), nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0));
+    }
+    amx.release();
   }
   return 0;
 #else
@@ -1211,6 +1362,18 @@ int64_t decode_layers(const PlinthDecodeLayer* layers, int64_t num_layers, const
   return 0;
 }
 
+#if defined(PLINTH_CPU_AMX)
+// The GEMM of the AMX decode step: the panel GEMV up to kGemvAmxMaxRows rows (it reads the codes once), the AMX panel
+// GEMM past them (its cost is the bfloat16 expansion, the same for any row count). plinth.kernels.cpu_native routes
+// rows the same way (Q4_GEMV_AMX_MAX_ROWS), so the fused step equals the plan's Python loop.
+constexpr int64_t kGemvAmxMaxRows = 8;
+int64_t q4p_gemm_amx_step(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
+                          const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
+  return m <= kGemvAmxMaxRows ? plinth_q4p_gemv_bf16(x, x_stride, codes, dh, ch, y, m, n, k)
+                              : plinth_q4p_gemm_amx(x, x_stride, codes, dh, ch, y, m, n, k);
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -1220,6 +1383,18 @@ int64_t plinth_decode_layers_bf16(const PlinthDecodeLayer* layers, int64_t num_l
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (st->rows < 1 || st->rows > kGemvMaxRows) return -2;
   return decode_layers<Bf16, plinth_q4p_gemv_bf16>(layers, num_layers, st, 1);
+#else
+  (void)layers; (void)num_layers; (void)st;
+  return -1;
+#endif
+}
+
+// The same for any row count >= 1 with the GEMMs of more than kGemvAmxMaxRows rows on AMX tiles (plinth_amx_init
+// first). Returns 0, -1 where the library was built without AMX-BF16 (nothing written), -2 for no rows.
+int64_t plinth_decode_layers_amx(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
+#if defined(PLINTH_CPU_AMX)
+  if (st->rows < 1) return -2;
+  return decode_layers<Bf16, q4p_gemm_amx_step>(layers, num_layers, st, 1);
 #else
   (void)layers; (void)num_layers; (void)st;
   return -1;
