@@ -104,6 +104,31 @@ def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypa
             plan.fused_layers = fused
 
 
+@needs_packed_bf16
+@pytest.mark.parametrize("env", [{"PLINTH_CPU_INT4_MAX_ROWS": "12"},
+                                 {"PLINTH_CPU_INT8_ACT": "1", "PLINTH_CPU_INT4_MAX_ROWS": "8"}],
+                         ids=["int4-rows-12", "int8-inputs"])
+def test_fused_amx_step_only_where_the_layers_route_alike(env, tmp_path_factory, monkeypatch, tiny_llama_dir):
+    """Where the layers send some rows past 8 elsewhere than the AMX GEMM (their 4-bit copy's own matmul up to a
+    raised int4 switch-over, the 8-bit-input GEMM), the fused step does not take them: the plan equals the modules."""
+    from test_gguf import small_model, write_gguf
+
+    if not cpu_native.q4_amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    tmp = tmp_path_factory.mktemp("amxroute")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp / "cache"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    path = write_gguf(tmp / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q4_1)
+    with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4,
+             attention_backend="cpu_paged") as llm:
+        plan = llm.engine.runner.graphs
+        assert isinstance(plan, CpuDecodePlan) and not plan.amx
+        small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * (i % 12))] for i in range(20)]
+        for n in (9, 12, 16):
+            _plan_equals_modules(llm, n, "a", small_vocab)
+
+
 def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with_plan = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

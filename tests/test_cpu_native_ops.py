@@ -551,9 +551,13 @@ def test_amx_is_routed_only_where_it_runs(monkeypatch):
     """``PLINTH_CPU_AMX=0`` turns the AMX GEMM off; ``amx=True`` on a CPU without it is a clear error."""
     panels = cpu_native.pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.ones(16, 1), torch.zeros(16, 1))
     monkeypatch.setenv(cpu_native.AMX_ENV, "0")
-    assert not cpu_native.q4_amx_supported()
-    assert cpu_native.q4_gemv_max_rows() == cpu_native.Q4_GEMV_MAX_ROWS
-    monkeypatch.delenv(cpu_native.AMX_ENV)
+    cpu_native.q4_amx_supported.cache_clear()
+    try:
+        assert not cpu_native.q4_amx_supported()
+        assert cpu_native.q4_gemv_max_rows() == cpu_native.Q4_GEMV_MAX_ROWS
+    finally:
+        monkeypatch.delenv(cpu_native.AMX_ENV)
+        cpu_native.q4_amx_supported.cache_clear()
     if not cpu_native._amx_ready():
         assert not cpu_native.q4_amx_supported()
         with pytest.raises(RuntimeError, match="AMX"):

@@ -472,7 +472,7 @@ def test_engine_prompt_scores_with_the_prefill_kernel_equal_sdpa(tmp_path, monke
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("window", [None, 210])
 def test_bfloat16_prefill_sequences_take_torch_fused_attention(window, monkeypatch):
     """bfloat16 prefill sequences of at least ``SDPA_MIN_ROWS`` query rows (fresh prompts, and chunks after cached
     context, whose keys come from the cache) go through ``sdpa_prefill``; shorter ones, decode rows and those a
@@ -491,14 +491,15 @@ def test_bfloat16_prefill_sequences_take_torch_fused_attention(window, monkeypat
 
     monkeypatch.setattr(cpu_paged, "sdpa_prefill", counted)
     spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16, window=window)
-    contexts, q_lens = [20, 0, 5, 0, 70, 9], [1, 100, 31, 32, 40, 1]
+    n = cpu_paged.SDPA_MIN_ROWS
+    contexts, q_lens = [20, 0, 5, 0, 70, 9], [1, 200, n - 1, n, n + 22, 1]
     batch = make_paged_batch(spec, contexts, q_lens, generator=torch.Generator().manual_seed(3))
     scale = 0.125
     ref = sdpa_reference(batch, scale, window, torch.float64)
     got = run_paged(batch, scale, window)
-    # 100 fresh rows, 32 fresh rows, 40 rows after 70 cached tokens; with the window of 50 the sequences longer
-    # than it (100 and 110 tokens) run the kernel
-    assert sorted(calls) == ([32, 40, 100] if window is None else [32])
+    # 200 fresh rows, n fresh rows, n + 22 rows after 70 cached tokens; with the window of 210 the sequence longer
+    # than it (n + 92 tokens) runs the kernel
+    assert sorted(calls) == ([n, n + 22, 200] if window is None else [n, 200])
     assert (got.double() - ref).abs().max().item() < 2e-2
     monkeypatch.setattr(cpu_paged, "_sdpa_prefill_on", lambda: False)
     calls.clear()

@@ -28,9 +28,11 @@ from plinth.config import ConfigError
 
 ENABLE_ENV = "PLINTH_CPU_PAGED_ATTENTION"
 SDPA_PREFILL_ENV = "PLINTH_CPU_SDPA_PREFILL"
-#: bfloat16 prefill sequences of at least this many query rows take torch's fused attention (faster than the native
-#: kernel from ~32 rows: 64 rows 0.081 against 0.100 ms a layer, 500 rows 1.12 against 2.74; float32 about equal)
-SDPA_MIN_ROWS = 32
+#: bfloat16 prefill sequences of at least this many query rows take torch's fused attention, one call per sequence:
+#: alone, one sequence is even with the native kernel at ~64 rows and ahead from ~96 (500 rows 1.12 against 2.74 ms
+#: a layer); several short ones in a step run faster in the kernel's single call (8 x 40 rows 0.32 against 0.72 ms).
+#: float32: about even, not routed
+SDPA_MIN_ROWS = 128
 MAX_HEAD_SIZE = 256
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 

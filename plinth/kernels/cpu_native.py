@@ -369,9 +369,10 @@ def _amx_ready() -> bool:
     return rc == 0 and torch.equal(y, _panel_gemm(_Q4P_GEMM, x, panels)[1])
 
 
+@functools.cache
 def q4_amx_supported() -> bool:
-    """Whether the panel GEMM runs on AMX tiles here (see :func:`_amx_ready`; ``PLINTH_CPU_AMX=0`` turns it
-    off)."""
+    """Whether the panel GEMM runs on AMX tiles here (see :func:`_amx_ready`; ``PLINTH_CPU_AMX=0``, read once,
+    turns it off)."""
     return os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "false", "no", "off") and _amx_ready()
 
 

@@ -248,10 +248,15 @@ class CpuDecodePlan:
     def _amx_rows(projections: list[tuple[torch.nn.Module, ...]]) -> bool:
         """Whether every projection sends its rows past :data:`cpu_native.Q4_GEMV_AMX_MAX_ROWS` to the AMX panel
         GEMM (as ``plinth_decode_layers_amx`` does) and its fewer rows to the GEMV."""
-        return cpu_native.q4_amx_supported() and all(
-            getattr(proj.linear_method, "q4_panel_max_rows", 0) == sys.maxsize
-            and getattr(proj.linear_method, "gemv_max_rows", 0) == cpu_native.Q4_GEMV_AMX_MAX_ROWS
-            for projs in projections for proj in projs)
+        def routed(method: object) -> bool:
+            return (getattr(method, "q4_panel_max_rows", 0) == sys.maxsize
+                    and getattr(method, "gemv_max_rows", 0) == cpu_native.Q4_GEMV_AMX_MAX_ROWS
+                    # rows up to int4_max_rows take the copy's own matmul, past vnni_min_rows the 8-bit GEMM
+                    and getattr(method, "int4_max_rows", sys.maxsize) <= cpu_native.Q4_GEMV_AMX_MAX_ROWS
+                    and getattr(method, "vnni", None) is None)
+
+        return cpu_native.q4_amx_supported() and all(routed(proj.linear_method) for projs in projections
+                                                     for proj in projs)
 
     def _fused_layers(self) -> ctypes.Array | None:
         """The layers' argument blocks for :func:`cpu_native.decode_layers`, or None where a layer lacks a
