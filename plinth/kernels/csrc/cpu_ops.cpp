@@ -165,25 +165,44 @@ inline void q4p_all_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wb
 }
 
 // Tiles t0 .. t0 + nt - 1 (nt <= 2) of the 4-bit panel layout expanded into wbuf [K/2][nt][32] bfloat16: per k-pair
-// and tile the 16 columns' weights at k parity 0 and 1 side by side, w = d q + c rounded to bfloat16 once.
+// and tile the 16 columns' weights at k parity 0 and 1 side by side, w = d q + c rounded to bfloat16 once. Per k-pair
+// the 16 code bytes are broadcast to the four 128-bit lanes and a byte shuffle puts byte i at bits 16-23 of dword i;
+// masking a nibble there and or-ing in 0x43000000 gives the float32 128 + q exactly (no integer conversion), and
+// w = d (128 + q) + (c - 128 d) with the offset's rounding (one float32 ulp of 128 d) far below bfloat16's. The next
+// block's codes and scales are prefetched (the codes stream from memory once per call).
 inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t t0, int64_t nt,
                        int64_t k, uint16_t* wbuf) {
   const int64_t kps = k / 2, kbs = k / 32;
   const __m512i idx_b = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i idx_a = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const __m128i low4 = _mm_set1_epi8(0x0f);
+  // dword j of 128-bit lane L takes byte 4 L + j into its bits 16-23 (0x80: zero)
+  const __m512i place = _mm512_set_epi32(
+      static_cast<int>(0x800f8080u), static_cast<int>(0x800e8080u), static_cast<int>(0x800d8080u),
+      static_cast<int>(0x800c8080u), static_cast<int>(0x800b8080u), static_cast<int>(0x800a8080u),
+      static_cast<int>(0x80098080u), static_cast<int>(0x80088080u), static_cast<int>(0x80078080u),
+      static_cast<int>(0x80068080u), static_cast<int>(0x80058080u), static_cast<int>(0x80048080u),
+      static_cast<int>(0x80038080u), static_cast<int>(0x80028080u), static_cast<int>(0x80018080u),
+      static_cast<int>(0x80008080u));
+  const __m512i nibble = _mm512_set1_epi32(0x000f0000), f128 = _mm512_set1_epi32(0x43000000);
+  const __m512 c128 = _mm512_set1_ps(128.f);
   for (int64_t ti = 0; ti < nt; ++ti) {
     const int64_t t = t0 + ti;
     for (int64_t kb = 0; kb < kbs; ++kb) {
+      const uint8_t* block = codes + (t * kps + kb * 16) * 16;
+      for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(block + 1024 + 64 * line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(dh + (t * kbs + kb) * 16 + 256), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ch + (t * kbs + kb) * 16 + 256), _MM_HINT_T0);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + (t * kbs + kb) * 16)));
       const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + (t * kbs + kb) * 16)));
       const __m512 db = _mm512_permutexvar_ps(idx_b, d), da = _mm512_permutexvar_ps(idx_a, d);
-      const __m512 cb = _mm512_permutexvar_ps(idx_b, c), ca = _mm512_permutexvar_ps(idx_a, c);
+      const __m512 cb = _mm512_fnmadd_ps(c128, db, _mm512_permutexvar_ps(idx_b, c));   // c - 128 d
+      const __m512 ca = _mm512_fnmadd_ps(c128, da, _mm512_permutexvar_ps(idx_a, c));
       for (int64_t kk = 0; kk < 16; ++kk) {
         const int64_t kp = kb * 16 + kk;
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (t * kps + kp) * 16));
-        const __m512 qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
-        const __m512 qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+        const __m512i bytes = _mm512_shuffle_epi8(
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kk * 16))), place);
+        const __m512 qb = (__m512)_mm512_ternarylogic_epi32(bytes, nibble, f128, 0xEA);   // (x & nibble) | f128
+        const __m512 qa = (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(bytes, 4), nibble, f128, 0xEA);
         const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(qa, da, ca), _mm512_fmadd_ps(qb, db, cb));
         _mm512_storeu_si512(wbuf + (kp * nt + ti) * 32, (__m512i)w);
       }
