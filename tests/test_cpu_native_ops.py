@@ -133,6 +133,18 @@ def test_silu_and_mul(rows, d, gen):
     assert torch.equal(SiluAndMul()(x), out)   # the layer takes the native kernel
 
 
+def test_silu_and_mul_at_the_extremes():
+    """Gates far below the exp approximation's range give -0 (torch's sigmoid underflows there), -inf gives NaN,
+    large positive gates pass through; against torch's bfloat16 SiLU-and-mul, NaN for NaN."""
+    gate = torch.tensor([-3e38, -1e4, -120.0, -100.0, -float("inf"), float("inf"), 1e4, 3.0, -3.0, 0.0,
+                         float("nan"), 88.0, -1e-30, 1e-30, 20.0, -20.0], dtype=BF16)
+    up = torch.tensor([88.0, 3e38, 1.0, -2.0, 1.0, 1.0, 2.0, -1.0, 5.0, 7.0, 1.0, 3e38, 1.0, 1.0, 1.0, 1.0], dtype=BF16)
+    out = cpu_native.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]
+    want = (F.silu(gate.float()) * up.float()).to(BF16)
+    assert torch.equal(out.isnan(), want.isnan())
+    torch.testing.assert_close(out[~want.isnan()].float(), want[~want.isnan()].float(), rtol=8e-3, atol=0)
+
+
 @pytest.mark.parametrize("tokens,hq,hk,d,rot", [(1, 9, 3, 64, 64), (6, 4, 2, 32, 16), (40, 8, 8, 128, 128)])
 def test_rotary_in_place_on_fused_qkv(tokens, hq, hk, d, rot, gen):
     qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=gen).to(BF16)
@@ -546,6 +558,24 @@ def test_q4_panel_matmul_on_amx_tiles(m, n, k):
     avx512 = cpu_native.q4_panel_matmul(x.contiguous(), panels, amx=False)
     torch.testing.assert_close(out.double(), avx512.double(), atol=bound, rtol=2 ** -7)
 
+
+def test_panel_expansion_is_the_bfloat16_rounding_of_the_float32_weights():
+    """The panel GEMMs' expanded weights, read back through an identity input, are exactly ``d q + c`` in float32
+    (exact product, one rounding for the add) rounded to bfloat16: Q4_1 offsets near zero, where an offset folded
+    with ``128 d`` would lose bits, Q4_0's ``-8 d``, and random float16 scales."""
+    if not cpu_native.q4_panels_supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(7)
+    n, k = 48, 64
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().float()
+    near_zero = (torch.randn(16, k // 32, generator=gen) * 1e-5).half().float()
+    c = torch.cat([near_zero, -8 * d[16:32], (torch.randn(16, k // 32, generator=gen) * 0.05).half().float()])
+    panels = cpu_native.pack_q4_panels(q, d, c)
+    want = (q.float() * d.repeat_interleave(32, 1) + c.repeat_interleave(32, 1)).to(BF16)
+    eye = torch.eye(k, dtype=BF16)
+    for amx in (False, True) if cpu_native.q4_amx_supported() else (False,):
+        assert torch.equal(cpu_native.q4_panel_matmul(eye, panels, amx=amx).t(), want), amx
 
 def test_amx_is_routed_only_where_it_runs(monkeypatch):
     """``PLINTH_CPU_AMX=0`` turns the AMX GEMM off; ``amx=True`` on a CPU without it is a clear error."""

@@ -167,9 +167,9 @@ inline void q4p_all_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wb
 // Tiles t0 .. t0 + nt - 1 (nt <= 2) of the 4-bit panel layout expanded into wbuf [K/2][nt][32] bfloat16: per k-pair
 // and tile the 16 columns' weights at k parity 0 and 1 side by side, w = d q + c rounded to bfloat16 once. Per k-pair
 // the 16 code bytes are broadcast to the four 128-bit lanes and a byte shuffle puts byte i at bits 16-23 of dword i;
-// masking a nibble there and or-ing in 0x43000000 gives the float32 128 + q exactly (no integer conversion), and
-// w = d (128 + q) + (c - 128 d) with the offset's rounding (one float32 ulp of 128 d) far below bfloat16's. The next
-// block's codes and scales are prefetched (the codes stream from memory once per call).
+// masking a nibble there and or-ing in 0x43000000 gives the float32 128 + q exactly (no integer conversion), less 128
+// the code q (exact), and w = d q + c in one fused multiply-add: the same weights as converting the codes. The codes
+// four blocks and the scales sixteen blocks ahead are prefetched (the codes stream from memory once per call).
 inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t t0, int64_t nt,
                        int64_t k, uint16_t* wbuf) {
   const int64_t kps = k / 2, kbs = k / 32;
@@ -195,14 +195,15 @@ inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t*
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + (t * kbs + kb) * 16)));
       const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + (t * kbs + kb) * 16)));
       const __m512 db = _mm512_permutexvar_ps(idx_b, d), da = _mm512_permutexvar_ps(idx_a, d);
-      const __m512 cb = _mm512_fnmadd_ps(c128, db, _mm512_permutexvar_ps(idx_b, c));   // c - 128 d
-      const __m512 ca = _mm512_fnmadd_ps(c128, da, _mm512_permutexvar_ps(idx_a, c));
+      const __m512 cb = _mm512_permutexvar_ps(idx_b, c), ca = _mm512_permutexvar_ps(idx_a, c);
       for (int64_t kk = 0; kk < 16; ++kk) {
         const int64_t kp = kb * 16 + kk;
         const __m512i bytes = _mm512_shuffle_epi8(
             _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kk * 16))), place);
-        const __m512 qb = (__m512)_mm512_ternarylogic_epi32(bytes, nibble, f128, 0xEA);   // (x & nibble) | f128
-        const __m512 qa = (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(bytes, 4), nibble, f128, 0xEA);
+        // (x & nibble) | f128 = 128 + q, then q
+        const __m512 qb = _mm512_sub_ps((__m512)_mm512_ternarylogic_epi32(bytes, nibble, f128, 0xEA), c128);
+        const __m512 qa = _mm512_sub_ps((__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(bytes, 4), nibble, f128,
+                                                                          0xEA), c128);
         const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(qa, da, ca), _mm512_fmadd_ps(qb, db, cb));
         _mm512_storeu_si512(wbuf + (kp * nt + ti) * 32, (__m512i)w);
       }
@@ -849,7 +850,9 @@ void silu_mul_rows(const typename E::T* x, int64_t x_stride, typename E::T* y, i
       // for g >= 0, e / (1 + e) = e * (1 / (1 + e)) below (one float32 rounding more than a second division,
       // far below the bfloat16 rounding of the product)
       const float inv = 1.f / (1.f + e);
-      const float sig = g >= 0.f ? inv : e * inv;
+      // below -87 exp_nonpositive stops at exp(-87): there the sigmoid underflows to 0 (torch's float32 one reaches 0
+      // by -104), so g * sig is -0 for finite g and NaN for -inf, as torch's
+      const float sig = g >= 0.f ? inv : (g < -87.f ? 0.f : e * inv);
       yr[i] = E::store(E::round(g * sig) * E::load(up[i]));
     }
   }
