@@ -15,7 +15,9 @@ The parts, each with a switch (environment variables, read at start-up):
   more rows than the int4 switch-over and at most this many (decode batches) multiply the same 4-bit copies
   with the native panel GEMM (AVX512-BF16: the 4-bit codes expanded to bfloat16 per thread, then bfloat16
   dot products), which reads a quarter of the bytes of the prepacked bfloat16 weights: decode steps of 8 / 32
-  sequences 19.6 / 45.2 ms against 24.5 / 51.8 ms; a 500-token prefill is compute-bound and no faster.
+  sequences 19.6 / 45.2 ms against 24.5 / 51.8 ms; a 500-token prefill is compute-bound and no faster. On CPUs with
+  AMX-BF16 the panel GEMM runs on AMX tiles and the default is every row count past the GEMV's 8 (prefill too: faster
+  than oneDNN's bfloat16 GEMM there); ``PLINTH_CPU_AMX=0`` turns the AMX kernels off.
 - ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` (default 4; 0 turns it off): when the GGUF file stores the LM head
   (or the tied embedding) as ``Q8_0``, inputs of at most this many rows multiply those blocks with the
   native GEMV (:mod:`plinth.kernels.cpu_native`): half the bytes of bfloat16, and the file's values. float32
