@@ -183,6 +183,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows, panel_rows,
                                          int8_activations=int8_act))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
+        report["amx"] = bool(report["int4"]) and panel_rows > int4_rows and cpu_native.q4_amx_supported()
     elif pack or _float32_gguf(source, dtype, tp_size):
         # float32 models (on CPUs without native bfloat16, where float32 is the default): the oneDNN-packed
         # float32 GEMM (unless switched off or too large); for a GGUF model's decode rows also the file's 4-bit
@@ -244,10 +245,11 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
             runner.graphs = plan
             report["decode_plan"] = True
     report["seconds"] = time.perf_counter() - t0
-    logger.info("CPU path: %d layers prepacked, %d with int4 copies (batches of <= %s rows), LM head Q8_0 %s, "
-                "%d with int8 inputs, native fused ops %s, decode plan %s, compiled decode %s (<= %d sequences), "
-                "set up in %.2f s",
-                report["packed"], report["int4"], report.get("int4_max_rows", 0), "on" if report.get("q8_0") else "off",
+    logger.info("CPU path: %d layers prepacked, %d with int4 copies (batches of <= %s rows; 4-bit panels on AMX tiles "
+                "%s), LM head Q8_0 %s, %d with int8 inputs, native fused ops %s, decode plan %s, compiled decode %s "
+                "(<= %d sequences), set up in %.2f s",
+                report["packed"], report["int4"], report.get("int4_max_rows", 0), "on" if report.get("amx") else "off",
+                "on" if report.get("q8_0") else "off",
                 report.get("int8", 0),
                 "on" if ops.fused_ops_enabled(torch.empty(0, dtype=dtype)) else "off",
                 "on" if report["decode_plan"] else "off", "on" if report["compile"] else "off", max_batch,
