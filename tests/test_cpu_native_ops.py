@@ -577,6 +577,7 @@ def test_panel_expansion_is_the_bfloat16_rounding_of_the_float32_weights():
     for amx in (False, True) if cpu_native.q4_amx_supported() else (False,):
         assert torch.equal(cpu_native.q4_panel_matmul(eye, panels, amx=amx).t(), want), amx
 
+
 def test_amx_is_routed_only_where_it_runs(monkeypatch):
     """``PLINTH_CPU_AMX=0`` turns the AMX GEMM off; ``amx=True`` on a CPU without it is a clear error."""
     panels = cpu_native.pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.ones(16, 1), torch.zeros(16, 1))
@@ -594,6 +595,7 @@ def test_amx_is_routed_only_where_it_runs(monkeypatch):
             cpu_native.q4_panel_matmul(torch.zeros(1, 32, dtype=BF16), panels, amx=True)
     else:
         assert cpu_native.q4_gemv_max_rows() == cpu_native.Q4_GEMV_AMX_MAX_ROWS
+
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 17, 96), (3, 96, 576), (4, 50, 32), (1, 576, 1536),

@@ -129,14 +129,16 @@ class CpuPagedBackend(TorchBatchedBackend):
         q0 = metadata.query_start_loc_cpu[first_seq]
         bounds = [q - q0 for q in metadata.query_start_loc_cpu[first_seq:]]
         seq_lens = metadata.seq_lens_cpu[first_seq:]
-        fused = ([i for i in range(num_seqs) if bounds[i + 1] - bounds[i] >= SDPA_MIN_ROWS
-                  and (not sliding_window or seq_lens[i] <= sliding_window)]
-                 if query.dtype == torch.bfloat16 and _sdpa_prefill_on() else [])
+        route = query.dtype == torch.bfloat16 and _sdpa_prefill_on()
+        fused, others = [], []
+        for i in range(num_seqs):
+            long_enough = bounds[i + 1] - bounds[i] >= SDPA_MIN_ROWS
+            (fused if route and long_enough and (not sliding_window or seq_lens[i] <= sliding_window)
+             else others).append(i)
         if not fused:
             return paged_prefill(query, kv_cache, tables, lens, starts, num_seqs, scale, sliding_window,
                                  max_seq_len=max(seq_lens, default=0))
         out = torch.zeros(query.shape, dtype=query.dtype)
-        others = sorted(set(range(num_seqs)) - set(fused))
         if others:   # the native kernel for the short ones, on their rows gathered in order
             rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in others])
             sub_starts = torch.tensor([0, *itertools.accumulate(bounds[i + 1] - bounds[i] for i in others)],

@@ -211,6 +211,25 @@ inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t*
   }
 }
 
+// The panel GEMMs' loop: pairs of 16-column tiles spread over the threads, each expanded (q4p_expand) into the
+// thread's panel and handed to the thread's multiply(wbuf, t0, nt), made once per thread by make_multiply().
+template <class MakeMultiply>
+inline void q4p_for_each_pair(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t n, int64_t k,
+                              bool parallel, MakeMultiply make_multiply) {
+  const int64_t tiles = (n + 15) / 16, pairs = (tiles + 1) / 2;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<uint16_t> wbuf(static_cast<size_t>(k * 32));   // K/2 k-pairs x 2 tiles x 32 bfloat16
+    auto multiply = make_multiply();
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
+      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data());
+      multiply(wbuf.data(), t0, nt);
+    }
+  }
+}
+
 #if defined(PLINTH_CPU_AMX)
 // One thread's AMX tiles for y [M, cols <= 32] = x [M, K] (bfloat16) times a k-pair-interleaved bfloat16 panel of
 // nt <= 2 tiles of 16 columns (q4p_expand's layout). Tiles 0-3: float32 sums (row group g, column tile t: 2 g + t),
@@ -237,9 +256,8 @@ class AmxTiles {
     }
   }
 
-  void release() {
+  ~AmxTiles() {   // the thread's tile state back to its initial one
     if (configured_) _tile_release();
-    configured_ = false;
   }
 
  private:
@@ -1067,20 +1085,13 @@ int64_t plinth_q8_0r8_gemm_f32(const float* x, int64_t x_stride, const uint8_t* 
 int64_t plinth_q4p_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                              const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const int64_t tiles = (n + 15) / 16, kps = k / 2;
-  const int64_t panels = (tiles + 1) / 2;
-#pragma omp parallel
-  {
-    std::vector<uint16_t> wbuf(static_cast<size_t>(kps * 2 * 32));
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
-      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data());
+  q4p_for_each_pair(codes, dh, ch, n, k, true, [&] {
+    return [&](const uint16_t* wbuf, int64_t t0, int64_t nt) {
       const int64_t cols = std::min<int64_t>(32, n - 16 * t0);
-      if (nt == 2) q4p_all_rows<2>(x, x_stride, wbuf.data(), kps, y + 16 * t0, n, m, cols);
-      else q4p_all_rows<1>(x, x_stride, wbuf.data(), kps, y + 16 * t0, n, m, cols);
-    }
-  }
+      if (nt == 2) q4p_all_rows<2>(x, x_stride, wbuf, k / 2, y + 16 * t0, n, m, cols);
+      else q4p_all_rows<1>(x, x_stride, wbuf, k / 2, y + 16 * t0, n, m, cols);
+    };
+  });
   return 0;
 #else
   (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
@@ -1109,20 +1120,11 @@ int64_t plinth_amx_init() {
 int64_t plinth_q4p_gemm_amx(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                             const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AMX)
-  const int64_t tiles = (n + 15) / 16, kps = k / 2;
-  const int64_t panels = (tiles + 1) / 2;
-#pragma omp parallel if (panels > 1 && m * n * k >= kParallelWork)
-  {
-    std::vector<uint16_t> wbuf(static_cast<size_t>(kps * 2 * 32));
-    AmxTiles amx;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
-      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data());
-      amx.gemm(x, x_stride, wbuf.data(), nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0));
-    }
-    amx.release();
-  }
+  q4p_for_each_pair(codes, dh, ch, n, k, n > 32 && m * n * k >= kParallelWork, [&] {
+    return [&, amx = AmxTiles()](const uint16_t* wbuf, int64_t t0, int64_t nt) mutable {
+      amx.gemm(x, x_stride, wbuf, nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0));
+    };
+  });
   return 0;
 #else
   (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)y; (void)m; (void)n; (void)k;
