@@ -370,3 +370,77 @@ def test_logprobs_of_more_tokens_than_the_vocabulary_has():
     out = gather_logprobs(lps, torch.tensor([0, 3]), 8).to_position_logprobs([8, 8])
     assert [sorted(row) for row in out] == [[0, 1, 2, 3, 4]] * 2
     assert out[1][3].logprob == pytest.approx(lps[1, 3].item())
+
+
+def torch_inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The sampler's torch draw on the CPU: float32 softmax of logits / T, float64 running sum, searchsorted."""
+    probs = (logits.to(torch.float32) / temperature.unsqueeze(1)).softmax(dim=-1)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    picks = torch.searchsorted(cdf, uniforms.reshape(-1, 1) * cdf[:, -1:], right=True)[:, 0]
+    return picks.clamp(max=logits.shape[1] - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 1000, 49157])
+def test_native_cpu_draw_is_the_inverse_cdf(dtype, vocab):
+    """``cpu_native.sample_rows`` picks the token the torch inverse CDF picks for the same uniforms: peaked and flat
+    rows, temperatures from 0.3 to 2, tokens of probability 0 (-inf) inside and at both ends, uniforms at 0 and
+    just below 1 (the first and the last token with a probability), vocabularies around the 16-lane and
+    1024-token chunks; a row of NaN logits gets the last token, as the clamped search gives."""
+    from plinth.kernels import cpu_native
+
+    if not cpu_native.sampling_enabled(torch.zeros(1, dtype=dtype)):
+        pytest.skip("native CPU ops unavailable")
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 24
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 8.0, rows).unsqueeze(1)
+    logits[3, : vocab // 3] = float("-inf")
+    logits[4, vocab // 2:] = float("-inf")
+    logits[5, ::2] = float("-inf")
+    logits = logits.to(dtype)
+    temperature = torch.linspace(0.3, 2.0, rows)
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
+    uniforms[0], uniforms[1], uniforms[4], uniforms[5] = 0.0, 1 - 2 ** -53, 0.0, 1 - 2 ** -53
+    picks = cpu_native.sample_rows(logits, temperature, uniforms)
+    assert torch.equal(picks, torch_inverse_cdf(logits, temperature, uniforms))
+    finite = torch.isfinite(logits.float())
+    assert finite.gather(1, picks.unsqueeze(1)).all()
+    assert picks[4] == int(finite[4].nonzero()[0]) and picks[5] == int(finite[5].nonzero()[-1])
+    nan_row = torch.full((1, vocab), float("nan"), dtype=dtype)
+    assert cpu_native.sample_rows(nan_row, torch.ones(1), torch.full((1,), 0.5, dtype=torch.float64)).item() == vocab - 1
+
+
+def test_native_cpu_draw_leaves_the_sampler_s_tokens_unchanged(monkeypatch):
+    """A CPU batch with nothing but temperatures takes the native draw: the same tokens as the torch path from the
+    same sampler seed, with greedy and seeded rows in the batch; a batch with a filter keeps the torch path."""
+    from plinth.core import sampler as sampler_module
+    from plinth.kernels import cpu_native
+
+    if not cpu_native.sampling_enabled(torch.zeros(1)):
+        pytest.skip("native CPU ops unavailable")
+    reqs = [make(SamplingParams(temperature=t, seed=s)) for t, s in
+            [(1.0, None), (0.7, None), (0.0, None), (1.3, 42), (1.0, None), (0.5, 7)]]
+    gen = torch.Generator().manual_seed(3)
+    logits = [torch.randn(len(reqs), 3000, generator=gen) * 4 for _ in range(20)]
+    calls = []
+    native = cpu_native.sample_rows
+    monkeypatch.setattr(cpu_native, "sample_rows", lambda *a: calls.append(1) or native(*a))
+
+    def tokens(sampler: Sampler, batch: SamplingBatch) -> list[list[int]]:
+        return [sampler.sample(x, batch).sampled_token_ids.tolist() for x in logits]
+
+    fast = tokens(Sampler(seed=9), batch_of(reqs, vocab=3000))
+    assert len(calls) == len(logits)
+    enabled = cpu_native.sampling_enabled
+    monkeypatch.setattr(sampler_module.cpu_native, "sampling_enabled", lambda x: False)
+    assert tokens(Sampler(seed=9), batch_of(reqs, vocab=3000)) == fast
+    assert len(calls) == len(logits)
+    monkeypatch.setattr(sampler_module.cpu_native, "sampling_enabled", enabled)
+    calls.clear()
+    Sampler(seed=9).sample(logits[0], batch_of(reqs, vocab=3000))
+    assert calls
+    calls.clear()
+    filtered = [make(SamplingParams(temperature=1.0, top_k=5))] + reqs[1:]
+    for x in logits[:2]:
+        Sampler(seed=9).sample(x, batch_of(filtered, vocab=3000))
+    assert not calls

@@ -3,7 +3,8 @@
 Decode-only steps run a C++ kernel (:mod:`plinth.attention_backends.cpu_paged_build`) that walks
 each sequence's blocks through its block-table row, one work item per (sequence, KV head) spread
 over OpenMP threads, with every query head of the GQA group scored together and a float32 online
-softmax. Unlike :mod:`~plinth.attention_backends.torch_batched`, no step gathers the context of
+softmax (bfloat16 caches on AVX512-BF16: two passes, every score first, then the probabilities and P V).
+Unlike :mod:`~plinth.attention_backends.torch_batched`, no step gathers the context of
 its sequences into padded tensors, so the work grows with the tokens attended, not with a copy of
 them. Prefill and mixed steps run a second kernel (:func:`paged_prefill`: causal over each sequence's
 cache, tiles of 16 query positions per KV head, each block's keys transposed once so a row's scores are

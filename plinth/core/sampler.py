@@ -17,7 +17,9 @@ Order of operations, per row (vLLM's):
    top-k);
 6. a random choice: the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` (seeded rows everywhere,
    every row on accelerators), or on the CPU for unseeded rows the inverse CDF (the first token
-   whose running probability sum exceeds ``u * total``, ``u ~ U(0, 1)``: one draw per row).
+   whose running probability sum exceeds ``u * total``, ``u ~ U(0, 1)``: one draw per row). When a
+   CPU batch has nothing but temperatures (no step 2, 3 or 5 filter), the inverse CDF runs natively
+   on the raw logits (``cpu_native.sample_rows``: one pass per row, no ``[B, V]`` temporaries).
 
 Seeds. A seeded row's noise is a counter-based hash of (seed, output index, token id), so a
 seed gives the same tokens whatever else is in the batch, after a preemption, and on any
@@ -33,6 +35,7 @@ import torch
 
 from plinth.core.request import Logprob, PositionLogprobs
 from plinth.core.sampling_batch import M32, SAMPLING_EPS, SamplingBatch, SamplingBatchBuilder
+from plinth.kernels import cpu_native
 
 __all__ = ["SAMPLING_EPS", "LogprobsTensors", "Sampler", "SamplerOutput", "SamplingBatch", "SamplingBatchBuilder",
            "apply_min_p", "apply_penalties", "apply_top_k_top_p", "compute_prompt_logprobs", "counter_uniform",
@@ -103,14 +106,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype)."""
         raw = logits
-        if (batch.all_greedy and batch.min_tokens_index is None and batch.output_counts is None
-                and batch.logit_bias is None and batch.allowed is None):
-            greedy_logits, random_logits = logits, None   # nothing changes the logits: no copy
+        if not batch.all_greedy and _plain_temperature(batch) and cpu_native.sampling_enabled(logits):
+            tokens = self._native_choice(logits, batch)   # temperature only: straight from the logits
+        elif batch.all_greedy:
+            if (batch.min_tokens_index is None and batch.output_counts is None and batch.logit_bias is None
+                    and batch.allowed is None):
+                tokens = fast_argmax(logits)   # nothing changes the logits: no copy
+            else:
+                tokens = fast_argmax(self.process_logits(logits, batch)[0])
         else:
             greedy_logits, random_logits = self.process_logits(logits, batch)
-        if batch.all_greedy:
-            tokens = fast_argmax(greedy_logits)
-        else:
             assert random_logits is not None
             probs = random_logits.softmax(dim=-1)                 # [B, V]
             tokens = self._random_choice(probs, batch)             # [B]
@@ -155,6 +160,22 @@ class Sampler:
             gen.manual_seed(self.seed)
         return gen
 
+    def _native_choice(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """:meth:`_random_choice` of ``softmax(logits / temperature)`` without ``[B, V]`` temporaries (CPU rows with
+        only a temperature): the same uniform per row, the inverse CDF in one native pass per row; seeded rows
+        as there (their probabilities computed for them alone), greedy rows the argmax."""
+        uniforms = torch.rand(logits.shape[0], 1, generator=self._generator(logits.device), dtype=torch.float64)
+        tokens = cpu_native.sample_rows(logits, batch.temperature, uniforms)
+        if batch.seeded_rows is not None:
+            assert batch.seed_keys is not None
+            rows = batch.seeded_rows
+            probs = (logits[rows].to(torch.float32) / batch.temperature[rows].unsqueeze(1)).softmax(dim=-1)
+            noise = -torch.log(counter_uniform(batch.seed_keys, logits.shape[1]))
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        if batch.any_greedy:
+            tokens = torch.where(batch.greedy, fast_argmax(logits), tokens)
+        return tokens
+
     def _random_choice(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token per row drawn from ``probs`` ``[B, V]``.
 
@@ -176,6 +197,14 @@ class Sampler:
             noise = -torch.log(counter_uniform(batch.seed_keys, probs.shape[1]))
             tokens[rows] = (probs[rows] / noise).argmax(dim=-1)
         return tokens
+
+
+def _plain_temperature(batch: SamplingBatch) -> bool:
+    """Whether the random rows' distribution is ``softmax(logits / temperature)`` as it stands: no grammar,
+    bias, min_tokens, penalty, min-p, top-k or top-p in the batch."""
+    return (batch.allowed is None and batch.logit_bias is None and batch.min_tokens_index is None
+            and batch.output_counts is None and batch.repetition_penalty is None and batch.frequency_penalty is None
+            and batch.presence_penalty is None and batch.min_p is None and batch.top_k is None and batch.top_p is None)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 8
+ABI_VERSION = 9
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -57,6 +57,8 @@ _SIGNATURES = {
     "plinth_decode_layers_amx": [_P, _I, _P],
     "plinth_decode_layers_f32": [_P, _I, _P],
     "plinth_decode_layers_f32q8": [_P, _I, _P],
+    "plinth_sample_rows_bf16": [_P, _I, _I, _I, _P, _P, _P],
+    "plinth_sample_rows_f32": [_P, _I, _I, _I, _P, _P, _P],
 }
 _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64,
             "plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q4p_gemm_amx": ctypes.c_int64,
@@ -185,6 +187,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((t, d), dtype=x.dtype)
     _op("silu_mul", x)(x.data_ptr(), x.stride(0), y.data_ptr(), t, d)
     return y
+
+
+def sampling_enabled(logits: torch.Tensor) -> bool:
+    """Whether :func:`sample_rows` runs for ``logits`` (CPU, bfloat16 or float32, switch on, library built)."""
+    return logits.device.type == "cpu" and not torch.compiler.is_compiling() and q8_0_supported(logits.dtype)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` ``[B, V]`` drawn from ``softmax(logits / temperature)`` (``[B]``, > 0) by
+    the inverse CDF with ``uniforms`` (``[B]`` or ``[B, 1]`` in ``[0, 1)``): the first token whose running
+    probability sum exceeds ``uniform * total``, in one native pass per row (no ``[B, V]`` temporaries) ->
+    ``int64 [B]``."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    temps = temperature.to(torch.float32).contiguous()
+    u = uniforms.to(torch.float64).reshape(-1).contiguous()
+    if temps.numel() != rows or u.numel() != rows:
+        raise ValueError(f"{rows} rows of logits need {rows} temperatures and uniforms, got {temps.numel()} and "
+                         f"{u.numel()}")
+    out = torch.empty(rows, dtype=torch.int64)
+    _op("sample_rows", logits)(logits.data_ptr(), logits.stride(0), rows, vocab, temps.data_ptr(), u.data_ptr(),
+                               out.data_ptr())
+    return out
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

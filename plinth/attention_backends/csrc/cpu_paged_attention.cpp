@@ -288,56 +288,142 @@ inline void interleave_value_pairs(const uint16_t* values, int64_t token_stride,
   }
 }
 
-// One block of one KV head for the `group` bfloat16 query rows qraw (unscaled): the bfloat16 decode path of
-// block_update_avx512. Keys 16 at a time: their bfloat16 pairs transposed to [kD/2][16] dwords once, so each
-// row's 16 scores are kD/2 vdpbf16ps with the row's pairs broadcast (no per-key horizontal sum); the 16
-// scores' online softmax as vectors; P V with each row's accumulators held in registers over the 16 keys,
-// four rows at a time.
+// Fetch the rows t_lo..t_hi-1 (row_bytes each, token_bytes apart) of a block into L2. An asm statement, not
+// __builtin_prefetch: GCC's pure-function analysis counts the builtin as free of side effects and drops calls of a
+// helper (a lambda) whose only effect it is.
+inline void prefetch_rows(const char* block, int64_t token_bytes, int64_t row_bytes, int64_t t_lo, int64_t t_hi) {
+  for (int64_t t = t_lo; t < t_hi; ++t)
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      asm volatile("prefetcht1 %0" : : "m"(*(block + t * token_bytes + off)));
+}
+
+// One decode work item in bfloat16: KV heads h0..h0+heads-1 of one sequence over its blocks b_lo..b_hi-1
+// (tokens first..seq_len-1 of the sequence), for the item's `heads * group` query rows qraw. Two passes over
+// the keys instead of an online softmax: every score first (each 16-key chunk's bfloat16 pairs transposed once,
+// vdpbf16ps with the rows' pairs broadcast) into `scores` [rows][keys rounded up to 16], then each row's maximum,
+// then per chunk the probabilities (rounded to bfloat16; the row's sum adds the rounded values) and P V as
+// vdpbf16ps over key pairs (two keys' values interleaved into dwords once for the head's rows). No per-chunk
+// rescaling: the chunks' work is independent, so it overlaps. Leaves each row's maximum, sum and unnormalised
+// accumulator [rows][kD] in row_max, row_sum, acc.
 template <int64_t kD>
-inline void block_update_bf16(const uint16_t* k_base, const uint16_t* v_base, int64_t token_stride, int64_t lo,
-                              int64_t hi, const uint16_t* const* qraw, float scale, float* acc, float* row_max,
-                              float* row_sum, int64_t group) {
+inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table, int64_t block_stride,
+                             int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t b_lo,
+                             int64_t b_hi, int64_t h0, int64_t heads, int64_t group, const uint16_t* const* qraw,
+                             float scale, std::vector<float>& scores, float* acc, float* row_max, float* row_sum) {
   constexpr int64_t kV = kD / 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t c0 = lo; c0 < hi; c0 += 16) {
-    const int64_t m = std::min<int64_t>(16, hi - c0);
-    __m512i ktb[kD / 2];
-    transpose_keys16<kD>(k_base + c0 * token_stride, token_stride, m, ktb);
-    const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
-    float p[4][16];
-    for (int64_t r0 = 0; r0 < group; r0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, group - r0);
-      float corr[4];
-      for (int64_t u = 0; u < nr; ++u) {
-        const int64_t r = r0 + u;
-        const __m512 sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), scores16_bf16<kD>(ktb, qraw[r], sc));
-        const float block_max = std::max(row_max[r], _mm512_reduce_max_ps(sv));
-        const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
-        _mm512_storeu_ps(p[u], pv);
-        corr[u] = std::exp(row_max[r] - block_max);   // 0 on the first keys (exp(-inf))
-        row_max[r] = block_max;
-        row_sum[r] = row_sum[r] * corr[u] + _mm512_reduce_add_ps(pv);
-      }
-      __m512 a[4][kV];
-      for (int64_t u = 0; u < 4; ++u)
-        for (int64_t j = 0; j < kV; ++j)
-          a[u][j] = u < nr ? _mm512_mul_ps(_mm512_set1_ps(corr[u]), _mm512_loadu_ps(acc + (r0 + u) * kD + 16 * j))
-                           : _mm512_setzero_ps();
-      for (int64_t t = 0; t < m; ++t) {
-        const uint16_t* vr = v_base + (c0 + t) * token_stride;
-        __m512 vv[kV];
-        for (int64_t j = 0; j < kV; ++j) vv[j] = load16(vr + 16 * j);
-        for (int64_t u = 0; u < 4; ++u) {
-          if (u >= nr) break;
-          const __m512 pt = _mm512_set1_ps(p[u][t]);
-          for (int64_t j = 0; j < kV; ++j) a[u][j] = _mm512_fmadd_ps(pt, vv[j], a[u][j]);
+  const int64_t rows = heads * group;
+  // the keys' slots: each block's visible tokens lo..hi-1 in chunks of 16 from lo, the chunks side by side
+  int64_t slots = 0;
+  for (int64_t b = b_lo; b < b_hi; ++b) {
+    const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
+    slots += (hi - lo + 15) / 16 * 16;
+  }
+  if (static_cast<int64_t>(scores.size()) < rows * slots) scores.resize(rows * slots);
+  float* sc_all = scores.data();
+  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t row_bytes = heads * kD * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t head_off = h0 * kD;
+  // the visible rows of a block's item heads are fetched into L2 while the block before runs, a share of them
+  // per step of its work (a burst of a whole block stalls on the few misses a core can have in flight)
+  auto block_rows = [&](const uint16_t* cache, int64_t b, int64_t& lo, int64_t& hi) -> const char* {
+    lo = std::max<int64_t>(first - b * bs, 0);
+    hi = std::min<int64_t>(seq_len - b * bs, bs);
+    return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b]) * block_stride + head_off);
+  };
+  auto fetch_share = [&](const uint16_t* cache, int64_t b, int64_t part, int64_t parts) {
+    if (b >= b_hi) return;
+    int64_t lo, hi;
+    const char* base = block_rows(cache, b, lo, hi);
+    const int64_t n = hi - lo;
+    prefetch_rows(base, token_bytes, row_bytes, lo + n * part / parts, lo + n * (part + 1) / parts);
+  };
+  // pass 1: scores, block by block (all the item's heads of a block together: its rows are adjacent in memory)
+  int64_t slot = 0;
+  for (int64_t b = b_lo; b < b_hi; ++b) {
+    const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
+    const uint16_t* kb = k_cache + static_cast<int64_t>(table[b]) * block_stride + head_off;
+    const int64_t steps = (hi - lo + 15) / 16 * heads;   // (chunk, head) steps of this block
+    int64_t step = 0;
+    for (int64_t c0 = lo; c0 < hi; c0 += 16) {
+      const int64_t m = std::min<int64_t>(16, hi - c0);
+      const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
+      for (int64_t hh = 0; hh < heads; ++hh, ++step) {
+        if (b + 1 < b_hi) fetch_share(k_cache, b + 1, step, steps);
+        else fetch_share(v_cache, b_lo, step, steps);   // the first values, for pass 3
+        __m512i ktb[kD / 2];
+        transpose_keys16<kD>(kb + c0 * token_stride + hh * kD, token_stride, m, ktb);
+        for (int64_t u = 0; u < group; ++u) {
+          const int64_t r = hh * group + u;
+          _mm512_storeu_ps(sc_all + r * slots + slot,
+                           _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), scores16_bf16<kD>(ktb, qraw[r], sc)));
         }
       }
-      for (int64_t u = 0; u < nr; ++u)
-        for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + (r0 + u) * kD + 16 * j, a[u][j]);
+      slot += 16;
     }
   }
+  // pass 2: each row's maximum
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sr = sc_all + r * slots;
+    __m512 top = _mm512_set1_ps(neg_inf);
+    for (int64_t i = 0; i < slots; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + i));
+    row_max[r] = _mm512_reduce_max_ps(top);
+  }
+  // pass 3: probabilities and P V
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t hh = 0; hh < heads; ++hh)
+    for (int64_t r0 = hh * group; r0 < (hh + 1) * group; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, (hh + 1) * group - r0);
+      __m512 a[4][kV], sums[4], tops[4];
+      for (int64_t u = 0; u < 4; ++u) {
+        sums[u] = _mm512_setzero_ps();
+        tops[u] = _mm512_set1_ps(u < nr ? row_max[r0 + u] : 0.f);
+        for (int64_t j = 0; j < kV; ++j) a[u][j] = _mm512_setzero_ps();
+      }
+      slot = 0;
+      for (int64_t b = b_lo; b < b_hi; ++b) {
+        const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
+        const uint16_t* vb = v_cache + static_cast<int64_t>(table[b]) * block_stride + head_off + hh * kD;
+        const int64_t pairs_in_block = (hi - lo + 1) / 2;   // the steps of the first head's pass over the block
+        for (int64_t c0 = lo; c0 < hi; c0 += 16, slot += 16) {
+          const int64_t m = std::min<int64_t>(16, hi - c0);
+          const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
+          alignas(32) int32_t pairs[4][8];
+          for (int64_t u = 0; u < nr; ++u) {
+            const __m512 s = _mm512_loadu_ps(sc_all + (r0 + u) * slots + slot);
+            const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(s, tops[u])));
+            const __m256i pb = (__m256i)_mm512_cvtneps_pbh(pv);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[u]), pb);
+            sums[u] = _mm512_add_ps(sums[u], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+          }
+          for (int64_t kp = 0; 2 * kp < m; ++kp) {
+            if (r0 == 0)   // the first pass over the values fetches the next block's for all heads
+              fetch_share(v_cache, b + 1, (c0 - lo) / 2 + kp, pairs_in_block);
+            const uint16_t* v0 = vb + (c0 + 2 * kp) * token_stride;
+            const bool second = 2 * kp + 1 < m;   // a lone last key pairs with zeros
+            __m512i vv[kV];
+            for (int64_t w = 0; w < kD / 32; ++w) {
+              const __m512i x = _mm512_loadu_si512(v0 + 32 * w);
+              const __m512i y = second ? _mm512_loadu_si512(v0 + token_stride + 32 * w) : _mm512_setzero_si512();
+              vv[2 * w] = _mm512_permutex2var_epi16(x, lo_idx, y);
+              vv[2 * w + 1] = _mm512_permutex2var_epi16(x, hi_idx, y);
+            }
+            for (int64_t u = 0; u < 4; ++u) {
+              if (u >= nr) break;
+              const __m512bh pp = (__m512bh)_mm512_set1_epi32(pairs[u][kp]);
+              for (int64_t j = 0; j < kV; ++j) a[u][j] = _mm512_dpbf16_ps(a[u][j], pp, (__m512bh)vv[j]);
+            }
+          }
+        }
+      }
+      for (int64_t u = 0; u < nr; ++u) {
+        row_sum[r0 + u] = _mm512_reduce_add_ps(sums[u]);
+        for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + (r0 + u) * kD + 16 * j, a[u][j]);
+      }
+    }
 }
 #endif
 
@@ -390,6 +476,7 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
     std::vector<float> q(rows * d_size), acc(rows * d_size), kblk(bs * d_size), vblk(bs * d_size), scores(bs),
         row_max(rows), row_sum(rows), gscores(group * bs);
     std::vector<const scalar_t*> qraw(rows);   // bfloat16: each row's query in the input
+    std::vector<float> scores_all;             // bfloat16: the item's scores [rows][keys]
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t seq_item = item / parts, part = item % parts;
@@ -411,7 +498,15 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
       std::fill(row_max.begin(), row_max.end(), neg_inf);
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       const int32_t* table = tables + s * sh.table_width;
-      for (int64_t b = b_lo; b < b_hi; ++b) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (kBf16Blocks) {
+        if (b_hi > b_lo)
+          decode_item_bf16<kD>(k_cache, v_cache, table, sh.block_stride, sh.token_stride, bs, first, seq_len, b_lo, b_hi,
+                               h0, heads_per_item, group, qraw.data(), scale, scores_all, acc.data(), row_max.data(),
+                               row_sum.data());
+      }
+#endif
+      for (int64_t b = b_lo; b < b_hi && !kBf16Blocks; ++b) {
         const int64_t lo = std::max<int64_t>(first - b * bs, 0);     // tokens lo..hi-1 of this block count
         const int64_t hi = std::min<int64_t>(seq_len - b * bs, bs);
         const int64_t n = hi - lo;
@@ -432,14 +527,6 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
             }
           }
           const int64_t base = static_cast<int64_t>(table[b]) * sh.block_stride + (h0 + hh) * d_size;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-          if constexpr (kBf16Blocks) {
-            block_update_bf16<kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi, qraw.data() + hh * group, scale,
-                                  acc.data() + hh * group * kD, row_max.data() + hh * group,
-                                  row_sum.data() + hh * group, group);
-            continue;
-          }
-#endif
 #if defined(__AVX512F__)
           if constexpr (kD > 0 && kD % 16 == 0) {
             block_update_avx512<scalar_t, kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi,

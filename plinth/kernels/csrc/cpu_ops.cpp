@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -876,6 +877,75 @@ void silu_mul_rows(const typename E::T* x, int64_t x_stride, typename E::T* y, i
   }
 }
 
+// One token per row of x [rows, vocab] (row stride x_stride) drawn from softmax(x / temperature[r]) by the
+// inverse CDF with the uniform u[r] in [0, 1): the first token whose running sum of p = exp((x - max) / T)
+// exceeds u[r] times the row's total (torch.searchsorted(cumsum, u * total, right=True) over the probabilities).
+// p is exactly 0 below exp's range (z < -87), so a zero-probability token is never drawn; the sums are float32
+// over chunks of kSampleChunk tokens and float64 across chunks (the chosen chunk rescanned token by token). A row
+// whose total is not a positive finite number (NaN logits) gets vocab - 1, as the clamped search does.
+constexpr int64_t kSampleChunk = 1024;
+
+template <class E>
+void sample_rows(const typename E::T* x, int64_t x_stride, int64_t rows, int64_t vocab, const float* temperature,
+                 const double* u, int64_t* out) {
+  const int64_t chunks = (vocab + kSampleChunk - 1) / kSampleChunk;
+#pragma omp parallel for schedule(static) if (rows * vocab >= kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const typename E::T* xr = x + r * x_stride;
+    const float inv = 1.f / temperature[r];
+    float lanes[kLanes];
+    for (int j = 0; j < kLanes; ++j) lanes[j] = -std::numeric_limits<float>::infinity();
+    const int64_t full = vocab - vocab % kLanes;
+    for (int64_t i = 0; i < full; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) lanes[j] = std::max(lanes[j], E::load(xr[i + j]));
+    float top = lanes[0];
+    for (int j = 1; j < kLanes; ++j) top = std::max(top, lanes[j]);
+    for (int64_t i = full; i < vocab; ++i) top = std::max(top, E::load(xr[i]));
+    const auto prob = [top, inv](float v) {
+      const float z = (v - top) * inv;
+      return z < -87.f ? 0.f : exp_nonpositive(z);
+    };
+    std::vector<double> sums(static_cast<size_t>(chunks));
+    double total = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t lo = c * kSampleChunk, hi = std::min(vocab, lo + kSampleChunk);
+      const int64_t body = lo + (hi - lo) / kLanes * kLanes;
+      float part[kLanes] = {0.f};
+      for (int64_t i = lo; i < body; i += kLanes)
+        for (int j = 0; j < kLanes; ++j) part[j] += prob(E::load(xr[i + j]));
+      double sum = 0.0;
+      for (int j = 0; j < kLanes; ++j) sum += part[j];
+      for (int64_t i = body; i < hi; ++i) sum += prob(E::load(xr[i]));
+      sums[c] = sum;
+      total += sum;
+    }
+    if (!(total > 0.0) || !std::isfinite(total)) {
+      out[r] = vocab - 1;
+      continue;
+    }
+    const double target = u[r] * total;
+    double run = 0.0;
+    int64_t c = 0;
+    while (c + 1 < chunks && run + sums[c] <= target) run += sums[c++];
+    int64_t pick = -1, last = -1;
+    for (int64_t i = c * kSampleChunk; i < std::min(vocab, (c + 1) * kSampleChunk); ++i) {
+      const float p = prob(E::load(xr[i]));
+      if (p <= 0.f) continue;
+      last = i;
+      run += p;
+      if (run > target) {
+        pick = i;
+        break;
+      }
+    }
+    // the float32 chunk sums and the token-by-token sum round differently: past the chunk's end, its last
+    // token with a probability (or the row's, when the chunk has none)
+    for (int64_t i = vocab - 1; pick < 0 && last < 0 && i >= 0; --i)
+      if (prob(E::load(xr[i])) > 0.f) last = i;
+    out[r] = pick >= 0 ? pick : last;
+  }
+}
+
 template <class E>
 void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, typename E::T* k, int64_t k_tok,
                   int64_t k_head, int64_t hk, const typename E::T* cos, const typename E::T* sin, int64_t c_stride,
@@ -905,7 +975,7 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 8; }
+int64_t plinth_cpu_ops_abi() { return 9; }
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
@@ -919,6 +989,17 @@ void plinth_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* r
 void plinth_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, int64_t r_stride,
                          const float* weight, float* y, float* h_out, int64_t rows, int64_t n, double eps) {
   rms_norm_rows<F32>(x, x_stride, residual, r_stride, weight, y, h_out, rows, n, eps);
+}
+
+// One token per row of x [rows, vocab] drawn from softmax(x / temperature) with the uniforms u (sample_rows).
+void plinth_sample_rows_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t vocab, const float* temperature,
+                             const double* u, int64_t* out) {
+  sample_rows<Bf16>(x, x_stride, rows, vocab, temperature, u, out);
+}
+
+void plinth_sample_rows_f32(const float* x, int64_t x_stride, int64_t rows, int64_t vocab, const float* temperature,
+                            const double* u, int64_t* out) {
+  sample_rows<F32>(x, x_stride, rows, vocab, temperature, u, out);
 }
 
 // y[t, i] = round(round(silu(x[t, i])) * x[t, d + i]) for x [rows, 2d] (row stride x_stride), y [rows, d].
