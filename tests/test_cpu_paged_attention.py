@@ -139,6 +139,25 @@ def test_decode_bfloat16_within_tolerance(heads, d):
 
 
 
+
+@pytest.mark.parametrize("bs,window", [(16, None), (48, None), (16, 1500)], ids=["bs16", "bs48", "window"])
+def test_decode_bfloat16_over_several_key_segments(bs, window):
+    """Long contexts: the bfloat16 path takes an item's keys in segments (128 KiB of key rows: 1,024 tokens of one
+    64-feature KV head) and rescales the earlier segments' sums when a later one holds a larger score; keys of
+    very different sizes per block make the segments' maxima differ. Blocks of 48 (three 16-key chunks each), a
+    window starting inside a block and spanning segments; 10 sequences (a work item takes all KV heads)."""
+    spec = spec_of(h=4, hkv=1, d=64, bs=bs, dtype=torch.bfloat16, window=window)
+    contexts = [2500, 3100, 1, 700, 1024, 1025, 2047, 40, 4000, 3333]
+    batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(bs))
+    sizes = 1 + 6 * torch.rand(batch.kv_cache.shape[1], generator=torch.Generator().manual_seed(1))
+    batch.kv_cache[0] *= sizes.to(torch.bfloat16)[:, None, None, None]
+    ref64 = sdpa_reference(batch, 0.125, window, torch.float64)
+    ref16 = sdpa_reference(batch, 0.125, window, torch.bfloat16)
+    out = run_paged(batch, 0.125, window)
+    err = (out.double() - ref64).abs().max().item()
+    assert err <= max((ref16.double() - ref64).abs().max().item(), 1e-2), err
+    torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
+
 @pytest.mark.parametrize("window", [5, 23])
 def test_decode_bfloat16_sliding_window(window):
     """A window that starts inside a block: the bfloat16 path's 16-key chunks begin at the first visible key."""

@@ -297,14 +297,19 @@ inline void prefetch_rows(const char* block, int64_t token_bytes, int64_t row_by
       asm volatile("prefetcht1 %0" : : "m"(*(block + t * token_bytes + off)));
 }
 
+// Keys of one decode work item taken per segment: at most this many bytes of the item's key rows (the values as
+// many), so a segment's scores stay in L1/L2 and its values in L2 for the item's later heads
+constexpr int64_t kSegmentBytes = 128 * 1024;
+
 // One decode work item in bfloat16: KV heads h0..h0+heads-1 of one sequence over its blocks b_lo..b_hi-1
-// (tokens first..seq_len-1 of the sequence), for the item's `heads * group` query rows qraw. Two passes over
-// the keys instead of an online softmax: every score first (each 16-key chunk's bfloat16 pairs transposed once,
-// vdpbf16ps with the rows' pairs broadcast) into `scores` [rows][keys rounded up to 16], then each row's maximum,
-// then per chunk the probabilities (rounded to bfloat16; the row's sum adds the rounded values) and P V as
-// vdpbf16ps over key pairs (two keys' values interleaved into dwords once for the head's rows). No per-chunk
-// rescaling: the chunks' work is independent, so it overlaps. Leaves each row's maximum, sum and unnormalised
-// accumulator [rows][kD] in row_max, row_sum, acc.
+// (tokens first..seq_len-1 of the sequence), for the item's `heads * group` query rows qraw. The blocks go in
+// segments (kSegmentBytes of keys); within a segment two passes over the keys instead of an online softmax:
+// every score first (each 16-key chunk's bfloat16 pairs transposed once, vdpbf16ps with the rows' pairs
+// broadcast) into `scores` [rows][segment keys rounded up to 16 per block] (then a factor per row), then each row's maximum, then per
+// chunk the probabilities (rounded to bfloat16; the row's sum adds the rounded values) and P V as vdpbf16ps over
+// key pairs (two keys' values interleaved into dwords once for the head's rows). No per-chunk rescaling (the
+// chunks' work is independent, so it overlaps); one rescale of the sums and accumulators per segment. Expects
+// row_max = -inf, row_sum = 0, acc = 0 [rows][kD] and leaves each row's maximum, sum and unnormalised accumulator.
 template <int64_t kD>
 inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table, int64_t block_stride,
                              int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t b_lo,
@@ -314,116 +319,132 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t rows = heads * group;
-  // the keys' slots: each block's visible tokens lo..hi-1 in chunks of 16 from lo, the chunks side by side
-  int64_t slots = 0;
-  for (int64_t b = b_lo; b < b_hi; ++b) {
-    const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
-    slots += (hi - lo + 15) / 16 * 16;
-  }
-  if (static_cast<int64_t>(scores.size()) < rows * slots) scores.resize(rows * slots);
-  float* sc_all = scores.data();
   const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t row_bytes = heads * kD * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t head_bytes = kD * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t head_off = h0 * kD;
-  // the visible rows of a block's item heads are fetched into L2 while the block before runs, a share of them
-  // per step of its work (a burst of a whole block stalls on the few misses a core can have in flight)
+  const int64_t seg_blocks = std::max<int64_t>(1, kSegmentBytes / (bs * row_bytes));
+  const int64_t slots_cap = seg_blocks * ((bs + 15) / 16 * 16);
+  if (static_cast<int64_t>(scores.size()) < rows * (slots_cap + 1)) scores.resize(rows * (slots_cap + 1));
+  float* sc_all = scores.data();
+  float* corr = sc_all + rows * slots_cap;   // per row: what the earlier segments' state is scaled by
+  // block b's visible tokens lo..hi-1 and its rows of the item's heads (of `cache`: keys or values)
   auto block_rows = [&](const uint16_t* cache, int64_t b, int64_t& lo, int64_t& hi) -> const char* {
     lo = std::max<int64_t>(first - b * bs, 0);
     hi = std::min<int64_t>(seq_len - b * bs, bs);
     return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b]) * block_stride + head_off);
   };
-  auto fetch_share = [&](const uint16_t* cache, int64_t b, int64_t part, int64_t parts) {
+  // share `part` of `parts` of block b's rows (bytes [off, off + bytes) of each) fetched into L2 ahead of their use:
+  // the next block's, a share per step of the current block's work (a burst of a whole block stalls on the few
+  // misses a core can have in flight)
+  auto fetch_share = [&](const uint16_t* cache, int64_t b, int64_t off, int64_t bytes, int64_t part, int64_t parts) {
     if (b >= b_hi) return;
     int64_t lo, hi;
-    const char* base = block_rows(cache, b, lo, hi);
+    const char* base = block_rows(cache, b, lo, hi) + off;
     const int64_t n = hi - lo;
-    prefetch_rows(base, token_bytes, row_bytes, lo + n * part / parts, lo + n * (part + 1) / parts);
+    prefetch_rows(base, token_bytes, bytes, lo + n * part / parts, lo + n * (part + 1) / parts);
   };
-  // pass 1: scores, block by block (all the item's heads of a block together: its rows are adjacent in memory)
-  int64_t slot = 0;
-  for (int64_t b = b_lo; b < b_hi; ++b) {
-    const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
-    const uint16_t* kb = k_cache + static_cast<int64_t>(table[b]) * block_stride + head_off;
-    const int64_t steps = (hi - lo + 15) / 16 * heads;   // (chunk, head) steps of this block
-    int64_t step = 0;
-    for (int64_t c0 = lo; c0 < hi; c0 += 16) {
-      const int64_t m = std::min<int64_t>(16, hi - c0);
-      const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
-      for (int64_t hh = 0; hh < heads; ++hh, ++step) {
-        if (b + 1 < b_hi) fetch_share(k_cache, b + 1, step, steps);
-        else fetch_share(v_cache, b_lo, step, steps);   // the first values, for pass 3
-        __m512i ktb[kD / 2];
-        transpose_keys16<kD>(kb + c0 * token_stride + hh * kD, token_stride, m, ktb);
-        for (int64_t u = 0; u < group; ++u) {
-          const int64_t r = hh * group + u;
-          _mm512_storeu_ps(sc_all + r * slots + slot,
-                           _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), scores16_bf16<kD>(ktb, qraw[r], sc)));
-        }
-      }
-      slot += 16;
-    }
-  }
-  // pass 2: each row's maximum
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* sr = sc_all + r * slots;
-    __m512 top = _mm512_set1_ps(neg_inf);
-    for (int64_t i = 0; i < slots; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + i));
-    row_max[r] = _mm512_reduce_max_ps(top);
-  }
-  // pass 3: probabilities and P V
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t hh = 0; hh < heads; ++hh)
-    for (int64_t r0 = hh * group; r0 < (hh + 1) * group; r0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, (hh + 1) * group - r0);
-      __m512 a[4][kV], sums[4], tops[4];
-      for (int64_t u = 0; u < 4; ++u) {
-        sums[u] = _mm512_setzero_ps();
-        tops[u] = _mm512_set1_ps(u < nr ? row_max[r0 + u] : 0.f);
-        for (int64_t j = 0; j < kV; ++j) a[u][j] = _mm512_setzero_ps();
-      }
-      slot = 0;
-      for (int64_t b = b_lo; b < b_hi; ++b) {
-        const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
-        const uint16_t* vb = v_cache + static_cast<int64_t>(table[b]) * block_stride + head_off + hh * kD;
-        const int64_t pairs_in_block = (hi - lo + 1) / 2;   // the steps of the first head's pass over the block
-        for (int64_t c0 = lo; c0 < hi; c0 += 16, slot += 16) {
-          const int64_t m = std::min<int64_t>(16, hi - c0);
-          const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
-          alignas(32) int32_t pairs[4][8];
-          for (int64_t u = 0; u < nr; ++u) {
-            const __m512 s = _mm512_loadu_ps(sc_all + (r0 + u) * slots + slot);
-            const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(s, tops[u])));
-            const __m256i pb = (__m256i)_mm512_cvtneps_pbh(pv);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[u]), pb);
-            sums[u] = _mm512_add_ps(sums[u], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+  for (int64_t sb = b_lo; sb < b_hi; sb += seg_blocks) {
+    const int64_t se = std::min<int64_t>(b_hi, sb + seg_blocks);
+    int64_t slots = 0;   // the segment's key slots: each block's visible tokens in chunks of 16
+    for (int64_t b = sb; b < se; ++b) {
+      int64_t lo, hi;
+      block_rows(k_cache, b, lo, hi);
+      slots += (hi - lo + 15) / 16 * 16;
+    }
+    // pass 1: scores, block by block (all the item's heads of a block together: its rows are adjacent in memory)
+    int64_t slot = 0;
+    for (int64_t b = sb; b < se; ++b) {
+      int64_t lo, hi;
+      const uint16_t* kb = reinterpret_cast<const uint16_t*>(block_rows(k_cache, b, lo, hi));
+      const int64_t steps = (hi - lo + 15) / 16 * heads;   // (chunk, head) steps of this block
+      int64_t step = 0;
+      for (int64_t c0 = lo; c0 < hi; c0 += 16) {
+        const int64_t m = std::min<int64_t>(16, hi - c0);
+        const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
+        for (int64_t hh = 0; hh < heads; ++hh, ++step) {
+          if (b + 1 < se) fetch_share(k_cache, b + 1, 0, row_bytes, step, steps);
+          else fetch_share(v_cache, sb, 0, row_bytes, step, steps);   // the segment's first values, for pass 3
+          __m512i ktb[kD / 2];
+          transpose_keys16<kD>(kb + c0 * token_stride + hh * kD, token_stride, m, ktb);
+          for (int64_t u = 0; u < group; ++u) {
+            const int64_t r = hh * group + u;
+            _mm512_storeu_ps(sc_all + r * slots + slot,
+                             _mm512_mask_blend_ps(vis, _mm512_set1_ps(neg_inf), scores16_bf16<kD>(ktb, qraw[r], sc)));
           }
-          for (int64_t kp = 0; 2 * kp < m; ++kp) {
-            if (r0 == 0)   // the first pass over the values fetches the next block's for all heads
-              fetch_share(v_cache, b + 1, (c0 - lo) / 2 + kp, pairs_in_block);
-            const uint16_t* v0 = vb + (c0 + 2 * kp) * token_stride;
-            const bool second = 2 * kp + 1 < m;   // a lone last key pairs with zeros
-            __m512i vv[kV];
-            for (int64_t w = 0; w < kD / 32; ++w) {
-              const __m512i x = _mm512_loadu_si512(v0 + 32 * w);
-              const __m512i y = second ? _mm512_loadu_si512(v0 + token_stride + 32 * w) : _mm512_setzero_si512();
-              vv[2 * w] = _mm512_permutex2var_epi16(x, lo_idx, y);
-              vv[2 * w + 1] = _mm512_permutex2var_epi16(x, hi_idx, y);
+        }
+        slot += 16;
+      }
+    }
+    // pass 2: each row's maximum so far, and what the earlier segments' sums and accumulators are scaled by
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* sr = sc_all + r * slots;
+      __m512 top = _mm512_set1_ps(neg_inf);
+      for (int64_t i = 0; i < slots; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + i));
+      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(top));
+      corr[r] = std::exp(row_max[r] - new_max);   // 0 on the first segment (exp(-inf))
+      row_max[r] = new_max;
+    }
+    // pass 3: probabilities and P V, one head at a time (the segment's values stay in L2 for the next heads)
+    for (int64_t hh = 0; hh < heads; ++hh)
+      for (int64_t r0 = hh * group; r0 < (hh + 1) * group; r0 += 4) {
+        const int64_t nr = std::min<int64_t>(4, (hh + 1) * group - r0);
+        __m512 a[4][kV], sums[4], tops[4];
+        for (int64_t u = 0; u < 4; ++u) {
+          sums[u] = _mm512_setzero_ps();
+          tops[u] = _mm512_set1_ps(u < nr ? row_max[r0 + u] : 0.f);
+          for (int64_t j = 0; j < kV; ++j)
+            a[u][j] = u < nr ? _mm512_mul_ps(_mm512_set1_ps(corr[r0 + u]), _mm512_loadu_ps(acc + (r0 + u) * kD + 16 * j))
+                             : _mm512_setzero_ps();
+        }
+        slot = 0;
+        for (int64_t b = sb; b < se; ++b) {
+          int64_t lo, hi;
+          const uint16_t* vb = reinterpret_cast<const uint16_t*>(block_rows(v_cache, b, lo, hi)) + hh * kD;
+          const int64_t pairs_in_block = (hi - lo + 1) / 2;   // the steps of a head's pass over the block
+          for (int64_t c0 = lo; c0 < hi; c0 += 16, slot += 16) {
+            const int64_t m = std::min<int64_t>(16, hi - c0);
+            const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
+            alignas(32) int32_t pairs[4][8];
+            for (int64_t u = 0; u < nr; ++u) {
+              const __m512 sv = _mm512_loadu_ps(sc_all + (r0 + u) * slots + slot);
+              const __m512 pv = _mm512_maskz_mov_ps(vis, exp16_nonpositive(_mm512_sub_ps(sv, tops[u])));
+              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(pv);
+              _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[u]), pb);
+              sums[u] = _mm512_add_ps(sums[u], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
             }
-            for (int64_t u = 0; u < 4; ++u) {
-              if (u >= nr) break;
-              const __m512bh pp = (__m512bh)_mm512_set1_epi32(pairs[u][kp]);
-              for (int64_t j = 0; j < kV; ++j) a[u][j] = _mm512_dpbf16_ps(a[u][j], pp, (__m512bh)vv[j]);
+            for (int64_t kp = 0; 2 * kp < m; ++kp) {
+              if (r0 == hh * group) {   // each head's pass fetches its rows of the next block (the first
+                const int64_t step = (c0 - lo) / 2 + kp;   // head's: the next segment's first keys at the end)
+                if (b + 1 < se) fetch_share(v_cache, b + 1, hh * head_bytes, head_bytes, step, pairs_in_block);
+                else if (hh == 0) fetch_share(k_cache, se, 0, row_bytes, step, pairs_in_block);
+              }
+              const uint16_t* v0 = vb + (c0 + 2 * kp) * token_stride;
+              const bool second = 2 * kp + 1 < m;   // a lone last key pairs with zeros
+              __m512i vv[kV];
+              for (int64_t w = 0; w < kD / 32; ++w) {
+                const __m512i x = _mm512_loadu_si512(v0 + 32 * w);
+                const __m512i y = second ? _mm512_loadu_si512(v0 + token_stride + 32 * w) : _mm512_setzero_si512();
+                vv[2 * w] = _mm512_permutex2var_epi16(x, lo_idx, y);
+                vv[2 * w + 1] = _mm512_permutex2var_epi16(x, hi_idx, y);
+              }
+              for (int64_t u = 0; u < 4; ++u) {
+                if (u >= nr) break;
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32(pairs[u][kp]);
+                for (int64_t j = 0; j < kV; ++j) a[u][j] = _mm512_dpbf16_ps(a[u][j], pp, (__m512bh)vv[j]);
+              }
             }
           }
         }
+        for (int64_t u = 0; u < nr; ++u) {
+          row_sum[r0 + u] = row_sum[r0 + u] * corr[r0 + u] + _mm512_reduce_add_ps(sums[u]);
+          for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + (r0 + u) * kD + 16 * j, a[u][j]);
+        }
       }
-      for (int64_t u = 0; u < nr; ++u) {
-        row_sum[r0 + u] = _mm512_reduce_add_ps(sums[u]);
-        for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + (r0 + u) * kD + 16 * j, a[u][j]);
-      }
-    }
+  }
 }
 #endif
 

@@ -880,9 +880,11 @@ void silu_mul_rows(const typename E::T* x, int64_t x_stride, typename E::T* y, i
 // One token per row of x [rows, vocab] (row stride x_stride) drawn from softmax(x / temperature[r]) by the
 // inverse CDF with the uniform u[r] in [0, 1): the first token whose running sum of p = exp((x - max) / T)
 // exceeds u[r] times the row's total (torch.searchsorted(cumsum, u * total, right=True) over the probabilities).
-// p is exactly 0 below exp's range (z < -87), so a zero-probability token is never drawn; the sums are float32
-// over chunks of kSampleChunk tokens and float64 across chunks (the chosen chunk rescanned token by token). A row
-// whose total is not a positive finite number (NaN logits) gets vocab - 1, as the clamped search does.
+// p is exactly 0 below exp's range (z < -87), so a token of probability 0 (-inf) is never drawn; the sums are
+// float32 over chunks of kSampleChunk tokens and float64 across chunks (the chosen chunk rescanned token by token),
+// so the pick can differ from the float64 search of torch's float32 softmax only where u * total lies within
+// float32 rounding of a boundary between two tokens. A row whose total is not a positive finite number (NaN
+// logits) gets vocab - 1, as the clamped search does.
 constexpr int64_t kSampleChunk = 1024;
 
 template <class E>
