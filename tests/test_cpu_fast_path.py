@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import sys
 
 import gguf
 import numpy as np
@@ -232,6 +233,45 @@ def test_int4_copies_of_a_gguf_model(tmp_path, monkeypatch):
         for field in ("codes", "scales", "offsets"):
             assert torch.equal(getattr(again[name].panels, field), getattr(w.panels, field)), (name, field)
 
+
+
+def test_gate_up_activation_is_fused_where_the_amx_gemm_takes_the_rows(tmp_path, monkeypatch):
+    """A gate/up layer's ``forward_silu_and_mul`` runs the fused AMX GEMM for the rows the layer sends to the AMX
+    panel GEMM (the same bits as the GEMM then the activation) and declines (``None``) for the GEMV's rows, for a
+    layer with a bias and where there is no AMX."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.config import ModelConfig
+    from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.loader import load_model, resolve_model_source
+
+    if not cpu_native.q4_amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", Q.Q4_1)
+    source = resolve_model_source(ModelConfig(model=path))
+    ctx = ModelContext(hf_config=source.hf_config, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       attention_backend=TorchBatchedBackend(), block_size=4)
+    model = load_model(source, ctx)
+    copies = int4_weights_from_gguf(path, model, torch.bfloat16)
+    layer = model.model.layers[0].mlp.gate_up_proj
+    method = CpuLinearMethod(layer.weight, copies["model.layers.0.mlp.gate_up_proj"], int4_max_rows=1,
+                             q4_panel_max_rows=sys.maxsize)
+    layer.linear_method = method
+    inter = layer.weight.shape[0] // 2
+    gemv_rows = method.gemv_max_rows
+    for m in (1, gemv_rows, gemv_rows + 1, 32, 200):
+        x = torch.randn(m, layer.weight.shape[1], generator=torch.Generator().manual_seed(m)).bfloat16()
+        fused = layer.forward_silu_and_mul(x)
+        if m <= gemv_rows:
+            assert fused is None, m
+            continue
+        assert fused is not None and fused.shape == (m, inter)
+        assert torch.equal(fused, cpu_native.silu_and_mul(method.matmul(x))), m
+    assert method.apply_silu_mul(layer, x, torch.zeros(2 * inter, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(cpu_native, "q4_amx_supported", lambda: False)
+    assert layer.forward_silu_and_mul(x) is None
 
 # ------------------------------------------------------------------------------ compiled decode
 

@@ -578,6 +578,30 @@ def test_panel_expansion_is_the_bfloat16_rounding_of_the_float32_weights():
         assert torch.equal(cpu_native.q4_panel_matmul(eye, panels, amx=amx).t(), want), amx
 
 
+@pytest.mark.parametrize("m,inter,k", [(1, 16, 32), (9, 48, 64), (16, 1536, 576), (17, 32, 1536), (33, 64, 128),
+                                       (100, 80, 64)])
+def test_fused_gate_up_activation_equals_the_gemm_then_the_activation(m, inter, k):
+    """The AMX gate/up GEMM with SiLU-and-mul applied to its tiles' sums gives the bits of the panel GEMM followed by
+    the native activation: gates of every sign and size (below -87 the sigmoid is 0), row counts around the 16-row
+    tiles and 32-row chunks, odd tile counts per half; a weight whose halves are not whole tiles is refused."""
+    if not cpu_native.q4_amx_supported():
+        pytest.skip("this CPU has no AMX-BF16 (or the kernel refused the tile state)")
+    gen = torch.Generator().manual_seed(m * 7 + inter + k)
+    q = torch.randint(0, 16, (2 * inter, k), generator=gen, dtype=torch.int32)
+    scale = torch.rand(2 * inter, k // 32, generator=gen) * 0.05
+    panels = cpu_native.pack_q4_panels(q, scale, -8 * scale + torch.randn(2 * inter, k // 32, generator=gen) * 0.02)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-1, 2, m).unsqueeze(1)).to(BF16)
+    gate_up = cpu_native.q4_panel_matmul(x, panels, amx=True)
+    assert (gate_up[:, :inter].float() < -87).any() or m < 9     # the underflowing sigmoid is reached
+    fused = cpu_native.q4_panel_silu_mul(x, panels)
+    assert fused.shape == (m, inter) and fused.dtype == BF16
+    assert torch.equal(fused, cpu_native.silu_and_mul(gate_up))
+    odd = cpu_native.pack_q4_panels(torch.zeros(48, k, dtype=torch.int32), torch.ones(48, k // 32),
+                                    torch.zeros(48, k // 32))   # halves of 24 columns
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_native.q4_panel_silu_mul(x, odd)
+
+
 def test_amx_is_routed_only_where_it_runs(monkeypatch):
     """``PLINTH_CPU_AMX=0`` turns the AMX GEMM off; ``amx=True`` on a CPU without it is a clear error."""
     panels = cpu_native.pack_q4_panels(torch.zeros(16, 32, dtype=torch.int32), torch.ones(16, 1), torch.zeros(16, 1))

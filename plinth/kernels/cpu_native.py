@@ -48,6 +48,7 @@ _SIGNATURES = {
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_amx": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_q4p_gemm_amx_silu": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_amx_init": [],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -62,6 +63,7 @@ _SIGNATURES = {
 }
 _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64,
             "plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q4p_gemm_amx": ctypes.c_int64,
+            "plinth_q4p_gemm_amx_silu": ctypes.c_int64,
             "plinth_amx_init": ctypes.c_int64,
             "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
@@ -412,6 +414,32 @@ def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels, amx: bool | None = None) 
             raise RuntimeError("the AMX panel GEMM needs AMX-BF16 and the tile state (q4_amx_supported() is False)")
         return _checked_gemm(_Q4P_AMX, x, panels, "AMX-BF16")
     return _checked_gemm(_Q4P_GEMM, x, panels, "AVX512-BF16 (q4_panels_supported() is False)")
+
+
+def q4_panel_silu_mul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
+    """``silu(x W_gate^T) * (x W_up^T)`` for a gate/up weight packed as one (``N = 2 I`` output columns, gate then up;
+    ``I`` a multiple of 16), ``x`` ``[M, K]`` bfloat16 -> ``[M, I]`` bfloat16, on AMX tiles: the same bits as
+    :func:`q4_panel_matmul` then :func:`silu_and_mul` (the sums rounded to bfloat16 before the activation), without
+    the ``[M, N]`` intermediate. Check :func:`q4_amx_supported` first."""
+    n = panels.out_features
+    if n % 32:
+        raise ValueError(f"the fused gate/up GEMM needs halves of whole 16-column tiles; {n} outputs are not a "
+                         f"multiple of 32")
+    if not _amx_ready():
+        raise RuntimeError("the fused gate/up GEMM needs AMX-BF16 and the tile state (q4_amx_supported() is False)")
+    k_packed = panels.scales.shape[1] * 32
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != k_packed:
+        raise ValueError(f"the fused gate/up GEMM takes CPU bfloat16 inputs [M, {k_packed}]; got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    act = torch.empty((m, n // 2), dtype=torch.bfloat16)
+    rc = _lib().plinth_q4p_gemm_amx_silu(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
+                                         panels.offsets.data_ptr(), act.data_ptr(), m, n, k)
+    if rc != 0:
+        raise RuntimeError(f"the fused gate/up GEMM failed ({rc})")
+    return act
 
 
 _Q4P_GEMV = "plinth_q4p_gemv_bf16"

@@ -344,6 +344,19 @@ class CpuLinearMethod:
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.matmul(x, bias)
 
+    def apply_silu_mul(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a gate/up layer in one native call where :meth:`matmul` would send the rows to the
+        AMX panel GEMM (the activation applied to its tiles' sums: the same bits as :meth:`matmul` then the native
+        ``silu_and_mul``); ``None`` elsewhere (the caller runs :meth:`apply`, then the activation)."""
+        if bias is not None or x.dim() != 2 or self.out_features % 32 or self.vnni is not None:
+            return None
+        m = x.shape[0]
+        if not (max(self.int4_max_rows, self.gemv_max_rows) < m <= self.q4_panel_max_rows) or m == 0:
+            return None
+        if torch.compiler.is_compiling() or not cpu_native.enabled(x) or not cpu_native.q4_amx_supported():
+            return None
+        return cpu_native.q4_panel_silu_mul(x, self.int4.panels)
+
     def output_dtype(self, rows: int, dtype: torch.dtype) -> torch.dtype:
         """The dtype :meth:`matmul` returns for ``rows`` bias-free rows of ``dtype``: float32 where the Q8_0 LM
         head's GEMV takes them (its logits), else ``dtype``."""

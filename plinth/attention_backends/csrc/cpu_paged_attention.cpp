@@ -42,6 +42,9 @@ inline void from_float(const float* src, uint16_t* dst, int64_t n) {  // float32
 }
 
 using plinth_cpu::exp_nonpositive;
+#if defined(__AVX512F__)
+using plinth_cpu::exp16_nonpositive;
+#endif
 
 // Dot product over kLanes independent partial sums, then a pairwise tree: vectorises without
 // reassociation flags and keeps the final reduction's dependency chain short.
@@ -201,24 +204,6 @@ inline void transpose16_epi32(__m512i* r) {
 }
 #endif
 
-#if defined(__AVX512F__)
-// exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The bfloat16 pairs of m <= 16 consecutive keys (rows token_stride apart from keys[0]; missing ones zero)

@@ -1,11 +1,15 @@
-// Scalar helpers shared by plinth's native CPU kernels: bfloat16 and float16 conversions, and an exp
-// for non-positive arguments that vectorises. Header-only; included with -I plinth/kernels/csrc.
+// Helpers shared by plinth's native CPU kernels: bfloat16 and float16 conversions, and an exp for non-positive
+// arguments that vectorises (and its 16-lane AVX512 form). Header-only; included with -I plinth/kernels/csrc.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace plinth_cpu {
 
@@ -65,5 +69,24 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(float));
   return p * scale;
 }
+
+#if defined(__AVX512F__)
+// exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
 
 }  // namespace plinth_cpu

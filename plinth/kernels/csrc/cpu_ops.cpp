@@ -165,14 +165,14 @@ inline void q4p_all_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wb
   for (; r0 < m; ++r0) q4p_rows<1, TILES>(x + r0 * x_stride, x_stride, wbuf, kp_count, y + r0 * y_stride, y_stride, cols);
 }
 
-// Tiles t0 .. t0 + nt - 1 (nt <= 2) of the 4-bit panel layout expanded into wbuf [K/2][nt][32] bfloat16: per k-pair
+// Tiles t0, t0 + tile_stride, ... (nt <= 2) of the 4-bit panel layout expanded into wbuf [K/2][nt][32] bfloat16: per k-pair
 // and tile the 16 columns' weights at k parity 0 and 1 side by side, w = d q + c rounded to bfloat16 once. Per k-pair
 // the 16 code bytes are broadcast to the four 128-bit lanes and a byte shuffle puts byte i at bits 16-23 of dword i;
 // masking a nibble there and or-ing in 0x43000000 gives the float32 128 + q exactly (no integer conversion), less 128
 // the code q (exact), and w = d q + c in one fused multiply-add: the same weights as converting the codes. The codes
 // four blocks and the scales sixteen blocks ahead are prefetched (the codes stream from memory once per call).
 inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t t0, int64_t nt,
-                       int64_t k, uint16_t* wbuf) {
+                       int64_t k, uint16_t* wbuf, int64_t tile_stride = 1) {
   const int64_t kps = k / 2, kbs = k / 32;
   const __m512i idx_b = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i idx_a = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
@@ -187,7 +187,7 @@ inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t*
   const __m512i nibble = _mm512_set1_epi32(0x000f0000), f128 = _mm512_set1_epi32(0x43000000);
   const __m512 c128 = _mm512_set1_ps(128.f);
   for (int64_t ti = 0; ti < nt; ++ti) {
-    const int64_t t = t0 + ti;
+    const int64_t t = t0 + ti * tile_stride;
     for (int64_t kb = 0; kb < kbs; ++kb) {
       const uint8_t* block = codes + (t * kps + kb * 16) * 16;
       for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(block + 1024 + 64 * line), _MM_HINT_T0);
@@ -213,10 +213,12 @@ inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t*
 }
 
 // The panel GEMMs' loop: pairs of 16-column tiles spread over the threads, each expanded (q4p_expand) into the
-// thread's panel and handed to the thread's multiply(wbuf, t0, nt), made once per thread by make_multiply().
+// thread's panel and handed to the thread's multiply(wbuf, t0, nt), made once per thread by make_multiply(). The
+// pairs are tiles 2p and 2p + 1; with `halves` (n a multiple of 32), tiles p and p + n / 32: column tile p of each
+// half (a gate/up weight's gate and up columns side by side).
 template <class MakeMultiply>
 inline void q4p_for_each_pair(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t n, int64_t k,
-                              bool parallel, MakeMultiply make_multiply) {
+                              bool parallel, MakeMultiply make_multiply, bool halves = false) {
   const int64_t tiles = (n + 15) / 16, pairs = (tiles + 1) / 2;
 #pragma omp parallel if (parallel)
   {
@@ -224,11 +226,31 @@ inline void q4p_for_each_pair(const uint8_t* codes, const uint16_t* dh, const ui
     auto multiply = make_multiply();
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
-      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data());
+      const int64_t t0 = halves ? p : 2 * p, nt = halves ? 2 : std::min<int64_t>(2, tiles - t0);
+      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data(), halves ? pairs : 1);
       multiply(wbuf.data(), t0, nt);
     }
   }
+}
+
+// The bfloat16 rounding of 16 float32 lanes (nearest even), as float32.
+inline __m512 round16_bf(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// silu(g) * u for 16 lanes exactly as silu_mul_rows<Bf16> computes it from bfloat16 g and u (here as float32):
+// e = exp(-|g|), one quotient 1 / (1 + e), the same select, g * sig rounded to bfloat16, times u (the caller's
+// store rounds the product once more). Bit for bit the scalar loop's results but for the sign of a NaN.
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+  const __m512 e = plinth_cpu::exp16_nonpositive(neg_abs);
+  const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+  const __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __mmask16 below = _mm512_cmp_ps_mask(g, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  __m512 sig = _mm512_maskz_mov_ps(static_cast<__mmask16>(~below), _mm512_mul_ps(e, inv));
+  sig = _mm512_mask_mov_ps(sig, pos, inv);
+  return _mm512_mul_ps(round16_bf(_mm512_mul_ps(g, sig)), u);
 }
 
 #if defined(PLINTH_CPU_AMX)
@@ -254,6 +276,22 @@ class AmxTiles {
       }
       store(0, rows0, y + r0 * y_stride, y_stride, cols);
       if (rows1 > 0) store(2, rows1, y + (r0 + 16) * y_stride, y_stride, cols);
+    }
+  }
+
+  // act [M, 16] = silu(x W_g^T) * (x W_u^T) for a panel of two tiles (nt = 2): a gate tile and its up tile; the
+  // float32 sums rounded to bfloat16 first, as the unfused GEMM's output that silu_mul_rows would read
+  void gemm_silu(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t k, uint16_t* act,
+                 int64_t act_stride, int64_t m) {
+    for (int64_t r0 = 0; r0 < m; r0 += 32) {
+      const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
+      const int rows1 = static_cast<int>(std::min<int64_t>(16, std::max<int64_t>(0, m - r0 - 16)));
+      configure(rows0, rows1);
+      const uint16_t* xr = x + r0 * x_stride;
+      if (rows1 > 0) run<2, 2>(xr, x_stride, wbuf, k);
+      else run<1, 2>(xr, x_stride, wbuf, k);
+      store_silu(0, rows0, act + r0 * act_stride, act_stride);
+      if (rows1 > 0) store_silu(2, rows1, act + (r0 + 16) * act_stride, act_stride);
     }
   }
 
@@ -314,6 +352,15 @@ class AmxTiles {
         const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc_[first + t][r]));
         _mm256_mask_storeu_epi16(y + r * y_stride + 16 * t, keep, out);
       }
+    }
+  }
+
+  // silu(gate) * up of row group (first: 0 or 2): sums acc_[first] (gate) and acc_[first + 1] (up) -> 16 bfloat16
+  void store_silu(int first, int rows, uint16_t* act, int64_t act_stride) {
+    for (int r = 0; r < rows; ++r) {
+      const __m512 g = round16_bf(_mm512_loadu_ps(acc_[first][r]));
+      const __m512 u = round16_bf(_mm512_loadu_ps(acc_[first + 1][r]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + r * act_stride), (__m256i)_mm512_cvtneps_pbh(silu_mul16(g, u)));
     }
   }
 
@@ -1215,6 +1262,29 @@ int64_t plinth_q4p_gemm_amx(const uint16_t* x, int64_t x_stride, const uint8_t* 
 #endif
 }
 
+// act [M, N/2] = silu(x @ W_gate^T) * (x @ W_up^T) for a gate/up weight of N = 2 I columns (gate rows, then up
+// rows; I a multiple of 16), x [M, K] bfloat16: plinth_q4p_gemm_amx over pairs of a gate tile and its up tile, the
+// activation applied to the tiles' sums (rounded to bfloat16 first) before anything is written: the bits of
+// plinth_q4p_gemm_amx followed by plinth_silu_mul_bf16, without the [M, N] intermediate. Returns 0, -1 without
+// AMX-BF16 (call plinth_amx_init first), -2 for N not a multiple of 32.
+int64_t plinth_q4p_gemm_amx_silu(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
+                                 const uint16_t* ch, uint16_t* act, int64_t m, int64_t n, int64_t k) {
+#if defined(PLINTH_CPU_AMX)
+  if (n % 32 != 0) return -2;
+  const int64_t inter = n / 2;
+  q4p_for_each_pair(codes, dh, ch, n, k, m * n * k >= kParallelWork, [&] {
+    return [&, amx = AmxTiles()](const uint16_t* wbuf, int64_t t0, int64_t nt) mutable {
+      (void)nt;
+      amx.gemm_silu(x, x_stride, wbuf, k, act + 16 * t0, inter, m);
+    };
+  }, true);
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)act; (void)m; (void)n; (void)k;
+  return -1;
+#endif
+}
+
 // y [M, N] = x [M, K] @ W^T for 1 <= M <= 16 rows over the same panel layout as plinth_q4p_gemm_bf16, reading the
 // codes once in memory order (no bfloat16 panel in between): the small-batch decode GEMV. The weights are
 // w = d * q + c in float32 (not rounded to bfloat16 first); float32 accumulation, y rounded to bfloat16 once.
@@ -1424,8 +1494,13 @@ namespace {
 
 // The layers of one decode step for element type E (Bf16 or F32, see rms_norm_rows) with panel GEMV Gemv;
 // `dtype` is the attention entry point's dtype code (0 float32, 1 bfloat16).
+// GateUpAct, when given, computes the MLP's activation straight from the gate/up weight (returning 0), or returns
+// non-zero to leave it to the GEMM and silu_mul_rows.
+using PanelGemmFn = int64_t (*)(const uint16_t*, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, uint16_t*,
+                                int64_t, int64_t, int64_t);
 template <class E, int64_t (*Gemv)(const typename E::T*, int64_t, const uint8_t*, const uint16_t*, const uint16_t*,
-                                   typename E::T*, int64_t, int64_t, int64_t)>
+                                   typename E::T*, int64_t, int64_t, int64_t),
+          PanelGemmFn GateUpAct = nullptr>
 int64_t decode_layers(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st,
                       int64_t dtype) {
   using T = typename E::T;
@@ -1460,9 +1535,15 @@ int64_t decode_layers(const PlinthDecodeLayer* layers, int64_t num_layers, const
     if (int64_t rc = gemv(lay.o, static_cast<const T*>(st->attn), hq * d, st->o); rc != 0) return rc;
     rms_norm_rows<E>(static_cast<const T*>(st->o), width, residual, width, static_cast<const T*>(lay.post_norm),
                      normed, residual, b, width, lay.post_eps);
-    if (int64_t rc = gemv(lay.gate_up, normed, width, st->gate_up); rc != 0) return rc;
     const int64_t inter = lay.gate_up.n / 2;
-    silu_mul_rows<E>(static_cast<const T*>(st->gate_up), lay.gate_up.n, static_cast<T*>(st->act), b, inter);
+    bool fused = false;
+    if constexpr (GateUpAct != nullptr)
+      fused = GateUpAct(normed, width, lay.gate_up.codes, lay.gate_up.scales, lay.gate_up.offsets,
+                        static_cast<T*>(st->act), b, lay.gate_up.n, lay.gate_up.k) == 0;
+    if (!fused) {
+      if (int64_t rc = gemv(lay.gate_up, normed, width, st->gate_up); rc != 0) return rc;
+      silu_mul_rows<E>(static_cast<const T*>(st->gate_up), lay.gate_up.n, static_cast<T*>(st->act), b, inter);
+    }
     if (int64_t rc = gemv(lay.down, static_cast<const T*>(st->act), inter, st->down); rc != 0) return rc;
     hidden = static_cast<const T*>(st->down);
   }
@@ -1480,6 +1561,11 @@ int64_t q4p_gemm_amx_step(const uint16_t* x, int64_t x_stride, const uint8_t* co
                           const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
   return m <= kGemvAmxMaxRows ? plinth_q4p_gemv_bf16(x, x_stride, codes, dh, ch, y, m, n, k)
                               : plinth_q4p_gemm_amx(x, x_stride, codes, dh, ch, y, m, n, k);
+}
+// The gate/up GEMM of the AMX decode step with the activation fused (the rows the AMX GEMM takes; 1 otherwise)
+int64_t q4p_gate_up_amx_step(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
+                             const uint16_t* ch, uint16_t* act, int64_t m, int64_t n, int64_t k) {
+  return m <= kGemvAmxMaxRows ? 1 : plinth_q4p_gemm_amx_silu(x, x_stride, codes, dh, ch, act, m, n, k);
 }
 #endif
 
@@ -1503,7 +1589,7 @@ int64_t plinth_decode_layers_bf16(const PlinthDecodeLayer* layers, int64_t num_l
 int64_t plinth_decode_layers_amx(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
 #if defined(PLINTH_CPU_AMX)
   if (st->rows < 1) return -2;
-  return decode_layers<Bf16, q4p_gemm_amx_step>(layers, num_layers, st, 1);
+  return decode_layers<Bf16, q4p_gemm_amx_step, q4p_gate_up_amx_step>(layers, num_layers, st, 1);
 #else
   (void)layers; (void)num_layers; (void)st;
   return -1;
