@@ -526,3 +526,64 @@ def test_bfloat16_prefill_sequences_take_torch_fused_attention(window, monkeypat
     assert calls == []
     assert (native.double() - ref).abs().max().item() < 2e-2
     torch.testing.assert_close(got.double(), native.double(), atol=2e-2, rtol=0)
+
+
+def _causal_reference(query, key, value, scale, dtype):
+    rows, keys = query.shape[0], key.shape[0]
+    mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.to(dtype).transpose(0, 1).unsqueeze(0), key.to(dtype).transpose(0, 1).unsqueeze(0),
+        value.to(dtype).transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("rows,keys,heads,d", [
+    (500, 500, (9, 3), 64), (1, 1, (9, 3), 64), (31, 31, (8, 2), 64), (33, 33, (4, 4), 64), (64, 64, (8, 1), 128),
+    (100, 260, (8, 2), 128), (129, 300, (9, 3), 64), (17, 40, (2, 1), 64)],
+    ids=["smollm2-500", "one", "31", "33-mha", "64-mqa-d128", "context-d128", "context", "short-context"])
+def test_amx_prefill_matches_float64_attention(rows, keys, heads, d):
+    """The AMX prefill kernel (32 query rows a work item, key blocks of 32, the causal edge inside a block, partial
+    last row and key blocks, query rows after cached context) against float64 attention: no further from it than
+    torch's bfloat16 attention, on query/key/value rows that are slices of one wider row (as a QKV projection's)."""
+    from plinth.attention_backends import cpu_paged
+
+    if not cpu_paged._amx_prefill_on():
+        pytest.skip("this CPU has no AMX-BF16 (or PLINTH_CPU_AMX is off)")
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(rows + keys + d)
+    qkv = torch.randn(keys, (h + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
+    query = qkv[keys - rows:, : h * d].view(rows, h, d)
+    key = qkv[:, h * d: (h + hkv) * d].view(keys, hkv, d)
+    value = qkv[:, (h + hkv) * d:].view(keys, hkv, d)
+    scale = 1 / math.sqrt(d)
+    got = cpu_paged.amx_prefill(query, key, value, scale)
+    assert got is not None and got.shape == (rows, h, d) and got.dtype == torch.bfloat16
+    ref = _causal_reference(query, key, value, scale, torch.float64)
+    ref16 = _causal_reference(query, key, value, scale, torch.bfloat16)
+    err, err16 = (got.double() - ref).abs(), (ref16.double() - ref).abs()
+    assert err.max().item() <= max(err16.max().item(), 1e-2), (err.max().item(), err16.max().item())
+    assert err.mean().item() <= 1.25 * err16.mean().item() + 1e-6
+
+
+def test_long_bfloat16_prefill_runs_on_amx_tiles(monkeypatch):
+    """Where the AMX kernel runs, the fused-attention route of long bfloat16 prefill sequences (fresh, and after
+    cached context) takes it; without it (``_amx_prefill_on`` false) torch's attention gives the same within
+    bfloat16 rounding."""
+    from plinth.attention_backends import cpu_paged
+
+    if not cpu_paged._amx_prefill_on() or not cpu_paged._prefill_kernel_ok():
+        pytest.skip("this CPU has no AMX-BF16 (or PLINTH_CPU_AMX is off)")
+    calls = []
+    real = cpu_paged.amx_prefill
+    monkeypatch.setattr(cpu_paged, "amx_prefill", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16)
+    batch = make_paged_batch(spec, [20, 0, 70], [1, 300, 150], generator=torch.Generator().manual_seed(4))
+    ref = sdpa_reference(batch, 0.125, None, torch.float64)
+    got = run_paged(batch, 0.125, None)
+    assert sorted(calls) == [150, 300]
+    assert (got.double() - ref).abs().max().item() < 2e-2
+    monkeypatch.setattr(cpu_paged, "_amx_prefill_on", lambda: False)
+    calls.clear()
+    other = run_paged(batch, 0.125, None)
+    assert sorted(calls) == [150, 300]   # asked, declined: torch's attention ran
+    torch.testing.assert_close(got.double(), other.double(), atol=2e-2, rtol=0)

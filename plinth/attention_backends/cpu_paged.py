@@ -9,7 +9,9 @@ its sequences into padded tensors, so the work grows with the tokens attended, n
 them. Prefill and mixed steps run a second kernel (:func:`paged_prefill`: causal over each sequence's
 cache, tiles of 16 query positions per KV head, each block's keys transposed once so a row's scores are
 plain vector multiply-adds; head sizes 64 and 128, AVX512 or AVX2); other shapes, and the static-shape decode of
-a compiled step, run the ``torch_batched`` path this backend extends.
+a compiled step, run the ``torch_batched`` path this backend extends. bfloat16 prefill sequences of at least
+:data:`SDPA_MIN_ROWS` rows take a fused attention (:func:`sdpa_prefill`): the AMX kernel (:func:`amx_prefill`) where
+the CPU has AMX-BF16, else torch's.
 
 ``PLINTH_CPU_PAGED_ATTENTION=0`` turns the backend off (``supports()`` says so).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -239,9 +242,9 @@ def paged_decode(
 def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's ``L`` query rows ``[L, H, D]`` (its last ``L`` positions) through
-    ``F.scaled_dot_product_attention``: over this step's keys and values as they are when the sequence has no
-    earlier tokens, else over its ``seq_len`` cached ones (this step's written), gathered from its blocks, with the
-    causal mask aligned to the last position. ``[L, H, D]``."""
+    :func:`amx_prefill` where it runs, else ``F.scaled_dot_product_attention``: over this step's keys and values as
+    they are when the sequence has no earlier tokens, else over its ``seq_len`` cached ones (this step's written),
+    gathered from its blocks, with the causal mask aligned to the last position. ``[L, H, D]``."""
     rows, h, d = query.shape
     if seq_len == rows:
         k, v, mask, causal = key, value, None, True
@@ -252,10 +255,47 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
         v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
         mask = torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows)
         causal = False
+    out = amx_prefill(query, k, v, scale)
+    if out is not None:
+        return out
     out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
                                          scale=scale, enable_gqa=k.shape[1] != h)
     return out[0].transpose(0, 1)
+
+
+def amx_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Causal attention of ``L`` bfloat16 query rows ``[L, H, D]`` (the last ``L`` of ``S`` positions) over keys and
+    values ``[S, Hkv, D]`` on AMX tiles (``plinth_cpu_amx_prefill``: 32 query rows of a head per work item, key
+    blocks of 32, an online softmax in float32 with the probabilities rounded to bfloat16) -> ``[L, H, D]``; ``None``
+    where it does not run (no AMX-BF16, ``PLINTH_CPU_AMX=0``, head sizes other than 64 and 128, other dtypes)."""
+    rows, h, d = query.shape
+    if query.dtype != torch.bfloat16 or d not in (64, 128) or key.shape[0] < rows or not _amx_prefill_on():
+        return None
+    if query.stride(2) != 1 or query.stride(1) != d:
+        query = query.contiguous()
+    if key.stride(2) != 1 or key.stride(1) != d or value.stride() != key.stride():
+        key, value = key.contiguous(), value.contiguous()
+    out = torch.empty((rows, h, d), dtype=torch.bfloat16)
+    rc = load_kernel().library.plinth_cpu_amx_prefill(
+        query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0), out.data_ptr(), h * d,
+        rows, key.shape[0], h, key.shape[1], d, float(scale), torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+@functools.cache
+def _amx_prefill_on() -> bool:
+    """The AMX prefill kernel runs here (built with AMX-BF16, the tile state granted) and ``PLINTH_CPU_AMX`` is not
+    off: one tiny call answers."""
+    from plinth.kernels.cpu_native import AMX_ENV
+
+    build = load_kernel()
+    if build.library is None or os.environ.get(AMX_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    return build.library.plinth_cpu_amx_prefill(x.data_ptr(), 64, x.data_ptr(), x.data_ptr(), 64, out.data_ptr(), 64,
+                                                1, 1, 1, 1, 64, 1.0, 1) == 0
 
 
 @functools.cache

@@ -23,6 +23,13 @@
 
 #include "cpu_math.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define PLINTH_ATTN_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -1087,12 +1094,185 @@ void prefill_native(const scalar_t* query, const scalar_t* kv_cache, const int32
 }
 #endif
 
+#if defined(PLINTH_ATTN_AMX)
+// Causal attention of one sequence on AMX tiles (bfloat16): its L query rows [L, H, kD] are the last L of its S
+// positions; keys and values [S, Hkv, kD] contiguous. Flash-style: per work item 32 query rows of one query head,
+// key blocks of 32 in order; S = Q K^T as 2 x 2 tiles (rows x keys, the head dimension in 32-wide steps), an online
+// softmax on the rows in float32 (probabilities rounded to bfloat16, the sums over the rounded values), P V as
+// tiles of 32 keys times 16-dimension value columns two at a time, the float32 output rescaled and added per block.
+// Keys and values are first packed into the tiles' right-hand layouts once per call: keys as transposed bfloat16
+// pairs (16 keys x kD/2 pairs per tile of keys), values as key pairs (16 pairs x 16 dimensions per tile).
+struct alignas(64) AttnTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <int64_t kD>
+void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, const uint16_t* value, int64_t kv_row,
+                 uint16_t* out, int64_t out_row, int64_t L, int64_t S, int64_t H, int64_t Hkv, float scale,
+                 int num_threads) {
+  constexpr int64_t kPairs = kD / 2, kColTiles = kD / 16;
+  const int64_t group = H / Hkv, kblocks = (S + 31) / 32, qblocks = (L + 31) / 32;
+  // keys: [Hkv][kblocks * 2 tiles][kD/2 pairs][16 keys] dwords; values: [Hkv][kblocks][kD/16][16 pairs][16] dwords
+  const int64_t kt_head = kblocks * 2 * kPairs * 16, vt_head = kblocks * kColTiles * 256;
+  std::vector<uint32_t> kt(static_cast<size_t>(Hkv * kt_head)), vt(static_cast<size_t>(Hkv * vt_head));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < Hkv * kblocks; ++item) {
+      const int64_t h = item / kblocks, kb = item % kblocks;
+      for (int64_t half = 0; half < 2; ++half) {   // keys 32 kb + 16 half .. + 15
+        const int64_t j0 = kb * 32 + half * 16, m = std::max<int64_t>(0, std::min<int64_t>(16, S - j0));
+        __m512i ktb[kPairs];
+        transpose_keys16<kD>(key + std::min(j0, S - 1) * kv_row + h * kD, kv_row, m, ktb);
+        uint32_t* dst = kt.data() + h * kt_head + (kb * 2 + half) * kPairs * 16;
+        for (int64_t i = 0; i < kPairs; ++i) _mm512_storeu_si512(dst + i * 16, ktb[i]);
+      }
+      uint32_t vp[16 * kD];   // [pair 0..15][kD] dwords
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t j0 = kb * 32 + half * 16, m = std::max<int64_t>(0, std::min<int64_t>(16, S - j0));
+        interleave_value_pairs<kD>(value + std::min(j0, S - 1) * kv_row + h * kD, kv_row, m, vp + half * 8 * kD);
+      }
+      uint32_t* dst = vt.data() + h * vt_head + kb * kColTiles * 256;
+      for (int64_t ct = 0; ct < kColTiles; ++ct)
+        for (int64_t kp = 0; kp < 16; ++kp)
+          std::memcpy(dst + ct * 256 + kp * 16, vp + kp * kD + ct * 16, 64);
+    }
+    AttnTileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) uint16_t qbuf[32 * kD];
+    alignas(64) uint16_t pbuf[32 * 32];
+    alignas(64) float sbuf[2][32 * 32], cbuf[4][16 * 16], obuf[32 * kD];
+    float row_max[32], row_sum[32], corr[32], new_max[32], block_sum[32];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * qblocks; ++item) {
+      const int64_t qh = item / qblocks, qb = item % qblocks, h = qh / group;
+      const int64_t i0 = qb * 32, rows = std::min<int64_t>(32, L - i0);
+      const int64_t first_pos = S - L + i0;   // the position of the item's first row
+      for (int64_t r = 0; r < 32; ++r) {
+        if (r < rows) std::memcpy(qbuf + r * kD, query + (i0 + r) * q_row + qh * kD, kD * sizeof(uint16_t));
+        else std::memset(qbuf + r * kD, 0, kD * sizeof(uint16_t));
+        row_max[r] = new_max[r] = neg_inf;
+        row_sum[r] = block_sum[r] = 0.f;
+      }
+      std::memset(pbuf, 0, sizeof(pbuf));
+      std::memset(obuf, 0, sizeof(obuf));
+      const uint32_t* kth = kt.data() + h * kt_head;
+      const uint32_t* vth = vt.data() + h * vt_head;
+      const int64_t nkb = (first_pos + rows - 1) / 32 + 1;   // key blocks up to the last row's position
+      // scores of key block kb into sb: tiles 0-3 = (rows 0-15 | 16-31) x (keys 0-15 | 16-31)
+      auto scores = [&](int64_t kb, float* sb) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t dh = 0; dh < kD / 32; ++dh) {
+          _tile_loadd(4, qbuf + 32 * dh, kD * 2);
+          _tile_loadd(5, qbuf + 16 * kD + 32 * dh, kD * 2);
+          _tile_loadd(6, kth + ((kb * 2) * kPairs + 16 * dh) * 16, 64);
+          _tile_loadd(7, kth + ((kb * 2 + 1) * kPairs + 16 * dh) * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, sb, 128);
+        _tile_stored(1, sb + 16, 128);
+        _tile_stored(2, sb + 16 * 32, 128);
+        _tile_stored(3, sb + 16 * 32 + 16, 128);
+      };
+      // pipelined: the next block's scores run on the tiles while this block's probabilities, just written by
+      // vector stores, settle before the P V tiles load them
+      scores(0, sbuf[0]);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const float* sb = sbuf[kb & 1];
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t visible = first_pos + r - kb * 32 + 1;   // keys 0 .. visible-1 of the block are visible
+          new_max[r] = row_max[r];
+          block_sum[r] = 0.f;
+          if (visible <= 0) {   // none yet: the row's probabilities are 0 and its state stays
+            std::memset(pbuf + r * 32, 0, 64);
+            continue;
+          }
+          const __mmask16 m0 = visible >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << visible) - 1u);
+          const __mmask16 m1 = visible >= 32 ? static_cast<__mmask16>(0xffff)
+                               : visible <= 16 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << (visible - 16)) - 1u);
+          const __m512 s0 = _mm512_mask_blend_ps(m0, _mm512_set1_ps(neg_inf), _mm512_mul_ps(_mm512_loadu_ps(sb + r * 32), sc));
+          const __m512 s1 = _mm512_mask_blend_ps(m1, _mm512_set1_ps(neg_inf), _mm512_mul_ps(_mm512_loadu_ps(sb + r * 32 + 16), sc));
+          const float top = std::max(row_max[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+          const __m512 tv = _mm512_set1_ps(top);
+          const __m256i p0 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(m0, exp16_nonpositive(_mm512_sub_ps(s0, tv))));
+          const __m256i p1 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(m1, exp16_nonpositive(_mm512_sub_ps(s1, tv))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + r * 32), p0);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + r * 32 + 16), p1);
+          block_sum[r] = _mm512_reduce_add_ps(
+              _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p0), 16)),
+                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p1), 16))));
+          new_max[r] = top;
+        }
+        // the rows' rescale factors exp(old max - new max) (0 on the first visible keys; 1 without new keys) and sums
+        for (int64_t r0 = 0; r0 < 32; r0 += 16) {
+          const __m512 old = _mm512_loadu_ps(row_max + r0), top = _mm512_loadu_ps(new_max + r0);
+          const __mmask16 same = _mm512_cmp_ps_mask(old, top, _CMP_EQ_OQ);
+          const __m512 c = _mm512_mask_blend_ps(same, exp16_nonpositive(_mm512_sub_ps(old, top)), _mm512_set1_ps(1.f));
+          _mm512_storeu_ps(corr + r0, c);
+          _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), c, _mm512_loadu_ps(block_sum + r0)));
+          _mm512_storeu_ps(row_max + r0, top);
+        }
+        if (kb + 1 < nkb) scores(kb + 1, sbuf[(kb + 1) & 1]);
+        // P V, two 16-dimension column tiles at a time; the output rescaled and added
+        _tile_loadd(4, pbuf, 64);
+        _tile_loadd(5, pbuf + 16 * 32, 64);
+        for (int64_t cp = 0; cp < kColTiles / 2; ++cp) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          _tile_loadd(6, vth + (kb * kColTiles + 2 * cp) * 256, 64);
+          _tile_loadd(7, vth + (kb * kColTiles + 2 * cp + 1) * 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+          _tile_stored(0, cbuf[0], 64);
+          _tile_stored(1, cbuf[1], 64);
+          _tile_stored(2, cbuf[2], 64);
+          _tile_stored(3, cbuf[3], 64);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t g = r / 16, rr = r % 16;
+            float* o = obuf + r * kD + 32 * cp;
+            const __m512 c = _mm512_set1_ps(corr[r]);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), c, _mm512_loadu_ps(cbuf[2 * g] + rr * 16)));
+            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16), c, _mm512_loadu_ps(cbuf[2 * g + 1] + rr * 16)));
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f);
+        uint16_t* dst = out + (i0 + r) * out_row + qh * kD;
+        for (int64_t j = 0; j < kD / 16; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(obuf + r * kD + 16 * j), inv)));
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
 
 // The ABI version the Python side checks before calling.
-int64_t plinth_cpu_paged_abi() { return 2; }
+int64_t plinth_cpu_paged_abi() { return 3; }
 
 // query [T, H, D] rows of q_row elements; kv_cache [2, N, BS, Hkv, D] contiguous; tables [B, W] int32;
 // lens [B] int32 (tokens in the cache, this step's included); starts [B + 1] int32 (query row of each
@@ -1151,6 +1331,37 @@ int64_t plinth_cpu_paged_prefill(const void* query, const void* kv_cache, const 
   (void)query; (void)kv_cache; (void)tables; (void)lens; (void)starts; (void)out; (void)dtype; (void)num_seqs;
   (void)num_heads; (void)num_kv_heads; (void)head_size; (void)num_blocks; (void)block_size; (void)table_width;
   (void)q_row; (void)out_row; (void)scale; (void)sliding_window; (void)num_threads;
+  return -1;
+#endif
+}
+
+
+// Causal attention of one sequence's L bfloat16 query rows (query [L, H, D], rows q_row elements apart; the last L
+// of its S positions) over its S keys and values ([S, Hkv, D], rows kv_row elements apart) on AMX tiles, into out
+// [L, H, D] (rows out_row apart). Head sizes 64 and 128. Returns 0; -1 where the library was built without AMX-BF16
+// or Linux refuses the tile state; -2 for shapes it does not take.
+int64_t plinth_cpu_amx_prefill(const void* query, int64_t q_row, const void* key, const void* value, int64_t kv_row,
+                               void* out, int64_t out_row, int64_t L, int64_t S, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_size, double scale, int64_t num_threads) {
+#if defined(PLINTH_ATTN_AMX)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;   // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  if (!granted) return -1;
+  if ((head_size != 64 && head_size != 128) || L < 1 || S < L || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
+    return -2;
+  const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
+  const auto* q = static_cast<const uint16_t*>(query);
+  const auto* k = static_cast<const uint16_t*>(key);
+  const auto* v = static_cast<const uint16_t*>(value);
+  auto* o = static_cast<uint16_t*>(out);
+  if (head_size == 64)
+    amx_prefill<64>(q, q_row, k, v, kv_row, o, out_row, L, S, num_heads, num_kv_heads, static_cast<float>(scale), threads);
+  else
+    amx_prefill<128>(q, q_row, k, v, kv_row, o, out_row, L, S, num_heads, num_kv_heads, static_cast<float>(scale), threads);
+  return 0;
+#else
+  (void)query; (void)q_row; (void)key; (void)value; (void)kv_row; (void)out; (void)out_row; (void)L; (void)S;
+  (void)num_heads; (void)num_kv_heads; (void)head_size; (void)scale; (void)num_threads;
   return -1;
 #endif
 }
