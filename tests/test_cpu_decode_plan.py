@@ -98,7 +98,7 @@ def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypa
             _plan_equals_modules(llm, n, "q", small_vocab)   # all layers in one native call, where it runs
         fused, plan.fused_layers = plan.fused_layers, None
         try:
-            for n in (1, 3, 12):
+            for n in (1, 3, 12, 20):
                 _plan_equals_modules(llm, n, "r", small_vocab)    # the plan's Python loop over the same kernels
         finally:
             plan.fused_layers = fused

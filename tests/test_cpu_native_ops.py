@@ -596,6 +596,20 @@ def test_fused_gate_up_activation_equals_the_gemm_then_the_activation(m, inter, 
     fused = cpu_native.q4_panel_silu_mul(x, panels)
     assert fused.shape == (m, inter) and fused.dtype == BF16
     assert torch.equal(fused, cpu_native.silu_and_mul(gate_up))
+    # gates at the bottom of float32's normal range (1.2e-38 .. 1e-37), so that g sig(g) and the product fall below it
+    # (subnormal): the activation keeps them as the scalar loop does. An identity-like weight: gate row i picks input
+    # feature i mod (K - 1), every up row the last feature (values near 1)
+    eye = torch.zeros(2 * inter, k, dtype=torch.int32)
+    eye[torch.arange(inter), torch.arange(inter) % (k - 1)] = 1
+    eye[inter:, k - 1] = 1
+    identity = cpu_native.pack_q4_panels(eye, torch.ones(2 * inter, k // 32), torch.zeros(2 * inter, k // 32))
+    rows = max(m, 9)
+    tiny = torch.rand(rows, k, generator=gen) * 9e-38 + 1.2e-38
+    tiny[:, k - 1] = torch.rand(rows, generator=gen) * 2 + 0.5
+    tiny = tiny.to(BF16)
+    want = cpu_native.silu_and_mul(cpu_native.q4_panel_matmul(tiny, identity, amx=True))
+    assert (want.float().abs() < 1.17e-38).any() and (want.float() != 0).all()
+    assert torch.equal(cpu_native.q4_panel_silu_mul(tiny, identity), want)
     odd = cpu_native.pack_q4_panels(torch.zeros(48, k, dtype=torch.int32), torch.ones(48, k // 32),
                                     torch.zeros(48, k // 32))   # halves of 24 columns
     with pytest.raises(ValueError, match="multiple of 32"):

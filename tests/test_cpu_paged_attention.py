@@ -491,9 +491,9 @@ def test_engine_prompt_scores_with_the_prefill_kernel_equal_sdpa(tmp_path, monke
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("window", [None, 210])
-def test_bfloat16_prefill_sequences_take_torch_fused_attention(window, monkeypatch):
-    """bfloat16 prefill sequences of at least ``SDPA_MIN_ROWS`` query rows (fresh prompts, and chunks after cached
+@pytest.mark.parametrize("cut", [False, True], ids=["no-window", "window"])
+def test_bfloat16_prefill_sequences_take_torch_fused_attention(cut, monkeypatch):
+    """bfloat16 prefill sequences of at least ``fused_min_rows()`` query rows (fresh prompts, and chunks after cached
     context, whose keys come from the cache) go through ``sdpa_prefill``; shorter ones, decode rows and those a
     sliding window cuts stay on the native kernels, in the same step. Against float64 attention either way, and
     within bfloat16 rounding of the step with the route off (``PLINTH_CPU_SDPA_PREFILL=0``)."""
@@ -509,16 +509,18 @@ def test_bfloat16_prefill_sequences_take_torch_fused_attention(window, monkeypat
         return real(query, *args)
 
     monkeypatch.setattr(cpu_paged, "sdpa_prefill", counted)
+    n = cpu_paged.fused_min_rows()   # 128 for torch's attention, 16 with the AMX kernel
+    window = n + 82 if cut else None
     spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16, window=window)
-    n = cpu_paged.SDPA_MIN_ROWS
     contexts, q_lens = [20, 0, 5, 0, 70, 9], [1, 200, n - 1, n, n + 22, 1]
     batch = make_paged_batch(spec, contexts, q_lens, generator=torch.Generator().manual_seed(3))
     scale = 0.125
     ref = sdpa_reference(batch, scale, window, torch.float64)
     got = run_paged(batch, scale, window)
-    # 200 fresh rows, n fresh rows, n + 22 rows after 70 cached tokens; with the window of 210 the sequence longer
-    # than it (n + 92 tokens) runs the kernel
-    assert sorted(calls) == ([n, n + 22, 200] if window is None else [n, 200])
+    # 200 fresh rows, n fresh rows, n + 22 rows after 70 cached tokens; with a window of n + 82 the sequences longer
+    # than it (n + 92 tokens; 200 where n is 16) run the kernel
+    routed = [(200, 200), (n, n), (n + 22, n + 92)]
+    assert sorted(calls) == sorted(rows for rows, tokens in routed if window is None or tokens <= window)
     assert (got.double() - ref).abs().max().item() < 2e-2
     monkeypatch.setattr(cpu_paged, "_sdpa_prefill_on", lambda: False)
     calls.clear()

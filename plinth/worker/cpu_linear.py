@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from plinth.kernels import cpu_native
+from plinth.kernels import cpu_native, ops
 from plinth.model_registry.layers.linear import LinearBase, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -353,8 +353,9 @@ class CpuLinearMethod:
         m = x.shape[0]
         if not (max(self.int4_max_rows, self.gemv_max_rows) < m <= self.q4_panel_max_rows) or m == 0:
             return None
-        if torch.compiler.is_compiling() or not cpu_native.enabled(x) or not cpu_native.q4_amx_supported():
-            return None
+        if (torch.compiler.is_compiling() or not cpu_native.enabled(x) or not ops.fused_ops_enabled(x)
+                or not cpu_native.q4_amx_supported()):
+            return None   # (with the fused ops off the activation is torch's, as the unfused path's)
         return cpu_native.q4_panel_silu_mul(x, self.int4.panels)
 
     def output_dtype(self, rows: int, dtype: torch.dtype) -> torch.dtype:

@@ -233,14 +233,24 @@ inline void q4p_for_each_pair(const uint8_t* codes, const uint16_t* dh, const ui
   }
 }
 
-// The bfloat16 rounding of 16 float32 lanes (nearest even), as float32.
+// The bfloat16 rounding of 16 float32 lanes (nearest even, subnormals flushed to zero as the GEMMs' stores flush
+// them), as float32.
 inline __m512 round16_bf(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
+// f2bf of 16 lanes, bit for bit (nearest even in integer arithmetic, so subnormals stay, which vcvtneps2bf16
+// flushes; NaN -> 0x7fc0): the bfloat16 bits in the low half of each dword
+inline __m512i f2bf16_bits(__m512 v) {
+  const __m512i w = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(w, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(w, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
 // silu(g) * u for 16 lanes exactly as silu_mul_rows<Bf16> computes it from bfloat16 g and u (here as float32):
-// e = exp(-|g|), one quotient 1 / (1 + e), the same select, g * sig rounded to bfloat16, times u (the caller's
-// store rounds the product once more). Bit for bit the scalar loop's results but for the sign of a NaN.
+// e = exp(-|g|), one quotient 1 / (1 + e), the same select, g * sig rounded to bfloat16 as f2bf rounds, times u
+// (the caller stores the product through f2bf16_bits): bit for bit the scalar loop's results.
 inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
@@ -250,7 +260,8 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __mmask16 below = _mm512_cmp_ps_mask(g, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
   __m512 sig = _mm512_maskz_mov_ps(static_cast<__mmask16>(~below), _mm512_mul_ps(e, inv));
   sig = _mm512_mask_mov_ps(sig, pos, inv);
-  return _mm512_mul_ps(round16_bf(_mm512_mul_ps(g, sig)), u);
+  const __m512 gs = _mm512_castsi512_ps(_mm512_slli_epi32(f2bf16_bits(_mm512_mul_ps(g, sig)), 16));
+  return _mm512_mul_ps(gs, u);
 }
 
 #if defined(PLINTH_CPU_AMX)
@@ -360,7 +371,8 @@ class AmxTiles {
     for (int r = 0; r < rows; ++r) {
       const __m512 g = round16_bf(_mm512_loadu_ps(acc_[first][r]));
       const __m512 u = round16_bf(_mm512_loadu_ps(acc_[first + 1][r]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + r * act_stride), (__m256i)_mm512_cvtneps_pbh(silu_mul16(g, u)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + r * act_stride),
+                          _mm512_cvtepi32_epi16(f2bf16_bits(silu_mul16(g, u))));
     }
   }
 
