@@ -122,6 +122,36 @@ def test_rms_norm(rows, n, with_residual, gen):
     torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("n", [576, 37, 2048])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_bits_follow_its_definition(n, with_residual, gen):
+    """The native bfloat16 RMSNorm's exact bits: h = bf16(x + residual); float32 squares summed per lane of 16 in
+    order (a bfloat16 square is exact in float32), the lanes folded 8, 4, 2, 1, the tail added in order; y =
+    bf16(w * bf16(h / sqrt(sum / n + eps))); emulated here in float32 torch ops, compared with torch.equal."""
+    rows = 5
+    x = (torch.randn(rows, n, generator=gen) * torch.logspace(-3, 3, rows).unsqueeze(1)).to(BF16)
+    residual = torch.randn(rows, n, generator=gen).to(BF16) if with_residual else None
+    weight = (torch.randn(n, generator=gen) * 0.2 + 1).to(BF16)
+    out = cpu_native.rms_norm(x, weight, 1e-5, residual)
+    h = (x.float() + residual.float()).to(BF16) if with_residual else x
+    hf = h.float()
+    full = n - n % 16
+    lanes = torch.zeros(rows, 16)
+    for i in range(0, full, 16):
+        lanes += hf[:, i:i + 16] * hf[:, i:i + 16]
+    for width in (8, 4, 2, 1):
+        lanes = lanes[:, :width] + lanes[:, width:2 * width]
+    total = lanes[:, 0]
+    for i in range(full, n):
+        total = total + hf[:, i] * hf[:, i]
+    inv = 1.0 / torch.sqrt(total / n + torch.tensor(1e-5, dtype=torch.float32))
+    want = (weight.float() * (hf * inv.unsqueeze(1)).to(BF16).float()).to(BF16)
+    got = out[0] if with_residual else out
+    assert torch.equal(got, want)
+    if with_residual:
+        assert torch.equal(out[1], h)
+
+
 @pytest.mark.parametrize("rows,d", [(1, 1536), (5, 37), (33, 256)])
 def test_silu_and_mul(rows, d, gen):
     x = (torch.randn(rows, 2 * d, generator=gen) * 4).to(BF16)

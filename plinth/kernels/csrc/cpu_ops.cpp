@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -884,12 +885,78 @@ struct F32 {
   static float round(float v) { return v; }
 };
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+inline __m512 load16_bf(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline void store16_bf(uint16_t* p, __m512 v) {   // f2bf of each lane
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(f2bf16_bits(v)));
+}
+
+// One row of rms_norm_rows<Bf16> on 16-lane vectors: the same lanes, the same tree of partial sums and the same
+// roundings (f2bf), so the same bits.
+inline void rms_norm_row_bf16(const uint16_t* xr, const uint16_t* rr, const uint16_t* weight, uint16_t* yr, uint16_t* hr,
+                              int64_t n, double eps) {
+  const int64_t full = n - n % kLanes;
+  __m512 part = _mm512_setzero_ps();
+  if (rr != nullptr) {   // h = round(x + residual) written first, as the scalar loop does, then its squares
+    for (int64_t i = 0; i < full; i += kLanes) {
+      const __m512i bits = f2bf16_bits(_mm512_add_ps(load16_bf(xr + i), load16_bf(rr + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hr + i), _mm512_cvtepi32_epi16(bits));
+      const __m512 h = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      part = _mm512_fmadd_ps(h, h, part);
+    }
+    for (int64_t i = full; i < n; ++i) hr[i] = f2bf(bf2f(xr[i]) + bf2f(rr[i]));
+    xr = hr;
+  } else {
+    for (int64_t i = 0; i < full; i += kLanes) {
+      const __m512 v = load16_bf(xr + i);
+      part = _mm512_fmadd_ps(v, v, part);
+    }
+  }
+  // part[j] += part[j + 8], then + 4, + 2, + 1, as the scalar tree
+  const __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(part), _mm512_extractf32x8_ps(part, 1));
+  const __m128 p4 = _mm_add_ps(_mm256_castps256_ps128(p8), _mm256_extractf128_ps(p8, 1));
+  const __m128 p2 = _mm_add_ps(p4, _mm_movehl_ps(p4, p4));
+  float sum = _mm_cvtss_f32(_mm_add_ss(p2, _mm_shuffle_ps(p2, p2, 1)));
+  for (int64_t i = full; i < n; ++i) sum += bf2f(xr[i]) * bf2f(xr[i]);
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < full; i += kLanes) {
+    const __m512 normed = _mm512_castsi512_ps(_mm512_slli_epi32(f2bf16_bits(_mm512_mul_ps(load16_bf(xr + i), iv)), 16));
+    store16_bf(yr + i, _mm512_mul_ps(load16_bf(weight + i), normed));
+  }
+  for (int64_t i = full; i < n; ++i) yr[i] = f2bf(bf2f(weight[i]) * round_bf(bf2f(xr[i]) * inv));
+}
+
+// One row of silu_mul_rows<Bf16> on 16-lane vectors (silu_mul16, the same bits).
+inline void silu_mul_row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* yr, int64_t d) {
+  const int64_t full = d - d % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) store16_bf(yr + i, silu_mul16(load16_bf(gate + i), load16_bf(up + i)));
+  for (int64_t i = full; i < d; ++i) {
+    const float g = bf2f(gate[i]);
+    const float e = exp_nonpositive(-std::fabs(g));
+    const float inv = 1.f / (1.f + e);
+    const float sig = g >= 0.f ? inv : (g < -87.f ? 0.f : e * inv);
+    yr[i] = f2bf(round_bf(g * sig) * bf2f(up[i]));
+  }
+}
+#endif
+
 template <class E>
 void rms_norm_rows(const typename E::T* x, int64_t x_stride, const typename E::T* residual, int64_t r_stride,
                    const typename E::T* weight, typename E::T* y, typename E::T* h_out, int64_t rows, int64_t n,
                    double eps) {
 #pragma omp parallel for schedule(static) if (rows * n >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<E, Bf16>) {
+      rms_norm_row_bf16(x + r * x_stride, residual != nullptr ? residual + r * r_stride : nullptr, weight, y + r * n,
+                        residual != nullptr ? h_out + r * n : nullptr, n, eps);
+      continue;
+    }
+#endif
     const typename E::T* xr = x + r * x_stride;
     typename E::T* yr = y + r * n;
     float part[kLanes] = {0.f};
@@ -918,6 +985,12 @@ template <class E>
 void silu_mul_rows(const typename E::T* x, int64_t x_stride, typename E::T* y, int64_t rows, int64_t d) {
 #pragma omp parallel for schedule(static) if (rows * d >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<E, Bf16>) {
+      silu_mul_row_bf16(x + r * x_stride, x + r * x_stride + d, y + r * d, d);
+      continue;
+    }
+#endif
     const typename E::T* gate = x + r * x_stride;
     const typename E::T* up = gate + d;
     typename E::T* yr = y + r * d;
