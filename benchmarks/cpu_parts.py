@@ -1,9 +1,11 @@
 """Parts of a CPU step on the default model, timed one at a time (two threads).
 
-* ``sampler``: sampling 32 rows of the 49k vocabulary at temperature 1 and greedily;
+* ``sampler``: sampling 32 rows of the 49k vocabulary at temperature 1 (the native draw where it runs, and torch's)
+  and greedily;
 * ``prefill-kernel``: prefill attention per layer (SmolLM2 shapes, the default model's dtype here): one
   500-token prompt, and a 224-token chunk after 100 cached tokens, through ``cpu_paged`` (its native kernel
-  where the CPU has one) and through the ``torch_batched`` path it falls back to;
+  where the CPU has one) and through the ``torch_batched`` path it falls back to; in bfloat16 also one 500-token
+  prompt through the AMX prefill kernel (where it runs) and torch's fused attention;
 * ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens and for one sequence of 128 and
   of 2,000 tokens, in a cache of 30 layers in the default model's dtype here, cold (a 64 MiB write between calls,
   as the GEMMs between layers evict the caches) and warm;
@@ -11,6 +13,8 @@
   4-bit codes) for 1 and 4 input rows, 30 layers cycled so the weights come from memory as in a step: torch's
   ``_weight_int4pack_mm_for_cpu`` against plinth's native panel GEMV (``Q4Gemv``), with the GB/s of the 4-bit
   codes, scales and offsets streamed;
+* ``gate-up``: the MLP's gate/up GEMM and SiLU-and-mul for 32, 128 and 500 rows, 30 layers cycled: the AMX panel
+  GEMM then the activation against the GEMM with the activation in its epilogue (CPUs with AMX-BF16);
 * ``f32-gemm``: the float32 GEMMs of a float32 GGUF model on a CPU without native bfloat16, per layer (SmolLM2
   shapes, 30 layers cycled as in a step; 6 at 128 and 512 rows, where the GEMMs are compute-bound) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
   rows), the 8-bit-input panel GEMM (``Q4GemmF32Q8``), oneDNN's packed float32 GEMM and ``F.linear`` (MKL);
@@ -18,7 +22,7 @@
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
   decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
 
-    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,f32-gemm,steps
+    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,gate-up,f32-gemm,steps
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
 
 
 def sampler_part() -> dict:
+    from plinth.core import sampler as sampler_module
     from plinth.core.request import Request, SamplingParams
     from plinth.core.sampler import Sampler
     from plinth.core.sampling_batch import SamplingBatch
@@ -57,6 +62,15 @@ def sampler_part() -> dict:
         batch = SamplingBatch.from_requests(reqs, VOCAB, "cpu")
         sampler = Sampler()
         out[f"sample_32_rows_{name}_ms"] = median_ms(lambda s=sampler, b=batch: s.sample(logits, b), 20)
+    # the temperature draw without the native kernel (torch's softmax, cumsum and search)
+    enabled = sampler_module.cpu_native.sampling_enabled
+    sampler_module.cpu_native.sampling_enabled = lambda x: False
+    try:
+        reqs = [Request(str(i), [1], SamplingParams(temperature=1.0)) for i in range(32)]
+        batch = SamplingBatch.from_requests(reqs, VOCAB, "cpu")
+        out["sample_32_rows_temperature_1_torch_ms"] = median_ms(lambda b=batch: Sampler().sample(logits, b), 20)
+    finally:
+        sampler_module.cpu_native.sampling_enabled = enabled
     return out
 
 
@@ -81,6 +95,40 @@ def prefill_kernel_part() -> dict:
                 b.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, scale=D ** -0.5)
 
             out[f"{label}_{name}_ms_per_layer"] = round(median_ms(call, 20), 3)
+    if dtype == torch.bfloat16:
+        # one 500-token prompt's attention: the AMX kernel (where it runs) against torch's fused attention
+        import torch.nn.functional as F
+
+        q, k, v = (torch.randn(500, h, D).to(dtype) for h in (H, HKV, HKV))
+        if cpu_paged._amx_prefill_on():
+            out["amx_prompt_500_ms_per_layer"] = round(median_ms(lambda: cpu_paged.amx_prefill(q, k, v, D ** -0.5), 20), 3)
+        out["torch_sdpa_prompt_500_ms_per_layer"] = round(median_ms(lambda: F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            is_causal=True, scale=D ** -0.5, enable_gqa=True), 20), 3)
+    return out
+
+
+def gate_up_part() -> dict:
+    """The MLP's gate/up GEMM and activation, 30 layers of SmolLM2's shape (random 4-bit codes, cycled as in a step):
+    the AMX GEMM then the native SiLU-and-mul against the GEMM with the activation in its epilogue."""
+    from plinth.kernels import cpu_native
+
+    if not cpu_native.q4_amx_supported():
+        return {"amx": False}
+    n, k = LAYER_SHAPES["gate_up"]
+    layers = []
+    for i in range(30):
+        gen = torch.Generator().manual_seed(i)
+        scale = torch.rand(n, k // 32, generator=gen) * 0.02
+        layers.append(cpu_native.pack_q4_panels(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32), scale,
+                                                -8 * scale))
+    out: dict = {"amx": True}
+    for rows in (32, 128, 500):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        out[f"gemm_then_silu_{rows}_rows_ms"] = round(median_ms(
+            lambda x=x: [cpu_native.silu_and_mul(cpu_native.q4_panel_matmul(x, p)) for p in layers], 7), 2)
+        out[f"fused_{rows}_rows_ms"] = round(median_ms(
+            lambda x=x: [cpu_native.q4_panel_silu_mul(x, p) for p in layers], 7), 2)
     return out
 
 
@@ -261,7 +309,7 @@ def steps_part() -> dict:
 
 
 PARTS = {"sampler": sampler_part, "prefill-kernel": prefill_kernel_part, "decode-kernel": decode_kernel_part,
-         "decode-gemv": decode_gemv_part, "f32-gemm": f32_gemm_part, "steps": steps_part}
+         "decode-gemv": decode_gemv_part, "gate-up": gate_up_part, "f32-gemm": f32_gemm_part, "steps": steps_part}
 
 
 def main(argv: list[str] | None = None) -> int:
