@@ -560,6 +560,7 @@ def test_amx_prefill_matches_float64_attention(rows, keys, heads, d):
     scale = 1 / math.sqrt(d)
     got = cpu_paged.amx_prefill(query, key, value, scale)
     assert got is not None and got.shape == (rows, h, d) and got.dtype == torch.bfloat16
+    assert cpu_paged.amx_prefill(query, key.float(), value, scale) is None    # bfloat16 only
     ref = _causal_reference(query, key, value, scale, torch.float64)
     ref16 = _causal_reference(query, key, value, scale, torch.bfloat16)
     err, err16 = (got.double() - ref).abs(), (ref16.double() - ref).abs()

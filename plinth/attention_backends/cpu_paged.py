@@ -10,8 +10,8 @@ them. Prefill and mixed steps run a second kernel (:func:`paged_prefill`: causal
 cache, tiles of 16 query positions per KV head, each block's keys transposed once so a row's scores are
 plain vector multiply-adds; head sizes 64 and 128, AVX512 or AVX2); other shapes, and the static-shape decode of
 a compiled step, run the ``torch_batched`` path this backend extends. bfloat16 prefill sequences of at least
-:data:`SDPA_MIN_ROWS` rows take a fused attention (:func:`sdpa_prefill`): the AMX kernel (:func:`amx_prefill`) where
-the CPU has AMX-BF16, else torch's.
+:func:`fused_min_rows` rows take a fused attention (:func:`sdpa_prefill`): the AMX kernel (:func:`amx_prefill`) from
+:data:`AMX_MIN_ROWS` rows where the CPU has AMX-BF16, else torch's from :data:`SDPA_MIN_ROWS`.
 
 ``PLINTH_CPU_PAGED_ATTENTION=0`` turns the backend off (``supports()`` says so).
 """
@@ -281,7 +281,8 @@ def amx_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
     blocks of 32, an online softmax in float32 with the probabilities rounded to bfloat16) -> ``[L, H, D]``; ``None``
     where it does not run (no AMX-BF16, ``PLINTH_CPU_AMX=0``, head sizes other than 64 and 128, other dtypes)."""
     rows, h, d = query.shape
-    if query.dtype != torch.bfloat16 or d not in (64, 128) or key.shape[0] < rows or not _amx_prefill_on():
+    if (any(t.dtype != torch.bfloat16 for t in (query, key, value)) or d not in (64, 128) or key.shape[0] < rows
+            or not _amx_prefill_on()):
         return None
     if query.stride(2) != 1 or query.stride(1) != d:
         query = query.contiguous()
