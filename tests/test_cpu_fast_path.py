@@ -193,15 +193,14 @@ def test_int4_blocks_match_gguf_dequantization(qtype):
     torch.testing.assert_close(got, ref, rtol=0, atol=0.02 * float(ref.abs().max()))
 
 
-def test_int4_copies_of_a_gguf_model(tmp_path, monkeypatch):
-    """Fused layers stack their projections in shard order, Q/K rows in HF order: every int4 copy
-    multiplies like the layer's dequantized bf16 weight; a second build reads the cache."""
+def _q4_1_model_and_copies(tmp_path, monkeypatch):
+    """A small Llama written as a Q4_1 GGUF file, loaded in bfloat16, and its layers' int4 copies (cached under
+    ``tmp_path``): ``(path, model, copies)``."""
     from test_gguf import small_model, write_gguf
 
     from plinth.attention_backends.torch_batched import TorchBatchedBackend
     from plinth.config import ModelConfig
     from plinth.model_registry.interface import ModelContext
-    from plinth.model_registry.layers.linear import LinearBase
     from plinth.model_registry.loader import load_model, resolve_model_source
 
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
@@ -210,7 +209,15 @@ def test_int4_copies_of_a_gguf_model(tmp_path, monkeypatch):
     ctx = ModelContext(hf_config=source.hf_config, dtype=torch.bfloat16, device=torch.device("cpu"),
                        attention_backend=TorchBatchedBackend(), block_size=4)
     model = load_model(source, ctx)
-    copies = int4_weights_from_gguf(path, model, torch.bfloat16)
+    return path, model, int4_weights_from_gguf(path, model, torch.bfloat16)
+
+
+def test_int4_copies_of_a_gguf_model(tmp_path, monkeypatch):
+    """Fused layers stack their projections in shard order, Q/K rows in HF order: every int4 copy
+    multiplies like the layer's dequantized bf16 weight; a second build reads the cache."""
+    from plinth.model_registry.layers.linear import LinearBase
+
+    path, model, copies = _q4_1_model_and_copies(tmp_path, monkeypatch)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
     assert set(copies) == set(layers) and len(copies) == 2 * 4      # qkv, o, gate_up, down per layer
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -239,22 +246,9 @@ def test_gate_up_activation_is_fused_where_the_amx_gemm_takes_the_rows(tmp_path,
     """A gate/up layer's ``forward_silu_and_mul`` runs the fused AMX GEMM for the rows the layer sends to the AMX
     panel GEMM (the same bits as the GEMM then the activation) and declines (``None``) for the GEMV's rows, for a
     layer with a bias and where there is no AMX."""
-    from test_gguf import small_model, write_gguf
-
-    from plinth.attention_backends.torch_batched import TorchBatchedBackend
-    from plinth.config import ModelConfig
-    from plinth.model_registry.interface import ModelContext
-    from plinth.model_registry.loader import load_model, resolve_model_source
-
     if not cpu_native.q4_amx_supported():
         pytest.skip("this CPU has no AMX-BF16")
-    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", Q.Q4_1)
-    source = resolve_model_source(ModelConfig(model=path))
-    ctx = ModelContext(hf_config=source.hf_config, dtype=torch.bfloat16, device=torch.device("cpu"),
-                       attention_backend=TorchBatchedBackend(), block_size=4)
-    model = load_model(source, ctx)
-    copies = int4_weights_from_gguf(path, model, torch.bfloat16)
+    _, model, copies = _q4_1_model_and_copies(tmp_path, monkeypatch)
     layer = model.model.layers[0].mlp.gate_up_proj
     method = CpuLinearMethod(layer.weight, copies["model.layers.0.mlp.gate_up_proj"], int4_max_rows=1,
                              q4_panel_max_rows=sys.maxsize)

@@ -338,8 +338,10 @@ def pack_q4_panels(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return Q4Panels(torch.from_numpy(np.ascontiguousarray(low | (high << 4))), per_tile(scale), per_tile(offset), n)
 
 
-def _panel_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels) -> tuple[int, torch.Tensor]:
-    """Call a native GEMM over packed panels (codes, per-block scales and offsets): its return code, ``y``."""
+def _panel_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels,
+                out_cols: int | None = None) -> tuple[int, torch.Tensor]:
+    """Call a native GEMM over packed panels (codes, per-block scales and offsets): its return code, ``y``
+    ``[M, out_cols]`` (default: the weight's output features)."""
     k_packed = panels.scales.shape[1] * 32
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != k_packed:
         raise ValueError(f"the panel GEMM takes CPU bfloat16 inputs [M, {k_packed}]; got {x.dtype} "
@@ -347,7 +349,7 @@ def _panel_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels) -> 
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    y = torch.empty((m, panels.out_features), dtype=torch.bfloat16)
+    y = torch.empty((m, out_cols if out_cols is not None else panels.out_features), dtype=torch.bfloat16)
     rc = getattr(_lib(), kernel)(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
                                  panels.offsets.data_ptr(), y.data_ptr(), m, panels.out_features, k)
     return rc, y
@@ -359,8 +361,9 @@ def _runs(kernel: str, tiny: Q4Panels | VnniPanels) -> bool:
                                                                tiny)[0] == 0
 
 
-def _checked_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels, needs: str) -> torch.Tensor:
-    rc, y = _panel_gemm(kernel, x, panels)
+def _checked_gemm(kernel: str, x: torch.Tensor, panels: Q4Panels | VnniPanels, needs: str,
+                  out_cols: int | None = None) -> torch.Tensor:
+    rc, y = _panel_gemm(kernel, x, panels, out_cols)
     if rc != 0:
         raise RuntimeError(f"the native {kernel} needs {needs}")
     return y
@@ -427,19 +430,7 @@ def q4_panel_silu_mul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
                          f"multiple of 32")
     if not _amx_ready():
         raise RuntimeError("the fused gate/up GEMM needs AMX-BF16 and the tile state (q4_amx_supported() is False)")
-    k_packed = panels.scales.shape[1] * 32
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != k_packed:
-        raise ValueError(f"the fused gate/up GEMM takes CPU bfloat16 inputs [M, {k_packed}]; got {x.dtype} "
-                         f"{list(x.shape)} on {x.device}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    act = torch.empty((m, n // 2), dtype=torch.bfloat16)
-    rc = _lib().plinth_q4p_gemm_amx_silu(x.data_ptr(), x.stride(0), panels.codes.data_ptr(), panels.scales.data_ptr(),
-                                         panels.offsets.data_ptr(), act.data_ptr(), m, n, k)
-    if rc != 0:
-        raise RuntimeError(f"the fused gate/up GEMM failed ({rc})")
-    return act
+    return _checked_gemm("plinth_q4p_gemm_amx_silu", x, panels, "AMX-BF16", out_cols=n // 2)
 
 
 _Q4P_GEMV = "plinth_q4p_gemv_bf16"
