@@ -127,17 +127,20 @@ def test_decode_bfloat16_within_tolerance(heads, d):
     # 14 sequences: at least 4 per thread on 2-3 threads, so a work item takes all of a sequence's KV heads
     contexts = DECODE_CONTEXTS + [1, 17, 31, 48, 64, 129, 300]
     batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(5))
-    ref64 = sdpa_reference(batch, 0.125, None, torch.float64)
-    ref16 = sdpa_reference(batch, 0.125, None, torch.bfloat16)
-    out = run_paged(batch, 0.125, None)
+    assert_bfloat16_decode_matches(batch, None)
+
+
+def assert_bfloat16_decode_matches(batch: PagedBatch, window: int | None) -> None:
+    """The bfloat16 decode step against float64 SDPA: float32 accumulation, so no worse than torch_sdpa in bfloat16
+    (or 1e-2), and within bfloat16 rounding of it."""
+    ref64 = sdpa_reference(batch, 0.125, window, torch.float64)
+    ref16 = sdpa_reference(batch, 0.125, window, torch.bfloat16)
+    out = run_paged(batch, 0.125, window)
     assert out.dtype == torch.bfloat16
     err = (out.double() - ref64).abs().max().item()
     ref_err = (ref16.double() - ref64).abs().max().item()
-    # float32 accumulation: no worse than torch_sdpa in bfloat16, and within bfloat16 rounding of the output
     assert err <= max(ref_err, 1e-2), (err, ref_err)
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
-
-
 
 
 @pytest.mark.parametrize("bs,window", [(16, None), (48, None), (16, 1500)], ids=["bs16", "bs48", "window"])
@@ -151,12 +154,8 @@ def test_decode_bfloat16_over_several_key_segments(bs, window):
     batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(bs))
     sizes = 1 + 6 * torch.rand(batch.kv_cache.shape[1], generator=torch.Generator().manual_seed(1))
     batch.kv_cache[0] *= sizes.to(torch.bfloat16)[:, None, None, None]
-    ref64 = sdpa_reference(batch, 0.125, window, torch.float64)
-    ref16 = sdpa_reference(batch, 0.125, window, torch.bfloat16)
-    out = run_paged(batch, 0.125, window)
-    err = (out.double() - ref64).abs().max().item()
-    assert err <= max((ref16.double() - ref64).abs().max().item(), 1e-2), err
-    torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
+    assert_bfloat16_decode_matches(batch, window)
+
 
 @pytest.mark.parametrize("window", [5, 23])
 def test_decode_bfloat16_sliding_window(window):
@@ -164,12 +163,8 @@ def test_decode_bfloat16_sliding_window(window):
     spec = spec_of(h=9, hkv=3, dtype=torch.bfloat16, window=window)
     batch = make_paged_batch(spec, DECODE_CONTEXTS, [1] * len(DECODE_CONTEXTS),
                              generator=torch.Generator().manual_seed(6))
-    ref64 = sdpa_reference(batch, 0.125, window, torch.float64)
-    ref16 = sdpa_reference(batch, 0.125, window, torch.bfloat16)
-    out = run_paged(batch, 0.125, window)
-    err = (out.double() - ref64).abs().max().item()
-    assert err <= max((ref16.double() - ref64).abs().max().item(), 1e-2), err
-    torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
+    assert_bfloat16_decode_matches(batch, window)
+
 
 def test_cache_writes_match_sdpa():
     """The new keys/values land in the same slots as the reference's, nothing else changes."""

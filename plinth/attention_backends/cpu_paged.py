@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -299,10 +298,10 @@ def amx_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
 def _amx_prefill_on() -> bool:
     """The AMX prefill kernel runs here (built with AMX-BF16, the tile state granted) and ``PLINTH_CPU_AMX`` is not
     off: one tiny call answers."""
-    from plinth.kernels.cpu_native import AMX_ENV
+    from plinth.kernels.cpu_native import amx_switch_on
 
     build = load_kernel()
-    if build.library is None or os.environ.get(AMX_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if build.library is None or not amx_switch_on():
         return False
     x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
     out = torch.empty_like(x)

@@ -401,11 +401,16 @@ def _amx_ready() -> bool:
     return rc == 0 and torch.equal(y, _panel_gemm(_Q4P_GEMM, x, panels)[1])
 
 
+def amx_switch_on() -> bool:
+    """``PLINTH_CPU_AMX`` is not ``0``/``false``/``no``/``off`` (the AMX kernels' switch; default on)."""
+    return os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 @functools.cache
 def q4_amx_supported() -> bool:
     """Whether the panel GEMM runs on AMX tiles here (see :func:`_amx_ready`; ``PLINTH_CPU_AMX=0``, read once,
     turns it off)."""
-    return os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "false", "no", "off") and _amx_ready()
+    return amx_switch_on() and _amx_ready()
 
 
 def q4_panel_matmul(x: torch.Tensor, panels: Q4Panels, amx: bool | None = None) -> torch.Tensor:

@@ -351,7 +351,7 @@ class CpuLinearMethod:
         if bias is not None or x.dim() != 2 or self.out_features % 32 or self.vnni is not None:
             return None
         m = x.shape[0]
-        if not (max(self.int4_max_rows, self.gemv_max_rows) < m <= self.q4_panel_max_rows) or m == 0:
+        if not max(self.int4_max_rows, self.gemv_max_rows) < m <= self.q4_panel_max_rows:
             return None
         if (torch.compiler.is_compiling() or not cpu_native.enabled(x) or not ops.fused_ops_enabled(x)
                 or not cpu_native.q4_amx_supported()):

@@ -262,20 +262,28 @@ inline void scores_chunks_bf16(const __m512i (*ktb)[kD / 2], int gn, const uint1
     if (j < gn) out[j] = _mm512_mul_ps(_mm512_add_ps(a0[j], a1[j]), sc);
 }
 
+// 32 bfloat16 features of two keys a and b interleaved into dwords (a's in the low halves): pair[0] features 0-15,
+// pair[1] features 16-31.
+inline void interleave_pair(__m512i a, __m512i b, __m512i* pair) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  pair[0] = _mm512_permutex2var_epi16(a, lo, b);
+  pair[1] = _mm512_permutex2var_epi16(a, _mm512_add_epi16(lo, _mm512_set1_epi16(16)), b);
+}
+
 // The bfloat16 values of m <= 16 consecutive keys (rows token_stride apart; missing ones zero) as dwords
 // vp [8][kD]: dword d of pair kp holds dimension d of keys 2 kp (low half) and 2 kp + 1 (high half).
 template <int64_t kD>
 inline void interleave_value_pairs(const uint16_t* values, int64_t token_stride, int64_t m, uint32_t* vp) {
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t kp = 0; kp < 8; ++kp) {
     for (int64_t w = 0; w < kD / 32; ++w) {
       const int64_t t0 = 2 * kp, t1 = 2 * kp + 1;
       const __m512i a = t0 < m ? _mm512_loadu_si512(values + t0 * token_stride + 32 * w) : _mm512_setzero_si512();
       const __m512i b = t1 < m ? _mm512_loadu_si512(values + t1 * token_stride + 32 * w) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vp + kp * kD + 32 * w, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(vp + kp * kD + 32 * w + 16, _mm512_permutex2var_epi16(a, hi, b));
+      __m512i pair[2];
+      interleave_pair(a, b, pair);
+      _mm512_storeu_si512(vp + kp * kD + 32 * w, pair[0]);
+      _mm512_storeu_si512(vp + kp * kD + 32 * w + 16, pair[1]);
     }
   }
 }
@@ -336,9 +344,6 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
     const int64_t n = hi - lo;
     prefetch_rows(base, token_bytes, bytes, lo + n * part / parts, lo + n * (part + 1) / parts);
   };
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   for (int64_t sb = b_lo; sb < b_hi; sb += seg_blocks) {
     const int64_t se = std::min<int64_t>(b_hi, sb + seg_blocks);
     int64_t slots = 0;   // the segment's key slots: each block's visible tokens in chunks of 16
@@ -420,8 +425,7 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
               for (int64_t w = 0; w < kD / 32; ++w) {
                 const __m512i x = _mm512_loadu_si512(v0 + 32 * w);
                 const __m512i y = second ? _mm512_loadu_si512(v0 + token_stride + 32 * w) : _mm512_setzero_si512();
-                vv[2 * w] = _mm512_permutex2var_epi16(x, lo_idx, y);
-                vv[2 * w + 1] = _mm512_permutex2var_epi16(x, hi_idx, y);
+                interleave_pair(x, y, vv + 2 * w);
               }
               for (int64_t u = 0; u < 4; ++u) {
                 if (u >= nr) break;
