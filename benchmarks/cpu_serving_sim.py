@@ -5,7 +5,9 @@ and ``--output-len`` new tokens at temperature 1 (EOS ignored), a finished reque
 the next one: the workload of ``benchmarks/serve_peers.sh``, without the server and the client. Prints
 the output rate, the engine step times (median, p90, p99, max), the requests' time to first token and
 inter-token latencies (gaps between a request's successive tokens), for each ``--budgets`` value and each
-``--itl-targets`` value (``SchedulerConfig.itl_target_ms``; 0: off).
+``--itl-targets`` value (``SchedulerConfig.itl_target_ms``; 0: off). Before the requests the engine does the
+idle work a server does while it waits for its first request (``LLMEngine.idle_work``: faulting the CPU KV
+cache in), unless ``--no-idle``.
 
     python benchmarks/cpu_serving_sim.py --budgets 256,512,2048
     python benchmarks/cpu_serving_sim.py --budgets 2048 --itl-targets 0,120
@@ -25,6 +27,10 @@ def run(budget: int, itl_target: float, args: argparse.Namespace) -> dict:
 
     llm = LLM(args.model, max_num_batched_tokens=budget, itl_target_ms=itl_target)
     engine = llm.engine
+    t = time.perf_counter()
+    while args.idle and engine.idle_work():   # what a server does before its first request arrives
+        pass
+    idle_s = time.perf_counter() - t
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(100, 40000, args.input_len).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
@@ -63,7 +69,7 @@ def run(budget: int, itl_target: float, args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
     ms = np.array(steps) * 1e3
     itl, ttft = np.array(gaps) * 1e3, np.array(ttfts) * 1e3
-    return {"budget": budget, "itl_target_ms": itl_target, "output_tok_s": args.num_prompts * args.output_len / elapsed,
+    return {"budget": budget, "itl_target_ms": itl_target, "idle_work_s": idle_s, "output_tok_s": args.num_prompts * args.output_len / elapsed,
             "steps": len(ms), "step_ms_median": float(np.median(ms)), "step_ms_p90": float(np.percentile(ms, 90)),
             "step_ms_p99": float(np.percentile(ms, 99)), "step_ms_max": float(ms.max()),
             "ttft_ms_median": float(np.median(ttft)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--itl-targets", default="0", help="comma-separated itl_target_ms values (0: off)")
+    p.add_argument("--no-idle", dest="idle", action="store_false",
+                   help="start at once, without the idle work an idle server does first (faulting the KV cache in)")
     args = p.parse_args(argv)
     for budget in (int(b) for b in args.budgets.split(",")):
         for target in (float(v) for v in args.itl_targets.split(",")):

@@ -96,6 +96,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats: dict[str, Any] = self._read_stats()
+        self._idle_work = callable(getattr(engine, "idle_work", None))   # until it reports none left
         self._platform = getattr(engine, "platform", None)
         if self._platform is not None:
             self._platform.hand_over_to_thread()
@@ -260,6 +261,9 @@ class AsyncLLMEngine:
                     self._deliver(engine.step())
                 else:
                     self._stats = self._read_stats()
+                    # idle: background work in short pieces (each a few ms) until a command arrives
+                    while self._idle_work and not self._wake.is_set():
+                        self._idle_work = self._run_idle_work()
                     self._wake.wait()
                     self._wake.clear()
             self._stop_gracefully()
@@ -269,6 +273,14 @@ class AsyncLLMEngine:
         finally:
             if self._owns_engine:
                 self._close_engine()
+
+    def _run_idle_work(self) -> bool:
+        """One piece of the engine's idle work; a failure there is logged and ends the idle work, not the loop."""
+        try:
+            return bool(self._engine.idle_work())
+        except Exception:  # noqa: BLE001 - optional work: serving goes on without it
+            logger.exception("the engine's idle work failed; doing no more of it")
+            return False
 
     def _close_engine(self) -> None:
         """Shut the owned engine down (its workers stop); a failure here is logged, not raised."""

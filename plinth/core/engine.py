@@ -618,6 +618,14 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def idle_work(self) -> bool:
+        """Do a few milliseconds of work that makes later steps faster, for a caller with no request to run
+        (the server's engine loop between requests): on the CPU, fault the next chunk of the KV cache's
+        memory in. Returns whether any is left; ``False`` at once while requests run."""
+        if self._groups or self._dead is not None:
+            return False
+        return self.executor.idle_work()
+
     # ----------------------------------------------------------------------------------- stepping
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -173,6 +173,12 @@ class Executor(abc.ABC):
             WorkerDiedError: a worker died or timed out.
         """
 
+    def idle_work(self) -> bool:
+        """Do a few milliseconds of background work while the engine has no request (see
+        :meth:`~plinth.worker.model_runner.ModelRunner.idle_work`); return whether any is left. Workers in
+        other processes do none."""
+        return False
+
     def shutdown(self) -> None:  # noqa: B027 (nothing to release in-process)
         """Stop the workers and release what the executor holds (bounded time; idempotent)."""
 
@@ -240,6 +246,10 @@ class UniprocExecutor(Executor):
 
     def rank_weights(self) -> list[RankWeights]:
         return [RankWeights.of(self.runner.model, self.runner.device)]
+
+    def idle_work(self) -> bool:
+        idle_work = getattr(self.runner, "idle_work", None)
+        return bool(idle_work()) if idle_work is not None else False
 
 
 class DistributedExecutor(Executor):

@@ -16,6 +16,7 @@ import torch
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
 from plinth.worker.batching import FlatBatch, SeqBatchEntry
+from plinth.worker.kv_prefault import KVPrefaulter, prefault_enabled
 from plinth.worker.staging import HostStaging
 
 __all__ = ["ModelRunner", "SeqBatchEntry", "StepInputs"]
@@ -77,6 +78,9 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        #: faults the CPU cache's pages in while the engine is idle (see :meth:`idle_work`)
+        self.prefaulter = (KVPrefaulter(self.kv_caches, num_blocks)
+                           if device.type == "cpu" and self.kv_caches and prefault_enabled() else None)
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         #: speculative decoding: a decode step's rows may be one sequence's consecutive positions (its token and
         #: drafts); the attention metadata says so, and captured graphs are captured so
@@ -95,6 +99,11 @@ class ModelRunner:
             shape = backend.kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
             total += int(np.prod(shape)) * elem
         return total
+
+    def idle_work(self) -> bool:
+        """Do a few milliseconds of work that makes later steps faster (fault the next chunk of the CPU KV
+        cache in); return whether any is left."""
+        return self.prefaulter is not None and self.prefaulter.step()
 
     def prepare(self, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepInputs:
         """Build the flat batch with numpy (no loop over sequences when given a :class:`FlatBatch`)."""
