@@ -28,35 +28,47 @@ def write_faults(t: torch.Tensor, lo: int = 0, hi: int | None = None) -> float:
     if not offsets:
         return 0.0
     values = [int(b[i]) for i in offsets]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     for i, v in zip(offsets, values, strict=True):   # no allocation in between: only the pages' own faults count
         b[i] = v
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / len(offsets)
+    return (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / len(offsets)
 
 
-def fresh(*shape: int) -> torch.Tensor:
-    """A float32 zero tensor on a fresh anonymous mapping: none of its pages resident until touched."""
-    n = 4
-    for d in shape:
-        n *= d
-    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    FRESH.append(buf)
-    return torch.frombuffer(buf, dtype=torch.float32).view(*shape)
+@pytest.fixture
+def fresh():
+    """Makes float32 zero tensors on fresh anonymous mappings (4 KiB pages, none populated until touched), each
+    starting at a 2 MiB boundary; unmapped after the test."""
+    maps: list[mmap.mmap] = []
+    align = 2 << 20
+
+    def make(*shape: int) -> torch.Tensor:
+        n = 4
+        for d in shape:
+            n *= d
+        buf = mmap.mmap(-1, n + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+        maps.append(buf)
+        whole = torch.frombuffer(buf, dtype=torch.uint8)
+        skip = -whole.data_ptr() % align
+        return whole[skip:skip + n].view(torch.float32).view(*shape)
+
+    yield make
+    for buf in maps:
+        try:
+            buf.close()
+        except BufferError:   # a tensor still exports it: left to the garbage collector
+            pass
 
 
-FRESH: list[mmap.mmap] = []
-
-
-def populated(prefaulter: KVPrefaulter) -> bool:
+def skip_without_populate(prefaulter: KVPrefaulter) -> None:
     if prefaulter.done and prefaulter.populated_bytes == 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
-    return True
 
 
 @linux_only
-def test_pages_become_resident_in_block_order_and_contents_stay():
+def test_pages_become_resident_in_block_order_and_contents_stay(fresh):
     blocks = 512
-    caches = [fresh(2, blocks, 16, 4, 64) for _ in range(2)]   # 16 MiB each
+    caches = [fresh(2, blocks, 16, 4, 64) for _ in range(2)]   # 16 MiB each: keys and values 8 MiB apiece
     block_bytes = 16 * 4 * 64 * 4
     half = blocks * block_bytes
     caches[0][0, 3].fill_(1.5)     # a few written blocks (keys of block 3, values of block 200 and the last)
@@ -64,18 +76,27 @@ def test_pages_become_resident_in_block_order_and_contents_stay():
     caches[1][1, blocks - 1, 7].fill_(4.0)
     before = [c.clone() for c in caches]
 
-    p = KVPrefaulter(caches, blocks, chunk_bytes=1 << 20)
-    assert p.step() and populated(p)
-    # the first chunk covers every cache's keys and values of the first blocks, not the last ones
-    for c in caches:
-        assert write_faults(c, 0, 16 * block_bytes) == 0.0
-        assert write_faults(c, half, half + 16 * block_bytes) == 0.0
-        assert write_faults(c, (blocks - 100) * block_bytes, (blocks - 90) * block_bytes) > 0.9   # not yet
-    steps = 1
-    while p.step():
+    window = 1 << 20
+    p = KVPrefaulter(caches, blocks, window_bytes=window)
+    more = [p.step() for _ in range(4)]   # the first window of each of the four regions
+    skip_without_populate(p)
+    assert all(more) and p.populated_bytes == 4 * window
+    first = window // block_bytes    # blocks per window
+    for c in caches:   # every cache's keys and values of the first blocks, not of the later ones
+        assert write_faults(c, 0, first * block_bytes) == 0.0
+        assert write_faults(c, half, half + first * block_bytes) == 0.0
+        assert write_faults(c, first * block_bytes, 2 * first * block_bytes) > 0.9
+        assert write_faults(c, half + (blocks - 10) * block_bytes, 2 * half) > 0.9
+    steps = 4
+    while True:
+        done_before = p.populated_bytes
+        more = p.step()
+        assert p.populated_bytes - done_before <= window   # at most one window a step
         steps += 1
+        if not more:
+            break
     assert p.done and not p.step()
-    assert steps + 1 == -(-blocks // max(1, (1 << 20) // (4 * block_bytes)))
+    assert steps == 4 * (half // window)
     assert p.populated_bytes == sum(c.numel() * c.element_size() for c in caches)
     for c, b in zip(caches, before, strict=True):
         assert torch.equal(c, b)
@@ -83,22 +104,26 @@ def test_pages_become_resident_in_block_order_and_contents_stay():
 
 
 @linux_only
-def test_a_cache_without_a_block_dimension_is_populated_front_to_back():
-    cache = fresh(7, 300_000)   # 8 MiB, no dimension of 5
-    cache[6, -1] = 9.0
-    p = KVPrefaulter([cache], 5, chunk_bytes=1 << 20)
-    assert p.step() and populated(p)
+def test_a_cache_without_a_block_dimension_is_populated_front_to_back(fresh):
+    cache = fresh(8, 262_144)   # 8 MiB, no dimension of 5
+    cache[7, -1] = 9.0
+    p = KVPrefaulter([cache], 5, window_bytes=1 << 20)
+    more = p.step()
+    skip_without_populate(p)
+    assert more and write_faults(cache, 0, 1 << 20) == 0.0 and write_faults(cache, 1 << 20, 2 << 20) > 0.9
     steps = 1
     while p.step():
         steps += 1
-    assert steps + 1 == 5   # a share per block, one per step
+    assert steps + 1 == 8   # one window a step
     assert write_faults(cache) == 0.0 and p.populated_bytes == cache.numel() * 4
-    assert cache[6, -1].item() == 9.0 and cache.sum().item() == 9.0
+    assert cache[7, -1].item() == 9.0 and cache.sum().item() == 9.0
 
 
-def test_prefaulter_refuses_a_tensor_it_cannot_describe():
+def test_prefaulter_refuses_what_it_cannot_describe():
     with pytest.raises(ValueError, match="contiguous CPU"):
         KVPrefaulter([torch.zeros(4, 6).t()], 4)
+    with pytest.raises(ValueError, match="power of two"):
+        KVPrefaulter([torch.zeros(4, 6)], 4, window_bytes=3 << 20)
 
 
 def greedy(n: int = 12) -> SamplingParams:
@@ -119,7 +144,8 @@ def test_engine_idle_work_faults_the_cache_in_only_between_requests(tiny_llama_d
     calls = 0
     while engine.idle_work():
         calls += 1
-    assert runner.prefaulter.done and calls >= 1 and populated(runner.prefaulter)
+    skip_without_populate(runner.prefaulter)
+    assert runner.prefaulter.done and calls >= 1
     assert runner.prefaulter.populated_bytes == runner.kv_cache_bytes
     assert max(write_faults(c) for c in runner.kv_caches) < 0.01
     again = [o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "0123"], greedy(), use_tqdm=False)]
