@@ -339,13 +339,15 @@ class AmxTiles {
     if (G == 2) _tile_zero(2);
     if (G == 2 && NT == 2) _tile_zero(3);
     const int64_t xb = x_stride * 2, wb = NT * 64;
+    // each operand tile loaded just before its first product (loads of the next block then wait only for the
+    // products that read the tile before: 500 rows of the gate/up GEMM 38.4-38.8 -> 36.7-36.8 ms for 30 layers)
     for (int64_t kb = 0; kb < k / 32; ++kb) {
       _tile_loadd(4, x + kb * 32, xb);
-      if (G == 2) _tile_loadd(5, x + 16 * x_stride + kb * 32, xb);
       _tile_loadd(6, wbuf + kb * 16 * NT * 32, wb);
-      if (NT == 2) _tile_loadd(7, wbuf + (kb * 16 * NT + 1) * 32, wb);
       _tile_dpbf16ps(0, 4, 6);
+      if (NT == 2) _tile_loadd(7, wbuf + (kb * 16 * NT + 1) * 32, wb);
       if (NT == 2) _tile_dpbf16ps(1, 4, 7);
+      if (G == 2) _tile_loadd(5, x + 16 * x_stride + kb * 32, xb);
       if (G == 2) _tile_dpbf16ps(2, 5, 6);
       if (G == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
     }
