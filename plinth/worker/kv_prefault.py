@@ -10,7 +10,7 @@ the pages writable without changing their contents, so it is safe whatever the c
 populated in ascending id order (the order the block manager first hands them out), every layer's keys and
 values of them together.
 
-``PLINTH_CPU_KV_PREFAULT=0`` turns it off.
+``PLINTH_CPU_KV_PREFAULT=0`` turns it off (read by the model runner, as the CPU path's other switches).
 """
 
 from __future__ import annotations
@@ -23,18 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["KVPrefaulter", "PREFAULT_ENV", "prefault_enabled"]
+__all__ = ["KVPrefaulter", "PREFAULT_ENV"]
 
 logger = logging.getLogger(__name__)
 
 PREFAULT_ENV = "PLINTH_CPU_KV_PREFAULT"
 MADV_POPULATE_WRITE = 23   # linux/mman.h
 _PAGE = 4096
-
-
-def prefault_enabled() -> bool:
-    """``PLINTH_CPU_KV_PREFAULT`` is not ``0``/``false``/``no``/``off`` (default on)."""
-    return os.environ.get(PREFAULT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _madvise() -> ctypes._CFuncPtr | None:

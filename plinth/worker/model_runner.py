@@ -16,7 +16,7 @@ import torch
 
 from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
 from plinth.worker.batching import FlatBatch, SeqBatchEntry
-from plinth.worker.kv_prefault import KVPrefaulter, prefault_enabled
+from plinth.worker.kv_prefault import PREFAULT_ENV, KVPrefaulter
 from plinth.worker.staging import HostStaging
 
 __all__ = ["ModelRunner", "SeqBatchEntry", "StepInputs"]
@@ -79,8 +79,12 @@ class ModelRunner:
             self.kv_caches.append(cache)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         #: faults the CPU cache's pages in while the engine is idle (see :meth:`idle_work`)
-        self.prefaulter = (KVPrefaulter(self.kv_caches, num_blocks)
-                           if device.type == "cpu" and self.kv_caches and prefault_enabled() else None)
+        self.prefaulter: KVPrefaulter | None = None
+        if device.type == "cpu" and self.kv_caches:
+            from plinth.worker.cpu_path import env_flag
+
+            if env_flag(PREFAULT_ENV, True):
+                self.prefaulter = KVPrefaulter(self.kv_caches, num_blocks)
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         #: speculative decoding: a decode step's rows may be one sequence's consecutive positions (its token and
         #: drafts); the attention metadata says so, and captured graphs are captured so

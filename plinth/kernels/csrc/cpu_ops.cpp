@@ -249,6 +249,17 @@ inline __m512i f2bf16_bits(__m512 v) {
   return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
 }
 
+// f2bf of 16 lanes, as float32
+inline __m512 round16_f2bf(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(f2bf16_bits(v), 16)); }
+
+inline __m512 load16_bf(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline void store16_bf(uint16_t* p, __m512 v) {   // f2bf of each lane
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(f2bf16_bits(v)));
+}
+
 // silu(g) * u for 16 lanes exactly as silu_mul_rows<Bf16> computes it from bfloat16 g and u (here as float32):
 // e = exp(-|g|), one quotient 1 / (1 + e), the same select, g * sig rounded to bfloat16 as f2bf rounds, times u
 // (the caller stores the product through f2bf16_bits): bit for bit the scalar loop's results.
@@ -261,8 +272,7 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __mmask16 below = _mm512_cmp_ps_mask(g, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
   __m512 sig = _mm512_maskz_mov_ps(static_cast<__mmask16>(~below), _mm512_mul_ps(e, inv));
   sig = _mm512_mask_mov_ps(sig, pos, inv);
-  const __m512 gs = _mm512_castsi512_ps(_mm512_slli_epi32(f2bf16_bits(_mm512_mul_ps(g, sig)), 16));
-  return _mm512_mul_ps(gs, u);
+  return _mm512_mul_ps(round16_f2bf(_mm512_mul_ps(g, sig)), u);
 }
 
 #if defined(PLINTH_CPU_AMX)
@@ -374,8 +384,7 @@ class AmxTiles {
     for (int r = 0; r < rows; ++r) {
       const __m512 g = round16_bf(_mm512_loadu_ps(acc_[first][r]));
       const __m512 u = round16_bf(_mm512_loadu_ps(acc_[first + 1][r]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + r * act_stride),
-                          _mm512_cvtepi32_epi16(f2bf16_bits(silu_mul16(g, u))));
+      store16_bf(act + r * act_stride, silu_mul16(g, u));
     }
   }
 
@@ -888,14 +897,6 @@ struct F32 {
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-inline __m512 load16_bf(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-inline void store16_bf(uint16_t* p, __m512 v) {   // f2bf of each lane
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(f2bf16_bits(v)));
-}
-
 // One row of rms_norm_rows<Bf16> on 16-lane vectors: the same lanes, the same tree of partial sums and the same
 // roundings (f2bf), so the same bits.
 inline void rms_norm_row_bf16(const uint16_t* xr, const uint16_t* rr, const uint16_t* weight, uint16_t* yr, uint16_t* hr,
@@ -904,9 +905,8 @@ inline void rms_norm_row_bf16(const uint16_t* xr, const uint16_t* rr, const uint
   __m512 part = _mm512_setzero_ps();
   if (rr != nullptr) {   // h = round(x + residual) written first, as the scalar loop does, then its squares
     for (int64_t i = 0; i < full; i += kLanes) {
-      const __m512i bits = f2bf16_bits(_mm512_add_ps(load16_bf(xr + i), load16_bf(rr + i)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hr + i), _mm512_cvtepi32_epi16(bits));
-      const __m512 h = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      const __m512 h = round16_f2bf(_mm512_add_ps(load16_bf(xr + i), load16_bf(rr + i)));
+      store16_bf(hr + i, h);   // (h is a bfloat16 value: stored exactly)
       part = _mm512_fmadd_ps(h, h, part);
     }
     for (int64_t i = full; i < n; ++i) hr[i] = f2bf(bf2f(xr[i]) + bf2f(rr[i]));
@@ -926,8 +926,7 @@ inline void rms_norm_row_bf16(const uint16_t* xr, const uint16_t* rr, const uint
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
   const __m512 iv = _mm512_set1_ps(inv);
   for (int64_t i = 0; i < full; i += kLanes) {
-    const __m512 normed = _mm512_castsi512_ps(_mm512_slli_epi32(f2bf16_bits(_mm512_mul_ps(load16_bf(xr + i), iv)), 16));
-    store16_bf(yr + i, _mm512_mul_ps(load16_bf(weight + i), normed));
+    store16_bf(yr + i, _mm512_mul_ps(load16_bf(weight + i), round16_f2bf(_mm512_mul_ps(load16_bf(xr + i), iv))));
   }
   for (int64_t i = full; i < n; ++i) yr[i] = f2bf(bf2f(weight[i]) * round_bf(bf2f(xr[i]) * inv));
 }
