@@ -218,23 +218,32 @@ inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t*
     for (int64_t kb = 0; kb < k / 32; ++kb) q4p_expand_block(codes, dh, ch, t0 + ti * tile_stride, kb, k, ti, nt, wbuf);
 }
 
-// The panel GEMMs' loop: pairs of 16-column tiles spread over the threads, each expanded (q4p_expand) into the
-// thread's panel and handed to the thread's multiply(wbuf, t0, nt), made once per thread by make_multiply(). The
-// pairs are tiles 2p and 2p + 1; with `halves` (n a multiple of 32), tiles p and p + n / 32: column tile p of each
-// half (a gate/up weight's gate and up columns side by side).
-template <class MakeMultiply>
+// The panel GEMMs' pairs of 16-column tiles: pair p is tiles 2p and 2p + 1 (the last pair of an odd count one tile);
+// with `halves` (n a multiple of 32), tiles p and p + n / 32: column tile p of each half (a gate/up weight's gate and
+// up columns side by side).
+struct PanelPairs {
+  int64_t tiles, count, tile_stride;
+  bool halves;
+
+  PanelPairs(int64_t n, bool halves_)
+      : tiles((n + 15) / 16), count((tiles + 1) / 2), tile_stride(halves_ ? count : 1), halves(halves_) {}
+  int64_t first_tile(int64_t p) const { return halves ? p : 2 * p; }
+  int64_t tile_count(int64_t p) const { return halves ? 2 : std::min<int64_t>(2, tiles - 2 * p); }
+};
+
+// The panel GEMMs' loop: the pairs spread over the threads, each expanded (q4p_expand) into the thread's panel and
+// handed to multiply(wbuf, t0, nt).
+template <class Multiply>
 inline void q4p_for_each_pair(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t n, int64_t k,
-                              bool parallel, MakeMultiply make_multiply, bool halves = false) {
-  const int64_t tiles = (n + 15) / 16, pairs = (tiles + 1) / 2;
+                              bool parallel, Multiply multiply) {
+  const PanelPairs pairs(n, false);
 #pragma omp parallel if (parallel)
   {
     std::vector<uint16_t> wbuf(static_cast<size_t>(k * 32));   // K/2 k-pairs x 2 tiles x 32 bfloat16
-    auto multiply = make_multiply();
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t t0 = halves ? p : 2 * p, nt = halves ? 2 : std::min<int64_t>(2, tiles - t0);
-      q4p_expand(codes, dh, ch, t0, nt, k, wbuf.data(), halves ? pairs : 1);
-      multiply(wbuf.data(), t0, nt);
+    for (int64_t p = 0; p < pairs.count; ++p) {
+      q4p_expand(codes, dh, ch, pairs.first_tile(p), pairs.tile_count(p), k, wbuf.data());
+      multiply(wbuf.data(), pairs.first_tile(p), pairs.tile_count(p));
     }
   }
 }
@@ -281,8 +290,9 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
 }
 
 #if defined(PLINTH_CPU_AMX)
-// A pair's panel expanded a few 32-k blocks at a time (q4p_expand's work in pieces): the vector units expand the
-// next pair between the tile products of the current one, so that the two overlap.
+// A pair's panel expanded a few 32-k blocks at a time (q4p_expand's work in pieces), between the tile products of
+// the previous pair. Vector work and tile products overlap little on the Xeons measured (a block's expansion and a
+// 2 x 2 tile step take about the sum of their times together), so this gains ~5% at 32 rows and is not used for more.
 class PanelExpansion {
  public:
   // the pair of tiles t0, t0 + tile_stride (nt of them) into wbuf, spread evenly over `steps` calls of step()
@@ -304,13 +314,12 @@ class PanelExpansion {
   void step() { advance(per_step_); }
   void finish() { advance(total_ - next_); }
 
+ private:
   // the next `blocks` blocks (k-block after k-block, each for the nt tiles)
   void advance(int64_t blocks) {
     for (const int64_t end = std::min(total_, next_ + blocks); next_ < end; ++next_)
       q4p_expand_block(codes_, dh_, ch_, t0_ + next_ % nt_ * tile_stride_, next_ / nt_, k_, next_ % nt_, nt_, wbuf_);
   }
-
- private:
 
   const uint8_t* codes_ = nullptr;
   const uint16_t* dh_ = nullptr;
@@ -324,10 +333,10 @@ class PanelExpansion {
 // 4-5: the two row groups' inputs, 6-7: the two column tiles' weights. The configuration (the row counts) is loaded
 // when a chunk of rows needs another one.
 //
-// The tile unit runs its products while the vector units do other work, so each chunk of 32 rows leaves its sums in
-// acc_ and the work that turns them into outputs (the epilogue: bfloat16 rounding, or the gate/up activation) is done
-// a few rows per 32-k step of the next chunk's products, or of the next pair's (flush() ends the last one); the
-// caller's `side` work (the next pair's expansion) gets a step per 32-k step too. The input tiles are loaded with
+// Each chunk of 32 rows leaves its sums in acc_, and the work that turns them into outputs (the epilogue: bfloat16
+// rounding, or the gate/up activation) is done a few rows per 32-k step of the next chunk's products, or of the next
+// pair's (flush() ends the last one), rather than between the chunks; the caller's `side` work (the next pair's
+// expansion) gets a step per 32-k step too. The input tiles are loaded with
 // the streaming hint (each is read once per chunk and pair): without it they evict the panel from L1 (500 rows of
 // the q/k/v GEMM, 30 layers, 8.6 -> 6.2 ms).
 class AmxTiles {
@@ -444,17 +453,14 @@ class AmxTiles {
   int rows0_ = -1, rows1_ = -1;
 };
 
-// The AMX panel GEMMs' loop: each thread takes a run of consecutive pairs of 16-column tiles (paired as in
-// q4p_for_each_pair) and multiplies each with multiply(amx, panel, t0, nt, next) while `next` expands the following
+// The AMX panel GEMMs' loop: each thread takes a run of consecutive pairs (PanelPairs) and multiplies each with multiply(amx, panel, t0, nt, next) while `next` expands the following
 // pair into the other of two panels a block at a time (the tile products of one pair and the expansion of the next
 // overlap where one chunk of rows uses each panel; with more the next panel is expanded at once: 30 layers of
 // a step's GEMMs at 32 / 500 rows 8.7 / 64.1 -> 7.4 / 44.6 ms with the deferred epilogue and streamed inputs).
 template <class Multiply>
 inline void q4p_amx_for_each_pair(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t n, int64_t m,
                                   int64_t k, bool parallel, bool halves, Multiply multiply) {
-  const int64_t tiles = (n + 15) / 16, pairs = (tiles + 1) / 2, tile_stride = halves ? pairs : 1;
-  const auto first_tile = [&](int64_t p) { return halves ? p : 2 * p; };
-  const auto tile_count = [&](int64_t p) { return halves ? int64_t{2} : std::min<int64_t>(2, tiles - 2 * p); };
+  const PanelPairs pairs(n, halves);
 #pragma omp parallel if (parallel)
   {
 #if defined(_OPENMP)
@@ -462,21 +468,22 @@ inline void q4p_amx_for_each_pair(const uint8_t* codes, const uint16_t* dh, cons
 #else
     const int64_t threads = 1, me = 0;
 #endif
-    const int64_t begin = pairs * me / threads, end = pairs * (me + 1) / threads;
+    const int64_t begin = pairs.count * me / threads, end = pairs.count * (me + 1) / threads;
     if (begin < end) {
       std::vector<uint16_t> panels(static_cast<size_t>(2 * k * 32));   // two panels of K/2 k-pairs x 2 tiles x 32
       AmxTiles amx;
       PanelExpansion next;
-      q4p_expand(codes, dh, ch, first_tile(begin), tile_count(begin), k, panels.data(), tile_stride);
+      q4p_expand(codes, dh, ch, pairs.first_tile(begin), pairs.tile_count(begin), k, panels.data(),
+                 pairs.tile_stride);
       const int64_t steps = (m + 31) / 32 * (k / 32);   // the tile loop's 32-k steps per pair
       for (int64_t p = begin; p < end; ++p) {
         uint16_t* panel = panels.data() + (p - begin) % 2 * k * 32;
         if (p + 1 < end) {
-          next.start(codes, dh, ch, first_tile(p + 1), tile_count(p + 1), tile_stride, k,
+          next.start(codes, dh, ch, pairs.first_tile(p + 1), pairs.tile_count(p + 1), pairs.tile_stride, k,
                      panels.data() + (p - begin + 1) % 2 * k * 32, steps);
           if (m > 32) next.finish();
         }
-        multiply(amx, panel, first_tile(p), tile_count(p), next);
+        multiply(amx, panel, pairs.first_tile(p), pairs.tile_count(p), next);
         next.finish();
       }
       amx.flush();
@@ -1379,12 +1386,10 @@ int64_t plinth_q8_0r8_gemm_f32(const float* x, int64_t x_stride, const uint8_t* 
 int64_t plinth_q4p_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                              const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  q4p_for_each_pair(codes, dh, ch, n, k, true, [&] {
-    return [&](const uint16_t* wbuf, int64_t t0, int64_t nt) {
-      const int64_t cols = std::min<int64_t>(32, n - 16 * t0);
-      if (nt == 2) q4p_all_rows<2>(x, x_stride, wbuf, k / 2, y + 16 * t0, n, m, cols);
-      else q4p_all_rows<1>(x, x_stride, wbuf, k / 2, y + 16 * t0, n, m, cols);
-    };
+  q4p_for_each_pair(codes, dh, ch, n, k, true, [&](const uint16_t* wbuf, int64_t t0, int64_t nt) {
+    const int64_t cols = std::min<int64_t>(32, n - 16 * t0);
+    if (nt == 2) q4p_all_rows<2>(x, x_stride, wbuf, k / 2, y + 16 * t0, n, m, cols);
+    else q4p_all_rows<1>(x, x_stride, wbuf, k / 2, y + 16 * t0, n, m, cols);
   });
   return 0;
 #else
