@@ -175,6 +175,32 @@ def test_silu_and_mul_at_the_extremes():
     torch.testing.assert_close(out[~want.isnan()].float(), want[~want.isnan()].float(), rtol=8e-3, atol=0)
 
 
+@pytest.mark.parametrize("tokens,d", [(3, 64), (300, 64), (50, 128)])
+def test_rotary_rounds_as_its_formula(tokens, d, gen):
+    """bfloat16 rotary (its 16-lane path for these head sizes) is bit for bit the formula it implements: each
+    product of a bfloat16 value and a cos/sin entry rounded to bfloat16, the pair's sum rounded again."""
+    hq, hk = 9, 3
+    qkv = (torch.randn(tokens, (hq + 2 * hk) * d, generator=gen) * 4).to(BF16)
+    qkv[0, :8] = torch.tensor([0.0, -0.0, 3e38, -3e38, 1e-30, -1e-30, 7.0, -0.5])
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(tokens, hk, d)
+    cos = torch.randn(tokens, d, generator=gen).to(BF16)
+    sin = torch.randn(tokens, d, generator=gen).to(BF16)
+
+    def formula(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : d // 2].float(), x[..., d // 2:].float()
+        c1, c2 = cos[:, None, : d // 2].float(), cos[:, None, d // 2:].float()
+        s1, s2 = sin[:, None, : d // 2].float(), sin[:, None, d // 2:].float()
+        r = lambda v: v.to(BF16).float()   # noqa: E731
+        return torch.cat(((r(x1 * c1) + r(-x2 * s1)).to(BF16), (r(x2 * c2) + r(x1 * s2)).to(BF16)), dim=-1)
+
+    q_want, k_want = formula(q), formula(k)
+    ops.rotary_(q, k, cos, sin)
+    for got, want in ((q, q_want), (k, k_want)):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+
+
 @pytest.mark.parametrize("tokens,hq,hk,d,rot", [(1, 9, 3, 64, 64), (6, 4, 2, 32, 16), (40, 8, 8, 128, 128)])
 def test_rotary_in_place_on_fused_qkv(tokens, hq, hk, d, rot, gen):
     qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=gen).to(BF16)
@@ -287,12 +313,14 @@ def test_q8_0_lm_head_of_a_gguf_model(tmp_path, monkeypatch, tied, tiny_llama_di
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_kv_write_equals_index_copy(dtype, gen):
-    cache = torch.randn(2, 6, 4, 3, 8, generator=gen).to(dtype)          # [2, blocks, block_size, Hkv, D]
-    qkv = torch.randn(5, (4 + 2 * 3) * 8, generator=gen).to(dtype)      # keys/values as views of a fused output
-    key = qkv[:, 32:56].view(5, 3, 8)
-    value = qkv[:, 56:].view(5, 3, 8)
-    slots = torch.tensor([7, 0, 23, 12, 5])
+@pytest.mark.parametrize("tokens", [5, 700])   # 700: a prompt's rows, keys and values written by two threads
+def test_kv_write_equals_index_copy(dtype, tokens, gen):
+    blocks = 6 if tokens <= 24 else -(-tokens // 4) + 8
+    cache = torch.randn(2, blocks, 4, 3, 8, generator=gen).to(dtype)     # [2, blocks, block_size, Hkv, D]
+    qkv = torch.randn(tokens, (4 + 2 * 3) * 8, generator=gen).to(dtype)  # keys/values as views of a fused output
+    key = qkv[:, 32:56].view(tokens, 3, 8)
+    value = qkv[:, 56:].view(tokens, 3, 8)
+    slots = torch.tensor([7, 0, 23, 12, 5]) if tokens == 5 else torch.randperm(blocks * 4, generator=gen)[:tokens]
     expected = cache.clone()
     flat = expected.view(2, -1, 3, 8)                                     # [2, slots, Hkv, D]
     flat[0].index_copy_(0, slots, key)

@@ -51,6 +51,7 @@ inline void from_float(const float* src, uint16_t* dst, int64_t n) {  // float32
 using plinth_cpu::exp_nonpositive;
 #if defined(__AVX512F__)
 using plinth_cpu::exp16_nonpositive;
+using plinth_cpu::exp2_16_nonpositive;
 #endif
 
 // Dot product over kLanes independent partial sums, then a pairwise tree: vectorises without
@@ -1153,7 +1154,9 @@ void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, cons
     alignas(64) uint16_t qbuf[32 * kD];
     alignas(64) uint16_t pbuf[32 * 32];
     alignas(64) float sbuf[2][32 * 32], cbuf[4][16 * 16], obuf[32 * kD];
-    float row_max[32], row_sum[32], corr[32], new_max[32], block_sum[32];
+    float row_max[32], row_sum[32], corr[32], new_max[32];
+    alignas(64) uint32_t ones[256];   // a right-hand tile of bfloat16 pairs (1, 1)
+    for (uint32_t& w : ones) w = 0x3F803F80u;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < H * qblocks; ++item) {
       const int64_t qh = item / qblocks, qb = item % qblocks, h = qh / group;
@@ -1163,7 +1166,7 @@ void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, cons
         if (r < rows) std::memcpy(qbuf + r * kD, query + (i0 + r) * q_row + qh * kD, kD * sizeof(uint16_t));
         else std::memset(qbuf + r * kD, 0, kD * sizeof(uint16_t));
         row_max[r] = new_max[r] = neg_inf;
-        row_sum[r] = block_sum[r] = 0.f;
+        row_sum[r] = 0.f;
       }
       std::memset(pbuf, 0, sizeof(pbuf));
       std::memset(obuf, 0, sizeof(obuf));
@@ -1192,42 +1195,47 @@ void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, cons
         _tile_stored(3, sb + 16 * 32 + 16, 128);
       };
       // pipelined: the next block's scores run on the tiles while this block's probabilities, just written by
-      // vector stores, settle before the P V tiles load them
+      // vector stores, settle before the P V tiles load them. Row maxima are kept in raw scores (the scale is
+      // positive) and the scale goes into the base-2 exponent with log2(e): exp(scale (s - m)) = 2^(c s - c m).
+      const float c2 = scale * 1.44269504088896341f;
+      const __m512 cv = _mm512_set1_ps(c2);
       scores(0, sbuf[0]);
       for (int64_t kb = 0; kb < nkb; ++kb) {
         const float* sb = sbuf[kb & 1];
-        const __m512 sc = _mm512_set1_ps(scale);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = first_pos + r - kb * 32 + 1;   // keys 0 .. visible-1 of the block are visible
           new_max[r] = row_max[r];
-          block_sum[r] = 0.f;
           if (visible <= 0) {   // none yet: the row's probabilities are 0 and its state stays
             std::memset(pbuf + r * 32, 0, 64);
             continue;
           }
-          const __mmask16 m0 = visible >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << visible) - 1u);
-          const __mmask16 m1 = visible >= 32 ? static_cast<__mmask16>(0xffff)
-                               : visible <= 16 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << (visible - 16)) - 1u);
-          const __m512 s0 = _mm512_mask_blend_ps(m0, _mm512_set1_ps(neg_inf), _mm512_mul_ps(_mm512_loadu_ps(sb + r * 32), sc));
-          const __m512 s1 = _mm512_mask_blend_ps(m1, _mm512_set1_ps(neg_inf), _mm512_mul_ps(_mm512_loadu_ps(sb + r * 32 + 16), sc));
+          __m512 s0 = _mm512_loadu_ps(sb + r * 32), s1 = _mm512_loadu_ps(sb + r * 32 + 16);
+          __mmask16 m0 = 0xffff, m1 = 0xffff;
+          if (visible < 32) {   // the causal edge inside the block
+            m0 = visible >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << visible) - 1u);
+            m1 = visible <= 16 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << (visible - 16)) - 1u);
+            s0 = _mm512_mask_blend_ps(m0, _mm512_set1_ps(neg_inf), s0);
+            s1 = _mm512_mask_blend_ps(m1, _mm512_set1_ps(neg_inf), s1);
+          }
           const float top = std::max(row_max[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-          const __m512 tv = _mm512_set1_ps(top);
-          const __m256i p0 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(m0, exp16_nonpositive(_mm512_sub_ps(s0, tv))));
-          const __m256i p1 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(m1, exp16_nonpositive(_mm512_sub_ps(s1, tv))));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + r * 32), p0);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + r * 32 + 16), p1);
-          block_sum[r] = _mm512_reduce_add_ps(
-              _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p0), 16)),
-                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p1), 16))));
+          const __m512 tv = _mm512_set1_ps(top * c2);
+          __m512 e0 = exp2_16_nonpositive(_mm512_fmsub_ps(s0, cv, tv));
+          __m512 e1 = exp2_16_nonpositive(_mm512_fmsub_ps(s1, cv, tv));
+          if (visible < 32) {   // exactly 0 past the edge
+            e0 = _mm512_maskz_mov_ps(m0, e0);
+            e1 = _mm512_maskz_mov_ps(m1, e1);
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + r * 32), (__m256i)_mm512_cvtneps_pbh(e0));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + r * 32 + 16), (__m256i)_mm512_cvtneps_pbh(e1));
           new_max[r] = top;
         }
-        // the rows' rescale factors exp(old max - new max) (0 on the first visible keys; 1 without new keys) and sums
+        // the rows' rescale factors 2^(c (old max - new max)) (~0 on the first visible keys; 1 without new keys)
         for (int64_t r0 = 0; r0 < 32; r0 += 16) {
           const __m512 old = _mm512_loadu_ps(row_max + r0), top = _mm512_loadu_ps(new_max + r0);
           const __mmask16 same = _mm512_cmp_ps_mask(old, top, _CMP_EQ_OQ);
-          const __m512 c = _mm512_mask_blend_ps(same, exp16_nonpositive(_mm512_sub_ps(old, top)), _mm512_set1_ps(1.f));
+          const __m512 c = _mm512_mask_blend_ps(same, exp2_16_nonpositive(_mm512_mul_ps(_mm512_sub_ps(old, top), cv)),
+                                                _mm512_set1_ps(1.f));
           _mm512_storeu_ps(corr + r0, c);
-          _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), c, _mm512_loadu_ps(block_sum + r0)));
           _mm512_storeu_ps(row_max + r0, top);
         }
         if (kb + 1 < nkb) scores(kb + 1, sbuf[(kb + 1) & 1]);
@@ -1257,6 +1265,15 @@ void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, cons
             _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16), c, _mm512_loadu_ps(cbuf[2 * g + 1] + rr * 16)));
           }
         }
+        // the rows' sums of the block's probabilities as rounded (every column of P times a tile of ones)
+        _tile_zero(0);
+        _tile_zero(2);
+        _tile_loadd(6, ones, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(2, cbuf[2], 64);
+        for (int64_t r = 0; r < rows; ++r) row_sum[r] = row_sum[r] * corr[r] + cbuf[2 * (r / 16)][(r % 16) * 16];
       }
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 inv = _mm512_set1_ps(row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f);

@@ -1177,7 +1177,22 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
     const typename E::T* s = sin + t * c_stride;
     for (int64_t h = 0; h < hq + hk; ++h) {
       typename E::T* x = h < hq ? q + t * q_tok + h * q_head : k + t * k_tok + (h - hq) * k_head;
-      for (int64_t i = 0; i < half; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<E, Bf16>) {   // 16 lanes at a time, the same products, roundings and sums
+        const __m512 sign = _mm512_set1_ps(-0.f);
+        for (; i + kLanes <= half; i += kLanes) {
+          const __m512 x1 = load16_bf(x + i), x2 = load16_bf(x + i + half);
+          const __m512 a1 = round16_f2bf(_mm512_mul_ps(x1, load16_bf(c + i)));
+          const __m512 b1 = round16_f2bf(_mm512_mul_ps(_mm512_xor_ps(x2, sign), load16_bf(s + i)));
+          const __m512 a2 = round16_f2bf(_mm512_mul_ps(x2, load16_bf(c + i + half)));
+          const __m512 b2 = round16_f2bf(_mm512_mul_ps(x1, load16_bf(s + i + half)));
+          store16_bf(x + i, _mm512_add_ps(a1, b1));
+          store16_bf(x + i + half, _mm512_add_ps(a2, b2));
+        }
+      }
+#endif
+      for (; i < half; ++i) {
         const float x1 = E::load(x[i]);
         const float x2 = E::load(x[i + half]);
         const float a1 = E::round(x1 * E::load(c[i]));
@@ -1594,14 +1609,20 @@ int64_t plinth_q8v_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t*
 
 // Scatter the keys and values of `tokens` tokens (rows of `row_bytes` bytes: heads x head size x element
 // size, token strides k_stride/v_stride bytes) into a [2, slots, row] cache at slots[t]; negative
-// slots are skipped.
+// slots are skipped. Prompts' rows are written by two threads, one the keys and one the values: they lie in
+// different pages, and a prompt's slots are often pages the cache has not used yet, whose first write makes the
+// kernel zero them (a 2 MiB page at a time under transparent huge pages), so the two halves fault in side by side.
 void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value, int64_t v_stride, uint8_t* cache,
                      int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row_bytes) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t s = slots[t];
-    if (s < 0 || s >= num_slots) continue;
-    std::memcpy(cache + s * row_bytes, key + t * k_stride, row_bytes);
-    std::memcpy(cache + (num_slots + s) * row_bytes, value + t * v_stride, row_bytes);
+#pragma omp parallel for schedule(static, 1) if (tokens * row_bytes >= kParallelWork)
+  for (int64_t half = 0; half < 2; ++half) {
+    const uint8_t* src = half == 0 ? key : value;
+    const int64_t stride = half == 0 ? k_stride : v_stride;
+    uint8_t* dst = cache + half * num_slots * row_bytes;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t s = slots[t];
+      if (s >= 0 && s < num_slots) std::memcpy(dst + s * row_bytes, src + t * stride, row_bytes);
+    }
   }
 }
 
