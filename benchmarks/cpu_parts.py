@@ -7,7 +7,8 @@
   where the CPU has one) and through the ``torch_batched`` path it falls back to; in bfloat16 also one 500-token
   prompt through the AMX prefill kernel (where it runs) and torch's fused attention;
 * ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens and for one sequence of 128 and
-  of 2,000 tokens, in a cache of 30 layers in the default model's dtype here, cold (a 64 MiB write between calls,
+  of 2,000 tokens, in a cache of 30 layers in the default model's dtype here (and in FP8 E4M3, ``fp8_`` keys, where
+  the kernel reads it), cold (a 64 MiB write between calls,
   as the GEMMs between layers evict the caches) and warm;
 * ``decode-gemv``: a decode step's int4 GEMMs per layer (qkv / o / gate_up / down at SmolLM2 shapes, random
   4-bit codes) for 1 and 4 input rows, 30 layers cycled so the weights come from memory as in a step: torch's
@@ -139,46 +140,54 @@ def gate_up_part() -> dict:
 
 
 def decode_kernel_part() -> dict:
-    from plinth.attention_backends.cpu_paged import paged_decode
+    from plinth.attention_backends.cpu_paged import fp8_decode_available, paged_decode
     from plinth.platforms.cpu import platform as cpu_platform
 
-    # the KV dtype the default model runs with here (bfloat16 where the CPU has it natively, else float32)
+    # the KV dtype the default model runs with here (bfloat16 where the CPU has it natively, else float32), and an
+    # FP8 E4M3 cache (--kv-cache-dtype fp8) where the kernel reads one
     dtype = torch.bfloat16 if cpu_platform.has_fast_bf16() else torch.float32
-    layers, blocks = 30, 5825
-    caches = []
-    for _ in range(layers):
-        buf = np.zeros(2 * blocks * BS * HKV * D * dtype.itemsize, dtype=np.uint8)
-        cache = torch.from_numpy(buf).view(dtype).view(2, blocks, BS, HKV, D)
-        cache.normal_()
-        caches.append(cache)
-    junk = torch.empty(64 << 20, dtype=torch.uint8)
     out: dict = {"dtype": str(dtype).removeprefix("torch.")}
-    # 32 sequences of 330 tokens; one sequence of 128 and of 2,000 tokens (its blocks split over the threads)
-    for seqs, ctx in ((32, 330), (1, 128), (1, 2000)):
-        nb = -(-ctx // BS)
-        ids = np.random.default_rng(0).permutation(np.arange(1, blocks))[: seqs * nb]
-        tables = torch.from_numpy(ids.reshape(seqs, nb).astype(np.int32))
-        lens = torch.full((seqs,), ctx, dtype=torch.int32)
-        starts = torch.arange(seqs + 1, dtype=torch.int32)
-        q = torch.randn(seqs, H, D).to(dtype)
+    cache_dtypes = [dtype] + ([torch.float8_e4m3fn] if dtype == torch.bfloat16 and fp8_decode_available() else [])
+    layers, blocks = 30, 5825
+    junk = torch.empty(64 << 20, dtype=torch.uint8)
+    for cache_dtype in cache_dtypes:
+        prefix = "" if cache_dtype == dtype else "fp8_"
+        caches = []
+        for _ in range(layers):
+            buf = np.zeros(2 * blocks * BS * HKV * D * cache_dtype.itemsize, dtype=np.uint8)
+            cache = torch.from_numpy(buf).view(cache_dtype).view(2, blocks, BS, HKV, D)
+            cache.copy_(torch.randn(cache.shape).to(cache_dtype))
+            caches.append(cache)
+        # 32 sequences of 330 tokens; one sequence of 128 and of 2,000 tokens (its blocks split over the threads)
+        for seqs, ctx in ((32, 330), (1, 128), (1, 2000)):
+            nb = -(-ctx // BS)
+            ids = np.random.default_rng(0).permutation(np.arange(1, blocks))[: seqs * nb]
+            tables = torch.from_numpy(ids.reshape(seqs, nb).astype(np.int32))
+            lens = torch.full((seqs,), ctx, dtype=torch.int32)
+            starts = torch.arange(seqs + 1, dtype=torch.int32)
+            q = torch.randn(seqs, H, D).to(dtype)
 
-        def call(layer: int, q=q, tables=tables, lens=lens, starts=starts, seqs=seqs, ctx=ctx) -> float:
-            t = time.perf_counter()
-            paged_decode(q, caches[layer], tables, lens, starts, seqs, D ** -0.5, max_seq_len=ctx,
-                         every_row_owned=True)
-            return time.perf_counter() - t
+            def call(layer: int, q=q, tables=tables, lens=lens, starts=starts, seqs=seqs, ctx=ctx,
+                     caches=caches) -> float:
+                t = time.perf_counter()
+                paged_decode(q, caches[layer], tables, lens, starts, seqs, D ** -0.5, max_seq_len=ctx,
+                             every_row_owned=True)
+                return time.perf_counter() - t
 
-        cold = []
-        for it in range(4):
-            for layer in range(layers):
-                junk.fill_(it)
-                cold.append(call(layer))
-        warm = [call(0) for _ in range(40)]
-        kv_bytes = seqs * ctx * HKV * D * 2 * dtype.itemsize
-        cold_ms, warm_ms = float(np.median(cold[layers:])) * 1e3, float(np.median(warm[5:])) * 1e3
-        key = f"paged_decode_{seqs}x{ctx}"
-        out.update({f"{key}_cold_ms_per_layer": round(cold_ms, 4), f"{key}_cold_gb_s": round(kv_bytes / cold_ms / 1e6, 1),
-                    f"{key}_warm_ms_per_layer": round(warm_ms, 4), f"{key}_warm_gb_s": round(kv_bytes / warm_ms / 1e6, 1)})
+            cold = []
+            for it in range(4):
+                for layer in range(layers):
+                    junk.fill_(it)
+                    cold.append(call(layer))
+            warm = [call(0) for _ in range(40)]
+            kv_bytes = seqs * ctx * HKV * D * 2 * cache_dtype.itemsize
+            cold_ms, warm_ms = float(np.median(cold[layers:])) * 1e3, float(np.median(warm[5:])) * 1e3
+            key = f"{prefix}paged_decode_{seqs}x{ctx}"
+            out.update({f"{key}_cold_ms_per_layer": round(cold_ms, 4),
+                        f"{key}_cold_gb_s": round(kv_bytes / cold_ms / 1e6, 1),
+                        f"{key}_warm_ms_per_layer": round(warm_ms, 4),
+                        f"{key}_warm_gb_s": round(kv_bytes / warm_ms / 1e6, 1)})
+        del caches
     return out
 
 

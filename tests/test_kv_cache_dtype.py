@@ -181,16 +181,24 @@ def test_triton_with_graphs_equals_the_reference_backend(tmp_path):
 def test_backends_that_cannot_read_an_fp8_cache_say_so(tmp_path):
     from plinth.attention_backends.cpu_paged import CpuPagedBackend
 
+    # cpu_paged reads E4M3 caches of bfloat16 models with head size 64 or 128 (its own answer: a subclass with its own
+    # kernels does not inherit its parent's acceptance, cpu_paged being a torch_batched)
     spec = AttentionSpec(4, 2, 16, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e4m3fn)
-    assert "an 8-bit KV cache (float8_e4m3fn, --kv-cache-dtype) unsupported" in CpuPagedBackend.check(spec, "cpu").reason
-    # a subclass with its own kernels does not inherit its parent's acceptance (cpu_paged is a torch_batched)
+    assert "an FP8 KV cache unsupported for bfloat16 models of head size 16" in CpuPagedBackend.check(spec, "cpu").reason
     assert TorchBatchedBackend.check(spec, "cpu") and not CpuPagedBackend.check(spec, "cpu")
+    e5m2 = AttentionSpec(4, 2, 64, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e5m2)
+    assert "float8_e5m2 unsupported: reads float8_e4m3fn" in CpuPagedBackend.check(e5m2, "cpu").reason
     assert "on 'npu' unsupported" in TorchSDPABackend.check(spec, "npu").reason
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
         EngineConfig.from_kwargs(kv_cache_dtype="int8")
     model = save_tiny_model(tmp_path / "m")
-    with pytest.raises(SelectionError, match="an 8-bit KV cache .float8_e4m3fn, --kv-cache-dtype. unsupported"):
+    with pytest.raises(SelectionError, match="an FP8 KV cache unsupported for float32 models"):
         LLM(str(model), dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu_paged", platform="cpu")
+    ours = AttentionSpec(9, 3, 64, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e4m3fn)
+    from plinth.attention_backends import cpu_paged
+
+    assert bool(CpuPagedBackend.check(ours, "cpu")) == (cpu_paged.load_kernel().library is not None
+                                                        and cpu_paged.fp8_decode_available())
 
 
 def test_selection_cache_keeps_cache_dtypes_apart(tmp_path, monkeypatch):
@@ -204,3 +212,111 @@ def test_selection_cache_keeps_cache_dtypes_apart(tmp_path, monkeypatch):
         winners.append(llm.engine.selection.winner)
         assert llm.engine.runner.kv_caches[0].dtype == (torch.float32 if kv == "auto" else torch.float8_e4m3fn)
     assert winners[1] in ("torch_sdpa", "torch_batched") and winners[2] == winners[1]
+
+
+def _cpu_fp8_ready() -> bool:
+    from plinth.attention_backends import cpu_paged
+
+    return cpu_paged.load_kernel().library is not None and cpu_paged.fp8_decode_available()
+
+
+@pytest.mark.skipif(not _cpu_fp8_ready(), reason="the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
+def test_cpu_paged_reads_an_fp8_cache(head_size, window):
+    """The native CPU backend over an FP8 E4M3 cache (bfloat16 model): decode rows through its FP8 decode kernel,
+    prompts and chunks (with cached context) through the fused prefill over the context as the cache holds it; a
+    decode-only step as well. Against float64 attention over the rounded keys and values, within bfloat16's error."""
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+
+    g = torch.Generator().manual_seed(head_size + (window or 0))
+    num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 64
+    spec = AttentionSpec(num_heads, num_kv_heads, head_size, torch.bfloat16, block_size,
+                         kv_cache_dtype=torch.float8_e4m3fn)
+    assert CpuPagedBackend.check(spec, "cpu"), CpuPagedBackend.check(spec, "cpu").reason
+    for shapes in ([(30, 1), (70, 1), (5, 1), (0, 40), (17, 20)], [(9, 1), (40, 1), (100, 1), (3, 1)]):
+        if window and any(new > 1 and ctx + new > window for ctx, new in shapes):
+            shapes = [(ctx, new) for ctx, new in shapes if new == 1]   # windowed prompts take torch_batched
+        perm = torch.randperm(num_blocks - 1, generator=g) + 1
+        cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float8_e4m3fn)
+        entries, full_k, full_v, used = [], [], [], 0
+        for ctx_len, new in shapes:
+            total = ctx_len + new
+            blocks = perm[used:used + -(-total // block_size)].tolist()
+            used += len(blocks)
+            k_all = (torch.randn(total, num_kv_heads, head_size, generator=g) * 2).to(torch.bfloat16)
+            v_all = (torch.randn(total, num_kv_heads, head_size, generator=g) * 2).to(torch.bfloat16)
+            k_all[0, 0, :2] = torch.tensor([1e4, -1e4])   # beyond E4M3's range: clamped to +-448
+            if ctx_len:
+                slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx_len)])
+                write_kv_cache(k_all[:ctx_len], v_all[:ctx_len], cache, slots)
+            entries.append((list(range(new)), ctx_len, blocks))
+            full_k.append(k_all)
+            full_v.append(v_all)
+        _, _, md = build_metadata(entries, block_size)
+        query = torch.randn(md.num_tokens, num_heads, head_size, generator=g).to(torch.bfloat16)
+        key = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
+        value = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
+        backend = CpuPagedBackend()
+        backend.prepare(md)
+        scale = 1 / math.sqrt(head_size)
+        out = backend.forward(query, key, value, cache, md, scale=scale, sliding_window=window)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        for s, (ctx_len, _) in enumerate(shapes):
+            lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+            ref = _reference(query[lo:hi], _rounded(full_k[s], torch.float8_e4m3fn),
+                             _rounded(full_v[s], torch.float8_e4m3fn), ctx_len, scale, window)
+            torch.testing.assert_close(out[lo:hi].double(), ref, rtol=2e-2, atol=2e-2)
+        flat = cache.view(2, -1, num_kv_heads, head_size)
+        assert torch.equal(flat[0, md.slot_mapping].double(), _rounded(key, torch.float8_e4m3fn))
+        assert torch.equal(flat[1, md.slot_mapping].double(), _rounded(value, torch.float8_e4m3fn))
+
+
+@pytest.mark.skipif(not _cpu_fp8_ready(), reason="the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
+def test_cpu_fp8_decode_widens_every_code_exactly():
+    """Every one of the 256 E4M3 codes read by the FP8 decode kernel: one cached token per sequence, so each output
+    row is that token's values (one probability of 1) and must equal torch's conversion of the bytes, NaNs as NaN."""
+    from plinth.attention_backends.cpu_paged import paged_decode
+
+    num_heads = num_kv_heads = 2
+    head_size, block_size = 64, 16
+    codes = torch.arange(256, dtype=torch.uint8).view(2, num_kv_heads, head_size)   # sequence s: codes 128 s ..
+    cache = torch.zeros(2, 3, block_size, num_kv_heads, head_size, dtype=torch.uint8)
+    for s in range(2):
+        cache[0, s + 1, 0] = 56                         # keys: 1.0 (any finite key works for one token)
+        cache[1, s + 1, 0] = codes[s]
+    cache = cache.view(torch.float8_e4m3fn)
+    query = torch.randn(2, num_heads, head_size).to(torch.bfloat16)
+    out = paged_decode(query, cache, torch.tensor([[1], [2]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
+                       torch.tensor([0, 1, 2], dtype=torch.int32), 2, 0.125)
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(out.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    # (values compared as numbers: -0 times a probability of 1 plus the zero padding of the key pair is +0)
+    assert torch.equal(out[~want.isnan()].double(), want[~want.isnan()].double())
+
+
+@pytest.mark.skipif(not _cpu_fp8_ready(), reason="the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
+def test_engine_on_cpu_paged_with_an_fp8_cache(tmp_path):
+    """A bfloat16 model with an FP8 cache on the native CPU backend: selection takes cpu_paged (head size 64), the
+    steps run through its FP8 paths (prompts, then decodes), and the tokens match the
+    torch_batched backend's over the same 8-bit cache."""
+    model = save_tiny_model(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    prompts = ["The quick brown fox", "Paris is the capital of France, and Berlin is", "0123" * 9]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(dtype="bfloat16", kv_cache_dtype="fp8", cpu_kv_cache_bytes=1 << 22, platform="cpu")
+    native = LLM(str(model), **common)
+    assert native.engine.selection.winner == "cpu_paged"
+    assert native.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    from plinth.attention_backends import cpu_paged
+
+    calls = []
+    real = cpu_paged.paged_decode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_paged, "paged_decode", lambda q, cache, *a, **k: calls.append(cache.dtype) or real(q, cache, *a, **k))
+        got = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
+    assert calls and set(calls) == {torch.float8_e4m3fn}
+    ref_llm = LLM(str(model), **common, attention_backend="torch_batched", selection="off")
+    want = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+    agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    print(f"tokens agreeing with torch_batched: {agree} of {sum(len(w) for w in want)}")
+    assert agree >= 0.9 * sum(len(w) for w in want), (got, want)

@@ -42,6 +42,11 @@ SDPA_MIN_ROWS = 128
 AMX_MIN_ROWS = 16
 MAX_HEAD_SIZE = 256
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+#: the 8-bit cache the native decode kernel reads (bfloat16 models, head sizes 64 and 128, AVX512-BF16)
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+FP8_HEAD_SIZES = (64, 128)
+#: the decode entry point's dtype code for bfloat16 queries over an FP8 E4M3 cache
+FP8_DTYPE_CODE = 2
 
 
 def _enabled() -> bool:
@@ -59,6 +64,23 @@ class CpuPagedBackend(TorchBatchedBackend):
 
     name = "cpu_paged"
     priority = 6
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
+        """The model's dtype, or an FP8 E4M3 cache (``--kv-cache-dtype fp8``) for bfloat16 models with head size 64
+        or 128 where the kernel library has its FP8 decode (AVX512-BF16): decode rows read it in place, prefill rows
+        widen the context they attend to bfloat16."""
+        if spec.cache_dtype == spec.dtype:
+            return Support.yes()
+        if spec.cache_dtype != FP8_CACHE_DTYPE:
+            return Support.no(f"an 8-bit KV cache of {str(spec.cache_dtype).removeprefix('torch.')} unsupported: "
+                              f"reads float8_e4m3fn (--kv-cache-dtype fp8)")
+        if spec.dtype != torch.bfloat16 or spec.head_size not in FP8_HEAD_SIZES:
+            return Support.no(f"an FP8 KV cache unsupported for {str(spec.dtype).removeprefix('torch.')} models of "
+                              f"head size {spec.head_size}: bfloat16 and head sizes 64, 128 only")
+        if not fp8_decode_available():
+            return Support.no("an FP8 KV cache unsupported: this CPU (or build) has no AVX512-BF16 kernel for it")
+        return Support.yes()
 
     @classmethod
     def supports(cls, spec: AttentionSpec, device_type: str) -> Support:
@@ -93,8 +115,14 @@ class CpuPagedBackend(TorchBatchedBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:           # [T, H, D]
-        if (getattr(metadata.backend_data, "static_decode", False) or query.device.type != "cpu"
-                or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
+        static = getattr(metadata.backend_data, "static_decode", False)
+        if (not static and query.device.type == "cpu" and query.dtype == torch.bfloat16
+                and kv_cache.dtype == FP8_CACHE_DTYPE):
+            out = self._forward_fp8(query, key, value, kv_cache, metadata, scale, sliding_window)
+            if out is not None:
+                return out
+        if (static or query.device.type != "cpu" or query.dtype not in _DTYPE_CODES
+                or kv_cache.dtype != query.dtype):
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
         if not metadata.is_decode_only:
             # prefill chunks (with decode rows mixed in): the native causal kernel over the cache, where it
@@ -108,6 +136,33 @@ class CpuPagedBackend(TorchBatchedBackend):
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return paged_decode(query, kv_cache, *self._step_indices(metadata), metadata.num_seqs, scale, sliding_window,
                             max_seq_len=metadata.max_seq_len, every_row_owned=query.shape[0] == metadata.num_seqs)
+
+    def _forward_fp8(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor | None:
+        """A step over an FP8 E4M3 cache (``None``: a shape for the ``torch_batched`` path): the new keys and values
+        written (clamped and rounded), decode rows through the FP8 decode kernel, every prefill sequence through
+        :func:`sdpa_prefill` over its context as the cache holds it, widened to bfloat16."""
+        if query.shape[-1] not in FP8_HEAD_SIZES or not fp8_decode_available():
+            return None
+        tables, lens, starts = self._step_indices(metadata)
+        if metadata.is_decode_only:
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+            return paged_decode(query, kv_cache, tables, lens, starts, metadata.num_seqs, scale, sliding_window,
+                                max_seq_len=metadata.max_seq_len, every_row_owned=query.shape[0] == metadata.num_seqs)
+        num_decodes, longest_decode, _ = self._decode_split(metadata, starts)
+        bounds, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        if bounds[metadata.num_seqs] != query.shape[0] or (
+                sliding_window and any(seq_lens[i] > sliding_window for i in range(num_decodes, metadata.num_seqs))):
+            return None   # padding rows, or windowed prompts: torch_batched's masks
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        parts = []
+        if num_decodes:
+            parts.append(paged_decode(query[:num_decodes], kv_cache, tables, lens, starts, num_decodes, scale,
+                                      sliding_window, max_seq_len=longest_decode, every_row_owned=True))
+        for i in range(num_decodes, metadata.num_seqs):
+            a, b = bounds[i], bounds[i + 1]
+            parts.append(sdpa_prefill(query[a:b], key[a:b], value[a:b], kv_cache, tables[i], seq_lens[i], scale))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _mixed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor | None:
@@ -217,8 +272,13 @@ def paged_decode(
     build = load_kernel()
     if build.library is None:
         raise RuntimeError(f"CPU paged-attention kernel unavailable: {build.reason}")
-    if query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype:
-        raise ValueError(f"query/kv_cache dtypes {query.dtype}/{kv_cache.dtype}: need one of float32, bfloat16")
+    fp8 = kv_cache.dtype == FP8_CACHE_DTYPE
+    if fp8 and (query.dtype != torch.bfloat16 or query.shape[-1] not in FP8_HEAD_SIZES):
+        raise ValueError(f"an FP8 cache is read for bfloat16 queries of head size 64 or 128, not {query.dtype} "
+                         f"queries of head size {query.shape[-1]}")
+    if not fp8 and (query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
+        raise ValueError(f"query/kv_cache dtypes {query.dtype}/{kv_cache.dtype}: need one of float32, bfloat16 "
+                         f"(or bfloat16 queries over a float8_e4m3fn cache)")
     t, h, d = query.shape
     _, num_blocks, block_size, hkv, d_cache = kv_cache.shape
     if d != d_cache or d > MAX_HEAD_SIZE or h % hkv:
@@ -236,9 +296,12 @@ def paged_decode(
                          f"{list(tables.shape)} of {block_size}-token blocks and {starts.shape[0]} query offsets")
     # rows not owned by a sequence (padding) stay zero
     out = (torch.empty if every_row_owned else torch.zeros)(query.shape, dtype=query.dtype, device=query.device)
+    if fp8 and not fp8_decode_available():
+        raise RuntimeError("this build of the CPU paged-attention kernel has no FP8 decode (needs AVX512-BF16)")
     build.library.plinth_cpu_paged_decode(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
-        out.data_ptr(), _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks, block_size, tables.shape[1],
+        out.data_ptr(), FP8_DTYPE_CODE if fp8 else _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks,
+        block_size, tables.shape[1],
         query.stride(0), out.stride(0), float(scale), int(sliding_window or 0), torch.get_num_threads())
     return out
 
@@ -250,13 +313,13 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     they are when the sequence has no earlier tokens, else over its ``seq_len`` cached ones (this step's written),
     gathered from its blocks, with the causal mask aligned to the last position. ``[L, H, D]``."""
     rows, h, d = query.shape
-    if seq_len == rows:
+    if seq_len == rows and kv_cache.dtype == query.dtype:
         k, v, mask, causal = key, value, None, True
-    else:
+    else:   # (an 8-bit cache: this step's rows too, as the cache holds them, widened)
         block_size = kv_cache.shape[2]
         blocks = table[: -(-seq_len // block_size)].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]                     # [S, Hkv, D]
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(query.dtype)    # [S, Hkv, D]
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
         mask = torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows)
         causal = False
     out = amx_prefill(query, k, v, scale)
@@ -266,6 +329,13 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
                                          scale=scale, enable_gqa=k.shape[1] != h)
     return out[0].transpose(0, 1)
+
+
+@functools.cache
+def fp8_decode_available() -> bool:
+    """Whether the kernel library reads FP8 E4M3 caches (built with AVX512-BF16)."""
+    build = load_kernel()
+    return build.library is not None and build.library.plinth_cpu_paged_has_fp8() == 1
 
 
 def fused_min_rows() -> int:

@@ -16,7 +16,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 #: the ABI the Python side expects (``plinth_cpu_paged_abi()`` in the source)
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 KernelBuild = NativeBuild
 
@@ -37,6 +37,9 @@ def load_kernel() -> NativeBuild:
         fn = build.library.plinth_cpu_paged_prefill
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_double] + [ctypes.c_int64] * 2
+        fn = build.library.plinth_cpu_paged_has_fp8
+        fn.restype = ctypes.c_int64
+        fn.argtypes = []
         fn = build.library.plinth_cpu_amx_prefill
         fn.restype = ctypes.c_int64
         p, i = ctypes.c_void_p, ctypes.c_int64   # query, q_row, key, value, kv_row, out, out_row, L, S, H, Hkv, D

@@ -214,14 +214,47 @@ inline void transpose16_epi32(__m512i* r) {
 
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 32 cache elements as 32 bfloat16 values: a bfloat16 cache's as they are
+struct Bf16Rows {
+  using T = uint16_t;
+  __m512i load32(const uint16_t* p) const { return _mm512_loadu_si512(p); }
+};
+
+// An FP8 E4M3 cache's (torch.float8_e4m3fn: 1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinities,
+// S.1111.111 NaN): every such value is a bfloat16 value, looked up by its 7 magnitude bits in a 128-entry table
+// (two vpermi2w over 64 entries each), the sign put back.
+struct E4m3Rows {
+  using T = uint8_t;
+  __m512i tab[4];
+  E4m3Rows() {
+    alignas(64) uint16_t v[128];
+    for (int m = 0; m < 128; ++m) {
+      const int e = m >> 3, f = m & 7;
+      const float x = e == 0 ? std::ldexp(static_cast<float>(f), -9) : std::ldexp(1.f + f / 8.f, e - 7);
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof(bits));
+      v[m] = m == 127 ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(bits >> 16);   // exact: 3 mantissa bits
+    }
+    for (int i = 0; i < 4; ++i) tab[i] = _mm512_load_si512(v + 32 * i);
+  }
+  __m512i load32(const uint8_t* p) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i lo = _mm512_permutex2var_epi16(tab[0], b, tab[1]);   // magnitudes 0..63 (index bits 0-5)
+    const __m512i hi = _mm512_permutex2var_epi16(tab[2], b, tab[3]);   // 64..127
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, _mm512_set1_epi16(0x40)), lo, hi);
+    return _mm512_or_si512(mag, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+  }
+};
+
 // The bfloat16 pairs of m <= 16 consecutive keys (rows token_stride apart from keys[0]; missing ones zero)
 // transposed to ktb [kD/2] dwords: lane t of ktb[i] is pair i of key t.
-template <int64_t kD>
-inline void transpose_keys16(const uint16_t* keys, int64_t token_stride, int64_t m, __m512i* ktb) {
+template <int64_t kD, typename L = Bf16Rows>
+inline void transpose_keys16(const typename L::T* keys, int64_t token_stride, int64_t m, __m512i* ktb,
+                             const L& rows = L()) {
   for (int64_t w = 0; w < kD / 32; ++w) {
     __m512i rows16[16];
     for (int64_t t = 0; t < 16; ++t)
-      rows16[t] = t < m ? _mm512_loadu_si512(keys + t * token_stride + 32 * w) : _mm512_setzero_si512();
+      rows16[t] = t < m ? rows.load32(keys + t * token_stride + 32 * w) : _mm512_setzero_si512();
     transpose16_epi32(rows16);
     for (int64_t e = 0; e < 16; ++e) ktb[16 * w + e] = rows16[e];
   }
@@ -311,18 +344,20 @@ constexpr int64_t kSegmentBytes = 128 * 1024;
 // key pairs (two keys' values interleaved into dwords once for the head's rows). No per-chunk rescaling (the
 // chunks' work is independent, so it overlaps); one rescale of the sums and accumulators per segment. Expects
 // row_max = -inf, row_sum = 0, acc = 0 [rows][kD] and leaves each row's maximum, sum and unnormalised accumulator.
-template <int64_t kD>
-inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table, int64_t block_stride,
-                             int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t b_lo,
-                             int64_t b_hi, int64_t h0, int64_t heads, int64_t group, const uint16_t* const* qraw,
-                             float scale, std::vector<float>& scores, float* acc, float* row_max, float* row_sum) {
+template <int64_t kD, typename L = Bf16Rows>
+inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* v_cache, const int32_t* table,
+                             int64_t block_stride, int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len,
+                             int64_t b_lo, int64_t b_hi, int64_t h0, int64_t heads, int64_t group,
+                             const uint16_t* const* qraw, float scale, std::vector<float>& scores, float* acc,
+                             float* row_max, float* row_sum, const L& loader = L()) {
+  using kv_t = typename L::T;
   constexpr int64_t kV = kD / 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t rows = heads * group;
-  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t row_bytes = heads * kD * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t head_bytes = kD * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(kv_t));
+  const int64_t row_bytes = heads * kD * static_cast<int64_t>(sizeof(kv_t));
+  const int64_t head_bytes = kD * static_cast<int64_t>(sizeof(kv_t));
   const int64_t head_off = h0 * kD;
   const int64_t seg_blocks = std::max<int64_t>(1, kSegmentBytes / (bs * row_bytes));
   const int64_t slots_cap = seg_blocks * ((bs + 15) / 16 * 16);
@@ -330,7 +365,7 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
   float* sc_all = scores.data();
   float* corr = sc_all + rows * slots_cap;   // per row: what the earlier segments' state is scaled by
   // block b's visible tokens lo..hi-1 and its rows of the item's heads (of `cache`: keys or values)
-  auto block_rows = [&](const uint16_t* cache, int64_t b, int64_t& lo, int64_t& hi) -> const char* {
+  auto block_rows = [&](const kv_t* cache, int64_t b, int64_t& lo, int64_t& hi) -> const char* {
     lo = std::max<int64_t>(first - b * bs, 0);
     hi = std::min<int64_t>(seq_len - b * bs, bs);
     return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b]) * block_stride + head_off);
@@ -338,7 +373,7 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
   // share `part` of `parts` of block b's rows (bytes [off, off + bytes) of each) fetched into L2 ahead of their use:
   // the next block's, a share per step of the current block's work (a burst of a whole block stalls on the few
   // misses a core can have in flight)
-  auto fetch_share = [&](const uint16_t* cache, int64_t b, int64_t off, int64_t bytes, int64_t part, int64_t parts) {
+  auto fetch_share = [&](const kv_t* cache, int64_t b, int64_t off, int64_t bytes, int64_t part, int64_t parts) {
     if (b >= b_hi) return;
     int64_t lo, hi;
     const char* base = block_rows(cache, b, lo, hi) + off;
@@ -357,7 +392,7 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
     int64_t slot = 0;
     for (int64_t b = sb; b < se; ++b) {
       int64_t lo, hi;
-      const uint16_t* kb = reinterpret_cast<const uint16_t*>(block_rows(k_cache, b, lo, hi));
+      const kv_t* kb = reinterpret_cast<const kv_t*>(block_rows(k_cache, b, lo, hi));
       const int64_t steps = (hi - lo + 15) / 16 * heads;   // (chunk, head) steps of this block
       int64_t step = 0;
       for (int64_t c0 = lo; c0 < hi; c0 += 16) {
@@ -367,7 +402,7 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
           if (b + 1 < se) fetch_share(k_cache, b + 1, 0, row_bytes, step, steps);
           else fetch_share(v_cache, sb, 0, row_bytes, step, steps);   // the segment's first values, for pass 3
           __m512i ktb[kD / 2];
-          transpose_keys16<kD>(kb + c0 * token_stride + hh * kD, token_stride, m, ktb);
+          transpose_keys16<kD, L>(kb + c0 * token_stride + hh * kD, token_stride, m, ktb, loader);
           for (int64_t u = 0; u < group; ++u) {
             const int64_t r = hh * group + u;
             _mm512_storeu_ps(sc_all + r * slots + slot,
@@ -401,7 +436,7 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
         slot = 0;
         for (int64_t b = sb; b < se; ++b) {
           int64_t lo, hi;
-          const uint16_t* vb = reinterpret_cast<const uint16_t*>(block_rows(v_cache, b, lo, hi)) + hh * kD;
+          const kv_t* vb = reinterpret_cast<const kv_t*>(block_rows(v_cache, b, lo, hi)) + hh * kD;
           const int64_t pairs_in_block = (hi - lo + 1) / 2;   // the steps of a head's pass over the block
           for (int64_t c0 = lo; c0 < hi; c0 += 16, slot += 16) {
             const int64_t m = std::min<int64_t>(16, hi - c0);
@@ -420,12 +455,12 @@ inline void decode_item_bf16(const uint16_t* k_cache, const uint16_t* v_cache, c
                 if (b + 1 < se) fetch_share(v_cache, b + 1, hh * head_bytes, head_bytes, step, pairs_in_block);
                 else if (hh == 0) fetch_share(k_cache, se, 0, row_bytes, step, pairs_in_block);
               }
-              const uint16_t* v0 = vb + (c0 + 2 * kp) * token_stride;
+              const kv_t* v0 = vb + (c0 + 2 * kp) * token_stride;
               const bool second = 2 * kp + 1 < m;   // a lone last key pairs with zeros
               __m512i vv[kV];
               for (int64_t w = 0; w < kD / 32; ++w) {
-                const __m512i x = _mm512_loadu_si512(v0 + 32 * w);
-                const __m512i y = second ? _mm512_loadu_si512(v0 + token_stride + 32 * w) : _mm512_setzero_si512();
+                const __m512i x = loader.load32(v0 + 32 * w);
+                const __m512i y = second ? loader.load32(v0 + token_stride + 32 * w) : _mm512_setzero_si512();
                 interleave_pair(x, y, vv + 2 * w);
               }
               for (int64_t u = 0; u < 4; ++u) {
@@ -450,11 +485,13 @@ struct Shape {
   int64_t q_row, out_row, kv_half, block_stride, token_stride;
 };
 
-// kD > 0: the head size as a compile-time constant (loops over it unroll fully); 0: sh.head_size.
-template <typename scalar_t, int64_t kD>
-void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
+// kD > 0: the head size as a compile-time constant (loops over it unroll fully); 0: sh.head_size. kv_t: the cache's
+// elements, the query's (scalar_t) or FP8 E4M3 bytes (uint8_t: bfloat16 queries, kD a multiple of 32, AVX512-BF16).
+template <typename scalar_t, int64_t kD, typename kv_t = scalar_t>
+void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, const int32_t* lens,
             const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
             int num_threads) {
+  constexpr bool kFp8 = std::is_same_v<kv_t, uint8_t>;
   const int64_t group = sh.num_heads / sh.num_kv_heads, bs = sh.block_size;
   const int64_t d_size = kD > 0 ? kD : sh.head_size;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -462,6 +499,7 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
 #else
   constexpr bool kBf16Blocks = false;
 #endif
+  static_assert(!kFp8 || kBf16Blocks, "an FP8 cache is read by the bfloat16 block kernel only");
   // A work item is one sequence and a range of its KV heads: all heads when there are enough
   // sequences to keep the threads busy (each block is then read once, front to back), else one.
   const int64_t heads_per_item = sh.num_seqs >= 4 * num_threads ? sh.num_kv_heads : 1;
@@ -483,8 +521,8 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
   // the parts' states: [items][rows] max and sum, [items][rows][D] accumulators
   std::vector<float> part_max(parts > 1 ? items * rows : 0), part_sum(parts > 1 ? items * rows : 0),
       part_acc(parts > 1 ? items * rows * d_size : 0);
-  const scalar_t* k_cache = kv_cache;
-  const scalar_t* v_cache = kv_cache + sh.kv_half;
+  const kv_t* k_cache = kv_cache;
+  const kv_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel num_threads(num_threads)
@@ -495,6 +533,9 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
         row_max(rows), row_sum(rows), gscores(group * bs);
     std::vector<const scalar_t*> qraw(rows);   // bfloat16: each row's query in the input
     std::vector<float> scores_all;             // bfloat16: the item's scores [rows][keys]
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const std::conditional_t<kFp8, E4m3Rows, Bf16Rows> loader;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t seq_item = item / parts, part = item % parts;
@@ -521,9 +562,10 @@ void decode(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tabl
         if (b_hi > b_lo)
           decode_item_bf16<kD>(k_cache, v_cache, table, sh.block_stride, sh.token_stride, bs, first, seq_len, b_lo, b_hi,
                                h0, heads_per_item, group, qraw.data(), scale, scores_all, acc.data(), row_max.data(),
-                               row_sum.data());
+                               row_sum.data(), loader);
       }
 #endif
+      if constexpr (!kFp8)
       for (int64_t b = b_lo; b < b_hi && !kBf16Blocks; ++b) {
         const int64_t lo = std::max<int64_t>(first - b * bs, 0);     // tokens lo..hi-1 of this block count
         const int64_t hi = std::min<int64_t>(seq_len - b * bs, bs);
@@ -1293,12 +1335,14 @@ void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, cons
 extern "C" {
 
 // The ABI version the Python side checks before calling.
-int64_t plinth_cpu_paged_abi() { return 3; }
+int64_t plinth_cpu_paged_abi() { return 4; }
 
 // query [T, H, D] rows of q_row elements; kv_cache [2, N, BS, Hkv, D] contiguous; tables [B, W] int32;
 // lens [B] int32 (tokens in the cache, this step's included); starts [B + 1] int32 (query row of each
 // sequence); out [T, H, D] rows of out_row elements, written for the sequences' rows only.
-// dtype: 0 = float32, 1 = bfloat16. sliding_window <= 0: none.
+// dtype: 0 = float32, 1 = bfloat16, 2 = bfloat16 queries and outputs over an FP8 E4M3 cache (torch.float8_e4m3fn
+// bytes, the same layout; head sizes 64 and 128, builds where plinth_cpu_paged_has_fp8(): each key and value row is
+// widened to bfloat16, exactly, as it is read, then attended as a bfloat16 cache is). sliding_window <= 0: none.
 void plinth_cpu_paged_decode(const void* query, const void* kv_cache, const int32_t* tables, const int32_t* lens,
                              const int32_t* starts, void* out, int64_t dtype, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_size, int64_t num_blocks, int64_t block_size,
@@ -1309,13 +1353,32 @@ void plinth_cpu_paged_decode(const void* query, const void* kv_cache, const int3
   const Shape sh{num_seqs, num_heads, num_kv_heads, head_size, block_size, table_width,
                  q_row, out_row, num_blocks * block_stride, block_stride, token_stride};
   const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
-  if (dtype == 0) {
+  if (dtype == 2) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const auto* q = static_cast<const uint16_t*>(query);
+    const auto* kv = static_cast<const uint8_t*>(kv_cache);
+    auto* o = static_cast<uint16_t*>(out);
+    if (head_size == 64)
+      decode<uint16_t, 64, uint8_t>(q, kv, tables, lens, starts, o, sh, static_cast<float>(scale), sliding_window, threads);
+    else if (head_size == 128)
+      decode<uint16_t, 128, uint8_t>(q, kv, tables, lens, starts, o, sh, static_cast<float>(scale), sliding_window, threads);
+#endif
+  } else if (dtype == 0) {
     dispatch_head_size(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
                        static_cast<float*>(out), sh, static_cast<float>(scale), sliding_window, threads);
   } else {
     dispatch_head_size(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(kv_cache), tables, lens,
                        starts, static_cast<uint16_t*>(out), sh, static_cast<float>(scale), sliding_window, threads);
   }
+}
+
+// Whether plinth_cpu_paged_decode takes dtype 2 (an FP8 E4M3 cache): builds with AVX512-BF16.
+int64_t plinth_cpu_paged_has_fp8() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // Causal attention of any number of query rows per sequence (prefill chunks and decode rows mixed): the rows of
