@@ -129,6 +129,39 @@ def test_fused_amx_step_only_where_the_layers_route_alike(env, tmp_path_factory,
             _plan_equals_modules(llm, n, "a", small_vocab)
 
 
+@needs_packed_bf16
+def test_plan_with_an_fp8_cache_equals_the_module_path(tmp_path_factory, monkeypatch, tiny_llama_dir):
+    """An FP8 E4M3 cache (``kv_cache_dtype="fp8"``, head size 64): the fused native step and the plan's Python loop
+    round keys and values into the cache as the module path does and read them through the same FP8 decode kernel:
+    bit-identical logits."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.attention_backends import cpu_paged
+
+    if not cpu_paged.fp8_decode_available():
+        pytest.skip("the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
+    tmp = tmp_path_factory.mktemp("fp8plan")
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp / "cache"))
+    model = small_model("llama", True, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    path = write_gguf(tmp / "m.gguf", model, "llama", gguf.GGMLQuantizationType.Q4_1)
+    with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4, attention_backend="cpu_paged",
+             kv_cache_dtype="fp8") as llm:
+        assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        plan = llm.engine.runner.graphs
+        assert isinstance(plan, CpuDecodePlan)
+        assert (plan.fused_layers is not None) == cpu_native.q4_gemv_supported()
+        assert plan.fused_layers is None or all(lay.kv_fp8 == 1 for lay in plan.fused_layers)
+        small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * (i % 12))] for i in range(20)]
+        for n in (1, 5, 20):
+            _plan_equals_modules(llm, n, "f", small_vocab)
+        fused, plan.fused_layers = plan.fused_layers, None
+        try:
+            for n in (1, 12):
+                _plan_equals_modules(llm, n, "g", small_vocab)
+        finally:
+            plan.fused_layers = fused
+
+
 def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with_plan = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -298,7 +298,7 @@ def test_cpu_fp8_decode_widens_every_code_exactly():
 @pytest.mark.skipif(not _cpu_fp8_ready(), reason="the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
 def test_engine_on_cpu_paged_with_an_fp8_cache(tmp_path):
     """A bfloat16 model with an FP8 cache on the native CPU backend: selection takes cpu_paged (head size 64), the
-    steps run through its FP8 paths (prompts, then decodes), and the tokens match the
+    CPU decode plan runs the decode steps over the FP8 cache, and the tokens match the
     torch_batched backend's over the same 8-bit cache."""
     model = save_tiny_model(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     prompts = ["The quick brown fox", "Paris is the capital of France, and Berlin is", "0123" * 9]
@@ -307,16 +307,33 @@ def test_engine_on_cpu_paged_with_an_fp8_cache(tmp_path):
     native = LLM(str(model), **common)
     assert native.engine.selection.winner == "cpu_paged"
     assert native.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
-    from plinth.attention_backends import cpu_paged
+    from plinth.worker.cpu_decode_plan import CpuDecodePlan
 
-    calls = []
-    real = cpu_paged.paged_decode
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_paged, "paged_decode", lambda q, cache, *a, **k: calls.append(cache.dtype) or real(q, cache, *a, **k))
-        got = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
-    assert calls and set(calls) == {torch.float8_e4m3fn}
+    assert isinstance(native.engine.runner.graphs, CpuDecodePlan)   # decode steps in the native plan, FP8 and all
+    got = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     ref_llm = LLM(str(model), **common, attention_backend="torch_batched", selection="off")
     want = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
     agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
     print(f"tokens agreeing with torch_batched: {agree} of {sum(len(w) for w in want)}")
     assert agree >= 0.9 * sum(len(w) for w in want), (got, want)
+
+
+def test_native_fp8_cache_write_rounds_as_torch():
+    """Every bfloat16 bit pattern written into an FP8 E4M3 cache by the native write (16-lane and scalar tails)
+    becomes the byte torch makes of it after the clamp to +-448 (``to_cache_dtype``), NaNs as 0xFF."""
+    from plinth.attention_backends.interface import to_cache_dtype
+    from plinth.kernels import cpu_native
+
+    if cpu_native.load_library().library is None:
+        pytest.skip("no native CPU library")
+    rows = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(-1, 1, 4)
+    key, value = rows[:, :, :4].contiguous(), rows.flip(0).contiguous()   # 4 values per token: scalar path only
+    wide_k = rows.view(-1, 1, 64)                                           # 64 per token: the 16-lane path
+    for k, v in ((key, value), (wide_k, wide_k.flip(0).contiguous())):
+        cache = torch.zeros(2, k.shape[0], 1, 1, k.shape[2], dtype=torch.float8_e4m3fn)
+        assert cpu_native.kv_write_supported(k, v, cache)
+        slots = torch.randperm(k.shape[0])
+        cpu_native.write_kv(k, v, cache, slots)
+        flat = cache.view(2, -1, k.shape[2]).view(torch.uint8)
+        assert torch.equal(flat[0, slots], to_cache_dtype(k[:, 0], torch.float8_e4m3fn).view(torch.uint8))
+        assert torch.equal(flat[1, slots], to_cache_dtype(v[:, 0], torch.float8_e4m3fn).view(torch.uint8))

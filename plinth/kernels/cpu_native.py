@@ -46,6 +46,7 @@ _SIGNATURES = {
     "plinth_q8_0r8_gemv_f32q8": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_q8_0r8_gemm_f32": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
+    "plinth_kv_write_e4m3": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_amx": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_amx_silu": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -280,8 +281,11 @@ def q8_0_rows8_matmul(x: torch.Tensor, rows8: torch.Tensor, out_features: int) -
 
 
 def kv_write_supported(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """:func:`write_kv` takes these tensors: CPU, one dtype, contiguous heads, a contiguous cache."""
-    return (kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
+    """:func:`write_kv` takes these tensors: CPU, one dtype (or bfloat16 rows into an FP8 E4M3 cache), contiguous
+    heads, a contiguous cache."""
+    same = key.dtype == value.dtype == kv_cache.dtype
+    e4m3 = key.dtype == value.dtype == torch.bfloat16 and kv_cache.dtype == torch.float8_e4m3fn
+    return (kv_cache.device.type == "cpu" and (same or e4m3) and kv_cache.is_contiguous()
             and key.dim() == 3 and key.stride(2) == 1 and key.stride(1) == key.shape[2]
             and value.stride(2) == 1 and value.stride(1) == value.shape[2] and _env_enabled()
             and not torch.compiler.is_compiling() and load_library().library is not None)
@@ -296,6 +300,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         else slot_mapping.to(torch.int64).contiguous()
     elem = key.element_size()
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    if kv_cache.dtype == torch.float8_e4m3fn:   # rounded as to_cache_dtype rounds: clamped to +-448, nearest even
+        _lib().plinth_kv_write_e4m3(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                    kv_cache.data_ptr(), num_slots, slots.data_ptr(), min(n, slots.shape[0]),
+                                    key.shape[1] * key.shape[2])
+        return
     _lib().plinth_kv_write(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
                            kv_cache.data_ptr(), num_slots, slots.data_ptr(), min(n, slots.shape[0]),
                            key.shape[1] * key.shape[2] * elem)
@@ -550,7 +559,7 @@ class DecodeLayer(ctypes.Structure):
     _fields_ = [("qkv", PanelWeight), ("o", PanelWeight), ("gate_up", PanelWeight), ("down", PanelWeight),
                 ("in_norm", _P), ("post_norm", _P), ("eps", _D), ("post_eps", _D), ("kv_cache", _P),
                 ("num_blocks", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_size", _I), ("scale", _D),
-                ("sliding_window", _I)]
+                ("sliding_window", _I), ("kv_fp8", _I)]
 
 
 class DecodeStep(ctypes.Structure):

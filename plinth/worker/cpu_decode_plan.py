@@ -140,11 +140,19 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.weight.dtype != dtype:
                 return f"norm weights are not {dtype}"
-        if attn.attn.kv_cache.dtype != dtype:
-            return f"the KV cache is not {dtype}"
+        if attn.attn.kv_cache.dtype != dtype and not _fp8_cache_ok(attn.attn.kv_cache, dtype, attn.head_dim):
+            return f"the KV cache is not {dtype} (nor FP8 E4M3 with a bfloat16 model, head size 64 or 128)"
     if inner.norm.weight.dtype != dtype:
         return f"norm weights are not {dtype}"
     return ""
+
+
+def _fp8_cache_ok(cache: torch.Tensor, dtype: torch.dtype, head_size: int) -> bool:
+    """An FP8 E4M3 cache the decode kernel reads (bfloat16 model, head size 64 or 128, an AVX512-BF16 build)."""
+    from plinth.attention_backends.cpu_paged import FP8_CACHE_DTYPE, FP8_HEAD_SIZES, fp8_decode_available
+
+    return (cache.dtype == FP8_CACHE_DTYPE and dtype == torch.bfloat16 and head_size in FP8_HEAD_SIZES
+            and fp8_decode_available())
 
 
 class _Native:
@@ -163,6 +171,7 @@ class _Native:
         self.silu_mul = getattr(lib, f"plinth_silu_mul_{suffix}")
         self.rotary = getattr(lib, f"plinth_rotary_{suffix}")
         self.kv_write = lib.plinth_kv_write
+        self.kv_write_e4m3 = lib.plinth_kv_write_e4m3   # bfloat16 rows into an FP8 E4M3 cache (strides in elements)
         self.decode = attn.plinth_cpu_paged_decode
         self.dtype_code = 1 if dtype == torch.bfloat16 else 0   # the attention entry point's dtype argument
 
@@ -266,7 +275,7 @@ class CpuDecodePlan:
         first_copies = self._gemv_copies[0]
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
             if any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies) \
-                    or lay.kv_cache.dtype != self.dtype:
+                    or (lay.kv_cache.dtype != self.dtype and not _fp8_cache_ok(lay.kv_cache, self.dtype, lay.head_size)):
                 return None
             # the step's buffers are sized once, from the first layer: every layer must have its shapes
             if ((lay.num_heads, lay.num_kv_heads, lay.head_size) != (first.num_heads, first.num_kv_heads,
@@ -277,7 +286,8 @@ class CpuDecodePlan:
             specs.append(cpu_native.DecodeLayer(
                 *(cpu_native.PanelWeight.of(c.panels) for c in copies),
                 lay.in_norm.data_ptr(), lay.post_norm.data_ptr(), lay.eps, lay.post_eps, cache.data_ptr(),
-                cache.shape[1], lay.num_heads, lay.num_kv_heads, lay.head_size, lay.scale, lay.sliding_window or 0))
+                cache.shape[1], lay.num_heads, lay.num_kv_heads, lay.head_size, lay.scale, lay.sliding_window or 0,
+                int(cache.dtype != self.dtype)))
         return (cpu_native.DecodeLayer * len(specs))(*specs)
 
     def _fused_buffers(self, bufs: _Buffers) -> _FusedBuffers:
@@ -355,6 +365,8 @@ class CpuDecodePlan:
         slots_p, lens_p, starts_p, tables_p = slots.data_ptr(), lens.data_ptr(), starts.data_ptr(), tables_t.data_ptr()
         cos_p, sin_p, rot_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
         threads = torch.get_num_threads()
+        from plinth.attention_backends.cpu_paged import FP8_DTYPE_CODE
+
         rms_norm = native.rms_norm
 
         def add_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -376,10 +388,15 @@ class CpuDecodePlan:
             k_p, v_p = q_p + hq * d * elem, q_p + (hq + hkv) * d * elem
             native.rotary(q_p, row, d, hq, k_p, row, d, hkv, cos_p, sin_p, rot_dim, b, rot_dim)
             cache = lay.kv_cache                                                   # [2, N, BS, Hkv, D]
-            native.kv_write(k_p, row * elem, v_p, row * elem, cache.data_ptr(), cache.shape[1] * cache.shape[2],
-                            slots_p, b, hkv * d * elem)
-            native.decode(q_p, cache.data_ptr(), tables_p, lens_p, starts_p, attn_out.data_ptr(), native.dtype_code, b,
-                          hq, hkv, d,
+            fp8 = cache.dtype != self.dtype   # an FP8 E4M3 cache (_why_not checked it)
+            if fp8:
+                native.kv_write_e4m3(k_p, row, v_p, row, cache.data_ptr(), cache.shape[1] * cache.shape[2], slots_p, b,
+                                     hkv * d)
+            else:
+                native.kv_write(k_p, row * elem, v_p, row * elem, cache.data_ptr(), cache.shape[1] * cache.shape[2],
+                                slots_p, b, hkv * d * elem)
+            native.decode(q_p, cache.data_ptr(), tables_p, lens_p, starts_p, attn_out.data_ptr(),
+                          FP8_DTYPE_CODE if fp8 else native.dtype_code, b, hq, hkv, d,
                           cache.shape[1], bs, tables.shape[1], row, hq * d, lay.scale, lay.sliding_window or 0,
                           threads)
             hidden = _matmul(lay, "o", attn_out)

@@ -1627,6 +1627,69 @@ void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value,
 }
 
 
+namespace {
+// x rounded to FP8 E4M3 (torch.float8_e4m3fn) as torch rounds x.clamp(-448, 448): magnitudes clamped to 448, nearest
+// even, below 2^-6 multiples of 2^-9; NaN as 0xFF.
+inline uint8_t e4m3_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if (std::isnan(x)) return 0xFF;
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const float a = std::min(std::fabs(x), 448.f);
+  if (a < 0.015625f) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.f));
+  std::memcpy(&u, &a, sizeof(u));
+  return sign | static_cast<uint8_t>(((u + 0x7FFFFu + ((u >> 20) & 1u)) >> 20) - 0x3C0u);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// e4m3_of on 16 lanes
+inline __m128i e4m3_of16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(448.f));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  const __m512i ua = _mm512_castps_si512(a);
+  const __m512i even = _mm512_and_si512(_mm512_srli_epi32(ua, 20), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_sub_epi32(
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ua, _mm512_set1_epi32(0x7FFFF)), even), 20),
+      _mm512_set1_epi32(0x3C0));
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.f)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(small, normal, sub), sign);
+  code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0xFF));
+  return _mm512_cvtepi32_epi8(code);
+}
+#endif
+}  // namespace
+
+extern "C" {
+
+// plinth_kv_write into an FP8 E4M3 cache: bfloat16 keys and values (rows of `row` elements, token strides k_stride /
+// v_stride elements) rounded by e4m3_of into a [2, slots, row] byte cache at slots[t]; negative slots skipped.
+void plinth_kv_write_e4m3(const uint16_t* key, int64_t k_stride, const uint16_t* value, int64_t v_stride,
+                          uint8_t* cache, int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row) {
+#pragma omp parallel for schedule(static, 1) if (tokens * row >= kParallelWork)
+  for (int64_t half = 0; half < 2; ++half) {
+    const uint16_t* src = half == 0 ? key : value;
+    const int64_t stride = half == 0 ? k_stride : v_stride;
+    uint8_t* dst = cache + half * num_slots * row;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t s = slots[t];
+      if (s < 0 || s >= num_slots) continue;
+      const uint16_t* x = src + t * stride;
+      uint8_t* y = dst + s * row;
+      int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      for (; i + 16 <= row; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), e4m3_of16(load16_bf(x + i)));
+#endif
+      for (; i < row; ++i) y[i] = e4m3_of(bf2f(x[i]));
+    }
+  }
+}
+
+}  // extern "C"
+
 // ---- a whole decode step of a standard decoder over 4-bit panel weights, in one call ----------------------
 // The layers of plinth.worker.cpu_decode_plan run back to back without returning to Python between kernels:
 // per layer the same calls, in the same order and on the same buffers, as the plan's Python loop (so the
@@ -1652,6 +1715,7 @@ struct PlinthDecodeLayer {
   int64_t num_blocks, num_heads, num_kv_heads, head_size;
   double scale;
   int64_t sliding_window;          // <= 0: none
+  int64_t kv_fp8;                  // 1: kv_cache holds FP8 E4M3 bytes (bfloat16 models; attention dtype code 2)
 };
 
 struct PlinthDecodeStep {          // every buffer in the activation dtype except the integer ones
@@ -1716,10 +1780,19 @@ int64_t decode_layers(const PlinthDecodeLayer* layers, int64_t num_layers, const
     T* v = q + (hq + hkv) * d;
     rotary_heads<E>(q, row, d, hq, k, row, d, hkv, cos, sin, st->rot_dim, b, st->rot_dim);
     const int64_t num_slots = lay.num_blocks * st->block_size;
-    plinth_kv_write(reinterpret_cast<const uint8_t*>(k), row * elem, reinterpret_cast<const uint8_t*>(v), row * elem,
-                    static_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d * elem);
-    st->attention(q, lay.kv_cache, st->tables, st->lens, st->starts, st->attn, dtype, b, hq, hkv, d, lay.num_blocks,
-                  st->block_size, st->table_width, row, hq * d, lay.scale, lay.sliding_window, st->threads);
+    int64_t attn_dtype = dtype;
+    if constexpr (std::is_same_v<E, Bf16>) {
+      if (lay.kv_fp8) {
+        plinth_kv_write_e4m3(k, row, v, row, static_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d);
+        attn_dtype = 2;
+      }
+    }
+    if (attn_dtype == dtype)
+      plinth_kv_write(reinterpret_cast<const uint8_t*>(k), row * elem, reinterpret_cast<const uint8_t*>(v), row * elem,
+                      static_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d * elem);
+    st->attention(q, lay.kv_cache, st->tables, st->lens, st->starts, st->attn, attn_dtype, b, hq, hkv, d,
+                  lay.num_blocks, st->block_size, st->table_width, row, hq * d, lay.scale, lay.sliding_window,
+                  st->threads);
     if (int64_t rc = gemv(lay.o, static_cast<const T*>(st->attn), hq * d, st->o); rc != 0) return rc;
     rms_norm_rows<E>(static_cast<const T*>(st->o), width, residual, width, static_cast<const T*>(lay.post_norm),
                      normed, residual, b, width, lay.post_eps);
