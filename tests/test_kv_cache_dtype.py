@@ -337,3 +337,18 @@ def test_native_fp8_cache_write_rounds_as_torch():
         flat = cache.view(2, -1, k.shape[2]).view(torch.uint8)
         assert torch.equal(flat[0, slots], to_cache_dtype(k[:, 0], torch.float8_e4m3fn).view(torch.uint8))
         assert torch.equal(flat[1, slots], to_cache_dtype(v[:, 0], torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.skipif(not _cpu_fp8_ready(), reason="the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
+def test_native_fp8_gather_equals_torch():
+    """A sequence's keys and values gathered from an FP8 cache and widened natively: torch's gather and conversion."""
+    from plinth.attention_backends import cpu_paged
+
+    g = torch.Generator().manual_seed(3)
+    cache = (torch.randn(2, 20, 16, 3, 64, generator=g) * 50).to(torch.float8_e4m3fn)
+    table = torch.tensor([7, 2, 19, 11, 4], dtype=torch.int32)
+    for seq_len in (1, 16, 37, 80):
+        k, v = cpu_paged.gather_e4m3(cache, table, seq_len, torch.bfloat16)
+        blocks = table[: -(-seq_len // 16)].long()
+        assert torch.equal(k, cache[0, blocks].flatten(0, 1)[:seq_len].to(torch.bfloat16))
+        assert torch.equal(v, cache[1, blocks].flatten(0, 1)[:seq_len].to(torch.bfloat16))

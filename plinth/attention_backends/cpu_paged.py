@@ -311,15 +311,20 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     """Causal attention of one sequence's ``L`` query rows ``[L, H, D]`` (its last ``L`` positions) through
     :func:`amx_prefill` where it runs, else ``F.scaled_dot_product_attention``: over this step's keys and values as
     they are when the sequence has no earlier tokens, else over its ``seq_len`` cached ones (this step's written),
-    gathered from its blocks, with the causal mask aligned to the last position. ``[L, H, D]``."""
+    gathered from its blocks, with the causal mask aligned to the last position; from an FP8 cache always the cached
+    ones, widened to bfloat16 (:func:`gather_e4m3`). ``[L, H, D]``."""
     rows, h, d = query.shape
     if seq_len == rows and kv_cache.dtype == query.dtype:
         k, v, mask, causal = key, value, None, True
-    else:   # (an 8-bit cache: this step's rows too, as the cache holds them, widened)
+    elif kv_cache.dtype == FP8_CACHE_DTYPE:   # this step's rows too, as the cache holds them, widened
+        k, v = gather_e4m3(kv_cache, table, seq_len, query.dtype)          # [S, Hkv, D] each
+        mask = torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows) if seq_len != rows else None
+        causal = seq_len == rows
+    else:
         block_size = kv_cache.shape[2]
         blocks = table[: -(-seq_len // block_size)].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(query.dtype)    # [S, Hkv, D]
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]                     # [S, Hkv, D]
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
         mask = torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows)
         causal = False
     out = amx_prefill(query, k, v, scale)
@@ -329,6 +334,26 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
                                          scale=scale, enable_gqa=k.shape[1] != h)
     return out[0].transpose(0, 1)
+
+
+def gather_e4m3(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` keys and values of one sequence (its blocks in ``table``) from an FP8 E4M3 cache,
+    widened to bfloat16 (exactly) by the native kernel where it runs, else by torch: ``[S, Hkv, D]`` each."""
+    _, _, block_size, hkv, d = kv_cache.shape
+    build = load_kernel()
+    if dtype == torch.bfloat16 and kv_cache.is_contiguous() and fp8_decode_available() and (hkv * d) % 32 == 0:
+        table32 = table.to(torch.int32).contiguous()
+        out = torch.empty((2, seq_len, hkv, d), dtype=torch.bfloat16)
+        for half in range(2):
+            rc = build.library.plinth_cpu_gather_e4m3(kv_cache[half].data_ptr(), table32.data_ptr(), seq_len, block_size,
+                                                      hkv * d, out[half].data_ptr(), torch.get_num_threads())
+            if rc != 0:
+                break
+        else:
+            return out[0], out[1]
+    blocks = table[: -(-seq_len // block_size)].long()
+    return (kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(dtype), kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(dtype))
 
 
 @functools.cache

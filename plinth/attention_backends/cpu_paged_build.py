@@ -40,6 +40,10 @@ def load_kernel() -> NativeBuild:
         fn = build.library.plinth_cpu_paged_has_fp8
         fn.restype = ctypes.c_int64
         fn.argtypes = []
+        fn = build.library.plinth_cpu_gather_e4m3   # cache half, table, tokens, block size, row, out, threads
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_int64]
         fn = build.library.plinth_cpu_amx_prefill
         fn.restype = ctypes.c_int64
         p, i = ctypes.c_void_p, ctypes.c_int64   # query, q_row, key, value, kv_row, out, out_row, L, S, H, Hkv, D

@@ -1372,6 +1372,31 @@ void plinth_cpu_paged_decode(const void* query, const void* kv_cache, const int3
   }
 }
 
+// The first `tokens` token rows of one sequence in one half (keys or values) of an FP8 E4M3 cache ([N, BS, row]
+// bytes, row = Hkv x D a multiple of 32; the sequence's blocks in table) widened to bfloat16 into out [tokens, row]
+// (exactly: every E4M3 value is a bfloat16 value). Returns 0; -1 without AVX512-BF16 or for another row size.
+int64_t plinth_cpu_gather_e4m3(const void* cache_half, const int32_t* table, int64_t tokens, int64_t block_size,
+                               int64_t row, void* out, int64_t num_threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (row % 32 != 0) return -1;
+  const auto* cache = static_cast<const uint8_t*>(cache_half);
+  auto* dst = static_cast<uint16_t*>(out);
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, num_threads))) if (tokens * row >= (1 << 15))
+  {
+    const E4m3Rows rows;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const uint8_t* src = cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
+      for (int64_t i = 0; i < row; i += 32) _mm512_storeu_si512(dst + t * row + i, rows.load32(src + i));
+    }
+  }
+  return 0;
+#else
+  (void)cache_half; (void)table; (void)tokens; (void)block_size; (void)row; (void)out; (void)num_threads;
+  return -1;
+#endif
+}
+
 // Whether plinth_cpu_paged_decode takes dtype 2 (an FP8 E4M3 cache): builds with AVX512-BF16.
 int64_t plinth_cpu_paged_has_fp8() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
