@@ -60,7 +60,7 @@ class CpuPagedBackend(TorchBatchedBackend):
 
     #: part of the start-up selection's cache key: a changed kernel (here the prefill kernel's 64-key softmax
     #: updates and bfloat16 P V) is timed afresh
-    selection_revision = 5
+    selection_revision = 6
 
     name = "cpu_paged"
     priority = 6
