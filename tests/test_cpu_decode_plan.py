@@ -64,6 +64,18 @@ def _plan_equals_modules(llm: LLM, n: int, tag: str, prompts: list[list[int]] = 
         engine.step()
 
 
+def _python_loop_equals_modules(llm: LLM, ns: tuple[int, ...], tag: str, prompts: list[list[int]]) -> None:
+    """:func:`_plan_equals_modules` for each batch size in ``ns`` with the fused native step set aside: the plan's
+    Python loop over the same kernels."""
+    plan = llm.engine.runner.graphs
+    fused, plan.fused_layers = plan.fused_layers, None
+    try:
+        for n in ns:
+            _plan_equals_modules(llm, n, tag, prompts)
+    finally:
+        plan.fused_layers = fused
+
+
 @pytest.mark.parametrize("n", [1, 3, 6])
 def test_plan_logits_equal_the_module_path(llm, n):
     _plan_equals_modules(llm, n, "p")
@@ -96,12 +108,7 @@ def test_plan_with_int4_copies_equals_the_module_path(tmp_path_factory, monkeypa
         # Q4_GEMV_AMX_MAX_ROWS rows to the AMX panel GEMM, in the fused step as in the layers' routing
         for n in (1, 3, 5, 12, 20):
             _plan_equals_modules(llm, n, "q", small_vocab)   # all layers in one native call, where it runs
-        fused, plan.fused_layers = plan.fused_layers, None
-        try:
-            for n in (1, 3, 12, 20):
-                _plan_equals_modules(llm, n, "r", small_vocab)    # the plan's Python loop over the same kernels
-        finally:
-            plan.fused_layers = fused
+        _python_loop_equals_modules(llm, (1, 3, 12, 20), "r", small_vocab)
 
 
 @needs_packed_bf16
@@ -154,12 +161,7 @@ def test_plan_with_an_fp8_cache_equals_the_module_path(tmp_path_factory, monkeyp
         small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * (i % 12))] for i in range(20)]
         for n in (1, 5, 20):
             _plan_equals_modules(llm, n, "f", small_vocab)
-        fused, plan.fused_layers = plan.fused_layers, None
-        try:
-            for n in (1, 12):
-                _plan_equals_modules(llm, n, "g", small_vocab)
-        finally:
-            plan.fused_layers = fused
+        _python_loop_equals_modules(llm, (1, 12), "g", small_vocab)
 
 
 def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch):
@@ -254,12 +256,7 @@ def test_float32_gguf_plan_runs_every_layer_natively(int8, tmp_path_factory, mon
             _plan_equals_modules(llm, n, "g", small_vocab)
         assert sorted(set(calls)) == [(n, int8) for n in ((1, 3, 4, 6) if int8 else (1, 3, 4))], calls
         assert (6 in q8_rows) == int8       # the module path of a 6-row decode step took the 8-bit GEMM
-        fused, plan.fused_layers = plan.fused_layers, None
-        try:
-            for n in (1, 3):
-                _plan_equals_modules(llm, n, "h", small_vocab)
-        finally:
-            plan.fused_layers = fused
+        _python_loop_equals_modules(llm, (1, 3), "h", small_vocab)
 
 
 def test_run_declines_batches_it_does_not_take(llm):

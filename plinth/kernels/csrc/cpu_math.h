@@ -71,19 +71,22 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
-// exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
+inline __m512 exp2_poly16(__m512 f) {   // 2^f for f in [-1/2, 1/2] on 16 lanes: exp_nonpositive's polynomial
   __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+}
+
+// exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 p = exp2_poly16(_mm512_sub_ps(y, n));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
@@ -93,15 +96,7 @@ inline __m512 exp16_nonpositive(__m512 x) {
 inline __m512 exp2_16_nonpositive(__m512 y) {
   y = _mm512_max_ps(_mm512_set1_ps(-125.f), y);   // (NaN stays NaN)
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(exp2_poly16(_mm512_sub_ps(y, n)), n);
 }
 #endif
 

@@ -1607,27 +1607,23 @@ int64_t plinth_q8v_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t*
 #endif
 }
 
-// Scatter the keys and values of `tokens` tokens (rows of `row_bytes` bytes: heads x head size x element
-// size, token strides k_stride/v_stride bytes) into a [2, slots, row] cache at slots[t]; negative
-// slots are skipped. Prompts' rows are written by two threads, one the keys and one the values: they lie in
-// different pages, and a prompt's slots are often pages the cache has not used yet, whose first write makes the
-// kernel zero them (a 2 MiB page at a time under transparent huge pages), so the two halves fault in side by side.
-void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value, int64_t v_stride, uint8_t* cache,
-                     int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row_bytes) {
-#pragma omp parallel for schedule(static, 1) if (tokens * row_bytes >= kParallelWork)
-  for (int64_t half = 0; half < 2; ++half) {
-    const uint8_t* src = half == 0 ? key : value;
-    const int64_t stride = half == 0 ? k_stride : v_stride;
-    uint8_t* dst = cache + half * num_slots * row_bytes;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t s = slots[t];
-      if (s >= 0 && s < num_slots) std::memcpy(dst + s * row_bytes, src + t * stride, row_bytes);
-    }
-  }
-}
-
+}  // extern "C"
 
 namespace {
+// The keys (half 0) and values (half 1) of `tokens` tokens into a [2, slots, ...] cache: copy(half, t, slot) for each
+// token whose slot lies in the cache (negative ones are skipped). A prompt's two halves are written by two threads:
+// they lie in different pages, and a prompt's slots are often pages the cache has not used yet, whose first write
+// makes the kernel zero them (a 2 MiB page at a time under transparent huge pages), so they fault in side by side.
+template <class Copy>
+void scatter_kv(int64_t tokens, const int64_t* slots, int64_t num_slots, int64_t work, Copy copy) {
+#pragma omp parallel for schedule(static, 1) if (work >= kParallelWork)
+  for (int64_t half = 0; half < 2; ++half)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t s = slots[t];
+      if (s >= 0 && s < num_slots) copy(half, t, s);
+    }
+}
+
 // x rounded to FP8 E4M3 (torch.float8_e4m3fn) as torch rounds x.clamp(-448, 448): magnitudes clamped to 448, nearest
 // even, below 2^-6 multiples of 2^-9; NaN as 0xFF.
 inline uint8_t e4m3_of(float x) {
@@ -1665,30 +1661,31 @@ inline __m128i e4m3_of16(__m512 x) {
 
 extern "C" {
 
-// plinth_kv_write into an FP8 E4M3 cache: bfloat16 keys and values (rows of `row` elements, token strides k_stride /
-// v_stride elements) rounded by e4m3_of into a [2, slots, row] byte cache at slots[t]; negative slots skipped.
-void plinth_kv_write_e4m3(const uint16_t* key, int64_t k_stride, const uint16_t* value, int64_t v_stride,
-                          uint8_t* cache, int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row) {
-#pragma omp parallel for schedule(static, 1) if (tokens * row >= kParallelWork)
-  for (int64_t half = 0; half < 2; ++half) {
-    const uint16_t* src = half == 0 ? key : value;
-    const int64_t stride = half == 0 ? k_stride : v_stride;
-    uint8_t* dst = cache + half * num_slots * row;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t s = slots[t];
-      if (s < 0 || s >= num_slots) continue;
-      const uint16_t* x = src + t * stride;
-      uint8_t* y = dst + s * row;
-      int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-      for (; i + 16 <= row; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), e4m3_of16(load16_bf(x + i)));
-#endif
-      for (; i < row; ++i) y[i] = e4m3_of(bf2f(x[i]));
-    }
-  }
+// Scatter the keys and values of `tokens` tokens (rows of `row_bytes` bytes: heads x head size x element size, token
+// strides k_stride/v_stride bytes) into a [2, slots, row] cache at slots[t] (scatter_kv).
+void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value, int64_t v_stride, uint8_t* cache,
+                     int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row_bytes) {
+  scatter_kv(tokens, slots, num_slots, tokens * row_bytes, [&](int64_t half, int64_t t, int64_t s) {
+    const uint8_t* src = half == 0 ? key + t * k_stride : value + t * v_stride;
+    std::memcpy(cache + (half * num_slots + s) * row_bytes, src, row_bytes);
+  });
 }
 
-}  // extern "C"
+// plinth_kv_write into an FP8 E4M3 cache: bfloat16 keys and values (rows of `row` elements, token strides k_stride /
+// v_stride elements) rounded by e4m3_of into a [2, slots, row] byte cache.
+void plinth_kv_write_e4m3(const uint16_t* key, int64_t k_stride, const uint16_t* value, int64_t v_stride,
+                          uint8_t* cache, int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row) {
+  scatter_kv(tokens, slots, num_slots, tokens * row, [&](int64_t half, int64_t t, int64_t s) {
+    const uint16_t* x = half == 0 ? key + t * k_stride : value + t * v_stride;
+    uint8_t* y = cache + (half * num_slots + s) * row;
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    for (; i + 16 <= row; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), e4m3_of16(load16_bf(x + i)));
+#endif
+    for (; i < row; ++i) y[i] = e4m3_of(bf2f(x[i]));
+  });
+}
+
 
 // ---- a whole decode step of a standard decoder over 4-bit panel weights, in one call ----------------------
 // The layers of plinth.worker.cpu_decode_plan run back to back without returning to Python between kernels:
