@@ -20,9 +20,14 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ma
 PAGE = 4096
 
 
+#: faults per page that still count as populated pages: the kernel may migrate a few resident pages while the test
+#: runs (compaction under other processes' memory pressure), and a migrated page faults once more
+RESIDENT = 0.02
+
+
 def write_faults(t: torch.Tensor, lo: int = 0, hi: int | None = None) -> float:
     """Page faults per page when one byte of each page holding bytes [lo, hi) of ``t`` is written (with its
-    own value): ~1 for pages not yet populated, 0 for populated ones."""
+    own value): ~1 for pages not yet populated, ~0 (at most :data:`RESIDENT`) for populated ones."""
     b = t.view(-1).view(torch.uint8)[lo:hi].numpy()
     offsets = list(range(-b.ctypes.data % PAGE, b.size, PAGE))
     if not offsets:
@@ -83,8 +88,8 @@ def test_pages_become_resident_in_block_order_and_contents_stay(fresh):
     assert all(more) and p.populated_bytes == 4 * window
     first = window // block_bytes    # blocks per window
     for c in caches:   # every cache's keys and values of the first blocks, not of the later ones
-        assert write_faults(c, 0, first * block_bytes) == 0.0
-        assert write_faults(c, half, half + first * block_bytes) == 0.0
+        assert write_faults(c, 0, first * block_bytes) <= RESIDENT
+        assert write_faults(c, half, half + first * block_bytes) <= RESIDENT
         assert write_faults(c, first * block_bytes, 2 * first * block_bytes) > 0.9
         assert write_faults(c, half + (blocks - 10) * block_bytes, 2 * half) > 0.9
     steps = 4
@@ -100,7 +105,7 @@ def test_pages_become_resident_in_block_order_and_contents_stay(fresh):
     assert p.populated_bytes == sum(c.numel() * c.element_size() for c in caches)
     for c, b in zip(caches, before, strict=True):
         assert torch.equal(c, b)
-        assert write_faults(c) < 0.02   # (the pages written above faulted already)
+        assert write_faults(c) <= RESIDENT   # (the pages written above faulted already)
 
 
 @linux_only
@@ -110,12 +115,12 @@ def test_a_cache_without_a_block_dimension_is_populated_front_to_back(fresh):
     p = KVPrefaulter([cache], 5, window_bytes=1 << 20)
     more = p.step()
     skip_without_populate(p)
-    assert more and write_faults(cache, 0, 1 << 20) == 0.0 and write_faults(cache, 1 << 20, 2 << 20) > 0.9
+    assert more and write_faults(cache, 0, 1 << 20) <= RESIDENT and write_faults(cache, 1 << 20, 2 << 20) > 0.9
     steps = 1
     while p.step():
         steps += 1
     assert steps + 1 == 8   # one window a step
-    assert write_faults(cache) == 0.0 and p.populated_bytes == cache.numel() * 4
+    assert write_faults(cache) <= RESIDENT and p.populated_bytes == cache.numel() * 4
     assert cache[7, -1].item() == 9.0 and cache.sum().item() == 9.0
 
 
@@ -147,7 +152,7 @@ def test_engine_idle_work_faults_the_cache_in_only_between_requests(tiny_llama_d
     skip_without_populate(runner.prefaulter)
     assert runner.prefaulter.done and calls >= 1
     assert runner.prefaulter.populated_bytes == runner.kv_cache_bytes
-    assert max(write_faults(c) for c in runner.kv_caches) < 0.01
+    assert max(write_faults(c) for c in runner.kv_caches) <= RESIDENT
     again = [o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "0123"], greedy(), use_tqdm=False)]
     assert again == reference
 

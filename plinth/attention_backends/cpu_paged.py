@@ -201,7 +201,10 @@ class CpuPagedBackend(TorchBatchedBackend):
         if not fused:
             return paged_prefill(query, kv_cache, tables, lens, starts, num_seqs, scale, sliding_window,
                                  max_seq_len=max(seq_lens, default=0))
-        out = torch.zeros(query.shape, dtype=query.dtype)
+        if not others and len(fused) == 1 and bounds[1] - bounds[0] == query.shape[0]:   # one prompt: its output as is
+            return sdpa_prefill(query, key, value, kv_cache, tables[fused[0]], seq_lens[fused[0]], scale).contiguous()
+        # rows past the sequences' (padding) stay zero
+        out = (torch.empty if bounds[num_seqs] == query.shape[0] else torch.zeros)(query.shape, dtype=query.dtype)
         if others:   # the native kernel for the short ones, on their rows gathered in order
             rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in others])
             sub_starts = torch.tensor([0, *itertools.accumulate(bounds[i + 1] - bounds[i] for i in others)],
