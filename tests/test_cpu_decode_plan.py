@@ -158,10 +158,14 @@ def test_plan_with_an_fp8_cache_equals_the_module_path(tmp_path_factory, monkeyp
         assert isinstance(plan, CpuDecodePlan)
         assert (plan.fused_layers is not None) == cpu_native.q4_gemv_supported()
         assert plan.fused_layers is None or all(lay.kv_fp8 == 1 for lay in plan.fused_layers)
+        ran = []   # the plan itself produced the logits (None would hand the batch to the modules)
+        real_run = plan.run
+        monkeypatch.setattr(plan, "run", lambda *a, **k: ran.append(real_run(*a, **k)) or ran[-1])
         small_vocab = [[(7 * i + j) % 120 + 3 for j in range(3 + 4 * (i % 12))] for i in range(20)]
         for n in (1, 5, 20):
             _plan_equals_modules(llm, n, "f", small_vocab)
         _python_loop_equals_modules(llm, (1, 12), "g", small_vocab)
+        assert len(ran) >= 5 and all(r is not None for r in ran)
 
 
 def test_greedy_tokens_equal_with_the_plan_off(llm, tiny_llama_dir, monkeypatch):

@@ -226,17 +226,26 @@ def _cpu_fp8_ready() -> bool:
 def test_cpu_paged_reads_an_fp8_cache(head_size, window):
     """The native CPU backend over an FP8 E4M3 cache (bfloat16 model): decode rows through its FP8 decode kernel,
     prompts and chunks (with cached context) through the fused prefill over the context as the cache holds it; a
-    decode-only step as well. Against float64 attention over the rounded keys and values, within bfloat16's error."""
+    decode-only step as well; with a sliding window, a step whose prompts pass the window through torch_batched.
+    Against float64 attention over the rounded keys and values, within bfloat16's error."""
     from plinth.attention_backends.cpu_paged import CpuPagedBackend
+
+    took = []
+    real = CpuPagedBackend._forward_fp8
+
+    def spy(self, *args):
+        out = real(self, *args)
+        took.append(out is not None)
+        return out
 
     g = torch.Generator().manual_seed(head_size + (window or 0))
     num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 64
     spec = AttentionSpec(num_heads, num_kv_heads, head_size, torch.bfloat16, block_size,
                          kv_cache_dtype=torch.float8_e4m3fn)
     assert CpuPagedBackend.check(spec, "cpu"), CpuPagedBackend.check(spec, "cpu").reason
-    for shapes in ([(30, 1), (70, 1), (5, 1), (0, 40), (17, 20)], [(9, 1), (40, 1), (100, 1), (3, 1)]):
-        if window and any(new > 1 and ctx + new > window for ctx, new in shapes):
-            shapes = [(ctx, new) for ctx, new in shapes if new == 1]   # windowed prompts take torch_batched
+    for shapes in ([(30, 1), (70, 1), (5, 1), (0, 40), (17, 20)], [(9, 1), (40, 1), (100, 1), (3, 1)],
+                   [(30, 1), (0, 10), (5, 12)]):
+        native = not window or all(new == 1 or ctx + new <= window for ctx, new in shapes)
         perm = torch.randperm(num_blocks - 1, generator=g) + 1
         cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float8_e4m3fn)
         entries, full_k, full_v, used = [], [], [], 0
@@ -260,7 +269,10 @@ def test_cpu_paged_reads_an_fp8_cache(head_size, window):
         backend = CpuPagedBackend()
         backend.prepare(md)
         scale = 1 / math.sqrt(head_size)
-        out = backend.forward(query, key, value, cache, md, scale=scale, sliding_window=window)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(CpuPagedBackend, "_forward_fp8", spy)
+            out = backend.forward(query, key, value, cache, md, scale=scale, sliding_window=window)
+        assert took.pop() == native   # the FP8 path, or (prompts past the window) torch_batched
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         for s, (ctx_len, _) in enumerate(shapes):
             lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
@@ -320,7 +332,8 @@ def test_engine_on_cpu_paged_with_an_fp8_cache(tmp_path):
 
 def test_native_fp8_cache_write_rounds_as_torch():
     """Every bfloat16 bit pattern written into an FP8 E4M3 cache by the native write (16-lane and scalar tails)
-    becomes the byte torch makes of it after the clamp to +-448 (``to_cache_dtype``), NaNs as 0xFF."""
+    becomes the byte torch's path makes of it (``to_cache_dtype``: the clamp to +-448, then the conversion; every NaN
+    comes out of it as 0xFF, which the native write writes too)."""
     from plinth.attention_backends.interface import to_cache_dtype
     from plinth.kernels import cpu_native
 
@@ -331,7 +344,8 @@ def test_native_fp8_cache_write_rounds_as_torch():
     wide_k = rows.view(-1, 1, 64)                                           # 64 per token: the 16-lane path
     for k, v in ((key, value), (wide_k, wide_k.flip(0).contiguous())):
         cache = torch.zeros(2, k.shape[0], 1, 1, k.shape[2], dtype=torch.float8_e4m3fn)
-        assert cpu_native.kv_write_supported(k, v, cache)
+        if not cpu_native.kv_write_supported(k, v, cache):
+            pytest.skip("the native CPU ops are off")
         slots = torch.randperm(k.shape[0])
         cpu_native.write_kv(k, v, cache, slots)
         flat = cache.view(2, -1, k.shape[2]).view(torch.uint8)
@@ -341,14 +355,26 @@ def test_native_fp8_cache_write_rounds_as_torch():
 
 @pytest.mark.skipif(not _cpu_fp8_ready(), reason="the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
 def test_native_fp8_gather_equals_torch():
-    """A sequence's keys and values gathered from an FP8 cache and widened natively: torch's gather and conversion."""
+    """A sequence's keys and values gathered from an FP8 cache and widened by the native kernel (every one of the 256
+    codes, NaNs included): torch's gather and conversion."""
     from plinth.attention_backends import cpu_paged
 
     g = torch.Generator().manual_seed(3)
-    cache = (torch.randn(2, 20, 16, 3, 64, generator=g) * 50).to(torch.float8_e4m3fn)
-    table = torch.tensor([7, 2, 19, 11, 4], dtype=torch.int32)
-    for seq_len in (1, 16, 37, 80):
-        k, v = cpu_paged.gather_e4m3(cache, table, seq_len, torch.bfloat16)
-        blocks = table[: -(-seq_len // 16)].long()
-        assert torch.equal(k, cache[0, blocks].flatten(0, 1)[:seq_len].to(torch.bfloat16))
-        assert torch.equal(v, cache[1, blocks].flatten(0, 1)[:seq_len].to(torch.bfloat16))
+    cache = torch.randint(0, 256, (2, 20, 16, 3, 64), generator=g, dtype=torch.uint8)
+    cache.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    cache = cache.view(torch.float8_e4m3fn)
+    table = torch.tensor([0, 7, 2, 19, 11, 4], dtype=torch.int32)
+    lib = cpu_paged.load_kernel().library
+    for seq_len in (1, 16, 37, 96):
+        for half in range(2):
+            out = torch.empty(seq_len, 3, 64, dtype=torch.bfloat16)
+            assert lib.plinth_cpu_gather_e4m3(cache[half].data_ptr(), table.data_ptr(), seq_len, 16, 3 * 64,
+                                              out.data_ptr(), 2) == 0
+            want = cache[half, table[: -(-seq_len // 16)].long()].flatten(0, 1)[:seq_len].to(torch.bfloat16)
+            assert torch.equal(out.isnan(), want.isnan())
+            assert torch.equal(out.nan_to_num(0.0), want.nan_to_num(0.0))
+        k, v = cpu_paged.gather_e4m3(cache, table, seq_len, torch.bfloat16)   # the wrapper: the same values
+        assert torch.equal(k.nan_to_num(0.0), cache[0, table[: -(-seq_len // 16)].long()].flatten(0, 1)[:seq_len]
+                           .to(torch.bfloat16).nan_to_num(0.0))
+    with pytest.raises(ValueError, match="do not fit a block table"):
+        cpu_paged.gather_e4m3(cache, table, 97, torch.bfloat16)

@@ -162,7 +162,7 @@ class CpuPagedBackend(TorchBatchedBackend):
         for i in range(num_decodes, metadata.num_seqs):
             a, b = bounds[i], bounds[i + 1]
             parts.append(sdpa_prefill(query[a:b], key[a:b], value[a:b], kv_cache, tables[i], seq_lens[i], scale))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
 
     def _mixed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor | None:
@@ -344,6 +344,8 @@ def gather_e4m3(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
     """The first ``seq_len`` keys and values of one sequence (its blocks in ``table``) from an FP8 E4M3 cache,
     widened to bfloat16 (exactly) by the native kernel where it runs, else by torch: ``[S, Hkv, D]`` each."""
     _, _, block_size, hkv, d = kv_cache.shape
+    if table.numel() * block_size < seq_len:
+        raise ValueError(f"{seq_len} tokens do not fit a block table of {table.numel()} {block_size}-token blocks")
     build = load_kernel()
     if dtype == torch.bfloat16 and kv_cache.is_contiguous() and fp8_decode_available() and (hkv * d) % 32 == 0:
         table32 = table.to(torch.int32).contiguous()

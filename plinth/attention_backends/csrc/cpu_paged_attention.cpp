@@ -1456,7 +1456,9 @@ int64_t plinth_cpu_amx_prefill(const void* query, int64_t q_row, const void* key
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;   // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
   static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   if (!granted) return -1;
-  if ((head_size != 64 && head_size != 128) || L < 1 || S < L || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
+  // (a positive scale: the row maxima are kept in raw scores)
+  if ((head_size != 64 && head_size != 128) || L < 1 || S < L || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||
+      !(scale > 0))
     return -2;
   const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
   const auto* q = static_cast<const uint16_t*>(query);

@@ -1778,6 +1778,7 @@ int64_t decode_layers(const PlinthDecodeLayer* layers, int64_t num_layers, const
     rotary_heads<E>(q, row, d, hq, k, row, d, hkv, cos, sin, st->rot_dim, b, st->rot_dim);
     const int64_t num_slots = lay.num_blocks * st->block_size;
     int64_t attn_dtype = dtype;
+    if (lay.kv_fp8 && (!std::is_same_v<E, Bf16> || (d != 64 && d != 128))) return -1;   // what the FP8 decode reads
     if constexpr (std::is_same_v<E, Bf16>) {
       if (lay.kv_fp8) {
         plinth_kv_write_e4m3(k, row, v, row, static_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d);
