@@ -373,8 +373,8 @@ def test_native_fp8_gather_equals_torch():
             want = cache[half, table[: -(-seq_len // 16)].long()].flatten(0, 1)[:seq_len].to(torch.bfloat16)
             assert torch.equal(out.isnan(), want.isnan())
             assert torch.equal(out.nan_to_num(0.0), want.nan_to_num(0.0))
-        k, v = cpu_paged.gather_e4m3(cache, table, seq_len, torch.bfloat16)   # the wrapper: the same values
+        k, v = cpu_paged.gather_e4m3(cache, table, seq_len)   # the wrapper: the same values
         assert torch.equal(k.nan_to_num(0.0), cache[0, table[: -(-seq_len // 16)].long()].flatten(0, 1)[:seq_len]
                            .to(torch.bfloat16).nan_to_num(0.0))
     with pytest.raises(ValueError, match="do not fit a block table"):
-        cpu_paged.gather_e4m3(cache, table, 97, torch.bfloat16)
+        cpu_paged.gather_e4m3(cache, table, 97)

@@ -140,29 +140,22 @@ class CpuPagedBackend(TorchBatchedBackend):
     def _forward_fp8(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor | None:
         """A step over an FP8 E4M3 cache (``None``: a shape for the ``torch_batched`` path): the new keys and values
-        written (clamped and rounded), decode rows through the FP8 decode kernel, every prefill sequence through
-        :func:`sdpa_prefill` over its context as the cache holds it, widened to bfloat16."""
+        written (clamped and rounded), then the steps of a 16-bit cache: decode rows through the (FP8) decode kernel,
+        every prefill sequence through :func:`sdpa_prefill` (see :meth:`_prefill`)."""
         if query.shape[-1] not in FP8_HEAD_SIZES or not fp8_decode_available():
             return None
-        tables, lens, starts = self._step_indices(metadata)
         if metadata.is_decode_only:
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-            return paged_decode(query, kv_cache, tables, lens, starts, metadata.num_seqs, scale, sliding_window,
-                                max_seq_len=metadata.max_seq_len, every_row_owned=query.shape[0] == metadata.num_seqs)
-        num_decodes, longest_decode, _ = self._decode_split(metadata, starts)
-        bounds, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        if bounds[metadata.num_seqs] != query.shape[0] or (
+            return paged_decode(query, kv_cache, *self._step_indices(metadata), metadata.num_seqs, scale,
+                                sliding_window, max_seq_len=metadata.max_seq_len,
+                                every_row_owned=query.shape[0] == metadata.num_seqs)
+        num_decodes = self._decode_split(metadata, self._step_indices(metadata)[2])[0]
+        seq_lens = metadata.seq_lens_cpu
+        if metadata.query_start_loc_cpu[metadata.num_seqs] != query.shape[0] or (
                 sliding_window and any(seq_lens[i] > sliding_window for i in range(num_decodes, metadata.num_seqs))):
             return None   # padding rows, or windowed prompts: torch_batched's masks
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        parts = []
-        if num_decodes:
-            parts.append(paged_decode(query[:num_decodes], kv_cache, tables, lens, starts, num_decodes, scale,
-                                      sliding_window, max_seq_len=longest_decode, every_row_owned=True))
-        for i in range(num_decodes, metadata.num_seqs):
-            a, b = bounds[i], bounds[i + 1]
-            parts.append(sdpa_prefill(query[a:b], key[a:b], value[a:b], kv_cache, tables[i], seq_lens[i], scale))
-        return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+        return self._mixed(query, key, value, kv_cache, metadata, scale, sliding_window)
 
     def _mixed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor | None:
@@ -186,13 +179,15 @@ class CpuPagedBackend(TorchBatchedBackend):
         """Sequences ``first_seq ..`` of the step, whose query rows start at row 0 of ``query``: bfloat16
         sequences of at least :func:`fused_min_rows` rows through a fused attention (:func:`sdpa_prefill`: the AMX
         kernel, else torch's, whose oneDNN bfloat16 micro-kernels run ~2.4x the native kernel at 500 rows), the
-        rest through the native causal kernel in one call."""
+        rest through the native causal kernel in one call. Over an FP8 cache every sequence takes the fused
+        attention (the native causal kernel reads 16-bit caches; the caller leaves no windowed prompt)."""
         num_seqs = metadata.num_seqs - first_seq
         q0 = metadata.query_start_loc_cpu[first_seq]
         bounds = [q - q0 for q in metadata.query_start_loc_cpu[first_seq:]]
         seq_lens = metadata.seq_lens_cpu[first_seq:]
-        route = query.dtype == torch.bfloat16 and _sdpa_prefill_on()
-        min_rows = fused_min_rows() if route else 0
+        fp8 = kv_cache.dtype == FP8_CACHE_DTYPE
+        route = fp8 or (query.dtype == torch.bfloat16 and _sdpa_prefill_on())
+        min_rows = fused_min_rows() if route and not fp8 else 0
         fused, others = [], []
         for i in range(num_seqs):
             long_enough = bounds[i + 1] - bounds[i] >= min_rows
@@ -297,10 +292,10 @@ def paged_decode(
             or starts.shape[0] <= num_seqs):
         raise ValueError(f"{num_seqs} sequences of up to {longest} tokens do not fit block tables "
                          f"{list(tables.shape)} of {block_size}-token blocks and {starts.shape[0]} query offsets")
-    # rows not owned by a sequence (padding) stay zero
-    out = (torch.empty if every_row_owned else torch.zeros)(query.shape, dtype=query.dtype, device=query.device)
     if fp8 and not fp8_decode_available():
         raise RuntimeError("this build of the CPU paged-attention kernel has no FP8 decode (needs AVX512-BF16)")
+    # rows not owned by a sequence (padding) stay zero
+    out = (torch.empty if every_row_owned else torch.zeros)(query.shape, dtype=query.dtype, device=query.device)
     build.library.plinth_cpu_paged_decode(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
         out.data_ptr(), FP8_DTYPE_CODE if fp8 else _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks,
@@ -317,19 +312,17 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     gathered from its blocks, with the causal mask aligned to the last position; from an FP8 cache always the cached
     ones, widened to bfloat16 (:func:`gather_e4m3`). ``[L, H, D]``."""
     rows, h, d = query.shape
-    if seq_len == rows and kv_cache.dtype == query.dtype:
-        k, v, mask, causal = key, value, None, True
-    elif kv_cache.dtype == FP8_CACHE_DTYPE:   # this step's rows too, as the cache holds them, widened
-        k, v = gather_e4m3(kv_cache, table, seq_len, query.dtype)          # [S, Hkv, D] each
-        mask = torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows) if seq_len != rows else None
-        causal = seq_len == rows
+    if kv_cache.dtype == FP8_CACHE_DTYPE:   # this step's rows too, as the cache holds them, widened
+        k, v = gather_e4m3(kv_cache, table, seq_len)                        # [S, Hkv, D] each
+    elif seq_len == rows:
+        k, v = key, value
     else:
         block_size = kv_cache.shape[2]
         blocks = table[: -(-seq_len // block_size)].long()
         k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]                     # [S, Hkv, D]
         v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-        mask = torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows)
-        causal = False
+    causal = seq_len == rows
+    mask = None if causal else torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows)
     out = amx_prefill(query, k, v, scale)
     if out is not None:
         return out
@@ -339,26 +332,22 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     return out[0].transpose(0, 1)
 
 
-def gather_e4m3(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` keys and values of one sequence (its blocks in ``table``) from an FP8 E4M3 cache,
-    widened to bfloat16 (exactly) by the native kernel where it runs, else by torch: ``[S, Hkv, D]`` each."""
+def gather_e4m3(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` keys and values of one sequence (its blocks in ``table``) from a contiguous FP8 E4M3
+    cache (head sizes 64 and 128), widened to bfloat16 (exactly) by the native kernel: ``[S, Hkv, D]`` each."""
     _, _, block_size, hkv, d = kv_cache.shape
     if table.numel() * block_size < seq_len:
         raise ValueError(f"{seq_len} tokens do not fit a block table of {table.numel()} {block_size}-token blocks")
-    build = load_kernel()
-    if dtype == torch.bfloat16 and kv_cache.is_contiguous() and fp8_decode_available() and (hkv * d) % 32 == 0:
-        table32 = table.to(torch.int32).contiguous()
-        out = torch.empty((2, seq_len, hkv, d), dtype=torch.bfloat16)
-        for half in range(2):
-            rc = build.library.plinth_cpu_gather_e4m3(kv_cache[half].data_ptr(), table32.data_ptr(), seq_len, block_size,
-                                                      hkv * d, out[half].data_ptr(), torch.get_num_threads())
-            if rc != 0:
-                break
-        else:
-            return out[0], out[1]
-    blocks = table[: -(-seq_len // block_size)].long()
-    return (kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(dtype), kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(dtype))
+    if not kv_cache.is_contiguous() or not fp8_decode_available():
+        raise RuntimeError("gathering from an FP8 cache needs a contiguous cache and the kernel's AVX512-BF16 build")
+    table32 = table.to(torch.int32).contiguous()
+    out = torch.empty((2, seq_len, hkv, d), dtype=torch.bfloat16)
+    for half in range(2):
+        if load_kernel().library.plinth_cpu_gather_e4m3(kv_cache[half].data_ptr(), table32.data_ptr(), seq_len,
+                                                        block_size, hkv * d, out[half].data_ptr(),
+                                                        torch.get_num_threads()) != 0:
+            raise RuntimeError(f"the FP8 gather takes rows of a multiple of 32 values, not {hkv} x {d}")
+    return out[0], out[1]
 
 
 @functools.cache

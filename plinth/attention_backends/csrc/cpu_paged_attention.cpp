@@ -225,17 +225,27 @@ struct Bf16Rows {
 // (two vpermi2w over 64 entries each), the sign put back.
 struct E4m3Rows {
   using T = uint8_t;
+  struct alignas(64) Table {
+    uint16_t v[128];
+  };
+  // the table, made once per process
+  static const Table& table() {
+    static const Table made = [] {
+      Table tb{};
+      for (int m = 0; m < 128; ++m) {
+        const int e = m >> 3, f = m & 7;
+        const float x = e == 0 ? std::ldexp(static_cast<float>(f), -9) : std::ldexp(1.f + f / 8.f, e - 7);
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof(bits));
+        tb.v[m] = m == 127 ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(bits >> 16);   // 3 mantissa bits
+      }
+      return tb;
+    }();
+    return made;
+  }
   __m512i tab[4];
   E4m3Rows() {
-    alignas(64) uint16_t v[128];
-    for (int m = 0; m < 128; ++m) {
-      const int e = m >> 3, f = m & 7;
-      const float x = e == 0 ? std::ldexp(static_cast<float>(f), -9) : std::ldexp(1.f + f / 8.f, e - 7);
-      uint32_t bits;
-      std::memcpy(&bits, &x, sizeof(bits));
-      v[m] = m == 127 ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(bits >> 16);   // exact: 3 mantissa bits
-    }
-    for (int i = 0; i < 4; ++i) tab[i] = _mm512_load_si512(v + 32 * i);
+    for (int i = 0; i < 4; ++i) tab[i] = _mm512_load_si512(table().v + 32 * i);
   }
   __m512i load32(const uint8_t* p) const {
     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
