@@ -9,7 +9,8 @@
 * ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens and for one sequence of 128 and
   of 2,000 tokens, in a cache of 30 layers in the default model's dtype here (and in FP8 E4M3, ``fp8_`` keys, where
   the kernel reads it), cold (a 64 MiB write between calls,
-  as the GEMMs between layers evict the caches) and warm;
+  as the GEMMs between layers evict the caches), cycled (the 30 layers in turn, nothing between) and warm; a
+  bfloat16 cache on AMX tiles where the kernel takes them and on AVX512-BF16 vectors (``vec_`` keys);
 * ``decode-gemv``: a decode step's int4 GEMMs per layer (qkv / o / gate_up / down at SmolLM2 shapes, random
   4-bit codes) for 1 and 4 input rows, 30 layers cycled so the weights come from memory as in a step: torch's
   ``_weight_int4pack_mm_for_cpu`` against plinth's native panel GEMV (``Q4Gemv``), with the GB/s of the 4-bit
@@ -140,7 +141,8 @@ def gate_up_part() -> dict:
 
 
 def decode_kernel_part() -> dict:
-    from plinth.attention_backends.cpu_paged import fp8_decode_available, paged_decode
+    from plinth.attention_backends.cpu_paged import fp8_decode_available, paged_decode, set_decode_amx
+    from plinth.kernels.cpu_native import amx_switch_on
     from plinth.platforms.cpu import platform as cpu_platform
 
     # the KV dtype the default model runs with here (bfloat16 where the CPU has it natively, else float32), and an
@@ -148,6 +150,9 @@ def decode_kernel_part() -> dict:
     dtype = torch.bfloat16 if cpu_platform.has_fast_bf16() else torch.float32
     out: dict = {"dtype": str(dtype).removeprefix("torch.")}
     cache_dtypes = [dtype] + ([torch.float8_e4m3fn] if dtype == torch.bfloat16 and fp8_decode_available() else [])
+    # a bfloat16 cache on AMX tiles where the kernel takes them, and on AVX512-BF16 vectors (``vec_`` keys)
+    amx = dtype == torch.bfloat16 and amx_switch_on() and set_decode_amx(True)
+    out["decode_amx"] = amx
     layers, blocks = 30, 5825
     junk = torch.empty(64 << 20, dtype=torch.uint8)
     for cache_dtype in cache_dtypes:
@@ -174,19 +179,31 @@ def decode_kernel_part() -> dict:
                              every_row_owned=True)
                 return time.perf_counter() - t
 
-            cold = []
-            for it in range(4):
-                for layer in range(layers):
-                    junk.fill_(it)
-                    cold.append(call(layer))
-            warm = [call(0) for _ in range(40)]
-            kv_bytes = seqs * ctx * HKV * D * 2 * cache_dtype.itemsize
-            cold_ms, warm_ms = float(np.median(cold[layers:])) * 1e3, float(np.median(warm[5:])) * 1e3
-            key = f"{prefix}paged_decode_{seqs}x{ctx}"
-            out.update({f"{key}_cold_ms_per_layer": round(cold_ms, 4),
-                        f"{key}_cold_gb_s": round(kv_bytes / cold_ms / 1e6, 1),
-                        f"{key}_warm_ms_per_layer": round(warm_ms, 4),
-                        f"{key}_warm_gb_s": round(kv_bytes / warm_ms / 1e6, 1)})
+            for kernel in (["", "vec_"] if amx and cache_dtype == dtype else [""]):
+                set_decode_amx(kernel == "")
+                cold = []
+                for it in range(4):
+                    for layer in range(layers):
+                        junk.fill_(it)
+                        cold.append(call(layer))
+                warm = [call(0) for _ in range(40)]
+                # every layer in turn with nothing in between: a step's reads from memory, without its GEMMs
+                cycled = []
+                for _ in range(4):
+                    t = time.perf_counter()
+                    for layer in range(layers):
+                        call(layer)
+                    cycled.append((time.perf_counter() - t) / layers)
+                kv_bytes = seqs * ctx * HKV * D * 2 * cache_dtype.itemsize
+                cold_ms, warm_ms = float(np.median(cold[layers:])) * 1e3, float(np.median(warm[5:])) * 1e3
+                cycled_ms = float(np.median(cycled)) * 1e3
+                key = f"{prefix}{kernel}paged_decode_{seqs}x{ctx}"
+                out.update({f"{key}_cold_ms_per_layer": round(cold_ms, 4),
+                            f"{key}_cold_gb_s": round(kv_bytes / cold_ms / 1e6, 1),
+                            f"{key}_cycled_ms_per_layer": round(cycled_ms, 4),
+                            f"{key}_warm_ms_per_layer": round(warm_ms, 4),
+                            f"{key}_warm_gb_s": round(kv_bytes / warm_ms / 1e6, 1)})
+            set_decode_amx(amx_switch_on())
         del caches
     return out
 

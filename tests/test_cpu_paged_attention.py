@@ -143,13 +143,98 @@ def assert_bfloat16_decode_matches(batch: PagedBatch, window: int | None) -> Non
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
 
 
+@pytest.fixture(params=["amx", "vec"])
+def decode_kernel(request):
+    """The bfloat16 decode kernel on AMX tiles (skipped where it cannot run) or on AVX512-BF16 vectors; the
+    default back afterwards."""
+    from plinth.attention_backends.cpu_paged import set_decode_amx
+    from plinth.kernels.cpu_native import amx_switch_on
+
+    on = set_decode_amx(request.param == "amx")
+    try:
+        if request.param == "amx" and not on:
+            pytest.skip("this CPU has no AMX-BF16 (or Linux refuses the tile state)")
+        yield request.param
+    finally:
+        set_decode_amx(amx_switch_on())
+
+
+def nan_outside_context(batch: PagedBatch) -> None:
+    """NaN in every cache slot no sequence has written (the step's new tokens land in theirs when it runs): a
+    kernel that reads whole 16-token chunks must not let the slots past a sequence's end reach its output."""
+    md = batch.metadata
+    bs, flat = batch.kv_cache.shape[2], batch.kv_cache.view(2, -1, *batch.kv_cache.shape[3:])
+    used = torch.zeros(flat.shape[1], dtype=torch.bool)
+    for s in range(md.block_tables.shape[0]):
+        pos = torch.arange(int(md.seq_lens[s]))
+        used[md.block_tables[s, pos // bs].long() * bs + pos % bs] = True
+    flat[:, ~used] = float("nan")
+
+
+@pytest.mark.parametrize("heads,d,bs", [((9, 3), 64, 16), ((8, 2), 64, 16), ((16, 2), 128, 32), ((32, 8), 64, 16),
+                                        ((16, 16), 64, 16), ((12, 1), 128, 16), ((20, 1), 64, 16), ((4, 2), 64, 16)],
+                         ids=["smollm2", "gqa4", "gqa8-d128-bs32", "32x8", "mha16", "mqa12-d128", "mqa20", "4x2"])
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_bfloat16_kernels_match_float64(heads, d, bs, window, decode_kernel):
+    """Both bfloat16 decode kernels against float64 attention, for 14 sequences (a work item takes all of a
+    sequence's KV heads): the AMX one takes calls of 8-16 query rows (an item of 32 rows in two calls of 4 KV heads;
+    MHA in one of 16; group 20 and items of 4 rows stay on vectors, as the shape query says), reads keys straight
+    from the cache 16 tokens at a time (slots past a sequence's end hold NaN), and a NaN in one query head spoils
+    that head's output only."""
+    from plinth.attention_backends.cpu_paged import decode_amx_heads
+
+    h, hkv = heads
+    contexts = DECODE_CONTEXTS + [1, 17, 31, 48, 64, 129, 300]
+    per_call = min(hkv, 16 // (h // hkv))
+    expected = per_call if decode_kernel == "amx" and h // hkv <= 16 and per_call * (h // hkv) >= 8 else 0
+    assert decode_amx_heads(len(contexts), h, hkv, d, bs, threads=2) == expected
+    spec = spec_of(h=h, hkv=hkv, d=d, bs=bs, dtype=torch.bfloat16, window=window)
+    batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(h + d + bs))
+    nan_outside_context(batch)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_bfloat16_decode_matches(batch, window)
+        batch.query[3, 1, 7] = float("nan")
+        out = run_paged(batch, 0.125, window)
+    finally:
+        torch.set_num_threads(previous)
+    assert bool(out[3, 1].isnan().all())
+    finite = torch.ones(out.shape[:2], dtype=torch.bool)
+    finite[3, 1] = False
+    assert bool(out[finite].isfinite().all())
+
+
+def test_decode_bfloat16_amx_equals_vectors_within_rounding():
+    """The two kernels round the same probabilities to bfloat16 and add in float32 in different orders: on
+    SmolLM2's shapes their outputs differ by at most a bfloat16 rounding step of the output."""
+    from plinth.attention_backends.cpu_paged import set_decode_amx
+    from plinth.kernels.cpu_native import amx_switch_on
+
+    spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16)
+    contexts = [330] * 16 + [1, 700, 47]
+    batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(11))
+    try:
+        if not set_decode_amx(True):
+            pytest.skip("this CPU has no AMX-BF16 (or Linux refuses the tile state)")
+        amx = run_paged(batch, 0.125, None)
+        set_decode_amx(False)
+        vec = run_paged(batch, 0.125, None)
+    finally:
+        set_decode_amx(amx_switch_on())
+    step = amx.double().abs().clamp_min(2.0 ** -10) * 2.0 ** -7   # one bfloat16 step (8 significant bits)
+    assert bool(((amx.double() - vec.double()).abs() <= step).all())
+    assert (amx != vec).float().mean().item() < 0.05
+
+
 @pytest.mark.parametrize("bs,window", [(16, None), (48, None), (16, 1500)], ids=["bs16", "bs48", "window"])
-def test_decode_bfloat16_over_several_key_segments(bs, window):
+def test_decode_bfloat16_over_several_key_segments(bs, window, decode_kernel):
     """Long contexts: the bfloat16 path takes an item's keys in segments (128 KiB of key rows: 1,024 tokens of one
     64-feature KV head) and rescales the earlier segments' sums when a later one holds a larger score; keys of
     very different sizes per block make the segments' maxima differ. Blocks of 48 (three 16-key chunks each), a
-    window starting inside a block and spanning segments; 10 sequences (a work item takes all KV heads)."""
-    spec = spec_of(h=4, hkv=1, d=64, bs=bs, dtype=torch.bfloat16, window=window)
+    window starting inside a block and spanning segments; 10 sequences (a work item takes all KV heads); 8 query
+    heads on one KV head, so the AMX kernel takes them too."""
+    spec = spec_of(h=8, hkv=1, d=64, bs=bs, dtype=torch.bfloat16, window=window)
     contexts = [2500, 3100, 1, 700, 1024, 1025, 2047, 40, 4000, 3333]
     batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(bs))
     sizes = 1 + 6 * torch.rand(batch.kv_cache.shape[1], generator=torch.Generator().manual_seed(1))

@@ -350,6 +350,28 @@ def gather_e4m3(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> tu
     return out[0], out[1]
 
 
+def set_decode_amx(on: bool) -> bool:
+    """Run the decode kernel's bfloat16 caches on AMX tiles (``on``, the default unless ``PLINTH_CPU_AMX=0``) or
+    on AVX512-BF16 vectors, for this process; returns whether decode now runs on the tiles (``on``, a build with
+    AMX-BF16 and the tile state granted by Linux)."""
+    build = load_kernel()
+    if build.library is None:
+        return False
+    return build.library.plinth_cpu_paged_set_decode_amx(1 if on else 0) == 1 and on
+
+
+def decode_amx_heads(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                     threads: int | None = None) -> int:
+    """How many KV heads :func:`paged_decode` takes per AMX call for a bfloat16 cache of this shape on ``threads``
+    threads (default: torch's), or 0 where it runs on AVX512-BF16 vectors (no AMX, :func:`set_decode_amx` off,
+    fewer than 8 query rows per call, other head or block sizes)."""
+    build = load_kernel()
+    if build.library is None:
+        return 0
+    return build.library.plinth_cpu_paged_decode_amx_heads(num_seqs, num_heads, num_kv_heads, head_size, block_size,
+                                                           threads or torch.get_num_threads())
+
+
 @functools.cache
 def fp8_decode_available() -> bool:
     """Whether the kernel library reads FP8 E4M3 caches (built with AVX512-BF16)."""

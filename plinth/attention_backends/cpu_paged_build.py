@@ -16,7 +16,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 #: the ABI the Python side expects (``plinth_cpu_paged_abi()`` in the source)
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 KernelBuild = NativeBuild
 
@@ -48,4 +48,13 @@ def load_kernel() -> NativeBuild:
         fn.restype = ctypes.c_int64
         p, i = ctypes.c_void_p, ctypes.c_int64   # query, q_row, key, value, kv_row, out, out_row, L, S, H, Hkv, D
         fn.argtypes = [p, i, p, p, i, p, i, i, i, i, i, i, ctypes.c_double, i]
+        fn = build.library.plinth_cpu_paged_decode_amx_heads   # seqs, heads, KV heads, head size, block, threads
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_int64] * 6
+        fn = build.library.plinth_cpu_paged_set_decode_amx
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_int64]
+        from plinth.kernels.cpu_native import amx_switch_on
+
+        fn(1 if amx_switch_on() else 0)   # PLINTH_CPU_AMX=0 keeps decode on AVX512 vectors too
     return build

@@ -4,7 +4,7 @@
 // One work item is one sequence and a range of its KV heads (all of them when there are enough
 // sequences to keep the threads busy, else one), and with fewer items than two per thread a range of
 // the sequence's blocks (the ranges' softmax states merged at the end). It walks its blocks through the
-// block-table row (prefetching the next block), scores every query head of each GQA group against
+// block-table row (a segment's rows first read with loads only), scores every query head of each GQA group against
 // the block's keys, and keeps a float32 online softmax (running max, running sum, rescaled
 // accumulator) per query head. Nothing is gathered: with AVX512 or AVX2 (head sizes 64 and 128) the keys
 // and values are read in place, converted in registers; otherwise one block's keys/values of one head are
@@ -332,17 +332,32 @@ inline void interleave_value_pairs(const uint16_t* values, int64_t token_stride,
   }
 }
 
-// Fetch the rows t_lo..t_hi-1 (row_bytes each, token_bytes apart) of a block into L2. An asm statement, not
-// __builtin_prefetch: GCC's pure-function analysis counts the builtin as free of side effects and drops calls of a
-// helper (a lambda) whose only effect it is.
-inline void prefetch_rows(const char* block, int64_t token_bytes, int64_t row_bytes, int64_t t_lo, int64_t t_hi) {
-  for (int64_t t = t_lo; t < t_hi; ++t)
-    for (int64_t off = 0; off < row_bytes; off += 64)
-      asm volatile("prefetcht1 %0" : : "m"(*(block + t * token_bytes + off)));
+// Read the key and value rows of one decode work item's blocks sb..se-1 (its tokens first..seq_len-1; row_bytes
+// from `off` elements into each token's row) once, with loads only, before any work on them. A loop of nothing but
+// loads keeps the most cache misses in flight; with the work in between (software prefetches a block ahead), the
+// 32 x 330-token items of decode_item_bf16 took 0.73-0.74 ms a layer from memory, against 0.64-0.65 with this pass.
+template <typename kv_t>
+inline void touch_segment(const kv_t* k_cache, const kv_t* v_cache, const int32_t* table, int64_t block_stride,
+                          int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t sb, int64_t se,
+                          int64_t off, int64_t row_bytes) {
+  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(kv_t));
+  __m512i sink = _mm512_setzero_si512();
+  for (int64_t b = sb; b < se; ++b) {
+    const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
+    const int64_t base = static_cast<int64_t>(table[b]) * block_stride + off;
+    const char* kb = reinterpret_cast<const char*>(k_cache + base);
+    const char* vb = reinterpret_cast<const char*>(v_cache + base);
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t o = 0; o < row_bytes; o += 64) {
+        sink = _mm512_or_si512(sink, _mm512_loadu_si512(kb + t * token_bytes + o));
+        sink = _mm512_or_si512(sink, _mm512_loadu_si512(vb + t * token_bytes + o));
+      }
+  }
+  asm volatile("" : : "v"(sink));   // the loads stay
 }
 
 // Keys of one decode work item taken per segment: at most this many bytes of the item's key rows (the values as
-// many), so a segment's scores stay in L1/L2 and its values in L2 for the item's later heads
+// many), so a segment's scores stay in L1/L2 and its keys and values (touch_segment) in L2
 constexpr int64_t kSegmentBytes = 128 * 1024;
 
 // One decode work item in bfloat16: KV heads h0..h0+heads-1 of one sequence over its blocks b_lo..b_hi-1
@@ -365,9 +380,7 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t rows = heads * group;
-  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(kv_t));
   const int64_t row_bytes = heads * kD * static_cast<int64_t>(sizeof(kv_t));
-  const int64_t head_bytes = kD * static_cast<int64_t>(sizeof(kv_t));
   const int64_t head_off = h0 * kD;
   const int64_t seg_blocks = std::max<int64_t>(1, kSegmentBytes / (bs * row_bytes));
   const int64_t slots_cap = seg_blocks * ((bs + 15) / 16 * 16);
@@ -380,18 +393,9 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
     hi = std::min<int64_t>(seq_len - b * bs, bs);
     return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b]) * block_stride + head_off);
   };
-  // share `part` of `parts` of block b's rows (bytes [off, off + bytes) of each) fetched into L2 ahead of their use:
-  // the next block's, a share per step of the current block's work (a burst of a whole block stalls on the few
-  // misses a core can have in flight)
-  auto fetch_share = [&](const kv_t* cache, int64_t b, int64_t off, int64_t bytes, int64_t part, int64_t parts) {
-    if (b >= b_hi) return;
-    int64_t lo, hi;
-    const char* base = block_rows(cache, b, lo, hi) + off;
-    const int64_t n = hi - lo;
-    prefetch_rows(base, token_bytes, bytes, lo + n * part / parts, lo + n * (part + 1) / parts);
-  };
   for (int64_t sb = b_lo; sb < b_hi; sb += seg_blocks) {
     const int64_t se = std::min<int64_t>(b_hi, sb + seg_blocks);
+    touch_segment(k_cache, v_cache, table, block_stride, token_stride, bs, first, seq_len, sb, se, head_off, row_bytes);
     int64_t slots = 0;   // the segment's key slots: each block's visible tokens in chunks of 16
     for (int64_t b = sb; b < se; ++b) {
       int64_t lo, hi;
@@ -403,14 +407,10 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
     for (int64_t b = sb; b < se; ++b) {
       int64_t lo, hi;
       const kv_t* kb = reinterpret_cast<const kv_t*>(block_rows(k_cache, b, lo, hi));
-      const int64_t steps = (hi - lo + 15) / 16 * heads;   // (chunk, head) steps of this block
-      int64_t step = 0;
       for (int64_t c0 = lo; c0 < hi; c0 += 16) {
         const int64_t m = std::min<int64_t>(16, hi - c0);
         const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
-        for (int64_t hh = 0; hh < heads; ++hh, ++step) {
-          if (b + 1 < se) fetch_share(k_cache, b + 1, 0, row_bytes, step, steps);
-          else fetch_share(v_cache, sb, 0, row_bytes, step, steps);   // the segment's first values, for pass 3
+        for (int64_t hh = 0; hh < heads; ++hh) {
           __m512i ktb[kD / 2];
           transpose_keys16<kD, L>(kb + c0 * token_stride + hh * kD, token_stride, m, ktb, loader);
           for (int64_t u = 0; u < group; ++u) {
@@ -447,7 +447,6 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
         for (int64_t b = sb; b < se; ++b) {
           int64_t lo, hi;
           const kv_t* vb = reinterpret_cast<const kv_t*>(block_rows(v_cache, b, lo, hi)) + hh * kD;
-          const int64_t pairs_in_block = (hi - lo + 1) / 2;   // the steps of a head's pass over the block
           for (int64_t c0 = lo; c0 < hi; c0 += 16, slot += 16) {
             const int64_t m = std::min<int64_t>(16, hi - c0);
             const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
@@ -460,11 +459,6 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
               sums[u] = _mm512_add_ps(sums[u], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
             }
             for (int64_t kp = 0; 2 * kp < m; ++kp) {
-              if (r0 == hh * group) {   // each head's pass fetches its rows of the next block (the first
-                const int64_t step = (c0 - lo) / 2 + kp;   // head's: the next segment's first keys at the end)
-                if (b + 1 < se) fetch_share(v_cache, b + 1, hh * head_bytes, head_bytes, step, pairs_in_block);
-                else if (hh == 0) fetch_share(k_cache, se, 0, row_bytes, step, pairs_in_block);
-              }
               const kv_t* v0 = vb + (c0 + 2 * kp) * token_stride;
               const bool second = 2 * kp + 1 < m;   // a lone last key pairs with zeros
               __m512i vv[kV];
@@ -490,6 +484,216 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
 }
 #endif
 
+#if defined(PLINTH_ATTN_AMX)
+// A tile configuration (palette 1): each tile's bytes per row and rows
+struct alignas(64) AttnTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether Linux lets this process use the AMX tile state (asked once per process)
+inline bool amx_granted() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;   // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// The tiles of decode_item_amx, for a thread's items of `group` query heads per KV head: 0 the scores of 16 keys
+// [16 keys][16 query rows] float32; 1 16 keys' rows (left operand) or 16 key pairs' values (right operand), 64
+// bytes each; 2 the queries' bfloat16 pairs (right operand); 3-6 P V outputs [group rows][16 dimensions]; 7 the
+// probabilities of one head's rows [group rows][16 key pairs].
+inline void decode_amx_config(int64_t group) {
+  AttnTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t < 3 ? 16 : group);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Whether decode() takes AMX tiles where it can (plinth_cpu_paged_set_decode_amx)
+bool g_decode_amx = true;
+
+// Per-thread buffers of decode_item_amx
+struct AmxDecodeScratch {
+  std::vector<uint32_t> qb;              // the queries as right operands [heads][kD / 32][16 pairs][16 rows]
+  std::vector<float> st;                 // a segment's scores [key slots][16 rows]
+  std::vector<const uint16_t*> vrow;     // each key slot's value row (of the item's first head), null if not visible
+  alignas(64) uint32_t pbuf[16 * 16];    // probabilities [row][16 key pairs]
+  alignas(64) uint32_t vbuf[8 * 256];    // values as right operands [kD / 16 column tiles][16 key pairs][16]
+  alignas(64) float obuf[4][16 * 16];    // P V outputs of four column tiles [row][16]
+};
+
+// decode_item_bf16 on AMX tiles, for items of at most 16 query rows (bfloat16 cache, block sizes that are multiples
+// of 16, a positive scale; the thread's tiles configured by decode_amx_config(group)). Per segment: the scores
+// transposed, S^T = K Q^T, 16 keys at a time with the keys' rows loaded as left operands straight from the cache
+// (so no key is transposed) against the queries' pairs, each head's product adding to its own rows' columns (the
+// other heads' columns of its right operand are zero); each row's maximum; then per 32 keys the probabilities
+// (rounded to bfloat16, the sums over the rounded values) transposed back to rows, and P V per head as tiles of
+// the head's rows times 16-dimension columns of the values' key pairs (interleaved from the cache into a buffer).
+// Same contract as decode_item_bf16 (row_max in scaled scores).
+template <int64_t kD>
+inline void decode_item_amx(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table,
+                            int64_t block_stride, int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len,
+                            int64_t b_lo, int64_t b_hi, int64_t h0, int64_t heads, int64_t group,
+                            const uint16_t* const* qraw, float scale, AmxDecodeScratch& sc, float* acc,
+                            float* row_max, float* row_sum) {
+  constexpr int64_t kHalves = kD / 32, kColTiles = kD / 16;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = heads * group;
+  const int64_t token_bytes = token_stride * 2, row_bytes = heads * kD * 2;
+  const int64_t head_off = h0 * kD;
+  sc.qb.assign(static_cast<size_t>(heads * kHalves * 256), 0u);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t half = 0; half < kHalves; ++half) {
+      uint32_t* dst = sc.qb.data() + ((r / group) * kHalves + half) * 256 + r;
+      for (int64_t k = 0; k < 16; ++k) std::memcpy(dst + 16 * k, qraw[r] + 32 * half + 2 * k, 4);
+    }
+  const int64_t seg_blocks = std::max<int64_t>(1, kSegmentBytes / (bs * row_bytes));
+  const int64_t slots_cap = seg_blocks * bs + 32;
+  if (static_cast<int64_t>(sc.st.size()) < slots_cap * 16) {
+    sc.st.resize(static_cast<size_t>(slots_cap * 16));
+    sc.vrow.resize(static_cast<size_t>(slots_cap));
+  }
+  float* st = sc.st.data();
+  const float c2 = scale * 1.44269504088896341f;
+  const __m512 cv = _mm512_set1_ps(c2);
+  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  alignas(64) float corr[16], tops[16];
+  for (int64_t sb = b_lo; sb < b_hi; sb += seg_blocks) {
+    const int64_t se = std::min<int64_t>(b_hi, sb + seg_blocks);
+    touch_segment(k_cache, v_cache, table, block_stride, token_stride, bs, first, seq_len, sb, se, head_off, row_bytes);
+    // pass 1: scores, 16 keys at a time
+    int64_t slots = 0;
+    for (int64_t b = sb; b < se; ++b) {
+      const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min<int64_t>(seq_len - b * bs, bs);
+      const int64_t base = static_cast<int64_t>(table[b]) * block_stride + head_off;
+      for (int64_t c0 = lo / 16 * 16; c0 < hi; c0 += 16) {
+        _tile_zero(0);
+        for (int64_t hh = 0; hh < heads; ++hh)
+          for (int64_t half = 0; half < kHalves; ++half) {
+            _tile_loadd(1, k_cache + base + c0 * token_stride + hh * kD + 32 * half, token_bytes);
+            _tile_loadd(2, sc.qb.data() + (hh * kHalves + half) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+        float* s = st + slots * 16;
+        _tile_stored(0, s, 64);
+        for (int64_t t = 0; t < 16; ++t) {
+          const bool visible = c0 + t >= lo && c0 + t < hi;
+          sc.vrow[slots + t] = visible ? v_cache + base + (c0 + t) * token_stride : nullptr;
+          if (!visible) _mm512_storeu_ps(s + 16 * t, _mm512_set1_ps(neg_inf));
+        }
+        slots += 16;
+      }
+    }
+    if (slots % 32 != 0) {   // P V takes 32 keys at a time: a last half of nothing
+      for (int64_t t = 0; t < 16; ++t) {
+        sc.vrow[slots + t] = nullptr;
+        _mm512_storeu_ps(st + (slots + t) * 16, _mm512_set1_ps(neg_inf));
+      }
+      slots += 16;
+    }
+    // pass 2: each row's maximum (raw scores: the scale is positive), the rescale of earlier segments' state
+    __m512 top = _mm512_set1_ps(neg_inf);
+    for (int64_t i = 0; i < slots; ++i) top = _mm512_max_ps(top, _mm512_loadu_ps(st + 16 * i));
+    _mm512_store_ps(tops, top);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float new_max = std::max(row_max[r], tops[r] * scale);
+      corr[r] = std::exp(row_max[r] - new_max);   // 0 on the first segment (exp(-inf))
+      row_max[r] = new_max;
+      tops[r] = new_max * 1.44269504088896341f;   // the row's maximum in base-2 units
+      for (int64_t j = 0; j < kD; j += 16)
+        _mm512_storeu_ps(acc + r * kD + j, _mm512_mul_ps(_mm512_set1_ps(corr[r]), _mm512_loadu_ps(acc + r * kD + j)));
+    }
+    for (int64_t r = rows; r < 16; ++r) tops[r] = 0.f;
+    const __m512 tv = _mm512_load_ps(tops);
+    __m512 sums = _mm512_setzero_ps();
+    // pass 3: per 32 keys, the probabilities and P V
+    for (int64_t c0 = 0; c0 < slots; c0 += 32) {
+      __m512i x[16];   // x[j]: dword r = row r's probabilities of keys 2j, 2j + 1 (bfloat16)
+      for (int64_t j = 0; j < 16; ++j) {
+        __m256i pb[2];
+        for (int64_t e = 0; e < 2; ++e) {
+          const int64_t slot = c0 + 2 * j + e;
+          if (sc.vrow[slot] == nullptr) {
+            pb[e] = _mm256_setzero_si256();
+            continue;
+          }
+          const __m512 p = exp2_16_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(st + 16 * slot), cv, tv));
+          pb[e] = (__m256i)_mm512_cvtneps_pbh(p);
+          sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb[e]), 16)));
+        }
+        x[j] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(pb[0]), pair_lo, _mm512_castsi256_si512(pb[1]));
+      }
+      transpose16_epi32(x);   // x[r]: row r's 16 key pairs
+      for (int64_t r = 0; r < rows; ++r) _mm512_store_si512(sc.pbuf + 16 * r, x[r]);
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        _tile_loadd(7, sc.pbuf + 16 * hh * group, 64);
+        // the head's values of the 32 keys as key pairs: vbuf[ct][j] = dimensions 16 ct.. of keys 2j, 2j + 1
+        for (int64_t j = 0; j < 16; ++j) {
+          const uint16_t* va = sc.vrow[c0 + 2 * j];
+          const uint16_t* vb = sc.vrow[c0 + 2 * j + 1];
+          for (int64_t w = 0; w < kHalves; ++w) {
+            const __m512i a = va ? _mm512_loadu_si512(va + hh * kD + 32 * w) : _mm512_setzero_si512();
+            const __m512i b = vb ? _mm512_loadu_si512(vb + hh * kD + 32 * w) : _mm512_setzero_si512();
+            __m512i pair[2];
+            interleave_pair(a, b, pair);
+            _mm512_store_si512(sc.vbuf + (2 * w) * 256 + 16 * j, pair[0]);
+            _mm512_store_si512(sc.vbuf + (2 * w + 1) * 256 + 16 * j, pair[1]);
+          }
+        }
+        for (int64_t ct0 = 0; ct0 < kColTiles; ct0 += 4) {
+          _tile_zero(3);
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_zero(6);
+          _tile_loadd(1, sc.vbuf + (ct0 + 0) * 256, 64);
+          _tile_dpbf16ps(3, 7, 1);
+          _tile_loadd(1, sc.vbuf + (ct0 + 1) * 256, 64);
+          _tile_dpbf16ps(4, 7, 1);
+          _tile_loadd(1, sc.vbuf + (ct0 + 2) * 256, 64);
+          _tile_dpbf16ps(5, 7, 1);
+          _tile_loadd(1, sc.vbuf + (ct0 + 3) * 256, 64);
+          _tile_dpbf16ps(6, 7, 1);
+          _tile_stored(3, sc.obuf[0], 64);
+          _tile_stored(4, sc.obuf[1], 64);
+          _tile_stored(5, sc.obuf[2], 64);
+          _tile_stored(6, sc.obuf[3], 64);
+          for (int64_t u = 0; u < group; ++u) {
+            float* o = acc + (hh * group + u) * kD + 16 * ct0;
+            for (int64_t c = 0; c < 4; ++c)
+              _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(_mm512_loadu_ps(o + 16 * c), _mm512_load_ps(sc.obuf[c] + 16 * u)));
+          }
+        }
+      }
+    }
+    alignas(64) float sum_lanes[16];
+    _mm512_store_ps(sum_lanes, sums);
+    for (int64_t r = 0; r < rows; ++r) row_sum[r] = row_sum[r] * corr[r] + sum_lanes[r];
+  }
+}
+#endif
+
+// A decode work item is one sequence and a range of its KV heads: all heads when there are enough sequences to keep
+// the threads busy (each block is then read once, front to back), else one.
+inline int64_t decode_item_heads(int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads) {
+  return num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+}
+
+#if defined(PLINTH_ATTN_AMX)
+// KV heads per decode_item_amx call for a bfloat16 cache's items of `heads` KV heads with `group` query heads each,
+// or 0 where decode stays on vectors: tiles where Linux grants them (and plinth_cpu_paged_set_decode_amx has not
+// turned them off) for calls of at least 8 query rows (16 at most). With fewer rows, as in a batch of one or two
+// sequences, most of the tiles' and the exponentials' lanes idle and the vectors are faster.
+inline int64_t decode_amx_heads(int64_t group, int64_t heads, int64_t bs, float scale) {
+  if (!g_decode_amx || group > 16 || bs % 16 != 0 || !(scale > 0.f) || !amx_granted()) return 0;
+  const int64_t per_call = std::min<int64_t>(heads, 16 / group);
+  return per_call * group >= 8 ? per_call : 0;
+}
+#endif
+
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, table_width;
   int64_t q_row, out_row, kv_half, block_stride, token_stride;
@@ -510,9 +714,7 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
   constexpr bool kBf16Blocks = false;
 #endif
   static_assert(!kFp8 || kBf16Blocks, "an FP8 cache is read by the bfloat16 block kernel only");
-  // A work item is one sequence and a range of its KV heads: all heads when there are enough
-  // sequences to keep the threads busy (each block is then read once, front to back), else one.
-  const int64_t heads_per_item = sh.num_seqs >= 4 * num_threads ? sh.num_kv_heads : 1;
+  const int64_t heads_per_item = decode_item_heads(sh.num_seqs, sh.num_kv_heads, num_threads);
   const int64_t items_per_seq = sh.num_kv_heads / heads_per_item;
   const int64_t seq_items = sh.num_seqs * items_per_seq;
   const int64_t rows = heads_per_item * group;  // query heads per item
@@ -534,9 +736,18 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
   const kv_t* k_cache = kv_cache;
   const kv_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
+#if defined(PLINTH_ATTN_AMX)
+  int64_t amx_heads = 0;   // KV heads per decode_item_amx call; 0: vectors
+  if constexpr (kBf16Blocks && !kFp8) amx_heads = decode_amx_heads(group, heads_per_item, bs, scale);
+  const bool use_amx = amx_heads > 0;
+#endif
 
 #pragma omp parallel num_threads(num_threads)
   {
+#if defined(PLINTH_ATTN_AMX)
+    AmxDecodeScratch amx_scratch;
+    if (use_amx) decode_amx_config(group);
+#endif
     // per-thread scratch: the item's queries and accumulators [rows, D], one block's keys/values
     // of one head in float32 [BS, D], scores [BS]
     std::vector<float> q(rows * d_size), acc(rows * d_size), kblk(bs * d_size), vblk(bs * d_size), scores(bs),
@@ -569,7 +780,20 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
       const int32_t* table = tables + s * sh.table_width;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
       if constexpr (kBf16Blocks) {
-        if (b_hi > b_lo)
+        bool done = false;
+#if defined(PLINTH_ATTN_AMX)
+        if constexpr (!kFp8) {
+          if (use_amx && b_hi > b_lo) {
+            for (int64_t hs = 0; hs < heads_per_item; hs += amx_heads)
+              decode_item_amx<kD>(k_cache, v_cache, table, sh.block_stride, sh.token_stride, bs, first, seq_len, b_lo,
+                                  b_hi, h0 + hs, std::min(amx_heads, heads_per_item - hs), group,
+                                  qraw.data() + hs * group, scale, amx_scratch, acc.data() + hs * group * kD,
+                                  row_max.data() + hs * group, row_sum.data() + hs * group);
+            done = true;
+          }
+        }
+#endif
+        if (!done && b_hi > b_lo)
           decode_item_bf16<kD>(k_cache, v_cache, table, sh.block_stride, sh.token_stride, bs, first, seq_len, b_lo, b_hi,
                                h0, heads_per_item, group, qraw.data(), scale, scores_all, acc.data(), row_max.data(),
                                row_sum.data(), loader);
@@ -680,6 +904,9 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
         from_float(ar, out + starts[s] * sh.out_row + (h0 * group + r) * d_size, d_size);
       }
     }
+#if defined(PLINTH_ATTN_AMX)
+    if (use_amx) _tile_release();
+#endif
   }
 }
 
@@ -1159,12 +1386,6 @@ void prefill_native(const scalar_t* query, const scalar_t* kv_cache, const int32
 // tiles of 32 keys times 16-dimension value columns two at a time, the float32 output rescaled and added per block.
 // Keys and values are first packed into the tiles' right-hand layouts once per call: keys as transposed bfloat16
 // pairs (16 keys x kD/2 pairs per tile of keys), values as key pairs (16 pairs x 16 dimensions per tile).
-struct alignas(64) AttnTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 template <int64_t kD>
 void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, const uint16_t* value, int64_t kv_row,
                  uint16_t* out, int64_t out_row, int64_t L, int64_t S, int64_t H, int64_t Hkv, float scale,
@@ -1345,7 +1566,7 @@ void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, cons
 extern "C" {
 
 // The ABI version the Python side checks before calling.
-int64_t plinth_cpu_paged_abi() { return 4; }
+int64_t plinth_cpu_paged_abi() { return 5; }
 
 // query [T, H, D] rows of q_row elements; kv_cache [2, N, BS, Hkv, D] contiguous; tables [B, W] int32;
 // lens [B] int32 (tokens in the cache, this step's included); starts [B + 1] int32 (query row of each
@@ -1407,6 +1628,32 @@ int64_t plinth_cpu_gather_e4m3(const void* cache_half, const int32_t* table, int
 #endif
 }
 
+// Whether plinth_cpu_paged_decode runs bfloat16 caches on AMX tiles where the CPU and Linux allow (on = 1, the
+// default) or on AVX512-BF16 vectors (0); returns 1 where this build and process can use the tiles, else 0.
+int64_t plinth_cpu_paged_set_decode_amx(int64_t on) {
+#if defined(PLINTH_ATTN_AMX)
+  g_decode_amx = on != 0;
+  return amx_granted() ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
+
+// The KV heads per AMX call plinth_cpu_paged_decode takes for a bfloat16 cache of this shape, or 0 where it runs on
+// vectors (with a positive scale).
+int64_t plinth_cpu_paged_decode_amx_heads(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                                          int64_t block_size, int64_t num_threads) {
+#if defined(PLINTH_ATTN_AMX)
+  if ((head_size != 64 && head_size != 128) || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 0;
+  const int64_t heads = decode_item_heads(num_seqs, num_kv_heads, std::max<int64_t>(1, num_threads));
+  return decode_amx_heads(num_heads / num_kv_heads, heads, block_size, 1.f);
+#else
+  (void)num_seqs; (void)num_heads; (void)num_kv_heads; (void)head_size; (void)block_size; (void)num_threads;
+  return 0;
+#endif
+}
+
 // Whether plinth_cpu_paged_decode takes dtype 2 (an FP8 E4M3 cache): builds with AVX512-BF16.
 int64_t plinth_cpu_paged_has_fp8() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -1463,9 +1710,7 @@ int64_t plinth_cpu_amx_prefill(const void* query, int64_t q_row, const void* key
                                void* out, int64_t out_row, int64_t L, int64_t S, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_size, double scale, int64_t num_threads) {
 #if defined(PLINTH_ATTN_AMX)
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;   // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
-  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  if (!granted) return -1;
+  if (!amx_granted()) return -1;
   // (a positive scale: the row maxima are kept in raw scores)
   if ((head_size != 64 && head_size != 128) || L < 1 || S < L || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||
       !(scale > 0))
