@@ -49,6 +49,22 @@ def run_paged(batch: PagedBatch, scale: float, window: int | None) -> torch.Tens
                            scale=scale, sliding_window=window)
 
 
+@pytest.fixture(params=["amx", "vec"])
+def decode_kernel(request):
+    """The bfloat16 decode kernel on AMX tiles (skipped where it cannot run) or on AVX512-BF16 vectors; the
+    default back afterwards."""
+    from plinth.attention_backends.cpu_paged import set_decode_amx
+    from plinth.kernels.cpu_native import amx_switch_on
+
+    on = set_decode_amx(request.param == "amx")
+    try:
+        if request.param == "amx" and not on:
+            pytest.skip("this CPU has no AMX-BF16 (or Linux refuses the tile state)")
+        yield request.param
+    finally:
+        set_decode_amx(amx_switch_on())
+
+
 # several sequences of different lengths: shorter than a block, exactly a block, partial last blocks, long
 DECODE_CONTEXTS = [0, 4, 15, 16, 33, 100, 257]
 
@@ -79,11 +95,12 @@ def test_decode_float32_matches_sdpa(heads, d, bs, window):
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40])
-def test_decode_of_few_sequences_splits_their_blocks(threads, dtype, window):
+def test_decode_of_few_sequences_splits_their_blocks(threads, dtype, window, decode_kernel):
     """One or two sequences give fewer work items than two per thread: each item's blocks are split into ranges
     for different threads and the partial softmax states merged. Same answer as the float64 reference for short
     and long contexts, one KV head (MQA) or three, a window that leaves ranges with no visible key, and a
-    sequence with no query row in the step."""
+    sequence with no query row in the step. In bfloat16 on AMX tiles (``decode_kernel``), the items take all of a
+    sequence's KV heads where there are 8 query rows or more (9 x 3, 8 x 2), however few the sequences."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -141,22 +158,6 @@ def assert_bfloat16_decode_matches(batch: PagedBatch, window: int | None) -> Non
     ref_err = (ref16.double() - ref64).abs().max().item()
     assert err <= max(ref_err, 1e-2), (err, ref_err)
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
-
-
-@pytest.fixture(params=["amx", "vec"])
-def decode_kernel(request):
-    """The bfloat16 decode kernel on AMX tiles (skipped where it cannot run) or on AVX512-BF16 vectors; the
-    default back afterwards."""
-    from plinth.attention_backends.cpu_paged import set_decode_amx
-    from plinth.kernels.cpu_native import amx_switch_on
-
-    on = set_decode_amx(request.param == "amx")
-    try:
-        if request.param == "amx" and not on:
-            pytest.skip("this CPU has no AMX-BF16 (or Linux refuses the tile state)")
-        yield request.param
-    finally:
-        set_decode_amx(amx_switch_on())
 
 
 def nan_outside_context(batch: PagedBatch) -> None:

@@ -2,13 +2,14 @@
 //
 // Cache layout: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = keys, 1 = values).
 // One work item is one sequence and a range of its KV heads (all of them when there are enough
-// sequences to keep the threads busy, else one), and with fewer items than two per thread a range of
-// the sequence's blocks (the ranges' softmax states merged at the end). It walks its blocks through the
-// block-table row (a segment's rows first read with loads only), scores every query head of each GQA group against
-// the block's keys, and keeps a float32 online softmax (running max, running sum, rescaled
-// accumulator) per query head. Nothing is gathered: with AVX512 or AVX2 (head sizes 64 and 128) the keys
-// and values are read in place, converted in registers; otherwise one block's keys/values of one head are
-// converted to float32 at a time. A sliding window starts the walk at the window's first token.
+// sequences to keep the threads busy, or on AMX tiles; else one), and with fewer items than two per thread a
+// range of the sequence's blocks (the ranges' softmax states merged at the end). It walks its blocks through the
+// block-table row (prefetching the next block; on AMX tiles, each segment's rows read first with loads only),
+// scores every query head of each GQA group against the block's keys, and keeps a float32 softmax state (running
+// max, running sum, rescaled accumulator) per query head. Nothing is gathered: with AVX512 or AVX2 (head sizes 64
+// and 128) the keys and values are read in place, converted in registers (on AMX tiles the keys are loaded as
+// tiles straight from the cache); otherwise one block's keys/values of one head are converted to float32 at a time.
+// A sliding window starts the walk at the window's first token.
 //
 // The file includes no torch headers (it compiles in about a second) and exports C functions that
 // take raw pointers; work items are spread over OpenMP threads (the libgomp runtime torch loads).
@@ -332,15 +333,27 @@ inline void interleave_value_pairs(const uint16_t* values, int64_t token_stride,
   }
 }
 
+// Fetch the rows t_lo..t_hi-1 (row_bytes each, token_bytes apart) of a block into L2. An asm statement, not
+// __builtin_prefetch: GCC's pure-function analysis counts the builtin as free of side effects and drops calls of a
+// helper (a lambda) whose only effect it is.
+inline void prefetch_rows(const char* block, int64_t token_bytes, int64_t row_bytes, int64_t t_lo, int64_t t_hi) {
+  for (int64_t t = t_lo; t < t_hi; ++t)
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      asm volatile("prefetcht1 %0" : : "m"(*(block + t * token_bytes + off)));
+}
+
 // blocks whose keys and values touch_segment reads side by side: the L2 prefetcher follows the four streams at once
 // (one 2-thread cache sweep from memory: 21-22 GB/s in one stream, 26-27 in four; the 32 x 330-token decode of
 // plinth_cpu_paged_decode 0.55-0.61 -> 0.52-0.57 ms a layer)
 constexpr int64_t kTouchBlocks = 2;
 
 // Read the key and value rows of one decode work item's blocks sb..se-1 (its tokens first..seq_len-1; row_bytes
-// from `off` elements into each token's row) once, with loads only, before any work on them. A loop of nothing but
-// loads keeps the most cache misses in flight; with the work in between (software prefetches a block ahead), the
-// 32 x 330-token items of decode_item_bf16 took 0.73-0.74 ms a layer from memory, against 0.64-0.65 with this pass.
+// from `off` elements into each token's row) once, with loads only, before any work on them (decode_item_amx). A
+// loop of nothing but loads keeps the most cache misses in flight: 32 sequences x 330 tokens took 0.77-0.78 ms a
+// layer from memory on AMX tiles without it, 0.78-0.82 with software prefetches of the next block between the
+// products (a core stalls on them), 0.67-0.68 with it. The vector kernel keeps its prefetches: its work takes longer,
+// so they overlap with more of it; with this pass instead, 8 sequences x 300 tokens from L3 took 0.091-0.093 against
+// 0.080-0.081 ms (32 x 330 from memory: 0.531 against 0.559).
 template <typename kv_t>
 inline void touch_segment(const kv_t* k_cache, const kv_t* v_cache, const int32_t* table, int64_t block_stride,
                           int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t sb, int64_t se,
@@ -374,7 +387,7 @@ inline void touch_segment(const kv_t* k_cache, const kv_t* v_cache, const int32_
 }
 
 // Keys of one decode work item taken per segment: at most this many bytes of the item's key rows (the values as
-// many), so a segment's scores stay in L1/L2 and its keys and values (touch_segment) in L2
+// many), so a segment's scores stay in L1/L2 and its values (on AMX tiles its keys too: touch_segment) in L2
 constexpr int64_t kSegmentBytes = 128 * 1024;
 
 // One decode work item in bfloat16: KV heads h0..h0+heads-1 of one sequence over its blocks b_lo..b_hi-1
@@ -397,7 +410,9 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t rows = heads * group;
+  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(kv_t));
   const int64_t row_bytes = heads * kD * static_cast<int64_t>(sizeof(kv_t));
+  const int64_t head_bytes = kD * static_cast<int64_t>(sizeof(kv_t));
   const int64_t head_off = h0 * kD;
   const int64_t seg_blocks = std::max<int64_t>(1, kSegmentBytes / (bs * row_bytes));
   const int64_t slots_cap = seg_blocks * ((bs + 15) / 16 * 16);
@@ -410,9 +425,18 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
     hi = std::min<int64_t>(seq_len - b * bs, bs);
     return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b]) * block_stride + head_off);
   };
+  // share `part` of `parts` of block b's rows (bytes [off, off + bytes) of each) fetched into L2 ahead of their use:
+  // the next block's, a share per step of the current block's work (a burst of a whole block stalls on the few
+  // misses a core can have in flight)
+  auto fetch_share = [&](const kv_t* cache, int64_t b, int64_t off, int64_t bytes, int64_t part, int64_t parts) {
+    if (b >= b_hi) return;
+    int64_t lo, hi;
+    const char* base = block_rows(cache, b, lo, hi) + off;
+    const int64_t n = hi - lo;
+    prefetch_rows(base, token_bytes, bytes, lo + n * part / parts, lo + n * (part + 1) / parts);
+  };
   for (int64_t sb = b_lo; sb < b_hi; sb += seg_blocks) {
     const int64_t se = std::min<int64_t>(b_hi, sb + seg_blocks);
-    touch_segment(k_cache, v_cache, table, block_stride, token_stride, bs, first, seq_len, sb, se, head_off, row_bytes);
     int64_t slots = 0;   // the segment's key slots: each block's visible tokens in chunks of 16
     for (int64_t b = sb; b < se; ++b) {
       int64_t lo, hi;
@@ -424,10 +448,14 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
     for (int64_t b = sb; b < se; ++b) {
       int64_t lo, hi;
       const kv_t* kb = reinterpret_cast<const kv_t*>(block_rows(k_cache, b, lo, hi));
+      const int64_t steps = (hi - lo + 15) / 16 * heads;   // (chunk, head) steps of this block
+      int64_t step = 0;
       for (int64_t c0 = lo; c0 < hi; c0 += 16) {
         const int64_t m = std::min<int64_t>(16, hi - c0);
         const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
-        for (int64_t hh = 0; hh < heads; ++hh) {
+        for (int64_t hh = 0; hh < heads; ++hh, ++step) {
+          if (b + 1 < se) fetch_share(k_cache, b + 1, 0, row_bytes, step, steps);
+          else fetch_share(v_cache, sb, 0, row_bytes, step, steps);   // the segment's first values, for pass 3
           __m512i ktb[kD / 2];
           transpose_keys16<kD, L>(kb + c0 * token_stride + hh * kD, token_stride, m, ktb, loader);
           for (int64_t u = 0; u < group; ++u) {
@@ -464,6 +492,7 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
         for (int64_t b = sb; b < se; ++b) {
           int64_t lo, hi;
           const kv_t* vb = reinterpret_cast<const kv_t*>(block_rows(v_cache, b, lo, hi)) + hh * kD;
+          const int64_t pairs_in_block = (hi - lo + 1) / 2;   // the steps of a head's pass over the block
           for (int64_t c0 = lo; c0 < hi; c0 += 16, slot += 16) {
             const int64_t m = std::min<int64_t>(16, hi - c0);
             const __mmask16 vis = static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u);
@@ -476,6 +505,11 @@ inline void decode_item_bf16(const typename L::T* k_cache, const typename L::T* 
               sums[u] = _mm512_add_ps(sums[u], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
             }
             for (int64_t kp = 0; 2 * kp < m; ++kp) {
+              if (r0 == hh * group) {   // each head's pass fetches its rows of the next block (the first
+                const int64_t step = (c0 - lo) / 2 + kp;   // head's: the next segment's first keys at the end)
+                if (b + 1 < se) fetch_share(v_cache, b + 1, hh * head_bytes, head_bytes, step, pairs_in_block);
+                else if (hh == 0) fetch_share(k_cache, se, 0, row_bytes, step, pairs_in_block);
+              }
               const kv_t* v0 = vb + (c0 + 2 * kp) * token_stride;
               const bool second = 2 * kp + 1 < m;   // a lone last key pairs with zeros
               __m512i vv[kV];
@@ -702,8 +736,8 @@ inline int64_t decode_item_heads(int64_t num_seqs, int64_t num_kv_heads, int64_t
 #if defined(PLINTH_ATTN_AMX)
 // KV heads per decode_item_amx call for a bfloat16 cache's items of `heads` KV heads with `group` query heads each,
 // or 0 where decode stays on vectors: tiles where Linux grants them (and plinth_cpu_paged_set_decode_amx has not
-// turned them off) for calls of at least 8 query rows (16 at most). With fewer rows, as in a batch of one or two
-// sequences, most of the tiles' and the exponentials' lanes idle and the vectors are faster.
+// turned them off) for calls of at least 8 query rows (16 at most). With fewer rows (a KV head or two of a small
+// GQA group) most of the tiles' and the exponentials' lanes idle and the vectors are faster.
 inline int64_t decode_amx_heads(int64_t group, int64_t heads, int64_t bs, float scale) {
   if (!g_decode_amx || group > 16 || bs % 16 != 0 || !(scale > 0.f) || !amx_granted()) return 0;
   const int64_t per_call = std::min<int64_t>(heads, 16 / group);
@@ -731,7 +765,15 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
   constexpr bool kBf16Blocks = false;
 #endif
   static_assert(!kFp8 || kBf16Blocks, "an FP8 cache is read by the bfloat16 block kernel only");
-  const int64_t heads_per_item = decode_item_heads(sh.num_seqs, sh.num_kv_heads, num_threads);
+  int64_t heads_per_item = decode_item_heads(sh.num_seqs, sh.num_kv_heads, num_threads);
+#if defined(PLINTH_ATTN_AMX)
+  // AMX items take all of a sequence's KV heads whatever the batch (few sequences split their blocks into parts
+  // instead): their rows are then adjacent in memory for touch_segment, and the tiles have the most rows
+  int64_t amx_heads = 0;   // KV heads per decode_item_amx call; 0: vectors
+  if constexpr (kBf16Blocks && !kFp8) amx_heads = decode_amx_heads(group, sh.num_kv_heads, bs, scale);
+  if (amx_heads > 0) heads_per_item = sh.num_kv_heads;
+  const bool use_amx = amx_heads > 0;
+#endif
   const int64_t items_per_seq = sh.num_kv_heads / heads_per_item;
   const int64_t seq_items = sh.num_seqs * items_per_seq;
   const int64_t rows = heads_per_item * group;  // query heads per item
@@ -753,11 +795,6 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
   const kv_t* k_cache = kv_cache;
   const kv_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-#if defined(PLINTH_ATTN_AMX)
-  int64_t amx_heads = 0;   // KV heads per decode_item_amx call; 0: vectors
-  if constexpr (kBf16Blocks && !kFp8) amx_heads = decode_amx_heads(group, heads_per_item, bs, scale);
-  const bool use_amx = amx_heads > 0;
-#endif
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -1662,9 +1699,9 @@ int64_t plinth_cpu_paged_set_decode_amx(int64_t on) {
 int64_t plinth_cpu_paged_decode_amx_heads(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                                           int64_t block_size, int64_t num_threads) {
 #if defined(PLINTH_ATTN_AMX)
+  (void)num_seqs; (void)num_threads;   // (AMX items take all KV heads whatever the batch)
   if ((head_size != 64 && head_size != 128) || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 0;
-  const int64_t heads = decode_item_heads(num_seqs, num_kv_heads, std::max<int64_t>(1, num_threads));
-  return decode_amx_heads(num_heads / num_kv_heads, heads, block_size, 1.f);
+  return decode_amx_heads(num_heads / num_kv_heads, num_kv_heads, block_size, 1.f);
 #else
   (void)num_seqs; (void)num_heads; (void)num_kv_heads; (void)head_size; (void)block_size; (void)num_threads;
   return 0;
