@@ -349,11 +349,11 @@ constexpr int64_t kTouchBlocks = 2;
 
 // Read the key and value rows of one decode work item's blocks sb..se-1 (its tokens first..seq_len-1; row_bytes
 // from `off` elements into each token's row) once, with loads only, before any work on them (decode_item_amx). A
-// loop of nothing but loads keeps the most cache misses in flight: 32 sequences x 330 tokens took 0.77-0.78 ms a
-// layer from memory on AMX tiles without it, 0.78-0.82 with software prefetches of the next block between the
-// products (a core stalls on them), 0.67-0.68 with it. The vector kernel keeps its prefetches: its work takes longer,
-// so they overlap with more of it; with this pass instead, 8 sequences x 300 tokens from L3 took 0.091-0.093 against
-// 0.080-0.081 ms (32 x 330 from memory: 0.531 against 0.559).
+// loop of nothing but loads keeps the most cache misses in flight: 32 sequences x 330 tokens (4 KiB pages) took
+// 0.77-0.78 ms a layer from memory on AMX tiles without it, 0.78-0.82 with software prefetches of the next block
+// between the products (a core stalls on them), 0.67-0.68 with it. The vector kernel keeps its prefetches: its work
+// takes longer, so they overlap with more of it; with this pass instead, 8 sequences x 300 tokens from L3 took
+// 0.091-0.093 against 0.080-0.081 ms (32 x 330 from memory: 0.531 against 0.559).
 template <typename kv_t>
 inline void touch_segment(const kv_t* k_cache, const kv_t* v_cache, const int32_t* table, int64_t block_stride,
                           int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t sb, int64_t se,
