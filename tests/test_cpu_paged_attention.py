@@ -101,6 +101,8 @@ def test_decode_of_few_sequences_splits_their_blocks(threads, dtype, window, dec
     and long contexts, one KV head (MQA) or three, a window that leaves ranges with no visible key, and a
     sequence with no query row in the step. In bfloat16 on AMX tiles (``decode_kernel``), the items take all of a
     sequence's KV heads where there are 8 query rows or more (9 x 3, 8 x 2), however few the sequences."""
+    if dtype == torch.float32 and decode_kernel == "amx":
+        pytest.skip("float32 caches have one kernel (the vector one)")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -188,7 +190,7 @@ def test_decode_bfloat16_kernels_match_float64(heads, d, bs, window, decode_kern
     contexts = DECODE_CONTEXTS + [1, 17, 31, 48, 64, 129, 300]
     per_call = min(hkv, 16 // (h // hkv))
     expected = per_call if decode_kernel == "amx" and h // hkv <= 16 and per_call * (h // hkv) >= 8 else 0
-    assert decode_amx_heads(len(contexts), h, hkv, d, bs, threads=2) == expected
+    assert decode_amx_heads(h, hkv, d, bs) == expected
     spec = spec_of(h=h, hkv=hkv, d=d, bs=bs, dtype=torch.bfloat16, window=window)
     batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(h + d + bs))
     nan_outside_context(batch)

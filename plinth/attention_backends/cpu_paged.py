@@ -360,16 +360,14 @@ def set_decode_amx(on: bool) -> bool:
     return build.library.plinth_cpu_paged_set_decode_amx(1 if on else 0) == 1 and on
 
 
-def decode_amx_heads(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                     threads: int | None = None) -> int:
-    """How many KV heads :func:`paged_decode` takes per AMX call for a bfloat16 cache of this shape on ``threads``
-    threads (default: torch's), or 0 where it runs on AVX512-BF16 vectors (no AMX, :func:`set_decode_amx` off,
-    fewer than 8 query rows per call, other head or block sizes)."""
+def decode_amx_heads(num_heads: int, num_kv_heads: int, head_size: int, block_size: int) -> int:
+    """How many KV heads :func:`paged_decode` takes per AMX call for a bfloat16 cache of this shape (any batch: AMX
+    work items take all of a sequence's KV heads), or 0 where it runs on AVX512-BF16 vectors (no AMX,
+    :func:`set_decode_amx` off, fewer than 8 query rows per call, other head or block sizes)."""
     build = load_kernel()
     if build.library is None:
         return 0
-    return build.library.plinth_cpu_paged_decode_amx_heads(num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                                                           threads or torch.get_num_threads())
+    return build.library.plinth_cpu_paged_decode_amx_heads(num_heads, num_kv_heads, head_size, block_size)
 
 
 @functools.cache

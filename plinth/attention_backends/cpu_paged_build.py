@@ -48,9 +48,9 @@ def load_kernel() -> NativeBuild:
         fn.restype = ctypes.c_int64
         p, i = ctypes.c_void_p, ctypes.c_int64   # query, q_row, key, value, kv_row, out, out_row, L, S, H, Hkv, D
         fn.argtypes = [p, i, p, p, i, p, i, i, i, i, i, i, ctypes.c_double, i]
-        fn = build.library.plinth_cpu_paged_decode_amx_heads   # seqs, heads, KV heads, head size, block, threads
+        fn = build.library.plinth_cpu_paged_decode_amx_heads   # heads, KV heads, head size, block size
         fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_int64] * 6
+        fn.argtypes = [ctypes.c_int64] * 4
         fn = build.library.plinth_cpu_paged_set_decode_amx
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_int64]

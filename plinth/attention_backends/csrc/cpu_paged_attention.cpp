@@ -342,50 +342,6 @@ inline void prefetch_rows(const char* block, int64_t token_bytes, int64_t row_by
       asm volatile("prefetcht1 %0" : : "m"(*(block + t * token_bytes + off)));
 }
 
-// blocks whose keys and values touch_segment reads side by side: the L2 prefetcher follows the four streams at once
-// (one 2-thread cache sweep from memory: 21-22 GB/s in one stream, 26-27 in four; the 32 x 330-token decode of
-// plinth_cpu_paged_decode 0.55-0.61 -> 0.52-0.57 ms a layer)
-constexpr int64_t kTouchBlocks = 2;
-
-// Read the key and value rows of one decode work item's blocks sb..se-1 (its tokens first..seq_len-1; row_bytes
-// from `off` elements into each token's row) once, with loads only, before any work on them (decode_item_amx). A
-// loop of nothing but loads keeps the most cache misses in flight: 32 sequences x 330 tokens (4 KiB pages) took
-// 0.77-0.78 ms a layer from memory on AMX tiles without it, 0.78-0.82 with software prefetches of the next block
-// between the products (a core stalls on them), 0.67-0.68 with it. The vector kernel keeps its prefetches: its work
-// takes longer, so they overlap with more of it; with this pass instead, 8 sequences x 300 tokens from L3 took
-// 0.091-0.093 against 0.080-0.081 ms (32 x 330 from memory: 0.531 against 0.559).
-template <typename kv_t>
-inline void touch_segment(const kv_t* k_cache, const kv_t* v_cache, const int32_t* table, int64_t block_stride,
-                          int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t sb, int64_t se,
-                          int64_t off, int64_t row_bytes) {
-  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(kv_t));
-  __m512i sink = _mm512_setzero_si512();
-  for (int64_t b0 = sb; b0 < se; b0 += kTouchBlocks) {   // kTouchBlocks blocks' keys and values side by side
-    const char* rows[2 * kTouchBlocks];
-    int64_t lo[kTouchBlocks], hi[kTouchBlocks], t_lo = bs, t_hi = 0;
-    for (int64_t i = 0; i < kTouchBlocks; ++i) {
-      const int64_t b = std::min(b0 + i, se - 1);
-      lo[i] = b0 + i < se ? std::max<int64_t>(first - b * bs, 0) : 0;
-      hi[i] = b0 + i < se ? std::min<int64_t>(seq_len - b * bs, bs) : 0;
-      if (hi[i] > lo[i]) {
-        t_lo = std::min(t_lo, lo[i]);
-        t_hi = std::max(t_hi, hi[i]);
-      }
-      const int64_t base = static_cast<int64_t>(table[b]) * block_stride + off;
-      rows[2 * i] = reinterpret_cast<const char*>(k_cache + base);
-      rows[2 * i + 1] = reinterpret_cast<const char*>(v_cache + base);
-    }
-    for (int64_t t = t_lo; t < t_hi; ++t)
-      for (int64_t o = 0; o < row_bytes; o += 64)
-        for (int64_t i = 0; i < kTouchBlocks; ++i)
-          if (t >= lo[i] && t < hi[i]) {
-            sink = _mm512_or_si512(sink, _mm512_loadu_si512(rows[2 * i] + t * token_bytes + o));
-            sink = _mm512_or_si512(sink, _mm512_loadu_si512(rows[2 * i + 1] + t * token_bytes + o));
-          }
-  }
-  asm volatile("" : : "v"(sink));   // the loads stay
-}
-
 // Keys of one decode work item taken per segment: at most this many bytes of the item's key rows (the values as
 // many), so a segment's scores stay in L1/L2 and its values (on AMX tiles its keys too: touch_segment) in L2
 constexpr int64_t kSegmentBytes = 128 * 1024;
@@ -576,6 +532,49 @@ struct AmxDecodeScratch {
   alignas(64) float obuf[4][16 * 16];    // P V outputs of four column tiles [row][16]
 };
 
+// blocks whose keys and values touch_segment reads side by side: the L2 prefetcher follows the four streams at once
+// (one 2-thread cache sweep from memory: 21-22 GB/s in one stream, 26-27 in four; the 32 x 330-token decode of
+// plinth_cpu_paged_decode 0.55-0.61 -> 0.52-0.57 ms a layer)
+constexpr int64_t kTouchBlocks = 2;
+
+// Read the key and value rows of one decode work item's blocks sb..se-1 (its tokens first..seq_len-1; row_bytes
+// from `off` elements into each token's row) once, with loads only, before any work on them (decode_item_amx). A
+// loop of nothing but loads keeps the most cache misses in flight: 32 sequences x 330 tokens (4 KiB pages) took
+// 0.77-0.78 ms a layer from memory on AMX tiles without it, 0.78-0.82 with software prefetches of the next block
+// between the products (a core stalls on them), 0.67-0.68 with it. The vector kernel keeps its prefetches: its work
+// takes longer, so they overlap with more of it; with this pass instead, 8 sequences x 300 tokens from L3 took
+// 0.091-0.093 against 0.080-0.081 ms (32 x 330 from memory: 0.531 against 0.559).
+inline void touch_segment(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table, int64_t block_stride,
+                          int64_t token_stride, int64_t bs, int64_t first, int64_t seq_len, int64_t sb, int64_t se,
+                          int64_t off, int64_t row_bytes) {
+  const int64_t token_bytes = token_stride * 2;
+  __m512i sink = _mm512_setzero_si512();
+  for (int64_t b0 = sb; b0 < se; b0 += kTouchBlocks) {   // kTouchBlocks blocks' keys and values side by side
+    const char* rows[2 * kTouchBlocks];
+    int64_t lo[kTouchBlocks], hi[kTouchBlocks], t_lo = bs, t_hi = 0;
+    for (int64_t i = 0; i < kTouchBlocks; ++i) {
+      const int64_t b = std::min(b0 + i, se - 1);
+      lo[i] = b0 + i < se ? std::max<int64_t>(first - b * bs, 0) : 0;
+      hi[i] = b0 + i < se ? std::min<int64_t>(seq_len - b * bs, bs) : 0;
+      if (hi[i] > lo[i]) {
+        t_lo = std::min(t_lo, lo[i]);
+        t_hi = std::max(t_hi, hi[i]);
+      }
+      const int64_t base = static_cast<int64_t>(table[b]) * block_stride + off;
+      rows[2 * i] = reinterpret_cast<const char*>(k_cache + base);
+      rows[2 * i + 1] = reinterpret_cast<const char*>(v_cache + base);
+    }
+    for (int64_t t = t_lo; t < t_hi; ++t)
+      for (int64_t o = 0; o < row_bytes; o += 64)
+        for (int64_t i = 0; i < kTouchBlocks; ++i)
+          if (t >= lo[i] && t < hi[i]) {
+            sink = _mm512_or_si512(sink, _mm512_loadu_si512(rows[2 * i] + t * token_bytes + o));
+            sink = _mm512_or_si512(sink, _mm512_loadu_si512(rows[2 * i + 1] + t * token_bytes + o));
+          }
+  }
+  asm volatile("" : : "v"(sink));   // the loads stay
+}
+
 // decode_item_bf16 on AMX tiles, for items of at most 16 query rows (bfloat16 cache, block sizes that are multiples
 // of 16, a positive scale; the thread's tiles configured by decode_amx_config(group)). Per segment: the scores
 // transposed, S^T = K Q^T, 16 keys at a time with the keys' rows loaded as left operands straight from the cache
@@ -727,12 +726,6 @@ inline void decode_item_amx(const uint16_t* k_cache, const uint16_t* v_cache, co
 }
 #endif
 
-// A decode work item is one sequence and a range of its KV heads: all heads when there are enough sequences to keep
-// the threads busy (each block is then read once, front to back), else one.
-inline int64_t decode_item_heads(int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads) {
-  return num_seqs >= 4 * num_threads ? num_kv_heads : 1;
-}
-
 #if defined(PLINTH_ATTN_AMX)
 // KV heads per decode_item_amx call for a bfloat16 cache's items of `heads` KV heads with `group` query heads each,
 // or 0 where decode stays on vectors: tiles where Linux grants them (and plinth_cpu_paged_set_decode_amx has not
@@ -765,7 +758,9 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
   constexpr bool kBf16Blocks = false;
 #endif
   static_assert(!kFp8 || kBf16Blocks, "an FP8 cache is read by the bfloat16 block kernel only");
-  int64_t heads_per_item = decode_item_heads(sh.num_seqs, sh.num_kv_heads, num_threads);
+  // A work item is one sequence and a range of its KV heads: all heads when there are enough
+  // sequences to keep the threads busy (each block is then read once, front to back), else one.
+  int64_t heads_per_item = sh.num_seqs >= 4 * num_threads ? sh.num_kv_heads : 1;
 #if defined(PLINTH_ATTN_AMX)
   // AMX items take all of a sequence's KV heads whatever the batch (few sequences split their blocks into parts
   // instead): their rows are then adjacent in memory for touch_segment, and the tiles have the most rows
@@ -1694,16 +1689,15 @@ int64_t plinth_cpu_paged_set_decode_amx(int64_t on) {
 #endif
 }
 
-// The KV heads per AMX call plinth_cpu_paged_decode takes for a bfloat16 cache of this shape, or 0 where it runs on
-// vectors (with a positive scale).
-int64_t plinth_cpu_paged_decode_amx_heads(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                                          int64_t block_size, int64_t num_threads) {
+// The KV heads per AMX call plinth_cpu_paged_decode takes for a bfloat16 cache of this shape (any batch: AMX work
+// items take all of a sequence's KV heads), or 0 where it runs on vectors (with a positive scale).
+int64_t plinth_cpu_paged_decode_amx_heads(int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                                          int64_t block_size) {
 #if defined(PLINTH_ATTN_AMX)
-  (void)num_seqs; (void)num_threads;   // (AMX items take all KV heads whatever the batch)
   if ((head_size != 64 && head_size != 128) || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 0;
   return decode_amx_heads(num_heads / num_kv_heads, num_kv_heads, block_size, 1.f);
 #else
-  (void)num_seqs; (void)num_heads; (void)num_kv_heads; (void)head_size; (void)block_size; (void)num_threads;
+  (void)num_heads; (void)num_kv_heads; (void)head_size; (void)block_size;
   return 0;
 #endif
 }
