@@ -293,17 +293,23 @@ def test_q8_0_lm_head_of_a_gguf_model(tmp_path, monkeypatch, tied, tiny_llama_di
     with LLM(path, tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4, selection="off") as llm:
         head = llm.engine.runner.model.lm_head
         method = head.gemm.__self__
-        assert method.q8_0 is not None and method.q8_0_max_rows == 4
+        # on AMX tiles the GEMV keeps one row and the regrouped blocks take the rest (no bfloat16 copy packed)
+        amx = cpu_native.q8_amx_supported()
+        assert method.q8_0 is not None and method.q8_0_max_rows == (1 if amx else 4)
+        assert (method.q8_panels is not None) == amx and (method.packed is None or not amx)
         w_file = torch.from_numpy(gguf.quants.dequantize(method.q8_0.numpy(), gguf.GGMLQuantizationType.Q8_0))
         gen = torch.Generator().manual_seed(1)
-        for m in (1, 4, 6):       # 6 rows: past the switch-over, the prepacked bfloat16 weight
+        for m in (1, 4, 6):       # 6 rows: past the switch-over, the prepacked bfloat16 weight (or AMX tiles)
             x = torch.randn(m, 64, generator=gen).to(BF16)
             got = head(x)
             exact = x.double() @ w_file.double().T
             torch.testing.assert_close(got.double(), exact, atol=0.02 * float(exact.abs().max()), rtol=0)
-            if m <= 4:   # the logits in float32 (the kernel's sums unrounded)
+            if m <= method.q8_0_max_rows:   # the logits in float32 (the kernel's sums unrounded)
                 assert got.dtype == torch.float32
                 assert torch.equal(got, cpu_native.q8_0_matmul(x, method.q8_0, w_file.shape[0], torch.float32))
+            elif amx:
+                assert got.dtype == torch.float32
+                assert torch.equal(got, cpu_native.q8_panel_matmul(x, method.q8_panels))
             # the compiled path's custom op: its fake (what a traced graph expects) has the real output's dtype
             from plinth.worker.cpu_linear import _cpu_linear_fake, cpu_linear_op
             real = cpu_linear_op(x, method.handle, method.out_features)
@@ -672,6 +678,36 @@ def test_fused_gate_up_activation_equals_the_gemm_then_the_activation(m, inter, 
                                     torch.zeros(48, k // 32))   # halves of 24 columns
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_native.q4_panel_silu_mul(x, odd)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (2, 17, 64), (5, 300, 576), (16, 48, 96), (17, 50, 128),
+                                   (32, 96, 576), (33, 40, 64), (70, 112, 128)])
+def test_q8_panel_matmul_on_amx_tiles(m, n, k):
+    """The Q8_0 AMX GEMM (an LM head's rows past the GEMV's) multiplies the file's weights rounded to bfloat16, as
+    the bfloat16 weight a GGUF loader converts them to: against a float64 product of those weights up to float32
+    summation (float32 out, unrounded); row counts around the 16-row tiles and 32-row chunks, output counts that are
+    not whole tiles or pairs, inputs with a wider row stride."""
+    if not cpu_native.q8_amx_supported():
+        pytest.skip("this CPU has no AMX-BF16 (or the kernel refused the tile state)")
+    rng = np.random.default_rng(m * 1000 + n + k)
+    blocks = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05,
+                                  gguf.GGMLQuantizationType.Q8_0)
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)).to(BF16)
+    panels = cpu_native.pack_q8_panels(torch.from_numpy(blocks))
+    assert panels.out_features == n and panels.in_features == k
+    wide = torch.from_numpy(rng.standard_normal((m, k + 32)).astype(np.float32)).to(BF16)
+    x = wide[:, 16:16 + k]                       # row stride k + 32
+    out = cpu_native.q8_panel_matmul(x, panels)
+    exact = x.double() @ w.double().T
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    # the expanded weights, read back through an identity input: exactly the file's d q rounded to bfloat16
+    assert torch.equal(cpu_native.q8_panel_matmul(torch.eye(k, dtype=BF16), panels).t().to(BF16), w)
+    with pytest.raises(ValueError, match="bfloat16 inputs"):
+        cpu_native.q8_panel_matmul(x.float(), panels)
+    with pytest.raises(ValueError, match="bfloat16 inputs"):
+        cpu_native.q8_panel_matmul(x[:, :32].contiguous() if k > 32 else wide, panels)
 
 
 def test_amx_is_routed_only_where_it_runs(monkeypatch):

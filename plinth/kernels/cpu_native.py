@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 9
+ABI_VERSION = 10
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -50,6 +50,7 @@ _SIGNATURES = {
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_amx": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_amx_silu": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "plinth_q8p_gemm_amx": [_P, _I, _P, _P, _P, _I, _I, _I],
     "plinth_amx_init": [],
     "plinth_q8v_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemv_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -64,7 +65,7 @@ _SIGNATURES = {
 }
 _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64,
             "plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q4p_gemm_amx": ctypes.c_int64,
-            "plinth_q4p_gemm_amx_silu": ctypes.c_int64,
+            "plinth_q4p_gemm_amx_silu": ctypes.c_int64, "plinth_q8p_gemm_amx": ctypes.c_int64,
             "plinth_amx_init": ctypes.c_int64,
             "plinth_q8v_gemm_bf16": ctypes.c_int64,
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
@@ -445,6 +446,60 @@ def q4_panel_silu_mul(x: torch.Tensor, panels: Q4Panels) -> torch.Tensor:
     if not _amx_ready():
         raise RuntimeError("the fused gate/up GEMM needs AMX-BF16 and the tile state (q4_amx_supported() is False)")
     return _checked_gemm("plinth_q4p_gemm_amx_silu", x, panels, "AMX-BF16", out_cols=n // 2)
+
+
+@dataclasses.dataclass
+class Q8Panels:
+    """A GGUF ``Q8_0`` weight ``[N, K]`` regrouped for the AMX GEMM of :func:`q8_panel_matmul`: tiles of 16 output
+    rows (the last padded with zero rows); per tile and 32-k block 512 code bytes, k-pair by k-pair the 16 rows'
+    two codes side by side, and the 16 rows' float16 scales: ``w = d * q``. The file's bytes in another order."""
+
+    codes: torch.Tensor     # [T, K / 32, 512] int8
+    scales: torch.Tensor    # [T, K / 32, 16] float16
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * Q8_0_BLOCK
+
+
+def pack_q8_panels(blocks: torch.Tensor) -> Q8Panels:
+    """GGUF ``Q8_0`` rows ``blocks`` (``uint8 [N, K / 32 * 34]``) -> :class:`Q8Panels`."""
+    n = blocks.shape[0]
+    nb = blocks.shape[1] // Q8_0_BYTES
+    tiles = -(-n // 16)
+    rows = blocks.reshape(n, nb, Q8_0_BYTES)
+    if tiles * 16 != n:
+        rows = torch.cat([rows, rows.new_zeros(tiles * 16 - n, nb, Q8_0_BYTES)])
+    rows = rows.reshape(tiles, 16, nb, Q8_0_BYTES)
+    scales = rows[..., :2].contiguous().view(torch.float16).reshape(tiles, 16, nb).transpose(1, 2)   # [T, nb, 16]
+    codes = rows[..., 2:].contiguous().view(torch.int8).reshape(tiles, 16, nb, 16, 2)   # [T, row, nb, k-pair, parity]
+    return Q8Panels(codes.permute(0, 2, 3, 1, 4).reshape(tiles, nb, 512).contiguous(), scales.contiguous(), n)
+
+
+def q8_panel_matmul(x: torch.Tensor, panels: Q8Panels) -> torch.Tensor:
+    """``x`` ``[M, K]`` bfloat16 times a :class:`Q8Panels` weight -> ``[M, N]`` float32 on AMX tiles: each weight
+    ``d q`` rounded to bfloat16 (the bfloat16 weight a GGUF loader converts the file to), float32 sums left
+    unrounded. Check :func:`q8_amx_supported` first."""
+    k = panels.in_features
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != k:
+        raise ValueError(f"the Q8_0 AMX GEMM takes CPU bfloat16 inputs [M, {k}]; got {x.dtype} {list(x.shape)} "
+                         f"on {x.device}")
+    if not _amx_ready():
+        raise RuntimeError("the Q8_0 AMX GEMM needs AMX-BF16 and the tile state (q8_amx_supported() is False)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((x.shape[0], panels.out_features), dtype=torch.float32)
+    if x.shape[0] and _lib().plinth_q8p_gemm_amx(x.data_ptr(), x.stride(0), panels.codes.data_ptr(),
+                                                 panels.scales.data_ptr(), y.data_ptr(), x.shape[0],
+                                                 panels.out_features, k):
+        raise RuntimeError("the Q8_0 AMX GEMM declined: the library was built without AMX-BF16")
+    return y
+
+
+def q8_amx_supported() -> bool:
+    """Whether :func:`q8_panel_matmul` runs here (AMX tiles, as for :func:`q4_amx_supported`)."""
+    return q4_amx_supported()
 
 
 _Q4P_GEMV = "plinth_q4p_gemv_bf16"

@@ -169,6 +169,12 @@ Q8_0_INT8_MAX_ROWS = 3
 #: 6.0-6.8 against 7.5-9.3, 12 rows 9.7-10.9 against 8.9-10.0)
 Q8_0_ROWS8_F32_MAX_ROWS = 8
 
+#: where a bfloat16 model's Q8_0 head runs on AMX tiles (:func:`cpu_native.q8_panel_matmul`), the most rows its GEMV
+#: still takes: 49152 x 576 with the weights cold (a 400 MiB write between calls), ms, GEMV / AMX / oneDNN bfloat16
+#: + float32 copy: 1 row 1.60-1.68 / 1.90-1.93 / 2.20-2.94, 2 rows 2.04 / 1.72 / 2.54, 4 rows 2.53 / 1.81 / 3.07,
+#: 32 rows 21.0 / 2.29 / 4.13 (Xeon with AMX, 2 cores)
+Q8_0_AMX_GEMV_MAX_ROWS = 1
+
 #: float32 inputs of more rows than this skip the packed weights (MKL's GEMM was as fast from 256 rows on, in the
 #: measurements of benchmarks/RESULTS.md, CPU session 13)
 F32_PACKED_MAX_ROWS = 128
@@ -247,6 +253,12 @@ class CpuLinearMethod:
                                   else cpu_native.q4_gemv_max_rows())
         self.q8_0 = q8_0                      # GGUF Q8_0 blocks [N, K / 32 * 34] (the LM head of a GGUF file)
         self.q8_0_max_rows = q8_0_max_rows if q8_0 is not None else 0
+        # a bfloat16 model on AMX tiles: the Q8_0 blocks regrouped for the AMX GEMM, which takes every row count
+        # past the GEMV's (float32 logits, as the GEMV's); then no bfloat16 copy is packed
+        self.q8_panels = (cpu_native.pack_q8_panels(q8_0) if self.q8_0_max_rows > 0 and weight.dtype == torch.bfloat16
+                          and not int8_activations and cpu_native.q8_amx_supported() else None)
+        if self.q8_panels is not None:
+            self.q8_0_max_rows = min(self.q8_0_max_rows, Q8_0_AMX_GEMV_MAX_ROWS)
         # float32 models without AVX512-VNNI (AVX2): the Q8_0 GEMV quantizes its rows to 8 bits per 32 features
         self.q8_0_int8 = bool(int8_activations and q8_0 is not None and weight.dtype == torch.float32
                               and cpu_native.q8_0_int8_supported())
@@ -266,7 +278,8 @@ class CpuLinearMethod:
         # every row count is served by the 4-bit / Q8_0 kernels and the 8-bit-input GEMM once that exists: no
         # prepacked bfloat16 copy then (F.linear on the weight stays the fallback)
         # the same where the 4-bit panels on AMX tiles take every row count past the GEMV's
-        panels_all = self.q4_panel_max_rows == sys.maxsize and cpu_native.q4_amx_supported()
+        panels_all = ((self.q4_panel_max_rows == sys.maxsize and cpu_native.q4_amx_supported())
+                      or self.q8_panels is not None)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
             if pack and packed_linear_supported(weight.dtype) and self.vnni is None and not panels_all else None
         # float32: the packed GEMM for decode-sized inputs only; longer ones (prefill) run MKL's as fast or faster
@@ -307,6 +320,9 @@ class CpuLinearMethod:
             y = cpu_native.q4_panel_matmul(x2, int4.panels)
             if bias is not None:
                 y = y + bias
+        elif (self.q8_panels is not None and m > self.q8_0_max_rows and bias is None and x2.dtype == torch.bfloat16
+              and cpu_native.enabled(x2)):
+            y = cpu_native.q8_panel_matmul(x2, self.q8_panels)   # float32 logits, as the GEMV's below
         elif 0 < m <= self.q8_0_max_rows and bias is None and cpu_native.q8_0_enabled(x2):
             # the LM head's logits as the kernel's float32 sums: bfloat16 would round them to steps of 1/8 at
             # magnitude 16-32, where greedy near-ties then break by token id
@@ -362,6 +378,8 @@ class CpuLinearMethod:
         """The dtype :meth:`matmul` returns for ``rows`` bias-free rows of ``dtype``: float32 where the Q8_0 LM
         head's GEMV takes them (its logits), else ``dtype``."""
         if 0 < rows <= self.q8_0_max_rows and cpu_native.q8_0_supported(dtype):
+            return torch.float32
+        if self.q8_panels is not None and rows > self.q8_0_max_rows and dtype == torch.bfloat16:
             return torch.float32
         return dtype
 

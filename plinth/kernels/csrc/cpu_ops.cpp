@@ -218,6 +218,49 @@ inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t*
     for (int64_t kb = 0; kb < k / 32; ++kb) q4p_expand_block(codes, dh, ch, t0 + ti * tile_stride, kb, k, ti, nt, wbuf);
 }
 
+// The 4-bit panels as a source of the AMX GEMMs' bfloat16 panels (q4p_expand_block).
+struct Q4PanelSource {
+  const uint8_t* codes;
+  const uint16_t* dh;
+  const uint16_t* ch;
+  int64_t k;
+  void expand_block(int64_t t, int64_t kb, int64_t ti, int64_t nt, uint16_t* wbuf) const {
+    q4p_expand_block(codes, dh, ch, t, kb, k, ti, nt, wbuf);
+  }
+};
+
+// 8-bit panels (plinth.kernels.cpu_native.pack_q8_panels: a GGUF Q8_0 weight's codes and scales regrouped), as a
+// source of the AMX GEMMs' bfloat16 panels. Per tile of 16 output rows and 32-k block: 512 code bytes in the
+// panel's own order (k-pair, then column, then k parity) and the 16 columns' float16 scales. The weight
+// w = d q (exact in float32) is rounded to bfloat16 once: the bits of the bfloat16 weight converted from the file.
+struct Q8PanelSource {
+  const int8_t* codes;     // [T][K/32][16 k-pairs][16 columns][2]
+  const uint16_t* scales;  // [T][K/32][16]
+  int64_t k;
+  void expand_block(int64_t t, int64_t kb, int64_t ti, int64_t nt, uint16_t* wbuf) const {
+    const int64_t kbs = k / 32;
+    const __m512i idx_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i idx_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const int8_t* block = codes + (t * kbs + kb) * 512;
+    for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(block + 1024 + 64 * line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(scales + (t * kbs + kb) * 16 + 64), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (t * kbs + kb) * 16)));
+    const __m512 dlo = _mm512_permutexvar_ps(idx_lo, d), dhi = _mm512_permutexvar_ps(idx_hi, d);
+    for (int64_t kk = 0; kk < 16; ++kk) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kk * 32));
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), dlo);
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), dhi);
+      _mm512_storeu_si512(wbuf + ((kb * 16 + kk) * nt + ti) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+};
+
+template <class Source>
+inline void panel_expand(const Source& src, int64_t t0, int64_t nt, uint16_t* wbuf, int64_t tile_stride) {
+  for (int64_t ti = 0; ti < nt; ++ti)
+    for (int64_t kb = 0; kb < src.k / 32; ++kb) src.expand_block(t0 + ti * tile_stride, kb, ti, nt, wbuf);
+}
+
 // The panel GEMMs' pairs of 16-column tiles: pair p is tiles 2p and 2p + 1 (the last pair of an odd count one tile);
 // with `halves` (n a multiple of 32), tiles p and p + n / 32: column tile p of each half (a gate/up weight's gate and
 // up columns side by side).
@@ -293,21 +336,18 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
 // A pair's panel expanded a few 32-k blocks at a time (q4p_expand's work in pieces), between the tile products of
 // the previous pair. Vector work and tile products overlap little on the Xeons measured (a block's expansion and a
 // 2 x 2 tile step take about the sum of their times together), so this gains ~5% at 32 rows and is not used for more.
+template <class Source>
 class PanelExpansion {
  public:
   // the pair of tiles t0, t0 + tile_stride (nt of them) into wbuf, spread evenly over `steps` calls of step()
-  void start(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t t0, int64_t nt, int64_t tile_stride,
-             int64_t k, uint16_t* wbuf, int64_t steps) {
-    codes_ = codes;
-    dh_ = dh;
-    ch_ = ch;
+  void start(const Source& src, int64_t t0, int64_t nt, int64_t tile_stride, uint16_t* wbuf, int64_t steps) {
+    src_ = &src;
     t0_ = t0;
     nt_ = nt;
     tile_stride_ = tile_stride;
-    k_ = k;
     wbuf_ = wbuf;
     next_ = 0;
-    total_ = nt * (k / 32);
+    total_ = nt * (src.k / 32);
     per_step_ = std::max<int64_t>(1, (total_ + steps - 1) / std::max<int64_t>(1, steps));
   }
 
@@ -318,14 +358,12 @@ class PanelExpansion {
   // the next `blocks` blocks (k-block after k-block, each for the nt tiles)
   void advance(int64_t blocks) {
     for (const int64_t end = std::min(total_, next_ + blocks); next_ < end; ++next_)
-      q4p_expand_block(codes_, dh_, ch_, t0_ + next_ % nt_ * tile_stride_, next_ / nt_, k_, next_ % nt_, nt_, wbuf_);
+      src_->expand_block(t0_ + next_ % nt_ * tile_stride_, next_ / nt_, next_ % nt_, nt_, wbuf_);
   }
 
-  const uint8_t* codes_ = nullptr;
-  const uint16_t* dh_ = nullptr;
-  const uint16_t* ch_ = nullptr;
+  const Source* src_ = nullptr;
   uint16_t* wbuf_ = nullptr;
-  int64_t t0_ = 0, nt_ = 0, tile_stride_ = 1, k_ = 32, next_ = 0, total_ = 0, per_step_ = 1;
+  int64_t t0_ = 0, nt_ = 0, tile_stride_ = 1, next_ = 0, total_ = 0, per_step_ = 1;
 };
 
 // One thread's AMX tiles for y [M, cols <= 32] = x [M, K] (bfloat16) times a k-pair-interleaved bfloat16 panel of
@@ -341,13 +379,15 @@ class PanelExpansion {
 // the q/k/v GEMM, 30 layers, 8.6 -> 6.2 ms).
 class AmxTiles {
  public:
-  enum class Out { kStore, kSilu };
+  enum class Out { kStore, kSilu, kF32 };
 
   // kStore: y [M, cols] bfloat16; kSilu (nt = 2: a gate tile and its up tile): act [M, 16] = silu(gate) * up, the
-  // float32 sums rounded to bfloat16 first, as the unfused GEMM's output that silu_mul_rows would read
-  template <Out kOut, class Side>
-  void gemm(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t nt, int64_t k, uint16_t* y,
+  // float32 sums rounded to bfloat16 first, as the unfused GEMM's output that silu_mul_rows would read; kF32 (y a
+  // float pointer): y [M, cols] the float32 sums
+  template <Out kOut, class Y, class Side>
+  void gemm(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t nt, int64_t k, Y* y,
             int64_t y_stride, int64_t m, int64_t cols, Side& side) {
+    static_assert(std::is_same_v<Y, float> == (kOut == Out::kF32), "float32 outputs go to a float pointer");
     for (int64_t r0 = 0; r0 < m; r0 += 32) {
       const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
       const int rows1 = static_cast<int>(std::min<int64_t>(16, std::max<int64_t>(0, m - r0 - 16)));
@@ -365,7 +405,7 @@ class AmxTiles {
       if (nt == 2) _tile_stored(1, acc_[1], 64);
       if (rows1 > 0) _tile_stored(2, acc_[2], 64);
       if (rows1 > 0 && nt == 2) _tile_stored(3, acc_[3], 64);
-      pending_ = {kOut == Out::kSilu, y + r0 * y_stride, y_stride, cols, rows0 + rows1, 0};
+      pending_ = {kOut, y + r0 * y_stride, y_stride, cols, rows0 + rows1, 0};
     }
   }
 
@@ -383,8 +423,8 @@ class AmxTiles {
   };
 
   struct Pending {   // the sums in acc_ not yet written out: rows next .. rows - 1
-    bool silu = false;
-    uint16_t* y = nullptr;
+    Out out = Out::kStore;
+    void* y = nullptr;
     int64_t y_stride = 0, cols = 0;
     int rows = 0, next = 0;
   };
@@ -432,17 +472,22 @@ class AmxTiles {
     Pending& p = pending_;
     for (const int end = std::min(p.rows, p.next + count); p.next < end; ++p.next) {
       const int r = p.next, g = r / 16, rr = r % 16;
-      if (p.silu) {
+      if (p.out == Out::kSilu) {
         const __m512 gate = round16_bf(_mm512_loadu_ps(acc_[2 * g][rr]));
         const __m512 up = round16_bf(_mm512_loadu_ps(acc_[2 * g + 1][rr]));
-        store16_bf(p.y + r * p.y_stride, silu_mul16(gate, up));
+        store16_bf(static_cast<uint16_t*>(p.y) + r * p.y_stride, silu_mul16(gate, up));
         continue;
       }
       for (int t = 0; t < 2 && 16 * t < p.cols; ++t) {
         const __mmask16 keep = p.cols - 16 * t >= 16 ? static_cast<__mmask16>(0xffff)
                                                      : static_cast<__mmask16>((1u << (p.cols - 16 * t)) - 1u);
-        const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc_[2 * g + t][rr]));
-        _mm256_mask_storeu_epi16(p.y + r * p.y_stride + 16 * t, keep, out);
+        const __m512 sums = _mm512_loadu_ps(acc_[2 * g + t][rr]);
+        if (p.out == Out::kF32) {
+          _mm512_mask_storeu_ps(static_cast<float*>(p.y) + r * p.y_stride + 16 * t, keep, sums);
+        } else {
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.y) + r * p.y_stride + 16 * t, keep,
+                                   (__m256i)_mm512_cvtneps_pbh(sums));
+        }
       }
     }
   }
@@ -453,14 +498,15 @@ class AmxTiles {
   int rows0_ = -1, rows1_ = -1;
 };
 
-// The AMX panel GEMMs' loop: each thread takes a run of consecutive pairs (PanelPairs) and multiplies each with multiply(amx, panel, t0, nt, next) while `next` expands the following
+// The AMX panel GEMMs' loop: each thread takes a run of consecutive pairs (PanelPairs) of the weight `src` (a
+// Q4PanelSource or Q8PanelSource) and multiplies each with multiply(amx, panel, t0, nt, next) while `next` expands the following
 // pair into the other of two panels a block at a time (the tile products of one pair and the expansion of the next
 // overlap where one chunk of rows uses each panel; with more the next panel is expanded at once: 30 layers of
 // a step's GEMMs at 32 / 500 rows 8.7 / 64.1 -> 7.4 / 44.6 ms with the deferred epilogue and streamed inputs).
-template <class Multiply>
-inline void q4p_amx_for_each_pair(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t n, int64_t m,
-                                  int64_t k, bool parallel, bool halves, Multiply multiply) {
+template <class Source, class Multiply>
+inline void amx_for_each_pair(const Source& src, int64_t n, int64_t m, bool parallel, bool halves, Multiply multiply) {
   const PanelPairs pairs(n, halves);
+  const int64_t k = src.k;
 #pragma omp parallel if (parallel)
   {
 #if defined(_OPENMP)
@@ -472,14 +518,13 @@ inline void q4p_amx_for_each_pair(const uint8_t* codes, const uint16_t* dh, cons
     if (begin < end) {
       std::vector<uint16_t> panels(static_cast<size_t>(2 * k * 32));   // two panels of K/2 k-pairs x 2 tiles x 32
       AmxTiles amx;
-      PanelExpansion next;
-      q4p_expand(codes, dh, ch, pairs.first_tile(begin), pairs.tile_count(begin), k, panels.data(),
-                 pairs.tile_stride);
+      PanelExpansion<Source> next;
+      panel_expand(src, pairs.first_tile(begin), pairs.tile_count(begin), panels.data(), pairs.tile_stride);
       const int64_t steps = (m + 31) / 32 * (k / 32);   // the tile loop's 32-k steps per pair
       for (int64_t p = begin; p < end; ++p) {
         uint16_t* panel = panels.data() + (p - begin) % 2 * k * 32;
         if (p + 1 < end) {
-          next.start(codes, dh, ch, pairs.first_tile(p + 1), pairs.tile_count(p + 1), pairs.tile_stride, k,
+          next.start(src, pairs.first_tile(p + 1), pairs.tile_count(p + 1), pairs.tile_stride,
                      panels.data() + (p - begin + 1) % 2 * k * 32, steps);
           if (m > 32) next.finish();
         }
@@ -1210,7 +1255,7 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 9; }
+int64_t plinth_cpu_ops_abi() { return 10; }
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
@@ -1434,8 +1479,9 @@ int64_t plinth_amx_init() {
 int64_t plinth_q4p_gemm_amx(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                             const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AMX)
-  q4p_amx_for_each_pair(codes, dh, ch, n, m, k, n > 32 && m * n * k >= kParallelWork, false,
-                        [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, PanelExpansion& next) {
+  using Next = PanelExpansion<Q4PanelSource>;
+  amx_for_each_pair(Q4PanelSource{codes, dh, ch, k}, n, m, n > 32 && m * n * k >= kParallelWork, false,
+                    [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, Next& next) {
     amx.gemm<AmxTiles::Out::kStore>(x, x_stride, panel, nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0),
                                     next);
   });
@@ -1456,13 +1502,35 @@ int64_t plinth_q4p_gemm_amx_silu(const uint16_t* x, int64_t x_stride, const uint
 #if defined(PLINTH_CPU_AMX)
   if (n % 32 != 0) return -2;
   const int64_t inter = n / 2;
-  q4p_amx_for_each_pair(codes, dh, ch, n, m, k, m * n * k >= kParallelWork, true,
-                        [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, PanelExpansion& next) {
+  using Next = PanelExpansion<Q4PanelSource>;
+  amx_for_each_pair(Q4PanelSource{codes, dh, ch, k}, n, m, m * n * k >= kParallelWork, true,
+                    [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, Next& next) {
     amx.gemm<AmxTiles::Out::kSilu>(x, x_stride, panel, nt, k, act + 16 * t0, inter, m, 16, next);
   });
   return 0;
 #else
   (void)x; (void)x_stride; (void)codes; (void)dh; (void)ch; (void)act; (void)m; (void)n; (void)k;
+  return -1;
+#endif
+}
+
+// y [M, N] float32 = x [M, K] (bfloat16) @ W^T for a GGUF Q8_0 weight regrouped into 8-bit panels
+// (plinth.kernels.cpu_native.pack_q8_panels: codes [ceil(N/16)][K/32][512], float16 scales [ceil(N/16)][K/32][16];
+// padding columns zero) on AMX tiles: each pair of 16-column tiles expanded to bfloat16 w = d q (the bfloat16
+// weight the file converts to), float32 sums written unrounded (an LM head's logits). Returns 0, or -1 without
+// AMX-BF16 (call plinth_amx_init first).
+int64_t plinth_q8p_gemm_amx(const uint16_t* x, int64_t x_stride, const int8_t* codes, const uint16_t* scales,
+                            float* y, int64_t m, int64_t n, int64_t k) {
+#if defined(PLINTH_CPU_AMX)
+  using Next = PanelExpansion<Q8PanelSource>;
+  amx_for_each_pair(Q8PanelSource{codes, scales, k}, n, m, n > 32 && m * n * k >= kParallelWork, false,
+                    [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, Next& next) {
+    amx.gemm<AmxTiles::Out::kF32>(x, x_stride, panel, nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0),
+                                  next);
+  });
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)codes; (void)scales; (void)y; (void)m; (void)n; (void)k;
   return -1;
 #endif
 }
