@@ -26,7 +26,8 @@ import numpy as np
 def run(budget: int, itl_target: float, args: argparse.Namespace) -> dict:
     from plinth import LLM, SamplingParams
 
-    llm = LLM(args.model, max_num_batched_tokens=budget, itl_target_ms=itl_target, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, max_num_batched_tokens=budget, itl_target_ms=itl_target, kv_cache_dtype=args.kv_cache_dtype,
+              block_size=args.block_size)
     engine = llm.engine
     t = time.perf_counter()
     while args.idle and engine.idle_work():   # what a server does before its first request arrives
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--itl-targets", default="0", help="comma-separated itl_target_ms values (0: off)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (an 8-bit E4M3 cache)")
     p.add_argument("--no-idle", dest="idle", action="store_false",
                    help="start at once, without the idle work an idle server does first (faulting the KV cache in)")

@@ -128,9 +128,15 @@ def test_rms_norm_bits_follow_its_definition(n, with_residual, gen):
     """The native bfloat16 RMSNorm's exact bits: h = bf16(x + residual); float32 squares summed per lane of 16 in
     order (a bfloat16 square is exact in float32), the lanes folded 8, 4, 2, 1, the tail added in order; y =
     bf16(w * bf16(h / sqrt(sum / n + eps))); emulated here in float32 torch ops, compared with torch.equal."""
-    rows = 5
+    rows = 6
     x = (torch.randn(rows, n, generator=gen) * torch.logspace(-3, 3, rows).unsqueeze(1)).to(BF16)
+    # the last row tiny but for one feature: its normalized values are float32 (and bfloat16) subnormals, which
+    # the rounding keeps (vcvtneps2bf16 would flush them)
+    x[-1] = 4e-26 * (1 + torch.rand(n, generator=gen))
+    x[-1, 0] = 1e15
     residual = torch.randn(rows, n, generator=gen).to(BF16) if with_residual else None
+    if residual is not None:
+        residual[-1] = 0
     weight = (torch.randn(n, generator=gen) * 0.2 + 1).to(BF16)
     out = cpu_native.rms_norm(x, weight, 1e-5, residual)
     h = (x.float() + residual.float()).to(BF16) if with_residual else x
@@ -147,6 +153,8 @@ def test_rms_norm_bits_follow_its_definition(n, with_residual, gen):
     inv = 1.0 / torch.sqrt(total / n + torch.tensor(1e-5, dtype=torch.float32))
     want = (weight.float() * (hf * inv.unsqueeze(1)).to(BF16).float()).to(BF16)
     got = out[0] if with_residual else out
+    tiny = want[-1, 1:].float().abs()
+    assert bool(((tiny > 0) & (tiny < 1.17e-38)).all())   # the subnormals are reached
     assert torch.equal(got, want)
     if with_residual:
         assert torch.equal(out[1], h)

@@ -306,20 +306,37 @@ inline __m512i f2bf16_bits(__m512 v) {
   return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
 }
 
+// f2bf of 16 lanes as packed bfloat16 bits: vcvtneps2bf16 rounds to nearest even as f2bf does except for the
+// subnormals it flushes and the NaNs whose payload it keeps; lanes of those take the integer arithmetic above
+inline __m256i f2bf16_packed(__m512 v) {
+#if defined(__AVX512DQ__)
+  constexpr int kQuietNan = 0x01, kSubnormal = 0x20, kSignalingNan = 0x80;
+  if (_mm512_fpclass_ps_mask(v, kQuietNan | kSubnormal | kSignalingNan) == 0) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+  return _mm512_cvtepi32_epi16(f2bf16_bits(v));
+}
+
 // f2bf of 16 lanes, as float32
-inline __m512 round16_f2bf(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(f2bf16_bits(v), 16)); }
+inline __m512 round16_f2bf(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f2bf16_packed(v)), 16));
+}
 
 inline __m512 load16_bf(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// 16 lanes that already hold bfloat16 values (their low 16 bits zero, e.g. round16_f2bf's), stored exactly
+inline void store16_bf_exact(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
 inline void store16_bf(uint16_t* p, __m512 v) {   // f2bf of each lane
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(f2bf16_bits(v)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), f2bf16_packed(v));
 }
 
 // silu(g) * u for 16 lanes exactly as silu_mul_rows<Bf16> computes it from bfloat16 g and u (here as float32):
 // e = exp(-|g|), one quotient 1 / (1 + e), the same select, g * sig rounded to bfloat16 as f2bf rounds, times u
-// (the caller stores the product through f2bf16_bits): bit for bit the scalar loop's results.
+// (the caller stores the product through store16_bf): bit for bit the scalar loop's results.
 inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
@@ -1049,7 +1066,7 @@ inline void rms_norm_row_bf16(const uint16_t* xr, const uint16_t* rr, const uint
   if (rr != nullptr) {   // h = round(x + residual) written first, as the scalar loop does, then its squares
     for (int64_t i = 0; i < full; i += kLanes) {
       const __m512 h = round16_f2bf(_mm512_add_ps(load16_bf(xr + i), load16_bf(rr + i)));
-      store16_bf(hr + i, h);   // (h is a bfloat16 value: stored exactly)
+      store16_bf_exact(hr + i, h);
       part = _mm512_fmadd_ps(h, h, part);
     }
     for (int64_t i = full; i < n; ++i) hr[i] = f2bf(bf2f(xr[i]) + bf2f(rr[i]));
