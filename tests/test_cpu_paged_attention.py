@@ -587,9 +587,9 @@ def test_bfloat16_prefill_sequences_take_torch_fused_attention(cut, monkeypatch)
     calls = []
     real = cpu_paged.sdpa_prefill
 
-    def counted(query, *args):
+    def counted(query, *args, **kwargs):
         calls.append(query.shape[0])
-        return real(query, *args)
+        return real(query, *args, **kwargs)
 
     monkeypatch.setattr(cpu_paged, "sdpa_prefill", counted)
     n = cpu_paged.fused_min_rows()   # 128 for torch's attention, 16 with the AMX kernel
@@ -661,7 +661,7 @@ def test_long_bfloat16_prefill_runs_on_amx_tiles(monkeypatch):
         pytest.skip("this CPU has no AMX-BF16 (or PLINTH_CPU_AMX is off)")
     calls = []
     real = cpu_paged.amx_prefill
-    monkeypatch.setattr(cpu_paged, "amx_prefill", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(cpu_paged, "amx_prefill", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
     spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16)
     batch = make_paged_batch(spec, [20, 0, 70], [1, 300, 150], generator=torch.Generator().manual_seed(4))
     ref = sdpa_reference(batch, 0.125, None, torch.float64)
@@ -673,3 +673,36 @@ def test_long_bfloat16_prefill_runs_on_amx_tiles(monkeypatch):
     other = run_paged(batch, 0.125, None)
     assert sorted(calls) == [150, 300]   # asked, declined: torch's attention ran
     torch.testing.assert_close(got.double(), other.double(), atol=2e-2, rtol=0)
+
+
+def test_kernels_write_into_a_given_output():
+    """``paged_decode`` and ``amx_prefill`` write into an ``out`` they are given (a mixed step's decode rows and
+    prefill sequences share one output): the same values as their own outputs, nothing else touched; an ``out``
+    of the wrong shape or layout is refused."""
+    from plinth.attention_backends import cpu_paged
+
+    gen = torch.Generator().manual_seed(11)
+    spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16)
+    batch = make_paged_batch(spec, [30, 70, 5], [1, 1, 1], generator=gen)
+    md = batch.metadata
+    args = (batch.query, batch.kv_cache, md.block_tables.to(torch.int32), md.seq_lens.to(torch.int32),
+            md.query_start_loc.to(torch.int32), md.num_seqs, 0.125)
+    want = cpu_paged.paged_decode(*args, every_row_owned=True)
+    big = torch.full((5, 9, 64), 7.0, dtype=torch.bfloat16)
+    got = cpu_paged.paged_decode(*args, every_row_owned=True, out=big[1:4])
+    assert got.data_ptr() == big[1].data_ptr() and torch.equal(big[1:4], want)
+    assert bool((big[0] == 7).all()) and bool((big[4] == 7).all())
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_paged.paged_decode(*args, every_row_owned=True, out=big[:2])
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_paged.paged_decode(*args, out=big[1:4])   # rows not all owned: the kernel's zeroing is needed
+    if not cpu_paged._amx_prefill_on():
+        return
+    q = torch.randn(40, 9, 64, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(40, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    want = cpu_paged.amx_prefill(q, k, v, 0.125)
+    wide = torch.full((40, 2, 9, 64), 7.0, dtype=torch.bfloat16)   # rows of another stride
+    got = cpu_paged.amx_prefill(q, k, v, 0.125, out=wide[:, 1])
+    assert torch.equal(got, want) and torch.equal(wide[:, 1], want) and bool((wide[:, 0] == 7).all())
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_paged.amx_prefill(q, k, v, 0.125, out=wide[:, :, 0])

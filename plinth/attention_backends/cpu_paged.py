@@ -165,18 +165,25 @@ class CpuPagedBackend(TorchBatchedBackend):
         tables, lens, starts = self._step_indices(metadata)
         num_decodes, longest_decode, prefill_starts = self._decode_split(metadata, starts)
         first = metadata.query_start_loc_cpu[num_decodes]
+        if num_decodes == 0:
+            return self._prefill(query, key, value, kv_cache, metadata, 0, tables, lens, prefill_starts, scale,
+                                 sliding_window)
+        out = torch.empty(query.shape, dtype=query.dtype)   # both parts written into it (the decode rows first)
         rest = self._prefill(query[first:], key[first:], value[first:], kv_cache, metadata, num_decodes,
-                             tables[num_decodes:], lens[num_decodes:], prefill_starts, scale, sliding_window)
-        if rest is None or num_decodes == 0:
-            return rest
-        head = paged_decode(query[:num_decodes], kv_cache, tables, lens, starts, num_decodes, scale, sliding_window,
-                            max_seq_len=longest_decode, every_row_owned=True)
-        return torch.cat([head, rest])
+                             tables[num_decodes:], lens[num_decodes:], prefill_starts, scale, sliding_window,
+                             out=out[first:])
+        if rest is None:
+            return None
+        paged_decode(query[:num_decodes], kv_cache, tables, lens, starts, num_decodes, scale, sliding_window,
+                     max_seq_len=longest_decode, every_row_owned=True, out=out[:num_decodes])
+        return out
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata, first_seq: int, tables: torch.Tensor, lens: torch.Tensor,
-                 starts: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor | None:
-        """Sequences ``first_seq ..`` of the step, whose query rows start at row 0 of ``query``: bfloat16
+                 starts: torch.Tensor, scale: float, sliding_window: int | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Sequences ``first_seq ..`` of the step, whose query rows start at row 0 of ``query`` (their output written
+        into ``out`` ``[T, H, D]``, contiguous rows, when given; returned): bfloat16
         sequences of at least :func:`fused_min_rows` rows through a fused attention (:func:`sdpa_prefill`: the AMX
         kernel, else torch's, whose oneDNN bfloat16 micro-kernels run ~2.4x the native kernel at 500 rows), the
         rest through the native causal kernel in one call. Over an FP8 cache every sequence takes the fused
@@ -194,12 +201,17 @@ class CpuPagedBackend(TorchBatchedBackend):
             (fused if route and long_enough and (not sliding_window or seq_lens[i] <= sliding_window)
              else others).append(i)
         if not fused:
-            return paged_prefill(query, kv_cache, tables, lens, starts, num_seqs, scale, sliding_window,
+            rest = paged_prefill(query, kv_cache, tables, lens, starts, num_seqs, scale, sliding_window,
                                  max_seq_len=max(seq_lens, default=0))
-        if not others and len(fused) == 1 and bounds[1] - bounds[0] == query.shape[0]:   # one prompt: its output as is
+            return rest if out is None or rest is None else out.copy_(rest)
+        if out is None and not others and len(fused) == 1 and bounds[1] - bounds[0] == query.shape[0]:
+            # one prompt: its output as is
             return sdpa_prefill(query, key, value, kv_cache, tables[fused[0]], seq_lens[fused[0]], scale).contiguous()
         # rows past the sequences' (padding) stay zero
-        out = (torch.empty if bounds[num_seqs] == query.shape[0] else torch.zeros)(query.shape, dtype=query.dtype)
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype)
+        if bounds[num_seqs] != query.shape[0]:
+            out[bounds[num_seqs]:] = 0
         if others:   # the native kernel for the short ones, on their rows gathered in order
             rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in others])
             sub_starts = torch.tensor([0, *itertools.accumulate(bounds[i + 1] - bounds[i] for i in others)],
@@ -212,7 +224,7 @@ class CpuPagedBackend(TorchBatchedBackend):
             out[rows] = sub
         for i in fused:
             a, b = bounds[i], bounds[i + 1]
-            out[a:b] = sdpa_prefill(query[a:b], key[a:b], value[a:b], kv_cache, tables[i], seq_lens[i], scale)
+            sdpa_prefill(query[a:b], key[a:b], value[a:b], kv_cache, tables[i], seq_lens[i], scale, out=out[a:b])
         return out
 
     @staticmethod
@@ -257,6 +269,7 @@ def paged_decode(
     *,
     max_seq_len: int | None = None,  # the largest of seq_lens[:B] when the caller knows it (saves a reduction)
     every_row_owned: bool = False,   # the caller knows every query row belongs to a sequence (no zeroing)
+    out: torch.Tensor | None = None,  # [T, H, D] contiguous rows to write into (with every_row_owned)
 ) -> torch.Tensor:                  # [T, H, D]; rows not owned by a sequence are zero
     """Attention of each sequence's one query token over its cached keys, read in place.
 
@@ -295,7 +308,10 @@ def paged_decode(
     if fp8 and not fp8_decode_available():
         raise RuntimeError("this build of the CPU paged-attention kernel has no FP8 decode (needs AVX512-BF16)")
     # rows not owned by a sequence (padding) stay zero
-    out = (torch.empty if every_row_owned else torch.zeros)(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = (torch.empty if every_row_owned else torch.zeros)(query.shape, dtype=query.dtype, device=query.device)
+    elif not every_row_owned or out.shape != query.shape or out.dtype != query.dtype or out.stride()[1:] != (d, 1):
+        raise ValueError(f"out must be a [{t}, {h}, {d}] {query.dtype} tensor of contiguous rows, every row owned")
     build.library.plinth_cpu_paged_decode(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
         out.data_ptr(), FP8_DTYPE_CODE if fp8 else _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks,
@@ -305,12 +321,12 @@ def paged_decode(
 
 
 def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+                 table: torch.Tensor, seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's ``L`` query rows ``[L, H, D]`` (its last ``L`` positions) through
     :func:`amx_prefill` where it runs, else ``F.scaled_dot_product_attention``: over this step's keys and values as
     they are when the sequence has no earlier tokens, else over its ``seq_len`` cached ones (this step's written),
     gathered from its blocks, with the causal mask aligned to the last position; from an FP8 cache always the cached
-    ones, widened to bfloat16 (:func:`gather_e4m3`). ``[L, H, D]``."""
+    ones, widened to bfloat16 (:func:`gather_e4m3`). ``[L, H, D]``, written into ``out`` when given."""
     rows, h, d = query.shape
     if kv_cache.dtype == FP8_CACHE_DTYPE:   # this step's rows too, as the cache holds them, widened
         k, v = gather_e4m3(kv_cache, table, seq_len)                        # [S, Hkv, D] each
@@ -323,13 +339,13 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
         v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
     causal = seq_len == rows
     mask = None if causal else torch.ones(rows, seq_len, dtype=torch.bool).tril(seq_len - rows)
-    out = amx_prefill(query, k, v, scale)
-    if out is not None:
-        return out
-    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
-                                         scale=scale, enable_gqa=k.shape[1] != h)
-    return out[0].transpose(0, 1)
+    fast = amx_prefill(query, k, v, scale, out=out)
+    if fast is not None:
+        return fast
+    y = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                       v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
+                                       scale=scale, enable_gqa=k.shape[1] != h)[0].transpose(0, 1)
+    return y if out is None else out.copy_(y)
 
 
 def gather_e4m3(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,10 +399,12 @@ def fused_min_rows() -> int:
     return AMX_MIN_ROWS if _amx_prefill_on() else SDPA_MIN_ROWS
 
 
-def amx_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
+def amx_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of ``L`` bfloat16 query rows ``[L, H, D]`` (the last ``L`` of ``S`` positions) over keys and
     values ``[S, Hkv, D]`` on AMX tiles (``plinth_cpu_amx_prefill``: 32 query rows of a head per work item, key
-    blocks of 32, an online softmax in float32 with the probabilities rounded to bfloat16) -> ``[L, H, D]``; ``None``
+    blocks of 32, an online softmax in float32 with the probabilities rounded to bfloat16) -> ``[L, H, D]`` (written
+    into ``out`` when given: bfloat16 rows of contiguous heads, any row stride); ``None``
     where it does not run (no AMX-BF16, ``PLINTH_CPU_AMX=0``, head sizes other than 64 and 128, other dtypes)."""
     rows, h, d = query.shape
     if (any(t.dtype != torch.bfloat16 for t in (query, key, value)) or d not in (64, 128) or key.shape[0] < rows
@@ -396,9 +414,13 @@ def amx_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
         query = query.contiguous()
     if key.stride(2) != 1 or key.stride(1) != d or value.stride() != key.stride():
         key, value = key.contiguous(), value.contiguous()
-    out = torch.empty((rows, h, d), dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty((rows, h, d), dtype=torch.bfloat16)
+    elif out.shape != (rows, h, d) or out.dtype != torch.bfloat16 or out.stride()[1:] != (d, 1):
+        raise ValueError(f"out must be a [{rows}, {h}, {d}] bfloat16 tensor with contiguous heads")
     rc = load_kernel().library.plinth_cpu_amx_prefill(
-        query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0), out.data_ptr(), h * d,
+        query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0), out.data_ptr(),
+        out.stride(0),
         rows, key.shape[0], h, key.shape[1], d, float(scale), torch.get_num_threads())
     return out if rc == 0 else None
 
