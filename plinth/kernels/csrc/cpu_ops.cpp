@@ -533,16 +533,20 @@ inline void amx_for_each_pair(const Source& src, int64_t n, int64_t m, bool para
 #endif
     const int64_t begin = pairs.count * me / threads, end = pairs.count * (me + 1) / threads;
     if (begin < end) {
-      std::vector<uint16_t> panels(static_cast<size_t>(2 * k * 32));   // two panels of K/2 k-pairs x 2 tiles x 32
+      // two panels of K/2 k-pairs x 2 tiles x 32, kept by the thread between calls (a new vector was a memset of
+      // up to 192 KiB per call and thread, for every GEMM of every layer)
+      static thread_local std::vector<uint16_t> panel_buf;
+      if (panel_buf.size() < static_cast<size_t>(2 * k * 32)) panel_buf.resize(static_cast<size_t>(2 * k * 32));
+      uint16_t* const panels = panel_buf.data();
       AmxTiles amx;
       PanelExpansion<Source> next;
-      panel_expand(src, pairs.first_tile(begin), pairs.tile_count(begin), panels.data(), pairs.tile_stride);
+      panel_expand(src, pairs.first_tile(begin), pairs.tile_count(begin), panels, pairs.tile_stride);
       const int64_t steps = (m + 31) / 32 * (k / 32);   // the tile loop's 32-k steps per pair
       for (int64_t p = begin; p < end; ++p) {
-        uint16_t* panel = panels.data() + (p - begin) % 2 * k * 32;
+        uint16_t* panel = panels + (p - begin) % 2 * k * 32;
         if (p + 1 < end) {
           next.start(src, pairs.first_tile(p + 1), pairs.tile_count(p + 1), pairs.tile_stride,
-                     panels.data() + (p - begin + 1) % 2 * k * 32, steps);
+                     panels + (p - begin + 1) % 2 * k * 32, steps);
           if (m > 32) next.finish();
         }
         multiply(amx, panel, pairs.first_tile(p), pairs.tile_count(p), next);
