@@ -21,10 +21,13 @@
   shapes, 30 layers cycled as in a step; 6 at 128 and 512 rows, where the GEMMs are compute-bound) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
   rows), the 8-bit-input panel GEMM (``Q4GemmF32Q8``), oneDNN's packed float32 GEMM and ``F.linear`` (MKL);
   and the Q8_0 LM head at 1-4 and 8 rows with float32 and with 8-bit inputs;
+* ``lm-head``: a GGUF Q8_0 LM head (49,152 x 576, random codes and scales) at 1-64 rows, warm and cold (a 400 MiB write
+  between calls): the AMX GEMM over the regrouped blocks (``q8_panel_matmul``, CPUs with AMX-BF16), the Q8_0 GEMV
+  with float32 logits (``q8_0_matmul``) and oneDNN's packed bfloat16 GEMM followed by the float32 copy of its logits;
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
   decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
 
-    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,gate-up,f32-gemm,steps
+    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,gate-up,f32-gemm,lm-head,steps
 """
 
 from __future__ import annotations
@@ -340,8 +343,48 @@ def steps_part() -> dict:
     return out
 
 
+def lm_head_part() -> dict:
+    from plinth.kernels import cpu_native
+    from plinth.worker.cpu_linear import packed_linear_supported
+
+    if not cpu_native.q8_0_supported(torch.bfloat16):
+        return {"skipped": "no native Q8_0 GEMV for bfloat16 here"}
+    gen = torch.Generator().manual_seed(0)
+    n, k = VOCAB, 576
+    nb = k // 32
+    d = (torch.rand(n, nb, generator=gen) * 0.02 + 1e-4).to(torch.float16)
+    q = torch.randint(-128, 128, (n, nb, 32), generator=gen, dtype=torch.int8)
+    blocks = torch.cat([d.view(torch.uint8).reshape(n, nb, 2), q.view(torch.uint8)], -1).reshape(n, nb * 34).contiguous()
+    weight = (d.float()[..., None] * q.float()).reshape(n, k).to(torch.bfloat16)
+    kernels: dict[str, Callable[[torch.Tensor], object]] = {
+        "gemv": lambda x: cpu_native.q8_0_matmul(x, blocks, n, torch.float32)}
+    if cpu_native.q8_amx_supported():
+        panels = cpu_native.pack_q8_panels(blocks)
+        kernels["amx"] = lambda x: cpu_native.q8_panel_matmul(x, panels)
+    if packed_linear_supported(torch.bfloat16):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        kernels["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
+    junk = torch.empty(400 << 20, dtype=torch.uint8)
+    out: dict = {}
+    for rows in (1, 2, 4, 8, 32, 64):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        for name, fn in kernels.items():
+            if name == "gemv" and rows > 8:
+                continue   # its time grows with the rows (32 rows ~20 ms)
+            out[f"{name}_{rows}_rows_warm_ms"] = round(median_ms(lambda f=fn, x=x: f(x), 11), 3)
+            cold = []
+            for _ in range(11):
+                junk.add_(1)   # the weights out of the caches, as the layers' work between two heads leaves them
+                t = time.perf_counter()
+                fn(x)
+                cold.append(time.perf_counter() - t)
+            out[f"{name}_{rows}_rows_cold_ms"] = round(float(np.median(cold)) * 1e3, 3)
+    return out
+
+
 PARTS = {"sampler": sampler_part, "prefill-kernel": prefill_kernel_part, "decode-kernel": decode_kernel_part,
-         "decode-gemv": decode_gemv_part, "gate-up": gate_up_part, "f32-gemm": f32_gemm_part, "steps": steps_part}
+         "decode-gemv": decode_gemv_part, "gate-up": gate_up_part, "f32-gemm": f32_gemm_part, "lm-head": lm_head_part,
+         "steps": steps_part}
 
 
 def main(argv: list[str] | None = None) -> int:
