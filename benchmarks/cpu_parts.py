@@ -43,6 +43,17 @@ import torch
 H, HKV, D, BS, VOCAB = 9, 3, 64, 16, 49152
 
 
+def cold_median_ms(fn: Callable[[], object], junk: torch.Tensor, reps: int) -> float:
+    """``fn``'s median time with ``junk`` written before each call (its operands out of the caches), the write untimed."""
+    times = []
+    for _ in range(reps):
+        junk.add_(1)
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
@@ -372,13 +383,8 @@ def lm_head_part() -> dict:
             if name == "gemv" and rows > 8:
                 continue   # its time grows with the rows (32 rows ~20 ms)
             out[f"{name}_{rows}_rows_warm_ms"] = round(median_ms(lambda f=fn, x=x: f(x), 11), 3)
-            cold = []
-            for _ in range(11):
-                junk.add_(1)   # the weights out of the caches, as the layers' work between two heads leaves them
-                t = time.perf_counter()
-                fn(x)
-                cold.append(time.perf_counter() - t)
-            out[f"{name}_{rows}_rows_cold_ms"] = round(float(np.median(cold)) * 1e3, 3)
+            # the weights out of the caches, as the layers' work between two heads leaves them
+            out[f"{name}_{rows}_rows_cold_ms"] = round(cold_median_ms(lambda f=fn, x=x: f(x), junk, 11), 3)
     return out
 
 
