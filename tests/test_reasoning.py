@@ -242,7 +242,7 @@ def test_server_structured_answer_after_thinking(think_model):
                                                 served_model_name="tiny", reasoning_parser="deepseek_r1"))
     end = engine.tokenizer.convert_tokens_to_ids("</think>")
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}, "required": ["city"],
-              "additionalProperties": False}
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}   # no padding
     with TestClient(build_app(AsyncLLMEngine(engine), reasoning_parser=DeepSeekR1ReasoningParser)) as http:
         body = {"messages": [{"role": "user", "content": "Where?"}], "max_tokens": 60, "temperature": 0.8,
                 "seed": 4, "logit_bias": {str(end): 100},
