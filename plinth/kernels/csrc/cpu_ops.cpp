@@ -169,15 +169,26 @@ inline void q4p_all_rows(const uint16_t* x, int64_t x_stride, const uint16_t* wb
   for (; r0 < m; ++r0) q4p_rows<1, TILES>(x + r0 * x_stride, x_stride, wbuf, kp_count, y + r0 * y_stride, y_stride, cols);
 }
 
+// a - b in float32 for 16 lanes, and whether it is exact in every lane (TwoSum: the rounding error is computed
+// exactly, so the test is exact too)
+inline __m512 sub_exact(__m512 a, __m512 b, bool* exact) {
+  const __m512 s = _mm512_sub_ps(a, b), bb = _mm512_sub_ps(s, a);
+  const __m512 err = _mm512_sub_ps(_mm512_sub_ps(a, _mm512_sub_ps(s, bb)), _mm512_add_ps(b, bb));
+  *exact = _mm512_cmp_ps_mask(err, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0;
+  return s;
+}
+
 // Tiles t0, t0 + tile_stride, ... (nt <= 2) of the 4-bit panel layout expanded into wbuf [K/2][nt][32] bfloat16: per k-pair
 // and tile the 16 columns' weights at k parity 0 and 1 side by side, w = d q + c rounded to bfloat16 once. Per k-pair
 // the 16 code bytes are broadcast to the four 128-bit lanes and a byte shuffle puts byte i at bits 16-23 of dword i;
-// masking a nibble there and or-ing in 0x43000000 gives the float32 128 + q exactly (no integer conversion), less 128
-// the code q (exact), and w = d q + c in one fused multiply-add: the same weights as converting the codes. The codes
-// four blocks and the scales sixteen blocks ahead are prefetched (the codes stream from memory once per call).
-// q4p_expand_block: the 32-k block kb of tile t, as tile ti of the panel.
+// masking a nibble there (the high one shifted down first) and or-ing in 0x43000000 gives the float32 128 + q
+// exactly (no integer conversion). Then w = d (128 + q) + (c - 128 d) in one fused multiply-add: the same float32 as
+// d q + c where c - 128 d is exact in float32 (checked per block; a block where it is not subtracts the 128 from
+// 128 + q instead). The codes four blocks and the scales sixteen blocks ahead are prefetched (the codes stream from
+// memory once per call).
+// q4p_expand_block: the 32-k block kb of tile t, as tile ti of the panel's block at `out` (16 k-pairs x nt x 32).
 inline void q4p_expand_block(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t t, int64_t kb,
-                             int64_t k, int64_t ti, int64_t nt, uint16_t* wbuf) {
+                             int64_t k, int64_t ti, int64_t nt, uint16_t* out) {
   const int64_t kps = k / 2, kbs = k / 32;
   const __m512i idx_b = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i idx_a = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
@@ -190,7 +201,6 @@ inline void q4p_expand_block(const uint8_t* codes, const uint16_t* dh, const uin
       static_cast<int>(0x80038080u), static_cast<int>(0x80028080u), static_cast<int>(0x80018080u),
       static_cast<int>(0x80008080u));
   const __m512i nibble = _mm512_set1_epi32(0x000f0000), f128 = _mm512_set1_epi32(0x43000000);
-  const __m512 c128 = _mm512_set1_ps(128.f);
   const uint8_t* block = codes + (t * kps + kb * 16) * 16;
   for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(block + 1024 + 64 * line), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(dh + (t * kbs + kb) * 16 + 256), _MM_HINT_T0);
@@ -198,24 +208,39 @@ inline void q4p_expand_block(const uint8_t* codes, const uint16_t* dh, const uin
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + (t * kbs + kb) * 16)));
   const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + (t * kbs + kb) * 16)));
   const __m512 db = _mm512_permutexvar_ps(idx_b, d), da = _mm512_permutexvar_ps(idx_a, d);
+  out += ti * 32;
+  const __m128i* in = reinterpret_cast<const __m128i*>(block);
+  bool exact;
+  const __m512 c0 = sub_exact(c, _mm512_mul_ps(d, _mm512_set1_ps(128.f)), &exact);
+  if (exact) {
+    const __m512 cb = _mm512_permutexvar_ps(idx_b, c0), ca = _mm512_permutexvar_ps(idx_a, c0);
+    for (int64_t kk = 0; kk < 16; ++kk) {
+      const __m512i bytes = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(in + kk)), place);
+      // (x & nibble) | f128 = 128 + q
+      const __m512 qb = (__m512)_mm512_ternarylogic_epi32(bytes, nibble, f128, 0xEA);
+      const __m512 qa = (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(bytes, 4), nibble, f128, 0xEA);
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(qa, da, ca), _mm512_fmadd_ps(qb, db, cb));
+      _mm512_storeu_si512(out + kk * nt * 32, (__m512i)w);
+    }
+    return;
+  }
+  const __m512 c128 = _mm512_set1_ps(128.f);
   const __m512 cb = _mm512_permutexvar_ps(idx_b, c), ca = _mm512_permutexvar_ps(idx_a, c);
   for (int64_t kk = 0; kk < 16; ++kk) {
-    const int64_t kp = kb * 16 + kk;
-    const __m512i bytes = _mm512_shuffle_epi8(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kk * 16))), place);
-    // (x & nibble) | f128 = 128 + q, then q
+    const __m512i bytes = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(in + kk)), place);
     const __m512 qb = _mm512_sub_ps((__m512)_mm512_ternarylogic_epi32(bytes, nibble, f128, 0xEA), c128);
     const __m512 qa = _mm512_sub_ps((__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(bytes, 4), nibble, f128,
                                                                       0xEA), c128);
     const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(qa, da, ca), _mm512_fmadd_ps(qb, db, cb));
-    _mm512_storeu_si512(wbuf + (kp * nt + ti) * 32, (__m512i)w);
+    _mm512_storeu_si512(out + kk * nt * 32, (__m512i)w);
   }
 }
 
 inline void q4p_expand(const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, int64_t t0, int64_t nt,
                        int64_t k, uint16_t* wbuf, int64_t tile_stride = 1) {
   for (int64_t ti = 0; ti < nt; ++ti)
-    for (int64_t kb = 0; kb < k / 32; ++kb) q4p_expand_block(codes, dh, ch, t0 + ti * tile_stride, kb, k, ti, nt, wbuf);
+    for (int64_t kb = 0; kb < k / 32; ++kb)
+      q4p_expand_block(codes, dh, ch, t0 + ti * tile_stride, kb, k, ti, nt, wbuf + kb * 16 * nt * 32);
 }
 
 // The 4-bit panels as a source of the AMX GEMMs' bfloat16 panels (q4p_expand_block).
@@ -224,8 +249,8 @@ struct Q4PanelSource {
   const uint16_t* dh;
   const uint16_t* ch;
   int64_t k;
-  void expand_block(int64_t t, int64_t kb, int64_t ti, int64_t nt, uint16_t* wbuf) const {
-    q4p_expand_block(codes, dh, ch, t, kb, k, ti, nt, wbuf);
+  void expand_block(int64_t t, int64_t kb, int64_t ti, int64_t nt, uint16_t* out) const {
+    q4p_expand_block(codes, dh, ch, t, kb, k, ti, nt, out);
   }
 };
 
@@ -237,7 +262,7 @@ struct Q8PanelSource {
   const int8_t* codes;     // [T][K/32][16 k-pairs][16 columns][2]
   const uint16_t* scales;  // [T][K/32][16]
   int64_t k;
-  void expand_block(int64_t t, int64_t kb, int64_t ti, int64_t nt, uint16_t* wbuf) const {
+  void expand_block(int64_t t, int64_t kb, int64_t ti, int64_t nt, uint16_t* out) const {
     const int64_t kbs = k / 32;
     const __m512i idx_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i idx_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
@@ -250,7 +275,7 @@ struct Q8PanelSource {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kk * 32));
       const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), dlo);
       const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), dhi);
-      _mm512_storeu_si512(wbuf + ((kb * 16 + kk) * nt + ti) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(out + (kk * nt + ti) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
 };
@@ -258,7 +283,8 @@ struct Q8PanelSource {
 template <class Source>
 inline void panel_expand(const Source& src, int64_t t0, int64_t nt, uint16_t* wbuf, int64_t tile_stride) {
   for (int64_t ti = 0; ti < nt; ++ti)
-    for (int64_t kb = 0; kb < src.k / 32; ++kb) src.expand_block(t0 + ti * tile_stride, kb, ti, nt, wbuf);
+    for (int64_t kb = 0; kb < src.k / 32; ++kb)
+      src.expand_block(t0 + ti * tile_stride, kb, ti, nt, wbuf + kb * 16 * nt * 32);
 }
 
 // The panel GEMMs' pairs of 16-column tiles: pair p is tiles 2p and 2p + 1 (the last pair of an odd count one tile);
@@ -350,37 +376,31 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
 }
 
 #if defined(PLINTH_CPU_AMX)
-// A pair's panel expanded a few 32-k blocks at a time (q4p_expand's work in pieces), between the tile products of
-// the previous pair. Vector work and tile products overlap little on the Xeons measured (a block's expansion and a
-// 2 x 2 tile step take about the sum of their times together), so this gains ~5% at 32 rows and is not used for more.
+// The right-hand operand of AmxTiles::gemm, block by block. An expanded panel (ExpandedPanel: the whole pair in a
+// buffer, for inputs of more than 32 rows, which reuse it per chunk), or one expanded a 32-k block at a time into
+// two small buffers in turn (StreamedPanel, for 32 rows or fewer): block kb + 1 is expanded while the tile products
+// of block kb run, and the inputs, the two blocks and the sums stay in L1 where a whole panel did not.
+struct ExpandedPanel {
+  const uint16_t* wbuf;
+  int64_t nt;
+  void begin() const {}
+  const uint16_t* block(int64_t kb) const { return wbuf + kb * 16 * nt * 32; }
+  void after(int64_t) const {}
+};
+
 template <class Source>
-class PanelExpansion {
- public:
-  // the pair of tiles t0, t0 + tile_stride (nt of them) into wbuf, spread evenly over `steps` calls of step()
-  void start(const Source& src, int64_t t0, int64_t nt, int64_t tile_stride, uint16_t* wbuf, int64_t steps) {
-    src_ = &src;
-    t0_ = t0;
-    nt_ = nt;
-    tile_stride_ = tile_stride;
-    wbuf_ = wbuf;
-    next_ = 0;
-    total_ = nt * (src.k / 32);
-    per_step_ = std::max<int64_t>(1, (total_ + steps - 1) / std::max<int64_t>(1, steps));
+struct StreamedPanel {
+  const Source& src;
+  int64_t t0, nt, tile_stride;
+  uint16_t* buf;   // two blocks of 16 k-pairs x nt x 32
+  void begin() const { expand(0); }
+  const uint16_t* block(int64_t kb) const { return buf + (kb & 1) * 16 * 2 * 32; }
+  void after(int64_t kb) const {
+    if (kb + 1 < src.k / 32) expand(kb + 1);
   }
-
-  void step() { advance(per_step_); }
-  void finish() { advance(total_ - next_); }
-
- private:
-  // the next `blocks` blocks (k-block after k-block, each for the nt tiles)
-  void advance(int64_t blocks) {
-    for (const int64_t end = std::min(total_, next_ + blocks); next_ < end; ++next_)
-      src_->expand_block(t0_ + next_ % nt_ * tile_stride_, next_ / nt_, next_ % nt_, nt_, wbuf_);
+  void expand(int64_t kb) const {
+    for (int64_t ti = 0; ti < nt; ++ti) src.expand_block(t0 + ti * tile_stride, kb, ti, nt, buf + (kb & 1) * 16 * 2 * 32);
   }
-
-  const Source* src_ = nullptr;
-  uint16_t* wbuf_ = nullptr;
-  int64_t t0_ = 0, nt_ = 0, tile_stride_ = 1, next_ = 0, total_ = 0, per_step_ = 1;
 };
 
 // One thread's AMX tiles for y [M, cols <= 32] = x [M, K] (bfloat16) times a k-pair-interleaved bfloat16 panel of
@@ -390,10 +410,10 @@ class PanelExpansion {
 //
 // Each chunk of 32 rows leaves its sums in acc_, and the work that turns them into outputs (the epilogue: bfloat16
 // rounding, or the gate/up activation) is done a few rows per 32-k step of the next chunk's products, or of the next
-// pair's (flush() ends the last one), rather than between the chunks; the caller's `side` work (the next pair's
-// expansion) gets a step per 32-k step too. The input tiles are loaded with
-// the streaming hint (each is read once per chunk and pair): without it they evict the panel from L1 (500 rows of
-// the q/k/v GEMM, 30 layers, 8.6 -> 6.2 ms).
+// pair's (flush() ends the last one), rather than between the chunks. The weights come a 32-k block at a time from
+// `panel` (ExpandedPanel or StreamedPanel). For more than 32 rows the input tiles are loaded with the streaming hint
+// (each is read once per chunk and pair): without it they evict the panel from L1 (500 rows of the q/k/v GEMM, 30
+// layers, 8.6 -> 6.2 ms); 32 rows or fewer are read again for every pair, and stay in L1 beside the small panel.
 class AmxTiles {
  public:
   enum class Out { kStore, kSilu, kF32 };
@@ -401,21 +421,22 @@ class AmxTiles {
   // kStore: y [M, cols] bfloat16; kSilu (nt = 2: a gate tile and its up tile): act [M, 16] = silu(gate) * up, the
   // float32 sums rounded to bfloat16 first, as the unfused GEMM's output that silu_mul_rows would read; kF32 (y a
   // float pointer): y [M, cols] the float32 sums
-  template <Out kOut, class Y, class Side>
-  void gemm(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t nt, int64_t k, Y* y,
-            int64_t y_stride, int64_t m, int64_t cols, Side& side) {
+  template <Out kOut, class Y, class Panel>
+  void gemm(const uint16_t* x, int64_t x_stride, const Panel& panel, int64_t nt, int64_t k, Y* y,
+            int64_t y_stride, int64_t m, int64_t cols) {
     static_assert(std::is_same_v<Y, float> == (kOut == Out::kF32), "float32 outputs go to a float pointer");
+    stream_ = m > 32;
     for (int64_t r0 = 0; r0 < m; r0 += 32) {
       const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
       const int rows1 = static_cast<int>(std::min<int64_t>(16, std::max<int64_t>(0, m - r0 - 16)));
       configure(rows0, rows1);
       const uint16_t* xr = x + r0 * x_stride;
       if (rows1 > 0) {
-        if (nt == 2) run<2, 2>(xr, x_stride, wbuf, k, side);
-        else run<2, 1>(xr, x_stride, wbuf, k, side);
+        if (nt == 2) run<2, 2>(xr, x_stride, panel, k);
+        else run<2, 1>(xr, x_stride, panel, k);
       } else {
-        if (nt == 2) run<1, 2>(xr, x_stride, wbuf, k, side);
-        else run<1, 1>(xr, x_stride, wbuf, k, side);
+        if (nt == 2) run<1, 2>(xr, x_stride, panel, k);
+        else run<1, 1>(xr, x_stride, panel, k);
       }
       flush();
       _tile_stored(0, acc_[0], 64);
@@ -460,8 +481,8 @@ class AmxTiles {
     rows1_ = rows1;
   }
 
-  template <int G, int NT, class Side>
-  void run(const uint16_t* x, int64_t x_stride, const uint16_t* wbuf, int64_t k, Side& side) {
+  template <int G, int NT, class Panel>
+  void run(const uint16_t* x, int64_t x_stride, const Panel& panel, int64_t k) {
     _tile_zero(0);
     if (NT == 2) _tile_zero(1);
     if (G == 2) _tile_zero(2);
@@ -470,17 +491,22 @@ class AmxTiles {
     const int rows_per_step = static_cast<int>((pending_.rows - pending_.next + kbs - 1) / kbs);
     // each operand tile loaded just before its first product (loads of the next block then wait only for the
     // products that read the tile before: 500 rows of the gate/up GEMM 38.4-38.8 -> 36.7-36.8 ms for 30 layers)
+    panel.begin();
     for (int64_t kb = 0; kb < kbs; ++kb) {
-      _tile_stream_loadd(4, x + kb * 32, xb);
-      _tile_loadd(6, wbuf + kb * 16 * NT * 32, wb);
+      const uint16_t* wbuf = panel.block(kb);
+      if (stream_) _tile_stream_loadd(4, x + kb * 32, xb); else _tile_loadd(4, x + kb * 32, xb);
+      _tile_loadd(6, wbuf, wb);
       _tile_dpbf16ps(0, 4, 6);
-      if (NT == 2) _tile_loadd(7, wbuf + (kb * 16 * NT + 1) * 32, wb);
+      if (NT == 2) _tile_loadd(7, wbuf + 32, wb);
       if (NT == 2) _tile_dpbf16ps(1, 4, 7);
-      if (G == 2) _tile_stream_loadd(5, x + 16 * x_stride + kb * 32, xb);
+      if (G == 2) {
+        if (stream_) _tile_stream_loadd(5, x + 16 * x_stride + kb * 32, xb);
+        else _tile_loadd(5, x + 16 * x_stride + kb * 32, xb);
+      }
       if (G == 2) _tile_dpbf16ps(2, 5, 6);
       if (G == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+      panel.after(kb);
       epilogue(rows_per_step);
-      side.step();
     }
   }
 
@@ -509,17 +535,17 @@ class AmxTiles {
     }
   }
 
-  float acc_[4][16][16];
+  alignas(64) float acc_[4][16][16];
   Pending pending_;
-  bool configured_ = false;
+  bool configured_ = false, stream_ = true;
   int rows0_ = -1, rows1_ = -1;
 };
 
 // The AMX panel GEMMs' loop: each thread takes a run of consecutive pairs (PanelPairs) of the weight `src` (a
-// Q4PanelSource or Q8PanelSource) and multiplies each with multiply(amx, panel, t0, nt, next) while `next` expands the following
-// pair into the other of two panels a block at a time (the tile products of one pair and the expansion of the next
-// overlap where one chunk of rows uses each panel; with more the next panel is expanded at once: 30 layers of
-// a step's GEMMs at 32 / 500 rows 8.7 / 64.1 -> 7.4 / 44.6 ms with the deferred epilogue and streamed inputs).
+// Q4PanelSource or Q8PanelSource) and multiplies each with multiply(amx, panel, t0, nt): for 32 input rows or
+// fewer a StreamedPanel (each block expanded just before its products; 30 layers of a step's GEMMs at 32 rows
+// 7.4 -> ... ms against expanding the next pair's whole panel a few blocks per step of this one's products), for more
+// an ExpandedPanel (the pair expanded once, then every chunk of 32 rows multiplied with it).
 template <class Source, class Multiply>
 inline void amx_for_each_pair(const Source& src, int64_t n, int64_t m, bool parallel, bool halves, Multiply multiply) {
   const PanelPairs pairs(n, halves);
@@ -533,24 +559,23 @@ inline void amx_for_each_pair(const Source& src, int64_t n, int64_t m, bool para
 #endif
     const int64_t begin = pairs.count * me / threads, end = pairs.count * (me + 1) / threads;
     if (begin < end) {
-      // two panels of K/2 k-pairs x 2 tiles x 32, kept by the thread between calls (a new vector was a memset of
-      // up to 192 KiB per call and thread, for every GEMM of every layer)
+      // the panel buffer (K/2 k-pairs x 2 tiles x 32, or two blocks of 16 k-pairs), kept by the thread between calls
+      // (a new vector was a memset of up to 192 KiB per call and thread, for every GEMM of every layer), aligned to a
+      // cache line: a panel at another offset splits every 64-byte store and tile row in two lines
       static thread_local std::vector<uint16_t> panel_buf;
-      if (panel_buf.size() < static_cast<size_t>(2 * k * 32)) panel_buf.resize(static_cast<size_t>(2 * k * 32));
-      uint16_t* const panels = panel_buf.data();
+      const size_t need = static_cast<size_t>(std::max<int64_t>(k, 64) * 32 + 32);
+      if (panel_buf.size() < need) panel_buf.resize(need);
+      uint16_t* const buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(panel_buf.data()) + 63) &
+                                                        ~static_cast<uintptr_t>(63));
       AmxTiles amx;
-      PanelExpansion<Source> next;
-      panel_expand(src, pairs.first_tile(begin), pairs.tile_count(begin), panels, pairs.tile_stride);
-      const int64_t steps = (m + 31) / 32 * (k / 32);   // the tile loop's 32-k steps per pair
       for (int64_t p = begin; p < end; ++p) {
-        uint16_t* panel = panels + (p - begin) % 2 * k * 32;
-        if (p + 1 < end) {
-          next.start(src, pairs.first_tile(p + 1), pairs.tile_count(p + 1), pairs.tile_stride,
-                     panels + (p - begin + 1) % 2 * k * 32, steps);
-          if (m > 32) next.finish();
+        const int64_t t0 = pairs.first_tile(p), nt = pairs.tile_count(p);
+        if (m <= 32) {
+          multiply(amx, StreamedPanel<Source>{src, t0, nt, pairs.tile_stride, buf}, t0, nt);
+        } else {
+          panel_expand(src, t0, nt, buf, pairs.tile_stride);
+          multiply(amx, ExpandedPanel{buf, nt}, t0, nt);
         }
-        multiply(amx, panel, pairs.first_tile(p), pairs.tile_count(p), next);
-        next.finish();
       }
       amx.flush();
     }
@@ -1500,11 +1525,9 @@ int64_t plinth_amx_init() {
 int64_t plinth_q4p_gemm_amx(const uint16_t* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
                             const uint16_t* ch, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AMX)
-  using Next = PanelExpansion<Q4PanelSource>;
   amx_for_each_pair(Q4PanelSource{codes, dh, ch, k}, n, m, n > 32 && m * n * k >= kParallelWork, false,
-                    [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, Next& next) {
-    amx.gemm<AmxTiles::Out::kStore>(x, x_stride, panel, nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0),
-                                    next);
+                    [&](AmxTiles& amx, const auto& panel, int64_t t0, int64_t nt) {
+    amx.gemm<AmxTiles::Out::kStore>(x, x_stride, panel, nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0));
   });
   return 0;
 #else
@@ -1523,10 +1546,9 @@ int64_t plinth_q4p_gemm_amx_silu(const uint16_t* x, int64_t x_stride, const uint
 #if defined(PLINTH_CPU_AMX)
   if (n % 32 != 0) return -2;
   const int64_t inter = n / 2;
-  using Next = PanelExpansion<Q4PanelSource>;
   amx_for_each_pair(Q4PanelSource{codes, dh, ch, k}, n, m, m * n * k >= kParallelWork, true,
-                    [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, Next& next) {
-    amx.gemm<AmxTiles::Out::kSilu>(x, x_stride, panel, nt, k, act + 16 * t0, inter, m, 16, next);
+                    [&](AmxTiles& amx, const auto& panel, int64_t t0, int64_t nt) {
+    amx.gemm<AmxTiles::Out::kSilu>(x, x_stride, panel, nt, k, act + 16 * t0, inter, m, 16);
   });
   return 0;
 #else
@@ -1543,11 +1565,9 @@ int64_t plinth_q4p_gemm_amx_silu(const uint16_t* x, int64_t x_stride, const uint
 int64_t plinth_q8p_gemm_amx(const uint16_t* x, int64_t x_stride, const int8_t* codes, const uint16_t* scales,
                             float* y, int64_t m, int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AMX)
-  using Next = PanelExpansion<Q8PanelSource>;
   amx_for_each_pair(Q8PanelSource{codes, scales, k}, n, m, n > 32 && m * n * k >= kParallelWork, false,
-                    [&](AmxTiles& amx, const uint16_t* panel, int64_t t0, int64_t nt, Next& next) {
-    amx.gemm<AmxTiles::Out::kF32>(x, x_stride, panel, nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0),
-                                  next);
+                    [&](AmxTiles& amx, const auto& panel, int64_t t0, int64_t nt) {
+    amx.gemm<AmxTiles::Out::kF32>(x, x_stride, panel, nt, k, y + 16 * t0, n, m, std::min<int64_t>(32, n - 16 * t0));
   });
   return 0;
 #else
