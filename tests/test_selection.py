@@ -259,7 +259,7 @@ def test_real_cpu_selection_between_sdpa_and_batched(tmp_path, capsys):
     assert "MAX ERROR" in out and "TIMES (ms)" in out
     again = select_attention_backend(spec, platform, DeviceConfig(), pm=pm, cache_dir=tmp_path, workload=workload,
                                      candidates=pair)
-    assert again.from_cache and again.winner == result.winner and again.elapsed_s < 0.5
+    assert again.from_cache and again.winner == result.winner and again.elapsed_s < 2.0
     assert "from cache" in format_selection_table(again)
 
 

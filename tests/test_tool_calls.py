@@ -422,7 +422,8 @@ def test_continue_final_message_and_chat_template_kwargs(http):
     assert rendered({"messages": MESSAGES, "chat_template_kwargs": {"think": False}}).endswith("<think></think>\n")
     assert not rendered({"messages": MESSAGES}).endswith("<think></think>\n")
     r = http.post("/v1/chat/completions", json={"messages": partial, "add_generation_prompt": False,
-                                                 "continue_final_message": True, "max_tokens": 3})
+                                                 "continue_final_message": True, "max_tokens": 3,
+                                                 "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     for body, param in [({"messages": partial, "continue_final_message": True}, "continue_final_message"),
                         ({"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
