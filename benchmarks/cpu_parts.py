@@ -17,6 +17,8 @@
   codes, scales and offsets streamed;
 * ``gate-up``: the MLP's gate/up GEMM and SiLU-and-mul for 32, 128 and 500 rows, 30 layers cycled: the AMX panel
   GEMM then the activation against the GEMM with the activation in its epilogue (CPUs with AMX-BF16);
+* ``amx-gemms``: a step's four 4-bit GEMMs (q/k/v, o, gate/up, down), 30 layers cycled, on AMX tiles at 8, 32, 128
+  and 500 rows (CPUs with AMX-BF16);
 * ``f32-gemm``: the float32 GEMMs of a float32 GGUF model on a CPU without native bfloat16, per layer (SmolLM2
   shapes, 30 layers cycled as in a step; 6 at 128 and 512 rows, where the GEMMs are compute-bound) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
   rows), the 8-bit-input panel GEMM (``Q4GemmF32Q8``), oneDNN's packed float32 GEMM and ``F.linear`` (MKL);
@@ -27,7 +29,7 @@
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
   decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
 
-    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,gate-up,f32-gemm,lm-head,steps
+    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,gate-up,amx-gemms,f32-gemm,lm-head,steps
 """
 
 from __future__ import annotations
@@ -151,6 +153,41 @@ def gate_up_part() -> dict:
         x = torch.randn(rows, k).to(torch.bfloat16)
         out[f"gemm_then_silu_{rows}_rows_ms"] = round(median_ms(lambda x=x: unfused(x), 7), 2)
         out[f"fused_{rows}_rows_ms"] = round(median_ms(lambda x=x: fused(x), 7), 2)
+    return out
+
+
+def amx_gemms_part() -> dict:
+    """A step's four 4-bit GEMMs (q/k/v, o, gate/up, down; SmolLM2's shapes, random codes), 30 layers cycled as in a
+    step, on AMX tiles, at 8, 32, 128 and 500 rows: the milliseconds of all 120 products."""
+    from plinth.kernels import cpu_native
+
+    if not cpu_native.q4_amx_supported():
+        return {"amx": False}
+    weights = []
+    for i in range(30):
+        gen = torch.Generator().manual_seed(i)
+        for n, k in (LAYER_SHAPES[name] for name in ("qkv", "o", "gate_up", "down")):
+            scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.002).half().float()
+            offset = -(torch.rand(n, k // 32, generator=gen) * 0.15).half().float()
+            weights.append(cpu_native.pack_q4_panels(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32),
+                                                     scale, offset))
+    gemm = cpu_native.load_library().library.plinth_q4p_gemm_amx   # the kernel itself: no per-call allocation
+    out: dict = {"amx": True}
+    for rows in (8, 32, 128, 500):
+        calls, buffers = [], {}
+        for p in weights:   # one input and one output per shape, reused as a forward pass reuses its buffers
+            x, y = buffers.setdefault((p.out_features, p.in_features), (
+                torch.randn(rows, p.in_features).to(torch.bfloat16),
+                torch.empty(rows, p.out_features, dtype=torch.bfloat16)))
+            calls.append((x, y, (x.data_ptr(), x.stride(0), p.codes.data_ptr(), p.scales.data_ptr(),
+                                 p.offsets.data_ptr(), y.data_ptr(), rows, p.out_features, p.in_features)))
+        assert torch.equal(cpu_native.q4_panel_matmul(calls[0][0], weights[0], amx=True), (gemm(*calls[0][2]), calls[0][1])[1])
+
+        def step(calls: list = calls) -> None:
+            for _, _, args in calls:
+                gemm(*args)
+
+        out[f"{rows}_rows_ms"] = round(median_ms(step, 9), 2)
     return out
 
 
@@ -389,7 +426,7 @@ def lm_head_part() -> dict:
 
 
 PARTS = {"sampler": sampler_part, "prefill-kernel": prefill_kernel_part, "decode-kernel": decode_kernel_part,
-         "decode-gemv": decode_gemv_part, "gate-up": gate_up_part, "f32-gemm": f32_gemm_part, "lm-head": lm_head_part,
+         "decode-gemv": decode_gemv_part, "gate-up": gate_up_part, "amx-gemms": amx_gemms_part, "f32-gemm": f32_gemm_part, "lm-head": lm_head_part,
          "steps": steps_part}
 
 
