@@ -392,14 +392,15 @@ template <class Source>
 struct StreamedPanel {
   const Source& src;
   int64_t t0, nt, tile_stride;
-  uint16_t* buf;   // two blocks of 16 k-pairs x nt x 32
+  uint16_t* buf;   // two blocks of kBlock elements (16 k-pairs x nt <= 2 tiles x 32)
+  static constexpr int64_t kBlock = 16 * 2 * 32;
   void begin() const { expand(0); }
-  const uint16_t* block(int64_t kb) const { return buf + (kb & 1) * 16 * 2 * 32; }
+  const uint16_t* block(int64_t kb) const { return buf + (kb & 1) * kBlock; }
   void after(int64_t kb) const {
     if (kb + 1 < src.k / 32) expand(kb + 1);
   }
   void expand(int64_t kb) const {
-    for (int64_t ti = 0; ti < nt; ++ti) src.expand_block(t0 + ti * tile_stride, kb, ti, nt, buf + (kb & 1) * 16 * 2 * 32);
+    for (int64_t ti = 0; ti < nt; ++ti) src.expand_block(t0 + ti * tile_stride, kb, ti, nt, buf + (kb & 1) * kBlock);
   }
 };
 
@@ -425,18 +426,18 @@ class AmxTiles {
   void gemm(const uint16_t* x, int64_t x_stride, const Panel& panel, int64_t nt, int64_t k, Y* y,
             int64_t y_stride, int64_t m, int64_t cols) {
     static_assert(std::is_same_v<Y, float> == (kOut == Out::kF32), "float32 outputs go to a float pointer");
-    stream_ = m > 32;
+    const bool stream = m > 32;   // inputs read once per chunk and pair (see above)
     for (int64_t r0 = 0; r0 < m; r0 += 32) {
       const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r0));
       const int rows1 = static_cast<int>(std::min<int64_t>(16, std::max<int64_t>(0, m - r0 - 16)));
       configure(rows0, rows1);
       const uint16_t* xr = x + r0 * x_stride;
       if (rows1 > 0) {
-        if (nt == 2) run<2, 2>(xr, x_stride, panel, k);
-        else run<2, 1>(xr, x_stride, panel, k);
+        if (nt == 2) run<2, 2>(xr, x_stride, panel, k, stream);
+        else run<2, 1>(xr, x_stride, panel, k, stream);
       } else {
-        if (nt == 2) run<1, 2>(xr, x_stride, panel, k);
-        else run<1, 1>(xr, x_stride, panel, k);
+        if (nt == 2) run<1, 2>(xr, x_stride, panel, k, stream);
+        else run<1, 1>(xr, x_stride, panel, k, stream);
       }
       flush();
       _tile_stored(0, acc_[0], 64);
@@ -482,7 +483,7 @@ class AmxTiles {
   }
 
   template <int G, int NT, class Panel>
-  void run(const uint16_t* x, int64_t x_stride, const Panel& panel, int64_t k) {
+  void run(const uint16_t* x, int64_t x_stride, const Panel& panel, int64_t k, bool stream) {
     _tile_zero(0);
     if (NT == 2) _tile_zero(1);
     if (G == 2) _tile_zero(2);
@@ -494,13 +495,13 @@ class AmxTiles {
     panel.begin();
     for (int64_t kb = 0; kb < kbs; ++kb) {
       const uint16_t* wbuf = panel.block(kb);
-      if (stream_) _tile_stream_loadd(4, x + kb * 32, xb); else _tile_loadd(4, x + kb * 32, xb);
+      if (stream) _tile_stream_loadd(4, x + kb * 32, xb); else _tile_loadd(4, x + kb * 32, xb);
       _tile_loadd(6, wbuf, wb);
       _tile_dpbf16ps(0, 4, 6);
       if (NT == 2) _tile_loadd(7, wbuf + 32, wb);
       if (NT == 2) _tile_dpbf16ps(1, 4, 7);
       if (G == 2) {
-        if (stream_) _tile_stream_loadd(5, x + 16 * x_stride + kb * 32, xb);
+        if (stream) _tile_stream_loadd(5, x + 16 * x_stride + kb * 32, xb);
         else _tile_loadd(5, x + 16 * x_stride + kb * 32, xb);
       }
       if (G == 2) _tile_dpbf16ps(2, 5, 6);
@@ -537,7 +538,7 @@ class AmxTiles {
 
   alignas(64) float acc_[4][16][16];
   Pending pending_;
-  bool configured_ = false, stream_ = true;
+  bool configured_ = false;
   int rows0_ = -1, rows1_ = -1;
 };
 
