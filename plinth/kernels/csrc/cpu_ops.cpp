@@ -848,12 +848,13 @@ inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, con
 
 // The 8-bit-input version of the float32 panel GEMV (AVX2): the inputs quantized per row and 32-k block to
 // int8 as GGUF's Q8 activations (scale max |x| / 127, round to nearest even; the block's sum is that of the
-// quantized inputs, so the result is the product of the weights with the dequantized inputs), then per
-// 32-byte load (two k-pairs of the tile's 16 columns) the low and the high nibbles are each a column's (k, k + 1)
-// codes side by side, and vpmaddubsw multiplies them with the inputs' pairs, accumulating exact int16 sums (at most
-// 8 x 2 x 15 x 127 = 30480) over a block; per block the sums are folded: y += d sx s + c xs in float32.
-constexpr int64_t kQ8xBytes = 8;   // expanded input bytes per input feature (see q8x_expand)
-constexpr int64_t kQ8BlockRows = 32;   // rows of one block of plinth_q4p_gemm_f32q8
+// quantized inputs, so the result is the product of the weights with the dequantized inputs). Per 32-byte load of
+// codes (two k-pairs of the tile's 16 columns) a qword permute and a byte shuffle make each dword one column's
+// codes at four consecutive k (low nibbles columns 0-7, high nibbles 8-15), so vpmaddubsw multiplies them with
+// the row's four inputs broadcast as one dword, straight from the int8 row (which stays in L1), accumulating exact
+// int16 sums (at most 8 x 2 x 15 x 127 = 30480) over a block; per block vpmaddwd folds each column's two sums to
+// int32 and y += d sx s + c xs in float32.
+constexpr int64_t kQ8BlockRows = 64;   // rows of one block of plinth_q4p_gemm_f32q8 (their int8 codes stay in L1/L2)
 
 // One float32 row -> int8 codes per 32-k block (scale max |x| / 127, round to nearest even), the blocks'
 // scales and the sums of the quantized inputs (scale x sum of codes). With xr, also the rounding left over in
@@ -910,44 +911,46 @@ inline void q8_quantize_row_f32(const float* x, int64_t kbs, int8_t* xq, float* 
   }
 }
 
-// int8 codes [K] -> the tile loop's expanded inputs: per 4 features 32 bytes, the first 16 the pair (x0, x1)
-// eight times, the last 16 (x2, x3) eight times.
-inline void q8x_expand(const int8_t* xq, int64_t k, uint8_t* xe) {
-  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-  for (int64_t i = 0; i < k; i += 4) {
-    int32_t four;
-    std::memcpy(&four, xq + i, sizeof(four));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xe + i * kQ8xBytes),
-                        _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs));
-  }
+// s0 += vpmaddubsw(w0, x4), s1 += vpmaddubsw(w1, x4) with x4 the four int8 inputs at `four` in every dword. Written
+// as one asm statement so that the sums stay in registers: from intrinsics GCC kept a loop's eighth sum in memory,
+// and the store-to-load forwarding of that spill chained the iterations (~40% slower at four rows).
+inline void q8_quad_products(__m256i& s0, __m256i& s1, __m256i w0, __m256i w1, const int8_t* four) {
+  __m256i x4, p;
+  asm("vpbroadcastd %[four], %[x4]\n\t"
+      "vpmaddubsw %[x4], %[w0], %[p]\n\t"
+      "vpaddw %[p], %[s0], %[s0]\n\t"
+      "vpmaddubsw %[x4], %[w1], %[p]\n\t"
+      "vpaddw %[p], %[s1], %[s1]"
+      : [s0] "+x"(s0), [s1] "+x"(s1), [x4] "=&x"(x4), [p] "=&x"(p)
+      : [w0] "x"(w0), [w1] "x"(w1), [four] "m"(*reinterpret_cast<const int32_t*>(four)));
 }
 
-// R expanded input rows (q8x_expand; row stride k * kQ8xBytes) times one 16-column tile of the panel layout.
+// R int8 input rows (row stride k) times one 16-column tile of the panel layout.
 template <int R>
-inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs, int64_t k, int64_t kbs,
+inline void q4p_gemm_q8_tile(const int8_t* xq, const float* sx, const float* xs, int64_t k, int64_t kbs,
                              const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, float* y, int64_t n,
                              int64_t col) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // after the qword permute a 128-bit lane holds bytes 2c, 2c + 1 of both k-pairs for four columns c (k-pair 0's
+  // eight bytes, then k-pair 1's): dword c gathers column c's codes at k = 0, 1 (k-pair 0) and 2, 3 (k-pair 1)
+  const __m256i quads = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                         0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* cb = codes + kb * 16 * 16;
     prefetch_block_codes(cb);
-    __m256i sum[R][2];   // int16 per column: lane 0 the even k-pairs, lane 1 the odd ones
+    __m256i sum[R][2];   // int16: per column (0-7 / 8-15) the sums of k = 4 j, 4 j + 1 and of 4 j + 2, 4 j + 3
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-    // (unrolled twice, not eight times: fully unrolled, GCC computed all the products first and spilled them)
-#pragma GCC unroll 2
-    for (int j = 0; j < 8; ++j) {   // k-pairs 2 j (lane 0) and 2 j + 1 (lane 1)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j));
-      const __m256i w0 = _mm256_and_si256(v, low4);                        // columns 0-7: (k, k + 1)
+    const int8_t* xb = xq + kb * 32;
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {   // k = 4 j .. 4 j + 3 of the block
+      const __m256i v = _mm256_shuffle_epi8(
+          _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)), 0xd8), quads);
+      const __m256i w0 = _mm256_and_si256(v, low4);                        // columns 0-7
       const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // columns 8-15
-      for (int r = 0; r < R; ++r) {
-        const __m256i xp = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(xe + r * k * kQ8xBytes + (kb * 32 + 4 * j) * kQ8xBytes));
-        sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_maddubs_epi16(w0, xp));
-        sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_maddubs_epi16(w1, xp));
-      }
+      for (int r = 0; r < R; ++r) q8_quad_products(sum[r][0], sum[r][1], w0, w1, xb + r * k + 4 * j);
     }
     const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16)));
     const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16 + 8)));
@@ -956,8 +959,7 @@ inline void q4p_gemv_q8_tile(const uint8_t* xe, const float* sx, const float* xs
     for (int r = 0; r < R; ++r) {
       const __m256 scale = _mm256_set1_ps(sx[r * kbs + kb]), total = _mm256_set1_ps(xs[r * kbs + kb]);
       for (int h = 0; h < 2; ++h) {
-        const __m256i s32 = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum[r][h])),
-                                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum[r][h], 1)));
+        const __m256i s32 = _mm256_madd_epi16(sum[r][h], ones);
         acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(h ? d1 : d0, scale), _mm256_cvtepi32_ps(s32),
                                     _mm256_fmadd_ps(h ? c1 : c0, total, acc[r][h]));
       }
@@ -1629,8 +1631,8 @@ int64_t plinth_q4p_gemv_f32(const float* x, int64_t x_stride, const uint8_t* cod
 }
 
 // y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T over the panel layout, any M >= 1, with the
-// inputs quantized to int8 per row and 32-k block (see q4p_gemv_q8_tile): the product of the weights with the
-// dequantized inputs, in float32. Rows go in blocks of kQ8BlockRows (their expanded inputs stay in L2), each
+// inputs quantized to int8 per row and 32-k block (see q4p_gemm_q8_tile): the product of the weights with the
+// dequantized inputs, in float32. Rows go in blocks of kQ8BlockRows (their int8 codes stay in L1/L2), each
 // block's tiles spread over the threads, four rows at a time per tile (its codes then come from L1). Returns 0,
 // -1 where the library was built without AVX2/FMA/F16C, -2 for M < 1.
 int64_t plinth_q4p_gemm_f32q8(const float* x, int64_t x_stride, const uint8_t* codes, const uint16_t* dh,
@@ -1638,22 +1640,16 @@ int64_t plinth_q4p_gemm_f32q8(const float* x, int64_t x_stride, const uint8_t* c
 #if defined(PLINTH_CPU_AVX2)
   if (m < 1) return -2;
   const int64_t tiles = (n + 15) / 16, kps = k / 2, kbs = k / 32;
-  const int64_t block = std::min<int64_t>(m, kQ8BlockRows);
-  thread_local std::vector<uint8_t> xe;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> sx, xs;
-  xe.resize(static_cast<size_t>(block * k * kQ8xBytes));
-  xq.resize(static_cast<size_t>(k));
+  xq.resize(static_cast<size_t>(m * k));
   sx.resize(static_cast<size_t>(m * kbs));
   xs.resize(static_cast<size_t>(m * kbs));
-  for (int64_t b0 = 0; b0 < m; b0 += block) {
-    const int64_t rows = std::min<int64_t>(block, m - b0);
-    for (int64_t r = 0; r < rows; ++r) {
-      q8_quantize_row_f32(x + (b0 + r) * x_stride, kbs, xq.data(), sx.data() + (b0 + r) * kbs,
-                          xs.data() + (b0 + r) * kbs);
-      q8x_expand(xq.data(), k, xe.data() + r * k * kQ8xBytes);
-    }
-    const uint8_t* xep = xe.data();
+  for (int64_t r = 0; r < m; ++r)
+    q8_quantize_row_f32(x + r * x_stride, kbs, xq.data() + r * k, sx.data() + r * kbs, xs.data() + r * kbs);
+  for (int64_t b0 = 0; b0 < m; b0 += kQ8BlockRows) {
+    const int64_t rows = std::min<int64_t>(kQ8BlockRows, m - b0);
+    const int8_t* xqp = xq.data() + b0 * k;
     const float* sxp = sx.data() + b0 * kbs;
     const float* xsp = xs.data() + b0 * kbs;
     float* yb = y + b0 * n;
@@ -1663,15 +1659,15 @@ int64_t plinth_q4p_gemm_f32q8(const float* x, int64_t x_stride, const uint8_t* c
       const uint16_t* dt = dh + t * kbs * 16;
       const uint16_t* cht = ch + t * kbs * 16;
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const uint8_t* xr = xep + r0 * k * kQ8xBytes;
+        const int8_t* xr = xqp + r0 * k;
         const float* sr = sxp + r0 * kbs;
         const float* tr = xsp + r0 * kbs;
         float* yr = yb + r0 * n;
         switch (std::min<int64_t>(4, rows - r0)) {
-          case 1: q4p_gemv_q8_tile<1>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
-          case 2: q4p_gemv_q8_tile<2>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
-          case 3: q4p_gemv_q8_tile<3>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
-          default: q4p_gemv_q8_tile<4>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+          case 1: q4p_gemm_q8_tile<1>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+          case 2: q4p_gemm_q8_tile<2>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+          case 3: q4p_gemm_q8_tile<3>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
+          default: q4p_gemm_q8_tile<4>(xr, sr, tr, k, kbs, ct, dt, cht, yr, n, t * 16); break;
         }
       }
     }
