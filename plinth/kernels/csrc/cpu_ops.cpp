@@ -968,6 +968,47 @@ inline void q4p_gemm_q8_tile(const int8_t* xq, const float* sx, const float* xs,
   store_tile_rows<R>(acc, y, n, col);
 }
 
+// One int8 input row for q4p_gemv_q8_row: per 4 features 32 bytes, the first 16 the pair (x0, x1) eight times, the
+// last 16 (x2, x3) eight times (the inputs of a k-pair of each 128-bit lane of the panel's codes as they are)
+inline void q8x_expand(const int8_t* xq, int64_t k, uint8_t* xe) {
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  for (int64_t i = 0; i < k; i += 4) {
+    int32_t four;
+    std::memcpy(&four, xq + i, sizeof(four));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xe + 8 * i), _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs));
+  }
+}
+
+// q4p_gemm_q8_tile for a single input row, expanded by q8x_expand: the codes' k-pairs multiply in place (no permute
+// and shuffle per load, which only pay for themselves over several rows; one row took 3-6% longer with them), each
+// column's two lanes of int16 sums folded per block. The same integer sums, so the same output bits.
+inline void q4p_gemv_q8_row(const uint8_t* xe, const float* sx, const float* xs, int64_t kbs, const uint8_t* codes,
+                            const uint16_t* dh, const uint16_t* ch, float* y, int64_t n, int64_t col) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    const uint8_t* cb = codes + kb * 16 * 16;
+    prefetch_block_codes(cb);
+    __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};   // lane 0 even k-pairs, lane 1 odd ones
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j));
+      const __m256i xp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + 8 * (kb * 32 + 4 * j)));
+      sum[0] = _mm256_add_epi16(sum[0], _mm256_maddubs_epi16(_mm256_and_si256(v, low4), xp));
+      sum[1] = _mm256_add_epi16(sum[1], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), xp));
+    }
+    const __m256 scale = _mm256_set1_ps(sx[kb]), total = _mm256_set1_ps(xs[kb]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16 + 8 * h)));
+      const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + kb * 16 + 8 * h)));
+      const __m256i s32 = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum[h])),
+                                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum[h], 1)));
+      acc[0][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_cvtepi32_ps(s32), _mm256_fmadd_ps(c, total, acc[0][h]));
+    }
+  }
+  store_tile_rows<1>(acc, y, n, col);
+}
+
 // GGUF Q8_0 rows regrouped eight at a time (plinth.kernels.cpu_native.pack_q8_0_rows8), for the 8-bit-input GEMV:
 // per tile of 8 rows and 32-k block kQ8R8Bytes bytes: the 8 rows' float16 scales, then for j = 0..7 a 32-byte
 // chunk of the 8 rows' codes 4 j .. 4 j + 3 (row after row). One 32-byte load then holds four codes of each of
@@ -1647,6 +1688,18 @@ int64_t plinth_q4p_gemm_f32q8(const float* x, int64_t x_stride, const uint8_t* c
   xs.resize(static_cast<size_t>(m * kbs));
   for (int64_t r = 0; r < m; ++r)
     q8_quantize_row_f32(x + r * x_stride, kbs, xq.data() + r * k, sx.data() + r * kbs, xs.data() + r * kbs);
+  if (m == 1) {
+    thread_local std::vector<uint8_t> xe;
+    xe.resize(static_cast<size_t>(8 * k));
+    q8x_expand(xq.data(), k, xe.data());
+    const uint8_t* xep = xe.data();   // (the thread_local buffers are this thread's: their pointers go to the team)
+    const float* sxp = sx.data();
+    const float* xsp = xs.data();
+#pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
+    for (int64_t t = 0; t < tiles; ++t)
+      q4p_gemv_q8_row(xep, sxp, xsp, kbs, codes + t * kps * 16, dh + t * kbs * 16, ch + t * kbs * 16, y, n, t * 16);
+    return 0;
+  }
   for (int64_t b0 = 0; b0 < m; b0 += kQ8BlockRows) {
     const int64_t rows = std::min<int64_t>(kQ8BlockRows, m - b0);
     const int8_t* xqp = xq.data() + b0 * k;
