@@ -175,15 +175,17 @@ Q8_0_ROWS8_F32_MAX_ROWS = 8
 #: 32 rows 21.0 / 2.29 / 4.13 (Xeon with AMX, 2 cores)
 Q8_0_AMX_GEMV_MAX_ROWS = 1
 
-#: float32 inputs of more rows than this skip the packed weights (MKL's GEMM was as fast from 256 rows on, in the
-#: measurements of benchmarks/RESULTS.md, CPU session 13)
-F32_PACKED_MAX_ROWS = 128
+#: float32 inputs of more rows than this skip the packed weights for MKL's GEMM. The packed GEMM is faster up to a
+#: default step's 2,048 tokens (one layer's four GEMMs of the default model, 2-core AMD EPYC with AVX2, MKL / packed:
+#: 256 rows 20.1 / 16.0 ms, 512 rows 39.7 / 33.3, 1,024 rows 93.4 / 84.2, 2,048 rows 168.7 / 161.2; see
+#: benchmarks/RESULTS.md, session 30)
+F32_PACKED_MAX_ROWS = 2048
 
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
     """oneDNN prepacking is available for ``dtype`` in this torch build and on this CPU, and used: bfloat16
     wherever it runs; float32 on x86-64 CPUs without native bfloat16 (where float32 is the default dtype), where
-    the packed GEMM beat MKL's at 8-128 rows on the default model's shapes (2-core AMD EPYC, AVX2: the 49,152-row
+    the packed GEMM beat MKL's at 8-2,048 rows on the default model's shapes (2-core AMD EPYC, AVX2: the 49,152-row
     LM head at 32 rows 17.2 against 33.0 ms, gate/up 0.88 against 1.08 ms; see benchmarks/RESULTS.md; fewer rows
     were not benchmarked: a GGUF model's decode rows take its 4-bit copies). Elsewhere (other architectures: not
     measured) float32 GEMMs go to MKL."""
