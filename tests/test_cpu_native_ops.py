@@ -439,6 +439,8 @@ def test_q4_panel_gemv_f32_against_gguf_dequantization(qtype, m, n, k):
         want = x.double() @ w_file.T
         bound = 1e-5 * (x.double().abs() @ w_file.abs().T) + 1e-7
         assert y.dtype == torch.float32 and y.shape == (m, n) and bool(((y.double() - want).abs() <= bound).all())
+        for r in {0, m - 1}:
+            assert torch.equal(gemv(x[r:r + 1]), y[r:r + 1])
     with pytest.raises(ValueError, match="float32 panel GEMV"):
         gemv(wide[:, :k].contiguous().bfloat16())
     with pytest.raises(ValueError, match="float32 panel GEMV"):
@@ -465,8 +467,9 @@ def int8_rows(x: torch.Tensor, planes: int = 1) -> torch.Tensor:
 def test_q4_panel_gemm_f32_with_int8_inputs(qtype, m, n, k):
     """``Q4GemmF32Q8`` (AVX2 vpmaddubsw): the file's 4-bit weights times the rows quantized to int8 per 32
     features, i.e. exactly the product with the dequantized rows up to float32 summation, for any row count
-    (blocks of 32 rows); an all-zero block stays zero; against the float32 rows the change is the 8-bit
-    rounding of the inputs only."""
+    (blocks of 64 rows); an all-zero block stays zero; a row alone (the one-row kernel) gives the same bits as within
+    a batch (the kernel of several rows); against the float32 rows the change is the 8-bit rounding of the inputs
+    only."""
     from plinth.worker.cpu_int4 import decode_q4_blocks
 
     if not cpu_native.q4_gemv_f32_supported():
@@ -486,6 +489,8 @@ def test_q4_panel_gemm_f32_with_int8_inputs(qtype, m, n, k):
         want = xd @ w_file.T
         bound = 1e-5 * (xd.abs() @ w_file.abs().T) + 1e-7
         assert y.dtype == torch.float32 and y.shape == (m, n) and bool(((y.double() - want).abs() <= bound).all())
+        for r in {0, m - 1}:
+            assert torch.equal(gemv(x[r:r + 1]), y[r:r + 1])
         # the 8-bit inputs do change the result, by their rounding (at most half a step per feature)
         exact = x.double() @ w_file.T
         step = (x.reshape(m, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(m, k // 32, 32).reshape(m, k)
