@@ -164,10 +164,12 @@ def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.T
 Q8_0_INT8_MAX_ROWS = 3
 
 #: float32 inputs of up to this many rows (past ``q8_0_max_rows``; any step) multiply a Q8_0 head's regrouped blocks
-#: in float32 (``cpu_native.q8_0_rows8_matmul``, AVX2): a quarter of the float32 weight's bytes; from ~12 rows on oneDNN's
-#: packed float32 GEMM was as fast (2-core AVX2 machine, 49152 x 576: 5 rows 4.4-6.6 against 7.2-7.8 ms, 8 rows
-#: 6.0-6.8 against 7.5-9.3, 12 rows 9.7-10.9 against 8.9-10.0)
-Q8_0_ROWS8_F32_MAX_ROWS = 8
+#: in float32 (``cpu_native.q8_0_rows8_matmul``, AVX2): a quarter of the float32 weight's bytes; from ~24 rows on oneDNN's
+#: packed float32 GEMM is as fast. 2-core AVX2 machine, 49152 x 576, ms, regrouped / oneDNN, with the weights out of the
+#: caches as a decode step's layers leave them: 8 rows 6.9 / 13.4, 12 rows 11.0 / 17.1, 16 rows 13.3 / 17.0, 20 rows
+#: 17.2 / 19.8, 24 rows 20.0 / 20.7, 32 rows 26.4 / 23.0 (session 30; warm caches, session 13: 8 rows 6.0-6.8 / 7.5-9.3,
+#: 12 rows 9.7-10.9 / 8.9-10.0)
+Q8_0_ROWS8_F32_MAX_ROWS = 20
 
 #: where a bfloat16 model's Q8_0 head runs on AMX tiles (:func:`cpu_native.q8_panel_matmul`), the most rows its GEMV
 #: still takes: 49152 x 576 with the weights cold (a 400 MiB write between calls), ms, GEMV / AMX / oneDNN bfloat16

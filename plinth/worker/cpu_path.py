@@ -21,7 +21,7 @@ The parts, each with a switch (environment variables, read at start-up):
 - ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` (default 4; 0 turns it off): when the GGUF file stores the LM head
   (or the tied embedding) as ``Q8_0``, inputs of at most this many rows multiply those blocks with the
   native GEMV (:mod:`plinth.kernels.cpu_native`): half the bytes of bfloat16, and the file's values. float32
-  models on AVX2 also multiply 5-8 float32 rows (any step) with a regrouped copy of the blocks, in float32.
+  models on AVX2 also multiply 5-20 float32 rows (any step) with a regrouped copy of the blocks, in float32.
 - ``PLINTH_CPU_INT8_ACT`` (bfloat16 models: default off): layers with the file's 4-bit blocks, for inputs of
   more than ``PLINTH_CPU_INT4_MAX_ROWS`` rows (decode batches and prefill), and a ``Q8_0`` LM head, for more
   than ``PLINTH_CPU_Q8_HEAD_MAX_ROWS`` rows, multiply the file's codes with the inputs quantized to int8 per
