@@ -131,7 +131,7 @@ inline void block_update_avx512(const scalar_t* k_base, const scalar_t* v_base, 
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // Key bytes of one decode work item per segment on the AVX2 path: the segment's keys and values (2 x this) are read
-// once with loads only (touch_blocks), then stay in L2 while block_update_avx2 works on them
+// once with loads only (touch_blocks), then stay in L2 while block_update_avx2 works on them block by block
 constexpr int64_t kAvx2SegmentBytes = 128 * 1024;
 
 // Read the rows (row_bytes from element `off` of each token's row) of blocks sb..se-1 of one sequence (its tokens
