@@ -351,8 +351,9 @@ def test_default_model_edit_prompt(monkeypatch):
     # tie between two tokens (as any change of batch shape can; one such flip was seen here at a 0.03 logprob gap).
     # And no 8-bit decode inputs (on by default for a float32 GGUF model): with them the two engines'
     # log-probabilities at the fifth token of this prompt differ by ~0.05, enough to swap its two best tokens
-    # (0.06-0.09 apart), although the rows that verify drafts take the same 8-bit GEMMs, quantized per row (where the
-    # difference comes from is not found yet); with float32 rows they agree to ~1e-6.
+    # (0.06-0.09 apart), although the rows that verify drafts take the same 8-bit GEMMs, quantized per row. Not
+    # traced; likely float32 summation-order differences (one row's keys are split over the threads, five rows' are
+    # not) tipping some inputs' 8-bit rounding. With float32 rows the engines agree to ~1e-6.
     monkeypatch.setenv("PLINTH_CPU_INT8_ACT", "0")
     base, spec = LLM(dtype="float32"), LLM(dtype="float32", speculative_config=NGRAM)
     messages = [[{"role": "user", "content": f"Here is some Python code:\n\n```python\n{LISTING}```\n\n{EDITS[0]} "
