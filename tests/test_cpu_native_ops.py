@@ -422,7 +422,8 @@ def test_malformed_march_is_a_build_failure_with_a_reason(monkeypatch, tmp_path)
                                    (16, 33, 128)])
 def test_q4_panel_gemv_f32_against_gguf_dequantization(qtype, m, n, k):
     """The float32 panel GEMV (AVX2/FMA): the file's 4-bit weights (``d q + c`` in float32, not rounded) times
-    float32 rows as they are, float32 sums; column counts that are not a multiple of 16, strided rows."""
+    float32 rows as they are, float32 sums; column counts that are not a multiple of 16, strided rows; a row alone
+    gives the bits it gets within a batch."""
     from plinth.worker.cpu_int4 import decode_q4_blocks
 
     if not cpu_native.q4_gemv_f32_supported():
