@@ -22,7 +22,8 @@
 * ``f32-gemm``: the float32 GEMMs of a float32 GGUF model on a CPU without native bfloat16, per layer (SmolLM2
   shapes, 30 layers cycled as in a step; 6 at 128 and 512 rows, where the GEMMs are compute-bound) for 1-512 rows: the float32 panel GEMV (``Q4GemvF32``, at most 16
   rows), the 8-bit-input panel GEMM (``Q4GemmF32Q8``), oneDNN's packed float32 GEMM and ``F.linear`` (MKL);
-  and the Q8_0 LM head at 1-4 and 8 rows with float32 and with 8-bit inputs;
+  and the Q8_0 LM head at 1-4 and 8 rows with float32 and with 8-bit inputs, and at 8-256 rows over its regrouped
+  blocks in float32 against oneDNN's packed float32 GEMM (weights cold);
 * ``lm-head``: a GGUF Q8_0 LM head (49,152 x 576, random codes and scales) at 1-64 rows, warm and cold (a 400 MiB write
   between calls): the AMX GEMM over the regrouped blocks (``q8_panel_matmul``, CPUs with AMX-BF16), the Q8_0 GEMV
   with float32 logits (``q8_0_matmul``) and oneDNN's packed bfloat16 GEMM followed by the float32 copy of its logits;
@@ -317,6 +318,7 @@ def decode_gemv_part() -> dict:
 
 def f32_gemm_part() -> dict:
     from plinth.kernels import cpu_native
+    from plinth.worker.cpu_linear import packed_linear_supported
 
     if not cpu_native.q4_gemv_f32_supported():
         return {"error": "the native kernels were not built with AVX2/FMA/F16C"}
@@ -354,6 +356,18 @@ def f32_gemm_part() -> dict:
             out[f"q8_0_head_rows{rows}_{label}_ms"] = round(median_ms(
                 lambda i=int8, xr=x: cpu_native.q8_0_matmul(xr, blocks, n, torch.float32, int8_inputs=i, rows8=rows8),
                 20), 3)
+    # past those rows: the regrouped blocks in float32 against oneDNN's packed float32 GEMM of the same weights,
+    # the weights out of the caches as a decode step's layers leave them
+    packed = torch.ops.mkldnn._reorder_linear_weight(
+        (scales.float() * codes.float()).reshape(n, k), 32) if packed_linear_supported(torch.float32) else None
+    junk = torch.empty(400 << 20, dtype=torch.uint8)
+    for rows in (8, 16, 31, 64, 128, 256):
+        x = torch.randn(rows, k, generator=gen)
+        out[f"q8_0_head_rows{rows}_regrouped_f32_cold_ms"] = round(cold_median_ms(
+            lambda xr=x: cpu_native.q8_0_rows8_matmul(xr, rows8, n), junk, 9), 3)
+        if packed is not None:
+            out[f"q8_0_head_rows{rows}_onednn_f32_cold_ms"] = round(cold_median_ms(
+                lambda xr=x: torch.ops.mkldnn._linear_pointwise(xr, packed, None, "none", [], ""), junk, 9), 3)
     return out
 
 

@@ -561,10 +561,13 @@ def test_q8_0_matmul_with_int8_inputs(m, n, k):
         cpu_native.q8_0_matmul(x.bfloat16(), torch.from_numpy(blocks), n, torch.float32, int8_inputs=True)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 300, 576), (5, 77, 64), (8, 64, 1536), (11, 9, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 300, 576), (5, 77, 64), (8, 64, 1536), (11, 9, 96), (13, 77, 576),
+                                   (9, 24, 64), (40, 300, 96)])
 def test_q8_0_regrouped_matmul_in_float32(m, n, k):
     """The regrouped Q8_0 blocks times float32 rows in float32 (AVX2): the file's weights d q exactly, float32
-    sums, for 1-11 rows (8 per pass over a tile and a remainder) and N not a multiple of 8 (a padded tile)."""
+    sums, for 1-8 rows (8 per pass over a tile and a remainder) and 9-40 rows (pairs of tiles expanded to a float32
+    panel, 6 rows per pass and a remainder; an odd tile count leaves a pair half empty), N not a multiple of 8 (a
+    padded tile). A row alone (the tile passes) gives the same bits as within the batch."""
     if not cpu_native.q8_0_int8_supported():
         pytest.skip("the native kernels were not built with AVX2")
     rng = np.random.default_rng(m * 100 + n)

@@ -164,12 +164,12 @@ def _cpu_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.T
 Q8_0_INT8_MAX_ROWS = 3
 
 #: float32 inputs of up to this many rows (past ``q8_0_max_rows``; any step) multiply a Q8_0 head's regrouped blocks
-#: in float32 (``cpu_native.q8_0_rows8_matmul``, AVX2): a quarter of the float32 weight's bytes; from ~24 rows on oneDNN's
-#: packed float32 GEMM is as fast. 2-core AVX2 machine, 49152 x 576, ms, regrouped / oneDNN, with the weights out of the
-#: caches as a decode step's layers leave them: 8 rows 6.9 / 13.4, 12 rows 11.0 / 17.1, 16 rows 13.3 / 17.0, 20 rows
-#: 17.2 / 19.8, 24 rows 20.0 / 20.7, 32 rows 26.4 / 23.0 (session 30; warm caches, session 13: 8 rows 6.0-6.8 / 7.5-9.3,
-#: 12 rows 9.7-10.9 / 8.9-10.0)
-Q8_0_ROWS8_F32_MAX_ROWS = 20
+#: in float32 (``cpu_native.q8_0_rows8_matmul``, AVX2): a quarter of the float32 weight's bytes, and from 9 rows on each
+#: pair of tiles expanded once into a float32 panel for a 6-row FMA kernel. 2-core AMD EPYC (AVX2), 49152 x 576, weights
+#: out of the caches, ms, regrouped / oneDNN's packed float32 GEMM: 8 rows 6.8 / 13.9, 16 rows 10.2 / 16.5, 31 rows
+#: 17.5 / 22.7, 64 rows 32.0 / 36.0, 128 rows 60.7 / 58.6, 256 rows 153.9 / 134.8 (``python
+#: benchmarks/cpu_parts.py --parts f32-gemm``; see benchmarks/RESULTS.md, session 31)
+Q8_0_ROWS8_F32_MAX_ROWS = 64
 
 #: where a bfloat16 model's Q8_0 head runs on AMX tiles (:func:`cpu_native.q8_panel_matmul`), the most rows its GEMV
 #: still takes: 49152 x 576 with the weights cold (a 400 MiB write between calls), ms, GEMV / AMX / oneDNN bfloat16
