@@ -19,7 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SELECTION_MODES = ("benchmark", "cached", "off")
 EXECUTORS = ("auto", "uniproc", "mp", "ray")
 TASKS = ("generate", "embed")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 POOLING_TYPES = ("last", "mean", "cls")
 SPECULATIVE_METHODS = ("ngram",)
 #: the keys ``override_generation_config`` takes
@@ -164,7 +164,8 @@ class CacheConfig:
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8`` / ``fp8_e4m3`` (float8 e4m3) / ``fp8_e5m2``: keys
             and values stored in 8 bits (twice the tokens in the same memory, half the bytes read per attention
-            step), rounded when written, with a scale of 1 (no calibration).
+            step), rounded when written, with a scale of 1 (no calibration); ``bfloat16``: keys and values of a
+            float32 model rounded to bfloat16 (the same as ``auto`` for a bfloat16 model).
     """
 
     block_size: int = 16

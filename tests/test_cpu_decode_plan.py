@@ -136,28 +136,35 @@ def test_fused_amx_step_only_where_the_layers_route_alike(env, tmp_path_factory,
             _plan_equals_modules(llm, n, "a", small_vocab)
 
 
-@needs_packed_bf16
-def test_plan_with_an_fp8_cache_equals_the_module_path(tmp_path_factory, monkeypatch, tiny_llama_dir):
-    """An FP8 E4M3 cache (``kv_cache_dtype="fp8"``, head size 64): the fused native step and the plan's Python loop
-    round keys and values into the cache as the module path does and read them through the same FP8 decode kernel:
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [pytest.param("bfloat16", "fp8", marks=needs_packed_bf16),
+                                                  ("float32", "bfloat16")])
+def test_plan_with_a_narrow_cache_equals_the_module_path(tmp_path_factory, monkeypatch, tiny_llama_dir, dtype,
+                                                         kv_cache_dtype):
+    """A KV cache narrower than the model (head size 64): FP8 E4M3 under bfloat16 (``kv_cache_dtype="fp8"``),
+    bfloat16 under float32 (``kv_cache_dtype="bfloat16"``). The fused native step and the plan's Python loop round
+    keys and values into the cache as the module path does and read them through the same decode kernel:
     bit-identical logits."""
     from test_gguf import small_model, write_gguf
 
     from plinth.attention_backends import cpu_paged
 
-    if not cpu_paged.fp8_decode_available():
+    fp8 = kv_cache_dtype == "fp8"
+    if fp8 and not cpu_paged.fp8_decode_available():
         pytest.skip("the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
-    tmp = tmp_path_factory.mktemp("fp8plan")
+    if not fp8 and not cpu_paged.f32_bf16_available():
+        pytest.skip("the CPU paged-attention kernel reads no bfloat16 cache under float32 queries here (AVX2 builds)")
+    tmp = tmp_path_factory.mktemp("narrowplan")
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp / "cache"))
     model = small_model("llama", True, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     path = write_gguf(tmp / "m.gguf", model, "llama", gguf.GGMLQuantizationType.Q4_1)
-    with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4, attention_backend="cpu_paged",
-             kv_cache_dtype="fp8") as llm:
-        assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype=dtype, block_size=4, attention_backend="cpu_paged",
+             kv_cache_dtype=kv_cache_dtype) as llm:
+        assert llm.engine.runner.kv_caches[0].dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
         plan = llm.engine.runner.graphs
         assert isinstance(plan, CpuDecodePlan)
-        assert (plan.fused_layers is not None) == cpu_native.q4_gemv_supported()
-        assert plan.fused_layers is None or all(lay.kv_fp8 == 1 for lay in plan.fused_layers)
+        assert (plan.fused_layers is not None) == (cpu_native.q4_gemv_supported() if fp8
+                                                   else cpu_native.q4_gemv_f32_supported())
+        assert plan.fused_layers is None or all(lay.kv_narrow == 1 for lay in plan.fused_layers)
         ran = []   # the plan itself produced the logits (None would hand the batch to the modules)
         real_run = plan.run
         monkeypatch.setattr(plan, "run", lambda *a, **k: ran.append(real_run(*a, **k)) or ran[-1])

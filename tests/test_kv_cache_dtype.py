@@ -1,6 +1,7 @@
-"""8-bit float KV caches (``kv_cache_dtype="fp8"``): every backend that takes one against float64 attention over
-the keys and values rounded to the cache's format (as the format's specification rounds them: clamped to its
-range, nearest value), and engines with an FP8 cache: twice the blocks of a 16-bit cache, backends agreeing."""
+"""KV caches narrower than the model: 8-bit floats (``kv_cache_dtype="fp8"``) and bfloat16 under a float32 model
+(``kv_cache_dtype="bfloat16"``). Every backend that takes one against float64 attention over the keys and values
+rounded to the cache's format (as the format's specification rounds them: clamped to its range, nearest value), and
+engines with such a cache: twice the blocks of a cache twice as wide, backends agreeing."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ from plinth.errors import SelectionError
 
 CUDA = torch.cuda.is_available()
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+#: the narrow caches the tests below take, and their ids
+NARROW = [*FP8, torch.bfloat16]
+NARROW_IDS = ["e4m3", "e5m2", "bf16"]
 
 
 def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as the cache holds it, in float64: clamped to the format's largest value, rounded to nearest."""
-    limit = FP8_KV_DTYPES[dtype]
-    return x.double().clamp(-limit, limit).to(dtype).double()
+    """``x`` as the cache holds it, in float64: clamped to the format's largest value (8-bit floats), rounded to
+    nearest."""
+    limit = FP8_KV_DTYPES.get(dtype)
+    return (x.double() if limit is None else x.double().clamp(-limit, limit)).to(dtype).double()
 
 
 def _reference(q, k_all, v_all, ctx_len, scale, window=None):
@@ -44,7 +49,10 @@ def _reference(q, k_all, v_all, ctx_len, scale, window=None):
 
 
 def _backends():
-    out = [("torch_sdpa", TorchSDPABackend, "cpu"), ("torch_batched", TorchBatchedBackend, "cpu")]
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+
+    out = [("torch_sdpa", TorchSDPABackend, "cpu"), ("torch_batched", TorchBatchedBackend, "cpu"),
+           ("cpu_paged", CpuPagedBackend, "cpu")]
     if CUDA:
         from plinth.attention_backends.triton.backend import TritonAttentionBackend
 
@@ -53,11 +61,20 @@ def _backends():
     return out
 
 
-@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def _takes(name: str, backend_cls, spec: AttentionSpec, device: str) -> None:
+    """Skip where a backend with its own kernels declines the cache (cpu_paged: FP8 under bfloat16 models on
+    AVX512-BF16, bfloat16 under float32 ones on AVX2; Triton: FP8 only); the torch backends must take it."""
+    support = backend_cls.check(spec, device)
+    if not support and name in ("cpu_paged", "triton"):
+        pytest.skip(f"{name}: {support.reason}")
+    assert support, support.reason
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=NARROW_IDS)
 @pytest.mark.parametrize("name, backend_cls, device", _backends(), ids=[b[0] for b in _backends()])
 def test_attention_over_rounded_keys_and_values(name, backend_cls, device, cache_dtype):
-    """A cached prefix, a prefill, a decode and a chunk in one step; some keys and values beyond the format's
-    range (clamped, never NaN); new keys and values stored rounded."""
+    """A cached prefix, a prefill, a decode and a chunk in one step, float32 queries; some keys and values beyond
+    the 8-bit formats' range (clamped, never NaN); new keys and values stored rounded."""
     g = torch.Generator().manual_seed(7)
     num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 16, 4, 48
     shapes = [(0, 7), (9, 3), (13, 1), (5, 6)]
@@ -83,7 +100,7 @@ def test_attention_over_rounded_keys_and_values(name, backend_cls, device, cache
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
     spec = AttentionSpec(num_heads, num_kv_heads, head_size, torch.float32, block_size, kv_cache_dtype=cache_dtype)
-    assert backend_cls.check(spec, device), backend_cls.check(spec, device).reason
+    _takes(name, backend_cls, spec, device)
     backend = backend_cls()
     backend.prepare(md)
     scale = 1 / math.sqrt(head_size)
@@ -101,7 +118,7 @@ def test_attention_over_rounded_keys_and_values(name, backend_cls, device, cache
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
-@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=NARROW_IDS)
 @pytest.mark.parametrize("name, backend_cls, device", _backends(), ids=[b[0] for b in _backends()])
 def test_decode_steps_over_rounded_keys_and_values(name, backend_cls, device, cache_dtype, window, model_dtype):
     """Decode-only steps (one query per sequence, the decode kernels' path; Triton with one split and with three)
@@ -127,6 +144,8 @@ def test_decode_steps_over_rounded_keys_and_values(name, backend_cls, device, ca
     key = torch.stack([k[-1] for k in full_k])
     value = torch.stack([v[-1] for v in full_v])
     scale = 1 / math.sqrt(head_size)
+    _takes(name, backend_cls, AttentionSpec(num_heads, num_kv_heads, head_size, model_dtype, block_size,
+                                            kv_cache_dtype=cache_dtype), device)
     backends = [backend_cls()] if name != "triton" else [backend_cls(decode_splits=1), backend_cls(decode_splits=3)]
     for backend in backends:
         layer_cache = cache.clone()
@@ -189,7 +208,7 @@ def test_backends_that_cannot_read_an_fp8_cache_say_so(tmp_path):
     e5m2 = AttentionSpec(4, 2, 64, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e5m2)
     assert "float8_e5m2 unsupported: reads float8_e4m3fn" in CpuPagedBackend.check(e5m2, "cpu").reason
     assert "on 'npu' unsupported" in TorchSDPABackend.check(spec, "npu").reason
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"):
         EngineConfig.from_kwargs(kv_cache_dtype="int8")
     model = save_tiny_model(tmp_path / "m")
     with pytest.raises(SelectionError, match="an FP8 KV cache unsupported for float32 models"):
@@ -218,6 +237,82 @@ def _cpu_fp8_ready() -> bool:
     from plinth.attention_backends import cpu_paged
 
     return cpu_paged.load_kernel().library is not None and cpu_paged.fp8_decode_available()
+
+
+def _cpu_bf16_ready() -> bool:
+    from plinth.attention_backends import cpu_paged
+
+    return cpu_paged.load_kernel().library is not None and cpu_paged.f32_bf16_available()
+
+
+@pytest.mark.skipif(not _cpu_bf16_ready(), reason="the CPU paged-attention kernel reads no bfloat16 cache under "
+                                                  "float32 queries here (AVX2 builds without AVX512)")
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
+def test_cpu_paged_reads_a_bfloat16_cache(head_size, window, monkeypatch):
+    """The native CPU backend over a bfloat16 cache (float32 model): decode rows and prompts and chunks (with cached
+    context) through its kernels, which widen each key and value as they read it; a decode-only step as well.
+    Against float64 attention over the rounded keys and values; and the same bits as the backend over a float32 cache
+    holding those rounded values."""
+    from plinth.attention_backends import cpu_paged
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+
+    calls = []
+    for name in ("paged_decode", "paged_prefill"):
+        real = getattr(cpu_paged, name)
+
+        def spy(query, kv_cache, *args, _real=real, _name=name, **kw):
+            calls.append((_name, kv_cache.dtype))
+            return _real(query, kv_cache, *args, **kw)
+
+        monkeypatch.setattr(cpu_paged, name, spy)
+    g = torch.Generator().manual_seed(head_size + (window or 0))
+    num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 64
+    spec = AttentionSpec(num_heads, num_kv_heads, head_size, torch.float32, block_size, kv_cache_dtype=torch.bfloat16)
+    assert CpuPagedBackend.check(spec, "cpu"), CpuPagedBackend.check(spec, "cpu").reason
+    for shapes in ([(30, 1), (70, 1), (5, 1), (0, 40), (17, 20)], [(9, 1), (40, 1), (100, 1), (3, 1)],
+                   [(30, 1), (0, 10), (5, 12)]):
+        perm = torch.randperm(num_blocks - 1, generator=g) + 1
+        caches = {dt: torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dt)
+                  for dt in (torch.bfloat16, torch.float32)}
+        entries, full_k, full_v, used = [], [], [], 0
+        for ctx_len, new in shapes:
+            total = ctx_len + new
+            blocks = perm[used:used + -(-total // block_size)].tolist()
+            used += len(blocks)
+            k_all = torch.randn(total, num_kv_heads, head_size, generator=g) * 2
+            v_all = torch.randn(total, num_kv_heads, head_size, generator=g) * 2
+            if ctx_len:
+                slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx_len)])
+                write_kv_cache(k_all[:ctx_len], v_all[:ctx_len], caches[torch.bfloat16], slots)
+                # the float32 cache holds the values the bfloat16 one does
+                write_kv_cache(k_all[:ctx_len].bfloat16().float(), v_all[:ctx_len].bfloat16().float(),
+                               caches[torch.float32], slots)
+            entries.append((list(range(new)), ctx_len, blocks))
+            full_k.append(k_all)
+            full_v.append(v_all)
+        _, _, md = build_metadata(entries, block_size)
+        query = torch.randn(md.num_tokens, num_heads, head_size, generator=g)
+        key = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
+        value = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
+        scale = 1 / math.sqrt(head_size)
+        outs = {}
+        for dt, cache in caches.items():
+            backend = CpuPagedBackend()
+            backend.prepare(md)
+            k, v = (key, value) if dt == torch.bfloat16 else (key.bfloat16().float(), value.bfloat16().float())
+            outs[dt] = backend.forward(query, k, v, cache, md, scale=scale, sliding_window=window)
+        assert torch.equal(caches[torch.bfloat16].float(), caches[torch.float32])   # rounded as torch rounds
+        out = outs[torch.bfloat16]
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        assert torch.equal(out, outs[torch.float32])
+        for s, (ctx_len, _) in enumerate(shapes):
+            lo, hi = md.query_start_loc_cpu[s], md.query_start_loc_cpu[s + 1]
+            ref = _reference(query[lo:hi], _rounded(full_k[s], torch.bfloat16), _rounded(full_v[s], torch.bfloat16),
+                             ctx_len, scale, window)
+            torch.testing.assert_close(out[lo:hi].double(), ref, rtol=2e-5, atol=1e-5)
+    # the native kernels read the bfloat16 cache: decode rows, prompts and chunks
+    assert ("paged_decode", torch.bfloat16) in calls and ("paged_prefill", torch.bfloat16) in calls
 
 
 @pytest.mark.skipif(not _cpu_fp8_ready(), reason="the CPU paged-attention kernel has no FP8 decode here (AVX512-BF16)")
@@ -378,3 +473,43 @@ def test_native_fp8_gather_equals_torch():
                            .to(torch.bfloat16).nan_to_num(0.0))
     with pytest.raises(ValueError, match="do not fit a block table"):
         cpu_paged.gather_e4m3(cache, table, 97)
+
+
+@pytest.mark.skipif(not _cpu_bf16_ready(), reason="the CPU paged-attention kernel reads no bfloat16 cache under "
+                                                  "float32 queries here (AVX2 builds without AVX512)")
+def test_engine_on_cpu_paged_with_a_bfloat16_cache(tmp_path):
+    """A float32 model with ``kv_cache_dtype="bfloat16"``: twice the blocks of its float32 cache in the same bytes,
+    selection takes cpu_paged, the CPU decode plan runs the decode steps, and the greedy tokens and log-probabilities
+    match the torch_batched backend's over the same bfloat16 cache; against the float32 cache the log-probabilities
+    move by bfloat16's rounding of the keys and values only."""
+    from plinth.worker.cpu_decode_plan import CpuDecodePlan
+
+    model = save_tiny_model(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    prompts = ["The quick brown fox", "Paris is the capital of France, and Berlin is", "0123" * 9]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    common = dict(dtype="float32", cpu_kv_cache_bytes=1 << 22, platform="cpu")
+    native = LLM(str(model), **common, kv_cache_dtype="bfloat16")
+    assert native.engine.selection.winner == "cpu_paged"
+    assert native.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    assert isinstance(native.engine.runner.graphs, CpuDecodePlan)
+    wide = LLM(str(model), **common, attention_backend="cpu_paged", selection="off")
+    assert native.engine.block_manager.num_usable_blocks + 1 == 2 * (wide.engine.block_manager.num_usable_blocks + 1)
+    ref = LLM(str(model), **common, kv_cache_dtype="bfloat16", attention_backend="torch_batched", selection="off")
+
+    def run(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outs],
+                [[pos[t].logprob for pos, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
+                 for o in outs])
+
+    got, got_lp = run(native)
+    want, want_lp = run(ref)
+    assert got == want
+    for a, b in zip(got_lp, want_lp, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    f32, f32_lp = run(wide)
+    moved = [abs(a - b) for g, w, gl, wl in zip(got, f32, got_lp, f32_lp, strict=True)
+             for i, (a, b) in enumerate(zip(gl, wl, strict=True)) if g[:i + 1] == w[:i + 1]]
+    print(f"greedy tokens equal to the float32 cache's: {sum(g == w for g, w in zip(got, f32, strict=True))} of "
+          f"{len(got)} sequences; log-probabilities moved by at most {max(moved):.2e}")
+    assert max(moved) < 0.05

@@ -47,6 +47,19 @@ FP8_CACHE_DTYPE = torch.float8_e4m3fn
 FP8_HEAD_SIZES = (64, 128)
 #: the decode entry point's dtype code for bfloat16 queries over an FP8 E4M3 cache
 FP8_DTYPE_CODE = 2
+#: the decode and prefill entry points' dtype code for float32 queries over a bfloat16 cache (AVX2 builds)
+F32_BF16_DTYPE_CODE = 3
+
+
+def _dtype_code(query: torch.Tensor, kv_cache: torch.Tensor) -> int | None:
+    """The entry points' dtype code for these queries over this cache (None: no kernel for the pair)."""
+    if kv_cache.dtype == query.dtype:
+        return _DTYPE_CODES.get(query.dtype)
+    if query.dtype == torch.bfloat16 and kv_cache.dtype == FP8_CACHE_DTYPE:
+        return FP8_DTYPE_CODE
+    if query.dtype == torch.float32 and kv_cache.dtype == torch.bfloat16:
+        return F32_BF16_DTYPE_CODE
+    return None
 
 
 def _enabled() -> bool:
@@ -67,10 +80,20 @@ class CpuPagedBackend(TorchBatchedBackend):
 
     @classmethod
     def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
-        """The model's dtype, or an FP8 E4M3 cache (``--kv-cache-dtype fp8``) for bfloat16 models with head size 64
-        or 128 where the kernel library has its FP8 decode (AVX512-BF16): decode rows read it in place, prefill rows
-        widen the context they attend to bfloat16."""
+        """The model's dtype; a bfloat16 cache (``--kv-cache-dtype bfloat16``) for float32 models where the kernel
+        library reads one under float32 queries (AVX2 builds), decode and prefill rows alike; or an FP8 E4M3 cache
+        (``--kv-cache-dtype fp8``) for bfloat16 models with head size 64 or 128 where the kernel library has its FP8
+        decode (AVX512-BF16): decode rows read it in place, prefill rows widen the context they attend to
+        bfloat16."""
         if spec.cache_dtype == spec.dtype:
+            return Support.yes()
+        if spec.cache_dtype == torch.bfloat16:
+            if spec.dtype != torch.float32:
+                return Support.no(f"a bfloat16 KV cache unsupported for {str(spec.dtype).removeprefix('torch.')} "
+                                  f"models (float32 only)")
+            if not f32_bf16_available():
+                return Support.no("a bfloat16 KV cache under float32 queries unsupported: the kernel reads one on "
+                                  "CPUs with AVX2 and no AVX512 (this CPU or build differs)")
             return Support.yes()
         if spec.cache_dtype != FP8_CACHE_DTYPE:
             return Support.no(f"an 8-bit KV cache of {str(spec.cache_dtype).removeprefix('torch.')} unsupported: "
@@ -122,7 +145,7 @@ class CpuPagedBackend(TorchBatchedBackend):
             if out is not None:
                 return out
         if (static or query.device.type != "cpu" or query.dtype not in _DTYPE_CODES
-                or kv_cache.dtype != query.dtype):
+                or _dtype_code(query, kv_cache) not in (0, 1, F32_BF16_DTYPE_CODE)):
             return super().forward(query, key, value, kv_cache, metadata, scale=scale, sliding_window=sliding_window)
         if not metadata.is_decode_only:
             # prefill chunks (with decode rows mixed in): the native causal kernel over the cache, where it
@@ -259,7 +282,7 @@ class CpuPagedBackend(TorchBatchedBackend):
 
 def paged_decode(
     query: torch.Tensor,            # [T, H, D] float32 or bfloat16
-    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, Hkv, D], same dtype
+    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, Hkv, D], same dtype (or see _dtype_code)
     block_tables: torch.Tensor,     # [>= B, W] int32
     seq_lens: torch.Tensor,         # [>= B] int32: tokens in the cache, this step's included
     query_start_loc: torch.Tensor,  # [>= B + 1] int32: one query row per sequence
@@ -287,9 +310,10 @@ def paged_decode(
     if fp8 and (query.dtype != torch.bfloat16 or query.shape[-1] not in FP8_HEAD_SIZES):
         raise ValueError(f"an FP8 cache is read for bfloat16 queries of head size 64 or 128, not {query.dtype} "
                          f"queries of head size {query.shape[-1]}")
-    if not fp8 and (query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype):
+    code = _dtype_code(query, kv_cache)
+    if code is None:
         raise ValueError(f"query/kv_cache dtypes {query.dtype}/{kv_cache.dtype}: need one of float32, bfloat16 "
-                         f"(or bfloat16 queries over a float8_e4m3fn cache)")
+                         f"(or bfloat16 queries over a float8_e4m3fn cache, float32 queries over a bfloat16 one)")
     t, h, d = query.shape
     _, num_blocks, block_size, hkv, d_cache = kv_cache.shape
     if d != d_cache or d > MAX_HEAD_SIZE or h % hkv:
@@ -307,6 +331,9 @@ def paged_decode(
                          f"{list(tables.shape)} of {block_size}-token blocks and {starts.shape[0]} query offsets")
     if fp8 and not fp8_decode_available():
         raise RuntimeError("this build of the CPU paged-attention kernel has no FP8 decode (needs AVX512-BF16)")
+    if code == F32_BF16_DTYPE_CODE and not f32_bf16_available():
+        raise RuntimeError("this build of the CPU paged-attention kernel reads no bfloat16 cache under float32 "
+                           "queries (AVX2 builds without AVX512 do)")
     # rows not owned by a sequence (padding) stay zero
     if out is None:
         out = (torch.empty if every_row_owned else torch.zeros)(query.shape, dtype=query.dtype, device=query.device)
@@ -314,7 +341,7 @@ def paged_decode(
         raise ValueError(f"out must be a [{t}, {h}, {d}] {query.dtype} tensor of contiguous rows, every row owned")
     build.library.plinth_cpu_paged_decode(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
-        out.data_ptr(), FP8_DTYPE_CODE if fp8 else _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks,
+        out.data_ptr(), code, num_seqs, h, hkv, d, num_blocks,
         block_size, tables.shape[1],
         query.stride(0), out.stride(0), float(scale), int(sliding_window or 0), torch.get_num_threads())
     return out
@@ -393,6 +420,12 @@ def fp8_decode_available() -> bool:
     return build.library is not None and build.library.plinth_cpu_paged_has_fp8() == 1
 
 
+def f32_bf16_available() -> bool:
+    """Whether the kernel library reads bfloat16 caches under float32 queries (AVX2 builds without AVX512)."""
+    build = load_kernel()
+    return build.library is not None and build.library.plinth_cpu_paged_has_f32_bf16() == 1
+
+
 def fused_min_rows() -> int:
     """The fewest query rows of a bfloat16 prefill sequence that :func:`sdpa_prefill` takes: :data:`AMX_MIN_ROWS`
     where the AMX kernel runs, else :data:`SDPA_MIN_ROWS`."""
@@ -466,7 +499,8 @@ def _prefill_kernel_ok() -> bool:
 
 def paged_prefill(
     query: torch.Tensor,            # [T, H, D] float32 or bfloat16
-    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, Hkv, D], same dtype, this step's K/V written
+    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, Hkv, D], same dtype (or bfloat16 under float32
+                                    # queries, AVX2 builds), this step's K/V written
     block_tables: torch.Tensor,     # [>= B, W] int32
     seq_lens: torch.Tensor,         # [>= B] int32: tokens in the cache, this step's included
     query_start_loc: torch.Tensor,  # [>= B + 1] int32: sequence s owns query rows [start[s], start[s + 1])
@@ -484,7 +518,8 @@ def paged_prefill(
     Raises:
         ValueError: lengths or query offsets that do not fit the block tables or the query rows."""
     build = load_kernel()
-    if build.library is None or query.dtype not in _DTYPE_CODES or kv_cache.dtype != query.dtype:
+    code = _dtype_code(query, kv_cache)
+    if build.library is None or code not in (0, 1, F32_BF16_DTYPE_CODE):
         return None
     t, h, d = query.shape
     _, num_blocks, block_size, hkv, d_cache = kv_cache.shape
@@ -503,6 +538,6 @@ def paged_prefill(
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     rc = build.library.plinth_cpu_paged_prefill(
         query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
-        out.data_ptr(), _DTYPE_CODES[query.dtype], num_seqs, h, hkv, d, num_blocks, block_size, tables.shape[1],
+        out.data_ptr(), code, num_seqs, h, hkv, d, num_blocks, block_size, tables.shape[1],
         query.stride(0), out.stride(0), float(scale), int(sliding_window or 0), torch.get_num_threads())
     return out if rc == 0 else None

@@ -16,7 +16,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 #: the ABI the Python side expects (``plinth_cpu_paged_abi()`` in the source)
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 KernelBuild = NativeBuild
 
@@ -37,9 +37,10 @@ def load_kernel() -> NativeBuild:
         fn = build.library.plinth_cpu_paged_prefill
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_double] + [ctypes.c_int64] * 2
-        fn = build.library.plinth_cpu_paged_has_fp8
-        fn.restype = ctypes.c_int64
-        fn.argtypes = []
+        for name in ("plinth_cpu_paged_has_fp8", "plinth_cpu_paged_has_f32_bf16"):
+            fn = getattr(build.library, name)
+            fn.restype = ctypes.c_int64
+            fn.argtypes = []
         fn = build.library.plinth_cpu_gather_e4m3   # cache half, table, tokens, block size, row, out, threads
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,

@@ -108,17 +108,18 @@ FP8_KV_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 def torch_reads_kv_cache(spec: AttentionSpec, device_type: str) -> Support:
     """The answer of a backend that gathers keys and values with torch and widens them: any cache type torch
-    converts from, on the devices where it converts 8-bit floats."""
-    if spec.cache_dtype == spec.dtype or device_type in FP8_TORCH_DEVICES:
+    converts from (16-bit floats everywhere, 8-bit floats on the devices where it converts them)."""
+    if spec.cache_dtype == spec.dtype or spec.cache_dtype not in FP8_KV_DTYPES or device_type in FP8_TORCH_DEVICES:
         return Support.yes()
     return Support.no(f"an 8-bit KV cache on {device_type!r} unsupported (torch converts 8-bit floats on "
                       f"{', '.join(FP8_TORCH_DEVICES)})")
 
 
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type a ``kv_cache_dtype`` setting (``auto``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) stands for."""
-    return {"auto": model_dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-            "fp8_e5m2": torch.float8_e5m2}[name]
+    """The element type a ``kv_cache_dtype`` setting (``auto``, ``bfloat16``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``)
+    stands for."""
+    return {"auto": model_dtype, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -243,11 +243,20 @@ class LLMEngine:
                     ", asynchronous scheduling" if self.async_scheduling else "")
 
     def _note_kv_cache_dtype(self) -> None:
-        """Warn what an 8-bit KV cache costs here: its scale of 1 (no calibration), and a torch reference backend
-        where the fast ones cannot read it (decode then runs without graphs or the CPU decode plan)."""
+        """Say what a KV cache narrower than the model's dtype costs here: an 8-bit cache's scale of 1 (no
+        calibration), and a torch reference backend where the fast ones cannot read it (decode then runs without
+        graphs or the CPU decode plan)."""
+        from plinth.attention_backends.interface import kv_cache_torch_dtype
+
         kind = self.config.cache.kv_cache_dtype
-        logger.warning("--kv-cache-dtype %s: keys and values rounded to 8 bits with a scale of 1 (no calibrated "
-                       "scales); accuracy may drop", kind)
+        if kv_cache_torch_dtype(kind, self.dtype) == self.dtype:
+            return   # the model's own dtype (bfloat16 for a bfloat16 model)
+        if kind == "bfloat16":
+            logger.info("--kv-cache-dtype bfloat16: keys and values rounded to bfloat16 (the model computes in %s)",
+                        str(self.dtype).removeprefix("torch."))
+        else:
+            logger.warning("--kv-cache-dtype %s: keys and values rounded to 8 bits with a scale of 1 (no calibrated "
+                           "scales); accuracy may drop", kind)
         selection = self.selection
         if selection is None or selection.winner not in ("torch_sdpa", "torch_batched"):
             return

@@ -84,7 +84,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="on by default (accepted as vLLM's flag)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: keys and values in 8 bits (twice the "
-                        "tokens per GiB), with backends that read them (Triton on GPUs with FP8, the torch backends)")
+                        "tokens per GiB), with backends that read them (Triton on GPUs with FP8, the torch backends); "
+                        "bfloat16: a float32 model's keys and values in 16 bits (CPUs: half the bytes each decode "
+                        "step reads)")
     g = parser.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once (default: the platform's, 512 on GPUs of 70 GiB and more, else 256)")

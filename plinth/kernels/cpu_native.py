@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 10
+ABI_VERSION = 11
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -47,6 +47,7 @@ _SIGNATURES = {
     "plinth_q8_0r8_gemm_f32": [_P, _I, _P, _P, _I, _I, _I],
     "plinth_kv_write": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_kv_write_e4m3": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
+    "plinth_kv_write_f32_bf16": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "plinth_q4p_gemm_bf16": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_amx": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
     "plinth_q4p_gemm_amx_silu": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
@@ -282,11 +283,12 @@ def q8_0_rows8_matmul(x: torch.Tensor, rows8: torch.Tensor, out_features: int) -
 
 
 def kv_write_supported(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """:func:`write_kv` takes these tensors: CPU, one dtype (or bfloat16 rows into an FP8 E4M3 cache), contiguous
-    heads, a contiguous cache."""
+    """:func:`write_kv` takes these tensors: CPU, one dtype (or bfloat16 rows into an FP8 E4M3 cache, float32 rows into
+    a bfloat16 cache), contiguous heads, a contiguous cache."""
     same = key.dtype == value.dtype == kv_cache.dtype
     e4m3 = key.dtype == value.dtype == torch.bfloat16 and kv_cache.dtype == torch.float8_e4m3fn
-    return (kv_cache.device.type == "cpu" and (same or e4m3) and kv_cache.is_contiguous()
+    bf16 = key.dtype == value.dtype == torch.float32 and kv_cache.dtype == torch.bfloat16
+    return (kv_cache.device.type == "cpu" and (same or e4m3 or bf16) and kv_cache.is_contiguous()
             and key.dim() == 3 and key.stride(2) == 1 and key.stride(1) == key.shape[2]
             and value.stride(2) == 1 and value.stride(1) == value.shape[2] and _env_enabled()
             and not torch.compiler.is_compiling() and load_library().library is not None)
@@ -305,6 +307,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         _lib().plinth_kv_write_e4m3(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                     kv_cache.data_ptr(), num_slots, slots.data_ptr(), min(n, slots.shape[0]),
                                     key.shape[1] * key.shape[2])
+        return
+    if kv_cache.dtype == torch.bfloat16 and key.dtype == torch.float32:   # rounded to nearest even, as torch rounds
+        _lib().plinth_kv_write_f32_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                        kv_cache.data_ptr(), num_slots, slots.data_ptr(), min(n, slots.shape[0]),
+                                        key.shape[1] * key.shape[2])
         return
     _lib().plinth_kv_write(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
                            kv_cache.data_ptr(), num_slots, slots.data_ptr(), min(n, slots.shape[0]),
@@ -614,7 +621,7 @@ class DecodeLayer(ctypes.Structure):
     _fields_ = [("qkv", PanelWeight), ("o", PanelWeight), ("gate_up", PanelWeight), ("down", PanelWeight),
                 ("in_norm", _P), ("post_norm", _P), ("eps", _D), ("post_eps", _D), ("kv_cache", _P),
                 ("num_blocks", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_size", _I), ("scale", _D),
-                ("sliding_window", _I), ("kv_fp8", _I)]
+                ("sliding_window", _I), ("kv_narrow", _I)]
 
 
 class DecodeStep(ctypes.Structure):

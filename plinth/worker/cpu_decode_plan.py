@@ -140,17 +140,26 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.weight.dtype != dtype:
                 return f"norm weights are not {dtype}"
-        if attn.attn.kv_cache.dtype != dtype and not _fp8_cache_ok(attn.attn.kv_cache, dtype, attn.head_dim):
-            return f"the KV cache is not {dtype} (nor FP8 E4M3 with a bfloat16 model, head size 64 or 128)"
+        if attn.attn.kv_cache.dtype != dtype and not _narrow_cache_ok(attn.attn.kv_cache, dtype, attn.head_dim):
+            return (f"the KV cache is not {dtype} (nor FP8 E4M3 with a bfloat16 model, head size 64 or 128, nor "
+                    f"bfloat16 with a float32 model on an AVX2 build)")
     if inner.norm.weight.dtype != dtype:
         return f"norm weights are not {dtype}"
     return ""
 
 
-def _fp8_cache_ok(cache: torch.Tensor, dtype: torch.dtype, head_size: int) -> bool:
-    """An FP8 E4M3 cache the decode kernel reads (bfloat16 model, head size 64 or 128, an AVX512-BF16 build)."""
-    from plinth.attention_backends.cpu_paged import FP8_CACHE_DTYPE, FP8_HEAD_SIZES, fp8_decode_available
+def _narrow_cache_ok(cache: torch.Tensor, dtype: torch.dtype, head_size: int) -> bool:
+    """A cache narrower than the model's dtype that the decode kernel reads: FP8 E4M3 under a bfloat16 model (head
+    size 64 or 128, an AVX512-BF16 build), or bfloat16 under a float32 model (an AVX2 build)."""
+    from plinth.attention_backends.cpu_paged import (
+        FP8_CACHE_DTYPE,
+        FP8_HEAD_SIZES,
+        f32_bf16_available,
+        fp8_decode_available,
+    )
 
+    if cache.dtype == torch.bfloat16 and dtype == torch.float32:
+        return f32_bf16_available()
     return (cache.dtype == FP8_CACHE_DTYPE and dtype == torch.bfloat16 and head_size in FP8_HEAD_SIZES
             and fp8_decode_available())
 
@@ -172,6 +181,7 @@ class _Native:
         self.rotary = getattr(lib, f"plinth_rotary_{suffix}")
         self.kv_write = lib.plinth_kv_write
         self.kv_write_e4m3 = lib.plinth_kv_write_e4m3   # bfloat16 rows into an FP8 E4M3 cache (strides in elements)
+        self.kv_write_bf16 = lib.plinth_kv_write_f32_bf16   # float32 rows into a bfloat16 cache (the same)
         self.decode = attn.plinth_cpu_paged_decode
         self.dtype_code = 1 if dtype == torch.bfloat16 else 0   # the attention entry point's dtype argument
 
@@ -274,8 +284,9 @@ class CpuDecodePlan:
         first = self.layers[0]
         first_copies = self._gemv_copies[0]
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
-            if any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies) \
-                    or (lay.kv_cache.dtype != self.dtype and not _fp8_cache_ok(lay.kv_cache, self.dtype, lay.head_size)):
+            if (any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies)
+                    or (lay.kv_cache.dtype != self.dtype
+                        and not _narrow_cache_ok(lay.kv_cache, self.dtype, lay.head_size))):
                 return None
             # the step's buffers are sized once, from the first layer: every layer must have its shapes
             if ((lay.num_heads, lay.num_kv_heads, lay.head_size) != (first.num_heads, first.num_kv_heads,
@@ -365,7 +376,7 @@ class CpuDecodePlan:
         slots_p, lens_p, starts_p, tables_p = slots.data_ptr(), lens.data_ptr(), starts.data_ptr(), tables_t.data_ptr()
         cos_p, sin_p, rot_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
         threads = torch.get_num_threads()
-        from plinth.attention_backends.cpu_paged import FP8_DTYPE_CODE
+        from plinth.attention_backends.cpu_paged import F32_BF16_DTYPE_CODE, FP8_DTYPE_CODE
 
         rms_norm = native.rms_norm
 
@@ -388,15 +399,17 @@ class CpuDecodePlan:
             k_p, v_p = q_p + hq * d * elem, q_p + (hq + hkv) * d * elem
             native.rotary(q_p, row, d, hq, k_p, row, d, hkv, cos_p, sin_p, rot_dim, b, rot_dim)
             cache = lay.kv_cache                                                   # [2, N, BS, Hkv, D]
-            fp8 = cache.dtype != self.dtype   # an FP8 E4M3 cache (_why_not checked it)
-            if fp8:
-                native.kv_write_e4m3(k_p, row, v_p, row, cache.data_ptr(), cache.shape[1] * cache.shape[2], slots_p, b,
-                                     hkv * d)
+            narrow = cache.dtype != self.dtype   # FP8 E4M3 or bfloat16 (_why_not checked it)
+            if narrow:
+                write = native.kv_write_e4m3 if self.dtype == torch.bfloat16 else native.kv_write_bf16
+                write(k_p, row, v_p, row, cache.data_ptr(), cache.shape[1] * cache.shape[2], slots_p, b, hkv * d)
+                code = FP8_DTYPE_CODE if self.dtype == torch.bfloat16 else F32_BF16_DTYPE_CODE
             else:
+                code = native.dtype_code
                 native.kv_write(k_p, row * elem, v_p, row * elem, cache.data_ptr(), cache.shape[1] * cache.shape[2],
                                 slots_p, b, hkv * d * elem)
             native.decode(q_p, cache.data_ptr(), tables_p, lens_p, starts_p, attn_out.data_ptr(),
-                          FP8_DTYPE_CODE if fp8 else native.dtype_code, b, hq, hkv, d,
+                          code, b, hq, hkv, d,
                           cache.shape[1], bs, tables.shape[1], row, hq * d, lay.scale, lay.sliding_window or 0,
                           threads)
             hidden = _matmul(lay, "o", attn_out)

@@ -173,11 +173,12 @@ inline float hsum8(__m256 v) {
 }
 
 // block_update_avx512 for CPUs with AVX2/FMA but no AVX512: the same online-softmax update of one block of one
-// KV head, 8 features per vector, keys and values read in place from the cache in their dtype. Each query row
+// KV head, 8 features per vector, keys and values read in place from the cache in their dtype (kv_t: the queries'
+// scalar_t, or bfloat16 bits under float32 queries, widened exactly as they are loaded). Each query row
 // keeps its kD features in registers across the block's keys (scores) and its accumulator across the block's
 // values (P V), so nothing is copied out of the cache.
-template <typename scalar_t, int64_t kD>
-inline void block_update_avx2(const scalar_t* k_base, const scalar_t* v_base, int64_t token_stride, int64_t lo,
+template <typename scalar_t, int64_t kD, typename kv_t = scalar_t>
+inline void block_update_avx2(const kv_t* k_base, const kv_t* v_base, int64_t token_stride, int64_t lo,
                               int64_t hi, const float* q, float* acc, float* row_max, float* row_sum, int64_t group,
                               float* scores /* [BS] */) {
   constexpr int64_t kV = kD / 8;
@@ -187,7 +188,7 @@ inline void block_update_avx2(const scalar_t* k_base, const scalar_t* v_base, in
     for (int64_t j = 0; j < kV; ++j) qv[j] = load8(q + r * kD + 8 * j);
     float block_max = row_max[r];
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* kr = k_base + (lo + t) * token_stride;
+      const kv_t* kr = k_base + (lo + t) * token_stride;
       __m256 s0 = _mm256_mul_ps(qv[0], load8(kr)), s1 = _mm256_mul_ps(qv[1], load8(kr + 8));
       for (int64_t j = 2; j < kV; j += 2) {
         s0 = _mm256_fmadd_ps(qv[j], load8(kr + 8 * j), s0);
@@ -209,7 +210,7 @@ inline void block_update_avx2(const scalar_t* k_base, const scalar_t* v_base, in
     const __m256 c = _mm256_set1_ps(correction);
     for (int64_t j = 0; j < kV; ++j) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ar + 8 * j));
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* vr = v_base + (lo + t) * token_stride;
+      const kv_t* vr = v_base + (lo + t) * token_stride;
       const __m256 p = _mm256_set1_ps(scores[t]);
       for (int64_t j = 0; j < kV; ++j) a[j] = _mm256_fmadd_ps(p, load8(vr + 8 * j), a[j]);
     }
@@ -926,7 +927,7 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
           if constexpr (kD > 0 && kD % 16 == 0) {
-            block_update_avx2<scalar_t, kD>(k_cache + base, v_cache + base, sh.token_stride, lo, hi,
+            block_update_avx2<scalar_t, kD, kv_t>(k_cache + base, v_cache + base, sh.token_stride, lo, hi,
                                             q.data() + hh * group * kD, acc.data() + hh * group * kD,
                                             row_max.data() + hh * group, row_sum.data() + hh * group, group,
                                             scores.data());
@@ -1318,14 +1319,14 @@ inline __m256 exp8_nonpositive(__m256 x) {
 // float32 throughout (a bfloat16 cache is converted as it is read).
 constexpr int64_t kPrefillChunks = 4;
 
-template <typename scalar_t, int64_t kD>
-void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t* tables, const int32_t* lens,
+template <typename scalar_t, int64_t kD, typename kv_t = scalar_t>
+void prefill_avx2(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, const int32_t* lens,
                   const int32_t* starts, scalar_t* out, const Shape& sh, float scale, int64_t sliding_window,
                   int num_threads) {
   constexpr int64_t kV = kD / 8;
   const int64_t group = sh.num_heads / sh.num_kv_heads;
-  const scalar_t* k_cache = kv_cache;
-  const scalar_t* v_cache = kv_cache + sh.kv_half;
+  const kv_t* k_cache = kv_cache;
+  const kv_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<int64_t> item_seq, item_pos;
   prefill_tiles(starts, sh.num_seqs, item_seq, item_pos);
@@ -1348,8 +1349,8 @@ void prefill_avx2(const scalar_t* query, const scalar_t* kv_cache, const int32_t
         const int64_t gn = std::min<int64_t>(kPrefillChunks, nchunks - g0);
         for (int64_t j = 0; j < kPrefillChunks; ++j) {   // K^T [D][8] and V [8][D] in float32, missing keys zero
           const int64_t m = j < gn ? chunk_len[g0 + j] : 0;
-          const scalar_t* kc = k_cache + (j < gn ? chunk_base[g0 + j] : 0);
-          const scalar_t* vc = v_cache + (j < gn ? chunk_base[g0 + j] : 0);
+          const kv_t* kc = k_cache + (j < gn ? chunk_base[g0 + j] : 0);
+          const kv_t* vc = v_cache + (j < gn ? chunk_base[g0 + j] : 0);
           float* kt_j = kt.data() + j * kD * 8;
           float* vb_j = vb.data() + j * 8 * kD;
           for (int64_t d0 = 0; d0 < kD; d0 += 8) {   // 8 keys x 8 features at a time, transposed in registers
@@ -1660,14 +1661,26 @@ void amx_prefill(const uint16_t* query, int64_t q_row, const uint16_t* key, cons
 extern "C" {
 
 // The ABI version the Python side checks before calling.
-int64_t plinth_cpu_paged_abi() { return 5; }
+int64_t plinth_cpu_paged_abi() { return 6; }
+
+// Whether this build reads a bfloat16 cache under float32 queries (dtype 3 of the decode and prefill entry points):
+// the AVX2 kernels without AVX512.
+int64_t plinth_cpu_paged_has_f32_bf16() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // query [T, H, D] rows of q_row elements; kv_cache [2, N, BS, Hkv, D] contiguous; tables [B, W] int32;
 // lens [B] int32 (tokens in the cache, this step's included); starts [B + 1] int32 (query row of each
 // sequence); out [T, H, D] rows of out_row elements, written for the sequences' rows only.
 // dtype: 0 = float32, 1 = bfloat16, 2 = bfloat16 queries and outputs over an FP8 E4M3 cache (torch.float8_e4m3fn
 // bytes, the same layout; head sizes 64 and 128, builds where plinth_cpu_paged_has_fp8(): each key and value row is
-// widened to bfloat16, exactly, as it is read, then attended as a bfloat16 cache is). sliding_window <= 0: none.
+// widened to bfloat16, exactly, as it is read, then attended as a bfloat16 cache is); 3 = float32 queries and outputs
+// over a bfloat16 cache (builds where plinth_cpu_paged_has_f32_bf16(): each key and value widened to float32, exactly,
+// as it is read: the outputs of a float32 cache holding the same values). sliding_window <= 0: none.
 void plinth_cpu_paged_decode(const void* query, const void* kv_cache, const int32_t* tables, const int32_t* lens,
                              const int32_t* starts, void* out, int64_t dtype, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_size, int64_t num_blocks, int64_t block_size,
@@ -1687,6 +1700,18 @@ void plinth_cpu_paged_decode(const void* query, const void* kv_cache, const int3
       decode<uint16_t, 64, uint8_t>(q, kv, tables, lens, starts, o, sh, static_cast<float>(scale), sliding_window, threads);
     else if (head_size == 128)
       decode<uint16_t, 128, uint8_t>(q, kv, tables, lens, starts, o, sh, static_cast<float>(scale), sliding_window, threads);
+#endif
+  } else if (dtype == 3) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    const auto* q = static_cast<const float*>(query);
+    const auto* kv = static_cast<const uint16_t*>(kv_cache);
+    auto* o = static_cast<float*>(out);
+    if (head_size == 64)
+      decode<float, 64, uint16_t>(q, kv, tables, lens, starts, o, sh, static_cast<float>(scale), sliding_window, threads);
+    else if (head_size == 128)
+      decode<float, 128, uint16_t>(q, kv, tables, lens, starts, o, sh, static_cast<float>(scale), sliding_window, threads);
+    else
+      decode<float, 0, uint16_t>(q, kv, tables, lens, starts, o, sh, static_cast<float>(scale), sliding_window, threads);
 #endif
   } else if (dtype == 0) {
     dispatch_head_size(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
@@ -1759,7 +1784,8 @@ int64_t plinth_cpu_paged_has_fp8() {
 // Causal attention of any number of query rows per sequence (prefill chunks and decode rows mixed): the rows of
 // sequence s are starts[s]..starts[s+1]-1 and sit at the last positions of its lens[s] cached tokens (this
 // step's keys and values already written). Same layouts as plinth_cpu_paged_decode; head sizes that are
-// multiples of 16 with AVX512 and block sizes that are multiples of 16. Returns 0, or -1 where unsupported.
+// multiples of 16 with AVX512 and block sizes that are multiples of 16; dtype as for the decode (0, 1, and 3 in AVX2
+// builds; the AVX512 kernel declines 3). Returns 0, or -1 where unsupported.
 int64_t plinth_cpu_paged_prefill(const void* query, const void* kv_cache, const int32_t* tables, const int32_t* lens,
                                  const int32_t* starts, void* out, int64_t dtype, int64_t num_seqs, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_size, int64_t num_blocks, int64_t block_size,
@@ -1773,6 +1799,21 @@ int64_t plinth_cpu_paged_prefill(const void* query, const void* kv_cache, const 
                  q_row, out_row, num_blocks * block_stride, block_stride, token_stride};
   const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
   const float sc = static_cast<float>(scale);
+  if (dtype == 3) {   // float32 queries over a bfloat16 cache (the AVX2 kernel only)
+#if !defined(__AVX512F__)
+    const auto* q = static_cast<const float*>(query);
+    const auto* kv = static_cast<const uint16_t*>(kv_cache);
+    if (head_size == 64)
+      prefill_avx2<float, 64, uint16_t>(q, kv, tables, lens, starts, static_cast<float*>(out), sh, sc, sliding_window,
+                                        threads);
+    else
+      prefill_avx2<float, 128, uint16_t>(q, kv, tables, lens, starts, static_cast<float*>(out), sh, sc, sliding_window,
+                                         threads);
+    return 0;
+#else
+    return -1;
+#endif
+  }
   if (dtype == 0 && head_size == 64)
     prefill_native<float, 64>(static_cast<const float*>(query), static_cast<const float*>(kv_cache), tables, lens, starts,
                               static_cast<float*>(out), sh, sc, sliding_window, threads);

@@ -1399,7 +1399,7 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 10; }
+int64_t plinth_cpu_ops_abi() { return 11; }
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
@@ -1920,6 +1920,17 @@ void plinth_kv_write(const uint8_t* key, int64_t k_stride, const uint8_t* value,
   });
 }
 
+// plinth_kv_write into a bfloat16 cache: float32 keys and values (rows of `row` elements, token strides k_stride /
+// v_stride elements) rounded to the nearest bfloat16, ties to even (NaN stays NaN), as torch's conversion rounds.
+void plinth_kv_write_f32_bf16(const float* key, int64_t k_stride, const float* value, int64_t v_stride,
+                              uint16_t* cache, int64_t num_slots, const int64_t* slots, int64_t tokens, int64_t row) {
+  scatter_kv(tokens, slots, num_slots, tokens * row, [&](int64_t half, int64_t t, int64_t s) {
+    const float* x = half == 0 ? key + t * k_stride : value + t * v_stride;
+    uint16_t* y = cache + (half * num_slots + s) * row;
+    for (int64_t i = 0; i < row; ++i) y[i] = f2bf(x[i]);
+  });
+}
+
 // plinth_kv_write into an FP8 E4M3 cache: bfloat16 keys and values (rows of `row` elements, token strides k_stride /
 // v_stride elements) rounded by e4m3_of into a [2, slots, row] byte cache.
 void plinth_kv_write_e4m3(const uint16_t* key, int64_t k_stride, const uint16_t* value, int64_t v_stride,
@@ -1961,7 +1972,8 @@ struct PlinthDecodeLayer {
   int64_t num_blocks, num_heads, num_kv_heads, head_size;
   double scale;
   int64_t sliding_window;          // <= 0: none
-  int64_t kv_fp8;                  // 1: kv_cache holds FP8 E4M3 bytes (bfloat16 models; attention dtype code 2)
+  int64_t kv_narrow;               // 1: kv_cache holds a narrower type than the activations: FP8 E4M3 bytes under
+                                   // bfloat16 (attention dtype code 2), bfloat16 under float32 (code 3)
 };
 
 struct PlinthDecodeStep {          // every buffer in the activation dtype except the integer ones
@@ -2027,11 +2039,17 @@ int64_t decode_layers(const PlinthDecodeLayer* layers, int64_t num_layers, const
     rotary_heads<E>(q, row, d, hq, k, row, d, hkv, cos, sin, st->rot_dim, b, st->rot_dim);
     const int64_t num_slots = lay.num_blocks * st->block_size;
     int64_t attn_dtype = dtype;
-    if (lay.kv_fp8 && (!std::is_same_v<E, Bf16> || (d != 64 && d != 128))) return -1;   // what the FP8 decode reads
+    if (lay.kv_narrow && std::is_same_v<E, Bf16> && d != 64 && d != 128) return -1;   // what the FP8 decode reads
     if constexpr (std::is_same_v<E, Bf16>) {
-      if (lay.kv_fp8) {
+      if (lay.kv_narrow) {
         plinth_kv_write_e4m3(k, row, v, row, static_cast<uint8_t*>(lay.kv_cache), num_slots, st->slots, b, hkv * d);
         attn_dtype = 2;
+      }
+    } else {
+      if (lay.kv_narrow) {
+        plinth_kv_write_f32_bf16(k, row, v, row, static_cast<uint16_t*>(lay.kv_cache), num_slots, st->slots, b,
+                                 hkv * d);
+        attn_dtype = 3;
       }
     }
     if (attn_dtype == dtype)
