@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--itl-targets", default="0", help="comma-separated itl_target_ms values (0: off)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (an 8-bit E4M3 cache)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto, fp8 (an 8-bit E4M3 cache) or bfloat16 (a float32 model's keys and values in 16 bits)")
     p.add_argument("--no-idle", dest="idle", action="store_false",
                    help="start at once, without the idle work an idle server does first (faulting the KV cache in)")
     args = p.parse_args(argv)

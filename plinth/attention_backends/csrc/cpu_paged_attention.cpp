@@ -884,7 +884,7 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
                                row_sum.data(), loader);
       }
 #endif
-      const int64_t row_bytes = heads_per_item * d_size * static_cast<int64_t>(sizeof(scalar_t));   // a token's, of the item's heads
+      const int64_t row_bytes = heads_per_item * d_size * static_cast<int64_t>(sizeof(kv_t));   // a token's, of the item's heads
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
       const int64_t touch_seg = std::max<int64_t>(1, kAvx2SegmentBytes / (bs * row_bytes));   // blocks per segment
 #endif
