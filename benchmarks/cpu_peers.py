@@ -21,7 +21,7 @@ tokens rendered with the model's chat template;
 Each is run once untimed (warm-up, with other prompts, so no prefix cache helps), then timed.
 vLLM and llama-cpp-python run in their own virtual environments (``--vllm-python``,
 ``--llamacpp-python``): this file is re-run there as a worker that prints its results as JSON.
-Ratios in the table are plinth over each peer (``plinth-int8``: ``PLINTH_CPU_INT8_ACT=1``, ratios printed below the table). The 1-minute load average is recorded: the cores
+Ratios in the table are plinth over each peer (``plinth-int8``: ``PLINTH_CPU_INT8_ACT=1``; ``plinth-kv-bf16``: ``--kv-cache-dtype bfloat16``; ratios printed below the table). The 1-minute load average is recorded: the cores
 may be shared.
 """
 
@@ -128,6 +128,11 @@ def run_plinth(spec: dict[str, Any]) -> dict[str, Any]:
         return elapsed
 
     return _workloads(spec, gen, startup)
+
+
+def run_plinth_kv_bf16(spec: dict[str, Any]) -> dict[str, Any]:
+    """plinth with ``kv_cache_dtype="bfloat16"``: a float32 model's keys and values stored in 16 bits."""
+    return run_plinth({**spec, "plinth_kwargs": {**spec.get("plinth_kwargs", {}), "kv_cache_dtype": "bfloat16"}})
 
 
 def run_plinth_int8(spec: dict[str, Any]) -> dict[str, Any]:
@@ -302,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=["vllm", "llamacpp"], help=argparse.SUPPRESS)
     p.add_argument("--gguf", default=None, help="GGUF file (default: plinth's default model)")
     p.add_argument("--systems", default="plinth,transformers", help="comma-separated: plinth, plinth-int8 "
-                   "(PLINTH_CPU_INT8_ACT=1), transformers (vllm and llamacpp run when their --*-python is given)")
+                   "(PLINTH_CPU_INT8_ACT=1), plinth-kv-bf16 (--kv-cache-dtype bfloat16), transformers (vllm and llamacpp run when their --*-python is given)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=500)
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompts: {len(spec['prompts'])} of {min(spec['prompt_lens'])}-{max(spec['prompt_lens'])} tokens; "
           f"{args.new_tokens} new tokens; prefill {len(spec['longs'][0])} tokens x {len(spec['longs'])}", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    runners = {"plinth": run_plinth, "plinth-int8": run_plinth_int8, "transformers": run_transformers}
+    runners = {"plinth": run_plinth, "plinth-int8": run_plinth_int8, "plinth-kv-bf16": run_plinth_kv_bf16,
+               "transformers": run_transformers}
     for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
         if name not in runners:
             p.error(f"unknown system {name!r}")
