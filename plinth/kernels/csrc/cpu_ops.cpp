@@ -1553,20 +1553,21 @@ int64_t plinth_q8_0r8_gemv_f32q8(const float* x, int64_t x_stride, const uint8_t
 
 // y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T for a Q8_0 weight regrouped by
 // plinth.kernels.cpu_native.pack_q8_0_rows8, in float32 (each weight d q exact, float32 sums): the inputs as they
-// are, any M >= 1. Up to kQ8R8PanelMinRows rows take 8 rows per pass over a tile (its codes then come from L1/L2);
+// are, any M >= 1. Up to kQ8R8TileMaxRows rows take 8 rows per pass over a tile (its codes then come from L1/L2);
 // more rows expand each pair of tiles once into a float32 panel [K][16] and multiply 6 rows per pass with it. Both
 // add each row's products in feature order with one FMA each, so a row's sums are the same bits whatever M.
 // Returns 0, -1 where the library was built without AVX2, -2 for M < 1.
 //
-// More rows than this expand the weights (2-core AMD EPYC, AVX2, 49,152 x 576 with the weights out of the caches,
-// ms, 8 rows per tile pass / panel: 8 rows 5.7 / 5.8, 16 rows 11.9 / 9.2, 31 rows 24.9 / 16.8, 64 rows 50.3 / 30.2)
-constexpr int64_t kQ8R8PanelMinRows = 8;
+// The most rows that take the tile passes; more expand the weights (2-core AMD EPYC, AVX2, 49,152 x 576 with the
+// weights out of the caches, ms, tile passes / panel: 8 rows 5.7 / 5.8, 16 rows 11.9 / 9.2, 31 rows 24.9 / 16.8, 64 rows
+// 50.3 / 30.2)
+constexpr int64_t kQ8R8TileMaxRows = 8;
 int64_t plinth_q8_0r8_gemm_f32(const float* x, int64_t x_stride, const uint8_t* packed, float* y, int64_t m,
                                int64_t n, int64_t k) {
 #if defined(PLINTH_CPU_AVX2)
   if (m < 1) return -2;
   const int64_t nb = k / 32, tiles = (n + 7) / 8, pairs = (tiles + 1) / 2;
-  if (m <= kQ8R8PanelMinRows) {   // too few rows to pay for expanding the weights: 8 rows per pass over a tile
+  if (m <= kQ8R8TileMaxRows) {   // too few rows to pay for expanding the weights: 8 rows per pass over a tile
     q8_0r8_tiles<8>(packed, y, m, n, nb, m * n * k >= kParallelWork,
                     [&](const uint8_t* tile, int64_t r0, int rows, float* out) {
       const float* xr = x + r0 * x_stride;
