@@ -75,7 +75,9 @@ DECODE_CONTEXTS = [0, 4, 15, 16, 33, 100, 257]
     ((4, 4), 128, 8),       # MHA, head size 128
     ((6, 1), 80, 16),       # MQA, head size with a tail (no compile-time specialisation)
     ((2, 1), 256, 4),       # the largest head size
-], ids=["gqa4", "smollm2", "mha-d128", "mqa-d80", "d256"])
+    ((14, 2), 64, 16),      # GQA 7: the AVX2 kernel's rows in blocks of 3, 2 and 2
+    ((10, 2), 128, 16),     # GQA 5: blocks of 3 and 2, head size 128
+], ids=["gqa4", "smollm2", "mha-d128", "mqa-d80", "d256", "gqa7", "gqa5-d128"])
 @pytest.mark.parametrize("window", [None, 21])
 def test_decode_float32_matches_sdpa(heads, d, bs, window):
     spec = spec_of(h=heads[0], hkv=heads[1], d=d, bs=bs, window=window)

@@ -172,49 +172,180 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// exp_nonpositive on 8 lanes (the same reduction and polynomial)
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// C score vectors (a[i]: key i's products, lanes to be summed) folded into the keys' scores, stored at out[0..C-1]
+// (out[C..3] or out[C..7] are written too, with junk: the caller leaves room). hadd(x, y) = [x0+x1, x2+x3, y0+y1,
+// y2+y3 | the same of lanes 4-7], so two levels leave keys 0-3 summed within each 128-bit half.
+template <int C>
+inline void fold_scores(const __m256 (&a)[C], float* out) {
+  __m256 b[C <= 4 ? 4 : 8];   // a, then zeros
+  for (int i = 0; i < (C <= 4 ? 4 : 8); ++i) b[i] = _mm256_setzero_ps();
+  for (int i = 0; i < C; ++i) b[i] = a[i];
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+  if constexpr (C <= 4) {
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+  } else {
+    const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31)));
+  }
+}
+
+// The scores of R query rows (q [R][kD], float32) against C consecutive keys (rows token_stride apart), into
+// scores[r * stride + 0..C-1]: a register block of R x C partial-sum vectors, so each key vector loaded (and
+// widened) serves every row and each query vector every key (the loads, not the multiply-adds, bound a
+// one-row loop here).
+template <int64_t kD, int R, int C, typename kv_t>
+inline void scores_block(const float* q, const kv_t* keys, int64_t token_stride, float* scores, int64_t stride) {
+  __m256 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < C; ++i) a[r][i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kD / 8; ++j) {
+    __m256 kv[C];
+    for (int i = 0; i < C; ++i) kv[i] = load8(keys + i * token_stride + 8 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qj = _mm256_loadu_ps(q + r * kD + 8 * j);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm256_fmadd_ps(qj, kv[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) fold_scores<C>(a[r], scores + r * stride);
+}
+
+// The keys per register block of scores_block for R rows (the R x C sums, C keys and a query vector in the 16
+// registers)
+template <int R>
+constexpr int kScoreKeys = R == 1 ? 8 : R == 2 ? 4 : 3;
+
+// The scores of R rows against keys lo..hi-1 of a block: register blocks of kScoreKeys<R> keys, the last keys
+// one register block of fewer
+template <int64_t kD, int R, typename kv_t>
+inline void block_scores(const float* q, const kv_t* keys, int64_t token_stride, int64_t n, float* scores,
+                         int64_t stride) {
+  constexpr int C = kScoreKeys<R>;
+  int64_t t = 0;
+  for (; t + C <= n; t += C) scores_block<kD, R, C>(q, keys + t * token_stride, token_stride, scores + t, stride);
+  const kv_t* rest = keys + t * token_stride;
+  switch (n - t) {
+    case 0: break;
+    case 1: scores_block<kD, R, 1>(q, rest, token_stride, scores + t, stride); break;
+    case 2: scores_block<kD, R, 2>(q, rest, token_stride, scores + t, stride); break;
+    case 3: if constexpr (C > 3) scores_block<kD, R, 3>(q, rest, token_stride, scores + t, stride); break;
+    case 4: if constexpr (C > 4) scores_block<kD, R, 4>(q, rest, token_stride, scores + t, stride); break;
+    case 5: if constexpr (C > 5) scores_block<kD, R, 5>(q, rest, token_stride, scores + t, stride); break;
+    case 6: if constexpr (C > 6) scores_block<kD, R, 6>(q, rest, token_stride, scores + t, stride); break;
+    default: if constexpr (C > 7) scores_block<kD, R, 7>(q, rest, token_stride, scores + t, stride); break;
+  }
+}
+
+// acc[r] = acc[r] * correction[r] + sum over the block's keys t of p[r][t] v[t], for R rows (acc [R][kD],
+// p rows `stride` apart): kD in chunks of kPvVectors<R> vectors, the R rows' accumulators of a chunk in registers
+// across the keys, each value vector loaded (and widened) once for all R rows.
+template <int R>
+constexpr int kPvVectors = R == 1 ? 8 : 4;
+
+template <int64_t kD, int R, typename kv_t>
+inline void block_pv(const kv_t* values, int64_t token_stride, int64_t n, const float* p, int64_t stride,
+                     const float* correction, float* acc) {
+  constexpr int kV = static_cast<int>(kD / 8), W = std::min(kPvVectors<R>, kV);
+  static_assert(kV % W == 0, "the head size is a multiple of the chunk");
+  for (int c0 = 0; c0 < kV; c0 += W) {
+    __m256 a[R][W];
+    for (int r = 0; r < R; ++r) {
+      const __m256 cr = _mm256_set1_ps(correction[r]);
+      for (int j = 0; j < W; ++j) a[r][j] = _mm256_mul_ps(cr, _mm256_loadu_ps(acc + r * kD + 8 * (c0 + j)));
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const kv_t* vr = values + t * token_stride + 8 * c0;
+      __m256 pr[R];
+      for (int r = 0; r < R; ++r) pr[r] = _mm256_broadcast_ss(p + r * stride + t);
+      for (int j = 0; j < W; ++j) {
+        const __m256 v = load8(vr + 8 * j);
+        for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(pr[r], v, a[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + r * kD + 8 * (c0 + j), a[r][j]);
+  }
+}
+
+// The online-softmax update of R query rows over one block's keys lo..hi-1: scores (block_scores), each row's
+// maximum, exponentials 8 at a time, then P V (block_pv).
+template <int64_t kD, int R, typename kv_t>
+inline void block_rows_avx2(const kv_t* k_base, const kv_t* v_base, int64_t token_stride, int64_t lo, int64_t hi,
+                            const float* q, float* acc, float* row_max, float* row_sum, float* scores,
+                            int64_t stride) {
+  const int64_t n = hi - lo, n8 = n - n % 8;
+  block_scores<kD, R>(q, k_base + lo * token_stride, token_stride, n, scores, stride);
+  float correction[R];
+  for (int r = 0; r < R; ++r) {
+    float* sr = scores + r * stride;
+    __m256 top = _mm256_set1_ps(row_max[r]);
+    for (int64_t t = 0; t < n8; t += 8) top = _mm256_max_ps(_mm256_loadu_ps(sr + t), top);   // (NaN passed over)
+    float block_max = hmax8(top);
+    for (int64_t t = n8; t < n; ++t) block_max = std::max(block_max, sr[t]);
+    const __m256 bm = _mm256_set1_ps(block_max);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n8; t += 8) {
+      const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sr + t), bm));
+      _mm256_storeu_ps(sr + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum8(total);
+    for (int64_t t = n8; t < n; ++t) {
+      sr[t] = exp_nonpositive(sr[t] - block_max);
+      sum += sr[t];
+    }
+    correction[r] = std::exp(row_max[r] - block_max);  // 0 on the first block (exp(-inf))
+    row_max[r] = block_max;
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+  }
+  block_pv<kD, R>(v_base + lo * token_stride, token_stride, n, scores, stride, correction, acc);
+}
+
+// Room per query row in block_update_avx2's score buffer beyond the block's tokens (fold_scores writes whole
+// vectors)
+constexpr int64_t kScoreSlack = 8;
+
 // block_update_avx512 for CPUs with AVX2/FMA but no AVX512: the same online-softmax update of one block of one
 // KV head, 8 features per vector, keys and values read in place from the cache in their dtype (kv_t: the queries'
-// scalar_t, or bfloat16 bits under float32 queries, widened exactly as they are loaded). Each query row
-// keeps its kD features in registers across the block's keys (scores) and its accumulator across the block's
-// values (P V), so nothing is copied out of the cache.
+// scalar_t, or bfloat16 bits under float32 queries, widened exactly as they are loaded). The GQA group's rows go
+// three at a time (block_rows_avx2), so every key and value vector loaded serves up to three rows.
+// scores: [3][BS + kScoreSlack].
 template <typename scalar_t, int64_t kD, typename kv_t = scalar_t>
 inline void block_update_avx2(const kv_t* k_base, const kv_t* v_base, int64_t token_stride, int64_t lo,
                               int64_t hi, const float* q, float* acc, float* row_max, float* row_sum, int64_t group,
-                              float* scores /* [BS] */) {
-  constexpr int64_t kV = kD / 8;
-  const int64_t n = hi - lo;
-  for (int64_t r = 0; r < group; ++r) {
-    __m256 qv[kV];
-    for (int64_t j = 0; j < kV; ++j) qv[j] = load8(q + r * kD + 8 * j);
-    float block_max = row_max[r];
-    for (int64_t t = 0; t < n; ++t) {
-      const kv_t* kr = k_base + (lo + t) * token_stride;
-      __m256 s0 = _mm256_mul_ps(qv[0], load8(kr)), s1 = _mm256_mul_ps(qv[1], load8(kr + 8));
-      for (int64_t j = 2; j < kV; j += 2) {
-        s0 = _mm256_fmadd_ps(qv[j], load8(kr + 8 * j), s0);
-        s1 = _mm256_fmadd_ps(qv[j + 1], load8(kr + 8 * j + 8), s1);
-      }
-      scores[t] = hsum8(_mm256_add_ps(s0, s1));
-      block_max = std::max(block_max, scores[t]);
-    }
-    float sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) {
-      scores[t] = exp_nonpositive(scores[t] - block_max);
-      sum += scores[t];
-    }
-    const float correction = std::exp(row_max[r] - block_max);  // 0 on the first block (exp(-inf))
-    row_max[r] = block_max;
-    row_sum[r] = row_sum[r] * correction + sum;
+                              float* scores, int64_t bs) {
+  const int64_t stride = bs + kScoreSlack;
+  for (int64_t r = 0, rows = 0; r < group; r += rows) {
+    rows = group - r == 4 || group - r == 2 ? 2 : std::min<int64_t>(3, group - r);   // no single row after others
+    const float* qr = q + r * kD;
     float* ar = acc + r * kD;
-    __m256 a[kV];
-    const __m256 c = _mm256_set1_ps(correction);
-    for (int64_t j = 0; j < kV; ++j) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ar + 8 * j));
-    for (int64_t t = 0; t < n; ++t) {
-      const kv_t* vr = v_base + (lo + t) * token_stride;
-      const __m256 p = _mm256_set1_ps(scores[t]);
-      for (int64_t j = 0; j < kV; ++j) a[j] = _mm256_fmadd_ps(p, load8(vr + 8 * j), a[j]);
+    switch (rows) {
+      case 1: block_rows_avx2<kD, 1>(k_base, v_base, token_stride, lo, hi, qr, ar, row_max + r, row_sum + r, scores, stride); break;
+      case 2: block_rows_avx2<kD, 2>(k_base, v_base, token_stride, lo, hi, qr, ar, row_max + r, row_sum + r, scores, stride); break;
+      default: block_rows_avx2<kD, 3>(k_base, v_base, token_stride, lo, hi, qr, ar, row_max + r, row_sum + r, scores, stride); break;
     }
-    for (int64_t j = 0; j < kV; ++j) _mm256_storeu_ps(ar + 8 * j, a[j]);
   }
 }
 #endif
@@ -836,7 +967,7 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
     // per-thread scratch: the item's queries and accumulators [rows, D], one block's keys/values
     // of one head in float32 [BS, D], scores [BS]
     std::vector<float> q(rows * d_size), acc(rows * d_size), kblk(bs * d_size), vblk(bs * d_size), scores(bs),
-        row_max(rows), row_sum(rows), gscores(group * bs);
+        row_max(rows), row_sum(rows), gscores(std::max<int64_t>(group, 3) * (bs + 8));   // (+8: AVX2's slack)
     std::vector<const scalar_t*> qraw(rows);   // bfloat16: each row's query in the input
     std::vector<float> scores_all;             // bfloat16: the item's scores [rows][keys]
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -928,9 +1059,9 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
           if constexpr (kD > 0 && kD % 16 == 0) {
             block_update_avx2<scalar_t, kD, kv_t>(k_cache + base, v_cache + base, sh.token_stride, lo, hi,
-                                            q.data() + hh * group * kD, acc.data() + hh * group * kD,
-                                            row_max.data() + hh * group, row_sum.data() + hh * group, group,
-                                            scores.data());
+                                                  q.data() + hh * group * kD, acc.data() + hh * group * kD,
+                                                  row_max.data() + hh * group, row_sum.data() + hh * group, group,
+                                                  gscores.data(), bs);
             continue;
           }
 #endif
@@ -1292,23 +1423,6 @@ inline void transpose8_ps(__m256* r) {
   r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
   r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
-// exp_nonpositive on 8 lanes (the same reduction and polynomial)
-inline __m256 exp8_nonpositive(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
-  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // prefill() for CPUs with AVX2/FMA but no AVX512: the same work items (sequence, KV head, kTile query positions
