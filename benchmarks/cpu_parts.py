@@ -8,8 +8,8 @@
   prompt through the AMX prefill kernel (where it runs) and torch's fused attention;
 * ``decode-kernel``: ``paged_decode`` per layer for 32 sequences of 330 tokens and for one sequence of 128 and
   of 2,000 tokens, in a cache of 30 layers in the default model's dtype here (and in FP8 E4M3, ``fp8_`` keys, where
-  the kernel reads it), cold (a 64 MiB write between calls,
-  as the GEMMs between layers evict the caches), cycled (the 30 layers in turn, nothing between) and warm; a
+  the kernel reads it; for a float32 model also a bfloat16 cache, ``bf16kv_`` keys, where it reads one), cold (a
+  64 MiB write between calls, as the GEMMs between layers evict the caches), cycled (the 30 layers in turn, nothing between) and warm; a
   bfloat16 cache on AMX tiles where the kernel takes them and on AVX512-BF16 vectors (``vec_`` keys);
 * ``decode-gemv``: a decode step's int4 GEMMs per layer (qkv / o / gate_up / down at SmolLM2 shapes, random
   4-bit codes) for 1 and 4 input rows, 30 layers cycled so the weights come from memory as in a step: torch's
@@ -195,7 +195,12 @@ def amx_gemms_part() -> dict:
 
 
 def decode_kernel_part() -> dict:
-    from plinth.attention_backends.cpu_paged import fp8_decode_available, paged_decode, set_decode_amx
+    from plinth.attention_backends.cpu_paged import (
+        f32_bf16_available,
+        fp8_decode_available,
+        paged_decode,
+        set_decode_amx,
+    )
     from plinth.kernels.cpu_native import amx_switch_on
     from plinth.platforms.cpu import platform as cpu_platform
 
@@ -203,14 +208,16 @@ def decode_kernel_part() -> dict:
     # FP8 E4M3 cache (--kv-cache-dtype fp8) where the kernel reads one
     dtype = torch.bfloat16 if cpu_platform.has_fast_bf16() else torch.float32
     out: dict = {"dtype": str(dtype).removeprefix("torch.")}
-    cache_dtypes = [dtype] + ([torch.float8_e4m3fn] if dtype == torch.bfloat16 and fp8_decode_available() else [])
+    # (float32 models: also a bfloat16 cache, --kv-cache-dtype bfloat16, ``bf16kv_`` keys, where the kernel reads one)
+    cache_dtypes = [dtype] + ([torch.float8_e4m3fn] if dtype == torch.bfloat16 and fp8_decode_available() else []) \
+        + ([torch.bfloat16] if dtype == torch.float32 and f32_bf16_available() else [])
     # a bfloat16 cache on AMX tiles where the kernel takes them, and on AVX512-BF16 vectors (``vec_`` keys)
     amx = dtype == torch.bfloat16 and amx_switch_on() and set_decode_amx(True)
     out["decode_amx"] = amx
     layers, blocks = 30, 5825
     junk = torch.empty(64 << 20, dtype=torch.uint8)
     for cache_dtype in cache_dtypes:
-        prefix = "" if cache_dtype == dtype else "fp8_"
+        prefix = "" if cache_dtype == dtype else "bf16kv_" if cache_dtype == torch.bfloat16 else "fp8_"
         caches = []
         for _ in range(layers):
             buf = np.zeros(2 * blocks * BS * HKV * D * cache_dtype.itemsize, dtype=np.uint8)
