@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 11
+ABI_VERSION = 12
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -593,15 +593,35 @@ class Q4GemvF32(Q4Gemv):
     WHAT: ClassVar[str] = "the float32 panel GEMV"
 
 
+#: byte ``i`` of every 32 bytes of :func:`q4_quad_codes` is byte ``QUAD_ORDER[i]`` of the panels' 32 (two k-pairs
+#: of a tile's 16 columns): in each 16-byte half, column ``c``'s bytes of the two k-pairs side by side (columns
+#: 0-3 in the first half, 4-7 in the second; low nibbles columns 0-7, high nibbles 8-15)
+QUAD_ORDER = tuple(half + pair * 16 + 2 * c + b for half in (0, 8) for c in range(4) for pair in (0, 1)
+                   for b in (0, 1))
+
+
+def q4_quad_codes(panels: Q4Panels) -> torch.Tensor:
+    """The panels' codes in the order of the 8-bit-input GEMM (``plinth_q4p_gemm_f32q8``): each 32-bit word one
+    column's codes at four consecutive input features, so its inner loop multiplies them as loaded."""
+    order = torch.tensor(QUAD_ORDER, dtype=torch.long)
+    return panels.codes.reshape(-1, 32).index_select(1, order).reshape(panels.codes.shape).contiguous()
+
+
 class Q4GemmF32Q8(Q4GemvF32):
     """The float32 panel GEMM with 8-bit inputs (AVX2 ``vpmaddubsw``), for any number of rows: each input row
     quantized per 32-feature block to int8 (scale ``max |x| / 127``, as GGUF's Q8 activations), the 4-bit codes
     times the codes in exact integer sums, folded per block in float32; the result is the weights times the
-    dequantized inputs. Same support as :class:`Q4GemvF32`."""
+    dequantized inputs. It keeps its own copy of the codes, reordered (:func:`q4_quad_codes`); the scales and
+    offsets are the panels'. Same support as :class:`Q4GemvF32`."""
 
     ENTRY: ClassVar[str] = "plinth_q4p_gemm_f32q8"
     MAX_ROWS: ClassVar[int] = sys.maxsize
     WHAT: ClassVar[str] = "the float32 panel GEMM with 8-bit inputs"
+
+    def __init__(self, panels: Q4Panels):
+        super().__init__(panels)
+        self.quad_codes = q4_quad_codes(panels)
+        self._weights = (self.quad_codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr())
 
 
 class PanelWeight(ctypes.Structure):
@@ -610,8 +630,10 @@ class PanelWeight(ctypes.Structure):
     _fields_ = [("codes", _P), ("scales", _P), ("offsets", _P), ("n", _I), ("k", _I)]
 
     @classmethod
-    def of(cls, panels: Q4Panels) -> PanelWeight:
-        return cls(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(), panels.out_features,
+    def of(cls, panels: Q4Panels, codes: torch.Tensor | None = None) -> PanelWeight:
+        """The panels' pointers; ``codes`` in place of theirs (the 8-bit-input GEMM's reordered copy)."""
+        codes = panels.codes if codes is None else codes
+        return cls(codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(), panels.out_features,
                    panels.in_features)
 
 

@@ -295,7 +295,8 @@ class CpuDecodePlan:
                 return None
             cache = lay.kv_cache
             specs.append(cpu_native.DecodeLayer(
-                *(cpu_native.PanelWeight.of(c.panels) for c in copies),
+                *(cpu_native.PanelWeight.of(c.panels, c.gemm_q8.quad_codes if self.int8_inputs else None)
+                  for c in copies),
                 lay.in_norm.data_ptr(), lay.post_norm.data_ptr(), lay.eps, lay.post_eps, cache.data_ptr(),
                 cache.shape[1], lay.num_heads, lay.num_kv_heads, lay.head_size, lay.scale, lay.sliding_window or 0,
                 int(cache.dtype != self.dtype)))

@@ -848,12 +848,14 @@ inline void q4p_gemv_f32_tile(const float* x, int64_t x_stride, int64_t kbs, con
 
 // The 8-bit-input version of the float32 panel GEMV (AVX2): the inputs quantized per row and 32-k block to
 // int8 as GGUF's Q8 activations (scale max |x| / 127, round to nearest even; the block's sum is that of the
-// quantized inputs, so the result is the product of the weights with the dequantized inputs). Per 32-byte load of
-// codes (two k-pairs of the tile's 16 columns) a qword permute and a byte shuffle make each dword one column's
-// codes at four consecutive k (low nibbles columns 0-7, high nibbles 8-15), so vpmaddubsw multiplies them with
-// the row's four inputs broadcast as one dword, straight from the int8 row (which stays in L1), accumulating exact
-// int16 sums (at most 8 x 2 x 15 x 127 = 30480) over a block; per block vpmaddwd folds each column's two sums to
-// int32 and y += d sx s + c xs in float32.
+// quantized inputs, so the result is the product of the weights with the dequantized inputs). Its codes are the
+// panels' in the quad order (plinth.kernels.cpu_native.q4_quad_codes, made once at load): per 32 bytes (two
+// k-pairs of the tile's 16 columns) dword c of each 128-bit lane holds one column's codes at four consecutive k
+// (low nibbles columns 0-7, high nibbles 8-15), so vpmaddubsw multiplies them with the row's four inputs broadcast
+// as one dword, straight from the int8 row (which stays in L1), accumulating exact int16 sums (at most 8 x 2 x 15
+// x 127 = 30480) over a block; per block vpmaddwd folds each column's two sums to int32 and y += d sx s + c xs in
+// float32. (Reordering the panel codes per load instead, a qword permute and a byte shuffle, made the GEMM 15-20%
+// slower at 8-64 rows.)
 constexpr int64_t kQ8BlockRows = 64;   // rows of one block of plinth_q4p_gemm_f32q8 (their int8 codes stay in L1/L2)
 
 // One float32 row -> int8 codes per 32-k block (scale max |x| / 127, round to nearest even), the blocks'
@@ -925,17 +927,13 @@ inline void q8_quad_products(__m256i& s0, __m256i& s1, __m256i w0, __m256i w1, c
       : [w0] "x"(w0), [w1] "x"(w1), [four] "m"(*reinterpret_cast<const int32_t*>(four)));
 }
 
-// R int8 input rows (row stride k) times one 16-column tile of the panel layout.
+// R int8 input rows (row stride k) times one 16-column tile of the codes in the quad order.
 template <int R>
 inline void q4p_gemm_q8_tile(const int8_t* xq, const float* sx, const float* xs, int64_t k, int64_t kbs,
                              const uint8_t* codes, const uint16_t* dh, const uint16_t* ch, float* y, int64_t n,
                              int64_t col) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
-  // after the qword permute a 128-bit lane holds bytes 2c, 2c + 1 of both k-pairs for four columns c (k-pair 0's
-  // eight bytes, then k-pair 1's): dword c gathers column c's codes at k = 0, 1 (k-pair 0) and 2, 3 (k-pair 1)
-  const __m256i quads = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
-                                         0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < kbs; ++kb) {
@@ -946,8 +944,7 @@ inline void q4p_gemm_q8_tile(const int8_t* xq, const float* sx, const float* xs,
     const int8_t* xb = xq + kb * 32;
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {   // k = 4 j .. 4 j + 3 of the block
-      const __m256i v = _mm256_shuffle_epi8(
-          _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)), 0xd8), quads);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j));
       const __m256i w0 = _mm256_and_si256(v, low4);                        // columns 0-7
       const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // columns 8-15
       for (int r = 0; r < R; ++r) q8_quad_products(sum[r][0], sum[r][1], w0, w1, xb + r * k + 4 * j);
@@ -966,47 +963,6 @@ inline void q4p_gemm_q8_tile(const int8_t* xq, const float* sx, const float* xs,
     }
   }
   store_tile_rows<R>(acc, y, n, col);
-}
-
-// One int8 input row for q4p_gemv_q8_row: per 4 features 32 bytes, the first 16 the pair (x0, x1) eight times, the
-// last 16 (x2, x3) eight times (the inputs of a k-pair of each 128-bit lane of the panel's codes as they are)
-inline void q8x_expand(const int8_t* xq, int64_t k, uint8_t* xe) {
-  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-  for (int64_t i = 0; i < k; i += 4) {
-    int32_t four;
-    std::memcpy(&four, xq + i, sizeof(four));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xe + 8 * i), _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs));
-  }
-}
-
-// q4p_gemm_q8_tile for a single input row, expanded by q8x_expand: the codes' k-pairs multiply in place (no permute
-// and shuffle per load, which only pay for themselves over several rows; one row took 3-6% longer with them), each
-// column's two lanes of int16 sums folded per block. The same integer sums, so the same output bits.
-inline void q4p_gemv_q8_row(const uint8_t* xe, const float* sx, const float* xs, int64_t kbs, const uint8_t* codes,
-                            const uint16_t* dh, const uint16_t* ch, float* y, int64_t n, int64_t col) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-  __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
-  for (int64_t kb = 0; kb < kbs; ++kb) {
-    const uint8_t* cb = codes + kb * 16 * 16;
-    prefetch_block_codes(cb);
-    __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};   // lane 0 even k-pairs, lane 1 odd ones
-    for (int j = 0; j < 8; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j));
-      const __m256i xp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + 8 * (kb * 32 + 4 * j)));
-      sum[0] = _mm256_add_epi16(sum[0], _mm256_maddubs_epi16(_mm256_and_si256(v, low4), xp));
-      sum[1] = _mm256_add_epi16(sum[1], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), xp));
-    }
-    const __m256 scale = _mm256_set1_ps(sx[kb]), total = _mm256_set1_ps(xs[kb]);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + kb * 16 + 8 * h)));
-      const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + kb * 16 + 8 * h)));
-      const __m256i s32 = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum[h])),
-                                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum[h], 1)));
-      acc[0][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_cvtepi32_ps(s32), _mm256_fmadd_ps(c, total, acc[0][h]));
-    }
-  }
-  store_tile_rows<1>(acc, y, n, col);
 }
 
 // GGUF Q8_0 rows regrouped eight at a time (plinth.kernels.cpu_native.pack_q8_0_rows8), for the 8-bit-input GEMV:
@@ -1399,7 +1355,7 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 11; }
+int64_t plinth_cpu_ops_abi() { return 12; }
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
@@ -1760,7 +1716,8 @@ int64_t plinth_q4p_gemv_f32(const float* x, int64_t x_stride, const uint8_t* cod
 #endif
 }
 
-// y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T over the panel layout, any M >= 1, with the
+// y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T over the panel codes in the quad order
+// (q4p_gemm_q8_tile), the panels' scales and offsets, any M >= 1, with the
 // inputs quantized to int8 per row and 32-k block (see q4p_gemm_q8_tile): the product of the weights with the
 // dequantized inputs, in float32. Rows go in blocks of kQ8BlockRows (their int8 codes stay in L1/L2), each
 // block's tiles spread over the threads, four rows at a time per tile (its codes then come from L1). Returns 0,
@@ -1777,18 +1734,6 @@ int64_t plinth_q4p_gemm_f32q8(const float* x, int64_t x_stride, const uint8_t* c
   xs.resize(static_cast<size_t>(m * kbs));
   for (int64_t r = 0; r < m; ++r)
     q8_quantize_row_f32(x + r * x_stride, kbs, xq.data() + r * k, sx.data() + r * kbs, xs.data() + r * kbs);
-  if (m == 1) {
-    thread_local std::vector<uint8_t> xe;
-    xe.resize(static_cast<size_t>(8 * k));
-    q8x_expand(xq.data(), k, xe.data());
-    const uint8_t* xep = xe.data();   // (the thread_local buffers are this thread's: their pointers go to the team)
-    const float* sxp = sx.data();
-    const float* xsp = xs.data();
-#pragma omp parallel for schedule(static) if (n * k >= kParallelWork)
-    for (int64_t t = 0; t < tiles; ++t)
-      q4p_gemv_q8_row(xep, sxp, xsp, kbs, codes + t * kps * 16, dh + t * kbs * 16, ch + t * kbs * 16, y, n, t * 16);
-    return 0;
-  }
   for (int64_t b0 = 0; b0 < m; b0 += kQ8BlockRows) {
     const int64_t rows = std::min<int64_t>(kQ8BlockRows, m - b0);
     const int8_t* xqp = xq.data() + b0 * k;
@@ -1957,7 +1902,8 @@ typedef void (*plinth_attention_fn)(const void*, const void*, const int32_t*, co
                                     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                     int64_t, double, int64_t, int64_t);
 
-struct PlinthPanelWeight {   // one GEMM's 4-bit panels: codes [T, K/2, 16], scales/offsets [T, K/32, 16] float16
+struct PlinthPanelWeight {   // one GEMM's 4-bit panels: codes [T, K/2, 16] (the 8-bit-input step's: in the quad
+                             // order), scales/offsets [T, K/32, 16] float16
   const uint8_t* codes;
   const uint16_t* scales;
   const uint16_t* offsets;
@@ -2135,7 +2081,8 @@ int64_t plinth_decode_layers_f32(const PlinthDecodeLayer* layers, int64_t num_la
 #endif
 }
 
-// The same with the 8-bit-input GEMM (plinth_q4p_gemm_f32q8) for every projection, for any row count >= 1.
+// The same with the 8-bit-input GEMM (plinth_q4p_gemm_f32q8, its codes in the quad order) for every projection, for
+// any row count >= 1.
 int64_t plinth_decode_layers_f32q8(const PlinthDecodeLayer* layers, int64_t num_layers, const PlinthDecodeStep* st) {
 #if defined(PLINTH_CPU_AVX2)
   if (st->rows < 1) return -2;
