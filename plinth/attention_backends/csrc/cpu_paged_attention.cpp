@@ -54,6 +54,9 @@ using plinth_cpu::exp_nonpositive;
 using plinth_cpu::exp16_nonpositive;
 using plinth_cpu::exp2_16_nonpositive;
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+using plinth_cpu::exp8_nonpositive;
+#endif
 
 // Dot product over kLanes independent partial sums, then a pairwise tree: vectorises without
 // reassociation flags and keeps the final reduction's dependency chain short.
@@ -170,23 +173,6 @@ inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// exp_nonpositive on 8 lanes (the same reduction and polynomial)
-inline __m256 exp8_nonpositive(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
-  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 inline float hmax8(__m256 v) {

@@ -1,5 +1,6 @@
 // Helpers shared by plinth's native CPU kernels: bfloat16 and float16 conversions, and an exp for non-positive
-// arguments that vectorises (and its 16-lane AVX512 form). Header-only; included with -I plinth/kernels/csrc.
+// arguments that vectorises (and its 8-lane AVX2 and 16-lane AVX512 forms). Header-only; included with
+// -I plinth/kernels/csrc.
 #pragma once
 
 #include <algorithm>
@@ -7,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -69,6 +70,25 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(float));
   return p * scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive on 8 lanes (the same reduction and polynomial)
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);   // (maxps returns its second operand for NaN: x stays NaN)
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
 
 #if defined(__AVX512F__)
 inline __m512 exp2_poly16(__m512 f) {   // 2^f for f in [-1/2, 1/2] on 16 lanes: exp_nonpositive's polynomial
