@@ -327,10 +327,11 @@ inline void block_update_avx2(const kv_t* k_base, const kv_t* v_base, int64_t to
     rows = group - r == 4 || group - r == 2 ? 2 : std::min<int64_t>(3, group - r);   // no single row after others
     const float* qr = q + r * kD;
     float* ar = acc + r * kD;
+    float *mr = row_max + r, *sr = row_sum + r;
     switch (rows) {
-      case 1: block_rows_avx2<kD, 1>(k_base, v_base, token_stride, lo, hi, qr, ar, row_max + r, row_sum + r, scores, stride); break;
-      case 2: block_rows_avx2<kD, 2>(k_base, v_base, token_stride, lo, hi, qr, ar, row_max + r, row_sum + r, scores, stride); break;
-      default: block_rows_avx2<kD, 3>(k_base, v_base, token_stride, lo, hi, qr, ar, row_max + r, row_sum + r, scores, stride); break;
+      case 1: block_rows_avx2<kD, 1>(k_base, v_base, token_stride, lo, hi, qr, ar, mr, sr, scores, stride); break;
+      case 2: block_rows_avx2<kD, 2>(k_base, v_base, token_stride, lo, hi, qr, ar, mr, sr, scores, stride); break;
+      default: block_rows_avx2<kD, 3>(k_base, v_base, token_stride, lo, hi, qr, ar, mr, sr, scores, stride); break;
     }
   }
 }
