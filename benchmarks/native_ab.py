@@ -7,7 +7,7 @@
     python benchmarks/native_ab.py --what head --rows 16,31,64 --sources /tmp/ops_old.cpp,plinth/kernels/csrc/cpu_ops.cpp
 
 Each source is built like plinth's own (``plinth.kernels.native_build``, this machine's flags; the includes of
-``plinth/kernels/csrc``) under its own cache name, and its C entry point is called through ctypes on the same
+``plinth/kernels/csrc``, though a ``cpu_math.h`` beside a source is the one it includes) under its own cache name, and its C entry point is called through ctypes on the same
 inputs; the sources take turns for ``--rounds`` rounds and the median (and the least) of each is printed, with
 whether the outputs are equal:
 
