@@ -51,6 +51,11 @@ inline float half2f(uint16_t h) {  // IEEE float16 bits -> float32 (exact)
   return out;
 }
 
+// 2^f for f in [-1/2, 1/2] as a degree-6 polynomial in f (Horner, highest degree first), shared by every width of
+// exp_nonpositive below
+constexpr float kExp2Poly[7] = {1.5403530393381609e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+                                5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.0f};
+
 // exp(x) for x <= 0 in plain arithmetic (vectorises): 2^(x log2 e) = 2^n * 2^f with f in [-0.5, 0.5],
 // 2^f from a degree-6 polynomial (relative error about 2e-7); arguments below -87 give about 0.
 inline float exp_nonpositive(float x) {
@@ -58,13 +63,8 @@ inline float exp_nonpositive(float x) {
   const float y = x * 1.44269504088896341f;
   const float n = std::nearbyint(y);
   const float f = y - n;
-  float p = 1.5403530393381609e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
+  float p = kExp2Poly[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExp2Poly[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(float));
@@ -78,13 +78,8 @@ inline __m256 exp8_nonpositive(__m256 x) {
   const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
@@ -92,13 +87,9 @@ inline __m256 exp8_nonpositive(__m256 x) {
 
 #if defined(__AVX512F__)
 inline __m512 exp2_poly16(__m512 f) {   // 2^f for f in [-1/2, 1/2] on 16 lanes: exp_nonpositive's polynomial
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
+  return p;
 }
 
 // exp_nonpositive of 16 lanes: the same clamp, polynomial and power-of-two scaling as the scalar version.
