@@ -10,7 +10,8 @@ token is taken (``prompt_logprobs``), and for four of them 64 greedy tokens with
 Printed per mode, against fp32: the mean and largest change of the prompt tokens' log-probabilities, how often
 the most likely next token is the same, how many greedy tokens agree before the first difference, and the mean
 and largest change of the greedy tokens' log-probabilities up to there (decode steps: on CPUs without native
-bfloat16 the default is float32 and the prompt runs no 8-bit GEMM, so this is where ``int8`` differs).
+bfloat16 the default is float32 and the prompt runs no 8-bit GEMM, so this is where ``int8`` differs). There
+``int8-all`` (``PLINTH_CPU_INT8_ACT=all``) also computes the prompts with 8-bit inputs.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def main() -> int:
         print("RESULT " + json.dumps(run_mode(sys.argv[2])), flush=True)
         return 0
     results = {}
-    for mode in ("fp32", "bf16", "int8"):
-        env = dict(os.environ, PLINTH_CPU_INT8_ACT="1" if mode == "int8" else "0")
+    modes = ("bf16", "int8", "int8-all")
+    for mode in ("fp32", *modes):
+        env = dict(os.environ, PLINTH_CPU_INT8_ACT={"int8": "1", "int8-all": "all"}.get(mode, "0"))
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", mode], env=env, check=True,
                              capture_output=True, text=True).stdout
         results[mode] = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
     ref = results["fp32"]
-    for mode in ("bf16", "int8"):
+    for mode in modes:
         r = results[mode]
         pairs = [(a, b) for ra, rb in zip(ref["scores"], r["scores"], strict=True) for a, b in zip(ra, rb, strict=True)]
         delta = np.array([abs(a[0] - b[0]) for a, b in pairs])

@@ -487,6 +487,62 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(int8
     assert agree >= 0.75 * sum(len(r) for r in runs[0])
 
 
+def test_float32_gguf_prompts_take_8_bit_inputs_with_int8_act_all(tmp_path, monkeypatch, tiny_llama_dir):
+    """``PLINTH_CPU_INT8_ACT=all`` (a float32 GGUF model on a CPU without native bfloat16): prompts and mixed
+    steps multiply the 4-bit layers with 8-bit inputs too, not only decode steps, so those layers keep no
+    oneDNN-packed float32 copy; the prompt's scores move from the default's by the inputs' 8-bit rounding only;
+    a value that is not a switch or ``all`` fails at start-up with the accepted values."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.platforms.cpu import platform as cpu_platform
+
+    if not cpu_native.q4_gemv_f32_supported():
+        pytest.skip("the native AVX2 kernels are not built here")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
+    prompt = [[5, 17, 99, 3, 120, 41, 7, 7, 112, 64, 33, 2, 90, 11]]   # the model's vocabulary is 128
+    rows_seen: list[int] = []
+    real_call = cpu_native.Q4GemmF32Q8.__call__
+    monkeypatch.setattr(cpu_native.Q4GemmF32Q8, "__call__",
+                        lambda self, x: (rows_seen.append(x.shape[0]), real_call(self, x))[1])
+
+    def score(mode: str) -> tuple[list[float], list[int], int, list[int]]:
+        monkeypatch.setenv("PLINTH_CPU_INT8_ACT", mode)
+        rows_seen.clear()
+        with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4) as llm:
+            model = llm.engine.runner.model
+            methods = [m.linear_method for m in model.modules()
+                       if isinstance(getattr(m, "linear_method", None), CpuLinearMethod)]
+            assert len(methods) == 2 * 4 and all(m.int4 is not None and m.int4.int8_inputs for m in methods)
+            packed = sum(m.packed is not None for m in methods)
+            out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                               use_tqdm=False)[0]
+            prompt_rows = sorted(set(rows_seen))
+            tokens = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+        scores = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+        return scores, prompt_rows, packed, tokens
+
+    on, rows_on, packed_on, tokens_on = score("1")
+    every, rows_all, packed_all, tokens_all = score("all")
+    assert rows_on == [] and rows_all == [len(prompt[0])]   # the prompt's 14 rows: the 8-bit GEMM with "all" only
+    assert packed_all == 0 and packed_on == packed_linear_count(8)
+    assert on != every                                       # the 8-bit prompt really ran
+    np.testing.assert_allclose(every, on, atol=0.05)
+    assert len(tokens_on) == len(tokens_all) == 6
+    monkeypatch.setenv("PLINTH_CPU_INT8_ACT", "prompts")
+    with pytest.raises(ConfigError, match="on/off or all"):
+        LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4)
+
+
+def packed_linear_count(layers: int) -> int:
+    """How many of ``layers`` float32 linear layers get a oneDNN-packed copy here (all or none)."""
+    from plinth.worker import cpu_linear as cpu_linear_mod
+
+    return layers if cpu_linear_mod.packed_linear_supported(torch.float32) else 0
+
+
 @pytest.mark.parametrize("int8", ["default", "0"])
 def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp_path, monkeypatch, tiny_llama_dir):
     """On a CPU without native bfloat16 a float32 GGUF model's Q8_0 LM head (here the tied embedding) serves

@@ -118,16 +118,17 @@ def in_decode_step() -> bool:
     return getattr(_STEP, "decode", False)
 
 
-def mark_decode_steps(model: torch.nn.Module) -> None:
+def mark_decode_steps(model: torch.nn.Module, prompts: bool = False) -> None:
     """Make ``model``'s eager forward pass a :func:`decode_step` when its attention metadata says the batch is
-    decode-only (every sequence computes one token), and its ``compute_logits`` one when the forward pass before
-    it was (the decode plan and the compiled decode runner mark their own steps)."""
+    decode-only (every sequence computes one token), or always with ``prompts`` (``PLINTH_CPU_INT8_ACT=all``:
+    prompts take the 8-bit inputs too), and its ``compute_logits`` one when the forward pass before it was (the
+    decode plan and the compiled decode runner mark their own steps)."""
     forward, compute_logits = model.forward, model.compute_logits
 
     def marked(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return forward(input_ids, positions, metadata, *args, **kwargs)
-        _STEP.forward_decode = bool(getattr(metadata, "is_decode_only", False))
+        _STEP.forward_decode = prompts or bool(getattr(metadata, "is_decode_only", False))
         with decode_step(_STEP.forward_decode):
             return forward(input_ids, positions, metadata, *args, **kwargs)
 
@@ -236,11 +237,14 @@ class CpuLinearMethod:
         pack_rows: the row count oneDNN packs the weight for (a hint; any ``M`` works).
         q8_0, q8_0_max_rows, q4_panel_max_rows, int8_activations: see :func:`install_cpu_linear`.
         pack: give the weight a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
+        int8_prompts: every step of the model is marked a decode step (``PLINTH_CPU_INT8_ACT=all``), so a 4-bit copy
+            with the 8-bit GEMM takes every row count: no packed copy then.
     """
 
     def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int4_max_rows: int = 0,
                  pack_rows: int = 32, q8_0: torch.Tensor | None = None, q8_0_max_rows: int = 0,
-                 q4_panel_max_rows: int = 0, int8_activations: bool = False, pack: bool = True):
+                 q4_panel_max_rows: int = 0, int8_activations: bool = False, pack: bool = True,
+                 int8_prompts: bool = False):
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         self.weight = weight
@@ -283,7 +287,7 @@ class CpuLinearMethod:
         # prepacked bfloat16 copy then (F.linear on the weight stays the fallback)
         # the same where the 4-bit panels on AMX tiles take every row count past the GEMV's
         panels_all = ((self.q4_panel_max_rows == sys.maxsize and cpu_native.q4_amx_supported())
-                      or self.q8_panels is not None)
+                      or self.q8_panels is not None or (int8_prompts and int4 is not None and int4.int8_inputs))
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows) \
             if pack and packed_linear_supported(weight.dtype) and self.vnni is None and not panels_all else None
         # float32: the packed GEMM for decode-sized inputs only; longer ones (prefill) run MKL's as fast or faster
@@ -409,7 +413,7 @@ class CpuLinearMethod:
 def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weight] | None = None,
                        int4_max_rows: int = 0, head_q8_0: torch.Tensor | None = None,
                        q8_0_max_rows: int = 0, q4_panel_max_rows: int = 0,
-                       int8_activations: bool = False, pack: bool = True) -> dict[str, int]:
+                       int8_activations: bool = False, pack: bool = True, int8_prompts: bool = False) -> dict[str, int]:
     """Give every unquantized linear layer (and the LM head) a :class:`CpuLinearMethod`.
 
     Args:
@@ -428,6 +432,8 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
             ``Q8_0`` head on AVX2 multiplies float32 rows past ``q8_0_max_rows`` up to
             ``Q8_0_ROWS8_F32_MAX_ROWS`` with its regrouped blocks in float32.)
         pack: give the weights a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
+        int8_prompts: float32 models whose every step is marked a decode step (:func:`mark_decode_steps` with
+            ``prompts``): the 4-bit copies' 8-bit GEMM takes every row count, so those layers keep no packed copy.
 
     Returns:
         counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy, "q8_0": 1 when the LM head
@@ -452,7 +458,8 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         if int4 is None and q8 is None and not (pack and packed_linear_supported(module.weight.dtype)):
             continue   # nothing but F.linear to offer: the layer keeps its own method
         method = CpuLinearMethod(module.weight, int4, int4_max_rows, q8_0=q8, q8_0_max_rows=q8_0_max_rows,
-                                 q4_panel_max_rows=q4_panel_max_rows, int8_activations=int8_activations, pack=pack)
+                                 q4_panel_max_rows=q4_panel_max_rows, int8_activations=int8_activations, pack=pack,
+                                 int8_prompts=int8_prompts)
         if is_linear:
             module.linear_method = method
         else:
