@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from plinth.config import EngineConfig
+from plinth.core.gc_pause import GcPause
 from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import RequestOutput, SamplingParams
 from plinth.lora.request import LoRARequest
@@ -82,13 +83,14 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        from plinth.core.engine import LLMEngine
-        from plinth.plugins import get_plugin_manager
+        with GcPause():   # the start-up's imports and model build: no garbage to collect
+            from plinth.core.engine import LLMEngine
+            from plinth.plugins import get_plugin_manager
 
-        config = EngineConfig.from_kwargs(model=model, **kwargs)
-        for overrides in get_plugin_manager().engine_config_overrides(config, dict(kwargs, model=model)):
-            config = config.with_overrides(overrides)
-        self.engine = LLMEngine(config)
+            config = EngineConfig.from_kwargs(model=model, **kwargs)
+            for overrides in get_plugin_manager().engine_config_overrides(config, dict(kwargs, model=model)):
+                config = config.with_overrides(overrides)
+            self.engine = LLMEngine(config)
         self._ids = itertools.count()
         # stops the workers once: on close(), when the engine is collected, or at interpreter exit
         self._finalizer = weakref.finalize(self.engine, self.engine.executor.shutdown)

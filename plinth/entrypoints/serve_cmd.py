@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from plinth.core.gc_pause import GcPause
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
 from plinth.entrypoints.openai.tool_parsers import resolve_tool_parser
@@ -228,6 +229,14 @@ def cors_settings(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    startup = GcPause(freeze=True)   # no garbage collection while the server imports and loads the model
+    try:
+        return _serve(args, startup)
+    finally:
+        startup.end()
+
+
+def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     import uvicorn
 
     from plinth.core.async_engine import AsyncLLMEngine
@@ -269,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
             logger.info("serving %s on %s://%s:%d%s", front.served_model_name,
                         "https" if args.ssl_certfile else "http", host, port,
                         " (API key required on every route but /health, /ping, /version, /metrics)" if api_key else "")
+            startup.end()   # the collector back on; what the start-up made is frozen (never garbage)
             server.run(sockets=[sock])
         finally:
             front.shutdown(timeout_s=max(args.shutdown_timeout, 1.0))
