@@ -482,6 +482,10 @@ def test_q4_panel_gemm_f32_with_int8_inputs(qtype, m, n, k):
     q, scale, zero = decode_q4_blocks(raw, qtype)
     panels = cpu_native.pack_q4_panels(q, scale, zero - 8 * scale)
     gemv = cpu_native.Q4GemmF32Q8(panels)
+    # its copy of the codes: every 32 bytes of the panels' gathered by QUAD_ORDER
+    order = torch.tensor(cpu_native.QUAD_ORDER)
+    assert sorted(cpu_native.QUAD_ORDER) == list(range(32))
+    assert torch.equal(gemv.quad_codes, panels.codes.reshape(-1, 32)[:, order].reshape(panels.codes.shape))
     wide = torch.from_numpy(rng.standard_normal((m, k + 8)).astype(np.float32) * 3)
     wide[0, 8:40] = 0.0                                              # one all-zero block
     for x in (wide[:, :k].contiguous(), wide[:, 8:]):

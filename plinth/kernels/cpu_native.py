@@ -603,8 +603,10 @@ QUAD_ORDER = tuple(half + pair * 16 + 2 * c + b for half in (0, 8) for c in rang
 def q4_quad_codes(panels: Q4Panels) -> torch.Tensor:
     """The panels' codes in the order of the 8-bit-input GEMM (``plinth_q4p_gemm_f32q8``): each 32-bit word one
     column's codes at four consecutive input features, so its inner loop multiplies them as loaded."""
-    order = torch.tensor(QUAD_ORDER, dtype=torch.long)
-    return panels.codes.reshape(-1, 32).index_select(1, order).reshape(panels.codes.shape).contiguous()
+    # QUAD_ORDER as a permutation of 2-byte units: every 32 bytes are [k-pair 2][half 2][column 4][2 bytes], and
+    # become [half][column][k-pair][2 bytes] (a strided copy, ~3.5x faster than gathering by QUAD_ORDER)
+    units = panels.codes.contiguous().view(torch.int16).view(-1, 2, 2, 4)
+    return units.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(panels.codes.shape)
 
 
 class Q4GemmF32Q8(Q4GemvF32):
