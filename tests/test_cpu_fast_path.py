@@ -536,6 +536,63 @@ def test_float32_gguf_prompts_take_8_bit_inputs_with_int8_act_all(tmp_path, monk
         LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4)
 
 
+def test_float32_gguf_decode_rows_of_mixed_steps_take_the_8_bit_gemm(tmp_path, monkeypatch, tiny_llama_dir):
+    """A float32 GGUF model on a CPU without native bfloat16 (8-bit decode inputs, the default): in a mixed step
+    (a prompt beside decodes) the decode rows take the 8-bit GEMM as in a decode-only step and the prompt rows the
+    float32 path, so the decoding sequences' tokens are those of the same batch with no prompt arriving and their
+    log-probabilities within float32 rounding (with the decode rows on the float32 path they moved by the 8-bit
+    rounding, ~1e-3)."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.platforms.cpu import platform as cpu_platform
+
+    if not cpu_native.q4_gemv_f32_supported():
+        pytest.skip("the native AVX2 kernels are not built here")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 128, 9 + 3 * i).tolist() for i in range(3)]
+    intruder = rng.integers(0, 128, 30).tolist()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    rows_seen: list[int] = []
+    real_call = cpu_native.Q4GemmF32Q8.__call__
+    monkeypatch.setattr(cpu_native.Q4GemmF32Q8, "__call__",
+                        lambda self, x: (rows_seen.append(x.shape[0]), real_call(self, x))[1])
+
+    # (no prefix cache: the second batch's prompts compute all their tokens again, as the first's did)
+    with LLM(str(path), tokenizer=str(tiny_llama_dir), dtype="float32", block_size=4,
+             enable_prefix_caching=False) as llm:
+        engine = llm.engine
+
+        def run(tag: str, intrude_at: tuple[int, ...]) -> dict[str, tuple[list[int], list[float]]]:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{tag}{i}", prompt, params)
+            done, step = {}, 0
+            while engine.has_unfinished_requests():
+                step += 1
+                if step in intrude_at:   # a prompt arrives while the three decode
+                    engine.add_request(f"{tag}x{step}", intruder, SamplingParams(temperature=0, max_tokens=1))
+                for out in engine.step():
+                    if out.finished and "x" not in out.request_id:
+                        c = out.outputs[0]
+                        done[out.request_id[1:]] = (c.token_ids, [d[t].logprob for t, d in zip(c.token_ids, c.logprobs,
+                                                                                               strict=True)])
+            return done
+
+        alone = run("a", ())
+        rows_seen.clear()
+        mixed = run("b", (3, 7, 11))
+    assert sorted(alone) == sorted(mixed) == ["0", "1", "2"]
+    for key, (tokens, logprobs) in alone.items():
+        assert mixed[key][0] == tokens
+        # the layers' rows are bit for bit those of the decode-only steps; the LM head's rows are not (a mixed
+        # step's 3 decode rows and the prompt's last row take the 4-row head kernel): float32 rounding apart
+        np.testing.assert_allclose(mixed[key][1], logprobs, rtol=0, atol=2e-6)
+    # the mixed steps' decode rows (3 sequences) went through the 8-bit GEMM layer by layer beside a 30-row prompt
+    assert rows_seen.count(3) > 0 and 30 not in rows_seen and 33 not in rows_seen
+
+
 def packed_linear_count(layers: int) -> int:
     """How many of ``layers`` float32 linear layers get a oneDNN-packed copy here (all or none)."""
     from plinth.worker import cpu_linear as cpu_linear_mod
