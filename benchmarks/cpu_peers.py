@@ -21,7 +21,7 @@ tokens rendered with the model's chat template;
 Each is run once untimed (warm-up, with other prompts, so no prefix cache helps), then timed.
 vLLM and llama-cpp-python run in their own virtual environments (``--vllm-python``,
 ``--llamacpp-python``): this file is re-run there as a worker that prints its results as JSON.
-Ratios in the table are plinth over each peer (``plinth-int8``: ``PLINTH_CPU_INT8_ACT=1``; ``plinth-kv-bf16``: ``--kv-cache-dtype bfloat16``; ratios printed below the table). The 1-minute load average is recorded: the cores
+Ratios in the table are plinth over each peer (``plinth-int8``: ``PLINTH_CPU_INT8_ACT=all``; ``plinth-kv-bf16``: ``--kv-cache-dtype bfloat16``; ratios printed below the table). The 1-minute load average is recorded: the cores
 may be shared.
 """
 
@@ -136,9 +136,10 @@ def run_plinth_kv_bf16(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_plinth_int8(spec: dict[str, Any]) -> dict[str, Any]:
-    """plinth with ``PLINTH_CPU_INT8_ACT=1``: 8-bit inputs for the GEMMs of batches above 4 rows."""
+    """plinth with ``PLINTH_CPU_INT8_ACT=all``: 8-bit inputs for the 4-bit layers' GEMMs of batches above 4 rows
+    (bfloat16 models, AVX512-VNNI), or of every step, prompts too (float32 models on AVX2)."""
     previous = os.environ.get("PLINTH_CPU_INT8_ACT")
-    os.environ["PLINTH_CPU_INT8_ACT"] = "1"
+    os.environ["PLINTH_CPU_INT8_ACT"] = "all"
     try:
         return run_plinth(spec)
     finally:
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=["vllm", "llamacpp"], help=argparse.SUPPRESS)
     p.add_argument("--gguf", default=None, help="GGUF file (default: plinth's default model)")
     p.add_argument("--systems", default="plinth,transformers", help="comma-separated: plinth, plinth-int8 "
-                   "(PLINTH_CPU_INT8_ACT=1), plinth-kv-bf16 (--kv-cache-dtype bfloat16), transformers (vllm and llamacpp run when their --*-python is given)")
+                   "(PLINTH_CPU_INT8_ACT=all), plinth-kv-bf16 (--kv-cache-dtype bfloat16), transformers (vllm and llamacpp run when their --*-python is given)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=500)
