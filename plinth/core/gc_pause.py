@@ -6,7 +6,7 @@ long-lived. The collector, triggered by the allocation counts, scans them again 
 the start and back on after, as it was. A server that owns its process also freezes what the start left
 (``gc.freeze``), so that later collections, which would stall a decode step, never scan those objects again:
 first one collection of the youngest generation, where everything made during the pause still is, frees the
-start's own garbage (~175k objects in reference cycles for the default model), so that none of it is frozen.
+start's own garbage (~10k objects in reference cycles for the default model), so that none of it is frozen.
 """
 
 from __future__ import annotations

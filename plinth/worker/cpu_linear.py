@@ -122,9 +122,9 @@ def in_decode_step() -> bool:
 def mixed_step_rows(decode_rows: tuple[int, int, int] | None) -> Iterator[None]:
     """Within it (on this thread) a forward pass of a mixed step (prompt chunks beside decodes) of ``tokens`` rows
     has its decode rows, one token per sequence, at rows ``[start, stop)`` (``decode_rows`` is ``(start, stop,
-    tokens)``): layers whose 4-bit copy has
-    the 8-bit GEMM multiply those rows with it, as in a decode-only step, and the prompt rows on the float32
-    path. So a sequence's decode token is computed the same way whether or not a prompt shared its step."""
+    tokens)``): layers whose 4-bit copy has the 8-bit GEMM multiply those rows with it, as in a decode-only step,
+    and the prompt rows on the float32 path. So a sequence's decode token is computed the same way whether or not
+    a prompt shared its step."""
     previous = getattr(_STEP, "decode_rows", None)
     _STEP.decode_rows = decode_rows
     try:
