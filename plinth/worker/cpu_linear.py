@@ -106,12 +106,8 @@ def decode_step(active: bool = True) -> Iterator[None]:
     takes them for 1-3 rows; other steps keep the float32 path. A prompt computed in one step of several tokens
     thus carries no 8-bit rounding; a prompt with one token left to compute (a prefix-cache hit that leaves the
     last token, or a one-token chunk) is computed like a decode step."""
-    previous = getattr(_STEP, "decode", False)
-    _STEP.decode = active
-    try:
+    with _step_state("decode", active, False):
         yield
-    finally:
-        _STEP.decode = previous
 
 
 def in_decode_step() -> bool:
@@ -125,12 +121,19 @@ def mixed_step_rows(decode_rows: tuple[int, int, int] | None) -> Iterator[None]:
     tokens)``): layers whose 4-bit copy has the 8-bit GEMM multiply those rows with it, as in a decode-only step,
     and the prompt rows on the float32 path. So a sequence's decode token is computed the same way whether or not
     a prompt shared its step."""
-    previous = getattr(_STEP, "decode_rows", None)
-    _STEP.decode_rows = decode_rows
+    with _step_state("decode_rows", decode_rows, None):
+        yield
+
+
+@contextlib.contextmanager
+def _step_state(name: str, value: Any, unset: Any) -> Iterator[None]:
+    """``_STEP.<name>`` set to ``value`` within it, then back to what it was (``unset`` if nothing)."""
+    previous = getattr(_STEP, name, unset)
+    setattr(_STEP, name, value)
     try:
         yield
     finally:
-        _STEP.decode_rows = previous
+        setattr(_STEP, name, previous)
 
 
 def _decode_row_range(metadata: Any) -> tuple[int, int, int] | None:
