@@ -240,6 +240,8 @@ def test_float32_gguf_plan_runs_every_layer_natively(int8, tmp_path_factory, mon
     monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
     if not int8:
         monkeypatch.setenv("PLINTH_CPU_INT8_ACT", "0")
+    else:
+        monkeypatch.delenv("PLINTH_CPU_INT8_ACT", raising=False)   # the default: float32 prompts
     q8_rows: list[int] = []   # rows of every 8-bit GEMM call from Python (the module path)
     real_q8 = cpu_native.Q4GemmF32Q8.__call__
     monkeypatch.setattr(cpu_native.Q4GemmF32Q8, "__call__", lambda self, x: (q8_rows.append(x.shape[0]),

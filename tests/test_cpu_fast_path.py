@@ -434,6 +434,8 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(int8
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
     if int8 != "default":
         monkeypatch.setenv("PLINTH_CPU_INT8_ACT", int8)
+    else:
+        monkeypatch.delenv("PLINTH_CPU_INT8_ACT", raising=False)
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12]]
@@ -550,6 +552,7 @@ def test_float32_gguf_decode_rows_of_mixed_steps_take_the_8_bit_gemm(tmp_path, m
         pytest.skip("the native AVX2 kernels are not built here")
     monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PLINTH_CPU_INT8_ACT", raising=False)   # the default: 8-bit decode steps, float32 prompts
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 128, 9 + 3 * i).tolist() for i in range(3)]
@@ -621,6 +624,8 @@ def test_float32_gguf_model_takes_the_q8_0_lm_head_without_native_bf16(int8, tmp
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
     if int8 != "default":
         monkeypatch.setenv("PLINTH_CPU_INT8_ACT", int8)
+    else:
+        monkeypatch.delenv("PLINTH_CPU_INT8_ACT", raising=False)
     quantized = int8 == "default" and cpu_native.q8_0_int8_supported()
     from plinth.worker.cpu_linear import decode_step
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama", gguf.GGMLQuantizationType.Q8_0)
