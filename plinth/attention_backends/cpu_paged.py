@@ -257,12 +257,7 @@ class CpuPagedBackend(TorchBatchedBackend):
         step = metadata.backend_data if isinstance(metadata.backend_data, dict) else {}
         split = step.get("cpu_paged_split")
         if split is None:
-            q = metadata.query_start_loc_cpu
-            n = 0
-            while n < metadata.num_seqs and q[n + 1] - q[n] == 1:
-                n += 1
-            if n == metadata.num_seqs:   # every sequence one token, some not sampled: the prefill kernel
-                n = 0
+            n = metadata.num_leading_decodes   # 0 for every sequence one token, some not sampled: the prefill kernel
             longest = max(metadata.seq_lens_cpu[:n], default=0)
             split = step["cpu_paged_split"] = (n, longest, (starts[n:] - n).contiguous())
         return split

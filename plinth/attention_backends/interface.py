@@ -77,6 +77,16 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @property
+    def num_leading_decodes(self) -> int:
+        """How many leading sequences compute one token (the scheduler puts decodes first): the decode part of a
+        mixed step; 0 when every sequence computes one token (a decode-only step has no such split)."""
+        q = self.query_start_loc_cpu
+        n = 0
+        while n < self.num_seqs and q[n + 1] - q[n] == 1:
+            n += 1
+        return 0 if n == self.num_seqs else n
+
+    @property
     def context_lens_cpu(self) -> list[int]:
         q = self.query_start_loc_cpu
         return [self.seq_lens_cpu[i] - (q[i + 1] - q[i]) for i in range(self.num_seqs)]

@@ -115,11 +115,11 @@ def in_decode_step() -> bool:
 
 
 @contextlib.contextmanager
-def mixed_step_rows(decode_rows: tuple[int, int, int] | None) -> Iterator[None]:
+def mixed_step_rows(decode_rows: tuple[int, int] | None) -> Iterator[None]:
     """Within it (on this thread) a forward pass of a mixed step (prompt chunks beside decodes) of ``tokens`` rows
-    has its decode rows, one token per sequence, at rows ``[start, stop)`` (``decode_rows`` is ``(start, stop,
-    tokens)``): layers whose 4-bit copy has the 8-bit GEMM multiply those rows with it, as in a decode-only step,
-    and the prompt rows on the float32 path. So a sequence's decode token is computed the same way whether or not
+    has its decode rows, one token per sequence, first (``decode_rows`` is ``(decodes, tokens)``): layers whose
+    4-bit copy has the 8-bit GEMM multiply those rows with it, as in a decode-only step, and the prompt rows on the
+    float32 path. So a sequence's decode token is computed the same way whether or not
     a prompt shared its step."""
     with _step_state("decode_rows", decode_rows, None):
         yield
@@ -136,24 +136,11 @@ def _step_state(name: str, value: Any, unset: Any) -> Iterator[None]:
         setattr(_STEP, name, previous)
 
 
-def _decode_row_range(metadata: Any) -> tuple[int, int, int] | None:
-    """``(start, stop, tokens)``: the rows of ``metadata``'s one-token sequences (decodes, and prompts with one
-    token left), when they are consecutive and some other rows are not, and the step's token count; else None."""
-    starts = getattr(metadata, "query_start_loc_cpu", None)
-    if not starts or len(starts) < 2:
-        return None
-    first = last = None
-    for i in range(len(starts) - 1):
-        if starts[i + 1] - starts[i] == 1:
-            if first is None:
-                first = i
-            elif last != i - 1:
-                return None   # not one run
-            last = i
-    if first is None:
-        return None
-    lo, hi = starts[first], starts[last + 1]
-    return (lo, hi, starts[-1]) if hi - lo < starts[-1] else None
+def _decode_rows(metadata: Any) -> tuple[int, int] | None:
+    """``(decodes, tokens)``: the rows of a mixed step's leading one-token sequences (decodes, and prompts with one
+    token left: those the attention backends take as decodes too) and the step's token count; else None."""
+    decodes = getattr(metadata, "num_leading_decodes", 0)
+    return (decodes, metadata.query_start_loc_cpu[-1]) if decodes else None
 
 
 def mark_decode_steps(model: torch.nn.Module, prompts: bool = False) -> None:
@@ -167,7 +154,7 @@ def mark_decode_steps(model: torch.nn.Module, prompts: bool = False) -> None:
         if torch.compiler.is_compiling():
             return forward(input_ids, positions, metadata, *args, **kwargs)
         _STEP.forward_decode = prompts or bool(getattr(metadata, "is_decode_only", False))
-        rows = None if _STEP.forward_decode else _decode_row_range(metadata)
+        rows = None if _STEP.forward_decode else _decode_rows(metadata)
         with decode_step(_STEP.forward_decode), mixed_step_rows(rows):
             return forward(input_ids, positions, metadata, *args, **kwargs)
 
@@ -356,16 +343,13 @@ class CpuLinearMethod:
         decode_q8 = has_q8 and in_decode_step()
         if has_q8 and not decode_q8 and (rows := getattr(_STEP, "decode_rows", None)) is not None:
             # a mixed step: its decode rows as in a decode-only step, the prompt rows on the float32 path
-            lo, hi, tokens = rows
+            decodes, tokens = rows
             if m == tokens:   # a layer of the token rows (not, say, the LM head's rows of the sampled positions)
                 with mixed_step_rows(None):
                     y = x2.new_empty(m, self.out_features)
                     with decode_step():
-                        y[lo:hi] = self.matmul(x2[lo:hi], bias)
-                    if lo:
-                        y[:lo] = self.matmul(x2[:lo], bias)
-                    if hi < m:
-                        y[hi:] = self.matmul(x2[hi:], bias)
+                        y[:decodes] = self.matmul(x2[:decodes], bias)
+                    y[decodes:] = self.matmul(x2[decodes:], bias)
                 return y.view(*lead, self.out_features)
         if self.vnni is not None and m > self.vnni_min_rows and cpu_native.enabled(x2):
             y = cpu_native.vnni_matmul(x2, self.vnni)

@@ -1712,8 +1712,9 @@ int64_t plinth_q4p_gemv_f32(const float* x, int64_t x_stride, const uint8_t* cod
 
 // y [M, N] (float32) = x [M, K] (float32, row stride x_stride) @ W^T over the panel codes in the quad order and
 // the panels' scales and offsets, any M >= 1, with the inputs quantized to int8 per row and 32-k block (see
-// q4p_gemm_q8_tile): the product of the weights with the dequantized inputs, in float32. The rows are quantized by the threads together; then rows go in blocks of
-// kQ8BlockRows (their int8 codes stay in L1/L2), each block's tiles spread over the threads in guided chunks (a
+// q4p_gemm_q8_tile): the product of the weights with the dequantized inputs, in float32. The rows are quantized
+// by the threads together; then rows go in blocks of kQ8BlockRows (their int8 codes stay in L1/L2), each block's
+// tiles spread over the threads in guided chunks (a
 // static split left one thread waiting for the other whenever the machine slowed one down: 32 rows 28.6 against
 // 25.2 ms a step's GEMMs then; the same where neither was), four rows at a time per tile (its codes then come from
 // L1). Returns 0, -1 where the library was built without AVX2/FMA/F16C, -2 for M < 1.
