@@ -898,3 +898,45 @@ def test_int8_inputs_switch_on_a_gguf_model(tmp_path, monkeypatch, tiny_llama_di
     monkeypatch.setenv("PLINTH_CPU_INT8_ACT", "sometimes")
     with pytest.raises(ConfigError, match="PLINTH_CPU_INT8_ACT"):
         LLM(path, tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4, selection="off")
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                                   gguf.GGMLQuantizationType.Q8_0])
+def test_gguf_dequantize_bit_for_bit(qtype, monkeypatch):
+    """The native GGUF expansion against the gguf package's reference, bit for bit: random blocks whose float16
+    scales (and Q4_1 offsets) include subnormals, zeros of both signs, infinities and NaN, so that every rounding
+    of d q + m and every special value is checked; also through dequantize_tensor with and without the kernel."""
+    from plinth.model_registry.gguf_dequant import dequantize_tensor
+
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    blocks = rng.integers(0, 256, size=(4096, type_size), dtype=np.uint8)
+    halves = (2 if qtype == gguf.GGMLQuantizationType.Q4_1 else 1)
+    special = np.array([0x0001, 0x03ff, 0x0000, 0x8000, 0x7c00, 0xfc00, 0x7e00, 0x3c00], dtype=np.uint16)
+    for h in range(halves):
+        field = blocks[:, 2 * h:2 * h + 2].copy().view(np.uint16)        # [n, 1]
+        field[:64, 0] = np.resize(special, 64)
+        blocks[:, 2 * h:2 * h + 2] = field.view(np.uint8)
+    reference = gguf.quants.dequantize(blocks, qtype).reshape(-1)
+    out = torch.full((4096 * block_size,), 7.0)
+    assert cpu_native.gguf_dequantize_into(blocks.reshape(-1), int(qtype), out)
+    got = out.numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(reference))
+    assert np.array_equal(got.view(np.uint32)[~np.isnan(got)], reference.view(np.uint32)[~np.isnan(reference)])
+    shape = (64, 4096 * block_size // 64)
+    rows = blocks.reshape(shape[0], -1)
+    native = dequantize_tensor(rows, qtype, shape, torch.float32)
+    monkeypatch.setattr(cpu_native, "_env_enabled", lambda: False)   # the torch expansion
+    assert not cpu_native.gguf_dequantize_into(blocks.reshape(-1), int(qtype), out)
+    torch_path = dequantize_tensor(rows, qtype, shape, torch.float32)
+    torch.testing.assert_close(native, torch_path, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(native.reshape(-1), torch.from_numpy(reference), rtol=0, atol=0, equal_nan=True)
+
+
+def test_gguf_dequantize_rejects_bad_buffers():
+    blocks = np.zeros(20 * 3, dtype=np.uint8)
+    assert not cpu_native.gguf_dequantize_into(blocks, int(gguf.GGMLQuantizationType.Q4_K), torch.empty(96))
+    with pytest.raises(ValueError, match="do not fill"):
+        cpu_native.gguf_dequantize_into(blocks, int(gguf.GGMLQuantizationType.Q4_1), torch.empty(95))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_native.gguf_dequantize_into(blocks, int(gguf.GGMLQuantizationType.Q4_1), torch.empty(192)[::2])

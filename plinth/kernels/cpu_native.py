@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 12
+ABI_VERSION = 13
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -63,6 +63,7 @@ _SIGNATURES = {
     "plinth_decode_layers_f32q8": [_P, _I, _P],
     "plinth_sample_rows_bf16": [_P, _I, _I, _I, _P, _P, _P],
     "plinth_sample_rows_f32": [_P, _I, _I, _I, _P, _P, _P],
+    "plinth_gguf_dequant_f32": [_P, _I, _I, _P],
 }
 _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64,
             "plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q4p_gemm_amx": ctypes.c_int64,
@@ -72,7 +73,8 @@ _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32"
             "plinth_q4p_gemv_bf16": ctypes.c_int64, "plinth_q4p_gemv_f32": ctypes.c_int64,
             "plinth_q4p_gemm_f32q8": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64,
             "plinth_decode_layers_amx": ctypes.c_int64,
-            "plinth_decode_layers_f32": ctypes.c_int64, "plinth_decode_layers_f32q8": ctypes.c_int64}
+            "plinth_decode_layers_f32": ctypes.c_int64, "plinth_decode_layers_f32q8": ctypes.c_int64,
+            "plinth_gguf_dequant_f32": ctypes.c_int64}
 
 
 @functools.cache
@@ -108,6 +110,24 @@ def available(dtype: torch.dtype) -> bool:
 def enabled(x: torch.Tensor) -> bool:
     """Whether the native ops run for ``x`` (never while ``torch.compile`` traces)."""
     return x.device.type == "cpu" and not torch.compiler.is_compiling() and available(x.dtype)
+
+
+def gguf_dequantize_into(blocks: np.ndarray, ggml_type: int, out: torch.Tensor) -> bool:
+    """GGUF ``Q4_0``, ``Q4_1`` or ``Q8_0`` blocks (``uint8``, 32 weights each, contiguous) -> ``out`` (float32,
+    contiguous, ``32 x`` the block count), bit for bit as the format's float32 reference; False (nothing written)
+    where the library is not built, ``PLINTH_CPU_NATIVE_OPS=0`` or the type is another."""
+    if not _env_enabled() or (lib := load_library().library) is None:
+        return False
+    if not (blocks.dtype == np.uint8 and blocks.flags.c_contiguous and out.dtype == torch.float32
+            and out.is_contiguous() and out.device.type == "cpu"):
+        raise ValueError("gguf_dequantize_into takes contiguous uint8 blocks and a contiguous float32 CPU tensor")
+    type_size = {2: 18, 3: 20, 8: 34}.get(int(ggml_type))
+    if type_size is None:
+        return False
+    n_blocks = blocks.size // type_size
+    if n_blocks * type_size != blocks.size or out.numel() != 32 * n_blocks:
+        raise ValueError(f"{blocks.size} bytes of ggml type {int(ggml_type)} do not fill {out.numel()} weights")
+    return lib.plinth_gguf_dequant_f32(blocks.ctypes.data, n_blocks, int(ggml_type), out.data_ptr()) == 0
 
 
 def layer_ops_enabled(x: torch.Tensor) -> bool:

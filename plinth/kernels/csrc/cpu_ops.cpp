@@ -1361,11 +1361,61 @@ void rotary_heads(typename E::T* q, int64_t q_tok, int64_t q_head, int64_t hq, t
   }
 }
 
+// GGUF blocks of 32 weights -> float32, as the format's reference dequantization computes them in float32 (ggml's
+// published layouts): Q4_0 (float16 d, 16 code bytes) d (q - 8); Q4_1 (float16 d and m, 16 code bytes) d q + m, the
+// product rounded before the sum (never fused: the file compiles with the ISO default of no FP contraction); Q8_0
+// (float16 d, 32 int8 codes) d q. Nibbles: the low ones are weights 0-15, the high ones 16-31.
+constexpr int64_t kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8;   // ggml type ids
+
+template <int64_t Type>
+inline void gguf_dequant_block(const uint8_t* blk, float* out) {
+  uint16_t dh;
+  std::memcpy(&dh, blk, sizeof(dh));
+  const float d = half2f(dh);
+  if constexpr (Type == kGgufQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
+  } else if constexpr (Type == kGgufQ4_0) {
+    const uint8_t* q = blk + 2;
+    for (int i = 0; i < 16; ++i) {
+      out[i] = d * static_cast<float>(static_cast<int>(q[i] & 0x0f) - 8);
+      out[i + 16] = d * static_cast<float>(static_cast<int>(q[i] >> 4) - 8);
+    }
+  } else {
+    uint16_t mh;
+    std::memcpy(&mh, blk + 2, sizeof(mh));
+    const float m = half2f(mh);
+    const uint8_t* q = blk + 4;
+    for (int i = 0; i < 16; ++i) {
+      const float lo = d * static_cast<float>(q[i] & 0x0f), hi = d * static_cast<float>(q[i] >> 4);
+      out[i] = lo + m;
+      out[i + 16] = hi + m;
+    }
+  }
+}
+
+template <int64_t Type>
+void gguf_dequant_blocks(const uint8_t* blocks, int64_t n_blocks, int64_t type_size, float* out) {
+#pragma omp parallel for schedule(static) if (n_blocks * 32 >= kParallelWork)
+  for (int64_t b = 0; b < n_blocks; ++b) gguf_dequant_block<Type>(blocks + b * type_size, out + b * 32);
+}
+
 }  // namespace
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 12; }
+int64_t plinth_cpu_ops_abi() { return 13; }
+
+// n_blocks GGUF blocks of ggml type `type` (Q4_0, Q4_1 or Q8_0) -> out [n_blocks * 32] float32. Returns 0, or -1
+// for another type (nothing written).
+int64_t plinth_gguf_dequant_f32(const uint8_t* blocks, int64_t n_blocks, int64_t type, float* out) {
+  switch (type) {
+    case kGgufQ4_0: gguf_dequant_blocks<kGgufQ4_0>(blocks, n_blocks, 18, out); return 0;
+    case kGgufQ4_1: gguf_dequant_blocks<kGgufQ4_1>(blocks, n_blocks, 20, out); return 0;
+    case kGgufQ8_0: gguf_dequant_blocks<kGgufQ8_0>(blocks, n_blocks, 34, out); return 0;
+    default: return -1;
+  }
+}
 
 // y = w * round(h * rsqrt(mean(h^2) + eps)) per row, h = x (no residual) or round(x + residual), round() to
 // the activation dtype (bfloat16; float32: none), y rounded once; with a residual, h is written to h_out.
