@@ -27,16 +27,19 @@
 * ``lm-head``: a GGUF Q8_0 LM head (49,152 x 576, random codes and scales) at 1-64 rows, warm and cold (a 400 MiB write
   between calls): the AMX GEMM over the regrouped blocks (``q8_panel_matmul``, CPUs with AMX-BF16), the Q8_0 GEMV
   with float32 logits (``q8_0_matmul``) and oneDNN's packed bfloat16 GEMM followed by the float32 copy of its logits;
+* ``gguf-load``: the default model's GGUF weights read and expanded to float32 (``iter_gguf_weights``, as a
+  load does, without the model), through the native kernel and through the torch code it replaces, alternating;
 * ``steps``: engine steps: a 500-token prefill, a step of 31 decodes plus a 224-token chunk, a
   decode-only step of 31, and a batch-1 decode at a ~280-token context (medians).
 
-    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,gate-up,amx-gemms,f32-gemm,lm-head,steps
+    python benchmarks/cpu_parts.py --parts sampler,prefill-kernel,decode-kernel,decode-gemv,gate-up,amx-gemms,f32-gemm,lm-head,steps,gguf-load
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -448,9 +451,31 @@ def lm_head_part() -> dict:
     return out
 
 
+def gguf_load_part() -> dict:
+    from plinth.kernels import cpu_native
+    from plinth.model_registry.default_model import default_model_path
+    from plinth.model_registry.gguf_loader import iter_gguf_weights
+
+    path = default_model_path()
+
+    def expand_all() -> None:
+        for _ in iter_gguf_weights(path, torch.float32):
+            pass
+
+    out: dict = {}
+    for _ in range(3):   # alternating rounds: the native kernel, then the torch code it replaces
+        for name, native in (("native", True), ("torch", False)):
+            cpu_native._env_enabled.cache_clear()
+            os.environ[cpu_native.NATIVE_OPS_ENV] = "1" if native else "0"
+            out.setdefault(f"expand_default_model_{name}_ms", []).append(round(median_ms(expand_all, 3, 1), 1))
+    os.environ.pop(cpu_native.NATIVE_OPS_ENV)
+    cpu_native._env_enabled.cache_clear()
+    return out
+
+
 PARTS = {"sampler": sampler_part, "prefill-kernel": prefill_kernel_part, "decode-kernel": decode_kernel_part,
          "decode-gemv": decode_gemv_part, "gate-up": gate_up_part, "amx-gemms": amx_gemms_part, "f32-gemm": f32_gemm_part, "lm-head": lm_head_part,
-         "steps": steps_part}
+         "steps": steps_part, "gguf-load": gguf_load_part}
 
 
 def main(argv: list[str] | None = None) -> int:
