@@ -124,6 +124,14 @@ def dequantize_group(items: list[tuple[np.ndarray, Any, tuple[int, ...]]], dtype
     return out  # type: ignore[return-value]
 
 
+def native_expansion() -> bool:
+    """Whether the fast block types expand through the native CPU kernel here (the library built, not switched off
+    by ``PLINTH_CPU_NATIVE_OPS=0``)."""
+    from plinth.kernels import cpu_native
+
+    return cpu_native.native_ops_on() and cpu_native.load_library().library is not None
+
+
 def _native_expand(kind: int, blocks: list[np.ndarray], out: torch.Tensor) -> bool:
     """The tensors' blocks expanded one after another into ``out`` by the native CPU kernel (same bits as the
     torch code above, several times faster); False where it does not run (then nothing was written)."""
