@@ -15,6 +15,7 @@ by a substring of the device name. Devices not in the table have no floor ("floo
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -124,10 +125,16 @@ def weight_stats(model: nn.Module) -> WeightStats:
         if names is not None:
             unread.update(id(p) for n, p in module.named_parameters(recurse=False) if n not in names and n != "bias")
     return WeightStats(
-        params=sum(p.numel() for p in all_params.values()),
-        matmul_params=sum(p.numel() for p in matmul),
-        streamed_bytes=sum(p.numel() * p.element_size() for p in matmul if id(p) not in unread),
+        params=sum(_numel(p) for p in all_params.values()),
+        matmul_params=sum(_numel(p) for p in matmul),
+        streamed_bytes=sum(_numel(p) * p.element_size() for p in matmul if id(p) not in unread),
     )
+
+
+def _numel(p: torch.Tensor) -> int:
+    """A parameter's elements; for a weight the CPU path holds only in its packed form, the weight's own."""
+    shape = getattr(p, "released_shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
 
 
 def decode_step_floor_s(stats: WeightStats, ceilings: DeviceCeilings) -> float:

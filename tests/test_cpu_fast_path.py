@@ -117,6 +117,42 @@ def test_float32_weights_are_packed_where_float32_is_the_default(monkeypatch, fa
     torch.testing.assert_close(method.matmul(x3), F.linear(x3, weight), rtol=1e-5, atol=1e-4)
 
 
+def test_released_weights_are_held_packed_only(monkeypatch):
+    """A layer whose weight is released once packed keeps a ``[0, K]`` parameter of its dtype, and its packed copy
+    takes every row count, past ``F32_PACKED_MAX_ROWS`` too, with the same results as a layer that kept its weight
+    (bit for bit where both take the packed GEMM; within float32 rounding of the exact product past the cap)."""
+    from plinth.platforms.cpu import platform as cpu_platform
+    from plinth.worker import cpu_linear
+
+    if not cpu_linear._onednn_f32_linear_runs() or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("oneDNN's packed float32 linear is not used here")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16", lambda: False)
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    param = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    kept, released = CpuLinearMethod(weight), CpuLinearMethod(param, release_weight=True)
+    assert released.weight_released and not kept.weight_released
+    assert param.shape == (0, 64) and param.dtype == torch.float32 and released.out_features == 96
+    assert CpuLinearMethod(weight.clone(), pack=False, release_weight=True).weight.shape == (96, 64)  # nothing packed
+    packed_calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: packed_calls.append(x.shape[0]) or real(x, *a))
+    cap = cpu_linear.F32_PACKED_MAX_ROWS
+    for rows in (1, 40, cap + 1):
+        x = torch.randn(rows, 64, generator=gen)
+        packed_calls.clear()
+        out = released.matmul(x, bias)
+        assert packed_calls == [rows]
+        if rows <= cap:
+            assert torch.equal(out, kept.matmul(x, bias))
+        exact = x.double() @ weight.double().T + bias.double()
+        assert bool(((out.double() - exact).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T + 1)).all())
+    assert released.matmul(torch.randn(0, 64)).shape == (0, 96)
+    with pytest.raises(TypeError, match="packed for oneDNN only"):
+        released.matmul(torch.randn(2, 64, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("case", ["hf", "fast_bf16", "gguf_unpacked", "gguf_low_memory"])
 def test_float32_cpu_path_set_up(case, monkeypatch, tmp_path, tiny_llama_dir):
     """What the CPU path installs for float32 models: packed GEMMs on x86-64 CPUs without native bfloat16 (a
@@ -142,7 +178,9 @@ def test_float32_cpu_path_set_up(case, monkeypatch, tmp_path, tiny_llama_dir):
         methods = [m.linear_method for m in llm.engine.runner.model.modules() if hasattr(m, "linear_method")]
         ours = [m for m in methods if isinstance(m, CpuLinearMethod)]
         if case == "hf":
-            assert ours and all(m.packed is not None and m.int4 is None for m in ours)
+            assert ours and all(m.packed is not None and m.int4 is None and m.weight_released for m in ours)
+            assert all(m.weight.shape[0] == 0 for m in llm.engine.runner.model.modules()
+                       if isinstance(getattr(m, "linear_method", None), CpuLinearMethod))
         elif case == "fast_bf16":
             assert not ours
         else:
@@ -467,9 +505,11 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(int8
                     want = x.bfloat16().double() @ w_file.T
                     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
                 many = torch.randn(40, w_file.shape[1])
-                # past the row limit the float32 weights (oneDNN-packed where float32 is the default: the same
-                # sums in its order)
-                torch.testing.assert_close(method.matmul(many), F.linear(many, down.weight), rtol=1e-5, atol=1e-5)
+                # past the row limit the float32 weights (oneDNN-packed where float32 is the default, and then held
+                # packed only): within float32 rounding of the file's weights' exact product
+                exact = many.double() @ w_file.T
+                assert bool(((method.matmul(many).double() - exact).abs()
+                             <= 1e-5 * (many.double().abs() @ w_file.abs().T) + 1e-6).all())
                 if method.int4.int8_inputs:   # in a decode step every row count takes the 8-bit GEMM
                     for rows_in in (x, many):
                         with decode_step():

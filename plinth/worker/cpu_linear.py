@@ -265,12 +265,15 @@ class CpuLinearMethod:
         pack: give the weight a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
         int8_prompts: every step of the model is marked a decode step (``PLINTH_CPU_INT8_ACT=all``), so a 4-bit copy
             with the 8-bit GEMM takes every row count: no packed copy then.
+        release_weight: once packed, the packed copy takes every row count and ``weight``'s own storage is given
+            back (the parameter becomes a ``[0, K]`` tensor of the same dtype and device, its ``released_shape`` the
+            weight's ``(N, K)``): the weight's bytes are held once, not twice.
     """
 
     def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int4_max_rows: int = 0,
                  pack_rows: int = 32, q8_0: torch.Tensor | None = None, q8_0_max_rows: int = 0,
                  q4_panel_max_rows: int = 0, int8_activations: bool = False, pack: bool = True,
-                 int8_prompts: bool = False):
+                 int8_prompts: bool = False, release_weight: bool = False):
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         self.weight = weight
@@ -318,6 +321,11 @@ class CpuLinearMethod:
             if pack and packed_linear_supported(weight.dtype) and self.vnni is None and not panels_all else None
         # float32: the packed GEMM for decode-sized inputs only; longer ones (prefill) run MKL's as fast or faster
         self.packed_max_rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize
+        self.weight_released = release_weight and self.packed is not None
+        if self.weight_released:
+            self.packed_max_rows = sys.maxsize
+            weight.released_shape = tuple(weight.shape)   # what the weight still is (benchmarks_floor.weight_stats)
+            weight.data = weight.data.new_empty((0, weight.shape[1]))
         self.handle = next(_HANDLES)
         _METHODS[self.handle] = self
 
@@ -397,8 +405,11 @@ class CpuLinearMethod:
                 y = y + bias
         elif self.packed is not None and x2.dtype == self.dtype and 0 < m <= self.packed_max_rows:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+        elif self.weight_released and m > 0:
+            raise TypeError(f"{str(x2.dtype).removeprefix('torch.')} inputs for a layer whose "
+                            f"{str(self.dtype).removeprefix('torch.')} weight is packed for oneDNN only")
         else:
-            y = F.linear(x2, self.weight, bias)
+            y = F.linear(x2, self.weight, bias) if m > 0 else x2.new_empty(0, self.out_features)
         return y.view(*lead, self.out_features)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -449,7 +460,8 @@ class CpuLinearMethod:
 def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weight] | None = None,
                        int4_max_rows: int = 0, head_q8_0: torch.Tensor | None = None,
                        q8_0_max_rows: int = 0, q4_panel_max_rows: int = 0,
-                       int8_activations: bool = False, pack: bool = True, int8_prompts: bool = False) -> dict[str, int]:
+                       int8_activations: bool = False, pack: bool = True, int8_prompts: bool = False,
+                       release_weights: bool = True) -> dict[str, int]:
     """Give every unquantized linear layer (and the LM head) a :class:`CpuLinearMethod`.
 
     Args:
@@ -470,13 +482,16 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
         pack: give the weights a oneDNN-packed copy where :func:`packed_linear_supported` (else ``F.linear``).
         int8_prompts: float32 models whose every step is marked a decode step (:func:`mark_decode_steps` with
             ``prompts``): the 4-bit copies' 8-bit GEMM takes every row count, so those layers keep no packed copy.
+        release_weights: linear layers (not the LM head, whose weight may be the token embedding's) give their
+            weight's storage back once packed (see :class:`CpuLinearMethod`'s ``release_weight``).
 
     Returns:
         counts: ``{"packed": layers packed, "int4": layers with a 4-bit copy, "q8_0": 1 when the LM head
-        got the file's Q8_0 blocks, "int8": layers that multiply with 8-bit inputs}``.
+        got the file's Q8_0 blocks, "int8": layers that multiply with 8-bit inputs, "released": layers whose weight
+        is now held packed only}``.
     """
     int4_weights = int4_weights or {}
-    counts = {"packed": 0, "int4": 0, "q8_0": 0, "int8": 0}
+    counts = {"packed": 0, "int4": 0, "q8_0": 0, "int8": 0, "released": 0}
     for name, module in model.named_modules():
         is_linear = isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod)
         is_head = (name == "lm_head" and hasattr(module, "weight") and not isinstance(module, LinearBase)
@@ -495,12 +510,13 @@ def install_cpu_linear(model: torch.nn.Module, int4_weights: dict[str, Int4Weigh
             continue   # nothing but F.linear to offer: the layer keeps its own method
         method = CpuLinearMethod(module.weight, int4, int4_max_rows, q8_0=q8, q8_0_max_rows=q8_0_max_rows,
                                  q4_panel_max_rows=q4_panel_max_rows, int8_activations=int8_activations, pack=pack,
-                                 int8_prompts=int8_prompts)
+                                 int8_prompts=int8_prompts, release_weight=release_weights and is_linear)
         if is_linear:
             module.linear_method = method
         else:
             module.gemm = method.matmul
         counts["packed"] += method.packed is not None
+        counts["released"] += method.weight_released
         counts["int4"] += method.int4 is not None
         counts["q8_0"] += method.q8_0 is not None
         counts["int8"] += (method.vnni is not None or method.q8_0_int8

@@ -46,6 +46,7 @@ The parts, each with a switch (environment variables, read at start-up):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -162,6 +163,19 @@ def _float32_gguf(source: Any, dtype: torch.dtype, tp_size: int) -> bool:
             and tp_size == 1 and not cpu_platform.has_fast_bf16())
 
 
+def give_back_freed_memory() -> None:
+    """Return the free pages inside the C heap to the system (glibc's ``malloc_trim``): the float weights released
+    once packed were freed, but those the allocator had placed in its heap stay resident until then. Elsewhere
+    (another C library) nothing happens."""
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim(0)
+
+
 def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, Any]:
     """Install the CPU GEMMs and the compiled decode step on ``runner``; returns what was set up."""
     from plinth.worker.cpu_linear import install_cpu_linear, packed_linear_supported
@@ -236,6 +250,8 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
                 mark_decode_steps(model, prompts=mode == "all")
                 report["int8_prompts"] = mode == "all"
             report["int4_max_rows"] = int4_rows if report["int4"] else 0
+    if report.get("released"):
+        give_back_freed_memory()
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
     max_num_seqs = config.scheduler.limits[0]
     max_batch = min(env_int(COMPILE_BATCH_ENV, DEFAULT_COMPILE_MAX_BATCH), max_num_seqs)
@@ -263,10 +279,10 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
             runner.graphs = plan
             report["decode_plan"] = True
     report["seconds"] = time.perf_counter() - t0
-    logger.info("CPU path: %d layers prepacked, %d with int4 copies (batches of <= %s rows; 4-bit panels on AMX tiles "
+    logger.info("CPU path: %d layers prepacked (%d of them held packed only), %d with int4 copies (batches of <= %s rows; 4-bit panels on AMX tiles "
                 "%s), LM head Q8_0 %s, %d with int8 inputs%s, native fused ops %s, decode plan %s, compiled decode %s "
                 "(<= %d sequences), set up in %.2f s",
-                report["packed"], report["int4"], report.get("int4_max_rows", 0), "on" if report.get("amx") else "off",
+                report["packed"], report.get("released", 0), report["int4"], report.get("int4_max_rows", 0), "on" if report.get("amx") else "off",
                 "on" if report.get("q8_0") else "off",
                 report.get("int8", 0), " (prompts too)" if report.get("int8_prompts") else "",
                 "on" if ops.fused_ops_enabled(torch.empty(0, dtype=dtype)) else "off",
