@@ -98,8 +98,8 @@ def test_decode_float32_matches_sdpa(heads, d, bs, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40])
 def test_decode_of_few_sequences_splits_their_blocks(threads, dtype, window, decode_kernel):
-    """One or two sequences give fewer work items than two per thread: each item's blocks are split into ranges
-    for different threads and the partial softmax states merged. Same answer as the float64 reference for short
+    """A sequence's blocks are split into ranges for different threads (a range per two blocks, at most two per
+    thread) and the partial softmax states merged. Same answer as the float64 reference for short
     and long contexts, one KV head (MQA) or three, a window that leaves ranges with no visible key, and a
     sequence with no query row in the step. In bfloat16 on AMX tiles (``decode_kernel``), the items take all of a
     sequence's KV heads where there are 8 query rows or more (9 x 3, 8 x 2), however few the sequences."""
@@ -135,6 +135,37 @@ def test_decode_of_few_sequences_splits_their_blocks(threads, dtype, window, dec
         batch.query[0, 0, 5] = float("nan")
         out = run_paged(batch, 0.125, window)
         assert bool(out[0, 0].isnan().all()) and bool(out[0, 1:].isfinite().all())
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_rows_do_not_depend_on_the_batch(threads, dtype, window, decode_kernel):
+    """A sequence's decode output is the same, bit for bit, alone and beside others: how its blocks are split
+    between threads depends on its own length only (with 8-bit decode inputs a rounding-level change here grew
+    into changed greedy tokens)."""
+    if dtype == torch.float32 and decode_kernel == "amx":
+        pytest.skip("float32 caches have one kernel (the vector one)")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        contexts = [3, 40, 130, 333, 700, 64, 17, 250, 90]
+        spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=dtype, window=window)
+        batch = make_paged_batch(spec, contexts, [1] * len(contexts), generator=torch.Generator().manual_seed(5))
+        md = batch.metadata
+        together = paged_decode(batch.query, batch.kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                len(contexts), 0.125, window)
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        for i in range(len(contexts)):
+            alone = paged_decode(batch.query[i:i + 1].contiguous(), batch.kv_cache, md.block_tables[i:i + 1],
+                                 md.seq_lens[i:i + 1], one, 1, 0.125, window)
+            assert torch.equal(alone[0], together[i]), (i, contexts[i])
+        for n in (2, 5):   # and in smaller batches
+            part = paged_decode(batch.query[:n].contiguous(), batch.kv_cache, md.block_tables[:n], md.seq_lens[:n],
+                                md.query_start_loc[:n + 1], n, 0.125, window)
+            assert torch.equal(part[:n], together[:n])
     finally:
         torch.set_num_threads(previous)
 

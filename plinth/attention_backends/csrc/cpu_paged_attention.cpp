@@ -926,21 +926,27 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
   const int64_t items_per_seq = sh.num_kv_heads / heads_per_item;
   const int64_t seq_items = sh.num_seqs * items_per_seq;
   const int64_t rows = heads_per_item * group;  // query heads per item
-  // Fewer items than two per thread (a batch of one or two sequences): each item's blocks are split into
-  // `parts` ranges taken by different threads, whose partial softmax states (max, sum, unnormalised
-  // accumulator per row) are merged afterwards, so every thread has work however few KV heads there are.
-  int64_t max_blocks = 0;   // the most blocks a sequence's window spans
+  // Each sequence's blocks are split into parts (ranges taken by different threads, whose partial softmax states
+  // -- max, sum, unnormalised accumulator per row -- are merged afterwards), so that every thread has work however
+  // few sequences and KV heads there are. A sequence's part count depends on its own length and the thread count
+  // only, never on the rest of the batch (a part per kPartBlocks blocks, at most two per thread): the same sums
+  // in the same order whatever else the step holds, so a sequence's outputs do not change with the batch (the
+  // 8-bit decode inputs would amplify such a change from float rounding to their own rounding steps).
+  constexpr int64_t kPartBlocks = 2;
+  std::vector<int64_t> first_item(sh.num_seqs + 1, 0);   // per sequence: its first item; items per head-item: parts
+  std::vector<int64_t> seq_parts(sh.num_seqs, 1);
+  bool split = false;
   for (int64_t s = 0; s < sh.num_seqs; ++s) {
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, lens[s] - sliding_window) : 0;
-    max_blocks = std::max<int64_t>(max_blocks, (lens[s] + bs - 1) / bs - first / bs);
+    const int64_t blocks = (lens[s] + bs - 1) / bs - first / bs;
+    if (num_threads > 1) seq_parts[s] = std::clamp<int64_t>(blocks / kPartBlocks, 1, 2 * num_threads);
+    split |= seq_parts[s] > 1;
+    first_item[s + 1] = first_item[s] + items_per_seq * seq_parts[s];
   }
-  const int64_t parts = num_threads > 1 && seq_items > 0 && seq_items < 2 * num_threads
-      ? std::max<int64_t>(1, std::min<int64_t>((2 * num_threads + seq_items - 1) / seq_items, max_blocks / 2))
-      : 1;
-  const int64_t items = seq_items * parts;
+  const int64_t items = first_item[sh.num_seqs];
   // the parts' states: [items][rows] max and sum, [items][rows][D] accumulators
-  std::vector<float> part_max(parts > 1 ? items * rows : 0), part_sum(parts > 1 ? items * rows : 0),
-      part_acc(parts > 1 ? items * rows * d_size : 0);
+  std::vector<float> part_max(split ? items * rows : 0), part_sum(split ? items * rows : 0),
+      part_acc(split ? items * rows * d_size : 0);
   const kv_t* k_cache = kv_cache;
   const kv_t* v_cache = kv_cache + sh.kv_half;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -962,8 +968,9 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq_item = item / parts, part = item % parts;
-      const int64_t s = seq_item / items_per_seq, h0 = (seq_item % items_per_seq) * heads_per_item;
+      const int64_t s = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t parts = seq_parts[s], local = item - first_item[s];
+      const int64_t part = local % parts, h0 = (local / parts) * heads_per_item;
       const int64_t row = starts[s];
       if (starts[s + 1] == row) continue;  // no query token for this sequence in this step
       const int64_t seq_len = lens[s];
@@ -1076,7 +1083,7 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
           }
         }
       }
-      if (parts > 1) {   // this part's state, merged below
+      if (split) {   // this part's state, merged below
         std::copy(row_max.begin(), row_max.end(), part_max.begin() + item * rows);
         std::copy(row_sum.begin(), row_sum.end(), part_sum.begin() + item * rows);
         std::copy(acc.begin(), acc.end(), part_acc.begin() + item * rows * d_size);
@@ -1089,21 +1096,23 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
       }
       from_float(acc.data(), out + row * sh.out_row + h0 * group * d_size, rows * d_size);
     }
-    if (parts > 1) {
+    if (split) {
       // (the loop above ends with the implicit barrier of `omp for`) one query head of one item at a time:
-      // rescale each part's accumulator to the common maximum, add, divide by the summed rescaled sums
+      // rescale each part's accumulator to the common maximum, add, divide by the summed rescaled sums (a
+      // sequence of one part: its own state, times exp(0) = 1 and divided by its sum, as without the split)
 #pragma omp for schedule(static)
       for (int64_t ir = 0; ir < seq_items * rows; ++ir) {
         const int64_t seq_item = ir / rows, r = ir % rows;
         const int64_t s = seq_item / items_per_seq, h0 = (seq_item % items_per_seq) * heads_per_item;
         if (starts[s + 1] == starts[s]) continue;
+        const int64_t parts = seq_parts[s], base = first_item[s] + (seq_item % items_per_seq) * parts;
         float top = neg_inf;
-        for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_max[(seq_item * parts + p) * rows + r]);
+        for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_max[(base + p) * rows + r]);
         float* ar = acc.data();
         std::fill(ar, ar + d_size, 0.f);
         float total = 0.f;
         for (int64_t p = 0; p < parts; ++p) {
-          const int64_t at = (seq_item * parts + p) * rows + r;
+          const int64_t at = (base + p) * rows + r;
           // a part without keys (sum 0) adds nothing; NaN scores (max -inf, sum NaN) make the output NaN, as
           // without the split
           if (part_sum[at] == 0.f) continue;
