@@ -141,6 +141,10 @@ class RequestTracker:
             reasons = [str(c.finish_reason) for c in out.outputs if c.finish_reason is not None]
             self._finish_reason = "abort" if "abort" in reasons else (reasons[0] if reasons else "abort")
 
+    def discard(self) -> None:
+        """Count nothing: the engine refused the request when it arrived (a 400, as the server's own checks)."""
+        self._closed = True
+
     def close(self, error: bool = False) -> None:
         """Count the outcome: its finish reason, ``abort`` when it was cut short, or ``error``."""
         if self._closed:

@@ -276,7 +276,89 @@ def test_completion_logprobs_match_float64_reference(client, engine, model_dir):
         assert len(lp.top_logprobs[i]) <= 3
         assert top[0] == pytest.approx(row.max().item(), abs=2e-4)   # greedy: the chosen one is the best
         assert top == pytest.approx(row.topk(len(top)).values.tolist(), abs=2e-4)
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    text = resp.choices[0].text   # each token starts at its offset (a byte token's name is not its text)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for token, start in zip(lp.tokens, lp.text_offset, strict=True):
+        assert token.startswith("bytes:") or text[start:start + len(token)] == token
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(server):
+    """OpenAI's completions "always return the logprob of the sampled token, so there may be up to logprobs+1
+    elements": sampled at a high temperature, the chosen token is often outside the top k."""
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 3.0, "seed": 7, "logprobs": 1, "ignore_eos": True}
+    lp = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    outside = 0
+    for token, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[token] == chosen and len(top) <= 2
+        outside += len(top) == 2
+    assert outside > 0   # the case this is about happened
+
+
+def test_completion_text_offsets_count_characters_of_byte_tokens(server, engine):
+    """``text_offset`` is where each token starts in the returned text, in characters: tokens that hold part of a
+    UTF-8 character (named ``bytes:\\x..``) advance it only once the character is whole."""
+    prompt = "Emoji: \U0001F44B\U0001F600 caf\u00e9 \u4e2d\u6587 ok"
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "echo": True, "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers(),
+                              timeout=60) as resp:
+                chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                          if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            tokens = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                      for t in c["choices"][0]["logprobs"]["tokens"]]
+            offsets = [o for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                       for o in c["choices"][0]["logprobs"]["text_offset"]]
+        else:
+            choice = post(server, "/v1/completions", body).json()["choices"][0]
+            text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+        assert any(t.startswith("bytes:") for t in tokens)   # the prompt's emoji are byte tokens here
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+        special = set(engine.tokenizer.all_special_tokens)   # left out of the text (skip_special_tokens)
+        for token, start in zip(tokens, offsets, strict=True):
+            if not token.startswith("bytes:") and token not in special:
+                assert text[start:start + len(token)] == token, (token, start, stream)
+
+
+def test_null_means_the_default_and_other_request_checks(server):
+    """An explicit null for a field with a default is that default (clients send null for unset fields); seeds
+    outside 64 bits are 400s; an assistant message's refusal part is its text."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field in ("n", "logprobs", "stream", "echo", "add_generation_prompt", "temperature"):
+        resp = post(server, "/v1/chat/completions", {**chat, field: None})
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, (field, resp.text)
+    for field in ("n", "echo", "stream"):
+        resp = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: None})
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, (field, resp.text)
+    assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "seed": 2**64}), 400, "seed")
+    assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "seed": -(2**63) - 1}), 400, "seed")
+    assert post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "seed": -(2**63)}).status_code == 200
+    refused = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal",
+                                                                                    "refusal": "I cannot."}]},
+               {"role": "user", "content": "why?"}]
+    assert post(server, "/v1/chat/completions", {"messages": refused, "max_tokens": 2}).status_code == 200
+    refused[0]["content"] = [{"type": "refusal", "refusal": "no"}]   # only an assistant's reply holds one
+    assert_error(post(server, "/v1/chat/completions", {"messages": refused, "max_tokens": 2}), 400, "messages")
+
+
+def test_truncated_prompts_may_exceed_the_context(server):
+    """With ``truncate_prompt_tokens`` the prompt is cut to its last N tokens, however long its text (up to
+    MAX_TRUNCATED_CHARS), on both routes; without it such text is refused before tokenizing."""
+    long_text = "hello world " * (20 * MAX_MODEL_LEN)
+    for path, body in (("/v1/completions", {"prompt": long_text}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]})):
+        resp = post(server, path, {**body, "max_tokens": 1, "truncate_prompt_tokens": 20})
+        assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == 20, resp.text
+        assert_error(post(server, path, {**body, "max_tokens": 1}), 400, code="context_length_exceeded")
+
+
+def test_requests_refused_on_arrival_are_not_counted_as_errors(server):
+    before = scrape_metrics(server.base_url)
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}), 400, "logit_bias")
+    after = scrape_metrics(server.base_url)
+    key = "plinth_requests_finished_total{finish_reason=error}"
+    assert after.get(key, 0.0) == before.get(key, 0.0)
 
 
 def test_completion_echo(client, engine):

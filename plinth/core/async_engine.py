@@ -120,10 +120,10 @@ class AsyncLLMEngine:
         """The exception that stopped the engine loop, or ``None`` while it runs."""
         return self._dead
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, max_chars: int | None = None) -> list[int]:
         """Token ids of ``text`` with the model's tokenizer and the engine's checks (text that is not valid
-        Unicode, or longer than the context could hold: :class:`RequestRejectedError`)."""
-        return self._engine.tokenize(text, add_special_tokens=add_special_tokens)
+        Unicode, or longer than the context could hold or than ``max_chars``: :class:`RequestRejectedError`)."""
+        return self._engine.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
 
     @property
     def chars_per_token(self) -> int:

@@ -310,8 +310,12 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- requests
 
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True, max_chars: int | None = None) -> list[int]:
         """Token ids of ``prompt``.
+
+        Args:
+            max_chars: the longest text tokenized (default: what the context could hold whatever its tokens; a
+                caller that keeps only the last tokens, such as the server's ``truncate_prompt_tokens``, allows more).
 
         Raises:
             RequestRejectedError: text that is not valid Unicode (a lone surrogate), or longer than the
@@ -322,7 +326,9 @@ class LLMEngine:
         if not isinstance(prompt, str):
             raise RequestRejectedError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
         per_token = self.chars_per_token
-        if len(prompt) > per_token * self.max_model_len:
+        if max_chars is not None and len(prompt) > max_chars:
+            raise RequestRejectedError(f"the prompt has {len(prompt)} characters, more than {max_chars}")
+        if max_chars is None and len(prompt) > per_token * self.max_model_len:
             raise RequestRejectedError(
                 f"the prompt has {len(prompt)} characters, more than {per_token} (the longest token) per token of "
                 f"this model's context of {self.max_model_len} tokens")

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 from plinth.core.request import SamplingParams, SamplingParamsError
 from plinth.core.structured import normalize as normalize_structured
@@ -29,6 +29,18 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit ``null`` for a field with a non-null default means that default (the OpenAI reference
+        types such fields "or null", and clients send ``null`` for fields they leave unset)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
+                 and fields[k].get_default(call_default_factory=True) is not None]
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
 
 class StreamOptions(_Request):
@@ -139,6 +151,8 @@ class _SamplingFields(_NamedExtras):
             return "prompt_logprobs", f"must be at least 0, got {self.prompt_logprobs}"
         if self.prompt_logprobs is not None and self.stream:
             return "prompt_logprobs", "prompt_logprobs is not available when streaming"
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            return "seed", f"must be a 64-bit signed integer, got {self.seed}"
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -206,6 +220,7 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(_Request):
     type: str
     text: str | None = None
+    refusal: str | None = None   # an assistant message's refusal part (its text, for the template)
 
 
 class ChatMessage(_Request):

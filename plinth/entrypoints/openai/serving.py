@@ -17,6 +17,7 @@ from plinth.core.async_engine import AsyncLLMEngine
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
 from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
+from plinth.core.scheduler import RequestRejectedError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.beam_search import BeamSearchParams
 from plinth.entrypoints.openai.errors import APIError, bad_request
@@ -32,6 +33,9 @@ MAX_CHOICES = 2048   # choices per request (prompts x n)
 #: prompt text is refused before it is tokenized when it has more characters than the context's tokens times
 #: the longest token of the vocabulary (at least this many; real text has a few characters per token)
 MAX_CHARS_PER_TOKEN = MIN_CHARS_PER_TOKEN
+#: prompt text of a request with ``truncate_prompt_tokens`` may exceed the context (its tokens are cut to the last
+#: N): it is tokenized whole up to this many characters (~16 MiB of text, a few seconds of tokenizing)
+MAX_TRUNCATED_CHARS = 1 << 24
 
 
 @dataclasses.dataclass
@@ -152,25 +156,37 @@ class ServerContext:
                 f"tokens; shorten the prompt or lower {max_tokens_param}", max_tokens_param,
                 "context_length_exceeded")
 
-    def check_text(self, chars: int, param: str) -> None:
+    def check_text(self, chars: int, param: str, truncating: bool = False) -> None:
         """Refuse ``chars`` characters of prompt text that cannot fit in the context: more than its tokens
-        times the longest token of the vocabulary (before spending time tokenizing them)."""
+        times the longest token of the vocabulary (before spending time tokenizing them). A request that keeps
+        only its prompt's last tokens (``truncating``: ``truncate_prompt_tokens``) may send more, up to
+        :data:`MAX_TRUNCATED_CHARS`."""
         limit = self.front.max_model_len
         per_token = self.front.chars_per_token
-        if chars > per_token * limit:
+        if truncating and chars > max(per_token * limit, MAX_TRUNCATED_CHARS):
+            raise bad_request(
+                f"the prompt has {chars} characters; with truncate_prompt_tokens at most "
+                f"{max(per_token * limit, MAX_TRUNCATED_CHARS)} are tokenized; shorten the prompt", param,
+                "context_length_exceeded")
+        if not truncating and chars > per_token * limit:
             raise bad_request(
                 f"the prompt has {chars} characters, more than {per_token} (the longest token) per token of this "
                 f"model's maximum context length ({limit} tokens); shorten the prompt", param,
                 "context_length_exceeded")
 
-    async def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str, truncating: bool = False) -> list[int]:
         """Token ids of ``text``, tokenized in a worker thread (a long prompt does not stall the server); the
-        engine's refusals (text that is not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``."""
-        self.check_text(len(text), param)
+        engine's refusals (text that is not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``.
+        ``truncating``: see :meth:`check_text`."""
+        self.check_text(len(text), param, truncating)
+        max_chars = (max(self.front.chars_per_token * self.front.max_model_len, MAX_TRUNCATED_CHARS) if truncating
+                     else None)
 
         def run() -> list[int]:
             with self._tokenize_lock:
-                return self.front.tokenize(text, add_special_tokens=add_special_tokens)
+                if max_chars is None:
+                    return self.front.tokenize(text, add_special_tokens=add_special_tokens)
+                return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
 
         try:
             return await asyncio.to_thread(run)
@@ -265,6 +281,9 @@ class ServerContext:
                 yield out
         except asyncio.CancelledError:
             raise
+        except RequestRejectedError:
+            tracker.discard()   # refused on arrival: a client error, counted by no request metric
+            raise
         except Exception:
             error = True
             raise
@@ -347,6 +366,11 @@ async def check_structured(ctx: ServerContext, req: Any, params: SamplingParams)
         raise bad_request(str(exc), field) from None
 
 
+#: request fields that would change which tokens a sequence may take or where it stops: beam search has none of them
+_BEAM_IGNORES = ("stop", "stop_token_ids", "min_tokens", "bad_words", "allowed_token_ids", "logit_bias",
+                 "presence_penalty", "frequency_penalty")
+
+
 def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, room: int,
                        max_logprobs: int = SamplingParams.MAX_LOGPROBS) -> BeamSearchParams:
     """The beam search a ``use_beam_search`` request asks for (``n`` beams; ``room``: the tokens the context
@@ -360,6 +384,9 @@ def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, 
     if req.structured() is not None or ("tools" in type(req).model_fields and req.tools):
         raise bad_request("use_beam_search cannot be combined with a structured-output constraint or tools",
                           "use_beam_search")
+    for field in _BEAM_IGNORES:   # what the beams would not honour: refused rather than dropped
+        if getattr(req, field, None) not in (None, 0, [], {}, ""):
+            raise bad_request(f"use_beam_search does not take {field}", field)
     try:
         params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else room,
                                   ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)

@@ -65,6 +65,11 @@ def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         else:
             parts = []
             for part in m.content:
+                if part.type == "refusal" and m.role == "assistant":   # an earlier reply's refusal, as text
+                    if part.refusal is None:
+                        raise bad_request(f"messages[{i}]: a refusal content part needs its 'refusal'", "messages")
+                    parts.append(part.refusal)
+                    continue
                 if part.type != "text":
                     raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
                                       "messages")
@@ -170,7 +175,8 @@ def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools:
     documents = getattr(req, "documents", None)
     if documents:
         kwargs = {**kwargs, "documents": documents}
-    ctx.check_text(_message_chars(messages, tools) + (len(json.dumps(kwargs)) if kwargs else 0), "messages")
+    ctx.check_text(_message_chars(messages, tools) + (len(json.dumps(kwargs)) if kwargs else 0), "messages",
+                   getattr(req, "truncate_prompt_tokens", None) is not None)
     try:
         return ctx.front.render_chat(template_messages(messages), add_generation_prompt=req.add_generation_prompt,
                                      tools=tools, continue_final_message=req.continue_final_message,
@@ -263,13 +269,14 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     await _check_tool_schemas(mode)
     await check_structured(ctx, req, params)
     # The template writes the special tokens itself, so none are added unless asked for.
-    ids = ctx.truncated(await ctx.tokenize(text, add_special_tokens=bool(req.add_special_tokens), param="messages"),
-                        req)
+    ids = ctx.truncated(await ctx.tokenize(text, add_special_tokens=bool(req.add_special_tokens), param="messages",
+                                           truncating=req.truncate_prompt_tokens is not None), req)
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    created = int(time.time())   # when the request arrived, as the streamed chunks say too
     prep = await prepare_chat(ctx, req)
     lora, mode, params, ids, max_tokens, max_param, k = (prep.lora, prep.mode, prep.params, prep.ids, prep.max_tokens,
                                                         prep.max_param, prep.k)
@@ -287,7 +294,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             choices.append(ChatChoice(index=j, message=message, finish_reason=b.finish_reason))
         completion = sum(len(b.token_ids) for b in out.sequences)
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
-        return JSONResponse(ChatCompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices,
+        return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
                                                    usage=usage).model_dump())
     stream = ctx.generate(rid, ids, params, req.priority, lora)
     firsts = await unless_disconnected(raw, first_outputs([stream]))
@@ -316,7 +323,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                   stop_reason=c.stop_reason))
     prompt_logprobs = (ctx.prompt_logprobs(final, req.prompt_logprobs, name)
                        if req.prompt_logprobs is not None else None)
-    body = ChatCompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices, usage=_usage(final),
+    body = ChatCompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices, usage=_usage(final),
                                   prompt_logprobs=prompt_logprobs)
     return JSONResponse(body.model_dump())
 

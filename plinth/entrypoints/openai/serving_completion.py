@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -51,13 +52,14 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
     check_choices(len(raw), req.n)
     for p in raw:   # every prompt has a context of its own: each is checked before any is tokenized
         if isinstance(p, str):
-            ctx.check_text(len(p), "prompt")
+            ctx.check_text(len(p), "prompt", req.truncate_prompt_tokens is not None)
     prompts = []
     special = req.add_special_tokens if req.add_special_tokens is not None else True
     tok = ctx.front.tokenizer
     for p in raw:
         if isinstance(p, str):
-            ids = await ctx.tokenize(p, add_special_tokens=special, param="prompt")
+            ids = await ctx.tokenize(p, add_special_tokens=special, param="prompt",
+                                     truncating=req.truncate_prompt_tokens is not None)
             kept = ctx.truncated(ids, req)
             text = p if len(kept) == len(ids) or tok is None else tok.decode(kept)
             prompts.append(_Prompt(text, kept))
@@ -72,29 +74,54 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
     return prompts
 
 
+class _TextOffsets:
+    """Where each token starts in the text of a choice, in characters: a token's bytes advance the offset by the
+    characters they complete, so a token that ends inside a UTF-8 character (a byte token, shown as
+    ``bytes:\\xNN``) moves it only once the character is whole."""
+
+    def __init__(self, start: int = 0, skipped: frozenset[int] = frozenset()) -> None:
+        self.offset = start
+        self.skipped = skipped   # tokens the text leaves out (special tokens, with skip_special_tokens)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_id: int, raw: bytes) -> None:
+        if token_id not in self.skipped:
+            self.offset += len(self._decoder.decode(raw))
+
+
+def _offsets(ctx: ServerContext, req: CompletionRequest, start: int) -> _TextOffsets:
+    """Offsets into a choice's generated text, from ``start``."""
+    tok = ctx.front.tokenizer
+    skipped = frozenset(getattr(tok, "all_special_ids", ()) or ()) if req.skip_special_tokens and tok else frozenset()
+    return _TextOffsets(start, skipped)
+
+
 def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Sequence[int],
-                  positions: Sequence[PositionLogprobs | None], k: int, offset: int, name: Callable[[int], str]) -> int:
-    """Append one entry per token to ``dest`` (tokens named by ``name``); returns the text offset after the
-    last token."""
+                  positions: Sequence[PositionLogprobs | None], k: int, offsets: _TextOffsets,
+                  name: Callable[[int], str]) -> None:
+    """Append one entry per token to ``dest`` (tokens named by ``name``), ``offsets`` advanced past them. Each
+    position's top log-probabilities hold the ``k`` most likely tokens and the chosen one (OpenAI: "up to
+    logprobs + 1 elements")."""
     for tid, pos in zip(token_ids, positions, strict=True):
-        text = name(tid)
-        dest.tokens.append(text)
+        dest.tokens.append(name(tid))
         chosen = pos.get(tid) if pos is not None else None
         dest.token_logprobs.append(chosen.logprob if chosen is not None else None)
-        dest.top_logprobs.append({name(t): lp for t, lp in ctx.top_logprobs(pos, k)}
-                                 if pos is not None else None)
-        dest.text_offset.append(offset)
-        offset += len(text)
-    return offset
+        top = None
+        if pos is not None:
+            top = {name(t): lp for t, lp in ctx.top_logprobs(pos, k)}
+            if chosen is not None:
+                top.setdefault(name(tid), chosen.logprob)
+        dest.top_logprobs.append(top)
+        dest.text_offset.append(offsets.offset)
+        offsets.advance(tid, ctx.token_bytes(tid))
 
 
-def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int,
-                   name: Callable[[int], str]) -> tuple[CompletionLogprobs, int]:
+def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int, name: Callable[[int], str]) -> CompletionLogprobs:
     lp = CompletionLogprobs()
     positions = list(out.prompt_logprobs or [])
     positions += [None] * (len(out.prompt_token_ids) - len(positions))
-    end = _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, 0, name)
-    return lp, end
+    _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, _TextOffsets(), name)
+    return lp
 
 
 def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: RequestOutput,
@@ -103,10 +130,10 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: Re
     logprobs = None
     name = ctx.token_namer(req)
     if req.logprobs is not None:
-        logprobs = _echo_logprobs(ctx, out, req.logprobs, name)[0] if req.echo else CompletionLogprobs()
-        offset = len(prompt.text) if req.echo else 0
+        logprobs = _echo_logprobs(ctx, out, req.logprobs, name) if req.echo else CompletionLogprobs()
+        offsets = _offsets(ctx, req, len(prompt.text) if req.echo else 0)
         n = len(c.token_ids)
-        _add_logprobs(ctx, logprobs, c.token_ids, (c.logprobs or [])[:n], req.logprobs, offset, name)
+        _add_logprobs(ctx, logprobs, c.token_ids, (c.logprobs or [])[:n], req.logprobs, offsets, name)
     prompt_logprobs = (ctx.prompt_logprobs(out, req.prompt_logprobs, name)
                        if req.prompt_logprobs is not None else None)
     return CompletionChoice(index=index, text=text, logprobs=logprobs,
@@ -122,6 +149,7 @@ def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: in
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
+    created = int(time.time())   # when the request arrived, as the streamed chunks say too
     lora = ctx.check_model(req.model)
     ctx.check_task("generate")
     ctx.note_ignored_fields(req)
@@ -140,7 +168,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
     rid = random_id("cmpl")
     if req.use_beam_search:
-        return await _beam_search(ctx, req, rid, prompts, raw, lora)
+        return await _beam_search(ctx, req, rid, prompts, raw, lora, created)
     streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params, req.priority, lora) for i, p in enumerate(prompts)]
     firsts = await unless_disconnected(raw, first_outputs(streams))
     events = merge(streams, firsts)
@@ -151,13 +179,13 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
                for i, out in enumerate(finals) for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    body = CompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices,
+    body = CompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
                               usage=_usage(prompts, completion_tokens, sum(o.num_cached_tokens for o in finals)))
     return JSONResponse(body.model_dump())
 
 
 async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
-                       raw: Request, lora: LoRARequest | None) -> Response:
+                       raw: Request, lora: LoRARequest | None, created: int) -> Response:
     room = ctx.default_room(max(len(p.token_ids) for p in prompts))
     beam = beam_search_params(req, req.max_tokens, "max_tokens", room, ctx.front.max_logprobs)
     outs = await unless_disconnected(raw, beam_search_async(ctx.front, rid, [p.token_ids for p in prompts], beam, lora))
@@ -165,7 +193,7 @@ async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, pro
                                 finish_reason=b.finish_reason)
                for i, out in enumerate(outs) for j, b in enumerate(out.sequences)]
     completion_tokens = sum(len(b.token_ids) for out in outs for b in out.sequences)
-    body = CompletionResponse(id=rid, model=ctx.reply_model(lora), choices=choices,
+    body = CompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
                               usage=_usage(prompts, completion_tokens, 0))
     return JSONResponse(body.model_dump())
 
@@ -174,7 +202,7 @@ async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, pro
 class _ChoiceState:
     sent_chars: int = 0
     sent_tokens: int = 0
-    offset: int = 0
+    offsets: _TextOffsets = dataclasses.field(default_factory=_TextOffsets)
     started: bool = False
     done: bool = False
 
@@ -205,11 +233,11 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                 if req.echo and not st.started:
                     prefix = prompts[i].text
                     if lp is not None:
-                        lp, _ = _echo_logprobs(ctx, out, k, name)  # type: ignore[arg-type]
-                    st.offset = len(prefix)
+                        lp = _echo_logprobs(ctx, out, k, name)  # type: ignore[arg-type]
+                    st.offsets = _offsets(ctx, req, len(prefix))
                 if lp is not None:
-                    st.offset = _add_logprobs(ctx, lp, new_ids, (c.logprobs or [])[st.sent_tokens:end], k,
-                                              st.offset, name)  # type: ignore[arg-type]
+                    _add_logprobs(ctx, lp, new_ids, (c.logprobs or [])[st.sent_tokens:end], k,  # type: ignore[arg-type]
+                                  st.offsets, name)
                 finish = str(c.finish_reason) if c.finish_reason else None
                 st.started = True
                 st.sent_chars, st.sent_tokens = len(c.text), end

@@ -34,11 +34,12 @@ async def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[list[int]]:
         raise bad_request(f"input holds {len(raw)} items; at most {MAX_CHOICES} per request", "input")
     for item in raw:
         if isinstance(item, str):
-            ctx.check_text(len(item), "input")
+            ctx.check_text(len(item), "input", req.truncate_prompt_tokens is not None)
     out = []
     for item in raw:
         if isinstance(item, str):
-            ids = await ctx.tokenize(item, add_special_tokens=req.add_special_tokens, param="input")
+            ids = await ctx.tokenize(item, add_special_tokens=req.add_special_tokens, param="input",
+                                     truncating=req.truncate_prompt_tokens is not None)
         else:
             ids = list(item)   # type: ignore[arg-type]
             ctx.check_token_ids(ids, "input")
