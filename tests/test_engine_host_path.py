@@ -86,6 +86,31 @@ def test_detokenize_false_keeps_the_tokens_and_skips_the_text(tiny_llama_dir):
         SamplingParams(stop=["fox"], detokenize=False)
 
 
+def test_sampling_params_are_checked_when_the_request_arrives(tiny_llama_dir):
+    """Values set after a SamplingParams was built are checked when its request arrives (n = 0 never finishing
+    before), something else than a SamplingParams is a TypeError naming it, and a bad stop is refused when built."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for field, value in (("n", 0), ("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
+                         ("stop_token_ids", "x")):
+        bad = params.clone()
+        setattr(bad, field, value)
+        with pytest.raises(SamplingParamsError, match=field):
+            llm.generate(PROMPTS[:2], bad, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, got"):
+        llm.generate(PROMPTS[:1], {"temperature": 0.0}, use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match="stop: must be a list, got int"):
+        SamplingParams(stop=5)
+    assert SamplingParams(stop_token_ids=7).stop_token_ids == [7]
+    out = llm.generate(PROMPTS[:1], params.clone(logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+    # each log-probability's decoded_token is the token's text (vLLM's), not its vocabulary entry ("Ġthe")
+    tokenizer = llm.get_tokenizer()
+    assert all(lp.decoded_token == tokenizer.decode([tid], skip_special_tokens=False)
+               for pos in out.logprobs for tid, lp in pos.items())
+
+
 def test_streamed_outputs_are_snapshots(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
     engine = llm.engine

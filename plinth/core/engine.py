@@ -450,7 +450,9 @@ class LLMEngine:
         if pooling is not None:   # the prompt's prefill; the one token sampled after it is dropped
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         params = params or self.default_sampling_params()
-        assert isinstance(params, SamplingParams)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.recheck()   # values set after construction are checked too
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._groups:
@@ -960,10 +962,20 @@ class LLMEngine:
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + pos[token_ids[j]].logprob
 
     def _decorate(self, pos: PositionLogprobs) -> PositionLogprobs:
+        """Each entry's ``decoded_token``: the token's text, as vLLM gives it (``" there"``, not the vocabulary's
+        ``"Ġthere"``; a token that is part of a UTF-8 character decodes to U+FFFD)."""
         if self.tokenizer is not None:
+            texts = self._token_texts
             for tid, lp in pos.items():
-                lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
+                text = texts.get(tid)
+                if text is None:
+                    text = texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+                lp.decoded_token = text
         return pos
+
+    @functools.cached_property
+    def _token_texts(self) -> dict[int, str]:
+        return {}
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
         # decodes come first (one row each, more with drafts); they have no prompt logprobs

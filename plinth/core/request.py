@@ -76,10 +76,7 @@ class SamplingParams:
     MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._lists()
         self.logit_bias = _token_bias(self.logit_bias)
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
@@ -92,6 +89,29 @@ class SamplingParams:
             self.structured_outputs = structured.normalize(self.structured_outputs)
         except ValueError as exc:
             raise SamplingParamsError(structured.PARAM, str(exc)) from None
+        self.validate()
+
+    def _lists(self) -> None:
+        """``stop`` and ``stop_token_ids`` as lists (a single string or id accepted as one item)."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = [self.stop_token_ids]
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            try:
+                setattr(self, name, list(value or []))
+            except TypeError:
+                raise SamplingParamsError(name, f"must be a list, got {type(value).__name__}") from None
+
+    def recheck(self) -> None:
+        """:meth:`validate` again, for values changed after construction (the engine calls it when a request
+        arrives: ``params.n = 0`` is refused there rather than never finishing).
+
+        Raises:
+            SamplingParamsError: naming the parameter.
+        """
+        self._lists()
         self.validate()
 
     def validate(self) -> None:
