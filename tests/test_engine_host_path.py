@@ -102,6 +102,9 @@ def test_sampling_params_are_checked_when_the_request_arrives(tiny_llama_dir):
         llm.generate(PROMPTS[:1], {"temperature": 0.0}, use_tqdm=False)
     with pytest.raises(SamplingParamsError, match="stop: must be a list, got int"):
         SamplingParams(stop=5)
+    for prompts in (None, 5):
+        with pytest.raises(TypeError, match="prompts must be a prompt"):
+            llm.generate(prompts, params, use_tqdm=False)
     assert SamplingParams(stop_token_ids=7).stop_token_ids == [7]
     out = llm.generate(PROMPTS[:1], params.clone(logprobs=2), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4

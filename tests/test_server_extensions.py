@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from server_utils import make_tiny_model
+from server_utils import free_port, make_tiny_model
 
 from plinth import LLM, SamplingParams
 
@@ -282,6 +282,11 @@ def test_server_flag_checks(tmp_path, capsys):
     assert "needs both --ssl-keyfile and --ssl-certfile" in capsys.readouterr().err
     assert main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(tmp_path / "none.pem")]) == 2
     assert "is not a file" in capsys.readouterr().err
+    # a model path that does not exist fails before the port is bound (and announced as running)
+    port = free_port()
+    assert main(["serve", str(tmp_path / "no-such-model"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Uvicorn running" not in err
 
 
 def test_llm_dict_prompts(model_dir):

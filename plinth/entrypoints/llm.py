@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from plinth.config import EngineConfig
@@ -59,6 +59,9 @@ def _prompt_list(prompts: Any) -> list[Any]:
     if isinstance(prompts, str | dict) or (isinstance(prompts, Sequence) and prompts
                                            and isinstance(prompts[0], numbers.Integral)):
         return [_one_prompt(prompts)]
+    if not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
+        raise TypeError(f"prompts must be a prompt (text, token ids or a dict) or a list of them, "
+                        f"got {type(prompts).__name__}")
     return [_one_prompt(p) for p in prompts]
 
 

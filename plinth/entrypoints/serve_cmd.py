@@ -258,6 +258,9 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
     resolve_reasoning_parser(args.reasoning_parser)
     config = serving_config(args)
+    model = config.model.model
+    if model is not None and config.model.load_format != "dummy" and not os.path.exists(os.path.expanduser(model)):
+        raise ServeError(f"model path {model!r} does not exist")   # before the socket is bound and announced
     uv_config = uvicorn.Config(
         "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
         host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel(),
