@@ -493,13 +493,19 @@ def test_float32_gguf_model_decodes_through_int4_copies_without_native_bf16(int8
                 assert got.dtype == torch.float32
                 assert torch.equal(method.matmul(x.t().contiguous().t()), got)   # a strided input alike
                 if cpu_native.q4_gemv_f32_supported():
-                    # the native float32 GEMV: the file's weights times the rows as they are, float32 sums (a
-                    # prompt's rows, whether or not the copy has the 8-bit GEMM for decode steps)
-                    assert method.int4.gemv_f32 is not None and torch.equal(got, method.int4.gemv_f32(x))
+                    # with the 8-bit GEMM for decode steps, a prompt's few rows take the packed float32 weights,
+                    # the same sums as those rows inside a longer prompt (a prompt's last tokens computed apart after
+                    # a prefix-cache hit); else the native float32 GEMV: the file's weights times the rows as they
+                    # are, float32 sums
+                    assert method.int4.int8_inputs == (int8 == "default")
+                    if method.int4.int8_inputs and method.packed is not None:
+                        longer = torch.cat([x, torch.randn(20, x.shape[1])])
+                        assert torch.equal(got, method.matmul(longer)[:3])
+                    else:
+                        assert method.int4.gemv_f32 is not None and torch.equal(got, method.int4.gemv_f32(x))
                     want = x.double() @ w_file.T
                     bound = 1e-5 * (x.double().abs() @ w_file.abs().T)
                     assert bool(((got.double() - want).abs() <= bound).all())
-                    assert method.int4.int8_inputs == (int8 == "default")
                 else:   # torch's int4 kernel on the bfloat16-rounded rows
                     assert torch.equal(got, method.int4.matmul(x.bfloat16()).float())
                     want = x.bfloat16().double() @ w_file.T

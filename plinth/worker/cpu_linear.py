@@ -389,12 +389,14 @@ class CpuLinearMethod:
             if bias is not None:
                 y = y + bias
         elif (int4 is not None and x2.dtype == torch.float32 and int4.scale_zeros.dtype == torch.bfloat16 and 0 < m
-              and (m <= self.int4_max_rows or decode_q8)):
+              and (decode_q8 or (m <= self.int4_max_rows and not (has_q8 and self.packed is not None)))):
             # a float32 model on a CPU without native bfloat16: decode rows multiply the 4-bit copy, through the
             # native float32 GEMV (AVX2/FMA, the rows as they are) or torch's int4 kernel on bfloat16-rounded
             # rows; either streams the weights several times faster than the float32 GEMV there. With 8-bit
             # inputs a decode step's rows, however many, take the copy's 8-bit GEMM (faster than oneDNN's float32
-            # GEMM at 1-512 rows)
+            # GEMM at 1-512 rows), and prompt rows, however few, the packed float32 weights: a prompt's last tokens
+            # computed apart (after a prefix-cache hit) get the sums of the whole prompt's step, which the 8-bit
+            # rounding of the decode steps after them would otherwise amplify into other tokens
             if decode_q8:
                 y = int4.gemm_q8(x2 if x2.stride(1) == 1 else x2.contiguous())
             elif int4.gemv_f32 is not None and m <= cpu_native.Q4_GEMV_F32_MAX_ROWS and cpu_native.native_ops_on():
