@@ -463,13 +463,19 @@ def gguf_load_part() -> dict:
             pass
 
     out: dict = {}
-    for _ in range(3):   # alternating rounds: the native kernel, then the torch code it replaces
-        for name, native in (("native", True), ("torch", False)):
-            cpu_native._env_enabled.cache_clear()
-            os.environ[cpu_native.NATIVE_OPS_ENV] = "1" if native else "0"
-            out.setdefault(f"expand_default_model_{name}_ms", []).append(round(median_ms(expand_all, 3, 1), 1))
-    os.environ.pop(cpu_native.NATIVE_OPS_ENV)
-    cpu_native._env_enabled.cache_clear()
+    previous = os.environ.get(cpu_native.NATIVE_OPS_ENV)
+    try:
+        for _ in range(3):   # alternating rounds: the native kernel, then the torch code it replaces
+            for name, native in (("native", True), ("torch", False)):
+                cpu_native._env_enabled.cache_clear()
+                os.environ[cpu_native.NATIVE_OPS_ENV] = "1" if native else "0"
+                out.setdefault(f"expand_default_model_{name}_ms", []).append(round(median_ms(expand_all, 3, 1), 1))
+    finally:
+        if previous is None:
+            os.environ.pop(cpu_native.NATIVE_OPS_ENV, None)
+        else:
+            os.environ[cpu_native.NATIVE_OPS_ENV] = previous
+        cpu_native._env_enabled.cache_clear()
     return out
 
 

@@ -166,7 +166,8 @@ def test_server_use_beam_search(tiny_llama_dir, llm):
         for body, param in [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n"),
                             ({"guided_regex": "a+"}, "use_beam_search"), ({"length_penalty": "x"}, "length_penalty"),
                             ({"stop": [" the"]}, "stop"), ({"stop_token_ids": [5]}, "stop_token_ids"),
-                            ({"min_tokens": 2}, "min_tokens"), ({"presence_penalty": 0.5}, "presence_penalty")]:
+                            ({"min_tokens": 2}, "min_tokens"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                            ({"repetition_penalty": 1.2}, "repetition_penalty")]:
             r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "use_beam_search": True, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert not engine.has_unfinished_requests()

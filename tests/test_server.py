@@ -298,6 +298,7 @@ def test_completion_text_offsets_count_characters_of_byte_tokens(server, engine)
     """``text_offset`` is where each token starts in the returned text, in characters: tokens that hold part of a
     UTF-8 character (named ``bytes:\\x..``) advance it only once the character is whole."""
     prompt = "Emoji: \U0001F44B\U0001F600 caf\u00e9 \u4e2d\u6587 ok"
+    seen = []
     for stream in (False, True):
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "echo": True, "stream": stream}
         if stream:
@@ -319,6 +320,8 @@ def test_completion_text_offsets_count_characters_of_byte_tokens(server, engine)
         for token, start in zip(tokens, offsets, strict=True):
             if not token.startswith("bytes:") and token not in special:
                 assert text[start:start + len(token)] == token, (token, start, stream)
+        seen.append((text, tokens, offsets))
+    assert seen[0] == seen[1]   # streamed as returned whole
 
 
 def test_null_means_the_default_and_other_request_checks(server):
@@ -331,6 +334,11 @@ def test_null_means_the_default_and_other_request_checks(server):
     for field in ("n", "echo", "stream"):
         resp = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: None})
         assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, (field, resp.text)
+    from plinth.entrypoints.openai.protocol import CompletionRequest
+
+    # completions' max_tokens: null is a value of its own (up to the context), not the default 16
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "seed": 2**64}), 400, "seed")
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "seed": -(2**63) - 1}), 400, "seed")
     assert post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "seed": -(2**63)}).status_code == 200

@@ -257,7 +257,8 @@ class CpuLinearMethod:
     """The GEMM of one layer on the CPU (see the module docstring).
 
     Args:
-        weight: the layer's ``[N, K]`` weight (kept as it is; the packed copy is extra).
+        weight: the layer's ``[N, K]`` weight (kept as it is, the packed copy extra; with ``release_weight`` its
+            storage is given back once packed).
         int4: a 4-bit copy for small batches, or ``None``.
         int4_max_rows: inputs with at most this many rows use ``int4``.
         pack_rows: the row count oneDNN packs the weight for (a hint; any ``M`` works).

@@ -931,7 +931,10 @@ void decode(const scalar_t* query, const kv_t* kv_cache, const int32_t* tables, 
   // few sequences and KV heads there are. A sequence's part count depends on its own length and the thread count
   // only, never on the rest of the batch (a part per kPartBlocks blocks, at most two per thread): the same sums
   // in the same order whatever else the step holds, so a sequence's outputs do not change with the batch (the
-  // 8-bit decode inputs would amplify such a change from float rounding to their own rounding steps).
+  // 8-bit decode inputs would amplify such a change from float rounding to their own rounding steps). Except on
+  // the AVX512-BF16 vector path (bfloat16 or FP8 caches off AMX tiles): there a part longer than one softmax
+  // segment (decode_item_bf16: kSegmentBytes of the item's heads) has its segment bounds set by heads_per_item,
+  // which does depend on the batch.
   constexpr int64_t kPartBlocks = 2;
   std::vector<int64_t> first_item(sh.num_seqs + 1, 0);   // per sequence: its first item; items per head-item: parts
   std::vector<int64_t> seq_parts(sh.num_seqs, 1);

@@ -29,6 +29,8 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    #: fields whose explicit null means something of its own (completions' ``max_tokens``: up to the context)
+    NULL_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
     @model_validator(mode="before")
     @classmethod
@@ -38,8 +40,8 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
-                 and fields[k].get_default(call_default_factory=True) is not None]
+        nulls = [k for k, v in data.items() if v is None and k in fields and k not in cls.NULL_IS_A_VALUE
+                 and not fields[k].is_required() and fields[k].get_default(call_default_factory=True) is not None]
         return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
 

@@ -387,6 +387,8 @@ def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, 
     for field in _BEAM_IGNORES:   # what the beams would not honour: refused rather than dropped
         if getattr(req, field, None) not in (None, 0, [], {}, ""):
             raise bad_request(f"use_beam_search does not take {field}", field)
+    if getattr(req, "repetition_penalty", None) not in (None, 1.0):
+        raise bad_request("use_beam_search does not take repetition_penalty", "repetition_penalty")
     try:
         params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else room,
                                   ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)

@@ -276,7 +276,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
-    created = int(time.time())   # when the request arrived, as the streamed chunks say too
+    created = int(time.time())   # when the request arrived (a stream stamps its chunks when it starts)
     prep = await prepare_chat(ctx, req)
     lora, mode, params, ids, max_tokens, max_param, k = (prep.lora, prep.mode, prep.params, prep.ids, prep.max_tokens,
                                                         prep.max_param, prep.k)

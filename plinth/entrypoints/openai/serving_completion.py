@@ -149,7 +149,7 @@ def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: in
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
-    created = int(time.time())   # when the request arrived, as the streamed chunks say too
+    created = int(time.time())   # when the request arrived (a stream stamps its chunks when it starts)
     lora = ctx.check_model(req.model)
     ctx.check_task("generate")
     ctx.note_ignored_fields(req)
@@ -211,7 +211,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                   params: SamplingParams, events: AsyncIterator[tuple[int, RequestOutput]],
                   include_usage: bool, model: str) -> AsyncIterator[str]:
     created = int(time.time())
-    states = [_ChoiceState() for _ in range(len(prompts) * params.n)]
+    states = [_ChoiceState(offsets=_offsets(ctx, req, 0)) for _ in range(len(prompts) * params.n)]
     cached = [0] * len(prompts)
     k = req.logprobs
     name = ctx.token_namer(req)
