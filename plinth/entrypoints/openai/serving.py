@@ -59,6 +59,7 @@ class ServerContext:
     _loading: set[str] = dataclasses.field(default_factory=set)   # adapter names being read
     _lora_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
+    _special_ids: frozenset[int] | None = None   # the tokenizer's special token ids, read once
     # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
     _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -156,18 +157,22 @@ class ServerContext:
                 f"tokens; shorten the prompt or lower {max_tokens_param}", max_tokens_param,
                 "context_length_exceeded")
 
+    def truncated_text_limit(self) -> int:
+        """The most characters of prompt text tokenized for a request with ``truncate_prompt_tokens`` (which keeps
+        only the last tokens): what the context could hold, or :data:`MAX_TRUNCATED_CHARS` if more."""
+        return max(self.front.chars_per_token * self.front.max_model_len, MAX_TRUNCATED_CHARS)
+
     def check_text(self, chars: int, param: str, truncating: bool = False) -> None:
         """Refuse ``chars`` characters of prompt text that cannot fit in the context: more than its tokens
         times the longest token of the vocabulary (before spending time tokenizing them). A request that keeps
         only its prompt's last tokens (``truncating``: ``truncate_prompt_tokens``) may send more, up to
-        :data:`MAX_TRUNCATED_CHARS`."""
+        :meth:`truncated_text_limit`."""
         limit = self.front.max_model_len
         per_token = self.front.chars_per_token
-        if truncating and chars > max(per_token * limit, MAX_TRUNCATED_CHARS):
+        if truncating and chars > (most := self.truncated_text_limit()):
             raise bad_request(
-                f"the prompt has {chars} characters; with truncate_prompt_tokens at most "
-                f"{max(per_token * limit, MAX_TRUNCATED_CHARS)} are tokenized; shorten the prompt", param,
-                "context_length_exceeded")
+                f"the prompt has {chars} characters; with truncate_prompt_tokens at most {most} are tokenized; "
+                f"shorten the prompt", param, "context_length_exceeded")
         if not truncating and chars > per_token * limit:
             raise bad_request(
                 f"the prompt has {chars} characters, more than {per_token} (the longest token) per token of this "
@@ -179,13 +184,10 @@ class ServerContext:
         engine's refusals (text that is not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``.
         ``truncating``: see :meth:`check_text`."""
         self.check_text(len(text), param, truncating)
-        max_chars = (max(self.front.chars_per_token * self.front.max_model_len, MAX_TRUNCATED_CHARS) if truncating
-                     else None)
+        max_chars = self.truncated_text_limit() if truncating else None
 
         def run() -> list[int]:
             with self._tokenize_lock:
-                if max_chars is None:
-                    return self.front.tokenize(text, add_special_tokens=add_special_tokens)
                 return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
 
         try:
@@ -242,6 +244,14 @@ class ServerContext:
                     entry[str(t)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": name(t)}
             body.append(entry)
         return body
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The tokenizer's special token ids (what ``skip_special_tokens`` leaves out of a reply's text)."""
+        if self._special_ids is None:
+            tok = self.front.tokenizer
+            self._special_ids = frozenset(getattr(tok, "all_special_ids", ()) or ()) if tok is not None else frozenset()
+        return self._special_ids
 
     def token_text(self, token_id: int) -> str:
         """The text of one token; a token that is only part of a UTF-8 character is written
@@ -366,9 +376,11 @@ async def check_structured(ctx: ServerContext, req: Any, params: SamplingParams)
         raise bad_request(str(exc), field) from None
 
 
-#: request fields that would change which tokens a sequence may take or where it stops: beam search has none of them
-_BEAM_IGNORES = ("stop", "stop_token_ids", "min_tokens", "bad_words", "allowed_token_ids", "logit_bias",
-                 "presence_penalty", "frequency_penalty")
+#: request fields that would change which tokens a sequence may take or where it stops (beam search has none of
+#: them), with the values that ask for nothing
+_BEAM_IGNORES = {name: (None, 0, [], {}, "") for name in ("stop", "stop_token_ids", "min_tokens", "bad_words",
+                                                          "allowed_token_ids", "logit_bias", "presence_penalty",
+                                                          "frequency_penalty")} | {"repetition_penalty": (None, 1.0)}
 
 
 def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, room: int,
@@ -384,11 +396,9 @@ def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, 
     if req.structured() is not None or ("tools" in type(req).model_fields and req.tools):
         raise bad_request("use_beam_search cannot be combined with a structured-output constraint or tools",
                           "use_beam_search")
-    for field in _BEAM_IGNORES:   # what the beams would not honour: refused rather than dropped
-        if getattr(req, field, None) not in (None, 0, [], {}, ""):
+    for field, nothing in _BEAM_IGNORES.items():   # what the beams would not honour: refused rather than dropped
+        if getattr(req, field, None) not in nothing:
             raise bad_request(f"use_beam_search does not take {field}", field)
-    if getattr(req, "repetition_penalty", None) not in (None, 1.0):
-        raise bad_request("use_beam_search does not take repetition_penalty", "repetition_penalty")
     try:
         params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else room,
                                   ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)

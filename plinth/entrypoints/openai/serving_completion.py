@@ -91,9 +91,7 @@ class _TextOffsets:
 
 def _offsets(ctx: ServerContext, req: CompletionRequest, start: int) -> _TextOffsets:
     """Offsets into a choice's generated text, from ``start``."""
-    tok = ctx.front.tokenizer
-    skipped = frozenset(getattr(tok, "all_special_ids", ()) or ()) if req.skip_special_tokens and tok else frozenset()
-    return _TextOffsets(start, skipped)
+    return _TextOffsets(start, ctx.special_ids if req.skip_special_tokens else frozenset())
 
 
 def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Sequence[int],
