@@ -16,7 +16,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from plinth.attention_backends.torch_sdpa import TorchSDPABackend
 from plinth.config import ModelConfig
-from plinth.model_registry.gguf_loader import load_gguf_tokenizer
+from plinth.model_registry.gguf_loader import load_gguf_tokenizer, transformers_config
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.loader import load_model, resolve_model_source
 
@@ -45,10 +45,11 @@ def plinth_model():
 @pytest.fixture(scope="module")
 def transformers_model(plinth_model):
     source, _, _ = plinth_model
+    config = transformers_config(source.hf_config)  # the engine's config is a plain one
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(source.hf_config)
+        skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(source.path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     result = model.load_state_dict(tensors, strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
     model.tie_weights()

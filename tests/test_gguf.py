@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -24,6 +24,7 @@ from plinth.model_registry.gguf_loader import (
     iter_gguf_weights,
     load_gguf_tokenizer,
     read_gguf_config,
+    transformers_config,
 )
 
 Q = gguf.GGMLQuantizationType
@@ -51,6 +52,23 @@ def small_model(arch: str, tied: bool, **overrides):
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
     return model
+
+
+def check_plain_config(path: str):
+    """The plain config (what the engine loads) carries the class config's fields, RoPE included, and
+    turns back into the same class config; returns the class config."""
+    config, architecture = read_gguf_config(path)
+    plain, plain_architecture = read_gguf_config(path, plain=True)
+    assert type(plain) is PretrainedConfig and plain_architecture == architecture
+    assert plain.model_type == config.model_type
+    for key, value in plain.to_dict().items():
+        if key not in ("model_type", "transformers_version", "dtype"):
+            assert getattr(config, key) == value, key
+    assert plain.rope_parameters == config.rope_parameters
+    rebuilt = transformers_config(plain)
+    assert type(rebuilt) is type(config) and rebuilt.to_dict() == config.to_dict()
+    assert transformers_config(config) is config
+    return config
 
 
 def llamacpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -148,7 +166,8 @@ def test_weights_round_trip(tmp_path, arch, tied, qtype):
 def test_config_round_trip(tmp_path, arch, tied):
     model = small_model(arch, tied)
     path = write_gguf(tmp_path / "m.gguf", model, arch, Q.Q8_0)
-    config, architecture = read_gguf_config(path)
+    config = check_plain_config(path)
+    _, architecture = read_gguf_config(path)
     assert architecture == HF_ARCH[arch]
     assert config.architectures == [HF_ARCH[arch]]
     assert config.model_type == arch
@@ -228,7 +247,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     plain = LlamaRotaryEmbedding.compute_default_rope_parameters(model.config)[0]
     freqs = (plain / scaled).numpy().astype(np.float32)  # what llama.cpp stores: per-frequency divisors
     path = write_gguf(tmp_path / "m.gguf", model, "llama", extra_tensors=[("rope_freqs.weight", freqs)])
-    config, _ = read_gguf_config(path)
+    config = check_plain_config(path)
     assert config.rope_parameters["rope_type"] == "llama3"
     assert config.rope_parameters["factor"] == pytest.approx(32.0)
     torch.testing.assert_close(LlamaRotaryEmbedding(config).inv_freq, scaled, rtol=1e-5, atol=0)
@@ -245,8 +264,20 @@ def test_linear_rope_scaling_metadata(tmp_path):
         "type": lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
         "factor": lambda w: w.add_rope_scaling_factor(4.0),
     })
-    config, _ = read_gguf_config(path)
+    config = check_plain_config(path)
     assert config.rope_parameters == {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}
+
+
+def test_yarn_rope_scaling_metadata(tmp_path):
+    model = small_model("qwen3", True)
+    path = write_gguf(tmp_path / "m.gguf", model, "qwen3", metadata={
+        "type": lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+        "factor": lambda w: w.add_rope_scaling_factor(4.0),
+        "original": lambda w: w.add_rope_scaling_orig_ctx_len(64),
+    })
+    config = check_plain_config(path)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 4.0
+    assert config.rope_parameters["original_max_position_embeddings"] == 64
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -395,3 +395,28 @@ def test_dequantization_scratch_is_reused_only_when_free():
     assert torch.equal(third[0], want[0]) and torch.equal(third[1], want[1])
     bf16 = dequantize_group(items[2:], torch.bfloat16, scratch)   # bfloat16 results are copies
     assert torch.equal(bf16[0], want[2].to(torch.bfloat16)) and torch.equal(third[1], want[1])
+
+
+def test_engine_start_imports_no_model_config_class_or_sympy(tmp_path):
+    """With warm caches a GGUF model starts without transformers' per-model config modules or sympy
+    (torch.distributed.tensor and the symbolic-shape machinery they pull in cost about a second)."""
+    import subprocess
+    import sys
+
+    path = write_small_gguf(tmp_path / "m.gguf")
+    script = (
+        "import sys, plinth\n"
+        f"llm = plinth.LLM({path!r}, max_model_len=64)\n"
+        "out = llm.generate(['hello'], plinth.SamplingParams(max_tokens=2, ignore_eos=True))\n"
+        "assert len(out[0].outputs[0].token_ids) == 2\n"
+        "print(sorted(m for m in sys.modules if m == 'sympy' or m.startswith('transformers.models.llama')\n"
+        "             or m == 'torch.distributed.tensor'))\n"
+    )
+    env = {**os.environ, "PLINTH_CACHE_DIR": str(tmp_path / "cache")}
+    loaded = []
+    for _ in range(2):  # the first start converts the tokenizer (transformers' GGUF code) and fills the caches
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        loaded.append(done.stdout.strip().splitlines()[-1])
+    assert "configuration_llama" in loaded[0]  # the check sees these imports when they happen
+    assert loaded[1] == "[]"

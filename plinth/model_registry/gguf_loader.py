@@ -152,11 +152,16 @@ def _rope_scaling(
     )
 
 
-def read_gguf_config(path: str) -> tuple[transformers.PretrainedConfig, str]:
+def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.PretrainedConfig, str]:
     """The Hugging Face config of a GGUF file and the registry's architecture name for it.
 
     Args:
         path: a ``.gguf`` file.
+        plain: return a generic ``PretrainedConfig`` holding the same fields (``model_type`` set,
+            RoPE already in ``rope_parameters``) instead of the architecture's own class. Importing a
+            model's config class pulls in much of transformers and ``torch.distributed`` (about 1 s),
+            which plinth's own models do not need; :func:`transformers_config` turns a plain config
+            into the class when transformers' modelling code needs one.
 
     Returns:
         ``(config, architecture)``: e.g. a ``LlamaConfig`` (with ``architectures`` set) and
@@ -166,8 +171,6 @@ def read_gguf_config(path: str) -> tuple[transformers.PretrainedConfig, str]:
         ModelLoadError: the file is missing, not a GGUF file, truncated, or lacks required metadata.
         UnsupportedModelError: its architecture (or rope scaling) has no implementation.
     """
-    from transformers import AutoConfig
-
     reader = open_gguf(path)
     name, arch = _architecture(reader, path)
     tensors = {t.name: t for t in reader.tensors}
@@ -211,9 +214,29 @@ def read_gguf_config(path: str) -> tuple[transformers.PretrainedConfig, str]:
     if arch.model_type == "llama":
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     scaling = _rope_scaling(reader, name, rope_theta, head_dim, path)
+    if plain:
+        from transformers import PretrainedConfig
+
+        options["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": options.pop("rope_theta")}
+        config = PretrainedConfig(**options)
+        config.model_type = arch.model_type
+        return config, arch.hf_architecture
+    from transformers import AutoConfig
+
     if scaling is not None:
         options["rope_scaling"] = scaling
     return AutoConfig.for_model(arch.model_type, **options), arch.hf_architecture
+
+
+def transformers_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """``config`` as its model type's own transformers class (a plain one from
+    ``read_gguf_config(..., plain=True)`` is rebuilt; any other is returned as it is)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if type(config) is not PretrainedConfig or not getattr(config, "model_type", ""):
+        return config
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    return AutoConfig.for_model(config.model_type, **fields)
 
 
 # ----------------------------------------------------------------------------------------------- weights

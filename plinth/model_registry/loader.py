@@ -165,7 +165,7 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
                                  f"directory (config.json + *.safetensors)")
         from plinth.model_registry.gguf_loader import read_gguf_config
 
-        cfg, arch = read_gguf_config(str(path))
+        cfg, arch = read_gguf_config(str(path), plain=True)
         kind = "dummy" if fmt == "dummy" else "gguf"
         return ModelSource(kind, str(path), cfg, arch, model_config.tokenizer or str(path))
     if fmt == "gguf":

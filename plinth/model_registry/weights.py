@@ -90,6 +90,12 @@ def build_on_meta(cls: type[nn.Module], *args: object, dtype: torch.dtype, devic
     return model
 
 
+def _empty_as(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor with ``t``'s shape, strides and dtype on ``device``. (``empty_like`` of a
+    meta tensor runs torch's Python reference path, whose first call imports sympy: about 0.3 s.)"""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Replace meta parameters and buffers by uninitialised ones on ``device``.
 
@@ -102,13 +108,13 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         for name, param in list(module.named_parameters(recurse=False)):
             new = memo.get(id(param))
             if new is None:
-                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                new = nn.Parameter(_empty_as(param, device), requires_grad=False)
                 new.__dict__.update(param.__dict__)
                 memo[id(param)] = new
             setattr(module, name, new)
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf.is_meta:
-                module._buffers[name] = torch.empty_like(buf, device=device)
+                module._buffers[name] = _empty_as(buf, device)
     for module in model.modules():
         init = getattr(module, "init_buffers", None)
         if callable(init):

@@ -97,7 +97,9 @@ class TransformersForCausalLM(CausalLM):
         if cls is None:
             raise UnsupportedModelError(f"transformers has no causal LM named {self.hf_architecture!r}")
         _register_attention()
-        cfg = ctx.hf_config
+        from plinth.model_registry.gguf_loader import transformers_config
+
+        cfg = transformers_config(ctx.hf_config)
         with torch.device(ctx.device), _no_init_weights():
             self.hf_model = cls._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=ctx.dtype)
         self.hf_model.tie_weights()  # skipped with the weight initialisation
