@@ -398,8 +398,8 @@ def test_dequantization_scratch_is_reused_only_when_free():
 
 
 def test_engine_start_imports_no_model_config_class_or_sympy(tmp_path):
-    """With warm caches a GGUF model starts without transformers' per-model config modules or sympy
-    (torch.distributed.tensor and the symbolic-shape machinery they pull in cost about a second)."""
+    """With warm caches a GGUF model starts without transformers' model modules (the config classes pull in
+    torch.distributed.tensor, AutoTokenizer scans every model's source) or sympy: about 1.5 s of a start."""
     import subprocess
     import sys
 
@@ -409,7 +409,7 @@ def test_engine_start_imports_no_model_config_class_or_sympy(tmp_path):
         f"llm = plinth.LLM({path!r}, max_model_len=64)\n"
         "out = llm.generate(['hello'], plinth.SamplingParams(max_tokens=2, ignore_eos=True))\n"
         "assert len(out[0].outputs[0].token_ids) == 2\n"
-        "print(sorted(m for m in sys.modules if m == 'sympy' or m.startswith('transformers.models.llama')\n"
+        "print(sorted(m for m in sys.modules if m == 'sympy' or m.startswith('transformers.models')\n"
         "             or m == 'torch.distributed.tensor'))\n"
     )
     env = {**os.environ, "PLINTH_CACHE_DIR": str(tmp_path / "cache")}
@@ -420,3 +420,15 @@ def test_engine_start_imports_no_model_config_class_or_sympy(tmp_path):
         loaded.append(done.stdout.strip().splitlines()[-1])
     assert "configuration_llama" in loaded[0]  # the check sees these imports when they happen
     assert loaded[1] == "[]"
+
+
+@pytest.mark.parametrize("saved,generic", [("TokenizersBackend", True), ("PreTrainedTokenizerFast", True),
+                                           ("LlamaTokenizer", False), (None, False)])
+def test_cache_entry_class(tmp_path, saved, generic):
+    """Entries of transformers' generic fast tokenizer load through that class; any other through AutoTokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if saved is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": saved}))
+    want = PreTrainedTokenizerFast if generic else AutoTokenizer
+    assert gguf_tokenizer._tokenizer_class(tmp_path) is want
