@@ -123,6 +123,9 @@ class SamplingParams:
             value = getattr(self, name)
             check(isinstance(value, int | float) and not isinstance(value, bool), name,
                   f"must be a number, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
