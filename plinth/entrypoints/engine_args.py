@@ -42,18 +42,24 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                             help="model directory, .gguf file, or preset (with --load-format dummy); "
                                  "default: SmolLM2-135M-Instruct")
     g = parser.add_argument_group("model")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    g.add_argument("--tokenizer", default=None, help="a tokenizer directory or .gguf file (default: the model's own)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype (default auto: the checkpoint's where the platform runs it well, else the "
+                        "platform's preferred one, e.g. float32 on CPUs without bfloat16)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence, prompt plus output, in tokens (default: the model's)")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="default auto: by the path (a .gguf file or a safetensors folder); dummy: random weights")
     pm = get_plugin_manager()
     quant_names = sorted(pm.registrations("quantization_methods"))
     g.add_argument("--quantization", "-q", default=None, choices=quant_names or None,
                    help="quantization method (plugins add names)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the LM head too (methods that quantize float weights: int4, fp8)")
-    g.add_argument("--trust-remote-code", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run code shipped with a checkpoint (off by default: such code never runs)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of random (dummy) weights and of requests that give none (default 0)")
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model's name in the API (several: the first is reported, all are accepted)")
     g.add_argument("--chat-template", default=None, help="jinja2 template text or a file holding one")
@@ -75,11 +81,16 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="generation-config keys set on top, e.g. '{\"temperature\": 0.5}' (temperature, top_p, "
                         "top_k, min_p, repetition_penalty, max_new_tokens)")
     g = parser.add_argument_group("cache")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--cpu-kv-cache-bytes", type=int, default=2 << 30)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: as many as --gpu-memory-utilization or --cpu-kv-cache-bytes allow)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the fraction of an accelerator's memory plinth may use: weights, activations and KV cache "
+                        "(default 0.9)")
+    g.add_argument("--cpu-kv-cache-bytes", type=int, default=2 << 30,
+                   help="KV-cache bytes on the CPU platform (default 2 GiB)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of earlier prompts' shared prefixes")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                    help="on by default (accepted as vLLM's flag)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -92,8 +103,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="requests running at once (default: the platform's, 512 on GPUs of 70 GiB and more, else 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens computed per step, decodes plus prefill chunks (default: the platform's, 2048)")
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--max-waiting-requests", type=int, default=None)
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="compute each prompt in one step rather than in chunks within --max-num-batched-tokens")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests queued before new ones are refused (the server answers 503; default: no limit)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs on the device (default: on for accelerators, in-process "
                         "or with tensor-parallel worker processes; off on CPUs)")
@@ -104,9 +117,13 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="fcfs: first come, first served; priority: requests' priority (lower first) orders "
                         "admission and preemption")
     g = parser.add_argument_group("parallel")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    g.add_argument("--distributed-executor", default="auto", choices=EXECUTORS)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices each layer is split over (default 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="stages the layers are split into (default 1)")
+    g.add_argument("--distributed-executor", default="auto", choices=EXECUTORS,
+                   help="how ranks run: uniproc (in this process), mp (a process per rank), ray (actors); default "
+                        "auto: uniproc for one rank, mp on one machine, ray with $RAY_ADDRESS or too few local GPUs")
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters next to the base model (requests name one)")
@@ -122,7 +139,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--platform", default=None, help="force a platform (default: $PLINTH_PLATFORM or auto)")
     g.add_argument("--attention-backend", default=None, help="force an attention backend")
     g.add_argument("--gemm-kernel", default=None, help="force the quantization method's GEMM kernel")
-    g.add_argument("--selection", default="cached", choices=SELECTION_MODES)
+    g.add_argument("--selection", default="cached", choices=SELECTION_MODES,
+                   help="choosing backends and kernels: cached (benchmark the candidates once per machine and "
+                        "shape, default), benchmark (every start), off (the highest-priority one, no timing)")
     g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
     pm.add_cli_arguments(parser, command)
 

@@ -47,12 +47,12 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--bad-rows", choices=["fail", "skip"], default=None,
                    help="a malformed row stops the run (fail, the default) or is reported with its line and "
                         "skipped; rows written before a failure stay in the output, and a rerun resumes")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-tokens", type=int, default=128, help="new tokens at most per prompt (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens up to --max-tokens")
     p.set_defaults(func=run)
 
 
