@@ -141,6 +141,10 @@ def test_stop_string_and_eos(llm):
     cut = llm.generate(PROMPTS[1], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
+    # the token that completes the stop string is also the last one allowed: the stop string still wins
+    at_limit = llm.generate(PROMPTS[1], greedy(len(cut.token_ids), stop=[stop]), use_tqdm=False)[0]
+    assert at_limit.outputs[0].token_ids == cut.token_ids and at_limit.outputs[0].text == cut.text
+    assert at_limit.outputs[0].finish_reason == "stop" and at_limit.outputs[0].stop_reason == stop
     kept = llm.generate(PROMPTS[1], greedy(stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
     assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
     # a stop token id ends generation right there

@@ -194,7 +194,7 @@ def test_stop_conditions_inside_a_verified_step(pair, monkeypatch):
     # a stop string met first in the output can fall inside a step's accepted tokens when the drafts are copied
     # from the prompt
     prompts = _looped(base, PROMPTS)
-    cases = []
+    cases, at_limit = [], []
     for prompt, outs in zip(prompts, _run(base, prompts, SamplingParams(**greedy)), strict=True):
         ids, text = outs[0][0], outs[0][1]
         # (the random model's text is mostly partial UTF-8 bytes: stop strings from its printable pairs)
@@ -202,14 +202,18 @@ def test_stop_conditions_inside_a_verified_step(pair, monkeypatch):
                             and "\ufffd" not in text[k:k + 2]})[:6]:
             for include in (False, True):
                 cases.append((prompt, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=include)))
+            cut = _run(base, [prompt], SamplingParams(**greedy, stop=[stop]))[0][0]
+            if cut[2] == "stop" and not at_limit:   # the token completing it is the last one allowed
+                at_limit.append((prompt, SamplingParams(**dict(greedy, max_tokens=len(cut[0])), stop=[stop])))
         cases.append((prompt, SamplingParams(**greedy, stop_token_ids=[ids[9]])))
         cases.append((prompt, SamplingParams(**greedy, stop_token_ids=[ids[3]], min_tokens=7)))
         cases.append((prompt, SamplingParams(**dict(greedy, max_tokens=13))))
     reasons = set()
-    for prompt, sp in cases:
+    for prompt, sp in cases + at_limit:
         got, want = _run(spec, [prompt], sp), _run(base, [prompt], sp)
         assert got == want, (prompt, sp)
         reasons |= {(c[0][2], c[0][3] is not None) for c in want}
+    assert at_limit and all(_run(spec, [p], sp)[0][0][2:] == ("stop", sp.stop[0]) for p, sp in at_limit)
     assert reasons == {("stop", True), ("length", False)}   # stop strings and ids, and lengths, were reached
     assert cuts, "no stop string fell inside a step's accepted tokens"
 

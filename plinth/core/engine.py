@@ -775,7 +775,8 @@ class LLMEngine:
                 if not ended:
                     self.scheduler.finish_request(rid, FinishReason.STOP, stop_str)
                     ended = True
-                elif not last:   # it ended at a later token; the stop string comes first
+                elif not last or req.finish_reason == FinishReason.LENGTH:
+                    # it ended at a later token, or at this one by length: the stop string comes first
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
                 elif by_grammar and req.finish_reason == FinishReason.STOP:
                     req.stop_reason = stop_str   # the grammar's last token also completed a stop string
@@ -889,6 +890,9 @@ class LLMEngine:
                     ended = True
                 elif stop_str is not None and by_grammar and req.finish_reason == stop:
                     req.stop_reason = stop_str   # the grammar's last token also completed a stop string
+                elif stop_str is not None and req.finish_reason == FinishReason.LENGTH:
+                    # the last token allowed completed a stop string: the stop string is why it ended
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             if ended or not final_only:
                 group = groups[rid]
                 touched[group.request_id] = group
