@@ -107,6 +107,44 @@ def test_async_front_over_workers(llama_case, processes):
     assert got == [reference[f"r{i}"][0] for i in range(len(PROMPTS))]
 
 
+@pytest.mark.parametrize("ref", ["class", "string"])
+def test_registered_models_reach_the_worker_processes(llama_case, processes, ref):
+    """A ``ModelRegistry.register_model`` registration made in the driver builds the model on every rank."""
+    from test_distributed_helpers import LastTokenLlama
+
+    from plinth.model_registry.registry import ModelRegistry
+
+    _, path, reference = llama_case
+    ModelRegistry.register_model("LlamaForCausalLM",
+                                 LastTokenLlama if ref == "class" else "test_distributed_helpers:LastTokenLlama")
+    try:
+        engine = _engine(path, processes, 2, 1)
+        try:
+            result = run_greedy(engine)
+        finally:
+            engine.shutdown()
+    finally:
+        ModelRegistry.unregister_model("LlamaForCausalLM")
+    last = 307 - 1   # COMMON's vocab_size - 1
+    assert result["r0"][0] == [last] * len(reference["r0"][0]) != reference["r0"][0]
+
+
+def test_a_registered_class_workers_cannot_build_is_refused(llama_case, processes):
+    from plinth.model_registry.models.llama import LlamaForCausalLM
+    from plinth.model_registry.registry import ModelRegistry
+
+    class Local(LlamaForCausalLM):   # defined in a function: it cannot be pickled
+        pass
+
+    ModelRegistry.register_model("LlamaForCausalLM", Local)
+    try:
+        with pytest.raises(ConfigError, match="cannot be sent to worker processes.*top level of a module"):
+            _engine(llama_case[1], processes, 2, 1)
+    finally:
+        ModelRegistry.unregister_model("LlamaForCausalLM")
+    assert not processes.broken
+
+
 def test_layout_arithmetic():
     layouts = [ParallelLayout(r, 2, 3) for r in range(6)]
     assert [(lay.tp_rank, lay.pp_rank) for lay in layouts] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from plinth import SamplingParams
+from plinth.model_registry.models.llama import LlamaForCausalLM
 
 COMMON = dict(vocab_size=307, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
@@ -149,3 +150,15 @@ def warm_up_rank(rank: int, port: int, fingerprints: list[list[list[int]]], out_
     finally:
         destroy_parallel_state()
     (Path(out_dir) / f"rank{rank}").write_text("\n".join(lines))
+
+
+
+class LastTokenLlama(LlamaForCausalLM):
+    """Llama whose every logit row prefers the vocabulary's last token: a visibly different model, registered
+    with ``ModelRegistry.register_model`` in the worker-process tests (a module-level class pickles by name)."""
+
+    def compute_logits(self, hidden):
+        logits = super().compute_logits(hidden)
+        if logits is not None and logits.numel():
+            logits[..., -1] = logits.max() + 100.0
+        return logits

@@ -255,7 +255,10 @@ class MultiprocExecutor(DistributedExecutor):
 
         self._store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
                                     timeout=_td(self.start_timeout_s))
-        self._call_all("__init_worker__", self.config, timeout_s=self.start_timeout_s)
+        from plinth.model_registry.registry import ModelRegistry
+
+        self._call_all("__init_worker__", self.config, ModelRegistry.user_registrations(),
+                       timeout_s=self.start_timeout_s)
         self._call_all("init_distributed", self._store.port, self.step_timeout_s, timeout_s=self.start_timeout_s)
 
     @property
@@ -428,7 +431,7 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
                 break
             try:
                 if method == "__init_worker__":
-                    worker = Worker(args[0], index, index)
+                    worker = Worker(args[0], index, index, models=args[1])
                     result: Any = os.getpid()
                 elif method == "__pid__":
                     result = os.getpid()

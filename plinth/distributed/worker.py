@@ -48,7 +48,12 @@ class Worker:
         device_index: which local device this rank drives (ignored on CPU).
     """
 
-    def __init__(self, config: EngineConfig, rank: int, device_index: int):
+    def __init__(self, config: EngineConfig, rank: int, device_index: int,
+                 models: dict[str, Any] | None = None):
+        if models is not None:   # the driver's ModelRegistry.register_model calls
+            from plinth.model_registry.registry import ModelRegistry
+
+            ModelRegistry.set_user_registrations(models)
         par = config.parallel
         self.config = config
         self.layout = ParallelLayout(rank, par.tensor_parallel_size, par.pipeline_parallel_size)

@@ -49,6 +49,35 @@ class ModelRegistryImpl:
         with self._lock:
             self._user.pop(architecture, None)
 
+    def user_registrations(self) -> dict[str, str | type]:
+        """The :meth:`register_model` registrations, to hand to worker processes (which start with none).
+
+        Raises:
+            ConfigError: a registered class cannot be pickled (defined inside a function, say), so worker
+                processes could not build it.
+        """
+        import pickle
+
+        from plinth.config import ConfigError
+
+        with self._lock:
+            user = dict(self._user)
+        for architecture, model in user.items():
+            if isinstance(model, type):
+                try:
+                    pickle.dumps(model)
+                except Exception as exc:  # noqa: BLE001 - pickling a class fails with many types
+                    raise ConfigError(
+                        f"the model class registered for {architecture!r} ({model.__qualname__}) cannot be sent to "
+                        f"worker processes ({type(exc).__name__}: {exc}); define it at the top level of a module, "
+                        f"or register it as 'package.module:Class'") from None
+        return user
+
+    def set_user_registrations(self, registrations: dict[str, str | type]) -> None:
+        """Replace every :meth:`register_model` registration (a worker process takes the driver's)."""
+        with self._lock:
+            self._user = dict(registrations)
+
     def _plugin_refs(self) -> dict[str, str]:
         return {name: reg.ref for name, reg in get_plugin_manager().registrations("models").items()}
 
