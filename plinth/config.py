@@ -45,6 +45,16 @@ def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_flags(config: Any) -> None:
+    """Every ``bool`` field of a config dataclass holds a bool (``bool | None`` fields may hold None): a
+    string such as ``"false"`` would otherwise count as true."""
+    for field in dataclasses.fields(config):
+        if field.type in ("bool", "bool | None"):
+            value = getattr(config, field.name)
+            if not isinstance(value, bool) and not (value is None and field.type == "bool | None"):
+                raise ConfigError(f"{field.name} must be true or false, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """What to load.
@@ -100,6 +110,9 @@ class ModelConfig:
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        _check_flags(self)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         aliases = self.served_model_aliases
         if not isinstance(aliases, list | tuple) or not all(isinstance(a, str) and a for a in aliases):
             raise ConfigError(f"served_model_aliases must be a list of names, got {aliases!r}")
@@ -176,12 +189,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _check_flags(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("block_size", self.block_size, allow_none=False)
         _positive("num_blocks", self.num_blocks)
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, allow_none=False)
-        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
@@ -224,6 +239,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        _check_flags(self)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")
@@ -263,6 +279,7 @@ class ParallelConfig:
     distributed_executor: str = "auto"
 
     def __post_init__(self) -> None:
+        _check_flags(self)
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size, allow_none=False)
         if self.distributed_executor not in EXECUTORS:
@@ -295,6 +312,7 @@ class DeviceConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        _check_flags(self)
         if self.selection not in SELECTION_MODES:
             raise ConfigError(f"selection must be one of {', '.join(SELECTION_MODES)}, got {self.selection!r}")
 
@@ -318,6 +336,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
+        _check_flags(self)
         if not isinstance(self.enable_lora, bool):
             raise ConfigError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         _positive("max_loras", self.max_loras, allow_none=False)
@@ -354,6 +373,7 @@ class SpeculativeConfig:
             "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
 
     def __post_init__(self) -> None:
+        _check_flags(self)
         if self.speculative_method is None:
             if self.num_speculative_tokens:
                 raise ConfigError("num_speculative_tokens needs a speculative method "
@@ -415,6 +435,7 @@ class EngineConfig:
     _SECTIONS = ("model", "cache", "scheduler", "parallel", "device", "lora", "speculative")
 
     def __post_init__(self) -> None:
+        _check_flags(self)
         if self.speculative.enabled and self.model.task == "embed":
             raise ConfigError("speculative decoding applies to generation; an embedding model (task embed) decodes "
                               "nothing: drop speculative_config")

@@ -110,6 +110,25 @@ def test_priority_policy_keeps_outputs_and_fcfs_refuses_priorities(tiny_llama_di
         llm_for(tiny_llama_dir, scheduling_policy="lifo")
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(trust_remote_code="false"), "trust_remote_code must be true or false, got 'false'"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be true or false"),
+    (dict(enforce_eager=1), "enforce_eager must be true or false"),
+    (dict(async_scheduling="off"), "async_scheduling must be true or false"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be in"),
+    (dict(gpu_memory_utilization=None), "gpu_memory_utilization must be in"),
+    (dict(seed=None), "seed must be an integer"),
+])
+def test_engine_options_of_the_wrong_type_are_config_errors(kw, match):
+    """A string where a flag belongs would count as true (trust_remote_code="false" would run a checkpoint's
+    code), and other wrong types failed deep in start-up: each is refused at once, naming the option."""
+    from plinth.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig.from_kwargs(**kw)
+    assert EngineConfig.from_kwargs(async_scheduling=None, normalize_embeddings=None) is not None
+
+
 def test_chunked_prefill_small_budget(tiny_llama_dir, reference):
     llm = llm_for(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=3)
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference

@@ -205,6 +205,20 @@ def test_invalid_config_json(broken_dir):
         resolve_model_source(ModelConfig(model=str(broken_dir)))
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(num_attention_heads=5), "not a multiple"),          # transformers' strict dataclass validation
+    (dict(num_attention_heads=0), "ZeroDivisionError"),
+    (dict(hidden_size="64"), "hidden_size"),
+    (dict(quantization_config="awq"), "invalid model configuration"),
+    (dict(architectures="LlamaForCausalLM"), "must be a list of names"),
+])
+def test_invalid_config_values_are_model_load_errors(broken_dir, change, match):
+    path = broken_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ModelLoadError, match=match):
+        resolve_model_source(ModelConfig(model=str(broken_dir)))
+
+
 def test_config_without_architecture(broken_dir):
     (broken_dir / "config.json").write_text(json.dumps({"model_type": "mystery", "hidden_size": 8}))
     with pytest.raises(ModelLoadError, match="names no architecture"):

@@ -97,7 +97,7 @@ def config_from_dict(data: dict[str, Any], origin: str) -> Any:
         if model_type in CONFIG_MAPPING:
             return CONFIG_MAPPING[model_type].from_dict(data)
         return PretrainedConfig.from_dict(data)
-    except (ValueError, TypeError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types (ZeroDivisionError, ...)
         raise ModelLoadError(f"invalid model configuration in {origin}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -127,6 +127,9 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False) -> Any:
 def architecture_of(hf_config: Any, origin: str) -> str:
     """The registry key of a config: ``architectures[0]``, else the causal LM of its ``model_type``."""
     archs = getattr(hf_config, "architectures", None)
+    if archs and (not isinstance(archs, list | tuple) or not all(isinstance(a, str) and a for a in archs)):
+        raise ModelLoadError(f'{origin}: "architectures" must be a list of names, e.g. ["LlamaForCausalLM"], '
+                             f"got {archs!r}")
     if archs:
         return archs[0]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
