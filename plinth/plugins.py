@@ -214,6 +214,7 @@ class PluginManager:
         self._provided: dict[str, dict[str, dict[str, str]]] = {}
         self._shadowed: list[PluginRecord] = []
         self._registry_cache: dict[str, dict[str, Registration]] = {}
+        self._explicit: set[str] = set()   # named in PLINTH_PLUGINS: their failures stop start-up
         self._load(os.environ if env is None else env, entry_points)
 
     @property
@@ -242,6 +243,8 @@ class PluginManager:
             discovered[ep.name] = ep
             in_tree = _is_in_tree(ep)
             explicit = allow is not None and ep.name in allow
+            if explicit:
+                self._explicit.add(ep.name)
             if not in_tree and not explicit and (no_autoload or allow is not None):
                 continue
             self._load_entry_point(ep, explicit)
@@ -349,6 +352,7 @@ class PluginManager:
         record = PluginRecord(name=name, distribution=None, version=None, in_tree=False, module=module.__name__)
         self._register(module, record)
         self.records[name] = record
+        self._explicit.add(name)   # registered by code: its hooks' failures are the caller's to see
 
     # -- queries --------------------------------------------------------------------
 
@@ -379,11 +383,21 @@ class PluginManager:
     def add_cli_arguments(self, parser: Any, command: str) -> None:
         """Let every plugin add its flags to the parser of ``command``.
 
+        A third-party plugin whose hook raises (e.g. a clashing option name) is reported and its flags left
+        out, as a plugin that fails to load is skipped; an in-tree one, or one named in ``PLINTH_PLUGINS``,
+        stops the command.
+
         Raises:
-            PluginError: a plugin's hook raised (e.g. a clashing option name).
+            PluginError: an in-tree or explicitly named plugin's hook raised.
         """
         for impl in self._pm.hook.plinth_add_cli_arguments.get_hookimpls():
-            _call_impl(impl, parser=parser, command=command)
+            try:
+                _call_impl(impl, parser=parser, command=command)
+            except PluginError as exc:
+                record = self.records.get(impl.plugin_name)
+                if record is None or record.in_tree or impl.plugin_name in self._explicit:
+                    raise
+                logger.warning("skipping the command-line flags of plugin %r: %s", impl.plugin_name, exc)
 
     def engine_config_overrides(self, config: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         """Collect the non-empty override mappings of every plugin, in registration order.

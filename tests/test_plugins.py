@@ -373,6 +373,45 @@ def test_cli_arguments_hook_adds_flags_and_clashes_name_the_plugin(empty_pm: Plu
         empty_pm.add_cli_arguments(parser, "serve")
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_a_third_party_plugin_whose_flags_clash_is_skipped_unless_named(monkeypatch, caplog, named) -> None:
+    """Installed but not named in PLINTH_PLUGINS: its flags are left out with a warning (the command still runs,
+    as when a plugin fails to load); named: the clash stops the command."""
+    @hookimpl
+    def plinth_add_cli_arguments(parser, command):
+        parser.add_argument("--dtype")
+
+    monkeypatch.setitem(sys.modules, "clash_mod", make_plugin("clash_mod", plinth_add_cli_arguments=plinth_add_cli_arguments))
+    pm = PluginManager(env={"PLINTH_PLUGINS": "clash"} if named else {},
+                       entry_points=[metadata.EntryPoint("clash", "clash_mod", ENTRY_POINT_GROUP)])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="auto")
+    if named:
+        with pytest.raises(PluginError, match="plugin 'clash' failed in plinth_add_cli_arguments"):
+            pm.add_cli_arguments(parser, "serve")
+        return
+    with caplog.at_level("WARNING"):
+        pm.add_cli_arguments(parser, "serve")
+    assert parser.parse_args([]).dtype == "auto"
+    assert "skipping the command-line flags of plugin 'clash'" in caplog.text
+
+
+def test_plugin_errors_while_building_the_command_line_are_one_line(monkeypatch, capsys) -> None:
+    from plinth.entrypoints import cli
+    from plinth.plugins import reset_plugin_manager
+
+    monkeypatch.setenv("PLINTH_PLUGINS", "no_such_plugin_anywhere")
+    reset_plugin_manager()
+    try:
+        assert cli.main(["generate", "--prompt", "hi"]) == 2
+    finally:
+        monkeypatch.delenv("PLINTH_PLUGINS")
+        reset_plugin_manager()
+    err = capsys.readouterr().err
+    assert err.startswith("plinth: error: PLINTH_PLUGINS names plugins that are not installed: no_such_plugin_anywhere")
+    assert "Traceback" not in err
+
+
 def test_malformed_autoload_switch_is_a_clear_error() -> None:
     with pytest.raises(PluginError, match="PLINTH_DISABLE_PLUGIN_AUTOLOAD='maybe' is not a boolean"):
         PluginManager(env={"PLINTH_DISABLE_PLUGIN_AUTOLOAD": "maybe"}, entry_points=[])

@@ -40,7 +40,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)   # discovers the plugins (PLINTH_PLUGINS may name a broken one)
+    except UserFacingError as exc:
+        print(f"plinth: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command is None:
