@@ -151,9 +151,12 @@ def test_files_are_checked_before_the_model_loads_and_never_damaged(tiny_llama_d
     inp = write_jsonl(tmp_path / "in.jsonl", ROWS[:2])
     foreign = tmp_path / "notes.jsonl"
     foreign.write_text('{"foo": 1}\n{"id": 3}')                       # not results, no trailing newline
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, one line without a newline")         # not a record cut short either
     cases = [
         (["--input", str(inp), "--output", str(inp)], "is the input file"),
         (["--input", str(inp), "--output", str(foreign)], "is not a result of plinth generate"),
+        (["--input", str(inp), "--output", str(notes)], "is not a result of plinth generate"),
         (["--input", str(inp), "--output", str(tmp_path)], "is not a file"),
         (["--input", str(inp), "--output", str(inp / "x.jsonl")], "not a writable directory"),
         (["--input", str(tmp_path), "--output", str(tmp_path / "o.jsonl")], "is not a file"),
@@ -169,6 +172,7 @@ def test_files_are_checked_before_the_model_loads_and_never_damaged(tiny_llama_d
         assert "Traceback" not in res.stderr
     assert inp.read_text() == "".join(json.dumps(r) + "\n" for r in ROWS[:2])
     assert foreign.read_text() == '{"foo": 1}\n{"id": 3}'
+    assert notes.read_text() == "my notes, one line without a newline"
     assert not (tmp_path / "o.jsonl").exists()
 
 

@@ -69,6 +69,11 @@ def test_run_batch(tmp_path, capsys):
     other.write_text('{"something": 1}\n')
     assert main(args[:-1] + [str(other)]) == 2
     assert "is not a result of plinth run-batch" in capsys.readouterr().err
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, one line without a newline")
+    assert main(args[:-1] + [str(notes)]) == 2
+    assert "is not a result of plinth run-batch" in capsys.readouterr().err
+    assert notes.read_text() == "my notes, one line without a newline"
 
 
 def test_a_full_queue_is_waited_out(tmp_path):

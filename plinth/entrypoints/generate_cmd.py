@@ -215,6 +215,12 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     return rid, value, params, key == "messages"
 
 
+def torn_record(raw: bytes, start: bytes) -> bool:
+    """Whether ``raw`` (a file's last line, without its newline) can be a record cut short: it begins like one.
+    Anything else (a user's notes, say) is not a results file, and is not touched."""
+    return raw.startswith(start) or start.startswith(raw)
+
+
 def done_ids(output: Path) -> set[str]:
     """Ids already in ``output`` (a results file of an earlier run). A last line cut short by an interrupted
     write is removed; any other line that is not a result record stops the run before anything is changed.
@@ -237,7 +243,7 @@ def done_ids(output: Path) -> set[str]:
             rec = json.loads(raw)
             ok = isinstance(rec, dict) and "id" in rec and "outputs" in rec
         except (json.JSONDecodeError, UnicodeDecodeError):
-            if n == len(lines):   # the torn end of an interrupted write: it is run again
+            if n == len(lines) and torn_record(raw, b'{"id": '):   # an interrupted write: run it again
                 with output.open("r+b") as f:
                     f.truncate(len(data) - len(raw))
                 torn = True

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from plinth.entrypoints.generate_cmd import torn_record
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, lora_modules
 from plinth.errors import CliError
 
@@ -84,7 +85,7 @@ def settled_ids(output: Path) -> set[str]:
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            if n == len(lines):   # the torn end of an interrupted write
+            if n == len(lines) and torn_record(raw, b'{"id": "batch_req_'):   # an interrupted write
                 continue
             record = None
         if not (isinstance(record, dict) and "custom_id" in record and "response" in record):
