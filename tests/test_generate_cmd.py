@@ -236,3 +236,33 @@ def test_csv_rows_keep_their_starting_line_after_quoted_line_breaks(tmp_path):
     assert [line for line, _ in rows] == [2, 4, 5]
     assert rows[0][1]["prompt"] == "two\nlines" and rows[1][1]["prompt"] == "one line"
     assert "more cells than the header" in str(rows[2][1])
+
+
+def test_row_ids_nulls_and_bad_ids(tiny_llama_dir, tmp_path, capsys):
+    """Row ids are the user's own (``a#0`` next to an ``n=2`` row ``a``); a JSON null leaves a field at its
+    default, as an empty CSV or Parquet cell does; an id that cannot be written as UTF-8 is a bad row."""
+    rows = [
+        {"id": "a", "prompt": "The quick", "max_tokens": 4, "n": 2},
+        {"id": "a#0", "prompt": "Paris is", "max_tokens": 4},
+        {"id": "nulls", "prompt": "Bye", "temperature": None, "max_tokens": None, "stop": None},
+    ]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "bad\\ud800", "prompt": "x"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main([*engine_args(tiny_llama_dir), "--max-tokens", "5", "--input", str(inp), "--output", str(out),
+                 "--bad-rows", "skip"]) == 0
+    assert "row 4: 'id' is not valid Unicode text" in capsys.readouterr().err
+    got = read_out(out)
+    assert set(got) == {"a", "a#0", "nulls"}
+    assert len(got["a"]["outputs"]) == 2 and len(got["a#0"]["outputs"]) == 1
+    assert len(got["nulls"]["outputs"][0]["token_ids"]) == 5   # --max-tokens, not the context's end
+
+
+def test_prompts_wait_for_queue_room_and_template_errors_are_one_line(tiny_llama_dir, capsys):
+    args = [*engine_args(tiny_llama_dir), "--max-tokens", "2"]
+    assert main([*args, "--prompt", "a", "--prompt", "b", "--prompt", "c", "--max-waiting-requests", "1"]) == 0
+    assert capsys.readouterr().out.count("=== prompt") == 3
+    assert main([*args, "--prompt", "hi", "--chat", "--chat-template",
+                 "{% for m in messages %}{{ m.content | no_such_filter }}{% endfor %}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the chat template failed: TemplateAssertionError: No filter named 'no_such_filter'" in err

@@ -180,6 +180,10 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     if not isinstance(rid, str | int) or isinstance(rid, bool):
         raise RowError(line, f"'id' must be a string or an integer, got {rid!r}")
     rid = str(rid)
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RowError(line, f"'id' is not valid Unicode text (a lone surrogate escape): {rid!r}") from None
     sources = [k for k in ("prompt", "messages", "prompt_token_ids") if k in row]
     if len(sources) != 1:
         raise RowError(line, "needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")
@@ -203,7 +207,7 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     if unknown:
         raise RowError(line, f"unknown field(s) {', '.join(sorted(unknown))}")
     overrides = {}
-    for k in sorted(SAMPLING_FIELDS & set(row)):
+    for k in sorted(SAMPLING_FIELDS & {f for f, v in row.items() if v is not None}):   # null: the default
         try:
             overrides[k] = _coerce(k, row[k], getattr(base, k), cells)
         except (ValueError, TypeError) as exc:
@@ -311,12 +315,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) -> int:
-    for i, text in enumerate(args.prompt):
-        prompt = (engine.tokenize(engine.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
-                  if args.chat else text)
-        engine.add_request(f"cli-{i}", prompt, base)
+    import jinja2
+
+    from plinth.core.scheduler import QueueFullError
+    from plinth.errors import CliError
+
+    prompts: list[Any] = list(args.prompt)
+    if args.chat:
+        try:
+            prompts = [engine.tokenize(engine.render_chat([{"role": "user", "content": text}]),
+                                       add_special_tokens=False) for text in prompts]
+        except jinja2.TemplateError as exc:
+            raise CliError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
     outs: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        while pending:   # as many as the waiting queue (--max-waiting-requests) takes
+            try:
+                engine.add_request(f"cli-{pending[0][0]}", pending[0][1], base)
+            except QueueFullError:
+                if not engine.has_unfinished_requests():
+                    raise
+                break
+            pending.pop(0)
         for out in engine.step(final_only=True):
             if out.finished:
                 outs[out.request_id] = out
@@ -336,7 +357,7 @@ def _logprobs(positions: Any) -> Any:
             for pos in positions]
 
 
-def _record(out: Any, line: int | None) -> dict[str, Any]:
+def _record(out: Any, line: int | None, rid: str) -> dict[str, Any]:
     outputs = []
     for c in out.outputs:
         item: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids, "finish_reason": str(c.finish_reason)}
@@ -346,7 +367,7 @@ def _record(out: Any, line: int | None) -> dict[str, Any]:
             item["logprobs"] = _logprobs(c.logprobs)
             item["cumulative_logprob"] = c.cumulative_logprob
         outputs.append(item)
-    rec: dict[str, Any] = {"id": out.request_id, "line": line, "outputs": outputs, "text": out.outputs[0].text,
+    rec: dict[str, Any] = {"id": rid, "line": line, "outputs": outputs, "text": out.outputs[0].text,
                            "prompt_tokens": len(out.prompt_token_ids),
                            "completion_tokens": sum(len(c.token_ids) for c in out.outputs)}
     if out.prompt_logprobs is not None:
@@ -402,12 +423,12 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
     from plinth.core.scheduler import QueueFullError, RequestRejectedError
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    submitted: dict[str, int] = {}
+    submitted: dict[str, tuple[int, str]] = {}   # engine request id ("row-LINE") -> (line, the row's id)
     with output.open("a", encoding="utf-8") as f, tqdm(total=len(rows), unit="row", disable=None) as bar:
         def step() -> None:
             for out in engine.step(final_only=True):
                 if out.finished:
-                    f.write(json.dumps(_record(out, submitted.pop(out.request_id, None)), ensure_ascii=False) + "\n")
+                    f.write(json.dumps(_record(out, *submitted.pop(out.request_id)), ensure_ascii=False) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
                     bar.update(1)
@@ -418,7 +439,7 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
                     prompt = engine.tokenize(engine.render_chat(prompt), add_special_tokens=False)
                 while True:
                     try:
-                        engine.add_request(rid, prompt, params)
+                        engine.add_request(f"row-{line}", prompt, params)   # a row's id may be anything
                         break
                     except QueueFullError:
                         if not engine.has_unfinished_requests():   # nothing to wait for: it can never fit
@@ -433,7 +454,7 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
                         engine.step(final_only=True)
                     return 2
                 continue
-            submitted[rid] = line
+            submitted[f"row-{line}"] = (line, rid)
         while engine.has_unfinished_requests():
             step()
     return 0
