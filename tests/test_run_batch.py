@@ -134,3 +134,20 @@ def test_embedding_lines(tmp_path):
     for got, want in zip(data, expected, strict=True):
         np.testing.assert_allclose(got["embedding"], want.outputs.embedding, atol=1e-6)
     assert by_id["c1"]["response"]["status_code"] == 400 and "/v1/embeddings" in by_id["c1"]["error"]["message"]
+
+
+def test_output_folders_are_made_and_bad_custom_ids_are_invalid_lines(tmp_path, capsys):
+    model = save_tiny_model(tmp_path / "m")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "new" / "dir" / "out.jsonl"
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    write_lines(inp, [{"custom_id": "ok", "url": "/v1/completions", "body": body},
+                      '{"custom_id": "bad\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}'])
+    assert main(["run-batch", str(model), "--dtype", "float32", "--selection", "off", "-i", str(inp),
+                 "-o", str(out)]) == 0
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["ok"]["response"]["status_code"] == 200
+    assert "custom_id is not valid Unicode text" in by_id["<line 2>"]["error"]["message"]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert main(["run-batch", str(model), "-i", str(inp), "-o", str(blocked / "out.jsonl")]) == 2
+    assert "is not a writable directory" in capsys.readouterr().err

@@ -285,13 +285,25 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise CliError(f"input file {args.input!r} does not exist")
     if not inp.is_file():
         raise CliError(f"input {args.input!r} is not a file")
+    check_output(inp, out)
+
+
+def check_output(inp: Path, out: Path) -> None:
+    """Refuse an ``--output`` that is the input, not a file, or in no writable directory (its missing
+    folders are made when it is written).
+
+    Raises:
+        CliError: naming the problem.
+    """
+    from plinth.errors import CliError
+
     if out.exists() and (not out.is_file() or os.path.samefile(inp, out)):
-        raise CliError(f"--output {args.output!r} " + ("is the input file" if out.is_file() else "is not a file"))
+        raise CliError(f"--output {str(out)!r} " + ("is the input file" if out.is_file() else "is not a file"))
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise CliError(f"cannot write --output {args.output!r} ({parent} is not a writable directory)")
+        raise CliError(f"cannot write --output {str(out)!r} ({parent} is not a writable directory)")
 
 
 def run(args: argparse.Namespace) -> int:

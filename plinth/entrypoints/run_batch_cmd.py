@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from plinth.entrypoints.generate_cmd import torn_record
+from plinth.entrypoints.generate_cmd import check_output, torn_record
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, lora_modules
 from plinth.errors import CliError
 
@@ -127,6 +127,12 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
         custom_id = item.get("custom_id") if isinstance(item, dict) else None
         if not isinstance(custom_id, str) or not custom_id:
             invalid.append(_invalid(anonymous, f"line {n}: a request is an object with a string custom_id"))
+            continue
+        try:
+            custom_id.encode("utf-8")
+        except UnicodeEncodeError:
+            invalid.append(_invalid(anonymous, f"line {n}: custom_id is not valid Unicode text (a lone surrogate "
+                                               "escape)"))
             continue
         if custom_id in seen:   # its result goes under the line's name: custom_ids stay unique in the results
             invalid.append(_invalid(anonymous, f"line {n}: custom_id {custom_id!r} appears more than once"))
@@ -251,8 +257,7 @@ def run(args: argparse.Namespace) -> int:
     inp, out = Path(args.input), Path(args.output)
     if not inp.is_file():
         raise CliError(f"--input {args.input!r} is not a file")
-    if out.exists() and (not out.is_file() or os.path.samefile(inp, out)):
-        raise CliError(f"--output {args.output!r} " + ("is the input file" if out.is_file() else "is not a file"))
+    check_output(inp, out)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CliError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     config = engine_config_from_args(args)
@@ -276,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
         if scheduler.max_waiting_requests is not None:
             concurrency = min(concurrency, (scheduler.max_num_seqs or 1) + scheduler.max_waiting_requests)
         app = api_app(front, args)
+        out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a", encoding="utf-8") as f:
             def write(record: dict[str, Any]) -> None:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
