@@ -274,6 +274,17 @@ def test_chat_uses_template(llm):
     a = llm.chat(conv, greedy(8), use_tqdm=False)[0]
     b = llm.generate(rendered, greedy(8), use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    # OpenAI's message shapes, read as the server reads them: text parts joined, a tool-call turn's null content
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Paris"}, {"type": "text", "text": " is"}]}]
+    assert llm.chat(parts, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == a.outputs[0].token_ids
+    calls = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": None,
+              "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "t1", "content": "sunny"}]
+    out = llm.chat(calls, greedy(4), use_tqdm=False)[0]
+    assert "<|im_start|>assistant\n<|im_end|>" in llm.get_tokenizer().decode(out.prompt_token_ids)
+    with pytest.raises(ValueError, match=r"messages\[0\]: only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(2))
 
 
 def test_prompt_logprobs_survive_preemption_during_the_prefill(tiny_llama_dir):

@@ -154,23 +154,15 @@ def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
 
 
 def _chat_messages(line: int, value: Any) -> list[dict[str, Any]]:
-    """A row's ``messages``: role and content strings (OpenAI's text content parts are joined)."""
+    """A row's ``messages``, read as the server reads a request's (:func:`plain_messages`)."""
+    from plinth.entrypoints.openai.tools import plain_messages
+
     if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
         raise RowError(line, "'messages' must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(value):
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise RowError(line, f"messages[{i}] needs a 'role' string")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RowError(line, f"messages[{i}]: only text content parts ({{type: text, text}}) are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RowError(line, f"messages[{i}] needs a 'content' string")
-        out.append({**m, "role": role, "content": content})
-    return out
+    try:
+        return plain_messages(value)
+    except ValueError as exc:
+        raise RowError(line, str(exc)) from None
 
 
 def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str, Any, SamplingParams, bool]:

@@ -220,7 +220,10 @@ class LLM:
         function definitions, for templates that show them to the model; ``continue_final_message``: go on
         with the last message instead of starting a reply, with ``add_generation_prompt=False``;
         ``chat_template_kwargs``: more template variables, e.g. ``{"enable_thinking": False}``)."""
+        from plinth.entrypoints.openai.tools import plain_messages
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [plain_messages(conv) for conv in conversations]  # type: ignore[arg-type]
         # The template writes the special tokens itself: tokenize without adding BOS again.
         prompts = [
             self.engine.tokenize(self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt,

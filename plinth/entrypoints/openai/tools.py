@@ -159,6 +159,39 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
+def plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """OpenAI-style message dicts (from Python or a file) as the chat template takes them, the way the server
+    reads a request's: ``content: null`` (an assistant turn of tool calls) becomes ``""``, text (and an
+    assistant's refusal) content parts are joined, and tool-call arguments written as a JSON object become
+    the object (:func:`template_messages`).
+
+    Raises:
+        ValueError: ``messages[i]: ...`` for a message that is not an object with a role and text content.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] needs a 'role' string")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                key = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
+                if key is None or not isinstance(part.get(key), str):
+                    raise ValueError(f"messages[{i}]: only text content parts ({{type: text, text}}) are supported")
+                texts.append(part[key])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}] needs a 'content' string (or a list of text parts)")
+        out.append({**m, "content": content})
+    return template_messages(out)
+
+
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant ``tool_calls`` as chat templates read them: arguments written as a JSON object become the
     object (templates iterate or re-serialize them); other arguments stay as they are."""
