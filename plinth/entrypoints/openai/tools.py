@@ -161,7 +161,7 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
 
 def plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """OpenAI-style message dicts (from Python or a file) as the chat template takes them, the way the server
-    reads a request's: ``content: null`` (an assistant turn of tool calls) becomes ``""``, text (and an
+    reads a request's: an assistant's ``content: null`` (a turn of tool calls) becomes ``""``, text (and an
     assistant's refusal) content parts are joined, and tool-call arguments written as a JSON object become
     the object (:func:`template_messages`).
 
@@ -184,7 +184,7 @@ def plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                     raise ValueError(f"messages[{i}]: only text content parts ({{type: text, text}}) are supported")
                 texts.append(part[key])
             content = "".join(texts)
-        elif content is None:
+        elif content is None and role == "assistant":   # a turn of tool calls only
             content = ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}] needs a 'content' string (or a list of text parts)")
