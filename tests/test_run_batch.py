@@ -46,6 +46,7 @@ def test_run_batch(tmp_path, capsys):
     assert by_id["c2"]["response"]["body"]["usage"]["completion_tokens"] == 5
     bad = by_id["bad-temp"]
     assert bad["response"]["status_code"] == 400 and bad["error"]["message"].startswith("temperature")
+    assert bad["response"]["request_id"].startswith("req_")   # a string, as OpenAI's batch output has
     for key, text in (("<line 4>", "not JSON"), ("s", "stream is not supported"), ("u", "url must be one of")):
         assert by_id[key]["response"] is None and text in by_id[key]["error"]["message"]
     # the repeated c1 line was refused, not run: the first c1's result stands

@@ -208,6 +208,8 @@ def result_record(request: dict[str, Any], status: int, body: Any) -> dict[str, 
         info = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else {}
         error = {"code": info.get("code") or f"http_{status}", "message": info.get("message") or f"HTTP {status}"}
     request_id = body.get("id") if isinstance(body, dict) else None
+    if not isinstance(request_id, str):   # an error body has no id; OpenAI's request_id is always a string
+        request_id = f"req_{uuid.uuid4().hex}"
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request["custom_id"],
             "response": {"status_code": status, "request_id": request_id, "body": body}, "error": error}
 
