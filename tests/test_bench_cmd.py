@@ -50,6 +50,10 @@ def test_throughput_counts_every_token(capsys, tmp_path):
     assert r["total_tokens_per_s"] == pytest.approx((30 + r["prompt_tokens"]) / r["elapsed_s"])
     for label in ("requests/s", "output tokens/s", "total tokens/s", "elapsed"):
         assert label in text
+    # a waiting queue smaller than the run: the prompts go in as room frees
+    _, r = run_bench(capsys, tmp_path, "throughput", "--num-prompts", "6", "--input-len-range", "4", "20",
+                     "--output-len", "5", "--num-warmup-prompts", "1", "--max-waiting-requests", "2")
+    assert r["output_tokens"] == 6 * 5
 
 
 def test_floor_fractions_on_a_known_device(capsys, tmp_path, monkeypatch):

@@ -91,17 +91,27 @@ class RunTiming:
 
 
 def timed_run(engine: Any, prompts: list[list[int]], output_len: int, tag: str) -> RunTiming:
-    """Submit ``prompts`` at once and step the engine until all finish; every step syncs the device."""
+    """Submit ``prompts`` at once (as many as the waiting queue takes, the rest as room frees) and step the
+    engine until all finish; every step syncs the device."""
+    from plinth.core.scheduler import QueueFullError
+
     params = exact_length_params(output_len)
     floors.synchronize(engine.device)
     t0, cpu0 = time.perf_counter(), time.process_time()
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
+    pending = list(zip(ids, prompts, strict=True))
     started: set[str] = set()
     first_token_s = None
     finished: dict[str, Any] = {}
     while len(finished) < len(ids):
+        while pending:
+            try:
+                engine.add_request(*pending[0], params)
+            except QueueFullError:
+                if not engine.has_unfinished_requests():
+                    raise
+                break
+            pending.pop(0)
         for out in engine.step():
             if out.outputs and out.outputs[0].token_ids:
                 started.add(out.request_id)
