@@ -157,6 +157,7 @@ def test_json_schema_format(client):
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tools are not supported"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
     ({"background": True}, "background", "background"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input",
      "'function_call_output' are not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",

@@ -94,6 +94,9 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                               ("background", req.background, "background responses are not supported")):
         if value:
             raise bad_request(why, field)
+    if req.tool_choice not in (None, "none", "auto"):   # a call demanded, but no tool can be given
+        raise bad_request(f"tool_choice {req.tool_choice!r} needs tools, which /v1/responses does not take: use "
+                          "/v1/chat/completions", "tool_choice")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "max_tokens": req.max_output_tokens,
