@@ -585,9 +585,17 @@ def test_queue_full_is_503_with_retry_after(server):
             body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
             return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(16)))
 
+    before = scrape_metrics(server.base_url)
     responses = asyncio.run(flood())
     codes = sorted(r.status_code for r in responses)
     assert set(codes) == {200, 503}, codes
+    # the refused requests never ran: no finished request, no error, no latency is counted for them
+    after = scrape_metrics(server.base_url)
+    served = codes.count(200)
+    finished = [k for k in after if k.startswith("plinth_requests_finished_total")]
+    assert sum(after[k] - before.get(k, 0) for k in finished) == served
+    assert after.get("plinth_requests_finished_total{finish_reason=error}", 0) == \
+        before.get("plinth_requests_finished_total{finish_reason=error}", 0)
     for r in responses:
         if r.status_code == 503:
             assert_error(r, 503, code="queue_full")

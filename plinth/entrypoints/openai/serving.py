@@ -17,7 +17,7 @@ from plinth.core.async_engine import AsyncLLMEngine
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
 from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
-from plinth.core.scheduler import RequestRejectedError
+from plinth.core.scheduler import QueueFullError, RequestRejectedError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.beam_search import BeamSearchParams
 from plinth.entrypoints.openai.errors import APIError, bad_request
@@ -291,8 +291,8 @@ class ServerContext:
                 yield out
         except asyncio.CancelledError:
             raise
-        except RequestRejectedError:
-            tracker.discard()   # refused on arrival: a client error, counted by no request metric
+        except (RequestRejectedError, QueueFullError):
+            tracker.discard()   # refused on arrival (a client error, or a full queue: a 503): counted by no request metric
             raise
         except Exception:
             error = True
