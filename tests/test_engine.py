@@ -173,6 +173,16 @@ def test_stop_string_and_eos(llm):
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tid
 
 
+def test_the_engine_seed_seeds_requests_without_their_own(tiny_llama_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    draws = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 7)):
+        llm = llm_for(tiny_llama_dir, seed=seed)
+        draws[name] = token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False))
+        llm.close()
+    assert draws["a"] == draws["b"] != draws["c"]
+
+
 def test_n_samples_and_seeds(llm):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     a = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]

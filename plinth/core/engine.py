@@ -166,7 +166,8 @@ class LLMEngine:
         self.default_max_tokens: int | None = self.default_sampling.pop("max_tokens", None)
         self.selection = parts.selection
         self.runner: ModelRunner | None = parts.runner   # None when worker processes own the model
-        self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection)
+        self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection,
+                                                                        seed=config.model.seed)
         self._dead: EngineDeadError | None = None
         #: ``generate`` or ``embed`` (an embedding model: :meth:`add_request` takes PoolingParams)
         self.task = config.model.task

@@ -193,13 +193,13 @@ class UniprocExecutor(Executor):
 
     supports_async_steps = True
 
-    def __init__(self, runner: Any, num_blocks: int, selection: Any):
+    def __init__(self, runner: Any, num_blocks: int, selection: Any, seed: int = 0):
         from plinth.worker.profiling import StepProfiler
 
         self.runner = runner
         self.num_blocks = num_blocks
         self.selection = selection
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed)   # the engine seed: rows without their own seed draw from it
         self._pinned: list[torch.Tensor] = []   # two host buffers for sampled tokens, used in turn
         device = getattr(runner, "device", None)
         sync = (lambda: torch.cuda.synchronize(device)) if device is not None and device.type == "cuda" else (
