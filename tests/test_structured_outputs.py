@@ -242,6 +242,14 @@ def test_allowed_token_ids_restrict_every_step_to_the_reference_argmax(llm, tiny
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+    # masks that leave no token at all are refused, not drawn from outside the allowed ids
+    word = tok.decode([keep[0]]).strip()
+    with pytest.raises(RequestRejectedError, match="every allowed token is banned by bad_words"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[keep[0]], bad_words=[word]), use_tqdm=False)
+    eos = llm.engine.eos_token_ids[0]
+    with pytest.raises(RequestRejectedError, match="every allowed token ends the sequence"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_matchers_of_one_grammar_are_independent_copies(llm):

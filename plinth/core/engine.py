@@ -493,6 +493,8 @@ class LLMEngine:
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
                 f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
+        if params.allowed_token_ids:
+            self._check_some_token_allowed(params, bad_words)
         adapter = self.add_lora(lora_request) if lora_request is not None else None
         matcher = self._matcher(params) if params.structured_outputs is not None else None   # after the cheap checks
         seqs: list[_Sequence] = []
@@ -551,6 +553,23 @@ class LLMEngine:
             raise RequestRejectedError(f"dimensions is {pooling.dimensions}, but this model's embeddings have "
                                        f"{self.hidden_size}", param="dimensions")
         return pooling
+
+    def _check_some_token_allowed(self, params: SamplingParams, bad_words: list[list[int]]) -> None:
+        """Refuse ``allowed_token_ids`` that the request's other masks ban outright (one-token ``bad_words``,
+        and while ``min_tokens`` lasts the EOS and stop ids): no token could be drawn.
+
+        Raises:
+            RequestRejectedError: naming ``allowed_token_ids``.
+        """
+        allowed = set(params.allowed_token_ids or ())
+        banned = {w[0] for w in bad_words if len(w) == 1}
+        if not allowed - banned:
+            raise RequestRejectedError("allowed_token_ids: every allowed token is banned by bad_words",
+                                       param="allowed_token_ids")
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens and not allowed - banned - ends:
+            raise RequestRejectedError("allowed_token_ids: every allowed token ends the sequence, which min_tokens "
+                                       "forbids for its first tokens", param="allowed_token_ids")
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """``bad_words`` as token sequences: each word alone and after a space (how it appears mid-text),
