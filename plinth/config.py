@@ -151,8 +151,6 @@ class ModelConfig:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ConfigError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
-        if self.normalize_embeddings is not None and not isinstance(self.normalize_embeddings, bool):
-            raise ConfigError(f"normalize_embeddings must be true or false, got {self.normalize_embeddings!r}")
         if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
             raise ConfigError(f"reasoning_parser must be a parser's name, got {self.reasoning_parser!r}")
         if (self.pooling is not None or self.normalize_embeddings is not None) and self.task != "embed":
@@ -337,8 +335,6 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        if not isinstance(self.enable_lora, bool):
-            raise ConfigError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         _positive("max_loras", self.max_loras, allow_none=False)
         _positive("max_lora_rank", self.max_lora_rank, allow_none=False)
         _positive("max_cpu_loras", self.max_cpu_loras)

@@ -93,25 +93,18 @@ class RunTiming:
 def timed_run(engine: Any, prompts: list[list[int]], output_len: int, tag: str) -> RunTiming:
     """Submit ``prompts`` at once (as many as the waiting queue takes, the rest as room frees) and step the
     engine until all finish; every step syncs the device."""
-    from plinth.core.scheduler import QueueFullError
+    from plinth.entrypoints.generate_cmd import add_when_room
 
     params = exact_length_params(output_len)
     floors.synchronize(engine.device)
     t0, cpu0 = time.perf_counter(), time.process_time()
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    pending = list(zip(ids, prompts, strict=True))
     started: set[str] = set()
     first_token_s = None
     finished: dict[str, Any] = {}
-    while len(finished) < len(ids):
-        while pending:
-            try:
-                engine.add_request(*pending[0], params)
-            except QueueFullError:
-                if not engine.has_unfinished_requests():
-                    raise
-                break
-            pending.pop(0)
+
+    def step() -> None:
+        nonlocal first_token_s
         for out in engine.step():
             if out.outputs and out.outputs[0].token_ids:
                 started.add(out.request_id)
@@ -119,6 +112,11 @@ def timed_run(engine: Any, prompts: list[list[int]], output_len: int, tag: str) 
                 finished[out.request_id] = out
         if first_token_s is None and len(started) == len(ids):
             first_token_s = time.perf_counter() - t0
+
+    for rid, prompt in zip(ids, prompts, strict=True):
+        add_when_room(engine, rid, prompt, params, step)
+    while len(finished) < len(ids):
+        step()
     elapsed = time.perf_counter() - t0
     cpu_s = time.process_time() - cpu0
     produced = [len(finished[r].outputs[0].token_ids) for r in ids]

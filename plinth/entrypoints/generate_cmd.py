@@ -172,10 +172,8 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     if not isinstance(rid, str | int) or isinstance(rid, bool):
         raise RowError(line, f"'id' must be a string or an integer, got {rid!r}")
     rid = str(rid)
-    try:
-        rid.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RowError(line, f"'id' is not valid Unicode text (a lone surrogate escape): {rid!r}") from None
+    if not encodable(rid):
+        raise RowError(line, f"'id' is not valid Unicode text (a lone surrogate escape): {rid!r}")
     sources = [k for k in ("prompt", "messages", "prompt_token_ids") if k in row]
     if len(sources) != 1:
         raise RowError(line, "needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")
@@ -209,6 +207,35 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     except (SamplingParamsError, ValueError, TypeError) as exc:
         raise RowError(line, str(exc)) from None
     return rid, value, params, key == "messages"
+
+
+def encodable(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (JSON's ``\\ud800`` escapes decode to lone surrogates, which
+    cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def add_when_room(engine: Any, request_id: str, prompt: Any, params: SamplingParams, step: Any) -> None:
+    """``engine.add_request``, calling ``step()`` (which steps the engine) while its waiting queue is full
+    (``--max-waiting-requests``).
+
+    Raises:
+        QueueFullError: the queue is full with nothing running, so it can never take the request.
+    """
+    from plinth.core.scheduler import QueueFullError
+
+    while True:
+        try:
+            engine.add_request(request_id, prompt, params)
+            return
+        except QueueFullError:
+            if not engine.has_unfinished_requests():
+                raise
+            step()
 
 
 def torn_record(raw: bytes, start: bytes) -> bool:
@@ -321,7 +348,6 @@ def run(args: argparse.Namespace) -> int:
 def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) -> int:
     import jinja2
 
-    from plinth.core.scheduler import QueueFullError
     from plinth.errors import CliError
 
     prompts: list[Any] = list(args.prompt)
@@ -332,19 +358,16 @@ def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) ->
         except jinja2.TemplateError as exc:
             raise CliError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
     outs: dict[str, Any] = {}
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished_requests():
-        while pending:   # as many as the waiting queue (--max-waiting-requests) takes
-            try:
-                engine.add_request(f"cli-{pending[0][0]}", pending[0][1], base)
-            except QueueFullError:
-                if not engine.has_unfinished_requests():
-                    raise
-                break
-            pending.pop(0)
+
+    def step() -> None:
         for out in engine.step(final_only=True):
             if out.finished:
                 outs[out.request_id] = out
+
+    for i, prompt in enumerate(prompts):
+        add_when_room(engine, f"cli-{i}", prompt, base, step)
+    while engine.has_unfinished_requests():
+        step()
     several = len(args.prompt) > 1
     for i in range(len(args.prompt)):
         if several:
@@ -441,15 +464,11 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
             try:
                 if is_chat:
                     prompt = engine.tokenize(engine.render_chat(prompt), add_special_tokens=False)
-                while True:
-                    try:
-                        engine.add_request(f"row-{line}", prompt, params)   # a row's id may be anything
-                        break
-                    except QueueFullError:
-                        if not engine.has_unfinished_requests():   # nothing to wait for: it can never fit
-                            raise RequestRejectedError("the row's sequences do not fit in the waiting queue "
-                                                       "(--max-waiting-requests)") from None
-                        step()   # room frees as requests finish
+                try:
+                    add_when_room(engine, f"row-{line}", prompt, params, step)   # a row's id may be anything
+                except QueueFullError:   # nothing to wait for: it can never fit
+                    raise RequestRejectedError("the row's sequences do not fit in the waiting queue "
+                                               "(--max-waiting-requests)") from None
             except (RequestRejectedError, ValueError, TypeError, jinja2.TemplateError) as exc:
                 bar.update(1)
                 if not _report(inp, bad_rows, f"row {line}: {exc}"):
