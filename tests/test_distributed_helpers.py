@@ -30,6 +30,12 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                                                                 moe_intermediate_size=32, mlp_only_layers=[0, 2],
                                                                 head_dim=16)),
+    # norms on each block's output (the all-reduces stay in the projections), a sliding layer with its own RoPE
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # fused q/k/v and gate/up checkpoint tensors, split into the shards of each rank as they load
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

@@ -11,27 +11,43 @@ from plinth.attention_backends.torch_sdpa import TorchSDPABackend
 from plinth.config import ModelConfig
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.loader import load_model, resolve_model_source
+from plinth.model_registry.models.decoder import SandwichDecoderLayer
 from plinth.model_registry.models.transformers_fallback import TransformersForCausalLM
 from plinth.model_registry.registry import ModelRegistry
 
 COMMON = dict(vocab_size=1003, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.08)
 
-# architecture -> (config class, config overrides)
+# test id -> (architecture, config class, config overrides)
 ARCHS = {
-    "LlamaForCausalLM": ("LlamaConfig", dict(
+    "LlamaForCausalLM": ("LlamaForCausalLM", "LlamaConfig", dict(
         attention_bias=True, mlp_bias=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "MistralForCausalLM": ("MistralConfig", dict(sliding_window=6, head_dim=16)),
-    "Qwen2ForCausalLM": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "Qwen3ForCausalLM": ("Qwen3Config", dict(head_dim=24, num_hidden_layers=3)),
-    "MixtralForCausalLM": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                   norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3)),
-    # no native class: runs through the transformers fallback
-    "GemmaForCausalLM": ("GemmaConfig", dict(head_dim=16, hidden_activation="gelu_pytorch_tanh")),
+    "MistralForCausalLM": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=6, head_dim=16)),
+    "Qwen2ForCausalLM": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True)),
+    "Qwen3ForCausalLM": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=24, num_hidden_layers=3)),
+    "MixtralForCausalLM": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        num_hidden_layers=3)),
+    "GemmaForCausalLM": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=16, hidden_act="gelu_pytorch_tanh")),
+    # sliding layers with their own RoPE base, q/k norms, a softmax scale other than head_dim ** -0.5, a final cap
+    "Gemma3ForCausalLM": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        head_dim=16, num_hidden_layers=3, sliding_window=5, query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}})),
+    # fused checkpoint projections, RoPE over half of each head
+    "Phi3ForCausalLM": ("Phi3ForCausalLM", "Phi3Config", dict(
+        pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # longrope: runs through the transformers fallback
+    "Phi3ForCausalLM-longrope": ("Phi3ForCausalLM", "Phi3Config", dict(
+        pad_token_id=0, max_position_embeddings=256, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.3 * i for i in range(8)]})),
 }
+FALLBACK = {"Phi3ForCausalLM-longrope"}
 
 PROMPT_LENS = (5, 11, 17)
 NEW_TOKENS = 32
@@ -40,14 +56,13 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module", params=list(ARCHS))
 def checkpoint(request, tmp_path_factory):
     """A small random transformers model of one architecture, saved as safetensors."""
-    arch = request.param
-    config_cls, overrides = ARCHS[arch]
+    arch, config_cls, overrides = ARCHS[request.param]
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
     torch.manual_seed(1234)
     hf = getattr(transformers, arch)(config).eval()
-    path = tmp_path_factory.mktemp(arch)
+    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    return arch, str(path), hf
+    return request.param, str(path), hf
 
 
 def _load(path: str, backend: TorchSDPABackend):
@@ -68,9 +83,9 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 
 def test_native_or_fallback_class(checkpoint):
-    arch, _, _ = checkpoint
-    cls = ModelRegistry.resolve(arch)
-    assert issubclass(cls, TransformersForCausalLM) == (arch == "GemmaForCausalLM")
+    name, path, _ = checkpoint
+    assert issubclass(ModelRegistry.resolve(ARCHS[name][0]), TransformersForCausalLM) is False
+    assert isinstance(_load(path, TorchSDPABackend()), TransformersForCausalLM) == (name in FALLBACK)
 
 
 def test_prefill_logits_match_transformers(checkpoint):
@@ -249,12 +264,14 @@ def test_moe_matches_a_per_token_loop():
 
 @pytest.mark.parametrize("arch,pp_rank,pp_size", [("MistralForCausalLM", 0, 1), ("MistralForCausalLM", 0, 2),
                                                   ("MistralForCausalLM", 1, 2), ("LlamaForCausalLM", 0, 1),
-                                                  ("Qwen3MoeForCausalLM", 0, 1)])
+                                                  ("Qwen3MoeForCausalLM", 0, 1), ("Gemma3ForCausalLM", 0, 1)])
 def test_tensor_parallel_layers_leave_each_reduction_to_the_norm_after_it(arch, pp_rank, pp_size):
     """Under TP a layer returns its dense MLP's partial sums and the next norm reduces them (the final norm
     after the last layer); a stage without the final norm, a down-projection with a bias and an MoE block
-    reduce their own output; an output projection with a bias keeps its reduction."""
-    config_cls, overrides = ARCHS[arch]
+    reduce their own output; an output projection with a bias keeps its reduction; Gemma 3's norm on each
+    block's output needs the reduced sums, so its layers reduce in the projections."""
+    _, config_cls, overrides = ARCHS[arch]
+    overrides = {k: v for k, v in overrides.items() if k != "layer_types"}
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "num_hidden_layers": 4})
     ctx = ModelContext(hf_config=config, dtype=torch.float32, device=torch.device("cpu"),
                        attention_backend=TorchSDPABackend(), block_size=4, tp_rank=0, tp_size=2,
@@ -270,5 +287,59 @@ def test_tensor_parallel_layers_leave_each_reduction_to_the_norm_after_it(arch, 
         assert all(layer.fuse_attention_reduce for layer in built)
     elif arch == "LlamaForCausalLM":   # attention_bias and mlp_bias
         assert deferred == [False] * 4 and not any(layer.fuse_attention_reduce for layer in built)
+    elif arch == "Gemma3ForCausalLM":
+        assert deferred == [False] * 4 and not model.reduce_final
+        assert all(isinstance(layer, SandwichDecoderLayer) for layer in built)
     else:   # Qwen3-MoE: layer 1 is dense (mlp_only_layers), the others are MoE
         assert deferred == [False, True, False, False]
+
+
+def test_gemma_norm_matches_transformers_in_bfloat16():
+    """The stored ``1 + w`` stays float32 in a bfloat16 model: the output is Gemma's reference bit for bit."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from plinth.model_registry.layers.layernorm import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    ref = Gemma3RMSNorm(64, eps=1e-6)
+    ref.weight.data = torch.randn(64) * 0.3
+    ours = GemmaRMSNorm(64, eps=1e-6)
+    ours.weight.weight_loader(ours.weight, ref.weight.data.to(torch.bfloat16))   # as a bf16 checkpoint holds it
+    ref.weight.data = ref.weight.data.to(torch.bfloat16)
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    residual = torch.randn(7, 64).to(torch.bfloat16)
+    assert ours.weight.dtype == torch.float32
+    assert torch.equal(ours(x), ref(x))
+    out, h = ours(x, residual)
+    assert torch.equal(h, x + residual) and torch.equal(out, ref(x + residual))
+    # rounding 1 + w to bfloat16 first (what a bfloat16 parameter would hold) gives other bits
+    assert not torch.equal((x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+        torch.bfloat16) * ours.weight.to(torch.bfloat16), ref(x))
+
+
+@pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"])
+def test_engine_on_the_cpu_path_matches_transformers(name, tmp_path):
+    """The whole engine (the CPU platform's attention backend and linear layers, batching, prefix cache) on the
+    new native architectures: greedy tokens equal transformers' ``generate``."""
+    from conftest import make_tokenizer
+
+    import plinth
+
+    arch, config_cls, overrides = ARCHS[name]
+    tokenizer = make_tokenizer()
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "vocab_size": len(tokenizer),
+                                                  "eos_token_id": tokenizer.eos_token_id, "pad_token_id": 0,
+                                                  "bos_token_id": tokenizer.bos_token_id})
+    torch.manual_seed(99)
+    hf = getattr(transformers, arch)(config).eval()
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = _prompts(config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        plinth.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref

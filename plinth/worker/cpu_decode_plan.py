@@ -121,6 +121,8 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
     inner = model.model
     if model.lm_head is None or inner.embed_tokens is None or inner.norm is None or inner.embed_tokens.tp_size != 1:
         return "pipeline or tensor parallelism"
+    if inner.embed_scale != 1.0 or inner.local_rotary_emb is not None:
+        return "scaled embeddings or a second RoPE (Gemma)"
     embed = inner.embed_tokens.weight
     dtype = embed.dtype
     if not cpu_native.layer_ops_enabled(embed):   # bfloat16 or float32, the library built and switched on

@@ -20,3 +20,26 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(x, quant)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(x[..., :d]) * x[..., d:]`` (tanh approximation where ``approximate="tanh"``)."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor, quant: ops.RowQuant | None = None) -> torch.Tensor:  # [T, 2d] -> [T, d]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+#: the gated activations of ``config.json``'s ``hidden_act`` / ``hidden_activation`` names
+GATED_ACTIVATIONS = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu": lambda: GeluAndMul("none"),
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu_new": lambda: GeluAndMul("tanh"),
+    "gelu_fast": lambda: GeluAndMul("tanh"),
+}

@@ -43,3 +43,33 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` with the checkpoint's zero-centred ``w``.
+
+    The parameter holds ``1 + w`` (added in float32 as the checkpoint loads). It is kept in float32 unless
+    the model computes in float32, so that a bfloat16 model scales by the float32 factor and rounds once
+    at the end, as Gemma's reference does; a float32 model takes :class:`RMSNorm`'s fused kernels.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        from plinth.model_registry.interface import default_weight_loader
+
+        default_weight_loader(param, loaded.to(torch.float32) + 1.0)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                quant: ops.RowQuant | None = None) -> Any:
+        if self.weight.dtype == x.dtype:
+            return super().forward(x, residual, quant)
+        if residual is not None:
+            x = x + residual
+        out = x.to(torch.float32)
+        out = (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        return out if residual is None else (out, x)

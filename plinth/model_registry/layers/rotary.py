@@ -18,14 +18,21 @@ from plinth.kernels import ops
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
     """The RoPE parameters of a config, as one flat dict with ``rope_type`` and ``rope_theta``.
 
-    Reads ``rope_parameters`` (transformers >= 5) or the older ``rope_theta`` + ``rope_scaling``.
+    Reads ``rope_parameters`` (transformers >= 5; where it is keyed by layer type, as Gemma 3's, the entry of
+    ``layer_type``) or the older ``rope_theta`` + ``rope_scaling`` (and ``rope_local_base_freq`` for sliding
+    layers, as older Gemma 3 configs have it).
     """
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    local_base = getattr(hf_config, "rope_local_base_freq", None)
     if isinstance(params, dict) and "rope_theta" in params:
         out = dict(params)
+    elif layer_type == "sliding_attention" and local_base is not None:
+        out = {"rope_type": "default", "rope_theta": local_base}
     else:
         out = dict(getattr(hf_config, "rope_scaling", None) or {})
         out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))

@@ -1,9 +1,11 @@
-"""The decoder-only transformer shared by the Llama family (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE).
+"""The decoder-only transformer shared by the Llama family (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE, Phi-3)
+and the Gemma family (Gemma, Gemma 3).
 
 One implementation with options: architectures subclass :class:`DecoderForCausalLM` and
-override :meth:`~DecoderForCausalLM.attention_options` (biases, per-head q/k norm) and
-:meth:`~DecoderForCausalLM.make_mlp` (dense or mixture-of-experts). Parameter names follow
-the Hugging Face checkpoints, except the fused ``qkv_proj`` and ``gate_up_proj``.
+override :meth:`~DecoderForCausalLM.attention_options` (biases, per-head q/k norm, softmax scale),
+:meth:`~DecoderForCausalLM.block_options` (norm flavour, activation, norms around each block's output,
+embedding scale) and :meth:`~DecoderForCausalLM.make_mlp` (dense or mixture-of-experts). Parameter names
+follow the Hugging Face checkpoints, except the fused ``qkv_proj`` and ``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from torch import nn
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.distributed.communication import tp_all_reduce_add_rms_norm
 from plinth.distributed.parallel_state import pp_layer_range
+from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import CausalLM, ModelContext
-from plinth.model_registry.layers.activation import SiluAndMul
+from plinth.model_registry.layers.activation import GATED_ACTIVATIONS, SiluAndMul
 from plinth.model_registry.layers.attention import Attention
 from plinth.model_registry.layers.embedding import LMHead, VocabEmbedding
 from plinth.model_registry.layers.layernorm import RMSNorm
@@ -40,7 +43,28 @@ class AttentionOptions:
 
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False       # RMSNorm over each head's features of q and k (Qwen3)
+    qk_norm: bool = False       # RMSNorm over each head's features of q and k (Qwen3, Gemma 3)
+    scale: float | None = None  # the softmax scale (default: head_dim ** -0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+    """How one architecture's decoder blocks differ from Llama's."""
+
+    norm: type[RMSNorm] = RMSNorm   # GemmaRMSNorm: the checkpoint's weights are ``w`` of ``(1 + w)``
+    activation: str = "silu"        # the gated MLP's activation (a GATED_ACTIVATIONS name)
+    sandwich_norms: bool = False    # Gemma 2/3: a norm on each block's output before the residual add
+    embed_scale: bool = False       # the embeddings multiplied by sqrt(hidden_size) (Gemma)
+    local_rope: bool = False        # sliding-window layers take the config's local RoPE (Gemma 3)
+
+
+def gated_activation(name: str) -> torch.nn.Module:
+    """The gated activation module of a ``config.json`` activation name."""
+    make = GATED_ACTIVATIONS.get(name)
+    if make is None:
+        raise UnsupportedModelError(f"activation {name!r} is not supported by plinth's native decoder; supported: "
+                                    f"{', '.join(sorted(GATED_ACTIVATIONS))}")
+    return make()
 
 
 def head_dim_of(cfg: Any) -> int:
@@ -63,7 +87,8 @@ def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
 class DecoderAttention(nn.Module):
     """Fused QKV projection, optional q/k norm, rotary embedding, paged attention, output projection."""
 
-    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions):
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         cfg = ctx.hf_config
         tp = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size, "quant_method": ctx.quant_method}
@@ -76,11 +101,12 @@ class DecoderAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads          # on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads    # on this rank
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, eps=cfg.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, eps=cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+        scale = options.scale if options.scale is not None else self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
                               ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx)
 
     def forward(self, hidden: Any, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,17 +125,17 @@ class DecoderAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused (``act`` SiLU unless ``activation`` says otherwise)."""
 
-    def __init__(self, ctx: ModelContext, intermediate_size: int, bias: bool = False):
+    def __init__(self, ctx: ModelContext, intermediate_size: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         hidden = ctx.hf_config.hidden_size
         tp = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size, "quant_method": ctx.quant_method}
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate_size] * 2, bias=bias, **tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden, bias=bias, **tp)
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(activation)
         # a quantized kernel may pack gate and up rows side by side and apply the activation itself
-        self.gate_up_proj.feeds_silu_and_mul = True
+        self.gate_up_proj.feeds_silu_and_mul = isinstance(self.act_fn, SiluAndMul)
         self._down_quant: tuple[Any] | None = None   # (down_proj.input_quant(),), read at the first forward
 
     def input_quant(self) -> Any:
@@ -117,7 +143,7 @@ class DenseMLP(nn.Module):
         return self.gate_up_proj.input_quant()
 
     def forward(self, x: Any, reduce: bool = True) -> torch.Tensor:  # [T, H] -> [T, H]
-        h = self.gate_up_proj.forward_silu_and_mul(x)
+        h = self.gate_up_proj.forward_silu_and_mul(x) if self.gate_up_proj.feeds_silu_and_mul else None
         if h is None:
             if self._down_quant is None:
                 self._down_quant = (self.down_proj.input_quant(),)
@@ -135,12 +161,13 @@ class DecoderLayer(nn.Module):
     and the next layer (:attr:`reduce_input`) or the final norm reduces them. :class:`DecoderModel` sets both.
     """
 
-    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module):
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         eps = ctx.hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(ctx.hf_config.hidden_size, eps=eps)
-        self.self_attn = DecoderAttention(ctx, layer_idx, options)
-        self.post_attention_layernorm = RMSNorm(ctx.hf_config.hidden_size, eps=eps)
+        self.input_layernorm = norm(ctx.hf_config.hidden_size, eps=eps)
+        self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
+        self.post_attention_layernorm = norm(ctx.hf_config.hidden_size, eps=eps)
         self.mlp = mlp
         #: the attention output's all-reduce happens in the norm after it
         self.fuse_attention_reduce = ctx.tp_size > 1 and self.self_attn.o_proj.bias is None
@@ -180,11 +207,52 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 2/3's block: each of the attention and MLP outputs is normed before it joins the residual
+    stream (``post_attention_layernorm``, ``post_feedforward_layernorm``), and the MLP's input norm is
+    ``pre_feedforward_layernorm``. The same ``(hidden, residual)`` protocol as :class:`DecoderLayer` (the
+    next norm adds the two); the all-reduces of tensor parallelism happen in the projections, since a norm
+    stands between each projection and its residual add."""
+
+    can_defer_output = False
+    reduce_input = False
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm):
+        super().__init__()
+        cfg = ctx.hf_config
+        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
+        self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, metadata))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
 class MissingLayer(nn.Module):
     """The place of a decoder layer that another pipeline stage runs (keeps layer indices aligned)."""
 
     def forward(self, *args: Any) -> Any:
         raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
+def _rotary(cfg: Any, layer_type: str) -> RotaryEmbedding:
+    """The RoPE of the config's layers of ``layer_type`` (over ``partial_rotary_factor`` of each head)."""
+    params = rope_parameters(cfg, layer_type)
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None)) or 1.0
+    head_dim = head_dim_of(cfg)
+    return RotaryEmbedding(head_dim, params, getattr(cfg, "max_position_embeddings", 2048), int(head_dim * factor))
 
 
 class DecoderModel(nn.Module):
@@ -203,23 +271,30 @@ class DecoderModel(nn.Module):
         self.is_last_stage = ctx.pp_rank == ctx.pp_size - 1
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
                              if self.is_first_stage else None)
-        options = owner.attention_options(cfg)
+        options, block = owner.attention_options(cfg), owner.block_options(cfg)
+        layer_cls = SandwichDecoderLayer if block.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(ctx, i, options, owner.make_mlp(ctx, i)) if self.start_layer <= i < self.end_layer
+            layer_cls(ctx, i, options, owner.make_mlp(ctx, i), block.norm) if self.start_layer <= i < self.end_layer
             else MissingLayer()
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last_stage else None
+        self.norm = block.norm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last_stage else None
         # each layer's MLP output is reduced by whatever norms it next (see DecoderLayer); the last layer of a
         # stage without the final norm hands reduced states to the next stage
-        built = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        built = [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
         for i, layer in enumerate(built):
             layer.defer_output = layer.can_defer_output and (i + 1 < len(built) or self.norm is not None)
             if i + 1 < len(built):
                 built[i + 1].reduce_input = layer.defer_output
         self.reduce_final = bool(built) and built[-1].defer_output
-        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), rope_parameters(cfg),
-                                          getattr(cfg, "max_position_embeddings", 2048))
+        #: the embeddings' multiplier (Gemma: sqrt(hidden_size) rounded to the model's dtype)
+        self.embed_scale = 1.0
+        if block.embed_scale:
+            self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=ctx.dtype, device="cpu"))
+        self.rotary_emb = _rotary(cfg, "full_attention")
+        #: the sliding-window layers' own RoPE (Gemma 3's local base frequency), else ``None``
+        self.local_rotary_emb = _rotary(cfg, "sliding_attention") if block.local_rope else None
+        self._local_layers = frozenset(i for i in range(cfg.num_hidden_layers) if sliding_window_of(cfg, i))
 
     def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                   hidden: torch.Tensor | None = None,
@@ -232,10 +307,17 @@ class DecoderModel(nn.Module):
         """
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)                  # [T, H]
+            if self.embed_scale != 1.0:
+                hidden = hidden * self.embed_scale
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, D] each
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(hidden, residual, cos, sin, metadata)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, R] each
+        local = self.local_rotary_emb
+        local_cos, local_sin = local.cos_sin(positions, hidden.dtype) if local is not None else (cos, sin)
+        for i in range(self.start_layer, self.end_layer):
+            if i in self._local_layers:
+                hidden, residual = self.layers[i](hidden, residual, local_cos, local_sin, metadata)
+            else:
+                hidden, residual = self.layers[i](hidden, residual, cos, sin, metadata)
         if self.norm is None:
             return hidden, residual
         if self.reduce_final:
@@ -281,10 +363,15 @@ class DecoderForCausalLM(CausalLM):
         bias = bool(getattr(cfg, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
+    def block_options(self, cfg: Any) -> BlockOptions:
+        """Norms, activation and embedding scale (default: Llama's, with the config's ``hidden_act``)."""
+        return BlockOptions(activation=getattr(cfg, "hidden_act", None) or "silu")
+
     def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
-        """The feed-forward block of layer ``layer_idx`` (default: a dense SiLU-gated MLP)."""
+        """The feed-forward block of layer ``layer_idx`` (default: a dense gated MLP)."""
         cfg = ctx.hf_config
-        return DenseMLP(ctx, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)))
+        return DenseMLP(ctx, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)),
+                        activation=self.block_options(cfg).activation)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         if self.tie_word_embeddings and name == "lm_head.weight":

@@ -1,0 +1,58 @@
+"""Phi-3 (and models that reuse its layout, such as Phi-4-mini): Llama's blocks with the checkpoint's
+projections already fused (``qkv_proj``, ``gate_up_proj``) and RoPE over ``partial_rotary_factor`` of each
+head. The fused checkpoint tensors are split into q/k/v and gate/up as they load, so tensor parallelism
+shards them as it shards Llama's. ``longrope`` RoPE scaling (the 128k-context models) runs through the
+transformers fallback, which switches between its short and long factors with the sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from plinth.errors import ModelLoadError
+from plinth.model_registry.layers.rotary import rope_parameters
+from plinth.model_registry.models.decoder import DecoderForCausalLM, head_dim_of
+
+
+class Phi3ForCausalLM(DecoderForCausalLM):
+    """Phi-3 with fused checkpoint projections."""
+
+    @classmethod
+    def implementation_for(cls, hf_config: Any) -> type:
+        """This class, or the transformers fallback for ``longrope`` RoPE scaling."""
+        if rope_parameters(hf_config)["rope_type"] in ("longrope", "su"):
+            from plinth.model_registry.models.transformers_fallback import fallback_class
+
+            return fallback_class("Phi3ForCausalLM")
+        return cls
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.ctx.hf_config
+        d = head_dim_of(cfg)
+        q = cfg.num_attention_heads * d
+        kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * d
+        for name, tensor in weights:
+            fused = ".self_attn.qkv_proj." in name or ".mlp.gate_up_proj." in name
+            if not fused:
+                yield name, tensor
+                continue
+            if not name.endswith(".weight") or tensor.dim() != 2:
+                raise ModelLoadError(f"tensor {name!r}: only float or FP8 weights of Phi-3's fused projections can "
+                                     f"be split (a quantized checkpoint of this layout is not supported)")
+            if ".qkv_proj." in name:
+                sizes, parts = [q, kv, kv], (".q_proj.", ".k_proj.", ".v_proj.")
+                old = ".qkv_proj."
+            else:
+                half = tensor.shape[0] // 2
+                sizes, parts = [half, half], (".gate_proj.", ".up_proj.")
+                old = ".gate_up_proj."
+            if sum(sizes) != tensor.shape[0]:
+                raise ModelLoadError(f"tensor {name!r}: {tensor.shape[0]} rows, expected {sum(sizes)}")
+            for part, piece in zip(parts, tensor.split(sizes, dim=0), strict=True):
+                yield name.replace(old, part), piece
