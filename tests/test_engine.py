@@ -392,3 +392,18 @@ def test_max_logprobs(tiny_llama_dir):
     assert all(len(pos) >= 30 for pos in out.prompt_logprobs[1:])
     with pytest.raises(ConfigError, match="max_logprobs"):
         llm_for(tiny_llama_dir, max_logprobs=0)
+
+
+def test_block_tables_are_as_wide_as_the_cache_not_the_context(tmp_path):
+    """A config whose context is 2**32 - 1 tokens: the block tables hold at most every block of the cache (a
+    table as wide as the context would be 256 GiB), and the engine runs."""
+    from conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m", max_position_embeddings=2 ** 32 - 1)
+    llm = llm_for(path, num_blocks=64)
+    engine = llm.engine
+    assert engine.max_model_len == 2 ** 32 - 1
+    assert engine.runner.max_blocks_per_seq == 64
+    out = llm.generate(PROMPTS[:2], greedy(8), use_tqdm=False)
+    reference = llm_for(save_tiny_model(tmp_path / "r"), num_blocks=64).generate(PROMPTS[:2], greedy(8), use_tqdm=False)
+    assert token_ids(out) == token_ids(reference)

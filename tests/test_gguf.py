@@ -7,8 +7,10 @@ transformers' own GGUF loader.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -19,6 +21,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.model_registry.gguf_file import GGUFFile
 from plinth.model_registry.gguf_loader import (
     iter_gguf_raw,
     iter_gguf_weights,
@@ -357,6 +360,73 @@ def test_missing_metadata(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="llama.embedding_length"):
         read_gguf_config(str(path))
+
+
+def _patched(data: bytes, key: str, value: int, dims: bool = False) -> bytes:
+    """``data`` (a GGUF file) with the u32 metadata value ``key`` (or, with ``dims``, the two dimensions of the
+    tensor ``key``) overwritten in place."""
+    k = struct.pack("<Q", len(key)) + key.encode()
+    i = data.index(k) + len(k)
+    if dims:
+        return data[:i + 4] + struct.pack("<QQ", *value) + data[i + 20:]
+    assert struct.unpack_from("<I", data, i)[0] == 4   # a u32 value
+    return data[:i + 4] + struct.pack("<I", value) + data[i + 8:]
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("llama.attention.head_count", 0, "head_count.*positive integer"),
+    ("llama.attention.head_count_kv", 0, "head_count.*positive integer"),
+    ("llama.attention.head_count_kv", 3, "multiple of the second"),
+    ("llama.block_count", 100_000, "block_count is 100000, but the file has tensors of 2 blocks"),
+    ("llama.feed_forward_length", 1 << 30, "ffn_up.weight has 128 rows"),
+    ("llama.embedding_length", 1 << 30, "token_embd.weight has shape"),
+    ("token_embd.weight", (64, 128 + (1 << 58)), "impossible dimensions"),    # a size past 64 bits
+    ("token_embd.weight", (1 << 32, 1 << 32), "impossible dimensions"),
+])
+def test_size_metadata_that_disagrees_with_the_tensors_is_refused_before_building(tmp_path, key, value, match):
+    """Sizes are checked against the tensor table (before a model of that size is allocated), and tensor
+    dimensions cannot wrap around 64 bits."""
+    raw = open(write_gguf(tmp_path / "m.gguf", small_model("llama", True), "llama"), "rb").read()
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(_patched(raw, key, value, dims=isinstance(value, tuple)))
+    with pytest.raises(ModelLoadError, match=match):
+        read_gguf_config(str(path))
+
+
+def test_nested_arrays_and_a_non_string_architecture_are_refused(tmp_path):
+    def s(x: str) -> bytes:
+        return struct.pack("<Q", len(x)) + x.encode()
+
+    nested = s("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)
+    (tmp_path / "a.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + nested + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="array of arrays"):
+        GGUFFile.parse(str(tmp_path / "a.gguf"))
+    arch = s("general.architecture") + struct.pack("<IIQ", 9, 4, 1) + b"\0" * 4
+    (tmp_path / "b.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + arch)
+    with pytest.raises(ModelLoadError, match="general.architecture must be a string"):
+        read_gguf_config(str(tmp_path / "b.gguf"))
+
+
+def test_special_token_id_outside_the_vocabulary_is_refused(tmp_path):
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda x: x[1])]
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_token_types([1] * len(tokens))
+    writer.add_bos_token_id(10 ** 6)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="bos_token_id is 1000000, not the id of one of the file's 300 tokens"):
+        load_gguf_tokenizer(str(tmp_path / "t.gguf"), use_cache=False)
 
 
 # ----------------------------------------------------------------------------- the real default model

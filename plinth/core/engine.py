@@ -216,7 +216,7 @@ class LLMEngine:
             cost = self.step_cost = StepCostModel()
             target_s = self.itl_target_ms / 1e3
             self.scheduler.prefill_allowance = lambda decodes: cost.prefill_allowance(decodes, target_s)
-        self._batch_builder = BatchBuilder(-(-self.max_model_len // config.cache.block_size),
+        self._batch_builder = BatchBuilder(min(-(-self.max_model_len // config.cache.block_size), parts.num_blocks),
                                            config.scheduler.max_num_seqs, keep_hidden=self.pooling is not None)
         if self.speculative is not None and self.runner is not None and self.runner.shared_decode_rows:
             # the attention backend lets a sequence's token and drafts go as rows of a decode step (a CPU decode

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import math
 import mmap
 import os
 import struct
@@ -70,7 +71,7 @@ class GGUFTensorInfo:
         ``[*shape[:-1], bytes_per_row]`` uint8."""
         if int(self.ggml_type) in _VALUE_DTYPES:
             return self.shape
-        rows = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+        rows = math.prod(self.shape[:-1])
         return (*self.shape[:-1], self.n_bytes // max(rows, 1))
 
 
@@ -128,6 +129,8 @@ class _Cursor:
                 raise _Truncated(f"an array of {count} elements at offset {self.pos}")
             if item == _STRING:
                 return self.strings(count)
+            if item == _ARRAY:   # nested arrays: no format key has them; refuse rather than recurse without end
+                raise ValueError(f"an array of arrays at offset {self.pos} (not a GGUF metadata value plinth reads)")
             return [self.value(item) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {kind} at offset {self.pos}")
 
@@ -270,7 +273,9 @@ def _tensor_table(raw: list[tuple[str, list[int], int, int]], data_start: int, s
             block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError) as e:
             raise ValueError(f"tensor {name!r} has the unknown ggml type {type_id}") from e
-        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n_elements = math.prod(dims)   # Python integers: a product past 64 bits must not wrap
+        if any(d < 1 for d in dims) or n_elements >= 1 << 48:
+            raise ValueError(f"tensor {name!r} has the impossible dimensions {dims}")
         if dims and dims[0] % block_size:
             raise ValueError(f"tensor {name!r}: rows of {dims[0]} are not whole blocks of {block_size}")
         n_bytes = n_elements // block_size * type_size

@@ -77,6 +77,8 @@ def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
     name = reader.get("general.architecture")
     if name is None:
         raise ModelLoadError(f"GGUF file {path!r} has no general.architecture metadata")
+    if not isinstance(name, str):
+        raise ModelLoadError(f"GGUF file {path!r}: general.architecture must be a string, got {name!r}")
     arch = _ARCHITECTURES.get(name)
     if arch is None:
         raise UnsupportedModelError(
@@ -97,12 +99,31 @@ def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
 def _head_counts(reader: GGUFFile, name: str, path: str) -> tuple[int, int]:
     n_heads = reader.get(f"{name}.attention.head_count")
     n_kv_heads = reader.get(f"{name}.attention.head_count_kv", n_heads)
-    if not isinstance(n_heads, int) or not isinstance(n_kv_heads, int):
+    if (not isinstance(n_heads, int) or not isinstance(n_kv_heads, int) or isinstance(n_heads, bool)
+            or n_heads < 1 or n_kv_heads < 1 or n_heads % n_kv_heads):
         raise ModelLoadError(
-            f"GGUF file {path!r}: {name}.attention.head_count(_kv) must be one integer each, "
-            f"got {n_heads!r} and {n_kv_heads!r}"
+            f"GGUF file {path!r}: {name}.attention.head_count(_kv) must be one positive integer each, the first a "
+            f"multiple of the second, got {n_heads!r} and {n_kv_heads!r}"
         )
     return n_heads, n_kv_heads
+
+
+def _check_sizes(options: dict[str, Any], tensors: dict[str, Any], name: str, path: str) -> None:
+    """The size metadata agrees with the tensor table (checked before a model of that size is built)."""
+    for key, what in (("hidden_size", "embedding_length"), ("intermediate_size", "feed_forward_length"),
+                      ("num_hidden_layers", "block_count"), ("max_position_embeddings", "context_length"),
+                      ("head_dim", "attention.key_length")):
+        value = options[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelLoadError(f"GGUF file {path!r}: {name}.{what} must be a positive integer, got {value!r}")
+    blocks = {int(m[1]) for m in map(_BLOCK_TENSOR.match, tensors) if m is not None}
+    if blocks != set(range(options["num_hidden_layers"])):
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.block_count is {options['num_hidden_layers']}, but the "
+                             f"file has tensors of {len(blocks)} blocks (blk.0 to blk.{max(blocks, default=-1)})")
+    up = tensors.get("blk.0.ffn_up.weight")
+    if up is not None and up.shape[0] != options["intermediate_size"]:
+        raise ModelLoadError(f"GGUF file {path!r}: blk.0.ffn_up.weight has {up.shape[0]} rows, but "
+                             f"{name}.feed_forward_length is {options['intermediate_size']}")
 
 
 def _llama3_freq_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
@@ -184,6 +205,10 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         return value
 
     hidden_size = required("embedding_length")
+    embd = tensors["token_embd.weight"].shape
+    if len(embd) != 2 or embd[1] != hidden_size or isinstance(hidden_size, bool):
+        raise ModelLoadError(f"GGUF file {path!r}: token_embd.weight has shape {list(embd)}, but "
+                             f"{name}.embedding_length is {hidden_size!r}")
     n_heads, n_kv_heads = _head_counts(reader, name, path)
     head_dim = reader.get(f"{name}.attention.key_length", hidden_size // n_heads)
     rotary_dim = reader.get(f"{name}.rope.dimension_count", head_dim)
@@ -209,6 +234,7 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
+    _check_sizes(options, tensors, name, path)
     if arch.model_type in ("llama", "qwen3"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch.model_type == "llama":

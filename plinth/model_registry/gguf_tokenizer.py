@@ -95,9 +95,16 @@ def load_gguf_tokenizer(path: str, use_cache: bool = True) -> Any:
 def _convert(path: str, reader: GGUFFile) -> Any:
     from transformers import AutoTokenizer
 
+    tokens = reader.get("tokenizer.ggml.tokens")
+    for _, key in _SPECIAL_TOKENS:
+        token_id = reader.get(key)
+        if token_id is not None and (not isinstance(token_id, int) or tokens is None
+                                     or not 0 <= token_id < len(tokens)):
+            raise ModelLoadError(f"GGUF file {path!r}: {key} is {token_id!r}, not the id of one of the file's "
+                                 f"{len(tokens) if tokens is not None else 0} tokens")
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, KeyError, IndexError, OSError) as e:
         raise ModelLoadError(f"could not build a tokenizer from GGUF file {path!r}: {e}") from e
     template = reader.get("tokenizer.chat_template")
     if template is not None:

@@ -58,7 +58,7 @@ class ModelRunner:
         device: where the model lives.
         num_blocks: KV blocks per layer (block 0 is the scratch block for padding).
         block_size: tokens per block.
-        max_model_len: the longest sequence, bounds the block-table width.
+        max_model_len: the longest sequence, bounds the block-table width (with ``num_blocks``).
         kv_dtype: the KV-cache dtype.
     """
 
@@ -69,7 +69,8 @@ class ModelRunner:
         self.device = device
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # a sequence holds at most every block of the cache, whatever max_model_len says
+        self.max_blocks_per_seq = min(-(-max_model_len // block_size), num_blocks)
         self.kv_caches: list[torch.Tensor] = []
         t0 = time.perf_counter()
         for layer in model.attention_layers():
