@@ -262,3 +262,22 @@ def test_matchers_of_one_grammar_are_independent_copies(llm):
     assert first.consume_tokens(tok("alpha", add_special_tokens=False)["input_ids"])
     assert first.is_stopped() or first.is_accepting()
     assert not second.is_stopped() and not second.is_accepting()
+
+
+def test_masks_that_leave_the_grammar_no_first_token_are_refused(llm):
+    """allowed_token_ids or one-token bad_words that exclude every token the constraint accepts first: a
+    RequestRejectedError naming the field (they ended "abort" with a token outside every set)."""
+    tok = llm.get_tokenizer()
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123"]
+    letters = [tok.convert_tokens_to_ids(c) for c in "abc"]
+    cases = [(dict(allowed_token_ids=digits, structured_outputs={"regex": "[a-z]+"}), "allowed_token_ids"),
+             (dict(bad_words=["x", "y"], structured_outputs={"choice": ["x", "y"]}), "bad_words")]
+    for kw, field in cases:
+        with pytest.raises(RequestRejectedError, match=f"^{field}: no token the structured output accepts first"):
+            llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, **kw), use_tqdm=False)
+    # a set that leaves some first token runs, and only draws from it
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0, allowed_token_ids=digits + letters,
+                                                structured_outputs={"regex": "[a-z]+"}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids and set(out.token_ids) <= set(letters) and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="json must hold JSON values only"):
+        SamplingParams(structured_outputs={"json": {"enum": [{1, 2}]}})

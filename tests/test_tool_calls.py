@@ -453,7 +453,7 @@ def test_calls_whose_arguments_have_no_json_text_are_content():
 
 
 def test_tool_schemas_edge_cases(http):
-    """$defs in required mode (hoisted to the array's root), a function without parameters (no arguments),
+    """$defs and other local references in required mode, a function without parameters (no arguments),
     parameters that are not an object, an uncompilable schema, a name with a line break."""
     city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
             "additionalProperties": False}
@@ -474,8 +474,22 @@ def test_tool_schemas_edge_cases(http):
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == "{}"
     other = {"type": "function", "function": {"name": "other", "parameters": {
         "type": "object", "$defs": {"City": {"type": "string"}}, "properties": {"c": {"$ref": "#/$defs/City"}}}}}
+    # two tools whose definitions share a name: in "required" each call still follows its own tool's schema (more
+    # local references: test_required_constraint_keeps_each_tools_local_references)
+    tools = {"visit": nested["function"]["parameters"], "other": other["function"]["parameters"]}
+    seen = set()
+    for seed in range(6):
+        r = http.post("/v1/chat/completions", json={
+            "messages": MESSAGES, "tool_choice": "required", "max_tokens": 300, "temperature": 1.0, "seed": seed,
+            "tools": [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in tools.items()]})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        for call in choice["message"].get("tool_calls") or []:
+            seen.add(call["function"]["name"])
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tools[call["function"]["name"]])
+        assert choice["finish_reason"] == "length" or choice["message"]["tool_calls"]
+    assert seen
     bad = [
-        ({"tools": [nested, other], "tool_choice": "required"}, "tools", "'City'"),
         ({"tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}],
           "tool_choice": "none"}, "tools", "object"),
         ({"tools": [{"type": "function", "function": {"name": "r", "parameters": {
@@ -520,3 +534,42 @@ def test_streamed_forced_call_has_null_content(http):
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}
+
+
+def test_required_constraint_keeps_each_tools_local_references(tmp_path):
+    """The grammar of tool_choice "required" accepts exactly the calls whose arguments follow their tool's
+    schema, when the schema refers to itself ("#"), to its own properties, or carries an $id."""
+    from conftest import make_tokenizer
+
+    from plinth.core.structured import GrammarCompiler, normalize
+    from plinth.entrypoints.openai.tools import tool_mode
+
+    node = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                             "sub": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+            "required": ["v", "sub"], "additionalProperties": False}
+    pair = {"$id": "urn:pair", "type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"$ref": "#/properties/a"}},
+            "required": ["a", "b"], "additionalProperties": False}
+    untyped = {"properties": {"n": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("node", node), ("pair", pair), ("untyped", untyped))]
+    tok = make_tokenizer()
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    spec = normalize(tool_mode(tools, "required", True, None).constraint())
+
+    def accepts(calls: list) -> bool:
+        matcher = compiler.matcher(spec)
+        text = json.dumps(calls)   # the separators of COMPACT_JSON
+        return all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and \
+            matcher.is_accepting()
+
+    valid = [{"name": "node", "parameters": {"v": 1, "sub": {"v": 2, "sub": None}}},
+             {"name": "pair", "parameters": {"a": "x", "b": "y"}}, {"name": "untyped", "parameters": {"n": 3}}]
+    assert accepts(valid)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in valid:
+        jsonschema.validate(call["parameters"], schemas[call["name"]])
+    invalid = [[{"name": "node", "parameters": {"v": 1, "sub": [{"name": "node", "parameters": {"v": 2, "sub": None}}]}}],
+               [{"name": "pair", "parameters": {"a": "x", "b": "z"}}],
+               [{"name": "untyped", "parameters": 5}], [{"name": "untyped", "parameters": True}]]
+    for calls in invalid:
+        assert not accepts(calls), calls

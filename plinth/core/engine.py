@@ -49,6 +49,7 @@ from plinth.core.structured import (
     GrammarCompiler,
     ReasoningMarkers,
     StructuredOutputError,
+    allowed_tokens,
     reasoning_markers,
 )
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
@@ -497,6 +498,8 @@ class LLMEngine:
             self._check_some_token_allowed(params, bad_words)
         adapter = self.add_lora(lora_request) if lora_request is not None else None
         matcher = self._matcher(params) if params.structured_outputs is not None else None   # after the cheap checks
+        if matcher is not None and (params.allowed_token_ids or any(len(w) == 1 for w in bad_words)):
+            self._check_grammar_start(matcher, params, bad_words)
         seqs: list[_Sequence] = []
         group = _Group(request_id, text, ids, params, seqs,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -570,6 +573,24 @@ class LLMEngine:
         if params.min_tokens and not allowed - banned - ends:
             raise RequestRejectedError("allowed_token_ids: every allowed token ends the sequence, which min_tokens "
                                        "forbids for its first tokens", param="allowed_token_ids")
+
+    def _check_grammar_start(self, matcher: Any, params: SamplingParams, bad_words: list[list[int]]) -> None:
+        """Refuse ``allowed_token_ids`` / one-token ``bad_words`` that leave the structured output no first token.
+
+        Raises:
+            RequestRejectedError: naming ``allowed_token_ids`` (or ``bad_words`` without it).
+        """
+        first = allowed_tokens([matcher], self.vocab_size)[0]   # [V] bool: what the constraint accepts first
+        if params.allowed_token_ids:
+            keep = np.zeros(self.vocab_size, dtype=bool)
+            keep[list(params.allowed_token_ids)] = True
+            first &= keep
+        first[[w[0] for w in bad_words if len(w) == 1]] = False
+        if not first.any():
+            param = "allowed_token_ids" if params.allowed_token_ids else "bad_words"
+            raise RequestRejectedError(f"{param}: no token the structured output accepts first is left by "
+                                       f"{' and '.join(p for p in ('allowed_token_ids', 'bad_words') if getattr(params, p))}",
+                                       param=param)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """``bad_words`` as token sequences: each word alone and after a space (how it appears mid-text),

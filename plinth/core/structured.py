@@ -73,8 +73,11 @@ def normalize(spec: Any) -> dict[str, Any] | None:
         raise ValueError("choice must be a non-empty list of non-empty strings")
     if kind == "choice" and len(value) > MAX_CHOICES:
         raise ValueError(f"choice has {len(value)} entries, more than {MAX_CHOICES}")
-    size = (sum(map(len, value)) if kind == "choice" else len(value) if isinstance(value, str)
-            else len(json.dumps(value)) if kind == "json" else 0)
+    try:
+        size = (sum(map(len, value)) if kind == "choice" else len(value) if isinstance(value, str)
+                else len(json.dumps(value)) if kind == "json" else 0)
+    except (TypeError, ValueError) as e:   # a schema built in Python holding a set, a NaN key...
+        raise ValueError(f"json must hold JSON values only: {e}") from e
     if size > MAX_SPEC_CHARS:
         raise ValueError(f"{kind} is {size} characters long, more than {MAX_SPEC_CHARS}")
     return {kind: value}

@@ -58,8 +58,8 @@ class ToolMode:
     def constraint(self) -> dict[str, Any] | None:
         """The structured-output spec of a ``required`` or forced-function request.
 
-        Raises:
-            SamplingParamsError: two tools define the same ``$defs`` name differently (``required``).
+        ``required``: an array of ``{"name", "parameters"}`` calls, each tool's schema under the root's ``$defs``
+        with its local references (``#``, ``#/$defs/...``, ``#/properties/...``) rebased there.
         """
         schemas = {t["function"]["name"]: parameters(t) for t in self.tools}
         if self.kind == "function":
@@ -67,23 +67,45 @@ class ToolMode:
             return {"json": compact_schema(schemas[self.function])}
         if self.kind != "required":
             return None
-        # each tool's definitions move to the array's root, where its "#/$defs/..." references then point
-        hoisted: dict[str, dict[str, Any]] = {}
+        # each tool's schema moves whole under the array's "$defs", its local references rebased to point there
+        defs: dict[str, Any] = {}
         items = []
-        for name, schema in schemas.items():
-            schema = dict(schema)
-            for key in ("$defs", "definitions"):
-                for def_name, definition in (schema.pop(key, None) or {}).items():
-                    if hoisted.setdefault(key, {}).setdefault(def_name, definition) != definition:
-                        raise SamplingParamsError("tools", f"tool_choice 'required' puts every tool's {key} in "
-                                                  f"one schema, and two tools define {def_name!r} differently")
-            schema.pop("x-guidance", None)
-            items.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+        for i, (name, schema) in enumerate(schemas.items()):
+            schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+            defs[f"tool_{i}"] = _rebased(schema, f"#/$defs/tool_{i}")
+            items.append({"type": "object",
+                          "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool_{i}"}},
                           "required": ["name", "parameters"], "additionalProperties": False})
-        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **hoisted}
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs}
         if not self.parallel:
             array["maxItems"] = 1
         return {"json": compact_schema(array)}
+
+
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` (``#...``) pointing under ``base`` (a JSON pointer such as
+    ``#/$defs/tool_0``, where the schema now lives) and its ``$id`` dropped; data keywords are left as they are."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$id":
+            continue
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(s, base) for name, s in value.items()}
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +116,9 @@ def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
 def parameters(tool: dict[str, Any]) -> dict[str, Any]:
     """A checked tool's arguments schema (no ``parameters``: no arguments, as OpenAI defines it)."""
     schema = tool["function"].get("parameters")
-    return dict(schema) if schema else {"type": "object", "properties": {}, "additionalProperties": False}
+    if not schema:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return {"type": "object", **schema}   # arguments are an object, whether or not the schema says so
 
 
 def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
