@@ -130,6 +130,15 @@ def test_context_limit_array_prompts_and_wrong_parameters(tiny_llama_dir, llm):
         short.beam_search([[5.5, 7.0]], BeamSearchParams(beam_width=2, max_tokens=4))
     assert not short.engine.has_unfinished_requests()
     short.close()
+    # a KV cache of 40 tokens under a context of 512: the beams stop where the cache ends (each round's beams
+    # are one-token requests, which the scheduler would refuse past it)
+    small = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, selection="off", num_blocks=11)
+    assert small.engine.max_sequence_len == 41 < small.engine.max_model_len
+    prompt = list(range(10, 40))
+    out = small.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=20, ignore_eos=True))[0]
+    assert all(len(prompt) + len(b.token_ids) == 41 and b.finish_reason == "length" for b in out.sequences)
+    assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_usable_blocks
+    small.close()
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search(PROMPTS[0], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="length_penalty"):

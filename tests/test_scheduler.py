@@ -588,3 +588,48 @@ def test_a_request_waiting_for_a_slot_is_not_starved():
             break
         sched.update_from_output(out, runner.execute(out))
     assert admitted_at is not None and MAX_ADAPTER_WAIT_STEPS <= admitted_at <= MAX_ADAPTER_WAIT_STEPS + 8
+
+
+def test_priority_displacement_admits_the_arrival_in_the_same_step():
+    """Victims are preempted only when the arrival is admitted in that step: the chunk room was made for is
+    not recomputed larger once they are gone, and the blocks the staying decodes take next are kept for them."""
+    sched = make_scheduler(num_blocks=13, block_size=1, budget=8, max_seqs=8, scheduling_policy="priority",
+                           prefix_caching=False)
+    a, b = req("A", list(range(10, 14)), max_tokens=8), req("B", list(range(20, 24)), max_tokens=8)
+    a.priority = b.priority = 1
+    head = req("H", list(range(30, 40)), max_tokens=2)
+    head.priority = 0
+    runner, steps = FakeRunner(1), []
+    for r in (a, b):
+        sched.add_request(r)
+    for i in range(4):
+        if i == 3:
+            sched.add_request(head)
+        out = sched.schedule()
+        steps.append((list(out.preempted_request_ids), list(out.new_request_ids)))
+        sched.update_from_output(out, runner.execute(out))
+    assert steps[3][0] and steps[3][1] == ["H"], steps   # displaced for H, and H admitted at once
+
+
+def test_a_prompt_chunk_without_room_waits_instead_of_preempting_itself():
+    """Running decodes take the free blocks before a partly computed prompt's next chunk: the prompt takes a
+    shorter chunk or waits with its blocks, instead of preempting itself and recomputing from scratch."""
+    sched = make_scheduler(num_blocks=13, block_size=4, budget=16, max_seqs=8, scheduling_policy="priority",
+                           prefix_caching=False)
+    lows = [req(f"low{i}", list(range(100, 111)), max_tokens=20) for i in range(4)]
+    for r in lows:
+        r.priority = 1
+    high = req("high", list(range(200, 240)), max_tokens=4)
+    high.priority = 0
+    expected = reference([*[req(r.request_id, r.prompt_token_ids, max_tokens=20) for r in lows],
+                          req("high", high.prompt_token_ids, max_tokens=4)])
+    added = []
+
+    def watch(s: Scheduler, out: SchedulerOutput):
+        if not added:
+            s.add_request(high)
+            added.append(True)
+
+    outputs = run(sched, lows, watch)
+    assert high.metrics.num_preemptions == 0
+    assert {**outputs, "high": high.output_token_ids} == expected

@@ -78,6 +78,7 @@ class AsyncLLMEngine:
         self._owns_engine = owns_engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
+        self.max_sequence_len: int = getattr(engine, "max_sequence_len", self.max_model_len)
         self.vocab_size: int | None = getattr(engine, "vocab_size", None)
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(engine, "eos_token_ids", ()))
         self.default_sampling: dict[str, Any] = dict(getattr(engine, "default_sampling", None) or {})

@@ -195,6 +195,9 @@ class LLMEngine:
         self._lora_names: dict[int, tuple[str, str]] = {}
         self._lora_lock = threading.Lock()
         cache_tokens = self.block_manager.num_usable_blocks * config.cache.block_size
+        #: the longest sequence the engine can hold: max_model_len, or less when the KV cache holds less (the last
+        #: sampled token needs no slot)
+        self.max_sequence_len = min(self.max_model_len, cache_tokens + 1)
         if cache_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request gets at most "
                            "that many in all (without max_tokens it stops there); give the cache more memory or "

@@ -318,6 +318,15 @@ class Scheduler:
                     done.add(req.request_id)
                     budget -= 1 + len(drafts)
                     continue
+                if not is_decode and self.config.enable_chunked_prefill and not bm.can_allocate(req, num_new):
+                    # a prompt chunk without room: a shorter one that fits, else it waits with its blocks while
+                    # this step's other work runs (preempting itself would throw its computed tokens away; a
+                    # decode that needs its blocks preempts it); with nothing else to run, preemption as usual
+                    fit = self._fitting_chunk(req, num_new)
+                    if fit:
+                        num_new = fit
+                    elif scheduled or early:
+                        continue
                 while not bm.allocate_slots(req, num_new):
                     victim = self._victim(done)
                     assert victim is not None   # req itself is a candidate
@@ -440,25 +449,47 @@ class Scheduler:
         if not full and bm.can_allocate(head, num_new, cached):
             return 0   # fits as it is: admitted in turn
         need = bm.blocks_to_take(head, num_new, cached)
+        # the running requests that stay decode this step too: keep the blocks their next tokens take
+        next_token = {r.request_id: bm.blocks_to_take(r, 1) for r in self.running}
+        reserved = sum(next_token.values())
         free, victims = bm.num_free_blocks, []
         for victim in lower:
-            if free >= need and (victims or not full):
+            if free >= need + reserved and (victims or not full):
                 break
             victims.append(victim)
             free += bm.num_exclusive_blocks(victim)
-        if free < need or (full and not victims):
+            reserved -= next_token[victim.request_id]
+        if free < need + reserved or (full and not victims):
             return 0   # not even all of them make the room: nobody is preempted
         for victim in victims:
             self._preempt(victim)
             displaced.append(victim.request_id)
+        # the largest chunk (at most the one planned: the budget per running request grew with the victims gone)
+        # that leaves the staying requests their next blocks; a cached block of the head's prompt that only a
+        # victim held comes back through the free list and counts
         cached, num_cached = self._cached_prefix(head)
-        num_new = min(head.num_tokens - num_cached, budget - len(self.running))
-        if not bm.allocate_slots(head, num_new, cached):
-            return 0   # cannot happen: the freed blocks were counted
+        num_new = min(head.num_tokens - num_cached, num_new)
+        if self.config.enable_chunked_prefill or head.num_output_tokens:
+            num_new = self._fitting_chunk(head, num_new, cached, reserved)
+        if num_new <= 0 or bm.blocks_to_take(head, num_new, cached) + reserved > bm.num_free_blocks \
+                or not bm.allocate_slots(head, num_new, cached):
+            return 0
         early.append(self._admit(head, num_new, num_cached))
         done.add(head.request_id)
         new_ids.append(head.request_id)
         return num_new
+
+    def _fitting_chunk(self, req: Request, num_new: int, cached: Sequence[int] = (), reserved: int = 0) -> int:
+        """The most of ``num_new`` tokens whose blocks the free list has, keeping ``reserved`` blocks back."""
+        bm = self.block_manager
+        lo, hi = 0, num_new   # blocks taken grow with the tokens: the largest that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if bm.blocks_to_take(req, mid, cached) + reserved <= bm.num_free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _prefill_budget(self, budget: int, num_decodes: int) -> int:
         """What is left of ``budget`` for prefill chunks beside ``num_decodes`` scheduled decodes."""

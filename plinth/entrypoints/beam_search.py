@@ -4,8 +4,8 @@ Each round extends every live beam by one token: the beams run as one batch of o
 token ids as prompts, so the prefix cache supplies all but the last partial block of each), each asking for
 its ``2 * beam_width`` most likely next tokens. Of all the extensions, those ending in EOS are complete; the
 ``beam_width`` best others (by cumulative log-probability) go on to the next round. After ``max_tokens``
-rounds (or when no beam is left, or the beams reach ``max_model_len``) the complete and the live beams are
-ranked by ``cumulative_logprob / length ** length_penalty`` (length: prompt plus generated tokens, an ending
+rounds (or when no beam is left, or the beams reach ``max_model_len``, or the tokens the KV cache holds when
+that is less) the complete and the live beams are ranked by ``cumulative_logprob / length ** length_penalty`` (length: prompt plus generated tokens, an ending
 EOS not counted, as vLLM does) and the best ``beam_width`` returned.
 """
 
@@ -158,7 +158,7 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
     """
     engine = llm.engine
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
-    rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_model_len, engine.vocab_size,
+    rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_sequence_len, engine.vocab_size,
                     engine.max_logprobs)
     try:
         batch, step = next(rounds)
@@ -172,7 +172,7 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
                             params: BeamSearchParams, lora_request: Any = None) -> list[BeamSearchOutput]:
     """The same search on a running :class:`~plinth.core.async_engine.AsyncLLMEngine` (the server's): each
     round's beams run as concurrent requests ``{request_id}-{round}-{beam}``."""
-    rounds = search(starts, params, tuple(front.eos_token_ids), front.max_model_len, front.vocab_size,
+    rounds = search(starts, params, tuple(front.eos_token_ids), front.max_sequence_len, front.vocab_size,
                     front.max_logprobs)
 
     async def last(rid: str, prompt: list[int], step: SamplingParams) -> Any:
