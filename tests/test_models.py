@@ -317,13 +317,12 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
         torch.bfloat16) * ours.weight.to(torch.bfloat16), ref(x))
 
 
-@pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"])
-def test_engine_on_the_cpu_path_matches_transformers(name, tmp_path):
-    """The whole engine (the CPU platform's attention backend and linear layers, batching, prefix cache) on the
-    new native architectures: greedy tokens equal transformers' ``generate``."""
-    from conftest import make_tokenizer
+NEW_NATIVE = ["GemmaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
 
-    import plinth
+
+def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:
+    """A random model of ``ARCHS[name]`` with the tests' tokenizer saved in ``path``; the model and prompts."""
+    from conftest import make_tokenizer
 
     arch, config_cls, overrides = ARCHS[name]
     tokenizer = make_tokenizer()
@@ -332,14 +331,29 @@ def test_engine_on_the_cpu_path_matches_transformers(name, tmp_path):
                                                   "bos_token_id": tokenizer.bos_token_id})
     torch.manual_seed(99)
     hf = getattr(transformers, arch)(config).eval()
-    hf.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    prompts = _prompts(config.vocab_size)
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf, _prompts(config.vocab_size)
+
+
+def engine_matches_transformers(name: str, path, device: str, **engine_kw) -> None:
+    """Greedy tokens of plinth's engine on ``device`` equal transformers' ``generate`` (float32)."""
+    import plinth
+
+    hf, prompts = save_with_tokenizer(name, path)
+    hf = hf.to(device)
+    llm = plinth.LLM(str(path), dtype="float32", max_model_len=128, **engine_kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         plinth.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("name", NEW_NATIVE)
+def test_engine_on_the_cpu_path_matches_transformers(name, tmp_path):
+    """The whole engine (the CPU platform's attention backend and linear layers, batching, prefix cache) on the
+    new native architectures: greedy tokens equal transformers' ``generate``."""
+    engine_matches_transformers(name, tmp_path, "cpu")
