@@ -485,6 +485,35 @@ def test_mixture_of_experts_attention_adapter(tmp_path):
         llm.generate("hi", greedy(), lora_request=LoRARequest("experts", 2, str(experts)))
 
 
+def test_phi3_adapters_on_fused_projections_match_peft(tmp_path):
+    """Phi-3's checkpoints fuse q/k/v and gate/up, so PEFT adapts qkv_proj and gate_up_proj: their B rows split
+    between the projections (one A for all of them), matching PEFT; an adapter naming a fused module and one
+    of its parts is refused."""
+    import transformers
+    from conftest import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    config = transformers.Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=256, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
+                                     bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(5)
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    fused = make_adapter(tmp_path / "m", tmp_path / "fused", 41, targets=("qkv_proj", "o_proj", "gate_up_proj",
+                                                                           "down_proj"))
+    llm = LLM(str(tmp_path / "m"), dtype="float32", selection="off", enable_lora=True, max_lora_rank=8)
+    out = llm.generate(PROMPTS[1], greedy(), lora_request=LoRARequest("fused", 1, str(fused)), use_tqdm=False)[0]
+    assert_matches_peft(tmp_path / "m", fused, out)
+    base = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0]
+    assert base.outputs[0].token_ids != out.outputs[0].token_ids   # the adapter changes the output
+    both = _edit(fused, tmp_path / "both", tensors=lambda w: {
+        **w, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 8)})
+    with pytest.raises(RequestRejectedError, match="adapted both as qkv_proj and as q_proj"):
+        llm.generate("hi", greedy(), lora_request=LoRARequest("both", 2, str(both)))
+
+
 @pytest.mark.parametrize("method", ["int4", "fp8"])
 def test_adapter_on_a_quantized_base(tmp_path, method):
     """An adapter over weights quantized on the fly: PEFT on transformers running the dequantized weights is the

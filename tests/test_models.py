@@ -9,6 +9,7 @@ from paged_driver import PagedDriver, build_metadata
 
 from plinth.attention_backends.torch_sdpa import TorchSDPABackend
 from plinth.config import ModelConfig
+from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.loader import load_model, resolve_model_source
 from plinth.model_registry.models.decoder import SandwichDecoderLayer
@@ -357,3 +358,49 @@ def test_engine_on_the_cpu_path_matches_transformers(name, tmp_path):
     """The whole engine (the CPU platform's attention backend and linear layers, batching, prefix cache) on the
     new native architectures: greedy tokens equal transformers' ``generate``."""
     engine_matches_transformers(name, tmp_path, "cpu")
+
+
+def test_phi3_fp8_checkpoint_splits_its_scales(tmp_path):
+    """An FP8 checkpoint of Phi-3 (per-channel scales on the fused qkv_proj and gate_up_proj): the scales split
+    with the rows, and the logits equal transformers' on the dequantized weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    _, config_cls, overrides = ARCHS["Phi3ForCausalLM"]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "bos_token_id": 1, "eos_token_id": 2})
+    torch.manual_seed(3)
+    hf = transformers.Phi3ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    state, out = load_file(tmp_path / "model.safetensors"), {}
+    for name, w in state.items():
+        if name.endswith(".weight") and w.dim() == 2 and (".self_attn." in name or ".mlp." in name):
+            scale = w.abs().amax(1).float() / 448.0                   # one per output channel
+            q = (w / scale[:, None]).to(torch.float8_e4m3fn)
+            out[name], out[name[:-len("weight")] + "weight_scale"] = q, scale
+            state[name] = q.float() * scale[:, None]                  # what the reference computes with
+        else:
+            out[name] = w
+    save_file(out, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf.load_state_dict(state)
+    import plinth
+
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    prompt = _prompts(config.vocab_size)[2]
+    got = llm.generate([{"prompt_token_ids": prompt}], plinth.SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0].prompt_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(_hf_logits(hf, prompt).double(), -1)
+    diffs = [abs(got[i][t].logprob - ref[i - 1, t].item()) for i, t in enumerate(prompt) if i]
+    assert max(diffs) < 1e-4, max(diffs)   # the CPU runs the dequantized weights
+
+
+def test_mixture_of_experts_with_another_activation_is_refused(tmp_path):
+    _, config_cls, overrides = ARCHS["MixtralForCausalLM"]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "hidden_act": "gelu"})
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="SiLU-gated experts; the config's activation .hidden_act. is 'gelu'"):
+        _load(str(tmp_path), TorchSDPABackend())

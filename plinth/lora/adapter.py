@@ -32,9 +32,14 @@ TARGETS = {
     "q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"), "o_proj": ("q", "hidden"),
     "gate_proj": ("hidden", "intermediate"), "up_proj": ("hidden", "intermediate"),
     "down_proj": ("intermediate", "hidden"),
+    # checkpoints whose projections are fused (Phi-3): split into the projections above as they are read
+    "qkv_proj": ("hidden", "qkv"), "gate_up_proj": ("hidden", "gate_up"),
 }
 BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+#: a fused module's parts: (projection, kind of its output rows), in the order of its rows
+FUSED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "kv"), ("v_proj", "kv")),
+         "gate_up_proj": (("gate_proj", "intermediate"), ("up_proj", "intermediate"))}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\."
                   r"(?P<proj>[A-Za-z_0-9]+))\.lora_(?P<ab>[AB])\.weight$")
 #: ``adapter_config.json`` keys that do not change what a plain LoRA adapter computes at inference (training and
@@ -80,8 +85,9 @@ def model_sizes(hf_config: Any) -> dict[str, int]:
     heads = hf_config.num_attention_heads
     head_dim = head_dim_of(hf_config)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    intermediate = getattr(hf_config, "intermediate_size", 0) or 0
     return {"hidden": hf_config.hidden_size, "q": heads * head_dim, "kv": kv_heads * head_dim,
-            "intermediate": getattr(hf_config, "intermediate_size", 0) or 0}
+            "intermediate": intermediate, "qkv": (heads + 2 * kv_heads) * head_dim, "gate_up": 2 * intermediate}
 
 
 def is_moe(hf_config: Any) -> bool:
@@ -222,6 +228,15 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _fail(path, f"module {module} has non-finite weights")
-        modules[module] = (a.float().numpy().copy(), (b.double() * scale).float().numpy())
+        a_np, b_np = a.float().numpy().copy(), (b.double() * scale).float().numpy()
+        if proj in FUSED:   # one A for every part; B's rows split between them
+            base, start = module.rsplit(".", 1)[0], 0
+            for part, kind in FUSED[proj]:
+                if f"{base}.{part}" in pairs:
+                    raise _fail(path, f"module {base} is adapted both as {proj} and as {part}")
+                modules[f"{base}.{part}"] = (a_np, b_np[start:start + sizes[kind]].copy())
+                start += sizes[kind]
+        else:
+            modules[module] = (a_np, b_np)
         top = max(top, r)
     return LoRAAdapter(name=name, lora_id=lora_id, path=path, rank=top, modules=modules)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.distributed.communication import tp_all_reduce
-from plinth.errors import ModelLoadError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.layers.linear import ReplicatedLinear, divide
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
@@ -117,6 +117,13 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             tp_all_reduce(out)
         return out.to(x.dtype)
+
+
+def check_expert_activation(name: str) -> None:
+    """Refuse a config whose experts are not SiLU-gated (the only kind :class:`SparseMoeBlock` computes)."""
+    if name not in ("silu", "swish"):
+        raise UnsupportedModelError(f"mixture-of-experts layers run SiLU-gated experts; the config's activation "
+                                    f"(hidden_act) is {name!r}")
 
 
 class SparseMoeBlock(nn.Module):

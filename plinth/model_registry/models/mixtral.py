@@ -7,7 +7,12 @@ from typing import Any
 from torch import nn
 
 from plinth.model_registry.interface import ModelContext
-from plinth.model_registry.layers.moe import SparseMoeBlock, expert_checkpoint_name, map_expert_weight
+from plinth.model_registry.layers.moe import (
+    SparseMoeBlock,
+    check_expert_activation,
+    expert_checkpoint_name,
+    map_expert_weight,
+)
 from plinth.model_registry.models.decoder import DecoderForCausalLM
 
 _EXPERT_PROJS = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -18,6 +23,7 @@ class MixtralForCausalLM(DecoderForCausalLM):
 
     def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
         cfg = ctx.hf_config
+        check_expert_activation(self.block_options(cfg).activation)
         return SparseMoeBlock(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                               cfg.intermediate_size, renormalize=True, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
 

@@ -42,17 +42,29 @@ class Phi3ForCausalLM(DecoderForCausalLM):
             if not fused:
                 yield name, tensor
                 continue
-            if not name.endswith(".weight") or tensor.dim() != 2:
-                raise ModelLoadError(f"tensor {name!r}: only float or FP8 weights of Phi-3's fused projections can "
-                                     f"be split (a quantized checkpoint of this layout is not supported)")
             if ".qkv_proj." in name:
-                sizes, parts = [q, kv, kv], (".q_proj.", ".k_proj.", ".v_proj.")
-                old = ".qkv_proj."
+                sizes, parts, old = [q, kv, kv], (".q_proj.", ".k_proj.", ".v_proj."), ".qkv_proj."
             else:
-                half = tensor.shape[0] // 2
-                sizes, parts = [half, half], (".gate_proj.", ".up_proj.")
-                old = ".gate_up_proj."
-            if sum(sizes) != tensor.shape[0]:
-                raise ModelLoadError(f"tensor {name!r}: {tensor.shape[0]} rows, expected {sum(sizes)}")
-            for part, piece in zip(parts, tensor.split(sizes, dim=0), strict=True):
+                rows = 2 * cfg.intermediate_size
+                sizes, parts, old = [rows // 2, rows // 2], (".gate_proj.", ".up_proj."), ".gate_up_proj."
+            for part, piece in zip(parts, _split_rows(name, tensor, sizes), strict=True):
                 yield name.replace(old, part), piece
+
+
+_SPLITTABLE = (".weight", ".bias", ".weight_scale", ".weight_scale_inv", ".input_scale")
+
+
+def _split_rows(name: str, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """A fused tensor's parts: rows split by ``sizes`` (a weight, a bias, per-channel scales), by ``sizes`` over
+    the block height (FP8 block scales), or the same scalar for each part (per-tensor scales)."""
+    total = sum(sizes)
+    if not name.endswith(_SPLITTABLE):
+        raise ModelLoadError(f"tensor {name!r}: Phi-3's fused projections load from float and FP8 checkpoints "
+                             f"(a packed quantized layout of them is not supported)")
+    if tensor.numel() == 1:
+        return [tensor] * len(sizes)
+    rows = tensor.shape[0]
+    if rows != total and (rows == 0 or total % rows or any(s % (total // rows) for s in sizes)):
+        raise ModelLoadError(f"tensor {name!r}: {rows} rows do not split into the fused projection's {sizes}")
+    block = total // rows
+    return list(tensor.split([s // block for s in sizes], dim=0))

@@ -11,7 +11,12 @@ from typing import Any
 from torch import nn
 
 from plinth.model_registry.interface import ModelContext
-from plinth.model_registry.layers.moe import SparseMoeBlock, expert_checkpoint_name, map_expert_weight
+from plinth.model_registry.layers.moe import (
+    SparseMoeBlock,
+    check_expert_activation,
+    expert_checkpoint_name,
+    map_expert_weight,
+)
 from plinth.model_registry.models.decoder import DenseMLP
 from plinth.model_registry.models.qwen3 import Qwen3ForCausalLM
 
@@ -27,8 +32,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             and num_experts > 0
             and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
         )
+        activation = self.block_options(cfg).activation
         if not sparse:
-            return DenseMLP(ctx, cfg.intermediate_size)
+            return DenseMLP(ctx, cfg.intermediate_size, activation=activation)
+        check_expert_activation(activation)
         return SparseMoeBlock(num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                               renormalize=bool(cfg.norm_topk_prob), tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
 
