@@ -36,7 +36,8 @@ SMALL = dict(
     num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
     bos_token_id=1, eos_token_id=2, pad_token_id=3,
 )
-GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+             "gemma3": gguf.MODEL_ARCH.GEMMA3}
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CASES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)]
 QTYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
@@ -90,7 +91,8 @@ def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=N
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if arch == "llama":
@@ -360,6 +362,80 @@ def test_missing_metadata(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="llama.embedding_length"):
         read_gguf_config(str(path))
+
+
+def gemma3_model(**overrides):
+    """A random Gemma 3 text model in the layout llama.cpp's code assumes for the architecture: every sixth layer
+    global, RoPE base 10,000 on the sliding layers, softmax scale 1/sqrt(head_dim)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                 "sliding_window": 5, "hidden_activation": "gelu_pytorch_tanh",
+                                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                     "sliding_attention": {"rope_type": "default",
+                                                                           "rope_theta": 10000.0}},
+                                 **overrides})
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)   # Gemma stores w of (1 + w)
+    return model
+
+
+def write_gemma3_gguf(path, model, qtype=Q.F32) -> str:
+    """As llama.cpp's converter writes Gemma 3: norm weights stored as 1 + w, the sliding window in metadata."""
+    import copy
+
+    stored = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in stored.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(1.0)
+    return write_gguf(path, stored, "gemma3", qtype,
+                      metadata={"window": lambda w: w.add_sliding_window(model.config.sliding_window)})
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_gemma3_gguf_gives_the_original_logits(tmp_path, qtype):
+    """A Gemma 3 GGUF file: the config llama.cpp's conventions imply, the norms' 1 + w undone; logits equal the
+    original model's (F32), weights equal transformers' GGUF loader's (Q8_0)."""
+    from test_models import PagedDriver, TorchSDPABackend, build_metadata
+
+    from plinth.config import ModelConfig
+    from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.loader import load_model, resolve_model_source
+
+    model = gemma3_model()
+    path = write_gemma3_gguf(tmp_path / "g.gguf", model, qtype)
+    config, arch = read_gguf_config(path)
+    assert arch == "Gemma3ForCausalLM" and config.layer_types == model.config.layer_types
+    assert config.query_pre_attn_scalar == 16 and config.sliding_window == 5
+    plinth_weights = dict(iter_gguf_weights(path, torch.float32))
+    if qtype != Q.F32:
+        reference = transformers_gguf_tensors(path, model.config)
+        for name, tensor in plinth_weights.items():
+            assert torch.equal(tensor, reference[name].float()), name
+        return
+    for name, tensor in model.state_dict().items():
+        if name.endswith("norm.weight"):   # (1 + w) - 1 in float32: w to its last bits
+            assert torch.allclose(plinth_weights[name], tensor, rtol=0, atol=2 ** -23), name
+        elif name != "lm_head.weight":
+            assert torch.equal(plinth_weights[name], tensor), name
+    backend = TorchSDPABackend()
+    source = resolve_model_source(ModelConfig(model=path, dtype="float32"))
+    ctx = ModelContext(hf_config=source.hf_config, dtype=torch.float32, device=torch.device("cpu"),
+                       attention_backend=backend, block_size=4)
+    ours = load_model(source, ctx)
+    PagedDriver(ours, backend, block_size=4)
+    prompt = list(range(3, 20))
+    ids, pos, md = build_metadata([(prompt, 0, [3, 9, 1, 7, 5])], block_size=4)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(ids, pos, md))
+        ref = model(torch.tensor([prompt])).logits[0]
+    assert (logits - ref).abs().max().item() < 1e-4
 
 
 def _patched(data: bytes, key: str, value: int, dims: bool = False) -> bytes:
@@ -644,3 +720,30 @@ def test_default_model_is_cached(smollm2, monkeypatch):
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     assert digest.hexdigest() == default_model._SHA256
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_gemma3_gguf_through_the_engine(tmp_path, qtype):
+    """A quantized Gemma 3 GGUF file through LLM: kept quantized (``quantization="gguf"``) its greedy tokens equal
+    transformers' on the dequantized weights; the default CPU path (4-bit copies, 8-bit inputs where the
+    machine takes them) starts the same way."""
+    from conftest import save_tiny_model
+
+    import plinth
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    model = gemma3_model(vocab_size=300)
+    path = write_gemma3_gguf(tmp_path / "g.gguf", model, qtype)
+    reference = gemma3_model(vocab_size=300)
+    reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
+                              strict=False)
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    params = plinth.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for kw in ({"quantization": "gguf"}, {}):
+        llm = plinth.LLM(path, tokenizer=str(tokenizer_dir), dtype="float32", max_model_len=128, **kw)
+        got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want if kw else got[:4] == want[:4], (kw, got, want)
+        llm.close()

@@ -37,6 +37,8 @@ class _GGUFArchitecture:
     model_type: str  # transformers' model_type, which picks the config class
     hf_architecture: str  # the registry's architecture name
     permuted_qk: bool  # llama.cpp's converter interleaved the Q/K rows (rope type NORM)
+    block_names: tuple[tuple[str, str], ...] = ()  # block tensor names that differ from _BLOCK_NAMES'
+    norm_offset: float = 0.0  # llama.cpp's converter added this to every norm weight (Gemma's 1 + w)
 
 
 # GGUF general.architecture -> how to read it.
@@ -44,7 +46,16 @@ _ARCHITECTURES = {
     "llama": _GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
     "qwen2": _GGUFArchitecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
     "qwen3": _GGUFArchitecture("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
+    "gemma3": _GGUFArchitecture(
+        "gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_offset=1.0,
+        block_names=(("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                     ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
+# Gemma 3 in llama.cpp: every sixth layer attends globally, the others over the sliding window with RoPE base
+# 10,000; the softmax scale is 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B model (62 layers)
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -235,23 +246,53 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
     _check_sizes(options, tensors, name, path)
-    if arch.model_type in ("llama", "qwen3"):
+    if arch.model_type in ("llama", "qwen3", "gemma3_text"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch.model_type == "llama":
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     scaling = _rope_scaling(reader, name, rope_theta, head_dim, path)
+    rope = {**(scaling or {"rope_type": "default"}), "rope_theta": rope_theta}
+    if arch.model_type == "gemma3_text":
+        options.update(_gemma3_options(reader, name, options, path))
+        rope = {"full_attention": rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}}
+    options.pop("rope_theta")
     if plain:
         from transformers import PretrainedConfig
 
-        options["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": options.pop("rope_theta")}
+        options["rope_parameters"] = rope
         config = PretrainedConfig(**options)
         config.model_type = arch.model_type
         return config, arch.hf_architecture
     from transformers import AutoConfig
 
-    if scaling is not None:
-        options["rope_scaling"] = scaling
+    if arch.model_type == "gemma3_text":
+        options["rope_parameters"] = rope
+    else:
+        options["rope_theta"] = rope_theta
+        if scaling is not None:
+            options["rope_scaling"] = scaling
     return AutoConfig.for_model(arch.model_type, **options), arch.hf_architecture
+
+
+def _gemma3_options(reader: GGUFFile, name: str, options: dict[str, Any], path: str) -> dict[str, Any]:
+    """Gemma 3's fields that its GGUF metadata leaves to llama.cpp's code (see ``_GEMMA3_*``)."""
+    window = reader.get(f"{name}.attention.sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.attention.sliding_window must be a positive integer, "
+                             f"got {window!r}")
+    layers = options["num_hidden_layers"]
+    scalar = (options["hidden_size"] // options["num_attention_heads"] if layers == _GEMMA3_27B_LAYERS
+              else options["head_dim"])
+    return {
+        "sliding_window": window,
+        "layer_types": ["full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                        for i in range(layers)],
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": reader.get(f"{name}.final_logit_softcapping"),
+        "attn_logit_softcapping": reader.get(f"{name}.attn_logit_softcapping"),
+    }
 
 
 def transformers_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
@@ -268,7 +309,7 @@ def transformers_config(config: transformers.PretrainedConfig) -> transformers.P
 # ----------------------------------------------------------------------------------------------- weights
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: _GGUFArchitecture | None = None) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for an unknown name."""
     stem, _, kind = gguf_name.rpartition(".")
     if kind not in ("weight", "bias"):
@@ -276,9 +317,10 @@ def _hf_name(gguf_name: str) -> str | None:
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{kind}"
     match = _BLOCK_TENSOR.fullmatch(stem)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    names = {**_BLOCK_NAMES, **dict(arch.block_names)} if arch is not None and arch.block_names else _BLOCK_NAMES
+    if match is None or match.group(2) not in names:
         return None
-    return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{kind}"
+    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{kind}"
 
 
 def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -318,7 +360,7 @@ def _iter_raw(
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, arch)
         if hf_name is None:
             raise ModelLoadError(
                 f"GGUF file {path!r}: tensor {tensor.name!r} has no counterpart in {arch.hf_architecture}"
@@ -332,6 +374,10 @@ def _iter_raw(
                     f"not a multiple of 2 x {heads} heads"
                 )
             data = _unpermute_rows(data, heads)
+        if arch.norm_offset and hf_name.endswith("norm.weight"):
+            if data.dtype.kind != "f":
+                raise ModelLoadError(f"GGUF file {path!r}: norm tensor {tensor.name!r} is not stored as floats")
+            data = data.astype(np.float32) - np.float32(arch.norm_offset)   # back to the checkpoint's w
         yield hf_name, data, tensor.ggml_type, tensor.shape
 
 
