@@ -42,13 +42,10 @@ ARCHS = {
     # fused checkpoint projections, RoPE over half of each head
     "Phi3ForCausalLM": ("Phi3ForCausalLM", "Phi3Config", dict(
         pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
-    # longrope: runs through the transformers fallback
-    "Phi3ForCausalLM-longrope": ("Phi3ForCausalLM", "Phi3Config", dict(
-        pad_token_id=0, max_position_embeddings=256, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
-            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.3 * i for i in range(8)]})),
+    # no native class: runs through the transformers fallback
+    "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
-FALLBACK = {"Phi3ForCausalLM-longrope"}
+FALLBACK = {"StableLmForCausalLM"}
 
 PROMPT_LENS = (5, 11, 17)
 NEW_TOKENS = 32
@@ -66,10 +63,10 @@ def checkpoint(request, tmp_path_factory):
     return request.param, str(path), hf
 
 
-def _load(path: str, backend: TorchSDPABackend):
+def _load(path: str, backend: TorchSDPABackend, max_model_len: int | None = None):
     source = resolve_model_source(ModelConfig(model=path, dtype="float32"))
     ctx = ModelContext(hf_config=source.hf_config, dtype=torch.float32, device=torch.device("cpu"),
-                       attention_backend=backend, block_size=4)
+                       attention_backend=backend, block_size=4, max_model_len=max_model_len)
     return load_model(source, ctx)
 
 
@@ -85,8 +82,7 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 def test_native_or_fallback_class(checkpoint):
     name, path, _ = checkpoint
-    assert issubclass(ModelRegistry.resolve(ARCHS[name][0]), TransformersForCausalLM) is False
-    assert isinstance(_load(path, TorchSDPABackend()), TransformersForCausalLM) == (name in FALLBACK)
+    assert issubclass(ModelRegistry.resolve(ARCHS[name][0]), TransformersForCausalLM) == (name in FALLBACK)
 
 
 def test_prefill_logits_match_transformers(checkpoint):
@@ -178,7 +174,9 @@ def test_unsupported_rope_type_is_a_clear_error():
     from plinth.errors import UnsupportedModelError
     from plinth.model_registry.layers.rotary import compute_inv_freq
 
-    with pytest.raises(UnsupportedModelError, match="'longrope'.*supported: default, linear, llama3, yarn"):
+    with pytest.raises(UnsupportedModelError, match="'dynamic'.*supported: default, linear, llama3, yarn, longrope"):
+        compute_inv_freq({"rope_type": "dynamic", "rope_theta": 1e4}, 16, 128)
+    with pytest.raises(UnsupportedModelError, match="longrope RoPE scaling needs original_max_position_embeddings"):
         compute_inv_freq({"rope_type": "longrope", "rope_theta": 1e4}, 16, 128)
 
 
@@ -404,3 +402,34 @@ def test_mixture_of_experts_with_another_activation_is_refused(tmp_path):
     transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="SiLU-gated experts; the config's activation .hidden_act. is 'gelu'"):
         _load(str(tmp_path), TorchSDPABackend())
+
+
+@pytest.mark.parametrize("context", [64, 256])
+def test_phi3_longrope_takes_the_factors_of_the_engines_context(tmp_path, context):
+    """longrope: the short factors while the engine's context stays within the original 64 positions, the long
+    ones beyond (fixed for the run, as llama.cpp does); each equals transformers where transformers uses the
+    same factors (prompts shorter, and a prompt longer, than the original context)."""
+    _, config_cls, overrides = ARCHS["Phi3ForCausalLM"]
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "partial_rotary_factor": 0.5, "short_factor": [1.0 + 0.1 * i for i in range(4)],
+            "long_factor": [2.0 + 0.7 * i for i in range(4)]}
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "rope_parameters": rope,
+                                                  "max_position_embeddings": 256, "original_max_position_embeddings": 64})
+    torch.manual_seed(11)
+    hf = transformers.Phi3ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    backend = TorchSDPABackend()
+    model = _load(str(tmp_path), backend, max_model_len=context)
+    PagedDriver(model, backend, block_size=4)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, config.vocab_size, (30 if context == 64 else 90,), generator=g).tolist()
+    ids, pos, md = build_metadata([(prompt, 0, list(range(1, 24)))], block_size=4)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(ids, pos, md))
+    ref = _hf_logits(hf, prompt)
+    assert (ours - ref).abs().max().item() < 1e-4
+    # and the other factors would have given other logits
+    other = _load(str(tmp_path), backend, max_model_len=256 if context == 64 else 64)
+    PagedDriver(other, backend, block_size=4)
+    with torch.inference_mode():
+        assert (other.compute_logits(other(ids, pos, md)) - ref).abs().max().item() > 1e-2

@@ -24,7 +24,7 @@ def validate_parallel_layout(hf: Any, architecture: str, par: ParallelConfig) ->
     from plinth.model_registry.registry import ModelRegistry
 
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    cls = ModelRegistry.resolve_for(architecture, hf)
+    cls = ModelRegistry.resolve(architecture)
     if pp > 1 and not getattr(cls, "supports_pipeline_parallel", False):
         raise ConfigError(f"{architecture} ({cls.__name__}) does not support pipeline parallelism; "
                           f"use pipeline_parallel_size=1")

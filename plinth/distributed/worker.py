@@ -144,7 +144,8 @@ class Worker:
         lay = self.layout
         ctx = ModelContext(hf_config=self.hf, dtype=self.dtype, device=self.device, attention_backend=backend,
                            block_size=self.config.cache.block_size, quant_method=quant_method,
-                           tp_rank=lay.tp_rank, tp_size=lay.tp_size, pp_rank=lay.pp_rank, pp_size=lay.pp_size)
+                           tp_rank=lay.tp_rank, tp_size=lay.tp_size, pp_rank=lay.pp_rank, pp_size=lay.pp_size,
+                           max_model_len=self.max_model_len)
         torch.manual_seed(self.config.model.seed)
         model = load_model(self.source, ctx, seed=self.config.model.seed)
         model.eval()

@@ -44,6 +44,8 @@ class ModelContext:
         pp_rank: this process's pipeline stage (models that support pipeline parallelism build
             only that stage's layers).
         pp_size: the number of pipeline stages.
+        max_model_len: the engine's context length (``None``: the config's); RoPE scalings that depend on
+            it read it (``longrope``).
     """
 
     hf_config: PretrainedConfig
@@ -56,6 +58,7 @@ class ModelContext:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    max_model_len: int | None = None
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -216,7 +216,7 @@ def resolve_dtype(model_config: ModelConfig, hf_config: Any, platform_dtypes: Se
 
 def build_model(architecture: str, ctx: ModelContext) -> CausalLM:
     """Build an architecture's model with uninitialised weights on ``ctx.device``."""
-    cls = ModelRegistry.resolve_for(architecture, ctx.hf_config)
+    cls = ModelRegistry.resolve(architecture)
     create = getattr(cls, "create", None)
     if callable(create):
         return create(ctx)

@@ -12,7 +12,6 @@ An architecture found in none of them raises :class:`~plinth.errors.UnsupportedM
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from plinth.errors import UnsupportedModelError
 from plinth.plugins import PluginError, get_plugin_manager, resolve_ref
@@ -116,14 +115,6 @@ class ModelRegistryImpl:
         if not isinstance(cls, type):
             raise UnsupportedModelError(f"architecture {architecture!r} resolves to {cls!r}, which is not a class")
         return cls
-
-    def resolve_for(self, architecture: str, hf_config: Any) -> type:
-        """The class that runs ``hf_config``: :meth:`resolve`'s, or the one its ``implementation_for(hf_config)``
-        classmethod names (a native class that leaves some configurations to another, e.g. Phi-3's ``longrope``
-        to the transformers fallback)."""
-        cls = self.resolve(architecture)
-        pick = getattr(cls, "implementation_for", None)
-        return pick(hf_config) if callable(pick) else cls
 
     def _fallback(self, architecture: str) -> type:
         from plinth.model_registry.models import transformers_fallback

@@ -15,7 +15,7 @@ from torch import nn
 from plinth.errors import UnsupportedModelError
 from plinth.kernels import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
@@ -87,8 +87,32 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_positions: int)
     return inv_freq, float(attention_factor)
 
 
-def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[rotary_dim / 2]`` (float32) and the cos/sin scaling factor.
+def _longrope_inv_freq(base: float, dim: int, p: dict[str, Any], max_positions: int,
+                       context: int | None) -> tuple[torch.Tensor, float]:
+    """Phi-3's ``longrope``: per-frequency divisors, ``long_factor`` when the engine's context
+    (``max_model_len``, else the config's ``max_position_embeddings``) exceeds the original one, else
+    ``short_factor``, fixed for the run as llama.cpp chooses them (transformers switches per forward pass on the
+    longest position in it, which makes a sequence's result depend on its batch)."""
+    orig = p.get("original_max_position_embeddings")
+    if not orig or "long_factor" not in p or "short_factor" not in p:
+        raise UnsupportedModelError("longrope RoPE scaling needs original_max_position_embeddings, long_factor "
+                                    "and short_factor")
+    use_long = (context or max_positions) > orig
+    factors = torch.tensor(p["long_factor"] if use_long else p["short_factor"], dtype=torch.float32)
+    if factors.shape != (dim // 2,):
+        raise UnsupportedModelError(f"longrope: {factors.numel()} factors for {dim // 2} rotary frequencies")
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        factor = max_positions / orig
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return 1.0 / (factors * base ** exponents), float(attention_factor)
+
+
+def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_positions: int,
+                     context: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[rotary_dim / 2]`` (float32) and the cos/sin scaling factor (``context``: the
+    engine's ``max_model_len``, which picks ``longrope``'s factors).
 
     Raises:
         UnsupportedModelError: an unsupported ``rope_type``.
@@ -102,6 +126,8 @@ def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_positions: int
         return _llama3_inv_freq(_base_inv_freq(base, rotary_dim), params), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(base, rotary_dim, params, max_positions)
+    if rope_type in ("longrope", "su"):
+        return _longrope_inv_freq(base, rotary_dim, params, max_positions, context)
     raise UnsupportedModelError(
         f"RoPE scaling type {rope_type!r} is not supported by plinth's native models; "
         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -116,22 +142,25 @@ class RotaryEmbedding(nn.Module):
         params: from :func:`rope_parameters`.
         max_positions: the config's ``max_position_embeddings`` (used by YaRN's default factor).
         rotary_dim: rotated features (default: all of them).
+        context: the engine's ``max_model_len`` (``longrope`` picks its factors by it).
     """
 
-    def __init__(self, head_size: int, params: dict[str, Any], max_positions: int, rotary_dim: int | None = None):
+    def __init__(self, head_size: int, params: dict[str, Any], max_positions: int, rotary_dim: int | None = None,
+                 context: int | None = None):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size
         self.params = dict(params)
         self.max_positions = max_positions
+        self.context = context
         target = torch.empty(0).device   # the build's default device (meta while a model is built to load into)
         with torch.device("cpu"):         # arithmetic on meta tensors would import torch._dynamo (~1 s per start)
-            inv_freq, self.attention_scaling = compute_inv_freq(self.params, self.rotary_dim, max_positions)
+            inv_freq, self.attention_scaling = compute_inv_freq(self.params, self.rotary_dim, max_positions, context)
         self.register_buffer("inv_freq", inv_freq.to(device=target, dtype=torch.float32), persistent=False)
 
     def init_buffers(self) -> None:
         """Recompute the frequencies (after the model was materialised from the meta device)."""
-        inv_freq, _ = compute_inv_freq(self.params, self.rotary_dim, self.max_positions)
+        inv_freq, _ = compute_inv_freq(self.params, self.rotary_dim, self.max_positions, self.context)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -247,12 +247,17 @@ class MissingLayer(nn.Module):
         raise RuntimeError("this decoder layer belongs to another pipeline stage")
 
 
-def _rotary(cfg: Any, layer_type: str) -> RotaryEmbedding:
+def _rotary(ctx: ModelContext, layer_type: str) -> RotaryEmbedding:
     """The RoPE of the config's layers of ``layer_type`` (over ``partial_rotary_factor`` of each head)."""
+    cfg = ctx.hf_config
     params = rope_parameters(cfg, layer_type)
+    original = getattr(cfg, "original_max_position_embeddings", None)   # Phi-3 keeps it beside rope_scaling
+    if original and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = original
     factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None)) or 1.0
     head_dim = head_dim_of(cfg)
-    return RotaryEmbedding(head_dim, params, getattr(cfg, "max_position_embeddings", 2048), int(head_dim * factor))
+    return RotaryEmbedding(head_dim, params, getattr(cfg, "max_position_embeddings", 2048), int(head_dim * factor),
+                           context=ctx.max_model_len)
 
 
 class DecoderModel(nn.Module):
@@ -291,9 +296,9 @@ class DecoderModel(nn.Module):
         self.embed_scale = 1.0
         if block.embed_scale:
             self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=ctx.dtype, device="cpu"))
-        self.rotary_emb = _rotary(cfg, "full_attention")
+        self.rotary_emb = _rotary(ctx, "full_attention")
         #: the sliding-window layers' own RoPE (Gemma 3's local base frequency), else ``None``
-        self.local_rotary_emb = _rotary(cfg, "sliding_attention") if block.local_rope else None
+        self.local_rotary_emb = _rotary(ctx, "sliding_attention") if block.local_rope else None
         self._local_layers = frozenset(i for i in range(cfg.num_hidden_layers) if sliding_window_of(cfg, i))
 
     def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,

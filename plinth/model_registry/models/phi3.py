@@ -1,33 +1,23 @@
 """Phi-3 (and models that reuse its layout, such as Phi-4-mini): Llama's blocks with the checkpoint's
 projections already fused (``qkv_proj``, ``gate_up_proj``) and RoPE over ``partial_rotary_factor`` of each
 head. The fused checkpoint tensors are split into q/k/v and gate/up as they load, so tensor parallelism
-shards them as it shards Llama's. ``longrope`` RoPE scaling (the 128k-context models) runs through the
-transformers fallback, which switches between its short and long factors with the sequence length.
+shards them as it shards Llama's. ``longrope`` RoPE scaling (the 128k-context models, Phi-3.5, Phi-4-mini) takes
+its long factors when the engine's context exceeds the original one (see
+:func:`~plinth.model_registry.layers.rotary.compute_inv_freq`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
 from plinth.errors import ModelLoadError
-from plinth.model_registry.layers.rotary import rope_parameters
 from plinth.model_registry.models.decoder import DecoderForCausalLM, head_dim_of
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     """Phi-3 with fused checkpoint projections."""
-
-    @classmethod
-    def implementation_for(cls, hf_config: Any) -> type:
-        """This class, or the transformers fallback for ``longrope`` RoPE scaling."""
-        if rope_parameters(hf_config)["rope_type"] in ("longrope", "su"):
-            from plinth.model_registry.models.transformers_fallback import fallback_class
-
-            return fallback_class("Phi3ForCausalLM")
-        return cls
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))
