@@ -433,3 +433,46 @@ def test_phi3_longrope_takes_the_factors_of_the_engines_context(tmp_path, contex
     PagedDriver(other, backend, block_size=4)
     with torch.inference_mode():
         assert (other.compute_logits(other(ids, pos, md)) - ref).abs().max().item() > 1e-2
+
+
+def _image_text_model(kind: str):
+    """A tiny image-and-text model of transformers (its language model's weights made decisive)."""
+    if kind == "gemma3":
+        # (no final logit cap: Gemma3ForConditionalGeneration does not apply one; Gemma 3's configs have none)
+        text = transformers.Gemma3TextConfig(**{**COMMON, **ARCHS["Gemma3ForCausalLM"][2],
+                                                "final_logit_softcapping": None})
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                           mm_tokens_per_image=4, image_token_index=1000, boi_token_index=1001,
+                                           eoi_token_index=1002)
+        cls = transformers.Gemma3ForConditionalGeneration
+    else:   # a Llava model over a Llama language model with its own LM head
+        text = transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": False})
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=28, patch_size=14,
+                                               projection_dim=32)
+        config = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                          image_token_index=1000)
+        cls = transformers.LlavaForConditionalGeneration
+    torch.manual_seed(21)
+    return cls(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "llava"])
+def test_the_language_model_of_an_image_and_text_checkpoint_runs_alone(tmp_path, kind):
+    """Gemma 3 (4B and up) and Llava checkpoints: the language model runs natively from its text_config, its
+    tensors read under the causal LM's names, the vision tower's skipped; logits equal transformers' on text."""
+    hf = _image_text_model(kind)
+    hf.save_pretrained(tmp_path)
+    source = resolve_model_source(ModelConfig(model=str(tmp_path), dtype="float32"))
+    assert source.text_only and source.architecture == ("Gemma3ForCausalLM" if kind == "gemma3" else "LlamaForCausalLM")
+    backend = TorchSDPABackend()
+    model = _load(str(tmp_path), backend)
+    PagedDriver(model, backend, block_size=4)
+    prompt = _prompts(COMMON["vocab_size"])[2]
+    ids, pos, md = build_metadata([(prompt, 0, [3, 9, 1, 7, 5])], block_size=4)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(ids, pos, md))
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-4

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from plinth.model_registry.weights import (
     init_dummy_weights,
     list_safetensors_files,
 )
+
+logger = logging.getLogger(__name__)
 
 PRESET_DIR = Path(__file__).parent / "presets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -51,6 +54,9 @@ class ModelSource:
         headless: a base-model checkpoint (``architectures: ["MistralModel"]``, tensors without the ``model.``
             prefix, no LM head), run as its causal LM with the head tied to the embeddings: embedding
             models only (``task="embed"``).
+        text_only: the language model of an image-and-text checkpoint (``Gemma3ForConditionalGeneration``,
+            ``Mistral3ForConditionalGeneration``, ``LlavaForConditionalGeneration``, ...): ``hf_config`` is its
+            ``text_config``, its tensors are read under the causal LM's names and the vision tower's are skipped.
     """
 
     kind: str
@@ -59,6 +65,7 @@ class ModelSource:
     architecture: str
     tokenizer_path: str | None
     headless: bool = False
+    text_only: bool = False
 
     def check_task(self, task: str) -> None:
         """Refuse text generation from a checkpoint without an LM head.
@@ -183,12 +190,55 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         if not ModelRegistry.is_native(arch) and ModelRegistry.is_native(causal):
             arch, headless = causal, True
             cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
+    text_only = False
+    text = _text_model(cfg, arch)
+    if text is not None:
+        cfg, arch, text_only = text[0], text[1], True
+        logger.info("%s: running its language model (%s) alone; image inputs are not supported",
+                    path, arch)
     if fmt != "dummy":
         list_safetensors_files(path)  # fail now rather than after building the model
     tokenizer = model_config.tokenizer
     if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = str(path)
-    return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless)
+    return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only)
+
+
+def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
+    """``(text_config, causal LM)`` of an image-and-text architecture whose language model plinth runs natively
+    (and that has no implementation of its own), else ``None``."""
+    text = getattr(cfg, "text_config", None)
+    if text is None or not arch.endswith("ForConditionalGeneration") or ModelRegistry.is_native(arch):
+        return None
+    names = getattr(text, "architectures", None)
+    if names and isinstance(names, list | tuple) and isinstance(names[0], str):
+        causal = names[0]
+    else:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(text, "model_type", None))
+    if not causal or not ModelRegistry.is_native(causal):
+        return None
+    for key in ("dtype", "torch_dtype"):   # the checkpoint's dtype is often given at the top level only
+        if getattr(text, key, None) is None and getattr(cfg, key, None) is not None:
+            setattr(text, key, getattr(cfg, key))
+    text.architectures = [causal]
+    return text, causal
+
+
+# the language model's tensors in an image-and-text checkpoint: (prefix, what it becomes), both layouts
+# transformers has written (``language_model.model.`` before 4.52, ``model.language_model.`` since)
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors under the causal LM's names; the vision tower's and projector's skipped."""
+    for name, tensor in weights:
+        for prefix, target in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                yield target + name[len(prefix):], tensor
+                break
 
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any, platform_dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -252,7 +302,8 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         assert source.path is not None
         weights = SafetensorsWeights(list_safetensors_files(Path(source.path)))
         try:
-            model.load_weights(_with_model_prefix(weights) if source.headless else weights)
+            model.load_weights(_with_model_prefix(weights) if source.headless
+                               else _language_model_weights(weights) if source.text_only else weights)
         except ModelLoadError as exc:
             where = str(weights.current_file or source.path)
             if where in str(exc):
