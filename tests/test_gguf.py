@@ -37,7 +37,7 @@ SMALL = dict(
     bos_token_id=1, eos_token_id=2, pad_token_id=3,
 )
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-             "gemma3": gguf.MODEL_ARCH.GEMMA3}
+             "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CASES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)]
 QTYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
@@ -735,6 +735,107 @@ def test_gemma3_gguf_through_the_engine(tmp_path, qtype):
     model = gemma3_model(vocab_size=300)
     path = write_gemma3_gguf(tmp_path / "g.gguf", model, qtype)
     reference = gemma3_model(vocab_size=300)
+    reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
+                              strict=False)
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    params = plinth.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for kw in ({"quantization": "gguf"}, {}):
+        llm = plinth.LLM(path, tokenizer=str(tokenizer_dir), dtype="float32", max_model_len=128, **kw)
+        got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want if kw else got[:4] == want[:4], (kw, got, want)
+        llm.close()
+
+
+def phi3_model(longrope: bool):
+    """A random Phi-3 with RoPE over half of each head (and longrope factors)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    extra = {}
+    if longrope:
+        rope.update(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(4)],
+                    long_factor=[2.0 + 0.7 * i for i in range(4)], original_max_position_embeddings=64)
+        extra = {"original_max_position_embeddings": 64}
+    torch.manual_seed(0)
+    config = Phi3Config(**{**SMALL, "intermediate_size": 96, "rope_parameters": rope, **extra})
+    model = Phi3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+    return model
+
+
+def write_phi3_gguf(path, model, qtype=Q.F32) -> str:
+    """As llama.cpp's converter writes Phi-3: fused attn_qkv and ffn_up, the rotary size, longrope's factors as
+    tensors with the original context and the attention factor in metadata."""
+    import math
+
+    config = model.config
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    metadata = {"rotary": lambda w: w.add_rope_dimension_count(rotary)}
+    tensors = []
+    if rope["rope_type"] == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / original
+        metadata["original"] = lambda w: w.add_rope_scaling_orig_ctx_len(original)
+        metadata["attn"] = lambda w: w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        tensors = [("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)),
+                   ("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))]
+    return write_gguf(path, model, "phi3", qtype, extra_tensors=tensors, metadata=metadata)
+
+
+@pytest.mark.parametrize("longrope", [False, True], ids=["default", "longrope"])
+def test_phi3_gguf_gives_the_original_logits(tmp_path, longrope):
+    """A Phi-3 GGUF file: fused tensors split into Llama's projections as they are read, partial rotary and
+    longrope from the metadata and factor tensors; logits equal the original model's."""
+    from test_models import PagedDriver, TorchSDPABackend, build_metadata
+
+    from plinth.config import ModelConfig
+    from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.loader import load_model, resolve_model_source
+
+    model = phi3_model(longrope)
+    path = write_phi3_gguf(tmp_path / "p.gguf", model)
+    config, arch = read_gguf_config(path, plain=True)
+    assert arch == "Phi3ForCausalLM" and config.rope_parameters["partial_rotary_factor"] == 0.5
+    names = {name for name, *_ in iter_gguf_raw(path)}
+    assert "model.layers.0.self_attn.k_proj.weight" in names and "model.layers.0.mlp.up_proj.weight" in names
+    backend = TorchSDPABackend()
+    source = resolve_model_source(ModelConfig(model=path, dtype="float32"))
+    # a context within the original 64 positions: the short factors, as transformers takes them for short prompts
+    ctx = ModelContext(hf_config=source.hf_config, dtype=torch.float32, device=torch.device("cpu"),
+                       attention_backend=backend, block_size=4, max_model_len=64)
+    ours = load_model(source, ctx)
+    PagedDriver(ours, backend, block_size=4)
+    prompt = list(range(3, 40))
+    ids, pos, md = build_metadata([(prompt, 0, list(range(1, 11)))], block_size=4)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(ids, pos, md))
+        ref = model(torch.tensor([prompt])).logits[0]
+    assert (logits - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_phi3_gguf_through_the_engine(tmp_path, qtype):
+    """A quantized Phi-3 GGUF file through LLM: kept quantized, greedy tokens equal transformers' on the
+    dequantized weights; the default CPU path (which takes 4-bit copies of the split projections) starts the
+    same way."""
+    from conftest import save_tiny_model
+
+    import plinth
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")
+    model = phi3_model(longrope=False)
+    model.resize_token_embeddings(300)
+    path = write_phi3_gguf(tmp_path / "p.gguf", model, qtype)
+    reference = phi3_model(longrope=False)
+    reference.resize_token_embeddings(300)
     reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
                               strict=False)
     prompt = list(range(3, 40))

@@ -39,6 +39,8 @@ class _GGUFArchitecture:
     permuted_qk: bool  # llama.cpp's converter interleaved the Q/K rows (rope type NORM)
     block_names: tuple[tuple[str, str], ...] = ()  # block tensor names that differ from _BLOCK_NAMES'
     norm_offset: float = 0.0  # llama.cpp's converter added this to every norm weight (Gemma's 1 + w)
+    fused: bool = False  # q/k/v in one attn_qkv tensor, gate/up in one ffn_up (Phi-3): split as they are read
+    partial_rotary: bool = False  # rope.dimension_count may be less than the head size
 
 
 # GGUF general.architecture -> how to read it.
@@ -50,7 +52,12 @@ _ARCHITECTURES = {
         "gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_offset=1.0,
         block_names=(("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
                      ("post_ffw_norm", "post_feedforward_layernorm"))),
+    "phi3": _GGUFArchitecture(
+        "phi3", "Phi3ForCausalLM", permuted_qk=False, fused=True, partial_rotary=True,
+        block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
+# Phi-3's longrope: llama.cpp writes the per-frequency divisors as these tensors
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma 3 in llama.cpp: every sixth layer attends globally, the others over the sliding window with RoPE base
 # 10,000; the softmax scale is 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B model (62 layers)
 _GEMMA3_GLOBAL_EVERY = 6
@@ -119,8 +126,9 @@ def _head_counts(reader: GGUFFile, name: str, path: str) -> tuple[int, int]:
     return n_heads, n_kv_heads
 
 
-def _check_sizes(options: dict[str, Any], tensors: dict[str, Any], name: str, path: str) -> None:
-    """The size metadata agrees with the tensor table (checked before a model of that size is built)."""
+def _check_sizes(options: dict[str, Any], tensors: dict[str, Any], name: str, path: str, up_parts: int = 1) -> None:
+    """The size metadata agrees with the tensor table (checked before a model of that size is built;
+    ``up_parts``: 2 where ffn_up holds gate and up)."""
     for key, what in (("hidden_size", "embedding_length"), ("intermediate_size", "feed_forward_length"),
                       ("num_hidden_layers", "block_count"), ("max_position_embeddings", "context_length"),
                       ("head_dim", "attention.key_length")):
@@ -132,7 +140,7 @@ def _check_sizes(options: dict[str, Any], tensors: dict[str, Any], name: str, pa
         raise ModelLoadError(f"GGUF file {path!r}: {name}.block_count is {options['num_hidden_layers']}, but the "
                              f"file has tensors of {len(blocks)} blocks (blk.0 to blk.{max(blocks, default=-1)})")
     up = tensors.get("blk.0.ffn_up.weight")
-    if up is not None and up.shape[0] != options["intermediate_size"]:
+    if up is not None and up.shape[0] != up_parts * options["intermediate_size"]:
         raise ModelLoadError(f"GGUF file {path!r}: blk.0.ffn_up.weight has {up.shape[0]} rows, but "
                              f"{name}.feed_forward_length is {options['intermediate_size']}")
 
@@ -147,9 +155,33 @@ def _llama3_freq_factors(scaling: dict[str, Any], theta: float, head_dim: int) -
     return 1.0 / ((1.0 - smooth) / factor + smooth)
 
 
+def _longrope(reader: GGUFFile, name: str, rotary_dim: int, path: str) -> dict[str, Any]:
+    """Phi-3's longrope from llama.cpp's ``rope_factors_long``/``_short`` tensors and its metadata."""
+    factors = {}
+    for key, tensor_name in zip(("long_factor", "short_factor"), _ROPE_FACTORS, strict=True):
+        tensor = next((t for t in reader.tensors if t.name == tensor_name), None)
+        if tensor is None:
+            raise ModelLoadError(f"GGUF file {path!r} has {_ROPE_FACTORS[0]} or {_ROPE_FACTORS[1]}, not both")
+        values = np.asarray(reader.tensor_data(tensor), dtype=np.float64).reshape(-1)
+        if values.shape != (rotary_dim // 2,):
+            raise ModelLoadError(f"GGUF file {path!r}: {tensor_name} has {values.size} factors for "
+                                 f"{rotary_dim // 2} rotary frequencies")
+        factors[key] = [_float32_value(v) for v in values]
+    original = reader.get(f"{name}.rope.scaling.original_context_length")
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise ModelLoadError(f"GGUF file {path!r}: longrope factors need {name}.rope.scaling.original_context_length")
+    out = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+    attn_factor = reader.get(f"{name}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        out["attention_factor"] = _float32_value(attn_factor)
+    return out
+
+
 def _rope_scaling(
     reader: GGUFFile, name: str, theta: float, head_dim: int, path: str
 ) -> dict[str, Any] | None:
+    if any(t.name in _ROPE_FACTORS for t in reader.tensors):
+        return _longrope(reader, name, head_dim, path)
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is not None:
         # llama.cpp writes Llama 3's scaling as divisors only; recover the parameters and check they
@@ -223,7 +255,8 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
     n_heads, n_kv_heads = _head_counts(reader, name, path)
     head_dim = reader.get(f"{name}.attention.key_length", hidden_size // n_heads)
     rotary_dim = reader.get(f"{name}.rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and not (arch.partial_rotary and isinstance(rotary_dim, int)
+                                       and 0 < rotary_dim < head_dim and rotary_dim % 2 == 0):
         raise UnsupportedModelError(
             f"GGUF file {path!r} rotates {rotary_dim} of {head_dim} head dimensions; only full rotary is supported"
         )
@@ -245,13 +278,17 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
-    _check_sizes(options, tensors, name, path)
+    _check_sizes(options, tensors, name, path, 2 if arch.fused else 1)
     if arch.model_type in ("llama", "qwen3", "gemma3_text"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch.model_type == "llama":
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    scaling = _rope_scaling(reader, name, rope_theta, head_dim, path)
+    scaling = _rope_scaling(reader, name, rope_theta, rotary_dim, path)
     rope = {**(scaling or {"rope_type": "default"}), "rope_theta": rope_theta}
+    if rotary_dim != head_dim:
+        rope["partial_rotary_factor"] = rotary_dim / head_dim
+    if arch.model_type == "phi3":
+        options["sliding_window"] = reader.get(f"{name}.attention.sliding_window")
     if arch.model_type == "gemma3_text":
         options.update(_gemma3_options(reader, name, options, path))
         rope = {"full_attention": rope,
@@ -357,8 +394,13 @@ def _iter_raw(
 ) -> Iterator[tuple[str, np.ndarray, gguf.GGMLQuantizationType, tuple[int, ...]]]:
     name, arch = _architecture(reader, path)
     n_heads, n_kv_heads = _head_counts(reader, name, path)
+    q_rows = kv_rows = 0
+    if arch.fused:
+        hidden = reader.get(f"{name}.embedding_length")
+        head_dim = reader.get(f"{name}.attention.key_length", hidden // n_heads)
+        q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == _ROPE_FREQS or tensor.name in _ROPE_FACTORS:
             continue
         hf_name = _hf_name(tensor.name, arch)
         if hf_name is None:
@@ -378,7 +420,31 @@ def _iter_raw(
             if data.dtype.kind != "f":
                 raise ModelLoadError(f"GGUF file {path!r}: norm tensor {tensor.name!r} is not stored as floats")
             data = data.astype(np.float32) - np.float32(arch.norm_offset)   # back to the checkpoint's w
+        if arch.fused and (hf_name.endswith(".qkv_proj.weight") or hf_name.endswith(".gate_up_proj.weight")):
+            yield from _split_fused(hf_name, data, tensor, q_rows, kv_rows, path)
+            continue
         yield hf_name, data, tensor.ggml_type, tensor.shape
+
+
+def _split_fused(hf_name: str, data: np.ndarray, tensor: Any, q_rows: int, kv_rows: int,
+                 path: str) -> Iterator[tuple[str, np.ndarray, Any, tuple[int, ...]]]:
+    """A fused ``qkv_proj`` / ``gate_up_proj`` tensor as its projections (row slices: float rows or the rows'
+    quantized blocks), so that every consumer sees Llama's tensors."""
+    rows = data.shape[0]
+    if hf_name.endswith(".qkv_proj.weight"):
+        parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
+        fused = "qkv_proj"
+    else:
+        parts = (("gate_proj", rows // 2), ("up_proj", rows // 2))
+        fused = "gate_up_proj"
+    if sum(n for _, n in parts) != rows:
+        raise ModelLoadError(f"GGUF file {path!r}: tensor {tensor.name!r} has {rows} rows, not "
+                             f"{' + '.join(str(n) for _, n in parts)}")
+    start = 0
+    for part, n in parts:
+        yield (hf_name.replace(fused, part), data[start:start + n], tensor.ggml_type,
+               (n, *tuple(tensor.shape)[1:]))
+        start += n
 
 
 def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
