@@ -105,6 +105,8 @@ def test_presets_ship_and_load():
     ("llama-3-8b", 8_030_261_248),
     ("qwen3-8b", 8_190_735_360),
     ("mixtral-8x7b", 46_702_792_704),
+    ("gemma-3-1b", 999_885_952),
+    ("phi-3-mini", 3_821_079_552),
 ])
 def test_preset_parameter_counts(preset, params):
     """Built on the meta device (no memory): the published parameter counts."""
