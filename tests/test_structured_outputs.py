@@ -281,3 +281,10 @@ def test_masks_that_leave_the_grammar_no_first_token_are_refused(llm):
     assert out.token_ids and set(out.token_ids) <= set(letters) and out.finish_reason == "length"
     with pytest.raises(ValueError, match="json must hold JSON values only"):
         SamplingParams(structured_outputs={"json": {"enum": [{1, 2}]}})
+
+
+def test_bad_words_that_are_not_unicode_text_are_refused(llm):
+    """A lone surrogate in bad_words (valid JSON escapes reach the server this way): a RequestRejectedError
+    naming the field, not a tokenizer TypeError."""
+    with pytest.raises(RequestRejectedError, match="^bad_words: a word is not valid Unicode text"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, bad_words=["\ud800"]), use_tqdm=False)

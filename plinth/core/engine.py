@@ -602,6 +602,9 @@ class LLMEngine:
             raise RequestRejectedError("bad_words needs the model's tokenizer", param="bad_words")
         seqs: dict[tuple[int, ...], None] = {}
         for word in words:
+            if not encodable_text(word):
+                raise RequestRejectedError("bad_words: a word is not valid Unicode text (a lone surrogate?)",
+                                           param="bad_words")
             for form in (word.lstrip(), " " + word.lstrip()):
                 ids = tuple(self.tokenizer.encode(form, add_special_tokens=False))
                 if ids and all(0 <= t < self.vocab_size for t in ids):
@@ -1115,3 +1118,12 @@ class LLMEngine:
                                     mean_accepted_length=self.speculative.mean_accepted_length)}
                if self.speculative is not None else {}),
         }
+
+
+def encodable_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogates), as tokenizers need."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -29,6 +29,7 @@ from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
 logger = logging.getLogger(__name__)
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+INT4_ROWS = 16   # torch's CPU int4 packing needs the output rows in multiples of this
 
 
 def decode_q4_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,6 +160,8 @@ def _int4_from_file(path: str, model: Any, dtype: torch.dtype, shards: dict[str,
         if "unusable" in parts or any(s not in parts for s in order):
             continue
         q, scale, zero = (torch.cat([parts[s][i] for s in order]) for i in range(3))
+        if q.shape[0] % INT4_ROWS:
+            continue   # torch's int4 packing takes whole groups of 16 output rows: the float path runs it
         out[module_name] = Int4Weight.from_blocks(q, scale, zero, dtype)
     logger.info("int4 copies of %d of %d linear layers from %s", len(out), len(shards), path)
     return out
