@@ -722,21 +722,12 @@ def test_default_model_is_cached(smollm2, monkeypatch):
     assert digest.hexdigest() == default_model._SHA256
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
-def test_gemma3_gguf_through_the_engine(tmp_path, qtype):
-    """A quantized Gemma 3 GGUF file through LLM: kept quantized (``quantization="gguf"``) its greedy tokens equal
-    transformers' on the dequantized weights; the default CPU path (4-bit copies, 8-bit inputs where the
-    machine takes them) starts the same way."""
-    from conftest import save_tiny_model
-
+def engine_matches_dequantized(path: str, reference, tokenizer_dir) -> None:
+    """Greedy tokens of ``LLM`` on a quantized GGUF file: kept quantized (``quantization="gguf"``) they equal
+    transformers' on the dequantized weights (``reference``); the default CPU path (4-bit copies, 8-bit inputs
+    where the machine takes them) starts the same way."""
     import plinth
 
-    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
-    model = gemma3_model(vocab_size=300)
-    path = write_gemma3_gguf(tmp_path / "g.gguf", model, qtype)
-    reference = gemma3_model(vocab_size=300)
-    reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
-                              strict=False)
     prompt = list(range(3, 40))
     with torch.no_grad():
         want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
@@ -747,6 +738,22 @@ def test_gemma3_gguf_through_the_engine(tmp_path, qtype):
         got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
         assert got == want if kw else got[:4] == want[:4], (kw, got, want)
         llm.close()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_gemma3_gguf_through_the_engine(tmp_path, qtype):
+    """A quantized Gemma 3 GGUF file through LLM: kept quantized (``quantization="gguf"``) its greedy tokens equal
+    transformers' on the dequantized weights; the default CPU path (4-bit copies, 8-bit inputs where the
+    machine takes them) starts the same way."""
+    from conftest import save_tiny_model
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    model = gemma3_model(vocab_size=300)
+    path = write_gemma3_gguf(tmp_path / "g.gguf", model, qtype)
+    reference = gemma3_model(vocab_size=300)
+    reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
+                              strict=False)
+    engine_matches_dequantized(path, reference, tokenizer_dir)
 
 
 def phi3_model(longrope: bool):
@@ -828,8 +835,6 @@ def test_phi3_gguf_through_the_engine(tmp_path, qtype):
     same way."""
     from conftest import save_tiny_model
 
-    import plinth
-
     tokenizer_dir = save_tiny_model(tmp_path / "tok")
     model = phi3_model(longrope=False)
     model.resize_token_embeddings(300)
@@ -838,13 +843,4 @@ def test_phi3_gguf_through_the_engine(tmp_path, qtype):
     reference.resize_token_embeddings(300)
     reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
                               strict=False)
-    prompt = list(range(3, 40))
-    with torch.no_grad():
-        want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
-    params = plinth.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for kw in ({"quantization": "gguf"}, {}):
-        llm = plinth.LLM(path, tokenizer=str(tokenizer_dir), dtype="float32", max_model_len=128, **kw)
-        got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-        assert got == want if kw else got[:4] == want[:4], (kw, got, want)
-        llm.close()
+    engine_matches_dequantized(path, reference, tokenizer_dir)
