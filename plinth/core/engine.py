@@ -37,6 +37,7 @@ from plinth.core.request import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    encodable_text,
 )
 from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
 from plinth.core.sampling_batch import splitmix64
@@ -1118,12 +1119,3 @@ class LLMEngine:
                                     mean_accepted_length=self.speculative.mean_accepted_length)}
                if self.speculative is not None else {}),
         }
-
-
-def encodable_text(text: str) -> bool:
-    """Whether ``text`` encodes as UTF-8 (no lone surrogates), as tokenizers need."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

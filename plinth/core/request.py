@@ -397,3 +397,13 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+def encodable_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogates: JSON's ``\\ud800`` escapes decode to them), as
+    tokenizers and output files need."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

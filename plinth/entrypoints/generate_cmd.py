@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from plinth.core.request import SamplingParams, SamplingParamsError
+from plinth.core.request import SamplingParams, SamplingParamsError, encodable_text
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -172,7 +172,7 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     if not isinstance(rid, str | int) or isinstance(rid, bool):
         raise RowError(line, f"'id' must be a string or an integer, got {rid!r}")
     rid = str(rid)
-    if not encodable(rid):
+    if not encodable_text(rid):
         raise RowError(line, f"'id' is not valid Unicode text (a lone surrogate escape): {rid!r}")
     sources = [k for k in ("prompt", "messages", "prompt_token_ids") if k in row]
     if len(sources) != 1:
@@ -207,16 +207,6 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     except (SamplingParamsError, ValueError, TypeError) as exc:
         raise RowError(line, str(exc)) from None
     return rid, value, params, key == "messages"
-
-
-def encodable(text: str) -> bool:
-    """Whether ``text`` can be written as UTF-8 (JSON's ``\\ud800`` escapes decode to lone surrogates, which
-    cannot)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def add_when_room(engine: Any, request_id: str, prompt: Any, params: SamplingParams, step: Any) -> None:

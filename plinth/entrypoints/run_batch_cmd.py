@@ -30,8 +30,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from plinth.core.request import encodable_text
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from plinth.entrypoints.generate_cmd import check_output, encodable, torn_record
+from plinth.entrypoints.generate_cmd import check_output, torn_record
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, lora_modules
 from plinth.errors import CliError
 
@@ -128,7 +129,7 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
         if not isinstance(custom_id, str) or not custom_id:
             invalid.append(_invalid(anonymous, f"line {n}: a request is an object with a string custom_id"))
             continue
-        if not encodable(custom_id):
+        if not encodable_text(custom_id):
             invalid.append(_invalid(anonymous, f"line {n}: custom_id is not valid Unicode text (a lone surrogate "
                                                "escape)"))
             continue
