@@ -195,7 +195,7 @@ def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):
     pieces = ["<think>", "<think>let me", "<think>let me think</think>", "<think>let me think</think>\n\nAnswer",
               "<think>let me think</think>\n\nAnswer!"]
 
-    async def scripted(self, rid, ids, params, priority=0, lora=None):
+    async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None):   # outputs without an engine
         for i, text in enumerate(pieces):
             last = i == len(pieces) - 1
             yield RequestOutput(rid, None, list(ids), [CompletionOutput(0, text, list(range(i + 1)),

@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path):
-    args = [str(model_dir), "--selection", "off", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
+    args = [str(model_dir), "--selection", "off", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2",
             "--max-waiting-requests", "4", "--served-model-name", "tiny"]
     with running_server(args, env={"PLINTH_API_KEY": API_KEY}) as srv:
         yield srv
@@ -249,6 +249,27 @@ def test_completion_prompt_forms_and_n(client, engine):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[i] for i in range(4)] == [c.text for c in resp.choices]
+
+
+def test_streamed_prompts_beyond_the_batch_start_before_the_last_is_admitted(client, engine):
+    """Four prompts on a server running two at a time: the stream starts once the engine has taken
+    every prompt, not once every prompt has its first token (the last two wait for the first two to
+    finish), so the first prompts' tokens arrive as they are made."""
+    prompts = [f"{PROMPT} {i}" for i in range(4)]
+    ref = [offline(engine, p, temperature=0.0, max_tokens=48, ignore_eos=True) for p in prompts]
+    order: list[tuple[int, str | None]] = []
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=48, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            order.append((c.index, c.finish_reason))
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == [r.outputs[0].text for r in ref]
+    first_of_0 = next(k for k, (i, _) in enumerate(order) if i == 0)
+    assert order[first_of_0][1] is None, "prompt 0 arrived only once finished"
+    assert sum(1 for i, _ in order if i == 0) > 2
+    first_of_last = next(k for k, (i, _) in enumerate(order) if i == 3)
+    assert first_of_0 < first_of_last
 
 
 def test_completion_logprobs_match_float64_reference(client, engine, model_dir):

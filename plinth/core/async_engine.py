@@ -59,6 +59,9 @@ class _Add:
     lora_request: Any = None
 
 
+_ACCEPTED = object()   # sent to a request's queue when the engine takes it
+
+
 @dataclasses.dataclass
 class _Abort:
     request_id: str
@@ -172,11 +175,14 @@ class AsyncLLMEngine:
                                         template_kwargs=template_kwargs)
 
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | Any,
-                       priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput | Any]:
+                       priority: int = 0, lora_request: Any = None,
+                       accepted: asyncio.Future[None] | None = None) -> AsyncIterator[RequestOutput | Any]:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is
-        yielded. Leaving the loop early (or being cancelled) aborts the request.
+        yielded. Leaving the loop early (or being cancelled) aborts the request. ``accepted``
+        (if given) is resolved once the engine has taken the request, which may be long before
+        its first output when the batch is full.
 
         Raises:
             RequestRejectedError, QueueFullError: from the engine, before anything is yielded.
@@ -195,6 +201,10 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True   # nothing left to abort: rejected, or the engine is gone
                     raise item
+                if accepted is not None and not accepted.done():
+                    accepted.set_result(None)
+                if item is _ACCEPTED:
+                    continue
                 finished = item.finished
                 yield item
                 if finished:
@@ -303,6 +313,7 @@ class AsyncLLMEngine:
                     self._send({cmd.sink.loop: [(cmd.sink.queue, exc)]})
                 else:
                     self._sinks[cmd.request_id] = cmd.sink
+                    self._send({cmd.sink.loop: [(cmd.sink.queue, _ACCEPTED)]})
             self._commands.popleft()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

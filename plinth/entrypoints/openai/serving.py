@@ -11,7 +11,7 @@ import logging
 import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from plinth.core.async_engine import AsyncLLMEngine
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
@@ -276,14 +276,15 @@ class ServerContext:
         return [(tid, lp.logprob) for tid, lp in ranked[:k]]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams,
-                       priority: int = 0, lora: LoRARequest | None = None
+                       priority: int = 0, lora: LoRARequest | None = None,
+                       accepted: asyncio.Future[None] | None = None
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
-        request."""
+        request. ``accepted`` is resolved when the engine takes the request (see :func:`start`)."""
         if lora is not None and not self.front.has_lora(lora.lora_int_id):
             await asyncio.to_thread(self.front.add_lora, lora)   # read (again) off the engine's thread
         tracker = self.metrics.request()
-        inner = self.front.generate(request_id, prompt_ids, params, priority, lora)
+        inner = self.front.generate(request_id, prompt_ids, params, priority, lora, accepted=accepted)
         error = False
         try:
             async for out in inner:
@@ -428,48 +429,76 @@ async def collect(events: AsyncIterator[tuple[int, Any]], count: int) -> list[An
     return latest
 
 
-async def first_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """The first output of every stream, so that a rejected prompt fails the whole request
-    before a response starts; on any failure (or cancellation) every stream is closed,
-    which aborts its engine request."""
-    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+class Started(NamedTuple):
+    """Requests the engine has taken: their streams and each one's pending first output."""
+    streams: list[AsyncIterator[Any]]
+    firsts: list[asyncio.Future[Any]]
+
+
+async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any]], priority: int = 0,
+                lora: LoRARequest | None = None) -> Started:
+    """Submit ``(request id, prompt ids, params)`` requests and wait until the engine has taken every
+    one (not for their first tokens, which may come much later when the batch is full), so that a
+    rejected prompt fails the whole request before a response starts. On any failure (or
+    cancellation) every stream is closed, which aborts its engine request."""
+    loop = asyncio.get_running_loop()
+    accepted = [loop.create_future() for _ in requests]
+    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut)
+               for (rid, ids, params), fut in zip(requests, accepted, strict=True)]
+    firsts = [asyncio.ensure_future(anext(s)) for s in streams]   # type: ignore[arg-type]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()  # type: ignore[misc]
-        return [t.result() for t in tasks]
+        while True:
+            failed = next((t for t in firsts if t.done() and (t.cancelled() or t.exception() is not None)), None)
+            if failed is not None:
+                failed.result()   # raises its error
+            waiting = [f for f, t in zip(accepted, firsts, strict=True) if not (f.done() or t.done())]
+            if not waiting:
+                return Started(streams, firsts)
+            await asyncio.wait([*waiting, *(t for t in firsts if not t.done())],
+                               return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            await s.aclose()   # type: ignore[attr-defined]
+        await _close(Started(streams, firsts))
         raise
 
 
-async def merge(streams: Sequence[AsyncIterator[RequestOutput]],
-                firsts: Sequence[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as ``(prompt index, output)``, after their first ones."""
-    for i, out in enumerate(firsts):
-        yield i, out
-    live = {i for i, out in enumerate(firsts) if not out.finished}
+async def _close(started: Started) -> None:
+    """Stop waiting for first outputs and close every stream (which aborts its engine request)."""
+    for t in started.firsts:
+        t.cancel()
+    await asyncio.gather(*started.firsts, return_exceptions=True)
+    for s in started.streams:
+        await s.aclose()   # type: ignore[attr-defined]
+
+
+async def merge(started: Started) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several started requests' outputs as ``(prompt index, output)``, each request's
+    as they come; closing it closes (and so aborts) every stream."""
+    streams, firsts = started
     if len(streams) == 1:
-        if live:
-            async for out in streams[0]:
-                yield 0, out
+        try:
+            out = await firsts[0]
+            yield 0, out
+            if not out.finished:
+                async for out in streams[0]:
+                    yield 0, out
+        finally:
+            await _close(started)
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in streams[i]:
-                queue.put_nowait((i, out))
+            out = await firsts[i]
+            queue.put_nowait((i, out))
+            if not out.finished:
+                async for out in streams[i]:
+                    queue.put_nowait((i, out))
             queue.put_nowait((i, None))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait((i, exc))
 
-    tasks = [asyncio.create_task(pump(i)) for i in sorted(live)]
+    live = set(range(len(streams)))
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
     try:
         while live:
             i, item = await queue.get()
@@ -485,5 +514,4 @@ async def merge(streams: Sequence[AsyncIterator[RequestOutput]],
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        for s in streams:
-            await s.aclose()   # type: ignore[attr-defined]
+        await _close(started)

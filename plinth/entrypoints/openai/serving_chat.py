@@ -40,9 +40,9 @@ from plinth.entrypoints.openai.serving import (
     ServerContext,
     beam_search_params,
     check_structured,
-    first_outputs,
     merge,
     sampling_params,
+    start,
 )
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
 from plinth.entrypoints.openai.tools import (
@@ -296,9 +296,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
                                                    usage=usage).model_dump())
-    stream = ctx.generate(rid, ids, params, req.priority, lora)
-    firsts = await unless_disconnected(raw, first_outputs([stream]))
-    events = merge([stream], firsts)
+    started = await unless_disconnected(raw, start(ctx, [(rid, ids, params)], req.priority, lora))
+    events = merge(started)
     if req.stream:
         options = req.stream_options
         usage = None

@@ -29,9 +29,9 @@ from plinth.entrypoints.openai.serving import (
     check_choices,
     check_structured,
     collect,
-    first_outputs,
     merge,
     sampling_params,
+    start,
 )
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
 from plinth.lora.request import LoRARequest
@@ -167,9 +167,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     rid = random_id("cmpl")
     if req.use_beam_search:
         return await _beam_search(ctx, req, rid, prompts, raw, lora, created)
-    streams = [ctx.generate(f"{rid}-{i}", p.token_ids, params, req.priority, lora) for i, p in enumerate(prompts)]
-    firsts = await unless_disconnected(raw, first_outputs(streams))
-    events = merge(streams, firsts)
+    requests = [(f"{rid}-{i}", p.token_ids, params) for i, p in enumerate(prompts)]
+    started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora))
+    events = merge(started)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage, ctx.reply_model(lora)))

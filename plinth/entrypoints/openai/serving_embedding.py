@@ -18,7 +18,7 @@ from plinth.entrypoints.openai.protocol import (
     EmbeddingUsage,
     random_id,
 )
-from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext, collect, first_outputs, merge
+from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext, collect, merge, start
 from plinth.entrypoints.openai.streaming import unless_disconnected
 
 
@@ -67,9 +67,9 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
         raise bad_request(str(exc), "dimensions") from None
     inputs = await _inputs(ctx, req)
     rid = random_id("embd")
-    streams = [ctx.generate(f"{rid}-{i}", ids, params, req.priority, lora) for i, ids in enumerate(inputs)]
-    firsts = await unless_disconnected(raw, first_outputs(streams))
-    finals = await unless_disconnected(raw, collect(merge(streams, firsts), len(inputs)))
+    requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
+    started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora))
+    finals = await unless_disconnected(raw, collect(merge(started), len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
     if missing is not None:
         raise APIError(500, f"embedding input {missing} ended without a result", "server_error")

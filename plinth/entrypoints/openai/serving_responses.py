@@ -26,7 +26,7 @@ from starlette.responses import Response
 from plinth.core.request import RequestOutput
 from plinth.entrypoints.openai.errors import APIError, bad_request, to_api_error
 from plinth.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, random_id
-from plinth.entrypoints.openai.serving import ServerContext, first_outputs, merge
+from plinth.entrypoints.openai.serving import ServerContext, merge, start
 from plinth.entrypoints.openai.serving_chat import _last, _Reply, prepare_chat
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
 
@@ -172,9 +172,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
             message = message.replace(old, new)
         raise APIError(exc.status, message, exc.type, param, exc.code, exc.headers) from None
     body = _Body(req, ctx.reply_model(prep.lora), len(prep.ids))
-    stream = ctx.generate(body.id, prep.ids, prep.params, req.priority, prep.lora)
-    firsts = await unless_disconnected(raw, first_outputs([stream]))
-    events = merge([stream], firsts)
+    started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora))
+    events = merge(started)
     if req.stream:
         return SSEResponse(_events(ctx, body, events), named_events=True)
     final = await unless_disconnected(raw, _last(events))
