@@ -37,7 +37,7 @@ SMALL = dict(
     bos_token_id=1, eos_token_id=2, pad_token_id=3,
 )
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-             "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
+             "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CASES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)]
 QTYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
@@ -364,20 +364,27 @@ def test_missing_metadata(tmp_path):
         read_gguf_config(str(path))
 
 
-def gemma3_model(**overrides):
-    """A random Gemma 3 text model in the layout llama.cpp's code assumes for the architecture: every sixth layer
-    global, RoPE base 10,000 on the sliding layers, softmax scale 1/sqrt(head_dim)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def gemma_model(arch: str = "gemma3", **overrides):
+    """A random Gemma 2 or 3 text model in the layout llama.cpp's code assumes for the architecture: Gemma 2's even
+    layers sliding (with soft caps small enough to bite), Gemma 3's every sixth layer global and RoPE base 10,000 on
+    its sliding layers; softmax scale 1/sqrt(head_dim)."""
+    import transformers
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 16,
-                                 "sliding_window": 5, "hidden_activation": "gelu_pytorch_tanh",
-                                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-                                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                                     "sliding_attention": {"rope_type": "default",
-                                                                           "rope_theta": 10000.0}},
-                                 **overrides})
-    model = Gemma3ForCausalLM(config).eval()
+    fields = {**SMALL, "num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 5,
+              "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma2":
+        config = transformers.Gemma2Config(**{
+            **fields, "num_hidden_layers": 4, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0,
+            "layer_types": ["sliding_attention", "full_attention"] * 2, **overrides})
+        model = transformers.Gemma2ForCausalLM(config).eval()
+    else:
+        config = transformers.Gemma3TextConfig(**{
+            **fields, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            **overrides})
+        model = transformers.Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -385,8 +392,9 @@ def gemma3_model(**overrides):
     return model
 
 
-def write_gemma3_gguf(path, model, qtype=Q.F32) -> str:
-    """As llama.cpp's converter writes Gemma 3: norm weights stored as 1 + w, the sliding window in metadata."""
+def write_gemma_gguf(path, model, qtype=Q.F32) -> str:
+    """As llama.cpp's converter writes Gemma 2 and 3: norm weights stored as 1 + w, the sliding window (and Gemma
+    2's soft caps) in metadata."""
     import copy
 
     stored = copy.deepcopy(model)
@@ -394,13 +402,19 @@ def write_gemma3_gguf(path, model, qtype=Q.F32) -> str:
         for name, param in stored.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(1.0)
-    return write_gguf(path, stored, "gemma3", qtype,
-                      metadata={"window": lambda w: w.add_sliding_window(model.config.sliding_window)})
+    config = model.config
+    metadata = {"window": lambda w: w.add_sliding_window(config.sliding_window)}
+    arch = "gemma3" if config.model_type == "gemma3_text" else config.model_type
+    if arch == "gemma2":
+        metadata["caps"] = lambda w: (w.add_attn_logit_softcapping(config.attn_logit_softcapping),
+                                      w.add_final_logit_softcapping(config.final_logit_softcapping))
+    return write_gguf(path, stored, arch, qtype, metadata=metadata)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
-def test_gemma3_gguf_gives_the_original_logits(tmp_path, qtype):
-    """A Gemma 3 GGUF file: the config llama.cpp's conventions imply, the norms' 1 + w undone; logits equal the
+def test_gemma_gguf_gives_the_original_logits(tmp_path, qtype, arch):
+    """A Gemma 2 or 3 GGUF file: the config llama.cpp's conventions imply, the norms' 1 + w undone; logits equal the
     original model's (F32), weights equal transformers' GGUF loader's (Q8_0)."""
     from test_models import PagedDriver, TorchSDPABackend, build_metadata
 
@@ -408,11 +422,13 @@ def test_gemma3_gguf_gives_the_original_logits(tmp_path, qtype):
     from plinth.model_registry.interface import ModelContext
     from plinth.model_registry.loader import load_model, resolve_model_source
 
-    model = gemma3_model()
-    path = write_gemma3_gguf(tmp_path / "g.gguf", model, qtype)
-    config, arch = read_gguf_config(path)
-    assert arch == "Gemma3ForCausalLM" and config.layer_types == model.config.layer_types
+    model = gemma_model(arch)
+    path = write_gemma_gguf(tmp_path / "g.gguf", model, qtype)
+    config, architecture = read_gguf_config(path)
+    assert architecture == type(model).__name__ and config.layer_types == model.config.layer_types
     assert config.query_pre_attn_scalar == 16 and config.sliding_window == 5
+    assert config.attn_logit_softcapping == model.config.attn_logit_softcapping
+    assert config.final_logit_softcapping == model.config.final_logit_softcapping
     plinth_weights = dict(iter_gguf_weights(path, torch.float32))
     if qtype != Q.F32:
         reference = transformers_gguf_tensors(path, model.config)
@@ -740,17 +756,32 @@ def engine_matches_dequantized(path: str, reference, tokenizer_dir) -> None:
         llm.close()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
-def test_gemma3_gguf_through_the_engine(tmp_path, qtype):
-    """A quantized Gemma 3 GGUF file through LLM: kept quantized (``quantization="gguf"``) its greedy tokens equal
+def test_gemma2_gguf_defaults_and_bad_caps(tmp_path):
+    """Without the window and caps in its metadata a Gemma 2 file takes llama.cpp's defaults (4096, 50, 30); a cap
+    that is not a positive number is refused before anything is built."""
+    model = gemma_model("gemma2")
+    path = write_gguf(tmp_path / "plain.gguf", model, "gemma2")
+    config, _ = read_gguf_config(path)
+    assert (config.sliding_window, config.attn_logit_softcapping, config.final_logit_softcapping) == (4096, 50.0, 30.0)
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    bad = write_gguf(tmp_path / "bad.gguf", model, "gemma2",
+                     metadata={"cap": lambda w: w.add_attn_logit_softcapping(-1.0)})
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping must be a positive number"):
+        read_gguf_config(bad)
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("gemma3", Q.Q8_0), ("gemma3", Q.Q4_1), ("gemma2", Q.Q4_1)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_gemma_gguf_through_the_engine(tmp_path, arch, qtype):
+    """A quantized Gemma 3 (or 2) GGUF file through LLM: kept quantized (``quantization="gguf"``) its greedy tokens equal
     transformers' on the dequantized weights; the default CPU path (4-bit copies, 8-bit inputs where the
     machine takes them) starts the same way."""
     from conftest import save_tiny_model
 
     tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
-    model = gemma3_model(vocab_size=300)
-    path = write_gemma3_gguf(tmp_path / "g.gguf", model, qtype)
-    reference = gemma3_model(vocab_size=300)
+    model = gemma_model(arch, vocab_size=300)
+    path = write_gemma_gguf(tmp_path / "g.gguf", model, qtype)
+    reference = gemma_model(arch, vocab_size=300)
     reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
                               strict=False)
     engine_matches_dequantized(path, reference, tokenizer_dir)

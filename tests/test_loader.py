@@ -106,6 +106,7 @@ def test_presets_ship_and_load():
     ("qwen3-8b", 8_190_735_360),
     ("mixtral-8x7b", 46_702_792_704),
     ("gemma-3-1b", 999_885_952),
+    ("gemma-2-2b", 2_614_341_888),
     ("phi-3-mini", 3_821_079_552),
 ])
 def test_preset_parameter_counts(preset, params):

@@ -33,6 +33,10 @@ ARCHS = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
         num_hidden_layers=3)),
     "GemmaForCausalLM": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=16, hidden_act="gelu_pytorch_tanh")),
+    # attention-logit soft cap small enough to bite, sliding layers, a final cap
+    "Gemma2ForCausalLM": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        head_dim=16, num_hidden_layers=3, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
+        final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # sliding layers with their own RoPE base, q/k norms, a softmax scale other than head_dim ** -0.5, a final cap
     "Gemma3ForCausalLM": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
         head_dim=16, num_hidden_layers=3, sliding_window=5, query_pre_attn_scalar=24, final_logit_softcapping=3.0,
@@ -115,6 +119,28 @@ def test_batched_greedy_matches_transformers(checkpoint, chunks):
         ref = _hf_logits(hf, prompt + gen[:-1])[len(prompt) - 1:]  # [NEW_TOKENS, vocab]
         assert (torch.stack(logits) - ref).abs().max().item() < 1e-4
         assert ref.argmax(-1).tolist() == gen  # transformers' greedy choice at every step
+
+
+def test_transformers_fallback_applies_the_attention_soft_cap(tmp_path, monkeypatch):
+    """transformers' own Gemma 2 code on plinth's paged attention: the soft cap it asks for is the layers' (the
+    fallback used to refuse it), and the logits equal transformers'."""
+    from plinth.model_registry.models.transformers_fallback import fallback_class
+
+    arch, config_cls, overrides = ARCHS["Gemma2ForCausalLM"]
+    torch.manual_seed(3)
+    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**COMMON, **overrides})).eval()
+    hf.save_pretrained(tmp_path)
+    monkeypatch.setattr(ModelRegistry, "resolve", fallback_class)
+    backend = TorchSDPABackend()
+    model = _load(str(tmp_path), backend)
+    assert isinstance(model, TransformersForCausalLM)
+    assert {layer.soft_cap for layer in model._attn_layers} == {0.5}
+    PagedDriver(model, backend, block_size=4)
+    prompt = _prompts(hf.config.vocab_size)[1]
+    ids, pos, md = build_metadata([(prompt, 0, [3, 1, 2])], block_size=4)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(ids, pos, md))
+    assert (ours - _hf_logits(hf, prompt)).abs().max().item() < 1e-4
 
 
 def test_sliding_window_is_applied(tmp_path):
@@ -316,7 +342,7 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
         torch.bfloat16) * ours.weight.to(torch.bfloat16), ref(x))
 
 
-NEW_NATIVE = ["GemmaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
+NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

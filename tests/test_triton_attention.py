@@ -31,7 +31,7 @@ from triton_interpreter import (  # noqa: E402
     set_interpreter_env,
 )
 
-from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec  # noqa: E402
+from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata, AttentionSpec  # noqa: E402
 from plinth.attention_backends.triton import backend as triton_backend  # noqa: E402
 from plinth.attention_backends.triton import tiles  # noqa: E402
 from plinth.attention_backends.triton.backend import TritonAttentionBackend  # noqa: E402
@@ -129,8 +129,10 @@ def make_batch(
     return Batch(query, torch.cat(keys), torch.cat(values), kv_cache, metadata, full_k, full_v, num_real)
 
 
-def reference_attention(batch: Batch, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Per-sequence causal attention in float64 with an explicit softmax. Returns [T_real, H, D]."""
+def reference_attention(batch: Batch, scale: float, sliding_window: int | None,
+                        soft_cap: float | None = None) -> torch.Tensor:
+    """Per-sequence causal attention in float64 with an explicit softmax (scores soft-capped,
+    ``cap * tanh(score / cap)``, with ``soft_cap``). Returns [T_real, H, D]."""
     md = batch.metadata
     num_heads = batch.query.shape[1]
     outs = []
@@ -142,6 +144,8 @@ def reference_attention(batch: Batch, scale: float, sliding_window: int | None) 
         k = batch.full_k[s].double().repeat_interleave(group, dim=1)  # [n, H, D]
         v = batch.full_v[s].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale      # [H, q_len, n]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(n - (hi - lo), n)[:, None]
         k_pos = torch.arange(n)[None, :]
         visible = k_pos <= q_pos
@@ -154,15 +158,17 @@ def reference_attention(batch: Batch, scale: float, sliding_window: int | None) 
     return torch.cat(outs)
 
 
-def run_and_check(batch: Batch, sliding_window: int | None = None, backend: TritonAttentionBackend | None = None):
+def run_and_check(batch: Batch, sliding_window: int | None = None, backend: AttentionBackend | None = None,
+                  soft_cap: float | None = None):
     backend = backend or TritonAttentionBackend()
     head_size = batch.query.shape[-1]
     scale = head_size**-0.5
     backend.prepare(batch.metadata)
+    cap = {} if soft_cap is None else {"soft_cap": soft_cap}
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
-                          scale=scale, sliding_window=sliding_window)
+                          scale=scale, sliding_window=sliding_window, **cap)
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
-    expected = reference_attention(batch, scale, sliding_window)
+    expected = reference_attention(batch, scale, sliding_window, soft_cap)
     got = out[: batch.num_real_tokens].double()
     assert torch.isfinite(got).all()
     tol = TOLERANCE[batch.query.dtype]
@@ -239,6 +245,50 @@ def test_sliding_window_decode(splits):
     run_and_check(batch, sliding_window=24, backend=TritonAttentionBackend(decode_splits=splits))
 
 
+def _capped_batch(seqs, seed: int, dtype=torch.float32, pad_tokens: int = 2) -> Batch:
+    """A batch whose scores reach well past the cap used below (queries scaled up), so capping changes the
+    output far beyond the tolerance."""
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_size=64, dtype=dtype, seed=seed, pad_tokens=pad_tokens)
+    batch = dataclasses.replace(batch, query=batch.query * 3)
+    uncapped = reference_attention(batch, 64**-0.5, None)
+    assert (reference_attention(batch, 64**-0.5, None, soft_cap=1.5) - uncapped).abs().max() > 0.1
+    return batch
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [None, 13])
+def test_soft_cap_prefill_and_mixed(window):
+    run_and_check(_capped_batch([(30, 20), (45, 1), (0, 9)], seed=21), sliding_window=window, soft_cap=1.5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 3])
+def test_soft_cap_decode(splits, monkeypatch):
+    batch = _capped_batch([(70, 1), (9, 1), (33, 1)], seed=22, dtype=torch.float16)
+    run_and_check(batch, soft_cap=1.5, backend=TritonAttentionBackend(decode_splits=splits))
+    run_rotary_and_check(_capped_batch([(50, 1), (20, 1)], seed=23, pad_tokens=0), fused=True, monkeypatch=monkeypatch,
+                         soft_cap=1.5, backend=TritonAttentionBackend(decode_splits=splits))
+
+
+def test_soft_cap_reference_backend_and_refusals():
+    """torch_sdpa applies the cap (against the same float64 reference); backends without it refuse such models,
+    and so does an attention layer built on one."""
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+    from plinth.model_registry.layers.attention import Attention
+
+    run_and_check(_capped_batch([(30, 20), (45, 1), (0, 9)], seed=24), sliding_window=13, soft_cap=1.5,
+                  backend=TorchSDPABackend())
+    spec = _spec(logit_soft_cap=50.0)
+    assert TorchSDPABackend.check(spec, "cpu")
+    for cls in (TorchBatchedBackend, CpuPagedBackend):
+        answer = cls.check(spec, "cpu")
+        assert not answer and "soft-capping" in answer.reason
+    with pytest.raises(ValueError, match="soft cap"):
+        Attention(4, 64, 0.125, 2, TorchBatchedBackend(), soft_cap=50.0)
+
+
 @needs_interpreter
 def test_head_size_256_tiny():
     batch = make_batch([(5, 6), (9, 1)], num_heads=2, num_kv_heads=1, head_size=256, dtype=torch.float16, seed=8)
@@ -284,7 +334,7 @@ def rotate64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def run_rotary_and_check(batch: Batch, *, fused: bool, monkeypatch, sliding_window: int | None = None,
-                         backend: TritonAttentionBackend | None = None) -> None:
+                         backend: TritonAttentionBackend | None = None, soft_cap: float | None = None) -> None:
     """``forward(rotary=...)`` on un-rotated q/k against the float64 reference on rotated ones; ``fused``:
     whether the decode kernel should have written the cache itself (no separate cache-write launch)."""
     backend = backend or TritonAttentionBackend()
@@ -303,12 +353,13 @@ def run_rotary_and_check(batch: Batch, *, fused: bool, monkeypatch, sliding_wind
     head_size = batch.query.shape[-1]
     backend.prepare(md)
     query, key = batch.query.clone(), batch.key.clone()
+    cap = {} if soft_cap is None else {"soft_cap": soft_cap}
     out = backend.forward(query, key, batch.value, batch.kv_cache, md, scale=head_size**-0.5,
-                          sliding_window=sliding_window, rotary=(cos, sin))
+                          sliding_window=sliding_window, rotary=(cos, sin), **cap)
     assert (not writes) == fused
     if fused:   # the inputs are left as they were
         assert torch.equal(query, batch.query) and torch.equal(key, batch.key)
-    expected = reference_attention(rotated, head_size**-0.5, sliding_window)
+    expected = reference_attention(rotated, head_size**-0.5, sliding_window, soft_cap)
     tol = TOLERANCE[batch.query.dtype]
     torch.testing.assert_close(out[: batch.num_real_tokens].double(), expected, atol=tol, rtol=tol)
     flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[-2:])

@@ -90,8 +90,10 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     return Batch(query, torch.cat(keys), torch.cat(values), kv_cache, md, full_k, full_v, num_real)
 
 
-def reference_attention(batch: Batch, scale: float, sliding_window: int | None, chunk: int = 1024) -> torch.Tensor:
-    """float64 causal attention per sequence with an explicit softmax. Returns [T_real, H, D]."""
+def reference_attention(batch: Batch, scale: float, sliding_window: int | None, chunk: int = 1024,
+                        soft_cap: float | None = None) -> torch.Tensor:
+    """float64 causal attention per sequence with an explicit softmax (scores soft-capped with ``soft_cap``).
+    Returns [T_real, H, D]."""
     md = batch.metadata
     h = batch.query.shape[1]
     outs = []
@@ -109,22 +111,27 @@ def reference_attention(batch: Batch, scale: float, sliding_window: int | None, 
             if sliding_window is not None:
                 visible &= k_pos > q_pos - sliding_window
             scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             scores = scores.masked_fill(~visible, float("-inf"))
             w = torch.softmax(scores, dim=-1)
             outs.append(torch.einsum("hqk,khd->qhd", w, v))
     return torch.cat(outs)
 
 
-def check(batch: Batch, sliding_window: int | None = None, backend: TritonAttentionBackend | None = None):
+def check(batch: Batch, sliding_window: int | None = None, backend: TritonAttentionBackend | None = None,
+          soft_cap: float | None = None):
     backend = backend or TritonAttentionBackend()
     scale = batch.query.shape[-1] ** -0.5
     backend.prepare(batch.metadata)
+    cap = {} if soft_cap is None else {"soft_cap": soft_cap}
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
-                          scale=scale, sliding_window=sliding_window)
+                          scale=scale, sliding_window=sliding_window, **cap)
     got = out[: batch.num_real_tokens].double()
     assert torch.isfinite(got).all()
     tol = TOLERANCE[batch.query.dtype]
-    torch.testing.assert_close(got, reference_attention(batch, scale, sliding_window), atol=tol, rtol=tol)
+    expected = reference_attention(batch, scale, sliding_window, soft_cap=soft_cap)
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
     flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[-2:])
     assert torch.equal(flat[0][batch.metadata.slot_mapping], batch.key)
     assert torch.equal(flat[1][batch.metadata.slot_mapping], batch.value)
@@ -158,6 +165,19 @@ def test_block_sizes(block_size, decode):
     seqs = [(300, 1), (129, 1)] if decode else [(300, 77), (0, 130), (129, 1)]
     batch = make_batch(seqs, 16, 4, 128, torch.bfloat16, block_size=block_size)
     check(batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 64])
+def test_soft_cap(dtype, window):
+    """Gemma 2's attention-logit soft cap (queries scaled up so the cap changes the output), head size 256."""
+    for seqs in ([(300, 90), (3, 20), (700, 1)], [(300, 1), (3, 1), (700, 1)]):
+        batch = make_batch(seqs, 8, 4, 256, dtype, seed=11)
+        batch = dataclasses.replace(batch, query=batch.query * 4)
+        scale = 256 ** -0.5
+        assert (reference_attention(batch, scale, window, soft_cap=1.0)
+                - reference_attention(batch, scale, window)).abs().max() > 0.05
+        check(batch, sliding_window=window, soft_cap=1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -104,6 +104,16 @@ class AttentionSpec:
     sliding_window: int | None = None
     #: the KV cache's element type; ``None``: ``dtype``
     kv_cache_dtype: torch.dtype | None = None
+    #: attention scores pass through ``cap * tanh(score / cap)`` before the softmax (Gemma 2); ``None``: not
+    logit_soft_cap: float | None = None
+
+    def attend_kwargs(self) -> dict[str, Any]:
+        """The per-layer keywords of :meth:`AttentionBackend.forward` these shapes call for (``soft_cap`` only
+        where set, so backends without it still run every other model)."""
+        kw: dict[str, Any] = {"sliding_window": self.sliding_window}
+        if self.logit_soft_cap is not None:
+            kw["soft_cap"] = self.logit_soft_cap
+        return kw
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -167,6 +177,9 @@ class AttentionBackend(abc.ABC):
     #: step (a replayed decode graph). A subclass that overrides ``forward`` must honour it too, or set this back
     #: to False (its drafts then run as multi-token queries)
     decode_rows_may_share_sequences: ClassVar[bool] = False
+    #: ``forward`` takes ``soft_cap`` (attention-logit soft-capping, ``cap * tanh(score / cap)``, Gemma 2);
+    #: :meth:`check` refuses models that need it for backends that do not
+    supports_soft_cap: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -192,7 +205,10 @@ class AttentionBackend(abc.ABC):
     def check(cls, spec: AttentionSpec, device_type: str) -> Support:
         """:meth:`supports` and :meth:`supports_kv_cache_dtype` together (what selection asks). A cache of another
         type than the model's needs the class itself to define :meth:`supports_kv_cache_dtype`: a subclass with
-        its own kernels does not inherit its parent's answer."""
+        its own kernels does not inherit its parent's answer; so does a model with attention-logit soft-capping
+        for :attr:`supports_soft_cap`."""
+        if spec.logit_soft_cap is not None and not cls.__dict__.get("supports_soft_cap", False):
+            return Support.no("attention-logit soft-capping (attn_logit_softcapping, Gemma 2) unsupported")
         support = cls.supports(spec, device_type)
         if not support or spec.cache_dtype == spec.dtype:
             return support
@@ -227,7 +243,9 @@ class AttentionBackend(abc.ABC):
 
         Each query token attends causally to every cached and new token of its own sequence
         at a position <= its own (and > position - sliding_window when a window is set).
-        Rows beyond ``query_start_loc[-1]`` (graph padding) may hold anything.
+        Rows beyond ``query_start_loc[-1]`` (graph padding) may hold anything. A backend with
+        :attr:`supports_soft_cap` also takes ``soft_cap: float | None`` (scores ``scale * q.k`` become
+        ``soft_cap * tanh(score / soft_cap)`` before the softmax); it is passed only when set.
         """
 
 

@@ -229,7 +229,7 @@ def run_steps(backend_cls: type[AttentionBackend], spec: AttentionSpec, device: 
         rows = md.num_tokens
         qkv = [torch.randn(rows, n, d, generator=gen).to(device=device, dtype=spec.dtype) for n in (h, hkv, hkv)]
         backend.prepare(md)
-        out = backend.forward(*qkv, cache, md, scale=scale, sliding_window=spec.sliding_window)
+        out = backend.forward(*qkv, cache, md, scale=scale, **spec.attend_kwargs())
         outs.append(out[: md.query_start_loc_cpu[-1]])
     return torch.cat(outs)
 
@@ -268,7 +268,7 @@ def step_runners(
             md.backend_data = None
             backend.prepare(md)
             for _ in range(workload.num_layers):
-                backend.forward(*qkv, cache, md, scale=d ** -0.5, sliding_window=spec.sliding_window)
+                backend.forward(*qkv, cache, md, scale=d ** -0.5, **spec.attend_kwargs())
 
         runners[label] = run
     return runners

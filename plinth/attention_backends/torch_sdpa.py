@@ -33,10 +33,21 @@ def _mask(num_queries: int, seq_len: int, sliding_window: int | None, device: to
     return allowed
 
 
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                      cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, ``cap * tanh(scale * q.k / cap)``, in float32: ``[Hq, Q, D]``."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale          # [Hq, Q, L]
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
 class TorchSDPABackend(AttentionBackend):
     """Paged attention with one ``scaled_dot_product_attention`` call per sequence."""
 
     decode_rows_may_share_sequences = True   # every key and value is written before attention
+    supports_soft_cap = True
 
     name: ClassVar[str] = "torch_sdpa"
     priority: ClassVar[int] = 0
@@ -61,6 +72,7 @@ class TorchSDPABackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:           # [T, Hq, D]
         """Write K/V at ``slot_mapping``, then attend per sequence over its gathered context."""
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
@@ -86,6 +98,9 @@ class TorchSDPABackend(AttentionBackend):
                 mask = None  # a single newest token sees the whole sequence
             else:
                 mask = _mask(num_queries, seq_len, sliding_window, query.device)
+            if soft_cap is not None:
+                out[start:end] = _capped_attention(q, k, v, mask, scale, soft_cap).transpose(0, 1)
+                continue
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                                attn_mask=mask, scale=scale)            # [1, Hq, Q, D]
             out[start:end] = o[0].transpose(0, 1)

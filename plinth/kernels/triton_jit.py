@@ -37,6 +37,12 @@ def dependent_start(DEPENDENT: tl.constexpr):
 
 
 @triton.jit
+def tanh(x):
+    """``tanh(x)`` in float32 (through the sigmoid, which every Triton backend has)."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
 def rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, s_ptr,   # x, residual (read), weight, output, new residual (write), scales
     N, stride_x, stride_r, stride_y, stride_h, eps, QMAX,

@@ -43,26 +43,45 @@ class _GGUFArchitecture:
     partial_rotary: bool = False  # rope.dimension_count may be less than the head size
 
 
+_GEMMA_NORMS = (("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                ("post_ffw_norm", "post_feedforward_layernorm"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GemmaLayout:
+    """What llama.cpp's code assumes for a Gemma generation (its GGUF metadata leaves these out)."""
+
+    global_every: int           # every n-th layer attends globally, the others over the sliding window
+    big_layers: int             # the model with this many layers scales the softmax by 1/sqrt(hidden / heads)
+    default_window: int | None  # the sliding window when the metadata has none (None: required)
+    default_caps: tuple[float | None, float | None]   # (attention, final) logit soft caps when the metadata has none
+
+
+_GEMMA_LAYOUTS = {
+    # Gemma 2: even layers slide (window 4096), 27B has 46 layers, caps 50 and 30 unless the file says otherwise
+    "gemma2": _GemmaLayout(global_every=2, big_layers=46, default_window=4096, default_caps=(50.0, 30.0)),
+    # Gemma 3: every sixth layer global, sliding layers with RoPE base 10,000 (below), 27B has 62 layers
+    "gemma3_text": _GemmaLayout(global_every=6, big_layers=62, default_window=None, default_caps=(None, None)),
+}
+
+
 # GGUF general.architecture -> how to read it.
 _ARCHITECTURES = {
     "llama": _GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
     "qwen2": _GGUFArchitecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
     "qwen3": _GGUFArchitecture("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
+    "gemma2": _GGUFArchitecture(
+        "gemma2", "Gemma2ForCausalLM", permuted_qk=False, norm_offset=1.0, block_names=_GEMMA_NORMS),
     "gemma3": _GGUFArchitecture(
-        "gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_offset=1.0,
-        block_names=(("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
-                     ("post_ffw_norm", "post_feedforward_layernorm"))),
+        "gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_offset=1.0, block_names=_GEMMA_NORMS),
     "phi3": _GGUFArchitecture(
         "phi3", "Phi3ForCausalLM", permuted_qk=False, fused=True, partial_rotary=True,
         block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
 # Phi-3's longrope: llama.cpp writes the per-frequency divisors as these tensors
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-# Gemma 3 in llama.cpp: every sixth layer attends globally, the others over the sliding window with RoPE base
-# 10,000; the softmax scale is 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B model (62 layers)
-_GEMMA3_GLOBAL_EVERY = 6
+# Gemma 3 in llama.cpp: the sliding layers' RoPE base
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
-_GEMMA3_27B_LAYERS = 62
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -279,7 +298,7 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
     _check_sizes(options, tensors, name, path, 2 if arch.fused else 1)
-    if arch.model_type in ("llama", "qwen3", "gemma3_text"):
+    if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch.model_type == "llama":
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
@@ -289,8 +308,9 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         rope["partial_rotary_factor"] = rotary_dim / head_dim
     if arch.model_type == "phi3":
         options["sliding_window"] = reader.get(f"{name}.attention.sliding_window")
+    if arch.model_type in _GEMMA_LAYOUTS:
+        options.update(_gemma_options(reader, name, options, path, _GEMMA_LAYOUTS[arch.model_type]))
     if arch.model_type == "gemma3_text":
-        options.update(_gemma3_options(reader, name, options, path))
         rope = {"full_attention": rope,
                 "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}}
     options.pop("rope_theta")
@@ -312,23 +332,33 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
     return AutoConfig.for_model(arch.model_type, **options), arch.hf_architecture
 
 
-def _gemma3_options(reader: GGUFFile, name: str, options: dict[str, Any], path: str) -> dict[str, Any]:
-    """Gemma 3's fields that its GGUF metadata leaves to llama.cpp's code (see ``_GEMMA3_*``)."""
+def _gemma_options(reader: GGUFFile, name: str, options: dict[str, Any], path: str,
+                   layout: _GemmaLayout) -> dict[str, Any]:
+    """Gemma 2's and 3's fields that their GGUF metadata leaves to llama.cpp's code (see ``_GEMMA_LAYOUTS``)."""
     window = reader.get(f"{name}.attention.sliding_window")
+    if window is None:
+        window = layout.default_window
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ModelLoadError(f"GGUF file {path!r}: {name}.attention.sliding_window must be a positive integer, "
                              f"got {window!r}")
+    caps = []
+    for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), layout.default_caps, strict=True):
+        cap = reader.get(f"{name}.{key}")
+        cap = default if cap is None else cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
+            raise ModelLoadError(f"GGUF file {path!r}: {name}.{key} must be a positive number, got {cap!r}")
+        caps.append(None if cap is None else _float32_value(cap))
     layers = options["num_hidden_layers"]
-    scalar = (options["hidden_size"] // options["num_attention_heads"] if layers == _GEMMA3_27B_LAYERS
+    scalar = (options["hidden_size"] // options["num_attention_heads"] if layers == layout.big_layers
               else options["head_dim"])
     return {
         "sliding_window": window,
-        "layer_types": ["full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+        "layer_types": ["full_attention" if (i + 1) % layout.global_every == 0 else "sliding_attention"
                         for i in range(layers)],
         "query_pre_attn_scalar": scalar,
         "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": reader.get(f"{name}.final_logit_softcapping"),
-        "attn_logit_softcapping": reader.get(f"{name}.attn_logit_softcapping"),
+        "attn_logit_softcapping": caps[0],
+        "final_logit_softcapping": caps[1],
     }
 
 

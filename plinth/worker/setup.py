@@ -125,7 +125,8 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache
         window = None
     return AttentionSpec(num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
                          head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window,
-                         kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype))
+                         kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
+                         logit_soft_cap=getattr(hf_config, "attn_logit_softcapping", None) or None)
 
 
 def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_per_block: int,

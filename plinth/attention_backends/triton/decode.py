@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from plinth.attention_backends.interface import FP8_KV_DTYPES
-from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2
+from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2, soft_cap_args
 from plinth.kernels.ops import dependent_options
-from plinth.kernels.triton_jit import dependent_start
+from plinth.kernels.triton_jit import dependent_start, tanh
 
 _FINITE_MIN = tl.constexpr(-1.0e30)
 
@@ -61,6 +61,8 @@ def _decode_split_kernel(
     stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, stride_rt=0,
     ROTARY: tl.constexpr = False,   # rotate q and the new key here, and write the new key/value to the cache
     LIMIT: tl.constexpr = 0.0,      # an 8-bit float cache: new keys/values are clamped to +-LIMIT before rounding
+    soft_cap=1.0,                   # SOFT_CAP: the cap * log2(e) (scores are in log2 units)
+    SOFT_CAP: tl.constexpr = False,  # scores become cap * tanh(score / cap) (Gemma 2)
 ):
     dependent_start(DEPENDENT)
     seq = tl.program_id(0)
@@ -140,6 +142,8 @@ def _decode_split_kernel(
         k = k.to(q.dtype)   # an 8-bit cache's values widened (a no-op for a cache of the model's dtype)
         v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale          # [G, N]
+        if SOFT_CAP:
+            s = soft_cap * tanh(s / soft_cap)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -225,6 +229,7 @@ def decode_attention(
     tiles: DecodeTiles,
     num_splits: int,
     rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """Launch split-KV decode (and the merge when ``num_splits > 1``) for one query per sequence.
 
@@ -262,6 +267,7 @@ def decode_attention(
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         **_rotary_args(rotary, k_cache.dtype),
+        **soft_cap_args(soft_cap),
         **dependent,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

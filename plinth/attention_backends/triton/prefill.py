@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from plinth.attention_backends.triton.tiles import PrefillTiles, next_power_of_2
+from plinth.attention_backends.triton.tiles import PrefillTiles, next_power_of_2, soft_cap_args
+from plinth.kernels.triton_jit import tanh
 
 _FINITE_MIN = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows never give NaN
 
@@ -41,9 +42,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 def _attend_tile(
     acc, l_i, m_i, q, pos, start, kv_end, window, qk_scale,
     k_base, v_base, block_table_row, stride_cb, stride_ct,
-    offs_d, d_ok,
+    offs_d, d_ok, soft_cap,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """Fold keys ``start .. start + BLOCK_N`` into the running softmax of the rows."""
     offs_n = start + tl.arange(0, BLOCK_N)                                   # [N] key positions
@@ -73,6 +74,8 @@ def _attend_tile(
     v = v.to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale              # [M, N], log2 units
+    if SOFT_CAP:
+        s = soft_cap * tanh(s / soft_cap)
     if CAUSAL_MASK:
         ok = offs_n[None, :] <= pos[:, None]
         if SLIDING:
@@ -111,6 +114,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    soft_cap=1.0,                    # SOFT_CAP: the cap * log2(e) (scores are in log2 units)
+    SOFT_CAP: tl.constexpr = False,  # scores become cap * tanh(score / cap) (Gemma 2)
 ):
     # heaviest query blocks (the ends of the sequences) first, so the tail of the grid is short
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -156,14 +161,14 @@ def _prefill_kernel(
         for start in range(0, masked_start, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, pos, start, kv_end, window, qk_scale, k_base, v_base, block_table_row,
-                stride_cb, stride_ct, offs_d, d_ok,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_SIZE, False, False, DOT_PRECISION,
+                stride_cb, stride_ct, offs_d, d_ok, soft_cap,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_SIZE, False, False, DOT_PRECISION, SOFT_CAP,
             )
     for start in range(masked_start, kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start, kv_end, window, qk_scale, k_base, v_base, block_table_row,
-            stride_cb, stride_ct, offs_d, d_ok,
-            BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_SIZE, True, SLIDING, DOT_PRECISION,
+            stride_cb, stride_ct, offs_d, d_ok, soft_cap,
+            BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_SIZE, True, SLIDING, DOT_PRECISION, SOFT_CAP,
         )
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -187,6 +192,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None,
     tiles: PrefillTiles,
+    soft_cap: float | None = None,
 ) -> None:
     """Launch the prefill kernel; writes every real query row of ``out``.
 
@@ -213,6 +219,7 @@ def prefill_attention(
         BLOCK_N=tiles.block_n,
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **soft_cap_args(soft_cap),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -18,6 +18,16 @@ DECODE_PROGRAMS_PER_SM_LONG = 8
 DECODE_LONG_CONTEXT = 4096
 
 
+LOG2E = 1.4426950408889634   # the kernels keep scores in log2 units (exp2)
+
+
+def soft_cap_args(soft_cap: float | None) -> dict:
+    """The attention kernels' keywords for attention-logit soft-capping (none when off)."""
+    if soft_cap is None:
+        return {}
+    return {"soft_cap": float(soft_cap) * LOG2E, "SOFT_CAP": True}
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -25,16 +27,22 @@ class Attention(nn.Module):
         backend: the attention backend instance shared by every layer.
         sliding_window: attend only to the last ``sliding_window`` positions, or ``None``.
         layer_idx: the layer's index (for messages and backends that need it).
+        soft_cap: attention-logit soft-capping, ``soft_cap * tanh(score / soft_cap)`` (Gemma 2), or ``None``.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0):
+                 backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0,
+                 soft_cap: float | None = None):
         super().__init__()
+        if soft_cap is not None and not (soft_cap > 0 and getattr(backend, "supports_soft_cap", False)):
+            raise ValueError(f"attention layer {layer_idx}: soft cap {soft_cap} needs a positive cap and a backend "
+                             f"that applies it ({type(backend).__name__} does not)")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
         self.layer_idx = layer_idx
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
@@ -52,12 +60,17 @@ class Attention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             if (self.backend.fuses_rotary and cos.shape[-1] == self.head_size and ops.fused_ops_enabled(q)):
-                return self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
-                                            sliding_window=self.sliding_window, rotary=rotary)
+                return self.backend.forward(q, k, v, self.kv_cache, metadata, rotary=rotary, **self._options())
             q, k = rotate_qk(q, k, cos, sin)
-        return self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
-                                    sliding_window=self.sliding_window)
+        return self.backend.forward(q, k, v, self.kv_cache, metadata, **self._options())
+
+    def _options(self) -> dict[str, Any]:
+        """The backend's per-layer keywords (``soft_cap`` only where set: backends without it run other models)."""
+        kw: dict[str, Any] = {"scale": self.scale, "sliding_window": self.sliding_window}
+        if self.soft_cap is not None:
+            kw["soft_cap"] = self.soft_cap
+        return kw
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-                f"sliding_window={self.sliding_window}")
+                f"sliding_window={self.sliding_window}" + (f", soft_cap={self.soft_cap}" if self.soft_cap else ""))

@@ -17,6 +17,7 @@ def plinth_models() -> dict[str, str]:
         "MixtralForCausalLM": f"{_M}.mixtral:MixtralForCausalLM",
         "Qwen3MoeForCausalLM": f"{_M}.qwen3_moe:Qwen3MoeForCausalLM",
         "GemmaForCausalLM": f"{_M}.gemma:GemmaForCausalLM",
+        "Gemma2ForCausalLM": f"{_M}.gemma:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": f"{_M}.gemma:Gemma3ForCausalLM",
         "Phi3ForCausalLM": f"{_M}.phi3:Phi3ForCausalLM",
     }

@@ -45,6 +45,7 @@ class AttentionOptions:
     o_bias: bool = False
     qk_norm: bool = False       # RMSNorm over each head's features of q and k (Qwen3, Gemma 3)
     scale: float | None = None  # the softmax scale (default: head_dim ** -0.5)
+    soft_cap: float | None = None  # attention-logit soft-capping, cap * tanh(score / cap) (Gemma 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = self.k_norm = None
         scale = options.scale if options.scale is not None else self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
-                              ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx)
+                              ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx,
+                              soft_cap=options.soft_cap)
 
     def forward(self, hidden: Any, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, reduce: bool = True) -> torch.Tensor:

@@ -1,11 +1,10 @@
-"""Gemma and Gemma 3 (text): the shared decoder with Gemma's norms, GeLU and scaled embeddings.
+"""Gemma, Gemma 2 and Gemma 3 (text): the shared decoder with Gemma's norms, GeLU and scaled embeddings.
 
-Both: RMSNorm weights stored as ``w`` of ``(1 + w)``, a tanh-approximated GeLU gate (``hidden_act`` /
-``hidden_activation``), embeddings multiplied by ``sqrt(hidden_size)``, tied LM head. Gemma 3 adds per-head
-q/k norms, a norm on each block's output before the residual add, the softmax scale
-``query_pre_attn_scalar ** -0.5``, sliding-window layers (``layer_types``) with their own RoPE base, and an
-optional final logit soft cap. Attention-logit soft-capping (Gemma 2) is refused: the attention backends
-do not apply it.
+All: RMSNorm weights stored as ``w`` of ``(1 + w)``, a tanh-approximated GeLU gate (``hidden_act`` /
+``hidden_activation``), embeddings multiplied by ``sqrt(hidden_size)``, tied LM head. Gemma 2 adds a norm on
+each block's output before the residual add, the softmax scale ``query_pre_attn_scalar ** -0.5``,
+sliding-window layers (``layer_types``), attention-logit soft-capping and a final logit soft cap; Gemma 3
+adds per-head q/k norms and the sliding layers' own RoPE base.
 """
 
 from __future__ import annotations
@@ -28,28 +27,32 @@ class GemmaForCausalLM(DecoderForCausalLM):
                             embed_scale=True)
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM):
-    """Gemma 3's text model (``Gemma3ForCausalLM``, e.g. gemma-3-270m and gemma-3-1b)."""
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    """Gemma 2 (``Gemma2ForCausalLM``, e.g. gemma-2-2b, 9b and 27b): a norm on each block's output before the
+    residual add, the softmax scale ``query_pre_attn_scalar ** -0.5``, sliding-window layers from
+    ``layer_types``, attention-logit soft-capping (``attn_logit_softcapping``, applied by the attention
+    backends that support it) and a final logit soft cap."""
+
+    #: per-head RMSNorm of q and k, and the sliding layers' own RoPE base (Gemma 3)
+    gemma3_extras = False
 
     def __init__(self, ctx: ModelContext):
         cfg = ctx.hf_config
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            raise UnsupportedModelError("Gemma3ForCausalLM: attention-logit soft-capping "
-                                        "(attn_logit_softcapping) is not supported by plinth's attention backends")
         if getattr(cfg, "use_bidirectional_attention", False):
-            raise UnsupportedModelError("Gemma3ForCausalLM: bidirectional attention (use_bidirectional_attention) "
+            raise UnsupportedModelError(f"{type(self).__name__}: bidirectional attention (use_bidirectional_attention) "
                                         "is not supported; plinth's attention is causal")
         super().__init__(ctx)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         bias = bool(getattr(cfg, "attention_bias", False))
-        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True,
-                                scale=float(cfg.query_pre_attn_scalar) ** -0.5)
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=self.gemma3_extras,
+                                scale=float(cfg.query_pre_attn_scalar) ** -0.5,
+                                soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None)
 
     def block_options(self, cfg: Any) -> BlockOptions:
         return BlockOptions(norm=GemmaRMSNorm, activation=getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh",
-                            sandwich_norms=True, embed_scale=True, local_rope=True)
+                            sandwich_norms=True, embed_scale=True, local_rope=self.gemma3_extras)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
@@ -57,3 +60,10 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3's text model (``Gemma3ForCausalLM``, e.g. gemma-3-270m and gemma-3-1b): Gemma 2's blocks with
+    per-head q/k norms and the sliding layers' own RoPE base (``rope_local_base_freq``)."""
+
+    gemma3_extras = True

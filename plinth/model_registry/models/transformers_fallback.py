@@ -48,8 +48,10 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     hook: _PagedHook | None = getattr(module, "plinth_paged", None)
     if hook is None or hook.state.metadata is None:
         raise RuntimeError("plinth paged attention called outside a plinth forward pass")
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedModelError("attention logit soft-capping is not supported by the transformers fallback")
+    cap = kwargs.get("softcap")
+    if cap != hook.layer.soft_cap and (cap is not None or hook.layer.soft_cap is not None):
+        raise UnsupportedModelError(f"the model's attention asks for logit soft cap {cap}, its config says "
+                                    f"{hook.layer.soft_cap} (attn_logit_softcapping)")
     out = hook.layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                      hook.state.metadata)  # [T, Hq, D]
     return out.unsqueeze(0), None
@@ -124,7 +126,8 @@ class TransformersForCausalLM(CausalLM):
         for m in found:
             head_dim = getattr(m, "head_dim", None) or cfg.hidden_size // num_heads
             layer = Attention(num_heads, head_dim, float(m.scaling), num_kv_heads, ctx.attention_backend,
-                              getattr(m, "sliding_window", None), m.layer_idx)
+                              getattr(m, "sliding_window", None), m.layer_idx,
+                              soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None)
             m.plinth_paged = _PagedHook(layer, self._state)
             layers.append(layer)
         return layers
