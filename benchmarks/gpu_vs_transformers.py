@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                 rec.run("a", "plinth", lambda: bench_latency(engine, 1, args.input_len_a, args.output_len,
                                                              args.iters, 1, args.seed))
             if "b" in args.parts:
-                rec.run("b", "plinth", lambda: bench_throughput(engine, prompts_b, args.output_len, 4, args.seed))
+                rec.run("b", "plinth", lambda: bench_throughput(engine, prompts_b, args.output_len, 32, args.seed))
             if "c" in args.parts:
-                rec.run("c", "plinth", lambda: bench_throughput(engine, prompts_c, args.output_len, 4, args.seed))
+                rec.run("c", "plinth", lambda: bench_throughput(engine, prompts_c, args.output_len, 32, args.seed))
     finally:
         if temp:
             shutil.rmtree(weights_dir, ignore_errors=True)

@@ -155,10 +155,15 @@ def bench_latency(engine: Any, batch_size: int, input_len: int, output_len: int,
 
 def bench_throughput(engine: Any, prompts: list[list[int]], output_len: int, num_warmup: int = 0,
                      seed: int = 0) -> dict[str, Any]:
-    """All ``prompts`` submitted at once; requests/s and tokens/s over the whole run."""
+    """All ``prompts`` submitted at once; requests/s and tokens/s over the whole run.
+
+    ``num_warmup`` prompts of the lengths of the first ones (other random tokens: no prefix-cache hits) run
+    first, untimed, all at once, so that one-time costs of the step shapes the run meets (kernels compiled on
+    first use, e.g. Triton's for mixed prefill and decode steps) stay out of the figure."""
     if num_warmup:
-        warm = random_prompts(num_warmup, min(len(p) for p in prompts), engine.vocab_size, seed + 7919)
-        timed_run(engine, warm, min(8, output_len), "warm")
+        warm = [random_prompts(1, len(p), engine.vocab_size, seed + 7919 + i)[0]
+                for i, p in enumerate(prompts[:num_warmup])]
+        timed_run(engine, warm, min(16, output_len), "warm")
     timing = timed_run(engine, prompts, output_len, "tput")
     elapsed = timing.elapsed_s
     total = timing.prompt_tokens + timing.output_tokens

@@ -30,9 +30,9 @@ def _decode_split_kernel(
     q_ptr,              # [T, num_heads, head_size]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_size]
     v_cache_ptr,
-    out_ptr,            # [T, num_heads, head_size] (written when NUM_SPLITS == 1)
-    part_acc_ptr,       # [B, num_heads, NUM_SPLITS, HEAD_SIZE] fp32
-    part_ml_ptr,        # [B, num_heads, NUM_SPLITS, 2] fp32: running max (log2 units), sum
+    out_ptr,            # [T, num_heads, head_size] (written without SPLIT)
+    part_acc_ptr,       # [B, num_heads, num_splits, HEAD_SIZE] fp32
+    part_ml_ptr,        # [B, num_heads, num_splits, 2] fp32: running max (log2 units), sum
     block_tables_ptr,   # [B, max_blocks_per_seq] int32
     seq_lens_ptr,       # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
@@ -49,7 +49,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,   # more than one KV range (the grid's third dimension): partial results for the merge
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEPENDENT: tl.constexpr = False,   # launched as a programmatic dependent (see dependent_start)
@@ -112,7 +112,7 @@ def _decode_split_kernel(
         kv_start = seq_len * 0
     first_tile = kv_start // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
@@ -162,7 +162,7 @@ def _decode_split_kernel(
         tl.store(k_base + slot_off, k_new, mask=store_ok)
         tl.store(v_base + slot_off, v_new, mask=store_ok)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(
             out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -170,7 +170,7 @@ def _decode_split_kernel(
             mask=g_ok[:, None] & d_ok[None, :],
         )
     else:
-        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split   # [G]
+        part = (seq.to(tl.int64) * num_heads + head) * tl.num_programs(2) + split   # [G]
         tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], acc,
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_ok)
@@ -180,14 +180,14 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     out_ptr,            # [T, num_heads, head_size]
-    part_acc_ptr,       # [B, num_heads, NUM_SPLITS, HEAD_SIZE] fp32
-    part_ml_ptr,        # [B, num_heads, NUM_SPLITS, 2] fp32
+    part_acc_ptr,       # [B, num_heads, num_splits, HEAD_SIZE] fp32
+    part_ml_ptr,        # [B, num_heads, num_splits, 2] fp32
     query_start_loc_ptr,
     num_tokens,
+    num_splits,         # a runtime value: one compiled kernel serves every split count up to BLOCK_S
     stride_ot, stride_oh,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DEPENDENT: tl.constexpr = False,
 ):
@@ -197,11 +197,11 @@ def _decode_merge_kernel(
     num_heads = tl.num_programs(1)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_SIZE
     store_ok = offs_d < tl.where(row < num_tokens, HEAD_SIZE, 0)
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s       # [S]
+    part = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s       # [S]
     m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=_FINITE_MIN)
     lsum = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
@@ -263,7 +263,7 @@ def decode_attention(
         GROUP=num_heads // num_kv_heads,
         BLOCK_G=tiles.block_g,
         BLOCK_N=tiles.block_n,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         **_rotary_args(rotary, k_cache.dtype),
@@ -274,11 +274,10 @@ def decode_attention(
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_ml, query_start_loc, num_tokens,
+            out, part_acc, part_ml, query_start_loc, num_tokens, num_splits,
             out.stride(0), out.stride(1),
             HEAD_SIZE=head_size,
             BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits),
             num_warps=4,
             **dependent,
