@@ -270,23 +270,53 @@ def test_soft_cap_decode(splits, monkeypatch):
                          soft_cap=1.5, backend=TritonAttentionBackend(decode_splits=splits))
 
 
-def test_soft_cap_reference_backend_and_refusals():
-    """torch_sdpa applies the cap (against the same float64 reference); backends without it refuse such models,
-    and so does an attention layer built on one."""
+@pytest.mark.parametrize("backend_name", ["torch_sdpa", "torch_batched"])
+def test_soft_cap_torch_backends(backend_name, monkeypatch):
+    """torch_sdpa and torch_batched apply the cap (against the same float64 reference) on every path: mixed steps,
+    decode batches on the matmul path, a long prefill in chunks, and the compiled decode step's static attention."""
+    from plinth.attention_backends import torch_batched
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+    from plinth.worker.cpu_decode_attention import StaticDecode
+
+    def batch_of(seqs, seed: int, pad_tokens: int = 2) -> Batch:
+        # these backends multiply masked-out keys' values by zero weights: unowned slots hold large finite values
+        # (a stale cache) instead of NaN, which still spoil any read outside a sequence's own slots
+        batch = _capped_batch(seqs, seed, pad_tokens=pad_tokens)
+        garbage = torch.randn(batch.kv_cache.shape, generator=torch.Generator().manual_seed(seed)) * 100
+        batch.kv_cache.copy_(torch.where(batch.kv_cache.isnan(), garbage, batch.kv_cache))
+        return batch
+
+    cls = {"torch_sdpa": TorchSDPABackend, "torch_batched": TorchBatchedBackend}[backend_name]
+    run_and_check(batch_of([(30, 20), (45, 1), (0, 9)], seed=24), sliding_window=13, soft_cap=1.5, backend=cls())
+    monkeypatch.setattr(torch_batched, "MATMUL_DECODE_MIN_SEQS", 2)
+    monkeypatch.setattr(torch_batched, "PREFILL_CHUNK", 8)
+    run_and_check(batch_of([(40, 1), (17, 1), (9, 1)], seed=25), soft_cap=1.5, backend=cls())
+    run_and_check(batch_of([(5, 40)], seed=26, pad_tokens=0), sliding_window=21, soft_cap=1.5, backend=cls())
+    if cls is TorchBatchedBackend:   # a compiled CPU decode step hands the backend a StaticDecode
+        batch = batch_of([(40, 1), (17, 1)], seed=27, pad_tokens=0)
+        md = batch.metadata
+        static = StaticDecode(block_tables=md.block_tables.long(), seq_lens=md.seq_lens.long())
+        md = dataclasses.replace(md, backend_data=static)
+        out = cls().forward(batch.query, batch.key, batch.value, batch.kv_cache, md, scale=64**-0.5, soft_cap=1.5)
+        expected = reference_attention(batch, 64**-0.5, None, soft_cap=1.5)
+        torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+
+
+def test_soft_cap_refusals():
+    """Backends without the cap refuse such models (a subclass does not inherit its parent's answer), and so
+    does an attention layer built on one."""
     from plinth.attention_backends.cpu_paged import CpuPagedBackend
     from plinth.attention_backends.torch_batched import TorchBatchedBackend
     from plinth.attention_backends.torch_sdpa import TorchSDPABackend
     from plinth.model_registry.layers.attention import Attention
 
-    run_and_check(_capped_batch([(30, 20), (45, 1), (0, 9)], seed=24), sliding_window=13, soft_cap=1.5,
-                  backend=TorchSDPABackend())
     spec = _spec(logit_soft_cap=50.0)
-    assert TorchSDPABackend.check(spec, "cpu")
-    for cls in (TorchBatchedBackend, CpuPagedBackend):
-        answer = cls.check(spec, "cpu")
-        assert not answer and "soft-capping" in answer.reason
+    assert TorchSDPABackend.check(spec, "cpu") and TorchBatchedBackend.check(spec, "cpu")
+    answer = CpuPagedBackend.check(spec, "cpu")
+    assert not answer and "soft-capping" in answer.reason
     with pytest.raises(ValueError, match="soft cap"):
-        Attention(4, 64, 0.125, 2, TorchBatchedBackend(), soft_cap=50.0)
+        Attention(4, 64, 0.125, 2, CpuPagedBackend(), soft_cap=50.0)
 
 
 @needs_interpreter

@@ -207,7 +207,7 @@ class AttentionBackend(abc.ABC):
         type than the model's needs the class itself to define :meth:`supports_kv_cache_dtype`: a subclass with
         its own kernels does not inherit its parent's answer; so does a model with attention-logit soft-capping
         for :attr:`supports_soft_cap`."""
-        if spec.logit_soft_cap is not None and not cls.__dict__.get("supports_soft_cap", False):
+        if spec.logit_soft_cap is not None and not applies_soft_cap(cls):
             return Support.no("attention-logit soft-capping (attn_logit_softcapping, Gemma 2) unsupported")
         support = cls.supports(spec, device_type)
         if not support or spec.cache_dtype == spec.dtype:
@@ -247,6 +247,29 @@ class AttentionBackend(abc.ABC):
         :attr:`supports_soft_cap` also takes ``soft_cap: float | None`` (scores ``scale * q.k`` become
         ``soft_cap * tanh(score / soft_cap)`` before the softmax); it is passed only when set.
         """
+
+
+def applies_soft_cap(backend: type[AttentionBackend] | AttentionBackend) -> bool:
+    """Whether a backend class (or instance) sets ``supports_soft_cap`` itself: a subclass with its own kernels
+    does not inherit its parent's answer."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    return bool(cls.__dict__.get("supports_soft_cap", False))
+
+
+def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                          scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, ``cap * tanh(scale * q.k / cap)``, computed in float32 (at least).
+
+    ``q`` ``[..., Q, D]``, ``k``/``v`` ``[..., L, D]``, ``allowed`` (bool, broadcast to ``[..., Q, L]``) or
+    ``None`` -> ``[..., Q, D]`` in ``q``'s dtype; a row with no allowed key gives zeros.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, v.to(acc)).to(q.dtype)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

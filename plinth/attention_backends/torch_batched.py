@@ -28,6 +28,7 @@ from plinth.attention_backends.interface import (
     AttentionMetadata,
     AttentionSpec,
     Support,
+    soft_capped_attention,
     torch_reads_kv_cache,
     write_kv_cache,
 )
@@ -162,7 +163,7 @@ def build_plan(metadata: AttentionMetadata, block_size: int, max_keys: int = 1 <
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, soft_cap: float | None = None) -> torch.Tensor:
     """One query per sequence, on the gathered keys as they lie (no transposed copies of K/V).
 
     ``q`` ``[n, Hkv, G, D]``, ``k``/``v`` ``[n, L, Hkv, D]``, ``mask`` ``[n, 1, 1, L]`` -> ``[n, Hkv, G, D]``.
@@ -177,19 +178,23 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         eye = torch.eye(hkv, dtype=q.dtype, device=q.device)
         q_all = (q[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(n, hkv * g, hkv * d)
         scores = torch.bmm(q_all, k.reshape(n, -1, hkv * d).transpose(1, 2)).to(acc) * scale   # [n, Hkv*G, L]
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
         full = torch.bmm(probs, v.reshape(n, -1, hkv * d)).view(n, hkv, g, hkv, d)    # [n, Hkv, G, Hkv, D]
         return full.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)                      # [n, Hkv, G, D]
     outs = []
     for h in range(hkv):
         scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).to(acc) * scale       # [n, G, L]
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
         outs.append(torch.bmm(probs, v[:, :, h]))                                     # [n, G, D]
     return torch.stack(outs, dim=1)
 
 
 def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     grp: _Group, g: int, block_size: int) -> torch.Tensor:
+                     grp: _Group, g: int, block_size: int, soft_cap: float | None = None) -> torch.Tensor:
     """One sequence's prefill, ``PREFILL_CHUNK`` queries at a time over the keys they can see.
 
     ``q`` ``[1, Hkv, G * Q, D]`` (heads-major fold), ``k``/``v`` ``[1, L, Hkv, D]``, ``mask``
@@ -206,16 +211,25 @@ def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         keys = min(length, -(-(last_pos[b - 1] + 1) // block_size) * block_size)
         qc = qv[:, :, :, a:b].reshape(1, hkv, g * (b - a), d)
         mc = mv[:, :, :, a:b, :keys].reshape(1, 1, g * (b - a), keys)
-        o = F.scaled_dot_product_attention(qc, k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2),
-                                           attn_mask=mc, scale=scale)      # [1, Hkv, G * (b - a), D]
+        o = _attend(qc, k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2), mc, scale,
+                    soft_cap)      # [1, Hkv, G * (b - a), D]
         out[:, :, :, a:b] = o.view(1, hkv, g, b - a, d)
     return out.view(1, hkv, g * max_q, d)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            soft_cap: float | None) -> torch.Tensor:
+    """Masked SDPA, or the soft-capped math when ``soft_cap`` is set (SDPA has no cap)."""
+    if soft_cap is not None:
+        return soft_capped_attention(q, k, v, mask, scale, soft_cap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class TorchBatchedBackend(AttentionBackend):
     """Paged attention with one padded, masked SDPA call per group of sequences; any device."""
 
     decode_rows_may_share_sequences = True   # every key and value is written before attention
+    supports_soft_cap = True                 # the scores are computed here when a cap is set
 
     name = "torch_batched"
     priority = 5
@@ -260,10 +274,12 @@ class TorchBatchedBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:           # [T, H, D]
         static = metadata.backend_data
         if getattr(static, "static_decode", False):   # padded decode batch of a compiled step
-            return static.attend(query, key, value, kv_cache, metadata.slot_mapping, scale, sliding_window)
+            return static.attend(query, key, value, kv_cache, metadata.slot_mapping, scale, sliding_window,
+                                 soft_cap=soft_cap)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
         num_heads = query.shape[1]
@@ -282,12 +298,11 @@ class TorchBatchedBackend(AttentionBackend):
             v = kv_cache[1].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size).to(query.dtype)
             mask = grp.mask(block_size, sliding_window, g)  # [n, 1, G * max_q or 1, L]
             if grp.max_q == 1 and n >= MATMUL_DECODE_MIN_SEQS and q.device.type == "cpu":
-                o = _decode_attention(q, k, v, mask, scale)   # CPU: 3-4x faster than SDPA at 16-32 sequences
+                o = _decode_attention(q, k, v, mask, scale, soft_cap)   # CPU: 3-4x faster than SDPA at 16-32 seqs
             elif n == 1 and grp.max_q >= 2 * PREFILL_CHUNK and q.device.type == "cpu":
-                o = _chunked_prefill(q, k, v, mask, scale, grp, g, block_size)
+                o = _chunked_prefill(q, k, v, mask, scale, grp, g, block_size, soft_cap)
             else:
-                o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                                   scale=scale)  # [n, Hkv, G*max_q, D]
+                o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale, soft_cap)  # [n, Hkv, G*max_q, D]
             o = o.view(n, num_kv_heads, g, grp.max_q, head_size).permute(0, 3, 1, 2, 4)
             o = o.reshape(n * grp.max_q, num_heads, head_size)
             out.index_copy_(0, grp.out_rows, o.index_select(0, grp.out_src))

@@ -18,6 +18,7 @@ from plinth.attention_backends.interface import (
     AttentionMetadata,
     AttentionSpec,
     Support,
+    soft_capped_attention,
     torch_reads_kv_cache,
     write_kv_cache,
 )
@@ -31,16 +32,6 @@ def _mask(num_queries: int, seq_len: int, sliding_window: int | None, device: to
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     return allowed
-
-
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                      cap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, ``cap * tanh(scale * q.k / cap)``, in float32: ``[Hq, Q, D]``."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale          # [Hq, Q, L]
-    scores = torch.tanh(scores / cap) * cap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -99,7 +90,7 @@ class TorchSDPABackend(AttentionBackend):
             else:
                 mask = _mask(num_queries, seq_len, sliding_window, query.device)
             if soft_cap is not None:
-                out[start:end] = _capped_attention(q, k, v, mask, scale, soft_cap).transpose(0, 1)
+                out[start:end] = soft_capped_attention(q, k, v, mask, scale, soft_cap).transpose(0, 1)
                 continue
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                                attn_mask=mask, scale=scale)            # [1, Hq, Q, D]

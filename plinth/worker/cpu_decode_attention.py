@@ -43,18 +43,22 @@ class StaticDecode:
     static_decode: bool = True
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               slot_mapping: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+               slot_mapping: torch.Tensor, scale: float, sliding_window: int | None,
+               soft_cap: float | None = None) -> torch.Tensor:
         """Write the new K/V, then one query per sequence attends to its cached keys.
 
         ``query`` ``[G, H, D]``, ``key``/``value`` ``[G, Hkv, D]`` -> ``[G, H, D]``.
         """
         cpu_write_kv(key, value, kv_cache, slot_mapping)
-        return static_decode_attention(query, kv_cache, self.block_tables, self.seq_lens, scale, sliding_window)
+        return static_decode_attention(query, kv_cache, self.block_tables, self.seq_lens, scale, sliding_window,
+                                       soft_cap)
 
 
 def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Masked attention of ``query`` ``[G, H, D]`` over the blocks in ``block_tables`` ``[G, W]``."""
+                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                            soft_cap: float | None = None) -> torch.Tensor:
+    """Masked attention of ``query`` ``[G, H, D]`` over the blocks in ``block_tables`` ``[G, W]`` (scores
+    soft-capped, ``soft_cap * tanh(score / soft_cap)``, when ``soft_cap`` is set)."""
     g_rows, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -66,6 +70,8 @@ def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     q = query.view(g_rows, num_kv_heads, group, head_size)                              # [G, Hkv, Gq, D]
     # [G, Hkv, Gq, D] @ [G, Hkv, D, L] -> [G, Hkv, Gq, L]
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)).to(torch.promote_types(query.dtype, torch.float32)) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     key_pos = torch.arange(length, device=query.device)                                 # [L]
     last = (seq_lens - 1)[:, None]                                                      # [G, 1]
     allowed = key_pos[None, :] <= last                                                  # [G, L]

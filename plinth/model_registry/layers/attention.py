@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata, applies_soft_cap
 from plinth.kernels import ops
 from plinth.model_registry.layers.rotary import rotate_qk
 
@@ -34,7 +34,7 @@ class Attention(nn.Module):
                  backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0,
                  soft_cap: float | None = None):
         super().__init__()
-        if soft_cap is not None and not (soft_cap > 0 and getattr(backend, "supports_soft_cap", False)):
+        if soft_cap is not None and not (soft_cap > 0 and applies_soft_cap(backend)):
             raise ValueError(f"attention layer {layer_idx}: soft cap {soft_cap} needs a positive cap and a backend "
                              f"that applies it ({type(backend).__name__} does not)")
         self.num_heads = num_heads
