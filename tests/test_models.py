@@ -121,6 +121,22 @@ def test_batched_greedy_matches_transformers(checkpoint, chunks):
         assert ref.argmax(-1).tolist() == gen  # transformers' greedy choice at every step
 
 
+@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", -1.0), ("final_logit_softcapping", 0.0),
+                                         ("attn_logit_softcapping", float("nan"))])
+def test_gemma2_refuses_unusable_soft_caps(tmp_path, field, value):
+    """A cap that is not a positive number is refused at load with the field's name (zero divided the logits)."""
+    from plinth.worker.setup import attention_spec
+
+    _, config_cls, overrides = ARCHS["Gemma2ForCausalLM"]
+    config = transformers.Gemma2Config(**{**COMMON, **overrides, field: value})
+    ctx = ModelContext(hf_config=config, dtype=torch.float32, device=torch.device("cpu"),
+                       attention_backend=TorchSDPABackend(), block_size=4)
+    with pytest.raises(UnsupportedModelError, match=field):
+        ModelRegistry.resolve("Gemma2ForCausalLM")(ctx)
+    assert attention_spec(config, torch.float32, 4).logit_soft_cap == (0.5 if field != "attn_logit_softcapping"
+                                                                         else None)
+
+
 def test_transformers_fallback_applies_the_attention_soft_cap(tmp_path, monkeypatch):
     """transformers' own Gemma 2 code on plinth's paged attention: the soft cap it asks for is the layers' (the
     fallback used to refuse it), and the logits equal transformers'."""

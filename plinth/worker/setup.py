@@ -126,7 +126,15 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache
     return AttentionSpec(num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
                          head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window,
                          kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
-                         logit_soft_cap=getattr(hf_config, "attn_logit_softcapping", None) or None)
+                         logit_soft_cap=_soft_cap(hf_config))
+
+
+def _soft_cap(hf_config: Any) -> float | None:
+    """The config's attention-logit soft cap when it is a usable one (the model refuses any other value itself)."""
+    cap = getattr(hf_config, "attn_logit_softcapping", None)
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf"):
+        return None
+    return float(cap)
 
 
 def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_per_block: int,

@@ -9,6 +9,7 @@ adds per-head q/k norms and the sliding layers' own RoPE base.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -41,6 +42,12 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         if getattr(cfg, "use_bidirectional_attention", False):
             raise UnsupportedModelError(f"{type(self).__name__}: bidirectional attention (use_bidirectional_attention) "
                                         "is not supported; plinth's attention is causal")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(cfg, key, None)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                    or not 0 < cap < math.inf):
+                raise UnsupportedModelError(f"{type(self).__name__}: {key} must be a positive number or null, "
+                                            f"got {cap!r}")
         super().__init__(ctx)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
@@ -48,7 +55,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         bias = bool(getattr(cfg, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=self.gemma3_extras,
                                 scale=float(cfg.query_pre_attn_scalar) ** -0.5,
-                                soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None)
+                                soft_cap=getattr(cfg, "attn_logit_softcapping", None))
 
     def block_options(self, cfg: Any) -> BlockOptions:
         return BlockOptions(norm=GemmaRMSNorm, activation=getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh",
