@@ -764,10 +764,13 @@ def test_gemma2_gguf_defaults_and_bad_caps(tmp_path):
     config, _ = read_gguf_config(path)
     assert (config.sliding_window, config.attn_logit_softcapping, config.final_logit_softcapping) == (4096, 50.0, 30.0)
     assert config.layer_types == ["sliding_attention", "full_attention"] * 2
-    bad = write_gguf(tmp_path / "bad.gguf", model, "gemma2",
-                     metadata={"cap": lambda w: w.add_attn_logit_softcapping(-1.0)})
-    with pytest.raises(ModelLoadError, match="attn_logit_softcapping must be a positive number"):
-        read_gguf_config(bad)
+    for key, value in (("attn_logit_softcapping", -1.0), ("attn_logit_softcapping", 1e300),
+                       ("final_logit_softcapping", 1e-300), ("final_logit_softcapping", float("nan"))):
+        # (1e300 and 1e-300 pass as float64 but round to inf and 0 in float32, the caps' type)
+        bad = write_gguf(tmp_path / "bad.gguf", model, "gemma2",
+                         metadata={"cap": lambda w, k=key, v=value: w.add_float64(f"gemma2.{k}", v)})
+        with pytest.raises(ModelLoadError, match=f"{key} must be a positive number"):
+            read_gguf_config(bad)
 
 
 @pytest.mark.parametrize(("arch", "qtype"), [("gemma3", Q.Q8_0), ("gemma3", Q.Q4_1), ("gemma2", Q.Q4_1)],

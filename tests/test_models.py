@@ -122,7 +122,8 @@ def test_batched_greedy_matches_transformers(checkpoint, chunks):
 
 
 @pytest.mark.parametrize("field,value", [("attn_logit_softcapping", -1.0), ("final_logit_softcapping", 0.0),
-                                         ("attn_logit_softcapping", float("nan"))])
+                                         ("attn_logit_softcapping", float("nan")), ("attn_logit_softcapping", 1e39),
+                                         ("final_logit_softcapping", float("inf"))])
 def test_gemma2_refuses_unusable_soft_caps(tmp_path, field, value):
     """A cap that is not a positive number is refused at load with the field's name (zero divided the logits)."""
     from plinth.worker.setup import attention_spec

@@ -106,8 +106,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def _float32_value(value: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (``1e-05``, not ``9.99999974e-06``)."""
-    return float(str(np.float32(value)))
+    """A float32 metadata value as the shortest decimal that rounds to it (``1e-05``, not ``9.99999974e-06``);
+    beyond float32's range, infinity."""
+    with np.errstate(over="ignore"):
+        return float(str(np.float32(value)))
 
 
 def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
@@ -335,6 +337,8 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
 def _gemma_options(reader: GGUFFile, name: str, options: dict[str, Any], path: str,
                    layout: _GemmaLayout) -> dict[str, Any]:
     """Gemma 2's and 3's fields that their GGUF metadata leaves to llama.cpp's code (see ``_GEMMA_LAYOUTS``)."""
+    from plinth.model_registry.layers.attention import MAX_SOFT_CAP, usable_soft_cap
+
     window = reader.get(f"{name}.attention.sliding_window")
     if window is None:
         window = layout.default_window
@@ -345,9 +349,13 @@ def _gemma_options(reader: GGUFFile, name: str, options: dict[str, Any], path: s
     for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), layout.default_caps, strict=True):
         cap = reader.get(f"{name}.{key}")
         cap = default if cap is None else cap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
-            raise ModelLoadError(f"GGUF file {path!r}: {name}.{key} must be a positive number, got {cap!r}")
-        caps.append(None if cap is None else _float32_value(cap))
+        if cap is not None:   # checked as float32 (a huge float64 would round to inf, a tiny one to 0)
+            value = _float32_value(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else cap
+            if not usable_soft_cap(value):
+                raise ModelLoadError(f"GGUF file {path!r}: {name}.{key} must be a positive number up to "
+                                     f"{MAX_SOFT_CAP:g}, got {cap!r}")
+            cap = value
+        caps.append(cap)
     layers = options["num_hidden_layers"]
     scalar = (options["hidden_size"] // options["num_attention_heads"] if layers == layout.big_layers
               else options["head_dim"])

@@ -131,10 +131,10 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache
 
 def _soft_cap(hf_config: Any) -> float | None:
     """The config's attention-logit soft cap when it is a usable one (the model refuses any other value itself)."""
+    from plinth.model_registry.layers.attention import usable_soft_cap
+
     cap = getattr(hf_config, "attn_logit_softcapping", None)
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf"):
-        return None
-    return float(cap)
+    return float(cap) if usable_soft_cap(cap) else None
 
 
 def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_per_block: int,

@@ -10,8 +10,10 @@ import itertools
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+from starlette.requests import Request
 
 from plinth.core.async_engine import AsyncLLMEngine
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
@@ -22,9 +24,12 @@ from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.beam_search import BeamSearchParams
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
+from plinth.entrypoints.openai.streaming import unless_disconnected
 from plinth.entrypoints.openai.tool_parsers import ToolParser
 from plinth.lora.request import LoRARequest
 from plinth.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -470,9 +475,44 @@ async def _close(started: Started) -> None:
         await s.aclose()   # type: ignore[attr-defined]
 
 
-async def merge(started: Started) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several started requests' outputs as ``(prompt index, output)``, each request's
-    as they come; closing it closes (and so aborts) every stream."""
+class Merged:
+    """Several started requests' outputs as ``(prompt index, output)``, each request's as they come
+    (see :func:`merge`). :meth:`aclose` always closes (and so aborts) every stream, also when
+    iteration never started, which an async generator's ``finally`` alone would miss."""
+
+    def __init__(self, started: Started):
+        self._started = started
+        self._outputs = _merged(started)
+
+    def __aiter__(self) -> Merged:
+        return self
+
+    async def __anext__(self) -> tuple[int, Any]:
+        return await self._outputs.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._outputs.aclose()
+        finally:
+            await _close(self._started)
+
+
+async def finish(raw: Request, events: Merged, work: Awaitable[T]) -> T:
+    """``unless_disconnected(raw, work)`` for ``work`` that reads ``events``; ``events`` is closed afterwards
+    whatever happened (a disconnect can cancel ``work`` before it ever started reading)."""
+    try:
+        return await unless_disconnected(raw, work)
+    finally:
+        await events.aclose()
+
+
+def merge(started: Started) -> Merged:
+    """Interleave several started requests' outputs; the caller closes the result when done with it
+    (``SSEResponse(..., on_close=merged.aclose)``, or ``finally: await merged.aclose()``)."""
+    return Merged(started)
+
+
+async def _merged(started: Started) -> AsyncIterator[tuple[int, Any]]:
     streams, firsts = started
     if len(streams) == 1:
         try:

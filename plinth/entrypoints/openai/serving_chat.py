@@ -40,6 +40,7 @@ from plinth.entrypoints.openai.serving import (
     ServerContext,
     beam_search_params,
     check_structured,
+    finish,
     merge,
     sampling_params,
     start,
@@ -304,8 +305,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
         return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
-                                   _echoed(req), ctx.reply_model(lora)))
-    final = await unless_disconnected(raw, _last(events))
+                                   _echoed(req), ctx.reply_model(lora)), on_close=events.aclose)
+    final = await finish(raw, events, _last(events))
     choices = []
     name = ctx.token_namer(req)
     echoed = _echoed(req)

@@ -29,6 +29,7 @@ from plinth.entrypoints.openai.serving import (
     check_choices,
     check_structured,
     collect,
+    finish,
     merge,
     sampling_params,
     start,
@@ -172,8 +173,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     events = merge(started)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage, ctx.reply_model(lora)))
-    finals = await unless_disconnected(raw, collect(events, len(prompts)))
+        return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage, ctx.reply_model(lora)),
+                           on_close=events.aclose)
+    finals = await finish(raw, events, collect(events, len(prompts)))
     choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
                for i, out in enumerate(finals) for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)

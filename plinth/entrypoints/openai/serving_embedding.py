@@ -18,7 +18,7 @@ from plinth.entrypoints.openai.protocol import (
     EmbeddingUsage,
     random_id,
 )
-from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext, collect, merge, start
+from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext, collect, finish, merge, start
 from plinth.entrypoints.openai.streaming import unless_disconnected
 
 
@@ -69,7 +69,8 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
     rid = random_id("embd")
     requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
     started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora))
-    finals = await unless_disconnected(raw, collect(merge(started), len(inputs)))
+    events = merge(started)
+    finals = await finish(raw, events, collect(events, len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
     if missing is not None:
         raise APIError(500, f"embedding input {missing} ended without a result", "server_error")

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from plinth.core.request import RequestOutput
 from plinth.entrypoints.openai.errors import APIError, bad_request, to_api_error
 from plinth.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, random_id
-from plinth.entrypoints.openai.serving import ServerContext, merge, start
+from plinth.entrypoints.openai.serving import ServerContext, finish, merge, start
 from plinth.entrypoints.openai.serving_chat import _last, _Reply, prepare_chat
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
 
@@ -175,8 +175,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora))
     events = merge(started)
     if req.stream:
-        return SSEResponse(_events(ctx, body, events), named_events=True)
-    final = await unless_disconnected(raw, _last(events))
+        return SSEResponse(_events(ctx, body, events), named_events=True, on_close=events.aclose)
+    final = await finish(raw, events, _last(events))
     reply = _Reply(None, ctx.reasoning_parser)
     reply.update(final.outputs[0].text, final=True)
     text = reply.message().content or ""

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -71,7 +71,8 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], named_events: bool = False):
+    def __init__(self, events: AsyncIterator[str], named_events: bool = False,
+                 on_close: Callable[[], Awaitable[None]] | None = None):
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = 200
         self.background = None
@@ -79,6 +80,9 @@ class SSEResponse(Response):
         self._events = events
         #: the Responses API's form: ``event: <the payload's type>`` before each ``data:`` line, no ``[DONE]``
         self._named = named_events
+        #: awaited once the response ends however it ends (after ``events`` is closed): closes what ``events``
+        #: reads from even if ``events`` never started or was stopped before its own cleanup was reached
+        self._on_close = on_close
 
     def _frame(self, payload: str, kind: str | None = None) -> bytes:
         if not self._named:
@@ -116,6 +120,10 @@ class SSEResponse(Response):
             if not producer.done():
                 await _cancel(producer)
             await _cancel(watcher)
-            aclose = getattr(self._events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self._events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self._on_close is not None:
+                    await self._on_close()

@@ -11,6 +11,14 @@ from plinth.attention_backends.interface import AttentionBackend, AttentionMetad
 from plinth.kernels import ops
 from plinth.model_registry.layers.rotary import rotate_qk
 
+#: the largest soft cap taken (the Triton kernels hold cap * log2(e) in float32; a larger cap caps nothing anyway)
+MAX_SOFT_CAP = 1e30
+
+
+def usable_soft_cap(cap: object) -> bool:
+    """Whether ``cap`` is a soft cap the attention and the logits can apply: a number in (0, MAX_SOFT_CAP]."""
+    return (not isinstance(cap, bool) and isinstance(cap, (int, float)) and 0 < cap <= MAX_SOFT_CAP)
+
 
 class Attention(nn.Module):
     """Paged attention for one layer.
@@ -34,9 +42,9 @@ class Attention(nn.Module):
                  backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0,
                  soft_cap: float | None = None):
         super().__init__()
-        if soft_cap is not None and not (soft_cap > 0 and applies_soft_cap(backend)):
-            raise ValueError(f"attention layer {layer_idx}: soft cap {soft_cap} needs a positive cap and a backend "
-                             f"that applies it ({type(backend).__name__} does not)")
+        if soft_cap is not None and not (usable_soft_cap(soft_cap) and applies_soft_cap(backend)):
+            raise ValueError(f"attention layer {layer_idx}: soft cap {soft_cap!r} needs a cap in (0, {MAX_SOFT_CAP:g}] "
+                             f"and a backend that applies it ({type(backend).__name__} does{'' if applies_soft_cap(backend) else ' not'})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size

@@ -9,13 +9,13 @@ adds per-head q/k norms and the sliding layers' own RoPE base.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
+from plinth.model_registry.layers.attention import MAX_SOFT_CAP, usable_soft_cap
 from plinth.model_registry.layers.layernorm import GemmaRMSNorm
 from plinth.model_registry.models.decoder import AttentionOptions, BlockOptions, DecoderForCausalLM
 
@@ -44,10 +44,9 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
                                         "is not supported; plinth's attention is causal")
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             cap = getattr(cfg, key, None)
-            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
-                                    or not 0 < cap < math.inf):
-                raise UnsupportedModelError(f"{type(self).__name__}: {key} must be a positive number or null, "
-                                            f"got {cap!r}")
+            if cap is not None and not usable_soft_cap(cap):
+                raise UnsupportedModelError(f"{type(self).__name__}: {key} must be a number in (0, {MAX_SOFT_CAP:g}] "
+                                            f"or null, got {cap!r}")
         super().__init__(ctx)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 

@@ -1,0 +1,105 @@
+"""Streams that end before they got going still abort their engine requests.
+
+In-process app on a tiny model, driven through raw ASGI calls so that the client can go away at a chosen
+moment: a streamed request the engine has accepted but not scheduled yet (the batch is held by another
+request) whose client disconnects while the first chunk is being sent must leave the engine at once, not
+when it would have produced its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from server_utils import make_tiny_model
+
+pytestmark = pytest.mark.server
+
+
+class _Call:
+    """One POST through the ASGI app; the client disconnects while the first body chunk is being sent (or, with
+    ``at_start``, once the response has started)."""
+
+    def __init__(self, app, path: str, body: dict, at_start: bool = False):
+        self.app, self.path, self.body = app, path, json.dumps(body).encode()
+        self.at_start = at_start
+        self.gone = asyncio.Event()
+        self.chunks: list[str] = []
+        self.status: int | None = None
+        self._sent_body = False
+
+    async def receive(self):
+        if not self._sent_body:
+            self._sent_body = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message):
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            if self.at_start:
+                self.gone.set()
+        elif message["type"] == "http.response.body" and message.get("body"):
+            self.chunks.append(message["body"].decode())
+            if len(self.chunks) == 1:   # the client goes away while this send is in flight
+                self.gone.set()
+                await asyncio.sleep(0.2)
+
+    async def run(self):
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"x")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await self.app(scope, self.receive, self.send)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-cleanup"))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/completions"])
+def test_a_waiting_stream_whose_client_leaves_is_aborted_at_once(model_dir, path):
+    """(completions sends nothing before its first token: its client leaves once the response has started)"""
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import SamplingParams
+    from plinth.entrypoints.openai.api_server import build_app
+
+    front = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off",
+                                                              max_model_len=1024, max_num_seqs=1)))
+    scheduler = front._engine.scheduler
+
+    async def main() -> tuple[int | None, list[str]]:
+        app = build_app(front)
+        hog_started = asyncio.Event()
+
+        async def hog():   # holds the only batch slot for far longer than the test
+            async for _ in front.generate("hog", [5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True)):
+                hog_started.set()
+
+        hog_task = asyncio.create_task(hog())
+        await hog_started.wait()
+        body = {"model": front.served_model_name, "stream": True}
+        if path == "/v1/chat/completions":
+            body.update(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        elif path == "/v1/responses":
+            body.update(input="hi", max_output_tokens=5)
+        else:
+            body.update(prompt="hi", max_tokens=5)
+        call = _Call(app, path, body, at_start=path == "/v1/completions")
+        await asyncio.wait_for(call.run(), 30)
+        await asyncio.sleep(0.3)   # the engine thread applies the abort on its next loop
+        left = [r.request_id for q in (scheduler.running, scheduler.waiting) for r in list(q)]
+        hog_task.cancel()
+        return call.status, left
+
+    try:
+        status, left = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert status == 200
+    assert left == ["hog"], left
