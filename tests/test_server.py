@@ -461,6 +461,33 @@ def test_chat_matches_reference_stream_and_usage(client, engine):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_stream_chunks_have_openai_shape(server):
+    """Raw chunks as OpenAI sends them: the role only in the first delta, no null ``role``/``content`` keys, an empty
+    delta with the finish reason, and ``"usage": null`` only when the usage was asked for; an empty ``model`` is the
+    served one."""
+    def chunks(path: str, body: dict) -> list[dict]:
+        with httpx.stream("POST", f"{server.base_url}{path}", json={"model": "", **body}, headers=headers(),
+                          timeout=60) as resp:
+            assert resp.status_code == 200, resp.read()
+            return [json.loads(line[6:]) for line in resp.iter_lines()
+                    if line.startswith("data: ") and line != "data: [DONE]"]
+
+    chat = {"messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 6, "temperature": 0,
+            "stream": True}
+    got = chunks("/v1/chat/completions", chat)
+    deltas = [c["choices"][0]["delta"] for c in got]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    assert all(v is not None for d in deltas for v in d.values())
+    assert deltas[-1] == {} and got[-1]["choices"][0]["finish_reason"] is not None
+    assert all("usage" not in c for c in got)
+    with_usage = chunks("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in with_usage[:-1]) and with_usage[-1]["usage"]["completion_tokens"] > 0
+    completion = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    assert all("usage" not in c for c in chunks("/v1/completions", completion))
+    with_usage = chunks("/v1/completions", {**completion, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in with_usage[:-1]) and with_usage[-1]["usage"]["completion_tokens"] > 0
+
+
 def test_chat_n_logprobs_and_max_completion_tokens(client, engine):
     messages = [{"role": "user", "content": "count to ten"}]
     resp = client.chat.completions.create(model="tiny", messages=messages, n=2, temperature=1.0, seed=3,

@@ -424,6 +424,10 @@ class ResponseMessage(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A streamed chunk's change to a message; fields without a value are left out (OpenAI's chunks: the role in
+    the first, with its content even when that is null, then only the new content, and ``{}`` with the finish
+    reason)."""
+
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # streamed pieces, by "index"
@@ -431,7 +435,12 @@ class DeltaMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict[str, Any]:
-        return _without_empty_extras(handler, self)
+        out = _without_empty_extras(handler, self)
+        if out.get("role") is None:
+            out.pop("role", None)
+            if out.get("content") is None:
+                out.pop("content", None)
+        return out
 
 
 class ChatChoice(BaseModel):

@@ -101,12 +101,13 @@ class ServerContext:
         return (self.model_name, *getattr(self.front, "served_model_aliases", ()))
 
     def check_model(self, name: str | None) -> LoRARequest | None:
-        """The LoRA adapter a request's ``model`` names (``None``: the base model, or no name).
+        """The LoRA adapter a request's ``model`` names (``None``: the base model, or no name; an empty name
+        is no name, as in vLLM).
 
         Raises:
             APIError: 404, no such model or adapter.
         """
-        if name is None or name in self.model_names:
+        if not name or name in self.model_names:
             return None
         lora = self.loras.get(name)
         if lora is None:

@@ -341,9 +341,11 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_promp
             return None
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=tokens, total_tokens=num_prompt + tokens)
 
-    def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> str:
-        return ChatCompletionChunk(id=rid, created=created, model=model,
-                                   choices=[choice] if choice is not None else [], usage=usage).model_dump_json()
+    def chunk(choice: ChatChunkChoice | None, counts: UsageInfo | None = None) -> str:
+        body = ChatCompletionChunk(id=rid, created=created, model=model,
+                                   choices=[choice] if choice is not None else [], usage=counts)
+        # OpenAI's chunks carry "usage": null only when the usage was asked for (stream_options.include_usage)
+        return body.model_dump_json(exclude={"usage"} if usage is None else None)
 
     for index in range(n):
         # a forced or required call's reply has no content (null, as in the non-streamed message)

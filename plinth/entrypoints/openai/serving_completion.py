@@ -251,8 +251,9 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                     prompt_tokens = len(prompts[i].token_ids)
                     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=end,
                                       total_tokens=prompt_tokens + end)
-                yield CompletionResponse(id=rid, created=created, model=model,
-                                         choices=[choice], usage=usage).model_dump_json()
+                body = CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage)
+                # "usage": null on each chunk only when the usage was asked for (as OpenAI)
+                yield body.model_dump_json(exclude=None if include_usage else {"usage"})
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     if include_usage:
