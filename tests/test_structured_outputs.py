@@ -283,6 +283,23 @@ def test_masks_that_leave_the_grammar_no_first_token_are_refused(llm):
         SamplingParams(structured_outputs={"json": {"enum": [{1, 2}]}})
 
 
+def test_a_later_conflict_ends_without_the_refused_token(llm):
+    """A mask that leaves the constraint no token only after the first one (choice "Hello" with allowed_token_ids
+    holding just its first token): the sequence ends "abort" with the tokens the constraint accepted; the token
+    it refused is neither returned nor counted, and the logprobs match the tokens."""
+    tok = llm.get_tokenizer()
+    ids = tok("Hello", add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 2
+    for stream_params in ({}, {"logprobs": 1}):
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=ids[:1],
+                                                    structured_outputs={"choice": ["Hello"]}, **stream_params),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "abort"
+        assert out.token_ids == ids[:1] and out.text == tok.decode(ids[:1])
+        if stream_params:
+            assert len(out.logprobs) == 1 and ids[0] in out.logprobs[0]
+
+
 def test_bad_words_that_are_not_unicode_text_are_refused(llm):
     """A lone surrogate in bad_words (valid JSON escapes reach the server this way): a RequestRejectedError
     naming the field, not a tokenizer TypeError."""

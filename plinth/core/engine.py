@@ -815,6 +815,9 @@ class LLMEngine:
                     if state is not None:
                         self.scheduler.finish_request(rid, state)
                         ended = by_grammar = True
+                        if state == FinishReason.ABORT:
+                            self._drop_refused_token(seq, req, before[rid] + i)
+                            break
                 if seq.detok is None:
                     continue
                 _, stop_str = seq.detok.add_tokens([tok], finished=ended and last, stopped_by_token=by_token and last)
@@ -838,6 +841,17 @@ class LLMEngine:
             if ended or not final_only:
                 group = groups[rid]
                 touched[group.request_id] = group
+
+    def _drop_refused_token(self, seq: _Sequence, req: Request, keep: int) -> None:
+        """End a sequence whose structured-output matcher refused its newest token (every token the constraint
+        allowed was masked by the request's own restrictions, or the matcher hit a limit): the output keeps its
+        first ``keep`` tokens (the refused one is neither returned nor counted) and the held-back text is
+        flushed."""
+        req.truncate_output(keep)
+        if seq.detok is not None:
+            seq.detok.add_tokens([], finished=True)
+        if seq.logprobs is not None and len(seq.logprobs) > req.num_output_tokens:
+            self._trim_logprobs(seq, req)
 
     def _trim_logprobs(self, seq: _Sequence, req: Request) -> None:
         """Keep the logprobs of the tokens the request kept (after a speculative step ended it early)."""
@@ -930,6 +944,10 @@ class LLMEngine:
                 if state is not None:   # complete (nothing but EOS could follow), or the matcher failed
                     self.scheduler.finish_request(rid, state)
                     ended = by_grammar = True
+                    if state == FinishReason.ABORT:
+                        self._drop_refused_token(seqs[rid], req, req.num_output_tokens - 1)
+                        touched[groups[rid].request_id] = groups[rid]
+                        continue
             detok = seqs[rid].detok
             if detok is not None:
                 _, stop_str = detok.add_tokens([tok], finished=ended, stopped_by_token=by_token)
