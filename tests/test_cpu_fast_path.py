@@ -740,41 +740,15 @@ def test_a_4_bit_layer_of_output_rows_torch_cannot_pack_runs_from_floats(tmp_pat
     for torch's int4 packing: that layer gets no 4-bit copy (start-up crashed), and the tokens equal the
     dequantized reference's."""
     import gguf
-    import numpy as np
     from conftest import make_tokenizer
-    from test_gguf import GGUF_ARCH, llamacpp_permute, small_model, transformers_gguf_tensors
+    from test_gguf import small_model, transformers_gguf_tensors, write_gguf
 
     monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PLINTH_CPU_INT8_ACT", "0")   # float inputs: the tokens of the dequantized weights
-    q4 = gguf.GGMLQuantizationType.Q4_0
     model = small_model("llama", False, intermediate_size=100, vocab_size=300)
     cfg = model.config
     make_tokenizer().save_pretrained(tmp_path)
-    path = str(tmp_path / "m.gguf")
-    w = gguf.GGUFWriter(path, "llama")
-    for add, v in [(w.add_block_count, cfg.num_hidden_layers), (w.add_context_length, cfg.max_position_embeddings),
-                   (w.add_embedding_length, cfg.hidden_size), (w.add_feed_forward_length, cfg.intermediate_size),
-                   (w.add_head_count, cfg.num_attention_heads), (w.add_head_count_kv, cfg.num_key_value_heads),
-                   (w.add_rope_freq_base, cfg.rope_parameters["rope_theta"]),
-                   (w.add_layer_norm_rms_eps, cfg.rms_norm_eps), (w.add_rope_dimension_count, 16),
-                   (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_pad_token_id, 3)]:
-        add(v)
-    names = gguf.get_tensor_name_map(GGUF_ARCH["llama"], cfg.num_hidden_layers)
-    for hf_name, t in model.state_dict().items():
-        data = t.numpy()
-        if ".q_proj." in hf_name:
-            data = llamacpp_permute(data, cfg.num_attention_heads)
-        elif ".k_proj." in hf_name:
-            data = llamacpp_permute(data, cfg.num_key_value_heads)
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if data.ndim == 2 and data.shape[1] % 32 == 0:
-            w.add_tensor(name, gguf.quants.quantize(data, q4), raw_dtype=q4)
-        else:
-            w.add_tensor(name, data.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", gguf.GGMLQuantizationType.Q4_0)
     from transformers import LlamaForCausalLM
 
     reference = LlamaForCausalLM(cfg).eval()

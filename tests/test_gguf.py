@@ -115,7 +115,8 @@ def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=N
         elif arch == "llama" and ".k_proj." in hf_name:
             data = llamacpp_permute(data, config.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if data.ndim == 2 and qtype != Q.F32:
+        # rows that are no whole number of blocks stay float32, as llama.cpp's quantizer leaves them
+        if data.ndim == 2 and qtype != Q.F32 and data.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, data.astype(np.float32))

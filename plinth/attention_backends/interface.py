@@ -108,12 +108,8 @@ class AttentionSpec:
     logit_soft_cap: float | None = None
 
     def attend_kwargs(self) -> dict[str, Any]:
-        """The per-layer keywords of :meth:`AttentionBackend.forward` these shapes call for (``soft_cap`` only
-        where set, so backends without it still run every other model)."""
-        kw: dict[str, Any] = {"sliding_window": self.sliding_window}
-        if self.logit_soft_cap is not None:
-            kw["soft_cap"] = self.logit_soft_cap
-        return kw
+        """The per-layer keywords of :meth:`AttentionBackend.forward` these shapes call for."""
+        return attend_kwargs(self.sliding_window, self.logit_soft_cap)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -249,6 +245,20 @@ class AttentionBackend(abc.ABC):
         """
 
 
+def attend_kwargs(sliding_window: int | None, soft_cap: float | None) -> dict[str, Any]:
+    """The per-layer keywords of :meth:`AttentionBackend.forward` (``soft_cap`` only where set, so backends
+    without it still run every other model)."""
+    kw: dict[str, Any] = {"sliding_window": sliding_window}
+    if soft_cap is not None:
+        kw["soft_cap"] = soft_cap
+    return kw
+
+
+def soft_capped(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: attention scores (Gemma 2) or logits (Gemma 2/3's final cap) kept in ``(-cap, cap)``."""
+    return torch.tanh(x / cap) * cap
+
+
 def applies_soft_cap(backend: type[AttentionBackend] | AttentionBackend) -> bool:
     """Whether a backend class (or instance) sets ``supports_soft_cap`` itself: a subclass with its own kernels
     does not inherit its parent's answer."""
@@ -264,8 +274,7 @@ def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, all
     ``None`` -> ``[..., Q, D]`` in ``q``'s dtype; a row with no allowed key gives zeros.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    scores = soft_capped(torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale, cap)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)

@@ -28,6 +28,7 @@ from plinth.attention_backends.interface import (
     AttentionMetadata,
     AttentionSpec,
     Support,
+    soft_capped,
     soft_capped_attention,
     torch_reads_kv_cache,
     write_kv_cache,
@@ -179,7 +180,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         q_all = (q[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(n, hkv * g, hkv * d)
         scores = torch.bmm(q_all, k.reshape(n, -1, hkv * d).transpose(1, 2)).to(acc) * scale   # [n, Hkv*G, L]
         if soft_cap is not None:
-            scores = torch.tanh(scores / soft_cap) * soft_cap
+            scores = soft_capped(scores, soft_cap)
         probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
         full = torch.bmm(probs, v.reshape(n, -1, hkv * d)).view(n, hkv, g, hkv, d)    # [n, Hkv, G, Hkv, D]
         return full.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)                      # [n, Hkv, G, D]
@@ -187,7 +188,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     for h in range(hkv):
         scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).to(acc) * scale       # [n, G, L]
         if soft_cap is not None:
-            scores = torch.tanh(scores / soft_cap) * soft_cap
+            scores = soft_capped(scores, soft_cap)
         probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
         outs.append(torch.bmm(probs, v[:, :, h]))                                     # [n, G, D]
     return torch.stack(outs, dim=1)

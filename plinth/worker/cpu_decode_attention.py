@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from plinth.attention_backends.interface import write_kv_cache
+from plinth.attention_backends.interface import soft_capped, write_kv_cache
 
 
 @torch.library.custom_op("plinth::cpu_write_kv", mutates_args=("kv_cache",))
@@ -71,7 +71,7 @@ def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     # [G, Hkv, Gq, D] @ [G, Hkv, D, L] -> [G, Hkv, Gq, L]
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)).to(torch.promote_types(query.dtype, torch.float32)) * scale
     if soft_cap is not None:
-        scores = torch.tanh(scores / soft_cap) * soft_cap
+        scores = soft_capped(scores, soft_cap)
     key_pos = torch.arange(length, device=query.device)                                 # [L]
     last = (seq_lens - 1)[:, None]                                                      # [G, 1]
     allowed = key_pos[None, :] <= last                                                  # [G, L]

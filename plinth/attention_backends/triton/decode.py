@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from plinth.attention_backends.interface import FP8_KV_DTYPES
-from plinth.attention_backends.triton.tiles import DecodeTiles, next_power_of_2, soft_cap_args
+from plinth.attention_backends.triton.tiles import LOG2E, DecodeTiles, next_power_of_2, soft_cap_args
 from plinth.kernels.ops import dependent_options
 from plinth.kernels.triton_jit import dependent_start, tanh
 
@@ -252,7 +252,7 @@ def decode_attention(
     dependent = dependent_options(query)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
-        num_tokens, scale * 1.4426950408889634, sliding_window or 0,
+        num_tokens, scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

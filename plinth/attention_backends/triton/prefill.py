@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plinth.attention_backends.triton.tiles import PrefillTiles, next_power_of_2, soft_cap_args
+from plinth.attention_backends.triton.tiles import LOG2E, PrefillTiles, next_power_of_2, soft_cap_args
 from plinth.kernels.triton_jit import tanh
 
 _FINITE_MIN = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows never give NaN
@@ -205,7 +205,7 @@ def prefill_attention(
     grid = (num_tokens // tiles.block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale * 1.4426950408889634, sliding_window or 0,
+        num_seqs, scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

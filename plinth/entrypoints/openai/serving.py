@@ -514,16 +514,14 @@ def merge(started: Started) -> Merged:
 
 
 async def _merged(started: Started) -> AsyncIterator[tuple[int, Any]]:
+    """The outputs behind :class:`Merged` (whose ``aclose`` closes the streams once this has stopped)."""
     streams, firsts = started
     if len(streams) == 1:
-        try:
-            out = await firsts[0]
-            yield 0, out
-            if not out.finished:
-                async for out in streams[0]:
-                    yield 0, out
-        finally:
-            await _close(started)
+        out = await firsts[0]
+        yield 0, out
+        if not out.finished:
+            async for out in streams[0]:
+                yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -555,4 +553,3 @@ async def _merged(started: Started) -> AsyncIterator[tuple[int, Any]]:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        await _close(started)

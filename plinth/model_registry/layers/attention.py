@@ -7,7 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata, applies_soft_cap
+from plinth.attention_backends.interface import (
+    AttentionBackend,
+    AttentionMetadata,
+    applies_soft_cap,
+    attend_kwargs,
+)
 from plinth.kernels import ops
 from plinth.model_registry.layers.rotary import rotate_qk
 
@@ -73,11 +78,8 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, self.kv_cache, metadata, **self._options())
 
     def _options(self) -> dict[str, Any]:
-        """The backend's per-layer keywords (``soft_cap`` only where set: backends without it run other models)."""
-        kw: dict[str, Any] = {"scale": self.scale, "sliding_window": self.sliding_window}
-        if self.soft_cap is not None:
-            kw["soft_cap"] = self.soft_cap
-        return kw
+        """The backend's per-layer keywords."""
+        return {"scale": self.scale, **attend_kwargs(self.sliding_window, self.soft_cap)}
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "

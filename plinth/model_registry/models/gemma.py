@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from plinth.attention_backends.interface import soft_capped
 from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.attention import MAX_SOFT_CAP, usable_soft_cap
@@ -64,7 +65,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = soft_capped(logits, cap)
         return logits
 
 
