@@ -4,10 +4,11 @@
 
 Empties Triton's cache first (``--keep-cache`` to keep it), starts an ``LLMEngine`` on random weights of a preset,
 then runs a warm-up (32 prompts of the workload's first lengths, 16 new tokens) and ``--runs`` throughput runs of
-``--num-prompts`` prompts (lengths uniform in ``[128, 1024)``, ``--output-len`` new tokens, EOS ignored). After each
-phase it counts the compiled kernels in Triton's cache by name: a kernel that keeps gaining copies after the
-warm-up is specialised on values that change from step to step (Triton compiles a copy per divisibility class of
-each integer argument: divisible by 16, equal to 1, other), and its compile time lands in serving.
+``--num-prompts`` prompts (lengths uniform in ``[128, 1024)``, new ones each run, ``--output-len`` new tokens, EOS
+ignored). After each phase it counts the compiled kernels in Triton's cache by name: a kernel that keeps gaining
+copies after the warm-up is specialised on values that change from step to step (Triton compiles a copy per
+divisibility class of each integer argument: divisible by 16, equal to 1, other), and its compile time lands in
+serving.
 """
 
 from __future__ import annotations
@@ -57,15 +58,22 @@ def main() -> None:
     seen = compiled_kernels()
     prompts = random_prompts(args.num_prompts, (128, 1024), engine.vocab_size, 0)
     warm = [random_prompts(1, len(p), engine.vocab_size, 7919 + i)[0] for i, p in enumerate(prompts[:32])]
-    work = [("warm-up", warm, 16)] + [(f"run {r}", prompts, args.output_len) for r in range(args.runs)]
+    # each run has prompts of its own (the same lengths), so no run is served from an earlier run's prefix cache
+    runs = [prompts] + [random_prompts(args.num_prompts, (128, 1024), engine.vocab_size, r)
+                        for r in range(1, args.runs)]
+    work = [("warm-up", warm, 16)] + [(f"run {r}", batch, args.output_len) for r, batch in enumerate(runs)]
     for label, batch, new_tokens in work:
         t = time.perf_counter()
         timed_run(engine, batch, new_tokens, label)
         now = compiled_kernels()
-        phases.append({"phase": label, "seconds": time.perf_counter() - t, "new": dict(now - seen)})
+        seconds = time.perf_counter() - t
+        phases.append({"phase": label, "seconds": seconds, "output_tok_s": len(batch) * new_tokens / seconds,
+                       "new": dict(now - seen)})
         seen = now
     for p in phases:
-        print(f"{p['phase']:>10}: {p['seconds']:7.2f} s, new compiled kernels {sum(p['new'].values())}: {p['new']}")
+        rate = f" ({p['output_tok_s']:,.0f} output tok/s)" if "output_tok_s" in p else ""
+        print(f"{p['phase']:>10}: {p['seconds']:7.2f} s{rate}, new compiled kernels {sum(p['new'].values())}: "
+              f"{p['new']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model_preset": args.model_preset, "num_prompts": args.num_prompts, "phases": phases}, f,

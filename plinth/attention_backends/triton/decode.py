@@ -25,7 +25,8 @@ from plinth.kernels.triton_jit import dependent_start, tanh
 _FINITE_MIN = tl.constexpr(-1.0e30)
 
 
-@triton.jit
+# not specialised on integers that change from step to step (one compile per divisibility class otherwise)
+@triton.jit(do_not_specialize=["num_tokens", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,              # [T, num_heads, head_size]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_size]
@@ -177,7 +178,7 @@ def _decode_split_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _decode_merge_kernel(
     out_ptr,            # [T, num_heads, head_size]
     part_acc_ptr,       # [B, num_heads, num_splits, HEAD_SIZE] fp32

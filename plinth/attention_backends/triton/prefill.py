@@ -89,7 +89,9 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# not specialised on integers that change from step to step: each divisibility class (by 16, equal to 1)
+# would be one more compile in the middle of serving
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,              # [T, num_heads, head_size]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_size]
