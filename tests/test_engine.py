@@ -8,6 +8,7 @@ import torch
 
 from plinth import LLM, SamplingParams
 from plinth.config import ConfigError
+from plinth.core.request import SamplingParamsError
 from plinth.core.scheduler import RequestRejectedError
 
 PROMPTS = [
@@ -274,6 +275,11 @@ def test_token_id_prompts_and_rejections(llm, tiny_llama_dir):
     # a logit_bias token outside the vocabulary
     with pytest.raises(RequestRejectedError, match="logit_bias: token id 1000000 is out of range"):
         llm.generate([ids], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match="logit_bias: token id 12345678901234567890... is too large"):
+        SamplingParams(logit_bias={"1234567890123456789012345678901234567890": 1.0})
+    # a stop token outside the vocabulary could never match
+    with pytest.raises(RequestRejectedError, match="stop_token_ids: token id 1000000 is out of range"):
+        llm.generate([ids], SamplingParams(stop_token_ids=[3, 10**6]), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

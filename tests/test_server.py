@@ -345,6 +345,20 @@ def test_completion_text_offsets_count_characters_of_byte_tokens(server, engine)
     assert seen[0] == seen[1]   # streamed as returned whole
 
 
+def test_completion_text_offset_after_an_unfinished_character(server, engine):
+    """A byte token that starts a UTF-8 character the next token does not finish shows as one replacement
+    character in the text; the next token starts after it."""
+    tok = engine.tokenizer
+    lead = tok.convert_tokens_to_ids("\u00e2")   # byte-level BPE's token for the byte 0xE2 (starts a 3-byte character)
+    word = tok.encode("o", add_special_tokens=False)
+    assert lead != tok.unk_token_id and len(word) == 1
+    body = {"prompt": [lead, word[0], lead, lead], "max_tokens": 1, "temperature": 0, "logprobs": 0, "echo": True}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert text.startswith("\ufffdo\ufffd"), text
+    assert offsets[:4] == [0, 1, 2, 3], (text, offsets)   # the second 0xE2 is cut short by the third one
+
+
 def test_null_means_the_default_and_other_request_checks(server):
     """An explicit null for a field with a default is that default (clients send null for unset fields); seeds
     outside 64 bits are 400s; an assistant message's refusal part is its text."""

@@ -447,9 +447,9 @@ class LLMEngine:
         run the request with (an engine with ``enable_lora``; see :meth:`add_lora`).
 
         Raises:
-            RequestRejectedError: the prompt is empty or too long, a token id (of the prompt or of
-                ``logit_bias``) is not in the vocabulary, the id is in use, a priority without the
-                priority policy, or an adapter that cannot be served.
+            RequestRejectedError: the prompt is empty or too long, a token id (of the prompt, ``logit_bias``,
+                ``allowed_token_ids`` or ``stop_token_ids``) is not in the vocabulary, the id is in use, a
+                priority without the priority policy, or an adapter that cannot be served.
             QueueFullError: the waiting queue is full.
         """
         pooling = self._pooling_request(params)
@@ -489,6 +489,7 @@ class LLMEngine:
                                            f"max_logprobs, --max-logprobs), got {asked}", param=name)
         self._check_vocab(params.logit_bias or (), "logit_bias")
         self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
+        self._check_vocab(params.stop_token_ids or (), "stop_token_ids")   # one outside could never match
         cap = self.scheduler.config.max_waiting_requests
         if cap is not None and params.n > cap:
             raise RequestRejectedError(f"n is {params.n}, more sequences than the waiting queue holds ({cap})",

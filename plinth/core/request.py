@@ -189,7 +189,10 @@ def _token_bias(bias: Any) -> dict[int, float] | None:
     out: dict[int, float] = {}
     for key, value in bias.items():
         token = key
-        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 18:
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+            if len(key.strip()) > 18:
+                raise SamplingParamsError("logit_bias", f"token id {key.strip()[:20]}... is too large for any "
+                                          "vocabulary")
             token = int(key)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise SamplingParamsError("logit_bias", f"keys must be token ids (integers >= 0), got {key!r}")

@@ -85,6 +85,15 @@ class _TextOffsets:
         self.skipped = skipped   # tokens the text leaves out (special tokens, with skip_special_tokens)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    def start(self, token_id: int, raw: bytes) -> int:
+        """Where a token of bytes ``raw`` starts: after the replacement character of an unfinished character
+        before it that ``raw`` cannot continue (its first byte is not a continuation byte)."""
+        pending = self._decoder.getstate()[0]
+        if pending and token_id not in self.skipped and raw and not 0x80 <= raw[0] <= 0xBF:
+            self.offset += len(self._decoder.decode(b"", final=True))
+            self._decoder.reset()
+        return self.offset
+
     def advance(self, token_id: int, raw: bytes) -> None:
         if token_id not in self.skipped:
             self.offset += len(self._decoder.decode(raw))
@@ -111,8 +120,9 @@ def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Seque
             if chosen is not None:
                 top.setdefault(name(tid), chosen.logprob)
         dest.top_logprobs.append(top)
-        dest.text_offset.append(offsets.offset)
-        offsets.advance(tid, ctx.token_bytes(tid))
+        raw = ctx.token_bytes(tid)
+        dest.text_offset.append(offsets.start(tid, raw))
+        offsets.advance(tid, raw)
 
 
 def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int, name: Callable[[int], str]) -> CompletionLogprobs:
