@@ -223,6 +223,25 @@ def test_float32_model_plan_equals_the_module_path(tiny_llama_dir):
             _plan_equals_modules(llm, n, "f")
 
 
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_packed_bf16)])
+@pytest.mark.parametrize("name", ["SmolLM3ForCausalLM", "GraniteForCausalLM"])
+def test_plan_of_nope_layers_and_multipliers_equals_the_module_path(name, dtype, tmp_path):
+    """SmolLM3's layers without RoPE and Granite's embedding and residual multipliers (its logit scaling is the
+    model's own ``compute_logits``) in the plan's Python loop: bit-identical to the module path."""
+    from test_models import save_with_tokenizer
+
+    save_with_tokenizer(name, tmp_path)
+    with LLM(str(tmp_path), dtype=dtype, block_size=4, attention_backend="cpu_paged") as llm:
+        plan = llm.engine.runner.graphs
+        assert isinstance(plan, CpuDecodePlan) and plan.fused_layers is None
+        if name == "SmolLM3ForCausalLM":
+            assert [lay.rope for lay in plan.layers] == [True, False, False, True]
+        else:
+            assert plan.embed_scale == 6.0 and {lay.residual_multiplier for lay in plan.layers} == {0.5}
+        for n in (1, 3):
+            _plan_equals_modules(llm, n, "m")
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_float32_gguf_plan_runs_every_layer_natively(int8, tmp_path_factory, monkeypatch, tiny_llama_dir):
     """A float32 Q4_1 GGUF model on a CPU without native bfloat16 keeps 4-bit copies that take float32 rows

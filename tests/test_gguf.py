@@ -37,7 +37,10 @@ SMALL = dict(
     bos_token_id=1, eos_token_id=2, pad_token_id=3,
 )
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-             "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
+             "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
+             "granite": gguf.MODEL_ARCH.GRANITE, "smollm3": gguf.MODEL_ARCH.SMOLLM3}
+# architectures llama.cpp's converter writes with the Q/K rows interleaved
+PERMUTED = {"llama", "granite", "smollm3"}
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CASES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)]
 QTYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
@@ -110,9 +113,9 @@ def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=N
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.numpy()
-        if arch == "llama" and ".q_proj." in hf_name:
+        if arch in PERMUTED and ".q_proj." in hf_name:
             data = llamacpp_permute(data, config.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
+        elif arch in PERMUTED and ".k_proj." in hf_name:
             data = llamacpp_permute(data, config.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         # rows that are no whole number of blocks stay float32, as llama.cpp's quantizer leaves them
@@ -319,7 +322,7 @@ def test_truncated_file(tmp_path, keep):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "falcon")
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, llama, phi3, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, phi3, qwen2, qwen3, smollm3"):
         read_gguf_config(path)
     with pytest.raises(UnsupportedModelError, match="falcon"):
         list(iter_gguf_weights(path, torch.float32))
@@ -788,6 +791,57 @@ def test_gemma_gguf_through_the_engine(tmp_path, arch, qtype):
     reference = gemma_model(arch, vocab_size=300)
     reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
                               strict=False)
+    engine_matches_dequantized(path, reference, tokenizer_dir)
+
+
+GRANITE_SCALES = dict(embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0)
+
+
+def granite_metadata(scales: dict[str, float]) -> dict:
+    """The multipliers as llama.cpp's converter writes them."""
+    return {"scales": lambda w: (w.add_embedding_scale(scales["embedding_multiplier"]),
+                                 w.add_attention_scale(scales["attention_multiplier"]),
+                                 w.add_residual_scale(scales["residual_multiplier"]),
+                                 w.add_logit_scale(scales["logits_scaling"]))}
+
+
+@pytest.mark.parametrize("arch", ["granite", "smollm3"])
+def test_granite_and_smollm3_gguf_give_the_original_logits(tmp_path, arch):
+    """Granite's multipliers come from their GGUF keys; SmolLM3's layers without RoPE are llama.cpp's every fourth
+    (its files have no key for them). The config and weights read back rebuild the original model."""
+    extra = GRANITE_SCALES if arch == "granite" else dict(num_hidden_layers=8)   # no_rope_layer_interval 4
+    model = small_model(arch, False, **extra)
+    path = write_gguf(tmp_path / "m.gguf", model, arch, metadata=granite_metadata(extra) if arch == "granite" else None)
+    config = check_plain_config(path)
+    if arch == "granite":
+        assert {k: getattr(config, k) for k in GRANITE_SCALES} == GRANITE_SCALES
+    else:
+        assert config.no_rope_layers == model.config.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
+    rebuilt = AutoModelForCausalLM.from_config(config).eval()
+    result = rebuilt.load_state_dict(dict(iter_gguf_weights(path, torch.float32)), strict=False)
+    assert not result.unexpected_keys and not result.missing_keys
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    # a Granite file without the keys has multipliers of 1
+    if arch == "granite":
+        plain = read_gguf_config(write_gguf(tmp_path / "plain.gguf", model, arch))[0]
+        assert {k: getattr(plain, k) for k in GRANITE_SCALES} == dict.fromkeys(GRANITE_SCALES, 1.0)
+
+
+@pytest.mark.parametrize("arch", ["granite", "smollm3"])
+def test_granite_and_smollm3_gguf_through_the_engine(tmp_path, arch):
+    """Q8_0 files through LLM (plinth's native classes): kept quantized, the greedy tokens equal transformers' on
+    the dequantized weights."""
+    from conftest import save_tiny_model
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    extra = {**(GRANITE_SCALES if arch == "granite" else dict(num_hidden_layers=4)), "vocab_size": 300}
+    model = small_model(arch, False, **extra)
+    path = write_gguf(tmp_path / "m.gguf", model, arch, Q.Q8_0,
+                      metadata=granite_metadata(extra) if arch == "granite" else None)
+    reference = small_model(arch, False, **extra)
+    reference.load_state_dict(dict(iter_gguf_weights(path, torch.float32)))
     engine_matches_dequantized(path, reference, tokenizer_dir)
 
 

@@ -46,6 +46,12 @@ ARCHS = {
     # fused checkpoint projections, RoPE over half of each head
     "Phi3ForCausalLM": ("Phi3ForCausalLM", "Phi3Config", dict(
         pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # layers 1 and 2 without RoPE (NoPE)
+    "SmolLM3ForCausalLM": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(
+        num_hidden_layers=4, no_rope_layers=[1, 0, 0, 1], pad_token_id=0)),
+    # every multiplier away from 1 (Granite 3's values are 12, 1/64, 0.22, 8)
+    "GraniteForCausalLM": ("GraniteForCausalLM", "GraniteConfig", dict(
+        embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0)),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -359,7 +365,8 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
         torch.bfloat16) * ours.weight.to(torch.bfloat16), ref(x))
 
 
-NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
+NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
+              "GraniteForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

@@ -77,7 +77,16 @@ _ARCHITECTURES = {
     "phi3": _GGUFArchitecture(
         "phi3", "Phi3ForCausalLM", permuted_qk=False, fused=True, partial_rotary=True,
         block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
+    # llama.cpp converts both as Llama (Q/K rows interleaved)
+    "granite": _GGUFArchitecture("granite", "GraniteForCausalLM", permuted_qk=True),
+    "smollm3": _GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),
 }
+# Granite's multipliers: GGUF key (after the architecture name) -> config field; llama.cpp's converter writes the
+# config's values as they are, and each is 1 when absent
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
+                   "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
+# SmolLM3 in llama.cpp: every fourth layer (3, 7, ...) has no RoPE; its GGUF metadata has no key for it
+_SMOLLM3_NO_ROPE_STEP = 4
 # Phi-3's longrope: llama.cpp writes the per-frequency divisors as these tensors
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma 3 in llama.cpp: the sliding layers' RoPE base
@@ -300,10 +309,19 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
     _check_sizes(options, tensors, name, path, 2 if arch.fused else 1)
-    if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text"):
+    if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text", "granite", "smollm3"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch.model_type == "llama":
+    if arch.model_type in ("llama", "granite", "smollm3"):
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch.model_type == "granite":
+        for key, field in _GRANITE_SCALES.items():
+            value = reader.get(f"{name}.{key}", 1.0)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ModelLoadError(f"GGUF file {path!r}: {name}.{key} must be a number, got {value!r}")
+            options[field] = _float32_value(value)
+    if arch.model_type == "smollm3":
+        options["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0)
+                                     for i in range(options["num_hidden_layers"])]
     scaling = _rope_scaling(reader, name, rope_theta, rotary_dim, path)
     rope = {**(scaling or {"rope_type": "default"}), "rope_theta": rope_theta}
     if rotary_dim != head_dim:

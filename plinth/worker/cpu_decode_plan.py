@@ -10,9 +10,9 @@ cost is a loop over layers.
 
 It serves what the module path would run with those kernels: a bfloat16 model (or a float32 one: the
 default GGUF model on CPUs without native bfloat16) built from
-:class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (dense SiLU MLP, no
-q/k norm, any biases and sliding windows), one process (no tensor or pipeline parallelism), the
-``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
+:class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (dense SiLU MLP, plain RMSNorm, no
+q/k norm; any biases and sliding windows, layers without RoPE, embedding and residual multipliers), one
+process (no tensor or pipeline parallelism), the ``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
 not otherwise. ``PLINTH_CPU_DECODE_PLAN=0`` turns it off.
 """
 
@@ -101,12 +101,15 @@ class _Layer:
     sliding_window: int | None
     kv_cache: torch.Tensor         # [2, num_blocks, block_size, Hkv, D]
     int4_copies: dict[str, Int4Weight] = dataclasses.field(default_factory=dict)   # one-row 4-bit copies by GEMM
+    rope: bool = True              # q and k rotated (False: a NoPE layer, SmolLM3)
+    residual_multiplier: float = 1.0   # the attention and MLP outputs scaled before the residual add (Granite)
 
 
 def _why_not(model: torch.nn.Module, backend: object) -> str:
     """Why the plan cannot run ``model`` (empty when it can)."""
     from plinth.attention_backends.cpu_paged import CpuPagedBackend
     from plinth.model_registry.layers.activation import SiluAndMul
+    from plinth.model_registry.layers.layernorm import RMSNorm
     from plinth.model_registry.models.decoder import (
         DecoderAttention,
         DecoderForCausalLM,
@@ -121,8 +124,8 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
     inner = model.model
     if model.lm_head is None or inner.embed_tokens is None or inner.norm is None or inner.embed_tokens.tp_size != 1:
         return "pipeline or tensor parallelism"
-    if inner.embed_scale != 1.0 or inner.local_rotary_emb is not None:
-        return "scaled embeddings or a second RoPE (Gemma)"
+    if inner.local_rotary_emb is not None:
+        return "a second RoPE (Gemma 3)"
     embed = inner.embed_tokens.weight
     dtype = embed.dtype
     if not cpu_native.layer_ops_enabled(embed):   # bfloat16 or float32, the library built and switched on
@@ -140,6 +143,8 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         if attn.qkv_proj.tp_size != 1 or attn.attn.kv_cache is None:
             return "tensor parallelism, or no KV cache"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm) is not RMSNorm:
+                return f"{type(norm).__name__} norms (the native norm is a plain RMSNorm)"
             if norm.weight.dtype != dtype:
                 return f"norm weights are not {dtype}"
         if attn.attn.kv_cache.dtype != dtype and not _narrow_cache_ok(attn.attn.kv_cache, dtype, attn.head_dim):
@@ -239,7 +244,9 @@ class CpuDecodePlan:
                 kv_cache=attn.attn.kv_cache, int4_copies={
                     name: copy for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))
-                    if (copy := _int4_copy(proj)) is not None}))
+                    if (copy := _int4_copy(proj)) is not None},
+                rope=attn.use_rope, residual_multiplier=layer.residual_multiplier))
+        self.embed_scale = inner.embed_scale   # Gemma's sqrt(hidden_size), Granite's embedding multiplier
         self.native = _Native(self.dtype)
         self._buffers: _Buffers | None = None
         self.amx = False   # the fused step's GEMMs past the GEMV's rows on AMX tiles (any batch size)
@@ -286,6 +293,8 @@ class CpuDecodePlan:
         first = self.layers[0]
         first_copies = self._gemv_copies[0]
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
+            if not lay.rope or lay.residual_multiplier != 1.0:   # the native step rotates and adds as Llama does
+                return None
             if (any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies)
                     or (lay.kv_cache.dtype != self.dtype
                         and not _narrow_cache_ok(lay.kv_cache, self.dtype, lay.head_size))):
@@ -361,6 +370,8 @@ class CpuDecodePlan:
         starts = torch.arange(b + 1, dtype=torch.int32)                                               # [B + 1]
         tables_t = torch.from_numpy(tables)
         hidden = F.embedding(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), self.embed)     # [B, H]
+        if self.embed_scale != 1.0:
+            hidden = hidden * self.embed_scale   # as DecoderModel.run_stage
         cos, sin = self.rotary.cos_sin(torch.from_numpy(pos), hidden.dtype)                          # [B, R]
         cos, sin = cos.contiguous(), sin.contiguous()
         native, bufs = self.native, self._buffers_for(b)
@@ -400,7 +411,8 @@ class CpuDecodePlan:
             row, elem = qkv.stride(0), qkv.element_size()
             q_p = qkv.data_ptr()
             k_p, v_p = q_p + hq * d * elem, q_p + (hq + hkv) * d * elem
-            native.rotary(q_p, row, d, hq, k_p, row, d, hkv, cos_p, sin_p, rot_dim, b, rot_dim)
+            if lay.rope:
+                native.rotary(q_p, row, d, hq, k_p, row, d, hkv, cos_p, sin_p, rot_dim, b, rot_dim)
             cache = lay.kv_cache                                                   # [2, N, BS, Hkv, D]
             narrow = cache.dtype != self.dtype   # FP8 E4M3 or bfloat16 (_why_not checked it)
             if narrow:
@@ -416,12 +428,16 @@ class CpuDecodePlan:
                           cache.shape[1], bs, tables.shape[1], row, hq * d, lay.scale, lay.sliding_window or 0,
                           threads)
             hidden = _matmul(lay, "o", attn_out)
+            if lay.residual_multiplier != 1.0:
+                hidden = hidden * lay.residual_multiplier   # as DecoderLayer.forward
             add_norm(hidden, lay.post_norm, lay.post_eps, normed)
             gate_up = _matmul(lay, "gate_up", normed)                                                 # [B, 2I]
             inter = gate_up.shape[1] // 2
             act = torch.empty((b, inter), dtype=self.dtype)
             native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), b, inter)
             hidden = _matmul(lay, "down", act)
+            if lay.residual_multiplier != 1.0:
+                hidden = hidden * lay.residual_multiplier
         out = torch.empty_like(normed)
         add_norm(hidden, self.final_norm, self.final_eps, out)
         return self.model.compute_logits(out)

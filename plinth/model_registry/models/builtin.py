@@ -20,4 +20,6 @@ def plinth_models() -> dict[str, str]:
         "Gemma2ForCausalLM": f"{_M}.gemma:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": f"{_M}.gemma:Gemma3ForCausalLM",
         "Phi3ForCausalLM": f"{_M}.phi3:Phi3ForCausalLM",
+        "SmolLM3ForCausalLM": f"{_M}.smollm3:SmolLM3ForCausalLM",
+        "GraniteForCausalLM": f"{_M}.granite:GraniteForCausalLM",
     }

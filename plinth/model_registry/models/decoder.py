@@ -1,16 +1,18 @@
-"""The decoder-only transformer shared by the Llama family (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE, Phi-3)
-and the Gemma family (Gemma, Gemma 3).
+"""The decoder-only transformer shared by the Llama family (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE, Phi-3,
+SmolLM3, Granite) and the Gemma family (Gemma, Gemma 2, Gemma 3).
 
 One implementation with options: architectures subclass :class:`DecoderForCausalLM` and
-override :meth:`~DecoderForCausalLM.attention_options` (biases, per-head q/k norm, softmax scale),
+override :meth:`~DecoderForCausalLM.attention_options` (biases, per-head q/k norm, softmax scale;
+:meth:`~DecoderForCausalLM.layer_attention_options` where layers differ, e.g. in RoPE),
 :meth:`~DecoderForCausalLM.block_options` (norm flavour, activation, norms around each block's output,
-embedding scale) and :meth:`~DecoderForCausalLM.make_mlp` (dense or mixture-of-experts). Parameter names
+embedding and residual multipliers) and :meth:`~DecoderForCausalLM.make_mlp` (dense or mixture-of-experts). Parameter names
 follow the Hugging Face checkpoints, except the fused ``qkv_proj`` and ``gate_up_proj``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -46,6 +48,7 @@ class AttentionOptions:
     qk_norm: bool = False       # RMSNorm over each head's features of q and k (Qwen3, Gemma 3)
     scale: float | None = None  # the softmax scale (default: head_dim ** -0.5)
     soft_cap: float | None = None  # attention-logit soft-capping, cap * tanh(score / cap) (Gemma 2)
+    rope: bool = True           # False: the layer's q and k get no rotary embedding (SmolLM3's NoPE layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,8 @@ class BlockOptions:
     sandwich_norms: bool = False    # Gemma 2/3: a norm on each block's output before the residual add
     embed_scale: bool = False       # the embeddings multiplied by sqrt(hidden_size) (Gemma)
     local_rope: bool = False        # sliding-window layers take the config's local RoPE (Gemma 3)
+    embedding_multiplier: float = 1.0   # the embeddings multiplied by this (Granite; Gemma's is embed_scale)
+    residual_multiplier: float = 1.0    # each block's output multiplied by this before the residual add (Granite)
 
 
 def gated_activation(name: str) -> torch.nn.Module:
@@ -110,6 +115,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
                               ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx,
                               soft_cap=options.soft_cap)
+        self.use_rope = options.rope
 
     def forward(self, hidden: Any, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
@@ -122,7 +128,8 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(q, k, v, metadata, rotary=(cos, sin))   # RoPE in the attention backend or before it
+        # RoPE in the attention backend or before it
+        out = self.attn(q, k, v, metadata, rotary=(cos, sin) if self.use_rope else None)
         return self.o_proj(out.reshape(t, q_size), reduce=reduce)
 
 
@@ -164,9 +171,11 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
-                 norm: type[RMSNorm] = RMSNorm):
+                 norm: type[RMSNorm] = RMSNorm, residual_multiplier: float = 1.0):
         super().__init__()
         eps = ctx.hf_config.rms_norm_eps
+        #: the attention and MLP outputs are multiplied by this before they join the residual stream (Granite)
+        self.residual_multiplier = residual_multiplier
         self.input_layernorm = norm(ctx.hf_config.hidden_size, eps=eps)
         self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
         self.post_attention_layernorm = norm(ctx.hf_config.hidden_size, eps=eps)
@@ -198,15 +207,19 @@ class DecoderLayer(nn.Module):
             hidden, residual = tp_all_reduce_add_rms_norm(hidden, residual, self.input_layernorm)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, quant=attn_quant)
+        scaled = self.residual_multiplier != 1.0
         if self.fuse_attention_reduce:
             hidden = self.self_attn(hidden, cos, sin, metadata, reduce=False)
+            if scaled:   # this rank's partial sums: the scaled sum is the sum of the scaled parts
+                hidden = hidden * self.residual_multiplier
             hidden, residual = tp_all_reduce_add_rms_norm(hidden, residual, self.post_attention_layernorm)
         else:
             hidden = self.self_attn(hidden, cos, sin, metadata)
+            if scaled:
+                hidden = hidden * self.residual_multiplier
             hidden, residual = self.post_attention_layernorm(hidden, residual, quant=mlp_quant)
-        if self.defer_output:
-            return self.mlp(hidden, reduce=False), residual
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden, reduce=False) if self.defer_output else self.mlp(hidden)
+        return (hidden * self.residual_multiplier if scaled else hidden), residual
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -278,11 +291,16 @@ class DecoderModel(nn.Module):
         self.is_last_stage = ctx.pp_rank == ctx.pp_size - 1
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
                              if self.is_first_stage else None)
-        options, block = owner.attention_options(cfg), owner.block_options(cfg)
-        layer_cls = SandwichDecoderLayer if block.sandwich_norms else DecoderLayer
+        block = owner.block_options(cfg)
+        if block.sandwich_norms:
+            if block.residual_multiplier != 1.0:
+                raise UnsupportedModelError(f"{type(owner).__name__}: a residual multiplier with sandwich norms")
+            make_layer: Any = SandwichDecoderLayer
+        else:
+            make_layer = functools.partial(DecoderLayer, residual_multiplier=block.residual_multiplier)
         self.layers = nn.ModuleList(
-            layer_cls(ctx, i, options, owner.make_mlp(ctx, i), block.norm) if self.start_layer <= i < self.end_layer
-            else MissingLayer()
+            make_layer(ctx, i, owner.layer_attention_options(cfg, i), owner.make_mlp(ctx, i), block.norm)
+            if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = block.norm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last_stage else None
@@ -294,8 +312,8 @@ class DecoderModel(nn.Module):
             if i + 1 < len(built):
                 built[i + 1].reduce_input = layer.defer_output
         self.reduce_final = bool(built) and built[-1].defer_output
-        #: the embeddings' multiplier (Gemma: sqrt(hidden_size) rounded to the model's dtype)
-        self.embed_scale = 1.0
+        #: the embeddings' multiplier (Gemma: sqrt(hidden_size) rounded to the model's dtype; Granite's own)
+        self.embed_scale = float(block.embedding_multiplier)
         if block.embed_scale:
             self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=ctx.dtype, device="cpu"))
         self.rotary_emb = _rotary(ctx, "full_attention")
@@ -369,6 +387,11 @@ class DecoderForCausalLM(CausalLM):
         """Biases and norms of the attention block (default: Llama's ``attention_bias``)."""
         bias = bool(getattr(cfg, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def layer_attention_options(self, cfg: Any, layer_idx: int) -> AttentionOptions:
+        """The attention options of layer ``layer_idx`` (default: :meth:`attention_options`, the same for every
+        layer)."""
+        return self.attention_options(cfg)
 
     def block_options(self, cfg: Any) -> BlockOptions:
         """Norms, activation and embedding scale (default: Llama's, with the config's ``hidden_act``)."""
