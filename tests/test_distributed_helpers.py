@@ -36,6 +36,9 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # fused q/k/v and gate/up checkpoint tensors, split into the shards of each rank as they load
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # block outputs scaled before the residual add: under TP the partial sums are scaled, then reduced in the norm
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                            residual_multiplier=0.6, logits_scaling=2.0)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)
