@@ -120,11 +120,13 @@ def test_async_scheduling_on_gpu(tiny_llama_dir, reference):
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
-@pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"])
-def test_gemma_and_phi3_on_triton_with_graphs_match_transformers(name, tmp_path):
-    """Gemma's norms and scaled embeddings, Gemma 2's attention-logit soft cap in the Triton kernels, Gemma 3's sandwich norms, sliding layers with their own RoPE and
-    final soft cap, Phi-3's partial rotary (the Triton backend then rotates outside its kernel): greedy tokens
-    equal transformers' on the GPU."""
+@pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                                  "SmolLM3ForCausalLM", "GraniteForCausalLM"])
+def test_newer_architectures_on_triton_with_graphs_match_transformers(name, tmp_path):
+    """Gemma's norms and scaled embeddings, Gemma 2's attention-logit soft cap in the Triton kernels, Gemma 3's
+    sandwich norms, sliding layers with their own RoPE and final soft cap, Phi-3's partial rotary (the Triton
+    backend then rotates outside its kernel), SmolLM3's layers without RoPE (the fused decode kernel then rotates
+    nothing), Granite's multipliers: greedy tokens equal transformers' on the GPU."""
     from test_models import engine_matches_transformers
 
     engine_matches_transformers(name, tmp_path, "cuda", attention_backend="triton")
