@@ -214,7 +214,8 @@ class SchedulerConfig:
         max_num_batched_tokens: the token budget of one step, decodes plus prefill chunks (None: the
             platform's default; 2048 unless the platform says otherwise).
         enable_chunked_prefill: split long prompts over several steps.
-        max_waiting_requests: the most requests queued before new ones are refused (None: unbounded).
+        max_waiting_requests: the most requests queued beyond the running batch's free places before new ones
+            are refused (None: unbounded).
         async_scheduling: schedule and launch step N+1 before reading step N's sampled tokens, which
             feed step N+1 on the device (None: on for accelerators where the executor supports it; steps
             whose requests ask for penalties, prompt logprobs or structured outputs run synchronously).

@@ -272,13 +272,21 @@ def test_max_tokens_defaults_to_the_rest_of_max_model_len():
 
 
 def test_queue_full():
-    sched = make_scheduler(max_waiting_requests=2)
-    sched.add_request(req("a", [1]))
-    sched.add_request(req("b", [1]))
-    with pytest.raises(QueueFullError, match="2 requests"):
-        sched.add_request(req("c", [1]))
-    sched.schedule()                                      # both admitted: the queue drains
-    sched.add_request(req("c", [1]))
+    """The cap counts the requests waiting beyond the running batch's free places: a burst at an idle engine fills
+    the batch and then the queue."""
+    sched = make_scheduler(max_waiting_requests=2, max_seqs=2)
+    for rid in "abcd":                                    # 2 free places + 2 waiting
+        sched.add_request(req(rid, [1]))
+    with pytest.raises(QueueFullError, match="2 requests beyond the running batch"):
+        sched.add_request(req("e", [1]))
+    sched.schedule()                                      # a, b run; c, d wait: the batch is full
+    assert [r.request_id for r in sched.running] == ["a", "b"] and len(sched.waiting) == 2
+    with pytest.raises(QueueFullError):
+        sched.add_request(req("e", [1]))
+    sched.abort(["a"])                                    # a place frees: one more may wait for it
+    sched.add_request(req("e", [1]))
+    with pytest.raises(QueueFullError):
+        sched.add_request(req("f", [1]))
 
 
 def test_abort_frees_blocks_at_once():

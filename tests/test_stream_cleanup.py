@@ -103,3 +103,42 @@ def test_a_waiting_stream_whose_client_leaves_is_aborted_at_once(model_dir, path
         front.shutdown()
     assert status == 200
     assert left == ["hog"], left
+
+
+def test_a_caller_that_stops_reading_holds_one_output(model_dir):
+    """Outputs are cumulative: while a caller does not read (a client that stops taking its stream), its request
+    keeps only the newest output, not one per step; reading again gives the finished output, whole."""
+    import gc
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import RequestOutput, SamplingParams
+
+    front = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off",
+                                                              max_model_len=1024)))
+
+    def held() -> int:
+        return sum(type(o) is RequestOutput and o.request_id == "slow" for o in gc.get_objects())
+
+    async def main() -> tuple[int, RequestOutput]:
+        stream = front.generate("slow", [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True))
+        first = await anext(stream)
+        assert not first.finished
+        for _ in range(600):   # the engine runs the request to its end meanwhile
+            await asyncio.sleep(0.05)
+            if not front._engine.has_unfinished_requests():
+                break
+        await asyncio.sleep(0.1)   # the last outputs reach this loop
+        del first
+        count = held()
+        last = await anext(stream)
+        await stream.aclose()
+        return count, last
+
+    try:
+        count, last = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert count <= 2, count   # the mailbox's, and the engine thread's last step (300 were queued before)
+    assert last.finished and len(last.outputs[0].token_ids) == 300

@@ -2,9 +2,11 @@
 
 The engine is not thread safe and its steps block, so one background thread owns it: the
 thread takes commands (add, abort) from a queue, runs ``step()`` while there is work, and
-sleeps on an event when there is none. Each request has an ``asyncio.Queue`` on the caller's
+sleeps on an event when there is none. Each request has a :class:`_Mailbox` on the caller's
 event loop; a step's outputs are handed over with one ``loop.call_soon_threadsafe`` per loop,
-so the event loop never waits on the engine and the engine never waits on a client.
+so the event loop never waits on the engine and the engine never waits on a client. Outputs are
+cumulative, so a mailbox keeps only the newest unread one: a caller that stops reading (a client
+that does not take its stream) holds one output, not one per step.
 
 The interface is deliberately small (``generate``, ``abort``, ``stats``, ``shutdown``, plus the
 read-only facts the server needs: tokenizer, limits, names), so the engine can later move to
@@ -40,12 +42,37 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (it crashed or was shut down); the request cannot complete."""
 
 
+class _Mailbox:
+    """One request's unread news on its caller's event loop (used on that loop only): whether the engine has
+    accepted it, and its newest output or the error that ended it. A newer output replaces an unread one
+    (outputs are cumulative); an error is kept."""
+
+    def __init__(self) -> None:
+        self.accepted = False
+        self.item: Any = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        if item is _ACCEPTED:
+            self.accepted = True
+        elif not isinstance(self.item, BaseException):
+            self.item = item
+        self._ready.set()
+
+    async def take(self) -> Any:
+        """The newest unread output or error (None when only the acceptance is new)."""
+        await self._ready.wait()
+        self._ready.clear()
+        item, self.item = self.item, None
+        return item
+
+
 @dataclasses.dataclass
 class _Sink:
-    """Where the outputs of one request go: a queue living on one event loop."""
+    """Where the outputs of one request go: a mailbox living on one event loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    box: _Mailbox
 
 
 @dataclasses.dataclass
@@ -189,21 +216,19 @@ class AsyncLLMEngine:
             EngineDeadError: the engine loop is not running.
         """
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop, asyncio.Queue())
+        sink = _Sink(loop, _Mailbox())
         prompt = prompt if isinstance(prompt, str) else list(prompt)
         self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request))
         finished = False
         try:
             while True:
-                item = await sink.queue.get()
-                while not sink.queue.empty():
-                    item = sink.queue.get_nowait()
+                item = await sink.box.take()
                 if isinstance(item, BaseException):
                     finished = True   # nothing left to abort: rejected, or the engine is gone
                     raise item
-                if accepted is not None and not accepted.done():
+                if accepted is not None and not accepted.done() and sink.box.accepted:
                     accepted.set_result(None)
-                if item is _ACCEPTED:
+                if item is None:
                     continue
                 finished = item.finished
                 yield item
@@ -310,23 +335,23 @@ class AsyncLLMEngine:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
                                              priority=cmd.priority, lora_request=cmd.lora_request)
                 except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
-                    self._send({cmd.sink.loop: [(cmd.sink.queue, exc)]})
+                    self._send({cmd.sink.loop: [(cmd.sink.box, exc)]})
                 else:
                     self._sinks[cmd.request_id] = cmd.sink
-                    self._send({cmd.sink.loop: [(cmd.sink.queue, _ACCEPTED)]})
+                    self._send({cmd.sink.loop: [(cmd.sink.box, _ACCEPTED)]})
             self._commands.popleft()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, Any]]] = {}
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+                by_loop.setdefault(sink.loop, []).append((sink.box, out))
         self._stats = self._read_stats()
         self._send(by_loop)
 
     @staticmethod
-    def _send(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]) -> None:
+    def _send(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, Any]]]) -> None:
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -353,14 +378,14 @@ class AsyncLLMEngine:
             self._commands.clear()
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
             f"the engine failed ({type(exc).__name__}); see the server log")
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, Any]]] = {}
         sinks = list(self._sinks.values()) + [c.sink for c in pending if isinstance(c, _Add)]
         self._sinks.clear()
         for sink in sinks:
-            by_loop.setdefault(sink.loop, []).append((sink.queue, error))
+            by_loop.setdefault(sink.loop, []).append((sink.box, error))
         self._send(by_loop)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _put_all(items: list[tuple[_Mailbox, Any]]) -> None:
+    for box, item in items:
+        box.put(item)

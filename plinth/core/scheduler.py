@@ -226,8 +226,11 @@ class Scheduler:
                 f"request {rid!r}: the prompt has {num_prompt} tokens, more than max_num_batched_tokens "
                 f"({budget}) with chunked prefill disabled; enable chunked prefill or raise the budget")
         cap = self.config.max_waiting_requests
-        if cap is not None and len(self.waiting) >= cap:
-            raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
+        # requests that arrive between two steps wait until the next one even when the batch has room for them:
+        # the cap counts the waiting requests beyond the running batch's free places
+        free = max(self.config.max_num_seqs - len(self.running), 0)
+        if cap is not None and len(self.waiting) >= cap + free:
+            raise QueueFullError(f"the waiting queue is full ({cap} requests beyond the running batch); retry later")
         request.status = RequestStatus.WAITING
         request.arrival_seq = next(self._arrivals)
         self.requests[rid] = request
