@@ -106,7 +106,7 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="compute each prompt in one step rather than in chunks within --max-num-batched-tokens")
     g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="requests queued before new ones are refused (the server answers 503; generate, run-batch and bench wait for room; default: no limit)")
+                   help="requests queued beyond the running batch's free places before new ones are refused (the server answers 503; generate, run-batch and bench wait for room; default: no limit)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs on the device (default: on for accelerators, in-process "
                         "or with tensor-parallel worker processes; off on CPUs)")
