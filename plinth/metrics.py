@@ -132,6 +132,12 @@ class RequestTracker:
             if self._last is None:
                 m.ttft.observe(now - self._start)
                 steps -= 1   # the first token has no inter-token gap
+                if steps > 0:   # later tokens came with it: the engine's time between its first and latest token
+                    met = getattr(out, "metrics", None)
+                    first, latest = (met.first_token_time, met.last_token_time) if met is not None else (None, None)
+                    span = max(latest - first, 0.0) if first is not None and latest is not None else 0.0
+                    for _ in range(steps):
+                        m.itl.observe(span / steps)
             else:
                 for _ in range(steps):
                     m.itl.observe((now - self._last) / steps)

@@ -645,19 +645,24 @@ def test_queue_full_is_503_with_retry_after(server):
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, headers=headers(), timeout=60) as http:
             body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(16)))
+            responses = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(16)))
+            # a list of seven prompts at an idle server that holds six (2 running, 4 waiting): the seventh is refused,
+            # the six taken back, the whole request a 503
+            return [*responses, await http.post("/v1/completions", json={**body, "prompt": [PROMPT] * 7})]
 
     before = scrape_metrics(server.base_url)
     responses = asyncio.run(flood())
     codes = sorted(r.status_code for r in responses)
     assert set(codes) == {200, 503}, codes
-    # the refused requests never ran: no finished request, no error, no latency is counted for them
+    assert responses[-1].status_code == 503
+    # the refused requests never ran (or, for the list, were taken back): no finished request, no abort, no error
     after = scrape_metrics(server.base_url)
-    served = codes.count(200)
+    served = sum(len(r.json()["choices"]) for r in responses if r.status_code == 200)
     finished = [k for k in after if k.startswith("plinth_requests_finished_total")]
     assert sum(after[k] - before.get(k, 0) for k in finished) == served
-    assert after.get("plinth_requests_finished_total{finish_reason=error}", 0) == \
-        before.get("plinth_requests_finished_total{finish_reason=error}", 0)
+    for reason in ("error", "abort"):
+        key = f"plinth_requests_finished_total{{finish_reason={reason}}}"
+        assert after.get(key, 0) == before.get(key, 0), reason
     for r in responses:
         if r.status_code == 503:
             assert_error(r, 503, code="queue_full")

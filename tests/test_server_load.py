@@ -82,7 +82,8 @@ def test_concurrent_streams_match_solo_runs_and_metrics_add_up(server, solo):
     assert delta["plinth_prompt_tokens_total"] == sum(r[3].prompt_tokens for r in results)
     assert delta["plinth_time_to_first_token_seconds_count"] == NUM_CLIENTS
     assert delta["plinth_e2e_request_latency_seconds_count"] == NUM_CLIENTS
-    assert delta["plinth_inter_token_latency_seconds_count"] <= sum(r[3].completion_tokens - 1 for r in results)
+    # one per token after the first, also when the first output read holds several tokens
+    assert delta["plinth_inter_token_latency_seconds_count"] == sum(r[3].completion_tokens - 1 for r in results)
     assert after["plinth_num_requests_running"] == 0 and after["plinth_num_requests_waiting"] == 0
     assert after["plinth_kv_cache_usage_ratio"] == 0.0
     assert 0.0 < after["plinth_prefix_cache_hit_rate"] <= 1.0   # 4 clients per prompt share cached blocks
@@ -143,3 +144,30 @@ def test_disconnected_streams_free_their_blocks(server, solo):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     again = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
     assert again.choices[0].text == solo[1][0]
+
+
+def test_tokens_that_arrive_with_the_first_get_inter_token_observations():
+    """A first output read with several tokens (the reader fell behind) counts the time to its first token and one
+    inter-token observation per later token, spread over the engine's time between its first and latest token."""
+    from plinth.core.request import CompletionOutput, RequestMetrics, RequestOutput
+    from plinth.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    tracker = metrics.request()
+    timing = RequestMetrics(first_token_time=10.0, last_token_time=10.4)
+
+    def output(tokens: list[int], finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", tokens, finish_reason="length" if finished
+                                                                   else None)], finished, metrics=timing)
+
+    def value(name: str) -> float:
+        return metrics.registry.get_sample_value(name, {"model_name": "m"})
+
+    tracker.observe(output([5, 6, 7]))
+    assert value("plinth_time_to_first_token_seconds_count") == 1
+    assert value("plinth_inter_token_latency_seconds_count") == 2
+    assert value("plinth_inter_token_latency_seconds_sum") == pytest.approx(0.4)
+    tracker.observe(output([5, 6, 7, 8, 9], finished=True))
+    tracker.close()
+    assert value("plinth_inter_token_latency_seconds_count") == 4
+    assert value("plinth_generation_tokens_total") == 5

@@ -64,6 +64,9 @@ class ServerContext:
     _loading: set[str] = dataclasses.field(default_factory=set)   # adapter names being read
     _lora_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _token_text_cache: dict[int, tuple[str, bytes]] = dataclasses.field(default_factory=dict)
+    #: engine requests of an HTTP request that was refused as a whole (another of its prompts was): counted by no
+    #: request metric, like the refused one itself
+    _refused: set[str] = dataclasses.field(default_factory=set)
     _special_ids: frozenset[int] | None = None   # the tokenizer's special token ids, read once
     # one tokenization at a time (a tokenizer call may set its truncation state), in a worker thread
     _tokenize_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -306,7 +309,10 @@ class ServerContext:
             raise
         finally:
             await inner.aclose()
-            tracker.close(error=error)
+            if request_id in self._refused:
+                tracker.discard()
+            else:
+                tracker.close(error=error)
 
 
 @functools.lru_cache(maxsize=1)
@@ -462,8 +468,15 @@ async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any
                 return Started(streams, firsts)
             await asyncio.wait([*waiting, *(t for t in firsts if not t.done())],
                                return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        await _close(Started(streams, firsts))
+    except BaseException as exc:
+        refused = isinstance(exc, RequestRejectedError | QueueFullError)   # the client gets a 400 or a 503
+        ids = [rid for rid, _, _ in requests]
+        if refused:
+            ctx._refused.update(ids)
+        try:
+            await _close(Started(streams, firsts))
+        finally:
+            ctx._refused.difference_update(ids)
         raise
 
 
