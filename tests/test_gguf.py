@@ -38,7 +38,7 @@ SMALL = dict(
 )
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
              "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
-             "granite": gguf.MODEL_ARCH.GRANITE, "smollm3": gguf.MODEL_ARCH.SMOLLM3}
+             "granite": gguf.MODEL_ARCH.GRANITE, "smollm3": gguf.MODEL_ARCH.SMOLLM3, "olmo2": gguf.MODEL_ARCH.OLMO2}
 # architectures llama.cpp's converter writes with the Q/K rows interleaved
 PERMUTED = {"llama", "granite", "smollm3"}
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -322,7 +322,7 @@ def test_truncated_file(tmp_path, keep):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "falcon")
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, phi3, qwen2, qwen3, smollm3"):
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3"):
         read_gguf_config(path)
     with pytest.raises(UnsupportedModelError, match="falcon"):
         list(iter_gguf_weights(path, torch.float32))
@@ -805,17 +805,18 @@ def granite_metadata(scales: dict[str, float]) -> dict:
                                  w.add_logit_scale(scales["logits_scaling"]))}
 
 
-@pytest.mark.parametrize("arch", ["granite", "smollm3"])
-def test_granite_and_smollm3_gguf_give_the_original_logits(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["granite", "smollm3", "olmo2"])
+def test_granite_smollm3_olmo2_gguf_give_the_original_logits(tmp_path, arch):
     """Granite's multipliers come from their GGUF keys; SmolLM3's layers without RoPE are llama.cpp's every fourth
-    (its files have no key for them). The config and weights read back rebuild the original model."""
-    extra = GRANITE_SCALES if arch == "granite" else dict(num_hidden_layers=8)   # no_rope_layer_interval 4
+    (its files have no key for them); OLMo 2's norms on the block outputs and over whole q/k projections. The
+    config and weights read back rebuild the original model."""
+    extra = {"granite": GRANITE_SCALES, "smollm3": dict(num_hidden_layers=8), "olmo2": {}}[arch]
     model = small_model(arch, False, **extra)
     path = write_gguf(tmp_path / "m.gguf", model, arch, metadata=granite_metadata(extra) if arch == "granite" else None)
     config = check_plain_config(path)
     if arch == "granite":
         assert {k: getattr(config, k) for k in GRANITE_SCALES} == GRANITE_SCALES
-    else:
+    elif arch == "smollm3":
         assert config.no_rope_layers == model.config.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
     rebuilt = AutoModelForCausalLM.from_config(config).eval()
     result = rebuilt.load_state_dict(dict(iter_gguf_weights(path, torch.float32)), strict=False)
@@ -823,20 +824,24 @@ def test_granite_and_smollm3_gguf_give_the_original_logits(tmp_path, arch):
     ids = torch.randint(0, SMALL["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    if arch == "olmo2":   # OLMo 3 files (olmo2 with a sliding window) are refused
+        swa = write_gguf(tmp_path / "olmo3.gguf", model, arch, metadata={"w": lambda w: w.add_sliding_window(8)})
+        with pytest.raises(UnsupportedModelError, match="OLMo 3"):
+            read_gguf_config(swa)
     # a Granite file without the keys has multipliers of 1
     if arch == "granite":
         plain = read_gguf_config(write_gguf(tmp_path / "plain.gguf", model, arch))[0]
         assert {k: getattr(plain, k) for k in GRANITE_SCALES} == dict.fromkeys(GRANITE_SCALES, 1.0)
 
 
-@pytest.mark.parametrize("arch", ["granite", "smollm3"])
-def test_granite_and_smollm3_gguf_through_the_engine(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["granite", "smollm3", "olmo2"])
+def test_granite_smollm3_olmo2_gguf_through_the_engine(tmp_path, arch):
     """Q8_0 files through LLM (plinth's native classes): kept quantized, the greedy tokens equal transformers' on
     the dequantized weights."""
     from conftest import save_tiny_model
 
     tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
-    extra = {**(GRANITE_SCALES if arch == "granite" else dict(num_hidden_layers=4)), "vocab_size": 300}
+    extra = {**{"granite": GRANITE_SCALES, "smollm3": dict(num_hidden_layers=4), "olmo2": {}}[arch], "vocab_size": 300}
     model = small_model(arch, False, **extra)
     path = write_gguf(tmp_path / "m.gguf", model, arch, Q.Q8_0,
                       metadata=granite_metadata(extra) if arch == "granite" else None)

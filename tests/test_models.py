@@ -52,6 +52,14 @@ ARCHS = {
     # every multiplier away from 1 (Granite 3's values are 12, 1/64, 0.22, 8)
     "GraniteForCausalLM": ("GraniteForCausalLM", "GraniteConfig", dict(
         embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0)),
+    # norms on the block outputs only, q/k norms over all heads
+    "Olmo2ForCausalLM": ("Olmo2ForCausalLM", "Olmo2Config", dict(pad_token_id=0)),
+    # OLMo 2's blocks with sliding layers, each kind with its own RoPE base
+    "Olmo3ForCausalLM": ("Olmo3ForCausalLM", "Olmo3Config", dict(
+        pad_token_id=0, num_hidden_layers=3, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -342,6 +350,16 @@ def test_tensor_parallel_layers_leave_each_reduction_to_the_norm_after_it(arch, 
         assert deferred == [False, True, False, False]
 
 
+def test_olmo2_refuses_tensor_parallelism():
+    """Its q/k norms take every head of a token: a rank holding some of the heads cannot compute them."""
+    _, config_cls, overrides = ARCHS["Olmo2ForCausalLM"]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    ctx = ModelContext(hf_config=config, dtype=torch.float32, device=torch.device("cpu"),
+                       attention_backend=TorchSDPABackend(), block_size=4, tp_rank=0, tp_size=2)
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported"):
+        ModelRegistry.resolve("Olmo2ForCausalLM")(ctx)
+
+
 def test_gemma_norm_matches_transformers_in_bfloat16():
     """The stored ``1 + w`` stays float32 in a bfloat16 model: the output is Gemma's reference bit for bit."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -366,7 +384,7 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 
 
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-              "GraniteForCausalLM"]
+              "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

@@ -80,6 +80,8 @@ _ARCHITECTURES = {
     # llama.cpp converts both as Llama (Q/K rows interleaved)
     "granite": _GGUFArchitecture("granite", "GraniteForCausalLM", permuted_qk=True),
     "smollm3": _GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),
+    "olmo2": _GGUFArchitecture("olmo2", "Olmo2ForCausalLM", permuted_qk=False, block_names=(
+        ("post_attention_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
 # Granite's multipliers: GGUF key (after the architecture name) -> config field; llama.cpp's converter writes the
 # config's values as they are, and each is 1 when absent
@@ -309,7 +311,7 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
     _check_sizes(options, tensors, name, path, 2 if arch.fused else 1)
-    if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text", "granite", "smollm3"):
+    if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text", "granite", "smollm3", "olmo2"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch.model_type in ("llama", "granite", "smollm3"):
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
@@ -319,6 +321,9 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ModelLoadError(f"GGUF file {path!r}: {name}.{key} must be a number, got {value!r}")
             options[field] = _float32_value(value)
+    if arch.model_type == "olmo2" and reader.get(f"{name}.attention.sliding_window"):
+        raise UnsupportedModelError(f"GGUF file {path!r} is an OLMo 3 file (olmo2 with sliding-window layers); "
+                                    "plinth reads OLMo 3 from its safetensors checkpoint only")
     if arch.model_type == "smollm3":
         options["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0)
                                      for i in range(options["num_hidden_layers"])]

@@ -22,4 +22,6 @@ def plinth_models() -> dict[str, str]:
         "Phi3ForCausalLM": f"{_M}.phi3:Phi3ForCausalLM",
         "SmolLM3ForCausalLM": f"{_M}.smollm3:SmolLM3ForCausalLM",
         "GraniteForCausalLM": f"{_M}.granite:GraniteForCausalLM",
+        "Olmo2ForCausalLM": f"{_M}.olmo2:Olmo2ForCausalLM",
+        "Olmo3ForCausalLM": f"{_M}.olmo2:Olmo3ForCausalLM",
     }

@@ -46,6 +46,7 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False       # RMSNorm over each head's features of q and k (Qwen3, Gemma 3)
+    qk_norm_full: bool = False  # RMSNorm over each token's whole q and k projections, all heads at once (OLMo 2)
     scale: float | None = None  # the softmax scale (default: head_dim ** -0.5)
     soft_cap: float | None = None  # attention-logit soft-capping, cap * tanh(score / cap) (Gemma 2)
     rope: bool = True           # False: the layer's q and k get no rotary embedding (SmolLM3's NoPE layers)
@@ -58,6 +59,7 @@ class BlockOptions:
     norm: type[RMSNorm] = RMSNorm   # GemmaRMSNorm: the checkpoint's weights are ``w`` of ``(1 + w)``
     activation: str = "silu"        # the gated MLP's activation (a GATED_ACTIVATIONS name)
     sandwich_norms: bool = False    # Gemma 2/3: a norm on each block's output before the residual add
+    post_norms: bool = False        # OLMo 2: a norm on each block's output and none on its input
     embed_scale: bool = False       # the embeddings multiplied by sqrt(hidden_size) (Gemma)
     local_rope: bool = False        # sliding-window layers take the config's local RoPE (Gemma 3)
     embedding_multiplier: float = 1.0   # the embeddings multiplied by this (Granite; Gemma's is embed_scale)
@@ -106,7 +108,14 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg.hidden_size, bias=options.o_bias, **tp)
         self.num_heads = self.qkv_proj.num_heads          # on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads    # on this rank
-        if options.qk_norm:
+        self.qk_norm_full = options.qk_norm_full
+        if options.qk_norm_full:
+            if ctx.tp_size > 1:
+                raise UnsupportedModelError("q/k norms over all heads of a token (OLMo 2) need every head on one "
+                                            "rank: tensor parallelism is not supported for this model")
+            self.q_norm = norm(num_heads * self.head_dim, eps=cfg.rms_norm_eps)
+            self.k_norm = norm(num_kv_heads * self.head_dim, eps=cfg.rms_norm_eps)
+        elif options.qk_norm:
             self.q_norm = norm(self.head_dim, eps=cfg.rms_norm_eps)
             self.k_norm = norm(self.head_dim, eps=cfg.rms_norm_eps)
         else:
@@ -123,10 +132,12 @@ class DecoderAttention(nn.Module):
         t = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)          # [T, Hq*D], [T, Hkv*D]
         q = q.view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE in the attention backend or before it
         out = self.attn(q, k, v, metadata, rotary=(cos, sin) if self.use_rope else None)
@@ -255,6 +266,31 @@ class SandwichDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's block: no norm on the attention's or the MLP's input, a norm on each output before it joins the
+    residual stream (``post_attention_layernorm``, ``post_feedforward_layernorm``). The same ``(hidden,
+    residual)`` protocol as :class:`DecoderLayer`: the stream is their sum, which the next layer or the final norm
+    forms."""
+
+    can_defer_output = False
+    reduce_input = False
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm):
+        super().__init__()
+        cfg = ctx.hf_config
+        self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
+        self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else hidden + residual
+        stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, metadata))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
 class MissingLayer(nn.Module):
     """The place of a decoder layer that another pipeline stage runs (keeps layer indices aligned)."""
 
@@ -292,10 +328,11 @@ class DecoderModel(nn.Module):
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
                              if self.is_first_stage else None)
         block = owner.block_options(cfg)
-        if block.sandwich_norms:
+        if block.sandwich_norms or block.post_norms:
             if block.residual_multiplier != 1.0:
-                raise UnsupportedModelError(f"{type(owner).__name__}: a residual multiplier with sandwich norms")
-            make_layer: Any = SandwichDecoderLayer
+                raise UnsupportedModelError(f"{type(owner).__name__}: a residual multiplier with norms on the block "
+                                            "outputs")
+            make_layer: Any = SandwichDecoderLayer if block.sandwich_norms else PostNormDecoderLayer
         else:
             make_layer = functools.partial(DecoderLayer, residual_multiplier=block.residual_multiplier)
         self.layers = nn.ModuleList(
