@@ -466,6 +466,13 @@ class EngineConfig:
             speculative=SpeculativeConfig(**sections["speculative"]),
         )
 
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """The keyword arguments :meth:`from_kwargs` takes."""
+        return frozenset(f.name for s in cls._SECTIONS
+                         for f in dataclasses.fields(cls.__dataclass_fields__[s].default_factory())  # type: ignore[misc]
+                         ) | {"speculative_config"}
+
     def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:
         """Apply ``{"section.field": value}`` overrides, validating the result."""
         sections = {s: getattr(self, s) for s in self._SECTIONS}

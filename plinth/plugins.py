@@ -399,12 +399,46 @@ class PluginManager:
                     raise
                 logger.warning("skipping the command-line flags of plugin %r: %s", impl.plugin_name, exc)
 
+    def cli_option_names(self) -> frozenset[str]:
+        """The ``dest`` names of the flags plugins add to any command (what ``LLM(...)`` accepts for them)."""
+        import argparse
+
+        names: set[str] = set()
+        for command in ("serve", "generate", "run-batch", "bench"):
+            parser = argparse.ArgumentParser(add_help=False)
+            try:
+                self.add_cli_arguments(parser, command)
+            except PluginError:
+                continue   # the command reports it when it builds its parser
+            names.update(action.dest for action in parser._actions)
+        return frozenset(names)
+
+    def apply_engine_config_overrides(self, config: Any, args: dict[str, Any]) -> Any:
+        """``config`` with every plugin's overrides applied in turn (see :meth:`engine_config_overrides`).
+
+        Raises:
+            PluginError: a plugin's hook raised, returned something other than a mapping, or an override that
+                the configuration refuses (named with the plugin).
+        """
+        from plinth.config import ConfigError
+
+        for name, overrides in self._named_overrides(config, args):
+            try:
+                config = config.with_overrides(overrides)
+            except ConfigError as exc:
+                raise PluginError(f"plugin {name!r}: its engine configuration override {overrides!r} is refused: "
+                                  f"{exc}") from None
+        return config
+
     def engine_config_overrides(self, config: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         """Collect the non-empty override mappings of every plugin, in registration order.
 
         Raises:
             PluginError: a plugin's hook raised or returned something other than a mapping.
         """
+        return [overrides for _, overrides in self._named_overrides(config, args)]
+
+    def _named_overrides(self, config: Any, args: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         out = []
         for impl in self._pm.hook.plinth_adjust_engine_config.get_hookimpls():
             result = _call_impl(impl, config=config, args=args)
@@ -414,7 +448,7 @@ class PluginManager:
                 raise PluginError(f"plugin {impl.plugin_name!r}: plinth_adjust_engine_config() must return "
                                   f"a mapping or None, got {type(result).__name__}")
             if result:
-                out.append(dict(result))
+                out.append((impl.plugin_name, dict(result)))
         return out
 
 

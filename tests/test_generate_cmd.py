@@ -214,6 +214,22 @@ def test_rows_of_every_shape_are_run_or_reported(tiny_llama_dir, tmp_path):
     assert got["a"]["completion_tokens"] == 2 and got["a"]["prompt_tokens"] == 3 and got["b"]["prompt_tokens"] == 2
 
 
+def test_row_ids_from_parquet_integer_columns_with_nulls_and_null_ids():
+    """A Parquet integer column with a null holds floats (10.0): its ids are the integers; a null id (or an empty cell,
+    left out of the row) is the row number, as a null means the default elsewhere."""
+    from plinth import SamplingParams
+    from plinth.entrypoints.generate_cmd import RowError, parse_row
+
+    base = SamplingParams()
+    assert parse_row(1, {"id": 10.0, "prompt": "x", "_cells": True}, base)[0] == "10"
+    assert parse_row(2, {"prompt": "x", "_cells": True}, base)[0] == "2"
+    assert parse_row(3, {"id": None, "prompt": "x"}, base)[0] == "3"
+    with pytest.raises(RowError, match="'id' must be a string or an integer, got 10.5"):
+        parse_row(4, {"id": 10.5, "prompt": "x", "_cells": True}, base)
+    with pytest.raises(RowError, match="got 10.0"):   # JSON values are taken as they are
+        parse_row(5, {"id": 10.0, "prompt": "x"}, base)
+
+
 def test_csv_stop_cells_are_json_lists_or_one_string():
     from plinth.entrypoints.generate_cmd import _coerce
 

@@ -353,6 +353,37 @@ def test_engine_config_override_of_wrong_type_names_the_plugin(empty_pm: PluginM
         empty_pm.engine_config_overrides(config=None, args={})
 
 
+def test_plugin_options_reach_the_hook_from_llm_and_bad_overrides_name_the_plugin(monkeypatch, tiny_llama_dir) -> None:
+    """``LLM(...)`` takes the options plugins add as flags (any command's) and hands them to their
+    ``plinth_adjust_engine_config``, as the CLI does; an unknown option is still refused; an override the
+    configuration refuses names the plugin."""
+    import plinth.plugins as plugins
+    from plinth import LLM
+    from plinth.config import ConfigError
+
+    @hookimpl
+    def plinth_add_cli_arguments(parser, command):
+        if command == "serve":
+            parser.add_argument("--acme-block-size", type=int, default=None)
+
+    @hookimpl
+    def plinth_adjust_engine_config(args):
+        size = args.get("acme_block_size")
+        return {"cache.block_size": size} if size else None
+
+    pm = PluginManager(env={"PLINTH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    pm.register_module(make_plugin("acme", plinth_add_cli_arguments=plinth_add_cli_arguments,
+                                   plinth_adjust_engine_config=plinth_adjust_engine_config), "acme")
+    monkeypatch.setattr(plugins, "_manager", pm)
+    with LLM(str(tiny_llama_dir), acme_block_size=32, selection="off") as llm:
+        assert llm.engine.config.cache.block_size == 32
+    with pytest.raises(ConfigError, match="unknown engine option 'acme_blok_size'"):
+        LLM(str(tiny_llama_dir), acme_blok_size=32)
+    with pytest.raises(PluginError, match="plugin 'acme': its engine configuration override .* is refused: "
+                                          ".*block_size"):
+        LLM(str(tiny_llama_dir), acme_block_size=-5, selection="off")
+
+
 def test_cli_arguments_hook_adds_flags_and_clashes_name_the_plugin(empty_pm: PluginManager) -> None:
     @hookimpl
     def plinth_add_cli_arguments(parser, command):

@@ -161,6 +161,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--served-model-name took {len(names)} names ({', '.join(names)}) and no model was given: "
                           f"put the model before --served-model-name (a model path after it is read as a name)")
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
-    for overrides in get_plugin_manager().engine_config_overrides(config, vars(args)):
-        config = config.with_overrides(overrides)
-    return config
+    return get_plugin_manager().apply_engine_config_overrides(config, vars(args))

@@ -168,7 +168,11 @@ def _chat_messages(line: int, value: Any) -> list[dict[str, Any]]:
 def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str, Any, SamplingParams, bool]:
     """Validate one row: (id, prompt, sampling params, is_chat)."""
     cells = bool(row.pop("_cells", False))
-    rid = row.get("id", line)
+    rid = row.get("id")
+    if rid is None:   # absent, null or an empty cell: the row number
+        rid = line
+    elif cells and isinstance(rid, float) and rid.is_integer():   # a Parquet integer column with a null in it
+        rid = int(rid)
     if not isinstance(rid, str | int) or isinstance(rid, bool):
         raise RowError(line, f"'id' must be a string or an integer, got {rid!r}")
     rid = str(rid)

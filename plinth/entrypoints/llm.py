@@ -90,9 +90,13 @@ class LLM:
             from plinth.core.engine import LLMEngine
             from plinth.plugins import get_plugin_manager
 
-            config = EngineConfig.from_kwargs(model=model, **kwargs)
-            for overrides in get_plugin_manager().engine_config_overrides(config, dict(kwargs, model=model)):
-                config = config.with_overrides(overrides)
+            pm = get_plugin_manager()
+            # options that plugins add (their command-line flags, by dest name) go to their hook only
+            extra = set(kwargs) - EngineConfig.option_names()
+            plugin_options = pm.cli_option_names() if extra else frozenset()
+            config = EngineConfig.from_kwargs(model=model, **{k: v for k, v in kwargs.items()
+                                                              if k not in extra or k not in plugin_options})
+            config = pm.apply_engine_config_overrides(config, dict(kwargs, model=model))
             self.engine = LLMEngine(config)
         self._ids = itertools.count()
         # stops the workers once: on close(), when the engine is collected, or at interpreter exit
