@@ -111,8 +111,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
+            raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         aliases = self.served_model_aliases
         if not isinstance(aliases, list | tuple) or not all(isinstance(a, str) and a for a in aliases):
             raise ConfigError(f"served_model_aliases must be a list of names, got {aliases!r}")

@@ -119,6 +119,7 @@ def test_priority_policy_keeps_outputs_and_fcfs_refuses_priorities(tiny_llama_di
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be in"),
     (dict(gpu_memory_utilization=None), "gpu_memory_utilization must be in"),
     (dict(seed=None), "seed must be an integer"),
+    (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 18446744073709551616"),
 ])
 def test_engine_options_of_the_wrong_type_are_config_errors(kw, match):
     """A string where a flag belongs would count as true (trust_remote_code="false" would run a checkpoint's

@@ -212,6 +212,7 @@ def test_rows_of_every_shape_are_run_or_reported(tiny_llama_dir, tmp_path):
     assert res.returncode == 0, res.stderr
     got = read_out(tmp_path / "pq.jsonl")
     assert got["a"]["completion_tokens"] == 2 and got["a"]["prompt_tokens"] == 3 and got["b"]["prompt_tokens"] == 2
+    assert got["a"]["outputs"][0]["finish_reason"] == "length" and got["a"]["outputs"][0]["stop_reason"] is None
 
 
 def test_row_ids_from_parquet_integer_columns_with_nulls_and_null_ids():

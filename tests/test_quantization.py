@@ -366,6 +366,13 @@ def test_fp8_tensor_core_kernel_refused_without_fp8_hardware(tiny_llama_dir):
         load_plinth(tiny_llama_dir, "fp8", gemm_kernel="cutlass")
 
 
+def test_a_gemm_kernel_without_a_quantization_method_is_refused(tiny_llama_dir):
+    import plinth
+
+    with pytest.raises(ConfigError, match="--gemm-kernel bogus picks a quantization method's GEMM kernel.*unquantized"):
+        plinth.LLM(str(tiny_llama_dir), gemm_kernel="bogus", selection="off")
+
+
 def test_fp8_kernel_reports_capability():
     from plinth.quantization.kernels.fp8_scaled_mm import ScaledMMFP8Kernel
 

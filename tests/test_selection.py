@@ -9,6 +9,7 @@ tests install it for real and let entry points find it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -98,8 +99,9 @@ def run(pm, tmp_path, *, spec=SPEC, mode="cached", forced=None, candidates=TEST_
     return result, platform
 
 
-def test_fast_correct_backend_wins(pm, backends, tmp_path):
-    result, platform = run(pm, tmp_path)
+def test_fast_correct_backend_wins(pm, backends, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="plinth.core.selection"):
+        result, platform = run(pm, tmp_path)
     assert result.winner == "test_fast" and result.winner_cls is backends.FastBackend
     assert not result.from_cache and result.how == "benchmark"
     fast, slow, wrong = (result.report(n) for n in ("test_fast", "test_slow", "test_wrong"))
@@ -120,6 +122,9 @@ def test_fast_correct_backend_wins(pm, backends, tmp_path):
     assert not broken.supported and broken.reason.startswith("unsupported:") and "missing_module" in broken.reason
     line = result.summary()
     assert line.startswith("attention_backend: test_fast (prefill") and "runner-up test_slow" in line
+    # a rejected candidate is named in the start-up line, with why, at WARNING level (its author needs to see it)
+    assert f"test_wrong rejected: max error {wrong.max_error:.3g}" in line
+    assert [r.levelno for r in caplog.records if "attention_backend: test_fast" in r.getMessage()] == [logging.WARNING]
     exposed = json.loads(json.dumps(result.to_dict()))
     assert exposed["winner"] == "test_fast"
     assert {c["name"]: c["status"] for c in exposed["candidates"]} == {

@@ -275,7 +275,8 @@ def _finish(kind: CandidateKind, winner: str, usable: dict[str, Any], reports: l
 
 def _done(result: SelectionResult, start: float) -> SelectionResult:
     result.elapsed_s = time.perf_counter() - start
-    logger.info("%s", result.summary())
+    # a candidate that fails its check is a broken kernel or backend: its author needs to see why
+    logger.log(logging.WARNING if result.rejected and not result.from_cache else logging.INFO, "%s", result.summary())
     return result
 
 

@@ -81,7 +81,14 @@ class SelectionResult:
         line = f"{self.kind}: {fmt(self.report(self.winner))} [{self.how}]"
         if (ru := self.runner_up) is not None:
             line += f"; runner-up {fmt(ru)}"
+        for c in self.rejected:
+            line += f"; {c.name} {c.reason}"
         return line + f"; {self.elapsed_s:.2f} s"
+
+    @property
+    def rejected(self) -> list[CandidateReport]:
+        """Candidates that could run here but failed their check against the reference or crashed."""
+        return [c for c in self.candidates if c.reason.startswith("rejected")]
 
     def to_dict(self) -> dict[str, Any]:
         return {

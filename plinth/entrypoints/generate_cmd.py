@@ -381,9 +381,8 @@ def _logprobs(positions: Any) -> Any:
 def _record(out: Any, line: int | None, rid: str) -> dict[str, Any]:
     outputs = []
     for c in out.outputs:
-        item: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids, "finish_reason": str(c.finish_reason)}
-        if c.stop_reason is not None:
-            item["stop_reason"] = c.stop_reason
+        item: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids, "finish_reason": str(c.finish_reason),
+                                "stop_reason": c.stop_reason}   # the stop string or token id; null for EOS or length
         if c.logprobs is not None:
             item["logprobs"] = _logprobs(c.logprobs)
             item["cumulative_logprob"] = c.cumulative_logprob

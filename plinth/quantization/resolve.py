@@ -151,6 +151,9 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
         if lm_head:
             raise ConfigError(f"--quantize-lm-head needs a quantization method that can quantize it: "
                               f"{', '.join(_lm_head_quantizers()) or 'none installed'}")
+        if getattr(config.device, "gemm_kernel", None):
+            raise ConfigError(f"--gemm-kernel {config.device.gemm_kernel} picks a quantization method's GEMM kernel, "
+                              f"and {origin} runs unquantized (add --quantization)")
         return None
     cls = _load_class(name)
     if lm_head and not cls.quantizes_lm_head:
