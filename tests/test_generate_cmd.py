@@ -215,6 +215,26 @@ def test_rows_of_every_shape_are_run_or_reported(tiny_llama_dir, tmp_path):
     assert got["a"]["outputs"][0]["finish_reason"] == "length" and got["a"]["outputs"][0]["stop_reason"] is None
 
 
+def test_a_second_run_on_the_same_output_stops_at_once(tmp_path, tiny_llama_dir):
+    """Two runs appending to one results file would both run the rows neither had done: the second stops, naming
+    the file, while the first holds it; an input with nothing left to run does not load the model."""
+    from plinth.entrypoints.generate_cmd import output_lock
+    from plinth.errors import CliError
+
+    out = tmp_path / "sub" / "out.jsonl"
+    with output_lock(out):
+        with pytest.raises(CliError, match="is being written by another run"), output_lock(out):
+            pass
+        (tmp_path / "in.jsonl").write_text('{"prompt": "Hi"}\n')
+        res = run_cli([*engine_args(tiny_llama_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out)])
+        assert res.returncode != 0 and "is being written by another run" in res.stderr and "Traceback" not in res.stderr
+    with output_lock(out):   # released
+        pass
+    (tmp_path / "empty.jsonl").write_text("")
+    res = run_cli(["generate", "/nonexistent-model-dir", "--input", str(tmp_path / "empty.jsonl"), "--output", str(out)])
+    assert res.returncode == 0 and "0 rows to run" in res.stderr, res.stderr
+
+
 def test_row_ids_from_parquet_integer_columns_with_nulls_and_null_ids():
     """A Parquet integer column with a null holds floats (10.0): its ids are the integers; a null id (or an empty cell,
     left out of the row) is the row number, as a null means the default elsewhere."""

@@ -13,6 +13,7 @@ overriding the command-line defaults for that row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -301,6 +302,34 @@ def _check_paths(args: argparse.Namespace) -> None:
     check_output(inp, out)
 
 
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``out`` (created empty if missing) for a run, so that a second run writing the same
+    results file stops at once instead of adding the same rows again.
+
+    Raises:
+        CliError: another run holds it.
+    """
+    from plinth.errors import CliError
+
+    try:
+        import fcntl
+    except ImportError:   # no advisory locks here (Windows): runs are not guarded against each other
+        yield
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CliError(f"--output {str(out)!r} is being written by another run; wait for it to end (a rerun "
+                           "then goes on from its results)") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def check_output(inp: Path, out: Path) -> None:
     """Refuse an ``--output`` that is the input, not a file, or in no writable directory (its missing
     folders are made when it is written).
@@ -328,15 +357,18 @@ def run(args: argparse.Namespace) -> int:
     if args.input is None:
         return _run_prompts(LLMEngine(engine_config_from_args(args)), args, base)
     inp, output, bad_rows = Path(args.input), Path(args.output), args.bad_rows or "fail"
-    skip = done_ids(output)
-    checked = _checked_rows(inp, base, skip, bad_rows, args.max_waiting_requests)
-    if checked is None:
-        return 2
-    rows, bad = checked
-    if args.max_waiting_requests is None:   # rows are tokenized and queued as they are needed
-        args.max_waiting_requests = max([FILE_QUEUE, args.max_num_seqs or 0] + [r[3].n for r in rows])
-    print(f"{len(rows)} rows to run, {len(skip)} already done, {bad} skipped", file=sys.stderr)
-    return _run_file(LLMEngine(engine_config_from_args(args)), inp, output, rows, bad_rows)
+    with output_lock(output):
+        skip = done_ids(output)
+        checked = _checked_rows(inp, base, skip, bad_rows, args.max_waiting_requests)
+        if checked is None:
+            return 2
+        rows, bad = checked
+        if args.max_waiting_requests is None:   # rows are tokenized and queued as they are needed
+            args.max_waiting_requests = max([FILE_QUEUE, args.max_num_seqs or 0] + [r[3].n for r in rows])
+        print(f"{len(rows)} rows to run, {len(skip)} already done, {bad} skipped", file=sys.stderr)
+        if not rows:   # nothing to do: the model is not loaded
+            return 0
+        return _run_file(LLMEngine(engine_config_from_args(args)), inp, output, rows, bad_rows)
 
 
 def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) -> int:

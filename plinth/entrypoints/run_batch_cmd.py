@@ -32,7 +32,7 @@ from typing import Any
 
 from plinth.core.request import encodable_text
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from plinth.entrypoints.generate_cmd import check_output, torn_record
+from plinth.entrypoints.generate_cmd import check_output, output_lock, torn_record
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, lora_modules
 from plinth.errors import CliError
 
@@ -268,6 +268,11 @@ def run(args: argparse.Namespace) -> int:
     resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
     resolve_reasoning_parser(args.reasoning_parser)
     lora_modules(args)   # and so does a malformed --lora-modules
+    with output_lock(out):
+        return _run(args, config, inp, out)
+
+
+def _run(args: argparse.Namespace, config: Any, inp: Path, out: Path) -> int:
     done = settled_ids(out)
     requests, invalid = read_requests(inp, done)
     print(f"{len(requests)} requests to run, {len(done)} already done, {len(invalid)} invalid", file=sys.stderr)
