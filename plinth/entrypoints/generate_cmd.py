@@ -318,6 +318,7 @@ def output_lock(out: Path) -> Iterator[None]:
         yield
         return
     out.parent.mkdir(parents=True, exist_ok=True)
+    created = not out.exists()
     with out.open("a", encoding="utf-8") as f:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -327,6 +328,8 @@ def output_lock(out: Path) -> Iterator[None]:
         try:
             yield
         finally:
+            if created and os.fstat(f.fileno()).st_size == 0:   # a run that wrote nothing leaves no file
+                out.unlink(missing_ok=True)
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
