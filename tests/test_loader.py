@@ -301,3 +301,13 @@ def test_unsupported_dtype(broken_dir, dtype):
     name = str(dtype).removeprefix("torch.")
     with pytest.raises(ModelLoadError, match=rf"model\.safetensors.*'model\.norm\.weight'.*unsupported dtype {name}"):
         _load(str(broken_dir))
+
+
+def test_a_tokenizer_path_that_is_not_a_directory_is_a_clear_error(tiny_llama_dir, tmp_path):
+    """``--tokenizer`` names local files (as the model does): a missing path is not looked up on a model hub."""
+    import plinth
+    from plinth.errors import ModelLoadError
+
+    for path, what in ((tmp_path / "missing", "does not exist"), (tiny_llama_dir / "config.json", "is not a directory")):
+        with pytest.raises(ModelLoadError, match=f"tokenizer '.*' {what}: give a directory"):
+            plinth.LLM(str(tiny_llama_dir), tokenizer=str(path), selection="off")

@@ -75,6 +75,10 @@ def load_tokenizer(source: Any, config: EngineConfig) -> Any:
         from plinth.model_registry.gguf_loader import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path)
+    if not Path(path).is_dir():   # plinth reads local files only: a name would be looked up on a model hub
+        what = "is not a directory" if Path(path).exists() else "does not exist"
+        raise ModelLoadError(f"tokenizer {str(path)!r} {what}: give a directory holding the tokenizer's files "
+                             "(tokenizer.json or tokenizer_config.json) or a .gguf file")
     from transformers import AutoTokenizer
 
     try:
