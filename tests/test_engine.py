@@ -269,15 +269,18 @@ def test_token_id_prompts_and_rejections(llm, tiny_llama_dir):
         llm.generate([[1] * 600], SamplingParams(max_tokens=None, min_tokens=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     # more sequences than the waiting queue can ever hold
-    capped = llm_for(tiny_llama_dir, max_waiting_requests=2)
-    with pytest.raises(RequestRejectedError, match="n is 3"):
-        capped.generate([ids], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+    capped = llm_for(tiny_llama_dir, max_waiting_requests=2, max_num_seqs=1)
+    with pytest.raises(RequestRejectedError, match=r"n is 4, more sequences than the running batch and the waiting "
+                                                   r"queue hold together \(1 \+ 2\)"):
+        capped.generate([ids], SamplingParams(n=4, max_tokens=2), use_tqdm=False)
+    assert len(capped.generate([ids], SamplingParams(n=3, max_tokens=2), use_tqdm=False)[0].outputs) == 3
     capped.close()
     # a logit_bias token outside the vocabulary
     with pytest.raises(RequestRejectedError, match="logit_bias: token id 1000000 is out of range"):
         llm.generate([ids], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     with pytest.raises(SamplingParamsError, match="logit_bias: token id 12345678901234567890... is too large"):
         SamplingParams(logit_bias={"1234567890123456789012345678901234567890": 1.0})
+    assert SamplingParams(logit_bias={"0000000000000000000000001": 2.0}).logit_bias == {1: 2.0}   # leading zeros
     # a stop token outside the vocabulary could never match
     with pytest.raises(RequestRejectedError, match="stop_token_ids: token id 1000000 is out of range"):
         llm.generate([ids], SamplingParams(stop_token_ids=[3, 10**6]), use_tqdm=False)

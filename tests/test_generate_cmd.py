@@ -4,6 +4,7 @@ bad rows, and resuming an interrupted run without duplicates."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -164,7 +165,8 @@ def test_files_are_checked_before_the_model_loads_and_never_damaged(tiny_llama_d
         (["--prompt", "hi", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")], "not both"),
         (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--chat"], "'messages'"),
         (["--input", str(write_jsonl(tmp_path / "n.jsonl", [{"prompt": "hi", "n": 3}])), "--output",
-          str(tmp_path / "o.jsonl"), "--max-waiting-requests", "2"], "row 1: n is 3, more than --max-waiting-requests"),
+          str(tmp_path / "o.jsonl"), "--max-waiting-requests", "1", "--max-num-seqs", "1"],
+         "row 1: n is 3, more than --max-num-seqs plus --max-waiting-requests (2)"),
     ]
     for extra, needle in cases:
         res = run_cli([*engine_args(tiny_llama_dir), *extra])
@@ -230,6 +232,14 @@ def test_a_second_run_on_the_same_output_stops_at_once(tmp_path, tiny_llama_dir)
         assert res.returncode != 0 and "is being written by another run" in res.stderr and "Traceback" not in res.stderr
     with output_lock(out):   # released
         pass
+    # the results file replaced while a run holds the lock (a rerun cleaning up a torn record) stays locked
+    with output_lock(out):
+        out.write_text("")
+        tmp = out.with_name("new")
+        tmp.write_text("")
+        os.replace(tmp, out)
+        with pytest.raises(CliError, match="is being written by another run"), output_lock(out):
+            pass
     (tmp_path / "empty.jsonl").write_text("")
     res = run_cli(["generate", "/nonexistent-model-dir", "--input", str(tmp_path / "empty.jsonl"), "--output", str(out)])
     assert res.returncode == 0 and "0 rows to run" in res.stderr, res.stderr

@@ -828,10 +828,12 @@ def test_granite_smollm3_olmo2_gguf_give_the_original_logits(tmp_path, arch):
         swa = write_gguf(tmp_path / "olmo3.gguf", model, arch, metadata={"w": lambda w: w.add_sliding_window(8)})
         with pytest.raises(UnsupportedModelError, match="OLMo 3"):
             read_gguf_config(swa)
-    # a Granite file without the keys has multipliers of 1
+    # a Granite file without the keys
     if arch == "granite":
         plain = read_gguf_config(write_gguf(tmp_path / "plain.gguf", model, arch))[0]
-        assert {k: getattr(plain, k) for k in GRANITE_SCALES} == dict.fromkeys(GRANITE_SCALES, 1.0)
+        # (as llama.cpp: the softmax scale 1/sqrt(head size) = 1/4 here)
+        assert {k: getattr(plain, k) for k in GRANITE_SCALES} == {**dict.fromkeys(GRANITE_SCALES, 1.0),
+                                                                   "attention_multiplier": 0.25}
 
 
 @pytest.mark.parametrize("arch", ["granite", "smollm3", "olmo2"])

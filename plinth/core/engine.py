@@ -490,10 +490,10 @@ class LLMEngine:
         self._check_vocab(params.logit_bias or (), "logit_bias")
         self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
         self._check_vocab(params.stop_token_ids or (), "stop_token_ids")   # one outside could never match
-        cap = self.scheduler.config.max_waiting_requests
-        if cap is not None and params.n > cap:
-            raise RequestRejectedError(f"n is {params.n}, more sequences than the waiting queue holds ({cap})",
-                                       param="n")
+        cap, places = self.scheduler.config.max_waiting_requests, self.scheduler.config.max_num_seqs
+        if cap is not None and params.n > cap + places:   # more than an idle engine takes at once, ever
+            raise RequestRejectedError(f"n is {params.n}, more sequences than the running batch and the waiting queue "
+                                       f"hold together ({places} + {cap})", param="n")
         if len(ids) < self.max_model_len and params.min_tokens > self.max_model_len - len(ids):
             raise RequestRejectedError(
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "

@@ -190,7 +190,7 @@ def _token_bias(bias: Any) -> dict[int, float] | None:
     for key, value in bias.items():
         token = key
         if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
-            if len(key.strip()) > 18:
+            if len(key.strip().lstrip("0")) > 18:
                 raise SamplingParamsError("logit_bias", f"token id {key.strip()[:20]}... is too large for any "
                                           "vocabulary")
             token = int(key)

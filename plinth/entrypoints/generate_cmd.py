@@ -304,8 +304,9 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def output_lock(out: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out`` (created empty if missing) for a run, so that a second run writing the same
-    results file stops at once instead of adding the same rows again.
+    """Hold an exclusive lock for a run writing ``out``, so that a second run on the same results file stops at once
+    instead of adding the same rows again. The lock is a hidden file beside it (``.<name>.lock``, kept: the results
+    file itself may be replaced while the run holds the lock, when a torn or retried record is cleaned up).
 
     Raises:
         CliError: another run holds it.
@@ -318,19 +319,16 @@ def output_lock(out: Path) -> Iterator[None]:
         yield
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    created = not out.exists()
-    with out.open("a", encoding="utf-8") as f:
+    with out.with_name(f".{out.name}.lock").open("a", encoding="utf-8") as lock:
         try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise CliError(f"--output {str(out)!r} is being written by another run; wait for it to end (a rerun "
                            "then goes on from its results)") from None
         try:
             yield
         finally:
-            if created and os.fstat(f.fileno()).st_size == 0:   # a run that wrote nothing leaves no file
-                out.unlink(missing_ok=True)
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def check_output(inp: Path, out: Path) -> None:
@@ -362,7 +360,10 @@ def run(args: argparse.Namespace) -> int:
     inp, output, bad_rows = Path(args.input), Path(args.output), args.bad_rows or "fail"
     with output_lock(output):
         skip = done_ids(output)
-        checked = _checked_rows(inp, base, skip, bad_rows, args.max_waiting_requests)
+        # the most sequences an idle engine takes at once (known before it loads when both flags are given)
+        room = (args.max_waiting_requests + args.max_num_seqs
+                if args.max_waiting_requests is not None and args.max_num_seqs is not None else None)
+        checked = _checked_rows(inp, base, skip, bad_rows, room)
         if checked is None:
             return 2
         rows, bad = checked
@@ -457,7 +458,7 @@ def _checked_rows(inp: Path, base: SamplingParams, skip: set[str], bad_rows: str
             if rid in seen:
                 raise RowError(line, f"duplicate id {rid!r}")
             if queue is not None and params.n > queue:
-                raise RowError(line, f"n is {params.n}, more than --max-waiting-requests ({queue})")
+                raise RowError(line, f"n is {params.n}, more than --max-num-seqs plus --max-waiting-requests ({queue})")
             seen.add(rid)
         except RowError as exc:
             bad += 1

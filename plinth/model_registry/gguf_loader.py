@@ -84,7 +84,7 @@ _ARCHITECTURES = {
         ("post_attention_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
 # Granite's multipliers: GGUF key (after the architecture name) -> config field; llama.cpp's converter writes the
-# config's values as they are, and each is 1 when absent
+# config's values as they are; when one is absent llama.cpp scales by 1, and the softmax by 1/sqrt(head size)
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 # SmolLM3 in llama.cpp: every fourth layer (3, 7, ...) has no RoPE; its GGUF metadata has no key for it
@@ -317,7 +317,7 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if arch.model_type == "granite":
         for key, field in _GRANITE_SCALES.items():
-            value = reader.get(f"{name}.{key}", 1.0)
+            value = reader.get(f"{name}.{key}", head_dim ** -0.5 if key == "attention.scale" else 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ModelLoadError(f"GGUF file {path!r}: {name}.{key} must be a number, got {value!r}")
             options[field] = _float32_value(value)

@@ -125,7 +125,7 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
     if model.lm_head is None or inner.embed_tokens is None or inner.norm is None or inner.embed_tokens.tp_size != 1:
         return "pipeline or tensor parallelism"
     if inner.local_rotary_emb is not None:
-        return "a second RoPE (Gemma 3)"
+        return "sliding layers with a RoPE of their own (Gemma 3, OLMo 3)"
     embed = inner.embed_tokens.weight
     dtype = embed.dtype
     if not cpu_native.layer_ops_enabled(embed):   # bfloat16 or float32, the library built and switched on
