@@ -224,10 +224,11 @@ def test_float32_model_plan_equals_the_module_path(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_packed_bf16)])
-@pytest.mark.parametrize("name", ["SmolLM3ForCausalLM", "GraniteForCausalLM"])
-def test_plan_of_nope_layers_and_multipliers_equals_the_module_path(name, dtype, tmp_path):
-    """SmolLM3's layers without RoPE and Granite's embedding and residual multipliers (its logit scaling is the
-    model's own ``compute_logits``) in the plan's Python loop: bit-identical to the module path."""
+@pytest.mark.parametrize("name", ["SmolLM3ForCausalLM", "GraniteForCausalLM", "Qwen3ForCausalLM"])
+def test_plan_of_nope_layers_multipliers_and_qk_norms_equals_the_module_path(name, dtype, tmp_path):
+    """SmolLM3's layers without RoPE, Granite's embedding and residual multipliers (its logit scaling is the
+    model's own ``compute_logits``) and Qwen3's per-head q/k norms in the plan's Python loop: bit-identical to the
+    module path."""
     from test_models import save_with_tokenizer
 
     save_with_tokenizer(name, tmp_path)
@@ -236,6 +237,8 @@ def test_plan_of_nope_layers_and_multipliers_equals_the_module_path(name, dtype,
         assert isinstance(plan, CpuDecodePlan) and plan.fused_layers is None
         if name == "SmolLM3ForCausalLM":
             assert [lay.rope for lay in plan.layers] == [True, False, False, True]
+        elif name == "Qwen3ForCausalLM":
+            assert all(lay.q_norm is not None and lay.k_norm is not None for lay in plan.layers)
         else:
             assert plan.embed_scale == 6.0 and {lay.residual_multiplier for lay in plan.layers} == {0.5}
         for n in (1, 3):

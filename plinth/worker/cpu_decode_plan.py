@@ -10,8 +10,8 @@ cost is a loop over layers.
 
 It serves what the module path would run with those kernels: a bfloat16 model (or a float32 one: the
 default GGUF model on CPUs without native bfloat16) built from
-:class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (dense SiLU MLP, plain RMSNorm, no
-q/k norm; any biases and sliding windows, layers without RoPE, embedding and residual multipliers), one
+:class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (dense SiLU MLP, plain RMSNorms, per-head
+q/k RMSNorms or none; any biases and sliding windows, layers without RoPE, embedding and residual multipliers), one
 process (no tensor or pipeline parallelism), the ``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
 not otherwise. ``PLINTH_CPU_DECODE_PLAN=0`` turns it off.
 """
@@ -102,6 +102,8 @@ class _Layer:
     kv_cache: torch.Tensor         # [2, num_blocks, block_size, Hkv, D]
     int4_copies: dict[str, Int4Weight] = dataclasses.field(default_factory=dict)   # one-row 4-bit copies by GEMM
     rope: bool = True              # q and k rotated (False: a NoPE layer, SmolLM3)
+    q_norm: torch.nn.Module | None = None   # per-head RMSNorms of q and k before the rotation (Qwen3)
+    k_norm: torch.nn.Module | None = None
     residual_multiplier: float = 1.0   # the attention and MLP outputs scaled before the residual add (Granite)
 
 
@@ -136,8 +138,9 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn, DecoderAttention):
             return f"layer {type(layer).__name__} is not a standard decoder layer"
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_norm is not None:
-            return "q/k norms"
+        if attn.q_norm is not None and (attn.qk_norm_full or type(attn.q_norm) is not RMSNorm
+                                        or type(attn.k_norm) is not RMSNorm):
+            return "q/k norms other than plain per-head RMSNorms"
         if not isinstance(mlp, DenseMLP) or not isinstance(mlp.act_fn, SiluAndMul):
             return f"feed-forward block {type(mlp).__name__} is not a dense SiLU MLP"
         if attn.qkv_proj.tp_size != 1 or attn.attn.kv_cache is None:
@@ -245,7 +248,8 @@ class CpuDecodePlan:
                     name: copy for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))
                     if (copy := _int4_copy(proj)) is not None},
-                rope=attn.use_rope, residual_multiplier=layer.residual_multiplier))
+                rope=attn.use_rope, residual_multiplier=layer.residual_multiplier, q_norm=attn.q_norm,
+                k_norm=attn.k_norm))
         self.embed_scale = inner.embed_scale   # Gemma's sqrt(hidden_size), Granite's embedding multiplier
         self.native = _Native(self.dtype)
         self._buffers: _Buffers | None = None
@@ -293,8 +297,8 @@ class CpuDecodePlan:
         first = self.layers[0]
         first_copies = self._gemv_copies[0]
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
-            if not lay.rope or lay.residual_multiplier != 1.0:   # the native step rotates and adds as Llama does
-                return None
+            if not lay.rope or lay.residual_multiplier != 1.0 or lay.q_norm is not None:
+                return None   # the native step norms, rotates and adds as Llama does
             if (any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies)
                     or (lay.kv_cache.dtype != self.dtype
                         and not _narrow_cache_ok(lay.kv_cache, self.dtype, lay.head_size))):
@@ -411,6 +415,11 @@ class CpuDecodePlan:
             row, elem = qkv.stride(0), qkv.element_size()
             q_p = qkv.data_ptr()
             k_p, v_p = q_p + hq * d * elem, q_p + (hq + hkv) * d * elem
+            if lay.q_norm is not None:   # the modules' own norms on the same [B, H, D] views, written back in place
+                q_view = qkv[:, :hq * d].view(b, hq, d)
+                k_view = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+                q_view.copy_(lay.q_norm(q_view))
+                k_view.copy_(lay.k_norm(k_view))
             if lay.rope:
                 native.rotary(q_p, row, d, hq, k_p, row, d, hkv, cos_p, sin_p, rot_dim, b, rot_dim)
             cache = lay.kv_cache                                                   # [2, N, BS, Hkv, D]
