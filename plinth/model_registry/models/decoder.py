@@ -233,44 +233,12 @@ class DecoderLayer(nn.Module):
         return (hidden * self.residual_multiplier if scaled else hidden), residual
 
 
-class SandwichDecoderLayer(nn.Module):
-    """Gemma 2/3's block: each of the attention and MLP outputs is normed before it joins the residual
-    stream (``post_attention_layernorm``, ``post_feedforward_layernorm``), and the MLP's input norm is
-    ``pre_feedforward_layernorm``. The same ``(hidden, residual)`` protocol as :class:`DecoderLayer` (the
-    next norm adds the two); the all-reduces of tensor parallelism happen in the projections, since a norm
-    stands between each projection and its residual add."""
-
-    can_defer_output = False
-    reduce_input = False
-
-    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
-                 norm: type[RMSNorm] = RMSNorm):
-        super().__init__()
-        cfg = ctx.hf_config
-        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
-        self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = mlp
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, metadata))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
-
-
 class PostNormDecoderLayer(nn.Module):
     """OLMo 2's block: no norm on the attention's or the MLP's input, a norm on each output before it joins the
     residual stream (``post_attention_layernorm``, ``post_feedforward_layernorm``). The same ``(hidden,
     residual)`` protocol as :class:`DecoderLayer`: the stream is their sum, which the next layer or the final norm
-    forms."""
+    forms; the all-reduces of tensor parallelism would happen in the projections, since a norm stands between each
+    projection and its residual add."""
 
     can_defer_output = False
     reduce_input = False
@@ -289,6 +257,30 @@ class PostNormDecoderLayer(nn.Module):
         stream = hidden if residual is None else hidden + residual
         stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, metadata))
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
+class SandwichDecoderLayer(PostNormDecoderLayer):
+    """Gemma 2/3's block: OLMo 2's norms on the attention and MLP outputs, and norms on their inputs too
+    (``input_layernorm``, ``pre_feedforward_layernorm``, which add the residual stream as :class:`DecoderLayer`'s
+    do)."""
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm):
+        super().__init__(ctx, layer_idx, options, mlp, norm)
+        cfg = ctx.hf_config
+        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, metadata))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class MissingLayer(nn.Module):
