@@ -27,13 +27,22 @@ CONFIGS = {
                    "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
                    "tie_word_embeddings": True, "attention_bias": False, "torch_dtype": "bfloat16",
                    "bos_token_id": 151643, "eos_token_id": 151645},
+    "gemma-3-270m": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+                     "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+                     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+                     "rms_norm_eps": 1e-06, "query_pre_attn_scalar": 256, "sliding_window": 512,
+                     "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+                     "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
+                     "attn_logit_softcapping": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+                     "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
 }
 
 
-def _child(model_dir: str, prompt_len: int, new_tokens: int, runs: int) -> None:
+def _child(model_dir: str, prompt_len: int, new_tokens: int, runs: int, dtype: str) -> None:
     import plinth
 
-    llm = plinth.LLM(model_dir, load_format="dummy", max_model_len=prompt_len + new_tokens + 64)
+    llm = plinth.LLM(model_dir, load_format="dummy", max_model_len=prompt_len + new_tokens + 64, dtype=dtype)
     plan = type(llm.engine.runner.graphs).__name__ if llm.engine.runner is not None else "none"
     params = plinth.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(100, 100 + prompt_len))}], params, use_tqdm=False)
@@ -54,10 +63,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (Gemma's norms need float32 for the plan)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.prompt_len, args.new_tokens, args.runs)
+        _child(args.child, args.prompt_len, args.new_tokens, args.runs, args.dtype)
         return
     with tempfile.TemporaryDirectory() as model_dir:
         config = CONFIGS.get(args.config)
@@ -68,7 +78,7 @@ def main() -> None:
             json.dump(config, f)
         for i in range(args.starts):
             env = {**os.environ, "PLINTH_CPU_DECODE_PLAN": "1" if i % 2 == 0 else "0"}
-            cmd = [sys.executable, __file__, "--child", model_dir, "--runs", str(args.runs),
+            cmd = [sys.executable, __file__, "--child", model_dir, "--runs", str(args.runs), "--dtype", args.dtype,
                    "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             print(out.stdout.strip().splitlines()[-1], flush=True)

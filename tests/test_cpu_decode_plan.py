@@ -245,6 +245,25 @@ def test_plan_of_nope_layers_multipliers_and_qk_norms_equals_the_module_path(nam
             _plan_equals_modules(llm, n, "m")
 
 
+@pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma3ForCausalLM"])
+def test_plan_of_gemma_equals_the_module_path(name, tmp_path):
+    """Gemma's scaled embeddings, (1 + w) norms and tanh-GeLU gate, and Gemma 3's norms on the block outputs, per-head
+    q/k norms and sliding layers with their own RoPE, in the plan's Python loop of a float32 model: bit-identical to
+    the module path. (In a bfloat16 model Gemma's norms compute in float32: no plan.)"""
+    from test_models import save_with_tokenizer
+
+    save_with_tokenizer(name, tmp_path)
+    with LLM(str(tmp_path), dtype="float32", block_size=4, attention_backend="cpu_paged") as llm:
+        plan = llm.engine.runner.graphs
+        assert isinstance(plan, CpuDecodePlan) and plan.fused_layers is None
+        assert all(lay.act is not None for lay in plan.layers) and plan.embed_scale != 1.0
+        if name == "Gemma3ForCausalLM":
+            assert [lay.local_rope for lay in plan.layers] == [True, False, True]
+            assert all(lay.attn_out_norm is not None and lay.q_norm is not None for lay in plan.layers)
+        for n in (1, 3):
+            _plan_equals_modules(llm, n, "g")
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_float32_gguf_plan_runs_every_layer_natively(int8, tmp_path_factory, monkeypatch, tiny_llama_dir):
     """A float32 Q4_1 GGUF model on a CPU without native bfloat16 keeps 4-bit copies that take float32 rows

@@ -10,9 +10,10 @@ cost is a loop over layers.
 
 It serves what the module path would run with those kernels: a bfloat16 model (or a float32 one: the
 default GGUF model on CPUs without native bfloat16) built from
-:class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (dense SiLU MLP, plain RMSNorms, per-head
-q/k RMSNorms or none; any biases and sliding windows, layers without RoPE, embedding and residual multipliers), one
-process (no tensor or pipeline parallelism), the ``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
+:class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (a dense gated MLP, RMSNorms or Gemma's
+whose weights are in the model's dtype, per-head q/k norms or none, norms on the block outputs (Gemma 2/3); any
+biases and sliding windows, a second RoPE for sliding layers, layers without RoPE, embedding and residual
+multipliers), one process (no tensor or pipeline parallelism), the ``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
 not otherwise. ``PLINTH_CPU_DECODE_PLAN=0`` turns it off.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -105,18 +107,22 @@ class _Layer:
     q_norm: torch.nn.Module | None = None   # per-head RMSNorms of q and k before the rotation (Qwen3)
     k_norm: torch.nn.Module | None = None
     residual_multiplier: float = 1.0   # the attention and MLP outputs scaled before the residual add (Granite)
+    attn_out_norm: tuple[torch.Tensor, float] | None = None   # Gemma 2/3: (weight, eps) of the attention output's norm
+    mlp_out_norm: tuple[torch.Tensor, float] | None = None    # and of the MLP output's
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None  # a gated activation other than SiLU (the module's)
+    local_rope: bool = False       # a sliding layer with the model's second RoPE (Gemma 3)
 
 
 def _why_not(model: torch.nn.Module, backend: object) -> str:
     """Why the plan cannot run ``model`` (empty when it can)."""
     from plinth.attention_backends.cpu_paged import CpuPagedBackend
-    from plinth.model_registry.layers.activation import SiluAndMul
-    from plinth.model_registry.layers.layernorm import RMSNorm
+    from plinth.model_registry.layers.layernorm import GemmaRMSNorm, RMSNorm
     from plinth.model_registry.models.decoder import (
         DecoderAttention,
         DecoderForCausalLM,
         DecoderLayer,
         DenseMLP,
+        SandwichDecoderLayer,
     )
 
     if not isinstance(model, DecoderForCausalLM):
@@ -126,8 +132,6 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
     inner = model.model
     if model.lm_head is None or inner.embed_tokens is None or inner.norm is None or inner.embed_tokens.tp_size != 1:
         return "pipeline or tensor parallelism"
-    if inner.local_rotary_emb is not None:
-        return "sliding layers with a RoPE of their own (Gemma 3, OLMo 3)"
     embed = inner.embed_tokens.weight
     dtype = embed.dtype
     if not cpu_native.layer_ops_enabled(embed):   # bfloat16 or float32, the library built and switched on
@@ -135,19 +139,23 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
     if not ops.fused_ops_enabled(embed):   # PLINTH_FUSED_OPS=0: the modules run the torch code
         return "the fused ops are off (PLINTH_FUSED_OPS=0)"
     for layer in inner.layers:
-        if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn, DecoderAttention):
+        if type(layer) not in (DecoderLayer, SandwichDecoderLayer) or not isinstance(layer.self_attn, DecoderAttention):
             return f"layer {type(layer).__name__} is not a standard decoder layer"
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_norm is not None and (attn.qk_norm_full or type(attn.q_norm) is not RMSNorm
-                                        or type(attn.k_norm) is not RMSNorm):
-            return "q/k norms other than plain per-head RMSNorms"
-        if not isinstance(mlp, DenseMLP) or not isinstance(mlp.act_fn, SiluAndMul):
-            return f"feed-forward block {type(mlp).__name__} is not a dense SiLU MLP"
+        if attn.q_norm is not None and (attn.qk_norm_full or type(attn.q_norm) not in (RMSNorm, GemmaRMSNorm)):
+            return "q/k norms over all heads"
+        if not isinstance(mlp, DenseMLP):
+            return f"feed-forward block {type(mlp).__name__} is not a dense MLP"
         if attn.qkv_proj.tp_size != 1 or attn.attn.kv_cache is None:
             return "tensor parallelism, or no KV cache"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(norm) is not RMSNorm:
-                return f"{type(norm).__name__} norms (the native norm is a plain RMSNorm)"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if isinstance(layer, SandwichDecoderLayer):
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        for norm in norms:
+            # the native norm multiplies by the weight: a Gemma norm's holds 1 + w, in the model's dtype when it
+            # computes in float32 (in a bfloat16 model it stays float32: caught here)
+            if type(norm) not in (RMSNorm, GemmaRMSNorm):
+                return f"{type(norm).__name__} norms"
             if norm.weight.dtype != dtype:
                 return f"norm weights are not {dtype}"
         if attn.attn.kv_cache.dtype != dtype and not _narrow_cache_ok(attn.attn.kv_cache, dtype, attn.head_dim):
@@ -235,12 +243,22 @@ class CpuDecodePlan:
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight
         self.final_eps = inner.norm.eps
+        self.local_rotary = inner.local_rotary_emb   # Gemma 3's sliding layers' RoPE, else None
         self.layers = []
-        for layer in inner.layers:
+        from plinth.model_registry.layers.activation import SiluAndMul
+        from plinth.model_registry.models.decoder import SandwichDecoderLayer
+
+        for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            sandwich = isinstance(layer, SandwichDecoderLayer)
+            # the norm that adds the attention output to the residual stream before the MLP
+            mlp_in = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            act = None
+            if not isinstance(mlp.act_fn, SiluAndMul):   # as DenseMLP.forward calls it
+                act = functools.partial(mlp.act_fn, quant=mlp.down_proj.input_quant())
             self.layers.append(_Layer(
-                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                eps=layer.input_layernorm.eps, post_eps=layer.post_attention_layernorm.eps,
+                in_norm=layer.input_layernorm.weight, post_norm=mlp_in.weight,
+                eps=layer.input_layernorm.eps, post_eps=mlp_in.eps,
                 qkv=_linear(attn.qkv_proj), o=_row_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
                 down=_row_linear(mlp.down_proj), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                 head_size=attn.head_dim, scale=attn.attn.scale, sliding_window=attn.attn.sliding_window,
@@ -248,8 +266,13 @@ class CpuDecodePlan:
                     name: copy for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))
                     if (copy := _int4_copy(proj)) is not None},
-                rope=attn.use_rope, residual_multiplier=layer.residual_multiplier, q_norm=attn.q_norm,
-                k_norm=attn.k_norm))
+                rope=attn.use_rope, residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
+                q_norm=attn.q_norm, k_norm=attn.k_norm, act=act,
+                attn_out_norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+                if sandwich else None,
+                mlp_out_norm=(layer.post_feedforward_layernorm.weight, layer.post_feedforward_layernorm.eps)
+                if sandwich else None,
+                local_rope=self.local_rotary is not None and i in inner._local_layers))
         self.embed_scale = inner.embed_scale   # Gemma's sqrt(hidden_size), Granite's embedding multiplier
         self.native = _Native(self.dtype)
         self._buffers: _Buffers | None = None
@@ -297,8 +320,9 @@ class CpuDecodePlan:
         first = self.layers[0]
         first_copies = self._gemv_copies[0]
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
-            if not lay.rope or lay.residual_multiplier != 1.0 or lay.q_norm is not None:
-                return None   # the native step norms, rotates and adds as Llama does
+            if (not lay.rope or lay.residual_multiplier != 1.0 or lay.q_norm is not None or lay.act is not None
+                    or lay.attn_out_norm is not None or lay.local_rope):
+                return None   # the native step norms, rotates, activates and adds as Llama does
             if (any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies)
                     or (lay.kv_cache.dtype != self.dtype
                         and not _narrow_cache_ok(lay.kv_cache, self.dtype, lay.head_size))):
@@ -393,6 +417,10 @@ class CpuDecodePlan:
         width = hidden.shape[1]
         slots_p, lens_p, starts_p, tables_p = slots.data_ptr(), lens.data_ptr(), starts.data_ptr(), tables_t.data_ptr()
         cos_p, sin_p, rot_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
+        local_p = (cos_p, sin_p, rot_dim)
+        if self.local_rotary is not None:
+            local_cos, local_sin = (t.contiguous() for t in self.local_rotary.cos_sin(torch.from_numpy(pos), hidden.dtype))
+            local_p = (local_cos.data_ptr(), local_sin.data_ptr(), local_cos.shape[-1])
         threads = torch.get_num_threads()
         from plinth.attention_backends.cpu_paged import F32_BF16_DTYPE_CODE, FP8_DTYPE_CODE
 
@@ -402,6 +430,13 @@ class CpuDecodePlan:
             """residual += x (in place); out = norm(residual)."""
             rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), width, weight.data_ptr(), out.data_ptr(),
                      residual.data_ptr(), b, width, eps)
+
+        def norm_only(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
+            """norm(x), the residual stream left alone (Gemma 2/3's norms on the block outputs)."""
+            out = torch.empty((b, width), dtype=self.dtype)
+            rms_norm(x.data_ptr(), x.stride(0), None, 0, weight_eps[0].data_ptr(), out.data_ptr(), None, b, width,
+                     weight_eps[1])
+            return out
 
         residual = hidden   # the embedding output, then the running residual stream, updated in place
         for i, lay in enumerate(self.layers):
@@ -421,7 +456,8 @@ class CpuDecodePlan:
                 q_view.copy_(lay.q_norm(q_view))
                 k_view.copy_(lay.k_norm(k_view))
             if lay.rope:
-                native.rotary(q_p, row, d, hq, k_p, row, d, hkv, cos_p, sin_p, rot_dim, b, rot_dim)
+                c_p, s_p, r_dim = local_p if lay.local_rope else (cos_p, sin_p, rot_dim)
+                native.rotary(q_p, row, d, hq, k_p, row, d, hkv, c_p, s_p, r_dim, b, r_dim)
             cache = lay.kv_cache                                                   # [2, N, BS, Hkv, D]
             narrow = cache.dtype != self.dtype   # FP8 E4M3 or bfloat16 (_why_not checked it)
             if narrow:
@@ -439,14 +475,21 @@ class CpuDecodePlan:
             hidden = _matmul(lay, "o", attn_out)
             if lay.residual_multiplier != 1.0:
                 hidden = hidden * lay.residual_multiplier   # as DecoderLayer.forward
+            if lay.attn_out_norm is not None:
+                hidden = norm_only(hidden, lay.attn_out_norm)   # as SandwichDecoderLayer.forward
             add_norm(hidden, lay.post_norm, lay.post_eps, normed)
             gate_up = _matmul(lay, "gate_up", normed)                                                 # [B, 2I]
-            inter = gate_up.shape[1] // 2
-            act = torch.empty((b, inter), dtype=self.dtype)
-            native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), b, inter)
+            if lay.act is not None:
+                act = lay.act(gate_up)
+            else:
+                inter = gate_up.shape[1] // 2
+                act = torch.empty((b, inter), dtype=self.dtype)
+                native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), b, inter)
             hidden = _matmul(lay, "down", act)
             if lay.residual_multiplier != 1.0:
                 hidden = hidden * lay.residual_multiplier
+            if lay.mlp_out_norm is not None:
+                hidden = norm_only(hidden, lay.mlp_out_norm)
         out = torch.empty_like(normed)
         add_norm(hidden, self.final_norm, self.final_eps, out)
         return self.model.compute_logits(out)
