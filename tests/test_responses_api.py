@@ -163,6 +163,7 @@ def test_json_schema_format(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "only text parts"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role 'tool'"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input", "role ['user']"),   # not a string (was a 500)
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"text": {"format": {"type": "grammar"}}}, "text", "text.format type 'grammar'"),
     ({"text": {"format": "json"}}, "text", "text.format must be an object"),

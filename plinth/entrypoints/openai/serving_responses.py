@@ -43,7 +43,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, str]]:
         kind = item.get("type", "message")
         if kind != "message" or "role" not in item:
             raise bad_request(f"input[{i}]: items of type {kind!r} are not supported (messages only)", "input")
-        role = _ROLES.get(item["role"])
+        role = _ROLES.get(item["role"]) if isinstance(item["role"], str) else None
         if role is None:
             raise bad_request(f"input[{i}]: role {item['role']!r} is not one of {', '.join(_ROLES)}", "input")
         content = item.get("content")
