@@ -445,10 +445,7 @@ class EngineConfig:
             ConfigError: an unknown keyword (with the list of known ones) or a bad value.
         """
         sections: dict[str, dict[str, Any]] = {s: {} for s in cls._SECTIONS}
-        fields = {
-            f.name: s for s in cls._SECTIONS
-            for f in dataclasses.fields(cls.__dataclass_fields__[s].default_factory())  # type: ignore[misc]
-        }
+        fields = cls._option_sections()
         for key, value in kwargs.items():
             if key == "speculative_config":   # vLLM's form: one dict (or JSON text) for the section
                 sections["speculative"].update(SpeculativeConfig.parse(value))
@@ -467,11 +464,15 @@ class EngineConfig:
         )
 
     @classmethod
+    def _option_sections(cls) -> dict[str, str]:
+        """Each flat option name -> the section that holds it."""
+        return {f.name: s for s in cls._SECTIONS
+                for f in dataclasses.fields(cls.__dataclass_fields__[s].default_factory())}  # type: ignore[misc]
+
+    @classmethod
     def option_names(cls) -> frozenset[str]:
         """The keyword arguments :meth:`from_kwargs` takes."""
-        return frozenset(f.name for s in cls._SECTIONS
-                         for f in dataclasses.fields(cls.__dataclass_fields__[s].default_factory())  # type: ignore[misc]
-                         ) | {"speculative_config"}
+        return frozenset(cls._option_sections()) | {"speculative_config"}
 
     def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:
         """Apply ``{"section.field": value}`` overrides, validating the result."""

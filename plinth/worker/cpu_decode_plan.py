@@ -13,8 +13,8 @@ default GGUF model on CPUs without native bfloat16) built from
 :class:`~plinth.model_registry.models.decoder.DecoderForCausalLM` layers (a dense gated MLP, RMSNorms or Gemma's
 whose weights are in the model's dtype, per-head q/k norms or none, norms on the block outputs (Gemma 2/3); any
 biases and sliding windows, a second RoPE for sliding layers, layers without RoPE, embedding and residual
-multipliers), one process (no tensor or pipeline parallelism), the ``cpu_paged`` attention backend and the native ops available. :func:`build_decode_plan` says why
-not otherwise. ``PLINTH_CPU_DECODE_PLAN=0`` turns it off.
+multipliers), one process (no tensor or pipeline parallelism), the ``cpu_paged`` attention backend and the native
+ops available. :func:`build_decode_plan` says why not otherwise. ``PLINTH_CPU_DECODE_PLAN=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -111,6 +111,12 @@ class _Layer:
     mlp_out_norm: tuple[torch.Tensor, float] | None = None    # and of the MLP output's
     act: Callable[[torch.Tensor], torch.Tensor] | None = None  # a gated activation other than SiLU (the module's)
     local_rope: bool = False       # a sliding layer with the model's second RoPE (Gemma 3)
+
+    @property
+    def llama_shaped(self) -> bool:
+        """What the native whole-step call runs: norms before the blocks only, SiLU, one RoPE on every layer."""
+        return (self.rope and self.residual_multiplier == 1.0 and self.q_norm is None and self.act is None
+                and self.attn_out_norm is None and not self.local_rope)
 
 
 def _why_not(model: torch.nn.Module, backend: object) -> str:
@@ -248,7 +254,7 @@ class CpuDecodePlan:
         from plinth.model_registry.layers.activation import SiluAndMul
         from plinth.model_registry.models.decoder import SandwichDecoderLayer
 
-        for i, layer in enumerate(inner.layers):
+        for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             sandwich = isinstance(layer, SandwichDecoderLayer)
             # the norm that adds the attention output to the residual stream before the MLP
@@ -272,7 +278,7 @@ class CpuDecodePlan:
                 if sandwich else None,
                 mlp_out_norm=(layer.post_feedforward_layernorm.weight, layer.post_feedforward_layernorm.eps)
                 if sandwich else None,
-                local_rope=self.local_rotary is not None and i in inner._local_layers))
+                local_rope=self.local_rotary is not None and attn.attn.sliding_window is not None))
         self.embed_scale = inner.embed_scale   # Gemma's sqrt(hidden_size), Granite's embedding multiplier
         self.native = _Native(self.dtype)
         self._buffers: _Buffers | None = None
@@ -320,9 +326,8 @@ class CpuDecodePlan:
         first = self.layers[0]
         first_copies = self._gemv_copies[0]
         for lay, copies in zip(self.layers, self._gemv_copies, strict=True):
-            if (not lay.rope or lay.residual_multiplier != 1.0 or lay.q_norm is not None or lay.act is not None
-                    or lay.attn_out_norm is not None or lay.local_rope):
-                return None   # the native step norms, rotates, activates and adds as Llama does
+            if not lay.llama_shaped:
+                return None
             if (any(c is None or (c.gemv if self.dtype == torch.bfloat16 else c.gemv_f32) is None for c in copies)
                     or (lay.kv_cache.dtype != self.dtype
                         and not _narrow_cache_ok(lay.kv_cache, self.dtype, lay.head_size))):
