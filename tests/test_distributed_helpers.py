@@ -39,6 +39,11 @@ FAMILIES = {
     # block outputs scaled before the residual add: under TP the partial sums are scaled, then reduced in the norm
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=3.0, attention_multiplier=0.2,
                                                             residual_multiplier=0.6, logits_scaling=2.0)),
+    # sinks split with the heads, biased experts split with their features (rank 0 adds the down bias), a
+    # replicated biased router, sliding and full layers
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)
@@ -65,6 +70,8 @@ def save_family(family: str, path: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08 if "embed" in name else 0.2)
+            elif name.endswith((".sinks", ".bias")):   # zero at init: values that a misplaced shard would change
+                p.normal_(0.0, 1.0 if name.endswith(".sinks") else 0.2)
     model.save_pretrained(path)
     return path
 

@@ -121,12 +121,14 @@ def test_async_scheduling_on_gpu(tiny_llama_dir, reference):
 
 
 @pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-                                  "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"])
+                                  "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+                                  "GptOssForCausalLM"])
 def test_newer_architectures_on_triton_with_graphs_match_transformers(name, tmp_path):
     """Gemma's norms and scaled embeddings, Gemma 2's attention-logit soft cap in the Triton kernels, Gemma 3's
     sandwich norms, sliding layers with their own RoPE and final soft cap, Phi-3's partial rotary (the Triton
     backend then rotates outside its kernel), SmolLM3's layers without RoPE (the fused decode kernel then rotates
-    nothing), Granite's multipliers: greedy tokens equal transformers' on the GPU."""
+    nothing), Granite's multipliers, gpt-oss's sinks in the Triton kernels and its biased experts: greedy tokens
+    equal transformers' on the GPU."""
     from test_models import engine_matches_transformers
 
     engine_matches_transformers(name, tmp_path, "cuda", attention_backend="triton")

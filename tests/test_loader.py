@@ -109,6 +109,7 @@ def test_presets_ship_and_load():
     ("gemma-2-2b", 2_614_341_888),
     ("phi-3-mini", 3_821_079_552),
     ("smollm3-3b", 3_075_098_624),   # transformers' SmolLM3ForCausalLM of the same config (published: 3.08B)
+    ("gpt-oss-20b", 20_914_757_184),   # transformers' GptOssForCausalLM of the same config (published: 21B)
 ])
 def test_preset_parameter_counts(preset, params):
     """Built on the meta device (no memory): the published parameter counts."""

@@ -60,6 +60,12 @@ ARCHS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # sinks in every head, sliding and full layers, biased experts whose clamp bites, YaRN without truncation
+    "GptOssForCausalLM": ("GptOssForCausalLM", "GptOssConfig", dict(
+        head_dim=16, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        swiglu_limit=0.05, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -69,13 +75,26 @@ PROMPT_LENS = (5, 11, 17)
 NEW_TOKENS = 32
 
 
+@torch.no_grad()
+def randomize_zero_parameters(hf: transformers.PreTrainedModel, seed: int = 5) -> transformers.PreTrainedModel:
+    """transformers starts biases (and Gemma's norm offsets) at zero, which would hide a bias loaded into the wrong
+    place: give every all-zero parameter random values, and attention sinks values large enough to matter."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in hf.named_parameters():
+        if name.endswith(".sinks"):
+            p.copy_(torch.randn(p.shape, generator=g) * 1.5)
+        elif not p.any():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return hf
+
+
 @pytest.fixture(scope="module", params=list(ARCHS))
 def checkpoint(request, tmp_path_factory):
     """A small random transformers model of one architecture, saved as safetensors."""
     arch, config_cls, overrides = ARCHS[request.param]
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
     torch.manual_seed(1234)
-    hf = getattr(transformers, arch)(config).eval()
+    hf = randomize_zero_parameters(getattr(transformers, arch)(config).eval())
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return request.param, str(path), hf
@@ -384,7 +403,7 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 
 
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-              "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"]
+              "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:
@@ -397,7 +416,7 @@ def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, 
                                                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": 0,
                                                   "bos_token_id": tokenizer.bos_token_id})
     torch.manual_seed(99)
-    hf = getattr(transformers, arch)(config).eval()
+    hf = randomize_zero_parameters(getattr(transformers, arch)(config).eval())
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return hf, _prompts(config.vocab_size)

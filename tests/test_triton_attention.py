@@ -130,9 +130,10 @@ def make_batch(
 
 
 def reference_attention(batch: Batch, scale: float, sliding_window: int | None,
-                        soft_cap: float | None = None) -> torch.Tensor:
+                        soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sequence causal attention in float64 with an explicit softmax (scores soft-capped,
-    ``cap * tanh(score / cap)``, with ``soft_cap``). Returns [T_real, H, D]."""
+    ``cap * tanh(score / cap)``, with ``soft_cap``; head ``h``'s denominator also holds ``exp(sinks[h])``).
+    Returns [T_real, H, D]."""
     md = batch.metadata
     num_heads = batch.query.shape[1]
     outs = []
@@ -152,23 +153,33 @@ def reference_attention(batch: Batch, scale: float, sliding_window: int | None,
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-        weights = weights / weights.sum(-1, keepdim=True)
+        top = scores.amax(-1, keepdim=True)
+        if sinks is not None:
+            top = torch.maximum(top, sinks.double()[:, None, None])
+        weights = torch.exp(scores - top)
+        denominator = weights.sum(-1, keepdim=True)
+        if sinks is not None:
+            denominator = denominator + torch.exp(sinks.double()[:, None, None] - top)
+        weights = weights / denominator
         outs.append(torch.einsum("hqk,khd->qhd", weights, v))
     return torch.cat(outs)
 
 
+def _extras(soft_cap: float | None, sinks: torch.Tensor | None) -> dict:
+    """The optional per-layer keywords of ``forward``, only where set."""
+    return {k: v for k, v in (("soft_cap", soft_cap), ("sinks", sinks)) if v is not None}
+
+
 def run_and_check(batch: Batch, sliding_window: int | None = None, backend: AttentionBackend | None = None,
-                  soft_cap: float | None = None):
+                  soft_cap: float | None = None, sinks: torch.Tensor | None = None):
     backend = backend or TritonAttentionBackend()
     head_size = batch.query.shape[-1]
     scale = head_size**-0.5
     backend.prepare(batch.metadata)
-    cap = {} if soft_cap is None else {"soft_cap": soft_cap}
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
-                          scale=scale, sliding_window=sliding_window, **cap)
+                          scale=scale, sliding_window=sliding_window, **_extras(soft_cap, sinks))
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
-    expected = reference_attention(batch, scale, sliding_window, soft_cap)
+    expected = reference_attention(batch, scale, sliding_window, soft_cap, sinks)
     got = out[: batch.num_real_tokens].double()
     assert torch.isfinite(got).all()
     tol = TOLERANCE[batch.query.dtype]
@@ -319,6 +330,104 @@ def test_soft_cap_refusals():
         Attention(4, 64, 0.125, 2, CpuPagedBackend(), soft_cap=50.0)
 
 
+def _sinks(batch: Batch, seed: int) -> torch.Tensor:
+    """Sink logits for every head that move the output far beyond the tolerance (some heads' sinks take most of
+    the weight, others little)."""
+    num_heads = batch.query.shape[1]
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2 + 1
+    plain = reference_attention(batch, batch.query.shape[-1] ** -0.5, None)
+    assert (reference_attention(batch, batch.query.shape[-1] ** -0.5, None, sinks=sinks) - plain).abs().max() > 0.1
+    return sinks
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [None, 13])
+def test_sinks_prefill_and_mixed(window):
+    batch = make_batch([(30, 20), (45, 1), (0, 9)], num_heads=4, num_kv_heads=2, head_size=64,
+                       dtype=torch.float32, seed=31)
+    run_and_check(batch, sliding_window=window, sinks=_sinks(batch, 31))
+    capped = _capped_batch([(12, 30), (0, 1)], seed=32)   # with the soft cap too
+    run_and_check(capped, soft_cap=1.5, sinks=_sinks(capped, 32))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sinks_decode(splits, monkeypatch):
+    """The first of several KV ranges holds the sink: a split with no keys (a short sequence) still counts it."""
+    batch = make_batch([(70, 1), (9, 1), (33, 1)], num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16,
+                       seed=33, pad_tokens=2)
+    run_and_check(batch, sinks=_sinks(batch, 33), backend=TritonAttentionBackend(decode_splits=splits))
+    window = make_batch([(70, 1), (2, 1)], num_heads=4, num_kv_heads=1, head_size=64, dtype=torch.float32, seed=34)
+    run_and_check(window, sliding_window=24, sinks=_sinks(window, 34), backend=TritonAttentionBackend(decode_splits=splits))
+    rotary = make_batch([(50, 1), (20, 1)], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32, seed=35,
+                        pad_tokens=0)
+    run_rotary_and_check(rotary, fused=True, monkeypatch=monkeypatch, sinks=_sinks(rotary, 35),
+                         backend=TritonAttentionBackend(decode_splits=splits))
+
+
+@pytest.mark.parametrize("backend_name", ["torch_sdpa", "torch_batched"])
+def test_sinks_torch_backends(backend_name, monkeypatch):
+    """torch_sdpa and torch_batched count the sinks (against the float64 reference) on every path: mixed steps,
+    decode batches on the matmul path (few and many KV heads), a long prefill in chunks, and the compiled decode
+    step's static attention."""
+    from plinth.attention_backends import torch_batched
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+    from plinth.worker.cpu_decode_attention import StaticDecode
+
+    def batch_of(seqs, seed: int, pad_tokens: int = 2, num_kv_heads: int = 2) -> tuple[Batch, torch.Tensor]:
+        batch = make_batch(seqs, num_heads=8, num_kv_heads=num_kv_heads, head_size=64, dtype=torch.float32,
+                           seed=seed, pad_tokens=pad_tokens)
+        garbage = torch.randn(batch.kv_cache.shape, generator=torch.Generator().manual_seed(seed)) * 100
+        batch.kv_cache.copy_(torch.where(batch.kv_cache.isnan(), garbage, batch.kv_cache))
+        return batch, _sinks(batch, seed)
+
+    cls = {"torch_sdpa": TorchSDPABackend, "torch_batched": TorchBatchedBackend}[backend_name]
+    batch, sinks = batch_of([(30, 20), (45, 1), (0, 9)], seed=36)
+    run_and_check(batch, sliding_window=13, sinks=sinks, backend=cls())
+    monkeypatch.setattr(torch_batched, "MATMUL_DECODE_MIN_SEQS", 2)
+    monkeypatch.setattr(torch_batched, "PREFILL_CHUNK", 8)
+    for kv_heads in (2, 8):   # the batched matmul over all KV heads, then one matmul per KV head
+        batch, sinks = batch_of([(40, 1), (17, 1), (9, 1)], seed=37, num_kv_heads=kv_heads)
+        run_and_check(batch, sinks=sinks, backend=cls())
+    batch, sinks = batch_of([(5, 40)], seed=38, pad_tokens=0)
+    run_and_check(batch, sliding_window=21, sinks=sinks, backend=cls())
+    if cls is TorchBatchedBackend:   # a compiled CPU decode step hands the backend a StaticDecode
+        batch, sinks = batch_of([(40, 1), (17, 1)], seed=39, pad_tokens=0)
+        md = batch.metadata
+        static = StaticDecode(block_tables=md.block_tables.long(), seq_lens=md.seq_lens.long())
+        md = dataclasses.replace(md, backend_data=static)
+        out = cls().forward(batch.query, batch.key, batch.value, batch.kv_cache, md, scale=64**-0.5, sinks=sinks)
+        expected = reference_attention(batch, 64**-0.5, None, sinks=sinks)
+        torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+
+
+def test_sinks_refusals():
+    """Backends without sinks refuse such models (a subclass does not inherit the answer), and so does an
+    attention layer built on one; a layer built with sinks refuses a call without them."""
+    from plinth.attention_backends.cpu_paged import CpuPagedBackend
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+    from plinth.model_registry.layers.attention import Attention
+
+    spec = _spec(sinks=True)
+    assert TorchSDPABackend.check(spec, "cpu") and TorchBatchedBackend.check(spec, "cpu")
+
+    class Sub(TorchSDPABackend):
+        name = "sub"
+
+    for cls in (CpuPagedBackend, Sub):
+        answer = cls.check(spec, "cpu")
+        assert not answer and "sinks" in answer.reason
+    with pytest.raises(ValueError, match="sinks"):
+        Attention(4, 64, 0.125, 2, CpuPagedBackend(), has_sinks=True)
+    layer = Attention(4, 64, 0.125, 2, TorchSDPABackend(), has_sinks=True)
+    layer.kv_cache = torch.zeros(2, 2, 16, 2, 64)
+    batch = make_batch([(0, 3)], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32, pad_tokens=0)
+    with pytest.raises(ValueError, match="sinks missing"):
+        layer(batch.query, batch.key, batch.value, batch.metadata)
+
+
 @needs_interpreter
 def test_head_size_256_tiny():
     batch = make_batch([(5, 6), (9, 1)], num_heads=2, num_kv_heads=1, head_size=256, dtype=torch.float16, seed=8)
@@ -364,7 +473,8 @@ def rotate64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def run_rotary_and_check(batch: Batch, *, fused: bool, monkeypatch, sliding_window: int | None = None,
-                         backend: TritonAttentionBackend | None = None, soft_cap: float | None = None) -> None:
+                         backend: TritonAttentionBackend | None = None, soft_cap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> None:
     """``forward(rotary=...)`` on un-rotated q/k against the float64 reference on rotated ones; ``fused``:
     whether the decode kernel should have written the cache itself (no separate cache-write launch)."""
     backend = backend or TritonAttentionBackend()
@@ -383,13 +493,12 @@ def run_rotary_and_check(batch: Batch, *, fused: bool, monkeypatch, sliding_wind
     head_size = batch.query.shape[-1]
     backend.prepare(md)
     query, key = batch.query.clone(), batch.key.clone()
-    cap = {} if soft_cap is None else {"soft_cap": soft_cap}
     out = backend.forward(query, key, batch.value, batch.kv_cache, md, scale=head_size**-0.5,
-                          sliding_window=sliding_window, rotary=(cos, sin), **cap)
+                          sliding_window=sliding_window, rotary=(cos, sin), **_extras(soft_cap, sinks))
     assert (not writes) == fused
     if fused:   # the inputs are left as they were
         assert torch.equal(query, batch.query) and torch.equal(key, batch.key)
-    expected = reference_attention(rotated, head_size**-0.5, sliding_window, soft_cap)
+    expected = reference_attention(rotated, head_size**-0.5, sliding_window, soft_cap, sinks)
     tol = TOLERANCE[batch.query.dtype]
     torch.testing.assert_close(out[: batch.num_real_tokens].double(), expected, atol=tol, rtol=tol)
     flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[-2:])
@@ -518,3 +627,18 @@ def test_decode_rows_of_one_sequence_see_each_others_keys(monkeypatch):
     assert writes, "the fused decode kernel ran: a row may read keys another row has not written yet"
     tol = TOLERANCE[torch.float32]
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_selection_checks_run_with_sinks():
+    """Selection's correctness check on a model with sinks: the candidates get stand-in sinks (which change the
+    output), and torch_batched agrees with the reference there."""
+    from plinth.attention_backends.probe import max_error, run_steps
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+
+    spec = _spec(sinks=True)
+    cpu = torch.device("cpu")
+    reference = run_steps(TorchSDPABackend, spec, cpu)
+    without = run_steps(TorchSDPABackend, dataclasses.replace(spec, sinks=False), cpu)
+    assert (reference - without).abs().max() > 0.05
+    assert max_error(TorchBatchedBackend, reference, spec, cpu) < 1e-3   # float16 rounding

@@ -91,9 +91,9 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
 
 
 def reference_attention(batch: Batch, scale: float, sliding_window: int | None, chunk: int = 1024,
-                        soft_cap: float | None = None) -> torch.Tensor:
-    """float64 causal attention per sequence with an explicit softmax (scores soft-capped with ``soft_cap``).
-    Returns [T_real, H, D]."""
+                        soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 causal attention per sequence with an explicit softmax (scores soft-capped with ``soft_cap``; head
+    ``h``'s denominator also holds ``exp(sinks[h])``). Returns [T_real, H, D]."""
     md = batch.metadata
     h = batch.query.shape[1]
     outs = []
@@ -114,23 +114,27 @@ def reference_attention(batch: Batch, scale: float, sliding_window: int | None, 
             if soft_cap is not None:
                 scores = soft_cap * torch.tanh(scores / soft_cap)
             scores = scores.masked_fill(~visible, float("-inf"))
-            w = torch.softmax(scores, dim=-1)
+            if sinks is None:
+                w = torch.softmax(scores, dim=-1)
+            else:   # the sink as one more logit per row, dropped after the softmax
+                sink = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+                w = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
             outs.append(torch.einsum("hqk,khd->qhd", w, v))
     return torch.cat(outs)
 
 
 def check(batch: Batch, sliding_window: int | None = None, backend: TritonAttentionBackend | None = None,
-          soft_cap: float | None = None):
+          soft_cap: float | None = None, sinks: torch.Tensor | None = None):
     backend = backend or TritonAttentionBackend()
     scale = batch.query.shape[-1] ** -0.5
     backend.prepare(batch.metadata)
-    cap = {} if soft_cap is None else {"soft_cap": soft_cap}
+    extras = {k: v for k, v in (("soft_cap", soft_cap), ("sinks", sinks)) if v is not None}
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
-                          scale=scale, sliding_window=sliding_window, **cap)
+                          scale=scale, sliding_window=sliding_window, **extras)
     got = out[: batch.num_real_tokens].double()
     assert torch.isfinite(got).all()
     tol = TOLERANCE[batch.query.dtype]
-    expected = reference_attention(batch, scale, sliding_window, soft_cap=soft_cap)
+    expected = reference_attention(batch, scale, sliding_window, soft_cap=soft_cap, sinks=sinks)
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
     flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[-2:])
     assert torch.equal(flat[0][batch.metadata.slot_mapping], batch.key)
@@ -178,6 +182,21 @@ def test_soft_cap(dtype, window):
         assert (reference_attention(batch, scale, window, soft_cap=1.0)
                 - reference_attention(batch, scale, window)).abs().max() > 0.05
         check(batch, sliding_window=window, soft_cap=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_sinks(dtype, window, splits):
+    """gpt-oss's per-head sinks (head size 64, 64 query and 8 KV heads, window 128) in prefill, mixed and decode
+    steps, with one and several KV splits."""
+    for seqs in ([(300, 90), (3, 20), (700, 1)], [(300, 1), (3, 1), (700, 1), (2000, 1)]):
+        batch = make_batch(seqs, 64, 8, 64, dtype, seed=12)
+        sinks = torch.randn(64, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 2 + 2
+        scale = 64 ** -0.5
+        assert (reference_attention(batch, scale, window, sinks=sinks)
+                - reference_attention(batch, scale, window)).abs().max() > 0.05
+        check(batch, sliding_window=window, sinks=sinks, backend=TritonAttentionBackend(decode_splits=splits))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

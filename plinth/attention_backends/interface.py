@@ -106,10 +106,16 @@ class AttentionSpec:
     kv_cache_dtype: torch.dtype | None = None
     #: attention scores pass through ``cap * tanh(score / cap)`` before the softmax (Gemma 2); ``None``: not
     logit_soft_cap: float | None = None
+    #: each head has a learned sink logit in its softmax's denominator (gpt-oss)
+    sinks: bool = False
 
-    def attend_kwargs(self) -> dict[str, Any]:
-        """The per-layer keywords of :meth:`AttentionBackend.forward` these shapes call for."""
-        return attend_kwargs(self.sliding_window, self.logit_soft_cap)
+    def attend_kwargs(self, device: torch.device | str = "cpu") -> dict[str, Any]:
+        """The per-layer keywords of :meth:`AttentionBackend.forward` these shapes call for; where the model has
+        sinks, stand-ins on ``device`` (from -1 to 2 across the heads) for selection's checks and timings."""
+        kw = attend_kwargs(self.sliding_window, self.logit_soft_cap)
+        if self.sinks:
+            kw["sinks"] = torch.linspace(-1.0, 2.0, self.num_heads, dtype=torch.float32, device=device)
+        return kw
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -176,6 +182,10 @@ class AttentionBackend(abc.ABC):
     #: ``forward`` takes ``soft_cap`` (attention-logit soft-capping, ``cap * tanh(score / cap)``, Gemma 2);
     #: :meth:`check` refuses models that need it for backends that do not
     supports_soft_cap: ClassVar[bool] = False
+    #: ``forward`` takes ``sinks`` (``[num_heads]`` float32: each head's learned sink logit, which joins the
+    #: softmax's denominator and has no value, gpt-oss); :meth:`check` refuses models that need them for backends
+    #: that do not
+    supports_sinks: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -205,6 +215,8 @@ class AttentionBackend(abc.ABC):
         for :attr:`supports_soft_cap`."""
         if spec.logit_soft_cap is not None and not applies_soft_cap(cls):
             return Support.no("attention-logit soft-capping (attn_logit_softcapping, Gemma 2) unsupported")
+        if spec.sinks and not applies_sinks(cls):
+            return Support.no("attention sinks (gpt-oss) unsupported")
         support = cls.supports(spec, device_type)
         if not support or spec.cache_dtype == spec.dtype:
             return support
@@ -241,13 +253,15 @@ class AttentionBackend(abc.ABC):
         at a position <= its own (and > position - sliding_window when a window is set).
         Rows beyond ``query_start_loc[-1]`` (graph padding) may hold anything. A backend with
         :attr:`supports_soft_cap` also takes ``soft_cap: float | None`` (scores ``scale * q.k`` become
-        ``soft_cap * tanh(score / soft_cap)`` before the softmax); it is passed only when set.
+        ``soft_cap * tanh(score / soft_cap)`` before the softmax); it is passed only when set. A backend with
+        :attr:`supports_sinks` also takes ``sinks: torch.Tensor | None`` (``[num_heads]``): head ``h``'s softmax
+        is ``exp(s_j) / (exp(sinks[h]) + sum_i exp(s_i))``; passed only when the model has sinks.
         """
 
 
 def attend_kwargs(sliding_window: int | None, soft_cap: float | None) -> dict[str, Any]:
     """The per-layer keywords of :meth:`AttentionBackend.forward` (``soft_cap`` only where set, so backends
-    without it still run every other model)."""
+    without it still run every other model; ``sinks``, a tensor, is added by the layer that holds them)."""
     kw: dict[str, Any] = {"sliding_window": sliding_window}
     if soft_cap is not None:
         kw["soft_cap"] = soft_cap
@@ -266,19 +280,37 @@ def applies_soft_cap(backend: type[AttentionBackend] | AttentionBackend) -> bool
     return bool(cls.__dict__.get("supports_soft_cap", False))
 
 
-def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-                          scale: float, cap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, ``cap * tanh(scale * q.k / cap)``, computed in float32 (at least).
+def applies_sinks(backend: type[AttentionBackend] | AttentionBackend) -> bool:
+    """Whether a backend class (or instance) sets ``supports_sinks`` itself (not inherited, as
+    :func:`applies_soft_cap`)."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    return bool(cls.__dict__.get("supports_sinks", False))
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(scores)`` over the last dimension, with ``sinks`` (broadcast to ``scores[..., :1]``) as one more
+    logit in each denominator when given. Masked scores are ``-inf``; a row with no allowed key gives zeros."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                   scale: float, cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention computed step by step in float32 (at least): for what SDPA has no argument for, soft-capped
+    scores, ``cap * tanh(scale * q.k / cap)``, and sink logits (``sinks`` broadcast to ``[..., Q, 1]``).
 
     ``q`` ``[..., Q, D]``, ``k``/``v`` ``[..., L, D]``, ``allowed`` (bool, broadcast to ``[..., Q, L]``) or
     ``None`` -> ``[..., Q, D]`` in ``q``'s dtype; a row with no allowed key gives zeros.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
-    scores = soft_capped(torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale, cap)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if cap is not None:
+        scores = soft_capped(scores, cap)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, v.to(acc)).to(q.dtype)
+    return torch.matmul(softmax_with_sinks(scores, sinks), v.to(acc)).to(q.dtype)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -229,7 +229,7 @@ def run_steps(backend_cls: type[AttentionBackend], spec: AttentionSpec, device: 
         rows = md.num_tokens
         qkv = [torch.randn(rows, n, d, generator=gen).to(device=device, dtype=spec.dtype) for n in (h, hkv, hkv)]
         backend.prepare(md)
-        out = backend.forward(*qkv, cache, md, scale=scale, **spec.attend_kwargs())
+        out = backend.forward(*qkv, cache, md, scale=scale, **spec.attend_kwargs(device))
         outs.append(out[: md.query_start_loc_cpu[-1]])
     return torch.cat(outs)
 
@@ -264,11 +264,14 @@ def step_runners(
         qkv = [torch.randn(md.num_tokens, n, d, generator=gen).to(device=device, dtype=spec.dtype)
                for n in (h, hkv, hkv)]
 
-        def run(md: AttentionMetadata = md, qkv: list[torch.Tensor] = qkv, cache: torch.Tensor = cache) -> None:
+        extras = spec.attend_kwargs(device)
+
+        def run(md: AttentionMetadata = md, qkv: list[torch.Tensor] = qkv, cache: torch.Tensor = cache,
+                extras: dict = extras) -> None:
             md.backend_data = None
             backend.prepare(md)
             for _ in range(workload.num_layers):
-                backend.forward(*qkv, cache, md, scale=d ** -0.5, **spec.attend_kwargs())
+                backend.forward(*qkv, cache, md, scale=d ** -0.5, **extras)
 
         runners[label] = run
     return runners

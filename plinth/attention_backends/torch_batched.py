@@ -28,8 +28,9 @@ from plinth.attention_backends.interface import (
     AttentionMetadata,
     AttentionSpec,
     Support,
+    math_attention,
     soft_capped,
-    soft_capped_attention,
+    softmax_with_sinks,
     torch_reads_kv_cache,
     write_kv_cache,
 )
@@ -164,7 +165,7 @@ def build_plan(metadata: AttentionMetadata, block_size: int, max_keys: int = 1 <
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float, soft_cap: float | None = None) -> torch.Tensor:
+                      scale: float, soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, on the gathered keys as they lie (no transposed copies of K/V).
 
     ``q`` ``[n, Hkv, G, D]``, ``k``/``v`` ``[n, L, Hkv, D]``, ``mask`` ``[n, 1, 1, L]`` -> ``[n, Hkv, G, D]``.
@@ -181,7 +182,8 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         scores = torch.bmm(q_all, k.reshape(n, -1, hkv * d).transpose(1, 2)).to(acc) * scale   # [n, Hkv*G, L]
         if soft_cap is not None:
             scores = soft_capped(scores, soft_cap)
-        probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
+        head_sinks = None if sinks is None else sinks.view(1, hkv * g, 1)
+        probs = softmax_with_sinks(scores.masked_fill(key_mask, float("-inf")), head_sinks).to(q.dtype)
         full = torch.bmm(probs, v.reshape(n, -1, hkv * d)).view(n, hkv, g, hkv, d)    # [n, Hkv, G, Hkv, D]
         return full.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)                      # [n, Hkv, G, D]
     outs = []
@@ -189,13 +191,15 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).to(acc) * scale       # [n, G, L]
         if soft_cap is not None:
             scores = soft_capped(scores, soft_cap)
-        probs = torch.softmax(scores.masked_fill(key_mask, float("-inf")), dim=-1).to(q.dtype)
+        head_sinks = None if sinks is None else sinks[h * g:(h + 1) * g].view(1, g, 1)
+        probs = softmax_with_sinks(scores.masked_fill(key_mask, float("-inf")), head_sinks).to(q.dtype)
         outs.append(torch.bmm(probs, v[:, :, h]))                                     # [n, G, D]
     return torch.stack(outs, dim=1)
 
 
 def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     grp: _Group, g: int, block_size: int, soft_cap: float | None = None) -> torch.Tensor:
+                     grp: _Group, g: int, block_size: int, soft_cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's prefill, ``PREFILL_CHUNK`` queries at a time over the keys they can see.
 
     ``q`` ``[1, Hkv, G * Q, D]`` (heads-major fold), ``k``/``v`` ``[1, L, Hkv, D]``, ``mask``
@@ -213,16 +217,24 @@ def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         qc = qv[:, :, :, a:b].reshape(1, hkv, g * (b - a), d)
         mc = mv[:, :, :, a:b, :keys].reshape(1, 1, g * (b - a), keys)
         o = _attend(qc, k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2), mc, scale,
-                    soft_cap)      # [1, Hkv, G * (b - a), D]
+                    soft_cap, _folded_sinks(sinks, hkv, g, b - a))      # [1, Hkv, G * (b - a), D]
         out[:, :, :, a:b] = o.view(1, hkv, g, b - a, d)
     return out.view(1, hkv, g * max_q, d)
 
 
+def _folded_sinks(sinks: torch.Tensor | None, hkv: int, g: int, num_queries: int) -> torch.Tensor | None:
+    """Per-head sinks ``[Hkv * G]`` laid out as the heads-major fold of queries, ``[1, Hkv, G * Q, 1]``."""
+    if sinks is None:
+        return None
+    return sinks.view(1, hkv, g, 1).expand(1, hkv, g, num_queries).reshape(1, hkv, g * num_queries, 1)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            soft_cap: float | None) -> torch.Tensor:
-    """Masked SDPA, or the soft-capped math when ``soft_cap`` is set (SDPA has no cap)."""
-    if soft_cap is not None:
-        return soft_capped_attention(q, k, v, mask, scale, soft_cap)
+            soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked SDPA, or the step-by-step math when ``soft_cap`` or ``sinks`` (folded as the queries) is set (SDPA
+    has neither)."""
+    if soft_cap is not None or sinks is not None:
+        return math_attention(q, k, v, mask, scale, soft_cap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -231,6 +243,7 @@ class TorchBatchedBackend(AttentionBackend):
 
     decode_rows_may_share_sequences = True   # every key and value is written before attention
     supports_soft_cap = True                 # the scores are computed here when a cap is set
+    supports_sinks = True                    # ... and when the heads have sinks
 
     name = "torch_batched"
     priority = 5
@@ -276,11 +289,12 @@ class TorchBatchedBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:           # [T, H, D]
         static = metadata.backend_data
         if getattr(static, "static_decode", False):   # padded decode batch of a compiled step
             return static.attend(query, key, value, kv_cache, metadata.slot_mapping, scale, sliding_window,
-                                 soft_cap=soft_cap)
+                                 soft_cap=soft_cap, sinks=sinks)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
         num_heads = query.shape[1]
@@ -299,11 +313,12 @@ class TorchBatchedBackend(AttentionBackend):
             v = kv_cache[1].index_select(0, grp.block_ids).view(n, length, num_kv_heads, head_size).to(query.dtype)
             mask = grp.mask(block_size, sliding_window, g)  # [n, 1, G * max_q or 1, L]
             if grp.max_q == 1 and n >= MATMUL_DECODE_MIN_SEQS and q.device.type == "cpu":
-                o = _decode_attention(q, k, v, mask, scale, soft_cap)   # CPU: 3-4x faster than SDPA at 16-32 seqs
+                o = _decode_attention(q, k, v, mask, scale, soft_cap, sinks)   # CPU: 3-4x faster than SDPA at 16-32 seqs
             elif n == 1 and grp.max_q >= 2 * PREFILL_CHUNK and q.device.type == "cpu":
-                o = _chunked_prefill(q, k, v, mask, scale, grp, g, block_size, soft_cap)
+                o = _chunked_prefill(q, k, v, mask, scale, grp, g, block_size, soft_cap, sinks)
             else:
-                o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale, soft_cap)  # [n, Hkv, G*max_q, D]
+                o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale, soft_cap,
+                            _folded_sinks(sinks, num_kv_heads, g, grp.max_q))  # [n, Hkv, G*max_q, D]
             o = o.view(n, num_kv_heads, g, grp.max_q, head_size).permute(0, 3, 1, 2, 4)
             o = o.reshape(n * grp.max_q, num_heads, head_size)
             out.index_copy_(0, grp.out_rows, o.index_select(0, grp.out_src))

@@ -18,7 +18,7 @@ from plinth.attention_backends.interface import (
     AttentionMetadata,
     AttentionSpec,
     Support,
-    soft_capped_attention,
+    math_attention,
     torch_reads_kv_cache,
     write_kv_cache,
 )
@@ -39,6 +39,7 @@ class TorchSDPABackend(AttentionBackend):
 
     decode_rows_may_share_sequences = True   # every key and value is written before attention
     supports_soft_cap = True
+    supports_sinks = True
 
     name: ClassVar[str] = "torch_sdpa"
     priority: ClassVar[int] = 0
@@ -64,6 +65,7 @@ class TorchSDPABackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:           # [T, Hq, D]
         """Write K/V at ``slot_mapping``, then attend per sequence over its gathered context."""
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
@@ -89,8 +91,9 @@ class TorchSDPABackend(AttentionBackend):
                 mask = None  # a single newest token sees the whole sequence
             else:
                 mask = _mask(num_queries, seq_len, sliding_window, query.device)
-            if soft_cap is not None:
-                out[start:end] = soft_capped_attention(q, k, v, mask, scale, soft_cap).transpose(0, 1)
+            if soft_cap is not None or sinks is not None:
+                head_sinks = None if sinks is None else sinks[:, None, None]                     # [Hq, 1, 1]
+                out[start:end] = math_attention(q, k, v, mask, scale, soft_cap, head_sinks).transpose(0, 1)
                 continue
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                                attn_mask=mask, scale=scale)            # [1, Hq, Q, D]

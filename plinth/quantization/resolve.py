@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from plinth.config import ConfigError, EngineConfig
-from plinth.errors import ModelLoadError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.plugins import PluginError, get_plugin_manager
 from plinth.quantization.interface import GemmWorkload, QuantContext, QuantizationMethod
 
@@ -34,6 +34,24 @@ def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
         to_dict = getattr(qc, "to_dict", None)
         qc = to_dict() if callable(to_dict) else dict(vars(qc))
     return dict(qc)
+
+
+def _read_by_the_model(hf_config: Any, quant_config: dict[str, Any]) -> bool:
+    """Whether the checkpoint's architecture reads its ``quant_method`` tensors itself (a model class's
+    ``reads_checkpoint_formats``, e.g. gpt-oss's MXFP4 experts), so no quantization plugin is involved."""
+    from plinth.model_registry.registry import ModelRegistry
+
+    method = str(quant_config.get("quant_method", "")).lower()
+    for arch in getattr(hf_config, "architectures", None) or ():
+        if not ModelRegistry.is_native(arch):
+            continue
+        try:
+            cls = ModelRegistry.resolve(arch)
+        except UnsupportedModelError:   # reported when the model is built
+            continue
+        if method in getattr(cls, "reads_checkpoint_formats", ()):
+            return True
+    return False
 
 
 def _load_class(name: str) -> type[QuantizationMethod]:
@@ -143,6 +161,11 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
     """
     origin = str(source.path or config.model.model or "the model")
     quant_config = checkpoint_quant_config(source.hf_config)
+    if quant_config is not None and _read_by_the_model(source.hf_config, quant_config):
+        if config.model.quantization is not None:
+            raise ConfigError(f"{origin} stores {quant_config.get('quant_method')!r} weights, which the model reads "
+                              f"itself (widened to {str(dtype).removeprefix('torch.')}); leave --quantization out")
+        quant_config = None
     name, quant_config = choose_method_name(config.model.quantization, source.kind, quant_config, origin)
     lm_head = getattr(config.model, "quantize_lm_head", False)
     if lm_head and source.kind == "gguf":

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from plinth.attention_backends.interface import soft_capped, write_kv_cache
+from plinth.attention_backends.interface import soft_capped, softmax_with_sinks, write_kv_cache
 
 
 @torch.library.custom_op("plinth::cpu_write_kv", mutates_args=("kv_cache",))
@@ -44,21 +44,22 @@ class StaticDecode:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                slot_mapping: torch.Tensor, scale: float, sliding_window: int | None,
-               soft_cap: float | None = None) -> torch.Tensor:
+               soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write the new K/V, then one query per sequence attends to its cached keys.
 
         ``query`` ``[G, H, D]``, ``key``/``value`` ``[G, Hkv, D]`` -> ``[G, H, D]``.
         """
         cpu_write_kv(key, value, kv_cache, slot_mapping)
         return static_decode_attention(query, kv_cache, self.block_tables, self.seq_lens, scale, sliding_window,
-                                       soft_cap)
+                                       soft_cap, sinks)
 
 
 def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                            soft_cap: float | None = None) -> torch.Tensor:
+                            soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention of ``query`` ``[G, H, D]`` over the blocks in ``block_tables`` ``[G, W]`` (scores
-    soft-capped, ``soft_cap * tanh(score / soft_cap)``, when ``soft_cap`` is set)."""
+    soft-capped, ``soft_cap * tanh(score / soft_cap)``, when ``soft_cap`` is set; ``sinks`` ``[H]`` in the
+    softmax's denominators when given)."""
     g_rows, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -78,6 +79,7 @@ def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     if sliding_window is not None:
         allowed = allowed & (key_pos[None, :] > last - sliding_window)
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    head_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+    probs = softmax_with_sinks(scores, head_sinks).to(query.dtype)
     out = torch.matmul(probs, v.transpose(1, 2))                                        # [G, Hkv, Gq, D]
     return out.reshape(g_rows, num_heads, head_size)

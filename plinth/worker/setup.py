@@ -120,6 +120,10 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+#: config ``model_type`` values whose attention heads have sink logits (the backend must apply them)
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+
+
 def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> AttentionSpec:
     """The model's attention shapes; ``kv_cache_dtype`` is :attr:`~plinth.config.CacheConfig.kv_cache_dtype`."""
     heads = hf_config.num_attention_heads
@@ -130,7 +134,8 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache
     return AttentionSpec(num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
                          head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window,
                          kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
-                         logit_soft_cap=_soft_cap(hf_config))
+                         logit_soft_cap=_soft_cap(hf_config),
+                         sinks=getattr(hf_config, "model_type", None) in ATTENTION_SINK_MODEL_TYPES)
 
 
 def _soft_cap(hf_config: Any) -> float | None:

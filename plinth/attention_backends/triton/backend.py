@@ -86,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     decode_rows_may_share_sequences = True   # such steps skip the fused RoPE + cache-write decode kernel
     supports_soft_cap = True                 # the decode and prefill kernels cap the scores (SOFT_CAP)
+    supports_sinks = True                    # ... and start each softmax from the head's sink (SINKS)
 
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 20
@@ -162,6 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:           # [T, num_heads, head_size]
         """Write the new keys/values into ``kv_cache``, then attend (see the ABC).
 
@@ -208,13 +210,13 @@ class TritonAttentionBackend(AttentionBackend):
             kernels.decode.decode_attention(
                 query, k_cache, v_cache, out, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, metadata.num_seqs, scale, sliding_window, decode_tiles, num_splits,
-                rotary=fused_rotary, soft_cap=soft_cap,
+                rotary=fused_rotary, soft_cap=soft_cap, sinks=sinks,
             )
         else:
             prefill_tiles = tiles.prefill_tiles(head_size, group, query.dtype, self.interpret)
             kernels.prefill.prefill_attention(
                 query, k_cache, v_cache, out, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, metadata.num_seqs, scale, sliding_window, prefill_tiles,
-                soft_cap=soft_cap,
+                soft_cap=soft_cap, sinks=sinks,
             )
         return out

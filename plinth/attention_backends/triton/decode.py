@@ -18,7 +18,13 @@ import triton
 import triton.language as tl
 
 from plinth.attention_backends.interface import FP8_KV_DTYPES
-from plinth.attention_backends.triton.tiles import LOG2E, DecodeTiles, next_power_of_2, soft_cap_args
+from plinth.attention_backends.triton.tiles import (
+    LOG2E,
+    DecodeTiles,
+    next_power_of_2,
+    sinks_args,
+    soft_cap_args,
+)
 from plinth.kernels.ops import dependent_options
 from plinth.kernels.triton_jit import dependent_start, tanh
 
@@ -64,6 +70,8 @@ def _decode_split_kernel(
     LIMIT: tl.constexpr = 0.0,      # an 8-bit float cache: new keys/values are clamped to +-LIMIT before rounding
     soft_cap=1.0,                   # SOFT_CAP: the cap * log2(e) (scores are in log2 units)
     SOFT_CAP: tl.constexpr = False,  # scores become cap * tanh(score / cap) (Gemma 2)
+    sinks_ptr=None,                 # SINKS: [num_heads] float32, each head's sink logit
+    SINKS: tl.constexpr = False,    # the sinks join the softmax's denominators (the first split holds them)
 ):
     dependent_start(DEPENDENT)
     seq = tl.program_id(0)
@@ -123,6 +131,10 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], _FINITE_MIN, dtype=tl.float32)
+    if SINKS:   # a key whose score is the sink and whose value is zero, in the first split's range
+        sink = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                      # [N] key positions
         n_ok = (offs_n < seq_len) & (offs_n >= kv_start)
@@ -231,6 +243,7 @@ def decode_attention(
     num_splits: int,
     rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch split-KV decode (and the merge when ``num_splits > 1``) for one query per sequence.
 
@@ -238,7 +251,8 @@ def decode_attention(
     ``rotary``: ``(key, value, cos, sin, slot_mapping)`` with one token per sequence (``key``/``value``
     ``[T, num_kv_heads, head_size]``, ``cos``/``sin`` ``[T, head_size]`` sharing strides): ``query`` and
     ``key`` are taken before their rotate-half RoPE, which the kernel applies (``query`` is left as it was),
-    and the kernel writes the rotated key and the value to the cache itself.
+    and the kernel writes the rotated key and the value to the cache itself. ``sinks``: ``[num_heads]``
+    float32 sink logits (gpt-oss) or ``None``.
     """
     assert k_cache.stride() == v_cache.stride()
     num_tokens, num_heads, head_size = query.shape
@@ -269,6 +283,7 @@ def decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         **_rotary_args(rotary, k_cache.dtype),
         **soft_cap_args(soft_cap),
+        **sinks_args(sinks),
         **dependent,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from plinth.attention_backends.triton.tiles import LOG2E, PrefillTiles, next_power_of_2, soft_cap_args
+from plinth.attention_backends.triton.tiles import (
+    LOG2E,
+    PrefillTiles,
+    next_power_of_2,
+    sinks_args,
+    soft_cap_args,
+)
 from plinth.kernels.triton_jit import tanh
 
 _FINITE_MIN = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows never give NaN
@@ -118,6 +124,8 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     soft_cap=1.0,                    # SOFT_CAP: the cap * log2(e) (scores are in log2 units)
     SOFT_CAP: tl.constexpr = False,  # scores become cap * tanh(score / cap) (Gemma 2)
+    sinks_ptr=None,                  # SINKS: [num_heads] float32, each head's sink logit
+    SINKS: tl.constexpr = False,     # the sinks join the softmax's denominators
 ):
     # heaviest query blocks (the ends of the sequences) first, so the tail of the grid is short
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -155,6 +163,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _FINITE_MIN, dtype=tl.float32)
+    if SINKS:   # a key whose score is the sink and whose value is zero
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + 1.0
     if SLIDING:
         masked_start = tl.maximum(min_pos - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
@@ -195,8 +206,10 @@ def prefill_attention(
     sliding_window: int | None,
     tiles: PrefillTiles,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Launch the prefill kernel; writes every real query row of ``out``.
+    """Launch the prefill kernel; writes every real query row of ``out`` (``sinks``: ``[num_heads]`` float32
+    sink logits, or ``None``).
 
     ``k_cache`` and ``v_cache`` must share strides (two halves of one cache tensor).
     """
@@ -222,6 +235,7 @@ def prefill_attention(
         SLIDING=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         **soft_cap_args(soft_cap),
+        **sinks_args(sinks),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -28,6 +28,14 @@ def soft_cap_args(soft_cap: float | None) -> dict:
     return {"soft_cap": float(soft_cap) * LOG2E, "SOFT_CAP": True}
 
 
+def sinks_args(sinks: torch.Tensor | None) -> dict:
+    """The kernels' SINKS arguments (none without sinks): ``[num_heads]`` float32, contiguous."""
+    if sinks is None:
+        return {}
+    assert sinks.dtype == torch.float32 and sinks.is_contiguous()
+    return {"sinks_ptr": sinks, "SINKS": True}
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -10,6 +10,7 @@ from torch import nn
 from plinth.attention_backends.interface import (
     AttentionBackend,
     AttentionMetadata,
+    applies_sinks,
     applies_soft_cap,
     attend_kwargs,
 )
@@ -41,12 +42,16 @@ class Attention(nn.Module):
         sliding_window: attend only to the last ``sliding_window`` positions, or ``None``.
         layer_idx: the layer's index (for messages and backends that need it).
         soft_cap: attention-logit soft-capping, ``soft_cap * tanh(score / soft_cap)`` (Gemma 2), or ``None``.
+        has_sinks: :meth:`forward` receives each head's sink logit (gpt-oss): the backend must take ``sinks``.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0,
-                 soft_cap: float | None = None):
+                 soft_cap: float | None = None, has_sinks: bool = False):
         super().__init__()
+        if has_sinks and not applies_sinks(backend):
+            raise ValueError(f"attention layer {layer_idx}: attention sinks need a backend that applies them "
+                             f"({type(backend).__name__} does not)")
         if soft_cap is not None and not (usable_soft_cap(soft_cap) and applies_soft_cap(backend)):
             raise ValueError(f"attention layer {layer_idx}: soft cap {soft_cap!r} needs a cap in (0, {MAX_SOFT_CAP:g}] "
                              f"and a backend that applies it ({type(backend).__name__} does{'' if applies_soft_cap(backend) else ' not'})")
@@ -56,31 +61,41 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
+        self.has_sinks = has_sinks
         self.layer_idx = layer_idx
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``.
 
         ``rotary``: ``(cos, sin)`` ``[T, R]`` of a rotate-half RoPE still to be applied to ``q`` and ``k``
         (over their first ``R`` features): by the backend where it takes it, else here (in place where the
-        fused ops run).
+        fused ops run). ``sinks``: ``[Hq]``, each head's sink logit, given exactly when the layer ``has_sinks``.
         """
         if self.kv_cache is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache; the model runner assigns it")
+        if (sinks is not None) != self.has_sinks:
+            raise ValueError(f"attention layer {self.layer_idx}: sinks {'given' if sinks is not None else 'missing'}"
+                             f" (the layer was built with has_sinks={self.has_sinks})")
+        options = self._options(sinks)
         if rotary is not None:
             cos, sin = rotary
             if (self.backend.fuses_rotary and cos.shape[-1] == self.head_size and ops.fused_ops_enabled(q)):
-                return self.backend.forward(q, k, v, self.kv_cache, metadata, rotary=rotary, **self._options())
+                return self.backend.forward(q, k, v, self.kv_cache, metadata, rotary=rotary, **options)
             q, k = rotate_qk(q, k, cos, sin)
-        return self.backend.forward(q, k, v, self.kv_cache, metadata, **self._options())
+        return self.backend.forward(q, k, v, self.kv_cache, metadata, **options)
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self, sinks: torch.Tensor | None = None) -> dict[str, Any]:
         """The backend's per-layer keywords."""
-        return {"scale": self.scale, **attend_kwargs(self.sliding_window, self.soft_cap)}
+        options = {"scale": self.scale, **attend_kwargs(self.sliding_window, self.soft_cap)}
+        if sinks is not None:
+            options["sinks"] = sinks.float() if sinks.dtype != torch.float32 else sinks
+        return options
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-                f"sliding_window={self.sliding_window}" + (f", soft_cap={self.soft_cap}" if self.soft_cap else ""))
+                f"sliding_window={self.sliding_window}" + (f", soft_cap={self.soft_cap}" if self.soft_cap else "")
+                + (", sinks" if self.has_sinks else ""))

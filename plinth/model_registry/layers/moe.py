@@ -9,6 +9,7 @@ Checkpoint tensors arrive per expert with shard ids ``(expert, "gate" | "up" | "
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,20 +54,27 @@ class FusedMoE(nn.Module):
         hidden_size: model width.
         intermediate_size: each expert's full intermediate width.
         renormalize: rescale the top-k probabilities to sum to one.
+        bias: each expert's projections have biases (``w13_bias`` ``[E, 2 * I]``, ``w2_bias`` ``[E, H]``; under
+            tensor parallelism the rank that adds ``w2_bias`` is rank 0).
+        activation: ``h = activation(gate, up)`` (default ``silu(gate) * up``).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, *, tp_rank: int = 0, tp_size: int = 1):
+                 renormalize: bool, *, tp_rank: int = 0, tp_size: int = 1, bias: bool = False,
+                 activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.activation = activation or _silu_and_mul
         self.intermediate_per_rank = divide(intermediate_size, tp_size, "MoE intermediate size")
         i = self.intermediate_per_rank
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * i), requires_grad=False) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
         for p, roles in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             p.expected_shards = tuple((e, r) for e in range(num_experts) for r in roles)  # type: ignore[attr-defined]
@@ -105,18 +113,25 @@ class FusedMoE(nn.Module):
         slot_weights = weights.reshape(-1)[order]                 # [T * K]
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        w13_bias, w2_bias = self.w13_bias, (self.w2_bias if self.tp_rank == 0 else None)
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
             rows = token_of[start:start + n]
-            gate, up = F.linear(x[rows], self.w13_weight[expert]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(F.silu(gate) * up, self.w2_weight[expert])                 # [n, H]
+            gate, up = F.linear(x[rows], self.w13_weight[expert],
+                                None if w13_bias is None else w13_bias[expert]).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(self.activation(gate, up), self.w2_weight[expert],
+                         None if w2_bias is None else w2_bias[expert])                   # [n, H]
             out.index_add_(0, rows, y.to(torch.float32) * slot_weights[start:start + n, None])
             start += n
         if self.tp_size > 1:
             tp_all_reduce(out)
         return out.to(x.dtype)
+
+
+def _silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def check_expert_activation(name: str) -> None:

@@ -24,4 +24,5 @@ def plinth_models() -> dict[str, str]:
         "GraniteForCausalLM": f"{_M}.granite:GraniteForCausalLM",
         "Olmo2ForCausalLM": f"{_M}.olmo2:Olmo2ForCausalLM",
         "Olmo3ForCausalLM": f"{_M}.olmo2:Olmo3ForCausalLM",
+        "GptOssForCausalLM": f"{_M}.gpt_oss:GptOssForCausalLM",
     }

@@ -1,5 +1,5 @@
 """The decoder-only transformer shared by the Llama family (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE, Phi-3,
-SmolLM3, Granite) and the Gemma family (Gemma, Gemma 2, Gemma 3).
+SmolLM3, Granite, OLMo 2/3, gpt-oss) and the Gemma family (Gemma, Gemma 2, Gemma 3).
 
 One implementation with options: architectures subclass :class:`DecoderForCausalLM` and
 override :meth:`~DecoderForCausalLM.attention_options` (biases, per-head q/k norm, softmax scale;
@@ -23,7 +23,7 @@ from torch import nn
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.distributed.communication import tp_all_reduce_add_rms_norm
 from plinth.distributed.parallel_state import pp_layer_range
-from plinth.errors import UnsupportedModelError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.layers.activation import GATED_ACTIVATIONS, SiluAndMul
 from plinth.model_registry.layers.attention import Attention
@@ -50,6 +50,7 @@ class AttentionOptions:
     scale: float | None = None  # the softmax scale (default: head_dim ** -0.5)
     soft_cap: float | None = None  # attention-logit soft-capping, cap * tanh(score / cap) (Gemma 2)
     rope: bool = True           # False: the layer's q and k get no rotary embedding (SmolLM3's NoPE layers)
+    sinks: bool = False         # each head's learned sink logit in its softmax's denominator (``self_attn.sinks``, gpt-oss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +124,20 @@ class DecoderAttention(nn.Module):
         scale = options.scale if options.scale is not None else self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
                               ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx,
-                              soft_cap=options.soft_cap)
+                              soft_cap=options.soft_cap, has_sinks=options.sinks)
         self.use_rope = options.rope
+        self.sinks = None
+        if options.sinks:   # float32, as the kernels read them; this rank's heads
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+        self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = self.num_heads
+        if tuple(loaded.shape) != (n * self.tp_size,):
+            raise ModelLoadError(f"shape mismatch: expected ({n * self.tp_size},) (one sink per head), checkpoint "
+                                 f"has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, hidden: Any, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
@@ -140,7 +153,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE in the attention backend or before it
-        out = self.attn(q, k, v, metadata, rotary=(cos, sin) if self.use_rope else None)
+        out = self.attn(q, k, v, metadata, rotary=(cos, sin) if self.use_rope else None, sinks=self.sinks)
         return self.o_proj(out.reshape(t, q_size), reduce=reduce)
 
 

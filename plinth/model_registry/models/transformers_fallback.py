@@ -52,8 +52,12 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if cap != hook.layer.soft_cap and (cap is not None or hook.layer.soft_cap is not None):
         raise UnsupportedModelError(f"the model's attention asks for logit soft cap {cap}, its config says "
                                     f"{hook.layer.soft_cap} (attn_logit_softcapping)")
+    sinks = kwargs.get("s_aux")   # each head's sink logit (gpt-oss)
+    if (sinks is not None) != hook.layer.has_sinks:
+        raise UnsupportedModelError(f"the model's attention {'passes' if sinks is not None else 'lacks'} sink logits "
+                                    f"(s_aux) its module {'lacks' if sinks is not None else 'has'}")
     out = hook.layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                     hook.state.metadata)  # [T, Hq, D]
+                     hook.state.metadata, sinks=sinks)  # [T, Hq, D]
     return out.unsqueeze(0), None
 
 
@@ -127,7 +131,8 @@ class TransformersForCausalLM(CausalLM):
             head_dim = getattr(m, "head_dim", None) or cfg.hidden_size // num_heads
             layer = Attention(num_heads, head_dim, float(m.scaling), num_kv_heads, ctx.attention_backend,
                               getattr(m, "sliding_window", None), m.layer_idx,
-                              soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None)
+                              soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None,
+                              has_sinks=isinstance(getattr(m, "sinks", None), torch.Tensor))
             m.plinth_paged = _PagedHook(layer, self._state)
             layers.append(layer)
         return layers
