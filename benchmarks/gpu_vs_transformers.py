@@ -133,14 +133,24 @@ def sync(device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------------ weights
 
+def hf_attention(cfg: Any) -> str:
+    """transformers' attention for the baseline: SDPA, or eager for a model whose SDPA path it refuses (gpt-oss:
+    SDPA has no sinks)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def build_or_load_weights(args: argparse.Namespace, weights_dir: Path) -> Any:
     """A transformers model on the device: loaded from ``weights_dir`` or built (seeded) and saved there."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     if (weights_dir / "config.json").is_file():
         print(f"loading the weights saved in {weights_dir}", flush=True)
-        return AutoModelForCausalLM.from_pretrained(weights_dir, dtype=dtype, attn_implementation="sdpa",
+        cfg = AutoConfig.from_pretrained(weights_dir)
+        return AutoModelForCausalLM.from_pretrained(weights_dir, dtype=dtype, attn_implementation=hf_attention(cfg),
                                                     device_map=str(device)).eval()
     from plinth.model_registry.loader import load_preset
 
@@ -148,7 +158,7 @@ def build_or_load_weights(args: argparse.Namespace, weights_dir: Path) -> Any:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=hf_attention(cfg)).eval()
     weights_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(weights_dir, safe_serialization=True)
     print(f"built {args.model_preset} with random weights and saved it to {weights_dir} "

@@ -89,8 +89,9 @@ class WeightStats:
 
     Attributes:
         params: all parameters (shared ones counted once).
-        matmul_params: parameters used in matrix products (``params`` minus a lookup-only embedding).
-        streamed_bytes: bytes of those matmul parameters, read in full by every decode step (of a quantized
+        matmul_params: parameters used in matrix products by one token (``params`` minus a lookup-only embedding;
+            of a mixture of experts, the ``top_k`` of ``num_experts`` experts a token runs).
+        streamed_bytes: bytes of those matmul parameters, read by every one-sequence decode step (of a quantized
             layer that keeps two layouts, only the one decode steps read: its ``decode_tensors``).
     """
 
@@ -124,11 +125,30 @@ def weight_stats(model: nn.Module) -> WeightStats:
         names = getattr(module, "decode_tensors", None)
         if names is not None:
             unread.update(id(p) for n, p in module.named_parameters(recurse=False) if n not in names and n != "bias")
+    share = _expert_shares(model)
     return WeightStats(
         params=sum(_numel(p) for p in all_params.values()),
-        matmul_params=sum(_numel(p) for p in matmul),
-        streamed_bytes=sum(_numel(p) * p.element_size() for p in matmul if id(p) not in unread),
+        matmul_params=round(sum(_numel(p) * share.get(id(p), 1.0) for p in matmul)),
+        streamed_bytes=round(sum(_numel(p) * p.element_size() * share.get(id(p), 1.0)
+                                 for p in matmul if id(p) not in unread)),
     )
+
+
+def _expert_shares(model: nn.Module) -> dict[int, float]:
+    """``id(parameter) -> top_k / num_experts`` for stacked expert weights and biases (``[num_experts, ...]``
+    parameters of a module with ``num_experts`` that holds 3-D ones; ``top_k`` from the module or the model's
+    ``num_experts_per_tok``): the share of them one token runs."""
+    config_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    shares = {}
+    for module in model.modules():
+        e = getattr(module, "num_experts", None)
+        k = getattr(module, "top_k", None) or config_k
+        if not isinstance(e, int) or not isinstance(k, int) or not 0 < k < e:
+            continue
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == e]
+        if any(p.dim() >= 3 for p in stacked):   # the experts' module (a router's [E, H] weight is read in full)
+            shares.update((id(p), k / e) for p in stacked)
+    return shares
 
 
 def _numel(p: torch.Tensor) -> int:

@@ -118,6 +118,26 @@ def test_weight_stats_counts_only_what_decode_reads_of_two_layouts():
     assert floors.weight_stats(model).streamed_bytes == (8 + 4) * 4
 
 
+def test_weight_stats_count_the_experts_a_token_runs():
+    """Of a mixture of experts, one token runs top_k of num_experts experts: the stacked expert weights count by
+    that share (a hand count on a plinth layer and on transformers' gpt-oss of the same sizes)."""
+    from plinth.model_registry.layers.moe import FusedMoE
+
+    moe = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), FusedMoE(4, 1, 8, 6, renormalize=True))
+    experts = 4 * (2 * 6 * 8 + 8 * 6)
+    stats = floors.weight_stats(moe)
+    assert stats.params == 8 * 16 + experts
+    assert stats.matmul_params == 8 * 16 + experts // 4 and stats.streamed_bytes == 4 * stats.matmul_params
+    cfg = transformers.GptOssConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2)
+    hf = transformers.GptOssForCausalLM(cfg)
+    stacked = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    assert stacked == 4 * (16 * 64 + 64 + 32 * 16 + 16)
+    everything = floors.weight_stats(hf)
+    assert everything.params - everything.matmul_params == 100 * 16 + stacked // 2   # the lookup, the idle half
+
+
 def test_ceilings_table():
     assert floors.ceilings_for("NVIDIA H200").copy_bytes_per_s == 4.21e12
     assert floors.ceilings_for("nvidia h200 nvl").matmul_flops_per_s[torch.bfloat16] == 760e12

@@ -9,19 +9,21 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_models import COMMON, _hf_logits, _load, _prompts, randomize_zero_parameters
+from test_models import COMMON, _hf_logits, _load, _prompts, follow_config_swiglu, randomize_zero_parameters
 
 from plinth.attention_backends.torch_sdpa import TorchSDPABackend
 from plinth.errors import ModelLoadError
 from plinth.model_registry.models.gpt_oss import dequantize_mxfp4
 
+# swiglu_limit left at the released 7.0, which every transformers release applies (some ignore the config's)
 CONFIG = dict(COMMON, head_dim=16, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-              layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0)
+              layer_types=["sliding_attention", "full_attention"])
 
 
 def _model(seed: int = 3) -> transformers.GptOssForCausalLM:
     torch.manual_seed(seed)
-    return randomize_zero_parameters(transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval())
+    return follow_config_swiglu(randomize_zero_parameters(
+        transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()))
 
 
 def save_mxfp4(path, seed: int = 4) -> None:
@@ -74,6 +76,7 @@ def test_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path):
     save_mxfp4(tmp_path)
     hf = transformers.GptOssForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    follow_config_swiglu(hf)
     backend = TorchSDPABackend()
     model = _load(str(tmp_path), backend)
     ours, theirs = model.model.layers[1].mlp.experts, hf.model.layers[1].mlp.experts

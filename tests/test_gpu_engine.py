@@ -122,13 +122,52 @@ def test_async_scheduling_on_gpu(tiny_llama_dir, reference):
 
 @pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                                  "GptOssForCausalLM"])
+                                  "GptOssForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"])
 def test_newer_architectures_on_triton_with_graphs_match_transformers(name, tmp_path):
     """Gemma's norms and scaled embeddings, Gemma 2's attention-logit soft cap in the Triton kernels, Gemma 3's
     sandwich norms, sliding layers with their own RoPE and final soft cap, Phi-3's partial rotary (the Triton
     backend then rotates outside its kernel), SmolLM3's layers without RoPE (the fused decode kernel then rotates
-    nothing), Granite's multipliers, gpt-oss's sinks in the Triton kernels and its biased experts: greedy tokens
-    equal transformers' on the GPU."""
+    nothing), Granite's multipliers, gpt-oss's sinks in the Triton kernels and its biased experts, mixture-of-experts layers
+    in the captured decode graphs (grouped GEMMs): greedy tokens equal transformers' on the GPU."""
     from test_models import engine_matches_transformers
 
     engine_matches_transformers(name, tmp_path, "cuda", attention_backend="triton")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias):
+    """The experts' grouped-GEMM path (sm90+, bfloat16) against the per-expert loop on the same weights, with biases
+    and gpt-oss's activation; then captured in a CUDA graph and replayed on new inputs (no host read of the
+    routing). float32 experts take the loop and say they cannot be captured (the engine then decodes eagerly)."""
+    dtype = torch.bfloat16
+    from plinth.model_registry.layers.moe import FusedMoE
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("grouped GEMMs need compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def act(gate, up):
+        return (up.clamp(-1, 1) + 1) * gate * torch.sigmoid(gate)
+
+    moe = FusedMoE(8, 2, 64, 96, renormalize=True, bias=bias, activation=act if bias else None).cuda()
+    for p in moe.parameters():
+        p.data = (torch.randn(p.shape, generator=g, device="cuda") * 0.1).to(dtype)
+    x = torch.randn(37, 64, generator=g, device="cuda").to(dtype)
+    logits = torch.randn(37, 8, generator=g, device="cuda")
+    assert moe.uses_grouped_gemm(x) and moe.graph_capturable(x.device, dtype)
+    grouped = moe(x, logits)
+    moe.uses_grouped_gemm = lambda _x: False
+    loop = moe(x, logits)
+    del moe.uses_grouped_gemm
+    torch.testing.assert_close(grouped.float(), loop.float(), atol=2e-2, rtol=2e-2)
+    assert not moe.uses_grouped_gemm(x.float()) and not moe.graph_capturable(x.device, torch.float32)
+    static_x, static_logits = x.clone(), logits.clone()
+    moe(static_x, static_logits)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(static_x, static_logits)
+    static_x.copy_(torch.randn(37, 64, generator=g, device="cuda").to(dtype))
+    static_logits.copy_(torch.randn(37, 8, generator=g, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, moe(static_x, static_logits), atol=0, rtol=0)

@@ -88,13 +88,24 @@ def randomize_zero_parameters(hf: transformers.PreTrainedModel, seed: int = 5) -
     return hf
 
 
+def follow_config_swiglu(hf: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """gpt-oss experts clamped and scaled as the config says (``swiglu_limit``, ``swiglu_alpha``): some transformers
+    releases (5.17) fix them at 7.0 and 1.702 whatever the config holds (the released models' values)."""
+    for module in hf.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.limit = hf.config.swiglu_limit
+            module.alpha = getattr(hf.config, "swiglu_alpha", 1.702)
+    return hf
+
+
 @pytest.fixture(scope="module", params=list(ARCHS))
 def checkpoint(request, tmp_path_factory):
     """A small random transformers model of one architecture, saved as safetensors."""
     arch, config_cls, overrides = ARCHS[request.param]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    # eager attention: some transformers releases run Gemma 2 through SDPA, which drops its attention soft cap
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides}, attn_implementation="eager")
     torch.manual_seed(1234)
-    hf = randomize_zero_parameters(getattr(transformers, arch)(config).eval())
+    hf = follow_config_swiglu(randomize_zero_parameters(getattr(transformers, arch)(config).eval()))
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return request.param, str(path), hf
@@ -178,7 +189,8 @@ def test_transformers_fallback_applies_the_attention_soft_cap(tmp_path, monkeypa
 
     arch, config_cls, overrides = ARCHS["Gemma2ForCausalLM"]
     torch.manual_seed(3)
-    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**COMMON, **overrides})).eval()
+    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**COMMON, **overrides},
+                                                              attn_implementation="eager")).eval()
     hf.save_pretrained(tmp_path)
     monkeypatch.setattr(ModelRegistry, "resolve", fallback_class)
     backend = TorchSDPABackend()
@@ -412,11 +424,13 @@ def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, 
 
     arch, config_cls, overrides = ARCHS[name]
     tokenizer = make_tokenizer()
+    # eager attention: some transformers releases run Gemma 2 through SDPA, which drops its attention soft cap
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "vocab_size": len(tokenizer),
                                                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": 0,
-                                                  "bos_token_id": tokenizer.bos_token_id})
+                                                  "bos_token_id": tokenizer.bos_token_id},
+                                               attn_implementation="eager")
     torch.manual_seed(99)
-    hf = randomize_zero_parameters(getattr(transformers, arch)(config).eval())
+    hf = follow_config_swiglu(randomize_zero_parameters(getattr(transformers, arch)(config).eval()))
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return hf, _prompts(config.vocab_size)
@@ -563,3 +577,14 @@ def test_the_language_model_of_an_image_and_text_checkpoint_runs_alone(tmp_path,
         ours = model.compute_logits(model(ids, pos, md))
         ref = hf(input_ids=torch.tensor([prompt])).logits[0].float()
     assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_graph_blocker_names_experts_without_grouped_gemms():
+    """Where the experts would read their routing on the host (no grouped GEMMs: CPUs, GPUs before sm90), the
+    engine is told not to capture decode graphs; a dense model has no such module."""
+    from plinth.model_registry.layers.moe import FusedMoE
+    from plinth.worker.setup import graph_blocker
+
+    moe = torch.nn.Sequential(torch.nn.Linear(4, 4), FusedMoE(4, 2, 16, 32, renormalize=True))
+    assert graph_blocker(moe, torch.device("cpu"), torch.float32) == "FusedMoE (1)"
+    assert graph_blocker(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.device("cpu"), torch.float32) is None

@@ -196,13 +196,16 @@ class Worker:
         """Allocate the KV cache (the same block count on every rank); set up the platform's fast path
         (accelerators); capture decode graphs where supported (single-stage runs, not ``enforce_eager``).
         Returns the cache's bytes on this rank."""
+        from plinth.worker.setup import graph_blocker
+
         self._make_runner(num_blocks)
         assert self.runner is not None
         self._prepare_runner()
         dev = self.config.device
         if (not dev.enforce_eager and self.layout.pp_size == 1 and self.device.type == "cuda"
                 and self.runner.graphs is None and self.platform.supports_graph_capture
-                and getattr(self._backend, "graph_safe", False)):
+                and getattr(self._backend, "graph_safe", False)
+                and graph_blocker(self._model, self.device, self.dtype) is None):
             self._capture_decode_graphs()
         return self.runner.kv_cache_bytes
 

@@ -240,6 +240,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         logger.info("graph capture not supported on %s: decode runs eagerly", platform.name)
     elif not getattr(backend, "graph_safe", False):
         logger.info("attention backend %s cannot be captured in a graph: decode runs eagerly", backend.name)
+    elif (blocker := graph_blocker(model, device, dtype)) is not None:
+        logger.info("%s cannot be captured in a graph on this device: decode runs eagerly", blocker)
     else:
         graph_rows = config.scheduler.max_num_seqs
         if runner.shared_decode_rows:   # room for draft rows beside full decodes (at most 512 rows a graph)
@@ -256,6 +258,16 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         vocab_size=hf.vocab_size, eos_token_ids=eos, selection=selection, runner=runner,
         num_blocks=num_blocks, config=config, default_sampling=default_sampling,
     )
+
+
+def graph_blocker(model: Any, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The first module of ``model`` that says it cannot be captured in a device graph
+    (``graph_capturable(device, dtype)`` False, e.g. mixture-of-experts layers without grouped GEMMs), or ``None``."""
+    for name, module in model.named_modules():
+        check = getattr(module, "graph_capturable", None)
+        if callable(check) and not check(device, dtype):
+            return f"{type(module).__name__} ({name})"
+    return None
 
 
 @torch.inference_mode()

@@ -104,9 +104,27 @@ class FusedMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
+    def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` takes the grouped-GEMM path: every expert's rows in one ``torch._grouped_mm`` launch per
+        projection, with no host read of the routing (so a CUDA graph can capture it). It needs a CUDA device of
+        compute capability 9.0 or later and bfloat16 (torch's grouped kernels; for other types torch loops on the
+        host), with 16-byte aligned rows."""
+        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+            return False
+        align = 16 // x.element_size()
+        return (torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % align == 0
+                and self.intermediate_per_rank % align == 0)
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a decode step through these experts can be captured in a device graph (see
+        :meth:`uses_grouped_gemm`; the per-expert loop reads the routing on the host)."""
+        return self.uses_grouped_gemm(torch.empty(1, self.w13_weight.shape[-1], device=device, dtype=dtype))
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, ``router_logits`` ``[T, E]`` -> ``[T, H]``."""
         weights, ids = self.route(router_logits)
+        if self.uses_grouped_gemm(x):
+            return self._forward_grouped(x, weights, ids)
         flat_ids = ids.reshape(-1)                                # [T * K]
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // self.top_k                            # [T * K] source token of each slot
@@ -125,6 +143,31 @@ class FusedMoE(nn.Module):
                          None if w2_bias is None else w2_bias[expert])                   # [n, H]
             out.index_add_(0, rows, y.to(torch.float32) * slot_weights[start:start + n, None])
             start += n
+        if self.tp_size > 1:
+            tp_all_reduce(out)
+        return out.to(x.dtype)
+
+    def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts as two grouped GEMMs over the token copies sorted by expert (all on the device)."""
+        t, k = ids.shape
+        flat_ids = ids.reshape(-1)                                                   # [T * K]
+        order = torch.argsort(flat_ids, stable=True)
+        sorted_ids = flat_ids.index_select(0, order)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)                                # end row of each expert
+        rows = x.index_select(0, order // k)                                         # [T * K, H]
+        gate_up = torch._grouped_mm(rows, self.w13_weight.transpose(1, 2), offs=offsets)   # [T * K, 2I]
+        if self.w13_bias is not None:
+            gate_up = gate_up + self.w13_bias.index_select(0, sorted_ids)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(self.activation(gate, up).contiguous(), self.w2_weight.transpose(1, 2),
+                              offs=offsets)                                          # [T * K, H]
+        if self.w2_bias is not None and self.tp_rank == 0:
+            y = y + self.w2_bias.index_select(0, sorted_ids)
+        unsorted = torch.empty_like(y, dtype=torch.float32)
+        unsorted[order] = y.to(torch.float32)
+        out = (unsorted.view(t, k, -1) * weights[..., None]).sum(dim=1)             # [T, H] float32
         if self.tp_size > 1:
             tp_all_reduce(out)
         return out.to(x.dtype)
