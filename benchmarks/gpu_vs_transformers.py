@@ -216,10 +216,13 @@ def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> 
     errors = [r.error for r in res.values() if r.error]
     out_tokens = sum(produced)
     prompt_tokens = sum(len(p) for p in prompts)
+    wrong = sum(n != new_tokens for n in produced) + len(prompts) - len(res)
+    if wrong:   # a figure over requests that failed is no throughput
+        raise RuntimeError(f"{wrong} of {len(prompts)} requests failed or ended early "
+                           f"(first errors: {errors[:2]}); {out_tokens} tokens in {elapsed:.1f} s")
     return {
         "elapsed_s": elapsed, "warmup_call_s": warm_s, "num_prompts": len(prompts), "num_results": len(res),
-        "num_wrong_length": sum(n != new_tokens for n in produced) + len(prompts) - len(res),
-        "errors": errors[:5], "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+        "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "requests_per_s": len(res) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed, "process_cpu_s": cpu_s,
     }

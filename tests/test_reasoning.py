@@ -71,7 +71,7 @@ def test_parts_only_grow_and_no_text_is_lost(pieces):
 
 def test_resolve():
     assert resolve_reasoning_parser("qwen3") is Qwen3ReasoningParser and resolve_reasoning_parser(None) is None
-    with pytest.raises(ParserChoiceError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ParserChoiceError, match="deepseek_r1, gpt_oss, qwen3"):
         resolve_reasoning_parser("nope")
 
 
@@ -223,7 +223,7 @@ def test_unknown_parser_and_plain_tokenizer(tmp_path, caplog):
     from plinth.entrypoints.openai.tool_parsers import ParserChoiceError
 
     model = make_tiny_model(tmp_path / "plain")
-    with pytest.raises(ParserChoiceError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ParserChoiceError, match="deepseek_r1, gpt_oss, qwen3"):
         LLM(str(model), dtype="float32", selection="off", reasoning_parser="nope")
     with caplog.at_level("WARNING"):
         llm = LLM(str(model), dtype="float32", selection="off", reasoning_parser="qwen3")

@@ -8,7 +8,8 @@ tool-call parser, if any, looks for calls). Parsers are plugins (``plinth_reason
 - ``qwen3``: thinking only inside ``<think>`` ... ``</think>`` at the start of the reply (Qwen3, QwQ); a reply
   without it is all answer (Qwen3 with ``enable_thinking`` off);
 - ``deepseek_r1``: the reply starts in thinking (its template opens ``<think>`` in the prompt; a ``<think>`` the
-  model writes itself is dropped) until ``</think>`` (DeepSeek-R1 and its distillations).
+  model writes itself is dropped) until ``</think>`` (DeepSeek-R1 and its distillations);
+- ``gpt_oss``: the harmony format's ``analysis`` channel (gpt-oss; :mod:`plinth.entrypoints.openai.harmony`).
 
 As with tool-call parsers, :meth:`ReasoningParser.scan` sees the whole text so far and both parts only grow
 (a marker cut in half at the end is held back); thinking that never ends stays thinking, so no text is lost.
@@ -31,6 +32,7 @@ def plinth_reasoning_parsers() -> dict[str, str]:
     return {
         "qwen3": "plinth.entrypoints.openai.reasoning_parsers:Qwen3ReasoningParser",
         "deepseek_r1": "plinth.entrypoints.openai.reasoning_parsers:DeepSeekR1ReasoningParser",
+        "gpt_oss": "plinth.entrypoints.openai.harmony:GptOssReasoningParser",
     }
 
 
@@ -52,6 +54,8 @@ class ReasoningParser:
     #: the chat template opens the thinking in the prompt, so a reply starts inside it (structured outputs
     #: then wait for END; otherwise they let the reply open the thinking with START first)
     starts_in_thinking: ClassVar[bool] = False
+    #: the markers are special tokens (gpt-oss's channels): replies keep them in the text the parser reads
+    keeps_special_tokens: ClassVar[bool] = False
 
     def scan(self, text: str, final: bool) -> Split:
         """The thinking and the answer in ``text`` (all generated so far; ``final``: all there will be).

@@ -265,7 +265,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     params = sampling_params(lambda: req.sampling_params(max_tokens, k, req.prompt_logprobs, defaults=defaults),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              max_logprobs=ctx.front.max_logprobs)
-    if mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens:
+    if ((mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens)
+            or (ctx.reasoning_parser is not None and ctx.reasoning_parser.keeps_special_tokens)):
         params = dataclasses.replace(params, skip_special_tokens=False)
     await _check_tool_schemas(mode)
     await check_structured(ctx, req, params)

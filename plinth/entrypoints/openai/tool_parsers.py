@@ -9,7 +9,9 @@ ones register through the same hook:
   (Hermes 2 Pro, Qwen2 and Qwen2.5, and the many models trained on that format);
 - ``llama3_json``: the whole reply is one JSON object ``{"name": ..., "parameters": {...}}``, or several
   separated by ``;``, optionally after ``<|python_tag|>`` (Llama 3.1-3.3 with JSON tool calling);
-- ``mistral``: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name": ..., "arguments": {...}}``.
+- ``mistral``: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name": ..., "arguments": {...}}``;
+- ``gpt_oss``: harmony messages to ``functions.NAME`` with JSON bodies (gpt-oss;
+  :mod:`plinth.entrypoints.openai.harmony`).
 
 A parser looks at the whole text generated so far (:meth:`ToolParser.scan`) and returns the content and
 the complete calls it finds. While the text grows, both only grow: text that may still become markup
@@ -41,6 +43,7 @@ def plinth_tool_parsers() -> dict[str, str]:
         "hermes": "plinth.entrypoints.openai.tool_parsers:HermesToolParser",
         "llama3_json": "plinth.entrypoints.openai.tool_parsers:Llama3JsonToolParser",
         "mistral": "plinth.entrypoints.openai.tool_parsers:MistralToolParser",
+        "gpt_oss": "plinth.entrypoints.openai.harmony:GptOssToolParser",
     }
 
 
@@ -157,7 +160,7 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _join(segments: list[str], has_calls: bool, final: bool) -> str:
+def join_segments(segments: list[str], has_calls: bool, final: bool) -> str:
     """Content from the text between calls (one segment per stretch; a call starts a new one): whitespace
     next to a call is dropped, segments are joined by a line break, and trailing whitespace is held back
     until the text goes on. Without calls the final content is the text itself."""
@@ -212,7 +215,7 @@ class HermesToolParser(ToolParser):
             pos = block_end
             if end >= 0:
                 self._done = (text[:pos], list(segments), list(calls))
-        return Scan(_join(segments, bool(calls), final), tuple(calls))
+        return Scan(join_segments(segments, bool(calls), final), tuple(calls))
 
 
 def _decode_one(body: str) -> ParsedCall | None:

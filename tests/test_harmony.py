@@ -1,0 +1,173 @@
+"""gpt-oss's harmony format: the ``gpt_oss`` reasoning and tool-call parsers, alone, streamed, and in the server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_utils import make_tiny_model
+from test_reasoning import stream_split
+from test_tool_calls import MESSAGES, TOOLS
+
+from plinth.entrypoints.openai.harmony import GptOssReasoningParser, GptOssToolParser, Message, messages
+from plinth.entrypoints.openai.reasoning_parsers import Split, resolve_reasoning_parser
+from plinth.entrypoints.openai.tool_parsers import ParsedCall, Scan, resolve_tool_parser
+
+ANALYSIS = "<|channel|>analysis<|message|>The user asks 2+2.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is 4."
+CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+CALL_RECIPIENT_FIRST = '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz":"UTC"}'
+
+
+def test_messages_split_headers_and_bodies():
+    got = messages(ANALYSIS + FINAL + "<|return|>", final=True)
+    assert [(m.channel, m.recipient, m.body, m.ended) for m in got] == [
+        ("analysis", None, "The user asks 2+2.", True), ("final", None, "It is 4.", True)]
+    call = messages(ANALYSIS + CALL_RECIPIENT_FIRST, final=True)[1]
+    assert (call.channel, call.recipient, call.body) == ("commentary", "functions.get_time", '{"tz":"UTC"}')
+    assert messages(CALL, final=True)[0].recipient == "functions.get_weather"
+    # text outside the format is a message without a header; a header still being written is left out
+    assert messages("plain text", final=True) == [Message("", "plain text", True)]
+    assert messages(ANALYSIS + "<|start|>assistant<|chan", final=False) == messages(ANALYSIS, final=True)
+    # the end of a body that may still become an end token waits
+    assert messages("<|channel|>final<|message|>It is 4<|e", final=False)[0].body == "It is 4"
+    assert messages("<|channel|>final<|message|>It is 4<|e", final=True)[0].body == "It is 4<|e"
+
+
+@pytest.mark.parametrize("text, split", [
+    (ANALYSIS + FINAL, Split("The user asks 2+2.", "It is 4.")),
+    (FINAL, Split("", "It is 4.")),                                   # no thinking
+    (ANALYSIS, Split("The user asks 2+2.", "")),                      # thinking only (cut short)
+    ("<|channel|>analysis<|message|>still thinking", Split("still thinking", "")),
+    ("Just text.", Split("", "Just text.")),                          # not the format: all answer
+    (ANALYSIS + CALL, Split("The user asks 2+2.", CALL)),             # a call stays in its markup
+    ("<|channel|>commentary<|message|>Checking.<|end|>" + FINAL, Split("", "Checking.It is 4.")),   # preamble
+])
+def test_reasoning_parser(text, split):
+    assert stream_split(GptOssReasoningParser(), text) == split
+
+
+def stream_scan(parser, text: str) -> Scan:
+    """Scan every prefix as a stream would: the content and the calls only grow."""
+    last = Scan("")
+    for i in range(len(text) + 1):
+        scan = parser.scan(text[:i], final=i == len(text))
+        assert scan.content.startswith(last.content) and scan.calls[:len(last.calls)] == last.calls, (text[:i], scan)
+        last = scan
+    return last
+
+
+@pytest.mark.parametrize("text, scan", [
+    (CALL, Scan("", (ParsedCall("get_weather", '{"city": "Oslo"}'),))),
+    ("It is 4." + CALL_RECIPIENT_FIRST, Scan("It is 4.", (ParsedCall("get_time", '{"tz": "UTC"}'),))),
+    ("It is 4.", Scan("It is 4.")),
+    # not a call after all (no JSON object, a recipient that is no function): the markup is content, verbatim
+    ('<|channel|>commentary to=functions.f<|message|>{"a": ', Scan('<|channel|>commentary to=functions.f<|message|>{"a": ')),
+    ("<|channel|>commentary to=browser.search<|message|>[1]", Scan("<|channel|>commentary to=browser.search<|message|>[1]")),
+    ("<|channel|>commentary to=functions.ping<|message|>", Scan("", (ParsedCall("ping", "{}"),))),
+])
+def test_tool_parser(text, scan):
+    assert stream_scan(GptOssToolParser(TOOLS), text) == scan
+
+
+def test_both_parsers_together():
+    """As the server chains them: the reasoning parser's answer goes to the tool parser."""
+    split = GptOssReasoningParser().scan(ANALYSIS + CALL, final=True)
+    assert split.reasoning == "The user asks 2+2."
+    assert GptOssToolParser(TOOLS).scan(split.content, final=True) == Scan(
+        "", (ParsedCall("get_weather", '{"city": "Oslo"}'),))
+
+
+PIECES = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "assistant", "analysis", "final", "commentary",
+          " to=functions.f", "<|constrain|>", "json", "{}", '{"a": 1}', "<|", "|>", "x", " ", "<"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=12))
+def test_parts_only_grow_for_any_text(pieces):
+    text = "".join(pieces)
+    stream_split(GptOssReasoningParser(), text)
+    stream_scan(GptOssToolParser(TOOLS), text)
+
+
+def test_registered():
+    assert resolve_reasoning_parser("gpt_oss") is GptOssReasoningParser
+    assert resolve_tool_parser("gpt_oss") is GptOssToolParser
+
+
+MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|return|>", "<|call|>"]
+THINK_AND_ANSWER = ANALYSIS + FINAL
+THINK_AND_CALL = ANALYSIS + "<|start|>assistant" + CALL
+
+
+@pytest.fixture
+def http(tmp_path, monkeypatch):
+    """The server with both gpt_oss parsers, its engine replaced by a script: the reply of the request's
+    ``user`` field ("answer" or "call"), grown piece by piece, with the markers (special tokens) in its text only
+    when the request keeps special tokens (as the detokenizer would)."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import CompletionOutput, FinishReason, RequestOutput
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.entrypoints.openai.serving import ServerContext
+
+    script = {}
+
+    async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None):
+        text = script["text"]
+        if params.skip_special_tokens:
+            for marker in MARKERS:
+                text = text.replace(marker, "")
+        cuts = list(range(0, len(text), 7)) + [len(text)]
+        for i, cut in enumerate(cuts[1:]):
+            last = cut == len(text)
+            yield RequestOutput(rid, None, list(ids), [CompletionOutput(0, text[:cut], list(range(i + 1)),
+                                                                        finish_reason=FinishReason.STOP if last else None)],
+                                last)
+
+    monkeypatch.setattr(ServerContext, "generate", scripted)
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(make_tiny_model(tmp_path / "m")), dtype="float32",
+                                                selection="off", served_model_name="tiny"))
+    app = build_app(AsyncLLMEngine(engine), tool_parser=GptOssToolParser, reasoning_parser=GptOssReasoningParser)
+    with TestClient(app) as client:
+        yield client, script
+
+
+def streamed(http, body: dict) -> tuple[str, str, list[dict], str]:
+    thinking, content, calls, reason = "", "", [], None
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                thinking += c["delta"].get("reasoning_content") or ""
+                content += c["delta"].get("content") or ""
+                calls += c["delta"].get("tool_calls") or []
+                reason = c["finish_reason"] or reason
+    return thinking, content, calls, reason
+
+
+def test_server_reads_the_channels_and_the_call(http):
+    """The parsers keep the special tokens in the text they read (a reply without them would be all answer, markup
+    lost), and the client gets the thinking, the answer and the call, streamed or not."""
+    client, script = http
+    script["text"] = THINK_AND_ANSWER
+    body = {"messages": MESSAGES, "max_tokens": 50}
+    msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("The user asks 2+2.", "It is 4.")
+    assert streamed(client, body)[:2] == ("The user asks 2+2.", "It is 4.")
+    script["text"] = THINK_AND_CALL
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 50}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] == "The user asks 2+2."
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Oslo"})
+    thinking, content, calls, reason = streamed(client, body)
+    assert (thinking, content, reason) == ("The user asks 2+2.", "", "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [(call["name"], call["arguments"])]
