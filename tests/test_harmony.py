@@ -102,6 +102,12 @@ THINK_AND_ANSWER = ANALYSIS + FINAL
 THINK_AND_CALL = ANALYSIS + "<|start|>assistant" + CALL
 
 
+# the reasoning level in the system message, as gpt-oss's template writes it
+TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+            "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
 @pytest.fixture
 def http(tmp_path, monkeypatch):
     """The server with both gpt_oss parsers, its engine replaced by a script: the reply of the request's
@@ -119,6 +125,7 @@ def http(tmp_path, monkeypatch):
     script = {}
 
     async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None):
+        script["prompt"] = self.front.tokenizer.decode(ids)
         text = script["text"]
         if params.skip_special_tokens:
             for marker in MARKERS:
@@ -132,7 +139,7 @@ def http(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ServerContext, "generate", scripted)
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(make_tiny_model(tmp_path / "m")), dtype="float32",
-                                                selection="off", served_model_name="tiny"))
+                                                selection="off", served_model_name="tiny", chat_template=TEMPLATE))
     app = build_app(AsyncLLMEngine(engine), tool_parser=GptOssToolParser, reasoning_parser=GptOssReasoningParser)
     with TestClient(app) as client:
         yield client, script
@@ -171,3 +178,26 @@ def test_server_reads_the_channels_and_the_call(http):
     thinking, content, calls, reason = streamed(client, body)
     assert (thinking, content, reason) == ("The user asks 2+2.", "", "tool_calls")
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [(call["name"], call["arguments"])]
+
+
+def test_reasoning_effort_reaches_the_template(http):
+    """OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) are the template's
+    ``reasoning_effort``; ``chat_template_kwargs`` says it more precisely; other values are 400s."""
+    client, script = http
+    script["text"] = FINAL
+
+    def prompt(path: str, body: dict) -> str:
+        r = client.post(path, json={"model": "tiny", **body})
+        assert r.status_code == 200, r.text
+        return script["prompt"]
+
+    chat = {"messages": MESSAGES, "max_tokens": 5}
+    assert "Reasoning: medium" in prompt("/v1/chat/completions", chat)
+    assert "Reasoning: low" in prompt("/v1/chat/completions", {**chat, "reasoning_effort": "low"})
+    assert "Reasoning: high" in prompt("/v1/chat/completions", {**chat, "reasoning_effort": "low",
+                                                                "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert "Reasoning: high" in prompt("/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}})
+    r = client.post("/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "reasoning": {"effort": "extreme"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning", r.text

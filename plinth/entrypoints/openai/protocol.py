@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
@@ -235,6 +235,10 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None                  # a tool message: the call it answers
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -253,6 +257,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
+    #: OpenAI's thinking budget; the chat template reads it as ``reasoning_effort`` (gpt-oss's does)
+    reasoning_effort: ReasoningEffort | None = None
 
     def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
         if not self.tools or self.tool_choice in (None, "none", "auto"):

@@ -176,6 +176,9 @@ def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools:
     documents = getattr(req, "documents", None)
     if documents:
         kwargs = {**kwargs, "documents": documents}
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None and "reasoning_effort" not in kwargs:   # chat_template_kwargs says it more precisely
+        kwargs = {**kwargs, "reasoning_effort": effort}
     ctx.check_text(_message_chars(messages, tools) + (len(json.dumps(kwargs)) if kwargs else 0), "messages",
                    getattr(req, "truncate_prompt_tokens", None) is not None)
     try:

@@ -25,7 +25,12 @@ from starlette.responses import Response
 
 from plinth.core.request import RequestOutput
 from plinth.entrypoints.openai.errors import APIError, bad_request, to_api_error
-from plinth.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, random_id
+from plinth.entrypoints.openai.protocol import (
+    REASONING_EFFORTS,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    random_id,
+)
 from plinth.entrypoints.openai.serving import ServerContext, finish, merge, start
 from plinth.entrypoints.openai.serving_chat import _last, _Reply, prepare_chat
 from plinth.entrypoints.openai.streaming import SSEResponse, unless_disconnected
@@ -104,6 +109,12 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fmt = _response_format(req)
     if fmt is not None:
         body["response_format"] = fmt
+    if req.reasoning is not None:   # {"effort": "low", "summary": ...}: the effort reaches the chat template
+        effort = req.reasoning.get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                              "reasoning")
+        body["reasoning_effort"] = effort
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 
