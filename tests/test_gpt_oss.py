@@ -140,3 +140,28 @@ def test_sinks_loader_refuses_a_wrong_count(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"self_attn.sinks.*one sink per head"):
         _load(str(tmp_path), TorchSDPABackend())
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GraniteSWAConfig"), reason="transformers without Granite SWA")
+def test_another_architecture_with_sinks_runs_on_a_backend_that_applies_them(tmp_path):
+    """A transformers architecture with sinks that plinth has no class for (Granite SWA, through the fallback):
+    selection keeps to backends that apply sinks (it picked cpu_paged and failed before), and the prompt's
+    logprobs equal transformers'."""
+    import plinth
+    from plinth.worker.setup import attention_spec
+
+    cfg = transformers.GraniteSWAConfig(**{**COMMON, "num_hidden_layers": 2, "sliding_window": 5, "eos_token_id": 2,
+                                           "bos_token_id": 1, "pad_token_id": 0,
+                                           "layer_types": ["sliding_attention", "full_attention"]})
+    assert attention_spec(cfg, torch.float32, 4).sinks
+    torch.manual_seed(0)
+    hf = randomize_zero_parameters(transformers.GraniteSWAForCausalLM(cfg).eval())
+    hf.save_pretrained(tmp_path)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", block_size=4)
+    prompt = _prompts(cfg.vocab_size)[2]
+    out = llm.generate([{"prompt_token_ids": prompt}], plinth.SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                                             detokenize=False), use_tqdm=False)[0]
+    ref = torch.log_softmax(_hf_logits(hf, prompt), dim=-1)
+    got = [lp[prompt[i]].logprob for i, lp in enumerate(out.prompt_logprobs) if lp]
+    want = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert got == pytest.approx(want, abs=1e-4)

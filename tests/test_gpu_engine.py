@@ -135,10 +135,12 @@ def test_newer_architectures_on_triton_with_graphs_match_transformers(name, tmp_
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias):
-    """The experts' grouped-GEMM path (sm90+, bfloat16) against the per-expert loop on the same weights, with biases
-    and gpt-oss's activation; then captured in a CUDA graph and replayed on new inputs (no host read of the
-    routing). float32 experts take the loop and say they cannot be captured (the engine then decodes eagerly)."""
+@pytest.mark.parametrize("tokens", [3, 37])
+def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias, tokens):
+    """The experts' device paths, the per-slot GEMV kernel (3 tokens x top 2 of 8 experts) and the grouped GEMMs
+    (sm90+, bfloat16; 37 tokens), against the per-expert loop on the same weights, with biases and gpt-oss's
+    activation; then captured in a CUDA graph and replayed on new inputs (no host read of the routing). float32
+    experts cannot be captured for every batch (the engine then decodes eagerly)."""
     dtype = torch.bfloat16
     from plinth.model_registry.layers.moe import FusedMoE
 
@@ -152,13 +154,13 @@ def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias):
     moe = FusedMoE(8, 2, 64, 96, renormalize=True, bias=bias, activation=act if bias else None).cuda()
     for p in moe.parameters():
         p.data = (torch.randn(p.shape, generator=g, device="cuda") * 0.1).to(dtype)
-    x = torch.randn(37, 64, generator=g, device="cuda").to(dtype)
-    logits = torch.randn(37, 8, generator=g, device="cuda")
-    assert moe.uses_grouped_gemm(x) and moe.graph_capturable(x.device, dtype)
+    x = torch.randn(tokens, 64, generator=g, device="cuda").to(dtype)
+    logits = torch.randn(tokens, 8, generator=g, device="cuda")
+    assert moe.uses_gemv(x) == (tokens == 3) and moe.uses_grouped_gemm(x) and moe.graph_capturable(x.device, dtype)
     grouped = moe(x, logits)
-    moe.uses_grouped_gemm = lambda _x: False
+    moe.uses_grouped_gemm = moe.uses_gemv = lambda _x: False
     loop = moe(x, logits)
-    del moe.uses_grouped_gemm
+    del moe.uses_grouped_gemm, moe.uses_gemv
     torch.testing.assert_close(grouped.float(), loop.float(), atol=2e-2, rtol=2e-2)
     assert not moe.uses_grouped_gemm(x.float()) and not moe.graph_capturable(x.device, torch.float32)
     static_x, static_logits = x.clone(), logits.clone()
@@ -167,7 +169,7 @@ def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe(static_x, static_logits)
-    static_x.copy_(torch.randn(37, 64, generator=g, device="cuda").to(dtype))
-    static_logits.copy_(torch.randn(37, 8, generator=g, device="cuda"))
+    static_x.copy_(torch.randn(tokens, 64, generator=g, device="cuda").to(dtype))
+    static_logits.copy_(torch.randn(tokens, 8, generator=g, device="cuda"))
     graph.replay()
     torch.testing.assert_close(out, moe(static_x, static_logits), atol=0, rtol=0)

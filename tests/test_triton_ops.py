@@ -406,3 +406,30 @@ def test_lora_shrink_expand(dtype, k, r):
     ops.lora_shrink_expand_(x, a, b, slots, y)
     assert torch.equal(y[1], before)
     torch.testing.assert_close(y.double(), want, atol=_tol(dtype) * 10, rtol=_tol(dtype) * 10)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_gemv_equals_the_per_expert_loop(bias, tokens):
+    """A few tokens' experts through the per-slot GEMV kernel (two launches, no host read of the routing) against
+    the per-expert loop, with biases and gpt-oss's clamped activation; more tokens than experts over top_k take
+    the loop."""
+    from plinth.model_registry.layers.moe import FusedMoE
+
+    g = torch.Generator().manual_seed(tokens)
+
+    def act(gate, up):
+        return (up.clamp(-1, 1) + 1) * gate * torch.sigmoid(gate)
+
+    moe = FusedMoE(8, 2, 48, 200, renormalize=True, bias=bias, activation=act if bias else None)  # K % 128 != 0
+    for p in moe.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    x = torch.randn(tokens, 48, generator=g)
+    logits = torch.randn(tokens, 8, generator=g)
+    assert moe.uses_gemv(x)
+    got = moe(x, logits)
+    moe.uses_gemv = lambda _x: False
+    torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
+    del moe.uses_gemv
+    assert not moe.uses_gemv(torch.randn(5, 48))   # 5 tokens x 2 > 8 experts

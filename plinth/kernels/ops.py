@@ -264,6 +264,30 @@ def quantize_rows(x: torch.Tensor, out_dtype: torch.dtype, qmax: float) -> tuple
 LORA_KERNEL_MAX_TOKENS = 16
 
 
+def moe_gemv_enabled(x: torch.Tensor) -> bool:
+    """Whether the experts of ``x``'s rows may run :func:`moe_gemv` (Triton devices, or its interpreter in tests)."""
+    return ((x.device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1")
+            and triton_available() and _env_enabled())
+
+
+def moe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,
+             row_div: int) -> torch.Tensor:
+    """``y[s] = x[s // row_div] @ weight[experts[s]].T (+ bias[experts[s]])`` for every slot ``s``: ``x``
+    ``[R, K]``, ``weight`` ``[E, N, K]`` (``K`` contiguous), ``bias`` ``[E, N]``, ``experts`` ``[S]`` ->
+    ``[S, N]`` in ``x``'s dtype. No host read of ``experts`` (a device graph can capture it)."""
+    e, n, k = weight.shape
+    assert weight.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[-1] == k
+    slots = experts.shape[0]
+    y = torch.empty((slots, n), dtype=x.dtype, device=x.device)
+    block_n, block_k = 32, 128
+    jit_module().moe_gemv_kernel[(slots, -(-n // block_n))](
+        x, weight, bias if bias is not None else weight, y, experts, n, k,
+        x.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
+        ROW_DIV=row_div, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return y
+
+
 def lora_kernels_enabled(x: torch.Tensor) -> bool:
     """Whether a LoRA product of ``x`` runs the Triton kernels (:func:`lora_shrink_expand_`)."""
     return (x.device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1") and \

@@ -6,6 +6,8 @@
 - ``rotary_kernel``: rotate-half RoPE of the q and k heads of one token, in place.
 - ``skinny_gemm_kernel``: ``y = x @ w.T`` for a few rows of ``x`` (decode batches), streaming each weight
   tile once for all rows.
+- ``moe_gemv_kernel``: one row times one expert's weight per slot (a token's copy for one of its experts), for
+  mixture-of-experts layers with a few tokens: each chosen expert's weights streamed once.
 
 Import through :func:`plinth.kernels.ops.jit_module` (which switches Triton to its interpreter first when
 ``PLINTH_TRITON_INTERPRET=1``).
@@ -286,3 +288,39 @@ def lora_expand_kernel(
     delta = tl.sum(b * xa[None, :], axis=1)
     y = tl.load(y_ptr + t * stride_y + o, mask=ymask, other=0.0)
     tl.store(y_ptr + t * stride_y + o, (y.to(tl.float32) + delta).to(y.dtype), mask=ymask)
+
+
+@triton.jit
+def moe_gemv_kernel(
+    x_ptr,              # [R, K] rows; slot s reads row s // ROW_DIV
+    w_ptr,              # [E, N, K] stacked expert weights (each in nn.Linear layout, K contiguous)
+    b_ptr,              # [E, N] biases (read with HAS_BIAS)
+    y_ptr,              # [S, N] one output row per slot
+    expert_ptr,         # [S] each slot's expert
+    N, K,
+    stride_xr, stride_we, stride_wn, stride_be, stride_ys,
+    ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid ``(S, cdiv(N, BLOCK_N))``: ``y[s, n] = x[s // ROW_DIV] . w[e_s, n] (+ b[e_s, n])``, accumulated in
+    float32 over ``[BLOCK_N, BLOCK_K]`` tiles and reduced once at the end."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ptr + slot).to(tl.int64)
+    row = (slot // ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + row * stride_xr + offs_k
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)      # [BN, BK]
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0)                                 # [BK]
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)                                                     # [BN]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + slot * stride_ys + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -120,8 +122,32 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-#: config ``model_type`` values whose attention heads have sink logits (the backend must apply them)
-ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+#: config ``model_type`` values whose attention heads have sink logits (the backend must apply them): gpt-oss, and
+#: transformers architectures that hand their sinks to the attention function (``s_aux``), run by the fallback
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "flint", "deepseek_v4",
+                                        "hy_v4_vl", "openai_privacy_filter"})
+
+
+def has_attention_sinks(hf_config: Any) -> bool:
+    """Whether the model's attention has sink logits: a known ``model_type``, or a transformers modeling module of
+    that name that passes sinks (``s_aux=``) to its attention function (architectures newer than this list)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        return False
+    return model_type in ATTENTION_SINK_MODEL_TYPES or _transformers_passes_sinks(model_type)
+
+
+@functools.cache
+def _transformers_passes_sinks(model_type: str) -> bool:
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, "models", model_type, f"modeling_{model_type}.py")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return "s_aux=" in f.read()
+    return False
 
 
 def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> AttentionSpec:
@@ -135,7 +161,7 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache
                          head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window,
                          kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
                          logit_soft_cap=_soft_cap(hf_config),
-                         sinks=getattr(hf_config, "model_type", None) in ATTENTION_SINK_MODEL_TYPES)
+                         sinks=has_attention_sinks(hf_config))
 
 
 def _soft_cap(hf_config: Any) -> float | None:

@@ -14,6 +14,7 @@ from plinth.attention_backends.interface import (
     applies_soft_cap,
     attend_kwargs,
 )
+from plinth.errors import UnsupportedModelError
 from plinth.kernels import ops
 from plinth.model_registry.layers.rotary import rotate_qk
 
@@ -50,11 +51,13 @@ class Attention(nn.Module):
                  soft_cap: float | None = None, has_sinks: bool = False):
         super().__init__()
         if has_sinks and not applies_sinks(backend):
-            raise ValueError(f"attention layer {layer_idx}: attention sinks need a backend that applies them "
-                             f"({type(backend).__name__} does not)")
+            raise UnsupportedModelError(f"attention layer {layer_idx}: attention sinks need a backend that applies "
+                                        f"them ({type(backend).__name__} does not)")
         if soft_cap is not None and not (usable_soft_cap(soft_cap) and applies_soft_cap(backend)):
-            raise ValueError(f"attention layer {layer_idx}: soft cap {soft_cap!r} needs a cap in (0, {MAX_SOFT_CAP:g}] "
-                             f"and a backend that applies it ({type(backend).__name__} does{'' if applies_soft_cap(backend) else ' not'})")
+            applies = "" if applies_soft_cap(backend) else " not"
+            raise UnsupportedModelError(f"attention layer {layer_idx}: soft cap {soft_cap!r} needs a cap in "
+                                        f"(0, {MAX_SOFT_CAP:g}] and a backend that applies it "
+                                        f"({type(backend).__name__} does{applies})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size

@@ -18,6 +18,7 @@ from torch import nn
 
 from plinth.distributed.communication import tp_all_reduce
 from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.kernels import ops
 from plinth.model_registry.layers.linear import ReplicatedLinear, divide
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
@@ -120,9 +121,17 @@ class FusedMoE(nn.Module):
         :meth:`uses_grouped_gemm`; the per-expert loop reads the routing on the host)."""
         return self.uses_grouped_gemm(torch.empty(1, self.w13_weight.shape[-1], device=device, dtype=dtype))
 
+    def uses_gemv(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` ``[T, H]`` takes the per-slot GEMV kernel (:func:`plinth.kernels.ops.moe_gemv`): a few
+        tokens (``T * top_k`` at most the expert count, so each chosen expert's weights are read about once), on a
+        Triton device. No host read of the routing either."""
+        return x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, ``router_logits`` ``[T, E]`` -> ``[T, H]``."""
         weights, ids = self.route(router_logits)
+        if self.uses_gemv(x):
+            return self._forward_gemv(x, weights, ids)
         if self.uses_grouped_gemm(x):
             return self._forward_grouped(x, weights, ids)
         flat_ids = ids.reshape(-1)                                # [T * K]
@@ -143,6 +152,20 @@ class FusedMoE(nn.Module):
                          None if w2_bias is None else w2_bias[expert])                   # [n, H]
             out.index_add_(0, rows, y.to(torch.float32) * slot_weights[start:start + n, None])
             start += n
+        if self.tp_size > 1:
+            tp_all_reduce(out)
+        return out.to(x.dtype)
+
+    def _forward_gemv(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts as two per-slot GEMV launches (slot ``t * K + j``: token ``t``'s ``j``-th expert)."""
+        t, k = ids.shape
+        experts = ids.reshape(-1).contiguous()                                       # [T * K]
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        gate_up = ops.moe_gemv(x, self.w13_weight, self.w13_bias, experts, k)        # [T * K, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        w2_bias = self.w2_bias if self.tp_rank == 0 else None
+        y = ops.moe_gemv(self.activation(gate, up).contiguous(), self.w2_weight, w2_bias, experts, 1)  # [T * K, H]
+        out = (y.to(torch.float32).view(t, k, -1) * weights[..., None]).sum(dim=1)   # [T, H] float32
         if self.tp_size > 1:
             tp_all_reduce(out)
         return out.to(x.dtype)

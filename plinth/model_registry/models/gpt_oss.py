@@ -137,6 +137,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
         return super().checkpoint_name(param_name, shard_id)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.ctx.pp_size > 1:   # only this stage's experts are widened
+            weights = ((name, t) for name, t in weights if self._on_this_stage(name))
         super().load_weights(self._widened(weights))
 
     def _widened(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -154,7 +156,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
             if len(parts) == 2:
                 del pending[base]
                 try:
-                    values = dequantize_mxfp4(parts["_blocks"], parts["_scales"], self.ctx.dtype)
+                    # widened on the model's device (an accelerator does it in milliseconds)
+                    values = dequantize_mxfp4(parts["_blocks"].to(self.ctx.device), parts["_scales"].to(self.ctx.device),
+                                              self.ctx.dtype)
                 except ModelLoadError as exc:
                     raise ModelLoadError(f"tensor {base!r}: {exc}") from exc
                 yield base, values.transpose(1, 2)           # [E, out, in] -> [E, in, out]
