@@ -93,8 +93,8 @@ def follow_config_swiglu(hf: transformers.PreTrainedModel) -> transformers.PreTr
     releases (5.17) fix them at 7.0 and 1.702 whatever the config holds (the released models' values)."""
     for module in hf.modules():
         if type(module).__name__ == "GptOssExperts":
-            module.limit = hf.config.swiglu_limit
-            module.alpha = getattr(hf.config, "swiglu_alpha", 1.702)
+            module.limit = getattr(hf.config, "swiglu_limit", module.limit)
+            module.alpha = getattr(hf.config, "swiglu_alpha", module.alpha)
     return hf
 
 
