@@ -39,6 +39,10 @@ FAMILIES = {
     # block outputs scaled before the residual add: under TP the partial sums are scaled, then reduced in the norm
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=3.0, attention_multiplier=0.2,
                                                             residual_multiplier=0.6, logits_scaling=2.0)),
+    # a shared expert (row-parallel, reduced in its projection) gated by a replicated sigmoid, beside the experts
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
     # sinks split with the heads, biased experts split with their features (rank 0 adds the down bias), a
     # replicated biased router, sliding and full layers
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(

@@ -66,6 +66,13 @@ ARCHS = {
         swiglu_limit=0.05, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    # a shared expert with its sigmoid gate beside the routed ones, one dense layer, top-k not renormalised
+    "Qwen2MoeForCausalLM": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1])),
+    # q/k norms over all heads, a q/k/v clamp that bites
+    "OlmoeForCausalLM": ("OlmoeForCausalLM", "OlmoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, clip_qkv=0.5, pad_token_id=0)),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -381,14 +388,15 @@ def test_tensor_parallel_layers_leave_each_reduction_to_the_norm_after_it(arch, 
         assert deferred == [False, True, False, False]
 
 
-def test_olmo2_refuses_tensor_parallelism():
+@pytest.mark.parametrize("arch", ["Olmo2ForCausalLM", "OlmoeForCausalLM"])
+def test_olmo2_refuses_tensor_parallelism(arch):
     """Its q/k norms take every head of a token: a rank holding some of the heads cannot compute them."""
-    _, config_cls, overrides = ARCHS["Olmo2ForCausalLM"]
+    _, config_cls, overrides = ARCHS[arch]
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
     ctx = ModelContext(hf_config=config, dtype=torch.float32, device=torch.device("cpu"),
                        attention_backend=TorchSDPABackend(), block_size=4, tp_rank=0, tp_size=2)
     with pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported"):
-        ModelRegistry.resolve("Olmo2ForCausalLM")(ctx)
+        ModelRegistry.resolve(arch)(ctx)
 
 
 def test_gemma_norm_matches_transformers_in_bfloat16():
@@ -415,7 +423,8 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 
 
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-              "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM"]
+              "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
+              "Qwen2MoeForCausalLM", "OlmoeForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

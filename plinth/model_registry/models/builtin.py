@@ -25,4 +25,6 @@ def plinth_models() -> dict[str, str]:
         "Olmo2ForCausalLM": f"{_M}.olmo2:Olmo2ForCausalLM",
         "Olmo3ForCausalLM": f"{_M}.olmo2:Olmo3ForCausalLM",
         "GptOssForCausalLM": f"{_M}.gpt_oss:GptOssForCausalLM",
+        "Qwen2MoeForCausalLM": f"{_M}.qwen2_moe:Qwen2MoeForCausalLM",
+        "OlmoeForCausalLM": f"{_M}.qwen2_moe:OlmoeForCausalLM",
     }

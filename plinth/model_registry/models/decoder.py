@@ -51,6 +51,7 @@ class AttentionOptions:
     soft_cap: float | None = None  # attention-logit soft-capping, cap * tanh(score / cap) (Gemma 2)
     rope: bool = True           # False: the layer's q and k get no rotary embedding (SmolLM3's NoPE layers)
     sinks: bool = False         # each head's learned sink logit in its softmax's denominator (``self_attn.sinks``, gpt-oss)
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] after the q/k norms (OLMoE, OLMo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,9 @@ class DecoderAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads          # on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads    # on this rank
         self.qk_norm_full = options.qk_norm_full
+        if options.clip_qkv is not None and options.qk_norm and not options.qk_norm_full:
+            raise UnsupportedModelError("clip_qkv with per-head q/k norms (the clamp comes after the norms)")
+        self.clip_qkv = options.clip_qkv
         if options.qk_norm_full:
             if ctx.tp_size > 1:
                 raise UnsupportedModelError("q/k norms over all heads of a token (OLMo 2) need every head on one "
@@ -147,6 +151,8 @@ class DecoderAttention(nn.Module):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)          # [T, Hq*D], [T, Hkv*D]
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
