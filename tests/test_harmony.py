@@ -72,12 +72,24 @@ def test_tool_parser(text, scan):
     assert stream_scan(GptOssToolParser(TOOLS), text) == scan
 
 
-def test_both_parsers_together():
-    """As the server chains them: the reasoning parser's answer goes to the tool parser."""
+@pytest.mark.parametrize("after_call", ["", "<|call|>", "<|end|>"])
+def test_both_parsers_together(after_call):
+    """As the server chains them: the reasoning parser's answer goes to the tool parser, which finds the call
+    whatever follows it (its end token, or the next message only)."""
     split = GptOssReasoningParser().scan(ANALYSIS + CALL, final=True)
     assert split.reasoning == "The user asks 2+2."
     assert GptOssToolParser(TOOLS).scan(split.content, final=True) == Scan(
         "", (ParsedCall("get_weather", '{"city": "Oslo"}'),))
+    text = ANALYSIS + "<|start|>assistant" + CALL + after_call + FINAL
+    split = stream_split(GptOssReasoningParser(), text)
+    assert split.reasoning == "The user asks 2+2."
+    assert stream_scan(GptOssToolParser(TOOLS), split.content) == Scan(
+        "It is 4.", (ParsedCall("get_weather", '{"city": "Oslo"}'),))
+
+
+def test_a_reply_cut_inside_a_header_shows_no_markup():
+    assert stream_split(GptOssReasoningParser(), ANALYSIS + "<|start|>assistant<|channel|>final") == Split(
+        "The user asks 2+2.", "")
 
 
 PIECES = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "assistant", "analysis", "final", "commentary",
@@ -201,3 +213,49 @@ def test_reasoning_effort_reaches_the_template(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
     r = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "reasoning": {"effort": "extreme"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning", r.text
+
+
+def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
+    """Harmony may think again after a preamble: streamed, that thinking comes as a second reasoning item after the
+    message (the first was closed when the message opened); nothing is lost, and the events validate."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    client, script = http
+    script["text"] = ("<|channel|>analysis<|message|>Think one.<|end|><|start|>assistant<|channel|>commentary"
+                      "<|message|>Pre.<|end|><|start|>assistant<|channel|>analysis<|message|>Think two.<|end|>"
+                      "<|start|>assistant<|channel|>final<|message|>F.")
+    whole = client.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json()
+    assert [(i["type"], (i["content"] or [{}])[0].get("text")) for i in whole["output"]] == [
+        ("reasoning", "Think one.Think two."), ("message", "Pre.F.")]
+    with client.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
+        payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(p) for p in payloads]
+    final = events[-1].response
+    assert [(i.type, i.content[0].text) for i in final.output] == [
+        ("reasoning", "Think one."), ("message", "Pre.F."), ("reasoning", "Think two.")]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message"), (2, "reasoning")]
+
+
+def test_beam_search_replies_keep_the_markers_for_the_parser(http, monkeypatch):
+    """A beam's text is decoded with special tokens when the reasoning parser reads them (beams decode without)."""
+    from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSequence
+    from plinth.entrypoints.openai import serving_chat
+
+    client, _ = http
+    tokenizer = client.app.state.ctx.front.tokenizer
+    tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
+    ids = tokenizer.encode(THINK_AND_ANSWER, add_special_tokens=False)
+    beam = BeamSequence(ids, -1.0, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason="stop")
+
+    async def fake(front, rid, prompts, params, lora=None):
+        return [BeamSearchOutput(list(prompts[0]), [beam])]
+
+    monkeypatch.setattr(serving_chat, "beam_search_async", fake)
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 20, "use_beam_search": True,
+                                                   "n": 1, "best_of": 1}).json()
+    msg = r["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("The user asks 2+2.", "It is 4."), r

@@ -277,6 +277,7 @@ def moe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     ``[S, N]`` in ``x``'s dtype. No host read of ``experts`` (a device graph can capture it)."""
     e, n, k = weight.shape
     assert weight.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[-1] == k
+    assert bias is None or bias.stride(-1) == 1
     slots = experts.shape[0]
     y = torch.empty((slots, n), dtype=x.dtype, device=x.device)
     block_n, block_k = 32, 128

@@ -51,6 +51,7 @@ class Message:
     header: str          # from the message's first token up to <|message|> (excluded)
     body: str
     ended: bool          # its body's end token came (or the reply ended)
+    end: str = ""        # the end token written after the body (<|end|>, <|call|>, <|return|>), if any
 
     @property
     def channel(self) -> str | None:
@@ -64,8 +65,8 @@ class Message:
 
     @property
     def markup(self) -> str:
-        """The message as the model wrote it, without its end token."""
-        return f"{self.header}{MESSAGE}{self.body}" if self.header else self.body
+        """The message as the model wrote it, with its end token."""
+        return f"{self.header}{MESSAGE}{self.body}{self.end}" if self.header else self.body
 
 
 def _first(text: str, markers: Sequence[str], start: int) -> tuple[int, str]:
@@ -102,9 +103,7 @@ def messages(text: str, final: bool) -> list[Message]:
             pos = nxt
             continue
         body_at = text.find(MESSAGE, pos)
-        if body_at < 0:   # the header is not complete yet
-            if final:
-                out.append(Message("", text[pos:], True))
+        if body_at < 0:   # the header is not complete yet (at the end of a reply cut short: markup only, dropped)
             break
         header = text[pos:body_at]
         body_start = body_at + len(MESSAGE)
@@ -115,7 +114,7 @@ def messages(text: str, final: bool) -> list[Message]:
                 body = body[:len(body) - _held(body, BODY_ENDS)]
             out.append(Message(header, body, final))
             break
-        out.append(Message(header, text[body_start:end], True))
+        out.append(Message(header, text[body_start:end], True, "" if marker == START else marker))
         pos = end if marker == START else end + len(marker)
     return out
 
@@ -131,11 +130,14 @@ class GptOssReasoningParser(ReasoningParser):
 
     def scan(self, text: str, final: bool) -> Split:
         thinking, answer = [], []
-        for m in messages(text, final):
+        found = messages(text, final)
+        for i, m in enumerate(found):
             if m.header and m.channel == "analysis" and m.recipient is None:
                 thinking.append(m.body)
             elif m.header and m.recipient is not None:
-                answer.append(m.markup)
+                # for the tool parser, with an end token where more follows (so that its body ends there)
+                closed = m.end or i == len(found) - 1
+                answer.append(m.markup if closed else m.markup + "<|end|>")
             else:
                 answer.append(m.body)
         return Split("".join(thinking), "".join(answer))

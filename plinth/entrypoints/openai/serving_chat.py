@@ -290,9 +290,12 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)), ctx.front.max_logprobs)
         out = (await unless_disconnected(raw, beam_search_async(ctx.front, rid, [ids], beam, lora)))[0]
         choices = []
+        keeps = ctx.reasoning_parser is not None and ctx.reasoning_parser.keeps_special_tokens
         for j, b in enumerate(out.sequences):
             reply = _Reply(None, ctx.reasoning_parser)
-            reply.update(b.text, final=True)
+            # a parser whose markers are special tokens reads the beam's text with them
+            reply.update(ctx.front.tokenizer.decode(b.token_ids, skip_special_tokens=False) if keeps else b.text,
+                         final=True)
             message = reply.message()
             if _echoed(req):
                 message.content = _echoed(req) + (message.content or "")

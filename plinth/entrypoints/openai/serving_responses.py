@@ -136,9 +136,9 @@ class _Body:
         reason = str(final.outputs[0].finish_reason) if final is not None else "abort"
         return {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
 
-    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+    def reasoning(self, text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
         """The thinking (with a reasoning parser) as a reasoning output item."""
-        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+        return {"type": "reasoning", "id": item_id or self.reasoning_id, "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
     def message(self, text: str, status: str) -> dict[str, Any]:
@@ -223,8 +223,11 @@ async def _events(ctx: ServerContext, body: _Body,
     message: int | None = None           # the message's output index once it is announced
     text, final, failure = "", None, None
 
+    sent_thinking = 0   # characters of the thinking sent in the reasoning item
+
     def close_thinking() -> Iterator[str]:
-        nonlocal thinking
+        nonlocal thinking, sent_thinking
+        sent_thinking = len(reply.thinking)
         if thinking is None:
             return
         yield event("response.reasoning_text.done", item_id=body.reasoning_id, output_index=thinking,
@@ -279,7 +282,16 @@ async def _events(ctx: ServerContext, body: _Body,
     yield event("response.content_part.done", item_id=body.item_id, output_index=message, content_index=0, part=part)
     item = body.message(text, _item_status(status))
     yield event("response.output_item.done", output_index=message, item=item)
-    done = body.response(status, [*items, item], final)
+    items.insert(message, item)
+    late = reply.thinking[sent_thinking:]
+    if late:   # thinking written after the answer began (gpt-oss may think again): a reasoning item after it
+        late_id, index = random_id("rs"), len(items)
+        yield event("response.output_item.added", output_index=index, item=body.reasoning("", "in_progress", late_id))
+        yield event("response.reasoning_text.delta", item_id=late_id, output_index=index, content_index=0, delta=late)
+        yield event("response.reasoning_text.done", item_id=late_id, output_index=index, content_index=0, text=late)
+        items.append(body.reasoning(late, "completed", late_id))
+        yield event("response.output_item.done", output_index=index, item=items[-1])
+    done = body.response(status, items, final)
     if status in ("failed", "cancelled"):
         done["error"] = {"code": "server_error", "message": failure or (final.error if final else None)
                          or "the request was cancelled"}

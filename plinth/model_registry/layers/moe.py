@@ -125,7 +125,7 @@ class FusedMoE(nn.Module):
         """Whether ``x`` ``[T, H]`` takes the per-slot GEMV kernel (:func:`plinth.kernels.ops.moe_gemv`): a few
         tokens (``T * top_k`` at most the expert count, so each chosen expert's weights are read about once), on a
         Triton device. No host read of the routing either."""
-        return x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)
+        return 0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, ``router_logits`` ``[T, E]`` -> ``[T, H]``."""
