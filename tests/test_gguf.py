@@ -322,7 +322,7 @@ def test_truncated_file(tmp_path, keep):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "falcon")
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3"):
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"):
         read_gguf_config(path)
     with pytest.raises(UnsupportedModelError, match="falcon"):
         list(iter_gguf_weights(path, torch.float32))
@@ -940,3 +940,167 @@ def test_phi3_gguf_through_the_engine(tmp_path, qtype):
     reference.load_state_dict({k: v.float() for k, v in transformers_gguf_tensors(path, reference.config).items()},
                               strict=False)
     engine_matches_dequantized(path, reference, tokenizer_dir)
+
+
+# ------------------------------------------------------------------------------------ mixtures of experts
+
+MOE = {   # GGUF architecture -> (transformers model_type, config overrides)
+    "qwen3moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16,
+                                   norm_topk_prob=True)),
+    "qwen2moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                   shared_expert_intermediate_size=96, norm_topk_prob=False)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def write_moe_gguf(path, model, arch: str, qtype=Q.F32) -> str:
+    """``model`` as llama.cpp's converter writes a mixture of experts: the experts of each layer stacked as
+    ``ffn_{gate,up,down}_exps`` ``[experts, rows, cols]``, the router as ``ffn_gate_inp``, Qwen2-MoE's shared
+    expert gate as ``[hidden]``; Mixtral as a "llama" file with ``expert_count``."""
+    cfg = model.config
+    gguf_arch = "llama" if arch == "mixtral" else arch
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+    names = gguf.get_tensor_name_map(GGUF_ARCH.get(gguf_arch, gguf.MODEL_ARCH[gguf_arch.upper()]), cfg.num_hidden_layers)
+
+    def add(name: str, data: np.ndarray) -> None:
+        if data.ndim >= 2 and qtype != Q.F32 and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data.astype(np.float32))
+
+    for hf_name, tensor in model.state_dict().items():
+        data = tensor.numpy()
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        if hf_name.endswith(".mlp.experts.gate_up_proj"):          # [E, 2I, H]: gate rows, then up rows
+            rows = data.shape[1] // 2
+            add(f"blk.{layer}.ffn_gate_exps.weight", data[:, :rows])
+            add(f"blk.{layer}.ffn_up_exps.weight", data[:, rows:])
+            continue
+        if hf_name.endswith(".mlp.experts.down_proj"):
+            add(f"blk.{layer}.ffn_down_exps.weight", data)
+            continue
+        if hf_name.endswith(".mlp.gate.weight"):
+            add(f"blk.{layer}.ffn_gate_inp.weight", data)
+            continue
+        if hf_name.endswith(".mlp.shared_expert_gate.weight"):
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight", data.reshape(-1).astype(np.float32))
+            continue
+        if arch == "mixtral" and ".q_proj." in hf_name:
+            data = llamacpp_permute(data, cfg.num_attention_heads)
+        elif arch == "mixtral" and ".k_proj." in hf_name:
+            data = llamacpp_permute(data, cfg.num_key_value_heads)
+        add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def moe_model(arch: str, **more):
+    model_type, overrides = MOE[arch]
+    model = small_model(model_type, False, **overrides, **more)
+    with torch.no_grad():   # the shared expert's gate starts at zero
+        for name, param in model.named_parameters():
+            if "shared_expert_gate" in name:
+                param.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_mixture_of_experts_gguf_gives_the_original_logits(tmp_path, arch):
+    """The config and F32 weights of a mixture-of-experts GGUF rebuild the original model on plinth's decoder (the
+    stacked experts split per expert, Mixtral's Q/K rows back in HF order, the shared expert's gate)."""
+    from paged_driver import PagedDriver, build_metadata
+    from test_models import _load
+
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+
+    model = moe_model(arch)
+    path = write_moe_gguf(tmp_path / "m.gguf", model, arch, Q.F32)
+    _, architecture = read_gguf_config(path)
+    assert architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                            "mixtral": "MixtralForCausalLM"}[arch]
+    check_plain_config(path)
+    backend = TorchSDPABackend()
+    ours = _load(path, backend)
+    PagedDriver(ours, backend, block_size=4)
+    prompt = torch.randint(0, SMALL["vocab_size"], (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    flat, pos, md = build_metadata([(prompt, 0, [3, 1, 2, 5])], block_size=4)
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(flat, pos, md))
+        want = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_mixture_of_experts_weights_equal_transformers_gguf_loader(tmp_path, arch):
+    """Q8_0 experts: plinth's per-expert tensors stacked again equal transformers' own GGUF reading of the file
+    (which fuses gate and up per expert), and every other tensor too."""
+    model = moe_model(arch)
+    path = write_moe_gguf(tmp_path / "m.gguf", model, arch, Q.Q8_0)
+    reference = transformers_gguf_tensors(path, model.config)
+    got = dict(iter_gguf_weights(path, torch.float32))
+    experts = model.config.num_experts
+    for layer in range(model.config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        per = {p: torch.stack([got.pop(f"{prefix}.{e}.{p}.weight") for e in range(experts)])
+               for p in ("gate_proj", "up_proj", "down_proj")}
+        torch.testing.assert_close(torch.cat([per["gate_proj"], per["up_proj"]], dim=1),
+                                   reference.pop(f"{prefix}.gate_up_proj"), rtol=0, atol=0)
+        torch.testing.assert_close(per["down_proj"], reference.pop(f"{prefix}.down_proj"), rtol=0, atol=0)
+    assert set(got) == set(reference)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, reference[name].reshape(tensor.shape), rtol=0, atol=0, msg=name)
+
+
+def test_mixture_of_experts_gguf_through_the_engine(tmp_path):
+    """A Q8_0 Qwen3-MoE GGUF file through LLM: with ``quantization="gguf"`` the attention projections keep their
+    blocks and the experts (which plinth does not quantize) are widened; greedy tokens equal transformers' on the
+    weights transformers' own GGUF reader dequantizes; the default path starts the same way."""
+    from conftest import save_tiny_model
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    model = moe_model("qwen3moe", vocab_size=300)
+    path = write_moe_gguf(tmp_path / "m.gguf", model, "qwen3moe", Q.Q8_0)
+    reference = moe_model("qwen3moe", vocab_size=300)
+    result = reference.load_state_dict(transformers_gguf_tensors(path, reference.config), strict=False)
+    assert not result.unexpected_keys and not result.missing_keys
+    engine_matches_dequantized(path, reference, tokenizer_dir)
+
+
+def test_mixture_of_experts_files_that_cannot_be_read_are_refused(tmp_path):
+    """Experts on an architecture without them, a MoE architecture without its expert count, and llama.cpp's old
+    one-tensor-per-expert layout: each is a clear error."""
+    dense = write_gguf(tmp_path / "d.gguf", small_model("qwen2", False), "qwen2",
+                       metadata={"experts": lambda w: w.add_expert_count(4)})
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts 'qwen2'.*qwen2moe, qwen3moe"):
+        read_gguf_config(dense)
+    model = moe_model("qwen3moe")
+    path = write_moe_gguf(tmp_path / "m.gguf", model, "qwen3moe")
+    no_count = tmp_path / "n.gguf"
+    no_count.write_bytes(_patched(open(path, "rb").read(), "qwen3moe.expert_count", 0))
+    with pytest.raises(ModelLoadError, match="needs qwen3moe.expert_count"):
+        read_gguf_config(str(no_count))
+    old = write_gguf(tmp_path / "o.gguf", small_model("llama", False), "llama",
+                     metadata={"experts": lambda w: (w.add_expert_count(2), w.add_expert_used_count(1))})
+    with pytest.raises(ModelLoadError, match="stacked expert tensors"):
+        read_gguf_config(old)

@@ -82,7 +82,19 @@ _ARCHITECTURES = {
     "smollm3": _GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),
     "olmo2": _GGUFArchitecture("olmo2", "Olmo2ForCausalLM", permuted_qk=False, block_names=(
         ("post_attention_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"))),
+    # mixtures of experts: the experts' tensors are stacked ([E, rows, cols]) and read per expert
+    "qwen2moe": _GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False),
+    "qwen3moe": _GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
 }
+# llama.cpp writes Mixtral as a "llama" file with experts (llama.expert_count)
+_MIXTRAL = _GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# the stacked expert tensors, and what each architecture calls an expert's projections
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERT_PROJ_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
+_DEFAULT_PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# whether the top-k weights are renormalised when the file does not say (llama.cpp's own choice per architecture)
+_MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # Granite's multipliers: GGUF key (after the architecture name) -> config field; llama.cpp's converter writes the
 # config's values as they are; when one is absent llama.cpp scales by 1, and the softmax by 1/sqrt(head size)
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
@@ -107,6 +119,12 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, and Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)")
 # Llama 3 stores its rope scaling as per-frequency divisors; read_gguf_config folds them into the config.
@@ -136,10 +154,15 @@ def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
             f"{', '.join(sorted(_ARCHITECTURES))}"
         )
     if reader.get(f"{name}.expert_count", 0):
-        raise UnsupportedModelError(
-            f"GGUF file {path!r} is a mixture-of-experts {name!r} model; GGUF loading supports dense "
-            f"{', '.join(sorted(_ARCHITECTURES))} models only"
-        )
+        if name == "llama":
+            return name, _MIXTRAL
+        if arch.model_type not in _MOE_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF file {path!r} is a mixture-of-experts {name!r} model; GGUF mixtures of experts supported: "
+                f"llama (Mixtral), qwen2moe, qwen3moe"
+            )
+    elif arch.model_type in _MOE_TYPES:
+        raise ModelLoadError(f"GGUF file {path!r}: a {name!r} file needs {name}.expert_count")
     return name, arch
 
 
@@ -324,6 +347,8 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
     if arch.model_type == "olmo2" and reader.get(f"{name}.attention.sliding_window"):
         raise UnsupportedModelError(f"GGUF file {path!r} is an OLMo 3 file (olmo2 with sliding-window layers); "
                                     "plinth reads OLMo 3 from its safetensors checkpoint only")
+    if arch.model_type in _MOE_TYPES:
+        options.update(_moe_options(reader, name, arch, tensors, options, path))
     if arch.model_type == "smollm3":
         options["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0)
                                      for i in range(options["num_hidden_layers"])]
@@ -355,6 +380,36 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         if scaling is not None:
             options["rope_scaling"] = scaling
     return AutoConfig.for_model(arch.model_type, **options), arch.hf_architecture
+
+
+def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: dict[str, Any],
+                 options: dict[str, Any], path: str) -> dict[str, Any]:
+    """The config fields of a mixture of experts: counts from the metadata, sizes from the stacked tensors."""
+    count, used = reader.get(f"{name}.expert_count"), reader.get(f"{name}.expert_used_count")
+    gate = tensors.get("blk.0.ffn_gate_exps.weight")
+    if gate is None or len(gate.shape) != 3:
+        raise ModelLoadError(f"GGUF file {path!r}: a mixture of experts needs stacked expert tensors "
+                             f"(blk.N.ffn_gate_exps.weight [experts, rows, hidden]); per-expert tensors (older "
+                             f"llama.cpp files) are not read")
+    if (not isinstance(count, int) or not isinstance(used, int) or isinstance(used, bool)
+            or not 0 < used <= count or gate.shape[0] != count):
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.expert_count {count!r} and expert_used_count {used!r} "
+                             f"must be positive integers, the second at most the first, and the experts' "
+                             f"tensors have {gate.shape[0]}")
+    size = int(gate.shape[1])
+    renormalize = reader.get(f"{name}.expert_weights_norm", _MOE_RENORMALIZE[arch.model_type])
+    if arch.model_type == "mixtral":
+        return {"num_local_experts": count, "num_experts_per_tok": used, "intermediate_size": size}
+    out: dict[str, Any] = {"num_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": size,
+                           "norm_topk_prob": bool(renormalize), "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch.model_type == "qwen2_moe":
+        shared = tensors.get("blk.0.ffn_gate_shexp.weight")
+        if shared is None:
+            raise ModelLoadError(f"GGUF file {path!r}: a qwen2moe file needs the shared expert "
+                                 f"(blk.N.ffn_gate_shexp.weight)")
+        out["shared_expert_intermediate_size"] = int(shared.shape[0])
+        out["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    return out
 
 
 def _gemma_options(reader: GGUFFile, name: str, options: dict[str, Any], path: str,
@@ -463,6 +518,10 @@ def _iter_raw(
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS or tensor.name in _ROPE_FACTORS:
             continue
+        expert = _EXPERT_TENSOR.fullmatch(tensor.name) if arch.model_type in _MOE_TYPES else None
+        if expert is not None:
+            yield from _split_experts(expert, reader.tensor_data(tensor), tensor, arch, path)
+            continue
         hf_name = _hf_name(tensor.name, arch)
         if hf_name is None:
             raise ModelLoadError(
@@ -484,7 +543,24 @@ def _iter_raw(
         if arch.fused and (hf_name.endswith(".qkv_proj.weight") or hf_name.endswith(".gate_up_proj.weight")):
             yield from _split_fused(hf_name, data, tensor, q_rows, kv_rows, path)
             continue
+        if hf_name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:   # llama.cpp keeps [hidden]
+            yield hf_name, data.reshape(1, *data.shape), tensor.ggml_type, (1, *tuple(tensor.shape))
+            continue
         yield hf_name, data, tensor.ggml_type, tensor.shape
+
+
+def _split_experts(match: re.Match, data: np.ndarray, tensor: Any, arch: _GGUFArchitecture,
+                   path: str) -> Iterator[tuple[str, np.ndarray, Any, tuple[int, ...]]]:
+    """A stacked ``[experts, rows, cols]`` expert tensor as one tensor per expert (float rows or their quantized
+    blocks), named as the architecture's checkpoints name them."""
+    shape = tuple(tensor.shape)
+    if len(shape) != 3 or data.shape[0] != shape[0]:
+        raise ModelLoadError(f"GGUF file {path!r}: tensor {tensor.name!r} has shape {list(shape)}, not "
+                             f"[experts, rows, cols]")
+    layer, role = match.group(1), match.group(2)
+    proj = _EXPERT_PROJ_NAMES.get(arch.model_type, _DEFAULT_PROJ_NAMES)[role]
+    for e in range(shape[0]):
+        yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", data[e], tensor.ggml_type, shape[1:]
 
 
 def _split_fused(hf_name: str, data: np.ndarray, tensor: Any, q_rows: int, kv_rows: int,
