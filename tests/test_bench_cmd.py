@@ -37,6 +37,18 @@ def test_latency_prints_and_writes_the_fields(capsys, tmp_path):
         assert label in text
 
 
+def test_model_as_a_flag_anywhere(capsys, tmp_path):
+    """``--model`` (vLLM's spelling) names the model among the flags, where the positional cannot stand; two
+    different models are a one-line error."""
+    out_path = tmp_path / "r.json"
+    rc = main(["--log-level", "WARNING", "bench", "latency", "--input-len", "8", "--output-len", "4", "--num-iters",
+               "1", "--model", "tiny-llama", *TINY[1:], "--json", str(out_path)])
+    assert rc == 0 and json.loads(out_path.read_text())["model"] == "tiny-llama"
+    capsys.readouterr()
+    assert main(["bench", "latency", *TINY, "--model", "llama-3-8b"]) == 2
+    assert "two models given: 'tiny-llama' (positional) and --model 'llama-3-8b'" in capsys.readouterr().err
+
+
 def test_throughput_counts_every_token(capsys, tmp_path):
     text, r = run_bench(capsys, tmp_path, "throughput", "--num-prompts", "6", "--input-len-range", "4", "20",
                         "--output-len", "5", "--num-warmup-prompts", "1", "--prompt-seed", "3")

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        from plinth.entrypoints.engine_args import reconcile_model
+
+        reconcile_model(args)
         return int(args.func(args) or 0)
     except (UserFacingError, ValueError) as exc:   # CliError, config and model errors: one line
         print(f"plinth {args.command}: error: {exc}", file=sys.stderr)

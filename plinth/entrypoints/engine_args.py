@@ -42,6 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                             help="model directory, .gguf file, or preset (with --load-format dummy); "
                                  "default: SmolLM2-135M-Instruct")
     g = parser.add_argument_group("model")
+    if model_positional:   # vLLM's spelling too (a positional must come before the other flags)
+        g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the model, as the positional argument (either one, anywhere among the flags)")
     g.add_argument("--tokenizer", default=None, help="a tokenizer directory or .gguf file (default: the model's own)")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="compute dtype (default auto: the checkpoint's where the platform runs it well, else the "
@@ -144,6 +147,18 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                         "shape, default), benchmark (every start), off (the highest-priority one, no timing)")
     g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
     pm.add_cli_arguments(parser, command)
+
+
+def reconcile_model(args: argparse.Namespace) -> None:
+    """``--model`` into ``args.model`` (the positional); both naming different models is an error."""
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if getattr(args, "model", None) not in (None, flag):
+        from plinth.config import ConfigError
+
+        raise ConfigError(f"two models given: {args.model!r} (positional) and --model {flag!r}")
+    args.model = flag
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
