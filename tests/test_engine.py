@@ -417,3 +417,20 @@ def test_block_tables_are_as_wide_as_the_cache_not_the_context(tmp_path):
     out = llm.generate(PROMPTS[:2], greedy(8), use_tqdm=False)
     reference = llm_for(save_tiny_model(tmp_path / "r"), num_blocks=64).generate(PROMPTS[:2], greedy(8), use_tqdm=False)
     assert token_ids(out) == token_ids(reference)
+
+
+def test_each_output_keeps_the_metrics_of_its_step(llm):
+    """An output's metrics are a snapshot: an output read after later steps still has its own step's times (the
+    request's own object goes on changing), so a first output read late does not widen its token gaps."""
+    engine = llm.engine
+    engine.add_request("metrics-snapshot", [5, 6, 7, 8],
+                       params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "metrics-snapshot"]
+    firsts = [o for o in outs if o.outputs[0].token_ids]
+    assert len(firsts) >= 2
+    assert firsts[0].metrics.last_token_time == firsts[0].metrics.first_token_time
+    assert firsts[0].metrics is not firsts[-1].metrics
+    assert firsts[-1].metrics.last_token_time > firsts[0].metrics.last_token_time
+    assert firsts[-1].metrics.finished_time is not None and firsts[0].metrics.finished_time is None

@@ -1102,7 +1102,7 @@ class LLMEngine:
             done = finished and not group.aborted and req.finish_reason != FinishReason.ABORT and vector is not None
             embedding = EmbeddingOutput(finish_embedding(vector, state.params, self.pooling)) if done else None
             return PoolingRequestOutput(group.request_id, group.prompt_token_ids, embedding, finished,
-                                        req.num_cached_tokens, metrics=req.metrics)
+                                        req.num_cached_tokens, metrics=dataclasses.replace(req.metrics))
         completions = []
         all_finished = True
         for i, seq in enumerate(group.seqs):
@@ -1118,8 +1118,9 @@ class LLMEngine:
                                                 list(req.output_token_ids), seq.cumulative_logprob, seq.logprobs,
                                                 reason, req.stop_reason))
         first = group.seqs[0].request
+        # the metrics as of this output (the request's own object goes on changing)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.aborted or all_finished, group.prompt_logprobs, first.metrics,
+                             group.aborted or all_finished, group.prompt_logprobs, dataclasses.replace(first.metrics),
                              first.num_cached_tokens, lora_request=group.lora_request)
 
     # ----------------------------------------------------------------------------------- stats
