@@ -43,6 +43,10 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         mlp_only_layers=[1])),
+    # stacked checkpoint experts split per expert and per rank, a shared MLP, Granite's multipliers
+    "granite_moe_shared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, residual_multiplier=0.6,
+        embedding_multiplier=3.0)),
     # sinks split with the heads, biased experts split with their features (rank 0 adds the down bias), a
     # replicated biased router, sliding and full layers
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(

@@ -73,6 +73,12 @@ ARCHS = {
     # q/k norms over all heads, a q/k/v clamp that bites
     "OlmoeForCausalLM": ("OlmoeForCausalLM", "OlmoeConfig", dict(
         num_experts=4, num_experts_per_tok=2, clip_qkv=0.5, pad_token_id=0)),
+    # Granite's multipliers on experts stacked in the checkpoint; with a shared MLP
+    "GraniteMoeForCausalLM": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=6.0, attention_multiplier=0.3,
+        residual_multiplier=0.5, logits_scaling=4.0)),
+    "GraniteMoeSharedForCausalLM": ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, residual_multiplier=0.5)),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -424,7 +430,7 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
               "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
-              "Qwen2MoeForCausalLM", "OlmoeForCausalLM"]
+              "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

@@ -27,4 +27,6 @@ def plinth_models() -> dict[str, str]:
         "GptOssForCausalLM": f"{_M}.gpt_oss:GptOssForCausalLM",
         "Qwen2MoeForCausalLM": f"{_M}.qwen2_moe:Qwen2MoeForCausalLM",
         "OlmoeForCausalLM": f"{_M}.qwen2_moe:OlmoeForCausalLM",
+        "GraniteMoeForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
+        "GraniteMoeSharedForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
     }

@@ -37,19 +37,26 @@ def _sparse(cfg: Any, layer_idx: int) -> bool:
 
 
 class SharedExpertMoeBlock(nn.Module):
-    """The routed experts plus a shared expert that every token runs, gated per token by a sigmoid."""
+    """The routed experts (``routed``) plus, where ``shared_size`` is set, a shared expert every token runs
+    (``shared_expert``), scaled per token by ``sigmoid(shared_expert_gate(x))`` when ``gated``."""
 
-    def __init__(self, ctx: ModelContext, activation: str):
+    def __init__(self, ctx: ModelContext, activation: str, num_experts: int, intermediate_size: int,
+                 renormalize: bool, shared_size: int | None, gated: bool):
         super().__init__()
         cfg = ctx.hf_config
-        self.routed = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                                     renormalize=bool(cfg.norm_topk_prob), tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
-        self.shared_expert = DenseMLP(ctx, cfg.shared_expert_intermediate_size, activation=activation)
-        self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False)
+        self.routed = SparseMoeBlock(num_experts, cfg.num_experts_per_tok, cfg.hidden_size, intermediate_size,
+                                     renormalize=renormalize, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        self.shared_expert = DenseMLP(ctx, shared_size, activation=activation) if shared_size else None
+        self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False) if shared_size and gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
-        return self.routed(x) + shared
+        out = self.routed(x)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(self.shared_expert_gate(x))
+        return out + shared
 
 
 class _ExpertWeights:
@@ -87,7 +94,8 @@ class Qwen2MoeForCausalLM(_ExpertWeights, Qwen2ForCausalLM):
         if not _sparse(cfg, layer_idx):
             return DenseMLP(ctx, cfg.intermediate_size, activation=activation)
         check_expert_activation(activation)
-        return SharedExpertMoeBlock(ctx, activation)
+        return SharedExpertMoeBlock(ctx, activation, cfg.num_experts, cfg.moe_intermediate_size,
+                                    bool(cfg.norm_topk_prob), cfg.shared_expert_intermediate_size, gated=True)
 
     def _to_param(self, name: str) -> str:
         for part in (".mlp.gate.", ".mlp.experts."):
