@@ -83,10 +83,8 @@ def llamacpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=None) -> str:
-    """Write ``model`` to ``path`` as llama.cpp's converter would."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def gguf_writer(path, config, arch: str) -> gguf.GGUFWriter:
+    """A writer with the size metadata every file of ``config`` carries (llama.cpp's converter's keys)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -98,6 +96,14 @@ def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=N
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    return writer
+
+
+def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=None) -> str:
+    """Write ``model`` to ``path`` as llama.cpp's converter would."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf_writer(path, config, arch)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:
@@ -961,16 +967,7 @@ def write_moe_gguf(path, model, arch: str, qtype=Q.F32) -> str:
     gguf_arch = "llama" if arch == "mixtral" else arch
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
-    writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = gguf_writer(path, cfg, gguf_arch)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_expert_count(experts)

@@ -9,7 +9,16 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_models import COMMON, _hf_logits, _load, _prompts, follow_config_swiglu, randomize_zero_parameters
+from test_models import (
+    COMMON,
+    _hf_logits,
+    _load,
+    _prompts,
+    fallback_against_transformers,
+    follow_config_swiglu,
+    paged_prefill_logits,
+    randomize_zero_parameters,
+)
 
 from plinth.attention_backends.torch_sdpa import TorchSDPABackend
 from plinth.errors import ModelLoadError
@@ -84,14 +93,8 @@ def test_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path):
     gate_up = theirs.gate_up_proj.transpose(1, 2)                                 # [E, 2I, H], interleaved
     assert torch.equal(ours.w13_weight, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
     assert torch.equal(ours.w2_weight, theirs.down_proj.transpose(1, 2)) and ours.w2_weight.shape[2] == i
-    from paged_driver import PagedDriver, build_metadata
-
-    PagedDriver(model, backend, block_size=4)
     prompt = _prompts(hf.config.vocab_size)[2]
-    ids, pos, md = build_metadata([(prompt, 0, [3, 9, 1, 7, 5])], block_size=4)
-    with torch.inference_mode():
-        got = model.compute_logits(model(ids, pos, md))
-    assert (got - _hf_logits(hf, prompt)).abs().max().item() < 1e-4
+    assert (paged_prefill_logits(model, backend, prompt) - _hf_logits(hf, prompt)).abs().max().item() < 1e-4
 
 
 def test_mxfp4_checkpoint_refusals(tmp_path):
@@ -113,23 +116,8 @@ def test_mxfp4_checkpoint_refusals(tmp_path):
 def test_the_transformers_fallback_passes_the_sinks(tmp_path, monkeypatch):
     """transformers' own gpt-oss code on plinth's paged attention: its sinks (``s_aux``) reach the backend (they
     were dropped before), and the logits equal transformers'."""
-    from paged_driver import PagedDriver, build_metadata
-
-    from plinth.model_registry.models.transformers_fallback import TransformersForCausalLM, fallback_class
-    from plinth.model_registry.registry import ModelRegistry
-
-    hf = _model()
-    hf.save_pretrained(tmp_path)
-    monkeypatch.setattr(ModelRegistry, "resolve", fallback_class)
-    backend = TorchSDPABackend()
-    model = _load(str(tmp_path), backend)
-    assert isinstance(model, TransformersForCausalLM) and all(layer.has_sinks for layer in model._attn_layers)
-    PagedDriver(model, backend, block_size=4)
-    prompt = _prompts(hf.config.vocab_size)[1]
-    ids, pos, md = build_metadata([(prompt, 0, [3, 1, 2])], block_size=4)
-    with torch.inference_mode():
-        ours = model.compute_logits(model(ids, pos, md))
-    assert (ours - _hf_logits(hf, prompt)).abs().max().item() < 1e-4
+    model, error = fallback_against_transformers(_model(), tmp_path, monkeypatch)
+    assert all(layer.has_sinks for layer in model._attn_layers) and error < 1e-4
 
 
 def test_sinks_loader_refuses_a_wrong_count(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_utils import make_tiny_model
-from test_reasoning import stream_split
+from test_reasoning import stream_split, streamed
 from test_tool_calls import MESSAGES, TOOLS
 
 from plinth.entrypoints.openai.harmony import GptOssReasoningParser, GptOssToolParser, Message, messages
@@ -155,20 +155,6 @@ def http(tmp_path, monkeypatch):
     app = build_app(AsyncLLMEngine(engine), tool_parser=GptOssToolParser, reasoning_parser=GptOssReasoningParser)
     with TestClient(app) as client:
         yield client, script
-
-
-def streamed(http, body: dict) -> tuple[str, str, list[dict], str]:
-    thinking, content, calls, reason = "", "", [], None
-    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line[6:])["choices"]:
-                thinking += c["delta"].get("reasoning_content") or ""
-                content += c["delta"].get("content") or ""
-                calls += c["delta"].get("tool_calls") or []
-                reason = c["finish_reason"] or reason
-    return thinking, content, calls, reason
 
 
 def test_server_reads_the_channels_and_the_call(http):

@@ -198,24 +198,35 @@ def test_gemma2_refuses_unusable_soft_caps(tmp_path, field, value):
 def test_transformers_fallback_applies_the_attention_soft_cap(tmp_path, monkeypatch):
     """transformers' own Gemma 2 code on plinth's paged attention: the soft cap it asks for is the layers' (the
     fallback used to refuse it), and the logits equal transformers'."""
-    from plinth.model_registry.models.transformers_fallback import fallback_class
-
     arch, config_cls, overrides = ARCHS["Gemma2ForCausalLM"]
     torch.manual_seed(3)
     hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**COMMON, **overrides},
                                                               attn_implementation="eager")).eval()
-    hf.save_pretrained(tmp_path)
+    model, error = fallback_against_transformers(hf, tmp_path, monkeypatch)
+    assert {layer.soft_cap for layer in model._attn_layers} == {0.5}
+    assert error < 1e-4
+
+
+def fallback_against_transformers(hf, path, monkeypatch) -> tuple[TransformersForCausalLM, float]:
+    """``hf`` saved to ``path`` and loaded through the transformers fallback (float32, ``torch_sdpa``): the model
+    and the largest difference of its prefill logits from ``hf``'s."""
+    from plinth.model_registry.models.transformers_fallback import fallback_class
+
+    hf.save_pretrained(path)
     monkeypatch.setattr(ModelRegistry, "resolve", fallback_class)
     backend = TorchSDPABackend()
-    model = _load(str(tmp_path), backend)
+    model = _load(str(path), backend)
     assert isinstance(model, TransformersForCausalLM)
-    assert {layer.soft_cap for layer in model._attn_layers} == {0.5}
-    PagedDriver(model, backend, block_size=4)
     prompt = _prompts(hf.config.vocab_size)[1]
-    ids, pos, md = build_metadata([(prompt, 0, [3, 1, 2])], block_size=4)
+    return model, (paged_prefill_logits(model, backend, prompt) - _hf_logits(hf, prompt)).abs().max().item()
+
+
+def paged_prefill_logits(model, backend, prompt: list[int]) -> torch.Tensor:
+    """The prefill logits ``[L, vocab]`` of ``prompt`` through plinth's paged attention (block size 4)."""
+    PagedDriver(model, backend, block_size=4)
+    ids, pos, md = build_metadata([(prompt, 0, list(range(-(-len(prompt) // 4), 0, -1)))], block_size=4)  # reversed
     with torch.inference_mode():
-        ours = model.compute_logits(model(ids, pos, md))
-    assert (ours - _hf_logits(hf, prompt)).abs().max().item() < 1e-4
+        return model.compute_logits(model(ids, pos, md))
 
 
 def test_sliding_window_is_applied(tmp_path):
