@@ -614,3 +614,31 @@ def test_graph_blocker_names_experts_without_grouped_gemms():
     moe = torch.nn.Sequential(torch.nn.Linear(4, 4), FusedMoE(4, 2, 16, 32, renormalize=True))
     assert graph_blocker(moe, torch.device("cpu"), torch.float32) == "FusedMoE (1)"
     assert graph_blocker(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.device("cpu"), torch.float32) is None
+
+
+def test_qwen2_moe_without_qkv_biases_and_granite_moe_missing_tensor_named_once(tmp_path):
+    """A Qwen2-MoE config may turn its q/k/v biases off (``qkv_bias``; they were always expected); a GraniteMoe
+    checkpoint missing a stacked expert tensor names it once (every expert's shard comes from it)."""
+    from safetensors.torch import load_file, save_file
+
+    from plinth.errors import ModelLoadError
+
+    _, config_cls, overrides = ARCHS["Qwen2MoeForCausalLM"]
+    torch.manual_seed(0)
+    hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**COMMON, **overrides}, qkv_bias=False,
+                                                                      attn_implementation="eager")).eval()
+    assert hf.model.layers[0].self_attn.q_proj.bias is None
+    hf.save_pretrained(tmp_path / "q")
+    model = _load(str(tmp_path / "q"), TorchSDPABackend())
+    prompt = _prompts(hf.config.vocab_size)[2]
+    assert (paged_prefill_logits(model, model.ctx.attention_backend, prompt)
+            - _hf_logits(hf, prompt)).abs().max().item() < 1e-4
+    _, config_cls, overrides = ARCHS["GraniteMoeForCausalLM"]
+    transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**{**COMMON, **overrides})).save_pretrained(
+        tmp_path / "g")
+    tensors = load_file(tmp_path / "g" / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.input_linear.weight"]
+    save_file(tensors, tmp_path / "g" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as err:
+        _load(str(tmp_path / "g"), TorchSDPABackend())
+    assert str(err.value).endswith("checkpoint is missing tensor 'model.layers.1.block_sparse_moe.input_linear.weight'")

@@ -408,7 +408,7 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
             raise ModelLoadError(f"GGUF file {path!r}: a qwen2moe file needs the shared expert "
                                  f"(blk.N.ffn_gate_shexp.weight)")
         out["shared_expert_intermediate_size"] = int(shared.shape[0])
-        out["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        out["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     return out
 
 

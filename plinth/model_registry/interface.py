@@ -171,6 +171,7 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
             for shard_id in getattr(param, "expected_shards", (None,)):
                 if (name, shard_id) not in loaded:
                     missing.append(self.checkpoint_name(name, shard_id))
+        missing = list(dict.fromkeys(missing))   # several parameters' shards may come from one checkpoint tensor
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

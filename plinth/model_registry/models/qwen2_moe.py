@@ -88,6 +88,10 @@ class Qwen2MoeForCausalLM(_ExpertWeights, Qwen2ForCausalLM):
 
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
 
+    def attention_options(self, cfg: Any) -> AttentionOptions:
+        """q/k/v biases unless the config's ``qkv_bias`` says otherwise (Qwen2-MoE's own field)."""
+        return AttentionOptions(qkv_bias=bool(getattr(cfg, "qkv_bias", True)), o_bias=False)
+
     def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
         cfg = ctx.hf_config
         activation = self.block_options(cfg).activation
