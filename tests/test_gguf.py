@@ -328,7 +328,7 @@ def test_truncated_file(tmp_path, keep):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "falcon")
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"):
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"):
         read_gguf_config(path)
     with pytest.raises(UnsupportedModelError, match="falcon"):
         list(iter_gguf_weights(path, torch.float32))
@@ -956,6 +956,7 @@ MOE = {   # GGUF architecture -> (transformers model_type, config overrides)
     "qwen2moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                    shared_expert_intermediate_size=96, norm_topk_prob=False)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, clip_qkv=0.5)),
 }
 
 
@@ -972,6 +973,8 @@ def write_moe_gguf(path, model, arch: str, qtype=Q.F32) -> str:
     writer.add_value_length(head_dim)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "clip_qkv", None):
+        writer.add_clamp_kqv(cfg.clip_qkv)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     writer.add_pad_token_id(cfg.pad_token_id)
@@ -1036,7 +1039,7 @@ def test_mixture_of_experts_gguf_gives_the_original_logits(tmp_path, arch):
     path = write_moe_gguf(tmp_path / "m.gguf", model, arch, Q.F32)
     _, architecture = read_gguf_config(path)
     assert architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                            "mixtral": "MixtralForCausalLM"}[arch]
+                            "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}[arch]
     check_plain_config(path)
     backend = TorchSDPABackend()
     ours = _load(path, backend)
@@ -1090,7 +1093,7 @@ def test_mixture_of_experts_files_that_cannot_be_read_are_refused(tmp_path):
     one-tensor-per-expert layout: each is a clear error."""
     dense = write_gguf(tmp_path / "d.gguf", small_model("qwen2", False), "qwen2",
                        metadata={"experts": lambda w: w.add_expert_count(4)})
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts 'qwen2'.*qwen2moe, qwen3moe"):
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts 'qwen2'.*olmoe, qwen2moe, qwen3moe"):
         read_gguf_config(dense)
     model = moe_model("qwen3moe")
     path = write_moe_gguf(tmp_path / "m.gguf", model, "qwen3moe")

@@ -85,16 +85,17 @@ _ARCHITECTURES = {
     # mixtures of experts: the experts' tensors are stacked ([E, rows, cols]) and read per expert
     "qwen2moe": _GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False),
     "qwen3moe": _GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
+    "olmoe": _GGUFArchitecture("olmoe", "OlmoeForCausalLM", permuted_qk=False),
 }
 # llama.cpp writes Mixtral as a "llama" file with experts (llama.expert_count)
 _MIXTRAL = _GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # the stacked expert tensors, and what each architecture calls an expert's projections
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _EXPERT_PROJ_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _DEFAULT_PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # whether the top-k weights are renormalised when the file does not say (llama.cpp's own choice per architecture)
-_MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+_MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 # Granite's multipliers: GGUF key (after the architecture name) -> config field; llama.cpp's converter writes the
 # config's values as they are; when one is absent llama.cpp scales by 1, and the softmax by 1/sqrt(head size)
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
@@ -159,7 +160,7 @@ def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
         if arch.model_type not in _MOE_TYPES:
             raise UnsupportedModelError(
                 f"GGUF file {path!r} is a mixture-of-experts {name!r} model; GGUF mixtures of experts supported: "
-                f"llama (Mixtral), qwen2moe, qwen3moe"
+                f"llama (Mixtral), olmoe, qwen2moe, qwen3moe"
             )
     elif arch.model_type in _MOE_TYPES:
         raise ModelLoadError(f"GGUF file {path!r}: a {name!r} file needs {name}.expert_count")
@@ -400,6 +401,14 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
     renormalize = reader.get(f"{name}.expert_weights_norm", _MOE_RENORMALIZE[arch.model_type])
     if arch.model_type == "mixtral":
         return {"num_local_experts": count, "num_experts_per_tok": used, "intermediate_size": size}
+    if arch.model_type == "olmoe":
+        clamp = reader.get(f"{name}.attention.clamp_kqv")
+        if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, int | float) or clamp <= 0):
+            raise ModelLoadError(f"GGUF file {path!r}: {name}.attention.clamp_kqv must be a positive number, "
+                                 f"got {clamp!r}")
+        return {"num_experts": count, "num_experts_per_tok": used, "intermediate_size": size,
+                "norm_topk_prob": bool(renormalize), "clip_qkv": _float32_value(clamp) if clamp else None,
+                "attention_bias": "blk.0.attn_q.bias" in tensors}
     out: dict[str, Any] = {"num_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": size,
                            "norm_topk_prob": bool(renormalize), "decoder_sparse_step": 1, "mlp_only_layers": []}
     if arch.model_type == "qwen2_moe":
