@@ -47,6 +47,8 @@ def test_model_as_a_flag_anywhere(capsys, tmp_path):
     capsys.readouterr()
     assert main(["bench", "latency", *TINY, "--model", "llama-3-8b"]) == 2
     assert "two models given: 'tiny-llama' (positional) and --model 'llama-3-8b'" in capsys.readouterr().err
+    assert main(["bench", "latency", "--model=", *TINY[1:]]) == 2
+    assert "the model name is empty" in capsys.readouterr().err
 
 
 def test_throughput_counts_every_token(capsys, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from plinth.config import (
@@ -150,14 +151,18 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
 
 
 def reconcile_model(args: argparse.Namespace) -> None:
-    """``--model`` into ``args.model`` (the positional); both naming different models is an error."""
-    flag = getattr(args, "model_flag", None)
+    """``--model`` into ``args.model`` (the positional); an empty name, or both naming different models, is an
+    error (``./m`` and ``m`` are one model)."""
+    from plinth.config import ConfigError
+
+    flag, positional = getattr(args, "model_flag", None), getattr(args, "model", None)
+    if "" in (flag, positional):
+        raise ConfigError("the model name is empty (give a model directory, .gguf file or preset, or leave it out "
+                          "for the default model)")
     if flag is None:
         return
-    if getattr(args, "model", None) not in (None, flag):
-        from plinth.config import ConfigError
-
-        raise ConfigError(f"two models given: {args.model!r} (positional) and --model {flag!r}")
+    if positional is not None and os.path.normpath(positional) != os.path.normpath(flag):
+        raise ConfigError(f"two models given: {positional!r} (positional) and --model {flag!r}")
     args.model = flag
 
 
