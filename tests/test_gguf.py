@@ -1025,6 +1025,9 @@ def moe_model(arch: str, **more):
     return model
 
 
+VARIANTS = {"no-qkv-bias": {"qkv_bias": False}}
+
+
 @pytest.mark.parametrize("arch", [*MOE, "qwen2moe-no-qkv-bias"])
 def test_mixture_of_experts_gguf_gives_the_original_logits(tmp_path, arch):
     """The config and F32 weights of a mixture-of-experts GGUF rebuild the original model on plinth's decoder (the
@@ -1035,7 +1038,7 @@ def test_mixture_of_experts_gguf_gives_the_original_logits(tmp_path, arch):
     from plinth.attention_backends.torch_sdpa import TorchSDPABackend
 
     arch, _, variant = arch.partition("-")
-    model = moe_model(arch, **({"qkv_bias": False} if variant else {}))
+    model = moe_model(arch, **VARIANTS.get(variant, {}))
     path = write_moe_gguf(tmp_path / "m.gguf", model, arch, Q.F32)
     _, architecture = read_gguf_config(path)
     assert architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
@@ -1101,6 +1104,16 @@ def test_mixture_of_experts_files_that_cannot_be_read_are_refused(tmp_path):
     no_count.write_bytes(_patched(open(path, "rb").read(), "qwen3moe.expert_count", 0))
     with pytest.raises(ModelLoadError, match="needs qwen3moe.expert_count"):
         read_gguf_config(str(no_count))
+    tensors = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "blk.1.ffn_gate_exps.weight" in tensors
+    partial = tmp_path / "p.gguf"   # a block without experts: the expert tensors of block 1 renamed away
+    data = open(path, "rb").read()
+    for role in ("gate", "up", "down"):
+        old_name = f"blk.1.ffn_{role}_exps.weight".encode()
+        data = data.replace(old_name, f"blk.1.ffn_{role}_expz.weight".encode())
+    partial.write_bytes(data)
+    with pytest.raises(ModelLoadError, match=r"blocks \[1\] have no experts"):
+        read_gguf_config(str(partial))
     old = write_gguf(tmp_path / "o.gguf", small_model("llama", False), "llama",
                      metadata={"experts": lambda w: (w.add_expert_count(2), w.add_expert_used_count(1))})
     with pytest.raises(ModelLoadError, match="stacked expert tensors"):

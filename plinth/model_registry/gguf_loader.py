@@ -387,7 +387,8 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
                  options: dict[str, Any], path: str) -> dict[str, Any]:
     """The config fields of a mixture of experts: counts from the metadata, sizes from the stacked tensors."""
     count, used = reader.get(f"{name}.expert_count"), reader.get(f"{name}.expert_used_count")
-    gate = tensors.get("blk.0.ffn_gate_exps.weight")
+    sparse = [i for i in range(options["num_hidden_layers"]) if f"blk.{i}.ffn_gate_exps.weight" in tensors]
+    gate = tensors.get(f"blk.{sparse[0]}.ffn_gate_exps.weight") if sparse else None
     if gate is None or len(gate.shape) != 3:
         raise ModelLoadError(f"GGUF file {path!r}: a mixture of experts needs stacked expert tensors "
                              f"(blk.N.ffn_gate_exps.weight [experts, rows, hidden]); per-expert tensors (older "
@@ -399,6 +400,10 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
                              f"tensors have {gate.shape[0]}")
     size = int(gate.shape[1])
     renormalize = reader.get(f"{name}.expert_weights_norm", _MOE_RENORMALIZE[arch.model_type])
+    dense = [i for i in range(options["num_hidden_layers"]) if i not in sparse]
+    if dense:   # llama.cpp's mixtures of experts have experts on every block
+        raise ModelLoadError(f"GGUF file {path!r}: blocks {dense} have no experts (ffn_gate_exps); a {name!r} "
+                             f"file has them on every block")
     if arch.model_type == "mixtral":
         return {"num_local_experts": count, "num_experts_per_tok": used, "intermediate_size": size}
     if arch.model_type == "olmoe":
@@ -412,7 +417,7 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
     out: dict[str, Any] = {"num_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": size,
                            "norm_topk_prob": bool(renormalize), "decoder_sparse_step": 1, "mlp_only_layers": []}
     if arch.model_type == "qwen2_moe":
-        shared = tensors.get("blk.0.ffn_gate_shexp.weight")
+        shared = tensors.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight")
         if shared is None:
             raise ModelLoadError(f"GGUF file {path!r}: a qwen2moe file needs the shared expert "
                                  f"(blk.N.ffn_gate_shexp.weight)")
