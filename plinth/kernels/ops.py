@@ -266,8 +266,7 @@ LORA_KERNEL_MAX_TOKENS = 16
 
 def moe_gemv_enabled(x: torch.Tensor) -> bool:
     """Whether the experts of ``x``'s rows may run :func:`moe_gemv` (Triton devices, or its interpreter in tests)."""
-    return ((x.device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1")
-            and triton_available() and _env_enabled())
+    return _triton_kernels_run(x)
 
 
 def moe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,
@@ -289,10 +288,15 @@ def moe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     return y
 
 
+def _triton_kernels_run(x: torch.Tensor) -> bool:
+    """Whether Triton kernels may run on ``x``: a Triton device, or the interpreter in tests."""
+    return ((x.device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1")
+            and triton_available() and _env_enabled())
+
+
 def lora_kernels_enabled(x: torch.Tensor) -> bool:
     """Whether a LoRA product of ``x`` runs the Triton kernels (:func:`lora_shrink_expand_`)."""
-    return (x.device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1") and \
-        x.shape[0] <= LORA_KERNEL_MAX_TOKENS and triton_available() and _env_enabled()
+    return x.shape[0] <= LORA_KERNEL_MAX_TOKENS and _triton_kernels_run(x)
 
 
 def lora_shrink_expand_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,

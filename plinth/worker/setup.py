@@ -122,15 +122,14 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-#: config ``model_type`` values whose attention heads have sink logits (the backend must apply them): gpt-oss, and
-#: transformers architectures that hand their sinks to the attention function (``s_aux``), run by the fallback
-ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "flint", "deepseek_v4",
-                                        "hy_v4_vl", "openai_privacy_filter"})
+#: ``model_type`` values whose native plinth model has attention sinks (the backend must apply them)
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 
 
 def has_attention_sinks(hf_config: Any) -> bool:
-    """Whether the model's attention has sink logits: a known ``model_type``, or a transformers modeling module of
-    that name that passes sinks (``s_aux=``) to its attention function (architectures newer than this list)."""
+    """Whether the model's attention has sink logits: a native model that has them, or a transformers modeling
+    module of that ``model_type`` that passes sinks (``s_aux=``) to its attention function (the fallback runs
+    it: Granite SWA, DeepSeek V4, ...)."""
     model_type = getattr(hf_config, "model_type", None)
     if not isinstance(model_type, str) or not model_type.isidentifier():
         return False

@@ -282,7 +282,7 @@ async def _events(ctx: ServerContext, body: _Body,
     yield event("response.content_part.done", item_id=body.item_id, output_index=message, content_index=0, part=part)
     item = body.message(text, _item_status(status))
     yield event("response.output_item.done", output_index=message, item=item)
-    items.insert(message, item)
+    items.append(item)   # at its output index: nothing else was added after it opened
     late = reply.thinking[sent_thinking:]
     if late:   # thinking written after the answer began (gpt-oss may think again): a reasoning item after it
         late_id, index = random_id("rs"), len(items)

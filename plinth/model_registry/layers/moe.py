@@ -8,6 +8,7 @@ Checkpoint tensors arrive per expert with shard ids ``(expert, "gate" | "up" | "
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -110,16 +111,19 @@ class FusedMoE(nn.Module):
         projection, with no host read of the routing (so a CUDA graph can capture it). It needs a CUDA device of
         compute capability 9.0 or later and bfloat16 (torch's grouped kernels; for other types torch loops on the
         host), with 16-byte aligned rows."""
-        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-            return False
-        align = 16 // x.element_size()
-        return (torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % align == 0
-                and self.intermediate_per_rank % align == 0)
+        return self._grouped_gemm_runs(x.device, x.dtype)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a decode step through these experts can be captured in a device graph (see
         :meth:`uses_grouped_gemm`; the per-expert loop reads the routing on the host)."""
-        return self.uses_grouped_gemm(torch.empty(1, self.w13_weight.shape[-1], device=device, dtype=dtype))
+        return self._grouped_gemm_runs(device, dtype)
+
+    def _grouped_gemm_runs(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+            return False
+        align = 16 // dtype.itemsize
+        return (_capability(device) >= (9, 0) and self.w13_weight.shape[-1] % align == 0
+                and self.intermediate_per_rank % align == 0)
 
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether ``x`` ``[T, H]`` takes the per-slot GEMV kernel (:func:`plinth.kernels.ops.moe_gemv`): a few
@@ -194,6 +198,12 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             tp_all_reduce(out)
         return out.to(x.dtype)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (asked once per device: the experts ask at every forward)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def _silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
