@@ -81,8 +81,18 @@ ARCHS = {
         num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, residual_multiplier=0.5)),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
+    # multi-head latent attention (keys wider than values), per-expert checkpoint tensors merged into transformers'
+    # stacked experts, grouped routing with its score-correction buffer, shared experts, a dense first layer
+    "DeepseekV3ForCausalLM": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=2.5)),
+    # no query compression, softmax routing
+    "DeepseekV2ForCausalLM": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)),
 }
-FALLBACK = {"StableLmForCausalLM"}
+FALLBACK = {"StableLmForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"}
 
 PROMPT_LENS = (5, 11, 17)
 NEW_TOKENS = 32
@@ -93,6 +103,9 @@ def randomize_zero_parameters(hf: transformers.PreTrainedModel, seed: int = 5) -
     """transformers starts biases (and Gemma's norm offsets) at zero, which would hide a bias loaded into the wrong
     place: give every all-zero parameter random values, and attention sinks values large enough to matter."""
     g = torch.Generator().manual_seed(seed)
+    for name, b in hf.named_buffers():
+        if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's routing correction: large enough to reroute
+            b.copy_(torch.randn(b.shape, generator=g))
     for name, p in hf.named_parameters():
         if name.endswith(".sinks"):
             p.copy_(torch.randn(p.shape, generator=g) * 1.5)

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
-from plinth.errors import UnsupportedModelError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.layers.attention import Attention
 
@@ -56,9 +57,12 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if (sinks is not None) != hook.layer.has_sinks:
         raise UnsupportedModelError(f"the model's attention {'passes' if sinks is not None else 'lacks'} sink logits "
                                     f"(s_aux) its module {'lacks' if sinks is not None else 'has'}")
+    v_dim = value.shape[-1]
+    if v_dim < key.shape[-1]:   # values narrower than keys (multi-head latent attention): zero-padded in the cache
+        value = nn.functional.pad(value, (0, key.shape[-1] - v_dim))
     out = hook.layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                      hook.state.metadata, sinks=sinks)  # [T, Hq, D]
-    return out.unsqueeze(0), None
+    return out[..., :v_dim].unsqueeze(0), None
 
 
 @functools.cache
@@ -90,6 +94,88 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
+
+
+def _natural_key(name: str) -> tuple:
+    """``name`` ordered with its numbers as numbers (expert 10 after expert 9)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name))
+
+
+class _CheckpointConversion:
+    """transformers' own checkpoint conversions for a model (``conversion_mapping``): renamings, and converters that
+    merge several checkpoint tensors into one parameter, e.g. a mixture of experts' per-expert ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` into the stacked ``experts.gate_up_proj`` / ``experts.down_proj`` its modeling
+    class holds. Applied to a stream of tensors: a merged tensor is emitted as soon as all its parts are in."""
+
+    def __init__(self, hf_model: nn.Module, param_numel: dict[str, int]):
+        self.renamings: list[Any] = []
+        self.converters: list[Any] = []
+        self._model = hf_model
+        self._numel = param_numel
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter
+        except ImportError:   # a transformers release without checkpoint conversions
+            return
+        for transform in get_model_conversion_mapping(hf_model):
+            (self.converters if isinstance(transform, WeightConverter) else self.renamings).append(transform)
+
+    def __bool__(self) -> bool:
+        return bool(self.renamings or self.converters)
+
+    def apply(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        # (converter index, target name) -> {source pattern: {checkpoint name: tensor}}
+        pending: dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]] = {}
+        for name, tensor in weights:
+            key = name
+            for renaming in self.renamings:
+                key, _ = renaming.rename_source_key(key)
+            match = self._match(key)
+            if match is None:
+                yield key, tensor
+                continue
+            index, target, pattern = match
+            parts = pending.setdefault((index, target), {})
+            parts.setdefault(pattern, {})[name] = tensor
+            if self._complete(self.converters[index], target, parts):
+                yield from self._convert(self.converters[index], target, pending.pop((index, target)))
+        for (index, target), parts in pending.items():   # incomplete: converted as they are (the load names a gap)
+            yield from self._convert(self.converters[index], target, parts)
+
+    def _match(self, key: str) -> tuple[int, str, str] | None:
+        """The first converter taking ``key``: its index, the merged tensor's name and the source pattern matched."""
+        for index, converter in enumerate(self.converters):
+            target, pattern = converter.rename_source_key(key)
+            if pattern is not None:
+                return index, target, pattern
+        return None
+
+    def _targets(self, converter: Any, target: str) -> list[str]:
+        first = converter.target_patterns[0]
+        return [target.replace(first, pattern, 1) for pattern in converter.target_patterns]
+
+    def _complete(self, converter: Any, target: str, parts: dict[str, dict[str, torch.Tensor]]) -> bool:
+        if not any("*" in pattern for pattern in converter.source_patterns):
+            return len(parts) == len(converter.source_patterns)
+        wanted = sum(self._numel.get(name, -1) for name in self._targets(converter, target))
+        return sum(t.numel() for tensors in parts.values() for t in tensors.values()) == wanted
+
+    def _convert(self, converter: Any, target: str,
+                 parts: dict[str, dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors: dict[str, Any] = {pattern: [group[k] for k in sorted(group, key=_natural_key)]
+                                   for pattern, group in parts.items()}
+        try:
+            for op in converter.operations:
+                tensors = op.convert(tensors, source_patterns=converter.source_patterns,
+                                     target_patterns=converter.target_patterns, full_layer_name=target,
+                                     model=self._model, config=self._model.config)
+        except Exception as exc:   # transformers' own conversion refused these tensors
+            names = sorted(n for group in parts.values() for n in group)
+            raise ModelLoadError(f"checkpoint tensors {names[0]!r}..{names[-1]!r} could not be merged into "
+                                 f"{target!r}: {exc}") from exc
+        for out_pattern, tensor in tensors.items():
+            prefix, found, suffix = target.partition(converter.target_patterns[0])
+            yield (prefix + out_pattern + suffix if found else out_pattern), tensor
 
 
 class TransformersForCausalLM(CausalLM):
@@ -128,7 +214,8 @@ class TransformersForCausalLM(CausalLM):
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         for m in found:
-            head_dim = getattr(m, "head_dim", None) or cfg.hidden_size // num_heads
+            # a module whose keys are wider than its values names the key width qk_head_dim (DeepSeek's MLA)
+            head_dim = getattr(m, "qk_head_dim", None) or getattr(m, "head_dim", None) or cfg.hidden_size // num_heads
             layer = Attention(num_heads, head_dim, float(m.scaling), num_kv_heads, ctx.attention_backend,
                               getattr(m, "sliding_window", None), m.layer_idx,
                               soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None,
@@ -171,3 +258,29 @@ class TransformersForCausalLM(CausalLM):
 
     def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
         return param_name.removeprefix("hf_model.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors renamed and merged as transformers' own loading would (per-expert checkpoint tensors
+        into stacked experts), then loaded by name."""
+        numel = {name: p.numel() for name, p in self.hf_model.named_parameters()}
+        conversion = _CheckpointConversion(self.hf_model, numel)
+        super().load_weights(self._into_buffers(conversion.apply(weights) if conversion else weights))
+
+    def _into_buffers(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors of persistent buffers (e.g. DeepSeek-V3's router score correction) copied in; the
+        rest passed on."""
+        buffers = {name: b for name, b in self.hf_model.named_buffers()
+                   if name.rpartition(".")[2] not in self._non_persistent(name)}
+        for name, tensor in weights:
+            buffer = buffers.get(name)
+            if buffer is None:
+                yield name, tensor
+            elif buffer.shape != tensor.shape:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
+                                     f"buffer {tuple(buffer.shape)}")
+            else:
+                buffer.copy_(tensor)
+
+    def _non_persistent(self, name: str) -> set[str]:
+        module = self.hf_model.get_submodule(name.rpartition(".")[0])
+        return getattr(module, "_non_persistent_buffers_set", set())
