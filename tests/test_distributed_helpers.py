@@ -52,6 +52,12 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # latent attention: query and key/value expansions split with the heads, latent projections replicated, the
+    # one-head latent cache on every rank; grouped sigmoid routing, shared experts, a dense first layer
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4,
+        topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

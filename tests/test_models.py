@@ -79,20 +79,23 @@ ARCHS = {
         residual_multiplier=0.5, logits_scaling=4.0)),
     "GraniteMoeSharedForCausalLM": ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", dict(
         num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, residual_multiplier=0.5)),
-    # no native class: runs through the transformers fallback
-    "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
-    # multi-head latent attention (keys wider than values), per-expert checkpoint tensors merged into transformers'
-    # stacked experts, grouped routing with its score-correction buffer, shared experts, a dense first layer
+    # multi-head latent attention (values narrower than keys), grouped sigmoid routing with its correction (which
+    # reroutes here), shared experts, a dense first layer, interleaved rotary pairs
     "DeepseekV3ForCausalLM": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
-        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_group=4,
+        topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=2.5)),
-    # no query compression, softmax routing
+    # no query compression, softmax routing within the best group, YaRN with DeepSeek's mscale on the softmax scale
     "DeepseekV2ForCausalLM": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)),
+        topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0})),
+    # no native class: runs through the transformers fallback
+    "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
-FALLBACK = {"StableLmForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"}
+FALLBACK = {"StableLmForCausalLM"}
 
 PROMPT_LENS = (5, 11, 17)
 NEW_TOKENS = 32
@@ -217,6 +220,20 @@ def test_transformers_fallback_applies_the_attention_soft_cap(tmp_path, monkeypa
                                                               attn_implementation="eager")).eval()
     model, error = fallback_against_transformers(hf, tmp_path, monkeypatch)
     assert {layer.soft_cap for layer in model._attn_layers} == {0.5}
+    assert error < 1e-4
+
+
+@pytest.mark.parametrize("name", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
+def test_transformers_fallback_merges_per_expert_tensors_and_pages_narrower_values(name, tmp_path, monkeypatch):
+    """transformers' own DeepSeek code on plinth's paged attention: the checkpoint's per-expert tensors merge into
+    its stacked experts (transformers' conversions), V3's routing correction (a buffer) is read, and values
+    narrower than keys are paged; the logits equal transformers'."""
+    arch, config_cls, overrides = ARCHS[name]
+    torch.manual_seed(3)
+    hf = randomize_zero_parameters(getattr(transformers, arch)(getattr(transformers, config_cls)(
+        **{**COMMON, **overrides}, attn_implementation="eager")).eval())
+    model, error = fallback_against_transformers(hf, tmp_path, monkeypatch)
+    assert {(layer.num_kv_heads, layer.head_size) for layer in model._attn_layers} == {(4, 24)}
     assert error < 1e-4
 
 

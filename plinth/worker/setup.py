@@ -153,10 +153,18 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache
     """The model's attention shapes; ``kv_cache_dtype`` is :attr:`~plinth.config.CacheConfig.kv_cache_dtype`."""
     heads = hf_config.num_attention_heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if getattr(hf_config, "kv_lora_rank", None) and getattr(hf_config, "qk_nope_head_dim", None):
+        from plinth.model_registry.models.deepseek import MLA_MODEL_TYPES, latent_cache_shape
+
+        if getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES:   # native: a cache of latents
+            kv_heads, head_size = latent_cache_shape(hf_config)
+        else:   # the transformers fallback pages the expanded keys (and values padded to their width)
+            kv_heads, head_size = heads, hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
     window = getattr(hf_config, "sliding_window", None)
     if not getattr(hf_config, "use_sliding_window", True):
         window = None
-    return AttentionSpec(num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+    return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads,
                          head_size=head_size, dtype=dtype, block_size=block_size, sliding_window=window,
                          kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
                          logit_soft_cap=_soft_cap(hf_config),

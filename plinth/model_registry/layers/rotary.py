@@ -56,6 +56,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(in_between, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context ``factor`` times the original: ``0.1 * m * ln(factor) + 1``."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
     orig = p["original_max_position_embeddings"]
     factor = p.get("factor") or max_positions / orig
@@ -75,15 +80,12 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_positions: int)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         if p.get("mscale") and p.get("mscale_all_dim"):
-            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+            attention_factor = yarn_mscale(factor, p["mscale"]) / yarn_mscale(factor, p["mscale_all_dim"])
         else:
-            attention_factor = mscale(factor)
+            attention_factor = yarn_mscale(factor)
     return inv_freq, float(attention_factor)
 
 

@@ -29,4 +29,6 @@ def plinth_models() -> dict[str, str]:
         "OlmoeForCausalLM": f"{_M}.qwen2_moe:OlmoeForCausalLM",
         "GraniteMoeForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
         "GraniteMoeSharedForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
+        "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",
     }

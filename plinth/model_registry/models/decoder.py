@@ -136,6 +136,11 @@ class DecoderAttention(nn.Module):
             self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
 
+    def input_quant(self) -> Any:
+        """How the fused q/k/v projection wants its input rows quantized (see
+        :meth:`~plinth.model_registry.layers.linear.LinearBase.input_quant`)."""
+        return self.qkv_proj.input_quant()
+
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = self.num_heads
         if tuple(loaded.shape) != (n * self.tp_size,):
@@ -201,13 +206,14 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
-                 norm: type[RMSNorm] = RMSNorm, residual_multiplier: float = 1.0):
+                 norm: type[RMSNorm] = RMSNorm, residual_multiplier: float = 1.0,
+                 attention: type[nn.Module] = DecoderAttention):
         super().__init__()
         eps = ctx.hf_config.rms_norm_eps
         #: the attention and MLP outputs are multiplied by this before they join the residual stream (Granite)
         self.residual_multiplier = residual_multiplier
         self.input_layernorm = norm(ctx.hf_config.hidden_size, eps=eps)
-        self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
+        self.self_attn = attention(ctx, layer_idx, options, norm)
         self.post_attention_layernorm = norm(ctx.hf_config.hidden_size, eps=eps)
         self.mlp = mlp
         #: the attention output's all-reduce happens in the norm after it
@@ -223,7 +229,7 @@ class DecoderLayer(nn.Module):
         :meth:`~plinth.model_registry.layers.linear.LinearBase.input_quant`): the norms before them then
         write the quantized rows. Fixed once the quantization kernel is selected (before loading)."""
         mlp = self.mlp.input_quant() if isinstance(self.mlp, DenseMLP) else None
-        return self.self_attn.qkv_proj.input_quant(), mlp
+        return self.self_attn.input_quant(), mlp
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +351,8 @@ class DecoderModel(nn.Module):
                                             "outputs")
             make_layer: Any = SandwichDecoderLayer if block.sandwich_norms else PostNormDecoderLayer
         else:
-            make_layer = functools.partial(DecoderLayer, residual_multiplier=block.residual_multiplier)
+            make_layer = functools.partial(DecoderLayer, residual_multiplier=block.residual_multiplier,
+                                           attention=owner.attention_class)
         self.layers = nn.ModuleList(
             make_layer(ctx, i, owner.layer_attention_options(cfg, i), owner.make_mlp(ctx, i), block.norm)
             if self.start_layer <= i < self.end_layer else MissingLayer()
@@ -416,6 +423,8 @@ class DecoderForCausalLM(CausalLM):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
+    #: the attention block of :class:`DecoderLayer` (built as ``attention_class(ctx, layer_idx, options, norm)``)
+    attention_class: ClassVar[type[nn.Module]] = DecoderAttention
     #: stages can be built and run one at a time (see :meth:`forward_stage`)
     supports_pipeline_parallel: ClassVar[bool] = True
     #: the linear layers that take LoRA adapters (:mod:`plinth.lora`); a mixture-of-experts MLP has none of the last two

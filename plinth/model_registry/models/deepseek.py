@@ -1,0 +1,261 @@
+"""DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``; also the models built on
+them, e.g. DeepSeek-V2-Lite, Moonlight, Kimi K2): multi-head latent attention and a mixture of experts with
+shared experts.
+
+- Multi-head latent attention (MLA): each token's keys and values come from one compressed latent ``c``
+  (``kv_lora_rank`` features, after ``kv_a_layernorm``) and one shared rotary key ``k_pe`` (``qk_rope_head_dim``);
+  ``kv_b_proj`` expands ``c`` into each head's key (``qk_nope_head_dim``) and value (``v_head_dim``) parts. The
+  paged cache holds only ``[c, k_pe]`` per token (one key/value head of ``kv_lora_rank + qk_rope_head_dim``
+  features, for every head): the key expansion is folded into the query (``q_nope @ W_UK`` per head) and the
+  value expansion applied to the attention output (``@ W_UV``), so attention runs as multi-query attention over
+  the latents. Queries come from ``q_proj`` or, with ``q_lora_rank``, from ``q_b_proj(q_a_layernorm(q_a_proj(x)))``.
+  The rotary parts are interleaved pairs in the checkpoint (V2 always, V3 with ``rope_interleave``); the
+  softmax scale is ``(qk_nope + qk_rope) ** -0.5``, times YaRN's ``mscale_all_dim`` correction squared.
+- Experts: the first ``first_k_dense_replace`` layers are dense; the rest route each token to
+  ``num_experts_per_tok`` of ``n_routed_experts`` and add ``n_shared_experts`` shared ones every token runs.
+  V2: softmax scores, top-k over all experts (``topk_method = "greedy"``) or within the ``topk_group`` groups
+  whose best expert scores highest (``"group_limited_greedy"``). V3: sigmoid scores; the choice adds the
+  learned ``e_score_correction_bias`` and keeps the ``topk_group`` groups whose two best experts sum highest,
+  the weights are the uncorrected scores, renormalised with ``norm_topk_prob``. Both scale the weights by
+  ``routed_scaling_factor``.
+- Checkpoints: per-expert tensors; the V3 multi-token-prediction layers (indices from ``num_hidden_layers`` on)
+  are not part of the model and are skipped. ``kv_b_proj`` stays in the model's dtype (its halves are folded
+  into the attention at every step) when the rest of the model is quantized.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plinth.attention_backends.interface import AttentionMetadata
+from plinth.errors import UnsupportedModelError
+from plinth.model_registry.interface import ModelContext
+from plinth.model_registry.layers.attention import Attention
+from plinth.model_registry.layers.layernorm import RMSNorm
+from plinth.model_registry.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    divide,
+)
+from plinth.model_registry.layers.moe import FusedMoE, check_expert_activation
+from plinth.model_registry.layers.rotary import apply_rotary, rope_parameters, yarn_mscale
+from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCausalLM, DenseMLP
+from plinth.model_registry.models.qwen2_moe import _ExpertWeights
+
+#: the model types whose paged cache holds the compressed latents (see :func:`latent_cache_shape`)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+#: the norms inside the attention block use DeepSeek's default epsilon, not the config's ``rms_norm_eps``
+_LATENT_NORM_EPS = 1e-6
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def latent_cache_shape(cfg: Any) -> tuple[int, int]:
+    """``(key/value heads, head size)`` of the paged cache of a multi-head latent attention layer: one head of the
+    latent and the shared rotary key."""
+    return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def mla_softmax_scale(cfg: Any) -> float:
+    """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under
+    YaRN (DeepSeek scales the whole query-key product, not only its rotary part)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(cfg)
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotary features stored as pairs ``(x0, y0, x1, y1, ...)`` -> ``(x0, x1, ..., y0, y1, ...)`` (the layout of a
+    rotate-half RoPE; queries and keys are permuted alike, so their products are unchanged)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek's attention block over a cache of compressed latents (see the module docstring). Under tensor
+    parallelism each rank holds its share of the heads (``q_b_proj``/``q_proj``, ``kv_b_proj``, ``o_proj``); the
+    latent projections are replicated."""
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, norm: type[RMSNorm] = RMSNorm):
+        super().__init__()
+        cfg = ctx.hf_config
+        tp = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size, "quant_method": ctx.quant_method}
+        heads = cfg.num_attention_heads
+        self.num_heads = divide(heads, ctx.tp_size, "attention heads")
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.latent = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        bias = bool(getattr(cfg, "attention_bias", False))
+        replicated = {"quant_method": ctx.quant_method}
+        self.q_lora_rank = getattr(cfg, "q_lora_rank", None)
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, self.q_lora_rank, bias=bias, **replicated)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=_LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, bias=False, **tp)
+        else:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * qk, bias=False, **tp)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.latent + self.rope, bias=bias, **replicated)
+        self.kv_a_layernorm = RMSNorm(self.latent, eps=_LATENT_NORM_EPS)
+        # read whole at every step (its key half folds into the query, its value half into the output)
+        self.kv_b_proj = ColumnParallelLinear(self.latent, heads * (self.nope + self.v_dim), bias=False,
+                                              tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, bias=bias, **tp)
+        kv_heads, head_size = latent_cache_shape(cfg)
+        self.attn = Attention(self.num_heads, head_size, mla_softmax_scale(cfg), kv_heads, ctx.attention_backend,
+                              None, layer_idx)
+        self.interleaved = cfg.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
+
+    def input_quant(self) -> Any:
+        """``None``: the latent and query projections read plain rows (the norm before them writes no quantized
+        copy)."""
+        return None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                metadata: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
+        t, h = hidden.shape[0], self.num_heads
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q_nope, q_pe = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.latent, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())                                 # [T, L]
+        k_pe = k_pe.reshape(t, 1, self.rope)
+        if self.interleaved:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
+        w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.latent)   # [H, nope + v, L]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope]).transpose(0, 1)   # [T, H, L]
+        query = torch.cat((q_latent, q_pe), dim=-1)                              # [T, H, L + R]
+        key = torch.cat((c[:, None, :], k_pe), dim=-1)                           # [T, 1, L + R]
+        out = self.attn(query, key, key, metadata)[..., :self.latent]           # [T, H, L]
+        out = torch.bmm(out.transpose(0, 1), w[:, self.nope:].transpose(1, 2))   # [H, T, v]
+        return self.o_proj(out.transpose(0, 1).reshape(t, h * self.v_dim), reduce=reduce)
+
+
+class DeepseekExperts(FusedMoE):
+    """The routed experts with DeepSeek's routing (V2's softmax, V3's corrected sigmoid; see the module
+    docstring). V3's ``e_score_correction_bias`` (the checkpoint's ``mlp.gate.e_score_correction_bias``) lives
+    here."""
+
+    def __init__(self, ctx: ModelContext, v3: bool):
+        cfg = ctx.hf_config
+        super().__init__(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                         renormalize=bool(getattr(cfg, "norm_topk_prob", False)), tp_rank=ctx.tp_rank,
+                         tp_size=ctx.tp_size)
+        self.v3 = v3
+        self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
+        topk_method = getattr(cfg, "topk_method", None) or "greedy"
+        if not v3 and topk_method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"DeepSeek-V2 routing {topk_method!r} is not supported "
+                                        "(greedy, group_limited_greedy)")
+        grouped = v3 or topk_method == "group_limited_greedy"
+        self.n_group = int(getattr(cfg, "n_group", None) or 1) if grouped else 1
+        self.topk_group = int(getattr(cfg, "topk_group", None) or self.n_group) if grouped else 1
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise UnsupportedModelError(f"{self.num_experts} experts in n_group={self.n_group} groups with "
+                                        f"topk_group={self.topk_group}")
+        if v3 and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise UnsupportedModelError("DeepSeek-V3 routing scores each group by its two best experts: "
+                                        f"{self.num_experts} experts in {self.n_group} groups leave fewer")
+        self.e_score_correction_bias = (nn.Parameter(torch.empty(self.num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if v3 else None)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = router_logits.to(torch.float32)
+        scores = logits.sigmoid() if self.v3 else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias if self.e_score_correction_bias is not None else scores
+        if self.n_group > 1:
+            t = choice.shape[0]
+            groups = choice.view(t, self.n_group, -1)
+            group_score = groups.topk(2, dim=-1).values.sum(dim=-1) if self.v3 else groups.amax(dim=-1)
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            keep = keep[:, :, None].expand_as(groups).reshape(t, -1)
+            if self.v3:
+                choice = choice.masked_fill(~keep, float("-inf"))
+            else:   # V2 zeroes the other groups' scores (and takes the weights from them)
+                choice = scores = scores.masked_fill(~keep, 0.0)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class _Router(nn.Module):
+    """``mlp.gate``: router logits ``[T, E]`` in float32 (DeepSeek computes them in float32)."""
+
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.float32), self.weight)
+
+
+class DeepseekMoE(nn.Module):
+    """The router (``gate``), the routed experts and the shared experts (``shared_experts``)."""
+
+    def __init__(self, ctx: ModelContext, v3: bool):
+        super().__init__()
+        cfg = ctx.hf_config
+        self.gate = _Router(cfg.n_routed_experts, cfg.hidden_size)
+        self.experts = DeepseekExperts(ctx, v3)
+        shared = int(getattr(cfg, "n_shared_experts", None) or 0)
+        self.shared_experts = (DenseMLP(ctx, cfg.moe_intermediate_size * shared,
+                                        bias=bool(getattr(cfg, "mlp_bias", False)),
+                                        activation=getattr(cfg, "hidden_act", "silu")) if shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        out = self.experts(x, self.gate(x))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekV2ForCausalLM(_ExpertWeights, DecoderForCausalLM):
+    """DeepSeek-V2: multi-head latent attention, softmax-routed experts with shared ones."""
+
+    attention_class: ClassVar[type[nn.Module]] = MultiHeadLatentAttention
+    #: no fused q/k/v projection: only the MLPs' gate and up are stacked
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+    lora_modules: ClassVar[tuple[str, ...]] = ()
+    v3: ClassVar[bool] = False
+
+    def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
+        cfg = ctx.hf_config
+        activation = self.block_options(cfg).activation
+        if layer_idx < int(getattr(cfg, "first_k_dense_replace", 0) or 0) or not getattr(cfg, "n_routed_experts", 0):
+            return DenseMLP(ctx, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)),
+                            activation=activation)
+        check_expert_activation(activation)
+        return DeepseekMoE(ctx, self.v3)
+
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        m = _LAYER.match(name)
+        if m is not None and int(m[1]) >= self.ctx.hf_config.num_hidden_layers:
+            return None   # multi-token-prediction layers: not part of the causal LM
+        if name.endswith(".mlp.gate.e_score_correction_bias"):
+            return name.replace(".mlp.gate.", ".mlp.experts.", 1), None
+        return super().map_weight_name(name)
+
+    def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
+        if param_name.endswith(".mlp.experts.e_score_correction_bias"):
+            return param_name.replace(".mlp.experts.", ".mlp.gate.", 1)
+        return super().checkpoint_name(param_name, shard_id)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3: V2's attention (queries always compressed in the released models), sigmoid routing with a
+    learned correction over groups of experts."""
+
+    v3: ClassVar[bool] = True
