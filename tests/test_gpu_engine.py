@@ -134,6 +134,15 @@ def test_newer_architectures_on_triton_with_graphs_match_transformers(name, tmp_
     engine_matches_transformers(name, tmp_path, "cuda", attention_backend="triton")
 
 
+@pytest.mark.parametrize("name", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
+def test_deepseek_latent_attention_on_the_gpu_matches_transformers(name, tmp_path):
+    """DeepSeek's latent attention (a one-head cache of 40 features, which selection gives a torch backend) and
+    its routing on the GPU, decode graphs where the experts allow them: greedy tokens equal transformers'."""
+    from test_models import engine_matches_transformers
+
+    engine_matches_transformers(name, tmp_path, "cuda")
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [3, 37])
 def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias, tokens):

@@ -110,6 +110,7 @@ def test_presets_ship_and_load():
     ("phi-3-mini", 3_821_079_552),
     ("smollm3-3b", 3_075_098_624),   # transformers' SmolLM3ForCausalLM of the same config (published: 3.08B)
     ("gpt-oss-20b", 20_914_757_184),   # transformers' GptOssForCausalLM of the same config (published: 21B)
+    ("deepseek-v2-lite", 15_706_484_224),   # transformers' DeepseekV2ForCausalLM of the same config (published: 15.7B)
 ])
 def test_preset_parameter_counts(preset, params):
     """Built on the meta device (no memory): the published parameter counts."""
