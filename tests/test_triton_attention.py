@@ -443,6 +443,29 @@ def test_head_size_80_padded(decode):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("decode", [False, True])
+def test_latent_head_16_query_heads_on_one_kv_head(decode):
+    """Multi-head latent attention's shape: 16 query heads on one KV head of 576 features (padded to 1024)."""
+    seqs = [(9, 1), (20, 1)] if decode else [(7, 5), (0, 3)]
+    batch = make_batch(seqs, num_heads=16, num_kv_heads=1, head_size=576, dtype=torch.float32, seed=11)
+    run_and_check(batch, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("decode", [False, True])
+def test_latent_head_with_more_query_heads_than_one_program_takes(decode):
+    """48 query heads on one 288-wide KV head: the kernels see it as three (stride 0), 16 query heads each."""
+    from plinth.attention_backends.triton.tiles import latent_head_chunks
+
+    assert latent_head_chunks(48, 1, 288) == 3 and latent_head_chunks(128, 1, 576) == 8
+    assert latent_head_chunks(48, 1, 256) == latent_head_chunks(48, 2, 288) == latent_head_chunks(16, 1, 576) == 1
+    assert latent_head_chunks(40, 1, 576) == 4   # a split that divides the heads: 4 x 10
+    seqs = [(9, 1), (20, 1)] if decode else [(7, 5), (0, 3)]
+    batch = make_batch(seqs, num_heads=48, num_kv_heads=1, head_size=288, dtype=torch.float32, seed=12)
+    run_and_check(batch, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
+
+
+@needs_interpreter
 def test_strided_query_views_from_a_fused_qkv():
     batch = make_batch([(10, 7), (3, 1)], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32,
                        seed=10)
@@ -559,7 +582,8 @@ def test_supports(monkeypatch):
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 assert cls.supports(_spec(head_size=head_size, dtype=dtype), device)
     assert "head size 72" in cls.supports(_spec(head_size=72), "cuda").reason
-    assert not cls.supports(_spec(head_size=512), "cuda")
+    assert cls.supports(_spec(num_heads=16, num_kv_heads=1, head_size=576), "cuda")   # DeepSeek's latent head
+    assert not cls.supports(_spec(head_size=592), "cuda")
     assert not cls.supports(_spec(dtype=torch.float64), "cuda")
     assert not cls.supports(_spec(num_heads=6, num_kv_heads=4), "cuda")
     assert not cls.supports(_spec(), "mps")

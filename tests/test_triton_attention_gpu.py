@@ -163,6 +163,17 @@ def test_decode(dtype, head_size, heads, splits):
     check(batch, backend=TritonAttentionBackend(decode_splits=splits))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_latent_heads(dtype, splits):
+    """DeepSeek's multi-head latent attention: 16 and 128 query heads on one KV head of 576 features."""
+    for heads in ((16, 1), (128, 1)):
+        check(make_batch([(0, 70), (33, 1), (300, 1), (5, 17), (1000, 1)], *heads, 576, dtype, pad_tokens=2,
+                         seed=heads[0]), backend=TritonAttentionBackend(decode_splits=splits))
+        check(make_batch([(n, 1) for n in (1, 17, 300, 2047)], *heads, 576, dtype, seed=3),
+              backend=TritonAttentionBackend(decode_splits=splits))
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 @pytest.mark.parametrize("decode", [False, True])
 def test_block_sizes(block_size, decode):

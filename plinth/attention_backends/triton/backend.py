@@ -115,8 +115,8 @@ class TritonAttentionBackend(AttentionBackend):
             return Support.no(f"triton kernels run on cuda and xpu devices, not {device_type!r}")
         if spec.dtype not in _DTYPES:
             return Support.no(f"dtype {spec.dtype} unsupported (float16, bfloat16, float32)")
-        if not (16 <= spec.head_size <= 256 and spec.head_size % 16 == 0):
-            return Support.no(f"head size {spec.head_size} unsupported (multiples of 16 from 16 to 256)")
+        if not (16 <= spec.head_size <= tiles.MAX_HEAD_SIZE and spec.head_size % 16 == 0):
+            return Support.no(f"head size {spec.head_size} unsupported (multiples of 16 from 16 to {tiles.MAX_HEAD_SIZE})")
         if spec.num_kv_heads < 1 or spec.num_heads % spec.num_kv_heads != 0:
             return Support.no(f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads")
         if spec.block_size < 1:
@@ -201,6 +201,10 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
+        chunks = tiles.latent_head_chunks(num_heads, num_kv_heads, head_size)
+        if chunks > 1:   # the one KV head seen as `chunks` (stride 0), each serving `group / chunks` query heads
+            k_cache, v_cache = (c.expand(-1, -1, chunks, -1) for c in (k_cache, v_cache))
+            num_kv_heads, group = chunks, group // chunks
         if plan.decode_only:
             decode_tiles = tiles.decode_tiles(head_size, group, query.dtype, self.interpret)
             num_splits = self.decode_splits or tiles.decode_splits(

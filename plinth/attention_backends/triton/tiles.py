@@ -7,6 +7,11 @@ import functools
 
 import torch
 
+#: the largest head the kernels take: DeepSeek's multi-head latent attention pages one head of 512 + 64 features
+#: (padded to 1024 in the kernels' registers; the loads are masked)
+MAX_HEAD_SIZE = 576
+#: query heads one program computes on a head wider than 256 (their accumulators fill the registers)
+MAX_WIDE_GROUP = 16
 #: the most KV splits one decode row is divided into
 MAX_DECODE_SPLITS = 32
 #: programs per streaming multiprocessor the decode grid aims for, for short and long contexts:
@@ -44,6 +49,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def latent_head_chunks(num_heads: int, num_kv_heads: int, head_size: int) -> int:
+    """Into how many programs the query heads of a single KV head wider than 256 are split (1: not split): the
+    kernels then see that head repeated (a stride-0 view), each copy serving at most :data:`MAX_WIDE_GROUP` query
+    heads (DeepSeek-V3's 128 heads on one latent head would not fit one program)."""
+    group = num_heads // num_kv_heads
+    if num_kv_heads != 1 or head_size <= 256 or group <= MAX_WIDE_GROUP:
+        return 1
+    chunks = cdiv(group, MAX_WIDE_GROUP)
+    while group % chunks:
+        chunks += 1
+    return chunks
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillTiles:
     block_m: int      # rows of one program: block_q query tokens x group query heads (padded)
@@ -68,6 +86,8 @@ def prefill_tiles(head_size: int, group: int, dtype: torch.dtype, interpret: boo
     # measured on an H200 (bf16, 32/8 heads, 4k causal): benchmarks/attention_kernels.py --sweep
     if interpret:
         block_m, block_n, warps, stages = 32, 16, 4, 1
+    elif block_d > 256:   # latent heads: small tiles keep a [BLOCK_M, 1024] accumulator and its operands on chip
+        block_m, block_n, warps, stages = (16, 16, 8, 1) if dtype == torch.float32 else (32, 16, 8, 1)
     elif dtype == torch.float32:
         block_m, block_n, warps, stages = (32, 32, 4, 1) if block_d >= 256 else (64, 32, 4, 2)
     elif block_d >= 256:
@@ -87,6 +107,8 @@ def decode_tiles(head_size: int, group: int, dtype: torch.dtype, interpret: bool
     block_g = max(16, next_power_of_2(group))
     if interpret:
         return DecodeTiles(block_g, 16, 4, 1)
+    if block_d > 256:
+        return DecodeTiles(block_g, 16, 8, 1)
     if dtype == torch.float32 or block_d != 128:
         return DecodeTiles(block_g, 32, 4, 2)
     return DecodeTiles(block_g, 64, 4, 2)
