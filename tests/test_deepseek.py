@@ -128,3 +128,31 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path):
 def test_engine_on_the_cpu_path_matches_transformers(name, tmp_path):
     """The whole engine (selection on, batching, prefix cache) on DeepSeek: greedy tokens equal transformers'."""
     engine_matches_transformers(name, tmp_path, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "torch_batched"])
+def test_a_backend_that_shares_the_cache_stores_the_latents_once(backend, tmp_path, monkeypatch):
+    """With a backend that takes one tensor as both halves of a cache (``shares_kv_cache``: the Triton kernels and
+    the torch backends), each latent layer's cache is half the size and the greedy tokens still equal
+    transformers'; the memory budget buys twice the blocks."""
+    import plinth
+    from plinth.attention_backends.torch_batched import TorchBatchedBackend
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+
+    cls = {"torch_sdpa": TorchSDPABackend, "torch_batched": TorchBatchedBackend}[backend]
+    assert cls.shares_kv_cache
+
+    def cache_of(shared: bool):
+        monkeypatch.setattr(cls, "shares_kv_cache", shared)
+        engine_matches_transformers("DeepseekV3ForCausalLM", tmp_path / str(shared), "cpu",
+                                    attention_backend=backend, selection="off")
+        llm = plinth.LLM(str(tmp_path / str(shared)), dtype="float32", max_model_len=128,
+                         attention_backend=backend, selection="off", cpu_kv_cache_bytes=1 << 20)
+        runner = llm.engine.runner
+        return runner.num_blocks, runner.kv_cache_bytes, runner.kv_caches[0]
+
+    blocks, size, cache = cache_of(False)
+    shared_blocks, shared_size, shared_cache = cache_of(True)
+    assert cache.stride(0) != 0 and shared_cache.stride(0) == 0
+    assert shared_cache[0].data_ptr() == shared_cache[1].data_ptr()
+    assert shared_blocks == 2 * blocks and shared_size == size

@@ -453,6 +453,20 @@ def test_latent_head_16_query_heads_on_one_kv_head(decode):
 
 @needs_interpreter
 @pytest.mark.parametrize("decode", [False, True])
+def test_one_tensor_as_keys_and_values(decode):
+    """A layer whose values are its keys on a cache stored once (``shares_kv_cache``: ``kv_cache[1]`` the same
+    memory as ``kv_cache[0]``, a stride-0 first dimension), latent-sized: attention and the writes are right."""
+    assert TritonAttentionBackend.shares_kv_cache
+    seqs = [(9, 1), (20, 1)] if decode else [(7, 5), (0, 3)]
+    batch = make_batch(seqs, num_heads=16, num_kv_heads=1, head_size=48, dtype=torch.float32, seed=13)
+    shared = dataclasses.replace(batch, value=batch.key, full_v=batch.full_k,
+                                 kv_cache=batch.kv_cache[:1].expand(batch.kv_cache.shape))
+    assert shared.kv_cache.stride(0) == 0 and shared.kv_cache[1].data_ptr() == shared.kv_cache[0].data_ptr()
+    run_and_check(shared, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("decode", [False, True])
 def test_latent_head_with_more_query_heads_than_one_program_takes(decode):
     """48 query heads on one 288-wide KV head: the kernels see it as three (stride 0), 16 query heads each."""
     from plinth.attention_backends.triton.tiles import latent_head_chunks

@@ -186,6 +186,10 @@ class AttentionBackend(abc.ABC):
     #: softmax's denominator and has no value, gpt-oss); :meth:`check` refuses models that need them for backends
     #: that do not
     supports_sinks: ClassVar[bool] = False
+    #: a layer whose values are its keys (multi-head latent attention) may get one tensor viewed as both halves
+    #: of its cache (``kv_cache[0]`` and ``kv_cache[1]`` the same memory, a stride-0 first dimension): ``forward``
+    #: then reads and writes the cache through strides only (writing identical keys and values to it)
+    shares_kv_cache: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

@@ -244,6 +244,7 @@ class TorchBatchedBackend(AttentionBackend):
     decode_rows_may_share_sequences = True   # every key and value is written before attention
     supports_soft_cap = True                 # the scores are computed here when a cap is set
     supports_sinks = True                    # ... and when the heads have sinks
+    shares_kv_cache = True                   # the cache is read and written through its strides
 
     name = "torch_batched"
     priority = 5

@@ -40,6 +40,7 @@ class TorchSDPABackend(AttentionBackend):
     decode_rows_may_share_sequences = True   # every key and value is written before attention
     supports_soft_cap = True
     supports_sinks = True
+    shares_kv_cache = True   # the cache is read and written through its strides
 
     name: ClassVar[str] = "torch_sdpa"
     priority: ClassVar[int] = 0

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,12 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_rows: torch.Tensor    # [S] int64: rows of the flat batch whose logits are sampled
     sample_seqs: list[int]       # [S]: which entries those rows belong to (repeated for several rows of one)
+
+
+def _shares_kv(layer: Any, backend: AttentionBackend, shape: Sequence[int]) -> bool:
+    """Whether ``layer``'s keys and values are stored once (its values are its keys, the backend reads the cache
+    through strides and lays it out as ``[2, ...]``)."""
+    return bool(getattr(layer, "values_are_keys", False) and backend.shares_kv_cache and shape[0] == 2)
 
 
 def _zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -73,19 +80,23 @@ class ModelRunner:
         self.max_blocks_per_seq = min(-(-max_model_len // block_size), num_blocks)
         self.kv_caches: list[torch.Tensor] = []
         t0 = time.perf_counter()
+        stores = []   # the memory behind each cache (a shared cache's one half)
         for layer in model.attention_layers():
             shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            cache = _zeros(shape, kv_dtype, device)
+            shared = _shares_kv(layer, backend, shape)   # keys and values one tensor (its first dimension stride 0)
+            store = _zeros((1, *shape[1:]) if shared else shape, kv_dtype, device)
+            stores.append(store)
+            cache = store.expand(shape) if shared else store
             layer.kv_cache = cache
             self.kv_caches.append(cache)
-        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in stores)
         #: faults the CPU cache's pages in while the engine is idle (see :meth:`idle_work`)
         self.prefaulter: KVPrefaulter | None = None
         if device.type == "cpu" and self.kv_caches:
             from plinth.worker.cpu_path import env_flag
 
             if env_flag(PREFAULT_ENV, True):
-                self.prefaulter = KVPrefaulter(self.kv_caches, num_blocks)
+                self.prefaulter = KVPrefaulter(stores, num_blocks)
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         #: speculative decoding: a decode step's rows may be one sequence's consecutive positions (its token and
         #: drafts); the attention metadata says so, and captured graphs are captured so
@@ -102,7 +113,7 @@ class ModelRunner:
         total = 0
         for layer in model.attention_layers():
             shape = backend.kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
-            total += int(np.prod(shape)) * elem
+            total += int(np.prod(shape)) * elem // (2 if _shares_kv(layer, backend, shape) else 1)
         return total
 
     def idle_work(self) -> bool:

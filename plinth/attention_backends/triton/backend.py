@@ -87,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
     decode_rows_may_share_sequences = True   # such steps skip the fused RoPE + cache-write decode kernel
     supports_soft_cap = True                 # the decode and prefill kernels cap the scores (SOFT_CAP)
     supports_sinks = True                    # ... and start each softmax from the head's sink (SINKS)
+    shares_kv_cache = True                   # every kernel addresses the cache through its strides
 
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 20

@@ -48,7 +48,7 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0,
-                 soft_cap: float | None = None, has_sinks: bool = False):
+                 soft_cap: float | None = None, has_sinks: bool = False, values_are_keys: bool = False):
         super().__init__()
         if has_sinks and not applies_sinks(backend):
             raise UnsupportedModelError(f"attention layer {layer_idx}: attention sinks need a backend that applies "
@@ -65,6 +65,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
         self.has_sinks = has_sinks
+        #: :meth:`forward` always gets ``v`` = ``k``: a backend that ``shares_kv_cache`` stores them once
+        self.values_are_keys = values_are_keys
         self.layer_idx = layer_idx
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None

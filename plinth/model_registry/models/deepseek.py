@@ -109,7 +109,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, bias=bias, **tp)
         kv_heads, head_size = latent_cache_shape(cfg)
         self.attn = Attention(self.num_heads, head_size, mla_softmax_scale(cfg), kv_heads, ctx.attention_backend,
-                              None, layer_idx)
+                              None, layer_idx, values_are_keys=True)
         self.interleaved = cfg.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
 
     def input_quant(self) -> Any:
