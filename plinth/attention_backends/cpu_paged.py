@@ -77,6 +77,7 @@ class CpuPagedBackend(TorchBatchedBackend):
 
     name = "cpu_paged"
     priority = 6
+    shares_kv_cache = False   # the native kernels take a contiguous cache
 
     @classmethod
     def supports_kv_cache_dtype(cls, spec: AttentionSpec, device_type: str) -> Support:
