@@ -9,7 +9,13 @@ import importlib
 import pytest
 import torch
 import transformers
-from test_models import ARCHS, COMMON, engine_matches_transformers, randomize_zero_parameters
+from test_models import (
+    ARCHS,
+    COMMON,
+    engine_matches_transformers,
+    randomize_zero_parameters,
+    save_with_tokenizer,
+)
 
 from plinth.config import ModelConfig
 from plinth.errors import ModelLoadError, UnsupportedModelError
@@ -29,6 +35,7 @@ def _ctx(cfg) -> ModelContext:
     ("V3", dict(n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
     ("V2", dict(topk_method="group_limited_greedy", n_group=8, topk_group=3, routed_scaling_factor=16.0)),
     ("V2", dict(topk_method="greedy", routed_scaling_factor=1.0)),
+    ("V2", dict(topk_method="greedy", norm_topk_prob=True, routed_scaling_factor=16.0)),   # transformers ignores it
 ])
 def test_routing_matches_transformers_router(version, kw):
     """Experts chosen and their weights equal transformers' router's over many tokens (64 experts in 8 groups)."""
@@ -156,3 +163,23 @@ def test_a_backend_that_shares_the_cache_stores_the_latents_once(backend, tmp_pa
     assert cache.stride(0) != 0 and shared_cache.stride(0) == 0
     assert shared_cache[0].data_ptr() == shared_cache[1].data_ptr()
     assert shared_blocks == 2 * blocks and shared_size == size
+
+
+@pytest.mark.parametrize("name", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
+def test_bfloat16_on_the_cpu_keeps_the_expansion_weights(name, tmp_path):
+    """bfloat16 on the CPU: the linear layers get packed copies and give their own weights back; the latent
+    expansion (read by the attention itself) keeps its weight, and greedy tokens follow transformers' float32 ones
+    (the first two of each prompt: bfloat16 rounding may part them later)."""
+    import plinth
+
+    hf, prompts = save_with_tokenizer(name, tmp_path)
+    llm = plinth.LLM(str(tmp_path), dtype="bfloat16", max_model_len=128)
+    model = llm.engine.runner.model
+    assert all(layer.self_attn.kv_b_proj.weight.numel() > 0 for layer in model.model.layers)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        plinth.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref

@@ -14,7 +14,9 @@ shared experts.
 - Experts: the first ``first_k_dense_replace`` layers are dense; the rest route each token to
   ``num_experts_per_tok`` of ``n_routed_experts`` and add ``n_shared_experts`` shared ones every token runs.
   V2: softmax scores, top-k over all experts (``topk_method = "greedy"``) or within the ``topk_group`` groups
-  whose best expert scores highest (``"group_limited_greedy"``). V3: sigmoid scores; the choice adds the
+  whose best expert scores highest (``"group_limited_greedy"``), never renormalised (as transformers' V2 router;
+  DeepSeek's own code renormalised instead of scaling when ``norm_topk_prob`` was set, which no released V2 config
+  does: such a config gets a warning). V3: sigmoid scores; the choice adds the
   learned ``e_score_correction_bias`` and keeps the ``topk_group`` groups whose two best experts sum highest,
   the weights are the uncorrected scores, renormalised with ``norm_topk_prob``. Both scale the weights by
   ``routed_scaling_factor``.
@@ -25,6 +27,7 @@ shared experts.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, ClassVar
 
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
-from plinth.errors import UnsupportedModelError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.attention import Attention
 from plinth.model_registry.layers.layernorm import RMSNorm
@@ -53,6 +56,7 @@ MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 #: the norms inside the attention block use DeepSeek's default epsilon, not the config's ``rms_norm_eps``
 _LATENT_NORM_EPS = 1e-6
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 
 
 def latent_cache_shape(cfg: Any) -> tuple[int, int]:
@@ -72,10 +76,34 @@ def mla_softmax_scale(cfg: Any) -> float:
     return scale
 
 
+def _mlp_bias(cfg: Any) -> bool:
+    """The MLPs' biases: V2's ``mlp_bias`` (transformers' V3 MLPs have none whatever the config says)."""
+    return cfg.model_type == "deepseek_v2" and bool(getattr(cfg, "mlp_bias", False))
+
+
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Rotary features stored as pairs ``(x0, y0, x1, y1, ...)`` -> ``(x0, x1, ..., y0, y1, ...)`` (the layout of a
     rotate-half RoPE; queries and keys are permuted alike, so their products are unchanged)."""
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class LatentExpansion(nn.Module):
+    """``kv_b_proj``: the latent's expansion into each head's key and value parts, ``weight`` ``[heads * (nope +
+    v), L]`` (this rank's heads). Not a linear layer: the attention reads the weight itself at every step (its key
+    half folds into the query, its value half into the output), so no GEMM method may repack or quantize it."""
+
+    def __init__(self, latent: int, rows: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(divide(rows, tp_size, "kv_b_proj rows"), latent), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = param.shape[0]
+        if tuple(loaded.shape) != (rows * self.tp_size, param.shape[1]):
+            raise ModelLoadError(f"shape mismatch: expected {(rows * self.tp_size, param.shape[1])}, checkpoint has "
+                                 f"{tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -103,9 +131,7 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * qk, bias=False, **tp)
         self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.latent + self.rope, bias=bias, **replicated)
         self.kv_a_layernorm = RMSNorm(self.latent, eps=_LATENT_NORM_EPS)
-        # read whole at every step (its key half folds into the query, its value half into the output)
-        self.kv_b_proj = ColumnParallelLinear(self.latent, heads * (self.nope + self.v_dim), bias=False,
-                                              tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        self.kv_b_proj = LatentExpansion(self.latent, heads * (self.nope + self.v_dim), ctx.tp_rank, ctx.tp_size)
         self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, bias=bias, **tp)
         kv_heads, head_size = latent_cache_shape(cfg)
         self.attn = Attention(self.num_heads, head_size, mla_softmax_scale(cfg), kv_heads, ctx.attention_backend,
@@ -147,9 +173,13 @@ class DeepseekExperts(FusedMoE):
 
     def __init__(self, ctx: ModelContext, v3: bool):
         cfg = ctx.hf_config
+        # V2: transformers' router never renormalises (the released V2 configs say norm_topk_prob false)
+        renormalize = v3 and bool(getattr(cfg, "norm_topk_prob", False))
+        if not v3 and getattr(cfg, "norm_topk_prob", False):
+            logger.warning("DeepSeek-V2 config sets norm_topk_prob: the experts' weights are scaled by "
+                           "routed_scaling_factor and not renormalised, as transformers' DeepseekV2 does")
         super().__init__(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                         renormalize=bool(getattr(cfg, "norm_topk_prob", False)), tp_rank=ctx.tp_rank,
-                         tp_size=ctx.tp_size)
+                         renormalize=renormalize, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
         self.v3 = v3
         self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
         topk_method = getattr(cfg, "topk_method", None) or "greedy"
@@ -211,7 +241,7 @@ class DeepseekMoE(nn.Module):
         self.experts = DeepseekExperts(ctx, v3)
         shared = int(getattr(cfg, "n_shared_experts", None) or 0)
         self.shared_experts = (DenseMLP(ctx, cfg.moe_intermediate_size * shared,
-                                        bias=bool(getattr(cfg, "mlp_bias", False)),
+                                        bias=_mlp_bias(cfg),
                                         activation=getattr(cfg, "hidden_act", "silu")) if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -235,7 +265,7 @@ class DeepseekV2ForCausalLM(_ExpertWeights, DecoderForCausalLM):
         cfg = ctx.hf_config
         activation = self.block_options(cfg).activation
         if layer_idx < int(getattr(cfg, "first_k_dense_replace", 0) or 0) or not getattr(cfg, "n_routed_experts", 0):
-            return DenseMLP(ctx, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)),
+            return DenseMLP(ctx, cfg.intermediate_size, bias=_mlp_bias(cfg),
                             activation=activation)
         check_expert_activation(activation)
         return DeepseekMoE(ctx, self.v3)
