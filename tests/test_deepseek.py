@@ -183,3 +183,13 @@ def test_bfloat16_on_the_cpu_keeps_the_expansion_weights(name, tmp_path):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=2, min_new_tokens=2, do_sample=False,
                               pad_token_id=0)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == ref
+
+
+def test_lora_is_refused_in_one_line(tmp_path):
+    """DeepSeek's latent attention declares no LoRA-adaptable layers: --enable-lora fails at start-up, naming why."""
+    import plinth
+    from plinth.config import ConfigError
+
+    save_with_tokenizer("DeepseekV2ForCausalLM", tmp_path)
+    with pytest.raises(ConfigError, match="DeepseekV2ForCausalLM declares no layers that take LoRA adapters"):
+        plinth.LLM(str(tmp_path), dtype="float32", enable_lora=True)

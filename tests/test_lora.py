@@ -311,7 +311,7 @@ def test_model_without_adapter_layers_is_refused(tmp_path):
                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path, safe_serialization=True)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="enable_lora: .* does not support LoRA adapters"):
+    with pytest.raises(ConfigError, match="enable_lora: .* declares no layers that take LoRA adapters"):
         LLM(str(tmp_path), dtype="float32", selection="off", enable_lora=True)
 
 

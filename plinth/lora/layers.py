@@ -208,8 +208,8 @@ def enable_lora(model: torch.nn.Module, max_loras: int, max_rank: int, max_token
     """
     suffixes = tuple(getattr(model, "lora_modules", ()))
     if not suffixes:
-        raise ValueError(f"{type(model).__name__} does not support LoRA adapters (plinth's native decoder "
-                         "architectures do)")
+        raise ValueError(f"{type(model).__name__} declares no layers that take LoRA adapters (the Llama-style "
+                         "native decoders do; DeepSeek's latent attention and the transformers fallback do not)")
     state = LoRAState(max_loras, max_rank, max_tokens, torch.device(model.ctx.device), model.ctx.dtype)
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and name.rsplit(".", 1)[-1] in suffixes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,19 +28,27 @@ from plinth.model_registry.layers.attention import Attention
 ATTN_IMPLEMENTATION = "plinth_paged"
 
 
+#: the layer kinds (``config.layer_types``) the paged attention computes; others (linear attention, state-space
+#: layers, chunked attention) are refused
+_PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
 class _StepState:
-    """The metadata of the step in progress, shared by one model's attention hooks."""
+    """The metadata of the step in progress, shared by one model's attention hooks, and the step's number."""
 
     def __init__(self) -> None:
         self.metadata: AttentionMetadata | None = None
+        self.step = 0
 
 
 class _PagedHook:
-    """Attached to a transformers attention module: its plinth layer and the step state."""
+    """Attached to a transformers attention module: its plinth layer, the step state and the last step it ran
+    in (a module attends once per step: its cache slots hold one set of keys and values)."""
 
     def __init__(self, layer: Attention, state: _StepState):
         self.layer = layer
         self.state = state
+        self.last_step = -1
 
 
 def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -49,19 +58,34 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     hook: _PagedHook | None = getattr(module, "plinth_paged", None)
     if hook is None or hook.state.metadata is None:
         raise RuntimeError("plinth paged attention called outside a plinth forward pass")
+    layer = hook.layer
+    if hook.last_step == hook.state.step:
+        raise UnsupportedModelError(f"attention layer {layer.layer_idx} attends more than once per forward pass "
+                                    "(several value sets or reused layers): its paged cache holds one")
+    hook.last_step = hook.state.step
+    if query.shape[1] != layer.num_heads or key.shape[1] != layer.num_kv_heads:
+        raise UnsupportedModelError(f"attention layer {layer.layer_idx} passes {query.shape[1]} query and "
+                                    f"{key.shape[1]} key/value heads, its module and config say {layer.num_heads} "
+                                    f"and {layer.num_kv_heads}")
+    window = kwargs.get("sliding_window")
+    if window is not None and window != layer.sliding_window:
+        raise UnsupportedModelError(f"attention layer {layer.layer_idx} asks for a sliding window of {window}, its "
+                                    f"module and config say {layer.sliding_window}")
+    if scaling is not None and not math.isclose(scaling, layer.scale, rel_tol=1e-6):
+        query = query * (scaling / layer.scale)   # e.g. OPT scales its queries itself and passes scaling=1
     cap = kwargs.get("softcap")
-    if cap != hook.layer.soft_cap and (cap is not None or hook.layer.soft_cap is not None):
+    if cap != layer.soft_cap and (cap is not None or layer.soft_cap is not None):
         raise UnsupportedModelError(f"the model's attention asks for logit soft cap {cap}, its config says "
-                                    f"{hook.layer.soft_cap} (attn_logit_softcapping)")
+                                    f"{layer.soft_cap} (attn_logit_softcapping)")
     sinks = kwargs.get("s_aux")   # each head's sink logit (gpt-oss)
-    if (sinks is not None) != hook.layer.has_sinks:
+    if (sinks is not None) != layer.has_sinks:
         raise UnsupportedModelError(f"the model's attention {'passes' if sinks is not None else 'lacks'} sink logits "
                                     f"(s_aux) its module {'lacks' if sinks is not None else 'has'}")
     v_dim = value.shape[-1]
     if v_dim < key.shape[-1]:   # values narrower than keys (multi-head latent attention): zero-padded in the cache
         value = nn.functional.pad(value, (0, key.shape[-1] - v_dim))
-    out = hook.layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                     hook.state.metadata, sinks=sinks)  # [T, Hq, D]
+    out = layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                hook.state.metadata, sinks=sinks)  # [T, Hq, D]
     return out[..., :v_dim].unsqueeze(0), None
 
 
@@ -94,6 +118,21 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
+
+
+def _head_counts(module: nn.Module, cfg: Any) -> tuple[int, int]:
+    """Query and key/value heads of one attention module: its own attributes where it has them (GPT-BigCode's
+    ``kv_heads``, ``num_key_value_heads``, ``num_key_value_groups``), else the config's."""
+    heads = getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None)
+    heads = heads if isinstance(heads, int) else cfg.num_attention_heads
+    for name in ("kv_heads", "num_key_value_heads"):
+        kv = getattr(module, name, None)
+        if isinstance(kv, int) and kv > 0:
+            return heads, kv
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(groups, int) and groups > 0 and heads % groups == 0:
+        return heads, heads // groups
+    return heads, getattr(cfg, "num_key_value_heads", None) or heads
 
 
 def _natural_key(name: str) -> tuple:
@@ -197,27 +236,55 @@ class TransformersForCausalLM(CausalLM):
         self.hf_model.tie_weights()  # skipped with the weight initialisation
         self.hf_model.requires_grad_(False)
         self._state = _StepState()
+        self._check_layer_types(cfg)
         self._attn_layers = self._attach_attention(ctx)
         if not self._attn_layers:
-            raise UnsupportedModelError(f"{self.hf_architecture}: found no attention layers to page")
+            raise UnsupportedModelError(
+                f"{self.hf_architecture}: found no attention layers to page (plinth pages the attention modules that "
+                "have a layer_idx and a softmax scale and call transformers' attention functions; models with "
+                "ALiBi biases or state-space layers only have none)")
+        layers = getattr(cfg, "num_hidden_layers", None)
+        if layers and len(self._attn_layers) < layers:
+            raise UnsupportedModelError(
+                f"{self.hf_architecture}: {len(self._attn_layers)} of its {layers} layers have attention plinth can "
+                "page; the others (recurrent, linear or state-space layers) would need a state cache of their own")
+        self._decoder = self._find_decoder()
 
     @classmethod
     def create(cls, ctx: ModelContext) -> TransformersForCausalLM:
         """Built directly on ``ctx.device`` (transformers computes its buffers at construction)."""
         return cls(ctx)
 
+    def _check_layer_types(self, cfg: Any) -> None:
+        kinds = set(getattr(cfg, "layer_types", None) or ()) - _PAGED_LAYER_TYPES
+        if kinds:
+            raise UnsupportedModelError(f"{self.hf_architecture}: layers of kind {', '.join(sorted(kinds))} "
+                                        "(config.layer_types) are not supported; plinth pages full and "
+                                        "sliding-window attention")
+
+    def _find_decoder(self) -> nn.Module:
+        """The decoder stack (``get_decoder()``: ``base_model`` is not it where the prefix names another module,
+        e.g. Llama 4's ``language_model``)."""
+        get = getattr(self.hf_model, "get_decoder", None)
+        decoder = get() if get is not None else None
+        return decoder if isinstance(decoder, nn.Module) and decoder is not self.hf_model else self.hf_model.base_model
+
     def _attach_attention(self, ctx: ModelContext) -> list[Attention]:
+        from plinth.model_registry.models.decoder import sliding_window_of
+
         cfg = ctx.hf_config
         found = [m for m in self.hf_model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
         found.sort(key=lambda m: m.layer_idx)
         layers = []
-        num_heads = cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         for m in found:
+            num_heads, num_kv_heads = _head_counts(m, cfg)
             # a module whose keys are wider than its values names the key width qk_head_dim (DeepSeek's MLA)
-            head_dim = getattr(m, "qk_head_dim", None) or getattr(m, "head_dim", None) or cfg.hidden_size // num_heads
+            head_dim = (getattr(m, "qk_head_dim", None) or getattr(m, "head_dim", None)
+                        or cfg.hidden_size // cfg.num_attention_heads)
+            # the module's own window, else the config's for its layer (PhiMoE applies it only through its mask)
+            window = m.sliding_window if hasattr(m, "sliding_window") else sliding_window_of(cfg, m.layer_idx)
             layer = Attention(num_heads, head_dim, float(m.scaling), num_kv_heads, ctx.attention_backend,
-                              getattr(m, "sliding_window", None), m.layer_idx,
+                              window, m.layer_idx,
                               soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None,
                               has_sinks=isinstance(getattr(m, "sinks", None), torch.Tensor))
             m.plinth_paged = _PagedHook(layer, self._state)
@@ -232,6 +299,7 @@ class TransformersForCausalLM(CausalLM):
         if self._state.metadata is not None:
             raise RuntimeError("nested forward passes on one model are not supported")
         self._state.metadata = metadata
+        self._state.step += 1
         try:
             yield
         finally:
@@ -239,12 +307,21 @@ class TransformersForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         with self._step(metadata):
-            out = self.hf_model.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+            out = self._decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         return out.last_hidden_state[0]  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head, then what transformers' causal-LM classes do to its output: Cohere's ``logit_scale``
+        (times), Granite's ``logits_scaling`` (divided by), the final soft cap."""
+        cfg = self.ctx.hf_config
         logits = self.hf_model.get_output_embeddings()(hidden).float()
-        cap = getattr(self.ctx.hf_config, "final_logit_softcapping", None)
+        scale = getattr(cfg, "logit_scale", None)
+        if scale is not None and scale != 1:
+            logits = logits * scale
+        divisor = getattr(cfg, "logits_scaling", None)
+        if divisor is not None and divisor != 1:
+            logits = logits / divisor
+        cap = getattr(cfg, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
