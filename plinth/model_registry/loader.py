@@ -100,6 +100,9 @@ def config_from_dict(data: dict[str, Any], origin: str) -> Any:
     from transformers import CONFIG_MAPPING, PretrainedConfig
 
     model_type = data.get("model_type")
+    decode = getattr(PretrainedConfig, "_decode_special_floats", None)
+    if decode is not None:   # transformers writes inf/nan as {"__float__": "Infinity"} (e.g. Falcon-H1's limits)
+        data = decode(data)
     try:
         if model_type in CONFIG_MAPPING:
             return CONFIG_MAPPING[model_type].from_dict(data)

@@ -249,6 +249,9 @@ class TransformersForCausalLM(CausalLM):
                 f"{self.hf_architecture}: {len(self._attn_layers)} of its {layers} layers have attention plinth can "
                 "page; the others (recurrent, linear or state-space layers) would need a state cache of their own")
         self._decoder = self._find_decoder()
+        self._hooks = [m.plinth_paged for m in self.hf_model.modules() if isinstance(getattr(m, "plinth_paged", None),
+                                                                                    _PagedHook)]
+        self._all_attended = False
 
     @classmethod
     def create(cls, ctx: ModelContext) -> TransformersForCausalLM:
@@ -308,7 +311,19 @@ class TransformersForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         with self._step(metadata):
             out = self._decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        if not self._all_attended:
+            self._check_every_layer_attended()
         return out.last_hidden_state[0]  # [T, hidden]
+
+    def _check_every_layer_attended(self) -> None:
+        """After the first pass: every paged layer attended through plinth (a module that computes its attention
+        itself, e.g. XGLM's, would attend to the step's own tokens only)."""
+        idle = [h.layer.layer_idx for h in self._hooks if h.last_step != self._state.step]
+        if idle:
+            raise UnsupportedModelError(f"{self.hf_architecture}: attention layers {idle[:4]}"
+                                        f"{' ...' if len(idle) > 4 else ''} compute attention themselves instead of "
+                                        "calling transformers' attention functions, which plinth pages")
+        self._all_attended = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head, then what transformers' causal-LM classes do to its output: Cohere's ``logit_scale``

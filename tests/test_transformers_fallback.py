@@ -1,0 +1,65 @@
+"""The transformers fallback on architectures whose attention differs from Llama's in ways the fallback must honour
+or refuse (float32, CPU, against transformers' own logits; the fallback's basics are in ``test_models.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_models import fallback_against_transformers, randomize_zero_parameters
+
+from plinth.errors import UserFacingError
+
+TINY = dict(vocab_size=1003, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _model(model_type: str, **kw) -> transformers.PreTrainedModel:
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **kw})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return randomize_zero_parameters(transformers.AutoModelForCausalLM.from_config(config).eval())
+
+
+@pytest.mark.parametrize("model_type,kw", [
+    ("opt", {}),                                                   # scales its queries itself, passes scaling=1
+    ("starcoder2", dict(num_key_value_heads=2, sliding_window=6)),   # passes its window to the attention call
+    ("phimoe", dict(num_key_value_heads=2, sliding_window=6, num_local_experts=4, num_experts_per_tok=2)),  # mask
+    ("cohere", dict(num_key_value_heads=2, logit_scale=0.3)),      # logits times logit_scale
+    ("gpt_bigcode", dict(multi_query=True)),                       # one key/value head on the module, none in config
+])
+def test_attention_variants_match_transformers(model_type, kw, tmp_path, monkeypatch):
+    """Each variant used to give logits off by 1e-3 to 3 (or crash writing the cache): within 1e-4 now."""
+    _, error = fallback_against_transformers(_model(model_type, **kw), tmp_path, monkeypatch)
+    assert error < 1e-4
+
+
+@pytest.mark.parametrize("model_type,kw,match", [
+    ("llama4_text", dict(num_key_value_heads=2, attention_chunk_size=8, num_local_experts=4, num_experts_per_tok=1),
+     "chunked_attention"),
+    ("minimax", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), "linear_attention"),
+    ("diffllama", dict(num_key_value_heads=2), "attends more than once"),
+    ("xglm", {}, "compute attention themselves"),
+])
+def test_attention_the_paged_cache_cannot_hold_is_refused(model_type, kw, match, tmp_path, monkeypatch):
+    """Chunked and linear attention layers, a layer that attends twice per pass (DiffLlama's two value sets) and
+    a module computing its attention itself (XGLM): a clear error at load or at the first pass, not wrong logits."""
+    with pytest.raises(UserFacingError, match=match):
+        fallback_against_transformers(_model(model_type, **kw), tmp_path, monkeypatch)
+
+
+def test_config_with_infinite_floats_loads(tmp_path):
+    """transformers writes inf as {"__float__": "Infinity"} (Falcon-H1's time_step_limit): the config loads, and
+    the hybrid model is then refused for its state-space layers."""
+    from plinth.config import ModelConfig
+    from plinth.errors import UnsupportedModelError
+    from plinth.model_registry.loader import resolve_model_source
+
+    hf = _model("falcon_h1", num_key_value_heads=2)
+    hf.save_pretrained(tmp_path)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    source = resolve_model_source(ModelConfig(model=str(tmp_path), dtype="float32"))
+    assert source.hf_config.time_step_limit[1] == float("inf")
+    import plinth
+    with pytest.raises(UnsupportedModelError, match="hybrid"):
+        plinth.LLM(str(tmp_path), dtype="float32")
