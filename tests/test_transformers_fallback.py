@@ -63,3 +63,14 @@ def test_config_with_infinite_floats_loads(tmp_path):
     import plinth
     with pytest.raises(UnsupportedModelError, match="hybrid"):
         plinth.LLM(str(tmp_path), dtype="float32")
+
+
+def test_the_engine_refuses_at_start_up_what_only_a_pass_shows(tmp_path):
+    """XGLM's attention never reaches the paged layers: the engine's first pass at start-up says so (it used to
+    fail only with the first request)."""
+    import plinth
+    from plinth.errors import UnsupportedModelError
+
+    _model("xglm").save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="compute attention themselves"):
+        plinth.LLM(str(tmp_path), dtype="float32")

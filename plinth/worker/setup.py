@@ -260,6 +260,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, spec.cache_dtype)
+    if getattr(model, "checks_a_first_pass", False):
+        _first_pass(runner)
     # speculative decoding: drafts go as decode rows (decode plans and graphs run them) where the backend allows
     runner.shared_decode_rows = config.speculative.enabled and type(backend).decode_rows_may_share_sequences
     prepare_runner = getattr(platform, "prepare_runner", None)   # a platform's own fast path (CPU)
@@ -301,6 +303,16 @@ def graph_blocker(model: Any, device: torch.device, dtype: torch.dtype) -> str |
         if callable(check) and not check(device, dtype):
             return f"{type(module).__name__} ({name})"
     return None
+
+
+@torch.inference_mode()
+def _first_pass(runner: ModelRunner) -> None:
+    """A two-token prefill into the last block (not yet handed to any sequence) for a model that refuses what it
+    can only see running (the transformers fallback: attention computed outside the paged layers): the error comes
+    at start-up, not with the first request."""
+    from plinth.worker.model_runner import SeqBatchEntry
+
+    runner.execute([SeqBatchEntry([0, 0], 0, [runner.num_blocks - 1], True)])
 
 
 @torch.inference_mode()

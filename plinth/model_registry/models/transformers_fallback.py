@@ -221,6 +221,9 @@ class TransformersForCausalLM(CausalLM):
     """A transformers causal LM with plinth's paged attention (set ``hf_architecture``)."""
 
     hf_architecture: str = ""
+    #: the engine runs one small pass at start-up: what the model refuses only while running (a module computing
+    #: attention itself, attending twice, passing other shapes) fails there, not with the first request
+    checks_a_first_pass: bool = True
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)
