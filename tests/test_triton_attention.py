@@ -436,19 +436,25 @@ def test_head_size_256_tiny():
 
 @needs_interpreter
 @pytest.mark.parametrize("decode", [False, True])
-def test_head_size_80_padded(decode):
+@pytest.mark.parametrize("heads,kv_heads,head_size", [
+    (2, 2, 80),     # padded to 128
+    (16, 1, 576),   # multi-head latent attention: 16 query heads on one 576-wide KV head (padded to 1024)
+    (48, 1, 288),   # 48 query heads on one wide KV head: seen as three (stride 0), 16 query heads each
+])
+def test_padded_head_sizes(decode, heads, kv_heads, head_size):
     seqs = [(12, 1), (30, 1)] if decode else [(12, 9), (0, 4)]
-    batch = make_batch(seqs, num_heads=2, num_kv_heads=2, head_size=80, dtype=torch.float32, seed=9)
+    batch = make_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.float32,
+                       seed=head_size)
     run_and_check(batch, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
 
 
-@needs_interpreter
-@pytest.mark.parametrize("decode", [False, True])
-def test_latent_head_16_query_heads_on_one_kv_head(decode):
-    """Multi-head latent attention's shape: 16 query heads on one KV head of 576 features (padded to 1024)."""
-    seqs = [(9, 1), (20, 1)] if decode else [(7, 5), (0, 3)]
-    batch = make_batch(seqs, num_heads=16, num_kv_heads=1, head_size=576, dtype=torch.float32, seed=11)
-    run_and_check(batch, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
+def test_latent_head_chunks():
+    """How many 16-head programs the query heads of one KV head wider than 256 take."""
+    from plinth.attention_backends.triton.tiles import latent_head_chunks
+
+    assert latent_head_chunks(48, 1, 288) == 3 and latent_head_chunks(128, 1, 576) == 8
+    assert latent_head_chunks(48, 1, 256) == latent_head_chunks(48, 2, 288) == latent_head_chunks(16, 1, 576) == 1
+    assert latent_head_chunks(40, 1, 576) == 4   # a split that divides the heads: 4 x 10
 
 
 @needs_interpreter
@@ -463,20 +469,6 @@ def test_one_tensor_as_keys_and_values(decode):
                                  kv_cache=batch.kv_cache[:1].expand(batch.kv_cache.shape))
     assert shared.kv_cache.stride(0) == 0 and shared.kv_cache[1].data_ptr() == shared.kv_cache[0].data_ptr()
     run_and_check(shared, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
-
-
-@needs_interpreter
-@pytest.mark.parametrize("decode", [False, True])
-def test_latent_head_with_more_query_heads_than_one_program_takes(decode):
-    """48 query heads on one 288-wide KV head: the kernels see it as three (stride 0), 16 query heads each."""
-    from plinth.attention_backends.triton.tiles import latent_head_chunks
-
-    assert latent_head_chunks(48, 1, 288) == 3 and latent_head_chunks(128, 1, 576) == 8
-    assert latent_head_chunks(48, 1, 256) == latent_head_chunks(48, 2, 288) == latent_head_chunks(16, 1, 576) == 1
-    assert latent_head_chunks(40, 1, 576) == 4   # a split that divides the heads: 4 x 10
-    seqs = [(9, 1), (20, 1)] if decode else [(7, 5), (0, 3)]
-    batch = make_batch(seqs, num_heads=48, num_kv_heads=1, head_size=288, dtype=torch.float32, seed=12)
-    run_and_check(batch, backend=TritonAttentionBackend(decode_splits=2 if decode else None))
 
 
 @needs_interpreter
