@@ -134,13 +134,19 @@ def test_newer_architectures_on_triton_with_graphs_match_transformers(name, tmp_
     engine_matches_transformers(name, tmp_path, "cuda", attention_backend="triton")
 
 
+@pytest.mark.parametrize("backend", [None, "triton"])
 @pytest.mark.parametrize("name", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
-def test_deepseek_latent_attention_on_the_gpu_matches_transformers(name, tmp_path):
-    """DeepSeek's latent attention (a one-head cache of 40 features, which selection gives a torch backend) and
-    its routing on the GPU, decode graphs where the experts allow them: greedy tokens equal transformers'."""
-    from test_models import engine_matches_transformers
+def test_deepseek_latent_attention_on_the_gpu_matches_transformers(name, backend, tmp_path, monkeypatch):
+    """DeepSeek's latent attention and its routing on the GPU, decode graphs where the experts allow them: greedy
+    tokens equal transformers'. With selection, a one-head cache of 40 features (a torch backend); with the Triton
+    kernels, 48 (their sizes are multiples of 16), stored once."""
+    from test_models import ARCHS, engine_matches_transformers
 
-    engine_matches_transformers(name, tmp_path, "cuda")
+    kw = {}
+    if backend is not None:
+        monkeypatch.setitem(ARCHS[name][2], "kv_lora_rank", 40)
+        kw = dict(attention_backend=backend, selection="off")
+    engine_matches_transformers(name, tmp_path, "cuda", **kw)
 
 
 @pytest.mark.parametrize("bias", [False, True])
