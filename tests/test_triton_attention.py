@@ -672,3 +672,19 @@ def test_selection_checks_run_with_sinks():
     without = run_steps(TorchSDPABackend, dataclasses.replace(spec, sinks=False), cpu)
     assert (reference - without).abs().max() > 0.05
     assert max_error(TorchBatchedBackend, reference, spec, cpu) < 1e-3   # float16 rounding
+
+
+@needs_interpreter
+def test_deepseek_engine_on_the_kernels_with_the_latent_cache_stored_once(tmp_path, monkeypatch):
+    """The whole engine on the Triton kernels (interpreted) for DeepSeek-V3: one 48-wide latent head per token,
+    the cache one tensor viewed as keys and values; greedy tokens equal transformers'."""
+    from test_models import ARCHS, engine_matches_transformers
+
+    import plinth
+
+    monkeypatch.setitem(ARCHS["DeepseekV3ForCausalLM"][2], "kv_lora_rank", 40)
+    engine_matches_transformers("DeepseekV3ForCausalLM", tmp_path, "cpu", attention_backend="triton",
+                                selection="off")
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, attention_backend="triton", selection="off")
+    cache = llm.engine.runner.kv_caches[0]
+    assert cache.shape[-2:] == (1, 48) and cache.stride(0) == 0
