@@ -313,3 +313,10 @@ def test_prompts_wait_for_queue_room_and_template_errors_are_one_line(tiny_llama
                  "{% for m in messages %}{{ m.content | no_such_filter }}{% endfor %}"]) == 2
     err = capsys.readouterr().err
     assert "error: the chat template failed: TemplateAssertionError: No filter named 'no_such_filter'" in err
+
+
+def test_python_dash_m_plinth_is_the_command(tiny_llama_dir):
+    """``python -m plinth`` runs the ``plinth`` command (its exit code and output included)."""
+    done = subprocess.run([sys.executable, "-m", "plinth", "generate", "--model", str(tiny_llama_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "give --prompt TEXT or --input FILE" in done.stderr
