@@ -58,6 +58,11 @@ FAMILIES = {
         num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4,
         topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=12)),
+    # DeepSeek-V3's experts behind Llama-style attention with per-head q/k norms and half-rotary heads
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+        first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

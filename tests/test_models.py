@@ -92,6 +92,12 @@ ARCHS = {
         kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
         rope_parameters={"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0})),
+    # Llama-style attention with q/k/v biases, per-head q/k norms and RoPE over half of each head, on DeepSeek-V3's
+    # grouped sigmoid routing with shared experts and a dense first layer
+    "Glm4MoeForCausalLM": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -471,7 +477,8 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
               "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
-              "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"]
+              "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+              "Glm4MoeForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

@@ -31,4 +31,5 @@ def plinth_models() -> dict[str, str]:
         "GraniteMoeSharedForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
         "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM": f"{_M}.glm4_moe:Glm4MoeForCausalLM",
     }
