@@ -98,6 +98,18 @@ ARCHS = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
         first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # GLM-4.5's layout with biases on all four projections, q/k norms, sliding and full layers
+    "Dots1ForCausalLM": ("Dots1ForCausalLM", "Dots1Config", dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+        first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        attention_bias=True, head_dim=16, num_hidden_layers=3, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Mistral with the window on the layers layer_types marks
+    "MinistralForCausalLM": ("MinistralForCausalLM", "MinistralConfig", dict(
+        head_dim=16, num_hidden_layers=3, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # q/k/v biases and a separate output bias, MLP biases, an explicit head_dim
+    "SeedOssForCausalLM": ("SeedOssForCausalLM", "SeedOssConfig", dict(
+        attention_bias=True, attention_out_bias=True, mlp_bias=True, head_dim=24)),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -478,7 +490,7 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
               "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
               "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-              "Glm4MoeForCausalLM"]
+              "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

@@ -32,4 +32,7 @@ def plinth_models() -> dict[str, str]:
         "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM": f"{_M}.glm4_moe:Glm4MoeForCausalLM",
+        "Dots1ForCausalLM": f"{_M}.glm4_moe:Dots1ForCausalLM",
+        "MinistralForCausalLM": f"{_M}.llama:MinistralForCausalLM",
+        "SeedOssForCausalLM": f"{_M}.llama:SeedOssForCausalLM",
     }

@@ -3,7 +3,7 @@ with ``attention_bias``, per-head q/k norms with ``use_qk_norm``, RoPE over ``pa
 on DeepSeek-V3's mixture of experts: sigmoid routing with the learned ``e_score_correction_bias`` within the
 ``topk_group`` best of ``n_group`` groups, ``norm_topk_prob``, ``routed_scaling_factor``, shared experts, and dense
 layers before ``first_k_dense_replace``; the multi-token-prediction layers after the last decoder layer are
-skipped."""
+skipped. dots.llm1 (``Dots1ForCausalLM``) is the same with q/k norms always and biases on all four projections."""
 
 from __future__ import annotations
 
@@ -25,3 +25,12 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     def attention_options(self, cfg: Any) -> AttentionOptions:
         return AttentionOptions(qkv_bias=bool(getattr(cfg, "attention_bias", False)), o_bias=False,
                                 qk_norm=bool(getattr(cfg, "use_qk_norm", False)))
+
+
+class Dots1ForCausalLM(Glm4MoeForCausalLM):
+    """dots.llm1 (``Dots1ForCausalLM``): GLM-4.5's layout with q/k/v/o biases (``attention_bias``), per-head q/k norms
+    always, full RoPE, and sliding-window layers where ``layer_types`` marks them."""
+
+    def attention_options(self, cfg: Any) -> AttentionOptions:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
