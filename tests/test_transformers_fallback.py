@@ -27,6 +27,10 @@ def _model(model_type: str, **kw) -> transformers.PreTrainedModel:
     ("phimoe", dict(num_key_value_heads=2, sliding_window=6, num_local_experts=4, num_experts_per_tok=2)),  # mask
     ("cohere", dict(num_key_value_heads=2, logit_scale=0.3)),      # logits times logit_scale
     ("gpt_bigcode", dict(multi_query=True)),                       # one key/value head on the module, none in config
+    ("olmo", dict(num_key_value_heads=2, sliding_window=6)),       # a window in the config the model never applies
+    ("gpt2", dict(add_cross_attention=True)),                      # cross-attention modules that never run
+    ("hyperclovax", dict(num_key_value_heads=2, logits_scaling=0.25)),   # multiplies (Granite divides)
+    ("granite_swa", dict(num_key_value_heads=2, logits_scaling=4.0)),
 ])
 def test_attention_variants_match_transformers(model_type, kw, tmp_path, monkeypatch):
     """Each variant used to give logits off by 1e-3 to 3 (or crash writing the cache): within 1e-4 now."""

@@ -189,6 +189,10 @@ class Worker:
         cfg = self.config
         self.runner = ModelRunner(self._model, self._backend, self.device, num_blocks, cfg.cache.block_size,
                                   self.max_model_len, self._spec().cache_dtype)
+        if getattr(self._model, "checks_a_first_pass", False) and self.layout.pp_size == 1:
+            from plinth.worker.setup import first_pass
+
+            first_pass(self.runner)
         if self.layout.pp_size > 1:
             self.stage = PipelineStage(self.runner, self.layout, self.hf.hidden_size, self.dtype)
 

@@ -261,7 +261,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, spec.cache_dtype)
     if getattr(model, "checks_a_first_pass", False):
-        _first_pass(runner)
+        first_pass(runner)
     # speculative decoding: drafts go as decode rows (decode plans and graphs run them) where the backend allows
     runner.shared_decode_rows = config.speculative.enabled and type(backend).decode_rows_may_share_sequences
     prepare_runner = getattr(platform, "prepare_runner", None)   # a platform's own fast path (CPU)
@@ -306,7 +306,7 @@ def graph_blocker(model: Any, device: torch.device, dtype: torch.dtype) -> str |
 
 
 @torch.inference_mode()
-def _first_pass(runner: ModelRunner) -> None:
+def first_pass(runner: ModelRunner) -> None:
     """A two-token prefill into the last block (not yet handed to any sequence) for a model that refuses what it
     can only see running (the transformers fallback: attention computed outside the paged layers): the error comes
     at start-up, not with the first request."""

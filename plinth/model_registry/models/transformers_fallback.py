@@ -120,6 +120,41 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
+@functools.cache
+def _source_of(module_name: str) -> str:
+    import inspect
+    import sys
+
+    try:
+        return inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return ""
+
+
+def _modeling_source(hf_model: nn.Module) -> str:
+    """The source of the transformers modeling file of ``hf_model``'s class ("" where it cannot be read)."""
+    return _source_of(type(hf_model).__module__)
+
+
+def _logit_scale(hf_model: nn.Module, cfg: Any) -> float | None:
+    """The factor transformers' causal-LM class applies to the LM head's output, read from its modeling code:
+    Cohere's ``logits * self.logit_scale``, Granite's ``logits / config.logits_scaling``, HyperCLOVA X's
+    ``... * config.logits_scaling``; ``None`` for none (a config field the code does not use is ignored, as
+    transformers ignores it)."""
+    source = _modeling_source(hf_model)
+    factor = 1.0
+    scale = getattr(cfg, "logit_scale", None)
+    if isinstance(scale, (int, float)) and re.search(r"\*\s*self\.logit_scale\b", source):
+        factor *= float(scale)
+    scaling = getattr(cfg, "logits_scaling", None)
+    if isinstance(scaling, (int, float)) and scaling:
+        if re.search(r"/\s*self\.config\.logits_scaling\b", source):
+            factor /= float(scaling)
+        elif re.search(r"\*\s*self\.config\.logits_scaling\b", source):
+            factor *= float(scaling)
+    return None if factor == 1.0 else factor
+
+
 def _head_counts(module: nn.Module, cfg: Any) -> tuple[int, int]:
     """Query and key/value heads of one attention module: its own attributes where it has them (GPT-BigCode's
     ``kv_heads``, ``num_key_value_heads``, ``num_key_value_groups``), else the config's."""
@@ -255,6 +290,7 @@ class TransformersForCausalLM(CausalLM):
         self._hooks = [m.plinth_paged for m in self.hf_model.modules() if isinstance(getattr(m, "plinth_paged", None),
                                                                                     _PagedHook)]
         self._all_attended = False
+        self._logit_scale = _logit_scale(self.hf_model, cfg)
 
     @classmethod
     def create(cls, ctx: ModelContext) -> TransformersForCausalLM:
@@ -279,7 +315,10 @@ class TransformersForCausalLM(CausalLM):
         from plinth.model_registry.models.decoder import sliding_window_of
 
         cfg = ctx.hf_config
-        found = [m for m in self.hf_model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        source = _modeling_source(self.hf_model)
+        # cross-attention modules (a decoder exported with add_cross_attention) never run without encoder states
+        found = [m for m in self.hf_model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")
+                 and not getattr(m, "is_cross_attention", False)]
         found.sort(key=lambda m: m.layer_idx)
         layers = []
         for m in found:
@@ -287,8 +326,12 @@ class TransformersForCausalLM(CausalLM):
             # a module whose keys are wider than its values names the key width qk_head_dim (DeepSeek's MLA)
             head_dim = (getattr(m, "qk_head_dim", None) or getattr(m, "head_dim", None)
                         or cfg.hidden_size // cfg.num_attention_heads)
-            # the module's own window, else the config's for its layer (PhiMoE applies it only through its mask)
-            window = m.sliding_window if hasattr(m, "sliding_window") else sliding_window_of(cfg, m.layer_idx)
+            # the module's own window, else the config's for its layer where the model masks with it (PhiMoE
+            # applies it only through its mask; other models keep an unused sliding_window in their config)
+            if hasattr(m, "sliding_window"):
+                window = m.sliding_window
+            else:
+                window = sliding_window_of(cfg, m.layer_idx) if "create_sliding_window_causal_mask" in source else None
             layer = Attention(num_heads, head_dim, float(m.scaling), num_kv_heads, ctx.attention_backend,
                               window, m.layer_idx,
                               soft_cap=getattr(cfg, "attn_logit_softcapping", None) or None,
@@ -333,12 +376,8 @@ class TransformersForCausalLM(CausalLM):
         (times), Granite's ``logits_scaling`` (divided by), the final soft cap."""
         cfg = self.ctx.hf_config
         logits = self.hf_model.get_output_embeddings()(hidden).float()
-        scale = getattr(cfg, "logit_scale", None)
-        if scale is not None and scale != 1:
-            logits = logits * scale
-        divisor = getattr(cfg, "logits_scaling", None)
-        if divisor is not None and divisor != 1:
-            logits = logits / divisor
+        if self._logit_scale is not None:
+            logits = logits * self._logit_scale
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
