@@ -110,6 +110,9 @@ ARCHS = {
     # q/k/v biases and a separate output bias, MLP biases, an explicit head_dim
     "SeedOssForCausalLM": ("SeedOssForCausalLM", "SeedOssConfig", dict(
         attention_bias=True, attention_out_bias=True, mlp_bias=True, head_dim=24)),
+    # RoPE over adjacent pairs, biases on every projection, tied embeddings
+    "Ernie4_5ForCausalLM": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(use_bias=True, head_dim=16,
+                                                                          tie_word_embeddings=True)),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -490,7 +493,7 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
               "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
               "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-              "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM"]
+              "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

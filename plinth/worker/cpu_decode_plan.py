@@ -148,6 +148,8 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         if type(layer) not in (DecoderLayer, SandwichDecoderLayer) or not isinstance(layer.self_attn, DecoderAttention):
             return f"layer {type(layer).__name__} is not a standard decoder layer"
         attn, mlp = layer.self_attn, layer.mlp
+        if attn.rope_interleaved:
+            return "RoPE over adjacent pairs of features"
         if attn.q_norm is not None and (attn.qk_norm_full or type(attn.q_norm) not in (RMSNorm, GemmaRMSNorm)):
             return "q/k norms over all heads"
         if not isinstance(mlp, DenseMLP):

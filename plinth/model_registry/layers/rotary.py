@@ -174,6 +174,15 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
+def deinterleave_pairs(x: torch.Tensor, rot_dim: int | None = None) -> torch.Tensor:
+    """The first ``rot_dim`` features (all by default) of ``x`` ``[..., D]`` from pairs ``(x0, y0, x1, y1, ...)``, as
+    an interleaved (GPT-J style) RoPE rotates them, to ``(x0, x1, ..., y0, y1, ...)``, the layout of a rotate-half
+    RoPE; the rest passes through. Queries and keys permuted alike keep their products."""
+    r = x.shape[-1] if rot_dim is None else rot_dim
+    rot = x[..., :r].unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, H, D]`` with ``cos``/``sin`` ``[T, R]`` (R <= D; the rest passes through)."""
     rot_dim = cos.shape[-1]

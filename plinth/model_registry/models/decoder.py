@@ -34,7 +34,7 @@ from plinth.model_registry.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from plinth.model_registry.layers.rotary import RotaryEmbedding, rope_parameters
+from plinth.model_registry.layers.rotary import RotaryEmbedding, deinterleave_pairs, rope_parameters
 
 _LAYER_RE = re.compile(r"^model\.layers\.(?P<idx>\d+)\.")
 
@@ -52,6 +52,7 @@ class AttentionOptions:
     rope: bool = True           # False: the layer's q and k get no rotary embedding (SmolLM3's NoPE layers)
     sinks: bool = False         # each head's learned sink logit in its softmax's denominator (``self_attn.sinks``, gpt-oss)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] after the q/k norms (OLMoE, OLMo)
+    rope_interleaved: bool = False  # RoPE rotates adjacent pairs of features (GPT-J style; ERNIE 4.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,7 @@ class DecoderAttention(nn.Module):
                               ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx,
                               soft_cap=options.soft_cap, has_sinks=options.sinks)
         self.use_rope = options.rope
+        self.rope_interleaved = options.rope_interleaved
         self.sinks = None
         if options.sinks:   # float32, as the kernels read them; this rank's heads
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
@@ -163,6 +165,8 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_interleaved and self.use_rope:   # the rotated pairs to the rotate-half layout
+            q, k = deinterleave_pairs(q, cos.shape[-1]), deinterleave_pairs(k, cos.shape[-1])
         # RoPE in the attention backend or before it
         out = self.attn(q, k, v, metadata, rotary=(cos, sin) if self.use_rope else None, sinks=self.sinks)
         return self.o_proj(out.reshape(t, q_size), reduce=reduce)

@@ -47,7 +47,7 @@ from plinth.model_registry.layers.linear import (
     divide,
 )
 from plinth.model_registry.layers.moe import FusedMoE, check_expert_activation
-from plinth.model_registry.layers.rotary import apply_rotary, rope_parameters, yarn_mscale
+from plinth.model_registry.layers.rotary import apply_rotary, deinterleave_pairs, rope_parameters, yarn_mscale
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCausalLM, DenseMLP
 from plinth.model_registry.models.qwen2_moe import _ExpertWeights
 
@@ -79,12 +79,6 @@ def mla_softmax_scale(cfg: Any) -> float:
 def _mlp_bias(cfg: Any) -> bool:
     """The MLPs' biases: V2's ``mlp_bias`` (transformers' V3 MLPs have none whatever the config says)."""
     return cfg.model_type == "deepseek_v2" and bool(getattr(cfg, "mlp_bias", False))
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Rotary features stored as pairs ``(x0, y0, x1, y1, ...)`` -> ``(x0, x1, ..., y0, y1, ...)`` (the layout of a
-    rotate-half RoPE; queries and keys are permuted alike, so their products are unchanged)."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
 class LatentExpansion(nn.Module):
@@ -155,7 +149,7 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.kv_a_layernorm(c.contiguous())                                 # [T, L]
         k_pe = k_pe.reshape(t, 1, self.rope)
         if self.interleaved:
-            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+            q_pe, k_pe = deinterleave_pairs(q_pe), deinterleave_pairs(k_pe)
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.latent)   # [H, nope + v, L]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope]).transpose(0, 1)   # [T, H, L]
