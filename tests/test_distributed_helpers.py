@@ -63,6 +63,10 @@ FAMILIES = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
         first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # RoPE over adjacent pairs (regrouped per head, so each rank's heads rotate alike), ERNIE's corrected routing
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        head_dim=16, moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+        moe_layer_start_index=1)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

@@ -113,6 +113,10 @@ ARCHS = {
     # RoPE over adjacent pairs, biases on every projection, tied embeddings
     "Ernie4_5ForCausalLM": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(use_bias=True, head_dim=16,
                                                                           tie_word_embeddings=True)),
+    # ERNIE's attention; experts from layer 1, chosen on the scores plus a correction that reroutes here, two shared
+    "Ernie4_5_MoeForCausalLM": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(
+        head_dim=16, num_hidden_layers=3, moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+        moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1)),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -127,9 +131,9 @@ def randomize_zero_parameters(hf: transformers.PreTrainedModel, seed: int = 5) -
     """transformers starts biases (and Gemma's norm offsets) at zero, which would hide a bias loaded into the wrong
     place: give every all-zero parameter random values, and attention sinks values large enough to matter."""
     g = torch.Generator().manual_seed(seed)
-    for name, b in hf.named_buffers():
-        if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's routing correction: large enough to reroute
-            b.copy_(torch.randn(b.shape, generator=g))
+    for name, b in [*hf.named_buffers(), *hf.named_parameters()]:
+        if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's / ERNIE's routing correction: rerouting
+            b.copy_(torch.randn(b.shape, generator=g) * (0.1 if "moe_statics" in name else 1.0))
     for name, p in hf.named_parameters():
         if name.endswith(".sinks"):
             p.copy_(torch.randn(p.shape, generator=g) * 1.5)
@@ -493,7 +497,8 @@ def test_gemma_norm_matches_transformers_in_bfloat16():
 NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
               "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
               "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-              "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"]
+              "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
+              "Ernie4_5_MoeForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:
@@ -694,3 +699,23 @@ def test_qwen2_moe_without_qkv_biases_and_granite_moe_missing_tensor_named_once(
     with pytest.raises(ModelLoadError) as err:
         _load(str(tmp_path / "g"), TorchSDPABackend())
     assert str(err.value).endswith("checkpoint is missing tensor 'model.layers.1.block_sparse_moe.input_linear.weight'")
+
+
+def test_ernie_moe_skips_its_multi_token_prediction_tensors_and_refuses_an_lm_head_bias(tmp_path):
+    """ERNIE 4.5 MoE checkpoints carry multi-token-prediction tensors (``mtp*``): skipped, not reported unknown; a
+    config with use_bias (which would give the LM head a bias) is refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    arch, config_cls, overrides = ARCHS["Ernie4_5_MoeForCausalLM"]
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    torch.manual_seed(0)
+    transformers.Ernie4_5_MoeForCausalLM(cfg).save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    save_file({**tensors, "model.mtp_block.0.input_layernorm.weight": torch.ones(64),
+               "model.mtp_linear_proj.0.weight": torch.ones(64, 128)}, file, metadata={"format": "pt"})
+    _load(str(tmp_path), TorchSDPABackend())
+    cfg.use_bias = True
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="use_bias"):
+        _load(str(tmp_path), TorchSDPABackend())

@@ -35,5 +35,6 @@ def plinth_models() -> dict[str, str]:
         "Dots1ForCausalLM": f"{_M}.glm4_moe:Dots1ForCausalLM",
         "MinistralForCausalLM": f"{_M}.llama:MinistralForCausalLM",
         "SeedOssForCausalLM": f"{_M}.llama:SeedOssForCausalLM",
-        "Ernie4_5ForCausalLM": f"{_M}.llama:Ernie4_5ForCausalLM",
+        "Ernie4_5ForCausalLM": f"{_M}.ernie:Ernie4_5ForCausalLM",
+        "Ernie4_5_MoeForCausalLM": f"{_M}.ernie:Ernie4_5_MoeForCausalLM",
     }
