@@ -243,7 +243,30 @@ class DeepseekMoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DeepseekV2ForCausalLM(_ExpertWeights, DecoderForCausalLM):
+class CorrectedExpertWeights(_ExpertWeights):
+    """Checkpoint names of per-expert tensors, and of the routing correction (``e_score_correction_bias``) the
+    checkpoint keeps under :attr:`correction_owner` (DeepSeek-V3's ``mlp.gate``, ERNIE's ``mlp.moe_statics``) and the
+    experts hold; the tensors :meth:`not_in_the_model` names (multi-token-prediction layers) are skipped."""
+
+    correction_owner: ClassVar[str] = ".mlp.gate."
+
+    def not_in_the_model(self, name: str) -> bool:
+        return False
+
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        if self.not_in_the_model(name):
+            return None
+        if name.endswith(f"{self.correction_owner}e_score_correction_bias"):
+            return name.replace(self.correction_owner, ".mlp.experts.", 1), None
+        return super().map_weight_name(name)
+
+    def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
+        if param_name.endswith(".mlp.experts.e_score_correction_bias"):
+            return param_name.replace(".mlp.experts.", self.correction_owner, 1)
+        return super().checkpoint_name(param_name, shard_id)
+
+
+class DeepseekV2ForCausalLM(CorrectedExpertWeights, DecoderForCausalLM):
     """DeepSeek-V2: multi-head latent attention, softmax-routed experts with shared ones."""
 
     attention_class: ClassVar[type[nn.Module]] = MultiHeadLatentAttention
@@ -264,18 +287,10 @@ class DeepseekV2ForCausalLM(_ExpertWeights, DecoderForCausalLM):
         check_expert_activation(activation)
         return DeepseekMoE(ctx, self.v3)
 
-    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+    def not_in_the_model(self, name: str) -> bool:
+        """The multi-token-prediction layers (indices from ``num_hidden_layers`` on)."""
         m = _LAYER.match(name)
-        if m is not None and int(m[1]) >= self.ctx.hf_config.num_hidden_layers:
-            return None   # multi-token-prediction layers: not part of the causal LM
-        if name.endswith(".mlp.gate.e_score_correction_bias"):
-            return name.replace(".mlp.gate.", ".mlp.experts.", 1), None
-        return super().map_weight_name(name)
-
-    def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
-        if param_name.endswith(".mlp.experts.e_score_correction_bias"):
-            return param_name.replace(".mlp.experts.", ".mlp.gate.", 1)
-        return super().checkpoint_name(param_name, shard_id)
+        return m is not None and int(m[1]) >= self.ctx.hf_config.num_hidden_layers
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -21,8 +21,7 @@ from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.moe import FusedMoE, check_expert_activation
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCausalLM, DenseMLP
-from plinth.model_registry.models.deepseek import _Router
-from plinth.model_registry.models.qwen2_moe import _ExpertWeights
+from plinth.model_registry.models.deepseek import CorrectedExpertWeights, _Router
 
 
 class Ernie4_5ForCausalLM(DecoderForCausalLM):
@@ -82,9 +81,10 @@ def _sparse(cfg: Any, layer_idx: int) -> bool:
     return (layer_idx + 1) % interval == 0 and start <= layer_idx <= end
 
 
-class Ernie4_5_MoeForCausalLM(_ExpertWeights, Ernie4_5ForCausalLM):
+class Ernie4_5_MoeForCausalLM(CorrectedExpertWeights, Ernie4_5ForCausalLM):
     """ERNIE 4.5 MoE: ERNIE 4.5's attention, sparse layers with ERNIE's routing and shared experts."""
 
+    correction_owner: ClassVar[str] = ".mlp.moe_statics."
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
 
     def __init__(self, ctx: ModelContext):
@@ -100,14 +100,6 @@ class Ernie4_5_MoeForCausalLM(_ExpertWeights, Ernie4_5ForCausalLM):
         check_expert_activation(self.block_options(cfg).activation)
         return Ernie4_5MoeBlock(ctx)
 
-    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
-        if name.startswith(("mtp", "model.mtp")):
-            return None   # multi-token prediction: not part of the causal LM
-        if name.endswith(".mlp.moe_statics.e_score_correction_bias"):
-            return name.replace(".mlp.moe_statics.", ".mlp.experts.", 1), None
-        return super().map_weight_name(name)
-
-    def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
-        if param_name.endswith(".mlp.experts.e_score_correction_bias"):
-            return param_name.replace(".mlp.experts.", ".mlp.moe_statics.", 1)
-        return super().checkpoint_name(param_name, shard_id)
+    def not_in_the_model(self, name: str) -> bool:
+        """The multi-token-prediction tensors (``mtp*``)."""
+        return name.startswith(("mtp", "model.mtp"))
