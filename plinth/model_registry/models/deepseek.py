@@ -214,8 +214,8 @@ class DeepseekExperts(FusedMoE):
         return weights * self.scaling, ids
 
 
-class _Router(nn.Module):
-    """``mlp.gate``: router logits ``[T, E]`` in float32 (DeepSeek computes them in float32)."""
+class Float32Router(nn.Module):
+    """``mlp.gate``: router logits ``[T, E]`` in float32 (DeepSeek and ERNIE compute them in float32)."""
 
     def __init__(self, num_experts: int, hidden_size: int):
         super().__init__()
@@ -225,17 +225,16 @@ class _Router(nn.Module):
         return F.linear(x.to(torch.float32), self.weight)
 
 
-class DeepseekMoE(nn.Module):
-    """The router (``gate``), the routed experts and the shared experts (``shared_experts``)."""
+class SharedExpertsMoE(nn.Module):
+    """A float32 router (``gate``), the routed ``experts`` (whose :meth:`~FusedMoE.route` picks them) and ``shared``
+    shared experts every token runs (``shared_experts``, one MLP ``shared`` experts wide)."""
 
-    def __init__(self, ctx: ModelContext, v3: bool):
+    def __init__(self, ctx: ModelContext, experts: FusedMoE, shared: int, bias: bool = False):
         super().__init__()
         cfg = ctx.hf_config
-        self.gate = _Router(cfg.n_routed_experts, cfg.hidden_size)
-        self.experts = DeepseekExperts(ctx, v3)
-        shared = int(getattr(cfg, "n_shared_experts", None) or 0)
-        self.shared_experts = (DenseMLP(ctx, cfg.moe_intermediate_size * shared,
-                                        bias=_mlp_bias(cfg),
+        self.gate = Float32Router(experts.num_experts, cfg.hidden_size)
+        self.experts = experts
+        self.shared_experts = (DenseMLP(ctx, cfg.moe_intermediate_size * shared, bias=bias,
                                         activation=getattr(cfg, "hidden_act", "silu")) if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -285,7 +284,8 @@ class DeepseekV2ForCausalLM(CorrectedExpertWeights, DecoderForCausalLM):
             return DenseMLP(ctx, cfg.intermediate_size, bias=_mlp_bias(cfg),
                             activation=activation)
         check_expert_activation(activation)
-        return DeepseekMoE(ctx, self.v3)
+        return SharedExpertsMoE(ctx, DeepseekExperts(ctx, self.v3), int(getattr(cfg, "n_shared_experts", None) or 0),
+                                bias=_mlp_bias(cfg))
 
     def not_in_the_model(self, name: str) -> bool:
         """The multi-token-prediction layers (indices from ``num_hidden_layers`` on)."""

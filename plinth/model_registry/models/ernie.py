@@ -21,7 +21,7 @@ from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.moe import FusedMoE, check_expert_activation
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCausalLM, DenseMLP
-from plinth.model_registry.models.deepseek import CorrectedExpertWeights, _Router
+from plinth.model_registry.models.deepseek import CorrectedExpertWeights, SharedExpertsMoE
 
 
 class Ernie4_5ForCausalLM(DecoderForCausalLM):
@@ -55,24 +55,6 @@ class Ernie4_5Experts(FusedMoE):
         return weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min), ids
 
 
-class Ernie4_5MoeBlock(nn.Module):
-    """The router (``gate``), the routed experts and the shared experts (``shared_experts``)."""
-
-    def __init__(self, ctx: ModelContext):
-        super().__init__()
-        cfg = ctx.hf_config
-        self.gate = _Router(cfg.num_experts, cfg.hidden_size)
-        self.experts = Ernie4_5Experts(ctx)
-        shared = int(getattr(cfg, "moe_num_shared_experts", 0) or 0)
-        self.shared_experts = (DenseMLP(ctx, cfg.moe_intermediate_size * shared,
-                                        bias=bool(getattr(cfg, "use_bias", False)),
-                                        activation=getattr(cfg, "hidden_act", "silu")) if shared else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        out = self.experts(x, self.gate(x))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
-
-
 def _sparse(cfg: Any, layer_idx: int) -> bool:
     interval = int(getattr(cfg, "moe_layer_interval", 1) or 1)
     start = int(getattr(cfg, "moe_layer_start_index", 0) or 0)
@@ -98,7 +80,8 @@ class Ernie4_5_MoeForCausalLM(CorrectedExpertWeights, Ernie4_5ForCausalLM):
         if not _sparse(cfg, layer_idx):
             return super().make_mlp(ctx, layer_idx)
         check_expert_activation(self.block_options(cfg).activation)
-        return Ernie4_5MoeBlock(ctx)
+        return SharedExpertsMoE(ctx, Ernie4_5Experts(ctx), int(getattr(cfg, "moe_num_shared_experts", 0) or 0),
+                                bias=bool(getattr(cfg, "use_bias", False)))
 
     def not_in_the_model(self, name: str) -> bool:
         """The multi-token-prediction tensors (``mtp*``)."""
