@@ -13,6 +13,7 @@ from test_models import (
     ARCHS,
     COMMON,
     engine_matches_transformers,
+    llm_greedy_matches,
     randomize_zero_parameters,
     save_with_tokenizer,
 )
@@ -176,13 +177,7 @@ def test_bfloat16_on_the_cpu_keeps_the_expansion_weights(name, tmp_path):
     llm = plinth.LLM(str(tmp_path), dtype="bfloat16", max_model_len=128)
     model = llm.engine.runner.model
     assert all(layer.self_attn.kv_b_proj.weight.numel() > 0 for layer in model.model.layers)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        plinth.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=2, min_new_tokens=2, do_sample=False,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref
+    llm_greedy_matches(llm, hf, prompts, max_tokens=2)
 
 
 def test_lora_is_refused_in_one_line(tmp_path):

@@ -524,14 +524,20 @@ def engine_matches_transformers(name: str, path, device: str, **engine_kw) -> No
     import plinth
 
     hf, prompts = save_with_tokenizer(name, path)
-    hf = hf.to(device)
-    llm = plinth.LLM(str(path), dtype="float32", max_model_len=128, **engine_kw)
+    llm_greedy_matches(plinth.LLM(str(path), dtype="float32", max_model_len=128, **engine_kw), hf.to(device), prompts)
+
+
+def llm_greedy_matches(llm, hf: transformers.PreTrainedModel, prompts: list[list[int]], max_tokens: int = 12) -> None:
+    """``llm``'s greedy tokens for ``prompts`` equal ``hf.generate``'s."""
+    import plinth
+
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        plinth.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+                        plinth.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    device = next(hf.parameters()).device
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=12, min_new_tokens=12,
-                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == ref
 
 

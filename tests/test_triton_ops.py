@@ -433,3 +433,23 @@ def test_moe_gemv_equals_the_per_expert_loop(bias, tokens):
     torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
     del moe.uses_gemv
     assert not moe.uses_gemv(torch.randn(5, 48))   # 5 tokens x 2 > 8 experts
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block", [None, (128, 128), (16, 32)])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_gemv_reads_fp8_experts(block, tokens):
+    """The per-slot GEMV kernel on FP8 experts (per-channel scales, 128x128 blocks sharing one scale per tile row,
+    16x32 blocks read per element, 200-row experts ending inside a block) against the per-expert loop widening
+    each expert."""
+    from test_fp8_experts import _expert_weights, _load_fp8_experts, _moe
+
+    moe = _moe()
+    _load_fp8_experts(moe, block, _expert_weights(8, 48, 200))
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 48, generator=g)
+    logits = torch.randn(tokens, 8, generator=g)
+    assert moe.uses_gemv(x) and not moe.graph_capturable(torch.device("cpu"), torch.float32)
+    got = moe(x, logits)
+    moe.uses_gemv = lambda _x: False
+    torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)

@@ -153,7 +153,9 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}"
                 )
-            if param.is_floating_point():  # quantized (integer) parameters validate themselves
+            # quantized (integer) parameters validate themselves; a float one may widen an FP8 tensor itself
+            if param.is_floating_point() and not (tensor.dtype == torch.float8_e4m3fn
+                                                  and getattr(param, "widens_fp8", False)):
                 check_loadable_dtype(ckpt_name, tensor)
             loader = getattr(param, "weight_loader", None)
             try:

@@ -326,7 +326,7 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
     for module in model.modules():
-        method = getattr(module, "linear_method", None)
+        method = getattr(module, "linear_method", None) or getattr(module, "weight_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
     head = getattr(model, "lm_head", None)

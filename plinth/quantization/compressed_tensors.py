@@ -34,7 +34,12 @@ from torch import nn
 from plinth.config import ConfigError
 from plinth.errors import ModelLoadError
 from plinth.quantization.formats import FP8Weights, IntWeights
-from plinth.quantization.fp8 import FP8Method, create_fp8_checkpoint_weights, fp8_checkpoint_weights
+from plinth.quantization.fp8 import (
+    FP8Method,
+    WidenedFP8Weight,
+    create_fp8_checkpoint_weights,
+    fp8_checkpoint_weights,
+)
 from plinth.quantization.int_method import IntWeightMethod
 from plinth.quantization.interface import QuantContext
 from plinth.quantization.params import PackedLayout, input_range, output_range, packed_parameter
@@ -261,6 +266,15 @@ class CompressedTensorsFP8(FP8Method):
         create_fp8_checkpoint_weights(layer, input_size, output_sizes, self.block, self.static_input)
         if self.block is not None:  # compressed-tensors names block scales weight_scale too
             layer.register_parameter("weight_scale", layer._parameters.pop("weight_scale_inv"))
+
+    def expert_method(self, layer: nn.Module) -> Any:
+        from plinth.quantization.fp8_experts import FP8ExpertMethod
+
+        return FP8ExpertMethod(from_checkpoint=True, block=self.block, static_input=self.static_input,
+                               block_scale="weight_scale")
+
+    def widened_weight(self, layer: nn.Module) -> WidenedFP8Weight:
+        return WidenedFP8Weight(layer, self.block, self.static_input, block_scale="weight_scale")
 
     def convert_weights(self, layer: nn.Module) -> FP8Weights:
         if self.block is not None:

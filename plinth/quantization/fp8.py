@@ -69,10 +69,13 @@ def create_fp8_checkpoint_weights(layer: nn.Module, input_size: int, output_size
         packed_parameter(layer, "weight_scale", (n,), torch.float32, PackedLayout(out_dim=0, per_tensor_ok=True))
     else:
         bn, bk = block
-        if n % bn or input_size % bk:
-            raise ModelLoadError(f"FP8 block scales ({bn}x{bk}) do not tile a [{n}, {input_size}] weight shard")
-        packed_parameter(layer, "weight_scale_inv", (n // bn, input_size // bk), torch.float32,
-                         PackedLayout(out_dim=0, out_per_elem=bn, in_dim=1, in_per_elem=bk))
+        if len(output_sizes) > 1 and any(size % bn for size in output_sizes):
+            raise ModelLoadError(f"FP8 block scales ({bn}x{bk}) do not tile the fused projections of {output_sizes} "
+                                 f"rows (each must be a multiple of {bn})")
+        # a weight taken whole may end inside its last block (DeepSeek-V3's 576-row kv_a_proj_with_mqa); a shard
+        # of a split one must start and end on block edges (the loader says so)
+        packed_parameter(layer, "weight_scale_inv", (-(-n // bn), -(-input_size // bk)), torch.float32,
+                         PackedLayout(out_dim=0, out_per_elem=bn, in_dim=1, in_per_elem=bk, partial_last_ok=True))
     if static_input:
         scale = nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=False)
         scale.weight_loader = _ignore_loaded  # type: ignore[attr-defined]
@@ -150,6 +153,18 @@ class FP8Method(QuantizationMethod):
         with torch.no_grad():
             return quantize_fp8_per_channel(weight, None)
 
+    def widened_weight(self, layer: nn.Module) -> WidenedFP8Weight | None:
+        """For a weight ``layer`` reads itself (not through a GEMM: DeepSeek's ``kv_b_proj``): its FP8 checkpoint
+        tensor widened to the model's dtype once loaded; ``None`` for float checkpoints."""
+        return WidenedFP8Weight(layer, self.block, self.static_input) if self.from_checkpoint else None
+
+    def expert_method(self, layer: nn.Module) -> Any:
+        """FP8 experts (:mod:`plinth.quantization.fp8_experts`): the checkpoint's, or float ones quantized per
+        output channel."""
+        from plinth.quantization.fp8_experts import FP8ExpertMethod
+
+        return FP8ExpertMethod(from_checkpoint=self.from_checkpoint, block=self.block, static_input=self.static_input)
+
     def kernel_candidates(self) -> dict[str, str]:
         return dict(FP8_KERNELS)
 
@@ -163,3 +178,74 @@ class FP8Method(QuantizationMethod):
     def kernel_tolerance(self) -> float:
         # E4M3 keeps 3 mantissa bits: per-token activation rounding moves outputs by a few percent
         return 8e-2
+
+
+class WidenedFP8Weight:
+    """The FP8 checkpoint tensor of a weight a model reads itself (``layer.weight`` ``[rows, K]``, this rank's
+    rows of ``rows * tp_size``), kept as bytes while loading and widened to the weight's dtype once its scales
+    are in (:meth:`process_weights_after_loading`). A float tensor in the checkpoint (an ignored layer) loads as
+    it is. The layer's ``weight_loader`` hands this rank's rows to :meth:`takes` first."""
+
+    def __init__(self, layer: nn.Module, block: tuple[int, int] | None, static_input: bool,
+                 block_scale: str = "weight_scale_inv"):
+        self.block = block
+        self.pending: torch.Tensor | None = None
+        layer.weight.widens_fp8 = True  # type: ignore[attr-defined] # the loader lets float8_e4m3fn through
+        self.tp_rank, self.tp_size = int(getattr(layer, "tp_rank", 0)), int(getattr(layer, "tp_size", 1))
+        rows, k = layer.weight.shape
+        if block is None:
+            scale = nn.Parameter(torch.empty(rows, dtype=torch.float32), requires_grad=False)
+            self.scale_name = "weight_scale"
+        else:
+            bn, bk = block
+            if self.tp_size > 1 and rows % bn:
+                raise ModelLoadError(f"FP8 block scales ({bn}x{bk}): {rows} rows per rank do not start on block edges")
+            scale = nn.Parameter(torch.empty(-(-rows // bn), -(-k // bk), dtype=torch.float32), requires_grad=False)
+            self.scale_name = block_scale
+        scale.weight_loader = self._load_scale  # type: ignore[attr-defined]
+        scale.expected_shards = ()  # type: ignore[attr-defined] # absent when the checkpoint keeps the layer float
+        layer.register_parameter(self.scale_name, scale)
+        self.scale_loaded = False
+        if static_input:
+            ignored = nn.Parameter(torch.empty(0), requires_grad=False)
+            ignored.weight_loader = _ignore_loaded  # type: ignore[attr-defined]
+            ignored.expected_shards = ()  # type: ignore[attr-defined]
+            layer.register_parameter("input_scale", ignored)
+
+    def takes(self, rows: torch.Tensor) -> bool:
+        """Keep this rank's rows of an FP8 checkpoint tensor (True), or leave a float one to the caller (False)."""
+        if rows.dtype != torch.float8_e4m3fn:
+            return False
+        self.pending = rows.view(torch.uint8).clone()
+        return True
+
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[0]
+        if self.block is None:
+            src = loaded.reshape(-1)
+            if src.numel() == 1:
+                param.data.fill_(src.item())
+            elif src.numel() == n * self.tp_size:
+                param.data.copy_(src.narrow(0, self.tp_rank * n, n))
+            else:
+                raise ModelLoadError(f"shape mismatch: expected {n * self.tp_size} per-channel scales, checkpoint has "
+                                     f"{tuple(loaded.shape)}")
+        else:
+            full = n if self.tp_size == 1 else n * self.tp_size
+            if tuple(loaded.shape) != (full, param.shape[1]):
+                raise ModelLoadError(f"shape mismatch: expected block scales {(full, param.shape[1])}, checkpoint "
+                                     f"has {tuple(loaded.shape)}")
+            param.data.copy_(loaded.narrow(0, self.tp_rank * n if self.tp_size > 1 else 0, n))
+        self.scale_loaded = True
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.pending is not None:
+            if not self.scale_loaded:
+                raise ModelLoadError(f"an FP8 weight of {type(layer).__name__} came without its {self.scale_name}")
+            scale = getattr(layer, self.scale_name)
+            w = FP8Weights(self.pending.view(torch.float8_e4m3fn), scale.data, self.block)
+            layer.weight.data.copy_(w.dequantize(layer.weight.dtype).to(layer.weight.device))
+            self.pending = None
+        delattr(layer, self.scale_name)
+        if "input_scale" in layer._parameters:
+            delattr(layer, "input_scale")

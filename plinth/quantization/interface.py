@@ -10,8 +10,9 @@ a name; that name is accepted by ``--quantization`` and is matched against a che
 2. :meth:`create_weights` registers a layer's parameters in the checkpoint's packed layout
    (see :mod:`plinth.quantization.params`), so checkpoint tensors load without conversion;
 3. :meth:`prepare_model` (before loading) says which layers it applies to (:meth:`applies_to` on
-   their checkpoint names; the others go back to plain weights) and chooses the GEMM kernel for
-   the layers' shapes among :meth:`kernel_candidates` (:mod:`plinth.quantization.selection`);
+   their checkpoint names; the others go back to plain weights), gives mixture-of-experts layers
+   their :meth:`expert_method` (default: none, the experts stay in floating point) and chooses the
+   GEMM kernel for the layers' shapes among :meth:`kernel_candidates` (:mod:`plinth.quantization.selection`);
 4. :meth:`process_weights_after_loading` converts a loaded layer, once, to a canonical format
    (:meth:`convert_weights`) and lets the kernel repack it;
 5. :meth:`apply` runs ``y = x W^T + b`` through the kernel.
@@ -326,7 +327,30 @@ class QuantizationMethod(abc.ABC):
         if not shapes:
             raise ConfigError(f"{self.name}: {type(model).__name__} has no linear layer this method quantizes "
                               f"(architectures run through the transformers fallback cannot be quantized)")
+        self.prepare_experts(model)
         self.select_kernel(shapes)
+
+    def expert_method(self, layer: nn.Module) -> Any:
+        """How the experts of a mixture-of-experts layer (:class:`~plinth.model_registry.layers.moe.FusedMoE`) are
+        stored: an object with ``create_weights(layer)`` (before loading) and ``process_weights_after_loading(layer)``
+        (see :mod:`plinth.quantization.fp8_experts`), or ``None`` (default): they stay in floating point."""
+        return None
+
+    def prepare_experts(self, model: nn.Module) -> int:
+        """Give the experts of every mixture-of-experts layer :meth:`applies_to` accepts their :meth:`expert_method`;
+        returns how many layers took one."""
+        from plinth.model_registry.layers.moe import FusedMoE
+
+        count = 0
+        for name, layer in model.named_modules():
+            if not isinstance(layer, FusedMoE) or not self.applies_to(name):
+                continue
+            method = self.expert_method(layer)
+            if method is not None:
+                method.create_weights(layer)
+                layer.weight_method = method
+                count += 1
+        return count
 
     def weights_iterator(self, source: Any, model: nn.Module) -> Iterable[tuple[str, Any]] | None:
         """Checkpoint tensors to load instead of the loader's own (``None``: the loader's)."""

@@ -35,6 +35,8 @@ class PackedLayout:
             per-tensor scales), broadcast over the shard's outputs.
         same_for_all_shards: every shard of a fused layer carries the same tensor (GPTQ ``g_idx``);
             the first is kept and the others must equal it.
+        partial_last_ok: an axis taken whole may end inside its last element (FP8 block scales of a
+            weight whose rows or columns are not a multiple of the block: ``ceil(N / bn)`` scales).
     """
 
     out_dim: int | None = None
@@ -43,6 +45,7 @@ class PackedLayout:
     in_per_elem: int = 1
     per_tensor_ok: bool = False
     same_for_all_shards: bool = False
+    partial_last_ok: bool = False
 
 
 def packed_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -80,7 +83,11 @@ def input_range(layer: nn.Module) -> tuple[int, int, int]:
     return 0, k, k
 
 
-def _cut(what: str, axis: int, per_elem: int, start: int, size: int, total: int) -> tuple[int, int, int]:
+def _cut(what: str, axis: int, per_elem: int, start: int, size: int, total: int,
+         partial_last_ok: bool = False) -> tuple[int, int, int]:
+    if partial_last_ok and start == 0 and size == total:
+        whole = -(-total // per_elem)
+        return 0, whole, whole
     for value in (start, size, total):
         if value % per_elem:
             raise ModelLoadError(
@@ -109,7 +116,8 @@ def load_packed(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, sha
             return
         if layout.per_tensor_ok:
             src = src.reshape(-1)
-        c_start, c_size, c_total = _cut("the output axis", layout.out_dim, layout.out_per_elem, start, size, total)
+        c_start, c_size, c_total = _cut("the output axis", layout.out_dim, layout.out_per_elem, start, size, total,
+                                       layout.partial_last_ok)
         p_offset = offset // layout.out_per_elem
         if src.dim() != dst.dim() or src.shape[layout.out_dim] != c_total:
             raise ModelLoadError(_mismatch(dst, layout.out_dim, c_total, src))
@@ -117,7 +125,8 @@ def load_packed(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, sha
         dst = dst.narrow(layout.out_dim, p_offset, c_size)
     if layout.in_dim is not None:
         start, size, total = input_range(layer)
-        c_start, c_size, c_total = _cut("the input axis", layout.in_dim, layout.in_per_elem, start, size, total)
+        c_start, c_size, c_total = _cut("the input axis", layout.in_dim, layout.in_per_elem, start, size, total,
+                                       layout.partial_last_ok)
         if src.dim() != dst.dim() or src.shape[layout.in_dim] != c_total:
             raise ModelLoadError(_mismatch(dst, layout.in_dim, c_total, src))
         src = src.narrow(layout.in_dim, c_start, c_size)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,20 +22,30 @@ from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.kernels import ops
 from plinth.model_registry.layers.linear import ReplicatedLinear, divide
 
-_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\."
+                        r"(?P<kind>[A-Za-z_]*(?:weight|scale|zeros|g_idx)[A-Za-z_]*)$")
+#: the tensors of one expert projection plinth reads: the weight, and an FP8 checkpoint's scales
+EXPERT_TENSOR_KINDS = ("weight", "weight_scale", "weight_scale_inv", "input_scale")
 
 
 def map_expert_weight(name: str, proj_names: dict[str, str]) -> tuple[str, Any] | None:
-    """Map ``...experts.{e}.{proj}.weight`` to ``(...experts.w13_weight|w2_weight, (e, role))``.
+    """Map ``...experts.{e}.{proj}.{kind}`` to ``(...experts.w13_{kind}|w2_{kind}, (e, role))`` (``kind``: the
+    ``weight``, or an FP8 checkpoint's ``weight_scale``, ``weight_scale_inv``, ``input_scale``).
 
     ``proj_names`` maps checkpoint projection names to roles, e.g. ``{"w1": "gate", "w3": "up",
-    "w2": "down"}``. Returns ``None`` when ``name`` is not an expert weight.
+    "w2": "down"}``. Returns ``None`` when ``name`` is not an expert tensor.
+
+    Raises:
+        ModelLoadError: an expert tensor of another quantization format (AWQ's or GPTQ's ``qweight``, ...).
     """
     m = _EXPERT_RE.match(name)
     if m is None or m["proj"] not in proj_names:
         return None
+    if m["kind"] not in EXPERT_TENSOR_KINDS:
+        raise ModelLoadError(f"checkpoint tensor {name!r}: experts quantized in this format ({m['kind']}) are not "
+                             f"supported; plinth reads float experts and FP8 ones (quant_method fp8)")
     role = proj_names[m["proj"]]
-    param = "w2_weight" if role == "down" else "w13_weight"
+    param = ("w2_" if role == "down" else "w13_") + m["kind"]
     return f"{m['prefix']}.{param}", (int(m["expert"]), role)
 
 
@@ -43,8 +53,8 @@ def expert_checkpoint_name(param_name: str, shard_id: Any, proj_names: dict[str,
     """The inverse of :func:`map_expert_weight`, for error messages."""
     expert, role = shard_id
     proj = next(p for p, r in proj_names.items() if r == role)
-    prefix = param_name.rsplit(".", 1)[0]
-    return f"{prefix}.{expert}.{proj}.weight"
+    prefix, param = param_name.rsplit(".", 1)
+    return f"{prefix}.{expert}.{proj}.{param.split('_', 1)[1]}"
 
 
 class FusedMoE(nn.Module):
@@ -59,7 +69,15 @@ class FusedMoE(nn.Module):
         bias: each expert's projections have biases (``w13_bias`` ``[E, 2 * I]``, ``w2_bias`` ``[E, H]``; under
             tensor parallelism the rank that adds ``w2_bias`` is rank 0).
         activation: ``h = activation(gate, up)`` (default ``silu(gate) * up``).
+
+    A quantization method may store the experts in another format before loading (``weight_method``, e.g.
+    :class:`plinth.quantization.fp8_experts.FP8ExpertMethod`); :meth:`expert_weight` then widens one expert's
+    weight at a time.
     """
+
+    #: the checkpoint holds one tensor per expert and projection (``experts.{e}.{proj}.weight``), so a quantized
+    #: checkpoint's experts and their scales can be read (subclasses that load stacked tensors say False)
+    loads_per_expert_tensors: ClassVar[bool] = True
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, *, tp_rank: int = 0, tp_size: int = 1, bias: bool = False,
@@ -80,6 +98,10 @@ class FusedMoE(nn.Module):
         for p, roles in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             p.expected_shards = tuple((e, r) for e in range(num_experts) for r in roles)  # type: ignore[attr-defined]
+        #: set by a quantization method that stores the experts in its own format (``None``: floating point)
+        self.weight_method: Any = None
+        #: ``{"w13": ExpertScales, "w2": ExpertScales}`` once FP8 experts are loaded
+        self.fp8_scales: dict[str, Any] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         expert, role = shard_id
@@ -106,6 +128,15 @@ class FusedMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
+    def expert_weight(self, which: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``expert``'s ``w13`` ``[2I, H]`` or ``w2`` ``[H, I]`` weight in ``dtype`` (FP8 experts widened)."""
+        weight = getattr(self, f"{which}_weight")
+        if self.fp8_scales is None:
+            return weight[expert]
+        from plinth.quantization.fp8_experts import expert_fp8_weights
+
+        return expert_fp8_weights(weight, self.fp8_scales[which], expert).dequantize(dtype)
+
     def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the grouped-GEMM path: every expert's rows in one ``torch._grouped_mm`` launch per
         projection, with no host read of the routing (so a CUDA graph can capture it). It needs a CUDA device of
@@ -119,7 +150,8 @@ class FusedMoE(nn.Module):
         return self._grouped_gemm_runs(device, dtype)
 
     def _grouped_gemm_runs(self, device: torch.device, dtype: torch.dtype) -> bool:
-        if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        if (device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
+                or self.fp8_scales is not None):
             return False
         align = 16 // dtype.itemsize
         return (_capability(device) >= (9, 0) and self.w13_weight.shape[-1] % align == 0
@@ -150,9 +182,9 @@ class FusedMoE(nn.Module):
             if n == 0:
                 continue
             rows = token_of[start:start + n]
-            gate, up = F.linear(x[rows], self.w13_weight[expert],
+            gate, up = F.linear(x[rows], self.expert_weight("w13", expert, x.dtype),
                                 None if w13_bias is None else w13_bias[expert]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(self.activation(gate, up), self.w2_weight[expert],
+            y = F.linear(self.activation(gate, up), self.expert_weight("w2", expert, x.dtype),
                          None if w2_bias is None else w2_bias[expert])                   # [n, H]
             out.index_add_(0, rows, y.to(torch.float32) * slot_weights[start:start + n, None])
             start += n
@@ -165,10 +197,12 @@ class FusedMoE(nn.Module):
         t, k = ids.shape
         experts = ids.reshape(-1).contiguous()                                       # [T * K]
         x = x if x.stride(-1) == 1 else x.contiguous()
-        gate_up = ops.moe_gemv(x, self.w13_weight, self.w13_bias, experts, k)        # [T * K, 2I]
+        fp8 = self.fp8_scales or {}
+        gate_up = ops.moe_gemv(x, self.w13_weight, self.w13_bias, experts, k, fp8.get("w13"))   # [T * K, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
-        y = ops.moe_gemv(self.activation(gate, up).contiguous(), self.w2_weight, w2_bias, experts, 1)  # [T * K, H]
+        y = ops.moe_gemv(self.activation(gate, up).contiguous(), self.w2_weight, w2_bias, experts, 1,
+                         fp8.get("w2"))                                              # [T * K, H]
         out = (y.to(torch.float32).view(t, k, -1) * weights[..., None]).sum(dim=1)   # [T, H] float32
         if self.tp_size > 1:
             tp_all_reduce(out)

@@ -86,18 +86,24 @@ class LatentExpansion(nn.Module):
     v), L]`` (this rank's heads). Not a linear layer: the attention reads the weight itself at every step (its key
     half folds into the query, its value half into the output), so no GEMM method may repack or quantize it."""
 
-    def __init__(self, latent: int, rows: int, tp_rank: int, tp_size: int):
+    def __init__(self, latent: int, rows: int, tp_rank: int, tp_size: int, quant_method: Any = None):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(divide(rows, tp_size, "kv_b_proj rows"), latent), requires_grad=False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        # an FP8 checkpoint's kv_b_proj is widened once loaded (plinth.quantization.fp8.WidenedFP8Weight)
+        self.weight_method = (quant_method.widened_weight(self) if hasattr(quant_method, "widened_weight")
+                              else None)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rows = param.shape[0]
         if tuple(loaded.shape) != (rows * self.tp_size, param.shape[1]):
             raise ModelLoadError(f"shape mismatch: expected {(rows * self.tp_size, param.shape[1])}, checkpoint has "
                                  f"{tuple(loaded.shape)}")
-        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
+        mine = loaded.narrow(0, self.tp_rank * rows, rows)
+        if self.weight_method is not None and self.weight_method.takes(mine):
+            return
+        param.data.copy_(mine)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -125,7 +131,8 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * qk, bias=False, **tp)
         self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.latent + self.rope, bias=bias, **replicated)
         self.kv_a_layernorm = RMSNorm(self.latent, eps=_LATENT_NORM_EPS)
-        self.kv_b_proj = LatentExpansion(self.latent, heads * (self.nope + self.v_dim), ctx.tp_rank, ctx.tp_size)
+        self.kv_b_proj = LatentExpansion(self.latent, heads * (self.nope + self.v_dim), ctx.tp_rank, ctx.tp_size,
+                                         ctx.quant_method)
         self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, bias=bias, **tp)
         kv_heads, head_size = latent_cache_shape(cfg)
         self.attn = Attention(self.num_heads, head_size, mla_softmax_scale(cfg), kv_heads, ctx.attention_backend,

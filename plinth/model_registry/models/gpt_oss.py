@@ -57,6 +57,8 @@ class GptOssExperts(FusedMoE):
     """gpt-oss's experts: :class:`FusedMoE` with biases and the clamped SwiGLU, loaded from the checkpoint's
     stacked tensors (one per projection for all experts) instead of per-expert ones."""
 
+    loads_per_expert_tensors: ClassVar[bool] = False
+
     def __init__(self, ctx: ModelContext):
         cfg = ctx.hf_config
         self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
