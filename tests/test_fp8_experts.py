@@ -152,6 +152,7 @@ def _moe(num_experts=8, top_k=2, hidden=48, inter=200, tp_rank=0, tp_size=1, bia
 def _load_fp8_experts(moe: FusedMoE, block, weights: dict[tuple[int, str], torch.Tensor]) -> None:
     method = FP8ExpertMethod(from_checkpoint=True, block=block)
     method.create_weights(moe)
+    moe.weight_method = method
     for (e, role), w in weights.items():
         tensors, _ = _quantize(w, "block" if block else "channel", block or (0, 0))
         param = "w2" if role == "down" else "w13"
@@ -192,7 +193,7 @@ def test_fp8_experts_under_tensor_parallelism_equal_one_process():
     whole, halves = _moe(4, 2, 64, 128), []
     for rank in (0, 1):
         moe = _moe(4, 2, 64, 128, tp_rank=rank, tp_size=2)
-        method = FP8ExpertMethod(from_checkpoint=False)
+        method = moe.weight_method = FP8ExpertMethod(from_checkpoint=False)
         method.create_weights(moe)
         for (e, role), w in weights.items():
             param = moe.w2_weight if role == "down" else moe.w13_weight
@@ -203,7 +204,8 @@ def test_fp8_experts_under_tensor_parallelism_equal_one_process():
     for (e, role), w in weights.items():
         param = whole.w2_weight if role == "down" else whole.w13_weight
         param.weight_loader(param, w, (e, role))
-    FP8ExpertMethod(from_checkpoint=False).process_weights_after_loading(whole)
+    whole.weight_method = FP8ExpertMethod(from_checkpoint=False)
+    whole.weight_method.process_weights_after_loading(whole)
     assert torch.equal(halves[1].w2_weight_scale, whole.w2_weight_scale)
     torch.testing.assert_close(halves[0](x, logits) + halves[1](x, logits), whole(x, logits), atol=1e-5, rtol=1e-5)
 
@@ -215,8 +217,8 @@ def test_refusals(tmp_path):
         FP8ExpertMethod(from_checkpoint=True, block=(32, 32)).create_weights(_moe(4, 2, 64, 96, tp_size=2))
     from plinth.model_registry.layers.moe import map_expert_weight
 
-    with pytest.raises(ModelLoadError, match=r"experts quantized in this format \(qweight\)"):
-        map_expert_weight("model.layers.0.mlp.experts.3.gate_proj.qweight", {"gate_proj": "gate"})
+    with pytest.raises(ModelLoadError, match=r"experts quantized in this format \(weight_global_scale\)"):
+        map_expert_weight("model.layers.0.mlp.experts.3.gate_proj.weight_global_scale", {"gate_proj": "gate"})
     assert map_expert_weight("model.layers.0.mlp.experts.3.down_proj.weight_scale_inv", {"down_proj": "down"}) == \
         ("model.layers.0.mlp.experts.w2_weight_scale_inv", (3, "down"))
     save_with_tokenizer("Qwen3MoeForCausalLM", tmp_path / "float")

@@ -198,6 +198,11 @@ class FP8ExpertMethod:
         layer.fp8_scales = scales
 
 
+    def widen(self, layer: nn.Module, which: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``expert``'s ``[N, K]`` weight in ``dtype``."""
+        return expert_fp8_weights(getattr(layer, f"{which}_weight"), layer.fp8_scales[which], expert).dequantize(dtype)
+
+
 def expert_fp8_weights(weight: torch.Tensor, scales: ExpertScales, expert: int) -> FP8Weights:
     """Expert ``expert`` of a stacked FP8 weight ``[E, N, K]`` (uint8 bytes) as :class:`FP8Weights`."""
     k = weight.shape[2]

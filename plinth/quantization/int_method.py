@@ -4,13 +4,17 @@ description and random weights for kernel checks. Subclasses parse their checkpo
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+from torch import nn
 
 from plinth.quantization.interface import QuantContext, QuantizationMethod
 from plinth.quantization.kernels.interface import GemmProblem
 from plinth.quantization.quantizers import random_int_weights
+
+logger = logging.getLogger(__name__)
 
 _K = "plinth.quantization.kernels"
 #: every integer kernel plinth ships, by name
@@ -44,6 +48,23 @@ class IntWeightMethod(QuantizationMethod):
         self.symmetric = symmetric
         self.act_order = act_order
         self.activation = activation
+
+    def expert_method(self, layer: nn.Module) -> Any:
+        """Integer experts (:mod:`plinth.quantization.int_experts`): the checkpoint's packed ones, or float ones
+        quantized like the linear layers (``None``, experts left in floating point, where the group size does not
+        divide their input features, with a warning)."""
+        from plinth.quantization.int_experts import IntExpertMethod
+
+        if not self.quantizes_float_checkpoints:
+            return IntExpertMethod(self, from_checkpoint=True)
+        if type(self).float_weights is QuantizationMethod.float_weights:
+            return None
+        sizes = (layer.w2_weight.shape[1], layer.intermediate_per_rank)
+        if self.group_size is not None and any(k % self.group_size for k in sizes):
+            logger.warning("%s: groups of %d do not divide the experts' input features %s; the experts stay in "
+                           "floating point", self.name, self.group_size, sizes)
+            return None
+        return IntExpertMethod(self, from_checkpoint=False)
 
     def group_for(self, input_size: int) -> int:
         """The group size of a layer with ``input_size`` input features (on this rank)."""

@@ -23,27 +23,30 @@ from plinth.kernels import ops
 from plinth.model_registry.layers.linear import ReplicatedLinear, divide
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\."
-                        r"(?P<kind>[A-Za-z_]*(?:weight|scale|zeros|g_idx)[A-Za-z_]*)$")
-#: the tensors of one expert projection plinth reads: the weight, and an FP8 checkpoint's scales
-EXPERT_TENSOR_KINDS = ("weight", "weight_scale", "weight_scale_inv", "input_scale")
+                        r"(?P<kind>[A-Za-z_]*(?:weight|scale|zeros|zero_point|g_idx)[A-Za-z_]*)$")
+#: the tensors of one expert projection plinth reads: the weight, and a quantized checkpoint's packed tensors
+EXPERT_TENSOR_KINDS = ("weight", "weight_scale", "weight_scale_inv", "input_scale",   # FP8
+                       "qweight", "qzeros", "scales", "g_idx",                         # AWQ, GPTQ
+                       "weight_packed", "weight_zero_point", "weight_shape", "input_zero_point")  # compressed-tensors
 
 
 def map_expert_weight(name: str, proj_names: dict[str, str]) -> tuple[str, Any] | None:
     """Map ``...experts.{e}.{proj}.{kind}`` to ``(...experts.w13_{kind}|w2_{kind}, (e, role))`` (``kind``: the
-    ``weight``, or an FP8 checkpoint's ``weight_scale``, ``weight_scale_inv``, ``input_scale``).
+    ``weight``, or one of a quantized checkpoint's :data:`EXPERT_TENSOR_KINDS`).
 
     ``proj_names`` maps checkpoint projection names to roles, e.g. ``{"w1": "gate", "w3": "up",
     "w2": "down"}``. Returns ``None`` when ``name`` is not an expert tensor.
 
     Raises:
-        ModelLoadError: an expert tensor of another quantization format (AWQ's or GPTQ's ``qweight``, ...).
+        ModelLoadError: an expert tensor of a format plinth does not read.
     """
     m = _EXPERT_RE.match(name)
     if m is None or m["proj"] not in proj_names:
         return None
     if m["kind"] not in EXPERT_TENSOR_KINDS:
         raise ModelLoadError(f"checkpoint tensor {name!r}: experts quantized in this format ({m['kind']}) are not "
-                             f"supported; plinth reads float experts and FP8 ones (quant_method fp8)")
+                             f"supported; plinth reads float experts, FP8 ones and those of AWQ, GPTQ and "
+                             f"compressed-tensors checkpoints")
     role = proj_names[m["proj"]]
     param = ("w2_" if role == "down" else "w13_") + m["kind"]
     return f"{m['prefix']}.{param}", (int(m["expert"]), role)
@@ -100,7 +103,7 @@ class FusedMoE(nn.Module):
             p.expected_shards = tuple((e, r) for e in range(num_experts) for r in roles)  # type: ignore[attr-defined]
         #: set by a quantization method that stores the experts in its own format (``None``: floating point)
         self.weight_method: Any = None
-        #: ``{"w13": ExpertScales, "w2": ExpertScales}`` once FP8 experts are loaded
+        #: ``{"w13": ExpertScales, "w2": ExpertScales}`` once FP8 experts are loaded (read by the GEMV kernel)
         self.fp8_scales: dict[str, Any] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
@@ -129,13 +132,11 @@ class FusedMoE(nn.Module):
         return weights, ids
 
     def expert_weight(self, which: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert ``expert``'s ``w13`` ``[2I, H]`` or ``w2`` ``[H, I]`` weight in ``dtype`` (FP8 experts widened)."""
-        weight = getattr(self, f"{which}_weight")
-        if self.fp8_scales is None:
-            return weight[expert]
-        from plinth.quantization.fp8_experts import expert_fp8_weights
-
-        return expert_fp8_weights(weight, self.fp8_scales[which], expert).dequantize(dtype)
+        """Expert ``expert``'s ``w13`` ``[2I, H]`` or ``w2`` ``[H, I]`` weight in ``dtype`` (quantized experts
+        widened by their ``weight_method``)."""
+        if self.weight_method is None:
+            return getattr(self, f"{which}_weight")[expert]
+        return self.weight_method.widen(self, which, expert, dtype)
 
     def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the grouped-GEMM path: every expert's rows in one ``torch._grouped_mm`` launch per
@@ -151,7 +152,7 @@ class FusedMoE(nn.Module):
 
     def _grouped_gemm_runs(self, device: torch.device, dtype: torch.dtype) -> bool:
         if (device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
-                or self.fp8_scales is not None):
+                or self.weight_method is not None):
             return False
         align = 16 // dtype.itemsize
         return (_capability(device) >= (9, 0) and self.w13_weight.shape[-1] % align == 0
@@ -160,8 +161,9 @@ class FusedMoE(nn.Module):
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether ``x`` ``[T, H]`` takes the per-slot GEMV kernel (:func:`plinth.kernels.ops.moe_gemv`): a few
         tokens (``T * top_k`` at most the expert count, so each chosen expert's weights are read about once), on a
-        Triton device. No host read of the routing either."""
-        return 0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)
+        Triton device, for float or FP8 experts. No host read of the routing either."""
+        return (0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)
+                and (self.weight_method is None or self.fp8_scales is not None))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, ``router_logits`` ``[T, E]`` -> ``[T, H]``."""

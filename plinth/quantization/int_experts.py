@@ -1,0 +1,157 @@
+"""Integer experts: the stacked weights of a mixture-of-experts layer (:class:`~plinth.model_registry.layers.moe.FusedMoE`)
+kept as 4- or 8-bit codes with group-wise scales and zero points.
+
+Sources:
+
+- checkpoints of an integer method (AWQ, GPTQ, compressed-tensors ``pack-quantized``/``int-quantized``): each expert
+  projection's packed tensors (``experts.{e}.{proj}.qweight``, ``qzeros``, ``scales``, ``g_idx``; or
+  ``weight_packed``, ``weight_scale``, ...) load into a stand-in linear layer of that method (column-parallel for
+  gate and up, row-parallel for down, so tensor-parallel cuts and packing checks are the linear layers' own), and
+  the method's own conversion turns each into :class:`~plinth.quantization.formats.IntWeights` once loaded;
+- float experts quantized by a method that quantizes float weights (``--quantization int4``), per expert, as it
+  quantizes a linear layer.
+
+After loading (``E`` experts, ``N`` rows, ``K`` input features of one stacked projection):
+``w13_weight``/``w2_weight`` ``[E, N, K / 2]`` uint8 for 4 bits (two codes per byte, the even feature in the low
+nibble) or ``[E, N, K]`` for 8 bits, ``w13_scales``/``w13_zeros`` ``[E, N, K / g]`` float32, and, for act-order
+GPTQ checkpoints, ``w13_perm`` ``[E, 2, K]`` (gate, up) / ``w2_perm`` ``[E, 1, K]``. Each chosen expert is widened
+to the model's dtype when it runs (half of bfloat16's bytes at 8 bits, a quarter at 4).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from plinth.errors import ModelLoadError
+from plinth.quantization.formats import IntWeights
+
+_ROLES = {"w13": ("gate", "up"), "w2": ("down",)}
+
+
+class IntExpertMethod:
+    """The integer storage of a :class:`FusedMoE` layer's experts (see the module docstring).
+
+    Args:
+        method: the model's integer quantization method (an
+            :class:`~plinth.quantization.int_method.IntWeightMethod`).
+        from_checkpoint: the checkpoint holds the method's packed experts (else float experts are quantized with
+            ``method.float_weights`` once loaded).
+    """
+
+    def __init__(self, method: Any, *, from_checkpoint: bool):
+        self.method = method
+        self.from_checkpoint = from_checkpoint
+
+    # -- before loading --------------------------------------------------------------------------
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Checkpoint sources: one stand-in linear layer per expert projection (kept outside the module tree), and
+        on ``layer`` one placeholder parameter per packed tensor kind (``w13_qweight``, ...) that hands each
+        checkpoint tensor to its stand-in."""
+        if not self.from_checkpoint:
+            return
+        from plinth.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+        e, i, h = layer.num_experts, layer.intermediate_per_rank, layer.w2_weight.shape[1]
+        tp = {"tp_rank": layer.tp_rank, "tp_size": layer.tp_size, "quant_method": self.method}
+        device = layer.w2_weight.device
+        stand_ins: dict[tuple[int, str], nn.Module] = {}
+        with torch.device(device):
+            for x in range(e):
+                for role in ("gate", "up"):
+                    stand_ins[x, role] = ColumnParallelLinear(h, i * layer.tp_size, bias=False, **tp)
+                stand_ins[x, "down"] = RowParallelLinear(i * layer.tp_size, h, bias=False, **tp)
+        layer.__dict__["int_stand_ins"] = stand_ins      # not submodules: the model's loader must not see them
+        for which, roles in _ROLES.items():
+            del layer._parameters[f"{which}_weight"]
+            kinds = stand_ins[0, roles[0]]._parameters
+            for kind, example in kinds.items():
+                if example is None:
+                    continue
+                placeholder = nn.Parameter(torch.empty(0, dtype=example.dtype, device=device), requires_grad=False)
+                placeholder.weight_loader = functools.partial(_hand_over, stand_ins, kind)  # type: ignore[attr-defined]
+                placeholder.expected_shards = tuple((x, r) for x in range(e) for r in roles)  # type: ignore[attr-defined]
+                layer.register_parameter(f"{which}_{kind}", placeholder)
+
+    # -- once loaded -----------------------------------------------------------------------------
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert every expert projection to :class:`IntWeights` and stack their codes, scales and zero points."""
+        stand_ins = layer.__dict__.pop("int_stand_ins", None)
+        for which, roles in _ROLES.items():
+            if stand_ins is not None:
+                for name in [n for n in layer._parameters if n.startswith(f"{which}_")]:
+                    del layer._parameters[name]
+                per_expert = [[self.method.convert_weights(stand_ins.pop((x, r))) for r in roles]
+                              for x in range(layer.num_experts)]
+            else:
+                weight = layer._parameters.pop(f"{which}_weight")
+                per_expert = []
+                for x in range(layer.num_experts):
+                    rows = weight[x].split(weight.shape[1] // len(roles))
+                    per_expert.append([self.method.float_weights(r) for r in rows])
+                del weight
+            self._stack(layer, which, per_expert)
+
+    def _stack(self, layer: nn.Module, which: str, per_expert: list[list[IntWeights]]) -> None:
+        first = per_expert[0][0]
+        bits, group = first.bits, first.group_size
+        for parts in per_expert:
+            for w in parts:
+                if (w.bits, w.group_size) != (bits, group):
+                    raise ModelLoadError(f"the experts' projections are quantized differently ({w.bits} bits, groups of "
+                                         f"{w.group_size} against {bits}, {group}); plinth stacks them alike")
+        codes = torch.stack([torch.cat([_pack(w.q, bits) for w in parts]) for parts in per_expert])
+        scales = torch.stack([torch.cat([w.scales for w in parts]) for parts in per_expert])
+        zeros = torch.stack([torch.cat([w.zeros for w in parts]) for parts in per_expert])
+        layer.register_parameter(f"{which}_weight", nn.Parameter(codes, requires_grad=False))
+        layer.register_parameter(f"{which}_scales", nn.Parameter(scales, requires_grad=False))
+        layer.register_parameter(f"{which}_zeros", nn.Parameter(zeros, requires_grad=False))
+        if any(w.perm is not None for parts in per_expert for w in parts):
+            k = first.q.shape[1]
+            perm = torch.stack([torch.stack([w.perm if w.perm is not None else torch.arange(k, device=w.q.device)
+                                             for w in parts]) for parts in per_expert])
+            layer.register_parameter(f"{which}_perm", nn.Parameter(perm, requires_grad=False))
+        layer.int_format = (bits, group, first.symmetric)
+
+    def widen(self, layer: nn.Module, which: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``expert``'s ``[N, K]`` weight in ``dtype``."""
+        bits, group, symmetric = layer.int_format
+        q = _unpack(getattr(layer, f"{which}_weight")[expert], bits)
+        scales, zeros = getattr(layer, f"{which}_scales")[expert], getattr(layer, f"{which}_zeros")[expert]
+        perm = getattr(layer, f"{which}_perm", None)
+        if perm is None:
+            return IntWeights(q, scales, zeros, bits, group, symmetric=symmetric).dequantize(dtype)
+        parts = perm.shape[1]
+        rows = q.shape[0] // parts
+        return torch.cat([IntWeights(q[j * rows:(j + 1) * rows], scales[j * rows:(j + 1) * rows],
+                                     zeros[j * rows:(j + 1) * rows], bits, group, perm=perm[expert, j],
+                                     symmetric=symmetric).dequantize(dtype) for j in range(parts)])
+
+
+def _hand_over(stand_ins: dict[tuple[int, str], nn.Module], kind: str, param: nn.Parameter, loaded: torch.Tensor,
+               shard_id: tuple[int, str]) -> None:
+    stand_in = stand_ins.get(shard_id)
+    if stand_in is None:
+        raise ModelLoadError(f"expert {shard_id[0]} out of range")
+    target = stand_in._parameters[kind]
+    target.weight_loader(target, loaded)  # type: ignore[attr-defined]
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[N, K]`` (uint8) as stored: two per byte at 4 bits (even feature in the low nibble)."""
+    if bits != 4:
+        return q
+    if q.shape[1] % 2:
+        raise ModelLoadError(f"4-bit experts need an even number of input features, got {q.shape[1]}")
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits != 4:
+        return packed
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)

@@ -1,0 +1,145 @@
+"""Integer experts: AWQ, GPTQ (4 and 8 bits, act order) and compressed-tensors ``pack-quantized`` checkpoints whose
+experts are quantized, and float experts under ``--quantization int4``; against transformers running the weights the
+packed tensors decode to (a Qwen3-MoE with experts on layers 0 and 2, float32, CPU). The packers are the ones
+``test_quantization_awq_gptq.py`` writes from the published layouts."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from test_models import save_with_tokenizer
+from test_quantization_awq_gptq import awq_checkpoint, gptq_checkpoint
+from test_quantization_support import compare, load_plinth, one_thread, write_checkpoint  # noqa: F401
+
+from plinth.quantization.quantizers import quantize_int_rtn
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3moe") / "float"
+    save_with_tokenizer("Qwen3MoeForCausalLM", path)
+    return path
+
+
+def _reference(base, deq: dict[str, torch.Tensor], out) -> transformers.PreTrainedModel:
+    """transformers on ``base`` with the dequantized weights (per-expert names: transformers stacks them itself)."""
+    write_checkpoint(base, out, {**load_file(str(base / "model.safetensors")), **deq}, None)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+
+def _check(model, backend, ref) -> None:
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.uint8 and experts.weight_method is not None
+    compare(model, backend, ref, atol=1e-3, min_agreement=0.95)
+
+
+def test_awq_experts(qwen3_moe, tmp_path):
+    path, deq = awq_checkpoint(qwen3_moe, tmp_path / "awq", group=32)
+    assert "model.layers.0.mlp.experts.3.down_proj.qweight" in load_file(str(path / "model.safetensors"))
+    model, backend, method = load_plinth(path)
+    assert method.name == "awq"
+    # 4-bit codes two per byte: the 32 x 64 gate and up of each of 4 experts take 64 x 32 bytes
+    assert model.model.layers[0].mlp.experts.w13_weight.shape == (4, 64, 32)
+    _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
+
+
+@pytest.mark.parametrize("bits,desc_act,symmetric,fmt", [(4, True, True, "gptq"), (8, False, False, "gptq_v2"),
+                                                          (4, False, False, "gptq")])
+def test_gptq_experts(qwen3_moe, tmp_path, bits, desc_act, symmetric, fmt):
+    """Act order gives each expert's gate/up and down their own permutation (stacked per expert and projection)."""
+    path, deq = gptq_checkpoint(qwen3_moe, tmp_path / "gptq", bits, 32, desc_act, symmetric, fmt)
+    model, backend, _ = load_plinth(path)
+    experts = model.model.layers[0].mlp.experts
+    assert (getattr(experts, "w13_perm", None) is not None) == desc_act
+    _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
+
+
+def test_int4_quantizes_float_experts(qwen3_moe, tmp_path):
+    """``--quantization int4`` on a float MoE checkpoint: the experts are quantized like the linear layers (groups of
+    32 here: the dense layer's 96 input features rule out 64)."""
+    state = load_file(str(qwen3_moe / "model.safetensors"))
+    deq = {n: quantize_int_rtn(w.float(), 4, 32).dequantize(torch.float32) for n, w in state.items()
+           if ".layers." in n and n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj")}
+    model, backend, method = load_plinth(qwen3_moe, "int4")
+    assert method.group_size == 32
+    _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
+
+
+def test_compressed_tensors_pack_quantized_experts(qwen3_moe, tiny_llama_dir, tmp_path):
+    """compressed-tensors W4A16 (``pack-quantized``, symmetric groups of 32) with the experts quantized, packed with the
+    library's own ``pack_to_int32``; the configuration is the one the library writes."""
+    pytest.importorskip("compressed_tensors")
+    import json
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from test_quantization_compressed_tensors import ct_checkpoint
+
+    lib_dir, _ = ct_checkpoint(tiny_llama_dir, tmp_path / "lib", "w4a16-sym", ignore=("lm_head", "re:.*mlp\\.gate$"))
+    quant_config = json.loads((lib_dir / "config.json").read_text())["quantization_config"]
+    tensors, deq = {}, {}
+    for name, w in load_file(str(qwen3_moe / "model.safetensors")).items():
+        proj = name.rsplit(".", 2)[-2]
+        if ".layers." not in name or proj not in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"):
+            tensors[name] = w
+            continue
+        n, k = w.shape
+        groups = w.float().reshape(n, k // 32, 32)
+        scale = groups.abs().amax(-1) / 7                                             # [N, G], codes in [-8, 7]
+        q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8)
+        stem = name.removesuffix(".weight")
+        tensors[f"{stem}.weight_packed"] = pack_to_int32(q.reshape(n, k), 4)
+        tensors[f"{stem}.weight_scale"] = scale
+        tensors[f"{stem}.weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
+        deq[name] = (q.float() * scale[..., None]).reshape(n, k)
+    path = write_checkpoint(qwen3_moe, tmp_path / "ct", tensors, None)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (path / "config.json").write_text(json.dumps(config))
+    model, backend, method = load_plinth(path)
+    assert method.name == "compressed-tensors"
+    _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
+
+
+def test_int_experts_under_tensor_parallelism_decode_to_slices(qwen3_moe, tmp_path):
+    """Each of two ranks' GPTQ experts widen to its slice of the one-process experts: gate and up rows, down columns."""
+    path, _ = gptq_checkpoint(qwen3_moe, tmp_path / "gptq", 4, 16, False, True, "gptq")
+    whole = load_plinth(path)[0].model.layers[0].mlp.experts
+    for rank in (0, 1):
+        half = load_plinth(path, tp=(rank, 2))[0].model.layers[0].mlp.experts
+        i = half.intermediate_per_rank
+        for e in range(half.num_experts):
+            w13, full13 = half.expert_weight("w13", e, torch.float32), whole.expert_weight("w13", e, torch.float32)
+            rows = torch.cat([full13[rank * i:(rank + 1) * i], full13[2 * i + rank * i:2 * i + (rank + 1) * i]])
+            assert torch.equal(w13, rows)
+            assert torch.equal(half.expert_weight("w2", e, torch.float32),
+                               whole.expert_weight("w2", e, torch.float32)[:, rank * i:(rank + 1) * i])
+
+
+def test_a_missing_expert_tensor_is_named(qwen3_moe, tmp_path):
+    from plinth.errors import ModelLoadError
+
+    path, _ = awq_checkpoint(qwen3_moe, tmp_path / "awq", group=32)
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.2.mlp.experts.1.up_proj.qzeros"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model.layers.2.mlp.experts.1.up_proj.qzeros'"):
+        load_plinth(path)
+    shutil.rmtree(path)
+
+
+def test_engine_serves_a_gptq_moe_checkpoint(qwen3_moe, tmp_path):
+    """The whole engine (kernel selection for the linear layers, batching) on GPTQ experts with act order: greedy
+    tokens equal transformers' on the dequantized weights."""
+    from test_models import _prompts, llm_greedy_matches
+
+    import plinth
+
+    path, deq = gptq_checkpoint(qwen3_moe, tmp_path / "gptq", 4, 32, True, True, "gptq")
+    ref = _reference(qwen3_moe, deq, tmp_path / "ref")
+    llm_greedy_matches(plinth.LLM(str(path), dtype="float32", max_model_len=128), ref, _prompts(ref.config.vocab_size))
