@@ -15,6 +15,7 @@ from test_models import save_with_tokenizer
 from test_quantization_awq_gptq import awq_checkpoint, gptq_checkpoint
 from test_quantization_support import compare, load_plinth, one_thread, write_checkpoint  # noqa: F401
 
+from plinth.errors import ModelLoadError
 from plinth.quantization.quantizers import quantize_int_rtn
 
 
@@ -122,8 +123,6 @@ def test_int_experts_under_tensor_parallelism_decode_to_slices(qwen3_moe, tmp_pa
 
 
 def test_a_missing_expert_tensor_is_named(qwen3_moe, tmp_path):
-    from plinth.errors import ModelLoadError
-
     path, _ = awq_checkpoint(qwen3_moe, tmp_path / "awq", group=32)
     state = load_file(str(path / "model.safetensors"))
     del state["model.layers.2.mlp.experts.1.up_proj.qzeros"]
@@ -143,3 +142,33 @@ def test_engine_serves_a_gptq_moe_checkpoint(qwen3_moe, tmp_path):
     path, deq = gptq_checkpoint(qwen3_moe, tmp_path / "gptq", 4, 32, True, True, "gptq")
     ref = _reference(qwen3_moe, deq, tmp_path / "ref")
     llm_greedy_matches(plinth.LLM(str(path), dtype="float32", max_model_len=128), ref, _prompts(ref.config.vocab_size))
+
+
+_DEEPSEEK_PROJ = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _deepseek_projection(name: str) -> bool:
+    return ".layers." in name and name.endswith(".weight") and name.rsplit(".", 2)[-2] in _DEEPSEEK_PROJ
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_deepseek_v2_with_every_projection_quantized(method, tmp_path):
+    """DeepSeek-V2 as AWQ/GPTQ checkpoints quantize it: every projection, ``kv_b_proj`` (widened once loaded: the
+    latent attention reads it itself) and the experts included (groups of 16: ``o_proj`` reads 48 features)."""
+    save_with_tokenizer("DeepseekV2ForCausalLM", tmp_path / "float")
+    if method == "awq":
+        path, deq = awq_checkpoint(tmp_path / "float", tmp_path / "q", 16, quantize=_deepseek_projection)
+    else:
+        path, deq = gptq_checkpoint(tmp_path / "float", tmp_path / "q", 4, 16, True, True, quantize=_deepseek_projection)
+    assert "model.layers.0.self_attn.kv_b_proj.qweight" in load_file(str(path / "model.safetensors"))
+    model, backend, _ = load_plinth(path)
+    kv_b = model.model.layers[1].self_attn.kv_b_proj
+    assert kv_b.weight.dtype == torch.float32 and not hasattr(kv_b, "qweight")
+    ref = _reference(tmp_path / "float", deq, tmp_path / "ref")
+    compare(model, backend, ref, atol=1e-3, min_agreement=0.95)
+    # a checkpoint with half of kv_b_proj's packed tensors is refused, naming the rest
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.self_attn.kv_b_proj.scales"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="LatentExpansion: the checkpoint has .*qweight.* but not scales"):
+        load_plinth(path)

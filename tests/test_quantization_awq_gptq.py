@@ -90,10 +90,11 @@ def dequantize(codes, scales, zeros, group_of_col) -> torch.Tensor:
     return torch.from_numpy((codes - z) * s).to(torch.float32)
 
 
-def awq_checkpoint(base, out, group: int):
+def awq_checkpoint(base, out, group: int, quantize=is_linear):
+    """An AWQ copy of ``base`` (the tensors ``quantize`` names) and the weights it decodes to."""
     tensors, deq = {}, {}
     for name, w in float_state(base).items():
-        if not is_linear(name):
+        if not quantize(name):
             tensors[name] = w
             continue
         w64 = w.double().numpy()
@@ -109,11 +110,13 @@ def awq_checkpoint(base, out, group: int):
     return write_checkpoint(base, out, tensors, config), deq
 
 
-def gptq_checkpoint(base, out, bits: int, group: int, desc_act: bool, symmetric: bool, fmt: str = "gptq"):
+def gptq_checkpoint(base, out, bits: int, group: int, desc_act: bool, symmetric: bool, fmt: str = "gptq",
+                    quantize=is_linear):
+    """A GPTQ copy of ``base`` (the tensors ``quantize`` names) and the weights it decodes to."""
     rng = np.random.default_rng(bits + group)
     tensors, deq, orders = {}, {}, {}
     for name, w in float_state(base).items():
-        if not is_linear(name):
+        if not quantize(name):
             tensors[name] = w
             continue
         w64 = w.double().numpy()

@@ -133,6 +133,65 @@ class IntExpertMethod:
                                      symmetric=symmetric).dequantize(dtype) for j in range(parts)])
 
 
+class WidenedIntWeight:
+    """The packed checkpoint tensors of a weight a model reads itself (``layer.weight`` ``[rows, K]``, this rank's rows;
+    DeepSeek's ``kv_b_proj``) under an integer method: they load into a stand-in column-parallel layer of the method,
+    whose conversion is widened into ``layer.weight`` once loaded. A float tensor (a layer the checkpoint leaves in
+    floating point) loads as it is; one of the two must be there."""
+
+    def __init__(self, layer: nn.Module, method: Any):
+        from plinth.model_registry.layers.linear import ColumnParallelLinear
+
+        self.method = method
+        rows, k = layer.weight.shape
+        tp_size = int(getattr(layer, "tp_size", 1))
+        # built where the layer's weight is once the first packed tensor arrives (models are built on the meta device
+        # and given memory afterwards; this stand-in is not part of the module tree)
+        self.make_stand_in = functools.partial(ColumnParallelLinear, k, rows * tp_size, bias=False,
+                                               tp_rank=int(getattr(layer, "tp_rank", 0)), tp_size=tp_size,
+                                               quant_method=method)
+        with torch.device("meta"):
+            example = self.make_stand_in()
+        self.kinds = {kind for kind, p in example._parameters.items() if p is not None and kind != "weight"}
+        self.stand_in: nn.Module | None = None
+        self.loaded: set[str] = set()
+        self.saw_float = False
+        layer.weight.expected_shards = ()  # type: ignore[attr-defined] # either the float weight or the packed ones
+        for kind in sorted(self.kinds):
+            placeholder = nn.Parameter(torch.empty(0, dtype=example._parameters[kind].dtype), requires_grad=False)
+            placeholder.weight_loader = functools.partial(self._load, layer, kind)  # type: ignore[attr-defined]
+            placeholder.expected_shards = ()  # type: ignore[attr-defined]
+            layer.register_parameter(kind, placeholder)
+
+    def takes(self, rows: torch.Tensor) -> bool:
+        """A float checkpoint tensor: the layer loads it itself (False)."""
+        self.saw_float = True
+        return False
+
+    def _load(self, layer: nn.Module, kind: str, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.stand_in is None:
+            with torch.device(layer.weight.device):
+                self.stand_in = self.make_stand_in()
+        target = self.stand_in._parameters[kind]
+        target.weight_loader(target, loaded)  # type: ignore[attr-defined]
+        self.loaded.add(kind)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        stand_in, self.stand_in = self.stand_in, None
+        for kind in self.kinds:
+            del layer._parameters[kind]
+        if self.loaded:
+            missing = sorted(self.kinds - self.loaded)
+            if missing:
+                raise ModelLoadError(f"{type(layer).__name__}: the checkpoint has {', '.join(sorted(self.loaded))} "
+                                     f"but not {', '.join(missing)}")
+            widened = self.method.convert_weights(stand_in).dequantize(layer.weight.dtype)
+            layer.weight.data.copy_(widened.to(layer.weight.device))
+        elif not self.saw_float:
+            raise ModelLoadError(f"{type(layer).__name__}: the checkpoint has neither its weight nor its "
+                                 f"{', '.join(sorted(self.kinds))}")
+
+
 def _hand_over(stand_ins: dict[tuple[int, str], nn.Module], kind: str, param: nn.Parameter, loaded: torch.Tensor,
                shard_id: tuple[int, str]) -> None:
     stand_in = stand_ins.get(shard_id)

@@ -66,6 +66,13 @@ class IntWeightMethod(QuantizationMethod):
             return None
         return IntExpertMethod(self, from_checkpoint=False)
 
+    def widened_weight(self, layer: nn.Module) -> Any:
+        """For a weight ``layer`` reads itself (DeepSeek's ``kv_b_proj``): the checkpoint's packed tensors widened to
+        the model's dtype once loaded; ``None`` for float checkpoints."""
+        from plinth.quantization.int_experts import WidenedIntWeight
+
+        return WidenedIntWeight(layer, self) if not self.quantizes_float_checkpoints else None
+
     def group_for(self, input_size: int) -> int:
         """The group size of a layer with ``input_size`` input features (on this rank)."""
         return input_size if self.group_size is None else self.group_size
