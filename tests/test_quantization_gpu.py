@@ -98,6 +98,38 @@ def test_fp8_scaled_mm_matches_references(layer):
     assert _relative(out, reference.apply(holder(reference.prepare(weights)), x, None).float()) < 8e-2
 
 
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+@pytest.mark.parametrize("layer", list(LLAMA3_8B))
+def test_triton_fp8_matches_dequant_reference(layer, block):
+    """The Triton FP8 weight-only GEMM in bfloat16 with DeepSeek-style 128x128 blocks and per-channel scales."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    from plinth.quantization.formats import FP8Weights
+    from plinth.quantization.kernels.fp8_triton import TritonFP8Kernel
+
+    n, k = LLAMA3_8B[layer]
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    w = torch.randn(n, k, generator=gen, device=CUDA) * 0.02
+    if block is None:
+        weights = quantize_fp8_per_channel(w)
+    else:
+        blocks = w.reshape(n // 128, 128, k // 128, 128)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        q = (blocks / scale[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+        weights = FP8Weights(q, scale, block)
+    problem = GemmProblem("fp8", torch.bfloat16, "cuda", CAPABILITY, block=block, shapes=((n, k),))
+    support = TritonFP8Kernel.supports(problem)
+    assert support, support.reason
+    kernel = TritonFP8Kernel(problem)
+    module = holder(kernel.prepare(weights))
+    dense = weights.dequantize(torch.float32)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
+        out = kernel.apply(module, x, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert _relative(out, x.float() @ dense.t()) < 2e-2, (layer, m)
+
+
 @pytest.mark.parametrize("quantization", ["int4", "fp8"])
 def test_quantized_engine_with_cuda_graphs(quantization):
     """Decode replayed from CUDA graphs gives the eager run's greedy tokens."""

@@ -10,8 +10,9 @@ Two sources:
   least as accurate). Per-tensor scales of fused projections become per-channel scales.
 - float checkpoints with ``--quantization fp8``: each weight gets one scale per output channel.
 
-Kernels: ``fp8_scaled_mm`` (``torch._scaled_mm`` on GPUs with FP8 tensor cores) and ``dequant`` (any
-device; activations stay in the compute dtype).
+Kernels: ``fp8_scaled_mm`` (``torch._scaled_mm`` on GPUs with FP8 tensor cores, per-channel scales),
+``triton_fp8`` (a Triton weight-only GEMM widening the FP8 bytes in registers, per-channel or block scales) and
+``dequant`` (any device; activations stay in the compute dtype).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _K = "plinth.quantization.kernels"
 FP8_KERNELS = {
     "dequant": f"{_K}.dequant:DequantFP8Kernel",
     "fp8_scaled_mm": f"{_K}.fp8_scaled_mm:ScaledMMFP8Kernel",
+    "triton_fp8": f"{_K}.fp8_triton:TritonFP8Kernel",
 }
 
 

@@ -30,13 +30,13 @@ def interpret_requested() -> bool:
     return os.environ.get("PLINTH_TRITON_INTERPRET") == "1" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.lru_cache(maxsize=1)
-def load_jit_module() -> ModuleType:
-    """Import the ``@triton.jit`` module; Triton decides between compiling and interpreting at
+@functools.lru_cache(maxsize=4)
+def load_jit_module(name: str = "plinth.quantization.kernels.w4a16_triton_jit") -> ModuleType:
+    """Import a ``@triton.jit`` module; Triton decides between compiling and interpreting at
     decoration time, so ``TRITON_INTERPRET`` is set first when the interpreter is asked for."""
     if os.environ.get("PLINTH_TRITON_INTERPRET") == "1":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return importlib.import_module("plinth.quantization.kernels.w4a16_triton_jit")
+    return importlib.import_module(name)
 
 
 @dataclasses.dataclass(frozen=True)
