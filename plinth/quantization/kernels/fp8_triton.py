@@ -6,7 +6,6 @@ interpreter on the CPU in tests."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import ClassVar
 
 import torch
@@ -15,10 +14,9 @@ from torch import nn
 from plinth.kernels.ops import num_sms
 from plinth.quantization.formats import FP8Weights
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
-from plinth.quantization.kernels.w4a16_triton import interpret_requested, load_jit_module
+from plinth.quantization.kernels.w4a16_triton import interpret_requested, load_jit_module, triton_refusal
 
 _JIT = "plinth.quantization.kernels.fp8_triton_jit"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRETER_SMS = 4
 
 
@@ -51,20 +49,11 @@ class TritonFP8Kernel(GemmKernel):
     def supports(cls, problem: GemmProblem) -> Support:
         if problem.weight_format != "fp8":
             return Support.no("runs FP8 weights only")
-        if importlib.util.find_spec("triton") is None:
-            return Support.no("triton not installed")
-        if problem.device_type == "cpu":
-            if not interpret_requested():
-                return Support.no("triton kernels need a GPU; set PLINTH_TRITON_INTERPRET=1 to run them in the "
-                                  "interpreter")
-            if problem.dtype == torch.bfloat16:
-                return Support.no("bfloat16 is not computed correctly by Triton's interpreter")
-        elif problem.device_type not in ("cuda", "xpu"):
-            return Support.no(f"triton kernels run on cuda and xpu devices, not {problem.device_type!r}")
+        refused = triton_refusal(problem)
+        if refused is not None:
+            return refused
         if getattr(torch.version, "hip", None):
             return Support.no("ROCm uses the float8_e4m3fnuz format, not float8_e4m3fn")
-        if problem.dtype not in _DTYPES:
-            return Support.no(f"dtype {problem.dtype} unsupported (float16, bfloat16, float32)")
         if problem.block is not None and problem.block[1] % 16:
             return Support.no(f"block scales {problem.block[0]}x{problem.block[1]}: the columns per scale must be a "
                               f"multiple of 16")

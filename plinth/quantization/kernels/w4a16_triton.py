@@ -39,6 +39,24 @@ def load_jit_module(name: str = "plinth.quantization.kernels.w4a16_triton_jit") 
     return importlib.import_module(name)
 
 
+def triton_refusal(problem: GemmProblem) -> Support | None:
+    """Why a Triton GEMM kernel cannot run ``problem``'s device and dtype (``None``: it can): GPUs (cuda, xpu), or
+    the CPU under Triton's interpreter in float32/float16."""
+    if importlib.util.find_spec("triton") is None:
+        return Support.no("triton not installed")
+    if problem.device_type == "cpu":
+        if not interpret_requested():
+            return Support.no("triton kernels need a GPU; set PLINTH_TRITON_INTERPRET=1 to run them in the "
+                              "interpreter")
+        if problem.dtype == torch.bfloat16:
+            return Support.no("bfloat16 is not computed correctly by Triton's interpreter")
+    elif problem.device_type not in _GPU_DEVICE_TYPES:
+        return Support.no(f"triton kernels run on cuda and xpu devices, not {problem.device_type!r}")
+    if problem.dtype not in _DTYPES:
+        return Support.no(f"dtype {problem.dtype} unsupported (float16, bfloat16, float32)")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class W4A16Tiles:
     block_m: int
@@ -207,20 +225,11 @@ class TritonW4A16Kernel(GemmKernel):
 
     @classmethod
     def supports(cls, problem: GemmProblem) -> Support:
-        if importlib.util.find_spec("triton") is None:
-            return Support.no("triton not installed")
         if problem.weight_format != "int" or problem.bits != 4:
             return Support.no("runs 4-bit integer weights only")
-        if problem.device_type == "cpu":
-            if not interpret_requested():
-                return Support.no("triton kernels need a GPU; set PLINTH_TRITON_INTERPRET=1 to run them in the "
-                                  "interpreter")
-            if problem.dtype == torch.bfloat16:
-                return Support.no("bfloat16 is not computed correctly by Triton's interpreter")
-        elif problem.device_type not in _GPU_DEVICE_TYPES:
-            return Support.no(f"triton kernels run on cuda and xpu devices, not {problem.device_type!r}")
-        if problem.dtype not in _DTYPES:
-            return Support.no(f"dtype {problem.dtype} unsupported (float16, bfloat16, float32)")
+        refused = triton_refusal(problem)
+        if refused is not None:
+            return refused
         if problem.group_size is not None and problem.group_size % 16:
             return Support.no(f"group size {problem.group_size} is not a multiple of 16")
         if problem.group_size is None and any(k % 16 for _n, k in problem.shapes):
