@@ -1077,9 +1077,9 @@ def test_mixture_of_experts_weights_equal_transformers_gguf_loader(tmp_path, arc
 
 
 def test_mixture_of_experts_gguf_through_the_engine(tmp_path):
-    """A Q8_0 Qwen3-MoE GGUF file through LLM: with ``quantization="gguf"`` the attention projections keep their
-    blocks and the experts (which plinth does not quantize) are widened; greedy tokens equal transformers' on the
-    weights transformers' own GGUF reader dequantizes; the default path starts the same way."""
+    """A Q8_0 Qwen3-MoE GGUF file through LLM: with ``quantization="gguf"`` the attention projections and the experts
+    keep their blocks; greedy tokens equal transformers' on the weights transformers' own GGUF reader dequantizes; the
+    default path starts the same way."""
     from conftest import save_tiny_model
 
     tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
@@ -1089,6 +1089,14 @@ def test_mixture_of_experts_gguf_through_the_engine(tmp_path):
     result = reference.load_state_dict(transformers_gguf_tensors(path, reference.config), strict=False)
     assert not result.unexpected_keys and not result.missing_keys
     engine_matches_dequantized(path, reference, tokenizer_dir)
+    import plinth
+
+    llm = plinth.LLM(path, tokenizer=str(tokenizer_dir), dtype="float32", max_model_len=128, quantization="gguf")
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    shards = experts.gguf_experts["w13"][1].shards
+    assert [(s.ggml_type, s.data.dtype, s.rows) for s in shards] == [(Q.Q8_0, torch.uint8, 64)] * 2   # gate, up
+    assert experts.w13_weight.numel() == 0
+    llm.close()
 
 
 def test_mixture_of_experts_files_that_cannot_be_read_are_refused(tmp_path):

@@ -170,3 +170,26 @@ def test_gguf_method_needs_a_gguf_file(tiny_llama_dir, tmp_path):
     path = write_llama(tmp_path / "m.gguf", small_llama(), MIXED)
     with pytest.raises(ConfigError, match="--quantization int4 cannot be used with a .gguf file"):
         load_plinth(path, "int4")
+
+
+def test_experts_keep_their_blocks_and_split_under_tensor_parallelism(tmp_path):
+    """``--quantization gguf`` on a Q8_0 Qwen3-MoE file: each expert keeps its blocks and widens to the experts the
+    default path loads; each of two ranks holds its gate/up rows and its whole blocks of the down rows."""
+    from test_gguf import moe_model, write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "m.gguf", moe_model("qwen3moe"), "qwen3moe", gguf.GGMLQuantizationType.Q8_0)
+    full = load_plinth(path)[0].model.layers[0].mlp.experts        # dequantized while loading
+    kept = load_plinth(path, "gguf")[0].model.layers[0].mlp.experts
+    assert kept.gguf_experts["w2"][0].shards[0].data.dtype == torch.uint8
+    for e in range(full.num_experts):
+        for which in ("w13", "w2"):
+            assert torch.equal(kept.expert_weight(which, e, torch.float32), full.expert_weight(which, e, torch.float32))
+    i = full.intermediate_per_rank // 2
+    for rank in (0, 1):
+        half = load_plinth(path, "gguf", tp=(rank, 2))[0].model.layers[0].mlp.experts
+        for e in range(full.num_experts):
+            w13 = full.expert_weight("w13", e, torch.float32)
+            rows = torch.cat([w13[rank * i:(rank + 1) * i], w13[2 * i + rank * i:2 * i + (rank + 1) * i]])
+            assert torch.equal(half.expert_weight("w13", e, torch.float32), rows)
+            assert torch.equal(half.expert_weight("w2", e, torch.float32),
+                               full.expert_weight("w2", e, torch.float32)[:, rank * i:(rank + 1) * i])

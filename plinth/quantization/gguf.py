@@ -101,6 +101,9 @@ class GGUFMethod(QuantizationMethod):
             raise ModelLoadError("a GGUF layer is missing some of its rows")
         return GGUFWeights(shards)
 
+    def expert_method(self, layer: nn.Module) -> GGUFExpertMethod:
+        return GGUFExpertMethod(self.ctx.dtype)
+
     def kernel_candidates(self) -> dict[str, str]:
         return {"gguf_dequant": "plinth.quantization.kernels.gguf:GGUFDequantKernel"}
 
@@ -141,3 +144,56 @@ class GGUFMethod(QuantizationMethod):
                 yield hf_name, GGUFTensor(values, F32, shape)
             else:
                 yield hf_name, torch.from_numpy(np.array(values, dtype=np.float32)).to(self.ctx.dtype)
+
+
+class GGUFExpertMethod:
+    """The experts of a mixture-of-experts layer kept in their llama.cpp blocks (the file's stacked
+    ``ffn_{gate,up,down}_exps`` arrive split per expert): one :class:`GGUFWeights` per expert and projection
+    (gate and up as two shards), expanded when the expert runs. Under tensor parallelism the gate and up rows are
+    this rank's, and the down projection's rows keep this rank's whole blocks (its share of the expert width must be
+    a multiple of the block length)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def create_weights(self, layer: nn.Module) -> None:
+        self.hidden = layer.w2_weight.shape[1]
+        for which in ("w13", "w2"):
+            old = layer._parameters.pop(f"{which}_weight")
+            placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=old.device), requires_grad=False)
+            placeholder.weight_loader = functools.partial(self._load, layer)  # type: ignore[attr-defined]
+            placeholder.expected_shards = old.expected_shards  # type: ignore[attr-defined]
+            placeholder.gguf_blocks = True  # type: ignore[attr-defined]
+            layer.register_parameter(f"{which}_weight", placeholder)
+        layer.gguf_experts = {}
+
+    def _load(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: tuple[int, str]) -> None:
+        expert, role = shard_id
+        if not isinstance(loaded, GGUFTensor):
+            raise ModelLoadError("expected GGUF blocks for experts run with --quantization gguf")
+        i, r, tp = layer.intermediate_per_rank, layer.tp_rank, layer.tp_size
+        hidden = self.hidden
+        rows, cols = loaded.shape
+        want = (hidden, i * tp) if role == "down" else (i * tp, hidden)
+        if (rows, cols) != want:
+            raise ModelLoadError(f"shape mismatch: expected {want}, checkpoint has {(rows, cols)}")
+        data = loaded.data if role == "down" else loaded.data[r * i:(r + 1) * i]
+        k_start, k_size = (r * i, i) if role == "down" else (0, hidden)
+        if loaded.ggml_type in BLOCK_TYPES:
+            block_len, type_size, _fn = BLOCK_TYPES[loaded.ggml_type]
+            if k_start % block_len or k_size % block_len:
+                raise ModelLoadError(f"cannot shard a {cols}-wide row of {block_len}-element blocks at "
+                                     f"{k_start}:{k_start + k_size} (tensor parallelism vs the block length)")
+            tensor = _to_device(data[:, k_start // block_len * type_size:(k_start + k_size) // block_len * type_size],
+                                param.device)
+        else:
+            tensor = _to_device(data[:, k_start:k_start + k_size], param.device).to(self.dtype)
+        layer.gguf_experts[expert, role] = GGUFShard(loaded.ggml_type, tensor, len(data), k_size)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = layer.gguf_experts
+        layer.gguf_experts = {which: [GGUFWeights([shards.pop((e, r)) for r in roles]) for e in range(layer.num_experts)]
+                              for which, roles in (("w13", ("gate", "up")), ("w2", ("down",)))}
+
+    def widen(self, layer: nn.Module, which: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        return layer.gguf_experts[which][expert].dequantize(dtype)
