@@ -267,3 +267,42 @@ def test_engine_serves_an_fp8_moe_checkpoint(tmp_path):
     _, prompts = save_with_tokenizer("DeepseekV3ForCausalLM", tmp_path / "float")
     path, ref = fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "block", projections=_DEEPSEEK_PROJ)
     llm_greedy_matches(plinth.LLM(str(path), dtype="float32", max_model_len=128), _reference(ref), prompts)
+
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize("name", ["GraniteMoeForCausalLM", "GptOssForCausalLM"])
+def test_fp8_checkpoints_keep_stacked_experts_float(name, tmp_path):
+    """Experts a checkpoint stacks (Granite's ``input_linear``, gpt-oss's ``gate_up_proj``) are not linear layers, so FP8
+    tools leave them float: the FP8 attention loads and the experts stay float."""
+    save_with_tokenizer(name, tmp_path / "float")
+    path, ref = fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "channel", projections=_ATTENTION)
+    model, backend, method = load_plinth(path)
+    mlp = model.model.layers[0].mlp
+    experts = mlp.routed.experts if hasattr(mlp, "routed") else mlp.experts
+    assert method.name == "fp8" and experts.weight_method is None and experts.w13_weight.dtype == torch.float32
+    compare(model, backend, _reference(ref), atol=1e-3, min_agreement=0.95)
+
+
+@pytest.mark.parametrize("ignored", [["model.layers.0.block_sparse_moe.experts", "model.layers.1.block_sparse_moe"],
+                                     [f"model.layers.{i}.block_sparse_moe.experts.{e}" for i in (0, 1)
+                                      for e in range(4)]],
+                         ids=["modules", "each-expert"])
+def test_ignore_lists_name_experts_by_their_checkpoint_names(ignored, tmp_path):
+    """Mixtral's experts live under ``block_sparse_moe`` in the checkpoint (``mlp`` in plinth): an ignore list naming
+    the experts module, a parent, or each expert keeps them float; one that leaves some experts of a layer quantized
+    is refused."""
+    save_with_tokenizer("MixtralForCausalLM", tmp_path / "float")
+    path, ref = fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "channel", projections=_ATTENTION)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ignored
+    (path / "config.json").write_text(json.dumps(config))
+    model, backend, _ = load_plinth(path)
+    assert model.model.layers[1].mlp.experts.weight_method is None
+    compare(model, backend, _reference(ref), atol=1e-3, min_agreement=0.95)
+    config["quantization_config"]["ignored_layers"] = ["model.layers.0.block_sparse_moe.experts.2"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"keeps model.layers.0.block_sparse_moe.experts.2.w1, .* in floating point "
+                                          r"and quantizes the other experts of model.layers.0.mlp.experts"):
+        load_plinth(path)

@@ -270,6 +270,8 @@ class CompressedTensorsFP8(FP8Method):
     def expert_method(self, layer: nn.Module) -> Any:
         from plinth.quantization.fp8_experts import FP8ExpertMethod
 
+        if not layer.loads_per_expert_tensors:
+            return None
         return FP8ExpertMethod(from_checkpoint=True, block=self.block, static_input=self.static_input,
                                block_scale="weight_scale")
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from plinth.config import ConfigError
 from plinth.errors import ModelLoadError
+from plinth.quantization.awq import name_in
 from plinth.quantization.formats import FP8Weights
 from plinth.quantization.interface import QuantContext, QuantizationMethod
 from plinth.quantization.kernels.interface import GemmProblem
@@ -133,7 +134,9 @@ class FP8Method(QuantizationMethod):
         return cls(ctx, from_checkpoint=True, block=block, static_input=scheme == "static", ignored=tuple(ignored))
 
     def applies_to(self, name: str) -> bool:
-        return not any(name == ig or name.endswith(f".{ig}") or ig in name.split(".") for ig in self.ignored)
+        """Not for a module an ignore entry names: the module itself, a dotted part of its name, or a parent (a whole
+        experts module, one expert)."""
+        return not name_in(name, self.ignored)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
         if self.from_checkpoint:
@@ -162,9 +165,11 @@ class FP8Method(QuantizationMethod):
 
     def expert_method(self, layer: nn.Module) -> Any:
         """FP8 experts (:mod:`plinth.quantization.fp8_experts`): the checkpoint's, or float ones quantized per
-        output channel."""
+        output channel; ``None`` (float experts) for a checkpoint's stacked expert tensors."""
         from plinth.quantization.fp8_experts import FP8ExpertMethod
 
+        if self.from_checkpoint and not layer.loads_per_expert_tensors:
+            return None   # stacked expert tensors (Granite, gpt-oss) are not linear layers: FP8 tools leave them float
         return FP8ExpertMethod(from_checkpoint=self.from_checkpoint, block=self.block, static_input=self.static_input)
 
     def kernel_candidates(self) -> dict[str, str]:

@@ -76,9 +76,6 @@ class FP8ExpertMethod:
         if not self.from_checkpoint:
             self._track_row_absmax(layer)
             return
-        if not getattr(layer, "loads_per_expert_tensors", True):
-            raise ConfigError(f"fp8: the experts of {type(layer).__name__} load from stacked checkpoint tensors, "
-                              f"which plinth reads in floating point only")
         e, i, h = layer.num_experts, layer.intermediate_per_rank, layer.w2_weight.shape[1]
         tp = layer.tp_size
         for which, shape in (("w13", (e, 2 * i, h)), ("w2", (e, h, i))):

@@ -56,7 +56,8 @@ class IntWeightMethod(QuantizationMethod):
         from plinth.quantization.int_experts import IntExpertMethod
 
         if not self.quantizes_float_checkpoints:
-            return IntExpertMethod(self, from_checkpoint=True)
+            # a checkpoint's stacked expert tensors (Granite, gpt-oss) are not linear layers: quantizers leave them
+            return IntExpertMethod(self, from_checkpoint=True) if layer.loads_per_expert_tensors else None
         if type(self).float_weights is QuantizationMethod.float_weights:
             return None
         sizes = (layer.w2_weight.shape[1], layer.intermediate_per_rank)

@@ -337,14 +337,30 @@ class QuantizationMethod(abc.ABC):
         return None
 
     def prepare_experts(self, model: nn.Module) -> int:
-        """Give the experts of every mixture-of-experts layer :meth:`applies_to` accepts their :meth:`expert_method`;
-        returns how many layers took one."""
+        """Give the experts of every mixture-of-experts layer :meth:`applies_to` accepts (under each expert
+        projection's checkpoint name) their :meth:`expert_method`; returns how many layers took one.
+
+        Raises:
+            ConfigError: a layer some of whose experts the checkpoint quantizes and others not.
+        """
         from plinth.model_registry.layers.moe import FusedMoE
 
         count = 0
         for name, layer in model.named_modules():
-            if not isinstance(layer, FusedMoE) or not self.applies_to(name):
+            if not isinstance(layer, FusedMoE):
                 continue
+            names = [model.checkpoint_name(f"{name}.{which}_weight", (e, role)).split(" (shard")[0]
+                     .removesuffix(".weight") if hasattr(model, "checkpoint_name") else name
+                     for e in range(layer.num_experts) for which, role in (("w13", "gate"), ("w13", "up"),
+                                                                           ("w2", "down"))]
+            verdicts = {n: self.applies_to(n) for n in dict.fromkeys(names)}
+            if not any(verdicts.values()):
+                continue
+            if not all(verdicts.values()):
+                kept = [n for n, v in verdicts.items() if not v]
+                raise ConfigError(f"{self.name}: the checkpoint keeps {', '.join(kept[:3])}"
+                                  f"{' and more' if len(kept) > 3 else ''} in floating point and quantizes the other "
+                                  f"experts of {name}; plinth stores a layer's experts alike")
             method = self.expert_method(layer)
             if method is not None:
                 method.create_weights(layer)

@@ -59,8 +59,10 @@ class GraniteMoeForCausalLM(_ExpertWeights, GraniteForCausalLM):
         cfg = ctx.hf_config
         activation = self.block_options(cfg).activation
         check_expert_activation(activation)
-        return SharedExpertMoeBlock(ctx, activation, cfg.num_local_experts, cfg.intermediate_size, renormalize=True,
-                                    shared_size=getattr(cfg, "shared_intermediate_size", 0) or None, gated=False)
+        block = SharedExpertMoeBlock(ctx, activation, cfg.num_local_experts, cfg.intermediate_size, renormalize=True,
+                                     shared_size=getattr(cfg, "shared_intermediate_size", 0) or None, gated=False)
+        block.routed.experts.loads_per_expert_tensors = False   # the checkpoint stacks them (read split per expert)
+        return block
 
     def _to_param(self, name: str) -> str:
         return name.replace(".mlp.gate.", ".mlp.routed.gate.", 1).replace(".mlp.experts.", ".mlp.routed.experts.", 1)
