@@ -67,6 +67,10 @@ FAMILIES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
         head_dim=16, moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
         moe_layer_start_index=1)),
+    # Cohere's parallel block (attention and MLP partial sums reduced together), per-head q/k LayerNorm weights split
+    # with the heads and, for the one key/value head, replicated with it
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=1, use_qk_norm=True, logit_scale=0.5,
+                                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

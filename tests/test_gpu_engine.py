@@ -123,7 +123,7 @@ def test_async_scheduling_on_gpu(tiny_llama_dir, reference):
 @pytest.mark.parametrize("name", ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                                   "GptOssForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-                                  "Glm4MoeForCausalLM"])
+                                  "Glm4MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM"])
 def test_newer_architectures_on_triton_with_graphs_match_transformers(name, tmp_path):
     """Gemma's norms and scaled embeddings, Gemma 2's attention-logit soft cap in the Triton kernels, Gemma 3's
     sandwich norms, sliding layers with their own RoPE and final soft cap, Phi-3's partial rotary (the Triton

@@ -117,6 +117,14 @@ ARCHS = {
     "Ernie4_5_MoeForCausalLM": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(
         head_dim=16, num_hidden_layers=3, moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
         moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1)),
+    # the parallel block on one bias-free LayerNorm, per-head q/k LayerNorms with their own weights (Command-R+),
+    # biases, interleaved RoPE, a logit scale
+    "CohereForCausalLM": ("CohereForCausalLM", "CohereConfig", dict(
+        use_qk_norm=True, attention_bias=True, logit_scale=0.5, layer_norm_eps=1e-4)),
+    # Cohere's block with sliding layers on RoPE and full layers without (Command-R7B)
+    "Cohere2ForCausalLM": ("Cohere2ForCausalLM", "Cohere2Config", dict(
+        num_hidden_layers=3, sliding_window=5, logit_scale=0.25,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # no native class: runs through the transformers fallback
     "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
 }
@@ -498,7 +506,7 @@ NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi
               "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
               "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
-              "Ernie4_5_MoeForCausalLM"]
+              "Ernie4_5_MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

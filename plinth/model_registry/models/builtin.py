@@ -37,4 +37,6 @@ def plinth_models() -> dict[str, str]:
         "SeedOssForCausalLM": f"{_M}.llama:SeedOssForCausalLM",
         "Ernie4_5ForCausalLM": f"{_M}.ernie:Ernie4_5ForCausalLM",
         "Ernie4_5_MoeForCausalLM": f"{_M}.ernie:Ernie4_5_MoeForCausalLM",
+        "CohereForCausalLM": f"{_M}.cohere:CohereForCausalLM",
+        "Cohere2ForCausalLM": f"{_M}.cohere:Cohere2ForCausalLM",
     }

@@ -67,6 +67,7 @@ class BlockOptions:
     local_rope: bool = False        # sliding-window layers take the config's local RoPE (Gemma 3)
     embedding_multiplier: float = 1.0   # the embeddings multiplied by this (Granite; Gemma's is embed_scale)
     residual_multiplier: float = 1.0    # each block's output multiplied by this before the residual add (Granite)
+    norm_eps: float | None = None   # the norms' epsilon when the config has no ``rms_norm_eps`` (Cohere's LayerNorms)
 
 
 def gated_activation(name: str) -> torch.nn.Module:
@@ -349,11 +350,13 @@ class DecoderModel(nn.Module):
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
                              if self.is_first_stage else None)
         block = owner.block_options(cfg)
-        if block.sandwich_norms or block.post_norms:
+        if owner.layer_class is not None:
+            make_layer: Any = owner.layer_class
+        elif block.sandwich_norms or block.post_norms:
             if block.residual_multiplier != 1.0:
                 raise UnsupportedModelError(f"{type(owner).__name__}: a residual multiplier with norms on the block "
                                             "outputs")
-            make_layer: Any = SandwichDecoderLayer if block.sandwich_norms else PostNormDecoderLayer
+            make_layer = SandwichDecoderLayer if block.sandwich_norms else PostNormDecoderLayer
         else:
             make_layer = functools.partial(DecoderLayer, residual_multiplier=block.residual_multiplier,
                                            attention=owner.attention_class)
@@ -362,7 +365,8 @@ class DecoderModel(nn.Module):
             if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = block.norm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last_stage else None
+        eps = block.norm_eps if block.norm_eps is not None else cfg.rms_norm_eps
+        self.norm = block.norm(cfg.hidden_size, eps=eps) if self.is_last_stage else None
         # each layer's MLP output is reduced by whatever norms it next (see DecoderLayer); the last layer of a
         # stage without the final norm hands reduced states to the next stage
         built = [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
@@ -429,6 +433,10 @@ class DecoderForCausalLM(CausalLM):
 
     #: the attention block of :class:`DecoderLayer` (built as ``attention_class(ctx, layer_idx, options, norm)``)
     attention_class: ClassVar[type[nn.Module]] = DecoderAttention
+    #: a decoder layer of another shape than the pre-norm, sandwich and post-norm ones (built as
+    #: ``layer_class(ctx, layer_idx, options, mlp, norm)``, speaking :class:`DecoderLayer`'s ``(hidden, residual)``
+    #: protocol; Cohere's parallel block)
+    layer_class: ClassVar[type[nn.Module] | None] = None
     #: stages can be built and run one at a time (see :meth:`forward_stage`)
     supports_pipeline_parallel: ClassVar[bool] = True
     #: the linear layers that take LoRA adapters (:mod:`plinth.lora`); a mixture-of-experts MLP has none of the last two
