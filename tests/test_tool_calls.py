@@ -22,10 +22,14 @@ from hypothesis import strategies as st
 from server_utils import make_tiny_model, running_server
 
 from plinth.entrypoints.openai.tool_parsers import (
+    DeepSeekV3ToolParser,
+    Glm45ToolParser,
     HermesToolParser,
+    KimiK2ToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
     ParsedCall,
+    Qwen3CoderToolParser,
     complete_array_elements,
     resolve_tool_parser,
 )
@@ -126,8 +130,59 @@ def test_llama3_json_and_mistral_parsers():
         assert prefixes_scan(mistral, text) == (text, [])
 
 
+def test_glm45_and_qwen3_coder_parsers_type_bare_values_by_the_schema():
+    """GLM-4.5's ``<arg_key>``/``<arg_value>`` pairs and Qwen3-Coder's ``<parameter=...>`` elements: bare-text values
+    are strings where the tool's schema says so (``"2"`` for a string stays ``"2"``), JSON values elsewhere."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "code": {"type": "string"}}}}}]
+    glm = Glm45ToolParser(tools)
+    text = ("Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>code</arg_key>\n<arg_value>75</arg_value>\n"
+            "</tool_call>")
+    assert prefixes_scan(glm, text) == ("Let me check.", [ParsedCall("get_weather",
+                                                                     '{"city": "Paris", "days": 2, "code": "75"}')])
+    assert prefixes_scan(Glm45ToolParser(tools), "<tool_call>get_time</tool_call>") == ("", [ParsedCall("get_time", "{}")])
+    for bad in ("<tool_call>two words</tool_call>", "<tool_call>f<arg_key>a</arg_key>junk</tool_call>"):
+        assert prefixes_scan(Glm45ToolParser(tools), bad) == (bad, [])
+    coder = Qwen3CoderToolParser(tools)
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>\nDone.")
+    assert prefixes_scan(coder, text) == ("Done.", [ParsedCall("get_weather", '{"city": "New York", "days": 3}')])
+    multi_line = "<tool_call>\n<function=f>\n<parameter=body>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>"
+    assert prefixes_scan(Qwen3CoderToolParser(tools), multi_line)[1] == [ParsedCall("f", '{"body": "line 1\\nline 2"}')]
+    assert prefixes_scan(Qwen3CoderToolParser(tools), "<tool_call>{json}</tool_call>") == ("<tool_call>{json}</tool_call>", [])
+
+
+def test_deepseek_and_kimi_parsers():
+    """DeepSeek-V3/R1 (fenced JSON after ``function<｜tool▁sep｜>NAME``) and V3.1 (``NAME<｜tool▁sep｜>JSON``) sections of
+    calls, and Kimi K2's ``functions.NAME:INDEX`` calls; a section without valid calls is content."""
+    ds = DeepSeekV3ToolParser(TOOLS)
+    assert DeepSeekV3ToolParser.keeps_special_tokens and KimiK2ToolParser.keeps_special_tokens
+    v3 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+          '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n'
+          '{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    want = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("get_time", '{"zone": "UTC"}')]
+    assert prefixes_scan(ds, v3) == ("Checking.", want)
+    v31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+           '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "UTC"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert prefixes_scan(DeepSeekV3ToolParser(TOOLS), v31) == ("", want)
+    broken = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{zone}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert prefixes_scan(DeepSeekV3ToolParser(TOOLS), broken) == (broken, [])
+    kimi = ('I will check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+            '<|tool_call_argument_begin|>{"zone": "UTC"}<|tool_call_end|><|tool_calls_section_end|>')
+    assert prefixes_scan(KimiK2ToolParser(TOOLS), kimi) == ("I will check.", want)
+    cut = '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{"zone": "U'
+    assert prefixes_scan(KimiK2ToolParser(TOOLS), cut) == (cut, [])
+
+
 PIECES = st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}', "{", "}", " ",
-                          "\n", "text", "<tool", "_call>", '"', "[TOOL_CALLS]", "[", "]", ";", "<|python_tag|>"])
+                          "\n", "text", "<tool", "_call>", '"', "[TOOL_CALLS]", "[", "]", ";", "<|python_tag|>",
+                          "f\n<arg_key>a</arg_key><arg_value>1</arg_value>", "<function=f>", "<parameter=a>", "</parameter>",
+                          "</function>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                          "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|tool_calls_section_begin|>",
+                          "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                          "<|tool_calls_section_end|>"])
 
 
 @settings(max_examples=150, deadline=None)
@@ -136,7 +191,8 @@ def test_every_parser_only_grows_its_content_and_calls_and_loses_no_text(pieces)
     """The streaming contract on arbitrary mixes of markup and text: content and calls only grow, and
     without calls the final content is the text itself."""
     text = "".join(pieces)
-    for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser):
+    for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Glm45ToolParser, Qwen3CoderToolParser,
+                DeepSeekV3ToolParser, KimiK2ToolParser):
         content, calls = prefixes_scan(cls(TOOLS), text)
         if not calls:
             assert content == text
@@ -382,7 +438,7 @@ def test_auto_without_a_parser_is_refused_and_the_flag_names_its_choices(model_d
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert "--tool-call-parser" in r.json()["error"]["message"]
     assert resolve_tool_parser("hermes") is HermesToolParser and resolve_tool_parser(None) is None
-    with pytest.raises(ParserChoiceError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ParserChoiceError, match="deepseek_v3, glm45, gpt_oss, hermes, kimi_k2, llama3_json, mistral, qwen3_coder"):
         resolve_tool_parser("nope")
     r = subprocess.run([sys.executable, "-m", "plinth.entrypoints.cli", "serve", str(model_dir), "--tool-call-parser",
                         "nope"], capture_output=True, text=True, timeout=120)

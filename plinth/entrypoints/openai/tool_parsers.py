@@ -11,7 +11,12 @@ ones register through the same hook:
   separated by ``;``, optionally after ``<|python_tag|>`` (Llama 3.1-3.3 with JSON tool calling);
 - ``mistral``: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name": ..., "arguments": {...}}``;
 - ``gpt_oss``: harmony messages to ``functions.NAME`` with JSON bodies (gpt-oss;
-  :mod:`plinth.entrypoints.openai.harmony`).
+  :mod:`plinth.entrypoints.openai.harmony`);
+- ``glm45``: ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`` (GLM-4.5, 4.6);
+- ``qwen3_coder``: ``<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>``
+  (Qwen3-Coder);
+- ``deepseek_v3``: DeepSeek's ``<｜tool▁calls▁begin｜>`` section (V3, R1 with fenced JSON arguments; V3.1);
+- ``kimi_k2``: Kimi K2's ``<|tool_calls_section_begin|>`` section of ``functions.NAME:INDEX`` calls.
 
 A parser looks at the whole text generated so far (:meth:`ToolParser.scan`) and returns the content and
 the complete calls it finds. While the text grows, both only grow: text that may still become markup
@@ -43,6 +48,10 @@ def plinth_tool_parsers() -> dict[str, str]:
         "hermes": "plinth.entrypoints.openai.tool_parsers:HermesToolParser",
         "llama3_json": "plinth.entrypoints.openai.tool_parsers:Llama3JsonToolParser",
         "mistral": "plinth.entrypoints.openai.tool_parsers:MistralToolParser",
+        "glm45": "plinth.entrypoints.openai.tool_parsers:Glm45ToolParser",
+        "qwen3_coder": "plinth.entrypoints.openai.tool_parsers:Qwen3CoderToolParser",
+        "deepseek_v3": "plinth.entrypoints.openai.tool_parsers:DeepSeekV3ToolParser",
+        "kimi_k2": "plinth.entrypoints.openai.tool_parsers:KimiK2ToolParser",
         "gpt_oss": "plinth.entrypoints.openai.harmony:GptOssToolParser",
     }
 
@@ -178,17 +187,23 @@ def join_segments(segments: list[str], has_calls: bool, final: bool) -> str:
     return "\n".join(parts)
 
 
-class HermesToolParser(ToolParser):
-    """``<tool_call>`` JSON ``</tool_call>`` blocks among ordinary text."""
+class BlockToolParser(ToolParser):
+    """Calls in blocks between :attr:`OPEN` and :attr:`CLOSE` markers among ordinary text; :meth:`decode` reads a
+    block's body (``None``: not a call after all, and the block is content, verbatim). A block cut short by the end
+    of the generation is decoded as it stands."""
 
-    name = "hermes"
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    OPEN: ClassVar[str] = ""
+    CLOSE: ClassVar[str] = ""
 
     def __init__(self, tools: Sequence[dict[str, Any]]):
         super().__init__(tools)
         # the decided part of the text seen last (up to the end of its last closed block): a longer text
         # with the same start resumes there, so a stream decodes each block once
         self._done: tuple[str, list[str], list[ParsedCall]] = ("", [""], [])
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        """The calls in one block's body."""
+        raise NotImplementedError
 
     def scan(self, text: str, final: bool) -> Scan:
         done_text, done_segments, done_calls = self._done
@@ -206,16 +221,43 @@ class HermesToolParser(ToolParser):
             if end < 0 and not final:   # an open block: wait for the rest
                 break
             block_end = end + len(self.CLOSE) if end >= 0 else len(text)
-            call = _decode_one(text[start + len(self.OPEN):end if end >= 0 else len(text)])
-            if call is None:   # not a call after all: the markup is content
+            found = self.decode(text[start + len(self.OPEN):end if end >= 0 else len(text)])
+            if not found:   # not a call after all: the markup is content
                 segments[-1] += text[start:block_end]
             else:
-                calls.append(call)
+                calls.extend(found)
                 segments.append("")
             pos = block_end
             if end >= 0:
                 self._done = (text[:pos], list(segments), list(calls))
         return Scan(join_segments(segments, bool(calls), final), tuple(calls))
+
+    def typed_value(self, function: str, key: str, raw: str) -> Any:
+        """An argument the model wrote as bare text (GLM-4.5, Qwen3-Coder): a string where the tool's schema says
+        the parameter is one, else the JSON value the text reads as (a string where it reads as none)."""
+        for tool in self.tools:
+            fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+            if isinstance(fn, dict) and fn.get("name") == function:
+                props = (fn.get("parameters") or {}).get("properties") or {}
+                kind = (props.get(key) or {}).get("type") if isinstance(props, dict) else None
+                if kind == "string" or (isinstance(kind, list) and kind and kind[0] == "string"):
+                    return raw
+                break
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+
+
+class HermesToolParser(BlockToolParser):
+    """``<tool_call>`` JSON ``</tool_call>`` blocks among ordinary text."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        call = _decode_one(body)
+        return [call] if call is not None else None
 
 
 def _decode_one(body: str) -> ParsedCall | None:
@@ -224,6 +266,138 @@ def _decode_one(body: str) -> ParsedCall | None:
     except ValueError:
         return None
     return call_from(value)
+
+
+class Glm45ToolParser(BlockToolParser):
+    """GLM-4.5 / 4.6: ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs, then
+    ``</tool_call>``; values are bare text (typed by the tool's schema, see :meth:`typed_value`)."""
+
+    name = "glm45"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        head, _, rest = body.partition("<arg_key>")
+        fn = head.strip()
+        if not fn or any(c.isspace() for c in fn):
+            return None
+        rest = "<arg_key>" + rest if _ else ""
+        args, pos = {}, 0
+        for m in self._PAIR.finditer(rest):
+            if rest[pos:m.start()].strip():
+                return None
+            args[m.group(1).strip()] = self.typed_value(fn, m.group(1).strip(), m.group(2))
+            pos = m.end()
+        if rest[pos:].strip():
+            return None
+        text = arguments_json(args)
+        return [ParsedCall(fn, text)] if text is not None else None
+
+
+class Qwen3CoderToolParser(BlockToolParser):
+    """Qwen3-Coder: ``<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>``, each value
+    on its own lines (typed by the tool's schema, see :meth:`typed_value`)."""
+
+    name = "qwen3_coder"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
+    _PARAM = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.DOTALL)
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        m = self._FUNCTION.match(body)
+        if m is None:
+            return None
+        fn, inner = m.group(1), m.group(2)
+        args, pos = {}, 0
+        for p in self._PARAM.finditer(inner):
+            if inner[pos:p.start()].strip():
+                return None
+            value = p.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            args[p.group(1).strip()] = self.typed_value(fn, p.group(1).strip(), value)
+            pos = p.end()
+        if inner[pos:].strip():
+            return None
+        text = arguments_json(args)
+        return [ParsedCall(fn, text)] if text is not None else None
+
+
+class DeepSeekV3ToolParser(BlockToolParser):
+    """DeepSeek-V3 / R1 / V3.1: a section ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` of calls
+    ``<｜tool▁call▁begin｜>`` ... ``<｜tool▁call▁end｜>``, each either ``function<｜tool▁sep｜>NAME`` followed by the
+    arguments in a fenced JSON block (V3, R1) or ``NAME<｜tool▁sep｜>`` followed by the JSON arguments (V3.1)."""
+
+    name = "deepseek_v3"
+    keeps_special_tokens = True
+    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    _FENCED = re.compile(r"\s*([^\s`]+)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        calls, pos = [], 0
+        while True:
+            start = body.find(self.CALL, pos)
+            if start < 0:
+                return calls if calls and not body[pos:].strip() else None
+            if body[pos:start].strip():
+                return None
+            end = body.find(self.END, start)
+            call = self._call(body[start + len(self.CALL):end if end >= 0 else len(body)])
+            if call is None:
+                return None
+            calls.append(call)
+            if end < 0:
+                return calls
+            pos = end + len(self.END)
+
+    def _call(self, text: str) -> ParsedCall | None:
+        head, sep, rest = text.partition(self.SEP)
+        if not sep:
+            return None
+        if head.strip() == "function":          # V3 / R1: the name, then a fenced JSON block
+            m = self._FENCED.match(rest)
+            if m is None:
+                return None
+            fn, raw = m.group(1), m.group(2)
+        else:                                    # V3.1: the name before the separator
+            fn, raw = head.strip(), rest.strip()
+        try:
+            args = json.loads(raw)
+        except ValueError:
+            return None
+        if not fn or not isinstance(args, dict):
+            return None
+        text_args = arguments_json(args)
+        return ParsedCall(fn, text_args) if text_args is not None else None
+
+
+class KimiK2ToolParser(BlockToolParser):
+    """Kimi K2: a section ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>`` of calls
+    ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>``."""
+
+    name = "kimi_k2"
+    keeps_special_tokens = True
+    OPEN, CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    _CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?([^\s<:]+)(?::\d+)?\s*"
+                       r"<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)", re.DOTALL)
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        calls, pos = [], 0
+        while pos < len(body) and body[pos:].strip():
+            m = self._CALL.match(body, pos)
+            if m is None:
+                return None
+            try:
+                args = json.loads(m.group(2))
+            except ValueError:
+                return None
+            text = arguments_json(args) if isinstance(args, dict) else None
+            if text is None:
+                return None
+            calls.append(ParsedCall(m.group(1), text))
+            pos = m.end()
+        return calls or None
 
 
 class Llama3JsonToolParser(ToolParser):
