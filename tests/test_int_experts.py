@@ -71,17 +71,20 @@ def test_int4_quantizes_float_experts(qwen3_moe, tmp_path):
     _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
 
 
-def test_compressed_tensors_pack_quantized_experts(qwen3_moe, tiny_llama_dir, tmp_path):
-    """compressed-tensors W4A16 (``pack-quantized``, symmetric groups of 32) with the experts quantized, packed with the
-    library's own ``pack_to_int32``; the configuration is the one the library writes."""
+@pytest.mark.parametrize("scheme", ["w4a16-sym", "w8a16-channel"])
+def test_compressed_tensors_integer_experts(qwen3_moe, tiny_llama_dir, tmp_path, scheme):
+    """compressed-tensors integer experts, symmetric: 4-bit groups of 32 (``pack-quantized``, packed with the library's
+    own ``pack_to_int32``) and 8-bit per output channel (each projection's own input width as its group: hidden for
+    gate/up, the expert width for down); the configuration is the one the library writes."""
     pytest.importorskip("compressed_tensors")
     import json
 
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from test_quantization_compressed_tensors import ct_checkpoint
 
-    lib_dir, _ = ct_checkpoint(tiny_llama_dir, tmp_path / "lib", "w4a16-sym", ignore=("lm_head", "re:.*mlp\\.gate$"))
+    lib_dir, _ = ct_checkpoint(tiny_llama_dir, tmp_path / "lib", scheme, ignore=("lm_head", "re:.*mlp\\.gate$"))
     quant_config = json.loads((lib_dir / "config.json").read_text())["quantization_config"]
+    bits = 4 if scheme.startswith("w4") else 8
     tensors, deq = {}, {}
     for name, w in load_file(str(qwen3_moe / "model.safetensors")).items():
         proj = name.rsplit(".", 2)[-2]
@@ -90,13 +93,18 @@ def test_compressed_tensors_pack_quantized_experts(qwen3_moe, tiny_llama_dir, tm
             tensors[name] = w
             continue
         n, k = w.shape
-        groups = w.float().reshape(n, k // 32, 32)
-        scale = groups.abs().amax(-1) / 7                                             # [N, G], codes in [-8, 7]
-        q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8)
+        group = 32 if bits == 4 else k
+        groups = w.float().reshape(n, k // group, group)
+        top = (1 << (bits - 1)) - 1
+        scale = groups.abs().amax(-1) / top                                           # [N, G]
+        q = torch.round(groups / scale[..., None]).clamp(-top - 1, top).to(torch.int8)
         stem = name.removesuffix(".weight")
-        tensors[f"{stem}.weight_packed"] = pack_to_int32(q.reshape(n, k), 4)
+        if quant_config.get("format") == "pack-quantized":
+            tensors[f"{stem}.weight_packed"] = pack_to_int32(q.reshape(n, k), bits)
+            tensors[f"{stem}.weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
+        else:
+            tensors[f"{stem}.weight"] = q.reshape(n, k)
         tensors[f"{stem}.weight_scale"] = scale
-        tensors[f"{stem}.weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
         deq[name] = (q.float() * scale[..., None]).reshape(n, k)
     path = write_checkpoint(qwen3_moe, tmp_path / "ct", tensors, None)
     config = json.loads((path / "config.json").read_text())
@@ -105,6 +113,28 @@ def test_compressed_tensors_pack_quantized_experts(qwen3_moe, tiny_llama_dir, tm
     model, backend, method = load_plinth(path)
     assert method.name == "compressed-tensors"
     _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
+
+
+def test_quantized_checkpoints_with_float_experts(qwen3_moe, tmp_path):
+    """An AWQ checkpoint that quantizes the attention and the dense MLP and leaves the experts float without listing
+    them (quantizers that skip routed modules): the experts load float and run on the float paths."""
+    path, deq = awq_checkpoint(qwen3_moe, tmp_path / "awq", group=32, quantize=lambda n: ".layers." in n and
+                               n.endswith("_proj.weight") and ".experts." not in n)
+    model, backend, _ = load_plinth(path)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.weight_method is None and experts.w13_weight.dtype == torch.float32
+    compare(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"), atol=1e-3, min_agreement=0.95)
+    # a layer whose experts are partly float and partly quantized is refused, naming one of each
+    state = load_file(str(path / "model.safetensors"))
+    w = state.pop("model.layers.0.mlp.experts.1.up_proj.weight")
+    packed, _ = awq_checkpoint(qwen3_moe, tmp_path / "all", group=32)
+    full = load_file(str(packed / "model.safetensors"))
+    for kind in ("qweight", "qzeros", "scales"):
+        state[f"model.layers.0.mlp.experts.1.up_proj.{kind}"] = full[f"model.layers.0.mlp.experts.1.up_proj.{kind}"]
+    save_file(state, str(path / "model.safetensors"))
+    assert w.dtype == torch.float32
+    with pytest.raises(ModelLoadError, match=r"experts.0.gate_proj is float and .*experts.1.up_proj quantized"):
+        load_plinth(path)
 
 
 def test_int_experts_under_tensor_parallelism_decode_to_slices(qwen3_moe, tmp_path):

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from plinth.config import ConfigError
 from plinth.quantization.formats import GGUFShard, GGUFWeights
-from plinth.quantization.kernels.gguf_blocks import BLOCK_TYPES, dequantize_blocks
+from plinth.quantization.kernels.gguf_blocks import BLOCK_TYPES, F32, dequantize_blocks
 
 Q = gguf.GGMLQuantizationType
 K_TYPES = (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -172,21 +172,42 @@ def test_gguf_method_needs_a_gguf_file(tiny_llama_dir, tmp_path):
         load_plinth(path, "int4")
 
 
-def test_experts_keep_their_blocks_and_split_under_tensor_parallelism(tmp_path):
-    """``--quantization gguf`` on a Q8_0 Qwen3-MoE file: each expert keeps its blocks and widens to the experts the
-    default path loads; each of two ranks holds its gate/up rows and its whole blocks of the down rows."""
-    from test_gguf import moe_model, write_moe_gguf
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_experts_keep_their_blocks_and_split_under_tensor_parallelism(tmp_path, monkeypatch, qtype):
+    """``--quantization gguf`` on a Qwen3-MoE file: each expert keeps its blocks and widens to the experts the default
+    path loads; each of two ranks holds its gate/up rows and its whole blocks of the down rows. With 256-element
+    K-quant blocks a rank's 128 down-projection columns end inside a block: that projection is widened instead."""
+    import test_gguf
 
-    path = write_moe_gguf(tmp_path / "m.gguf", moe_model("qwen3moe"), "qwen3moe", gguf.GGMLQuantizationType.Q8_0)
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    if qtype == "Q4_K":   # gguf's Python quantizer has no K types: random blocks of the type instead
+        real = gguf.quants.quantize
+
+        def quantize(data, kind):
+            if kind != qt:
+                return real(data, kind)
+            rows = int(np.prod(data.shape[:-1]))
+            blocks = random_blocks(rows, data.shape[-1], kind, np.random.default_rng(data.size), 0.002)
+            return blocks.reshape(*data.shape[:-1], -1)
+
+        monkeypatch.setattr(gguf.quants, "quantize", quantize)
+        arch, cfg = test_gguf.MOE["qwen3moe"]
+        monkeypatch.setitem(test_gguf.MOE, "qwen3moe", (arch, {**cfg, "moe_intermediate_size": 256, "head_dim": 128}))
+        model = test_gguf.moe_model("qwen3moe", hidden_size=256)
+    else:
+        model = test_gguf.moe_model("qwen3moe")
+    path = test_gguf.write_moe_gguf(tmp_path / "m.gguf", model, "qwen3moe", qt)
     full = load_plinth(path)[0].model.layers[0].mlp.experts        # dequantized while loading
     kept = load_plinth(path, "gguf")[0].model.layers[0].mlp.experts
-    assert kept.gguf_experts["w2"][0].shards[0].data.dtype == torch.uint8
+    assert kept.gguf_experts["w2"][0].shards[0].ggml_type == qt
     for e in range(full.num_experts):
         for which in ("w13", "w2"):
             assert torch.equal(kept.expert_weight(which, e, torch.float32), full.expert_weight(which, e, torch.float32))
     i = full.intermediate_per_rank // 2
     for rank in (0, 1):
         half = load_plinth(path, "gguf", tp=(rank, 2))[0].model.layers[0].mlp.experts
+        assert half.gguf_experts["w13"][0].shards[0].ggml_type == qt
+        assert half.gguf_experts["w2"][0].shards[0].ggml_type == (qt if qtype == "Q8_0" else F32)
         for e in range(full.num_experts):
             w13 = full.expert_weight("w13", e, torch.float32)
             rows = torch.cat([w13[rank * i:(rank + 1) * i], w13[2 * i + rank * i:2 * i + (rank + 1) * i]])

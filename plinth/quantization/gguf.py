@@ -150,8 +150,9 @@ class GGUFExpertMethod:
     """The experts of a mixture-of-experts layer kept in their llama.cpp blocks (the file's stacked
     ``ffn_{gate,up,down}_exps`` arrive split per expert): one :class:`GGUFWeights` per expert and projection
     (gate and up as two shards), expanded when the expert runs. Under tensor parallelism the gate and up rows are
-    this rank's, and the down projection's rows keep this rank's whole blocks (its share of the expert width must be
-    a multiple of the block length)."""
+    this rank's, and the down projection's rows keep this rank's whole blocks; where its share of the expert width
+    is not a multiple of the block length (Qwen3-30B-A3B's 384 features per rank against K-quants' 256) that
+    projection is widened while loading instead."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -179,16 +180,18 @@ class GGUFExpertMethod:
             raise ModelLoadError(f"shape mismatch: expected {want}, checkpoint has {(rows, cols)}")
         data = loaded.data if role == "down" else loaded.data[r * i:(r + 1) * i]
         k_start, k_size = (r * i, i) if role == "down" else (0, hidden)
-        if loaded.ggml_type in BLOCK_TYPES:
-            block_len, type_size, _fn = BLOCK_TYPES[loaded.ggml_type]
-            if k_start % block_len or k_size % block_len:
-                raise ModelLoadError(f"cannot shard a {cols}-wide row of {block_len}-element blocks at "
-                                     f"{k_start}:{k_start + k_size} (tensor parallelism vs the block length)")
+        block_len, type_size, _fn = BLOCK_TYPES.get(loaded.ggml_type, (1, 0, None))
+        if loaded.ggml_type in BLOCK_TYPES and not (k_start % block_len or k_size % block_len):
             tensor = _to_device(data[:, k_start // block_len * type_size:(k_start + k_size) // block_len * type_size],
                                 param.device)
-        else:
-            tensor = _to_device(data[:, k_start:k_start + k_size], param.device).to(self.dtype)
-        layer.gguf_experts[expert, role] = GGUFShard(loaded.ggml_type, tensor, len(data), k_size)
+            layer.gguf_experts[expert, role] = GGUFShard(loaded.ggml_type, tensor, len(data), k_size)
+            return
+        if loaded.ggml_type in BLOCK_TYPES:   # this rank's columns end inside a block: its values, widened
+            import gguf
+
+            data = gguf.quants.dequantize(data, loaded.ggml_type).reshape(len(data), cols)
+        tensor = _to_device(data[:, k_start:k_start + k_size], param.device).to(self.dtype)
+        layer.gguf_experts[expert, role] = GGUFShard(F32, tensor, len(data), k_size)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shards = layer.gguf_experts

@@ -66,16 +66,58 @@ class IntExpertMethod:
                     stand_ins[x, role] = ColumnParallelLinear(h, i * layer.tp_size, bias=False, **tp)
                 stand_ins[x, "down"] = RowParallelLinear(i * layer.tp_size, h, bias=False, **tp)
         layer.__dict__["int_stand_ins"] = stand_ins      # not submodules: the model's loader must not see them
-        for which, roles in _ROLES.items():
-            del layer._parameters[f"{which}_weight"]
-            kinds = stand_ins[0, roles[0]]._parameters
-            for kind, example in kinds.items():
-                if example is None:
-                    continue
+        self.kinds = [k for k, p in stand_ins[0, "gate"]._parameters.items() if p is not None]
+        self.packed: set[tuple[int, str, str]] = set()   # (expert, role, kind) loaded
+        self.floats: set[tuple[int, str]] = set()        # (expert, role) loaded as a float weight
+        for which in _ROLES:
+            old = layer._parameters.pop(f"{which}_weight")
+            if "weight" not in self.kinds:   # a checkpoint may keep its experts float: room made when they come
+                lazy = nn.Parameter(torch.empty(0, dtype=old.dtype, device=device), requires_grad=False)
+                lazy.weight_loader = functools.partial(self._load_float, layer, tuple(old.shape))  # type: ignore[attr-defined]
+                lazy.expected_shards = ()  # type: ignore[attr-defined]
+                layer.register_parameter(f"{which}_weight", lazy)
+            for kind in self.kinds:
+                example = stand_ins[0, "gate"]._parameters[kind]
                 placeholder = nn.Parameter(torch.empty(0, dtype=example.dtype, device=device), requires_grad=False)
-                placeholder.weight_loader = functools.partial(_hand_over, stand_ins, kind)  # type: ignore[attr-defined]
-                placeholder.expected_shards = tuple((x, r) for x in range(e) for r in roles)  # type: ignore[attr-defined]
+                placeholder.weight_loader = functools.partial(self._hand_over, stand_ins, kind)  # type: ignore[attr-defined]
+                placeholder.expected_shards = ()  # type: ignore[attr-defined] # checked once loaded
                 layer.register_parameter(f"{which}_{kind}", placeholder)
+
+    def _hand_over(self, stand_ins: dict[tuple[int, str], nn.Module], kind: str, param: nn.Parameter,
+                   loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        stand_in = stand_ins.get(shard_id)
+        if stand_in is None:
+            raise ModelLoadError(f"expert {shard_id[0]} out of range")
+        target = stand_in._parameters[kind]
+        target.weight_loader(target, loaded)  # type: ignore[attr-defined]
+        self.packed.add((*shard_id, kind))
+
+    def _load_float(self, layer: nn.Module, shape: tuple[int, ...], param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: tuple[int, str]) -> None:
+        if param.numel() == 0:
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        layer.weight_loader(param, loaded, shard_id)
+        self.floats.add(shard_id)
+
+    def _loaded_as(self, layer: nn.Module, which: str) -> str:
+        """``"packed"`` or ``"float"``: how the checkpoint held ``which``'s experts (all alike, all complete)."""
+        names = layer.__dict__.get("expert_checkpoint_names", {})
+        shards = [(x, r) for x in range(layer.num_experts) for r in _ROLES[which]]
+        floats = [s for s in shards if s in self.floats]
+        packed = [s for s in shards if any((*s, k) in self.packed for k in self.kinds)]
+        if floats and packed:
+            raise ModelLoadError(f"{names.get(floats[0], floats[0])} is float and {names.get(packed[0], packed[0])} "
+                                 f"quantized: plinth stores a layer's experts alike")
+        if floats:
+            missing = [s for s in shards if s not in self.floats]
+            if missing:
+                raise ModelLoadError(f"checkpoint is missing tensor {names.get(missing[0], missing[0])}.weight")
+            return "float"
+        for s in shards:
+            for kind in self.kinds:
+                if (*s, kind) not in self.packed:
+                    raise ModelLoadError(f"checkpoint is missing tensor '{names.get(s, s)}.{kind}'")
+        return "packed"
 
     # -- once loaded -----------------------------------------------------------------------------
 
@@ -84,8 +126,16 @@ class IntExpertMethod:
         stand_ins = layer.__dict__.pop("int_stand_ins", None)
         for which, roles in _ROLES.items():
             if stand_ins is not None:
+                kind = self._loaded_as(layer, which)
                 for name in [n for n in layer._parameters if n.startswith(f"{which}_")]:
-                    del layer._parameters[name]
+                    if not (kind == "float" and name == f"{which}_weight"):
+                        del layer._parameters[name]
+                if kind == "float":
+                    floats = getattr(self, "float_layers", 0) + 1
+                    self.float_layers = floats
+                    if floats == len(_ROLES):   # the checkpoint's experts are all float: the float paths run them
+                        layer.weight_method = None
+                    continue
                 per_expert = [[self.method.convert_weights(stand_ins.pop((x, r))) for r in roles]
                               for x in range(layer.num_experts)]
             else:
@@ -116,11 +166,13 @@ class IntExpertMethod:
             perm = torch.stack([torch.stack([w.perm if w.perm is not None else torch.arange(k, device=w.q.device)
                                              for w in parts]) for parts in per_expert])
             layer.register_parameter(f"{which}_perm", nn.Parameter(perm, requires_grad=False))
-        layer.int_format = (bits, group, first.symmetric)
+        layer.__dict__.setdefault("int_formats", {})[which] = (bits, group, first.symmetric)
 
     def widen(self, layer: nn.Module, which: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``expert``'s ``[N, K]`` weight in ``dtype``."""
-        bits, group, symmetric = layer.int_format
+        if which not in getattr(layer, "int_formats", {}):   # the checkpoint's experts in floating point
+            return getattr(layer, f"{which}_weight")[expert]
+        bits, group, symmetric = layer.int_formats[which]
         q = _unpack(getattr(layer, f"{which}_weight")[expert], bits)
         scales, zeros = getattr(layer, f"{which}_scales")[expert], getattr(layer, f"{which}_zeros")[expert]
         perm = getattr(layer, f"{which}_perm", None)
@@ -190,15 +242,6 @@ class WidenedIntWeight:
         elif not self.saw_float:
             raise ModelLoadError(f"{type(layer).__name__}: the checkpoint has neither its weight nor its "
                                  f"{', '.join(sorted(self.kinds))}")
-
-
-def _hand_over(stand_ins: dict[tuple[int, str], nn.Module], kind: str, param: nn.Parameter, loaded: torch.Tensor,
-               shard_id: tuple[int, str]) -> None:
-    stand_in = stand_ins.get(shard_id)
-    if stand_in is None:
-        raise ModelLoadError(f"expert {shard_id[0]} out of range")
-    target = stand_in._parameters[kind]
-    target.weight_loader(target, loaded)  # type: ignore[attr-defined]
 
 
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:

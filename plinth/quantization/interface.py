@@ -349,10 +349,14 @@ class QuantizationMethod(abc.ABC):
         for name, layer in model.named_modules():
             if not isinstance(layer, FusedMoE):
                 continue
+            keys = [(e, which, role) for e in range(layer.num_experts)
+                    for which, role in (("w13", "gate"), ("w13", "up"), ("w2", "down"))]
             names = [model.checkpoint_name(f"{name}.{which}_weight", (e, role)).split(" (shard")[0]
                      .removesuffix(".weight") if hasattr(model, "checkpoint_name") else name
-                     for e in range(layer.num_experts) for which, role in (("w13", "gate"), ("w13", "up"),
-                                                                           ("w2", "down"))]
+                     for e, which, role in keys]
+            # each expert projection's checkpoint module name, for the messages of the expert method
+            layer.__dict__["expert_checkpoint_names"] = {(e, role): n for (e, _w, role), n in zip(keys, names,
+                                                                                               strict=True)}
             verdicts = {n: self.applies_to(n) for n in dict.fromkeys(names)}
             if not any(verdicts.values()):
                 continue

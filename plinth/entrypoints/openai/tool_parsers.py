@@ -232,6 +232,21 @@ class BlockToolParser(ToolParser):
                 self._done = (text[:pos], list(segments), list(calls))
         return Scan(join_segments(segments, bool(calls), final), tuple(calls))
 
+    def call_of(self, function: str, pairs: re.Pattern[str], text: str, clean: Any) -> list[ParsedCall] | None:
+        """One call of ``function`` whose arguments are ``text``'s ``(key, value)`` matches of ``pairs`` (nothing but
+        whitespace between them; each value passed through ``clean``, then typed); ``None`` if ``text`` is not that."""
+        args, pos = {}, 0
+        for m in pairs.finditer(text):
+            if text[pos:m.start()].strip():
+                return None
+            key = m.group(1).strip()
+            args[key] = self.typed_value(function, key, clean(m.group(2)))
+            pos = m.end()
+        if text[pos:].strip():
+            return None
+        json_text = arguments_json(args)
+        return [ParsedCall(function, json_text)] if json_text is not None else None
+
     def typed_value(self, function: str, key: str, raw: str) -> Any:
         """An argument the model wrote as bare text (GLM-4.5, Qwen3-Coder): a string where the tool's schema says
         the parameter is one, else the JSON value the text reads as (a string where it reads as none)."""
@@ -247,6 +262,11 @@ class BlockToolParser(ToolParser):
             return json.loads(raw)
         except ValueError:
             return raw
+
+
+def _strip_one_line_break(value: str) -> str:
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
 
 
 class HermesToolParser(BlockToolParser):
@@ -281,17 +301,7 @@ class Glm45ToolParser(BlockToolParser):
         fn = head.strip()
         if not fn or any(c.isspace() for c in fn):
             return None
-        rest = "<arg_key>" + rest if _ else ""
-        args, pos = {}, 0
-        for m in self._PAIR.finditer(rest):
-            if rest[pos:m.start()].strip():
-                return None
-            args[m.group(1).strip()] = self.typed_value(fn, m.group(1).strip(), m.group(2))
-            pos = m.end()
-        if rest[pos:].strip():
-            return None
-        text = arguments_json(args)
-        return [ParsedCall(fn, text)] if text is not None else None
+        return self.call_of(fn, self._PAIR, "<arg_key>" + rest if _ else "", lambda value: value)
 
 
 class Qwen3CoderToolParser(BlockToolParser):
@@ -307,20 +317,7 @@ class Qwen3CoderToolParser(BlockToolParser):
         m = self._FUNCTION.match(body)
         if m is None:
             return None
-        fn, inner = m.group(1), m.group(2)
-        args, pos = {}, 0
-        for p in self._PARAM.finditer(inner):
-            if inner[pos:p.start()].strip():
-                return None
-            value = p.group(2)
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            args[p.group(1).strip()] = self.typed_value(fn, p.group(1).strip(), value)
-            pos = p.end()
-        if inner[pos:].strip():
-            return None
-        text = arguments_json(args)
-        return [ParsedCall(fn, text)] if text is not None else None
+        return self.call_of(m.group(1), self._PARAM, m.group(2), _strip_one_line_break)
 
 
 class DeepSeekV3ToolParser(BlockToolParser):
