@@ -543,3 +543,15 @@ def test_int8_plugin_runs_through_llm(tiny_llama_dir):
             for _ in range(12):
                 ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
         assert got == ids[len(prompt):]  # measured: 24/24 tokens equal
+
+
+def test_fp8_widening_table_equals_the_conversion():
+    """The CPU's 256-entry table gives every float8_e4m3fn byte the value ``.to(float32)`` gives (NaNs where it does),
+    in any shape."""
+    from plinth.quantization.formats import fp8_to_float32
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3).reshape(3, 16, 16)
+    fp8 = codes.view(torch.float8_e4m3fn)
+    want, got = fp8.to(torch.float32), fp8_to_float32(fp8)
+    assert got.shape == want.shape and torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and int(torch.isnan(want).sum()) == 6
