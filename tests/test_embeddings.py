@@ -261,3 +261,64 @@ def test_base_model_checkpoints(tmp_path):
         np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
     with pytest.raises(ModelLoadError, match="base model without an LM head .*--task embed"):
         LLM(str(tmp_path), dtype="float32", selection="off")
+
+
+def test_server_score_and_rerank(http):
+    """``/v1/score`` and ``/v1/rerank`` (vLLM's, Jina's and Cohere's shapes) on an embedding server: cosine similarities
+    of the embeddings transformers' hidden states give, one text against many or pairwise, texts or token ids;
+    documents ordered by them, ``top_n``, documents returned or not; clear 400s; ``LLM.score`` alike."""
+    client, engine, model = http
+    texts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    ids = [engine.tokenize(t) for t in texts]
+    vec = [reference(model, i, "last", True).astype(np.float64) for i in ids]
+    cos = lambda a, b: float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+    r = client.post("/score", json={"model": "tiny-embed", "text_1": texts[0], "text_2": texts[1:]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == [0, 1] and body["data"][0]["object"] == "score"
+    np.testing.assert_allclose([d["score"] for d in body["data"]], [cos(vec[0], vec[1]), cos(vec[0], vec[2])],
+                               atol=2e-5)
+    assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    pairs = client.post("/v1/score", json={"text_1": [ids[1], ids[2]], "text_2": [ids[0], ids[1]]}).json()
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]], [cos(vec[1], vec[0]), cos(vec[2], vec[1])],
+                               atol=2e-5)
+    r = client.post("/v1/rerank", json={"query": texts[0], "documents": texts, "top_n": 2}).json()
+    want = sorted(range(3), key=lambda i: -cos(vec[0], vec[i]))[:2]
+    assert [x["index"] for x in r["results"]] == want and r["results"][0]["document"] == {"text": texts[want[0]]}
+    np.testing.assert_allclose([x["relevance_score"] for x in r["results"]], [cos(vec[0], vec[i]) for i in want],
+                               atol=2e-5)
+    assert r["usage"]["total_tokens"] == len(ids[0]) + sum(len(i) for i in ids)
+    r = client.post("/v2/rerank", json={"query": texts[1], "documents": texts[:2], "return_documents": False}).json()
+    assert len(r["results"]) == 2 and "document" not in r["results"][0]
+    for route, body, param in (("/v1/score", {"text_1": texts[:2], "text_2": texts}, "text_1"),
+                               ("/v1/score", {"text_1": "x", "text_2": []}, "text_2"),
+                               ("/v1/rerank", {"query": "x", "documents": []}, "documents"),
+                               ("/v1/rerank", {"query": "x", "documents": ["y"], "top_n": 0}, "top_n"),
+                               ("/v1/rerank", {"query": "", "documents": ["y"]}, "query")):
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
+
+
+def test_llm_score_and_routes_on_a_generation_server(tmp_path):
+    from starlette.testclient import TestClient
+
+    import plinth
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    path = save_tiny_model(tmp_path / "m")
+    llm = plinth.LLM(str(path), task="embed", dtype="float32", selection="off")
+    vec = [np.asarray(o.outputs.embedding, dtype=np.float64) for o in llm.embed(PROMPTS[:3], use_tqdm=False)]
+    got = llm.score(PROMPTS[0], PROMPTS[1:3], use_tqdm=False)
+    np.testing.assert_allclose(got, [float(vec[0] @ vec[i]) for i in (1, 2)], atol=1e-6)
+    with pytest.raises(ValueError, match="text_1 holds 2 prompts and text_2 3"):
+        llm.score(PROMPTS[:2], PROMPTS[:3])
+    llm.close()
+    from plinth.core.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", selection="off"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        for route, body in (("/v1/score", {"text_1": "a", "text_2": "b"}), ("/v1/rerank", {"query": "a",
+                                                                                            "documents": ["b"]})):
+            r = client.post(route, json=body)
+            assert r.status_code == 400 and f"{route} needs an embedding model" in r.json()["error"]["message"]

@@ -192,6 +192,28 @@ class LLM:
         ids = self._submit((prompt, params, 0, lora) for prompt, lora in zip(prompts, loras, strict=True))
         return self._run(ids, use_tqdm)   # type: ignore[return-value]
 
+    def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *,
+              lora_request: LoRARequest | None = None, use_tqdm: bool = True) -> list[float]:
+        """Cosine similarities of embeddings (an engine made with ``task="embed"``): ``text_1`` against each of
+        ``text_2``, or the pairs of two lists of the same length.
+
+        Raises:
+            ValueError: two lists of different lengths.
+            RequestRejectedError: the engine generates text, or a prompt cannot run.
+        """
+        from plinth.entrypoints.openai.serving_score import cosine
+
+        first, second = _prompt_list(text_1), _prompt_list(text_2)
+        if len(first) != 1 and len(first) != len(second):
+            raise ValueError(f"text_1 holds {len(first)} prompts and text_2 {len(second)}: give one text_1, or as "
+                             f"many as text_2")
+        vectors = [o.outputs.embedding for o in self.embed([*first, *second], PoolingParams(normalize=True),
+                                                           lora_request=lora_request, use_tqdm=use_tqdm)]
+        left, right = vectors[:len(first)], vectors[len(first):]
+        if len(left) == 1:
+            left = left * len(right)
+        return [cosine(a, b) for a, b in zip(left, right, strict=True)]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's recommended settings on top: its ``generation_config.json``
         (or ``generation_config=`` / ``override_generation_config=``; see

@@ -42,7 +42,9 @@ from plinth.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -52,6 +54,7 @@ from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_completion import create_completion
 from plinth.entrypoints.openai.serving_embedding import create_embedding
 from plinth.entrypoints.openai.serving_responses import create_response
+from plinth.entrypoints.openai.serving_score import create_rerank, create_score
 from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from plinth.entrypoints.openai.streaming import ClientDisconnected
 from plinth.entrypoints.openai.tool_parsers import ToolParser
@@ -243,6 +246,17 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         return await answer(create_embedding, body, raw)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(body: ScoreRequest, raw: Request) -> Response:
+        return await answer(create_score, body, raw)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw: Request) -> Response:
+        return await answer(create_rerank, body, raw)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:

@@ -314,6 +314,69 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ScoreRequest(_NamedExtras):
+    """``POST /v1/score`` (vLLM's): the similarity of ``text_1`` with each ``text_2`` (one against many), or of the
+    pairs of two lists of the same length; texts or token-id lists."""
+
+    model: str | None = None
+    text_1: str | list[int] | list[str] | list[list[int]]
+    text_2: str | list[int] | list[str] | list[list[int]]
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(_NamedExtras):
+    """``POST /v1/rerank`` (Jina's and Cohere's shape, as vLLM serves it): ``documents`` ordered by their relevance to
+    ``query``, the ``top_n`` first (all without it)."""
+
+    model: str | None = None
+    query: str | list[int]
+    documents: list[str] | list[list[int]]
+    top_n: StrictInt | None = None
+    return_documents: bool = True
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class RerankDocument(BaseModel):
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 class TokenizeRequest(_Request):
     """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered with the chat template)."""
 

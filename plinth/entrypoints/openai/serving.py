@@ -88,12 +88,12 @@ class ServerContext:
         cap = self.default_max_tokens
         return min(room, cap) if cap is not None and room >= 1 else room
 
-    def check_task(self, task: str) -> None:
+    def check_task(self, task: str, route: str = "/v1/embeddings") -> None:
         """Refuse a route the engine's task does not serve (text generation or embeddings)."""
         if getattr(self.front, "task", "generate") == task:
             return
         if task == "embed":
-            raise bad_request(f"the model {self.model_name!r} generates text; /v1/embeddings needs an embedding "
+            raise bad_request(f"the model {self.model_name!r} generates text; {route} needs an embedding "
                               f"model served with --task embed", "model", "model_not_supported")
         raise bad_request(f"the model {self.model_name!r} is an embedding model (--task embed): use /v1/embeddings",
                           "model", "model_not_supported")

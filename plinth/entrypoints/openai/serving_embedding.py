@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import numpy as np
 from fastapi.responses import JSONResponse
@@ -28,27 +29,46 @@ async def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[list[int]]:
     raw = req.input
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
-    if not raw:
-        raise bad_request("input must not be empty", "input")
-    if len(raw) > MAX_CHOICES:
-        raise bad_request(f"input holds {len(raw)} items; at most {MAX_CHOICES} per request", "input")
-    for item in raw:
+    return await token_lists(ctx, req, raw, "input")   # type: ignore[arg-type]
+
+
+async def token_lists(ctx: ServerContext, req: Any, items: list[str | list[int]], param: str) -> list[list[int]]:
+    """``items`` (texts or token-id lists) as token ids: texts tokenized (``req.add_special_tokens``), each truncated
+    as ``req.truncate_prompt_tokens`` asks and checked against the context; errors name ``param``."""
+    if not items:
+        raise bad_request(f"{param} must not be empty", param)
+    if len(items) > MAX_CHOICES:
+        raise bad_request(f"{param} holds {len(items)} items; at most {MAX_CHOICES} per request", param)
+    truncating = req.truncate_prompt_tokens is not None
+    for item in items:
         if isinstance(item, str):
-            ctx.check_text(len(item), "input", req.truncate_prompt_tokens is not None)
+            ctx.check_text(len(item), param, truncating)
     out = []
-    for item in raw:
+    for item in items:
         if isinstance(item, str):
-            ids = await ctx.tokenize(item, add_special_tokens=req.add_special_tokens, param="input",
-                                     truncating=req.truncate_prompt_tokens is not None)
+            ids = await ctx.tokenize(item, add_special_tokens=req.add_special_tokens, param=param, truncating=truncating)
         else:
-            ids = list(item)   # type: ignore[arg-type]
-            ctx.check_token_ids(ids, "input")
+            ids = list(item)
+            ctx.check_token_ids(ids, param)
         ids = ctx.truncated(ids, req)
         if not ids:
-            raise bad_request("input must not hold an empty text or token list", "input")
-        ctx.check_length(len(ids), None, "input")   # at most max_model_len - 1 tokens (one position is sampled, then dropped)
+            raise bad_request(f"{param} must not hold an empty text or token list", param)
+        ctx.check_length(len(ids), None, param)   # at most max_model_len - 1 tokens (one position is sampled, then dropped)
         out.append(ids)
     return out
+
+
+async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list[int]], params: PoolingParams,
+                    priority: int, lora: object) -> list[list[float]]:
+    """The embeddings of ``inputs`` (token-id lists), run together, in order."""
+    requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
+    started = await unless_disconnected(raw, start(ctx, requests, priority, lora))
+    events = merge(started)
+    finals = await finish(raw, events, collect(events, len(inputs)))
+    missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
+    if missing is not None:
+        raise APIError(500, f"embedding input {missing} ended without a result", "server_error")
+    return [out.outputs.embedding for out in finals]
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -67,14 +87,7 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
         raise bad_request(str(exc), "dimensions") from None
     inputs = await _inputs(ctx, req)
     rid = random_id("embd")
-    requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
-    started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora))
-    events = merge(started)
-    finals = await finish(raw, events, collect(events, len(inputs)))
-    missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
-    if missing is not None:
-        raise APIError(500, f"embedding input {missing} ended without a result", "server_error")
-    vectors = [out.outputs.embedding for out in finals]
+    vectors = await embed_all(ctx, raw, rid, inputs, params, req.priority, lora)
     prompt_tokens = sum(len(ids) for ids in inputs)
     body = EmbeddingResponse(id=rid, model=ctx.reply_model(lora),
                              data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))

@@ -1,0 +1,99 @@
+"""``POST /v1/score`` and ``POST /v1/rerank`` for an embedding server (``--task embed``): texts are embedded (normalized)
+and compared by cosine similarity, as a bi-encoder is used for retrieval. Each distinct text is embedded once per
+request, all of them together."""
+
+from __future__ import annotations
+
+import math
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from plinth.core.pooling import PoolingParams
+from plinth.entrypoints.openai.errors import bad_request
+from plinth.entrypoints.openai.protocol import (
+    EmbeddingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    random_id,
+)
+from plinth.entrypoints.openai.serving import ServerContext
+from plinth.entrypoints.openai.serving_embedding import embed_all, token_lists
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two vectors (0 where one is zero)."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm > 0 else 0.0
+
+
+def _as_items(value: object) -> list:
+    """A text or a token-id list as a one-item list; a list of texts or of token-id lists as it is."""
+    if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
+        return [value]
+    return list(value)   # type: ignore[call-overload]
+
+
+async def _embed_distinct(ctx: ServerContext, raw: Request, req: ScoreRequest | RerankRequest, rid: str,
+                          groups: list[tuple[list, str]], lora: object) -> tuple[list[list[list[float]]], int]:
+    """The embeddings of each group's items (texts or token lists, errors naming the group's field), each distinct
+    token list embedded once; and the prompt tokens counted once per item."""
+    token_groups = [await token_lists(ctx, req, items, param) for items, param in groups]
+    distinct: dict[tuple[int, ...], int] = {}
+    for ids_list in token_groups:
+        for ids in ids_list:
+            distinct.setdefault(tuple(ids), len(distinct))
+    vectors = await embed_all(ctx, raw, rid, [list(k) for k in distinct], PoolingParams(normalize=True),
+                              req.priority, lora)
+    tokens = sum(len(ids) for ids_list in token_groups for ids in ids_list)
+    return [[vectors[distinct[tuple(ids)]] for ids in ids_list] for ids_list in token_groups], tokens
+
+
+async def create_score(ctx: ServerContext, req: ScoreRequest, raw: Request) -> Response:
+    lora = ctx.check_model(req.model)
+    ctx.check_task("embed", "/v1/score")
+    ctx.note_ignored_fields(req)
+    first, second = _as_items(req.text_1), _as_items(req.text_2)
+    if len(first) != 1 and len(first) != len(second):
+        raise bad_request(f"text_1 holds {len(first)} items and text_2 {len(second)}: give one text_1, or as many as "
+                          f"text_2", "text_1")
+    rid = random_id("score")
+    (left, right), tokens = await _embed_distinct(ctx, raw, req, rid, [(first, "text_1"), (second, "text_2")], lora)
+    if len(left) == 1:
+        left = left * len(right)
+    data = [ScoreData(index=i, score=cosine(a, b)) for i, (a, b) in enumerate(zip(left, right, strict=True))]
+    body = ScoreResponse(id=rid, model=ctx.reply_model(lora), data=data,
+                         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return JSONResponse(body.model_dump())
+
+
+async def create_rerank(ctx: ServerContext, req: RerankRequest, raw: Request) -> Response:
+    lora = ctx.check_model(req.model)
+    ctx.check_task("embed", "/v1/rerank")
+    ctx.note_ignored_fields(req)
+    if req.top_n is not None and req.top_n < 1:
+        raise bad_request(f"top_n must be at least 1, got {req.top_n}", "top_n")
+    documents = list(req.documents)
+    rid = random_id("rerank")
+    (query, docs), tokens = await _embed_distinct(ctx, raw, req, rid, [([req.query], "query"), (documents, "documents")],
+                                                  lora)
+    scored = sorted(((cosine(query[0], d), i) for i, d in enumerate(docs)), key=lambda t: (-t[0], t[1]))
+    if req.top_n is not None:
+        scored = scored[:req.top_n]
+    results = []
+    for score, i in scored:
+        doc = None
+        if req.return_documents:
+            item = documents[i]
+            doc = RerankDocument(text=item) if isinstance(item, str) else RerankDocument(token_ids=list(item))
+        results.append(RerankResult(index=i, relevance_score=score, document=doc))
+    body = RerankResponse(id=rid, model=ctx.reply_model(lora), usage=RerankUsage(total_tokens=tokens), results=results)
+    return JSONResponse(body.model_dump(exclude_none=True))
