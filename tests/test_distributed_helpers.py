@@ -71,6 +71,10 @@ FAMILIES = {
     # with the heads and, for the one key/value head, replicated with it
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=1, use_qk_norm=True, logit_scale=0.5,
                                                          bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # StableLM 2 12B's shape: the parallel block, per-head q/k LayerNorms loaded one head at a time into each rank's
+    # rows (the one key/value head's norm replicated with it), LayerNorm biases, partial RoPE
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=1, use_parallel_residual=True,
+                                                               qk_layernorm=True, use_qkv_bias=True)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

@@ -125,10 +125,19 @@ ARCHS = {
     "Cohere2ForCausalLM": ("Cohere2ForCausalLM", "Cohere2Config", dict(
         num_hidden_layers=3, sliding_window=5, logit_scale=0.25,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # LayerNorms with biases, RoPE over half of each head, q/k/v biases (StableLM 2 1.6B)
+    "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(
+        use_qkv_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # StableLM 2 12B: the parallel block and per-head q/k LayerNorms stored one tensor per head
+    "StableLmParallel": ("StableLmForCausalLM", "StableLmConfig", dict(
+        use_parallel_residual=True, qk_layernorm=True, rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 10000.0,
+                                                                         "partial_rotary_factor": 0.25})),
     # no native class: runs through the transformers fallback
-    "StableLmForCausalLM": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.5)),
+    "PhiForCausalLM": ("PhiForCausalLM", "PhiConfig", dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
-FALLBACK = {"StableLmForCausalLM"}
+FALLBACK = {"PhiForCausalLM"}
 
 PROMPT_LENS = (5, 11, 17)
 NEW_TOKENS = 32
@@ -506,7 +515,8 @@ NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi
               "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GptOssForCausalLM",
               "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
-              "Ernie4_5_MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM"]
+              "Ernie4_5_MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "StableLmForCausalLM",
+              "StableLmParallel"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

@@ -96,10 +96,10 @@ def test_unknown_architecture_lists_supported():
 
 
 def test_transformers_architecture_without_native_class_uses_the_fallback():
-    cls = ModelRegistry.resolve("StableLmForCausalLM")
-    assert issubclass(cls, TransformersForCausalLM) and cls.hf_architecture == "StableLmForCausalLM"
-    assert ModelRegistry.resolve("StableLmForCausalLM") is cls
-    assert not ModelRegistry.is_native("StableLmForCausalLM")
+    cls = ModelRegistry.resolve("GPTNeoXForCausalLM")
+    assert issubclass(cls, TransformersForCausalLM) and cls.hf_architecture == "GPTNeoXForCausalLM"
+    assert ModelRegistry.resolve("GPTNeoXForCausalLM") is cls
+    assert not ModelRegistry.is_native("GPTNeoXForCausalLM")
     with pytest.raises(UnsupportedModelError):  # known to transformers, but not a causal LM
         ModelRegistry.resolve("BertModel")
 

@@ -42,10 +42,11 @@ def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: An
         residual: ``[T, H]`` the residual stream: the fused kernel updates it in place (the callers pass
             an intermediate of the forward pass, never a tensor they read again), the fallback returns a
             new tensor.
-        norm: an :class:`~plinth.model_registry.layers.layernorm.RMSNorm` (``weight``, ``eps``).
+        norm: an :class:`~plinth.model_registry.layers.layernorm.RMSNorm` (``weight``, ``eps``), or a norm with
+            ``is_rms_norm = False`` speaking its protocol (a LayerNorm: never the fused kernel).
     """
     comm = get_parallel_state().custom_all_reduce
-    if comm is not None and x.dim() == 2:
+    if comm is not None and x.dim() == 2 and getattr(norm, "is_rms_norm", True):   # the fused kernel is an RMSNorm
         fused = comm.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
         if fused is not None:
             return fused

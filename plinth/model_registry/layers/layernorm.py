@@ -1,10 +1,11 @@
-"""RMSNorm, with a variant that adds the residual first and returns the new residual."""
+"""RMSNorm and LayerNorm, each with a variant that adds the residual first and returns the new residual."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plinth.kernels import ops
@@ -73,3 +74,29 @@ class GemmaRMSNorm(RMSNorm):
         out = x.to(torch.float32)
         out = (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
         return out if residual is None else (out, x)
+
+
+class LayerNorm(nn.Module):
+    """``weight * (x - mean) / sqrt(var + eps) (+ bias)`` over the last dimension, computed in float32 (Cohere,
+    StableLM). With ``residual`` it first adds it and returns ``(normed, new residual)``, as :class:`RMSNorm` does
+    (``quant`` is accepted and ignored: the next GEMM quantizes its input itself). ``weight`` may hold one row per
+    head (``hidden_size`` ``(heads, head_dim)``: per-head q/k norms)."""
+
+    #: not an RMSNorm: never the fused all-reduce + RMSNorm kernel
+    is_rms_norm = False
+
+    def __init__(self, hidden_size: int | tuple[int, ...], eps: float = 1e-5, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: Any = None) -> Any:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        y = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        y = y.to(x.dtype)
+        return y if residual is None else (y, residual)

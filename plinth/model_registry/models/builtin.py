@@ -39,4 +39,5 @@ def plinth_models() -> dict[str, str]:
         "Ernie4_5_MoeForCausalLM": f"{_M}.ernie:Ernie4_5_MoeForCausalLM",
         "CohereForCausalLM": f"{_M}.cohere:CohereForCausalLM",
         "Cohere2ForCausalLM": f"{_M}.cohere:Cohere2ForCausalLM",
+        "StableLmForCausalLM": f"{_M}.stablelm:StableLmForCausalLM",
     }

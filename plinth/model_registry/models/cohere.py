@@ -14,13 +14,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plinth.distributed.communication import tp_all_reduce
 from plinth.errors import ModelLoadError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.attention import AttentionMetadata
+from plinth.model_registry.layers.layernorm import LayerNorm
 from plinth.model_registry.models.decoder import (
     AttentionOptions,
     BlockOptions,
@@ -29,41 +29,40 @@ from plinth.model_registry.models.decoder import (
 )
 
 
-class CohereLayerNorm(nn.Module):
-    """``weight * (x - mean) / sqrt(var + eps)`` over the last dimension, in float32, without a bias. With ``residual``
-    it first adds it and returns ``(normed, new residual)``, as :class:`~plinth.model_registry.layers.layernorm.RMSNorm`
-    does. ``weight`` may hold one row per head (``[heads, head_dim]``: Command-R+'s q/k norms)."""
-
-    def __init__(self, hidden_size: int | tuple[int, ...], eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: Any = None) -> Any:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        y = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()
-        y = y.to(x.dtype)
-        return y if residual is None else (y, residual)
+def CohereLayerNorm(hidden_size: int | tuple[int, ...], eps: float = 1e-5) -> LayerNorm:   # noqa: N802
+    """Cohere's LayerNorm: no bias, in float32 (see :class:`~plinth.model_registry.layers.layernorm.LayerNorm`)."""
+    return LayerNorm(hidden_size, eps=eps)
 
 
 class CohereAttention(DecoderAttention):
     """The shared attention block; with ``use_qk_norm`` each head's queries and keys pass a LayerNorm with that head's
     weights (this rank's heads of the checkpoint's ``[heads, head_dim]``), before RoPE."""
 
+    #: the config field that turns the per-head q/k LayerNorms on
+    qk_norm_field: ClassVar[str] = "use_qk_norm"
+
     def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, norm: Any = None):
         super().__init__(ctx, layer_idx, options)
         cfg = ctx.hf_config
-        if getattr(cfg, "use_qk_norm", False):
+        if getattr(cfg, self.qk_norm_field, False):
             eps = cfg.layer_norm_eps
             self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), eps=eps)
             self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), eps=eps)
             for norm_module in (self.q_norm, self.k_norm):
                 norm_module.weight.weight_loader = self._load_head_rows  # type: ignore[attr-defined]
 
-    def _load_head_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def _load_head_rows(self, param: nn.Parameter, loaded: torch.Tensor, head: int | None = None) -> None:
+        """The checkpoint's ``[heads, head_dim]`` weights (or, with ``head``, one head's ``[head_dim]``): this rank's
+        heads, or its replica of a key/value head when there are fewer than ranks."""
         heads, dim = param.shape
+        if head is not None:   # one head's norm (StableLM stores a LayerNorm per head)
+            if tuple(loaded.shape) != (dim,):
+                raise ModelLoadError(f"shape mismatch: expected ({dim},), checkpoint has {tuple(loaded.shape)}")
+            replicas = self.qkv_proj.kv_replicas if param is self.k_norm.weight else 1
+            first = self.tp_rank // replicas * heads
+            if first <= head < first + heads:
+                param.data[head - first].copy_(loaded)
+            return
         if loaded.dim() != 2 or loaded.shape[1] != dim:
             raise ModelLoadError(f"shape mismatch: expected [heads, {dim}], checkpoint has {tuple(loaded.shape)}")
         total = loaded.shape[0]
@@ -85,11 +84,15 @@ class CohereDecoderLayer(nn.Module):
     defer_output = False
     reduce_input = False
 
-    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module, norm: Any = None):
+    #: the attention block (StableLM's names its q/k norms differently)
+    attention: ClassVar[type[nn.Module]] = CohereAttention
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
+                 norm: Any = CohereLayerNorm):
         super().__init__()
         cfg = ctx.hf_config
-        self.input_layernorm = CohereLayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.self_attn = CohereAttention(ctx, layer_idx, options)
+        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.self_attn = self.attention(ctx, layer_idx, options)
         self.mlp = mlp
         #: both blocks' partial sums are added before one all-reduce (neither output projection has a bias)
         self.reduce_once = ctx.tp_size > 1 and self.self_attn.o_proj.bias is None

@@ -67,7 +67,7 @@ class BlockOptions:
     local_rope: bool = False        # sliding-window layers take the config's local RoPE (Gemma 3)
     embedding_multiplier: float = 1.0   # the embeddings multiplied by this (Granite; Gemma's is embed_scale)
     residual_multiplier: float = 1.0    # each block's output multiplied by this before the residual add (Granite)
-    norm_eps: float | None = None   # the norms' epsilon when the config has no ``rms_norm_eps`` (Cohere's LayerNorms)
+    norm_eps: float | None = None   # the norms' epsilon when the config has no ``rms_norm_eps`` (LayerNorm models)
 
 
 def gated_activation(name: str) -> torch.nn.Module:
@@ -212,9 +212,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
                  norm: type[RMSNorm] = RMSNorm, residual_multiplier: float = 1.0,
-                 attention: type[nn.Module] = DecoderAttention):
+                 attention: type[nn.Module] = DecoderAttention, eps: float | None = None):
         super().__init__()
-        eps = ctx.hf_config.rms_norm_eps
+        eps = eps if eps is not None else ctx.hf_config.rms_norm_eps
         #: the attention and MLP outputs are multiplied by this before they join the residual stream (Granite)
         self.residual_multiplier = residual_multiplier
         self.input_layernorm = norm(ctx.hf_config.hidden_size, eps=eps)
@@ -359,7 +359,7 @@ class DecoderModel(nn.Module):
             make_layer = SandwichDecoderLayer if block.sandwich_norms else PostNormDecoderLayer
         else:
             make_layer = functools.partial(DecoderLayer, residual_multiplier=block.residual_multiplier,
-                                           attention=owner.attention_class)
+                                           attention=owner.attention_class, eps=block.norm_eps)
         self.layers = nn.ModuleList(
             make_layer(ctx, i, owner.layer_attention_options(cfg, i), owner.make_mlp(ctx, i), block.norm)
             if self.start_layer <= i < self.end_layer else MissingLayer()
