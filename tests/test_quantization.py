@@ -555,3 +555,5 @@ def test_fp8_widening_table_equals_the_conversion():
     want, got = fp8.to(torch.float32), fp8_to_float32(fp8)
     assert got.shape == want.shape and torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and int(torch.isnan(want).sum()) == 6
+    with pytest.raises(TypeError, match="reads float8_e4m3fn, not torch.float8_e5m2"):
+        fp8_to_float32(fp8.view(torch.float8_e5m2))

@@ -151,7 +151,26 @@ def test_glm45_and_qwen3_coder_parsers_type_bare_values_by_the_schema():
     multi_line = "<tool_call>\n<function=f>\n<parameter=body>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>"
     assert prefixes_scan(Qwen3CoderToolParser(tools), multi_line)[1] == [ParsedCall("f", '{"body": "line 1\\nline 2"}')]
     assert prefixes_scan(Qwen3CoderToolParser(tools), "<tool_call>{json}</tool_call>") == ("<tool_call>{json}</tool_call>", [])
+    crlf = "<tool_call>\r\n<function=f>\r\n<parameter=a>\r\nwin\r\n</parameter>\r\n</function>\r\n</tool_call>"
+    assert prefixes_scan(Qwen3CoderToolParser(tools), crlf)[1] == [ParsedCall("f", '{"a": "win"}')]
+    # a body that is no function name (a hermes-style JSON call) is content for glm45
+    hermes_like = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
+    assert prefixes_scan(Glm45ToolParser(tools), hermes_like) == (hermes_like, [])
 
+
+@pytest.mark.parametrize("schema, raw, value", [
+    ({"type": "string"}, "123", "123"), ({"type": ["null", "string"]}, "123", "123"),
+    ({"type": ["null", "string"]}, "null", None), ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "7", "7"),
+    ({"enum": ["123", "456"]}, "123", "123"), ({"enum": [1, 2]}, "2", 2), ({"type": "integer"}, "42", 42),
+    ({"type": "object"}, '{"a": [1]}', {"a": [1]}), ({"type": "boolean"}, "true", True), (True, "123", 123),
+    ({"type": "array"}, "not json", "not json"),
+])
+def test_bare_values_follow_the_schema(schema, raw, value):
+    """How glm45 and qwen3_coder type a bare value: by the property's schema (type lists, anyOf/oneOf branches, string
+    enums, nullable strings; a boolean schema is no type information)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "properties": {"x": schema}}}}]
+    assert Glm45ToolParser(tools).typed_value("f", "x", raw) == value
 
 def test_deepseek_and_kimi_parsers():
     """DeepSeek-V3/R1 (fenced JSON after ``function<｜tool▁sep｜>NAME``) and V3.1 (``NAME<｜tool▁sep｜>JSON``) sections of
@@ -171,7 +190,12 @@ def test_deepseek_and_kimi_parsers():
     kimi = ('I will check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
             '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
             '<|tool_call_argument_begin|>{"zone": "UTC"}<|tool_call_end|><|tool_calls_section_end|>')
-    assert prefixes_scan(KimiK2ToolParser(TOOLS), kimi) == ("I will check.", want)
+    assert prefixes_scan(KimiK2ToolParser(TOOLS), kimi) == ("I will check.", [
+        ParsedCall(c.name, c.arguments, f"functions.{c.name}:{i}") for i, c in enumerate(want)])
+    # the header is the call's id: Kimi's template writes it back in later turns
+    tracker = ToolCallTracker(tool_mode(TOOLS, "auto", None, KimiK2ToolParser))
+    _, deltas = tracker.update(kimi, final=True)
+    assert [d["id"] for d in deltas] == ["functions.get_weather:0", "functions.get_time:1"]
     cut = '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{"zone": "U'
     assert prefixes_scan(KimiK2ToolParser(TOOLS), cut) == (cut, [])
 

@@ -91,10 +91,12 @@ def resolve_parser(kind: str, flag: str, what: str, name: str | None, base: type
 
 @dataclasses.dataclass(frozen=True)
 class ParsedCall:
-    """One tool call: the function's name and its arguments as JSON text."""
+    """One tool call: the function's name and its arguments as JSON text; ``id`` where the model wrote one that its
+    chat template reads back in later turns (Kimi K2's ``functions.NAME:INDEX``), else ``None`` (a new id is made)."""
 
     name: str
     arguments: str
+    id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,25 +250,67 @@ class BlockToolParser(ToolParser):
         return [ParsedCall(function, json_text)] if json_text is not None else None
 
     def typed_value(self, function: str, key: str, raw: str) -> Any:
-        """An argument the model wrote as bare text (GLM-4.5, Qwen3-Coder): a string where the tool's schema says
-        the parameter is one, else the JSON value the text reads as (a string where it reads as none)."""
-        for tool in self.tools:
-            fn = tool.get("function", tool) if isinstance(tool, dict) else {}
-            if isinstance(fn, dict) and fn.get("name") == function:
-                props = (fn.get("parameters") or {}).get("properties") or {}
-                kind = (props.get(key) or {}).get("type") if isinstance(props, dict) else None
-                if kind == "string" or (isinstance(kind, list) and kind and kind[0] == "string"):
-                    return raw
-                break
+        """An argument the model wrote as bare text (GLM-4.5, Qwen3-Coder): a string where the tool's schema lets the
+        parameter be one (``type`` ``string`` or a list holding it, a string ``enum`` holding the text, an
+        ``anyOf``/``oneOf`` branch of those; ``null`` where it also allows null), else the JSON value the text reads
+        as (a string where it reads as none)."""
+        schema = self._property_schema(function, key)
+        if schema is not None and _allows_string(schema, raw):
+            return None if raw.strip() == "null" and _allows_null(schema) else raw
         try:
             return json.loads(raw)
         except ValueError:
             return raw
 
+    def _property_schema(self, function: str, key: str) -> Any:
+        for tool in self.tools:
+            fn = tool.get("function", tool) if isinstance(tool, dict) else None
+            if isinstance(fn, dict) and fn.get("name") == function:
+                params = fn.get("parameters")
+                props = params.get("properties") if isinstance(params, dict) else None
+                return props.get(key) if isinstance(props, dict) else None
+        return None
+
 
 def _strip_one_line_break(value: str) -> str:
-    value = value[1:] if value.startswith("\n") else value
-    return value[:-1] if value.endswith("\n") else value
+    for brk in ("\r\n", "\n"):
+        if value.startswith(brk):
+            value = value[len(brk):]
+            break
+    for brk in ("\r\n", "\n"):
+        if value.endswith(brk):
+            return value[:-len(brk)]
+    return value
+
+
+def _schema_branches(schema: Any) -> list[dict[str, Any]]:
+    """A property schema and its ``anyOf`` / ``oneOf`` branches (dicts only)."""
+    if not isinstance(schema, dict):
+        return []
+    out = [schema]
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key) or ():
+            out.extend(_schema_branches(branch))
+    return out
+
+
+def _types(branch: dict[str, Any]) -> list[Any]:
+    kind = branch.get("type")
+    return kind if isinstance(kind, list) else [kind]
+
+
+def _allows_string(schema: Any, raw: str) -> bool:
+    for branch in _schema_branches(schema):
+        enum = branch.get("enum")
+        if isinstance(enum, list) and raw in enum:
+            return True
+        if "string" in _types(branch):
+            return True
+    return False
+
+
+def _allows_null(schema: Any) -> bool:
+    return any("null" in _types(b) or None in (b.get("enum") or ()) for b in _schema_branches(schema))
 
 
 class HermesToolParser(BlockToolParser):
@@ -299,7 +343,7 @@ class Glm45ToolParser(BlockToolParser):
     def decode(self, body: str) -> list[ParsedCall] | None:
         head, _, rest = body.partition("<arg_key>")
         fn = head.strip()
-        if not fn or any(c.isspace() for c in fn):
+        if not _FUNCTION_NAME.fullmatch(fn):
             return None
         return self.call_of(fn, self._PAIR, "<arg_key>" + rest if _ else "", lambda value: value)
 
@@ -371,12 +415,13 @@ class DeepSeekV3ToolParser(BlockToolParser):
 
 class KimiK2ToolParser(BlockToolParser):
     """Kimi K2: a section ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>`` of calls
-    ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>``."""
+    ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>``; the
+    ``functions.NAME:INDEX`` header is the call's id (Kimi's chat template writes the id back there)."""
 
     name = "kimi_k2"
     keeps_special_tokens = True
     OPEN, CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-    _CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?([^\s<:]+)(?::\d+)?\s*"
+    _CALL = re.compile(r"\s*<\|tool_call_begin\|>(?P<id>\s*(?:functions\.)?([^\s<:]+)(?::\d+)?\s*)"
                        r"<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)", re.DOTALL)
 
     def decode(self, body: str) -> list[ParsedCall] | None:
@@ -386,13 +431,13 @@ class KimiK2ToolParser(BlockToolParser):
             if m is None:
                 return None
             try:
-                args = json.loads(m.group(2))
+                args = json.loads(m.group(3))
             except ValueError:
                 return None
             text = arguments_json(args) if isinstance(args, dict) else None
             if text is None:
                 return None
-            calls.append(ParsedCall(m.group(1), text))
+            calls.append(ParsedCall(m.group(2), text, m.group("id").strip()))
             pos = m.end()
         return calls or None
 
@@ -479,6 +524,9 @@ class MistralToolParser(ToolParser):
             return None
         return calls   # type: ignore[return-value]
 
+
+#: a function name as the tool formats write it (letters, digits, ``_``, ``-``, ``.``)
+_FUNCTION_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 _ELEMENT_GAP = re.compile(r"\s*,?\s*")
 
