@@ -89,6 +89,8 @@ def test_tiles_and_refusals():
     assert fp8_tiles(8, 64, 96, 32, 4)[2] == 32                      # a K tile never straddles two scale blocks
     assert "multiple of 16" in TritonFP8Kernel.supports(GemmProblem("fp8", torch.float32, "cpu", block=(128, 8))).reason
     assert not TritonFP8Kernel.supports(GemmProblem("int", torch.float32, "cpu", bits=4))
+    ampere = TritonFP8Kernel.supports(GemmProblem("fp8", torch.bfloat16, "cuda", (8, 0), block=(128, 128)))
+    assert not ampere and "8.9 and newer" in ampere.reason
 
 
 @needs_interpreter

@@ -162,8 +162,12 @@ class FusedMoE(nn.Module):
         """Whether ``x`` ``[T, H]`` takes the per-slot GEMV kernel (:func:`plinth.kernels.ops.moe_gemv`): a few
         tokens (``T * top_k`` at most the expert count, so each chosen expert's weights are read about once), on a
         Triton device, for float or FP8 experts. No host read of the routing either."""
-        return (0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)
-                and (self.weight_method is None or self.fp8_scales is not None))
+        if not (0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)):
+            return False
+        if self.weight_method is None:
+            return True
+        # FP8 experts: Triton widens E4M3 on NVIDIA GPUs of compute capability 8.9 and newer only
+        return self.fp8_scales is not None and (x.device.type != "cuda" or _capability(x.device) >= (8, 9))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, ``router_logits`` ``[T, E]`` -> ``[T, H]``."""

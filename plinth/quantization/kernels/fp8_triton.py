@@ -1,8 +1,8 @@
 """FP8 weights (per-channel or block scales) through a Triton weight-only GEMM (W8A16): the FP8 bytes are read
 (half of bfloat16's) and widened in registers, each K tile's product scaled per column by its block's scale;
 activations stay in the compute dtype. It runs DeepSeek-style block-scaled checkpoints, which ``fp8_scaled_mm``
-(row-wise scales only) does not, and FP8 weights on GPUs without FP8 tensor cores. CUDA and XPU devices; Triton's
-interpreter on the CPU in tests."""
+(row-wise scales only) does not. NVIDIA GPUs of compute capability 8.9 and newer (Triton converts E4M3 there) and XPU
+devices; Triton's interpreter on the CPU in tests."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ class TritonFP8Kernel(GemmKernel):
             return refused
         if getattr(torch.version, "hip", None):
             return Support.no("ROCm uses the float8_e4m3fnuz format, not float8_e4m3fn")
+        if problem.device_type == "cuda" and (problem.capability is None or problem.capability < (8, 9)):
+            return Support.no(f"Triton widens float8_e4m3fn on compute capability 8.9 and newer, this GPU has "
+                              f"{problem.capability}")
         if problem.block is not None and problem.block[1] % 16:
             return Support.no(f"block scales {problem.block[0]}x{problem.block[1]}: the columns per scale must be a "
                               f"multiple of 16")
