@@ -49,14 +49,16 @@ def _quantize(w: torch.Tensor, scheme: str, block: tuple[int, int]) -> tuple[dic
     return out, q.float() * s
 
 
-def fp8_checkpoint(src, dst, scheme: str, *, block=(32, 32), projections=_PROJ, experts_only: bool = False):
+def fp8_checkpoint(src, dst, scheme: str, *, block=(32, 32), projections=_PROJ, experts_only: bool = False,
+                   float_experts: bool = False):
     """An FP8 copy of the float checkpoint in ``src`` and a float checkpoint of what it decodes to (``dst`` and
     ``dst``-ref); returns both paths."""
     state = load_file(str(src / "model.safetensors"))
     fp8, ref = {}, {}
     for name, w in state.items():
         proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if ".layers." in name and proj in projections and (".experts." in name or not experts_only):
+        if (".layers." in name and proj in projections and (".experts." in name or not experts_only)
+                and not (float_experts and ".experts." in name)):
             tensors, deq = _quantize(w.float(), scheme, block)
             fp8.update({f"{name.removesuffix('.weight')}.{suffix}": t for suffix, t in tensors.items()})
             ref[name] = deq
@@ -272,17 +274,38 @@ def test_engine_serves_an_fp8_moe_checkpoint(tmp_path):
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-@pytest.mark.parametrize("name", ["GraniteMoeForCausalLM", "GptOssForCausalLM"])
+@pytest.mark.parametrize("name", ["GraniteMoeForCausalLM", "GptOssForCausalLM", "Qwen3MoeForCausalLM"])
 def test_fp8_checkpoints_keep_stacked_experts_float(name, tmp_path):
     """Experts a checkpoint stacks (Granite's ``input_linear``, gpt-oss's ``gate_up_proj``) are not linear layers, so FP8
-    tools leave them float: the FP8 attention loads and the experts stay float."""
+    tools leave them float; so do tools that skip routed experts without listing them (Qwen3-MoE here): the FP8
+    attention loads and the experts stay float, on the float paths."""
     save_with_tokenizer(name, tmp_path / "float")
-    path, ref = fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "channel", projections=_ATTENTION)
+    path, ref = fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "channel", float_experts=True)
     model, backend, method = load_plinth(path)
     mlp = model.model.layers[0].mlp
     experts = mlp.routed.experts if hasattr(mlp, "routed") else mlp.experts
     assert method.name == "fp8" and experts.weight_method is None and experts.w13_weight.dtype == torch.float32
+    assert not hasattr(experts, "w13_weight_scale")
     compare(model, backend, _reference(ref), atol=1e-3, min_agreement=0.95)
+    if name == "Qwen3MoeForCausalLM":   # one expert FP8 among float ones: refused, naming one of each
+        fp8, _ = fp8_checkpoint(tmp_path / "float", tmp_path / "all", "channel")
+        state = load_file(str(path / "model.safetensors"))
+        donor = load_file(str(fp8 / "model.safetensors"))
+        for kind in ("weight", "weight_scale"):
+            state[f"model.layers.0.mlp.experts.2.up_proj.{kind}"] = donor[f"model.layers.0.mlp.experts.2.up_proj.{kind}"]
+        save_file(state, str(path / "model.safetensors"))
+        with pytest.raises(ModelLoadError, match=r"experts.0.down_proj is float and .*experts.2.up_proj FP8"):
+            load_plinth(path)
+        del state["model.layers.0.mlp.experts.2.up_proj.weight_scale"]   # ... and an FP8 expert without its scale
+        for e in range(4):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for kind in ("weight", "weight_scale"):
+                    key = f"model.layers.0.mlp.experts.{e}.{proj}.{kind}"
+                    if (e, proj) != (2, "up_proj") or kind == "weight":
+                        state[key] = donor[key]
+        save_file(state, str(path / "model.safetensors"))
+        with pytest.raises(ModelLoadError, match=r"missing tensor 'model.layers.0.mlp.experts.2.up_proj.weight_scale'"):
+            load_plinth(path)
 
 
 @pytest.mark.parametrize("ignored", [["model.layers.0.block_sparse_moe.experts", "model.layers.1.block_sparse_moe"],

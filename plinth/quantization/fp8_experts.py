@@ -78,10 +78,12 @@ class FP8ExpertMethod:
             return
         e, i, h = layer.num_experts, layer.intermediate_per_rank, layer.w2_weight.shape[1]
         tp = layer.tp_size
+        self.loaded: dict[str, set[tuple[int, str]]] = {"fp8": set(), "float": set(), "scale": set()}
+        self.float_experts: dict[str, torch.Tensor] = {}
         for which, shape in (("w13", (e, 2 * i, h)), ("w2", (e, h, i))):
             old = getattr(layer, f"{which}_weight")
             param = nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=old.device), requires_grad=False)
-            param.weight_loader = functools.partial(_load_fp8, layer.weight_loader)  # type: ignore[attr-defined]
+            param.weight_loader = functools.partial(self._load_weight, layer, which, old.dtype)  # type: ignore[attr-defined]
             param.expected_shards = old.expected_shards  # type: ignore[attr-defined]
             setattr(layer, f"{which}_weight", param)
             if self.block is None:
@@ -100,7 +102,7 @@ class FP8ExpertMethod:
                                      requires_grad=False)
                 name = f"{which}_{self.block_scale}"
             scale.weight_loader = functools.partial(self._load_scale, layer)  # type: ignore[attr-defined]
-            scale.expected_shards = old.expected_shards  # type: ignore[attr-defined]
+            scale.expected_shards = ()  # type: ignore[attr-defined] # checked once loaded: float experts have none
             layer.register_parameter(name, scale)
             if self.static_input:
                 ignored = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -108,9 +110,44 @@ class FP8ExpertMethod:
                 ignored.expected_shards = ()  # type: ignore[attr-defined]
                 layer.register_parameter(f"{which}_input_scale", ignored)
 
+    def _load_weight(self, layer: nn.Module, which: str, dtype: torch.dtype, param: nn.Parameter,
+                     loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """One expert projection's FP8 bytes, or its float weight where the checkpoint left the experts float (room
+        for the float experts is made when the first one comes)."""
+        if loaded.dtype == torch.float8_e4m3fn:
+            layer.weight_loader(param, loaded.view(torch.uint8), shard_id)
+            self.loaded["fp8"].add(shard_id)
+            return
+        if not loaded.is_floating_point():
+            raise ModelLoadError(f"expected a float8_e4m3fn or floating-point expert weight, checkpoint has "
+                                 f"{str(loaded.dtype).removeprefix('torch.')}")
+        if which not in self.float_experts:
+            self.float_experts[which] = torch.empty(param.shape, dtype=dtype, device=param.device)
+        layer.weight_loader(self.float_experts[which], loaded, shard_id)
+        self.loaded["float"].add(shard_id)
+
+    def _settle(self, layer: nn.Module) -> bool:
+        """Whether the checkpoint held the experts float (all of them), checking it held each FP8 one's scales.
+
+        Raises:
+            ModelLoadError: some experts float and others FP8, or an FP8 expert without its scales.
+        """
+        names = layer.__dict__.get("expert_checkpoint_names", {})
+        floats, fp8 = self.loaded["float"], self.loaded["fp8"]
+        if floats and fp8:
+            a, b = sorted(floats)[0], sorted(fp8)[0]
+            raise ModelLoadError(f"{names.get(a, a)} is float and {names.get(b, b)} FP8: plinth stores a layer's "
+                                 f"experts alike")
+        missing = sorted(fp8 - self.loaded["scale"])
+        if missing:
+            scale = "weight_scale" if self.block is None else self.block_scale
+            raise ModelLoadError(f"checkpoint is missing tensor '{names.get(missing[0], missing[0])}.{scale}'")
+        return bool(floats)
+
     def _load_scale(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: tuple[int, str]) -> None:
         """One expert projection's scales: this rank's rows (and, for ``w2``'s blocks, its columns)."""
+        self.loaded["scale"].add(shard_id)
         expert, role = shard_id
         if not 0 <= expert < layer.num_experts:
             raise ModelLoadError(f"expert index {expert} out of range (the layer has {layer.num_experts} experts)")
@@ -161,6 +198,14 @@ class FP8ExpertMethod:
         stacked weight; then record the scales on ``layer`` (:attr:`FusedMoE.fp8_scales`)."""
         e, i, h = layer.num_experts, layer.intermediate_per_rank, layer.w2_weight.shape[1]
         scales = {}
+        if self.from_checkpoint and self._settle(layer):   # float experts: the float paths run them
+            for which in ("w13", "w2"):
+                for kind in ("weight", "weight_scale", self.block_scale, "input_scale"):
+                    layer._parameters.pop(f"{which}_{kind}", None)
+                layer.register_parameter(f"{which}_weight", nn.Parameter(self.float_experts.pop(which),
+                                                                         requires_grad=False))
+            layer.weight_method = None
+            return
         if not self.from_checkpoint:
             absmax = layer.__dict__.pop("fp8_w2_row_absmax", None)
             for which in ("w13", "w2"):
@@ -206,14 +251,6 @@ def expert_fp8_weights(weight: torch.Tensor, scales: ExpertScales, expert: int) 
     block = scales.block(k)
     s = scales.scale[expert]
     return FP8Weights(weight[expert].view(torch.float8_e4m3fn), s[:, 0] if block is None else s, block)
-
-
-def _load_fp8(inner: Any, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-    if loaded.dtype != torch.float8_e4m3fn:
-        raise ModelLoadError(f"expected a float8_e4m3fn expert weight, checkpoint has "
-                             f"{str(loaded.dtype).removeprefix('torch.')} (experts missing from the checkpoint's "
-                             f"ignore list?)")
-    inner(param, loaded.view(torch.uint8), shard_id)
 
 
 def _check_shape(loaded: torch.Tensor, want: tuple[int, int]) -> torch.Tensor:
