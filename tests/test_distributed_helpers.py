@@ -75,6 +75,9 @@ FAMILIES = {
     # rows (the one key/value head's norm replicated with it), LayerNorm biases, partial RoPE
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=1, use_parallel_residual=True,
                                                                qk_layernorm=True, use_qkv_bias=True)),
+    # Phi-2: the parallel block with biased output projections (each reduced on its own), an ungated MLP whose fc2 bias
+    # rank 0 adds, an LM head bias over the gathered vocabulary
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(qk_layernorm=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 # token-id prompts: different lengths (chunked prefill over several steps), one repeated (prefix cache)

@@ -313,6 +313,9 @@ def test_llm_score_and_routes_on_a_generation_server(tmp_path):
     np.testing.assert_allclose(got, [float(vec[0] @ vec[i]) for i in (1, 2)], atol=1e-6)
     with pytest.raises(ValueError, match="text_1 holds 2 prompts and text_2 3"):
         llm.score(PROMPTS[:2], PROMPTS[:3])
+    with pytest.raises(ValueError, match="must not be empty"):
+        llm.score(PROMPTS[0], [])
+    assert llm.score(PROMPTS[0], PROMPTS[0], use_tqdm=False)[0] <= 1.0
     llm.close()
     from plinth.core.engine import LLMEngine
 

@@ -530,3 +530,20 @@ def test_adapter_on_a_quantized_base(tmp_path, method):
     llm = LLM(str(base), dtype="float32", selection="off", quantization=method, enable_lora=True, max_lora_rank=8)
     out = llm.generate(PROMPTS[3], greedy(), lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)[0]
     assert_matches_peft(tmp_path / "ref", adapter, out, tol=1e-3)
+
+
+def test_phi_adapter_on_its_attention(tmp_path):
+    """A Phi-2 adapter on the q/k/v projections reaches the fused projection: the tokens' log-probabilities equal
+    PEFT's; one on Phi's own ``dense``/``fc1``/``fc2`` names is refused naming what plinth adapts."""
+    from test_models import save_with_tokenizer
+
+    save_with_tokenizer("PhiForCausalLM", tmp_path / "phi")
+    adapter = make_adapter(tmp_path / "phi", tmp_path / "adapter", 7, targets=("q_proj", "k_proj", "v_proj"))
+    refused = make_adapter(tmp_path / "phi", tmp_path / "refused", 8, targets=("fc1",))
+    llm = LLM(str(tmp_path / "phi"), dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=256)
+    out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9, 100]}], greedy(), lora_request=LoRARequest("a", 1, str(adapter)),
+                       use_tqdm=False)[0]
+    assert_matches_peft(tmp_path / "phi", adapter, out)
+    with pytest.raises(RequestRejectedError, match=r"adapts mlp.fc1; plinth applies adapters to"):
+        llm.generate([{"prompt_token_ids": [5, 17]}], greedy(), lora_request=LoRARequest("b", 2, str(refused)),
+                     use_tqdm=False)

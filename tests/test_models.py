@@ -133,11 +133,14 @@ ARCHS = {
         use_parallel_residual=True, qk_layernorm=True, rope_parameters={"rope_type": "default",
                                                                          "rope_theta": 10000.0,
                                                                          "partial_rotary_factor": 0.25})),
-    # no native class: runs through the transformers fallback
+    # Phi-2: the parallel block on a LayerNorm with a bias, q/k/v and dense biases, an ungated GELU MLP with biases,
+    # partial RoPE, q/k LayerNorms shared by the heads, an LM head with a bias
     "PhiForCausalLM": ("PhiForCausalLM", "PhiConfig", dict(
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+        qk_layernorm=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # no native class: runs through the transformers fallback
+    "GPTNeoXForCausalLM": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(rotary_pct=0.5, num_key_value_heads=4)),
 }
-FALLBACK = {"PhiForCausalLM"}
+FALLBACK = {"GPTNeoXForCausalLM"}
 
 PROMPT_LENS = (5, 11, 17)
 NEW_TOKENS = 32
@@ -516,7 +519,7 @@ NEW_NATIVE = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi
               "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "Glm4MoeForCausalLM", "Dots1ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
               "Ernie4_5_MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "StableLmForCausalLM",
-              "StableLmParallel"]
+              "StableLmParallel", "PhiForCausalLM"]
 
 
 def save_with_tokenizer(name: str, path) -> tuple[transformers.PreTrainedModel, list[list[int]]]:

@@ -198,12 +198,14 @@ class LLM:
         ``text_2``, or the pairs of two lists of the same length.
 
         Raises:
-            ValueError: two lists of different lengths.
+            ValueError: an empty list, or two lists of different lengths.
             RequestRejectedError: the engine generates text, or a prompt cannot run.
         """
         from plinth.entrypoints.openai.serving_score import cosine
 
         first, second = _prompt_list(text_1), _prompt_list(text_2)
+        if not first or not second:
+            raise ValueError("text_1 and text_2 must not be empty")
         if len(first) != 1 and len(first) != len(second):
             raise ValueError(f"text_1 holds {len(first)} prompts and text_2 {len(second)}: give one text_1, or as "
                              f"many as text_2")

@@ -32,7 +32,7 @@ def cosine(a: list[float], b: list[float]) -> float:
     """The cosine similarity of two vectors (0 where one is zero)."""
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return dot / norm if norm > 0 else 0.0
+    return max(-1.0, min(1.0, dot / norm)) if norm > 0 else 0.0   # rounding may step past +-1
 
 
 def _as_items(value: object) -> list:

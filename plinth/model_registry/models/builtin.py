@@ -40,4 +40,5 @@ def plinth_models() -> dict[str, str]:
         "CohereForCausalLM": f"{_M}.cohere:CohereForCausalLM",
         "Cohere2ForCausalLM": f"{_M}.cohere:Cohere2ForCausalLM",
         "StableLmForCausalLM": f"{_M}.stablelm:StableLmForCausalLM",
+        "PhiForCausalLM": f"{_M}.phi:PhiForCausalLM",
     }
