@@ -305,13 +305,18 @@ class EmbeddingUsage(BaseModel):
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
+class _ListResponse(BaseModel):
+    """A list of results (embeddings, scores) with the prompt tokens used."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class EmbeddingResponse(_ListResponse):
+    data: list[EmbeddingData]
 
 
 class ScoreRequest(_NamedExtras):
@@ -332,13 +337,8 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(_ListResponse):
     data: list[ScoreData]
-    usage: EmbeddingUsage
 
 
 class RerankRequest(_NamedExtras):
