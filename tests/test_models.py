@@ -549,17 +549,19 @@ def engine_matches_transformers(name: str, path, device: str, **engine_kw) -> No
 
 
 def llm_greedy_matches(llm, hf: transformers.PreTrainedModel, prompts: list[list[int]], max_tokens: int = 12) -> None:
-    """``llm``'s greedy tokens for ``prompts`` equal ``hf.generate``'s."""
+    """``llm``'s greedy tokens for ``prompts`` (``ignore_eos``) equal transformers' argmax at each step (a plain loop:
+    ``generate`` with ``min_new_tokens`` would forbid the end-of-sequence token that ``ignore_eos`` keeps)."""
     import plinth
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         plinth.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     device = next(hf.parameters()).device
     for prompt, out in zip(prompts, outs, strict=True):
+        ids = list(prompt)
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens,
-                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref
+            for _ in range(max_tokens):
+                ids.append(int(hf(torch.tensor([ids], device=device)).logits[0, -1].argmax()))
+        assert out.outputs[0].token_ids == ids[len(prompt):]
 
 
 @pytest.mark.parametrize("name", NEW_NATIVE)
