@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks and headline figures in one go (one H200 or more), results under OUT (default gpu-suite/):
 #   benchmarks/gpu_suite.sh [OUT] [PARTS]
-# PARTS (comma-separated, default tests,int4,fp8,tp): tests = every GPU test file (it also fills Triton's
+# PARTS (comma-separated, default tests,int4,fp8,moe,tp): tests = every GPU test file (it also fills Triton's
 # cache, so the timed parts that follow are not compiling); int4 = batch-1 decode of the Llama-3-8B dummy
 # preset in bf16, int4 and int4 with --quantize-lm-head (and where an int4 step with it spends its time); fp8 = workload (b) throughput, bf16 against fp8;
+# moe = one Qwen3-30B-A3B-shaped MoE layer with bf16, FP8 and INT4 experts (benchmarks/moe_experts.py);
 # tp = with two or more GPUs, the two-GPU tests and TP=2 against TP=1 (benchmarks/tp_gpu.py).
 set -u
 OUT=${1:-gpu-suite}
-PARTS=${2:-tests,int4,fp8,tp}
+PARTS=${2:-tests,int4,fp8,moe,tp}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -27,6 +28,10 @@ fi
 if has fp8; then
   python3 benchmarks/quant_gpu.py --parts throughput --throughput-configs bf16,fp8 --num-prompts 512 \
     --out "$OUT/fp8_throughput.json" 2>&1 | grep -E '^throughput|"output_tok_s"|"error"' | tee "$OUT/fp8_throughput.txt"
+fi
+if has moe; then
+  python3 benchmarks/moe_experts.py --device cuda --dtype bfloat16 --iters 20 --out "$OUT/moe_experts.json" 2>&1 \
+    | tail -4 | tee "$OUT/moe_experts.txt"
 fi
 if has tp && [ "$gpus" -ge 2 ]; then
   python3 -m pytest -q tests/test_custom_all_reduce.py tests/test_distributed_async.py -k gpu 2>&1 | tail -3 \
