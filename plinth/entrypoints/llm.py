@@ -201,7 +201,7 @@ class LLM:
             ValueError: an empty list, or two lists of different lengths.
             RequestRejectedError: the engine generates text, or a prompt cannot run.
         """
-        from plinth.entrypoints.openai.serving_score import cosine
+        from plinth.entrypoints.openai.serving_score import cosine_scores
 
         first, second = _prompt_list(text_1), _prompt_list(text_2)
         if not first or not second:
@@ -211,10 +211,7 @@ class LLM:
                              f"many as text_2")
         vectors = [o.outputs.embedding for o in self.embed([*first, *second], PoolingParams(normalize=True),
                                                            lora_request=lora_request, use_tqdm=use_tqdm)]
-        left, right = vectors[:len(first)], vectors[len(first):]
-        if len(left) == 1:
-            left = left * len(right)
-        return [cosine(a, b) for a, b in zip(left, right, strict=True)]
+        return cosine_scores(vectors[:len(first)], vectors[len(first):])
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's recommended settings on top: its ``generation_config.json``

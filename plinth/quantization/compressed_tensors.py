@@ -36,7 +36,6 @@ from plinth.errors import ModelLoadError
 from plinth.quantization.formats import FP8Weights, IntWeights
 from plinth.quantization.fp8 import (
     FP8Method,
-    WidenedFP8Weight,
     create_fp8_checkpoint_weights,
     fp8_checkpoint_weights,
 )
@@ -249,6 +248,7 @@ class CompressedTensorsFP8(FP8Method):
 
     name = "compressed-tensors"
     quantizes_float_checkpoints = False
+    block_scale_name = "weight_scale"
 
     def __init__(self, ctx: QuantContext, scheme: Scheme, targets: _Targets):
         super().__init__(ctx, from_checkpoint=True, block=scheme.block, static_input=scheme.static_input)
@@ -265,18 +265,7 @@ class CompressedTensorsFP8(FP8Method):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
         create_fp8_checkpoint_weights(layer, input_size, output_sizes, self.block, self.static_input)
         if self.block is not None:  # compressed-tensors names block scales weight_scale too
-            layer.register_parameter("weight_scale", layer._parameters.pop("weight_scale_inv"))
-
-    def expert_method(self, layer: nn.Module) -> Any:
-        from plinth.quantization.fp8_experts import FP8ExpertMethod
-
-        if not layer.loads_per_expert_tensors:
-            return None
-        return FP8ExpertMethod(from_checkpoint=True, block=self.block, static_input=self.static_input,
-                               block_scale="weight_scale")
-
-    def widened_weight(self, layer: nn.Module) -> WidenedFP8Weight:
-        return WidenedFP8Weight(layer, self.block, self.static_input, block_scale="weight_scale")
+            layer.register_parameter(self.block_scale_name, layer._parameters.pop("weight_scale_inv"))
 
     def convert_weights(self, layer: nn.Module) -> FP8Weights:
         if self.block is not None:

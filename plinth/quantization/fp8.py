@@ -18,7 +18,7 @@ Kernels: ``fp8_scaled_mm`` (``torch._scaled_mm`` on GPUs with FP8 tensor cores, 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -106,6 +106,8 @@ class FP8Method(QuantizationMethod):
     quantizes_float_checkpoints = True
     quantizes_lm_head = True
     source_kinds = ("hf_dir", "dummy")
+    #: the checkpoint's name of block scales (compressed-tensors says ``weight_scale``)
+    block_scale_name: ClassVar[str] = "weight_scale_inv"
 
     def __init__(self, ctx: QuantContext, *, from_checkpoint: bool, block: tuple[int, int] | None = None,
                  static_input: bool = False, ignored: tuple[str, ...] = ()):
@@ -161,7 +163,9 @@ class FP8Method(QuantizationMethod):
     def widened_weight(self, layer: nn.Module) -> WidenedFP8Weight | None:
         """For a weight ``layer`` reads itself (not through a GEMM: DeepSeek's ``kv_b_proj``): its FP8 checkpoint
         tensor widened to the model's dtype once loaded; ``None`` for float checkpoints."""
-        return WidenedFP8Weight(layer, self.block, self.static_input) if self.from_checkpoint else None
+        if not self.from_checkpoint:
+            return None
+        return WidenedFP8Weight(layer, self.block, self.static_input, block_scale=self.block_scale_name)
 
     def expert_method(self, layer: nn.Module) -> Any:
         """FP8 experts (:mod:`plinth.quantization.fp8_experts`): the checkpoint's, or float ones quantized per
@@ -170,7 +174,8 @@ class FP8Method(QuantizationMethod):
 
         if self.from_checkpoint and not layer.loads_per_expert_tensors:
             return None   # stacked expert tensors (Granite, gpt-oss) are not linear layers: FP8 tools leave them float
-        return FP8ExpertMethod(from_checkpoint=self.from_checkpoint, block=self.block, static_input=self.static_input)
+        return FP8ExpertMethod(from_checkpoint=self.from_checkpoint, block=self.block, static_input=self.static_input,
+                               block_scale=self.block_scale_name)
 
     def kernel_candidates(self) -> dict[str, str]:
         return dict(FP8_KERNELS)

@@ -347,17 +347,16 @@ class QuantizationMethod(abc.ABC):
 
         count = 0
         for name, layer in model.named_modules():
-            if not isinstance(layer, FusedMoE):
+            method = self.expert_method(layer) if isinstance(layer, FusedMoE) else None
+            if method is None:
                 continue
-            keys = [(e, which, role) for e in range(layer.num_experts)
-                    for which, role in (("w13", "gate"), ("w13", "up"), ("w2", "down"))]
-            names = [model.checkpoint_name(f"{name}.{which}_weight", (e, role)).split(" (shard")[0]
+            # each expert projection's checkpoint module name (also for the messages of the expert method)
+            names = {(e, role): model.checkpoint_name(f"{name}.{which}_weight", (e, role)).split(" (shard")[0]
                      .removesuffix(".weight") if hasattr(model, "checkpoint_name") else name
-                     for e, which, role in keys]
-            # each expert projection's checkpoint module name, for the messages of the expert method
-            layer.__dict__["expert_checkpoint_names"] = {(e, role): n for (e, _w, role), n in zip(keys, names,
-                                                                                               strict=True)}
-            verdicts = {n: self.applies_to(n) for n in dict.fromkeys(names)}
+                     for e in range(layer.num_experts) for which, role in (("w13", "gate"), ("w13", "up"),
+                                                                           ("w2", "down"))}
+            layer.__dict__["expert_checkpoint_names"] = names
+            verdicts = {n: self.applies_to(n) for n in dict.fromkeys(names.values())}
             if not any(verdicts.values()):
                 continue
             if not all(verdicts.values()):
@@ -365,11 +364,9 @@ class QuantizationMethod(abc.ABC):
                 raise ConfigError(f"{self.name}: the checkpoint keeps {', '.join(kept[:3])}"
                                   f"{' and more' if len(kept) > 3 else ''} in floating point and quantizes the other "
                                   f"experts of {name}; plinth stores a layer's experts alike")
-            method = self.expert_method(layer)
-            if method is not None:
-                method.create_weights(layer)
-                layer.weight_method = method
-                count += 1
+            method.create_weights(layer)
+            layer.weight_method = method
+            count += 1
         return count
 
     def weights_iterator(self, source: Any, model: nn.Module) -> Iterable[tuple[str, Any]] | None:

@@ -4,8 +4,7 @@ request, all of them together."""
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,11 +27,15 @@ from plinth.entrypoints.openai.serving import ServerContext
 from plinth.entrypoints.openai.serving_embedding import embed_all, token_lists
 
 
-def cosine(a: list[float], b: list[float]) -> float:
-    """The cosine similarity of two vectors (0 where one is zero)."""
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return max(-1.0, min(1.0, dot / norm)) if norm > 0 else 0.0   # rounding may step past +-1
+def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:
+    """The cosine similarity of each pair ``(left[i], right[i])`` (``left`` may hold one vector for all), in float64,
+    clamped to ``[-1, 1]`` (rounding may step past it); 0 where a vector is zero."""
+    a = np.asarray(left, dtype=np.float64)
+    b = np.asarray(right, dtype=np.float64)
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    dots = (a * b).sum(axis=-1)
+    scores = np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
+    return np.clip(scores, -1.0, 1.0).tolist()
 
 
 def _as_items(value: object) -> list:
@@ -67,9 +70,7 @@ async def create_score(ctx: ServerContext, req: ScoreRequest, raw: Request) -> R
                           f"text_2", "text_1")
     rid = random_id("score")
     (left, right), tokens = await _embed_distinct(ctx, raw, req, rid, [(first, "text_1"), (second, "text_2")], lora)
-    if len(left) == 1:
-        left = left * len(right)
-    data = [ScoreData(index=i, score=cosine(a, b)) for i, (a, b) in enumerate(zip(left, right, strict=True))]
+    data = [ScoreData(index=i, score=s) for i, s in enumerate(cosine_scores(left, right))]
     body = ScoreResponse(id=rid, model=ctx.reply_model(lora), data=data,
                          usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
     return JSONResponse(body.model_dump())
@@ -85,7 +86,7 @@ async def create_rerank(ctx: ServerContext, req: RerankRequest, raw: Request) ->
     rid = random_id("rerank")
     (query, docs), tokens = await _embed_distinct(ctx, raw, req, rid, [([req.query], "query"), (documents, "documents")],
                                                   lora)
-    scored = sorted(((cosine(query[0], d), i) for i, d in enumerate(docs)), key=lambda t: (-t[0], t[1]))
+    scored = sorted(((score, i) for i, score in enumerate(cosine_scores(query, docs))), key=lambda t: (-t[0], t[1]))
     if req.top_n is not None:
         scored = scored[:req.top_n]
     results = []
