@@ -58,18 +58,27 @@ def _load_shard(layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: An
     rows, cols = loaded.shape
     if (rows, cols) != (total, k_total):
         raise ModelLoadError(f"shape mismatch: expected {(total, k_total)}, checkpoint has {(rows, cols)}")
-    data = loaded.data[start:start + size]
-    if loaded.ggml_type in BLOCK_TYPES:
-        block_len, type_size, _fn = BLOCK_TYPES[loaded.ggml_type]
-        if k_start % block_len or k_size % block_len:
-            raise ModelLoadError(f"cannot shard a {k_total}-wide row of {block_len}-element blocks at "
-                                 f"{k_start}:{k_start + k_size} (tensor parallelism vs the block length)")
-        data = data[:, k_start // block_len * type_size:(k_start + k_size) // block_len * type_size]
-        tensor = _to_device(data, param.device)
-    else:  # float values (kept in the compute dtype)
-        tensor = _to_device(data[:, k_start:k_start + k_size], param.device).to(layer.gguf_dtype)
     parts = layer.__dict__.setdefault("gguf_parts", {})
-    parts[offset] = GGUFShard(loaded.ggml_type, tensor, size, k_size)
+    parts[offset] = _columns(loaded, loaded.data[start:start + size], k_start, k_size, param.device, layer.gguf_dtype)
+
+
+def _columns(loaded: GGUFTensor, rows: np.ndarray, k_start: int, k_size: int, device: torch.device,
+             dtype: torch.dtype, widen_partial: bool = False) -> GGUFShard:
+    """Input features ``k_start:k_start + k_size`` of ``rows`` (some rows of ``loaded``): whole blocks, or float values
+    in ``dtype`` for float types and, with ``widen_partial``, for a cut that ends inside a block (else refused)."""
+    kind, cols = loaded.ggml_type, loaded.shape[1]
+    if kind in BLOCK_TYPES:
+        block_len, type_size, _fn = BLOCK_TYPES[kind]
+        if not (k_start % block_len or k_size % block_len):
+            blocks = rows[:, k_start // block_len * type_size:(k_start + k_size) // block_len * type_size]
+            return GGUFShard(kind, _to_device(blocks, device), len(rows), k_size)
+        if not widen_partial:
+            raise ModelLoadError(f"cannot shard a {cols}-wide row of {block_len}-element blocks at "
+                                 f"{k_start}:{k_start + k_size} (tensor parallelism vs the block length)")
+        import gguf
+
+        rows, kind = gguf.quants.dequantize(rows, kind).reshape(len(rows), cols), F32
+    return GGUFShard(kind, _to_device(rows[:, k_start:k_start + k_size], device).to(dtype), len(rows), k_size)
 
 
 class GGUFMethod(QuantizationMethod):
@@ -180,18 +189,9 @@ class GGUFExpertMethod:
             raise ModelLoadError(f"shape mismatch: expected {want}, checkpoint has {(rows, cols)}")
         data = loaded.data if role == "down" else loaded.data[r * i:(r + 1) * i]
         k_start, k_size = (r * i, i) if role == "down" else (0, hidden)
-        block_len, type_size, _fn = BLOCK_TYPES.get(loaded.ggml_type, (1, 0, None))
-        if loaded.ggml_type in BLOCK_TYPES and not (k_start % block_len or k_size % block_len):
-            tensor = _to_device(data[:, k_start // block_len * type_size:(k_start + k_size) // block_len * type_size],
-                                param.device)
-            layer.gguf_experts[expert, role] = GGUFShard(loaded.ggml_type, tensor, len(data), k_size)
-            return
-        if loaded.ggml_type in BLOCK_TYPES:   # this rank's columns end inside a block: its values, widened
-            import gguf
-
-            data = gguf.quants.dequantize(data, loaded.ggml_type).reshape(len(data), cols)
-        tensor = _to_device(data[:, k_start:k_start + k_size], param.device).to(self.dtype)
-        layer.gguf_experts[expert, role] = GGUFShard(F32, tensor, len(data), k_size)
+        # a rank's columns ending inside a block: that projection's values, widened
+        layer.gguf_experts[expert, role] = _columns(loaded, data, k_start, k_size, param.device, self.dtype,
+                                                    widen_partial=True)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shards = layer.gguf_experts
