@@ -189,3 +189,26 @@ def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias, t
     static_logits.copy_(torch.randn(tokens, 8, generator=g, device="cuda"))
     graph.replay()
     torch.testing.assert_close(out, moe(static_x, static_logits), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["fp8-block", "fp8-channel", "gptq"])
+def test_quantized_experts_on_the_gpu_match_transformers(kind, tmp_path):
+    """Quantized experts through the whole engine on the GPU (kernel selection, the FP8 experts' GEMV for decode
+    rows, widening per chosen expert for prefill, CUDA graphs where the experts allow them): greedy tokens equal
+    transformers' on the weights the checkpoint decodes to."""
+    import transformers
+    from test_fp8_experts import fp8_checkpoint
+    from test_int_experts import _reference
+    from test_models import _prompts, llm_greedy_matches, save_with_tokenizer
+    from test_quantization_awq_gptq import gptq_checkpoint
+
+    save_with_tokenizer("Qwen3MoeForCausalLM", tmp_path / "float")
+    if kind == "gptq":
+        path, deq = gptq_checkpoint(tmp_path / "float", tmp_path / "q", 4, 32, True, True, "gptq")
+        ref = _reference(tmp_path / "float", deq, tmp_path / "ref")
+    else:
+        path, ref_dir = fp8_checkpoint(tmp_path / "float", tmp_path / "q", kind.removeprefix("fp8-"))
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", max_model_len=128)
+    assert torch.device(llm.engine.device).type == "cuda"
+    llm_greedy_matches(llm, ref.cuda(), _prompts(ref.config.vocab_size))

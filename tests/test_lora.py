@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -532,18 +533,33 @@ def test_adapter_on_a_quantized_base(tmp_path, method):
     assert_matches_peft(tmp_path / "ref", adapter, out, tol=1e-3)
 
 
-def test_phi_adapter_on_its_attention(tmp_path):
-    """A Phi-2 adapter on the q/k/v projections reaches the fused projection: the tokens' log-probabilities equal
-    PEFT's; one on Phi's own ``dense``/``fc1``/``fc2`` names is refused naming what plinth adapts."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_phi_adapters_on_its_own_module_names(tmp_path, tp):
+    """A Phi-2 adapter on every projection under Phi's names (q/k/v, ``dense``, ``fc1``, ``fc2``): the tokens'
+    log-probabilities equal PEFT's, also with the layers split over two ranks; an adapter naming a module Phi does
+    not have (Llama's ``o_proj``) is refused naming the modules Phi adapts, not silently dropped."""
+    from safetensors.torch import load_file, save_file
     from test_models import save_with_tokenizer
 
     save_with_tokenizer("PhiForCausalLM", tmp_path / "phi")
-    adapter = make_adapter(tmp_path / "phi", tmp_path / "adapter", 7, targets=("q_proj", "k_proj", "v_proj"))
-    refused = make_adapter(tmp_path / "phi", tmp_path / "refused", 8, targets=("fc1",))
-    llm = LLM(str(tmp_path / "phi"), dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=256)
-    out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9, 100]}], greedy(), lora_request=LoRARequest("a", 1, str(adapter)),
-                       use_tqdm=False)[0]
-    assert_matches_peft(tmp_path / "phi", adapter, out)
-    with pytest.raises(RequestRejectedError, match=r"adapts mlp.fc1; plinth applies adapters to"):
-        llm.generate([{"prompt_token_ids": [5, 17]}], greedy(), lora_request=LoRARequest("b", 2, str(refused)),
-                     use_tqdm=False)
+    adapter = make_adapter(tmp_path / "phi", tmp_path / "adapter", 7,
+                           targets=("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"))
+    llm = LLM(str(tmp_path / "phi"), dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=256,
+              tensor_parallel_size=tp)
+    try:
+        out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9, 100]}], greedy(),
+                           lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)[0]
+        assert_matches_peft(tmp_path / "phi", adapter, out)
+        if tp > 1:
+            return
+        foreign = tmp_path / "foreign"
+        shutil.copytree(adapter, foreign)
+        tensors = load_file(str(foreign / "adapter_model.safetensors"))
+        save_file({k.replace(".dense.", ".o_proj."): v for k, v in tensors.items()},
+                  str(foreign / "adapter_model.safetensors"))
+        with pytest.raises(RequestRejectedError, match=r"adapts self_attn.o_proj; this model applies adapters to "
+                                                       r"self_attn.q_proj, .*self_attn.dense, mlp.fc1, mlp.fc2"):
+            llm.generate([{"prompt_token_ids": [5, 17]}], greedy(), lora_request=LoRARequest("b", 2, str(foreign)),
+                         use_tqdm=False)
+    finally:
+        llm.close()

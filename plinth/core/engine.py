@@ -55,9 +55,10 @@ from plinth.core.structured import (
 )
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
 from plinth.errors import LoRAAdapterError
-from plinth.lora.adapter import LoRAAdapter, load_adapter
+from plinth.lora.adapter import LoRAAdapter, adapter_targets, load_adapter
 from plinth.lora.request import LoRARequest
 from plinth.lora.slots import LoRASlotTable
+from plinth.model_registry.registry import ModelRegistry
 from plinth.worker.batching import BatchBuilder
 from plinth.worker.model_runner import ModelRunner
 
@@ -400,7 +401,8 @@ class LLMEngine:
                 return adapter
         try:
             adapter = load_adapter(lora_request.lora_name, lora_id, lora_request.lora_path,
-                                   self.model_source.hf_config, self.config.lora.max_lora_rank)
+                                   self.model_source.hf_config, self.config.lora.max_lora_rank,
+                                   adapter_targets(ModelRegistry.resolve(self.model_source.architecture)))
         except LoRAAdapterError as exc:
             raise RequestRejectedError(str(exc), param="lora_request") from None
         with self._lora_lock:

@@ -27,16 +27,20 @@ import torch
 
 from plinth.errors import LoRAAdapterError
 
-#: the modules an adapter may adapt, and which of the model's sizes are their (input, output) features
-TARGETS = {
-    "q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"), "o_proj": ("q", "hidden"),
-    "gate_proj": ("hidden", "intermediate"), "up_proj": ("hidden", "intermediate"),
-    "down_proj": ("intermediate", "hidden"),
-    # checkpoints whose projections are fused (Phi-3): split into the projections above as they are read
-    "qkv_proj": ("hidden", "qkv"), "gate_up_proj": ("hidden", "gate_up"),
+#: the checkpoint modules adapters name for each of plinth's adaptable layers (a model's ``lora_modules``):
+#: projection -> (block, kind of its input features, kind of its output features)
+LAYER_TARGETS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "qkv_proj": {"q_proj": ("self_attn", "hidden", "q"), "k_proj": ("self_attn", "hidden", "kv"),
+                 "v_proj": ("self_attn", "hidden", "kv"),
+                 # checkpoints whose projections are fused (Phi-3): split into the parts below as they are read
+                 "qkv_proj": ("self_attn", "hidden", "qkv")},
+    "o_proj": {"o_proj": ("self_attn", "q", "hidden")},
+    "gate_up_proj": {"gate_proj": ("mlp", "hidden", "intermediate"), "up_proj": ("mlp", "hidden", "intermediate"),
+                     "gate_up_proj": ("mlp", "hidden", "gate_up")},
+    "down_proj": {"down_proj": ("mlp", "intermediate", "hidden")},
 }
-BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+#: what Llama-style decoders adapt (the attention and the dense MLP)
+TARGETS = {proj: kinds for layer in LAYER_TARGETS.values() for proj, kinds in layer.items()}
 #: a fused module's parts: (projection, kind of its output rows), in the order of its rows
 FUSED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "kv"), ("v_proj", "kv")),
          "gate_up_proj": (("gate_proj", "intermediate"), ("up_proj", "intermediate"))}
@@ -88,6 +92,16 @@ def model_sizes(hf_config: Any) -> dict[str, int]:
     intermediate = getattr(hf_config, "intermediate_size", 0) or 0
     return {"hidden": hf_config.hidden_size, "q": heads * head_dim, "kv": kv_heads * head_dim,
             "intermediate": intermediate, "qkv": (heads + 2 * kv_heads) * head_dim, "gate_up": 2 * intermediate}
+
+
+def adapter_targets(model_class: type) -> dict[str, tuple[str, str, str]]:
+    """The checkpoint modules an adapter may adapt on ``model_class``: its ``lora_adapter_targets`` where it names
+    them itself (Phi's ``dense``, ``fc1``, ``fc2``), else those of its ``lora_modules`` (:data:`LAYER_TARGETS`)."""
+    own = getattr(model_class, "lora_adapter_targets", None)
+    if own is not None:
+        return dict(own)
+    return {proj: kinds for layer in getattr(model_class, "lora_modules", ()) for proj, kinds in
+            LAYER_TARGETS.get(layer, {}).items()}
 
 
 def is_moe(hf_config: Any) -> bool:
@@ -170,14 +184,17 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise _fail(path, f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in the folder")
 
 
-def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: int) -> LoRAAdapter:
-    """Read and check an adapter against the model ``hf_config`` describes.
+def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: int,
+                 targets: dict[str, tuple[str, str, str]] | None = None) -> LoRAAdapter:
+    """Read and check an adapter against the model ``hf_config`` describes, whose adaptable modules are ``targets``
+    (:func:`adapter_targets` of its class; default: a Llama-style decoder's, :data:`TARGETS`).
 
     Raises:
         LoRAAdapterError: the folder, its config or its tensors cannot be served (the message says why).
     """
     cfg = read_adapter_config(path)
     tensors = _read_tensors(path)
+    targets = TARGETS if targets is None else targets
     sizes = model_sizes(hf_config)
     num_layers = hf_config.num_hidden_layers
     moe = is_moe(hf_config)
@@ -188,12 +205,12 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
             raise _fail(path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's projection (plinth "
                               f"applies adapters to {', '.join(TARGETS)}; embeddings and the LM head are not supported)")
         proj, block = m["proj"], m["block"]
-        if proj not in TARGETS or BLOCK[proj] != block:
-            raise _fail(path, f"tensor {key!r} adapts {block}.{proj}; plinth applies adapters to "
-                              f"{', '.join(f'{BLOCK[t]}.{t}' for t in TARGETS)}")
-        if moe and block == "mlp":
+        if moe and block == "mlp" and TARGETS.get(proj, ("",))[0] == "mlp":
             raise _fail(path, f"tensor {key!r} adapts the MLP of a mixture-of-experts model; only the attention "
                               "projections of such models take adapters")
+        if proj not in targets or targets[proj][0] != block:
+            raise _fail(path, f"tensor {key!r} adapts {block}.{proj}; this model applies adapters to "
+                              f"{', '.join(f'{b}.{t}' for t, (b, _, _) in targets.items())}")
         if int(m["layer"]) >= num_layers:
             raise _fail(path, f"tensor {key!r} names layer {m['layer']}, but the model has {num_layers} layers")
         pairs.setdefault(m["module"], {})[m["ab"]] = tensor
@@ -209,7 +226,7 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
             raise _fail(path, f"module {module} has no {missing} weight")
         a, b = ab["A"], ab["B"]
         proj = module.rsplit(".", 1)[1]
-        in_kind, out_kind = TARGETS[proj]
+        _, in_kind, out_kind = targets[proj]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise _fail(path, f"module {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
                               "[r, in] and [out, r]")

@@ -441,6 +441,9 @@ class DecoderForCausalLM(CausalLM):
     supports_pipeline_parallel: ClassVar[bool] = True
     #: the linear layers that take LoRA adapters (:mod:`plinth.lora`); a mixture-of-experts MLP has none of the last two
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    #: the checkpoint modules adapters may name, ``{projection: (block, input kind, output kind)}``
+    #: (:func:`plinth.lora.adapter.adapter_targets`); ``None``: those of ``lora_modules`` under Llama's names
+    lora_adapter_targets: ClassVar[dict[str, tuple[str, str, str]] | None] = None
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)

@@ -74,8 +74,13 @@ class PhiForCausalLM(DecoderForCausalLM):
     """See the module docstring."""
 
     layer_class: ClassVar[type[nn.Module] | None] = PhiDecoderLayer
-    #: adapters name the q/k/v projections as Llama's do; Phi's ``dense``, ``fc1``, ``fc2`` are refused by the adapter check
-    lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj",)
+    lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "fc1", "fc2")
+    #: the modules adapters name (the checkpoint's): q/k/v as Llama's, the output projection ``dense``, the MLP's
+    #: ``fc1`` and ``fc2``
+    lora_adapter_targets: ClassVar[dict[str, tuple[str, str, str]]] = {
+        "q_proj": ("self_attn", "hidden", "q"), "k_proj": ("self_attn", "hidden", "kv"),
+        "v_proj": ("self_attn", "hidden", "kv"), "dense": ("self_attn", "q", "hidden"),
+        "fc1": ("mlp", "hidden", "intermediate"), "fc2": ("mlp", "intermediate", "hidden")}
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)
