@@ -65,6 +65,18 @@ _GEMMA_LAYOUTS = {
 }
 
 
+# DeepSeek's block tensors (llama.cpp's names -> the checkpoint's); attn_k_b/attn_v_b (kv_b_proj split per head by
+# newer converters, the key half transposed) are joined back into kv_b_proj as they are read
+_DEEPSEEK_NAMES = (
+    ("attn_q_a", "self_attn.q_a_proj"), ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+    ("attn_q_b", "self_attn.q_b_proj"), ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+    ("attn_kv_a_norm", "self_attn.kv_a_layernorm"), ("attn_kv_b", "self_attn.kv_b_proj"),
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"), ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"), ("exp_probs_b", "mlp.gate.e_score_correction_bias"))
+_KV_B_PARTS = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
+# the gating function llama.cpp's converter writes (expert_gating_func)
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
+
 # GGUF general.architecture -> how to read it.
 _ARCHITECTURES = {
     "llama": _GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
@@ -86,7 +98,14 @@ _ARCHITECTURES = {
     "qwen2moe": _GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False),
     "qwen3moe": _GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
     "olmoe": _GGUFArchitecture("olmoe", "OlmoeForCausalLM", permuted_qk=False),
+    # DeepSeek-V2/V3 (and the models built on them): multi-head latent attention; V3 when the file has the router's
+    # correction bias (exp_probs_b) and sigmoid gating
+    "deepseek2": _GGUFArchitecture("deepseek_v2", "DeepseekV2ForCausalLM", permuted_qk=False,
+                                   block_names=_DEEPSEEK_NAMES),
 }
+_DEEPSEEK_V3 = _GGUFArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", permuted_qk=False,
+                                 block_names=_DEEPSEEK_NAMES)
+_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 # llama.cpp writes Mixtral as a "llama" file with experts (llama.expert_count)
 _MIXTRAL = _GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -154,13 +173,15 @@ def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
             f"GGUF file {path!r} has architecture {name!r}; supported GGUF architectures: "
             f"{', '.join(sorted(_ARCHITECTURES))}"
         )
+    if name == "deepseek2" and any(t.name.endswith(".exp_probs_b.bias") for t in reader.tensors):
+        arch = _DEEPSEEK_V3
     if reader.get(f"{name}.expert_count", 0):
         if name == "llama":
             return name, _MIXTRAL
-        if arch.model_type not in _MOE_TYPES:
+        if arch.model_type not in _MOE_TYPES + _DEEPSEEK_TYPES:
             raise UnsupportedModelError(
                 f"GGUF file {path!r} is a mixture-of-experts {name!r} model; GGUF mixtures of experts supported: "
-                f"llama (Mixtral), olmoe, qwen2moe, qwen3moe"
+                f"deepseek2, llama (Mixtral), olmoe, qwen2moe, qwen3moe"
             )
     elif arch.model_type in _MOE_TYPES:
         raise ModelLoadError(f"GGUF file {path!r}: a {name!r} file needs {name}.expert_count")
@@ -311,6 +332,8 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
     n_heads, n_kv_heads = _head_counts(reader, name, path)
     head_dim = reader.get(f"{name}.attention.key_length", hidden_size // n_heads)
     rotary_dim = reader.get(f"{name}.rope.dimension_count", head_dim)
+    if arch.model_type in _DEEPSEEK_TYPES:   # the config's head_dim is the rotary part (key_length: the latent's)
+        head_dim = rotary_dim
     if rotary_dim != head_dim and not (arch.partial_rotary and isinstance(rotary_dim, int)
                                        and 0 < rotary_dim < head_dim and rotary_dim % 2 == 0):
         raise UnsupportedModelError(
@@ -350,10 +373,14 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
                                     "plinth reads OLMo 3 from its safetensors checkpoint only")
     if arch.model_type in _MOE_TYPES:
         options.update(_moe_options(reader, name, arch, tensors, options, path))
+    if arch.model_type in _DEEPSEEK_TYPES:
+        options.update(_deepseek_options(reader, name, arch, tensors, options, path))
     if arch.model_type == "smollm3":
         options["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0)
                                      for i in range(options["num_hidden_layers"])]
     scaling = _rope_scaling(reader, name, rope_theta, rotary_dim, path)
+    if scaling is not None and arch.model_type in _DEEPSEEK_TYPES:
+        scaling.update(_deepseek_yarn(reader, name, scaling, path))
     rope = {**(scaling or {"rope_type": "default"}), "rope_theta": rope_theta}
     if rotary_dim != head_dim:
         rope["partial_rotary_factor"] = rotary_dim / head_dim
@@ -426,6 +453,101 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
     return out
 
 
+def _positive(reader: GGUFFile, key: str, path: str, default: Any = None) -> Any:
+    """An integer metadata value that must be positive (``default`` when absent)."""
+    value = reader.get(key, default)
+    if value is not default and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ModelLoadError(f"GGUF file {path!r}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _deepseek_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: dict[str, Any],
+                      options: dict[str, Any], path: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3's config fields as llama.cpp's converter writes them: the latent attention's ranks and head
+    sizes (files from 2025 on give the per-head key/value sizes as ``key_length_mla``/``value_length_mla``, their
+    ``key_length``/``value_length`` being the latent's; older files give them as ``key_length``/``value_length``),
+    the leading dense blocks and the experts' routing."""
+    rope = options["head_dim"]
+    kv_lora = _positive(reader, f"{name}.attention.kv_lora_rank", path)
+    if kv_lora is None:
+        raise ModelLoadError(f"GGUF file {path!r} lacks the metadata key {name}.attention.kv_lora_rank")
+    key = _positive(reader, f"{name}.attention.key_length_mla", path)
+    value = _positive(reader, f"{name}.attention.value_length_mla", path)
+    if key is None or value is None:
+        key = _positive(reader, f"{name}.attention.key_length", path)
+        value = _positive(reader, f"{name}.attention.value_length", path)
+    if key is None or value is None or key <= rope:
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.attention.key_length(_mla) {key!r} and "
+                             f"value_length(_mla) {value!r} must be positive, the key longer than its "
+                             f"{rope} rotary features")
+    out: dict[str, Any] = {
+        "num_key_value_heads": options["num_attention_heads"], "kv_lora_rank": kv_lora,
+        "q_lora_rank": _positive(reader, f"{name}.attention.q_lora_rank", path), "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key - rope, "v_head_dim": value,
+        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_q_a.bias" in tensors,
+    }
+    count = reader.get(f"{name}.expert_count", 0)
+    if not count:
+        return {**out, "n_routed_experts": None, "first_k_dense_replace": options["num_hidden_layers"]}
+    layers = options["num_hidden_layers"]
+    dense = reader.get(f"{name}.leading_dense_block_count", 0)
+    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < layers:
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.leading_dense_block_count must be an integer from 0 to "
+                             f"{layers - 1}, got {dense!r}")
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensors]
+    if sparse != list(range(dense, layers)):
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.leading_dense_block_count is {dense}, so blocks {dense} to "
+                             f"{layers - 1} need stacked experts (blk.N.ffn_gate_exps.weight); the file has them on "
+                             f"blocks {sparse}")
+    gate = tensors[f"blk.{dense}.ffn_gate_exps.weight"]
+    used = reader.get(f"{name}.expert_used_count")
+    if (len(gate.shape) != 3 or not isinstance(count, int) or not isinstance(used, int) or isinstance(used, bool)
+            or not 0 < used <= count or gate.shape[0] != count):
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.expert_count {count!r} and expert_used_count {used!r} "
+                             f"must be positive integers, the second at most the first, and the experts' "
+                             f"tensors [experts, rows, hidden] have shape {list(gate.shape)}")
+    v3 = arch.model_type == "deepseek_v3"
+    gating = reader.get(f"{name}.expert_gating_func", _GATING_SIGMOID if v3 else _GATING_SOFTMAX)
+    if gating != (_GATING_SIGMOID if v3 else _GATING_SOFTMAX):
+        raise UnsupportedModelError(
+            f"GGUF file {path!r}: {name}.expert_gating_func is {gating!r}; plinth reads DeepSeek-V2 files (softmax "
+            f"gating, {_GATING_SOFTMAX}) and DeepSeek-V3 files (sigmoid gating, {_GATING_SIGMOID}, with the router's "
+            f"correction bias blk.N.exp_probs_b)")
+    groups = _positive(reader, f"{name}.expert_group_count", path, 1)
+    groups_used = _positive(reader, f"{name}.expert_group_used_count", path, groups)
+    scale = reader.get(f"{name}.expert_weights_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.expert_weights_scale must be a positive number, "
+                             f"got {scale!r}")
+    out.update({
+        "n_routed_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": int(gate.shape[1]),
+        "n_shared_experts": reader.get(f"{name}.expert_shared_count", 0) or None, "first_k_dense_replace": dense,
+        "routed_scaling_factor": _float32_value(scale), "norm_topk_prob": bool(reader.get(
+            f"{name}.expert_weights_norm", False)), "n_group": groups, "topk_group": groups_used})
+    if not v3:
+        out["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    return out
+
+
+def _deepseek_yarn(reader: GGUFFile, name: str, scaling: dict[str, Any], path: str) -> dict[str, Any]:
+    """DeepSeek's YaRN fields: the converter writes ``yarn_log_multiplier`` = 0.1 x ``mscale_all_dim`` (the
+    released configs have ``mscale`` equal to it, the only case the file can describe) and llama.cpp's betas."""
+    if scaling.get("rope_type") != "yarn":
+        return {}
+    out: dict[str, Any] = {}
+    log_mul = reader.get(f"{name}.rope.scaling.yarn_log_multiplier")
+    if log_mul is not None:
+        if isinstance(log_mul, bool) or not isinstance(log_mul, int | float) or log_mul < 0:
+            raise ModelLoadError(f"GGUF file {path!r}: {name}.rope.scaling.yarn_log_multiplier must be a "
+                                 f"non-negative number, got {log_mul!r}")
+        out["mscale"] = out["mscale_all_dim"] = _float32_value(log_mul) * 10
+    for key in ("beta_fast", "beta_slow"):
+        beta = reader.get(f"{name}.rope.scaling.yarn_{key}")
+        if beta is not None:
+            out[key] = _float32_value(beta)
+    return out
+
+
 def _gemma_options(reader: GGUFFile, name: str, options: dict[str, Any], path: str,
                    layout: _GemmaLayout) -> dict[str, Any]:
     """Gemma 2's and 3's fields that their GGUF metadata leaves to llama.cpp's code (see ``_GEMMA_LAYOUTS``)."""
@@ -487,7 +609,10 @@ def _hf_name(gguf_name: str, arch: _GGUFArchitecture | None = None) -> str | Non
     names = {**_BLOCK_NAMES, **dict(arch.block_names)} if arch is not None and arch.block_names else _BLOCK_NAMES
     if match is None or match.group(2) not in names:
         return None
-    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{kind}"
+    target = names[match.group(2)]
+    if target.endswith("_bias"):   # a bias that is a parameter of its own (DeepSeek-V3's router correction)
+        return f"model.layers.{match.group(1)}.{target}" if kind == "bias" else None
+    return f"model.layers.{match.group(1)}.{target}.{kind}"
 
 
 def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -529,10 +654,19 @@ def _iter_raw(
         hidden = reader.get(f"{name}.embedding_length")
         head_dim = reader.get(f"{name}.attention.key_length", hidden // n_heads)
         q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
+    kv_b_parts: dict[str, dict[str, Any]] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS or tensor.name in _ROPE_FACTORS:
             continue
-        expert = _EXPERT_TENSOR.fullmatch(tensor.name) if arch.model_type in _MOE_TYPES else None
+        part = _KV_B_PARTS.fullmatch(tensor.name) if arch.model_type in _DEEPSEEK_TYPES else None
+        if part is not None:
+            parts = kv_b_parts.setdefault(part.group(1), {})
+            parts[part.group(2)] = tensor
+            if len(parts) == 2:
+                yield _joined_kv_b(reader, part.group(1), parts, path)
+            continue
+        expert = (_EXPERT_TENSOR.fullmatch(tensor.name) if arch.model_type in _MOE_TYPES + _DEEPSEEK_TYPES
+                  else None)
         if expert is not None:
             yield from _split_experts(expert, reader.tensor_data(tensor), tensor, arch, path)
             continue
@@ -561,6 +695,34 @@ def _iter_raw(
             yield hf_name, data.reshape(1, *data.shape), tensor.ggml_type, (1, *tuple(tensor.shape))
             continue
         yield hf_name, data, tensor.ggml_type, tensor.shape
+    unpaired = sorted(f"blk.{layer}.attn_{next(iter(parts))}_b" for layer, parts in kv_b_parts.items()
+                      if len(parts) < 2)
+    if unpaired:
+        raise ModelLoadError(f"GGUF file {path!r}: {', '.join(unpaired)} without its other half (attn_k_b and "
+                             f"attn_v_b together hold kv_b_proj)")
+
+
+def _joined_kv_b(reader: GGUFFile, layer: str, parts: dict[str, Any],
+                 path: str) -> tuple[str, np.ndarray, Any, tuple[int, ...]]:
+    """``kv_b_proj`` ``[heads x (qk_nope + v), kv_lora_rank]`` from llama.cpp's split of it: ``attn_k_b``
+    ``[heads, kv_lora_rank, qk_nope]`` (each head's key rows transposed) and ``attn_v_b`` ``[heads, v, kv_lora_rank]``;
+    dequantized to float32 (the transposed half has no blocks along the checkpoint's rows)."""
+    import gguf
+
+    from plinth.model_registry.gguf_dequant import dequantize_tensor
+
+    k_t, v_t = parts["k"], parts["v"]
+    k_shape, v_shape = tuple(k_t.shape), tuple(v_t.shape)
+    if (len(k_shape) != 3 or len(v_shape) != 3 or k_shape[0] != v_shape[0] or k_shape[1] != v_shape[2]):
+        raise ModelLoadError(f"GGUF file {path!r}: blk.{layer}.attn_k_b {list(k_shape)} and attn_v_b "
+                             f"{list(v_shape)} are not [heads, kv_lora_rank, qk_nope] and [heads, v, kv_lora_rank]")
+    import torch
+
+    k = dequantize_tensor(reader.tensor_data(k_t), k_t.ggml_type, k_shape, torch.float32)
+    v = dequantize_tensor(reader.tensor_data(v_t), v_t.ggml_type, v_shape, torch.float32)
+    joined = torch.cat([k.transpose(1, 2), v], dim=1).reshape(-1, k_shape[1])
+    return (f"model.layers.{layer}.self_attn.kv_b_proj.weight", joined.numpy(), gguf.GGMLQuantizationType.F32,
+            tuple(joined.shape))
 
 
 def _split_experts(match: re.Match, data: np.ndarray, tensor: Any, arch: _GGUFArchitecture,
