@@ -55,7 +55,7 @@ def deepseek_model(kind: str) -> transformers.PreTrainedModel:
 
 
 def write_deepseek_gguf(path, model, *, split_kv_b: bool = True, qtype=Q.F32, gating: bool = True,
-                        ) -> tuple[str, dict[str, torch.Tensor]]:
+                        tokenizer: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
     """``model`` as llama.cpp's converter writes it; returns the path and the state dict the file decodes to (each
     quantized tensor through gguf's own quantize/dequantize)."""
     cfg = model.config
@@ -104,6 +104,15 @@ def write_deepseek_gguf(path, model, *, split_kv_b: bool = True, qtype=Q.F32, ga
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     writer.add_pad_token_id(cfg.pad_token_id)
+    if tokenizer:   # the tests' byte-level BPE tokenizer, as DeepSeek-V3's converter writes its own ("gpt2")
+        from test_startup_cache import bpe_tokenizer_metadata
+
+        meta = bpe_tokenizer_metadata()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("deepseek-v3")
+        writer.add_token_list(meta["tokens"])
+        writer.add_token_merges(meta["merges"])
+        writer.add_token_types([3 if t in meta["special"] else 1 for t in meta["tokens"]])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
     decoded: dict[str, torch.Tensor] = {}
 
@@ -226,3 +235,16 @@ def test_deepseek_files_that_cannot_be_read_are_refused(tmp_path):
     dense.write_bytes(_patched(data, "deepseek2.leading_dense_block_count", 2))
     with pytest.raises(ModelLoadError, match=r"leading_dense_block_count is 2.*blocks \[1, 2\]"):
         read_gguf_config(str(dense))
+
+
+def test_the_tokenizer_of_a_deepseek_file(tmp_path):
+    """transformers loads no deepseek2 model from GGUF, so its AutoTokenizer refuses the file; the tokenizer comes
+    from the file's tokenizer metadata alone: it encodes as the tokenizer the metadata was written from."""
+    from conftest import make_tokenizer
+
+    from plinth.model_registry.gguf_loader import load_gguf_tokenizer
+
+    path, _ = write_deepseek_gguf(tmp_path / "m.gguf", deepseek_model("v2"), tokenizer=True)
+    ours, reference = load_gguf_tokenizer(path, use_cache=False), make_tokenizer()
+    for text in ("hello world", "The quick brown fox, 123 times!", "caf\u00e9 na\u00efve\n\ttabs"):
+        assert ours(text).input_ids == reference(text).input_ids, text

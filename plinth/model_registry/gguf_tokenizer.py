@@ -102,10 +102,19 @@ def _convert(path: str, reader: GGUFFile) -> Any:
                                      or not 0 <= token_id < len(tokens)):
             raise ModelLoadError(f"GGUF file {path!r}: {key} is {token_id!r}, not the id of one of the file's "
                                  f"{len(tokens) if tokens is not None else 0} tokens")
+    folder, name = os.path.dirname(path), os.path.basename(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError, IndexError, OSError) as e:
-        raise ModelLoadError(f"could not build a tokenizer from GGUF file {path!r}: {e}") from e
+        # AutoTokenizer first reads the file as a transformers model config to pick a tokenizer class, and refuses
+        # architectures transformers does not load from GGUF (deepseek2, granite, olmoe, ...); the tokenizer itself
+        # comes from the tokenizer.ggml.* metadata alone, which the generic fast tokenizer reads for any of them
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+        except (ValueError, KeyError, IndexError, OSError):
+            raise ModelLoadError(f"could not build a tokenizer from GGUF file {path!r}: {e}") from e
     template = reader.get("tokenizer.chat_template")
     if template is not None:
         tokenizer.chat_template = template
