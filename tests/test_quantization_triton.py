@@ -207,6 +207,25 @@ def test_tiles_and_refusals():
 
 
 @needs_interpreter
+def test_selection_checks_and_times_block_fp8_kernels(tmp_path):
+    """Selection over a block-FP8 problem checks and times every candidate on weights with block scales (they were
+    given per-channel scales, which every block kernel failed on: no FP8 block checkpoint could start with
+    selection on a GPU)."""
+    from plinth.platforms.selection import select_platform
+    from plinth.quantization.fp8 import FP8Method
+
+    ctx = QuantContext(hf_config=None, dtype=torch.float32, device=CPU, platform=select_platform("cpu"),
+                       selection="benchmark", cache_dir=tmp_path, workload=GemmWorkload(4, 16))
+    method = FP8Method(ctx, from_checkpoint=True, block=(32, 32))
+    weights = method.random_weights(40, 96, CPU, torch.Generator().manual_seed(0))
+    assert weights.block == (32, 32) and weights.scale.shape == (2, 3)
+    result = method.select_kernel([(64, 96), (96, 64)])
+    checked = {r.name: r for r in result.candidates}
+    for name in ("dequant", "triton_fp8"):
+        assert checked[name].times_ms and not checked[name].reason, (name, checked[name].reason)
+
+
+@needs_interpreter
 def test_block_fp8_model_on_the_triton_kernel(tiny_llama_dir, tmp_path):
     from test_quantization import _fp8_checkpoint
 

@@ -185,7 +185,7 @@ class FP8Method(QuantizationMethod):
                            capability=self.ctx.capability, activation="fp8_token", block=self.block, shapes=shapes)
 
     def random_weights(self, n: int, k: int, device: torch.device, generator: torch.Generator) -> FP8Weights:
-        return random_fp8_weights(n, k, device=device, generator=generator)
+        return random_fp8_weights(n, k, device=device, generator=generator, block=self.block)
 
     def kernel_tolerance(self) -> float:
         # E4M3 keeps 3 mantissa bits: per-token activation rounding moves outputs by a few percent

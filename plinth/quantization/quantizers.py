@@ -47,6 +47,21 @@ def quantize_fp8_per_channel(weight: torch.Tensor, row_absmax: torch.Tensor | No
     return FP8Weights(q, scale)
 
 
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> FP8Weights:
+    """FP8 E4M3 with one float32 scale per ``(bn, bk)`` block (``max |w| / 448`` over the block; the last blocks
+    may cover fewer rows or columns), DeepSeek-V3's checkpoint layout."""
+    bn, bk = block
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    padded = w.new_zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+    padded[:n, :k] = w
+    scale = (padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).abs().amax(dim=(1, 3))
+             / FP8_MAX).clamp(min=1e-12)                                  # [ceil(N / bn), ceil(K / bk)]
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return FP8Weights(q, scale, (bn, bk))
+
+
 def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token FP8 activations: ``x`` ``[M, K]`` -> (``[M, K]`` e4m3, ``[M, 1]`` float32 scales)."""
     xf = x.to(torch.float32)
@@ -76,6 +91,8 @@ def random_int_weights(n: int, k: int, bits: int, group_size: int, *, symmetric:
     return IntWeights(q, scales, zeros, bits, group_size, perm=perm, symmetric=symmetric)
 
 
-def random_fp8_weights(n: int, k: int, *, device: torch.device, generator: torch.Generator) -> FP8Weights:
+def random_fp8_weights(n: int, k: int, *, device: torch.device, generator: torch.Generator,
+                       block: tuple[int, int] | None = None) -> FP8Weights:
+    """Random FP8 weights with per-channel scales, or with ``block`` scales."""
     w = torch.randn(n, k, generator=generator, device=device) * 0.02
-    return quantize_fp8_per_channel(w)
+    return quantize_fp8_per_channel(w) if block is None else quantize_fp8_blocks(w, block)
