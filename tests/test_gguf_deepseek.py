@@ -40,10 +40,10 @@ CONFIGS = {
 }
 
 
-def deepseek_model(kind: str) -> transformers.PreTrainedModel:
+def deepseek_model(kind: str, **more) -> transformers.PreTrainedModel:
     model_type, overrides = CONFIGS[kind]
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    config = transformers.AutoConfig.for_model(model_type, **{**BASE, **overrides, **more})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():   # norms start at one and the correction bias at zero: make every tensor distinct
         for name, param in model.named_parameters():
@@ -55,7 +55,8 @@ def deepseek_model(kind: str) -> transformers.PreTrainedModel:
 
 
 def write_deepseek_gguf(path, model, *, split_kv_b: bool = True, qtype=Q.F32, gating: bool = True,
-                        tokenizer: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
+                        tokenizer: bool = False, shared_count: int | str | None = "config",
+                        ) -> tuple[str, dict[str, torch.Tensor]]:
     """``model`` as llama.cpp's converter writes it; returns the path and the state dict the file decodes to (each
     quantized tensor through gguf's own quantize/dequantize)."""
     cfg = model.config
@@ -87,7 +88,8 @@ def write_deepseek_gguf(path, model, *, split_kv_b: bool = True, qtype=Q.F32, ga
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_expert_count(cfg.n_routed_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_shared_count(cfg.n_shared_experts)
+    if shared_count is not None:
+        writer.add_expert_shared_count(cfg.n_shared_experts if shared_count == "config" else shared_count)
     writer.add_expert_weights_scale(cfg.routed_scaling_factor)
     if cfg.norm_topk_prob and v3:
         writer.add_expert_weights_norm(True)
@@ -215,6 +217,36 @@ def test_quantized_deepseek_gguf_weights_and_engine(tmp_path):
     assert layer.mlp.experts.gguf_experts is not None and layer.mlp.experts.w13_weight.numel() == 0
     assert layer.self_attn.o_proj.gguf_blocks_0.dtype == torch.uint8   # Q8_0 blocks kept
     llm.close()
+
+
+def test_dense_deepseek_files_and_the_shared_experts_count(tmp_path):
+    """A DeepSeek file whose blocks are all dense (``leading_dense_block_count`` = the block count; the converter
+    still writes the config's expert count) loads with dense MLPs; a file without ``expert_shared_count`` takes the
+    count from the shared experts' tensor, and one whose count disagrees with that tensor is refused."""
+    from paged_driver import PagedDriver, build_metadata
+    from test_models import _load
+
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+
+    dense = deepseek_model("v2", first_k_dense_replace=BASE["num_hidden_layers"])
+    path, _ = write_deepseek_gguf(tmp_path / "dense.gguf", dense)
+    config, _ = read_gguf_config(path)
+    assert config.first_k_dense_replace == config.num_hidden_layers and config.n_routed_experts == 0
+    inferred, _ = write_deepseek_gguf(tmp_path / "inferred.gguf", deepseek_model("v2"), shared_count=None)
+    assert read_gguf_config(inferred)[0].n_shared_experts == CONFIGS["v2"][1]["n_shared_experts"]
+    backend = TorchSDPABackend()
+    prompt = list(range(5, 18))
+    flat, pos, md = build_metadata([(prompt, 0, [3, 1, 2, 5])], block_size=4)
+    for file, model in ((path, dense), (inferred, deepseek_model("v2"))):
+        ours = _load(file, backend)
+        PagedDriver(ours, backend, block_size=4)
+        with torch.inference_mode():
+            got = ours.compute_logits(ours(flat, pos, md))
+            want = model(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    wrong, _ = write_deepseek_gguf(tmp_path / "wrong.gguf", deepseek_model("v2"), shared_count=1)
+    with pytest.raises(ModelLoadError, match=r"expert_shared_count is 1, but blk.1.ffn_gate_shexp.weight has 64 rows"):
+        read_gguf_config(wrong)
 
 
 def test_deepseek_files_that_cannot_be_read_are_refused(tmp_path):

@@ -486,14 +486,14 @@ def _deepseek_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tens
         "qk_nope_head_dim": key - rope, "v_head_dim": value,
         "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_q_a.bias" in tensors,
     }
-    count = reader.get(f"{name}.expert_count", 0)
-    if not count:
-        return {**out, "n_routed_experts": None, "first_k_dense_replace": options["num_hidden_layers"]}
     layers = options["num_hidden_layers"]
+    count = reader.get(f"{name}.expert_count", 0)
     dense = reader.get(f"{name}.leading_dense_block_count", 0)
-    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < layers:
+    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense <= layers:
         raise ModelLoadError(f"GGUF file {path!r}: {name}.leading_dense_block_count must be an integer from 0 to "
-                             f"{layers - 1}, got {dense!r}")
+                             f"{layers}, got {dense!r}")
+    if not count or dense == layers:   # every block dense
+        return {**out, "n_routed_experts": 0, "n_shared_experts": 0, "first_k_dense_replace": layers}
     sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensors]
     if sparse != list(range(dense, layers)):
         raise ModelLoadError(f"GGUF file {path!r}: {name}.leading_dense_block_count is {dense}, so blocks {dense} to "
@@ -515,13 +515,23 @@ def _deepseek_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tens
             f"correction bias blk.N.exp_probs_b)")
     groups = _positive(reader, f"{name}.expert_group_count", path, 1)
     groups_used = _positive(reader, f"{name}.expert_group_used_count", path, groups)
+    size = int(gate.shape[1])
+    shexp = tensors.get(f"blk.{dense}.ffn_gate_shexp.weight")
+    shared_rows = int(shexp.shape[0]) if shexp is not None else 0
+    shared = reader.get(f"{name}.expert_shared_count")
+    if shared is None and shared_rows % size == 0:   # the shared experts are one MLP of shared x the experts' width
+        shared = shared_rows // size
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared * size != shared_rows:
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.expert_shared_count is {shared!r}, but "
+                             f"blk.{dense}.ffn_gate_shexp.weight has {shared_rows} rows (the shared experts' "
+                             f"count times the experts' {size})")
     scale = reader.get(f"{name}.expert_weights_scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
         raise ModelLoadError(f"GGUF file {path!r}: {name}.expert_weights_scale must be a positive number, "
                              f"got {scale!r}")
     out.update({
-        "n_routed_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": int(gate.shape[1]),
-        "n_shared_experts": reader.get(f"{name}.expert_shared_count", 0) or None, "first_k_dense_replace": dense,
+        "n_routed_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": size,
+        "n_shared_experts": shared, "first_k_dense_replace": dense,
         "routed_scaling_factor": _float32_value(scale), "norm_topk_prob": bool(reader.get(
             f"{name}.expert_weights_norm", False)), "n_group": groups, "topk_group": groups_used})
     if not v3:
