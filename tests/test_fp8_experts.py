@@ -329,3 +329,25 @@ def test_ignore_lists_name_experts_by_their_checkpoint_names(ignored, tmp_path):
     with pytest.raises(ConfigError, match=r"keeps model.layers.0.block_sparse_moe.experts.2.w1, .* in floating point "
                                           r"and quantizes the other experts of model.layers.0.mlp.experts"):
         load_plinth(path)
+
+
+@pytest.mark.parametrize("block", [None, (16, 32), (32, 32)])
+def test_widened_grouped_gemms_equal_the_per_expert_loop(block):
+    """FP8 experts on the grouped GEMMs (the GPU's path for prefill: runs of experts widened together) equal the
+    per-expert loop: per-channel and block scales widened in one conversion per run, 200-row experts whose gate
+    ends inside a 16- or 32-row block (per-row scales), 48-row ``w2`` under 32-row blocks (a block would span two
+    experts: widened one at a time); runs of three experts, the first run chosen by no token and skipped."""
+    moe = _moe(8, 2, 48, 200)
+    _load_fp8_experts(moe, block, _expert_weights(8, 48, 200, seed=2))
+    moe.widen_chunk_elements = 3 * 48 * 200 * 2
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 48, generator=g)
+    logits = torch.randn(9, 8, generator=g)
+    logits[:, :3] = -30.0    # experts 0-2: no token
+    assert not moe.uses_widened_grouped_gemm(x)   # the device conditions (a CUDA GPU of 9.0+, bfloat16)
+    calls = []
+    widen_range = moe.weight_method.widen_range
+    moe.weight_method.widen_range = lambda *a: calls.append(a[1:4]) or widen_range(*a)
+    got = moe._forward_widened(x, *moe.route(logits))
+    assert [c for c in calls if c[0] == "w13"] == [("w13", 3, 6), ("w13", 6, 8)]
+    torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)

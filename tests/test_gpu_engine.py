@@ -212,3 +212,26 @@ def test_quantized_experts_on_the_gpu_match_transformers(kind, tmp_path):
     llm = LLM(str(path), dtype="float32", max_model_len=128)
     assert torch.device(llm.engine.device).type == "cuda"
     llm_greedy_matches(llm, ref.cuda(), _prompts(ref.config.vocab_size))
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_experts_on_widened_grouped_gemms(block):
+    """FP8 experts in bfloat16 on a 9.0+ GPU: a prefill-sized step (token copies above the expert count) takes the
+    grouped GEMMs over runs of widened experts; it equals the per-expert loop."""
+    from test_fp8_experts import _expert_weights, _load_fp8_experts, _moe
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("grouped GEMMs need compute capability 9.0")
+    moe = _moe(8, 2, 256, 512)
+    _load_fp8_experts(moe, block, _expert_weights(8, 256, 512, seed=4))
+    moe = moe.cuda()
+    moe.fp8_scales = {k: type(v)(v.scale.cuda(), v.rows, v.cols) for k, v in moe.fp8_scales.items()}
+    moe.widen_chunk_elements = 3 * 256 * 512 * 2
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(40, 256, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(40, 8, generator=g, device="cuda")
+    assert moe.uses_widened_grouped_gemm(x) and not moe.uses_gemv(x)
+    got = moe(x, logits)
+    moe.uses_widened_grouped_gemm = lambda _x: False   # the per-expert loop
+    want = moe(x, logits)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

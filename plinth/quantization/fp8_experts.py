@@ -244,6 +244,19 @@ class FP8ExpertMethod:
         """Expert ``expert``'s ``[N, K]`` weight in ``dtype``."""
         return expert_fp8_weights(getattr(layer, f"{which}_weight"), layer.fp8_scales[which], expert).dequantize(dtype)
 
+    def widen_range(self, layer: nn.Module, which: str, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ``first..last-1``'s ``[n, N, K]`` weights in ``dtype``, in one conversion: their rows stacked
+        into one ``[n * N, K]`` FP8 weight (where no scale block spans two experts' rows)."""
+        weight, scales = getattr(layer, f"{which}_weight")[first:last], layer.fp8_scales[which]
+        n, rows, k = weight.shape
+        if rows % scales.rows:
+            return torch.stack([self.widen(layer, which, e, dtype) for e in range(first, last)])
+        block = scales.block(k)
+        s = scales.scale[first:last].reshape(-1, scales.scale.shape[2])
+        stacked = FP8Weights(weight.reshape(n * rows, k).view(torch.float8_e4m3fn), s[:, 0] if block is None else s,
+                             block)
+        return stacked.dequantize(dtype).view(n, rows, k)
+
 
 def expert_fp8_weights(weight: torch.Tensor, scales: ExpertScales, expert: int) -> FP8Weights:
     """Expert ``expert`` of a stacked FP8 weight ``[E, N, K]`` (uint8 bytes) as :class:`FP8Weights`."""

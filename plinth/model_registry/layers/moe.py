@@ -81,6 +81,9 @@ class FusedMoE(nn.Module):
     #: the checkpoint holds one tensor per expert and projection (``experts.{e}.{proj}.weight``), so a quantized
     #: checkpoint's experts and their scales can be read (subclasses that load stacked tensors say False)
     loads_per_expert_tensors: ClassVar[bool] = True
+    #: quantized experts on the grouped-GEMM path are widened this many weight elements at a time (a run of
+    #: experts per projection: 128 MiB of bfloat16 plus the widening's float32 temporaries)
+    widen_chunk_elements: ClassVar[int] = 64 << 20
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, *, tp_rank: int = 0, tp_size: int = 1, bias: bool = False,
@@ -150,13 +153,20 @@ class FusedMoE(nn.Module):
         :meth:`uses_grouped_gemm`; the per-expert loop reads the routing on the host)."""
         return self._grouped_gemm_runs(device, dtype)
 
-    def _grouped_gemm_runs(self, device: torch.device, dtype: torch.dtype) -> bool:
+    def _grouped_gemm_runs(self, device: torch.device, dtype: torch.dtype, quantized: bool = False) -> bool:
         if (device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
-                or self.weight_method is not None):
+                or (self.weight_method is not None) != quantized):
             return False
         align = 16 // dtype.itemsize
-        return (_capability(device) >= (9, 0) and self.w13_weight.shape[-1] % align == 0
+        return (_capability(device) >= (9, 0) and self.w2_weight.shape[1] % align == 0
                 and self.intermediate_per_rank % align == 0)
+
+    def uses_widened_grouped_gemm(self, x: torch.Tensor) -> bool:
+        """Whether quantized experts take the grouped GEMMs for ``x`` ``[T, H]``: where the step's token copies
+        reach most experts (``T * top_k`` above the expert count: prefill, large decode batches), runs of experts are
+        widened together and each run is two grouped GEMMs, instead of one widening and two small GEMMs per expert
+        (same device conditions as :meth:`uses_grouped_gemm`; one host read of the routing)."""
+        return x.shape[0] * self.top_k > self.num_experts and self._grouped_gemm_runs(x.device, x.dtype, True)
 
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether ``x`` ``[T, H]`` takes the per-slot GEMV kernel (:func:`plinth.kernels.ops.moe_gemv`): a few
@@ -176,6 +186,8 @@ class FusedMoE(nn.Module):
             return self._forward_gemv(x, weights, ids)
         if self.uses_grouped_gemm(x):
             return self._forward_grouped(x, weights, ids)
+        if self.uses_widened_grouped_gemm(x):
+            return self._forward_widened(x, weights, ids)
         flat_ids = ids.reshape(-1)                                # [T * K]
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // self.top_k                            # [T * K] source token of each slot
@@ -214,30 +226,72 @@ class FusedMoE(nn.Module):
             tp_all_reduce(out)
         return out.to(x.dtype)
 
-    def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The experts as two grouped GEMMs over the token copies sorted by expert (all on the device)."""
-        t, k = ids.shape
+    def _sorted_slots(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The token copies sorted by expert: ``(order, sorted_ids, ends, rows)``, ``ends`` ``[E]`` int32 the end row
+        of each expert's run and ``rows`` ``[T * K, H]`` the copies of ``x`` (all on the device)."""
         flat_ids = ids.reshape(-1)                                                   # [T * K]
         order = torch.argsort(flat_ids, stable=True)
-        sorted_ids = flat_ids.index_select(0, order)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        offsets = counts.cumsum(0, dtype=torch.int32)                                # end row of each expert
-        rows = x.index_select(0, order // k)                                         # [T * K, H]
-        gate_up = torch._grouped_mm(rows, self.w13_weight.transpose(1, 2), offs=offsets)   # [T * K, 2I]
+        return (order, flat_ids.index_select(0, order), counts.cumsum(0, dtype=torch.int32),
+                x.index_select(0, order // ids.shape[1]))
+
+    def _experts_run(self, rows: torch.Tensor, offsets: torch.Tensor, sorted_ids: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` outputs of the sorted token copies ``rows`` of a run of experts (``w13`` ``[n, 2I, H]``, ``w2``
+        ``[n, H, I]``, ``offsets`` ``[n]`` the end row of each), biases added."""
+        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)         # [R, 2I]
         if self.w13_bias is not None:
             gate_up = gate_up + self.w13_bias.index_select(0, sorted_ids)
         gate, up = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(self.activation(gate, up).contiguous(), self.w2_weight.transpose(1, 2),
-                              offs=offsets)                                          # [T * K, H]
+        y = torch._grouped_mm(self.activation(gate, up).contiguous(), w2.transpose(1, 2), offs=offsets)   # [R, H]
         if self.w2_bias is not None and self.tp_rank == 0:
             y = y + self.w2_bias.index_select(0, sorted_ids)
+        return y
+
+    def _combined(self, y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The sorted copies' outputs ``y`` ``[T * K, H]`` weighted and summed per token (all-reduced under TP)."""
+        t, k = weights.shape
         unsorted = torch.empty_like(y, dtype=torch.float32)
         unsorted[order] = y.to(torch.float32)
         out = (unsorted.view(t, k, -1) * weights[..., None]).sum(dim=1)             # [T, H] float32
         if self.tp_size > 1:
             tp_all_reduce(out)
-        return out.to(x.dtype)
+        return out
+
+    def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts as two grouped GEMMs over the token copies sorted by expert (all on the device)."""
+        order, sorted_ids, ends, rows = self._sorted_slots(x, ids)
+        y = self._experts_run(rows, ends, sorted_ids, self.w13_weight, self.w2_weight)
+        return self._combined(y, order, weights).to(x.dtype)
+
+    def _forward_widened(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Quantized experts as grouped GEMMs over runs of experts widened together (:attr:`widen_chunk_elements`
+        per projection); a run no token chose is skipped."""
+        order, sorted_ids, ends, rows = self._sorted_slots(x, ids)
+        bounds = [0, *ends.tolist()]                                                 # the one host read
+        per_expert = max(self.w2_weight.shape[1] * self.intermediate_per_rank * 2, 1)
+        run = max(1, self.widen_chunk_elements // per_expert)
+        y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        method = self.weight_method
+        for first in range(0, self.num_experts, run):
+            last = min(first + run, self.num_experts)
+            start, end = bounds[first], bounds[last]
+            if start == end:
+                continue
+            w13 = self._widened(method, "w13", first, last, x.dtype)                 # [n, 2I, H]
+            w2 = self._widened(method, "w2", first, last, x.dtype)                   # [n, H, I]
+            y[start:end] = self._experts_run(rows[start:end], ends[first:last] - start, sorted_ids[start:end],
+                                             w13, w2)
+        return self._combined(y, order, weights).to(x.dtype)
+
+    def _widened(self, method: Any, which: str, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ``first..last-1`` of ``which`` widened: by the method's ``widen_range`` where it has one (one
+        conversion for the run), else one expert at a time."""
+        widen_range = getattr(method, "widen_range", None)
+        if widen_range is not None:
+            return widen_range(self, which, first, last, dtype)
+        return torch.stack([method.widen(self, which, e, dtype) for e in range(first, last)])
 
 
 @functools.cache
