@@ -202,3 +202,21 @@ def test_deepseek_v2_with_every_projection_quantized(method, tmp_path):
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="LatentExpansion: the checkpoint has .*qweight.* but not scales"):
         load_plinth(path)
+
+
+@pytest.mark.parametrize("bits,desc_act", [(4, False), (8, False), (4, True)])
+def test_widened_grouped_gemms_equal_the_per_expert_loop(qwen3_moe, tmp_path, bits, desc_act):
+    """Integer experts on the grouped GEMMs (the GPU's path for prefill) equal the per-expert loop: runs of experts
+    widened in one conversion (one expert at a time with act order's per-expert permutations)."""
+    path, _ = gptq_checkpoint(qwen3_moe, tmp_path / "gptq", bits, 32, desc_act, False, "gptq")
+    model, _, _ = load_plinth(path)
+    moe = model.model.layers[0].mlp.experts
+    moe.widen_chunk_elements = 2 * moe.w2_weight.shape[1] * moe.intermediate_per_rank * 2   # runs of two experts
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(6, moe.w2_weight.shape[1], generator=g)
+    logits = torch.randn(6, moe.num_experts, generator=g)
+    got = moe._forward_widened(x, *moe.route(logits))
+    torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
+    stacked = moe.weight_method.widen_range(moe, "w2", 1, 3, torch.float32)
+    torch.testing.assert_close(stacked, torch.stack([moe.weight_method.widen(moe, "w2", e, torch.float32)
+                                                     for e in (1, 2)]), atol=0, rtol=0)

@@ -185,6 +185,22 @@ class IntExpertMethod:
                                      symmetric=symmetric).dequantize(dtype) for j in range(parts)])
 
 
+    def widen_range(self, layer: nn.Module, which: str, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ``first..last-1``'s ``[n, N, K]`` weights in ``dtype``, in one conversion (their rows stacked;
+        with act order, whose permutation differs per expert, one expert at a time)."""
+        if which not in getattr(layer, "int_formats", {}):
+            return getattr(layer, f"{which}_weight")[first:last]
+        if getattr(layer, f"{which}_perm", None) is not None:
+            return torch.stack([self.widen(layer, which, e, dtype) for e in range(first, last)])
+        bits, group, symmetric = layer.int_formats[which]
+        packed = getattr(layer, f"{which}_weight")[first:last]
+        n, rows = packed.shape[:2]
+        scales, zeros = (getattr(layer, f"{which}_{part}")[first:last].reshape(n * rows, -1)
+                         for part in ("scales", "zeros"))
+        codes = _unpack(packed.reshape(n * rows, -1), bits)
+        return IntWeights(codes, scales, zeros, bits, group, symmetric=symmetric).dequantize(dtype).view(n, rows, -1)
+
+
 class WidenedIntWeight:
     """The packed checkpoint tensors of a weight a model reads itself (``layer.weight`` ``[rows, K]``, this rank's rows;
     DeepSeek's ``kv_b_proj``) under an integer method: they load into a stand-in column-parallel layer of the method,
