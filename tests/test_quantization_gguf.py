@@ -214,3 +214,25 @@ def test_experts_keep_their_blocks_and_split_under_tensor_parallelism(tmp_path, 
             assert torch.equal(half.expert_weight("w13", e, torch.float32), rows)
             assert torch.equal(half.expert_weight("w2", e, torch.float32),
                                full.expert_weight("w2", e, torch.float32)[:, rank * i:(rank + 1) * i])
+
+
+def test_gguf_experts_on_widened_grouped_gemms(tmp_path, monkeypatch):
+    """GGUF experts (their weights in ``gguf_experts``, the stacked parameters empty) on the grouped-GEMM path: the
+    device check reads the layer's sizes, not the empty parameters, and runs of experts widened one expert at a
+    time equal the per-expert loop."""
+    import test_gguf
+
+    from plinth.model_registry.layers import moe as moe_module
+
+    path = test_gguf.write_moe_gguf(tmp_path / "m.gguf", test_gguf.moe_model("qwen3moe"), "qwen3moe",
+                                    gguf.GGMLQuantizationType.Q8_0)
+    experts = load_plinth(path, "gguf")[0].model.layers[0].mlp.experts
+    assert experts.w2_weight.numel() == 0
+    monkeypatch.setattr(moe_module, "_capability", lambda _device: (9, 0))
+    assert experts._grouped_gemm_runs(torch.device("cuda"), torch.bfloat16, True)
+    experts.widen_chunk_elements = 3 * experts.hidden_size * experts.intermediate_per_rank * 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, experts.hidden_size, generator=g)
+    logits = torch.randn(7, experts.num_experts, generator=g)
+    torch.testing.assert_close(experts._forward_widened(x, *experts.route(logits)), experts(x, logits),
+                               atol=1e-5, rtol=1e-5)

@@ -94,6 +94,7 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.hidden_size = hidden_size
         self.activation = activation or _silu_and_mul
         self.intermediate_per_rank = divide(intermediate_size, tp_size, "MoE intermediate size")
         i = self.intermediate_per_rank
@@ -158,7 +159,7 @@ class FusedMoE(nn.Module):
                 or (self.weight_method is not None) != quantized):
             return False
         align = 16 // dtype.itemsize
-        return (_capability(device) >= (9, 0) and self.w2_weight.shape[1] % align == 0
+        return (_capability(device) >= (9, 0) and self.hidden_size % align == 0
                 and self.intermediate_per_rank % align == 0)
 
     def uses_widened_grouped_gemm(self, x: torch.Tensor) -> bool:
@@ -270,7 +271,7 @@ class FusedMoE(nn.Module):
         per projection); a run no token chose is skipped."""
         order, sorted_ids, ends, rows = self._sorted_slots(x, ids)
         bounds = [0, *ends.tolist()]                                                 # the one host read
-        per_expert = max(self.w2_weight.shape[1] * self.intermediate_per_rank * 2, 1)
+        per_expert = max(self.hidden_size * self.intermediate_per_rank * 2, 1)
         run = max(1, self.widen_chunk_elements // per_expert)
         y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
         method = self.weight_method
