@@ -454,3 +454,44 @@ def test_moe_gemv_reads_fp8_experts(block, tokens):
     got = moe(x, logits)
     moe.uses_gemv = lambda _x: False
     torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits,group,k", [(4, 128, 256), (4, 32, 96), (8, 64, 192), (8, 96, 96)])
+def test_moe_gemv_reads_integer_experts(bits, group, k):
+    """The per-slot GEMV kernel on integer experts (4-bit codes two per byte, low nibble first, or 8-bit codes; one
+    scale and zero point per row and group: groups of 128 shared by a tile, narrower ones read per element, a
+    group as wide as the row) against float64 ``(q - zero) * scale``."""
+    g = torch.Generator().manual_seed(bits + group)
+    e, n, slots = 4, 40, 5
+    q = torch.randint(0, 2 ** bits, (e, n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(e, n, k // group, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 2 ** bits, (e, n, k // group), generator=g).float()
+    codes = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous() if bits == 4 else q
+    x = torch.randn(3, k, generator=g)
+    experts = torch.tensor([2, 0, 3, 2, 1], dtype=torch.int32)
+    got = ops.moe_gemv(x, codes, None, experts, 2, int_codes=(bits, group, scales, zeros))
+    widened = (q.double() - zeros.double().repeat_interleave(group, 2)) * scales.double().repeat_interleave(group, 2)
+    want = torch.stack([x[s // 2].double() @ widened[experts[s]].T for s in range(slots)])
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits,desc_act", [(4, False), (8, False), (4, True)])
+def test_moe_gemv_takes_gptq_experts(tmp_path, bits, desc_act):
+    """GPTQ experts of a Qwen3-MoE checkpoint take the GEMV kernel for a decode step (act order, a permutation per
+    expert, keeps the per-expert loop): the same output as the loop widening each expert."""
+    from test_models import save_with_tokenizer
+    from test_quantization_awq_gptq import gptq_checkpoint
+    from test_quantization_support import load_plinth
+
+    save_with_tokenizer("Qwen3MoeForCausalLM", tmp_path / "float")
+    path, _ = gptq_checkpoint(tmp_path / "float", tmp_path / "gptq", bits, 32, desc_act, False, "gptq")
+    moe = load_plinth(path)[0].model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, moe.hidden_size, generator=g)
+    logits = torch.randn(2, moe.num_experts, generator=g)
+    assert moe.uses_gemv(x) != desc_act
+    got = moe(x, logits)
+    moe.uses_gemv = lambda _x: False
+    torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)

@@ -270,28 +270,40 @@ def moe_gemv_enabled(x: torch.Tensor) -> bool:
 
 
 def moe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,
-             row_div: int, scales: Any = None) -> torch.Tensor:
+             row_div: int, scales: Any = None, int_codes: tuple[int, int, torch.Tensor, torch.Tensor] | None = None,
+             ) -> torch.Tensor:
     """``y[s] = x[s // row_div] @ weight[experts[s]].T (+ bias[experts[s]])`` for every slot ``s``: ``x``
     ``[R, K]``, ``weight`` ``[E, N, K]`` (``K`` contiguous), ``bias`` ``[E, N]``, ``experts`` ``[S]`` ->
     ``[S, N]`` in ``x``'s dtype. No host read of ``experts`` (a device graph can capture it). With ``scales``
-    (:class:`~plinth.quantization.fp8_experts.ExpertScales`), ``weight`` holds FP8 E4M3 bytes (uint8)."""
-    e, n, k = weight.shape
-    assert weight.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[-1] == k
+    (:class:`~plinth.quantization.fp8_experts.ExpertScales`), ``weight`` holds FP8 E4M3 bytes (uint8); with
+    ``int_codes`` ``(bits, group, scales, zeros)`` (4 or 8 bits; ``scales``/``zeros`` ``[E, N, K / group]`` float32)
+    it holds integer codes (``[E, N, K / 2]`` two per byte, low nibble first, at 4 bits), widened as
+    ``(q - zero) * scale``."""
+    e, n, kw = weight.shape
+    k = x.shape[-1]
+    assert weight.stride(-1) == 1 and x.stride(-1) == 1
+    assert kw == (k // 2 if int_codes is not None and int_codes[0] == 4 else k)
     assert bias is None or bias.stride(-1) == 1
     slots = experts.shape[0]
     y = torch.empty((slots, n), dtype=x.dtype, device=x.device)
     block_n, block_k = 32, 128
-    if scales is None:
+    z = weight
+    if int_codes is not None:
+        bits, group, s, z = int_codes
+        assert bits in (4, 8) and s.shape == z.shape and s.stride() == z.stride()
+        s_strides, sbn, sbk = (s.stride(0), s.stride(1), s.stride(2)), 1, group
+    elif scales is None:
         s, s_strides, sbn, sbk = weight, (0, 0, 0), 1, block_k
     else:   # a per-channel scale covers the whole row: any multiple of BLOCK_K at least K
         s = scales.scale
         s_strides = (s.stride(0), s.stride(1), s.stride(2))
         sbn, sbk = scales.rows, (scales.cols if scales.cols < k else -(-k // block_k) * block_k)
     jit_module().moe_gemv_kernel[(slots, -(-n // block_n))](
-        x, weight, bias if bias is not None else weight, s, y, experts, n, k,
+        x, weight, bias if bias is not None else weight, s, z, y, experts, n, k,
         x.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
         *s_strides, ROW_DIV=row_div, HAS_BIAS=bias is not None, W_FP8=scales is not None, SBN=sbn, SBK=sbk,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, W_INT=int_codes is not None,
+        BITS=int_codes[0] if int_codes is not None else 8, num_warps=4,
     )
     return y
 

@@ -293,20 +293,23 @@ def lora_expand_kernel(
 @triton.jit
 def moe_gemv_kernel(
     x_ptr,              # [R, K] rows; slot s reads row s // ROW_DIV
-    w_ptr,              # [E, N, K] stacked expert weights (each in nn.Linear layout, K contiguous); FP8 bytes with W_FP8
+    w_ptr,              # [E, N, K] stacked expert weights (each in nn.Linear layout, K contiguous); FP8 bytes with
+                        # W_FP8; integer codes with W_INT ([E, N, K / 2], two per byte, low nibble first, at 4 bits)
     b_ptr,              # [E, N] biases (read with HAS_BIAS)
-    s_ptr,              # [E, ceil(N / SBN), ceil(K / SBK)] FP8 scales (read with W_FP8)
+    s_ptr,              # [E, ceil(N / SBN), ceil(K / SBK)] FP8 scales (W_FP8), or [E, N, K / SBK] group scales (W_INT)
+    z_ptr,              # [E, N, K / SBK] group zero points, strided as the scales (read with W_INT)
     y_ptr,              # [S, N] one output row per slot
     expert_ptr,         # [S] each slot's expert
     N, K,
     stride_xr, stride_we, stride_wn, stride_be, stride_ys, stride_se, stride_sn, stride_sk,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, W_FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_INT: tl.constexpr = False, BITS: tl.constexpr = 8,
 ):
     """Grid ``(S, cdiv(N, BLOCK_N))``: ``y[s, n] = x[s // ROW_DIV] . w[e_s, n] (+ b[e_s, n])``, accumulated in
     float32 over ``[BLOCK_N, BLOCK_K]`` tiles and reduced once at the end. With ``W_FP8`` the weight is FP8 E4M3
     bytes, each ``SBN x SBK`` block multiplied by its scale (per output channel: ``SBN = 1``, ``SBK >= K``);
-    where ``SBK`` is a multiple of ``BLOCK_K`` a tile shares one scale per row."""
+    where ``SBK`` is a multiple of ``BLOCK_K`` a tile shares one scale per row. With ``W_INT`` it is ``BITS``-bit
+    codes ``q`` widened as ``(q - zero) * scale`` per group of ``SBK`` features."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ptr + slot).to(tl.int64)
@@ -314,13 +317,19 @@ def moe_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn             # [BN, 1] pointers
     x_ptrs = x_ptr + row * stride_xr + offs_k
     s_rows = s_ptr + expert * stride_se + (offs_n // SBN) * stride_sn                # [BN] pointers
+    z_rows = z_ptr + expert * stride_se + offs_n * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)         # [BN, BK]
+        wmask = mask_n[:, None] & k_ok[None, :]
+        if W_INT and BITS == 4:
+            byte = tl.load(w_rows + (k0 + offs_k[None, :]) // 2, mask=wmask, other=0).to(tl.int32)
+            w = tl.where((offs_k % 2 == 0)[None, :], byte & 15, byte >> 4)
+        else:
+            w = tl.load(w_rows + k0 + offs_k[None, :], mask=wmask, other=0)        # [BN, BK]
         x = tl.load(x_ptrs, mask=k_ok, other=0.0)                                 # [BK]
         if W_FP8:
             w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -328,9 +337,18 @@ def moe_gemv_kernel(
                 w = w * tl.load(s_rows + (k0 // SBK) * stride_sk, mask=mask_n, other=0.0)[:, None]
             else:
                 s_cols = ((k0 + offs_k) // SBK) * stride_sk
-                w = w * tl.load(s_rows[:, None] + s_cols[None, :], mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+                w = w * tl.load(s_rows[:, None] + s_cols[None, :], mask=wmask, other=0.0)
+        if W_INT:
+            if SBK % BLOCK_K == 0:
+                group = (k0 // SBK) * stride_sk
+                scale = tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None]
+                zero = tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None]
+            else:
+                groups = (((k0 + offs_k) // SBK) * stride_sk)[None, :]
+                scale = tl.load(s_rows[:, None] + groups, mask=wmask, other=0.0)
+                zero = tl.load(z_rows[:, None] + groups, mask=wmask, other=0.0)
+            w = (w.to(tl.float32) - zero) * scale
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)                                                     # [BN]
     if HAS_BIAS:

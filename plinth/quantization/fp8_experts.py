@@ -244,6 +244,10 @@ class FP8ExpertMethod:
         """Expert ``expert``'s ``[N, K]`` weight in ``dtype``."""
         return expert_fp8_weights(getattr(layer, f"{which}_weight"), layer.fp8_scales[which], expert).dequantize(dtype)
 
+    def gemv_args(self, layer: nn.Module, which: str) -> dict[str, Any]:
+        """What the experts' GEMV kernel reads ``which`` with (:func:`plinth.kernels.ops.moe_gemv`)."""
+        return {"scales": layer.fp8_scales[which]}
+
     def widen_range(self, layer: nn.Module, which: str, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
         """Experts ``first..last-1``'s ``[n, N, K]`` weights in ``dtype``, in one conversion: their rows stacked
         into one ``[n * N, K]`` FP8 weight (where no scale block spans two experts' rows)."""

@@ -185,6 +185,17 @@ class IntExpertMethod:
                                      symmetric=symmetric).dequantize(dtype) for j in range(parts)])
 
 
+    def gemv_args(self, layer: nn.Module, which: str) -> dict[str, Any] | None:
+        """What the experts' GEMV kernel reads ``which`` with (:func:`plinth.kernels.ops.moe_gemv`): the codes' bits,
+        group, scales and zero points; ``{}`` for float experts; ``None`` with act order (a permutation per expert,
+        which the kernel does not apply)."""
+        if which not in getattr(layer, "int_formats", {}):
+            return {}
+        if getattr(layer, f"{which}_perm", None) is not None:
+            return None
+        bits, group, _ = layer.int_formats[which]
+        return {"int_codes": (bits, group, getattr(layer, f"{which}_scales"), getattr(layer, f"{which}_zeros"))}
+
     def widen_range(self, layer: nn.Module, which: str, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
         """Experts ``first..last-1``'s ``[n, N, K]`` weights in ``dtype``, in one conversion (their rows stacked;
         with act order, whose permutation differs per expert, one expert at a time)."""

@@ -172,13 +172,24 @@ class FusedMoE(nn.Module):
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether ``x`` ``[T, H]`` takes the per-slot GEMV kernel (:func:`plinth.kernels.ops.moe_gemv`): a few
         tokens (``T * top_k`` at most the expert count, so each chosen expert's weights are read about once), on a
-        Triton device, for float or FP8 experts. No host read of the routing either."""
+        Triton device, for float experts and those whose method gives the kernel its format (``gemv_args``: FP8,
+        integer codes without act order). No host read of the routing either."""
         if not (0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)):
             return False
         if self.weight_method is None:
             return True
         # FP8 experts: Triton widens E4M3 on NVIDIA GPUs of compute capability 8.9 and newer only
-        return self.fp8_scales is not None and (x.device.type != "cuda" or _capability(x.device) >= (8, 9))
+        if self.fp8_scales is not None and x.device.type == "cuda" and _capability(x.device) < (8, 9):
+            return False
+        return all(self._gemv_args(which) is not None for which in ("w13", "w2"))
+
+    def _gemv_args(self, which: str) -> dict[str, Any] | None:
+        """The keyword arguments :func:`~plinth.kernels.ops.moe_gemv` reads ``which``'s experts with (``{}``: float),
+        or ``None`` where the kernel cannot read their format."""
+        if self.weight_method is None:
+            return {}
+        gemv_args = getattr(self.weight_method, "gemv_args", None)
+        return None if gemv_args is None else gemv_args(self, which)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, ``router_logits`` ``[T, E]`` -> ``[T, H]``."""
@@ -216,12 +227,11 @@ class FusedMoE(nn.Module):
         t, k = ids.shape
         experts = ids.reshape(-1).contiguous()                                       # [T * K]
         x = x if x.stride(-1) == 1 else x.contiguous()
-        fp8 = self.fp8_scales or {}
-        gate_up = ops.moe_gemv(x, self.w13_weight, self.w13_bias, experts, k, fp8.get("w13"))   # [T * K, 2I]
+        gate_up = ops.moe_gemv(x, self.w13_weight, self.w13_bias, experts, k, **self._gemv_args("w13"))  # [T*K, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
         y = ops.moe_gemv(self.activation(gate, up).contiguous(), self.w2_weight, w2_bias, experts, 1,
-                         fp8.get("w2"))                                              # [T * K, H]
+                         **self._gemv_args("w2"))                                    # [T * K, H]
         out = (y.to(torch.float32).view(t, k, -1) * weights[..., None]).sum(dim=1)   # [T, H] float32
         if self.tp_size > 1:
             tp_all_reduce(out)
