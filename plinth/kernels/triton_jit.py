@@ -321,36 +321,57 @@ def moe_gemv_kernel(
     x_ptrs = x_ptr + row * stride_xr + offs_k
     s_rows = s_ptr + expert * stride_se + (offs_n // SBN) * stride_sn                # [BN] pointers
     z_rows = z_ptr + expert * stride_se + offs_n * stride_sn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        wmask = mask_n[:, None] & k_ok[None, :]
-        if W_INT and BITS == 4:
-            byte = tl.load(w_rows + (k0 + offs_k[None, :]) // 2, mask=wmask, other=0).to(tl.int32)
-            w = tl.where((offs_k % 2 == 0)[None, :], byte & 15, byte >> 4)
-        else:
-            w = tl.load(w_rows + k0 + offs_k[None, :], mask=wmask, other=0)        # [BN, BK]
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0)                                 # [BK]
-        if W_FP8:
-            w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            if SBK % BLOCK_K == 0:
-                w = w * tl.load(s_rows + (k0 // SBK) * stride_sk, mask=mask_n, other=0.0)[:, None]
-            else:
-                s_cols = ((k0 + offs_k) // SBK) * stride_sk
-                w = w * tl.load(s_rows[:, None] + s_cols[None, :], mask=wmask, other=0.0)
-        if W_INT:
+    if W_INT and BITS == 4:
+        # a tile's BLOCK_K / 2 bytes per row load contiguously; their low nibbles multiply the even inputs and
+        # their high nibbles the odd ones (K is even; a group of an even width holds both codes of a byte)
+        offs_h = tl.arange(0, BLOCK_K // 2)
+        acc_h = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        x_even = x_ptr + row * stride_xr + 2 * offs_h
+        for k0 in range(0, K, BLOCK_K):
+            h_ok = offs_h < (K - k0) // 2
+            hmask = mask_n[:, None] & h_ok[None, :]
+            byte = tl.load(w_rows + k0 // 2 + offs_h[None, :], mask=hmask, other=0).to(tl.int32)   # [BN, BK/2]
             if SBK % BLOCK_K == 0:
                 group = (k0 // SBK) * stride_sk
                 scale = tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None]
                 zero = tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None]
             else:
-                groups = (((k0 + offs_k) // SBK) * stride_sk)[None, :]
-                scale = tl.load(s_rows[:, None] + groups, mask=wmask, other=0.0)
-                zero = tl.load(z_rows[:, None] + groups, mask=wmask, other=0.0)
-            w = (w.to(tl.float32) - zero) * scale
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        x_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1)                                                     # [BN]
+                groups = (((k0 + 2 * offs_h) // SBK) * stride_sk)[None, :]
+                scale = tl.load(s_rows[:, None] + groups, mask=hmask, other=0.0)
+                zero = tl.load(z_rows[:, None] + groups, mask=hmask, other=0.0)
+            x_lo = tl.load(x_even + k0, mask=h_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_even + k0 + 1, mask=h_ok, other=0.0).to(tl.float32)
+            lo = ((byte & 15).to(tl.float32) - zero) * scale
+            hi = ((byte >> 4).to(tl.float32) - zero) * scale
+            acc_h += lo * x_lo[None, :] + hi * x_hi[None, :]
+        out = tl.sum(acc_h, axis=1)                                               # [BN]
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            wmask = mask_n[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + k0 + offs_k[None, :], mask=wmask, other=0)        # [BN, BK]
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)                             # [BK]
+            if W_FP8:
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if SBK % BLOCK_K == 0:
+                    w = w * tl.load(s_rows + (k0 // SBK) * stride_sk, mask=mask_n, other=0.0)[:, None]
+                else:
+                    s_cols = ((k0 + offs_k) // SBK) * stride_sk
+                    w = w * tl.load(s_rows[:, None] + s_cols[None, :], mask=wmask, other=0.0)
+            if W_INT:
+                if SBK % BLOCK_K == 0:
+                    group = (k0 // SBK) * stride_sk
+                    scale = tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None]
+                    zero = tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None]
+                else:
+                    groups = (((k0 + offs_k) // SBK) * stride_sk)[None, :]
+                    scale = tl.load(s_rows[:, None] + groups, mask=wmask, other=0.0)
+                    zero = tl.load(z_rows[:, None] + groups, mask=wmask, other=0.0)
+                w = (w.to(tl.float32) - zero) * scale
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1)                                                 # [BN]
     if HAS_BIAS:
         out += tl.load(b_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + slot * stride_ys + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
