@@ -1032,11 +1032,6 @@ VARIANTS = {"no-qkv-bias": {"qkv_bias": False}}
 def test_mixture_of_experts_gguf_gives_the_original_logits(tmp_path, arch):
     """The config and F32 weights of a mixture-of-experts GGUF rebuild the original model on plinth's decoder (the
     stacked experts split per expert, Mixtral's Q/K rows back in HF order, the shared expert's gate)."""
-    from paged_driver import PagedDriver, build_metadata
-    from test_models import _load
-
-    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
-
     arch, _, variant = arch.partition("-")
     model = moe_model(arch, **VARIANTS.get(variant, {}))
     path = write_moe_gguf(tmp_path / "m.gguf", model, arch, Q.F32)
@@ -1044,10 +1039,21 @@ def test_mixture_of_experts_gguf_gives_the_original_logits(tmp_path, arch):
     assert architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                             "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}[arch]
     check_plain_config(path)
+    assert_logits_match(path, model)
+
+
+def assert_logits_match(path: str, model) -> None:
+    """plinth's model of the GGUF file ``path`` (paged attention on the CPU) gives ``model``'s logits (transformers)
+    for a 13-token prompt."""
+    from paged_driver import PagedDriver, build_metadata
+    from test_models import _load
+
+    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
+
     backend = TorchSDPABackend()
     ours = _load(path, backend)
     PagedDriver(ours, backend, block_size=4)
-    prompt = torch.randint(0, SMALL["vocab_size"], (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(0, model.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1)).tolist()
     flat, pos, md = build_metadata([(prompt, 0, [3, 1, 2, 5])], block_size=4)
     with torch.inference_mode():
         got = ours.compute_logits(ours(flat, pos, md))
@@ -1062,9 +1068,15 @@ def test_mixture_of_experts_weights_equal_transformers_gguf_loader(tmp_path, arc
     model = moe_model(arch)
     path = write_moe_gguf(tmp_path / "m.gguf", model, arch, Q.Q8_0)
     reference = transformers_gguf_tensors(path, model.config)
+    assert_weights_equal(path, reference, model.config.num_experts, range(model.config.num_hidden_layers))
+
+
+def assert_weights_equal(path: str, reference: dict[str, torch.Tensor], experts: int, sparse_layers) -> None:
+    """Every tensor plinth reads from ``path`` equals ``reference`` (transformers' names), the experts of
+    ``sparse_layers`` (read one per expert) stacked again as transformers stacks them."""
     got = dict(iter_gguf_weights(path, torch.float32))
-    experts = model.config.num_experts
-    for layer in range(model.config.num_hidden_layers):
+    reference = dict(reference)
+    for layer in sparse_layers:
         prefix = f"model.layers.{layer}.mlp.experts"
         per = {p: torch.stack([got.pop(f"{prefix}.{e}.{p}.weight") for e in range(experts)])
                for p in ("gate_proj", "up_proj", "down_proj")}

@@ -10,12 +10,20 @@ the per-head sizes) or split per head into ``attn_k_b`` (key rows transposed) an
 
 from __future__ import annotations
 
+import copy
+
 import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
-from test_gguf import _patched, engine_matches_dequantized
+from test_gguf import (
+    _patched,
+    assert_logits_match,
+    assert_weights_equal,
+    engine_matches_dequantized,
+    gguf_writer,
+)
 
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.gguf_loader import iter_gguf_weights, read_gguf_config
@@ -61,17 +69,10 @@ def write_deepseek_gguf(path, model, *, split_kv_b: bool = True, qtype=Q.F32, ga
     quantized tensor through gguf's own quantize/dequantize)."""
     cfg = model.config
     v3 = cfg.model_type == "deepseek_v3"
-    writer = gguf.GGUFWriter(str(path), "deepseek2")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(1 if split_kv_b else cfg.num_attention_heads)
+    header = copy.copy(cfg)   # the converter writes MLA as one KV head once kv_b_proj is split
+    header.num_key_value_heads = 1 if split_kv_b else cfg.num_attention_heads
+    writer = gguf_writer(path, header, "deepseek2")
     rope = cfg.rope_parameters
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
     writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
     if cfg.q_lora_rank is not None:
         writer.add_q_lora_rank(cfg.q_lora_rank)
@@ -158,11 +159,6 @@ def write_deepseek_gguf(path, model, *, split_kv_b: bool = True, qtype=Q.F32, ga
 def test_deepseek_gguf_gives_the_original_logits(tmp_path, kind, split_kv_b):
     """The config (latent ranks and head sizes, dense first block, routing, YaRN) and F32 weights of a DeepSeek GGUF
     file rebuild the original model on plinth's DeepSeek classes: logits equal transformers' on the original."""
-    from paged_driver import PagedDriver, build_metadata
-    from test_models import _load
-
-    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
-
     model = deepseek_model(kind)
     path, _ = write_deepseek_gguf(tmp_path / "m.gguf", model, split_kv_b=split_kv_b, gating=split_kv_b)
     config, architecture = read_gguf_config(path)
@@ -175,15 +171,7 @@ def test_deepseek_gguf_gives_the_original_logits(tmp_path, kind, split_kv_b):
     if kind == "v2":
         assert config.topk_method == "group_limited_greedy"
         assert config.rope_parameters["mscale_all_dim"] == pytest.approx(0.707)
-    backend = TorchSDPABackend()
-    ours = _load(path, backend)
-    PagedDriver(ours, backend, block_size=4)
-    prompt = torch.randint(0, BASE["vocab_size"], (13,), generator=torch.Generator().manual_seed(1)).tolist()
-    flat, pos, md = build_metadata([(prompt, 0, [3, 1, 2, 5])], block_size=4)
-    with torch.inference_mode():
-        got = ours.compute_logits(ours(flat, pos, md))
-        want = model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert_logits_match(path, model)
 
 
 def test_quantized_deepseek_gguf_weights_and_engine(tmp_path):
@@ -194,18 +182,8 @@ def test_quantized_deepseek_gguf_weights_and_engine(tmp_path):
 
     model = deepseek_model("v3")
     path, decoded = write_deepseek_gguf(tmp_path / "m.gguf", model, qtype=Q.Q8_0)
-    got = dict(iter_gguf_weights(path, torch.float32))
     cfg = model.config
-    for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
-        prefix = f"model.layers.{layer}.mlp.experts"
-        per = {p: torch.stack([got.pop(f"{prefix}.{e}.{p}.weight") for e in range(cfg.n_routed_experts)])
-               for p in ("gate_proj", "up_proj", "down_proj")}
-        torch.testing.assert_close(torch.cat([per["gate_proj"], per["up_proj"]], dim=1),
-                                   decoded.pop(f"{prefix}.gate_up_proj"), rtol=0, atol=0)
-        torch.testing.assert_close(per["down_proj"], decoded.pop(f"{prefix}.down_proj"), rtol=0, atol=0)
-    assert set(got) == set(decoded)
-    for name, tensor in got.items():
-        torch.testing.assert_close(tensor, decoded[name].reshape(tensor.shape), rtol=0, atol=0, msg=name)
+    assert_weights_equal(path, decoded, cfg.n_routed_experts, range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
     reference = deepseek_model("v3")
     reference.load_state_dict({**reference.state_dict(), **decoded})
     tokenizer = save_tiny_model(tmp_path / "tok")
@@ -223,27 +201,14 @@ def test_dense_deepseek_files_and_the_shared_experts_count(tmp_path):
     """A DeepSeek file whose blocks are all dense (``leading_dense_block_count`` = the block count; the converter
     still writes the config's expert count) loads with dense MLPs; a file without ``expert_shared_count`` takes the
     count from the shared experts' tensor, and one whose count disagrees with that tensor is refused."""
-    from paged_driver import PagedDriver, build_metadata
-    from test_models import _load
-
-    from plinth.attention_backends.torch_sdpa import TorchSDPABackend
-
     dense = deepseek_model("v2", first_k_dense_replace=BASE["num_hidden_layers"])
     path, _ = write_deepseek_gguf(tmp_path / "dense.gguf", dense)
     config, _ = read_gguf_config(path)
     assert config.first_k_dense_replace == config.num_hidden_layers and config.n_routed_experts == 0
     inferred, _ = write_deepseek_gguf(tmp_path / "inferred.gguf", deepseek_model("v2"), shared_count=None)
     assert read_gguf_config(inferred)[0].n_shared_experts == CONFIGS["v2"][1]["n_shared_experts"]
-    backend = TorchSDPABackend()
-    prompt = list(range(5, 18))
-    flat, pos, md = build_metadata([(prompt, 0, [3, 1, 2, 5])], block_size=4)
-    for file, model in ((path, dense), (inferred, deepseek_model("v2"))):
-        ours = _load(file, backend)
-        PagedDriver(ours, backend, block_size=4)
-        with torch.inference_mode():
-            got = ours.compute_logits(ours(flat, pos, md))
-            want = model(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert_logits_match(path, dense)
+    assert_logits_match(inferred, deepseek_model("v2"))
     wrong, _ = write_deepseek_gguf(tmp_path / "wrong.gguf", deepseek_model("v2"), shared_count=1)
     with pytest.raises(ModelLoadError, match=r"expert_shared_count is 1, but blk.1.ffn_gate_shexp.weight has 64 rows"):
         read_gguf_config(wrong)
