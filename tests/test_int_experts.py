@@ -5,6 +5,7 @@ packed tensors decode to (a Qwen3-MoE with experts on layers 0 and 2, float32, C
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -124,8 +125,21 @@ def test_quantized_checkpoints_with_float_experts(qwen3_moe, tmp_path):
     experts = model.model.layers[0].mlp.experts
     assert experts.weight_method is None and experts.w13_weight.dtype == torch.float32
     compare(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"), atol=1e-3, min_agreement=0.95)
-    # a layer whose experts are partly float and partly quantized is refused, naming one of each
+    # the same tensors in two shards, every expert's gate and up before any down projection (the stacked down
+    # weights are not allocated yet when the first gate arrives)
     state = load_file(str(path / "model.safetensors"))
+    downs = {n: t for n, t in state.items() if ".experts." in n and ".down_proj." in n}
+    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in state.items() if n not in downs},
+              "model-00002-of-00002.safetensors": downs}
+    sharded = tmp_path / "sharded"
+    shutil.copytree(path, sharded)
+    (sharded / "model.safetensors").unlink()
+    for file, tensors in shards.items():
+        save_file(tensors, str(sharded / file))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: file for file, tensors in shards.items() for n in tensors}}))
+    compare(*load_plinth(sharded)[:2], _reference(qwen3_moe, deq, tmp_path / "ref2"), atol=1e-3, min_agreement=0.95)
+    # a layer whose experts are partly float and partly quantized is refused, naming one of each
     w = state.pop("model.layers.0.mlp.experts.1.up_proj.weight")
     packed, _ = awq_checkpoint(qwen3_moe, tmp_path / "all", group=32)
     full = load_file(str(packed / "model.safetensors"))

@@ -457,11 +457,11 @@ def test_moe_gemv_reads_fp8_experts(block, tokens):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("bits,group,k", [(4, 128, 256), (4, 32, 96), (8, 64, 192), (8, 96, 96)])
+@pytest.mark.parametrize("bits,group,k", [(4, 128, 256), (4, 32, 96), (8, 64, 192), (8, 96, 96), (8, 99, 99)])
 def test_moe_gemv_reads_integer_experts(bits, group, k):
     """The per-slot GEMV kernel on integer experts (4-bit codes two per byte, low nibble first, or 8-bit codes; one
     scale and zero point per row and group: groups of 128 shared by a tile, narrower ones read per element, a
-    group as wide as the row) against float64 ``(q - zero) * scale``."""
+    group as wide as the row, odd at 8 bits) against float64 ``(q - zero) * scale``."""
     g = torch.Generator().manual_seed(bits + group)
     e, n, slots = 4, 40, 5
     q = torch.randint(0, 2 ** bits, (e, n, k), generator=g, dtype=torch.uint8)

@@ -290,7 +290,7 @@ def moe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     z = weight
     if int_codes is not None:
         bits, group, s, z = int_codes
-        assert bits in (4, 8) and s.shape == z.shape and s.stride() == z.stride() and group % 2 == 0
+        assert bits in (4, 8) and s.shape == z.shape and s.stride() == z.stride() and (bits == 8 or group % 2 == 0)
         s_strides, sbn, sbk = (s.stride(0), s.stride(1), s.stride(2)), 1, group
     elif scales is None:
         s, s_strides, sbn, sbk = weight, (0, 0, 0), 1, block_k

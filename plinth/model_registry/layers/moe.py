@@ -114,7 +114,7 @@ class FusedMoE(nn.Module):
         expert, role = shard_id
         if not 0 <= expert < self.num_experts:
             raise ModelLoadError(f"expert index {expert} out of range (the layer has {self.num_experts} experts)")
-        i, hidden = self.intermediate_per_rank, self.w2_weight.shape[1]
+        i, hidden = self.intermediate_per_rank, self.hidden_size
         if role == "down":
             want = (hidden, i * self.tp_size)
             if tuple(loaded.shape) != want:
