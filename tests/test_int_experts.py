@@ -234,3 +234,23 @@ def test_widened_grouped_gemms_equal_the_per_expert_loop(qwen3_moe, tmp_path, bi
     stacked = moe.weight_method.widen_range(moe, "w2", 1, 3, torch.float32)
     torch.testing.assert_close(stacked, torch.stack([moe.weight_method.widen(moe, "w2", e, torch.float32)
                                                      for e in (1, 2)]), atol=0, rtol=0)
+
+
+def test_int4_keeps_layers_its_group_does_not_divide_float(tmp_path, caplog):
+    """``--quantization int4`` on DeepSeek-V3 whose query latent and value heads are 48 features wide (groups of
+    32): q_b_proj and o_proj stay float (their checkpoint weights, with a warning naming them) and the other layers
+    and the experts are quantized (before, loading stopped at the first such layer)."""
+    from plinth.quantization.int4 import Int4Method
+
+    save_with_tokenizer("DeepseekV3ForCausalLM", tmp_path / "float")
+    state = load_file(str(tmp_path / "float" / "model.safetensors"))
+    with caplog.at_level("WARNING", logger="plinth.quantization.int4"):
+        model, _, method = load_plinth(tmp_path / "float", "int4")
+    assert method.group_size == 32 and "model.layers.0.self_attn.q_b_proj (48)" in caplog.text
+    attn = model.model.layers[1].self_attn
+    for name in ("q_b_proj", "o_proj"):
+        layer = getattr(attn, name)
+        assert not isinstance(layer.linear_method, Int4Method)
+        torch.testing.assert_close(layer.weight, state[f"model.layers.1.self_attn.{name}.weight"], atol=0, rtol=0)
+    assert isinstance(attn.q_a_proj.linear_method, Int4Method)
+    assert model.model.layers[1].mlp.experts.weight_method is not None

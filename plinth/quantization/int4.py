@@ -8,6 +8,7 @@ group gets a float scale and an integer zero point covering its ``[min, max]`` (
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -19,8 +20,10 @@ from plinth.errors import ModelLoadError
 from plinth.quantization.formats import IntWeights
 from plinth.quantization.int_method import IntWeightMethod
 from plinth.quantization.interface import QuantContext
-from plinth.quantization.layers import float_weight
+from plinth.quantization.layers import float_weight, use_plain_weights
 from plinth.quantization.quantizers import quantize_int_rtn
+
+logger = logging.getLogger(__name__)
 
 GROUP_ENV = "PLINTH_INT4_GROUP_SIZE"
 DEFAULT_GROUP = 128
@@ -82,6 +85,21 @@ class Int4Method(IntWeightMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
         float_weight(layer, self.ctx.dtype, input_size, output_sizes)
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Layers whose input features the group size does not divide (a latent projection, shared experts of an
+        odd width) stay in floating point, with a warning naming them; the others are quantized."""
+        kept = []
+        for name, layer in model.named_modules():
+            k = getattr(layer, "input_size_per_partition", None)
+            if getattr(layer, "linear_method", None) is self and k is not None and k % self.group_for(k):
+                use_plain_weights(layer, self.ctx.dtype)
+                kept.append(f"{name} ({k})")
+        if kept:
+            logger.warning("int4: the group size %d does not divide the input features of %d linear layers, which "
+                           "stay in floating point: %s", self.group_size, len(kept),
+                           ", ".join(kept[:4]) + (", ..." if len(kept) > 4 else ""))
+        super().prepare_model(model)
 
     def convert_weights(self, layer: nn.Module) -> IntWeights:
         return self.float_weights(layer.weight)
