@@ -245,3 +245,31 @@ def test_the_tokenizer_of_a_deepseek_file(tmp_path):
     ours, reference = load_gguf_tokenizer(path, use_cache=False), make_tokenizer()
     for text in ("hello world", "The quick brown fox, 123 times!", "caf\u00e9 na\u00efve\n\ttabs"):
         assert ours(text).input_ids == reference(text).input_ids, text
+
+
+@pytest.mark.parametrize("arch", ["granite", "llama"])
+@pytest.mark.parametrize("merges,match", [(["zzzzz yyyy"], "out of vocabulary"), (["abc"], "Merges"),
+                                          (None, "has no tokenizer.ggml.merges")])
+def test_broken_tokenizer_metadata_is_a_load_error(tmp_path, arch, merges, match):
+    """Tokenizer metadata the tokenizers library cannot build (merges of unknown tokens, malformed or missing merges)
+    is a ModelLoadError naming the file and the reason, for architectures transformers loads from GGUF (llama) and
+    for those it does not (granite), whose refusal of the architecture is not the reason given."""
+    from test_gguf import small_model, write_gguf
+    from test_startup_cache import bpe_tokenizer_metadata
+
+    from plinth.model_registry.gguf_loader import load_gguf_tokenizer
+
+    meta = bpe_tokenizer_metadata()
+
+    def tokenizer(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(meta["tokens"])
+        if merges is not None:
+            writer.add_token_merges(merges)
+
+    path = write_gguf(tmp_path / "m.gguf", small_model(arch, False, vocab_size=len(meta["tokens"])), arch,
+                      metadata={"tokenizer": tokenizer})
+    with pytest.raises(ModelLoadError, match=rf"GGUF file .*{match}") as error:
+        load_gguf_tokenizer(path, use_cache=False)
+    assert "not supported yet" not in str(error.value)

@@ -75,6 +75,9 @@ def load_gguf_tokenizer(path: str, use_cache: bool = True) -> Any:
             f"GGUF file {path!r} holds no tokenizer (no tokenizer.ggml.model/tokens metadata); "
             "give a tokenizer directory separately"
         )
+    if reader.get("tokenizer.ggml.model") == "gpt2" and "tokenizer.ggml.merges" not in reader.metadata:
+        raise ModelLoadError(f"GGUF file {path!r}: its BPE tokenizer (tokenizer.ggml.model 'gpt2') has no "
+                             "tokenizer.ggml.merges; give a tokenizer directory separately")
     if not use_cache:
         return _convert(path, reader)
     record = _source_record(path)
@@ -105,7 +108,7 @@ def _convert(path: str, reader: GGUFFile) -> Any:
     folder, name = os.path.dirname(path), os.path.basename(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (ValueError, KeyError, IndexError, OSError) as e:
+    except Exception:  # noqa: BLE001 - transformers and tokenizers raise many types for metadata they cannot use
         # AutoTokenizer first reads the file as a transformers model config to pick a tokenizer class, and refuses
         # architectures transformers does not load from GGUF (deepseek2, granite, olmoe, ...); the tokenizer itself
         # comes from the tokenizer.ggml.* metadata alone, which the generic fast tokenizer reads for any of them
@@ -113,8 +116,9 @@ def _convert(path: str, reader: GGUFFile) -> Any:
 
         try:
             tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
-        except (ValueError, KeyError, IndexError, OSError):
-            raise ModelLoadError(f"could not build a tokenizer from GGUF file {path!r}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - as above; the generic reader's error names the metadata at fault
+            raise ModelLoadError(f"could not build a tokenizer from GGUF file {path!r}: {type(e).__name__}: "
+                                 f"{e}") from None
     template = reader.get("tokenizer.chat_template")
     if template is not None:
         tokenizer.chat_template = template
