@@ -328,7 +328,7 @@ def test_truncated_file(tmp_path, keep):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "falcon")
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*gemma3, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"):
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*deepseek2, gemma2, gemma3, granite, llama, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"):
         read_gguf_config(path)
     with pytest.raises(UnsupportedModelError, match="falcon"):
         list(iter_gguf_weights(path, torch.float32))
@@ -1138,3 +1138,93 @@ def test_mixture_of_experts_files_that_cannot_be_read_are_refused(tmp_path):
                      metadata={"experts": lambda w: (w.add_expert_count(2), w.add_expert_used_count(1))})
     with pytest.raises(ModelLoadError, match="stacked expert tensors"):
         read_gguf_config(old)
+
+
+def write_phi2_gguf(path, model, qtype=Q.F32, fused_qkv: bool = False) -> str:
+    """A Phi-1/1.5/2 model as llama.cpp's converter writes it (``phi2``: ``feed_forward_length`` 4 x hidden whatever
+    the model's, ``attention.layer_norm_epsilon``, ``rope.dimension_count`` the rotated features per head, q/k/v
+    separate); with ``fused_qkv``, q/k/v (weights and biases) in one ``attn_qkv`` as early files have them."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(4 * cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    rope = cfg.rope_parameters
+    writer.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI2, cfg.num_hidden_layers)
+    state = model.state_dict()
+    for hf_name, tensor in state.items():
+        if fused_qkv and (".k_proj." in hf_name or ".v_proj." in hf_name):
+            continue
+        data = tensor.numpy()
+        if fused_qkv and ".q_proj." in hf_name:
+            data = np.concatenate([data] + [state[hf_name.replace("q_proj", p)].numpy() for p in ("k_proj", "v_proj")])
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")).replace("attn_q.", "attn_qkv.")
+        else:
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if data.ndim == 2 and qtype != Q.F32 and data.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def phi2_model(vocab_size: int = 128):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("phi", vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                                  bos_token_id=1, eos_token_id=2,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm.weight" in name:
+                param.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_phi2_gguf_gives_the_original_logits(tmp_path, fused_qkv):
+    """A Phi-2 file (LayerNorms with biases, RoPE over part of each head, biased projections and LM head, an
+    intermediate width other than the converter's 4 x hidden) rebuilds the original model: logits equal transformers'
+    on the original; its tensors come out under Phi's own names."""
+    model = phi2_model()
+    config = model.config
+    path = write_phi2_gguf(tmp_path / "m.gguf", model, fused_qkv=fused_qkv)
+    read, architecture = read_gguf_config(path)
+    assert architecture == "PhiForCausalLM" and read.intermediate_size == 96
+    assert read.rope_parameters["partial_rotary_factor"] == 0.5 and read.layer_norm_eps == config.layer_norm_eps
+    check_plain_config(path)
+    got = dict(iter_gguf_weights(path, torch.float32))
+    assert set(got) == set(model.state_dict())
+    assert_logits_match(path, model)
+
+
+def test_phi2_gguf_through_the_engine(tmp_path):
+    """A Q8_0 Phi-2 file through LLM with its blocks kept (``quantization="gguf"``): greedy tokens equal transformers'
+    on the weights gguf's own dequantization gives."""
+    from conftest import save_tiny_model
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    model = phi2_model(vocab_size=300)
+    path = write_phi2_gguf(tmp_path / "m.gguf", model, Q.Q8_0)
+    decoded = {n: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), Q.Q8_0), Q.Q8_0))
+               if w.dim() == 2 else w for n, w in model.state_dict().items()}
+    reference = phi2_model(vocab_size=300)
+    reference.load_state_dict(decoded)
+    engine_matches_dequantized(path, reference, tokenizer_dir)

@@ -41,6 +41,8 @@ class _GGUFArchitecture:
     norm_offset: float = 0.0  # llama.cpp's converter added this to every norm weight (Gemma's 1 + w)
     fused: bool = False  # q/k/v in one attn_qkv tensor, gate/up in one ffn_up (Phi-3): split as they are read
     partial_rotary: bool = False  # rope.dimension_count may be less than the head size
+    top_names: tuple[tuple[str, str], ...] = ()  # top-level tensor names that differ from _TOP_LEVEL_NAMES'
+    layer_norm: bool = False  # LayerNorms (attention.layer_norm_epsilon), not RMSNorms
 
 
 _GEMMA_NORMS = (("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
@@ -98,6 +100,13 @@ _ARCHITECTURES = {
     "qwen2moe": _GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False),
     "qwen3moe": _GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
     "olmoe": _GGUFArchitecture("olmoe", "OlmoeForCausalLM", permuted_qk=False),
+    # Phi-1/1.5/2: LayerNorms with biases, partial RoPE; q/k/v separate (llama.cpp's converter) or in attn_qkv
+    # (early files)
+    "phi2": _GGUFArchitecture(
+        "phi", "PhiForCausalLM", permuted_qk=False, fused=True, partial_rotary=True, layer_norm=True,
+        block_names=(("attn_qkv", "self_attn.qkv_proj"), ("attn_output", "self_attn.dense"), ("ffn_up", "mlp.fc1"),
+                     ("ffn_down", "mlp.fc2")),
+        top_names=(("output_norm", "model.final_layernorm"),)),
     # DeepSeek-V2/V3 (and the models built on them): multi-head latent attention; V3 when the file has the router's
     # correction bias (exp_probs_b) and sigmoid gating
     "deepseek2": _GGUFArchitecture("deepseek_v2", "DeepseekV2ForCausalLM", permuted_qk=False,
@@ -350,14 +359,17 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": required("context_length"),
-        "rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon")),
+        **({"layer_norm_eps": _float32_value(required("attention.layer_norm_epsilon"))} if arch.layer_norm else
+           {"rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon"))}),
         "rope_theta": rope_theta,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
-    _check_sizes(options, tensors, name, path, 2 if arch.fused else 1)
+    if arch.model_type == "phi" and "blk.0.ffn_up.weight" in tensors:   # the converter writes 4 x hidden
+        options["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"].shape[0])
+    _check_sizes(options, tensors, name, path, 2 if dict(arch.block_names).get("ffn_up") == "mlp.gate_up_proj" else 1)
     if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text", "granite", "smollm3", "olmo2"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch.model_type in ("llama", "granite", "smollm3"):
@@ -407,6 +419,8 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         options["rope_theta"] = rope_theta
         if scaling is not None:
             options["rope_scaling"] = scaling
+        if "partial_rotary_factor" in rope:
+            options["partial_rotary_factor"] = rope["partial_rotary_factor"]
     return AutoConfig.for_model(arch.model_type, **options), arch.hf_architecture
 
 
@@ -613,8 +627,9 @@ def _hf_name(gguf_name: str, arch: _GGUFArchitecture | None = None) -> str | Non
     stem, _, kind = gguf_name.rpartition(".")
     if kind not in ("weight", "bias"):
         return None
-    if stem in _TOP_LEVEL_NAMES:
-        return f"{_TOP_LEVEL_NAMES[stem]}.{kind}"
+    top = {**_TOP_LEVEL_NAMES, **dict(arch.top_names)} if arch is not None else _TOP_LEVEL_NAMES
+    if stem in top:
+        return f"{top[stem]}.{kind}"
     match = _BLOCK_TENSOR.fullmatch(stem)
     names = {**_BLOCK_NAMES, **dict(arch.block_names)} if arch is not None and arch.block_names else _BLOCK_NAMES
     if match is None or match.group(2) not in names:
@@ -698,7 +713,7 @@ def _iter_raw(
             if data.dtype.kind != "f":
                 raise ModelLoadError(f"GGUF file {path!r}: norm tensor {tensor.name!r} is not stored as floats")
             data = data.astype(np.float32) - np.float32(arch.norm_offset)   # back to the checkpoint's w
-        if arch.fused and (hf_name.endswith(".qkv_proj.weight") or hf_name.endswith(".gate_up_proj.weight")):
+        if arch.fused and hf_name.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj"):
             yield from _split_fused(hf_name, data, tensor, q_rows, kv_rows, path)
             continue
         if hf_name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:   # llama.cpp keeps [hidden]
@@ -754,7 +769,7 @@ def _split_fused(hf_name: str, data: np.ndarray, tensor: Any, q_rows: int, kv_ro
     """A fused ``qkv_proj`` / ``gate_up_proj`` tensor as its projections (row slices: float rows or the rows'
     quantized blocks), so that every consumer sees Llama's tensors."""
     rows = data.shape[0]
-    if hf_name.endswith(".qkv_proj.weight"):
+    if ".qkv_proj." in hf_name:
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
         fused = "qkv_proj"
     else:
