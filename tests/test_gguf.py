@@ -1228,3 +1228,81 @@ def test_phi2_gguf_through_the_engine(tmp_path):
     reference = phi2_model(vocab_size=300)
     reference.load_state_dict(decoded)
     engine_matches_dequantized(path, reference, tokenizer_dir)
+
+
+def stablelm_model(parallel: bool):
+    torch.manual_seed(0)
+    extra = (dict(use_parallel_residual=True, qk_layernorm=True, partial_rotary_factor=0.25) if parallel else
+             dict(use_qkv_bias=True, partial_rotary_factor=0.5))
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": extra.pop("partial_rotary_factor")}
+    config = AutoConfig.for_model("stablelm", vocab_size=128, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2, rope_parameters=rope,
+                                  **extra)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def write_stablelm_gguf(path, model) -> str:
+    """A StableLM model as llama.cpp's converter writes it (``stablelm``: ``use_parallel_residual``,
+    ``attention.layer_norm_epsilon``, ``rope.dimension_count`` the rotated features per head; the 12B's per-head q/k
+    norms stacked ``[heads, head_dim]``)."""
+    cfg = model.config
+    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "stablelm")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * head_dim))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_parallel_residual(cfg.use_parallel_residual)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.STABLELM, cfg.num_hidden_layers)
+    state = model.state_dict()
+    for hf_name, tensor in state.items():
+        if "_layernorm.norms." in hf_name:
+            if not hf_name.endswith(".norms.0.weight"):
+                continue
+            prefix = hf_name.removesuffix(".norms.0.weight")
+            count = heads if "q_layernorm" in prefix else cfg.num_key_value_heads
+            data = np.stack([state[f"{prefix}.norms.{h}.weight"].numpy() for h in range(count)])
+            writer.add_tensor(names.get_name(f"{prefix}.weight", try_suffixes=(".weight",)), data.astype(np.float32))
+            continue
+        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["stablelm-2-1.6b", "stablelm-2-12b"])
+def test_stablelm_gguf_gives_the_original_logits(tmp_path, parallel):
+    """StableLM files: StableLM 2 1.6B's sequential block with q/k/v biases, and 12B's parallel block with per-head
+    q/k LayerNorms (stacked in the file, one tensor per head again once read): the config and tensors rebuild the
+    original model, logits equal transformers' on it; the 1.6B layout's tensors equal transformers' own reading."""
+    model = stablelm_model(parallel)
+    path = write_stablelm_gguf(tmp_path / "m.gguf", model)
+    config, architecture = read_gguf_config(path)
+    assert architecture == "StableLmForCausalLM"
+    for key in ("use_qkv_bias", "use_parallel_residual", "qk_layernorm", "layer_norm_eps", "intermediate_size"):
+        assert getattr(config, key) == getattr(model.config, key), key
+    check_plain_config(path)
+    got = dict(iter_gguf_weights(path, torch.float32))
+    assert set(got) == set(model.state_dict())
+    if not parallel:   # transformers' own GGUF reader knows this layout (not the 12B's per-head norms)
+        reference = transformers_gguf_tensors(path, model.config)
+        assert set(reference) == set(got)
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+    assert_logits_match(path, model)

@@ -75,6 +75,7 @@ _DEEPSEEK_NAMES = (
     ("attn_kv_a_norm", "self_attn.kv_a_layernorm"), ("attn_kv_b", "self_attn.kv_b_proj"),
     ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"), ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
     ("ffn_down_shexp", "mlp.shared_experts.down_proj"), ("exp_probs_b", "mlp.gate.e_score_correction_bias"))
+_HEAD_NORMS = re.compile(r"blk\.(\d+)\.attn_([qk])_norm\.weight")
 _KV_B_PARTS = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 # the gating function llama.cpp's converter writes (expert_gating_func)
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
@@ -100,6 +101,10 @@ _ARCHITECTURES = {
     "qwen2moe": _GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False),
     "qwen3moe": _GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
     "olmoe": _GGUFArchitecture("olmoe", "OlmoeForCausalLM", permuted_qk=False),
+    # StableLM 2 / StableLM 3B: LayerNorms with biases, partial RoPE, a parallel block where ffn_norm is absent, the
+    # 12B's per-head q/k norms stacked [heads, head_dim] (split back into one tensor per head as they are read)
+    "stablelm": _GGUFArchitecture("stablelm", "StableLmForCausalLM", permuted_qk=False, partial_rotary=True,
+                                  layer_norm=True),
     # Phi-1/1.5/2: LayerNorms with biases, partial RoPE; q/k/v separate (llama.cpp's converter) or in attn_qkv
     # (early files)
     "phi2": _GGUFArchitecture(
@@ -367,6 +372,10 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
+    if arch.model_type == "stablelm":
+        parallel = reader.get(f"{name}.use_parallel_residual", "blk.0.ffn_norm.weight" not in tensors)
+        options.update(use_qkv_bias="blk.0.attn_q.bias" in tensors, use_parallel_residual=bool(parallel),
+                       qk_layernorm="blk.0.attn_q_norm.weight" in tensors)
     if arch.model_type == "phi" and "blk.0.ffn_up.weight" in tensors:   # the converter writes 4 x hidden
         options["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"].shape[0])
     _check_sizes(options, tensors, name, path, 2 if dict(arch.block_names).get("ffn_up") == "mlp.gate_up_proj" else 1)
@@ -692,6 +701,13 @@ def _iter_raw(
             continue
         expert = (_EXPERT_TENSOR.fullmatch(tensor.name) if arch.model_type in _MOE_TYPES + _DEEPSEEK_TYPES
                   else None)
+        norm = _HEAD_NORMS.fullmatch(tensor.name) if arch.model_type == "stablelm" else None
+        if norm is not None:   # [heads, head_dim]: one LayerNorm per head in the checkpoint
+            data = reader.tensor_data(tensor)
+            for h in range(data.shape[0]):
+                yield (f"model.layers.{norm.group(1)}.self_attn.{norm.group(2)}_layernorm.norms.{h}.weight", data[h],
+                       tensor.ggml_type, tuple(tensor.shape)[1:])
+            continue
         if expert is not None:
             yield from _split_experts(expert, reader.tensor_data(tensor), tensor, arch, path)
             continue
