@@ -1306,3 +1306,44 @@ def test_stablelm_gguf_gives_the_original_logits(tmp_path, parallel):
         for name, tensor in got.items():
             torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
     assert_logits_match(path, model)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["command-r", "command-r-plus"])
+def test_command_r_gguf_gives_the_original_logits(tmp_path, qk_norm):
+    """Command-R files (``command-r``, as llama.cpp's converter writes them: ``attention.layer_norm_epsilon``,
+    ``logit_scale``, tied embeddings; Command-R+'s per-head q/k norms ``[heads, head_dim]``) rebuild the original
+    model: logits equal transformers' on it."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("cohere", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, use_qk_norm=qk_norm,
+                                  logit_scale=0.5, layer_norm_eps=1e-4)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "command-r")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_logit_scale(config.logit_scale)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.COMMAND_R, config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name != "lm_head.weight":   # tied
+            writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = str(tmp_path / "m.gguf")
+    read, architecture = read_gguf_config(path)
+    assert architecture == "CohereForCausalLM" and read.logit_scale == 0.5 and read.use_qk_norm == qk_norm
+    check_plain_config(path)
+    assert_logits_match(path, model)

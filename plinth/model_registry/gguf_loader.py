@@ -101,6 +101,9 @@ _ARCHITECTURES = {
     "qwen2moe": _GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False),
     "qwen3moe": _GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
     "olmoe": _GGUFArchitecture("olmoe", "OlmoeForCausalLM", permuted_qk=False),
+    # Command-R / Command-R+ / Aya: the parallel block on one bias-free LayerNorm, interleaved RoPE (as the checkpoint
+    # has it: no row reordering), R+'s per-head q/k norms [heads, head_dim] as in the checkpoint, logit_scale
+    "command-r": _GGUFArchitecture("cohere", "CohereForCausalLM", permuted_qk=False, layer_norm=True),
     # StableLM 2 / StableLM 3B: LayerNorms with biases, partial RoPE, a parallel block where ffn_norm is absent, the
     # 12B's per-head q/k norms stacked [heads, head_dim] (split back into one tensor per head as they are read)
     "stablelm": _GGUFArchitecture("stablelm", "StableLmForCausalLM", permuted_qk=False, partial_rotary=True,
@@ -372,6 +375,12 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
+    if arch.model_type == "cohere":
+        scale = reader.get(f"{name}.logit_scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+            raise ModelLoadError(f"GGUF file {path!r}: {name}.logit_scale must be a positive number, got {scale!r}")
+        options.update(logit_scale=_float32_value(scale), use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
+                       attention_bias="blk.0.attn_q.bias" in tensors)
     if arch.model_type == "stablelm":
         parallel = reader.get(f"{name}.use_parallel_residual", "blk.0.ffn_norm.weight" not in tensors)
         options.update(use_qkv_bias="blk.0.attn_q.bias" in tensors, use_parallel_residual=bool(parallel),
