@@ -99,6 +99,22 @@ def gguf_writer(path, config, arch: str) -> gguf.GGUFWriter:
     return writer
 
 
+def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype=Q.F32) -> None:
+    """One tensor as llama.cpp's quantizer stores it: in ``qtype`` where its rows are whole blocks, else float32."""
+    if data.ndim == 2 and qtype != Q.F32 and data.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, data.astype(np.float32))
+
+
+def finish(writer: gguf.GGUFWriter, path) -> str:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
 def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=None) -> str:
     """Write ``model`` to ``path`` as llama.cpp's converter would."""
     config = model.config
@@ -123,19 +139,10 @@ def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=N
             data = llamacpp_permute(data, config.num_attention_heads)
         elif arch in PERMUTED and ".k_proj." in hf_name:
             data = llamacpp_permute(data, config.num_key_value_heads)
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        # rows that are no whole number of blocks stay float32, as llama.cpp's quantizer leaves them
-        if data.ndim == 2 and qtype != Q.F32 and data.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, data.astype(np.float32))
+        add_tensor(writer, names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data, qtype)
     for name, data in extra_tensors:
         writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return finish(writer, path)
 
 
 def expected_weights(model, qtype) -> dict[str, torch.Tensor]:
@@ -1170,15 +1177,8 @@ def write_phi2_gguf(path, model, qtype=Q.F32, fused_qkv: bool = False) -> str:
             name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")).replace("attn_q.", "attn_qkv.")
         else:
             name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if data.ndim == 2 and qtype != Q.F32 and data.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, data.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+        add_tensor(writer, name, data, qtype)
+    return finish(writer, path)
 
 
 def phi2_model(vocab_size: int = 128):
@@ -1278,12 +1278,8 @@ def write_stablelm_gguf(path, model) -> str:
             data = np.stack([state[f"{prefix}.norms.{h}.weight"].numpy() for h in range(count)])
             writer.add_tensor(names.get_name(f"{prefix}.weight", try_suffixes=(".weight",)), data.astype(np.float32))
             continue
-        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+        add_tensor(writer, names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    return finish(writer, path)
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["stablelm-2-1.6b", "stablelm-2-12b"])
@@ -1337,12 +1333,8 @@ def test_command_r_gguf_gives_the_original_logits(tmp_path, qk_norm):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.COMMAND_R, config.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if hf_name != "lm_head.weight":   # tied
-            writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    path = str(tmp_path / "m.gguf")
+            add_tensor(writer, names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    path = finish(writer, tmp_path / "m.gguf")
     read, architecture = read_gguf_config(path)
     assert architecture == "CohereForCausalLM" and read.logit_scale == 0.5 and read.use_qk_norm == qk_norm
     check_plain_config(path)
