@@ -31,6 +31,16 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_fp8_refusal(device_type: str, capability: tuple[int, int] | None) -> str | None:
+    """Why Triton cannot widen float8_e4m3fn bytes on this device (``None``: it can): ROCm builds use the
+    float8_e4m3fnuz format, NVIDIA GPUs before compute capability 8.9 have no E4M3 conversion."""
+    if getattr(torch.version, "hip", None):
+        return "ROCm uses the float8_e4m3fnuz format, not float8_e4m3fn"
+    if device_type == "cuda" and (capability is None or capability < (8, 9)):
+        return f"Triton widens float8_e4m3fn on compute capability 8.9 and newer, this GPU has {capability}"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def jit_module() -> ModuleType:
     """The ``@triton.jit`` kernels (Triton's interpreter when ``PLINTH_TRITON_INTERPRET=1``)."""

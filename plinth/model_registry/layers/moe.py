@@ -178,8 +178,8 @@ class FusedMoE(nn.Module):
             return False
         if self.weight_method is None:
             return True
-        # FP8 experts: Triton widens E4M3 on NVIDIA GPUs of compute capability 8.9 and newer only
-        if self.fp8_scales is not None and x.device.type == "cuda" and _capability(x.device) < (8, 9):
+        if self.fp8_scales is not None and ops.triton_fp8_refusal(
+                x.device.type, _capability(x.device) if x.device.type == "cuda" else None) is not None:
             return False
         return all(self._gemv_args(which) is not None for which in ("w13", "w2"))
 
@@ -224,7 +224,7 @@ class FusedMoE(nn.Module):
 
     def _forward_gemv(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The experts as two per-slot GEMV launches (slot ``t * K + j``: token ``t``'s ``j``-th expert)."""
-        t, k = ids.shape
+        k = ids.shape[1]
         experts = ids.reshape(-1).contiguous()                                       # [T * K]
         x = x if x.stride(-1) == 1 else x.contiguous()
         gate_up = ops.moe_gemv(x, self.w13_weight, self.w13_bias, experts, k, **self._gemv_args("w13"))  # [T*K, 2I]
@@ -232,10 +232,7 @@ class FusedMoE(nn.Module):
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
         y = ops.moe_gemv(self.activation(gate, up).contiguous(), self.w2_weight, w2_bias, experts, 1,
                          **self._gemv_args("w2"))                                    # [T * K, H]
-        out = (y.to(torch.float32).view(t, k, -1) * weights[..., None]).sum(dim=1)   # [T, H] float32
-        if self.tp_size > 1:
-            tp_all_reduce(out)
-        return out.to(x.dtype)
+        return self._combined(y, None, weights).to(x.dtype)
 
     def _sorted_slots(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The token copies sorted by expert: ``(order, sorted_ids, ends, rows)``, ``ends`` ``[E]`` int32 the end row
@@ -260,11 +257,15 @@ class FusedMoE(nn.Module):
             y = y + self.w2_bias.index_select(0, sorted_ids)
         return y
 
-    def _combined(self, y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The sorted copies' outputs ``y`` ``[T * K, H]`` weighted and summed per token (all-reduced under TP)."""
+    def _combined(self, y: torch.Tensor, order: torch.Tensor | None, weights: torch.Tensor) -> torch.Tensor:
+        """The token copies' outputs ``y`` ``[T * K, H]`` (sorted by ``order``; ``None``: in slot order) weighted and
+        summed per token, float32 (all-reduced under TP)."""
         t, k = weights.shape
-        unsorted = torch.empty_like(y, dtype=torch.float32)
-        unsorted[order] = y.to(torch.float32)
+        if order is None:
+            unsorted = y.to(torch.float32)
+        else:
+            unsorted = torch.empty_like(y, dtype=torch.float32)
+            unsorted[order] = y.to(torch.float32)
         out = (unsorted.view(t, k, -1) * weights[..., None]).sum(dim=1)             # [T, H] float32
         if self.tp_size > 1:
             tp_all_reduce(out)

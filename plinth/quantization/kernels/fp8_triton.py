@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from plinth.kernels.ops import num_sms
+from plinth.kernels.ops import num_sms, triton_fp8_refusal
 from plinth.quantization.formats import FP8Weights
 from plinth.quantization.kernels.interface import GemmKernel, GemmProblem, Support
 from plinth.quantization.kernels.w4a16_triton import interpret_requested, load_jit_module, triton_refusal
@@ -52,11 +52,9 @@ class TritonFP8Kernel(GemmKernel):
         refused = triton_refusal(problem)
         if refused is not None:
             return refused
-        if getattr(torch.version, "hip", None):
-            return Support.no("ROCm uses the float8_e4m3fnuz format, not float8_e4m3fn")
-        if problem.device_type == "cuda" and (problem.capability is None or problem.capability < (8, 9)):
-            return Support.no(f"Triton widens float8_e4m3fn on compute capability 8.9 and newer, this GPU has "
-                              f"{problem.capability}")
+        fp8_refused = triton_fp8_refusal(problem.device_type, problem.capability)
+        if fp8_refused is not None:
+            return Support.no(fp8_refused)
         if problem.block is not None and problem.block[1] % 16:
             return Support.no(f"block scales {problem.block[0]}x{problem.block[1]}: the columns per scale must be a "
                               f"multiple of 16")
