@@ -156,7 +156,7 @@ def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias, t
     """The experts' device paths, the per-slot GEMV kernel (3 tokens x top 2 of 8 experts) and the grouped GEMMs
     (sm90+, bfloat16; 37 tokens), against the per-expert loop on the same weights, with biases and gpt-oss's
     activation; then captured in a CUDA graph and replayed on new inputs (no host read of the routing). float32
-    experts cannot be captured for every batch (the engine then decodes eagerly)."""
+    experts are captured only in steps their GEMV kernel takes (up to ``num_experts // top_k`` rows)."""
     dtype = torch.bfloat16
     from plinth.model_registry.layers.moe import FusedMoE
 
@@ -178,7 +178,7 @@ def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias, t
     loop = moe(x, logits)
     del moe.uses_grouped_gemm, moe.uses_gemv
     torch.testing.assert_close(grouped.float(), loop.float(), atol=2e-2, rtol=2e-2)
-    assert not moe.uses_grouped_gemm(x.float()) and not moe.graph_capturable(x.device, torch.float32)
+    assert not moe.uses_grouped_gemm(x.float()) and moe.graph_rows(x.device, torch.float32) == 8 // 2
     static_x, static_logits = x.clone(), logits.clone()
     moe(static_x, static_logits)
     torch.cuda.synchronize()
@@ -195,7 +195,8 @@ def test_grouped_experts_equal_the_per_expert_loop_and_replay_in_a_graph(bias, t
 def test_quantized_experts_on_the_gpu_match_transformers(kind, tmp_path):
     """Quantized experts through the whole engine on the GPU (kernel selection, the FP8 experts' GEMV for decode
     rows, widening per chosen expert for prefill, CUDA graphs where the experts allow them): greedy tokens equal
-    transformers' on the weights the checkpoint decodes to."""
+    transformers' on the weights the checkpoint decodes to; decode steps of up to ``num_experts // top_k`` rows
+    replay graphs through the experts' GEMV kernel (``gptq`` here has act order, which the kernel cannot read)."""
     import transformers
     from test_fp8_experts import fp8_checkpoint
     from test_int_experts import _reference
@@ -211,6 +212,12 @@ def test_quantized_experts_on_the_gpu_match_transformers(kind, tmp_path):
         ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
     llm = LLM(str(path), dtype="float32", max_model_len=128)
     assert torch.device(llm.engine.device).type == "cuda"
+    graphs = llm.engine.runner.graphs
+    if kind == "gptq":
+        assert graphs is None
+    else:
+        experts = ref.config.num_experts // ref.config.num_experts_per_tok
+        assert graphs is not None and graphs.max_size == experts
     llm_greedy_matches(llm, ref.cuda(), _prompts(ref.config.vocab_size))
 
 

@@ -702,6 +702,33 @@ def test_graph_blocker_names_experts_without_grouped_gemms():
     assert graph_blocker(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.device("cpu"), torch.float32) is None
 
 
+def test_decode_graphs_through_experts_on_their_gemv_kernel(monkeypatch):
+    """On a CUDA device, experts without grouped GEMMs (float32; quantized) are captured in decode graphs of up to
+    ``num_experts // top_k`` rows, the steps their GEMV kernel takes whole (no host read of the routing); bfloat16
+    float experts on 9.0+ GPUs in graphs of any size (grouped GEMMs); experts the kernel cannot read (act order)
+    in none. The engine caps its graphs at the smallest such limit."""
+    from test_fp8_experts import _expert_weights, _load_fp8_experts, _moe
+
+    from plinth.kernels import ops
+    from plinth.model_registry.layers import moe as moe_module
+    from plinth.model_registry.layers.moe import FusedMoE
+    from plinth.worker.setup import graph_blocker, graph_row_limit
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(moe_module, "_capability", lambda _device: (9, 0))
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    float_experts = FusedMoE(16, 4, 16, 32, renormalize=True)
+    fp8 = _moe(8, 2, 48, 64)
+    _load_fp8_experts(fp8, None, _expert_weights(8, 48, 64))
+    assert float_experts.graph_rows(cuda, torch.float32) == 4 and fp8.graph_rows(cuda, torch.bfloat16) == 4
+    assert float_experts.graph_rows(cuda, torch.bfloat16) is None
+    assert float_experts.graph_rows(torch.device("cpu"), torch.float32) == 0
+    model = torch.nn.Sequential(float_experts, fp8)
+    assert graph_blocker(model, cuda, torch.float32) is None and graph_row_limit(model, cuda, torch.float32, 256) == 4
+    monkeypatch.setattr(type(fp8.weight_method), "gemv_args", lambda self, layer, which: None)   # e.g. act order
+    assert fp8.graph_rows(cuda, torch.bfloat16) == 0 and graph_blocker(model, cuda, torch.float32) == "FusedMoE (1)"
+
+
 def test_qwen2_moe_without_qkv_biases_and_granite_moe_missing_tensor_named_once(tmp_path):
     """A Qwen2-MoE config may turn its q/k/v biases off (``qkv_bias``; they were always expected); a GraniteMoe
     checkpoint missing a stacked expert tensor names it once (every expert's shard comes from it)."""

@@ -150,9 +150,24 @@ class FusedMoE(nn.Module):
         return self._grouped_gemm_runs(x.device, x.dtype)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether a decode step through these experts can be captured in a device graph (see
-        :meth:`uses_grouped_gemm`; the per-expert loop reads the routing on the host)."""
-        return self._grouped_gemm_runs(device, dtype)
+        """Whether decode steps through these experts can be captured in device graphs (of some sizes: see
+        :meth:`graph_rows`)."""
+        return self.graph_rows(device, dtype) != 0
+
+    def graph_rows(self, device: torch.device, dtype: torch.dtype) -> int | None:
+        """The most rows of a decode step a device graph may capture through these experts: any (``None``) on the
+        grouped GEMMs (:meth:`uses_grouped_gemm`), up to ``num_experts // top_k`` where the GEMV kernel takes every
+        step of that many rows (:meth:`uses_gemv`: float experts without grouped GEMMs, FP8 and integer codes), and
+        none (``0``) where every step reads the routing on the host (the per-expert loop, the widened runs)."""
+        if self._grouped_gemm_runs(device, dtype):
+            return None
+        if device.type != "cuda" or not ops.triton_available() or self.num_experts < self.top_k:
+            return 0
+        if self.fp8_scales is not None and ops.triton_fp8_refusal(device.type, _capability(device)) is not None:
+            return 0
+        if any(self._gemv_args(which) is None for which in ("w13", "w2")):
+            return 0
+        return self.num_experts // self.top_k
 
     def _grouped_gemm_runs(self, device: torch.device, dtype: torch.dtype, quantized: bool = False) -> bool:
         if (device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
