@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -335,7 +336,7 @@ def test_truncated_file(tmp_path, keep):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", small_model("llama", True), "falcon")
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*deepseek2, gemma2, gemma3, granite, llama, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"):
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*cohere2, command-r, deepseek2, gemma2, gemma3, granite, granitemoe, llama, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"):
         read_gguf_config(path)
     with pytest.raises(UnsupportedModelError, match="falcon"):
         list(iter_gguf_weights(path, torch.float32))
@@ -1339,3 +1340,244 @@ def test_command_r_gguf_gives_the_original_logits(tmp_path, qk_norm):
     assert architecture == "CohereForCausalLM" and read.logit_scale == 0.5 and read.use_qk_norm == qk_norm
     check_plain_config(path)
     assert_logits_match(path, model)
+
+
+COHERE2_PATTERNS = {"default": None, "period-2": 2, "flags": [True, False, False, True]}
+
+
+def cohere2_model(pattern: int | list[bool] | None = None, vocab_size: int = 128):
+    """A random Command-R7B (``Cohere2ForCausalLM``) of 4 layers with a window of 4 tokens: llama.cpp's default
+    layout (layers 0-2 slide, 3 attends fully), or the layout ``pattern`` gives as the GGUF key would."""
+    period = 4 if pattern is None else pattern
+    sliding = [i % period < period - 1 for i in range(4)] if isinstance(period, int) else pattern
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("cohere2", vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  logit_scale=0.5, layer_norm_eps=1e-4, sliding_window=4,
+                                  layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+    return model
+
+
+def write_cohere2_gguf(path, model, pattern: int | list[bool] | None = None, qtype=Q.F32, extra_tensors=()) -> str:
+    """A Command-R7B model as llama.cpp's converter writes it (``cohere2``: ``attention.layer_norm_epsilon``,
+    ``logit_scale``, ``attention.sliding_window``, the rotary size, no RoPE scaling, tied embeddings; the zero
+    biases left out); ``pattern`` adds ``attention.sliding_window_pattern`` (which llama.cpp reads when present)."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "cohere2")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_logit_scale(config.logit_scale)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    if pattern is not None:
+        writer.add_sliding_window_pattern(pattern)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.COHERE2, config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name != "lm_head.weight":   # tied
+            add_tensor(writer, names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy(), qtype)
+    for name, data in extra_tensors:
+        writer.add_tensor(name, data)
+    return finish(writer, path)
+
+
+@pytest.mark.parametrize("pattern", list(COHERE2_PATTERNS))
+def test_cohere2_gguf_gives_the_original_logits(tmp_path, pattern):
+    """Command-R7B files (``cohere2``): the sliding window from ``attention.sliding_window``, the sliding layers (the
+    only ones with RoPE) from ``attention.sliding_window_pattern`` (a period or one flag per layer) or llama.cpp's
+    every-fourth-layer-full layout when absent; over a 13-token prompt and a window of 4 the logits equal transformers'
+    on the original model."""
+    model = cohere2_model(COHERE2_PATTERNS[pattern])
+    path = write_cohere2_gguf(tmp_path / "m.gguf", model, COHERE2_PATTERNS[pattern])
+    read, architecture = read_gguf_config(path)
+    assert architecture == "Cohere2ForCausalLM" and read.logit_scale == 0.5 and read.sliding_window == 4
+    assert read.layer_types == model.config.layer_types
+    assert "full_attention" in read.layer_types and "sliding_attention" in read.layer_types
+    check_plain_config(path)
+    got = dict(iter_gguf_weights(path, torch.float32))
+    assert set(got) == set(model.state_dict()) - {"lm_head.weight"}
+    assert_logits_match(path, model)
+
+
+def test_cohere2_gguf_files_that_cannot_be_read_are_refused(tmp_path):
+    """Without its window, with a pattern that is neither a period nor one flag per layer, or with Command-R+'s
+    per-head q/k norms (which Command-R7B lacks): each a clear error before anything is built."""
+    model = cohere2_model()
+    path = write_cohere2_gguf(tmp_path / "m.gguf", model)
+    no_window = tmp_path / "w.gguf"
+    no_window.write_bytes(open(path, "rb").read().replace(b"cohere2.attention.sliding_window",
+                                                          b"cohere2.attention.sliding_wind0w"))
+    with pytest.raises(ModelLoadError, match="lacks the metadata key cohere2.attention.sliding_window"):
+        read_gguf_config(str(no_window))
+    for bad_pattern in ([True, True, False], 0):
+        bad = write_cohere2_gguf(tmp_path / "p.gguf", model, bad_pattern)
+        with pytest.raises(ModelLoadError, match="sliding_window_pattern must be a positive integer or one boolean"):
+            read_gguf_config(bad)
+    norms = write_cohere2_gguf(tmp_path / "n.gguf", model, extra_tensors=[
+        (f"blk.{i}.attn_{x}_norm.weight", np.ones((h, 16), np.float32)) for i in range(4) for x, h in (("q", 4), ("k", 2))])
+    with pytest.raises(UnsupportedModelError, match="cohere2 file with per-head q/k norms"):
+        read_gguf_config(norms)
+
+
+def test_cohere2_gguf_through_the_engine(tmp_path):
+    """A Q8_0 Command-R7B file through LLM (plinth's native classes; a 37-token prompt against a 4-token window):
+    kept quantized, the greedy tokens equal transformers' on the dequantized weights."""
+    from conftest import save_tiny_model
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    model = cohere2_model(vocab_size=300)
+    path = write_cohere2_gguf(tmp_path / "m.gguf", model, qtype=Q.Q8_0)
+    reference = cohere2_model(vocab_size=300)
+    result = reference.load_state_dict(dict(iter_gguf_weights(path, torch.float32)), strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    engine_matches_dequantized(path, reference, tokenizer_dir)
+
+
+def granite_moe_model(shared: bool, vocab_size: int = 128):
+    """A random Granite 3.x mixture of experts (4 experts, 2 per token; with ``shared`` GraniteMoeShared's MLP)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("granitemoeshared" if shared else "granitemoe",
+                                  **{**SMALL, "vocab_size": vocab_size, "intermediate_size": 32},
+                                  num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                                  **GRANITE_SCALES, **({"shared_intermediate_size": 48} if shared else {}))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+    return model
+
+
+def write_granite_moe_gguf(path, model, qtype=Q.F32, metadata=None) -> str:
+    """A Granite MoE model as llama.cpp's converter writes it (``granitemoe``, as Llama: Q/K rows interleaved; the
+    checkpoint's fused ``input_linear`` ``[E, 2I, H]`` split into ``ffn_gate_exps`` (first half) and ``ffn_up_exps``,
+    the shared MLP's into ``ffn_gate_shexp`` / ``ffn_up_shexp``; the multipliers as ``*_scale`` keys)."""
+    config = model.config
+    writer = gguf_writer(path, config, "granitemoe")
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    granite_metadata(GRANITE_SCALES)["scales"](writer)
+    if getattr(config, "shared_intermediate_size", 0):
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    if metadata is not None:
+        metadata(writer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE_MOE, config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        data = tensor.numpy()
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        if hf_name.endswith(".experts.gate_up_proj") or hf_name.endswith(".shared_mlp.input_linear.weight"):
+            half = data.shape[-2] // 2
+            kind = "exps" if "experts" in hf_name else "shexp"
+            add_tensor(writer, f"blk.{layer}.ffn_gate_{kind}.weight", data[..., :half, :], qtype)
+            add_tensor(writer, f"blk.{layer}.ffn_up_{kind}.weight", data[..., half:, :], qtype)
+            continue
+        gguf_name = next((g for suffix, g in (("block_sparse_moe.experts.down_proj", "ffn_down_exps"),
+                                               ("block_sparse_moe.router.weight", "ffn_gate_inp"),
+                                               ("shared_mlp.output_linear.weight", "ffn_down_shexp"))
+                          if hf_name.endswith(suffix)), None)
+        if gguf_name is not None:
+            add_tensor(writer, f"blk.{layer}.{gguf_name}.weight", data, qtype)
+            continue
+        if ".q_proj." in hf_name:
+            data = llamacpp_permute(data, config.num_attention_heads)
+        elif ".k_proj." in hf_name:
+            data = llamacpp_permute(data, config.num_key_value_heads)
+        add_tensor(writer, names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data, qtype)
+    return finish(writer, path)
+
+
+def granite_moe_state(path: str) -> dict[str, torch.Tensor]:
+    """The weights plinth reads from a Granite MoE file, the experts stacked again under transformers' names."""
+    got = dict(iter_gguf_weights(path, torch.float32))
+    out = {}
+    for name in list(got):
+        m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.experts\.0\.gate_proj\.weight", name)
+        if m is None:
+            continue
+        prefix, count = m[1], sum(n.startswith(f"{m[1]}.mlp.experts.") and n.endswith(".gate_proj.weight") for n in got)
+        per = {p: torch.stack([got.pop(f"{prefix}.mlp.experts.{e}.{p}.weight") for e in range(count)])
+               for p in ("gate_proj", "up_proj", "down_proj")}
+        out[f"{prefix}.block_sparse_moe.experts.gate_up_proj"] = torch.cat([per["gate_proj"], per["up_proj"]], dim=1)
+        out[f"{prefix}.block_sparse_moe.experts.down_proj"] = per["down_proj"]
+        out[f"{prefix}.block_sparse_moe.router.weight"] = got.pop(f"{prefix}.mlp.gate.weight")
+        if f"{prefix}.mlp.shared_expert.gate_proj.weight" in got:
+            out[f"{prefix}.shared_mlp.input_linear.weight"] = torch.cat(
+                [got.pop(f"{prefix}.mlp.shared_expert.{p}_proj.weight") for p in ("gate", "up")])
+            out[f"{prefix}.shared_mlp.output_linear.weight"] = got.pop(f"{prefix}.mlp.shared_expert.down_proj.weight")
+    return {**got, **out}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["granitemoe", "granitemoeshared"])
+def test_granite_moe_gguf_gives_the_original_logits(tmp_path, shared):
+    """Granite MoE files (``granitemoe``; GraniteMoeShared's when the file has ``ffn_*_shexp``): the multipliers from
+    their keys, the experts' counts from ``expert_count`` / ``expert_used_count``, the experts read one at a time
+    (gate from the first half of the checkpoint's ``input_linear``), Q/K rows back in HF order; stacked again the
+    weights equal the original model's, and the logits equal transformers' on it."""
+    model = granite_moe_model(shared)
+    path = write_granite_moe_gguf(tmp_path / "m.gguf", model)
+    config, architecture = read_gguf_config(path)
+    assert architecture == ("GraniteMoeSharedForCausalLM" if shared else "GraniteMoeForCausalLM")
+    assert config.model_type == model.config.model_type
+    for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size", *GRANITE_SCALES,
+                *(("shared_intermediate_size",) if shared else ())):
+        assert getattr(config, key) == getattr(model.config, key), key
+    check_plain_config(path)
+    state = granite_moe_state(path)
+    want = model.state_dict()
+    assert set(state) == set(want)
+    for name, tensor in state.items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+    assert_logits_match(path, model)
+
+
+def test_granite_moe_gguf_through_the_engine(tmp_path):
+    """A Q8_0 GraniteMoeShared file through LLM: kept quantized (the experts in their blocks), the greedy tokens equal
+    transformers' on the dequantized weights; the default path starts the same way."""
+    from conftest import save_tiny_model
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    model = granite_moe_model(True, vocab_size=300)
+    path = write_granite_moe_gguf(tmp_path / "m.gguf", model, Q.Q8_0)
+    reference = granite_moe_model(True, vocab_size=300)
+    reference.load_state_dict(granite_moe_state(path))
+    engine_matches_dequantized(path, reference, tokenizer_dir)
+
+
+def test_granite_moe_gguf_files_that_cannot_be_read_are_refused(tmp_path):
+    """A granitemoe file without ``expert_count``, one that says its top-k weights are not renormalised (Granite's
+    are, in transformers and llama.cpp alike), and a shared MLP whose width disagrees with
+    ``expert_shared_feed_forward_length``: clear errors."""
+    model = granite_moe_model(True)
+    path = write_granite_moe_gguf(tmp_path / "m.gguf", model)
+    unnormalised = write_granite_moe_gguf(tmp_path / "u.gguf", model, metadata=lambda w: w.add_expert_weights_norm(False))
+    with pytest.raises(UnsupportedModelError, match="expert_weights_norm is false"):
+        read_gguf_config(unnormalised)
+    data = open(path, "rb").read()
+    no_count = tmp_path / "n.gguf"
+    no_count.write_bytes(_patched(data, "granitemoe.expert_count", 0))
+    with pytest.raises(ModelLoadError, match="needs granitemoe.expert_count"):
+        read_gguf_config(str(no_count))
+    wrong = tmp_path / "w.gguf"
+    wrong.write_bytes(_patched(data, "granitemoe.expert_shared_feed_forward_length", 40))
+    with pytest.raises(ModelLoadError, match="expert_shared_feed_forward_length is 40, but"):
+        read_gguf_config(str(wrong))

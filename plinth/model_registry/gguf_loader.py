@@ -101,9 +101,16 @@ _ARCHITECTURES = {
     "qwen2moe": _GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False),
     "qwen3moe": _GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
     "olmoe": _GGUFArchitecture("olmoe", "OlmoeForCausalLM", permuted_qk=False),
+    # Granite 3.x mixtures of experts: Granite's multipliers, converted as Llama (Q/K rows interleaved), the
+    # checkpoint's fused input_linear split by the converter into ffn_gate_exps (first half) and ffn_up_exps; with a
+    # shared MLP (ffn_*_shexp) the file is GraniteMoeShared's
+    "granitemoe": _GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", permuted_qk=True),
     # Command-R / Command-R+ / Aya: the parallel block on one bias-free LayerNorm, interleaved RoPE (as the checkpoint
     # has it: no row reordering), R+'s per-head q/k norms [heads, head_dim] as in the checkpoint, logit_scale
     "command-r": _GGUFArchitecture("cohere", "CohereForCausalLM", permuted_qk=False, layer_norm=True),
+    # Command-R7B: Command-R's block (no q/k norms), sliding-window layers with RoPE between full-attention layers
+    # without it (the pattern from attention.sliding_window_pattern, else llama.cpp's every fourth layer full)
+    "cohere2": _GGUFArchitecture("cohere2", "Cohere2ForCausalLM", permuted_qk=False, layer_norm=True),
     # StableLM 2 / StableLM 3B: LayerNorms with biases, partial RoPE, a parallel block where ffn_norm is absent, the
     # 12B's per-head q/k norms stacked [heads, head_dim] (split back into one tensor per head as they are read)
     "stablelm": _GGUFArchitecture("stablelm", "StableLmForCausalLM", permuted_qk=False, partial_rotary=True,
@@ -125,13 +132,16 @@ _DEEPSEEK_V3 = _GGUFArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", permute
 _DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 # llama.cpp writes Mixtral as a "llama" file with experts (llama.expert_count)
 _MIXTRAL = _GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_GRANITE_MOE_SHARED = _GGUFArchitecture("granitemoeshared", "GraniteMoeSharedForCausalLM", permuted_qk=True)
+_GRANITE_TYPES = ("granite", "granitemoe", "granitemoeshared")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 # the stacked expert tensors, and what each architecture calls an expert's projections
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _EXPERT_PROJ_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _DEFAULT_PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # whether the top-k weights are renormalised when the file does not say (llama.cpp's own choice per architecture)
-_MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
+_MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False, "granitemoe": True,
+                    "granitemoeshared": True}
 # Granite's multipliers: GGUF key (after the architecture name) -> config field; llama.cpp's converter writes the
 # config's values as they are; when one is absent llama.cpp scales by 1, and the softmax by 1/sqrt(head size)
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
@@ -142,6 +152,8 @@ _SMOLLM3_NO_ROPE_STEP = 4
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma 3 in llama.cpp: the sliding layers' RoPE base
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# Cohere2 in llama.cpp: without attention.sliding_window_pattern, every fourth layer (3, 7, ...) attends fully
+_COHERE2_SLIDING_PERIOD = 4
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -192,13 +204,15 @@ def _architecture(reader: GGUFFile, path: str) -> tuple[str, _GGUFArchitecture]:
         )
     if name == "deepseek2" and any(t.name.endswith(".exp_probs_b.bias") for t in reader.tensors):
         arch = _DEEPSEEK_V3
+    if name == "granitemoe" and any(t.name.endswith(".ffn_gate_shexp.weight") for t in reader.tensors):
+        arch = _GRANITE_MOE_SHARED
     if reader.get(f"{name}.expert_count", 0):
         if name == "llama":
             return name, _MIXTRAL
         if arch.model_type not in _MOE_TYPES + _DEEPSEEK_TYPES:
             raise UnsupportedModelError(
                 f"GGUF file {path!r} is a mixture-of-experts {name!r} model; GGUF mixtures of experts supported: "
-                f"deepseek2, llama (Mixtral), olmoe, qwen2moe, qwen3moe"
+                f"deepseek2, granitemoe, llama (Mixtral), olmoe, qwen2moe, qwen3moe"
             )
     elif arch.model_type in _MOE_TYPES:
         raise ModelLoadError(f"GGUF file {path!r}: a {name!r} file needs {name}.expert_count")
@@ -375,12 +389,13 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch.model_type == "cohere":
+    if arch.model_type in ("cohere", "cohere2"):
         scale = reader.get(f"{name}.logit_scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
             raise ModelLoadError(f"GGUF file {path!r}: {name}.logit_scale must be a positive number, got {scale!r}")
-        options.update(logit_scale=_float32_value(scale), use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
-                       attention_bias="blk.0.attn_q.bias" in tensors)
+        options.update(logit_scale=_float32_value(scale), attention_bias="blk.0.attn_q.bias" in tensors)
+        if arch.model_type == "cohere":
+            options["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     if arch.model_type == "stablelm":
         parallel = reader.get(f"{name}.use_parallel_residual", "blk.0.ffn_norm.weight" not in tensors)
         options.update(use_qkv_bias="blk.0.attn_q.bias" in tensors, use_parallel_residual=bool(parallel),
@@ -388,11 +403,13 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
     if arch.model_type == "phi" and "blk.0.ffn_up.weight" in tensors:   # the converter writes 4 x hidden
         options["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"].shape[0])
     _check_sizes(options, tensors, name, path, 2 if dict(arch.block_names).get("ffn_up") == "mlp.gate_up_proj" else 1)
-    if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text", "granite", "smollm3", "olmo2"):
+    if arch.model_type == "cohere2":
+        options.update(_cohere2_options(reader, name, tensors, options, path))
+    if arch.model_type in ("llama", "qwen3", "gemma2", "gemma3_text", *_GRANITE_TYPES, "smollm3", "olmo2"):
         options["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch.model_type in ("llama", "granite", "smollm3"):
         options["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    if arch.model_type == "granite":
+    if arch.model_type in _GRANITE_TYPES:
         for key, field in _GRANITE_SCALES.items():
             value = reader.get(f"{name}.{key}", head_dim ** -0.5 if key == "attention.scale" else 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -465,6 +482,20 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
                              f"file has them on every block")
     if arch.model_type == "mixtral":
         return {"num_local_experts": count, "num_experts_per_tok": used, "intermediate_size": size}
+    if arch.model_type in _GRANITE_TYPES:   # (the model renormalises its top-k weights, as llama.cpp does)
+        if not renormalize:
+            raise UnsupportedModelError(f"GGUF file {path!r}: {name}.expert_weights_norm is false; Granite's "
+                                        f"mixtures of experts renormalise their top-k weights")
+        out = {"num_local_experts": count, "num_experts_per_tok": used, "intermediate_size": size}
+        if arch.model_type == "granitemoeshared":   # one shared MLP (gate/up/down) every token runs
+            shared = tensors.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight")
+            rows = int(shared.shape[0]) if shared is not None and len(shared.shape) == 2 else None
+            length = reader.get(f"{name}.expert_shared_feed_forward_length", rows)
+            if rows is None or length != rows:
+                raise ModelLoadError(f"GGUF file {path!r}: {name}.expert_shared_feed_forward_length is {length!r}, "
+                                     f"but blk.{sparse[0]}.ffn_gate_shexp.weight has {rows} rows")
+            out["shared_intermediate_size"] = rows
+        return out
     if arch.model_type == "olmoe":
         clamp = reader.get(f"{name}.attention.clamp_kqv")
         if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, int | float) or clamp <= 0):
@@ -483,6 +514,31 @@ def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: 
         out["shared_expert_intermediate_size"] = int(shared.shape[0])
         out["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     return out
+
+
+def _cohere2_options(reader: GGUFFile, name: str, tensors: dict[str, Any], options: dict[str, Any],
+                     path: str) -> dict[str, Any]:
+    """Command-R7B's sliding window and which layers use it: ``attention.sliding_window`` (required, as in
+    llama.cpp) and ``attention.sliding_window_pattern``, either a period n (each run of n layers: n - 1 sliding, then
+    one full) or one flag per layer (true: sliding); llama.cpp's period 4 when absent. RoPE only on the sliding
+    layers is the model's own (``Cohere2ForCausalLM``)."""
+    if "blk.0.attn_q_norm.weight" in tensors or "blk.0.attn_k_norm.weight" in tensors:
+        raise UnsupportedModelError(f"GGUF file {path!r}: a cohere2 file with per-head q/k norms (attn_q_norm); "
+                                    f"Command-R7B has none, and plinth reads them for command-r files only")
+    window = _positive(reader, f"{name}.attention.sliding_window", path)
+    if window is None:
+        raise ModelLoadError(f"GGUF file {path!r} lacks the metadata key {name}.attention.sliding_window")
+    layers = options["num_hidden_layers"]
+    pattern = reader.get(f"{name}.attention.sliding_window_pattern", _COHERE2_SLIDING_PERIOD)
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        sliding = [i % pattern < pattern - 1 for i in range(layers)]
+    elif isinstance(pattern, list | tuple) and len(pattern) == layers and all(isinstance(f, bool) for f in pattern):
+        sliding = list(pattern)
+    else:
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.attention.sliding_window_pattern must be a positive "
+                             f"integer or one boolean per layer ({layers}), got {pattern!r}")
+    return {"sliding_window": window,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
 
 
 def _positive(reader: GGUFFile, key: str, path: str, default: Any = None) -> Any:
