@@ -152,3 +152,32 @@ def test_output_folders_are_made_and_bad_custom_ids_are_invalid_lines(tmp_path, 
     blocked.write_text("")
     assert main(["run-batch", str(model), "-i", str(inp), "-o", str(blocked / "out.jsonl")]) == 2
     assert "is not a writable directory" in capsys.readouterr().err
+
+
+def test_any_stream_value_but_false_is_refused_and_a_reply_that_is_not_json_is_not_final(tmp_path):
+    """The server streams for any value it reads as true (``"yes"``, ``1.0``, ...), so a batch line refuses every
+    ``stream`` but absent, null and false; a route's reply that is not JSON (a stream) is recorded as a failure a
+    rerun tries again (status 502), never as a 200 with the raw text."""
+    import asyncio
+
+    from plinth.entrypoints.run_batch_cmd import call_route, read_requests, result_record
+
+    inp = tmp_path / "in.jsonl"
+    body = {"prompt": "x"}
+    values = {"yes": "yes", "one": 1.0, "t": "t", "false-text": "false", "no": False, "null": None}
+    write_lines(inp, [{"custom_id": k, "url": "/v1/completions", "body": {**body, "stream": v}}
+                      for k, v in values.items()] + [{"custom_id": "absent", "url": "/v1/completions", "body": body}])
+    requests, invalid = read_requests(inp, set())
+    assert sorted(r["custom_id"] for r in requests) == ["absent", "no", "null"]
+    assert sorted(r["custom_id"] for r in invalid) == ["false-text", "one", "t", "yes"]
+    assert all("stream is not supported" in r["error"]["message"] for r in invalid)
+
+    async def streaming_app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {\"id\": 1}\n\ndata: [DONE]\n\n"})
+
+    status, reply = asyncio.run(call_route(streaming_app, "/v1/completions", body))
+    assert status == 502 and "not JSON" in reply["error"]["message"]
+    record = result_record({"custom_id": "x"}, status, reply)
+    assert record["error"]["code"] == "http_502" and record["response"]["status_code"] == 502

@@ -269,6 +269,12 @@ def test_max_tokens_defaults_to_the_rest_of_max_model_len():
     assert r.max_tokens == 22
     run(sched)
     assert r.finish_reason == FinishReason.LENGTH and r.num_tokens == 32
+    # a prompt that fills the context (or more) is refused with its real numbers, max_tokens left unset
+    for n in (32, 40):
+        full = Request(f"full{n}", list(range(n)), SamplingParams(max_tokens=None))
+        with pytest.raises(RequestRejectedError, match=rf"prompt \({n} tokens\) leaves no room.*max_model_len \(32\)"):
+            sched.add_request(full)
+        assert full.max_tokens is None
 
 
 def test_queue_full():

@@ -200,6 +200,10 @@ class Scheduler:
             raise RequestRejectedError(f"request {rid!r}: the prompt is empty; at least one token is needed")
         limit = self.max_model_len
         bm = self.block_manager
+        if request.max_tokens is None and num_prompt >= limit:
+            raise RequestRejectedError(
+                f"request {rid!r}: the prompt ({num_prompt} tokens) leaves no room for any output within "
+                f"max_model_len ({limit}); shorten the prompt")
         if request.max_tokens is None:   # the rest of the context, or of the KV cache when it holds less
             request.max_tokens = limit - num_prompt
             room = bm.num_usable_blocks * bm.block_size - num_prompt + 1   # the last token needs no slot

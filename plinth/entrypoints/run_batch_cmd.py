@@ -146,7 +146,7 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
             problem = f"line {n}: url must be one of {', '.join(ROUTES)}, got {item.get('url')!r}"
         elif not isinstance(item.get("body"), dict):
             problem = f"line {n}: body must be a JSON object"
-        elif str(item["body"].get("stream", "")).lower() in ("true", "1"):
+        elif item["body"].get("stream") not in (None, False):   # (the server would stream any true-ish value)
             problem = f"line {n}: stream is not supported in a batch"
         if problem is not None:
             invalid.append(_invalid(custom_id, problem))
@@ -196,8 +196,10 @@ async def call_route(app: Any, path: str, body: dict[str, Any]) -> tuple[int, An
     raw = b"".join(chunks)
     try:
         return status, json.loads(raw) if raw else None
-    except json.JSONDecodeError:
-        return status, {"error": {"message": raw.decode("utf-8", "replace")[:500], "type": "server_error"}}
+    except json.JSONDecodeError:   # not a JSON reply (never final: a rerun tries the request again)
+        return max(status, 502), {"error": {"message": f"the route's reply is not JSON: "
+                                                       f"{raw.decode('utf-8', 'replace')[:500]}",
+                                            "type": "server_error"}}
 
 
 def result_record(request: dict[str, Any], status: int, body: Any) -> dict[str, Any]:

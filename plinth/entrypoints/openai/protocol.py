@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer, model_validator
 
 from plinth.core.request import SamplingParams, SamplingParamsError
 from plinth.core.structured import normalize as normalize_structured
@@ -65,7 +65,7 @@ class _SamplingFields(_NamedExtras):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: StrictInt = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -76,7 +76,7 @@ class _SamplingFields(_NamedExtras):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -206,10 +206,10 @@ class _SamplingFields(_NamedExtras):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -241,10 +241,10 @@ REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -252,7 +252,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     documents: list[dict[str, Any]] | None = None   # for templates that render retrieved documents
-    echo: bool = False   # vLLM's: the reply starts with the last message when it has the reply's role
+    echo: StrictBool = False   # vLLM's: the reply starts with the last message when it has the reply's role
     functions: list[Any] | None = None        # the deprecated form of tools
     function_call: Any = None
     modalities: list[str] | None = None
