@@ -213,7 +213,11 @@ def test_invalid_config_json(broken_dir):
 
 @pytest.mark.parametrize("change,match", [
     (dict(num_attention_heads=5), "not a multiple"),          # transformers' strict dataclass validation
-    (dict(num_attention_heads=0), "ZeroDivisionError"),
+    (dict(num_attention_heads=0), "num_attention_heads must be positive"),
+    (dict(hidden_size=-64), "hidden_size must be positive, got -64"),
+    (dict(intermediate_size=-128), "intermediate_size must be positive"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), "rope_theta must be a positive number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "rope_theta must be a positive number"),
     (dict(hidden_size="64"), "hidden_size"),
     (dict(quantization_config="awq"), "invalid model configuration"),
     (dict(architectures="LlamaForCausalLM"), "must be a list of names"),
@@ -222,7 +226,7 @@ def test_invalid_config_values_are_model_load_errors(broken_dir, change, match):
     path = broken_dir / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(ModelLoadError, match=match):
-        resolve_model_source(ModelConfig(model=str(broken_dir)))
+        _load(str(broken_dir))
 
 
 def test_config_without_architecture(broken_dir):
@@ -241,6 +245,17 @@ def test_index_names_missing_shard(broken_dir):
     (broken_dir / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        resolve_model_source(ModelConfig(model=str(broken_dir)))
+
+
+@pytest.mark.parametrize("shard, message", [
+    (1, "must map tensor names to shard file names"), (None, "must map tensor names"),
+    ("../outside/model.safetensors", "outside the model directory"), ("/etc/passwd", "outside the model directory")])
+def test_index_with_a_shard_name_that_is_not_a_file_name_in_the_directory(broken_dir, shard, message):
+    """A shard index whose value is not a file name, or names a file outside the model directory (which would be
+    read as the model's weights), is refused."""
+    (broken_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    with pytest.raises(ModelLoadError, match=message):
         resolve_model_source(ModelConfig(model=str(broken_dir)))
 
 
@@ -313,3 +328,22 @@ def test_a_tokenizer_path_that_is_not_a_directory_is_a_clear_error(tiny_llama_di
     for path, what in ((tmp_path / "missing", "does not exist"), (tiny_llama_dir / "config.json", "is not a directory")):
         with pytest.raises(ModelLoadError, match=f"tokenizer '.*' {what}: give a directory"):
             plinth.LLM(str(tiny_llama_dir), tokenizer=str(path), selection="off")
+
+
+def test_a_checkpoint_without_tokenizer_files_takes_token_ids_and_names_the_remedy_for_text(tmp_path):
+    """A real checkpoint whose directory has no tokenizer runs token ids; a text prompt is refused with a message
+    that says how to give a tokenizer (not as if the weights were dummy ones)."""
+    from conftest import save_tiny_model
+
+    from plinth import LLM, SamplingParams
+    from plinth.core.scheduler import RequestRejectedError
+
+    model = save_tiny_model(tmp_path / "m")
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    llm = LLM(str(model), dtype="float32", selection="off")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(RequestRejectedError, match=r"no tokenizer.*tokenizer= / --tokenizer"):
+        llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)

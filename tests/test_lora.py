@@ -205,6 +205,13 @@ def _edit(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Pat
     ("no_config", "adapter_config.json is missing"),
     ("pickle", "cannot be read as plain tensors"),
     ("alora", "alora_invocation_tokens is set"),
+    ("alpha_null", r"alpha_pattern\['q_proj'\] must be a positive number, got None"),
+    ("alpha_text", r"alpha_pattern\['q_proj'\] must be a positive number, got 'x'"),
+    ("rank_regex", r"rank_pattern key 'q_proj\(' is not a regular expression"),
+    ("alpha_huge", "overflows float32"),
+    ("fp8", "is torch.float8_e4m3fn; LoRA weights are float32, float16 or bfloat16"),
+    ("int", "is torch.int32"),
+    ("twice", "has a second lora_A weight"),
 ])
 def test_bad_adapters_are_refused(model_dir, adapters, tmp_path, case, message):
     src = adapters["all"]
@@ -234,6 +241,17 @@ def test_bad_adapters_are_refused(model_dir, adapters, tmp_path, case, message):
     elif case == "nan":
         path = _edit(src, tmp_path / case, tensors=lambda w: {
             **w, f"{q}.lora_B.weight": torch.full_like(w[f"{q}.lora_B.weight"], float("nan"))})
+    elif case in ("alpha_null", "alpha_text", "rank_regex", "alpha_huge"):
+        key, value = {"alpha_null": ("alpha_pattern", {"q_proj": None}), "alpha_text": ("alpha_pattern", {"q_proj": "x"}),
+                      "rank_regex": ("rank_pattern", {"q_proj(": 8}), "alpha_huge": ("alpha_pattern", {"q_proj": 1e300}),
+                      }[case]
+        path = _edit(src, tmp_path / case, {key: value})
+    elif case in ("fp8", "int"):
+        dtype = torch.float8_e4m3fn if case == "fp8" else torch.int32
+        path = _edit(src, tmp_path / case, tensors=lambda w: {**w, f"{q}.lora_A.weight": w[f"{q}.lora_A.weight"].to(dtype)})
+    elif case == "twice":   # the same module with and without PEFT's prefix
+        path = _edit(src, tmp_path / case, tensors=lambda w: {
+            **w, f"{q.removeprefix('base_model.model.')}.lora_A.weight": w[f"{q}.lora_A.weight"].clone()})
     elif case == "alora":   # a LoRA variant that applies the adapter after an invocation sequence only
         path = _edit(src, tmp_path / case, {"alora_invocation_tokens": [5, 6]})
     elif case == "no_config":

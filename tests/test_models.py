@@ -327,6 +327,28 @@ def test_sliding_window_is_applied(tmp_path):
     assert (out[0] - out[1]).abs().max().item() > 1e-3
 
 
+def test_a_sliding_window_key_of_an_architecture_without_one_is_ignored(tmp_path):
+    """A ``sliding_window`` in a Llama config (an architecture without a window: transformers ignores the key) does
+    not change the model; a window that is not a positive integer is refused where the architecture has one."""
+    from plinth.errors import ModelLoadError
+
+    cfg = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})
+    cfg.sliding_window = 4
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "llama")
+    model = _load(str(tmp_path / "llama"), TorchSDPABackend())
+    assert model.model.layers[0].self_attn.attn.sliding_window is None
+    prompt = list(range(1, 12))
+    assert (paged_prefill_logits(model, TorchSDPABackend(), prompt) - _hf_logits(hf, prompt)).abs().max() < 1e-4
+    for bad in (-5, -1):
+        mistral = transformers.MistralConfig(**{**COMMON, "num_hidden_layers": 1})
+        mistral.sliding_window = bad
+        transformers.MistralForCausalLM(mistral).save_pretrained(tmp_path / "mistral")
+        with pytest.raises(ModelLoadError, match="sliding_window must be a positive integer"):
+            _load(str(tmp_path / "mistral"), TorchSDPABackend())
+
+
 # ---- building blocks ----
 
 @pytest.mark.parametrize("rope", [

@@ -329,7 +329,8 @@ class LLMEngine:
                 context could hold whatever its tokens (checked before tokenizing it).
         """
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer (dummy weights without one): pass token ids")
+            raise RequestRejectedError("this model has no tokenizer (its directory has no tokenizer files and none was "
+                                       "given): pass token ids, or give a tokenizer (tokenizer= / --tokenizer)")
         if not isinstance(prompt, str):
             raise RequestRejectedError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
         per_token = self.chars_per_token

@@ -149,8 +149,22 @@ def read_adapter_config(path: str) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise _fail(path, f"{key} must be a positive number, got {value!r}")
     for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(cfg.get(key) or {}, dict):
+        patterns = cfg.get(key) or {}
+        if not isinstance(patterns, dict):
             raise _fail(path, f"{key} must be an object")
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise _fail(path, f"{key} key {pattern!r} is not a regular expression: {exc}") from None
+            if key == "rank_pattern":
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            else:
+                ok = (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                      and value > 0)
+            if not ok:
+                raise _fail(path, f"{key}[{pattern!r}] must be a positive {'integer' if key == 'rank_pattern' else 'number'}"
+                                  f", got {value!r}")
     return cfg
 
 
@@ -213,6 +227,10 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
                               f"{', '.join(f'{b}.{t}' for t, (b, _, _) in targets.items())}")
         if int(m["layer"]) >= num_layers:
             raise _fail(path, f"tensor {key!r} names layer {m['layer']}, but the model has {num_layers} layers")
+        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise _fail(path, f"tensor {key!r} is {tensor.dtype}; LoRA weights are float32, float16 or bfloat16")
+        if m["ab"] in pairs.get(m["module"], {}):
+            raise _fail(path, f"tensor {key!r}: module {m['module']} has a second lora_{m['ab']} weight")
         pairs.setdefault(m["module"], {})[m["ab"]] = tensor
     if not pairs:
         raise _fail(path, "the adapter has no LoRA weights")
@@ -246,6 +264,8 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _fail(path, f"module {module} has non-finite weights")
         a_np, b_np = a.float().numpy().copy(), (b.double() * scale).float().numpy()
+        if not np.isfinite(b_np).all():
+            raise _fail(path, f"module {module}: lora_B times its scale ({scale:g}) overflows float32")
         if proj in FUSED:   # one A for every part; B's rows split between them
             base, start = module.rsplit(".", 1)[0], 0
             for part, kind in FUSED[proj]:

@@ -103,12 +103,21 @@ def config_from_dict(data: dict[str, Any], origin: str) -> Any:
     decode = getattr(PretrainedConfig, "_decode_special_floats", None)
     if decode is not None:   # transformers writes inf/nan as {"__float__": "Infinity"} (e.g. Falcon-H1's limits)
         data = decode(data)
+    for key in _POSITIVE_SIZES:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise ModelLoadError(f"invalid model configuration in {origin}: {key} must be positive, got {value}")
     try:
         if model_type in CONFIG_MAPPING:
             return CONFIG_MAPPING[model_type].from_dict(data)
         return PretrainedConfig.from_dict(data)
     except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types (ZeroDivisionError, ...)
         raise ModelLoadError(f"invalid model configuration in {origin}: {type(exc).__name__}: {exc}") from exc
+
+
+# config.json sizes that must be positive where given (a negative one would fail deep inside the model's build)
+_POSITIVE_SIZES = ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "num_hidden_layers", "moe_intermediate_size")
 
 
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False) -> Any:

@@ -27,13 +27,22 @@ def list_safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
+            values = list(weight_map.values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"cannot read the shard index {index}: {type(exc).__name__}: {exc}") from exc
-        files = [model_dir / n for n in names]
-        for f in files:
+        bad = [v for v in values if not isinstance(v, str) or not v]
+        if bad or not values:
+            raise ModelLoadError(f"the shard index {index}: weight_map must map tensor names to shard file names, "
+                                 f"got {bad[0]!r}" if bad else f"the shard index {index} names no shard")
+        root = model_dir.resolve()
+        files = []
+        for name in sorted(set(values)):
+            f = model_dir / name
+            if not f.resolve().is_relative_to(root):   # a name like ../other/model.safetensors or /etc/...
+                raise ModelLoadError(f"shard {name!r} listed in {index} is outside the model directory")
             if not f.is_file():
                 raise ModelLoadError(f"shard {f.name} listed in {index} does not exist")
+            files.append(f)
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

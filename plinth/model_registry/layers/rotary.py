@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plinth.errors import UnsupportedModelError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.kernels import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -37,6 +37,9 @@ def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[
         out = dict(getattr(hf_config, "rope_scaling", None) or {})
         out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    theta = out["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+        raise ModelLoadError(f"config: rope_theta must be a positive number, got {theta!r}")
     return out
 
 

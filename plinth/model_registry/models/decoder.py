@@ -84,16 +84,34 @@ def head_dim_of(cfg: Any) -> int:
 
 
 def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
-    """The sliding window of layer ``layer_idx`` (``None`` for full attention)."""
+    """The sliding window of layer ``layer_idx`` (``None`` for full attention). A ``sliding_window`` key in the config
+    of an architecture without one (Llama, Granite, ...: its config class has no such field) is ignored, as
+    transformers ignores it.
+
+    Raises:
+        ModelLoadError: a window that is not a positive integer.
+    """
     window = getattr(cfg, "sliding_window", None)
-    if not window:
+    if window is None or (isinstance(window, int) and window == 0) or not _has_sliding_window(type(cfg)):
         return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ModelLoadError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
     if getattr(cfg, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+@functools.cache
+def _has_sliding_window(config_class: type) -> bool:
+    """Whether the architecture of ``config_class`` has a sliding window (its default config has the field; a
+    config class that cannot be built with its defaults is taken at its word)."""
+    try:
+        return hasattr(config_class(), "sliding_window")
+    except Exception:   # noqa: BLE001 - a remote-code config class with required arguments
+        return True
 
 
 class DecoderAttention(nn.Module):
