@@ -92,7 +92,8 @@ def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
         ModelLoadError: a window that is not a positive integer.
     """
     window = getattr(cfg, "sliding_window", None)
-    if window is None or (isinstance(window, int) and window == 0) or not _has_sliding_window(type(cfg)):
+    if window is None or (isinstance(window, int) and window == 0) or not _has_sliding_window(
+            getattr(cfg, "model_type", None) or type(cfg).__name__):
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ModelLoadError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
@@ -105,12 +106,17 @@ def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
 
 
 @functools.cache
-def _has_sliding_window(config_class: type) -> bool:
-    """Whether the architecture of ``config_class`` has a sliding window (its default config has the field; a
-    config class that cannot be built with its defaults is taken at its word)."""
+def _has_sliding_window(model_type: str) -> bool:
+    """Whether the architecture ``model_type`` has a sliding window (the default config of its transformers config
+    class has the field; a model type transformers does not know, or whose config cannot be built with its
+    defaults, is taken at its config's word)."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return True
     try:
-        return hasattr(config_class(), "sliding_window")
-    except Exception:   # noqa: BLE001 - a remote-code config class with required arguments
+        return hasattr(CONFIG_MAPPING[model_type](), "sliding_window")
+    except Exception:   # noqa: BLE001 - a config class with required arguments
         return True
 
 
