@@ -1,7 +1,9 @@
 """One mixture-of-experts layer with its experts in each storage plinth has: the model's dtype, FP8 (per channel and
 128x128 blocks) and INT4 (groups of 128, two codes per byte). Reports the experts' bytes and the layer's time for a
 decode step (1 and 16 tokens) and a prefill chunk (256 tokens), and the output's relative RMS difference from the
-float layer's.
+float layer's. Where a step has a second device path, it is timed too (``ms_N_tokens_widened``: quantized experts
+widened in runs onto grouped GEMMs instead of the Triton grouped kernel; ``ms_N_tokens_triton_kernel``: float
+experts on the Triton grouped kernel instead of torch's grouped GEMMs).
 
 The shape defaults to one layer of Qwen3-30B-A3B (128 experts, top 8, hidden 2048, expert width 768).
 
@@ -105,6 +107,18 @@ def main() -> None:
                 out = moe(x, logits).float()
                 row[f"ms_{t}_tokens"] = round(1000 * time_it(lambda m=moe, x=x, lg=logits: m(x, lg), args.iters,
                                                              sync), 3)
+                # the other device path of the same step, side by side: the widened runs for quantized experts
+                # that take the Triton grouped kernel; that kernel for float experts on the grouped GEMMs
+                other = None
+                if moe.uses_grouped_kernel(x) and moe.uses_widened_grouped_gemm(x):
+                    other, off = "widened", "uses_grouped_kernel"
+                elif moe.uses_grouped_gemm(x) and not moe.uses_gemv(x) and moe._kernels_read(x.device):
+                    other, off = "triton_kernel", "uses_grouped_gemm"
+                if other is not None:
+                    setattr(moe, off, lambda _x: False)
+                    row[f"ms_{t}_tokens_{other}"] = round(1000 * time_it(lambda m=moe, x=x, lg=logits: m(x, lg),
+                                                                         args.iters, sync), 3)
+                    delattr(moe, off)
             if fmt == "float":
                 reference[t] = out
             else:

@@ -724,17 +724,17 @@ def test_graph_blocker_names_experts_without_grouped_gemms():
     assert graph_blocker(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.device("cpu"), torch.float32) is None
 
 
-def test_decode_graphs_through_experts_on_their_gemv_kernel(monkeypatch):
-    """On a CUDA device, experts without grouped GEMMs (float32; quantized) are captured in decode graphs of up to
-    ``num_experts // top_k`` rows, the steps their GEMV kernel takes whole (no host read of the routing); bfloat16
-    float experts on 9.0+ GPUs in graphs of any size (grouped GEMMs); experts the kernel cannot read (act order)
-    in none. The engine caps its graphs at the smallest such limit."""
+def test_decode_graphs_through_experts_on_the_triton_kernels(monkeypatch):
+    """On a CUDA device, experts without grouped GEMMs (float32; FP8; integer codes) are captured in decode graphs of
+    every size: the GEMV kernel takes a few rows, the Triton grouped kernel more, neither reads the routing on the
+    host. Experts the kernels cannot read (act order) block the graphs; so does a ROCm build for FP8 experts
+    (Triton there widens float8_e4m3fnuz)."""
     from test_fp8_experts import _expert_weights, _load_fp8_experts, _moe
 
     from plinth.kernels import ops
     from plinth.model_registry.layers import moe as moe_module
     from plinth.model_registry.layers.moe import FusedMoE
-    from plinth.worker.setup import graph_blocker, graph_row_limit
+    from plinth.worker.setup import graph_blocker
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(moe_module, "_capability", lambda _device: (9, 0))
@@ -742,13 +742,18 @@ def test_decode_graphs_through_experts_on_their_gemv_kernel(monkeypatch):
     float_experts = FusedMoE(16, 4, 16, 32, renormalize=True)
     fp8 = _moe(8, 2, 48, 64)
     _load_fp8_experts(fp8, None, _expert_weights(8, 48, 64))
-    assert float_experts.graph_rows(cuda, torch.float32) == 4 and fp8.graph_rows(cuda, torch.bfloat16) == 4
-    assert float_experts.graph_rows(cuda, torch.bfloat16) is None
-    assert float_experts.graph_rows(torch.device("cpu"), torch.float32) == 0
+    assert float_experts.graph_capturable(cuda, torch.float32) and fp8.graph_capturable(cuda, torch.bfloat16)
+    assert not float_experts.graph_capturable(torch.device("cpu"), torch.float32)
     model = torch.nn.Sequential(float_experts, fp8)
-    assert graph_blocker(model, cuda, torch.float32) is None and graph_row_limit(model, cuda, torch.float32, 256) == 4
+    assert graph_blocker(model, cuda, torch.float32) is None
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert not fp8.graph_capturable(cuda, torch.bfloat16) and float_experts.graph_capturable(cuda, torch.float32)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    with monkeypatch.context() as off:   # PLINTH_FUSED_OPS=0: the per-expert loop, which reads the routing
+        off.setattr(ops, "_env_enabled", lambda: False)
+        assert not float_experts.graph_capturable(cuda, torch.float32) and graph_blocker(model, cuda, torch.float32)
     monkeypatch.setattr(type(fp8.weight_method), "gemv_args", lambda self, layer, which: None)   # e.g. act order
-    assert fp8.graph_rows(cuda, torch.bfloat16) == 0 and graph_blocker(model, cuda, torch.float32) == "FusedMoE (1)"
+    assert not fp8.graph_capturable(cuda, torch.bfloat16) and graph_blocker(model, cuda, torch.float32) == "FusedMoE (1)"
 
 
 def test_qwen2_moe_without_qkv_biases_and_granite_moe_missing_tensor_named_once(tmp_path):

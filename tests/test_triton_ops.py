@@ -411,7 +411,7 @@ def test_lora_shrink_expand(dtype, k, r):
 
 @needs_interpreter
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 21])
 def test_moe_gemv_equals_the_per_expert_loop(bias, tokens):
     """A few tokens' experts through the per-slot GEMV kernel (two launches, no host read of the routing) against
     the per-expert loop, with biases and gpt-oss's clamped activation; more tokens than experts over top_k take
@@ -428,21 +428,19 @@ def test_moe_gemv_equals_the_per_expert_loop(bias, tokens):
         p.data = torch.randn(p.shape, generator=g) * 0.1
     x = torch.randn(tokens, 48, generator=g)
     logits = torch.randn(tokens, 8, generator=g)
-    assert moe.uses_gemv(x)
+    assert moe.uses_gemv(x) == (tokens < 5) and moe.uses_grouped_kernel(x) == (tokens >= 5)   # 2 x 5 > 8 experts
     got = moe(x, logits)
-    moe.uses_gemv = lambda _x: False
+    moe.uses_gemv = moe.uses_grouped_kernel = lambda _x: False
     torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
-    del moe.uses_gemv
-    assert not moe.uses_gemv(torch.randn(5, 48))   # 5 tokens x 2 > 8 experts
 
 
 @needs_interpreter
 @pytest.mark.parametrize("block", [None, (128, 128), (16, 32)])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 21])
 def test_moe_gemv_reads_fp8_experts(block, tokens):
-    """The per-slot GEMV kernel on FP8 experts (per-channel scales, 128x128 blocks sharing one scale per tile row,
-    16x32 blocks read per element, 200-row experts ending inside a block) against the per-expert loop widening
-    each expert."""
+    """The per-slot GEMV kernel (a few tokens) and the grouped kernel (21 tokens) on FP8 experts (per-channel
+    scales, 128x128 blocks sharing one scale per tile row, 16x32 blocks read per element, 200-row experts ending
+    inside a block) against the per-expert loop widening each expert."""
     from test_fp8_experts import _expert_weights, _load_fp8_experts, _moe
 
     moe = _moe()
@@ -450,9 +448,10 @@ def test_moe_gemv_reads_fp8_experts(block, tokens):
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 48, generator=g)
     logits = torch.randn(tokens, 8, generator=g)
-    assert moe.uses_gemv(x) and not moe.graph_capturable(torch.device("cpu"), torch.float32)
+    assert moe.uses_gemv(x) == (tokens < 5) and moe.uses_grouped_kernel(x) == (tokens >= 5)
+    assert not moe.graph_capturable(torch.device("cpu"), torch.float32)
     got = moe(x, logits)
-    moe.uses_gemv = lambda _x: False
+    moe.uses_gemv = moe.uses_grouped_kernel = lambda _x: False
     torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
 
 
@@ -477,10 +476,147 @@ def test_moe_gemv_reads_integer_experts(bits, group, k):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("quant", ["float", "fp8", "int4", "int8"])
+def test_moe_gemv_multiplies_silu_of_gate_times_up_as_it_reads(quant):
+    """The down projection's GEMV reading ``[gate | up]`` rows and multiplying ``silu(gate) * up`` as it loads them
+    (no activation tensor): float, FP8 (per-channel scales) and integer experts against float64."""
+    from plinth.quantization.fp8_experts import ExpertScales
+
+    g = torch.Generator().manual_seed(7)
+    e, n, k, slots = 4, 40, 192, 5
+    gate_up = torch.randn(slots, 2 * k, generator=g)
+    experts = torch.tensor([3, 0, 2, 3, 1], dtype=torch.int32)
+    kw: dict = {}
+    if quant == "float":
+        weight = widened = torch.randn(e, n, k, generator=g) * 0.1
+    elif quant == "fp8":
+        widened = torch.randn(e, n, k, generator=g) * 0.1
+        scale = widened.abs().amax(-1, keepdim=True) / 448
+        codes = (widened / scale).to(torch.float8_e4m3fn)
+        widened = codes.to(torch.float32) * scale
+        weight, kw["scales"] = codes.view(torch.uint8), ExpertScales(scale, 1, k)
+    else:
+        bits, group = (4, 64) if quant == "int4" else (8, 96)
+        q = torch.randint(0, 2 ** bits, (e, n, k), generator=g, dtype=torch.uint8)
+        scales = torch.rand(e, n, k // group, generator=g) * 0.02 + 0.001
+        zeros = torch.randint(0, 2 ** bits, (e, n, k // group), generator=g).float()
+        weight = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous() if bits == 4 else q
+        widened = (q.float() - zeros.repeat_interleave(group, 2)) * scales.repeat_interleave(group, 2)
+        kw["int_codes"] = (bits, group, scales, zeros)
+    got = ops.moe_gemv(gate_up, weight, None, experts, 1, silu_mul_input=True, **kw)
+    h = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+    want = torch.stack([h[s] @ widened[experts[s]].double().T for s in range(slots)])
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (128, 8), (16, 16), (5, 1)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_route_equals_softmax_top_k(experts, top_k, renormalize):
+    """One-launch routing against float64 ``topk(softmax(logits))`` (renormalised or not): the same experts in the
+    same order, weights to float32 rounding; float16 logits read as they are."""
+    g = torch.Generator().manual_seed(experts + top_k)
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(7, experts, generator=g) * 3).to(dtype)
+        weights, ids = ops.moe_route(logits, top_k, renormalize)
+        probs = torch.softmax(logits.double(), dim=-1)
+        want_w, want_ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (7, top_k)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights.double(), want_w, atol=1e-6, rtol=1e-5)
+
+
+@needs_interpreter
+def test_moe_route_ties_take_the_lower_expert_and_nan_logits_stay_in_range():
+    """Equal logits (common in bfloat16 router outputs) choose the lower expert first; a row of NaN logits never
+    yields an expert id past the last (the GEMV would read outside the weights)."""
+    inf = float("inf")
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 0.0], [float("nan")] * 6, [0.0, -inf, -inf, 1.0, -inf, -inf]])
+    weights, ids = ops.moe_route(logits, 3, True)
+    assert ids[0].tolist() == [1, 2, 4]
+    assert ids[2].tolist() == [3, 0, 1] and weights[2, 2] == 0   # past the finite logits: distinct experts
+    torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3))
+    assert ((ids[1] >= 0) & (ids[1] < 6)).all()
+    assert ops.moe_route(torch.empty(0, 6), 2, True)[1].shape == (0, 2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_moe_combine_weights_and_sums_each_tokens_experts(out_dtype):
+    """Each token's expert outputs (slot ``t * K + j``) weighted and summed in float32, written in the asked type,
+    against float64; a strided ``y`` and ``H`` beyond one block."""
+    g = torch.Generator().manual_seed(3)
+    t, k, h = 3, 4, 1500
+    y = torch.randn(t * k, h + 8, generator=g)[:, :h]
+    weights = torch.rand(t, k, generator=g)
+    got = ops.moe_combine(y, weights, out_dtype)
+    want = (y.double().view(t, k, h) * weights.double()[..., None]).sum(1)
+    assert got.dtype == out_dtype
+    torch.testing.assert_close(got.double(), want, atol=_tol(out_dtype), rtol=_tol(out_dtype))
+
+
+def _expert_weights_in(quant: str, e: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """``(stored weight, the kernels' format arguments, float64 widened weight)`` of random experts stored as
+    ``quant``: float, FP8 per channel / in 128x128 or 16x32 blocks, 4-bit (groups of 64 or 32) or 8-bit codes."""
+    from plinth.quantization.fp8_experts import ExpertScales
+
+    if quant == "float":
+        w = torch.randn(e, n, k, generator=g) * 0.1
+        return w, {}, w.double()
+    if quant.startswith("fp8"):
+        rows, cols = {"fp8": (1, k), "fp8-128": (128, 128), "fp8-16x32": (16, 32)}[quant]
+        w = torch.randn(e, n, k, generator=g) * 0.1
+        scale = torch.rand(e, -(-n // rows), -(-k // cols), generator=g) * 0.001 + 0.0002
+        full = scale.repeat_interleave(rows, 1)[:, :n].repeat_interleave(cols, 2)[:, :, :k]
+        codes = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return codes.view(torch.uint8), {"scales": ExpertScales(scale, rows, cols)}, codes.double() * full.double()
+    bits, group = {"int4": (4, 64), "int4-32": (4, 32), "int8": (8, 64)}[quant]
+    q = torch.randint(0, 2 ** bits, (e, n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(e, n, k // group, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 2 ** bits, (e, n, k // group), generator=g).float()
+    codes = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous() if bits == 4 else q
+    widened = (q.double() - zeros.double().repeat_interleave(group, 2)) * scales.double().repeat_interleave(group, 2)
+    return codes, {"int_codes": (bits, group, scales, zeros)}, widened
+
+
+@needs_interpreter
+@pytest.mark.parametrize("quant", ["float", "fp8", "fp8-128", "fp8-16x32", "int4", "int4-32", "int8"])
+def test_moe_grouped_gemm_multiplies_each_experts_block_of_slots(quant):
+    """The prefill kernel of mixture-of-experts layers, against float64: the slots sorted by expert on the device
+    (an expert with more slots than one block, experts with none), the token rows gathered (gate/up projection,
+    outputs in sorted order), then ``silu(gate) * up`` read from sorted rows and the outputs scattered back to slot
+    order (down projection), with biases; float and every stored format."""
+    g = torch.Generator().manual_seed(11)
+    e, top_k, t, inter = 6, 2, 23, 128                    # 46 slots: expert 0 takes more than 32
+    hidden = 192 if quant.startswith("int") else 200      # (float and FP8: a row ending inside a 64-wide tile)
+    ids = torch.stack([torch.zeros(t, dtype=torch.int64), torch.randint(1, 5, (t,), generator=g)], 1)  # 5 unused
+    x = torch.randn(t, hidden, generator=g)
+    w13, kw13, w13_ref = _expert_weights_in(quant, e, 2 * inter, hidden, g)
+    w2, kw2, w2_ref = _expert_weights_in(quant if quant != "fp8-128" else "fp8", e, hidden, inter, g)
+    b13, b2 = torch.randn(e, 2 * inter, generator=g), torch.randn(e, hidden, generator=g)
+    blocks = ops.moe_sorted_blocks(ids, e)
+    order = blocks[0]
+    gate_up = ops.moe_grouped_gemm(x, w13, b13, blocks, gather_div=top_k, scatter_out=False, **kw13)
+    flat = ids.reshape(-1)
+    want_gu = torch.stack([x[int(s) // top_k].double() @ w13_ref[flat[s]].T + b13[flat[s]].double()
+                           for s in order.tolist()])                                   # sorted order
+    torch.testing.assert_close(gate_up.double(), want_gu, atol=1e-3, rtol=1e-3)
+    y = ops.moe_grouped_gemm(gate_up, w2, b2, blocks, gather_div=None, scatter_out=True, silu_mul_input=True, **kw2)
+    h = F.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+    want_y = torch.empty(t * top_k, hidden, dtype=torch.float64)
+    for m, s in enumerate(order.tolist()):
+        want_y[s] = h[m] @ w2_ref[flat[s]].T + b2[flat[s]].double()
+    torch.testing.assert_close(y.double(), want_y, atol=1e-3, rtol=1e-3)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("bits,desc_act", [(4, False), (8, False), (4, True)])
 def test_moe_gemv_takes_gptq_experts(tmp_path, bits, desc_act):
-    """GPTQ experts of a Qwen3-MoE checkpoint take the GEMV kernel for a decode step (act order, a permutation per
-    expert, keeps the per-expert loop): the same output as the loop widening each expert."""
+    """GPTQ experts of a Qwen3-MoE checkpoint take the GEMV kernel for a decode step and the grouped kernel for a
+    prefill-sized one (act order, a permutation per expert, keeps the per-expert loop): the same output as the loop
+    widening each expert."""
     from test_models import save_with_tokenizer
     from test_quantization_awq_gptq import gptq_checkpoint
     from test_quantization_support import load_plinth
@@ -489,9 +625,11 @@ def test_moe_gemv_takes_gptq_experts(tmp_path, bits, desc_act):
     path, _ = gptq_checkpoint(tmp_path / "float", tmp_path / "gptq", bits, 32, desc_act, False, "gptq")
     moe = load_plinth(path)[0].model.layers[0].mlp.experts
     g = torch.Generator().manual_seed(bits)
-    x = torch.randn(2, moe.hidden_size, generator=g)
-    logits = torch.randn(2, moe.num_experts, generator=g)
-    assert moe.uses_gemv(x) != desc_act
-    got = moe(x, logits)
-    moe.uses_gemv = lambda _x: False
-    torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
+    for tokens in (2, 2 * moe.num_experts):
+        x = torch.randn(tokens, moe.hidden_size, generator=g)
+        logits = torch.randn(tokens, moe.num_experts, generator=g)
+        assert (moe.uses_gemv(x) or moe.uses_grouped_kernel(x)) != desc_act
+        got = moe(x, logits)
+        moe.uses_gemv = moe.uses_grouped_kernel = lambda _x: False
+        torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
+        del moe.uses_gemv, moe.uses_grouped_kernel

@@ -163,3 +163,21 @@ def test_quantize_rows_fp8_equals_tensor_ops():
     differ = (y.float() != ref_y.float()).float().mean().item()
     assert differ < 1e-3, differ                       # the same rounding, up to division ulps
     assert (y.float() - ref_y.float()).abs().max().item() <= 32.0   # at most one e4m3 step at the top
+
+
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (64, 6), (8, 2), (256, 8)])
+def test_moe_route_and_combine_bf16(experts, top_k):
+    """One-launch routing of bfloat16 router logits (many equal values) against softmax top-k in float64: the
+    chosen experts' logits are the top-k logits (ties may pick either expert: the kernel takes the lower), weights
+    to float32 rounding; then the weighted sum of each token's expert outputs against float64."""
+    g = torch.Generator(device=CUDA).manual_seed(experts)
+    logits = (torch.randn(37, experts, generator=g, device=CUDA) * 3).to(BF16)
+    weights, ids = ops.moe_route(logits, top_k, True)
+    want_logits, _ = torch.topk(logits.double(), top_k, dim=-1)
+    assert torch.equal(logits.double().gather(1, ids), want_logits)
+    assert (ids.sort(dim=-1).values.diff(dim=-1) > 0).all()   # no expert twice
+    probs = torch.softmax(logits.double(), dim=-1).gather(1, ids)
+    torch.testing.assert_close(weights.double(), probs / probs.sum(-1, keepdim=True), atol=1e-6, rtol=1e-5)
+    y = torch.randn(37 * top_k, 2048, generator=g, device=CUDA).to(BF16)
+    want = (y.double().view(37, top_k, -1) * weights.double()[..., None]).sum(1)
+    torch.testing.assert_close(ops.moe_combine(y, weights, BF16).double(), want, atol=3e-2, rtol=1.6e-2)

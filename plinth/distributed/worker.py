@@ -238,11 +238,10 @@ class Worker:
         """
         from plinth.distributed.communication import tp_warm_up
         from plinth.worker.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
-        from plinth.worker.setup import graph_row_limit
 
         runner = self.runner
         assert runner is not None
-        max_num_seqs = graph_row_limit(self._model, self.device, self.dtype, self.config.scheduler.max_num_seqs)
+        max_num_seqs = self.config.scheduler.max_num_seqs
         mode = "global"
         if self.layout.tp_size > 1:
             tp_warm_up(self.device, self.dtype, graph_batch_sizes(max_num_seqs))

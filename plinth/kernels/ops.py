@@ -281,46 +281,162 @@ def moe_gemv_enabled(x: torch.Tensor) -> bool:
 
 def moe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,
              row_div: int, scales: Any = None, int_codes: tuple[int, int, torch.Tensor, torch.Tensor] | None = None,
-             ) -> torch.Tensor:
+             silu_mul_input: bool = False) -> torch.Tensor:
     """``y[s] = x[s // row_div] @ weight[experts[s]].T (+ bias[experts[s]])`` for every slot ``s``: ``x``
     ``[R, K]``, ``weight`` ``[E, N, K]`` (``K`` contiguous), ``bias`` ``[E, N]``, ``experts`` ``[S]`` ->
     ``[S, N]`` in ``x``'s dtype. No host read of ``experts`` (a device graph can capture it). With ``scales``
     (:class:`~plinth.quantization.fp8_experts.ExpertScales`), ``weight`` holds FP8 E4M3 bytes (uint8); with
     ``int_codes`` ``(bits, group, scales, zeros)`` (4 or 8 bits; ``scales``/``zeros`` ``[E, N, K / group]`` float32)
     it holds integer codes (``[E, N, K / 2]`` two per byte, low nibble first, at 4 bits), widened as
-    ``(q - zero) * scale``."""
+    ``(q - zero) * scale``. With ``silu_mul_input`` each row of ``x`` is ``[gate | up]`` (``[R, 2K]``) and the
+    kernel multiplies ``silu(gate) * up`` (computed in float32 as it reads them: no activation tensor)."""
     e, n, kw = weight.shape
-    k = x.shape[-1]
+    k = x.shape[-1] // 2 if silu_mul_input else x.shape[-1]
     assert weight.stride(-1) == 1 and x.stride(-1) == 1
     assert kw == (k // 2 if int_codes is not None and int_codes[0] == 4 else k)
     assert bias is None or bias.stride(-1) == 1
     slots = experts.shape[0]
     y = torch.empty((slots, n), dtype=x.dtype, device=x.device)
     block_n, block_k = 32, 128
-    z = weight
-    if int_codes is not None:
-        bits, group, s, z = int_codes
-        assert bits in (4, 8) and s.shape == z.shape and s.stride() == z.stride() and (bits == 8 or group % 2 == 0)
-        s_strides, sbn, sbk = (s.stride(0), s.stride(1), s.stride(2)), 1, group
-    elif scales is None:
-        s, s_strides, sbn, sbk = weight, (0, 0, 0), 1, block_k
-    else:   # a per-channel scale covers the whole row: any multiple of BLOCK_K at least K
-        s = scales.scale
-        s_strides = (s.stride(0), s.stride(1), s.stride(2))
-        sbn, sbk = scales.rows, (scales.cols if scales.cols < k else -(-k // block_k) * block_k)
+    s, z, s_strides, sbn, sbk = _expert_format(weight, k, block_k, scales, int_codes)
     jit_module().moe_gemv_kernel[(slots, -(-n // block_n))](
         x, weight, bias if bias is not None else weight, s, z, y, experts, n, k,
         x.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
         *s_strides, ROW_DIV=row_div, HAS_BIAS=bias is not None, W_FP8=scales is not None, SBN=sbn, SBK=sbk,
         BLOCK_N=block_n, BLOCK_K=block_k, W_INT=int_codes is not None,
-        BITS=int_codes[0] if int_codes is not None else 8, num_warps=4,
+        BITS=int_codes[0] if int_codes is not None else 8, ACT_IN=silu_mul_input, num_warps=4,
     )
     return y
 
 
+def _expert_format(weight: torch.Tensor, k: int, block_k: int, scales: Any,
+                   int_codes: tuple[int, int, torch.Tensor, torch.Tensor] | None) -> tuple[Any, ...]:
+    """The expert kernels' scale arguments ``(s, z, (strides of s), SBN, SBK)`` for float experts, FP8
+    ``scales`` or ``int_codes`` (see :func:`moe_gemv`)."""
+    if int_codes is not None:
+        bits, group, s, z = int_codes
+        assert bits in (4, 8) and s.shape == z.shape and s.stride() == z.stride() and (bits == 8 or group % 2 == 0)
+        return s, z, (s.stride(0), s.stride(1), s.stride(2)), 1, group
+    if scales is None:
+        return weight, weight, (0, 0, 0), 1, block_k
+    s = scales.scale   # a per-channel scale covers the whole row: any multiple of BLOCK_K at least K
+    sbk = scales.cols if scales.cols < k else -(-k // block_k) * block_k
+    return s, weight, (s.stride(0), s.stride(1), s.stride(2)), scales.rows, sbk
+
+
+#: rows of one expert a program of :func:`moe_grouped_gemm` multiplies (by default)
+MOE_GROUPED_BLOCK_M = 32
+
+
+class SortedSlots(NamedTuple):
+    """Slots sorted by expert for :func:`moe_grouped_gemm` (see :func:`moe_sorted_blocks`)."""
+
+    order: torch.Tensor        # [S] the slots in expert order
+    block_ends: torch.Tensor   # [E] int32 cumulative count of block_m-row blocks per expert
+    row_ends: torch.Tensor     # [E] int32 cumulative count of slots per expert
+    block_m: int
+
+
+def moe_sorted_blocks(ids: torch.Tensor, num_experts: int, block_m: int = MOE_GROUPED_BLOCK_M) -> SortedSlots:
+    """The slots ``t * K + j`` of expert ids ``ids`` ``[T, K]`` sorted by expert, for :func:`moe_grouped_gemm`,
+    with the cumulative counts of ``block_m``-row blocks and of slots per expert (all on the device: no host
+    read)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    blocks = (counts + (block_m - 1)) // block_m
+    return SortedSlots(order, blocks.cumsum(0, dtype=torch.int32), counts.cumsum(0, dtype=torch.int32), block_m)
+
+
+def moe_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     sorted_blocks: SortedSlots, *, gather_div: int | None,
+                     scatter_out: bool, scales: Any = None,
+                     int_codes: tuple[int, int, torch.Tensor, torch.Tensor] | None = None,
+                     silu_mul_input: bool = False, tiles: tuple[int, int, int, int] = (64, 64, 4, 2)) -> torch.Tensor:
+    """Every expert's slots times its weight, in blocks of up to :data:`MOE_GROUPED_BLOCK_M` slots of one expert,
+    the weights widened in registers (FP8 ``scales``, ``int_codes`` as for :func:`moe_gemv`) and multiplied on the
+    tensor cores (bfloat16/float16; float32 inputs in float32): the prefill-sized steps of mixture-of-experts
+    layers, with no host read (``sorted_blocks`` from :func:`moe_sorted_blocks`).
+
+    Input row of sorted position ``m``: ``x[order[m] // gather_div]`` (``gather_div``: top-k, rows of tokens), or
+    ``x[m]`` (``None``: rows already in sorted order). Output ``[S, N]`` in ``x``'s dtype, row ``order[m]`` with
+    ``scatter_out`` (slot order), else ``m`` (sorted order). ``silu_mul_input``: rows are ``[gate | up]``.
+    ``tiles``: ``(BLOCK_N, BLOCK_K, warps, stages)``.
+    """
+    order, block_ends, row_ends, block_m = sorted_blocks
+    e, n, kw = weight.shape
+    k = x.shape[-1] // 2 if silu_mul_input else x.shape[-1]
+    assert weight.stride(-1) == 1 and x.stride(-1) == 1
+    assert kw == (k // 2 if int_codes is not None and int_codes[0] == 4 else k)
+    slots = order.shape[0]
+    y = torch.empty((slots, n), dtype=x.dtype, device=x.device)
+    if slots == 0:
+        return y
+    block_n, block_k, warps, stages = tiles
+    s, z, s_strides, sbn, sbk = _expert_format(weight, k, block_k, scales, int_codes)
+    grid = (-(-slots // block_m) + e, -(-n // block_n))
+    jit_module().moe_grouped_kernel[grid](
+        x, weight, bias if bias is not None else weight, s, z, y, order, block_ends, row_ends, e, n, k,
+        x.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
+        *s_strides, GATHER_IN=gather_div is not None, ROW_DIV=gather_div or 1, SCATTER_OUT=scatter_out,
+        HAS_BIAS=bias is not None, W_FP8=scales is not None, W_INT=int_codes is not None,
+        BITS=int_codes[0] if int_codes is not None else 8, SBN=sbn, SBK=sbk, ACT_IN=silu_mul_input,
+        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=_block(e),
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+#: the most experts :func:`moe_route` takes (one token's logits in one block)
+MOE_ROUTE_MAX_EXPERTS = 1024
+
+
+def moe_route_enabled(logits: torch.Tensor, top_k: int) -> bool:
+    """Whether router ``logits`` ``[T, E]`` may be routed by :func:`moe_route`."""
+    return 0 < top_k <= logits.shape[-1] <= MOE_ROUTE_MAX_EXPERTS and _triton_kernels_run(logits)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing in one launch: ``logits`` ``[T, E]`` -> (weights ``[T, K]`` float32, the top-k
+    softmax probabilities, divided by their sum with ``renormalize``; expert ids ``[T, K]`` int64), as
+    ``torch.topk(softmax(logits.float()), K)`` (largest first)."""
+    t, e = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t:
+        jit_module().moe_route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                                            BLOCK_K=_block(top_k), RENORM=renormalize, BLOCK_E=_block(e),
+                                            num_warps=4 if e > 256 else 1)
+    return weights, ids
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The experts' outputs of each token weighted and summed in one launch: ``y`` ``[T * K, H]`` (slot
+    ``t * K + j``: token ``t``'s ``j``-th expert), ``weights`` ``[T, K]`` -> ``[T, H]`` of ``out_dtype`` (summed in
+    float32)."""
+    t, k = weights.shape
+    h = y.shape[-1]
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty((t, h), dtype=out_dtype, device=y.device)
+    if t:
+        block = min(1024, _block(h))
+        jit_module().moe_combine_kernel[(t, -(-h // block))](y, weights, out, h, y.stride(0), out.stride(0),
+                                                             TOP_K=k, BLOCK_H=block, num_warps=4)
+    return out
+
+
 def _triton_kernels_run(x: torch.Tensor) -> bool:
     """Whether Triton kernels may run on ``x``: a Triton device, or the interpreter in tests."""
-    return ((x.device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1")
+    return triton_kernels_on(x.device)
+
+
+def triton_kernels_on(device: torch.device) -> bool:
+    """Whether Triton kernels run on ``device`` (a Triton device, or the interpreter in tests; Triton installed; not
+    turned off by ``PLINTH_FUSED_OPS=0``)."""
+    return ((device.type in _TRITON_DEVICE_TYPES or os.environ.get("PLINTH_TRITON_INTERPRET") == "1")
             and triton_available() and _env_enabled())
 
 

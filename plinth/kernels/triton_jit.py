@@ -7,7 +7,10 @@
 - ``skinny_gemm_kernel``: ``y = x @ w.T`` for a few rows of ``x`` (decode batches), streaming each weight
   tile once for all rows.
 - ``moe_gemv_kernel``: one row times one expert's weight per slot (a token's copy for one of its experts), for
-  mixture-of-experts layers with a few tokens: each chosen expert's weights streamed once.
+  mixture-of-experts layers with a few tokens: each chosen expert's weights streamed once; optionally
+  ``silu(gate) * up`` of a ``[gate | up]`` row as it is read (the down projection after the gate/up one).
+- ``moe_route_kernel``: softmax top-k routing of one token (weights, optionally renormalised, and expert ids).
+- ``moe_combine_kernel``: a token's expert outputs weighted and summed.
 
 Import through :func:`plinth.kernels.ops.jit_module` (which switches Triton to its interpreter first when
 ``PLINTH_TRITON_INTERPRET=1``).
@@ -291,6 +294,57 @@ def lora_expand_kernel(
 
 
 @triton.jit
+def _group_scales(k0, cols, s_rows, z_rows, mask_n, mask, stride_sk, SBK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scales and zero points of integer codes at columns ``cols`` of a tile starting at ``k0``: one per row
+    (``[BN, 1]``) where a group covers the tile, else one per element (``[BN, len(cols)]``)."""
+    if SBK % BLOCK_K == 0:
+        group = (k0 // SBK) * stride_sk
+        return (tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None],
+                tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None])
+    groups = ((cols // SBK) * stride_sk)[None, :]
+    return (tl.load(s_rows[:, None] + groups, mask=mask, other=0.0),
+            tl.load(z_rows[:, None] + groups, mask=mask, other=0.0))
+
+
+@triton.jit
+def _widened_tile(w, k0, offs_k, s_rows, z_rows, mask_n, wmask, stride_sk, W_FP8: tl.constexpr,
+                  W_INT: tl.constexpr, SBK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A ``[BN, BK]`` weight tile at column ``k0`` of the expert kernels in float32: FP8 E4M3 bytes times their
+    scales (one per row where a scale block covers the tile), 8-bit codes as ``(q - zero) * scale``, float as is."""
+    if W_FP8:
+        w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if SBK % BLOCK_K == 0:
+            w = w * tl.load(s_rows + (k0 // SBK) * stride_sk, mask=mask_n, other=0.0)[:, None]
+        else:
+            s_cols = ((k0 + offs_k) // SBK) * stride_sk
+            w = w * tl.load(s_rows[:, None] + s_cols[None, :], mask=wmask, other=0.0)
+    if W_INT:
+        scale, zero = _group_scales(k0, k0 + offs_k, s_rows, z_rows, mask_n, wmask, stride_sk, SBK, BLOCK_K)
+        w = (w.to(tl.float32) - zero) * scale
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _int4_tiles(byte, k0, cols, s_rows, z_rows, mask_n, mask, stride_sk, SBK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The two ``[BN, BK / 2]`` float32 tiles of a tile of 4-bit code pairs (``cols``: the even columns): the low
+    nibbles (even columns) and the high ones (odd), widened as ``(q - zero) * scale`` (a group of an even width
+    holds both codes of a byte)."""
+    scale, zero = _group_scales(k0, cols, s_rows, z_rows, mask_n, mask, stride_sk, SBK, BLOCK_K)
+    return ((byte & 15).to(tl.float32) - zero) * scale, ((byte >> 4).to(tl.float32) - zero) * scale
+
+
+@triton.jit
+def _gemv_input(ptrs, mask, K, ACT_IN: tl.constexpr):
+    """Inputs of :func:`moe_gemv_kernel` in float32: ``x`` at ``ptrs``, or ``silu(gate) * up`` with ``ACT_IN``
+    (``ptrs`` at the gate half, the up half ``K`` further)."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACT_IN:
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = x * tl.sigmoid(x) * up
+    return x
+
+
+@triton.jit
 def moe_gemv_kernel(
     x_ptr,              # [R, K] rows; slot s reads row s // ROW_DIV
     w_ptr,              # [E, N, K] stacked expert weights (each in nn.Linear layout, K contiguous); FP8 bytes with
@@ -304,13 +358,15 @@ def moe_gemv_kernel(
     stride_xr, stride_we, stride_wn, stride_be, stride_ys, stride_se, stride_sn, stride_sk,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, W_FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_INT: tl.constexpr = False, BITS: tl.constexpr = 8,
+    ACT_IN: tl.constexpr = False,
 ):
     """Grid ``(S, cdiv(N, BLOCK_N))``: ``y[s, n] = x[s // ROW_DIV] . w[e_s, n] (+ b[e_s, n])``, accumulated in
     float32 over ``[BLOCK_N, BLOCK_K]`` tiles and reduced once at the end. With ``W_FP8`` the weight is FP8 E4M3
     bytes, each ``SBN x SBK`` block multiplied by its scale (per output channel: ``SBN = 1``, ``SBK >= K``);
     where ``SBK`` is a multiple of ``BLOCK_K`` a tile shares one scale per row. With ``W_INT`` it is ``BITS``-bit
-    codes ``q`` widened as ``(q - zero) * scale`` per group of ``SBK`` features."""
-    slot = tl.program_id(0)
+    codes ``q`` widened as ``(q - zero) * scale`` per group of ``SBK`` features. With ``ACT_IN`` each row of ``x``
+    is ``[gate | up]`` (``2 K`` wide) and the input is ``silu(gate) * up``, in float32."""
+    slot = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ptr + slot).to(tl.int64)
     row = (slot // ROW_DIV).to(tl.int64)
@@ -331,18 +387,9 @@ def moe_gemv_kernel(
             h_ok = offs_h < (K - k0) // 2
             hmask = mask_n[:, None] & h_ok[None, :]
             byte = tl.load(w_rows + k0 // 2 + offs_h[None, :], mask=hmask, other=0).to(tl.int32)   # [BN, BK/2]
-            if SBK % BLOCK_K == 0:
-                group = (k0 // SBK) * stride_sk
-                scale = tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None]
-                zero = tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None]
-            else:
-                groups = (((k0 + 2 * offs_h) // SBK) * stride_sk)[None, :]
-                scale = tl.load(s_rows[:, None] + groups, mask=hmask, other=0.0)
-                zero = tl.load(z_rows[:, None] + groups, mask=hmask, other=0.0)
-            x_lo = tl.load(x_even + k0, mask=h_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_even + k0 + 1, mask=h_ok, other=0.0).to(tl.float32)
-            lo = ((byte & 15).to(tl.float32) - zero) * scale
-            hi = ((byte >> 4).to(tl.float32) - zero) * scale
+            lo, hi = _int4_tiles(byte, k0, k0 + 2 * offs_h, s_rows, z_rows, mask_n, hmask, stride_sk, SBK, BLOCK_K)
+            x_lo = _gemv_input(x_even + k0, h_ok, K, ACT_IN)
+            x_hi = _gemv_input(x_even + k0 + 1, h_ok, K, ACT_IN)
             acc_h += lo * x_lo[None, :] + hi * x_hi[None, :]
         out = tl.sum(acc_h, axis=1)                                               # [BN]
     else:
@@ -351,27 +398,154 @@ def moe_gemv_kernel(
             k_ok = offs_k < K - k0
             wmask = mask_n[:, None] & k_ok[None, :]
             w = tl.load(w_rows + k0 + offs_k[None, :], mask=wmask, other=0)        # [BN, BK]
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)                             # [BK]
-            if W_FP8:
-                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                if SBK % BLOCK_K == 0:
-                    w = w * tl.load(s_rows + (k0 // SBK) * stride_sk, mask=mask_n, other=0.0)[:, None]
-                else:
-                    s_cols = ((k0 + offs_k) // SBK) * stride_sk
-                    w = w * tl.load(s_rows[:, None] + s_cols[None, :], mask=wmask, other=0.0)
-            if W_INT:
-                if SBK % BLOCK_K == 0:
-                    group = (k0 // SBK) * stride_sk
-                    scale = tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None]
-                    zero = tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None]
-                else:
-                    groups = (((k0 + offs_k) // SBK) * stride_sk)[None, :]
-                    scale = tl.load(s_rows[:, None] + groups, mask=wmask, other=0.0)
-                    zero = tl.load(z_rows[:, None] + groups, mask=wmask, other=0.0)
-                w = (w.to(tl.float32) - zero) * scale
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w = _widened_tile(w, k0, offs_k, s_rows, z_rows, mask_n, wmask, stride_sk, W_FP8, W_INT, SBK, BLOCK_K)
+            x = _gemv_input(x_ptrs, k_ok, K, ACT_IN)                              # [BK]
+            acc += w * x[None, :]
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)                                                 # [BN]
     if HAS_BIAS:
         out += tl.load(b_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + slot * stride_ys + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def moe_route_kernel(logit_ptr, weight_ptr, id_ptr, E, stride_l, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Grid ``(T,)``: token ``t``'s ``TOP_K`` largest softmax probabilities over its ``E`` router logits (float32;
+    divided by their sum with ``RENORM``) and their experts (int64), largest first; of equal logits the lower
+    expert first; an expert is chosen once, also among ``-inf`` logits. An id is never past ``E - 1`` (NaN logits
+    choose nothing: the ids stay in range)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    logits = tl.load(logit_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    total = tl.sum(tl.where(offs < E, tl.exp(logits - top), 0.0), axis=0)
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    taken = offs >= E
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.where(taken, float("-inf"), logits), axis=0)
+        idx = tl.minimum(tl.min(tl.where((logits == best) & ~taken, offs, BLOCK_E), axis=0), E - 1)
+        weights = tl.where(slots == j, tl.exp(best - top) / total, weights)
+        ids = tl.where(slots == j, idx.to(tl.int64), ids)
+        taken = taken | (offs == idx)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(weight_ptr + t * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(id_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def moe_combine_kernel(y_ptr, weight_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """Grid ``(T, cdiv(H, BLOCK_H))``: ``out[t] = sum_j weight[t, j] * y[t * TOP_K + j]``, summed in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(weight_ptr + t * TOP_K + j)
+        acc += w * tl.load(y_ptr + (t * TOP_K + j) * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def moe_grouped_kernel(
+    x_ptr,              # [R, K] input rows (``[R, 2K]`` gate | up with ACT_IN)
+    w_ptr,              # [E, N, K] stacked expert weights, as for moe_gemv_kernel (FP8 bytes, integer codes)
+    b_ptr,              # [E, N] biases (read with HAS_BIAS)
+    s_ptr, z_ptr,       # scales and zero points, as for moe_gemv_kernel
+    y_ptr,              # [S, N] outputs
+    order_ptr,          # [S] the slots sorted by expert (sorted position m holds slot order[m])
+    block_ends_ptr,     # [E] int32: cumulative count of BLOCK_M-row blocks per expert
+    row_ends_ptr,       # [E] int32: cumulative count of slots per expert (their end in sorted order)
+    E, N, K,
+    stride_xr, stride_we, stride_wn, stride_be, stride_ys, stride_se, stride_sn, stride_sk,
+    GATHER_IN: tl.constexpr, ROW_DIV: tl.constexpr, SCATTER_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr, W_INT: tl.constexpr, BITS: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    ACT_IN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Grid ``(cdiv(S, BLOCK_M) + E, cdiv(N, BLOCK_N))``: one expert's block of up to ``BLOCK_M`` sorted slots
+    times a ``BLOCK_N`` slice of its weight, widened in registers (FP8, integer codes) and multiplied with
+    ``tl.dot``; programs past the last block return at once. Which expert and rows a program takes is read from
+    the block and row counts on the device (no host read: a device graph can capture it). Input row of sorted
+    position ``m``: ``order[m] // ROW_DIV`` with ``GATHER_IN``, else ``m``; output row: ``order[m]`` with
+    ``SCATTER_OUT``, else ``m``."""
+    blk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_e = tl.arange(0, BLOCK_E)
+    ends = tl.load(block_ends_ptr + offs_e, mask=offs_e < E, other=2147483647)
+    e = tl.sum((ends <= blk).to(tl.int32), axis=0)
+    if e >= E:
+        return
+    first_block = tl.load(block_ends_ptr + e - 1, mask=e > 0, other=0)
+    row_start = tl.load(row_ends_ptr + e - 1, mask=e > 0, other=0)
+    row_end = tl.load(row_ends_ptr + e)
+    offs_m = row_start + (blk - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_end
+    if GATHER_IN or SCATTER_OUT:
+        slot = tl.load(order_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    if GATHER_IN:
+        in_rows = slot // ROW_DIV
+    else:
+        in_rows = offs_m.to(tl.int64)
+    expert = e.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn                   # [BN, 1]
+    s_rows = s_ptr + expert * stride_se + (offs_n // SBN) * stride_sn                   # [BN]
+    z_rows = z_ptr + expert * stride_se + offs_n * stride_sn
+    x_rows = x_ptr + in_rows[:, None] * stride_xr                                      # [BM, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if W_INT and BITS == 4:
+        # low nibbles multiply the even inputs, high nibbles the odd ones (as in moe_gemv_kernel)
+        offs_h = tl.arange(0, BLOCK_K // 2)
+        for k0 in range(0, K, BLOCK_K):
+            h_ok = offs_h < (K - k0) // 2
+            wmask = mask_n[:, None] & h_ok[None, :]
+            byte = tl.load(w_rows + k0 // 2 + offs_h[None, :], mask=wmask, other=0).to(tl.int32)   # [BN, BK/2]
+            lo, hi = _int4_tiles(byte, k0, k0 + 2 * offs_h, s_rows, z_rows, mask_n, wmask, stride_sk, SBK, BLOCK_K)
+            xmask = mask_m[:, None] & h_ok[None, :]
+            x_lo = _grouped_input(x_rows + k0 + 2 * offs_h[None, :], xmask, K, ACT_IN)
+            x_hi = _grouped_input(x_rows + k0 + 1 + 2 * offs_h[None, :], xmask, K, ACT_IN)
+            acc = _grouped_dot(x_lo, lo, acc, x_ptr, IEEE)
+            acc = _grouped_dot(x_hi, hi, acc, x_ptr, IEEE)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            wmask = mask_n[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + k0 + offs_k[None, :], mask=wmask, other=0)            # [BN, BK]
+            w = _widened_tile(w, k0, offs_k, s_rows, z_rows, mask_n, wmask, stride_sk, W_FP8, W_INT, SBK, BLOCK_K)
+            x = _grouped_input(x_rows + k0 + offs_k[None, :], mask_m[:, None] & k_ok[None, :], K, ACT_IN)
+            acc = _grouped_dot(x, w, acc, x_ptr, IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if SCATTER_OUT:
+        out_rows = slot
+    else:
+        out_rows = offs_m.to(tl.int64)
+    tl.store(y_ptr + out_rows[:, None] * stride_ys + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _grouped_input(ptrs, mask, K, ACT_IN: tl.constexpr):
+    """A ``[BM, BK]`` input tile of :func:`moe_grouped_kernel` in float32 (``silu(gate) * up`` with ``ACT_IN``)."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACT_IN:
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = x * tl.sigmoid(x) * up
+    return x
+
+
+@triton.jit
+def _grouped_dot(x, w, acc, x_ptr, IEEE: tl.constexpr):
+    """``acc + x @ w.T`` (``x`` ``[BM, BK]``, ``w`` ``[BN, BK]`` float32): in float32 with ``IEEE`` (float32 models),
+    else with both tiles in the input's type (bfloat16, float16) on the tensor cores."""
+    if IEEE:
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    dtype = x_ptr.dtype.element_ty
+    return tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc)

@@ -281,11 +281,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         graph_rows = config.scheduler.max_num_seqs
         if runner.shared_decode_rows:   # room for draft rows beside full decodes (at most 512 rows a graph)
             graph_rows = max(graph_rows, min(graph_rows * (1 + config.speculative.num_speculative_tokens), 512))
-        capped = graph_row_limit(model, device, dtype, graph_rows)
-        if capped < graph_rows:
-            logger.info("decode graphs of up to %d rows (the experts' GEMV kernel); larger decode steps run eagerly",
-                        capped)
-        runner.capture_decode_graphs(capped)
+        runner.capture_decode_graphs(graph_rows)
     name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")
     if config.model.model is None:
         from plinth.model_registry.default_model import DEFAULT_MODEL_NAME
@@ -307,17 +303,6 @@ def graph_blocker(model: Any, device: torch.device, dtype: torch.dtype) -> str |
         if callable(check) and not check(device, dtype):
             return f"{type(module).__name__} ({name})"
     return None
-
-
-def graph_row_limit(model: Any, device: torch.device, dtype: torch.dtype, rows: int) -> int:
-    """``rows`` capped by the modules that capture only decode steps of a few rows (``graph_rows(device, dtype)``:
-    mixture-of-experts layers on their GEMV kernel); larger decode steps then run eagerly."""
-    for module in model.modules():
-        limit = getattr(module, "graph_rows", None)
-        cap = limit(device, dtype) if callable(limit) else None
-        if cap is not None and cap > 0:
-            rows = min(rows, cap)
-    return rows
 
 
 @torch.inference_mode()

@@ -128,7 +128,10 @@ class FusedMoE(nn.Module):
         param.data[expert, offset:offset + i].copy_(loaded.narrow(0, self.tp_rank * i, i))
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert weights ``[T, K]`` (float32) and ids ``[T, K]`` from router logits ``[T, E]``."""
+        """Top-k expert weights ``[T, K]`` (float32) and ids ``[T, K]`` from router logits ``[T, E]`` (one kernel on
+        Triton devices: :func:`plinth.kernels.ops.moe_route`)."""
+        if ops.moe_route_enabled(router_logits, self.top_k):
+            return ops.moe_route(router_logits, self.top_k, self.renormalize)
         probs = torch.softmax(router_logits.to(torch.float32), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -150,24 +153,23 @@ class FusedMoE(nn.Module):
         return self._grouped_gemm_runs(x.device, x.dtype)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether decode steps through these experts can be captured in device graphs (of some sizes: see
-        :meth:`graph_rows`)."""
-        return self.graph_rows(device, dtype) != 0
-
-    def graph_rows(self, device: torch.device, dtype: torch.dtype) -> int | None:
-        """The most rows of a decode step a device graph may capture through these experts: any (``None``) on the
-        grouped GEMMs (:meth:`uses_grouped_gemm`), up to ``num_experts // top_k`` where the GEMV kernel takes every
-        step of that many rows (:meth:`uses_gemv`: float experts without grouped GEMMs, FP8 and integer codes), and
-        none (``0``) where every step reads the routing on the host (the per-expert loop, the widened runs)."""
+        """Whether decode steps of every size through these experts can be captured in device graphs: on the
+        grouped GEMMs (:meth:`uses_grouped_gemm`), or on the Triton kernels (:meth:`uses_gemv` for a few rows,
+        :meth:`uses_grouped_kernel` for more: float experts without grouped GEMMs, FP8 and integer codes); not
+        where a step reads the routing on the host (the per-expert loop, the widened runs)."""
         if self._grouped_gemm_runs(device, dtype):
-            return None
-        if device.type != "cuda" or not ops.triton_available() or self.num_experts < self.top_k:
-            return 0
-        if self.fp8_scales is not None and ops.triton_fp8_refusal(device.type, _capability(device)) is not None:
-            return 0
-        if any(self._gemv_args(which) is None for which in ("w13", "w2")):
-            return 0
-        return self.num_experts // self.top_k
+            return True
+        return device.type == "cuda" and ops.triton_kernels_on(device) and self._kernels_read(device)
+
+    def _kernels_read(self, device: torch.device) -> bool:
+        """Whether the Triton expert kernels read these experts' format on ``device`` (float experts; FP8 where
+        Triton widens E4M3; integer codes without act order: ``gemv_args``)."""
+        if self.num_experts < self.top_k:
+            return False
+        if self.fp8_scales is not None and ops.triton_fp8_refusal(
+                device.type, _capability(device) if device.type == "cuda" else None) is not None:
+            return False
+        return all(self._gemv_args(which) is not None for which in ("w13", "w2"))
 
     def _grouped_gemm_runs(self, device: torch.device, dtype: torch.dtype, quantized: bool = False) -> bool:
         if (device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
@@ -189,14 +191,16 @@ class FusedMoE(nn.Module):
         tokens (``T * top_k`` at most the expert count, so each chosen expert's weights are read about once), on a
         Triton device, for float experts and those whose method gives the kernel its format (``gemv_args``: FP8,
         integer codes without act order). No host read of the routing either."""
-        if not (0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x)):
-            return False
-        if self.weight_method is None:
-            return True
-        if self.fp8_scales is not None and ops.triton_fp8_refusal(
-                x.device.type, _capability(x.device) if x.device.type == "cuda" else None) is not None:
-            return False
-        return all(self._gemv_args(which) is not None for which in ("w13", "w2"))
+        return 0 < x.shape[0] * self.top_k <= self.num_experts and ops.moe_gemv_enabled(x) and self._kernels_read(
+            x.device)
+
+    def uses_grouped_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` ``[T, H]`` takes the Triton grouped kernel (:func:`plinth.kernels.ops.moe_grouped_gemm`):
+        token copies above the expert count (prefill, larger decode batches) where the grouped GEMMs do not run
+        (:meth:`uses_grouped_gemm`), on a Triton device, for the formats of :meth:`uses_gemv`. Each block of one
+        expert's rows widens that expert's weight tiles in registers; no host read of the routing."""
+        return x.shape[0] * self.top_k > self.num_experts and ops.moe_gemv_enabled(x) and self._kernels_read(
+            x.device)
 
     def _gemv_args(self, which: str) -> dict[str, Any] | None:
         """The keyword arguments :func:`~plinth.kernels.ops.moe_gemv` reads ``which``'s experts with (``{}``: float),
@@ -213,6 +217,8 @@ class FusedMoE(nn.Module):
             return self._forward_gemv(x, weights, ids)
         if self.uses_grouped_gemm(x):
             return self._forward_grouped(x, weights, ids)
+        if self.uses_grouped_kernel(x):
+            return self._forward_grouped_kernel(x, weights, ids)
         if self.uses_widened_grouped_gemm(x):
             return self._forward_widened(x, weights, ids)
         flat_ids = ids.reshape(-1)                                # [T * K]
@@ -238,16 +244,41 @@ class FusedMoE(nn.Module):
         return out.to(x.dtype)
 
     def _forward_gemv(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The experts as two per-slot GEMV launches (slot ``t * K + j``: token ``t``'s ``j``-th expert)."""
+        """The experts as two per-slot GEMV launches (slot ``t * K + j``: token ``t``'s ``j``-th expert), the
+        default activation inside the second, then one weighted sum per token."""
         k = ids.shape[1]
         experts = ids.reshape(-1).contiguous()                                       # [T * K]
         x = x if x.stride(-1) == 1 else x.contiguous()
         gate_up = ops.moe_gemv(x, self.w13_weight, self.w13_bias, experts, k, **self._gemv_args("w13"))  # [T*K, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
+        return self._down_and_combined(gate_up, weights, x.dtype, lambda h, bias, **kw: ops.moe_gemv(
+            h, self.w2_weight, bias, experts, 1, **kw))
+
+    def _forward_grouped_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts as two launches of the Triton grouped kernel over the slots sorted by expert on the device
+        (gate/up rows in sorted order, down projection outputs back in slot order), then one weighted sum per
+        token."""
+        blocks = ops.moe_sorted_blocks(ids, self.num_experts)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        gate_up = ops.moe_grouped_gemm(x, self.w13_weight, self.w13_bias, blocks, gather_div=ids.shape[1],
+                                       scatter_out=False, **self._gemv_args("w13"))   # [T * K, 2I], sorted
+        return self._down_and_combined(gate_up, weights, x.dtype, lambda h, bias, **kw: ops.moe_grouped_gemm(
+            h, self.w2_weight, bias, blocks, gather_div=None, scatter_out=True, **kw))
+
+    def _down_and_combined(self, gate_up: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                           down: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """The down projection of the kernels' paths (``down(h, bias, **format)`` -> ``[T * K, H]`` in slot order;
+        the default activation inside it), then each token's outputs weighted and summed (all-reduced under TP)."""
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
-        y = ops.moe_gemv(self.activation(gate, up).contiguous(), self.w2_weight, w2_bias, experts, 1,
-                         **self._gemv_args("w2"))                                    # [T * K, H]
-        return self._combined(y, None, weights).to(x.dtype)
+        if self.activation is _silu_and_mul:
+            y = down(gate_up, w2_bias, silu_mul_input=True, **self._gemv_args("w2"))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = down(self.activation(gate, up).contiguous(), w2_bias, **self._gemv_args("w2"))
+        if self.tp_size == 1:
+            return ops.moe_combine(y, weights, dtype)
+        out = ops.moe_combine(y, weights, torch.float32)
+        tp_all_reduce(out)
+        return out.to(dtype)
 
     def _sorted_slots(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The token copies sorted by expert: ``(order, sorted_ids, ends, rows)``, ``ends`` ``[E]`` int32 the end row
@@ -272,15 +303,12 @@ class FusedMoE(nn.Module):
             y = y + self.w2_bias.index_select(0, sorted_ids)
         return y
 
-    def _combined(self, y: torch.Tensor, order: torch.Tensor | None, weights: torch.Tensor) -> torch.Tensor:
-        """The token copies' outputs ``y`` ``[T * K, H]`` (sorted by ``order``; ``None``: in slot order) weighted and
-        summed per token, float32 (all-reduced under TP)."""
+    def _combined(self, y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The token copies' outputs ``y`` ``[T * K, H]`` (sorted by ``order``) weighted and summed per token,
+        float32 (all-reduced under TP)."""
         t, k = weights.shape
-        if order is None:
-            unsorted = y.to(torch.float32)
-        else:
-            unsorted = torch.empty_like(y, dtype=torch.float32)
-            unsorted[order] = y.to(torch.float32)
+        unsorted = torch.empty_like(y, dtype=torch.float32)
+        unsorted[order] = y.to(torch.float32)
         out = (unsorted.view(t, k, -1) * weights[..., None]).sum(dim=1)             # [T, H] float32
         if self.tp_size > 1:
             tp_all_reduce(out)
