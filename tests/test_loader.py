@@ -259,6 +259,24 @@ def test_index_with_a_shard_name_that_is_not_a_file_name_in_the_directory(broken
         resolve_model_source(ModelConfig(model=str(broken_dir)))
 
 
+def test_sharded_checkpoint_of_symlinks_out_of_its_folder_loads(llama_dir, tmp_path):
+    """Shards that are symlinks to files elsewhere (the Hugging Face cache: snapshots/<rev>/*.safetensors ->
+    ../../blobs/<hash>) load; only the index's names are checked."""
+    _, hf = llama_dir
+    hf.save_pretrained(tmp_path / "saved", max_shard_size="100KB")
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for f in (tmp_path / "saved").iterdir():
+        if f.suffix == ".safetensors":
+            f.rename(blobs / f.name)
+            (snap / f.name).symlink_to(Path("../..") / "blobs" / f.name)
+        else:
+            f.rename(snap / f.name)
+    source, _ = _load(str(snap))
+    assert source.kind == "hf_dir"
+
+
 def test_non_gguf_file(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\0" * 16)
