@@ -213,9 +213,10 @@ def test_invalid_config_json(broken_dir):
 
 @pytest.mark.parametrize("change,match", [
     (dict(num_attention_heads=5), "not a multiple"),          # transformers' strict dataclass validation
-    (dict(num_attention_heads=0), "num_attention_heads must be positive"),
-    (dict(hidden_size=-64), "hidden_size must be positive, got -64"),
-    (dict(intermediate_size=-128), "intermediate_size must be positive"),
+    (dict(num_attention_heads=0), "num_attention_heads must be at least 1"),
+    (dict(hidden_size=-64), "hidden_size must be at least 1, got -64"),
+    (dict(intermediate_size=-128), "intermediate_size must be at least 1"),
+    (dict(head_dim=-16), "head_dim must be at least 0"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), "rope_theta must be a positive number"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "rope_theta must be a positive number"),
     (dict(hidden_size="64"), "hidden_size"),

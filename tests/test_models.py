@@ -331,6 +331,7 @@ def test_a_sliding_window_key_of_an_architecture_without_one_is_ignored(tmp_path
     """A ``sliding_window`` in a Llama config (an architecture without a window: transformers ignores the key) does
     not change the model; a window that is not a positive integer is refused where the architecture has one."""
     from plinth.errors import ModelLoadError
+    from plinth.worker.setup import attention_spec
 
     cfg = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})
     cfg.sliding_window = 4
@@ -339,6 +340,10 @@ def test_a_sliding_window_key_of_an_architecture_without_one_is_ignored(tmp_path
     hf.save_pretrained(tmp_path / "llama")
     model = _load(str(tmp_path / "llama"), TorchSDPABackend())
     assert model.model.layers[0].self_attn.attn.sliding_window is None
+    # what backends are chosen for: no window either
+    assert attention_spec(cfg, torch.float32, 4).sliding_window is None
+    assert attention_spec(transformers.MistralConfig(**{**COMMON, "sliding_window": 4}), torch.float32,
+                          4).sliding_window == 4
     prompt = list(range(1, 12))
     assert (paged_prefill_logits(model, TorchSDPABackend(), prompt) - _hf_logits(hf, prompt)).abs().max() < 1e-4
     for bad in (-5, -1):

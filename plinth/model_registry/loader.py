@@ -105,8 +105,10 @@ def config_from_dict(data: dict[str, Any], origin: str) -> Any:
         data = decode(data)
     for key in _POSITIVE_SIZES:
         value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
-            raise ModelLoadError(f"invalid model configuration in {origin}: {key} must be positive, got {value}")
+        least = 0 if key == "head_dim" else 1   # a head_dim of 0 means none given (some configs write it so)
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise ModelLoadError(f"invalid model configuration in {origin}: {key} must be at least {least}, got "
+                                 f"{value}")
     try:
         if model_type in CONFIG_MAPPING:
             return CONFIG_MAPPING[model_type].from_dict(data)

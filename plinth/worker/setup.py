@@ -161,7 +161,9 @@ def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache
             kv_heads, head_size = latent_cache_shape(hf_config)
         else:   # the transformers fallback pages the expanded keys (and values padded to their width)
             kv_heads, head_size = heads, hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
-    window = getattr(hf_config, "sliding_window", None)
+    from plinth.model_registry.models.decoder import config_sliding_window
+
+    window = config_sliding_window(hf_config)
     if not getattr(hf_config, "use_sliding_window", True):
         window = None
     return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads,

@@ -83,10 +83,9 @@ def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
-    """The sliding window of layer ``layer_idx`` (``None`` for full attention). A ``sliding_window`` key in the config
-    of an architecture without one (Llama, Granite, ...: its config class has no such field) is ignored, as
-    transformers ignores it.
+def config_sliding_window(cfg: Any) -> int | None:
+    """The config's sliding window (``None``: none). A ``sliding_window`` key in the config of an architecture
+    without one (Llama, Granite, ...: its config class has no such field) is ignored, as transformers ignores it.
 
     Raises:
         ModelLoadError: a window that is not a positive integer.
@@ -97,6 +96,14 @@ def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ModelLoadError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+    return window
+
+
+def sliding_window_of(cfg: Any, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` (``None`` for full attention; see :func:`config_sliding_window`)."""
+    window = config_sliding_window(cfg)
+    if window is None:
+        return None
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
