@@ -318,3 +318,21 @@ def test_load_error_on_some_ranks_is_typed_and_keeps_processes_usable(llama_case
         assert run_greedy(engine)["r1"][0] == reference["r1"][0]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("config_class, field", [("Qwen2MoeConfig", "shared_expert_intermediate_size"),
+                                                 ("GraniteMoeSharedConfig", "shared_intermediate_size")])
+def test_a_shared_expert_width_tensor_parallelism_cannot_split_is_refused_before_workers(config_class, field):
+    """A shared expert's width is split over the ranks like the experts': one that the TP size does not divide is a
+    ConfigError naming the field, before any worker starts (it was a bare ValueError from every worker's load)."""
+    import transformers
+
+    from plinth.config import ParallelConfig
+    from plinth.distributed.driver import validate_parallel_layout
+
+    cfg = getattr(transformers, config_class)(hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                                              num_key_value_heads=2, **{field: 47})
+    arch = config_class.removesuffix("Config") + "ForCausalLM"
+    with pytest.raises(ConfigError, match=rf"must divide the model's {field} \(47\)"):
+        validate_parallel_layout(cfg, arch, ParallelConfig(tensor_parallel_size=2))
+    validate_parallel_layout(cfg, arch, ParallelConfig(pipeline_parallel_size=2))

@@ -40,7 +40,8 @@ def validate_parallel_layout(hf: Any, architecture: str, par: ParallelConfig) ->
         raise ConfigError(f"tensor_parallel_size {tp} must divide the number of attention heads ({heads})")
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise ConfigError(f"tensor_parallel_size {tp} and the number of KV heads ({kv}) must divide one another")
-    for name in ("intermediate_size", "moe_intermediate_size"):
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "shared_intermediate_size"):
         size = getattr(hf, name, None)
         if isinstance(size, int) and size % tp:
             raise ConfigError(f"tensor_parallel_size {tp} must divide the model's {name} ({size})")
