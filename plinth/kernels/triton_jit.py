@@ -334,9 +334,9 @@ def _int4_tiles(byte, k0, cols, s_rows, z_rows, mask_n, mask, stride_sk, SBK: tl
 
 
 @triton.jit
-def _gemv_input(ptrs, mask, K, ACT_IN: tl.constexpr):
-    """Inputs of :func:`moe_gemv_kernel` in float32: ``x`` at ``ptrs``, or ``silu(gate) * up`` with ``ACT_IN``
-    (``ptrs`` at the gate half, the up half ``K`` further)."""
+def _expert_input(ptrs, mask, K, ACT_IN: tl.constexpr):
+    """Inputs of the expert kernels (a row's ``[BK]`` or a ``[BM, BK]`` tile) in float32: ``x`` at ``ptrs``, or
+    ``silu(gate) * up`` with ``ACT_IN`` (``ptrs`` at the gate half, the up half ``K`` further)."""
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if ACT_IN:
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
@@ -388,8 +388,8 @@ def moe_gemv_kernel(
             hmask = mask_n[:, None] & h_ok[None, :]
             byte = tl.load(w_rows + k0 // 2 + offs_h[None, :], mask=hmask, other=0).to(tl.int32)   # [BN, BK/2]
             lo, hi = _int4_tiles(byte, k0, k0 + 2 * offs_h, s_rows, z_rows, mask_n, hmask, stride_sk, SBK, BLOCK_K)
-            x_lo = _gemv_input(x_even + k0, h_ok, K, ACT_IN)
-            x_hi = _gemv_input(x_even + k0 + 1, h_ok, K, ACT_IN)
+            x_lo = _expert_input(x_even + k0, h_ok, K, ACT_IN)
+            x_hi = _expert_input(x_even + k0 + 1, h_ok, K, ACT_IN)
             acc_h += lo * x_lo[None, :] + hi * x_hi[None, :]
         out = tl.sum(acc_h, axis=1)                                               # [BN]
     else:
@@ -399,7 +399,7 @@ def moe_gemv_kernel(
             wmask = mask_n[:, None] & k_ok[None, :]
             w = tl.load(w_rows + k0 + offs_k[None, :], mask=wmask, other=0)        # [BN, BK]
             w = _widened_tile(w, k0, offs_k, s_rows, z_rows, mask_n, wmask, stride_sk, W_FP8, W_INT, SBK, BLOCK_K)
-            x = _gemv_input(x_ptrs, k_ok, K, ACT_IN)                              # [BK]
+            x = _expert_input(x_ptrs, k_ok, K, ACT_IN)                              # [BK]
             acc += w * x[None, :]
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)                                                 # [BN]
@@ -508,8 +508,8 @@ def moe_grouped_kernel(
             byte = tl.load(w_rows + k0 // 2 + offs_h[None, :], mask=wmask, other=0).to(tl.int32)   # [BN, BK/2]
             lo, hi = _int4_tiles(byte, k0, k0 + 2 * offs_h, s_rows, z_rows, mask_n, wmask, stride_sk, SBK, BLOCK_K)
             xmask = mask_m[:, None] & h_ok[None, :]
-            x_lo = _grouped_input(x_rows + k0 + 2 * offs_h[None, :], xmask, K, ACT_IN)
-            x_hi = _grouped_input(x_rows + k0 + 1 + 2 * offs_h[None, :], xmask, K, ACT_IN)
+            x_lo = _expert_input(x_rows + k0 + 2 * offs_h[None, :], xmask, K, ACT_IN)
+            x_hi = _expert_input(x_rows + k0 + 1 + 2 * offs_h[None, :], xmask, K, ACT_IN)
             acc = _grouped_dot(x_lo, lo, acc, x_ptr, IEEE)
             acc = _grouped_dot(x_hi, hi, acc, x_ptr, IEEE)
     else:
@@ -519,7 +519,7 @@ def moe_grouped_kernel(
             wmask = mask_n[:, None] & k_ok[None, :]
             w = tl.load(w_rows + k0 + offs_k[None, :], mask=wmask, other=0)            # [BN, BK]
             w = _widened_tile(w, k0, offs_k, s_rows, z_rows, mask_n, wmask, stride_sk, W_FP8, W_INT, SBK, BLOCK_K)
-            x = _grouped_input(x_rows + k0 + offs_k[None, :], mask_m[:, None] & k_ok[None, :], K, ACT_IN)
+            x = _expert_input(x_rows + k0 + offs_k[None, :], mask_m[:, None] & k_ok[None, :], K, ACT_IN)
             acc = _grouped_dot(x, w, acc, x_ptr, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -529,16 +529,6 @@ def moe_grouped_kernel(
         out_rows = offs_m.to(tl.int64)
     tl.store(y_ptr + out_rows[:, None] * stride_ys + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _grouped_input(ptrs, mask, K, ACT_IN: tl.constexpr):
-    """A ``[BM, BK]`` input tile of :func:`moe_grouped_kernel` in float32 (``silu(gate) * up`` with ``ACT_IN``)."""
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if ACT_IN:
-        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        x = x * tl.sigmoid(x) * up
-    return x
 
 
 @triton.jit
