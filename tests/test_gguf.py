@@ -84,18 +84,24 @@ def llamacpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def gguf_writer(path, config, arch: str) -> gguf.GGUFWriter:
-    """A writer with the size metadata every file of ``config`` carries (llama.cpp's converter's keys)."""
+def gguf_writer(path, config, arch: str, layer_norm: bool = False, feed_forward: int | None = None
+                ) -> gguf.GGUFWriter:
+    """A writer with the size metadata every file of ``config`` carries (llama.cpp's converter's keys): the RMSNorm
+    epsilon, or with ``layer_norm`` the LayerNorm one; ``feed_forward``: a feed-forward length other than the
+    config's ``intermediate_size``."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(feed_forward or config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if layer_norm:
+        writer.add_layer_norm_eps(config.layer_norm_eps)
+    else:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     return writer
 
@@ -1154,17 +1160,8 @@ def write_phi2_gguf(path, model, qtype=Q.F32, fused_qkv: bool = False) -> str:
     separate); with ``fused_qkv``, q/k/v (weights and biases) in one ``attn_qkv`` as early files have them."""
     cfg = model.config
     heads = cfg.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), "phi2")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(4 * cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(heads)
-    writer.add_layer_norm_eps(cfg.layer_norm_eps)
-    rope = cfg.rope_parameters
-    writer.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    writer = gguf_writer(path, cfg, "phi2", layer_norm=True, feed_forward=4 * cfg.hidden_size)
+    writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * cfg.hidden_size) // heads)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI2, cfg.num_hidden_layers)
@@ -1256,16 +1253,9 @@ def write_stablelm_gguf(path, model) -> str:
     norms stacked ``[heads, head_dim]``)."""
     cfg = model.config
     heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), "stablelm")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer = gguf_writer(path, cfg, "stablelm", layer_norm=True)
     writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * head_dim))
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_parallel_residual(cfg.use_parallel_residual)
-    writer.add_layer_norm_eps(cfg.layer_norm_eps)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.STABLELM, cfg.num_hidden_layers)
@@ -1320,15 +1310,7 @@ def test_command_r_gguf_gives_the_original_logits(tmp_path, qk_norm):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.1)
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "command-r")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer = gguf_writer(tmp_path / "m.gguf", config, "command-r", layer_norm=True)
     writer.add_logit_scale(config.logit_scale)
     writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.COMMAND_R, config.num_hidden_layers)
@@ -1369,20 +1351,11 @@ def write_cohere2_gguf(path, model, pattern: int | list[bool] | None = None, qty
     ``logit_scale``, ``attention.sliding_window``, the rotary size, no RoPE scaling, tied embeddings; the zero
     biases left out); ``pattern`` adds ``attention.sliding_window_pattern`` (which llama.cpp reads when present)."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "cohere2")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer(path, config, "cohere2", layer_norm=True)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_eps(config.layer_norm_eps)
     writer.add_logit_scale(config.logit_scale)
     writer.add_sliding_window(config.sliding_window)
-    writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     writer.add_bos_token_id(config.bos_token_id)
