@@ -184,7 +184,6 @@ class IntExpertMethod:
                                      zeros[j * rows:(j + 1) * rows], bits, group, perm=perm[expert, j],
                                      symmetric=symmetric).dequantize(dtype) for j in range(parts)])
 
-
     def gemv_args(self, layer: nn.Module, which: str) -> dict[str, Any] | None:
         """What the experts' GEMV kernel reads ``which`` with (:func:`plinth.kernels.ops.moe_gemv`): the codes' bits,
         group, scales and zero points; ``{}`` for float experts; ``None`` with act order (a permutation per expert,
