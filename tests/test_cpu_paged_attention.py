@@ -617,6 +617,8 @@ def test_bfloat16_prefill_sequences_take_torch_fused_attention(cut, monkeypatch)
 
     if not cpu_paged._prefill_kernel_ok():
         pytest.skip("no native prefill kernel on this CPU")
+    monkeypatch.setenv(cpu_paged.SDPA_PREFILL_ENV, "1")   # the route's default follows AMX (see the next test)
+    monkeypatch.setattr(cpu_paged, "_sdpa_prefill_on", cpu_paged._sdpa_prefill_on.__wrapped__)   # read per call
     calls = []
     real = cpu_paged.sdpa_prefill
 
@@ -644,6 +646,33 @@ def test_bfloat16_prefill_sequences_take_torch_fused_attention(cut, monkeypatch)
     assert calls == []
     assert (native.double() - ref).abs().max().item() < 2e-2
     torch.testing.assert_close(got.double(), native.double(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_fused_prefill_route_defaults_to_cpus_with_amx(amx, monkeypatch):
+    """Unset, ``PLINTH_CPU_SDPA_PREFILL`` routes long bfloat16 prompts to the fused attention only on CPUs with AMX
+    (without AMX torch's fused attention is ~3x slower than the native kernel); ``1``/``0`` force it either way."""
+    from plinth.attention_backends import cpu_paged
+
+    if not cpu_paged._prefill_kernel_ok():
+        pytest.skip("no native prefill kernel on this CPU")
+    monkeypatch.setattr(cpu_paged, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(cpu_paged, "_sdpa_prefill_on", cpu_paged._sdpa_prefill_on.__wrapped__)   # read per call
+    calls = []
+    real = cpu_paged.sdpa_prefill
+    monkeypatch.setattr(cpu_paged, "sdpa_prefill", lambda query, *a, **k: calls.append(query.shape[0]) or real(query, *a, **k))
+    spec = spec_of(h=9, hkv=3, d=64, bs=16, dtype=torch.bfloat16)
+    batch = make_paged_batch(spec, [0], [200], generator=torch.Generator().manual_seed(5))
+    ref = sdpa_reference(batch, 0.125, None, torch.float64)
+    for env, routed in ((None, amx), ("1", True), ("0", False)):
+        if env is None:
+            monkeypatch.delenv(cpu_paged.SDPA_PREFILL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu_paged.SDPA_PREFILL_ENV, env)
+        calls.clear()
+        got = run_paged(batch, 0.125, None)
+        assert calls == ([200] if routed else []), env
+        assert (got.double() - ref).abs().max().item() < 2e-2
 
 
 def _causal_reference(query, key, value, scale, dtype):

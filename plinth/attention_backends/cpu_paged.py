@@ -10,8 +10,9 @@ them. Prefill and mixed steps run a second kernel (:func:`paged_prefill`: causal
 cache, tiles of 16 query positions per KV head, each block's keys transposed once so a row's scores are
 plain vector multiply-adds; head sizes 64 and 128, AVX512 or AVX2); other shapes, and the static-shape decode of
 a compiled step, run the ``torch_batched`` path this backend extends. bfloat16 prefill sequences of at least
-:func:`fused_min_rows` rows take a fused attention (:func:`sdpa_prefill`): the AMX kernel (:func:`amx_prefill`) from
-:data:`AMX_MIN_ROWS` rows where the CPU has AMX-BF16, else torch's from :data:`SDPA_MIN_ROWS`.
+:func:`fused_min_rows` rows take a fused attention (:func:`sdpa_prefill`) on CPUs with AMX tiles: the AMX kernel
+(:func:`amx_prefill`) from :data:`AMX_MIN_ROWS` rows, else torch's (oneDNN's AMX micro-kernels) from
+:data:`SDPA_MIN_ROWS`. Without AMX, torch's fused attention is slower than the native kernel, which keeps them.
 
 ``PLINTH_CPU_PAGED_ATTENTION=0`` turns the backend off (``supports()`` says so).
 """
@@ -31,10 +32,12 @@ from plinth.config import ConfigError
 
 ENABLE_ENV = "PLINTH_CPU_PAGED_ATTENTION"
 SDPA_PREFILL_ENV = "PLINTH_CPU_SDPA_PREFILL"
-#: bfloat16 prefill sequences of at least this many query rows take torch's fused attention, one call per sequence:
-#: alone, one sequence is even with the native kernel at ~64 rows and ahead from ~96 (500 rows 1.12 against 2.74 ms
-#: a layer); several short ones in a step run faster in the kernel's single call (8 x 40 rows 0.32 against 0.72 ms).
-#: float32: about even, not routed
+#: bfloat16 prefill sequences of at least this many query rows take torch's fused attention, one call per sequence,
+#: on CPUs with AMX: alone, one sequence is even with the native kernel at ~64 rows and ahead from ~96 (500 rows 1.12
+#: against 2.74 ms a layer); several short ones in a step run faster in the kernel's single call (8 x 40 rows 0.32
+#: against 0.72 ms). float32: about even, not routed. Without AMX (AVX512-BF16 vectors) torch's attention is ~3x
+#: slower than the native kernel (SmolLM2 shapes: 128 rows 0.49 against 0.17 ms, 500 rows 5.1 against 1.6, 2,000
+#: rows 39 against 21), so there the route is off by default (:func:`_sdpa_prefill_on`)
 SDPA_MIN_ROWS = 128
 #: with the AMX prefill kernel (:func:`amx_prefill`), sequences of at least this many rows take it: it beats the
 #: native kernel from 16 rows (one sequence of 16 fresh rows 0.021 against 0.024 ms a layer, 32 rows after 1,000
@@ -71,9 +74,9 @@ def _enabled() -> bool:
 class CpuPagedBackend(TorchBatchedBackend):
     """Decode and prefill through native kernels over the paged cache; other shapes as ``torch_batched``."""
 
-    #: part of the start-up selection's cache key: a changed kernel (here the prefill kernel's 64-key softmax
-    #: updates and bfloat16 P V) is timed afresh
-    selection_revision = 6
+    #: part of the start-up selection's cache key: a changed kernel or route (here bfloat16 prompts on CPUs without
+    #: AMX kept on the native prefill kernel) is timed afresh
+    selection_revision = 7
 
     name = "cpu_paged"
     priority = 6
@@ -471,10 +474,18 @@ def _amx_prefill_on() -> bool:
 
 @functools.cache
 def _sdpa_prefill_on() -> bool:
-    """``PLINTH_CPU_SDPA_PREFILL`` (default on): bfloat16 prefill rows through torch's fused attention."""
+    """``PLINTH_CPU_SDPA_PREFILL``: long bfloat16 prefill sequences through a fused attention (:func:`sdpa_prefill`).
+    Default: on where the CPU has AMX tiles (the AMX kernel, or torch's on oneDNN's AMX micro-kernels), off elsewhere
+    (see :data:`SDPA_MIN_ROWS`)."""
     from plinth.worker.cpu_path import env_flag
 
-    return env_flag(SDPA_PREFILL_ENV, True)
+    return env_flag(SDPA_PREFILL_ENV, _cpu_has_amx())
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    """This CPU has AMX tiles, as torch's probe says (what its oneDNN kernels take)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def _prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
