@@ -137,6 +137,24 @@ def test_earliest_stop_string_wins_and_min_tokens_delays_it(byte_level):
     assert detok.stop_reason == "quick" and detok.text == "the lazy dog. The "
 
 
+class _ByteTable:
+    """A tokenizer of four byte strings (only ``decode`` is called); id 10 ends inside a 3-byte character."""
+    table = {1: b"Hi", 10: b"x \xe2", 11: b"\x80\x94", 12: b"y"}
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return b"".join(self.table[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("by_token", [False, True], ids=["length", "eos"])
+def test_stop_string_in_text_flushed_at_the_end(by_token):
+    """A stop string in text held back behind an incomplete character is found when the sequence ends (by length,
+    or by an EOS right after it) and cut like any other."""
+    d = IncrementalDetokenizer(_ByteTable(), [1], SamplingParams(stop=["x "]))
+    ids = [12, 10, 2] if by_token else [12, 10]
+    assert d.add_tokens(ids, finished=True, stopped_by_token=by_token) == ("y", "x ")
+    assert d.output_text == "y" and d.stop_reason == "x "
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens(byte_level, skip):
     im_end = byte_level.convert_tokens_to_ids("<|im_end|>")

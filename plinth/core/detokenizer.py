@@ -98,7 +98,10 @@ class IncrementalDetokenizer:
                     if stop is not None:
                         break
         if finished and stop is None:
-            self.output_text += self._flush()
+            tail = self._flush()   # text held back behind an incomplete character may hold a stop string too
+            self.output_text += tail
+            if tail and self._stops:
+                stop = self._check_stop(len(tail))
         if stop is not None or finished:
             self.finished = True
             end = len(self.output_text)

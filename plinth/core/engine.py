@@ -811,14 +811,13 @@ class LLMEngine:
             seq = seqs[rid]
             new = req.output_token_ids[before[rid]:]   # the tokens the request took (fewer when it stopped)
             by_token = ended and req.finish_reason == FinishReason.STOP   # the scheduler's verdict: its last token
-            by_grammar = False
             for i, tok in enumerate(new):
                 last = i == len(new) - 1
                 if req.matcher is not None and not ended:   # (a request with a grammar carries no drafts)
                     state = self._grammar_state(req, tok)
                     if state is not None:
                         self.scheduler.finish_request(rid, state)
-                        ended = by_grammar = True
+                        ended = True
                         if state == FinishReason.ABORT:
                             self._drop_refused_token(seq, req, before[rid] + i)
                             break
@@ -833,8 +832,9 @@ class LLMEngine:
                 elif not last or req.finish_reason == FinishReason.LENGTH:
                     # it ended at a later token, or at this one by length: the stop string comes first
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-                elif by_grammar and req.finish_reason == FinishReason.STOP:
-                    req.stop_reason = stop_str   # the grammar's last token also completed a stop string
+                elif req.finish_reason == FinishReason.STOP:
+                    # the grammar's end or the stop token came with a stop string (in text its last token flushed)
+                    req.stop_reason = stop_str
                 if not last:
                     req.truncate_output(before[rid] + i + 1)
                 break
@@ -942,12 +942,11 @@ class LLMEngine:
             if not ended and req.is_finished:
                 continue   # stopped or aborted while this step was in flight: its token is dropped
             by_token = ended and req.finish_reason == stop
-            by_grammar = False
             if req.matcher is not None and not ended:
                 state = self._grammar_state(req, tok)
                 if state is not None:   # complete (nothing but EOS could follow), or the matcher failed
                     self.scheduler.finish_request(rid, state)
-                    ended = by_grammar = True
+                    ended = True
                     if state == FinishReason.ABORT:
                         self._drop_refused_token(seqs[rid], req, req.num_output_tokens - 1)
                         touched[groups[rid].request_id] = groups[rid]
@@ -958,8 +957,9 @@ class LLMEngine:
                 if stop_str is not None and not ended:
                     self.scheduler.finish_request(rid, stop, stop_str)
                     ended = True
-                elif stop_str is not None and by_grammar and req.finish_reason == stop:
-                    req.stop_reason = stop_str   # the grammar's last token also completed a stop string
+                elif stop_str is not None and req.finish_reason == stop:
+                    # the grammar's end or the stop token came with a stop string (in text its last token flushed)
+                    req.stop_reason = stop_str
                 elif stop_str is not None and req.finish_reason == FinishReason.LENGTH:
                     # the last token allowed completed a stop string: the stop string is why it ended
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
