@@ -136,6 +136,19 @@ def test_chunked_prefill_small_budget(tiny_llama_dir, reference):
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
 
 
+def test_aborted_request_returns_the_text_held_back_for_a_stop_string(llm):
+    """Text held back because it could start a stop string is returned when the request is aborted."""
+    engine = llm.engine
+    tokenizer = llm.get_tokenizer()
+    engine.add_request("held", PROMPTS[1], greedy(stop=["\x00" * 40]))
+    for _ in range(6):
+        engine.step()
+    engine.abort_request("held")
+    out = [o for o in engine.step() if o.request_id == "held"][0].outputs[0]
+    assert out.finish_reason == "abort" and out.token_ids
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
 def test_abort_frees_all_blocks(tiny_llama_dir):
     llm = llm_for(tiny_llama_dir, enable_prefix_caching=False)
     engine = llm.engine

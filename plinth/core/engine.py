@@ -678,6 +678,9 @@ class LLMEngine:
             if group is None or group.aborted:
                 continue
             self.scheduler.abort([s.request.request_id for s in group.seqs])
+            for s in group.seqs:   # the text held back (a stop string's possible start) is returned, as at any end
+                if s.detok is not None:
+                    s.detok.flush()
             group.aborted = True
             self._aborted.append(group)
 
