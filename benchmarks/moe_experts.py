@@ -7,7 +7,14 @@ experts on the Triton grouped kernel instead of torch's grouped GEMMs).
 
 The shape defaults to one layer of Qwen3-30B-A3B (128 experts, top 8, hidden 2048, expert width 768).
 
+``--sweep-tiles`` also times every step that takes the Triton grouped kernel with each candidate of
+``--tile-candidates`` (``block_m/BLOCK_N/BLOCK_K/warps/stages``, comma-separated; rows per block of one expert,
+the weight tile, Triton's launch settings): ``tiles_N_tokens`` maps each to its ms (or the error it raised), with
+the output's relative RMS difference from the default tiles' (``tiles_N_tokens_max_rel_diff``), and
+``tiles_N_tokens_best`` names the fastest.
+
     python benchmarks/moe_experts.py [--device cpu|cuda] [--dtype float32|bfloat16] [--out results.json]
+    python benchmarks/moe_experts.py --device cuda --dtype bfloat16 --tokens 32,256,2048 --sweep-tiles
 """
 
 from __future__ import annotations
@@ -74,6 +81,42 @@ def time_it(fn, iters: int, sync) -> float:
     return statistics.median(times)
 
 
+#: ``block_m/BLOCK_N/BLOCK_K/warps/stages`` tried by ``--sweep-tiles`` (the first is the kernel's default)
+DEFAULT_TILE_CANDIDATES = ",".join(f"{m}/{t}" for m in (32, 16, 64) for t in ("64/64/4/2", "128/64/4/3",
+                                                                             "64/128/4/3", "128/128/8/3"))
+
+
+def parse_tiles(text: str) -> tuple[int, tuple[int, int, int, int]]:
+    """``"32/64/64/4/2"`` -> ``(32, (64, 64, 4, 2))``; powers of two for the block sizes and warps."""
+    parts = text.strip().split("/")
+    if len(parts) != 5 or not all(v.isdigit() and int(v) > 0 for v in parts):
+        raise ValueError(f"tile candidate {text!r}: expected block_m/BLOCK_N/BLOCK_K/warps/stages, positive integers")
+    block_m, block_n, block_k, warps, stages = (int(v) for v in parts)
+    if any(v & (v - 1) for v in (block_m, block_n, block_k, warps)):
+        raise ValueError(f"tile candidate {text!r}: block sizes and warps must be powers of two")
+    return block_m, (block_n, block_k, warps, stages)
+
+
+def sweep_tiles(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor, default_out: torch.Tensor,
+                candidates: list[tuple[int, tuple[int, int, int, int]]], iters: int, sync, tokens: int) -> dict:
+    """The layer's time with each grouped-kernel tile candidate (the same routing and inputs)."""
+    times: dict[str, float | str] = {}
+    worst = 0.0
+    for block_m, tiles in candidates:
+        key = "/".join(str(v) for v in (block_m, *tiles))
+        moe.grouped_kernel_tiles = (block_m, tiles)
+        try:
+            out = moe(x, logits).float()
+            worst = max(worst, float((out - default_out).norm() / default_out.norm()))
+            times[key] = round(1000 * time_it(lambda: moe(x, logits), iters, sync), 3)
+        except Exception as e:   # a candidate the device cannot run (shared memory, registers): recorded, skipped
+            times[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    moe.grouped_kernel_tiles = None
+    timed = {k: v for k, v in times.items() if isinstance(v, float)}
+    return {f"tiles_{tokens}_tokens": times, f"tiles_{tokens}_tokens_max_rel_diff": round(worst, 5),
+            f"tiles_{tokens}_tokens_best": min(timed, key=timed.get) if timed else None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -86,7 +129,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     p.add_argument("--out", default=None)
+    p.add_argument("--sweep-tiles", action="store_true", help="time the grouped kernel's tile candidates")
+    p.add_argument("--tile-candidates", default=DEFAULT_TILE_CANDIDATES,
+                   help="block_m/BLOCK_N/BLOCK_K/warps/stages, comma-separated")
     args = p.parse_args()
+    try:
+        candidates = [parse_tiles(c) for c in args.tile_candidates.split(",")] if args.sweep_tiles else []
+    except ValueError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     args.dtype = getattr(torch, args.dtype)
@@ -119,6 +169,8 @@ def main() -> None:
                     row[f"ms_{t}_tokens_{other}"] = round(1000 * time_it(lambda m=moe, x=x, lg=logits: m(x, lg),
                                                                          args.iters, sync), 3)
                     delattr(moe, off)
+                if candidates and moe.uses_grouped_kernel(x):
+                    row.update(sweep_tiles(moe, x, logits, out, candidates, args.iters, sync, t))
             if fmt == "float":
                 reference[t] = out
             else:

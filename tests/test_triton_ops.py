@@ -451,6 +451,9 @@ def test_moe_gemv_reads_fp8_experts(block, tokens):
     assert moe.uses_gemv(x) == (tokens < 5) and moe.uses_grouped_kernel(x) == (tokens >= 5)
     assert not moe.graph_capturable(torch.device("cpu"), torch.float32)
     got = moe(x, logits)
+    if tokens >= 5:   # other tiles for the grouped kernel (blocks of 16 rows, 32x32 weight tiles): the same sums
+        moe.grouped_kernel_tiles = (16, (32, 32, 2, 2))
+        torch.testing.assert_close(moe(x, logits), got, atol=1e-5, rtol=1e-5)
     moe.uses_gemv = moe.uses_grouped_kernel = lambda _x: False
     torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
 

@@ -326,6 +326,8 @@ def _expert_format(weight: torch.Tensor, k: int, block_k: int, scales: Any,
 
 #: rows of one expert a program of :func:`moe_grouped_gemm` multiplies (by default)
 MOE_GROUPED_BLOCK_M = 32
+#: :func:`moe_grouped_gemm`'s default ``(BLOCK_N, BLOCK_K, warps, stages)``
+MOE_GROUPED_TILES = (64, 64, 4, 2)
 
 
 class SortedSlots(NamedTuple):
@@ -353,7 +355,7 @@ def moe_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      sorted_blocks: SortedSlots, *, gather_div: int | None,
                      scatter_out: bool, scales: Any = None,
                      int_codes: tuple[int, int, torch.Tensor, torch.Tensor] | None = None,
-                     silu_mul_input: bool = False, tiles: tuple[int, int, int, int] = (64, 64, 4, 2)) -> torch.Tensor:
+                     silu_mul_input: bool = False, tiles: tuple[int, int, int, int] = MOE_GROUPED_TILES) -> torch.Tensor:
     """Every expert's slots times its weight, in blocks of up to :data:`MOE_GROUPED_BLOCK_M` slots of one expert,
     the weights widened in registers (FP8 ``scales``, ``int_codes`` as for :func:`moe_gemv`) and multiplied on the
     tensor cores (bfloat16/float16; float32 inputs in float32): the prefill-sized steps of mixture-of-experts
