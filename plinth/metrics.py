@@ -21,6 +21,7 @@ Metric names (all labelled with ``model_name``):
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -84,6 +85,21 @@ class ServerMetrics:
     def request(self) -> RequestTracker:
         """Start timing one engine request."""
         return RequestTracker(self)
+
+    def count_beam_search(self, prompt_lens: Sequence[int], beams: Sequence[Sequence[Any]] | None, error: bool,
+                          seconds: float) -> None:
+        """One beam search that ran (its rounds' engine requests are not counted one by one): each prompt counts
+        as one request, its prompt tokens once, the tokens of the beams returned for it as generated tokens, and
+        the best beam's finish reason (``beams`` None: cut short, ``abort``, or ``error``)."""
+        for i, n in enumerate(prompt_lens):
+            self.prompt_tokens.inc(n)
+            if beams is not None:
+                self.generation_tokens.inc(sum(len(b.token_ids) for b in beams[i]))
+                reason = str(beams[i][0].finish_reason) if beams[i] else "abort"
+            else:
+                reason = "error" if error else "abort"
+            self.e2e.observe(seconds)
+            self.count_finished(reason)
 
     def render(self, engine_stats: dict[str, Any] | None = None) -> bytes:
         """The exposition text, with the gauges refreshed from ``engine_stats`` first."""

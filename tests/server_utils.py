@@ -130,11 +130,12 @@ def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterat
         server.stop()
 
 
-def scrape_metrics(base_url: str) -> dict[str, float]:
-    """``/metrics`` as {sample name with labels: value} (labels sorted, model_name dropped)."""
+def scrape_metrics(base_url: str, client=None) -> dict[str, float]:
+    """``/metrics`` (of ``base_url``, or through a test ``client``) as {sample name with labels: value} (labels
+    sorted, model_name dropped)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    text = (client.get("/metrics") if client is not None else httpx.get(f"{base_url}/metrics", timeout=10.0)).text
     samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -146,7 +146,8 @@ def test_context_limit_array_prompts_and_wrong_parameters(tiny_llama_dir, llm):
 
 
 def test_server_use_beam_search(tiny_llama_dir, llm):
-    """vLLM's use_beam_search on both routes: the n best beams, as LLM.beam_search finds them."""
+    """vLLM's use_beam_search on both routes: the n best beams, as LLM.beam_search finds them, in the metrics."""
+    from server_utils import scrape_metrics
     from starlette.testclient import TestClient
 
     from plinth.config import EngineConfig
@@ -158,9 +159,17 @@ def test_server_use_beam_search(tiny_llama_dir, llm):
                                                 selection="off", served_model_name="tiny"))
     want = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
     with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        before = scrape_metrics("", http)
         r = http.post("/v1/completions", json={"prompt": PROMPTS[:2], "n": 3, "max_tokens": 6, "use_beam_search": True,
                                                "length_penalty": 0.5, "echo": True})
         assert r.status_code == 200, r.text
+        # counted as one request per prompt: its prompt tokens once, the returned beams' tokens, the best beam's end
+        after = scrape_metrics("", http)
+        delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        assert delta["plinth_prompt_tokens_total"] == r.json()["usage"]["prompt_tokens"]
+        assert delta["plinth_generation_tokens_total"] == r.json()["usage"]["completion_tokens"]
+        assert sum(v for k, v in delta.items() if k.startswith("plinth_requests_finished_total")) == 2
+        assert delta["plinth_e2e_request_latency_seconds_count"] == 2
         choices = r.json()["choices"]
         assert [c["index"] for c in choices] == list(range(6))
         assert [c["text"] for c in choices] == [p + b.text for p, o in zip(PROMPTS[:2], want, strict=True)

@@ -400,7 +400,9 @@ def test_server_loads_and_unloads_adapters(server_parts):
     _post(client, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["chat"])})
     first = _post(client, "/v1/completions", body)["choices"][0]["text"]
     err = _post(client, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["chat"])}, status=400)
-    assert err["error"]["param"] == "lora_name"
+    assert err["error"]["param"] == "lora_name" and err["error"]["code"] == "model_name_taken"
+    err = _post(client, "/v1/load_lora_adapter", {"lora_name": "", "lora_path": str(paths["chat"])}, status=400)
+    assert err["error"]["param"] == "lora_name" and "needs a name" in err["error"]["message"]
     err = _post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/adapter"}, status=400)
     assert "no such folder" in err["error"]["message"]
     _post(client, "/v1/unload_lora_adapter", {"lora_name": "chat"})

@@ -196,7 +196,10 @@ def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):
     pieces = ["<think>", "<think>let me", "<think>let me think</think>", "<think>let me think</think>\n\nAnswer",
               "<think>let me think</think>\n\nAnswer!"]
 
+    prompts = []
+
     async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None):   # outputs without an engine
+        prompts.append(list(ids))
         for i, text in enumerate(pieces):
             last = i == len(pieces) - 1
             yield RequestOutput(rid, None, list(ids), [CompletionOutput(0, text, list(range(i + 1)),
@@ -213,6 +216,14 @@ def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):
         out = Response.model_validate(raw)
         assert [item.type for item in out.output] == ["reasoning", "message"]
         assert out.output[0].content[0].text == "let me think" and out.output_text == "Answer!"   # as chat's content
+        # the reply's items sent back as the next turn's input: the reasoning item is left out of the conversation
+        again = http.post("/v1/responses", json={"model": "tiny", "input": [
+            {"role": "user", "content": "hi"}, *raw["output"], {"role": "user", "content": "more"}]})
+        assert again.status_code == 200, again.text
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Answer!"},
+            {"role": "user", "content": "more"}]})
+        assert chat.status_code == 200 and prompts[-1] == prompts[-2]
         with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
             payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     adapter = TypeAdapter(ResponseStreamEvent)

@@ -627,6 +627,7 @@ def test_malformed_json_unknown_model_and_route(server, client):
     assert_error(post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
                  404, "model", "model_not_found")
     assert_error(httpx.get(f"{server.base_url}/v1/models/gpt-9", headers=headers()), 404)
+    assert_error(httpx.get(f"{server.base_url}/v1/models/", headers=headers()), 404, "model", "model_not_found")
     assert_error(httpx.get(f"{server.base_url}/v1/nothing-here", headers=headers()), 404)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")

@@ -49,7 +49,7 @@ from plinth.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
-from plinth.entrypoints.openai.serving import ServerContext
+from plinth.entrypoints.openai.serving import LoRANameError, ServerContext
 from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_completion import create_completion
 from plinth.entrypoints.openai.serving_embedding import create_embedding
@@ -193,6 +193,9 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:
+        if not model:   # (an empty ``model`` field of a request means the base model; an empty id names none)
+            raise APIError(404, "no model id given: GET /v1/models/{id}", "not_found_error", "model",
+                           "model_not_found")
         ctx.check_model(model)
         return JSONResponse(card(model).model_dump())
 
@@ -204,11 +207,10 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
         check_lora_updates()
-        if body.lora_name in ctx.loras or body.lora_name in ctx.model_names:
-            raise bad_request(f"the model name {body.lora_name!r} is taken; unload that adapter first",
-                              "lora_name", "model_name_taken")
         try:
             await asyncio.to_thread(ctx.add_lora, body.lora_name, body.lora_path)
+        except LoRANameError as exc:
+            raise bad_request(str(exc), "lora_name", "model_name_taken" if exc.taken else None) from None
         except ValueError as exc:
             raise bad_request(str(exc), "lora_path") from None
         logger.info("serving LoRA adapter %r from %s", body.lora_name, body.lora_path)

@@ -10,6 +10,7 @@ import itertools
 import logging
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -21,7 +22,7 @@ from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.scheduler import QueueFullError, RequestRejectedError
 from plinth.core.structured import StructuredOutputError, grammar_of
-from plinth.entrypoints.beam_search import BeamSearchParams
+from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_async
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.streaming import unless_disconnected
@@ -41,6 +42,14 @@ MAX_CHARS_PER_TOKEN = MIN_CHARS_PER_TOKEN
 #: prompt text of a request with ``truncate_prompt_tokens`` may exceed the context (its tokens are cut to the last
 #: N): it is tokenized whole up to this many characters (~16 MiB of text, a few seconds of tokenizing)
 MAX_TRUNCATED_CHARS = 1 << 24
+
+
+class LoRANameError(ValueError):
+    """An adapter's name that cannot be served: empty, or ``taken`` by the base model or another adapter."""
+
+    def __init__(self, message: str, taken: bool):
+        super().__init__(message)
+        self.taken = taken
 
 
 @dataclasses.dataclass
@@ -130,12 +139,13 @@ class ServerContext:
         thread while serving.
 
         Raises:
-            ValueError: the name is taken (the base model's or another adapter's, or one being loaded), or the
-                adapter cannot be served.
+            LoRANameError: no name, or one taken (the base model's or another adapter's, or one being loaded).
+            ValueError: the adapter cannot be served.
         """
         with self._lora_lock:
             if not name or name in self.model_names or name in self.loras or name in self._loading:
-                raise ValueError(f"the model name {name!r} is taken" if name else "an adapter needs a name")
+                raise LoRANameError(f"the model name {name!r} is taken; unload that adapter first" if name
+                                    else "an adapter needs a name", taken=bool(name))
             self._loading.add(name)
             lora = LoRARequest(name, next(self._lora_ids), path)
         try:
@@ -313,6 +323,33 @@ class ServerContext:
                 tracker.discard()
             else:
                 tracker.close(error=error)
+
+
+    async def beam_search(self, request_id: str, starts: list[list[int]], params: BeamSearchParams,
+                          lora: LoRARequest | None) -> list[BeamSearchOutput]:
+        """:func:`beam_search_async` on the engine, counted in the metrics as one request per prompt
+        (:meth:`~plinth.metrics.ServerMetrics.count_beam_search`); a search refused on arrival counts nothing."""
+        if lora is not None and not self.front.has_lora(lora.lora_int_id):
+            await asyncio.to_thread(self.front.add_lora, lora)   # as generate() does
+        t0 = time.monotonic()
+        outs: list[BeamSearchOutput] | None = None
+        error = refused = False
+        try:
+            outs = await beam_search_async(self.front, request_id, starts, params, lora)
+            return outs
+        except asyncio.CancelledError:
+            raise
+        except (RequestRejectedError, QueueFullError):
+            refused = True
+            raise
+        except Exception:
+            error = True
+            raise
+        finally:
+            if not refused:
+                self.metrics.count_beam_search([len(s) for s in starts],
+                                               None if outs is None else [o.sequences for o in outs], error,
+                                               time.monotonic() - t0)
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from plinth.core.request import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
-from plinth.entrypoints.beam_search import beam_search_async
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -198,7 +197,7 @@ async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, pro
                        raw: Request, lora: LoRARequest | None, created: int) -> Response:
     room = ctx.default_room(max(len(p.token_ids) for p in prompts))
     beam = beam_search_params(req, req.max_tokens, "max_tokens", room, ctx.front.max_logprobs)
-    outs = await unless_disconnected(raw, beam_search_async(ctx.front, rid, [p.token_ids for p in prompts], beam, lora))
+    outs = await unless_disconnected(raw, ctx.beam_search(rid, [p.token_ids for p in prompts], beam, lora))
     choices = [CompletionChoice(index=i * req.n + j, text=(prompts[i].text if req.echo else "") + b.text,
                                 finish_reason=b.finish_reason)
                for i, out in enumerate(outs) for j, b in enumerate(out.sequences)]

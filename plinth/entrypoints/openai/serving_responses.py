@@ -9,7 +9,8 @@ API's server-sent events: ``response.created``, ``response.in_progress``, each i
 (``response.reasoning_text.delta``, ``response.output_text.delta``), its ``done`` events, then
 ``response.completed`` (``response.incomplete``; an ``error`` event and ``response.failed`` on a failure). Not
 supported (a 400 naming the field): tools, ``previous_response_id``
-(nothing is stored), ``background``, input items other than messages, content other than text.
+(nothing is stored), ``background``, input items other than messages, content other than text. ``reasoning``
+items (a reply's output sent back as the next request's input) are accepted and left out of the conversation.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, str]]:
         return [*messages, {"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            continue   # a reply's reasoning item sent back: left out, as chat templates drop earlier turns' thinking
         if kind != "message" or "role" not in item:
             raise bad_request(f"input[{i}]: items of type {kind!r} are not supported (messages only)", "input")
         role = _ROLES.get(item["role"]) if isinstance(item["role"], str) else None
