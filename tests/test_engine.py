@@ -149,6 +149,55 @@ def test_aborted_request_returns_the_text_held_back_for_a_stop_string(llm):
     assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
+def _failing_execute(engine, fail_on: int, exc: BaseException):
+    """Make the engine's executor raise ``exc`` on its ``fail_on``-th step (counting from 1), then run normally."""
+    real, calls = engine.executor.execute, [0]
+
+    def execute(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_on:
+            raise exc
+        return real(*args, **kwargs)
+
+    engine.executor.execute = execute
+
+
+@pytest.mark.parametrize("fail_on", [1, 4], ids=["first-chunk", "later-chunk"])
+@pytest.mark.parametrize("exc", [RuntimeError("out of memory (simulated)"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_llama_dir, reference, fail_on, exc):
+    """A step that raises (an error, Ctrl-C) ends its requests; the blocks registered for the tokens it was to
+    compute leave the prefix cache, those of earlier steps stay, so the same prompt again is computed right (a hit
+    on the unwritten blocks gave garbage tokens)."""
+    llm = llm_for(tiny_llama_dir, max_num_batched_tokens=4)   # the prompt in chunks of 4: one block per step
+    engine = llm.engine
+    _failing_execute(engine, fail_on, exc)
+    with pytest.raises(type(exc)):
+        llm.generate(PROMPTS[2], greedy(), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    again = llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == reference[2]
+    assert again.num_cached_tokens == 4 * (fail_on - 1)   # the chunks written before the failure
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tiny_llama_dir, reference):
+    """A direct LLMEngine user whose step raised: the requests of that step end (abort) instead of staying
+    unfinished for good, and later requests run normally."""
+    llm = llm_for(tiny_llama_dir)
+    engine = llm.engine
+    _failing_execute(engine, 3, RuntimeError("transient (simulated)"))
+    engine.add_request("a", PROMPTS[0], greedy())
+    engine.step()
+    engine.step()
+    with pytest.raises(RuntimeError, match="transient"):
+        engine.step()
+    outs = engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("a", True, "abort")]
+    assert not engine.has_unfinished_requests()
+    assert token_ids(llm.generate(PROMPTS[0], greedy(), use_tqdm=False)) == [reference[0]]
+
+
 def test_abort_frees_all_blocks(tiny_llama_dir):
     llm = llm_for(tiny_llama_dir, enable_prefix_caching=False)
     engine = llm.engine

@@ -277,6 +277,20 @@ def test_max_tokens_defaults_to_the_rest_of_max_model_len():
         assert full.max_tokens is None
 
 
+def test_min_tokens_beyond_what_the_kv_cache_leaves_is_refused():
+    """max_tokens unset is capped by what the KV cache holds: a min_tokens past that cap is refused (it was
+    silently cut short), one within it is kept."""
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=256)   # 3 usable blocks: 12 slots
+    r = Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=None, min_tokens=20))
+    with pytest.raises(RequestRejectedError, match=r"min_tokens \(20\) is more than the 9 tokens.*KV cache") as e:
+        sched.add_request(r)
+    assert e.value.param == "min_tokens"
+    ok = Request("ok", [1, 2, 3, 4], SamplingParams(max_tokens=None, min_tokens=9, ignore_eos=True))
+    sched.add_request(ok)
+    run(sched)
+    assert ok.num_output_tokens == 9
+
+
 def test_queue_full():
     """The cap counts the requests waiting beyond the running batch's free places: a burst at an idle engine fills
     the batch and then the queue."""

@@ -142,3 +142,51 @@ def test_a_caller_that_stops_reading_holds_one_output(model_dir):
         front.shutdown()
     assert count <= 2, count   # the mailbox's, and the engine thread's last step (300 were queued before)
     assert last.finished and len(last.outputs[0].token_ids) == 300
+
+
+def test_a_cancelled_duplicate_id_leaves_the_live_request_alone(model_dir):
+    """A second generate() with an id in use, cancelled before the engine answers it (its add then refused),
+    must not abort the live request that holds the id."""
+    import time
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", max_model_len=1024))
+    step = engine.step
+
+    def slow_step(*args, **kwargs):   # commands queue up while a step runs, as with a larger model
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    engine.step = slow_step
+    front = AsyncLLMEngine(engine)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main():
+        async def live():
+            last = None
+            async for out in front.generate("x", [5, 6, 7], params):
+                last = out
+            return last
+
+        a = asyncio.create_task(live())
+        await asyncio.sleep(0.2)   # "x" is running
+
+        async def duplicate():
+            async for _ in front.generate("x", [8, 9], params):
+                pass
+
+        b = asyncio.create_task(duplicate())
+        await asyncio.sleep(0)     # its add is queued...
+        b.cancel()                 # ...and its caller leaves before the engine refuses it
+        await asyncio.gather(b, return_exceptions=True)
+        return await a
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40

@@ -92,6 +92,7 @@ _ACCEPTED = object()   # sent to a request's queue when the engine takes it
 @dataclasses.dataclass
 class _Abort:
     request_id: str
+    sink: _Sink | None = None   # only the request this caller added (None: whichever holds the id)
 
 
 class AsyncLLMEngine:
@@ -235,15 +236,18 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not finished:   # this caller's request only: its add may yet be refused (an id in use)
+                self._abort(_Abort(request_id, sink))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its KV blocks are freed."""
+        self._abort(_Abort(request_id))
+
+    def _abort(self, command: _Abort) -> None:
         with self._lock:
             if self._dead is not None or self._stopping:
                 return   # a stopped engine holds no live requests (shutdown aborts them all)
-            self._commands.append(_Abort(request_id))
+            self._commands.append(command)
         self._wake.set()
 
     def stats(self) -> dict[str, Any]:
@@ -329,7 +333,8 @@ class AsyncLLMEngine:
         while self._commands:
             cmd = self._commands[0]   # popped only once handled, so a crash here still fails its caller
             if isinstance(cmd, _Abort):
-                self._engine.abort_request(cmd.request_id)
+                if cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:
+                    self._engine.abort_request(cmd.request_id)
             else:
                 try:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,

@@ -220,6 +220,20 @@ class BlockManager:
             chain = self._chains.setdefault(request.request_id, [])
             self._register_full_blocks(request, min(request.num_computed_tokens, request.num_tokens), chain)
 
+    def uncache_unwritten(self, request: Request, num_written: int) -> None:
+        """Take the request's blocks past its first ``num_written`` tokens out of the prefix cache: they were
+        registered when allocated for a step that failed, so their contents were never written (a hit on them
+        would read garbage)."""
+        if not self.enable_prefix_caching or not request.block_ids:
+            return
+        first = num_written // self.block_size
+        for block in request.block_ids[first:]:
+            if self._key[block] is not None:
+                self._uncache(block)
+        chain = self._chains.get(request.request_id)
+        if chain is not None:
+            del chain[first:]
+
     def free(self, request: Request) -> None:
         """Drop the request's references; its cached blocks stay reusable until evicted."""
         for block in reversed(request.block_ids):

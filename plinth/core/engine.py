@@ -718,7 +718,13 @@ class LLMEngine:
                 self._finish_in_flight(touched, final_only)
             out = self.scheduler.schedule()
             if out.scheduled:
-                self._execute(out, touched, final_only)
+                try:
+                    self._execute(out, touched, final_only)
+                except BaseException:
+                    # its tokens are lost (an error, an interrupt): its requests end rather than stay stuck
+                    # with computed tokens that were never written
+                    self._abort_after_failure([out])
+                    raise
             else:
                 self._batch_builder.release(out)
         outputs = []
@@ -905,6 +911,8 @@ class LLMEngine:
         for o in outs:
             for s in o.scheduled if o is not None else ():
                 s.request.num_pending_tokens = 0
+                # blocks registered in the prefix cache for this step's tokens may never have been written
+                self.block_manager.uncache_unwritten(s.request, s.num_computed_tokens)
         if groups:
             logger.error("a step failed with requests in flight; aborting %d request(s)", len(groups))
             self.abort_request(sorted(groups))

@@ -209,6 +209,13 @@ class Scheduler:
             room = bm.num_usable_blocks * bm.block_size - num_prompt + 1   # the last token needs no slot
             if 1 <= room < request.max_tokens:
                 request.max_tokens = room
+            min_tokens = request.sampling_params.min_tokens
+            if min_tokens > request.max_tokens:
+                raise RequestRejectedError(
+                    f"request {rid!r}: min_tokens ({min_tokens}) is more than the {request.max_tokens} tokens "
+                    f"the prompt ({num_prompt} tokens) leaves in this engine's "
+                    + ("KV cache" if request.max_tokens == room else f"max_model_len ({limit})")
+                    + "; lower min_tokens or shorten the prompt", param="min_tokens")
             if request.default_max_tokens is not None and request.max_tokens > request.default_max_tokens:
                 request.max_tokens = min(request.max_tokens,
                                          max(request.default_max_tokens, request.sampling_params.min_tokens))
