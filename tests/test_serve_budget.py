@@ -33,7 +33,7 @@ def platform(monkeypatch):
 
 def test_cpu_serving_gets_the_serving_budget(platform):
     config = serve_cmd.serving_config(serve_args())
-    assert config.scheduler.max_num_batched_tokens == serve_cmd.CPU_SERVE_TOKEN_BUDGET == 512
+    assert config.scheduler.max_num_batched_tokens == serve_cmd.CPU_SERVE_TOKEN_BUDGET == 256
     # every running stream's decode must fit in a step
     config = serve_cmd.serving_config(serve_args("--max-num-seqs", "600"))
     assert config.scheduler.max_num_batched_tokens == 600

@@ -8,7 +8,7 @@ Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings 
 On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests finish
 for up to --shutdown-timeout seconds, aborts the rest, and exits with status 0.
 
-On a CPU, --max-num-batched-tokens defaults to 512 here (2048 elsewhere): a step runs the decodes of
+On a CPU, --max-num-batched-tokens defaults to 256 here (2048 elsewhere): a step runs the decodes of
 every stream and the prefill chunks of new requests together, so the per-step token budget bounds how
 long a new prompt can hold up the streams already running (their inter-token latency).
 """
@@ -36,10 +36,12 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "PLINTH_API_KEY"
 
 #: ``plinth serve`` on a CPU: the per-step token budget (decodes plus prefill chunks) when
-#: --max-num-batched-tokens is not given. Measured on two cores with 32 streams of 256-token prompts:
-#: 2048 lets one step prefill eight new prompts (p99 inter-token latency ~1.9 s), 512 about two
-#: (p99 ~0.7 s) at the same output rate, 256 one (p99 ~0.5 s) at a third less output.
-CPU_SERVE_TOKEN_BUDGET = 512
+#: --max-num-batched-tokens is not given (at least --max-num-seqs, so every stream decodes each step). Measured on
+#: two AVX512-BF16 cores with vLLM's load client, 256-token prompts (benchmarks/RESULTS.md, session 44): 512 and 256
+#: give the same output rate (8 streams 270.5 / 268.3 tok/s, 32 streams 333.0 / 331.3) with p99 inter-token
+#: latencies of 348 / 200 ms and 385 / 223 ms; 128 costs 8-10% of the output (249.5, 298.1) for 132 / 146 ms.
+#: (Earlier code, with a costlier step: 2048 let one step prefill eight prompts, p99 ~1.9 s.)
+CPU_SERVE_TOKEN_BUDGET = 256
 
 
 class ServeError(UserFacingError):
