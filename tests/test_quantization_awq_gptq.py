@@ -181,6 +181,30 @@ def test_gptq_matches_reference(tiny_llama_dir, tmp_path, bits, desc_act, symmet
     compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
 
 
+@pytest.mark.parametrize("key,value", [
+    ("dynamic", {"-:.*mlp.*": {}, "+:.*self_attn.*": {"bits": 4, "group_size": 32}}),   # GPTQModel
+    ("modules_in_block_to_quantize", [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                                      ["self_attn.o_proj"]]),                                # transformers / optimum
+], ids=["dynamic", "modules_in_block"])
+def test_gptq_checkpoint_quantizing_only_some_modules(tiny_llama_dir, tmp_path, key, value):
+    """The keys that leave modules of a GPTQ checkpoint in floating point: the MLPs load as float weights."""
+    import json
+
+    from plinth.model_registry.layers.linear import UnquantizedLinearMethod
+
+    path, deq = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", 4, 32, False, False,
+                                quantize=lambda n: is_linear(n) and ".mlp." not in n)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"][key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    model, backend, method = load_plinth(path, gemm_kernel="dequant")
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.linear_method is method
+    assert isinstance(layer.mlp.down_proj.linear_method, UnquantizedLinearMethod)
+    floats = {n: w for n, w in float_state(tiny_llama_dir).items() if is_linear(n) and n not in deq}
+    compare(model, backend, reference_model(tiny_llama_dir, {**deq, **floats}), atol=1e-3, min_agreement=0.95)
+
+
 def test_gptq_default_kernel_choice(tiny_llama_dir, tmp_path):
     """With selection off the highest-priority kernel that runs here is taken (not the Triton one on a CPU)."""
     path, _ = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", 4, 32, False, False)
@@ -236,6 +260,10 @@ def test_tensor_parallel_shards_decode_to_slices(tiny_llama_dir, tmp_path, fmt):
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"quant_method": "awq", "bits": 8}, "awq: 8-bit checkpoints are not supported"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv' is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*mlp.*": {"bits": 8}}},
+     r"'dynamic' overrides for '\+:\.\*mlp\.\*' \(\{'bits': 8\}\) are not supported"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:(": {}}}, "'dynamic' key '-:\\(' is not a regular"),
+    ({"quant_method": "gptq", "bits": 4, "modules_in_block_to_quantize": "q_proj"}, "must be lists of module names"),
 ])
 def test_unsupported_settings_fail_at_load(tiny_llama_dir, tmp_path, config, message):
     path = write_checkpoint(tiny_llama_dir, tmp_path / "q", float_state(tiny_llama_dir), config)

@@ -52,6 +52,14 @@ def _schemes(lib: SimpleNamespace) -> dict[str, dict]:
                             input_activations=fp8_token),
         "fp8-tensor": dict(weights=args(num_bits=8, type="float", symmetric=True, strategy="tensor"),
                            input_activations=fp8_token),
+        # static per-tensor inputs (input_scale, and input_zero_point when the inputs are asymmetric, whatever the
+        # weights are): read, not used
+        "int8-w8a8-static-asym-inputs": dict(
+            weights=args(num_bits=8, type="int", symmetric=True, strategy="channel"),
+            input_activations=args(num_bits=8, type="int", symmetric=False, strategy="tensor", dynamic=False)),
+        "int8-w8a8-asym-static-inputs": dict(
+            weights=args(num_bits=8, type="int", symmetric=False, strategy="channel"),
+            input_activations=args(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)),
     }
 
 
@@ -97,6 +105,7 @@ def ct_checkpoint(base, out, scheme: str, ignore=("lm_head",)):
 @pytest.mark.parametrize("scheme,kernel", [
     ("w4a16-asym", "dequant"), ("w4a16-asym", "torch_int4pack"), ("w4a16-sym", "torch_int4pack"),
     ("w8a16-channel", "dequant"), ("int8-w8a8", "dequant"), ("fp8-channel", "dequant"), ("fp8-tensor", "dequant"),
+    ("int8-w8a8-static-asym-inputs", "dequant"), ("int8-w8a8-asym-static-inputs", "dequant"),
 ])
 def test_library_checkpoints_match_reference(tiny_llama_dir, tmp_path, scheme, kernel):
     path, deq = ct_checkpoint(tiny_llama_dir, tmp_path / scheme, scheme)

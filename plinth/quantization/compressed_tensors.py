@@ -61,6 +61,7 @@ class Scheme:
     block: tuple[int, int] | None
     activation: str | None      # None (weight-only), "int8_token", "fp8_token"
     static_input: bool          # input_scale (and input_zero_point) tensors present
+    input_symmetric: bool = True   # static inputs without input_zero_point tensors
 
 
 def _value(x: Any) -> Any:
@@ -79,7 +80,7 @@ def _scheme(group: Any, default_format: str | None) -> Scheme:
     if actorder not in (None, "weight", "static"):
         raise ConfigError(f"compressed-tensors: activation ordering {actorder!r} is not supported "
                           f"(checkpoints with actorder 'weight' are)")
-    activation, static = None, False
+    activation, static, input_symmetric = None, False, True
     if inputs is not None:
         itype, istrategy = _value(inputs.type), _value(inputs.strategy)
         if inputs.num_bits != 8 or itype != wtype or istrategy not in ("token", "tensor"):
@@ -87,9 +88,10 @@ def _scheme(group: Any, default_format: str | None) -> Scheme:
                               f"are not supported (8-bit, per token or per tensor, of the weights' type)")
         activation = "fp8_token" if itype == "float" else "int8_token"
         static = not inputs.dynamic
+        input_symmetric = bool(inputs.symmetric)
     block = tuple(weights.block_structure) if strategy == "block" and weights.block_structure else None
     return Scheme(fmt, wtype, int(weights.num_bits), strategy, weights.group_size, bool(weights.symmetric),
-                  block, activation, static)
+                  block, activation, static, input_symmetric)
 
 
 def parse_config(quant_config: dict[str, Any]) -> tuple[Scheme, list[list[str]], list[str]]:
@@ -217,8 +219,10 @@ class CompressedTensorsMethod(IntWeightMethod):
                 packed_parameter(layer, "weight_zero_point", (n, groups), torch.int8, scale_layout)
         packed_parameter(layer, "weight_scale", (n, groups), torch.float32, scale_layout)
         if s.static_input:
-            for name in ("input_scale",) if s.symmetric else ("input_scale", "input_zero_point"):
-                param = nn.Parameter(torch.empty(()), requires_grad=False)
+            for name in ("input_scale",) if s.input_symmetric else ("input_scale", "input_zero_point"):
+                # (the zero point is stored as an integer: an integer parameter takes it without a float check)
+                param = nn.Parameter(torch.empty((), dtype=torch.int8 if name == "input_zero_point" else torch.float32),
+                                     requires_grad=False)
                 param.weight_loader = _absorb  # type: ignore[attr-defined]
                 layer.register_parameter(name, param)
 

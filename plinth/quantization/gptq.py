@@ -17,6 +17,7 @@ group size ``g``:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -51,16 +52,61 @@ def sort_by_group(q: torch.Tensor, g_idx: torch.Tensor, group: int) -> tuple[tor
     return q[:, perm].contiguous(), perm
 
 
+def _dynamic_skips(dynamic: Any, base: dict[str, Any]) -> tuple[re.Pattern[str], ...]:
+    """GPTQModel's ``dynamic``: ``-:regex`` keys leave the modules they match (``re.match`` on the module name)
+    unquantized; other keys (``+:regex`` or ``regex``) may only repeat the checkpoint's own settings.
+
+    Raises:
+        ConfigError: not a mapping, a bad regex, or a per-module override (other bits, group size, act order or
+            symmetry), which plinth does not load."""
+    if not dynamic:
+        return ()
+    if not isinstance(dynamic, dict):
+        raise ConfigError(f"gptq: 'dynamic' must map module-name patterns to settings, got {type(dynamic).__name__}")
+    skips = []
+    for key, overrides in dynamic.items():
+        pattern = key[2:] if isinstance(key, str) and key[:2] in ("-:", "+:") else key
+        try:
+            compiled = re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ConfigError(f"gptq: 'dynamic' key {key!r} is not a regular expression ({exc})") from None
+        if isinstance(key, str) and key.startswith("-:"):
+            skips.append(compiled)
+            continue
+        changed = {k: v for k, v in (overrides or {}).items() if k not in base or base[k] != v} \
+            if isinstance(overrides, dict) else overrides
+        if changed:
+            raise ConfigError(f"gptq: 'dynamic' overrides for {key!r} ({changed}) are not supported; only '-:' "
+                              f"patterns (modules left unquantized) are")
+    return tuple(skips)
+
+
+def _block_modules(modules: Any) -> tuple[str, ...] | None:
+    """``modules_in_block_to_quantize`` (lists of module names within a decoder block), flattened."""
+    if modules is None:
+        return None
+    flat = [m for group in modules for m in (group if isinstance(group, list) else [group])] \
+        if isinstance(modules, list) else None
+    if flat is None or not flat or not all(isinstance(m, str) and m for m in flat):
+        raise ConfigError(f"gptq: 'modules_in_block_to_quantize' must be lists of module names, got {modules!r}")
+    return tuple(flat)
+
+
 class GPTQMethod(IntWeightMethod):
     """GPTQ 4-bit (W4A16 kernels) and 8-bit (dequantize kernel)."""
 
     name = "gptq"
 
     def __init__(self, ctx: QuantContext, *, bits: int, group_size: int | None, desc_act: bool, symmetric: bool,
-                 zero_offset: int, skip: tuple[str, ...] = ()):
+                 zero_offset: int, skip: tuple[str, ...] = (), skip_patterns: tuple[re.Pattern[str], ...] = (),
+                 block_modules: tuple[str, ...] | None = None):
         super().__init__(ctx, bits=bits, group_size=group_size, symmetric=symmetric, act_order=desc_act)
         self.zero_offset = zero_offset
         self.skip = skip
+        #: ``dynamic`` keys ``-:regex`` (GPTQModel): modules whose names match stay unquantized
+        self.skip_patterns = skip_patterns
+        #: ``modules_in_block_to_quantize`` (transformers/optimum), flattened: the only modules of a block quantized
+        self.block_modules = block_modules
 
     @classmethod
     def from_config(cls, quant_config: dict[str, Any] | None, ctx: QuantContext) -> GPTQMethod:
@@ -79,12 +125,18 @@ class GPTQMethod(IntWeightMethod):
         if desc_act and group is not None and ctx.tp_size > 1:
             raise ConfigError("gptq: act-order (desc_act) checkpoints with groups run with tensor-parallel size 1 "
                               "only")
-        return cls(ctx, bits=bits, group_size=group, desc_act=desc_act and group is not None,
-                   symmetric=bool(quant_config.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0,
-                   skip=skip_list(quant_config))
+        symmetric = bool(quant_config.get("sym", True))
+        return cls(ctx, bits=bits, group_size=group, desc_act=desc_act and group is not None, symmetric=symmetric,
+                   zero_offset=1 if fmt == "gptq" else 0, skip=skip_list(quant_config),
+                   skip_patterns=_dynamic_skips(quant_config.get("dynamic"), {
+                       "bits": bits, "group_size": quant_config.get("group_size", 128), "desc_act": desc_act,
+                       "sym": symmetric}),
+                   block_modules=_block_modules(quant_config.get("modules_in_block_to_quantize")))
 
     def applies_to(self, name: str) -> bool:
-        return not name_in(name, self.skip)
+        if name_in(name, self.skip) or any(p.match(name) for p in self.skip_patterns):
+            return False
+        return self.block_modules is None or any(name.endswith(f".{m}") for m in self.block_modules)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
         per_word = 32 // self.bits
