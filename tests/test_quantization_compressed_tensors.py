@@ -57,6 +57,11 @@ def _schemes(lib: SimpleNamespace) -> dict[str, dict]:
         "int8-w8a8-static-asym-inputs": dict(
             weights=args(num_bits=8, type="int", symmetric=True, strategy="channel"),
             input_activations=args(num_bits=8, type="int", symmetric=False, strategy="tensor", dynamic=False)),
+        # llm-compressor's FP8_BLOCK: block weights, FP8 inputs per group (run per token)
+        "fp8-block-group-inputs": dict(
+            weights=args(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 32]),
+            input_activations=args(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32,
+                                   dynamic=True)),
         "int8-w8a8-asym-static-inputs": dict(
             weights=args(num_bits=8, type="int", symmetric=False, strategy="channel"),
             input_activations=args(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)),
@@ -65,6 +70,10 @@ def _schemes(lib: SimpleNamespace) -> dict[str, dict]:
 
 def _observe(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     """Min/max per the scheme's strategy (what llm-compressor's observers compute)."""
+    if args.strategy == "block":
+        bn, bk = args.block_structure
+        blocks = weight.reshape(weight.shape[0] // bn, bn, weight.shape[1] // bk, bk)
+        return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
     if args.strategy == "group":
         grouped = weight.reshape(weight.shape[0], -1, args.group_size)
         return grouped.amin(-1), grouped.amax(-1)
@@ -106,6 +115,7 @@ def ct_checkpoint(base, out, scheme: str, ignore=("lm_head",)):
     ("w4a16-asym", "dequant"), ("w4a16-asym", "torch_int4pack"), ("w4a16-sym", "torch_int4pack"),
     ("w8a16-channel", "dequant"), ("int8-w8a8", "dequant"), ("fp8-channel", "dequant"), ("fp8-tensor", "dequant"),
     ("int8-w8a8-static-asym-inputs", "dequant"), ("int8-w8a8-asym-static-inputs", "dequant"),
+    ("fp8-block-group-inputs", "dequant"),
 ])
 def test_library_checkpoints_match_reference(tiny_llama_dir, tmp_path, scheme, kernel):
     path, deq = ct_checkpoint(tiny_llama_dir, tmp_path / scheme, scheme)

@@ -83,9 +83,13 @@ def _scheme(group: Any, default_format: str | None) -> Scheme:
     activation, static, input_symmetric = None, False, True
     if inputs is not None:
         itype, istrategy = _value(inputs.type), _value(inputs.strategy)
-        if inputs.num_bits != 8 or itype != wtype or istrategy not in ("token", "tensor"):
+        # FP8 block weights with dynamic FP8 inputs per group (llm-compressor's FP8_BLOCK scheme): the inputs are
+        # scaled per token, as for DeepSeek-style FP8 block checkpoints (quant_method fp8)
+        block_groups = itype == "float" and strategy == "block" and istrategy == "group" and inputs.dynamic
+        if inputs.num_bits != 8 or itype != wtype or (istrategy not in ("token", "tensor") and not block_groups):
             raise ConfigError(f"compressed-tensors: input activations {itype}{inputs.num_bits} per {istrategy} "
-                              f"are not supported (8-bit, per token or per tensor, of the weights' type)")
+                              f"are not supported (8-bit, per token or per tensor, of the weights' type; FP8 per "
+                              f"group with FP8 block weights)")
         activation = "fp8_token" if itype == "float" else "int8_token"
         static = not inputs.dynamic
         input_symmetric = bool(inputs.symmetric)
