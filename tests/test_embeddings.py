@@ -115,6 +115,12 @@ def test_prefix_cache_dimensions_and_errors(model_dir):
     np.testing.assert_allclose(cut, raw[:16] / np.linalg.norm(raw[:16]), atol=2e-5)
     plain = llm.embed(PROMPTS[1], PoolingParams(normalize=False))[0].outputs.embedding
     np.testing.assert_allclose(plain, raw, atol=1e-4, rtol=1e-4)
+    # one PoolingParams per prompt
+    both = llm.embed([PROMPTS[1], PROMPTS[1]], [PoolingParams(dimensions=16), PoolingParams(normalize=False)])
+    np.testing.assert_allclose(both[0].outputs.embedding, cut, atol=1e-6)
+    np.testing.assert_allclose(both[1].outputs.embedding, plain, atol=1e-6)
+    with pytest.raises(ValueError, match="got 1 pooling params for 2 prompts"):
+        llm.embed([PROMPTS[1], PROMPTS[1]], [PoolingParams()])
     with pytest.raises(RequestRejectedError, match="dimensions is 65, but this model's embeddings have 64"):
         llm.embed("x", PoolingParams(dimensions=65))
     with pytest.raises(ValueError, match="dimensions must be a positive integer"):

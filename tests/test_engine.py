@@ -496,3 +496,52 @@ def test_each_output_keeps_the_metrics_of_its_step(llm):
     assert firsts[0].metrics is not firsts[-1].metrics
     assert firsts[-1].metrics.last_token_time > firsts[0].metrics.last_token_time
     assert firsts[-1].metrics.finished_time is not None and firsts[0].metrics.finished_time is None
+
+
+def test_generate_from_two_threads(llm, reference):
+    """Two threads sharing one LLM: each gets its own outputs (one steps the engine at a time; before, a thread
+    could drop the other's finished requests and leave it waiting for ever)."""
+    import threading
+
+    results: dict[int, list[list[int]]] = {}
+
+    def work(i: int) -> None:
+        results[i] = token_ids(llm.generate(PROMPTS * 3, greedy(), use_tqdm=False))
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert results == {0: reference * 3, 1: reference * 3}
+
+
+def test_prompt_arrays_and_numpy_parameters(llm, reference):
+    """A numpy array (or tensor) of strings is a list of prompts, one of integers a token-id prompt; numpy scalars
+    are taken as SamplingParams values; a list of params holds SamplingParams only; n is bounded."""
+    import numpy as np
+
+    got = llm.generate(np.array(PROMPTS[:2]), greedy(), use_tqdm=False)
+    assert token_ids(got) == reference[:2]
+    ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    assert token_ids(llm.generate(np.array(ids), greedy(), use_tqdm=False)) == reference[:1]
+    assert token_ids(llm.generate(torch.tensor(ids), greedy(), use_tqdm=False)) == reference[:1]
+    params = SamplingParams(temperature=np.float32(0.0), top_p=np.float32(1.0), max_tokens=np.int64(MAX_TOKENS),
+                            ignore_eos=True, stop_token_ids=np.array([6]))
+    assert type(params.temperature) is float and type(params.max_tokens) is int and params.stop_token_ids == [6]
+    with pytest.raises(SamplingParamsError, match="n: must be at most 1024"):
+        SamplingParams(n=2 ** 62)
+    for bad in (dict(seed=True), dict(stop_token_ids=[True])):
+        with pytest.raises(SamplingParamsError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
+        llm.generate(PROMPTS[:2], [greedy(), None], use_tqdm=False)
+
+
+def test_chat_template_kwargs_may_not_repeat_chat_arguments(llm):
+    conversation = [{"role": "user", "content": "Hi"}]
+    for key in ("add_generation_prompt", "tools", "tokenize"):
+        with pytest.raises(ValueError, match=f"template_kwargs may not set {key}"):
+            llm.chat(conversation, greedy(2), chat_template_kwargs={key: False}, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -138,6 +138,14 @@ def _needs_sync_steps(params: SamplingParams) -> bool:
             or params.structured_outputs is not None or bool(params.bad_words))
 
 
+#: ``apply_chat_template`` arguments that ``render_chat`` sets itself (or that would make it return something else
+#: than the rendered text): not template variables, so not accepted among ``template_kwargs``
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class LLMEngine:
     """The engine core, used in-process by ``plinth.LLM`` and by the server's engine loop.
 
@@ -366,6 +374,9 @@ class LLMEngine:
         after it); ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+        if reserved:
+            raise ValueError(f"template_kwargs may not set {', '.join(reserved)} (arguments of their own)")
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the model has no chat template; pass one with --chat-template")

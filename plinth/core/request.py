@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import functools
 import math
+import numbers
 import time
 from typing import Any
 
@@ -74,8 +75,11 @@ class SamplingParams:
     #: no position holds more alternatives than this, whatever the engine allows
     LOGPROBS_CEILING = 1 << 20
     MAX_LOGIT_BIAS = 100.0
+    #: the most samples one request may ask for (each is a sequence of its own in the engine)
+    MAX_N = 1024
 
     def __post_init__(self) -> None:
+        self._plain_numbers()
         self._lists()
         self.logit_bias = _token_bias(self.logit_bias)
         if isinstance(self.bad_words, str):
@@ -91,6 +95,20 @@ class SamplingParams:
             raise SamplingParamsError(structured.PARAM, str(exc)) from None
         self.validate()
 
+    _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed")
+
+    def _plain_numbers(self) -> None:
+        """numpy (or other) scalars as Python floats and ints, as vLLM takes them (booleans stay refused)."""
+        for names, kind, cast in ((self._REAL_FIELDS, numbers.Real, float), (self._INT_FIELDS, numbers.Integral, int)):
+            for name in names:
+                value = getattr(self, name)
+                if isinstance(value, kind) and type(value) not in (int, float) and not isinstance(value, bool):
+                    setattr(self, name, cast(value))
+        ids = self.stop_token_ids
+        if isinstance(ids, numbers.Integral) and not isinstance(ids, int | bool):
+            self.stop_token_ids = int(ids)
+
     def _lists(self) -> None:
         """``stop`` and ``stop_token_ids`` as lists (a single string or id accepted as one item)."""
         if isinstance(self.stop, str):
@@ -100,9 +118,11 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             try:
-                setattr(self, name, list(value or []))
+                setattr(self, name, list(value if value is not None else []))
             except TypeError:
                 raise SamplingParamsError(name, f"must be a list, got {type(value).__name__}") from None
+        self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                               for t in self.stop_token_ids]
 
     def recheck(self) -> None:
         """:meth:`validate` again, for values changed after construction (the engine calls it when a request
@@ -130,6 +150,7 @@ class SamplingParams:
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
         check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        check(self.n <= self.MAX_N, "n", f"must be at most {self.MAX_N}, got {self.n}")
         check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
               f"must be a finite number >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -144,12 +165,13 @@ class SamplingParams:
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed",
+              f"must be an integer, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(self.detokenize or not self.stop, "stop", "stop strings are matched in the text: they need "
               "detokenize=True")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "must be non-negative integers")
+        check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", "must be non-negative integers")
         ids = self.allowed_token_ids
         check(ids is None or (isinstance(ids, list) and ids and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)), "allowed_token_ids",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,10 +52,20 @@ def _per_prompt_loras(lora_request: Any, count: int) -> list[Any]:
     return loras
 
 
+def _integer_dtype(array: Any) -> bool:
+    """A numpy array's or tensor's elements are integers (token ids), not strings or objects."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is None:
+        return False
+    if hasattr(dtype, "is_floating_point"):   # a torch dtype
+        return not dtype.is_floating_point and not dtype.is_complex and str(dtype) != "torch.bool"
+    return getattr(dtype, "kind", "") in ("i", "u")
+
+
 def _prompt_list(prompts: Any) -> list[Any]:
     """One prompt (a string, a list of token ids, a 1-D numpy array or tensor of them, a dict) or several,
     as a list of strings and token-id lists."""
-    if getattr(prompts, "ndim", None) == 1:   # a numpy array or tensor of token ids: one prompt
+    if getattr(prompts, "ndim", None) == 1 and _integer_dtype(prompts):   # numpy / torch token ids: one prompt
         return [prompts.tolist()]
     if isinstance(prompts, str | dict) or (isinstance(prompts, Sequence) and prompts
                                            and isinstance(prompts[0], numbers.Integral)):
@@ -99,6 +110,7 @@ class LLM:
             config = pm.apply_engine_config_overrides(config, dict(kwargs, model=model))
             self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._lock = threading.RLock()   # generate/embed from several threads: one steps the engine at a time
         # stops the workers once: on close(), when the engine is collected, or at interpreter exit
         self._finalizer = weakref.finalize(self.engine, self.engine.executor.shutdown)
 
@@ -149,13 +161,23 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+            odd = next((p for p in params_list if not isinstance(p, SamplingParams)), params_list)
+            if odd is not params_list:
+                raise ValueError(f"sampling_params must be SamplingParams (one, or one per prompt), got {odd!r}")
         if priority is not None and (isinstance(priority, str) or not hasattr(priority, "__len__")):
             raise ValueError(f"priority must be a list of integers, one per prompt, got {priority!r}")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         loras = _per_prompt_loras(lora_request, len(prompts))
-        return self._run(self._submit(zip(prompts, params_list, priorities, loras, strict=True)), use_tqdm)
+        return self._submit_and_run(zip(prompts, params_list, priorities, loras, strict=True), use_tqdm)
+
+    def _submit_and_run(self, requests: Any, use_tqdm: bool) -> list[Any]:
+        """Queue the requests and step the engine until they finish. One caller at a time: the stepping caller
+        takes only its own requests' outputs, so another thread's would be lost and that thread would wait for
+        ever."""
+        with self._lock:
+            return self._run(self._submit(requests), use_tqdm)
 
     def _submit(self, requests: Any) -> list[str]:
         """Queue ``(prompt, params, priority, lora_request)`` tuples; their ids. A rejected prompt leaves none of
@@ -173,7 +195,8 @@ class LLM:
             raise
         return ids
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """Embeddings of ``prompts`` (an engine made with ``task="embed"``), in prompt order: each output's
@@ -186,11 +209,16 @@ class LLM:
             from plinth.core.scheduler import RequestRejectedError
 
             raise RequestRejectedError("LLM.embed needs an embedding engine: LLM(model, task='embed')")
-        params = pooling_params or PoolingParams()
         prompts = _prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
         loras = _per_prompt_loras(lora_request, len(prompts))
-        ids = self._submit((prompt, params, 0, lora) for prompt, lora in zip(prompts, loras, strict=True))
-        return self._run(ids, use_tqdm)   # type: ignore[return-value]
+        return self._submit_and_run(((prompt, params, 0, lora) for prompt, lora, params
+                                     in zip(prompts, loras, params_list, strict=True)), use_tqdm)
 
     def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *,
               lora_request: LoRARequest | None = None, use_tqdm: bool = True) -> list[float]:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from plinth.core.engine import RESERVED_TEMPLATE_KWARGS
 from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.openai.errors import bad_request
@@ -153,10 +154,6 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | Non
 
 
 #: apply_chat_template's own parameters, which chat_template_kwargs may not set
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools: list[dict[str, Any]] | None) -> str:
@@ -165,7 +162,7 @@ def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools:
     ``messages``."""
     messages = chat_messages(req.messages)
     kwargs = req.chat_template_kwargs or {}
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    reserved = sorted((RESERVED_TEMPLATE_KWARGS | {"documents"}) & set(kwargs))   # documents: a request field
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (request fields of their own)",
                           "chat_template_kwargs")
