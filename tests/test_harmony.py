@@ -229,7 +229,7 @@ def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
 def test_beam_search_replies_keep_the_markers_for_the_parser(http, monkeypatch):
     """A beam's text is decoded with special tokens when the reasoning parser reads them (beams decode without)."""
     from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSequence
-    from plinth.entrypoints.openai import serving_chat
+    from plinth.entrypoints.openai import serving
 
     client, _ = http
     tokenizer = client.app.state.ctx.front.tokenizer
@@ -240,7 +240,7 @@ def test_beam_search_replies_keep_the_markers_for_the_parser(http, monkeypatch):
     async def fake(front, rid, prompts, params, lora=None):
         return [BeamSearchOutput(list(prompts[0]), [beam])]
 
-    monkeypatch.setattr(serving_chat, "beam_search_async", fake)
+    monkeypatch.setattr(serving, "beam_search_async", fake)   # what ServerContext.beam_search runs
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 20, "use_beam_search": True,
                                                    "n": 1, "best_of": 1}).json()
     msg = r["choices"][0]["message"]
