@@ -188,12 +188,15 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tiny_llama_dir, 
     engine = llm.engine
     _failing_execute(engine, 3, RuntimeError("transient (simulated)"))
     engine.add_request("a", PROMPTS[0], greedy())
+    engine.add_request("b", PROMPTS[1], greedy())
     engine.step()
     engine.step()
+    engine.abort_request("b")   # to be reported by the step that fails: reported by the next one instead
     with pytest.raises(RuntimeError, match="transient"):
         engine.step()
     outs = engine.step()
-    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("a", True, "abort")]
+    assert sorted((o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs) == [
+        ("a", True, "abort"), ("b", True, "abort")]
     assert not engine.has_unfinished_requests()
     assert token_ids(llm.generate(PROMPTS[0], greedy(), use_tqdm=False)) == [reference[0]]
 
@@ -527,7 +530,7 @@ def test_prompt_arrays_and_numpy_parameters(llm, reference):
     ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
     assert token_ids(llm.generate(np.array(ids), greedy(), use_tqdm=False)) == reference[:1]
     assert token_ids(llm.generate(torch.tensor(ids), greedy(), use_tqdm=False)) == reference[:1]
-    params = SamplingParams(temperature=np.float32(0.0), top_p=np.float32(1.0), max_tokens=np.int64(MAX_TOKENS),
+    params = SamplingParams(temperature=np.float32(0.0), top_p=np.float32(1.0), max_tokens=np.int64(MAX_TOKENS), logprobs=np.int64(2),
                             ignore_eos=True, stop_token_ids=np.array([6]))
     assert type(params.temperature) is float and type(params.max_tokens) is int and params.stop_token_ids == [6]
     with pytest.raises(SamplingParamsError, match="n: must be at most 1024"):

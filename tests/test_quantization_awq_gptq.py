@@ -183,9 +183,12 @@ def test_gptq_matches_reference(tiny_llama_dir, tmp_path, bits, desc_act, symmet
 
 @pytest.mark.parametrize("key,value", [
     ("dynamic", {"-:.*mlp.*": {}, "+:.*self_attn.*": {"bits": 4, "group_size": 32}}),   # GPTQModel
+    # in order, the first match decides (attention quantized before '-:.*' skips the rest); keys that only
+    # steered the quantization are no override
+    ("dynamic", {"+:.*self_attn.*": {"damp_percent": 0.05}, "-:.*": {}}),
     ("modules_in_block_to_quantize", [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                       ["self_attn.o_proj"]]),                                # transformers / optimum
-], ids=["dynamic", "modules_in_block"])
+], ids=["dynamic", "dynamic-first-match", "modules_in_block"])
 def test_gptq_checkpoint_quantizing_only_some_modules(tiny_llama_dir, tmp_path, key, value):
     """The keys that leave modules of a GPTQ checkpoint in floating point: the MLPs load as float weights."""
     import json

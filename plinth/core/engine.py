@@ -722,22 +722,14 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         touched: dict[str, _Group] = {g.request_id: g for g in self._aborted}
         self._aborted.clear()
-        if self.async_scheduling and not self._sync_groups:
-            self._step_async(touched, final_only)
-        else:
-            if self._in_flight is not None:   # drain: the next step needs the host to know every token
-                self._finish_in_flight(touched, final_only)
-            out = self.scheduler.schedule()
-            if out.scheduled:
-                try:
-                    self._execute(out, touched, final_only)
-                except BaseException:
-                    # its tokens are lost (an error, an interrupt): its requests end rather than stay stuck
-                    # with computed tokens that were never written
-                    self._abort_after_failure([out])
-                    raise
-            else:
-                self._batch_builder.release(out)
+        try:
+            self._schedule_and_run(touched, final_only)
+        except BaseException:
+            # the requests this step was to report (aborted, or finished by the step before) go to the next one
+            kept = {id(g) for g in self._aborted}
+            self._aborted.extend(g for g in touched.values() if id(g) not in kept and g.request_id in self._groups
+                                 and (g.aborted or g.finished))
+            raise
         outputs = []
         for g in touched.values():
             if final_only and not g.finished:
@@ -754,6 +746,25 @@ class LLMEngine:
             except Exception:
                 logger.exception("reading back the last step in flight failed")
         return outputs
+
+    def _schedule_and_run(self, touched: dict[str, _Group], final_only: bool) -> None:
+        """One step's scheduling and execution (asynchronous or not), noting the groups to report in ``touched``."""
+        if self.async_scheduling and not self._sync_groups:
+            self._step_async(touched, final_only)
+        else:
+            if self._in_flight is not None:   # drain: the next step needs the host to know every token
+                self._finish_in_flight(touched, final_only)
+            out = self.scheduler.schedule()
+            if out.scheduled:
+                try:
+                    self._execute(out, touched, final_only)
+                except BaseException:
+                    # its tokens are lost (an error, an interrupt): its requests end rather than stay stuck
+                    # with computed tokens that were never written
+                    self._abort_after_failure([out])
+                    raise
+            else:
+                self._batch_builder.release(out)
 
     def _make_sampling_batch(self, reqs: list[Request]) -> Callable[[torch.device], Any] | None:
         sampling = self._sampling

@@ -96,7 +96,7 @@ class SamplingParams:
         self.validate()
 
     _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-    _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed")
+    _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
 
     def _plain_numbers(self) -> None:
         """numpy (or other) scalars as Python floats and ints, as vLLM takes them (booleans stay refused)."""

@@ -213,7 +213,10 @@ class LLM:
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
-            params_list = list(pooling_params)
+            params_list = list(pooling_params) if isinstance(pooling_params, list | tuple) else [pooling_params]
+            odd = next((p for p in params_list if not isinstance(p, PoolingParams)), params_list)
+            if odd is not params_list:
+                raise ValueError(f"pooling_params must be PoolingParams (one, or one per prompt), got {odd!r}")
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
         loras = _per_prompt_loras(lora_request, len(prompts))

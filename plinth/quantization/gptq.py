@@ -52,33 +52,39 @@ def sort_by_group(q: torch.Tensor, g_idx: torch.Tensor, group: int) -> tuple[tor
     return q[:, perm].contiguous(), perm
 
 
-def _dynamic_skips(dynamic: Any, base: dict[str, Any]) -> tuple[re.Pattern[str], ...]:
-    """GPTQModel's ``dynamic``: ``-:regex`` keys leave the modules they match (``re.match`` on the module name)
-    unquantized; other keys (``+:regex`` or ``regex``) may only repeat the checkpoint's own settings.
+#: the ``dynamic`` override keys that change how a module's tensors are stored (others, such as ``damp_percent``,
+#: only steered the quantization)
+_STORAGE_KEYS = ("bits", "group_size", "desc_act", "sym")
+
+
+def _dynamic_rules(dynamic: Any, base: dict[str, Any]) -> tuple[tuple[re.Pattern[str], bool], ...]:
+    """GPTQModel's ``dynamic``, as ``(pattern, skip)`` rules tried in order on a module's name (``re.match``; the
+    first that matches decides, as GPTQModel and vLLM do): ``-:regex`` leaves the module unquantized, ``+:regex``
+    or ``regex`` quantizes it, with overrides that may only repeat the checkpoint's storage settings.
 
     Raises:
-        ConfigError: not a mapping, a bad regex, or a per-module override (other bits, group size, act order or
-            symmetry), which plinth does not load."""
+        ConfigError: not a mapping, a bad regex, or an override of bits, group size, act order or symmetry,
+            which plinth does not load."""
     if not dynamic:
         return ()
     if not isinstance(dynamic, dict):
         raise ConfigError(f"gptq: 'dynamic' must map module-name patterns to settings, got {type(dynamic).__name__}")
-    skips = []
+    rules = []
     for key, overrides in dynamic.items():
         pattern = key[2:] if isinstance(key, str) and key[:2] in ("-:", "+:") else key
         try:
             compiled = re.compile(pattern)
         except (re.error, TypeError) as exc:
             raise ConfigError(f"gptq: 'dynamic' key {key!r} is not a regular expression ({exc})") from None
-        if isinstance(key, str) and key.startswith("-:"):
-            skips.append(compiled)
-            continue
-        changed = {k: v for k, v in (overrides or {}).items() if k not in base or base[k] != v} \
-            if isinstance(overrides, dict) else overrides
-        if changed:
-            raise ConfigError(f"gptq: 'dynamic' overrides for {key!r} ({changed}) are not supported; only '-:' "
-                              f"patterns (modules left unquantized) are")
-    return tuple(skips)
+        skip = isinstance(key, str) and key.startswith("-:")
+        if not skip:
+            changed = {k: v for k, v in overrides.items() if k in _STORAGE_KEYS and base[k] != v} \
+                if isinstance(overrides, dict) else overrides
+            if changed:
+                raise ConfigError(f"gptq: 'dynamic' overrides for {key!r} ({changed}) are not supported; only "
+                                  f"'-:' patterns (modules left unquantized) and the checkpoint's own settings are")
+        rules.append((compiled, skip))
+    return tuple(rules)
 
 
 def _block_modules(modules: Any) -> tuple[str, ...] | None:
@@ -98,13 +104,14 @@ class GPTQMethod(IntWeightMethod):
     name = "gptq"
 
     def __init__(self, ctx: QuantContext, *, bits: int, group_size: int | None, desc_act: bool, symmetric: bool,
-                 zero_offset: int, skip: tuple[str, ...] = (), skip_patterns: tuple[re.Pattern[str], ...] = (),
+                 zero_offset: int, skip: tuple[str, ...] = (),
+                 dynamic_rules: tuple[tuple[re.Pattern[str], bool], ...] = (),
                  block_modules: tuple[str, ...] | None = None):
         super().__init__(ctx, bits=bits, group_size=group_size, symmetric=symmetric, act_order=desc_act)
         self.zero_offset = zero_offset
         self.skip = skip
-        #: ``dynamic`` keys ``-:regex`` (GPTQModel): modules whose names match stay unquantized
-        self.skip_patterns = skip_patterns
+        #: GPTQModel's ``dynamic``: ``(pattern, skip)``, the first rule matching a module's name decides
+        self.dynamic_rules = dynamic_rules
         #: ``modules_in_block_to_quantize`` (transformers/optimum), flattened: the only modules of a block quantized
         self.block_modules = block_modules
 
@@ -128,13 +135,13 @@ class GPTQMethod(IntWeightMethod):
         symmetric = bool(quant_config.get("sym", True))
         return cls(ctx, bits=bits, group_size=group, desc_act=desc_act and group is not None, symmetric=symmetric,
                    zero_offset=1 if fmt == "gptq" else 0, skip=skip_list(quant_config),
-                   skip_patterns=_dynamic_skips(quant_config.get("dynamic"), {
+                   dynamic_rules=_dynamic_rules(quant_config.get("dynamic"), {
                        "bits": bits, "group_size": quant_config.get("group_size", 128), "desc_act": desc_act,
                        "sym": symmetric}),
                    block_modules=_block_modules(quant_config.get("modules_in_block_to_quantize")))
 
     def applies_to(self, name: str) -> bool:
-        if name_in(name, self.skip) or any(p.match(name) for p in self.skip_patterns):
+        if name_in(name, self.skip) or next((skip for p, skip in self.dynamic_rules if p.match(name)), False):
             return False
         return self.block_modules is None or any(name.endswith(f".{m}") for m in self.block_modules)
 
