@@ -121,7 +121,7 @@ def test_prefix_cache_dimensions_and_errors(model_dir):
     np.testing.assert_allclose(both[1].outputs.embedding, plain, atol=1e-6)
     with pytest.raises(ValueError, match="got 1 pooling params for 2 prompts"):
         llm.embed([PROMPTS[1], PROMPTS[1]], [PoolingParams()])
-    with pytest.raises(ValueError, match="pooling_params must be PoolingParams"):
+    with pytest.raises(TypeError, match="pooling_params must be a PoolingParams .or one per prompt., got SamplingP"):
         llm.embed(PROMPTS[1], SamplingParams())
     with pytest.raises(RequestRejectedError, match="dimensions is 65, but this model's embeddings have 64"):
         llm.embed("x", PoolingParams(dimensions=65))

@@ -538,7 +538,7 @@ def test_prompt_arrays_and_numpy_parameters(llm, reference):
     for bad in (dict(seed=True), dict(stop_token_ids=[True])):
         with pytest.raises(SamplingParamsError):
             SamplingParams(**bad)
-    with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .or one per prompt., got None"):
         llm.generate(PROMPTS[:2], [greedy(), None], use_tqdm=False)
 
 

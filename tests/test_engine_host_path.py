@@ -98,7 +98,7 @@ def test_sampling_params_are_checked_when_the_request_arrives(tiny_llama_dir):
         with pytest.raises(SamplingParamsError, match=field):
             llm.generate(PROMPTS[:2], bad, use_tqdm=False)
         assert not llm.engine.has_unfinished_requests()
-    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, got"):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .or one per prompt., got dict"):
         llm.generate(PROMPTS[:1], {"temperature": 0.0}, use_tqdm=False)
     with pytest.raises(SamplingParamsError, match="stop: must be a list, got int"):
         SamplingParams(stop=5)

@@ -52,6 +52,19 @@ def _per_prompt_loras(lora_request: Any, count: int) -> list[Any]:
     return loras
 
 
+def _per_prompt_params(params: Any, kind: type, name: str) -> list[Any]:
+    """A sequence of ``kind`` (one per prompt) as a list.
+
+    Raises:
+        TypeError: not a sequence, or an item that is not a ``kind``."""
+    if not isinstance(params, Sequence) or isinstance(params, str | bytes):
+        raise TypeError(f"{name} must be a {kind.__name__} (or one per prompt), got {type(params).__name__}")
+    odd = next((p for p in params if not isinstance(p, kind)), params)
+    if odd is not params:
+        raise TypeError(f"{name} must be a {kind.__name__} (or one per prompt), got {odd!r} in the list")
+    return list(params)
+
+
 def _integer_dtype(array: Any) -> bool:
     """A numpy array's or tensor's elements are integers (token ids), not strings or objects."""
     dtype = getattr(array, "dtype", None)
@@ -158,12 +171,9 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = _per_prompt_params(sampling_params, SamplingParams, "sampling_params")
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-            odd = next((p for p in params_list if not isinstance(p, SamplingParams)), params_list)
-            if odd is not params_list:
-                raise ValueError(f"sampling_params must be SamplingParams (one, or one per prompt), got {odd!r}")
         if priority is not None and (isinstance(priority, str) or not hasattr(priority, "__len__")):
             raise ValueError(f"priority must be a list of integers, one per prompt, got {priority!r}")
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -213,10 +223,7 @@ class LLM:
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
-            params_list = list(pooling_params) if isinstance(pooling_params, list | tuple) else [pooling_params]
-            odd = next((p for p in params_list if not isinstance(p, PoolingParams)), params_list)
-            if odd is not params_list:
-                raise ValueError(f"pooling_params must be PoolingParams (one, or one per prompt), got {odd!r}")
+            params_list = _per_prompt_params(pooling_params, PoolingParams, "pooling_params")
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
         loras = _per_prompt_loras(lora_request, len(prompts))
