@@ -105,16 +105,13 @@ class SamplingParams:
                 value = getattr(self, name)
                 if isinstance(value, kind) and type(value) not in (int, float) and not isinstance(value, bool):
                     setattr(self, name, cast(value))
-        ids = self.stop_token_ids
-        if isinstance(ids, numbers.Integral) and not isinstance(ids, int | bool):
-            self.stop_token_ids = int(ids)
 
     def _lists(self) -> None:
         """``stop`` and ``stop_token_ids`` as lists (a single string or id accepted as one item)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
-            self.stop_token_ids = [self.stop_token_ids]
+        if isinstance(self.stop_token_ids, numbers.Integral) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = [self.stop_token_ids]   # (numpy ids become ints below)
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             try:

@@ -52,16 +52,21 @@ def _per_prompt_loras(lora_request: Any, count: int) -> list[Any]:
     return loras
 
 
-def _per_prompt_params(params: Any, kind: type, name: str) -> list[Any]:
-    """A sequence of ``kind`` (one per prompt) as a list.
+def _per_prompt_params(params: Any, kind: type, name: str, count: int) -> list[Any]:
+    """``params``: one ``kind`` for all ``count`` prompts or a sequence of one per prompt, as a list of ``count``.
 
     Raises:
-        TypeError: not a sequence, or an item that is not a ``kind``."""
+        TypeError: not a ``kind`` or a sequence, or an item that is not a ``kind``.
+        ValueError: a sequence of another length."""
+    if isinstance(params, kind):
+        return [params] * count
     if not isinstance(params, Sequence) or isinstance(params, str | bytes):
         raise TypeError(f"{name} must be a {kind.__name__} (or one per prompt), got {type(params).__name__}")
-    odd = next((p for p in params if not isinstance(p, kind)), params)
-    if odd is not params:
-        raise TypeError(f"{name} must be a {kind.__name__} (or one per prompt), got {odd!r} in the list")
+    for p in params:
+        if not isinstance(p, kind):
+            raise TypeError(f"{name} must be a {kind.__name__} (or one per prompt), got {p!r} in the list")
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} {name.replace('_', ' ')} for {count} prompts")
     return list(params)
 
 
@@ -166,14 +171,9 @@ class LLM:
 
             raise RequestRejectedError("this LLM serves an embedding model (task='embed'): use LLM.embed")
         prompts = _prompt_list(prompts)
-        if sampling_params is None:
-            params_list = [self.get_default_sampling_params()] * len(prompts)
-        elif isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = _per_prompt_params(sampling_params, SamplingParams, "sampling_params")
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        params_list = _per_prompt_params(sampling_params if sampling_params is not None
+                                         else self.get_default_sampling_params(), SamplingParams, "sampling_params",
+                                         len(prompts))
         if priority is not None and (isinstance(priority, str) or not hasattr(priority, "__len__")):
             raise ValueError(f"priority must be a list of integers, one per prompt, got {priority!r}")
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -220,12 +220,8 @@ class LLM:
 
             raise RequestRejectedError("LLM.embed needs an embedding engine: LLM(model, task='embed')")
         prompts = _prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompts)
-        else:
-            params_list = _per_prompt_params(pooling_params, PoolingParams, "pooling_params")
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
+        params_list = _per_prompt_params(pooling_params if pooling_params is not None else PoolingParams(),
+                                         PoolingParams, "pooling_params", len(prompts))
         loras = _per_prompt_loras(lora_request, len(prompts))
         return self._submit_and_run(((prompt, params, 0, lora) for prompt, lora, params
                                      in zip(prompts, loras, params_list, strict=True)), use_tqdm)

@@ -300,8 +300,7 @@ class ServerContext:
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
         request. ``accepted`` is resolved when the engine takes the request (see :func:`start`)."""
-        if lora is not None and not self.front.has_lora(lora.lora_int_id):
-            await asyncio.to_thread(self.front.add_lora, lora)   # read (again) off the engine's thread
+        await self._ensure_lora(lora)
         tracker = self.metrics.request()
         inner = self.front.generate(request_id, prompt_ids, params, priority, lora, accepted=accepted)
         error = False
@@ -324,21 +323,22 @@ class ServerContext:
             else:
                 tracker.close(error=error)
 
+    async def _ensure_lora(self, lora: LoRARequest | None) -> None:
+        """The adapter in the engine's host cache, read (again) off the engine's thread if it was evicted."""
+        if lora is not None and not self.front.has_lora(lora.lora_int_id):
+            await asyncio.to_thread(self.front.add_lora, lora)
 
     async def beam_search(self, request_id: str, starts: list[list[int]], params: BeamSearchParams,
                           lora: LoRARequest | None) -> list[BeamSearchOutput]:
         """:func:`beam_search_async` on the engine, counted in the metrics as one request per prompt
         (:meth:`~plinth.metrics.ServerMetrics.count_beam_search`); a search refused on arrival counts nothing."""
-        if lora is not None and not self.front.has_lora(lora.lora_int_id):
-            await asyncio.to_thread(self.front.add_lora, lora)   # as generate() does
+        await self._ensure_lora(lora)
         t0 = time.monotonic()
         outs: list[BeamSearchOutput] | None = None
         error = refused = False
         try:
             outs = await beam_search_async(self.front, request_id, starts, params, lora)
             return outs
-        except asyncio.CancelledError:
-            raise
         except (RequestRejectedError, QueueFullError):
             refused = True
             raise

@@ -153,9 +153,6 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | Non
         raise bad_request(str(exc), exc.param) from None
 
 
-#: apply_chat_template's own parameters, which chat_template_kwargs may not set
-
-
 def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools: list[dict[str, Any]] | None) -> str:
     """The conversation of a chat or tokenize request as the chat template renders it (with the tools'
     definitions, ``continue_final_message`` and ``chat_template_kwargs``); a template error is a 400 naming
