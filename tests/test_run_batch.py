@@ -181,3 +181,20 @@ def test_any_stream_value_but_false_is_refused_and_a_reply_that_is_not_json_is_n
     assert status == 502 and "not JSON" in reply["error"]["message"]
     record = result_record({"custom_id": "x"}, status, reply)
     assert record["error"]["code"] == "http_502" and record["response"]["status_code"] == 502
+
+
+def test_lines_python_cannot_parse_are_invalid_records_and_the_rest_runs(tmp_path):
+    """A line ``json.loads`` refuses with something other than a decode error (an integer of more digits than
+    Python converts, nesting deeper than its stack) is an invalid record like any line that is not JSON; the good
+    lines still run."""
+    from plinth.entrypoints.run_batch_cmd import read_requests
+
+    inp = tmp_path / "in.jsonl"
+    good = json.dumps({"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "hi"}})
+    big = '{"custom_id": "big", "url": "/v1/completions", "body": {"seed": 1' + "0" * 5000 + "}}"
+    deep = '{"custom_id": "deep", "body": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    inp.write_text("\n".join([good, big, deep]) + "\n")
+    requests, invalid = read_requests(inp, set())
+    assert [r["custom_id"] for r in requests] == ["ok"]
+    assert [r["custom_id"] for r in invalid] == ["<line 2>", "<line 3>"]
+    assert all("is not JSON" in r["error"]["message"] and r["response"] is None for r in invalid)

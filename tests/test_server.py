@@ -613,10 +613,10 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server, client, engin
     err = assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}), 400,
                        "messages", "context_length_exceeded")
     # each prompt of a batch has its own context: many prompts that each fit pass the text check together
-    # (this server's queue of 4 then refuses so many, a 503)
+    # (this server holds 2 running and 4 waiting: so many prompts at once can never run, a 400 that says so)
     batch = ["hello " * 60] * (2 * per_token * MAX_MODEL_LEN // len("hello " * 60))
-    resp = post(server, "/v1/completions", {"prompt": batch, "max_tokens": 1})
-    assert resp.status_code in (200, 503) and "characters" not in resp.text, resp.text
+    err = assert_error(post(server, "/v1/completions", {"prompt": batch, "max_tokens": 1}), 400, "prompt")
+    assert "characters" not in err["message"] and f"{len(batch)} sequences" in err["message"], err
     assert client.completions.create(model="tiny", prompt="hello", max_tokens=2).choices[0].text is not None
 
 
@@ -656,16 +656,12 @@ def test_queue_full_is_503_with_retry_after(server):
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, headers=headers(), timeout=60) as http:
             body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-            responses = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(16)))
-            # a list of seven prompts at an idle server that holds six (2 running, 4 waiting): the seventh is refused,
-            # the six taken back, the whole request a 503
-            return [*responses, await http.post("/v1/completions", json={**body, "prompt": [PROMPT] * 7})]
+            return list(await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(16))))
 
     before = scrape_metrics(server.base_url)
     responses = asyncio.run(flood())
     codes = sorted(r.status_code for r in responses)
     assert set(codes) == {200, 503}, codes
-    assert responses[-1].status_code == 503
     # the refused requests never ran (or, for the list, were taken back): no finished request, no abort, no error
     after = scrape_metrics(server.base_url)
     served = sum(len(r.json()["choices"]) for r in responses if r.status_code == 200)
@@ -680,6 +676,24 @@ def test_queue_full_is_503_with_retry_after(server):
             assert int(r.headers["Retry-After"]) >= 1
         else:
             assert r.json()["usage"]["completion_tokens"] == 40
+
+
+def test_a_request_larger_than_the_engine_holds_is_a_400_not_a_503(server):
+    """A request whose sequences exceed the running batch and the waiting queue together (2 + 4 here) can never run,
+    even on an idle server: a 400 naming the field, not a 503 that clients retry forever. Nothing of it runs."""
+    before = scrape_metrics(server.base_url)
+    body = {"prompt": [PROMPT] * 7, "max_tokens": 2}
+    err = assert_error(post(server, "/v1/completions", body), 400, "prompt")
+    assert "7 sequences" in err["message"] and "2 + 4" in err["message"], err
+    assert_error(post(server, "/v1/completions", {**body, "prompt": [PROMPT] * 4, "n": 2}), 400, "n")
+    assert_error(post(server, "/v1/completions", {**body, "prompt": PROMPT, "n": 7}), 400, "n")
+    assert_error(post(server, "/v1/completions", {**body, "prompt": [PROMPT] * 4, "n": 2, "use_beam_search": True}),
+                 400, "prompt")
+    # six at once fit
+    assert len(post(server, "/v1/completions", {**body, "prompt": [PROMPT] * 3, "n": 2}).json()["choices"]) == 6
+    after = scrape_metrics(server.base_url)
+    key = "plinth_requests_finished_total{finish_reason=length}"
+    assert after[key] - before.get(key, 0) == 3   # one per prompt: nothing of the refused ones ran
 
 
 def test_non_streaming_disconnect_aborts_and_frees_blocks(server):

@@ -116,6 +116,28 @@ def test_add_special_tokens_and_truncation(http, app_parts):
                 status=400)["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_echo_offsets_skip_the_bos_the_tokenizer_added(http):
+    """With echo, each token's ``text_offset`` points at its text in the choice (which starts with the caller's
+    prompt, without the BOS this tokenizer adds): the BOS takes no characters; streamed or not."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 0}
+    for stream in (False, True):
+        if stream:
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                events = [json.loads(line[6:]) for line in resp.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            choices = [e["choices"][0] for e in events if e["choices"]]
+            text = "".join(c["text"] for c in choices)
+            tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        else:
+            choice = post(http, "/v1/completions", body)["choices"][0]
+            text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+        assert text.startswith(PROMPT) and tokens[0] == "<|im_start|>" and offsets[0] == 0, (stream, tokens, offsets)
+        assert offsets == sorted(offsets)
+        for token, offset in zip(tokens[1:], offsets[1:], strict=True):
+            assert text[offset:].startswith(token), (stream, token, offset, text)
+
+
 def test_tokens_as_ids_and_continuous_usage(http, app_parts):
     body = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "logprobs": 2, "temperature": 0,
                                           "ignore_eos": True, "return_tokens_as_token_ids": True})

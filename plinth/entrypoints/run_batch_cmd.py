@@ -85,7 +85,7 @@ def settled_ids(output: Path) -> set[str]:
             continue
         try:
             record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):   # not JSON (a 5,000-digit number, nesting deeper than Python's stack)
             if n == len(lines) and torn_record(raw, b'{"id": "batch_req_'):   # an interrupted write
                 continue
             record = None
@@ -122,8 +122,9 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
         anonymous = f"<line {n}>"   # the custom_id of the result of a line without a usable one
         try:
             item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            invalid.append(_invalid(anonymous, f"line {n} is not JSON: {exc.msg}"))
+        except (ValueError, RecursionError) as exc:   # JSONDecodeError, a huge integer, nesting too deep to parse
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            invalid.append(_invalid(anonymous, f"line {n} is not JSON: {reason}"))
             continue
         custom_id = item.get("custom_id") if isinstance(item, dict) else None
         if not isinstance(custom_id, str) or not custom_id:

@@ -323,6 +323,20 @@ class ServerContext:
             else:
                 tracker.close(error=error)
 
+    def check_room(self, sequences: int, param: str) -> None:
+        """Refuse (400) a request of ``sequences`` engine sequences at once that even an idle engine could never take:
+        more than the running batch and a bounded waiting queue hold together (``--max-num-seqs`` +
+        ``--max-waiting-requests``). A queue full of other requests is a 503 to retry; this one never fits."""
+        scheduler = getattr(getattr(self.front, "config", None), "scheduler", None)
+        cap = getattr(scheduler, "max_waiting_requests", None)
+        if cap is None or not isinstance(getattr(scheduler, "max_num_seqs", None), int):
+            return
+        places = scheduler.max_num_seqs
+        if sequences > places + cap:
+            raise bad_request(f"the request needs {sequences} sequences at once, more than the running batch and the "
+                              f"waiting queue hold together ({places} + {cap}); send fewer prompts or a smaller n",
+                              param)
+
     async def _ensure_lora(self, lora: LoRARequest | None) -> None:
         """The adapter in the engine's host cache, read (again) off the engine's thread if it was evicted."""
         if lora is not None and not self.front.has_lora(lora.lora_int_id):
@@ -332,6 +346,7 @@ class ServerContext:
                           lora: LoRARequest | None) -> list[BeamSearchOutput]:
         """:func:`beam_search_async` on the engine, counted in the metrics as one request per prompt
         (:meth:`~plinth.metrics.ServerMetrics.count_beam_search`); a search refused on arrival counts nothing."""
+        self.check_room(len(starts) * params.beam_width, "n" if len(starts) == 1 else "prompt")
         await self._ensure_lora(lora)
         t0 = time.monotonic()
         outs: list[BeamSearchOutput] | None = None
@@ -485,11 +500,13 @@ class Started(NamedTuple):
 
 
 async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any]], priority: int = 0,
-                lora: LoRARequest | None = None) -> Started:
+                lora: LoRARequest | None = None, param: str = "prompt") -> Started:
     """Submit ``(request id, prompt ids, params)`` requests and wait until the engine has taken every
     one (not for their first tokens, which may come much later when the batch is full), so that a
     rejected prompt fails the whole request before a response starts. On any failure (or
     cancellation) every stream is closed, which aborts its engine request."""
+    counts = [getattr(params, "n", 1) for _, _, params in requests]
+    ctx.check_room(sum(counts), "n" if max(counts, default=1) > 1 else param)
     loop = asyncio.get_running_loop()
     accepted = [loop.create_future() for _ in requests]
     streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut)

@@ -124,11 +124,16 @@ def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Seque
         offsets.advance(tid, raw)
 
 
-def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int, name: Callable[[int], str]) -> CompletionLogprobs:
+def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int, name: Callable[[int], str],
+                   prompt_text: str) -> CompletionLogprobs:
+    """The prompt's entries of an echo. Offsets index ``prompt_text`` (what the choice's text starts with): special
+    tokens the tokenizer added that the text does not hold (a BOS before the caller's string) take no characters."""
     lp = CompletionLogprobs()
     positions = list(out.prompt_logprobs or [])
     positions += [None] * (len(out.prompt_token_ids) - len(positions))
-    _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, _TextOffsets(), name)
+    added = frozenset(t for t in set(out.prompt_token_ids) & ctx.special_ids if ctx.token_text(t) not in prompt_text)
+    _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, _TextOffsets(0, added),
+                  name)
     return lp
 
 
@@ -138,7 +143,7 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: Re
     logprobs = None
     name = ctx.token_namer(req)
     if req.logprobs is not None:
-        logprobs = _echo_logprobs(ctx, out, req.logprobs, name) if req.echo else CompletionLogprobs()
+        logprobs = _echo_logprobs(ctx, out, req.logprobs, name, prompt.text) if req.echo else CompletionLogprobs()
         offsets = _offsets(ctx, req, len(prompt.text) if req.echo else 0)
         n = len(c.token_ids)
         _add_logprobs(ctx, logprobs, c.token_ids, (c.logprobs or [])[:n], req.logprobs, offsets, name)
@@ -242,7 +247,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                 if req.echo and not st.started:
                     prefix = prompts[i].text
                     if lp is not None:
-                        lp = _echo_logprobs(ctx, out, k, name)  # type: ignore[arg-type]
+                        lp = _echo_logprobs(ctx, out, k, name, prefix)  # type: ignore[arg-type]
                     st.offsets = _offsets(ctx, req, len(prefix))
                 if lp is not None:
                     _add_logprobs(ctx, lp, new_ids, (c.logprobs or [])[st.sent_tokens:end], k,  # type: ignore[arg-type]

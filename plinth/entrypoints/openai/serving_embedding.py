@@ -62,7 +62,7 @@ async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[lis
                     priority: int, lora: object) -> list[list[float]]:
     """The embeddings of ``inputs`` (token-id lists), run together, in order."""
     requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
-    started = await unless_disconnected(raw, start(ctx, requests, priority, lora))
+    started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param="input"))
     events = merge(started)
     finals = await finish(raw, events, collect(events, len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
