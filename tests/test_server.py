@@ -404,7 +404,7 @@ def test_requests_refused_on_arrival_are_not_counted_as_errors(server):
     assert after.get(key, 0.0) == before.get(key, 0.0)
 
 
-def test_completion_echo(client, engine):
+def test_completion_echo(server, client, engine):
     resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
     choice = resp.choices[0]
@@ -413,6 +413,17 @@ def test_completion_echo(client, engine):
     assert len(choice.logprobs.tokens) == n_prompt + resp.usage.completion_tokens
     assert choice.logprobs.token_logprobs[0] is None
     assert all(isinstance(x, float) and x <= 0 for x in choice.logprobs.token_logprobs[1:])
+    # max_tokens 0: the prompt and its logprobs only (scoring), the same prompt entries as above, two choices alike
+    only = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, n=2)
+    assert [c.text for c in only.choices] == [PROMPT, PROMPT] and only.usage.completion_tokens == 0
+    assert all(c.finish_reason == "length" for c in only.choices)
+    for c in only.choices:
+        assert c.logprobs.tokens == choice.logprobs.tokens[:n_prompt]
+        assert c.logprobs.token_logprobs == pytest.approx(choice.logprobs.token_logprobs[:n_prompt], abs=1e-5)
+        assert c.logprobs.text_offset == choice.logprobs.text_offset[:n_prompt]
+    assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0}), 400, "max_tokens")
+    assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True,
+                                                             "stream": True}), 400, "stream")
 
 
 def test_stop_string(client, engine):

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.request import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
+from plinth.core.request import CompletionOutput, FinishReason, PositionLogprobs, RequestOutput, SamplingParams
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -168,17 +168,25 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
+    # echo with max_tokens 0: the prompt and its logprobs only (scoring a text, as lm-eval's loglikelihood does);
+    # the engine samples one token, which the reply leaves out
+    echo_only = req.echo and req.max_tokens == 0
+    if echo_only and (req.stream or req.use_beam_search):
+        field = "stream" if req.stream else "use_beam_search"
+        raise bad_request(f"max_tokens 0 (echo the prompt only) cannot be combined with {field}", field)
     prompts = await _prompts(ctx, req)
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     echo_k = max(asked) if asked else None
     defaults = ctx.default_sampling
     if "max_tokens" not in req.model_fields_set and ctx.default_max_tokens is not None:
         req.max_tokens = None   # the model's max_new_tokens (the context permitting) instead of OpenAI's 16
-    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs=echo_k,
+    params = sampling_params(lambda: req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs,
+                                                         prompt_logprobs=echo_k,
                                                          defaults=defaults), max_logprobs=ctx.front.max_logprobs)
     await check_structured(ctx, req, params)
     for p in prompts:
-        ctx.check_length(len(p.token_ids), req.max_tokens, "prompt", min_tokens=req.min_tokens or 0)
+        ctx.check_length(len(p.token_ids), 1 if echo_only else req.max_tokens, "prompt",
+                         min_tokens=req.min_tokens or 0)
     rid = random_id("cmpl")
     if req.use_beam_search:
         return await _beam_search(ctx, req, rid, prompts, raw, lora, created)
@@ -190,6 +198,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage, ctx.reply_model(lora)),
                            on_close=events.aclose)
     finals = await finish(raw, events, collect(events, len(prompts)))
+    if echo_only:
+        for out in finals:
+            out.outputs = [CompletionOutput(c.index, "", [], 0.0, None, FinishReason.LENGTH) for c in out.outputs]
     choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
                for i, out in enumerate(finals) for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
