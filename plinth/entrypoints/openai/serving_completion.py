@@ -11,7 +11,13 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.request import CompletionOutput, FinishReason, PositionLogprobs, RequestOutput, SamplingParams
+from plinth.core.request import (
+    CompletionOutput,
+    FinishReason,
+    PositionLogprobs,
+    RequestOutput,
+    SamplingParams,
+)
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     CompletionChoice,
