@@ -313,6 +313,11 @@ def test_prompts_wait_for_queue_room_and_template_errors_are_one_line(tiny_llama
                  "{% for m in messages %}{{ m.content | no_such_filter }}{% endfor %}"]) == 2
     err = capsys.readouterr().err
     assert "error: the chat template failed: TemplateAssertionError: No filter named 'no_such_filter'" in err
+    # an expression of the template that fails in Python (a division by zero, str + int): one line too
+    assert main([*args, "--prompt", "hi", "--chat", "--chat-template", "{{ 1 // 0 }}"]) == 2
+    assert "error: the chat template failed: TemplateError: ZeroDivisionError" in capsys.readouterr().err
+    assert main([*args, "--prompt", "hi", "--chat", "--chat-template", "{{ messages[0]['content'] + 1 }}"]) == 2
+    assert "error: the chat template failed: TemplateError: TypeError" in capsys.readouterr().err
 
 
 def test_python_dash_m_plinth_is_the_command(tiny_llama_dir):

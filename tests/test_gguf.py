@@ -309,6 +309,29 @@ def test_yarn_rope_scaling_metadata(tmp_path):
     assert config.rope_parameters["original_max_position_embeddings"] == 64
 
 
+def test_rope_scaling_factor_zero_is_none_and_bad_values_are_refused(tmp_path):
+    """llama.cpp reads a scaling factor of 0 as no scaling; a factor below 1 (or negative), and a YaRN original
+    length that is not a positive integer, are corrupt metadata: a ModelLoadError naming the key."""
+    model = small_model("qwen2", False)
+
+    def path_with(name, kind, factor, original=None):
+        metadata = {"type": lambda w: w.add_rope_scaling_type(kind),
+                    "factor": lambda w: w.add_rope_scaling_factor(factor)}
+        if original is not None:
+            metadata["original"] = lambda w: w.add_uint32("qwen2.rope.scaling.original_context_length", original) \
+                if isinstance(original, int) else w.add_string("qwen2.rope.scaling.original_context_length", original)
+        return write_gguf(tmp_path / f"{name}.gguf", model, "qwen2", metadata=metadata)
+
+    zero = check_plain_config(path_with("zero", gguf.RopeScalingType.LINEAR, 0.0))
+    assert zero.rope_parameters == {"rope_type": "default", "rope_theta": 50000.0}
+    for name, factor in (("negative", -2.0), ("half", 0.5)):
+        with pytest.raises(ModelLoadError, match="rope.scaling.factor must be a number of at least 1"):
+            read_gguf_config(path_with(name, gguf.RopeScalingType.LINEAR, factor))
+    for name, original in (("orig0", 0), ("origx", "x")):
+        with pytest.raises(ModelLoadError, match="original_context_length must be a positive integer"):
+            read_gguf_config(path_with(name, gguf.RopeScalingType.YARN, 4.0, original))
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 

@@ -371,7 +371,12 @@ class LLMEngine:
         """Format a conversation with the chat template (rendered by transformers' sandboxed jinja2); ``tools``
         (OpenAI's function definitions) are handed to templates that describe tools to the model.
         ``continue_final_message``: the last message is left open for the reply to go on (no end-of-turn
-        after it); ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``)."""
+        after it); ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``).
+
+        Raises:
+            ValueError: no tokenizer or template, or reserved ``template_kwargs``.
+            jinja2.TemplateError: the template failed (any error raised while it renders).
+        """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
@@ -380,10 +385,16 @@ class LLMEngine:
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the model has no chat template; pass one with --chat-template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=template, tools=tools or None,
-                                                  continue_final_message=continue_final_message,
-                                                  **(template_kwargs or {}))
+        import jinja2
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,
+                tools=tools or None, continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except (jinja2.TemplateError, ValueError):   # the template's raise_exception, transformers' own checks
+            raise
+        except Exception as exc:   # the template's expressions failed (str + int, a division by zero, recursion)
+            raise jinja2.TemplateError(f"{type(exc).__name__}: {exc}") from exc
 
     def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
         """Read and check a LoRA adapter (kept in host memory for the requests that name it); a request naming

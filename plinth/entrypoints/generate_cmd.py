@@ -385,7 +385,7 @@ def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) ->
         try:
             prompts = [engine.tokenize(engine.render_chat([{"role": "user", "content": text}]),
                                        add_special_tokens=False) for text in prompts]
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, ValueError) as exc:
             raise CliError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
     outs: dict[str, Any] = {}
 

@@ -313,11 +313,21 @@ def _rope_scaling(
     kind = reader.get(f"{name}.rope.scaling.type", "none")
     if kind == "none":
         return None
-    factor = _float32_value(reader.get(f"{name}.rope.scaling.factor", 1.0))
+    factor = reader.get(f"{name}.rope.scaling.factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or (
+            factor != 0 and factor < 1):
+        raise ModelLoadError(f"GGUF file {path!r}: {name}.rope.scaling.factor must be a number of at least 1 "
+                             f"(0: no scaling, as llama.cpp reads it), got {factor!r}")
+    if factor == 0:
+        return None
+    factor = _float32_value(factor)
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     original = reader.get(f"{name}.rope.scaling.original_context_length")
     if kind == "yarn" and original is not None:
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ModelLoadError(f"GGUF file {path!r}: {name}.rope.scaling.original_context_length must be a "
+                                 f"positive integer, got {original!r}")
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
     raise UnsupportedModelError(
         f"GGUF file {path!r} uses rope scaling {kind!r}; supported: linear, yarn (with original_context_length)"
