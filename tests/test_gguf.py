@@ -332,6 +332,21 @@ def test_rope_scaling_factor_zero_is_none_and_bad_values_are_refused(tmp_path):
             read_gguf_config(path_with(name, gguf.RopeScalingType.YARN, 4.0, original))
 
 
+def test_end_of_turn_tokens_end_a_reply(tmp_path):
+    """A file's end-of-turn and end-of-message tokens (``tokenizer.ggml.eot_token_id``/``eom_token_id``) end a reply
+    as its EOS does (llama.cpp stops on each); ids outside the vocabulary are left out."""
+    model = small_model("llama", False)
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", metadata={
+        "eot": lambda w: w.add_eot_token_id(5), "eom": lambda w: w.add_eom_token_id(10**6)})
+    config = check_plain_config(path)
+    assert config.eos_token_id == [2, 5]
+    from plinth.worker.setup import eos_ids
+
+    assert eos_ids(read_gguf_config(path, plain=True)[0], None) == (2, 5)   # what the engine stops on
+    plain = write_gguf(tmp_path / "plain.gguf", model, "llama")
+    assert read_gguf_config(plain)[0].eos_token_id == 2
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 

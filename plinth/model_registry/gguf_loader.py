@@ -334,6 +334,18 @@ def _rope_scaling(
     )
 
 
+def _end_token_ids(reader: GGUFFile, vocab_size: int) -> int | list[int] | None:
+    """The tokens that end a reply: the EOS and, where the converter wrote them, the end-of-turn and end-of-message
+    tokens (llama.cpp stops on each; CodeLlama, Gemma and Llama 3 files carry them). One id stays an int."""
+    eos = reader.get("tokenizer.ggml.eos_token_id")
+    ids = [eos] if eos is not None else []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = reader.get(key)
+        if isinstance(extra, int) and not isinstance(extra, bool) and 0 <= extra < vocab_size and extra not in ids:
+            ids.append(extra)
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
 def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.PretrainedConfig, str]:
     """The Hugging Face config of a GGUF file and the registry's architecture name for it.
 
@@ -396,7 +408,7 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "rope_theta": rope_theta,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _end_token_ids(reader, tensors["token_embd.weight"].shape[0]),
         "pad_token_id": reader.get("tokenizer.ggml.padding_token_id"),
     }
     if arch.model_type in ("cohere", "cohere2"):
