@@ -75,6 +75,23 @@ def test_csv_and_parquet_give_the_same_results(tiny_llama_dir, tmp_path, jsonl_r
                {k: v["outputs"][0]["token_ids"] for k, v in jsonl_result.items()}
 
 
+def test_parquet_with_nested_columns_gives_the_jsonl_results(tiny_llama_dir, tmp_path):
+    """Parquet columns of lists and structs (not JSON text): a struct holds every key any row used, null where a
+    row did not; each row still means what its JSON line means."""
+    rows = [*ROWS, {"id": "g", "prompt": "Hello", "max_tokens": 3, "logit_bias": {"9": 100}},
+            {"id": "h", "prompt": "Hello", "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}}]
+    write_lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "in.jsonl").write_text(write_lines)
+    pd.DataFrame(rows).to_parquet(tmp_path / "in.parquet")
+    results = {}
+    for name in ("in.jsonl", "in.parquet"):
+        out = tmp_path / f"{name}.out.jsonl"
+        assert main([*engine_args(tiny_llama_dir), "--input", str(tmp_path / name), "--output", str(out)]) == 0
+        results[name] = {k: v["outputs"][0]["token_ids"] for k, v in read_out(out).items()}
+    assert set(results["in.parquet"]) == {r["id"] for r in rows}
+    assert results["in.parquet"] == results["in.jsonl"]
+
+
 def test_interrupted_run_resumes_without_duplicates(tiny_llama_dir, tmp_path, jsonl_result):
     rows = ROWS + [{"id": f"x{i}", "prompt": "Large language models", "max_tokens": 3 + i} for i in range(6)]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)

@@ -106,9 +106,22 @@ def read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
         except (ValueError, OSError, ImportError) as exc:
             raise ValueError(f"cannot read {path} as Parquet: {exc}") from None
         for i, rec in enumerate(frame.to_dict(orient="records")):
-            yield i + 1, {**{k: v for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
+            yield i + 1, {**{k: _plain(v) for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
     else:
         raise ValueError(f"unsupported input file type {suffix!r}: use .jsonl, .csv or .parquet")
+
+
+def _plain(value: Any) -> Any:
+    """A Parquet cell as the JSON form of the same row would give it: nested arrays as lists, numpy scalars as
+    Python numbers, and the keys of a struct that this row does not use (pyarrow fills every key any row used,
+    with null) left out."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _is_missing(v: Any) -> bool:
