@@ -145,9 +145,9 @@ def http(tmp_path, monkeypatch):
         cuts = list(range(0, len(text), 7)) + [len(text)]
         for i, cut in enumerate(cuts[1:]):
             last = cut == len(text)
+            reason = script.get("finish", FinishReason.STOP) if last else None
             yield RequestOutput(rid, None, list(ids), [CompletionOutput(0, text[:cut], list(range(i + 1)),
-                                                                        finish_reason=FinishReason.STOP if last else None)],
-                                last)
+                                                                        finish_reason=reason)], last)
 
     monkeypatch.setattr(ServerContext, "generate", scripted)
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(make_tiny_model(tmp_path / "m")), dtype="float32",
@@ -202,8 +202,9 @@ def test_reasoning_effort_reaches_the_template(http):
 
 
 def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
-    """Harmony may think again after a preamble: streamed, that thinking comes as a second reasoning item after the
-    message (the first was closed when the message opened); nothing is lost, and the events validate."""
+    """Harmony may think again after a preamble: that thinking comes as a second reasoning item after the message
+    (streamed, the first was closed when the message opened), streamed or not; nothing is lost, and the events
+    validate."""
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
@@ -212,8 +213,9 @@ def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
                       "<|message|>Pre.<|end|><|start|>assistant<|channel|>analysis<|message|>Think two.<|end|>"
                       "<|start|>assistant<|channel|>final<|message|>F.")
     whole = client.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json()
-    assert [(i["type"], (i["content"] or [{}])[0].get("text")) for i in whole["output"]] == [
-        ("reasoning", "Think one.Think two."), ("message", "Pre.F.")]
+    assert [(i["type"], (i["content"] or [{}])[0].get("text"), i["status"]) for i in whole["output"]] == [
+        ("reasoning", "Think one.", "completed"), ("message", "Pre.F.", "completed"),
+        ("reasoning", "Think two.", "completed")]   # as streamed (below)
     with client.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
         payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     adapter = TypeAdapter(ResponseStreamEvent)
@@ -227,14 +229,16 @@ def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
 
 
 def test_beam_search_replies_keep_the_markers_for_the_parser(http, monkeypatch):
-    """A beam's text is decoded with special tokens when the reasoning parser reads them (beams decode without)."""
+    """A beam's text is decoded with special tokens when the reasoning parser reads them (beams decode without),
+    all but the EOS that ended it."""
     from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSequence
     from plinth.entrypoints.openai import serving
 
     client, _ = http
     tokenizer = client.app.state.ctx.front.tokenizer
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
-    ids = tokenizer.encode(THINK_AND_ANSWER, add_special_tokens=False)
+    # a beam that ended on EOS holds it last; its text is no part of the reply
+    ids = tokenizer.encode(THINK_AND_ANSWER, add_special_tokens=False) + [client.app.state.ctx.front.eos_token_ids[0]]
     beam = BeamSequence(ids, -1.0, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason="stop")
 
     async def fake(front, rid, prompts, params, lora=None):
@@ -245,3 +249,22 @@ def test_beam_search_replies_keep_the_markers_for_the_parser(http, monkeypatch):
                                                    "n": 1, "best_of": 1}).json()
     msg = r["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"]) == ("The user asks 2+2.", "It is 4."), r
+
+
+def test_thinking_cut_off_by_the_output_limit_is_an_incomplete_item(http):
+    """A reply that ran out of tokens while thinking: its reasoning item is ``incomplete`` like the response,
+    streamed or not; the response echoes the request's ``tool_choice``."""
+    from plinth.core.request import FinishReason
+
+    client, script = http
+    script["text"] = "<|channel|>analysis<|message|>Still thinking about"
+    script["finish"] = FinishReason.LENGTH
+    body = {"model": "tiny", "input": "hi", "tool_choice": "none"}
+    whole = client.post("/v1/responses", json=body).json()
+    assert whole["status"] == "incomplete" and whole["tool_choice"] == "none"
+    assert [(i["type"], i["status"]) for i in whole["output"]] == [("reasoning", "incomplete"), ("message", "incomplete")]
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    final = payloads[-1]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("reasoning", "incomplete"), ("message", "incomplete")]
+    assert final["output"][0]["content"][0]["text"] == "Still thinking about"

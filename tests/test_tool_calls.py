@@ -142,6 +142,10 @@ def test_glm45_and_qwen3_coder_parsers_type_bare_values_by_the_schema():
     assert prefixes_scan(glm, text) == ("Let me check.", [ParsedCall("get_weather",
                                                                      '{"city": "Paris", "days": 2, "code": "75"}')])
     assert prefixes_scan(Glm45ToolParser(tools), "<tool_call>get_time</tool_call>") == ("", [ParsedCall("get_time", "{}")])
+    # a name that starts with a digit is a valid OpenAI tool name
+    assert prefixes_scan(Glm45ToolParser(tools), "<tool_call>2fa_verify\n<arg_key>code</arg_key>\n<arg_value>1"
+                                                 "</arg_value>\n</tool_call>") == ("", [ParsedCall("2fa_verify",
+                                                                                                  '{"code": 1}')])
     for bad in ("<tool_call>two words</tool_call>", "<tool_call>f<arg_key>a</arg_key>junk</tool_call>"):
         assert prefixes_scan(Glm45ToolParser(tools), bad) == (bad, [])
     coder = Qwen3CoderToolParser(tools)
@@ -653,3 +657,29 @@ def test_required_constraint_keeps_each_tools_local_references(tmp_path):
                [{"name": "untyped", "parameters": 5}], [{"name": "untyped", "parameters": True}]]
     for calls in invalid:
         assert not accepts(calls), calls
+
+
+def test_tool_choice_none_keeps_special_tokens_out_of_the_content(model_dir: Path):
+    """A parser that reads special tokens (mistral's ``[TOOL_CALLS]``) gets them only when it reads the reply
+    (``tool_choice: auto``); with ``none`` the reply is plain chat, special tokens skipped as without tools."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", max_model_len=1024,
+                                                served_model_name="tiny", chat_template=TOOL_TEMPLATE))
+    special = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert special not in engine.eos_token_ids
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logit_bias": {str(special): 100}}
+    with TestClient(build_app(AsyncLLMEngine(engine), tool_parser=MistralToolParser)) as http:
+        plain = http.post("/v1/chat/completions", json=body).json()
+        assert "choices" in plain, plain
+        plain = plain["choices"][0]["message"]
+        none = http.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "none"}).json()
+        auto = http.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "auto"}).json()
+    assert "choices" in none, none
+    assert plain["content"] == "" and none["choices"][0]["message"]["content"] == "", none
+    assert auto["choices"][0]["message"]["content"] == "<|endoftext|>" * 3   # the parser read them (no call)

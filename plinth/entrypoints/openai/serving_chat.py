@@ -261,7 +261,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     params = sampling_params(lambda: req.sampling_params(max_tokens, k, req.prompt_logprobs, defaults=defaults),
                              renames={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              max_logprobs=ctx.front.max_logprobs)
-    if ((mode is not None and mode.parser is not None and mode.parser.keeps_special_tokens)
+    if ((mode is not None and mode.kind == "auto" and mode.parser is not None and mode.parser.keeps_special_tokens)
             or (ctx.reasoning_parser is not None and ctx.reasoning_parser.keeps_special_tokens)):
         params = dataclasses.replace(params, skip_special_tokens=False)
     await _check_tool_schemas(mode)
@@ -286,9 +286,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         keeps = ctx.reasoning_parser is not None and ctx.reasoning_parser.keeps_special_tokens
         for j, b in enumerate(out.sequences):
             reply = _Reply(None, ctx.reasoning_parser)
-            # a parser whose markers are special tokens reads the beam's text with them
-            reply.update(ctx.front.tokenizer.decode(b.token_ids, skip_special_tokens=False) if keeps else b.text,
-                         final=True)
+            # a parser whose markers are special tokens reads the beam's text with them (not the ending EOS's)
+            ended = b.finish_reason == "stop" and b.token_ids and b.token_ids[-1] in ctx.front.eos_token_ids
+            reply.update(ctx.front.tokenizer.decode(b.token_ids[:-1] if ended else b.token_ids,
+                                                    skip_special_tokens=False) if keeps else b.text, final=True)
             message = reply.message()
             if _echoed(req):
                 message.content = _echoed(req) + (message.content or "")

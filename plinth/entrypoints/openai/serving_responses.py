@@ -158,7 +158,7 @@ class _Body:
             "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "metadata": req.metadata or {},
             "parallel_tool_calls": bool(req.parallel_tool_calls) if req.parallel_tool_calls is not None else True,
-            "tool_choice": "auto", "tools": [], "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto", "tools": [], "text": req.text or {"format": {"type": "text"}},
             "incomplete_details": None, "error": None, "usage": None, "user": req.user, "store": False,
             "previous_response_id": None, "truncation": req.truncation or "disabled",
         }
@@ -195,11 +195,35 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     reply.update(final.outputs[0].text, final=True)
     text = reply.message().content or ""
     status = body.status_of(final)
-    items = [body.reasoning(reply.thinking, "completed")] if reply.thinking else []
-    out = body.response(status, [*items, body.message(text, _item_status(status))], final)
+    # the items the stream gives: the thinking before the answer, the answer, thinking written after it (gpt-oss
+    # may think again); the last one the model wrote is cut short with the response
+    first = _thinking_before_answer(ctx, final.outputs[0].text) if text else reply.thinking
+    late = reply.thinking[len(first):] if reply.thinking.startswith(first) else ""
+    first = first if late else reply.thinking
+    items = [body.reasoning(first, "completed" if text else _item_status(status))] if first else []
+    items.append(body.message(text, _item_status(status)))
+    if late:
+        items.append(body.reasoning(late, _item_status(status), random_id("rs")))
+    out = body.response(status, items, final)
     if final.error:
         out["error"] = {"code": "server_error", "message": final.error}
     return JSONResponse(out)
+
+
+def _thinking_before_answer(ctx: ServerContext, text: str) -> str:
+    """The thinking a reply wrote before its answer's first character (``text``: the whole reply, which has an
+    answer): the reasoning of the shortest prefix whose scan already holds answer text."""
+    parser = ctx.reasoning_parser
+    if parser is None:
+        return ""
+    lo, hi = 0, len(text)   # the scan of text[:hi] has content, of text[:lo] none
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if parser().scan(text[:mid], False).content.strip():
+            hi = mid
+        else:
+            lo = mid
+    return parser().scan(text[:hi], hi == len(text)).reasoning
 
 
 def _item_status(status: str) -> str:
@@ -228,21 +252,21 @@ async def _events(ctx: ServerContext, body: _Body,
 
     sent_thinking = 0   # characters of the thinking sent in the reasoning item
 
-    def close_thinking() -> Iterator[str]:
+    def close_thinking(state: str = "completed") -> Iterator[str]:
         nonlocal thinking, sent_thinking
         sent_thinking = len(reply.thinking)
         if thinking is None:
             return
         yield event("response.reasoning_text.done", item_id=body.reasoning_id, output_index=thinking,
                     content_index=0, text=reply.thinking)
-        item = body.reasoning(reply.thinking, "completed")
+        item = body.reasoning(reply.thinking, state)
         yield event("response.output_item.done", output_index=thinking, item=item)
         items.append(item)
         thinking = None
 
-    def open_message() -> Iterator[str]:
+    def open_message(thinking_state: str = "completed") -> Iterator[str]:
         nonlocal message
-        yield from close_thinking()
+        yield from close_thinking(thinking_state)
         message = len(items)
         yield event("response.output_item.added", output_index=message, item=body.message("", "in_progress"))
         yield event("response.content_part.added", item_id=body.item_id, output_index=message, content_index=0,
@@ -275,10 +299,10 @@ async def _events(ctx: ServerContext, body: _Body,
                     error={"type": error.type, "code": error.code, "message": failure, "param": error.param})
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    if message is None:   # every response has its message, if empty
-        for e in open_message():
-            yield e
     status = body.status_of(final, failed=failure is not None)
+    if message is None:   # every response has its message, if empty; thinking that never reached it ends with the reply
+        for e in open_message(_item_status(status)):
+            yield e
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     yield event("response.output_text.done", item_id=body.item_id, output_index=message, content_index=0, text=text,
                 logprobs=[])
@@ -292,7 +316,7 @@ async def _events(ctx: ServerContext, body: _Body,
         yield event("response.output_item.added", output_index=index, item=body.reasoning("", "in_progress", late_id))
         yield event("response.reasoning_text.delta", item_id=late_id, output_index=index, content_index=0, delta=late)
         yield event("response.reasoning_text.done", item_id=late_id, output_index=index, content_index=0, text=late)
-        items.append(body.reasoning(late, "completed", late_id))
+        items.append(body.reasoning(late, _item_status(status), late_id))
         yield event("response.output_item.done", output_index=index, item=items[-1])
     done = body.response(status, items, final)
     if status in ("failed", "cancelled"):

@@ -525,8 +525,8 @@ class MistralToolParser(ToolParser):
         return calls   # type: ignore[return-value]
 
 
-#: a function name as the tool formats write it (letters, digits, ``_``, ``-``, ``.``)
-_FUNCTION_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+#: a function name as OpenAI's tools allow it (ASCII letters, digits, ``_``, ``-``, ``.``; a digit first too)
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _ELEMENT_GAP = re.compile(r"\s*,?\s*")
 
