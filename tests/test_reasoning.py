@@ -116,6 +116,10 @@ def test_server_splits_thinking_from_the_answer_and_calls(http):
     assert msg["reasoning_content"].startswith("\n") and msg["reasoning_content"].endswith("\n")
     assert "<think>" not in msg["content"] and msg["content"].startswith("It is ")
     assert streamed(http, body)[:2] == (msg["reasoning_content"], msg["content"])
+    # include_reasoning false (vLLM's): the same answer, the thinking left out, streamed or not
+    hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()["choices"][0]
+    assert hidden["message"] == {"role": "assistant", "content": msg["content"]}
+    assert streamed(http, {**body, "include_reasoning": False})[:2] == ("", msg["content"])
     # thinking, then a hermes tool call in the answer
     body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "temperature": 0.7, "seed": 6,
             "guided_regex": '<think>\\n[a-z]{2,8}\\n</think>\\n\\n<tool_call>\\n\\{"name": "get_weather", '

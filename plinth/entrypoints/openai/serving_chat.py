@@ -107,10 +107,11 @@ class _Reply:
     tool calls (found in the content only). :meth:`update` takes the whole text so far and returns what is
     new: ``(thinking, content, tool-call deltas)``."""
 
-    def __init__(self, mode: ToolMode | None, reasoning: type[ReasoningParser] | None):
+    def __init__(self, mode: ToolMode | None, reasoning: type[ReasoningParser] | None, include_reasoning: bool = True):
         self.reasoning = reasoning() if reasoning is not None else None
         self.tools = ToolCallTracker(mode)
         self.thinking = ""
+        self.include_reasoning = include_reasoning   # vLLM's include_reasoning: false drops the thinking from replies
 
     def update(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
         thinking = ""
@@ -120,11 +121,11 @@ class _Reply:
                 thinking = split.reasoning[len(self.thinking):]
             self.thinking, text = split.reasoning, split.content
         content, calls = self.tools.update(text, final)
-        return thinking, content, calls
+        return (thinking if self.include_reasoning else ""), content, calls
 
     def message(self) -> ResponseMessage:
         return ResponseMessage(content=self.tools.content, tool_calls=self.tools.message_calls(),
-                               reasoning_content=self.thinking or None)
+                               reasoning_content=(self.thinking if self.include_reasoning else None) or None)
 
 
 async def _check_tool_schemas(mode: ToolMode | None) -> None:
@@ -285,7 +286,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         choices = []
         keeps = ctx.reasoning_parser is not None and ctx.reasoning_parser.keeps_special_tokens
         for j, b in enumerate(out.sequences):
-            reply = _Reply(None, ctx.reasoning_parser)
+            reply = _Reply(None, ctx.reasoning_parser, req.include_reasoning)
             # a parser whose markers are special tokens reads the beam's text with them (not the ending EOS's)
             ended = b.finish_reason == "stop" and b.token_ids and b.token_ids[-1] in ctx.front.eos_token_ids
             reply.update(ctx.front.tokenizer.decode(b.token_ids[:-1] if ended else b.token_ids,
@@ -306,7 +307,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
         return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
-                                   _echoed(req), ctx.reply_model(lora)), on_close=events.aclose)
+                                   _echoed(req), ctx.reply_model(lora), req.include_reasoning), on_close=events.aclose)
     final = await finish(raw, events, _last(events))
     choices = []
     name = ctx.token_namer(req)
@@ -314,7 +315,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     for c in final.outputs:
         n = len(c.token_ids)
         lp = _logprobs(ctx, c.token_ids, (c.logprobs or [])[:n], k, name) if k is not None else None
-        reply = _Reply(mode, ctx.reasoning_parser)
+        reply = _Reply(mode, ctx.reasoning_parser, req.include_reasoning)
         reply.update(c.text, final=True)
         reason = reply.tools.finish_reason(str(c.finish_reason) if c.finish_reason else None)
         message = reply.message()
@@ -331,7 +332,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
 async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_prompt: int,
                   events: AsyncIterator[tuple[int, RequestOutput]], usage: str | None, name: Callable[[int], str],
-                  mode: ToolMode | None = None, echoed: str = "", model: str = "") -> AsyncIterator[str]:
+                  mode: ToolMode | None = None, echoed: str = "", model: str = "",
+                  include_reasoning: bool = True) -> AsyncIterator[str]:
     """``usage``: ``"end"`` for a last chunk with the usage, ``"every"`` also for each chunk's choice's usage so
     far (vLLM's ``continuous_usage_stats``); ``echoed``: text each choice starts with (``echo``); ``model``: the
     chunks' model name."""
@@ -355,7 +357,7 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_promp
         if echoed:
             yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed)), so_far(0))
     sent_tokens, done = [0] * n, [False] * n
-    replies = [_Reply(mode, ctx.reasoning_parser) for _ in range(n)]
+    replies = [_Reply(mode, ctx.reasoning_parser, include_reasoning) for _ in range(n)]
     last: RequestOutput | None = None
     try:
         async for _, out in events:
