@@ -333,3 +333,36 @@ def test_llm_score_and_routes_on_a_generation_server(tmp_path):
                                                                                             "documents": ["b"]})):
             r = client.post(route, json=body)
             assert r.status_code == 400 and f"{route} needs an embedding model" in r.json()["error"]["message"]
+
+
+def test_an_input_may_fill_the_context_and_refusals_name_the_routes_fields(tmp_path):
+    """An input of exactly max_model_len tokens embeds (nothing comes after it), offline and served, as transformers
+    pools it; one token more is refused naming the route's own field, never max_tokens or prompt."""
+    from starlette.testclient import TestClient
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    model = save_tiny_model(tmp_path / "m")
+    ids = list(range(5, 37))   # 32 tokens
+    llm = LLM(str(model), dtype="float32", selection="off", task="embed", max_model_len=32, block_size=4)
+    got = np.array(llm.embed([ids])[0].outputs.embedding)
+    np.testing.assert_allclose(got, reference(model, ids, "last", True), atol=2e-5, rtol=1e-4)
+    with pytest.raises(RequestRejectedError, match="longer than max_model_len"):
+        llm.embed([ids + [5]])
+    del llm
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off", task="embed",
+                                                max_model_len=32, block_size=4, max_num_seqs=2,
+                                                max_waiting_requests=2))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        body = client.post("/v1/embeddings", json={"input": ids}).json()
+        np.testing.assert_allclose(body["data"][0]["embedding"], got, atol=1e-5)
+        for route, request, param in (("/v1/embeddings", {"input": ids + [5]}, "input"),
+                                      ("/v1/embeddings", {"input": [ids[:3]] * 5}, "input"),
+                                      ("/v1/score", {"text_1": "a", "text_2": ["b", "c", "d", "e", "f"]}, "text_2"),
+                                      ("/v1/rerank", {"query": "a", "documents": ["b", "c", "d", "e", "f"]},
+                                       "documents")):
+            error = client.post(route, json=request).json()["error"]
+            assert error["param"] == param and "max_tokens" not in error["message"], (route, error)
+            assert "lower n" not in error["message"] and "prompt" not in error["message"], (route, error)

@@ -219,7 +219,16 @@ class Scheduler:
             if request.default_max_tokens is not None and request.max_tokens > request.default_max_tokens:
                 request.max_tokens = min(request.max_tokens,
                                          max(request.default_max_tokens, request.sampling_params.min_tokens))
-        if num_prompt + max(request.max_tokens, 1) > limit:
+        if request.pooling is not None:   # an input to embed: its one sampled token is dropped, never fed back
+            if num_prompt > limit:
+                raise RequestRejectedError(f"request {rid!r}: the input ({num_prompt} tokens) is longer than "
+                                           f"max_model_len ({limit}); shorten it")
+            if bm.blocks_needed(num_prompt) > bm.num_usable_blocks:
+                raise RequestRejectedError(
+                    f"request {rid!r}: the input ({num_prompt} tokens) needs {bm.blocks_needed(num_prompt)} KV blocks "
+                    f"of {bm.block_size} tokens, but the KV cache has only {bm.num_usable_blocks}; shorten it or "
+                    "give the cache more memory")
+        elif num_prompt + max(request.max_tokens, 1) > limit:
             raise RequestRejectedError(
                 f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
                 f"is {num_prompt + request.max_tokens} tokens, more than max_model_len ({limit}); "

@@ -157,10 +157,14 @@ class ServerContext:
         return lora
 
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
-                     max_tokens_param: str = "max_tokens", min_tokens: int = 0) -> None:
-        """Refuse a prompt that, with its ``max_tokens`` (or ``min_tokens``), cannot fit in the model's context."""
+                     max_tokens_param: str = "max_tokens", min_tokens: int = 0, pooling: bool = False) -> None:
+        """Refuse a prompt that, with its ``max_tokens`` (or ``min_tokens``), cannot fit in the model's context
+        (``pooling``: an input to embed, which may fill the context: nothing comes after it)."""
         limit = self.front.max_model_len
-        if num_prompt >= limit:
+        if pooling and num_prompt > limit:
+            raise bad_request(f"the input has {num_prompt} tokens, but this model's maximum context length is {limit} "
+                              f"tokens; shorten it", prompt_param, "context_length_exceeded")
+        if not pooling and num_prompt >= limit:
             raise bad_request(
                 f"the prompt has {num_prompt} tokens, but this model's maximum context length is {limit} "
                 f"tokens (prompt plus output); shorten the prompt", prompt_param, "context_length_exceeded")
@@ -334,8 +338,8 @@ class ServerContext:
         places = scheduler.max_num_seqs
         if sequences > places + cap:
             raise bad_request(f"the request needs {sequences} sequences at once, more than the running batch and the "
-                              f"waiting queue hold together ({places} + {cap}); send fewer prompts or a smaller n",
-                              param)
+                              f"waiting queue hold together ({places} + {cap}); split it into smaller requests"
+                              + (" or lower n" if param == "n" else ""), param)
 
     async def _ensure_lora(self, lora: LoRARequest | None) -> None:
         """The adapter in the engine's host cache, read (again) off the engine's thread if it was evicted."""

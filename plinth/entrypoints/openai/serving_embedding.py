@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from plinth.core.pooling import PoolingParams
+from plinth.core.scheduler import RequestRejectedError
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.protocol import (
     EmbeddingData,
@@ -53,16 +54,20 @@ async def token_lists(ctx: ServerContext, req: Any, items: list[str | list[int]]
         ids = ctx.truncated(ids, req)
         if not ids:
             raise bad_request(f"{param} must not hold an empty text or token list", param)
-        ctx.check_length(len(ids), None, param)   # at most max_model_len - 1 tokens (one position is sampled, then dropped)
+        ctx.check_length(len(ids), None, param, pooling=True)   # at most max_model_len tokens
         out.append(ids)
     return out
 
 
 async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list[int]], params: PoolingParams,
-                    priority: int, lora: object) -> list[list[float]]:
-    """The embeddings of ``inputs`` (token-id lists), run together, in order."""
+                    priority: int, lora: object, param: str = "input") -> list[list[float]]:
+    """The embeddings of ``inputs`` (token-id lists), run together, in order; the engine's refusal of an input (its
+    KV cache holds less than it) is a 400 naming the route's field ``param``."""
     requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
-    started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param="input"))
+    try:
+        started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param=param))
+    except RequestRejectedError as exc:
+        raise bad_request(str(exc), exc.param or param) from None
     events = merge(started)
     finals = await finish(raw, events, collect(events, len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)

@@ -55,7 +55,7 @@ async def _embed_distinct(ctx: ServerContext, raw: Request, req: ScoreRequest | 
         for ids in ids_list:
             distinct.setdefault(tuple(ids), len(distinct))
     vectors = await embed_all(ctx, raw, rid, [list(k) for k in distinct], PoolingParams(normalize=True),
-                              req.priority, lora)
+                              req.priority, lora, groups[-1][1])
     tokens = sum(len(ids) for ids_list in token_groups for ids in ids_list)
     return [[vectors[distinct[tuple(ids)]] for ids in ids_list] for ids_list in token_groups], tokens
 
