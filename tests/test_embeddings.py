@@ -269,6 +269,18 @@ def test_base_model_checkpoints(tmp_path):
         np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
     with pytest.raises(ModelLoadError, match="base model without an LM head .*--task embed"):
         LLM(str(tmp_path), dtype="float32", selection="off")
+    # Phi's head has a bias, which a base-model checkpoint (PhiModel) does not hold either
+    phi_dir = tmp_path / "phi"
+    phi_config = transformers.PhiConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+                                        eos_token_id=tok.eos_token_id)
+    phi = transformers.PhiModel(phi_config).eval()
+    phi.save_pretrained(phi_dir, safe_serialization=True)
+    tok.save_pretrained(phi_dir)
+    out = LLM(str(phi_dir), dtype="float32", selection="off", task="embed", pooling="mean").embed(PROMPTS[:1])[0]
+    with torch.no_grad():
+        hidden = phi(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].double().mean(0)
+    np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
 
 
 def test_server_score_and_rerank(http):

@@ -170,6 +170,8 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
             loaded.add((name, shard_id))
         missing = []
         for name, param in params.items():
+            if getattr(param, "optional_in_checkpoint", False):   # its default stands where the file has none
+                continue
             for shard_id in getattr(param, "expected_shards", (None,)):
                 if (name, shard_id) not in loaded:
                     missing.append(self.checkpoint_name(name, shard_id))

@@ -85,7 +85,9 @@ class PhiForCausalLM(DecoderForCausalLM):
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)
         if self.lm_head is not None:   # Phi's head has a bias over the whole vocabulary (added after the gather)
-            self.lm_head.bias = nn.Parameter(torch.empty(ctx.hf_config.vocab_size), requires_grad=False)
+            self.lm_head.bias = nn.Parameter(torch.zeros(ctx.hf_config.vocab_size), requires_grad=False)
+            # a base-model checkpoint (PhiModel, run for embeddings) has no head: its tied head has no bias either
+            self.lm_head.bias.optional_in_checkpoint = bool(getattr(ctx.hf_config, "tie_word_embeddings", False))
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         return AttentionOptions(qkv_bias=True, o_bias=True)
