@@ -478,6 +478,9 @@ class EngineConfig:
         """Apply ``{"section.field": value}`` overrides, validating the result."""
         sections = {s: getattr(self, s) for s in self._SECTIONS}
         for dotted, value in overrides.items():
+            if not isinstance(dotted, str):
+                raise ConfigError(f"engine option names in a plugin override are 'section.field' strings, "
+                                  f"got {dotted!r}")
             section, _, field = dotted.partition(".")
             if section not in sections or field not in {f.name for f in dataclasses.fields(sections[section])}:
                 raise ConfigError(f"unknown engine option {dotted!r} in a plugin override")

@@ -168,9 +168,18 @@ def _dist_id(ep: Any) -> tuple[str, str] | None:
         return None
     known = _DIST_IDS.get(id(dist))
     if known is None or known[0] is not dist:
-        meta = dist.metadata
-        known = _DIST_IDS[id(dist)] = (dist, meta["Name"], meta["Version"])
-    return known[1], known[2]
+        try:
+            meta = dist.metadata
+            name, version = meta["Name"], meta["Version"]
+        except Exception:   # an unreadable METADATA (an interrupted install): the distribution is unknown
+            name = version = None
+        if not isinstance(name, str) or not name:
+            logger.warning("entry point %r: its distribution's METADATA names no package; taken as unknown",
+                           getattr(ep, "value", ep))
+            known = _DIST_IDS[id(dist)] = (dist, None, None)
+        else:
+            known = _DIST_IDS[id(dist)] = (dist, name, version if isinstance(version, str) else "")
+    return None if known[1] is None else (known[1], known[2])
 
 
 def _is_in_tree(ep: Any) -> bool:
@@ -270,7 +279,7 @@ class PluginManager:
         record = self.records[ep.name] = _new_record(ep)
         try:
             module = ep.load()
-        except Exception as exc:  # any import-time error is reported with the plugin's name
+        except (Exception, SystemExit) as exc:  # any import-time error (an exit too) is reported with the plugin's name
             self._fail(record, exc, explicit)
             return
         if not isinstance(module, ModuleType):
@@ -460,7 +469,7 @@ def _call_impl(impl: Any, **kwargs: Any) -> Any:
     """Call one hook implementation with the keyword arguments it declares."""
     try:
         return impl.function(**{k: kwargs[k] for k in impl.argnames})
-    except Exception as exc:  # attribute the failure to the plugin that raised it
+    except (Exception, SystemExit) as exc:  # attribute the failure (an exit too) to the plugin that raised it
         hook = getattr(impl.function, "__name__", "hook")
         raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook}(): {type(exc).__name__}: {exc}") \
             from exc

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -277,18 +278,25 @@ def test_forcing_an_unavailable_platform_gives_its_reason(monkeypatch: pytest.Mo
         select_platform(pm=pm)
 
 
-def _platform_plugin(monkeypatch: pytest.MonkeyPatch, pm: PluginManager, name: str, priority: int,
-                     available: bool | Exception, cls_name: str | None = None) -> None:
-    """Register an out-of-tree platform plugin whose class lives in a module of its own."""
+def _platform_plugin(monkeypatch: pytest.MonkeyPatch, pm: PluginManager, name: str, priority: Any,
+                     available: Any, cls_name: str | None = None, start_error: Exception | None = None) -> None:
+    """Register an out-of-tree platform plugin whose class lives in a module of its own (``available``: a bool, an
+    exception to raise, or anything else for ``is_available()`` to return; ``start_error``: raised when built)."""
 
     class Accel(Platform):
         device_type = "cpu"
         dist_backend = "gloo"
 
+        def __init__(self):
+            if start_error is not None:
+                raise start_error
+
         @classmethod
         def is_available(cls) -> Support:
             if isinstance(available, Exception):
                 raise available
+            if not isinstance(available, bool):
+                return available
             return Support.yes() if available else Support.no(f"no {name} card")
 
         def supported_dtypes(self):
@@ -345,6 +353,23 @@ def test_platform_report(monkeypatch: pytest.MonkeyPatch, pm: PluginManager) -> 
     assert rows["misnamed"].priority is None and "has name 'other' but is registered as 'misnamed'" in rows[
         "misnamed"].reason
     assert select_platform(pm=pm).name == "cpu"  # neither broken candidate is chosen
+
+
+def test_platform_plugins_that_break_the_contract_are_skipped_or_named(monkeypatch, pm) -> None:
+    """``is_available()`` returning something else than a Support, a priority that is not an integer: reported and
+    skipped; an available platform whose constructor fails: a SelectionError naming it (never a traceback)."""
+    fake_torch(monkeypatch)
+    _platform_plugin(monkeypatch, pm, "truthy", 300, None)
+    _platform_plugin(monkeypatch, pm, "wordy", "300", True)
+    rows = {row.name: row for row in platform_report(pm)}
+    assert rows["truthy"].available is False and rows["truthy"].reason == "is_available() returned None, not a Support"
+    assert rows["wordy"].available is False and "has priority '300', not an integer" in rows["wordy"].reason
+    assert select_platform(pm=pm).name == "cpu"
+    _platform_plugin(monkeypatch, pm, "broken", 300, True, start_error=RuntimeError("device init failed"))
+    for forced in (None, "broken"):
+        with pytest.raises(SelectionError, match="platform 'broken' \\(plugin 'broken'\\) failed to start: "
+                                                 "RuntimeError: device init failed"):
+            select_platform(forced, pm=pm)
 
 
 def test_unloadable_platform_is_reported_and_skipped(monkeypatch: pytest.MonkeyPatch, pm: PluginManager) -> None:

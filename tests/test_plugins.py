@@ -498,3 +498,50 @@ def test_process_wide_manager_is_cached_until_reset(monkeypatch: pytest.MonkeyPa
         assert get_plugin_manager() is not first
     finally:
         reset_plugin_manager()
+
+
+def test_plugins_that_exit_or_lack_metadata_are_reported_not_fatal(monkeypatch, tmp_path, caplog) -> None:
+    """A plugin module that calls sys.exit() on import, a registration hook that raises SystemExit, and an entry
+    point whose distribution's METADATA names no package (an interrupted install): each is reported and the rest
+    of plinth goes on."""
+    (tmp_path / "plinth_exiting_plugin.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    @hookimpl
+    def plinth_models():
+        raise SystemExit(4)
+
+    monkeypatch.setitem(sys.modules, "plinth_exit_hook", make_plugin("plinth_exit_hook", plinth_models=plinth_models))
+    monkeypatch.setitem(sys.modules, "plinth_nameless", make_plugin("plinth_nameless"))
+    nameless = types.SimpleNamespace(name="nameless", value="plinth_nameless", group=ENTRY_POINT_GROUP,
+                                     dist=types.SimpleNamespace(metadata={"Name": None, "Version": None}),
+                                     load=lambda: sys.modules["plinth_nameless"])
+    eps = [metadata.EntryPoint("exiting", "plinth_exiting_plugin", ENTRY_POINT_GROUP),
+           metadata.EntryPoint("exit_hook", "plinth_exit_hook", ENTRY_POINT_GROUP), nameless]
+    pm = PluginManager(env={}, entry_points=eps)
+    assert pm.records["exiting"].error == "SystemExit: 3"
+    assert pm.records["nameless"].error is None and pm.records["nameless"].distribution is None
+    assert pm.records["exit_hook"].error == "plugin 'exit_hook' failed in plinth_models(): SystemExit: 4"
+    assert pm.registrations("models") == {}
+
+
+def test_an_override_keyed_by_something_else_than_a_name_is_refused(empty_pm: PluginManager) -> None:
+    from plinth.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="'section.field' strings, got 1"):
+        EngineConfig.from_kwargs(model="m").with_overrides({1: 2})
+
+
+def test_a_model_plugin_class_must_be_a_causal_lm() -> None:
+    from plinth.errors import UnsupportedModelError
+    from plinth.model_registry.registry import ModelRegistry
+
+    class NotAModel:
+        pass
+
+    ModelRegistry.register_model("NotAModelForCausalLM", NotAModel)
+    try:
+        with pytest.raises(UnsupportedModelError, match="not a plinth.model_registry.interface.CausalLM subclass"):
+            ModelRegistry.resolve("NotAModelForCausalLM")
+    finally:
+        ModelRegistry._user.pop("NotAModelForCausalLM", None)

@@ -348,23 +348,39 @@ def test_crashing_or_invalid_candidates_lose_but_do_not_stop_selection(pm, backe
         def forward(self, *args, **kwargs):
             raise RuntimeError("kernel exploded")
 
+    class FalsyBackend(backends.FastBackend):   # check() answers False, not a Support
+        name = "test_falsy"
+
+        @classmethod
+        def check(cls, spec, device_type):
+            return False
+
+    class WordyBackend(backends.FastBackend):   # a priority that is not an integer
+        name = "test_wordy"
+        priority = "high"
+
     plugin = types.ModuleType("plinth_test_crash")
     plugin.PLINTH_PLUGIN_API = "1.0"
-    plugin.CrashingBackend = CrashingBackend
+    plugin.CrashingBackend, plugin.FalsyBackend, plugin.WordyBackend = CrashingBackend, FalsyBackend, WordyBackend
     plugin.NotABackend = object
 
     @hookimpl
     def plinth_attention_backends():
-        return {"test_crash": "plinth_test_crash:CrashingBackend", "test_object": "plinth_test_crash:NotABackend"}
+        return {"test_crash": "plinth_test_crash:CrashingBackend", "test_object": "plinth_test_crash:NotABackend",
+                "test_falsy": "plinth_test_crash:FalsyBackend", "test_wordy": "plinth_test_crash:WordyBackend"}
 
     plugin.plinth_attention_backends = plinth_attention_backends
     sys.modules["plinth_test_crash"] = plugin
     try:
         pm.register_module(plugin, "test_crash_plugin")
-        result, _ = run(pm, tmp_path, candidates=["test_fast", "test_crash", "test_object"])
+        result, _ = run(pm, tmp_path, candidates=["test_fast", "test_crash", "test_object", "test_falsy",
+                                                  "test_wordy"])
+        off, _ = run(pm, tmp_path, mode="off", candidates=["test_fast", "test_falsy", "test_wordy"])
     finally:
         del sys.modules["plinth_test_crash"]
-    assert result.winner == "test_fast"
+    assert result.winner == "test_fast" and off.winner == "test_fast"
+    assert result.report("test_falsy").reason == "supports() returned False, not a Support"
+    assert "has priority 'high', not an integer" in result.report("test_wordy").reason
     crash = result.report("test_crash")
     assert crash.status == "rejected" and "RuntimeError: kernel exploded" in crash.reason
     assert not result.report("test_object").supported
@@ -487,3 +503,17 @@ def test_a_runner_may_report_its_own_time(monkeypatch):
     times = selection._time_interleaved(Kind(), runners, warmup=1, repeats=3)
     assert times["a"]["own"] == 123.0
     assert 0 <= times["a"]["host"] < 50.0
+
+
+def test_a_winner_that_fails_to_start_is_a_selection_error_naming_it():
+    from plinth.core.selection_records import CandidateReport, SelectionResult
+
+    class Broken:
+        def __init__(self, *args):
+            raise RuntimeError("backend init failed")
+
+    result = SelectionResult("attention_backend", "broken", Broken, [CandidateReport("broken", "acme", True)], False,
+                             0.0)
+    with pytest.raises(SelectionError, match="attention backend 'broken' \\(plugin 'acme'\\) failed to start: "
+                                             "RuntimeError: backend init failed"):
+        result.instantiate()

@@ -100,10 +100,17 @@ def _resolve(kind: CandidateKind, reg: Registration) -> tuple[Any, CandidateRepo
     if problem := kind.validate(cls):
         report.reason = problem
         return None, report
+    priority = getattr(cls, "priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        report.reason = f"unsupported: {reg.ref} has priority {priority!r}, not an integer"
+        return None, report
     try:
         support = kind.supports(cls)
     except Exception as exc:  # supports() must not raise; the plugin bug becomes the reason
         report.reason = f"supports() raised {type(exc).__name__}: {exc}"
+        return None, report
+    if not isinstance(support, Support):
+        report.reason = f"supports() returned {support!r}, not a Support"
         return None, report
     report.supported = bool(support)
     report.reason = "" if support else (support.reason or "unsupported (no reason given)")

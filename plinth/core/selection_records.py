@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from plinth.errors import SelectionError
+
 
 @dataclasses.dataclass
 class CandidateReport:
@@ -70,6 +72,16 @@ class SelectionResult:
 
     def report(self, name: str) -> CandidateReport:
         return next(c for c in self.candidates if c.name == name)
+
+    def instantiate(self, *args: Any) -> Any:
+        """The winner's instance (``winner_cls(*args)``); a constructor that fails (a plugin's bug) is a
+        SelectionError naming the candidate and its plugin."""
+        try:
+            return self.winner_cls(*args)
+        except Exception as exc:
+            plugin = next((c.plugin for c in self.candidates if c.name == self.winner), None)
+            raise SelectionError(f"{self.kind.replace('_', ' ')} {self.winner!r} (plugin {plugin!r}) failed to start: "
+                                 f"{type(exc).__name__}: {exc}") from exc
 
     def summary(self) -> str:
         """One log line: winner, runner-up, times."""

@@ -139,7 +139,7 @@ class Worker:
         from plinth.worker.setup import _num_blocks
 
         forced = DeviceConfig(platform=self.config.device.platform, attention_backend=backend_name, selection="off")
-        backend = select_attention_backend(self._spec(), self.platform, forced).winner_cls()
+        backend = select_attention_backend(self._spec(), self.platform, forced).instantiate()
         quant_method = resolve_quantization(self.config, self.source, self.platform, self.dtype, self.device)
         lay = self.layout
         ctx = ModelContext(hf_config=self.hf, dtype=self.dtype, device=self.device, attention_backend=backend,

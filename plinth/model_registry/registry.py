@@ -114,6 +114,11 @@ class ModelRegistryImpl:
                                             f"but it cannot be loaded: {exc}") from exc
         if not isinstance(cls, type):
             raise UnsupportedModelError(f"architecture {architecture!r} resolves to {cls!r}, which is not a class")
+        from plinth.model_registry.interface import CausalLM
+
+        if not issubclass(cls, CausalLM):
+            raise UnsupportedModelError(f"architecture {architecture!r} resolves to {cls.__module__}.{cls.__qualname__}, "
+                                        "which is not a plinth.model_registry.interface.CausalLM subclass")
         return cls
 
     def _fallback(self, architecture: str) -> type:

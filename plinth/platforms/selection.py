@@ -40,6 +40,7 @@ class PlatformStatus(NamedTuple):
 
 def _probe(reg: Registration) -> tuple[type[Platform] | None, PlatformStatus]:
     """Load one registered platform class and ask whether it can run here. Never raises."""
+    from plinth.attention_backends.interface import Support
     from plinth.platforms.interface import Platform
 
     try:
@@ -53,13 +54,29 @@ def _probe(reg: Registration) -> tuple[type[Platform] | None, PlatformStatus]:
         return None, PlatformStatus(reg.name, reg.plugin, None, False,
                                     f"{reg.ref} has name {getattr(cls, 'name', None)!r} but is registered "
                                     f"as {reg.name!r}")
+    priority = getattr(cls, "priority", None)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        return None, PlatformStatus(reg.name, reg.plugin, None, False,
+                                    f"{reg.ref} has priority {priority!r}, not an integer")
     try:
         support = cls.is_available()
     except Exception as exc:  # is_available() must not raise; report the plugin bug as the reason
-        return cls, PlatformStatus(reg.name, reg.plugin, cls.priority, False,
+        return cls, PlatformStatus(reg.name, reg.plugin, priority, False,
                                    f"is_available() raised {type(exc).__name__}: {exc}")
+    if not isinstance(support, Support):
+        return cls, PlatformStatus(reg.name, reg.plugin, priority, False,
+                                   f"is_available() returned {support!r}, not a Support")
     reason = "" if support.ok else (support.reason or "unavailable (no reason given)")
-    return cls, PlatformStatus(reg.name, reg.plugin, cls.priority, bool(support.ok), reason)
+    return cls, PlatformStatus(reg.name, reg.plugin, priority, bool(support.ok), reason)
+
+
+def _construct(cls: type[Platform], status: PlatformStatus) -> Platform:
+    """An instance of an available platform; one whose constructor fails is a SelectionError naming it."""
+    try:
+        return cls()
+    except Exception as exc:
+        raise SelectionError(f"platform {status.name!r} (plugin {status.plugin!r}) failed to start: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def _ranked(pm: PluginManager) -> list[tuple[type[Platform] | None, PlatformStatus]]:
@@ -106,11 +123,11 @@ def select_platform(forced: str | None = None, pm: PluginManager | None = None) 
         if cls is None or not status.available:
             raise SelectionError(f"platform {forced!r} ({source}) cannot run here: {status.reason}")
         logger.info("platform: %s (%s)", forced, source)
-        return cls()
+        return _construct(cls, status)
     ranked = _ranked(pm)
     for cls, status in ranked:
         if cls is not None and status.available:
             logger.info("platform: %s (priority %d, plugin %r)", status.name, status.priority, status.plugin)
-            return cls()
+            return _construct(cls, status)
     reasons = "; ".join(f"{s.name}: {s.reason}" for _c, s in ranked) or "no platform plugin is loaded"
     raise SelectionError(f"no platform is available: {reasons}")

@@ -230,7 +230,7 @@ class QuantizationMethod(abc.ABC):
             return False
         logger.info("%s: the LM head's %d x %d runs on %s", self.name, weight.shape[0], weight.shape[1],
                     result.winner)
-        kernel = result.winner_cls(problem)
+        kernel = result.instantiate(problem)
         with torch.no_grad():
             prepared = kernel.prepare(self.float_weights(weight))
         kernel.installed(prepared)
@@ -294,7 +294,7 @@ class QuantizationMethod(abc.ABC):
 
         self.problem = self.gemm_problem(tuple(sorted(set(shapes))))
         result = select_gemm_kernel(self, self.problem)
-        self.kernel = result.winner_cls(self.problem)
+        self.kernel = result.instantiate(self.problem)
         self.kernel_selection = result
         return result
 

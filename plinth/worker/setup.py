@@ -245,7 +245,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     workload = AttentionWorkload.for_engine(*config.scheduler.limits,
                                             max_model_len, hf.num_hidden_layers)
     selection = select_attention_backend(spec, platform, config.device, workload=workload)
-    backend = selection.winner_cls()
+    backend = selection.instantiate()
     ctx = ModelContext(hf_config=hf, dtype=dtype, device=device, attention_backend=backend,
                        block_size=config.cache.block_size, quant_method=quant_method, max_model_len=max_model_len)
     torch.manual_seed(config.model.seed)
