@@ -45,6 +45,21 @@ def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+#: the most sequences a batch may hold (each takes rows of per-step host arrays sized by the context's blocks)
+MAX_NUM_SEQS = 1 << 16
+
+
+def _check_texts(config: Any, names: tuple[str, ...], paths: tuple[str, ...] = ()) -> None:
+    """Fields that hold a name or text (or None): anything else is a ConfigError naming the field; those in ``paths``
+    may be given as a path object (kept as its text)."""
+    for name in names:
+        value = getattr(config, name)
+        if name in paths and isinstance(value, os.PathLike):
+            object.__setattr__(config, name, os.fspath(value))
+        elif value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+
+
 def _check_flags(config: Any) -> None:
     """Every ``bool`` field of a config dataclass holds a bool (``bool | None`` fields may hold None): a
     string such as ``"false"`` would otherwise count as true."""
@@ -111,6 +126,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        _check_texts(self, ("tokenizer", "chat_template", "reasoning_parser"), paths=("tokenizer", "chat_template"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         aliases = self.served_model_aliases
@@ -126,6 +142,8 @@ class ModelConfig:
             object.__setattr__(self, "served_model_aliases",
                                 tuple(dict.fromkeys(n for n in [*names[1:], *self.served_model_aliases]
                                                     if n != names[0])))
+        elif names is not None and (not isinstance(names, str) or not names):
+            raise ConfigError(f"served_model_name must be a name or a list of names, got {names!r}")
         override = self.override_generation_config
         if isinstance(override, str):
             try:
@@ -243,6 +261,8 @@ class SchedulerConfig:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")
         _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_seqs is not None and self.max_num_seqs > MAX_NUM_SEQS:
+            raise ConfigError(f"max_num_seqs must be at most {MAX_NUM_SEQS}, got {self.max_num_seqs}")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_waiting_requests", self.max_waiting_requests)
         if (isinstance(self.itl_target_ms, bool) or not isinstance(self.itl_target_ms, (int, float))
@@ -312,6 +332,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        _check_texts(self, ("platform", "attention_backend", "gemm_kernel"))
         if self.selection not in SELECTION_MODES:
             raise ConfigError(f"selection must be one of {', '.join(SELECTION_MODES)}, got {self.selection!r}")
 

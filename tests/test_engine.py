@@ -120,6 +120,12 @@ def test_priority_policy_keeps_outputs_and_fcfs_refuses_priorities(tiny_llama_di
     (dict(gpu_memory_utilization=None), "gpu_memory_utilization must be in"),
     (dict(seed=None), "seed must be an integer"),
     (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 18446744073709551616"),
+    (dict(platform=5), "platform must be a string, got 5"),
+    (dict(attention_backend=["x"]), "attention_backend must be a string"),
+    (dict(tokenizer=5), "tokenizer must be a string, got 5"),
+    (dict(chat_template=5), "chat_template must be a string, got 5"),
+    (dict(served_model_name=5), "served_model_name must be a name or a list of names, got 5"),
+    (dict(max_num_seqs=10**9), "max_num_seqs must be at most 65536, got 1000000000"),
 ])
 def test_engine_options_of_the_wrong_type_are_config_errors(kw, match):
     """A string where a flag belongs would count as true (trust_remote_code="false" would run a checkpoint's
@@ -129,6 +135,9 @@ def test_engine_options_of_the_wrong_type_are_config_errors(kw, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig.from_kwargs(**kw)
     assert EngineConfig.from_kwargs(async_scheduling=None, normalize_embeddings=None) is not None
+    from pathlib import Path
+
+    assert EngineConfig.from_kwargs(tokenizer=Path("/tok")).model.tokenizer == "/tok"   # a path object is its text
 
 
 def test_chunked_prefill_small_budget(tiny_llama_dir, reference):
