@@ -179,12 +179,13 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
         del moe
-    result = {"device": args.device, "dtype": str(args.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-              "shape": {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "inter": args.inter},
-              "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        result = {"device": args.device, "dtype": str(args.dtype).removeprefix("torch."),
+                  "threads": torch.get_num_threads(),
+                  "shape": {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "inter": args.inter},
+                  "rows": rows}
+        if args.out:   # after every format: a run cut short keeps the rows it finished
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
