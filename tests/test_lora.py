@@ -135,6 +135,32 @@ def test_fewer_slots_than_adapters(model_dir, adapters):
         assert out.outputs[0].token_ids == alone[n], n
 
 
+def test_a_removed_adapter_serves_those_holding_it_and_is_never_read_again(model_dir, adapters, tmp_path):
+    """remove_lora (the server's unload): a holder of the adapter (a request accepted before, a beam search between
+    rounds) still runs with it, its folder gone; one removed before anything held it is refused, nothing read."""
+    import gc
+    import shutil
+
+    from plinth.core.scheduler import RequestRejectedError
+
+    folder = shutil.copytree(adapters["attn-r4"], tmp_path / "moving")
+    llm = LLM(str(model_dir), dtype="float32", selection="off", enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("moving", 7, str(folder))
+    before = llm.generate(PROMPTS[2], greedy(), lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
+    held = llm.engine.lora_adapter(7)
+    assert held is not None and llm.engine.remove_lora(7) and not llm.engine.has_lora(7)
+    shutil.rmtree(folder)
+    again = llm.generate(PROMPTS[2], greedy(), lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == before and not llm.engine.has_lora(7)   # not put back in the host cache either
+    # an adapter removed before anything held it in memory is refused, its folder not read
+    other = LoRARequest("gone", 8, str(adapters["all"]))
+    llm.engine.add_lora(other)
+    llm.engine.remove_lora(8)
+    gc.collect()
+    with pytest.raises(RequestRejectedError, match="LoRA adapter 'gone' \\(id 8\\) was removed"):
+        llm.generate(PROMPTS[2], greedy(), lora_request=other, use_tqdm=False)
+
+
 def test_prefix_cache_is_per_adapter(model_dir, adapters):
     """The same prompt under the base model and two adapters: no request reuses another adapter's cached
     keys and values (each output matches PEFT), and a repeat under the same adapter hits its own."""
@@ -405,8 +431,11 @@ def test_server_loads_and_unloads_adapters(server_parts):
     assert err["error"]["param"] == "lora_name" and "needs a name" in err["error"]["message"]
     err = _post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/adapter"}, status=400)
     assert "no such folder" in err["error"]["message"]
+    held = client.app.state.ctx.check_model("chat")   # a request that arrived before the unload holds the adapter
     _post(client, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     _post(client, "/v1/completions", body, status=404)
+    assert held.adapter is not None and held.adapter.name == "chat"
+    del held
     _post(client, "/v1/unload_lora_adapter", {"lora_name": "chat"}, status=404)
     # loaded again (a fresh id): the same answers
     _post(client, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["chat"])})

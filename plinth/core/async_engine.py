@@ -176,8 +176,12 @@ class AsyncLLMEngine:
         return self._engine.has_lora(lora_int_id)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the engine's host memory (see ``LLMEngine.remove_lora``)."""
+        """Stop serving an adapter (see ``LLMEngine.remove_lora``)."""
         return self._engine.remove_lora(lora_int_id)
+
+    def lora_adapter(self, lora_int_id: int) -> Any:
+        """The adapter if it is in memory, reading no file (see ``LLMEngine.lora_adapter``)."""
+        return self._engine.lora_adapter(lora_int_id)
 
     def prepare_grammar(self, spec: dict[str, Any]) -> None:
         """Compile a structured-output constraint, off the engine's thread (call it in a worker thread

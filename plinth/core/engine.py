@@ -203,6 +203,7 @@ class LLMEngine:
         self._adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self._live_adapters: weakref.WeakValueDictionary[int, LoRAAdapter] = weakref.WeakValueDictionary()
         self._lora_names: dict[int, tuple[str, str]] = {}
+        self._retired_loras: set[int] = set()   # ids :meth:`remove_lora` took back: never read again
         self._lora_lock = threading.Lock()
         cache_tokens = self.block_manager.num_usable_blocks * config.cache.block_size
         #: the longest sequence the engine can hold: max_model_len, or less when the KV cache holds less (the last
@@ -420,8 +421,12 @@ class LLMEngine:
                 return adapter
             adapter = self._live_adapters.get(lora_id)   # dropped from the cache, still held by running requests
             if adapter is not None:
-                self._keep(adapter)
+                if lora_id not in self._retired_loras:
+                    self._keep(adapter)
                 return adapter
+            if lora_id in self._retired_loras:
+                raise RequestRejectedError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}) was removed",
+                                           param="lora_request")
         try:
             adapter = load_adapter(lora_request.lora_name, lora_id, lora_request.lora_path,
                                    self.model_source.hf_config, self.config.lora.max_lora_rank,
@@ -430,6 +435,9 @@ class LLMEngine:
             raise RequestRejectedError(str(exc), param="lora_request") from None
         with self._lora_lock:
             self._check_lora_id(lora_request)
+            if lora_id in self._retired_loras:   # removed while its files were read
+                raise RequestRejectedError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}) was removed",
+                                           param="lora_request")
             self._lora_names[lora_id] = (lora_request.lora_name, lora_request.lora_path)
             self._keep(adapter)
         logger.info("LoRA adapter %r (id %d, rank %d, %d modules, %.1f MiB) read from %s", adapter.name,
@@ -456,11 +464,18 @@ class LLMEngine:
                 f"{lora_request.lora_name!r} ({lora_request.lora_path}) another id", param="lora_request")
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from host memory (requests running with it finish with it); its id stays reserved
-        for it. Returns whether it was held."""
+        """Stop serving an adapter: it leaves host memory once nothing holds it. Requests running with it, or
+        holding it (:meth:`lora_adapter`), finish with it; its id is retired: it is never read again, and a request
+        naming it without holding it is refused. Returns whether it was in the host cache."""
         with self._lora_lock:
-            self._live_adapters.pop(lora_int_id, None)
+            self._retired_loras.add(lora_int_id)
             return self._adapters.pop(lora_int_id, None) is not None
+
+    def lora_adapter(self, lora_int_id: int) -> LoRAAdapter | None:
+        """The adapter of ``lora_int_id`` if it is in memory (the host cache, or held by a request), else None; no
+        file is read. Holding it keeps it usable for requests after :meth:`remove_lora`."""
+        with self._lora_lock:
+            return self._adapters.get(lora_int_id) or self._live_adapters.get(lora_int_id)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | PoolingParams | None = None,

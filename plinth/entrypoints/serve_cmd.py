@@ -56,7 +56,8 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and "
+                        f"/metrics (default: ${API_KEY_ENV})")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",

@@ -44,6 +44,14 @@ MAX_CHARS_PER_TOKEN = MIN_CHARS_PER_TOKEN
 MAX_TRUNCATED_CHARS = 1 << 24
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeldLoRA(LoRARequest):
+    """The adapter a request named, held from its arrival (``adapter``: the engine's copy, once in memory): a
+    request accepted while the adapter was served finishes with it, though it is unloaded meanwhile."""
+
+    adapter: Any = dataclasses.field(default=None, repr=False)
+
+
 class LoRANameError(ValueError):
     """An adapter's name that cannot be served: empty, or ``taken`` by the base model or another adapter."""
 
@@ -126,7 +134,9 @@ class ServerContext:
             adapters = f" and the LoRA adapters {', '.join(map(repr, self.loras))}" if self.loras else ""
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}{adapters}",
                            "not_found_error", "model", "model_not_found")
-        return lora
+        held = getattr(self.front, "lora_adapter", None)
+        return HeldLoRA(lora.lora_name, lora.lora_int_id, lora.lora_path,
+                        held(lora.lora_int_id) if held is not None else None)
 
     def reply_model(self, lora: LoRARequest | None) -> str:
         """The ``model`` of a reply: the adapter's name for a request that named one (decided when it arrived,
@@ -144,8 +154,9 @@ class ServerContext:
         """
         with self._lora_lock:
             if not name or name in self.model_names or name in self.loras or name in self._loading:
-                raise LoRANameError(f"the model name {name!r} is taken; unload that adapter first" if name
-                                    else "an adapter needs a name", taken=bool(name))
+                whose = " by the served model" if name in self.model_names else "; unload that adapter first"
+                raise LoRANameError(f"the model name {name!r} is taken{whose}" if name else "an adapter needs a name",
+                                    taken=bool(name))
             self._loading.add(name)
             lora = LoRARequest(name, next(self._lora_ids), path)
         try:
@@ -342,9 +353,20 @@ class ServerContext:
                               + (" or lower n" if param == "n" else ""), param)
 
     async def _ensure_lora(self, lora: LoRARequest | None) -> None:
-        """The adapter in the engine's host cache, read (again) off the engine's thread if it was evicted."""
-        if lora is not None and not self.front.has_lora(lora.lora_int_id):
-            await asyncio.to_thread(self.front.add_lora, lora)
+        """The adapter in memory for the request: held since it arrived, in the engine's host cache, or read
+        (again) off the engine's thread if it was evicted, and then held. One unloaded before it was held is a
+        404, as if the request had arrived after the unload."""
+        if lora is None or getattr(lora, "adapter", None) is not None or self.front.has_lora(lora.lora_int_id):
+            return
+        try:
+            adapter = await asyncio.to_thread(self.front.add_lora, lora)
+        except RequestRejectedError:
+            if self.loras.get(lora.lora_name) is None or self.loras[lora.lora_name].lora_int_id != lora.lora_int_id:
+                raise APIError(404, f"the LoRA adapter {lora.lora_name!r} was unloaded", "not_found_error", "model",
+                               "model_not_found") from None
+            raise
+        if isinstance(lora, HeldLoRA):
+            object.__setattr__(lora, "adapter", adapter)
 
     async def beam_search(self, request_id: str, starts: list[list[int]], params: BeamSearchParams,
                           lora: LoRARequest | None) -> list[BeamSearchOutput]:
