@@ -126,7 +126,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        _check_texts(self, ("tokenizer", "chat_template", "reasoning_parser"), paths=("tokenizer", "chat_template"))
+        _check_texts(self, ("tokenizer", "chat_template"), paths=("tokenizer", "chat_template"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         aliases = self.served_model_aliases

@@ -359,10 +359,12 @@ def test_platform_plugins_that_break_the_contract_are_skipped_or_named(monkeypat
     """``is_available()`` returning something else than a Support, a priority that is not an integer: reported and
     skipped; an available platform whose constructor fails: a SelectionError naming it (never a traceback)."""
     fake_torch(monkeypatch)
-    _platform_plugin(monkeypatch, pm, "truthy", 300, None)
+    _platform_plugin(monkeypatch, pm, "nothing", 300, None)
+    _platform_plugin(monkeypatch, pm, "truthy", 300, 1)
     _platform_plugin(monkeypatch, pm, "wordy", "300", True)
     rows = {row.name: row for row in platform_report(pm)}
-    assert rows["truthy"].available is False and rows["truthy"].reason == "is_available() returned None, not a Support"
+    assert rows["nothing"].available is False and rows["nothing"].reason == "is_available() returned None, not a Support"
+    assert rows["truthy"].available is False and rows["truthy"].reason == "is_available() returned 1, not a Support"
     assert rows["wordy"].available is False and "has priority '300', not an integer" in rows["wordy"].reason
     assert select_platform(pm=pm).name == "cpu"
     _platform_plugin(monkeypatch, pm, "broken", 300, True, start_error=RuntimeError("device init failed"))

@@ -424,6 +424,8 @@ def test_completion_echo(server, client, engine):
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0}), 400, "max_tokens")
     assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True,
                                                              "stream": True}), 400, "stream")
+    assert_error(post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True,
+                                                             "min_tokens": 3}), 400, "min_tokens")
 
 
 def test_stop_string(client, engine):

@@ -356,15 +356,19 @@ class ServerContext:
         """The adapter in memory for the request: held since it arrived, in the engine's host cache, or read
         (again) off the engine's thread if it was evicted, and then held. One unloaded before it was held is a
         404, as if the request had arrived after the unload."""
-        if lora is None or getattr(lora, "adapter", None) is not None or self.front.has_lora(lora.lora_int_id):
+        if lora is None or getattr(lora, "adapter", None) is not None:
             return
-        try:
-            adapter = await asyncio.to_thread(self.front.add_lora, lora)
-        except RequestRejectedError:
-            if self.loras.get(lora.lora_name) is None or self.loras[lora.lora_name].lora_int_id != lora.lora_int_id:
-                raise APIError(404, f"the LoRA adapter {lora.lora_name!r} was unloaded", "not_found_error", "model",
-                               "model_not_found") from None
-            raise
+        in_memory = getattr(self.front, "lora_adapter", None)
+        adapter = in_memory(lora.lora_int_id) if in_memory is not None else None
+        if adapter is None:
+            try:
+                adapter = await asyncio.to_thread(self.front.add_lora, lora)
+            except RequestRejectedError:
+                served = self.loras.get(lora.lora_name)
+                if served is None or served.lora_int_id != lora.lora_int_id:
+                    raise APIError(404, f"the LoRA adapter {lora.lora_name!r} was unloaded", "not_found_error",
+                                   "model", "model_not_found") from None
+                raise
         if isinstance(lora, HeldLoRA):
             object.__setattr__(lora, "adapter", adapter)
 

@@ -177,8 +177,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     # echo with max_tokens 0: the prompt and its logprobs only (scoring a text, as lm-eval's loglikelihood does);
     # the engine samples one token, which the reply leaves out
     echo_only = req.echo and req.max_tokens == 0
-    if echo_only and (req.stream or req.use_beam_search):
-        field = "stream" if req.stream else "use_beam_search"
+    if echo_only and (req.stream or req.use_beam_search or req.min_tokens):
+        field = "stream" if req.stream else "use_beam_search" if req.use_beam_search else "min_tokens"
         raise bad_request(f"max_tokens 0 (echo the prompt only) cannot be combined with {field}", field)
     prompts = await _prompts(ctx, req)
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
