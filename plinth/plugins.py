@@ -400,12 +400,14 @@ class PluginManager:
             PluginError: an in-tree or explicitly named plugin's hook raised.
         """
         for impl in self._pm.hook.plinth_add_cli_arguments.get_hookimpls():
+            before = list(parser._actions)
             try:
                 _call_impl(impl, parser=parser, command=command)
             except PluginError as exc:
                 record = self.records.get(impl.plugin_name)
                 if record is None or record.in_tree or impl.plugin_name in self._explicit:
                     raise
+                _drop_actions(parser, [a for a in parser._actions if a not in before])   # the flags it added first
                 logger.warning("skipping the command-line flags of plugin %r: %s", impl.plugin_name, exc)
 
     def cli_option_names(self) -> frozenset[str]:
@@ -463,6 +465,17 @@ class PluginManager:
 
 def _hook_names() -> list[str]:
     return sorted(n for n in vars(hookspecs) if n.startswith("plinth_"))
+
+
+def _drop_actions(parser: Any, actions: list[Any]) -> None:
+    """Take ``actions`` (flags a failed plugin hook added) back out of an argparse parser and its groups."""
+    for action in actions:
+        parser._remove_action(action)
+        for option in action.option_strings:
+            parser._option_string_actions.pop(option, None)
+        for group in [*parser._action_groups, *parser._mutually_exclusive_groups]:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
 
 
 def _call_impl(impl: Any, **kwargs: Any) -> Any:

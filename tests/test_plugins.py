@@ -410,6 +410,7 @@ def test_a_third_party_plugin_whose_flags_clash_is_skipped_unless_named(monkeypa
     as when a plugin fails to load); named: the clash stops the command."""
     @hookimpl
     def plinth_add_cli_arguments(parser, command):
+        parser.add_argument_group("clash options").add_argument("--clash-first", default="x")   # added, then taken back
         parser.add_argument("--dtype")
 
     monkeypatch.setitem(sys.modules, "clash_mod", make_plugin("clash_mod", plinth_add_cli_arguments=plinth_add_cli_arguments))
@@ -425,6 +426,9 @@ def test_a_third_party_plugin_whose_flags_clash_is_skipped_unless_named(monkeypa
         pm.add_cli_arguments(parser, "serve")
     assert parser.parse_args([]).dtype == "auto"
     assert "skipping the command-line flags of plugin 'clash'" in caplog.text
+    assert "--clash-first" not in parser.format_help() and not hasattr(parser.parse_args([]), "clash_first")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--clash-first", "y"])
 
 
 def test_plugin_errors_while_building_the_command_line_are_one_line(monkeypatch, capsys) -> None:
