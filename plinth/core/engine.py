@@ -424,9 +424,7 @@ class LLMEngine:
                 if lora_id not in self._retired_loras:
                     self._keep(adapter)
                 return adapter
-            if lora_id in self._retired_loras:
-                raise RequestRejectedError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}) was removed",
-                                           param="lora_request")
+            self._check_not_retired(lora_request)
         try:
             adapter = load_adapter(lora_request.lora_name, lora_id, lora_request.lora_path,
                                    self.model_source.hf_config, self.config.lora.max_lora_rank,
@@ -435,9 +433,7 @@ class LLMEngine:
             raise RequestRejectedError(str(exc), param="lora_request") from None
         with self._lora_lock:
             self._check_lora_id(lora_request)
-            if lora_id in self._retired_loras:   # removed while its files were read
-                raise RequestRejectedError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}) was removed",
-                                           param="lora_request")
+            self._check_not_retired(lora_request)   # removed while its files were read
             self._lora_names[lora_id] = (lora_request.lora_name, lora_request.lora_path)
             self._keep(adapter)
         logger.info("LoRA adapter %r (id %d, rank %d, %d modules, %.1f MiB) read from %s", adapter.name,
@@ -462,6 +458,11 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"lora_int_id {lora_request.lora_int_id} names adapter {known[0]!r} ({known[1]}) already; give "
                 f"{lora_request.lora_name!r} ({lora_request.lora_path}) another id", param="lora_request")
+
+    def _check_not_retired(self, lora_request: LoRARequest) -> None:
+        if lora_request.lora_int_id in self._retired_loras:
+            raise RequestRejectedError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_request.lora_int_id}) "
+                                       "was removed", param="lora_request")
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Stop serving an adapter: it leaves host memory once nothing holds it. Requests running with it, or

@@ -219,16 +219,11 @@ class Scheduler:
             if request.default_max_tokens is not None and request.max_tokens > request.default_max_tokens:
                 request.max_tokens = min(request.max_tokens,
                                          max(request.default_max_tokens, request.sampling_params.min_tokens))
-        if request.pooling is not None:   # an input to embed: its one sampled token is dropped, never fed back
-            if num_prompt > limit:
-                raise RequestRejectedError(f"request {rid!r}: the input ({num_prompt} tokens) is longer than "
-                                           f"max_model_len ({limit}); shorten it")
-            if bm.blocks_needed(num_prompt) > bm.num_usable_blocks:
-                raise RequestRejectedError(
-                    f"request {rid!r}: the input ({num_prompt} tokens) needs {bm.blocks_needed(num_prompt)} KV blocks "
-                    f"of {bm.block_size} tokens, but the KV cache has only {bm.num_usable_blocks}; shorten it or "
-                    "give the cache more memory")
-        elif num_prompt + max(request.max_tokens, 1) > limit:
+        pooling = request.pooling is not None   # an input to embed: its one sampled token is dropped, never fed back
+        if pooling and num_prompt > limit:
+            raise RequestRejectedError(f"request {rid!r}: the input ({num_prompt} tokens) is longer than "
+                                       f"max_model_len ({limit}); shorten it")
+        if not pooling and num_prompt + max(request.max_tokens, 1) > limit:
             raise RequestRejectedError(
                 f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
                 f"is {num_prompt + request.max_tokens} tokens, more than max_model_len ({limit}); "
@@ -236,10 +231,12 @@ class Scheduler:
         # The last sampled token is never fed back, so it needs no KV slot.
         need = bm.blocks_needed(num_prompt + request.max_tokens - 1)
         if need > bm.num_usable_blocks:
+            what = (f"the input ({num_prompt} tokens)" if pooling
+                    else f"the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens})")
             raise RequestRejectedError(
-                f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
-                f"needs {need} KV blocks of {bm.block_size} tokens, but the KV cache has only "
-                f"{bm.num_usable_blocks}; lower max_tokens or give the cache more memory")
+                f"request {rid!r}: {what} needs {need} KV blocks of {bm.block_size} tokens, but the KV cache has only "
+                f"{bm.num_usable_blocks}; {'shorten it' if pooling else 'lower max_tokens'} or give the cache more "
+                "memory")
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and num_prompt > budget:
             raise RequestRejectedError(

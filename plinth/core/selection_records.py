@@ -74,14 +74,9 @@ class SelectionResult:
         return next(c for c in self.candidates if c.name == name)
 
     def instantiate(self, *args: Any) -> Any:
-        """The winner's instance (``winner_cls(*args)``); a constructor that fails (a plugin's bug) is a
-        SelectionError naming the candidate and its plugin."""
-        try:
-            return self.winner_cls(*args)
-        except Exception as exc:
-            plugin = next((c.plugin for c in self.candidates if c.name == self.winner), None)
-            raise SelectionError(f"{self.kind.replace('_', ' ')} {self.winner!r} (plugin {plugin!r}) failed to start: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        """The winner's instance (``winner_cls(*args)``, see :func:`construct`)."""
+        plugin = next((c.plugin for c in self.candidates if c.name == self.winner), None)
+        return construct(self.winner_cls, self.kind.replace("_", " "), self.winner, plugin, *args)
 
     def summary(self) -> str:
         """One log line: winner, runner-up, times."""
@@ -108,3 +103,13 @@ class SelectionResult:
             "elapsed_s": self.elapsed_s, "how": self.how,
             "candidates": [c.to_dict() for c in self.candidates],
         }
+
+
+def construct(cls: Any, label: str, name: str, plugin: str | None, *args: Any) -> Any:
+    """``cls(*args)`` for a chosen candidate (a platform, an attention backend, a GEMM kernel); a constructor that
+    fails (a plugin's bug) is a SelectionError naming the candidate and its plugin."""
+    try:
+        return cls(*args)
+    except Exception as exc:
+        raise SelectionError(f"{label} {name!r} (plugin {plugin!r}) failed to start: {type(exc).__name__}: {exc}") \
+            from exc

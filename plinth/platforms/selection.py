@@ -15,6 +15,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, NamedTuple
 
+from plinth.core.selection_records import construct
 from plinth.errors import SelectionError
 from plinth.plugins import PluginError, PluginManager, Registration, get_plugin_manager
 
@@ -70,15 +71,6 @@ def _probe(reg: Registration) -> tuple[type[Platform] | None, PlatformStatus]:
     return cls, PlatformStatus(reg.name, reg.plugin, priority, bool(support.ok), reason)
 
 
-def _construct(cls: type[Platform], status: PlatformStatus) -> Platform:
-    """An instance of an available platform; one whose constructor fails is a SelectionError naming it."""
-    try:
-        return cls()
-    except Exception as exc:
-        raise SelectionError(f"platform {status.name!r} (plugin {status.plugin!r}) failed to start: "
-                             f"{type(exc).__name__}: {exc}") from exc
-
-
 def _ranked(pm: PluginManager) -> list[tuple[type[Platform] | None, PlatformStatus]]:
     def key(item: tuple[type[Platform] | None, PlatformStatus]) -> tuple:
         status = item[1]
@@ -123,11 +115,11 @@ def select_platform(forced: str | None = None, pm: PluginManager | None = None) 
         if cls is None or not status.available:
             raise SelectionError(f"platform {forced!r} ({source}) cannot run here: {status.reason}")
         logger.info("platform: %s (%s)", forced, source)
-        return _construct(cls, status)
+        return construct(cls, "platform", status.name, status.plugin)
     ranked = _ranked(pm)
     for cls, status in ranked:
         if cls is not None and status.available:
             logger.info("platform: %s (priority %d, plugin %r)", status.name, status.priority, status.plugin)
-            return _construct(cls, status)
+            return construct(cls, "platform", status.name, status.plugin)
     reasons = "; ".join(f"{s.name}: {s.reason}" for _c, s in ranked) or "no platform plugin is loaded"
     raise SelectionError(f"no platform is available: {reasons}")

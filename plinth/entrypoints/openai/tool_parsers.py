@@ -343,7 +343,7 @@ class Glm45ToolParser(BlockToolParser):
     def decode(self, body: str) -> list[ParsedCall] | None:
         head, _, rest = body.partition("<arg_key>")
         fn = head.strip()
-        if not _FUNCTION_NAME.fullmatch(fn):
+        if not FUNCTION_NAME.fullmatch(fn):
             return None
         return self.call_of(fn, self._PAIR, "<arg_key>" + rest if _ else "", lambda value: value)
 
@@ -525,8 +525,9 @@ class MistralToolParser(ToolParser):
         return calls   # type: ignore[return-value]
 
 
-#: a function name as OpenAI's tools allow it (ASCII letters, digits, ``_``, ``-``, ``.``; a digit first too)
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+#: a function name as OpenAI's tools allow it (ASCII letters, digits, ``_``, ``-``, ``.``, at most 64): what a tool
+#: definition may be named (:func:`plinth.entrypoints.openai.tools.tool_mode`) and what a parser reads as one
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _ELEMENT_GAP = re.compile(r"\s*,?\s*")
 

@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from plinth.core.request import SamplingParamsError
 from plinth.entrypoints.openai.tool_parsers import (
+    FUNCTION_NAME,
     ArrayScanner,
     ParsedCall,
     ToolParser,
     arguments_json,
 )
 
-_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: how the constrained JSON is written (llguidance's JSON options)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MODES = ("none", "auto", "required", "function")
@@ -168,7 +167,7 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(fn, dict):
         raise SamplingParamsError("tools", f"{where}: needs a 'function' object")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
         raise SamplingParamsError("tools", f"{where}: the function name must be 1-64 letters, digits, '_', '.' "
                                   f"or '-', got {name!r}")
     if fn.get("description") is not None and not isinstance(fn["description"], str):
