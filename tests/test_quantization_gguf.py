@@ -236,3 +236,34 @@ def test_gguf_experts_on_widened_grouped_gemms(tmp_path, monkeypatch):
     logits = torch.randn(7, experts.num_experts, generator=g)
     torch.testing.assert_close(experts._forward_widened(x, *experts.route(logits)), experts(x, logits),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", [Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_gemma_norms_stored_as_half_floats(tmp_path, monkeypatch, norm_type):
+    """Gemma's norm weights (stored as 1 + w) in F16 or BF16 rather than llama.cpp's usual F32: both paths load
+    them as w, equal to the original's within the storage type's rounding (they were a reshape error under
+    ``--quantization gguf``, and BF16 was refused on both paths)."""
+    import test_gguf
+
+    plain_add = test_gguf.add_tensor
+
+    def add_tensor(writer, name, data, qtype=Q.F32):
+        if data.ndim == 1 and name.endswith("norm.weight"):
+            if norm_type == Q.F16:
+                writer.add_tensor(name, data.astype(np.float16))
+            else:
+                halves = torch.from_numpy(data.astype(np.float32)).to(torch.bfloat16)
+                writer.add_tensor(name, halves.view(torch.int16).numpy().view(np.uint8), raw_dtype=Q.BF16)
+        else:
+            plain_add(writer, name, data, qtype)
+
+    monkeypatch.setattr(test_gguf, "add_tensor", add_tensor)
+    model = test_gguf.gemma_model("gemma3")
+    path = test_gguf.write_gemma_gguf(tmp_path / "g.gguf", model, Q.Q8_0)
+    scale = model.model.layers[0].input_layernorm.weight.detach() + 1  # what the norm multiplies by
+    stored = scale.to(torch.float16 if norm_type == Q.F16 else torch.bfloat16).float()
+    assert (stored - scale).abs().max() > 1e-4  # the storage rounds, so the check below tells the two apart
+    for quantization in (None, "gguf"):
+        loaded = load_plinth(path, quantization)[0]
+        norm = loaded.model.layers[0].input_layernorm  # plinth's Gemma norm keeps 1 + w
+        torch.testing.assert_close(norm.weight.detach(), stored, rtol=0, atol=1e-6, msg=str(quantization))

@@ -812,22 +812,37 @@ def _iter_raw(
                     f"not a multiple of 2 x {heads} heads"
                 )
             data = _unpermute_rows(data, heads)
+        ggml_type = tensor.ggml_type
         if arch.norm_offset and hf_name.endswith("norm.weight"):
-            if data.dtype.kind != "f":
-                raise ModelLoadError(f"GGUF file {path!r}: norm tensor {tensor.name!r} is not stored as floats")
-            data = data.astype(np.float32) - np.float32(arch.norm_offset)   # back to the checkpoint's w
+            data, ggml_type = _offset_norm(data, tensor, arch.norm_offset, path)
         if arch.fused and hf_name.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj"):
             yield from _split_fused(hf_name, data, tensor, q_rows, kv_rows, path)
             continue
         if hf_name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:   # llama.cpp keeps [hidden]
-            yield hf_name, data.reshape(1, *data.shape), tensor.ggml_type, (1, *tuple(tensor.shape))
+            yield hf_name, data.reshape(1, *data.shape), ggml_type, (1, *tuple(tensor.shape))
             continue
-        yield hf_name, data, tensor.ggml_type, tensor.shape
+        yield hf_name, data, ggml_type, tensor.shape
     unpaired = sorted(f"blk.{layer}.attn_{next(iter(parts))}_b" for layer, parts in kv_b_parts.items()
                       if len(parts) < 2)
     if unpaired:
         raise ModelLoadError(f"GGUF file {path!r}: {', '.join(unpaired)} without its other half (attn_k_b and "
                              f"attn_v_b together hold kv_b_proj)")
+
+
+def _offset_norm(data: np.ndarray, tensor: Any, offset: float, path: str) -> tuple[np.ndarray, Any]:
+    """A norm weight llama.cpp stored as ``w + offset`` (Gemma's ``1 + w``), back to the checkpoint's ``w``: float32
+    values, whatever float or block type the file used, so they are F32 from here on."""
+    import gguf
+    import torch
+
+    from plinth.model_registry.gguf_dequant import dequantize_tensor
+
+    try:
+        values = dequantize_tensor(data, tensor.ggml_type, tuple(tensor.shape), torch.float32).numpy()
+    except NotImplementedError:
+        raise ModelLoadError(f"GGUF file {path!r}: norm tensor {tensor.name!r} is stored as "
+                             f"{tensor.ggml_type.name}, which cannot be dequantized") from None
+    return values - np.float32(offset), gguf.GGMLQuantizationType.F32
 
 
 def _joined_kv_b(reader: GGUFFile, layer: str, parts: dict[str, Any],
