@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from plinth.core.detokenizer import IncrementalDetokenizer
@@ -43,6 +43,25 @@ def metaspace() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     return _train(tok, [])
+
+
+@pytest.fixture(scope="module")
+def byte_fallback() -> PreTrainedTokenizerFast:
+    """Llama/Mistral SentencePiece style: characters outside the vocabulary become ``<0xXX>`` byte tokens, and
+    the ByteFallback decoder turns a run of them that is not valid UTF-8 into one U+FFFD per byte."""
+    import json
+
+    tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(["Hello world. The lazy dog. hi there, done"] * 3, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=SPECIALS, show_progress=False))
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab.update({f"<0x{i:02X}>": len(vocab) + i for i in range(256)})
+    spec["model"]["byte_fallback"] = True
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<|endoftext|>")
 
 
 TEXTS = [
@@ -223,3 +242,17 @@ def test_stream_through_the_shortcut_equals_the_plain_decode(byte_level, metaspa
         deltas = [slow_detok.add_tokens([t], finished=i == len(ids) - 1)[0] for i, t in enumerate(ids)]
         assert fast[1] == deltas and fast[0].text == slow_detok.text
         assert mod.make_decoder(tok, True)(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("prompt", ["hi \u03b6\U0001f642", "\u4f60\u597d\U0001f642 ok", "hi \U0001f642"])
+def test_prompt_context_starts_at_a_character(byte_fallback, prompt):
+    """A byte-fallback tokenizer's prompt whose last few tokens start inside a character (the bytes of a
+    character before an emoji): the output's byte tokens still decode to their characters, as a decode of the
+    whole sequence gives them, never U+FFFD."""
+    prompt_ids = byte_fallback.encode(prompt, add_special_tokens=False)
+    output_ids = byte_fallback.encode("\U0001f642\u03b6 done", add_special_tokens=False)[1:]  # no leading '\u2581'
+    expected = byte_fallback.decode(prompt_ids + output_ids)[len(byte_fallback.decode(prompt_ids)):]
+    assert "\ufffd" not in expected and "\U0001f642" in expected
+    for chunks in (None, [2, 3] * 10):
+        detok, deltas, _ = stream(byte_fallback, prompt_ids, output_ids, SamplingParams(), chunks)
+        assert "".join(deltas) == detok.text == expected

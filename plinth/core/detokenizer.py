@@ -23,8 +23,10 @@ from typing import Any
 
 from plinth.core.request import SamplingParams
 
-# Prompt tokens decoded as context before the first output token.
+# Prompt tokens decoded as context before the first output token; more (up to the second figure) when a
+# context of that length starts inside a character.
 PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT = 24
 # Drop consumed ids from the window once this many have piled up.
 _TRIM_AT = 64
 
@@ -42,10 +44,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self._decode = make_decoder(tokenizer, params.skip_special_tokens)
-        self._ids: list[int] = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS):])
+        self._ids, self._prefix_text = self._prompt_context(prompt_token_ids)
         self._prefix = 0
         self._read = len(self._ids)
-        self._prefix_text: str | None = None
         self._stops = list(params.stop)
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._hold = self._max_stop - 1 if self._stops and not params.include_stop_str_in_output else 0
@@ -116,6 +117,26 @@ class IncrementalDetokenizer:
         return self.add_tokens((), finished=True)[0]
 
     # ---------------------------------------------------------------- internals
+
+    def _prompt_context(self, prompt: Sequence[int]) -> tuple[list[int], str | None]:
+        """The prompt's last tokens kept as context, and their text. A context that starts with part of a
+        character decodes to U+FFFD there, and a byte-fallback decoder (Llama/Mistral SentencePiece) turns the
+        whole run of byte tokens it begins, output bytes included, into U+FFFD: so it reaches back a token at a
+        time, up to ``_MAX_PROMPT_CONTEXT``, to the start of a character."""
+        n = len(prompt)
+        start = max(0, n - PROMPT_CONTEXT_TOKENS)
+        if start == 0:
+            return list(prompt), None
+        text = self._decode(list(prompt[start:]))
+        for earlier in range(start - 1, max(-1, n - _MAX_PROMPT_CONTEXT - 1), -1):
+            if not text.startswith("\ufffd"):
+                break
+            longer = self._decode(list(prompt[earlier:]))
+            start, text = earlier, longer
+        if text.startswith("\ufffd"):   # no character start within reach (or the prompt holds U+FFFD itself)
+            start = max(0, n - PROMPT_CONTEXT_TOKENS)
+            return list(prompt[start:]), None
+        return list(prompt[start:]), text
 
     def _decode_new(self) -> str:
         if self._prefix_text is None:
