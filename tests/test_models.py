@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -375,6 +377,25 @@ def test_rope_scaling_matches_transformers(rope):
     inv, scale = compute_inv_freq(rope_parameters(cfg), 16, cfg.max_position_embeddings)
     assert torch.allclose(inv, ref_inv.float(), rtol=1e-6, atol=0)
     assert scale == pytest.approx(ref_scale)
+
+
+@pytest.mark.parametrize("factor", [None, 2.0])
+def test_longrope_scale_takes_the_configs_factor(factor):
+    """longrope's cos/sin scale comes from ``factor`` where the config gives one, else from the growth of the
+    context over the original one (Phi-3's configs), as in transformers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from plinth.model_registry.layers.rotary import compute_inv_freq, rope_parameters
+
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.7 * i for i in range(8)],
+            **({"factor": factor} if factor else {})}
+    cfg = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 256, "rope_parameters": rope})
+    ref_inv, ref_scale = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=17)   # past 16: the long factors
+    inv, scale = compute_inv_freq(rope_parameters(cfg), 16, cfg.max_position_embeddings, context=256)
+    assert torch.allclose(inv, ref_inv.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(ref_scale)
+    assert scale == pytest.approx(math.sqrt(1 + math.log(factor or 16) / math.log(16)))   # 256 / 16 without one
 
 
 def test_rope_parameters_from_old_style_config():

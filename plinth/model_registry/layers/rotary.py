@@ -108,7 +108,8 @@ def _longrope_inv_freq(base: float, dim: int, p: dict[str, Any], max_positions: 
         raise UnsupportedModelError(f"longrope: {factors.numel()} factors for {dim // 2} rotary frequencies")
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
-        factor = max_positions / orig
+        # the config's factor where it gives one, else the context's growth (Phi-3 raises max_position_embeddings)
+        factor = p.get("factor") or max_positions / orig
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
     return 1.0 / (factors * base ** exponents), float(attention_factor)
