@@ -306,6 +306,30 @@ def paged_prefill_logits(model, backend, prompt: list[int]) -> torch.Tensor:
         return model.compute_logits(model(ids, pos, md))
 
 
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                              "partial_rotary_factor": 0.5}}),
+    ("Qwen3ForCausalLM", {"partial_rotary_factor": 0.5}),
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
+    ("Gemma3ForCausalLM", {"attn_logit_softcapping": 0.5}),
+], ids=["llama_partial_rotary", "qwen3_partial_rotary", "phi3_partial_rotary", "gemma3_attn_soft_cap"])
+def test_config_keys_their_architecture_ignores_or_reads(tmp_path, arch, overrides):
+    """Config keys that transformers reads for some architectures only: ``partial_rotary_factor`` (Phi-3 turns half
+    of each head; Llama and Qwen3 turn the whole head), ``attn_logit_softcapping`` (Gemma 2 caps, Gemma 3 does
+    not). plinth equals transformers either way."""
+    _, config_cls, base = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**COMMON, **base, **overrides})
+    torch.manual_seed(3)
+    hf = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)   # sharp attention: the rotated width and a cap of 0.5 move the logits far
+    hf.save_pretrained(tmp_path)
+    prompt = _prompts(config.vocab_size)[1]
+    model = _load(str(tmp_path), TorchSDPABackend())
+    assert (paged_prefill_logits(model, TorchSDPABackend(), prompt) - _hf_logits(hf, prompt)).abs().max() < 1e-4
+
+
 def test_sliding_window_is_applied(tmp_path):
     """One layer with window 4: the last logits depend on the last 4 tokens only."""
     cfg = transformers.MistralConfig(**{**COMMON, "sliding_window": 4, "num_hidden_layers": 1})

@@ -351,14 +351,15 @@ class MissingLayer(nn.Module):
         raise RuntimeError("this decoder layer belongs to another pipeline stage")
 
 
-def _rotary(ctx: ModelContext, layer_type: str) -> RotaryEmbedding:
-    """The RoPE of the config's layers of ``layer_type`` (over ``partial_rotary_factor`` of each head)."""
+def _rotary(ctx: ModelContext, layer_type: str, partial: bool) -> RotaryEmbedding:
+    """The RoPE of the config's layers of ``layer_type`` (over ``partial_rotary_factor`` of each head where the
+    architecture reads it, ``partial``; over the whole head otherwise, as transformers does for them)."""
     cfg = ctx.hf_config
     params = rope_parameters(cfg, layer_type)
     original = getattr(cfg, "original_max_position_embeddings", None)   # Phi-3 keeps it beside rope_scaling
     if original and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = original
-    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None)) or 1.0
+    factor = (params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None)) or 1.0) if partial else 1.0
     head_dim = head_dim_of(cfg)
     return RotaryEmbedding(head_dim, params, getattr(cfg, "max_position_embeddings", 2048), int(head_dim * factor),
                            context=ctx.max_model_len)
@@ -410,9 +411,9 @@ class DecoderModel(nn.Module):
         self.embed_scale = float(block.embedding_multiplier)
         if block.embed_scale:
             self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=ctx.dtype, device="cpu"))
-        self.rotary_emb = _rotary(ctx, "full_attention")
+        self.rotary_emb = _rotary(ctx, "full_attention", owner.partial_rotary)
         #: the sliding-window layers' own RoPE (Gemma 3's local base frequency), else ``None``
-        self.local_rotary_emb = _rotary(ctx, "sliding_attention") if block.local_rope else None
+        self.local_rotary_emb = _rotary(ctx, "sliding_attention", owner.partial_rotary) if block.local_rope else None
         self._local_layers = frozenset(i for i in range(cfg.num_hidden_layers) if sliding_window_of(cfg, i))
 
     def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -475,6 +476,9 @@ class DecoderForCausalLM(CausalLM):
     #: the checkpoint modules adapters may name, ``{projection: (block, input kind, output kind)}``
     #: (:func:`plinth.lora.adapter.adapter_targets`); ``None``: those of ``lora_modules`` under Llama's names
     lora_adapter_targets: ClassVar[dict[str, tuple[str, str, str]] | None] = None
+    #: RoPE turns only ``partial_rotary_factor`` of each head (Phi, Phi-3, StableLM, GLM-4 MoE); the other
+    #: architectures turn the whole head whatever the config says, as their transformers code does
+    partial_rotary: ClassVar[bool] = False
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)

@@ -43,7 +43,8 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         if getattr(cfg, "use_bidirectional_attention", False):
             raise UnsupportedModelError(f"{type(self).__name__}: bidirectional attention (use_bidirectional_attention) "
                                         "is not supported; plinth's attention is causal")
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        for key in ("final_logit_softcapping",) if self.gemma3_extras else ("attn_logit_softcapping",
+                                                                              "final_logit_softcapping"):
             cap = getattr(cfg, key, None)
             if cap is not None and not usable_soft_cap(cap):
                 raise UnsupportedModelError(f"{type(self).__name__}: {key} must be a number in (0, {MAX_SOFT_CAP:g}] "
@@ -55,7 +56,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         bias = bool(getattr(cfg, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=self.gemma3_extras,
                                 scale=float(cfg.query_pre_attn_scalar) ** -0.5,
-                                soft_cap=getattr(cfg, "attn_logit_softcapping", None))
+                                soft_cap=None if self.gemma3_extras else getattr(cfg, "attn_logit_softcapping", None))
 
     def block_options(self, cfg: Any) -> BlockOptions:
         return BlockOptions(norm=GemmaRMSNorm, activation=getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh",
@@ -71,6 +72,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3's text model (``Gemma3ForCausalLM``, e.g. gemma-3-270m and gemma-3-1b): Gemma 2's blocks with
-    per-head q/k norms and the sliding layers' own RoPE base (``rope_local_base_freq``)."""
+    per-head q/k norms and the sliding layers' own RoPE base (``rope_local_base_freq``), and no attention-logit
+    soft cap (the q/k norms replace it: ``attn_logit_softcapping`` is ignored, as transformers ignores it)."""
 
     gemma3_extras = True

@@ -18,6 +18,8 @@ from plinth.model_registry.models.deepseek import DeepseekV3ForCausalLM
 class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3's experts (and checkpoint names) behind the shared decoder's attention."""
 
+    partial_rotary: ClassVar[bool] = True
+
     attention_class: ClassVar[type[nn.Module]] = DecoderAttention
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = DecoderForCausalLM.packed_modules_mapping
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
@@ -30,6 +32,8 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
 class Dots1ForCausalLM(Glm4MoeForCausalLM):
     """dots.llm1 (``Dots1ForCausalLM``): GLM-4.5's layout with q/k/v/o biases (``attention_bias``), per-head q/k norms
     always, full RoPE, and sliding-window layers where ``layer_types`` marks them."""
+
+    partial_rotary: ClassVar[bool] = False
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         bias = bool(getattr(cfg, "attention_bias", False))

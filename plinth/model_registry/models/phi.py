@@ -73,6 +73,8 @@ class PhiDecoderLayer(CohereDecoderLayer):
 class PhiForCausalLM(DecoderForCausalLM):
     """See the module docstring."""
 
+    partial_rotary: ClassVar[bool] = True
+
     layer_class: ClassVar[type[nn.Module] | None] = PhiDecoderLayer
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "fc1", "fc2")
     #: the modules adapters name (the checkpoint's): q/k/v as Llama's, the output projection ``dense``, the MLP's

@@ -9,6 +9,7 @@ its long factors when the engine's context exceeds the original one (see
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 
@@ -18,6 +19,8 @@ from plinth.model_registry.models.decoder import DecoderForCausalLM, head_dim_of
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     """Phi-3 with fused checkpoint projections."""
+
+    partial_rotary: ClassVar[bool] = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))

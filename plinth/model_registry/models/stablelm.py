@@ -42,6 +42,8 @@ class StableLmParallelLayer(CohereDecoderLayer):
 class StableLmForCausalLM(DecoderForCausalLM):
     """See the module docstring."""
 
+    partial_rotary: ClassVar[bool] = True
+
     attention_class: ClassVar[type[nn.Module]] = StableLmAttention
 
     def __init__(self, ctx: Any):
