@@ -78,3 +78,32 @@ def test_the_engine_refuses_at_start_up_what_only_a_pass_shows(tmp_path):
     _model("xglm").save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="compute attention themselves"):
         plinth.LLM(str(tmp_path), dtype="float32")
+
+
+@pytest.mark.parametrize("model_type,kw", [
+    ("gpt_neox", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0,
+                                       "partial_rotary_factor": 0.5})),
+    ("phimoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, original_max_position_embeddings=32,
+                    rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 32,
+                                     "short_mscale": 1.0, "long_mscale": 1.2,
+                                     "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                     "long_factor": [2.0 + 0.7 * i for i in range(8)]})),
+], ids=["dynamic", "longrope"])
+def test_rope_set_by_the_longest_position_follows_each_sequence(model_type, kw, tmp_path, monkeypatch):
+    """RoPE whose frequencies transformers sets from the longest position in the pass (``dynamic``'s NTK base,
+    ``longrope``'s factors): batched with a long prompt, a short one's logits are those transformers gives it alone
+    (they took the long prompt's frequencies), and the long one's are its own."""
+    from paged_driver import PagedDriver
+
+    hf = _model(model_type, **{**kw, "max_position_embeddings": 64, "initializer_range": 0.2})  # sharp attention
+    model, _ = fallback_against_transformers(hf, tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    short, long = (torch.randint(0, 1003, (n,), generator=g).tolist() for n in (12, 120))
+    with torch.no_grad():
+        ref_short, ref_long = (hf(torch.tensor([p])).logits[0, -1].float() for p in (short, long))
+    driver = PagedDriver(model, model.attention_layers()[0].backend, block_size=4, num_blocks=64)
+    driver.add(0, short)
+    driver.add(1, long)
+    with torch.inference_mode():
+        out = driver.step({0: len(short), 1: len(long)})
+    assert (out[0] - ref_short).abs().max() < 1e-4 and (out[1] - ref_long).abs().max() < 1e-4

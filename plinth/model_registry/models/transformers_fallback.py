@@ -252,6 +252,30 @@ class _CheckpointConversion:
             yield (prefix + out_pattern + suffix if found else out_pattern), tensor
 
 
+# RoPE types whose transformers code sets its frequencies from the longest position in the pass
+# (``dynamic_rope_update``): the NTK base of ``dynamic``, the short or long factors of ``longrope``
+_POSITION_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def _per_sequence_rotary(forward: Any, state: _StepState) -> Any:
+    """A rotary embedding's ``forward(x, position_ids, ...)`` run once per sequence of the flat batch, so that each
+    sequence's frequencies follow its own positions, as when transformers runs it alone (not the batch's longest
+    position)."""
+
+    def per_sequence(x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        metadata = state.metadata
+        if metadata is None or metadata.num_seqs <= 1 or x.shape[1] != position_ids.shape[1]:
+            return forward(x, position_ids, *args, **kwargs)
+        bounds = list(metadata.query_start_loc_cpu)
+        if bounds[-1] < position_ids.shape[1]:    # padding rows after the last sequence
+            bounds.append(position_ids.shape[1])
+        parts = [forward(x[:, a:b], position_ids[:, a:b], *args, **kwargs)
+                 for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        return tuple(torch.cat(pieces, dim=1) for pieces in zip(*parts, strict=True))  # (cos, sin) [1, T, dim]
+
+    return per_sequence
+
+
 class TransformersForCausalLM(CausalLM):
     """A transformers causal LM with plinth's paged attention (set ``hf_architecture``)."""
 
@@ -287,6 +311,9 @@ class TransformersForCausalLM(CausalLM):
                 f"{self.hf_architecture}: {len(self._attn_layers)} of its {layers} layers have attention plinth can "
                 "page; the others (recurrent, linear or state-space layers) would need a state cache of their own")
         self._decoder = self._find_decoder()
+        for module in self.hf_model.modules():
+            if getattr(module, "rope_type", None) in _POSITION_DEPENDENT_ROPE:
+                module.forward = _per_sequence_rotary(module.forward, self._state)
         self._hooks = [m.plinth_paged for m in self.hf_model.modules() if isinstance(getattr(m, "plinth_paged", None),
                                                                                     _PagedHook)]
         self._all_attended = False
