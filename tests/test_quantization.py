@@ -545,6 +545,36 @@ def test_int8_plugin_runs_through_llm(tiny_llama_dir):
         assert got == ids[len(prompt):]  # measured: 24/24 tokens equal
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_plugin_kernel_refuses_what_torch_computes_wrong(dtype):
+    """torch's bfloat16 ``_weight_int8pack_mm`` reads past rows whose input size is not a multiple of 16 (wrong
+    values with one row, a crash with several): the kernel declines such layers in bfloat16, so selection runs them
+    on the dequantizing kernel; float32 is exact at any size."""
+    from plinth_int8.kernels import Int8PackMMKernel
+    from plinth_int8.method import quantize_per_channel
+
+    from plinth.quantization.kernels.interface import GemmProblem
+    from plinth.quantization.selection import holder
+
+    def problem(*ks):
+        return GemmProblem(weight_format="int", dtype=dtype, device_type="cpu", capability=None, bits=8,
+                           group_size=None, symmetric=True, shapes=tuple((16, k) for k in ks))
+
+    assert Int8PackMMKernel.supports(problem(64, 128))
+    refused = Int8PackMMKernel.supports(problem(64, 136))
+    assert bool(refused) == (dtype == torch.float32)
+    if dtype == torch.bfloat16:
+        assert "multiples of 16, not 136" in refused.reason
+        return
+    torch.manual_seed(0)
+    weights = quantize_per_channel(torch.randn(16, 136))
+    kernel = Int8PackMMKernel(problem(136))
+    x = torch.randn(1, 136)
+    got = kernel.apply(holder(kernel.prepare(weights)), x, None).double()
+    want = x.double() @ weights.dequantize().double().T
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
 def test_fp8_widening_table_equals_the_conversion():
     """The CPU's 256-entry table gives every float8_e4m3fn byte the value ``.to(float32)`` gives (NaNs where it does),
     in any shape."""

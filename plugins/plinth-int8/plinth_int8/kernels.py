@@ -27,6 +27,10 @@ class Int8PackMMKernel(GemmKernel):
             return Support.no("this torch build has no aten._weight_int8pack_mm")
         if problem.device_type not in ("cpu", "mps"):
             return Support.no(f"aten._weight_int8pack_mm runs on cpu and mps, not {problem.device_type!r}")
+        odd = sorted({k for _n, k in problem.shapes if k % 16})
+        if problem.dtype == torch.bfloat16 and odd:
+            # torch's bfloat16 CPU kernel reads past the end of such rows: wrong values, or a crash
+            return Support.no(f"in bfloat16 needs input sizes that are multiples of 16, not {odd[0]}")
         return Support.yes()
 
     def prepare(self, weights: IntWeights) -> dict[str, torch.Tensor]:  # type: ignore[override]
