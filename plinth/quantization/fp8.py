@@ -29,7 +29,7 @@ from plinth.quantization.awq import name_in
 from plinth.quantization.formats import FP8Weights
 from plinth.quantization.interface import QuantContext, QuantizationMethod
 from plinth.quantization.kernels.interface import GemmProblem
-from plinth.quantization.layers import float_weight
+from plinth.quantization.layers import float_weight, take_row_absmax
 from plinth.quantization.params import PackedLayout, load_packed, packed_parameter
 from plinth.quantization.quantizers import quantize_fp8_per_channel, random_fp8_weights
 
@@ -48,13 +48,6 @@ def _load_fp8_weight(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor
                              f"{str(loaded.dtype).removeprefix('torch.')} (a float layer missing from the "
                              f"checkpoint's ignore list?)")
     load_packed(layer, param, loaded.view(torch.uint8), shard_id)
-
-
-def _load_float_row_shard(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
-    """A float weight whose input features are split across ranks: keep each output channel's
-    ``max |w|`` over the full checkpoint row, so every rank quantizes with the unsharded scales."""
-    layer.fp8_row_absmax = loaded.detach().abs().amax(dim=1).to(torch.float32)   # [N]
-    layer.weight_loader(param, loaded, *shard_id)
 
 
 def _ignore_loaded(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -144,15 +137,13 @@ class FP8Method(QuantizationMethod):
         if self.from_checkpoint:
             create_fp8_checkpoint_weights(layer, input_size, output_sizes, self.block, self.static_input)
         else:
-            weight = float_weight(layer, self.ctx.dtype, input_size, output_sizes)
-            if input_size != getattr(layer, "input_size", input_size):   # a row-parallel shard
-                weight.weight_loader = functools.partial(_load_float_row_shard, layer)  # type: ignore[attr-defined]
+            float_weight(layer, self.ctx.dtype, input_size, output_sizes, row_absmax=True)
 
     def convert_weights(self, layer: nn.Module) -> FP8Weights:
         if self.from_checkpoint:
             return fp8_checkpoint_weights(layer, self.block)
         with torch.no_grad():
-            return quantize_fp8_per_channel(layer.weight, layer.__dict__.pop("fp8_row_absmax", None))
+            return quantize_fp8_per_channel(layer.weight, take_row_absmax(layer))
 
     def float_weights(self, weight: torch.Tensor) -> FP8Weights:
         """Per-channel FP8 of a float weight (also for the LM head of an FP8 checkpoint, whose head is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,9 +47,28 @@ def use_plain_weights(layer: nn.Module, dtype: torch.dtype) -> None:
     layer.linear_method = method
 
 
-def float_weight(layer: nn.Module, dtype: torch.dtype, input_size: int, output_sizes: list[int]) -> nn.Parameter:
+def float_weight(layer: nn.Module, dtype: torch.dtype, input_size: int, output_sizes: list[int], *,
+                 row_absmax: bool = False) -> nn.Parameter:
     """A float ``weight`` ``[sum(output_sizes), input_size]`` loaded like an unquantized one (methods that
-    quantize float checkpoints while loading)."""
+    quantize float checkpoints while loading).
+
+    ``row_absmax``: on a row-parallel shard (the layer's input features split across ranks) keep each output
+    channel's ``max |w|`` over the whole checkpoint row while loading, for :func:`take_row_absmax`: per-channel
+    scales made from it are the unsharded weight's, so every rank quantizes as one process would.
+    """
     weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
     layer.register_parameter("weight", weight)
+    if row_absmax and input_size != getattr(layer, "input_size", input_size):
+        weight.weight_loader = functools.partial(_load_float_row_shard, layer)  # type: ignore[attr-defined]
     return weight
+
+
+def _load_float_row_shard(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
+    layer.__dict__["row_absmax"] = loaded.detach().abs().amax(dim=1).to(torch.float32)   # [N] over the full row
+    layer.weight_loader(param, loaded, *shard_id)
+
+
+def take_row_absmax(layer: nn.Module) -> torch.Tensor | None:
+    """Each output channel's ``max |w|`` over the full checkpoint row ``[N]`` that :func:`float_weight` kept for a
+    row-parallel shard (dropped from the layer), else ``None`` (the layer holds whole rows)."""
+    return layer.__dict__.pop("row_absmax", None)

@@ -18,14 +18,19 @@ from plinth.config import ConfigError
 from plinth.quantization.formats import IntWeights
 from plinth.quantization.interface import QuantContext, QuantizationMethod
 from plinth.quantization.kernels.interface import GemmProblem
-from plinth.quantization.layers import float_weight
+from plinth.quantization.layers import float_weight, take_row_absmax
 from plinth.quantization.quantizers import random_int_weights
 
 
-def quantize_per_channel(weight: torch.Tensor) -> IntWeights:
-    """``[N, K]`` float -> symmetric int8 codes (stored as ``q + 128``) and ``[N, 1]`` scales."""
+def quantize_per_channel(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> IntWeights:
+    """``[N, K]`` float -> symmetric int8 codes (stored as ``q + 128``) and ``[N, 1]`` scales.
+
+    ``row_absmax`` ``[N]``: each channel's ``max |w|`` over its whole row where ``weight`` is a tensor-parallel
+    shard of the input features (the shards then get the unsharded weight's scales).
+    """
     w = weight.detach().to(torch.float32)
-    scales = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)   # [N, 1]
+    absmax = w.abs().amax(dim=1, keepdim=True) if row_absmax is None else row_absmax.to(torch.float32)[:, None]
+    scales = (absmax / 127.0).clamp(min=1e-12)   # [N, 1]
     q = torch.round(w / scales).clamp(-127, 127) + 128
     return IntWeights(q.to(torch.uint8), scales, torch.full_like(scales, 128.0), bits=8,
                       group_size=w.shape[1], symmetric=True)
@@ -46,11 +51,12 @@ class Int8WeightOnly(QuantizationMethod):
         return cls(ctx)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
-        # The checkpoint is a float one: load it as is, quantize in convert_weights.
-        float_weight(layer, self.ctx.dtype, input_size, output_sizes)
+        # The checkpoint is a float one: load it as is, quantize in convert_weights (a row-parallel shard keeps
+        # its rows' full maxima, so every tensor-parallel rank has the scales of one process).
+        float_weight(layer, self.ctx.dtype, input_size, output_sizes, row_absmax=True)
 
     def convert_weights(self, layer: nn.Module) -> IntWeights:
-        return quantize_per_channel(layer.weight)
+        return quantize_per_channel(layer.weight, take_row_absmax(layer))
 
     def kernel_candidates(self) -> dict[str, str]:
         return {
