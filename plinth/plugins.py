@@ -224,6 +224,7 @@ class PluginManager:
         self._shadowed: list[PluginRecord] = []
         self._registry_cache: dict[str, dict[str, Registration]] = {}
         self._explicit: set[str] = set()   # named in PLINTH_PLUGINS: their failures stop start-up
+        self._in_code: dict[str, str] = {}  # register_module's plugins: name -> module name
         self._load(os.environ if env is None else env, entry_points)
 
     @property
@@ -362,6 +363,34 @@ class PluginManager:
         self._register(module, record)
         self.records[name] = record
         self._explicit.add(name)   # registered by code: its hooks' failures are the caller's to see
+        self._in_code[name] = module.__name__
+
+    def code_registrations(self) -> dict[str, str]:
+        """The plugins :meth:`register_module` added, ``{name: module name}``, for worker processes to register
+        too (they discover entry points only).
+
+        Raises:
+            PluginError: one's module cannot be imported by its name in another process (the ``__main__``
+                script, a module built in code).
+        """
+        import sys
+
+        for name, module_name in self._in_code.items():
+            module = sys.modules.get(module_name)
+            if module_name in ("__main__", "__mp_main__") or getattr(module, "__spec__", None) is None:
+                raise PluginError(f"plugin {name!r} was registered from module {module_name!r}, which worker "
+                                  "processes cannot import by name; register a module they can import (a file "
+                                  "on the path, an installed package), or install the plugin with an entry point")
+        return dict(self._in_code)
+
+    def _register_code_plugins(self, registrations: Mapping[str, str]) -> None:
+        for name, module_name in registrations.items():
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:  # noqa: BLE001 - any import failure names the plugin
+                raise PluginError(f"plugin {name!r}: worker process cannot import {module_name!r} "
+                                  f"({type(exc).__name__}: {exc})") from None
+            self.register_module(module, name)
 
     # -- queries --------------------------------------------------------------------
 
@@ -521,3 +550,20 @@ def reset_plugin_manager() -> None:
     global _manager
     with _lock:
         _manager = None
+
+
+def adopt_code_plugins(registrations: Mapping[str, str]) -> None:
+    """In a worker process: the plugins registered in code become exactly the driver's
+    :meth:`PluginManager.code_registrations` (imported by name and registered; a process that served an earlier
+    engine first forgets what that engine's driver had registered).
+
+    Raises:
+        PluginError: a module fails to import or to validate.
+    """
+    pm = get_plugin_manager()
+    if pm._in_code == dict(registrations):
+        return
+    if pm._in_code:
+        reset_plugin_manager()
+        pm = get_plugin_manager()
+    pm._register_code_plugins(registrations)

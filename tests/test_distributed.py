@@ -9,6 +9,7 @@ Four worker processes are spawned once for the module and serve every layout in 
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 import torch
@@ -127,6 +128,37 @@ def test_registered_models_reach_the_worker_processes(llama_case, processes, ref
         ModelRegistry.unregister_model("LlamaForCausalLM")
     last = 307 - 1   # COMMON's vocab_size - 1
     assert result["r0"][0] == [last] * len(reference["r0"][0]) != reference["r0"][0]
+
+
+def test_plugins_registered_in_code_reach_the_worker_processes(llama_case, processes):
+    """A plugin module registered with ``register_module`` in the driver (here one whose models hook maps Llama to
+    another class) is imported and registered by every rank; one that cannot be imported by name there (built in
+    code) is refused before any rank starts."""
+    import test_distributed_helpers
+
+    from plinth.plugins import PluginError, get_plugin_manager, reset_plugin_manager
+
+    _, path, reference = llama_case
+    try:
+        get_plugin_manager().register_module(test_distributed_helpers, "last_token_models")
+        engine = _engine(path, processes, 2, 1)
+        try:
+            result = run_greedy(engine)
+        finally:
+            engine.shutdown()
+    finally:
+        reset_plugin_manager()
+    last = 307 - 1   # COMMON's vocab_size - 1
+    assert result["r0"][0] == [last] * len(reference["r0"][0]) != reference["r0"][0]
+    built = types.ModuleType("built_in_code")
+    built.PLINTH_PLUGIN_API = "1.0"
+    try:
+        get_plugin_manager().register_module(built, "built_in_code")
+        with pytest.raises(PluginError, match="'built_in_code', which worker processes cannot import by name"):
+            _engine(path, processes, 2, 1)
+    finally:
+        reset_plugin_manager()
+    assert not processes.broken
 
 
 def test_a_registered_class_workers_cannot_build_is_refused(llama_case, processes):

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from plinth import SamplingParams
+from plinth.hookspecs import hookimpl
 from plinth.model_registry.models.llama import LlamaForCausalLM
 
 COMMON = dict(vocab_size=307, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -212,3 +213,13 @@ class LastTokenLlama(LlamaForCausalLM):
         if logits is not None and logits.numel():
             logits[..., -1] = logits.max() + 100.0
         return logits
+
+
+# The module is also a plugin, registered in-process (``register_module``) by a test: worker processes import it
+# by name and register it too.
+PLINTH_PLUGIN_API = "1.0"
+
+
+@hookimpl
+def plinth_models():
+    return {"LlamaForCausalLM": "test_distributed_helpers:LastTokenLlama"}

@@ -256,9 +256,10 @@ class MultiprocExecutor(DistributedExecutor):
         self._store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
                                     timeout=_td(self.start_timeout_s))
         from plinth.model_registry.registry import ModelRegistry
+        from plinth.plugins import get_plugin_manager
 
         self._call_all("__init_worker__", self.config, ModelRegistry.user_registrations(),
-                       timeout_s=self.start_timeout_s)
+                       get_plugin_manager().code_registrations(), timeout_s=self.start_timeout_s)
         self._call_all("init_distributed", self._store.port, self.step_timeout_s, timeout_s=self.start_timeout_s)
 
     @property
@@ -431,7 +432,7 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
                 break
             try:
                 if method == "__init_worker__":
-                    worker = Worker(args[0], index, index, models=args[1])
+                    worker = Worker(args[0], index, index, models=args[1], plugins=args[2])
                     result: Any = os.getpid()
                 elif method == "__pid__":
                     result = os.getpid()

@@ -29,14 +29,15 @@ logger = logging.getLogger(__name__)
 class RayWorker:
     """The actor body: a :class:`~plinth.distributed.worker.Worker` behind one generic ``call``."""
 
-    def __init__(self, config: EngineConfig, rank: int, models: dict[str, Any] | None = None):
+    def __init__(self, config: EngineConfig, rank: int, models: dict[str, Any] | None = None,
+                 plugins: dict[str, str] | None = None):
         import ray
 
         if ray.util.get_node_ip_address().startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # a loopback-only cluster
         from plinth.distributed.worker import Worker
 
-        self.worker = Worker(config, rank, 0, models=models)   # Ray shows each actor only its own accelerator
+        self.worker = Worker(config, rank, 0, models=models, plugins=plugins)   # Ray shows each actor its own device
 
     def init_distributed(self, host: str, port: int, timeout_s: float) -> int:
         import torch.distributed as dist
@@ -67,8 +68,10 @@ class RayExecutor(DistributedExecutor):
 
         from plinth.model_registry.registry import ModelRegistry
         from plinth.platforms.selection import select_platform
+        from plinth.plugins import get_plugin_manager
 
         models = ModelRegistry.user_registrations()   # before a cluster starts: a class that cannot go stops here
+        plugins = get_plugin_manager().code_registrations()   # and a plugin module that cannot be imported there
         self._ray = ray
         self._owns_ray = False
         self._actors: list[Any] = []
@@ -100,7 +103,7 @@ class RayExecutor(DistributedExecutor):
                                                             placement_group_bundle_index=rank)
                 self._actors.append(actor_cls.options(
                     num_cpus=1 if resource == "CPU" else 0, num_gpus=1 if resource == "GPU" else 0,
-                    scheduling_strategy=strategy, name=None).remote(config, rank, models))
+                    scheduling_strategy=strategy, name=None).remote(config, rank, models, plugins))
         except BaseException:
             self.shutdown()
             raise

@@ -49,7 +49,11 @@ class Worker:
     """
 
     def __init__(self, config: EngineConfig, rank: int, device_index: int,
-                 models: dict[str, Any] | None = None):
+                 models: dict[str, Any] | None = None, plugins: dict[str, str] | None = None):
+        if plugins is not None:   # the driver's PluginManager.register_module calls
+            from plinth.plugins import adopt_code_plugins
+
+            adopt_code_plugins(plugins)
         if models is not None:   # the driver's ModelRegistry.register_model calls
             from plinth.model_registry.registry import ModelRegistry
 
