@@ -119,13 +119,22 @@ def test_registered_models_reach_the_worker_processes(llama_case, processes, ref
     ModelRegistry.register_model("LlamaForCausalLM",
                                  LastTokenLlama if ref == "class" else "test_distributed_helpers:LastTokenLlama")
     try:
-        engine = _engine(path, processes, 2, 1)
-        try:
-            result = run_greedy(engine)
-        finally:
-            engine.shutdown()
+        result = _tp2_greedy(path, processes)
     finally:
         ModelRegistry.unregister_model("LlamaForCausalLM")
+    _assert_last_token_model(result, reference)
+
+
+def _tp2_greedy(path, processes) -> dict:
+    engine = _engine(path, processes, 2, 1)
+    try:
+        return run_greedy(engine)
+    finally:
+        engine.shutdown()
+
+
+def _assert_last_token_model(result: dict, reference: dict) -> None:
+    """``result`` came from :class:`test_distributed_helpers.LastTokenLlama`, not from the checkpoint's Llama."""
     last = 307 - 1   # COMMON's vocab_size - 1
     assert result["r0"][0] == [last] * len(reference["r0"][0]) != reference["r0"][0]
 
@@ -141,15 +150,10 @@ def test_plugins_registered_in_code_reach_the_worker_processes(llama_case, proce
     _, path, reference = llama_case
     try:
         get_plugin_manager().register_module(test_distributed_helpers, "last_token_models")
-        engine = _engine(path, processes, 2, 1)
-        try:
-            result = run_greedy(engine)
-        finally:
-            engine.shutdown()
+        result = _tp2_greedy(path, processes)
     finally:
         reset_plugin_manager()
-    last = 307 - 1   # COMMON's vocab_size - 1
-    assert result["r0"][0] == [last] * len(reference["r0"][0]) != reference["r0"][0]
+    _assert_last_token_model(result, reference)
     built = types.ModuleType("built_in_code")
     built.PLINTH_PLUGIN_API = "1.0"
     try:
