@@ -236,3 +236,44 @@ def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):
     assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "Answer!"
     added = [e for e in events if e.type == "response.output_item.added"]
     assert [(e.output_index, e.item.type) for e in added] == [(0, "reasoning"), (1, "message")]
+
+
+@pytest.mark.parametrize("finish", ["answered", "cut_off"])
+def test_usage_counts_the_reasoning_tokens(tmp_path, monkeypatch, finish):
+    """``usage.output_tokens_details.reasoning_tokens``: the output tokens that wrote the thinking (its markers
+    included), streamed or not; all of them for a reply cut off while thinking."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import CompletionOutput, FinishReason, RequestOutput
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
+    from plinth.entrypoints.openai.serving import ServerContext
+
+    model = make_tiny_model(tmp_path / "m")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off",
+                                                served_model_name="tiny"))
+    tok = engine.tokenizer
+    thinking = tok.encode("<think>the sky is blue</think>", add_special_tokens=False)
+    answer = tok.encode("Blue." if finish == "answered" else "", add_special_tokens=False)
+    if finish == "cut_off":
+        thinking = thinking[:-3]
+    ids = thinking + answer
+    text = tok.decode(ids)
+    assert text.startswith("<think>the sky") and text.endswith("Blue." if finish == "answered" else "")
+
+    async def scripted(self, rid, prompt, params, priority=0, lora=None, accepted=None):
+        reason = FinishReason.STOP if finish == "answered" else FinishReason.LENGTH
+        yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, text, ids, finish_reason=reason)], True)
+
+    monkeypatch.setattr(ServerContext, "generate", scripted)
+    app = build_app(AsyncLLMEngine(engine), reasoning_parser=resolve_reasoning_parser("qwen3"))
+    with TestClient(app) as http:
+        usage = http.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json()["usage"]
+        with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
+            last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
+    assert usage["output_tokens"] == len(ids)
+    assert usage["output_tokens_details"]["reasoning_tokens"] == len(thinking) > 0
+    assert last["response"]["usage"] == usage

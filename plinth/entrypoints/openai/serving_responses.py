@@ -15,9 +15,10 @@ items (a reply's output sent back as the next request's input) are accepted and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -151,7 +152,7 @@ class _Body:
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": parts}
 
     def response(self, status: str, output: list[dict[str, Any]],
-                 final: RequestOutput | None = None) -> dict[str, Any]:
+                 final: RequestOutput | None = None, reasoning_tokens: int = 0) -> dict[str, Any]:
         req = self.req
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
@@ -169,7 +170,7 @@ class _Body:
             out_tokens = len(c.token_ids)
             body["usage"] = {"input_tokens": self.num_prompt,
                              "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
-                             "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                              "total_tokens": self.num_prompt + out_tokens}
         return body
 
@@ -189,7 +190,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora))
     events = merge(started)
     if req.stream:
-        return SSEResponse(_events(ctx, body, events), named_events=True, on_close=events.aclose)
+        return SSEResponse(_events(ctx, body, events, prep.params.skip_special_tokens), named_events=True,
+                           on_close=events.aclose)
     final = await finish(raw, events, _last(events))
     reply = _Reply(None, ctx.reasoning_parser)
     reply.update(final.outputs[0].text, final=True)
@@ -204,7 +206,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     items.append(body.message(text, _item_status(status)))
     if late:
         items.append(body.reasoning(late, _item_status(status), random_id("rs")))
-    out = body.response(status, items, final)
+    out = body.response(status, items, final, await _reasoning_tokens(ctx, final, prep.params.skip_special_tokens))
     if final.error:
         out["error"] = {"code": "server_error", "message": final.error}
     return JSONResponse(out)
@@ -226,13 +228,49 @@ def _thinking_before_answer(ctx: ServerContext, text: str) -> str:
     return parser().scan(text[:hi], hi == len(text)).reasoning
 
 
+async def _reasoning_tokens(ctx: ServerContext, final: RequestOutput, skip_special: bool) -> int:
+    """The output tokens that wrote thinking (markers included; with a reasoning parser): those before the first
+    one whose text holds answer, and those after the answer where the model thought again (gpt-oss). Found by
+    binary searches over the decoded prefixes of the output, in a worker thread."""
+    parser = ctx.reasoning_parser
+    ids = list(final.outputs[0].token_ids)
+    if parser is None or not ids:
+        return 0
+    tokenizer = ctx.front.tokenizer
+
+    def count() -> int:
+        def text(m: int) -> str:
+            return tokenizer.decode(ids[:m], skip_special_tokens=skip_special)
+
+        def first(holds: Callable[[int], bool]) -> int:
+            """The smallest m in [1, len(ids)] for which ``holds`` (monotone), else len(ids) + 1."""
+            lo, hi = 0, len(ids) + 1
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                hi, lo = (mid, lo) if holds(mid) else (hi, mid)
+            return hi
+
+        whole = text(len(ids))
+        written = first(lambda m: len(text(m)) >= len(whole))   # the tokens that wrote the text (not a final EOS)
+        answer = first(lambda m: bool(parser().scan(text(m), False).content.strip()))
+        if answer > written:
+            return written   # all thinking
+        before = parser().scan(text(answer), False).reasoning
+        thinking = answer - 1
+        if len(parser().scan(whole, True).reasoning) > len(before):   # thought again after the answer
+            thinking += written - first(lambda m: len(parser().scan(text(m), False).reasoning) > len(before)) + 1
+        return thinking
+
+    return await asyncio.to_thread(count)
+
+
 def _item_status(status: str) -> str:
     """The output message's status for the response's."""
     return "completed" if status == "completed" else "incomplete"
 
 
-async def _events(ctx: ServerContext, body: _Body,
-                  events: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+async def _events(ctx: ServerContext, body: _Body, events: AsyncIterator[tuple[int, RequestOutput]],
+                  skip_special: bool) -> AsyncIterator[str]:
     """The Responses API's stream: ``event: <type>`` lines with the JSON event (each with its ``sequence_number``)."""
     seq = 0
 
@@ -318,7 +356,8 @@ async def _events(ctx: ServerContext, body: _Body,
         yield event("response.reasoning_text.done", item_id=late_id, output_index=index, content_index=0, text=late)
         items.append(body.reasoning(late, _item_status(status), late_id))
         yield event("response.output_item.done", output_index=index, item=items[-1])
-    done = body.response(status, items, final)
+    done = body.response(status, items, final,
+                         await _reasoning_tokens(ctx, final, skip_special) if final is not None else 0)
     if status in ("failed", "cancelled"):
         done["error"] = {"code": "server_error", "message": failure or (final.error if final else None)
                          or "the request was cancelled"}
