@@ -195,6 +195,9 @@ def test_reasoning_effort_reaches_the_template(http):
     assert "Reasoning: high" in prompt("/v1/chat/completions", {**chat, "reasoning_effort": "low",
                                                                 "chat_template_kwargs": {"reasoning_effort": "high"}})
     assert "Reasoning: high" in prompt("/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}})
+    for effort in ("xhigh", "max"):   # OpenAI's newer levels pass through as well
+        assert f"Reasoning: {effort}" in prompt("/v1/chat/completions", {**chat, "reasoning_effort": effort})
+        assert f"Reasoning: {effort}" in prompt("/v1/responses", {"input": "hi", "reasoning": {"effort": effort}})
     r = client.post("/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
     r = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "reasoning": {"effort": "extreme"}})

@@ -235,7 +235,7 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None                  # a tool message: the call it answers
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 
