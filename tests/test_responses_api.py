@@ -165,6 +165,10 @@ def test_json_schema_format(client):
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role 'tool'"),
     ({"input": [{"role": ["user"], "content": "x"}]}, "input", "role ['user']"),   # not a string (was a 500)
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+    ({"conversation": "conv_1"}, "conversation", "conversations are not stored"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "stored prompt templates"),
+    ({"top_logprobs": 3}, "top_logprobs", "use /v1/chat/completions"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "use /v1/chat/completions"),
     ({"text": {"format": {"type": "grammar"}}}, "text", "text.format type 'grammar'"),
     ({"text": {"format": "json"}}, "text", "text.format must be an object"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs a schema"),

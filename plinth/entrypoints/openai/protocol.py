@@ -611,7 +611,11 @@ class ResponsesRequest(_NamedExtras):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
     background: bool | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

@@ -100,7 +100,16 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                                                     "/v1/chat/completions"),
                               ("previous_response_id", req.previous_response_id,
                                "responses are not stored: send the whole conversation as input"),
-                              ("background", req.background, "background responses are not supported")):
+                              ("conversation", req.conversation,
+                               "conversations are not stored: send the whole conversation as input"),
+                              ("prompt", req.prompt, "stored prompt templates are not supported: send the "
+                                                     "instructions and input themselves"),
+                              ("background", req.background, "background responses are not supported"),
+                              ("top_logprobs", req.top_logprobs, "logprobs are not supported on /v1/responses: use "
+                                                                 "/v1/chat/completions"),
+                              ("include", "message.output_text.logprobs" in (req.include or ()),
+                               "message.output_text.logprobs is not supported on /v1/responses: use "
+                               "/v1/chat/completions")):
         if value:
             raise bad_request(why, field)
     if req.tool_choice not in (None, "none", "auto"):   # a call demanded, but no tool can be given
