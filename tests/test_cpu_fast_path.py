@@ -9,8 +9,10 @@ identical greedy tokens), ``torch.argmax`` and a Python loop (batch helpers).
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -278,6 +280,37 @@ def test_int4_copies_of_a_gguf_model(tmp_path, monkeypatch):
         for field in ("codes", "scales", "offsets"):
             assert torch.equal(getattr(again[name].panels, field), getattr(w.panels, field)), (name, field)
 
+
+
+def test_int4_cache_tells_a_replaced_file_and_survives_a_full_disk(tmp_path, monkeypatch, caplog):
+    """Another file put in the model's place with the same size and modification time (``cp -p``, ``touch -r``)
+    gets its own int4 cache entry, not the old file's copies; a cache that cannot be written (safetensors' error
+    for a full disk) is a warning, and no partial file is left."""
+    from safetensors import SafetensorError
+
+    from plinth.worker import cpu_int4
+
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"a" * 64)
+    before = cpu_int4._cache_file(str(model), torch.bfloat16)
+    stat = model.stat()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"b" * 64)
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(other, model)
+    assert model.stat().st_size == stat.st_size and model.stat().st_mtime_ns == stat.st_mtime_ns
+    assert cpu_int4._cache_file(str(model), torch.bfloat16) != before
+
+    def full_disk(tensors, filename):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    weight = cpu_int4.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(2, 1, 4), 32, None)
+    with caplog.at_level("WARNING"):
+        cpu_int4._store_cached(before, {"layer": weight})
+    assert "could not write the int4 cache" in caplog.text and not list(before.parent.iterdir())
 
 
 def test_gate_up_activation_is_fused_where_the_amx_gemm_takes_the_rows(tmp_path, monkeypatch):

@@ -307,12 +307,16 @@ def test_tokenizer_cache_invalidated_when_the_file_changes(tmp_path, monkeypatch
     assert_same_tokenizer(new, load_gguf_tokenizer(path, use_cache=False))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "foreign_file", "other_source"])
+@pytest.mark.parametrize("damage", ["truncated", "foreign_file", "other_source", "config_not_object",
+                                    "class_not_text"])
 def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog, damage):
     path = write_small_gguf(tmp_path / "m.gguf")
     load_gguf_tokenizer(path)
     entry = tokenizer_cache_entry(path)
-    if damage == "truncated":
+    if damage in ("config_not_object", "class_not_text"):   # transformers fails on them with other errors
+        (entry / "tokenizer_config.json").write_text("[]" if damage == "config_not_object" else
+                                                     '{"tokenizer_class": 5}')
+    elif damage == "truncated":
         data = (entry / "tokenizer.json").read_bytes()
         (entry / "tokenizer.json").write_bytes(data[: len(data) // 2])
     elif damage == "foreign_file":

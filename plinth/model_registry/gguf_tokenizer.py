@@ -48,7 +48,7 @@ def _source_record(path: str) -> dict[str, Any]:
     real = os.path.realpath(path)
     st = os.stat(real)
     return {"format": CACHE_FORMAT, "source": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "transformers": transformers.__version__}
+            "inode": st.st_ino, "ctime_ns": st.st_ctime_ns, "transformers": transformers.__version__}
 
 
 def tokenizer_cache_entry(path: str) -> Path:
@@ -165,8 +165,8 @@ def _load_entry(entry: Path, record: dict[str, Any]) -> Any:
         return None
     try:
         return _tokenizer_class(entry).from_pretrained(str(entry), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as e:
-        logger.warning("ignoring the tokenizer cache entry %s: %s", entry, e)
+    except Exception as e:  # noqa: BLE001 - any damage to an entry (a config of the wrong shape) means converting again
+        logger.warning("ignoring the tokenizer cache entry %s: %s: %s", entry, type(e).__name__, e)
         return None
 
 

@@ -13,6 +13,7 @@ layer's shard order; a layer gets a copy only when every one of its projections 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,14 +68,17 @@ def _module_shards(model: torch.nn.Module) -> dict[str, list[Any]]:
 
 
 def _cache_file(path: str, dtype: torch.dtype) -> Path | None:
-    """Where the repacked copies of ``path`` are kept (keyed by the file's identity and torch's version)."""
+    """Where the repacked copies of ``path`` are kept (keyed by the file's identity and torch's version: its inode
+    and change time too, so another file put in its place with the same size and modification time is not taken
+    for it)."""
     from plinth.config import cache_dir
 
     try:
         st = os.stat(path)
     except OSError:
         return None
-    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, torch.__version__, str(dtype), 2])
+    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns,
+                      torch.__version__, str(dtype), 2])
     return Path(cache_dir()) / "cpu_int4" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
 
@@ -101,6 +105,7 @@ def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
 
 
 def _store_cached(file: Path, weights: dict[str, Int4Weight]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {}
@@ -111,13 +116,15 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight]) -> None:
             tensors[f"{name}.q4p_codes"] = w.panels.codes
             tensors[f"{name}.q4p_scales"] = w.panels.scales
             tensors[f"{name}.q4p_offsets"] = w.panels.offsets
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".tmp{os.getpid()}")
         save_file(tensors, str(tmp))
         os.replace(tmp, file)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:   # safetensors' own error for a full disk
         logger.warning("could not write the int4 cache %s: %s", file, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def int4_weights_from_gguf(path: str, model: Any, dtype: torch.dtype, use_cache: bool = True) -> dict[str, Int4Weight]:
