@@ -152,6 +152,26 @@ def test_second_selection_reads_the_cache_and_times_nothing(pm, backends, tmp_pa
     assert key["workload"]["decode_seqs"] == WORKLOAD.decode_seqs
 
 
+@pytest.mark.parametrize("damage", [
+    lambda r: r.update(candidates=[]), lambda r: r.update(candidates=[1]), lambda r: r.update(winner=["x"]),
+    lambda r: r["candidates"][0].update(times_ms="abc"), lambda r: r["candidates"][0].update(reason=None),
+    lambda r: r["candidates"][0].update(max_error="0.1"), lambda r: r.update(winner="test_gone"),
+], ids=["no_candidates", "not_objects", "winner_a_list", "times_text", "reason_null", "error_text", "winner_gone"])
+def test_a_damaged_record_is_timed_again(pm, backends, tmp_path, caplog, damage):
+    """A record whose key still matches but whose body is damaged or edited (fields of the wrong type, a winner
+    that is not among its candidates) is ignored with a warning and the candidates are timed again."""
+    run(pm, tmp_path, candidates=QUICK)
+    [file] = (tmp_path / "sel").iterdir()
+    stored = json.loads(file.read_text())
+    damage(stored)
+    file.write_text(json.dumps(stored))
+    backends.CALLS.clear()
+    with caplog.at_level(logging.WARNING):
+        again, _ = run(pm, tmp_path, candidates=QUICK)
+    assert not again.from_cache and again.winner == "test_fast" and sum(backends.CALLS.values()) > 0
+    assert "ignoring malformed selection record" in caplog.text
+
+
 @pytest.mark.parametrize("change", ["plugin_version", "revision", "dtype", "shapes", "device"])
 def test_cache_is_invalidated_when_a_key_part_changes(pm, backends, tmp_path, change, monkeypatch):
     run(pm, tmp_path, candidates=QUICK)
@@ -482,7 +502,7 @@ def test_cached_records_without_scores_still_load(tmp_path):
     know) is read back from the cache and ranks by the sum of its times."""
     from plinth.core import selection
 
-    reports = selection._cached_reports({"candidates": [
+    reports = selection._cached_reports({"winner": "a", "candidates": [
         {"name": "a", "plugin": "p", "supported": True, "times_ms": {"x": 1.0, "y": 2.0}, "chosen": True},
         {"name": "b", "plugin": "p", "supported": True, "times_ms": {"x": 2.0, "y": 2.0}, "weights": None},
     ]})

@@ -186,15 +186,39 @@ def select(
 
 
 def _cached_reports(record: dict[str, Any] | None) -> list[CandidateReport] | None:
+    """A cache record's candidate reports; ``None`` (and a warning) for a record of another format, or one edited
+    by hand or damaged, whose fields are not what this version writes or whose winner is not among them."""
     if record is None:
         return None
     try:
         fields = {f.name for f in dataclasses.fields(CandidateReport)}
         # fields a record of another plinth version carries and this one does not know are dropped
-        return [CandidateReport(**{k: v for k, v in r.items() if k in fields}) for r in record["candidates"]]
-    except (KeyError, TypeError) as exc:  # a record from another format, or edited by hand
-        logger.warning("ignoring malformed selection record: %s", exc)
+        reports = [CandidateReport(**{k: v for k, v in r.items() if k in fields}) for r in record["candidates"]]
+        problem = next((p for p in map(_report_problem, reports) if p), None)
+        if problem is None and record.get("winner") not in {r.name for r in reports}:
+            problem = f"its winner {record.get('winner')!r} is not among its candidates"
+    except (KeyError, TypeError, AttributeError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is not None:
+        logger.warning("ignoring malformed selection record: %s", problem)
         return None
+    return reports
+
+
+def _report_problem(report: CandidateReport) -> str | None:
+    """What is wrong with a report read from a cache record (``None``: nothing)."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    wrong = [name for name, ok in (
+        ("name", isinstance(report.name, str)), ("plugin", isinstance(report.plugin, str)),
+        ("supported", isinstance(report.supported, bool)), ("reason", isinstance(report.reason, str)),
+        ("max_error", report.max_error is None or number(report.max_error)),
+        ("times_ms", report.times_ms is None or (isinstance(report.times_ms, dict)
+                                                 and all(number(v) for v in report.times_ms.values()))),
+        ("chosen", isinstance(report.chosen, bool)), ("score", report.score is None or number(report.score)),
+    ) if not ok]
+    return f"candidate {report.name!r} has a malformed {', '.join(wrong)}" if wrong else None
 
 
 def _benchmark(kind: CandidateKind, all_registrations: Mapping[str, Registration], usable: dict[str, Any],
