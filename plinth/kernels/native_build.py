@@ -5,7 +5,8 @@ that includes torch's extension headers takes about a minute on two cores). It i
 use with the system C++ compiler (``$CXX``, else ``c++``) and OpenMP into
 ``plinth.config.cache_dir() / <name>``, under a file name that hashes the source, the shared headers of
 ``csrc/`` (``-I``), the compiler flags, the compiler's version and the CPU's feature flags (the build targets the host CPU); later processes
-load that file without compiling. The built library links ``libgomp.so.1``, the same OpenMP runtime
+load that file without compiling, once its SHA-256 (written beside it by the build) matches: a damaged file
+is built again. The built library links ``libgomp.so.1``, the same OpenMP runtime
 torch's CPU build loads, so both share one thread pool.
 
 :func:`build_and_open` never raises for a missing compiler or a failed build: it returns a
@@ -118,13 +119,47 @@ def compile_library(cxx: str, source: Path, target: Path) -> str:
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
             return f"{Path(cxx).name} failed (exit {done.returncode}): " + " | ".join(lines[-3:])
+        with open(tmp, "rb") as f:   # on disk before it is named: a crash leaves no partial library in place
+            os.fsync(f.fileno())
+        digest = _file_digest(Path(tmp))
         os.replace(tmp, target)
+        _write_atomically(_digest_path(target), digest)
         return ""
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{Path(cxx).name} could not run: {exc}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` is the library a build wrote (its SHA-256 beside it): a truncated or damaged file is
+    never handed to the dynamic loader (a truncated library kills the process there)."""
+    try:
+        return target.is_file() and _digest_path(target).read_text().strip() == _file_digest(target)
+    except OSError:
+        return False
 
 
 def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, what: str) -> NativeBuild:
@@ -149,7 +184,9 @@ def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, w
     except ValueError as exc:
         return NativeBuild(None, reason=str(exc))
     seconds = 0.0
-    if not target.is_file():
+    if not _intact(target):   # never built, or a damaged or foreign file: built (again)
+        if target.exists():
+            logger.warning("rebuilding the %s: %s does not match its recorded checksum", what, target)
         logger.info("building the %s into %s", what, target.parent)
         t0 = time.perf_counter()
         if problem := compile_library(cxx, source, target):
@@ -158,9 +195,9 @@ def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, w
         logger.info("%s built in %.1f s", what, seconds)
     try:
         lib = ctypes.CDLL(str(target))
-    except OSError as exc:
+        abi = getattr(lib, abi_symbol)
+    except (OSError, AttributeError) as exc:
         return NativeBuild(None, target, f"cannot load {target}: {exc}")
-    abi = getattr(lib, abi_symbol)
     abi.restype = ctypes.c_int64
     if abi() != abi_version:
         return NativeBuild(None, target, f"{target} has ABI {abi()}, expected {abi_version}")
