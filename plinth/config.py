@@ -26,6 +26,10 @@ SPECULATIVE_METHODS = ("ngram",)
 GENERATION_CONFIG_KEYS = tuple(SAMPLING_KEYS)
 
 
+#: the longest wait a timeout may set: a week (longer ones, ``inf`` included, overflow the waits they bound)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 class ConfigError(ValueError):
     """An invalid configuration value; the message says which option and why."""
 

@@ -229,3 +229,19 @@ def test_serve_sigterm_stops_tensor_parallel_workers(tmp_path):
         server.terminate()
         assert server.wait(30.0) == 0
     assert wait_gone(workers, 10.0) == []
+
+
+def test_worker_timeouts_from_the_environment(monkeypatch):
+    """``PLINTH_WORKER_STEP_TIMEOUT_S`` / ``_START_TIMEOUT_S``: positive seconds up to a week; ``inf``, ``nan`` and
+    1e300 are configuration errors naming the variable (they overflowed the waits, a traceback in a worker)."""
+    from plinth.config import ConfigError
+    from plinth.distributed.executor import STEP_TIMEOUT_ENV, env_seconds
+
+    monkeypatch.setenv(STEP_TIMEOUT_ENV, "90.5")
+    assert env_seconds(STEP_TIMEOUT_ENV, 1.0) == 90.5
+    monkeypatch.delenv(STEP_TIMEOUT_ENV)
+    assert env_seconds(STEP_TIMEOUT_ENV, 7.0) == 7.0
+    for bad in ("inf", "nan", "1e300", "0", "-3", "soon"):
+        monkeypatch.setenv(STEP_TIMEOUT_ENV, bad)
+        with pytest.raises(ConfigError, match=STEP_TIMEOUT_ENV):
+            env_seconds(STEP_TIMEOUT_ENV, 1.0)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from plinth import benchmarks_floor as floors
-from plinth.config import ConfigError, EngineConfig
+from plinth.config import MAX_TIMEOUT_S, ConfigError, EngineConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
 from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
@@ -49,8 +49,9 @@ def env_seconds(name: str, default: float) -> float:
         value = float(raw)
     except ValueError as exc:
         raise ConfigError(f"${name} must be a number of seconds, got {raw!r}") from exc
-    if value <= 0:
-        raise ConfigError(f"${name} must be positive, got {raw!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:   # NaN fails too; inf and 1e300 are more than a wait can take
+        raise ConfigError(f"${name} must be a positive number of seconds up to {MAX_TIMEOUT_S:g} (a week), "
+                          f"got {raw!r}")
     return value
 
 

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from plinth.config import MAX_TIMEOUT_S
 from plinth.core.gc_pause import GcPause
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
@@ -246,8 +247,9 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
-    if args.shutdown_timeout < 0:
-        raise ServeError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.shutdown_timeout <= MAX_TIMEOUT_S:   # NaN fails too
+        raise ServeError(f"--shutdown-timeout must be between 0 and {MAX_TIMEOUT_S:g} seconds (a week), got "
+                         f"{args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ServeError("HTTPS needs both --ssl-keyfile and --ssl-certfile")

@@ -55,6 +55,10 @@ def release_openmp_threads() -> bool:
     return ok
 
 
+#: the most threads ``PLINTH_CPU_THREADS`` may ask for (more than any machine's cores; far more fail to start)
+MAX_THREADS = 4096
+
+
 def cpu_thread_count() -> int:
     """Threads for torch's CPU kernels: ``$PLINTH_CPU_THREADS``, else the CPUs this process may run on,
     capped by the cgroup CPU quota (one thread per core: more only contend).
@@ -66,8 +70,8 @@ def cpu_thread_count() -> int:
     if raw:
         from plinth.config import ConfigError
 
-        if not raw.isdigit() or int(raw) < 1:
-            raise ConfigError(f"{THREADS_ENV}={raw!r}: expected a positive integer")
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_THREADS:
+            raise ConfigError(f"{THREADS_ENV}={raw!r}: expected a positive integer up to {MAX_THREADS}")
         return int(raw)
     try:
         cpus = len(os.sched_getaffinity(0))
