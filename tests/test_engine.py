@@ -557,3 +557,16 @@ def test_chat_template_kwargs_may_not_repeat_chat_arguments(llm):
         with pytest.raises(ValueError, match=f"template_kwargs may not set {key}"):
             llm.chat(conversation, greedy(2), chat_template_kwargs={key: False}, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_cache_beyond_memory_is_a_config_error(tiny_llama_dir, monkeypatch):
+    """A ``num_blocks`` whose KV cache the memory cannot hold (numpy's allocation fails) is a ``ConfigError`` naming
+    the flag, not a MemoryError traceback."""
+    from plinth.worker import model_runner
+
+    def no_memory(shape, dtype, device):
+        raise MemoryError(f"Unable to allocate {shape}")
+
+    monkeypatch.setattr(model_runner, "_zeros", no_memory)
+    with pytest.raises(ConfigError, match="KV cache of 100000000000 blocks does not fit.*lower --num-blocks"):
+        LLM(str(tiny_llama_dir), dtype="float32", selection="off", num_blocks=10**11)

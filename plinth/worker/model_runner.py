@@ -81,14 +81,23 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         t0 = time.perf_counter()
         stores = []   # the memory behind each cache (a shared cache's one half)
-        for layer in model.attention_layers():
-            shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            shared = _shares_kv(layer, backend, shape)   # keys and values one tensor (its first dimension stride 0)
-            store = _zeros((1, *shape[1:]) if shared else shape, kv_dtype, device)
-            stores.append(store)
-            cache = store.expand(shape) if shared else store
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
+        try:
+            for layer in model.attention_layers():
+                shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+                shared = _shares_kv(layer, backend, shape)   # keys and values one tensor (first dimension stride 0)
+                store = _zeros((1, *shape[1:]) if shared else shape, kv_dtype, device)
+                stores.append(store)
+                cache = store.expand(shape) if shared else store
+                layer.kv_cache = cache
+                self.kv_caches.append(cache)
+        except (MemoryError, torch.OutOfMemoryError) as exc:   # a --num-blocks far beyond the memory there is
+            from plinth.config import ConfigError
+
+            stores.clear()
+            self.kv_caches.clear()
+            raise ConfigError(f"a KV cache of {num_blocks} blocks does not fit in the {device.type} memory "
+                              f"({type(exc).__name__}); lower --num-blocks, or leave it unset to size the cache "
+                              "from the memory there is") from None
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in stores)
         #: faults the CPU cache's pages in while the engine is idle (see :meth:`idle_work`)
         self.prefaulter: KVPrefaulter | None = None
