@@ -34,6 +34,28 @@ class ConfigError(ValueError):
     """An invalid configuration value; the message says which option and why."""
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case); unset: ``default``.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+#: on/off switches that kernels read where they run (a bad value there would only turn them off or on): checked
+#: with every engine configuration instead, so a bad value is an error at start-up
+KERNEL_SWITCHES = ("PLINTH_CPU_NATIVE_OPS", "PLINTH_CPU_AMX", "PLINTH_FUSED_OPS", "PLINTH_CPU_PAGED_ATTENTION")
+
+
 def cache_dir() -> Path:
     """plinth's cache directory: ``$PLINTH_CACHE_DIR`` or ``~/.cache/plinth``."""
     root = os.environ.get("PLINTH_CACHE_DIR") or os.path.join(
@@ -130,6 +152,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         _check_texts(self, ("tokenizer", "chat_template"), paths=("tokenizer", "chat_template"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
@@ -210,6 +234,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("block_size", self.block_size, allow_none=False)
@@ -261,6 +287,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")
@@ -303,6 +331,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size, allow_none=False)
         if self.distributed_executor not in EXECUTORS:
@@ -336,6 +366,8 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         _check_texts(self, ("platform", "attention_backend", "gemm_kernel"))
         if self.selection not in SELECTION_MODES:
             raise ConfigError(f"selection must be one of {', '.join(SELECTION_MODES)}, got {self.selection!r}")
@@ -361,6 +393,8 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         _positive("max_loras", self.max_loras, allow_none=False)
         _positive("max_lora_rank", self.max_lora_rank, allow_none=False)
         _positive("max_cpu_loras", self.max_cpu_loras)
@@ -396,6 +430,8 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         if self.speculative_method is None:
             if self.num_speculative_tokens:
                 raise ConfigError("num_speculative_tokens needs a speculative method "
@@ -458,6 +494,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        for name in KERNEL_SWITCHES:
+            env_flag(name, True)
         if self.speculative.enabled and self.model.task == "embed":
             raise ConfigError("speculative decoding applies to generation; an embedding model (task embed) decodes "
                               "nothing: drop speculative_config")

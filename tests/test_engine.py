@@ -570,3 +570,18 @@ def test_a_cache_beyond_memory_is_a_config_error(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(model_runner, "_zeros", no_memory)
     with pytest.raises(ConfigError, match="KV cache of 100000000000 blocks does not fit.*lower --num-blocks"):
         LLM(str(tiny_llama_dir), dtype="float32", selection="off", num_blocks=10**11)
+
+
+@pytest.mark.parametrize("name", ["PLINTH_CPU_NATIVE_OPS", "PLINTH_CPU_AMX", "PLINTH_FUSED_OPS",
+                                  "PLINTH_CPU_PAGED_ATTENTION"])
+def test_kernel_switches_with_bad_values_are_config_errors(tiny_llama_dir, monkeypatch, name):
+    """The on/off switches kernels read where they run take 1/0, true/false, yes/no, on/off; another value is a
+    ``ConfigError`` naming the variable when the engine is configured (``maybe`` had turned three of them on and
+    the paged-attention kernel off, silently)."""
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ConfigError, match=f"{name}='maybe': expected 1/0"):
+        LLM(str(tiny_llama_dir), dtype="float32", selection="off")
+    monkeypatch.setenv(name, "off")
+    from plinth.config import EngineConfig
+
+    assert EngineConfig.from_kwargs(model=str(tiny_llama_dir)) is not None

@@ -182,6 +182,7 @@ def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, w
     try:
         target = library_path(cxx, source, name)
     except ValueError as exc:
+        logger.warning("the %s is off: %s", what, exc)   # the user's own setting: said aloud
         return NativeBuild(None, reason=str(exc))
     seconds = 0.0
     if not _intact(target):   # never built, or a damaged or foreign file: built (again)
@@ -190,6 +191,9 @@ def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, w
         logger.info("building the %s into %s", what, target.parent)
         t0 = time.perf_counter()
         if problem := compile_library(cxx, source, target):
+            if os.environ.get(MARCH_ENV, "").strip():   # the build the user asked for failed: said aloud
+                logger.warning("the %s is off: its build for %s=%s failed: %s", what, MARCH_ENV,
+                               os.environ[MARCH_ENV].strip(), problem)
             return NativeBuild(None, target, f"kernel build failed: {problem}")
         seconds = time.perf_counter() - t0
         logger.info("%s built in %.1f s", what, seconds)

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from plinth.config import ConfigError
+from plinth.config import ConfigError, env_flag  # noqa: F401 (env_flag: read here by other modules too)
 from plinth.kernels import cpu_native, ops
 
 logger = logging.getLogger(__name__)
@@ -74,23 +74,6 @@ DEFAULT_INT4_MAX_ROWS = 4
 DEFAULT_Q8_HEAD_MAX_ROWS = 4
 DEFAULT_Q4_PANEL_MAX_ROWS = 64
 DEFAULT_COMPILE_MAX_BATCH = 8
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off`` (any case); unset: ``default``.
-
-    Raises:
-        ConfigError: any other value.
-    """
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
 
 
 def int8_act_mode(default: bool) -> str:
