@@ -324,11 +324,13 @@ def prefill_kernel_expected() -> bool:
     return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
-@pytest.mark.parametrize("bs", [8, 16], ids=["bs8-batched", "bs16-native"])
+@pytest.mark.parametrize("bs", [1, 8, 16], ids=["bs1-batched", "bs8-batched", "bs16-native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_and_mixed_steps_through_the_backend(dtype, bs, monkeypatch):
     """probe.run_steps (prefill, mixed, decode from an empty cache the backend writes) against torch_sdpa; with
-    16-token blocks every step runs a native kernel where the CPU has the prefill kernel (no batched fallback)."""
+    16-token blocks every step runs a native kernel where the CPU has the prefill kernel (no batched fallback).
+    One-token blocks too: the check's padding rows share the scratch block's one slot (the check refused every
+    backend but the reference at that size)."""
     from plinth.attention_backends import cpu_paged
     from plinth.attention_backends.torch_batched import TorchBatchedBackend
 

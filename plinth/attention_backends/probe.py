@@ -65,17 +65,16 @@ def step_metadata(
     pad_rows: int = 0,
 ) -> AttentionMetadata:
     """The metadata of one step: sequence ``s`` has ``context_lens[s]`` cached tokens and
-    ``query_lens[s]`` new ones; ``pad_rows`` padding rows at the end write into block 0."""
+    ``query_lens[s]`` new ones; ``pad_rows`` padding rows at the end write into block 0 (several into one slot
+    where the block has fewer, as the engine's padded steps do)."""
     if len(context_lens) != len(query_lens) or not query_lens or min(query_lens) < 1:
         raise ValueError("context_lens and query_lens must be non-empty, of equal length, query_lens >= 1")
-    if pad_rows > block_size:
-        raise ValueError(f"pad_rows {pad_rows} exceeds the scratch block ({block_size} slots)")
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     slots: list[int] = []
     for s, (ctx, n) in enumerate(zip(context_lens, query_lens, strict=True)):
         pos = torch.arange(ctx, ctx + n)
         slots.extend((block_tables[s, pos // block_size].long() * block_size + pos % block_size).tolist())
-    slots.extend(range(pad_rows))
+    slots.extend(i % block_size for i in range(pad_rows))
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
