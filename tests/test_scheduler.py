@@ -252,8 +252,13 @@ def test_rejections_name_both_numbers():
     sched = make_scheduler(num_blocks=9, block_size=4, max_model_len=64)
     with pytest.raises(RequestRejectedError, match=r"60 tokens.*max_tokens \(8\).*68.*max_model_len \(64\)"):
         sched.add_request(req("long", list(range(60)), max_tokens=8))
-    with pytest.raises(RequestRejectedError, match=r"needs 10 KV blocks.*only 8"):
+    with pytest.raises(RequestRejectedError, match=r"needs 10 KV blocks.*only 8; lower max_tokens"):
         sched.add_request(req("big", list(range(20)), max_tokens=20))
+    # a prompt the cache cannot hold by itself: no max_tokens helps (with or without one)
+    for max_tokens in (None, 1):
+        with pytest.raises(RequestRejectedError, match=r"the prompt \(40 tokens\) needs 10 KV blocks.*only 8; "
+                                                       "shorten it"):
+            sched.add_request(req("huge", list(range(40)), max_tokens=max_tokens))
     with pytest.raises(RequestRejectedError, match="empty"):
         sched.add_request(req("empty", []))
     sched.add_request(req("ok", [1, 2, 3]))
