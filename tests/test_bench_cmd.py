@@ -87,6 +87,8 @@ def test_floor_fractions_on_a_known_device(capsys, tmp_path, monkeypatch):
     (["throughput", "--input-len-range", "10", "10"], "1 <= A < B"),
     (["latency", "--input-len-range", "1", "10"], "for the throughput benchmark"),
     (["latency", "--output-len", "0"], "--output-len must be >= 1"),
+    (["throughput", "--prompt-seed", "-1"], "--prompt-seed must be >= 0"),
+    (["latency", "--json", ""], "--json needs a file path"),
     (["latency", "--input-len", "2000", "--output-len", "100"], "exceeds the model length"),
 ])
 def test_bad_workloads_are_one_line_errors(capsys, argv, message):

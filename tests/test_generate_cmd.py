@@ -337,6 +337,14 @@ def test_prompts_wait_for_queue_room_and_template_errors_are_one_line(tiny_llama
     assert "error: the chat template failed: TemplateError: TypeError" in capsys.readouterr().err
 
 
+def test_a_template_file_that_is_not_utf8_is_one_line(tiny_llama_dir, tmp_path, capsys):
+    latin = tmp_path / "template.jinja"
+    latin.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
+    assert main([*engine_args(tiny_llama_dir), "--prompt", "hi", "--chat", "--chat-template", str(latin)]) == 2
+    err = capsys.readouterr().err
+    assert f"--chat-template file {str(latin)!r} cannot be read as UTF-8 text" in err and "Traceback" not in err
+
+
 def test_python_dash_m_plinth_is_the_command(tiny_llama_dir):
     """``python -m plinth`` runs the ``plinth`` command (its exit code and output included)."""
     done = subprocess.run([sys.executable, "-m", "plinth", "generate", "--model", str(tiny_llama_dir)],

@@ -238,7 +238,7 @@ def _check(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("num_iters_warmup", "num_warmup_prompts"):
+    for name in ("num_iters_warmup", "num_warmup_prompts", "prompt_seed"):   # numpy takes no negative seed
         if getattr(args, name) < 0:
             raise CliError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.input_len_range is not None:
@@ -256,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     from plinth.errors import CliError
 
     _check(args)
+    if args.json is not None and not args.json.strip():
+        raise CliError("--json needs a file path")
     if args.json:   # before the benchmark runs, not after
         target = Path(args.json)
         parent = target.parent if target.parent != Path("") else Path(".")

@@ -94,7 +94,10 @@ def read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     if "{" not in value and Path(value).is_file():
-        return _checked_template(Path(value).read_text(encoding="utf-8"))
+        try:
+            return _checked_template(Path(value).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"--chat-template file {value!r} cannot be read as UTF-8 text: {exc}") from None
     if "{" not in value:
         raise ModelLoadError(f"--chat-template {value!r} is neither a jinja2 template nor an existing file")
     return _checked_template(value)
