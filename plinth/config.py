@@ -152,8 +152,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        for name in KERNEL_SWITCHES:
-            env_flag(name, True)
         _check_texts(self, ("tokenizer", "chat_template"), paths=("tokenizer", "chat_template"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
@@ -234,8 +232,6 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        for name in KERNEL_SWITCHES:
-            env_flag(name, True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("block_size", self.block_size, allow_none=False)
@@ -287,8 +283,6 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        for name in KERNEL_SWITCHES:
-            env_flag(name, True)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")
@@ -331,8 +325,6 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        for name in KERNEL_SWITCHES:
-            env_flag(name, True)
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size, allow_none=False)
         if self.distributed_executor not in EXECUTORS:
@@ -366,8 +358,6 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        for name in KERNEL_SWITCHES:
-            env_flag(name, True)
         _check_texts(self, ("platform", "attention_backend", "gemm_kernel"))
         if self.selection not in SELECTION_MODES:
             raise ConfigError(f"selection must be one of {', '.join(SELECTION_MODES)}, got {self.selection!r}")
@@ -393,8 +383,6 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        for name in KERNEL_SWITCHES:
-            env_flag(name, True)
         _positive("max_loras", self.max_loras, allow_none=False)
         _positive("max_lora_rank", self.max_lora_rank, allow_none=False)
         _positive("max_cpu_loras", self.max_cpu_loras)
@@ -430,8 +418,6 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self)
-        for name in KERNEL_SWITCHES:
-            env_flag(name, True)
         if self.speculative_method is None:
             if self.num_speculative_tokens:
                 raise ConfigError("num_speculative_tokens needs a speculative method "
