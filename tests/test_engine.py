@@ -585,3 +585,27 @@ def test_kernel_switches_with_bad_values_are_config_errors(tiny_llama_dir, monke
     from plinth.config import EngineConfig
 
     assert EngineConfig.from_kwargs(model=str(tiny_llama_dir)) is not None
+
+
+def test_chat_templates_with_transformers_extensions_are_accepted(tiny_llama_dir):
+    """``--chat-template`` text using what transformers' renderer compiles (``{% continue %}``, ``{% break %}``,
+    ``{% generation %}``) is accepted and renders as transformers renders it (it was refused as invalid)."""
+    from transformers import AutoTokenizer
+
+    from plinth.worker.setup import read_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                {"role": "assistant", "content": "A"}]
+    for template in (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}<{{ m.role }}>{{ m.content }}"
+        "{% endfor %}",
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}",
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}",
+    ):
+        assert read_chat_template(template) == template
+        llm = llm_for(tiny_llama_dir, chat_template=template)
+        expected = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
+        assert llm.engine.render_chat(messages, add_generation_prompt=False) == expected
+        llm.close()

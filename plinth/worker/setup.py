@@ -104,11 +104,20 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def _checked_template(text: str) -> str:
-    """``text`` if it parses as a jinja2 template (in the sandbox the chat renderer uses)."""
-    import jinja2.sandbox
+    """``text`` if it compiles as the chat renderer (transformers' sandboxed jinja2, with its extensions: loop
+    controls, ``{% generation %}``) compiles it."""
+    import jinja2
 
     try:
-        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:   # another transformers layout: the sandbox with the loop controls
+        import jinja2.sandbox
+
+        def _compile_jinja_template(source: str) -> object:
+            return jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+
+    try:
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ModelLoadError(f"--chat-template is not a valid jinja2 template: {exc.message} (line {exc.lineno})") from None
     return text
