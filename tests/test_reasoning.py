@@ -257,3 +257,35 @@ def test_server_structured_answer_after_thinking(think_model):
         assert choice["finish_reason"] == "stop", choice
         assert not choice["message"].get("reasoning_content")
         assert isinstance(json.loads(choice["message"]["content"])["city"], str)
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                     "</think>{% endif %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_an_earlier_replys_thinking_reaches_the_template(tmp_path, field):
+    """An assistant message sent back with its thinking (``reasoning_content`` as plinth's replies give it, or
+    vLLM's ``reasoning``) reaches the chat template as ``reasoning_content`` (and ``reasoning``), as the template
+    of a model that thinks between tool calls reads it; the prompt equals transformers' rendering."""
+    from starlette.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    model_dir = make_tiny_model(tmp_path / "m")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", served_model_name="tiny",
+                                                chat_template=THINKING_TEMPLATE))
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: "I should answer a"},
+                {"role": "user", "content": "more"}]
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        ids = http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    reference = [{**m, "reasoning_content": m.pop(field)} if field in m else m for m in map(dict, messages)]
+    text = tokenizer.apply_chat_template(reference, tokenize=False, add_generation_prompt=True,
+                                         chat_template=THINKING_TEMPLATE)
+    assert "<think>I should answer a</think>" in text
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -233,6 +233,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls
     tool_call_id: str | None = None                  # a tool message: the call it answers
+    # an assistant's earlier thinking, as plinth's replies give it (templates of thinking models read it back)
+    reasoning_content: str | None = None
+    reasoning: str | None = None                     # vLLM's newer name for it
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]

@@ -83,6 +83,9 @@ def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             msg["name"] = m.name
         if m.tool_calls:
             msg["tool_calls"] = [_checked_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+        thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thinking is not None and m.role == "assistant":   # under both names templates read it by
+            msg["reasoning_content"] = msg["reasoning"] = thinking
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         elif m.role == "tool":
