@@ -683,3 +683,26 @@ def test_tool_choice_none_keeps_special_tokens_out_of_the_content(model_dir: Pat
     assert "choices" in none, none
     assert plain["content"] == "" and none["choices"][0]["message"]["content"] == "", none
     assert auto["choices"][0]["message"]["content"] == "<|endoftext|>" * 3   # the parser read them (no call)
+
+
+@pytest.mark.parametrize("mentions", [True, False])
+def test_the_tools_warning_reads_a_models_named_templates(tmp_path, caplog, mentions):
+    """A model whose tokenizer has named templates (``default`` and ``tool_use``): the start-up warning that the
+    template never renders tools looks at all of them (it warned though ``tool_use`` renders them)."""
+    import logging
+
+    from server_utils import make_tiny_model
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(make_tiny_model(tmp_path / "m")), selection="off"))
+    engine.tokenizer.chat_template = {
+        "default": "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "tool_use": "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}" if mentions
+        else "{% for m in messages %}{{ m.content }}!{% endfor %}"}
+    with caplog.at_level(logging.WARNING):
+        build_app(AsyncLLMEngine(engine), tool_parser=HermesToolParser)
+    assert ("the chat template does not mention tools" in caplog.text) != mentions

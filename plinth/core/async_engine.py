@@ -194,8 +194,11 @@ class AsyncLLMEngine:
 
     @property
     def chat_template_source(self) -> str | None:
-        """The chat template's text (``--chat-template`` or the model's), if there is one."""
+        """The chat template's text (``--chat-template`` or the model's), if there is one; of a model's named
+        templates (``default``, ``tool_use``, ...) all of them, one after another."""
         template = self._engine.chat_template or getattr(self._engine.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(t for t in template.values() if isinstance(t, str))
         return template if isinstance(template, str) else None
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
