@@ -609,3 +609,29 @@ def test_chat_templates_with_transformers_extensions_are_accepted(tiny_llama_dir
         expected = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
         assert llm.engine.render_chat(messages, add_generation_prompt=False) == expected
         llm.close()
+
+
+def test_a_template_that_loops_over_content_parts_gets_parts(tiny_llama_dir):
+    """A chat template that loops over ``message['content']`` (image-and-text models' templates) reads OpenAI's
+    content parts: messages reach it as text parts, whether they came as a string or as parts, and the prompt is
+    transformers' for the parts (it looped over the string's characters, or lost the text)."""
+    from transformers import AutoTokenizer
+
+    from plinth.core.engine import template_iterates_content
+
+    template = ("{% for m in messages %}<{{ m.role }}>{% for c in m['content'] %}{% if c.type == 'text' %}"
+                "{{ c.text }}{% endif %}{% endfor %}{% endfor %}<A>")
+    aliased = "{% for m in messages %}{% set parts = m.content %}{% for p in parts %}{{ p.text }}{% endfor %}{% endfor %}"
+    assert template_iterates_content(template) and template_iterates_content(aliased)
+    assert not template_iterates_content("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Translate: hello"}]}], tokenize=False,
+        chat_template=template)
+    assert expected == "<user>Translate: hello<A>"
+    llm = llm_for(tiny_llama_dir, chat_template=template)
+    for content in ("Translate: hello", [{"type": "text", "text": "Translate: "}, {"type": "text", "text": "hello"}]):
+        from plinth.entrypoints.openai.tools import plain_messages
+
+        assert llm.engine.render_chat(plain_messages([{"role": "user", "content": content}])) == expected
+    llm.close()

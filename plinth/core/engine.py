@@ -146,6 +146,29 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+@functools.lru_cache(maxsize=16)
+def template_iterates_content(template: str) -> bool:
+    """Whether a chat template loops over a message's ``content`` (``{% for part in message['content'] %}``, or over
+    a variable set from it): it reads OpenAI's list of content parts, and a string there would be looped over
+    character by character, so messages reach it with their text as one ``{"type": "text"}`` part."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_content(node: nodes.Node) -> bool:
+        return ((isinstance(node, nodes.Getattr) and node.attr == "content")
+                or (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"))
+
+    names = {a.target.name for a in tree.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    return any(is_content(loop.iter) or (isinstance(loop.iter, nodes.Name) and loop.iter.name in names)
+               for loop in tree.find_all(nodes.For))
+
+
 class LLMEngine:
     """The engine core, used in-process by ``plinth.LLM`` and by the server's engine loop.
 
@@ -388,6 +411,12 @@ class LLMEngine:
             raise ValueError("the model has no chat template; pass one with --chat-template")
         import jinja2
 
+        chosen = template if template is not None else self.tokenizer.chat_template
+        if isinstance(chosen, dict):   # named templates: the one transformers picks
+            chosen = chosen.get("tool_use") if tools and "tool_use" in chosen else chosen.get("default")
+        if isinstance(chosen, str) and template_iterates_content(chosen):   # it reads OpenAI's content parts
+            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                        if isinstance(m.get("content"), str) else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,
