@@ -66,7 +66,7 @@ def _dtype_code(query: torch.Tensor, kv_cache: torch.Tensor) -> int | None:
 
 
 def _enabled() -> bool:
-    from plinth.worker.cpu_path import env_flag
+    from plinth.config import env_flag
 
     return env_flag(ENABLE_ENV, True)
 
@@ -477,7 +477,7 @@ def _sdpa_prefill_on() -> bool:
     """``PLINTH_CPU_SDPA_PREFILL``: long bfloat16 prefill sequences through a fused attention (:func:`sdpa_prefill`).
     Default: on where the CPU has AMX tiles (the AMX kernel, or torch's on oneDNN's AMX micro-kernels), off elsewhere
     (see :data:`SDPA_MIN_ROWS`)."""
-    from plinth.worker.cpu_path import env_flag
+    from plinth.config import env_flag
 
     return env_flag(SDPA_PREFILL_ENV, _cpu_has_amx())
 

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plinth.config import env_flag
 from plinth.kernels import nvrtc
-from plinth.worker.cpu_path import env_flag
 
 logger = logging.getLogger(__name__)
 

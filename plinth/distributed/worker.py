@@ -225,7 +225,7 @@ class Worker:
         copies sized against the machine's free memory, compiled decode steps) assumes one process.
         Off unless ``PLINTH_WORKER_FAST_PATH=1``: on two H200s it did not lower TP=2's batch-1 time per token
         (4.77 ms with it, 4.45-4.64 without; benchmarks/RESULTS.md)."""
-        from plinth.worker.cpu_path import env_flag
+        from plinth.config import env_flag
 
         prepare = getattr(self.platform, "prepare_runner", None)
         if prepare is not None and self.platform.device_type != "cpu" and env_flag(WORKER_FAST_PATH_ENV, False):

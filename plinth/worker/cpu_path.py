@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from plinth.config import ConfigError, env_flag  # noqa: F401 (env_flag: read here by other modules too)
+from plinth.config import ConfigError, env_flag
 from plinth.kernels import cpu_native, ops
 
 logger = logging.getLogger(__name__)

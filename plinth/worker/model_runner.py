@@ -102,7 +102,7 @@ class ModelRunner:
         #: faults the CPU cache's pages in while the engine is idle (see :meth:`idle_work`)
         self.prefaulter: KVPrefaulter | None = None
         if device.type == "cpu" and self.kv_caches:
-            from plinth.worker.cpu_path import env_flag
+            from plinth.config import env_flag
 
             if env_flag(PREFAULT_ENV, True):
                 self.prefaulter = KVPrefaulter(stores, num_blocks)
