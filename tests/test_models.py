@@ -312,11 +312,16 @@ def paged_prefill_logits(model, backend, prompt: list[int]) -> torch.Tensor:
     ("Qwen3ForCausalLM", {"partial_rotary_factor": 0.5}),
     ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
     ("Gemma3ForCausalLM", {"attn_logit_softcapping": 0.5}),
-], ids=["llama_partial_rotary", "qwen3_partial_rotary", "phi3_partial_rotary", "gemma3_attn_soft_cap"])
+    ("MistralForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    ("Qwen3ForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    ("Gemma2ForCausalLM", {"mlp_bias": True}),
+], ids=["llama_partial_rotary", "qwen3_partial_rotary", "phi3_partial_rotary", "gemma3_attn_soft_cap",
+        "mistral_biases", "qwen3_biases", "gemma2_mlp_bias"])
 def test_config_keys_their_architecture_ignores_or_reads(tmp_path, arch, overrides):
     """Config keys that transformers reads for some architectures only: ``partial_rotary_factor`` (Phi-3 turns half
     of each head; Llama and Qwen3 turn the whole head), ``attn_logit_softcapping`` (Gemma 2 caps, Gemma 3 does
-    not). plinth equals transformers either way."""
+    not), ``attention_bias``/``mlp_bias`` (Llama reads both, Qwen3 the first, Mistral neither: its checkpoints have
+    no such tensors, and were refused as missing them). plinth equals transformers either way."""
     _, config_cls, base = ARCHS[arch]
     config = getattr(transformers, config_cls)(**{**COMMON, **base, **overrides})
     torch.manual_seed(3)

@@ -479,6 +479,9 @@ class DecoderForCausalLM(CausalLM):
     #: RoPE turns only ``partial_rotary_factor`` of each head (Phi, Phi-3, StableLM, GLM-4 MoE); the other
     #: architectures turn the whole head whatever the config says, as their transformers code does
     partial_rotary: ClassVar[bool] = False
+    #: the config's bias switches the architecture's transformers code reads (``attention_bias`` for the default
+    #: attention, ``mlp_bias`` for the default MLP): the others have no biases there whatever the config says
+    config_biases: ClassVar[tuple[str, ...]] = ("attention_bias",)
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)
@@ -492,7 +495,7 @@ class DecoderForCausalLM(CausalLM):
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         """Biases and norms of the attention block (default: Llama's ``attention_bias``)."""
-        bias = bool(getattr(cfg, "attention_bias", False))
+        bias = "attention_bias" in self.config_biases and bool(getattr(cfg, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
     def layer_attention_options(self, cfg: Any, layer_idx: int) -> AttentionOptions:
@@ -507,7 +510,8 @@ class DecoderForCausalLM(CausalLM):
     def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
         """The feed-forward block of layer ``layer_idx`` (default: a dense gated MLP)."""
         cfg = ctx.hf_config
-        return DenseMLP(ctx, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)),
+        bias = "mlp_bias" in self.config_biases and bool(getattr(cfg, "mlp_bias", False))
+        return DenseMLP(ctx, cfg.intermediate_size, bias=bias,
                         activation=self.block_options(cfg).activation)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:

@@ -24,6 +24,8 @@ class GraniteForCausalLM(DecoderForCausalLM):
     ``attention_multiplier`` (instead of ``head_dim ** -0.5``), each attention and MLP output times
     ``residual_multiplier`` before the residual add, and the logits divided by ``logits_scaling``."""
 
+    config_biases: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
+
     def __init__(self, ctx: ModelContext):
         cfg = ctx.hf_config
         for key in _MULTIPLIERS:

@@ -7,7 +7,7 @@ Seed-OSS gives its output projection a bias of its own (``attention_out_bias``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCausalLM
 
@@ -15,19 +15,27 @@ from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCau
 class LlamaForCausalLM(DecoderForCausalLM):
     """Llama: the reference decoder."""
 
+    config_biases: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
+
 
 class MistralForCausalLM(DecoderForCausalLM):
-    """Mistral: Llama's layout with a sliding attention window on every layer."""
+    """Mistral: Llama's layout with a sliding attention window on every layer (no biases)."""
+
+    config_biases: ClassVar[tuple[str, ...]] = ()
 
 
 class MinistralForCausalLM(DecoderForCausalLM):
     """Ministral (e.g. Ministral-8B-Instruct-2410): Mistral's layout, the window on the layers ``layer_types`` marks
     ``sliding_attention``."""
 
+    config_biases: ClassVar[tuple[str, ...]] = ()
+
 
 class SeedOssForCausalLM(DecoderForCausalLM):
     """Seed-OSS (e.g. Seed-OSS-36B-Instruct): Llama with q/k/v biases (``attention_bias``) and an output-projection
     bias of its own (``attention_out_bias``)."""
+
+    config_biases: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         return AttentionOptions(qkv_bias=bool(getattr(cfg, "attention_bias", False)),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -20,6 +20,8 @@ _EXPERT_PROJS = {"w1": "gate", "w3": "up", "w2": "down"}
 
 class MixtralForCausalLM(DecoderForCausalLM):
     """Checkpoint ``block_sparse_moe.*`` tensors load into each layer's ``mlp``."""
+
+    config_biases: ClassVar[tuple[str, ...]] = ()
 
     def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
         cfg = ctx.hf_config

@@ -20,6 +20,8 @@ from plinth.model_registry.models.decoder import DecoderForCausalLM, head_dim_of
 class Phi3ForCausalLM(DecoderForCausalLM):
     """Phi-3 with fused checkpoint projections."""
 
+    config_biases: ClassVar[tuple[str, ...]] = ()
+
     partial_rotary: ClassVar[bool] = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

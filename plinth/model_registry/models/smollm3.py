@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
@@ -13,6 +13,8 @@ from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCau
 class SmolLM3ForCausalLM(DecoderForCausalLM):
     """SmolLM3 (e.g. SmolLM3-3B): ``no_rope_layers[i]`` is 1 where layer ``i`` rotates q and k, 0 where it does
     not (by default every fourth layer, ``no_rope_layer_interval``)."""
+
+    config_biases: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
 
     def __init__(self, ctx: ModelContext):
         cfg = ctx.hf_config
