@@ -131,8 +131,7 @@ class IncrementalDetokenizer:
         for earlier in range(start - 1, max(-1, n - _MAX_PROMPT_CONTEXT - 1), -1):
             if not text.startswith("\ufffd"):
                 break
-            longer = self._decode(list(prompt[earlier:]))
-            start, text = earlier, longer
+            start, text = earlier, self._decode(list(prompt[earlier:]))
         if text.startswith("\ufffd"):   # no character start within reach (or the prompt holds U+FFFD itself)
             start = max(0, n - PROMPT_CONTEXT_TOKENS)
             return list(prompt[start:]), None

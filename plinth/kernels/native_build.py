@@ -147,6 +147,7 @@ def _write_atomically(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)   # readable as the library is (mkstemp makes it private)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -93,8 +93,6 @@ class ModelRunner:
         except (MemoryError, torch.OutOfMemoryError) as exc:   # a --num-blocks far beyond the memory there is
             from plinth.config import ConfigError
 
-            stores.clear()
-            self.kv_caches.clear()
             raise ConfigError(f"a KV cache of {num_blocks} blocks does not fit in the {device.type} memory "
                               f"({type(exc).__name__}); lower --num-blocks, or leave it unset to size the cache "
                               "from the memory there is") from None

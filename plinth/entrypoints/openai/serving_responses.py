@@ -16,6 +16,7 @@ items (a reply's output sent back as the next request's input) are accepted and 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -227,14 +228,18 @@ def _thinking_before_answer(ctx: ServerContext, text: str) -> str:
     parser = ctx.reasoning_parser
     if parser is None:
         return ""
-    lo, hi = 0, len(text)   # the scan of text[:hi] has content, of text[:lo] none
+    hi = _first_holding(len(text), lambda m: bool(parser().scan(text[:m], False).content.strip()))
+    hi = min(hi, len(text))
+    return parser().scan(text[:hi], hi == len(text)).reasoning
+
+
+def _first_holding(n: int, holds: Callable[[int], bool]) -> int:
+    """The smallest m in [1, n] for which ``holds`` (false, then true, as m grows), else n + 1: a binary search."""
+    lo, hi = 0, n + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if parser().scan(text[:mid], False).content.strip():
-            hi = mid
-        else:
-            lo = mid
-    return parser().scan(text[:hi], hi == len(text)).reasoning
+        hi, lo = (mid, lo) if holds(mid) else (hi, mid)
+    return hi
 
 
 async def _reasoning_tokens(ctx: ServerContext, final: RequestOutput, skip_special: bool) -> int:
@@ -248,16 +253,12 @@ async def _reasoning_tokens(ctx: ServerContext, final: RequestOutput, skip_speci
     tokenizer = ctx.front.tokenizer
 
     def count() -> int:
+        @functools.cache   # the searches below meet the same prefixes
         def text(m: int) -> str:
             return tokenizer.decode(ids[:m], skip_special_tokens=skip_special)
 
         def first(holds: Callable[[int], bool]) -> int:
-            """The smallest m in [1, len(ids)] for which ``holds`` (monotone), else len(ids) + 1."""
-            lo, hi = 0, len(ids) + 1
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                hi, lo = (mid, lo) if holds(mid) else (hi, mid)
-            return hi
+            return _first_holding(len(ids), holds)
 
         whole = text(len(ids))
         written = first(lambda m: len(text(m)) >= len(whole))   # the tokens that wrote the text (not a final EOS)
