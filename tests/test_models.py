@@ -839,6 +839,23 @@ def test_qwen2_moe_without_qkv_biases_and_granite_moe_missing_tensor_named_once(
     assert str(err.value).endswith("checkpoint is missing tensor 'model.layers.1.block_sparse_moe.input_linear.weight'")
 
 
+def test_qwen2_moe_without_a_shared_expert_matches_transformers(tmp_path):
+    """``shared_expert_intermediate_size: 0``: transformers still writes the empty shared projections and their gate
+    (which multiplies nothing); they are skipped, and the logits are transformers'."""
+    _, config_cls, overrides = ARCHS["Qwen2MoeForCausalLM"]
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(**{**COMMON, **overrides, "shared_expert_intermediate_size": 0},
+                                      attn_implementation="eager")
+    hf = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    assert hf.model.layers[0].mlp.shared_expert.down_proj.weight.numel() == 0
+    hf.save_pretrained(tmp_path)
+    model = _load(str(tmp_path), TorchSDPABackend())
+    assert model.model.layers[0].mlp.shared_expert is None
+    prompt = _prompts(hf.config.vocab_size)[2]
+    assert (paged_prefill_logits(model, model.ctx.attention_backend, prompt)
+            - _hf_logits(hf, prompt)).abs().max().item() < 1e-4
+
+
 def test_ernie_moe_skips_its_multi_token_prediction_tensors_and_refuses_an_lm_head_bias(tmp_path):
     """ERNIE 4.5 MoE checkpoints carry multi-token-prediction tensors (``mtp*``): skipped, not reported unknown; a
     config with use_bias (which would give the LM head a bias) is refused in one line."""

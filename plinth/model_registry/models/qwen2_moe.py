@@ -101,6 +101,14 @@ class Qwen2MoeForCausalLM(_ExpertWeights, Qwen2ForCausalLM):
         return SharedExpertMoeBlock(ctx, activation, cfg.num_experts, cfg.moe_intermediate_size,
                                     bool(cfg.norm_topk_prob), cfg.shared_expert_intermediate_size, gated=True)
 
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        """A config without a shared expert (``shared_expert_intermediate_size`` 0) still has transformers write
+        its empty projections and its gate, which multiplies nothing: skipped."""
+        if (not getattr(self.ctx.hf_config, "shared_expert_intermediate_size", 0)
+                and (".mlp.shared_expert." in name or ".mlp.shared_expert_gate." in name)):
+            return None
+        return super().map_weight_name(name)
+
     def _to_param(self, name: str) -> str:
         for part in (".mlp.gate.", ".mlp.experts."):
             if part in name:
