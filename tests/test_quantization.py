@@ -423,6 +423,27 @@ class OffByOneKernel(GemmKernel):
         return DequantIntKernel(self.problem).apply(layer, x, bias) + 1.0
 
 
+class WrongTailKernel(GemmKernel):
+    """Right for input sizes that are multiples of 128, wrong otherwise (drops the last 64 input features): a
+    kernel whose bug only a later layer shape shows."""
+
+    name = "wrong_tail"
+    priority = 99
+
+    @classmethod
+    def supports(cls, problem: GemmProblem) -> Support:
+        return Support.yes()
+
+    def prepare(self, weights: IntWeights):
+        return DequantIntKernel(self.problem).prepare(weights)
+
+    def apply(self, layer, x, bias):
+        if x.shape[1] % 128:
+            x = x.clone()
+            x[:, -64:] = 0
+        return DequantIntKernel(self.problem).apply(layer, x, bias)
+
+
 class WrongSiluKernel(GemmKernel):
     """Right products, wrong fused activation (silu(up) * gate): selection must reject it."""
 
@@ -465,6 +486,21 @@ def test_selection_checks_a_kernels_fused_activation(tmp_path):
     result = _int4_with_extra_kernel("wrong_silu", "WrongSiluKernel", "benchmark", tmp_path)().select_kernel([(128, 64)])
     report = {r.name: r for r in result.candidates}["wrong_silu"]
     assert report.status == "rejected" and "exceeds tolerance" in report.reason and report.max_error > 0.1
+
+
+def test_selection_checks_every_layer_shape_with_its_tails(tmp_path):
+    """The correctness check runs each distinct layer shape (cut, keeping the sizes' tails past 128): a kernel wrong
+    only for the second layer's input size (1,216 = 9 x 128 + 64) is rejected."""
+    method = _int4_with_extra_kernel("wrong_tail", "WrongTailKernel", "benchmark", tmp_path)()
+    result = method.select_kernel([(1024, 512), (1000, 1216), (64, 128)])
+    kinds = {r.name: r for r in result.candidates}
+    assert kinds["wrong_tail"].status == "rejected" and "exceeds tolerance" in kinds["wrong_tail"].reason
+    assert kinds["dequant"].max_error == 0.0 and result.winner != "wrong_tail"
+    from plinth.quantization.selection import GemmCandidates
+
+    shapes = GemmCandidates(method, method.gemm_problem(((1024, 512), (1000, 1216), (64, 128), (1024, 512))),
+                            None).check_shapes()
+    assert shapes == [(256, 512), (256 + 1000 % 128, 512 + 64), (64, 128)]
 
 
 def test_selection_checks_times_and_caches(tmp_path):

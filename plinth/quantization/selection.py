@@ -31,8 +31,10 @@ if TYPE_CHECKING:
     from plinth.quantization.interface import QuantizationMethod
 
 GEMM_KERNEL_ENV = "PLINTH_GEMM_KERNEL"
-#: the largest layer shape used for the correctness check (rows and input features)
+#: the correctness check's cut of a layer shape (output and input features), before the shape's tails
 _CHECK_N, _CHECK_K = 256, 512
+#: the tail of a layer's output and input features kept in its cut shape (tiles of up to this size see their edge)
+_CHECK_TAIL = 128
 _CHECK_ROWS = 7
 #: GPU clock cycles of the sleep that decode launches queue behind while timed (~2 ms at 1-2 GHz)
 _QUEUE_CYCLES = 3_000_000
@@ -72,7 +74,9 @@ class GemmCandidates:
     reference: str | None = None
     #: rank by the geometric mean relative time per step (one-row decode, batched decode, prefill)
     relative_steps: bool = True
-    _ref: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    #: the reference kernel and its outputs on the check cases: [(weights, x, output)]
+    _ref: tuple[Any, list[tuple[Any, torch.Tensor, torch.Tensor]]] | None = dataclasses.field(default=None,
+                                                                                             repr=False)
 
     def __post_init__(self) -> None:
         self.reference = self.method.reference_kernel
@@ -89,28 +93,44 @@ class GemmCandidates:
     def supports(self, cls: Any) -> Support:
         return cls.supports(self.problem)
 
-    def _check_case(self) -> tuple[Any, torch.Tensor]:
-        """Random weights of the first layer shape, cut to at most 256 x 512 (whole groups)."""
-        n, k = self.problem.shapes[0]
+    def check_shapes(self) -> list[tuple[int, int]]:
+        """Every distinct layer shape cut to about 256 x 512, keeping its tails: ``n`` and ``k`` modulo 128 (``k``
+        in whole groups), so a kernel that mishandles a layer's edge tile or input size is caught."""
         step = self.problem.group_size or (256 if self.problem.weight_format == "gguf" else 32)
-        k = min(k, max(step, _CHECK_K // step * step))
+        shapes = []
+        for n, k in self.problem.shapes:
+            n_cut = n if n <= _CHECK_N else _CHECK_N + n % _CHECK_TAIL
+            if k > _CHECK_K:
+                tail = k % max(_CHECK_TAIL, step) // step * step
+                k = max(step, _CHECK_K // step * step) + tail
+            if (n_cut, k) not in shapes:
+                shapes.append((n_cut, k))
+        return shapes
+
+    def _check_cases(self) -> list[tuple[Any, torch.Tensor]]:
+        """Random weights and inputs of each of :meth:`check_shapes`."""
         gen = torch.Generator(device=self.device).manual_seed(0)
-        weights = self.method.random_weights(min(n, _CHECK_N), k, self.device, gen)
-        x = torch.randn(_CHECK_ROWS, k, generator=gen, device=self.device).to(self.problem.dtype)
-        return weights, x
+        cases = []
+        for n, k in self.check_shapes():
+            weights = self.method.random_weights(n, k, self.device, gen)
+            cases.append((weights, torch.randn(_CHECK_ROWS, k, generator=gen, device=self.device).to(self.problem.dtype)))
+        return cases
 
     def _run(self, cls: Any, weights: Any, x: torch.Tensor) -> torch.Tensor:
         kernel = cls(self.problem)
         return kernel.apply(holder(kernel.prepare(weights)), x, None).to(torch.float32)
 
     def max_error(self, cls: Any, reference_cls: Any) -> float:
-        """The kernel's largest error against the reference, relative to the output's magnitude; for a kernel
-        that takes rows quantized before it (``input_quant``, on Triton devices) also on such rows, and for one
-        that fuses SiLU-and-mul (``silu_pairs``) also that of its fused output against the reference's."""
+        """The kernel's largest error against the reference, relative to the output's magnitude, over every
+        layer shape (:meth:`check_shapes`); for a kernel that takes rows quantized before it (``input_quant``, on
+        Triton devices) also on such rows, and for one that fuses SiLU-and-mul (``silu_pairs``) also that of its
+        fused output against the reference's."""
         if self._ref is None or self._ref[0] is not reference_cls:
-            weights, x = self._check_case()
-            self._ref = (reference_cls, self._run(reference_cls, weights, x), weights, x)
-        _cls, ref, weights, x = self._ref
+            self._ref = (reference_cls, [(weights, x, self._run(reference_cls, weights, x))
+                                         for weights, x in self._check_cases()])
+        return max(self._case_error(cls, *case) for case in self._ref[1])
+
+    def _case_error(self, cls: Any, weights: Any, x: torch.Tensor, ref: torch.Tensor) -> float:
         out = self._run(cls, weights, x)
         error = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
         quant = getattr(cls, "input_quant", None)
