@@ -308,7 +308,7 @@ def test_tokenizer_cache_invalidated_when_the_file_changes(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign_file", "other_source", "config_not_object",
-                                    "class_not_text"])
+                                    "class_not_text", "template_cut"])
 def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog, damage):
     path = write_small_gguf(tmp_path / "m.gguf")
     load_gguf_tokenizer(path)
@@ -319,6 +319,9 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog, damage):
     elif damage == "truncated":
         data = (entry / "tokenizer.json").read_bytes()
         (entry / "tokenizer.json").write_bytes(data[: len(data) // 2])
+    elif damage == "template_cut":   # a template cut short would otherwise be used (or refused) as it is
+        text = (entry / "chat_template.jinja").read_text()
+        (entry / "chat_template.jinja").write_text(text[: len(text) // 2])
     elif damage == "foreign_file":
         (entry / "tokenizer.py").write_text("raise SystemExit('code in a cache entry must never run')\n")
     else:
@@ -329,6 +332,7 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog, damage):
         tokenizer = load_gguf_tokenizer(path)
     assert len(conversions) == 1 and "ignoring the tokenizer cache entry" in caplog.text
     assert_same_tokenizer(tokenizer, load_gguf_tokenizer(path, use_cache=False))
+    assert tokenizer.chat_template == TEMPLATE
 
 
 def test_unwritable_cache_still_loads(tmp_path, monkeypatch, caplog):

@@ -5,7 +5,7 @@ takes seconds (it reads the whole header again with gguf's reader). The converte
 with ``save_pretrained`` under ``$PLINTH_CACHE_DIR/tokenizers/<key>/`` and later starts load it from there
 in a fraction of a second. An entry holds data only (``tokenizer.json``, ``tokenizer_config.json``,
 ``chat_template.jinja`` and plinth's own ``source.json``); it is loaded with ``trust_remote_code=False``,
-and an entry holding any other kind of file is ignored.
+and an entry holding any other kind of file, or a chat template other than the file's metadata, is ignored.
 
 The key is the GGUF file's real path, size and modification time, transformers' version and this
 module's format number: a changed file (or another transformers) gets a fresh conversion, and the entry
@@ -84,6 +84,10 @@ def load_gguf_tokenizer(path: str, use_cache: bool = True) -> Any:
     entry = tokenizer_cache_entry(path)
     start = time.perf_counter()
     tokenizer = _load_entry(entry, record)
+    template = reader.get("tokenizer.chat_template")
+    if tokenizer is not None and template is not None and tokenizer.chat_template != template:
+        logger.warning("ignoring the tokenizer cache entry %s: its chat template is not the file's", entry)
+        tokenizer = None
     if tokenizer is not None:
         logger.info("tokenizer of %s from the cache %s in %.2f s", os.path.basename(path), entry,
                     time.perf_counter() - start)
