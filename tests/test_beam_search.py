@@ -3,6 +3,8 @@ of the same weights."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -111,6 +113,28 @@ def test_score_counts_the_prompt_and_not_an_ending_eos():
     assert score(5, cut, (2,), 0.0) == -3.0
     # ignore_eos: an EOS that happens to end a beam is not counted either (as vLLM does)
     assert score(5, BeamSequence([7, 2], -1.0), (2,), 1.0) == pytest.approx(-1.0 / 6)
+
+
+@pytest.mark.parametrize("length_penalty", [400.0, -400.0])
+def test_extreme_length_penalty_ranks_without_overflow(llm, length_penalty):
+    """``length ** length_penalty`` overflows (or underflows to 0) a float: the search still ends, ranks the beams
+    by their true scores (compared in logarithms) and reports -0.0 / -inf."""
+    from fractions import Fraction
+
+    from plinth.entrypoints.beam_search import BeamSequence, rank_key, score
+
+    short, long = BeamSequence([7, 8, 9], -3.0), BeamSequence([7, 8, 9, 4, 5], -3.5)
+    exact = {b.cumulative_logprob: Fraction(b.cumulative_logprob) / Fraction(5 + len(b.token_ids)) ** int(length_penalty)
+             for b in (short, long)}
+    want = max((short, long), key=lambda b: exact[b.cumulative_logprob])
+    got = max((short, long), key=lambda b: rank_key(5, b, (2,), length_penalty))
+    assert got is want
+    assert score(5, short, (2,), length_penalty) == (-0.0 if length_penalty > 0 else -math.inf)
+    prompt = llm.engine.tokenize(PROMPTS[0])
+    out = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=length_penalty))[0]
+    assert len(out.sequences) == 3
+    keys = [rank_key(len(prompt), b, tuple(llm.engine.eos_token_ids), length_penalty) for b in out.sequences]
+    assert keys == sorted(keys, reverse=True)
 
 
 def test_context_limit_array_prompts_and_wrong_parameters(tiny_llama_dir, llm):

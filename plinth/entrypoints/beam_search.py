@@ -76,13 +76,37 @@ class BeamSearchOutput:
     sequences: list[BeamSequence]
 
 
-def score(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
-    """``cumulative_logprob / length ** length_penalty`` (length: prompt and generated tokens, an ending EOS
-    not counted)."""
+def _log_terms(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
+    """``log(-cumulative_logprob) - length_penalty * log(length)``: the log of minus the score, for a beam whose
+    cumulative log-probability is negative (-inf for one of 0)."""
     length = num_prompt + len(beam.token_ids)
     if beam.token_ids and beam.token_ids[-1] in eos_ids:
         length -= 1
-    return beam.cumulative_logprob / max(length, 1) ** length_penalty
+    if beam.cumulative_logprob >= 0:
+        return -math.inf
+    return math.log(-beam.cumulative_logprob) - length_penalty * math.log(max(length, 1))
+
+
+def score(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
+    """``cumulative_logprob / length ** length_penalty`` (length: prompt and generated tokens, an ending EOS
+    not counted); a ``length_penalty`` so large that the power overflows gives -0.0, so negative that it
+    underflows -inf (the ranking uses :func:`rank_key`)."""
+    length = num_prompt + len(beam.token_ids)
+    if beam.token_ids and beam.token_ids[-1] in eos_ids:
+        length -= 1
+    cumulative = beam.cumulative_logprob
+    try:
+        return cumulative / max(length, 1) ** length_penalty
+    except OverflowError:
+        return -0.0 if cumulative < 0 else 0.0
+    except ZeroDivisionError:
+        return -math.inf if cumulative < 0 else 0.0
+
+
+def rank_key(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
+    """Larger for a better beam, in the order of :func:`score` but without its overflow to -inf or underflow
+    to 0 (beams whose scores round alike still rank by their true scores)."""
+    return -_log_terms(num_prompt, beam, eos_ids, length_penalty)
 
 
 def check_prompts(starts: list[list[int]], limit: int) -> None:
@@ -137,7 +161,8 @@ def search(starts: list[list[int]], params: BeamSearchParams, eos: tuple[int, ..
         beams = done[i] + live[i]
         for beam in beams:
             beam.score = score(len(start), beam, eos, params.length_penalty)
-        results.append(BeamSearchOutput(start, sorted(beams, key=lambda b: b.score, reverse=True)[:params.beam_width]))
+        best = sorted(beams, key=lambda b: rank_key(len(start), b, eos, params.length_penalty), reverse=True)
+        results.append(BeamSearchOutput(start, best[:params.beam_width]))
     return results
 
 
