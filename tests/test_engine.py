@@ -542,6 +542,13 @@ def test_prompt_arrays_and_numpy_parameters(llm, reference):
     params = SamplingParams(temperature=np.float32(0.0), top_p=np.float32(1.0), max_tokens=np.int64(MAX_TOKENS), logprobs=np.int64(2),
                             ignore_eos=True, stop_token_ids=np.array([6]))
     assert type(params.temperature) is float and type(params.max_tokens) is int and params.stop_token_ids == [6]
+    ids_np = SamplingParams(allowed_token_ids=np.array([5, 6]), logit_bias={np.int64(5): np.float32(1.5)})
+    assert ids_np.allowed_token_ids == [5, 6] and type(ids_np.allowed_token_ids[0]) is int
+    assert ids_np.logit_bias == {5: 1.5} and type(next(iter(ids_np.logit_bias))) is int
+    from plinth import BeamSearchParams
+
+    beam = BeamSearchParams(beam_width=np.int64(2), max_tokens=np.int32(3), length_penalty=np.float32(0.5))
+    assert (type(beam.beam_width), type(beam.max_tokens), type(beam.length_penalty)) == (int, int, float)
     with pytest.raises(SamplingParamsError, match="n: must be at most 1024"):
         SamplingParams(n=2 ** 62)
     for bad in (dict(seed=True), dict(stop_token_ids=[True])):

@@ -84,11 +84,6 @@ class SamplingParams:
         self.logit_bias = _token_bias(self.logit_bias)
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
-            try:
-                self.allowed_token_ids = list(self.allowed_token_ids)
-            except TypeError:
-                pass   # validate() names it
         try:
             self.structured_outputs = structured.normalize(self.structured_outputs)
         except ValueError as exc:
@@ -107,7 +102,8 @@ class SamplingParams:
                     setattr(self, name, cast(value))
 
     def _lists(self) -> None:
-        """``stop`` and ``stop_token_ids`` as lists (a single string or id accepted as one item)."""
+        """``stop`` and ``stop_token_ids`` as lists (a single string or id accepted as one item); numpy ids in them
+        and in ``allowed_token_ids`` as ints."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop_token_ids, numbers.Integral) and not isinstance(self.stop_token_ids, bool):
@@ -118,8 +114,12 @@ class SamplingParams:
                 setattr(self, name, list(value if value is not None else []))
             except TypeError:
                 raise SamplingParamsError(name, f"must be a list, got {type(value).__name__}") from None
-        self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
-                               for t in self.stop_token_ids]
+        self.stop_token_ids = _plain_ids(self.stop_token_ids)
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
+            try:
+                self.allowed_token_ids = _plain_ids(list(self.allowed_token_ids))
+            except TypeError:
+                pass   # validate() names it
 
     def recheck(self) -> None:
         """:meth:`validate` again, for values changed after construction (the engine calls it when a request
@@ -195,6 +195,11 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+def _plain_ids(ids: list[Any]) -> list[Any]:
+    """numpy (and other integral) ids as ints; other items as they are, for validation to name."""
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
+
+
 def _token_bias(bias: Any) -> dict[int, float] | None:
     """``logit_bias`` as ``{token id: float}`` (``None`` when empty); digit-string keys become ids.
 
@@ -213,9 +218,10 @@ def _token_bias(bias: Any) -> dict[int, float] | None:
                 raise SamplingParamsError("logit_bias", f"token id {key.strip()[:20]}... is too large for any "
                                           "vocabulary")
             token = int(key)
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
             raise SamplingParamsError("logit_bias", f"keys must be token ids (integers >= 0), got {key!r}")
-        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        token = int(token)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
             raise SamplingParamsError("logit_bias", f"the bias of token {token} must be a number, got {value!r}")
         out[token] = float(value)
     return out or None

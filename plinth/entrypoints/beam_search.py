@@ -44,14 +44,16 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))   # numpy integers as ints (a frozen dataclass)
         if self.beam_width > MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH} (2 x beam_width logprobs per step, at "
                              f"most {SamplingParams.MAX_LOGPROBS}), got {self.beam_width}")
         if (isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, numbers.Real)
                 or not math.isfinite(self.length_penalty)):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        object.__setattr__(self, "length_penalty", float(self.length_penalty))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
