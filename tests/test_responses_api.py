@@ -173,6 +173,8 @@ def test_json_schema_format(client):
     ({"text": {"format": "json"}}, "text", "text.format must be an object"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs a schema"),
     ({"max_output_tokens": 10 ** 7}, "max_output_tokens", "max_output_tokens is 10000000"),
+    ({"max_output_tokens": 3.0}, "max_output_tokens", "integer"),   # a wrong JSON type is refused, not converted
+    ({"temperature": "0"}, "temperature", "number"),
     ({"model": "other"}, "model", "does not exist"),
 ])
 def test_unsupported_requests_are_400s(client, body, param, message):

@@ -28,7 +28,7 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)   # a value of the wrong JSON type is refused
     #: fields whose explicit null means something of its own (completions' ``max_tokens``: up to the context)
     NULL_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
