@@ -281,10 +281,16 @@ class ServerContext:
 
     @property
     def special_ids(self) -> frozenset[int]:
-        """The tokenizer's special token ids (what ``skip_special_tokens`` leaves out of a reply's text)."""
+        """The tokenizer's special token ids (what ``skip_special_tokens`` leaves out of a reply's text): its named
+        ones and every added token marked special (SmolLM2's ``<file_sep>`` and the like)."""
         if self._special_ids is None:
             tok = self.front.tokenizer
-            self._special_ids = frozenset(getattr(tok, "all_special_ids", ()) or ()) if tok is not None else frozenset()
+            ids: set[int] = set()
+            if tok is not None:
+                ids.update(getattr(tok, "all_special_ids", ()) or ())
+                added = getattr(tok, "added_tokens_decoder", None) or {}
+                ids.update(i for i, t in added.items() if getattr(t, "special", False))
+            self._special_ids = frozenset(ids)
         return self._special_ids
 
     def token_text(self, token_id: int) -> str:
@@ -416,9 +422,14 @@ def _describe_token(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
     if tokenizer is None:
         return str(token_id), str(token_id).encode()
     text = tokenizer.decode([token_id], skip_special_tokens=False)
-    if "\ufffd" not in text:
-        return text, text.encode("utf-8")
     piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+    if "\ufffd" not in text:
+        # a SentencePiece word-start token ("\u2581the") decoded alone loses its space (the decoder strips the
+        # text's first one), which it has within a text
+        spaces = len(piece) - len(piece.lstrip("\u2581"))
+        if spaces and not text.startswith(" " * spaces):
+            text = " " * (spaces - (len(text) - len(text.lstrip(" ")))) + text
+        return text, text.encode("utf-8")
     raw: bytes | None = None
     if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):          # SentencePiece byte fallback
         raw = bytes([int(piece[3:5], 16)])

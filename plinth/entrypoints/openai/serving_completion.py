@@ -47,6 +47,9 @@ from plinth.lora.request import LoRARequest
 class _Prompt:
     text: str
     token_ids: list[int]
+    #: positions of tokens the tokenizer added that ``text`` does not hold (a BOS before the caller's string);
+    #: None where not worked out (the echo then takes special tokens whose text ``text`` lacks)
+    added: frozenset[int] | None = None
 
 
 async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
@@ -68,13 +71,16 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
                                      truncating=req.truncate_prompt_tokens is not None)
             kept = ctx.truncated(ids, req)
             text = p if len(kept) == len(ids) or tok is None else tok.decode(kept)
-            prompts.append(_Prompt(text, kept))
+            added = None
+            if special and text is p and req.echo and req.logprobs is not None:
+                added = _added_positions(ids, await ctx.tokenize(p, add_special_tokens=False, param="prompt"))
+            prompts.append(_Prompt(text, kept, frozenset() if not special or text is not p else added))
         else:
             ids = ctx.truncated(list(p), req)   # type: ignore[arg-type]
             ctx.check_token_ids(ids, "prompt")
             ctx.check_length(len(ids), None, "prompt")   # before echo decodes them
             text = tok.decode(ids) if (req.echo and tok is not None and ids) else ""
-            prompts.append(_Prompt(text, ids))
+            prompts.append(_Prompt(text, ids, frozenset()))   # the text is the decode of every id
         if not prompts[-1].token_ids:
             raise bad_request("prompt must not be empty", "prompt")
     return prompts
@@ -85,23 +91,37 @@ class _TextOffsets:
     characters they complete, so a token that ends inside a UTF-8 character (a byte token, shown as
     ``bytes:\\xNN``) moves it only once the character is whole."""
 
-    def __init__(self, start: int = 0, skipped: frozenset[int] = frozenset()) -> None:
+    def __init__(self, start: int = 0, skipped: frozenset[int] = frozenset(),
+                 skipped_positions: frozenset[int] = frozenset(), text: str | None = None) -> None:
         self.offset = start
         self.skipped = skipped   # tokens the text leaves out (special tokens, with skip_special_tokens)
+        self.skipped_positions = skipped_positions   # positions (counted by advance) the text leaves out
+        #: the text the offsets index, where known: a SentencePiece word start ("\u2581Hello") whose space the text
+        #: lacks (a decoder strips the text's first one; the caller's prompt has none) advances past its word only
+        self.text = text
+        self._position = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def _skips(self, token_id: int) -> bool:
+        return token_id in self.skipped or self._position in self.skipped_positions
 
     def start(self, token_id: int, raw: bytes) -> int:
         """Where a token of bytes ``raw`` starts: after the replacement character of an unfinished character
         before it that ``raw`` cannot continue (its first byte is not a continuation byte)."""
         pending = self._decoder.getstate()[0]
-        if pending and token_id not in self.skipped and raw and not 0x80 <= raw[0] <= 0xBF:
+        if pending and not self._skips(token_id) and raw and not 0x80 <= raw[0] <= 0xBF:
             self.offset += len(self._decoder.decode(b"", final=True))
             self._decoder.reset()
         return self.offset
 
     def advance(self, token_id: int, raw: bytes) -> None:
-        if token_id not in self.skipped:
-            self.offset += len(self._decoder.decode(raw))
+        if not self._skips(token_id):
+            chars = self._decoder.decode(raw)
+            if (self.text is not None and chars.startswith(" ") and not self.text.startswith(chars, self.offset)
+                    and self.text.startswith(chars[1:], self.offset)):
+                chars = chars[1:]
+            self.offset += len(chars)
+        self._position += 1
 
 
 def _offsets(ctx: ServerContext, req: CompletionRequest, start: int) -> _TextOffsets:
@@ -130,16 +150,29 @@ def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Seque
         offsets.advance(tid, raw)
 
 
+def _added_positions(ids: list[int], plain: list[int]) -> frozenset[int] | None:
+    """The positions of ``ids`` (a text tokenized with special tokens) around ``plain`` (the same text without
+    them): what the tokenizer added; None when ``plain`` is not found in ``ids``."""
+    for front in range(len(ids) - len(plain) + 1):
+        if ids[front:front + len(plain)] == plain:
+            return frozenset(range(front)) | frozenset(range(front + len(plain), len(ids)))
+    return None
+
+
 def _echo_logprobs(ctx: ServerContext, out: RequestOutput, k: int, name: Callable[[int], str],
-                   prompt_text: str) -> CompletionLogprobs:
-    """The prompt's entries of an echo. Offsets index ``prompt_text`` (what the choice's text starts with): special
-    tokens the tokenizer added that the text does not hold (a BOS before the caller's string) take no characters."""
+                   prompt: _Prompt) -> CompletionLogprobs:
+    """The prompt's entries of an echo. Offsets index ``prompt.text`` (what the choice's text starts with): special
+    tokens the tokenizer added that the text does not hold (a BOS before the caller's string) take no characters,
+    though the caller's text may hold the same token written out (``<s>Hello``)."""
     lp = CompletionLogprobs()
     positions = list(out.prompt_logprobs or [])
     positions += [None] * (len(out.prompt_token_ids) - len(positions))
-    added = frozenset(t for t in set(out.prompt_token_ids) & ctx.special_ids if ctx.token_text(t) not in prompt_text)
-    _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, _TextOffsets(0, added),
-                  name)
+    if prompt.added is not None:
+        offsets = _TextOffsets(0, skipped_positions=prompt.added, text=prompt.text)
+    else:
+        offsets = _TextOffsets(0, frozenset(t for t in set(out.prompt_token_ids) & ctx.special_ids
+                                            if ctx.token_text(t) not in prompt.text), text=prompt.text)
+    _add_logprobs(ctx, lp, out.prompt_token_ids, positions[:len(out.prompt_token_ids)], k, offsets, name)
     return lp
 
 
@@ -149,7 +182,7 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: Re
     logprobs = None
     name = ctx.token_namer(req)
     if req.logprobs is not None:
-        logprobs = _echo_logprobs(ctx, out, req.logprobs, name, prompt.text) if req.echo else CompletionLogprobs()
+        logprobs = _echo_logprobs(ctx, out, req.logprobs, name, prompt) if req.echo else CompletionLogprobs()
         offsets = _offsets(ctx, req, len(prompt.text) if req.echo else 0)
         n = len(c.token_ids)
         _add_logprobs(ctx, logprobs, c.token_ids, (c.logprobs or [])[:n], req.logprobs, offsets, name)
@@ -264,7 +297,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                 if req.echo and not st.started:
                     prefix = prompts[i].text
                     if lp is not None:
-                        lp = _echo_logprobs(ctx, out, k, name, prefix)  # type: ignore[arg-type]
+                        lp = _echo_logprobs(ctx, out, k, name, prompts[i])  # type: ignore[arg-type]
                     st.offsets = _offsets(ctx, req, len(prefix))
                 if lp is not None:
                     _add_logprobs(ctx, lp, new_ids, (c.logprobs or [])[st.sent_tokens:end], k,  # type: ignore[arg-type]

@@ -43,7 +43,10 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
         assert req.prompt is not None
         text, special, param = req.prompt, req.add_special_tokens is not False, "prompt"
     ids = await ctx.tokenize(text, add_special_tokens=special, param=param)
-    strs = [ctx.token_text(t) for t in ids] if req.return_token_strs else None
+    strs = None
+    if req.return_token_strs:   # the vocabulary's own strings of the tokens, as vLLM gives them
+        tok = ctx.front.tokenizer
+        strs = [str(s) for s in tok.convert_ids_to_tokens(ids)] if tok is not None else [str(t) for t in ids]
     body = TokenizeResponse(count=len(ids), max_model_len=ctx.front.max_model_len, tokens=ids, token_strs=strs)
     return JSONResponse(body.model_dump(exclude_none=True))
 
