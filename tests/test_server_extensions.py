@@ -112,8 +112,14 @@ def test_add_special_tokens_and_truncation(http, app_parts):
     assert cut["choices"][0]["text"] == engine.tokenizer.decode(plain[-5:]) + direct["choices"][0]["text"]
     assert usage(post(http, "/v1/chat/completions", {"messages": messages, "truncate_prompt_tokens": 3,
                                                      "max_tokens": 1})) == 3
-    assert post(http, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0},
-                status=400)["error"]["param"] == "truncate_prompt_tokens"
+    for bad in (0, -2, engine.max_model_len + 1):   # vLLM refuses more than the context; -1 means the context
+        assert post(http, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": bad},
+                    status=400)["error"]["param"] == "truncate_prompt_tokens"
+    whole = post(http, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": -1, **greedy})
+    assert usage(whole) == len(plain) + 1
+    long = post(http, "/v1/completions", {"prompt": [5] * (engine.max_model_len + 3), "max_tokens": 1,
+                                          "truncate_prompt_tokens": -1}, status=400)   # no room left for a token
+    assert long["error"]["param"] in ("prompt", "max_tokens"), long
 
 
 def test_echo_offsets_skip_the_bos_the_tokenizer_added(http):

@@ -155,8 +155,10 @@ class _SamplingFields(_NamedExtras):
             return "prompt_logprobs", "prompt_logprobs is not available when streaming"
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             return "seed", f"must be a 64-bit signed integer, got {self.seed}"
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:   # before any tokenizing
-            return "truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}"
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):   # before any tokenizing
+            return "truncate_prompt_tokens", (f"must be at least 1 (or -1: the model's context), got "
+                                              f"{self.truncate_prompt_tokens}")
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,

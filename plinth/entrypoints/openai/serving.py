@@ -255,11 +255,14 @@ class ServerContext:
         return self.token_text
 
     def truncated(self, ids: list[int], req: Any) -> list[int]:
-        """The prompt's last ``truncate_prompt_tokens`` tokens (all without it); a value below 1 is a 400."""
+        """The prompt's last ``truncate_prompt_tokens`` tokens (all without it; -1: as many as the context
+        holds, as vLLM takes it); 0, below -1 or beyond the context is a 400."""
         keep = req.truncate_prompt_tokens
-        if keep is not None and keep < 1:
-            raise bad_request(f"truncate_prompt_tokens must be at least 1, got {keep}", "truncate_prompt_tokens")
-        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+        if keep is None:
+            return ids
+        check_truncation(keep, self.front.max_model_len)
+        keep = self.front.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
 
     def prompt_logprobs(self, out: RequestOutput, k: int, name: Callable[[int], str]) -> list[Any]:
         """vLLM's ``prompt_logprobs``: ``None`` for the first token, then for each prompt token its own
@@ -416,6 +419,16 @@ def _byte_level_decoder() -> dict[str, int]:
             chars[chr(256 + extra)] = b
             extra += 1
     return chars
+
+
+def check_truncation(keep: int, max_model_len: int) -> None:
+    """Refuse a ``truncate_prompt_tokens`` of 0, below -1 or beyond the model's context (400s)."""
+    if keep == 0 or keep < -1:
+        raise bad_request(f"truncate_prompt_tokens must be at least 1 (or -1: the model's context), got {keep}",
+                          "truncate_prompt_tokens")
+    if keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens is {keep}, more than this model's context of {max_model_len} "
+                          "tokens; give a smaller value (or -1: the context)", "truncate_prompt_tokens")
 
 
 def _describe_token(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
