@@ -242,3 +242,38 @@ def test_server_width_bounded_by_max_logprobs(tmp_path):
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert "at most 2 on this server" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_server_beam_search_runs_at_the_request_priority(tiny_llama_dir, monkeypatch, policy):
+    """``use_beam_search`` with a ``priority``: every round's requests carry it (priority policy), and under
+    first come, first served a nonzero one is a 400, as for any request."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    seen = []
+    add = LLMEngine.add_request
+
+    def recording(self, request_id, prompt, params=None, arrival_time=None, priority=0, lora_request=None):
+        seen.append(priority)
+        return add(self, request_id, prompt, params, arrival_time, priority, lora_request)
+
+    monkeypatch.setattr(LLMEngine, "add_request", recording)
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", selection="off",
+                                                served_model_name="tiny", scheduling_policy=policy))
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3, "n": 2, "use_beam_search": True, "priority": -4}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 3, "n": 2,
+            "use_beam_search": True, "priority": -4}
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        for route, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            r = http.post(route, json=request)
+            if policy == "fcfs":
+                assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+            else:
+                assert r.status_code == 200, r.text
+    if policy == "priority":
+        assert len(seen) >= 4 and set(seen) == {-4}

@@ -588,6 +588,8 @@ def test_chat_n_logprobs_and_max_completion_tokens(client, engine):
     ("/v1/completions", {"prompt": [305, True]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 2.0}, "n"),
     ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ("/v1/completions", {"prompt": "x", "priority": 0.0}, "priority"),   # a type error, not fcfs refusing 1
+    ("/v1/completions", {"prompt": "x", "priority": False}, "priority"),
     ("/v1/completions", {"prompt": "x", "temperature": "0"}, "temperature"),
     ("/v1/completions", {"prompt": "x", "seed": 3.0}, "seed"),
     ("/v1/completions", {"prompt": "x", "top_k": "5"}, "top_k"),

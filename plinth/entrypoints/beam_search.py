@@ -196,15 +196,16 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
 
 
 async def beam_search_async(front: Any, request_id: str, starts: list[list[int]],
-                            params: BeamSearchParams, lora_request: Any = None) -> list[BeamSearchOutput]:
+                            params: BeamSearchParams, lora_request: Any = None,
+                            priority: int = 0) -> list[BeamSearchOutput]:
     """The same search on a running :class:`~plinth.core.async_engine.AsyncLLMEngine` (the server's): each
-    round's beams run as concurrent requests ``{request_id}-{round}-{beam}``."""
+    round's beams run as concurrent requests ``{request_id}-{round}-{beam}`` of the search's ``priority``."""
     rounds = search(starts, params, tuple(front.eos_token_ids), front.max_sequence_len, front.vocab_size,
                     front.max_logprobs)
 
     async def last(rid: str, prompt: list[int], step: SamplingParams) -> Any:
         final = None
-        async for out in front.generate(rid, prompt, step, lora_request=lora_request):
+        async for out in front.generate(rid, prompt, step, priority=priority, lora_request=lora_request):
             final = out
         return final
 

@@ -382,7 +382,7 @@ class ServerContext:
             object.__setattr__(lora, "adapter", adapter)
 
     async def beam_search(self, request_id: str, starts: list[list[int]], params: BeamSearchParams,
-                          lora: LoRARequest | None) -> list[BeamSearchOutput]:
+                          lora: LoRARequest | None, priority: int = 0) -> list[BeamSearchOutput]:
         """:func:`beam_search_async` on the engine, counted in the metrics as one request per prompt
         (:meth:`~plinth.metrics.ServerMetrics.count_beam_search`); a search refused on arrival counts nothing."""
         self.check_room(len(starts) * params.beam_width, "n" if len(starts) == 1 else "prompt")
@@ -391,7 +391,7 @@ class ServerContext:
         outs: list[BeamSearchOutput] | None = None
         error = refused = False
         try:
-            outs = await beam_search_async(self.front, request_id, starts, params, lora)
+            outs = await beam_search_async(self.front, request_id, starts, params, lora, priority)
             return outs
         except (RequestRejectedError, QueueFullError):
             refused = True

@@ -285,7 +285,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     rid = random_id("chatcmpl")
     if req.use_beam_search:
         beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)), ctx.front.max_logprobs)
-        out = (await unless_disconnected(raw, ctx.beam_search(rid, [ids], beam, lora)))[0]
+        out = (await unless_disconnected(raw, ctx.beam_search(rid, [ids], beam, lora, req.priority)))[0]
         choices = []
         keeps = ctx.reasoning_parser is not None and ctx.reasoning_parser.keeps_special_tokens
         for j, b in enumerate(out.sequences):

@@ -252,7 +252,8 @@ async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, pro
                        raw: Request, lora: LoRARequest | None, created: int) -> Response:
     room = ctx.default_room(max(len(p.token_ids) for p in prompts))
     beam = beam_search_params(req, req.max_tokens, "max_tokens", room, ctx.front.max_logprobs)
-    outs = await unless_disconnected(raw, ctx.beam_search(rid, [p.token_ids for p in prompts], beam, lora))
+    outs = await unless_disconnected(raw, ctx.beam_search(rid, [p.token_ids for p in prompts], beam, lora,
+                                                           req.priority))
     choices = [CompletionChoice(index=i * req.n + j, text=(prompts[i].text if req.echo else "") + b.text,
                                 finish_reason=b.finish_reason)
                for i, out in enumerate(outs) for j, b in enumerate(out.sequences)]
