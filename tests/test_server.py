@@ -783,8 +783,8 @@ def test_engine_crash_fails_requests_and_unexpected_errors_stay_generic(engine):
 
             def failing_step():
                 calls["n"] += 1
-                if calls["n"] > 2:
-                    raise RuntimeError("device lost")
+                if calls["n"] > 2:   # as the engine itself reports its workers' failure
+                    raise EngineDeadError("the engine's workers failed: worker 1 was killed by SIGKILL")
                 return real_step()
 
             engine.step = failing_step   # type: ignore[method-assign]
@@ -800,7 +800,18 @@ def test_engine_crash_fails_requests_and_unexpected_errors_stay_generic(engine):
             with pytest.raises(EngineDeadError):
                 asyncio.run(asyncio.wait_for(one(), timeout=5))
             assert_error(http.get("/health"), 503)
-            assert_error(http.post("/v1/completions", json={"prompt": PROMPT}), 503, code="engine_unavailable")
+            before = scrape_metrics("", http)
+            # the refusal names what failed; nothing runs, waits or holds the cache any more; refused requests
+            # count nowhere
+            for _ in range(3):
+                err = assert_error(http.post("/v1/completions", json={"prompt": PROMPT}), 503, code="engine_unavailable")
+                assert "worker 1 was killed" in err["message"], err
+            after = scrape_metrics("", http)
+            assert after["plinth_num_requests_running"] == 0 and after["plinth_num_requests_waiting"] == 0
+            assert after["plinth_kv_cache_usage_ratio"] == 0.0
+            assert after["plinth_e2e_request_latency_seconds_count"] == before["plinth_e2e_request_latency_seconds_count"]
+            assert (after.get("plinth_requests_finished_total{finish_reason=error}")
+                    == before.get("plinth_requests_finished_total{finish_reason=error}"))
     finally:
         engine.__dict__.pop("step", None)
         front.shutdown()

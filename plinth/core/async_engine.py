@@ -42,6 +42,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (it crashed or was shut down); the request cannot complete."""
 
 
+class EngineUnavailableError(EngineDeadError):
+    """The engine loop had stopped before it took the request: refused as a whole, it never ran."""
+
+
 class _Mailbox:
     """One request's unread news on its caller's event loop (used on that loop only): whether the engine has
     accepted it, and its newest output or the error that ended it. A newer output replaces an unread one
@@ -285,15 +289,18 @@ class AsyncLLMEngine:
     def _submit(self, command: _Add | _Abort) -> None:
         with self._lock:
             if self._dead is not None:
-                raise EngineDeadError(f"the engine is not running ({self._dead_reason()})")
+                raise EngineUnavailableError(f"the engine is not running ({self._dead_reason()})")
             if self._stopping:
-                raise EngineDeadError("the engine is shutting down")
+                raise EngineUnavailableError("the engine is shutting down")
             self._commands.append(command)
         self._wake.set()
 
     def _dead_reason(self) -> str:
+        """Why the loop stopped: a shutdown, the engine's own failure (its workers'), or the loop's crash."""
         exc = self._dead
-        return "shut down" if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, EngineDeadError):
+            return str(exc) or "shut down"
+        return f"{type(exc).__name__}: {exc}"
 
     def _run(self) -> None:
         engine = self._engine
@@ -388,13 +395,17 @@ class AsyncLLMEngine:
             self._dead = exc
             pending = list(self._commands)
             self._commands.clear()
+        # nothing runs, waits or holds the cache any more (the gauges would keep the last step's figures)
+        self._stats = {**self._stats, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
             f"the engine failed ({type(exc).__name__}); see the server log")
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, Any]]] = {}
-        sinks = list(self._sinks.values()) + [c.sink for c in pending if isinstance(c, _Add)]
-        self._sinks.clear()
-        for sink in sinks:
+        for sink in self._sinks.values():
             by_loop.setdefault(sink.loop, []).append((sink.box, error))
+        refused = EngineUnavailableError(f"the engine stopped before it took the request ({error})")
+        for sink in (c.sink for c in pending if isinstance(c, _Add)):   # never taken: refused as a whole
+            by_loop.setdefault(sink.loop, []).append((sink.box, refused))
+        self._sinks.clear()
         self._send(by_loop)
 
 

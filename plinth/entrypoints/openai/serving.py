@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from starlette.requests import Request
 
-from plinth.core.async_engine import AsyncLLMEngine
+from plinth.core.async_engine import AsyncLLMEngine, EngineUnavailableError
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
 from plinth.core.pooling import PoolingParams, PoolingRequestOutput
 from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
@@ -334,9 +334,9 @@ class ServerContext:
                 yield out
         except asyncio.CancelledError:
             raise
-        except (RequestRejectedError, QueueFullError):
-            tracker.discard()   # refused on arrival (a client error, or a full queue: a 503): counted by no request metric
-            raise
+        except (RequestRejectedError, QueueFullError, EngineUnavailableError):
+            tracker.discard()   # refused on arrival (a client error, a full queue or a stopped engine: a 503): counted
+            raise               # by no request metric
         except Exception:
             error = True
             raise
@@ -393,7 +393,7 @@ class ServerContext:
         try:
             outs = await beam_search_async(self.front, request_id, starts, params, lora, priority)
             return outs
-        except (RequestRejectedError, QueueFullError):
+        except (RequestRejectedError, QueueFullError, EngineUnavailableError):
             refused = True
             raise
         except Exception:
