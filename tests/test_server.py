@@ -757,6 +757,25 @@ def test_server_keeps_serving_after_errors_and_never_logs_the_key(server, client
 # ----------------------------------------------------------------------------------------- in-process
 
 
+def test_kv_cache_refusal_names_max_tokens_without_the_engine_request_id(model_dir):
+    """A prompt that fits the KV cache while prompt plus max_tokens does not: a 400 naming max_tokens (what to
+    lower), whose message does not show the engine's own request id."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", num_blocks=9, block_size=4,
+                                                served_model_name="tiny"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        err = assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 90}), 400, "max_tokens")
+        assert "lower max_tokens" in err["message"] and not err["message"].startswith("request "), err
+        err = assert_error(http.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 1}), 400, "prompt")
+        assert "shorten it" in err["message"] and "cmpl-" not in err["message"], err
+
+
 def test_engine_crash_fails_requests_and_unexpected_errors_stay_generic(engine):
     """A crash in the engine loop fails in-flight and later requests (no hang); an unexpected
     exception becomes a generic 500 without its details."""

@@ -232,15 +232,16 @@ class Scheduler:
         need = bm.blocks_needed(num_prompt + request.max_tokens - 1)
         if need > bm.num_usable_blocks:
             alone = bm.blocks_needed(num_prompt)   # the prompt by itself: no max_tokens can help
+            param = None
             if pooling or alone > bm.num_usable_blocks:
                 what = f"the {'input' if pooling else 'prompt'} ({num_prompt} tokens)"
                 need, fix = alone, "shorten it"
             else:
                 what = f"the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens})"
-                fix = "lower max_tokens"
+                fix, param = "lower max_tokens", "max_tokens"
             raise RequestRejectedError(
                 f"request {rid!r}: {what} needs {need} KV blocks of {bm.block_size} tokens, but the KV cache has only "
-                f"{bm.num_usable_blocks}; {fix} or give the cache more memory")
+                f"{bm.num_usable_blocks}; {fix} or give the cache more memory", param=param)
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and num_prompt > budget:
             raise RequestRejectedError(

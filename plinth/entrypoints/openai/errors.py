@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -58,13 +59,17 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "service_unavailable_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, RequestRejectedError):
-        return bad_request(str(exc), exc.param or "prompt")
+    if isinstance(exc, RequestRejectedError):   # without the engine's own request id, which the client never saw
+        return bad_request(_ENGINE_REQUEST.sub("", str(exc), count=1), exc.param or "prompt")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the inference engine is not available: {exc}", "service_unavailable_error",
                         code="engine_unavailable")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return internal_error()
+
+
+#: the engine's "request 'ID': " prefix of a refusal
+_ENGINE_REQUEST = re.compile(r"^request '[^']*': ")
 
 
 def internal_error() -> APIError:
