@@ -776,6 +776,25 @@ def test_kv_cache_refusal_names_max_tokens_without_the_engine_request_id(model_d
         assert "shorten it" in err["message"] and "cmpl-" not in err["message"], err
 
 
+def test_a_template_that_renders_nothing_is_a_400_naming_messages(model_dir):
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    template = "{% if not quiet %}{{ messages[0]['content'] }}{% endif %}"
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", chat_template=template,
+                                                served_model_name="tiny"))
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        err = assert_error(http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"quiet": True}}),
+                           400, "messages")
+        assert "empty prompt" in err["message"]
+
+
 def test_engine_crash_fails_requests_and_unexpected_errors_stay_generic(engine):
     """A crash in the engine loop fails in-flight and later requests (no hang); an unexpected
     exception becomes a generic 500 without its details."""

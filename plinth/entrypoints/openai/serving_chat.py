@@ -273,6 +273,9 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     # The template writes the special tokens itself, so none are added unless asked for.
     ids = ctx.truncated(await ctx.tokenize(text, add_special_tokens=bool(req.add_special_tokens), param="messages",
                                            truncating=req.truncate_prompt_tokens is not None), req)
+    if not ids:
+        raise bad_request("the chat template rendered these messages as an empty prompt; at least one token is "
+                          "needed", "messages")
     ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k)
 
