@@ -245,3 +245,34 @@ def test_fp8_experts_on_widened_grouped_gemms(block, path):
     got_err, loop_err = (got.float() - exact).abs().max(), (loop.float() - exact).abs().max()
     assert got_err <= 1.25 * loop_err + 1e-3, (got_err, loop_err)
     assert (got.float() - exact).norm() / exact.norm() < 2e-2   # bfloat16's rounding, relative RMS
+
+
+@pytest.mark.parametrize("group", [128, 32])
+def test_int4_experts_on_the_grouped_kernel(group):
+    """4-bit experts (groups of 128, which cover a 64-wide K tile, and of 32, which do not) in bfloat16 on the Triton
+    grouped kernel (a prefill-sized step) equal the per-expert loop on the same codes."""
+    from plinth.model_registry.layers.moe import FusedMoE
+    from plinth.quantization.int_experts import IntExpertMethod
+    from plinth.quantization.quantizers import quantize_int_rtn
+
+    class Int4:
+        @staticmethod
+        def float_weights(weight):
+            return quantize_int_rtn(weight, 4, group)
+
+    g = torch.Generator().manual_seed(group)
+    with torch.device("cuda"):
+        moe = FusedMoE(8, 2, 256, 512, renormalize=True)
+    moe.load_state_dict({"w13_weight": torch.randn(8, 1024, 256, generator=g) * 0.05,
+                         "w2_weight": torch.randn(8, 256, 512, generator=g) * 0.05})
+    method = IntExpertMethod(Int4(), from_checkpoint=False)
+    method.create_weights(moe)
+    moe.weight_method = method
+    method.process_weights_after_loading(moe)
+    x = torch.randn(40, 256, generator=g).cuda().to(torch.bfloat16)
+    logits = torch.randn(40, 8, generator=g).cuda()
+    assert moe.uses_grouped_kernel(x)
+    got = moe(x, logits)
+    moe.uses_widened_grouped_gemm = moe.uses_grouped_kernel = lambda _x: False   # the per-expert loop
+    exact = moe(x.float(), logits)
+    assert (got.float() - exact).norm() / exact.norm() < 2e-2   # bfloat16's rounding, relative RMS

@@ -297,13 +297,17 @@ def lora_expand_kernel(
 def _group_scales(k0, cols, s_rows, z_rows, mask_n, mask, stride_sk, SBK: tl.constexpr, BLOCK_K: tl.constexpr):
     """The scales and zero points of integer codes at columns ``cols`` of a tile starting at ``k0``: one per row
     (``[BN, 1]``) where a group covers the tile, else one per element (``[BN, len(cols)]``)."""
+    # one return after the static branch: Triton 3.6 refuses returns of different shapes in one function, even in
+    # branches of a constexpr condition
     if SBK % BLOCK_K == 0:
         group = (k0 // SBK) * stride_sk
-        return (tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None],
-                tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None])
-    groups = ((cols // SBK) * stride_sk)[None, :]
-    return (tl.load(s_rows[:, None] + groups, mask=mask, other=0.0),
-            tl.load(z_rows[:, None] + groups, mask=mask, other=0.0))
+        scale = tl.load(s_rows + group, mask=mask_n, other=0.0)[:, None]
+        zero = tl.load(z_rows + group, mask=mask_n, other=0.0)[:, None]
+    else:
+        groups = ((cols // SBK) * stride_sk)[None, :]
+        scale = tl.load(s_rows[:, None] + groups, mask=mask, other=0.0)
+        zero = tl.load(z_rows[:, None] + groups, mask=mask, other=0.0)
+    return scale, zero
 
 
 @triton.jit
