@@ -642,3 +642,27 @@ def test_a_template_that_loops_over_content_parts_gets_parts(tiny_llama_dir):
 
         assert llm.engine.render_chat(plain_messages([{"role": "user", "content": content}])) == expected
     llm.close()
+
+
+def test_text_whose_tokens_the_model_lacks_is_refused(tmp_path):
+    """A tokenizer with more tokens than the model's vocabulary (an added token the embedding was never resized
+    for): text that tokenizes to such an id is refused when it arrives, naming the token; it used to crash a step
+    and abort every request batched with it."""
+    from conftest import make_tokenizer, save_tiny_model
+
+    from plinth.config import EngineConfig
+    from plinth.core.engine import LLMEngine
+
+    tok = make_tokenizer()
+    top = len(tok) - 1
+    text = "hello " + tok.decode([top])
+    assert top in tok(text)["input_ids"]
+    path = save_tiny_model(tmp_path / "m", vocab_size=top)   # one id short
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", selection="off"))
+    engine.add_request("good", "hello world", SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(RequestRejectedError, match=f"token id {top} .* outside the model's vocabulary"):
+        engine.add_request("bad", text, SamplingParams(max_tokens=3))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(outs["good"].outputs[0].token_ids) == 3 and str(outs["good"].outputs[0].finish_reason) == "length"

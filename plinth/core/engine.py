@@ -547,6 +547,12 @@ class LLMEngine:
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenize(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None) if self.vocab_size else None
+            if bad is not None:   # a tokenizer with tokens the model's embedding was never resized for
+                raise RequestRejectedError(
+                    f"the tokenizer gave token id {bad} ({self.tokenizer.convert_ids_to_tokens(bad)!r}) for this text, "
+                    f"outside the model's vocabulary [0, {self.vocab_size}): the tokenizer has tokens the model "
+                    "does not")
         else:
             text, ids = None, _token_ids(prompt)
             self._check_vocab(ids, None)
