@@ -427,6 +427,36 @@ def test_longrope_scale_takes_the_configs_factor(factor):
     assert scale == pytest.approx(math.sqrt(1 + math.log(factor or 16) / math.log(16)))   # 256 / 16 without one
 
 
+@pytest.mark.parametrize("rope, expected", [
+    (None, 256),
+    ({"rope_type": "linear", "factor": 4.0}, 1024),
+    ({"rope_type": "dynamic", "factor": 2.0}, 512),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),   # 64 x 4
+    ({"rope_type": "yarn", "factor": 4.0}, 1024),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 32}, 256),   # already the extended length
+])
+def test_context_length_takes_the_rope_scaling_factor(rope, expected, tmp_path):
+    """The default ``max_model_len`` is the config's context as vLLM derives it: ``max_position_embeddings`` times a
+    linear/dynamic factor, YaRN's original length times its factor; llama3's (and Gemma 3's) stay as stated."""
+    from plinth.model_registry.layers.rotary import context_length
+
+    cfg = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 256,
+                                      **({"rope_parameters": {"rope_theta": 1e4, **rope}} if rope else {})})
+    assert context_length(cfg) == expected
+    gemma = transformers.Gemma3TextConfig(max_position_embeddings=256,
+                                          rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert context_length(gemma) == 256
+    if rope is not None and rope["rope_type"] == "yarn" and "original_max_position_embeddings" not in rope:
+        from conftest import save_tiny_model
+
+        from plinth import LLM
+
+        path = save_tiny_model(tmp_path / "m", max_position_embeddings=64,
+                               rope_parameters={"rope_theta": 1e4, **rope})
+        assert LLM(str(path), dtype="float32", selection="off").engine.max_model_len == 256
+
+
 def test_rope_parameters_from_old_style_config():
     from plinth.model_registry.layers.rotary import rope_parameters
 

@@ -58,6 +58,7 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
         ``executor`` runs the steps.
     """
     from plinth.distributed.executor import create_distributed_executor
+    from plinth.model_registry.layers.rotary import context_length
     from plinth.model_registry.loader import resolve_dtype, resolve_model_source
     from plinth.worker.setup import EngineParts, generation_defaults, load_tokenizer, read_chat_template
 
@@ -67,7 +68,7 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     validate_parallel_layout(hf, source.architecture, config.parallel)
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
     tokenizer = load_tokenizer(source, config)
-    limit = getattr(hf, "max_position_embeddings", None) or 2048
+    limit = context_length(hf)   # max_position_embeddings, times a RoPE scaling factor that extends it
     max_model_len = config.model.max_model_len or limit
     chat_template = read_chat_template(config.model.chat_template)
     default_sampling, eos = generation_defaults(source, config, tokenizer)

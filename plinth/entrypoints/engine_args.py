@@ -51,7 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="compute dtype (default auto: the checkpoint's where the platform runs it well, else the "
                         "platform's preferred one, e.g. float32 on CPUs without bfloat16)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="the longest sequence, prompt plus output, in tokens (default: the model's)")
+                   help="the longest sequence, prompt plus output, in tokens (default: the model's: "
+                        "max_position_embeddings, times a linear/dynamic/YaRN RoPE scaling factor)")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="default auto: by the path (a .gguf file or a safetensors folder); dummy: random weights")
     pm = get_plugin_manager()

@@ -228,6 +228,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     from plinth.distributed.executor import resolve_executor_name
     from plinth.lora.layers import enable_lora_for
     from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.layers.rotary import context_length
     from plinth.model_registry.loader import load_model, resolve_dtype, resolve_model_source
     from plinth.platforms.selection import select_platform
     from plinth.quantization.resolve import resolve_quantization
@@ -249,10 +250,11 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     quant_method = resolve_quantization(config, source, platform, dtype, device)
     tokenizer = load_tokenizer(source, config)
     default_sampling, eos = generation_defaults(source, config, tokenizer)
-    limit = getattr(hf, "max_position_embeddings", None) or 2048
+    limit = context_length(hf)   # max_position_embeddings, times a RoPE scaling factor that extends it
     max_model_len = config.model.max_model_len or limit
     if config.model.max_model_len and config.model.max_model_len > limit:
-        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
+        logger.warning("max_model_len %d exceeds the model's context length %d (max_position_embeddings, times a "
+                       "RoPE scaling factor that extends it)", max_model_len, limit)
     spec = attention_spec(hf, dtype, config.cache.block_size, config.cache.kv_cache_dtype)
     workload = AttentionWorkload.for_engine(*config.scheduler.limits,
                                             max_model_len, hf.num_hidden_layers)

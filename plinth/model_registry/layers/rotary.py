@@ -43,6 +43,28 @@ def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[
     return out
 
 
+def context_length(hf_config: Any) -> int:
+    """The longest context a config supports, as vLLM derives it: ``max_position_embeddings`` (2048 without
+    one) times the RoPE scaling ``factor`` for ``linear`` and ``dynamic`` scaling, and YaRN's
+    ``original_max_position_embeddings`` times its factor (``llama3`` and ``longrope`` configs already state the
+    extended length; so do Gemma 3's, whose ``linear`` factor is not applied again)."""
+    base = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if str(getattr(hf_config, "model_type", "")).startswith("gemma3"):
+        return base
+    try:
+        params = rope_parameters(hf_config)
+    except ModelLoadError:
+        return base   # the model's load names the bad parameter
+    factor = params.get("factor")
+    if params["rope_type"] not in ("linear", "dynamic", "yarn") or isinstance(factor, bool) \
+            or not isinstance(factor, int | float) or not 1 < factor < math.inf:
+        return base
+    if params["rope_type"] == "yarn":
+        original = params.get("original_max_position_embeddings")
+        base = original if isinstance(original, int) and not isinstance(original, bool) and original > 0 else base
+    return int(base * factor)
+
+
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))  # [dim/2]
 
