@@ -31,6 +31,7 @@ def test_reads_the_sampling_keys_and_eos_ids(tmp_path):
     assert found.eos_token_ids == (7, 9) and found.origin == str(tmp_path / "generation_config.json")
     # none ignores it; a GGUF model has no folder of its own; the override sets, replaces and removes keys
     assert read_generation_defaults("none", None, str(tmp_path), "hf_dir").sampling == {}
+    assert read_generation_defaults("vllm", None, str(tmp_path), "hf_dir").sampling == {}   # vLLM's spelling
     assert read_generation_defaults("auto", None, str(tmp_path / "m.gguf"), "gguf").sampling == {}
     both = read_generation_defaults("auto", {"temperature": 0.2, "top_k": None, "min_p": 0.1}, str(tmp_path), "hf_dir")
     assert both.sampling == {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05, "max_tokens": 300,

@@ -69,7 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="the model's name in the API (several: the first is reported, all are accepted)")
     g.add_argument("--chat-template", default=None, help="jinja2 template text or a file holding one")
     g.add_argument("--generation-config", default="auto",
-                   help="default sampling settings: 'auto' (the model folder's generation_config.json), 'none', "
+                   help="default sampling settings: 'auto' (the model folder's generation_config.json), 'none' ('vllm'), "
                         "or a folder or JSON file holding them")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): structured "

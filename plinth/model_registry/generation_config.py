@@ -60,7 +60,7 @@ class GenerationDefaults:
 
 def _config_file(setting: str, model_path: str | None, kind: str) -> Path | None:
     """The JSON file ``setting`` (``auto``, ``none``, a folder or a file) names for this model."""
-    if setting == "none":
+    if setting in ("none", "vllm"):   # vLLM's name for its own defaults, taken for scripts written for it
         return None
     if setting == "auto":
         if model_path is None or kind == "gguf" or not Path(model_path).is_dir():
