@@ -15,6 +15,8 @@ from typing import Any
 from plinth.model_registry.generation_config import SAMPLING_KEYS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: other names of DTYPES, as vLLM and torch take them
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SELECTION_MODES = ("benchmark", "cached", "off")
 EXECUTORS = ("auto", "uniproc", "mp", "ray")
@@ -199,8 +201,12 @@ class ModelConfig:
             raise ConfigError(f"reasoning_parser must be a parser's name, got {self.reasoning_parser!r}")
         if (self.pooling is not None or self.normalize_embeddings is not None) and self.task != "embed":
             raise ConfigError("pooling and normalize_embeddings need task='embed'")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        dtype = str(self.dtype).removeprefix("torch.") if type(self.dtype).__name__ == "dtype" else self.dtype
+        dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)}, or a torch "
+                              f"dtype), got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         _positive("max_model_len", self.max_model_len)

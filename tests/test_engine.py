@@ -138,6 +138,11 @@ def test_engine_options_of_the_wrong_type_are_config_errors(kw, match):
     from pathlib import Path
 
     assert EngineConfig.from_kwargs(tokenizer=Path("/tok")).model.tokenizer == "/tok"   # a path object is its text
+    # vLLM's and torch's names of the dtypes
+    assert [EngineConfig.from_kwargs(dtype=d).model.dtype for d in ("half", "float", torch.bfloat16, "bf16")] == [
+        "float16", "float32", "bfloat16", "bfloat16"]
+    with pytest.raises(ConfigError, match="dtype must be one of auto, float32, float16, bfloat16"):
+        EngineConfig.from_kwargs(dtype=torch.int8)
 
 
 def test_chunked_prefill_small_budget(tiny_llama_dir, reference):

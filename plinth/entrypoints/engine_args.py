@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from plinth.config import (
+    DTYPE_ALIASES,
     DTYPES,
     EXECUTORS,
     KV_CACHE_DTYPES,
@@ -47,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
         g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                        help="the model, as the positional argument (either one, anywhere among the flags)")
     g.add_argument("--tokenizer", default=None, help="a tokenizer directory or .gguf file (default: the model's own)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES,
+    g.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
                    help="compute dtype (default auto: the checkpoint's where the platform runs it well, else the "
                         "platform's preferred one, e.g. float32 on CPUs without bfloat16)")
     g.add_argument("--max-model-len", type=int, default=None,
