@@ -81,7 +81,8 @@ def time_it(fn, iters: int, sync) -> float:
     return statistics.median(times)
 
 
-#: ``block_m/BLOCK_N/BLOCK_K/warps/stages`` tried by ``--sweep-tiles`` (the first is the kernel's default)
+#: ``block_m/BLOCK_N/BLOCK_K/warps/stages`` tried by ``--sweep-tiles`` (the first: the kernel's former fixed tiles; the default
+#: now depends on the step, :func:`plinth.kernels.ops.moe_grouped_tiles`)
 DEFAULT_TILE_CANDIDATES = ",".join(f"{m}/{t}" for m in (32, 16, 64) for t in ("64/64/4/2", "128/64/4/3",
                                                                              "64/128/4/3", "128/128/8/3"))
 

@@ -585,12 +585,15 @@ def _expert_weights_in(quant: str, e: int, n: int, k: int, g: torch.Generator) -
 
 
 @needs_interpreter
-@pytest.mark.parametrize("quant", ["float", "fp8", "fp8-128", "fp8-16x32", "int4", "int4-32", "int8"])
-def test_moe_grouped_gemm_multiplies_each_experts_block_of_slots(quant):
+@pytest.mark.parametrize("quant, sized", [("float", False), ("fp8", False), ("fp8-128", False), ("fp8-16x32", False),
+                                          ("int4", False), ("int4-32", False), ("int8", False), ("fp8-128", True),
+                                          ("int4", True)])
+def test_moe_grouped_gemm_multiplies_each_experts_block_of_slots(quant, sized):
     """The prefill kernel of mixture-of-experts layers, against float64: the slots sorted by expert on the device
     (an expert with more slots than one block, experts with none), the token rows gathered (gate/up projection,
     outputs in sorted order), then ``silu(gate) * up`` read from sorted rows and the outputs scattered back to slot
-    order (down projection), with biases; float and every stored format."""
+    order (down projection), with biases; float and every stored format; ``sized``: with the tiles
+    :func:`~plinth.kernels.ops.moe_grouped_tiles` picks by the step's size (16-row blocks, 128 x 64 tiles)."""
     g = torch.Generator().manual_seed(11)
     e, top_k, t, inter = 6, 2, 23, 128                    # 46 slots: expert 0 takes more than 32
     hidden = 192 if quant.startswith("int") else 200      # (float and FP8: a row ending inside a 64-wide tile)
@@ -599,8 +602,12 @@ def test_moe_grouped_gemm_multiplies_each_experts_block_of_slots(quant):
     w13, kw13, w13_ref = _expert_weights_in(quant, e, 2 * inter, hidden, g)
     w2, kw2, w2_ref = _expert_weights_in(quant if quant != "fp8-128" else "fp8", e, hidden, inter, g)
     b13, b2 = torch.randn(e, 2 * inter, generator=g), torch.randn(e, hidden, generator=g)
-    blocks = ops.moe_sorted_blocks(ids, e)
+    block_m, tiles = ops.moe_grouped_tiles(ids.numel(), e, quant.startswith("int")) if sized else (
+        ops.MOE_GROUPED_BLOCK_M, ops.MOE_GROUPED_TILES)
+    assert not sized or (block_m, tiles) == (16, (128, 64, 4, 3))   # 46 slots over 6 experts: 16-row blocks
+    blocks = ops.moe_sorted_blocks(ids, e, block_m)
     order = blocks[0]
+    kw13, kw2 = {**kw13, "tiles": tiles}, {**kw2, "tiles": tiles}
     gate_up = ops.moe_grouped_gemm(x, w13, b13, blocks, gather_div=top_k, scatter_out=False, **kw13)
     flat = ids.reshape(-1)
     want_gu = torch.stack([x[int(s) // top_k].double() @ w13_ref[flat[s]].T + b13[flat[s]].double()
@@ -612,6 +619,15 @@ def test_moe_grouped_gemm_multiplies_each_experts_block_of_slots(quant):
     for m, s in enumerate(order.tolist()):
         want_y[s] = h[m] @ w2_ref[flat[s]].T + b2[flat[s]].double()
     torch.testing.assert_close(y.double(), want_y, atol=1e-3, rtol=1e-3)
+
+
+def test_moe_grouped_tiles_follow_the_rows_per_expert():
+    """16-row blocks while experts get fewer than 64 rows on average; 64-row blocks from there, except for 4-bit
+    weights; always 128 x 64 tiles over 4 warps in 3 stages."""
+    assert ops.moe_grouped_tiles(32 * 8, 128, False) == (16, (128, 64, 4, 3))
+    assert ops.moe_grouped_tiles(2048 * 8, 128, False) == (64, (128, 64, 4, 3))
+    assert ops.moe_grouped_tiles(2048 * 8, 128, True) == (16, (128, 64, 4, 3))
+    assert ops.moe_grouped_tiles(64 * 128 - 1, 128, False)[0] == 16
 
 
 @needs_interpreter

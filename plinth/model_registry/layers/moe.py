@@ -109,8 +109,9 @@ class FusedMoE(nn.Module):
         self.weight_method: Any = None
         #: ``{"w13": ExpertScales, "w2": ExpertScales}`` once FP8 experts are loaded (read by the GEMV kernel)
         self.fp8_scales: dict[str, Any] | None = None
-        #: ``(block_m, (BLOCK_N, BLOCK_K, warps, stages))`` for the Triton grouped kernel (``None``: the kernel's
-        #: defaults; ``benchmarks/moe_experts.py --sweep-tiles`` times the candidates)
+        #: ``(block_m, (BLOCK_N, BLOCK_K, warps, stages))`` for the Triton grouped kernel (``None``: by the step's
+        #: size, :func:`~plinth.kernels.ops.moe_grouped_tiles`; ``benchmarks/moe_experts.py --sweep-tiles`` times
+        #: the candidates)
         self.grouped_kernel_tiles: tuple[int, tuple[int, int, int, int]] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
@@ -260,7 +261,8 @@ class FusedMoE(nn.Module):
         """The experts as two launches of the Triton grouped kernel over the slots sorted by expert on the device
         (gate/up rows in sorted order, down projection outputs back in slot order), then one weighted sum per
         token."""
-        block_m, tiles = self.grouped_kernel_tiles or (ops.MOE_GROUPED_BLOCK_M, ops.MOE_GROUPED_TILES)
+        block_m, tiles = self.grouped_kernel_tiles or ops.moe_grouped_tiles(
+            ids.numel(), self.num_experts, "int_codes" in (self._gemv_args("w13") or {}))
         blocks = ops.moe_sorted_blocks(ids, self.num_experts, block_m)
         x = x if x.stride(-1) == 1 else x.contiguous()
         gate_up = ops.moe_grouped_gemm(x, self.w13_weight, self.w13_bias, blocks, gather_div=ids.shape[1],
