@@ -302,6 +302,32 @@ def test_csv_rows_keep_their_starting_line_after_quoted_line_breaks(tmp_path):
     assert "more cells than the header" in str(rows[2][1])
 
 
+def test_csv_line_numbers_after_blank_lines_long_cells_and_unreadable_json(tmp_path):
+    """Blank lines do not shift the reported lines; a cell longer than the csv module's default limit is read;
+    JSON nested too deeply or with an integer of too many digits is a bad row, not the end of the run."""
+    from plinth import SamplingParams
+    from plinth.entrypoints.generate_cmd import RowError, parse_row, read_rows
+
+    long = "word " * 40_000   # 200,000 characters
+    path = tmp_path / "in.csv"
+    path.write_text(f"prompt,max_tokens\nParis is,2\n\n\nhello,-3\n{long},4\n", encoding="utf-8")
+    rows = list(read_rows(path))
+    assert [line for line, _ in rows] == [2, 5, 6] and rows[2][1]["prompt"] == long
+    deep = "[" * 30_000 + "]" * 30_000
+    cells = tmp_path / "deep.csv"
+    cells.write_text(f'prompt_token_ids\n"{deep}"\n', encoding="utf-8")
+    (line, row), = read_rows(cells)
+    with pytest.raises(RowError, match="row 2: 'prompt_token_ids' is not valid JSON: nested too deeply"):
+        parse_row(line, row, SamplingParams())
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"prompt": "a", "stop": ' + "[" * 100_000 + "]" * 100_000 + '}\n'
+                     + '{"prompt": "b", "max_tokens": ' + "1" * 5001 + '}\n{"prompt": "c"}\n', encoding="utf-8")
+    got = list(read_rows(jsonl))
+    assert isinstance(got[0][1], RowError) and "nested too deeply" in str(got[0][1])
+    assert isinstance(got[1][1], RowError) and "digits" in str(got[1][1])
+    assert got[2] == (3, {"prompt": "c"})
+
+
 def test_row_ids_nulls_and_bad_ids(tiny_llama_dir, tmp_path, capsys):
     """Row ids are the user's own (``a#0`` next to an ``n=2`` row ``a``); a JSON null leaves a field at its
     default, as an empty CSV or Parquet cell does; an id that cannot be written as UTF-8 is a bad row."""

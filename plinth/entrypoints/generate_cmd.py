@@ -82,18 +82,32 @@ def read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
                 except json.JSONDecodeError as exc:
                     yield i, RowError(i, f"invalid JSON: {exc.msg} at column {exc.pos + 1}")
                     continue
+                except (ValueError, RecursionError) as exc:   # an integer of too many digits, nesting too deep
+                    yield i, RowError(i, f"invalid JSON: {_json_problem(exc)}")
+                    continue
                 yield i, row if isinstance(row, dict) else RowError(i, "expected a JSON object")
     elif suffix == ".csv":   # the csv module: a record's line is where it starts, quoted line breaks included
+        _lift_csv_field_limit()
         try:
             with path.open(encoding="utf-8-sig", newline="") as f:
-                reader = csv.DictReader(f)
-                start = 2
-                for rec in reader:
-                    if None in rec:
+                reader = csv.reader(f)
+                header = next(reader, None)
+                while header == []:   # blank lines before the header
+                    header = next(reader, None)
+                if header is None:
+                    return
+                while True:
+                    start = reader.line_num + 1   # where the next record starts (blank lines are empty records)
+                    rec = next(reader, None)
+                    if rec is None:
+                        break
+                    if not rec:
+                        continue
+                    if len(rec) > len(header):
                         yield start, RowError(start, "more cells than the header has columns")
                     else:
-                        yield start, {**{k: v for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
-                    start = reader.line_num + 1
+                        cells = dict(zip(header, rec, strict=False))   # missing trailing cells: absent
+                        yield start, {**{k: v for k, v in cells.items() if not _is_missing(v)}, "_cells": True}
         except (UnicodeDecodeError, csv.Error) as exc:
             raise ValueError(f"cannot read {path} as CSV: {exc}") from None
     elif suffix == ".parquet":
@@ -109,6 +123,24 @@ def read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
             yield i + 1, {**{k: _plain(v) for k, v in rec.items() if not _is_missing(v)}, "_cells": True}
     else:
         raise ValueError(f"unsupported input file type {suffix!r}: use .jsonl, .csv or .parquet")
+
+
+def _lift_csv_field_limit() -> None:
+    """Let the csv module read cells of any length (its default limit is 131,072 characters: a long prompt)."""
+    limit = sys.maxsize
+    while True:
+        try:
+            csv.field_size_limit(limit)
+            return
+        except OverflowError:   # larger than a C long here
+            limit //= 2
+
+
+def _json_problem(exc: BaseException) -> str:
+    """What made a JSON text unreadable beyond a syntax error, in one line."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split(";")[0]
 
 
 def _plain(value: Any) -> Any:
@@ -202,6 +234,8 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise RowError(line, f"{key!r} is not valid JSON: {exc.msg}") from None
+        except (ValueError, RecursionError) as exc:
+            raise RowError(line, f"{key!r} is not valid JSON: {_json_problem(exc)}") from None
     if hasattr(value, "tolist"):
         value = value.tolist()
     if key == "prompt" and (not isinstance(value, str) or not value):
@@ -218,8 +252,8 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     for k in sorted(SAMPLING_FIELDS & {f for f, v in row.items() if v is not None}):   # null: the default
         try:
             overrides[k] = _coerce(k, row[k], getattr(base, k), cells)
-        except (ValueError, TypeError) as exc:
-            raise RowError(line, f"{k}: {exc}") from None
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise RowError(line, f"{k}: {_json_problem(exc) if isinstance(exc, RecursionError) else exc}") from None
     try:
         params = base.clone(**overrides)
     except (SamplingParamsError, ValueError, TypeError) as exc:
