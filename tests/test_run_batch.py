@@ -198,3 +198,44 @@ def test_lines_python_cannot_parse_are_invalid_records_and_the_rest_runs(tmp_pat
     assert [r["custom_id"] for r in requests] == ["ok"]
     assert [r["custom_id"] for r in invalid] == ["<line 2>", "<line 3>"]
     assert all("is not JSON" in r["error"]["message"] and r["response"] is None for r in invalid)
+
+
+def test_a_body_too_deep_to_encode_again_is_its_lines_error_and_reserved_ids(tmp_path):
+    """A body nested so deeply (985 levels) that it parses but could not be encoded again deep in the event loop is
+    that line's error record, and the other requests run (it killed the whole batch, on every rerun); a custom_id
+    of the form
+    ``<line N>`` (the name of lines without a usable one) is refused, so names in the results stay unique."""
+    model = save_tiny_model(tmp_path / "m")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    deep = '{"custom_id": "deep", "url": "/v1/completions", "body": {"x": ' + "[" * 985 + "]" * 985 + "}}"
+    lines = ["{not json", {"custom_id": "<line 1>", "url": "/v1/completions", "body": {"prompt": "x"}},
+             {"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": PROMPT, "max_tokens": 3}}]
+    write_lines(inp, [*lines, deep])
+    assert main(["run-batch", str(model), "--dtype", "float32", "--selection", "off", "-i", str(inp),
+                 "-o", str(out)]) == 0
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["ok"]["response"]["status_code"] == 200
+    assert "reserved" in by_id["<line 2>"]["error"]["message"] and by_id["<line 1>"]["response"] is None
+    deep_record = by_id.get("deep") or by_id["<line 4>"]   # (too deep to parse, where the stack is deeper)
+    assert deep_record["error"] is not None
+
+
+def test_one_request_that_cannot_be_sent_fails_alone():
+    """A request whose sending raises (here a body json cannot encode) is a 500 record of its own; the other
+    requests still run (an exception there cancelled every worker)."""
+    import asyncio
+
+    from plinth.entrypoints.run_batch_cmd import run_requests
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"id": "x"}'})
+
+    requests = [{"custom_id": "bad", "url": "/v1/completions", "body": {"x": object()}},
+                {"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "hi"}}]
+    records = []
+    failed, not_run = asyncio.run(run_requests(app, requests, 1, records.append))
+    by_id = {r["custom_id"]: r for r in records}
+    assert (failed, not_run) == (1, 0) and by_id["ok"]["response"]["status_code"] == 200
+    assert by_id["bad"]["response"]["status_code"] == 500 and "TypeError" in by_id["bad"]["error"]["message"]

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -53,6 +54,10 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help=f"requests in flight at once (default: the larger of {DEFAULT_CONCURRENCY} and twice the "
                         "engine's max_num_seqs, at most what its waiting queue takes)")
     p.set_defaults(func=run)
+
+
+#: the custom_id of the result of a line without a usable one (``<line N>``)
+_ANONYMOUS = re.compile(r"<line \d+>")
 
 
 def _invalid(custom_id: Any, message: str) -> dict[str, Any]:
@@ -134,6 +139,10 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
             invalid.append(_invalid(anonymous, f"line {n}: custom_id is not valid Unicode text (a lone surrogate "
                                                "escape)"))
             continue
+        if _ANONYMOUS.fullmatch(custom_id):   # the names of lines without a usable custom_id: kept unique
+            invalid.append(_invalid(anonymous, f"line {n}: custom_id {custom_id!r} is reserved for lines without a "
+                                               "usable one"))
+            continue
         if custom_id in seen:   # its result goes under the line's name: custom_ids stay unique in the results
             invalid.append(_invalid(anonymous, f"line {n}: custom_id {custom_id!r} appears more than once"))
             continue
@@ -149,6 +158,11 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
             problem = f"line {n}: body must be a JSON object"
         elif item["body"].get("stream") not in (None, False):   # (the server would stream any true-ish value)
             problem = f"line {n}: stream is not supported in a batch"
+        if problem is None:
+            try:   # encoded here, once: a body nested too deeply to encode again is this line's error
+                item["_payload"] = json.dumps(item["body"]).encode()
+            except (ValueError, RecursionError) as exc:
+                problem = f"line {n}: the body cannot be encoded as JSON ({type(exc).__name__})"
         if problem is not None:
             invalid.append(_invalid(custom_id, problem))
         else:
@@ -156,9 +170,10 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
     return requests, invalid
 
 
-async def call_route(app: Any, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    """POST ``body`` to the ASGI ``app``'s ``path`` in this process: ``(status, decoded JSON body)``."""
-    payload = json.dumps(body).encode()
+async def call_route(app: Any, path: str, body: dict[str, Any] | bytes) -> tuple[int, Any]:
+    """POST ``body`` (an object, or its JSON bytes) to the ASGI ``app``'s ``path`` in this process: ``(status,
+    decoded JSON body)``."""
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
@@ -239,7 +254,11 @@ async def run_requests(app: Any, requests: list[dict[str, Any]], concurrency: in
                 return
             delay = 0.01
             while True:
-                status, body = await call_route(app, request["url"], request["body"])
+                try:
+                    status, body = await call_route(app, request["url"], request.get("_payload", request["body"]))
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not cancel the others
+                    status, body = 500, {"error": {"message": f"internal error: {type(exc).__name__}",
+                                                   "type": "server_error"}}
                 if not _queue_full(status, body):
                     break
                 await asyncio.sleep(delay)
