@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,21 @@ def env_flag(name: str, default: bool) -> bool:
 
 #: on/off switches that kernels read where they run (a bad value there would only turn them off or on): checked
 #: with every engine configuration instead, so a bad value is an error at start-up
-KERNEL_SWITCHES = ("PLINTH_CPU_NATIVE_OPS", "PLINTH_CPU_AMX", "PLINTH_FUSED_OPS", "PLINTH_CPU_PAGED_ATTENTION")
+KERNEL_SWITCHES = ("PLINTH_CPU_NATIVE_OPS", "PLINTH_CPU_AMX", "PLINTH_FUSED_OPS", "PLINTH_CPU_PAGED_ATTENTION",
+                   "PLINTH_CPU_SDPA_PREFILL")
+#: the CPU the native kernels are built for (``-march=VALUE``; default ``native``) and the form of a value
+MARCH_ENV, MARCH_PATTERN = "PLINTH_CPU_MARCH", r"[A-Za-z0-9_.+-]+"
+
+
+def check_march() -> None:
+    """Refuse a ``$PLINTH_CPU_MARCH`` that is no ``-march`` value (it reaches a compiler's command line).
+
+    Raises:
+        ConfigError: naming the variable.
+    """
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if march and not re.fullmatch(MARCH_PATTERN, march):
+        raise ConfigError(f"{MARCH_ENV}={march!r} is not a -march value (letters, digits and _.+- only)")
 
 
 def cache_dir() -> Path:
@@ -488,6 +503,7 @@ class EngineConfig:
         _check_flags(self)
         for name in KERNEL_SWITCHES:
             env_flag(name, True)
+        check_march()
         if self.speculative.enabled and self.model.task == "embed":
             raise ConfigError("speculative decoding applies to generation; an embedding model (task embed) decodes "
                               "nothing: drop speculative_config")

@@ -415,6 +415,13 @@ def test_malformed_march_is_a_build_failure_with_a_reason(monkeypatch, tmp_path)
     monkeypatch.setenv("PLINTH_CPU_MARCH", "native; rm -rf /")
     build = build_and_open(cpu_native.SOURCE, "cpu_ops_test", "plinth_cpu_ops_abi", 1, "test")
     assert build.library is None and "PLINTH_CPU_MARCH" in build.reason
+    # an engine's configuration refuses it first, naming the variable
+    from plinth.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="PLINTH_CPU_MARCH='native; rm -rf /' is not a -march value"):
+        EngineConfig.from_kwargs()
+    monkeypatch.setenv("PLINTH_CPU_MARCH", "x86-64-v2")
+    assert EngineConfig.from_kwargs() is not None
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])

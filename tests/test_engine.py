@@ -585,7 +585,7 @@ def test_a_cache_beyond_memory_is_a_config_error(tiny_llama_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["PLINTH_CPU_NATIVE_OPS", "PLINTH_CPU_AMX", "PLINTH_FUSED_OPS",
-                                  "PLINTH_CPU_PAGED_ATTENTION"])
+                                  "PLINTH_CPU_PAGED_ATTENTION", "PLINTH_CPU_SDPA_PREFILL"])
 def test_kernel_switches_with_bad_values_are_config_errors(tiny_llama_dir, monkeypatch, name):
     """The on/off switches kernels read where they run take 1/0, true/false, yes/no, on/off; another value is a
     ``ConfigError`` naming the variable when the engine is configured (``maybe`` had turned three of them on and

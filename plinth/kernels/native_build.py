@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from plinth.config import MARCH_ENV, MARCH_PATTERN
+
 logger = logging.getLogger(__name__)
 
 #: ``-fno-trapping-math``: no code here reads floating-point exception flags, so loops with a select between two
@@ -38,13 +40,11 @@ CXX_FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=
 #: the CPU the builds target: ``-march=$PLINTH_CPU_MARCH``, default ``native`` (this machine's instruction
 #: set). A portable value (``x86-64-v2``, ``armv8-a``) builds kernels that run on other CPUs of the family
 #: too, without their AVX512 paths.
-MARCH_ENV = "PLINTH_CPU_MARCH"
-
-
 def cxx_flags() -> tuple[str, ...]:
-    """The compiler flags of a build, or raise ValueError for a malformed ``$PLINTH_CPU_MARCH``."""
+    """The compiler flags of a build, or raise ValueError for a malformed ``$PLINTH_CPU_MARCH`` (an engine's
+    configuration refuses one first: :func:`plinth.config.check_march`)."""
     march = os.environ.get(MARCH_ENV, "").strip() or "native"
-    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):
+    if not re.fullmatch(MARCH_PATTERN, march):
         raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value")
     return (*CXX_FLAGS, f"-march={march}")
 BUILD_TIMEOUT_S = 300
@@ -183,7 +183,7 @@ def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, w
     try:
         target = library_path(cxx, source, name)
     except ValueError as exc:
-        logger.warning("the %s is off: %s", what, exc)   # the user's own setting: said aloud
+        logger.warning("%s off: %s", what, exc)   # the user's own setting: said aloud
         return NativeBuild(None, reason=str(exc))
     seconds = 0.0
     if not _intact(target):   # never built, or a damaged or foreign file: built (again)
@@ -193,7 +193,7 @@ def build_and_open(source: Path, name: str, abi_symbol: str, abi_version: int, w
         t0 = time.perf_counter()
         if problem := compile_library(cxx, source, target):
             if os.environ.get(MARCH_ENV, "").strip():   # the build the user asked for failed: said aloud
-                logger.warning("the %s is off: its build for %s=%s failed: %s", what, MARCH_ENV,
+                logger.warning("%s off: the build for %s=%s failed: %s", what, MARCH_ENV,
                                os.environ[MARCH_ENV].strip(), problem)
             return NativeBuild(None, target, f"kernel build failed: {problem}")
         seconds = time.perf_counter() - t0
