@@ -70,13 +70,14 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="the model's name in the API (several: the first is reported, all are accepted)")
     g.add_argument("--chat-template", default=None, help="jinja2 template text or a file holding one")
     g.add_argument("--generation-config", default="auto",
-                   help="default sampling settings: 'auto' (the model folder's generation_config.json), 'none' ('vllm'), "
-                        "or a folder or JSON file holding them")
+                   help="default sampling settings: 'auto' (the model folder's generation_config.json; the default), 'none' "
+                        "('vllm'), or a folder or JSON file holding them")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="the model's thinking markers (qwen3, deepseek_r1, or one a plugin adds): structured "
+                   help="the model's thinking markers (qwen3, deepseek_r1, gpt_oss, or one a plugin adds): structured "
                         "outputs start after the thinking; chat replies carry it as reasoning_content")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most log-probabilities a request may ask for per position (logprobs, prompt_logprobs)")
+                   help="the most log-probabilities a request may ask for per position (logprobs, prompt_logprobs; "
+                        "default: %(default)s)")
     g.add_argument("--task", default="generate", choices=TASKS,
                    help="generate text, or serve an embedding model (embed: /v1/embeddings, LLM.embed)")
     g.add_argument("--pooling", default=None, choices=POOLING_TYPES,
@@ -108,11 +109,13 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once (default: the platform's, 512 on GPUs of 70 GiB and more, else 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens computed per step, decodes plus prefill chunks (default: the platform's, 2048)")
+                   help="tokens computed per step, decodes plus prefill chunks (default: the platform's, 2048; "
+                        "plinth serve on a CPU: 256, or --max-num-seqs if more)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="compute each prompt in one step rather than in chunks within --max-num-batched-tokens")
     g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="requests queued beyond the running batch's free places before new ones are refused (the server answers 503; generate, run-batch and bench wait for room; default: no limit)")
+                   help="requests queued beyond the running batch's free places before new ones are refused (the server answers 503; generate, run-batch and bench wait for room; default: no limit, except for generate "
+                        "--input: 512, --max-num-seqs or the largest row's n, whichever is largest)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs on the device (default: on for accelerators, in-process "
                         "or with tensor-parallel worker processes; off on CPUs)")

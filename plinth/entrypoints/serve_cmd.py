@@ -60,7 +60,7 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and "
                         f"/metrics (default: ${API_KEY_ENV})")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted (default: %(default)s)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -87,7 +87,8 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
 def add_api_args(g: Any) -> None:
     """The flags that shape the API's answers (``serve`` and ``run-batch``)."""
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="the model's tool-call format (hermes, llama3_json, mistral, or one a plugin adds): enables "
+                   help="the model's tool-call format (hermes, llama3_json, mistral, glm45, qwen3_coder, deepseek_v3, "
+                        "kimi_k2, gpt_oss, or one a plugin adds): enables "
                         "tool_choice 'auto', the default for chat requests with tools")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")

