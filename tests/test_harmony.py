@@ -67,6 +67,9 @@ def stream_scan(parser, text: str) -> Scan:
     ('<|channel|>commentary to=functions.f<|message|>{"a": ', Scan('<|channel|>commentary to=functions.f<|message|>{"a": ')),
     ("<|channel|>commentary to=browser.search<|message|>[1]", Scan("<|channel|>commentary to=browser.search<|message|>[1]")),
     ("<|channel|>commentary to=functions.ping<|message|>", Scan("", (ParsedCall("ping", "{}"),))),
+    # the reply's first message naming its recipient before the channel (the prompt ends with <|start|>assistant)
+    (CALL_RECIPIENT_FIRST.removeprefix("<|start|>assistant"), Scan("", (ParsedCall("get_time", '{"tz": "UTC"}'),))),
+    ("today it is 4.", Scan("today it is 4.")),   # words that only start like a recipient stay the answer
 ])
 def test_tool_parser(text, scan):
     assert stream_scan(GptOssToolParser(TOOLS), text) == scan
@@ -85,6 +88,15 @@ def test_both_parsers_together(after_call):
     assert split.reasoning == "The user asks 2+2."
     assert stream_scan(GptOssToolParser(TOOLS), split.content) == Scan(
         "It is 4.", (ParsedCall("get_weather", '{"city": "Oslo"}'),))
+
+
+def test_a_reply_that_opens_with_a_recipient_is_a_call():
+    """The reply's first header written recipient first, as gpt-oss's template writes past calls: through both
+    parsers, streamed, the call and no markup in the answer."""
+    text = CALL_RECIPIENT_FIRST.removeprefix("<|start|>assistant") + "<|call|>"
+    split = stream_split(GptOssReasoningParser(), text)
+    assert split.reasoning == ""
+    assert stream_scan(GptOssToolParser(TOOLS), split.content) == Scan("", (ParsedCall("get_time", '{"tz": "UTC"}'),))
 
 
 def test_a_reply_cut_inside_a_header_shows_no_markup():
@@ -244,7 +256,7 @@ def test_beam_search_replies_keep_the_markers_for_the_parser(http, monkeypatch):
     ids = tokenizer.encode(THINK_AND_ANSWER, add_special_tokens=False) + [client.app.state.ctx.front.eos_token_ids[0]]
     beam = BeamSequence(ids, -1.0, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason="stop")
 
-    async def fake(front, rid, prompts, params, lora=None):
+    async def fake(front, rid, prompts, params, lora=None, priority=0):
         return [BeamSearchOutput(list(prompts[0]), [beam])]
 
     monkeypatch.setattr(serving, "beam_search_async", fake)   # what ServerContext.beam_search runs

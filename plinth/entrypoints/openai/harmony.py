@@ -69,6 +69,20 @@ class Message:
         return f"{self.header}{MESSAGE}{self.body}{self.end}" if self.header else self.body
 
 
+#: a reply that opens with the rest of a header naming the recipient (``<|start|>assistant`` ends the prompt)
+_REPLY_RECIPIENT = re.compile(r"\s*(?:assistant\s*)?to=")
+
+
+def _may_become_recipient(text: str) -> bool:
+    """Whether ``text``, the start of a reply, could still grow into :data:`_REPLY_RECIPIENT`."""
+    rest = text.lstrip()
+    if "assistant".startswith(rest):
+        return True
+    if rest.startswith("assistant"):
+        rest = rest[len("assistant"):].lstrip()
+    return "to=".startswith(rest)
+
+
 def _first(text: str, markers: Sequence[str], start: int) -> tuple[int, str]:
     """The earliest of ``markers`` in ``text`` from ``start``: ``(position, marker)``, ``(-1, "")`` if none."""
     best, found = -1, ""
@@ -89,8 +103,12 @@ def messages(text: str, final: bool) -> list[Message]:
     left out, and so is the end of a body that may still become an end token."""
     out: list[Message] = []
     pos = 0
+    if _REPLY_RECIPIENT.match(text) is None and not final and _may_become_recipient(text):
+        return out   # the reply's first words may yet be a recipient (the header of a call): held back
     while pos < len(text):
-        opened = text.startswith(HEADER_OPENS, pos)
+        # the prompt ends with <|start|>assistant, so a reply may open with the rest of a header that names its
+        # recipient before the channel (" to=functions.f<|channel|>commentary json<|message|>...")
+        opened = text.startswith(HEADER_OPENS, pos) or (pos == 0 and _REPLY_RECIPIENT.match(text) is not None)
         if not opened:   # text outside the format, up to the next header
             nxt, _ = _first(text, HEADER_OPENS, pos)
             stretch = text[pos:nxt if nxt >= 0 else len(text)]
