@@ -5,10 +5,10 @@ Reasoning models write their thinking before the answer, between markers (``<thi
 ``reasoning_content`` (streamed as ``delta.reasoning_content``) and only the answer as ``content`` (where a
 tool-call parser, if any, looks for calls). Parsers are plugins (``plinth_reasoning_parsers`` hook); built in:
 
-- ``qwen3``: thinking only inside ``<think>`` ... ``</think>`` at the start of the reply (Qwen3, QwQ); a reply
-  without it is all answer (Qwen3 with ``enable_thinking`` off);
+- ``qwen3``: thinking only inside ``<think>`` ... ``</think>`` at the start of the reply (Qwen3's hybrid models); a
+  reply without it is all answer (Qwen3 with ``enable_thinking`` off);
 - ``deepseek_r1``: the reply starts in thinking (its template opens ``<think>`` in the prompt; a ``<think>`` the
-  model writes itself is dropped) until ``</think>`` (DeepSeek-R1 and its distillations);
+  model writes itself is dropped) until ``</think>`` (DeepSeek-R1 and its distillations, QwQ, Qwen3 Thinking-2507);
 - ``gpt_oss``: the harmony format's ``analysis`` channel (gpt-oss; :mod:`plinth.entrypoints.openai.harmony`).
 
 As with tool-call parsers, :meth:`ReasoningParser.scan` sees the whole text so far and both parts only grow
