@@ -126,8 +126,15 @@ def test_llama3_json_and_mistral_parsers():
     assert MistralToolParser.keeps_special_tokens
     assert prefixes_scan(mistral, 'Let me check. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]') == (
         "Let me check.", [ParsedCall("get_time", '{"zone": "UTC"}')])
-    for text in ("[TOOL_CALLS] nonsense", "no calls [TOOL_", '[TOOL_CALLS][{"name": "f", "arguments": 3}]'):
+    for text in ("[TOOL_CALLS] nonsense", "no calls [TOOL_", '[TOOL_CALLS][{"name": "f", "arguments": 3}]',
+                 '[TOOL_CALLS]get_time[ARGS]{"zone": ', "[TOOL_CALLS]get_time[ARGS][1]"):
         assert prefixes_scan(mistral, text) == (text, [])
+    # the newer tokenizers' form (Mistral Small 3.2, Magistral, Devstral): NAME[ARGS]{...} after each marker
+    assert prefixes_scan(mistral, 'Sure.[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]'
+                                  '{"city": "Oslo"}') == (
+        "Sure.", [ParsedCall("get_time", '{"zone": "UTC"}'), ParsedCall("get_weather", '{"city": "Oslo"}')])
+    assert prefixes_scan(mistral, "[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}") == (
+        "", [ParsedCall("get_time", "{}")])
 
 
 def test_glm45_and_qwen3_coder_parsers_type_bare_values_by_the_schema():

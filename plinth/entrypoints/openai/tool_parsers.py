@@ -485,7 +485,8 @@ class Llama3JsonToolParser(ToolParser):
 
 
 class MistralToolParser(ToolParser):
-    """Content, then ``[TOOL_CALLS]`` and a JSON array of calls."""
+    """Content, then ``[TOOL_CALLS]`` and a JSON array of calls, or (the newer tokenizers: Mistral Small 3.2,
+    Magistral, Devstral) ``[TOOL_CALLS]NAME[ARGS]{...}`` once per call."""
 
     name = "mistral"
     keeps_special_tokens = True
@@ -510,8 +511,10 @@ class MistralToolParser(ToolParser):
             return Scan(text)
         return Scan(before.rstrip(), tuple(calls))
 
-    @staticmethod
-    def _calls(body: str) -> list[ParsedCall] | None:
+    @classmethod
+    def _calls(cls, body: str) -> list[ParsedCall] | None:
+        if not body.lstrip().startswith(("[", "{")):
+            return cls._named_calls(body)
         try:
             value, end = json.JSONDecoder().raw_decode(body.strip())
         except ValueError:
@@ -524,6 +527,27 @@ class MistralToolParser(ToolParser):
             return None
         return calls   # type: ignore[return-value]
 
+    @classmethod
+    def _named_calls(cls, body: str) -> list[ParsedCall] | None:
+        """``NAME[ARGS]{...}`` calls, each after its own ``[TOOL_CALLS]`` (the first one's already read)."""
+        calls = []
+        for piece in body.split(cls.MARKER):
+            m = _MISTRAL_NAMED_CALL.match(piece)
+            if m is None:
+                return None
+            try:
+                args, end = json.JSONDecoder().raw_decode(m.group(2))
+            except ValueError:
+                return None
+            text = arguments_json(args) if isinstance(args, dict) else None
+            if m.group(2)[end:].strip() or text is None:
+                return None
+            calls.append(ParsedCall(m.group(1), text))
+        return calls
+
+
+#: one call of Mistral's newer format after its ``[TOOL_CALLS]``: the name, an optional ``[CALL_ID]``, then ``[ARGS]``
+_MISTRAL_NAMED_CALL = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]\s*(.*)", re.DOTALL)
 
 #: a function name as OpenAI's tools allow it (ASCII letters, digits, ``_``, ``-``, ``.``, at most 64): what a tool
 #: definition may be named (:func:`plinth.entrypoints.openai.tools.tool_mode`) and what a parser reads as one
