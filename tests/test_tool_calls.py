@@ -167,6 +167,14 @@ def test_glm45_and_qwen3_coder_parsers_type_bare_values_by_the_schema():
     # a body that is no function name (a hermes-style JSON call) is content for glm45
     hermes_like = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
     assert prefixes_scan(Glm45ToolParser(tools), hermes_like) == (hermes_like, [])
+    # a parameter whose </parameter> the model left out ends where the next one (or the function's end) begins
+    unclosed = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n2\n</function>\n"
+                "</tool_call>")
+    assert prefixes_scan(Qwen3CoderToolParser(tools), unclosed)[1] == [
+        ParsedCall("get_weather", '{"city": "Paris", "days": 2}')]
+    # a GLM value on lines of its own loses the line breaks around it
+    own_lines = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>\nParis\n</arg_value>\n</tool_call>"
+    assert prefixes_scan(Glm45ToolParser(tools), own_lines)[1] == [ParsedCall("get_weather", '{"city": "Paris"}')]
 
 
 @pytest.mark.parametrize("schema, raw, value", [

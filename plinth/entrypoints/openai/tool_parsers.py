@@ -345,7 +345,8 @@ class Glm45ToolParser(BlockToolParser):
         fn = head.strip()
         if not FUNCTION_NAME.fullmatch(fn):
             return None
-        return self.call_of(fn, self._PAIR, "<arg_key>" + rest if _ else "", lambda value: value)
+        # a value written on lines of its own loses the line breaks around it, as Qwen3-Coder's do
+        return self.call_of(fn, self._PAIR, "<arg_key>" + rest if _ else "", _strip_one_line_break)
 
 
 class Qwen3CoderToolParser(BlockToolParser):
@@ -355,7 +356,9 @@ class Qwen3CoderToolParser(BlockToolParser):
     name = "qwen3_coder"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
-    _PARAM = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.DOTALL)
+    # a value ends at </parameter>, or where the next parameter or the function's end begins (the model left out
+    # its </parameter>)
+    _PARAM = re.compile(r"<parameter=([^>]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
     def decode(self, body: str) -> list[ParsedCall] | None:
         m = self._FUNCTION.match(body)
