@@ -159,6 +159,14 @@ def test_a_removed_adapter_serves_those_holding_it_and_is_never_read_again(model
     gc.collect()
     with pytest.raises(RequestRejectedError, match="LoRA adapter 'gone' \\(id 8\\) was removed"):
         llm.generate(PROMPTS[2], greedy(), lora_request=other, use_tqdm=False)
+    # one whose requests all finished, held by nothing (the last step's sampling batch keeps its requests weakly)
+    done = LoRARequest("done", 9, str(adapters["all"]))
+    llm.generate(PROMPTS[2], greedy(), lora_request=done, use_tqdm=False)
+    assert llm.engine.remove_lora(9)
+    gc.collect()
+    assert llm.engine.lora_adapter(9) is None
+    with pytest.raises(RequestRejectedError, match="LoRA adapter 'done' \\(id 9\\) was removed"):
+        llm.generate(PROMPTS[2], greedy(), lora_request=done, use_tqdm=False)
 
 
 def test_prefix_cache_is_per_adapter(model_dir, adapters):

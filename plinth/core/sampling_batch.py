@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -80,15 +81,17 @@ class SamplingBatchBuilder:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._requests: list[Request] = []
+        # the last batch's requests, weakly: a finished request (and the LoRA adapter it names) is not kept alive
+        self._requests: list[weakref.ref[Request]] = []
         self._compositions: dict[torch.device, _Composition] = {}
         self.num_rebuilds = 0   # compositions built (for tests and benchmarks)
 
     def build(self, requests: list[Request], device: torch.device | str) -> SamplingBatch:
         """The batch of ``requests`` (one row each, in order) on ``device``."""
         device = torch.device(device)
-        if requests != self._requests:   # identity per element: a different batch
-            self._requests = list(requests)
+        known = self._requests
+        if len(known) != len(requests) or any(ref() is not r for ref, r in zip(known, requests, strict=True)):   # another batch
+            self._requests = [weakref.ref(r) for r in requests]
             self._compositions.clear()
         comp = self._compositions.get(device)
         if comp is None:
