@@ -199,6 +199,12 @@ def test_lora_request_checks(model_dir, adapters, tmp_path):
         llm.generate("hi", greedy(), lora_request=LoRARequest("x", 3, str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("x", 0, "p")
+    import os
+    from pathlib import Path
+
+    # a path object, and a leading ~ (the user's home), as vLLM takes them
+    assert LoRARequest("x", 4, "~/adapters/x").lora_path == os.path.join(os.path.expanduser("~"), "adapters", "x")
+    assert LoRARequest("x", 4, Path("/a/b")).lora_path == "/a/b"
     with pytest.raises(ValueError, match="got 1 LoRA requests for 2 prompts"):
         llm.generate(["a", "b"], greedy(), lora_request=[ok])
     # a rejected prompt among several leaves none of them queued, and the engine serves on

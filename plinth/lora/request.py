@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,5 +29,8 @@ class LoRARequest:
         if (isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, numbers.Integral)
                 or self.lora_int_id <= 0):
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if isinstance(self.lora_path, os.PathLike):
+            object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
+        object.__setattr__(self, "lora_path", os.path.expanduser(self.lora_path))   # "~/adapters/x", as vLLM takes it
