@@ -454,6 +454,15 @@ def test_server_loads_and_unloads_adapters(server_parts):
     # loaded again (a fresh id): the same answers
     _post(client, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["chat"])})
     assert _post(client, "/v1/completions", body)["choices"][0]["text"] == first
+    # load_inplace (vLLM's) replaces the adapter served under the name: another adapter's answers, then the first's
+    other = _post(client, "/v1/completions", {**body, "model": "sql"})["choices"][0]["text"]
+    ctx = client.app.state.ctx
+    before_id = ctx.loras["chat"].lora_int_id
+    _post(client, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["sql"]), "load_inplace": True})
+    assert ctx.loras["chat"].lora_int_id != before_id and other != first
+    assert _post(client, "/v1/completions", body)["choices"][0]["text"] == other
+    _post(client, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["chat"]), "load_inplace": True})
+    assert _post(client, "/v1/completions", body)["choices"][0]["text"] == first
 
 
 def test_serve_flags(tmp_path):

@@ -208,7 +208,7 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
         check_lora_updates()
         try:
-            await asyncio.to_thread(ctx.add_lora, body.lora_name, body.lora_path)
+            await asyncio.to_thread(ctx.add_lora, body.lora_name, body.lora_path, body.load_inplace)
         except LoRANameError as exc:
             raise bad_request(str(exc), "lora_name", "model_name_taken" if exc.taken else None) from None
         except ValueError as exc:

@@ -584,10 +584,12 @@ class ErrorResponse(BaseModel):
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """``POST /v1/load_lora_adapter`` (with ``--allow-runtime-lora-updating``)."""
+    """``POST /v1/load_lora_adapter`` (with ``--allow-runtime-lora-updating``); ``load_inplace`` (vLLM's): replace
+    the adapter served under that name."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -143,17 +143,19 @@ class ServerContext:
         whatever is unloaded meanwhile), else the served name."""
         return lora.lora_name if lora is not None else self.model_name
 
-    def add_lora(self, name: str, path: str) -> LoRARequest:
+    def add_lora(self, name: str, path: str, replace: bool = False) -> LoRARequest:
         """Serve the adapter at ``path`` as model ``name`` (read and checked by the engine; a fresh id, so a name
-        loaded again after an unload reads its files again). Blocks while the adapter is read: call it in a worker
-        thread while serving.
+        loaded again after an unload reads its files again). With ``replace``, an adapter already served as
+        ``name`` is replaced once the new one is read (requests that arrived before finish with the old one).
+        Blocks while the adapter is read: call it in a worker thread while serving.
 
         Raises:
-            LoRANameError: no name, or one taken (the base model's or another adapter's, or one being loaded).
+            LoRANameError: no name, or one taken (the base model's or, without ``replace``, another adapter's, or
+                one being loaded).
             ValueError: the adapter cannot be served.
         """
         with self._lora_lock:
-            if not name or name in self.model_names or name in self.loras or name in self._loading:
+            if not name or name in self.model_names or (name in self.loras and not replace) or name in self._loading:
                 whose = " by the served model" if name in self.model_names else "; unload that adapter first"
                 raise LoRANameError(f"the model name {name!r} is taken{whose}" if name else "an adapter needs a name",
                                     taken=bool(name))
@@ -161,7 +163,11 @@ class ServerContext:
             lora = LoRARequest(name, next(self._lora_ids), path)
         try:
             self.front.add_lora(lora)
-            self.loras[name] = lora
+            with self._lora_lock:
+                old = self.loras.get(name)
+                self.loras[name] = lora
+            if old is not None:
+                self.front.remove_lora(old.lora_int_id)
         finally:
             with self._lora_lock:
                 self._loading.discard(name)
