@@ -671,3 +671,29 @@ def test_text_whose_tokens_the_model_lacks_is_refused(tmp_path):
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert len(outs["good"].outputs[0].token_ids) == 3 and str(outs["good"].outputs[0].finish_reason) == "length"
+
+
+@pytest.mark.parametrize("exc_type", [RuntimeError, KeyboardInterrupt])
+def test_an_interrupt_inside_add_request_leaves_no_orphan(tiny_llama_dir, monkeypatch, exc_type):
+    """An exception or a KeyboardInterrupt (a signal handler) raised while a request's sequences are being added
+    leaves nothing behind: the scheduler held a sequence the engine did not know, and every later step failed."""
+    import plinth.core.engine as engine_module
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", selection="off")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    real = engine_module.IncrementalDetokenizer
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:   # the second prompt's detokenizer
+            raise exc_type("interrupted")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "IncrementalDetokenizer", flaky)
+    with pytest.raises(exc_type):
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    monkeypatch.setattr(engine_module, "IncrementalDetokenizer", real)
+    assert not llm.engine.has_unfinished_requests()
+    assert token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == before

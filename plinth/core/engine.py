@@ -598,7 +598,6 @@ class LLMEngine:
                     req.pooling = PoolState(self.pooling.kind, len(ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
-                self.scheduler.add_request(req)
                 detok = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
                          if self.tokenizer is not None and child_params.detokenize else None)
                 seq = _Sequence(req, detok, [] if params.logprobs is not None else None,
@@ -606,7 +605,8 @@ class LLMEngine:
                 seqs.append(seq)
                 self._seqs[seq_id] = seq
                 self._seq_to_group[seq_id] = group
-        except Exception:
+                self.scheduler.add_request(req)   # last: a sequence the scheduler holds is always known here
+        except BaseException:   # a refusal, or an interrupt (KeyboardInterrupt, a signal handler) mid-way
             self.scheduler.abort([s.request.request_id for s in seqs])
             for s in seqs:
                 self._seqs.pop(s.request.request_id, None)
