@@ -305,3 +305,16 @@ def test_bad_words_that_are_not_unicode_text_are_refused(llm):
     naming the field, not a tokenizer TypeError."""
     with pytest.raises(RequestRejectedError, match="^bad_words: a word is not valid Unicode text"):
         llm.generate([PROMPT], SamplingParams(max_tokens=2, bad_words=["\ud800"]), use_tqdm=False)
+
+
+def test_a_text_completed_by_the_last_token_allowed_ends_with_stop(llm):
+    """The constrained text completed by exactly the ``max_tokens``-th token ends with ``stop`` (the text ended it),
+    not ``length``, as it does with room to spare; one token fewer is a prefix cut by the limit."""
+    spec = {"choice": ["The quick brown fox jumps"]}
+    free = generate(llm, spec, max_tokens=50, temperature=0.0)[0]
+    assert free.text == "The quick brown fox jumps" and str(free.finish_reason) == "stop"
+    n = len(free.token_ids)
+    exact = generate(llm, spec, max_tokens=n, temperature=0.0)[0]
+    assert (exact.text, str(exact.finish_reason)) == (free.text, "stop")
+    short = generate(llm, spec, max_tokens=n - 1, temperature=0.0)[0]
+    assert free.text.startswith(short.text) and str(short.finish_reason) == "length"

@@ -914,6 +914,8 @@ class LLMEngine:
                         if state == FinishReason.ABORT:
                             self._drop_refused_token(seq, req, before[rid] + i)
                             break
+                elif req.matcher is not None and last and req.finish_reason == FinishReason.LENGTH:
+                    self._complete_at_the_limit(req, tok)
                 if seq.detok is None:
                     continue
                 _, stop_str = seq.detok.add_tokens([tok], finished=ended and last, stopped_by_token=by_token and last)
@@ -1046,6 +1048,8 @@ class LLMEngine:
                         self._drop_refused_token(seqs[rid], req, req.num_output_tokens - 1)
                         touched[groups[rid].request_id] = groups[rid]
                         continue
+            elif req.matcher is not None and req.finish_reason == FinishReason.LENGTH:
+                self._complete_at_the_limit(req, tok)
             detok = seqs[rid].detok
             if detok is not None:
                 _, stop_str = detok.add_tokens([tok], finished=ended, stopped_by_token=by_token)
@@ -1061,6 +1065,13 @@ class LLMEngine:
             if ended or not final_only:
                 group = groups[rid]
                 touched[group.request_id] = group
+
+    @classmethod
+    def _complete_at_the_limit(cls, req: Request, token: int) -> None:
+        """A constrained sequence ended by its token limit: when its last token completed the constrained text,
+        the text ended it (``stop``), not the limit."""
+        if cls._grammar_state(req, token) == FinishReason.STOP:
+            req.status = RequestStatus.FINISHED_STOPPED
 
     @staticmethod
     def _grammar_state(req: Request, token: int) -> FinishReason | None:
