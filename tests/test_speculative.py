@@ -398,6 +398,32 @@ def test_server_with_speculation(tmp_path):
     assert "must be one of ngram" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_drafts_leave_the_blocks_later_decodes_need():
+    """Speculation never preempts: a decode's drafts may not take the last free block when a decode after it in
+    the same step needs that block for its own token (the drafts are cut to what fits without it)."""
+    from test_scheduler import make_scheduler, req
+
+    for drafting in (False, True):
+        sched = make_scheduler(num_blocks=5, block_size=4, budget=64, prefix_caching=False)
+        if drafting:
+            sched.proposer = lambda r, limit: [7, 7, 7][:limit] if r.request_id == "a" else []
+        sched.add_request(req("a", [1, 2, 3]))                  # its first decode fits its block
+        sched.add_request(req("b", [1, 2, 3, 4, 5, 6, 7, 8]))   # its first decode needs a new block
+        sched.update_from_output(sched.schedule(), [9, 9])
+        assert sched.block_manager.num_free_blocks == 1
+        out = sched.schedule()
+        assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
+        assert not out.preempted_request_ids and sched.num_preemptions == 0
+    # with a block to spare, the drafts take it
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, prefix_caching=False)
+    sched.proposer = lambda r, limit: [7, 7, 7][:limit] if r.request_id == "a" else []
+    sched.add_request(req("a", [1, 2, 3]))
+    sched.add_request(req("b", [1, 2, 3, 4, 5, 6, 7, 8]))
+    sched.update_from_output(sched.schedule(), [9, 9])
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_drafts) for s in out.scheduled] == [("a", 3), ("b", 0)]
+
+
 def test_scheduler_limits_drafts():
     """Drafts fit the decode-row cap, the token budget and the request's max_tokens; a step with drafts rolls the
     computed tokens back to the accepted ones and keeps the blocks."""

@@ -79,6 +79,15 @@ class RequestRejectedError(UserFacingError, ValueError):
         self.param = param
 
 
+def _later_needs(needs: list[int]) -> list[int]:
+    """For each position, the sum of ``needs`` after it."""
+    out, total = [0] * len(needs), 0
+    for i in range(len(needs) - 1, -1, -1):
+        out[i] = total
+        total += needs[i]
+    return out
+
+
 class QueueFullError(UserFacingError, RuntimeError):
     """The waiting queue holds ``max_waiting_requests`` requests; retry later."""
 
@@ -320,10 +329,13 @@ class Scheduler:
             decodes.sort(key=self._rank)
             prefills.sort(key=self._rank)
         draft_room = (self.max_decode_rows - len(decodes) if self.max_decode_rows is not None else max_model_len)
+        # blocks the decodes after each one need for their own token (drafts may not take them)
+        reserve = ([0] * len(decodes) if self.proposer is None or draft_room <= 0
+                   else _later_needs([bm.blocks_to_take(r, 1) for r in decodes]))
         for is_decode, group in ((True, decodes), (False, prefills)):
             if not is_decode and (prefills or self.waiting):
                 budget = self._prefill_budget(budget, len(scheduled))
-            for req in group:
+            for index, req in enumerate(group):
                 if budget == 0:
                     break
                 if req.request_id in done or (preempted and req.status is not running):
@@ -333,7 +345,7 @@ class Scheduler:
                 num_new = min(num_tokens - start, budget)
                 if req.num_pending_tokens and not bm.can_allocate(req, num_new):
                     continue   # no preemption for a token that may end the request: next step, once known
-                drafts = (self._drafts(req, min(budget, draft_room + 1))
+                drafts = (self._drafts(req, min(budget, draft_room + 1), reserve[index])
                           if is_decode and self.proposer is not None and draft_room > 0 else ())
                 if drafts:   # verified with the token: the step samples after each of them
                     draft_room -= len(drafts)
@@ -409,16 +421,21 @@ class Scheduler:
             finished_request_ids=finished,
         )
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decode of ``req``, with their slots allocated (none when they would not fit the
-        budget, the request's limits or the free blocks: speculation never preempts)."""
+    def _drafts(self, req: Request, budget: int, reserved: int = 0) -> list[int]:
+        """Draft tokens for a decode of ``req``, with their slots allocated: cut to the budget, the request's
+        limits and the free blocks beyond ``reserved`` (those this step's later decodes need for their own token),
+        so speculation never preempts."""
         assert self.proposer is not None
         if req.num_pending_tokens:
             return []
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
         drafts = self.proposer(req, limit) if limit > 0 else []
-        if drafts and not self.block_manager.allocate_slots(req, 1 + len(drafts)):
+        bm = self.block_manager
+        room = bm.num_free_blocks - reserved
+        while drafts and bm.blocks_to_take(req, 1 + len(drafts)) > room:
+            drafts = drafts[:-1]   # the drafts that fit the blocks it holds and those left over
+        if drafts and not bm.allocate_slots(req, 1 + len(drafts)):
             return []
         return drafts
 
