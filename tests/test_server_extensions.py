@@ -310,6 +310,11 @@ def test_server_flag_checks(tmp_path, capsys):
     assert "needs both --ssl-keyfile and --ssl-certfile" in capsys.readouterr().err
     assert main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(tmp_path / "none.pem")]) == 2
     assert "is not a file" in capsys.readouterr().err
+    # files that are no key and certificate are refused before anything loads, naming both
+    assert main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(key)]) == 2
+    err = capsys.readouterr().err
+    assert f"--ssl-keyfile {str(key)!r} and --ssl-certfile {str(key)!r} cannot serve HTTPS" in err
+    assert "Uvicorn running" not in err and "Traceback" not in err
     for timeout in ("inf", "nan", "-1"):   # inf overflowed the join that bounds the shutdown, hiding the real error
         assert main(["serve", "--shutdown-timeout", timeout]) == 2
         assert "--shutdown-timeout must be between 0 and 604800 seconds" in capsys.readouterr().err
@@ -396,3 +401,26 @@ def test_max_logprobs_flag(model_dir):
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "logprobs": True, "top_logprobs": 31})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_sigterm_while_starting_interrupts_like_ctrl_c(capsys, monkeypatch):
+    """Until the server runs, SIGTERM interrupts the start as Ctrl-C does (what was started is stopped in the
+    finally blocks and the reason is said), and the previous handler comes back."""
+    import os
+    import signal
+    import time
+
+    from plinth.entrypoints import serve_cmd
+    from plinth.entrypoints.cli import main
+
+    def starting(args, startup):
+        os.kill(os.getpid(), signal.SIGTERM)   # while the model would be loading
+        time.sleep(10)   # the handler raises before this ends
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(serve_cmd, "_serve", starting)
+    t0 = time.monotonic()
+    assert main(["serve"]) == 130
+    assert time.monotonic() - t0 < 5 and "plinth serve: interrupted" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before

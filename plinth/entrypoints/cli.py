@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plinth {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print(f"plinth {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

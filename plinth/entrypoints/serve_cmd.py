@@ -233,12 +233,48 @@ def cors_settings(args: argparse.Namespace) -> Any:
                         _json_list(args.allowed_headers or '["*"]', "--allowed-headers"))
 
 
+def check_tls_files(keyfile: str, certfile: str) -> None:
+    """Load the key and certificate as the server will, before the model loads: a key that does not match the
+    certificate, a file that is no PEM, or a key behind a pass phrase is a one-line error naming both files
+    (never a prompt for the pass phrase).
+
+    Raises:
+        ServeError: naming the files and the problem.
+    """
+    import ssl
+
+    def no_pass_phrase() -> str:
+        raise ServeError(f"--ssl-keyfile {keyfile!r} is encrypted with a pass phrase; give an unencrypted key")
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=no_pass_phrase)
+    except (ssl.SSLError, OSError) as exc:
+        raise ServeError(f"--ssl-keyfile {keyfile!r} and --ssl-certfile {certfile!r} cannot serve HTTPS: "
+                         f"{getattr(exc, 'reason', None) or exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     startup = GcPause(freeze=True)   # no garbage collection while the server imports and loads the model
+    previous = _interrupt_on_sigterm()
     try:
         return _serve(args, startup)
     finally:
         startup.end()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt_on_sigterm() -> Any:
+    """Until the server runs (it then handles SIGTERM itself: a graceful stop), SIGTERM interrupts the start like
+    Ctrl-C, so what was started (worker processes, the socket) is stopped and the reason is said; the previous
+    handler, or ``None`` off the main thread."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    try:
+        return signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:   # not the main thread (an embedding program): its own handlers stand
+        return None
 
 
 def _serve(args: argparse.Namespace, startup: GcPause) -> int:
@@ -257,6 +293,8 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
         if path is not None and not os.path.isfile(path):
             raise ServeError(f"{flag} {path!r} is not a file")
+    if args.ssl_certfile is not None:
+        check_tls_files(args.ssl_keyfile, args.ssl_certfile)
     cors = cors_settings(args)
     lora_modules(args)   # a malformed --lora-modules fails before the model loads
     if args.allow_runtime_lora_updating and not args.enable_lora:
