@@ -532,6 +532,7 @@ def _patched(data: bytes, key: str, value: int, dims: bool = False) -> bytes:
     ("llama.attention.head_count_kv", 0, "head_count.*positive integer"),
     ("llama.attention.head_count_kv", 3, "multiple of the second"),
     ("llama.block_count", 100_000, "block_count is 100000, but the file has tensors of 2 blocks"),
+    ("llama.block_count", (1 << 32) - 1, "block_count is 4294967295"),   # compared without a set of that size
     ("llama.feed_forward_length", 1 << 30, "ffn_up.weight has 128 rows"),
     ("llama.embedding_length", 1 << 30, "token_embd.weight has shape"),
     ("token_embd.weight", (64, 128 + (1 << 58)), "impossible dimensions"),    # a size past 64 bits
@@ -545,6 +546,28 @@ def test_size_metadata_that_disagrees_with_the_tensors_is_refused_before_buildin
     path.write_bytes(_patched(raw, key, value, dims=isinstance(value, tuple)))
     with pytest.raises(ModelLoadError, match=match):
         read_gguf_config(str(path))
+
+
+def test_metadata_of_the_wrong_type_is_a_load_error(tmp_path):
+    """A number key holding an array or a string, and tokens that are no array of strings, are ModelLoadErrors
+    naming the key (they escaped as ValueError/TypeError tracebacks)."""
+    from plinth.model_registry.gguf_loader import _float32_value
+    from plinth.model_registry.gguf_tokenizer import load_gguf_tokenizer
+
+    for bad in (["a"], "12", True, None):
+        with pytest.raises(ModelLoadError, match="llama.rope.freq_base must be a number"):
+            _float32_value(bad, "llama.rope.freq_base")
+    assert _float32_value(np.float32(1e-5)) == 1e-05 and _float32_value(10000) == 10000.0
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_uint32("tokenizer.ggml.tokens", 0)
+    writer.add_array("tokenizer.ggml.merges", ["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.tokens must be an array of strings, got int"):
+        load_gguf_tokenizer(str(tmp_path / "t.gguf"), use_cache=False)
 
 
 def test_nested_arrays_and_a_non_string_architecture_are_refused(tmp_path):

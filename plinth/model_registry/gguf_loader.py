@@ -183,9 +183,15 @@ _ROPE_FREQS = "rope_freqs.weight"
 # ----------------------------------------------------------------------------------------------- opening
 
 
-def _float32_value(value: float) -> float:
+def _float32_value(value: float, key: str = "a metadata value") -> float:
     """A float32 metadata value as the shortest decimal that rounds to it (``1e-05``, not ``9.99999974e-06``);
-    beyond float32's range, infinity."""
+    beyond float32's range, infinity.
+
+    Raises:
+        ModelLoadError: ``value`` (of metadata ``key``) is not a number.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise ModelLoadError(f"GGUF: {key} must be a number, got {value!r}")
     with np.errstate(over="ignore"):
         return float(str(np.float32(value)))
 
@@ -244,7 +250,8 @@ def _check_sizes(options: dict[str, Any], tensors: dict[str, Any], name: str, pa
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ModelLoadError(f"GGUF file {path!r}: {name}.{what} must be a positive integer, got {value!r}")
     blocks = {int(m[1]) for m in map(_BLOCK_TENSOR.match, tensors) if m is not None}
-    if blocks != set(range(options["num_hidden_layers"])):
+    count = options["num_hidden_layers"]
+    if len(blocks) != count or (blocks and (min(blocks) != 0 or max(blocks) != count - 1)):   # 0..count-1, no range
         raise ModelLoadError(f"GGUF file {path!r}: {name}.block_count is {options['num_hidden_layers']}, but the "
                              f"file has tensors of {len(blocks)} blocks (blk.0 to blk.{max(blocks, default=-1)})")
     up = tensors.get("blk.0.ffn_up.weight")
@@ -392,7 +399,7 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         raise UnsupportedModelError(
             f"GGUF file {path!r} rotates {rotary_dim} of {head_dim} head dimensions; only full rotary is supported"
         )
-    rope_theta = _float32_value(reader.get(f"{name}.rope.freq_base", 10000.0))
+    rope_theta = _float32_value(reader.get(f"{name}.rope.freq_base", 10000.0), f"{name}.rope.freq_base")
     options: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
         "vocab_size": tensors["token_embd.weight"].shape[0],
@@ -403,8 +410,10 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": required("context_length"),
-        **({"layer_norm_eps": _float32_value(required("attention.layer_norm_epsilon"))} if arch.layer_norm else
-           {"rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon"))}),
+        **({"layer_norm_eps": _float32_value(required("attention.layer_norm_epsilon"),
+                                             f"{name}.attention.layer_norm_epsilon")} if arch.layer_norm else
+           {"rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon"),
+                                           f"{name}.attention.layer_norm_rms_epsilon")}),
         "rope_theta": rope_theta,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),

@@ -26,7 +26,7 @@ from typing import Any
 
 from plinth.config import cache_dir
 from plinth.errors import ModelLoadError
-from plinth.model_registry.gguf_file import GGUFFile, open_gguf
+from plinth.model_registry.gguf_file import GGUFFile, StringArray, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,10 @@ def load_gguf_tokenizer(path: str, use_cache: bool = True) -> Any:
             f"GGUF file {path!r} holds no tokenizer (no tokenizer.ggml.model/tokens metadata); "
             "give a tokenizer directory separately"
         )
+    tokens = reader.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, StringArray) and not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+        raise ModelLoadError(f"GGUF file {path!r}: tokenizer.ggml.tokens must be an array of strings, got "
+                             f"{type(tokens).__name__}")
     if reader.get("tokenizer.ggml.model") == "gpt2" and "tokenizer.ggml.merges" not in reader.metadata:
         raise ModelLoadError(f"GGUF file {path!r}: its BPE tokenizer (tokenizer.ggml.model 'gpt2') has no "
                              "tokenizer.ggml.merges; give a tokenizer directory separately")
