@@ -623,11 +623,12 @@ def test_moe_grouped_gemm_multiplies_each_experts_block_of_slots(quant, sized):
 
 def test_moe_grouped_tiles_follow_the_rows_per_expert():
     """16-row blocks while experts get fewer than 64 rows on average; 64-row blocks from there, except for 4-bit
-    weights; always 128 x 64 tiles over 4 warps in 3 stages."""
+    weights; 128 x 64 tiles over 4 warps in 3 stages, except for float32 weights (the former tiles)."""
     assert ops.moe_grouped_tiles(32 * 8, 128, False) == (16, (128, 64, 4, 3))
     assert ops.moe_grouped_tiles(2048 * 8, 128, False) == (64, (128, 64, 4, 3))
     assert ops.moe_grouped_tiles(2048 * 8, 128, True) == (16, (128, 64, 4, 3))
     assert ops.moe_grouped_tiles(64 * 128 - 1, 128, False)[0] == 16
+    assert ops.moe_grouped_tiles(2048 * 8, 128, False, float32_weights=True) == (32, (64, 64, 4, 2))
 
 
 @needs_interpreter

@@ -330,14 +330,19 @@ MOE_GROUPED_BLOCK_M = 32
 MOE_GROUPED_TILES = (64, 64, 4, 2)
 
 
-def moe_grouped_tiles(slots: int, num_experts: int, int_weights: bool) -> tuple[int, tuple[int, int, int, int]]:
+def moe_grouped_tiles(slots: int, num_experts: int, int_weights: bool,
+                      float32_weights: bool = False) -> tuple[int, tuple[int, int, int, int]]:
     """``(block_m, (BLOCK_N, BLOCK_K, warps, stages))`` for a :func:`moe_grouped_gemm` step of ``slots`` token
     copies over ``num_experts`` experts, by the rows an expert gets on average: blocks of 16 rows (less padding in
     each expert's last block) below 64, and of 64 rows from there for float and FP8 weights (4-bit ones, widened
     with more work per weight, keep 16); 128 x 64 weight tiles, 4 warps, 3 stages. Timed on an H100 with
     ``benchmarks/moe_experts.py --sweep-tiles`` (Qwen3-30B-A3B's expert shapes; benchmarks/RESULTS.md): against
     the former 32-row, 64 x 64, 2-stage tiles, 1.45-2.0x faster at 32 and 256 tokens and 2.1-2.3x at 2,048 (FP8
-    and 4-bit experts); a batch-32 decode step of the whole model with FP8 experts 33.8 -> 21.6 ms."""
+    and 4-bit experts); a batch-32 decode step of the whole model with FP8 experts 33.8 -> 21.6 ms. Float32 weights
+    (float32 models) keep the former tiles: three stages of 128 x 64 float32 tiles would not fit the shared memory of
+    smaller GPUs."""
+    if float32_weights:
+        return MOE_GROUPED_BLOCK_M, MOE_GROUPED_TILES
     block_m = 64 if slots >= 64 * num_experts and not int_weights else 16
     return block_m, (128, 64, 4, 3)
 

@@ -262,7 +262,8 @@ class FusedMoE(nn.Module):
         (gate/up rows in sorted order, down projection outputs back in slot order), then one weighted sum per
         token."""
         block_m, tiles = self.grouped_kernel_tiles or ops.moe_grouped_tiles(
-            ids.numel(), self.num_experts, "int_codes" in (self._gemv_args("w13") or {}))
+            ids.numel(), self.num_experts, "int_codes" in (self._gemv_args("w13") or {}),
+            self.w13_weight.dtype == torch.float32)
         blocks = ops.moe_sorted_blocks(ids, self.num_experts, block_m)
         x = x if x.stride(-1) == 1 else x.contiguous()
         gate_up = ops.moe_grouped_gemm(x, self.w13_weight, self.w13_bias, blocks, gather_div=ids.shape[1],
