@@ -216,8 +216,8 @@ class ModelConfig:
             raise ConfigError(f"reasoning_parser must be a parser's name, got {self.reasoning_parser!r}")
         if (self.pooling is not None or self.normalize_embeddings is not None) and self.task != "embed":
             raise ConfigError("pooling and normalize_embeddings need task='embed'")
-        dtype = str(self.dtype).removeprefix("torch.") if type(self.dtype).__name__ == "dtype" else self.dtype
-        dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        dtype = self.dtype if isinstance(self.dtype, str) else str(self.dtype).removeprefix("torch.")   # torch.bfloat16
+        dtype = DTYPE_ALIASES.get(dtype, dtype)
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)}, or a torch "
                               f"dtype), got {self.dtype!r}")

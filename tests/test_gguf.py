@@ -418,12 +418,8 @@ def test_missing_metadata(tmp_path):
     path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     with pytest.raises(ModelLoadError, match="llama.embedding_length"):
-        read_gguf_config(str(path))
+        read_gguf_config(finish(writer, path))
 
 
 def gemma_model(arch: str = "gemma3", **overrides):
@@ -562,12 +558,8 @@ def test_metadata_of_the_wrong_type_is_a_load_error(tmp_path):
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_uint32("tokenizer.ggml.tokens", 0)
     writer.add_array("tokenizer.ggml.merges", ["a b"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     with pytest.raises(ModelLoadError, match="tokenizer.ggml.tokens must be an array of strings, got int"):
-        load_gguf_tokenizer(str(tmp_path / "t.gguf"), use_cache=False)
+        load_gguf_tokenizer(finish(writer, tmp_path / "t.gguf"), use_cache=False)
 
 
 def test_nested_arrays_and_a_non_string_architecture_are_refused(tmp_path):
@@ -598,12 +590,8 @@ def test_special_token_id_outside_the_vocabulary_is_refused(tmp_path):
     writer.add_bos_token_id(10 ** 6)
     writer.add_eos_token_id(2)
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     with pytest.raises(ModelLoadError, match="bos_token_id is 1000000, not the id of one of the file's 300 tokens"):
-        load_gguf_tokenizer(str(tmp_path / "t.gguf"), use_cache=False)
+        load_gguf_tokenizer(finish(writer, tmp_path / "t.gguf"), use_cache=False)
 
 
 # ----------------------------------------------------------------------------- the real default model

@@ -547,7 +547,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenize(prompt)
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None) if self.vocab_size else None
+            bad = self._out_of_vocab(ids)
             if bad is not None:   # a tokenizer with tokens the model's embedding was never resized for
                 raise RequestRejectedError(
                     f"the tokenizer gave token id {bad} ({self.tokenizer.convert_ids_to_tokens(bad)!r}) for this text, "
@@ -689,9 +689,13 @@ class LLMEngine:
                     seqs[ids] = None
         return [list(s) for s in seqs]
 
+    def _out_of_vocab(self, ids: Any) -> int | None:
+        """The first of ``ids`` outside the vocabulary, if any."""
+        return next((t for t in ids if not 0 <= t < self.vocab_size), None)
+
     def _check_vocab(self, ids: Any, param: str | None) -> None:
         """Refuse token ids outside the vocabulary (``param``: the field they came from; None: the prompt)."""
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = self._out_of_vocab(ids)
         if bad is not None:
             raise RequestRejectedError(f"{param + ': ' if param else ''}token id {bad} is out of range "
                                        f"[0, {self.vocab_size})", param=param)

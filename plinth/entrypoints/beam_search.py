@@ -78,27 +78,21 @@ class BeamSearchOutput:
     sequences: list[BeamSequence]
 
 
-def _log_terms(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
-    """``log(-cumulative_logprob) - length_penalty * log(length)``: the log of minus the score, for a beam whose
-    cumulative log-probability is negative (-inf for one of 0)."""
+def _length(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int]) -> int:
+    """The length a beam's score divides by: prompt and generated tokens, an ending EOS not counted (at least 1)."""
     length = num_prompt + len(beam.token_ids)
     if beam.token_ids and beam.token_ids[-1] in eos_ids:
         length -= 1
-    if beam.cumulative_logprob >= 0:
-        return -math.inf
-    return math.log(-beam.cumulative_logprob) - length_penalty * math.log(max(length, 1))
+    return max(length, 1)
 
 
 def score(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
     """``cumulative_logprob / length ** length_penalty`` (length: prompt and generated tokens, an ending EOS
     not counted); a ``length_penalty`` so large that the power overflows gives -0.0, so negative that it
     underflows -inf (the ranking uses :func:`rank_key`)."""
-    length = num_prompt + len(beam.token_ids)
-    if beam.token_ids and beam.token_ids[-1] in eos_ids:
-        length -= 1
     cumulative = beam.cumulative_logprob
     try:
-        return cumulative / max(length, 1) ** length_penalty
+        return cumulative / _length(num_prompt, beam, eos_ids) ** length_penalty
     except OverflowError:
         return -0.0 if cumulative < 0 else 0.0
     except ZeroDivisionError:
@@ -106,9 +100,12 @@ def score(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_pe
 
 
 def rank_key(num_prompt: int, beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
-    """Larger for a better beam, in the order of :func:`score` but without its overflow to -inf or underflow
-    to 0 (beams whose scores round alike still rank by their true scores)."""
-    return -_log_terms(num_prompt, beam, eos_ids, length_penalty)
+    """Larger for a better beam, in the order of :func:`score` but computed in logarithms, without its overflow to
+    -inf or underflow to 0 (beams whose scores round alike still rank by their true scores): minus
+    ``log(-cumulative_logprob) - length_penalty * log(length)`` (+inf for a cumulative log-probability of 0)."""
+    if beam.cumulative_logprob >= 0:
+        return math.inf
+    return length_penalty * math.log(_length(num_prompt, beam, eos_ids)) - math.log(-beam.cumulative_logprob)
 
 
 def check_prompts(starts: list[list[int]], limit: int) -> None:
