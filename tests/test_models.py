@@ -457,6 +457,24 @@ def test_context_length_takes_the_rope_scaling_factor(rope, expected, tmp_path):
         assert LLM(str(path), dtype="float32", selection="off").engine.max_model_len == 256
 
 
+def test_max_model_len_beyond_the_context_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """As vLLM: a ``max_model_len`` above the derived context is a configuration error naming both numbers and
+    the variable that allows it; with the variable on, the engine runs at the length asked for."""
+    from conftest import save_tiny_model
+
+    from plinth import LLM
+    from plinth.config import ConfigError
+
+    path = save_tiny_model(tmp_path / "m", max_position_embeddings=64)
+    monkeypatch.delenv("PLINTH_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ConfigError, match="max_model_len 100 exceeds the model's context length 64.*"
+                                          "PLINTH_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        LLM(str(path), dtype="float32", selection="off", max_model_len=100)
+    assert LLM(str(path), dtype="float32", selection="off", max_model_len=64).engine.max_model_len == 64
+    monkeypatch.setenv("PLINTH_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert LLM(str(path), dtype="float32", selection="off", max_model_len=100).engine.max_model_len == 100
+
+
 def test_rope_parameters_from_old_style_config():
     from plinth.model_registry.layers.rotary import rope_parameters
 

@@ -58,9 +58,14 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
         ``executor`` runs the steps.
     """
     from plinth.distributed.executor import create_distributed_executor
-    from plinth.model_registry.layers.rotary import context_length
     from plinth.model_registry.loader import resolve_dtype, resolve_model_source
-    from plinth.worker.setup import EngineParts, generation_defaults, load_tokenizer, read_chat_template
+    from plinth.worker.setup import (
+        EngineParts,
+        generation_defaults,
+        load_tokenizer,
+        read_chat_template,
+        resolve_max_model_len,
+    )
 
     source = resolve_model_source(config.model)
     source.check_task(config.model.task)
@@ -68,8 +73,7 @@ def build_distributed_parts(config: EngineConfig, platform: Any, executor_name: 
     validate_parallel_layout(hf, source.architecture, config.parallel)
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
     tokenizer = load_tokenizer(source, config)
-    limit = context_length(hf)   # max_position_embeddings, times a RoPE scaling factor that extends it
-    max_model_len = config.model.max_model_len or limit
+    max_model_len = resolve_max_model_len(config, hf)
     chat_template = read_chat_template(config.model.chat_template)
     default_sampling, eos = generation_defaults(source, config, tokenizer)
     executor = (executor_factory(config) if executor_factory is not None

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from plinth.attention_backends.interface import AttentionSpec, kv_cache_torch_dtype
-from plinth.config import EngineConfig
+from plinth.config import ConfigError, EngineConfig, env_flag
 from plinth.errors import ModelLoadError
 from plinth.worker.model_runner import ModelRunner
 
@@ -38,6 +38,33 @@ class EngineParts:
     executor: Any = None         # a plinth.distributed executor; None: the runner runs in-process
     config: EngineConfig | None = None   # the configuration with the platform's scheduler defaults filled in
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)   # the generation config's
+
+
+#: lets ``max_model_len`` exceed the model's context (vLLM: ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)
+LONG_MAX_MODEL_LEN_ENV = "PLINTH_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def resolve_max_model_len(config: EngineConfig, hf: Any) -> int:
+    """``max_model_len``, or the model's context when unset (``context_length``).
+
+    Raises:
+        ConfigError: a ``max_model_len`` above the model's context, unless ``PLINTH_ALLOW_LONG_MAX_MODEL_LEN`` is on
+            (positions the model was not trained for give wrong outputs, as vLLM warns).
+    """
+    from plinth.model_registry.layers.rotary import context_length
+
+    limit = context_length(hf)   # max_position_embeddings, times a RoPE scaling factor that extends it
+    wanted = config.model.max_model_len
+    if not wanted:
+        return limit
+    if wanted > limit:
+        if not env_flag(LONG_MAX_MODEL_LEN_ENV, False):
+            raise ConfigError(f"max_model_len {wanted} exceeds the model's context length {limit} "
+                              "(max_position_embeddings, times a RoPE scaling factor that extends it): positions "
+                              f"beyond it give wrong outputs; set {LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway")
+        logger.warning("max_model_len %d exceeds the model's context length %d (allowed by %s)", wanted, limit,
+                       LONG_MAX_MODEL_LEN_ENV)
+    return wanted
 
 
 def generation_defaults(source: Any, config: EngineConfig, tokenizer: Any) -> tuple[dict[str, Any], tuple[int, ...]]:
@@ -228,7 +255,6 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     from plinth.distributed.executor import resolve_executor_name
     from plinth.lora.layers import enable_lora_for
     from plinth.model_registry.interface import ModelContext
-    from plinth.model_registry.layers.rotary import context_length
     from plinth.model_registry.loader import load_model, resolve_dtype, resolve_model_source
     from plinth.platforms.selection import select_platform
     from plinth.quantization.resolve import resolve_quantization
@@ -250,11 +276,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     quant_method = resolve_quantization(config, source, platform, dtype, device)
     tokenizer = load_tokenizer(source, config)
     default_sampling, eos = generation_defaults(source, config, tokenizer)
-    limit = context_length(hf)   # max_position_embeddings, times a RoPE scaling factor that extends it
-    max_model_len = config.model.max_model_len or limit
-    if config.model.max_model_len and config.model.max_model_len > limit:
-        logger.warning("max_model_len %d exceeds the model's context length %d (max_position_embeddings, times a "
-                       "RoPE scaling factor that extends it)", max_model_len, limit)
+    max_model_len = resolve_max_model_len(config, hf)
     spec = attention_spec(hf, dtype, config.cache.block_size, config.cache.kv_cache_dtype)
     workload = AttentionWorkload.for_engine(*config.scheduler.limits,
                                             max_model_len, hf.num_hidden_layers)
