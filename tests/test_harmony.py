@@ -43,7 +43,7 @@ def test_messages_split_headers_and_bodies():
     ("<|channel|>analysis<|message|>still thinking", Split("still thinking", "")),
     ("Just text.", Split("", "Just text.")),                          # not the format: all answer
     (ANALYSIS + CALL, Split("The user asks 2+2.", CALL)),             # a call stays in its markup
-    ("<|channel|>commentary<|message|>Checking.<|end|>" + FINAL, Split("", "Checking.It is 4.")),   # preamble
+    ("<|channel|>commentary<|message|>Checking.<|end|>" + FINAL, Split("", "Checking.\nIt is 4.")),   # preamble: its own line
 ])
 def test_reasoning_parser(text, split):
     assert stream_split(GptOssReasoningParser(), text) == split
@@ -229,7 +229,7 @@ def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
                       "<|start|>assistant<|channel|>final<|message|>F.")
     whole = client.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json()
     assert [(i["type"], (i["content"] or [{}])[0].get("text"), i["status"]) for i in whole["output"]] == [
-        ("reasoning", "Think one.", "completed"), ("message", "Pre.F.", "completed"),
+        ("reasoning", "Think one.", "completed"), ("message", "Pre.\nF.", "completed"),
         ("reasoning", "Think two.", "completed")]   # as streamed (below)
     with client.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
         payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
@@ -237,7 +237,7 @@ def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
     events = [adapter.validate_python(p) for p in payloads]
     final = events[-1].response
     assert [(i.type, i.content[0].text) for i in final.output] == [
-        ("reasoning", "Think one."), ("message", "Pre.F."), ("reasoning", "Think two.")]
+        ("reasoning", "Think one."), ("message", "Pre.\nF."), ("reasoning", "Think two.")]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
     assert added == [(0, "reasoning"), (1, "message"), (2, "reasoning")]

@@ -137,6 +137,13 @@ def messages(text: str, final: bool) -> list[Message]:
     return out
 
 
+def separated(previous: Message | None, m: Message) -> str:
+    """``m``'s body, after a line break where it follows another message's body of the same kind (a preamble and
+    the final answer, two stretches of thinking): the messages are separate paragraphs, not one run of words."""
+    joined = previous is not None and previous.header and m.header and previous.recipient is None
+    return "\n" + m.body if joined else m.body
+
+
 class GptOssReasoningParser(ReasoningParser):
     """The ``analysis`` channel as the thinking; the other messages as the answer (call messages in markup)."""
 
@@ -149,15 +156,19 @@ class GptOssReasoningParser(ReasoningParser):
     def scan(self, text: str, final: bool) -> Split:
         thinking, answer = [], []
         found = messages(text, final)
+        last_thought = last_said = None
         for i, m in enumerate(found):
             if m.header and m.channel == "analysis" and m.recipient is None:
-                thinking.append(m.body)
+                thinking.append(separated(last_thought, m))
+                last_thought = m
             elif m.header and m.recipient is not None:
                 # for the tool parser, with an end token where more follows (so that its body ends there)
                 closed = m.end or i == len(found) - 1
                 answer.append(m.markup if closed else m.markup + "<|end|>")
+                last_said = m
             else:
-                answer.append(m.body)
+                answer.append(separated(last_said, m))
+                last_said = m
         return Split("".join(thinking), "".join(answer))
 
 
@@ -170,10 +181,13 @@ class GptOssToolParser(ToolParser):
 
     def scan(self, text: str, final: bool) -> Scan:
         segments, calls = [""], []
+        last = None
         for m in messages(text, final):
             if not (m.header and m.recipient is not None):
-                segments[-1] += m.body
+                segments[-1] += separated(last, m)
+                last = m
                 continue
+            last = m
             call = self._call(m)
             if call is not None:
                 calls.append(call)

@@ -210,7 +210,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     # the items the stream gives: the thinking before the answer, the answer, thinking written after it (gpt-oss
     # may think again); the last one the model wrote is cut short with the response
     first = _thinking_before_answer(ctx, final.outputs[0].text) if text else reply.thinking
-    late = reply.thinking[len(first):] if reply.thinking.startswith(first) else ""
+    # (its own item: without the line break that parts it from the earlier thinking in a chat reply)
+    late = reply.thinking[len(first):].removeprefix("\n") if reply.thinking.startswith(first) else ""
     first = first if late else reply.thinking
     items = [body.reasoning(first, "completed" if text else _item_status(status))] if first else []
     items.append(body.message(text, _item_status(status)))
@@ -358,7 +359,7 @@ async def _events(ctx: ServerContext, body: _Body, events: AsyncIterator[tuple[i
     item = body.message(text, _item_status(status))
     yield event("response.output_item.done", output_index=message, item=item)
     items.append(item)   # at its output index: nothing else was added after it opened
-    late = reply.thinking[sent_thinking:]
+    late = reply.thinking[sent_thinking:].removeprefix("\n")
     if late:   # thinking written after the answer began (gpt-oss may think again): a reasoning item after it
         late_id, index = random_id("rs"), len(items)
         yield event("response.output_item.added", output_index=index, item=body.reasoning("", "in_progress", late_id))
