@@ -108,6 +108,27 @@ def test_a_failure_mid_stream_ends_with_the_error_events(client, monkeypatch):
     assert "device fell over" not in json.dumps(payloads)   # an unexpected error's text stays in the server log
 
 
+def test_an_aborted_request_is_cancelled_alike_streamed_or_not(client, monkeypatch):
+    """A request the engine aborts (at shut-down): status ``cancelled`` with the same error object, streamed (in
+    ``response.failed``, the API having no cancelled event) or not."""
+    from plinth.core.request import CompletionOutput, FinishReason, RequestOutput
+    from plinth.entrypoints.openai.serving import ServerContext
+
+    async def aborted(self, rid, prompt, params, priority=0, lora=None, accepted=None):
+        yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, "Hel", [], finish_reason=None)], False)
+        yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, "Hello", [], FinishReason.ABORT)], True)
+
+    monkeypatch.setattr(ServerContext, "generate", aborted)
+    body = {"model": "tiny", "input": "hi"}
+    plain = client.post("/v1/responses", json=body).json()
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
+    assert last["type"] == "response.failed"
+    assert plain["status"] == last["response"]["status"] == "cancelled"
+    assert plain["error"] == last["response"]["error"] == {"code": "server_error",
+                                                           "message": "the request was cancelled"}
+    assert plain["output"][0]["content"][0]["text"] == last["response"]["output"][0]["content"][0]["text"] == "Hello"
+
 def test_stream_events(client):
     """Every event parses as the SDK's event types, in the API's order, numbered from 0; the deltas add up to
     the final text, which equals the non-streamed response's."""
@@ -244,10 +265,11 @@ def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):
     assert [(e.output_index, e.item.type) for e in added] == [(0, "reasoning"), (1, "message")]
 
 
-@pytest.mark.parametrize("finish", ["answered", "cut_off"])
+@pytest.mark.parametrize("finish", ["answered", "cut_off", "no_thinking", "empty"])
 def test_usage_counts_the_reasoning_tokens(tmp_path, monkeypatch, finish):
     """``usage.output_tokens_details.reasoning_tokens``: the output tokens that wrote the thinking (its markers
-    included), streamed or not; all of them for a reply cut off while thinking."""
+    included), streamed or not; all of them for a reply cut off while thinking; none for a reply without thinking,
+    even one that opens with white space or is empty (only the EOS)."""
     from starlette.testclient import TestClient
 
     from plinth.config import EngineConfig
@@ -266,9 +288,14 @@ def test_usage_counts_the_reasoning_tokens(tmp_path, monkeypatch, finish):
     answer = tok.encode("Blue." if finish == "answered" else "", add_special_tokens=False)
     if finish == "cut_off":
         thinking = thinking[:-3]
+    if finish in ("no_thinking", "empty"):
+        thinking = []
+        answer = (tok.encode("\n\n Hello world", add_special_tokens=False) if finish == "no_thinking"
+                  else [engine.eos_token_ids[0]])
     ids = thinking + answer
-    text = tok.decode(ids)
-    assert text.startswith("<think>the sky") and text.endswith("Blue." if finish == "answered" else "")
+    text = tok.decode(ids, skip_special_tokens=True)
+    if thinking:
+        assert text.startswith("<think>the sky") and text.endswith("Blue." if finish == "answered" else "")
 
     async def scripted(self, rid, prompt, params, priority=0, lora=None, accepted=None):
         reason = FinishReason.STOP if finish == "answered" else FinishReason.LENGTH
@@ -281,5 +308,5 @@ def test_usage_counts_the_reasoning_tokens(tmp_path, monkeypatch, finish):
         with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}) as r:
             last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
     assert usage["output_tokens"] == len(ids)
-    assert usage["output_tokens_details"]["reasoning_tokens"] == len(thinking) > 0
+    assert usage["output_tokens_details"]["reasoning_tokens"] == len(thinking)
     assert last["response"]["usage"] == usage

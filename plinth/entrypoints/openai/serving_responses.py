@@ -132,6 +132,9 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 
+#: the error of a response whose request the engine aborted (at shut-down)
+CANCELLED = "the request was cancelled"
+
 class _Body:
     """The response object as it grows (the same fields in every event and in the final answer)."""
 
@@ -218,8 +221,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     if late:
         items.append(body.reasoning(late, _item_status(status), random_id("rs")))
     out = body.response(status, items, final, await _reasoning_tokens(ctx, final, prep.params.skip_special_tokens))
-    if final.error:
-        out["error"] = {"code": "server_error", "message": final.error}
+    if status in ("failed", "cancelled"):   # as the stream's response.failed says it
+        out["error"] = {"code": "server_error", "message": final.error or CANCELLED}
     return JSONResponse(out)
 
 
@@ -262,6 +265,8 @@ async def _reasoning_tokens(ctx: ServerContext, final: RequestOutput, skip_speci
             return _first_holding(len(ids), holds)
 
         whole = text(len(ids))
+        if not parser().scan(whole, True).reasoning and parser.START not in whole and parser.END not in whole:
+            return 0   # no thinking (white space before the answer, or an empty reply, is none)
         written = first(lambda m: len(text(m)) >= len(whole))   # the tokens that wrote the text (not a final EOS)
         answer = first(lambda m: bool(parser().scan(text(m), False).content.strip()))
         if answer > written:
@@ -371,7 +376,7 @@ async def _events(ctx: ServerContext, body: _Body, events: AsyncIterator[tuple[i
                          await _reasoning_tokens(ctx, final, skip_special) if final is not None else 0)
     if status in ("failed", "cancelled"):
         done["error"] = {"code": "server_error", "message": failure or (final.error if final else None)
-                         or "the request was cancelled"}
+                         or CANCELLED}
         yield event("response.failed", response=done)
     else:
         yield event(f"response.{status}", response=done)
