@@ -116,7 +116,7 @@ def test_an_aborted_request_is_cancelled_alike_streamed_or_not(client, monkeypat
 
     async def aborted(self, rid, prompt, params, priority=0, lora=None, accepted=None):
         yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, "Hel", [], finish_reason=None)], False)
-        yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, "Hello", [], FinishReason.ABORT)], True)
+        yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, "Hello", [], finish_reason=FinishReason.ABORT)], True)
 
     monkeypatch.setattr(ServerContext, "generate", aborted)
     body = {"model": "tiny", "input": "hi"}
