@@ -149,7 +149,7 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 def admit(bm: BlockManager, tokens: list[int]) -> Request:
     req = make_request(tokens)
     cached, n = bm.get_computed_blocks(req)
-    assert bm.allocate_slots(req, len(tokens) - n, cached)
+    assert bm.allocate_slots(req, len(tokens) - n, cached, query=True)
     req.num_computed_tokens = len(tokens)
     return req
 

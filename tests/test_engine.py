@@ -88,6 +88,19 @@ def test_preemption_keeps_outputs(tiny_llama_dir, reference):
     assert token_ids(outs) == reference
 
 
+def test_prefix_cache_queries_count_first_admissions_only(tiny_llama_dir, reference):
+    """The prefix cache's counters (behind ``plinth_prefix_cache_hit_rate``) count each request's first admission:
+    a preempted request taking back its own blocks when it resumes is no query and no hit (distinct prompts: no
+    hits at all), and a prompt whose every position's logits are wanted skips the lookup and is no query."""
+    llm = llm_for(tiny_llama_dir, num_blocks=24)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == reference and llm.engine.scheduler.stats().num_preemptions > 0
+    s = llm.engine.block_manager.stats
+    assert (s.queries, s.query_tokens, s.hit_tokens) == (len(PROMPTS), sum(len(o.prompt_token_ids) for o in outs), 0)
+    assert llm.engine.stats()["prefix_cache_hit_rate"] == 0.0
+    llm.generate(PROMPTS[0], greedy(2, prompt_logprobs=1), use_tqdm=False)
+    assert s.queries == len(PROMPTS)
+
 def test_priority_policy_keeps_outputs_and_fcfs_refuses_priorities(tiny_llama_dir, reference, llm):
     """With scheduling_policy="priority", priorities reorder and preempt (a small cache) but never change a
     greedy output (transformers' tokens); first come, first served refuses a priority."""

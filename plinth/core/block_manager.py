@@ -42,8 +42,9 @@ _Key = tuple[int, tuple[int, ...]]
 class PrefixCacheStats:
     """Counters since construction (or the last :meth:`BlockManager.reset_stats`).
 
-    A query is one admission of a request (counted when its blocks are allocated, so that a
-    request waiting for blocks is not counted once per step).
+    A query is a request's first admission that looked up the cache (counted when its blocks are allocated, so
+    that a request waiting for blocks is not counted once per step; a preempted request taking its own blocks back
+    when it resumes, or a prompt whose every position's logits are wanted, is not one).
     """
 
     queries: int = 0          # admissions that looked up the cache
@@ -169,7 +170,8 @@ class BlockManager:
 
     # ---------------------------------------------------------------- changes
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (),
+                       query: bool = False) -> bool:
         """Grow the request's blocks so that ``num_computed + num_new_tokens`` tokens fit.
 
         Args:
@@ -209,7 +211,7 @@ class BlockManager:
             # a decode's one token (and the drafts after it) completes a block while this step computes it
             self._register_full_blocks(request, min(num_total, request.num_tokens), chain,
                                        filling=num_new_tokens == 1 or num_total > request.num_tokens)
-            if is_admission:
+            if is_admission and query:
                 self._record_query(request, len(cached_blocks))
         return True
 

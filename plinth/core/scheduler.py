@@ -402,7 +402,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
                     break
                 num_new = budget
-            if not bm.allocate_slots(req, num_new, cached):
+            if not bm.allocate_slots(req, num_new, cached, query=self._queries(req)):
                 break
             scheduled.append(self._admit(req, num_new, num_cached, skipped))
             new_ids.append(req.request_id)
@@ -446,6 +446,12 @@ class Scheduler:
         """Whether ``req``'s LoRA adapter can run beside ``adapters`` (at most ``max_loras`` of them: one device
         slot each)."""
         return req.lora_id in adapters or len(adapters) < self.max_loras
+
+    @staticmethod
+    def _queries(req: Request) -> bool:
+        """Whether admitting ``req`` counts as a prefix-cache query: its first admission, with the lookup made
+        (a resumed request finding its own blocks again is no query, as in vLLM's hit rate)."""
+        return req.status == RequestStatus.WAITING and req.sampling_params.prompt_logprobs is None
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
         if req.sampling_params.prompt_logprobs is None:
@@ -514,7 +520,7 @@ class Scheduler:
         if self.config.enable_chunked_prefill or head.num_output_tokens:
             num_new = self._fitting_chunk(head, num_new, cached, reserved)
         if num_new <= 0 or bm.blocks_to_take(head, num_new, cached) + reserved > bm.num_free_blocks \
-                or not bm.allocate_slots(head, num_new, cached):
+                or not bm.allocate_slots(head, num_new, cached, query=self._queries(head)):
             return 0
         early.append(self._admit(head, num_new, num_cached))
         done.add(head.request_id)
