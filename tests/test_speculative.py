@@ -181,6 +181,25 @@ def test_same_tokens_as_without_speculation(pair, params):
     assert _accepted(spec) > before, "no draft was accepted: the comparison did not exercise verification"
 
 
+@pytest.mark.parametrize("stop_at", [1, 2, 3])
+def test_accepted_drafts_counted_up_to_a_stop_among_them(model_dir, base, stop_at):
+    """Drafts that all verify, with a stop token among them: the accepted count is the drafts kept (up to and with
+    the stop token), not one fewer as if the last token kept were the step's own sample."""
+    refs = [o.outputs[0].token_ids for o in base.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                    ignore_eos=True), use_tqdm=False)]
+    prompt, ref = next((p, r) for p, r in zip(PROMPTS, refs, strict=True) if len(set(r[:4])) == 4)
+    spec = _llm(model_dir, {"method": "ngram", "num_speculative_tokens": 3})
+    sched = spec.engine.scheduler
+    sched.proposer = lambda req, limit: list(ref[req.num_output_tokens:req.num_output_tokens + min(limit, 3)])
+    out = spec.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=[ref[stop_at]]), use_tqdm=False)[0].outputs[0]
+    assert ref[stop_at] not in ref[:stop_at], "the stop token must first appear where it is put"
+    assert out.token_ids == ref[:stop_at + 1] and out.finish_reason == "stop"
+    stats = spec.engine.stats()["speculative"]
+    # the prompt's step samples the first token; the next step verifies 3 drafts and keeps them up to the stop
+    assert (stats["num_draft_tokens"], stats["num_accepted_tokens"]) == (3, stop_at)
+    spec.close()
+
 def test_stop_conditions_inside_a_verified_step(pair, monkeypatch):
     """Stop strings, stop tokens, min_tokens and max_tokens that fall among a step's accepted tokens end the output
     exactly where they end it without speculation (text, tokens, finish and stop reasons)."""

@@ -900,7 +900,7 @@ class LLMEngine:
                 self._record_logprobs([req] * len(tokens), pos, tokens)
         finished = {r.request_id for r in self.scheduler.update_from_output(out, per_entry)}
         seqs, groups = self._seqs, self._seq_to_group
-        for req, _, _ in kept:
+        for req, taken, _ in kept:
             rid = req.request_id
             ended = rid in finished
             if not ended and req.is_finished:
@@ -939,8 +939,9 @@ class LLMEngine:
                 break
             if seq.logprobs is not None and len(seq.logprobs) > req.num_output_tokens:
                 self._trim_logprobs(seq, req)
-            if stats is not None and rid in drafted:   # the drafts it kept (not those after a stop)
-                stats.num_accepted_tokens += max(0, req.num_output_tokens - before[rid] - 1)
+            if stats is not None and rid in drafted:   # the drafts it kept (not those after a stop): all the
+                # verified tokens but the last (the sample after them), fewer when a stop came among them
+                stats.num_accepted_tokens += min(req.num_output_tokens - before[rid], len(taken) - 1)
             if ended or not final_only:
                 group = groups[rid]
                 touched[group.request_id] = group
