@@ -13,6 +13,11 @@ Metric names (all labelled with ``model_name``):
 - ``plinth_prefix_cache_hit_rate`` (gauge, 0..1: prompt tokens served from the prefix cache)
 - ``plinth_prompt_tokens_total``, ``plinth_generation_tokens_total`` (counters)
 - ``plinth_requests_finished_total`` (counter, label ``finish_reason``: stop, length, abort, error)
+- ``plinth_request_queue_time_seconds`` (histogram: arrival to first admission)
+- ``plinth_request_prompt_tokens``, ``plinth_request_generation_tokens`` (histograms, per finished request)
+- ``plinth_num_preemptions_total`` (counter: requests preempted, their blocks taken and recomputed later)
+- ``plinth_prefix_cache_queries_total``, ``plinth_prefix_cache_hits_total`` (counters, in tokens: prompt tokens
+  looked up at first admissions, and those found in the cache)
 - ``plinth_spec_decode_num_drafts_total``, ``plinth_spec_decode_num_draft_tokens_total``,
   ``plinth_spec_decode_num_accepted_tokens_total`` (counters, speculative decoding: sequence steps with drafts,
   draft tokens, accepted draft tokens)
@@ -33,6 +38,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 
                     20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                 0.75, 1.0, 2.5)
+
+#: tokens per request: 1, 2, 5, 10, 20, 50, ... up to 5 million
+_TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -72,12 +80,27 @@ class ServerMetrics:
                                  ["model_name", "finish_reason"], registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self._finished.labels(model_name, reason)   # export zeros from the start
-        # speculative decoding: the engine's running totals, added to the counters as they grow
-        self._spec = {key: Counter(f"plinth_spec_decode_{key}", help_text, lab, registry=r).labels(model_name)
-                      for key, help_text in (("num_drafts", "Sequence steps that carried draft tokens."),
-                                             ("num_draft_tokens", "Draft tokens computed."),
-                                             ("num_accepted_tokens", "Draft tokens accepted."))}
-        self._spec_seen = dict.fromkeys(self._spec, 0)
+        self.queue_time = Histogram("plinth_request_queue_time_seconds", "Time from arrival to the first admission.",
+                                    lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.request_prompt_tokens = Histogram("plinth_request_prompt_tokens", "Prompt tokens per finished request.",
+                                               lab, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.request_generation_tokens = Histogram("plinth_request_generation_tokens",
+                                                   "Generated tokens per finished request (all its sequences).",
+                                                   lab, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        # the engine's running totals (a path into its stats), added to the counters as they grow
+        totals = ((("num_preemptions",), "plinth_num_preemptions", "Requests preempted (recomputed later)."),
+                  (("prefix_cache", "query_tokens"), "plinth_prefix_cache_queries",
+                   "Prompt tokens looked up in the prefix cache (first admissions)."),
+                  (("prefix_cache", "hit_tokens"), "plinth_prefix_cache_hits",
+                   "Prompt tokens served from the prefix cache."),
+                  (("speculative", "num_drafts"), "plinth_spec_decode_num_drafts",
+                   "Sequence steps that carried draft tokens."),
+                  (("speculative", "num_draft_tokens"), "plinth_spec_decode_num_draft_tokens", "Draft tokens computed."),
+                  (("speculative", "num_accepted_tokens"), "plinth_spec_decode_num_accepted_tokens",
+                   "Draft tokens accepted."))
+        self._totals = [(path, Counter(name, help_text, lab, registry=r).labels(model_name))
+                        for path, name, help_text in totals]
+        self._seen = [0] * len(self._totals)
 
     def count_finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
@@ -93,10 +116,14 @@ class ServerMetrics:
         the best beam's finish reason (``beams`` None: cut short, ``abort``, or ``error``)."""
         for i, n in enumerate(prompt_lens):
             self.prompt_tokens.inc(n)
+            self.request_prompt_tokens.observe(n)
             if beams is not None:
-                self.generation_tokens.inc(sum(len(b.token_ids) for b in beams[i]))
+                generated = sum(len(b.token_ids) for b in beams[i])
+                self.generation_tokens.inc(generated)
+                self.request_generation_tokens.observe(generated)
                 reason = str(beams[i][0].finish_reason) if beams[i] else "abort"
             else:
+                self.request_generation_tokens.observe(0)
                 reason = "error" if error else "abort"
             self.e2e.observe(seconds)
             self.count_finished(reason)
@@ -108,12 +135,14 @@ class ServerMetrics:
             self.waiting.set(engine_stats.get("num_waiting", 0))
             self.kv_usage.set(engine_stats.get("kv_cache_usage", 0.0))
             self.prefix_hit_rate.set(engine_stats.get("prefix_cache_hit_rate", 0.0))
-            spec = engine_stats.get("speculative") or {}
-            for key, counter in self._spec.items():
-                total = int(spec.get(key, 0))
-                if total > self._spec_seen[key]:
-                    counter.inc(total - self._spec_seen[key])
-                    self._spec_seen[key] = total
+            for i, (path, counter) in enumerate(self._totals):
+                total: Any = engine_stats
+                for key in path:
+                    total = (total or {}).get(key, 0)
+                total = int(total or 0)
+                if total > self._seen[i]:
+                    counter.inc(total - self._seen[i])
+                self._seen[i] = total   # (a total that fell was reset: counted on from there)
         return generate_latest(self.registry)
 
 
@@ -125,12 +154,20 @@ class RequestTracker:
         self._start = time.monotonic()
         self._last: float | None = None
         self._seen: list[int] = []      # tokens seen so far, per sequence
+        self._num_prompt: int | None = None
+        self._queued = False            # the queue time is observed
         self._finish_reason: str | None = None
         self._closed = False
 
     def observe(self, out: RequestOutput | Any) -> None:
         now = time.monotonic()
         m = self._m
+        met = getattr(out, "metrics", None)
+        if not self._queued and met is not None and met.first_scheduled_time is not None:
+            self._queued = True
+            m.queue_time.observe(max(met.first_scheduled_time - met.arrival_time, 0.0))
+        if self._num_prompt is None:
+            self._num_prompt = len(out.prompt_token_ids)
         if not isinstance(out.outputs, list):   # an embedding (PoolingRequestOutput): prompt tokens only
             if not self._seen:
                 self._seen = [0]
@@ -149,7 +186,6 @@ class RequestTracker:
                 m.ttft.observe(now - self._start)
                 steps -= 1   # the first token has no inter-token gap
                 if steps > 0:   # later tokens came with it: the engine's time between its first and latest token
-                    met = getattr(out, "metrics", None)
                     first, latest = (met.first_token_time, met.last_token_time) if met is not None else (None, None)
                     span = max(latest - first, 0.0) if first is not None and latest is not None else 0.0
                     for _ in range(steps):
@@ -175,3 +211,6 @@ class RequestTracker:
         m = self._m
         m.e2e.observe(time.monotonic() - self._start)
         m.count_finished("error" if error else (self._finish_reason or "abort"))
+        if self._num_prompt is not None:   # it started: its sizes
+            m.request_prompt_tokens.observe(self._num_prompt)
+            m.request_generation_tokens.observe(sum(self._seen))

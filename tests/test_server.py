@@ -776,6 +776,32 @@ def test_kv_cache_refusal_names_max_tokens_without_the_engine_request_id(model_d
         assert "shorten it" in err["message"] and "cmpl-" not in err["message"], err
 
 
+def test_metrics_count_preemptions_and_first_admissions_only(model_dir):
+    """Under a KV cache too small for all requests at once: ``plinth_num_preemptions_total`` counts the
+    preemptions, and the prefix cache's counters count each request once (six prompts sharing no token: no
+    hits, though the preempted ones resume on their own blocks)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", num_blocks=12, block_size=4,
+                                                max_num_seqs=4, max_num_batched_tokens=16, served_model_name="tiny"))
+    bodies = [{"prompt": [10 + 20 * i + j for j in range(8)], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+              for i in range(6)]
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        with ThreadPoolExecutor(6) as pool:
+            usages = [r.json()["usage"] for r in pool.map(lambda b: http.post("/v1/completions", json=b), bodies)]
+        metrics = scrape_metrics("", client=http)
+    preemptions = engine.stats()["num_preemptions"]
+    assert preemptions > 0 and metrics["plinth_num_preemptions_total"] == preemptions
+    assert metrics["plinth_prefix_cache_queries_total"] == sum(u["prompt_tokens"] for u in usages) == 48
+    assert metrics["plinth_prefix_cache_hits_total"] == metrics["plinth_prefix_cache_hit_rate"] == 0
+
 def test_a_template_that_renders_nothing_is_a_400_naming_messages(model_dir):
     from starlette.testclient import TestClient
 

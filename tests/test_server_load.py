@@ -87,6 +87,14 @@ def test_concurrent_streams_match_solo_runs_and_metrics_add_up(server, solo):
     assert after["plinth_num_requests_running"] == 0 and after["plinth_num_requests_waiting"] == 0
     assert after["plinth_kv_cache_usage_ratio"] == 0.0
     assert 0.0 < after["plinth_prefix_cache_hit_rate"] <= 1.0   # 4 clients per prompt share cached blocks
+    # per-request sizes and queue times, and the engine's totals as counters (vLLM's names under plinth_)
+    assert delta["plinth_request_prompt_tokens_count"] == delta["plinth_request_generation_tokens_count"] == \
+        delta["plinth_request_queue_time_seconds_count"] == NUM_CLIENTS
+    assert delta["plinth_request_prompt_tokens_sum"] == delta["plinth_prompt_tokens_total"]
+    assert delta["plinth_request_generation_tokens_sum"] == delta["plinth_generation_tokens_total"]
+    assert delta["plinth_prefix_cache_queries_total"] == delta["plinth_prompt_tokens_total"]   # each admitted once
+    assert 0 < delta["plinth_prefix_cache_hits_total"] < delta["plinth_prefix_cache_queries_total"]
+    assert after["plinth_num_preemptions_total"] >= 0
 
 
 def test_disconnected_streams_free_their_blocks(server, solo):
