@@ -31,6 +31,9 @@ def _model(model_type: str, **kw) -> transformers.PreTrainedModel:
     ("gpt2", dict(add_cross_attention=True)),                      # cross-attention modules that never run
     ("hyperclovax", dict(num_key_value_heads=2, logits_scaling=0.25)),   # multiplies (Granite divides)
     ("granite_swa", dict(num_key_value_heads=2, logits_scaling=4.0)),
+    # every module holds the window; the full-attention layers pass none (`is_sliding` false)
+    ("exaone4", dict(num_key_value_heads=2, sliding_window=6, num_hidden_layers=4,
+                     layer_types=["sliding_attention"] * 3 + ["full_attention"])),
 ])
 def test_attention_variants_match_transformers(model_type, kw, tmp_path, monkeypatch):
     """Each variant used to give logits off by 1e-3 to 3 (or crash writing the cache): within 1e-4 now."""

@@ -354,9 +354,15 @@ class TransformersForCausalLM(CausalLM):
             head_dim = (getattr(m, "qk_head_dim", None) or getattr(m, "head_dim", None)
                         or cfg.hidden_size // cfg.num_attention_heads)
             # the module's own window, else the config's for its layer where the model masks with it (PhiMoE
-            # applies it only through its mask; other models keep an unused sliding_window in their config)
+            # applies it only through its mask; other models keep an unused sliding_window in their config); a
+            # module may hold the window while its layer attends to everything (EXAONE 4's `is_sliding`, a
+            # `full_attention` layer type)
+            layer_types = getattr(cfg, "layer_types", None)
+            full = getattr(m, "is_sliding", True) is False or (
+                isinstance(layer_types, list | tuple) and m.layer_idx < len(layer_types)
+                and layer_types[m.layer_idx] == "full_attention")
             if hasattr(m, "sliding_window"):
-                window = m.sliding_window
+                window = None if full else m.sliding_window
             else:
                 window = sliding_window_of(cfg, m.layer_idx) if "create_sliding_window_causal_mask" in source else None
             layer = Attention(num_heads, head_dim, float(m.scaling), num_kv_heads, ctx.attention_backend,
