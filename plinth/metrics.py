@@ -100,7 +100,7 @@ class ServerMetrics:
                    "Draft tokens accepted."))
         self._totals = [(path, Counter(name, help_text, lab, registry=r).labels(model_name))
                         for path, name, help_text in totals]
-        self._seen = [0] * len(self._totals)
+        self._totals_seen = [0] * len(self._totals)
 
     def count_finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
@@ -140,9 +140,9 @@ class ServerMetrics:
                 for key in path:
                     total = (total or {}).get(key, 0)
                 total = int(total or 0)
-                if total > self._seen[i]:
-                    counter.inc(total - self._seen[i])
-                self._seen[i] = total   # (a total that fell was reset: counted on from there)
+                if total > self._totals_seen[i]:
+                    counter.inc(total - self._totals_seen[i])
+                self._totals_seen[i] = total   # (a total that fell was reset: counted on from there)
         return generate_latest(self.registry)
 
 

@@ -135,6 +135,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 #: the error of a response whose request the engine aborted (at shut-down)
 CANCELLED = "the request was cancelled"
 
+
 class _Body:
     """The response object as it grows (the same fields in every event and in the final answer)."""
 
