@@ -135,6 +135,30 @@ def test_fewer_slots_than_adapters(model_dir, adapters):
         assert out.outputs[0].token_ids == alone[n], n
 
 
+def test_beam_search_takes_one_adapter_per_prompt(model_dir, adapters):
+    """``LLM.beam_search`` with a LoRA request per prompt (as vLLM's): each prompt's beams run with its own adapter,
+    giving the beams of that prompt searched alone, also when another prompt's beams stop at the context (fewer rows
+    in later rounds); a list of the wrong length is refused before any round runs."""
+    from plinth.entrypoints.beam_search import BeamSearchParams
+
+    llm = LLM(str(model_dir), dtype="float32", selection="off", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_model_len=32, block_size=4)
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    lora = LoRARequest("all", 1, str(adapters["all"]))
+    short, long = [7, 8, 9], [5] * 31   # the long prompt fills the context after one round
+
+    def beams(outs):
+        return [[b.token_ids for b in o.sequences] for o in outs]
+
+    alone = beams(llm.beam_search([short], params, lora_request=lora))[0]
+    base = beams(llm.beam_search([short], params))[0]
+    assert alone != base   # the adapter changes the search
+    assert beams(llm.beam_search([long, short], params, lora_request=[None, lora]))[1] == alone
+    assert beams(llm.beam_search([short, short], params, lora_request=[lora, None])) == [alone, base]
+    with pytest.raises(ValueError, match="2 LoRA requests for 3 prompts"):
+        llm.beam_search([short] * 3, params, lora_request=[lora, None])
+    assert not llm.engine.has_unfinished_requests()
+
 def test_a_removed_adapter_serves_those_holding_it_and_is_never_read_again(model_dir, adapters, tmp_path):
     """remove_lora (the server's unload): a holder of the adapter (a request accepted before, a beam search between
     rounds) still runs with it, its folder gone; one removed before anything held it is refused, nothing read."""

@@ -119,9 +119,10 @@ def check_prompts(starts: list[list[int]], limit: int) -> None:
 
 def search(starts: list[list[int]], params: BeamSearchParams, eos: tuple[int, ...], limit: int,
            vocab: int | None, max_logprobs: int = SamplingParams.MAX_LOGPROBS,
-           ) -> Generator[tuple[list[list[int]], SamplingParams], list[Any], list[BeamSearchOutput]]:
-    """The search, driven from outside: yields each round's ``(token-id prompts, params)`` and is sent their
-    outputs (``RequestOutput``s, in order); returns the beams (texts not filled in).
+           ) -> Generator[tuple[list[list[int]], list[int], SamplingParams], list[Any], list[BeamSearchOutput]]:
+    """The search, driven from outside: yields each round's ``(token-id prompts, the index of the prompt each
+    extends, params)`` and is sent their outputs (``RequestOutput``s, in order); returns the beams (texts not filled
+    in).
 
     Raises:
         ValueError: a beam width whose ``2 x beam_width`` candidates exceed the engine's ``max_logprobs``.
@@ -142,7 +143,7 @@ def search(starts: list[list[int]], params: BeamSearchParams, eos: tuple[int, ..
                  if len(starts[i]) + len(beam.token_ids) < limit]
         if not batch:
             break
-        outs = yield [starts[i] + beam.token_ids for i, beam in batch], step
+        outs = yield [starts[i] + beam.token_ids for i, beam in batch], [i for i, _ in batch], step
         grown: list[list[BeamSequence]] = [[] for _ in starts]
         for (i, beam), out in zip(batch, outs, strict=True):
             for token, lp in (out.outputs[0].logprobs or [{}])[0].items():
@@ -173,8 +174,9 @@ def _with_text(results: list[BeamSearchOutput], tokenizer: Any) -> list[BeamSear
 
 
 def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
-                lora_request: Any = None) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (text or token ids) on an offline engine; see the module docstring.
+                loras: Sequence[Any] | None = None) -> list[BeamSearchOutput]:
+    """Beam search for each prompt (text or token ids) on an offline engine, its beams with that prompt's LoRA
+    adapter (``loras``: one per prompt, or None); see the module docstring.
 
     Raises:
         TypeError: ``params`` is not a :class:`BeamSearchParams`.
@@ -182,12 +184,14 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
     """
     engine = llm.engine
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
+    loras = list(loras) if loras is not None else [None] * len(starts)
     rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_sequence_len, engine.vocab_size,
                     engine.max_logprobs)
     try:
-        batch, step = next(rounds)
+        batch, owners, step = next(rounds)
         while True:
-            batch, step = rounds.send(llm.generate(batch, step, lora_request=lora_request, use_tqdm=False))
+            outs = llm.generate(batch, step, lora_request=[loras[i] for i in owners], use_tqdm=False)
+            batch, owners, step = rounds.send(outs)
     except StopIteration as end:
         return _with_text(end.value, engine.tokenizer)
 
@@ -208,10 +212,10 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
 
     r = 0
     try:
-        batch, step = next(rounds)
+        batch, _, step = next(rounds)
         while True:
             outs = await asyncio.gather(*(last(f"{request_id}-{r}-{j}", p, step) for j, p in enumerate(batch)))
-            batch, step = rounds.send(list(outs))
+            batch, _, step = rounds.send(list(outs))
             r += 1
     except StopIteration as end:
         return _with_text(end.value, front.tokenizer)

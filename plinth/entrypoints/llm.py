@@ -255,12 +255,14 @@ class LLM:
         return self.engine.default_sampling_params()
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
-                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    ) -> list[BeamSearchOutput]:
         """Beam search (:mod:`plinth.entrypoints.beam_search`): each prompt's ``params.beam_width`` best
-        sequences, best first (``lora_request``: with that LoRA adapter)."""
+        sequences, best first (``lora_request``: with that LoRA adapter, or one per prompt for its beams)."""
         from plinth.entrypoints.beam_search import beam_search
 
-        return beam_search(self, _prompt_list(prompts), params, lora_request)
+        prompts = _prompt_list(prompts)
+        return beam_search(self, prompts, params, _per_prompt_loras(lora_request, len(prompts)))
 
     def chat(
         self,
