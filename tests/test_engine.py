@@ -380,15 +380,20 @@ def test_token_id_prompts_and_rejections(llm, tiny_llama_dir):
 
 
 def test_chat_uses_template(llm):
+    from plinth.entrypoints.openai.tools import plain_messages
+
     conv = [{"role": "user", "content": "Paris is"}]
     rendered = llm.engine.render_chat(conv)
     assert rendered == "<|im_start|>user\nParis is<|im_end|>\n<|im_start|>assistant\n"
     a = llm.chat(conv, greedy(8), use_tqdm=False)[0]
     b = llm.generate(rendered, greedy(8), use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    # OpenAI's message shapes, read as the server reads them: text parts joined, a tool-call turn's null content
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Paris"}, {"type": "text", "text": " is"}]}]
-    assert llm.chat(parts, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == a.outputs[0].token_ids
+    # OpenAI's message shapes, read as the server reads them: text parts joined by line breaks (as vLLM joins them
+    # for a template reading a string), a tool-call turn's null content
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Paris"}, {"type": "text", "text": "is"}]}]
+    assert llm.engine.render_chat(plain_messages(parts)) == "<|im_start|>user\nParis\nis<|im_end|>\n<|im_start|>assistant\n"
+    joined = llm.chat([{"role": "user", "content": "Paris\nis"}], greedy(8), use_tqdm=False)[0]
+    assert llm.chat(parts, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == joined.outputs[0].token_ids
     calls = [{"role": "user", "content": "Weather?"},
              {"role": "assistant", "content": None,
               "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
@@ -655,10 +660,16 @@ def test_a_template_that_loops_over_content_parts_gets_parts(tiny_llama_dir):
         chat_template=template)
     assert expected == "<user>Translate: hello<A>"
     llm = llm_for(tiny_llama_dir, chat_template=template)
-    for content in ("Translate: hello", [{"type": "text", "text": "Translate: "}, {"type": "text", "text": "hello"}]):
-        from plinth.entrypoints.openai.tools import plain_messages
+    from plinth.entrypoints.openai.tools import plain_messages
 
+    two = [{"type": "text", "text": "Translate: "}, {"type": "text", "text": "hello"}]
+    for content in ("Translate: hello", two):
         assert llm.engine.render_chat(plain_messages([{"role": "user", "content": content}])) == expected
+    # each part stays a part (vLLM's "openai" content format), as transformers renders the same parts
+    wrapping = "{% for m in messages %}{% for c in m['content'] %}[{{ c.text }}]{% endfor %}{% endfor %}"
+    want = tokenizer.apply_chat_template([{"role": "user", "content": two}], tokenize=False, chat_template=wrapping)
+    assert want == "[Translate: ][hello]"
+    assert llm.engine.render_chat(plain_messages([{"role": "user", "content": two}]), chat_template=wrapping) == want
     llm.close()
 
 

@@ -147,6 +147,22 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 @functools.lru_cache(maxsize=16)
+def _parts(content: str) -> tuple[str, ...]:
+    return content.parts if isinstance(content, TextParts) else (content,)
+
+
+class TextParts(str):
+    """A message's text content parts joined by line breaks (as vLLM joins them for chat templates that read a
+    string), keeping the parts (``parts``) for templates that loop over them."""
+
+    parts: tuple[str, ...]
+
+    def __new__(cls, parts: Sequence[str]) -> TextParts:
+        joined = super().__new__(cls, "\n".join(parts))
+        joined.parts = tuple(parts)
+        return joined
+
+
 def template_iterates_content(template: str) -> bool:
     """Whether a chat template loops over a message's ``content`` (``{% for part in message['content'] %}``, or over
     a variable set from it): it reads OpenAI's list of content parts, and a string there would be looped over
@@ -415,8 +431,11 @@ class LLMEngine:
         if isinstance(chosen, dict):   # named templates: the one transformers picks
             chosen = chosen.get("tool_use") if tools and "tool_use" in chosen else chosen.get("default")
         if isinstance(chosen, str) and template_iterates_content(chosen):   # it reads OpenAI's content parts
-            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+            messages = [{**m, "content": [{"type": "text", "text": part} for part in _parts(m["content"])]}
                         if isinstance(m.get("content"), str) else m for m in messages]
+        else:   # (plain strings: the template sees no subclass)
+            messages = [{**m, "content": str(m["content"])} if isinstance(m.get("content"), TextParts) else m
+                        for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,

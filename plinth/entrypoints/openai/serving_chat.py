@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.engine import RESERVED_TEMPLATE_KWARGS
+from plinth.core.engine import RESERVED_TEMPLATE_KWARGS, TextParts
 from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.openai.errors import bad_request
@@ -58,7 +58,8 @@ from plinth.lora.request import LoRARequest
 
 
 def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """The request's messages as the chat template takes them (text parts joined)."""
+    """The request's messages as the chat template takes them (text parts joined by line breaks, kept for templates
+    that loop over them: :class:`~plinth.core.engine.TextParts`)."""
     messages = []
     for i, m in enumerate(items):
         if m.content is None or isinstance(m.content, str):
@@ -77,7 +78,7 @@ def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                 if part.text is None:
                     raise bad_request(f"messages[{i}]: a text content part needs its 'text'", "messages")
                 parts.append(part.text)
-            content = "".join(parts)
+            content = TextParts(parts)
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name

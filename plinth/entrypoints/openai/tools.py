@@ -21,6 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from plinth.core.engine import TextParts
 from plinth.core.request import SamplingParamsError
 from plinth.entrypoints.openai.tool_parsers import (
     FUNCTION_NAME,
@@ -185,7 +186,7 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
 def plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """OpenAI-style message dicts (from Python or a file) as the chat template takes them, the way the server
     reads a request's: an assistant's ``content: null`` (a turn of tool calls) becomes ``""``, text (and an
-    assistant's refusal) content parts are joined, and tool-call arguments written as a JSON object become
+    assistant's refusal) content parts are joined by line breaks (:class:`TextParts`), and tool-call arguments written as a JSON object become
     the object (:func:`template_messages`).
 
     Raises:
@@ -206,7 +207,7 @@ def plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                 if key is None or not isinstance(part.get(key), str):
                     raise ValueError(f"messages[{i}]: only text content parts ({{type: text, text}}) are supported")
                 texts.append(part[key])
-            content = "".join(texts)
+            content = TextParts(texts)
         elif content is None and role == "assistant":   # a turn of tool calls only
             content = ""
         if not isinstance(content, str):
