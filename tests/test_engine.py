@@ -579,6 +579,14 @@ def test_prompt_arrays_and_numpy_parameters(llm, reference):
             SamplingParams(**bad)
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .or one per prompt., got None"):
         llm.generate(PROMPTS[:2], [greedy(), None], use_tqdm=False)
+    # values set after construction are taken in the same forms as the constructor's
+    late = greedy()
+    late.temperature, late.logit_bias, late.stop = np.float32(0.0), {"5": 1.5}, "never seen"
+    assert token_ids(llm.generate(PROMPTS[0], late, use_tqdm=False))[0] != []
+    assert (type(late.temperature), late.logit_bias, late.stop) == (float, {5: 1.5}, ["never seen"])
+    late.logit_bias = {"five": 1.0}
+    with pytest.raises(SamplingParamsError, match="logit_bias"):
+        llm.generate(PROMPTS[0], late, use_tqdm=False)
 
 
 def test_chat_template_kwargs_may_not_repeat_chat_arguments(llm):

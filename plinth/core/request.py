@@ -79,6 +79,12 @@ class SamplingParams:
     MAX_N = 1024
 
     def __post_init__(self) -> None:
+        self._normalize()
+        self.validate()
+
+    def _normalize(self) -> None:
+        """The forms each field is accepted in (numpy numbers, one stop string, digit-string bias keys, ...) as
+        the one the engine reads."""
         self._plain_numbers()
         self._lists()
         self.logit_bias = _token_bias(self.logit_bias)
@@ -88,7 +94,6 @@ class SamplingParams:
             self.structured_outputs = structured.normalize(self.structured_outputs)
         except ValueError as exc:
             raise SamplingParamsError(structured.PARAM, str(exc)) from None
-        self.validate()
 
     _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
@@ -128,7 +133,7 @@ class SamplingParams:
         Raises:
             SamplingParamsError: naming the parameter.
         """
-        self._lists()
+        self._normalize()   # in the forms the constructor takes
         self.validate()
 
     def validate(self) -> None:
