@@ -144,7 +144,7 @@ class ModelConfig:
             sentence-transformers configuration, else ``last``).
         normalize_embeddings: L2-normalize embeddings (default: as the model's configuration says, else yes).
         max_logprobs: the most log-probabilities a request may ask for per position (``logprobs``,
-            ``prompt_logprobs``).
+            ``prompt_logprobs``; -1: no limit, so that ``-1``, the whole vocabulary, may be asked for).
     """
 
     model: str | None = None
@@ -205,7 +205,8 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", override or None)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'none' or a path, got {self.generation_config!r}")
-        _positive("max_logprobs", self.max_logprobs, allow_none=False)
+        if self.max_logprobs != -1:   # -1: no cap (as vLLM's)
+            _positive("max_logprobs", self.max_logprobs, allow_none=False)
         if self.max_logprobs > 1 << 20:
             raise ConfigError(f"max_logprobs must be at most {1 << 20}, got {self.max_logprobs}")
         if self.task not in TASKS:

@@ -499,6 +499,20 @@ def test_max_logprobs(tiny_llama_dir):
     assert all(len(pos) >= 30 for pos in out.prompt_logprobs[1:])
     with pytest.raises(ConfigError, match="max_logprobs"):
         llm_for(tiny_llama_dir, max_logprobs=0)
+    # -1 (as vLLM's): every token of the vocabulary, where max_logprobs is -1 (no limit)
+    vocab = llm.engine.vocab_size
+    whole = greedy(2, logprobs=-1, prompt_logprobs=-1)
+    with pytest.raises(RequestRejectedError, match=f"logprobs: at most 20 .*got -1 .the whole vocabulary: {vocab}"):
+        llm.generate([PROMPTS[0]], whole, use_tqdm=False)
+    unbounded = llm_for(tiny_llama_dir, max_logprobs=-1)
+    out = unbounded.generate([PROMPTS[0]], whole, use_tqdm=False)[0]
+    assert whole.logprobs == whole.prompt_logprobs == -1   # the caller's params as given
+    for pos in out.outputs[0].logprobs + out.prompt_logprobs[1:]:
+        assert sorted(pos) == list(range(vocab))
+        # a distribution over the whole vocabulary: the probabilities add up to 1, the ranks run 1..vocab
+        assert torch.logsumexp(torch.tensor([lp.logprob for lp in pos.values()], dtype=torch.float64), 0) == \
+            pytest.approx(0.0, abs=1e-4)
+        assert sorted(lp.rank for lp in pos.values()) == list(range(1, vocab + 1))
 
 
 def test_block_tables_are_as_wide_as_the_cache_not_the_context(tmp_path):

@@ -288,7 +288,9 @@ class LLMEngine:
         self._reasoning = self._reasoning_markers(reasoning)
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.served_model_aliases: tuple[str, ...] = config.model.served_model_aliases
-        self.max_logprobs: int = config.model.max_logprobs
+        # (-1, no limit: as many as any request may ask for)
+        self.max_logprobs: int = config.model.max_logprobs if config.model.max_logprobs != -1 \
+            else SamplingParams.LOGPROBS_CEILING
         if config.cache.kv_cache_dtype != "auto":
             self._note_kv_cache_dtype()
         self.load_time_s = time.perf_counter() - t0
@@ -577,11 +579,16 @@ class LLMEngine:
             self._check_vocab(ids, None)
         if not ids:
             raise RequestRejectedError("the prompt is empty")
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
         for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
+            asked = whole.get(name, getattr(params, name))
             if asked is not None and asked > self.max_logprobs:
                 raise RequestRejectedError(f"{name}: at most {self.max_logprobs} per position (the engine's "
-                                           f"max_logprobs, --max-logprobs), got {asked}", param=name)
+                                           f"max_logprobs, --max-logprobs), got {getattr(params, name)}"
+                                           + (f" (the whole vocabulary: {asked})" if name in whole else ""),
+                                           param=name)
+        if whole:   # -1: every token of the vocabulary (the caller's params stay as given)
+            params = params.clone(**whole)
         self._check_vocab(params.logit_bias or (), "logit_bias")
         self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
         self._check_vocab(params.stop_token_ids or (), "stop_token_ids")   # one outside could never match

@@ -33,7 +33,8 @@ class SamplingParams:
     filters off. ``repetition_penalty`` is the multiplicative (CTRL) penalty over prompt and
     output tokens; ``presence_penalty`` and ``frequency_penalty`` are the additive OpenAI
     penalties over output tokens. ``logprobs=k`` returns the sampled token's logprob and the
-    top-k; ``prompt_logprobs=k`` the same for every prompt token after the first.
+    top-k (-1: every token of the vocabulary, where the engine's ``max_logprobs`` allows it);
+    ``prompt_logprobs=k`` the same for every prompt token after the first.
     ``detokenize=False`` leaves the output text empty and skips turning tokens into text (token
     ids only); stop strings need the text, so they require ``detokenize=True``.
     ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before the
@@ -189,8 +190,8 @@ class SamplingParams:
               f"for token {bad and bad[0]}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= self.LOGPROBS_CEILING),
-                  name, f"must be an integer in [0, {self.LOGPROBS_CEILING}], got {v!r}")
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and -1 <= v <= self.LOGPROBS_CEILING),
+                  name, f"must be -1 (the whole vocabulary) or an integer in [0, {self.LOGPROBS_CEILING}], got {v!r}")
 
     @property
     def greedy(self) -> bool:
