@@ -605,6 +605,8 @@ def test_prompt_arrays_and_numpy_parameters(llm, reference):
 
 def test_chat_template_kwargs_may_not_repeat_chat_arguments(llm):
     conversation = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        llm.chat(conversation, greedy(2), chat_template_kwargs="enable_thinking")
     for key in ("add_generation_prompt", "tools", "tokenize"):
         with pytest.raises(ValueError, match=f"template_kwargs may not set {key}"):
             llm.chat(conversation, greedy(2), chat_template_kwargs={key: False}, use_tqdm=False)

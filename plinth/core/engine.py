@@ -421,6 +421,9 @@ class LLMEngine:
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict of the template's variables, got "
+                            f"{type(template_kwargs).__name__}")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
         if reserved:
             raise ValueError(f"template_kwargs may not set {', '.join(reserved)} (arguments of their own)")
