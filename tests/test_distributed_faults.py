@@ -56,6 +56,43 @@ def test_killed_worker_fails_requests_and_leaves_no_process(tmp_path, async_sche
     engine.shutdown()   # idempotent
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ctrl_c_during_a_step_is_an_interrupt_not_a_worker_failure(tmp_path, monkeypatch, async_scheduling):
+    """Ctrl-C in the driver while the workers compute a step (KeyboardInterrupt in its wait for their answers):
+    ``LLM.generate`` raises KeyboardInterrupt, as with one process, not a worker failure. Synchronous steps: the
+    workers finish the step (its answers read and dropped) and serve on, so the same LLM then gives the reference
+    tokens. Asynchronous steps in flight: the workers stop, and a later call says the engine was interrupted."""
+    import multiprocessing.connection as mpc
+
+    path = save_family("llama", tmp_path)
+    reference = run_greedy(LLMEngine(EngineConfig.from_kwargs(model=str(path), **ENGINE_KW)))
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor="mp", async_scheduling=async_scheduling,
+              **ENGINE_KW)
+    pids = llm.engine.executor.worker_pids
+    real_wait, calls = mpc.wait, []
+
+    def interrupting(objects, timeout=None):
+        calls.append(1)
+        if len(calls) == 5:   # inside a step's wait for the workers' answers
+            raise KeyboardInterrupt
+        return real_wait(objects, timeout)
+
+    monkeypatch.setattr(mpc, "wait", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    monkeypatch.setattr(mpc, "wait", real_wait)
+    assert not llm.engine.has_unfinished_requests()
+    if not async_scheduling:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[f"r{i}"][0] for i in range(len(PROMPTS))]
+        assert llm.engine.executor.worker_pids == pids and wait_gone(pids, 0.5) == pids
+    else:
+        with pytest.raises(EngineDeadError, match="interrupted while the workers were in the middle of a step"):
+            llm.generate(PROMPTS[0], greedy(), use_tqdm=False)
+        assert wait_gone(pids, 10.0) == []
+    llm.close()
+    assert wait_gone(pids, 10.0) == []
+
 _DRIVER = """
 import os, signal, sys
 from plinth.distributed.executor_mp import WorkerProcesses

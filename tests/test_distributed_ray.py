@@ -41,6 +41,34 @@ def test_ray_tp2_equals_single_process(tmp_path, local_ray):
             assert all(got_pos[t] == pytest.approx(lp, abs=1e-4) for t, lp in ref_pos.items())
 
 
+def test_ray_ctrl_c_during_a_step_keeps_the_actors_serving(tmp_path, local_ray, monkeypatch):
+    """Ctrl-C in the driver while the actors compute a step: KeyboardInterrupt reaches the caller (not a worker
+    failure); the actors finish the step and the engine serves on with the reference tokens."""
+    from test_distributed_helpers import PROMPTS, greedy
+
+    from plinth import LLM, SamplingParams
+
+    path = save_family("llama", tmp_path)
+    reference = run_greedy(LLMEngine(EngineConfig.from_kwargs(model=str(path), **ENGINE_KW)))
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor="ray", **ENGINE_KW)
+    try:
+        real_wait, calls = ray.wait, []
+
+        def interrupting(refs, **kw):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real_wait(refs, **kw)
+
+        monkeypatch.setattr(ray, "wait", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+        monkeypatch.setattr(ray, "wait", real_wait)
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[f"r{i}"][0] for i in range(len(PROMPTS))]
+    finally:
+        llm.close()
+
 def test_ray_cluster_too_small_fails_clearly(tmp_path, local_ray):
     path = save_family("llama", tmp_path)
     config = EngineConfig.from_kwargs(model=str(path), tensor_parallel_size=2, pipeline_parallel_size=2,

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 MakeSamplingBatch = Callable[[torch.device], SamplingBatch]
 
 STEP_TIMEOUT_ENV = "PLINTH_WORKER_STEP_TIMEOUT_S"
+#: after Ctrl-C in the driver: how long the workers (which ignore it) may take to finish the call in hand, so that
+#: they stay in step and serve on
+INTERRUPT_DRAIN_S = 30.0
 START_TIMEOUT_ENV = "PLINTH_WORKER_START_TIMEOUT_S"
 
 
@@ -314,32 +317,47 @@ class DistributedExecutor(Executor):
         self.shutdown()
         return err
 
+    def _interrupted(self) -> None:
+        """After Ctrl-C (KeyboardInterrupt) in the driver during a call: workers that finished it (its answers read
+        and dropped) serve on; workers still busy are stopped, and the executor is dead from then on. The
+        interrupt itself goes on to the caller either way (it is no worker failure)."""
+        if self._workers_in_step():
+            logger.warning("interrupted: the workers finished the step in hand, whose results are dropped")
+            return
+        self._dead = WorkerDiedError("interrupted while the workers were in the middle of a step")
+        logger.warning("%s; stopping all workers", self._dead)
+        self.shutdown()
+
+    def _workers_in_step(self) -> bool:
+        """Whether every worker answered the interrupted call (default: not known, so no)."""
+        return False
+
+    def _step_call(self, method: str, *args: Any) -> list[Any]:
+        """A call of a step's work on every rank: a failure stops all workers (:meth:`_fail`), an interrupt is
+        :meth:`_interrupted`."""
+        try:
+            return self._call_all(method, *args, timeout_s=self.step_timeout_s)
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+        except BaseException as exc:
+            raise self._fail(exc) from exc
+
     def execute(self, entries: Sequence[SeqBatchEntry],
                 make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:
         self._check_alive()
         batch = StepBatch.from_entries(entries)
         sampling = make_sampling_batch(torch.device("cpu")) if make_sampling_batch is not None else None
-        try:
-            results = self._call_all("execute", batch, pack_tensors(sampling), timeout_s=self.step_timeout_s)
-        except BaseException as exc:
-            raise self._fail(exc) from exc
+        results = self._step_call("execute", batch, pack_tensors(sampling))
         return unpack_tensors(results[self.output_rank], torch.device("cpu")), _RemoteHidden()
 
     def prompt_logits(self, hidden: Any, rows: slice) -> torch.Tensor:
         self._check_alive()
-        try:
-            results = self._call_all("prompt_logits", rows.start, rows.stop, timeout_s=self.step_timeout_s)
-        except BaseException as exc:
-            raise self._fail(exc) from exc
-        return results[self.output_rank]
+        return self._step_call("prompt_logits", rows.start, rows.stop)[self.output_rank]
 
     def hidden_rows(self, hidden: Any, ranges: list[tuple[int, int]]) -> torch.Tensor:
         self._check_alive()
-        try:
-            results = self._call_all("hidden_rows", ranges, timeout_s=self.step_timeout_s)
-        except BaseException as exc:
-            raise self._fail(exc) from exc
-        return results[self.output_rank]
+        return self._step_call("hidden_rows", ranges)[self.output_rank]
 
     def rank_weights(self) -> list[RankWeights]:
         self._check_alive()

@@ -41,6 +41,7 @@ import torch
 
 from plinth.config import ConfigError, EngineConfig
 from plinth.distributed.executor import (
+    INTERRUPT_DRAIN_S,
     STEP_TIMEOUT_ENV,
     DistributedExecutor,
     MakeSamplingBatch,
@@ -139,8 +140,8 @@ class WorkerProcesses:
             the worker's own exception, when the call raised there.
         """
         ranks = list(ranks)
+        pending = {self.conns[r]: r for r in ranks}
         try:
-            pending = {self.conns[r]: r for r in ranks}
             sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
             results: dict[int, Any] = {}
             deadline = time.monotonic() + timeout_s
@@ -173,6 +174,11 @@ class WorkerProcesses:
             # every other rank answered too: the pipes are in step and the processes can serve on
             self.broken = self.broken or not failed.in_sync
             raise failed.error from None
+        except KeyboardInterrupt:   # Ctrl-C in the driver (the workers ignore it): their answers are still due
+            self.broken = True
+            in_sync = self._drain(pending, INTERRUPT_DRAIN_S)
+            self.broken = not in_sync
+            raise
         except BaseException:
             self.broken = True
             raise
@@ -292,6 +298,9 @@ class MultiprocExecutor(DistributedExecutor):
         step = _RemoteStep(self)
         try:
             self._procs.send(range(self.world_size), "launch", args, self._describe)
+        except KeyboardInterrupt:
+            self._interrupted_async()
+            raise
         except BaseException as exc:
             raise self._fail(exc) from exc
         self._unread.append(self._owed)   # its answers carry the step launched before this one
@@ -308,6 +317,9 @@ class MultiprocExecutor(DistributedExecutor):
                 self._owed = None
             while not step.done:
                 self._read_answer(timeout_s)
+        except KeyboardInterrupt:
+            self._interrupted_async()
+            raise
         except BaseException as exc:
             raise self._fail(exc) from exc
 
@@ -329,8 +341,20 @@ class MultiprocExecutor(DistributedExecutor):
         while self._unread:
             try:
                 self._read_answer(timeout_s)
+            except KeyboardInterrupt:
+                self._interrupted_async()
+                raise
             except BaseException as exc:
                 raise self._fail(exc) from exc
+
+    def _interrupted_async(self) -> None:
+        """Ctrl-C while asynchronous steps were in flight: their answers are no longer matched to their steps, so
+        the workers stop (:meth:`_interrupted`, never in step here)."""
+        self._procs.broken = True
+        self._interrupted()
+
+    def _workers_in_step(self) -> bool:
+        return not self._procs.broken and not self._unread and self._owed is None
 
     def _describe(self, rank: int) -> str:
         tp = self.config.parallel.tensor_parallel_size

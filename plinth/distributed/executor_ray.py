@@ -21,7 +21,12 @@ import time
 from typing import Any
 
 from plinth.config import ConfigError, EngineConfig
-from plinth.distributed.executor import STEP_TIMEOUT_ENV, DistributedExecutor, WorkerDiedError
+from plinth.distributed.executor import (
+    INTERRUPT_DRAIN_S,
+    STEP_TIMEOUT_ENV,
+    DistributedExecutor,
+    WorkerDiedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ class RayExecutor(DistributedExecutor):
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
+        self._out_of_step = False   # a call interrupted before every actor finished it
         try:
             import ray
         except ModuleNotFoundError as exc:
@@ -140,7 +146,13 @@ class RayExecutor(DistributedExecutor):
         pending = list(refs)
         deadline = time.monotonic() + timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt:   # Ctrl-C in the driver: the actors finish the call in hand (dropped)
+                self._out_of_step = True
+                _, left = ray.wait(pending, num_returns=len(pending), timeout=INTERRUPT_DRAIN_S)
+                self._out_of_step = bool(left)
+                raise
             if not ready:
                 raise WorkerDiedError(f"Ray worker(s) did not answer {method!r} within {timeout_s:.0f} s "
                                       f"(${STEP_TIMEOUT_ENV} raises the limit)")
@@ -153,6 +165,9 @@ class RayExecutor(DistributedExecutor):
                     cause = getattr(exc, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else exc) from None
         return results
+
+    def _workers_in_step(self) -> bool:
+        return not self._out_of_step
 
     def shutdown(self) -> None:
         if self._closed:
