@@ -268,6 +268,19 @@ def test_serve_sigterm_stops_tensor_parallel_workers(tmp_path):
     assert wait_gone(workers, 10.0) == []
 
 
+def test_a_user_error_in_the_workers_is_one_line(tmp_path):
+    """A configuration the workers refuse while loading (a quantization method the checkpoint does not have) ends
+    ``plinth generate -tp 2`` with the one-line error of one process, no worker traceback."""
+    from server_utils import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "model", max_position_embeddings=256)
+    done = subprocess.run([sys.executable, "-m", "plinth", "generate", str(path), "--prompt", "hi", "--max-tokens",
+                           "2", "--quantization", "gptq", "--tensor-parallel-size", "2", "--distributed-executor",
+                           "mp"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "failed:" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("plinth generate: error: quantization method 'gptq'")
+
 def test_worker_timeouts_from_the_environment(monkeypatch):
     """``PLINTH_WORKER_STEP_TIMEOUT_S`` / ``_START_TIMEOUT_S``: positive seconds up to a week; ``inf``, ``nan`` and
     1e300 are configuration errors naming the variable (they overflowed the waits, a traceback in a worker)."""

@@ -49,6 +49,7 @@ from plinth.distributed.executor import (
     WorkerDiedError,
 )
 from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
+from plinth.errors import UserFacingError
 from plinth.worker.batching import FlatBatch
 
 logger = logging.getLogger(__name__)
@@ -481,7 +482,10 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
                     result = getattr(worker, method)(*args)
                 reply = ("ok", result)
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
-                logger.error("worker %d: %s failed:\n%s", index, method, traceback.format_exc())
+                if isinstance(exc, UserFacingError | ConfigError):   # the driver prints it, once, in one line
+                    logger.debug("worker %d: %s failed: %s", index, method, exc)
+                else:
+                    logger.error("worker %d: %s failed:\n%s", index, method, traceback.format_exc())
                 reply = ("error", _picklable(exc))
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
     finally:
