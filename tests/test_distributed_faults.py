@@ -295,3 +295,17 @@ def test_worker_timeouts_from_the_environment(monkeypatch):
         monkeypatch.setenv(STEP_TIMEOUT_ENV, bad)
         with pytest.raises(ConfigError, match=STEP_TIMEOUT_ENV):
             env_seconds(STEP_TIMEOUT_ENV, 1.0)
+
+
+def test_reading_a_step_after_a_shutdown_from_another_thread_says_so():
+    """``LLM.close()`` from another thread while asynchronous steps are awaited: the reader is told the executor
+    was shut down (it failed with ``IndexError: pop from an empty deque``, reported as a worker failure)."""
+    import collections
+
+    from plinth.distributed.executor import WorkerDiedError
+    from plinth.distributed.executor_mp import MultiprocExecutor
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._closed, executor._unread = True, collections.deque()   # as shutdown() leaves them
+    with pytest.raises(WorkerDiedError, match="the executor was shut down"):
+        executor._read_answer()

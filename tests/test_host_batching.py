@@ -256,3 +256,16 @@ def test_packed_staging_reuses_its_buffer_without_aliasing():
     assert c.dtype == torch.int32 and b.dtype == torch.int64
     (d,), () = staging.upload([np.full(10_000, 3)], [])      # grows the buffer; earlier tensors untouched
     assert d.tolist() == [3] * 10_000 and a.tolist() == list(range(5))
+
+
+def test_read_only_arrays_upload_without_a_warning():
+    """Arrays handed over read-only (Ray's object store gives its actors such views) are uploaded as they are, with
+    no torch warning about non-writable arrays (one per actor and step before)."""
+    import warnings
+
+    ids, lens = np.arange(6, dtype=np.int64), np.array([3, 3], dtype=np.int32)
+    ids.flags.writeable = lens.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (t64,), (t32,) = HostStaging(torch.device("cpu")).upload([ids], [lens])
+    assert t64.tolist() == list(range(6)) and t32.tolist() == [3, 3]

@@ -325,9 +325,13 @@ class MultiprocExecutor(DistributedExecutor):
             raise self._fail(exc) from exc
 
     def _read_answer(self, timeout_s: float | None = None) -> None:
+        if self._closed or not self._unread:   # shut down (from another thread) while a step was awaited
+            raise WorkerDiedError("the executor was shut down")
         carried = self._unread[0]
         results = self._procs.receive(range(self.world_size), "launch", timeout_s or self.step_timeout_s,
                                       self._describe)
+        if self._closed or not self._unread:
+            raise WorkerDiedError("the executor was shut down")
         self._unread.popleft()
         if carried is not None:
             out = results[self.output_rank]

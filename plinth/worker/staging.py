@@ -48,7 +48,10 @@ class HostStaging:
         np_dtype = np.int64 if dtype == torch.int64 else np.int32
         out = []
         for a in arrays:
-            t = torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype))
+            a = np.ascontiguousarray(a, dtype=np_dtype)
+            if not a.flags.writeable:   # (an array Ray's object store handed over read-only: torch warns on it)
+                a = a.copy()
+            t = torch.from_numpy(a)
             out.append(t if self.device.type == "cpu" else t.to(self.device, non_blocking=True))
         return out
 
