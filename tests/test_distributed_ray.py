@@ -75,3 +75,32 @@ def test_ray_cluster_too_small_fails_clearly(tmp_path, local_ray):
                                       distributed_executor="ray", **ENGINE_KW)
     with pytest.raises(ConfigError, match="needs 4 CPUs in the Ray cluster; it has 2"):
         LLMEngine(config)
+
+
+def test_a_dead_actor_is_the_cause_even_when_a_peer_fails_first():
+    """An actor killed mid-step leaves its peer's collective failing too; when the peer's error is seen first, the
+    executor still reports the death (not the peer's gloo error) once the dead actor's call has failed."""
+    from plinth.distributed.executor import WorkerDiedError
+    from plinth.distributed.executor_ray import RayExecutor
+
+    outcomes = {"r0": ray.exceptions.RayTaskError("call", "", RuntimeError("[gloo] Read error: Connection reset")),
+                "r1": ray.exceptions.RayActorError()}
+
+    class FakeRay:   # the two calls finish in rank order; each raises its outcome
+        exceptions = ray.exceptions
+
+        @staticmethod
+        def wait(refs, num_returns=1, timeout=None):
+            return refs[:num_returns], refs[num_returns:]
+
+        @staticmethod
+        def get(ref):
+            raise outcomes[ref]
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._ray = FakeRay
+    with pytest.raises(WorkerDiedError, match="Ray worker 1 died"):
+        executor._wait(["r0", "r1"], "execute", 10.0)
+    outcomes["r1"] = RuntimeError("its own failure")   # no death: the first failure seen stands
+    with pytest.raises(RuntimeError, match="gloo"):
+        executor._wait(["r0", "r1"], "execute", 10.0)

@@ -30,6 +30,9 @@ from plinth.distributed.executor import (
 
 logger = logging.getLogger(__name__)
 
+#: after one actor's call raised: how long the others may take to show that one of them died (the real cause)
+DEATH_WAIT_S = 2.0
+
 
 class RayWorker:
     """The actor body: a :class:`~plinth.distributed.worker.Worker` behind one generic ``call``."""
@@ -161,10 +164,24 @@ class RayExecutor(DistributedExecutor):
                     results[index[ref]] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerDiedError(f"Ray worker {index[ref]} died: {exc}") from exc
-                except ray.exceptions.RayTaskError as exc:   # the worker raised: re-raise its own error
+                except ray.exceptions.RayTaskError as exc:   # the worker raised: re-raise its own error,
+                    # unless a peer's death caused it (a collective cut short): then report the death
+                    self._raise_a_death(pending, index)
                     cause = getattr(exc, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else exc) from None
         return results
+
+    def _raise_a_death(self, pending: list[Any], index: dict[Any, int]) -> None:
+        """Raises WorkerDiedError for an actor among ``pending`` that died (waiting briefly for their calls)."""
+        ray = self._ray
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_WAIT_S) if pending else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerDiedError(f"Ray worker {index[ref]} died: {exc}") from exc
+            except Exception:  # noqa: BLE001, S112 - its own failure: the first one seen is raised
+                continue
 
     def _workers_in_step(self) -> bool:
         return not self._out_of_step
