@@ -935,6 +935,51 @@ def test_sigterm_finishes_in_flight_requests_then_aborts_after_grace(tmp_path):
             httpx.get(f"{srv.base_url}/health", timeout=2)
 
 
+def test_a_second_stop_signal_ends_the_grace_at_once_with_clean_responses(tmp_path):
+    """Ctrl-C twice: the second ends the shutdown grace period at once; the engine aborts what is left, so a
+    stream still ends with its final chunk and [DONE] and a plain request gets its 200 (not a forced exit's
+    cancelled tasks: tracebacks, a plain-text 500 and a cut stream); the server exits with status 0."""
+    import signal
+
+    model_dir = make_tiny_model(tmp_path / "long", max_position_embeddings=65536)
+    args = [str(model_dir), "--selection", "off", "--shutdown-timeout", "60", "--served-model-name", "tiny"]
+    with running_server(args) as srv:
+        results: dict[str, object] = {}
+        body = {"prompt": PROMPT, "max_tokens": 60000, "temperature": 0, "ignore_eos": True}
+
+        def stream(started: threading.Event) -> None:
+            finish, done = None, False
+            with httpx.stream("POST", f"{srv.base_url}/v1/completions", json={**body, "stream": True},
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        started.set()
+                        done = done or line == "data: [DONE]"
+                        if line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["finish_reason"]:
+                            finish = json.loads(line[6:])["choices"][0]["finish_reason"]
+            results["stream"] = (finish, done)
+
+        def plain() -> None:
+            r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60)
+            results["plain"] = (r.status_code, r.json()["choices"][0]["finish_reason"])
+
+        started = threading.Event()
+        threads = [threading.Thread(target=stream, args=(started,)), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert started.wait(30)
+        time.sleep(0.5)   # the plain request is running too
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        code = srv.wait(30)
+        for t in threads:
+            t.join(30)
+        assert code == 0 and time.monotonic() - t0 < 10, srv.output()
+        assert results == {"stream": ("abort", True), "plain": (200, "abort")}, results
+        assert "Traceback" not in srv.output() and "second stop signal" in srv.output()
+
 # ----------------------------------------------------------------------------------------- default model
 
 

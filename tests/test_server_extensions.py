@@ -418,9 +418,40 @@ def test_sigterm_while_starting_interrupts_like_ctrl_c(capsys, monkeypatch):
         time.sleep(10)   # the handler raises before this ends
         return 0
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(serve_cmd, "_serve", starting)
     t0 = time.monotonic()
     assert main(["serve"]) == 130
     assert time.monotonic() - t0 < 5 and "plinth serve: interrupted" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the finalizer's interrupt
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_whose_interrupt_a_finalizer_swallows_still_stops_the_start(capsys, monkeypatch, sig):
+    """A stop signal landing while the collector runs a finalizer (as when the start's garbage collection ends just
+    before the server runs): the interrupt raised there is dropped ("Exception ignored in ..."), but the start
+    still stops before the server runs (it used to serve on until a second signal)."""
+    import os
+    import signal
+    import time
+
+    from plinth.entrypoints import serve_cmd
+    from plinth.entrypoints.cli import main
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), getattr(signal, sig))
+            time.sleep(0.5)   # the handler runs in here; its KeyboardInterrupt cannot leave a finalizer
+
+    went_on = []
+
+    def starting(args, startup):
+        Finalized()   # dropped at once: its finalizer runs
+        went_on.append(True)   # the interrupt was swallowed
+        serve_cmd._stop_if_requested()   # where the real start checks, just before the server runs
+        return 0
+
+    monkeypatch.setattr(serve_cmd, "_serve", starting)
+    assert main(["serve"]) == 130
+    assert went_on and "plinth serve: interrupted" in capsys.readouterr().err

@@ -174,6 +174,21 @@ def _server_class() -> Any:
                                self.grace_s, len(self.server_state.tasks))
             self.on_grace_expired()
 
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            """The first SIGTERM/SIGINT starts the graceful stop; a second one ends the grace at once (the engine
+            aborts what is left, so every client still gets its final response); only a third forces the exit."""
+            if self.should_exit and not self._cut_short and sig in (signal.SIGINT, signal.SIGTERM):
+                self._cut_short = True
+                logger.warning("second stop signal: ending the shutdown grace period now")
+                try:
+                    asyncio.get_running_loop().call_soon_threadsafe(self._grace_expired)
+                except RuntimeError:   # (no loop running in this thread)
+                    self._grace_expired()
+                return
+            super().handle_exit(sig, frame)
+
+        _cut_short = False
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():
@@ -181,6 +196,7 @@ def _server_class() -> Any:
                 return
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
+                _stop_if_requested()   # (one that came just before these handlers)
                 yield
             finally:
                 for sig, handler in previous.items():
@@ -255,26 +271,39 @@ def check_tls_files(keyfile: str, certfile: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     startup = GcPause(freeze=True)   # no garbage collection while the server imports and loads the model
-    previous = _interrupt_on_sigterm()
+    previous = _interrupt_the_start()
     try:
         return _serve(args, startup)
     finally:
         startup.end()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _interrupt_on_sigterm() -> Any:
-    """Until the server runs (it then handles SIGTERM itself: a graceful stop), SIGTERM interrupts the start like
-    Ctrl-C, so what was started (worker processes, the socket) is stopped and the reason is said; the previous
-    handler, or ``None`` off the main thread."""
+#: a SIGTERM or SIGINT came before the server ran (set by the start's handler: the KeyboardInterrupt it raises can
+#: be swallowed where it lands, in a finalizer run by the collector, so the start checks this too)
+_STOP_REQUESTED = threading.Event()
+
+
+def _interrupt_the_start() -> dict[int, Any]:
+    """Until the server runs (it then handles the signals itself: a graceful stop), SIGTERM and SIGINT interrupt
+    the start, so what was started (worker processes, the socket) is stopped and the reason is said; the previous
+    handlers (none off the main thread, where an embedding program's own handlers stand)."""
+    _STOP_REQUESTED.clear()
+
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt("SIGTERM")
+        _STOP_REQUESTED.set()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    try:
-        return signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:   # not the main thread (an embedding program): its own handlers stand
-        return None
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _stop_if_requested() -> None:
+    """Raises KeyboardInterrupt where a stop signal came during the start and its own interrupt was lost."""
+    if _STOP_REQUESTED.is_set():
+        raise KeyboardInterrupt("a stop signal during the start")
 
 
 def _serve(args: argparse.Namespace, startup: GcPause) -> int:
@@ -323,9 +352,10 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on %s://%s:%d%s", front.served_model_name,
-                        "https" if args.ssl_certfile else "http", host, port,
+                        "https" if args.ssl_certfile else "http", f"[{host}]" if ":" in host else host, port,
                         " (API key required on every route but /health, /ping, /version, /metrics)" if api_key else "")
             startup.end()   # the collector back on; what the start-up made is frozen (never garbage)
+            _stop_if_requested()
             server.run(sockets=[sock])
         finally:
             front.shutdown(timeout_s=max(args.shutdown_timeout, 1.0))
