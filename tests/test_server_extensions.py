@@ -315,6 +315,15 @@ def test_server_flag_checks(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--ssl-keyfile {str(key)!r} and --ssl-certfile {str(key)!r} cannot serve HTTPS" in err
     assert "Uvicorn running" not in err and "Traceback" not in err
+    # vLLM's --enable-auto-tool-choice needs a parser, as in vLLM (checked before anything loads, run-batch too)
+    batch = tmp_path / "in.jsonl"
+    batch.write_text("")
+    for command in (["serve"], ["run-batch", "-i", str(batch), "-o", str(tmp_path / "out.jsonl")]):
+        assert main([*command, "--enable-auto-tool-choice"]) == 2
+        assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--uvicorn-log-level", "loud"])
+    assert "--uvicorn-log-level: invalid choice" in capsys.readouterr().err
     for timeout in ("inf", "nan", "-1"):   # inf overflowed the join that bounds the shutdown, hiding the real error
         assert main(["serve", "--shutdown-timeout", timeout]) == 2
         assert "--shutdown-timeout must be between 0 and 604800 seconds" in capsys.readouterr().err

@@ -490,12 +490,15 @@ def test_auto_without_a_parser_is_refused_and_the_flag_names_its_choices(model_d
 
 @pytest.mark.server
 def test_plinth_serve_with_a_tool_parser(model_dir: Path, tmp_path: Path):
-    """``plinth serve --tool-call-parser hermes --chat-template FILE``: a streamed auto call over HTTP."""
+    """``plinth serve --enable-auto-tool-choice --tool-call-parser hermes --chat-template FILE`` (vLLM's launch line
+    for tools): a streamed auto call over HTTP; ``--uvicorn-log-level warning`` quiets the HTTP server's lines."""
     template = tmp_path / "tools.jinja"
     template.write_text(TOOL_TEMPLATE)
     args = [str(model_dir), "--selection", "off", "--max-model-len", "1024", "--served-model-name", "tiny",
-            "--tool-call-parser", "hermes", "--chat-template", str(template)]
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(template),
+            "--uvicorn-log-level", "warning"]
     with running_server(args) as srv:
+        assert "serving tiny on" in srv.output() and "Application startup complete" not in srv.output()
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, stream=True,
                                                 max_completion_tokens=200, temperature=0,

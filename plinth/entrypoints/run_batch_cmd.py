@@ -34,7 +34,7 @@ from typing import Any
 from plinth.core.request import encodable_text
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from plinth.entrypoints.generate_cmd import check_output, output_lock, torn_record
-from plinth.entrypoints.serve_cmd import add_api_args, api_app, lora_modules
+from plinth.entrypoints.serve_cmd import add_api_args, api_app, check_tool_flags, lora_modules
 from plinth.errors import CliError
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -285,9 +285,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     config = engine_config_from_args(args)
     from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
-    from plinth.entrypoints.openai.tool_parsers import resolve_tool_parser
 
-    resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
+    check_tool_flags(args)   # an unknown parser fails before the model loads
     resolve_reasoning_parser(args.reasoning_parser)
     lora_modules(args)   # and so does a malformed --lora-modules
     with output_lock(out):

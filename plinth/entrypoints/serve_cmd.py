@@ -65,6 +65,9 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="do not log one line per HTTP request")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted as vLLM's flag; plinth never logs request contents (only the access line)")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="the HTTP server's (uvicorn's) log level (default: plinth's)")
     add_api_args(g)
     g.add_argument("--allowed-origins", default=None, metavar="JSON",
                    help="CORS: the origins browsers may call from, a JSON list (e.g. '[\"http://localhost:3000\"]'); "
@@ -90,11 +93,26 @@ def add_api_args(g: Any) -> None:
                    help="the model's tool-call format (hermes, llama3_json, mistral, glm45, qwen3_coder, deepseek_v3, "
                         "kimi_k2, gpt_oss, or one a plugin adds): enables "
                         "tool_choice 'auto', the default for chat requests with tools")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag for tool_choice 'auto' (needs --tool-call-parser, which turns 'auto' on by "
+                        "itself here)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served as models of these names (with --enable-lora): NAME=PATH, or a JSON "
                         "object '{\"name\": NAME, \"path\": PATH}'")
+
+
+def check_tool_flags(args: argparse.Namespace) -> None:
+    """The tool-call flags, checked before the model loads.
+
+    Raises:
+        ServeError: ``--enable-auto-tool-choice`` without ``--tool-call-parser``.
+        ValueError: an unknown parser (naming the registered ones).
+    """
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
+    resolve_tool_parser(args.tool_call_parser)
 
 
 def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -328,7 +346,7 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     lora_modules(args)   # a malformed --lora-modules fails before the model loads
     if args.allow_runtime_lora_updating and not args.enable_lora:
         raise ServeError("--allow-runtime-lora-updating needs --enable-lora")
-    resolve_tool_parser(args.tool_call_parser)   # an unknown parser fails before the model loads
+    check_tool_flags(args)
     resolve_reasoning_parser(args.reasoning_parser)
     config = serving_config(args)
     model = config.model.model
@@ -336,7 +354,7 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
         raise ServeError(f"model path {model!r} does not exist")   # before the socket is bound and announced
     uv_config = uvicorn.Config(
         "plinth.entrypoints.openai.api_server:build_app",   # replaced by the app below
-        host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel(),
+        host=args.host, port=args.port, log_level=args.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
         timeout_graceful_shutdown=args.shutdown_timeout + ABORT_FLUSH_S, access_log=args.access_log,
         root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
     )
