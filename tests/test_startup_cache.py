@@ -54,12 +54,14 @@ def bpe_tokenizer_metadata() -> dict:
     return {"tokens": tokens, "merges": merges, "special": special}
 
 
-def write_small_gguf(path, template: str = TEMPLATE, tokenizer: bool = True, qtype=Q.Q4_1, seed: int = 0) -> str:
-    """A 2-layer llama GGUF with a BPE tokenizer, metadata of every scalar kind, and quantized weights."""
+def write_small_gguf(path, template: str = TEMPLATE, tokenizer: bool = True, qtype=Q.Q4_1, seed: int = 0,
+                     arch: str = "llama", pre: str = "default") -> str:
+    """A 2-layer GGUF (llama's tensors; ``arch`` names the architecture) with a BPE tokenizer (``pre``: its
+    pre-tokenizer), metadata of every scalar kind, and quantized weights."""
     rng = np.random.default_rng(seed)
     meta = bpe_tokenizer_metadata()
     vocab, hidden, inter, layers = len(meta["tokens"]), 64, 128, 2
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -79,7 +81,7 @@ def write_small_gguf(path, template: str = TEMPLATE, tokenizer: bool = True, qty
     if tokenizer:
         special = meta["special"]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
+        w.add_tokenizer_pre(pre)
         w.add_token_list(meta["tokens"])
         w.add_token_merges(meta["merges"])
         w.add_token_types([3 if t in special else 1 for t in meta["tokens"]])
@@ -290,6 +292,22 @@ def test_tokenizer_cached_on_disk_and_identical(tmp_path, monkeypatch, private_c
     assert_same_tokenizer(first, fresh)
     assert_same_tokenizer(cached, fresh)
     assert cached.eos_token == "<|im_end|>" and cached.chat_template == TEMPLATE
+
+
+@pytest.mark.parametrize("arch, pre", [("llama", "default"), ("qwen2", "qwen2"), ("qwen3", "qwen2")])
+def test_the_cached_tokenizer_tokenizes_as_the_converted_one(tmp_path, private_cache, arch, pre):
+    """A Qwen2/Qwen3 file's tokenizer converts to transformers' Qwen2Tokenizer, whose own constructor rebuilt the
+    cached pipeline (an NFC normalizer, its own split) when the entry was read back: every start after the first
+    tokenized differently. The entry now reloads exactly as converted (else it names the generic class)."""
+    path = write_small_gguf(tmp_path / "m.gguf", arch=arch, pre=pre)
+    fresh = load_gguf_tokenizer(path, use_cache=False)
+    load_gguf_tokenizer(path)
+    clear_gguf_cache()  # as a new process would
+    cached = load_gguf_tokenizer(path)
+    assert (tokenizer_cache_entry(path) / "source.json").is_file()   # it is cached
+    assert_same_tokenizer(cached, fresh)
+    for text in ("a   \n\n  b cafe\u0301", "x\u00a0\u00a0y  \t z"):   # decomposed letters, runs of white space
+        assert cached(text)["input_ids"] == fresh(text)["input_ids"], text
 
 
 def test_tokenizer_cache_invalidated_when_the_file_changes(tmp_path, monkeypatch, private_cache):

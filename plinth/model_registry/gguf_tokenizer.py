@@ -30,7 +30,7 @@ from plinth.model_registry.gguf_file import GGUFFile, StringArray, open_gguf
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2   # 2: entries whose class would not reload them as converted name the generic class
 _SOURCE_FILE = "source.json"  # written last: an entry without it is incomplete
 _DATA_SUFFIXES = (".json", ".jinja")
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers 5 and 4 names of one class
@@ -190,6 +190,14 @@ def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
         return
     try:
         tokenizer.save_pretrained(str(tmp))
+        if not _reloads_as(tokenizer, tmp):
+            # the model's own class rebuilds parts of the saved pipeline (Qwen2Tokenizer: its own normalizer and
+            # split): the generic class reads tokenizer.json as saved
+            _name_generic_class(tmp)
+            if not _reloads_as(tokenizer, tmp):
+                logger.info("the tokenizer of %s is not cached: it does not reload as converted", record["source"])
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
         (tmp / _SOURCE_FILE).write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like the model files
         os.rename(tmp, entry)
@@ -199,6 +207,32 @@ def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         return
     _remove_stale_entries(root, entry.name, record["source"])
+
+
+def _pipeline(tokenizer: Any) -> Any:
+    """The tokenizer's pipeline (normalizer, pre-tokenizer, model, post-processor, decoder, added tokens)."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec.pop("truncation", None)
+    spec.pop("padding", None)
+    return spec
+
+
+def _reloads_as(tokenizer: Any, saved: Path) -> bool:
+    """Whether the tokenizer saved in ``saved`` loads back (as the cache will load it) with ``tokenizer``'s
+    pipeline and special tokens."""
+    try:
+        again = _tokenizer_class(saved).from_pretrained(str(saved), local_files_only=True, trust_remote_code=False)
+        return _pipeline(again) == _pipeline(tokenizer) and \
+            again.all_special_tokens == tokenizer.all_special_tokens
+    except Exception:  # noqa: BLE001 - not loadable back: not cached
+        return False
+
+
+def _name_generic_class(saved: Path) -> None:
+    config_path = saved / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = _GENERIC_CLASSES[0]
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def _remove_stale_entries(root: Path, keep: str, source: str) -> None:
