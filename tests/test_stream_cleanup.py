@@ -190,3 +190,51 @@ def test_a_cancelled_duplicate_id_leaves_the_live_request_alone(model_dir):
     finally:
         front.shutdown()
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
+
+
+def test_a_reader_that_stops_reading_holds_one_output_per_prompt():
+    """Several prompts' streams merged (a completions request with a list of prompts): while the reader does not
+    read, the merge stops pulling from the streams (their mailboxes merge outputs), instead of queueing every
+    step's output without bound; reading on, every stream's outputs still come, each stream's last one last."""
+    from types import SimpleNamespace
+
+    from plinth.entrypoints.openai.serving import Started, merge
+
+    steps, pulled = 500, [0, 0]
+
+    class Stream:
+        def __init__(self, i):
+            self.i = i
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if pulled[self.i] == steps:
+                raise StopAsyncIteration
+            pulled[self.i] += 1
+            await asyncio.sleep(0)
+            return SimpleNamespace(finished=pulled[self.i] == steps, step=pulled[self.i])
+
+        async def aclose(self):
+            pass
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        firsts = [loop.create_future() for _ in range(2)]
+        for f in firsts:
+            f.set_result(SimpleNamespace(finished=False, step=0))
+        merged = merge(Started([Stream(0), Stream(1)], firsts))
+        got = [await merged.__anext__()]
+        await asyncio.sleep(0.2)   # the reader stops reading for a while
+        held = sum(pulled)
+        async for item in merged:
+            got.append(item)
+        await merged.aclose()
+        return held, got
+
+    held, got = asyncio.run(main())
+    assert held <= 4, held   # (it was every step of both streams: 1,000)
+    for i in range(2):
+        mine = [out.step for j, out in got if j == i]
+        assert mine == list(range(steps + 1)) and got[[k for k, (j, _) in enumerate(got) if j == i][-1]][1].finished

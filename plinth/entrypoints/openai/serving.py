@@ -650,18 +650,20 @@ async def _merged(started: Started) -> AsyncIterator[tuple[int, Any]]:
             async for out in streams[0]:
                 yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # bounded: a reader that stops reading stops the pumps, and each request's mailbox then merges its outputs
+    # (a caller that stops reading holds one output per request, not one per step)
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int) -> None:
         try:
             out = await firsts[i]
-            queue.put_nowait((i, out))
+            await queue.put((i, out))
             if not out.finished:
                 async for out in streams[i]:
-                    queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
+                    await queue.put((i, out))
+            await queue.put((i, None))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((i, exc))
+            await queue.put((i, exc))
 
     live = set(range(len(streams)))
     tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
