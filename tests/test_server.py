@@ -776,6 +776,43 @@ def test_kv_cache_refusal_names_max_tokens_without_the_engine_request_id(model_d
         assert "shorten it" in err["message"] and "cmpl-" not in err["message"], err
 
 
+def test_replies_with_logprobs_are_built_off_the_event_loop(model_dir, monkeypatch):
+    """A whole reply with log-probabilities (n x tokens x top_logprobs can make tens of MB) is built and encoded in
+    a worker thread, so the event loop keeps serving every other client meanwhile (it stalled for seconds)."""
+    import asyncio
+
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai import serving_chat, serving_completion
+    from plinth.entrypoints.openai.api_server import build_app
+
+    on_loop = []
+
+    def watch(real):
+        def watched(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:   # no loop running in this thread: a worker thread
+                on_loop.append(False)
+            return real(*args, **kwargs)
+        return watched
+
+    monkeypatch.setattr(serving_chat, "_logprobs", watch(serving_chat._logprobs))
+    monkeypatch.setattr(serving_completion, "_choice", watch(serving_completion._choice))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", served_model_name="tiny"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2, "logprobs": True,
+                "top_logprobs": 3}
+        r = http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and len(r.json()["choices"][1]["logprobs"]["content"]) == 4
+        r = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4, "logprobs": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert on_loop == [False] * 4, on_loop
+
 def test_metrics_count_preemptions_and_first_admissions_only(model_dir):
     """Under a KV cache too small for all requests at once: ``plinth_num_preemptions_total`` counts the
     preemptions, and the prefix cache's counters count each request once (six prompts sharing no token: no

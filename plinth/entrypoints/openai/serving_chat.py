@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -316,6 +317,15 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
                                    _echoed(req), ctx.reply_model(lora), req.include_reasoning), on_close=events.aclose)
     final = await finish(raw, events, _last(events))
+    reply = functools.partial(_reply, ctx, req, rid, created, lora, mode, k, final)
+    if k is None and req.prompt_logprobs is None:
+        return reply()
+    return await asyncio.to_thread(reply)   # large (n x tokens x top_logprobs): built off the event loop
+
+
+def _reply(ctx: ServerContext, req: ChatCompletionRequest, rid: str, created: int, lora: LoRARequest | None,
+           mode: Any, k: int | None, final: RequestOutput) -> Response:
+    """The whole (not streamed) reply to a chat request, encoded."""
     choices = []
     name = ctx.token_namer(req)
     echoed = _echoed(req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import dataclasses
 import time
@@ -240,12 +241,18 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if echo_only:
         for out in finals:
             out.outputs = [CompletionOutput(c.index, "", [], 0.0, None, FinishReason.LENGTH) for c in out.outputs]
-    choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
-               for i, out in enumerate(finals) for c in out.outputs]
-    completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    body = CompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
-                              usage=_usage(prompts, completion_tokens, sum(o.num_cached_tokens for o in finals)))
-    return JSONResponse(body.model_dump())
+
+    def reply() -> Response:
+        choices = [_choice(ctx, req, prompts[i], out, c, i * params.n + c.index)
+                   for i, out in enumerate(finals) for c in out.outputs]
+        completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        body = CompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
+                                  usage=_usage(prompts, completion_tokens, sum(o.num_cached_tokens for o in finals)))
+        return JSONResponse(body.model_dump())
+
+    if req.logprobs is None and req.prompt_logprobs is None:
+        return reply()
+    return await asyncio.to_thread(reply)   # large (prompts x n x tokens x logprobs): built off the event loop
 
 
 async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, prompts: list[_Prompt],
