@@ -93,6 +93,34 @@ def test_ctrl_c_during_a_step_is_an_interrupt_not_a_worker_failure(tmp_path, mon
     llm.close()
     assert wait_gone(pids, 10.0) == []
 
+
+def test_ctrl_c_while_an_answer_is_being_read_stops_the_workers(tmp_path, monkeypatch):
+    """Ctrl-C while the driver reads a worker's answer (a large one comes in several reads): that pipe may be in
+    the middle of a message, so the workers are not trusted to be in step: they stop, and a later call says why
+    (instead of the next step misreading the rest of the answer)."""
+    import multiprocessing.connection as mpc
+
+    path = save_family("llama", tmp_path)
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor="mp", **ENGINE_KW)
+    pids = llm.engine.executor.worker_pids
+    real, calls = mpc.Connection.recv_bytes, []
+
+    def interrupting(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(mpc.Connection, "recv_bytes", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    monkeypatch.setattr(mpc.Connection, "recv_bytes", real)
+    with pytest.raises(EngineDeadError, match="interrupted while the workers were in the middle of a step"):
+        llm.generate(PROMPTS[0], greedy(), use_tqdm=False)
+    assert wait_gone(pids, 10.0) == []
+    llm.close()
+
+
 _DRIVER = """
 import os, signal, sys
 from plinth.distributed.executor_mp import WorkerProcesses

@@ -694,6 +694,16 @@ def test_a_template_that_loops_over_content_parts_gets_parts(tiny_llama_dir):
     want = tokenizer.apply_chat_template([{"role": "user", "content": two}], tokenize=False, chat_template=wrapping)
     assert want == "[Translate: ][hello]"
     assert llm.engine.render_chat(plain_messages([{"role": "user", "content": two}]), chat_template=wrapping) == want
+    # the joined text keeps its parts through copies and pickles (a user's deep-copied conversation)
+    import copy
+    import pickle
+
+    from plinth.core.engine import TextParts
+
+    text = plain_messages([{"role": "user", "content": two}])[0]["content"]
+    for again in (copy.copy(text), copy.deepcopy(text), pickle.loads(pickle.dumps(text))):
+        assert type(again) is TextParts and again == text == "Translate: \nhello" and again.parts == text.parts
+    assert template_iterates_content.cache_info().maxsize == 16   # (the template's scan is cached)
     llm.close()
 
 

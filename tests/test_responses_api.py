@@ -64,6 +64,13 @@ def test_a_response_equals_the_chat_reply(client):
         assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     else:
         assert out.status == "completed" and out.incomplete_details is None
+    # text parts are joined as the chat route joins them (by line breaks)
+    parts = client.post("/v1/responses", json={"model": "tiny", **GREEDY, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "you"}]}]})
+    joined = client.post("/v1/chat/completions", json={"model": "tiny", "temperature": 0, "max_tokens": 12,
+                                                       "messages": [{"role": "user", "content": "Hello\nyou"}]})
+    assert parts.json()["usage"]["input_tokens"] == joined.json()["usage"]["prompt_tokens"]
+    assert parts.json()["output"][0]["content"][0]["text"] == joined.json()["choices"][0]["message"]["content"]
 
 
 def test_incomplete_at_max_output_tokens(client):

@@ -232,8 +232,11 @@ def test_documents_stop_reason_and_refusals(http, app_parts, caplog):
     assert "request fields ignored (not supported): 'metadata', 'store', 'x\\nERROR forged" in caplog.text
     assert "A" * 100 not in caplog.text and "\nERROR forged" not in caplog.text
     for body, param in (({"prompt": "x", "echo": True, "logprobs": 2, "prompt_logprobs": -1}, "prompt_logprobs"),
-                        ({"prompt": "x", "use_beam_search": True, "n": 2, "prompt_logprobs": 1}, "prompt_logprobs")):
+                        ({"prompt": "x", "use_beam_search": True, "n": 2, "prompt_logprobs": 1}, "prompt_logprobs"),
+                        ({"prompt": "x", "logprobs": -1}, "logprobs")):   # -1 (the whole vocabulary): offline only
         assert post(http, "/v1/completions", body, status=400)["error"]["param"] == param
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}
+    assert post(http, "/v1/chat/completions", chat, status=400)["error"]["param"] == "top_logprobs"
 
 
 def test_ping_request_id_and_cors(http):
@@ -464,3 +467,22 @@ def test_a_stop_signal_whose_interrupt_a_finalizer_swallows_still_stops_the_star
     monkeypatch.setattr(serve_cmd, "_serve", starting)
     assert main(["serve"]) == 130
     assert went_on and "plinth serve: interrupted" in capsys.readouterr().err
+
+
+def test_stop_signals_graceful_then_cut_short_then_forced():
+    """SIGTERM once: the graceful stop; twice: the grace ends at once (the engine aborts what is left); a third:
+    the exit is forced (uvicorn alone forces only on a second SIGINT, never on SIGTERM)."""
+    import signal
+
+    import uvicorn
+
+    from plinth.entrypoints.serve_cmd import _server_class
+
+    aborted = []
+    server = _server_class()(uvicorn.Config(app=None), 60.0, lambda: aborted.append(True))
+    server.handle_exit(signal.SIGTERM, None)
+    assert (server.should_exit, server.force_exit, aborted) == (True, False, [])
+    server.handle_exit(signal.SIGTERM, None)
+    assert (server.force_exit, aborted) == (False, [True])
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit

@@ -146,7 +146,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-@functools.lru_cache(maxsize=16)
 def _parts(content: str) -> tuple[str, ...]:
     return content.parts if isinstance(content, TextParts) else (content,)
 
@@ -162,7 +161,11 @@ class TextParts(str):
         joined.parts = tuple(parts)
         return joined
 
+    def __reduce__(self) -> tuple[Any, ...]:   # copies and pickles are built from the parts, not the text
+        return TextParts, (self.parts,)
 
+
+@functools.lru_cache(maxsize=16)
 def template_iterates_content(template: str) -> bool:
     """Whether a chat template loops over a message's ``content`` (``{% for part in message['content'] %}``, or over
     a variable set from it): it reads OpenAI's list of content parts, and a string there would be looped over

@@ -142,6 +142,7 @@ class WorkerProcesses:
         """
         ranks = list(ranks)
         pending = {self.conns[r]: r for r in ranks}
+        reading = None
         try:
             sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
             results: dict[int, Any] = {}
@@ -154,11 +155,15 @@ class WorkerProcesses:
                                           f"(${STEP_TIMEOUT_ENV} raises the limit)")
                 for obj in ready:   # answers first: a worker may answer and then exit
                     if obj in pending:
-                        rank = pending.pop(obj)
+                        rank = pending[obj]
+                        reading = obj   # (an interrupt in the middle of an answer leaves its pipe out of step)
                         try:
-                            status, value = pickle.loads(obj.recv_bytes())
+                            data = obj.recv_bytes()
                         except (EOFError, OSError) as exc:
                             raise self._died(rank, "its pipe closed", describe) from exc
+                        del pending[obj]
+                        reading = None
+                        status, value = pickle.loads(data)
                         if status == "error":
                             # a collective that failed because a peer died: report the death, the cause
                             dead = mpc.wait(list(sentinels), timeout=1.0)
@@ -177,8 +182,8 @@ class WorkerProcesses:
             raise failed.error from None
         except KeyboardInterrupt:   # Ctrl-C in the driver (the workers ignore it): their answers are still due
             self.broken = True
-            in_sync = self._drain(pending, INTERRUPT_DRAIN_S)
-            self.broken = not in_sync
+            if reading is None:   # (else a pipe is in the middle of an answer: out of step)
+                self.broken = not self._drain(pending, INTERRUPT_DRAIN_S)
             raise
         except BaseException:
             self.broken = True

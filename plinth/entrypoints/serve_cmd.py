@@ -203,6 +203,8 @@ def _server_class() -> Any:
                 except RuntimeError:   # (no loop running in this thread)
                     self._grace_expired()
                 return
+            if self._cut_short:   # a third: out now (uvicorn itself forces only on a second SIGINT)
+                self.force_exit = True
             super().handle_exit(sig, frame)
 
         _cut_short = False

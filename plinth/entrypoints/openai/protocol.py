@@ -220,6 +220,8 @@ class CompletionRequest(_SamplingFields):
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of is not supported (only best_of equal to n)"
+        if self.logprobs is not None and self.logprobs < 0:   # (-1, the whole vocabulary: offline only)
+            return "logprobs", f"must be at least 0, got {self.logprobs}"
         return super().unsupported()
 
 
@@ -282,6 +284,8 @@ class ChatCompletionRequest(_SamplingFields):
             return ("audio" if self.audio is not None else "modalities"), "only text output is supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if self.top_logprobs is not None and self.top_logprobs < 0:   # (-1, the whole vocabulary: offline only)
+            return "top_logprobs", f"must be at least 0, got {self.top_logprobs}"
         return super().unsupported()
 
 

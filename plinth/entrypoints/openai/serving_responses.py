@@ -64,8 +64,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, str]]:
                         or not isinstance(part.get("text"), str)):
                     raise bad_request(f"input[{i}].content[{j}]: only text parts are supported", "input")
                 texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
+            content = [{"type": "text", "text": t} for t in texts]   # as chat content parts (joined as the chat route does)
+        if not isinstance(content, str | list):
             raise bad_request(f"input[{i}]: content must be a string or a list of text parts", "input")
         messages.append({"role": role, "content": content})
     if not messages:
