@@ -237,6 +237,10 @@ def test_documents_stop_reason_and_refusals(http, app_parts, caplog):
         assert post(http, "/v1/completions", body, status=400)["error"]["param"] == param
     chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}
     assert post(http, "/v1/chat/completions", chat, status=400)["error"]["param"] == "top_logprobs"
+    for path, body, param in (("/v1/completions", {"prompt": "x", "logprobs": 2 ** 21}, "logprobs"),
+                              ("/v1/chat/completions", {**chat, "top_logprobs": 2 ** 21}, "top_logprobs")):
+        err = post(http, path, body, status=400)["error"]   # beyond any engine's count: named by this one's limit
+        assert err["param"] == param and err["message"] == f"{param}: must be at most 20 (--max-logprobs)", err
 
 
 def test_ping_request_id_and_cors(http):

@@ -474,7 +474,10 @@ def sampling_params(build: Any, renames: dict[str, str] | None = None, max_logpr
                 raise SamplingParamsError(name, f"must be at most {max_logprobs} (--max-logprobs), got {asked}")
     except SamplingParamsError as exc:
         param = (renames or {}).get(exc.param, exc.param)
-        raise bad_request(str(exc).replace(f"{exc.param}:", f"{param}:", 1), param) from exc
+        message = str(exc).replace(f"{exc.param}:", f"{param}:", 1)
+        if exc.param in ("logprobs", "prompt_logprobs") and max_logprobs is not None:   # (a count beyond any
+            message = f"{param}: must be at most {max_logprobs} (--max-logprobs)"       # engine: the engine's limit)
+        raise bad_request(message, param) from exc
     if params.n > MAX_N:
         raise bad_request(f"n: must be at most {MAX_N}, got {params.n}", "n")
     return params
