@@ -408,6 +408,29 @@ def test_rope_scaling_matches_transformers(rope):
     assert scale == pytest.approx(ref_scale)
 
 
+def test_dynamic_rope_scaling_matches_transformers(tmp_path):
+    """Dynamic (NTK-aware) scaling: the base raised for the engine's context, as transformers raises it for a
+    sequence of that length (fixed for the run, as vLLM does); within the config's length it is the plain RoPE, so
+    an engine there gives transformers' greedy tokens."""
+    from conftest import save_tiny_model
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from plinth import LLM
+    from plinth.model_registry.layers.rotary import compute_inv_freq, rope_parameters
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    cfg = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 64, "rope_parameters": rope})
+    for context in (None, 32, 64, 100, 128):
+        want, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=context)
+        inv, scale = compute_inv_freq(rope_parameters(cfg), 16, 64, context)
+        assert torch.allclose(inv, want.float(), rtol=1e-6, atol=0) and scale == 1.0, context
+    path = save_tiny_model(tmp_path / "m", max_position_embeddings=64, rope_parameters=rope)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", selection="off", max_model_len=64)
+    llm_greedy_matches(llm, hf, [list(range(5, 25)), [7, 8, 9]], max_tokens=12)
+    assert LLM(str(path), dtype="float32", selection="off").engine.max_model_len == 128   # the default context
+
+
 @pytest.mark.parametrize("factor", [None, 2.0])
 def test_longrope_scale_takes_the_configs_factor(factor):
     """longrope's cos/sin scale comes from ``factor`` where the config gives one, else from the growth of the
@@ -486,7 +509,9 @@ def test_unsupported_rope_type_is_a_clear_error():
     from plinth.errors import UnsupportedModelError
     from plinth.model_registry.layers.rotary import compute_inv_freq
 
-    with pytest.raises(UnsupportedModelError, match="'dynamic'.*supported: default, linear, llama3, yarn, longrope"):
+    with pytest.raises(UnsupportedModelError, match="'ntk'.*supported: default, linear, dynamic, llama3, yarn, longrope"):
+        compute_inv_freq({"rope_type": "ntk", "rope_theta": 1e4}, 16, 128)
+    with pytest.raises(UnsupportedModelError, match="dynamic RoPE scaling needs a factor"):
         compute_inv_freq({"rope_type": "dynamic", "rope_theta": 1e4}, 16, 128)
     with pytest.raises(UnsupportedModelError, match="longrope RoPE scaling needs original_max_position_embeddings"):
         compute_inv_freq({"rope_type": "longrope", "rope_theta": 1e4}, 16, 128)

@@ -15,7 +15,7 @@ from torch import nn
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.kernels import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
@@ -152,6 +152,13 @@ def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_positions: int
         return _base_inv_freq(base, rotary_dim) / params["factor"], 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(_base_inv_freq(base, rotary_dim), params), 1.0
+    if rope_type == "dynamic":   # NTK-aware: the base raised for the run's context, fixed for the run (as vLLM)
+        factor = params.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1 <= factor < math.inf:
+            raise UnsupportedModelError(f"dynamic RoPE scaling needs a factor of at least 1, got {factor!r}")
+        length = max(context or max_positions, max_positions)   # within the config's length: the default RoPE
+        scaled = base * ((factor * length / max_positions) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        return _base_inv_freq(scaled, rotary_dim), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(base, rotary_dim, params, max_positions)
     if rope_type in ("longrope", "su"):
