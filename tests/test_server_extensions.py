@@ -282,6 +282,24 @@ def test_api_key_under_a_root_path(model_dir):
         assert client.get("/api/health").status_code == 200 and client.get("/api/metrics").status_code == 200
 
 
+def test_the_api_schema_is_served_unless_disabled(model_dir):
+    """``/openapi.json`` is served (``/docs`` and ``/redoc`` never are); ``--disable-fastapi-docs`` (vLLM's flag)
+    turns it off; ``--enable-request-id-headers`` is taken (X-Request-Id is always echoed)."""
+    from starlette.testclient import TestClient
+
+    from plinth.entrypoints.cli import build_parser
+    from plinth.entrypoints.openai.api_server import build_app
+
+    for openapi, status in ((True, 200), (False, 404)):
+        with TestClient(build_app(own_front(model_dir), openapi=openapi)) as client:
+            assert client.get("/openapi.json").status_code == status
+            assert client.get("/docs").status_code == client.get("/redoc").status_code == 404
+            r = client.get("/v1/models", headers={"X-Request-Id": "r-1"})
+            assert r.headers["X-Request-Id"] == "r-1"
+    argv = ["serve", "--disable-fastapi-docs", "--enable-request-id-headers"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.disable_fastapi_docs and args.enable_request_id_headers
+
 def test_no_cors_by_default(model_dir):
     from starlette.testclient import TestClient
 

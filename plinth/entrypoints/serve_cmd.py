@@ -65,6 +65,10 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="do not log one line per HTTP request")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted as vLLM's flag; plinth never logs request contents (only the access line)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="accepted as vLLM's flag; plinth always echoes a request's X-Request-Id")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="do not serve the API's schema at /openapi.json (the /docs and /redoc pages are never served)")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="the HTTP server's (uvicorn's) log level (default: plinth's)")
@@ -368,7 +372,8 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
         front = AsyncLLMEngine.from_config(config)
         try:
             uv_config.app = api_app(front, args, api_key=api_key, cors=cors,
-                                    allow_lora_updates=args.allow_runtime_lora_updating)
+                                    allow_lora_updates=args.allow_runtime_lora_updating,
+                                    openapi=not args.disable_fastapi_docs)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on %s://%s:%d%s", front.served_model_name,

@@ -127,13 +127,13 @@ class CorsSettings:
 def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: type[ToolParser] | None = None,
               reasoning_parser: type[ReasoningParser] | None = None, return_tokens_as_token_ids: bool = False,
               cors: CorsSettings | None = None, lora_modules: Sequence[tuple[str, str]] = (),
-              allow_lora_updates: bool = False) -> FastAPI:
+              allow_lora_updates: bool = False, openapi: bool = True) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
     tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
     ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
     the origins (and methods, headers) browsers may call from; ``lora_modules``: ``(name, folder)`` of the LoRA
     adapters served as models of those names (read and checked here); ``allow_lora_updates``: the routes that
-    load and unload adapters while serving.
+    load and unload adapters while serving; ``openapi``: serve the API's schema at ``/openapi.json``.
 
     Raises:
         ValueError: an adapter cannot be served, or its name is taken.
@@ -153,7 +153,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
         yield
         front.shutdown()
 
-    app = FastAPI(title="plinth", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="plinth", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if openapi else None)
     app.state.ctx = ctx
     install_error_handlers(app)
     if api_key:
