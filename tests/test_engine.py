@@ -596,7 +596,10 @@ def test_prompt_arrays_and_numpy_parameters(llm, reference):
     # values set after construction are taken in the same forms as the constructor's
     late = greedy()
     late.temperature, late.logit_bias, late.stop = np.float32(0.0), {"5": 1.5}, "never seen"
-    assert token_ids(llm.generate(PROMPTS[0], late, use_tqdm=False))[0] != []
+    built = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={5: 1.5},
+                           stop="never seen")
+    assert token_ids(llm.generate(PROMPTS[0], late, use_tqdm=False)) == \
+        token_ids(llm.generate(PROMPTS[0], built, use_tqdm=False))   # as if given to the constructor
     assert (type(late.temperature), late.logit_bias, late.stop) == (float, {5: 1.5}, ["never seen"])
     late.logit_bias = {"five": 1.0}
     with pytest.raises(SamplingParamsError, match="logit_bias"):

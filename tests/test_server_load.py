@@ -94,7 +94,7 @@ def test_concurrent_streams_match_solo_runs_and_metrics_add_up(server, solo):
     assert delta["plinth_request_generation_tokens_sum"] == delta["plinth_generation_tokens_total"]
     assert delta["plinth_prefix_cache_queries_total"] == delta["plinth_prompt_tokens_total"]   # each admitted once
     assert 0 < delta["plinth_prefix_cache_hits_total"] < delta["plinth_prefix_cache_queries_total"]
-    assert after["plinth_num_preemptions_total"] >= 0
+    assert "plinth_num_preemptions_total" in after   # (its value: tests/test_server.py -k preemptions_and_first)
 
 
 def test_disconnected_streams_free_their_blocks(server, solo):

@@ -330,18 +330,21 @@ class MultiprocExecutor(DistributedExecutor):
             raise self._fail(exc) from exc
 
     def _read_answer(self, timeout_s: float | None = None) -> None:
-        if self._closed or not self._unread:   # shut down (from another thread) while a step was awaited
-            raise WorkerDiedError("the executor was shut down")
+        self._check_unread()
         carried = self._unread[0]
         results = self._procs.receive(range(self.world_size), "launch", timeout_s or self.step_timeout_s,
                                       self._describe)
-        if self._closed or not self._unread:
-            raise WorkerDiedError("the executor was shut down")
+        self._check_unread()
         self._unread.popleft()
         if carried is not None:
             out = results[self.output_rank]
             carried.output = unpack_tensors(out, torch.device("cpu")) if out is not None else None
             carried.done = True
+
+    def _check_unread(self) -> None:
+        """Raises WorkerDiedError where a shutdown (from another thread) cleared the answers being awaited."""
+        if self._closed or not self._unread:
+            raise WorkerDiedError("the executor was shut down")
 
     def _settle(self, timeout_s: float | None = None) -> None:
         """Before any other call: read every answer due and collect the last launched step, so the pipes

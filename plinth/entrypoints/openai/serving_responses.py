@@ -266,7 +266,8 @@ async def _reasoning_tokens(ctx: ServerContext, final: RequestOutput, skip_speci
             return _first_holding(len(ids), holds)
 
         whole = text(len(ids))
-        if not parser().scan(whole, True).reasoning and parser.START not in whole and parser.END not in whole:
+        thought = parser().scan(whole, True).reasoning
+        if not thought and parser.START not in whole and parser.END not in whole:
             return 0   # no thinking (white space before the answer, or an empty reply, is none)
         written = first(lambda m: len(text(m)) >= len(whole))   # the tokens that wrote the text (not a final EOS)
         answer = first(lambda m: bool(parser().scan(text(m), False).content.strip()))
@@ -274,7 +275,7 @@ async def _reasoning_tokens(ctx: ServerContext, final: RequestOutput, skip_speci
             return written   # all thinking
         before = parser().scan(text(answer), False).reasoning
         thinking = answer - 1
-        if len(parser().scan(whole, True).reasoning) > len(before):   # thought again after the answer
+        if len(thought) > len(before):   # thought again after the answer
             thinking += written - first(lambda m: len(parser().scan(text(m), False).reasoning) > len(before)) + 1
         return thinking
 
