@@ -207,25 +207,6 @@ def test_decode_only_split_kv_gqa(splits):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("sliding_window", [None, 20])
-def test_decode_splits_past_the_sequence_are_never_read(monkeypatch, sliding_window):
-    """More splits than a short sequence has tiles: the splits past its last tile write nothing and the merge
-    reads only the others (their partial slots start as NaN here, so reading one would show)."""
-    from plinth.attention_backends.triton import decode
-
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
-
-    monkeypatch.setattr(decode.torch, "empty", nan_empty)
-    batch = make_batch([(3, 1), (70, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64,
-                       dtype=torch.float16, pad_tokens=2, seed=5)
-    run_and_check(batch, sliding_window=sliding_window, backend=TritonAttentionBackend(decode_splits=8))
-
-
-@needs_interpreter
 def test_decode_default_splits_use_the_split_path():
     backend = TritonAttentionBackend()
     batch = make_batch([(40, 1), (20, 1)], num_heads=4, num_kv_heads=1, head_size=64, dtype=torch.float32, seed=2)

@@ -3,8 +3,7 @@
 Grid ``(num_seqs, num_kv_heads, num_splits)``. Each program takes the one query token of a
 sequence for all ``GROUP`` query heads of one KV head (so each K/V tile is loaded once for
 the group) and reduces one contiguous range of the sequence's KV tiles to a partial
-``(max, sum, acc)``. A second kernel merges the splits (programs whose range lies past the sequence's
-tiles return at once, and the merge reads only the others). With one split the first kernel
+``(max, sum, acc)``. A second kernel merges the splits. With one split the first kernel
 writes the output directly and the merge is skipped.
 
 The split count comes from the batch size and the cache-capacity bound only (see
@@ -125,9 +124,6 @@ def _decode_split_kernel(
     tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
-    if SPLIT:
-        if tile_lo >= tile_hi:   # a range past the sequence's tiles: nothing to add (the merge skips it)
-            return
 
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
@@ -200,16 +196,12 @@ def _decode_merge_kernel(
     part_acc_ptr,       # [B, num_heads, num_splits, HEAD_SIZE] fp32
     part_ml_ptr,        # [B, num_heads, num_splits, 2] fp32
     query_start_loc_ptr,
-    seq_lens_ptr,       # [B] int32
     num_tokens,
     num_splits,         # a runtime value: one compiled kernel serves every split count up to BLOCK_S
-    window,
     stride_ot, stride_oh,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,   # the split kernel's: its ranges are whole tiles of BLOCK_N keys
-    SLIDING: tl.constexpr,
     DEPENDENT: tl.constexpr = False,
 ):
     dependent_start(DEPENDENT)
@@ -217,16 +209,8 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    # the splits the split kernel gave a range of the sequence's tiles (the others wrote nothing)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    if SLIDING:
-        kv_start = tl.maximum(seq_len - window, 0)
-    else:
-        kv_start = seq_len * 0
-    num_tiles = tl.cdiv(seq_len, BLOCK_N) - kv_start // BLOCK_N
-    live = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))
     offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < tl.minimum(live, num_splits)
+    s_ok = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_SIZE
     store_ok = offs_d < tl.where(row < num_tokens, HEAD_SIZE, 0)
@@ -306,13 +290,11 @@ def decode_attention(
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_ml, query_start_loc, seq_lens, num_tokens, num_splits, sliding_window or 0,
+            out, part_acc, part_ml, query_start_loc, num_tokens, num_splits,
             out.stride(0), out.stride(1),
             HEAD_SIZE=head_size,
             BLOCK_D=block_d,
             BLOCK_S=next_power_of_2(num_splits),
-            BLOCK_N=tiles.block_n,
-            SLIDING=sliding_window is not None,
             num_warps=4,
             **dependent,
         )
