@@ -208,6 +208,26 @@ def test_gptq_checkpoint_quantizing_only_some_modules(tiny_llama_dir, tmp_path, 
     compare(model, backend, reference_model(tiny_llama_dir, {**deq, **floats}), atol=1e-3, min_agreement=0.95)
 
 
+def test_gptq_checkpoint_with_zero_biases_loads(tiny_llama_dir, tmp_path):
+    """Older GPTQ writers add an all-zero float16 ``.bias`` to every quantized layer, also where the architecture
+    has none (Llama): they are skipped; a non-zero one is still refused, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from plinth.errors import ModelLoadError
+
+    path, deq = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", 4, 32, False, False)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        tensors[name.replace(".qweight", ".bias")] = torch.zeros(tensors[name].shape[1], dtype=torch.float16)
+    save_file(tensors, str(path / "model.safetensors"))
+    model, backend, _method = load_plinth(path, gemm_kernel="dequant")
+    compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
+    tensors["model.layers.0.mlp.down_proj.bias"][3] = 0.5
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="down_proj.bias"):
+        load_plinth(path, gemm_kernel="dequant")
+
+
 def test_gptq_default_kernel_choice(tiny_llama_dir, tmp_path):
     """With selection off the highest-priority kernel that runs here is taken (not the Triton one on a CPU)."""
     path, _ = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", 4, 32, False, False)

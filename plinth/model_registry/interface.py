@@ -149,6 +149,10 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 continue
             name, shard_id = target
             param = params.get(name)
+            if param is None and ckpt_name.endswith(".bias") and tensor.is_floating_point() and not tensor.any():
+                # older GPTQ writers store an all-zero bias for every quantized layer, also where the
+                # architecture has none: adding zeros changes nothing (a non-zero one is still refused)
+                continue
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}"
