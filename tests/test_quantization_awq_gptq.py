@@ -10,6 +10,8 @@ version-1 checkpoints; ``scales`` ``[K/g, N]``; ``g_idx`` ``[K]``.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -226,6 +228,39 @@ def test_gptq_checkpoint_with_zero_biases_loads(tiny_llama_dir, tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="down_proj.bias"):
         load_plinth(path, gemm_kernel="dequant")
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_settings_in_the_writers_own_file(tiny_llama_dir, tmp_path, kind):
+    """Older AutoGPTQ / AutoAWQ checkpoints keep their settings in ``quantize_config.json`` / ``quant_config.json``
+    (AutoAWQ's keys, no ``quant_method``) instead of ``config.json``: they load as that method; a float checkpoint
+    with such a stray file stays float."""
+    import json
+
+    if kind == "gptq":
+        path, deq = gptq_checkpoint(tiny_llama_dir, tmp_path / kind, 4, 32, True, False)
+        settings_file = "quantize_config.json"
+    else:
+        path, deq = awq_checkpoint(tiny_llama_dir, tmp_path / kind, group=32)
+        settings_file = "quant_config.json"
+    config = json.loads((path / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    if kind == "awq":
+        settings = {"zero_point": True, "q_group_size": settings["group_size"], "w_bit": settings["bits"],
+                    "version": "GEMM"}
+    else:
+        del settings["quant_method"]
+    (path / "config.json").write_text(json.dumps(config))
+    (path / settings_file).write_text(json.dumps(settings))
+    model, backend, method = load_plinth(path, gemm_kernel="dequant")
+    assert method.name == kind
+    compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
+
+    float_copy = tmp_path / "float"
+    shutil.copytree(tiny_llama_dir, float_copy)
+    (float_copy / settings_file).write_text(json.dumps(settings))
+    _model, _backend, method = load_plinth(float_copy)
+    assert method is None
 
 
 def test_gptq_default_kernel_choice(tiny_llama_dir, tmp_path):

@@ -161,6 +161,51 @@ def architecture_of(hf_config: Any, origin: str) -> str:
     return arch
 
 
+#: files older GPTQ (AutoGPTQ) and AWQ (AutoAWQ) writers keep their settings in, with the method they imply
+#: where the settings do not name one
+QUANT_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def _adopt_quant_config_file(path: Path, cfg: Any) -> None:
+    """Give ``cfg`` the quantization settings of a checkpoint that keeps them in its own file instead of
+    ``config.json``'s ``quantization_config`` (AutoGPTQ's ``quantize_config.json``, AutoAWQ's ``quant_config.json``),
+    where the weights are packed (``*.qweight`` tensors), as vLLM reads them."""
+    if getattr(cfg, "quantization_config", None) is not None:
+        return
+    for name, method in QUANT_CONFIG_FILES:
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            settings = json.loads(f.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {f}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(settings, dict):
+            raise ModelLoadError(f"{f} must hold a JSON object")
+        if not _has_packed_weights(path):
+            logger.warning("%s: ignoring %s (the weights hold no packed *.qweight tensors)", path, name)
+            return
+        settings = dict(settings)
+        settings.setdefault("quant_method", "awq" if "w_bit" in settings or "q_group_size" in settings else method)
+        cfg.quantization_config = settings
+        logger.info("%s: quantization settings from %s (quant_method %r)", path, name, settings["quant_method"])
+        return
+
+
+def _has_packed_weights(path: Path) -> bool:
+    """Whether a shard of the checkpoint in ``path`` holds a ``*.qweight`` tensor (read from the headers)."""
+    from safetensors import safe_open
+
+    for shard in list_safetensors_files(path):
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                if any(k.endswith(".qweight") for k in f.keys()):
+                    return True
+        except Exception:   # noqa: BLE001 - an unreadable shard is reported, naming it, when the weights load
+            continue
+    return False
+
+
 def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     """Work out what ``model_config`` asks to load, reading configs but no weights.
 
@@ -195,6 +240,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     if fmt == "gguf":
         raise ModelLoadError(f"load_format 'gguf' needs a .gguf file, got the directory {path}")
     cfg = load_hf_config(path, model_config.trust_remote_code)
+    if fmt != "dummy":
+        _adopt_quant_config_file(path, cfg)
     arch = architecture_of(cfg, str(path / "config.json"))
     headless = False
     if arch.endswith("Model") and not arch.endswith("ForCausalLM"):
