@@ -310,13 +310,40 @@ def test_server_score_and_rerank(http):
     assert r["usage"]["total_tokens"] == len(ids[0]) + sum(len(i) for i in ids)
     r = client.post("/v2/rerank", json={"query": texts[1], "documents": texts[:2], "return_documents": False}).json()
     assert len(r["results"]) == 2 and "document" not in r["results"][0]
+    for top_n in (0, -1):   # vLLM's default top_n is 0: every document
+        r = client.post("/v1/rerank", json={"query": texts[0], "documents": texts, "top_n": top_n})
+        assert r.status_code == 200 and len(r.json()["results"]) == 3, r.text
     for route, body, param in (("/v1/score", {"text_1": texts[:2], "text_2": texts}, "text_1"),
                                ("/v1/score", {"text_1": "x", "text_2": []}, "text_2"),
                                ("/v1/rerank", {"query": "x", "documents": []}, "documents"),
-                               ("/v1/rerank", {"query": "x", "documents": ["y"], "top_n": 0}, "top_n"),
                                ("/v1/rerank", {"query": "", "documents": ["y"]}, "query")):
         r = client.post(route, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
+
+
+def test_score_refusals_name_the_field_of_the_refused_input(tmp_path):
+    """An input the KV cache cannot hold (shorter than max_model_len, so only the engine refuses it) is a 400 naming
+    the field it came in: ``text_1`` / ``query``, not the route's last field."""
+    from starlette.testclient import TestClient
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    model = save_tiny_model(tmp_path / "m")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off", task="embed",
+                                                max_model_len=64, block_size=4, num_blocks=6))
+    long_ids = list(range(5, 35))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as client:
+        for route, body, param in (("/v1/score", {"text_1": long_ids, "text_2": [[7, 8]]}, "text_1"),
+                                   ("/v1/score", {"text_1": [7, 8], "text_2": [[9], long_ids]}, "text_2"),
+                                   ("/v1/rerank", {"query": long_ids, "documents": [[7, 8]]}, "query"),
+                                   ("/v1/rerank", {"query": [7, 8], "documents": [long_ids]}, "documents"),
+                                   ("/v1/embeddings", {"input": [[7, 8], long_ids]}, "input")):
+            r = client.post(route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.text)
+            assert "KV cache" in r.json()["error"]["message"]
+        assert client.post("/v1/rerank", json={"query": [7, 8], "documents": [[9, 10]]}).status_code == 200
 
 
 def test_llm_score_and_routes_on_a_generation_server(tmp_path):

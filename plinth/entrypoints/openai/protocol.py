@@ -353,7 +353,7 @@ class ScoreResponse(_ListResponse):
 
 class RerankRequest(_NamedExtras):
     """``POST /v1/rerank`` (Jina's and Cohere's shape, as vLLM serves it): ``documents`` ordered by their relevance to
-    ``query``, the ``top_n`` first (all without it)."""
+    ``query``, the ``top_n`` first (all without it, or for 0 or less, as vLLM)."""
 
     model: str | None = None
     query: str | list[int]

@@ -563,13 +563,15 @@ class Started(NamedTuple):
 
 
 async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any]], priority: int = 0,
-                lora: LoRARequest | None = None, param: str = "prompt") -> Started:
+                lora: LoRARequest | None = None, param: str | Sequence[str] = "prompt") -> Started:
     """Submit ``(request id, prompt ids, params)`` requests and wait until the engine has taken every
     one (not for their first tokens, which may come much later when the batch is full), so that a
     rejected prompt fails the whole request before a response starts. On any failure (or
-    cancellation) every stream is closed, which aborts its engine request."""
+    cancellation) every stream is closed, which aborts its engine request. ``param``: the client's field
+    holding the prompts, or each request's (a refusal then names the refused one's)."""
     counts = [getattr(params, "n", 1) for _, _, params in requests]
-    ctx.check_room(sum(counts), "n" if max(counts, default=1) > 1 else param)
+    fields = [param] * len(requests) if isinstance(param, str) else list(param)
+    ctx.check_room(sum(counts), "n" if max(counts, default=1) > 1 else fields[-1] if fields else "prompt")
     loop = asyncio.get_running_loop()
     accepted = [loop.create_future() for _ in requests]
     streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut)
@@ -579,7 +581,12 @@ async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any
         while True:
             failed = next((t for t in firsts if t.done() and (t.cancelled() or t.exception() is not None)), None)
             if failed is not None:
-                failed.result()   # raises its error
+                try:
+                    failed.result()   # raises its error
+                except RequestRejectedError as exc:
+                    if exc.param is None:
+                        exc.param = fields[firsts.index(failed)]
+                    raise
             waiting = [f for f, t in zip(accepted, firsts, strict=True) if not (f.done() or t.done())]
             if not waiting:
                 return Started(streams, firsts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,14 +61,14 @@ async def token_lists(ctx: ServerContext, req: Any, items: list[str | list[int]]
 
 
 async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list[int]], params: PoolingParams,
-                    priority: int, lora: object, param: str = "input") -> list[list[float]]:
+                    priority: int, lora: object, param: str | Sequence[str] = "input") -> list[list[float]]:
     """The embeddings of ``inputs`` (token-id lists), run together, in order; the engine's refusal of an input (its
-    KV cache holds less than it) is a 400 naming the route's field ``param``."""
+    KV cache holds less than it) is a 400 naming the route's field ``param`` (or the input's, one per input)."""
     requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
     try:
         started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param=param))
     except RequestRejectedError as exc:
-        raise bad_request(str(exc), exc.param or param) from None
+        raise bad_request(str(exc), exc.param or (param if isinstance(param, str) else "input")) from None
     events = merge(started)
     finals = await finish(raw, events, collect(events, len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)

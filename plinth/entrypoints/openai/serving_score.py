@@ -51,11 +51,14 @@ async def _embed_distinct(ctx: ServerContext, raw: Request, req: ScoreRequest | 
     token list embedded once; and the prompt tokens counted once per item."""
     token_groups = [await token_lists(ctx, req, items, param) for items, param in groups]
     distinct: dict[tuple[int, ...], int] = {}
-    for ids_list in token_groups:
+    fields: list[str] = []   # the field each distinct token list first came from
+    for ids_list, (_, param) in zip(token_groups, groups, strict=True):
         for ids in ids_list:
-            distinct.setdefault(tuple(ids), len(distinct))
+            if tuple(ids) not in distinct:
+                distinct[tuple(ids)] = len(distinct)
+                fields.append(param)
     vectors = await embed_all(ctx, raw, rid, [list(k) for k in distinct], PoolingParams(normalize=True),
-                              req.priority, lora, groups[-1][1])
+                              req.priority, lora, fields)
     tokens = sum(len(ids) for ids_list in token_groups for ids in ids_list)
     return [[vectors[distinct[tuple(ids)]] for ids in ids_list] for ids_list in token_groups], tokens
 
@@ -80,14 +83,12 @@ async def create_rerank(ctx: ServerContext, req: RerankRequest, raw: Request) ->
     lora = ctx.check_model(req.model)
     ctx.check_task("embed", "/v1/rerank")
     ctx.note_ignored_fields(req)
-    if req.top_n is not None and req.top_n < 1:
-        raise bad_request(f"top_n must be at least 1, got {req.top_n}", "top_n")
     documents = list(req.documents)
     rid = random_id("rerank")
     (query, docs), tokens = await _embed_distinct(ctx, raw, req, rid, [([req.query], "query"), (documents, "documents")],
                                                   lora)
     scored = sorted(((score, i) for i, score in enumerate(cosine_scores(query, docs))), key=lambda t: (-t[0], t[1]))
-    if req.top_n is not None:
+    if req.top_n is not None and req.top_n > 0:   # 0 or less: every document (vLLM's default is 0)
         scored = scored[:req.top_n]
     results = []
     for score, i in scored:
