@@ -281,6 +281,18 @@ def test_base_model_checkpoints(tmp_path):
     with torch.no_grad():
         hidden = phi(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].double().mean(0)
     np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
+    # Gemma 3's text model: its causal LM is not named after it (Gemma3TextModel -> Gemma3ForCausalLM)
+    gemma_dir = tmp_path / "gemma3"
+    gemma_config = transformers.Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=16, max_position_embeddings=512, pad_token_id=0)
+    gemma = transformers.Gemma3TextModel(gemma_config).eval()
+    gemma.save_pretrained(gemma_dir, safe_serialization=True)
+    tok.save_pretrained(gemma_dir)
+    out = LLM(str(gemma_dir), dtype="float32", selection="off", task="embed", pooling="mean").embed(PROMPTS[:1])[0]
+    with torch.no_grad():
+        hidden = gemma(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].double().mean(0)
+    np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
 
 
 def test_server_score_and_rerank(http):

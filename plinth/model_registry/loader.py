@@ -248,6 +248,10 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         from plinth.model_registry.registry import ModelRegistry
 
         causal = arch.removesuffix("Model") + "ForCausalLM"
+        if not ModelRegistry.is_native(causal):   # e.g. Gemma3TextModel: the causal LM of its model type
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None), causal)
         if not ModelRegistry.is_native(arch) and ModelRegistry.is_native(causal):
             arch, headless = causal, True
             cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
