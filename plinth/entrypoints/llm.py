@@ -303,7 +303,8 @@ class LLM:
         if use_tqdm and len(ids) > 1:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
+            desc = "embedding" if self.engine.config.model.task == "embed" else "generating"
+            bar = tqdm(total=len(ids), desc=desc, unit="req", dynamic_ncols=True)
         try:
             while pending:
                 for out in self.engine.step(final_only=True):
