@@ -271,6 +271,21 @@ def test_gptq_default_kernel_choice(tiny_llama_dir, tmp_path):
     assert method.kernel.name == "torch_int4pack" and "need a GPU" in reasons["triton_w4a16"]
 
 
+def test_gptq_bad_g_idx_names_the_layer(tiny_llama_dir, tmp_path):
+    """A ``g_idx`` that does not give each group its share of the input features is refused at load, naming the
+    layer."""
+    from safetensors.torch import load_file, save_file
+
+    from plinth.errors import ModelLoadError
+
+    path, _ = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", 4, 32, True, False)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.g_idx"][:5] = 0
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"layer model\.layers\.1\.mlp\.down_proj: g_idx does not assign"):
+        load_plinth(path, gemm_kernel="dequant")
+
+
 # ------------------------------------------------------------------------------ tensor parallelism
 
 

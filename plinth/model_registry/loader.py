@@ -387,10 +387,13 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
             raise ModelLoadError(f"{source.path}: {exc}") from exc
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "linear_method", None) or getattr(module, "weight_method", None)
         if method is not None:
-            method.process_weights_after_loading(module)
+            try:
+                method.process_weights_after_loading(module)
+            except ModelLoadError as exc:   # name the layer whose tensors do not fit together
+                raise ModelLoadError(f"{source.path or source.kind}: layer {name}: {exc}") from exc
     head = getattr(model, "lm_head", None)
     if quant is not None and quant.ctx.quantize_lm_head and head is not None:  # type: ignore[attr-defined]
         tied = any(p is head.weight for name, p in model.named_parameters(remove_duplicate=False)
