@@ -300,6 +300,38 @@ def test_the_api_schema_is_served_unless_disabled(model_dir):
     args = build_parser(argv).parse_args(argv)
     assert args.disable_fastapi_docs and args.enable_request_id_headers
 
+def test_reply_role(model_dir):
+    """The reply's role, streamed and not (vLLM's rule): ``--response-role`` with ``add_generation_prompt``, the last
+    message's own role without it (the reply continues that message, and ``echo`` repeats it)."""
+    from starlette.testclient import TestClient
+
+    from plinth.entrypoints.cli import build_parser
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.entrypoints.serve_cmd import ServeError, check_tool_flags
+
+    def roles(client, body):
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+        return whole["role"], first["choices"][0]["delta"]["role"], whole["content"]
+
+    asked = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Paris is"}]
+    going_on = {"messages": history, "max_tokens": 2, "temperature": 0, "add_generation_prompt": False,
+                "continue_final_message": True, "echo": True}
+    with TestClient(build_app(own_front(model_dir), response_role="bot")) as client:
+        assert roles(client, asked)[:2] == ("bot", "bot")
+        role, streamed, content = roles(client, going_on)
+        assert role == streamed == "assistant" and content.startswith("Paris is")
+    with TestClient(build_app(own_front(model_dir))) as client:
+        assert roles(client, asked)[:2] == ("assistant", "assistant")
+    argv = ["serve", "--response-role", "bot"]
+    assert build_parser(argv).parse_args(argv).response_role == "bot"
+    argv = ["serve", "--response-role", " "]
+    with pytest.raises(ServeError, match="--response-role"):
+        check_tool_flags(build_parser(argv).parse_args(argv))
+
+
 def test_no_cors_by_default(model_dir):
     from starlette.testclient import TestClient
 

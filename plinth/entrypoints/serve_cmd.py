@@ -100,6 +100,9 @@ def add_api_args(g: Any) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag for tool_choice 'auto' (needs --tool-call-parser, which turns 'auto' on by "
                         "itself here)")
+    g.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role of chat replies to requests with add_generation_prompt (the default); without it a "
+                        "reply continues the last message and has its role (default: %(default)s)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -108,12 +111,14 @@ def add_api_args(g: Any) -> None:
 
 
 def check_tool_flags(args: argparse.Namespace) -> None:
-    """The tool-call flags, checked before the model loads.
+    """The tool-call flags (and ``--response-role``), checked before the model loads.
 
     Raises:
-        ServeError: ``--enable-auto-tool-choice`` without ``--tool-call-parser``.
+        ServeError: ``--enable-auto-tool-choice`` without ``--tool-call-parser``; an empty ``--response-role``.
         ValueError: an unknown parser (naming the registered ones).
     """
+    if not getattr(args, "response_role", "assistant").strip():
+        raise ServeError("--response-role must name a role (default: assistant)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     resolve_tool_parser(args.tool_call_parser)
@@ -157,7 +162,7 @@ def api_app(front: Any, args: argparse.Namespace, **kwargs: Any) -> Any:
         return build_app(front, tool_parser=resolve_tool_parser(args.tool_call_parser),
                          reasoning_parser=resolve_reasoning_parser(args.reasoning_parser),
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         lora_modules=lora_modules(args), **kwargs)
+                         lora_modules=lora_modules(args), response_role=args.response_role, **kwargs)
     except ValueError as exc:
         raise ServeError(f"--lora-modules: {exc}") from None
 

@@ -127,13 +127,14 @@ class CorsSettings:
 def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: type[ToolParser] | None = None,
               reasoning_parser: type[ReasoningParser] | None = None, return_tokens_as_token_ids: bool = False,
               cors: CorsSettings | None = None, lora_modules: Sequence[tuple[str, str]] = (),
-              allow_lora_updates: bool = False, openapi: bool = True) -> FastAPI:
+              allow_lora_updates: bool = False, openapi: bool = True, response_role: str = "assistant") -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
     tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
     ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
     the origins (and methods, headers) browsers may call from; ``lora_modules``: ``(name, folder)`` of the LoRA
     adapters served as models of those names (read and checked here); ``allow_lora_updates``: the routes that
-    load and unload adapters while serving; ``openapi``: serve the API's schema at ``/openapi.json``.
+    load and unload adapters while serving; ``openapi``: serve the API's schema at ``/openapi.json``;
+    ``response_role``: the role of chat replies to requests with ``add_generation_prompt``.
 
     Raises:
         ValueError: an adapter cannot be served, or its name is taken.
@@ -141,7 +142,7 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     ctx = ServerContext(front=front, metrics=ServerMetrics(front.served_model_name),
                         model_name=front.served_model_name, tool_parser=tool_parser,
                         reasoning_parser=reasoning_parser, return_tokens_as_token_ids=return_tokens_as_token_ids,
-                        allow_lora_updates=allow_lora_updates)
+                        allow_lora_updates=allow_lora_updates, response_role=response_role)
     for name, path in lora_modules:
         ctx.add_lora(name, path)
     if tool_parser is not None and "tools" not in (front.chat_template_source or ""):

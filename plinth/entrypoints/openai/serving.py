@@ -77,6 +77,8 @@ class ServerContext:
     loras: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
     #: ``--allow-runtime-lora-updating``: the load/unload routes are on
     allow_lora_updates: bool = False
+    #: ``--response-role``: the role of chat replies to requests with ``add_generation_prompt`` (the default)
+    response_role: str = "assistant"
     _lora_ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))
     _loading: set[str] = dataclasses.field(default_factory=set)   # adapter names being read
     _lora_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)

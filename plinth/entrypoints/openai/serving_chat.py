@@ -128,8 +128,8 @@ class _Reply:
         content, calls = self.tools.update(text, final)
         return (thinking if self.include_reasoning else ""), content, calls
 
-    def message(self) -> ResponseMessage:
-        return ResponseMessage(content=self.tools.content, tool_calls=self.tools.message_calls(),
+    def message(self, role: str = "assistant") -> ResponseMessage:
+        return ResponseMessage(role=role, content=self.tools.content, tool_calls=self.tools.message_calls(),
                                reasoning_content=(self.thinking if self.include_reasoning else None) or None)
 
 
@@ -223,14 +223,18 @@ async def _last(events: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutp
     return last
 
 
-def _echoed(req: ChatCompletionRequest) -> str:
-    """What ``echo`` puts before the reply (vLLM's rule): the last message's text when it has the reply's role,
-    which is the assistant's with ``add_generation_prompt`` and the last message's own without."""
+def _reply_role(ctx: ServerContext, req: ChatCompletionRequest) -> str:
+    """The role of the reply (vLLM's rule): ``--response-role`` (``assistant``) with ``add_generation_prompt``, the
+    last message's own without (the reply continues it)."""
+    return ctx.response_role if req.add_generation_prompt else req.messages[-1].role
+
+
+def _echoed(ctx: ServerContext, req: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before the reply (vLLM's rule): the last message's text when it has the reply's role."""
     if not req.echo:
         return ""
     last = chat_messages(req.messages[-1:])[0]
-    role = "assistant" if req.add_generation_prompt else last["role"]
-    return last["content"] if last["role"] == role else ""
+    return last["content"] if last["role"] == _reply_role(ctx, req) else ""
 
 
 @dataclasses.dataclass
@@ -299,9 +303,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             ended = b.finish_reason == "stop" and b.token_ids and b.token_ids[-1] in ctx.front.eos_token_ids
             reply.update(ctx.front.tokenizer.decode(b.token_ids[:-1] if ended else b.token_ids,
                                                     skip_special_tokens=False) if keeps else b.text, final=True)
-            message = reply.message()
-            if _echoed(req):
-                message.content = _echoed(req) + (message.content or "")
+            message = reply.message(_reply_role(ctx, req))
+            if _echoed(ctx, req):
+                message.content = _echoed(ctx, req) + (message.content or "")
             choices.append(ChatChoice(index=j, message=message, finish_reason=b.finish_reason))
         completion = sum(len(b.token_ids) for b in out.sequences)
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
@@ -315,7 +319,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
         return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
-                                   _echoed(req), ctx.reply_model(lora), req.include_reasoning), on_close=events.aclose)
+                                   _echoed(ctx, req), ctx.reply_model(lora), req.include_reasoning, _reply_role(ctx, req)),
+                            on_close=events.aclose)
     final = await finish(raw, events, _last(events))
     reply = functools.partial(_reply, ctx, req, rid, created, lora, mode, k, final)
     if k is None and req.prompt_logprobs is None:
@@ -328,14 +333,14 @@ def _reply(ctx: ServerContext, req: ChatCompletionRequest, rid: str, created: in
     """The whole (not streamed) reply to a chat request, encoded."""
     choices = []
     name = ctx.token_namer(req)
-    echoed = _echoed(req)
+    echoed, role = _echoed(ctx, req), _reply_role(ctx, req)
     for c in final.outputs:
         n = len(c.token_ids)
         lp = _logprobs(ctx, c.token_ids, (c.logprobs or [])[:n], k, name) if k is not None else None
         reply = _Reply(mode, ctx.reasoning_parser, req.include_reasoning)
         reply.update(c.text, final=True)
         reason = reply.tools.finish_reason(str(c.finish_reason) if c.finish_reason else None)
-        message = reply.message()
+        message = reply.message(role)
         if echoed:
             message.content = echoed + (message.content or "")
         choices.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason,
@@ -350,7 +355,7 @@ def _reply(ctx: ServerContext, req: ChatCompletionRequest, rid: str, created: in
 async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_prompt: int,
                   events: AsyncIterator[tuple[int, RequestOutput]], usage: str | None, name: Callable[[int], str],
                   mode: ToolMode | None = None, echoed: str = "", model: str = "",
-                  include_reasoning: bool = True) -> AsyncIterator[str]:
+                  include_reasoning: bool = True, role: str = "assistant") -> AsyncIterator[str]:
     """``usage``: ``"end"`` for a last chunk with the usage, ``"every"`` also for each chunk's choice's usage so
     far (vLLM's ``continuous_usage_stats``); ``echoed``: text each choice starts with (``echo``); ``model``: the
     chunks' model name."""
@@ -369,7 +374,7 @@ async def _stream(ctx: ServerContext, rid: str, n: int, k: int | None, num_promp
 
     for index in range(n):
         # a forced or required call's reply has no content (null, as in the non-streamed message)
-        first = DeltaMessage(role="assistant", content=None if mode is not None and mode.constrained else "")
+        first = DeltaMessage(role=role, content=None if mode is not None and mode.constrained else "")
         yield chunk(ChatChunkChoice(index=index, delta=first), so_far(0))
         if echoed:
             yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed)), so_far(0))
