@@ -24,6 +24,8 @@ EXECUTORS = ("auto", "uniproc", "mp", "ray")
 TASKS = ("generate", "embed")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 POOLING_TYPES = ("last", "mean", "cls")
+#: how chat templates see a message's text content (vLLM's ``--chat-template-content-format``)
+CONTENT_FORMATS = ("auto", "string", "openai")
 SPECULATIVE_METHODS = ("ngram",)
 #: the keys ``override_generation_config`` takes
 GENERATION_CONFIG_KEYS = tuple(SAMPLING_KEYS)
@@ -132,6 +134,9 @@ class ModelConfig:
         served_model_name: the model name the server reports and accepts (given several, as a list: the first is
             reported, every one accepted; the others are kept in ``served_model_aliases``).
         chat_template: a jinja2 chat template (text or a file path) replacing the tokenizer's.
+        chat_template_content_format: how templates see a message's text: ``string`` (its text parts joined by
+            line breaks), ``openai`` (a list of ``{"type": "text", "text"}`` parts), or ``auto`` (parts for a
+            template that loops over ``content``, else the string).
         generation_config: where the default sampling settings come from
             (:mod:`plinth.model_registry.generation_config`): ``auto`` (the model folder's
             ``generation_config.json``), ``none``, or a folder or JSON file.
@@ -159,6 +164,7 @@ class ModelConfig:
     served_model_name: str | None = None
     served_model_aliases: tuple[str, ...] = ()
     chat_template: str | None = None
+    chat_template_content_format: str = "auto"
     generation_config: str = "auto"
     override_generation_config: Any = None
     reasoning_parser: str | None = None
@@ -211,6 +217,9 @@ class ModelConfig:
             raise ConfigError(f"max_logprobs must be at most {1 << 20}, got {self.max_logprobs}")
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ConfigError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
+                              f"{self.chat_template_content_format!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ConfigError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):

@@ -668,6 +668,31 @@ def test_chat_templates_with_transformers_extensions_are_accepted(tiny_llama_dir
         llm.close()
 
 
+@pytest.mark.parametrize("content_format,want", [("auto", "L[a][b]"), ("openai", "L[a][b]"), ("string", "Sa\nb")])
+def test_chat_template_content_format(tiny_llama_dir, content_format, want):
+    """vLLM's ``--chat-template-content-format``: ``string`` hands a template the message's text (parts joined by
+    line breaks) even where it loops over content, ``openai`` the parts, ``auto`` decides by the template."""
+    from plinth.config import EngineConfig
+    from plinth.entrypoints.openai.tools import plain_messages
+
+    template = ("{% for m in messages %}{% if m['content'] is string %}S{{ m['content'] }}{% else %}L"
+                "{% for c in m['content'] %}[{{ c.text }}]{% endfor %}{% endif %}{% endfor %}")
+    llm = llm_for(tiny_llama_dir, chat_template=template, chat_template_content_format=content_format)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert llm.engine.render_chat(plain_messages([{"role": "user", "content": parts}])) == want
+    plain = "{% for m in messages %}{% if m['content'] is string %}S{{ m['content'] }}{% else %}L{% endif %}{% endfor %}"
+    got = llm.engine.render_chat(plain_messages([{"role": "user", "content": "x"}]), chat_template=plain)
+    assert got == ("L" if content_format == "openai" else "Sx")   # a string reaches the template as parts, or as is
+    with pytest.raises(ConfigError, match="chat_template_content_format must be one of auto, string, openai"):
+        EngineConfig.from_kwargs(model=str(tiny_llama_dir), chat_template_content_format="jinja")
+    from plinth.entrypoints.cli import build_parser
+    from plinth.entrypoints.engine_args import engine_config_from_args
+
+    argv = ["serve", str(tiny_llama_dir), "--chat-template-content-format", content_format]
+    config = engine_config_from_args(build_parser(argv).parse_args(argv))
+    assert config.model.chat_template_content_format == content_format
+
+
 def test_a_template_that_loops_over_content_parts_gets_parts(tiny_llama_dir):
     """A chat template that loops over ``message['content']`` (image-and-text models' templates) reads OpenAI's
     content parts: messages reach it as text parts, whether they came as a string or as parts, and the prompt is

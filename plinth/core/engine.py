@@ -438,7 +438,9 @@ class LLMEngine:
         chosen = template if template is not None else self.tokenizer.chat_template
         if isinstance(chosen, dict):   # named templates: the one transformers picks
             chosen = chosen.get("tool_use") if tools and "tool_use" in chosen else chosen.get("default")
-        if isinstance(chosen, str) and template_iterates_content(chosen):   # it reads OpenAI's content parts
+        content_format = self.config.model.chat_template_content_format
+        if content_format == "openai" or (content_format == "auto" and isinstance(chosen, str)
+                                          and template_iterates_content(chosen)):   # it reads OpenAI's content parts
             messages = [{**m, "content": [{"type": "text", "text": part} for part in _parts(m["content"])]}
                         if isinstance(m.get("content"), str) else m for m in messages]
         else:   # (plain strings: the template sees no subclass)

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from plinth.config import (
+    CONTENT_FORMATS,
     DTYPE_ALIASES,
     DTYPES,
     EXECUTORS,
@@ -23,7 +24,7 @@ from plinth.config import (
 ENGINE_KWARGS = (
     "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "quantize_lm_head",
     "trust_remote_code",
-    "seed", "served_model_name", "chat_template", "generation_config", "override_generation_config",
+    "seed", "served_model_name", "chat_template", "chat_template_content_format", "generation_config", "override_generation_config",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype",
@@ -69,6 +70,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model's name in the API (several: the first is reported, all are accepted)")
     g.add_argument("--chat-template", default=None, help="jinja2 template text or a file holding one")
+    g.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="how the template sees a message's text: 'string' (text parts joined by line breaks), 'openai' "
+                        "(a list of {'type': 'text', 'text'} parts), 'auto' (parts for templates that loop over "
+                        "content; the default)")
     g.add_argument("--generation-config", default="auto",
                    help="default sampling settings: 'auto' (the model folder's generation_config.json; the default), 'none' "
                         "('vllm'), or a folder or JSON file holding them")
