@@ -296,9 +296,9 @@ def test_the_api_schema_is_served_unless_disabled(model_dir):
             assert client.get("/docs").status_code == client.get("/redoc").status_code == 404
             r = client.get("/v1/models", headers={"X-Request-Id": "r-1"})
             assert r.headers["X-Request-Id"] == "r-1"
-    argv = ["serve", "--disable-fastapi-docs", "--enable-request-id-headers"]
+    argv = ["serve", "--disable-fastapi-docs", "--enable-request-id-headers", "--max-log-len", "100"]
     args = build_parser(argv).parse_args(argv)
-    assert args.disable_fastapi_docs and args.enable_request_id_headers
+    assert args.disable_fastapi_docs and args.enable_request_id_headers and args.max_log_len == 100
 
 def test_reply_role(model_dir):
     """The reply's role, streamed and not (vLLM's rule): ``--response-role`` with ``add_generation_prompt``, the last

@@ -65,6 +65,9 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="do not log one line per HTTP request")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted as vLLM's flag; plinth never logs request contents (only the access line)")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="accepted as vLLM's flag (how much of a prompt its request log shows); plinth never logs "
+                        "prompts")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="accepted as vLLM's flag; plinth always echoes a request's X-Request-Id")
     g.add_argument("--disable-fastapi-docs", action="store_true",
