@@ -24,7 +24,8 @@ from plinth.config import (
 ENGINE_KWARGS = (
     "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "quantize_lm_head",
     "trust_remote_code",
-    "seed", "served_model_name", "chat_template", "chat_template_content_format", "generation_config", "override_generation_config",
+    "seed", "served_model_name", "chat_template", "chat_template_content_format", "generation_config",
+    "override_generation_config",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype",
