@@ -204,12 +204,26 @@ def test_json_schema_format(client):
     ({"max_output_tokens": 3.0}, "max_output_tokens", "integer"),   # a wrong JSON type is refused, not converted
     ({"temperature": "0"}, "temperature", "number"),
     ({"model": "other"}, "model", "does not exist"),
+    # the chat field names become the Responses API's, but not inside what the user wrote
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/messages_max_tokens"}}}}}}, "text",
+     "'/$defs/messages_max_tokens'"),
 ])
 def test_unsupported_requests_are_400s(client, body, param, message):
     r = client.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
     assert r.status_code in (400, 404), r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_chat_field_names_in_messages_become_the_responses_apis():
+    from plinth.entrypoints.openai.serving_responses import _responses_wording
+
+    assert _responses_wording("max_tokens must be at least 1") == "max_output_tokens must be at least 1"
+    assert _responses_wording("messages[0]: only text parts") == "input[0]: only text parts"
+    assert (_responses_wording("response_format: bad regex 'response_format(' (max_tokens)")
+            == "text: bad regex 'response_format(' (max_output_tokens)")
+    assert _responses_wording('"messages_max_tokens" of messages_max') == '"messages_max_tokens" of messages_max'
 
 
 def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):

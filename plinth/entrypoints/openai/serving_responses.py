@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -94,6 +95,18 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
 
 #: chat fields named in errors -> the Responses API's (the request a user sent)
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+
+
+_FIELD = re.compile(r"\b(" + "|".join(_PARAMS) + r")\b")
+_QUOTED = re.compile(r"""('[^']*'|"[^"]*")""")
+
+
+def _responses_wording(message: str) -> str:
+    """A chat error's message with the chat request's field names as the Responses API's, outside quoted text (a
+    schema's names or a pattern the user wrote stay as written)."""
+    pieces = _QUOTED.split(message)   # odd items: the quoted spans
+    return "".join(piece if i % 2 else _FIELD.sub(lambda m: _PARAMS[m.group(1)], piece)
+                   for i, piece in enumerate(pieces))
 
 
 def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -196,10 +209,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         prep = await prepare_chat(ctx, chat, note_ignored=False)
     except APIError as exc:   # name the Responses API's fields, not the chat request's
         param = _PARAMS.get(exc.param or "", exc.param)
-        message = exc.message
-        for old, new in _PARAMS.items():
-            message = message.replace(old, new)
-        raise APIError(exc.status, message, exc.type, param, exc.code, exc.headers) from None
+        raise APIError(exc.status, _responses_wording(exc.message), exc.type, param, exc.code, exc.headers) from None
     body = _Body(req, ctx.reply_model(prep.lora), len(prep.ids))
     started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora))
     events = merge(started)
