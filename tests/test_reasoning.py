@@ -120,6 +120,12 @@ def test_server_splits_thinking_from_the_answer_and_calls(http):
     hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False}).json()["choices"][0]
     assert hidden["message"] == {"role": "assistant", "content": msg["content"]}
     assert streamed(http, {**body, "include_reasoning": False})[:2] == ("", msg["content"])
+    # cut off while thinking: no answer, content null (as vLLM's parsers), the thinking so far kept
+    cut = {**body, "max_tokens": 24, "guided_regex": "<think>\n[a-z]{2,8}( [a-z]{2,8}){20,30}\n</think>\n\nIt is"}
+    choice = http.post("/v1/chat/completions", json=cut).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] and streamed(http, cut)[:2] == (
+        choice["message"]["reasoning_content"], "")
     # thinking, then a hermes tool call in the answer
     body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "temperature": 0.7, "seed": 6,
             "guided_regex": '<think>\\n[a-z]{2,8}\\n</think>\\n\\n<tool_call>\\n\\{"name": "get_weather", '

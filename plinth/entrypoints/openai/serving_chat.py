@@ -129,7 +129,10 @@ class _Reply:
         return (thinking if self.include_reasoning else ""), content, calls
 
     def message(self, role: str = "assistant") -> ResponseMessage:
-        return ResponseMessage(role=role, content=self.tools.content, tool_calls=self.tools.message_calls(),
+        content = self.tools.content
+        if self.reasoning is not None and content == "":   # all thinking (cut short): no answer, null as in vLLM
+            content = None
+        return ResponseMessage(role=role, content=content, tool_calls=self.tools.message_calls(),
                                reasoning_content=(self.thinking if self.include_reasoning else None) or None)
 
 
