@@ -460,7 +460,8 @@ def test_thread_count_from_env_and_affinity(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    for bad in ("0", "two", "-1", "100000"):   # 100000 crashed the process starting that many threads
+    # 100000 crashed the process starting that many threads; "²" passes str.isdigit but not int()
+    for bad in ("0", "two", "-1", "100000", "\u00b2", "\u0663"):
         monkeypatch.setenv("PLINTH_CPU_THREADS", bad)
         with pytest.raises(ConfigError, match="PLINTH_CPU_THREADS"):
             cpu_thread_count()

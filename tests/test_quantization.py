@@ -389,6 +389,9 @@ def test_int4_group_size_from_environment(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PLINTH_INT4_GROUP_SIZE", "48")
     with pytest.raises(ConfigError, match="group size 48 does not divide"):
         load_plinth(tiny_llama_dir, "int4")
+    monkeypatch.setenv("PLINTH_INT4_GROUP_SIZE", "\u00b2")   # a digit to str.isdigit, not to int()
+    with pytest.raises(ConfigError, match="PLINTH_INT4_GROUP_SIZE='\u00b2': expected a multiple of 16"):
+        load_plinth(tiny_llama_dir, "int4")
 
 
 def test_cli_accepts_names_plugins_add():

@@ -62,7 +62,7 @@ def _requested_group() -> int | None:
     raw = os.environ.get(GROUP_ENV, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 16 or int(raw) % 16:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 16 or int(raw) % 16:
         raise ConfigError(f"{GROUP_ENV}={raw!r}: expected a multiple of 16 (e.g. 32, 64, 128)")
     return int(raw)
 

@@ -172,7 +172,7 @@ def _head_counts(module: nn.Module, cfg: Any) -> tuple[int, int]:
 
 def _natural_key(name: str) -> tuple:
     """``name`` ordered with its numbers as numbers (expert 10 after expert 9)."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name))
+    return tuple((0, int(part), "") if part.isdecimal() else (1, 0, part) for part in re.split(r"(\d+)", name))
 
 
 class _CheckpointConversion:

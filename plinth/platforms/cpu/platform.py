@@ -70,7 +70,7 @@ def cpu_thread_count() -> int:
     if raw:
         from plinth.config import ConfigError
 
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_THREADS:
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_THREADS:
             raise ConfigError(f"{THREADS_ENV}={raw!r}: expected a positive integer up to {MAX_THREADS}")
         return int(raw)
     try:
@@ -108,7 +108,7 @@ def _meminfo() -> dict[str, int]:
     for line in text.splitlines():
         key, _, rest = line.partition(":")
         fields = rest.split()
-        if fields and fields[0].isdigit():
+        if fields and fields[0].isascii() and fields[0].isdigit():
             out[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
     return out
 
@@ -119,7 +119,7 @@ def _read_int(paths: tuple[Path, ...]) -> int | None:
             raw = path.read_text().strip()
         except OSError:
             continue
-        if raw.isdigit():
+        if raw.isascii() and raw.isdigit():
             return int(raw)
         return None  # "max": no limit
     return None
