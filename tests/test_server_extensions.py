@@ -384,6 +384,9 @@ def test_server_flag_checks(tmp_path, capsys):
     for timeout in ("inf", "nan", "-1"):   # inf overflowed the join that bounds the shutdown, hiding the real error
         assert main(["serve", "--shutdown-timeout", timeout]) == 2
         assert "--shutdown-timeout must be between 0 and 604800 seconds" in capsys.readouterr().err
+    for key in ("", "  "):   # --api-key "$KEY" with KEY unset would serve an open API
+        assert main(["serve", "--api-key", key]) == 2
+        assert "--api-key is empty" in capsys.readouterr().err
     # a model path that does not exist fails before the port is bound (and announced as running)
     port = free_port()
     assert main(["serve", str(tmp_path / "no-such-model"), "--port", str(port)]) == 2

@@ -348,6 +348,9 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     if not 0 <= args.shutdown_timeout <= MAX_TIMEOUT_S:   # NaN fails too
         raise ServeError(f"--shutdown-timeout must be between 0 and {MAX_TIMEOUT_S:g} seconds (a week), got "
                          f"{args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():   # e.g. --api-key "$KEY" with KEY unset
+        raise ServeError("--api-key is empty: give the key clients must send, or leave the flag out to serve "
+                         "without one")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ServeError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
