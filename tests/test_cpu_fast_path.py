@@ -190,6 +190,33 @@ def test_float32_cpu_path_set_up(case, monkeypatch, tmp_path, tiny_llama_dir):
 
 
 @needs_packed_bf16
+def test_bfloat16_gguf_keeps_its_int4_copies_without_packing(monkeypatch, tmp_path, tiny_llama_dir):
+    """``PLINTH_CPU_PACKED=0`` (or too little memory for the packed copies) turns off the oneDNN-packed GEMMs only:
+    a bfloat16 GGUF model keeps its 4-bit copies and Q8_0 head (they have switches of their own), and greedy
+    tokens are the packed path's."""
+    from test_gguf import small_model, write_gguf
+
+    from plinth.worker import cpu_path
+
+    monkeypatch.setenv("PLINTH_CACHE_DIR", str(tmp_path / "cache"))
+    model = write_gguf(tmp_path / "m.gguf", small_model("llama", False), "llama", gguf.GGMLQuantizationType.Q4_1)
+    runs = {}
+    for case in ("packed", "unpacked", "low_memory"):
+        with monkeypatch.context() as mp:
+            if case == "unpacked":
+                mp.setenv("PLINTH_CPU_PACKED", "0")
+            if case == "low_memory":
+                mp.setattr(cpu_path, "_free_memory", lambda: 1)
+            with LLM(str(model), tokenizer=str(tiny_llama_dir), dtype="bfloat16", block_size=4) as llm:
+                ours = [m.linear_method for m in llm.engine.runner.model.modules()
+                        if isinstance(getattr(m, "linear_method", None), CpuLinearMethod)]
+                assert ours and all(m.int4 is not None for m in ours), case
+                assert all((m.packed is not None) == (case == "packed") for m in ours), case
+                runs[case] = tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert runs["unpacked"] == runs["packed"] == runs["low_memory"]
+
+
+@needs_packed_bf16
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_prepacked_gemm_is_bit_identical(rows):
     torch.manual_seed(0)

@@ -168,6 +168,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     report: dict[str, Any] = {"packed": 0, "int4": 0, "compile": False}
     tp_size = getattr(getattr(model, "ctx", None), "tp_size", 1)
     t0 = time.perf_counter()
+    native_bf16 = dtype == torch.bfloat16 and packed_linear_supported(dtype)
     pack = env_flag(PACKED_ENV, True) and packed_linear_supported(dtype)
     gguf = source is not None and getattr(source, "kind", None) == "gguf" and tp_size == 1
     int4_copies = gguf and env_flag(INT4_ENV, True)
@@ -175,7 +176,9 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         logger.warning("not prepacking the CPU GEMMs: the packed copies (%.1f GiB) would take more than half of "
                        "the free memory (%.1f GiB)", extra / 2**30, free / 2**30)
         pack = False
-    if pack and dtype == torch.bfloat16:
+    if native_bf16 and (pack or gguf):
+        # the oneDNN-packed bfloat16 GEMMs (unless switched off or too large); for a GGUF model also the file's
+        # 4-bit blocks and Q8_0 LM head, which packing being off does not turn off (their own switches do)
         int4, head_q8 = {}, None
         int4_rows = env_int(INT4_ROWS_ENV, DEFAULT_INT4_MAX_ROWS)
         q8_rows = env_int(Q8_HEAD_ROWS_ENV, DEFAULT_Q8_HEAD_MAX_ROWS)
@@ -195,7 +198,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
             logger.warning("%s=1 ignored: the native kernels were not built with AVX512-VNNI and AVX512-BF16",
                            INT8_ACT_ENV)
         report.update(install_cpu_linear(model, int4, int4_rows, head_q8, q8_rows, panel_rows,
-                                         int8_activations=int8_act))
+                                         int8_activations=int8_act, pack=pack))
         report["int4_max_rows"] = int4_rows if report["int4"] else 0
         report["amx"] = bool(report["int4"]) and panel_rows > int4_rows and cpu_native.q4_amx_supported()
     elif pack or _float32_gguf(source, dtype, tp_size):
