@@ -514,6 +514,9 @@ class EngineConfig:
         for name in KERNEL_SWITCHES:
             env_flag(name, True)
         check_march()
+        from plinth.worker.cpu_path import check_cpu_switches
+
+        check_cpu_switches()
         if self.speculative.enabled and self.model.task == "embed":
             raise ConfigError("speculative decoding applies to generation; an embedding model (task embed) decodes "
                               "nothing: drop speculative_config")

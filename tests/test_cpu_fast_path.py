@@ -821,3 +821,15 @@ def test_a_4_bit_layer_of_output_rows_torch_cannot_pack_runs_from_floats(tmp_pat
     with LLM(path, tokenizer=str(tmp_path), dtype="float32") as llm:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("name,value", [("PLINTH_CPU_INT4_MAX_ROWS", "abc"), ("PLINTH_CPU_INT8_ACT", "maybe"),
+                                        ("PLINTH_CPU_COMPILE", "sometimes"), ("PLINTH_CPU_Q8_HEAD_MAX_ROWS", "-1")])
+def test_cpu_path_switches_are_checked_for_every_model(monkeypatch, tiny_llama_dir, name, value):
+    """A bad CPU-path value stops the start even where the model never reaches the part that reads it (here a
+    safetensors model, whose int4/Q8_0 parts do not apply)."""
+    from plinth.config import ConfigError, EngineConfig
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        EngineConfig.from_kwargs(model=str(tiny_llama_dir))

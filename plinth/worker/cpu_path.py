@@ -110,6 +110,20 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     return value
 
 
+def check_cpu_switches() -> None:
+    """Check every CPU-path variable at start-up, whichever parts of the path a model then takes (a value is
+    otherwise read only by the branch that uses it, so a bad one could pass unnoticed).
+
+    Raises:
+        ConfigError: naming the variable.
+    """
+    for name in (PACKED_ENV, INT4_ENV, COMPILE_ENV, DECODE_PLAN_ENV):
+        env_flag(name, True)
+    int8_act_mode(False)
+    for name in (INT4_ROWS_ENV, Q8_HEAD_ROWS_ENV, Q4_PANEL_ROWS_ENV, COMPILE_BATCH_ENV):
+        env_int(name, 0)
+
+
 #: the packed weight copies may use at most this fraction of the free memory
 MAX_PACKED_FRACTION = 0.5
 
