@@ -668,6 +668,18 @@ def test_chat_templates_with_transformers_extensions_are_accepted(tiny_llama_dir
         llm.close()
 
 
+def test_max_tokens_past_the_context_stop_at_its_end_offline(tiny_llama_dir):
+    """As vLLM's offline engine: a max_tokens the context cannot hold is no refusal (one such prompt failed the whole
+    batch); the output stops at max_model_len with finish reason length, and the other prompts are unaffected."""
+    llm = llm_for(tiny_llama_dir, max_model_len=32)
+    prompts = [list(range(5, 19)), [5, 6, 7]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [32 - 14, 32 - 3]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    short = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=18, ignore_eos=True), use_tqdm=False)
+    assert short[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("content_format,want", [("auto", "L[a][b]"), ("openai", "L[a][b]"), ("string", "Sa\nb")])
 def test_chat_template_content_format(tiny_llama_dir, content_format, want):
     """vLLM's ``--chat-template-content-format``: ``string`` hands a template the message's text (parts joined by

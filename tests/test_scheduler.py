@@ -250,8 +250,8 @@ def test_preempted_request_resumes_from_its_cached_blocks():
 
 def test_rejections_name_both_numbers():
     sched = make_scheduler(num_blocks=9, block_size=4, max_model_len=64)
-    with pytest.raises(RequestRejectedError, match=r"60 tokens.*max_tokens \(8\).*68.*max_model_len \(64\)"):
-        sched.add_request(req("long", list(range(60)), max_tokens=8))
+    with pytest.raises(RequestRejectedError, match=r"prompt \(64 tokens\) leaves no room .*max_model_len \(64\)"):
+        sched.add_request(req("long", list(range(64)), max_tokens=8))
     with pytest.raises(RequestRejectedError, match=r"needs 10 KV blocks.*only 8; lower max_tokens"):
         sched.add_request(req("big", list(range(20)), max_tokens=20))
     # a prompt the cache cannot hold by itself: no max_tokens helps (with or without one)
@@ -265,6 +265,19 @@ def test_rejections_name_both_numbers():
     with pytest.raises(RequestRejectedError, match="already in use"):
         sched.add_request(req("ok", [1, 2, 3]))
     assert issubclass(RequestRejectedError, ValueError)
+
+
+def test_max_tokens_past_the_context_stops_at_its_end():
+    """As vLLM's engine: prompt plus max_tokens past max_model_len is no refusal; the output stops at the end of the
+    context (finish reason length); a min_tokens that no longer fits is refused, naming it."""
+    sched = make_scheduler(max_model_len=32)
+    r = req("r", list(range(1, 29)), max_tokens=100)
+    outputs = run(sched, [r])
+    assert r.max_tokens == 4
+    assert len(outputs["r"]) == 4 and r.finish_reason == FinishReason.LENGTH and r.num_tokens == 32
+    with pytest.raises(RequestRejectedError, match=r"min_tokens \(6\) is more than the 4 tokens") as info:
+        sched.add_request(req("m", list(range(1, 29)), max_tokens=100, min_tokens=6))
+    assert info.value.param == "min_tokens"
 
 
 def test_max_tokens_defaults_to_the_rest_of_max_model_len():

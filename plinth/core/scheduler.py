@@ -232,11 +232,20 @@ class Scheduler:
         if pooling and num_prompt > limit:
             raise RequestRejectedError(f"request {rid!r}: the input ({num_prompt} tokens) is longer than "
                                        f"max_model_len ({limit}); shorten it")
-        if not pooling and num_prompt + max(request.max_tokens, 1) > limit:
+        if not pooling and num_prompt >= limit:
             raise RequestRejectedError(
-                f"request {rid!r}: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
-                f"is {num_prompt + request.max_tokens} tokens, more than max_model_len ({limit}); "
-                "shorten the prompt or lower max_tokens")
+                f"request {rid!r}: the prompt ({num_prompt} tokens) leaves no room for any output within "
+                f"max_model_len ({limit}); shorten the prompt")
+        if not pooling and num_prompt + request.max_tokens > limit:
+            # as vLLM's engine: the output stops at the end of the context (finish reason "length"); the server
+            # refuses such a request itself (a 400, as vLLM's)
+            request.max_tokens = limit - num_prompt
+            min_tokens = request.sampling_params.min_tokens
+            if min_tokens > request.max_tokens:
+                raise RequestRejectedError(
+                    f"request {rid!r}: min_tokens ({min_tokens}) is more than the {request.max_tokens} tokens the "
+                    f"prompt ({num_prompt} tokens) leaves in max_model_len ({limit}); lower min_tokens or shorten "
+                    f"the prompt", param="min_tokens")
         # The last sampled token is never fed back, so it needs no KV slot.
         need = bm.blocks_needed(num_prompt + request.max_tokens - 1)
         if need > bm.num_usable_blocks:
