@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "LoRARequest", "ModelRegistry", "__version__"]
+           "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "StructuredOutputsParams",
+           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "LoRARequest", "ModelRegistry", "__version__"]
 
 # Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
 _LAZY = {
@@ -17,13 +18,23 @@ _LAZY = {
     "PoolingParams": "plinth.core.pooling:PoolingParams",
     "RequestOutput": "plinth.core.request:RequestOutput",
     "CompletionOutput": "plinth.core.request:CompletionOutput",
+    "PoolingRequestOutput": "plinth.core.pooling:PoolingRequestOutput",
+    "EmbeddingRequestOutput": "plinth.core.pooling:PoolingRequestOutput",
+    "ScoringRequestOutput": "plinth.core.pooling:ScoringRequestOutput",
+    "StructuredOutputsParams": "plinth.core.structured:StructuredOutputsParams",
+    "GuidedDecodingParams": "plinth.core.structured:StructuredOutputsParams",
+    "TextPrompt": "plinth.core.request:TextPrompt",
+    "TokensPrompt": "plinth.core.request:TokensPrompt",
     "LoRARequest": "plinth.lora.request:LoRARequest",
     "ModelRegistry": "plinth.model_registry.registry:ModelRegistry",
 }
 
 if TYPE_CHECKING:
-    from plinth.core.pooling import PoolingParams
-    from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams
+    from plinth.core.pooling import PoolingParams, PoolingRequestOutput, ScoringRequestOutput
+    from plinth.core.pooling import PoolingRequestOutput as EmbeddingRequestOutput
+    from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams, TextPrompt, TokensPrompt
+    from plinth.core.structured import StructuredOutputsParams
+    from plinth.core.structured import StructuredOutputsParams as GuidedDecodingParams
     from plinth.entrypoints.beam_search import BeamSearchParams
     from plinth.entrypoints.llm import LLM
     from plinth.lora.request import LoRARequest

@@ -368,13 +368,18 @@ def test_llm_score_and_routes_on_a_generation_server(tmp_path):
     path = save_tiny_model(tmp_path / "m")
     llm = plinth.LLM(str(path), task="embed", dtype="float32", selection="off")
     vec = [np.asarray(o.outputs.embedding, dtype=np.float64) for o in llm.embed(PROMPTS[:3], use_tqdm=False)]
-    got = llm.score(PROMPTS[0], PROMPTS[1:3], use_tqdm=False)
-    np.testing.assert_allclose(got, [float(vec[0] @ vec[i]) for i in (1, 2)], atol=1e-6)
+    got = llm.score(PROMPTS[0], PROMPTS[1:3], use_tqdm=False)   # vLLM's ScoringRequestOutput: outputs.score
+    np.testing.assert_allclose([o.outputs.score for o in got], [float(vec[0] @ vec[i]) for i in (1, 2)], atol=1e-6)
+    ids = [llm.engine.tokenize(p) for p in PROMPTS[:3]]
+    assert [o.prompt_token_ids for o in got] == [ids[0] + ids[1], ids[0] + ids[2]] and all(o.finished for o in got)
+    pairs = llm.score(PROMPTS[1:3], PROMPTS[:2], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in pairs], [float(vec[1] @ vec[0]), float(vec[2] @ vec[1])],
+                               atol=1e-6)
     with pytest.raises(ValueError, match="text_1 holds 2 prompts and text_2 3"):
         llm.score(PROMPTS[:2], PROMPTS[:3])
     with pytest.raises(ValueError, match="must not be empty"):
         llm.score(PROMPTS[0], [])
-    assert llm.score(PROMPTS[0], PROMPTS[0], use_tqdm=False)[0] <= 1.0
+    assert llm.score(PROMPTS[0], PROMPTS[0], use_tqdm=False)[0].outputs.score <= 1.0
     llm.close()
     from plinth.core.engine import LLMEngine
 

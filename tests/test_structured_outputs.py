@@ -132,6 +132,27 @@ def test_constraints_that_do_not_compile_are_rejected(llm, spec, needle):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_vllm_class_forms(llm):
+    """vLLM's ``StructuredOutputsParams`` (and its earlier name ``GuidedDecodingParams``) are the dict of the field
+    set, and ``TokensPrompt`` / ``TextPrompt`` are the dict prompts; options of vLLM's own grammar backends are
+    refused by name."""
+    from plinth import GuidedDecodingParams, StructuredOutputsParams, TextPrompt, TokensPrompt
+
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    assert SamplingParams(structured_outputs=spec).structured_outputs == {"choice": ["yes", "no"]}
+    assert GuidedDecodingParams is StructuredOutputsParams
+    ids = llm.get_tokenizer()(PROMPT)["input_ids"]
+    params = SamplingParams(structured_outputs=spec, temperature=0, max_tokens=8)
+    outs = llm.generate([TextPrompt(prompt=PROMPT), TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == [generate(llm, {"choice": ["yes", "no"]}, temperature=0,
+                                                          max_tokens=8)[0].text] * 2
+    assert outs[0].outputs[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match="disable_any_whitespace not supported"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True))
+    with pytest.raises(ValueError, match="give exactly one of"):
+        SamplingParams(structured_outputs=StructuredOutputsParams())
+
+
 def test_malformed_specs_name_the_parameter():
     for bad in ({"json": 1}, {"regex": ""}, {"choice": []}, {"choice": ["a", 3]}, {"xml": "a"},
                 {"regex": "a", "choice": ["b"]}, "json", {"json_object": "yes"}):

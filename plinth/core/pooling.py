@@ -161,6 +161,22 @@ class EmbeddingOutput:
 
 
 @dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """One pair's similarity from ``LLM.score`` (``outputs.score``), as vLLM's ``ScoringRequestOutput``: the request
+    ids and prompt tokens of the pair's two embeddings, joined."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
 class PoolingRequestOutput:
     """An embedding request's result (``outputs.embedding``), as vLLM's ``EmbeddingRequestOutput``."""
 

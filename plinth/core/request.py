@@ -12,9 +12,21 @@ import functools
 import math
 import numbers
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from plinth.core import structured
+
+
+class TextPrompt(TypedDict):
+    """A prompt as text (vLLM's ``TextPrompt``: ``{"prompt": "..."}``)."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt as token ids (vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}``)."""
+
+    prompt_token_ids: list[int]
 
 
 class SamplingParamsError(ValueError):

@@ -45,14 +45,46 @@ class StructuredOutputError(ValueError):
     """A constraint that cannot be compiled (a bad schema, pattern or grammar)."""
 
 
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """One constraint in vLLM's class form (``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``),
+    the same as the dict of the field that is set. vLLM's options that tune its own backends' grammars
+    (``disable_any_whitespace``, ``disable_additional_properties``, ``whitespace_pattern``, ``structural_tag``) are
+    refused when set: llguidance's JSON takes the schema as written."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        unsupported = [name for name in ("disable_any_whitespace", "disable_additional_properties",
+                                         "whitespace_pattern", "structural_tag") if getattr(self, name)]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} not supported (options of vLLM's grammar backends)")
+        return {k: getattr(self, k) for k in KINDS if getattr(self, k) is not None}
+
+
+#: vLLM's earlier name
+GuidedDecodingParams = StructuredOutputsParams
+
+
 def normalize(spec: Any) -> dict[str, Any] | None:
-    """``spec`` checked for shape: ``None``, or a dict with exactly one of :data:`KINDS`.
+    """``spec`` checked for shape: ``None``, or a dict with exactly one of :data:`KINDS` (or the same as a
+    :class:`StructuredOutputsParams`).
 
     Raises:
         ValueError: a message naming what is wrong (the caller adds the parameter's name).
     """
     if spec is None:
         return None
+    if isinstance(spec, StructuredOutputsParams):
+        spec = spec.as_dict()
     if not isinstance(spec, dict):
         raise ValueError(f"must be an object with one of {', '.join(KINDS)}, got {type(spec).__name__}")
     given = [k for k in KINDS if spec.get(k) not in (None, False)]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from plinth.config import EngineConfig
 from plinth.core.gc_pause import GcPause
-from plinth.core.pooling import PoolingParams, PoolingRequestOutput
+from plinth.core.pooling import PoolingParams, PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
 from plinth.core.request import RequestOutput, SamplingParams
 from plinth.lora.request import LoRARequest
 
@@ -227,9 +227,10 @@ class LLM:
                                      in zip(prompts, loras, params_list, strict=True)), use_tqdm)
 
     def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *,
-              lora_request: LoRARequest | None = None, use_tqdm: bool = True) -> list[float]:
+              lora_request: LoRARequest | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """Cosine similarities of embeddings (an engine made with ``task="embed"``): ``text_1`` against each of
-        ``text_2``, or the pairs of two lists of the same length.
+        ``text_2``, or the pairs of two lists of the same length; each pair's as ``outputs.score`` (vLLM's
+        ``ScoringRequestOutput``).
 
         Raises:
             ValueError: an empty list, or two lists of different lengths.
@@ -243,9 +244,13 @@ class LLM:
         if len(first) != 1 and len(first) != len(second):
             raise ValueError(f"text_1 holds {len(first)} prompts and text_2 {len(second)}: give one text_1, or as "
                              f"many as text_2")
-        vectors = [o.outputs.embedding for o in self.embed([*first, *second], PoolingParams(normalize=True),
-                                                           lora_request=lora_request, use_tqdm=use_tqdm)]
-        return cosine_scores(vectors[:len(first)], vectors[len(first):])
+        outs = self.embed([*first, *second], PoolingParams(normalize=True), lora_request=lora_request,
+                          use_tqdm=use_tqdm)
+        left, right = outs[:len(first)], outs[len(first):]
+        scores = cosine_scores([o.outputs.embedding for o in left], [o.outputs.embedding for o in right])
+        pairs = zip(left * len(right) if len(left) == 1 else left, right, strict=True)
+        return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
+                                     ScoringOutput(score)) for (a, b), score in zip(pairs, scores, strict=True)]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's recommended settings on top: its ``generation_config.json``
