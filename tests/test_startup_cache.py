@@ -351,6 +351,30 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog, damage):
     assert len(conversions) == 1 and "ignoring the tokenizer cache entry" in caplog.text
     assert_same_tokenizer(tokenizer, load_gguf_tokenizer(path, use_cache=False))
     assert tokenizer.chat_template == TEMPLATE
+    caplog.clear()   # the damaged entry was replaced: the next start reads it, with no warning
+    with caplog.at_level(logging.WARNING, logger=gguf_tokenizer.__name__):
+        again = load_gguf_tokenizer(path)
+    assert len(conversions) == 2 and "ignoring" not in caplog.text   # (the use_cache=False load above converted)
+    assert_same_tokenizer(again, tokenizer)
+    assert os.listdir(entry.parent) == [entry.name]
+
+
+def test_a_full_disk_while_caching_the_tokenizer_is_a_warning(tmp_path, monkeypatch, caplog, private_cache):
+    """The tokenizers library reports a full disk as a bare ``Exception``: the start goes on uncached, warned, and
+    leaves no temporary directory behind."""
+    from transformers import PreTrainedTokenizerFast
+
+    def full(self, *args, **kwargs):
+        raise Exception("No space left on device (os error 28)")   # noqa: TRY002 - as the tokenizers library
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", full)
+    path = write_small_gguf(tmp_path / "m.gguf")
+    with caplog.at_level(logging.WARNING, logger=gguf_tokenizer.__name__):
+        tokenizer = load_gguf_tokenizer(path)
+    assert "could not write the tokenizer cache entry" in caplog.text and "No space left" in caplog.text
+    assert os.listdir(private_cache / "tokenizers") == []
+    monkeypatch.undo()
+    assert_same_tokenizer(tokenizer, load_gguf_tokenizer(path, use_cache=False))
 
 
 def test_unwritable_cache_still_loads(tmp_path, monkeypatch, caplog):

@@ -200,8 +200,15 @@ def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
                 return
         (tmp / _SOURCE_FILE).write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like the model files
+        if entry.exists():   # one that did not load (damaged, or of another conversion): replace it
+            doomed = Path(tempfile.mkdtemp(prefix=f".{entry.name}.old.", dir=root))
+            try:
+                os.rename(entry, doomed / "entry")
+            except FileNotFoundError:   # another process moved it first
+                pass
+            shutil.rmtree(doomed, ignore_errors=True)
         os.rename(tmp, entry)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - OSError, or the tokenizers library's bare Exception on a full disk
         if not (entry / _SOURCE_FILE).is_file():  # not another process's finished entry
             logger.warning("could not write the tokenizer cache entry %s: %s", entry, e)
         shutil.rmtree(tmp, ignore_errors=True)
