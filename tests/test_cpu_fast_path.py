@@ -329,15 +329,41 @@ def test_int4_cache_tells_a_replaced_file_and_survives_a_full_disk(tmp_path, mon
     assert model.stat().st_size == stat.st_size and model.stat().st_mtime_ns == stat.st_mtime_ns
     assert cpu_int4._cache_file(str(model), torch.bfloat16) != before
 
-    def full_disk(tensors, filename):
+    def full_disk(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"partial")
         raise SafetensorError("No space left on device (os error 28)")
 
     monkeypatch.setattr("safetensors.torch.save_file", full_disk)
     weight = cpu_int4.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(2, 1, 4), 32, None)
     with caplog.at_level("WARNING"):
-        cpu_int4._store_cached(before, {"layer": weight})
+        cpu_int4._store_cached(before, {"layer": weight}, str(model))
     assert "could not write the int4 cache" in caplog.text and not list(before.parent.iterdir())
+
+
+def test_int4_cache_entries_are_checked_shared_and_replaced(tmp_path, monkeypatch, caplog):
+    """An entry whose bytes were damaged with its header intact (silently wrong weights before) fails its checksum
+    and is rebuilt; entries are readable by other users of the cache; a new state of the same model file (touched,
+    replaced) replaces the entry of the old one instead of adding a copy."""
+    path, model, copies = _q4_1_model_and_copies(tmp_path, monkeypatch)
+    entries = list((tmp_path / "cache" / "cpu_int4").glob("*.safetensors"))
+    assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o644
+    data = bytearray(entries[0].read_bytes())
+    for i in range(len(data) - 4096, len(data), 7):   # tensor bytes at the end of the file; the header stays
+        data[i] ^= 0x5A
+    entries[0].write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        again = int4_weights_from_gguf(path, model, torch.bfloat16)
+    assert "do not match their checksum" in caplog.text
+    for name, w in copies.items():
+        assert torch.equal(again[name].packed, w.packed) and torch.equal(again[name].scale_zeros, w.scale_zeros)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        int4_weights_from_gguf(path, model, torch.bfloat16)   # the rebuilt entry reads back whole
+    assert "checksum" not in caplog.text
+    os.utime(path, ns=(1, 10**18))   # another state of the same file: a new key
+    int4_weights_from_gguf(path, model, torch.bfloat16)
+    now = list((tmp_path / "cache" / "cpu_int4").glob("*.safetensors"))
+    assert len(now) == 1 and now != entries
 
 
 def test_gate_up_activation_is_fused_where_the_amx_gemm_takes_the_rows(tmp_path, monkeypatch):

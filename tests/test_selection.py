@@ -144,6 +144,7 @@ def test_second_selection_reads_the_cache_and_times_nothing(pm, backends, tmp_pa
     assert second.report("test_slow").times_ms == pytest.approx(first.report("test_slow").times_ms)
     files = list((tmp_path / "sel").iterdir())
     assert len(files) == 1 and files[0].name.startswith("attention_backend-") and files[0].suffix == ".json"
+    assert files[0].stat().st_mode & 0o777 == 0o644   # shared like the model files (mkstemp's was 0600)
     key = json.loads(files[0].read_text())["key"]
     assert key["device"] == "Fake CPU 9000" and key["platform"] == "fakecpu"
     assert key["torch"] == torch.__version__ and "triton" in key

@@ -122,6 +122,7 @@ def compile_library(cxx: str, source: Path, target: Path) -> str:
         with open(tmp, "rb") as f:   # on disk before it is named: a crash leaves no partial library in place
             os.fsync(f.fileno())
         digest = _file_digest(Path(tmp))
+        os.chmod(tmp, 0o755)   # mkstemp makes it private; the cache is shared, and the library is loaded by others
         os.replace(tmp, target)
         _write_atomically(_digest_path(target), digest)
         return ""

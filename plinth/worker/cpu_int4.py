@@ -82,6 +82,27 @@ def _cache_file(path: str, dtype: torch.dtype) -> Path | None:
     return Path(cache_dir()) / "cpu_int4" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
 
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the tensors' names, shapes, dtypes and bytes, in name order (a cache entry's checksum)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _metadata(file: Path) -> dict[str, str]:
+    """The safetensors header's metadata of a cache entry ({} when it has none or cannot be read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001 - a damaged header: the entry is reported when it is loaded
+        return {}
+
+
 def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -90,6 +111,9 @@ def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
         tensors = load_file(str(file))
     except (OSError, SafetensorError) as exc:
         logger.warning("ignoring the unreadable int4 cache %s: %s", file, exc)
+        return None
+    if _metadata(file).get("sha256") != _digest(tensors):   # damaged on disk (or written before checksums)
+        logger.warning("ignoring the int4 cache %s: its contents do not match their checksum; rebuilding it", file)
         return None
     out = {}
     for name in {k.rsplit(".", 1)[0] for k in tensors}:
@@ -104,7 +128,7 @@ def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
     return out
 
 
-def _store_cached(file: Path, weights: dict[str, Int4Weight]) -> None:
+def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -117,14 +141,24 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight]) -> None:
             tensors[f"{name}.q4p_scales"] = w.panels.scales
             tensors[f"{name}.q4p_offsets"] = w.panels.offsets
     tmp = file.with_suffix(f".tmp{os.getpid()}")
+    source = os.path.realpath(source_path)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors), "source": source})
+        with open(tmp, "rb") as f:   # on disk before it is named: a crash leaves no entry that reads as whole
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)   # the cache is shared like the model files
         os.replace(tmp, file)
     except (OSError, SafetensorError) as exc:   # safetensors' own error for a full disk
         logger.warning("could not write the int4 cache %s: %s", file, exc)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        return
+    # the entries of earlier states of the same file (touched, replaced, copied over) are of no further use
+    for other in file.parent.glob("*.safetensors"):
+        if other != file and _metadata(other).get("source") == source:
+            with contextlib.suppress(OSError):
+                other.unlink()
 
 
 def int4_weights_from_gguf(path: str, model: Any, dtype: torch.dtype, use_cache: bool = True) -> dict[str, Int4Weight]:
@@ -142,7 +176,7 @@ def int4_weights_from_gguf(path: str, model: Any, dtype: torch.dtype, use_cache:
             return cached
     out = _int4_from_file(path, model, dtype, shards)
     if file is not None and out:
-        _store_cached(file, out)
+        _store_cached(file, out, path)
     return out
 
 
