@@ -388,6 +388,7 @@ def test_chat_uses_template(llm):
     a = llm.chat(conv, greedy(8), use_tqdm=False)[0]
     b = llm.generate(rendered, greedy(8), use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.prompt == rendered and a.prompt_token_ids == b.prompt_token_ids   # as vLLM's: the rendered prompt
     # OpenAI's message shapes, read as the server reads them: text parts joined by line breaks (as vLLM joins them
     # for a template reading a string), a tool-call turn's null content
     parts = [{"role": "user", "content": [{"type": "text", "text": "Paris"}, {"type": "text", "text": "is"}]}]

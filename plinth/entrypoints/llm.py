@@ -290,16 +290,16 @@ class LLM:
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         conversations = [plain_messages(conv) for conv in conversations]  # type: ignore[arg-type]
+        texts = [self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                                         tools=tools, continue_final_message=continue_final_message,
+                                         template_kwargs=chat_template_kwargs)
+                 for conv in conversations]  # type: ignore[arg-type]
         # The template writes the special tokens itself: tokenize without adding BOS again.
-        prompts = [
-            self.engine.tokenize(self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt,
-                                                         chat_template=chat_template, tools=tools,
-                                                         continue_final_message=continue_final_message,
-                                                         template_kwargs=chat_template_kwargs),
-                                 add_special_tokens=False)
-            for conv in conversations  # type: ignore[arg-type]
-        ]
-        return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+        prompts = [self.engine.tokenize(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, texts, strict=True):   # each output's prompt: the rendered conversation
+            out.prompt = text
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
