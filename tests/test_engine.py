@@ -373,9 +373,13 @@ def test_token_id_prompts_and_rejections(llm, tiny_llama_dir):
     with pytest.raises(SamplingParamsError, match="logit_bias: token id 12345678901234567890... is too large"):
         SamplingParams(logit_bias={"1234567890123456789012345678901234567890": 1.0})
     assert SamplingParams(logit_bias={"0000000000000000000000001": 2.0}).logit_bias == {1: 2.0}   # leading zeros
-    # a stop token outside the vocabulary could never match
-    with pytest.raises(RequestRejectedError, match="stop_token_ids: token id 1000000 is out of range"):
-        llm.generate([ids], SamplingParams(stop_token_ids=[3, 10**6]), use_tqdm=False)
+    # a stop token outside the vocabulary never matches, as in vLLM (whose examples pass ids an adapter adds); with
+    # min_tokens too, where stop ids are masked until then
+    plain = llm.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0), use_tqdm=False)
+    for extra in ({}, {"min_tokens": 2}):
+        odd = llm.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0,
+                                                 stop_token_ids=[10**6], **extra), use_tqdm=False)
+        assert odd[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert not llm.engine.has_unfinished_requests()
 
 

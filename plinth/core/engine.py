@@ -547,7 +547,7 @@ class LLMEngine:
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt, ``logit_bias``,
-                ``allowed_token_ids`` or ``stop_token_ids``) is not in the vocabulary, the id is in use, a
+                ``allowed_token_ids``) is not in the vocabulary, the id is in use, a
                 priority without the priority policy, or an adapter that cannot be served.
             QueueFullError: the waiting queue is full.
         """
@@ -599,7 +599,7 @@ class LLMEngine:
             params = params.clone(**whole)
         self._check_vocab(params.logit_bias or (), "logit_bias")
         self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
-        self._check_vocab(params.stop_token_ids or (), "stop_token_ids")   # one outside could never match
+        # stop_token_ids outside the vocabulary are taken, as in vLLM: they never match
         cap, places = self.scheduler.config.max_waiting_requests, self.scheduler.config.max_num_seqs
         if cap is not None and params.n > cap + places:   # more than an idle engine takes at once, ever
             raise RequestRejectedError(f"n is {params.n}, more sequences than the running batch and the waiting queue "
