@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -24,6 +25,13 @@ EXECUTORS = ("auto", "uniproc", "mp", "ray")
 TASKS = ("generate", "embed")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 POOLING_TYPES = ("last", "mean", "cls")
+#: vLLM's engine option names for plinth's own
+VLLM_OPTION_NAMES = {"distributed_executor_backend": "distributed_executor"}
+#: vLLM's engine options that change nothing here, and why (taken, so that vLLM scripts run)
+VLLM_NO_EFFECT_OPTIONS = {
+    "swap_space": "a preempted request's KV cache is recomputed, never swapped to host memory",
+    "disable_log_stats": "the offline engine logs no periodic statistics",
+}
 #: how chat templates see a message's text content (vLLM's ``--chat-template-content-format``)
 CONTENT_FORMATS = ("auto", "string", "openai")
 SPECULATIVE_METHODS = ("ngram",)
@@ -534,6 +542,11 @@ class EngineConfig:
             if key == "speculative_config":   # vLLM's form: one dict (or JSON text) for the section
                 sections["speculative"].update(SpeculativeConfig.parse(value))
                 continue
+            if key in VLLM_NO_EFFECT_OPTIONS:
+                logging.getLogger(__name__).info("engine option %s=%r taken and not used: %s", key, value,
+                                                 VLLM_NO_EFFECT_OPTIONS[key])
+                continue
+            key = VLLM_OPTION_NAMES.get(key, key)
             if key not in fields:
                 raise ConfigError(f"unknown engine option {key!r}; known: {', '.join(sorted(fields))}")
             sections[fields[key]][key] = value

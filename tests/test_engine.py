@@ -800,3 +800,19 @@ def test_an_interrupt_inside_add_request_leaves_no_orphan(tiny_llama_dir, monkey
     monkeypatch.setattr(engine_module, "IncrementalDetokenizer", real)
     assert not llm.engine.has_unfinished_requests()
     assert token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == before
+
+
+def test_vllm_engine_option_names(tiny_llama_dir, caplog):
+    """vLLM's ``distributed_executor_backend`` is plinth's ``distributed_executor``; ``swap_space`` and
+    ``disable_log_stats`` (nothing to set here) are taken with a note; unknown names are still refused."""
+    import logging
+
+    from plinth.config import EngineConfig
+
+    with caplog.at_level(logging.INFO, logger="plinth.config"):
+        config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), distributed_executor_backend="mp", swap_space=4,
+                                          disable_log_stats=True)
+    assert config.parallel.distributed_executor == "mp"
+    assert "swap_space=4 taken and not used" in caplog.text and "disable_log_stats=True" in caplog.text
+    with pytest.raises(ConfigError, match="unknown engine option 'swap_spaces'"):
+        EngineConfig.from_kwargs(model=str(tiny_llama_dir), swap_spaces=4)

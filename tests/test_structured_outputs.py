@@ -141,6 +141,10 @@ def test_vllm_class_forms(llm):
     spec = StructuredOutputsParams(choice=["yes", "no"])
     assert SamplingParams(structured_outputs=spec).structured_outputs == {"choice": ["yes", "no"]}
     assert GuidedDecodingParams is StructuredOutputsParams
+    # vLLM's earlier keyword for the field
+    assert SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+")).structured_outputs == {"regex": "a+"}
+    with pytest.raises(ValueError, match="guided_decoding: give structured_outputs or guided_decoding"):
+        SamplingParams(guided_decoding={"regex": "a+"}, structured_outputs={"regex": "b"})
     ids = llm.get_tokenizer()(PROMPT)["input_ids"]
     params = SamplingParams(structured_outputs=spec, temperature=0, max_tokens=8)
     outs = llm.generate([TextPrompt(prompt=PROMPT), TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)

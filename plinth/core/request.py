@@ -82,6 +82,8 @@ class SamplingParams:
     structured_outputs: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    #: vLLM's earlier name of ``structured_outputs`` (a ``GuidedDecodingParams``), taken as it
+    guided_decoding: dataclasses.InitVar[Any] = None
 
     #: the default of the engine's ``max_logprobs`` (``--max-logprobs`` raises it)
     MAX_LOGPROBS = 20
@@ -91,7 +93,12 @@ class SamplingParams:
     #: the most samples one request may ask for (each is a sequence of its own in the engine)
     MAX_N = 1024
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: Any = None) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise SamplingParamsError("guided_decoding", "give structured_outputs or guided_decoding (its "
+                                                             "earlier name), not both")
+            self.structured_outputs = guided_decoding
         self._normalize()
         self.validate()
 
