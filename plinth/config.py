@@ -83,6 +83,22 @@ def check_march() -> None:
         raise ConfigError(f"{MARCH_ENV}={march!r} is not a -march value (letters, digits and _.+- only)")
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: the process's umask when plinth was imported (read once: setting it to read it is not thread-safe)
+UMASK = _read_umask()
+
+
+def shared_mode(mode: int) -> int:
+    """``mode`` as the umask allows it: for cache files written through ``mkstemp`` (private, 0600), which other
+    users of the cache read as they read the model files."""
+    return mode & ~UMASK
+
+
 def cache_dir() -> Path:
     """plinth's cache directory: ``$PLINTH_CACHE_DIR`` or ``~/.cache/plinth``."""
     root = os.environ.get("PLINTH_CACHE_DIR") or os.path.join(

@@ -224,6 +224,7 @@ def test_chat_field_names_in_messages_become_the_responses_apis():
     assert (_responses_wording("response_format: bad regex 'response_format(' (max_tokens)")
             == "text: bad regex 'response_format(' (max_output_tokens)")
     assert _responses_wording('"messages_max_tokens" of messages_max') == '"messages_max_tokens" of messages_max'
+    assert _responses_wording("the template's messages need 'x'") == "the template's input need 'x'"
 
 
 def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):

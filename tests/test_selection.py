@@ -22,7 +22,7 @@ import torch
 
 from plinth.attention_backends.interface import AttentionSpec, Support
 from plinth.attention_backends.probe import AttentionWorkload
-from plinth.config import DeviceConfig
+from plinth.config import DeviceConfig, shared_mode
 from plinth.core.selection import ATTENTION_ENV, describe_platform, select_attention_backend
 from plinth.entrypoints.selection_report import format_selection_table, print_selection_table
 from plinth.errors import SelectionError
@@ -144,7 +144,7 @@ def test_second_selection_reads_the_cache_and_times_nothing(pm, backends, tmp_pa
     assert second.report("test_slow").times_ms == pytest.approx(first.report("test_slow").times_ms)
     files = list((tmp_path / "sel").iterdir())
     assert len(files) == 1 and files[0].name.startswith("attention_backend-") and files[0].suffix == ".json"
-    assert files[0].stat().st_mode & 0o777 == 0o644   # shared like the model files (mkstemp's was 0600)
+    assert files[0].stat().st_mode & 0o777 == shared_mode(0o644)   # shared like the models (mkstemp: 0600)
     key = json.loads(files[0].read_text())["key"]
     assert key["device"] == "Fake CPU 9000" and key["platform"] == "fakecpu"
     assert key["torch"] == torch.__version__ and "triton" in key

@@ -387,6 +387,10 @@ def test_server_flag_checks(tmp_path, capsys):
     for key in ("", "  "):   # --api-key "$KEY" with KEY unset would serve an open API
         assert main(["serve", "--api-key", key]) == 2
         assert "--api-key is empty" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as mp:   # PLINTH_API_KEY=$KEY with KEY unset: the same
+        mp.setenv("PLINTH_API_KEY", " ")
+        assert main(["serve"]) == 2
+        assert "PLINTH_API_KEY is set but empty" in capsys.readouterr().err
     # a model path that does not exist fails before the port is bound (and announced as running)
     port = free_port()
     assert main(["serve", str(tmp_path / "no-such-model"), "--port", str(port)]) == 2

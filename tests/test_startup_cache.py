@@ -359,6 +359,18 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog, damage):
     assert os.listdir(entry.parent) == [entry.name]
 
 
+def test_a_good_entry_another_process_finished_is_kept(tmp_path, private_cache):
+    """Two cold starts convert at once: the one that stores second keeps the first one's good entry (replacing it
+    would leave a moment without one, which a third start would find missing) and drops its own copy."""
+    path = write_small_gguf(tmp_path / "m.gguf")
+    tokenizer = load_gguf_tokenizer(path)
+    entry = tokenizer_cache_entry(path)
+    inode = entry.stat().st_ino
+    record = json.loads((entry / "source.json").read_text())
+    gguf_tokenizer._store_entry(tokenizer, entry, record)   # the second process's store
+    assert entry.stat().st_ino == inode and os.listdir(entry.parent) == [entry.name]
+
+
 def test_a_full_disk_while_caching_the_tokenizer_is_a_warning(tmp_path, monkeypatch, caplog, private_cache):
     """The tokenizers library reports a full disk as a bare ``Exception``: the start goes on uncached, warned, and
     leaves no temporary directory behind."""

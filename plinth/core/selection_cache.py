@@ -106,7 +106,7 @@ class SelectionCache:
                     json.dump({**record, "key": self._key_json}, f, indent=1, default=str)
                     f.flush()
                     os.fsync(f.fileno())
-                os.chmod(tmp, 0o644)   # mkstemp makes it private; the cache is shared like the model files
+                os.chmod(tmp, config.shared_mode(0o644))   # mkstemp makes it private; the cache is shared
                 os.replace(tmp, self.path)
             except BaseException:
                 os.unlink(tmp)

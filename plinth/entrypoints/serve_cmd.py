@@ -351,6 +351,9 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     if args.api_key is not None and not args.api_key.strip():   # e.g. --api-key "$KEY" with KEY unset
         raise ServeError("--api-key is empty: give the key clients must send, or leave the flag out to serve "
                          "without one")
+    if args.api_key is None and API_KEY_ENV in os.environ and not os.environ[API_KEY_ENV].strip():
+        raise ServeError(f"{API_KEY_ENV} is set but empty: give the key clients must send, or unset it to serve "
+                         f"without one")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ServeError("HTTPS needs both --ssl-keyfile and --ssl-certfile")

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plinth.config import MARCH_ENV, MARCH_PATTERN
+from plinth.config import MARCH_ENV, MARCH_PATTERN, shared_mode
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def compile_library(cxx: str, source: Path, target: Path) -> str:
         with open(tmp, "rb") as f:   # on disk before it is named: a crash leaves no partial library in place
             os.fsync(f.fileno())
         digest = _file_digest(Path(tmp))
-        os.chmod(tmp, 0o755)   # mkstemp makes it private; the cache is shared, and the library is loaded by others
+        os.chmod(tmp, shared_mode(0o755))   # mkstemp makes it private; the cache is shared like the model files
         os.replace(tmp, target)
         _write_atomically(_digest_path(target), digest)
         return ""

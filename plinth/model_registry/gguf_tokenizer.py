@@ -153,28 +153,30 @@ def _tokenizer_class(entry: Path) -> Any:
     return AutoTokenizer
 
 
-def _load_entry(entry: Path, record: dict[str, Any]) -> Any:
-    """The tokenizer saved in ``entry``; None when there is none, or it is incomplete, foreign or unreadable."""
+def _load_entry(entry: Path, record: dict[str, Any], warn: bool = True) -> Any:
+    """The tokenizer saved in ``entry``; None when there is none, or it is incomplete, foreign or unreadable
+    (warned about unless ``warn`` is false)."""
+    report = logger.warning if warn else logger.debug
     try:
         saved = json.loads((entry / _SOURCE_FILE).read_text(encoding="utf-8"))
         names = os.listdir(entry)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        logger.warning("ignoring the tokenizer cache entry %s: %s", entry, e)
+        report("ignoring the tokenizer cache entry %s: %s", entry, e)
         return None
     if saved != record:
-        logger.warning("ignoring the tokenizer cache entry %s: it was made from %s", entry, saved)
+        report("ignoring the tokenizer cache entry %s: it was made from %s", entry, saved)
         return None
     foreign = [n for n in names if not n.endswith(_DATA_SUFFIXES)]
     if foreign:
-        logger.warning("ignoring the tokenizer cache entry %s: it holds files other than JSON and templates: %s",
-                       entry, ", ".join(sorted(foreign)))
+        report("ignoring the tokenizer cache entry %s: it holds files other than JSON and templates: %s",
+               entry, ", ".join(sorted(foreign)))
         return None
     try:
         return _tokenizer_class(entry).from_pretrained(str(entry), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - any damage to an entry (a config of the wrong shape) means converting again
-        logger.warning("ignoring the tokenizer cache entry %s: %s: %s", entry, type(e).__name__, e)
+        report("ignoring the tokenizer cache entry %s: %s: %s", entry, type(e).__name__, e)
         return None
 
 
@@ -200,7 +202,11 @@ def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
                 return
         (tmp / _SOURCE_FILE).write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like the model files
-        if entry.exists():   # one that did not load (damaged, or of another conversion): replace it
+        existing = _load_entry(entry, record, warn=False) if entry.exists() else None
+        if existing is not None and existing.chat_template == tokenizer.chat_template:
+            shutil.rmtree(tmp, ignore_errors=True)   # another process's entry, finished meanwhile: keep it
+            return
+        if entry.exists():   # one that does not load (damaged, or of another conversion): replace it
             doomed = Path(tempfile.mkdtemp(prefix=f".{entry.name}.old.", dir=root))
             try:
                 os.rename(entry, doomed / "entry")

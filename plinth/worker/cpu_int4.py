@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plinth.config import shared_mode
 from plinth.kernels.cpu_native import Q4Panels
 from plinth.worker.cpu_linear import INT4_GROUP, Int4Weight
 
@@ -104,15 +105,16 @@ def _metadata(file: Path) -> dict[str, str]:
 
 
 def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
-    try:
-        tensors = load_file(str(file))
+    try:   # the tensors and the checksum from one open file (another process may replace or remove it meanwhile)
+        with safe_open(str(file), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, SafetensorError) as exc:
         logger.warning("ignoring the unreadable int4 cache %s: %s", file, exc)
         return None
-    if _metadata(file).get("sha256") != _digest(tensors):   # damaged on disk (or written before checksums)
+    if meta.get("sha256") != _digest(tensors):   # damaged on disk (or written before checksums)
         logger.warning("ignoring the int4 cache %s: its contents do not match their checksum; rebuilding it", file)
         return None
     out = {}
@@ -128,7 +130,7 @@ def _load_cached(file: Path, names: set[str]) -> dict[str, Int4Weight] | None:
     return out
 
 
-def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str) -> None:
+def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str, dtype: torch.dtype) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -142,12 +144,14 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str) 
             tensors[f"{name}.q4p_offsets"] = w.panels.offsets
     tmp = file.with_suffix(f".tmp{os.getpid()}")
     source = os.path.realpath(source_path)
+    # what else keys the entry (torch's version, the dtype): entries of the same file under other settings stay
+    made_for = json.dumps([torch.__version__, str(dtype)])
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors), "source": source})
+        save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors), "source": source, "made_for": made_for})
         with open(tmp, "rb") as f:   # on disk before it is named: a crash leaves no entry that reads as whole
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)   # the cache is shared like the model files
+        os.chmod(tmp, shared_mode(0o644))   # safetensors writes it private (0600); the cache is shared
         os.replace(tmp, file)
     except (OSError, SafetensorError) as exc:   # safetensors' own error for a full disk
         logger.warning("could not write the int4 cache %s: %s", file, exc)
@@ -156,7 +160,8 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str) 
         return
     # the entries of earlier states of the same file (touched, replaced, copied over) are of no further use
     for other in file.parent.glob("*.safetensors"):
-        if other != file and _metadata(other).get("source") == source:
+        meta = _metadata(other) if other != file else {}
+        if meta.get("source") == source and meta.get("made_for") == made_for:
             with contextlib.suppress(OSError):
                 other.unlink()
 
@@ -176,7 +181,7 @@ def int4_weights_from_gguf(path: str, model: Any, dtype: torch.dtype, use_cache:
             return cached
     out = _int4_from_file(path, model, dtype, shards)
     if file is not None and out:
-        _store_cached(file, out, path)
+        _store_cached(file, out, path, dtype)
     return out
 
 

@@ -98,7 +98,7 @@ _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_for
 
 
 _FIELD = re.compile(r"\b(" + "|".join(_PARAMS) + r")\b")
-_QUOTED = re.compile(r"""('[^']*'|"[^"]*")""")
+_QUOTED = re.compile(r"""((?<!\w)'[^']*'(?!\w)|"[^"]*")""")   # (an apostrophe inside a word opens no quote)
 
 
 def _responses_wording(message: str) -> str:
