@@ -422,3 +422,17 @@ def test_an_input_may_fill_the_context_and_refusals_name_the_routes_fields(tmp_p
             error = client.post(route, json=request).json()["error"]
             assert error["param"] == param and "max_tokens" not in error["message"], (route, error)
             assert "lower n" not in error["message"] and "prompt" not in error["message"], (route, error)
+
+
+def test_embedding_truncate_prompt_tokens(tmp_path):
+    """``PoolingParams(truncate_prompt_tokens=N)`` (vLLM's): the input's last N tokens are embedded."""
+    path = save_tiny_model(tmp_path / "m")
+    llm = LLM(str(path), task="embed", dtype="float32", selection="off", max_model_len=64)
+    ids = list(range(5, 30))
+    cut = llm.embed([ids], PoolingParams(truncate_prompt_tokens=7), use_tqdm=False)[0]
+    tail = llm.embed([ids[-7:]], use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-7:]
+    np.testing.assert_allclose(cut.outputs.embedding, tail.outputs.embedding, atol=1e-6)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be at least 1"):
+        PoolingParams(truncate_prompt_tokens=0)
+    llm.close()

@@ -816,3 +816,20 @@ def test_vllm_engine_option_names(tiny_llama_dir, caplog):
     assert "swap_space=4 taken and not used" in caplog.text and "disable_log_stats=True" in caplog.text
     with pytest.raises(ConfigError, match="unknown engine option 'swap_spaces'"):
         EngineConfig.from_kwargs(model=str(tiny_llama_dir), swap_spaces=4)
+
+
+def test_truncate_prompt_tokens_offline(tiny_llama_dir):
+    """vLLM's ``SamplingParams(truncate_prompt_tokens=N)``: the prompt's last N tokens only (the same output as
+    giving those tokens), -1 as many as the context holds; more than the context is refused, naming the field."""
+    llm = llm_for(tiny_llama_dir, max_model_len=32)
+    ids = list(range(5, 45))   # longer than the context
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate([ids], params.clone(truncate_prompt_tokens=6), use_tqdm=False)[0]
+    tail = llm.generate([ids[-6:]], params, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-6:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    with pytest.raises(RequestRejectedError, match="truncate_prompt_tokens is 33, more than max_model_len") as info:
+        llm.generate([ids], params.clone(truncate_prompt_tokens=33), use_tqdm=False)
+    assert info.value.param == "truncate_prompt_tokens"
+    with pytest.raises(RequestRejectedError, match="leaves no room"):   # -1: the whole context, nothing after it
+        llm.generate([ids], params.clone(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -551,6 +551,7 @@ class LLMEngine:
                 priority without the priority policy, or an adapter that cannot be served.
             QueueFullError: the waiting queue is full.
         """
+        keep = getattr(params, "truncate_prompt_tokens", None)   # (a PoolingParams' too)
         pooling = self._pooling_request(params)
         if pooling is not None:   # the prompt's prefill; the one token sampled after it is dropped
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -585,6 +586,14 @@ class LLMEngine:
         else:
             text, ids = None, _token_ids(prompt)
             self._check_vocab(ids, None)
+        if keep is not None:   # the prompt's last tokens only (vLLM's truncate_prompt_tokens)
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise RequestRejectedError(f"truncate_prompt_tokens is {keep}, more than max_model_len "
+                                           f"({self.max_model_len}); give a smaller value (or -1: the context)",
+                                           param="truncate_prompt_tokens")
+            if len(ids) > keep:
+                text, ids = None, ids[-keep:]
         if not ids:
             raise RequestRejectedError("the prompt is empty")
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}

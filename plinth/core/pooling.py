@@ -40,12 +40,19 @@ class PoolingParams:
     Attributes:
         normalize: L2-normalize the vector (``None``: the engine's setting).
         dimensions: keep the first ``dimensions`` components (then normalize, where normalizing).
+        truncate_prompt_tokens: embed only the input's last N tokens (-1: as many as the context holds).
     """
 
     normalize: bool | None = None
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        from plinth.core.request import truncation_problem
+
+        problem = truncation_problem(self.truncate_prompt_tokens)
+        if problem is not None:
+            raise ValueError(f"truncate_prompt_tokens {problem}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)

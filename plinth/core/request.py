@@ -17,6 +17,14 @@ from typing import Any, TypedDict
 from plinth.core import structured
 
 
+def truncation_problem(keep: Any) -> str | None:
+    """What is wrong with a ``truncate_prompt_tokens`` value (None: nothing; the engine checks it against the
+    context)."""
+    if keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1)):
+        return None
+    return f"must be at least 1 (or -1: the model's context), got {keep!r}"
+
+
 class TextPrompt(TypedDict):
     """A prompt as text (vLLM's ``TextPrompt``: ``{"prompt": "..."}``)."""
 
@@ -82,6 +90,8 @@ class SamplingParams:
     structured_outputs: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    #: keep only the prompt's last N tokens (-1: as many as the context holds), as vLLM's
+    truncate_prompt_tokens: int | None = None
     #: vLLM's earlier name of ``structured_outputs`` (a ``GuidedDecodingParams``), taken as it
     guided_decoding: dataclasses.InitVar[Any] = None
 
@@ -116,7 +126,8 @@ class SamplingParams:
             raise SamplingParamsError(structured.PARAM, str(exc)) from None
 
     _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-    _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
+    _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs",
+                   "truncate_prompt_tokens")
 
     def _plain_numbers(self) -> None:
         """numpy (or other) scalars as Python floats and ints, as vLLM takes them (booleans stay refused)."""
@@ -168,6 +179,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             value = getattr(self, name)
             check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
+        problem = truncation_problem(self.truncate_prompt_tokens)
+        check(problem is None, "truncate_prompt_tokens", problem or "")
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
