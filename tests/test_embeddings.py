@@ -269,30 +269,21 @@ def test_base_model_checkpoints(tmp_path):
         np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
     with pytest.raises(ModelLoadError, match="base model without an LM head .*--task embed"):
         LLM(str(tmp_path), dtype="float32", selection="off")
-    # Phi's head has a bias, which a base-model checkpoint (PhiModel) does not hold either
-    phi_dir = tmp_path / "phi"
-    phi_config = transformers.PhiConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
-                                        eos_token_id=tok.eos_token_id)
-    phi = transformers.PhiModel(phi_config).eval()
-    phi.save_pretrained(phi_dir, safe_serialization=True)
-    tok.save_pretrained(phi_dir)
-    out = LLM(str(phi_dir), dtype="float32", selection="off", task="embed", pooling="mean").embed(PROMPTS[:1])[0]
-    with torch.no_grad():
-        hidden = phi(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].double().mean(0)
-    np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
-    # Gemma 3's text model: its causal LM is not named after it (Gemma3TextModel -> Gemma3ForCausalLM)
-    gemma_dir = tmp_path / "gemma3"
-    gemma_config = transformers.Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                 head_dim=16, max_position_embeddings=512, pad_token_id=0)
-    gemma = transformers.Gemma3TextModel(gemma_config).eval()
-    gemma.save_pretrained(gemma_dir, safe_serialization=True)
-    tok.save_pretrained(gemma_dir)
-    out = LLM(str(gemma_dir), dtype="float32", selection="off", task="embed", pooling="mean").embed(PROMPTS[:1])[0]
-    with torch.no_grad():
-        hidden = gemma(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].double().mean(0)
-    np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5)
+    # Phi's head has a bias, which a base-model checkpoint (PhiModel) does not hold either; Gemma 3's text model's
+    # causal LM is not named after it (Gemma3TextModel -> Gemma3ForCausalLM)
+    small = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=512)
+    for name, base_model in (
+            ("phi", transformers.PhiModel(transformers.PhiConfig(**small, eos_token_id=tok.eos_token_id))),
+            ("gemma3", transformers.Gemma3TextModel(transformers.Gemma3TextConfig(**small, num_key_value_heads=2,
+                                                                                   head_dim=16, pad_token_id=0)))):
+        folder = tmp_path / name
+        base_model.eval().save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+        out = LLM(str(folder), dtype="float32", selection="off", task="embed", pooling="mean").embed(PROMPTS[:1])[0]
+        with torch.no_grad():
+            hidden = base_model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].double().mean(0)
+        np.testing.assert_allclose(out.outputs.embedding, (hidden / hidden.norm()).numpy(), atol=2e-5, err_msg=name)
 
 
 def test_server_score_and_rerank(http):

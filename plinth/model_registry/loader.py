@@ -122,6 +122,21 @@ _POSITIVE_SIZES = ("hidden_size", "intermediate_size", "vocab_size", "num_attent
                    "head_dim", "num_hidden_layers", "moe_intermediate_size")
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``.
+
+    Raises:
+        ModelLoadError: the file cannot be read, is not JSON, or holds something else than an object.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False) -> Any:
     """Read ``model_dir/config.json``.
 
@@ -132,12 +147,7 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False) -> Any:
     if not path.is_file():
         raise ModelLoadError(f"{model_dir} has no config.json; a model directory needs config.json and "
                              f"*.safetensors weights")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
+    data = _json_object(path)
     if trust_remote_code and "auto_map" in data:
         from transformers import AutoConfig
 
@@ -176,12 +186,7 @@ def _adopt_quant_config_file(path: Path, cfg: Any) -> None:
         f = path / name
         if not f.is_file():
             continue
-        try:
-            settings = json.loads(f.read_text())
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read {f}: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(settings, dict):
-            raise ModelLoadError(f"{f} must hold a JSON object")
+        settings = _json_object(f)
         if not _has_packed_weights(path):
             logger.warning("%s: ignoring %s (the weights hold no packed *.qweight tensors)", path, name)
             return
