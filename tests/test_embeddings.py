@@ -424,6 +424,8 @@ def test_embedding_truncate_prompt_tokens(tmp_path):
     tail = llm.embed([ids[-7:]], use_tqdm=False)[0]
     assert cut.prompt_token_ids == ids[-7:]
     np.testing.assert_allclose(cut.outputs.embedding, tail.outputs.embedding, atol=1e-6)
+    keyword = llm.embed([ids], use_tqdm=False, truncate_prompt_tokens=7)[0]   # vLLM's keyword of embed
+    assert keyword.prompt_token_ids == ids[-7:] and keyword.outputs.embedding == cut.outputs.embedding
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be at least 1"):
         PoolingParams(truncate_prompt_tokens=0)
     llm.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import threading
@@ -208,9 +209,10 @@ class LLM:
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Embeddings of ``prompts`` (an engine made with ``task="embed"``), in prompt order: each output's
-        ``outputs.embedding`` is a list of floats (see :mod:`plinth.core.pooling`).
+        ``outputs.embedding`` is a list of floats (see :mod:`plinth.core.pooling`). ``truncate_prompt_tokens``
+        (vLLM's keyword): every prompt's last N tokens only, as ``PoolingParams(truncate_prompt_tokens=N)``.
 
         Raises:
             RequestRejectedError: the engine generates text, or a prompt cannot run (empty, too long).
@@ -222,6 +224,8 @@ class LLM:
         prompts = _prompt_list(prompts)
         params_list = _per_prompt_params(pooling_params if pooling_params is not None else PoolingParams(),
                                          PoolingParams, "pooling_params", len(prompts))
+        if truncate_prompt_tokens is not None:
+            params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
         loras = _per_prompt_loras(lora_request, len(prompts))
         return self._submit_and_run(((prompt, params, 0, lora) for prompt, lora, params
                                      in zip(prompts, loras, params_list, strict=True)), use_tqdm)
