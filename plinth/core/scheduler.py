@@ -209,25 +209,6 @@ class Scheduler:
             raise RequestRejectedError(f"request {rid!r}: the prompt is empty; at least one token is needed")
         limit = self.max_model_len
         bm = self.block_manager
-        if request.max_tokens is None and num_prompt >= limit:
-            raise RequestRejectedError(
-                f"request {rid!r}: the prompt ({num_prompt} tokens) leaves no room for any output within "
-                f"max_model_len ({limit}); shorten the prompt")
-        if request.max_tokens is None:   # the rest of the context, or of the KV cache when it holds less
-            request.max_tokens = limit - num_prompt
-            room = bm.num_usable_blocks * bm.block_size - num_prompt + 1   # the last token needs no slot
-            if 1 <= room < request.max_tokens:
-                request.max_tokens = room
-            min_tokens = request.sampling_params.min_tokens
-            if min_tokens > request.max_tokens:
-                raise RequestRejectedError(
-                    f"request {rid!r}: min_tokens ({min_tokens}) is more than the {request.max_tokens} tokens "
-                    f"the prompt ({num_prompt} tokens) leaves in this engine's "
-                    + ("KV cache" if request.max_tokens == room else f"max_model_len ({limit})")
-                    + "; lower min_tokens or shorten the prompt", param="min_tokens")
-            if request.default_max_tokens is not None and request.max_tokens > request.default_max_tokens:
-                request.max_tokens = min(request.max_tokens,
-                                         max(request.default_max_tokens, request.sampling_params.min_tokens))
         pooling = request.pooling is not None   # an input to embed: its one sampled token is dropped, never fed back
         if pooling and num_prompt > limit:
             raise RequestRejectedError(f"request {rid!r}: the input ({num_prompt} tokens) is longer than "
@@ -236,16 +217,27 @@ class Scheduler:
             raise RequestRejectedError(
                 f"request {rid!r}: the prompt ({num_prompt} tokens) leaves no room for any output within "
                 f"max_model_len ({limit}); shorten the prompt")
-        if not pooling and num_prompt + request.max_tokens > limit:
+        unset = request.max_tokens is None
+        room = None
+        if unset:   # the rest of the context, or of the KV cache when it holds less
+            request.max_tokens = limit - num_prompt
+            room = bm.num_usable_blocks * bm.block_size - num_prompt + 1   # the last token needs no slot
+            if 1 <= room < request.max_tokens:
+                request.max_tokens = room
+        elif not pooling and num_prompt + request.max_tokens > limit:
             # as vLLM's engine: the output stops at the end of the context (finish reason "length"); the server
             # refuses such a request itself (a 400, as vLLM's)
             request.max_tokens = limit - num_prompt
-            min_tokens = request.sampling_params.min_tokens
-            if min_tokens > request.max_tokens:
-                raise RequestRejectedError(
-                    f"request {rid!r}: min_tokens ({min_tokens}) is more than the {request.max_tokens} tokens the "
-                    f"prompt ({num_prompt} tokens) leaves in max_model_len ({limit}); lower min_tokens or shorten "
-                    f"the prompt", param="min_tokens")
+        min_tokens = request.sampling_params.min_tokens
+        if min_tokens > request.max_tokens:
+            raise RequestRejectedError(
+                f"request {rid!r}: min_tokens ({min_tokens}) is more than the {request.max_tokens} tokens "
+                f"the prompt ({num_prompt} tokens) leaves in this engine's "
+                + ("KV cache" if request.max_tokens == room else f"max_model_len ({limit})")
+                + "; lower min_tokens or shorten the prompt", param="min_tokens")
+        if unset and request.default_max_tokens is not None and request.max_tokens > request.default_max_tokens:
+            request.max_tokens = min(request.max_tokens,
+                                     max(request.default_max_tokens, request.sampling_params.min_tokens))
         # The last sampled token is never fed back, so it needs no KV slot.
         need = bm.blocks_needed(num_prompt + request.max_tokens - 1)
         if need > bm.num_usable_blocks:

@@ -312,7 +312,7 @@ class LLM:
         if use_tqdm and len(ids) > 1:
             from tqdm.auto import tqdm
 
-            desc = "embedding" if self.engine.config.model.task == "embed" else "generating"
+            desc = "embedding" if self.engine.task == "embed" else "generating"
             bar = tqdm(total=len(ids), desc=desc, unit="req", dynamic_ncols=True)
         try:
             while pending:

@@ -120,7 +120,7 @@ def check_tool_flags(args: argparse.Namespace) -> None:
         ServeError: ``--enable-auto-tool-choice`` without ``--tool-call-parser``; an empty ``--response-role``.
         ValueError: an unknown parser (naming the registered ones).
     """
-    if not getattr(args, "response_role", "assistant").strip():
+    if not args.response_role.strip():
         raise ServeError("--response-role must name a role (default: assistant)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")

@@ -202,11 +202,12 @@ def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
                 return
         (tmp / _SOURCE_FILE).write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like the model files
-        existing = _load_entry(entry, record, warn=False) if entry.exists() else None
-        if existing is not None and existing.chat_template == tokenizer.chat_template:
-            shutil.rmtree(tmp, ignore_errors=True)   # another process's entry, finished meanwhile: keep it
-            return
-        if entry.exists():   # one that does not load (damaged, or of another conversion): replace it
+        if entry.exists():
+            existing = _load_entry(entry, record, warn=False)
+            if existing is not None and existing.chat_template == tokenizer.chat_template:
+                shutil.rmtree(tmp, ignore_errors=True)   # another process's entry, finished meanwhile: keep it
+                return
+            # one that does not load (damaged, or of another conversion): replace it
             doomed = Path(tempfile.mkdtemp(prefix=f".{entry.name}.old.", dir=root))
             try:
                 os.rename(entry, doomed / "entry")

@@ -190,7 +190,6 @@ def _adopt_quant_config_file(path: Path, cfg: Any) -> None:
         if not _has_packed_weights(path):
             logger.warning("%s: ignoring %s (the weights hold no packed *.qweight tensors)", path, name)
             return
-        settings = dict(settings)
         settings.setdefault("quant_method", "awq" if "w_bit" in settings or "q_group_size" in settings else method)
         cfg.quantization_config = settings
         logger.info("%s: quantization settings from %s (quant_method %r)", path, name, settings["quant_method"])

@@ -19,7 +19,14 @@ from starlette.requests import Request
 from plinth.core.async_engine import AsyncLLMEngine, EngineUnavailableError
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
 from plinth.core.pooling import PoolingParams, PoolingRequestOutput
-from plinth.core.request import Logprob, PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
+from plinth.core.request import (
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+    truncation_problem,
+)
 from plinth.core.scheduler import QueueFullError, RequestRejectedError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_async
@@ -431,9 +438,9 @@ def _byte_level_decoder() -> dict[str, int]:
 
 def check_truncation(keep: int, max_model_len: int) -> None:
     """Refuse a ``truncate_prompt_tokens`` of 0, below -1 or beyond the model's context (400s)."""
-    if keep == 0 or keep < -1:
-        raise bad_request(f"truncate_prompt_tokens must be at least 1 (or -1: the model's context), got {keep}",
-                          "truncate_prompt_tokens")
+    problem = truncation_problem(keep)
+    if problem is not None:
+        raise bad_request(f"truncate_prompt_tokens {problem}", "truncate_prompt_tokens")
     if keep > max_model_len:
         raise bad_request(f"truncate_prompt_tokens is {keep}, more than this model's context of {max_model_len} "
                           "tokens; give a smaller value (or -1: the context)", "truncate_prompt_tokens")
