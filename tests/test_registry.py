@@ -161,3 +161,31 @@ def test_plugin_hook_registration():
     finally:
         reset_plugin_manager()
     assert "ToyLlamaForCausalLM" not in ModelRegistry.supported_architectures()
+
+
+def test_plugin_model_type_loads_its_tokenizer_without_a_warning(tmp_path, registered):
+    """A checkpoint of a model_type transformers does not know (a plugin's architecture) runs with its
+    tokenizer, and transformers is not left to warn that the checkpoint "is otherwise not supported"."""
+    import logging
+
+    from conftest import save_tiny_model
+
+    save_tiny_model(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(architectures=["DoubledLlamaForCausalLM"], model_type="doubled_llama")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ModelRegistry.register_model("DoubledLlamaForCausalLM", DoubledLlama)
+    registered.append("DoubledLlamaForCausalLM")
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())   # transformers' logger does not propagate
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        llm = plinth.LLM(str(tmp_path), dtype="float32")
+        out = llm.generate(["hello world"], plinth.SamplingParams(max_tokens=3, temperature=0))
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert type(llm.engine.model_source.hf_config) is transformers.PretrainedConfig   # the generic config
+    assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].text == llm.get_tokenizer().decode(
+        out[0].outputs[0].token_ids)
+    assert not [m for m in seen if "to instantiate a model of type" in m], seen

@@ -108,10 +108,16 @@ def load_tokenizer(source: Any, config: EngineConfig) -> Any:
         what = "is not a directory" if Path(path).exists() else "does not exist"
         raise ModelLoadError(f"tokenizer {str(path)!r} {what}: give a directory holding the tokenizer's files "
                              "(tokenizer.json or tokenizer_config.json) or a .gguf file")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PretrainedConfig
 
+    options: dict[str, Any] = {}
+    if type(source.hf_config) is PretrainedConfig and source.path is not None \
+            and Path(path).resolve() == Path(source.path).resolve():
+        # a model_type transformers does not know (a plugin's architecture): hand over the generic config already
+        # read, else AutoTokenizer reads it again and warns that the checkpoint "is otherwise not supported"
+        options["config"] = source.hf_config
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code, **options)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
 
