@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "StructuredOutputsParams",
+           "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
+           "StructuredOutputsParams",
            "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "LoRARequest", "ModelRegistry", "__version__"]
 
 # Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
@@ -21,6 +22,7 @@ _LAZY = {
     "PoolingRequestOutput": "plinth.core.pooling:PoolingRequestOutput",
     "EmbeddingRequestOutput": "plinth.core.pooling:PoolingRequestOutput",
     "ScoringRequestOutput": "plinth.core.pooling:ScoringRequestOutput",
+    "ClassificationRequestOutput": "plinth.core.pooling:ClassificationRequestOutput",
     "StructuredOutputsParams": "plinth.core.structured:StructuredOutputsParams",
     "GuidedDecodingParams": "plinth.core.structured:StructuredOutputsParams",
     "TextPrompt": "plinth.core.request:TextPrompt",
@@ -30,7 +32,12 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from plinth.core.pooling import PoolingParams, PoolingRequestOutput, ScoringRequestOutput
+    from plinth.core.pooling import (
+        ClassificationRequestOutput,
+        PoolingParams,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
     from plinth.core.pooling import PoolingRequestOutput as EmbeddingRequestOutput
     from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams, TextPrompt, TokensPrompt
     from plinth.core.structured import StructuredOutputsParams

@@ -22,7 +22,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SELECTION_MODES = ("benchmark", "cached", "off")
 EXECUTORS = ("auto", "uniproc", "mp", "ray")
-TASKS = ("generate", "embed")
+TASKS = ("generate", "embed", "classify")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 POOLING_TYPES = ("last", "mean", "cls")
 #: vLLM's engine option names for plinth's own
@@ -168,7 +168,8 @@ class ModelConfig:
             sorted ``(key, value)`` pairs).
         reasoning_parser: the model's thinking markers (a registered reasoning parser, e.g. ``qwen3``):
             structured-output constraints then start after the thinking.
-        task: ``generate`` (text) or ``embed`` (embedding vectors; see :mod:`plinth.core.pooling`).
+        task: ``generate`` (text), ``embed`` (embedding vectors) or ``classify`` (a sequence classifier's label
+            probabilities; see :mod:`plinth.core.pooling`).
         pooling: an embedding model's pooling (``last``, ``mean``, ``cls``; default: the model's
             sentence-transformers configuration, else ``last``).
         normalize_embeddings: L2-normalize embeddings (default: as the model's configuration says, else yes).
@@ -541,9 +542,9 @@ class EngineConfig:
         from plinth.worker.cpu_path import check_cpu_switches
 
         check_cpu_switches()
-        if self.speculative.enabled and self.model.task == "embed":
-            raise ConfigError("speculative decoding applies to generation; an embedding model (task embed) decodes "
-                              "nothing: drop speculative_config")
+        if self.speculative.enabled and self.model.task != "generate":
+            raise ConfigError(f"speculative decoding applies to generation; a model run with task {self.model.task} "
+                              "decodes nothing: drop speculative_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

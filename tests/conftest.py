@@ -38,6 +38,18 @@ def make_tokenizer(vocab_size: int = 300):
     return fast
 
 
+def decisive_weights(model):
+    """``model`` with larger-than-default random matrices (N(0, 0.08)), which make greedy choices decisive (random
+    models are otherwise near-uniform)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model
+
+
 def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a small random model of a real architecture plus the tiny tokenizer into ``path``."""
     import torch
@@ -56,12 +68,7 @@ def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common)).eval()
-    # Larger-than-default weights make greedy choices decisive (random models are otherwise near-uniform).
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+    model = decisive_weights(model_cls(config_cls(**common)).eval())
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

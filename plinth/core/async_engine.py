@@ -118,7 +118,8 @@ class AsyncLLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(engine, "eos_token_ids", ()))
         self.default_sampling: dict[str, Any] = dict(getattr(engine, "default_sampling", None) or {})
         self.default_max_tokens: int | None = getattr(engine, "default_max_tokens", None)
-        self.task: str = getattr(engine, "task", "generate")   # "embed": requests take PoolingParams
+        self.task: str = getattr(engine, "task", "generate")   # "embed", "classify": requests take PoolingParams
+        self.classifier = getattr(engine, "classifier", None)   # a sequence classifier's head (its labels)
         self.config: Any = getattr(engine, "config", None)     # the engine's resolved configuration
         self.max_logprobs: int = getattr(engine, "max_logprobs", 20)
         self.served_model_name: str = engine.served_model_name
@@ -156,10 +157,12 @@ class AsyncLLMEngine:
         """The exception that stopped the engine loop, or ``None`` while it runs."""
         return self._dead
 
-    def tokenize(self, text: str, add_special_tokens: bool = True, max_chars: int | None = None) -> list[int]:
-        """Token ids of ``text`` with the model's tokenizer and the engine's checks (text that is not valid
-        Unicode, or longer than the context could hold or than ``max_chars``: :class:`RequestRejectedError`)."""
-        return self._engine.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
+    def tokenize(self, text: str, add_special_tokens: bool = True, max_chars: int | None = None,
+                 pair: str | None = None) -> list[int]:
+        """Token ids of ``text`` (with ``pair``: the two as a pair) with the model's tokenizer and the engine's
+        checks (text that is not valid Unicode, or longer than the context could hold or than ``max_chars``:
+        :class:`RequestRejectedError`)."""
+        return self._engine.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars, pair=pair)
 
     @property
     def chars_per_token(self) -> int:

@@ -22,7 +22,11 @@ from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
 from plinth.core.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    ClassifierHead,
     EmbeddingOutput,
+    PoolingConfig,
     PoolingParams,
     PoolingRequestOutput,
     PoolState,
@@ -222,13 +226,24 @@ class LLMEngine:
         self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection,
                                                                         seed=config.model.seed)
         self._dead: EngineDeadError | None = None
-        #: ``generate`` or ``embed`` (an embedding model: :meth:`add_request` takes PoolingParams)
+        #: ``generate``, ``embed`` or ``classify`` (the last two: :meth:`add_request` takes PoolingParams)
         self.task = config.model.task
         self.pooling = (resolve_pooling(parts.source.path, config.model.pooling, config.model.normalize_embeddings)
                         if self.task == "embed" else None)
+        #: a sequence classifier's head (``task="classify"``), applied to each prompt's last hidden state
+        self.classifier: ClassifierHead | None = None
+        if self.task == "classify":
+            from plinth.model_registry.loader import load_classifier_head
+
+            self.classifier = ClassifierHead.of(parts.source.hf_config,
+                                                *load_classifier_head(parts.source, config.model.seed))
+            self.pooling = PoolingConfig("last", False, "the sequence classifier")
+            logger.info("sequence classifier: %d labels (%s), %s", len(self.classifier.labels),
+                        ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),
+                        self.classifier.activation)
         self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
         prefix_caching = config.cache.enable_prefix_caching
-        if self.pooling is not None:
+        if self.pooling is not None and self.classifier is None:
             logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,
                         ", normalized" if self.pooling.normalize else "", self.pooling.origin)
             if self.pooling.kind != "last" and prefix_caching:
@@ -370,12 +385,15 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- requests
 
-    def tokenize(self, prompt: str, add_special_tokens: bool = True, max_chars: int | None = None) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True, max_chars: int | None = None,
+                 pair: str | None = None) -> list[int]:
         """Token ids of ``prompt``.
 
         Args:
             max_chars: the longest text tokenized (default: what the context could hold whatever its tokens; a
                 caller that keeps only the last tokens, such as the server's ``truncate_prompt_tokens``, allows more).
+            pair: a second text, tokenized with ``prompt`` as a pair (the tokenizer's pair template, as a
+                cross-encoder reads its query and document); the limits apply to both texts together.
 
         Raises:
             RequestRejectedError: text that is not valid Unicode (a lone surrogate), or longer than the
@@ -384,21 +402,25 @@ class LLMEngine:
         if self.tokenizer is None:
             raise RequestRejectedError("this model has no tokenizer (its directory has no tokenizer files and none was "
                                        "given): pass token ids, or give a tokenizer (tokenizer= / --tokenizer)")
-        if not isinstance(prompt, str):
-            raise RequestRejectedError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
+        texts = [prompt] if pair is None else [prompt, pair]
+        bad = next((t for t in texts if not isinstance(t, str)), None)
+        if bad is not None:
+            raise RequestRejectedError(f"a prompt is text or a list of token ids, not {type(bad).__name__}")
         per_token = self.chars_per_token
-        if max_chars is not None and len(prompt) > max_chars:
-            raise RequestRejectedError(f"the prompt has {len(prompt)} characters, more than {max_chars}")
-        if max_chars is None and len(prompt) > per_token * self.max_model_len:
+        length = sum(len(t) for t in texts)
+        if max_chars is not None and length > max_chars:
+            raise RequestRejectedError(f"the prompt has {length} characters, more than {max_chars}")
+        if max_chars is None and length > per_token * self.max_model_len:
             raise RequestRejectedError(
-                f"the prompt has {len(prompt)} characters, more than {per_token} (the longest token) per token of "
+                f"the prompt has {length} characters, more than {per_token} (the longest token) per token of "
                 f"this model's context of {self.max_model_len} tokens")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise RequestRejectedError(f"the prompt is not valid Unicode text: {exc.reason} at character "
-                                       f"{exc.start}") from None
-        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestRejectedError(f"the prompt is not valid Unicode text: {exc.reason} at character "
+                                           f"{exc.start}") from None
+        return list(self.tokenizer(*texts, add_special_tokens=add_special_tokens)["input_ids"])
 
     @functools.cached_property
     def chars_per_token(self) -> int:
@@ -542,7 +564,8 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request. ``priority`` (the ``priority`` scheduling policy only): lower runs first.
         An embedding engine (``task="embed"``) takes :class:`~plinth.core.pooling.PoolingParams` (or none);
-        its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput`. ``lora_request``: a LoRA adapter to
+        its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput` (a classifier's, ``task="classify"``,
+        :class:`~plinth.core.pooling.ClassificationRequestOutput`). ``lora_request``: a LoRA adapter to
         run the request with (an engine with ``enable_lora``; see :meth:`add_lora`).
 
         Raises:
@@ -662,20 +685,31 @@ class LLMEngine:
             self._sync_groups.add(request_id)
 
     def _pooling_request(self, params: Any) -> PoolingParams | None:
-        """The pooling options of a request to an embedding engine (``None`` for a generation request).
+        """The pooling options of a request to an embedding or classification engine (``None`` for a generation
+        request).
 
         Raises:
             RequestRejectedError: PoolingParams on a generation engine, SamplingParams on an embedding engine,
-                or more ``dimensions`` than the model's hidden size.
+                more ``dimensions`` than the model's hidden size, or an option of the other pooling task.
         """
-        if self.task != "embed":
+        if self.task == "generate":
             if isinstance(params, PoolingParams):
-                raise RequestRejectedError("embeddings need an engine started with task='embed' (--task embed)")
+                raise RequestRejectedError("embeddings need an engine started with task='embed' (--task embed), "
+                                           "classification one with task='classify'")
             return None
+        what = "an embedding model" if self.task == "embed" else "a sequence classifier"
         if params is not None and not isinstance(params, PoolingParams):
-            raise RequestRejectedError("this engine serves an embedding model (task='embed'): it takes "
+            raise RequestRejectedError(f"this engine serves {what} (task={self.task!r}): it takes "
                                        "PoolingParams, not sampling parameters")
         pooling = params or PoolingParams()
+        if self.task == "classify":
+            wrong = next((f for f in ("dimensions", "normalize") if getattr(pooling, f) is not None), None)
+            if wrong is not None:
+                raise RequestRejectedError(f"{wrong} applies to embeddings, not to a sequence classifier's "
+                                           f"probabilities", param=wrong)
+        elif pooling.activation is not None:
+            raise RequestRejectedError("activation applies to a sequence classifier (task='classify'), not to "
+                                       "embeddings", param="activation")
         if pooling.dimensions is not None and self.hidden_size and pooling.dimensions > self.hidden_size:
             raise RequestRejectedError(f"dimensions is {pooling.dimensions}, but this model's embeddings have "
                                        f"{self.hidden_size}", param="dimensions")
@@ -1257,6 +1291,11 @@ class LLMEngine:
             finished = group.finished
             vector = state.vector
             done = finished and not group.aborted and req.finish_reason != FinishReason.ABORT and vector is not None
+            if self.classifier is not None:
+                probs = (ClassificationOutput(self.classifier.probs(vector, state.params.activation is not False))
+                         if done else None)
+                return ClassificationRequestOutput(group.request_id, group.prompt_token_ids, probs, finished,
+                                                   req.num_cached_tokens, metrics=dataclasses.replace(req.metrics))
             embedding = EmbeddingOutput(finish_embedding(vector, state.params, self.pooling)) if done else None
             return PoolingRequestOutput(group.request_id, group.prompt_token_ids, embedding, finished,
                                         req.num_cached_tokens, metrics=dataclasses.replace(req.metrics))

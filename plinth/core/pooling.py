@@ -1,4 +1,5 @@
-"""Embeddings: a prompt's final hidden states pooled into one vector (``task="embed"``).
+"""Embeddings and classification: a prompt's final hidden states pooled into one vector (``task="embed"``), or
+a sequence classifier's label probabilities (``task="classify"``).
 
 An engine started with ``task="embed"`` serves embedding models (decoder models trained for retrieval, such as
 Qwen3-Embedding or e5-mistral): a request is its prompt's prefill, whose final-norm hidden states are pooled
@@ -16,6 +17,11 @@ their quality) and turn normalization off.
 The prefill runs as the engine's other prompts do (chunked, batched with other requests, preemptible); mean
 and ``cls`` pooling need every position's hidden state, so an embedding engine with them computes prompts
 without the prefix cache.
+
+A sequence classifier (``LlamaForSequenceClassification``, ``Qwen3ForSequenceClassification`` and the like: reward
+models, cross-encoder rerankers, text classifiers) pools the last token's final-norm hidden state, as transformers'
+classes do, and its ``score`` layer maps it to one logit per label; the probabilities follow transformers'
+text-classification rule (:class:`ClassifierHead`).
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ class PoolingParams:
         normalize: L2-normalize the vector (``None``: the engine's setting).
         dimensions: keep the first ``dimensions`` components (then normalize, where normalizing).
         truncate_prompt_tokens: embed only the input's last N tokens (-1: as many as the context holds).
+        activation: a classifier's probabilities (``None`` or true: its softmax or sigmoid), or its raw logits
+            (false); classification only.
     """
 
     normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    activation: bool | None = None
 
     def __post_init__(self) -> None:
         from plinth.core.request import truncation_problem
@@ -55,6 +64,8 @@ class PoolingParams:
             raise ValueError(f"truncate_prompt_tokens {problem}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+        if self.activation is not None and not isinstance(self.activation, bool):
+            raise ValueError(f"activation must be true or false, got {self.activation!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
@@ -162,9 +173,67 @@ def finish_embedding(vector: np.ndarray, params: PoolingParams, config: PoolingC
     return vector.astype(np.float32).tolist()
 
 
+@dataclasses.dataclass(frozen=True)
+class ClassifierHead:
+    """A sequence classifier's ``score`` layer (float64) and how its logits become probabilities: transformers'
+    text-classification rule: none for ``problem_type`` ``regression``, a sigmoid per label for
+    ``multi_label_classification`` or a single label, else a softmax over the labels."""
+
+    weight: np.ndarray             # [labels, hidden]
+    bias: np.ndarray | None        # [labels]
+    activation: str                # "softmax", "sigmoid" or "none"
+    labels: tuple[str, ...]        # each label's name (the config's id2label)
+
+    @classmethod
+    def of(cls, hf_config: Any, weight: np.ndarray, bias: np.ndarray | None) -> ClassifierHead:
+        problem = getattr(hf_config, "problem_type", None)
+        count = weight.shape[0]
+        activation = ("none" if problem == "regression"
+                      else "sigmoid" if problem == "multi_label_classification" or count == 1 else "softmax")
+        names = dict(getattr(hf_config, "id2label", None) or {})
+        labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count))
+        return cls(weight, bias, activation, labels)
+
+    def probs(self, vector: np.ndarray, activation: bool = True) -> list[float]:
+        """The label probabilities of a pooled hidden state (its raw logits without ``activation``)."""
+        logits = self.weight @ np.asarray(vector, dtype=np.float64)
+        if self.bias is not None:
+            logits = logits + self.bias
+        if activation and self.activation == "softmax":
+            logits = np.exp(logits - logits.max())
+            logits = logits / logits.sum()
+        elif activation and self.activation == "sigmoid":
+            logits = 0.5 * (1.0 + np.tanh(0.5 * logits))   # the logistic function, without overflow
+        return logits.astype(np.float32).tolist()
+
+
+def check_cross_encoder(head: ClassifierHead | None) -> None:
+    """Refuse pair scoring (``/score``, ``/rerank``, ``LLM.score``) by a classifier that is not a cross-encoder.
+
+    Raises:
+        RequestRejectedError: more than one label (a cross-encoder's score is its one label's probability).
+    """
+    from plinth.core.scheduler import RequestRejectedError
+
+    if head is not None and len(head.labels) != 1:
+        raise RequestRejectedError(f"scoring pairs needs a cross-encoder, a classifier with one label; this one has "
+                                   f"{len(head.labels)} ({', '.join(head.labels[:8])}): use classification instead")
+
+
 @dataclasses.dataclass
 class EmbeddingOutput:
     embedding: list[float]
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    """A classifier's label probabilities (``probs``, in label order), as vLLM's ``ClassificationOutput``."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
 
 
 @dataclasses.dataclass
@@ -185,12 +254,18 @@ class ScoringRequestOutput:
 
 @dataclasses.dataclass
 class PoolingRequestOutput:
-    """An embedding request's result (``outputs.embedding``), as vLLM's ``EmbeddingRequestOutput``."""
+    """An embedding request's result (``outputs.embedding``), as vLLM's ``EmbeddingRequestOutput``; a classification
+    request's (``outputs.probs``) is a :class:`ClassificationRequestOutput`."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput | None
+    outputs: Any
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: Any = None
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """A classification request's result (``outputs.probs``), as vLLM's ``ClassificationRequestOutput``."""

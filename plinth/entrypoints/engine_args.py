@@ -85,7 +85,8 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="the most log-probabilities a request may ask for per position (logprobs, prompt_logprobs; "
                         "default: %(default)s)")
     g.add_argument("--task", default="generate", choices=TASKS,
-                   help="generate text, or serve an embedding model (embed: /v1/embeddings, LLM.embed)")
+                   help="generate text, serve an embedding model (embed: /v1/embeddings, LLM.embed) or a sequence "
+                        "classifier (classify: /classify, LLM.classify)")
     g.add_argument("--pooling", default=None, choices=POOLING_TYPES,
                    help="an embedding model's pooling (default: its sentence-transformers configuration, else last)")
     g.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=None,

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from plinth.config import EngineConfig
 from plinth.core.gc_pause import GcPause
-from plinth.core.pooling import PoolingParams, PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
+from plinth.core.pooling import (
+    ClassificationRequestOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    check_cross_encoder,
+)
 from plinth.core.request import RequestOutput, SamplingParams
 from plinth.lora.request import LoRARequest
 
@@ -21,6 +28,22 @@ if TYPE_CHECKING:
 
 #: a prompt: text, token ids, or vLLM's dict forms ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``
 PromptType = str | Sequence[int] | dict[str, Any]
+
+
+#: what an engine of each task serves, and the LLM method for it
+_TASK_USE = {"generate": "a text generation model: use LLM.generate or LLM.chat",
+             "embed": "an embedding model (task='embed'): use LLM.embed or LLM.score",
+             "classify": "a sequence classifier (task='classify'): use LLM.classify (LLM.score for a one-label "
+                         "cross-encoder)"}
+
+
+def _pair_prompt(tokenize: Any, first: Any, second: Any) -> list[int]:
+    """A cross-encoder's input: two texts tokenized as a pair, or two token-id lists joined."""
+    if isinstance(first, str) and isinstance(second, str):
+        return tokenize(first, pair=second)
+    if isinstance(first, str) or isinstance(second, str):
+        raise ValueError("a cross-encoder reads text_1 and text_2 together: give both as texts or both as token ids")
+    return [*first, *second]
 
 
 def _one_prompt(prompt: Any) -> Any:
@@ -167,10 +190,10 @@ class LLM:
         ``lora_request``: a :class:`~plinth.lora.LoRARequest` for every prompt, or one (or ``None``) per prompt
         (an engine with ``enable_lora=True``).
         """
-        if self.engine.task == "embed":
+        if self.engine.task != "generate":
             from plinth.core.scheduler import RequestRejectedError
 
-            raise RequestRejectedError("this LLM serves an embedding model (task='embed'): use LLM.embed")
+            raise RequestRejectedError(f"this LLM serves {_TASK_USE[self.engine.task]}")
         prompts = _prompt_list(prompts)
         params_list = _per_prompt_params(sampling_params if sampling_params is not None
                                          else self.get_default_sampling_params(), SamplingParams, "sampling_params",
@@ -217,10 +240,39 @@ class LLM:
         Raises:
             RequestRejectedError: the engine generates text, or a prompt cannot run (empty, too long).
         """
-        if self.engine.task != "embed":
+        self._need_task("embed", "LLM.embed")
+        return self._pool(prompts, pooling_params, lora_request, use_tqdm, truncate_prompt_tokens)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+                 ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's label probabilities for each prompt (an engine made with ``task="classify"``),
+        in prompt order: ``outputs.probs``, one per label in the order of :attr:`labels` (raw logits with
+        ``PoolingParams(activation=False)``).
+
+        Raises:
+            RequestRejectedError: the engine is not a classifier, or a prompt cannot run (empty, too long).
+        """
+        self._need_task("classify", "LLM.classify")
+        return self._pool(prompts, pooling_params, lora_request, use_tqdm, truncate_prompt_tokens)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """A sequence classifier's label names (its config's ``id2label``), in the order of ``outputs.probs``."""
+        self._need_task("classify", "LLM.labels")
+        return self.engine.classifier.labels   # type: ignore[union-attr]
+
+    def _need_task(self, task: str, what: str) -> None:
+        if self.engine.task != task:
             from plinth.core.scheduler import RequestRejectedError
 
-            raise RequestRejectedError("LLM.embed needs an embedding engine: LLM(model, task='embed')")
+            raise RequestRejectedError(f"{what} needs an engine made with task={task!r}: this LLM serves "
+                                       f"{_TASK_USE[self.engine.task]}")
+
+    def _pool(self, prompts: Any, pooling_params: Any, lora_request: Any, use_tqdm: bool,
+              truncate_prompt_tokens: int | None) -> list[Any]:
         prompts = _prompt_list(prompts)
         params_list = _per_prompt_params(pooling_params if pooling_params is not None else PoolingParams(),
                                          PoolingParams, "pooling_params", len(prompts))
@@ -232,13 +284,15 @@ class LLM:
 
     def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *,
               lora_request: LoRARequest | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """Cosine similarities of embeddings (an engine made with ``task="embed"``): ``text_1`` against each of
-        ``text_2``, or the pairs of two lists of the same length; each pair's as ``outputs.score`` (vLLM's
-        ``ScoringRequestOutput``).
+        """``text_1`` against each of ``text_2``, or the pairs of two lists of the same length; each pair's score as
+        ``outputs.score`` (vLLM's ``ScoringRequestOutput``): the cosine similarity of their embeddings (an engine
+        made with ``task="embed"``: a bi-encoder), or a one-label sequence classifier's probability for the two
+        read together (``task="classify"``: a cross-encoder; texts tokenized as a pair, token ids joined).
 
         Raises:
             ValueError: an empty list, or two lists of different lengths.
-            RequestRejectedError: the engine generates text, or a prompt cannot run.
+            RequestRejectedError: the engine generates text, a classifier with more than one label, or a prompt
+                cannot run.
         """
         from plinth.entrypoints.openai.serving_score import cosine_scores
 
@@ -248,6 +302,9 @@ class LLM:
         if len(first) != 1 and len(first) != len(second):
             raise ValueError(f"text_1 holds {len(first)} prompts and text_2 {len(second)}: give one text_1, or as "
                              f"many as text_2")
+        if self.engine.task == "classify":
+            return self._cross_encode(first * len(second) if len(first) == 1 else first, second, lora_request,
+                                      use_tqdm)
         outs = self.embed([*first, *second], PoolingParams(normalize=True), lora_request=lora_request,
                           use_tqdm=use_tqdm)
         left, right = outs[:len(first)], outs[len(first):]
@@ -255,6 +312,18 @@ class LLM:
         pairs = zip(left * len(right) if len(left) == 1 else left, right, strict=True)
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
                                      ScoringOutput(score)) for (a, b), score in zip(pairs, scores, strict=True)]
+
+    def _cross_encode(self, first: list[Any], second: list[Any], lora_request: LoRARequest | None,
+                      use_tqdm: bool) -> list[ScoringRequestOutput]:
+        from plinth.core.scheduler import RequestRejectedError
+
+        check_cross_encoder(self.engine.classifier)
+        pairs = [_pair_prompt(self.engine.tokenize, a, b) for a, b in zip(first, second, strict=True)]
+        outs = self.classify(pairs, lora_request=lora_request, use_tqdm=use_tqdm)
+        if any(o.outputs is None for o in outs):
+            raise RequestRejectedError("a pair ended without a score")
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.probs[0]))
+                for o in outs]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's recommended settings on top: its ``generation_config.json``
@@ -312,7 +381,7 @@ class LLM:
         if use_tqdm and len(ids) > 1:
             from tqdm.auto import tqdm
 
-            desc = "embedding" if self.engine.task == "embed" else "generating"
+            desc = {"embed": "embedding", "classify": "classifying"}.get(self.engine.task, "generating")
             bar = tqdm(total=len(ids), desc=desc, unit="req", dynamic_ncols=True)
         try:
             while pending:

@@ -4,7 +4,8 @@ Each input line is one request in OpenAI's batch format::
 
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
 
-(``url``: ``/v1/chat/completions``, ``/v1/completions``, or ``/v1/embeddings`` with ``--task embed``). Each
+(``url``: ``/v1/chat/completions``, ``/v1/completions``; ``/v1/embeddings`` with ``--task embed``; ``/classify``
+with ``--task classify``; ``/v1/score`` and ``/v1/rerank`` with either). Each
 result is one output line in OpenAI's batch output format, written as soon as its request finishes::
 
     {"id": "batch_req_...", "custom_id": "q1", "response": {"status_code": 200, "request_id": "chatcmpl-...",
@@ -37,7 +38,7 @@ from plinth.entrypoints.generate_cmd import check_output, output_lock, torn_reco
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, check_tool_flags, lora_modules
 from plinth.errors import CliError
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/classify")
 #: requests in flight at once by default: enough to fill the engine's batch, not the whole file
 DEFAULT_CONCURRENCY = 256
 

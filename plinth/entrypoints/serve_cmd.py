@@ -1,6 +1,7 @@
 """``plinth serve [MODEL]``: the OpenAI-compatible HTTP server.
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings (--task embed), /v1/models,
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings (--task embed), /classify
+(--task classify), /v1/score and /v1/rerank (either), /v1/models,
 /tokenize, /detokenize, /health, /version, /metrics (and, with --allow-runtime-lora-updating,
 /v1/load_lora_adapter and /v1/unload_lora_adapter). With --api-key (or $PLINTH_API_KEY) every route needs
 ``Authorization: Bearer <key>`` but /health, /ping, /version and /metrics.

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from plinth.config import ConfigError, ModelConfig
-from plinth.errors import ModelLoadError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.registry import ModelRegistry
 from plinth.model_registry.weights import (
@@ -57,6 +57,9 @@ class ModelSource:
         text_only: the language model of an image-and-text checkpoint (``Gemma3ForConditionalGeneration``,
             ``Mistral3ForConditionalGeneration``, ``LlavaForConditionalGeneration``, ...): ``hf_config`` is its
             ``text_config``, its tensors are read under the causal LM's names and the vision tower's are skipped.
+        classifier: a sequence classifier (``LlamaForSequenceClassification`` and the like: the decoder and a
+            ``score`` projection of the last token's hidden state to the labels), run as its causal LM without the
+            head (tied to the embeddings, unused); the engine applies ``score`` (:func:`load_classifier_head`).
     """
 
     kind: str
@@ -66,16 +69,27 @@ class ModelSource:
     tokenizer_path: str | None
     headless: bool = False
     text_only: bool = False
+    classifier: bool = False
 
     def check_task(self, task: str) -> None:
-        """Refuse text generation from a checkpoint without an LM head.
+        """Refuse text generation from a checkpoint without an LM head, and classification from one without a
+        classifier's.
 
         Raises:
-            ModelLoadError: a headless checkpoint with ``task`` other than ``embed``.
+            ModelLoadError: a headless checkpoint with ``task`` other than ``embed``; a sequence classifier asked to
+                generate; ``classify`` for a checkpoint that is not a sequence classifier.
         """
         if self.headless and task != "embed":
             raise ModelLoadError(f"{self.path} is a base model without an LM head ({self.hf_config.architectures[0]}): "
                                  f"it cannot generate text; serve it as an embedding model with --task embed")
+        if self.classifier and task == "generate":
+            raise ModelLoadError(f"{self.path} is a sequence classifier ({self.hf_config.architectures[0]}): it cannot "
+                                 f"generate text; serve it with --task classify (or --task embed for its hidden states)")
+        if task == "classify" and not self.classifier:
+            arch = (getattr(self.hf_config, "architectures", None) or [self.architecture])[0]
+            raise ModelLoadError(f"--task classify needs a sequence classifier (a checkpoint whose architecture ends "
+                                 f"in ForSequenceClassification, with a 'score' layer); {self.path or 'the model'} is "
+                                 f"{arch}")
 
 
 def list_presets() -> list[str]:
@@ -247,15 +261,16 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     if fmt != "dummy":
         _adopt_quant_config_file(path, cfg)
     arch = architecture_of(cfg, str(path / "config.json"))
-    headless = False
-    if arch.endswith("Model") and not arch.endswith("ForCausalLM"):
-        from plinth.model_registry.registry import ModelRegistry
-
-        causal = arch.removesuffix("Model") + "ForCausalLM"
-        if not ModelRegistry.is_native(causal):   # e.g. Gemma3TextModel: the causal LM of its model type
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-            causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None), causal)
+    headless = classifier = False
+    if arch.endswith("ForSequenceClassification") and not ModelRegistry.is_native(arch):
+        causal = _causal_of(cfg, arch.removesuffix("ForSequenceClassification"))
+        if not ModelRegistry.is_native(causal):
+            raise UnsupportedModelError(f"{path}: sequence classifiers run on plinth's native decoders; {arch} has "
+                                        f"none ({causal} is not among them)")
+        arch, classifier = causal, True
+        cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
+    elif arch.endswith("Model") and not arch.endswith("ForCausalLM"):
+        causal = _causal_of(cfg, arch.removesuffix("Model"))
         if not ModelRegistry.is_native(arch) and ModelRegistry.is_native(causal):
             arch, headless = causal, True
             cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
@@ -270,7 +285,19 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     tokenizer = model_config.tokenizer
     if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = str(path)
-    return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only)
+    return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only,
+                       classifier)
+
+
+def _causal_of(cfg: Any, stem: str) -> str:
+    """The causal LM architecture of ``{stem}Model`` / ``{stem}ForSequenceClassification``: ``{stem}ForCausalLM``
+    where plinth runs it, else the causal LM of the config's model type (e.g. ``Gemma3TextModel``)."""
+    causal = stem + "ForCausalLM"
+    if not ModelRegistry.is_native(causal):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None), causal)
+    return causal
 
 
 def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
@@ -308,6 +335,52 @@ def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
             if name.startswith(prefix):
                 yield target + name[len(prefix):], tensor
                 break
+
+
+def _decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A sequence classifier's tensors without its ``score`` layer (:func:`load_classifier_head` reads it)."""
+    for name, tensor in weights:
+        if not name.startswith(CLASSIFIER_PREFIX):
+            yield name, tensor
+
+
+#: the tensors of a sequence classifier's head (transformers' ``*ForSequenceClassification.score``)
+CLASSIFIER_PREFIX = "score."
+
+
+def load_classifier_head(source: ModelSource, seed: int = 0) -> tuple[Any, Any]:
+    """A sequence classifier's ``score`` layer as float64 arrays: ``(weight [labels, hidden], bias [labels] or
+    None)``; random (seeded) for dummy weights.
+
+    Raises:
+        ModelLoadError: no ``score.weight``, a quantized one, or one whose shape disagrees with the config.
+    """
+
+    cfg = source.hf_config
+    hidden = int(cfg.hidden_size)
+    labels = int(getattr(cfg, "num_labels", 0) or 0)
+    if source.kind == "dummy":
+        gen = torch.Generator().manual_seed(seed)
+        std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
+        return (torch.randn(labels, hidden, generator=gen, dtype=torch.float64) * std).numpy(), None
+    assert source.path is not None
+    found = dict(SafetensorsWeights(list_safetensors_files(Path(source.path)), only=CLASSIFIER_PREFIX))
+    weight, bias = found.pop("score.weight", None), found.pop("score.bias", None)
+    if weight is None:
+        raise ModelLoadError(f"{source.path}: the sequence classifier has no 'score.weight' tensor")
+    if found:
+        raise ModelLoadError(f"{source.path}: unexpected classifier tensors {sorted(found)} (plinth reads "
+                             f"score.weight and score.bias)")
+    if not weight.is_floating_point() or weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ModelLoadError(f"{source.path}: 'score.weight' must be a float matrix [labels, {hidden}], got "
+                             f"{weight.dtype} {list(weight.shape)}")
+    if labels and weight.shape[0] != labels:
+        raise ModelLoadError(f"{source.path}: 'score.weight' has {weight.shape[0]} rows, but the config has "
+                             f"{labels} labels (num_labels / id2label)")
+    if bias is not None and list(bias.shape) != [weight.shape[0]]:
+        raise ModelLoadError(f"{source.path}: 'score.bias' must have {weight.shape[0]} values, got {list(bias.shape)}")
+    as_array = lambda t: t.to(torch.float64).numpy()   # noqa: E731
+    return as_array(weight), None if bias is None else as_array(bias)
 
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any, platform_dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -372,7 +445,8 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
         weights = SafetensorsWeights(list_safetensors_files(Path(source.path)))
         try:
             model.load_weights(_with_model_prefix(weights) if source.headless
-                               else _language_model_weights(weights) if source.text_only else weights)
+                               else _language_model_weights(weights) if source.text_only
+                               else _decoder_weights(weights) if source.classifier else weights)
         except ModelLoadError as exc:
             where = str(weights.current_file or source.path)
             if where in str(exc):

@@ -58,11 +58,13 @@ def list_safetensors_files(model_dir: Path) -> list[Path]:
 class SafetensorsWeights:
     """Iterate ``(name, tensor)`` over safetensors shards, memory-mapped, one shard at a time.
 
-    ``current_file`` names the shard being read (for error messages).
+    ``current_file`` names the shard being read (for error messages); ``only``: the tensors whose names start
+    with it, the others not read.
     """
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], only: str = ""):
         self.files = files
+        self.only = only
         self.current_file: Path | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -74,6 +76,8 @@ class SafetensorsWeights:
                 raise ModelLoadError(f"cannot read safetensors file {path}: {exc} (corrupt or truncated?)") from exc
             with handle:
                 for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    if not name.startswith(self.only):
+                        continue
                     try:
                         tensor = handle.get_tensor(name)
                     except (SafetensorError, OSError) as exc:

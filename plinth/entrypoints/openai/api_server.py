@@ -1,7 +1,7 @@
 """The FastAPI app: routes, API-key check, lifespan.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``
-(``--task embed``),
+(``--task embed``), ``POST /classify`` (``--task classify``), ``POST /v1/score`` and ``POST /v1/rerank`` (either),
 ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (also ``GET|POST /ping``),
 ``GET /version``, ``GET /metrics``; with ``--allow-runtime-lora-updating`` also ``POST /v1/load_lora_adapter`` and
@@ -36,6 +36,7 @@ from plinth.core.async_engine import AsyncLLMEngine
 from plinth.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from plinth.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -51,6 +52,7 @@ from plinth.entrypoints.openai.protocol import (
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.serving import LoRANameError, ServerContext
 from plinth.entrypoints.openai.serving_chat import create_chat_completion
+from plinth.entrypoints.openai.serving_classify import create_classification
 from plinth.entrypoints.openai.serving_completion import create_completion
 from plinth.entrypoints.openai.serving_embedding import create_embedding
 from plinth.entrypoints.openai.serving_responses import create_response
@@ -250,6 +252,11 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         return await answer(create_embedding, body, raw)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassificationRequest, raw: Request) -> Response:
+        return await answer(create_classification, body, raw)
 
     @app.post("/v1/score")
     @app.post("/score")

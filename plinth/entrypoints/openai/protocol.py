@@ -329,6 +329,29 @@ class EmbeddingResponse(_ListResponse):
     data: list[EmbeddingData]
 
 
+class ClassificationRequest(_NamedExtras):
+    """``POST /classify`` (vLLM's; an engine with ``task="classify"``): each input's label probabilities."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    activation: bool | None = None
+    priority: int = 0
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_ListResponse):
+    data: list[ClassificationData]
+
+
 class ScoreRequest(_NamedExtras):
     """``POST /v1/score`` (vLLM's): the similarity of ``text_1`` with each ``text_2`` (one against many), or of the
     pairs of two lists of the same length; texts or token-id lists."""

@@ -67,6 +67,16 @@ class LoRANameError(ValueError):
         self.taken = taken
 
 
+#: what a server of each task is, what a route of each task needs, and the routes each task serves
+_TASK_IS = {"generate": "generates text", "embed": "is an embedding model (--task embed)",
+            "classify": "is a sequence classifier (--task classify)"}
+_TASK_NEEDS = {"generate": "a text generation model", "embed": "an embedding model served with --task embed",
+               "classify": "a sequence classifier served with --task classify"}
+_TASK_ROUTES = {"generate": "/v1/chat/completions, /v1/completions or /v1/responses",
+                "embed": "/v1/embeddings, /v1/score or /v1/rerank",
+                "classify": "/classify (and /v1/score or /v1/rerank for a one-label cross-encoder)"}
+
+
 @dataclasses.dataclass
 class ServerContext:
     """Everything a handler needs, owned by one app (no module-level state)."""
@@ -114,15 +124,15 @@ class ServerContext:
         cap = self.default_max_tokens
         return min(room, cap) if cap is not None and room >= 1 else room
 
-    def check_task(self, task: str, route: str = "/v1/embeddings") -> None:
-        """Refuse a route the engine's task does not serve (text generation or embeddings)."""
-        if getattr(self.front, "task", "generate") == task:
+    def check_task(self, task: str | tuple[str, ...], route: str = "/v1/embeddings") -> None:
+        """Refuse a route the engine's task (text generation, embeddings, classification) does not serve."""
+        tasks = (task,) if isinstance(task, str) else task
+        mine = getattr(self.front, "task", "generate")
+        if mine in tasks:
             return
-        if task == "embed":
-            raise bad_request(f"the model {self.model_name!r} generates text; {route} needs an embedding "
-                              f"model served with --task embed", "model", "model_not_supported")
-        raise bad_request(f"the model {self.model_name!r} is an embedding model (--task embed): use /v1/embeddings",
-                          "model", "model_not_supported")
+        needs = " or ".join(_TASK_NEEDS[t] for t in tasks)
+        raise bad_request(f"the model {self.model_name!r} {_TASK_IS[mine]}; {route} needs {needs}: use "
+                          f"{_TASK_ROUTES[mine]}", "model", "model_not_supported")
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -228,16 +238,20 @@ class ServerContext:
                 f"model's maximum context length ({limit} tokens); shorten the prompt", param,
                 "context_length_exceeded")
 
-    async def tokenize(self, text: str, add_special_tokens: bool, param: str, truncating: bool = False) -> list[int]:
-        """Token ids of ``text``, tokenized in a worker thread (a long prompt does not stall the server); the
-        engine's refusals (text that is not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``.
-        ``truncating``: see :meth:`check_text`."""
-        self.check_text(len(text), param, truncating)
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str, truncating: bool = False,
+                       pair: str | None = None) -> list[int]:
+        """Token ids of ``text`` (and ``pair``, tokenized together as a pair), tokenized in a worker thread (a long
+        prompt does not stall the server); the engine's refusals (text that is not valid Unicode, a lone UTF-16
+        surrogate) are 400s naming ``param``. ``truncating``: see :meth:`check_text`."""
+        self.check_text(len(text) + len(pair or ""), param, truncating)
         max_chars = self.truncated_text_limit() if truncating else None
 
         def run() -> list[int]:
             with self._tokenize_lock:
-                return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
+                if pair is None:
+                    return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
+                return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars,
+                                           pair=pair)
 
         try:
             return await asyncio.to_thread(run)

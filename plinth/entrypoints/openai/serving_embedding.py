@@ -25,9 +25,9 @@ from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext, collec
 from plinth.entrypoints.openai.streaming import unless_disconnected
 
 
-async def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[list[int]]:
-    """The request's inputs as token ids (texts tokenized, each truncated as asked and checked against the
-    context)."""
+async def request_inputs(ctx: ServerContext, req: Any) -> list[list[int]]:
+    """The request's ``input`` (an embedding or classification request's) as token ids (texts tokenized, each
+    truncated as asked and checked against the context)."""
     raw = req.input
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
@@ -64,6 +64,12 @@ async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[lis
                     priority: int, lora: object, param: str | Sequence[str] = "input") -> list[list[float]]:
     """The embeddings of ``inputs`` (token-id lists), run together, in order; the engine's refusal of an input (its
     KV cache holds less than it) is a 400 naming the route's field ``param`` (or the input's, one per input)."""
+    return [out.embedding for out in await pool_all(ctx, raw, rid, inputs, params, priority, lora, param)]
+
+
+async def pool_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list[int]], params: PoolingParams,
+                   priority: int, lora: object, param: str | Sequence[str] = "input") -> list[Any]:
+    """The pooled results (``EmbeddingOutput`` or ``ClassificationOutput``) of ``inputs``, as :func:`embed_all`."""
     requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
     try:
         started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param=param))
@@ -73,8 +79,8 @@ async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[lis
     finals = await finish(raw, events, collect(events, len(inputs)))
     missing = next((i for i, out in enumerate(finals) if out is None or out.outputs is None), None)
     if missing is not None:
-        raise APIError(500, f"embedding input {missing} ended without a result", "server_error")
-    return [out.outputs.embedding for out in finals]
+        raise APIError(500, f"input {missing} ended without a result", "server_error")
+    return [out.outputs for out in finals]
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -91,7 +97,7 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Reque
         params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
     except ValueError as exc:
         raise bad_request(str(exc), "dimensions") from None
-    inputs = await _inputs(ctx, req)
+    inputs = await request_inputs(ctx, req)
     rid = random_id("embd")
     vectors = await embed_all(ctx, raw, rid, inputs, params, req.priority, lora)
     prompt_tokens = sum(len(ids) for ids in inputs)

@@ -1,6 +1,7 @@
-"""``POST /v1/score`` and ``POST /v1/rerank`` for an embedding server (``--task embed``): texts are embedded (normalized)
-and compared by cosine similarity, as a bi-encoder is used for retrieval. Each distinct text is embedded once per
-request, all of them together."""
+"""``POST /v1/score`` and ``POST /v1/rerank``. An embedding server (``--task embed``) embeds the texts (normalized)
+and compares them by cosine similarity, as a bi-encoder is used for retrieval; each distinct text is embedded once
+per request, all of them together. A one-label sequence classifier (``--task classify``, a cross-encoder) reads each
+pair together (:func:`~plinth.entrypoints.openai.serving_classify.cross_encoder_scores`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from plinth.entrypoints.openai.protocol import (
     random_id,
 )
 from plinth.entrypoints.openai.serving import ServerContext
+from plinth.entrypoints.openai.serving_classify import cross_encoder_scores
 from plinth.entrypoints.openai.serving_embedding import embed_all, token_lists
 
 
@@ -65,15 +67,21 @@ async def _embed_distinct(ctx: ServerContext, raw: Request, req: ScoreRequest | 
 
 async def create_score(ctx: ServerContext, req: ScoreRequest, raw: Request) -> Response:
     lora = ctx.check_model(req.model)
-    ctx.check_task("embed", "/v1/score")
+    ctx.check_task(("embed", "classify"), "/v1/score")
     ctx.note_ignored_fields(req)
     first, second = _as_items(req.text_1), _as_items(req.text_2)
     if len(first) != 1 and len(first) != len(second):
         raise bad_request(f"text_1 holds {len(first)} items and text_2 {len(second)}: give one text_1, or as many as "
                           f"text_2", "text_1")
     rid = random_id("score")
-    (left, right), tokens = await _embed_distinct(ctx, raw, req, rid, [(first, "text_1"), (second, "text_2")], lora)
-    data = [ScoreData(index=i, score=s) for i, s in enumerate(cosine_scores(left, right))]
+    if ctx.front.task == "classify":
+        pairs = list(zip(first * len(second) if len(first) == 1 else first, second, strict=True))
+        scores, tokens = await cross_encoder_scores(ctx, raw, req, rid, pairs, ("text_1", "text_2"), lora)
+    else:
+        (left, right), tokens = await _embed_distinct(ctx, raw, req, rid, [(first, "text_1"), (second, "text_2")],
+                                                      lora)
+        scores = cosine_scores(left, right)
+    data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
     body = ScoreResponse(id=rid, model=ctx.reply_model(lora), data=data,
                          usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
     return JSONResponse(body.model_dump())
@@ -81,13 +89,20 @@ async def create_score(ctx: ServerContext, req: ScoreRequest, raw: Request) -> R
 
 async def create_rerank(ctx: ServerContext, req: RerankRequest, raw: Request) -> Response:
     lora = ctx.check_model(req.model)
-    ctx.check_task("embed", "/v1/rerank")
+    ctx.check_task(("embed", "classify"), "/v1/rerank")
     ctx.note_ignored_fields(req)
     documents = list(req.documents)
+    if not documents:
+        raise bad_request("documents must not be empty", "documents")
     rid = random_id("rerank")
-    (query, docs), tokens = await _embed_distinct(ctx, raw, req, rid, [([req.query], "query"), (documents, "documents")],
-                                                  lora)
-    scored = sorted(((score, i) for i, score in enumerate(cosine_scores(query, docs))), key=lambda t: (-t[0], t[1]))
+    if ctx.front.task == "classify":
+        scores, tokens = await cross_encoder_scores(ctx, raw, req, rid, [(req.query, d) for d in documents],
+                                                    ("query", "documents"), lora)
+    else:
+        (query, docs), tokens = await _embed_distinct(ctx, raw, req, rid, [([req.query], "query"),
+                                                                           (documents, "documents")], lora)
+        scores = cosine_scores(query, docs)
+    scored = sorted(((score, i) for i, score in enumerate(scores)), key=lambda t: (-t[0], t[1]))
     if req.top_n is not None and req.top_n > 0:   # 0 or less: every document (vLLM's default is 0)
         scored = scored[:req.top_n]
     results = []

@@ -1,0 +1,78 @@
+"""``POST /classify`` (vLLM's route) for a sequence classifier (``--task classify``): each input's label
+probabilities; and the pairs of ``/v1/score`` and ``/v1/rerank`` read together by a one-label classifier (a
+cross-encoder), each pair's score its label's probability."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from plinth.core.pooling import PoolingParams, check_cross_encoder
+from plinth.core.scheduler import RequestRejectedError
+from plinth.entrypoints.openai.errors import bad_request
+from plinth.entrypoints.openai.protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingUsage,
+    random_id,
+)
+from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext
+from plinth.entrypoints.openai.serving_embedding import pool_all, request_inputs
+
+
+async def create_classification(ctx: ServerContext, req: ClassificationRequest, raw: Request) -> Response:
+    lora = ctx.check_model(req.model)
+    ctx.check_task("classify", "/classify")
+    ctx.note_ignored_fields(req)
+    try:
+        params = PoolingParams(activation=req.activation)
+    except ValueError as exc:
+        raise bad_request(str(exc), "activation") from None
+    inputs = await request_inputs(ctx, req)
+    rid = random_id("classify")
+    outs = await pool_all(ctx, raw, rid, inputs, params, req.priority, lora)
+    labels = ctx.front.classifier.labels
+    data = [ClassificationData(index=i, label=labels[max(range(len(o.probs)), key=o.probs.__getitem__)],
+                               probs=o.probs, num_classes=len(o.probs)) for i, o in enumerate(outs)]
+    tokens = sum(len(ids) for ids in inputs)
+    body = ClassificationResponse(id=rid, model=ctx.reply_model(lora), data=data,
+                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return JSONResponse(body.model_dump())
+
+
+async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: str, pairs: list[tuple[Any, Any]],
+                               params: tuple[str, str], lora: object) -> tuple[list[float], int]:
+    """Each pair's score by a one-label classifier reading the two together (texts tokenized as a pair, token-id
+    lists joined; errors name the first field ``params[0]``, a bad item its own field); and the prompt tokens."""
+    try:
+        check_cross_encoder(ctx.front.classifier)
+    except RequestRejectedError as exc:
+        raise bad_request(str(exc), "model", "model_not_supported") from None
+    if len(pairs) > MAX_CHOICES:
+        raise bad_request(f"{params[1]} holds {len(pairs)} items; at most {MAX_CHOICES} per request", params[1])
+    truncating = req.truncate_prompt_tokens is not None
+    inputs: list[list[int]] = []
+    for first, second in pairs:
+        if isinstance(first, str) and isinstance(second, str):
+            ids = await ctx.tokenize(first, add_special_tokens=req.add_special_tokens, param=params[0],
+                                     truncating=truncating, pair=second)
+        elif isinstance(first, str) or isinstance(second, str):
+            raise bad_request(f"a cross-encoder reads {params[0]} and {params[1]} together: give both as texts or "
+                              f"both as token ids", params[1])
+        else:
+            for item, param in zip((first, second), params, strict=True):
+                if not item:
+                    raise bad_request(f"{param} must not hold an empty token list", param)
+                ctx.check_token_ids(item, param)
+            ids = [*first, *second]
+        ids = ctx.truncated(ids, req)
+        if not ids:
+            raise bad_request(f"{params[0]} and {params[1]} must not be empty", params[0])
+        ctx.check_length(len(ids), None, params[1], pooling=True)   # at most max_model_len tokens
+        inputs.append(ids)
+    outs = await pool_all(ctx, raw, rid, inputs, PoolingParams(), req.priority, lora, params[1])
+    return [o.probs[0] for o in outs], sum(len(ids) for ids in inputs)
