@@ -58,7 +58,7 @@ def test_probabilities_match_transformers(tmp_path, arch):
     llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off")
     assert llm.labels == ("label_a", "label_b", "label_c")
     outs = llm.classify(PROMPTS, use_tqdm=False)
-    raw = llm.classify(PROMPTS, PoolingParams(activation=False), use_tqdm=False)
+    raw = llm.classify(PROMPTS, PoolingParams(use_activation=False), use_tqdm=False)
     for out, logits in zip(outs, raw, strict=True):
         assert isinstance(out, ClassificationRequestOutput) and out.finished
         ref = reference_logits(model, out.prompt_token_ids)
@@ -73,8 +73,8 @@ def test_chunked_prefill_prefix_cache_and_batching_change_nothing(tmp_path):
     long = [" ".join(PROMPTS) * k for k in (1, 2, 3)]
     llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off", max_num_batched_tokens=8,
               block_size=4)
-    first = llm.classify(long + PROMPTS, PoolingParams(activation=False), use_tqdm=False)
-    again = llm.classify(long[::-1], PoolingParams(activation=False), use_tqdm=False)   # prefix-cache hits
+    first = llm.classify(long + PROMPTS, PoolingParams(use_activation=False), use_tqdm=False)
+    again = llm.classify(long[::-1], PoolingParams(use_activation=False), use_tqdm=False)   # prefix-cache hits
     for out in first + again:
         np.testing.assert_allclose(out.outputs.probs, reference_logits(model, out.prompt_token_ids), atol=3e-5)
     assert any(o.num_cached_tokens > 0 for o in again)
@@ -100,7 +100,7 @@ def test_a_score_bias_is_added(tmp_path):
     bias = torch.tensor([0.5, -1.0, 2.0])
     save_file({**tensors, "score.bias": bias}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off")
-    out = llm.classify(PROMPTS[1], PoolingParams(activation=False), use_tqdm=False)[0]
+    out = llm.classify(PROMPTS[1], PoolingParams(use_activation=False), use_tqdm=False)[0]
     np.testing.assert_allclose(out.outputs.probs, reference_logits(model, out.prompt_token_ids) + bias.numpy(),
                                atol=2e-5)
     llm.close()
@@ -144,10 +144,16 @@ def test_refusals(tmp_path):
         assert info.value.param == field
     with pytest.raises(ValueError, match="activation must be true or false"):
         PoolingParams(activation=1)   # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="disagree"):
+        PoolingParams(use_activation=True, activation=False)
+    older = llm.classify("a", PoolingParams(activation=False), use_tqdm=False)[0].outputs.probs   # vLLM's older name
+    assert older == llm.classify("a", PoolingParams(use_activation=False), use_tqdm=False)[0].outputs.probs
     llm.close()
     embedder = LLM(str(save_tiny_model(tmp_path / "e")), task="embed", dtype="float32", selection="off")
-    with pytest.raises(RequestRejectedError, match="activation applies to a sequence classifier"):
-        embedder.embed("a", PoolingParams(activation=True), use_tqdm=False)
+    raw = np.asarray(embedder.embed("a", PoolingParams(use_activation=False), use_tqdm=False)[0].outputs.embedding)
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3   # vLLM's newer switch of normalization, for embeddings
+    normalized = embedder.embed("a", PoolingParams(use_activation=False, normalize=True), use_tqdm=False)
+    np.testing.assert_allclose(normalized[0].outputs.embedding, raw / np.linalg.norm(raw), atol=1e-6)
     with pytest.raises(RequestRejectedError, match="LLM.classify needs an engine made with task='classify'"):
         embedder.classify("a")
     embedder.close()
@@ -203,11 +209,12 @@ def test_classify_route(tmp_path):
             np.testing.assert_allclose(item["probs"], probs, atol=1e-6)
             assert item["label"] == f"label_{chr(97 + int(np.argmax(probs)))}"
         tokens = sum(map(len, ids))
-        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
-        r = client.post("/v1/classify", json={"input": ids[0], "activation": False}).json()   # token ids, logits
+        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+        r = client.post("/v1/classify", json={"input": ids[0], "use_activation": False}).json()   # token ids, logits
         np.testing.assert_allclose(r["data"][0]["probs"], reference_logits(model, ids[0]), atol=2e-5)
         for body, param in (({"input": []}, "input"), ({"input": [10**9]}, "input"),
-                            ({"input": "x", "activation": 3}, "activation"), ({"input": "x", "model": "other"}, "model"),
+                            ({"input": "x", "activation": 3}, "activation"),
+                            ({"input": "x", "use_activation": True, "activation": False}, "use_activation"), ({"input": "x", "model": "other"}, "model"),
                             ({"text_1": "a", "text_2": "b"}, "model")):
             route = "/v1/score" if "text_1" in body else "/classify"
             r = client.post(route, json=body)
@@ -268,3 +275,70 @@ def test_run_batch_classify_and_score_lines(tmp_path):
     np.testing.assert_allclose(by_id["c"]["response"]["body"]["data"][0]["probs"],
                                1 / (1 + np.exp(-reference_logits(model, ids))), atol=2e-6)
     assert len(by_id["s"]["response"]["body"]["data"]) == 2 and len(by_id["r"]["response"]["body"]["results"]) == 1
+
+
+def test_trailing_pad_tokens_are_not_read(tmp_path):
+    """transformers pools the last token that is not the pad token; checkpoints that pad with their end-of-sequence
+    token end every pair with it."""
+    model = save_classifier(tmp_path, "llama", num_labels=1)
+    pad = model.config.pad_token_id
+    llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off")
+    for ids in ([5, 6, 7, pad], [5, 6, 7, pad, pad], [5, pad, 7], [pad, pad]):
+        out = llm.classify([ids], PoolingParams(use_activation=False), use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids   # reported as given
+        np.testing.assert_allclose(out.outputs.probs, reference_logits(model, ids), atol=2e-5)
+    llm.close()
+
+
+def test_truncation_cuts_a_pair_as_the_tokenizer_does(tmp_path):
+    model = save_classifier(tmp_path, "qwen3", num_labels=1)
+    llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off")
+    tokenizer = llm.get_tokenizer()
+    query, doc = PROMPTS[0], PROMPTS[3] * 3
+    cut = tokenizer(query, doc, truncation="longest_first", max_length=12)["input_ids"]
+    assert len(cut) == 12 and cut[:3] == tokenizer(query)["input_ids"][:3]   # the query keeps its beginning
+    out = llm.score(query, doc, truncate_prompt_tokens=12, use_tqdm=False)[0]
+    assert out.prompt_token_ids == cut
+    np.testing.assert_allclose(out.outputs.score, 1 / (1 + np.exp(-reference_logits(model, cut)[0])), atol=2e-6)
+    ids = llm.score([[1, 2, 3]], [[4, 5, 6, 7, 8, 9]], truncate_prompt_tokens=5, use_tqdm=False)[0]
+    assert ids.prompt_token_ids == [1, 2, 3, 4, 5]   # token ids: the longer list cut first, both keeping their start
+    for bad, error in ((0, ValueError), (10**6, RequestRejectedError)):
+        with pytest.raises(error, match="truncate_prompt_tokens"):
+            llm.score(query, doc, truncate_prompt_tokens=bad)
+    llm.close()
+    client, _ = _client(tmp_path, task="classify")
+    with client:
+        r = client.post("/v1/rerank", json={"query": query, "documents": [doc], "truncate_prompt_tokens": 12})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["results"][0]["relevance_score"], out.outputs.score, atol=1e-6)
+        r = client.post("/v1/score", json={"text_1": [1, 2, 3], "text_2": [[4, 5, 6, 7, 8, 9]],
+                                           "truncate_prompt_tokens": 5})
+        np.testing.assert_allclose(r.json()["data"][0]["score"],
+                                   1 / (1 + np.exp(-reference_logits(model, [1, 2, 3, 4, 5])[0])), atol=2e-6)
+
+
+def test_routes_of_a_generation_server_name_themselves(tmp_path):
+    save_classifier(tmp_path, "llama")
+    client, _ = _client(tmp_path, task="classify")
+    with client:
+        for route, body in (("/v1/completions", {"prompt": "hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                            ("/v1/responses", {"input": "hi"})):
+            r = client.post(route, json=body)
+            assert r.status_code == 400 and f"{route} needs a text generation model" in r.json()["error"]["message"]
+
+
+def test_the_classifier_of_an_image_and_text_model_is_refused(tmp_path):
+    from plinth.errors import UnsupportedModelError
+
+    tokenizer = make_tokenizer()
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, num_labels=2,
+                                       image_token_index=tokenizer.pad_token_id)
+    transformers.Gemma3ForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="image-and-text model; plinth runs text-only"):
+        LLM(str(tmp_path), task="classify", dtype="float32", selection="off")

@@ -158,11 +158,12 @@ class AsyncLLMEngine:
         return self._dead
 
     def tokenize(self, text: str, add_special_tokens: bool = True, max_chars: int | None = None,
-                 pair: str | None = None) -> list[int]:
+                 pair: str | None = None, pair_max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text`` (with ``pair``: the two as a pair) with the model's tokenizer and the engine's
         checks (text that is not valid Unicode, or longer than the context could hold or than ``max_chars``:
         :class:`RequestRejectedError`)."""
-        return self._engine.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars, pair=pair)
+        return self._engine.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars, pair=pair,
+                                     pair_max_tokens=pair_max_tokens)
 
     @property
     def chars_per_token(self) -> int:

@@ -386,7 +386,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- requests
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True, max_chars: int | None = None,
-                 pair: str | None = None) -> list[int]:
+                 pair: str | None = None, pair_max_tokens: int | None = None) -> list[int]:
         """Token ids of ``prompt``.
 
         Args:
@@ -394,6 +394,8 @@ class LLMEngine:
                 caller that keeps only the last tokens, such as the server's ``truncate_prompt_tokens``, allows more).
             pair: a second text, tokenized with ``prompt`` as a pair (the tokenizer's pair template, as a
                 cross-encoder reads its query and document); the limits apply to both texts together.
+            pair_max_tokens: cut the pair to this many tokens as the tokenizer cuts a pair
+                (``truncation="longest_first"``: the longer text first, both keeping their beginning).
 
         Raises:
             RequestRejectedError: text that is not valid Unicode (a lone surrogate), or longer than the
@@ -420,7 +422,14 @@ class LLMEngine:
             except UnicodeEncodeError as exc:
                 raise RequestRejectedError(f"the prompt is not valid Unicode text: {exc.reason} at character "
                                            f"{exc.start}") from None
-        return list(self.tokenizer(*texts, add_special_tokens=add_special_tokens)["input_ids"])
+        if pair_max_tokens is None:
+            return list(self.tokenizer(*texts, add_special_tokens=add_special_tokens)["input_ids"])
+        ids = list(self.tokenizer(*texts, add_special_tokens=add_special_tokens, truncation="longest_first",
+                                  max_length=pair_max_tokens)["input_ids"])
+        if len(ids) > pair_max_tokens:   # the template's special tokens alone exceed it
+            raise RequestRejectedError(f"truncate_prompt_tokens is {pair_max_tokens}: too few for the pair's special "
+                                       f"tokens", param="truncate_prompt_tokens")
+        return ids
 
     @functools.cached_property
     def chars_per_token(self) -> int:
@@ -648,6 +657,7 @@ class LLMEngine:
         if matcher is not None and (params.allowed_token_ids or any(len(w) == 1 for w in bad_words)):
             self._check_grammar_start(matcher, params, bad_words)
         seqs: list[_Sequence] = []
+        run_ids = self.classifier.read_tokens(ids) if self.classifier is not None else ids
         group = _Group(request_id, text, ids, params, seqs,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                        lora_request=lora_request)
@@ -655,13 +665,13 @@ class LLMEngine:
             for i in range(params.n):
                 child_params = params if i == 0 or params.seed is None else params.clone(seed=_child_seed(params.seed, i))
                 seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-                req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                req = Request(seq_id, run_ids, child_params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                               default_max_tokens=self.default_max_tokens)
                 req.priority = priority
                 req.bad_words_ids = bad_words
                 req.lora = adapter
                 if pooling is not None:
-                    req.pooling = PoolState(self.pooling.kind, len(ids), pooling)   # type: ignore[union-attr]
+                    req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
                 detok = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
@@ -707,9 +717,6 @@ class LLMEngine:
             if wrong is not None:
                 raise RequestRejectedError(f"{wrong} applies to embeddings, not to a sequence classifier's "
                                            f"probabilities", param=wrong)
-        elif pooling.activation is not None:
-            raise RequestRejectedError("activation applies to a sequence classifier (task='classify'), not to "
-                                       "embeddings", param="activation")
         if pooling.dimensions is not None and self.hidden_size and pooling.dimensions > self.hidden_size:
             raise RequestRejectedError(f"dimensions is {pooling.dimensions}, but this model's embeddings have "
                                        f"{self.hidden_size}", param="dimensions")
@@ -1292,7 +1299,7 @@ class LLMEngine:
             vector = state.vector
             done = finished and not group.aborted and req.finish_reason != FinishReason.ABORT and vector is not None
             if self.classifier is not None:
-                probs = (ClassificationOutput(self.classifier.probs(vector, state.params.activation is not False))
+                probs = (ClassificationOutput(self.classifier.probs(vector, state.params.use_activation is not False))
                          if done else None)
                 return ClassificationRequestOutput(group.request_id, group.prompt_token_ids, probs, finished,
                                                    req.num_cached_tokens, metrics=dataclasses.replace(req.metrics))

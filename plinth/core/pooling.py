@@ -47,13 +47,16 @@ class PoolingParams:
         normalize: L2-normalize the vector (``None``: the engine's setting).
         dimensions: keep the first ``dimensions`` components (then normalize, where normalizing).
         truncate_prompt_tokens: embed only the input's last N tokens (-1: as many as the context holds).
-        activation: a classifier's probabilities (``None`` or true: its softmax or sigmoid), or its raw logits
-            (false); classification only.
+        use_activation: vLLM's switch of the output's activation: a classifier's probabilities (``None`` or
+            true: its softmax or sigmoid) or its raw logits (false); for embeddings, their normalization (as
+            ``normalize``, which wins where both are given).
+        activation: the older name of ``use_activation`` (vLLM's, deprecated there).
     """
 
     normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
     activation: bool | None = None
 
     def __post_init__(self) -> None:
@@ -64,8 +67,14 @@ class PoolingParams:
             raise ValueError(f"truncate_prompt_tokens {problem}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
-        if self.activation is not None and not isinstance(self.activation, bool):
-            raise ValueError(f"activation must be true or false, got {self.activation!r}")
+        for name in ("use_activation", "activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+        if self.activation is not None:
+            if self.use_activation is not None and self.use_activation != self.activation:
+                raise ValueError("use_activation and activation (its older name) disagree: give one")
+            object.__setattr__(self, "use_activation", self.activation)
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
@@ -167,7 +176,8 @@ def finish_embedding(vector: np.ndarray, params: PoolingParams, config: PoolingC
     arrived) and normalized as asked, as Python floats."""
     if params.dimensions is not None:
         vector = vector[:params.dimensions]
-    if config.normalize if params.normalize is None else params.normalize:
+    normalize = params.normalize if params.normalize is not None else params.use_activation
+    if config.normalize if normalize is None else normalize:
         norm = float(np.linalg.norm(vector))
         vector = vector / norm if norm > 0 else vector
     return vector.astype(np.float32).tolist()
@@ -183,6 +193,7 @@ class ClassifierHead:
     bias: np.ndarray | None        # [labels]
     activation: str                # "softmax", "sigmoid" or "none"
     labels: tuple[str, ...]        # each label's name (the config's id2label)
+    pad_token_id: int | None = None   # trailing ones are not read (transformers pools the last other token)
 
     @classmethod
     def of(cls, hf_config: Any, weight: np.ndarray, bias: np.ndarray | None) -> ClassifierHead:
@@ -192,7 +203,20 @@ class ClassifierHead:
                       else "sigmoid" if problem == "multi_label_classification" or count == 1 else "softmax")
         names = dict(getattr(hf_config, "id2label", None) or {})
         labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count))
-        return cls(weight, bias, activation, labels)
+        pad = getattr(hf_config, "pad_token_id", None)
+        return cls(weight, bias, activation, labels,
+                   pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
+
+    def read_tokens(self, ids: list[int]) -> list[int]:
+        """The prompt tokens the classifier reads: without trailing pad tokens (transformers' classes pool the last
+        token that is not the pad token, and a causal model's hidden state there depends on nothing after it;
+        many checkpoints pad with their end-of-sequence token, which their pair template ends with). A prompt of
+        pads only keeps its first token (where transformers pools then)."""
+        end = len(ids)
+        if self.pad_token_id is not None:
+            while end > 1 and ids[end - 1] == self.pad_token_id:
+                end -= 1
+        return ids[:end]
 
     def probs(self, vector: np.ndarray, activation: bool = True) -> list[float]:
         """The label probabilities of a pooled hidden state (its raw logits without ``activation``)."""
@@ -205,6 +229,19 @@ class ClassifierHead:
         elif activation and self.activation == "sigmoid":
             logits = 0.5 * (1.0 + np.tanh(0.5 * logits))   # the logistic function, without overflow
         return logits.astype(np.float32).tolist()
+
+
+def cut_pair(first: list[int], second: list[int], keep: int) -> list[int]:
+    """Two token-id lists joined and cut to ``keep`` tokens as transformers' tokenizers cut a pair
+    (``truncation="longest_first"``): a token off the end of the longer list (the second on a tie) at a time, so
+    that both keep their beginning."""
+    first, second = list(first), list(second)
+    while len(first) + len(second) > keep:
+        if len(first) > len(second):
+            first.pop()
+        else:
+            second.pop()
+    return first + second
 
 
 def check_cross_encoder(head: ClassifierHead | None) -> None:

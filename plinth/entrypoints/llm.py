@@ -19,6 +19,7 @@ from plinth.core.pooling import (
     ScoringOutput,
     ScoringRequestOutput,
     check_cross_encoder,
+    cut_pair,
 )
 from plinth.core.request import RequestOutput, SamplingParams
 from plinth.lora.request import LoRARequest
@@ -37,13 +38,19 @@ _TASK_USE = {"generate": "a text generation model: use LLM.generate or LLM.chat"
                          "cross-encoder)"}
 
 
-def _pair_prompt(tokenize: Any, first: Any, second: Any) -> list[int]:
-    """A cross-encoder's input: two texts tokenized as a pair, or two token-id lists joined."""
+def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list[int]:
+    """A cross-encoder's input: two texts tokenized as a pair, or two token-id lists joined; cut to ``keep`` tokens
+    as the tokenizer cuts a pair (the longer first, both keeping their beginning)."""
     if isinstance(first, str) and isinstance(second, str):
-        return tokenize(first, pair=second)
+        if keep is None:
+            return engine.tokenize(first, pair=second)
+        from plinth.entrypoints.openai.serving import MAX_TRUNCATED_CHARS
+
+        return engine.tokenize(first, pair=second, pair_max_tokens=keep,
+                               max_chars=max(engine.chars_per_token * engine.max_model_len, MAX_TRUNCATED_CHARS))
     if isinstance(first, str) or isinstance(second, str):
         raise ValueError("a cross-encoder reads text_1 and text_2 together: give both as texts or both as token ids")
-    return [*first, *second]
+    return cut_pair(first, second, keep) if keep is not None else [*first, *second]
 
 
 def _one_prompt(prompt: Any) -> Any:
@@ -283,11 +290,14 @@ class LLM:
                                      in zip(prompts, loras, params_list, strict=True)), use_tqdm)
 
     def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *,
-              lora_request: LoRARequest | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+              lora_request: LoRARequest | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """``text_1`` against each of ``text_2``, or the pairs of two lists of the same length; each pair's score as
         ``outputs.score`` (vLLM's ``ScoringRequestOutput``): the cosine similarity of their embeddings (an engine
         made with ``task="embed"``: a bi-encoder), or a one-label sequence classifier's probability for the two
         read together (``task="classify"``: a cross-encoder; texts tokenized as a pair, token ids joined).
+        ``truncate_prompt_tokens``: each text's last N tokens (embeddings), or each pair cut to N tokens as the
+        tokenizer cuts a pair, the longer text first, both keeping their beginning (a cross-encoder).
 
         Raises:
             ValueError: an empty list, or two lists of different lengths.
@@ -304,9 +314,9 @@ class LLM:
                              f"many as text_2")
         if self.engine.task == "classify":
             return self._cross_encode(first * len(second) if len(first) == 1 else first, second, lora_request,
-                                      use_tqdm)
+                                      use_tqdm, truncate_prompt_tokens)
         outs = self.embed([*first, *second], PoolingParams(normalize=True), lora_request=lora_request,
-                          use_tqdm=use_tqdm)
+                          use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
         left, right = outs[:len(first)], outs[len(first):]
         scores = cosine_scores([o.outputs.embedding for o in left], [o.outputs.embedding for o in right])
         pairs = zip(left * len(right) if len(left) == 1 else left, right, strict=True)
@@ -314,11 +324,20 @@ class LLM:
                                      ScoringOutput(score)) for (a, b), score in zip(pairs, scores, strict=True)]
 
     def _cross_encode(self, first: list[Any], second: list[Any], lora_request: LoRARequest | None,
-                      use_tqdm: bool) -> list[ScoringRequestOutput]:
+                      use_tqdm: bool, keep: int | None) -> list[ScoringRequestOutput]:
+        from plinth.core.request import truncation_problem
         from plinth.core.scheduler import RequestRejectedError
 
         check_cross_encoder(self.engine.classifier)
-        pairs = [_pair_prompt(self.engine.tokenize, a, b) for a, b in zip(first, second, strict=True)]
+        if keep is not None:
+            problem = truncation_problem(keep)
+            if problem is not None:
+                raise ValueError(f"truncate_prompt_tokens {problem}")
+            if keep > self.engine.max_model_len:
+                raise RequestRejectedError(f"truncate_prompt_tokens is {keep}, more than max_model_len "
+                                           f"({self.engine.max_model_len})", param="truncate_prompt_tokens")
+            keep = self.engine.max_model_len if keep == -1 else keep
+        pairs = [_pair_prompt(self.engine, a, b, keep) for a, b in zip(first, second, strict=True)]
         outs = self.classify(pairs, lora_request=lora_request, use_tqdm=use_tqdm)
         if any(o.outputs is None for o in outs):
             raise RequestRejectedError("a pair ended without a score")

@@ -267,6 +267,9 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         if not ModelRegistry.is_native(causal):
             raise UnsupportedModelError(f"{path}: sequence classifiers run on plinth's native decoders; {arch} has "
                                         f"none ({causal} is not among them)")
+        if getattr(cfg, "text_config", None) is not None:
+            raise UnsupportedModelError(f"{path}: {arch} is the classifier of an image-and-text model; plinth runs "
+                                        f"text-only sequence classifiers (e.g. Gemma3TextForSequenceClassification)")
         arch, classifier = causal, True
         cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
     elif arch.endswith("Model") and not arch.endswith("ForCausalLM"):

@@ -337,7 +337,8 @@ class ClassificationRequest(_NamedExtras):
     user: str | None = None
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
-    activation: bool | None = None
+    use_activation: bool | None = None
+    activation: bool | None = None   # use_activation's older name
     priority: int = 0
 
 
@@ -348,8 +349,13 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
+class ClassificationUsage(EmbeddingUsage):
+    completion_tokens: int = 0   # as vLLM's classification usage
+
+
 class ClassificationResponse(_ListResponse):
     data: list[ClassificationData]
+    usage: ClassificationUsage
 
 
 class ScoreRequest(_NamedExtras):

@@ -124,7 +124,7 @@ class ServerContext:
         cap = self.default_max_tokens
         return min(room, cap) if cap is not None and room >= 1 else room
 
-    def check_task(self, task: str | tuple[str, ...], route: str = "/v1/embeddings") -> None:
+    def check_task(self, task: str | tuple[str, ...], route: str) -> None:
         """Refuse a route the engine's task (text generation, embeddings, classification) does not serve."""
         tasks = (task,) if isinstance(task, str) else task
         mine = getattr(self.front, "task", "generate")
@@ -239,10 +239,11 @@ class ServerContext:
                 "context_length_exceeded")
 
     async def tokenize(self, text: str, add_special_tokens: bool, param: str, truncating: bool = False,
-                       pair: str | None = None) -> list[int]:
-        """Token ids of ``text`` (and ``pair``, tokenized together as a pair), tokenized in a worker thread (a long
-        prompt does not stall the server); the engine's refusals (text that is not valid Unicode, a lone UTF-16
-        surrogate) are 400s naming ``param``. ``truncating``: see :meth:`check_text`."""
+                       pair: str | None = None, pair_max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text`` (and ``pair``, tokenized together as a pair, cut to ``pair_max_tokens``),
+        tokenized in a worker thread (a long prompt does not stall the server); the engine's refusals (text that is
+        not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``. ``truncating``: see
+        :meth:`check_text`."""
         self.check_text(len(text) + len(pair or ""), param, truncating)
         max_chars = self.truncated_text_limit() if truncating else None
 
@@ -251,12 +252,12 @@ class ServerContext:
                 if pair is None:
                     return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
                 return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars,
-                                           pair=pair)
+                                           pair=pair, pair_max_tokens=pair_max_tokens)
 
         try:
             return await asyncio.to_thread(run)
         except ValueError as exc:
-            raise bad_request(str(exc), param) from exc
+            raise bad_request(str(exc), getattr(exc, "param", None) or param) from exc
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """Refuse token ids outside the model's vocabulary."""
@@ -286,12 +287,17 @@ class ServerContext:
     def truncated(self, ids: list[int], req: Any) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (all without it; -1: as many as the context
         holds, as vLLM takes it); 0, below -1 or beyond the context is a 400."""
+        keep = self.keep_tokens(req)
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+    def keep_tokens(self, req: Any) -> int | None:
+        """How many tokens ``req.truncate_prompt_tokens`` keeps (-1: the context; ``None``: no cut); 0, below -1
+        or beyond the context is a 400."""
         keep = req.truncate_prompt_tokens
         if keep is None:
-            return ids
+            return None
         check_truncation(keep, self.front.max_model_len)
-        keep = self.front.max_model_len if keep == -1 else keep
-        return ids[-keep:] if len(ids) > keep else ids
+        return self.front.max_model_len if keep == -1 else keep
 
     def prompt_logprobs(self, out: RequestOutput, k: int, name: Callable[[int], str]) -> list[Any]:
         """vLLM's ``prompt_logprobs``: ``None`` for the first token, then for each prompt token its own

@@ -253,14 +253,16 @@ class PreparedChat:
     k: int | None
 
 
-async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_ignored: bool = True) -> PreparedChat:
-    """Check a chat request (model, task, fields, tools, structured outputs, length) and render, tokenize it.
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_ignored: bool = True,
+                       route: str = "/v1/chat/completions") -> PreparedChat:
+    """Check a chat request (model, task, fields, tools, structured outputs, length) and render, tokenize it
+    (``route``: the route asked, named where the server's model does not generate text).
 
     Raises:
         APIError: what is wrong with the request (400, or 404 for an unknown model).
     """
     lora = ctx.check_model(req.model)
-    ctx.check_task("generate")
+    ctx.check_task("generate", route)
     if note_ignored:
         ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:

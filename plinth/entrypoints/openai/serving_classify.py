@@ -10,14 +10,14 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.pooling import PoolingParams, check_cross_encoder
+from plinth.core.pooling import PoolingParams, check_cross_encoder, cut_pair
 from plinth.core.scheduler import RequestRejectedError
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
-    EmbeddingUsage,
+    ClassificationUsage,
     random_id,
 )
 from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext
@@ -29,9 +29,9 @@ async def create_classification(ctx: ServerContext, req: ClassificationRequest, 
     ctx.check_task("classify", "/classify")
     ctx.note_ignored_fields(req)
     try:
-        params = PoolingParams(activation=req.activation)
+        params = PoolingParams(use_activation=req.use_activation, activation=req.activation)
     except ValueError as exc:
-        raise bad_request(str(exc), "activation") from None
+        raise bad_request(str(exc), "use_activation") from None
     inputs = await request_inputs(ctx, req)
     rid = random_id("classify")
     outs = await pool_all(ctx, raw, rid, inputs, params, req.priority, lora)
@@ -40,26 +40,28 @@ async def create_classification(ctx: ServerContext, req: ClassificationRequest, 
                                probs=o.probs, num_classes=len(o.probs)) for i, o in enumerate(outs)]
     tokens = sum(len(ids) for ids in inputs)
     body = ClassificationResponse(id=rid, model=ctx.reply_model(lora), data=data,
-                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+                                  usage=ClassificationUsage(prompt_tokens=tokens, total_tokens=tokens))
     return JSONResponse(body.model_dump())
 
 
 async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: str, pairs: list[tuple[Any, Any]],
                                params: tuple[str, str], lora: object) -> tuple[list[float], int]:
     """Each pair's score by a one-label classifier reading the two together (texts tokenized as a pair, token-id
-    lists joined; errors name the first field ``params[0]``, a bad item its own field); and the prompt tokens."""
+    lists joined; ``truncate_prompt_tokens`` cuts each pair as the tokenizer cuts one, the longer text first, so that
+    both keep their beginning; errors name the first field ``params[0]``, a bad item its own field); and the prompt
+    tokens."""
     try:
         check_cross_encoder(ctx.front.classifier)
     except RequestRejectedError as exc:
         raise bad_request(str(exc), "model", "model_not_supported") from None
     if len(pairs) > MAX_CHOICES:
         raise bad_request(f"{params[1]} holds {len(pairs)} items; at most {MAX_CHOICES} per request", params[1])
-    truncating = req.truncate_prompt_tokens is not None
+    keep = ctx.keep_tokens(req)
     inputs: list[list[int]] = []
     for first, second in pairs:
         if isinstance(first, str) and isinstance(second, str):
             ids = await ctx.tokenize(first, add_special_tokens=req.add_special_tokens, param=params[0],
-                                     truncating=truncating, pair=second)
+                                     truncating=keep is not None, pair=second, pair_max_tokens=keep)
         elif isinstance(first, str) or isinstance(second, str):
             raise bad_request(f"a cross-encoder reads {params[0]} and {params[1]} together: give both as texts or "
                               f"both as token ids", params[1])
@@ -68,8 +70,7 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
                 if not item:
                     raise bad_request(f"{param} must not hold an empty token list", param)
                 ctx.check_token_ids(item, param)
-            ids = [*first, *second]
-        ids = ctx.truncated(ids, req)
+            ids = cut_pair(first, second, keep) if keep is not None else [*first, *second]
         if not ids:
             raise bad_request(f"{params[0]} and {params[1]} must not be empty", params[0])
         ctx.check_length(len(ids), None, params[1], pooling=True)   # at most max_model_len tokens

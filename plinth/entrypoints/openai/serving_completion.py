@@ -204,7 +204,7 @@ def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: in
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     created = int(time.time())   # when the request arrived (a stream stamps its chunks when it starts)
     lora = ctx.check_model(req.model)
-    ctx.check_task("generate")
+    ctx.check_task("generate", "/v1/completions")
     ctx.note_ignored_fields(req)
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])

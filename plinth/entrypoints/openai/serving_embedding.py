@@ -91,7 +91,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 
 async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:
     lora = ctx.check_model(req.model)
-    ctx.check_task("embed")
+    ctx.check_task("embed", "/v1/embeddings")
     ctx.note_ignored_fields(req)
     try:
         params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)

@@ -206,7 +206,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     ctx.note_ignored_fields(req)
     chat = _chat_request(req)
     try:
-        prep = await prepare_chat(ctx, chat, note_ignored=False)
+        prep = await prepare_chat(ctx, chat, note_ignored=False, route="/v1/responses")
     except APIError as exc:   # name the Responses API's fields, not the chat request's
         param = _PARAMS.get(exc.param or "", exc.param)
         raise APIError(exc.status, _responses_wording(exc.message), exc.type, param, exc.code, exc.headers) from None
