@@ -342,3 +342,13 @@ def test_the_classifier_of_an_image_and_text_model_is_refused(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="image-and-text model; plinth runs text-only"):
         LLM(str(tmp_path), task="classify", dtype="float32", selection="off")
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench", "latency"]])
+def test_generation_commands_refuse_a_pooling_task_before_loading(tmp_path, command, capsys):
+    from plinth.entrypoints.cli import main
+
+    missing = str(tmp_path / "no-such-model")   # refused before the model is looked at
+    args = [command[0], *command[1:2], missing, *command[2:], "--task", "classify"]
+    assert main(args) != 0
+    assert "--task classify" in capsys.readouterr().err

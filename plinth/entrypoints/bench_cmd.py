@@ -234,6 +234,9 @@ def _compute_floor(engine: Any, tokens: int, elapsed: float) -> dict[str, Any]:
 def _check(args: argparse.Namespace) -> None:
     from plinth.errors import CliError
 
+    if args.task != "generate":
+        raise CliError(f"plinth bench measures text generation; --task {args.task} is not one (its requests are "
+                       f"prompts only: `plinth serve --task {args.task}` and a load client measure them)")
     positive = ["input_len", "output_len", "batch_size", "num_iters", "num_prompts"]
     for name in positive:
         if getattr(args, name) < 1:

@@ -26,6 +26,7 @@ from typing import Any
 
 from plinth.core.request import SamplingParams, SamplingParamsError, encodable_text
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from plinth.errors import CliError
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -293,8 +294,6 @@ def done_ids(output: Path) -> set[str]:
     Raises:
         CliError: the file holds lines that are not ``plinth generate`` records.
     """
-    from plinth.errors import CliError
-
     if not output.exists():
         return set()
     data = output.read_bytes()
@@ -326,8 +325,6 @@ def done_ids(output: Path) -> set[str]:
 
 def _check_paths(args: argparse.Namespace) -> None:
     """Refuse option combinations that would be ignored and paths that cannot work, before the model loads."""
-    from plinth.errors import CliError
-
     if args.input is None and not args.prompt:
         raise CliError("give --prompt TEXT or --input FILE")
     if args.input is not None and args.prompt:
@@ -358,8 +355,6 @@ def output_lock(out: Path) -> Iterator[None]:
     Raises:
         CliError: another run holds it.
     """
-    from plinth.errors import CliError
-
     try:
         import fcntl
     except ImportError:   # no advisory locks here (Windows): runs are not guarded against each other
@@ -385,8 +380,6 @@ def check_output(inp: Path, out: Path) -> None:
     Raises:
         CliError: naming the problem.
     """
-    from plinth.errors import CliError
-
     if out.exists() and (not out.is_file() or os.path.samefile(inp, out)):
         raise CliError(f"--output {str(out)!r} " + ("is the input file" if out.is_file() else "is not a file"))
     parent = out.parent
@@ -397,6 +390,10 @@ def check_output(inp: Path, out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task != "generate":   # before the model loads
+        raise CliError(f"plinth generate generates text; a model run with --task {args.task} is served by "
+                       f"`plinth serve --task {args.task}`, `plinth run-batch --task {args.task}` or "
+                       f"LLM(model, task={args.task!r}) from Python")
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     _check_paths(args)
@@ -424,8 +421,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) -> int:
     import jinja2
-
-    from plinth.errors import CliError
 
     prompts: list[Any] = list(args.prompt)
     if args.chat:
