@@ -19,8 +19,8 @@ and ``cls`` pooling need every position's hidden state, so an embedding engine w
 without the prefix cache.
 
 A sequence classifier (``LlamaForSequenceClassification``, ``Qwen3ForSequenceClassification`` and the like: reward
-models, cross-encoder rerankers, text classifiers) pools the last token's final-norm hidden state, as transformers'
-classes do, and its ``score`` layer maps it to one logit per label; the probabilities follow transformers'
+models, cross-encoder rerankers, text classifiers) pools the final-norm hidden state of the last token that is not
+the pad token, as transformers' classes do, and its ``score`` layer maps it to one logit per label; the probabilities follow transformers'
 text-classification rule (:class:`ClassifierHead`).
 """
 

@@ -257,7 +257,7 @@ class LLM:
                  ) -> list[ClassificationRequestOutput]:
         """A sequence classifier's label probabilities for each prompt (an engine made with ``task="classify"``),
         in prompt order: ``outputs.probs``, one per label in the order of :attr:`labels` (raw logits with
-        ``PoolingParams(activation=False)``).
+        ``PoolingParams(use_activation=False)``).
 
         Raises:
             RequestRejectedError: the engine is not a classifier, or a prompt cannot run (empty, too long).
