@@ -976,6 +976,9 @@ def test_phi3_gguf_gives_the_original_logits(tmp_path, longrope):
     path = write_phi3_gguf(tmp_path / "p.gguf", model)
     config, arch = read_gguf_config(path, plain=True)
     assert arch == "Phi3ForCausalLM" and config.rope_parameters["partial_rotary_factor"] == 0.5
+    full = check_plain_config(path)   # transformers' Phi3Config keeps the original context too (not its 4096)
+    if longrope:
+        assert full.original_max_position_embeddings == model.config.original_max_position_embeddings != 4096
     names = {name for name, *_ in iter_gguf_raw(path)}
     assert "model.layers.0.self_attn.k_proj.weight" in names and "model.layers.0.mlp.up_proj.weight" in names
     backend = TorchSDPABackend()

@@ -485,9 +485,20 @@ def read_gguf_config(path: str, plain: bool = False) -> tuple[transformers.Pretr
         options["rope_theta"] = rope_theta
         if scaling is not None:
             options["rope_scaling"] = scaling
-        if "partial_rotary_factor" in rope:
-            options["partial_rotary_factor"] = rope["partial_rotary_factor"]
-    return AutoConfig.for_model(arch.model_type, **options), arch.hf_architecture
+    return AutoConfig.for_model(arch.model_type, **_rope_fields(arch.model_type, options, rope)), \
+        arch.hf_architecture
+
+
+def _rope_fields(model_type: str, options: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the RoPE values that config classes keep as fields of their own, which replace the RoPE
+    parameters' (with their defaults where not given): ``partial_rotary_factor``, and Phi-3's
+    ``original_max_position_embeddings`` (``Phi3Config``'s default 4096)."""
+    out = dict(options)
+    if model_type != "gemma3_text" and "partial_rotary_factor" in rope:
+        out.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+    if model_type == "phi3" and "original_max_position_embeddings" in rope:
+        out.setdefault("original_max_position_embeddings", rope["original_max_position_embeddings"])
+    return out
 
 
 def _moe_options(reader: GGUFFile, name: str, arch: _GGUFArchitecture, tensors: dict[str, Any],
@@ -721,7 +732,8 @@ def transformers_config(config: transformers.PretrainedConfig) -> transformers.P
     if type(config) is not PretrainedConfig or not getattr(config, "model_type", ""):
         return config
     fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
-    return AutoConfig.for_model(config.model_type, **fields)
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    return AutoConfig.for_model(config.model_type, **_rope_fields(config.model_type, fields, rope))
 
 
 # ----------------------------------------------------------------------------------------------- weights

@@ -152,7 +152,7 @@ def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_positions: int
         return _base_inv_freq(base, rotary_dim) / params["factor"], 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(_base_inv_freq(base, rotary_dim), params), 1.0
-    if rope_type == "dynamic":   # NTK-aware: the base raised for the run's context, fixed for the run (as vLLM)
+    if rope_type == "dynamic":   # NTK-aware: the base raised for the run's context, fixed for the run
         factor = params.get("factor")
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1 <= factor < math.inf:
             raise UnsupportedModelError(f"dynamic RoPE scaling needs a factor of at least 1, got {factor!r}")
