@@ -164,6 +164,10 @@ class ModelConfig:
         generation_config: where the default sampling settings come from
             (:mod:`plinth.model_registry.generation_config`): ``auto`` (the model folder's
             ``generation_config.json``), ``none``, or a folder or JSON file.
+        hf_overrides: ``config.json`` keys set on top before the model is built (a dict or its JSON text, kept as
+            sorted JSON text; vLLM's option), e.g. ``{"max_position_embeddings": 65536}`` or a causal LM read as a
+            cross-encoder (``classifier_from_token``, see :mod:`plinth.core.pooling`). A model directory or a
+            dummy preset; not a GGUF file.
         override_generation_config: generation-config keys set on top (a dict or its JSON text; kept as
             sorted ``(key, value)`` pairs).
         reasoning_parser: the model's thinking markers (a registered reasoning parser, e.g. ``qwen3``):
@@ -192,6 +196,7 @@ class ModelConfig:
     chat_template_content_format: str = "auto"
     generation_config: str = "auto"
     override_generation_config: Any = None
+    hf_overrides: Any = None
     reasoning_parser: str | None = None
     task: str = "generate"
     pooling: str | None = None
@@ -218,6 +223,18 @@ class ModelConfig:
                                                     if n != names[0])))
         elif names is not None and (not isinstance(names, str) or not names):
             raise ConfigError(f"served_model_name must be a name or a list of names, got {names!r}")
+        overrides = self.hf_overrides
+        if isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"hf_overrides is not valid JSON: {exc}") from None
+        if overrides is not None and not isinstance(overrides, dict):
+            raise ConfigError(f"hf_overrides must be a JSON object of config.json keys, got {self.hf_overrides!r}")
+        try:
+            object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True) if overrides else None)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"hf_overrides must hold JSON values: {exc}") from None
         override = self.override_generation_config
         if isinstance(override, str):
             try:

@@ -352,3 +352,56 @@ def test_generation_commands_refuse_a_pooling_task_before_loading(tmp_path, comm
     args = [command[0], *command[1:2], missing, *command[2:], "--task", "classify"]
     assert main(args) != 0
     assert "--task classify" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_causal_lm_read_as_a_cross_encoder_with_hf_overrides(tmp_path, tied):
+    """vLLM's recipe for rerankers that are causal LMs (Qwen3-Reranker): hf_overrides names a classifier
+    architecture and two tokens; the score is the second token's probability in a softmax over the two."""
+    from conftest import save_tiny_model
+
+    save_tiny_model(tmp_path, arch="qwen3", tie_word_embeddings=tied)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokenizer = make_tokenizer()
+    no, yes = tokenizer.convert_ids_to_tokens([40, 41])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+                 "method": "from_2_way_softmax"}
+    llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off", hf_overrides=overrides)
+    assert llm.labels == (yes,)
+    got = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+    for out in got:
+        with torch.no_grad():
+            logits = model(torch.tensor([out.prompt_token_ids])).logits[0, -1].double()
+        np.testing.assert_allclose(out.outputs.score, torch.softmax(logits[[40, 41]], -1)[1].item(), atol=2e-6)
+    llm.close()
+    both = LLM(str(tmp_path), task="classify", dtype="float32", selection="off",
+               hf_overrides=json.dumps({**overrides, "method": "no_post_processing"}))   # JSON text, as the flag
+    out = both.classify(PROMPTS[1], use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([out.prompt_token_ids])).logits[0, -1].double()
+    np.testing.assert_allclose(out.outputs.probs, torch.softmax(logits[[40, 41]], -1).numpy(), atol=2e-6)
+    assert both.labels == (no, yes)
+    both.close()
+
+
+def test_hf_overrides_and_their_refusals(tmp_path):
+    from conftest import save_tiny_model
+
+    from plinth.config import ConfigError
+
+    save_tiny_model(tmp_path / "m", arch="qwen3")
+    llm = LLM(str(tmp_path / "m"), dtype="float32", selection="off", hf_overrides={"max_position_embeddings": 96})
+    assert llm.engine.max_model_len == 96 and llm.engine.model_source.hf_config.max_position_embeddings == 96
+    llm.close()
+    for bad, match in (("{not json", "not valid JSON"), ([1], "must be a JSON object")):
+        with pytest.raises(ConfigError, match=match):
+            LLM(str(tmp_path / "m"), hf_overrides=bad)
+    (tmp_path / "f.gguf").write_bytes(b"GGUF")   # refused before the file is read
+    with pytest.raises(ModelLoadError, match="is a GGUF file, whose settings are its metadata"):
+        LLM(str(tmp_path / "f.gguf"), hf_overrides={"max_position_embeddings": 96})
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "is_original_qwen3_reranker": True}
+    with pytest.raises(ModelLoadError, match=r"names \['no', 'yes'\], which the tokenizer does not have"):
+        LLM(str(tmp_path / "m"), task="classify", dtype="float32", selection="off", hf_overrides=overrides)
+    with pytest.raises(ModelLoadError, match="method 'other' is not one plinth knows"):
+        LLM(str(tmp_path / "m"), task="classify", dtype="float32", selection="off",
+            hf_overrides={**overrides, "classifier_from_token": ["a"], "method": "other"})

@@ -236,7 +236,7 @@ class LLMEngine:
             from plinth.model_registry.loader import load_classifier_head
 
             self.classifier = ClassifierHead.of(parts.source.hf_config,
-                                                *load_classifier_head(parts.source, config.model.seed))
+                                                *load_classifier_head(parts.source, config.model.seed, parts.tokenizer))
             self.pooling = PoolingConfig("last", False, "the sequence classifier")
             logger.info("sequence classifier: %d labels (%s), %s", len(self.classifier.labels),
                         ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),

@@ -196,13 +196,15 @@ class ClassifierHead:
     pad_token_id: int | None = None   # trailing ones are not read (transformers pools the last other token)
 
     @classmethod
-    def of(cls, hf_config: Any, weight: np.ndarray, bias: np.ndarray | None) -> ClassifierHead:
+    def of(cls, hf_config: Any, weight: np.ndarray, bias: np.ndarray | None,
+           labels: tuple[str, ...] | None = None) -> ClassifierHead:
+        """The head of ``weight`` and ``bias``; ``labels``: their names (default: the config's ``id2label``)."""
         problem = getattr(hf_config, "problem_type", None)
         count = weight.shape[0]
         activation = ("none" if problem == "regression"
                       else "sigmoid" if problem == "multi_label_classification" or count == 1 else "softmax")
         names = dict(getattr(hf_config, "id2label", None) or {})
-        labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count))
+        labels = labels or tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count))
         pad = getattr(hf_config, "pad_token_id", None)
         return cls(weight, bias, activation, labels,
                    pad if isinstance(pad, int) and not isinstance(pad, bool) else None)

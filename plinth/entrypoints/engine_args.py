@@ -25,7 +25,7 @@ ENGINE_KWARGS = (
     "model", "tokenizer", "dtype", "max_model_len", "load_format", "quantization", "quantize_lm_head",
     "trust_remote_code",
     "seed", "served_model_name", "chat_template", "chat_template_content_format", "generation_config",
-    "override_generation_config",
+    "override_generation_config", "hf_overrides",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype",
@@ -91,6 +91,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="an embedding model's pooling (default: its sentence-transformers configuration, else last)")
     g.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="L2-normalize embeddings (default: as the model's configuration says, else yes)")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="config.json keys set on top before the model is built, e.g. "
+                        "'{\"max_position_embeddings\": 65536}'")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="generation-config keys set on top, e.g. '{\"temperature\": 0.5}' (temperature, top_p, "
                         "top_k, min_p, repetition_penalty, max_new_tokens)")

@@ -97,8 +97,8 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 
-def load_preset(name: str) -> Any:
-    """The transformers config of preset ``name``.
+def load_preset(name: str, overrides: str | None = None) -> Any:
+    """The transformers config of preset ``name`` (with ``hf_overrides``' JSON text on top).
 
     Raises:
         ModelLoadError: no such preset (the message lists them).
@@ -106,7 +106,7 @@ def load_preset(name: str) -> Any:
     path = PRESET_DIR / f"{name}.json"
     if not path.is_file():
         raise ModelLoadError(f"unknown dummy preset {name!r}; presets: {', '.join(list_presets())}")
-    return config_from_dict(json.loads(path.read_text()), str(path))
+    return config_from_dict({**json.loads(path.read_text()), **_overrides(overrides)}, str(path))
 
 
 def config_from_dict(data: dict[str, Any], origin: str) -> Any:
@@ -151,8 +151,8 @@ def _json_object(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_hf_config(model_dir: Path, trust_remote_code: bool = False) -> Any:
-    """Read ``model_dir/config.json``.
+def load_hf_config(model_dir: Path, trust_remote_code: bool = False, overrides: str | None = None) -> Any:
+    """Read ``model_dir/config.json``, with ``overrides`` (``ModelConfig.hf_overrides``' JSON text) set on top.
 
     Raises:
         ModelLoadError: the file is missing, is not JSON, or holds an invalid configuration.
@@ -162,11 +162,21 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"{model_dir} has no config.json; a model directory needs config.json and "
                              f"*.safetensors weights")
     data = _json_object(path)
-    if trust_remote_code and "auto_map" in data:
+    extra = _overrides(overrides)
+    if trust_remote_code and "auto_map" in {**data, **extra}:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True)
-    return config_from_dict(data, str(path))
+        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True, **extra)
+    return config_from_dict({**data, **extra}, str(path) + (" with hf_overrides" if extra else ""))
+
+
+def _overrides(text: str | None) -> dict[str, Any]:
+    """``hf_overrides`` as a dict (logged: the keys only)."""
+    if not text:
+        return {}
+    extra = json.loads(text)
+    logger.info("config.json keys overridden (hf_overrides): %s", ", ".join(sorted(extra)))
+    return extra
 
 
 def architecture_of(hf_config: Any, origin: str) -> str:
@@ -240,7 +250,7 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     path = Path(model).expanduser()
     if not path.exists():
         if fmt == "dummy":
-            cfg = load_preset(model)
+            cfg = load_preset(model, model_config.hf_overrides)
             return ModelSource("dummy", None, cfg, architecture_of(cfg, f"preset {model}"), model_config.tokenizer)
         hint = " (a dummy preset: pass load_format='dummy')" if model in list_presets() else ""
         raise ModelLoadError(f"model path {model!r} does not exist{hint}")
@@ -252,12 +262,15 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
                                  f"directory (config.json + *.safetensors)")
         from plinth.model_registry.gguf_loader import read_gguf_config
 
+        if model_config.hf_overrides:
+            raise ModelLoadError(f"hf_overrides sets config.json keys of a model directory; {path} is a GGUF file, "
+                                 f"whose settings are its metadata")
         cfg, arch = read_gguf_config(str(path), plain=True)
         kind = "dummy" if fmt == "dummy" else "gguf"
         return ModelSource(kind, str(path), cfg, arch, model_config.tokenizer or str(path))
     if fmt == "gguf":
         raise ModelLoadError(f"load_format 'gguf' needs a .gguf file, got the directory {path}")
-    cfg = load_hf_config(path, model_config.trust_remote_code)
+    cfg = load_hf_config(path, model_config.trust_remote_code, model_config.hf_overrides)
     if fmt != "dummy":
         _adopt_quant_config_file(path, cfg)
     arch = architecture_of(cfg, str(path / "config.json"))
@@ -341,9 +354,10 @@ def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
 
 
 def _decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A sequence classifier's tensors without its ``score`` layer (:func:`load_classifier_head` reads it)."""
+    """A sequence classifier's tensors without its ``score`` layer (:func:`load_classifier_head` reads it), or a
+    causal LM's read as a classifier without its LM head (whose rows it takes)."""
     for name, tensor in weights:
-        if not name.startswith(CLASSIFIER_PREFIX):
+        if not name.startswith((CLASSIFIER_PREFIX, "lm_head.")):
             yield name, tensor
 
 
@@ -351,21 +365,24 @@ def _decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
 CLASSIFIER_PREFIX = "score."
 
 
-def load_classifier_head(source: ModelSource, seed: int = 0) -> tuple[Any, Any]:
+def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = None) -> tuple[Any, Any, Any]:
     """A sequence classifier's ``score`` layer as float64 arrays: ``(weight [labels, hidden], bias [labels] or
-    None)``; random (seeded) for dummy weights.
+    None, label names or None for the config's)``; random (seeded) for dummy weights. A causal LM read as a
+    classifier (``classifier_from_token``, set with ``hf_overrides``) takes its LM head's rows of those tokens
+    instead (:func:`_head_from_tokens`).
 
     Raises:
         ModelLoadError: no ``score.weight``, a quantized one, or one whose shape disagrees with the config.
     """
-
     cfg = source.hf_config
+    if getattr(cfg, "classifier_from_token", None) is not None or getattr(cfg, "is_original_qwen3_reranker", False):
+        return _head_from_tokens(source, tokenizer)
     hidden = int(cfg.hidden_size)
     labels = int(getattr(cfg, "num_labels", 0) or 0)
     if source.kind == "dummy":
         gen = torch.Generator().manual_seed(seed)
         std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
-        return (torch.randn(labels, hidden, generator=gen, dtype=torch.float64) * std).numpy(), None
+        return (torch.randn(labels, hidden, generator=gen, dtype=torch.float64) * std).numpy(), None, None
     assert source.path is not None
     found = dict(SafetensorsWeights(list_safetensors_files(Path(source.path)), only=CLASSIFIER_PREFIX))
     weight, bias = found.pop("score.weight", None), found.pop("score.bias", None)
@@ -383,7 +400,82 @@ def load_classifier_head(source: ModelSource, seed: int = 0) -> tuple[Any, Any]:
     if bias is not None and list(bias.shape) != [weight.shape[0]]:
         raise ModelLoadError(f"{source.path}: 'score.bias' must have {weight.shape[0]} values, got {list(bias.shape)}")
     as_array = lambda t: t.to(torch.float64).numpy()   # noqa: E731
-    return as_array(weight), None if bias is None else as_array(bias)
+    return as_array(weight), None if bias is None else as_array(bias), None
+
+
+#: config attributes that change a causal LM's logits after its head (a classifier made of head rows would not)
+_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _head_from_tokens(source: ModelSource, tokenizer: Any) -> tuple[Any, None, tuple[str, ...]]:
+    """The classifier of a causal LM read as one (vLLM's recipe for rerankers such as Qwen3-Reranker, set with
+    ``hf_overrides``): ``classifier_from_token`` names tokens whose LM-head rows are the labels' weights; with
+    ``method: "from_2_way_softmax"`` (or ``is_original_qwen3_reranker``, whose tokens default to ``["no",
+    "yes"]``) the two rows' difference is one label, whose sigmoid is the second token's probability in a softmax
+    over the two.
+
+    Raises:
+        ModelLoadError: tokens the tokenizer does not have, a method plinth does not know, a model whose logits
+            change after the head, or a head that is not a float matrix.
+    """
+    cfg = source.hf_config
+    qwen3 = bool(getattr(cfg, "is_original_qwen3_reranker", False))
+    tokens = getattr(cfg, "classifier_from_token", None) or (["no", "yes"] if qwen3 else None)
+    method = getattr(cfg, "method", None) or ("from_2_way_softmax" if qwen3 else "no_post_processing")
+    where = source.path or "the model"
+    if not isinstance(tokens, list | tuple) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelLoadError(f"{where}: classifier_from_token must be a list of tokens, got {tokens!r}")
+    if method not in ("from_2_way_softmax", "no_post_processing"):
+        raise ModelLoadError(f"{where}: method {method!r} is not one plinth knows (from_2_way_softmax, "
+                             f"no_post_processing)")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ModelLoadError(f"{where}: from_2_way_softmax needs two classifier_from_token tokens, got {tokens!r}")
+    changed = [name for name in _LOGIT_CHANGES if getattr(cfg, name, None) not in (None, 1, 1.0)]
+    if changed:
+        raise ModelLoadError(f"{where}: this model changes its logits after the LM head ({', '.join(changed)}); "
+                             f"a classifier made of the head's rows would not match it")
+    if tokenizer is None:
+        raise ModelLoadError(f"{where}: classifier_from_token needs the model's tokenizer")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ModelLoadError(f"{where}: classifier_from_token names {missing}, which the tokenizer does not have "
+                             f"as single tokens")
+    ids = [vocab[t] for t in tokens]
+    if source.kind == "dummy":
+        gen = torch.Generator().manual_seed(0)
+        rows = torch.randn(len(ids), int(cfg.hidden_size), generator=gen, dtype=torch.float64) * 0.02
+    else:
+        assert source.path is not None
+        rows = _head_rows(Path(source.path), ids)
+    weight = rows.to(torch.float64).numpy()
+    if method == "from_2_way_softmax":
+        return (weight[1] - weight[0])[None, :], None, (tokens[1],)
+    return weight, None, tuple(tokens)
+
+
+def _head_rows(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """Rows ``ids`` of the checkpoint's LM head (``lm_head.weight``, else the tied ``model.embed_tokens.weight``),
+    read alone."""
+    from safetensors import safe_open
+
+    files = list_safetensors_files(model_dir)
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                if name not in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    continue
+                part = handle.get_slice(name)
+                shape = part.get_shape()
+                if len(shape) != 2 or max(ids) >= shape[0]:
+                    raise ModelLoadError(f"{file}: {name!r} of shape {shape} has no rows {ids}")
+                rows = torch.stack([part[i:i + 1][0] for i in ids])
+                if not rows.is_floating_point():
+                    raise ModelLoadError(f"{file}: {name!r} is not a float matrix ({rows.dtype}): a quantized head "
+                                         f"cannot give a classifier's rows")
+                return rows
+    raise ModelLoadError(f"{model_dir}: no lm_head.weight or model.embed_tokens.weight to take the classifier's rows "
+                         f"from")
 
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any, platform_dtypes: Sequence[torch.dtype]) -> torch.dtype:
