@@ -107,6 +107,20 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def _json_text(name: str, value: Any) -> Any:
+    """An option given as a value or as its JSON text: the value.
+
+    Raises:
+        ConfigError: text that is not JSON.
+    """
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name} is not valid JSON: {exc}") from None
+
+
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -223,24 +237,14 @@ class ModelConfig:
                                                     if n != names[0])))
         elif names is not None and (not isinstance(names, str) or not names):
             raise ConfigError(f"served_model_name must be a name or a list of names, got {names!r}")
-        overrides = self.hf_overrides
-        if isinstance(overrides, str):
-            try:
-                overrides = json.loads(overrides)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"hf_overrides is not valid JSON: {exc}") from None
+        overrides = _json_text("hf_overrides", self.hf_overrides)
         if overrides is not None and not isinstance(overrides, dict):
             raise ConfigError(f"hf_overrides must be a JSON object of config.json keys, got {self.hf_overrides!r}")
         try:
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True) if overrides else None)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"hf_overrides must hold JSON values: {exc}") from None
-        override = self.override_generation_config
-        if isinstance(override, str):
-            try:
-                override = json.loads(override)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"override_generation_config is not valid JSON: {exc}") from None
+        override = _json_text("override_generation_config", self.override_generation_config)
         if isinstance(override, dict):
             override = tuple(sorted(override.items()))
         if override is not None and not (isinstance(override, tuple)
