@@ -405,3 +405,22 @@ def test_hf_overrides_and_their_refusals(tmp_path):
     with pytest.raises(ModelLoadError, match="method 'other' is not one plinth knows"):
         LLM(str(tmp_path / "m"), task="classify", dtype="float32", selection="off",
             hf_overrides={**overrides, "classifier_from_token": ["a"], "method": "other"})
+
+
+def test_offline_scoring_needs_no_server_packages(tmp_path):
+    """LLM.score (a bi-encoder's and a cross-encoder's) runs where the HTTP server's packages are not installed."""
+    import subprocess
+    import sys
+
+    from conftest import save_tiny_model
+
+    save_classifier(tmp_path / "c", "qwen3", num_labels=1)
+    save_tiny_model(tmp_path / "e")
+    script = (f"import sys; sys.modules['fastapi'] = sys.modules['starlette'] = None\n"
+              f"from plinth import LLM\n"
+              f"for path, task in (({str(tmp_path / 'c')!r}, 'classify'), ({str(tmp_path / 'e')!r}, 'embed')):\n"
+              f"    llm = LLM(path, task=task, dtype='float32', selection='off')\n"
+              f"    print(llm.score('a b', ['c', 'd e'], use_tqdm=False, truncate_prompt_tokens=3)[1].outputs.score)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(done.stdout.split()) == 2

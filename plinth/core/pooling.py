@@ -35,6 +35,10 @@ import numpy as np
 
 from plinth.errors import ModelLoadError
 
+#: prompt text of a request with ``truncate_prompt_tokens`` may exceed the context (its tokens are cut to the last
+#: N): it is tokenized whole up to this many characters (~16 MiB of text, a few seconds of tokenizing)
+MAX_TRUNCATED_CHARS = 1 << 24
+
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
                      "pooling_mode_cls_token": "cls"}
 
@@ -231,6 +235,17 @@ class ClassifierHead:
         elif activation and self.activation == "sigmoid":
             logits = 0.5 * (1.0 + np.tanh(0.5 * logits))   # the logistic function, without overflow
         return logits.astype(np.float32).tolist()
+
+
+def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:
+    """The cosine similarity of each pair ``(left[i], right[i])`` (``left`` may hold one vector for all), in float64,
+    clamped to ``[-1, 1]`` (rounding may step past it); 0 where a vector is zero."""
+    a = np.asarray(left, dtype=np.float64)
+    b = np.asarray(right, dtype=np.float64)
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    dots = (a * b).sum(axis=-1)
+    scores = np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
+    return np.clip(scores, -1.0, 1.0).tolist()
 
 
 def cut_pair(first: list[int], second: list[int], keep: int) -> list[int]:

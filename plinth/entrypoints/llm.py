@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 from plinth.config import EngineConfig
 from plinth.core.gc_pause import GcPause
 from plinth.core.pooling import (
+    MAX_TRUNCATED_CHARS,
     ClassificationRequestOutput,
     PoolingParams,
     PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
     check_cross_encoder,
+    cosine_scores,
     cut_pair,
 )
 from plinth.core.request import RequestOutput, SamplingParams
@@ -44,8 +46,6 @@ def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list
     if isinstance(first, str) and isinstance(second, str):
         if keep is None:
             return engine.tokenize(first, pair=second)
-        from plinth.entrypoints.openai.serving import MAX_TRUNCATED_CHARS
-
         return engine.tokenize(first, pair=second, pair_max_tokens=keep,
                                max_chars=max(engine.chars_per_token * engine.max_model_len, MAX_TRUNCATED_CHARS))
     if isinstance(first, str) or isinstance(second, str):
@@ -304,8 +304,6 @@ class LLM:
             RequestRejectedError: the engine generates text, a classifier with more than one label, or a prompt
                 cannot run.
         """
-        from plinth.entrypoints.openai.serving_score import cosine_scores
-
         first, second = _prompt_list(text_1), _prompt_list(text_2)
         if not first or not second:
             raise ValueError("text_1 and text_2 must not be empty")

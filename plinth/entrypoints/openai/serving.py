@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from plinth.core.async_engine import AsyncLLMEngine, EngineUnavailableError
 from plinth.core.engine import MIN_CHARS_PER_TOKEN
-from plinth.core.pooling import PoolingParams, PoolingRequestOutput
+from plinth.core.pooling import MAX_TRUNCATED_CHARS, PoolingParams, PoolingRequestOutput
 from plinth.core.request import (
     Logprob,
     PositionLogprobs,
@@ -46,9 +46,6 @@ MAX_CHOICES = 2048   # choices per request (prompts x n)
 #: prompt text is refused before it is tokenized when it has more characters than the context's tokens times
 #: the longest token of the vocabulary (at least this many; real text has a few characters per token)
 MAX_CHARS_PER_TOKEN = MIN_CHARS_PER_TOKEN
-#: prompt text of a request with ``truncate_prompt_tokens`` may exceed the context (its tokens are cut to the last
-#: N): it is tokenized whole up to this many characters (~16 MiB of text, a few seconds of tokenizing)
-MAX_TRUNCATED_CHARS = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -5,12 +5,11 @@ pair together (:func:`~plinth.entrypoints.openai.serving_classify.cross_encoder_
 
 from __future__ import annotations
 
-import numpy as np
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.pooling import PoolingParams
+from plinth.core.pooling import PoolingParams, cosine_scores
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     EmbeddingUsage,
@@ -27,17 +26,6 @@ from plinth.entrypoints.openai.protocol import (
 from plinth.entrypoints.openai.serving import ServerContext
 from plinth.entrypoints.openai.serving_classify import cross_encoder_scores
 from plinth.entrypoints.openai.serving_embedding import embed_all, token_lists
-
-
-def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:
-    """The cosine similarity of each pair ``(left[i], right[i])`` (``left`` may hold one vector for all), in float64,
-    clamped to ``[-1, 1]`` (rounding may step past it); 0 where a vector is zero."""
-    a = np.asarray(left, dtype=np.float64)
-    b = np.asarray(right, dtype=np.float64)
-    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    dots = (a * b).sum(axis=-1)
-    scores = np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
-    return np.clip(scores, -1.0, 1.0).tolist()
 
 
 def _as_items(value: object) -> list:
