@@ -564,8 +564,9 @@ class EngineConfig:
 
         check_cpu_switches()
         if self.speculative.enabled and self.model.task != "generate":
-            raise ConfigError(f"speculative decoding applies to generation; a model run with task {self.model.task} "
-                              "decodes nothing: drop speculative_config")
+            what = "an embedding model" if self.model.task == "embed" else "a sequence classifier"
+            raise ConfigError(f"speculative decoding applies to generation; {what} (task {self.model.task}) decodes "
+                              "nothing: drop speculative_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -402,6 +402,8 @@ def test_hf_overrides_and_their_refusals(tmp_path):
     overrides = {"architectures": ["Qwen3ForSequenceClassification"], "is_original_qwen3_reranker": True}
     with pytest.raises(ModelLoadError, match=r"names \['no', 'yes'\], which the tokenizer does not have"):
         LLM(str(tmp_path / "m"), task="classify", dtype="float32", selection="off", hf_overrides=overrides)
+    with pytest.raises(ConfigError, match="a sequence classifier \\(task classify\\) decodes nothing"):
+        LLM(str(tmp_path / "m"), task="classify", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ModelLoadError, match="method 'other' is not one plinth knows"):
         LLM(str(tmp_path / "m"), task="classify", dtype="float32", selection="off",
             hf_overrides={**overrides, "classifier_from_token": ["a"], "method": "other"})
