@@ -213,13 +213,12 @@ def test_classify_route(tmp_path):
         r = client.post("/v1/classify", json={"input": ids[0], "use_activation": False}).json()   # token ids, logits
         np.testing.assert_allclose(r["data"][0]["probs"], reference_logits(model, ids[0]), atol=2e-5)
         for body, param in (({"input": []}, "input"), ({"input": [10**9]}, "input"),
-                            ({"input": "x", "activation": 3}, "activation"),
-                            ({"input": "x", "use_activation": True, "activation": False}, "use_activation"), ({"input": "x", "model": "other"}, "model"),
+                            ({"input": "x", "activation": 3}, "activation"), ({"input": "x", "model": "other"}, "model"),
+                            ({"input": "x", "use_activation": True, "activation": False}, "use_activation"),
                             ({"text_1": "a", "text_2": "b"}, "model")):
             route = "/v1/score" if "text_1" in body else "/classify"
             r = client.post(route, json=body)
-            assert r.status_code in (400, 404, 422) and (r.status_code == 422 or r.json()["error"]["param"] == param), \
-                (body, r.text)
+            assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
         r = client.post("/v1/score", json={"text_1": "a", "text_2": "b"})
         assert r.status_code == 400 and "needs a cross-encoder" in r.json()["error"]["message"]
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
@@ -253,7 +252,10 @@ def test_score_and_rerank_routes_with_a_cross_encoder(tmp_path):
         for route, body, param in (("/v1/score", {"text_1": "a", "text_2": [[5]]}, "text_2"),
                                    ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
                                    ("/v1/score", {"text_1": [5], "text_2": [[10**9]]}, "text_2"),
-                                   ("/v1/score", {"text_1": "a" * 100_000, "text_2": "b"}, "text_1")):
+                                   ("/v1/score", {"text_1": "a" * 100_000, "text_2": "b"}, "text_1"),
+                                   ("/v1/score", {"text_1": "a", "text_2": ["b" * 100_000]}, "text_2"),
+                                   ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+                                   ("/v1/score", {"text_1": [], "text_2": []}, "text_2")):
             r = client.post(route, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
@@ -426,3 +428,47 @@ def test_offline_scoring_needs_no_server_packages(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(done.stdout.split()) == 2
+
+
+def test_hf_overrides_merge_nested_objects_and_reach_remote_code_configs(tmp_path):
+    from conftest import save_tiny_model
+
+    from plinth.config import ModelConfig
+    from plinth.model_registry.loader import resolve_model_source
+
+    save_tiny_model(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    source = resolve_model_source(ModelConfig(model=str(tmp_path / "m"), hf_overrides={"rope_scaling": {"factor": 4.0}}))
+    rope = source.hf_config.rope_parameters
+    assert rope["factor"] == 4.0 and rope["rope_type"] == "linear"   # the other key kept
+    # a config class shipped with the checkpoint (--trust-remote-code): overrides set on the built config
+    config["auto_map"] = {"AutoConfig": "configuration_mine.MineConfig"}
+    config["model_type"] = "mine"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m" / "configuration_mine.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass MineConfig(LlamaConfig):\n    model_type = 'mine'\n")
+    remote = resolve_model_source(ModelConfig(model=str(tmp_path / "m"), trust_remote_code=True,
+                                              hf_overrides={"max_position_embeddings": 77, "classifier_note": "x"}))
+    assert type(remote.hf_config).__name__ == "MineConfig"
+    assert remote.hf_config.max_position_embeddings == 77 and remote.hf_config.classifier_note == "x"
+    with pytest.raises(ModelLoadError, match="with hf_overrides: .*num_hidden_layers"):
+        resolve_model_source(ModelConfig(model=str(tmp_path / "m"), trust_remote_code=True,
+                                         hf_overrides={"num_hidden_layers": "x"}))
+    with pytest.raises(ModelLoadError, match="config.json with hf_overrides"):
+        resolve_model_source(ModelConfig(model=str(tmp_path / "m"), hf_overrides={"architectures": "Foo"}))
+
+
+def test_a_dummy_preset_runs_as_a_classifier(tmp_path):
+    overrides = {"architectures": ["Qwen2ForSequenceClassification"], "num_hidden_layers": 2, "hidden_size": 64,
+                 "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+                 "num_labels": 3, "max_position_embeddings": 256}
+    runs = []
+    for seed in (0, 0, 1):
+        llm = LLM("qwen2.5-7b", load_format="dummy", task="classify", dtype="float32", selection="off",
+                  hf_overrides=overrides, seed=seed)
+        runs.append(llm.classify([[1, 2, 3]], use_tqdm=False)[0].outputs.probs)
+        assert len(runs[-1]) == 3 and abs(sum(runs[-1]) - 1) < 1e-5
+        llm.close()
+    assert runs[0] == runs[1] and runs[0] != runs[2]   # the random weights and head follow the engine's seed

@@ -106,7 +106,8 @@ def load_preset(name: str, overrides: str | None = None) -> Any:
     path = PRESET_DIR / f"{name}.json"
     if not path.is_file():
         raise ModelLoadError(f"unknown dummy preset {name!r}; presets: {', '.join(list_presets())}")
-    return config_from_dict({**json.loads(path.read_text()), **_overrides(overrides)}, str(path))
+    return config_from_dict(_merged(json.loads(path.read_text()), _overrides(overrides)),
+                            str(path) + (" with hf_overrides" if overrides else ""))
 
 
 def config_from_dict(data: dict[str, Any], origin: str) -> Any:
@@ -163,20 +164,52 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False, overrides: 
                              f"*.safetensors weights")
     data = _json_object(path)
     extra = _overrides(overrides)
-    if trust_remote_code and "auto_map" in {**data, **extra}:
+    if trust_remote_code and "auto_map" in data:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True, **extra)
-    return config_from_dict({**data, **extra}, str(path) + (" with hf_overrides" if extra else ""))
+        try:
+            config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True)
+            _set_on(config, extra)
+        except Exception as exc:  # noqa: BLE001 - remote config classes and their validators raise anything
+            raise ModelLoadError(f"invalid model configuration in {path}{' with hf_overrides' if extra else ''}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        return config
+    return config_from_dict(_merged(data, extra), str(path) + (" with hf_overrides" if extra else ""))
+
+
+_LOGGED_OVERRIDES: set[str] = set()
 
 
 def _overrides(text: str | None) -> dict[str, Any]:
-    """``hf_overrides`` as a dict (logged: the keys only)."""
+    """``hf_overrides`` as a dict (its keys logged once)."""
     if not text:
         return {}
     extra = json.loads(text)
-    logger.info("config.json keys overridden (hf_overrides): %s", ", ".join(sorted(extra)))
+    if text not in _LOGGED_OVERRIDES:
+        _LOGGED_OVERRIDES.add(text)
+        logger.info("config.json keys overridden (hf_overrides): %s", ", ".join(sorted(extra)))
     return extra
+
+
+def _merged(data: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``extra`` on top, key by key inside nested objects (``{"text_config": {"max_position_embeddings":
+    ...}}`` changes that one key, as vLLM's overrides do)."""
+    out = dict(data)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _set_on(config: Any, extra: dict[str, Any]) -> None:
+    """Set ``extra`` on a built config, key by key inside nested configs."""
+    for key, value in extra.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
+            _set_on(current, value)
+        elif isinstance(value, dict) and isinstance(current, dict):
+            setattr(config, key, _merged(current, value))
+        else:
+            setattr(config, key, value)
 
 
 def architecture_of(hf_config: Any, origin: str) -> str:
@@ -251,7 +284,9 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     if not path.exists():
         if fmt == "dummy":
             cfg = load_preset(model, model_config.hf_overrides)
-            return ModelSource("dummy", None, cfg, architecture_of(cfg, f"preset {model}"), model_config.tokenizer)
+            arch, headless, classifier = _decoder_of(cfg, architecture_of(cfg, _origin(f"preset {model}", model_config)),
+                                                     f"preset {model}")
+            return ModelSource("dummy", None, cfg, arch, model_config.tokenizer, headless, classifier=classifier)
         hint = " (a dummy preset: pass load_format='dummy')" if model in list_presets() else ""
         raise ModelLoadError(f"model path {model!r} does not exist{hint}")
     if path.is_file():
@@ -273,23 +308,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     cfg = load_hf_config(path, model_config.trust_remote_code, model_config.hf_overrides)
     if fmt != "dummy":
         _adopt_quant_config_file(path, cfg)
-    arch = architecture_of(cfg, str(path / "config.json"))
-    headless = classifier = False
-    if arch.endswith("ForSequenceClassification") and not ModelRegistry.is_native(arch):
-        causal = _causal_of(cfg, arch.removesuffix("ForSequenceClassification"))
-        if not ModelRegistry.is_native(causal):
-            raise UnsupportedModelError(f"{path}: sequence classifiers run on plinth's native decoders; {arch} has "
-                                        f"none ({causal} is not among them)")
-        if getattr(cfg, "text_config", None) is not None:
-            raise UnsupportedModelError(f"{path}: {arch} is the classifier of an image-and-text model; plinth runs "
-                                        f"text-only sequence classifiers (e.g. Gemma3TextForSequenceClassification)")
-        arch, classifier = causal, True
-        cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
-    elif arch.endswith("Model") and not arch.endswith("ForCausalLM"):
-        causal = _causal_of(cfg, arch.removesuffix("Model"))
-        if not ModelRegistry.is_native(arch) and ModelRegistry.is_native(causal):
-            arch, headless = causal, True
-            cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
+    arch, headless, classifier = _decoder_of(cfg, architecture_of(cfg, _origin(path / "config.json", model_config)),
+                                             path)
     text_only = False
     text = _text_model(cfg, arch)
     if text is not None:
@@ -303,6 +323,37 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         tokenizer = str(path)
     return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only,
                        classifier)
+
+
+def _origin(where: Any, model_config: ModelConfig) -> str:
+    """Where a config came from, for messages: its file, "with hf_overrides" where those were set on top."""
+    return f"{where} with hf_overrides" if model_config.hf_overrides else str(where)
+
+
+def _decoder_of(cfg: Any, arch: str, where: Any) -> tuple[str, bool, bool]:
+    """``(architecture, headless, classifier)``: a base model (``MistralModel``) or a sequence classifier
+    (``LlamaForSequenceClassification``) runs as the causal LM of its decoder, its head tied to the embeddings
+    (unused); any other architecture as it is.
+
+    Raises:
+        UnsupportedModelError: a classifier whose decoder plinth does not run, or one of an image-and-text model.
+    """
+    if arch.endswith("ForSequenceClassification") and not ModelRegistry.is_native(arch):
+        causal = _causal_of(cfg, arch.removesuffix("ForSequenceClassification"))
+        if not ModelRegistry.is_native(causal):
+            raise UnsupportedModelError(f"{where}: sequence classifiers run on plinth's native decoders; {arch} has "
+                                        f"none ({causal} is not among them)")
+        if getattr(cfg, "text_config", None) is not None:
+            raise UnsupportedModelError(f"{where}: {arch} is the classifier of an image-and-text model; plinth runs "
+                                        f"text-only sequence classifiers (e.g. Gemma3TextForSequenceClassification)")
+        cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
+        return causal, False, True
+    if arch.endswith("Model") and not arch.endswith("ForCausalLM"):
+        causal = _causal_of(cfg, arch.removesuffix("Model"))
+        if not ModelRegistry.is_native(arch) and ModelRegistry.is_native(causal):
+            cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
+            return causal, True, False
+    return arch, False, False
 
 
 def _causal_of(cfg: Any, stem: str) -> str:
@@ -376,7 +427,7 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
     """
     cfg = source.hf_config
     if getattr(cfg, "classifier_from_token", None) is not None or getattr(cfg, "is_original_qwen3_reranker", False):
-        return _head_from_tokens(source, tokenizer)
+        return _head_from_tokens(source, tokenizer, seed)
     hidden = int(cfg.hidden_size)
     labels = int(getattr(cfg, "num_labels", 0) or 0)
     if source.kind == "dummy":
@@ -407,7 +458,7 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
 _LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def _head_from_tokens(source: ModelSource, tokenizer: Any) -> tuple[Any, None, tuple[str, ...]]:
+def _head_from_tokens(source: ModelSource, tokenizer: Any, seed: int) -> tuple[Any, None, tuple[str, ...]]:
     """The classifier of a causal LM read as one (vLLM's recipe for rerankers such as Qwen3-Reranker, set with
     ``hf_overrides``): ``classifier_from_token`` names tokens whose LM-head rows are the labels' weights; with
     ``method: "from_2_way_softmax"`` (or ``is_original_qwen3_reranker``, whose tokens default to ``["no",
@@ -443,7 +494,7 @@ def _head_from_tokens(source: ModelSource, tokenizer: Any) -> tuple[Any, None, t
                              f"as single tokens")
     ids = [vocab[t] for t in tokens]
     if source.kind == "dummy":
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator().manual_seed(seed)
         rows = torch.randn(len(ids), int(cfg.hidden_size), generator=gen, dtype=torch.float64) * 0.02
     else:
         assert source.path is not None

@@ -54,13 +54,16 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
         check_cross_encoder(ctx.front.classifier)
     except RequestRejectedError as exc:
         raise bad_request(str(exc), "model", "model_not_supported") from None
+    if not pairs:
+        raise bad_request(f"{params[1]} must not be empty", params[1])
     if len(pairs) > MAX_CHOICES:
         raise bad_request(f"{params[1]} holds {len(pairs)} items; at most {MAX_CHOICES} per request", params[1])
     keep = ctx.keep_tokens(req)
     inputs: list[list[int]] = []
     for first, second in pairs:
         if isinstance(first, str) and isinstance(second, str):
-            ids = await ctx.tokenize(first, add_special_tokens=req.add_special_tokens, param=params[0],
+            longer = params[0] if len(first) >= len(second) else params[1]   # named where the pair is too long
+            ids = await ctx.tokenize(first, add_special_tokens=req.add_special_tokens, param=longer,
                                      truncating=keep is not None, pair=second, pair_max_tokens=keep)
         elif isinstance(first, str) or isinstance(second, str):
             raise bad_request(f"a cross-encoder reads {params[0]} and {params[1]} together: give both as texts or "
