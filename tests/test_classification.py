@@ -370,11 +370,13 @@ def test_a_causal_lm_read_as_a_cross_encoder_with_hf_overrides(tmp_path, tied):
                  "method": "from_2_way_softmax"}
     llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off", hf_overrides=overrides)
     assert llm.labels == (yes,)
-    got = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+    pad = tokenizer.pad_token_id
+    got = llm.score([PROMPTS[0], [5, 6]], [PROMPTS[1], [7, pad]], use_tqdm=False)   # a pad at the end is read
     for out in got:
         with torch.no_grad():
             logits = model(torch.tensor([out.prompt_token_ids])).logits[0, -1].double()
         np.testing.assert_allclose(out.outputs.score, torch.softmax(logits[[40, 41]], -1)[1].item(), atol=2e-6)
+    assert got[1].prompt_token_ids == [5, 6, 7, pad]
     llm.close()
     both = LLM(str(tmp_path), task="classify", dtype="float32", selection="off",
                hf_overrides=json.dumps({**overrides, "method": "no_post_processing"}))   # JSON text, as the flag

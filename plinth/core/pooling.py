@@ -210,6 +210,8 @@ class ClassifierHead:
         names = dict(getattr(hf_config, "id2label", None) or {})
         labels = labels or tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count))
         pad = getattr(hf_config, "pad_token_id", None)
+        if head_from_tokens(hf_config):   # a causal LM's head rows read at the last token, pad or not (as vLLM)
+            pad = None
         return cls(weight, bias, activation, labels,
                    pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
 
@@ -259,6 +261,13 @@ def cut_pair(first: list[int], second: list[int], keep: int) -> list[int]:
         else:
             second.pop()
     return first + second
+
+
+def head_from_tokens(hf_config: Any) -> bool:
+    """Whether a classifier is a causal LM read as one: its labels are LM-head rows of ``classifier_from_token``
+    (vLLM's recipe for rerankers such as Qwen3-Reranker, set with ``hf_overrides``)."""
+    return (getattr(hf_config, "classifier_from_token", None) is not None
+            or bool(getattr(hf_config, "is_original_qwen3_reranker", False)))
 
 
 def check_cross_encoder(head: ClassifierHead | None) -> None:

@@ -426,7 +426,9 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
         ModelLoadError: no ``score.weight``, a quantized one, or one whose shape disagrees with the config.
     """
     cfg = source.hf_config
-    if getattr(cfg, "classifier_from_token", None) is not None or getattr(cfg, "is_original_qwen3_reranker", False):
+    from plinth.core.pooling import head_from_tokens
+
+    if head_from_tokens(cfg):
         return _head_from_tokens(source, tokenizer, seed)
     hidden = int(cfg.hidden_size)
     labels = int(getattr(cfg, "num_labels", 0) or 0)
