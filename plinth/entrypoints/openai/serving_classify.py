@@ -48,7 +48,7 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
                                params: tuple[str, str], lora: object) -> tuple[list[float], int]:
     """Each pair's score by a one-label classifier reading the two together (texts tokenized as a pair, token-id
     lists joined; ``truncate_prompt_tokens`` cuts each pair as the tokenizer cuts one, the longer text first, so that
-    both keep their beginning; errors name the first field ``params[0]``, a bad item its own field); and the prompt
+    both keep their beginning; errors name the field at fault, a pair too long its longer text's); and the prompt
     tokens."""
     try:
         check_cross_encoder(ctx.front.classifier)
