@@ -1,7 +1,13 @@
-"""Embedding throughput: plinth (``task="embed"``) against transformers on the same model shape, in one run.
+"""Embedding (or classification) throughput: plinth (``task="embed"`` / ``"classify"``) against transformers on the
+same model shape, in one run.
 
     python benchmarks/embeddings.py                                  # Llama-3-8B shape, bf16, on the GPU
     python benchmarks/embeddings.py --preset tiny-llama --dtype float32 --num-prompts 64   # anywhere
+    python benchmarks/embeddings.py --task classify                  # the preset's decoder as a 2-label classifier
+
+With ``--task classify`` both run the preset's ``*ForSequenceClassification`` (plinth through ``hf_overrides``,
+``LLM.classify``; transformers' class, whose pad token is set so that it batches; no prompt holds it) and
+softmax the two labels' logits.
 
 Workload: ``--num-prompts`` prompts of random token ids, lengths uniform in ``[--len-range)`` (seeded), each
 pooled to one vector (last token, normalized). plinth gets all prompts at once (``LLM.embed``, prefix cache off:
@@ -40,7 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--systems", default="plinth,transformers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default="embed", choices=("embed", "classify"))
     return p.parse_args(argv)
+
+
+def classifier_overrides(preset: str) -> dict:
+    """The ``hf_overrides`` that make a preset's causal LM a 2-label sequence classifier."""
+    from plinth.model_registry.loader import PRESET_DIR
+
+    arch = json.loads((PRESET_DIR / f"{preset}.json").read_text())["architectures"][0]
+    return {"architectures": [arch.replace("ForCausalLM", "ForSequenceClassification")], "num_labels": 2,
+            "pad_token_id": 0}
 
 
 def prompts_of(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -53,9 +69,12 @@ def run_plinth(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[floa
     from plinth import LLM
 
     # without the prefix cache: the timed runs repeat the warm-up's prompts, which would otherwise be cached
-    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, task="embed", enable_prefix_caching=False)
+    extra = {"hf_overrides": classifier_overrides(args.preset)} if args.task == "classify" else {}
+    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, task=args.task, enable_prefix_caching=False,
+              **extra)
     device = llm.engine.device
-    seconds = timed(lambda: llm.embed(prompts, use_tqdm=False), args.iters, device)
+    run = llm.classify if args.task == "classify" else llm.embed
+    seconds = timed(lambda: run(prompts, use_tqdm=False), args.iters, device)
     params = floors.weight_stats(llm.engine.runner.model).matmul_params if llm.engine.runner is not None else 0
     name = floors.device_name(device)
     llm.engine.shutdown()
@@ -63,15 +82,19 @@ def run_plinth(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[floa
 
 
 def run_transformers(args: argparse.Namespace, prompts: list[list[int]], device: torch.device) -> float:
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     from plinth.model_registry.loader import PRESET_DIR
 
-    config = AutoConfig.for_model(**json.loads((PRESET_DIR / f"{args.preset}.json").read_text()))
+    fields = json.loads((PRESET_DIR / f"{args.preset}.json").read_text())
+    if args.task == "classify":
+        fields.update(classifier_overrides(args.preset))
+    config = AutoConfig.for_model(**fields)
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
+    builder = AutoModelForSequenceClassification if args.task == "classify" else AutoModel
     with torch.device(device):
-        model = AutoModel.from_config(config, dtype=DTYPES[args.dtype]).eval()
+        model = builder.from_config(config, dtype=DTYPES[args.dtype]).eval()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
 
     @torch.no_grad()
@@ -85,6 +108,9 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]], device:
                 ids[row, :len(p)] = torch.tensor(p)
                 mask[row, :len(p)] = 1
             ids, mask = ids.to(device), mask.to(device)
+            if args.task == "classify":   # pooled at the last non-pad token by the class itself
+                model(input_ids=ids, attention_mask=mask).logits.float().softmax(-1).cpu()
+                continue
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
             last = hidden[torch.arange(len(batch), device=device), mask.sum(1) - 1].float()
             torch.nn.functional.normalize(last, dim=-1).cpu()
@@ -110,11 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "transformers" in systems:
         results["transformers"] = run_transformers(args, prompts, device)
-    print(f"{args.preset} {args.dtype} on {name}: {len(prompts)} prompts, {tokens} tokens "
+    print(f"{args.preset} {args.dtype} {args.task} on {name}: {len(prompts)} prompts, {tokens} tokens "
           f"(lengths {args.len_range[0]}-{args.len_range[1] - 1}), median of {args.iters}")
     for system, seconds in results.items():
         print(f"  {system:13s} {seconds:8.3f} s  {tokens / seconds:12,.0f} prompt tok/s  "
-              f"{len(prompts) / seconds:9,.1f} embeddings/s")
+              f"{len(prompts) / seconds:9,.1f} {'embeddings' if args.task == 'embed' else 'classifications'}/s")
     if len(results) == 2:
         print(f"  plinth / transformers: {results['transformers'] / results['plinth']:.2f}x")
     ceilings = floors.ceilings_for(name)
