@@ -320,6 +320,10 @@ class PluginManager:
             raise
         self._provided[name] = provided
         record.provides = {kind: sorted(regs) for kind, regs in provided.items() if regs}
+        others = sorted(caller.name for caller in self._pm.get_hookcallers(module) or []
+                        if caller.name.removeprefix("plinth_") not in KINDS)
+        if others:   # hooks that register nothing (CLI flags, engine configuration): shown by `plinth plugins`
+            record.provides["hooks"] = others
         self._registry_cache.clear()
 
     def _check_unmarked(self, module: ModuleType, name: str) -> None:

@@ -374,6 +374,8 @@ def test_plugin_options_reach_the_hook_from_llm_and_bad_overrides_name_the_plugi
     pm = PluginManager(env={"PLINTH_DISABLE_PLUGIN_AUTOLOAD": "1"})
     pm.register_module(make_plugin("acme", plinth_add_cli_arguments=plinth_add_cli_arguments,
                                    plinth_adjust_engine_config=plinth_adjust_engine_config), "acme")
+    # `plinth plugins` shows the hooks that register nothing too
+    assert pm.records["acme"].provides == {"hooks": ["plinth_add_cli_arguments", "plinth_adjust_engine_config"]}
     monkeypatch.setattr(plugins, "_manager", pm)
     with LLM(str(tiny_llama_dir), acme_block_size=32, selection="off") as llm:
         assert llm.engine.config.cache.block_size == 32
