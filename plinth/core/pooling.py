@@ -250,12 +250,12 @@ def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[flo
     return np.clip(scores, -1.0, 1.0).tolist()
 
 
-def cut_pair(first: list[int], second: list[int], keep: int) -> list[int]:
-    """Two token-id lists joined and cut to ``keep`` tokens as transformers' tokenizers cut a pair
+def cut_pair(first: list[int], second: list[int], keep: int | None) -> list[int]:
+    """Two token-id lists joined and cut to ``keep`` tokens (``None``: not cut) as transformers' tokenizers cut a pair
     (``truncation="longest_first"``): a token off the end of the longer list (the second on a tie) at a time, so
     that both keep their beginning."""
     first, second = list(first), list(second)
-    while len(first) + len(second) > keep:
+    while keep is not None and len(first) + len(second) > keep:
         if len(first) > len(second):
             first.pop()
         else:

@@ -50,7 +50,7 @@ def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list
                                max_chars=max(engine.chars_per_token * engine.max_model_len, MAX_TRUNCATED_CHARS))
     if isinstance(first, str) or isinstance(second, str):
         raise ValueError("a cross-encoder reads text_1 and text_2 together: give both as texts or both as token ids")
-    return cut_pair(first, second, keep) if keep is not None else [*first, *second]
+    return cut_pair(first, second, keep)
 
 
 def _one_prompt(prompt: Any) -> Any:

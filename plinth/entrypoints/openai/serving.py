@@ -246,8 +246,6 @@ class ServerContext:
 
         def run() -> list[int]:
             with self._tokenize_lock:
-                if pair is None:
-                    return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
                 return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars,
                                            pair=pair, pair_max_tokens=pair_max_tokens)
 

@@ -18,23 +18,15 @@ from plinth.entrypoints.openai.protocol import (
     ClassificationRequest,
     ClassificationResponse,
     ClassificationUsage,
-    random_id,
 )
 from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext
-from plinth.entrypoints.openai.serving_embedding import pool_all, request_inputs
+from plinth.entrypoints.openai.serving_embedding import pool_all, pool_request
 
 
 async def create_classification(ctx: ServerContext, req: ClassificationRequest, raw: Request) -> Response:
-    lora = ctx.check_model(req.model)
-    ctx.check_task("classify", "/classify")
-    ctx.note_ignored_fields(req)
-    try:
-        params = PoolingParams(use_activation=req.use_activation, activation=req.activation)
-    except ValueError as exc:
-        raise bad_request(str(exc), "use_activation") from None
-    inputs = await request_inputs(ctx, req)
-    rid = random_id("classify")
-    outs = await pool_all(ctx, raw, rid, inputs, params, req.priority, lora)
+    lora, rid, inputs, outs = await pool_request(ctx, req, raw, "/classify", "classify",
+                                                 {"use_activation": req.use_activation, "activation": req.activation},
+                                                 "use_activation", "classify")
     labels = ctx.front.classifier.labels
     data = [ClassificationData(index=i, label=labels[max(range(len(o.probs)), key=o.probs.__getitem__)],
                                probs=o.probs, num_classes=len(o.probs)) for i, o in enumerate(outs)]
@@ -73,7 +65,7 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
                 if not item:
                     raise bad_request(f"{param} must not hold an empty token list", param)
                 ctx.check_token_ids(item, param)
-            ids = cut_pair(first, second, keep) if keep is not None else [*first, *second]
+            ids = cut_pair(first, second, keep)
         if not ids:
             raise bad_request(f"{params[0]} and {params[1]} must not be empty", params[0])
         ctx.check_length(len(ids), None, params[1], pooling=True)   # at most max_model_len tokens

@@ -89,17 +89,27 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return vector
 
 
-async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:
+async def pool_request(ctx: ServerContext, req: Any, raw: Request, route: str, task: str, options: dict[str, Any],
+                       field: str, prefix: str) -> tuple[object, str, list[list[int]], list[Any]]:
+    """A pooling route's common part: the model and task checked, ``PoolingParams(**options)`` (a bad value: a 400
+    naming ``field``), the ``input`` tokenized and pooled; ``(lora, response id, inputs' token ids, outputs)``."""
     lora = ctx.check_model(req.model)
-    ctx.check_task("embed", "/v1/embeddings")
+    ctx.check_task(task, route)
     ctx.note_ignored_fields(req)
     try:
-        params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
+        params = PoolingParams(**options)
     except ValueError as exc:
-        raise bad_request(str(exc), "dimensions") from None
+        raise bad_request(str(exc), field) from None
     inputs = await request_inputs(ctx, req)
-    rid = random_id("embd")
-    vectors = await embed_all(ctx, raw, rid, inputs, params, req.priority, lora)
+    rid = random_id(prefix)
+    return lora, rid, inputs, await pool_all(ctx, raw, rid, inputs, params, req.priority, lora)
+
+
+async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:
+    lora, rid, inputs, outs = await pool_request(ctx, req, raw, "/v1/embeddings", "embed",
+                                                 {"normalize": req.normalize, "dimensions": req.dimensions},
+                                                 "dimensions", "embd")
+    vectors = [out.embedding for out in outs]
     prompt_tokens = sum(len(ids) for ids in inputs)
     body = EmbeddingResponse(id=rid, model=ctx.reply_model(lora),
                              data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
