@@ -193,6 +193,9 @@ class ModelConfig:
         normalize_embeddings: L2-normalize embeddings (default: as the model's configuration says, else yes).
         max_logprobs: the most log-probabilities a request may ask for per position (``logprobs``,
             ``prompt_logprobs``; -1: no limit, so that ``-1``, the whole vocabulary, may be asked for).
+        logits_processors: custom logits processors (:mod:`plinth.core.logits_processors`), in the order they
+            run: names plugins register, ``"package.module:Class"`` references or the classes themselves (kept
+            as a tuple).
     """
 
     model: str | None = None
@@ -216,9 +219,16 @@ class ModelConfig:
     pooling: str | None = None
     normalize_embeddings: bool | None = None
     max_logprobs: int = 20
+    logits_processors: Any = ()
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        procs = self.logits_processors
+        procs = (procs,) if isinstance(procs, str | type) else procs
+        if not isinstance(procs, list | tuple) or not all(isinstance(p, str | type) and p for p in procs):
+            raise ConfigError(f"logits_processors must be a list of processor names, 'package.module:Class' "
+                              f"references or classes, got {self.logits_processors!r}")
+        object.__setattr__(self, "logits_processors", tuple(procs))
         _check_texts(self, ("tokenizer", "chat_template"), paths=("tokenizer", "chat_template"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
@@ -263,6 +273,8 @@ class ModelConfig:
             raise ConfigError(f"max_logprobs must be at most {1 << 20}, got {self.max_logprobs}")
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.logits_processors and self.task != "generate":
+            raise ConfigError(f"logits_processors apply to generation; task {self.task!r} samples no tokens")
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
                               f"{self.chat_template_content_format!r}")

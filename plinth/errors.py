@@ -25,3 +25,13 @@ class SelectionError(UserFacingError, ValueError):
 
 class LoRAAdapterError(UserFacingError, ValueError):
     """A LoRA adapter that cannot be served; the message names the folder and what is wrong with it."""
+
+
+class RequestFailedError(UserFacingError, RuntimeError):
+    """The engine ended a request with an error of that request's own (a custom logits processor that failed on
+    it) while other requests went on. Offline calls raise it after every request of the call is done, with all
+    their outputs in ``outputs``."""
+
+    def __init__(self, message: str, outputs: list | None = None):
+        super().__init__(message)
+        self.outputs = outputs or []

@@ -120,6 +120,19 @@ def plinth_reasoning_parsers() -> dict[str, str]:
 
 
 @hookspec
+def plinth_logits_processors() -> dict[str, str]:
+    """Provide custom logits processors (``plinth serve --logits-processors NAME``,
+    ``LLM(model, logits_processors=["NAME"])``).
+
+    Called once when the registry is built; a registered processor runs only where it is named.
+
+    Returns:
+        ``{processor_name: "pkg.mod:ProcessorClass"}``; each class subclasses
+        :class:`plinth.core.logits_processors.LogitsProcessor`.
+    """
+
+
+@hookspec
 def plinth_add_cli_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """Add command-line arguments to a plinth sub-command.
 

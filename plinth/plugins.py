@@ -48,7 +48,7 @@ ENTRY_POINT_GROUP = "plinth.plugins"
 IN_TREE_DISTRIBUTION = "plinth-llm"
 
 KINDS = ("platforms", "attention_backends", "quantization_methods", "models", "tool_parsers",
-         "reasoning_parsers")
+         "reasoning_parsers", "logits_processors")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")

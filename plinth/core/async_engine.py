@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from plinth.core.request import RequestOutput, SamplingParams
+from plinth.errors import RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +370,8 @@ class AsyncLLMEngine:
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.box, out))
+                failed = getattr(out, "error", None) if out.finished else None   # ended by an error of its own
+                by_loop.setdefault(sink.loop, []).append((sink.box, RequestFailedError(failed) if failed else out))
         self._stats = self._read_stats()
         self._send(by_loop)
 

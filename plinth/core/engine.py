@@ -21,6 +21,7 @@ from plinth.config import EngineConfig, SpeculativeConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
+from plinth.core.logits_processors import check_request, resolve_processors
 from plinth.core.pooling import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -91,6 +92,7 @@ class _Group:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     aborted: bool = False
     lora_request: Any = None
+    error: str | None = None   # why the engine ended it (a custom logits processor failed on it)
 
     @property
     def finished(self) -> bool:
@@ -207,6 +209,8 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         reasoning = resolve_reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
+        #: the custom logits processor classes (:mod:`plinth.core.logits_processors`)
+        self.logits_processors = resolve_processors(config.model.logits_processors)
         parts = build_engine_parts(config, executor_factory)
         self.config = config = parts.config or config   # scheduler limits resolved for the platform
         self.platform = parts.platform
@@ -224,7 +228,8 @@ class LLMEngine:
         self.selection = parts.selection
         self.runner: ModelRunner | None = parts.runner   # None when worker processes own the model
         self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection,
-                                                                        seed=config.model.seed)
+                                                                        seed=config.model.seed,
+                                                                        processors=self.logits_processors)
         self._dead: EngineDeadError | None = None
         #: ``generate``, ``embed`` or ``classify`` (the last two: :meth:`add_request` takes PoolingParams)
         self.task = config.model.task
@@ -301,7 +306,7 @@ class LLMEngine:
         if lora.enable_lora:
             self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
             self._batch_builder.running = functools.partial(getattr, self.scheduler, "running")
-        self._sampling = SamplingBatchBuilder(self.vocab_size)
+        self._sampling = SamplingBatchBuilder(self.vocab_size, self.logits_processors)
         self._grammars: GrammarCompiler | None = None   # structured outputs, made on the first such request
         self._reasoning = self._reasoning_markers(reasoning)
         self.served_model_name = config.model.served_model_name or parts.model_name
@@ -649,6 +654,12 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
                 f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")
+        custom = False   # whether a custom logits processor applies (it reads every token so far)
+        if self.logits_processors and pooling is None:
+            try:
+                custom = check_request(self.logits_processors, params)
+            except ValueError as exc:
+                raise RequestRejectedError(str(exc), param="extra_args") from None
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
         if params.allowed_token_ids:
             self._check_some_token_allowed(params, bad_words)
@@ -691,7 +702,7 @@ class LLMEngine:
         self._groups[request_id] = group
         if params.prompt_logprobs is not None:
             self._prompt_logprob_groups.add(request_id)
-        if _needs_sync_steps(params) or pooling is not None:   # pooling reads the step's hidden states
+        if _needs_sync_steps(params) or pooling is not None or custom:   # pooling reads the step's hidden states
             self._sync_groups.add(request_id)
 
     def _pooling_request(self, params: Any) -> PoolingParams | None:
@@ -838,12 +849,16 @@ class LLMEngine:
             group = self._groups.get(rid)
             if group is None or group.aborted:
                 continue
-            self.scheduler.abort([s.request.request_id for s in group.seqs])
-            for s in group.seqs:   # the text held back (a stop string's possible start) is returned, as at any end
-                if s.detok is not None:
-                    s.detok.flush()
-            group.aborted = True
+            self._abort_group(group)
             self._aborted.append(group)
+
+    def _abort_group(self, group: _Group) -> None:
+        """Stop a request's sequences (their KV blocks are freed) and mark it aborted."""
+        self.scheduler.abort([s.request.request_id for s in group.seqs])
+        for s in group.seqs:   # the text held back (a stop string's possible start) is returned, as at any end
+            if s.detok is not None:
+                s.detok.flush()
+        group.aborted = True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -946,10 +961,24 @@ class LLMEngine:
             positions = result.logprobs.to_position_logprobs([r.sampling_params.logprobs for r in reqs])
         if len(reqs) > len(out.sampled):   # speculative rows
             self._apply_verified(out, reqs, token_ids, positions, touched, final_only)
-            return
-        if positions is not None:
-            self._record_logprobs(reqs, positions, token_ids)
-        self._apply_tokens(out, reqs, token_ids, touched, final_only)
+        else:
+            if positions is not None:
+                self._record_logprobs(reqs, positions, token_ids)
+            self._apply_tokens(out, reqs, token_ids, touched, final_only)
+        if result.failed:
+            self._fail_rows(reqs, result.failed, touched)
+
+    def _fail_rows(self, rows: list[Any], failed: dict[int, str], touched: dict[str, _Group]) -> None:
+        """End the requests of ``rows`` whose custom logits processor failed (``failed``: row -> what failed)
+        with that error; this step reports them."""
+        for row, message in failed.items():
+            group = self._seq_to_group.get(rows[row].request_id)
+            if group is None or group.error is not None:
+                continue
+            group.error = message
+            if not group.finished:
+                self._abort_group(group)
+            touched[group.request_id] = group
 
     def _apply_verified(self, out: SchedulerOutput, rows: list[Any], samples: list[int],
                         positions: list[PositionLogprobs | None] | None, touched: dict[str, _Group],
@@ -1324,7 +1353,7 @@ class LLMEngine:
         # the metrics as of this output (the request's own object goes on changing)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.aborted or all_finished, group.prompt_logprobs, dataclasses.replace(first.metrics),
-                             first.num_cached_tokens, lora_request=group.lora_request)
+                             first.num_cached_tokens, lora_request=group.lora_request, error=group.error)
 
     # ----------------------------------------------------------------------------------- stats
 

@@ -64,7 +64,8 @@ class SamplingParams:
     ``{"grammar": ...}``; see :mod:`plinth.core.structured`). ``allowed_token_ids`` restricts every
     sampled token to the listed ids (vLLM's parameter). ``bad_words`` (vLLM's) are never generated: each word,
     tokenized alone and after a space, has its last token banned wherever the output ends with the tokens
-    before it (a one-token word is banned everywhere).
+    before it (a one-token word is banned everywhere). ``extra_args`` (vLLM's) is a mapping with string keys handed
+    to the engine's custom logits processors (:mod:`plinth.core.logits_processors`); plinth itself reads none of it.
     """
 
     n: int = 1
@@ -92,6 +93,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     #: keep only the prompt's last N tokens (-1: as many as the context holds), as vLLM's
     truncate_prompt_tokens: int | None = None
+    #: for custom logits processors (:mod:`plinth.core.logits_processors`): a mapping with string keys
+    extra_args: dict[str, Any] | None = None
     #: vLLM's earlier name of ``structured_outputs`` (a ``GuidedDecodingParams``), taken as it
     guided_decoding: dataclasses.InitVar[Any] = None
 
@@ -214,6 +217,9 @@ class SamplingParams:
         words = self.bad_words
         check(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
               "bad_words", f"must be a list of non-blank strings, got {words!r}")
+        extra = self.extra_args
+        check(extra is None or (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)), "extra_args",
+              f"must be a mapping with string keys, got {extra!r}"[:300])
         check(not (self.structured_outputs and self.min_tokens), "min_tokens",
               "cannot be combined with structured_outputs (the grammar decides where the text may end)")
         bound = self.MAX_LOGIT_BIAS

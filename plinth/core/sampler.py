@@ -3,7 +3,8 @@
 Order of operations, per row (vLLM's):
 
 1. logprobs, when asked, are taken from the RAW model logits (``log_softmax`` before
-   min_tokens, penalties, temperature or filters), as vLLM does by default;
+   min_tokens, penalties, temperature or filters), as vLLM does by default; then the engine's custom
+   logits processors (:mod:`plinth.core.logits_processors`) change the rows they apply to;
 2. structured outputs: tokens the request's grammar does not allow next get ``-inf``;
    ``logit_bias`` is added to its tokens' logits; ``min_tokens``: EOS (unless ``ignore_eos``) and
    ``stop_token_ids`` get ``-inf`` while fewer than ``min_tokens`` tokens have been generated;
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from plinth.core.logits_processors import ProcessorSet
 from plinth.core.request import Logprob, PositionLogprobs
 from plinth.core.sampling_batch import M32, SAMPLING_EPS, SamplingBatch, SamplingBatchBuilder
 from plinth.kernels import cpu_native
@@ -90,6 +92,8 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor          # [B] int64
     logprobs: LogprobsTensors | None         # when any row asked for logprobs
+    # rows whose custom logits processor failed (row -> what failed): their requests end with that error
+    failed: dict[int, str] | None = None
 
 
 class Sampler:
@@ -97,20 +101,24 @@ class Sampler:
 
     Args:
         seed: seeds the generator used by rows without their own seed.
+        processors: the engine's custom logits processor classes (:mod:`plinth.core.logits_processors`).
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, processors: Sequence[type] = ()):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.processors = ProcessorSet(processors)
+        self._failed: dict[int, str] = {}
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype)."""
         raw = logits
+        self._failed = {}
         if not batch.all_greedy and _plain_temperature(batch) and cpu_native.sampling_enabled(logits):
             tokens = self._native_choice(logits, batch)   # temperature only: straight from the logits
         elif batch.all_greedy:
             if (batch.min_tokens_index is None and batch.output_counts is None and batch.logit_bias is None
-                    and batch.allowed is None):
+                    and batch.allowed is None and batch.custom is None):
                 tokens = fast_argmax(logits)   # nothing changes the logits: no copy
             else:
                 tokens = fast_argmax(self.process_logits(logits, batch)[0])
@@ -124,18 +132,20 @@ class Sampler:
         lp = None
         if batch.max_num_logprobs is not None:
             lp = gather_logprobs(torch.log_softmax(raw.float(), dim=-1), tokens, batch.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=tokens, logprobs=lp)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=lp, failed=self._failed or None)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits the choice is made from.
 
         Returns:
-            ``(penalised, filtered)``: ``penalised`` [B, V] after the grammar masks, logit_bias, min_tokens
-            and penalties (the greedy rows' argmax); ``filtered`` [B, V] after temperature, min-p, top-k and top-p
-            (``-inf`` on dropped tokens; the random rows' distribution), or ``None`` when every
-            row is greedy.
+            ``(penalised, filtered)``: ``penalised`` [B, V] after the custom processors, the grammar masks,
+            logit_bias, min_tokens and penalties (the greedy rows' argmax); ``filtered`` [B, V] after temperature,
+            min-p, top-k and top-p (``-inf`` on dropped tokens; the random rows' distribution), or ``None`` when
+            every row is greedy. Rows whose processor failed are noted in ``SamplerOutput.failed``.
         """
         x = logits.to(torch.float32, copy=True)                   # [B, V]
+        if batch.custom is not None:
+            self._failed.update(self.processors.apply(x, batch.custom))
         if batch.allowed is not None:
             rows, allowed = batch.allowed
             x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
@@ -202,7 +212,8 @@ class Sampler:
 def _plain_temperature(batch: SamplingBatch) -> bool:
     """Whether the random rows' distribution is ``softmax(logits / temperature)`` as it stands: no grammar,
     bias, min_tokens, penalty, min-p, top-k or top-p in the batch."""
-    return (batch.allowed is None and batch.logit_bias is None and batch.min_tokens_index is None
+    return (batch.custom is None and batch.allowed is None and batch.logit_bias is None
+            and batch.min_tokens_index is None
             and batch.output_counts is None and batch.repetition_penalty is None and batch.frequency_penalty is None
             and batch.presence_penalty is None and batch.min_p is None and batch.top_k is None and batch.top_p is None)
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from plinth.core.logits_processors import ProcessorRow
 from plinth.core.request import Request, SamplingParams
 from plinth.core.structured import allowed_tokens
 
@@ -50,15 +51,19 @@ class SamplingBatch:
     seed_keys: torch.Tensor | None           # [S, 2] int64: 32-bit keys of (seed, output index)
     num_logprobs: list[int | None]           # [B] per row
     max_num_logprobs: int | None
+    # custom logits processors: per installed processor, (its row indices, its rows); None: no row for any
+    custom: tuple[tuple[tuple[int, ...], tuple[ProcessorRow, ...]], ...] | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.num_logprobs)
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device | str) -> SamplingBatch:
-        """Gather the parameters of ``requests`` (one row each, in order) for one step."""
-        return _Composition(requests, vocab_size, torch.device(device)).batch(requests, remember=False)
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device | str,
+                      processors: Sequence[type] = ()) -> SamplingBatch:
+        """Gather the parameters of ``requests`` (one row each, in order) for one step (``processors``: the
+        engine's custom logits processor classes)."""
+        return _Composition(requests, vocab_size, torch.device(device), processors).batch(requests, remember=False)
 
     @classmethod
     def plain_greedy(cls, batch_size: int, device: torch.device) -> SamplingBatch:
@@ -77,10 +82,12 @@ class SamplingBatchBuilder:
 
     Args:
         vocab_size: the model's vocabulary.
+        processors: the engine's custom logits processor classes (:mod:`plinth.core.logits_processors`).
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, processors: Sequence[type] = ()):
         self.vocab_size = vocab_size
+        self.processors = tuple(processors)
         # the last batch's requests, weakly: a finished request (and the LoRA adapter it names) is not kept alive
         self._requests: list[weakref.ref[Request]] = []
         self._compositions: dict[torch.device, _Composition] = {}
@@ -95,7 +102,7 @@ class SamplingBatchBuilder:
             self._compositions.clear()
         comp = self._compositions.get(device)
         if comp is None:
-            comp = self._compositions[device] = _Composition(requests, self.vocab_size, device)
+            comp = self._compositions[device] = _Composition(requests, self.vocab_size, device, self.processors)
             self.num_rebuilds += 1
         return comp.batch(requests, remember=True)
 
@@ -112,13 +119,19 @@ def _plain_greedy(p: SamplingParams) -> bool:
 class _Composition:
     """The parts of a batch fixed by its requests, plus the output counts as of the latest step."""
 
-    def __init__(self, requests: Sequence[Request], vocab_size: int, device: torch.device):
+    def __init__(self, requests: Sequence[Request], vocab_size: int, device: torch.device,
+                 processors: Sequence[type] = ()):
         self.device = device
         self.vocab_size = V = vocab_size
         params = list(map(_PARAMS, requests))
         distinct = {id(p): p for p in params}.values()   # requests usually share a few params objects
+        # per custom logits processor, the rows it applies to (None: no row for any)
+        wanted = {id(p): tuple(cls.applies_to(p) for cls in processors) for p in distinct}
+        custom = [tuple(i for i, p in enumerate(params) if wanted[id(p)][k]) for k in range(len(processors))]
+        self.custom_rows = custom if any(custom) else None
+        self.custom_prompts = {i: tuple(requests[i].prompt_token_ids) for i in set().union(*custom)}
         self.plain: SamplingBatch | None = None
-        if all(map(_plain_greedy, distinct)):
+        if self.custom_rows is None and all(map(_plain_greedy, distinct)):
             self.plain = SamplingBatch.plain_greedy(len(params), device)
             return
         temp = np.array([p.temperature for p in params], dtype=np.float32)
@@ -192,7 +205,7 @@ class _Composition:
         per row to them in place (a batch's ``output_counts`` is only valid until the next build)."""
         if self.plain is not None:
             return self.plain
-        if not (self.use_counts or self.min_tokens_rows or self.seeded or self.masked_rows):
+        if not (self.use_counts or self.min_tokens_rows or self.seeded or self.masked_rows or self.custom_rows):
             return self.static
         # a token sampled by the step in flight (asynchronous scheduling) counts as an output
         num_output = [len(r.output_token_ids) + r.num_pending_tokens for r in requests]
@@ -225,8 +238,14 @@ class _Composition:
                                    if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
                 mask[position[i], banned] = False
             allowed = (self._dev(np.array(self.masked_rows, dtype=np.int64)), self._dev(mask))
+        custom = None
+        if self.custom_rows is not None:   # as of the requests' latest tokens (synchronous steps)
+            rows = {i: ProcessorRow(requests[i].request_id, prompt, tuple(requests[i].output_token_ids),
+                                    requests[i].sampling_params.extra_args or {})
+                    for i, prompt in self.custom_prompts.items()}
+            custom = tuple((index, tuple(rows[i] for i in index)) for index in self.custom_rows)
         return dataclasses.replace(self.static, output_counts=counts, min_tokens_index=min_tokens_index,
-                                   seed_keys=seed_keys, allowed=allowed)
+                                   seed_keys=seed_keys, allowed=allowed, custom=custom)
 
     def _counts(self, requests: Sequence[Request], num_output: list[int]) -> torch.Tensor:
         """``[B, V]`` output-token counts: the previous step's plus one token per row when every row

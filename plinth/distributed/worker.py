@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from plinth.config import DeviceConfig, EngineConfig
+from plinth.core.logits_processors import resolve_processors
 from plinth.core.sampler import Sampler, SamplerOutput, SamplingBatch
 from plinth.distributed.communication import tp_broadcast
 from plinth.distributed.messages import StepBatch, pack_tensors, unpack_tensors
@@ -68,7 +69,7 @@ class Worker:
         self._model: Any = None
         self._backend: Any = None
         self._num_blocks_fit = 0
-        self.sampler = Sampler(config.model.seed)
+        self.sampler = Sampler(config.model.seed, resolve_processors(config.model.logits_processors))
         self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)   # see take_step_times
         # asynchronous steps: the last launched step's sampled tokens on this device (they feed the next
         # step), and its output on its way to the host (output rank) until an answer carries it

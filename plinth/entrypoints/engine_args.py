@@ -27,6 +27,7 @@ ENGINE_KWARGS = (
     "seed", "served_model_name", "chat_template", "chat_template_content_format", "generation_config",
     "override_generation_config", "hf_overrides",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
+    "logits_processors",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
@@ -84,6 +85,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most log-probabilities a request may ask for per position (logprobs, prompt_logprobs; "
                         "default: %(default)s)")
+    g.add_argument("--logits-processors", nargs="+", default=(), metavar="PROCESSOR",
+                   help="custom logits processors, in the order they run: names plugins register "
+                        f"({', '.join(sorted(pm.registrations('logits_processors'))) or 'none registered'}) or "
+                        "'package.module:Class' references (see the README's 'Custom logits processors')")
     g.add_argument("--task", default="generate", choices=TASKS,
                    help="generate text, serve an embedding model (embed: /v1/embeddings, LLM.embed) or a sequence "
                         "classifier (classify: /classify, LLM.classify)")

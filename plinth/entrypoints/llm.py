@@ -24,6 +24,7 @@ from plinth.core.pooling import (
     cut_pair,
 )
 from plinth.core.request import RequestOutput, SamplingParams
+from plinth.errors import RequestFailedError
 from plinth.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -415,4 +416,9 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [results[i] for i in ids]
+        outputs = [results[i] for i in ids]
+        failed = [out for out in outputs if getattr(out, "error", None)]
+        if failed:   # after every request is done: the others' work is in the error's outputs
+            raise RequestFailedError(f"{len(failed)} of {len(ids)} request(s) failed; the first: {failed[0].error}",
+                                     outputs)
+        return outputs

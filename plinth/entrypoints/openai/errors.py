@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.request import SamplingParamsError
 from plinth.core.scheduler import QueueFullError, RequestRejectedError
+from plinth.errors import RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ def to_api_error(exc: BaseException) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, RequestRejectedError):   # without the engine's own request id, which the client never saw
         return bad_request(_ENGINE_REQUEST.sub("", str(exc), count=1), exc.param or "prompt")
+    if isinstance(exc, RequestFailedError):   # the server's own code failed this request (the log has the traceback)
+        return APIError(500, str(exc), "server_error")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the inference engine is not available: {exc}", "service_unavailable_error",
                         code="engine_unavailable")
@@ -131,7 +134,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         return to_api_error(exc).response()
 
-    for cls in (SamplingParamsError, RequestRejectedError, QueueFullError, EngineDeadError):
+    for cls in (SamplingParamsError, RequestRejectedError, QueueFullError, EngineDeadError, RequestFailedError):
         app.add_exception_handler(cls, _known)
 
     # Reached through Starlette's ServerErrorMiddleware, which re-raises so the server logs the traceback.

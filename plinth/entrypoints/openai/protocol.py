@@ -102,6 +102,7 @@ class _SamplingFields(_NamedExtras):
     return_tokens_as_token_ids: bool | None = None   # logprob tokens as "token_id:N" (default: the server's flag)
     bad_words: list[str] | None = None
     spaces_between_special_tokens: bool = True
+    vllm_xargs: dict[str, Any] | None = None   # the request's extra_args, for the server's custom logits processors
 
     def structured(self) -> tuple[str, dict[str, Any]] | None:
         """``(field, spec)``: the constraint asked for (a ``structured_outputs`` value, see
@@ -204,6 +205,7 @@ class _SamplingFields(_NamedExtras):
             structured_outputs=spec,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            extra_args=self.vllm_xargs,
         )
 
 

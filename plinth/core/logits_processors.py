@@ -1,0 +1,203 @@
+"""Custom logits processors: code of one's own that changes a step's logits before a token is chosen.
+
+A processor is a :class:`LogitsProcessor` subclass installed on the engine (``LLM(model,
+logits_processors=[MyProcessor])``, ``plinth serve --logits-processors NAME``). Every step, the sampler hands each
+installed processor the logits of the rows it applies to, with what those rows' requests hold so far (prompt and
+output token ids, and the request's ``SamplingParams.extra_args``: the server's ``vllm_xargs`` field), and samples
+from what the processor returns::
+
+    class NoDigits(LogitsProcessor):
+        \"\"\"Bans the tokens listed in a request's extra_args["banned"].\"\"\"
+
+        @classmethod
+        def applies_to(cls, params):
+            return bool((params.extra_args or {}).get("banned"))
+
+        @classmethod
+        def validate_params(cls, params):
+            banned = params.extra_args["banned"]
+            if not all(isinstance(t, int) for t in banned):
+                raise ValueError("banned must be a list of token ids")
+
+        def apply(self, logits, rows):
+            for j, row in enumerate(rows):
+                logits[j, list(row.extra_args["banned"])] = float("-inf")
+            return logits
+
+Where processors run: after the log-probabilities are taken (``logprobs`` report the model's raw distribution, as
+vLLM's default) and before everything else the sampler does (structured-output masks, ``allowed_token_ids``,
+``bad_words``, ``logit_bias``, ``min_tokens``, penalties, temperature and the filters), in the order they were
+installed, on float32 logits. They run where the logits are: in the engine's process, or with worker processes
+(tensor/pipeline parallel) in the process that samples, which builds its own instances, so a processor class must be
+importable there (a module on the path, not ``__main__``).
+
+Requests that a processor applies to run with synchronous steps (each step's tokens are on the host before the next
+step is built), so that ``output_token_ids`` is always current. A request's rows carry its prompt, its tokens so far
+and its ``extra_args``; with speculative decoding a step holds one row per verified position, each with the drafts
+before it counted as output. Beam search ranks beams by the raw log-probabilities: processors do not steer it.
+
+Processors are named by a plugin (hook ``plinth_logits_processors``), or given as ``"package.module:Class"`` (or
+``"package.module.Class"``) or, from Python, as the class itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from plinth.errors import UserFacingError
+
+__all__ = ["LogitsProcessor", "LogitsProcessorError", "ProcessorRow", "resolve_processors"]
+
+logger = logging.getLogger(__name__)
+
+
+class LogitsProcessorError(UserFacingError, ValueError):
+    """A logits processor that cannot be found or is not a :class:`LogitsProcessor`, or one that failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorRow:
+    """One row a processor is given: the request (one sample of it, with ``n > 1``) as of this step."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    extra_args: Mapping[str, Any]
+
+
+class LogitsProcessor:
+    """The base of custom logits processors.
+
+    An instance is made per device the first time the sampler needs it, with the logits' width (``vocab_size``)
+    and the ``device``; it lives as long as the engine. Subclasses implement :meth:`apply` and may narrow
+    :meth:`applies_to` (default: every request) and check requests with :meth:`validate_params`.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    @classmethod
+    def applies_to(cls, params: Any) -> bool:
+        """Whether this processor acts on requests with these ``SamplingParams`` (asked when the batch's requests
+        change; the rows it does not apply to are never given to :meth:`apply`)."""
+        return True
+
+    @classmethod
+    def validate_params(cls, params: Any) -> None:
+        """Check a request's ``SamplingParams`` when it arrives (only for requests :meth:`applies_to` accepts).
+
+        Raises:
+            ValueError: the request cannot be served; the message reaches the caller (a server's client gets it
+                as a 400 naming ``extra_args``).
+        """
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[ProcessorRow]) -> torch.Tensor:
+        """The processed logits: ``logits`` is float32 ``[len(rows), vocab_size]``, ``logits[j]`` the row of
+        ``rows[j]``; change it in place and return it, or return a new tensor of the same shape."""
+        raise NotImplementedError
+
+
+def resolve_processors(specs: Sequence[Any]) -> tuple[type[LogitsProcessor], ...]:
+    """The classes that ``specs`` name: a class, a name a plugin registered, ``"package.module:Class"`` or
+    ``"package.module.Class"``.
+
+    Raises:
+        LogitsProcessorError: a name that is not registered, a reference that does not import, or something that
+            is not a :class:`LogitsProcessor` subclass.
+    """
+    return tuple(_resolve(spec) for spec in specs)
+
+
+def _resolve(spec: Any) -> type[LogitsProcessor]:
+    from plinth.plugins import PluginError, get_plugin_manager, resolve_ref
+
+    where = ""
+    found = spec
+    if isinstance(spec, str):
+        registered = get_plugin_manager().registrations("logits_processors")
+        try:
+            if spec in registered:
+                where = f" (registered by plugin {registered[spec].plugin!r} as {registered[spec].ref})"
+                found = registered[spec].load()
+            elif ":" in spec or "." in spec:
+                module, _, attr = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+                found = resolve_ref(f"{module}:{attr}")
+            else:
+                raise LogitsProcessorError(f"logits processor {spec!r} is not registered (registered: "
+                                           f"{', '.join(sorted(registered)) or 'none'}); give a name a plugin "
+                                           "registers or 'package.module:Class'")
+        except PluginError as exc:
+            raise LogitsProcessorError(f"logits processor {spec!r}: {exc}") from None
+    if not (isinstance(found, type) and issubclass(found, LogitsProcessor)):
+        raise LogitsProcessorError(f"logits processor {spec!r}{where} is not a subclass of "
+                                   f"plinth.core.logits_processors.LogitsProcessor (got {found!r})")
+    return found
+
+
+def check_request(processors: Sequence[type[LogitsProcessor]], params: Any) -> bool:
+    """Run the processors' :meth:`~LogitsProcessor.validate_params` on a request's parameters; whether any of them
+    applies to it.
+
+    Raises:
+        ValueError: from a processor (refusing the request), or a processor's own failure, named.
+    """
+    applies = False
+    for cls in processors:
+        try:
+            if not cls.applies_to(params):
+                continue
+            cls.validate_params(params)
+        except ValueError:
+            raise
+        except Exception as exc:   # the processor's own bug: the request is refused, the engine lives on
+            raise LogitsProcessorError(f"logits processor {cls.__qualname__} failed on this request: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+        applies = True
+    return applies
+
+
+class ProcessorSet:
+    """The sampler's instances of the installed processors, one set per device, made on first use."""
+
+    def __init__(self, classes: Sequence[type[LogitsProcessor]]):
+        self.classes = tuple(classes)
+        self._instances: dict[tuple[torch.device, int], list[LogitsProcessor]] = {}
+
+    def apply(self, logits: torch.Tensor, groups: Sequence[tuple[tuple[int, ...], tuple[ProcessorRow, ...]]]
+              ) -> dict[int, str]:
+        """Run every processor on ``logits`` (float32 ``[B, V]``, changed in place): ``groups[k]`` gives processor
+        ``k``'s row indices and rows (an empty group skips it). A processor that raises, or returns something else
+        than a tensor of its rows' shape, leaves its rows as they were; returns those rows, each with what
+        failed (the engine ends their requests with it; the traceback goes to the log)."""
+        key = (logits.device, logits.shape[1])
+        made = self._instances.get(key)
+        if made is None:
+            made = self._instances[key] = [cls(vocab_size=logits.shape[1], device=logits.device)
+                                           for cls in self.classes]
+        failed: dict[int, str] = {}
+        for proc, (index, rows) in zip(made, groups, strict=True):
+            if not index:
+                continue
+            whole = len(index) == logits.shape[0]   # (indices are increasing: every row, in order)
+            part = logits.clone() if whole else logits[list(index)]
+            name = type(proc).__qualname__
+            try:
+                out = proc.apply(part, rows)
+                if not isinstance(out, torch.Tensor) or out.shape != part.shape:
+                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                    raise LogitsProcessorError(f"apply returned {got}, not a tensor of shape {tuple(part.shape)}")
+                if whole:
+                    logits.copy_(out)
+                else:
+                    logits[list(index)] = out.to(logits.device, logits.dtype)
+            except Exception as exc:   # the processor's bug ends its own rows' requests, not the engine
+                logger.exception("logits processor %s failed on %d row(s)", name, len(index))
+                for i in index:
+                    failed.setdefault(i, f"logits processor {name} failed: {type(exc).__name__}: {exc}")
+        return failed
