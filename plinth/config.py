@@ -25,6 +25,9 @@ EXECUTORS = ("auto", "uniproc", "mp", "ray")
 TASKS = ("generate", "embed", "classify")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 POOLING_TYPES = ("last", "mean", "cls")
+#: what ``logprobs`` report (vLLM's ``logprobs_mode``): the model's own distribution or the one a token was drawn from
+#: (after the sampling parameters), as log-probabilities or as logits
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 #: vLLM's engine option names for plinth's own
 VLLM_OPTION_NAMES = {"distributed_executor_backend": "distributed_executor"}
 #: vLLM's engine options that change nothing here, and why (taken, so that vLLM scripts run)
@@ -193,6 +196,11 @@ class ModelConfig:
         normalize_embeddings: L2-normalize embeddings (default: as the model's configuration says, else yes).
         max_logprobs: the most log-probabilities a request may ask for per position (``logprobs``,
             ``prompt_logprobs``; -1: no limit, so that ``-1``, the whole vocabulary, may be asked for).
+        logprobs_mode: what ``logprobs`` report (vLLM's option): ``raw_logprobs`` (the model's log-probabilities;
+            the default), ``processed_logprobs`` (those of the distribution the token was drawn from: after custom
+            processors, masks, bias, penalties, temperature, min-p, top-k and top-p, ``-inf`` for dropped tokens),
+            or ``raw_logits`` / ``processed_logits`` (the same steps' logits). Prompt logprobs are the model's
+            (log-probabilities, or logits in the two logits modes).
         logits_processors: custom logits processors (:mod:`plinth.core.logits_processors`), in the order they
             run: names plugins register, ``"package.module:Class"`` references or the classes themselves (kept
             as a tuple).
@@ -219,6 +227,7 @@ class ModelConfig:
     pooling: str | None = None
     normalize_embeddings: bool | None = None
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     logits_processors: Any = ()
 
     def __post_init__(self) -> None:
@@ -273,6 +282,8 @@ class ModelConfig:
             raise ConfigError(f"max_logprobs must be at most {1 << 20}, got {self.max_logprobs}")
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.logits_processors and self.task != "generate":
             raise ConfigError(f"logits_processors apply to generation; task {self.task!r} samples no tokens")
         if self.chat_template_content_format not in CONTENT_FORMATS:

@@ -123,6 +123,7 @@ class AsyncLLMEngine:
         self.classifier = getattr(engine, "classifier", None)   # a sequence classifier's head (its labels)
         self.config: Any = getattr(engine, "config", None)     # the engine's resolved configuration
         self.max_logprobs: int = getattr(engine, "max_logprobs", 20)
+        self.logprobs_as_logits: bool = getattr(engine, "logprobs_as_logits", False)
         self.served_model_name: str = engine.served_model_name
         self.served_model_aliases: tuple[str, ...] = tuple(getattr(engine, "served_model_aliases", ()))
         self.selection = engine.selection

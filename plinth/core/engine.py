@@ -229,7 +229,10 @@ class LLMEngine:
         self.runner: ModelRunner | None = parts.runner   # None when worker processes own the model
         self.executor: Executor = parts.executor or UniprocExecutor(parts.runner, parts.num_blocks, parts.selection,
                                                                         seed=config.model.seed,
-                                                                        processors=self.logits_processors)
+                                                                        processors=self.logits_processors,
+                                                                        logprobs_mode=config.model.logprobs_mode)
+        #: whether logprobs are logits (the ``raw_logits`` and ``processed_logits`` modes)
+        self.logprobs_as_logits = config.model.logprobs_mode.endswith("_logits")
         self._dead: EngineDeadError | None = None
         #: ``generate``, ``embed`` or ``classify`` (the last two: :meth:`add_request` takes PoolingParams)
         self.task = config.model.task
@@ -1295,7 +1298,8 @@ class LLMEngine:
                                                slice(row + first - start, row + stop - start))
                     targets = prompt[first + 1: stop + 1]
                     k = group.params.prompt_logprobs or 0
-                    lps = compute_prompt_logprobs(logits, targets, k).to_position_logprobs([k] * len(targets))
+                    lps = compute_prompt_logprobs(logits, targets, k, self.logprobs_as_logits).to_position_logprobs(
+                        [k] * len(targets))
                     group.prompt_logprobs.extend(self._decorate(pos) for pos in lps if pos is not None)
             row += n
 

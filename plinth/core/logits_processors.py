@@ -34,7 +34,8 @@ importable there (a module on the path, not ``__main__``).
 Requests that a processor applies to run with synchronous steps (each step's tokens are on the host before the next
 step is built), so that ``output_token_ids`` is always current. A request's rows carry its prompt, its tokens so far
 and its ``extra_args``; with speculative decoding a step holds one row per verified position, each with the drafts
-before it counted as output. Beam search ranks beams by the raw log-probabilities: processors do not steer it.
+before it counted as output. Beam search ranks beams by the engine's log-probabilities: with the default
+``raw_logprobs`` mode processors do not steer it.
 
 Processors are named by a plugin (hook ``plinth_logits_processors``), or given as ``"package.module:Class"`` (or
 ``"package.module.Class"``) or, from Python, as the class itself.

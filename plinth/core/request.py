@@ -290,6 +290,15 @@ class Logprob:
 # One position's logprobs: token id -> Logprob (the sampled token plus the top-k).
 PositionLogprobs = dict[int, Logprob]
 
+#: what JSON output says for a logprob of -inf (a token the processed logprobs modes drop; JSON has no infinity), as
+#: vLLM's server
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """A logprob as JSON output carries it: -inf as :data:`LOGPROB_FLOOR`."""
+    return max(value, LOGPROB_FLOOR)
+
 
 @dataclasses.dataclass
 class RequestMetrics:

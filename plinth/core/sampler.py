@@ -3,8 +3,9 @@
 Order of operations, per row (vLLM's):
 
 1. logprobs, when asked, are taken from the RAW model logits (``log_softmax`` before
-   min_tokens, penalties, temperature or filters), as vLLM does by default; then the engine's custom
-   logits processors (:mod:`plinth.core.logits_processors`) change the rows they apply to;
+   min_tokens, penalties, temperature or filters), as vLLM does by default (``logprobs_mode``: the
+   ``processed_*`` modes take them from the logits each row's token is chosen from, step 4 or 5, and the
+   ``*_logits`` modes report logits); then the engine's custom logits processors (:mod:`plinth.core.logits_processors`) change the rows they apply to;
 2. structured outputs: tokens the request's grammar does not allow next get ``-inf``;
    ``logit_bias`` is added to its tokens' logits; ``min_tokens``: EOS (unless ``ignore_eos``) and
    ``stop_token_ids`` get ``-inf`` while fewer than ``min_tokens`` tokens have been generated;
@@ -104,35 +105,46 @@ class Sampler:
         processors: the engine's custom logits processor classes (:mod:`plinth.core.logits_processors`).
     """
 
-    def __init__(self, seed: int = 0, processors: Sequence[type] = ()):
+    def __init__(self, seed: int = 0, processors: Sequence[type] = (), logprobs_mode: str = "raw_logprobs"):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self.processors = ProcessorSet(processors)
         self._failed: dict[int, str] = {}
+        #: what logprobs report (see ``ModelConfig.logprobs_mode``)
+        self.logprobs_mode = logprobs_mode
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` (``[B, V]``, any float dtype)."""
-        raw = logits
         self._failed = {}
-        if not batch.all_greedy and _plain_temperature(batch) and cpu_native.sampling_enabled(logits):
+        chosen_from = None   # the logits each row's token was chosen from (the processed logprobs modes)
+        if batch.max_num_logprobs is not None and self.logprobs_mode.startswith("processed"):
+            tokens, chosen_from = self._choose(logits, batch)
+        elif not batch.all_greedy and _plain_temperature(batch) and cpu_native.sampling_enabled(logits):
             tokens = self._native_choice(logits, batch)   # temperature only: straight from the logits
-        elif batch.all_greedy:
-            if (batch.min_tokens_index is None and batch.output_counts is None and batch.logit_bias is None
-                    and batch.allowed is None and batch.custom is None):
-                tokens = fast_argmax(logits)   # nothing changes the logits: no copy
-            else:
-                tokens = fast_argmax(self.process_logits(logits, batch)[0])
+        elif batch.all_greedy and (batch.min_tokens_index is None and batch.output_counts is None
+                                   and batch.logit_bias is None and batch.allowed is None and batch.custom is None):
+            tokens = fast_argmax(logits)   # nothing changes the logits: no copy
         else:
-            greedy_logits, random_logits = self.process_logits(logits, batch)
-            assert random_logits is not None
-            probs = random_logits.softmax(dim=-1)                 # [B, V]
-            tokens = self._random_choice(probs, batch)             # [B]
-            if batch.any_greedy:
-                tokens = torch.where(batch.greedy, fast_argmax(greedy_logits), tokens)
+            tokens = self._choose(logits, batch)[0]
         lp = None
         if batch.max_num_logprobs is not None:
-            lp = gather_logprobs(torch.log_softmax(raw.float(), dim=-1), tokens, batch.max_num_logprobs)
+            values = chosen_from if chosen_from is not None else logits.float()
+            if self.logprobs_mode.endswith("logprobs"):
+                values = torch.log_softmax(values, dim=-1)
+            lp = gather_logprobs(values, tokens, batch.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=tokens, logprobs=lp, failed=self._failed or None)
+
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens from the processed logits (:meth:`process_logits`), and per row the logits they were chosen from:
+        the greedy rows' penalised ones, the random rows' filtered ones."""
+        greedy_logits, random_logits = self.process_logits(logits, batch)
+        if random_logits is None:
+            return fast_argmax(greedy_logits), greedy_logits
+        tokens = self._random_choice(random_logits.softmax(dim=-1), batch)   # [B]
+        if not batch.any_greedy:
+            return tokens, random_logits
+        tokens = torch.where(batch.greedy, fast_argmax(greedy_logits), tokens)
+        return tokens, torch.where(batch.greedy.unsqueeze(1), greedy_logits, random_logits)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits the choice is made from.
@@ -276,14 +288,16 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num: int) -
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor | Sequence[int],
-                            num_logprobs: int) -> LogprobsTensors:
-    """Prompt logprobs from raw logits: row ``i`` of ``logits`` ([L, V]) predicts ``target_ids[i]``.
+                            num_logprobs: int, as_logits: bool = False) -> LogprobsTensors:
+    """Prompt logprobs from raw logits: row ``i`` of ``logits`` ([L, V]) predicts ``target_ids[i]``
+    (``as_logits``: the logits themselves, for the logits ``logprobs_mode``).
 
     For a whole prompt, pass the logits of positions ``0 .. P-2`` and ``prompt_ids[1:]``; the
     first prompt token has no logprob. Use :meth:`LogprobsTensors.to_position_logprobs`.
     """
     targets = torch.as_tensor(target_ids, dtype=torch.int64, device=logits.device)
-    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, num_logprobs)
+    values = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
+    return gather_logprobs(values, targets, num_logprobs)
 
 
 def counter_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -197,14 +197,15 @@ class UniprocExecutor(Executor):
 
     supports_async_steps = True
 
-    def __init__(self, runner: Any, num_blocks: int, selection: Any, seed: int = 0, processors: Sequence[type] = ()):
+    def __init__(self, runner: Any, num_blocks: int, selection: Any, seed: int = 0, processors: Sequence[type] = (),
+                 logprobs_mode: str = "raw_logprobs"):
         from plinth.worker.profiling import StepProfiler
 
         self.runner = runner
         self.num_blocks = num_blocks
         self.selection = selection
         # the engine seed: rows without their own seed draw from it; the engine's custom logits processors
-        self.sampler = Sampler(seed, processors)
+        self.sampler = Sampler(seed, processors, logprobs_mode)
         self._pinned: list[torch.Tensor] = []   # two host buffers for sampled tokens, used in turn
         device = getattr(runner, "device", None)
         sync = (lambda: torch.cuda.synchronize(device)) if device is not None and device.type == "cuda" else (

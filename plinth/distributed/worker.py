@@ -69,7 +69,8 @@ class Worker:
         self._model: Any = None
         self._backend: Any = None
         self._num_blocks_fit = 0
-        self.sampler = Sampler(config.model.seed, resolve_processors(config.model.logits_processors))
+        self.sampler = Sampler(config.model.seed, resolve_processors(config.model.logits_processors),
+                               config.model.logprobs_mode)
         self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)   # see take_step_times
         # asynchronous steps: the last launched step's sampled tokens on this device (they feed the next
         # step), and its output on its way to the host (output rank) until an answer carries it

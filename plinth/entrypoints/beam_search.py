@@ -118,17 +118,21 @@ def check_prompts(starts: list[list[int]], limit: int) -> None:
 
 
 def search(starts: list[list[int]], params: BeamSearchParams, eos: tuple[int, ...], limit: int,
-           vocab: int | None, max_logprobs: int = SamplingParams.MAX_LOGPROBS,
+           vocab: int | None, max_logprobs: int = SamplingParams.MAX_LOGPROBS, logprobs_as_logits: bool = False,
            ) -> Generator[tuple[list[list[int]], list[int], SamplingParams], list[Any], list[BeamSearchOutput]]:
     """The search, driven from outside: yields each round's ``(token-id prompts, the index of the prompt each
     extends, params)`` and is sent their outputs (``RequestOutput``s, in order); returns the beams (texts not filled
     in).
 
     Raises:
-        ValueError: a beam width whose ``2 x beam_width`` candidates exceed the engine's ``max_logprobs``.
+        ValueError: a beam width whose ``2 x beam_width`` candidates exceed the engine's ``max_logprobs``, or an
+            engine whose logprobs are logits (``logprobs_as_logits``: a logits ``logprobs_mode``).
     """
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"beam search takes BeamSearchParams, not {type(params).__name__}")
+    if logprobs_as_logits:
+        raise ValueError("beam search ranks beams by log-probabilities, and this engine's logprobs are logits "
+                         "(logprobs_mode raw_logits or processed_logits); start it with a logprobs mode")
     if 2 * params.beam_width > max_logprobs:
         raise ValueError(f"beam_width must be at most {max_logprobs // 2} on this engine (2 x beam_width candidates "
                          f"per round, and its max_logprobs is {max_logprobs}), got {params.beam_width}")
@@ -186,7 +190,7 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
     loras = list(loras) if loras is not None else [None] * len(starts)
     rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_sequence_len, engine.vocab_size,
-                    engine.max_logprobs)
+                    engine.max_logprobs, engine.logprobs_as_logits)
     try:
         batch, owners, step = next(rounds)
         while True:
@@ -202,7 +206,7 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
     """The same search on a running :class:`~plinth.core.async_engine.AsyncLLMEngine` (the server's): each
     round's beams run as concurrent requests ``{request_id}-{round}-{beam}`` of the search's ``priority``."""
     rounds = search(starts, params, tuple(front.eos_token_ids), front.max_sequence_len, front.vocab_size,
-                    front.max_logprobs)
+                    front.max_logprobs, front.logprobs_as_logits)
 
     async def last(rid: str, prompt: list[int], step: SamplingParams) -> Any:
         final = None

@@ -13,6 +13,7 @@ from plinth.config import (
     EXECUTORS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    LOGPROBS_MODES,
     POOLING_TYPES,
     SCHEDULING_POLICIES,
     SELECTION_MODES,
@@ -27,7 +28,7 @@ ENGINE_KWARGS = (
     "seed", "served_model_name", "chat_template", "chat_template_content_format", "generation_config",
     "override_generation_config", "hf_overrides",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
-    "logits_processors",
+    "logits_processors", "logprobs_mode",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
@@ -85,6 +86,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most log-probabilities a request may ask for per position (logprobs, prompt_logprobs; "
                         "default: %(default)s)")
+    g.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                   help="what logprobs report: the model's log-probabilities (raw_logprobs, the default), those of the "
+                        "distribution each token was drawn from, after the sampling parameters (processed_logprobs), "
+                        "or the same as logits (raw_logits, processed_logits)")
     g.add_argument("--logits-processors", nargs="+", default=(), metavar="PROCESSOR",
                    help="custom logits processors, in the order they run: names plugins register "
                         f"({', '.join(sorted(pm.registrations('logits_processors'))) or 'none registered'}) or "

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from plinth.core.request import SamplingParams, SamplingParamsError, encodable_text
+from plinth.core.request import SamplingParams, SamplingParamsError, encodable_text, json_logprob
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from plinth.errors import CliError
 
@@ -452,7 +452,8 @@ def _logprobs(positions: Any) -> Any:
     """Per position, the chosen token's and the top tokens' logprobs as ``[{token_id, logprob, rank}]``."""
     if positions is None:
         return None
-    return [None if pos is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank} for t, lp in pos.items()]
+    return [None if pos is None else [{"token_id": t, "logprob": json_logprob(lp.logprob), "rank": lp.rank}
+                                   for t, lp in pos.items()]
             for pos in positions]
 
 

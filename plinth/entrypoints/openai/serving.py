@@ -25,6 +25,7 @@ from plinth.core.request import (
     RequestOutput,
     SamplingParams,
     SamplingParamsError,
+    json_logprob,
     truncation_problem,
 )
 from plinth.core.scheduler import QueueFullError, RequestRejectedError
@@ -308,7 +309,7 @@ class ServerContext:
             entry = {}
             for t, lp in pos.items():
                 if t == tid or t in keep:
-                    entry[str(t)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": name(t)}
+                    entry[str(t)] = {"logprob": json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": name(t)}
             body.append(entry)
         return body
 
@@ -346,7 +347,7 @@ class ServerContext:
     def top_logprobs(pos: PositionLogprobs, k: int) -> list[tuple[int, float]]:
         """The ``k`` most likely tokens at one position, as (token id, logprob), most likely first."""
         ranked = sorted(pos.items(), key=lambda kv: _rank_key(kv[1]))
-        return [(tid, lp.logprob) for tid, lp in ranked[:k]]
+        return [(tid, json_logprob(lp.logprob)) for tid, lp in ranked[:k]]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams,
                        priority: int = 0, lora: LoRARequest | None = None,
@@ -416,6 +417,9 @@ class ServerContext:
         """:func:`beam_search_async` on the engine, counted in the metrics as one request per prompt
         (:meth:`~plinth.metrics.ServerMetrics.count_beam_search`); a search refused on arrival counts nothing."""
         self.check_room(len(starts) * params.beam_width, "n" if len(starts) == 1 else "prompt")
+        if getattr(self.front, "logprobs_as_logits", False):
+            raise bad_request("use_beam_search ranks beams by log-probabilities, and this server's logprobs are logits "
+                              "(--logprobs-mode raw_logits or processed_logits)", "use_beam_search")
         await self._ensure_lora(lora)
         t0 = time.monotonic()
         outs: list[BeamSearchOutput] | None = None
@@ -532,7 +536,8 @@ async def check_structured(ctx: ServerContext, req: Any, params: SamplingParams)
 #: them), with the values that ask for nothing
 _BEAM_IGNORES = {name: (None, 0, [], {}, "") for name in ("stop", "stop_token_ids", "min_tokens", "bad_words",
                                                           "allowed_token_ids", "logit_bias", "presence_penalty",
-                                                          "frequency_penalty")} | {"repetition_penalty": (None, 1.0)}
+                                                          "frequency_penalty", "vllm_xargs")} | {
+    "repetition_penalty": (None, 1.0)}
 
 
 def beam_search_params(req: Any, max_tokens: int | None, max_tokens_param: str, room: int,

@@ -42,6 +42,7 @@ from plinth.entrypoints.openai.serving import (
     beam_search_params,
     check_structured,
     finish,
+    json_logprob,
     merge,
     sampling_params,
     start,
@@ -206,7 +207,7 @@ def _logprobs(ctx: ServerContext, token_ids: Sequence[int], positions: Sequence[
         top = [TopLogprob(token=name(t), logprob=lp, bytes=list(ctx.token_bytes(t)))
                for t, lp in ctx.top_logprobs(pos, k)]
         chosen = pos.get(tid)
-        content.append(TokenLogprob(token=text, logprob=chosen.logprob if chosen is not None else float("nan"),
+        content.append(TokenLogprob(token=text, logprob=json_logprob(chosen.logprob) if chosen is not None else float("nan"),
                                     bytes=list(ctx.token_bytes(tid)), top_logprobs=top))
     return ChatLogprobs(content=content)
 

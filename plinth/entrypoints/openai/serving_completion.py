@@ -36,6 +36,7 @@ from plinth.entrypoints.openai.serving import (
     check_structured,
     collect,
     finish,
+    json_logprob,
     merge,
     sampling_params,
     start,
@@ -139,12 +140,12 @@ def _add_logprobs(ctx: ServerContext, dest: CompletionLogprobs, token_ids: Seque
     for tid, pos in zip(token_ids, positions, strict=True):
         dest.tokens.append(name(tid))
         chosen = pos.get(tid) if pos is not None else None
-        dest.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        dest.token_logprobs.append(json_logprob(chosen.logprob) if chosen is not None else None)
         top = None
         if pos is not None:
             top = {name(t): lp for t, lp in ctx.top_logprobs(pos, k)}
             if chosen is not None:
-                top.setdefault(name(tid), chosen.logprob)
+                top.setdefault(name(tid), json_logprob(chosen.logprob))
         dest.top_logprobs.append(top)
         raw = ctx.token_bytes(tid)
         dest.text_offset.append(offsets.start(tid, raw))
