@@ -4,6 +4,7 @@ and its request's extra_args, run in worker processes too; their refusals and fa
 from __future__ import annotations
 
 import re
+import threading
 import types
 
 import pytest
@@ -53,6 +54,65 @@ class BiasFromArgs(LogitsProcessor):
             for token, value in row.extra_args["bias"].items():
                 out[j, int(token)] += value
         return out
+
+
+class BiasOrBoom(BiasFromArgs):
+    """BiasFromArgs that raises when any of its rows asks for "boom" (a failure of the whole call)."""
+
+    def apply(self, logits, rows):
+        if any(row.extra_args.get("boom") for row in rows):
+            raise RuntimeError("boom")
+        return super().apply(logits, rows)
+
+
+class ForceThenBoom(LogitsProcessor):
+    """Forces token 7, and raises once 3 tokens are out."""
+
+    @classmethod
+    def applies_to(cls, params):
+        return "force" in (params.extra_args or {})
+
+    def apply(self, logits, rows):
+        if any(len(row.output_token_ids) >= 3 for row in rows):
+            raise RuntimeError("late")
+        logits[:, 7] = 1e4
+        return logits
+
+
+class NaNs(LogitsProcessor):
+    @classmethod
+    def applies_to(cls, params):
+        return "nan" in (params.extra_args or {})
+
+    def apply(self, logits, rows):
+        return torch.full_like(logits, float("nan") if rows[0].extra_args["nan"] else float("-inf"))
+
+
+class NoInit(LogitsProcessor):
+    @classmethod
+    def applies_to(cls, params):
+        return "noinit" in (params.extra_args or {})
+
+    def __init__(self, vocab_size, device):
+        raise OSError("no such file")
+
+
+class BadCheck(LogitsProcessor):
+    @classmethod
+    def applies_to(cls, params):
+        return "badcheck" in (params.extra_args or {})
+
+    @classmethod
+    def validate_params(cls, params):
+        raise KeyError("nope")
+
+    def apply(self, logits, rows):
+        return logits
+
+
+class AlwaysBroken(LogitsProcessor):
+    def apply(self, logits, rows):
+        raise RuntimeError("always")
 
 
 class Broken(LogitsProcessor):
@@ -165,8 +225,8 @@ def test_validate_params_refuses_the_request(custom):
 
 @pytest.mark.parametrize("args, message", [
     ({"boom": True}, "logits processor Broken failed: RuntimeError: boom"),
-    ({"narrow": True}, r"logits processor WrongShape failed: LogitsProcessorError: apply returned \(2, 5\), not a "
-                       r"tensor of shape \(2, \d+\)"),
+    ({"narrow": True}, r"logits processor WrongShape failed: LogitsProcessorError: apply returned \(1, 5\), not a "
+                       r"tensor of shape \(1, \d+\)"),
 ], ids=["raises", "wrong-shape"])
 def test_a_failing_processor_ends_only_its_requests(plain, custom, args, message):
     """The request whose processor failed ends with the error; the call's other requests finish as usual (their
@@ -252,6 +312,8 @@ def test_tensor_parallel_worker_processes_run_them(tiny_llama_dir, processes):
                                       tensor_parallel_size=2, distributed_executor="mp", logits_processors=names)
     engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
     try:
+        with pytest.raises(RequestRejectedError, match="extra_args must be picklable, as the engine's worker"):
+            engine.add_request("lock", "hello", greedy(extra_args={"lock": threading.Lock()}))
         reqs = [(0, f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
         reqs.append((1, "boom", PROMPTS[0], greedy(extra_args={"boom": 1})))
         done = drive(engine, reqs, {}, 500)
@@ -289,3 +351,80 @@ def test_server_takes_vllm_xargs(tiny_llama_dir):
         stream = client.post("/v1/completions", json={**body, "stream": True, "vllm_xargs": {"boom": 1}})
         assert "Broken failed" in stream.text
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == free
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_llama_dir) -> LLM:
+    return llm_for(tiny_llama_dir, logits_processors=[BiasOrBoom, ForceThenBoom, NaNs, NoInit, BadCheck])
+
+
+def test_one_rows_failure_does_not_end_the_other_rows_of_the_call(plain, guarded):
+    """A processor that raises for one row of its call is called again row by row: only that row's request ends;
+    the other rows it processes get what they would alone."""
+    token = tokens(plain.generate(PROMPTS[:1], greedy(4), use_tqdm=False))[0][2]
+    good = greedy(extra_args={"bias": {str(token): 3.0}})
+    bad = greedy(extra_args={"bias": {}, "boom": True})
+    with pytest.raises(RequestFailedError, match="1 of 3") as info:
+        guarded.generate(PROMPTS[:3], [good, bad, good], use_tqdm=False)
+    outs = info.value.outputs
+    assert outs[0].error is None and outs[2].error is None and "BiasOrBoom failed: RuntimeError: boom" in outs[1].error
+    want = tokens(plain.generate(PROMPTS[:3], greedy(logit_bias={token: 3.0}), use_tqdm=False))
+    assert tokens(outs)[0] == want[0] and tokens(outs)[2] == want[2]
+
+
+@pytest.mark.parametrize("args, message, kept", [
+    ({"force": 1}, "ForceThenBoom failed: RuntimeError: late", [7, 7, 7]),
+    ({"nan": True}, "NaNs failed: apply returned a row with a NaN, a \\+inf or no finite logit", []),
+    ({"nan": False}, "NaNs failed: apply returned a row with a NaN, a \\+inf or no finite logit", []),
+    ({"noinit": 1}, "NoInit could not be made: OSError: no such file", []),
+], ids=["late-raise", "nan", "all-inf", "constructor"])
+def test_failures_keep_only_processed_tokens_and_the_engine(plain, guarded, args, message, kept):
+    """The failing step's token (drawn without the processor) is dropped; a constructor that raises, NaN or
+    all -inf rows fail their requests alone; the engine serves the next call."""
+    with pytest.raises(RequestFailedError) as info:
+        guarded.generate(PROMPTS[:2], [greedy(), greedy(extra_args=args)], use_tqdm=False)
+    failed = info.value.outputs[1]
+    assert re.search(message, failed.error) and failed.outputs[0].token_ids == kept
+    assert tokens(info.value.outputs[:1]) == tokens(plain.generate(PROMPTS[:1], greedy(), use_tqdm=False))
+    assert tokens(guarded.generate(PROMPTS[:1], greedy(), use_tqdm=False)) == \
+        tokens(plain.generate(PROMPTS[:1], greedy(), use_tqdm=False))
+    bm = guarded.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_a_processor_bug_in_validation_is_a_failure_not_a_refusal(guarded):
+    with pytest.raises(RequestFailedError, match="BadCheck failed on this request: KeyError: 'nope'"):
+        guarded.engine.add_request("x", "hello", greedy(extra_args={"badcheck": 1}))
+    assert not guarded.engine.has_unfinished_requests()
+
+
+def test_beam_search_rounds_skip_the_processors(tiny_llama_dir, plain):
+    from plinth import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    with_them = llm_for(tiny_llama_dir, logits_processors=[NoRepeat, Broken, WrongShape, NoInit])
+    got = with_them.beam_search(PROMPTS[:2], params)
+    want = plain.beam_search(PROMPTS[:2], params)
+    assert [[b.token_ids for b in o.sequences] for o in got] == [[b.token_ids for b in o.sequences] for o in want]
+
+
+def test_generate_files_report_failed_rows_and_rerun_them(tiny_llama_dir, tmp_path, capsys):
+    import json
+
+    from plinth.entrypoints.cli import main
+
+    rows = [{"id": "ok", "prompt": "Hello", "max_tokens": 4},
+            {"id": "bad", "prompt": "Hello", "max_tokens": 4, "extra_args": {"boom": 1}}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", str(tiny_llama_dir), "--dtype", "float32", "--selection", "off", "--input", str(inp),
+            "--output", str(out), "--logits-processors", f"{__name__}:Broken"]
+    assert main([*argv, "--bad-rows", "skip"]) == 0
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["ok"]
+    assert "row 2: logits processor Broken failed: RuntimeError: boom" in capsys.readouterr().err
+    assert main(argv) == 2   # the rerun tries the failed row again (--bad-rows fail: it stops the run)
+    assert "1 rows to run, 1 already done" in capsys.readouterr().err
+    assert main(["generate", str(tiny_llama_dir), "--dtype", "float32", "--selection", "off", "--prompt", "Hi",
+                 "--logits-processors", f"{__name__}:AlwaysBroken", "--max-tokens", "3"]) == 1
+    assert "prompt 1: logits processor AlwaysBroken failed: RuntimeError: always" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import functools
 import logging
 import numbers
 import operator
+import pickle
 import threading
 import time
 import weakref
@@ -663,6 +664,13 @@ class LLMEngine:
                 custom = check_request(self.logits_processors, params)
             except ValueError as exc:
                 raise RequestRejectedError(str(exc), param="extra_args") from None
+            if custom and self.runner is None and params.extra_args:   # the rows travel to worker processes
+                try:
+                    pickle.dumps(params.extra_args)
+                except Exception as exc:
+                    raise RequestRejectedError(f"extra_args must be picklable, as the engine's worker processes run "
+                                               f"the logits processors: {type(exc).__name__}: {exc}",
+                                               param="extra_args") from None
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
         if params.allowed_token_ids:
             self._check_some_token_allowed(params, bad_words)
@@ -962,18 +970,18 @@ class LLMEngine:
         positions = None
         if result.logprobs is not None:
             positions = result.logprobs.to_position_logprobs([r.sampling_params.logprobs for r in reqs])
+        if result.failed:   # first: their tokens (drawn without the processor) are dropped with them
+            self._fail_rows(reqs, result.failed, touched)
         if len(reqs) > len(out.sampled):   # speculative rows
             self._apply_verified(out, reqs, token_ids, positions, touched, final_only)
         else:
             if positions is not None:
                 self._record_logprobs(reqs, positions, token_ids)
             self._apply_tokens(out, reqs, token_ids, touched, final_only)
-        if result.failed:
-            self._fail_rows(reqs, result.failed, touched)
 
     def _fail_rows(self, rows: list[Any], failed: dict[int, str], touched: dict[str, _Group]) -> None:
         """End the requests of ``rows`` whose custom logits processor failed (``failed``: row -> what failed)
-        with that error; this step reports them."""
+        with that error, before the step's tokens are applied (theirs are dropped); this step reports them."""
         for row, message in failed.items():
             group = self._seq_to_group.get(rows[row].request_id)
             if group is None or group.error is not None:

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from plinth.errors import UserFacingError
+from plinth.errors import RequestFailedError, UserFacingError
 
 __all__ = ["LogitsProcessor", "LogitsProcessorError", "ProcessorRow", "resolve_processors"]
 
@@ -65,7 +65,7 @@ class LogitsProcessorError(UserFacingError, ValueError):
 class ProcessorRow:
     """One row a processor is given: the request (one sample of it, with ``n > 1``) as of this step."""
 
-    request_id: str
+    request_id: str   # the engine's id of the sequence (``ID#i`` for sample ``i`` of an ``n > 1`` request)
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     extra_args: Mapping[str, Any]
@@ -146,59 +146,100 @@ def check_request(processors: Sequence[type[LogitsProcessor]], params: Any) -> b
     applies to it.
 
     Raises:
-        ValueError: from a processor (refusing the request), or a processor's own failure, named.
+        ValueError: from a processor (refusing the request).
+        RequestFailedError: a processor's own failure (another exception), named.
     """
     applies = False
     for cls in processors:
         try:
-            if not cls.applies_to(params):
+            if not applies_to(cls, params):
                 continue
             cls.validate_params(params)
         except ValueError:
             raise
-        except Exception as exc:   # the processor's own bug: the request is refused, the engine lives on
-            raise LogitsProcessorError(f"logits processor {cls.__qualname__} failed on this request: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:   # the processor's bug: the request fails, the engine lives on
+            logger.exception("logits processor %s failed on a request's parameters", cls.__qualname__)
+            raise RequestFailedError(f"logits processor {cls.__qualname__} failed on this request: "
+                                     f"{type(exc).__name__}: {exc}") from exc
         applies = True
     return applies
 
 
+def applies_to(cls: type[LogitsProcessor], params: Any) -> bool:
+    """Whether processor ``cls`` runs on requests with these parameters (never on the engine's own rounds that
+    mark their parameters ``_no_logits_processors``, such as beam search's)."""
+    return not getattr(params, "_no_logits_processors", False) and cls.applies_to(params)
+
+
 class ProcessorSet:
-    """The sampler's instances of the installed processors, one set per device, made on first use."""
+    """The sampler's instances of the installed processors, one per device and logits width, made on first use."""
 
     def __init__(self, classes: Sequence[type[LogitsProcessor]]):
         self.classes = tuple(classes)
-        self._instances: dict[tuple[torch.device, int], list[LogitsProcessor]] = {}
+        self._instances: dict[tuple[torch.device, int, int], LogitsProcessor] = {}
 
     def apply(self, logits: torch.Tensor, groups: Sequence[tuple[tuple[int, ...], tuple[ProcessorRow, ...]]]
               ) -> dict[int, str]:
         """Run every processor on ``logits`` (float32 ``[B, V]``, changed in place): ``groups[k]`` gives processor
-        ``k``'s row indices and rows (an empty group skips it). A processor that raises, or returns something else
-        than a tensor of its rows' shape, leaves its rows as they were; returns those rows, each with what
-        failed (the engine ends their requests with it; the traceback goes to the log)."""
-        key = (logits.device, logits.shape[1])
-        made = self._instances.get(key)
-        if made is None:
-            made = self._instances[key] = [cls(vocab_size=logits.shape[1], device=logits.device)
-                                           for cls in self.classes]
+        ``k``'s row indices and rows (an empty group skips it).
+
+        Returns the rows a processor failed on, each with what failed (the engine ends their requests with it; the
+        traceback goes to the log): a processor that cannot be made fails all its rows; one whose ``apply`` raises
+        or returns something else than a tensor of its rows' shape is called again one row at a time, and fails
+        the rows it fails on alone; a row it returns with a NaN, a +inf or no finite logit fails.
+        """
         failed: dict[int, str] = {}
-        for proc, (index, rows) in zip(made, groups, strict=True):
+        for k, (index, rows) in enumerate(groups):
             if not index:
                 continue
-            whole = len(index) == logits.shape[0]   # (indices are increasing: every row, in order)
-            part = logits.clone() if whole else logits[list(index)]
-            name = type(proc).__qualname__
+            name = self.classes[k].__qualname__
             try:
-                out = proc.apply(part, rows)
-                if not isinstance(out, torch.Tensor) or out.shape != part.shape:
-                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise LogitsProcessorError(f"apply returned {got}, not a tensor of shape {tuple(part.shape)}")
-                if whole:
-                    logits.copy_(out)
-                else:
-                    logits[list(index)] = out.to(logits.device, logits.dtype)
-            except Exception as exc:   # the processor's bug ends its own rows' requests, not the engine
-                logger.exception("logits processor %s failed on %d row(s)", name, len(index))
-                for i in index:
-                    failed.setdefault(i, f"logits processor {name} failed: {type(exc).__name__}: {exc}")
+                proc = self._instance(k, logits)
+            except Exception as exc:   # its constructor's bug: its rows fail, the engine lives on
+                logger.exception("logits processor %s could not be made", name)
+                failed.update(dict.fromkeys(index, f"logits processor {name} could not be made: "
+                                                   f"{type(exc).__name__}: {exc}"))
+                continue
+            whole = len(index) == logits.shape[0]   # (indices are increasing: every row, in order)
+            out, error = _call(proc, logits.clone() if whole else logits[list(index)], rows)
+            if out is None and len(index) > 1:   # which rows does it fail on? (others' requests go on)
+                parts = [_call(proc, logits[i:i + 1].clone(), rows[j:j + 1]) for j, i in enumerate(index)]
+                failed.update({i: f"logits processor {name} failed: {e}" for i, (_, e) in zip(index, parts,
+                                                                                              strict=True) if e})
+                kept = [(i, o) for i, (o, _) in zip(index, parts, strict=True) if o is not None]
+                index = tuple(i for i, _ in kept)
+                out = torch.cat([o for _, o in kept]) if kept else None
+            elif out is None:
+                failed[index[0]] = f"logits processor {name} failed: {error}"
+            if out is None:
+                continue
+            bad = torch.isnan(out).any(dim=1) | torch.isposinf(out).any(dim=1) | torch.isneginf(out).all(dim=1)
+            for j in bad.nonzero().flatten().tolist():
+                failed.setdefault(index[j], f"logits processor {name} failed: apply returned a row with a NaN, a "
+                                            "+inf or no finite logit")
+            if len(index) == logits.shape[0]:
+                logits.copy_(out)
+            else:
+                logits[list(index)] = out
         return failed
+
+    def _instance(self, k: int, logits: torch.Tensor) -> LogitsProcessor:
+        key = (logits.device, logits.shape[1], k)
+        proc = self._instances.get(key)
+        if proc is None:
+            proc = self._instances[key] = self.classes[k](vocab_size=logits.shape[1], device=logits.device)
+        return proc
+
+
+def _call(proc: LogitsProcessor, part: torch.Tensor, rows: Sequence[ProcessorRow]
+          ) -> tuple[torch.Tensor | None, str | None]:
+    """``proc.apply(part, rows)`` as float32 on ``part``'s device, or ``(None, what failed)`` (logged)."""
+    try:
+        out = proc.apply(part, rows)
+        if not isinstance(out, torch.Tensor) or out.shape != part.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise LogitsProcessorError(f"apply returned {got}, not a tensor of shape {tuple(part.shape)}")
+        return out.to(part.device, part.dtype), None
+    except Exception as exc:   # the processor's bug ends its own rows' requests, not the engine
+        logger.exception("logits processor %s failed on %d row(s)", type(proc).__qualname__, len(rows))
+        return None, f"{type(exc).__name__}: {exc}"

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from plinth.core.logits_processors import ProcessorRow
+from plinth.core.logits_processors import ProcessorRow, applies_to
 from plinth.core.request import Request, SamplingParams
 from plinth.core.structured import allowed_tokens
 
@@ -126,7 +126,7 @@ class _Composition:
         params = list(map(_PARAMS, requests))
         distinct = {id(p): p for p in params}.values()   # requests usually share a few params objects
         # per custom logits processor, the rows it applies to (None: no row for any)
-        wanted = {id(p): tuple(cls.applies_to(p) for cls in processors) for p in distinct}
+        wanted = {id(p): tuple(applies_to(cls, p) for cls in processors) for p in distinct}
         custom = [tuple(i for i, p in enumerate(params) if wanted[id(p)][k]) for k in range(len(processors))]
         self.custom_rows = custom if any(custom) else None
         self.custom_prompts = {i: tuple(requests[i].prompt_token_ids) for i in set().union(*custom)}

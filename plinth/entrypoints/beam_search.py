@@ -141,6 +141,7 @@ def search(starts: list[list[int]], params: BeamSearchParams, eos: tuple[int, ..
     done: list[list[BeamSequence]] = [[] for _ in starts]
     step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=min(2 * params.beam_width, vocab or 2 * params.beam_width),
                           ignore_eos=True, detokenize=False)
+    step._no_logits_processors = True   # type: ignore[attr-defined]  # beams rank by logprobs: no custom processor
     for _ in range(params.max_tokens):
         # beams that fill the context end there (finish "length")
         batch = [(i, beam) for i, beams in enumerate(live) for beam in beams

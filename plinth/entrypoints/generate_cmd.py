@@ -186,7 +186,7 @@ def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
                 raise ValueError(f"expected a JSON list of strings, got {value!r}")
             return decoded
         return [value]
-    if name in ("logit_bias", "structured_outputs"):
+    if name in ("logit_bias", "structured_outputs", "extra_args"):
         return json.loads(value) if value.strip() else None
     if isinstance(default, bool):
         flag = value.strip().lower()
@@ -441,11 +441,17 @@ def _run_prompts(engine: Any, args: argparse.Namespace, base: SamplingParams) ->
     while engine.has_unfinished_requests():
         step()
     several = len(args.prompt) > 1
+    errors = 0
     for i in range(len(args.prompt)):
         if several:
             print(f"=== prompt {i + 1} ===")
-        print(outs[f"cli-{i}"].outputs[0].text)
-    return 0
+        out = outs[f"cli-{i}"]
+        if out.error:   # ended by an error of its own (a custom logits processor's)
+            print(f"plinth generate: error: prompt {i + 1}: {out.error}", file=sys.stderr)
+            errors += 1
+            continue
+        print(out.outputs[0].text)
+    return 1 if errors else 0
 
 
 def _logprobs(positions: Any) -> Any:
@@ -523,14 +529,29 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
 
     output.parent.mkdir(parents=True, exist_ok=True)
     submitted: dict[str, tuple[int, str]] = {}   # engine request id ("row-LINE") -> (line, the row's id)
+    failed: list[str] = []   # rows the engine ended with an error (a custom logits processor's): not written
     with output.open("a", encoding="utf-8") as f, tqdm(total=len(rows), unit="row", disable=None) as bar:
         def step() -> None:
             for out in engine.step(final_only=True):
                 if out.finished:
-                    f.write(json.dumps(_record(out, *submitted.pop(out.request_id)), ensure_ascii=False) + "\n")
+                    line, rid = submitted.pop(out.request_id)
+                    bar.update(1)
+                    if out.error:   # not done: a later run retries it
+                        failed.append(f"row {line}: {out.error}")
+                        continue
+                    f.write(json.dumps(_record(out, line, rid), ensure_ascii=False) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
-                    bar.update(1)
+
+        def stop() -> bool:
+            """Report the rows that failed; whether one of them stops the run (``--bad-rows fail``)."""
+            while failed:
+                if not _report(inp, bad_rows, failed.pop(0)):
+                    engine.abort_request(list(submitted))
+                    while engine.has_unfinished_requests():
+                        engine.step(final_only=True)
+                    return True
+            return False
 
         for line, rid, prompt, params, is_chat in rows:
             try:
@@ -543,13 +564,15 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
                                                "(--max-waiting-requests)") from None
             except (RequestRejectedError, ValueError, TypeError, jinja2.TemplateError) as exc:
                 bar.update(1)
-                if not _report(inp, bad_rows, f"row {line}: {exc}"):
-                    engine.abort_request(list(submitted))
-                    while engine.has_unfinished_requests():
-                        engine.step(final_only=True)
+                failed.append(f"row {line}: {exc}")
+                if stop():
                     return 2
                 continue
             submitted[f"row-{line}"] = (line, rid)
+            if stop():
+                return 2
         while engine.has_unfinished_requests():
             step()
+            if stop():
+                return 2
     return 0
