@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
+           "RequestOutputKind", "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
            "StructuredOutputsParams",
            "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "LoRARequest", "ModelRegistry", "__version__"]
 
@@ -19,6 +19,7 @@ _LAZY = {
     "PoolingParams": "plinth.core.pooling:PoolingParams",
     "RequestOutput": "plinth.core.request:RequestOutput",
     "CompletionOutput": "plinth.core.request:CompletionOutput",
+    "RequestOutputKind": "plinth.core.request:RequestOutputKind",
     "PoolingRequestOutput": "plinth.core.pooling:PoolingRequestOutput",
     "EmbeddingRequestOutput": "plinth.core.pooling:PoolingRequestOutput",
     "ScoringRequestOutput": "plinth.core.pooling:ScoringRequestOutput",
@@ -39,7 +40,14 @@ if TYPE_CHECKING:
         ScoringRequestOutput,
     )
     from plinth.core.pooling import PoolingRequestOutput as EmbeddingRequestOutput
-    from plinth.core.request import CompletionOutput, RequestOutput, SamplingParams, TextPrompt, TokensPrompt
+    from plinth.core.request import (
+        CompletionOutput,
+        RequestOutput,
+        RequestOutputKind,
+        SamplingParams,
+        TextPrompt,
+        TokensPrompt,
+    )
     from plinth.core.structured import StructuredOutputsParams
     from plinth.core.structured import StructuredOutputsParams as GuidedDecodingParams
     from plinth.entrypoints.beam_search import BeamSearchParams

@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from plinth.core.request import RequestOutput, SamplingParams
+from plinth.core.request import RequestOutput, RequestOutputKind, SamplingParams
 from plinth.errors import RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -225,7 +225,9 @@ class AsyncLLMEngine:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is
-        yielded. Leaving the loop early (or being cancelled) aborts the request. ``accepted``
+        yielded; a request whose ``SamplingParams.output_kind`` is ``DELTA`` gets what is new since the output
+        it was given before (the prompt's logprobs in the first), one that is ``FINAL_ONLY`` the final output only.
+        Leaving the loop early (or being cancelled) aborts the request. ``accepted``
         (if given) is resolved once the engine has taken the request, which may be long before
         its first output when the batch is full.
 
@@ -238,6 +240,8 @@ class AsyncLLMEngine:
         prompt = prompt if isinstance(prompt, str) else list(prompt)
         self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request))
         finished = False
+        kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
+        delta = _Delta() if kind == RequestOutputKind.DELTA else None
         try:
             while True:
                 item = await sink.box.take()
@@ -249,6 +253,12 @@ class AsyncLLMEngine:
                 if item is None:
                     continue
                 finished = item.finished
+                if kind == RequestOutputKind.FINAL_ONLY and not finished:
+                    continue
+                if delta is not None:
+                    item = delta.next(item)
+                    if item is None:
+                        continue
                 yield item
                 if finished:
                     return
@@ -419,3 +429,31 @@ class AsyncLLMEngine:
 def _put_all(items: list[tuple[_Mailbox, Any]]) -> None:
     for box, item in items:
         box.put(item)
+
+
+class _Delta:
+    """Turns a request's cumulative outputs into deltas (``RequestOutputKind.DELTA``): each completion's new text,
+    tokens and logprobs since the output handed out before (completions with nothing new are left out; the
+    cumulative logprob stays cumulative), the prompt's logprobs in the first output only."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, int, bool]] = {}   # index -> (text chars, tokens, finished) handed out
+        self._first = True
+
+    def next(self, out: RequestOutput) -> RequestOutput | None:
+        """The delta of ``out`` (a cumulative output), or None when it holds nothing new."""
+        parts = []
+        for c in out.outputs:
+            chars, tokens, done = self._sent.get(c.index, (0, 0, False))
+            if len(c.text) == chars and len(c.token_ids) == tokens and c.finished == done:
+                continue
+            parts.append(dataclasses.replace(
+                c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+                logprobs=c.logprobs[tokens:] if c.logprobs is not None else None))
+            self._sent[c.index] = (len(c.text), len(c.token_ids), c.finished)
+        if not parts and not out.finished and not self._first:
+            return None
+        delta = dataclasses.replace(out, outputs=parts,
+                                    prompt_logprobs=out.prompt_logprobs if self._first else None)
+        self._first = False
+        return delta

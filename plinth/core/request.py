@@ -45,6 +45,16 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What the outputs of a streamed request hold (``AsyncLLMEngine.generate``; vLLM's): everything so far
+    (``CUMULATIVE``, the default), only what is new since the output before (``DELTA``), or only the final output
+    (``FINAL_ONLY``). Offline calls return final outputs whatever it says."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to sample one request, with the OpenAI / vLLM meanings.
@@ -95,6 +105,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     #: for custom logits processors (:mod:`plinth.core.logits_processors`): a mapping with string keys
     extra_args: dict[str, Any] | None = None
+    #: what a streamed request's outputs hold (:class:`RequestOutputKind`)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     #: vLLM's earlier name of ``structured_outputs`` (a ``GuidedDecodingParams``), taken as it
     guided_decoding: dataclasses.InitVar[Any] = None
 
@@ -123,6 +135,9 @@ class SamplingParams:
         self.logit_bias = _token_bias(self.logit_bias)
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool | RequestOutputKind) \
+                and self.output_kind in tuple(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
         try:
             self.structured_outputs = structured.normalize(self.structured_outputs)
         except ValueError as exc:
@@ -217,6 +232,8 @@ class SamplingParams:
         words = self.bad_words
         check(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
               "bad_words", f"must be a list of non-blank strings, got {words!r}")
+        check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+              f"must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {self.output_kind!r}")
         extra = self.extra_args
         check(extra is None or (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)), "extra_args",
               f"must be a mapping with string keys, got {extra!r}"[:300])

@@ -1,0 +1,81 @@
+"""SamplingParams.output_kind (vLLM's RequestOutputKind) on the async engine: deltas that add up to the cumulative
+outputs, or the final output alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from plinth import LLM, RequestOutputKind, SamplingParams
+from plinth.core.request import SamplingParamsError
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of France, and Berlin is"]
+
+
+def params(kind: RequestOutputKind) -> SamplingParams:
+    return SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=20, logprobs=2, prompt_logprobs=1,
+                          stop=["e"], output_kind=kind)
+
+
+def collect(llm: LLM, kind: RequestOutputKind, lag: float = 0.0) -> list[list]:
+    from plinth.core.async_engine import AsyncLLMEngine
+
+    front = AsyncLLMEngine(llm.engine)
+
+    async def one(i: int) -> list:
+        outs = []
+        async for out in front.generate(f"r{i}", PROMPTS[i], params(kind)):
+            outs.append(out)
+            await asyncio.sleep(lag)   # a slow reader: outputs it missed are merged into the next one
+        return outs
+
+    async def main() -> list[list]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(PROMPTS)))), 120)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        front.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", selection="off", max_num_seqs=2)
+
+
+@pytest.fixture(scope="module")
+def finals(llm) -> list:
+    return [outs[-1] for outs in collect(llm, RequestOutputKind.CUMULATIVE)]
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.02], ids=["prompt-reader", "slow-reader"])
+def test_deltas_add_up_to_the_cumulative_output(llm, finals, lag):
+    streams = collect(llm, RequestOutputKind.DELTA, lag)
+    for outs, final in zip(streams, finals, strict=True):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[0].prompt_logprobs == final.prompt_logprobs
+        assert all(o.prompt_logprobs is None for o in outs[1:])
+        for want in final.outputs:
+            parts = [c for o in outs for c in o.outputs if c.index == want.index]
+            assert "".join(c.text for c in parts) == want.text
+            assert [t for c in parts for t in c.token_ids] == want.token_ids
+            assert [p for c in parts for p in c.logprobs] == want.logprobs
+            assert parts[-1].finish_reason == want.finish_reason and parts[-1].stop_reason == want.stop_reason
+            assert parts[-1].cumulative_logprob == want.cumulative_logprob
+            assert all(c.token_ids or c.text or c.finished for c in parts)   # nothing empty is handed out
+
+
+def test_final_only_yields_the_final_output(llm, finals):
+    streams = collect(llm, RequestOutputKind.FINAL_ONLY)
+    assert [len(outs) for outs in streams] == [1, 1]
+    for (out,), final in zip(streams, finals, strict=True):
+        assert out.finished and out.outputs == final.outputs
+
+
+def test_offline_calls_return_final_outputs_and_bad_kinds_are_refused(llm, finals):
+    got = llm.generate(PROMPTS, params(RequestOutputKind.DELTA), use_tqdm=False)
+    assert [o.outputs for o in got] == [f.outputs for f in finals]
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    with pytest.raises(SamplingParamsError, match="output_kind: must be a RequestOutputKind"):
+        SamplingParams(output_kind="delta")
