@@ -4,8 +4,9 @@ Order of operations, per row (vLLM's):
 
 1. logprobs, when asked, are taken from the RAW model logits (``log_softmax`` before
    min_tokens, penalties, temperature or filters), as vLLM does by default (``logprobs_mode``: the
-   ``processed_*`` modes take them from the logits each row's token is chosen from, step 4 or 5, and the
-   ``*_logits`` modes report logits); then the engine's custom logits processors (:mod:`plinth.core.logits_processors`) change the rows they apply to;
+   ``processed_*`` modes take them from the logits each row's token is chosen from, step 4 or 5, and
+   the ``*_logits`` modes report logits); then the engine's custom logits processors
+   (:mod:`plinth.core.logits_processors`) change the rows they apply to;
 2. structured outputs: tokens the request's grammar does not allow next get ``-inf``;
    ``logit_bias`` is added to its tokens' logits; ``min_tokens``: EOS (unless ``ignore_eos``) and
    ``stop_token_ids`` get ``-inf`` while fewer than ``min_tokens`` tokens have been generated;
