@@ -341,6 +341,11 @@ def test_server_takes_vllm_xargs(tiny_llama_dir):
         assert biased != free
         got = client.post("/v1/completions", json={**body, "vllm_xargs": {"bias": {"40": 4}}})
         assert got.status_code == 200 and got.json()["choices"][0]["text"] == biased
+        chat_body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+        by_bias = client.post("/v1/chat/completions", json={**chat_body, "logit_bias": {"40": 4}}).json()
+        by_args = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 8,
+                                                     "temperature": 0, "vllm_xargs": {"bias": {"40": 4}}}).json()
+        assert by_args["output"][0]["content"][0]["text"] == by_bias["choices"][0]["message"]["content"]
         chat = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 8, "temperature": 0,
                                                           "messages": [{"role": "user", "content": "hi"}],
                                                           "vllm_xargs": {"bias": {"x": 1}}})

@@ -676,7 +676,9 @@ class ResponsesRequest(_NamedExtras):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    vllm_xargs: dict[str, Any] | None = None   # the request's extra_args, for the server's custom logits processors
 
     #: the fields passed on to the chat request as they are
     CHAT_FIELDS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "user", "priority", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+                   "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "vllm_xargs")
