@@ -349,7 +349,7 @@ def test_server_takes_vllm_xargs(tiny_llama_dir):
         chat = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 8, "temperature": 0,
                                                           "messages": [{"role": "user", "content": "hi"}],
                                                           "vllm_xargs": {"bias": {"x": 1}}})
-        assert chat.status_code == 400 and chat.json()["error"]["param"] == "extra_args"
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "vllm_xargs"   # the body's name
         failed = client.post("/v1/completions", json={**body, "vllm_xargs": {"boom": 1}})
         assert failed.status_code == 500
         assert "logits processor Broken failed: RuntimeError: boom" in failed.json()["error"]["message"]
@@ -419,17 +419,20 @@ def test_generate_files_report_failed_rows_and_rerun_them(tiny_llama_dir, tmp_pa
     from plinth.entrypoints.cli import main
 
     rows = [{"id": "ok", "prompt": "Hello", "max_tokens": 4},
-            {"id": "bad", "prompt": "Hello", "max_tokens": 4, "extra_args": {"boom": 1}}]
+            {"id": "bad", "prompt": "Hello", "max_tokens": 4, "extra_args": {"boom": 1}},
+            {"id": "check", "prompt": "Hello", "max_tokens": 4, "extra_args": {"badcheck": 1}}]
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     argv = ["generate", str(tiny_llama_dir), "--dtype", "float32", "--selection", "off", "--input", str(inp),
-            "--output", str(out), "--logits-processors", f"{__name__}:Broken"]
+            "--output", str(out), "--logits-processors", f"{__name__}:Broken", f"{__name__}:BadCheck"]
     assert main([*argv, "--bad-rows", "skip"]) == 0
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["ok"]
-    assert "row 2: logits processor Broken failed: RuntimeError: boom" in capsys.readouterr().err
-    assert main(argv) == 2   # the rerun tries the failed row again (--bad-rows fail: it stops the run)
-    assert "1 rows to run, 1 already done" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "row 2: logits processor Broken failed: RuntimeError: boom" in err
+    assert "row 3: logits processor BadCheck failed on this request: KeyError: 'nope'" in err
+    assert main(argv) == 2   # the rerun tries the failed rows again (--bad-rows fail: the first stops the run)
+    assert "2 rows to run, 1 already done" in capsys.readouterr().err
     assert main(["generate", str(tiny_llama_dir), "--dtype", "float32", "--selection", "off", "--prompt", "Hi",
                  "--logits-processors", f"{__name__}:AlwaysBroken", "--max-tokens", "3"]) == 1
     assert "prompt 1: logits processor AlwaysBroken failed: RuntimeError: always" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from typing import Any
 
 from plinth.core.request import SamplingParams, SamplingParamsError, encodable_text, json_logprob
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from plinth.errors import CliError
+from plinth.errors import CliError, RequestFailedError
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -562,7 +562,7 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
                 except QueueFullError:   # nothing to wait for: it can never fit
                     raise RequestRejectedError("the row's sequences do not fit in the waiting queue "
                                                "(--max-waiting-requests)") from None
-            except (RequestRejectedError, ValueError, TypeError, jinja2.TemplateError) as exc:
+            except (RequestRejectedError, RequestFailedError, ValueError, TypeError, jinja2.TemplateError) as exc:
                 bar.update(1)
                 failed.append(f"row {line}: {exc}")
                 if stop():

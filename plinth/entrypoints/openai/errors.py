@@ -61,7 +61,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), "service_unavailable_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, RequestRejectedError):   # without the engine's own request id, which the client never saw
-        return bad_request(_ENGINE_REQUEST.sub("", str(exc), count=1), exc.param or "prompt")
+        param = {"extra_args": "vllm_xargs"}.get(exc.param or "prompt", exc.param or "prompt")   # the body's name
+        return bad_request(_ENGINE_REQUEST.sub("", str(exc), count=1), param)
     if isinstance(exc, RequestFailedError):   # the server's own code failed this request (the log has the traceback)
         return APIError(500, str(exc), "server_error")
     if isinstance(exc, EngineDeadError):
