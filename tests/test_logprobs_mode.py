@@ -107,7 +107,8 @@ def test_speculative_decoding_keeps_the_processed_logprobs(tiny_llama_dir):
     x, y = (m.generate(prompt, params, use_tqdm=False)[0].outputs[0] for m in (a, b))
     assert x.token_ids == y.token_ids
     for p, q in zip(x.logprobs, y.logprobs, strict=True):
-        assert {t: round(v.logprob, 4) for t, v in p.items()} == {t: round(v.logprob, 4) for t, v in q.items()}
+        assert p.keys() == q.keys()
+        assert [p[t].logprob for t in p] == pytest.approx([q[t].logprob for t in p], abs=1e-4)
     assert a.engine.stats()["speculative"]["num_accepted_tokens"] > 0
 
 
