@@ -1,5 +1,5 @@
-"""The Ray executor on a local, loopback-only Ray cluster started by the test: TP=2 greedy outputs and
-prompt logprobs equal the single-process engine's."""
+"""The Ray executor on a local Ray cluster started by the test: TP=2 greedy outputs and prompt logprobs equal the
+single-process engine's."""
 
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 The actors are placed with a placement group, one bundle per rank (a GPU each on CUDA, a CPU
 each on CPUs), ``PACK``ed so the ranks of a small engine share a node. The executor joins the
 Ray cluster at ``$RAY_ADDRESS`` (``ray.init(address="auto")``), or uses the one this process
-already joined, or starts a local one on the loopback interface (stopped again on shutdown). Each step's batch is put in
-the object store once and handed to every actor; the ranks meet through a ``TCPStore`` hosted
-by the driver on its node address.
+already joined, or starts a local one (Ray's own local instance, which Ray binds to the machine's address; stopped
+again when the last engine of this process that uses it shuts down). Each step's batch is put in the object store once
+and handed to every actor; the ranks meet through a ``TCPStore`` hosted by the driver on its node address. A CPU rank
+reserves one CPU, and Ray limits the actor's threads to it (``OMP_NUM_THREADS=1``).
 
 A dead actor surfaces as Ray's ``RayActorError`` and becomes
 :class:`~plinth.distributed.executor.WorkerDiedError`; actors die with their owner, so no
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 #: after one actor's call raised: how long the others may take to show that one of them died (the real cause)
 DEATH_WAIT_S = 2.0
+
+#: the local Ray instance this process's executors started: whether one runs, and how many live executors use it (the
+#: last one to shut down stops it)
+_LOCAL_RAY = {"started": False, "users": 0}
 
 
 class RayWorker:
@@ -88,11 +93,15 @@ class RayExecutor(DistributedExecutor):
         self._pg: Any = None
         self._store: Any = None
         if not ray.is_initialized():
+            _LOCAL_RAY["started"] = False
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
-            else:   # a cluster of this machine only: keep it on the loopback interface
+            else:   # a cluster of this machine only (Ray may still bind it to the machine's address)
                 ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
-                self._owns_ray = True
+                _LOCAL_RAY["started"] = True
+        if _LOCAL_RAY["started"]:   # another engine of this process may still use the instance: counted
+            _LOCAL_RAY["users"] += 1
+            self._owns_ray = True
         try:
             platform = select_platform(config.device.platform)
             resource = "GPU" if platform.device_type == "cuda" else "CPU"
@@ -131,14 +140,22 @@ class RayExecutor(DistributedExecutor):
     def worker_pids(self) -> list[int]:
         return list(self._pids)
 
+    def _check_ray(self) -> None:
+        """Raises WorkerDiedError when the Ray session the actors ran in is gone (``ray.shutdown()`` by the user):
+        a call would otherwise start a new, empty local Ray instance."""
+        if not self._ray.is_initialized():
+            raise WorkerDiedError("the Ray session this engine's workers ran in was shut down")
+
     def _call_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         self._check_alive()
+        self._check_ray()
         ray = self._ray
         refs_args = [ray.put(a) if not isinstance(a, (int, float, str, type(None))) else a for a in args]
         return self._wait([a.call.remote(method, *refs_args) for a in self._actors], method, timeout_s)
 
     def _call_one(self, rank: int, method: str, *args: Any, timeout_s: float) -> Any:
         self._check_alive()
+        self._check_ray()
         return self._wait([self._actors[rank].call.remote(method, *args)], method, timeout_s)[0]
 
     def _wait(self, refs: list[Any], method: str, timeout_s: float) -> list[Any]:
@@ -193,14 +210,26 @@ class RayExecutor(DistributedExecutor):
         ray = self._ray if hasattr(self, "_ray") else None
         if ray is None:
             return
-        for actor in self._actors:
-            ray.kill(actor, no_restart=True)
+        alive = ray.is_initialized()   # (the user may have shut the session down: nothing is left to stop)
+        for actor in self._actors if alive else ():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - gone already: what was being stopped is stopped
+                logger.debug("stopping a Ray actor: %s", exc)
         self._actors = []
-        if self._pg is not None:
+        if self._pg is not None and alive:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self._pg)
-            self._pg = None
+            try:
+                remove_placement_group(self._pg)
+            except Exception as exc:  # noqa: BLE001 - as above
+                logger.debug("removing the placement group: %s", exc)
+        self._pg = None
         self._store = None
         if self._owns_ray:
-            ray.shutdown()
+            self._owns_ray = False
+            _LOCAL_RAY["users"] = max(0, _LOCAL_RAY["users"] - 1)
+            if _LOCAL_RAY["users"] == 0 and _LOCAL_RAY["started"]:   # the last engine of this process using it
+                _LOCAL_RAY["started"] = False
+                if ray.is_initialized():
+                    ray.shutdown()
