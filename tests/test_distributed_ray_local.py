@@ -54,3 +54,16 @@ def test_a_ray_session_shut_down_under_an_engine_is_a_worker_failure(tmp_path, n
         llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert not ray.is_initialized()   # no new instance was started behind the user's back
     llm.close()
+
+
+def test_closing_an_engine_leaves_a_session_the_user_started_since(tmp_path, no_ray):
+    """The instance an engine started was shut down by the user, who started a session of their own: closing the
+    engine stops nothing of the user's."""
+    path = save_family("llama", tmp_path)
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor="ray", **ENGINE_KW)
+    ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    mine = ray.get_runtime_context().gcs_address
+    llm.close()
+    assert ray.is_initialized() and ray.get_runtime_context().gcs_address == mine
+    assert ray.get(ray.put(7)) == 7

@@ -4,6 +4,7 @@ outputs, or the final output alone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -88,3 +89,22 @@ def test_offline_calls_return_final_outputs_and_bad_kinds_are_refused(llm, final
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
     with pytest.raises(SamplingParamsError, match="output_kind: must be a RequestOutputKind"):
         SamplingParams(output_kind="delta")
+
+
+def test_outputs_do_not_share_the_engines_logprobs_list(llm):
+    """An output handed out keeps its logprobs as they were (the engine's own list grows with later tokens), so a
+    delta never carries logprobs of tokens it does not hold."""
+    from plinth.core.async_engine import _Delta
+
+    engine = llm.engine
+    engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True))
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = out
+    c = first.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) < 6
+    delta = _Delta()
+    grown = dataclasses.replace(first, outputs=[dataclasses.replace(c, logprobs=c.logprobs + [{}])])
+    assert len(delta.next(grown).outputs[0].logprobs) == len(c.token_ids)

@@ -233,6 +233,8 @@ class AsyncLLMEngine:
 
         Raises:
             RequestRejectedError, QueueFullError: from the engine, before anything is yielded.
+            RequestFailedError: the engine ended the request with an error of its own (a custom logits processor
+                failed on it), after the outputs before.
             EngineDeadError: the engine loop is not running.
         """
         loop = asyncio.get_running_loop()
@@ -449,7 +451,7 @@ class _Delta:
                 continue
             parts.append(dataclasses.replace(
                 c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-                logprobs=c.logprobs[tokens:] if c.logprobs is not None else None))
+                logprobs=c.logprobs[tokens:len(c.token_ids)] if c.logprobs is not None else None))
             self._sent[c.index] = (len(c.text), len(c.token_ids), c.finished)
         if not parts and not out.finished and not self._first:
             return None

@@ -658,19 +658,20 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"min_tokens is {params.min_tokens}, but after the prompt's {len(ids)} tokens this model's context "
                 f"of {self.max_model_len} tokens leaves room for {max(self.max_model_len - len(ids), 0)}")
-        custom = False   # whether a custom logits processor applies (it reads every token so far)
+        applies: tuple[bool, ...] = ()   # which custom logits processors apply (they read every token so far)
         if self.logits_processors and pooling is None:
             try:
-                custom = check_request(self.logits_processors, params)
+                applies = check_request(self.logits_processors, params)
             except ValueError as exc:
                 raise RequestRejectedError(str(exc), param="extra_args") from None
-            if custom and self.runner is None and params.extra_args:   # the rows travel to worker processes
-                try:
-                    pickle.dumps(params.extra_args)
-                except Exception as exc:
-                    raise RequestRejectedError(f"extra_args must be picklable, as the engine's worker processes run "
-                                               f"the logits processors: {type(exc).__name__}: {exc}",
-                                               param="extra_args") from None
+        custom = any(applies)
+        if custom and self.runner is None and params.extra_args:   # the rows travel to worker processes
+            try:
+                pickle.dumps(params.extra_args)
+            except Exception as exc:
+                raise RequestRejectedError(f"extra_args must be picklable, as the engine's worker processes run "
+                                           f"the logits processors: {type(exc).__name__}: {exc}",
+                                           param="extra_args") from None
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
         if params.allowed_token_ids:
             self._check_some_token_allowed(params, bad_words)
@@ -691,6 +692,7 @@ class LLMEngine:
                               default_max_tokens=self.default_max_tokens)
                 req.priority = priority
                 req.bad_words_ids = bad_words
+                req.logits_processors = applies if custom else ()
                 req.lora = adapter
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
@@ -1149,6 +1151,9 @@ class LLMEngine:
         if prev.step.output is None:
             self.scheduler.update_from_output(prev.out, [None] * len(prev.out.scheduled))
             return
+        failed = getattr(prev.step.output, "failed", None)   # (processor rows run synchronously: not expected here)
+        if failed:
+            self._fail_rows(prev.reqs, failed, touched)
         if prev.step.output.logprobs is not None:
             num_logprobs = [r.sampling_params.logprobs for r in prev.reqs]
             positions = prev.step.output.logprobs.to_position_logprobs(num_logprobs)
@@ -1359,7 +1364,8 @@ class LLMEngine:
                     all_finished = False
             detok = seq.detok
             completions.append(CompletionOutput(i, detok.emitted_text if detok is not None else "",
-                                                list(req.output_token_ids), seq.cumulative_logprob, seq.logprobs,
+                                                list(req.output_token_ids), seq.cumulative_logprob,
+                                                list(seq.logprobs) if seq.logprobs is not None else None,
                                                 reason, req.stop_reason))
         first = group.seqs[0].request
         # the metrics as of this output (the request's own object goes on changing)

@@ -34,8 +34,7 @@ importable there (a module on the path, not ``__main__``).
 Requests that a processor applies to run with synchronous steps (each step's tokens are on the host before the next
 step is built), so that ``output_token_ids`` is always current. A request's rows carry its prompt, its tokens so far
 and its ``extra_args``; with speculative decoding a step holds one row per verified position, each with the drafts
-before it counted as output. Beam search ranks beams by the engine's log-probabilities: with the default
-``raw_logprobs`` mode processors do not steer it.
+before it counted as output. Beam search rounds never run custom processors.
 
 Processors are named by a plugin (hook ``plinth_logits_processors``), or given as ``"package.module:Class"`` (or
 ``"package.module.Class"``) or, from Python, as the class itself.
@@ -66,8 +65,8 @@ class ProcessorRow:
     """One row a processor is given: the request (one sample of it, with ``n > 1``) as of this step."""
 
     request_id: str   # the engine's id of the sequence (``ID#i`` for sample ``i`` of an ``n > 1`` request)
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]   # the request's own lists, read-only (copy them to keep them)
+    output_token_ids: Sequence[int]
     extra_args: Mapping[str, Any]
 
 
@@ -77,6 +76,10 @@ class LogitsProcessor:
     An instance is made per device the first time the sampler needs it, with the logits' width (``vocab_size``)
     and the ``device``; it lives as long as the engine. Subclasses implement :meth:`apply` and may narrow
     :meth:`applies_to` (default: every request) and check requests with :meth:`validate_params`.
+
+    :meth:`apply` should be a function of its rows: after a call that raised, the sampler calls it again one row at a
+    time (to find the rows it fails on), and nothing tells a processor that a request ended, so state kept per
+    request (by ``request_id``) is the processor's to bound.
     """
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
@@ -85,8 +88,8 @@ class LogitsProcessor:
 
     @classmethod
     def applies_to(cls, params: Any) -> bool:
-        """Whether this processor acts on requests with these ``SamplingParams`` (asked when the batch's requests
-        change; the rows it does not apply to are never given to :meth:`apply`)."""
+        """Whether this processor acts on requests with these ``SamplingParams`` (asked once, when the request
+        arrives; the rows it does not apply to are never given to :meth:`apply`)."""
         return True
 
     @classmethod
@@ -95,7 +98,7 @@ class LogitsProcessor:
 
         Raises:
             ValueError: the request cannot be served; the message reaches the caller (a server's client gets it
-                as a 400 naming ``extra_args``).
+                as a 400 naming ``vllm_xargs``).
         """
 
     def apply(self, logits: torch.Tensor, rows: Sequence[ProcessorRow]) -> torch.Tensor:
@@ -141,34 +144,38 @@ def _resolve(spec: Any) -> type[LogitsProcessor]:
     return found
 
 
-def check_request(processors: Sequence[type[LogitsProcessor]], params: Any) -> bool:
-    """Run the processors' :meth:`~LogitsProcessor.validate_params` on a request's parameters; whether any of them
-    applies to it.
+def check_request(processors: Sequence[type[LogitsProcessor]], params: Any) -> tuple[bool, ...]:
+    """Which processors apply to a request (:meth:`~LogitsProcessor.applies_to`; none to the engine's own rounds
+    that mark their parameters ``_no_logits_processors``, such as beam search's), each of those having checked it
+    (:meth:`~LogitsProcessor.validate_params`).
 
     Raises:
-        ValueError: from a processor (refusing the request).
-        RequestFailedError: a processor's own failure (another exception), named.
+        ValueError: from ``validate_params`` (refusing the request).
+        RequestFailedError: a processor's own failure (any other exception, or any from ``applies_to``), named.
     """
-    applies = False
+    if getattr(params, "_no_logits_processors", False):
+        return (False,) * len(processors)
+    applies = []
     for cls in processors:
         try:
-            if not applies_to(cls, params):
-                continue
-            cls.validate_params(params)
-        except ValueError:
-            raise
+            wanted = bool(cls.applies_to(params))
         except Exception as exc:   # the processor's bug: the request fails, the engine lives on
-            logger.exception("logits processor %s failed on a request's parameters", cls.__qualname__)
-            raise RequestFailedError(f"logits processor {cls.__qualname__} failed on this request: "
-                                     f"{type(exc).__name__}: {exc}") from exc
-        applies = True
-    return applies
+            raise _failure(cls, exc) from exc
+        if wanted:
+            try:
+                cls.validate_params(params)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise _failure(cls, exc) from exc
+        applies.append(wanted)
+    return tuple(applies)
 
 
-def applies_to(cls: type[LogitsProcessor], params: Any) -> bool:
-    """Whether processor ``cls`` runs on requests with these parameters (never on the engine's own rounds that
-    mark their parameters ``_no_logits_processors``, such as beam search's)."""
-    return not getattr(params, "_no_logits_processors", False) and cls.applies_to(params)
+def _failure(cls: type[LogitsProcessor], exc: Exception) -> RequestFailedError:
+    logger.error("logits processor %s failed on a request's parameters", cls.__qualname__, exc_info=exc)
+    return RequestFailedError(f"logits processor {cls.__qualname__} failed on this request: "
+                              f"{type(exc).__name__}: {exc}")
 
 
 class ProcessorSet:
@@ -213,13 +220,17 @@ class ProcessorSet:
                 failed[index[0]] = f"logits processor {name} failed: {error}"
             if out is None:
                 continue
-            bad = torch.isnan(out).any(dim=1) | torch.isposinf(out).any(dim=1) | torch.isneginf(out).all(dim=1)
-            for j in bad.nonzero().flatten().tolist():
+            bad = (torch.isnan(out).any(dim=1) | torch.isposinf(out).any(dim=1)
+                   | torch.isneginf(out).all(dim=1)).nonzero().flatten().tolist()
+            for j in bad:
                 failed.setdefault(index[j], f"logits processor {name} failed: apply returned a row with a NaN, a "
                                             "+inf or no finite logit")
+            if bad:   # those rows keep their logits (the next processors and the sampler see no NaN)
+                keep = [j for j in range(len(index)) if j not in set(bad)]
+                index, out = tuple(index[j] for j in keep), out[keep]
             if len(index) == logits.shape[0]:
                 logits.copy_(out)
-            else:
+            elif index:
                 logits[list(index)] = out
         return failed
 

@@ -434,6 +434,8 @@ class Request:
         self.matcher: Any = None   # structured outputs: the sequence's grammar matcher (plinth.core.structured)
         self.pooling: Any = None   # an embedding request's PoolState (plinth.core.pooling)
         self.bad_words_ids: list[list[int]] = []   # sampling_params.bad_words as token sequences (the engine's)
+        #: per installed custom logits processor, whether it applies (asked once, on arrival); () for none
+        self.logits_processors: tuple[bool, ...] = ()
         self.lora: Any = None      # the LoRA adapter it runs with (plinth.lora.adapter.LoRAAdapter), or None
         self.adapter_waits = 0     # steps it waited for a slot for its adapter while others passed it
         self.draft_token_ids: list[int] = []   # speculative decoding: the drafts its scheduled step verifies

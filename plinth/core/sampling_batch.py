@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from plinth.core.logits_processors import ProcessorRow, applies_to
+from plinth.core.logits_processors import ProcessorRow
 from plinth.core.request import Request, SamplingParams
 from plinth.core.structured import allowed_tokens
 
@@ -125,11 +125,10 @@ class _Composition:
         self.vocab_size = V = vocab_size
         params = list(map(_PARAMS, requests))
         distinct = {id(p): p for p in params}.values()   # requests usually share a few params objects
-        # per custom logits processor, the rows it applies to (None: no row for any)
-        wanted = {id(p): tuple(applies_to(cls, p) for cls in processors) for p in distinct}
-        custom = [tuple(i for i, p in enumerate(params) if wanted[id(p)][k]) for k in range(len(processors))]
+        # per custom logits processor, the rows it applies to (asked when each request arrived; None: no row for any)
+        custom = [tuple(i for i, r in enumerate(requests) if k < len(r.logits_processors) and r.logits_processors[k])
+                  for k in range(len(processors))]
         self.custom_rows = custom if any(custom) else None
-        self.custom_prompts = {i: tuple(requests[i].prompt_token_ids) for i in set().union(*custom)}
         self.plain: SamplingBatch | None = None
         if self.custom_rows is None and all(map(_plain_greedy, distinct)):
             self.plain = SamplingBatch.plain_greedy(len(params), device)
@@ -240,9 +239,10 @@ class _Composition:
             allowed = (self._dev(np.array(self.masked_rows, dtype=np.int64)), self._dev(mask))
         custom = None
         if self.custom_rows is not None:   # as of the requests' latest tokens (synchronous steps)
-            rows = {i: ProcessorRow(requests[i].request_id, prompt, tuple(requests[i].output_token_ids),
-                                    requests[i].sampling_params.extra_args or {})
-                    for i, prompt in self.custom_prompts.items()}
+            # the requests' own lists (no copy per step; processors read them)
+            rows = {i: ProcessorRow(requests[i].request_id, requests[i].prompt_token_ids,
+                                    requests[i].output_token_ids, requests[i].sampling_params.extra_args or {})
+                    for i in set().union(*self.custom_rows)}
             custom = tuple((index, tuple(rows[i] for i in index)) for index in self.custom_rows)
         return dataclasses.replace(self.static, output_counts=counts, min_tokens_index=min_tokens_index,
                                    seed_keys=seed_keys, allowed=allowed, custom=custom)

@@ -144,6 +144,10 @@ class DraftRow:
         return self.request.bad_words_ids
 
     @property
+    def logits_processors(self) -> tuple[bool, ...]:
+        return self.request.logits_processors
+
+    @property
     def request_id(self) -> str:
         return self.request.request_id
 

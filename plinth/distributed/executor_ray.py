@@ -6,7 +6,7 @@ Ray cluster at ``$RAY_ADDRESS`` (``ray.init(address="auto")``), or uses the one 
 already joined, or starts a local one (Ray's own local instance, which Ray binds to the machine's address; stopped
 again when the last engine of this process that uses it shuts down). Each step's batch is put in the object store once
 and handed to every actor; the ranks meet through a ``TCPStore`` hosted by the driver on its node address. A CPU rank
-reserves one CPU, and Ray limits the actor's threads to it (``OMP_NUM_THREADS=1``).
+reserves one CPU, and Ray limits the actor's threads to it (``OMP_NUM_THREADS=1``, unless the environment sets it).
 
 A dead actor surfaces as Ray's ``RayActorError`` and becomes
 :class:`~plinth.distributed.executor.WorkerDiedError`; actors die with their owner, so no
@@ -34,9 +34,14 @@ logger = logging.getLogger(__name__)
 #: after one actor's call raised: how long the others may take to show that one of them died (the real cause)
 DEATH_WAIT_S = 2.0
 
-#: the local Ray instance this process's executors started: whether one runs, and how many live executors use it (the
-#: last one to shut down stops it)
-_LOCAL_RAY = {"started": False, "users": 0}
+#: the local Ray instance this process's executors started: its GCS address (None: none runs), and how many live
+#: executors use it (the last one to shut down stops it)
+_LOCAL_RAY: dict[str, Any] = {"address": None, "users": 0}
+
+
+def _session(ray: Any) -> str | None:
+    """The GCS address of the Ray session this process is joined to (None: none)."""
+    return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
 class RayWorker:
@@ -92,15 +97,16 @@ class RayExecutor(DistributedExecutor):
         self._pids: list[int] = []
         self._pg: Any = None
         self._store: Any = None
+        self._session: str | None = None   # the Ray session the actors run in (its GCS address)
         if not ray.is_initialized():
-            _LOCAL_RAY["started"] = False
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
             else:   # a cluster of this machine only (Ray may still bind it to the machine's address)
                 ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
-                _LOCAL_RAY["started"] = True
-        if _LOCAL_RAY["started"]:   # another engine of this process may still use the instance: counted
-            _LOCAL_RAY["users"] += 1
+                _LOCAL_RAY.update(address=_session(ray), users=0)
+        self._session = _session(ray)
+        if _LOCAL_RAY["address"] is not None and _LOCAL_RAY["address"] == self._session:
+            _LOCAL_RAY["users"] += 1   # the instance plinth started: another engine of this process may use it too
             self._owns_ray = True
         try:
             platform = select_platform(config.device.platform)
@@ -143,7 +149,7 @@ class RayExecutor(DistributedExecutor):
     def _check_ray(self) -> None:
         """Raises WorkerDiedError when the Ray session the actors ran in is gone (``ray.shutdown()`` by the user):
         a call would otherwise start a new, empty local Ray instance."""
-        if not self._ray.is_initialized():
+        if _session(self._ray) != self._session:
             raise WorkerDiedError("the Ray session this engine's workers ran in was shut down")
 
     def _call_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
@@ -210,7 +216,8 @@ class RayExecutor(DistributedExecutor):
         ray = self._ray if hasattr(self, "_ray") else None
         if ray is None:
             return
-        alive = ray.is_initialized()   # (the user may have shut the session down: nothing is left to stop)
+        # (the user may have shut the session down, or joined another since: nothing of this engine is left to stop)
+        alive = _session(ray) == self._session
         for actor in self._actors if alive else ():
             try:
                 ray.kill(actor, no_restart=True)
@@ -228,8 +235,9 @@ class RayExecutor(DistributedExecutor):
         self._store = None
         if self._owns_ray:
             self._owns_ray = False
-            _LOCAL_RAY["users"] = max(0, _LOCAL_RAY["users"] - 1)
-            if _LOCAL_RAY["users"] == 0 and _LOCAL_RAY["started"]:   # the last engine of this process using it
-                _LOCAL_RAY["started"] = False
-                if ray.is_initialized():
-                    ray.shutdown()
+            if _LOCAL_RAY["address"] == self._session:
+                _LOCAL_RAY["users"] = max(0, _LOCAL_RAY["users"] - 1)
+                if _LOCAL_RAY["users"] == 0:   # the last engine of this process using it
+                    _LOCAL_RAY.update(address=None)
+                    if alive:
+                        ray.shutdown()

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plinth.core.logits_processors import ProcessorRow
 from plinth.worker.batching import FlatBatch
 from plinth.worker.model_runner import SeqBatchEntry
 
@@ -132,6 +133,8 @@ def pack_tensors(obj: Any) -> Any:
         if obj.device.type == "cpu" and obj.dtype in _NUMPY_DTYPES:
             return HostArray(obj.contiguous().numpy())
         return obj
+    if isinstance(obj, ProcessorRow):   # token ids and extra_args: nothing to walk (pickled as they are)
+        return obj
     if isinstance(obj, tuple):
         return tuple(pack_tensors(x) for x in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not isinstance(obj, HostArray):
@@ -147,6 +150,8 @@ def unpack_tensors(obj: Any, device: torch.device, non_blocking: bool = False) -
         return obj.tensor(device, non_blocking)
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=obj.device.type == "cpu")
+    if isinstance(obj, ProcessorRow):
+        return obj
     if isinstance(obj, tuple):
         return tuple(unpack_tensors(x, device, non_blocking) for x in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -387,7 +387,12 @@ class LLM:
                  for conv in conversations]  # type: ignore[arg-type]
         # The template writes the special tokens itself: tokenize without adding BOS again.
         prompts = [self.engine.tokenize(text, add_special_tokens=False) for text in texts]
-        outputs = self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+        try:
+            outputs = self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+        except RequestFailedError as exc:   # the outputs it carries get their prompts too
+            for out, text in zip(exc.outputs, texts, strict=True):
+                out.prompt = text
+            raise
         for out, text in zip(outputs, texts, strict=True):   # each output's prompt: the rendered conversation
             out.prompt = text
         return outputs
