@@ -36,12 +36,20 @@ class NoRepeat(LogitsProcessor):
         return logits
 
 
-class BiasFromArgs(LogitsProcessor):
-    """Adds ``extra_args["bias"]`` ({token id as text: value}) to the logits: what ``logit_bias`` does."""
+class Keyed(LogitsProcessor):
+    """Applies to the requests whose extra_args hold ``KEY``."""
+
+    KEY = ""
 
     @classmethod
     def applies_to(cls, params):
-        return "bias" in (params.extra_args or {})
+        return cls.KEY in (params.extra_args or {})
+
+
+class BiasFromArgs(Keyed):
+    """Adds ``extra_args["bias"]`` ({token id as text: value}) to the logits: what ``logit_bias`` does."""
+
+    KEY = "bias"
 
     @classmethod
     def validate_params(cls, params):
@@ -66,12 +74,10 @@ class BiasOrBoom(BiasFromArgs):
         return super().apply(logits, rows)
 
 
-class ForceThenBoom(LogitsProcessor):
+class ForceThenBoom(Keyed):
     """Forces token 7, and raises once 3 tokens are out."""
 
-    @classmethod
-    def applies_to(cls, params):
-        return "force" in (params.extra_args or {})
+    KEY = "force"
 
     def apply(self, logits, rows):
         if any(len(row.output_token_ids) >= 3 for row in rows):
@@ -80,28 +86,22 @@ class ForceThenBoom(LogitsProcessor):
         return logits
 
 
-class NaNs(LogitsProcessor):
-    @classmethod
-    def applies_to(cls, params):
-        return "nan" in (params.extra_args or {})
+class NaNs(Keyed):
+    KEY = "nan"
 
     def apply(self, logits, rows):
         return torch.full_like(logits, float("nan") if rows[0].extra_args["nan"] else float("-inf"))
 
 
-class NoInit(LogitsProcessor):
-    @classmethod
-    def applies_to(cls, params):
-        return "noinit" in (params.extra_args or {})
+class NoInit(Keyed):
+    KEY = "noinit"
 
     def __init__(self, vocab_size, device):
         raise OSError("no such file")
 
 
-class BadCheck(LogitsProcessor):
-    @classmethod
-    def applies_to(cls, params):
-        return "badcheck" in (params.extra_args or {})
+class BadCheck(Keyed):
+    KEY = "badcheck"
 
     @classmethod
     def validate_params(cls, params):
@@ -142,19 +142,15 @@ class AlwaysBroken(LogitsProcessor):
         raise RuntimeError("always")
 
 
-class Broken(LogitsProcessor):
-    @classmethod
-    def applies_to(cls, params):
-        return "boom" in (params.extra_args or {})
+class Broken(Keyed):
+    KEY = "boom"
 
     def apply(self, logits, rows):
         raise RuntimeError("boom")
 
 
-class WrongShape(LogitsProcessor):
-    @classmethod
-    def applies_to(cls, params):
-        return "narrow" in (params.extra_args or {})
+class WrongShape(Keyed):
+    KEY = "narrow"
 
     def apply(self, logits, rows):
         return logits[:, :5]

@@ -104,6 +104,7 @@ class Sampler:
     Args:
         seed: seeds the generator used by rows without their own seed.
         processors: the engine's custom logits processor classes (:mod:`plinth.core.logits_processors`).
+        logprobs_mode: what logprobs report (``ModelConfig.logprobs_mode``).
     """
 
     def __init__(self, seed: int = 0, processors: Sequence[type] = (), logprobs_mode: str = "raw_logprobs"):
@@ -111,7 +112,6 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self.processors = ProcessorSet(processors)
         self._failed: dict[int, str] = {}
-        #: what logprobs report (see ``ModelConfig.logprobs_mode``)
         self.logprobs_mode = logprobs_mode
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
