@@ -194,6 +194,36 @@ def test_cache_is_invalidated_when_a_key_part_changes(pm, backends, tmp_path, ch
     assert len(list((tmp_path / "sel").iterdir())) == 2  # both records kept
 
 
+def test_a_record_made_without_a_candidate_that_runs_now_is_timed_again(pm, backends, tmp_path, monkeypatch, caplog):
+    """A candidate may be unsupported for one run only (its native kernels turned off by an environment variable,
+    a compiler that failed once): the record of that run names a slower winner under the same key, and it must
+    not hold every later start to it. A start where that candidate runs again times anew; the next reads that."""
+    candidates = ["test_slow", "test_fast", "test_wrong"]
+    supports = backends.FastBackend.supports.__func__
+
+    def refusing(refused):   # the others derive from FastBackend: only ``refused`` itself says no
+        return classmethod(lambda cls, spec, device_type: Support.no("off") if cls is refused
+                           else supports(cls, spec, device_type))
+
+    with monkeypatch.context() as m:
+        m.setattr(backends.FastBackend, "supports", refusing(backends.FastBackend))
+        first, _ = run(pm, tmp_path, candidates=candidates)
+    assert first.winner == "test_slow" and not first.report("test_fast").supported
+    backends.CALLS.clear()
+    with caplog.at_level(logging.INFO, logger="plinth.core.selection"):
+        second, _ = run(pm, tmp_path, candidates=candidates)
+    assert not second.from_cache and second.winner == "test_fast" and sum(backends.CALLS.values()) > 0
+    assert "made without test_fast" in caplog.text
+    backends.CALLS.clear()
+    third, _ = run(pm, tmp_path, candidates=candidates)
+    assert third.from_cache and third.winner == "test_fast" and sum(backends.CALLS.values()) == 0
+    # the other way round (a candidate of the record unsupported now, not the winner) keeps the record
+    with monkeypatch.context() as m:
+        m.setattr(backends.FastBackend, "supports", refusing(backends.SlowBackend))
+        fourth, _ = run(pm, tmp_path, candidates=candidates)
+    assert fourth.from_cache and fourth.winner == "test_fast"
+
+
 def test_benchmark_mode_always_times(pm, backends, tmp_path):
     run(pm, tmp_path, candidates=QUICK)
     backends.CALLS.clear()

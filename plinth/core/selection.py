@@ -13,7 +13,8 @@ For one kind (attention backend now; a quantization method's GEMM kernel later):
    (so that each step counts alike however long it takes);
 4. the outcome is stored under ``plinth.config.cache_dir() / "selection"``, keyed by device,
    platform, torch/triton/plugin versions, dtype and shapes, so a later start with the same
-   key reads it and times nothing. Modes (``DeviceConfig.selection``): ``cached`` (time on a
+   key reads it and times nothing (unless a candidate it found unsupported is supported now: what a
+   candidate supports can depend on the moment, e.g. native kernels turned off for one run). Modes (``DeviceConfig.selection``): ``cached`` (time on a
    cache miss), ``benchmark`` (always time), ``off`` (the highest-priority supported one);
 5. a forced choice is validated: unknown or unsupported names are a :class:`SelectionError`.
 
@@ -175,14 +176,26 @@ def select(
     if mode == "cached":
         hit = cache.read()
         cached = _cached_reports(hit)
-        if hit is not None and cached is not None and hit.get("winner") in usable:
+        untimed = _untimed_now(cached, usable) if cached is not None else []
+        if hit is not None and cached is not None and hit.get("winner") in usable and not untimed:
             return _finish(kind, hit["winner"], usable, cached, True, "cache", start)
-        if hit is not None:
+        if untimed:
+            logger.info("cached %s choice %r was made without %s (unsupported then, supported now); timing again",
+                        _label(kind), hit.get("winner"), ", ".join(untimed))
+        elif hit is not None:
             logger.info("cached %s choice %r is unusable; timing again", _label(kind), hit.get("winner"))
     winner = _benchmark(kind, reference_registrations or registrations, usable, reports)
     result = _finish(kind, winner, usable, reports, False, "benchmark", start)
     cache.write({"winner": winner, "candidates": [dataclasses.asdict(r) for r in reports]})
     return result
+
+
+def _untimed_now(cached: list[CandidateReport], usable: Mapping[str, Any]) -> list[str]:
+    """The candidates that can run now but that a cache record found unsupported (or does not name): its
+    choice was made without them. What a candidate supports can depend on the moment (an environment
+    variable that turns native kernels off, a compiler that failed once), so such a record is not trusted."""
+    supported_then = {r.name for r in cached if r.supported}
+    return [name for name in usable if name not in supported_then]
 
 
 def _cached_reports(record: dict[str, Any] | None) -> list[CandidateReport] | None:
