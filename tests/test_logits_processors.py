@@ -231,7 +231,10 @@ def test_extra_args_reach_only_their_rows(plain, custom):
         want = plain.generate(PROMPTS, [by_bias, SamplingParams(**common)] * 2, use_tqdm=False)
         for got, ref in zip(mixed, want, strict=True):
             assert got.outputs[0].token_ids == ref.outputs[0].token_ids
-            assert got.outputs[0].logprobs == ref.outputs[0].logprobs
+            # the same tokens and ranks; the values within float noise (the two engines batch differently)
+            for a, b in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+                assert {t: p.rank for t, p in a.items()} == {t: p.rank for t, p in b.items()}
+                assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=1e-4)
         if kw["temperature"] == 0.0:
             assert token in mixed[0].outputs[0].token_ids, "the bias changed nothing"
 
