@@ -100,8 +100,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self):
         held = {b for r in self.live.values() for b in r.block_ids}
         cached_held = sum(1 for b in held if self.bm.is_cached(b))
-        self.bm.reset_prefix_cache()
-        assert self.bm.num_cached_blocks == cached_held
+        before = self.bm.num_cached_blocks
+        dropped, still = self.bm.reset_prefix_cache()
+        assert self.bm.num_cached_blocks == still == cached_held and dropped == before - cached_held
 
     # -- invariants
     @invariant()

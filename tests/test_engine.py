@@ -80,6 +80,46 @@ def test_prefix_cache_hit_skips_tokens_and_keeps_output(tiny_llama_dir, referenc
     assert sum(o.num_cached_tokens for o in second) > 0
 
 
+def test_reset_prefix_cache_forgets_what_no_request_holds(tiny_llama_dir, reference):
+    """``reset_prefix_cache``: afterwards no prompt reuses KV computed before (offline and through the async front);
+    blocks a running request holds stay cached while it runs (the call then says ``False``)."""
+    import asyncio
+
+    from plinth.core.async_engine import AsyncLLMEngine, EngineUnavailableError
+
+    llm = llm_for(tiny_llama_dir)
+    llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.block_manager.num_cached_blocks == 0
+    again = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(again) == reference and sum(o.num_cached_tokens for o in again) == 0
+    # a request still running holds its blocks: they stay cached, the rest goes
+    engine = llm.engine
+    llm.generate(PROMPTS[1:], greedy(), use_tqdm=False)
+    engine.add_request("held", PROMPTS[2], greedy(8))
+    engine.step()
+    held = engine.block_manager.num_cached_blocks
+    assert held > 0 and llm.reset_prefix_cache() is False
+    assert 0 < engine.block_manager.num_cached_blocks <= held
+    while engine.has_unfinished_requests():
+        engine.step()
+    hit = llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0]
+    miss = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0]
+    assert hit.num_cached_tokens > 0 and miss.num_cached_tokens == 0
+    assert token_ids([hit, miss]) == [reference[2], reference[1]]
+
+    front = AsyncLLMEngine(engine)
+
+    async def through_the_front() -> bool:
+        return await front.reset_prefix_cache()
+
+    assert asyncio.run(through_the_front()) is True and engine.block_manager.num_cached_blocks == 0
+    front.shutdown()
+    with pytest.raises(EngineUnavailableError):
+        asyncio.run(through_the_front())
+    llm.close()
+
+
 def test_preemption_keeps_outputs(tiny_llama_dir, reference):
     # 23 usable blocks of 4 tokens hold the longest request (80 tokens) but not all five at once.
     llm = llm_for(tiny_llama_dir, num_blocks=24, enable_prefix_caching=False)

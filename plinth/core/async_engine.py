@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from plinth.core.request import RequestOutput, RequestOutputKind, SamplingParams
@@ -95,6 +96,14 @@ _ACCEPTED = object()   # sent to a request's queue when the engine takes it
 
 
 @dataclasses.dataclass
+class _Call:
+    """A function of the engine run on the engine's thread between steps; its result or error goes to ``future``."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
 class _Abort:
     request_id: str
     sink: _Sink | None = None   # only the request this caller added (None: whichever holds the id)
@@ -128,7 +137,7 @@ class AsyncLLMEngine:
         self.served_model_aliases: tuple[str, ...] = tuple(getattr(engine, "served_model_aliases", ()))
         self.selection = engine.selection
         self.load_time_s: float = getattr(engine, "load_time_s", 0.0)
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._lock = threading.Lock()          # orders command submission against death/shutdown
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}     # engine-thread only
@@ -279,6 +288,17 @@ class AsyncLLMEngine:
             self._commands.append(command)
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache between two steps (see ``LLMEngine.reset_prefix_cache``): ``False`` where
+        running requests held cached blocks, which stay cached while they run.
+
+        Raises:
+            EngineUnavailableError: the engine is not running.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(lambda engine: engine.reset_prefix_cache(), future))
+        return await asyncio.wrap_future(future)
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of its latest step (see ``LLMEngine.stats``)."""
         return dict(self._stats)
@@ -304,7 +324,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------------------- engine thread
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         with self._lock:
             if self._dead is not None:
                 raise EngineUnavailableError(f"the engine is not running ({self._dead_reason()})")
@@ -367,6 +387,13 @@ class AsyncLLMEngine:
             if isinstance(cmd, _Abort):
                 if cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:
                     self._engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, _Call):
+                try:
+                    result = cmd.fn(self._engine)
+                except Exception as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
+                    cmd.future.set_exception(exc)
+                else:
+                    cmd.future.set_result(result)
             else:
                 try:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
@@ -424,6 +451,8 @@ class AsyncLLMEngine:
         refused = EngineUnavailableError(f"the engine stopped before it took the request ({error})")
         for sink in (c.sink for c in pending if isinstance(c, _Add)):   # never taken: refused as a whole
             by_loop.setdefault(sink.loop, []).append((sink.box, refused))
+        for call in (c for c in pending if isinstance(c, _Call)):
+            call.future.set_exception(refused)
         self._sinks.clear()
         self._send(by_loop)
 

@@ -249,14 +249,15 @@ class BlockManager:
         request.block_ids = []
         self._chains.pop(request.request_id, None)
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no request holds; returns how many were dropped."""
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget every cached block that no request holds. Returns ``(dropped, held)``: the blocks forgotten, and
+        the cached blocks running requests hold, which stay cached (they are in use)."""
         dropped = 0
         for block in self._free:
             if self._key[block] is not None:
                 self._uncache(block)
                 dropped += 1
-        return dropped
+        return dropped, len(self._cache)
 
     def reset_stats(self) -> PrefixCacheStats:
         """Return the counters so far and start new ones."""

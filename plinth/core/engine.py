@@ -873,6 +873,16 @@ class LLMEngine:
                 s.detok.flush()
         group.aborted = True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache: no later request reuses KV blocks computed before this call (after new weights,
+        say, or between benchmark runs). Blocks that running requests hold stay cached while they run; returns
+        ``False`` where there were any (call it with no request running to forget everything), ``True`` otherwise.
+        A no-op returning ``True`` without prefix caching."""
+        dropped, held = self.block_manager.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached block(s) forgotten%s", dropped,
+                    f", {held} kept (held by running requests)" if held else "")
+        return held == 0
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 

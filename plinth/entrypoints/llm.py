@@ -179,6 +179,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, so that no later prompt reuses KV computed before (after new weights, or
+        between benchmark runs); see ``LLMEngine.reset_prefix_cache``. Waits for a ``generate`` running in
+        another thread. ``True`` (nothing runs between calls from one thread)."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
