@@ -328,13 +328,30 @@ def test_int4_cache_tells_a_replaced_file_and_survives_a_full_disk(tmp_path, mon
     os.replace(other, model)
     assert model.stat().st_size == stat.st_size and model.stat().st_mtime_ns == stat.st_mtime_ns
     assert cpu_int4._cache_file(str(model), torch.bfloat16) != before
+    # torch packs the codes for the CPU's instruction set (AVX512, AVX2, none), each read only by its own GEMM: a
+    # cache shared by two kinds of CPU (or a start with ATEN_CPU_CAPABILITY) keeps one entry per kind
+    now = cpu_int4._cache_file(str(model), torch.bfloat16)
+    capability = torch.backends.cpu.get_cpu_capability()
+    other_isa = "DEFAULT" if capability != "DEFAULT" else "AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other_isa)
+    assert cpu_int4._cache_file(str(model), torch.bfloat16) != now
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+
+    def interrupted(tensors, filename, metadata=None):   # Ctrl-C (or a kill) while the entry is written
+        Path(filename).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("safetensors.torch.save_file", interrupted)
+    weight = cpu_int4.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(2, 1, 4), 32, None)
+    with pytest.raises(KeyboardInterrupt):
+        cpu_int4._store_cached(before, {"layer": weight}, str(model), torch.bfloat16)
+    assert not list(before.parent.iterdir())   # no half-written temporary file stays behind
 
     def full_disk(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"partial")
         raise SafetensorError("No space left on device (os error 28)")
 
     monkeypatch.setattr("safetensors.torch.save_file", full_disk)
-    weight = cpu_int4.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(2, 1, 4), 32, None)
     with caplog.at_level("WARNING"):
         cpu_int4._store_cached(before, {"layer": weight}, str(model), torch.bfloat16)
     assert "could not write the int4 cache" in caplog.text and not list(before.parent.iterdir())
@@ -370,6 +387,12 @@ def test_int4_cache_entries_are_checked_shared_and_replaced(tmp_path, monkeypatc
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     int4_weights_from_gguf(path, model, torch.bfloat16)
     assert len(list((tmp_path / "cache" / "cpu_int4").glob("*.safetensors"))) == 2
+    # another instruction set for torch's packing (another kind of CPU sharing the cache): a third entry
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT" if capability != "DEFAULT"
+                        else "AVX2")
+    int4_weights_from_gguf(path, model, torch.bfloat16)
+    assert len(list((tmp_path / "cache" / "cpu_int4").glob("*.safetensors"))) == 3
 
 
 def test_gate_up_activation_is_fused_where_the_amx_gemm_takes_the_rows(tmp_path, monkeypatch):

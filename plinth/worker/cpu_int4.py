@@ -78,9 +78,17 @@ def _cache_file(path: str, dtype: torch.dtype) -> Path | None:
         st = os.stat(path)
     except OSError:
         return None
-    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns,
-                      torch.__version__, str(dtype), 2])
+    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, *_made_for(dtype),
+                      2])
     return Path(cache_dir()) / "cpu_int4" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+
+
+def _made_for(dtype: torch.dtype) -> list[str]:
+    """What an entry's contents depend on besides the file: torch's version, the dtype, and the instruction set
+    torch packs for (``_convert_weight_to_int4pack_for_cpu`` lays the codes out differently for AVX512, AVX2 and
+    none, and the matching GEMM reads only its own layout: a cache shared by two kinds of CPU, or a start with
+    ``ATEN_CPU_CAPABILITY`` set, must not read the other's)."""
+    return [torch.__version__, str(dtype), torch.backends.cpu.get_cpu_capability()]
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -145,7 +153,7 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str, 
     tmp = file.with_suffix(f".tmp{os.getpid()}")
     source = os.path.realpath(source_path)
     # what else keys the entry (torch's version, the dtype): entries of the same file under other settings stay
-    made_for = json.dumps([torch.__version__, str(dtype)])
+    made_for = json.dumps(_made_for(dtype))
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors), "source": source, "made_for": made_for})
@@ -153,10 +161,12 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str, 
             os.fsync(f.fileno())
         os.chmod(tmp, shared_mode(0o644))   # safetensors writes it private (0600); the cache is shared
         os.replace(tmp, file)
-    except (OSError, SafetensorError) as exc:   # safetensors' own error for a full disk
-        logger.warning("could not write the int4 cache %s: %s", file, exc)
+    except BaseException as exc:   # safetensors' own error for a full disk; Ctrl-C: no half-written file stays
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        if not isinstance(exc, (OSError, SafetensorError)):
+            raise
+        logger.warning("could not write the int4 cache %s: %s", file, exc)
         return
     # the entries of earlier states of the same file (touched, replaced, copied over) are of no further use
     for other in file.parent.glob("*.safetensors"):
