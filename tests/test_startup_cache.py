@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import gguf
 import numpy as np
@@ -387,6 +388,49 @@ def test_a_full_disk_while_caching_the_tokenizer_is_a_warning(tmp_path, monkeypa
     assert os.listdir(private_cache / "tokenizers") == []
     monkeypatch.undo()
     assert_same_tokenizer(tokenizer, load_gguf_tokenizer(path, use_cache=False))
+
+
+def test_environments_with_other_transformers_keep_their_own_entries(tmp_path, monkeypatch, private_cache):
+    """Two environments (two transformers versions) sharing the cache each keep their entry of one file instead of
+    removing each other's and converting at every start; a start killed while writing (Ctrl-C) leaves no temporary
+    folder, and one left by a killed process long ago is removed by the next entry written."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    path = write_small_gguf(tmp_path / "m.gguf")
+    conversions = count_conversions(monkeypatch)
+    load_gguf_tokenizer(path)
+    mine = tokenizer_cache_entry(path)
+    clear_gguf_cache()
+    monkeypatch.setattr(transformers, "__version__", "9.9.9")
+    load_gguf_tokenizer(path)
+    theirs = tokenizer_cache_entry(path)
+    assert theirs != mine and sorted(os.listdir(private_cache / "tokenizers")) == sorted([mine.name, theirs.name])
+    monkeypatch.undo()
+    conversions = count_conversions(monkeypatch)
+    clear_gguf_cache()
+    load_gguf_tokenizer(path)
+    assert conversions == []   # this environment's entry was kept
+
+    leftover = private_cache / "tokenizers" / f".{mine.name}.killed"
+    leftover.mkdir()
+    os.utime(leftover, (1, 1))
+    recent = private_cache / "tokenizers" / f".{mine.name}.writing"
+    recent.mkdir()   # another process writing now: kept
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", interrupted)
+    shutil.rmtree(mine)
+    clear_gguf_cache()
+    with pytest.raises(KeyboardInterrupt):
+        load_gguf_tokenizer(path)
+    assert sorted(os.listdir(private_cache / "tokenizers")) == sorted([theirs.name, leftover.name, recent.name])
+    monkeypatch.undo()
+    clear_gguf_cache()
+    load_gguf_tokenizer(path)
+    assert sorted(os.listdir(private_cache / "tokenizers")) == sorted([mine.name, theirs.name, recent.name])
 
 
 def test_unwritable_cache_still_loads(tmp_path, monkeypatch, caplog):

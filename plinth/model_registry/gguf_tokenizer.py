@@ -14,6 +14,7 @@ of the file's previous state is removed when the new one is written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -215,12 +216,14 @@ def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
                 pass
             shutil.rmtree(doomed, ignore_errors=True)
         os.rename(tmp, entry)
-    except Exception as e:  # noqa: BLE001 - OSError, or the tokenizers library's bare Exception on a full disk
+    except BaseException as e:  # OSError, the tokenizers library's bare Exception on a full disk; Ctrl-C
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception):
+            raise
         if not (entry / _SOURCE_FILE).is_file():  # not another process's finished entry
             logger.warning("could not write the tokenizer cache entry %s: %s", entry, e)
-        shutil.rmtree(tmp, ignore_errors=True)
         return
-    _remove_stale_entries(root, entry.name, record["source"])
+    _remove_stale_entries(root, entry.name, record)
 
 
 def _pipeline(tokenizer: Any) -> Any:
@@ -249,13 +252,28 @@ def _name_generic_class(saved: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
-def _remove_stale_entries(root: Path, keep: str, source: str) -> None:
+#: the parts of a record that only say which state of the file an entry was made from
+_FILE_STATE = ("size", "mtime_ns", "inode", "ctime_ns")
+#: a temporary folder this old (a start killed while it wrote) is removed by the next entry's writer
+_STALE_TMP_S = 3600.0
+
+
+def _remove_stale_entries(root: Path, keep: str, record: dict) -> None:
+    """Remove the entries made from earlier states of the same file (same conversion otherwise: another
+    transformers, in another environment sharing the cache, keeps its own), and temporary folders that writers
+    killed mid-way left behind."""
+    same = {k: v for k, v in record.items() if k not in _FILE_STATE}
     for other in root.iterdir():
-        if other.name == keep or other.name.startswith("."):
+        if other.name == keep:
+            continue
+        if other.name.startswith("."):
+            with contextlib.suppress(OSError):
+                if time.time() - other.stat().st_mtime > _STALE_TMP_S:
+                    shutil.rmtree(other, ignore_errors=True)
             continue
         try:
             saved = json.loads((other / _SOURCE_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(saved, dict) and saved.get("source") == source:
+        if isinstance(saved, dict) and {k: v for k, v in saved.items() if k not in _FILE_STATE} == same:
             shutil.rmtree(other, ignore_errors=True)
