@@ -213,7 +213,7 @@ def test_a_record_made_without_a_candidate_that_runs_now_is_timed_again(pm, back
     with caplog.at_level(logging.INFO, logger="plinth.core.selection"):
         second, _ = run(pm, tmp_path, candidates=candidates)
     assert not second.from_cache and second.winner == "test_fast" and sum(backends.CALLS.values()) > 0
-    assert "made without test_fast" in caplog.text
+    assert "made without test_fast (unsupported or failing then)" in caplog.text
     backends.CALLS.clear()
     third, _ = run(pm, tmp_path, candidates=candidates)
     assert third.from_cache and third.winner == "test_fast" and sum(backends.CALLS.values()) == 0
@@ -222,6 +222,46 @@ def test_a_record_made_without_a_candidate_that_runs_now_is_timed_again(pm, back
         m.setattr(backends.FastBackend, "supports", refusing(backends.SlowBackend))
         fourth, _ = run(pm, tmp_path, candidates=candidates)
     assert fourth.from_cache and fourth.winner == "test_fast"
+
+
+def test_a_candidate_that_raised_is_timed_again(pm, backends, tmp_path, monkeypatch):
+    """A candidate that raised while it was checked or timed (memory another process held, a malformed tuning
+    variable) lost that start only: the next start times it again instead of reading the record it lost in."""
+    candidates = ["test_slow", "test_fast", "test_wrong"]
+    forward = backends.FastBackend.forward
+
+    def out_of_memory(self, *args, **kwargs):
+        if type(self) is backends.FastBackend:
+            raise MemoryError("simulated")
+        return forward(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(backends.FastBackend, "forward", out_of_memory)
+        first, _ = run(pm, tmp_path, candidates=candidates)
+    assert first.winner == "test_slow" and first.report("test_fast").reason.startswith("rejected: failed")
+    second, _ = run(pm, tmp_path, candidates=candidates)
+    assert not second.from_cache and second.winner == "test_fast"
+    third, _ = run(pm, tmp_path, candidates=candidates)
+    assert third.from_cache and third.winner == "test_fast"
+    # a candidate rejected for its error against the reference stays rejected: the record holds
+    assert third.report("test_wrong").reason.startswith("rejected: max error")
+
+
+def test_kernel_switches_are_part_of_the_key_and_nothing_else_of_the_environment(pm, backends, tmp_path, monkeypatch):
+    """A record timed under a kernel switch (PLINTH_CPU_SDPA_PREFILL, PLINTH_W4A16_CUDA, ...) is not read without it
+    (the switch changes how fast a candidate runs); other variables (an API key) never reach the records."""
+    monkeypatch.setenv("PLINTH_API_KEY", "sk-secret-value")
+    monkeypatch.setenv("PLINTH_CPU_SDPA_PREFILL", "1")
+    run(pm, tmp_path, candidates=QUICK)
+    monkeypatch.delenv("PLINTH_CPU_SDPA_PREFILL")
+    backends.CALLS.clear()
+    again, _ = run(pm, tmp_path, candidates=QUICK)
+    assert not again.from_cache and sum(backends.CALLS.values()) > 0
+    records = [json.loads(f.read_text()) for f in (tmp_path / "sel").iterdir()]
+    assert len(records) == 2
+    assert sorted(json.dumps(r["key"]["switches"]) for r in records) == ['{"PLINTH_CPU_SDPA_PREFILL": "1"}', "{}"]
+    assert all(r["key"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability() for r in records)
+    assert not any("sk-secret-value" in f.read_text() for f in (tmp_path / "sel").iterdir())
 
 
 def test_benchmark_mode_always_times(pm, backends, tmp_path):

@@ -180,7 +180,7 @@ def select(
         if hit is not None and cached is not None and hit.get("winner") in usable and not untimed:
             return _finish(kind, hit["winner"], usable, cached, True, "cache", start)
         if untimed:
-            logger.info("cached %s choice %r was made without %s (unsupported then, supported now); timing again",
+            logger.info("cached %s choice %r was made without %s (unsupported or failing then); timing again",
                         _label(kind), hit.get("winner"), ", ".join(untimed))
         elif hit is not None:
             logger.info("cached %s choice %r is unusable; timing again", _label(kind), hit.get("winner"))
@@ -190,12 +190,18 @@ def select(
     return result
 
 
+#: how the report of a candidate that raised begins
+_FAILED = "rejected: failed"
+
+
 def _untimed_now(cached: list[CandidateReport], usable: Mapping[str, Any]) -> list[str]:
-    """The candidates that can run now but that a cache record found unsupported (or does not name): its
-    choice was made without them. What a candidate supports can depend on the moment (an environment
-    variable that turns native kernels off, a compiler that failed once), so such a record is not trusted."""
-    supported_then = {r.name for r in cached if r.supported}
-    return [name for name in usable if name not in supported_then]
+    """The candidates that can run now but that a cache record found unsupported (or does not name), or that
+    raised while it checked or timed them: its choice was made without them. What a candidate supports, and
+    whether it runs, can depend on the moment (an environment variable that turns native kernels off, a
+    compiler that failed once, memory another process held), so such a record is not trusted. (A candidate
+    rejected for its error against the reference stays rejected.)"""
+    timed_then = {r.name for r in cached if r.supported and not r.reason.startswith(_FAILED)}
+    return [name for name in usable if name not in timed_then]
 
 
 def _cached_reports(record: dict[str, Any] | None) -> list[CandidateReport] | None:
@@ -259,7 +265,7 @@ def _benchmark(kind: CandidateKind, all_registrations: Mapping[str, Registration
                 report.max_error = 0.0
             runners[name] = kind.step_runners(cls)
         except Exception as exc:  # a crashing candidate loses; the others still compete
-            report.reason = f"rejected: failed its check: {type(exc).__name__}: {exc}"
+            report.reason = f"{_FAILED} its check: {type(exc).__name__}: {exc}"
     for name, times in _time_interleaved(kind, runners).items():
         if isinstance(times, str):
             by_name[name].reason = times
@@ -302,7 +308,7 @@ def _time_interleaved(kind: CandidateKind, runners: dict[str, dict[str, Callable
                     measured = run()
                     kind.synchronize()
                 except Exception as exc:  # a crashing candidate loses; the others still compete
-                    failed[name] = f"rejected: failed while timing {label}: {type(exc).__name__}: {exc}"
+                    failed[name] = f"{_FAILED} while timing {label}: {type(exc).__name__}: {exc}"
                     break
                 if i >= warmup:
                     wall = (time.perf_counter() - start) * 1e3

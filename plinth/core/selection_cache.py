@@ -38,8 +38,20 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+#: environment switches that change which kernels a candidate runs or how fast (a record timed under one setting
+#: says nothing about another); only these are read into keys, so no other variable (a secret) reaches the records
+KERNEL_SWITCHES = (
+    "PLINTH_CPU_AMX", "PLINTH_CPU_INT4", "PLINTH_CPU_INT4_MAX_ROWS", "PLINTH_CPU_INT8_ACT", "PLINTH_CPU_MARCH",
+    "PLINTH_CPU_NATIVE_OPS", "PLINTH_CPU_PACKED", "PLINTH_CPU_PAGED_ATTENTION", "PLINTH_CPU_Q4_PANEL_MAX_ROWS",
+    "PLINTH_CPU_Q8_HEAD_MAX_ROWS", "PLINTH_CPU_SDPA_PREFILL", "PLINTH_CPU_THREADS", "PLINTH_FUSED_OPS",
+    "PLINTH_INT4_GROUP_SIZE", "PLINTH_PDL", "PLINTH_SKINNY_GEMM", "PLINTH_TRITON_INTERPRET", "PLINTH_W4A16_CUDA",
+    "PLINTH_W4A16_GEMV", "PLINTH_W4A16_MMA", "PLINTH_W4A16_SILU", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY",
+)
+
+
 def base_key(platform: Any, pm: PluginManager, registrations: Mapping[str, Registration]) -> dict[str, Any]:
-    """The key parts every kind shares: device, platform, library and candidate-plugin versions."""
+    """The key parts every kind shares: device, platform, library and candidate-plugin versions, the kernel
+    switches set in the environment, the instruction set torch's CPU kernels use and torch's thread count."""
     candidates = {}
     for name, reg in registrations.items():
         record = pm.records.get(reg.plugin)
@@ -60,6 +72,9 @@ def base_key(platform: Any, pm: PluginManager, registrations: Mapping[str, Regis
         "torch": torch.__version__,
         "triton": _dist_version("triton"),
         "candidates": candidates,
+        "switches": {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ},
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
     }
 
 
