@@ -334,12 +334,12 @@ def test_unknown_method_name_lists_installed(tiny_llama_dir):
 
 
 def test_checkpoint_with_unknown_method(tiny_llama_dir, tmp_path):
-    path = tmp_path / "bnb"
+    path = tmp_path / "hqq"
     shutil.copytree(tiny_llama_dir, path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    config["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="quantized with 'bitsandbytes'.*no installed quantization plugin"):
+    with pytest.raises(ModelLoadError, match="quantized with 'hqq'.*no installed quantization plugin"):
         load_plinth(path)
 
 

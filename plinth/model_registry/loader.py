@@ -591,10 +591,16 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
     elif source.kind == "hf_dir":
         assert source.path is not None
         weights = SafetensorsWeights(list_safetensors_files(Path(source.path)))
+        stream: Iterable[tuple[str, torch.Tensor]] = weights
+        from plinth.quantization.bitsandbytes import dequantized_weights, is_bnb
+        from plinth.quantization.resolve import checkpoint_quant_config
+
+        if is_bnb(checkpoint_quant_config(source.hf_config)):   # widened while read
+            stream = dequantized_weights(weights, weights.names(), ctx.dtype, ctx.device)
         try:
-            model.load_weights(_with_model_prefix(weights) if source.headless
-                               else _language_model_weights(weights) if source.text_only
-                               else _decoder_weights(weights) if source.classifier else weights)
+            model.load_weights(_with_model_prefix(stream) if source.headless
+                               else _language_model_weights(stream) if source.text_only
+                               else _decoder_weights(stream) if source.classifier else stream)
         except ModelLoadError as exc:
             where = str(weights.current_file or source.path)
             if where in str(exc):

@@ -67,6 +67,17 @@ class SafetensorsWeights:
         self.only = only
         self.current_file: Path | None = None
 
+    def names(self) -> list[str]:
+        """Every tensor name of the shards (read from their headers only)."""
+        out: list[str] = []
+        for path in self.files:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    out.extend(n for n in handle.keys() if n.startswith(self.only))  # noqa: SIM118
+            except (SafetensorError, OSError) as exc:
+                raise ModelLoadError(f"cannot read safetensors file {path}: {exc} (corrupt or truncated?)") from exc
+        return out
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for path in self.files:
             self.current_file = path

@@ -15,6 +15,7 @@ Rules (each refusal is a :class:`~plinth.config.ConfigError` or
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from plinth.config import ConfigError, EngineConfig
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.plugins import PluginError, get_plugin_manager
+from plinth.quantization.bitsandbytes import BNB, is_bnb
 from plinth.quantization.interface import GemmWorkload, QuantContext, QuantizationMethod
 
 
@@ -132,6 +134,10 @@ def _methods_with(flag: str, names: list[str] | None = None) -> list[str]:
     return out
 
 
+def _installed() -> list[str]:
+    return sorted(get_plugin_manager().registrations("quantization_methods"))
+
+
 def _float_quantizers(names: list[str]) -> list[str]:
     return _methods_with("quantizes_float_checkpoints", names)
 
@@ -161,6 +167,19 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
     """
     origin = str(source.path or config.model.model or "the model")
     quant_config = checkpoint_quant_config(source.hf_config)
+    requested = config.model.quantization
+    if is_bnb(quant_config):
+        # widened to floats while loading (plinth.quantization.bitsandbytes): a float checkpoint from here on,
+        # which a method that quantizes float weights may quantize again
+        if source.kind != "hf_dir":
+            raise ConfigError(f"{origin}: bitsandbytes checkpoints are read from model directories")
+        if requested == BNB:
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, quantization=None))
+        quant_config = None
+    elif requested == BNB:
+        raise ConfigError(f"--quantization {BNB} reads checkpoints saved with bitsandbytes (quantization_config."
+                          f"quant_method = 'bitsandbytes'); {origin} is not one. To quantize float weights while "
+                          f"loading use one of: {', '.join(_float_quantizers(_installed())) or 'none installed'}")
     if quant_config is not None and _read_by_the_model(source.hf_config, quant_config):
         if config.model.quantization is not None:
             raise ConfigError(f"{origin} stores {quant_config.get('quant_method')!r} weights, which the model reads "
