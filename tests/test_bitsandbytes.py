@@ -133,6 +133,14 @@ def test_quantizing_the_dequantized_weights_again(tiny_llama_dir, bnb_dirs):
     assert method is None
     with pytest.raises(ConfigError, match="reads checkpoints saved with bitsandbytes.*fp8"):
         load_plinth(tiny_llama_dir, "bitsandbytes")
+    import argparse
+
+    from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, "generate")   # the command line takes the name too
+    assert engine_config_from_args(parser.parse_args([str(path), "-q", "bitsandbytes"])).model.quantization == \
+        "bitsandbytes"
 
 
 def test_the_llm_api_generates_from_a_bitsandbytes_checkpoint(bnb_dirs):

@@ -61,9 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="default auto: by the path (a .gguf file or a safetensors folder); dummy: random weights")
     pm = get_plugin_manager()
-    quant_names = sorted(pm.registrations("quantization_methods"))
-    g.add_argument("--quantization", "-q", default=None, choices=quant_names or None,
-                   help="quantization method (plugins add names)")
+    # bitsandbytes checkpoints are read by the loader (plinth.quantization.bitsandbytes), not by a plugin
+    quant_names = sorted({*pm.registrations("quantization_methods"), "bitsandbytes"})
+    g.add_argument("--quantization", "-q", default=None, choices=quant_names,
+                   help="quantization method (plugins add names; bitsandbytes: a bitsandbytes checkpoint as stored)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the LM head too (methods that quantize float weights: int4, fp8)")
     g.add_argument("--trust-remote-code", action="store_true",
