@@ -47,14 +47,19 @@ def _save_bnb(base, out, kind: str):
     return model
 
 
-def _dequantized_by_bitsandbytes(path) -> dict[str, torch.Tensor]:
-    """The checkpoint's linear weights as bitsandbytes itself dequantizes them (its functional API)."""
+def _dequantized_by_bitsandbytes(path, linear_only: bool = True) -> dict[str, torch.Tensor]:
+    """The checkpoint's linear weights (``linear_only=False``: all its weights, the quantization parts dropped) as
+    bitsandbytes itself dequantizes them (its functional API)."""
     from bitsandbytes.functional import QuantState, dequantize_4bit, int8_vectorwise_dequant
 
     tensors = load_file(str(path / "model.safetensors"))
     out = {}
     for name, t in tensors.items():
-        if not is_linear(name):
+        if linear_only and not is_linear(name):
+            continue
+        if not name.endswith(".weight"):   # biases, other tensors; not the quantization parts
+            if not name.endswith((".SCB", ".weight_format")) and ".weight." not in name:
+                out[name] = t
             continue
         stem = name.removesuffix(".weight")
         if f"{stem}.SCB" in tensors:
@@ -64,7 +69,18 @@ def _dequantized_by_bitsandbytes(path) -> dict[str, torch.Tensor]:
             state = QuantState.from_dict(parts, device=torch.device("cpu"))
             out[name] = dequantize_4bit(t, state).float()
         else:
-            out[name] = t.float()
+            out[name] = t.float() if linear_only else t
+    return out
+
+
+def _float_copy(path, out):
+    """The checkpoint written again with bitsandbytes' dequantized weights and no quantization_config."""
+    shutil.copytree(path, out)
+    save_file({k: v.contiguous() for k, v in _dequantized_by_bitsandbytes(path, linear_only=False).items()},
+              str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
     return out
 
 
@@ -219,3 +235,109 @@ def test_dequantize_8bit_equals_bitsandbytes():
     q, scb, _ = int8_vectorwise_quant(w.half())
     ours = dequantize_8bit(q, scb, "layer", torch.float32, torch.device("cpu"))
     assert torch.equal(ours, int8_vectorwise_dequant(q, scb).float())
+
+
+def _set_state(tensors, **changes):
+    key = f"{Q}.weight.quant_state.bitsandbytes__nf4"
+    state = json.loads(bytes(tensors[key].tolist()).decode())
+    state.update(changes)
+    tensors[key] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: _set_state(t, blocksize=2**40), "blocksize=1099511627776 .*at most 4096"),
+    (lambda t: _set_state(t, nested_blocksize=2**28), "nested_blocksize=268435456 .*at most 4096"),
+    (lambda t: _set_state(t, nested_offset=10**400), "nested_offset"),
+    (lambda t: _set_state(t, shape=[True, 128]), "shape=\\[True, 128\\]"),
+    (lambda t: t.update({f"{Q}.weight.quant_state.bitsandbytes__nf4": torch.tensor(list(b"[" * 100000),
+                                                                                    dtype=torch.uint8)}), "bytes"),
+    (lambda t: t.update({f"{Q}.weight.quant_state.bitsandbytes__nf4": torch.tensor(list(b"[" * 5000),
+                                                                                    dtype=torch.uint8)}), "not JSON"),
+    (lambda t: t.update({f"{Q}.weight": torch.tensor(1.0, dtype=torch.float16)}), "packed weight has 2 bytes"),
+], ids=["huge_blocksize", "huge_nested_blocksize", "offset_too_large", "bool_shape", "huge_state", "deep_json",
+        "scalar_weight"])
+def test_a_hostile_quantization_state_is_a_clear_load_error(bnb_dirs, tmp_path, edit, match):
+    """Whatever the file's JSON says, memory stays bounded by the layer and the error is a ModelLoadError."""
+    _, path = bnb_dirs["nf4-double"]
+    with pytest.raises(ModelLoadError, match=match):
+        load_plinth(_damaged(path, tmp_path / "bad", edit))
+
+
+def test_dummy_weights_for_a_bitsandbytes_model_directory(bnb_dirs):
+    from plinth import LLM, SamplingParams
+
+    _, path = bnb_dirs["nf4-double"]
+    with LLM(str(path), load_format="dummy", dtype="float32", selection="off", quantization="int4") as llm:
+        out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_the_language_model_of_an_image_and_text_checkpoint(tmp_path):
+    """A Llava checkpoint quantized by transformers (its language model's layers; the vision tower's too): the
+    language model plinth runs from it computes exactly what it computes from the same checkpoint written with
+    bitsandbytes' dequantized weights (the quantization config sits at the top level only)."""
+    text = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(text_config=text, vision_config=vision,
+                                                                                image_token_index=299))
+    model.save_pretrained(str(tmp_path / "float"))
+    quantized = transformers.LlavaForConditionalGeneration.from_pretrained(
+        str(tmp_path / "float"), device_map="cpu", dtype=torch.float32,
+        quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
+    quantized.save_pretrained(str(tmp_path / "nf4"))
+    from test_quantization_support import plinth_logits_and_greedy
+
+    ours, ours_tokens = plinth_logits_and_greedy(*load_plinth(tmp_path / "nf4")[:2], new_tokens=4)
+    ref, ref_tokens = plinth_logits_and_greedy(*load_plinth(_float_copy(tmp_path / "nf4", tmp_path / "deq"))[:2],
+                                               new_tokens=4)
+    assert ours_tokens == ref_tokens and all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+
+
+def test_a_classifier_whose_score_layer_is_quantized(tiny_llama_dir, tmp_path):
+    """transformers quantizes a classifier's ``score`` layer too unless it is skipped: its rows are widened as the
+    layers' are (the same probabilities as the checkpoint written with bitsandbytes' dequantized weights)."""
+    from plinth import LLM
+
+    cls = transformers.LlamaForSequenceClassification(transformers.LlamaConfig.from_pretrained(
+        str(tiny_llama_dir), num_labels=3, pad_token_id=0))
+    cls.save_pretrained(str(tmp_path / "float"))
+    transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(tmp_path / "float"), device_map="cpu", dtype=torch.float32,
+        quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["q_proj"],
+                                                            bnb_4bit_compute_dtype=torch.float32),
+    ).save_pretrained(str(tmp_path / "nf4"))
+    assert "score.weight.quant_map" in load_file(str(tmp_path / "nf4" / "model.safetensors"))
+    probs = []
+    for path in (tmp_path / "nf4", _float_copy(tmp_path / "nf4", tmp_path / "deq")):
+        with LLM(str(path), dtype="float32", selection="off", task="classify") as llm:
+            probs.append(llm.classify([{"prompt_token_ids": [5, 6, 7, 8]}], use_tqdm=False)[0].outputs.probs)
+    assert probs[0] == pytest.approx(probs[1], abs=1e-6)
+
+
+def test_a_reranker_read_from_a_quantized_lm_head(tmp_path):
+    """A causal LM read as a cross-encoder (``classifier_from_token``) takes two rows of its LM head; a head
+    quantized by bitsandbytes (quantized unless skipped) is widened first."""
+    from conftest import save_tiny_model
+
+    from plinth import LLM
+
+    save_tiny_model(tmp_path / "float", arch="qwen3", tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "float"), device_map="cpu", dtype=torch.float32,
+        quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["q_proj"],
+                                                            bnb_4bit_compute_dtype=torch.float32),
+    ).save_pretrained(str(tmp_path / "nf4"))
+    for name in os.listdir(tmp_path / "float"):
+        if name.startswith(("tokenizer", "special")):
+            shutil.copy(tmp_path / "float" / name, tmp_path / "nf4" / name)
+    assert "lm_head.weight.quant_map" in load_file(str(tmp_path / "nf4" / "model.safetensors"))
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["a", "b"],
+                 "method": "from_2_way_softmax"}
+    scores = []
+    for path in (tmp_path / "nf4", _float_copy(tmp_path / "nf4", tmp_path / "deq")):
+        with LLM(str(path), task="classify", dtype="float32", selection="off", hf_overrides=overrides) as llm:
+            scores.append(llm.score([PROMPTS[0]], [PROMPTS[1]], use_tqdm=False)[0].outputs.score)
+    assert scores[0] == pytest.approx(scores[1], abs=1e-6)

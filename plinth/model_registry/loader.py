@@ -382,7 +382,9 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
         causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(text, "model_type", None))
     if not causal or not ModelRegistry.is_native(causal):
         return None
-    for key in ("dtype", "torch_dtype"):   # the checkpoint's dtype is often given at the top level only
+    # the checkpoint's dtype is often given at the top level only, its quantization always (a bitsandbytes
+    # checkpoint's language model is widened while loading only if its config says so)
+    for key in ("dtype", "torch_dtype", "quantization_config"):
         if getattr(text, key, None) is None and getattr(cfg, key, None) is not None:
             setattr(text, key, getattr(cfg, key))
     text.architectures = [causal]
@@ -437,7 +439,8 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
         std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
         return (torch.randn(labels, hidden, generator=gen, dtype=torch.float64) * std).numpy(), None, None
     assert source.path is not None
-    found = dict(SafetensorsWeights(list_safetensors_files(Path(source.path)), only=CLASSIFIER_PREFIX))
+    head = SafetensorsWeights(list_safetensors_files(Path(source.path)), only=CLASSIFIER_PREFIX)
+    found = dict(_widened_if_bnb(head, source, torch.float32, torch.device("cpu")))
     weight, bias = found.pop("score.weight", None), found.pop("score.bias", None)
     if weight is None:
         raise ModelLoadError(f"{source.path}: the sequence classifier has no 'score.weight' tensor")
@@ -500,19 +503,28 @@ def _head_from_tokens(source: ModelSource, tokenizer: Any, seed: int) -> tuple[A
         rows = torch.randn(len(ids), int(cfg.hidden_size), generator=gen, dtype=torch.float64) * 0.02
     else:
         assert source.path is not None
-        rows = _head_rows(Path(source.path), ids)
+        rows = _head_rows(Path(source.path), ids, source)
     weight = rows.to(torch.float64).numpy()
     if method == "from_2_way_softmax":
         return (weight[1] - weight[0])[None, :], None, (tokens[1],)
     return weight, None, tuple(tokens)
 
 
-def _head_rows(model_dir: Path, ids: list[int]) -> torch.Tensor:
+def _head_rows(model_dir: Path, ids: list[int], source: ModelSource | None = None) -> torch.Tensor:
     """Rows ``ids`` of the checkpoint's LM head (``lm_head.weight``, else the tied ``model.embed_tokens.weight``),
-    read alone."""
+    read alone (a bitsandbytes-quantized head: widened whole, then the rows taken)."""
     from safetensors import safe_open
 
     files = list_safetensors_files(model_dir)
+    if source is not None:
+        head = SafetensorsWeights(files, only="lm_head.")
+        widened = _widened_if_bnb(head, source, torch.float32, torch.device("cpu"))
+        if widened is not head:
+            weight = dict(widened).get("lm_head.weight")
+            if weight is not None:
+                if weight.dim() != 2 or max(ids) >= weight.shape[0]:
+                    raise ModelLoadError(f"{model_dir}: 'lm_head.weight' of shape {list(weight.shape)} has no rows {ids}")
+                return weight[ids]
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -570,6 +582,18 @@ def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
         yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
+def _widened_if_bnb(weights: SafetensorsWeights, source: ModelSource, dtype: torch.dtype,
+                    device: torch.device) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights``, with a bitsandbytes checkpoint's quantized layers widened to ``dtype`` as they are read
+    (:mod:`plinth.quantization.bitsandbytes`)."""
+    from plinth.quantization.bitsandbytes import dequantized_weights, is_bnb
+    from plinth.quantization.resolve import checkpoint_quant_config
+
+    if is_bnb(checkpoint_quant_config(source.hf_config)):
+        return dequantized_weights(weights, weights.names(), dtype, device)
+    return weights
+
+
 def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> CausalLM:
     """Build the model of ``source`` on ``ctx.device`` and fill its weights.
 
@@ -591,12 +615,7 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
     elif source.kind == "hf_dir":
         assert source.path is not None
         weights = SafetensorsWeights(list_safetensors_files(Path(source.path)))
-        stream: Iterable[tuple[str, torch.Tensor]] = weights
-        from plinth.quantization.bitsandbytes import dequantized_weights, is_bnb
-        from plinth.quantization.resolve import checkpoint_quant_config
-
-        if is_bnb(checkpoint_quant_config(source.hf_config)):   # widened while read
-            stream = dequantized_weights(weights, weights.names(), ctx.dtype, ctx.device)
+        stream = _widened_if_bnb(weights, source, ctx.dtype, ctx.device)
         try:
             model.load_weights(_with_model_prefix(stream) if source.headless
                                else _language_model_weights(stream) if source.text_only

@@ -63,21 +63,31 @@ def quantized_layers(names: Iterable[str]) -> tuple[set[str], set[str]]:
     return four, eight
 
 
+#: bitsandbytes' largest block (its kernels take 32-4096 values per scale); a state naming more is refused, so
+#: that memory stays bounded by the layer whatever the file says
+MAX_BLOCKSIZE = 4096
+#: a real quantization state is a few hundred bytes of JSON
+_MAX_STATE_BYTES = 1 << 16
+
+
 def _state(tensor: torch.Tensor, layer: str) -> dict[str, Any]:
+    if tensor.numel() > _MAX_STATE_BYTES:
+        raise ModelLoadError(f"layer {layer!r}: its bitsandbytes quantization state is {tensor.numel()} bytes "
+                             f"(a few hundred expected)")
     try:
         state = json.loads(bytes(tensor.to(torch.uint8).reshape(-1).tolist()).decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ModelLoadError(f"layer {layer!r}: its bitsandbytes quantization state is not JSON ({exc})") from None
     if not isinstance(state, dict):
         raise ModelLoadError(f"layer {layer!r}: its bitsandbytes quantization state is not a JSON object")
     return state
 
 
-def _positive_int(state: dict[str, Any], key: str, layer: str) -> int:
+def _positive_int(state: dict[str, Any], key: str, layer: str, most: int | None = None) -> int:
     value = state.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (most is not None and value > most):
         raise ModelLoadError(f"layer {layer!r}: bitsandbytes quantization state has {key}={value!r} "
-                             f"(a positive integer expected)")
+                             f"(a positive integer{f' of at most {most}' if most else ''} expected)")
     return value
 
 
@@ -98,12 +108,13 @@ def dequantize_4bit(parts: dict[str, torch.Tensor], layer: str, dtype: torch.dty
         raise ModelLoadError(f"layer {layer!r}: bitsandbytes 4-bit type {quant_type!r} is not supported "
                              f"(nf4 and fp4 are)")
     shape = state.get("shape")
-    if not (isinstance(shape, list) and len(shape) >= 1 and all(isinstance(s, int) and s > 0 for s in shape)):
+    if not (isinstance(shape, list) and len(shape) >= 1
+            and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
         raise ModelLoadError(f"layer {layer!r}: bitsandbytes quantization state has shape={shape!r}")
-    blocksize = _positive_int(state, "blocksize", layer)
+    blocksize = _positive_int(state, "blocksize", layer, MAX_BLOCKSIZE)
     n = math.prod(shape)
     blocks = -(-n // blocksize)
-    packed = parts["weight"].contiguous().view(torch.uint8).reshape(-1)
+    packed = parts["weight"].contiguous().reshape(-1).view(torch.uint8)
     if packed.numel() != -(-n // 2):
         raise ModelLoadError(f"layer {layer!r}: bitsandbytes packed weight has {packed.numel()} bytes, expected "
                              f"{-(-n // 2)} for shape {shape}")
@@ -115,17 +126,21 @@ def dequantize_4bit(parts: dict[str, torch.Tensor], layer: str, dtype: torch.dty
             if key not in parts:
                 raise ModelLoadError(f"checkpoint is missing tensor {layer + '.weight.' + key!r} (a doubly "
                                      f"quantized bitsandbytes layer)")
-        nested_blocksize = _positive_int(state, "nested_blocksize", layer)
+        nested_blocksize = _positive_int(state, "nested_blocksize", layer, MAX_BLOCKSIZE)
         offset = state.get("nested_offset", 0.0)
-        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
-            raise ModelLoadError(f"layer {layer!r}: bitsandbytes nested_offset={offset!r}")
+        try:
+            finite = not isinstance(offset, bool) and isinstance(offset, (int, float)) and math.isfinite(float(offset))
+        except OverflowError:   # an integer too large for a float
+            finite = False
+        if not finite:
+            raise ModelLoadError(f"layer {layer!r}: bitsandbytes nested_offset={str(offset)[:40]!r}")
         if absmax.dtype != torch.uint8:
             raise ModelLoadError(f"layer {layer!r}: a doubly quantized absmax must be uint8, not {absmax.dtype}")
         nested_code = _count(parts["nested_quant_map"], 256, "nested_quant_map", layer).to(device, torch.float32)
         nested_absmax = _count(parts["nested_absmax"], -(-blocks // nested_blocksize), "nested_absmax",
                                layer).to(device, torch.float32)
-        scales = nested_code[absmax.long()]
-        scales = (scales.view(-1) * nested_absmax.repeat_interleave(nested_blocksize)[:blocks]) + float(offset)
+        group = torch.arange(blocks, device=device) // nested_blocksize
+        scales = nested_code[absmax.long()] * nested_absmax[group] + float(offset)
     else:
         if not absmax.dtype.is_floating_point:
             raise ModelLoadError(f"layer {layer!r}: bitsandbytes absmax must be float without double "
@@ -133,11 +148,12 @@ def dequantize_4bit(parts: dict[str, torch.Tensor], layer: str, dtype: torch.dty
         scales = absmax.to(torch.float32)
     # each byte's two values at once (high nibble first): a 256-row table, one gather per byte
     pairs = torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)          # [256, 2]
-    values = pairs[packed.to(device).long()].reshape(-1)                                # [2 * bytes]
-    if values.numel() < blocks * blocksize:
-        values = torch.cat([values, values.new_zeros(blocks * blocksize - values.numel())])
-    values = (values[:blocks * blocksize].view(blocks, blocksize) * scales.view(blocks, 1)).view(-1)[:n]
-    return values.reshape(shape).to(dtype)
+    values = pairs[packed.to(device).long()].reshape(-1)[:n]                            # [n]
+    full = n // blocksize * blocksize
+    out = torch.empty_like(values)
+    out[:full] = (values[:full].view(-1, blocksize) * scales[:full // blocksize, None]).view(-1)
+    out[full:] = values[full:] * scales[-1]    # a last, shorter block
+    return out.reshape(shape).to(dtype)
 
 
 def dequantize_8bit(weight: torch.Tensor, scb: torch.Tensor, layer: str, dtype: torch.dtype,

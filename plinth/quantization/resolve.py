@@ -171,8 +171,6 @@ def resolve_quantization(config: EngineConfig, source: Any, platform: Any, dtype
     if is_bnb(quant_config):
         # widened to floats while loading (plinth.quantization.bitsandbytes): a float checkpoint from here on,
         # which a method that quantizes float weights may quantize again
-        if source.kind != "hf_dir":
-            raise ConfigError(f"{origin}: bitsandbytes checkpoints are read from model directories")
         if requested == BNB:
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, quantization=None))
         quant_config = None
