@@ -402,12 +402,12 @@ def test_environments_with_other_transformers_keep_their_own_entries(tmp_path, m
     load_gguf_tokenizer(path)
     mine = tokenizer_cache_entry(path)
     clear_gguf_cache()
-    monkeypatch.setattr(transformers, "__version__", "9.9.9")
-    load_gguf_tokenizer(path)
-    theirs = tokenizer_cache_entry(path)
+    with monkeypatch.context() as m:   # (not monkeypatch.undo(): that would also undo the private cache directory)
+        m.setattr(transformers, "__version__", "9.9.9")
+        load_gguf_tokenizer(path)
+        theirs = tokenizer_cache_entry(path)
     assert theirs != mine and sorted(os.listdir(private_cache / "tokenizers")) == sorted([mine.name, theirs.name])
-    monkeypatch.undo()
-    conversions = count_conversions(monkeypatch)
+    conversions.clear()
     clear_gguf_cache()
     load_gguf_tokenizer(path)
     assert conversions == []   # this environment's entry was kept
@@ -421,13 +421,13 @@ def test_environments_with_other_transformers_keep_their_own_entries(tmp_path, m
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", interrupted)
     shutil.rmtree(mine)
     clear_gguf_cache()
-    with pytest.raises(KeyboardInterrupt):
-        load_gguf_tokenizer(path)
+    with monkeypatch.context() as m:
+        m.setattr(PreTrainedTokenizerFast, "save_pretrained", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            load_gguf_tokenizer(path)
     assert sorted(os.listdir(private_cache / "tokenizers")) == sorted([theirs.name, leftover.name, recent.name])
-    monkeypatch.undo()
     clear_gguf_cache()
     load_gguf_tokenizer(path)
     assert sorted(os.listdir(private_cache / "tokenizers")) == sorted([mine.name, theirs.name, recent.name])
