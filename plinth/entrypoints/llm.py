@@ -182,7 +182,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, so that no later prompt reuses KV computed before (after new weights, or
         between benchmark runs); see ``LLMEngine.reset_prefix_cache``. Waits for a ``generate`` running in
-        another thread. ``True`` (nothing runs between calls from one thread)."""
+        another thread, so it returns ``True`` unless requests added to ``llm.engine`` directly still run."""
         with self._lock:
             return self.engine.reset_prefix_cache()
 
