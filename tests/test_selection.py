@@ -264,6 +264,24 @@ def test_kernel_switches_are_part_of_the_key_and_nothing_else_of_the_environment
     assert not any("sk-secret-value" in f.read_text() for f in (tmp_path / "sel").iterdir())
 
 
+def test_records_unused_for_months_are_pruned(pm, backends, tmp_path):
+    """Every new key adds a record; one no start has read for 90 days (and a writer's temporary file left over an
+    hour ago) is removed when another record is written, while a record that starts read stays."""
+    run(pm, tmp_path, candidates=QUICK)
+    [used] = (tmp_path / "sel").iterdir()
+    old = tmp_path / "sel" / "attention_backend-0123456789abcdef01234567.json"
+    old.write_text("{}")
+    leftover = tmp_path / "sel" / ".tmp-abc.json"
+    leftover.write_text("{")
+    long_ago = 1_000_000_000
+    for f in (used, old, leftover):
+        os.utime(f, (long_ago, long_ago))
+    assert run(pm, tmp_path, candidates=QUICK)[0].from_cache   # read: kept fresh
+    run(pm, tmp_path, spec=AttentionSpec(4, 4, 16, torch.float32, 4), candidates=QUICK)   # another key: a write
+    assert used.exists() and not old.exists() and not leftover.exists()
+    assert len(list((tmp_path / "sel").iterdir())) == 2
+
+
 def test_benchmark_mode_always_times(pm, backends, tmp_path):
     run(pm, tmp_path, candidates=QUICK)
     backends.CALLS.clear()

@@ -9,11 +9,13 @@ starting at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -29,6 +31,8 @@ logger = logging.getLogger(__name__)
 SUBDIR = "selection"
 #: bump when the record format or the meaning of a key part changes
 FORMAT_VERSION = 1
+#: a record no start has read for this long is removed when another is written
+UNUSED_DAYS = 90
 
 
 def _dist_version(name: str) -> str | None:
@@ -109,6 +113,8 @@ class SelectionCache:
             return None
         if not isinstance(record, dict) or record.get("key") != self._key_json:
             return None
+        with contextlib.suppress(OSError):   # in use: the pruning below keeps it
+            os.utime(self.path)
         return record
 
     def write(self, record: dict[str, Any]) -> None:
@@ -128,3 +134,16 @@ class SelectionCache:
                 raise
         except OSError as exc:
             logger.warning("could not store the selection in %s: %s", self.directory, exc)
+            return
+        self._prune()
+
+    def _prune(self) -> None:
+        """Remove records no start has read or written for :data:`UNUSED_DAYS` days (each new key, a new plinth or
+        torch version, another model shape adds one), and temporary files writers killed mid-way left behind."""
+        now = time.time()
+        for other in self.directory.iterdir():
+            with contextlib.suppress(OSError):
+                age = now - other.stat().st_mtime
+                if (other.suffix == ".json" and age > UNUSED_DAYS * 86400) or (other.name.startswith(".tmp-")
+                                                                              and age > 3600):
+                    other.unlink()
