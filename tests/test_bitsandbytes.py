@@ -23,9 +23,22 @@ from test_quantization_support import (
 from plinth.config import ConfigError
 from plinth.errors import ModelLoadError
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")   # bitsandbytes looks for optional hub kernels when imported
-bnb = pytest.importorskip("bitsandbytes")
+_OFFLINE = os.environ.get("HF_HUB_OFFLINE")
+os.environ["HF_HUB_OFFLINE"] = "1"   # bitsandbytes looks for optional hub kernels when imported: never reach out
+try:
+    bnb = pytest.importorskip("bitsandbytes")
+finally:   # the rest of the session's environment as it was
+    if _OFFLINE is None:
+        del os.environ["HF_HUB_OFFLINE"]
+    else:
+        os.environ["HF_HUB_OFFLINE"] = _OFFLINE
 transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """bitsandbytes' layers (through transformers) may look for hub kernels again: offline in these tests."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 CONFIGS = {
     "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
@@ -93,7 +106,9 @@ def _quantized(path) -> set[str]:
 @pytest.fixture(scope="module")
 def bnb_dirs(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("bnb")
-    return {kind: (_save_bnb(tiny_llama_dir, root / kind, kind), root / kind) for kind in CONFIGS}
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("HF_HUB_OFFLINE", "1")
+        return {kind: (_save_bnb(tiny_llama_dir, root / kind, kind), root / kind) for kind in CONFIGS}
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

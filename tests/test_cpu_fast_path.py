@@ -9,6 +9,7 @@ identical greedy tokens), ``torch.argmax`` and a Python loop (batch helpers).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import sys
@@ -379,10 +380,16 @@ def test_int4_cache_entries_are_checked_shared_and_replaced(tmp_path, monkeypatc
     with caplog.at_level("WARNING"):
         int4_weights_from_gguf(path, model, torch.bfloat16)   # the rebuilt entry reads back whole
     assert "checksum" not in caplog.text
+    # an entry written before the instruction set was part of the key (no start reads it now) goes too
+    from safetensors.torch import save_file
+
+    legacy = tmp_path / "cache" / "cpu_int4" / "0123456789abcdef01234567.safetensors"
+    save_file({"x": torch.zeros(1)}, str(legacy), metadata={
+        "source": os.path.realpath(path), "made_for": json.dumps([torch.__version__, str(torch.bfloat16)])})
     os.utime(path, ns=(1, 10**18))   # another state of the same file: a new key
     int4_weights_from_gguf(path, model, torch.bfloat16)
     now = list((tmp_path / "cache" / "cpu_int4").glob("*.safetensors"))
-    assert len(now) == 1 and now != entries
+    assert len(now) == 1 and now != entries and not legacy.exists()
     # another torch (another environment sharing the cache): its entry and this one's both stay
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     int4_weights_from_gguf(path, model, torch.bfloat16)

@@ -114,6 +114,34 @@ def test_reset_prefix_cache_forgets_what_no_request_holds(tiny_llama_dir, refere
         return await front.reset_prefix_cache()
 
     assert asyncio.run(through_the_front()) is True and engine.block_manager.num_cached_blocks == 0
+
+    # a caller that gives up (a timeout, a client gone) while a request streams: the call is dropped, the request
+    # and the engine go on
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        import time
+
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    engine.step = slow_step
+
+    async def cancelled_while_streaming() -> list:
+        outputs = []
+        stream = front.generate("streaming", PROMPTS[0], greedy(12))
+        outputs.append(await stream.__anext__())
+        task = asyncio.create_task(front.reset_prefix_cache())
+        await asyncio.sleep(0)
+        task.cancel()
+        async for out in stream:
+            outputs.append(out)
+        return outputs
+
+    outputs = asyncio.run(asyncio.wait_for(cancelled_while_streaming(), 60))
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference[0][:12]
+    assert front.is_healthy and asyncio.run(through_the_front()) is True
+    engine.step = step
     front.shutdown()
     with pytest.raises(EngineUnavailableError):
         asyncio.run(through_the_front())

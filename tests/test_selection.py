@@ -245,11 +245,20 @@ def test_a_candidate_that_raised_is_timed_again(pm, backends, tmp_path, monkeypa
     assert third.from_cache and third.winner == "test_fast"
     # a candidate rejected for its error against the reference stays rejected: the record holds
     assert third.report("test_wrong").reason.startswith("rejected: max error")
+    # one that fails every time is timed again once, then the record is trusted (it must not turn the cache off)
+    with monkeypatch.context() as m:
+        m.setattr(backends.FastBackend, "forward", out_of_memory)
+        hows = [run(pm, tmp_path / "always", candidates=candidates)[0].how for _ in range(4)]
+    assert hows == ["benchmark", "benchmark", "cache", "cache"]
 
 
 def test_kernel_switches_are_part_of_the_key_and_nothing_else_of_the_environment(pm, backends, tmp_path, monkeypatch):
     """A record timed under a kernel switch (PLINTH_CPU_SDPA_PREFILL, PLINTH_W4A16_CUDA, ...) is not read without it
     (the switch changes how fast a candidate runs); other variables (an API key) never reach the records."""
+    from plinth.core.selection_cache import KERNEL_SWITCHES
+
+    for name in KERNEL_SWITCHES:   # (whatever the environment running the tests sets)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PLINTH_API_KEY", "sk-secret-value")
     monkeypatch.setenv("PLINTH_CPU_SDPA_PREFILL", "1")
     run(pm, tmp_path, candidates=QUICK)

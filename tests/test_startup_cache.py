@@ -431,6 +431,12 @@ def test_environments_with_other_transformers_keep_their_own_entries(tmp_path, m
     clear_gguf_cache()
     load_gguf_tokenizer(path)
     assert sorted(os.listdir(private_cache / "tokenizers")) == sorted([mine.name, theirs.name, recent.name])
+    # the other environment's entry, unread for 90 days (that transformers is gone), goes with the next write
+    os.utime(theirs / "source.json", (1, 1))
+    os.utime(path, ns=(1, 10**18))   # another state of the file: a new entry is written
+    clear_gguf_cache()
+    load_gguf_tokenizer(path)
+    assert sorted(os.listdir(private_cache / "tokenizers")) == sorted([tokenizer_cache_entry(path).name, recent.name])
 
 
 def test_unwritable_cache_still_loads(tmp_path, monkeypatch, caplog):

@@ -388,12 +388,13 @@ class AsyncLLMEngine:
                 if cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:
                     self._engine.abort_request(cmd.request_id)
             elif isinstance(cmd, _Call):
-                try:
-                    result = cmd.fn(self._engine)
-                except Exception as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
-                    cmd.future.set_exception(exc)
-                else:
-                    cmd.future.set_result(result)
+                if cmd.future.set_running_or_notify_cancel():   # (a caller that gave up cancelled it: not run)
+                    try:
+                        result = cmd.fn(self._engine)
+                    except Exception as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
+                        cmd.future.set_exception(exc)
+                    else:
+                        cmd.future.set_result(result)
             else:
                 try:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
@@ -451,10 +452,12 @@ class AsyncLLMEngine:
         refused = EngineUnavailableError(f"the engine stopped before it took the request ({error})")
         for sink in (c.sink for c in pending if isinstance(c, _Add)):   # never taken: refused as a whole
             by_loop.setdefault(sink.loop, []).append((sink.box, refused))
-        for call in (c for c in pending if isinstance(c, _Call)):
-            call.future.set_exception(refused)
         self._sinks.clear()
         self._send(by_loop)
+        for call in (c for c in pending if isinstance(c, _Call)):
+            future = call.future   # (pending: not run yet, or running when the loop crashed; not if cancelled)
+            if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
+                future.set_exception(refused)
 
 
 def _put_all(items: list[tuple[_Mailbox, Any]]) -> None:

@@ -173,10 +173,13 @@ def select(
 
     cache = SelectionCache(cache_dir, kind.kind, {
         **base_key(platform, pm, registrations), **kind.key()})
+    untimed: list[str] = []
     if mode == "cached":
         hit = cache.read()
         cached = _cached_reports(hit)
-        untimed = _untimed_now(cached, usable) if cached is not None else []
+        if cached is not None:
+            retried = hit.get("failed_again") if isinstance(hit.get("failed_again"), list) else []
+            untimed = [name for name in _untimed_now(cached, usable) if name not in retried]
         if hit is not None and cached is not None and hit.get("winner") in usable and not untimed:
             return _finish(kind, hit["winner"], usable, cached, True, "cache", start)
         if untimed:
@@ -186,7 +189,11 @@ def select(
             logger.info("cached %s choice %r is unusable; timing again", _label(kind), hit.get("winner"))
     winner = _benchmark(kind, reference_registrations or registrations, usable, reports)
     result = _finish(kind, winner, usable, reports, False, "benchmark", start)
-    cache.write({"winner": winner, "candidates": [dataclasses.asdict(r) for r in reports]})
+    # a candidate timed again because it raised before, and raising again, is not timed a third time: the
+    # record is trusted (a candidate that always fails must not turn the record off)
+    failed_again = [r.name for r in reports if r.name in untimed and r.reason.startswith(_FAILED)]
+    cache.write({"winner": winner, "candidates": [dataclasses.asdict(r) for r in reports],
+                 "failed_again": failed_again})
     return result
 
 

@@ -113,7 +113,7 @@ class SelectionCache:
             return None
         if not isinstance(record, dict) or record.get("key") != self._key_json:
             return None
-        with contextlib.suppress(OSError):   # in use: the pruning below keeps it
+        with contextlib.suppress(OSError):   # in use: the pruning keeps it (where this user may touch it)
             os.utime(self.path)
         return record
 
@@ -141,9 +141,10 @@ class SelectionCache:
         """Remove records no start has read or written for :data:`UNUSED_DAYS` days (each new key, a new plinth or
         torch version, another model shape adds one), and temporary files writers killed mid-way left behind."""
         now = time.time()
-        for other in self.directory.iterdir():
-            with contextlib.suppress(OSError):
-                age = now - other.stat().st_mtime
-                if (other.suffix == ".json" and age > UNUSED_DAYS * 86400) or (other.name.startswith(".tmp-")
-                                                                              and age > 3600):
-                    other.unlink()
+        with contextlib.suppress(OSError):   # a cache that cannot be listed or cleaned is only not pruned
+            for other in self.directory.iterdir():
+                with contextlib.suppress(OSError):
+                    age = now - other.stat().st_mtime
+                    if (other.suffix == ".json" and age > UNUSED_DAYS * 86400) or (other.name.startswith(".tmp-")
+                                                                                  and age > 3600):
+                        other.unlink()

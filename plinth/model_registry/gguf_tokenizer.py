@@ -175,10 +175,13 @@ def _load_entry(entry: Path, record: dict[str, Any], warn: bool = True) -> Any:
                entry, ", ".join(sorted(foreign)))
         return None
     try:
-        return _tokenizer_class(entry).from_pretrained(str(entry), local_files_only=True, trust_remote_code=False)
+        tokenizer = _tokenizer_class(entry).from_pretrained(str(entry), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - any damage to an entry (a config of the wrong shape) means converting again
         report("ignoring the tokenizer cache entry %s: %s: %s", entry, type(e).__name__, e)
         return None
+    with contextlib.suppress(OSError):   # in use: kept by the pruning of entries no start reads
+        os.utime(entry / _SOURCE_FILE)
+    return tokenizer
 
 
 def _store_entry(tokenizer: Any, entry: Path, record: dict[str, Any]) -> None:
@@ -256,12 +259,14 @@ def _name_generic_class(saved: Path) -> None:
 _FILE_STATE = ("size", "mtime_ns", "inode", "ctime_ns")
 #: a temporary folder this old (a start killed while it wrote) is removed by the next entry's writer
 _STALE_TMP_S = 3600.0
+#: an entry no start has read for this long (another transformers since, a file long gone) is removed likewise
+UNUSED_DAYS = 90
 
 
 def _remove_stale_entries(root: Path, keep: str, record: dict) -> None:
     """Remove the entries made from earlier states of the same file (same conversion otherwise: another
-    transformers, in another environment sharing the cache, keeps its own), and temporary folders that writers
-    killed mid-way left behind."""
+    transformers, in another environment sharing the cache, keeps its own), entries no start has read for
+    :data:`UNUSED_DAYS` days, and temporary folders that writers killed mid-way left behind."""
     same = {k: v for k, v in record.items() if k not in _FILE_STATE}
     for other in root.iterdir():
         if other.name == keep:
@@ -272,8 +277,9 @@ def _remove_stale_entries(root: Path, keep: str, record: dict) -> None:
                     shutil.rmtree(other, ignore_errors=True)
             continue
         try:
+            unused = time.time() - (other / _SOURCE_FILE).stat().st_mtime > UNUSED_DAYS * 86400
             saved = json.loads((other / _SOURCE_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(saved, dict) and {k: v for k, v in saved.items() if k not in _FILE_STATE} == same:
+        if unused or isinstance(saved, dict) and {k: v for k, v in saved.items() if k not in _FILE_STATE} == same:
             shutil.rmtree(other, ignore_errors=True)

@@ -171,9 +171,21 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str, 
     # the entries of earlier states of the same file (touched, replaced, copied over) are of no further use
     for other in file.parent.glob("*.safetensors"):
         meta = _metadata(other) if other != file else {}
-        if meta.get("source") == source and meta.get("made_for") == made_for:
+        if meta.get("source") == source and _same_settings(meta.get("made_for"), made_for):
             with contextlib.suppress(OSError):
                 other.unlink()
+
+
+def _same_settings(theirs: str | None, ours: str) -> bool:
+    """Whether an entry's ``made_for`` is this start's, or this one's before the instruction set was part of it
+    (those entries are keyed as no start reads them now)."""
+    if theirs == ours:
+        return True
+    try:
+        old = json.loads(theirs) if theirs else None
+    except ValueError:
+        return False
+    return isinstance(old, list) and len(old) == 2 and old == json.loads(ours)[:2]
 
 
 def int4_weights_from_gguf(path: str, model: Any, dtype: torch.dtype, use_cache: bool = True) -> dict[str, Int4Weight]:
