@@ -173,7 +173,7 @@ def test_a_damaged_record_is_timed_again(pm, backends, tmp_path, caplog, damage)
     assert "ignoring malformed selection record" in caplog.text
 
 
-@pytest.mark.parametrize("change", ["plugin_version", "revision", "dtype", "shapes", "device"])
+@pytest.mark.parametrize("change", ["plugin_version", "revision", "dtype", "shapes", "device", "cpu_flags"])
 def test_cache_is_invalidated_when_a_key_part_changes(pm, backends, tmp_path, change, monkeypatch):
     run(pm, tmp_path, candidates=QUICK)
     backends.CALLS.clear()
@@ -186,6 +186,10 @@ def test_cache_is_invalidated_when_a_key_part_changes(pm, backends, tmp_path, ch
         spec = AttentionSpec(4, 2, 16, torch.float64, 4)
     elif change == "shapes":
         spec = AttentionSpec(4, 4, 16, torch.float32, 4)
+    elif change == "cpu_flags":   # the same model name, other instruction sets (AMX or not)
+        from plinth.core import selection_cache
+
+        monkeypatch.setattr(selection_cache, "_cpu_digest", lambda: "0" * 16)
     else:
         platform.device_name = lambda index=0: "Fake CPU 9001"
     result, _ = run(pm, tmp_path, spec=spec, platform=platform, candidates=QUICK)
@@ -270,6 +274,7 @@ def test_kernel_switches_are_part_of_the_key_and_nothing_else_of_the_environment
     assert len(records) == 2
     assert sorted(json.dumps(r["key"]["switches"]) for r in records) == ['{"PLINTH_CPU_SDPA_PREFILL": "1"}', "{}"]
     assert all(r["key"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability() for r in records)
+    assert all(len(r["key"]["cpu"]) == 16 for r in records) and records[0]["key"]["cpu"] == records[1]["key"]["cpu"]
     assert not any("sk-secret-value" in f.read_text() for f in (tmp_path / "sel").iterdir())
 
 

@@ -10,6 +10,7 @@ starting at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -78,8 +79,18 @@ def base_key(platform: Any, pm: PluginManager, registrations: Mapping[str, Regis
         "candidates": candidates,
         "switches": {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ},
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": _cpu_digest(),
         "threads": torch.get_num_threads(),
     }
+
+
+@functools.cache
+def _cpu_digest() -> str:
+    """The host CPU's model and feature flags, hashed: two machines of one model name (a cluster's shared home)
+    but other instruction sets (AMX or not) time their CPU candidates apart."""
+    from plinth.kernels.native_build import cpu_signature
+
+    return hashlib.sha256(cpu_signature().encode()).hexdigest()[:16]
 
 
 def _revision(reg: Any) -> Any:
