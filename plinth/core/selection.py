@@ -13,9 +13,10 @@ For one kind (attention backend now; a quantization method's GEMM kernel later):
    (so that each step counts alike however long it takes);
 4. the outcome is stored under ``plinth.config.cache_dir() / "selection"``, keyed by device,
    platform, torch/triton/plugin versions, dtype and shapes, so a later start with the same
-   key reads it and times nothing (unless a candidate it found unsupported is supported now: what a
-   candidate supports can depend on the moment, e.g. native kernels turned off for one run). Modes (``DeviceConfig.selection``): ``cached`` (time on a
-   cache miss), ``benchmark`` (always time), ``off`` (the highest-priority supported one);
+   key reads it and times nothing (unless a candidate it found unsupported, or that raised then, runs now:
+   what a candidate supports can depend on the moment, e.g. native kernels turned off for one run; see
+   :func:`_untimed_now`). Modes (``DeviceConfig.selection``): ``cached`` (time on a cache miss),
+   ``benchmark`` (always time), ``off`` (the highest-priority supported one);
 5. a forced choice is validated: unknown or unsupported names are a :class:`SelectionError`.
 
 What differs between kinds (how to ask ``supports``, how to check, how to time, what the key

@@ -516,15 +516,13 @@ def _head_rows(model_dir: Path, ids: list[int], source: ModelSource | None = Non
     from safetensors import safe_open
 
     files = list_safetensors_files(model_dir)
-    if source is not None:
+    if source is not None and _is_bnb(source):
         head = SafetensorsWeights(files, only="lm_head.")
-        widened = _widened_if_bnb(head, source, torch.float32, torch.device("cpu"))
-        if widened is not head:
-            weight = dict(widened).get("lm_head.weight")
-            if weight is not None:
-                if weight.dim() != 2 or max(ids) >= weight.shape[0]:
-                    raise ModelLoadError(f"{model_dir}: 'lm_head.weight' of shape {list(weight.shape)} has no rows {ids}")
-                return weight[ids]
+        weight = dict(_widened_if_bnb(head, source, torch.float32, torch.device("cpu"))).get("lm_head.weight")
+        if weight is not None:
+            if weight.dim() != 2 or max(ids) >= weight.shape[0]:
+                raise ModelLoadError(f"{model_dir}: 'lm_head.weight' of shape {list(weight.shape)} has no rows {ids}")
+            return weight[ids]
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -586,12 +584,17 @@ def _widened_if_bnb(weights: SafetensorsWeights, source: ModelSource, dtype: tor
                     device: torch.device) -> Iterable[tuple[str, torch.Tensor]]:
     """``weights``, with a bitsandbytes checkpoint's quantized layers widened to ``dtype`` as they are read
     (:mod:`plinth.quantization.bitsandbytes`)."""
-    from plinth.quantization.bitsandbytes import dequantized_weights, is_bnb
+    from plinth.quantization.bitsandbytes import dequantized_weights
+
+    return dequantized_weights(weights, weights.names(), dtype, device) if _is_bnb(source) else weights
+
+
+def _is_bnb(source: ModelSource) -> bool:
+    """Whether ``source`` is a bitsandbytes checkpoint (its config's ``quantization_config``)."""
+    from plinth.quantization.bitsandbytes import is_bnb
     from plinth.quantization.resolve import checkpoint_quant_config
 
-    if is_bnb(checkpoint_quant_config(source.hf_config)):
-        return dequantized_weights(weights, weights.names(), dtype, device)
-    return weights
+    return is_bnb(checkpoint_quant_config(source.hf_config))
 
 
 def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> CausalLM:

@@ -99,10 +99,12 @@ def _count(tensor: torch.Tensor, want: int, what: str, layer: str) -> torch.Tens
 
 
 def dequantize_4bit(parts: dict[str, torch.Tensor], layer: str, dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device, state: dict[str, Any] | None = None) -> torch.Tensor:
     """The ``[N, K]`` weight of one 4-bit layer from its tensors (keys: ``weight``, ``state`` (the JSON bytes),
-    ``absmax``, ``quant_map`` and, doubly quantized, ``nested_absmax`` and ``nested_quant_map``)."""
-    state = _state(parts["state"], layer)
+    ``absmax``, ``quant_map`` and, doubly quantized, ``nested_absmax`` and ``nested_quant_map``); ``state``: the
+    JSON already parsed, if it was."""
+    if state is None:
+        state = _state(parts["state"], layer)
     quant_type = state.get("quant_type")
     if quant_type not in ("nf4", "fp4"):
         raise ModelLoadError(f"layer {layer!r}: bitsandbytes 4-bit type {quant_type!r} is not supported "
@@ -173,6 +175,7 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], names: Iter
     their tensors arrive, in whatever order and shard)."""
     four, eight = quantized_layers(names)
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    states: dict[str, dict[str, Any]] = {}   # each 4-bit layer's state, parsed once when it arrives
     for name, tensor in weights:
         layer, part = _owner(name, four, eight)
         if layer is None:
@@ -186,20 +189,25 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], names: Iter
             continue
         parts = pending.setdefault(layer, {})
         parts[part] = tensor
-        if layer in eight:
-            if {"weight", "SCB"} <= parts.keys():
-                del pending[layer]
-                yield f"{layer}.weight", dequantize_8bit(parts["weight"], parts["SCB"], layer, dtype, device)
-        elif _complete_4bit(parts, layer):
+        if part == "state":
+            states[layer] = _state(tensor, layer)
+        if all(p in parts for p in _needed(layer, eight, states)):
             del pending[layer]
-            yield f"{layer}.weight", dequantize_4bit(parts, layer, dtype, device)
+            yield f"{layer}.weight", (dequantize_8bit(parts["weight"], parts["SCB"], layer, dtype, device)
+                                      if layer in eight else
+                                      dequantize_4bit(parts, layer, dtype, device, states.pop(layer)))
     for layer, parts in pending.items():
-        need = ["weight", "SCB"] if layer in eight else ["weight", "state", "absmax", "quant_map"]
-        if "state" in parts and "nested_blocksize" in _state(parts["state"], layer):
-            need += ["nested_absmax", "nested_quant_map"]
-        missing = next((p for p in need if p not in parts), None)
+        missing = next(p for p in _needed(layer, eight, states) if p not in parts)
         suffix = {"weight": ".weight", "SCB": ".SCB", "state": _STATE + "<type>"}.get(missing, f".weight.{missing}")
         raise ModelLoadError(f"checkpoint is missing tensor {layer + suffix!r} of a bitsandbytes-quantized layer")
+
+
+def _needed(layer: str, eight: set[str], states: dict[str, dict[str, Any]]) -> tuple[str, ...]:
+    """The tensors a quantized layer needs (a 4-bit layer's state says whether the nested ones are among them)."""
+    if layer in eight:
+        return ("weight", "SCB")
+    nested = "nested_blocksize" in states.get(layer, {})
+    return ("weight", "state", "absmax", "quant_map") + (("nested_absmax", "nested_quant_map") if nested else ())
 
 
 def _owner(name: str, four: set[str], eight: set[str]) -> tuple[str | None, str]:
@@ -221,12 +229,3 @@ def _owner(name: str, four: set[str], eight: set[str]) -> tuple[str | None, str]
             if layer in eight:
                 return layer, part
     return None, ""
-
-
-def _complete_4bit(parts: dict[str, torch.Tensor], layer: str) -> bool:
-    """Whether a 4-bit layer's tensors are all there (the state says whether the nested ones are needed)."""
-    if not {"weight", "state", "absmax", "quant_map"} <= parts.keys():
-        return False
-    if "nested_blocksize" in _state(parts["state"], layer):
-        return {"nested_absmax", "nested_quant_map"} <= parts.keys()
-    return True

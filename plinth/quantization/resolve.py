@@ -88,7 +88,7 @@ def _method_for_checkpoint(ckpt_method: str, names: list[str], origin: str) -> s
 def choose_method_name(requested: str | None, source_kind: str, quant_config: dict[str, Any] | None,
                        origin: str) -> tuple[str | None, dict[str, Any] | None]:
     """``(method name or None, the quantization_config it is built from)`` (see the module rules)."""
-    names = sorted(get_plugin_manager().registrations("quantization_methods"))
+    names = _installed()
     if requested is not None and requested not in names:
         raise ConfigError(f"unknown quantization method {requested!r}; installed: {', '.join(names) or 'none'}")
     if source_kind == "gguf":

@@ -152,7 +152,8 @@ def _store_cached(file: Path, weights: dict[str, Int4Weight], source_path: str, 
             tensors[f"{name}.q4p_offsets"] = w.panels.offsets
     tmp = file.with_suffix(f".tmp{os.getpid()}")
     source = os.path.realpath(source_path)
-    # what else keys the entry (torch's version, the dtype): entries of the same file under other settings stay
+    # what else keys the entry (torch's version, the dtype, the instruction set): entries of the same file under
+    # other settings stay
     made_for = json.dumps(_made_for(dtype))
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
