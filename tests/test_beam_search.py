@@ -246,8 +246,8 @@ def test_server_width_bounded_by_max_logprobs(tmp_path):
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_server_beam_search_runs_at_the_request_priority(tiny_llama_dir, monkeypatch, policy):
-    """``use_beam_search`` with a ``priority``: every round's requests carry it (priority policy), and under
-    first come, first served a nonzero one is a 400, as for any request."""
+    """``use_beam_search`` with a ``priority`` and a ``cache_salt``: every round's requests carry both (priority
+    policy), and under first come, first served a nonzero priority is a 400, as for any request."""
     from starlette.testclient import TestClient
 
     from plinth.config import EngineConfig
@@ -258,16 +258,18 @@ def test_server_beam_search_runs_at_the_request_priority(tiny_llama_dir, monkeyp
     seen = []
     add = LLMEngine.add_request
 
-    def recording(self, request_id, prompt, params=None, arrival_time=None, priority=0, lora_request=None):
-        seen.append(priority)
-        return add(self, request_id, prompt, params, arrival_time, priority, lora_request)
+    def recording(self, request_id, prompt, params=None, arrival_time=None, priority=0, lora_request=None,
+                  cache_salt=None):
+        seen.append((priority, cache_salt))
+        return add(self, request_id, prompt, params, arrival_time, priority, lora_request, cache_salt)
 
     monkeypatch.setattr(LLMEngine, "add_request", recording)
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", selection="off",
                                                 served_model_name="tiny", scheduling_policy=policy))
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3, "n": 2, "use_beam_search": True, "priority": -4}
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3, "n": 2, "use_beam_search": True, "priority": -4,
+            "cache_salt": "s"}
     chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 3, "n": 2,
-            "use_beam_search": True, "priority": -4}
+            "use_beam_search": True, "priority": -4, "cache_salt": "s"}
     with TestClient(build_app(AsyncLLMEngine(engine))) as http:
         for route, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
             r = http.post(route, json=request)
@@ -276,4 +278,4 @@ def test_server_beam_search_runs_at_the_request_priority(tiny_llama_dir, monkeyp
             else:
                 assert r.status_code == 200, r.text
     if policy == "priority":
-        assert len(seen) >= 4 and set(seen) == {-4}
+        assert len(seen) >= 4 and set(seen) == {(-4, "s")}

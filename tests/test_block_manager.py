@@ -288,3 +288,29 @@ def test_a_block_completed_by_a_one_token_query_is_reusable_from_the_next_step()
     assert bm.allocate_slots(c, 9)
     sibling = make_request([9, 8, 7, 6, 5, 4, 3, 2, 1])
     assert bm.get_computed_blocks(sibling) == (c.block_ids[:2], 2 * BS)
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    """``cache_salt``: the same tokens hit only under the same salt (and the same adapter); no salt is a salt of
+    its own."""
+    bm = BlockManager(32, 2)
+    prompt = [1, 2, 3, 4, 5]
+
+    def salted(salt, lora_id=0):
+        req = make_request(prompt)
+        req.cache_salt = salt
+        if lora_id:
+            req.lora = type("Adapter", (), {"lora_id": lora_id})()
+        return req
+
+    first = salted("tenant-a")
+    assert bm.allocate_slots(first, len(prompt))
+    assert bm.get_computed_blocks(salted("tenant-a")) == (first.block_ids[:2], 4)
+    assert bm.get_computed_blocks(salted("tenant-b")) == ([], 0)
+    assert bm.get_computed_blocks(salted(None)) == ([], 0)
+    assert bm.get_computed_blocks(salted("tenant-a", lora_id=1)) == ([], 0)
+    plain = salted(None)
+    assert bm.allocate_slots(plain, len(prompt))   # the unsalted prompt computes its own blocks
+    assert set(plain.block_ids).isdisjoint(first.block_ids)
+    assert bm.get_computed_blocks(salted(None)) == (plain.block_ids[:2], 4)
+    assert bm.get_computed_blocks(salted("tenant-a")) == (first.block_ids[:2], 4)

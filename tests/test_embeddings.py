@@ -105,6 +105,13 @@ def test_prefix_cache_dimensions_and_errors(model_dir):
     same = llm.embed(PROMPTS[3])[0]
     assert same.num_cached_tokens == n - 1
     np.testing.assert_allclose(same.outputs.embedding, long_first.outputs.embedding, atol=1e-6)
+    # a cache_salt: only prompts of the same salt share blocks
+    salted = [llm.embed({"prompt": PROMPTS[3], "cache_salt": "s"})[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in salted] == [0, n - 1]
+    for out in salted:
+        np.testing.assert_allclose(out.outputs.embedding, long_first.outputs.embedding, atol=1e-6)
+    with pytest.raises(ValueError, match="LLM.score takes no 'cache_salt'"):
+        llm.score({"prompt": PROMPTS[3], "cache_salt": "s"}, PROMPTS[1])
     again = llm.embed(PROMPTS[1] + " one token at a time")[0]   # shares the first prompt's blocks
     assert again.num_cached_tokens >= 8
     ids = llm.engine.tokenize(PROMPTS[1] + " one token at a time")
@@ -223,7 +230,8 @@ def test_server_embeddings(http):
     for body, param in (({"input": []}, "input"), ({"input": ""}, "input"), ({"input": "x", "dimensions": 999},
                                                                             "dimensions"),
                         ({"input": "x", "dimensions": True}, "dimensions"), ({"input": ["x"] * 3000}, "input"),
-                        ({"input": [10**9]}, "input"), ({"input": "x", "model": "other"}, "model")):
+                        ({"input": [10**9]}, "input"), ({"input": "x", "model": "other"}, "model"),
+                        ({"input": "x", "cache_salt": ""}, "cache_salt")):
         r = client.post("/v1/embeddings", json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})

@@ -80,6 +80,42 @@ def test_prefix_cache_hit_skips_tokens_and_keeps_output(tiny_llama_dir, referenc
     assert sum(o.num_cached_tokens for o in second) > 0
 
 
+def test_a_cache_salt_keeps_prefix_caches_apart(tiny_llama_dir, reference):
+    """``cache_salt`` in a dict prompt (vLLM's): outputs are the same, but a prompt reuses cached blocks only from
+    prompts of the same salt; beam search carries its prompt's salt; a bad salt is a clear error."""
+    from plinth.core.scheduler import RequestRejectedError
+    from plinth.entrypoints.beam_search import BeamSearchParams
+
+    llm = llm_for(tiny_llama_dir)
+    prompt = PROMPTS[2]   # several blocks of 4 tokens
+
+    def run(**salt):
+        out = llm.generate({"prompt": prompt, **salt}, greedy(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference[2]
+        return out.num_cached_tokens
+
+    assert run(cache_salt="a") == 0
+    assert run(cache_salt="b") == 0 and run() == 0   # another salt, and none, share nothing with "a"
+    hits = [run(cache_salt="a"), run(cache_salt="b"), run()]
+    assert all(h > 0 for h in hits), hits
+    ids = llm.get_tokenizer()(PROMPTS[1]).input_ids
+    out = llm.generate({"prompt_token_ids": ids, "cache_salt": "c"}, greedy(), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference[1] and out.num_cached_tokens == 0
+    beams = BeamSearchParams(beam_width=2, max_tokens=3)
+    salted = llm.beam_search([{"prompt": PROMPTS[0], "cache_salt": "d"}], beams)
+    plain = llm.beam_search([PROMPTS[0]], beams)
+    assert [b.token_ids for b in salted[0].sequences] == [b.token_ids for b in plain[0].sequences]
+    assert run(cache_salt=None) > 0   # null: no salt
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt.*non-empty string"):
+            llm.generate({"prompt": prompt, "cache_salt": bad}, greedy(), use_tqdm=False)
+    with pytest.raises(RequestRejectedError, match="cache_salt must be a non-empty string") as err:
+        llm.engine.add_request("bad-salt", prompt, greedy(), cache_salt="")
+    assert err.value.param == "cache_salt" and not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="unknown keys: 'salt'"):
+        llm.generate({"prompt": prompt, "salt": "x"}, greedy(), use_tqdm=False)
+
+
 def test_reset_prefix_cache_forgets_what_no_request_holds(tiny_llama_dir, reference):
     """``reset_prefix_cache``: afterwards no prompt reuses KV computed before (offline and through the async front);
     blocks a running request holds stay cached while it runs (the call then says ``False``)."""

@@ -148,7 +148,7 @@ def http(tmp_path, monkeypatch):
 
     script = {}
 
-    async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None):
+    async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None, cache_salt=None):
         script["prompt"] = self.front.tokenizer.decode(ids)
         text = script["text"]
         if params.skip_special_tokens:
@@ -256,7 +256,7 @@ def test_beam_search_replies_keep_the_markers_for_the_parser(http, monkeypatch):
     ids = tokenizer.encode(THINK_AND_ANSWER, add_special_tokens=False) + [client.app.state.ctx.front.eos_token_ids[0]]
     beam = BeamSequence(ids, -1.0, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason="stop")
 
-    async def fake(front, rid, prompts, params, lora=None, priority=0):
+    async def fake(front, rid, prompts, params, lora=None, priority=0, cache_salt=None):
         return [BeamSearchOutput(list(prompts[0]), [beam])]
 
     monkeypatch.setattr(serving, "beam_search_async", fake)   # what ServerContext.beam_search runs

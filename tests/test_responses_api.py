@@ -121,7 +121,7 @@ def test_an_aborted_request_is_cancelled_alike_streamed_or_not(client, monkeypat
     from plinth.core.request import CompletionOutput, FinishReason, RequestOutput
     from plinth.entrypoints.openai.serving import ServerContext
 
-    async def aborted(self, rid, prompt, params, priority=0, lora=None, accepted=None):
+    async def aborted(self, rid, prompt, params, priority=0, lora=None, accepted=None, cache_salt=None):
         yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, "Hel", [], finish_reason=None)], False)
         yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, "Hello", [], finish_reason=FinishReason.ABORT)], True)
 
@@ -247,7 +247,7 @@ def test_the_thinking_is_a_reasoning_item(tmp_path, monkeypatch):
 
     prompts = []
 
-    async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None):   # outputs without an engine
+    async def scripted(self, rid, ids, params, priority=0, lora=None, accepted=None, cache_salt=None):   # outputs without an engine
         prompts.append(list(ids))
         for i, text in enumerate(pieces):
             last = i == len(pieces) - 1
@@ -319,7 +319,7 @@ def test_usage_counts_the_reasoning_tokens(tmp_path, monkeypatch, finish):
     if thinking:
         assert text.startswith("<think>the sky") and text.endswith("Blue." if finish == "answered" else "")
 
-    async def scripted(self, rid, prompt, params, priority=0, lora=None, accepted=None):
+    async def scripted(self, rid, prompt, params, priority=0, lora=None, accepted=None, cache_salt=None):
         reason = FinishReason.STOP if finish == "answered" else FinishReason.LENGTH
         yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, text, ids, finish_reason=reason)], True)
 

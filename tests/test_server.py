@@ -1087,3 +1087,38 @@ def test_usage_reports_prompt_tokens_from_the_prefix_cache(client):
             for _ in range(2)]
     assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
     assert 0 < chat[1].usage.prompt_tokens_details.cached_tokens < chat[1].usage.prompt_tokens
+
+
+def test_a_cache_salt_shares_the_prefix_cache_only_within_the_salt(server, client):
+    """vLLM's ``cache_salt`` (completions, chat, responses): a prompt reuses cached tokens only from requests with
+    the same salt; an empty or non-string salt is a 400 naming it."""
+    prompt = "A tenant's private prompt, long enough to fill several KV blocks of the cache. " * 4
+
+    def cached(salt, stream=False):
+        extra = {} if salt is None else {"cache_salt": salt}
+        if stream:
+            chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}, extra_body=extra)
+            usage = [c.usage for c in chunks if c.usage is not None][0]
+        else:
+            usage = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                              extra_body=extra).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a", stream=True) > 0 and cached("tenant-b") > 0 and cached(None) > 0
+    messages = [{"role": "user", "content": prompt}]
+    chat = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                           extra_body={"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
+            for salt in ("tenant-c", "tenant-d", "tenant-c")]
+    assert chat[0] == chat[1] == 0 < chat[2]
+    responses = [client.responses.create(model="tiny", input=prompt + "(responses)", max_output_tokens=2,
+                                         temperature=0, extra_body={"cache_salt": salt}).usage
+                 for salt in ("tenant-e", "tenant-f", "tenant-e")]
+    assert [u.input_tokens_details.cached_tokens == 0 for u in responses] == [True, True, False]
+    for bad in ("", 5):
+        assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "cache_salt": bad}), 400,
+                     "cache_salt")
+        assert_error(post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "cache_salt": bad}),
+                     400, "cache_salt")

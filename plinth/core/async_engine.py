@@ -90,6 +90,7 @@ class _Add:
     sink: _Sink
     priority: int = 0
     lora_request: Any = None
+    cache_salt: str | None = None
 
 
 _ACCEPTED = object()   # sent to a request's queue when the engine takes it
@@ -230,7 +231,8 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | Any,
                        priority: int = 0, lora_request: Any = None,
-                       accepted: asyncio.Future[None] | None = None) -> AsyncIterator[RequestOutput | Any]:
+                       accepted: asyncio.Future[None] | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput | Any]:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is
@@ -238,7 +240,7 @@ class AsyncLLMEngine:
         it was given before (the prompt's logprobs in the first), one that is ``FINAL_ONLY`` the final output only.
         Leaving the loop early (or being cancelled) aborts the request. ``accepted``
         (if given) is resolved once the engine has taken the request, which may be long before
-        its first output when the batch is full.
+        its first output when the batch is full. ``cache_salt``: see :meth:`LLMEngine.add_request`.
 
         Raises:
             RequestRejectedError, QueueFullError: from the engine, before anything is yielded.
@@ -249,7 +251,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request))
+        self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request, cache_salt))
         finished = False
         kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
         delta = _Delta() if kind == RequestOutputKind.DELTA else None
@@ -398,7 +400,8 @@ class AsyncLLMEngine:
             else:
                 try:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                             priority=cmd.priority, lora_request=cmd.lora_request)
+                                             priority=cmd.priority, lora_request=cmd.lora_request,
+                                             cache_salt=cmd.cache_salt)
                 except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
                     self._send({cmd.sink.loop: [(cmd.sink.box, exc)]})
                 else:

@@ -9,7 +9,9 @@ it (``ROOT`` for the first block). Every registration draws a fresh ``prefix id`
 reused, so a key names one token-for-token prefix: a hit is exact, there are no hash collisions
 to worry about (dict keys compare by equality) and a child whose parent was evicted simply
 becomes unreachable. The first block of a request with a LoRA adapter hangs from that adapter's own root
-(``ROOT - lora_int_id``): the same tokens give other keys and values under another adapter.
+(``ROOT - lora_int_id``): the same tokens give other keys and values under another adapter. A request with a
+``cache_salt`` hangs its first block from ``(that root, salt)``: it shares blocks only with requests of the same
+salt (a tenant's prompts cannot be found, or timed, through another's cache hits).
 A request's blocks are registered as soon as they are allocated for the
 step that fills them, so a request admitted later in the same step (an ``n > 1`` sibling) can
 reuse them: attention backends write a layer's new K/V for the whole batch before attending,
@@ -35,7 +37,13 @@ from plinth.core.request import Request
 
 ROOT = -1  # the parent id of a sequence's first block
 
-_Key = tuple[int, tuple[int, ...]]
+_Key = tuple[int | tuple[int, str], tuple[int, ...]]
+
+
+def _root(request: Request) -> int | tuple[int, str]:
+    """The parent of a request's first block: its adapter's root, salted by its ``cache_salt``."""
+    root = ROOT - request.lora_id
+    return root if request.cache_salt is None else (root, request.cache_salt)
 
 
 @dataclasses.dataclass
@@ -147,7 +155,7 @@ class BlockManager:
         bs = self.block_size
         tokens = request.all_token_ids
         blocks: list[int] = []
-        parent = ROOT - request.lora_id
+        parent = _root(request)
         for i in range((len(tokens) - 1) // bs):
             block = self._cache.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if block is None or block in self._filling:
@@ -307,7 +315,7 @@ class BlockManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(chain), num_tokens // bs):
-            parent = chain[-1] if chain else ROOT - request.lora_id
+            parent = chain[-1] if chain else _root(request)
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             existing = self._cache.get(key)
             if existing is not None:

@@ -43,6 +43,7 @@ from plinth.core.request import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    cache_salt_problem,
     encodable_text,
 )
 from plinth.core.sampler import SamplingBatchBuilder, compute_prompt_logprobs
@@ -579,12 +580,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> None:
         """Queue a request. ``priority`` (the ``priority`` scheduling policy only): lower runs first.
         An embedding engine (``task="embed"``) takes :class:`~plinth.core.pooling.PoolingParams` (or none);
         its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput` (a classifier's, ``task="classify"``,
         :class:`~plinth.core.pooling.ClassificationRequestOutput`). ``lora_request``: a LoRA adapter to
-        run the request with (an engine with ``enable_lora``; see :meth:`add_lora`).
+        run the request with (an engine with ``enable_lora``; see :meth:`add_lora`). ``cache_salt`` (vLLM's): the
+        request reuses, and offers, cached KV blocks only among requests given the same salt, so that tenants
+        that do not share a salt cannot learn each other's prompts from cache hits (their timing).
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt, ``logit_bias``,
@@ -615,6 +618,9 @@ class LLMEngine:
         if priority and self.scheduler.config.scheduling_policy != "priority":
             raise RequestRejectedError("priority needs the priority scheduling policy (--scheduling-policy "
                                        "priority)", param="priority")
+        salt_problem = cache_salt_problem(cache_salt)
+        if salt_problem is not None:
+            raise RequestRejectedError(f"cache_salt {salt_problem}", param="cache_salt")
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenize(prompt)
@@ -694,6 +700,7 @@ class LLMEngine:
                 req.bad_words_ids = bad_words
                 req.logits_processors = applies if custom else ()
                 req.lora = adapter
+                req.cache_salt = cache_salt
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:

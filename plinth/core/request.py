@@ -12,7 +12,7 @@ import functools
 import math
 import numbers
 import time
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from plinth.core import structured
 
@@ -25,16 +25,27 @@ def truncation_problem(keep: Any) -> str | None:
     return f"must be at least 1 (or -1: the model's context), got {keep!r}"
 
 
+def cache_salt_problem(salt: Any) -> str | None:
+    """What is wrong with a ``cache_salt`` (None: nothing)."""
+    if salt is None or (isinstance(salt, str) and salt):
+        return None
+    return f"must be a non-empty string if given, got {salt!r}"
+
+
 class TextPrompt(TypedDict):
-    """A prompt as text (vLLM's ``TextPrompt``: ``{"prompt": "..."}``)."""
+    """A prompt as text (vLLM's ``TextPrompt``: ``{"prompt": "..."}``); ``cache_salt``: see
+    :meth:`plinth.core.engine.LLMEngine.add_request`."""
 
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
-    """A prompt as token ids (vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}``)."""
+    """A prompt as token ids (vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}``); ``cache_salt``: see
+    :meth:`plinth.core.engine.LLMEngine.add_request`."""
 
     prompt_token_ids: list[int]
+    cache_salt: NotRequired[str]
 
 
 class SamplingParamsError(ValueError):
@@ -437,6 +448,7 @@ class Request:
         #: per installed custom logits processor, whether it applies (asked once, on arrival); () for none
         self.logits_processors: tuple[bool, ...] = ()
         self.lora: Any = None      # the LoRA adapter it runs with (plinth.lora.adapter.LoRAAdapter), or None
+        self.cache_salt: str | None = None   # shares cached KV blocks only with requests of the same salt
         self.adapter_waits = 0     # steps it waited for a slot for its adapter while others passed it
         self.draft_token_ids: list[int] = []   # speculative decoding: the drafts its scheduled step verifies
         if arrival_time is not None:

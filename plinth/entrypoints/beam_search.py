@@ -188,6 +188,8 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
         RequestRejectedError: a prompt is empty, not token ids, or leaves no room in the context.
     """
     engine = llm.engine
+    salts = [getattr(p, "salt", None) for p in prompts]   # a dict prompt's cache_salt (llm._Salted)
+    prompts = [p.prompt if s is not None else p for p, s in zip(prompts, salts, strict=True)]
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
     loras = list(loras) if loras is not None else [None] * len(starts)
     rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_sequence_len, engine.vocab_size,
@@ -195,6 +197,8 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
     try:
         batch, owners, step = next(rounds)
         while True:
+            batch = [ids if salts[i] is None else {"prompt_token_ids": ids, "cache_salt": salts[i]}
+                     for ids, i in zip(batch, owners, strict=True)]
             outs = llm.generate(batch, step, lora_request=[loras[i] for i in owners], use_tqdm=False)
             batch, owners, step = rounds.send(outs)
     except StopIteration as end:
@@ -203,7 +207,7 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
 
 async def beam_search_async(front: Any, request_id: str, starts: list[list[int]],
                             params: BeamSearchParams, lora_request: Any = None,
-                            priority: int = 0) -> list[BeamSearchOutput]:
+                            priority: int = 0, cache_salt: str | None = None) -> list[BeamSearchOutput]:
     """The same search on a running :class:`~plinth.core.async_engine.AsyncLLMEngine` (the server's): each
     round's beams run as concurrent requests ``{request_id}-{round}-{beam}`` of the search's ``priority``."""
     rounds = search(starts, params, tuple(front.eos_token_ids), front.max_sequence_len, front.vocab_size,
@@ -211,7 +215,8 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
 
     async def last(rid: str, prompt: list[int], step: SamplingParams) -> Any:
         final = None
-        async for out in front.generate(rid, prompt, step, priority=priority, lora_request=lora_request):
+        async for out in front.generate(rid, prompt, step, priority=priority, lora_request=lora_request,
+                                        cache_salt=cache_salt):
             final = out
         return final
 

@@ -8,7 +8,7 @@ import numbers
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from plinth.config import EngineConfig
 from plinth.core.gc_pause import GcPause
@@ -23,7 +23,7 @@ from plinth.core.pooling import (
     cosine_scores,
     cut_pair,
 )
-from plinth.core.request import RequestOutput, SamplingParams
+from plinth.core.request import RequestOutput, SamplingParams, cache_salt_problem
 from plinth.errors import RequestFailedError
 from plinth.lora.request import LoRARequest
 
@@ -54,22 +54,46 @@ def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list
     return cut_pair(first, second, keep)
 
 
+class _Salted(NamedTuple):
+    """A dict prompt's text or token ids with its ``cache_salt``."""
+
+    prompt: Any
+    salt: str
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
 def _one_prompt(prompt: Any) -> Any:
-    """A dict prompt as its text or token ids (other forms as they are)."""
+    """A dict prompt as its text or token ids (other forms as they are), as a :class:`_Salted` where it has a
+    ``cache_salt``."""
     if not isinstance(prompt, dict):
         return prompt
-    keys = set(prompt) & {"prompt", "prompt_token_ids"}
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    keys = set(prompt) & set(_PROMPT_KEYS)
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"}, key=repr)
     if len(keys) != 1 or unknown:
-        raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids)"
-                         f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
+        raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids), "
+                         f"and optionally 'cache_salt'{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
     value = prompt[keys.pop()]
     if "prompt" in prompt and not isinstance(value, str):
         raise ValueError(f"'prompt' must be text, got {type(value).__name__}")
     if "prompt_token_ids" in prompt and (isinstance(value, str) or not isinstance(value, Sequence)
                                           and getattr(value, "ndim", None) != 1):
         raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
-    return value.tolist() if getattr(value, "ndim", None) == 1 else value
+    value = value.tolist() if getattr(value, "ndim", None) == 1 else value
+    if prompt.get("cache_salt") is None:   # absent or null: no salt
+        return value
+    problem = cache_salt_problem(prompt["cache_salt"])
+    if problem is not None:
+        raise ValueError(f"'cache_salt' {problem}")
+    return _Salted(value, prompt["cache_salt"])
+
+
+def _unsalted(prompts: list[Any], what: str) -> list[Any]:
+    """``prompts`` for a method that takes no ``cache_salt``: a clear error for one that has one."""
+    if any(isinstance(p, _Salted) for p in prompts):
+        raise ValueError(f"{what} takes no 'cache_salt' (give the prompts as texts or token ids)")
+    return prompts
 
 
 def _per_prompt_loras(lora_request: Any, count: int) -> list[Any]:
@@ -197,8 +221,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of ``prompts``.
 
-        ``prompts`` is a string, a list of token ids, a dict (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``),
-        or a list of these.
+        ``prompts`` is a string, a list of token ids, a dict (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
+        either with an optional ``"cache_salt"``: see :meth:`~plinth.core.engine.LLMEngine.add_request`), or a list
+        of these.
         ``sampling_params`` is one for all prompts or one per prompt (default:
         :meth:`get_default_sampling_params`).
         ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).
@@ -235,7 +260,8 @@ class LLM:
         try:
             for prompt, params, rank, lora in requests:
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora)
+                prompt, salt = prompt if isinstance(prompt, _Salted) else (prompt, None)
+                self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt)
                 ids.append(rid)
         except BaseException:
             if ids:
@@ -312,7 +338,7 @@ class LLM:
             RequestRejectedError: the engine generates text, a classifier with more than one label, or a prompt
                 cannot run.
         """
-        first, second = _prompt_list(text_1), _prompt_list(text_2)
+        first, second = _unsalted(_prompt_list(text_1), "LLM.score"), _unsalted(_prompt_list(text_2), "LLM.score")
         if not first or not second:
             raise ValueError("text_1 and text_2 must not be empty")
         if len(first) != 1 and len(first) != len(second):

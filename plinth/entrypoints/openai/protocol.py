@@ -55,6 +55,8 @@ class _NamedExtras(_Request):
     as vLLM does."""
 
     model_config = ConfigDict(extra="allow")
+    #: vLLM's: cached KV blocks are shared only among requests with the same salt (LLMEngine.add_request)
+    cache_salt: str | None = None
 
     def ignored_fields(self) -> list[str]:
         """The request's fields plinth does not know (ignored)."""

@@ -351,13 +351,14 @@ class ServerContext:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams,
                        priority: int = 0, lora: LoRARequest | None = None,
-                       accepted: asyncio.Future[None] | None = None
+                       accepted: asyncio.Future[None] | None = None, cache_salt: str | None = None
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
         request. ``accepted`` is resolved when the engine takes the request (see :func:`start`)."""
         await self._ensure_lora(lora)
         tracker = self.metrics.request()
-        inner = self.front.generate(request_id, prompt_ids, params, priority, lora, accepted=accepted)
+        inner = self.front.generate(request_id, prompt_ids, params, priority, lora, accepted=accepted,
+                                    cache_salt=cache_salt)
         error = False
         try:
             async for out in inner:
@@ -413,7 +414,8 @@ class ServerContext:
             object.__setattr__(lora, "adapter", adapter)
 
     async def beam_search(self, request_id: str, starts: list[list[int]], params: BeamSearchParams,
-                          lora: LoRARequest | None, priority: int = 0) -> list[BeamSearchOutput]:
+                          lora: LoRARequest | None, priority: int = 0, cache_salt: str | None = None
+                          ) -> list[BeamSearchOutput]:
         """:func:`beam_search_async` on the engine, counted in the metrics as one request per prompt
         (:meth:`~plinth.metrics.ServerMetrics.count_beam_search`); a search refused on arrival counts nothing."""
         self.check_room(len(starts) * params.beam_width, "n" if len(starts) == 1 else "prompt")
@@ -425,7 +427,7 @@ class ServerContext:
         outs: list[BeamSearchOutput] | None = None
         error = refused = False
         try:
-            outs = await beam_search_async(self.front, request_id, starts, params, lora, priority)
+            outs = await beam_search_async(self.front, request_id, starts, params, lora, priority, cache_salt)
             return outs
         except (RequestRejectedError, QueueFullError, EngineUnavailableError):
             refused = True
@@ -592,7 +594,8 @@ class Started(NamedTuple):
 
 
 async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any]], priority: int = 0,
-                lora: LoRARequest | None = None, param: str | Sequence[str] = "prompt") -> Started:
+                lora: LoRARequest | None = None, param: str | Sequence[str] = "prompt",
+                cache_salt: str | None = None) -> Started:
     """Submit ``(request id, prompt ids, params)`` requests and wait until the engine has taken every
     one (not for their first tokens, which may come much later when the batch is full), so that a
     rejected prompt fails the whole request before a response starts. On any failure (or
@@ -603,7 +606,7 @@ async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any
     ctx.check_room(sum(counts), "n" if max(counts, default=1) > 1 else fields[-1] if fields else "prompt")
     loop = asyncio.get_running_loop()
     accepted = [loop.create_future() for _ in requests]
-    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut)
+    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut, cache_salt=cache_salt)
                for (rid, ids, params), fut in zip(requests, accepted, strict=True)]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]   # type: ignore[arg-type]
     try:

@@ -300,7 +300,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     rid = random_id("chatcmpl")
     if req.use_beam_search:
         beam = beam_search_params(req, max_tokens, max_param, ctx.default_room(len(ids)), ctx.front.max_logprobs)
-        out = (await unless_disconnected(raw, ctx.beam_search(rid, [ids], beam, lora, req.priority)))[0]
+        out = (await unless_disconnected(raw, ctx.beam_search(rid, [ids], beam, lora, req.priority, req.cache_salt)))[0]
         choices = []
         keeps = ctx.reasoning_parser is not None and ctx.reasoning_parser.keeps_special_tokens
         for j, b in enumerate(out.sequences):
@@ -317,7 +317,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
                                                    usage=usage).model_dump())
-    started = await unless_disconnected(raw, start(ctx, [(rid, ids, params)], req.priority, lora))
+    started = await unless_disconnected(raw, start(ctx, [(rid, ids, params)], req.priority, lora,
+                                                     cache_salt=req.cache_salt))
     events = merge(started)
     if req.stream:
         options = req.stream_options

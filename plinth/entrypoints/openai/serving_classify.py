@@ -70,5 +70,6 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
             raise bad_request(f"{params[0]} and {params[1]} must not be empty", params[0])
         ctx.check_length(len(ids), None, params[1], pooling=True)   # at most max_model_len tokens
         inputs.append(ids)
-    outs = await pool_all(ctx, raw, rid, inputs, PoolingParams(), req.priority, lora, params[1])
+    outs = await pool_all(ctx, raw, rid, inputs, PoolingParams(), req.priority, lora, params[1],
+                          cache_salt=req.cache_salt)
     return [o.probs[0] for o in outs], sum(len(ids) for ids in inputs)

@@ -232,7 +232,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if req.use_beam_search:
         return await _beam_search(ctx, req, rid, prompts, raw, lora, created)
     requests = [(f"{rid}-{i}", p.token_ids, params) for i, p in enumerate(prompts)]
-    started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora))
+    started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora, cache_salt=req.cache_salt))
     events = merge(started)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -261,7 +261,7 @@ async def _beam_search(ctx: ServerContext, req: CompletionRequest, rid: str, pro
     room = ctx.default_room(max(len(p.token_ids) for p in prompts))
     beam = beam_search_params(req, req.max_tokens, "max_tokens", room, ctx.front.max_logprobs)
     outs = await unless_disconnected(raw, ctx.beam_search(rid, [p.token_ids for p in prompts], beam, lora,
-                                                           req.priority))
+                                                           req.priority, req.cache_salt))
     choices = [CompletionChoice(index=i * req.n + j, text=(prompts[i].text if req.echo else "") + b.text,
                                 finish_reason=b.finish_reason)
                for i, out in enumerate(outs) for j, b in enumerate(out.sequences)]

@@ -61,18 +61,22 @@ async def token_lists(ctx: ServerContext, req: Any, items: list[str | list[int]]
 
 
 async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list[int]], params: PoolingParams,
-                    priority: int, lora: object, param: str | Sequence[str] = "input") -> list[list[float]]:
+                    priority: int, lora: object, param: str | Sequence[str] = "input",
+                    cache_salt: str | None = None) -> list[list[float]]:
     """The embeddings of ``inputs`` (token-id lists), run together, in order; the engine's refusal of an input (its
     KV cache holds less than it) is a 400 naming the route's field ``param`` (or the input's, one per input)."""
-    return [out.embedding for out in await pool_all(ctx, raw, rid, inputs, params, priority, lora, param)]
+    return [out.embedding for out in await pool_all(ctx, raw, rid, inputs, params, priority, lora, param,
+                                                                    cache_salt)]
 
 
 async def pool_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list[int]], params: PoolingParams,
-                   priority: int, lora: object, param: str | Sequence[str] = "input") -> list[Any]:
+                   priority: int, lora: object, param: str | Sequence[str] = "input",
+                   cache_salt: str | None = None) -> list[Any]:
     """The pooled results (``EmbeddingOutput`` or ``ClassificationOutput``) of ``inputs``, as :func:`embed_all`."""
     requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
     try:
-        started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param=param))
+        started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param=param,
+                                                           cache_salt=cache_salt))
     except RequestRejectedError as exc:
         raise bad_request(str(exc), exc.param or (param if isinstance(param, str) else "input")) from None
     events = merge(started)
@@ -102,7 +106,8 @@ async def pool_request(ctx: ServerContext, req: Any, raw: Request, route: str, t
         raise bad_request(str(exc), field) from None
     inputs = await request_inputs(ctx, req)
     rid = random_id(prefix)
-    return lora, rid, inputs, await pool_all(ctx, raw, rid, inputs, params, req.priority, lora)
+    return lora, rid, inputs, await pool_all(ctx, raw, rid, inputs, params, req.priority, lora,
+                                                cache_salt=req.cache_salt)
 
 
 async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:

@@ -211,7 +211,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         param = _PARAMS.get(exc.param or "", exc.param)
         raise APIError(exc.status, _responses_wording(exc.message), exc.type, param, exc.code, exc.headers) from None
     body = _Body(req, ctx.reply_model(prep.lora), len(prep.ids))
-    started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora))
+    started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora,
+                                                     cache_salt=req.cache_salt))
     events = merge(started)
     if req.stream:
         return SSEResponse(_events(ctx, body, events, prep.params.skip_special_tokens), named_events=True,

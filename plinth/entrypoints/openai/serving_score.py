@@ -48,7 +48,7 @@ async def _embed_distinct(ctx: ServerContext, raw: Request, req: ScoreRequest | 
                 distinct[tuple(ids)] = len(distinct)
                 fields.append(param)
     vectors = await embed_all(ctx, raw, rid, [list(k) for k in distinct], PoolingParams(normalize=True),
-                              req.priority, lora, fields)
+                              req.priority, lora, fields, req.cache_salt)
     tokens = sum(len(ids) for ids_list in token_groups for ids in ids_list)
     return [[vectors[distinct[tuple(ids)]] for ids in ids_list] for ids_list in token_groups], tokens
 
