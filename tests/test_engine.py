@@ -281,7 +281,9 @@ def test_aborted_request_returns_the_text_held_back_for_a_stop_string(llm):
 
 
 def _failing_execute(engine, fail_on: int, exc: BaseException):
-    """Make the engine's executor raise ``exc`` on its ``fail_on``-th step (counting from 1), then run normally."""
+    """Make the engine's executor raise ``exc`` on its ``fail_on``-th step (counting from 1), then run normally
+    (the synchronous steps' ``execute``: an engine made with ``async_scheduling=False``, the default on the CPU;
+    tests/test_async_scheduling.py fails the asynchronous steps)."""
     real, calls = engine.executor.execute, [0]
 
     def execute(*args, **kwargs):
@@ -300,7 +302,8 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_llama_
     """A step that raises (an error, Ctrl-C) ends its requests; the blocks registered for the tokens it was to
     compute leave the prefix cache, those of earlier steps stay, so the same prompt again is computed right (a hit
     on the unwritten blocks gave garbage tokens)."""
-    llm = llm_for(tiny_llama_dir, max_num_batched_tokens=4)   # the prompt in chunks of 4: one block per step
+    # the prompt in chunks of 4: one block per step
+    llm = llm_for(tiny_llama_dir, max_num_batched_tokens=4, async_scheduling=False)
     engine = llm.engine
     _failing_execute(engine, fail_on, exc)
     with pytest.raises(type(exc)):
@@ -315,7 +318,7 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_llama_
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tiny_llama_dir, reference):
     """A direct LLMEngine user whose step raised: the requests of that step end (abort) instead of staying
     unfinished for good, and later requests run normally."""
-    llm = llm_for(tiny_llama_dir)
+    llm = llm_for(tiny_llama_dir, async_scheduling=False)
     engine = llm.engine
     _failing_execute(engine, 3, RuntimeError("transient (simulated)"))
     engine.add_request("a", PROMPTS[0], greedy())
@@ -726,8 +729,8 @@ def test_chat_template_kwargs_may_not_repeat_chat_arguments(llm):
 
 
 def test_a_cache_beyond_memory_is_a_config_error(tiny_llama_dir, monkeypatch):
-    """A ``num_blocks`` whose KV cache the memory cannot hold (numpy's allocation fails) is a ``ConfigError`` naming
-    the flag, not a MemoryError traceback."""
+    """A ``num_blocks`` whose KV cache the memory cannot hold (numpy's allocation fails: the CPU's cache) is a
+    ``ConfigError`` naming the flag, not a MemoryError traceback."""
     from plinth.worker import model_runner
 
     def no_memory(shape, dtype, device):
@@ -735,7 +738,7 @@ def test_a_cache_beyond_memory_is_a_config_error(tiny_llama_dir, monkeypatch):
 
     monkeypatch.setattr(model_runner, "_zeros", no_memory)
     with pytest.raises(ConfigError, match="KV cache of 100000000000 blocks does not fit.*lower --num-blocks"):
-        LLM(str(tiny_llama_dir), dtype="float32", selection="off", num_blocks=10**11)
+        LLM(str(tiny_llama_dir), dtype="float32", selection="off", num_blocks=10**11, platform="cpu")
 
 
 @pytest.mark.parametrize("name", ["PLINTH_CPU_NATIVE_OPS", "PLINTH_CPU_AMX", "PLINTH_FUSED_OPS",
