@@ -170,9 +170,12 @@ def test_tensor_parallel_probabilities_equal(tmp_path, processes):
     from plinth.distributed.executor_mp import MultiprocExecutor
 
     save_classifier(tmp_path, "qwen3")
-    one = LLM(str(tmp_path), task="classify", dtype="float32", selection="off").classify(PROMPTS, use_tqdm=False)
+    # the CPU worker processes (a machine with one GPU has no second device for TP=2)
+    one = LLM(str(tmp_path), task="classify", dtype="float32", selection="off", platform="cpu").classify(
+        PROMPTS, use_tqdm=False)
     config = EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", selection="off", task="classify",
-                                      tensor_parallel_size=2, distributed_executor="mp", max_num_batched_tokens=8)
+                                      tensor_parallel_size=2, distributed_executor="mp", max_num_batched_tokens=8,
+                                      platform="cpu")
     engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
     try:
         done = drive(engine, [(0, f"r{i}", prompt, PoolingParams()) for i, prompt in enumerate(PROMPTS)], {}, 500)

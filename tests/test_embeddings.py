@@ -179,9 +179,11 @@ def test_tensor_parallel_embeddings_equal(tmp_path, processes):
     from plinth.distributed.executor_mp import MultiprocExecutor
 
     model = save_tiny_model(tmp_path / "tp")
-    one = LLM(str(model), dtype="float32", selection="off", task="embed", pooling="mean").embed(PROMPTS)
+    # the CPU worker processes (a machine with one GPU has no second device for TP=2)
+    one = LLM(str(model), dtype="float32", selection="off", task="embed", pooling="mean", platform="cpu").embed(PROMPTS)
     config = EngineConfig.from_kwargs(model=str(model), dtype="float32", selection="off", task="embed", pooling="mean",
-                                      tensor_parallel_size=2, distributed_executor="mp", max_num_batched_tokens=8)
+                                      tensor_parallel_size=2, distributed_executor="mp", max_num_batched_tokens=8,
+                                      platform="cpu")
     engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
     try:
         for i, prompt in enumerate(PROMPTS):

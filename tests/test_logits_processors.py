@@ -334,9 +334,12 @@ def test_tensor_parallel_worker_processes_run_them(tiny_llama_dir, processes):
     from plinth.distributed.executor_mp import MultiprocExecutor
 
     names = [f"{__name__}:NoRepeat", f"{__name__}:Broken"]
-    one = tokens(llm_for(tiny_llama_dir, logits_processors=names).generate(PROMPTS, greedy(), use_tqdm=False))
+    # the CPU worker processes (a machine with one GPU has no second device for TP=2)
+    one = tokens(llm_for(tiny_llama_dir, logits_processors=names, platform="cpu").generate(PROMPTS, greedy(),
+                                                                                           use_tqdm=False))
     config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", selection="off", block_size=4,
-                                      tensor_parallel_size=2, distributed_executor="mp", logits_processors=names)
+                                      tensor_parallel_size=2, distributed_executor="mp", logits_processors=names,
+                                      platform="cpu")
     engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
     try:
         with pytest.raises(RequestRejectedError, match="extra_args must be picklable, as the engine's worker"):
