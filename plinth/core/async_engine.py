@@ -301,6 +301,17 @@ class AsyncLLMEngine:
         self._submit(_Call(lambda engine: engine.reset_prefix_cache(), future))
         return await asyncio.wrap_future(future)
 
+    async def update_weights(self, weights: Any, reset_prefix_cache: bool = True) -> int:
+        """New values for the model's weights, loaded between two steps (see ``LLMEngine.update_weights``).
+
+        Raises:
+            ModelLoadError: weights the model cannot take (nothing written, as ``LLMEngine.update_weights`` says).
+            EngineUnavailableError: the engine is not running.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(lambda engine: engine.update_weights(weights, reset_prefix_cache), future))
+        return await asyncio.wrap_future(future)
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of its latest step (see ``LLMEngine.stats``)."""
         return dict(self._stats)

@@ -890,6 +890,34 @@ class LLMEngine:
                     f", {held} kept (held by running requests)" if held else "")
         return held == 0
 
+    def update_weights(self, weights: Any, reset_prefix_cache: bool = True) -> int:
+        """Load new values into the model's weights in place, on every rank (reinforcement learning: the trained
+        copy's weights handed over between rounds of generation); the number of tensors loaded.
+
+        ``weights``: checkpoint (Hugging Face) names of the architecture's causal-LM checkpoint and tensors, any
+        subset of them: a mapping (a ``state_dict()``), ``(name, tensor)`` pairs, or the path of a safetensors
+        file or checkpoint directory. Values are cast to the model's dtype; each rank takes its own shard.
+        Requests running at the time go on with the new weights from their next step. ``reset_prefix_cache``
+        (default): forget the cached KV blocks computed with the old weights (see :meth:`reset_prefix_cache`).
+
+        Raises:
+            ModelLoadError: a quantized model, or the CPU path's repacked weights (``PLINTH_CPU_PACKED=0`` keeps
+                the plain ones), which cannot take new values in place; a name with no parameter, a non-float
+                tensor or a shape that does not fit (checked before anything is written, except a sharded
+                parameter's shape: see :func:`plinth.model_registry.weight_update.update_weights`).
+            EngineDeadError: the engine is dead.
+        """
+        from plinth.model_registry.weight_update import weight_pairs
+
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+        t0 = time.perf_counter()
+        count = self.executor.update_weights(weight_pairs(weights))
+        logger.info("weights updated: %d tensor(s) in %.2f s", count, time.perf_counter() - t0)
+        if reset_prefix_cache:
+            self.reset_prefix_cache()
+        return count
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 

@@ -177,6 +177,16 @@ class Executor(abc.ABC):
             WorkerDiedError: a worker died or timed out.
         """
 
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy new values into the model's weights on every rank (each takes its shard or stage; see
+        :func:`~plinth.model_registry.weight_update.update_weights`); the number of tensors given.
+
+        Raises:
+            ModelLoadError: a rank's model cannot take them.
+            WorkerDiedError: a worker died or timed out.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot update weights")
+
     def idle_work(self) -> bool:
         """Do a few milliseconds of background work while the engine has no request (see
         :meth:`~plinth.worker.model_runner.ModelRunner.idle_work`); return whether any is left. Workers in
@@ -252,6 +262,11 @@ class UniprocExecutor(Executor):
 
     def rank_weights(self) -> list[RankWeights]:
         return [RankWeights.of(self.runner.model, self.runner.device)]
+
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        from plinth.model_registry.weight_update import update_weights
+
+        return update_weights(self.runner.model, weights)
 
     def idle_work(self) -> bool:
         idle_work = getattr(self.runner, "idle_work", None)
@@ -365,6 +380,14 @@ class DistributedExecutor(Executor):
         self._check_alive()
         try:
             return self._call_all("rank_weights", timeout_s=self.step_timeout_s)
+        except WorkerDiedError as exc:
+            raise self._fail(exc) from exc
+
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        self._check_alive()
+        host = [(name, t.detach().cpu()) for name, t in weights]   # (what crosses to the workers)
+        try:
+            return self._call_all("update_weights", host, timeout_s=self.start_timeout_s)[0]
         except WorkerDiedError as exc:
             raise self._fail(exc) from exc
 

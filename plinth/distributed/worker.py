@@ -369,6 +369,14 @@ class Worker:
         self.step_times.clear()
         return times
 
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """New values for this rank's shard of the weights (see ``Executor.update_weights``)."""
+        from plinth.model_registry.weight_update import update_weights
+
+        count = update_weights(self._model, weights)   # (host tensors: each loader copies its rank's part over)
+        self._sync()
+        return count
+
     def rank_weights(self) -> Any:
         """This rank's :class:`~plinth.distributed.executor.RankWeights`."""
         from plinth.distributed.executor import RankWeights

@@ -210,6 +210,15 @@ class LLM:
         with self._lock:
             return self.engine.reset_prefix_cache()
 
+    def update_weights(self, weights: Any, reset_prefix_cache: bool = True) -> int:
+        """Load new values into the model's weights in place (a reinforcement-learning loop's trained copy, between
+        rounds of ``generate``): a ``state_dict()``, ``(name, tensor)`` pairs (``model.named_parameters()``) or the
+        path of a safetensors checkpoint, with the checkpoint names of the architecture, all weights or some; the
+        number of tensors loaded. Forgets the prefix cache unless ``reset_prefix_cache=False``. See
+        ``LLMEngine.update_weights`` (what cannot be updated, and the errors)."""
+        with self._lock:
+            return self.engine.update_weights(weights, reset_prefix_cache)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

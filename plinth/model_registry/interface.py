@@ -134,6 +134,10 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 return name.replace(fragment, param_fragment), shard_id
         return name, None
 
+    #: set by :func:`plinth.model_registry.weight_update.update_weights` while it loads new values into a loaded
+    #: model: ``"check"`` (map names and check dtypes, write nothing) or ``"write"``; neither asks for every tensor
+    weight_update: str | None = None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors (Hugging Face names) into the parameters.
 
@@ -141,6 +145,7 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
             ModelLoadError: an unexpected or missing tensor, a shape mismatch or an
                 unsupported dtype; the message names the tensor.
         """
+        update = self.weight_update
         params = dict(self.named_parameters())
         loaded: set[tuple[str, Any]] = set()
         for ckpt_name, tensor in weights:
@@ -162,6 +167,11 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                                                   and getattr(param, "widens_fp8", False)):
                 check_loadable_dtype(ckpt_name, tensor)
             loader = getattr(param, "weight_loader", None)
+            if update == "check":
+                if loader is None and tuple(param.shape) != tuple(tensor.shape):
+                    raise ModelLoadError(f"tensor {ckpt_name!r}: shape mismatch: expected {tuple(param.shape)}, "
+                                         f"got {tuple(tensor.shape)}")
+                continue
             try:
                 if loader is None:
                     default_weight_loader(param, tensor)
@@ -172,6 +182,8 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
             except ModelLoadError as exc:
                 raise ModelLoadError(f"tensor {ckpt_name!r}: {exc}") from exc
             loaded.add((name, shard_id))
+        if update is not None:   # new values for some parameters: the others keep theirs
+            return
         missing = []
         for name, param in params.items():
             if getattr(param, "optional_in_checkpoint", False):   # its default stands where the file has none

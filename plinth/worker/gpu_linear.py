@@ -47,6 +47,8 @@ class SkinnyChoice:
 class SkinnyLinearMethod:
     """Wraps a layer's unquantized linear method: decode-sized inputs may take the skinny kernel."""
 
+    reads_weight = True   # multiplies the layer's weight as it is at each call (new values apply at once)
+
     def __init__(self, inner: Any, choice: SkinnyChoice):
         self.inner = inner
         self.choice = choice
@@ -140,4 +142,5 @@ def _lm_head_gemm(head: Any, choice: SkinnyChoice) -> Any:
             return ops.skinny_linear(hidden, head.weight)
         return F.linear(hidden, head.weight)
 
+    gemm.reads_weight = True   # type: ignore[attr-defined]  # the head's weight as it is at each call
     return gemm

@@ -445,7 +445,7 @@ class TransformersForCausalLM(CausalLM):
             elif buffer.shape != tensor.shape:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
                                      f"buffer {tuple(buffer.shape)}")
-            else:
+            elif self.weight_update != "check":   # (a weight update's checking pass writes nothing)
                 buffer.copy_(tensor)
 
     def _non_persistent(self, name: str) -> set[str]:

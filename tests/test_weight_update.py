@@ -1,0 +1,216 @@
+"""``update_weights``: new values loaded into a running engine's model in place (reinforcement-learning weight
+sync), compared with an engine started on those weights."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from safetensors.torch import load_file, save_file
+
+from plinth import LLM, SamplingParams
+from plinth.errors import ModelLoadError
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of France, and Berlin is", "0123"]
+PLAIN = {"PLINTH_CPU_PACKED": "0"}   # the CPU path's plain weights (repacked ones cannot take new values)
+
+
+@pytest.fixture(autouse=True)
+def _plain_weights(monkeypatch):
+    for name, value in PLAIN.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two random Llamas of one shape (different seeds), and a third with the first's weights but the second's
+    layer 0 (a partial update's expected result)."""
+    root = tmp_path_factory.mktemp("weights")
+    a, b = save_tiny_model(root / "a", seed=0), save_tiny_model(root / "b", seed=1)
+    mixed = root / "mixed"
+    import shutil
+
+    shutil.copytree(a, mixed)
+    state = load_file(str(a / "model.safetensors"))
+    layer0 = {k: v for k, v in load_file(str(b / "model.safetensors")).items() if k.startswith("model.layers.0.")}
+    save_file({**state, **layer0}, str(mixed / "model.safetensors"))
+    return a, b, mixed, layer0
+
+
+def run(llm, prompts=PROMPTS):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs],
+            [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs],
+            [o.num_cached_tokens for o in outs])
+
+
+def same(got, want, atol=1e-5):
+    assert got[0] == want[0]
+    for g, w in zip(got[1], want[1], strict=True):
+        assert max(abs(x - y) for x, y in zip(g, w, strict=True)) < atol
+
+
+def llm_for(path, **kw):
+    return LLM(str(path), dtype="float32", selection="off", block_size=4, **kw)
+
+
+def test_new_weights_give_the_outputs_of_an_engine_started_on_them(models):
+    """Every weight from a checkpoint path, a state dict, ``(name, tensor)`` pairs; some weights (one layer); the
+    prefix cache forgotten (or kept on request); outputs equal to an engine started on the weights."""
+    a, b, mixed, layer0 = models
+    want_a, want_b, want_mixed = run(llm_for(a)), run(llm_for(b)), run(llm_for(mixed))
+    assert want_a[0] != want_b[0] and want_mixed[0] not in (want_a[0], want_b[0])
+    llm = llm_for(a)
+    same(run(llm), want_a)
+    assert llm.update_weights(b) == len(load_file(str(b / "model.safetensors")))   # a checkpoint directory
+    got = run(llm)
+    same(got, want_b)
+    assert got[2] == [0, 0, 0]   # the prompts' cached blocks were computed with the old weights: forgotten
+    llm.update_weights(load_file(str(a / "model.safetensors")))   # a state dict
+    same(run(llm), want_a)
+    assert llm.update_weights(list(layer0.items())) == len(layer0)   # some weights: (name, tensor) pairs
+    same(run(llm), want_mixed)
+    llm.update_weights(str(b / "model.safetensors"), reset_prefix_cache=False)   # one file; the cache kept
+    assert sum(run(llm)[2]) > 0   # (the old weights' KV reused, as asked)
+    llm.reset_prefix_cache()
+    same(run(llm), want_b)
+    # bfloat16 tensors into a float32 model are widened, as at load time
+    half = {k: v.to(torch.bfloat16) for k, v in load_file(str(a / "model.safetensors")).items()}
+    llm.update_weights(half)
+    widened = llm_for(a)
+    widened.update_weights({k: v.float() for k, v in half.items()})
+    same(run(llm), run(widened))
+
+
+def test_bad_updates_are_clear_errors_that_write_nothing(models):
+    a, b, _, _ = models
+    llm = llm_for(a)
+    before = run(llm)
+    new = load_file(str(b / "model.safetensors"))
+    norm = "model.layers.1.input_layernorm.weight"
+    for weights, match in (
+        ({**new, "model.layers.0.nonexistent.weight": new[norm]}, "has no matching parameter"),
+        ({**new, norm: new[norm].to(torch.int32)}, "unsupported dtype int32"),
+        ({**new, norm: new[norm][:-1]}, "shape mismatch"),
+        (new[norm], "must be a mapping of names to tensors"),
+        ([("x",)], r"\(name, tensor\) pairs"),
+        (a / "nothing-here", "not a safetensors file or a directory"),
+    ):
+        with pytest.raises(ModelLoadError, match=match):
+            llm.update_weights(weights)
+        same(run(llm), before)   # nothing was written
+    assert llm.update_weights({}) == 0
+
+
+@pytest.mark.parametrize("case", ["quantized", "cpu-packed", "gguf-blocks"])
+def test_weights_held_converted_are_refused(models, monkeypatch, tmp_path, case):
+    """Weights converted at load (quantized, the CPU path's repacked or GGUF-block copies) are refused, nothing
+    written."""
+    a, b, _, _ = models
+    if case == "quantized":
+        llm = llm_for(a, quantization="fp8")
+        match = r"runs quantized \(fp8\)"
+    elif case == "gguf-blocks":
+        from test_startup_cache import write_small_gguf
+
+        llm = LLM(write_small_gguf(tmp_path / "m.gguf"), dtype="bfloat16", selection="off")
+        if not any(getattr(getattr(m, "linear_method", None), "int4", None) is not None
+                   for m in llm.engine.executor.runner.model.modules()):
+            pytest.skip("this CPU multiplies no 4-bit copy of a GGUF file's blocks")
+        match = "the GGUF file's quantized blocks"
+        b = {"model.norm.weight": torch.ones(llm.engine.executor.runner.model.model.norm.weight.shape)}
+    else:
+        monkeypatch.delenv("PLINTH_CPU_PACKED")
+        llm = LLM(str(a), dtype="bfloat16", selection="off", block_size=4)   # (oneDNN packs bfloat16 weights)
+        if not any(type(getattr(m, "linear_method", None)).__name__ == "CpuLinearMethod"
+                   for m in llm.engine.executor.runner.model.modules()):
+            pytest.skip("this CPU has no packed bfloat16 GEMM")
+        match = "PLINTH_CPU_PACKED=0"
+    before = run(llm)
+    with pytest.raises(ModelLoadError, match=match):
+        llm.update_weights(b)
+    same(run(llm), before)
+
+
+def test_tied_embeddings_follow_the_new_token_embedding(tmp_path):
+    """A model whose LM head is its token embedding: the new embedding is the new head too."""
+    a = save_tiny_model(tmp_path / "a", arch="qwen3", seed=0, tie_word_embeddings=True)
+    b = save_tiny_model(tmp_path / "b", arch="qwen3", seed=2, tie_word_embeddings=True)
+    want = run(llm_for(b))
+    llm = llm_for(a)
+    llm.update_weights(b)
+    same(run(llm), want)
+
+
+def test_the_async_front_updates_between_steps(models):
+    from plinth.core.async_engine import AsyncLLMEngine
+
+    a, b, _, _ = models
+    want = run(llm_for(b), PROMPTS[:1])
+    front = AsyncLLMEngine(llm_for(a).engine)
+
+    async def main():
+        assert await front.update_weights(b) > 0
+        final = None
+        async for out in front.generate("r", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                         ignore_eos=True)):
+            final = out
+        with pytest.raises(ModelLoadError, match="has no matching parameter"):
+            await front.update_weights({"nothing": torch.zeros(1)})
+        return final.outputs[0].token_ids
+
+    try:
+        assert asyncio.run(main()) == want[0][0]
+    finally:
+        front.shutdown()
+
+
+@pytest.fixture(scope="module")
+def processes():
+    """Worker processes started with the plain CPU weights (their environment is fixed when they start)."""
+    from plinth.distributed.executor_mp import WorkerProcesses
+
+    saved = {k: os.environ.get(k) for k in PLAIN}
+    os.environ.update(PLAIN)
+    try:
+        procs = WorkerProcesses(2, timeout_s=120.0)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    yield procs
+    procs.stop()
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_every_rank_takes_its_part(models, processes, layout):
+    """Tensor parallel (each rank its shard of a whole tensor) and pipeline parallel (each stage its layers)."""
+    from plinth.config import EngineConfig
+    from plinth.core.engine import LLMEngine
+    from plinth.distributed.executor_mp import MultiprocExecutor
+
+    a, b, mixed, layer0 = models
+    want_b, want_mixed = run(llm_for(b)), run(llm_for(mixed))
+    config = EngineConfig.from_kwargs(model=str(a), dtype="float32", selection="off", block_size=4,
+                                      distributed_executor="mp", platform="cpu", **layout)
+    engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
+    llm = LLM.__new__(LLM)   # an LLM over this engine (its executor on the shared worker processes)
+    llm.engine, llm._ids, llm._lock = engine, iter(range(10**6)), __import__("threading").RLock()
+    try:
+        llm.update_weights(b)
+        same(run(llm), want_b, atol=1e-4)
+        llm.update_weights(mixed)
+        llm.update_weights(layer0)
+        same(run(llm), want_mixed, atol=1e-4)
+        with pytest.raises(ModelLoadError, match="has no matching parameter"):
+            llm.update_weights({"model.layers.0.nonexistent.weight": torch.zeros(4)})
+        same(run(llm), want_mixed, atol=1e-4)
+    finally:
+        engine.shutdown()
