@@ -115,6 +115,7 @@ def test_weights_held_converted_are_refused(models, monkeypatch, tmp_path, case)
         llm = llm_for(a, quantization="fp8")
         match = r"runs quantized \(fp8\)"
     elif case == "gguf-blocks":
+        pytest.importorskip("gguf")
         from test_startup_cache import write_small_gguf
 
         llm = LLM(write_small_gguf(tmp_path / "m.gguf"), dtype="bfloat16", selection="off")
