@@ -336,6 +336,8 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("block_size", self.block_size, allow_none=False)
         _positive("num_blocks", self.num_blocks)
+        if self.num_blocks == 1:
+            raise ConfigError("num_blocks must be at least 2 (block 0 is reserved for padding), got 1")
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, allow_none=False)
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0.0 < utilization <= 1.0:

@@ -344,6 +344,8 @@ def test_abort_frees_all_blocks(tiny_llama_dir):
     for _ in range(3):
         engine.step()
     assert engine.block_manager.num_free_blocks < free0
+    with pytest.raises(TypeError, match="request_ids must be a request id or a list of them, got None"):
+        engine.abort_request(None)
     engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
     assert engine.block_manager.num_free_blocks == free0
     outs = engine.step()
@@ -700,6 +702,9 @@ def test_prompt_arrays_and_numpy_parameters(llm, reference):
     assert (type(beam.beam_width), type(beam.max_tokens), type(beam.length_penalty)) == (int, int, float)
     with pytest.raises(SamplingParamsError, match="n: must be at most 1024"):
         SamplingParams(n=2 ** 62)
+    with pytest.raises(SamplingParamsError, match="top_k: must be -1 or 0 .no top-k. or a positive integer, got -2"):
+        SamplingParams(top_k=-2)
+    assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=0).top_k == 0
     for bad in (dict(seed=True), dict(stop_token_ids=[True])):
         with pytest.raises(SamplingParamsError):
             SamplingParams(**bad)
@@ -726,6 +731,21 @@ def test_chat_template_kwargs_may_not_repeat_chat_arguments(llm):
         with pytest.raises(ValueError, match=f"template_kwargs may not set {key}"):
             llm.chat(conversation, greedy(2), chat_template_kwargs={key: False}, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_cache_of_one_block_and_a_budget_below_the_context(tiny_llama_dir, caplog):
+    """``num_blocks=1`` (only the reserved block) is a ConfigError; a step budget below the context with chunked
+    prefill off is said at start (longer prompts are then refused, each with a message)."""
+    import logging
+
+    with pytest.raises(ConfigError, match="num_blocks must be at least 2 .block 0 is reserved"):
+        LLM(str(tiny_llama_dir), dtype="float32", selection="off", num_blocks=1)
+    with caplog.at_level(logging.WARNING, logger="plinth.core.engine"):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", selection="off", max_num_batched_tokens=4,
+                  enable_chunked_prefill=False, max_model_len=64)
+    assert "max_num_batched_tokens (4) is below max_model_len (64) with chunked prefill off" in caplog.text
+    with pytest.raises(RequestRejectedError, match="more than max_num_batched_tokens .4. with chunked prefill"):
+        llm.generate([[5, 6, 7, 8, 9]], greedy(2), use_tqdm=False)
 
 
 def test_a_cache_beyond_memory_is_a_config_error(tiny_llama_dir, monkeypatch):

@@ -12,7 +12,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -264,6 +264,11 @@ class LLMEngine:
         lora = config.lora
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    max_loras=lora.max_loras if lora.enable_lora else 0)
+        budget = self.scheduler.config.max_num_batched_tokens
+        if not self.scheduler.config.enable_chunked_prefill and budget < self.max_model_len:
+            logger.warning("max_num_batched_tokens (%d) is below max_model_len (%d) with chunked prefill off: prompts "
+                           "longer than %d tokens will be refused; raise the budget or enable chunked prefill",
+                           budget, self.max_model_len, budget)
         #: LoRA adapters read so far, least recently used first (at most ``lora.cpu_cache_size``); every id ever
         #: used, with the (name, path) it stands for: an id keeps naming the same adapter (its prefix-cache entries
         #: and its device slot are keyed by it); a lock, as a server reads adapters outside the engine's thread
@@ -865,6 +870,8 @@ class LLMEngine:
         """Abort requests at once (their KV blocks are freed); the next step reports them finished."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        elif not isinstance(request_ids, Iterable) or isinstance(request_ids, bytes):
+            raise TypeError(f"request_ids must be a request id or a list of them, got {request_ids!r}")
         for rid in request_ids:
             group = self._groups.get(rid)
             if group is None or group.aborted:

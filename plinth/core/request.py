@@ -214,6 +214,7 @@ class SamplingParams:
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
         check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        check(self.top_k >= -1, "top_k", f"must be -1 or 0 (no top-k) or a positive integer, got {self.top_k}")
         check(self.n <= self.MAX_N, "n", f"must be at most {self.MAX_N}, got {self.n}")
         check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
               f"must be a finite number >= 0, got {self.temperature}")
