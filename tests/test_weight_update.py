@@ -215,3 +215,40 @@ def test_every_rank_takes_its_part(models, processes, layout):
         same(run(llm), want_mixed, atol=1e-4)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_server_routes(models, enabled):
+    """``plinth serve --enable-weight-updates``: ``POST /update_weights`` loads a checkpoint from the server's disk
+    (a bad one is a 400 naming ``path``, nothing written), ``POST /reset_prefix_cache`` forgets the cache; without
+    the flag both are 404s."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    a, b, _, _ = models
+    want_a, want_b = run(llm_for(a), PROMPTS[:1]), run(llm_for(b), PROMPTS[:1])
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(AsyncLLMEngine(llm_for(a).engine), allow_weight_updates=enabled)) as http:
+        def tokens():
+            r = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True, "logprobs": 0})
+            assert r.status_code == 200, r.text
+            return [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+        assert tokens() == want_a[0][0]
+        r = http.post("/update_weights", json={"path": str(b)})
+        if not enabled:
+            assert r.status_code == 404 and "--enable-weight-updates" in r.json()["error"]["message"]
+            assert http.post("/reset_prefix_cache").status_code == 404
+            assert tokens() == want_a[0][0]
+            return
+        assert r.status_code == 200 and r.json() == {"status": "ok", "tensors": 21}, r.text
+        assert tokens() == want_b[0][0]
+        for bad in ({"path": str(a / "nothing-here")}, {"path": str(a / "config.json")}, {"path": 5}, {}):
+            r = http.post("/update_weights", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "path", (bad, r.text)
+        assert tokens() == want_b[0][0]
+        r = http.post("/reset_prefix_cache")
+        assert r.status_code == 200 and r.json() == {"status": "ok", "reset": True}

@@ -308,8 +308,11 @@ class AsyncLLMEngine:
             ModelLoadError: weights the model cannot take (nothing written, as ``LLMEngine.update_weights`` says).
             EngineUnavailableError: the engine is not running.
         """
+        from plinth.model_registry.weight_update import weight_pairs
+
+        pairs = await asyncio.to_thread(weight_pairs, weights)   # (a checkpoint read off the engine's thread)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(lambda engine: engine.update_weights(weights, reset_prefix_cache), future))
+        self._submit(_Call(lambda engine: engine.update_weights(pairs, reset_prefix_cache), future))
         return await asyncio.wrap_future(future)
 
     def stats(self) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings (--task embed), /classify
 (--task classify), /v1/score and /v1/rerank (either), /v1/models,
 /tokenize, /detokenize, /health, /version, /metrics (and, with --allow-runtime-lora-updating,
-/v1/load_lora_adapter and /v1/unload_lora_adapter). With --api-key (or $PLINTH_API_KEY) every route needs
+/v1/load_lora_adapter and /v1/unload_lora_adapter; with --enable-weight-updates, /update_weights and
+/reset_prefix_cache). With --api-key (or $PLINTH_API_KEY) every route needs
 ``Authorization: Bearer <key>`` but /health, /ping, /version and /metrics.
 
 On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests finish
@@ -91,6 +92,10 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter serve adapters from folders on this "
                         "machine while running (with --enable-lora; off by default: they read server-side paths)")
+    g.add_argument("--enable-weight-updates", action="store_true",
+                   help="POST /update_weights loads new values for the model's weights from a safetensors checkpoint "
+                        "on this machine (reinforcement learning), POST /reset_prefix_cache forgets the prefix cache "
+                        "(off by default: they read server-side paths and change what every client gets)")
     # None: the engine's default, or CPU_SERVE_TOKEN_BUDGET on a CPU (see serving_config)
     p.set_defaults(func=run)
 
@@ -388,6 +393,7 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
         try:
             uv_config.app = api_app(front, args, api_key=api_key, cors=cors,
                                     allow_lora_updates=args.allow_runtime_lora_updating,
+                                    allow_weight_updates=args.enable_weight_updates,
                                     openapi=not args.disable_fastapi_docs)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]

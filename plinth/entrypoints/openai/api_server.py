@@ -5,7 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/resp
 ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (also ``GET|POST /ping``),
 ``GET /version``, ``GET /metrics``; with ``--allow-runtime-lora-updating`` also ``POST /v1/load_lora_adapter`` and
-``POST /v1/unload_lora_adapter``. A request's ``X-Request-Id`` header comes back on its response.
+``POST /v1/unload_lora_adapter``; with ``--enable-weight-updates`` also ``POST /update_weights`` and
+``POST /reset_prefix_cache``. A request's ``X-Request-Id`` header comes back on its response.
 
 With an API key, every route but ``/health``, ``/ping``, ``/version`` and ``/metrics`` needs
 ``Authorization: Bearer <key>``; those stay open so that orchestrators and Prometheus can reach them
@@ -21,6 +22,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -48,6 +50,7 @@ from plinth.entrypoints.openai.protocol import (
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    UpdateWeightsRequest,
 )
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.serving import LoRANameError, ServerContext
@@ -60,6 +63,7 @@ from plinth.entrypoints.openai.serving_score import create_rerank, create_score
 from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from plinth.entrypoints.openai.streaming import ClientDisconnected
 from plinth.entrypoints.openai.tool_parsers import ToolParser
+from plinth.errors import ModelLoadError
 from plinth.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -129,14 +133,16 @@ class CorsSettings:
 def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: type[ToolParser] | None = None,
               reasoning_parser: type[ReasoningParser] | None = None, return_tokens_as_token_ids: bool = False,
               cors: CorsSettings | None = None, lora_modules: Sequence[tuple[str, str]] = (),
-              allow_lora_updates: bool = False, openapi: bool = True, response_role: str = "assistant") -> FastAPI:
+              allow_lora_updates: bool = False, openapi: bool = True, response_role: str = "assistant",
+              allow_weight_updates: bool = False) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
     tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
     ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
     the origins (and methods, headers) browsers may call from; ``lora_modules``: ``(name, folder)`` of the LoRA
     adapters served as models of those names (read and checked here); ``allow_lora_updates``: the routes that
     load and unload adapters while serving; ``openapi``: serve the API's schema at ``/openapi.json``;
-    ``response_role``: the role of chat replies to requests with ``add_generation_prompt``.
+    ``response_role``: the role of chat replies to requests with ``add_generation_prompt``;
+    ``allow_weight_updates``: the routes that load new weights from the server's disk and forget the prefix cache.
 
     Raises:
         ValueError: an adapter cannot be served, or its name is taken.
@@ -230,6 +236,27 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
         front.remove_lora(lora.lora_int_id)
         logger.info("stopped serving LoRA adapter %r", body.lora_name)
         return JSONResponse({"status": "ok", "lora_name": body.lora_name})
+
+    def check_weight_updates() -> None:
+        if not allow_weight_updates:
+            raise APIError(404, "updating the weights and the prefix cache while serving is off (plinth serve "
+                                "--enable-weight-updates turns it on)", "not_found_error", code="not_found")
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest) -> Response:
+        check_weight_updates()
+        t0 = time.monotonic()
+        try:
+            count = await front.update_weights(body.path, body.reset_prefix_cache)
+        except ModelLoadError as exc:
+            raise bad_request(str(exc), "path") from None
+        logger.info("weights updated from %s: %d tensor(s) in %.2f s", body.path, count, time.monotonic() - t0)
+        return JSONResponse({"status": "ok", "tensors": count})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        check_weight_updates()
+        return JSONResponse({"status": "ok", "reset": await front.reset_prefix_cache()})
 
     async def answer(handler: Any, body: Any, raw: Request) -> Response:
         try:

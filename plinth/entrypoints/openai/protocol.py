@@ -629,6 +629,14 @@ class LoadLoRAAdapterRequest(BaseModel):
     load_inplace: bool = False
 
 
+class UpdateWeightsRequest(_Request):
+    """``POST /update_weights`` (with ``--enable-weight-updates``): new values for the served model's weights from a
+    safetensors checkpoint on the server's disk (a file or a directory of them, all weights or some)."""
+
+    path: str
+    reset_prefix_cache: bool = True
+
+
 class UnloadLoRAAdapterRequest(BaseModel):
     """``POST /v1/unload_lora_adapter`` (with ``--allow-runtime-lora-updating``)."""
 
