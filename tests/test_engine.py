@@ -102,9 +102,14 @@ def test_a_cache_salt_keeps_prefix_caches_apart(tiny_llama_dir, reference):
     out = llm.generate({"prompt_token_ids": ids, "cache_salt": "c"}, greedy(), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference[1] and out.num_cached_tokens == 0
     beams = BeamSearchParams(beam_width=2, max_tokens=3)
-    salted = llm.beam_search([{"prompt": PROMPTS[0], "cache_salt": "d"}], beams)
-    plain = llm.beam_search([PROMPTS[0]], beams)
+    long_prompt = PROMPTS[2] + " and more"
+    salted = llm.beam_search([{"prompt": long_prompt, "cache_salt": "d"}], beams)
+    plain = llm.beam_search([long_prompt], beams)
     assert [b.token_ids for b in salted[0].sequences] == [b.token_ids for b in plain[0].sequences]
+    # the search's rounds ran under the salt: the prompt is cached under "d" (and under no salt), not "e"
+    again = [llm.generate({"prompt": long_prompt, "cache_salt": s}, greedy(2), use_tqdm=False)[0].num_cached_tokens
+             for s in ("d", "e")]
+    assert again[0] > 0 and again[1] == 0
     assert run(cache_salt=None) > 0   # null: no salt
     for bad in ("", 7):
         with pytest.raises(ValueError, match="cache_salt.*non-empty string"):

@@ -86,6 +86,24 @@ def test_new_weights_give_the_outputs_of_an_engine_started_on_them(models):
     same(run(llm), run(widened))
 
 
+def test_blocks_of_requests_running_during_an_update_are_never_reused(models):
+    """An update while a request runs: that request goes on, and no later request reuses the KV blocks computed
+    with the old weights, also those the running request held."""
+    a, b, _, _ = models
+    want_b = run(llm_for(b))
+    llm = llm_for(a)
+    engine = llm.engine
+    engine.add_request("running", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    engine.step()
+    engine.step()
+    llm.update_weights(b)
+    while engine.has_unfinished_requests():
+        engine.step()
+    got = run(llm)
+    same(got, want_b)
+    assert got[2] == [0, 0, 0]
+
+
 def test_bad_updates_are_clear_errors_that_write_nothing(models):
     a, b, _, _ = models
     llm = llm_for(a)
@@ -96,6 +114,12 @@ def test_bad_updates_are_clear_errors_that_write_nothing(models):
         ({**new, "model.layers.0.nonexistent.weight": new[norm]}, "has no matching parameter"),
         ({**new, norm: new[norm].to(torch.int32)}, "unsupported dtype int32"),
         ({**new, norm: new[norm][:-1]}, "shape mismatch"),
+        # a fused projection's shard and the embedding: their loaders' shape checks run before anything is written
+        ({**new, "model.layers.1.self_attn.k_proj.weight": new["model.layers.1.self_attn.k_proj.weight"][:-1]},
+         "shape mismatch"),
+        ({**new, "model.embed_tokens.weight": new["model.embed_tokens.weight"][:, :-1]}, "shape mismatch"),
+        ({**new, "model.layers.7.mlp.up_proj.weight": new["model.layers.1.mlp.up_proj.weight"]},
+         "has no matching parameter"),
         (new[norm], "must be a mapping of names to tensors"),
         ([("x",)], r"\(name, tensor\) pairs"),
         (a / "nothing-here", "not a safetensors file or a directory"),
@@ -135,6 +159,34 @@ def test_weights_held_converted_are_refused(models, monkeypatch, tmp_path, case)
     with pytest.raises(ModelLoadError, match=match):
         llm.update_weights(b)
     same(run(llm), before)
+
+
+def test_a_classifier_is_refused_and_a_base_model_checkpoint_is_renamed(tmp_path):
+    """A sequence classifier's label weights live in the engine: refused. A base-model checkpoint (no ``model.``
+    prefix, an embedding model) given as a path is renamed as at load time."""
+    import numpy as np
+    import transformers
+    from conftest import make_tokenizer
+    from test_classification import save_classifier
+
+    save_classifier(tmp_path / "cls")
+    classifier = LLM(str(tmp_path / "cls"), task="classify", dtype="float32", selection="off")
+    with pytest.raises(ModelLoadError, match="a classifier's label weights are read into the engine"):
+        classifier.update_weights(tmp_path / "cls")
+    tok = make_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, eos_token_id=tok.eos_token_id)
+    for seed, name in ((0, "base-a"), (1, "base-b")):
+        torch.manual_seed(seed)
+        transformers.LlamaModel(config).eval().save_pretrained(tmp_path / name, safe_serialization=True)
+        tok.save_pretrained(tmp_path / name)
+    want = [o.outputs.embedding for o in LLM(str(tmp_path / "base-b"), dtype="float32", selection="off",
+                                              task="embed", pooling="mean").embed(PROMPTS, use_tqdm=False)]
+    llm = LLM(str(tmp_path / "base-a"), dtype="float32", selection="off", task="embed", pooling="mean")
+    assert llm.update_weights(tmp_path / "base-b") == 20
+    got = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
 
 
 def test_tied_embeddings_follow_the_new_token_embedding(tmp_path):
@@ -210,9 +262,13 @@ def test_every_rank_takes_its_part(models, processes, layout):
         llm.update_weights(mixed)
         llm.update_weights(layer0)
         same(run(llm), want_mixed, atol=1e-4)
-        with pytest.raises(ModelLoadError, match="has no matching parameter"):
-            llm.update_weights({"model.layers.0.nonexistent.weight": torch.zeros(4)})
-        same(run(llm), want_mixed, atol=1e-4)
+        # a bad tensor among good ones (every rank checks before any writes), a layer no stage holds
+        new = load_file(str(b / "model.safetensors"))
+        for bad in ({**new, "model.layers.1.self_attn.nonexistent.weight": torch.zeros(4)},
+                    {**new, "model.layers.5.self_attn.q_proj.weight": new["model.layers.1.self_attn.q_proj.weight"]}):
+            with pytest.raises(ModelLoadError, match="has no matching parameter"):
+                llm.update_weights(bad)
+            same(run(llm), want_mixed, atol=1e-4)
     finally:
         engine.shutdown()
 
@@ -231,13 +287,17 @@ def test_the_server_routes(models, enabled):
     a, b, _, _ = models
     want_a, want_b = run(llm_for(a), PROMPTS[:1]), run(llm_for(b), PROMPTS[:1])
     body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    with TestClient(build_app(AsyncLLMEngine(llm_for(a).engine), allow_weight_updates=enabled)) as http:
+    key = {"Authorization": "Bearer secret"}
+    with TestClient(build_app(AsyncLLMEngine(llm_for(a).engine), api_key="secret",
+                              allow_weight_updates=enabled), headers=key) as http:
         def tokens():
             r = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True, "logprobs": 0})
             assert r.status_code == 200, r.text
             return [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
 
         assert tokens() == want_a[0][0]
+        for route in ("/update_weights", "/reset_prefix_cache"):   # the API key guards them as every route
+            assert http.post(route, json={"path": str(b)}, headers={"Authorization": ""}).status_code == 401
         r = http.post("/update_weights", json={"path": str(b)})
         if not enabled:
             assert r.status_code == 404 and "--enable-weight-updates" in r.json()["error"]["message"]

@@ -29,6 +29,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -122,6 +123,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: Any, owns_engine: bool = False):
         self._engine = engine
         self._owns_engine = owns_engine
+        self._update_lock: tuple[Any, asyncio.Lock] | None = None   # (its event loop, the lock of weight updates)
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.max_sequence_len: int = getattr(engine, "max_sequence_len", self.max_model_len)
@@ -308,12 +310,15 @@ class AsyncLLMEngine:
             ModelLoadError: weights the model cannot take (nothing written, as ``LLMEngine.update_weights`` says).
             EngineUnavailableError: the engine is not running.
         """
-        from plinth.model_registry.weight_update import weight_pairs
-
-        pairs = await asyncio.to_thread(weight_pairs, weights)   # (a checkpoint read off the engine's thread)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(lambda engine: engine.update_weights(pairs, reset_prefix_cache), future))
-        return await asyncio.wrap_future(future)
+        loop = asyncio.get_running_loop()
+        if self._update_lock is None or self._update_lock[0] is not loop:
+            self._update_lock = (loop, asyncio.Lock())
+        async with self._update_lock[1]:   # updates apply in the order they were asked for
+            if isinstance(weights, str | os.PathLike):   # a checkpoint read off the engine's thread
+                weights = await asyncio.to_thread(self._engine.checkpoint_weights, weights)
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._submit(_Call(lambda engine: engine.update_weights(weights, reset_prefix_cache), future))
+            return await asyncio.wrap_future(future)
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of its latest step (see ``LLMEngine.stats``)."""

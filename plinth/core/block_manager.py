@@ -10,8 +10,10 @@ reused, so a key names one token-for-token prefix: a hit is exact, there are no 
 to worry about (dict keys compare by equality) and a child whose parent was evicted simply
 becomes unreachable. The first block of a request with a LoRA adapter hangs from that adapter's own root
 (``ROOT - lora_int_id``): the same tokens give other keys and values under another adapter. A request with a
-``cache_salt`` hangs its first block from ``(that root, salt)``: it shares blocks only with requests of the same
-salt (a tenant's prompts cannot be found, or timed, through another's cache hits).
+``cache_salt`` hangs its first block from ``(that root, salt, epoch)``, and after :meth:`BlockManager.new_epoch`
+(new model weights) every request from ``(that root, salt or None, epoch)``: it shares blocks only with requests of
+the same salt (a tenant's prompts cannot be found, or timed, through another's cache hits), and no request finds
+blocks computed before the epoch changed, even those running requests still hold.
 A request's blocks are registered as soon as they are allocated for the
 step that fills them, so a request admitted later in the same step (an ``n > 1`` sibling) can
 reuse them: attention backends write a layer's new K/V for the whole batch before attending,
@@ -37,13 +39,7 @@ from plinth.core.request import Request
 
 ROOT = -1  # the parent id of a sequence's first block
 
-_Key = tuple[int | tuple[int, str], tuple[int, ...]]
-
-
-def _root(request: Request) -> int | tuple[int, str]:
-    """The parent of a request's first block: its adapter's root, salted by its ``cache_salt``."""
-    root = ROOT - request.lora_id
-    return root if request.cache_salt is None else (root, request.cache_salt)
+_Key = tuple[int | tuple[int, str | None, int], tuple[int, ...]]
 
 
 @dataclasses.dataclass
@@ -94,6 +90,8 @@ class BlockManager:
         self._key: list[_Key | None] = [None] * num_blocks   # registration key of a cached block
         self._prefix_id = [ROOT] * num_blocks                 # prefix id of a cached block
         self._cache: dict[_Key, int] = {}                      # key -> block
+        self._epoch = 0   # bumped by new_epoch: the roots of first blocks change with it
+        self._roots: dict[str, int | tuple[int, str | None, int]] = {}   # request id -> its first block's root
         # Free blocks in eviction order (front = evicted first); values unused.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         # Per request: the prefix id of each of its leading full blocks that is known to the cache.
@@ -136,6 +134,18 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def new_epoch(self) -> None:
+        """Blocks computed so far become unreachable to every later lookup (the model's weights changed), also those
+        running requests hold (they go on with their own blocks; freed, the blocks are evicted as any unused)."""
+        self._epoch += 1
+
+    def _root(self, request: Request) -> int | tuple[int, str | None, int]:
+        """The parent of a request's first block: its adapter's root, with its ``cache_salt`` and the epoch."""
+        root = ROOT - request.lora_id
+        if request.cache_salt is None and self._epoch == 0:
+            return root
+        return (root, request.cache_salt, self._epoch)
+
     def begin_schedule(self) -> None:
         """A new step is being scheduled: blocks completed by last step's one-token queries (now
         written) become reusable."""
@@ -155,7 +165,7 @@ class BlockManager:
         bs = self.block_size
         tokens = request.all_token_ids
         blocks: list[int] = []
-        parent = _root(request)
+        parent = self._root(request)
         for i in range((len(tokens) - 1) // bs):
             block = self._cache.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if block is None or block in self._filling:
@@ -204,6 +214,8 @@ class BlockManager:
         if num_take > len(self._free):
             return False
         is_admission = not request.block_ids
+        if is_admission:   # its blocks hang from the root of now (the epoch may change while it runs)
+            self._roots[request.request_id] = self._root(request)
         for block in cached_blocks:
             if self._ref[block] == 0:
                 del self._free[block]
@@ -256,6 +268,7 @@ class BlockManager:
                     self._free.move_to_end(block, last=False)
         request.block_ids = []
         self._chains.pop(request.request_id, None)
+        self._roots.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Forget every cached block that no request holds. Returns ``(dropped, held)``: the blocks forgotten, and
@@ -315,7 +328,7 @@ class BlockManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(chain), num_tokens // bs):
-            parent = chain[-1] if chain else _root(request)
+            parent = chain[-1] if chain else self._roots.get(request.request_id) or self._root(request)
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             existing = self._cache.get(key)
             if existing is not None:

@@ -905,25 +905,51 @@ class LLMEngine:
         subset of them: a mapping (a ``state_dict()``), ``(name, tensor)`` pairs, or the path of a safetensors
         file or checkpoint directory. Values are cast to the model's dtype; each rank takes its own shard.
         Requests running at the time go on with the new weights from their next step. ``reset_prefix_cache``
-        (default): forget the cached KV blocks computed with the old weights (see :meth:`reset_prefix_cache`).
+        (default): no later request reuses KV blocks computed with the old weights (also those running requests
+        hold, see :meth:`reset_prefix_cache`).
 
         Raises:
-            ModelLoadError: a quantized model, or the CPU path's repacked weights (``PLINTH_CPU_PACKED=0`` keeps
-                the plain ones), which cannot take new values in place; a name with no parameter, a non-float
-                tensor or a shape that does not fit (checked before anything is written, except a sharded
-                parameter's shape: see :func:`plinth.model_registry.weight_update.update_weights`).
+            ModelLoadError: a quantized model, a classifier, or the CPU path's repacked weights
+                (``PLINTH_CPU_PACKED=0`` keeps the plain ones), which cannot take new values in place; a name with
+                no parameter, a non-float tensor or a shape that does not fit (checked on every rank before any
+                writes, except by a model's own loaders: see :func:`plinth.model_registry.weight_update.update_weights`).
             EngineDeadError: the engine is dead.
         """
+        import os
+
+        from plinth.errors import ModelLoadError
         from plinth.model_registry.weight_update import weight_pairs
 
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
+        if self.classifier is not None:
+            raise ModelLoadError("cannot update the weights in place: a classifier's label weights are read into "
+                                 "the engine at load time; load the new weights with a new engine")
         t0 = time.perf_counter()
-        count = self.executor.update_weights(weight_pairs(weights))
+        pairs = self.checkpoint_weights(weights) if isinstance(weights, str | os.PathLike) else weight_pairs(weights)
+        try:
+            count = self.executor.update_weights(pairs)
+        finally:   # (also after a failed write, which may have written some tensors)
+            if reset_prefix_cache:
+                self.block_manager.new_epoch()   # blocks running requests hold are unreachable too
+                self.reset_prefix_cache()
         logger.info("weights updated: %d tensor(s) in %.2f s", count, time.perf_counter() - t0)
-        if reset_prefix_cache:
-            self.reset_prefix_cache()
         return count
+
+    def checkpoint_weights(self, path: Any) -> list[tuple[str, Any]]:
+        """The tensors of a safetensors file or checkpoint folder of this engine's model layout, named as the model
+        takes them (renamed as at load time: a base model's prefix, an image-and-text checkpoint's language model).
+
+        Raises:
+            ModelLoadError: not a safetensors checkpoint, unreadable, or a layout whose tensors cannot be loaded as
+                they are (a bitsandbytes checkpoint's quantized tensors).
+        """
+        from plinth.model_registry.loader import update_stream
+        from plinth.model_registry.weight_update import weight_pairs
+
+        rename = update_stream(self.model_source)
+        pairs = weight_pairs(path)
+        return list(rename(pairs)) if rename is not None else pairs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

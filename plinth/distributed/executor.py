@@ -387,7 +387,9 @@ class DistributedExecutor(Executor):
         self._check_alive()
         host = [(name, t.detach().cpu()) for name, t in weights]   # (what crosses to the workers)
         try:
-            return self._call_all("update_weights", host, timeout_s=self.start_timeout_s)[0]
+            # every rank checks its part (stages hold other layers) before any rank writes
+            self._call_all("update_weights", host, "check", timeout_s=self.start_timeout_s)
+            return self._call_all("update_weights", None, "write", timeout_s=self.start_timeout_s)[0]
         except WorkerDiedError as exc:
             raise self._fail(exc) from exc
 

@@ -369,11 +369,21 @@ class Worker:
         self.step_times.clear()
         return times
 
-    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """New values for this rank's shard of the weights (see ``Executor.update_weights``)."""
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]] | None, phase: str) -> int:
+        """New values for this rank's shard of the weights (see ``Executor.update_weights``), in two calls:
+        ``"check"`` with the tensors (kept here), then ``"write"`` (``weights`` None: those kept) once every rank
+        passed its check."""
         from plinth.model_registry.weight_update import update_weights
 
-        count = update_weights(self._model, weights)   # (host tensors: each loader copies its rank's part over)
+        if phase == "check":
+            self._staged_weights = None
+            update_weights(self._model, weights, "check")   # (host tensors: each loader copies its rank's part over)
+            self._staged_weights = weights
+            return len(weights or ())
+        staged, self._staged_weights = getattr(self, "_staged_weights", None), None
+        if staged is None:
+            raise RuntimeError("a weight update's write came without its check")
+        count = update_weights(self._model, staged, "write")
         self._sync()
         return count
 

@@ -168,9 +168,7 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 check_loadable_dtype(ckpt_name, tensor)
             loader = getattr(param, "weight_loader", None)
             if update == "check":
-                if loader is None and tuple(param.shape) != tuple(tensor.shape):
-                    raise ModelLoadError(f"tensor {ckpt_name!r}: shape mismatch: expected {tuple(param.shape)}, "
-                                         f"got {tuple(tensor.shape)}")
+                _check_update(ckpt_name, param, tensor, loader, shard_id)
                 continue
             try:
                 if loader is None:
@@ -203,6 +201,35 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
             if sid == shard_id and param_fragment in param_name:
                 return param_name.replace(param_fragment, fragment)
         return param_name if shard_id is None else f"{param_name} (shard {shard_id!r})"
+
+
+#: the module of the shared layers, whose weight loaders write only the parameter they are given (so they can run on
+#: a stand-in parameter on the meta device, which checks shapes and writes nothing)
+_LAYERS_MODULE = "plinth.model_registry.layers."
+
+
+def _check_update(name: str, param: nn.Parameter, tensor: torch.Tensor, loader: Any, shard_id: Any) -> None:
+    """A weight update's checking pass for one tensor: its shape against the parameter, through the parameter's
+    loader run on a stand-in on the meta device where the loader is a shared layer's (a model's own loader may
+    tell parameters apart by identity: its shapes are checked as it writes)."""
+    if loader is None:
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"tensor {name!r}: shape mismatch: expected {tuple(param.shape)}, "
+                                 f"got {tuple(tensor.shape)}")
+        return
+    if not getattr(loader, "__module__", "").startswith(_LAYERS_MODULE):
+        return
+    stand_in = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+    stand_in.__dict__.update(param.__dict__)   # the attributes its loader reads
+    try:
+        if shard_id is None:
+            loader(stand_in, tensor.to("meta"))
+        else:
+            loader(stand_in, tensor.to("meta"), shard_id)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"tensor {name!r}: {exc}") from exc
+    except (NotImplementedError, RuntimeError):   # an operation the meta device lacks: checked as it writes
+        pass
 
 
 def check_loadable_dtype(name: str, tensor: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -578,6 +578,20 @@ def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
     """A base model's tensors under the causal LM's names (``layers.0...`` -> ``model.layers.0...``)."""
     for name, tensor in weights:
         yield (name if name.startswith("model.") else f"model.{name}"), tensor
+
+
+def update_stream(source: ModelSource) -> Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[Any]] | None:
+    """The renaming a checkpoint of ``source``'s layout needs before its tensors reach the model (as at load time):
+    a base model's prefix, an image-and-text checkpoint's language model; ``None``: none.
+
+    Raises:
+        ModelLoadError: a layout whose tensors cannot be loaded as they are (a bitsandbytes checkpoint's quantized
+            tensors: give the new weights as floats).
+    """
+    if _is_bnb(source):
+        raise ModelLoadError("a bitsandbytes checkpoint's tensors are quantized: give the new weights as float "
+                             "tensors (a state dict)")
+    return _with_model_prefix if source.headless else _language_model_weights if source.text_only else None
 
 
 def _widened_if_bnb(weights: SafetensorsWeights, source: ModelSource, dtype: torch.dtype,

@@ -75,13 +75,14 @@ def _mode(model: Any, mode: str) -> Iterator[None]:
         model.weight_update = None
 
 
-def update_weights(model: torch.nn.Module, weights: Any) -> int:
+def update_weights(model: torch.nn.Module, weights: Any, phase: str | None = None) -> int:
     """Copy ``weights`` (checkpoint names and tensors, any subset of the model's, in a form :func:`weight_pairs`
     takes) into ``model``'s parameters; the number of tensors given.
 
-    Every name is mapped and every dtype (and plain parameter's shape) checked before anything is written; a
-    sharded parameter's shape is checked by its loader as it writes, so such a mismatch leaves the tensors before
-    it written (the error says so).
+    Every name is mapped and every dtype and shape checked before anything is written (``phase``: ``"check"`` or
+    ``"write"`` alone, for ranks that must all pass the check before any writes; ``None``: both). A model's own
+    loader (not a shared layer's) checks its shapes as it writes, so such a mismatch leaves the tensors before it
+    written (the error says so).
 
     Raises:
         ModelLoadError: the model cannot take new values in place (:func:`update_problem`), a name with no
@@ -94,14 +95,16 @@ def update_weights(model: torch.nn.Module, weights: Any) -> int:
     if not pairs:
         return 0
     with torch.no_grad():
-        with _mode(model, "check"):
-            model.load_weights(iter(pairs))   # type: ignore[operator]
-        with _mode(model, "write"):
-            try:
+        if phase in (None, "check"):
+            with _mode(model, "check"):
                 model.load_weights(iter(pairs))   # type: ignore[operator]
-            except ModelLoadError as exc:
-                raise ModelLoadError(f"{exc} (the tensors before it were written: update again with tensors that "
-                                     "fit)") from exc
+        if phase in (None, "write"):
+            with _mode(model, "write"):
+                try:
+                    model.load_weights(iter(pairs))   # type: ignore[operator]
+                except ModelLoadError as exc:
+                    raise ModelLoadError(f"{exc} (the tensors before it were written: update again with tensors "
+                                         "that fit)") from exc
     return len(pairs)
 
 

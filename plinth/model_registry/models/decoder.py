@@ -529,8 +529,9 @@ class DecoderForCausalLM(CausalLM):
 
     def _on_this_stage(self, name: str) -> bool:
         m = _LAYER_RE.match(name)
-        if m is not None:
-            return self.model.start_layer <= int(m["idx"]) < self.model.end_layer
+        if m is not None:   # (a layer no stage holds goes on, to be refused as every stage's unknown tensor)
+            idx = int(m["idx"])
+            return self.model.start_layer <= idx < self.model.end_layer or idx >= self.ctx.hf_config.num_hidden_layers
         if name.startswith("model.embed_tokens."):
             return self.model.embed_tokens is not None or (self.lm_head is not None and self.tie_word_embeddings)
         if name.startswith("model.norm."):
