@@ -361,6 +361,9 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
         raise ServeError(f"{API_KEY_ENV} is set but empty: give the key clients must send, or unset it to serve "
                          f"without one")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.enable_weight_updates and api_key is None:
+        logger.warning("--enable-weight-updates without an API key: anyone who reaches this server can load "
+                       "checkpoints from its disk into the model (give --api-key or $%s)", API_KEY_ENV)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ServeError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
