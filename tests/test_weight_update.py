@@ -4,7 +4,6 @@ sync), compared with an engine started on those weights."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -227,16 +226,10 @@ def processes():
     """Worker processes started with the plain CPU weights (their environment is fixed when they start)."""
     from plinth.distributed.executor_mp import WorkerProcesses
 
-    saved = {k: os.environ.get(k) for k in PLAIN}
-    os.environ.update(PLAIN)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in PLAIN.items():
+            env.setenv(name, value)
         procs = WorkerProcesses(2, timeout_s=120.0)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     yield procs
     procs.stop()
 
