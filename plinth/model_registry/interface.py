@@ -135,7 +135,8 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         return name, None
 
     #: set by :func:`plinth.model_registry.weight_update.update_weights` while it loads new values into a loaded
-    #: model: ``"check"`` (map names and check dtypes, write nothing) or ``"write"``; neither asks for every tensor
+    #: model: ``"check"`` (map names, check dtypes and shapes, write nothing) or ``"write"``; neither asks for every
+    #: tensor
     weight_update: str | None = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
