@@ -51,6 +51,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, device_index: int,
                  models: dict[str, Any] | None = None, plugins: dict[str, str] | None = None):
+        self._staged_weights: list[tuple[str, torch.Tensor]] | None = None   # a weight update's, checked
         if plugins is not None:   # the driver's PluginManager.register_module calls
             from plinth.plugins import adopt_code_plugins
 
@@ -377,10 +378,10 @@ class Worker:
 
         if phase == "check":
             self._staged_weights = None
-            update_weights(self._model, weights, "check")   # (host tensors: each loader copies its rank's part over)
+            update_weights(self._model, weights or [], "check")   # (host tensors: each loader copies its part)
             self._staged_weights = weights
             return len(weights or ())
-        staged, self._staged_weights = getattr(self, "_staged_weights", None), None
+        staged, self._staged_weights = self._staged_weights, None
         if staged is None:
             raise RuntimeError("a weight update's write came without its check")
         count = update_weights(self._model, staged, "write")

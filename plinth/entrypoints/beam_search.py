@@ -187,9 +187,11 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
         TypeError: ``params`` is not a :class:`BeamSearchParams`.
         RequestRejectedError: a prompt is empty, not token ids, or leaves no room in the context.
     """
+    from plinth.entrypoints.llm import _Salted
+
     engine = llm.engine
-    salts = [getattr(p, "salt", None) for p in prompts]   # a dict prompt's cache_salt (llm._Salted)
-    prompts = [p.prompt if s is not None else p for p, s in zip(prompts, salts, strict=True)]
+    salts = [p.salt if isinstance(p, _Salted) else None for p in prompts]   # a dict prompt's cache_salt
+    prompts = [p.prompt if isinstance(p, _Salted) else p for p in prompts]
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]
     loras = list(loras) if loras is not None else [None] * len(starts)
     rounds = search(starts, params, tuple(engine.eos_token_ids), engine.max_sequence_len, engine.vocab_size,

@@ -20,9 +20,6 @@ import torch
 
 from plinth.errors import ModelLoadError
 
-#: the environment switch that keeps the CPU path's linear layers on their plain (updatable) weights
-CPU_PACKED_SWITCH = "PLINTH_CPU_PACKED=0"
-
 
 def _plain_method(method: Any) -> bool:
     """A linear layer's method multiplies the layer's own ``weight`` parameter as it is at each call."""
@@ -62,8 +59,10 @@ def _cpu_copy(method: Any, name: str) -> str:
     if getattr(method, "int4", None) is not None or getattr(method, "q8_0", None) is not None:
         return (f"the CPU path multiplies the GGUF file's quantized blocks ({name}); load the new weights with a "
                 "new engine")
+    from plinth.worker.cpu_path import PACKED_ENV
+
     return (f"the CPU path multiplies repacked copies of the weights ({name}); start the engine with "
-            f"{CPU_PACKED_SWITCH} to keep the plain weights, which take new values")
+            f"{PACKED_ENV}=0 to keep the plain weights, which take new values")
 
 
 @contextlib.contextmanager
@@ -75,9 +74,9 @@ def _mode(model: Any, mode: str) -> Iterator[None]:
         model.weight_update = None
 
 
-def update_weights(model: torch.nn.Module, weights: Any, phase: str | None = None) -> int:
-    """Copy ``weights`` (checkpoint names and tensors, any subset of the model's, in a form :func:`weight_pairs`
-    takes) into ``model``'s parameters; the number of tensors given.
+def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]], phase: str | None = None) -> int:
+    """Copy ``pairs`` (checkpoint names and tensors, any subset of the model's, as :func:`weight_pairs` gives them)
+    into ``model``'s parameters; the number of tensors given.
 
     Every name is mapped and every dtype and shape checked before anything is written (``phase``: ``"check"`` or
     ``"write"`` alone, for ranks that must all pass the check before any writes; ``None``: both). A model's own
@@ -91,7 +90,6 @@ def update_weights(model: torch.nn.Module, weights: Any, phase: str | None = Non
     problem = update_problem(model)
     if problem is not None:
         raise ModelLoadError(f"cannot update the weights in place: {problem}")
-    pairs = weight_pairs(weights)
     if not pairs:
         return 0
     with torch.no_grad():
