@@ -450,6 +450,8 @@ class DeviceConfig:
         selection: ``cached`` (benchmark on a cache miss), ``benchmark`` (always), ``off``
             (highest-priority supported candidate, no timing).
         enforce_eager: never capture graphs or compile.
+        enable_sleep_mode: allow ``sleep()``/``wake_up()``, which give the KV cache's (and on accelerators the
+            weights') memory back while the engine is idle (:mod:`plinth.worker.sleep`).
     """
 
     platform: str | None = None
@@ -457,6 +459,7 @@ class DeviceConfig:
     gemm_kernel: str | None = None
     selection: str = "cached"
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         _check_flags(self)

@@ -35,3 +35,12 @@ class RequestFailedError(UserFacingError, RuntimeError):
     def __init__(self, message: str, outputs: list | None = None):
         super().__init__(message)
         self.outputs = outputs or []
+
+
+class SleepModeError(UserFacingError, RuntimeError):
+    """Sleep mode used where it cannot be: off (``enable_sleep_mode``), requests still running, a bad level or tag;
+    or a request or weight update sent to a sleeping engine. The message says what to do."""
+
+
+class EngineSleepingError(SleepModeError):
+    """A request, or a weight update, sent to an engine (or weights) asleep: wake it up first."""

@@ -359,6 +359,40 @@ def test_abort_frees_all_blocks(tiny_llama_dir):
     assert not engine.has_unfinished_requests()
 
 
+def test_an_aborted_id_is_free_at_once(tiny_llama_dir, reference):
+    """An id aborted and added again before a step: the next step reports the aborted request's end first, then the
+    new request runs as it would alone; a request id of another request's sample, or not a string, is refused
+    without touching that request."""
+    from plinth.core.scheduler import RequestRejectedError
+
+    llm = llm_for(tiny_llama_dir)
+    engine = llm.engine
+    free0 = engine.block_manager.num_free_blocks
+    engine.add_request("x", PROMPTS[0], greedy(200))
+    engine.step()
+    engine.abort_request("x")
+    engine.add_request("x", PROMPTS[1], greedy())
+    outs = engine.step()
+    assert outs[0].request_id == "x" and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    finals = [o for o in outs if o.finished]
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [o.outputs[0].finish_reason for o in finals] == ["abort", "length"]
+    assert finals[1].outputs[0].token_ids == reference[1]
+    engine.add_request("a", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2))
+    engine.step()
+    with pytest.raises(RequestRejectedError, match="'a#0' is in use by a sample of request 'a'"):
+        engine.add_request("a#0", PROMPTS[0], greedy())
+    for rid in (7, None, ("a",)):
+        with pytest.raises(RequestRejectedError, match="a request id must be a string"):
+            engine.add_request(rid, PROMPTS[0], greedy())
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [[c.token_ids for c in o.outputs] for o in finals] == [[reference[2]] * 2]
+    assert engine.block_manager.num_free_blocks == free0
+
+
 def test_stop_string_and_eos(llm):
     full = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0].outputs[0]
     # pick a stop string from the middle of the greedy text

@@ -238,3 +238,66 @@ def test_a_reader_that_stops_reading_holds_one_output_per_prompt():
     for i in range(2):
         mine = [out.step for j, out in got if j == i]
         assert mine == list(range(steps + 1)) and got[[k for k, (j, _) in enumerate(got) if j == i][-1]][1].finished
+
+
+def test_an_id_is_free_again_once_its_stream_is_left_or_aborted(model_dir):
+    """A caller that leaves its stream (or aborts the id) and at once asks again under the same id gets a new
+    request, not "already in use" (the aborted one's end is reported first); a caller still waiting on an aborted
+    stream gets its end; non-string ids are refused to their caller and the loop goes on."""
+    import time
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import SamplingParams
+    from plinth.core.scheduler import RequestRejectedError
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", max_model_len=1024))
+    step = engine.step
+
+    def slow_step(*args, **kwargs):   # commands queue up while a step runs: the abort and the new add drain together
+        time.sleep(0.03)
+        return step(*args, **kwargs)
+
+    engine.step = slow_step
+    front = AsyncLLMEngine(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = None
+
+    async def full(rid):
+        last = None
+        async for out in front.generate(rid, [5, 6, 7, 8], params):
+            last = out
+        return last
+
+    async def main():
+        nonlocal alone
+        alone = (await full("first")).outputs[0].token_ids
+        for trial in range(3):
+            rid = f"x{trial}"
+            stream = front.generate(rid, [5, 6, 7, 8], params)
+            async for _ in stream:
+                break
+            await stream.aclose()   # leaves early: aborted
+            assert (await full(rid)).outputs[0].token_ids == alone
+        # an abort by id while its caller still reads: that caller gets the abort, the id's new request runs
+        waiting = front.generate("y", [5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True))
+        await anext(waiting)
+        front.abort("y")
+        new = asyncio.create_task(full("y"))
+        ends = [out async for out in waiting]
+        assert ends[-1].finished and ends[-1].outputs[0].finish_reason == "abort"
+        assert (await new).outputs[0].token_ids == alone
+        with pytest.raises(TypeError, match="request_id must be a string"):
+            front.abort(123)
+        with pytest.raises(RequestRejectedError, match="must be a string"):
+            async for _ in front.generate(7, [5, 6], params):
+                pass
+        assert (await full("after")).outputs[0].token_ids == alone   # the loop went on
+        assert front.is_healthy
+
+    try:
+        asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert not engine.has_unfinished_requests()

@@ -282,7 +282,13 @@ class AsyncLLMEngine:
                 self._abort(_Abort(request_id, sink))
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (unknown or finished ids are ignored); its KV blocks are freed."""
+        """Abort a request (unknown or finished ids are ignored); its KV blocks are freed.
+
+        Raises:
+            TypeError: ``request_id`` is not a string.
+        """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         self._abort(_Abort(request_id))
 
     def _abort(self, command: _Abort) -> None:
@@ -302,6 +308,38 @@ class AsyncLLMEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_Call(lambda engine: engine.reset_prefix_cache(), future))
         return await asyncio.wrap_future(future)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (and on accelerators the weights) between two steps (see ``LLMEngine.sleep``).
+
+        Raises:
+            SleepModeError: sleep mode is off, requests are unfinished, or the engine is asleep already.
+            EngineUnavailableError: the engine is not running.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(lambda engine: engine.sleep(level), future))
+        await asyncio.wrap_future(future)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory of ``tags`` (default: all) again (see ``LLMEngine.wake_up``).
+
+        Raises:
+            SleepModeError: sleep mode is off, or an unknown tag.
+            ConfigError: no room on the device for them now.
+            EngineUnavailableError: the engine is not running.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(lambda engine: engine.wake_up(tags), future))
+        await asyncio.wrap_future(future)
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine sleeps."""
+        return self._engine.is_sleeping()
+
+    @property
+    def sleep_mode(self) -> bool:
+        """Whether the engine was started with sleep mode (``enable_sleep_mode``)."""
+        return bool(self._engine.config.device.enable_sleep_mode)
 
     async def update_weights(self, weights: Any, reset_prefix_cache: bool = True) -> int:
         """New values for the model's weights, loaded between two steps (see ``LLMEngine.update_weights``).
@@ -407,7 +445,13 @@ class AsyncLLMEngine:
             cmd = self._commands[0]   # popped only once handled, so a crash here still fails its caller
             if isinstance(cmd, _Abort):
                 if cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:
-                    self._engine.abort_request(cmd.request_id)
+                    try:
+                        self._engine.abort_request(cmd.request_id)
+                    except Exception:  # noqa: BLE001 - a bad id is nobody's request; the loop goes on
+                        logger.exception("aborting request %r failed", cmd.request_id)
+            elif isinstance(cmd, _Add) and cmd.request_id in self._sinks and self._engine.aborted_pending(
+                    cmd.request_id):
+                return   # an aborted request of that id ends with the next step: its caller gets that end first
             elif isinstance(cmd, _Call):
                 if cmd.future.set_running_or_notify_cancel():   # (a caller that gave up cancelled it: not run)
                     try:

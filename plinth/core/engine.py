@@ -61,13 +61,14 @@ from plinth.core.structured import (
     reasoning_markers,
 )
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
-from plinth.errors import LoRAAdapterError
+from plinth.errors import EngineSleepingError, LoRAAdapterError, SleepModeError
 from plinth.lora.adapter import LoRAAdapter, adapter_targets, load_adapter
 from plinth.lora.request import LoRARequest
 from plinth.lora.slots import LoRASlotTable
 from plinth.model_registry.registry import ModelRegistry
 from plinth.worker.batching import BatchBuilder
 from plinth.worker.model_runner import ModelRunner
+from plinth.worker.sleep import SLEEP_TAGS
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,10 @@ class LLMEngine:
         #: whether logprobs are logits (the ``raw_logits`` and ``processed_logits`` modes)
         self.logprobs_as_logits = config.model.logprobs_mode.endswith("_logits")
         self._dead: EngineDeadError | None = None
+        #: sleep mode: the parts asleep (:data:`~plinth.worker.sleep.SLEEP_TAGS`); whether a level-2 sleep
+        #: discarded the weights and no update_weights() has brought them since
+        self._asleep: set[str] = set()
+        self._weights_discarded = False
         #: ``generate``, ``embed`` or ``classify`` (the last two: :meth:`add_request` takes PoolingParams)
         self.task = config.model.task
         self.pooling = (resolve_pooling(parts.source.path, config.model.pooling, config.model.normalize_embeddings)
@@ -290,6 +295,8 @@ class LLMEngine:
         self._seq_to_group: dict[str, _Group] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._aborted: list[_Group] = []
+        #: aborted requests not reported yet whose id a new request took (reported by the next step)
+        self._superseded: list[_Group] = []
         self._prompt_logprob_groups: set[str] = set()   # unfinished groups that asked for prompt logprobs
         self._sync_groups: set[str] = set()   # unfinished groups whose sampling needs synchronous steps
         self._in_flight: _InFlight | None = None   # asynchronous scheduling: the step not read back yet
@@ -610,13 +617,26 @@ class LLMEngine:
         params.recheck()   # values set after construction are checked too
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
-        if request_id in self._groups:
+        self._check_awake()
+        if not isinstance(request_id, str):
+            raise RequestRejectedError(f"a request id must be a string, got {type(request_id).__name__}",
+                                       param="request_id")
+        old = self._groups.get(request_id)
+        if old is not None and not old.aborted:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         taken = next((f"{request_id}#{i}" for i in range(params.n) if f"{request_id}#{i}" in self._seqs),
                      None) if params.n > 1 else None
         if taken is not None:
             raise RequestRejectedError(f"request id {request_id!r} with n={params.n} names its samples "
                                        f"{request_id}#0 .. #{params.n - 1}, and {taken!r} is already in use")
+        owner = self._seq_to_group.get(request_id)
+        if params.n == 1 and owner is not None and owner is not old:
+            raise RequestRejectedError(f"request id {request_id!r} is in use by a sample of request "
+                                       f"{owner.request_id!r}")
+        if old is not None:   # aborted, its end not reported yet: the next step reports it, and the id is free
+            self._aborted = [g for g in self._aborted if g is not old]
+            self._superseded.append(old)
+            self._forget(old)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise RequestRejectedError(f"priority must be an integer, got {priority!r}", param="priority")
         priority = int(priority)
@@ -887,6 +907,12 @@ class LLMEngine:
                 s.detok.flush()
         group.aborted = True
 
+    def aborted_pending(self, request_id: str) -> bool:
+        """Whether ``request_id`` names an aborted request whose end the next step reports (a new request may take
+        the id now: that end is reported first)."""
+        group = self._groups.get(request_id)
+        return group is not None and group.aborted
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache: no later request reuses KV blocks computed before this call (after new weights,
         say, or between benchmark runs). Blocks that running requests hold stay cached while they run; returns
@@ -925,16 +951,106 @@ class LLMEngine:
         if self.classifier is not None:
             raise ModelLoadError("cannot update the weights in place: a classifier's label weights are read into "
                                  "the engine at load time; load the new weights with a new engine")
+        if "weights" in self._asleep:
+            raise EngineSleepingError("the weights are asleep: wake_up(tags=['weights']) first (the KV cache may sleep "
+                                 "on while they are loaded)")
         t0 = time.perf_counter()
         pairs = self.checkpoint_weights(weights) if isinstance(weights, str | os.PathLike) else weight_pairs(weights)
         try:
             count = self.executor.update_weights(pairs)
+            self._weights_discarded = False
         finally:   # (also after a failed write, which may have written some tensors)
             if reset_prefix_cache:
                 self.block_manager.new_epoch()   # blocks running requests hold are unreachable too
                 self.reset_prefix_cache()
         logger.info("weights updated: %d tensor(s) in %.2f s", count, time.perf_counter() - t0)
         return count
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV cache's memory back, and on an accelerator the weights' (an engine started with
+        ``enable_sleep_mode``; vLLM's sleep mode): level 1 copies the weights to host memory, level 2 discards
+        them (the trainer's next :meth:`update_weights` brings them, after ``wake_up(tags=["weights"])``). The KV
+        cache's contents, and so the prefix cache, are lost at either level. On a CPU the weights stay where they
+        are (host memory) and only level 1 is taken. Requests are refused while any part sleeps.
+
+        Raises:
+            SleepModeError: sleep mode is off, requests are unfinished, the engine is asleep already, a bad level,
+                or level 2 where the weights cannot be loaded again in place (quantized, a CPU).
+        """
+        from plinth.model_registry.weight_update import update_problem
+
+        self._check_sleep_mode("sleep")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise SleepModeError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights discarded), "
+                                 f"got {level!r}")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+        if self._asleep:
+            raise SleepModeError("the engine is asleep already: wake_up() first")
+        live = sum(not g.aborted for g in self._groups.values())   # (aborted ones hold no blocks)
+        if live:
+            raise SleepModeError(f"cannot sleep with {live} unfinished request(s): let them finish or abort them "
+                                 "first")
+        if level == 2:
+            if self.device.type == "cpu":
+                raise SleepModeError("sleep level 2 discards the weights to free accelerator memory; on a CPU they "
+                                     "are in host memory already: sleep(level=1) frees the KV cache")
+            model = getattr(getattr(self.executor, "runner", None), "model", None)
+            problem = update_problem(model) if model is not None else None
+            if problem is None and self.classifier is not None:
+                problem = "a classifier's label weights are read into the engine at load time"
+            if problem is not None:
+                raise SleepModeError(f"sleep level 2 discards weights that update_weights() could not bring "
+                                     f"back: {problem}; sleep(level=1) keeps them")
+        t0 = time.perf_counter()
+        freed = self.executor.sleep(level)
+        self._asleep = set(SLEEP_TAGS)
+        self._weights_discarded = level == 2
+        self.block_manager.new_epoch()   # the cached blocks' contents are gone
+        self.reset_prefix_cache()
+        logger.info("asleep (level %d): %.2f GiB of %s memory freed in %.2f s", level, freed / 2**30,
+                    self.device.type, time.perf_counter() - t0)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory of ``tags`` again (default: all; ``"weights"``, ``"kv_cache"``: vLLM's tags; waking the
+        weights first lets :meth:`update_weights` load them before the KV cache takes its memory). A no-op for
+        parts awake already.
+
+        Raises:
+            SleepModeError: sleep mode is off, or an unknown tag.
+            ConfigError: no room on the device for them now (they stay asleep; wake up again later).
+        """
+        self._check_sleep_mode("wake_up")
+        tags = SLEEP_TAGS if tags is None else ((tags,) if isinstance(tags, str) else tuple(tags))
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad or not tags:
+            raise SleepModeError(f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {list(tags)!r}")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+        waking = [t for t in SLEEP_TAGS if t in tags and t in self._asleep]
+        if not waking:
+            return
+        t0 = time.perf_counter()
+        self.executor.wake_up(waking)
+        self._asleep.difference_update(waking)
+        logger.info("awake: %s in %.2f s%s", " and ".join(waking), time.perf_counter() - t0,
+                    "" if not self._asleep else f" ({' and '.join(sorted(self._asleep))} asleep still)")
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine sleeps (see :meth:`sleep`)."""
+        return bool(self._asleep)
+
+    def _check_sleep_mode(self, what: str) -> None:
+        if not self.config.device.enable_sleep_mode:
+            raise SleepModeError(f"{what}() needs an engine started with enable_sleep_mode=True "
+                                 "(--enable-sleep-mode)")
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise EngineSleepingError("the engine is asleep: wake_up() first")
+        if self._weights_discarded:
+            raise EngineSleepingError("the weights were discarded by sleep(level=2): load them with update_weights() "
+                                 "first")
 
     def checkpoint_weights(self, path: Any) -> list[tuple[str, Any]]:
         """The tensors of a safetensors file or checkpoint folder of this engine's model layout, named as the model
@@ -978,6 +1094,7 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         touched: dict[str, _Group] = {g.request_id: g for g in self._aborted}
         self._aborted.clear()
+        superseded, self._superseded = self._superseded, []
         try:
             self._schedule_and_run(touched, final_only)
         except BaseException:
@@ -985,8 +1102,10 @@ class LLMEngine:
             kept = {id(g) for g in self._aborted}
             self._aborted.extend(g for g in touched.values() if id(g) not in kept and g.request_id in self._groups
                                  and (g.aborted or g.finished))
+            self._superseded[:0] = superseded
             raise
-        outputs = []
+        # aborted requests whose id a new request took before this step: their ends first
+        outputs = [self._make_output(g) for g in superseded]
         for g in touched.values():
             if final_only and not g.finished:
                 continue
@@ -1063,9 +1182,11 @@ class LLMEngine:
         """End the requests of ``rows`` whose custom logits processor failed (``failed``: row -> what failed)
         with that error, before the step's tokens are applied (theirs are dropped); this step reports them."""
         for row, message in failed.items():
-            group = self._seq_to_group.get(rows[row].request_id)
-            if group is None or group.error is not None:
-                continue
+            rid = rows[row].request_id
+            group = self._seq_to_group.get(rid)
+            seq = self._seqs.get(rid)
+            if group is None or group.error is not None or seq is None or seq.request is not rows[row]:
+                continue   # (a row of an aborted request whose id a new request took)
             group.error = message
             if not group.finished:
                 self._abort_group(group)

@@ -187,6 +187,16 @@ class Executor(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot update weights")
 
+    def sleep(self, level: int) -> int:
+        """Free the KV cache on every rank, and on accelerators the weights (see
+        :meth:`~plinth.worker.model_runner.ModelRunner.sleep`); the device bytes freed, all ranks together."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Take the memory of ``tags`` again on every rank (see
+        :meth:`~plinth.worker.model_runner.ModelRunner.wake_up`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
     def idle_work(self) -> bool:
         """Do a few milliseconds of background work while the engine has no request (see
         :meth:`~plinth.worker.model_runner.ModelRunner.idle_work`); return whether any is left. Workers in
@@ -267,6 +277,12 @@ class UniprocExecutor(Executor):
         from plinth.model_registry.weight_update import update_weights
 
         return update_weights(self.runner.model, weights)
+
+    def sleep(self, level: int) -> int:
+        return self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.runner.wake_up(tags)
 
     def idle_work(self) -> bool:
         idle_work = getattr(self.runner, "idle_work", None)
@@ -390,6 +406,20 @@ class DistributedExecutor(Executor):
             # every rank checks its part (stages hold other layers) before any rank writes
             self._call_all("update_weights", host, "check", timeout_s=self.start_timeout_s)
             return self._call_all("update_weights", None, "write", timeout_s=self.start_timeout_s)[0]
+        except WorkerDiedError as exc:
+            raise self._fail(exc) from exc
+
+    def sleep(self, level: int) -> int:
+        self._check_alive()
+        try:
+            return sum(self._call_all("sleep", level, timeout_s=self.start_timeout_s))
+        except WorkerDiedError as exc:
+            raise self._fail(exc) from exc
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._check_alive()
+        try:
+            self._call_all("wake_up", list(tags), timeout_s=self.start_timeout_s)
         except WorkerDiedError as exc:
             raise self._fail(exc) from exc
 

@@ -388,6 +388,18 @@ class Worker:
         self._sync()
         return count
 
+    def sleep(self, level: int) -> int:
+        """Free this rank's KV cache (and on accelerators its weights); the device bytes freed."""
+        assert self.runner is not None
+        self._sync()
+        return self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Take this rank's memory of ``tags`` again."""
+        assert self.runner is not None
+        self.runner.wake_up(tags)
+        self._sync()
+
     def rank_weights(self) -> Any:
         """This rank's :class:`~plinth.distributed.executor.RankWeights`."""
         from plinth.distributed.executor import RankWeights

@@ -34,7 +34,7 @@ ENGINE_KWARGS = (
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
-    "platform", "attention_backend", "gemm_kernel", "selection", "enforce_eager",
+    "platform", "attention_backend", "gemm_kernel", "selection", "enforce_eager", "enable_sleep_mode",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "speculative_config",
 )
 
@@ -173,6 +173,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="choosing backends and kernels: cached (benchmark the candidates once per machine and "
                         "shape, default), benchmark (every start), off (the highest-priority one, no timing)")
     g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="allow sleep and wake-up, which free the KV cache's (and on accelerators the weights') "
+                        "memory while the engine is idle; plinth serve adds POST /sleep, POST /wake_up, "
+                        "GET /is_sleeping")
     pm.add_cli_arguments(parser, command)
 
 

@@ -219,6 +219,23 @@ class LLM:
         with self._lock:
             return self.engine.update_weights(weights, reset_prefix_cache)
 
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV cache's memory back, and on an accelerator the weights' (an ``LLM`` made with
+        ``enable_sleep_mode=True``): level 1 keeps the weights in host memory, level 2 discards them (load new ones
+        with :meth:`update_weights` after ``wake_up(tags=["weights"])``). See ``LLMEngine.sleep``."""
+        with self._lock:
+            self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: every part, or ``tags`` of ``"weights"`` and ``"kv_cache"``. See
+        ``LLMEngine.wake_up``."""
+        with self._lock:
+            self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine sleeps."""
+        return self.engine.is_sleeping()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -364,6 +364,9 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     if args.enable_weight_updates and api_key is None:
         logger.warning("--enable-weight-updates without an API key: anyone who reaches this server can load "
                        "checkpoints from its disk into the model (give --api-key or $%s)", API_KEY_ENV)
+    if args.enable_sleep_mode and api_key is None:
+        logger.warning("--enable-sleep-mode without an API key: anyone who reaches this server can put the engine "
+                       "to sleep (POST /sleep) and so stop it serving (give --api-key or $%s)", API_KEY_ENV)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ServeError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):

@@ -246,6 +246,7 @@ class CpuDecodePlan:
         self.model = model
         self.block_size = block_size
         self.max_size = max_size
+        self.fused = fused
         self.embed = inner.embed_tokens.weight
         self.dtype = self.embed.dtype
         self.rotary = inner.rotary_emb
@@ -306,6 +307,11 @@ class CpuDecodePlan:
         self.int8_inputs = bool(copies) and all(c.int8_inputs for c in copies)
         mixed = not self.int8_inputs and any(c.int8_inputs for c in copies)
         self.fused_layers = self._fused_layers() if fused and not mixed else None
+
+    def rebuilder(self) -> Callable[[], CpuDecodePlan]:
+        """What builds this plan again (after the KV cache moved: sleep mode)."""
+        model, block_size, max_size, fused = self.model, self.block_size, self.max_size, self.fused
+        return lambda: CpuDecodePlan(model, block_size, max_size, fused)
 
     @staticmethod
     def _amx_rows(projections: list[tuple[torch.nn.Module, ...]]) -> bool:

@@ -68,6 +68,12 @@ class CompiledDecodeRunner:
             torch._dynamo.config.cache_size_limit = limit
         self._fn: Callable[..., torch.Tensor] = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
+    def rebuilder(self) -> Callable[[], CompiledDecodeRunner]:
+        """What builds this runner again (after the KV cache moved: sleep mode)."""
+        model, backend, block_size, width, sizes = self.model, self.backend, self.block_size, self.max_width, \
+            list(self.sizes)
+        return lambda: CompiledDecodeRunner(model, backend, sizes[-1], block_size, width, sizes)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """``[G]`` tokens, positions, slots; ``[G, W]`` tables; ``[G]`` lengths -> logits ``[G, vocab]``."""

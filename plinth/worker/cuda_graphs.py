@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -63,6 +63,8 @@ class DecodeGraphRunner:
         self.device = device
         self.block_size = block_size
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.capture_error_mode = "global"
         g, w = self.sizes[-1], max_blocks_per_seq
         self.max_size = g
 
@@ -107,13 +109,16 @@ class DecodeGraphRunner:
         return self.model.compute_logits(hidden)   # [size, vocab] float32
 
     @torch.inference_mode()
-    def capture(self, capture_error_mode: str = "global") -> float:
+    def capture(self, capture_error_mode: str = "global", warmups: int = 2) -> float:
         """Capture every size of the ladder (largest first, sharing one memory pool); returns seconds.
 
         ``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"`` lets other threads of the
-        process (the NCCL watchdog of a tensor-parallel worker) make CUDA calls during a capture.
+        process (the NCCL watchdog of a tensor-parallel worker) make CUDA calls during a capture. ``warmups``:
+        eager runs of each size before its capture (the first capture compiles Triton kernels, settles cuBLAS
+        workspaces; a capture again, after sleep mode, needs fewer).
         """
         t0 = time.perf_counter()
+        self.capture_error_mode = capture_error_mode
         self._fill_padding(0, self.max_size)
         lora = self.lora
         # with LoRA adapters, each size twice: without the adapters' products (steps of base-model requests only)
@@ -125,7 +130,7 @@ class DecodeGraphRunner:
             if lora is not None:
                 lora.active = with_lora
             for size in reversed(self.sizes):
-                for _ in range(2):   # warm-up: compile Triton kernels, settle cuBLAS workspaces
+                for _ in range(warmups):   # warm-up: compile Triton kernels, settle cuBLAS workspaces
                     self._forward(size)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
@@ -142,6 +147,20 @@ class DecodeGraphRunner:
         logger.info("captured %d decode graphs (batch %d..%d%s) in %.1f s", len(self.graphs), self.sizes[0],
                     self.sizes[-1], ", with and without LoRA products" if lora is not None else "", elapsed)
         return elapsed
+
+    def rebuilder(self) -> Callable[[], DecodeGraphRunner]:
+        """What captures these graphs again (after the weights or the KV cache moved: sleep mode); it holds
+        none of this runner's graphs or memory."""
+        model, backend, device, sizes = self.model, self.backend, self.device, self.sizes
+        width, block_size, shared, mode = self.max_blocks_per_seq, self.block_size, self.shared_rows, \
+            self.capture_error_mode
+
+        def rebuild() -> DecodeGraphRunner:
+            graphs = DecodeGraphRunner(model, backend, device, sizes[-1], width, block_size, shared_rows=shared)
+            graphs.capture(capture_error_mode=mode, warmups=1)   # (kernels compiled, workspaces settled)
+            return graphs
+
+        return rebuild
 
     def _fill_padding(self, start: int, end: int) -> None:
         s = self.static

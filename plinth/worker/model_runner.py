@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from plinth.attention_backends.interface import AttentionBackend, AttentionMetad
 from plinth.worker.batching import FlatBatch, SeqBatchEntry
 from plinth.worker.kv_prefault import PREFAULT_ENV, KVPrefaulter
 from plinth.worker.staging import HostStaging
+
+if TYPE_CHECKING:
+    from plinth.worker.sleep import OffloadedTensors
 
 __all__ = ["ModelRunner", "SeqBatchEntry", "StepInputs"]
 
@@ -78,40 +81,55 @@ class ModelRunner:
         self.block_size = block_size
         # a sequence holds at most every block of the cache, whatever max_model_len says
         self.max_blocks_per_seq = min(-(-max_model_len // block_size), num_blocks)
+        self.kv_dtype = kv_dtype
         self.kv_caches: list[torch.Tensor] = []
-        t0 = time.perf_counter()
-        stores = []   # the memory behind each cache (a shared cache's one half)
-        try:
-            for layer in model.attention_layers():
-                shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-                shared = _shares_kv(layer, backend, shape)   # keys and values one tensor (first dimension stride 0)
-                store = _zeros((1, *shape[1:]) if shared else shape, kv_dtype, device)
-                stores.append(store)
-                cache = store.expand(shape) if shared else store
-                layer.kv_cache = cache
-                self.kv_caches.append(cache)
-        except (MemoryError, torch.OutOfMemoryError) as exc:   # a --num-blocks far beyond the memory there is
-            from plinth.config import ConfigError
-
-            raise ConfigError(f"a KV cache of {num_blocks} blocks does not fit in the {device.type} memory "
-                              f"({type(exc).__name__}); lower --num-blocks, or leave it unset to size the cache "
-                              "from the memory there is") from None
-        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in stores)
         #: faults the CPU cache's pages in while the engine is idle (see :meth:`idle_work`)
         self.prefaulter: KVPrefaulter | None = None
-        if device.type == "cpu" and self.kv_caches:
-            from plinth.config import env_flag
-
-            if env_flag(PREFAULT_ENV, True):
-                self.prefaulter = KVPrefaulter(stores, num_blocks)
+        t0 = time.perf_counter()
+        self._allocate_kv()
+        logger.info("KV cache: %d blocks x %d tokens, %s, %.1f MiB in %.2f s", num_blocks, block_size,
+                    str(kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
         self.graphs = None   # a DecodeGraphRunner once capture_decode_graphs() ran
         #: speculative decoding: a decode step's rows may be one sequence's consecutive positions (its token and
         #: drafts); the attention metadata says so, and captured graphs are captured so
         self.shared_decode_rows = False
         self.staging = HostStaging(device)
         self.lora = getattr(model, "lora_state", None)   # a plinth.lora.layers.LoRAState with adapters enabled
-        logger.info("KV cache: %d blocks x %d tokens, %s, %.1f MiB in %.2f s", num_blocks, block_size,
-                    str(kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20, time.perf_counter() - t0)
+        #: sleep mode: what is asleep (of :data:`~plinth.worker.sleep.SLEEP_TAGS`), the weights' offloaded
+        #: storages, and what builds the decode steps again
+        self.asleep: set[str] = set()
+        self._offloaded: OffloadedTensors | None = None
+        self._rebuild_graphs: Callable[[], Any] | None = None
+        self._host_pool: torch.Tensor | None = None
+
+    def _allocate_kv(self) -> None:
+        """Allocate a zeroed KV cache for every attention layer (at start and on waking)."""
+        model, backend, device, num_blocks = self.model, self.backend, self.device, self.num_blocks
+        stores = []   # the memory behind each cache (a shared cache's one half)
+        caches = []
+        try:
+            for layer in model.attention_layers():
+                shape = backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+                shared = _shares_kv(layer, backend, shape)   # keys and values one tensor (first dimension stride 0)
+                store = _zeros((1, *shape[1:]) if shared else shape, self.kv_dtype, device)
+                stores.append(store)
+                caches.append(store.expand(shape) if shared else store)
+        except (MemoryError, torch.OutOfMemoryError) as exc:   # a --num-blocks far beyond the memory there is
+            from plinth.config import ConfigError
+
+            del stores, caches
+            raise ConfigError(f"a KV cache of {num_blocks} blocks does not fit in the {device.type} memory "
+                              f"({type(exc).__name__}); lower --num-blocks, or leave it unset to size the cache "
+                              "from the memory there is") from None
+        for layer, cache in zip(model.attention_layers(), caches, strict=True):
+            layer.kv_cache = cache
+        self.kv_caches = caches
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in stores)
+        if device.type == "cpu" and self.kv_caches:
+            from plinth.config import env_flag
+
+            if env_flag(PREFAULT_ENV, True):
+                self.prefaulter = KVPrefaulter(stores, num_blocks)
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, backend: AttentionBackend, block_size: int,
@@ -127,6 +145,84 @@ class ModelRunner:
         """Do a few milliseconds of work that makes later steps faster (fault the next chunk of the CPU KV
         cache in); return whether any is left."""
         return self.prefaulter is not None and self.prefaulter.step()
+
+    def sleep(self, level: int) -> int:
+        """Give the KV cache's memory back (its contents are lost) and, on an accelerator, the weights' (level 1:
+        copied to host memory; level 2: the parameters' values discarded); the device bytes freed. The decode
+        steps built on their addresses (graphs, the CPU decode plan) are dropped, and built again on waking.
+        See :mod:`plinth.worker.sleep`."""
+        import gc
+
+        from plinth.worker.sleep import OffloadedTensors
+
+        if self.asleep:
+            raise RuntimeError("the model runner is asleep already")
+        if level >= 2 and self.device.type != "cpu":
+            from plinth.errors import SleepModeError
+            from plinth.model_registry.weight_update import update_problem
+
+            problem = update_problem(self.model)
+            if problem is not None:
+                raise SleepModeError(f"sleep level 2 discards weights that update_weights() could not bring back: "
+                                     f"{problem}; sleep(level=1) keeps them")
+        if self.graphs is not None:
+            rebuilder = getattr(self.graphs, "rebuilder", None)
+            self._rebuild_graphs = rebuilder() if rebuilder is not None else None
+            if rebuilder is None:
+                logger.warning("%s cannot be built again after sleeping: decode runs eagerly after waking",
+                               type(self.graphs).__name__)
+        self.graphs = None
+        freed = self.kv_cache_bytes
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches = []
+        self.prefaulter = None
+        self.asleep.add("kv_cache")
+        if self.device.type != "cpu":
+            self._offloaded = OffloadedTensors(self.model, self.device, discard_parameters=level >= 2,
+                                               host_pool=self._host_pool)
+            self._host_pool = self._offloaded.pool   # kept for the next sleep (pinning costs 0.3-0.6 s a GB)
+            freed += self._offloaded.nbytes
+            self.asleep.add("weights")
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        """Take the memory of ``tags`` (of ``"weights"``, ``"kv_cache"``) again: the weights' values come back
+        (zeros for parameters discarded at level 2), the KV cache is zeroed; once both are awake, the decode
+        steps are built again.
+
+        Raises:
+            ConfigError: the device has no room for them now (what was asleep stays asleep).
+        """
+        if "weights" in tags and "weights" in self.asleep:
+            assert self._offloaded is not None
+            try:
+                self._offloaded.restore()
+            except torch.OutOfMemoryError:
+                from plinth.config import ConfigError
+
+                raise ConfigError(f"no room to wake the weights up: {self._offloaded.nbytes / 2**30:.2f} GiB are "
+                                  f"needed on {self.device}; free that memory and wake up again") from None
+            self._offloaded = None
+            self.asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            from plinth.config import ConfigError
+
+            try:
+                self._allocate_kv()
+            except ConfigError:
+                raise ConfigError(f"no room to wake the KV cache up: {self.kv_cache_bytes / 2**30:.2f} GiB are "
+                                  f"needed on {self.device}; free that memory and wake up again") from None
+            self.asleep.discard("kv_cache")
+        if not self.asleep and self._rebuild_graphs is not None:
+            rebuild, self._rebuild_graphs = self._rebuild_graphs, None
+            try:
+                self.graphs = rebuild()
+            except torch.OutOfMemoryError:
+                logger.warning("no room to capture the decode steps again after waking: decode runs eagerly")
 
     def prepare(self, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepInputs:
         """Build the flat batch with numpy (no loop over sequences when given a :class:`FlatBatch`)."""

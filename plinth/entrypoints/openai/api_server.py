@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
@@ -34,6 +34,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plinth import __version__
+from plinth.config import ConfigError
 from plinth.core.async_engine import AsyncLLMEngine
 from plinth.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from plinth.entrypoints.openai.protocol import (
@@ -257,6 +258,27 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     async def reset_prefix_cache() -> Response:
         check_weight_updates()
         return JSONResponse({"status": "ok", "reset": await front.reset_prefix_cache()})
+
+    if getattr(front, "sleep_mode", False):   # an engine started with --enable-sleep-mode (vLLM's routes)
+        @app.post("/sleep")
+        async def sleep(level: int = 1) -> Response:
+            t0 = time.monotonic()
+            await front.sleep(level)
+            logger.info("asleep (level %d) in %.2f s", level, time.monotonic() - t0)
+            return JSONResponse({"status": "ok", "is_sleeping": True})
+
+        @app.post("/wake_up")
+        async def wake_up(tags: list[str] | None = Query(default=None)) -> Response:   # noqa: B008 (FastAPI's way)
+            try:
+                await front.wake_up(tags)
+            except ConfigError as exc:   # no room on the device now
+                raise APIError(503, str(exc), "service_unavailable_error", code="no_memory",
+                               headers={"Retry-After": "10"}) from None
+            return JSONResponse({"status": "ok", "is_sleeping": front.is_sleeping()})
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> Response:
+            return JSONResponse({"is_sleeping": front.is_sleeping()})
 
     async def answer(handler: Any, body: Any, raw: Request) -> Response:
         try:

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.request import SamplingParamsError
 from plinth.core.scheduler import QueueFullError, RequestRejectedError
-from plinth.errors import RequestFailedError
+from plinth.errors import EngineSleepingError, RequestFailedError, SleepModeError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,11 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "service_unavailable_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineSleepingError):
+        return APIError(503, str(exc), "service_unavailable_error", code="engine_sleeping",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, SleepModeError):
+        return bad_request(str(exc))
     if isinstance(exc, RequestRejectedError):   # without the engine's own request id, which the client never saw
         param = {"extra_args": "vllm_xargs"}.get(exc.param or "prompt", exc.param or "prompt")   # the body's name
         return bad_request(_ENGINE_REQUEST.sub("", str(exc), count=1), param)
@@ -95,6 +100,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {first.get('msg', 'cannot parse')}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and first.get("type") == "string_unicode":   # a field's name with a lone UTF-16 surrogate
+        return bad_request("a field name of the request body is not valid Unicode (a lone UTF-16 surrogate)")
     if not loc:
         return bad_request("the request body must be a JSON object (sent with Content-Type: application/json)",
                            code="invalid_json")
@@ -135,7 +142,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         return to_api_error(exc).response()
 
-    for cls in (SamplingParamsError, RequestRejectedError, QueueFullError, EngineDeadError, RequestFailedError):
+    for cls in (SamplingParamsError, RequestRejectedError, QueueFullError, EngineDeadError, RequestFailedError,
+                SleepModeError):
         app.add_exception_handler(cls, _known)
 
     # Reached through Starlette's ServerErrorMiddleware, which re-raises so the server logs the traceback.

@@ -35,6 +35,7 @@ from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.reasoning_parsers import ReasoningParser
 from plinth.entrypoints.openai.streaming import unless_disconnected
 from plinth.entrypoints.openai.tool_parsers import ToolParser
+from plinth.errors import SleepModeError
 from plinth.lora.request import LoRARequest
 from plinth.metrics import ServerMetrics
 
@@ -366,7 +367,7 @@ class ServerContext:
                 yield out
         except asyncio.CancelledError:
             raise
-        except (RequestRejectedError, QueueFullError, EngineUnavailableError):
+        except (RequestRejectedError, QueueFullError, SleepModeError, EngineUnavailableError):
             tracker.discard()   # refused on arrival (a client error, a full queue or a stopped engine: a 503): counted
             raise               # by no request metric
         except Exception:
@@ -429,7 +430,7 @@ class ServerContext:
         try:
             outs = await beam_search_async(self.front, request_id, starts, params, lora, priority, cache_salt)
             return outs
-        except (RequestRejectedError, QueueFullError, EngineUnavailableError):
+        except (RequestRejectedError, QueueFullError, SleepModeError, EngineUnavailableError):
             refused = True
             raise
         except Exception:
@@ -625,7 +626,7 @@ async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any
             await asyncio.wait([*waiting, *(t for t in firsts if not t.done())],
                                return_when=asyncio.FIRST_COMPLETED)
     except BaseException as exc:
-        refused = isinstance(exc, RequestRejectedError | QueueFullError)   # the client gets a 400 or a 503
+        refused = isinstance(exc, RequestRejectedError | QueueFullError | SleepModeError)   # a 400 or a 503
         ids = [rid for rid, _, _ in requests]
         if refused:
             ctx._refused.update(ids)
