@@ -332,3 +332,17 @@ def test_usage_counts_the_reasoning_tokens(tmp_path, monkeypatch, finish):
     assert usage["output_tokens"] == len(ids)
     assert usage["output_tokens_details"]["reasoning_tokens"] == len(thinking)
     assert last["response"]["usage"] == usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_fields_that_cannot_be_written_back_are_400s(client, stream):
+    """``metadata``, ``user``, ``text``, ``truncation`` come back in the response as sent: a lone UTF-16 surrogate
+    (valid JSON, not encodable as UTF-8) in one of them is a 400 naming it, before anything runs (not a 500, not a
+    stream cut off after its headers)."""
+    for field, value in (("metadata", '{"k": "\\ud800"}'), ("user", '"\\ud800"'), ("truncation", '"\\ud800"'),
+                         ("text", '{"format": {"type": "text"}, "verbosity": "\\ud800"}')):
+        raw = (f'{{"input": "hi", "max_output_tokens": 2, "stream": {json.dumps(stream)}, "{field}": {value}}}')
+        r = client.post("/v1/responses", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, (field, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and "not valid Unicode" in err["message"], err

@@ -627,6 +627,9 @@ def test_error_paths_keep_list_indices_and_unreachable_min_tokens_is_refused(ser
     assert str(MAX_MODEL_LEN) in err["message"]
     assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": None, "min_tokens": MAX_MODEL_LEN}),
                  400, "min_tokens")
+    # a field name that is not valid Unicode: said so (the body is an object)
+    err = assert_error(post(server, "/v1/completions", '{"prompt": "x", "max_tokens": 2, "x\\ud800": 1}'), 400)
+    assert "field name of the request body is not valid Unicode" in err["message"]
 
 
 def test_text_that_cannot_fit_is_refused_before_tokenizing(server, client, engine):

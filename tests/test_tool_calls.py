@@ -114,6 +114,15 @@ def test_hermes_parser_finds_calls_and_keeps_every_other_character():
         ParsedCall("f", '{"b": 2}')]
 
 
+def test_arguments_nested_deeper_than_the_parser_goes_are_no_call():
+    """A model that writes arguments nested past Python's recursion limit gives no call (the text stays content),
+    not an error."""
+    deep = "[" * 5000 + "]" * 5000
+    for text in (f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>',
+                 f'<tool_call>{{"name": "f", "arguments": "{deep}"}}</tool_call>'):
+        assert prefixes_scan(HermesToolParser(TOOLS), text) == (text, [])
+
+
 def test_llama3_json_and_mistral_parsers():
     llama = Llama3JsonToolParser(TOOLS)
     assert prefixes_scan(llama, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
@@ -724,3 +733,17 @@ def test_the_tools_warning_reads_a_models_named_templates(tmp_path, caplog, ment
     with caplog.at_level(logging.WARNING):
         build_app(AsyncLLMEngine(engine), tool_parser=HermesToolParser)
     assert ("the chat template does not mention tools" in caplog.text) != mentions
+
+
+def test_earlier_calls_with_arguments_nested_too_deep_still_render(http):
+    """An assistant message's tool call whose arguments nest deeper than the JSON parser goes is passed to the
+    template as the string it is (not a 500)."""
+    deep = '{"a": ' + "[" * 1200 + "]" * 1200 + "}"
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = http.post("/tokenize", json={"model": "tiny", "messages": messages})
+    assert r.status_code == 200 and r.json()["count"] > 2400, r.text   # the brackets are in the prompt
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text   # (1,024 here)

@@ -205,7 +205,7 @@ class GptOssToolParser(ToolParser):
             return None
         try:
             args: Any = json.loads(m.body) if m.body.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):   # (nesting deeper than Python's stack)
             return None
         text = arguments_json(args) if isinstance(args, dict) else None
         return ParsedCall(recipient[len(self.PREFIX):], text) if text is not None else None

@@ -202,8 +202,25 @@ class _Body:
         return body
 
 
+#: request fields the response repeats as they came
+_ECHOED = ("metadata", "user", "text", "truncation", "tool_choice")
+
+
+def _check_echoed(req: ResponsesRequest) -> None:
+    """Refuse echoed fields that cannot be written back as UTF-8 (JSON allows a lone UTF-16 surrogate escape)."""
+    for name in _ECHOED:
+        value = getattr(req, name, None)
+        if value is None:
+            continue
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise bad_request(f"{name} holds text that is not valid Unicode (a lone UTF-16 surrogate)", name) from None
+
+
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
     ctx.note_ignored_fields(req)
+    _check_echoed(req)
     chat = _chat_request(req)
     try:
         prep = await prepare_chat(ctx, chat, note_ignored=False, route="/v1/responses")

@@ -95,13 +95,14 @@ class SSEResponse(Response):
         while True:
             try:
                 payload = await anext(self._events)
+                frame = self._frame(payload)   # (text that cannot be encoded fails here, as an error event)
             except StopAsyncIteration:
                 break
             except Exception as exc:  # noqa: BLE001 - reported to the client in the OpenAI error shape
                 payload = error_json(exc)
                 await send({"type": "http.response.body", "body": self._frame(payload, "error"), "more_body": True})
                 break
-            await send({"type": "http.response.body", "body": self._frame(payload), "more_body": True})
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"" if self._named else b"data: [DONE]\n\n",
                     "more_body": False})
 

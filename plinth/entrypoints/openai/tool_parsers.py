@@ -120,7 +120,7 @@ def call_from(value: Any, argument_keys: Sequence[str] = ("arguments", "paramete
     if isinstance(args, str):   # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):   # (nesting deeper than Python's stack)
             return None
     if not isinstance(args, dict):
         return None
@@ -259,7 +259,7 @@ class BlockToolParser(ToolParser):
             return None if raw.strip() == "null" and _allows_null(schema) else raw
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
 
     def _property_schema(self, function: str, key: str) -> Any:
@@ -327,7 +327,7 @@ class HermesToolParser(BlockToolParser):
 def _decode_one(body: str) -> ParsedCall | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return call_from(value)
 
@@ -408,7 +408,7 @@ class DeepSeekV3ToolParser(BlockToolParser):
             fn, raw = head.strip(), rest.strip()
         try:
             args = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not fn or not isinstance(args, dict):
             return None
@@ -435,7 +435,7 @@ class KimiK2ToolParser(BlockToolParser):
                 return None
             try:
                 args = json.loads(m.group(3))
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             text = arguments_json(args) if isinstance(args, dict) else None
             if text is None:

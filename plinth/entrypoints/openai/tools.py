@@ -234,7 +234,7 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         args = json.loads(fn["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):   # (nesting deeper than Python's stack)
         return call
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
