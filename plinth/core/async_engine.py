@@ -309,6 +309,16 @@ class AsyncLLMEngine:
         self._submit(_Call(lambda engine: engine.reset_prefix_cache(), future))
         return await asyncio.wrap_future(future)
 
+    async def apply_model(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(model)`` on every rank's model, between two steps (see ``LLMEngine.apply_model``).
+
+        Raises:
+            EngineUnavailableError: the engine is not running; or what ``LLMEngine.apply_model`` raises.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(lambda engine: engine.apply_model(fn), future))
+        return await asyncio.wrap_future(future)
+
     async def sleep(self, level: int = 1) -> None:
         """Free the KV cache (and on accelerators the weights) between two steps (see ``LLMEngine.sleep``).
 

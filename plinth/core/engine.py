@@ -966,6 +966,25 @@ class LLMEngine:
         logger.info("weights updated: %d tensor(s) in %.2f s", count, time.perf_counter() - t0)
         return count
 
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """``fn(model)`` on the model of every rank, between steps (vLLM's ``apply_model``); the results in rank order
+        (one for an in-process engine). The model is plinth's module (fused projections such as ``qkv_proj`` and
+        ``gate_up_proj``; on each tensor-parallel rank its shard, on each pipeline stage its layers). For worker
+        processes ``fn`` must pickle (a module-level function, or a ``functools.partial`` of one) and so must its
+        results (plain values, CPU tensors). A function that changes weights should change them in place (decode
+        graphs hold their addresses) and be followed by :meth:`reset_prefix_cache`.
+
+        Raises:
+            EngineSleepingError: the weights sleep.
+            TypeError: ``fn`` or a result cannot cross to or from worker processes.
+            whatever ``fn`` raises (from a worker process: the same type where it pickles).
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+        if "weights" in self._asleep:
+            raise EngineSleepingError("the weights are asleep: wake_up(tags=['weights']) first")
+        return self.executor.apply_model(fn)
+
     def sleep(self, level: int = 1) -> None:
         """Give the KV cache's memory back, and on an accelerator the weights' (an engine started with
         ``enable_sleep_mode``; vLLM's sleep mode): level 1 copies the weights to host memory, level 2 discards

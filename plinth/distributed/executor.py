@@ -187,6 +187,15 @@ class Executor(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot update weights")
 
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """``fn(model)`` on every rank's model, between steps; the results in rank order.
+
+        Raises:
+            TypeError: ``fn`` (or a result) cannot cross to (or from) worker processes.
+            WorkerDiedError: a worker died or timed out.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot apply functions to its model")
+
     def sleep(self, level: int) -> int:
         """Free the KV cache on every rank, and on accelerators the weights (see
         :meth:`~plinth.worker.model_runner.ModelRunner.sleep`); the device bytes freed, all ranks together."""
@@ -277,6 +286,9 @@ class UniprocExecutor(Executor):
         from plinth.model_registry.weight_update import update_weights
 
         return update_weights(self.runner.model, weights)
+
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        return [fn(self.runner.model)]
 
     def sleep(self, level: int) -> int:
         return self.runner.sleep(level)
@@ -406,6 +418,21 @@ class DistributedExecutor(Executor):
             # every rank checks its part (stages hold other layers) before any rank writes
             self._call_all("update_weights", host, "check", timeout_s=self.start_timeout_s)
             return self._call_all("update_weights", None, "write", timeout_s=self.start_timeout_s)[0]
+        except WorkerDiedError as exc:
+            raise self._fail(exc) from exc
+
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        import pickle
+
+        self._check_alive()
+        try:
+            fn_bytes = pickle.dumps(fn)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: say what reaches worker processes
+            raise TypeError(f"apply_model: the function cannot reach the worker processes ({type(exc).__name__}: "
+                            f"{exc}); pass a module-level function (functools.partial of one for arguments), "
+                            "not a lambda or a nested function") from None
+        try:
+            return self._call_all("apply_model", fn_bytes, timeout_s=self.start_timeout_s)
         except WorkerDiedError as exc:
             raise self._fail(exc) from exc
 

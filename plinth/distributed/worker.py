@@ -370,6 +370,21 @@ class Worker:
         self.step_times.clear()
         return times
 
+    def apply_model(self, fn_bytes: bytes) -> Any:
+        """``fn(model)`` on this rank's model (``fn`` pickled by the driver: unpickled here, so a function this
+        process cannot import is this call's error); its result, which must pickle to go back."""
+        import pickle
+
+        fn = pickle.loads(fn_bytes)
+        result = fn(self._model)
+        self._sync()
+        try:
+            pickle.dumps(result)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: the call's error, not the worker's end
+            raise TypeError(f"apply_model: the function's result on rank {self.layout.rank} cannot go back to the driver "
+                            f"({type(exc).__name__}: {exc}); return plain values or CPU tensors") from None
+        return result
+
     def update_weights(self, weights: list[tuple[str, torch.Tensor]] | None, phase: str) -> int:
         """New values for this rank's shard of the weights (see ``Executor.update_weights``), in two calls:
         ``"check"`` with the tensors (kept here), then ``"write"`` (``weights`` None: those kept) once every rank

@@ -7,7 +7,7 @@ import itertools
 import numbers
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from plinth.config import EngineConfig
@@ -28,6 +28,8 @@ from plinth.errors import RequestFailedError
 from plinth.lora.request import LoRARequest
 
 if TYPE_CHECKING:
+    import torch
+
     from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 
 #: a prompt: text, token ids, or vLLM's dict forms ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``
@@ -200,6 +202,11 @@ class LLM:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for :attr:`engine`)."""
+        return self.engine
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
@@ -218,6 +225,12 @@ class LLM:
         ``LLMEngine.update_weights`` (what cannot be updated, and the errors)."""
         with self._lock:
             return self.engine.update_weights(weights, reset_prefix_cache)
+
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """``fn(model)`` on the model of every rank (vLLM's ``apply_model``): inspect or change it in place; the
+        results in rank order. See ``LLMEngine.apply_model``."""
+        with self._lock:
+            return self.engine.apply_model(fn)
 
     def sleep(self, level: int = 1) -> None:
         """Give the KV cache's memory back, and on an accelerator the weights' (an ``LLM`` made with
