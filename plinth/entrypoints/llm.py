@@ -30,6 +30,7 @@ from plinth.lora.request import LoRARequest
 if TYPE_CHECKING:
     import torch
 
+    from plinth.core.engine import LLMEngine
     from plinth.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 
 #: a prompt: text, token ids, or vLLM's dict forms ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``
