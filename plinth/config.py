@@ -37,7 +37,7 @@ VLLM_NO_EFFECT_OPTIONS = {
 }
 #: how chat templates see a message's text content (vLLM's ``--chat-template-content-format``)
 CONTENT_FORMATS = ("auto", "string", "openai")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 #: the keys ``override_generation_config`` takes
 GENERATION_CONFIG_KEYS = tuple(SAMPLING_KEYS)
 
@@ -507,19 +507,23 @@ class SpeculativeConfig:
 
     Attributes:
         speculative_method: ``ngram`` (prompt lookup: drafts copied from an earlier occurrence of the
-            sequence's last tokens), or None: off.
+            sequence's last tokens), ``draft_model`` (a smaller model of the same vocabulary drafts greedily:
+            :mod:`plinth.core.draft_model`), or None: off.
         num_speculative_tokens: the most draft tokens a sequence carries in one step.
         prompt_lookup_min, prompt_lookup_max: the n-gram sizes searched (largest first).
+        speculative_model: the draft model (a folder, ``.gguf`` file or preset) of ``draft_model``.
     """
 
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    speculative_model: str | None = None
 
     #: the keys of the ``speculative_config`` option, as vLLM names them -> this section's fields
     KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
-            "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
+            "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
+            "model": "speculative_model"}
 
     def __post_init__(self) -> None:
         _check_flags(self)
@@ -539,6 +543,13 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
+        if self.speculative_method == "draft_model":
+            if not isinstance(self.speculative_model, str) or not self.speculative_model.strip():
+                raise ConfigError("speculative method draft_model needs the draft model: speculative_config "
+                                  "{\"model\": \"path/to/draft\", \"num_speculative_tokens\": k}")
+        elif self.speculative_model is not None:
+            raise ConfigError(f"speculative_config's model is the draft model of method draft_model, not of "
+                              f"{self.speculative_method}")
 
     @property
     def enabled(self) -> bool:
@@ -561,6 +572,8 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"unknown speculative_config key(s) {', '.join(map(repr, unknown))}; known: "
                               f"{', '.join(cls.KEYS)}")
+        if "method" not in value and "model" in value:   # vLLM's: a draft model without a method drafts with it
+            value = {**value, "method": "draft_model"}
         if "method" not in value:
             raise ConfigError(f"speculative_config needs a method ({', '.join(SPECULATIVE_METHODS)})")
         fields = {cls.KEYS[k]: v for k, v in value.items()}

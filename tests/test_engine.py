@@ -379,6 +379,21 @@ def test_an_aborted_id_is_free_at_once(tiny_llama_dir, reference):
         finals += [o for o in engine.step() if o.finished]
     assert [o.outputs[0].finish_reason for o in finals] == ["abort", "length"]
     assert finals[1].outputs[0].token_ids == reference[1]
+    # a refused re-add leaves the aborted request's end to the next step; an n=2 id taken again with n=2
+    for first, again in ((1, 1), (2, 2)):
+        engine.add_request("y", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200, n=first))
+        engine.step()
+        engine.abort_request("y")
+        with pytest.raises(RequestRejectedError, match="empty"):
+            engine.add_request("y", [], greedy())
+        assert engine.has_unfinished_requests()
+        engine.add_request("y", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                           ignore_eos=True, n=again))
+        finals = []
+        while engine.has_unfinished_requests():
+            finals += [o for o in engine.step() if o.finished]
+        assert [o.outputs[0].finish_reason for o in finals] == ["abort", "length"]
+        assert [c.token_ids for c in finals[1].outputs] == [reference[1]] * again
     engine.add_request("a", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2))
     engine.step()
     with pytest.raises(RequestRejectedError, match="'a#0' is in use by a sample of request 'a'"):

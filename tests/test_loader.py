@@ -106,6 +106,7 @@ def test_presets_ship_and_load():
     ("qwen3-8b", 8_190_735_360),
     ("mixtral-8x7b", 46_702_792_704),
     ("gemma-3-1b", 999_885_952),
+    ("llama-3.2-1b", 1_235_814_400),   # published: 1.23B (tied embeddings)
     ("gemma-2-2b", 2_614_341_888),
     ("phi-3-mini", 3_821_079_552),
     ("smollm3-3b", 3_075_098_624),   # transformers' SmolLM3ForCausalLM of the same config (published: 3.08B)

@@ -245,3 +245,67 @@ def test_the_gpu_gives_its_memory_back(models, level):
             run(llm)
         llm.update_weights(a)
     same(run(llm), want)
+
+
+def test_a_sleep_that_fails_leaves_the_engine_awake(models, monkeypatch):
+    """The weights are offloaded before anything is freed: when that fails (no host memory to pin, say) the engine
+    is as it was (here an accelerator's path, its offload failing, on the CPU)."""
+    import plinth.worker.sleep as sleep_module
+
+    a, _ = models
+    llm = llm_for(a)
+    want = run(llm)
+    runner = llm.engine.executor.runner
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no host memory to pin")
+
+    monkeypatch.setattr(sleep_module, "OffloadedTensors", no_memory)
+    monkeypatch.setattr(runner, "device", torch.device("meta"))   # (an accelerator: its weights are offloaded)
+    with pytest.raises(MemoryError):
+        llm.sleep()
+    monkeypatch.undo()
+    assert not llm.is_sleeping() and not runner.asleep and len(runner.kv_caches) == 2
+    assert run(llm)[0] == want[0]
+
+
+def test_weights_discarded_stay_discarded_until_an_update(models):
+    """A level-2 sleep's discarded weights (the flag as it leaves it: level 2 itself needs an accelerator) are not
+    forgotten by a later level-1 sleep: requests are refused until update_weights."""
+    a, _ = models
+    llm = llm_for(a)
+    want = run(llm)
+    llm.engine._weights_discarded = True   # as after sleep(level=2) and wake_up() on a GPU
+    llm.sleep(level=1)
+    llm.wake_up()
+    with pytest.raises(EngineSleepingError, match="discarded by sleep"):
+        run(llm)
+    llm.update_weights(a)
+    same(run(llm), want)
+
+
+def test_the_async_front_faults_the_new_cache_in_after_waking(models):
+    """Under the server's loop the woken CPU KV cache is faulted in while idle, as at start."""
+    import asyncio
+    import time
+
+    from plinth.core.async_engine import AsyncLLMEngine
+
+    a, _ = models
+    engine = llm_for(a).engine
+    runner = engine.executor.runner
+    front = AsyncLLMEngine(engine)
+
+    async def main():
+        await front.sleep()
+        await front.wake_up()
+        deadline = time.monotonic() + 10
+        while runner.prefaulter is not None and not runner.prefaulter.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(main())
+    finally:
+        front.shutdown()
+    prefaulter = runner.prefaulter
+    assert prefaulter is not None and (prefaulter.populated_bytes > 0 or prefaulter.done)

@@ -290,9 +290,10 @@ def test_an_id_is_free_again_once_its_stream_is_left_or_aborted(model_dir):
         assert (await new).outputs[0].token_ids == alone
         with pytest.raises(TypeError, match="request_id must be a string"):
             front.abort(123)
-        with pytest.raises(RequestRejectedError, match="must be a string"):
-            async for _ in front.generate(7, [5, 6], params):
-                pass
+        for bad in (7, ["x"]):   # (a list cannot even key the loop's streams)
+            with pytest.raises(RequestRejectedError, match="must be a string"):
+                async for _ in front.generate(bad, [5, 6], params):
+                    pass
         assert (await full("after")).outputs[0].token_ids == alone   # the loop went on
         assert front.is_healthy
 

@@ -117,10 +117,17 @@ def test_hermes_parser_finds_calls_and_keeps_every_other_character():
 def test_arguments_nested_deeper_than_the_parser_goes_are_no_call():
     """A model that writes arguments nested past Python's recursion limit gives no call (the text stays content),
     not an error."""
+    from plinth.entrypoints.openai.tool_parsers import ArrayScanner
+
     deep = "[" * 5000 + "]" * 5000
-    for text in (f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>',
-                 f'<tool_call>{{"name": "f", "arguments": "{deep}"}}</tool_call>'):
-        assert prefixes_scan(HermesToolParser(TOOLS), text) == (text, [])
+    for parser, text in (
+            (HermesToolParser, f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>'),
+            (HermesToolParser, f'<tool_call>{{"name": "f", "arguments": "{deep}"}}</tool_call>'),
+            (Llama3JsonToolParser, f'{{"name": "f", "parameters": {{"a": {deep}}}}}'),
+            (MistralToolParser, f'[TOOL_CALLS][{{"name": "f", "arguments": {{"a": {deep}}}}}]'),
+            (MistralToolParser, f'[TOOL_CALLS]f[ARGS]{{"a": {deep}}}')):
+        assert parser(TOOLS).scan(text, final=True).calls == ()
+    assert ArrayScanner().feed('[{"a": ' + deep + '}') == []   # (tool_choice "required" streams)
 
 
 def test_llama3_json_and_mistral_parsers():

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from plinth.core.request import RequestOutput, RequestOutputKind, SamplingParams
+from plinth.core.scheduler import RequestRejectedError
 from plinth.errors import RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -250,6 +251,9 @@ class AsyncLLMEngine:
                 failed on it), after the outputs before.
             EngineDeadError: the engine loop is not running.
         """
+        if not isinstance(request_id, str):   # (refused here: the engine loop keys its streams by id)
+            raise RequestRejectedError(f"a request id must be a string, got {type(request_id).__name__}",
+                                       param="request_id")
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
         prompt = prompt if isinstance(prompt, str) else list(prompt)
@@ -338,8 +342,12 @@ class AsyncLLMEngine:
             ConfigError: no room on the device for them now.
             EngineUnavailableError: the engine is not running.
         """
+        def wake(engine: Any) -> None:
+            engine.wake_up(tags)
+            self._idle_work = callable(getattr(engine, "idle_work", None))   # (a new CPU cache to fault in)
+
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(lambda engine: engine.wake_up(tags), future))
+        self._submit(_Call(wake, future))
         await asyncio.wrap_future(future)
 
     def is_sleeping(self) -> bool:
@@ -454,13 +462,15 @@ class AsyncLLMEngine:
         while self._commands:
             cmd = self._commands[0]   # popped only once handled, so a crash here still fails its caller
             if isinstance(cmd, _Abort):
-                if cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:
+                if not isinstance(cmd.request_id, str):
+                    pass   # nobody's request (generate() refuses such ids before they reach the engine)
+                elif cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:
                     try:
                         self._engine.abort_request(cmd.request_id)
                     except Exception:  # noqa: BLE001 - a bad id is nobody's request; the loop goes on
                         logger.exception("aborting request %r failed", cmd.request_id)
-            elif isinstance(cmd, _Add) and cmd.request_id in self._sinks and self._engine.aborted_pending(
-                    cmd.request_id):
+            elif (isinstance(cmd, _Add) and isinstance(cmd.request_id, str) and cmd.request_id in self._sinks
+                  and self._engine.aborted_pending(cmd.request_id)):
                 return   # an aborted request of that id ends with the next step: its caller gets that end first
             elif isinstance(cmd, _Call):
                 if cmd.future.set_running_or_notify_cancel():   # (a caller that gave up cancelled it: not run)

@@ -22,6 +22,7 @@ from plinth.config import EngineConfig, SpeculativeConfig
 from plinth.core.async_engine import EngineDeadError
 from plinth.core.block_manager import BlockManager
 from plinth.core.detokenizer import IncrementalDetokenizer
+from plinth.core.draft_model import DraftProposer
 from plinth.core.logits_processors import check_request, resolve_processors
 from plinth.core.pooling import (
     ClassificationOutput,
@@ -301,8 +302,10 @@ class LLMEngine:
         self._sync_groups: set[str] = set()   # unfinished groups whose sampling needs synchronous steps
         self._in_flight: _InFlight | None = None   # asynchronous scheduling: the step not read back yet
         self.speculative: SpeculativeStats | None = None
+        #: the draft model's proposer (speculative method ``draft_model``)
+        self.draft: DraftProposer | None = None
         if config.speculative.enabled:
-            self._enable_speculation(config.speculative)
+            self._enable_speculation(config.speculative, parts.draft_runner)
         self.async_scheduling = self._resolve_async(config.scheduler.async_scheduling)
         self.itl_target_ms = self._resolve_itl_target(config.scheduler.itl_target_ms)
         self.step_cost: StepCostModel | None = None
@@ -362,15 +365,24 @@ class LLMEngine:
                        "model's dtype (%s); --kv-cache-dtype auto keeps them", kind, selection.winner,
                        "; ".join(refused) or "none refused")
 
-    def _enable_speculation(self, spec: SpeculativeConfig) -> None:
-        """Let the scheduler give decodes draft tokens (``ngram``: prompt lookup over each sequence's tokens)."""
+    def _enable_speculation(self, spec: SpeculativeConfig, draft_runner: ModelRunner | None) -> None:
+        """Let the scheduler give decodes draft tokens (``ngram``: prompt lookup over each sequence's tokens;
+        ``draft_model``: a draft model's greedy tokens)."""
+        self.speculative = SpeculativeStats()
+        if spec.speculative_method == "draft_model":
+            assert draft_runner is not None, "a draft_model engine built without its draft runner"
+            self.draft = DraftProposer(draft_runner, self.scheduler, spec.num_speculative_tokens,
+                                       self.block_manager.num_blocks)
+            self.scheduler.proposer = self.draft.propose
+            logger.info("speculative decoding: up to %d draft tokens from the draft model %s",
+                        spec.num_speculative_tokens, spec.speculative_model)
+            return
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
         def propose(req: Request, limit: int) -> list[int]:
             return proposer.propose_for(req, limit) if speculates(req) else []
 
         self.scheduler.proposer = propose
-        self.speculative = SpeculativeStats()
         logger.info("speculative decoding: %s, up to %d draft tokens (n-grams of %d-%d tokens)",
                     spec.speculative_method, spec.num_speculative_tokens, spec.prompt_lookup_min,
                     spec.prompt_lookup_max)
@@ -624,8 +636,9 @@ class LLMEngine:
         old = self._groups.get(request_id)
         if old is not None and not old.aborted:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
-        taken = next((f"{request_id}#{i}" for i in range(params.n) if f"{request_id}#{i}" in self._seqs),
-                     None) if params.n > 1 else None
+        # (an aborted request of this id whose end the next step reports gives its sample ids up with the id)
+        taken = next((f"{request_id}#{i}" for i in range(params.n)
+                      if self._seq_to_group.get(f"{request_id}#{i}", old) is not old), None) if params.n > 1 else None
         if taken is not None:
             raise RequestRejectedError(f"request id {request_id!r} with n={params.n} names its samples "
                                        f"{request_id}#0 .. #{params.n - 1}, and {taken!r} is already in use")
@@ -633,10 +646,6 @@ class LLMEngine:
         if params.n == 1 and owner is not None and owner is not old:
             raise RequestRejectedError(f"request id {request_id!r} is in use by a sample of request "
                                        f"{owner.request_id!r}")
-        if old is not None:   # aborted, its end not reported yet: the next step reports it, and the id is free
-            self._aborted = [g for g in self._aborted if g is not old]
-            self._superseded.append(old)
-            self._forget(old)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise RequestRejectedError(f"priority must be an integer, got {priority!r}", param="priority")
         priority = int(priority)
@@ -740,10 +749,12 @@ class LLMEngine:
                 self.scheduler.add_request(req)   # last: a sequence the scheduler holds is always known here
         except BaseException:   # a refusal, or an interrupt (KeyboardInterrupt, a signal handler) mid-way
             self.scheduler.abort([s.request.request_id for s in seqs])
-            for s in seqs:
-                self._seqs.pop(s.request.request_id, None)
-                self._seq_to_group.pop(s.request.request_id, None)
+            self._drop_seqs(seqs, group)
             raise
+        if old is not None:   # aborted, its end not reported yet: the next step reports it first
+            self._aborted = [g for g in self._aborted if g is not old]
+            self._superseded.append(old)
+            self._forget(old)
         self._groups[request_id] = group
         if params.prompt_logprobs is not None:
             self._prompt_logprob_groups.add(request_id)
@@ -1023,8 +1034,11 @@ class LLMEngine:
                                      f"back: {problem}; sleep(level=1) keeps them")
         t0 = time.perf_counter()
         freed = self.executor.sleep(level)
+        if self.draft is not None:   # level 1 for the draft model: update_weights() does not reach it
+            freed += self.draft.runner.sleep(1)
+            self.draft.forget()
         self._asleep = set(SLEEP_TAGS)
-        self._weights_discarded = level == 2
+        self._weights_discarded = self._weights_discarded or level == 2   # (until update_weights brings them)
         self.block_manager.new_epoch()   # the cached blocks' contents are gone
         self.reset_prefix_cache()
         logger.info("asleep (level %d): %.2f GiB of %s memory freed in %.2f s", level, freed / 2**30,
@@ -1050,8 +1064,11 @@ class LLMEngine:
         if not waking:
             return
         t0 = time.perf_counter()
-        self.executor.wake_up(waking)
-        self._asleep.difference_update(waking)
+        for tag in waking:   # one part at a time: a part that fails to wake leaves the others' state right
+            self.executor.wake_up([tag])
+            if self.draft is not None:
+                self.draft.runner.wake_up([tag])
+            self._asleep.discard(tag)
         logger.info("awake: %s in %.2f s%s", " and ".join(waking), time.perf_counter() - t0,
                     "" if not self._asleep else f" ({' and '.join(sorted(self._asleep))} asleep still)")
 
@@ -1087,10 +1104,10 @@ class LLMEngine:
         return list(rename(pairs)) if rename is not None else pairs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups or self._superseded)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self._groups) + len(self._superseded)
 
     def idle_work(self) -> bool:
         """Do a few milliseconds of work that makes later steps faster, for a caller with no request to run
@@ -1476,12 +1493,20 @@ class LLMEngine:
             self._dead = EngineDeadError("the engine was shut down")
 
     def _forget(self, group: _Group) -> None:
-        self._groups.pop(group.request_id, None)
-        self._prompt_logprob_groups.discard(group.request_id)
-        self._sync_groups.discard(group.request_id)
-        for s in group.seqs:
-            self._seqs.pop(s.request.request_id, None)
-            self._seq_to_group.pop(s.request.request_id, None)
+        if self._groups.get(group.request_id) is group:   # (a superseded group: its id is another's now)
+            del self._groups[group.request_id]
+            self._prompt_logprob_groups.discard(group.request_id)
+            self._sync_groups.discard(group.request_id)
+        self._drop_seqs(group.seqs, group)
+
+    def _drop_seqs(self, seqs: list[_Sequence], group: _Group) -> None:
+        """Forget ``seqs`` of ``group`` (ids that another request's sequences took since are left alone)."""
+        for s in seqs:
+            rid = s.request.request_id
+            if self._seq_to_group.get(rid) is group:
+                del self._seq_to_group[rid]
+            if self._seqs.get(rid) is s:
+                del self._seqs[rid]
 
     def _record_logprobs(self, reqs: list[Request], positions: list[PositionLogprobs | None],
                          token_ids: list[int]) -> None:

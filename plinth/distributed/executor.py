@@ -442,6 +442,9 @@ class DistributedExecutor(Executor):
             return sum(self._call_all("sleep", level, timeout_s=self.start_timeout_s))
         except WorkerDiedError as exc:
             raise self._fail(exc) from exc
+        except Exception:   # a rank that could not sleep: the others wake again (the engine stays awake)
+            self._call_all("wake_up", ["weights", "kv_cache"], timeout_s=self.start_timeout_s)
+            raise
 
     def wake_up(self, tags: list[str]) -> None:
         self._check_alive()

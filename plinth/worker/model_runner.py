@@ -165,6 +165,13 @@ class ModelRunner:
             if problem is not None:
                 raise SleepModeError(f"sleep level 2 discards weights that update_weights() could not bring back: "
                                      f"{problem}; sleep(level=1) keeps them")
+        # the weights first: a failure there (no host memory to pin) leaves everything as it was
+        if self.device.type != "cpu":
+            kv = frozenset(c.untyped_storage().data_ptr() for c in self.kv_caches)
+            self._offloaded = OffloadedTensors(self.model, self.device, discard_parameters=level >= 2,
+                                               host_pool=self._host_pool, exclude=kv)
+            self._host_pool = self._offloaded.pool   # kept for the next sleep (pinning costs 0.3-0.6 s a GB)
+            self.asleep.add("weights")
         if self.graphs is not None:
             rebuilder = getattr(self.graphs, "rebuilder", None)
             self._rebuild_graphs = rebuilder() if rebuilder is not None else None
@@ -172,18 +179,12 @@ class ModelRunner:
                 logger.warning("%s cannot be built again after sleeping: decode runs eagerly after waking",
                                type(self.graphs).__name__)
         self.graphs = None
-        freed = self.kv_cache_bytes
+        freed = self.kv_cache_bytes + (self._offloaded.nbytes if self._offloaded is not None else 0)
         for layer in self.model.attention_layers():
             layer.kv_cache = None
         self.kv_caches = []
         self.prefaulter = None
         self.asleep.add("kv_cache")
-        if self.device.type != "cpu":
-            self._offloaded = OffloadedTensors(self.model, self.device, discard_parameters=level >= 2,
-                                               host_pool=self._host_pool)
-            self._host_pool = self._offloaded.pool   # kept for the next sleep (pinning costs 0.3-0.6 s a GB)
-            freed += self._offloaded.nbytes
-            self.asleep.add("weights")
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -38,6 +38,7 @@ class EngineParts:
     executor: Any = None         # a plinth.distributed executor; None: the runner runs in-process
     config: EngineConfig | None = None   # the configuration with the platform's scheduler defaults filled in
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)   # the generation config's
+    draft_runner: ModelRunner | None = None   # speculative decoding's draft model (``draft_model``)
 
 
 #: lets ``max_model_len`` exceed the model's context (vLLM: ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)
@@ -268,6 +269,12 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     platform = select_platform(config.device.platform)
     config = resolve_scheduler_limits(config, platform)
     executor_name = resolve_executor_name(config, platform)
+    drafting = config.speculative.speculative_method == "draft_model"
+    if drafting and (executor_name != "uniproc" or executor_factory is not None):
+        from plinth.config import ConfigError
+
+        raise ConfigError("speculative decoding with a draft model runs in one process: not with tensor or "
+                          "pipeline parallelism or worker processes (the ngram method runs there)")
     if executor_name != "uniproc" or executor_factory is not None:
         from plinth.distributed.driver import build_distributed_parts
 
@@ -295,10 +302,15 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     model.eval()
     enable_lora_for(model, config)
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, spec.cache_dtype)
+    draft = _load_draft(config, platform, device, dtype, hf, max_model_len, workload) if drafting else None
+    if draft is not None:   # the draft's KV cache has a block for every block of the target's
+        bytes_per_block += ModelRunner.kv_bytes_per_block(draft[0], draft[1], config.cache.block_size, draft[2])
     reserve = 0
     if device.type == "cuda":
         weights = torch.cuda.memory_allocated(device)
         _profile_peak(model, device, config, backend, spec.cache_dtype)
+        if draft is not None:
+            _profile_peak(draft[0], device, config, draft[1], draft[2])
         # Graph pools hold at most one decode batch's activations (below the profiled prefill peak);
         # sampling needs a few [max_num_seqs, vocab] float32 temporaries.
         reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
@@ -326,6 +338,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         if runner.shared_decode_rows:   # room for draft rows beside full decodes (at most 512 rows a graph)
             graph_rows = max(graph_rows, min(graph_rows * (1 + config.speculative.num_speculative_tokens), 512))
         runner.capture_decode_graphs(graph_rows)
+    draft_runner = _draft_runner(draft, runner, platform, config, max_model_len) if draft is not None else None
     name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")
     if config.model.model is None:
         from plinth.model_registry.default_model import DEFAULT_MODEL_NAME
@@ -335,8 +348,65 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         platform=platform, device=device, source=source, model_name=name, tokenizer=tokenizer,
         chat_template=read_chat_template(config.model.chat_template), dtype=dtype, max_model_len=max_model_len,
         vocab_size=hf.vocab_size, eos_token_ids=eos, selection=selection, runner=runner,
-        num_blocks=num_blocks, config=config, default_sampling=default_sampling,
+        num_blocks=num_blocks, config=config, default_sampling=default_sampling, draft_runner=draft_runner,
     )
+
+
+def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype: torch.dtype, target_hf: Any,
+                max_model_len: int, workload: Any) -> tuple[Any, Any, torch.dtype, Any]:
+    """The draft model of ``draft_model`` speculation (in the target's dtype, unquantized), its attention backend
+    (selected for its shapes) and its KV-cache dtype.
+
+    Raises:
+        ConfigError: a draft whose vocabulary the target's does not contain, or one that cannot generate.
+    """
+    from plinth.config import ConfigError
+    from plinth.core.selection import select_attention_backend
+    from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.loader import load_model, resolve_model_source
+
+    draft_config = dataclasses.replace(config.model, model=config.speculative.speculative_model, tokenizer=None,
+                                       quantization=None, quantize_lm_head=False, hf_overrides=None, task="generate",
+                                       pooling=None, normalize_embeddings=None)
+    source = resolve_model_source(draft_config)
+    source.check_task("generate")
+    hf = source.hf_config
+    if hf.vocab_size > target_hf.vocab_size:
+        raise ConfigError(f"the draft model's vocabulary ({hf.vocab_size} tokens) is larger than the target's "
+                          f"({target_hf.vocab_size}): a draft model must share the target's tokenizer")
+    spec = attention_spec(hf, dtype, config.cache.block_size, config.cache.kv_cache_dtype)
+    backend = select_attention_backend(spec, platform, config.device, workload=workload).instantiate()
+    ctx = ModelContext(hf_config=hf, dtype=dtype, device=device, attention_backend=backend,
+                       block_size=config.cache.block_size, quant_method=None, max_model_len=max_model_len)
+    model = load_model(source, ctx, seed=config.model.seed + 1)
+    model.eval()
+    logger.info("draft model %s: %d layers, hidden size %d", config.speculative.speculative_model,
+                hf.num_hidden_layers, hf.hidden_size)
+    return model, backend, spec.cache_dtype, source
+
+
+def _draft_runner(draft: tuple[Any, Any, torch.dtype, Any], target: ModelRunner, platform: Any, config: EngineConfig,
+                  max_model_len: int) -> ModelRunner:
+    """The draft model's runner: a KV cache of the target's blocks and scratch blocks after them; the platform's
+    fast paths and decode graphs as the target's."""
+    from plinth.core.draft_model import scratch_blocks
+
+    model, backend, kv_dtype, source = draft
+    sched = config.scheduler
+    extra = scratch_blocks(config.speculative.num_speculative_tokens, config.cache.block_size, sched.max_num_seqs)
+    runner = ModelRunner(model, backend, target.device, target.num_blocks + extra, config.cache.block_size,
+                         max_model_len, kv_dtype)
+    prepare_runner = getattr(platform, "prepare_runner", None)
+    if prepare_runner is not None:
+        prepare_runner(runner, source, config)
+    if (runner.graphs is None and target.graphs is not None and target.device.type == "cuda"
+            and getattr(backend, "graph_safe", False) and graph_blocker(model, target.device, model_dtype(model)) is None):
+        runner.capture_decode_graphs(sched.max_num_seqs)
+    return runner
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    return next(model.parameters()).dtype
 
 
 def graph_blocker(model: Any, device: torch.device, dtype: torch.dtype) -> str | None:

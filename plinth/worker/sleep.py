@@ -51,9 +51,11 @@ def _tensors_in(obj: Any, seen: set[int], depth: int) -> Iterator[torch.Tensor]:
             yield from _tensors_in(value, seen, depth + 1)
 
 
-def device_storages(model: torch.nn.Module, device: torch.device) -> list[tuple[torch.UntypedStorage, bool]]:
+def device_storages(model: torch.nn.Module, device: torch.device,
+                    exclude: frozenset[int] = frozenset()) -> list[tuple[torch.UntypedStorage, bool]]:
     """Every distinct storage on ``device`` that ``model`` reaches (parameters, buffers, tensors its modules and
-    their plain-object attributes hold), each with whether a parameter of the model uses it."""
+    their plain-object attributes hold), each with whether a parameter of the model uses it; not those whose
+    data pointers ``exclude`` holds (the KV cache)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.device == device}
     found: dict[int, torch.UntypedStorage] = {}
     seen: set[int] = set()
@@ -66,7 +68,7 @@ def device_storages(model: torch.nn.Module, device: torch.device) -> list[tuple[
                     continue
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr and ptr not in found:
+                if ptr and ptr not in found and ptr not in exclude:
                     found[ptr] = storage
     return [(s, ptr in params) for ptr, s in found.items()]
 
@@ -91,14 +93,15 @@ class OffloadedTensors:
         device: the accelerator whose memory is given back.
         discard_parameters: level 2: the parameters' values are not kept (zeros after :meth:`restore`).
         host_pool: a uint8 host buffer to hold the copies, if large enough.
+        exclude: data pointers of storages left alone (the KV cache, freed on its own).
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, discard_parameters: bool,
-                 host_pool: torch.Tensor | None = None):
+                 host_pool: torch.Tensor | None = None, exclude: frozenset[int] = frozenset()):
         self.entries: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
         self.skipped = 0
         kept: list[tuple[torch.UntypedStorage, int, bool]] = []
-        for storage, is_param in device_storages(model, device):
+        for storage, is_param in device_storages(model, device, exclude):
             if not getattr(storage, "resizable", lambda: True)():
                 self.skipped += 1
                 continue

@@ -471,7 +471,7 @@ class Llama3JsonToolParser(ToolParser):
         while True:
             try:
                 value, pos = decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return []
             call = call_from(value, ("parameters", "arguments"))
             if call is None:
@@ -520,7 +520,7 @@ class MistralToolParser(ToolParser):
             return cls._named_calls(body)
         try:
             value, end = json.JSONDecoder().raw_decode(body.strip())
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if body.strip()[end:].strip():
             return None
@@ -540,7 +540,7 @@ class MistralToolParser(ToolParser):
                 return None
             try:
                 args, end = json.JSONDecoder().raw_decode(m.group(2))
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             text = arguments_json(args) if isinstance(args, dict) else None
             if m.group(2)[end:].strip() or text is None:
@@ -593,7 +593,7 @@ class ArrayScanner:
                 return out
             try:
                 value, pos = self._decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return out
             out.append(value)
             self._text = text[:lead + pos]

@@ -1,0 +1,162 @@
+"""Speculative decoding with a draft model: a smaller model of the same vocabulary proposes each decoding
+sequence's next ``k`` tokens greedily, and the target model verifies them in its next step.
+
+The drafts go through the same verification as n-gram drafts (:mod:`plinth.core.speculative`): a draft is kept
+while the target's sample at its position equals it. A greedy draft is one fixed token per position, so this is
+exact rejection sampling whatever the draft model says: greedy requests get the tokens they get without drafts, and
+sampled ones the same distribution. The draft model only decides how many tokens a step yields.
+
+The draft model keeps its own KV cache, indexed by the target's block ids: a sequence's draft keys and values for
+position ``p`` live in the same block and slot as the target's. Before a schedule needs drafts, one batched call
+:meth:`DraftProposer.propose_all` brings every decoding sequence's draft KV up to its tokens (a catch-up pass over
+the tokens the draft has not computed: the prompt the first time, then the tokens accepted since), which also gives
+the first draft, then runs ``k - 1`` one-token decode passes for the rest. Positions past the blocks a sequence
+holds (its drafts' slots are allocated only once the drafts are known) are written to scratch blocks past the
+target's, and computed again in the real blocks by the next catch-up. Draft KV that is stale (a prefix-cache hit on
+blocks the draft never computed, a block reused after preemption) only lowers the acceptance rate: the target's
+verification keeps the output exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from plinth.core.speculative import speculates
+from plinth.worker.batching import SeqBatchEntry
+
+__all__ = ["DraftProposer", "scratch_blocks"]
+
+logger = logging.getLogger(__name__)
+
+
+def scratch_blocks(num_speculative_tokens: int, block_size: int, max_num_seqs: int) -> int:
+    """Blocks the draft's KV cache holds past the target's: for each sequence of a step, room for a catch-up and
+    drafts that run past the blocks it holds."""
+    return max_num_seqs * (-(-(num_speculative_tokens + 1) // block_size) + 1)
+
+
+class DraftProposer:
+    """Greedy drafts from a draft model, computed for every decoding sequence at once.
+
+    Args:
+        runner: the draft model's :class:`~plinth.worker.model_runner.ModelRunner`, whose KV cache has the target's
+            blocks and then :func:`scratch_blocks` more.
+        scheduler: the target's scheduler (its running requests).
+        num_speculative_tokens: drafts per sequence and step.
+        num_target_blocks: the target's blocks (the draft cache's scratch blocks follow them).
+    """
+
+    def __init__(self, runner: Any, scheduler: Any, num_speculative_tokens: int, num_target_blocks: int):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.k = num_speculative_tokens
+        self.block_size = runner.block_size
+        self.num_target_blocks = num_target_blocks
+        self.per_seq_scratch = -(-(self.k + 1) // self.block_size) + 1
+        self.max_scratch_seqs = (runner.num_blocks - num_target_blocks) // self.per_seq_scratch
+        #: each request's drafts for its current length: (num_tokens, drafts)
+        self._drafts: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
+        #: how many of each request's positions hold its draft KV (in its own blocks), and at which preemption count
+        self._computed: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+        #: draft tokens proposed (a count for logs and tests)
+        self.num_proposed = 0
+
+    def forget(self) -> None:
+        """Forget every sequence's drafts and draft KV (its KV cache was freed: sleep mode)."""
+        self._drafts = weakref.WeakKeyDictionary()
+        self._computed = weakref.WeakKeyDictionary()
+
+    def propose(self, req: Any, limit: int) -> list[int]:
+        """The scheduler's proposer: ``req``'s drafts (at most ``limit``), computed with every other decoding
+        sequence's on the first call for its current length."""
+        if not speculates(req) or limit <= 0:
+            return []
+        entry = self._drafts.get(req)
+        if entry is None or entry[0] != req.num_tokens:
+            self.propose_all(req)
+            entry = self._drafts.get(req)
+            if entry is None:
+                return []
+        return entry[1][:limit]
+
+    def _decoding(self, first: Any) -> list[Any]:
+        """The running requests that decode in the next step and have no drafts for their length yet (``first``
+        among them), at most the scratch room's worth."""
+        out = [first]
+        for r in self.scheduler.running:
+            if r is first or not speculates(r) or r.num_pending_tokens:
+                continue
+            if r.num_tokens - r.num_computed_tokens != 1:
+                continue   # still in its prompt
+            entry = self._drafts.get(r)
+            if entry is not None and entry[0] == r.num_tokens:
+                continue
+            out.append(r)
+        return out[: max(1, self.max_scratch_seqs)]
+
+    @torch.inference_mode()
+    def propose_all(self, first: Any) -> None:
+        """Catch each decoding sequence's draft KV up to its tokens and draft up to ``k`` tokens for it (fewer near
+        the context limit)."""
+        bs, max_len = self.block_size, self.runner.max_blocks_per_seq * self.block_size
+        reqs, tables, lens, held, wanted, pending = [], [], [], [], [], []
+        for r in self._decoding(first):
+            tokens = r.all_token_ids
+            n = len(tokens)
+            k = min(self.k, max_len - n)
+            if k <= 0:
+                self._drafts[r] = (n, [])
+                continue
+            done, preemptions = self._computed.get(r, (0, -1))
+            if preemptions != r.metrics.num_preemptions:
+                done = 0   # its blocks were given up and taken again
+            done = min(done, n - 1)
+            real = list(r.block_ids)
+            need = -(-(n + k - 1) // bs)   # every position up to the last draft's
+            base = self.num_target_blocks + len(reqs) * self.per_seq_scratch
+            reqs.append(r)
+            tables.append(real[:need] + [base + j for j in range(max(0, need - len(real)))])
+            lens.append(n)
+            held.append(len(real))
+            wanted.append(k)
+            pending.append((tokens, done))
+        if not reqs:
+            return
+        drafts: list[list[int]] = [[] for _ in reqs]
+        # the catch-up, in passes of at most `budget` tokens (a long prompt in pieces): the last piece's logits draft
+        budget = max(self.scheduler.config.max_num_batched_tokens, len(reqs))
+        while any(done < len(tokens) for tokens, done in pending):
+            entries, rows, used = [], [], 0
+            for i, (tokens, done) in enumerate(pending):
+                if done >= len(tokens) or used >= budget:
+                    continue
+                take = min(len(tokens) - done, max(1, budget - used))
+                last = done + take == len(tokens)
+                entries.append(SeqBatchEntry(tokens[done:done + take], done, tables[i], last))
+                rows.append(i)
+                pending[i] = (tokens, done + take)
+                used += take
+            logits, seqs, _ = self.runner.execute(entries)
+            for j, token in zip(seqs, self._greedy(logits), strict=True):
+                drafts[rows[j]].append(token)
+        for step in range(1, self.k):
+            rows = [i for i in range(len(reqs)) if wanted[i] > step]
+            if not rows:
+                break
+            entries = [SeqBatchEntry([drafts[i][-1]], lens[i] + step - 1, tables[i], True) for i in rows]
+            logits, seqs, _ = self.runner.execute(entries)
+            for j, token in zip(seqs, self._greedy(logits), strict=True):
+                drafts[rows[j]].append(token)
+        for i, r in enumerate(reqs):
+            self._drafts[r] = (lens[i], drafts[i])
+            # positions in the blocks it holds keep their draft KV; those in scratch blocks are computed again
+            self._computed[r] = (min(lens[i], held[i] * bs), r.metrics.num_preemptions)
+        self.num_proposed += sum(len(d) for d in drafts)
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        """The most likely token of each row (within the target's vocabulary)."""
+        return logits.argmax(dim=-1).tolist()
