@@ -378,7 +378,7 @@ def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype
     backend = select_attention_backend(spec, platform, config.device, workload=workload).instantiate()
     ctx = ModelContext(hf_config=hf, dtype=dtype, device=device, attention_backend=backend,
                        block_size=config.cache.block_size, quant_method=None, max_model_len=max_model_len)
-    model = load_model(source, ctx, seed=config.model.seed + 1)
+    model = load_model(source, ctx, seed=config.model.seed)   # (a preset drafting for itself: the same weights)
     model.eval()
     logger.info("draft model %s: %d layers, hidden size %d", config.speculative.speculative_model,
                 hf.num_hidden_layers, hf.hidden_size)
