@@ -62,8 +62,9 @@ class DraftProposer:
         self._drafts: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
         #: how many of each request's positions hold its draft KV (in its own blocks), and at which preemption count
         self._computed: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
-        #: draft tokens proposed (a count for logs and tests)
+        #: draft tokens proposed, and catch-up passes run as rows of a decode step (counts for logs and tests)
         self.num_proposed = 0
+        self.row_passes = 0
 
     def forget(self) -> None:
         """Forget every sequence's drafts and draft KV (its KV cache was freed: sleep mode)."""
@@ -127,7 +128,22 @@ class DraftProposer:
         if not reqs:
             return
         drafts: list[list[int]] = [[] for _ in reqs]
-        # the catch-up, in passes of at most `budget` tokens (a long prompt in pieces): the last piece's logits draft
+        rows = sum(len(tokens) - done for tokens, done in pending)
+        graphs = self.runner.graphs
+        if self.runner.shared_decode_rows and graphs is not None and rows <= getattr(graphs, "max_size", 0):
+            # the catch-up as rows of one decode step (each token a row at its position): a replayed graph or
+            # the decode plan runs it; each sequence's last row drafts
+            entries, last = [], []
+            for i, (tokens, done) in enumerate(pending):
+                entries += [SeqBatchEntry([tokens[p]], p, tables[i], True) for p in range(done, len(tokens))]
+                last.append(len(entries) - 1)
+                pending[i] = (tokens, len(tokens))
+            logits, seqs, _ = self.runner.execute(entries)
+            row_of = {j: r for r, j in enumerate(seqs)}
+            for i, token in enumerate(self._greedy(logits[[row_of[j] for j in last]])):
+                drafts[i].append(token)
+            self.row_passes += 1
+        # otherwise in passes of at most `budget` tokens (a long prompt in pieces): the last piece's logits draft
         budget = max(self.scheduler.config.max_num_batched_tokens, len(reqs))
         while any(done < len(tokens) for tokens, done in pending):
             entries, rows, used = [], [], 0

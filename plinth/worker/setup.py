@@ -396,12 +396,16 @@ def _draft_runner(draft: tuple[Any, Any, torch.dtype, Any], target: ModelRunner,
     extra = scratch_blocks(config.speculative.num_speculative_tokens, config.cache.block_size, sched.max_num_seqs)
     runner = ModelRunner(model, backend, target.device, target.num_blocks + extra, config.cache.block_size,
                          max_model_len, kv_dtype)
+    # a catch-up pass's tokens go as rows of a decode step (a sequence's rows at consecutive positions) where the
+    # backend allows: then the decode plan or a replayed graph runs it
+    runner.shared_decode_rows = type(backend).decode_rows_may_share_sequences
     prepare_runner = getattr(platform, "prepare_runner", None)
     if prepare_runner is not None:
         prepare_runner(runner, source, config)
     if (runner.graphs is None and target.graphs is not None and target.device.type == "cuda"
             and getattr(backend, "graph_safe", False) and graph_blocker(model, target.device, model_dtype(model)) is None):
-        runner.capture_decode_graphs(sched.max_num_seqs)
+        k = config.speculative.num_speculative_tokens
+        runner.capture_decode_graphs(max(sched.max_num_seqs, min(sched.max_num_seqs * (1 + k), 512)))
     return runner
 
 
