@@ -30,10 +30,21 @@ def llm_for(path, draft=None, k=3, **kw):
     return LLM(str(path), dtype="float32", selection="off", block_size=4, **spec, **kw)
 
 
+class Outputs(list):
+    """Each prompt's samples as (tokens, logprobs); equal when the tokens are, and the logprobs within 1e-4 (a GPU's
+    GEMMs round a step of several rows apart from one of one row, at ~1e-6)."""
+
+    def __eq__(self, other):
+        return len(self) == len(other) and all(
+            len(a) == len(b) and all(ta == tb and all(abs(x - y) < 1e-4 for x, y in zip(la, lb, strict=True))
+                                     for (ta, la), (tb, lb) in zip(a, b, strict=True))
+            for a, b in zip(self, other, strict=True))
+
+
 def outputs(llm, params, prompts=PROMPTS):
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [[(c.token_ids, [round(next(iter(p.values())).logprob, 4) for p in c.logprobs or []]) for c in o.outputs]
-            for o in outs]
+    return Outputs([[(c.token_ids, [next(iter(p.values())).logprob for p in c.logprobs or []]) for c in o.outputs]
+                    for o in outs])
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)

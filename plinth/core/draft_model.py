@@ -19,14 +19,16 @@ verification keeps the output exact.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from plinth.core.speculative import speculates
-from plinth.worker.batching import SeqBatchEntry
+from plinth.worker.batching import FlatBatch, SeqBatchEntry, TokenFeed
 
 __all__ = ["DraftProposer", "scratch_blocks"]
 
@@ -127,7 +129,9 @@ class DraftProposer:
             pending.append((tokens, done))
         if not reqs:
             return
-        drafts: list[list[int]] = [[] for _ in reqs]
+        device = self.runner.device
+        # each sequence's drafts, kept on the device until all are known (no wait for the device between passes)
+        cur = torch.zeros(len(reqs), dtype=torch.int64, device=device)
         rows = sum(len(tokens) - done for tokens, done in pending)
         graphs = self.runner.graphs
         if self.runner.shared_decode_rows and graphs is not None and rows <= getattr(graphs, "max_size", 0):
@@ -140,39 +144,41 @@ class DraftProposer:
                 pending[i] = (tokens, len(tokens))
             logits, seqs, _ = self.runner.execute(entries)
             row_of = {j: r for r, j in enumerate(seqs)}
-            for i, token in enumerate(self._greedy(logits[[row_of[j] for j in last]])):
-                drafts[i].append(token)
+            cur = logits[[row_of[j] for j in last]].argmax(dim=-1)
             self.row_passes += 1
         # otherwise in passes of at most `budget` tokens (a long prompt in pieces): the last piece's logits draft
         budget = max(self.scheduler.config.max_num_batched_tokens, len(reqs))
         while any(done < len(tokens) for tokens, done in pending):
-            entries, rows, used = [], [], 0
+            entries, owners, used = [], [], 0
             for i, (tokens, done) in enumerate(pending):
                 if done >= len(tokens) or used >= budget:
                     continue
                 take = min(len(tokens) - done, max(1, budget - used))
                 last = done + take == len(tokens)
                 entries.append(SeqBatchEntry(tokens[done:done + take], done, tables[i], last))
-                rows.append(i)
+                owners.append(i)
                 pending[i] = (tokens, done + take)
                 used += take
             logits, seqs, _ = self.runner.execute(entries)
-            for j, token in zip(seqs, self._greedy(logits), strict=True):
-                drafts[rows[j]].append(token)
+            if seqs:
+                cur[torch.tensor([owners[j] for j in seqs], device=device)] = logits.argmax(dim=-1)
+        steps = [cur]
         for step in range(1, self.k):
-            rows = [i for i in range(len(reqs)) if wanted[i] > step]
-            if not rows:
+            rows_of = [i for i in range(len(reqs)) if wanted[i] > step]
+            if not rows_of:
                 break
-            entries = [SeqBatchEntry([drafts[i][-1]], lens[i] + step - 1, tables[i], True) for i in rows]
-            logits, seqs, _ = self.runner.execute(entries)
-            for j, token in zip(seqs, self._greedy(logits), strict=True):
-                drafts[rows[j]].append(token)
+            # the previous pass's drafts go in on the device (a feed), the host's token ids are placeholders
+            batch = FlatBatch.from_entries([SeqBatchEntry([0], lens[i] + step - 1, tables[i], True) for i in rows_of])
+            batch = dataclasses.replace(batch, feed=TokenFeed(np.arange(len(rows_of)), np.asarray(rows_of), cur))
+            logits, seqs, _ = self.runner.execute(batch)
+            nxt = cur.clone()
+            nxt[torch.tensor([rows_of[j] for j in seqs], device=device)] = logits.argmax(dim=-1)
+            steps.append(nxt)
+            cur = nxt
+        table = torch.stack(steps, dim=1).tolist()   # [R, passes]: the one wait for the device
+        drafts = [row[:wanted[i]] for i, row in enumerate(table)]
         for i, r in enumerate(reqs):
             self._drafts[r] = (lens[i], drafts[i])
             # positions in the blocks it holds keep their draft KV; those in scratch blocks are computed again
             self._computed[r] = (min(lens[i], held[i] * bs), r.metrics.num_preemptions)
         self.num_proposed += sum(len(d) for d in drafts)
-
-    def _greedy(self, logits: torch.Tensor) -> list[int]:
-        """The most likely token of each row (within the target's vocabulary)."""
-        return logits.argmax(dim=-1).tolist()
