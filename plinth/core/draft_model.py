@@ -144,7 +144,7 @@ class DraftProposer:
                 pending[i] = (tokens, len(tokens))
             logits, seqs, _ = self.runner.execute(entries)
             row_of = {j: r for r, j in enumerate(seqs)}
-            cur = logits[[row_of[j] for j in last]].argmax(dim=-1)
+            cur = self._take(logits, [row_of[j] for j in last]).argmax(dim=-1)
             self.row_passes += 1
         # otherwise in passes of at most `budget` tokens (a long prompt in pieces): the last piece's logits draft
         budget = max(self.scheduler.config.max_num_batched_tokens, len(reqs))
@@ -161,7 +161,7 @@ class DraftProposer:
                 used += take
             logits, seqs, _ = self.runner.execute(entries)
             if seqs:
-                cur[torch.tensor([owners[j] for j in seqs], device=device)] = logits.argmax(dim=-1)
+                cur[self._index([owners[j] for j in seqs])] = logits.argmax(dim=-1)
         steps = [cur]
         for step in range(1, self.k):
             rows_of = [i for i in range(len(reqs)) if wanted[i] > step]
@@ -171,8 +171,12 @@ class DraftProposer:
             batch = FlatBatch.from_entries([SeqBatchEntry([0], lens[i] + step - 1, tables[i], True) for i in rows_of])
             batch = dataclasses.replace(batch, feed=TokenFeed(np.arange(len(rows_of)), np.asarray(rows_of), cur))
             logits, seqs, _ = self.runner.execute(batch)
-            nxt = cur.clone()
-            nxt[torch.tensor([rows_of[j] for j in seqs], device=device)] = logits.argmax(dim=-1)
+            order = [rows_of[j] for j in seqs]
+            if order == list(range(len(reqs))):   # every sequence (the common case): no index to copy
+                nxt = logits.argmax(dim=-1)
+            else:
+                nxt = cur.clone()
+                nxt[self._index(order)] = logits.argmax(dim=-1)
             steps.append(nxt)
             cur = nxt
         table = torch.stack(steps, dim=1).tolist()   # [R, passes]: the one wait for the device
@@ -182,3 +186,15 @@ class DraftProposer:
             # positions in the blocks it holds keep their draft KV; those in scratch blocks are computed again
             self._computed[r] = (min(lens[i], held[i] * bs), r.metrics.num_preemptions)
         self.num_proposed += sum(len(d) for d in drafts)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as an index on the device, copied from page-locked memory (a copy from pageable memory would
+        wait for the device's queue)."""
+        host = torch.tensor(rows, dtype=torch.int64)
+        if self.runner.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.runner.device, non_blocking=True)
+
+    def _take(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``logits[rows]`` (``logits`` itself when ``rows`` are all of its rows in order)."""
+        return logits if rows == list(range(len(logits))) else logits[self._index(rows)]
