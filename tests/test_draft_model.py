@@ -82,6 +82,46 @@ def test_preemption_prefix_cache_chunked_prompts_and_the_context_limit(models):
     assert stats["speculative"]["acceptance_rate"] > 0.9   # (drafts past a preempted request's blocks are redone)
 
 
+def test_a_draft_with_fewer_tokens_or_a_shorter_context(models, tmp_path):
+    """A target whose vocabulary has ids the draft lacks (its outputs use them), and a draft of learned positions
+    shorter than the target's context: the draft never sees an id or a position it does not have."""
+    import torch
+    import transformers
+    from conftest import decisive_weights, make_tokenizer
+
+    target, other = models
+    wide = save_tiny_model(tmp_path / "wide", seed=0, vocab_size=400)   # ids 300-399: padding rows of the tokenizer
+    want = outputs(llm_for(wide), GREEDY)
+    assert any(t >= 300 for prompt in want for tokens, _ in prompt for t in tokens)
+    assert outputs(llm_for(wide, draft=other), GREEDY) == want
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    gpt2 = decisive_weights(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=32, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id)).eval())
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 2]   # 60+ tokens: past the draft's 32 positions
+    want = outputs(llm_for(target, max_model_len=128), GREEDY, prompts)
+    assert outputs(llm_for(target, draft=tmp_path / "gpt2", max_model_len=128), GREEDY, prompts) == want
+
+
+def test_a_failing_draft_turns_drafting_off(models, monkeypatch):
+    """Drafts are an optimization: a draft pass that fails is logged and the engine goes on without drafts."""
+    from plinth.core.draft_model import DraftProposer
+
+    target, other = models
+    want = outputs(llm_for(target), GREEDY)
+    llm = llm_for(target, draft=other)
+
+    def broken(self, first):
+        raise RuntimeError("the draft's device fell over")
+
+    monkeypatch.setattr(DraftProposer, "propose_all", broken)
+    assert outputs(llm, GREEDY) == want
+    assert llm.engine.draft.failed
+
+
 def test_bad_drafts_are_refused_at_start(models, tmp_path):
     target, _ = models
     big = save_tiny_model(tmp_path / "big", seed=2, vocab_size=600)
@@ -89,6 +129,16 @@ def test_bad_drafts_are_refused_at_start(models, tmp_path):
         llm_for(target, draft=big)
     with pytest.raises(Exception, match="nothing-here"):
         llm_for(target, draft=tmp_path / "nothing-here")
+    import json
+    import shutil
+
+    quantized = tmp_path / "quantized"
+    shutil.copytree(target, quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (quantized / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"checkpoint is quantized \(fp8\): a draft model loads unquantized"):
+        llm_for(target, draft=quantized)
     with pytest.raises(ConfigError, match="runs in one process"):
         llm_for(target, draft=target, tensor_parallel_size=2, distributed_executor="mp", platform="cpu")
     with pytest.raises(ConfigError, match="needs the draft model"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import weakref
 from typing import Any
 
@@ -57,6 +58,13 @@ class DraftProposer:
         self.scheduler = scheduler
         self.k = num_speculative_tokens
         self.block_size = runner.block_size
+        #: the last position + 1 the draft takes (its context, within the runner's block tables)
+        self.max_len = min(runner.max_blocks_per_seq * runner.block_size,
+                           getattr(runner.model, "draft_context", None) or sys.maxsize)
+        #: token ids the draft's embedding has (a target's larger vocabulary: its other ids go in as 0)
+        self.vocab: int | None = getattr(runner.model, "draft_vocab", None)
+        #: set when drafting failed: the engine goes on without drafts
+        self.failed = False
         self.num_target_blocks = num_target_blocks
         self.per_seq_scratch = -(-(self.k + 1) // self.block_size) + 1
         self.max_scratch_seqs = (runner.num_blocks - num_target_blocks) // self.per_seq_scratch
@@ -76,11 +84,16 @@ class DraftProposer:
     def propose(self, req: Any, limit: int) -> list[int]:
         """The scheduler's proposer: ``req``'s drafts (at most ``limit``), computed with every other decoding
         sequence's on the first call for its current length."""
-        if not speculates(req) or limit <= 0:
+        if not speculates(req) or limit <= 0 or self.failed:
             return []
         entry = self._drafts.get(req)
         if entry is None or entry[0] != req.num_tokens:
-            self.propose_all(req)
+            try:
+                self.propose_all(req)
+            except Exception:  # noqa: BLE001 - drafts are an optimization: the engine goes on, exact, without them
+                logger.exception("drafting with the draft model failed; speculative decoding is off from now on")
+                self.failed = True
+                return []
             entry = self._drafts.get(req)
             if entry is None:
                 return []
@@ -105,11 +118,13 @@ class DraftProposer:
     def propose_all(self, first: Any) -> None:
         """Catch each decoding sequence's draft KV up to its tokens and draft up to ``k`` tokens for it (fewer near
         the context limit)."""
-        bs, max_len = self.block_size, self.runner.max_blocks_per_seq * self.block_size
+        bs, max_len, vocab = self.block_size, self.max_len, self.vocab
         reqs, tables, lens, held, wanted, pending = [], [], [], [], [], []
         for r in self._decoding(first):
             tokens = r.all_token_ids
             n = len(tokens)
+            if vocab is not None and max(tokens) >= vocab:   # ids the draft does not have: drafts only worse
+                tokens = [t if t < vocab else 0 for t in tokens]
             k = min(self.k, max_len - n)
             if k <= 0:
                 self._drafts[r] = (n, [])

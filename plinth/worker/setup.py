@@ -363,6 +363,7 @@ def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype
     from plinth.config import ConfigError
     from plinth.core.selection import select_attention_backend
     from plinth.model_registry.interface import ModelContext
+    from plinth.model_registry.layers.rotary import context_length
     from plinth.model_registry.loader import load_model, resolve_model_source
 
     draft_config = dataclasses.replace(config.model, model=config.speculative.speculative_model, tokenizer=None,
@@ -374,12 +375,19 @@ def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype
     if hf.vocab_size > target_hf.vocab_size:
         raise ConfigError(f"the draft model's vocabulary ({hf.vocab_size} tokens) is larger than the target's "
                           f"({target_hf.vocab_size}): a draft model must share the target's tokenizer")
+    quant = getattr(hf, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+        raise ConfigError(f"the draft model's checkpoint is quantized ({method}): a draft model loads unquantized, "
+                          "from float weights")
     spec = attention_spec(hf, dtype, config.cache.block_size, config.cache.kv_cache_dtype)
     backend = select_attention_backend(spec, platform, config.device, workload=workload).instantiate()
     ctx = ModelContext(hf_config=hf, dtype=dtype, device=device, attention_backend=backend,
                        block_size=config.cache.block_size, quant_method=None, max_model_len=max_model_len)
     model = load_model(source, ctx, seed=config.model.seed)   # (a preset drafting for itself: the same weights)
     model.eval()
+    model.draft_context = context_length(hf)   # (the proposer drafts no position past it)
+    model.draft_vocab = hf.vocab_size           # (the target's other token ids go in as 0)
     logger.info("draft model %s: %d layers, hidden size %d", config.speculative.speculative_model,
                 hf.num_hidden_layers, hf.hidden_size)
     return model, backend, spec.cache_dtype, source
@@ -395,7 +403,9 @@ def _draft_runner(draft: tuple[Any, Any, torch.dtype, Any], target: ModelRunner,
     sched = config.scheduler
     extra = scratch_blocks(config.speculative.num_speculative_tokens, config.cache.block_size, sched.max_num_seqs)
     runner = ModelRunner(model, backend, target.device, target.num_blocks + extra, config.cache.block_size,
-                         max_model_len, kv_dtype)
+                         min(max_model_len, model.draft_context), kv_dtype)
+    if getattr(model, "checks_a_first_pass", False):
+        first_pass(runner)
     # a catch-up pass's tokens go as rows of a decode step (a sequence's rows at consecutive positions) where the
     # backend allows: then the decode plan or a replayed graph runs it
     runner.shared_decode_rows = type(backend).decode_rows_may_share_sequences
