@@ -190,8 +190,8 @@ def test_the_server_routes(models, enabled):
     body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "return_tokens_as_token_ids": True, "logprobs": 0}
     key = {"Authorization": "Bearer secret"}
-    with TestClient(build_app(AsyncLLMEngine(llm_for(a, enable_sleep_mode=enabled).engine), api_key="secret"),
-                    headers=key) as http:
+    with TestClient(build_app(AsyncLLMEngine(llm_for(a, enable_sleep_mode=enabled).engine), api_key="secret",
+                              allow_weight_updates=True), headers=key) as http:
         def tokens():
             r = http.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
@@ -215,8 +215,12 @@ def test_the_server_routes(models, enabled):
         assert r.status_code == 503 and "wake_up() first" in r.json()["error"]["message"], r.text
         r = http.post("/wake_up", params={"tags": "bogus"})
         assert r.status_code == 400 and "wake_up tags" in r.json()["error"]["message"], r.text
+        r = http.post("/update_weights", json={"path": str(a)})   # the weights sleep: wake them first
+        assert r.status_code == 409 and "wake_up?tags=weights" in r.json()["error"]["message"], r.text
         r = http.post("/wake_up", params={"tags": "weights"})
         assert r.status_code == 200 and r.json() == {"status": "ok", "is_sleeping": True}, r.text
+        r = http.post("/update_weights", json={"path": str(a)})   # (the same weights: the outputs stay)
+        assert r.status_code == 200, r.text
         r = http.post("/wake_up")
         assert r.status_code == 200 and r.json() == {"status": "ok", "is_sleeping": False}, r.text
         assert tokens() == want[0][0]

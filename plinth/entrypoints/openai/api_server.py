@@ -64,7 +64,7 @@ from plinth.entrypoints.openai.serving_score import create_rerank, create_score
 from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from plinth.entrypoints.openai.streaming import ClientDisconnected
 from plinth.entrypoints.openai.tool_parsers import ToolParser
-from plinth.errors import ModelLoadError
+from plinth.errors import EngineSleepingError, ModelLoadError
 from plinth.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -251,6 +251,9 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
             count = await front.update_weights(body.path, body.reset_prefix_cache)
         except ModelLoadError as exc:
             raise bad_request(str(exc), "path") from None
+        except EngineSleepingError as exc:   # (no retry helps: POST /wake_up?tags=weights first)
+            raise APIError(409, f"{exc} (POST /wake_up?tags=weights)", "invalid_request_error",
+                           code="engine_sleeping") from None
         logger.info("weights updated from %s: %d tensor(s) in %.2f s", body.path, count, time.monotonic() - t0)
         return JSONResponse({"status": "ok", "tensors": count})
 
