@@ -90,6 +90,7 @@ def test_floor_fractions_on_a_known_device(capsys, tmp_path, monkeypatch):
     (["throughput", "--prompt-seed", "-1"], "--prompt-seed must be >= 0"),
     (["latency", "--json", ""], "--json needs a file path"),
     (["latency", "--input-len", "2000", "--output-len", "100"], "exceeds the model length"),
+    (["latency", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
 ])
 def test_bad_workloads_are_one_line_errors(capsys, argv, message):
     assert main(["--log-level", "WARNING", "bench", argv[0], *TINY, *argv[1:]]) == 2

@@ -156,3 +156,23 @@ def test_sleep_mode_sleeps_the_draft_too(models):
     llm.wake_up()
     assert not draft.asleep and outputs(llm, GREEDY) == want
     assert llm.engine.stats()["speculative"]["acceptance_rate"] == 1.0
+
+
+def test_the_draft_cache_fits_the_kv_budget_and_presets_draft(models, tmp_path):
+    """The draft's scratch blocks come out of the KV-cache budget (with the draft's per-block bytes); a preset name
+    drafts with random weights of its shape whatever the target loads from; a missing draft path says it is the
+    draft's."""
+    from plinth.errors import ModelLoadError
+
+    target, other = models
+    budget = 1 << 20
+    llm = llm_for(target, draft=other, cpu_kv_cache_bytes=budget)
+    engine = llm.engine
+    total = engine.runner.kv_cache_bytes + engine.draft.runner.kv_cache_bytes
+    assert total <= budget, (engine.runner.kv_cache_bytes, engine.draft.runner.kv_cache_bytes)
+    wide = save_tiny_model(tmp_path / "wide", seed=0, vocab_size=1024)   # the tiny-llama preset's vocabulary
+    with_preset = llm_for(wide, draft="tiny-llama")
+    assert outputs(with_preset, GREEDY) == outputs(llm_for(wide), GREEDY)
+    assert with_preset.engine.draft.num_proposed > 0
+    with pytest.raises(ModelLoadError, match="the draft model .speculative_config's model.: model path"):
+        llm_for(target, draft="/nonexistent-draft")

@@ -3,6 +3,7 @@ are refused while asleep, and ``wake_up()`` gives back an engine whose outputs e
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import weakref
@@ -314,3 +315,37 @@ def test_the_async_front_faults_the_new_cache_in_after_waking(models):
         front.shutdown()
     prefaulter = runner.prefaulter
     assert prefaulter is not None and (prefaulter.populated_bytes > 0 or prefaulter.done)
+
+
+def test_a_beam_search_between_its_rounds_keeps_the_engine_awake(models):
+    """A beam search's rounds are engine requests one after another: a sleep asked between two rounds is refused
+    (as while requests run), and the search finishes."""
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.entrypoints.beam_search import BeamSearchParams, beam_search_async
+
+    a, _ = models
+    front = AsyncLLMEngine(llm_for(a).engine)
+    generate = front.generate
+    refusals = []
+
+    async def generate_after_trying_to_sleep(request_id, *args, **kwargs):
+        if not request_id.endswith("-0-0"):   # between two rounds (nothing runs in the engine before this one)
+            try:
+                await front.sleep()
+            except SleepModeError as exc:
+                refusals.append(str(exc))
+        async for out in generate(request_id, *args, **kwargs):
+            yield out
+
+    front.generate = generate_after_trying_to_sleep
+
+    async def main():
+        return await beam_search_async(front, "beam", [[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                                      ignore_eos=True))
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert len(out[0].sequences) == 2 and all(len(s.token_ids) == 4 for s in out[0].sequences)
+    assert refusals and all("beam search(es) running" in r for r in refusals)

@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from plinth.core.request import RequestOutput, RequestOutputKind, SamplingParams
@@ -145,6 +146,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()          # orders command submission against death/shutdown
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}     # engine-thread only
+        self._holding = 0   # beam searches running (see holding())
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats: dict[str, Any] = self._read_stats()
@@ -327,12 +329,33 @@ class AsyncLLMEngine:
         """Free the KV cache (and on accelerators the weights) between two steps (see ``LLMEngine.sleep``).
 
         Raises:
-            SleepModeError: sleep mode is off, requests are unfinished, or the engine is asleep already.
+            SleepModeError: sleep mode is off, requests are unfinished (also a beam search between its rounds), or
+                the engine is asleep already.
             EngineUnavailableError: the engine is not running.
         """
+        def sleep(engine: Any) -> None:
+            if self._holding:
+                from plinth.errors import SleepModeError
+
+                raise SleepModeError(f"cannot sleep with {self._holding} beam search(es) running: let them finish "
+                                     "or abort them first")
+            engine.sleep(level)
+
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(lambda engine: engine.sleep(level), future))
+        self._submit(_Call(sleep, future))
         await asyncio.wrap_future(future)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Marks work that spans several engine requests one after another (a beam search's rounds): ``sleep()``
+        refuses while any runs, as it refuses while requests run."""
+        with self._lock:
+            self._holding += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holding -= 1
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Take the memory of ``tags`` (default: all) again (see ``LLMEngine.wake_up``).

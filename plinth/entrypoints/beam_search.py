@@ -12,6 +12,7 @@ EOS not counted, as vLLM does) and the best ``beam_width`` returned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -223,11 +224,13 @@ async def beam_search_async(front: Any, request_id: str, starts: list[list[int]]
         return final
 
     r = 0
-    try:
-        batch, _, step = next(rounds)
-        while True:
-            outs = await asyncio.gather(*(last(f"{request_id}-{r}-{j}", p, step) for j, p in enumerate(batch)))
-            batch, _, step = rounds.send(list(outs))
-            r += 1
-    except StopIteration as end:
-        return _with_text(end.value, front.tokenizer)
+    holding = getattr(front, "holding", None)   # (sleep mode refuses while a search runs between its rounds)
+    with holding() if holding is not None else contextlib.nullcontext():
+        try:
+            batch, _, step = next(rounds)
+            while True:
+                outs = await asyncio.gather(*(last(f"{request_id}-{r}-{j}", p, step) for j, p in enumerate(batch)))
+                batch, _, step = rounds.send(list(outs))
+                r += 1
+        except StopIteration as end:
+            return _with_text(end.value, front.tokenizer)

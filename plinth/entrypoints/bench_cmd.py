@@ -250,6 +250,8 @@ def _check(args: argparse.Namespace) -> None:
         a, b = args.input_len_range
         if not 1 <= a < b:
             raise CliError(f"--input-len-range A B needs 1 <= A < B, got {a} {b}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise CliError(f"--max-num-seqs must be a positive integer, got {args.max_num_seqs}")
     if args.mode == "latency" and args.max_num_seqs is not None and args.batch_size > args.max_num_seqs:
         raise CliError(f"--batch-size {args.batch_size} exceeds --max-num-seqs {args.max_num_seqs}")
 

@@ -163,8 +163,10 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="adapters kept read in host memory (default: max(--max-loras, 8))")
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\': decodes '
-                        "carry draft tokens copied from earlier in their context, verified in the same step")
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (draft '
+                        'tokens copied from earlier in their context) or \'{"model": "path/to/draft", '
+                        '"num_speculative_tokens": 4}\' (a smaller model of the same vocabulary drafts): decodes '
+                        "carry draft tokens, verified in the same step")
     g = parser.add_argument_group("device")
     g.add_argument("--platform", default=None, help="force a platform (default: $PLINTH_PLATFORM or auto)")
     g.add_argument("--attention-backend", default=None, help="force an attention backend")

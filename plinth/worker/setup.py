@@ -229,14 +229,15 @@ def _soft_cap(hf_config: Any) -> float | None:
 
 def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_per_block: int,
                 max_model_len: int, reserve: int = 0) -> int:
-    """KV blocks that fit the budget; ``reserve`` bytes are kept back for graphs and sampling."""
+    """KV blocks that fit the budget; ``reserve`` bytes are kept back (for graphs and sampling, a draft model's
+    scratch blocks)."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     # Never more than every running sequence at full length could use (plus the scratch block).
     useful = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size) + 1
     if platform.device_type == "cpu":
-        budget = cache.cpu_kv_cache_bytes
+        budget = cache.cpu_kv_cache_bytes - reserve
     else:
         device = runner_args["device"]
         index = device.index or 0
@@ -314,6 +315,12 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         # Graph pools hold at most one decode batch's activations (below the profiled prefill peak);
         # sampling needs a few [max_num_seqs, vocab] float32 temporaries.
         reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
+    if draft is not None:   # the draft's scratch blocks (past the target's) come out of the same budget
+        from plinth.core.draft_model import scratch_blocks
+
+        reserve += scratch_blocks(config.speculative.num_speculative_tokens, config.cache.block_size,
+                                  config.scheduler.max_num_seqs) * ModelRunner.kv_bytes_per_block(
+            draft[0], draft[1], config.cache.block_size, draft[2])
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, spec.cache_dtype)
     if getattr(model, "checks_a_first_pass", False):
@@ -364,12 +371,19 @@ def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype
     from plinth.core.selection import select_attention_backend
     from plinth.model_registry.interface import ModelContext
     from plinth.model_registry.layers.rotary import context_length
-    from plinth.model_registry.loader import load_model, resolve_model_source
+    from plinth.model_registry.loader import list_presets, load_model, resolve_model_source
 
-    draft_config = dataclasses.replace(config.model, model=config.speculative.speculative_model, tokenizer=None,
+    name = config.speculative.speculative_model
+    fmt = config.model.load_format
+    if not os.path.exists(os.path.expanduser(str(name))) and name in list_presets():
+        fmt = "dummy"   # a preset drafts with random weights of its shape (the target loads as it says)
+    draft_config = dataclasses.replace(config.model, model=name, tokenizer=None, load_format=fmt,
                                        quantization=None, quantize_lm_head=False, hf_overrides=None, task="generate",
                                        pooling=None, normalize_embeddings=None)
-    source = resolve_model_source(draft_config)
+    try:
+        source = resolve_model_source(draft_config)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"the draft model (speculative_config's model): {exc}") from None
     source.check_task("generate")
     hf = source.hf_config
     if hf.vocab_size > target_hf.vocab_size:
