@@ -166,7 +166,7 @@ def test_the_draft_cache_fits_the_kv_budget_and_presets_draft(models, tmp_path):
 
     target, other = models
     budget = 1 << 20
-    llm = llm_for(target, draft=other, cpu_kv_cache_bytes=budget)
+    llm = llm_for(target, draft=other, cpu_kv_cache_bytes=budget, platform="cpu")   # (the CPU's budget in bytes)
     engine = llm.engine
     total = engine.runner.kv_cache_bytes + engine.draft.runner.kv_cache_bytes
     assert total <= budget, (engine.runner.kv_cache_bytes, engine.draft.runner.kv_cache_bytes)
