@@ -138,17 +138,6 @@ def test_offloading_keeps_each_tensor_and_its_views():
         assert tensors[0] is head.weight
 
 
-@pytest.fixture(scope="module")
-def processes():
-    from plinth.distributed.executor_mp import WorkerProcesses
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PLINTH_CPU_PACKED", "0")
-        procs = WorkerProcesses(2, timeout_s=120.0)
-    yield procs
-    procs.stop()
-
-
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
                          ids=["tp2", "pp2"])
 def test_every_rank_sleeps_and_wakes(models, processes, layout):

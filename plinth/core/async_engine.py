@@ -485,15 +485,13 @@ class AsyncLLMEngine:
         while self._commands:
             cmd = self._commands[0]   # popped only once handled, so a crash here still fails its caller
             if isinstance(cmd, _Abort):
-                if not isinstance(cmd.request_id, str):
-                    pass   # nobody's request (generate() refuses such ids before they reach the engine)
-                elif cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:
+                if cmd.sink is None or self._sinks.get(cmd.request_id) is cmd.sink:   # (ids: strings, checked)
                     try:
                         self._engine.abort_request(cmd.request_id)
                     except Exception:  # noqa: BLE001 - a bad id is nobody's request; the loop goes on
                         logger.exception("aborting request %r failed", cmd.request_id)
-            elif (isinstance(cmd, _Add) and isinstance(cmd.request_id, str) and cmd.request_id in self._sinks
-                  and self._engine.aborted_pending(cmd.request_id)):
+            elif isinstance(cmd, _Add) and cmd.request_id in self._sinks and self._engine.aborted_pending(
+                    cmd.request_id):
                 return   # an aborted request of that id ends with the next step: its caller gets that end first
             elif isinstance(cmd, _Call):
                 if cmd.future.set_running_or_notify_cancel():   # (a caller that gave up cancelled it: not run)

@@ -39,7 +39,12 @@ logger = logging.getLogger(__name__)
 def scratch_blocks(num_speculative_tokens: int, block_size: int, max_num_seqs: int) -> int:
     """Blocks the draft's KV cache holds past the target's: for each sequence of a step, room for a catch-up and
     drafts that run past the blocks it holds."""
-    return max_num_seqs * (-(-(num_speculative_tokens + 1) // block_size) + 1)
+    return max_num_seqs * _scratch_per_seq(num_speculative_tokens, block_size)
+
+
+def _scratch_per_seq(num_speculative_tokens: int, block_size: int) -> int:
+    """Scratch blocks one sequence's drafts may run into: its last partial block's successors."""
+    return -(-(num_speculative_tokens + 1) // block_size) + 1
 
 
 class DraftProposer:
@@ -66,7 +71,7 @@ class DraftProposer:
         #: set when drafting failed: the engine goes on without drafts
         self.failed = False
         self.num_target_blocks = num_target_blocks
-        self.per_seq_scratch = -(-(self.k + 1) // self.block_size) + 1
+        self.per_seq_scratch = _scratch_per_seq(self.k, self.block_size)
         self.max_scratch_seqs = (runner.num_blocks - num_target_blocks) // self.per_seq_scratch
         #: each request's drafts for its current length: (num_tokens, drafts)
         self._drafts: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
@@ -123,8 +128,6 @@ class DraftProposer:
         for r in self._decoding(first):
             tokens = r.all_token_ids
             n = len(tokens)
-            if vocab is not None and max(tokens) >= vocab:   # ids the draft does not have: drafts only worse
-                tokens = [t if t < vocab else 0 for t in tokens]
             k = min(self.k, max_len - n)
             if k <= 0:
                 self._drafts[r] = (n, [])
@@ -141,38 +144,40 @@ class DraftProposer:
             lens.append(n)
             held.append(len(real))
             wanted.append(k)
-            pending.append((tokens, done))
+            tail = tokens[done:]   # the tokens the draft has not computed, from position `done`
+            if vocab is not None and max(tail) >= vocab:   # ids the draft does not have: drafts only worse
+                tail = [t if t < vocab else 0 for t in tail]
+            pending.append((tail, done))
         if not reqs:
             return
         device = self.runner.device
         # each sequence's drafts, kept on the device until all are known (no wait for the device between passes)
         cur = torch.zeros(len(reqs), dtype=torch.int64, device=device)
-        rows = sum(len(tokens) - done for tokens, done in pending)
+        rows = sum(len(tail) for tail, _ in pending)
         graphs = self.runner.graphs
         if self.runner.shared_decode_rows and graphs is not None and rows <= getattr(graphs, "max_size", 0):
             # the catch-up as rows of one decode step (each token a row at its position): a replayed graph or
             # the decode plan runs it; each sequence's last row drafts
             entries, last = [], []
-            for i, (tokens, done) in enumerate(pending):
-                entries += [SeqBatchEntry([tokens[p]], p, tables[i], True) for p in range(done, len(tokens))]
+            for i, (tail, start) in enumerate(pending):
+                entries += [SeqBatchEntry([t], start + j, tables[i], True) for j, t in enumerate(tail)]
                 last.append(len(entries) - 1)
-                pending[i] = (tokens, len(tokens))
+                pending[i] = ([], start + len(tail))
             logits, seqs, _ = self.runner.execute(entries)
             row_of = {j: r for r, j in enumerate(seqs)}
             cur = self._take(logits, [row_of[j] for j in last]).argmax(dim=-1)
             self.row_passes += 1
         # otherwise in passes of at most `budget` tokens (a long prompt in pieces): the last piece's logits draft
         budget = max(self.scheduler.config.max_num_batched_tokens, len(reqs))
-        while any(done < len(tokens) for tokens, done in pending):
+        while any(tail for tail, _ in pending):
             entries, owners, used = [], [], 0
-            for i, (tokens, done) in enumerate(pending):
-                if done >= len(tokens) or used >= budget:
+            for i, (tail, start) in enumerate(pending):
+                if not tail or used >= budget:
                     continue
-                take = min(len(tokens) - done, max(1, budget - used))
-                last = done + take == len(tokens)
-                entries.append(SeqBatchEntry(tokens[done:done + take], done, tables[i], last))
+                take = min(len(tail), max(1, budget - used))
+                entries.append(SeqBatchEntry(tail[:take], start, tables[i], take == len(tail)))
                 owners.append(i)
-                pending[i] = (tokens, done + take)
+                pending[i] = (tail[take:], start + take)
                 used += take
             logits, seqs, _ = self.runner.execute(entries)
             if seqs:

@@ -962,9 +962,7 @@ class LLMEngine:
         if self.classifier is not None:
             raise ModelLoadError("cannot update the weights in place: a classifier's label weights are read into "
                                  "the engine at load time; load the new weights with a new engine")
-        if "weights" in self._asleep:
-            raise EngineSleepingError("the weights are asleep: wake_up(tags=['weights']) first (the KV cache may sleep "
-                                 "on while they are loaded)")
+        self._check_weights_awake()
         t0 = time.perf_counter()
         pairs = self.checkpoint_weights(weights) if isinstance(weights, str | os.PathLike) else weight_pairs(weights)
         try:
@@ -992,8 +990,7 @@ class LLMEngine:
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
-        if "weights" in self._asleep:
-            raise EngineSleepingError("the weights are asleep: wake_up(tags=['weights']) first")
+        self._check_weights_awake()
         return self.executor.apply_model(fn)
 
     def sleep(self, level: int = 1) -> None:
@@ -1007,8 +1004,6 @@ class LLMEngine:
             SleepModeError: sleep mode is off, requests are unfinished, the engine is asleep already, a bad level,
                 or level 2 where the weights cannot be loaded again in place (quantized, a CPU).
         """
-        from plinth.model_registry.weight_update import update_problem
-
         self._check_sleep_mode("sleep")
         if isinstance(level, bool) or level not in (1, 2):
             raise SleepModeError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights discarded), "
@@ -1021,17 +1016,14 @@ class LLMEngine:
         if live:
             raise SleepModeError(f"cannot sleep with {live} unfinished request(s): let them finish or abort them "
                                  "first")
-        if level == 2:
+        if level == 2:   # (each rank's runner refuses weights that update_weights() cannot take: quantized ...)
             if self.device.type == "cpu":
                 raise SleepModeError("sleep level 2 discards the weights to free accelerator memory; on a CPU they "
                                      "are in host memory already: sleep(level=1) frees the KV cache")
-            model = getattr(getattr(self.executor, "runner", None), "model", None)
-            problem = update_problem(model) if model is not None else None
-            if problem is None and self.classifier is not None:
-                problem = "a classifier's label weights are read into the engine at load time"
-            if problem is not None:
-                raise SleepModeError(f"sleep level 2 discards weights that update_weights() could not bring "
-                                     f"back: {problem}; sleep(level=1) keeps them")
+            if self.classifier is not None:
+                raise SleepModeError("sleep level 2 discards weights that update_weights() could not bring back: a "
+                                     "classifier's label weights are read into the engine at load time; "
+                                     "sleep(level=1) keeps them")
         t0 = time.perf_counter()
         freed = self.executor.sleep(level)
         if self.draft is not None:   # level 1 for the draft model: update_weights() does not reach it
@@ -1080,6 +1072,11 @@ class LLMEngine:
         if not self.config.device.enable_sleep_mode:
             raise SleepModeError(f"{what}() needs an engine started with enable_sleep_mode=True "
                                  "(--enable-sleep-mode)")
+
+    def _check_weights_awake(self) -> None:
+        if "weights" in self._asleep:
+            raise EngineSleepingError("the weights are asleep: wake_up(tags=['weights']) first (the KV cache may sleep "
+                                      "on while they are used)")
 
     def _check_awake(self) -> None:
         if self._asleep:

@@ -443,7 +443,9 @@ class DistributedExecutor(Executor):
         except WorkerDiedError as exc:
             raise self._fail(exc) from exc
         except Exception:   # a rank that could not sleep: the others wake again (the engine stays awake)
-            self._call_all("wake_up", ["weights", "kv_cache"], timeout_s=self.start_timeout_s)
+            from plinth.worker.sleep import SLEEP_TAGS
+
+            self._call_all("wake_up", list(SLEEP_TAGS), timeout_s=self.start_timeout_s)
             raise
 
     def wake_up(self, tags: list[str]) -> None:

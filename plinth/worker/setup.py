@@ -341,11 +341,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     elif (blocker := graph_blocker(model, device, dtype)) is not None:
         logger.info("%s cannot be captured in a graph on this device: decode runs eagerly", blocker)
     else:
-        graph_rows = config.scheduler.max_num_seqs
-        if runner.shared_decode_rows:   # room for draft rows beside full decodes (at most 512 rows a graph)
-            graph_rows = max(graph_rows, min(graph_rows * (1 + config.speculative.num_speculative_tokens), 512))
-        runner.capture_decode_graphs(graph_rows)
-    draft_runner = _draft_runner(draft, runner, platform, config, max_model_len) if draft is not None else None
+        runner.capture_decode_graphs(_draft_rows(config) if runner.shared_decode_rows else config.scheduler.max_num_seqs)
+    draft_runner = _draft_runner(draft, runner, platform, config, max_model_len, dtype) if draft is not None else None
     name = os.path.basename(str(source.path or config.model.model or "model")).removesuffix(".gguf")
     if config.model.model is None:
         from plinth.model_registry.default_model import DEFAULT_MODEL_NAME
@@ -408,7 +405,7 @@ def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype
 
 
 def _draft_runner(draft: tuple[Any, Any, torch.dtype, Any], target: ModelRunner, platform: Any, config: EngineConfig,
-                  max_model_len: int) -> ModelRunner:
+                  max_model_len: int, dtype: torch.dtype) -> ModelRunner:
     """The draft model's runner: a KV cache of the target's blocks and scratch blocks after them; the platform's
     fast paths and decode graphs as the target's."""
     from plinth.core.draft_model import scratch_blocks
@@ -427,14 +424,15 @@ def _draft_runner(draft: tuple[Any, Any, torch.dtype, Any], target: ModelRunner,
     if prepare_runner is not None:
         prepare_runner(runner, source, config)
     if (runner.graphs is None and target.graphs is not None and target.device.type == "cuda"
-            and getattr(backend, "graph_safe", False) and graph_blocker(model, target.device, model_dtype(model)) is None):
-        k = config.speculative.num_speculative_tokens
-        runner.capture_decode_graphs(max(sched.max_num_seqs, min(sched.max_num_seqs * (1 + k), 512)))
+            and getattr(backend, "graph_safe", False) and graph_blocker(model, target.device, dtype) is None):
+        runner.capture_decode_graphs(_draft_rows(config))
     return runner
 
 
-def model_dtype(model: Any) -> torch.dtype:
-    return next(model.parameters()).dtype
+def _draft_rows(config: EngineConfig) -> int:
+    """Rows of the largest decode graph with speculation: room for draft rows beside full decodes (at most 512)."""
+    n = config.scheduler.max_num_seqs
+    return max(n, min(n * (1 + config.speculative.num_speculative_tokens), 512))
 
 
 def graph_blocker(model: Any, device: torch.device, dtype: torch.dtype) -> str | None:
