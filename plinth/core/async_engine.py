@@ -94,6 +94,7 @@ class _Add:
     priority: int = 0
     lora_request: Any = None
     cache_salt: str | None = None
+    multi_modal_data: Any = None
 
 
 _ACCEPTED = object()   # sent to a request's queue when the engine takes it
@@ -127,6 +128,7 @@ class AsyncLLMEngine:
         self._owns_engine = owns_engine
         self._update_lock: tuple[Any, asyncio.Lock] | None = None   # (its event loop, the lock of weight updates)
         self.tokenizer = engine.tokenizer
+        self.images = engine.images   # image inputs' support (plinth.multimodal.images.ImageSupport), or None
         self.max_model_len: int = engine.max_model_len
         self.max_sequence_len: int = getattr(engine, "max_sequence_len", self.max_model_len)
         self.vocab_size: int | None = getattr(engine, "vocab_size", None)
@@ -237,7 +239,8 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | Any,
                        priority: int = 0, lora_request: Any = None,
                        accepted: asyncio.Future[None] | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput | Any]:
+                       cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None,
+                       ) -> AsyncIterator[RequestOutput | Any]:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is
@@ -245,7 +248,7 @@ class AsyncLLMEngine:
         it was given before (the prompt's logprobs in the first), one that is ``FINAL_ONLY`` the final output only.
         Leaving the loop early (or being cancelled) aborts the request. ``accepted``
         (if given) is resolved once the engine has taken the request, which may be long before
-        its first output when the batch is full. ``cache_salt``: see :meth:`LLMEngine.add_request`.
+        its first output when the batch is full. ``cache_salt``, ``multi_modal_data``: see :meth:`LLMEngine.add_request`.
 
         Raises:
             RequestRejectedError, QueueFullError: from the engine, before anything is yielded.
@@ -259,7 +262,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request, cache_salt))
+        self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request, cache_salt,
+                          multi_modal_data))
         finished = False
         kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
         delta = _Delta() if kind == RequestOutputKind.DELTA else None
@@ -505,7 +509,7 @@ class AsyncLLMEngine:
                 try:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
                                              priority=cmd.priority, lora_request=cmd.lora_request,
-                                             cache_salt=cmd.cache_salt)
+                                             cache_salt=cmd.cache_salt, multi_modal_data=cmd.multi_modal_data)
                 except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
                     self._send({cmd.sink.loop: [(cmd.sink.box, exc)]})
                 else:

@@ -9,7 +9,8 @@ it (``ROOT`` for the first block). Every registration draws a fresh ``prefix id`
 reused, so a key names one token-for-token prefix: a hit is exact, there are no hash collisions
 to worry about (dict keys compare by equality) and a child whose parent was evicted simply
 becomes unreachable. The first block of a request with a LoRA adapter hangs from that adapter's own root
-(``ROOT - lora_int_id``): the same tokens give other keys and values under another adapter. A request with a
+(``ROOT - lora_int_id``): the same tokens give other keys and values under another adapter. A block holding image positions
+has each image's digest in its key too (the placeholder ids are the same for every image). A request with a
 ``cache_salt`` hangs its first block from ``(that root, salt, epoch)``, and after :meth:`BlockManager.new_epoch`
 (new model weights) every request from ``(that root, salt or None, epoch)``: it shares blocks only with requests of
 the same salt (a tenant's prompts cannot be found, or timed, through another's cache hits), and no request finds
@@ -38,6 +39,17 @@ from collections.abc import Sequence
 from plinth.core.request import Request
 
 ROOT = -1  # the parent id of a sequence's first block
+
+
+def _block_tokens(request: Request, tokens: Sequence[int], i: int, bs: int) -> tuple:
+    """The token part of block ``i``'s key: its token ids, and for a block with image positions each image's digest
+    and offset (their placeholder ids are the same whatever the image)."""
+    key = tuple(tokens[i * bs:(i + 1) * bs])
+    if request.images:
+        from plinth.multimodal.images import block_key_extra
+
+        key += block_key_extra(request.images, i * bs, (i + 1) * bs)
+    return key
 
 _Key = tuple[int | tuple[int, str | None, int], tuple[int, ...]]
 
@@ -167,7 +179,7 @@ class BlockManager:
         blocks: list[int] = []
         parent = self._root(request)
         for i in range((len(tokens) - 1) // bs):
-            block = self._cache.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            block = self._cache.get((parent, _block_tokens(request, tokens, i, bs)))
             if block is None or block in self._filling:
                 break
             blocks.append(block)
@@ -329,7 +341,7 @@ class BlockManager:
         tokens = request.all_token_ids
         for i in range(len(chain), num_tokens // bs):
             parent = chain[-1] if chain else self._roots.get(request.request_id) or self._root(request)
-            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            key = (parent, _block_tokens(request, tokens, i, bs))
             existing = self._cache.get(key)
             if existing is not None:
                 # Same prefix computed elsewhere (a sibling in the same step): keep that entry and

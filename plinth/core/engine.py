@@ -175,6 +175,15 @@ class TextParts(str):
         return TextParts, (self.parts,)
 
 
+class ImagePart(str):
+    """An image content part among a message's :class:`TextParts`: the model's image token as text (what a template
+    that reads plain strings sees), or ``{"type": "image"}`` for a template that loops over content parts."""
+
+
+def _template_part(part: str) -> dict[str, str]:
+    return {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part}
+
+
 @functools.lru_cache(maxsize=16)
 def template_iterates_content(template: str) -> bool:
     """Whether a chat template loops over a message's ``content`` (``{% for part in message['content'] %}``, or over
@@ -258,6 +267,12 @@ class LLMEngine:
                         ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),
                         self.classifier.activation)
         self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
+        #: image inputs (a LLaVA checkpoint): the processor and the placeholder rules, else ``None``
+        self.images: Any = None
+        if getattr(parts.source, "mm_config", None) is not None:
+            from plinth.multimodal.images import ImageSupport
+
+            self.images = ImageSupport(parts.source.mm_config, parts.source.path, parts.tokenizer)
         prefix_caching = config.cache.enable_prefix_caching
         if self.pooling is not None and self.classifier is None:
             logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,
@@ -506,7 +521,7 @@ class LLMEngine:
         content_format = self.config.model.chat_template_content_format
         if content_format == "openai" or (content_format == "auto" and isinstance(chosen, str)
                                           and template_iterates_content(chosen)):   # it reads OpenAI's content parts
-            messages = [{**m, "content": [{"type": "text", "text": part} for part in _parts(m["content"])]}
+            messages = [{**m, "content": [_template_part(part) for part in _parts(m["content"])]}
                         if isinstance(m.get("content"), str) else m for m in messages]
         else:   # (plain strings: the template sees no subclass)
             messages = [{**m, "content": str(m["content"])} if isinstance(m.get("content"), TextParts) else m
@@ -604,7 +619,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> None:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+                    multi_modal_data: dict[str, Any] | None = None) -> None:
         """Queue a request. ``priority`` (the ``priority`` scheduling policy only): lower runs first.
         An embedding engine (``task="embed"``) takes :class:`~plinth.core.pooling.PoolingParams` (or none);
         its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput` (a classifier's, ``task="classify"``,
@@ -612,6 +628,8 @@ class LLMEngine:
         run the request with (an engine with ``enable_lora``; see :meth:`add_lora`). ``cache_salt`` (vLLM's): the
         request reuses, and offers, cached KV blocks only among requests given the same salt, so that tenants
         that do not share a salt cannot learn each other's prompts from cache hits (their timing).
+        ``multi_modal_data`` (an image-and-text model: ``{"image": image or [images]}``, PIL images or image files'
+        bytes): the images the prompt's image tokens stand for, one token each (see :mod:`plinth.multimodal`).
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt, ``logit_bias``,
@@ -667,6 +685,22 @@ class LLMEngine:
         else:
             text, ids = None, _token_ids(prompt)
             self._check_vocab(ids, None)
+        images: list[Any] = []
+        if multi_modal_data is not None:
+            if self.images is None:
+                raise RequestRejectedError("this model takes no image inputs (multi_modal_data): serve an "
+                                           "image-and-text model (LlavaForConditionalGeneration)",
+                                           param="multi_modal_data")
+            if pooling is not None:
+                raise RequestRejectedError("image inputs are for text generation, not embeddings or classification",
+                                           param="multi_modal_data")
+            if keep is not None:
+                raise RequestRejectedError("truncate_prompt_tokens cannot cut a prompt with image inputs",
+                                           param="truncate_prompt_tokens")
+            ids, images = self.images.items(ids, multi_modal_data)
+        elif self.images is not None and self.images.token_id in ids:
+            raise RequestRejectedError(f"the prompt has the image token (id {self.images.token_id}) but no image: "
+                                       "give the images in multi_modal_data", param="multi_modal_data")
         if keep is not None:   # the prompt's last tokens only (vLLM's truncate_prompt_tokens)
             keep = self.max_model_len if keep == -1 else keep
             if keep > self.max_model_len:
@@ -735,6 +769,7 @@ class LLMEngine:
                 req.logits_processors = applies if custom else ()
                 req.lora = adapter
                 req.cache_salt = cache_salt
+                req.images = images
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:

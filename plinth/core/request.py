@@ -452,6 +452,8 @@ class Request:
         self.cache_salt: str | None = None   # shares cached KV blocks only with requests of the same salt
         self.adapter_waits = 0     # steps it waited for a slot for its adapter while others passed it
         self.draft_token_ids: list[int] = []   # speculative decoding: the drafts its scheduled step verifies
+        #: image inputs (:class:`~plinth.multimodal.images.ImageItem`): the prompt positions their embeddings fill
+        self.images: list[Any] = []
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 

@@ -68,6 +68,7 @@ class Worker:
         self.stage: PipelineStage | None = None
         self._last_hidden: list[torch.Tensor] = []
         self._model: Any = None
+        self._images: Any = None   # the image encoder (plinth.multimodal.runner.ImageFeatures) of an image model
         self._backend: Any = None
         self._num_blocks_fit = 0
         self.sampler = Sampler(config.model.seed, resolve_processors(config.model.logits_processors),
@@ -143,7 +144,7 @@ class Worker:
         from plinth.model_registry.interface import ModelContext
         from plinth.model_registry.loader import load_model
         from plinth.quantization.resolve import resolve_quantization
-        from plinth.worker.setup import _num_blocks
+        from plinth.worker.setup import _num_blocks, image_features
 
         forced = DeviceConfig(platform=self.config.device.platform, attention_backend=backend_name, selection="off")
         backend = select_attention_backend(self._spec(), self.platform, forced).instantiate()
@@ -156,6 +157,7 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         model = load_model(self.source, ctx, seed=self.config.model.seed)
         model.eval()
+        self._images = image_features(self.source, model, self.dtype, self.device, self.config.model.seed)
         enable_lora_for(model, self.config)
         self._model, self._backend = model, backend
         block_size = self.config.cache.block_size
@@ -196,6 +198,7 @@ class Worker:
         cfg = self.config
         self.runner = ModelRunner(self._model, self._backend, self.device, num_blocks, cfg.cache.block_size,
                                   self.max_model_len, self._spec().cache_dtype)
+        self.runner.images = self._images
         if getattr(self._model, "checks_a_first_pass", False) and self.layout.pp_size == 1:
             from plinth.worker.setup import first_pass
 

@@ -191,6 +191,9 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
     from plinth.entrypoints.llm import _Salted
 
     engine = llm.engine
+    if any(isinstance(p, _Salted) and p.multi_modal_data is not None for p in prompts):
+        raise RequestRejectedError("beam search does not take image inputs (multi_modal_data)",
+                                   param="multi_modal_data")
     salts = [p.salt if isinstance(p, _Salted) else None for p in prompts]   # a dict prompt's cache_salt
     prompts = [p.prompt if isinstance(p, _Salted) else p for p in prompts]
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]

@@ -58,10 +58,12 @@ def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list
 
 
 class _Salted(NamedTuple):
-    """A dict prompt's text or token ids with its ``cache_salt``."""
+    """A dict prompt's text or token ids with its ``cache_salt`` and its ``multi_modal_data`` (either may be
+    ``None``)."""
 
     prompt: Any
-    salt: str
+    salt: str | None
+    multi_modal_data: Any = None
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -69,14 +71,15 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 def _one_prompt(prompt: Any) -> Any:
     """A dict prompt as its text or token ids (other forms as they are), as a :class:`_Salted` where it has a
-    ``cache_salt``."""
+    ``cache_salt`` or ``multi_modal_data``."""
     if not isinstance(prompt, dict):
         return prompt
     keys = set(prompt) & set(_PROMPT_KEYS)
-    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"}, key=repr)
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt", "multi_modal_data"}, key=repr)
     if len(keys) != 1 or unknown:
         raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids), "
-                         f"and optionally 'cache_salt'{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
+                         f"and optionally 'cache_salt' and 'multi_modal_data'"
+                         f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
     value = prompt[keys.pop()]
     if "prompt" in prompt and not isinstance(value, str):
         raise ValueError(f"'prompt' must be text, got {type(value).__name__}")
@@ -84,18 +87,20 @@ def _one_prompt(prompt: Any) -> Any:
                                           and getattr(value, "ndim", None) != 1):
         raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
     value = value.tolist() if getattr(value, "ndim", None) == 1 else value
-    if prompt.get("cache_salt") is None:   # absent or null: no salt
+    salt, mm = prompt.get("cache_salt"), prompt.get("multi_modal_data")
+    if salt is None and mm is None:   # absent or null: no salt, no images
         return value
-    problem = cache_salt_problem(prompt["cache_salt"])
+    problem = cache_salt_problem(salt)
     if problem is not None:
         raise ValueError(f"'cache_salt' {problem}")
-    return _Salted(value, prompt["cache_salt"])
+    return _Salted(value, salt, mm)
 
 
 def _unsalted(prompts: list[Any], what: str) -> list[Any]:
     """``prompts`` for a method that takes no ``cache_salt``: a clear error for one that has one."""
     if any(isinstance(p, _Salted) for p in prompts):
-        raise ValueError(f"{what} takes no 'cache_salt' (give the prompts as texts or token ids)")
+        raise ValueError(f"{what} takes no 'cache_salt' or 'multi_modal_data' (give the prompts as texts or token "
+                         "ids)")
     return prompts
 
 
@@ -300,8 +305,9 @@ class LLM:
         try:
             for prompt, params, rank, lora in requests:
                 rid = f"llm-{next(self._ids)}"
-                prompt, salt = prompt if isinstance(prompt, _Salted) else (prompt, None)
-                self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt)
+                prompt, salt, mm = prompt if isinstance(prompt, _Salted) else (prompt, None, None)
+                self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt,
+                                        multi_modal_data=mm)
                 ids.append(rid)
         except BaseException:
             if ids:
@@ -451,15 +457,21 @@ class LLM:
         with the last message instead of starting a reply, with ``add_generation_prompt=False``;
         ``chat_template_kwargs``: more template variables, e.g. ``{"enable_thinking": False}``)."""
         from plinth.entrypoints.openai.tools import plain_messages
+        from plinth.multimodal.images import ImageParts
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        conversations = [plain_messages(conv) for conv in conversations]  # type: ignore[arg-type]
+        support = self.engine.images
+        collected = [ImageParts(support.placeholder) if support is not None else None for _ in conversations]
+        conversations = [plain_messages(conv, images)  # type: ignore[arg-type]
+                         for conv, images in zip(conversations, collected, strict=True)]
         texts = [self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                                          tools=tools, continue_final_message=continue_final_message,
                                          template_kwargs=chat_template_kwargs)
                  for conv in conversations]  # type: ignore[arg-type]
         # The template writes the special tokens itself: tokenize without adding BOS again.
-        prompts = [self.engine.tokenize(text, add_special_tokens=False) for text in texts]
+        prompts: list[Any] = [self.engine.tokenize(text, add_special_tokens=False) for text in texts]
+        prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": images.images}}
+                   if images is not None and images.images else ids for ids, images in zip(prompts, collected, strict=True)]
         try:
             outputs = self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
         except RequestFailedError as exc:   # the outputs it carries get their prompts too

@@ -57,6 +57,8 @@ class ModelSource:
         text_only: the language model of an image-and-text checkpoint (``Gemma3ForConditionalGeneration``,
             ``Mistral3ForConditionalGeneration``, ``LlavaForConditionalGeneration``, ...): ``hf_config`` is its
             ``text_config``, its tensors are read under the causal LM's names and the vision tower's are skipped.
+        mm_config: the whole config of an image-and-text checkpoint whose images plinth encodes (LLaVA: see
+            :mod:`plinth.multimodal`), else ``None``.
         classifier: a sequence classifier (``LlamaForSequenceClassification`` and the like: the decoder and a
             ``score`` projection of the last token's hidden state to the labels), run as its causal LM without the
             head (tied to the embeddings, unused); the engine applies ``score`` (:func:`load_classifier_head`).
@@ -70,6 +72,7 @@ class ModelSource:
     headless: bool = False
     text_only: bool = False
     classifier: bool = False
+    mm_config: Any = None
 
     def check_task(self, task: str) -> None:
         """Refuse text generation from a checkpoint without an LM head, and classification from one without a
@@ -311,18 +314,37 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     arch, headless, classifier = _decoder_of(cfg, architecture_of(cfg, _origin(path / "config.json", model_config)),
                                              path)
     text_only = False
+    mm_config = None
     text = _text_model(cfg, arch)
     if text is not None:
+        if _runs_images(cfg, arch):
+            mm_config = cfg
+            logger.info("%s: %s with image inputs (its vision tower %s)", path, arch,
+                        cfg.vision_config.model_type)
+        else:
+            logger.info("%s: running its language model (%s) alone; image inputs are not supported",
+                        path, text[1])
         cfg, arch, text_only = text[0], text[1], True
-        logger.info("%s: running its language model (%s) alone; image inputs are not supported",
-                    path, arch)
     if fmt != "dummy":
         list_safetensors_files(path)  # fail now rather than after building the model
     tokenizer = model_config.tokenizer
     if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = str(path)
     return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only,
-                       classifier)
+                       classifier, mm_config)
+
+
+#: image-and-text architectures whose images plinth encodes (:mod:`plinth.multimodal`)
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+
+
+def _runs_images(cfg: Any, arch: str) -> bool:
+    """Whether plinth runs the image side of image-and-text checkpoint ``cfg`` (a LLaVA model over a CLIP or
+    SigLIP vision tower)."""
+    from plinth.multimodal.vision import VISION_TOWERS
+
+    vision = getattr(cfg, "vision_config", None)
+    return arch in IMAGE_ARCHITECTURES and getattr(vision, "model_type", None) in VISION_TOWERS
 
 
 def _origin(where: Any, model_config: ModelConfig) -> str:

@@ -106,6 +106,8 @@ class FlatBatch(Sequence[SeqBatchEntry]):
             slots before the step runs.
         num_logits: ``[N]`` int64, how many of a sampled sequence's last positions are sampled (speculative
             decoding: its token and each draft), or ``None``: one each.
+        images: the rows that take image embeddings instead of their tokens' (prompt positions of image inputs),
+            as :data:`~plinth.multimodal.runner.ImageRows`; ``None``: none.
     """
 
     token_ids: np.ndarray
@@ -120,6 +122,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     lora_slots: np.ndarray | None = None
     lora_loads: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     num_logits: np.ndarray | None = None
+    images: list[Any] | None = None
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -336,6 +339,7 @@ class BatchBuilder:
         fed_src: list[int] = []
         num_logits: list[int] | None = None
         expanded: list[int] | None = None   # drafts as rows: rows per scheduled entry
+        images: list[Any] | None = None
         for i, s in enumerate(out.scheduled):
             req = s.request
             row = row_of(req.request_id, req.block_ids)
@@ -368,6 +372,8 @@ class BatchBuilder:
                 continue
             if num_logits is not None:
                 num_logits.append(1)
+            if req.images and start < len(req.prompt_token_ids):
+                images = _image_rows(req.images, start, num_new, len(tokens), images)
             if num_new == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -397,12 +403,26 @@ class BatchBuilder:
             block_tables=table.gather(row_array, int(counts.max()) if len(rows) else 0),
             block_counts=counts,
             sample=np.array(sample, dtype=np.bool_),
-            decode_only=len(tokens) == len(rows) == len(sampled) and not self.keep_hidden,
+            decode_only=len(tokens) == len(rows) == len(sampled) and not self.keep_hidden and not images,
             needs_hidden=self.keep_hidden,
             feed=(TokenFeed(np.array(fed_rows, dtype=np.int64), np.array(fed_src, dtype=np.int64))
                   if fed_rows else None),
             lora_slots=lora_slots,
             lora_loads=lora_loads,
             num_logits=np.array(num_logits, dtype=np.int64) if num_logits is not None else None,
+            images=images,
         )
         return batch, sampled
+
+
+def _image_rows(items: list[Any], start: int, num_new: int, base: int, out: list[Any] | None) -> list[Any] | None:
+    """``out`` (a new list if ``None`` and needed) with the image rows of positions ``[start, start + num_new)`` of a
+    sequence whose first new token is row ``base`` of the flat batch."""
+    end = start + num_new
+    for item in items:
+        lo, hi = max(start, item.offset), min(end, item.end)
+        if lo < hi:
+            if out is None:
+                out = []
+            out.append((base + lo - start, hi - lo, item, lo - item.offset))
+    return out

@@ -95,6 +95,8 @@ class ModelRunner:
         self.shared_decode_rows = False
         self.staging = HostStaging(device)
         self.lora = getattr(model, "lora_state", None)   # a plinth.lora.layers.LoRAState with adapters enabled
+        #: image inputs: the image encoder and its recent outputs (:class:`~plinth.multimodal.runner.ImageFeatures`)
+        self.images: Any = None
         #: sleep mode: what is asleep (of :data:`~plinth.worker.sleep.SLEEP_TAGS`), the weights' offloaded
         #: storages, and what builds the decode steps again
         self.asleep: set[str] = set()
@@ -330,7 +332,13 @@ class ModelRunner:
                 return logits, list(range(batch.num_seqs)), None
         inputs = self.prepare(batch)
         self.backend.prepare(inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if batch.images:
+            if self.images is None:
+                raise RuntimeError("a batch with image inputs reached a runner without an image encoder")
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata,
+                                image_embeds=self.images.rows(batch.images))
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return logits, inputs.sample_seqs, hidden
 

@@ -279,6 +279,9 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     if executor_name != "uniproc" or executor_factory is not None:
         from plinth.distributed.driver import build_distributed_parts
 
+        if config.parallel.pipeline_parallel_size > 1:
+            _refuse_images_with_pipeline(config)
+
         return dataclasses.replace(build_distributed_parts(config, platform, executor_name, executor_factory),
                                    config=config)
     platform.set_device(0)   # the CPU platform sizes its thread pool here
@@ -301,6 +304,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     torch.manual_seed(config.model.seed)
     model = load_model(source, ctx, seed=config.model.seed)
     model.eval()
+    images = image_features(source, model, dtype, device, config.model.seed)
     enable_lora_for(model, config)
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, spec.cache_dtype)
     draft = _load_draft(config, platform, device, dtype, hf, max_model_len, workload) if drafting else None
@@ -323,6 +327,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
             draft[0], draft[1], config.cache.block_size, draft[2])
     num_blocks = _num_blocks(config, platform, {"device": device}, bytes_per_block, max_model_len, reserve)
     runner = ModelRunner(model, backend, device, num_blocks, config.cache.block_size, max_model_len, spec.cache_dtype)
+    runner.images = images
     if getattr(model, "checks_a_first_pass", False):
         first_pass(runner)
     # speculative decoding: drafts go as decode rows (decode plans and graphs run them) where the backend allows
@@ -354,6 +359,38 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         vocab_size=hf.vocab_size, eos_token_ids=eos, selection=selection, runner=runner,
         num_blocks=num_blocks, config=config, default_sampling=default_sampling, draft_runner=draft_runner,
     )
+
+
+def image_features(source: Any, model: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
+    """The runner's image encoder for a checkpoint with image inputs (``None`` for the others).
+
+    Raises:
+        UnsupportedModelError: the language model's forward pass cannot take image embeddings.
+    """
+    if getattr(source, "mm_config", None) is None:
+        return None
+    if not getattr(model, "accepts_image_embeds", False):
+        from plinth.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{source.architecture} cannot take image embeddings: image inputs need a "
+                                    "language model on plinth's native decoder")
+    from plinth.multimodal.runner import load_image_features
+
+    return load_image_features(source, dtype, device, seed)
+
+
+def _refuse_images_with_pipeline(config: EngineConfig) -> None:
+    """Image inputs are embedded on the first pipeline stage only, which plinth does not do yet.
+
+    Raises:
+        ConfigError: an image-and-text checkpoint whose images plinth encodes, with pipeline parallelism.
+    """
+    from plinth.config import ConfigError
+    from plinth.model_registry.loader import resolve_model_source
+
+    if resolve_model_source(config.model).mm_config is not None:
+        raise ConfigError("image inputs do not run with pipeline parallelism (--pipeline-parallel-size): use tensor "
+                          "parallelism for this model")
 
 
 def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype: torch.dtype, target_hf: Any,

@@ -233,6 +233,7 @@ class ContentPart(_Request):
     type: str
     text: str | None = None
     refusal: str | None = None   # an assistant message's refusal part (its text, for the template)
+    image_url: dict[str, Any] | str | None = None   # an image part: {"url": "data:image/...;base64,..."}
 
 
 class ChatMessage(_Request):

@@ -352,14 +352,16 @@ class ServerContext:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams,
                        priority: int = 0, lora: LoRARequest | None = None,
-                       accepted: asyncio.Future[None] | None = None, cache_salt: str | None = None
+                       accepted: asyncio.Future[None] | None = None, cache_salt: str | None = None,
+                       multi_modal_data: dict[str, Any] | None = None,
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
         request. ``accepted`` is resolved when the engine takes the request (see :func:`start`)."""
         await self._ensure_lora(lora)
         tracker = self.metrics.request()
         inner = self.front.generate(request_id, prompt_ids, params, priority, lora, accepted=accepted,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, **({"multi_modal_data": multi_modal_data}
+                                                              if multi_modal_data is not None else {}))
         error = False
         try:
             async for out in inner:
@@ -596,18 +598,20 @@ class Started(NamedTuple):
 
 async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any]], priority: int = 0,
                 lora: LoRARequest | None = None, param: str | Sequence[str] = "prompt",
-                cache_salt: str | None = None) -> Started:
+                cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None) -> Started:
     """Submit ``(request id, prompt ids, params)`` requests and wait until the engine has taken every
     one (not for their first tokens, which may come much later when the batch is full), so that a
     rejected prompt fails the whole request before a response starts. On any failure (or
     cancellation) every stream is closed, which aborts its engine request. ``param``: the client's field
-    holding the prompts, or each request's (a refusal then names the refused one's)."""
+    holding the prompts, or each request's (a refusal then names the refused one's). ``multi_modal_data``: the
+    images of every request (a chat request's)."""
     counts = [getattr(params, "n", 1) for _, _, params in requests]
     fields = [param] * len(requests) if isinstance(param, str) else list(param)
     ctx.check_room(sum(counts), "n" if max(counts, default=1) > 1 else fields[-1] if fields else "prompt")
     loop = asyncio.get_running_loop()
     accepted = [loop.create_future() for _ in requests]
-    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut, cache_salt=cache_salt)
+    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut, cache_salt=cache_salt,
+                            multi_modal_data=multi_modal_data)
                for (rid, ids, params), fut in zip(requests, accepted, strict=True)]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]   # type: ignore[arg-type]
     try:

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from plinth.core.engine import RESERVED_TEMPLATE_KWARGS, TextParts
 from plinth.core.request import PositionLogprobs, RequestOutput, SamplingParams, SamplingParamsError
+from plinth.core.scheduler import RequestRejectedError
 from plinth.core.structured import StructuredOutputError, grammar_of
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
@@ -57,11 +58,13 @@ from plinth.entrypoints.openai.tools import (
     tool_mode,
 )
 from plinth.lora.request import LoRARequest
+from plinth.multimodal.images import ImageParts
 
 
-def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def chat_messages(items: Sequence[ChatMessage], images: ImageParts | None = None) -> list[dict[str, Any]]:
     """The request's messages as the chat template takes them (text parts joined by line breaks, kept for templates
-    that loop over them: :class:`~plinth.core.engine.TextParts`)."""
+    that loop over them: :class:`~plinth.core.engine.TextParts`). ``images``: where a model with image inputs
+    collects the ``image_url`` parts' images, in order (without it such parts are refused)."""
     messages = []
     for i, m in enumerate(items):
         if m.content is None or isinstance(m.content, str):
@@ -74,9 +77,18 @@ def chat_messages(items: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                         raise bad_request(f"messages[{i}]: a refusal content part needs its 'refusal'", "messages")
                     parts.append(part.refusal)
                     continue
+                if part.type == "image_url":
+                    if images is None:
+                        raise bad_request(f"messages[{i}]: this model takes no images (an image_url content part); "
+                                          "serve an image-and-text model", "messages")
+                    try:
+                        parts.append(images.add(part.image_url, f"messages[{i}] image_url"))
+                    except RequestRejectedError as exc:
+                        raise bad_request(str(exc), "messages") from None
+                    continue
                 if part.type != "text":
-                    raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                                      "messages")
+                    raise bad_request(f"messages[{i}]: only text and image_url content parts are supported, got "
+                                      f"{part.type!r}", "messages")
                 if part.text is None:
                     raise bad_request(f"messages[{i}]: a text content part needs its 'text'", "messages")
                 parts.append(part.text)
@@ -163,11 +175,17 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | Non
         raise bad_request(str(exc), exc.param) from None
 
 
-def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools: list[dict[str, Any]] | None) -> str:
+def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools: list[dict[str, Any]] | None,
+                    images: list[Any] | None = None) -> str:
     """The conversation of a chat or tokenize request as the chat template renders it (with the tools'
     definitions, ``continue_final_message`` and ``chat_template_kwargs``); a template error is a 400 naming
-    ``messages``."""
-    messages = chat_messages(req.messages)
+    ``messages``. ``images``: receives the images of the messages' ``image_url`` parts, in order (a model with
+    image inputs)."""
+    support = getattr(ctx.front, "images", None)
+    collected = ImageParts(support.placeholder) if support is not None else None
+    messages = chat_messages(req.messages, collected)
+    if images is not None and collected is not None:
+        images.extend(collected.images)
     kwargs = req.chat_template_kwargs or {}
     reserved = sorted((RESERVED_TEMPLATE_KWARGS | {"documents"}) & set(kwargs))   # documents: a request field
     if reserved:
@@ -252,6 +270,7 @@ class PreparedChat:
     max_tokens: int | None
     max_param: str
     k: int | None
+    multi_modal_data: dict[str, Any] | None = None   # the messages' images (a model with image inputs)
 
 
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_ignored: bool = True,
@@ -269,7 +288,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     if (problem := req.unsupported()) is not None:
         raise bad_request(problem[1], problem[0])
     mode = _tool_mode(ctx, req)
-    text = render_messages(ctx, req, mode.tools if mode is not None else None)
+    images: list[Any] = []
+    text = render_messages(ctx, req, mode.tools if mode is not None else None, images)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     defaults = ctx.default_sampling
@@ -288,8 +308,11 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     if not ids:
         raise bad_request("the chat template rendered these messages as an empty prompt; at least one token is "
                           "needed", "messages")
-    ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
-    return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k)
+    if images and req.use_beam_search:
+        raise bad_request("beam search does not take image inputs", "use_beam_search")
+    if not images:   # (with images the engine checks the length: each image's token becomes many positions)
+        ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
+    return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, {"image": images} if images else None)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -318,7 +341,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
                                                    usage=usage).model_dump())
     started = await unless_disconnected(raw, start(ctx, [(rid, ids, params)], req.priority, lora,
-                                                     cache_salt=req.cache_salt))
+                                                     cache_salt=req.cache_salt,
+                                                     multi_modal_data=prep.multi_modal_data))
     events = merge(started)
     if req.stream:
         options = req.stream_options

@@ -183,11 +183,13 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+def plain_messages(messages: Sequence[Any], images: Any = None) -> list[dict[str, Any]]:
     """OpenAI-style message dicts (from Python or a file) as the chat template takes them, the way the server
     reads a request's: an assistant's ``content: null`` (a turn of tool calls) becomes ``""``, text (and an
     assistant's refusal) content parts are joined by line breaks (:class:`TextParts`), and tool-call arguments written as a JSON object become
-    the object (:func:`template_messages`).
+    the object (:func:`template_messages`). ``images`` (a model with image inputs: an
+    :class:`~plinth.multimodal.images.ImageParts`) collects the images of ``image_url`` (a data URL) and ``image_pil``
+    (a PIL image) parts, in order; without it such parts are refused.
 
     Raises:
         ValueError: ``messages[i]: ...`` for a message that is not an object with a role and text content.
@@ -203,9 +205,15 @@ def plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             texts = []
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image_url", "image_pil"):
+                    if images is None:
+                        raise ValueError(f"messages[{i}]: this model takes no images (an {kind} content part)")
+                    texts.append(images.add(part.get(kind), f"messages[{i}] {kind}"))
+                    continue
                 key = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
                 if key is None or not isinstance(part.get(key), str):
-                    raise ValueError(f"messages[{i}]: only text content parts ({{type: text, text}}) are supported")
+                    raise ValueError(f"messages[{i}]: only text content parts ({{type: text, text}}) are supported"
+                                     + (", and image_url / image_pil ones" if images is not None else ""))
                 texts.append(part[key])
             content = TextParts(texts)
         elif content is None and role == "assistant":   # a turn of tool calls only

@@ -417,18 +417,23 @@ class DecoderModel(nn.Module):
         self._local_layers = frozenset(i for i in range(cfg.num_hidden_layers) if sliding_window_of(cfg, i))
 
     def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                  hidden: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                  image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's share of the forward pass.
 
         The first stage embeds ``input_ids``; later stages continue from the previous stage's
         ``hidden`` and ``residual`` (``[T, H]`` each). Returns ``(hidden, residual)``; on the last
-        stage ``hidden`` is the normed final state and ``residual`` is ``None``.
+        stage ``hidden`` is the normed final state and ``residual`` is ``None``. ``image_embeds``:
+        ``(rows [K], embeddings [K, H])`` that replace those rows' token embeddings (image inputs).
         """
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)                  # [T, H]
             if self.embed_scale != 1.0:
                 hidden = hidden * self.embed_scale
+            if image_embeds is not None:
+                rows, values = image_embeds
+                hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, R] each
         local = self.local_rotary_emb
@@ -447,8 +452,9 @@ class DecoderModel(nn.Module):
             hidden, _ = self.norm(hidden, residual)
         return hidden, None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden, _ = self.run_stage(input_ids, positions, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        hidden, _ = self.run_stage(input_ids, positions, metadata, image_embeds=image_embeds)
         return hidden
 
 
@@ -540,8 +546,14 @@ class DecoderForCausalLM(CausalLM):
             return self.lm_head is not None
         return True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+    #: the forward pass takes ``image_embeds`` (image inputs: see :meth:`DecoderModel.run_stage`)
+    accepts_image_embeds: ClassVar[bool] = True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if image_embeds is None:
+            return self.model(input_ids, positions, metadata)
+        return self.model(input_ids, positions, metadata, image_embeds)
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                       hidden: torch.Tensor | None = None,

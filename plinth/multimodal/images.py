@@ -1,0 +1,273 @@
+"""Image inputs on the engine's side: decoding, the checkpoint's image processor, and the prompt's placeholders.
+
+A prompt names each image with the model's image token (``<image>`` for LLaVA): one token, which
+:meth:`ImageSupport.expand` widens to the ``tokens_per_image`` positions the image's embeddings fill, or a run of
+exactly that many (a prompt already expanded). Each image becomes an :class:`ImageItem`: its pixels, the
+positions it fills, and a digest of its pixels that the prefix cache keys its blocks with (two images never share
+cached blocks, the same image in two prompts does).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import io
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plinth.core.scheduler import RequestRejectedError
+from plinth.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+#: the most images one request may carry (vLLM's ``--limit-mm-per-prompt`` default is larger; one prompt's images
+#: must fit its context anyway)
+MAX_IMAGES_PER_PROMPT = 16
+#: the largest image (pixels) decoded: PIL's own decompression-bomb limit
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+@dataclasses.dataclass(eq=False)
+class ImageItem:
+    """One image of a request.
+
+    Attributes:
+        offset: the prompt position of its first placeholder.
+        length: how many positions its embeddings fill (the encoder's ``tokens_per_image``).
+        pixel_values: ``[C, S, S]`` float32, as the image processor made them.
+        key: a digest of ``pixel_values`` (the prefix cache's and the encoder cache's key).
+    """
+
+    offset: int
+    length: int
+    pixel_values: torch.Tensor
+    key: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def block_key_extra(items: Sequence[ImageItem], start: int, end: int) -> tuple[Any, ...]:
+    """What the prefix cache adds to the key of a block of positions ``[start, end)``: each image overlapping it
+    (its digest and where the block starts within it); ``()`` for a block without images."""
+    return tuple((item.key, start - item.offset) for item in items if item.offset < end and start < item.end)
+
+
+def decode_image(data: bytes, where: str = "image") -> Any:
+    """A PIL image (RGB) from encoded bytes (PNG, JPEG, WebP, ...).
+
+    Raises:
+        RequestRejectedError: not an image PIL can read, or larger than :data:`MAX_IMAGE_PIXELS`.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise RequestRejectedError(f"{where}: {img.width}x{img.height} pixels, more than the "
+                                           f"{MAX_IMAGE_PIXELS} allowed")
+            img.load()
+            return img.convert("RGB")
+    except RequestRejectedError:
+        raise
+    except Exception as exc:   # noqa: BLE001 - PIL raises many kinds for a bad file
+        raise RequestRejectedError(f"{where} cannot be read as an image: {type(exc).__name__}: {exc}") from None
+
+
+def image_from_url(url: str, where: str = "image_url") -> Any:
+    """A PIL image from a ``data:image/...;base64,...`` URL (remote URLs are not fetched: the server never reaches
+    out to addresses a client names).
+
+    Raises:
+        RequestRejectedError: another kind of URL, bad base64, or bytes that are not an image.
+    """
+    if not isinstance(url, str):
+        raise RequestRejectedError(f"{where} must be a string URL, got {type(url).__name__}")
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else url[:20]
+        raise RequestRejectedError(f"{where}: only data: URLs (data:image/png;base64,...) are accepted, got a "
+                                   f"{scheme!r} URL; send the image's bytes inline")
+    header, sep, payload = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise RequestRejectedError(f"{where}: a data URL must be data:<media type>;base64,<data>")
+    if not header.startswith("image/"):
+        raise RequestRejectedError(f"{where}: the data URL's media type is {header[:-7] or 'missing'!r}, not an image")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestRejectedError(f"{where}: the data URL's payload is not valid base64") from None
+    return decode_image(data, where)
+
+
+def _as_pil(image: Any, where: str) -> Any:
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise RequestRejectedError(f"{where}: {image.width}x{image.height} pixels, more than the "
+                                       f"{MAX_IMAGE_PIXELS} allowed")
+        return image if image.mode == "RGB" else image.convert("RGB")
+    if isinstance(image, bytes | bytearray):
+        return decode_image(bytes(image), where)
+    raise RequestRejectedError(f"{where} must be a PIL image or an image file's bytes, got {type(image).__name__}")
+
+
+class ImageSupport:
+    """A LLaVA checkpoint's image side for the engine: the image processor, the placeholder token and how many
+    positions an image fills.
+
+    Args:
+        mm_config: the checkpoint's ``LlavaConfig``.
+        path: the model directory (its ``preprocessor_config.json``, if any, configures the processor).
+        tokenizer: the model's (the image token's text, which chat messages' image parts become).
+    """
+
+    def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None):
+        from plinth.multimodal.vision import tokens_per_image
+
+        self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
+                            else mm_config.image_token_id)
+        self.tokens_per_image = tokens_per_image(mm_config)
+        self.image_size = int(mm_config.vision_config.image_size)
+        self.processor = _image_processor(mm_config, path)
+        token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None else None
+        #: the image token as text (a chat message's image part, as a template that reads strings sees it)
+        self.placeholder: str = token if isinstance(token, str) else "<image>"
+
+    def pixel_values(self, images: Sequence[Any]) -> torch.Tensor:
+        """``[N, C, S, S]`` float32 pixels of PIL images, as the checkpoint's processor makes them.
+
+        Raises:
+            RequestRejectedError: the processor cannot take an image.
+        """
+        try:
+            out = self.processor(images=list(images), return_tensors="pt")["pixel_values"]
+        except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
+            raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
+                                       f"{exc}", param="multi_modal_data") from None
+        if out.dim() != 4 or out.shape[-2:] != (self.image_size, self.image_size):
+            raise RequestRejectedError(f"the image processor made images of shape {tuple(out.shape)}; the vision "
+                                       f"tower takes {self.image_size}x{self.image_size}", param="multi_modal_data")
+        return out.float()
+
+    def images_of(self, data: Any) -> list[Any]:
+        """The PIL images of a request's ``multi_modal_data`` (``{"image": image or [images]}``).
+
+        Raises:
+            RequestRejectedError: another shape, another modality, too many images, or an unreadable one.
+        """
+        if not isinstance(data, dict):
+            raise RequestRejectedError(f"multi_modal_data must be a dict such as {{'image': image}}, got "
+                                       f"{type(data).__name__}", param="multi_modal_data")
+        other = sorted(str(k) for k in data if k != "image")
+        if other:
+            raise RequestRejectedError(f"multi_modal_data: this model takes images only, got {', '.join(other)}",
+                                       param="multi_modal_data")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        if len(images) > MAX_IMAGES_PER_PROMPT:
+            raise RequestRejectedError(f"multi_modal_data: {len(images)} images, at most {MAX_IMAGES_PER_PROMPT} a "
+                                       "prompt", param="multi_modal_data")
+        return [_as_pil(img, f"multi_modal_data image {i}") for i, img in enumerate(images)]
+
+    def expand(self, ids: Sequence[int], num_images: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """The prompt with each image's placeholder widened to ``tokens_per_image`` positions, and each image's
+        ``(offset, length)``.
+
+        Raises:
+            RequestRejectedError: the prompt's placeholders do not name ``num_images`` images.
+        """
+        n, token = self.tokens_per_image, self.token_id
+        out: list[int] = []
+        spans: list[tuple[int, int]] = []
+        i = 0
+        while i < len(ids):
+            if ids[i] != token:
+                out.append(ids[i])
+                i += 1
+                continue
+            j = i
+            while j < len(ids) and ids[j] == token:
+                j += 1
+            run = j - i
+            if run == 1:
+                count = 1
+            elif run % n == 0:
+                count = run // n
+            else:
+                raise RequestRejectedError(
+                    f"the prompt has a run of {run} image tokens (id {token}): give one per image (widened to "
+                    f"{n}) or exactly {n} per image", param="multi_modal_data")
+            for _ in range(count):
+                spans.append((len(out), n))
+                out.extend([token] * n)
+            i = j
+        if len(spans) != num_images:
+            raise RequestRejectedError(
+                f"the prompt names {len(spans)} image(s) (image token id {token}) but multi_modal_data has "
+                f"{num_images}: put one image token where each image goes", param="multi_modal_data")
+        return out, spans
+
+    def items(self, ids: Sequence[int], data: Any) -> tuple[list[int], list[ImageItem]]:
+        """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data``."""
+        images = self.images_of(data)
+        expanded, spans = self.expand(ids, len(images))
+        if not images:
+            return expanded, []
+        pixels = self.pixel_values(images)
+        items = [ImageItem(offset, length, pixels[i], _digest(pixels[i]))
+                 for i, (offset, length) in enumerate(spans)]
+        return expanded, items
+
+
+class ImageParts:
+    """A conversation's images, collected from its messages' image content parts in order; each part becomes an
+    :class:`~plinth.core.engine.ImagePart` holding the image token's text."""
+
+    def __init__(self, placeholder: str):
+        self.placeholder = placeholder
+        self.images: list[Any] = []
+
+    def add(self, value: Any, where: str) -> str:
+        """The part of an ``image_url`` value (``{"url": "data:..."}`` or the URL) or a PIL image (Python's
+        ``image_pil`` parts).
+
+        Raises:
+            RequestRejectedError: not a data URL of an image, or not an image.
+        """
+        from plinth.core.engine import ImagePart
+
+        if isinstance(value, dict):
+            value = value.get("url")
+        image = image_from_url(value, where) if isinstance(value, str) else _as_pil(value, where)
+        self.images.append(image)
+        return ImagePart(self.placeholder)
+
+
+def _digest(pixels: torch.Tensor) -> str:
+    return hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def _image_processor(mm_config: Any, path: str | None) -> Any:
+    """The checkpoint's image processor (its ``preprocessor_config.json``), else the vision tower's usual one
+    (CLIP's or SigLIP's) at the tower's image size."""
+    import transformers
+
+    if path is not None and (Path(path) / "preprocessor_config.json").is_file():
+        try:
+            return transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        except Exception as exc:   # noqa: BLE001
+            raise ModelLoadError(f"{path}/preprocessor_config.json: cannot build the image processor: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    size = int(mm_config.vision_config.image_size)
+    if mm_config.vision_config.model_type == "siglip_vision_model":
+        return transformers.SiglipImageProcessor(size={"height": size, "width": size})
+    logger.info("no preprocessor_config.json: images are processed as CLIP's processor does at %dx%d", size, size)
+    return transformers.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})

@@ -1,0 +1,113 @@
+"""The runner's side of image inputs: the image encoder, its recent outputs, and the rows of a step's batch that
+take image embeddings instead of token embeddings."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plinth.multimodal.images import ImageItem
+from plinth.multimodal.vision import ImageEncoder
+
+logger = logging.getLogger(__name__)
+
+#: the bytes of image embeddings kept between steps (a long prompt's image is encoded once, not once per chunk)
+CACHE_BYTES = 256 << 20
+
+#: ``(first row of the flat batch, rows, image, first of the image's positions)``: a step's rows that take an
+#: image's embeddings
+ImageRows = tuple[int, int, ImageItem, int]
+
+
+class ImageFeatures:
+    """Encodes a step's images (those not encoded lately) and gives the embeddings of its image rows.
+
+    Args:
+        encoder: the checkpoint's image encoder, on the runner's device and in the model's dtype.
+        capacity_bytes: the most bytes of embeddings kept between steps (a step's own are always kept).
+    """
+
+    def __init__(self, encoder: ImageEncoder, capacity_bytes: int = CACHE_BYTES):
+        self.encoder = encoder
+        self.capacity_bytes = capacity_bytes
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.linear_2.weight.device
+
+    @torch.inference_mode()
+    def embeddings(self, items: Sequence[ImageItem]) -> list[torch.Tensor]:
+        """Each item's ``[length, hidden]`` embeddings (encoded now where not kept from an earlier step)."""
+        todo = {item.key: item for item in items if item.key not in self._cache}
+        if todo:
+            pixels = torch.stack([item.pixel_values for item in todo.values()]).to(self.device)
+            out = self.encoder(pixels)
+            for key, features in zip(todo, out, strict=True):
+                self._cache[key] = features
+                self._bytes += features.numel() * features.element_size()
+        wanted = [item.key for item in items]
+        for key in wanted:
+            self._cache.move_to_end(key)
+        keep = set(wanted)
+        while self._bytes > self.capacity_bytes:
+            key = next((k for k in self._cache if k not in keep), None)
+            if key is None:
+                break
+            old = self._cache.pop(key)
+            self._bytes -= old.numel() * old.element_size()
+        return [self._cache[key] for key in wanted]
+
+    def rows(self, image_rows: Sequence[ImageRows]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [K] int64, embeddings [K, hidden])``: the flat batch's rows that take image embeddings, and
+        theirs."""
+        features = self.embeddings([item for _, _, item, _ in image_rows])
+        values = torch.cat([f[first:first + count] for f, (_, count, _, first) in zip(features, image_rows,
+                                                                                     strict=True)])
+        rows = torch.tensor(list(itertools.chain.from_iterable(range(row, row + count)
+                                                              for row, count, _, _ in image_rows)),
+                            dtype=torch.int64).to(self.device, non_blocking=True)
+        return rows, values
+
+    def clear(self) -> None:
+        """Drop the kept embeddings (new weights)."""
+        self._cache.clear()
+        self._bytes = 0
+
+
+def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ImageFeatures | None:
+    """The image encoder of ``source`` (a LLaVA checkpoint; ``None`` for any other), its weights read from the
+    checkpoint's vision tower and projector tensors (random for dummy weights)."""
+    mm_config = getattr(source, "mm_config", None)
+    if mm_config is None:
+        return None
+    from plinth.model_registry.weights import SafetensorsWeights, list_safetensors_files
+    from plinth.multimodal.vision import ENCODER_PREFIXES
+
+    encoder = ImageEncoder(mm_config)
+    if source.kind == "hf_dir":
+        files = list_safetensors_files(Path(source.path))
+        encoder.load_weights(itertools.chain.from_iterable(SafetensorsWeights(files, only=prefix)
+                                                           for prefix in ENCODER_PREFIXES))
+    else:   # dummy weights
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in encoder.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    encoder = encoder.to(device=device, dtype=dtype).eval()
+    logger.info("image encoder: %s, %d of its layers, %d positions per image",
+                mm_config.vision_config.model_type, len(encoder.tower.layers), _positions(mm_config))
+    return ImageFeatures(encoder)
+
+
+def _positions(mm_config: Any) -> int:
+    from plinth.multimodal.vision import tokens_per_image
+
+    return tokens_per_image(mm_config)

@@ -1,0 +1,203 @@
+"""The image encoder of a LLaVA checkpoint: a CLIP or SigLIP vision transformer and the projector that maps its
+patch features into the language model's embedding space.
+
+Only the layers up to the one LLaVA reads (``vision_feature_layer``, usually the next-to-last) are built and run.
+Attention is bidirectional over the image's patches (``F.scaled_dot_product_attention``); the encoder runs in the
+model's dtype on the engine's device, once per image (the runner keeps recent features, see
+:class:`~plinth.multimodal.runner.ImageFeatures`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plinth.errors import ModelLoadError, UnsupportedModelError
+
+#: vision towers this module runs (``vision_config.model_type``)
+VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
+_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
+
+
+def _activation(name: str) -> Any:
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise UnsupportedModelError(f"vision activation {name!r} is not supported")
+    return ACT2FN[name]
+
+
+def feature_layers(mm_config: Any) -> list[int]:
+    """The vision layers whose outputs LLaVA reads (``vision_feature_layer``: one index or a list), as indices into
+    the hidden states ``[embeddings, layer 1, ..., layer L]``."""
+    layers = mm_config.vision_feature_layer
+    layers = list(layers) if isinstance(layers, list | tuple) else [layers]
+    total = int(mm_config.vision_config.num_hidden_layers)
+    out = []
+    for layer in layers:
+        index = layer if layer >= 0 else total + 1 + layer
+        if not 0 <= index <= total:
+            raise ModelLoadError(f"vision_feature_layer {layer} is outside the vision tower's {total} layers")
+        out.append(index)
+    return out
+
+
+def tokens_per_image(mm_config: Any) -> int:
+    """How many prompt positions one image's embeddings fill: a patch each (and CLIP's class token with the
+    ``full`` feature strategy)."""
+    vcfg = mm_config.vision_config
+    clip = vcfg.model_type == "clip_vision_model"
+    keep_class = clip and getattr(mm_config, "vision_feature_select_strategy", "default") == "full"
+    return (vcfg.image_size // vcfg.patch_size) ** 2 + (1 if keep_class else 0)
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.layer_norm_eps
+        self.heads = cfg.num_attention_heads
+        self.layer_norm1 = nn.LayerNorm(h, eps=eps)
+        self.layer_norm2 = nn.LayerNorm(h, eps=eps)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(h, h) for _ in range(4))
+        self.fc1 = nn.Linear(h, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, h)
+        self.act = _activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [N, P, H]
+        n, p, h = x.shape
+        y = self.layer_norm1(x)
+        q, k, v = (proj(y).view(n, p, self.heads, h // self.heads).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        attn = F.scaled_dot_product_attention(q, k, v)            # [N, heads, P, D]; scale D ** -0.5
+        x = x + self.out_proj(attn.transpose(1, 2).reshape(n, p, h))
+        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))
+
+
+class VisionTower(nn.Module):
+    """A CLIP or SigLIP vision transformer, its first ``num_layers`` layers."""
+
+    def __init__(self, cfg: Any, num_layers: int):
+        super().__init__()
+        self.clip = cfg.model_type == "clip_vision_model"
+        h = cfg.hidden_size
+        self.patch_size = cfg.patch_size
+        self.image_size = cfg.image_size
+        num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.patch_embedding = nn.Conv2d(cfg.num_channels, h, cfg.patch_size, stride=cfg.patch_size,
+                                         bias=not self.clip)
+        self.class_embedding = nn.Parameter(torch.empty(h)) if self.clip else None
+        self.position_embedding = nn.Embedding(num_patches + (1 if self.clip else 0), h)
+        self.pre_layrnorm = nn.LayerNorm(h, eps=cfg.layer_norm_eps) if self.clip else None
+        self.layers = nn.ModuleList(_EncoderLayer(cfg) for _ in range(num_layers))
+
+    def forward(self, pixel_values: torch.Tensor, wanted: list[int]) -> list[torch.Tensor]:
+        """The hidden states ``wanted`` (0: the embeddings, ``i``: after layer ``i``) of ``pixel_values``
+        ``[N, C, S, S]``, each ``[N, P (+1 class token for CLIP), H]``."""
+        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))   # [N, H, S/p, S/p]
+        x = x.flatten(2).transpose(1, 2)                                               # [N, P, H]
+        if self.class_embedding is not None:
+            x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        x = x + self.position_embedding.weight
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
+        states = {0: x}
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            states[i + 1] = x
+        return [states[i] for i in wanted]
+
+
+class ImageEncoder(nn.Module):
+    """Pixels to the language model's embeddings: the vision tower's selected features, then LLaVA's projector
+    (``linear_1``, the activation, ``linear_2``).
+
+    Args:
+        mm_config: the checkpoint's ``LlavaConfig``.
+    """
+
+    def __init__(self, mm_config: Any):
+        super().__init__()
+        vcfg = mm_config.vision_config
+        if vcfg.model_type not in VISION_TOWERS:
+            raise UnsupportedModelError(f"vision tower {vcfg.model_type!r} is not supported; supported: "
+                                        f"{', '.join(VISION_TOWERS)}")
+        self.wanted = feature_layers(mm_config)
+        self.tower = VisionTower(vcfg, max(self.wanted))
+        strategy = getattr(mm_config, "vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
+        # "default" drops CLIP's class token; SigLIP has none to drop
+        self.skip = 1 if strategy == "default" and self.tower.clip else 0
+        bias = bool(getattr(mm_config, "multimodal_projector_bias", True))
+        text_hidden = mm_config.text_config.hidden_size
+        self.linear_1 = nn.Linear(vcfg.hidden_size * len(self.wanted), text_hidden, bias=bias)
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
+        self.act = _activation(getattr(mm_config, "projector_hidden_act", "gelu"))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, C, S, S]`` pixels -> ``[N, tokens_per_image, text hidden]`` embeddings."""
+        states = self.tower(pixel_values, self.wanted)
+        features = torch.cat([s[:, self.skip:] for s in states], dim=-1)
+        return self.linear_2(self.act(self.linear_1(features)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill the parameters from a checkpoint's ``vision_tower.*`` and ``multi_modal_projector.*`` tensors
+        (either layout transformers writes; the vision layers past the last one read are skipped).
+
+        Raises:
+            ModelLoadError: a missing tensor or one of another shape.
+        """
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            target = _parameter_name(name, len(self.tower.layers))
+            if target is None:
+                continue
+            param = params.get(target)
+            if param is None:
+                continue   # (the tower's post-layernorm and the like: not read by LLaVA)
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            seen.add(target)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ModelLoadError(f"the checkpoint lacks the image encoder's tensors {', '.join(missing[:4])}"
+                                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+
+
+_TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
+_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+#: the checkpoint prefixes of the encoder's tensors (both layouts transformers writes)
+ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES
+
+
+def _parameter_name(name: str, num_layers: int) -> str | None:
+    """The :class:`ImageEncoder` parameter of checkpoint tensor ``name`` (``None``: not the encoder's, or a layer
+    past those run)."""
+    for prefix in _PROJECTOR_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    for prefix in _TOWER_PREFIXES:
+        if name.startswith(prefix):
+            rest = name[len(prefix):].removeprefix("vision_model.")
+            m = _LAYER.match(rest)
+            if m is not None:
+                if int(m[1]) >= num_layers:
+                    return None
+                rest = "layers." + rest[len("encoder."):].removeprefix("layers.")
+                rest = re.sub(r"\.(self_attn|mlp)\.", ".", rest)
+            rest = rest.removeprefix("embeddings.")
+            return "tower." + rest
+    return None
+
+
+def is_encoder_tensor(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to the vision tower or the projector."""
+    return name.startswith(ENCODER_PREFIXES)

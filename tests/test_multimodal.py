@@ -1,0 +1,252 @@
+"""Image inputs (LLaVA): tiny random LLaVA checkpoints written by transformers, run by plinth and by transformers'
+``LlavaForConditionalGeneration`` on the same pixels."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import decisive_weights, make_tokenizer
+
+from plinth import LLM, SamplingParams
+from plinth.core.scheduler import RequestRejectedError
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+IMAGE = 28   # pixels a side; patches of 7: 16 positions an image
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+
+
+def _save_llava(path, tower: str = "clip", seed: int = 0, **extra):
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tok.convert_tokens_to_ids("<image>")
+    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                                    bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=IMAGE,
+                  patch_size=7)
+    if tower == "clip":
+        vision = transformers.CLIPVisionConfig(projection_dim=32, **common)
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE},
+                                                    crop_size={"height": IMAGE, "width": IMAGE})
+    else:
+        vision = transformers.SiglipVisionConfig(**common)
+        processor = transformers.SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
+    config = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                      image_token_index=image_id, **extra)
+    torch.manual_seed(seed)
+    model = decisive_weights(transformers.LlavaForConditionalGeneration(config).eval())
+    model.save_pretrained(path)
+    tok.chat_template = CHAT
+    tok.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model, processor, tok
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llava")
+    model, processor, tok = _save_llava(path)
+    return path, model, processor, tok
+
+
+@pytest.fixture(scope="module")
+def llm(llava):
+    return LLM(str(llava[0]), dtype="float32", platform="cpu", block_size=4, selection="off")
+
+
+def _reference(model, processor, ids, images, steps=6):
+    """transformers' greedy tokens and each step's log-probabilities for an expanded prompt and its images."""
+    extra = {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]} if images else {}
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, **extra)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1) for s in out.scores]
+
+
+def _greedy(steps=6, logprobs=5):
+    return SamplingParams(max_tokens=steps, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+
+
+def test_tokens_and_logprobs_equal_transformers(llava, llm):
+    """A prompt with an image in its middle: the placeholder widened to the image's 16 positions, whose embeddings
+    are the vision tower's next-to-last layer through the projector; greedy tokens and every step's top
+    log-probabilities equal transformers' on the same pixels."""
+    _, model, processor, _ = llava
+    img = _picture(1)
+    out = llm.generate({"prompt": "The quick <image> brown fox", "multi_modal_data": {"image": img}}, _greedy())[0]
+    image_id = model.config.image_token_index
+    assert out.prompt_token_ids.count(image_id) == 16
+    tokens, logprobs = _reference(model, processor, out.prompt_token_ids, [img])
+    assert out.outputs[0].token_ids == tokens
+    for step, ref in zip(out.outputs[0].logprobs, logprobs, strict=True):
+        for tid, lp in step.items():
+            assert abs(lp.logprob - ref[tid].item()) < 1e-4
+    # the image matters: another picture gives other log-probabilities
+    other = llm.generate({"prompt": "The quick <image> brown fox", "multi_modal_data": {"image": _picture(2)}},
+                         _greedy())[0]
+    first = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+    second = {t: lp.logprob for t, lp in other.outputs[0].logprobs[0].items()}
+    assert first != second
+
+
+def test_two_images_in_one_prompt_and_a_batch(llava, llm):
+    """Two images in one prompt (in order), and a batch mixing prompts with and without images: each equal to
+    transformers alone."""
+    _, model, processor, _ = llava
+    a, b = _picture(3), _picture(4, (60, 30))
+    prompts = [{"prompt": "<image> Paris <image> is", "multi_modal_data": {"image": [a, b]}},
+               "The quick brown fox",
+               {"prompt": "Berlin <image>", "multi_modal_data": {"image": b}}]
+    outs = llm.generate(prompts, _greedy(logprobs=None))
+    assert outs[0].prompt_token_ids.count(model.config.image_token_index) == 32
+    assert outs[0].outputs[0].token_ids == _reference(model, processor, outs[0].prompt_token_ids, [a, b])[0]
+    assert outs[1].outputs[0].token_ids == _reference(model, processor, outs[1].prompt_token_ids, [])[0]
+    assert outs[2].outputs[0].token_ids == _reference(model, processor, outs[2].prompt_token_ids, [b])[0]
+
+
+def test_prefix_cache_keys_blocks_by_image(llava):
+    """Blocks holding image positions are cached under the image's digest: the same image and text again hits the
+    cache through the image, another image with the same text does not (and still gets its own tokens)."""
+    path, model, processor, _ = llava
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", enable_prefix_caching=True)
+    prompt = "Paris is the capital <image> of France, and Berlin"
+    a, b = _picture(5), _picture(6)
+    first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": a}}, _greedy(logprobs=None))[0]
+    again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": a}}, _greedy(logprobs=None))[0]
+    other = llm.generate({"prompt": prompt, "multi_modal_data": {"image": b}}, _greedy(logprobs=None))[0]
+    start = first.prompt_token_ids.index(model.config.image_token_index)
+    assert again.num_cached_tokens > start + 16   # past the image
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.num_cached_tokens <= start       # the blocks before the image only
+    assert other.outputs[0].token_ids == _reference(model, processor, other.prompt_token_ids, [b])[0]
+
+
+def test_chunked_prefill_splits_an_image(llava):
+    """A prefill budget of 8 tokens a step cuts the image's 16 positions over several steps: the encoder runs once
+    and each chunk takes its slice; the tokens equal transformers'."""
+    path, model, processor, _ = llava
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_num_batched_tokens=8,
+              max_num_seqs=2, enable_chunked_prefill=True)
+    calls = []
+    encoder = llm.llm_engine.runner.images.encoder
+    encoder.register_forward_hook(lambda *_: calls.append(1))
+    img = _picture(7)
+    out = llm.generate({"prompt": "The <image> fox jumps", "multi_modal_data": {"image": img}},
+                       _greedy(logprobs=None))[0]
+    assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
+    assert len(calls) == 1
+
+
+def test_siglip_tower_with_the_full_feature_strategy(tmp_path):
+    """A SigLIP vision tower (no class token, biased patch embedding), its last layer's features
+    (``vision_feature_layer=-1``), the ``full`` strategy: tokens equal transformers'."""
+    model, processor, _ = _save_llava(tmp_path, tower="siglip", seed=3, vision_feature_layer=-1,
+                                      vision_feature_select_strategy="full")
+    llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(8)
+    out = llm.generate({"prompt": "<image> Large language models", "multi_modal_data": {"image": img}},
+                       _greedy(logprobs=None))[0]
+    assert out.prompt_token_ids.count(model.config.image_token_index) == 16
+    assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
+
+
+def _data_url(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_with_image_parts(llava, llm):
+    """LLM.chat: image_url (a data URL) and image_pil parts become the image token where they stand, and the
+    images go with the prompt; the reply equals generate on the same rendered prompt."""
+    _, model, processor, tok = llava
+    img = _picture(9)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(img)}},
+                                             {"type": "text", "text": "The quick brown fox"}]}]
+    out = llm.chat(messages, _greedy(logprobs=None))[0]
+    assert "<image>\nThe quick brown fox" in out.prompt
+    assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
+    pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                        {"type": "text", "text": "The quick brown fox"}]}]
+    assert llm.chat(pil, _greedy(logprobs=None))[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_server_chat_with_an_image_url(llava):
+    """POST /v1/chat/completions with an image_url part: the reply equals LLM.chat's; a remote URL, bad base64 and
+    bytes that are not an image are 400s naming messages."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import ImagePart, LLMEngine, TextParts
+    from plinth.entrypoints.openai.api_server import build_app
+
+    path, model, processor, _ = llava
+    img = _picture(10)
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu", served_model_name="llava"))
+    content = [{"type": "text", "text": "Paris is"}, {"type": "image_url", "image_url": {"url": _data_url(img)}}]
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                    "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        parts = TextParts(["Paris is", ImagePart("<image>")])   # as the server reads the message
+        rendered = engine.render_chat([{"role": "user", "content": parts}])
+        assert rendered.endswith("Paris is<image>\n<|im_end|>\n<|im_start|>assistant\n")
+        ids = engine.tokenize(rendered, add_special_tokens=False)
+        expanded, _ = engine.images.expand(ids, 1)
+        want = _reference(model, processor, expanded, [img])[0]
+        assert r.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(want, skip_special_tokens=True)
+        assert r.json()["usage"]["prompt_tokens"] == len(expanded)
+        for url, words in [("https://example.com/cat.png", "only data: URLs"), ("data:image/png;base64,@@@",
+                           "not valid base64"), ("data:image/png;base64," + base64.b64encode(b"no image").decode(),
+                                                 "cannot be read as an image")]:
+            bad = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": bad}],
+                                                        "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            assert words in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
+
+
+def test_refusals(llava, llm, tiny_llama_dir):
+    """Clear errors: images that the prompt does not name (or names too often), an image token without an image, a
+    run of image tokens of the wrong length, something that is not an image, images for a text-only model, and
+    an image part in a text-only model's chat."""
+    img = _picture(11)
+    engine = llm.llm_engine
+    image_id = llava[1].config.image_token_index
+    cases = [
+        ("The fox", {"image": img}, r"names 0 image\(s\)"),
+        ("<image> and <image>", {"image": img}, r"names 2 image\(s\)"),
+        ("The <image> fox", None, "no image"),
+        ([5, image_id, image_id, 6], {"image": img}, "run of 2 image tokens"),
+        ("The <image> fox", {"image": "cat.png"}, "must be a PIL image"),
+        ("The <image> fox", {"video": img}, "images only"),
+        ("The <image> fox", {"image": b"not an image"}, "cannot be read as an image"),
+    ]
+    for prompt, data, words in cases:
+        with pytest.raises(RequestRejectedError, match=words):
+            engine.add_request("bad", prompt, SamplingParams(max_tokens=2), multi_modal_data=data)
+    assert not engine.has_unfinished_requests()
+    text_only = LLM(str(tiny_llama_dir), dtype="float32", platform="cpu", selection="off")
+    with pytest.raises(RequestRejectedError, match="takes no image inputs"):
+        text_only.generate({"prompt": "The fox", "multi_modal_data": {"image": img}})
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img}]}])
