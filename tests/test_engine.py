@@ -568,7 +568,7 @@ def test_chat_uses_template(llm):
              {"role": "tool", "tool_call_id": "t1", "content": "sunny"}]
     out = llm.chat(calls, greedy(4), use_tqdm=False)[0]
     assert "<|im_start|>assistant\n<|im_end|>" in llm.get_tokenizer().decode(out.prompt_token_ids)
-    with pytest.raises(ValueError, match=r"messages\[0\]: only text content parts"):
+    with pytest.raises(ValueError, match=r"messages\[0\]: this model takes no images"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(2))
 
 

@@ -32,6 +32,7 @@ class StepBatch:
         needs_hidden: the step's hidden states are read afterwards (embeddings): never a replayed decode step.
         lora_slots, lora_loads: the LoRA adapters' slots and loads (see :class:`~plinth.worker.batching.FlatBatch`).
         num_logits: sampled positions per sequence (speculative decoding; see the same).
+        images: the rows that take image embeddings, with the images' pixels (see the same).
     """
 
     token_ids: np.ndarray
@@ -44,6 +45,7 @@ class StepBatch:
     lora_slots: np.ndarray | None = None
     lora_loads: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     num_logits: np.ndarray | None = None
+    images: list[Any] | None = None
 
     @classmethod
     def from_entries(cls, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepBatch:
@@ -56,7 +58,7 @@ class StepBatch:
             return cls(token_ids=entries.token_ids, q_lens=entries.q_lens, starts=entries.starts,
                        block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample,
                        needs_hidden=entries.needs_hidden, lora_slots=entries.lora_slots,
-                       lora_loads=entries.lora_loads, num_logits=entries.num_logits)
+                       lora_loads=entries.lora_loads, num_logits=entries.num_logits, images=entries.images)
         n = len(entries)
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
         block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
@@ -79,7 +81,8 @@ class StepBatch:
         return FlatBatch(token_ids=self.token_ids, q_lens=self.q_lens, starts=self.starts, block_tables=tables,
                          block_counts=self.block_counts, sample=self.sample, needs_hidden=self.needs_hidden,
                          lora_slots=self.lora_slots, lora_loads=self.lora_loads, num_logits=self.num_logits,
-                         decode_only=len(self.token_ids) == n and bool(self.sample.all()) and not self.needs_hidden)
+                         images=self.images, decode_only=len(self.token_ids) == n and bool(self.sample.all())
+                         and not self.needs_hidden and not self.images)
 
     def entries(self) -> list[SeqBatchEntry]:
         """The batch as the model runner's entries (views into the arrays, no copies of the ids)."""

@@ -610,8 +610,8 @@ async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any
     ctx.check_room(sum(counts), "n" if max(counts, default=1) > 1 else fields[-1] if fields else "prompt")
     loop = asyncio.get_running_loop()
     accepted = [loop.create_future() for _ in requests]
-    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut, cache_salt=cache_salt,
-                            multi_modal_data=multi_modal_data)
+    images = {"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}
+    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut, cache_salt=cache_salt, **images)
                for (rid, ids, params), fut in zip(requests, accepted, strict=True)]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]   # type: ignore[arg-type]
     try:
