@@ -192,6 +192,7 @@ def test_chat_with_image_parts(llava, llm):
 def test_server_chat_with_an_image_url(llava):
     """POST /v1/chat/completions with an image_url part: the reply equals LLM.chat's; a remote URL, bad base64 and
     bytes that are not an image are 400s naming messages."""
+    pytest.importorskip("fastapi")
     from starlette.testclient import TestClient
 
     from plinth.config import EngineConfig
@@ -281,3 +282,18 @@ def test_tensor_parallel_workers_encode_the_image(llava, llm):
     assert [o.outputs[0].token_ids for o in got] == want
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         LLM(path, dtype="float32", platform="cpu", pipeline_parallel_size=2, distributed_executor="mp")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tokens_equal_transformers(llava):
+    """On a GPU (CUDA graphs for the decode steps, the Triton attention kernels for the prefill through the image):
+    float32 tokens equal transformers' on the CPU, for a batch of two prompts with images and one without."""
+    path, model, processor, _ = llava
+    llm = LLM(str(path), dtype="float32", platform="cuda", block_size=16, gpu_memory_utilization=0.3)
+    a, b = _picture(14), _picture(15)
+    prompts = [{"prompt": "The quick <image> brown fox", "multi_modal_data": {"image": a}},
+               {"prompt": "<image> Paris <image> is", "multi_modal_data": {"image": [b, a]}},
+               "Large language models"]
+    outs = llm.generate(prompts, _greedy(logprobs=None))
+    for out, images in zip(outs, [[a], [b, a], []], strict=True):
+        assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
