@@ -190,8 +190,9 @@ def test_chat_with_image_parts(llava, llm):
 
 
 def test_server_chat_with_an_image_url(llava):
-    """POST /v1/chat/completions with an image_url part: the reply equals LLM.chat's; a remote URL, bad base64 and
-    bytes that are not an image are 400s naming messages."""
+    """POST /v1/chat/completions with an image_url part: the reply equals transformers' on the rendered prompt, and
+    /v1/responses with an input_image part gives the same; a remote URL, bad base64 and bytes that are not an image
+    are 400s naming messages."""
     pytest.importorskip("fastapi")
     from starlette.testclient import TestClient
 
@@ -217,6 +218,14 @@ def test_server_chat_with_an_image_url(llava):
         want = _reference(model, processor, expanded, [img])[0]
         assert r.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(want, skip_special_tokens=True)
         assert r.json()["usage"]["prompt_tokens"] == len(expanded)
+        reply = r.json()["choices"][0]["message"]["content"]
+        # the Responses API's input_image parts take the same way
+        items = [{"role": "user", "content": [{"type": "input_text", "text": "Paris is"},
+                                              {"type": "input_image", "image_url": _data_url(img)}]}]
+        r = http.post("/v1/responses", json={"input": items, "max_output_tokens": 6, "temperature": 0,
+                                             "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["output"][-1]["content"][0]["text"] == reply
         for url, words in [("https://example.com/cat.png", "only data: URLs"), ("data:image/png;base64,@@@",
                            "not valid base64"), ("data:image/png;base64," + base64.b64encode(b"no image").decode(),
                                                  "cannot be read as an image")]:

@@ -189,7 +189,9 @@ def test_json_schema_format(client):
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input",
      "'function_call_output' are not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
-     "only text parts"),
+     "this model takes no images"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input",
+     "only text and input_image parts"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role 'tool'"),
     ({"input": [{"role": ["user"], "content": "x"}]}, "input", "role ['user']"),   # not a string (was a 500)
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),

@@ -59,15 +59,23 @@ def _messages(req: ResponsesRequest) -> list[dict[str, str]]:
             raise bad_request(f"input[{i}]: role {item['role']!r} is not one of {', '.join(_ROLES)}", "input")
         content = item.get("content")
         if isinstance(content, list):
-            texts = []
+            parts: list[dict[str, Any]] = []   # as chat content parts (joined as the chat route does)
             for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "input_image":
+                    url = part.get("image_url")
+                    if not isinstance(url, str):
+                        raise bad_request(f"input[{i}].content[{j}]: an input_image part needs its image_url (a "
+                                          "data URL; file_id is not supported)", "input")
+                    parts.append({"type": "image_url", "image_url": {"url": url}})
+                    continue
                 if (not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS
                         or not isinstance(part.get("text"), str)):
-                    raise bad_request(f"input[{i}].content[{j}]: only text parts are supported", "input")
-                texts.append(part["text"])
-            content = [{"type": "text", "text": t} for t in texts]   # as chat content parts (joined as the chat route does)
+                    raise bad_request(f"input[{i}].content[{j}]: only text and input_image parts are supported",
+                                      "input")
+                parts.append({"type": "text", "text": part["text"]})
+            content = parts
         if not isinstance(content, str | list):
-            raise bad_request(f"input[{i}]: content must be a string or a list of text parts", "input")
+            raise bad_request(f"input[{i}]: content must be a string or a list of text and image parts", "input")
         messages.append({"role": role, "content": content})
     if not messages:
         raise bad_request("input has no messages", "input")
@@ -229,7 +237,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         raise APIError(exc.status, _responses_wording(exc.message), exc.type, param, exc.code, exc.headers) from None
     body = _Body(req, ctx.reply_model(prep.lora), len(prep.ids))
     started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora,
-                                                     cache_salt=req.cache_salt))
+                                                     cache_salt=req.cache_salt,
+                                                     multi_modal_data=prep.multi_modal_data))
     events = merge(started)
     if req.stream:
         return SSEResponse(_events(ctx, body, events, prep.params.skip_special_tokens), named_events=True,
