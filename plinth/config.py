@@ -204,6 +204,11 @@ class ModelConfig:
         logits_processors: custom logits processors (:mod:`plinth.core.logits_processors`), in the order they
             run: names plugins register, ``"package.module:Class"`` references or the classes themselves (kept
             as a tuple).
+        limit_mm_per_prompt: the most images a prompt of an image-and-text model may carry (``{"image": N}`` or its
+            JSON text; default 16).
+        allowed_local_media_path: a directory whose files ``file://`` image URLs may name (default: none).
+        allowed_media_domains: hosts whose ``http(s)://`` image URLs are fetched, with their subdomains (``*``: any;
+            default: none, so only data URLs are taken).
     """
 
     model: str | None = None
@@ -229,16 +234,42 @@ class ModelConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     logits_processors: Any = ()
+    limit_mm_per_prompt: Any = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: Any = None
+
+    def _check_media(self) -> None:
+        """``limit_mm_per_prompt`` as its image count, ``allowed_media_domains`` as a tuple of lower-case hosts."""
+        limit = _json_text("limit_mm_per_prompt", self.limit_mm_per_prompt)
+        if limit is not None:
+            if not isinstance(limit, dict) or set(limit) - {"image"}:
+                raise ConfigError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}} (images are "
+                                  f"the only inputs besides text), got {self.limit_mm_per_prompt!r}")
+            limit = limit.get("image")
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+                raise ConfigError(f"limit_mm_per_prompt's image count must be an integer >= 0, got {limit!r}")
+        object.__setattr__(self, "limit_mm_per_prompt", limit)
+        domains = self.allowed_media_domains
+        if isinstance(domains, str):
+            domains = [d for d in domains.split(",") if d.strip()]
+        if domains is not None:
+            if not isinstance(domains, list | tuple) or not all(isinstance(d, str) and d.strip() for d in domains):
+                raise ConfigError(f"allowed_media_domains must be a list of host names, got "
+                                  f"{self.allowed_media_domains!r}")
+            domains = tuple(d.strip().lower().rstrip(".") for d in domains)
+        object.__setattr__(self, "allowed_media_domains", domains)
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        self._check_media()
         procs = self.logits_processors
         procs = (procs,) if isinstance(procs, str | type) else procs
         if not isinstance(procs, list | tuple) or not all(isinstance(p, str | type) and p for p in procs):
             raise ConfigError(f"logits_processors must be a list of processor names, 'package.module:Class' "
                               f"references or classes, got {self.logits_processors!r}")
         object.__setattr__(self, "logits_processors", tuple(procs))
-        _check_texts(self, ("tokenizer", "chat_template"), paths=("tokenizer", "chat_template"))
+        _check_texts(self, ("tokenizer", "chat_template", "allowed_local_media_path"),
+                     paths=("tokenizer", "chat_template", "allowed_local_media_path"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         aliases = self.served_model_aliases
@@ -282,6 +313,8 @@ class ModelConfig:
             raise ConfigError(f"max_logprobs must be at most {1 << 20}, got {self.max_logprobs}")
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ConfigError(f"allowed_local_media_path must be a directory, got {self.allowed_local_media_path!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.logits_processors and self.task != "generate":

@@ -226,7 +226,8 @@ def test_server_chat_with_an_image_url(llava):
                                              "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["output"][-1]["content"][0]["text"] == reply
-        for url, words in [("https://example.com/cat.png", "only data: URLs"), ("data:image/png;base64,@@@",
+        for url, words in [("https://example.com/cat.png", "fetches no image URLs"),
+                           ("file:///etc/passwd", "file:// URLs are not allowed"), ("data:image/png;base64,@@@",
                            "not valid base64"), ("data:image/png;base64," + base64.b64encode(b"no image").decode(),
                                                  "cannot be read as an image")]:
             bad = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]
@@ -306,3 +307,84 @@ def test_gpu_tokens_equal_transformers(llava):
     outs = llm.generate(prompts, _greedy(logprobs=None))
     for out, images in zip(outs, [[a], [b, a], []], strict=True):
         assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
+
+
+@pytest.fixture
+def image_site(tmp_path):
+    """A local HTTP server (127.0.0.1) serving a PNG at /cat.png and redirecting /away to another host."""
+    import http.server
+
+    img = _picture(16)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    png = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if self.path == "/cat.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                self.wfile.write(png)
+            elif self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", "http://localhost.invalid/cat.png")
+                self.end_headers()
+            else:
+                self.send_response(404)
+                self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", img, png
+    server.shutdown()
+    server.server_close()
+
+
+def test_image_urls_where_the_server_allows_them(llava, image_site, tmp_path):
+    """--allowed-media-domains: http(s) image URLs of those hosts are fetched (before the request is rendered, off the
+    event loop), a redirect out of them and other hosts are refused; --allowed-local-media-path: file:// URLs under
+    the directory are read, paths outside it refused; --limit-mm-per-prompt caps the images of a prompt."""
+    from starlette.testclient import TestClient
+
+    pytest.importorskip("fastapi")
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    base, img, png = image_site
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(png)
+    (tmp_path / "secret.png").write_bytes(png)
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        model=str(llava[0]), dtype="float32", block_size=4, selection="off", platform="cpu",
+        allowed_media_domains=["127.0.0.1"], allowed_local_media_path=str(media), limit_mm_per_prompt='{"image": 2}'))
+
+    def chat(http, *urls):
+        content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": "Paris"}]
+        return http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                       "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        inline = chat(http, _data_url(img))
+        assert inline.status_code == 200, inline.text
+        for url in (f"{base}/cat.png", f"file://{media}/cat.png"):
+            r = chat(http, url)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == inline.json()["choices"][0]["message"]["content"]
+        for url, words in [(f"{base}/away", "outside the allowed media domains"),
+                           (f"{base}/missing.png", "HTTP 404"),
+                           ("http://localhost.invalid/cat.png", "not among the allowed media domains"),
+                           (f"file://{tmp_path}/secret.png", "outside the allowed local media path"),
+                           (f"file://{media}/../secret.png", "outside the allowed local media path")]:
+            r = chat(http, url)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (url, r.text)
+        r = chat(http, _data_url(img), _data_url(img), _data_url(img))
+        assert r.status_code == 400 and "at most 2 a prompt" in r.json()["error"]["message"], r.text

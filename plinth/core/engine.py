@@ -270,9 +270,14 @@ class LLMEngine:
         #: image inputs (a LLaVA checkpoint): the processor and the placeholder rules, else ``None``
         self.images: Any = None
         if getattr(parts.source, "mm_config", None) is not None:
-            from plinth.multimodal.images import ImageSupport
+            from plinth.multimodal.images import MAX_IMAGES_PER_PROMPT, ImageSupport, MediaPolicy
 
-            self.images = ImageSupport(parts.source.mm_config, parts.source.path, parts.tokenizer)
+            model_cfg = config.model
+            limit = model_cfg.limit_mm_per_prompt
+            self.images = ImageSupport(parts.source.mm_config, parts.source.path, parts.tokenizer,
+                                       MAX_IMAGES_PER_PROMPT if limit is None else limit,
+                                       MediaPolicy(model_cfg.allowed_local_media_path,
+                                                   model_cfg.allowed_media_domains or ()))
         prefix_caching = config.cache.enable_prefix_caching
         if self.pooling is not None and self.classifier is None:
             logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,

@@ -28,7 +28,7 @@ ENGINE_KWARGS = (
     "seed", "served_model_name", "chat_template", "chat_template_content_format", "generation_config",
     "override_generation_config", "hf_overrides",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
-    "logits_processors", "logprobs_mode",
+    "logits_processors", "logprobs_mode", "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
     "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
@@ -95,6 +95,14 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                    help="custom logits processors, in the order they run: names plugins register "
                         f"({', '.join(sorted(pm.registrations('logits_processors'))) or 'none registered'}) or "
                         "'package.module:Class' references (see the README's 'Custom logits processors')")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='the most images a prompt of an image-and-text model may carry, e.g. \'{"image": 4}\' '
+                        "(default 16)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let image URLs name files under DIR (file:///DIR/...); default: no file URLs")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="fetch http(s) image URLs from these hosts and their subdomains ('*': any host); default: "
+                        "none, images come inline as data: URLs")
     g.add_argument("--task", default="generate", choices=TASKS,
                    help="generate text, serve an embedding model (embed: /v1/embeddings, LLM.embed) or a sequence "
                         "classifier (classify: /classify, LLM.classify)")

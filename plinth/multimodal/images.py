@@ -33,6 +33,29 @@ MAX_IMAGES_PER_PROMPT = 16
 MAX_IMAGE_PIXELS = 89_478_485
 
 
+@dataclasses.dataclass(frozen=True)
+class MediaPolicy:
+    """Where images named by URL may come from besides data URLs (vLLM's ``--allowed-local-media-path`` and
+    ``--allowed-media-domains``; plinth fetches nothing unless told).
+
+    Attributes:
+        local_path: ``file://`` URLs are read from under this directory (``None``: refused).
+        domains: ``http(s)://`` URLs are fetched from these hosts and their subdomains (``*``: any host; empty:
+            refused). A redirect must stay within them.
+        timeout_s: the most seconds a fetch may take.
+        max_bytes: the largest image file read or fetched.
+    """
+
+    local_path: str | None = None
+    domains: tuple[str, ...] = ()
+    timeout_s: float = 10.0
+    max_bytes: int = 32 << 20
+
+    def allows_host(self, host: str | None) -> bool:
+        host = (host or "").lower().rstrip(".")
+        return bool(host) and any(d == "*" or host == d or host.endswith("." + d) for d in self.domains)
+
+
 @dataclasses.dataclass(eq=False)
 class ImageItem:
     """One image of a request.
@@ -81,19 +104,32 @@ def decode_image(data: bytes, where: str = "image") -> Any:
         raise RequestRejectedError(f"{where} cannot be read as an image: {type(exc).__name__}: {exc}") from None
 
 
-def image_from_url(url: str, where: str = "image_url") -> Any:
-    """A PIL image from a ``data:image/...;base64,...`` URL (remote URLs are not fetched: the server never reaches
-    out to addresses a client names).
+def is_remote(url: Any) -> bool:
+    """Whether ``url`` is an ``http(s)`` URL (fetched, where the policy allows, before the request is rendered)."""
+    return isinstance(url, str) and url[:8].lower().startswith(("http://", "https://"))
+
+
+def image_from_url(url: str, where: str = "image_url", policy: MediaPolicy | None = None,
+                   fetched: dict[str, bytes] | None = None) -> Any:
+    """A PIL image from a ``data:image/...;base64,...`` URL, or, where ``policy`` allows, a ``file://`` URL under
+    its directory or an ``http(s)://`` URL of its domains (``fetched``: bytes already fetched, by URL).
 
     Raises:
-        RequestRejectedError: another kind of URL, bad base64, or bytes that are not an image.
+        RequestRejectedError: a URL the policy does not allow, bad base64, a failed fetch, or bytes that are not an
+            image.
     """
     if not isinstance(url, str):
         raise RequestRejectedError(f"{where} must be a string URL, got {type(url).__name__}")
+    policy = policy or MediaPolicy()
+    if is_remote(url):
+        data = fetched.get(url) if fetched else None
+        return decode_image(data if data is not None else fetch_url(url, policy, where), where)
+    if url[:7].lower() == "file://":
+        return decode_image(read_local(url, policy, where), where)
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else url[:20]
-        raise RequestRejectedError(f"{where}: only data: URLs (data:image/png;base64,...) are accepted, got a "
-                                   f"{scheme!r} URL; send the image's bytes inline")
+        raise RequestRejectedError(f"{where}: a {scheme!r} URL; images come as data: URLs (data:image/png;base64,"
+                                   "...), or http(s):// and file:// URLs where the server allows them")
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise RequestRejectedError(f"{where}: a data URL must be data:<media type>;base64,<data>")
@@ -104,6 +140,75 @@ def image_from_url(url: str, where: str = "image_url") -> Any:
     except (binascii.Error, ValueError):
         raise RequestRejectedError(f"{where}: the data URL's payload is not valid base64") from None
     return decode_image(data, where)
+
+
+def fetch_url(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes:
+    """The bytes at an ``http(s)`` URL of one of the policy's domains (each redirect checked too).
+
+    Raises:
+        RequestRejectedError: a host the policy does not allow, a failed or slow fetch, or a file too large.
+    """
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    host = urllib.parse.urlsplit(url).hostname
+    if not policy.domains:
+        raise RequestRejectedError(f"{where}: the server fetches no image URLs; send the image inline as a data: URL "
+                                   "(or start the server with --allowed-media-domains)")
+    if not policy.allows_host(host):
+        raise RequestRejectedError(f"{where}: host {host!r} is not among the allowed media domains "
+                                   f"({', '.join(policy.domains)})")
+
+    class _Checked(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+            target = urllib.parse.urlsplit(newurl)
+            if target.scheme not in ("http", "https") or not policy.allows_host(target.hostname):
+                raise RequestRejectedError(f"{where}: redirected to {target.hostname!r}, outside the allowed media "
+                                           "domains")
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    opener = urllib.request.build_opener(_Checked)
+    try:
+        with opener.open(urllib.request.Request(url, headers={"User-Agent": "plinth"}),
+                         timeout=policy.timeout_s) as response:
+            data = response.read(policy.max_bytes + 1)
+    except RequestRejectedError:
+        raise
+    except urllib.error.HTTPError as exc:
+        raise RequestRejectedError(f"{where}: fetching the image gave HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RequestRejectedError(f"{where}: cannot fetch the image: {reason}") from None
+    if len(data) > policy.max_bytes:
+        raise RequestRejectedError(f"{where}: the image is larger than {policy.max_bytes} bytes")
+    return data
+
+
+def read_local(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes:
+    """The bytes of a ``file://`` URL's file, which must lie under the policy's directory.
+
+    Raises:
+        RequestRejectedError: no directory allowed, a path outside it, no such file, or a file too large.
+    """
+    import urllib.parse
+
+    if policy.local_path is None:
+        raise RequestRejectedError(f"{where}: file:// URLs are not allowed (start the server with "
+                                   "--allowed-local-media-path DIR to read images from under DIR)")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise RequestRejectedError(f"{where}: a file:// URL names a local path (file:///path), not host "
+                                   f"{parts.netloc!r}")
+    root = Path(policy.local_path).resolve()
+    path = Path(urllib.parse.unquote(parts.path)).resolve()
+    if not path.is_relative_to(root):
+        raise RequestRejectedError(f"{where}: {path} is outside the allowed local media path {root}")
+    if not path.is_file():
+        raise RequestRejectedError(f"{where}: no such file {path}")
+    if path.stat().st_size > policy.max_bytes:
+        raise RequestRejectedError(f"{where}: {path} is larger than {policy.max_bytes} bytes")
+    return path.read_bytes()
 
 
 def _as_pil(image: Any, where: str) -> Any:
@@ -127,9 +232,12 @@ class ImageSupport:
         mm_config: the checkpoint's ``LlavaConfig``.
         path: the model directory (its ``preprocessor_config.json``, if any, configures the processor).
         tokenizer: the model's (the image token's text, which chat messages' image parts become).
+        limit: the most images a prompt may carry (``--limit-mm-per-prompt``).
+        policy: where images named by URL may come from (:class:`MediaPolicy`).
     """
 
-    def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None):
+    def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None,
+                 limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None):
         from plinth.multimodal.vision import tokens_per_image
 
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
@@ -137,6 +245,8 @@ class ImageSupport:
         self.tokens_per_image = tokens_per_image(mm_config)
         self.image_size = int(mm_config.vision_config.image_size)
         self.processor = _image_processor(mm_config, path)
+        self.limit = limit
+        self.policy = policy or MediaPolicy()
         token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None else None
         #: the image token as text (a chat message's image part, as a template that reads strings sees it)
         self.placeholder: str = token if isinstance(token, str) else "<image>"
@@ -172,9 +282,9 @@ class ImageSupport:
                                        param="multi_modal_data")
         images = data.get("image", [])
         images = list(images) if isinstance(images, list | tuple) else [images]
-        if len(images) > MAX_IMAGES_PER_PROMPT:
-            raise RequestRejectedError(f"multi_modal_data: {len(images)} images, at most {MAX_IMAGES_PER_PROMPT} a "
-                                       "prompt", param="multi_modal_data")
+        if len(images) > self.limit:
+            raise RequestRejectedError(f"multi_modal_data: {len(images)} images, at most {self.limit} a prompt "
+                                       "(--limit-mm-per-prompt)", param="multi_modal_data")
         return [_as_pil(img, f"multi_modal_data image {i}") for i, img in enumerate(images)]
 
     def expand(self, ids: Sequence[int], num_images: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -231,8 +341,12 @@ class ImageParts:
     """A conversation's images, collected from its messages' image content parts in order; each part becomes an
     :class:`~plinth.core.engine.ImagePart` holding the image token's text."""
 
-    def __init__(self, placeholder: str):
+    def __init__(self, placeholder: str, policy: MediaPolicy | None = None, fetched: dict[str, bytes] | None = None,
+                 load: bool = True):
         self.placeholder = placeholder
+        self.policy = policy
+        self.fetched = fetched
+        self.load = load   # False: the parts only (a conversation tokenized, not run)
         self.images: list[Any] = []
 
     def add(self, value: Any, where: str) -> str:
@@ -246,7 +360,10 @@ class ImageParts:
 
         if isinstance(value, dict):
             value = value.get("url")
-        image = image_from_url(value, where) if isinstance(value, str) else _as_pil(value, where)
+        if not self.load:
+            return ImagePart(self.placeholder)
+        image = (image_from_url(value, where, self.policy, self.fetched) if isinstance(value, str)
+                 else _as_pil(value, where))
         self.images.append(image)
         return ImagePart(self.placeholder)
 

@@ -58,7 +58,7 @@ from plinth.entrypoints.openai.tools import (
     tool_mode,
 )
 from plinth.lora.request import LoRARequest
-from plinth.multimodal.images import ImageParts
+from plinth.multimodal.images import ImageParts, fetch_url, is_remote
 
 
 def chat_messages(items: Sequence[ChatMessage], images: ImageParts | None = None) -> list[dict[str, Any]]:
@@ -175,14 +175,35 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | Non
         raise bad_request(str(exc), exc.param) from None
 
 
+async def fetch_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[str, bytes] | None:
+    """The bytes of the messages' ``http(s)`` image URLs, fetched in threads where ``--allowed-media-domains`` allows
+    (``None``: none to fetch); a refused or failed fetch is a 400 naming ``messages``."""
+    support = getattr(ctx.front, "images", None)
+    if support is None or not support.policy.domains:
+        return None
+    urls = list(dict.fromkeys(
+        url for m in req.messages if isinstance(m.content, list) for part in m.content if part.type == "image_url"
+        for url in [part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url]
+        if is_remote(url)))
+    if not urls:
+        return None
+    try:
+        data = await asyncio.gather(*(asyncio.to_thread(fetch_url, url, support.policy) for url in urls))
+    except RequestRejectedError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return dict(zip(urls, data, strict=True))
+
+
 def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools: list[dict[str, Any]] | None,
-                    images: list[Any] | None = None) -> str:
+                    images: list[Any] | None = None, fetched: dict[str, bytes] | None = None) -> str:
     """The conversation of a chat or tokenize request as the chat template renders it (with the tools'
     definitions, ``continue_final_message`` and ``chat_template_kwargs``); a template error is a 400 naming
     ``messages``. ``images``: receives the images of the messages' ``image_url`` parts, in order (a model with
-    image inputs)."""
+    image inputs; without it the parts are rendered and their images not read); ``fetched``: the bytes of remote
+    image URLs (:func:`fetch_images`)."""
     support = getattr(ctx.front, "images", None)
-    collected = ImageParts(support.placeholder) if support is not None else None
+    collected = (ImageParts(support.placeholder, support.policy, fetched, load=images is not None)
+                 if support is not None else None)
     messages = chat_messages(req.messages, collected)
     if images is not None and collected is not None:
         images.extend(collected.images)
@@ -289,7 +310,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
         raise bad_request(problem[1], problem[0])
     mode = _tool_mode(ctx, req)
     images: list[Any] = []
-    text = render_messages(ctx, req, mode.tools if mode is not None else None, images)
+    fetched = await fetch_images(ctx, req)
+    text = render_messages(ctx, req, mode.tools if mode is not None else None, images, fetched)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     defaults = ctx.default_sampling
