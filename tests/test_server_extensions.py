@@ -409,7 +409,8 @@ def test_llm_dict_prompts(model_dir):
         expected[1].outputs[0].token_ids
     for bad, message in (({"text": "x"}, "exactly one"), ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
                          ({"prompt": [1, 2]}, "must be text"), ({"prompt_token_ids": "abc"}, "list of token ids"),
-                         ({"prompt": "x", "multi_modal_data": {}}, "unknown keys: 'multi_modal_data'")):
+                         ({"prompt": "x", "multi_modal_data": {}}, "takes no image inputs"),
+                         ({"prompt": "x", "mm_processor_kwargs": {}}, "unknown keys: 'mm_processor_kwargs'")):
         with pytest.raises(ValueError, match=message):
             llm.generate(bad, params)
 

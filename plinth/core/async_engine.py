@@ -259,6 +259,8 @@ class AsyncLLMEngine:
         if not isinstance(request_id, str):   # (refused here: the engine loop keys its streams by id)
             raise RequestRejectedError(f"a request id must be a string, got {type(request_id).__name__}",
                                        param="request_id")
+        if multi_modal_data is not None and self.images is not None:   # the image processor runs here, not in the loop
+            multi_modal_data = await asyncio.to_thread(self.images.prepare, multi_modal_data)
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
         prompt = prompt if isinstance(prompt, str) else list(prompt)

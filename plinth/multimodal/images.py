@@ -325,16 +325,35 @@ class ImageSupport:
                 f"{num_images}: put one image token where each image goes", param="multi_modal_data")
         return out, spans
 
-    def items(self, ids: Sequence[int], data: Any) -> tuple[list[int], list[ImageItem]]:
-        """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data``."""
+    def prepare(self, data: Any) -> PreparedImages:
+        """A request's ``multi_modal_data`` decoded, through the image processor and digested (what the async front
+        does in a worker thread, so that the engine's loop never runs the processor).
+
+        Raises:
+            RequestRejectedError: see :meth:`images_of` and :meth:`pixel_values`.
+        """
         images = self.images_of(data)
-        expanded, spans = self.expand(ids, len(images))
         if not images:
-            return expanded, []
+            return PreparedImages(torch.empty(0), ())
         pixels = self.pixel_values(images)
-        items = [ImageItem(offset, length, pixels[i], _digest(pixels[i]))
+        return PreparedImages(pixels, tuple(_digest(p) for p in pixels))
+
+    def items(self, ids: Sequence[int], data: Any) -> tuple[list[int], list[ImageItem]]:
+        """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data`` (or its
+        :class:`PreparedImages`)."""
+        prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
+        expanded, spans = self.expand(ids, len(prepared.keys))
+        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i])
                  for i, (offset, length) in enumerate(spans)]
         return expanded, items
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedImages:
+    """A request's images as :meth:`ImageSupport.prepare` made them: ``[N, C, S, S]`` pixels and their digests."""
+
+    pixels: torch.Tensor
+    keys: tuple[str, ...]
 
 
 class ImageParts:
