@@ -41,17 +41,27 @@ def _save_llava(path, tower: str = "clip", seed: int = 0, **extra):
                                     bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=IMAGE,
                   patch_size=7)
-    if tower == "clip":
+    if tower == "siglip":
+        vision = transformers.SiglipVisionConfig(**common)
+        processor = transformers.SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
+    else:
         vision = transformers.CLIPVisionConfig(projection_dim=32, **common)
         processor = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE},
                                                     crop_size={"height": IMAGE, "width": IMAGE})
+    if tower == "next":   # LLaVA-NeXT: tiles of up to 2x2 tile sizes
+        grid = [[IMAGE, 2 * IMAGE], [2 * IMAGE, IMAGE], [2 * IMAGE, 2 * IMAGE]]
+        processor = transformers.LlavaNextImageProcessor(size={"shortest_edge": IMAGE},
+                                                         crop_size={"height": IMAGE, "width": IMAGE},
+                                                         image_grid_pinpoints=grid)
+        config = transformers.LlavaNextConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                              image_token_index=image_id, image_grid_pinpoints=grid, **extra)
+        cls = transformers.LlavaNextForConditionalGeneration
     else:
-        vision = transformers.SiglipVisionConfig(**common)
-        processor = transformers.SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
-    config = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                      image_token_index=image_id, **extra)
+        config = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                          image_token_index=image_id, **extra)
+        cls = transformers.LlavaForConditionalGeneration
     torch.manual_seed(seed)
-    model = decisive_weights(transformers.LlavaForConditionalGeneration(config).eval())
+    model = decisive_weights(cls(config).eval())
     model.save_pretrained(path)
     tok.chat_template = CHAT
     tok.save_pretrained(path)
@@ -73,7 +83,8 @@ def llm(llava):
 
 def _reference(model, processor, ids, images, steps=6):
     """transformers' greedy tokens and each step's log-probabilities for an expanded prompt and its images."""
-    extra = {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]} if images else {}
+    extra = {k: v for k, v in processor(images=images, return_tensors="pt").items()
+             if k in ("pixel_values", "image_sizes")} if images else {}
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
                              output_scores=True, return_dict_in_generate=True, **extra)
@@ -168,6 +179,40 @@ def test_siglip_tower_with_the_full_feature_strategy(tmp_path):
     assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
 
 
+def test_siglip_tower_with_the_default_strategy(tmp_path):
+    """The ``default`` strategy drops the first feature whatever the tower (transformers' rule): a SigLIP tower's
+    image fills 15 positions, and the tokens equal transformers'."""
+    model, processor, _ = _save_llava(tmp_path, tower="siglip", seed=4)
+    llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(17)
+    out = llm.generate({"prompt": "Paris <image> Large", "multi_modal_data": {"image": img}},
+                       _greedy(logprobs=None))[0]
+    assert out.prompt_token_ids.count(model.config.image_token_index) == 15
+    assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
+
+
+def test_llava_next_tiles_by_image_size(tmp_path):
+    """LLaVA-NeXT: each image is the base tile and the grid of its best resolution, packed without the padding rows
+    and with a newline embedding after each row, so images of other shapes fill other numbers of positions; greedy
+    tokens and log-probabilities equal transformers' LlavaNextForConditionalGeneration, two images of two shapes in
+    one prompt, a batch of prompts, and a prefill cut into chunks through the images."""
+    model, processor, _ = _save_llava(tmp_path, tower="next", seed=5)
+    wide, tall = _picture(18, (30, 70)), _picture(19, (64, 40))
+    prompts = [{"prompt": "The <image> fox", "multi_modal_data": {"image": wide}},
+               {"prompt": "<image> Paris <image>", "multi_modal_data": {"image": [tall, wide]}}]
+    image_id = model.config.image_token_index
+    for kwargs in ({}, {"max_num_batched_tokens": 16, "enable_chunked_prefill": True, "max_num_seqs": 2}):
+        llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off", **kwargs)
+        outs = llm.generate(prompts, _greedy())
+        first = outs[0].prompt_token_ids.count(image_id)
+        assert first > 16 and outs[1].prompt_token_ids.count(image_id) > first   # more than one tile's 16
+        for out, images in zip(outs, [[wide], [tall, wide]], strict=True):
+            tokens, logprobs = _reference(model, processor, out.prompt_token_ids, images)
+            assert out.outputs[0].token_ids == tokens
+            for step, ref in zip(out.outputs[0].logprobs, logprobs, strict=True):
+                assert all(abs(lp.logprob - ref[t].item()) < 1e-4 for t, lp in step.items())
+
+
 def _data_url(img: Image.Image) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -214,7 +259,7 @@ def test_server_chat_with_an_image_url(llava):
         rendered = engine.render_chat([{"role": "user", "content": parts}])
         assert rendered.endswith("Paris is<image>\n<|im_end|>\n<|im_start|>assistant\n")
         ids = engine.tokenize(rendered, add_special_tokens=False)
-        expanded, _ = engine.images.expand(ids, 1)
+        expanded, _ = engine.images.expand(ids, [16])
         want = _reference(model, processor, expanded, [img])[0]
         assert r.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(want, skip_special_tokens=True)
         assert r.json()["usage"]["prompt_tokens"] == len(expanded)

@@ -335,7 +335,7 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
 
 
 #: image-and-text architectures whose images plinth encodes (:mod:`plinth.multimodal`)
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 
 
 def _runs_images(cfg: Any, arch: str) -> bool:

@@ -1,8 +1,8 @@
 """Image inputs on the engine's side: decoding, the checkpoint's image processor, and the prompt's placeholders.
 
 A prompt names each image with the model's image token (``<image>`` for LLaVA): one token, which
-:meth:`ImageSupport.expand` widens to the ``tokens_per_image`` positions the image's embeddings fill, or a run of
-exactly that many (a prompt already expanded). Each image becomes an :class:`ImageItem`: its pixels, the
+:meth:`ImageSupport.expand` widens to the positions the image's embeddings fill (the same for every image of a
+LLaVA model; by the image's size for LLaVA-NeXT), or a run of exactly that many (a prompt already expanded). Each image becomes an :class:`ImageItem`: its pixels, the
 positions it fills, and a digest of its pixels that the prefix cache keys its blocks with (two images never share
 cached blocks, the same image in two prompts does).
 """
@@ -62,15 +62,17 @@ class ImageItem:
 
     Attributes:
         offset: the prompt position of its first placeholder.
-        length: how many positions its embeddings fill (the encoder's ``tokens_per_image``).
-        pixel_values: ``[C, S, S]`` float32, as the image processor made them.
-        key: a digest of ``pixel_values`` (the prefix cache's and the encoder cache's key).
+        length: how many positions its embeddings fill.
+        pixel_values: ``[tiles, C, S, S]`` float32, as the image processor made them (one tile for LLaVA).
+        key: a digest of ``pixel_values`` and ``image_size`` (the prefix cache's and the encoder cache's key).
+        image_size: the image's (height, width) before processing (LLaVA-NeXT packs its tiles by it).
     """
 
     offset: int
     length: int
     pixel_values: torch.Tensor
     key: str
+    image_size: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -238,11 +240,14 @@ class ImageSupport:
 
     def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None,
                  limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None):
-        from plinth.multimodal.vision import tokens_per_image
+        from plinth.multimodal.vision import is_next, tokens_per_image
 
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
                             else mm_config.image_token_id)
-        self.tokens_per_image = tokens_per_image(mm_config)
+        self.mm_config = mm_config
+        self.tiled = is_next(mm_config)
+        #: positions an image fills (LLaVA-NeXT: ``None``, it depends on the image's size)
+        self.tokens_per_image: int | None = None if self.tiled else tokens_per_image(mm_config)
         self.image_size = int(mm_config.vision_config.image_size)
         self.processor = _image_processor(mm_config, path)
         self.limit = limit
@@ -251,21 +256,26 @@ class ImageSupport:
         #: the image token as text (a chat message's image part, as a template that reads strings sees it)
         self.placeholder: str = token if isinstance(token, str) else "<image>"
 
-    def pixel_values(self, images: Sequence[Any]) -> torch.Tensor:
-        """``[N, C, S, S]`` float32 pixels of PIL images, as the checkpoint's processor makes them.
+    def pixel_values(self, images: Sequence[Any]) -> list[torch.Tensor]:
+        """Each PIL image's ``[tiles, C, S, S]`` float32 pixels, as the checkpoint's processor makes them (one tile
+        for LLaVA; LLaVA-NeXT's processor pads every image to the most tiles, cut back to the image's own here).
 
         Raises:
             RequestRejectedError: the processor cannot take an image.
         """
+        from plinth.multimodal.vision import num_tiles
+
         try:
             out = self.processor(images=list(images), return_tensors="pt")["pixel_values"]
         except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
             raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
                                        f"{exc}", param="multi_modal_data") from None
-        if out.dim() != 4 or out.shape[-2:] != (self.image_size, self.image_size):
+        if out.dim() == 4:
+            out = out[:, None]
+        if out.dim() != 5 or out.shape[-2:] != (self.image_size, self.image_size):
             raise RequestRejectedError(f"the image processor made images of shape {tuple(out.shape)}; the vision "
                                        f"tower takes {self.image_size}x{self.image_size}", param="multi_modal_data")
-        return out.float()
+        return [out[i, :num_tiles(self.mm_config, (img.height, img.width))].float() for i, img in enumerate(images)]
 
     def images_of(self, data: Any) -> list[Any]:
         """The PIL images of a request's ``multi_modal_data`` (``{"image": image or [images]}``).
@@ -287,14 +297,15 @@ class ImageSupport:
                                        "(--limit-mm-per-prompt)", param="multi_modal_data")
         return [_as_pil(img, f"multi_modal_data image {i}") for i, img in enumerate(images)]
 
-    def expand(self, ids: Sequence[int], num_images: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """The prompt with each image's placeholder widened to ``tokens_per_image`` positions, and each image's
-        ``(offset, length)``.
+    def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The prompt with each image's placeholder widened to the positions the image fills (``lengths``, one per
+        image, in order), and each image's ``(offset, length)``. A run of image tokens is one placeholder, or
+        images already widened (exactly their lengths).
 
         Raises:
-            RequestRejectedError: the prompt's placeholders do not name ``num_images`` images.
+            RequestRejectedError: the prompt's placeholders do not name ``len(lengths)`` images.
         """
-        n, token = self.tokens_per_image, self.token_id
+        token = self.token_id
         out: list[int] = []
         spans: list[tuple[int, int]] = []
         i = 0
@@ -306,23 +317,27 @@ class ImageSupport:
             j = i
             while j < len(ids) and ids[j] == token:
                 j += 1
-            run = j - i
-            if run == 1:
-                count = 1
-            elif run % n == 0:
-                count = run // n
-            else:
-                raise RequestRejectedError(
-                    f"the prompt has a run of {run} image tokens (id {token}): give one per image (widened to "
-                    f"{n}) or exactly {n} per image", param="multi_modal_data")
-            for _ in range(count):
+            run, k = j - i, len(spans)
+            if run == 1 or k >= len(lengths):
+                taken = [lengths[k]] if k < len(lengths) else [1]
+            else:   # images already widened: as many as the run holds exactly
+                taken, total = [], 0
+                while total < run and k + len(taken) < len(lengths):
+                    taken.append(lengths[k + len(taken)])
+                    total += taken[-1]
+                if total != run:
+                    raise RequestRejectedError(
+                        f"the prompt has a run of {run} image tokens (id {token}): give one per image (widened "
+                        f"here) or exactly the {'/'.join(map(str, lengths[k:]))} positions of its images",
+                        param="multi_modal_data")
+            for n in taken:
                 spans.append((len(out), n))
                 out.extend([token] * n)
             i = j
-        if len(spans) != num_images:
+        if len(spans) != len(lengths):
             raise RequestRejectedError(
                 f"the prompt names {len(spans)} image(s) (image token id {token}) but multi_modal_data has "
-                f"{num_images}: put one image token where each image goes", param="multi_modal_data")
+                f"{len(lengths)}: put one image token where each image goes", param="multi_modal_data")
         return out, spans
 
     def prepare(self, data: Any) -> PreparedImages:
@@ -332,28 +347,36 @@ class ImageSupport:
         Raises:
             RequestRejectedError: see :meth:`images_of` and :meth:`pixel_values`.
         """
+        from plinth.multimodal.vision import tokens_per_image
+
         images = self.images_of(data)
         if not images:
-            return PreparedImages(torch.empty(0), ())
+            return PreparedImages((), (), (), ())
         pixels = self.pixel_values(images)
-        return PreparedImages(pixels, tuple(_digest(p) for p in pixels))
+        sizes = tuple((img.height, img.width) if self.tiled else None for img in images)
+        lengths = tuple(tokens_per_image(self.mm_config, size) for size in sizes)
+        return PreparedImages(tuple(pixels), tuple(_digest(p, s) for p, s in zip(pixels, sizes, strict=True)),
+                              sizes, lengths)
 
     def items(self, ids: Sequence[int], data: Any) -> tuple[list[int], list[ImageItem]]:
         """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data`` (or its
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
-        expanded, spans = self.expand(ids, len(prepared.keys))
-        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i])
+        expanded, spans = self.expand(ids, prepared.lengths)
+        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i])
                  for i, (offset, length) in enumerate(spans)]
         return expanded, items
 
 
 @dataclasses.dataclass(frozen=True)
 class PreparedImages:
-    """A request's images as :meth:`ImageSupport.prepare` made them: ``[N, C, S, S]`` pixels and their digests."""
+    """A request's images as :meth:`ImageSupport.prepare` made them: each one's ``[tiles, C, S, S]`` pixels, digest,
+    size (LLaVA-NeXT; else ``None``) and the positions it fills."""
 
-    pixels: torch.Tensor
+    pixels: tuple[torch.Tensor, ...]
     keys: tuple[str, ...]
+    sizes: tuple[tuple[int, int] | None, ...]
+    lengths: tuple[int, ...]
 
 
 class ImageParts:
@@ -387,8 +410,10 @@ class ImageParts:
         return ImagePart(self.placeholder)
 
 
-def _digest(pixels: torch.Tensor) -> str:
-    return hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+def _digest(pixels: torch.Tensor, size: tuple[int, int] | None) -> str:
+    h = hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16)
+    h.update(repr((tuple(pixels.shape), size)).encode())
+    return h.hexdigest()
 
 
 def _image_processor(mm_config: Any, path: str | None) -> Any:
@@ -403,6 +428,10 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
             raise ModelLoadError(f"{path}/preprocessor_config.json: cannot build the image processor: "
                                  f"{type(exc).__name__}: {exc}") from exc
     size = int(mm_config.vision_config.image_size)
+    if getattr(mm_config, "model_type", None) == "llava_next":
+        return transformers.LlavaNextImageProcessor(size={"shortest_edge": size},
+                                                    crop_size={"height": size, "width": size},
+                                                    image_grid_pinpoints=mm_config.image_grid_pinpoints)
     if mm_config.vision_config.model_type == "siglip_vision_model":
         return transformers.SiglipImageProcessor(size={"height": size, "width": size})
     logger.info("no preprocessor_config.json: images are processed as CLIP's processor does at %dx%d", size, size)

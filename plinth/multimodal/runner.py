@@ -48,9 +48,13 @@ class ImageFeatures:
         """Each item's ``[length, hidden]`` embeddings (encoded now where not kept from an earlier step)."""
         todo = {item.key: item for item in items if item.key not in self._cache}
         if todo:
-            pixels = torch.stack([item.pixel_values for item in todo.values()]).to(self.device)
-            out = self.encoder(pixels)
-            for key, features in zip(todo, out, strict=True):
+            pixels = torch.cat([item.pixel_values for item in todo.values()]).to(self.device)   # [tiles, C, S, S]
+            tiles = self.encoder(pixels).split([len(item.pixel_values) for item in todo.values()])
+            for (key, item), features in zip(todo.items(), tiles, strict=True):
+                features = self.encoder.pack(features, item.image_size)
+                if features.shape[0] != item.length:
+                    raise RuntimeError(f"an image's embeddings fill {features.shape[0]} positions, its prompt "
+                                       f"{item.length}")
                 self._cache[key] = features
                 self._bytes += features.numel() * features.element_size()
         wanted = [item.key for item in items]
@@ -89,7 +93,7 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
     if mm_config is None:
         return None
     from plinth.model_registry.weights import SafetensorsWeights, list_safetensors_files
-    from plinth.multimodal.vision import ENCODER_PREFIXES
+    from plinth.multimodal.vision import ENCODER_PREFIXES, is_next, positions_per_tile
 
     encoder = ImageEncoder(mm_config)
     if source.kind == "hf_dir":
@@ -102,12 +106,7 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
             for p in encoder.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     encoder = encoder.to(device=device, dtype=dtype).eval()
-    logger.info("image encoder: %s, %d of its layers, %d positions per image",
-                mm_config.vision_config.model_type, len(encoder.tower.layers), _positions(mm_config))
+    logger.info("image encoder: %s, %d of its layers, %d positions per %s", mm_config.vision_config.model_type,
+                len(encoder.tower.layers), positions_per_tile(mm_config),
+                "tile (LLaVA-NeXT)" if is_next(mm_config) else "image")
     return ImageFeatures(encoder)
-
-
-def _positions(mm_config: Any) -> int:
-    from plinth.multimodal.vision import tokens_per_image
-
-    return tokens_per_image(mm_config)

@@ -1,5 +1,9 @@
-"""The image encoder of a LLaVA checkpoint: a CLIP or SigLIP vision transformer and the projector that maps its
-patch features into the language model's embedding space.
+"""The image encoder of a LLaVA or LLaVA-NeXT checkpoint: a CLIP or SigLIP vision transformer and the projector that
+maps its patch features into the language model's embedding space.
+
+LLaVA-NeXT ("anyres") encodes an image as tiles: the image resized to one tile, then the grid of tiles of the
+resolution among ``image_grid_pinpoints`` that fits it best; their features are laid out as the grid, the rows and
+columns of padding cut off, a learned ``image_newline`` after each row (:func:`pack_next`).
 
 Only the layers up to the one LLaVA reads (``vision_feature_layer``, usually the next-to-last) are built and run.
 Attention is bidirectional over the image's patches (``F.scaled_dot_product_attention``); the encoder runs in the
@@ -47,13 +51,56 @@ def feature_layers(mm_config: Any) -> list[int]:
     return out
 
 
-def tokens_per_image(mm_config: Any) -> int:
-    """How many prompt positions one image's embeddings fill: a patch each (and CLIP's class token with the
-    ``full`` feature strategy)."""
+def positions_per_tile(mm_config: Any) -> int:
+    """The features one tile (a whole image for LLaVA) gives: a patch each, CLIP's class token too, less the first
+    under the ``default`` strategy (transformers' rule, whatever the tower)."""
     vcfg = mm_config.vision_config
     clip = vcfg.model_type == "clip_vision_model"
-    keep_class = clip and getattr(mm_config, "vision_feature_select_strategy", "default") == "full"
-    return (vcfg.image_size // vcfg.patch_size) ** 2 + (1 if keep_class else 0)
+    drop = getattr(mm_config, "vision_feature_select_strategy", "default") == "default"
+    return (vcfg.image_size // vcfg.patch_size) ** 2 + (1 if clip else 0) - (1 if drop else 0)
+
+
+def is_next(mm_config: Any) -> bool:
+    """Whether ``mm_config`` is LLaVA-NeXT's (tiles of several resolutions, packed)."""
+    return getattr(mm_config, "model_type", None) == "llava_next"
+
+
+def num_tiles(mm_config: Any, image_size: tuple[int, int]) -> int:
+    """The tiles an image of ``image_size`` (height, width) is encoded as (1 for LLaVA)."""
+    if not is_next(mm_config):
+        return 1
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    return int(image_size_to_num_patches(list(image_size), mm_config.image_grid_pinpoints,
+                                         mm_config.vision_config.image_size))
+
+
+def tokens_per_image(mm_config: Any, image_size: tuple[int, int] | None = None) -> int:
+    """How many prompt positions an image's embeddings fill (LLaVA-NeXT: an image of ``image_size``; the count of
+    the packing itself, run on features of width 1)."""
+    per_tile = positions_per_tile(mm_config)
+    if not is_next(mm_config):
+        return per_tile
+    assert image_size is not None, "a LLaVA-NeXT image's count depends on its size"
+    tiles = num_tiles(mm_config, image_size)
+    return pack_next(torch.zeros(tiles, per_tile, 1), image_size, mm_config, torch.zeros(1)).shape[0]
+
+
+def pack_next(features: torch.Tensor, image_size: tuple[int, int], mm_config: Any,
+              newline: torch.Tensor) -> torch.Tensor:
+    """LLaVA-NeXT's layout of one image's tile features ``[tiles, P, H]``: the base tile's, then the grid's rows with
+    the padding cut off (transformers' ``unpad_image``), ``newline`` ``[H]`` after each; ``[positions, H]``."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+    if features.shape[0] == 1:
+        return torch.cat([features[0], newline[None].to(features.dtype)], dim=0)
+    side = mm_config.vision_config.image_size // mm_config.vision_config.patch_size
+    rows, cols = get_anyres_image_grid_shape(list(image_size), mm_config.image_grid_pinpoints,
+                                             mm_config.vision_config.image_size)
+    grid = features[1:].reshape(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+    grid = unpad_image(grid, torch.tensor(image_size))                                   # [H, rows', cols']
+    grid = torch.cat([grid, newline[:, None, None].expand(*grid.shape[:-1], 1).to(grid.dtype)], dim=-1)
+    return torch.cat([features[0], grid.flatten(1, 2).transpose(0, 1)], dim=0)
 
 
 class _EncoderLayer(nn.Module):
@@ -131,16 +178,26 @@ class ImageEncoder(nn.Module):
         strategy = getattr(mm_config, "vision_feature_select_strategy", "default")
         if strategy not in ("default", "full"):
             raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
-        # "default" drops CLIP's class token; SigLIP has none to drop
-        self.skip = 1 if strategy == "default" and self.tower.clip else 0
+        # "default" drops the first feature (CLIP's class token; transformers drops it whatever the tower)
+        self.skip = 1 if strategy == "default" else 0
         bias = bool(getattr(mm_config, "multimodal_projector_bias", True))
         text_hidden = mm_config.text_config.hidden_size
         self.linear_1 = nn.Linear(vcfg.hidden_size * len(self.wanted), text_hidden, bias=bias)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
         self.act = _activation(getattr(mm_config, "projector_hidden_act", "gelu"))
+        self.mm_config = mm_config
+        #: LLaVA-NeXT: the learned embedding after each row of tiles' features
+        self.image_newline = nn.Parameter(torch.empty(text_hidden)) if is_next(mm_config) else None
+
+    def pack(self, features: torch.Tensor, image_size: tuple[int, int] | None) -> torch.Tensor:
+        """One image's embeddings ``[positions, hidden]`` from its tiles' ``[tiles, P, hidden]``."""
+        if self.image_newline is None:
+            return features[0]
+        assert image_size is not None
+        return pack_next(features, image_size, self.mm_config, self.image_newline)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[N, C, S, S]`` pixels -> ``[N, tokens_per_image, text hidden]`` embeddings."""
+        """``[N, C, S, S]`` pixels (images or tiles) -> ``[N, positions_per_tile, text hidden]`` embeddings."""
         states = self.tower(pixel_values, self.wanted)
         features = torch.cat([s[:, self.skip:] for s in states], dim=-1)
         return self.linear_2(self.act(self.linear_1(features)))
@@ -174,13 +231,16 @@ class ImageEncoder(nn.Module):
 
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+_NEWLINE_NAMES = ("model.image_newline", "image_newline")
 #: the checkpoint prefixes of the encoder's tensors (both layouts transformers writes)
-ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES
+ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES
 
 
 def _parameter_name(name: str, num_layers: int) -> str | None:
     """The :class:`ImageEncoder` parameter of checkpoint tensor ``name`` (``None``: not the encoder's, or a layer
     past those run)."""
+    if name in _NEWLINE_NAMES:
+        return "image_newline"
     for prefix in _PROJECTOR_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
@@ -197,7 +257,3 @@ def _parameter_name(name: str, num_layers: int) -> str | None:
             return "tower." + rest
     return None
 
-
-def is_encoder_tensor(name: str) -> bool:
-    """Whether checkpoint tensor ``name`` belongs to the vision tower or the projector."""
-    return name.startswith(ENCODER_PREFIXES)
