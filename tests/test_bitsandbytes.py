@@ -313,6 +313,34 @@ def test_the_language_model_of_an_image_and_text_checkpoint(tmp_path):
     assert ours_tokens == ref_tokens and all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
 
 
+def test_image_inputs_of_a_quantized_llava_checkpoint(tmp_path):
+    """A LLaVA checkpoint quantized by transformers, vision tower included: its image encoder is widened as it is read,
+    and the tokens with an image equal those of the same checkpoint written with bitsandbytes' dequantized weights."""
+    from plinth import LLM, SamplingParams
+
+    pytest.importorskip("PIL")
+    from test_multimodal import _picture, _save_llava
+
+    # (rows of 64 features and more: bitsandbytes' own dequantization, the reference, cuts blocks by rows on the CPU)
+    _save_llava(tmp_path / "float", vision_hidden=64)
+    transformers.LlavaForConditionalGeneration.from_pretrained(
+        str(tmp_path / "float"), device_map="cpu", dtype=torch.float32,
+        quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+    ).save_pretrained(str(tmp_path / "nf4"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        shutil.copy(tmp_path / "float" / f, tmp_path / "nf4" / f)
+    assert any("vision_tower" in n and "quant_state" in n for n in load_file(str(tmp_path / "nf4" / "model.safetensors")))
+    prompt = {"prompt": "The <image> quick brown", "multi_modal_data": {"image": _picture(3)}}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    outs = []
+    for path in (tmp_path / "nf4", _float_copy(tmp_path / "nf4", tmp_path / "deq")):
+        with LLM(str(path), dtype="float32", platform="cpu", selection="off") as llm:
+            outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
+    assert outs[0].token_ids == outs[1].token_ids
+    assert [{t: lp.logprob for t, lp in step.items()} for step in outs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in step.items()} for step in outs[1].logprobs]
+
+
 def test_a_classifier_whose_score_layer_is_quantized(tiny_llama_dir, tmp_path):
     """transformers quantizes a classifier's ``score`` layer too unless it is skipped: its rows are widened as the
     layers' are (the same probabilities as the checkpoint written with bitsandbytes' dequantized weights)."""

@@ -31,7 +31,7 @@ def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
     return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
 
 
-def _save_llava(path, tower: str = "clip", seed: int = 0, **extra):
+def _save_llava(path, tower: str = "clip", seed: int = 0, vision_hidden: int = 32, **extra):
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tok.convert_tokens_to_ids("<image>")
@@ -39,7 +39,7 @@ def _save_llava(path, tower: str = "clip", seed: int = 0, **extra):
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                     tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
                                     bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=IMAGE,
+    common = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=3, num_attention_heads=2, image_size=IMAGE,
                   patch_size=7)
     if tower == "siglip":
         vision = transformers.SiglipVisionConfig(**common)

@@ -86,6 +86,13 @@ class ImageFeatures:
         self._bytes = 0
 
 
+def _is_bnb(source: Any) -> bool:
+    from plinth.quantization.bitsandbytes import is_bnb
+    from plinth.quantization.resolve import checkpoint_quant_config
+
+    return is_bnb(checkpoint_quant_config(source.mm_config))
+
+
 def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ImageFeatures | None:
     """The image encoder of ``source`` (a LLaVA checkpoint; ``None`` for any other), its weights read from the
     checkpoint's vision tower and projector tensors (random for dummy weights)."""
@@ -98,8 +105,14 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
     encoder = ImageEncoder(mm_config)
     if source.kind == "hf_dir":
         files = list_safetensors_files(Path(source.path))
-        encoder.load_weights(itertools.chain.from_iterable(SafetensorsWeights(files, only=prefix)
-                                                           for prefix in ENCODER_PREFIXES))
+        shards = [SafetensorsWeights(files, only=prefix) for prefix in ENCODER_PREFIXES]
+        stream: Any = itertools.chain.from_iterable(shards)
+        if _is_bnb(source):   # the tower's layers quantized by bitsandbytes too: widened as they are read
+            from plinth.quantization.bitsandbytes import dequantized_weights
+
+            stream = dequantized_weights(stream, [n for s in shards for n in s.names()], torch.float32,
+                                         torch.device("cpu"))
+        encoder.load_weights(stream)
     else:   # dummy weights
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
