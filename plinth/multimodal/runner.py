@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 #: the bytes of image embeddings kept between steps (a long prompt's image is encoded once, not once per chunk)
 CACHE_BYTES = 256 << 20
 
+#: the most images or tiles the encoder takes in one pass
+MAX_TILES = 32
+
 #: ``(first row of the flat batch, rows, image, first of the image's positions)``: a step's rows that take an
 #: image's embeddings
 ImageRows = tuple[int, int, ImageItem, int]
@@ -48,8 +51,10 @@ class ImageFeatures:
         """Each item's ``[length, hidden]`` embeddings (encoded now where not kept from an earlier step)."""
         todo = {item.key: item for item in items if item.key not in self._cache}
         if todo:
-            pixels = torch.cat([item.pixel_values for item in todo.values()]).to(self.device)   # [tiles, C, S, S]
-            tiles = self.encoder(pixels).split([len(item.pixel_values) for item in todo.values()])
+            pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
+            # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
+            tiles = torch.cat([self.encoder(chunk.to(self.device)) for chunk in pixels.split(MAX_TILES)]).split(
+                [len(item.pixel_values) for item in todo.values()])
             for (key, item), features in zip(todo.items(), tiles, strict=True):
                 features = self.encoder.pack(features, item.image_size)
                 if features.shape[0] != item.length:
