@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 
 import numpy as np
@@ -31,16 +32,22 @@ def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
     return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
 
 
-def _save_llava(path, tower: str = "clip", seed: int = 0, vision_hidden: int = 32, **extra):
+def _save_llava(path, tower: str = "clip", seed: int = 0, vision_hidden: int = 32, text_model: str = "llama",
+                **extra):
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tok.convert_tokens_to_ids("<image>")
-    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                    tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                                    bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    common = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=3, num_attention_heads=2, image_size=IMAGE,
-                  patch_size=7)
+    text_kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                   pad_token_id=tok.pad_token_id)
+    text = {"llama": lambda: transformers.LlamaConfig(**text_kw),
+            "granite": lambda: transformers.GraniteConfig(**text_kw, embedding_multiplier=12.0, logits_scaling=1.0,
+                                                          attention_multiplier=0.25),
+            "gemma": lambda: transformers.GemmaConfig(**{**text_kw, "tie_word_embeddings": True}, head_dim=16,
+                                                      hidden_activation="gelu_pytorch_tanh")}[text_model]()
+    common = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=IMAGE, patch_size=7)
     if tower == "siglip":
         vision = transformers.SiglipVisionConfig(**common)
         processor = transformers.SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
@@ -125,12 +132,13 @@ def test_two_images_in_one_prompt_and_a_batch(llava, llm):
     a, b = _picture(3), _picture(4, (60, 30))
     prompts = [{"prompt": "<image> Paris <image> is", "multi_modal_data": {"image": [a, b]}},
                "The quick brown fox",
-               {"prompt": "Berlin <image>", "multi_modal_data": {"image": b}}]
+               {"prompt": "Berlin <image>", "multi_modal_data": {"image": b}},
+               {"prompt": "<image><image> compare", "multi_modal_data": {"image": [b, a]}}]   # adjacent images
     outs = llm.generate(prompts, _greedy(logprobs=None))
     assert outs[0].prompt_token_ids.count(model.config.image_token_index) == 32
-    assert outs[0].outputs[0].token_ids == _reference(model, processor, outs[0].prompt_token_ids, [a, b])[0]
-    assert outs[1].outputs[0].token_ids == _reference(model, processor, outs[1].prompt_token_ids, [])[0]
-    assert outs[2].outputs[0].token_ids == _reference(model, processor, outs[2].prompt_token_ids, [b])[0]
+    assert outs[3].prompt_token_ids.count(model.config.image_token_index) == 32
+    for out, images in zip(outs, [[a, b], [], [b], [b, a]], strict=True):
+        assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
 
 
 def test_prefix_cache_keys_blocks_by_image(llava):
@@ -177,6 +185,65 @@ def test_siglip_tower_with_the_full_feature_strategy(tmp_path):
                        _greedy(logprobs=None))[0]
     assert out.prompt_token_ids.count(model.config.image_token_index) == 16
     assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
+
+
+@pytest.mark.parametrize("text_model", ["granite", "gemma"])
+def test_language_models_that_scale_their_embeddings(tmp_path, text_model):
+    """Granite multiplies the merged embeddings (image rows too) by its embedding_multiplier; Gemma scales its token
+    embeddings only: both equal transformers with an image."""
+    model, processor, _ = _save_llava(tmp_path, text_model=text_model, seed=6)
+    llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(20)
+    out = llm.generate({"prompt": "The quick <image> brown fox", "multi_modal_data": {"image": img}}, _greedy())[0]
+    tokens, logprobs = _reference(model, processor, out.prompt_token_ids, [img])
+    assert out.outputs[0].token_ids == tokens
+    assert all(abs(lp.logprob - ref[t].item()) < 1e-4
+               for step, ref in zip(out.outputs[0].logprobs, logprobs, strict=True) for t, lp in step.items())
+
+
+def test_new_weights_reach_the_image_encoder(llava, tmp_path):
+    """update_weights from a LLaVA checkpoint: the vision tower and projector take their tensors too, and images
+    encoded with the old weights are forgotten; the tokens then equal a fresh engine's on the new checkpoint."""
+    _save_llava(tmp_path / "other", seed=7)
+    llm = LLM(str(llava[0]), dtype="float32", platform="cpu", block_size=4, selection="off")
+    prompt = {"prompt": "The <image> fox", "multi_modal_data": {"image": _picture(21)}}
+    before = llm.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids
+    assert llm.update_weights(str(tmp_path / "other")) == len(safe_names(tmp_path / "other"))   # every tensor given
+    after = llm.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids
+    fresh = LLM(str(tmp_path / "other"), dtype="float32", platform="cpu", block_size=4, selection="off")
+    assert after == fresh.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids != before
+
+
+def safe_names(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return list(f.keys())  # noqa: SIM118
+
+
+def test_encoded_images_are_kept_per_salt_and_epoch_and_alone(llava):
+    """The encoder's cache: another cache_salt, or a request after reset_prefix_cache, encodes the image again (no
+    tenant can time another's images); a kept image holds its own embeddings, not the whole pass's output."""
+    llm = LLM(str(llava[0]), dtype="float32", platform="cpu", block_size=4, selection="off")
+    calls = []
+    llm.llm_engine.runner.images.encoder.register_forward_hook(lambda *_: calls.append(1))
+    img = _picture(22)
+
+    def run(salt=None):
+        prompt = {"prompt": "The <image> fox", "multi_modal_data": {"image": img}}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        return llm.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids
+
+    first = run("tenant-a")
+    assert run("tenant-a") == first and len(calls) == 1
+    assert run("tenant-b") == first and len(calls) == 2
+    llm.reset_prefix_cache()
+    assert run("tenant-a") == first and len(calls) == 3
+    llm.generate([{"prompt": "<image> x", "multi_modal_data": {"image": _picture(30 + i)}} for i in range(6)],
+                 _greedy(logprobs=None))
+    for features in llm.llm_engine.runner.images._cache.values():
+        assert features.untyped_storage().nbytes() == features.numel() * features.element_size()
 
 
 def test_siglip_tower_with_the_default_strategy(tmp_path):
@@ -282,6 +349,55 @@ def test_server_chat_with_an_image_url(llava):
             assert words in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
 
 
+def test_server_checks_of_image_requests(llava):
+    """The chat route with images: the length checked with each image widened, truncate_prompt_tokens refused, more
+    images than --limit-mm-per-prompt refused before any is decoded, the image token in text without an image part
+    refused (naming messages), echo and continuous usage stats with the widened prompt, /tokenize widened."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(llava[0]), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu", max_model_len=40, limit_mm_per_prompt={"image": 2}))
+    url = _data_url(_picture(23))
+    content = [{"type": "text", "text": "Paris"}, {"type": "image_url", "image_url": {"url": url}}]
+    messages = [{"role": "user", "content": content}]
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        tokens = http.post("/tokenize", json={"messages": messages}).json()
+        assert tokens["count"] == len(tokens["tokens"]) and tokens["tokens"].count(300) == 16
+        ok = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == tokens["count"]
+        for extra, status, words, param in [
+                ({"max_tokens": 30}, 400, "maximum context length", "max_tokens"),
+                ({"truncate_prompt_tokens": 20}, 400, "cannot cut a prompt with images", "truncate_prompt_tokens"),
+                ({"use_beam_search": True, "n": 2}, 400, "beam search", "use_beam_search")]:
+            r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, **extra})
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == param
+        many = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@"}}]
+                 * 3}]
+        r = http.post("/v1/chat/completions", json={"messages": many, "max_tokens": 2})
+        assert r.status_code == 400 and "3 images, at most 2" in r.json()["error"]["message"]   # (none decoded)
+        literal = [{"role": "user", "content": "a <image> here"}]
+        r = http.post("/v1/chat/completions", json={"messages": literal, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        echoed = [{"role": "user", "content": "x"}, {"role": "assistant", "content": content[::-1]}]
+        r = http.post("/v1/chat/completions", json={"messages": echoed, "max_tokens": 2, "echo": True,
+                                                    "add_generation_prompt": False, "continue_final_message": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("<image>\nParis"), \
+            r.text
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "ignore_eos": True,
+                                                    "stream": True, "stream_options": {
+                                                        "include_usage": True, "continuous_usage_stats": True}})
+        usages = [json.loads(line[6:])["usage"]["prompt_tokens"] for line in r.text.splitlines()
+                  if line.startswith("data: {") and '"usage"' in line and '"usage":null' not in line]
+        assert usages and set(usages) == {tokens["count"]}
+
+
 def test_refusals(llava, llm, tiny_llama_dir):
     """Clear errors: images that the prompt does not name (or names too often), an image token without an image, a
     run of image tokens of the wrong length, something that is not an image, images for a text-only model, and
@@ -297,6 +413,7 @@ def test_refusals(llava, llm, tiny_llama_dir):
         ("The <image> fox", {"image": "cat.png"}, "must be a PIL image"),
         ("The <image> fox", {"video": img}, "images only"),
         ("The <image> fox", {"image": b"not an image"}, "cannot be read as an image"),
+        ("The <image> fox", {"image": Image.new("RGB", (5000, 10))}, "longer than 100 times its width"),
     ]
     for prompt, data, words in cases:
         with pytest.raises(RequestRejectedError, match=words):

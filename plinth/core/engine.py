@@ -269,6 +269,7 @@ class LLMEngine:
         self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
         #: image inputs (a LLaVA checkpoint): the processor and the placeholder rules, else ``None``
         self.images: Any = None
+        self._image_epoch = 0   # counts prefix-cache resets: part of every image's cache key
         if getattr(parts.source, "mm_config", None) is not None:
             from plinth.multimodal.images import MAX_IMAGES_PER_PROMPT, ImageSupport, MediaPolicy
 
@@ -702,7 +703,12 @@ class LLMEngine:
             if keep is not None:
                 raise RequestRejectedError("truncate_prompt_tokens cannot cut a prompt with image inputs",
                                            param="truncate_prompt_tokens")
+            from plinth.multimodal.images import salted_key
+
             ids, images = self.images.items(ids, multi_modal_data)
+            if cache_salt is not None or self._image_epoch:   # tenants and epochs never share an encoded image
+                images = [dataclasses.replace(item, key=salted_key(item.key, cache_salt, self._image_epoch))
+                          for item in images]
         elif self.images is not None and self.images.token_id in ids:
             raise RequestRejectedError(f"the prompt has the image token (id {self.images.token_id}) but no image: "
                                        "give the images in multi_modal_data", param="multi_modal_data")
@@ -970,6 +976,7 @@ class LLMEngine:
         ``False`` where there were any (call it with no request running to forget everything), ``True`` otherwise.
         A no-op returning ``True`` without prefix caching."""
         dropped, held = self.block_manager.reset_prefix_cache()
+        self._image_epoch += 1   # no later request finds images encoded before either (their keys change)
         logger.info("prefix cache reset: %d cached block(s) forgotten%s", dropped,
                     f", {held} kept (held by running requests)" if held else "")
         return held == 0
@@ -1138,7 +1145,14 @@ class LLMEngine:
 
         rename = update_stream(self.model_source)
         pairs = weight_pairs(path)
-        return list(rename(pairs)) if rename is not None else pairs
+        if rename is None:
+            return pairs
+        out = list(rename(pairs))
+        if self.images is not None:   # the vision tower's and projector's tensors go to the image encoder
+            from plinth.multimodal.vision import ENCODER_PREFIXES
+
+            out += [(n, t) for n, t in pairs if n.startswith(ENCODER_PREFIXES)]
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups or self._superseded)

@@ -285,7 +285,7 @@ class UniprocExecutor(Executor):
     def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         from plinth.model_registry.weight_update import update_weights
 
-        return update_weights(self.runner.model, weights)
+        return update_weights(self.runner.model, weights, images=self.runner.images)
 
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> list[Any]:
         return [fn(self.runner.model)]

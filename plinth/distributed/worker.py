@@ -396,13 +396,13 @@ class Worker:
 
         if phase == "check":
             self._staged_weights = None
-            update_weights(self._model, weights or [], "check")   # (host tensors: each loader copies its part)
+            update_weights(self._model, weights or [], "check", self._images)   # (host tensors: each loader copies its part)
             self._staged_weights = weights
             return len(weights or ())
         staged, self._staged_weights = self._staged_weights, None
         if staged is None:
             raise RuntimeError("a weight update's write came without its check")
-        count = update_weights(self._model, staged, "write")
+        count = update_weights(self._model, staged, "write", self._images)
         self._sync()
         return count
 

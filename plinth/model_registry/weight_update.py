@@ -74,9 +74,12 @@ def _mode(model: Any, mode: str) -> Iterator[None]:
         model.weight_update = None
 
 
-def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]], phase: str | None = None) -> int:
+def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]], phase: str | None = None,
+                   images: Any = None) -> int:
     """Copy ``pairs`` (checkpoint names and tensors, any subset of the model's, as :func:`weight_pairs` gives them)
-    into ``model``'s parameters; the number of tensors given.
+    into ``model``'s parameters; the number of tensors given. ``images``: the runner's image encoder
+    (:class:`~plinth.multimodal.runner.ImageFeatures`), which takes the vision tower's and projector's tensors (and
+    forgets the images it encoded with the old ones).
 
     Every name is mapped and every dtype and shape checked before anything is written (``phase``: ``"check"`` or
     ``"write"`` alone, for ranks that must all pass the check before any writes; ``None``: both). A model's own
@@ -92,6 +95,21 @@ def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]]
         raise ModelLoadError(f"cannot update the weights in place: {problem}")
     if not pairs:
         return 0
+    encoder_pairs: list[tuple[str, torch.Tensor]] = []
+    if images is not None:
+        from plinth.multimodal.vision import ENCODER_PREFIXES
+
+        encoder_pairs = [(n, t) for n, t in pairs if n.startswith(ENCODER_PREFIXES)]
+        if encoder_pairs:
+            given = len(pairs)
+            pairs = [(n, t) for n, t in pairs if not n.startswith(ENCODER_PREFIXES)]
+            if phase in (None, "check"):
+                images.encoder.load_weights(iter(encoder_pairs), partial=True, write=False)
+            if phase in (None, "write"):
+                images.encoder.load_weights(iter(encoder_pairs), partial=True)
+                images.clear()
+            if not pairs:
+                return given
     with torch.no_grad():
         if phase in (None, "check"):
             with _mode(model, "check"):
@@ -103,7 +121,7 @@ def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]]
                 except ModelLoadError as exc:
                     raise ModelLoadError(f"{exc} (the tensors before it were written: update again with tensors "
                                          "that fit)") from exc
-    return len(pairs)
+    return len(pairs) + len(encoder_pairs)
 
 
 def weight_pairs(weights: Any) -> list[tuple[str, torch.Tensor]]:

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 MAX_IMAGES_PER_PROMPT = 16
 #: the largest image (pixels) decoded: PIL's own decompression-bomb limit
 MAX_IMAGE_PIXELS = 89_478_485
+#: the most elongated image taken (long side over short side): processors scale the short side up to the tower's
+#: size, so a thin strip of a few pixels would become a huge array
+MAX_ASPECT_RATIO = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,20 @@ def block_key_extra(items: Sequence[ImageItem], start: int, end: int) -> tuple[A
     return tuple((item.key, start - item.offset) for item in items if item.offset < end and start < item.end)
 
 
+def check_size(width: int, height: int, where: str) -> None:
+    """Refuse an image too large (:data:`MAX_IMAGE_PIXELS`), empty, or too elongated (:data:`MAX_ASPECT_RATIO`).
+
+    Raises:
+        RequestRejectedError: as above.
+    """
+    if width * height > MAX_IMAGE_PIXELS:
+        raise RequestRejectedError(f"{where}: {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} allowed")
+    if min(width, height) < 1:
+        raise RequestRejectedError(f"{where}: an empty image ({width}x{height})")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise RequestRejectedError(f"{where}: {width}x{height} pixels, longer than {MAX_ASPECT_RATIO} times its width")
+
+
 def decode_image(data: bytes, where: str = "image") -> Any:
     """A PIL image (RGB) from encoded bytes (PNG, JPEG, WebP, ...).
 
@@ -95,9 +112,7 @@ def decode_image(data: bytes, where: str = "image") -> Any:
 
     try:
         with Image.open(io.BytesIO(data)) as img:
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise RequestRejectedError(f"{where}: {img.width}x{img.height} pixels, more than the "
-                                           f"{MAX_IMAGE_PIXELS} allowed")
+            check_size(img.width, img.height, where)
             img.load()
             return img.convert("RGB")
     except RequestRejectedError:
@@ -106,15 +121,9 @@ def decode_image(data: bytes, where: str = "image") -> Any:
         raise RequestRejectedError(f"{where} cannot be read as an image: {type(exc).__name__}: {exc}") from None
 
 
-def is_remote(url: Any) -> bool:
-    """Whether ``url`` is an ``http(s)`` URL (fetched, where the policy allows, before the request is rendered)."""
-    return isinstance(url, str) and url[:8].lower().startswith(("http://", "https://"))
-
-
-def image_from_url(url: str, where: str = "image_url", policy: MediaPolicy | None = None,
-                   fetched: dict[str, bytes] | None = None) -> Any:
+def image_from_url(url: str, where: str = "image_url", policy: MediaPolicy | None = None) -> Any:
     """A PIL image from a ``data:image/...;base64,...`` URL, or, where ``policy`` allows, a ``file://`` URL under
-    its directory or an ``http(s)://`` URL of its domains (``fetched``: bytes already fetched, by URL).
+    its directory or an ``http(s)://`` URL of its domains.
 
     Raises:
         RequestRejectedError: a URL the policy does not allow, bad base64, a failed fetch, or bytes that are not an
@@ -123,9 +132,8 @@ def image_from_url(url: str, where: str = "image_url", policy: MediaPolicy | Non
     if not isinstance(url, str):
         raise RequestRejectedError(f"{where} must be a string URL, got {type(url).__name__}")
     policy = policy or MediaPolicy()
-    if is_remote(url):
-        data = fetched.get(url) if fetched else None
-        return decode_image(data if data is not None else fetch_url(url, policy, where), where)
+    if url[:8].lower().startswith(("http://", "https://")):
+        return decode_image(fetch_url(url, policy, where), where)
     if url[:7].lower() == "file://":
         return decode_image(read_local(url, policy, where), where)
     if not url.startswith("data:"):
@@ -217,9 +225,7 @@ def _as_pil(image: Any, where: str) -> Any:
     from PIL import Image
 
     if isinstance(image, Image.Image):
-        if image.width * image.height > MAX_IMAGE_PIXELS:
-            raise RequestRejectedError(f"{where}: {image.width}x{image.height} pixels, more than the "
-                                       f"{MAX_IMAGE_PIXELS} allowed")
+        check_size(image.width, image.height, where)
         return image if image.mode == "RGB" else image.convert("RGB")
     if isinstance(image, bytes | bytearray):
         return decode_image(bytes(image), where)
@@ -277,6 +283,12 @@ class ImageSupport:
                                        f"tower takes {self.image_size}x{self.image_size}", param="multi_modal_data")
         return [out[i, :num_tiles(self.mm_config, (img.height, img.width))].float() for i, img in enumerate(images)]
 
+    def length_of(self, image: Any) -> int:
+        """The positions a PIL image fills."""
+        from plinth.multimodal.vision import tokens_per_image
+
+        return self.tokens_per_image or tokens_per_image(self.mm_config, (image.height, image.width))
+
     def images_of(self, data: Any) -> list[Any]:
         """The PIL images of a request's ``multi_modal_data`` (``{"image": image or [images]}``).
 
@@ -299,8 +311,8 @@ class ImageSupport:
 
     def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """The prompt with each image's placeholder widened to the positions the image fills (``lengths``, one per
-        image, in order), and each image's ``(offset, length)``. A run of image tokens is one placeholder, or
-        images already widened (exactly their lengths).
+        image, in order), and each image's ``(offset, length)``. A run of image tokens is images already widened
+        where it holds exactly their lengths, else one image per token (``<image><image>``).
 
         Raises:
             RequestRejectedError: the prompt's placeholders do not name ``len(lengths)`` images.
@@ -320,16 +332,18 @@ class ImageSupport:
             run, k = j - i, len(spans)
             if run == 1 or k >= len(lengths):
                 taken = [lengths[k]] if k < len(lengths) else [1]
-            else:   # images already widened: as many as the run holds exactly
+            else:   # images already widened (as many as the run holds exactly), else one image per token
                 taken, total = [], 0
                 while total < run and k + len(taken) < len(lengths):
                     taken.append(lengths[k + len(taken)])
                     total += taken[-1]
                 if total != run:
-                    raise RequestRejectedError(
-                        f"the prompt has a run of {run} image tokens (id {token}): give one per image (widened "
-                        f"here) or exactly the {'/'.join(map(str, lengths[k:]))} positions of its images",
-                        param="multi_modal_data")
+                    if run > len(lengths) - k:
+                        raise RequestRejectedError(
+                            f"the prompt has a run of {run} image tokens (id {token}) for {len(lengths) - k} "
+                            f"image(s) left: give one per image (widened here) or exactly the "
+                            f"{'/'.join(map(str, lengths[k:]))} positions of its images", param="multi_modal_data")
+                    taken = list(lengths[k:k + run])
             for n in taken:
                 spans.append((len(out), n))
                 out.extend([token] * n)
@@ -383,12 +397,12 @@ class ImageParts:
     """A conversation's images, collected from its messages' image content parts in order; each part becomes an
     :class:`~plinth.core.engine.ImagePart` holding the image token's text."""
 
-    def __init__(self, placeholder: str, policy: MediaPolicy | None = None, fetched: dict[str, bytes] | None = None,
+    def __init__(self, placeholder: str, policy: MediaPolicy | None = None, loaded: dict[str, Any] | None = None,
                  load: bool = True):
         self.placeholder = placeholder
         self.policy = policy
-        self.fetched = fetched
-        self.load = load   # False: the parts only (a conversation tokenized, not run)
+        self.loaded = loaded or {}   # images already loaded (off the server's event loop), by URL
+        self.load = load   # False: the parts only (a conversation whose images are not needed)
         self.images: list[Any] = []
 
     def add(self, value: Any, where: str) -> str:
@@ -404,10 +418,20 @@ class ImageParts:
             value = value.get("url")
         if not self.load:
             return ImagePart(self.placeholder)
-        image = (image_from_url(value, where, self.policy, self.fetched) if isinstance(value, str)
-                 else _as_pil(value, where))
+        if isinstance(value, str):
+            image = self.loaded.get(value) or image_from_url(value, where, self.policy)
+        else:
+            image = _as_pil(value, where)
         self.images.append(image)
         return ImagePart(self.placeholder)
+
+
+def salted_key(key: str, salt: str | None, epoch: int) -> str:
+    """An image's cache key for requests of ``cache_salt`` ``salt`` after ``epoch`` prefix-cache resets: another
+    tenant's request, or a request after a reset, never finds the image encoded (nor its blocks cached)."""
+    h = hashlib.blake2b(key.encode(), digest_size=16)
+    h.update(repr((salt, epoch)).encode())
+    return h.hexdigest()
 
 
 def _digest(pixels: torch.Tensor, size: tuple[int, int] | None) -> str:

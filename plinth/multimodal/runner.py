@@ -56,7 +56,8 @@ class ImageFeatures:
             tiles = torch.cat([self.encoder(chunk.to(self.device)) for chunk in pixels.split(MAX_TILES)]).split(
                 [len(item.pixel_values) for item in todo.values()])
             for (key, item), features in zip(todo.items(), tiles, strict=True):
-                features = self.encoder.pack(features, item.image_size)
+                # (a copy: a view would keep the whole pass's output alive while the cache holds one image)
+                features = self.encoder.pack(features, item.image_size).clone()
                 if features.shape[0] != item.length:
                     raise RuntimeError(f"an image's embeddings fill {features.shape[0]} positions, its prompt "
                                        f"{item.length}")

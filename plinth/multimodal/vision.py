@@ -202,12 +202,14 @@ class ImageEncoder(nn.Module):
         features = torch.cat([s[:, self.skip:] for s in states], dim=-1)
         return self.linear_2(self.act(self.linear_1(features)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
+                     write: bool = True) -> None:
         """Fill the parameters from a checkpoint's ``vision_tower.*`` and ``multi_modal_projector.*`` tensors
-        (either layout transformers writes; the vision layers past the last one read are skipped).
+        (either layout transformers writes; the vision layers past the last one read are skipped). ``partial``:
+        any subset (new weights in place); ``write=False``: check the shapes only.
 
         Raises:
-            ModelLoadError: a missing tensor or one of another shape.
+            ModelLoadError: a missing tensor (unless ``partial``), one of another shape, or a non-float one.
         """
         params = dict(self.named_parameters())
         seen: set[str] = set()
@@ -220,11 +222,14 @@ class ImageEncoder(nn.Module):
                 continue   # (the tower's post-layernorm and the like: not read by LLaVA)
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
+            if not tensor.dtype.is_floating_point:
+                raise ModelLoadError(f"{name}: a {tensor.dtype} tensor; the image encoder takes floating-point ones")
+            if write:
+                with torch.no_grad():
+                    param.copy_(tensor.to(param.dtype))
             seen.add(target)
         missing = sorted(set(params) - seen)
-        if missing:
+        if missing and not partial:
             raise ModelLoadError(f"the checkpoint lacks the image encoder's tensors {', '.join(missing[:4])}"
                                  + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
 

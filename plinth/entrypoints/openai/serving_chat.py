@@ -58,7 +58,7 @@ from plinth.entrypoints.openai.tools import (
     tool_mode,
 )
 from plinth.lora.request import LoRARequest
-from plinth.multimodal.images import ImageParts, fetch_url, is_remote
+from plinth.multimodal.images import ImageParts, image_from_url
 
 
 def chat_messages(items: Sequence[ChatMessage], images: ImageParts | None = None) -> list[dict[str, Any]]:
@@ -175,34 +175,45 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | Non
         raise bad_request(str(exc), exc.param) from None
 
 
-async def fetch_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[str, bytes] | None:
-    """The bytes of the messages' ``http(s)`` image URLs, fetched in threads where ``--allowed-media-domains`` allows
-    (``None``: none to fetch); a refused or failed fetch is a 400 naming ``messages``."""
+async def load_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The images of the messages' ``image_url`` parts, by URL: decoded (data URLs), read (``file://``) or fetched
+    (``http(s)://``) in worker threads, off the event loop, once their number is checked against
+    ``--limit-mm-per-prompt`` (``None``: a model without image inputs, or no such parts). A refused URL or an
+    unreadable image is a 400 naming ``messages``."""
     support = getattr(ctx.front, "images", None)
-    if support is None or not support.policy.domains:
+    if support is None:
         return None
-    urls = list(dict.fromkeys(
-        url for m in req.messages if isinstance(m.content, list) for part in m.content if part.type == "image_url"
-        for url in [part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url]
-        if is_remote(url)))
-    if not urls:
+    found: dict[Any, str] = {}
+    count = 0
+    for i, m in enumerate(req.messages):
+        for part in m.content if isinstance(m.content, list) else ():
+            if part.type == "image_url":
+                count += 1
+                url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+                if isinstance(url, str):
+                    found.setdefault(url, f"messages[{i}] image_url")
+    if count > support.limit:
+        raise bad_request(f"messages: {count} images, at most {support.limit} a prompt (--limit-mm-per-prompt)",
+                          "messages")
+    if not found:
         return None
     try:
-        data = await asyncio.gather(*(asyncio.to_thread(fetch_url, url, support.policy) for url in urls))
+        images = await asyncio.gather(*(asyncio.to_thread(image_from_url, url, where, support.policy)
+                                        for url, where in found.items()))
     except RequestRejectedError as exc:
         raise bad_request(str(exc), "messages") from None
-    return dict(zip(urls, data, strict=True))
+    return dict(zip(found, images, strict=True))
 
 
 def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools: list[dict[str, Any]] | None,
-                    images: list[Any] | None = None, fetched: dict[str, bytes] | None = None) -> str:
+                    images: list[Any] | None = None, loaded: dict[str, Any] | None = None) -> str:
     """The conversation of a chat or tokenize request as the chat template renders it (with the tools'
     definitions, ``continue_final_message`` and ``chat_template_kwargs``); a template error is a 400 naming
     ``messages``. ``images``: receives the images of the messages' ``image_url`` parts, in order (a model with
-    image inputs; without it the parts are rendered and their images not read); ``fetched``: the bytes of remote
-    image URLs (:func:`fetch_images`)."""
+    image inputs; without it the parts are rendered and their images not read); ``loaded``: the images
+    :func:`load_images` loaded."""
     support = getattr(ctx.front, "images", None)
-    collected = (ImageParts(support.placeholder, support.policy, fetched, load=images is not None)
+    collected = (ImageParts(support.placeholder, support.policy, loaded, load=images is not None)
                  if support is not None else None)
     messages = chat_messages(req.messages, collected)
     if images is not None and collected is not None:
@@ -276,7 +287,8 @@ def _echoed(ctx: ServerContext, req: ChatCompletionRequest) -> str:
     """What ``echo`` puts before the reply (vLLM's rule): the last message's text when it has the reply's role."""
     if not req.echo:
         return ""
-    last = chat_messages(req.messages[-1:])[0]
+    support = getattr(ctx.front, "images", None)   # (an image part echoes as the image token)
+    last = chat_messages(req.messages[-1:], ImageParts(support.placeholder, load=False) if support else None)[0]
     return last["content"] if last["role"] == _reply_role(ctx, req) else ""
 
 
@@ -292,6 +304,7 @@ class PreparedChat:
     max_param: str
     k: int | None
     multi_modal_data: dict[str, Any] | None = None   # the messages' images (a model with image inputs)
+    prompt_len: int = 0   # the prompt's positions (each image's token widened)
 
 
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_ignored: bool = True,
@@ -310,8 +323,11 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
         raise bad_request(problem[1], problem[0])
     mode = _tool_mode(ctx, req)
     images: list[Any] = []
-    fetched = await fetch_images(ctx, req)
-    text = render_messages(ctx, req, mode.tools if mode is not None else None, images, fetched)
+    text = render_messages(ctx, req, mode.tools if mode is not None else None, images, await load_images(ctx, req))
+    if images and req.truncate_prompt_tokens is not None:
+        raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
+    if images and req.use_beam_search:
+        raise bad_request("beam search does not take image inputs", "use_beam_search")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     defaults = ctx.default_sampling
@@ -330,11 +346,15 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     if not ids:
         raise bad_request("the chat template rendered these messages as an empty prompt; at least one token is "
                           "needed", "messages")
-    if images and req.use_beam_search:
-        raise bad_request("beam search does not take image inputs", "use_beam_search")
-    if not images:   # (with images the engine checks the length: each image's token becomes many positions)
-        ctx.check_length(len(ids), max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
-    return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, {"image": images} if images else None)
+    support = getattr(ctx.front, "images", None)
+    if support is not None and not images and support.token_id in ids:
+        raise bad_request(f"the rendered prompt has the image token ({support.placeholder!r}) but the messages have "
+                          "no image: send images as image_url parts", "messages")
+    # each image's one token becomes the positions its embeddings fill
+    length = len(ids) + sum(support.length_of(img) - 1 for img in images) if images else len(ids)
+    ctx.check_length(length, max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
+    return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, {"image": images} if images else None,
+                        length)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -371,7 +391,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         usage = None
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
-        return SSEResponse(_stream(ctx, rid, params.n, k, len(ids), events, usage, ctx.token_namer(req), mode,
+        return SSEResponse(_stream(ctx, rid, params.n, k, prep.prompt_len, events, usage, ctx.token_namer(req), mode,
                                    _echoed(ctx, req), ctx.reply_model(lora), req.include_reasoning, _reply_role(ctx, req)),
                             on_close=events.aclose)
     final = await finish(raw, events, _last(events))

@@ -235,7 +235,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     except APIError as exc:   # name the Responses API's fields, not the chat request's
         param = _PARAMS.get(exc.param or "", exc.param)
         raise APIError(exc.status, _responses_wording(exc.message), exc.type, param, exc.code, exc.headers) from None
-    body = _Body(req, ctx.reply_model(prep.lora), len(prep.ids))
+    body = _Body(req, ctx.reply_model(prep.lora), prep.prompt_len)
     started = await unless_disconnected(raw, start(ctx, [(body.id, prep.ids, prep.params)], req.priority, prep.lora,
                                                      cache_salt=req.cache_salt,
                                                      multi_modal_data=prep.multi_modal_data))

@@ -9,11 +9,13 @@ completion routes' checks: the text bound before tokenizing, ids inside the voca
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from plinth.core.request import SamplingParamsError
+from plinth.core.scheduler import RequestRejectedError
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -22,7 +24,7 @@ from plinth.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from plinth.entrypoints.openai.serving import ServerContext
-from plinth.entrypoints.openai.serving_chat import render_messages
+from plinth.entrypoints.openai.serving_chat import load_images, render_messages
 from plinth.entrypoints.openai.tools import tool_mode
 
 
@@ -37,12 +39,19 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
             mode = tool_mode(req.tools, "none", None, None)   # the tools as the template sees them
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from None
-        text = render_messages(ctx, req, mode.tools if mode else None)
+        images: list[Any] = []   # (a model with image inputs: the ids show each image's widened positions)
+        text = render_messages(ctx, req, mode.tools if mode else None, images, await load_images(ctx, req))
         special, param = bool(req.add_special_tokens), "messages"
     else:
         assert req.prompt is not None
         text, special, param = req.prompt, req.add_special_tokens is not False, "prompt"
     ids = await ctx.tokenize(text, add_special_tokens=special, param=param)
+    if req.messages is not None and images:
+        support = ctx.front.images
+        try:
+            ids, _ = support.expand(ids, [support.length_of(img) for img in images])
+        except RequestRejectedError as exc:
+            raise bad_request(str(exc), "messages") from None
     strs = None
     if req.return_token_strs:   # the vocabulary's own strings of the tokens, as vLLM gives them
         tok = ctx.front.tokenizer

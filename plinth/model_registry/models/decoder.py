@@ -409,8 +409,12 @@ class DecoderModel(nn.Module):
         self.reduce_final = bool(built) and built[-1].defer_output
         #: the embeddings' multiplier (Gemma: sqrt(hidden_size) rounded to the model's dtype; Granite's own)
         self.embed_scale = float(block.embedding_multiplier)
+        #: what image embeddings are multiplied by: Granite's multiplier applies to the merged embeddings (as
+        #: transformers multiplies ``inputs_embeds``), Gemma's scale to the token embeddings only
+        self.image_embed_scale = float(block.embedding_multiplier)
         if block.embed_scale:
             self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=ctx.dtype, device="cpu"))
+            self.image_embed_scale = 1.0
         self.rotary_emb = _rotary(ctx, "full_attention", owner.partial_rotary)
         #: the sliding-window layers' own RoPE (Gemma 3's local base frequency), else ``None``
         self.local_rotary_emb = _rotary(ctx, "sliding_attention", owner.partial_rotary) if block.local_rope else None
@@ -433,6 +437,8 @@ class DecoderModel(nn.Module):
                 hidden = hidden * self.embed_scale
             if image_embeds is not None:
                 rows, values = image_embeds
+                if self.image_embed_scale != 1.0:
+                    values = values * self.image_embed_scale
                 hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, R] each
