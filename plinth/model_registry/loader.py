@@ -325,6 +325,13 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
             logger.info("%s: running its language model (%s) alone; image inputs are not supported",
                         path, text[1])
         cfg, arch, text_only = text[0], text[1], True
+    elif getattr(cfg, "text_config", None) is not None and arch.endswith("ForConditionalGeneration") \
+            and not ModelRegistry.is_native(arch) and getattr(cfg, "num_attention_heads", None) is None:
+        raise UnsupportedModelError(
+            f"{path}: {arch} is an image-and-text model whose language model "
+            f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run; plinth runs LLaVA and LLaVA-NeXT "
+            f"checkpoints with images, and the language model alone of others built on a model it runs (Gemma 3, "
+            f"Mistral 3, ...)")
     if fmt != "dummy":
         list_safetensors_files(path)  # fail now rather than after building the model
     tokenizer = model_config.tokenizer
