@@ -301,6 +301,25 @@ def test_chat_with_image_parts(llava, llm):
     assert llm.chat(pil, _greedy(logprobs=None))[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_the_processors_chat_template(llava, tmp_path):
+    """A checkpoint whose chat template is its processor's (``chat_template.json``, as llava-hf writes it) and not
+    the tokenizer's: the engine takes it."""
+    import shutil
+
+    path = tmp_path / "llava"
+    shutil.copytree(llava[0], path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT}))
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": _picture(24)},
+                                             {"type": "text", "text": "Paris"}]}]
+    assert llm.chat(messages, _greedy(logprobs=None))[0].prompt.endswith("<image>\nParis<|im_end|>\n"
+                                                                         "<|im_start|>assistant\n")
+
+
 def test_server_chat_with_an_image_url(llava):
     """POST /v1/chat/completions with an image_url part: the reply equals transformers' on the rendered prompt, and
     /v1/responses with an input_image part gives the same; a remote URL, bad base64 and bytes that are not an image

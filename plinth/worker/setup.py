@@ -118,9 +118,29 @@ def load_tokenizer(source: Any, config: EngineConfig) -> Any:
         # read, else AutoTokenizer reads it again and warns that the checkpoint "is otherwise not supported"
         options["config"] = source.hf_config
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code, **options)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code, **options)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
+    if getattr(tokenizer, "chat_template", None) is None:   # an image-and-text checkpoint's processor's template
+        tokenizer.chat_template = _processor_chat_template(Path(path))
+    return tokenizer
+
+
+def _processor_chat_template(path: Path) -> str | None:
+    """The chat template a checkpoint's processor keeps (``chat_template.jinja``, or ``chat_template.json``'s
+    ``chat_template``: llava-hf checkpoints), ``None`` where there is none."""
+    import json
+
+    jinja, js = path / "chat_template.jinja", path / "chat_template.json"
+    try:
+        if jinja.is_file():
+            return jinja.read_text()
+        if js.is_file():
+            template = json.loads(js.read_text()).get("chat_template")
+            return template if isinstance(template, str) and template else None
+    except (OSError, ValueError, AttributeError):
+        logger.warning("%s: cannot read the processor's chat template", path)
+    return None
 
 
 def read_chat_template(value: str | None) -> str | None:
