@@ -501,6 +501,17 @@ def test_gpu_tokens_equal_transformers(llava):
         assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_llava_next_equals_transformers(tmp_path):
+    """LLaVA-NeXT on a GPU: images of two shapes in one prompt, float32 tokens equal transformers' on the CPU."""
+    model, processor, _ = _save_llava(tmp_path, tower="next", seed=5)
+    llm = LLM(str(tmp_path), dtype="float32", platform="cuda", block_size=16, gpu_memory_utilization=0.3)
+    wide, tall = _picture(18, (30, 70)), _picture(19, (64, 40))
+    out = llm.generate({"prompt": "<image> Paris <image>", "multi_modal_data": {"image": [tall, wide]}},
+                       _greedy(logprobs=None))[0]
+    assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [tall, wide])[0]
+
+
 @pytest.fixture
 def image_site(tmp_path):
     """A local HTTP server (127.0.0.1) serving a PNG at /cat.png and redirecting /away to another host."""
