@@ -33,12 +33,24 @@ SHAPES = {
         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                     image_size=336, patch_size=14, projection_dim=768),
         image_token=32000),
+    "llava-next-7b": dict(   # LLaVA-1.6 (Vicuna-7B) shape: up to 2x2 tiles of 336 and the base image
+        text=dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    image_size=336, patch_size=14, projection_dim=768),
+        image_token=32000, grid=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]),
     "tiny": dict(
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048),
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56,
                     patch_size=7, projection_dim=32),
         image_token=300),
+    "tiny-next": dict(
+        text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048),
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+                    patch_size=7, projection_dim=32),
+        image_token=300, grid=[[28, 56], [56, 28], [56, 56]]),
 }
 
 
@@ -52,13 +64,23 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
 
     text = transformers.LlamaConfig(**shape["text"], tie_word_embeddings=False)
     vision = transformers.CLIPVisionConfig(**shape["vision"])
-    config = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                      image_token_index=shape["image_token"], dtype=str(dtype).removeprefix("torch."))
+    size = shape["vision"]["image_size"]
+    common = dict(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=shape["image_token"],
+                  dtype=str(dtype).removeprefix("torch."))
+    if "grid" in shape:
+        config = transformers.LlavaNextConfig(**common, image_grid_pinpoints=shape["grid"])
+        cls = transformers.LlavaNextForConditionalGeneration
+        processor = transformers.LlavaNextImageProcessor(size={"shortest_edge": size},
+                                                         crop_size={"height": size, "width": size},
+                                                         image_grid_pinpoints=shape["grid"])
+    else:
+        config = transformers.LlavaConfig(**common)
+        cls = transformers.LlavaForConditionalGeneration
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": size},
+                                                    crop_size={"height": size, "width": size})
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
-    size = shape["vision"]["image_size"]
-    processor = transformers.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+        model = cls(config).to(dtype).eval()
     t0 = time.perf_counter()
     model.save_pretrained(path)
     processor.save_pretrained(path)
@@ -98,20 +120,21 @@ def encoder_times(encode, pixels: torch.Tensor, batches: list[int], device: str,
 
 def hf_run(model, processor, expanded: list[list[int]], images: list, args) -> dict:
     device = args.device
-    pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device, model.dtype)
+    processed = processor(images=images, return_tensors="pt")
+    pixels = processed["pixel_values"].to(device, model.dtype)
+    sizes = processed.get("image_sizes")
+    extra = (lambda k: {"image_sizes": sizes[:k].to(device)}) if sizes is not None else (lambda k: {})
     res: dict = {}
     with torch.inference_mode():
-        tower = model.model.vision_tower if hasattr(model, "model") else model.vision_tower
-        del tower
-        res["encoder_ms"] = encoder_times(lambda x: model.get_image_features(pixel_values=x), pixels,
-                                          args.encoder_batches, device)
+        res["encoder_ms"] = encoder_times(lambda x: model.get_image_features(pixel_values=x, **extra(len(x))),
+                                          pixels, args.encoder_batches, device)
 
         def gen(ids_rows, pix, n):
             width = max(len(r) for r in ids_rows)
             ids = torch.tensor([[0] * (width - len(r)) + r for r in ids_rows], device=device)
             mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids_rows], device=device)
             return model.generate(input_ids=ids, attention_mask=mask, pixel_values=pix, max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False)
+                                  min_new_tokens=n, do_sample=False, **extra(len(pix)))
 
         gen(expanded[:1], pixels[:1], 4)
         gen(expanded, pixels[:len(expanded)], 4)
@@ -143,11 +166,20 @@ def plinth_run(path: Path, prompts: list[list[int]], images: list, args) -> dict
               enable_prefix_caching=False, seed=0)
     engine = llm.llm_engine
     res: dict = {}
-    support = engine.images
-    pixels = support.pixel_values(images).to(engine.runner.images.device)
-    encoder = engine.runner.images.encoder
+    features = engine.runner.images
+    prepared = engine.images.prepare({"image": images})
+    from plinth.multimodal.images import ImageItem
+
+    def encode(x):   # the runner's path: the tower over every tile, each image packed
+        items = [ImageItem(0, n, p, f"bench-{i}-{time.perf_counter()}", s)
+                 for i, (p, s, n) in enumerate(zip(prepared.pixels[:len(x)], prepared.sizes, prepared.lengths,
+                                                           strict=False))]
+        out = features.embeddings(items)
+        features.clear()
+        return out
+
     with torch.inference_mode():
-        res["encoder_ms"] = encoder_times(encoder, pixels, args.encoder_batches, args.device)
+        res["encoder_ms"] = encoder_times(encode, list(range(len(images))), args.encoder_batches, args.device)
 
     def params(n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -183,7 +215,8 @@ def plinth_run(path: Path, prompts: list[list[int]], images: list, args) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llava-1.5-7b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="llava-1.5-7b", choices=sorted(SHAPES),
+                    help="llava-1.5-7b (576 positions an image) or llava-next-7b (tiles: ~2,000-2,900)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model-dir", default="/tmp/plinth-llava-bench")
@@ -212,7 +245,7 @@ def main() -> None:
     tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n) \
         * (vision["num_hidden_layers"] - 1) / vision["num_hidden_layers"]
     floors = {"decode_ms_per_token": lm_bytes / args.bandwidth * 1e3,
-              "encoder_ms_per_image": 2 * tower_params * positions / args.flops * 1e3}
+              "encoder_ms_per_tile": 2 * tower_params * positions / args.flops * 1e3}
     prompts = prompts_for(args.requests, args.text_len, shape["text"]["vocab_size"], shape["image_token"])
     model_cpu = None
     if args.skip_transformers:
@@ -245,7 +278,8 @@ def main() -> None:
         print(f"{name:12s} encoder [{enc}]  TTFT {r['ttft_ms']:.1f} ms  decode {r['ms_per_token']:.2f} ms/token  "
               f"{args.requests} requests: {r['batch_tok_s']:.1f} output tok/s", flush=True)
     print(f"floors: decode {floors['decode_ms_per_token']:.2f} ms/token, encoder "
-          f"{floors['encoder_ms_per_image']:.3f} ms/image", flush=True)
+          f"{floors['encoder_ms_per_tile']:.3f} ms a tile (LLaVA: an image; LLaVA-NeXT: up to 5 an image)",
+          flush=True)
     if "same_tokens" in results:
         print(f"greedy tokens agree for the first {results['tokens_agree_for']} of {args.max_tokens}")
     if args.json:
