@@ -163,17 +163,16 @@ def plinth_run(path: Path, prompts: list[list[int]], images: list, args) -> dict
 
     llm = LLM(str(path), dtype=args.dtype, platform=args.platform, max_model_len=args.max_model_len,
               max_num_seqs=max(args.requests, 1), gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=False, seed=0, **json.loads(args.engine_kwargs))
     engine = llm.llm_engine
     res: dict = {}
     features = engine.runner.images
-    prepared = engine.images.prepare({"image": images})
+    prepared = [engine.images.prepare({"image": img}) for img in images]
     from plinth.multimodal.images import ImageItem
 
     def encode(x):   # the runner's path: the tower over every tile, each image packed
-        items = [ImageItem(0, n, p, f"bench-{i}-{time.perf_counter()}", s)
-                 for i, (p, s, n) in enumerate(zip(prepared.pixels[:len(x)], prepared.sizes, prepared.lengths,
-                                                           strict=False))]
+        items = [ImageItem(0, p.lengths[0], p.pixels[0], f"bench-{i}-{time.perf_counter()}", p.sizes[0])
+                 for i, p in enumerate(prepared[:len(x)])]
         out = features.embeddings(items)
         features.clear()
         return out
@@ -229,6 +228,7 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM nominal)")
     ap.add_argument("--flops", type=float, default=989e12, help="dense bfloat16 FLOP/s (H100 SXM nominal)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--engine-kwargs", default="{}", help="more LLM(...) keywords, as JSON")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.encoder_batches = [int(b) for b in args.encoder_batches.split(",")]

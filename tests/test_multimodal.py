@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -212,6 +213,17 @@ def test_new_weights_reach_the_image_encoder(llava, tmp_path):
     after = llm.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids
     fresh = LLM(str(tmp_path / "other"), dtype="float32", platform="cpu", block_size=4, selection="off")
     assert after == fresh.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids != before
+    # a refused update writes nothing, the image encoder's tensors included; an unknown encoder name is refused
+    from plinth.errors import ModelLoadError
+
+    weight = llm.llm_engine.runner.images.encoder.linear_1.weight
+    kept = weight.clone()
+    with pytest.raises(ModelLoadError, match="shape"):
+        llm.update_weights({"multi_modal_projector.linear_1.weight": torch.ones_like(weight),
+                            "model.layers.0.self_attn.q_proj.weight": torch.ones(3, 3)})
+    assert torch.equal(weight, kept)
+    with pytest.raises(ModelLoadError, match="no such tensor in the image encoder"):
+        llm.update_weights({"multi_modal_projector.linear_3.weight": torch.ones(4, 4)})
 
 
 def safe_names(path):
@@ -244,6 +256,29 @@ def test_encoded_images_are_kept_per_salt_and_epoch_and_alone(llava):
                  _greedy(logprobs=None))
     for features in llm.llm_engine.runner.images._cache.values():
         assert features.untyped_storage().nbytes() == features.numel() * features.element_size()
+
+
+def test_transparent_images_and_what_a_request_carries(llava, llm, tmp_path):
+    """An image with transparent pixels is put over white as transformers' processors do (not its alpha dropped):
+    tokens equal transformers'; each image's pixels are its own (a request's pickled images are their own size); a
+    LLaVA-NeXT config whose tile features cannot form a grid is refused at load."""
+    import pickle
+
+    _, model, processor, _ = llava
+    rgba = _picture(25).convert("RGBA")
+    alpha = np.full((rgba.height, rgba.width), 255, dtype=np.uint8)
+    alpha[:, : rgba.width // 2] = 0
+    rgba.putalpha(Image.fromarray(alpha))
+    out = llm.generate({"prompt": "The <image> fox", "multi_modal_data": {"image": rgba}}, _greedy(logprobs=None))[0]
+    assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [rgba])[0]
+    prepared = llm.llm_engine.images.prepare({"image": [_picture(26 + i) for i in range(8)]})
+    one = prepared.pixels[0]
+    assert len(pickle.dumps(prepared.pixels[0])) < 2 * one.numel() * one.element_size()
+    from plinth.errors import UnsupportedModelError
+
+    _save_llava(tmp_path / "next-full", tower="next", vision_feature_select_strategy="full")
+    with pytest.raises(UnsupportedModelError, match="do not form the 4x4 grid"):
+        LLM(str(tmp_path / "next-full"), dtype="float32", platform="cpu", selection="off")
 
 
 def test_siglip_tower_with_the_default_strategy(tmp_path):
@@ -530,6 +565,15 @@ def image_site(tmp_path):
                 self.send_header("Content-Length", str(len(png)))
                 self.end_headers()
                 self.wfile.write(png)
+            elif self.path == "/garbage":
+                self.wfile.write(b"GARBAGE\r\n\r\n")
+            elif self.path == "/slow":
+                self.send_response(200)
+                self.end_headers()
+                for _ in range(40):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.1)
             elif self.path == "/away":
                 self.send_response(302)
                 self.send_header("Location", "http://localhost.invalid/cat.png")
@@ -583,6 +627,9 @@ def test_image_urls_where_the_server_allows_them(llava, image_site, tmp_path):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == inline.json()["choices"][0]["message"]["content"]
         for url, words in [(f"{base}/away", "outside the allowed media domains"),
+                           (f"{base}/garbage", "cannot fetch the image"),
+                           (f"file://{media}/cat%00.png", "cannot read the file"),
+                           (f"file://{media}/{'x' * 5000}.png", "cannot read the file"),
                            (f"{base}/missing.png", "HTTP 404"),
                            ("http://localhost.invalid/cat.png", "not among the allowed media domains"),
                            (f"file://{tmp_path}/secret.png", "outside the allowed local media path"),
@@ -591,3 +638,16 @@ def test_image_urls_where_the_server_allows_them(llava, image_site, tmp_path):
             assert r.status_code == 400 and words in r.json()["error"]["message"], (url, r.text)
         r = chat(http, _data_url(img), _data_url(img), _data_url(img))
         assert r.status_code == 400 and "at most 2 a prompt" in r.json()["error"]["message"], r.text
+    # a fetch has a deadline as a whole, not only per read (a server trickling a byte at a time)
+    from plinth.multimodal.images import MediaPolicy, fetch_url
+
+    started = time.monotonic()
+    with pytest.raises(RequestRejectedError, match="took more than 1 s"):
+        fetch_url(f"{base}/slow", MediaPolicy(domains=("127.0.0.1",), timeout_s=1.0))
+    assert time.monotonic() - started < 2.5
+    # LLM.chat counts images against the limit before reading the one past it
+    llm = LLM(str(llava[0]), dtype="float32", platform="cpu", selection="off", limit_mm_per_prompt={"image": 1})
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(img)}},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]
+    with pytest.raises(RequestRejectedError, match="more than 1 images"):
+        llm.chat([{"role": "user", "content": parts}])

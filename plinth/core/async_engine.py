@@ -260,7 +260,10 @@ class AsyncLLMEngine:
             raise RequestRejectedError(f"a request id must be a string, got {type(request_id).__name__}",
                                        param="request_id")
         if multi_modal_data is not None and self.images is not None:   # the image processor runs here, not in the loop
-            multi_modal_data = await asyncio.to_thread(self.images.prepare, multi_modal_data)
+            from plinth.multimodal.images import media_pool
+
+            multi_modal_data = await asyncio.get_running_loop().run_in_executor(media_pool(), self.images.prepare,
+                                                                                multi_modal_data)
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
         prompt = prompt if isinstance(prompt, str) else list(prompt)

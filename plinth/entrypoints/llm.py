@@ -461,8 +461,8 @@ class LLM:
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         support = self.engine.images
-        collected = [ImageParts(support.placeholder, support.policy) if support is not None else None
-                     for _ in conversations]
+        collected = [ImageParts(support.placeholder, support.policy, limit=support.limit) if support is not None
+                     else None for _ in conversations]
         conversations = [plain_messages(conv, images)  # type: ignore[arg-type]
                          for conv, images in zip(conversations, collected, strict=True)]
         texts = [self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,

@@ -96,25 +96,22 @@ def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]]
     if not pairs:
         return 0
     encoder_pairs: list[tuple[str, torch.Tensor]] = []
-    if images is not None:
+    if images is not None:   # the vision tower's and projector's tensors go to the image encoder
         from plinth.multimodal.vision import ENCODER_PREFIXES
 
         encoder_pairs = [(n, t) for n, t in pairs if n.startswith(ENCODER_PREFIXES)]
-        if encoder_pairs:
-            given = len(pairs)
-            pairs = [(n, t) for n, t in pairs if not n.startswith(ENCODER_PREFIXES)]
-            if phase in (None, "check"):
-                images.encoder.load_weights(iter(encoder_pairs), partial=True, write=False)
-            if phase in (None, "write"):
-                images.encoder.load_weights(iter(encoder_pairs), partial=True)
-                images.clear()
-            if not pairs:
-                return given
+        pairs = [(n, t) for n, t in pairs if not n.startswith(ENCODER_PREFIXES)]
     with torch.no_grad():
-        if phase in (None, "check"):
-            with _mode(model, "check"):
-                model.load_weights(iter(pairs))   # type: ignore[operator]
-        if phase in (None, "write"):
+        if phase in (None, "check"):   # everything checked before anything is written
+            if encoder_pairs:
+                images.encoder.load_weights(iter(encoder_pairs), partial=True, write=False)
+            if pairs:
+                with _mode(model, "check"):
+                    model.load_weights(iter(pairs))   # type: ignore[operator]
+        if phase in (None, "write") and encoder_pairs:
+            images.encoder.load_weights(iter(encoder_pairs), partial=True)
+            images.clear()   # images encoded with the old weights
+        if phase in (None, "write") and pairs:
             with _mode(model, "write"):
                 try:
                     model.load_weights(iter(pairs))   # type: ignore[operator]

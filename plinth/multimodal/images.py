@@ -36,6 +36,20 @@ MAX_IMAGE_PIXELS = 89_478_485
 MAX_ASPECT_RATIO = 100
 
 
+_POOL: Any = None
+
+
+def media_pool() -> Any:
+    """The threads that decode, read, fetch and process images for the async front and the server: their own pool,
+    so that slow image sources never hold up the default executor's work (tokenizing, replies)."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="plinth-media")
+    return _POOL
+
+
 @dataclasses.dataclass(frozen=True)
 class MediaPolicy:
     """Where images named by URL may come from besides data URLs (vLLM's ``--allowed-local-media-path`` and
@@ -114,7 +128,7 @@ def decode_image(data: bytes, where: str = "image") -> Any:
         with Image.open(io.BytesIO(data)) as img:
             check_size(img.width, img.height, where)
             img.load()
-            return img.convert("RGB")
+            return _rgb(img)
     except RequestRejectedError:
         raise
     except Exception as exc:   # noqa: BLE001 - PIL raises many kinds for a bad file
@@ -178,17 +192,30 @@ def fetch_url(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes:
                                            "domains")
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 
+    import time
+
     opener = urllib.request.build_opener(_Checked)
+    deadline = time.monotonic() + policy.timeout_s
     try:
         with opener.open(urllib.request.Request(url, headers={"User-Agent": "plinth"}),
                          timeout=policy.timeout_s) as response:
-            data = response.read(policy.max_bytes + 1)
+            chunks: list[bytes] = []
+            size = 0
+            while size <= policy.max_bytes:   # (the socket timeout bounds each read; this, the whole fetch)
+                if time.monotonic() > deadline:
+                    raise RequestRejectedError(f"{where}: fetching the image took more than {policy.timeout_s:g} s")
+                chunk = response.read1(1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            data = b"".join(chunks)
     except RequestRejectedError:
         raise
     except urllib.error.HTTPError as exc:
         raise RequestRejectedError(f"{where}: fetching the image gave HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+    except Exception as exc:   # noqa: BLE001 - URLError, timeouts, http.client's protocol errors, bad URLs
+        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         raise RequestRejectedError(f"{where}: cannot fetch the image: {reason}") from None
     if len(data) > policy.max_bytes:
         raise RequestRejectedError(f"{where}: the image is larger than {policy.max_bytes} bytes")
@@ -210,15 +237,27 @@ def read_local(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes
     if parts.netloc not in ("", "localhost"):
         raise RequestRejectedError(f"{where}: a file:// URL names a local path (file:///path), not host "
                                    f"{parts.netloc!r}")
-    root = Path(policy.local_path).resolve()
-    path = Path(urllib.parse.unquote(parts.path)).resolve()
-    if not path.is_relative_to(root):
-        raise RequestRejectedError(f"{where}: {path} is outside the allowed local media path {root}")
-    if not path.is_file():
-        raise RequestRejectedError(f"{where}: no such file {path}")
-    if path.stat().st_size > policy.max_bytes:
+    try:
+        root = Path(policy.local_path).resolve()
+        path = Path(urllib.parse.unquote(parts.path)).resolve()
+        if not path.is_relative_to(root):
+            raise RequestRejectedError(f"{where}: {path} is outside the allowed local media path {root}")
+        if not path.is_file():
+            raise RequestRejectedError(f"{where}: no such file {path}")
+        with path.open("rb") as f:
+            data = f.read(policy.max_bytes + 1)
+    except (OSError, ValueError) as exc:   # a NUL byte, a name too long, no permission
+        raise RequestRejectedError(f"{where}: cannot read the file: {type(exc).__name__}: {exc}") from None
+    if len(data) > policy.max_bytes:
         raise RequestRejectedError(f"{where}: {path} is larger than {policy.max_bytes} bytes")
-    return path.read_bytes()
+    return data
+
+
+def _rgb(image: Any) -> Any:
+    """``image`` in RGB as transformers' processors make it (transparent pixels over white, not dropped alpha)."""
+    from transformers.image_transforms import convert_to_rgb
+
+    return convert_to_rgb(image)
 
 
 def _as_pil(image: Any, where: str) -> Any:
@@ -226,7 +265,7 @@ def _as_pil(image: Any, where: str) -> Any:
 
     if isinstance(image, Image.Image):
         check_size(image.width, image.height, where)
-        return image if image.mode == "RGB" else image.convert("RGB")
+        return _rgb(image)
     if isinstance(image, bytes | bytearray):
         return decode_image(bytes(image), where)
     raise RequestRejectedError(f"{where} must be a PIL image or an image file's bytes, got {type(image).__name__}")
@@ -246,7 +285,9 @@ class ImageSupport:
 
     def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None,
                  limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None):
-        from plinth.multimodal.vision import is_next, tokens_per_image
+        from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
+
+        check_layout(mm_config)
 
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
                             else mm_config.image_token_id)
@@ -281,7 +322,9 @@ class ImageSupport:
         if out.dim() != 5 or out.shape[-2:] != (self.image_size, self.image_size):
             raise RequestRejectedError(f"the image processor made images of shape {tuple(out.shape)}; the vision "
                                        f"tower takes {self.image_size}x{self.image_size}", param="multi_modal_data")
-        return [out[i, :num_tiles(self.mm_config, (img.height, img.width))].float() for i, img in enumerate(images)]
+        # (copies: a view would carry the whole batch's pixels wherever one image goes, e.g. to worker processes)
+        return [out[i, :num_tiles(self.mm_config, (img.height, img.width))].clone().float()
+                for i, img in enumerate(images)]
 
     def length_of(self, image: Any) -> int:
         """The positions a PIL image fills."""
@@ -398,8 +441,9 @@ class ImageParts:
     :class:`~plinth.core.engine.ImagePart` holding the image token's text."""
 
     def __init__(self, placeholder: str, policy: MediaPolicy | None = None, loaded: dict[str, Any] | None = None,
-                 load: bool = True):
+                 load: bool = True, limit: int | None = None):
         self.placeholder = placeholder
+        self.limit = limit   # the most images (refused before the one past it is read)
         self.policy = policy
         self.loaded = loaded or {}   # images already loaded (off the server's event loop), by URL
         self.load = load   # False: the parts only (a conversation whose images are not needed)
@@ -418,6 +462,9 @@ class ImageParts:
             value = value.get("url")
         if not self.load:
             return ImagePart(self.placeholder)
+        if self.limit is not None and len(self.images) >= self.limit:
+            raise RequestRejectedError(f"{where}: more than {self.limit} images in a prompt (--limit-mm-per-prompt)",
+                                       param="multi_modal_data")
         if isinstance(value, str):
             image = self.loaded.get(value) or image_from_url(value, where, self.policy)
         else:

@@ -65,6 +65,21 @@ def is_next(mm_config: Any) -> bool:
     return getattr(mm_config, "model_type", None) == "llava_next"
 
 
+def check_layout(mm_config: Any) -> None:
+    """Refuse a LLaVA-NeXT config whose tiles' features cannot be laid out as a grid (the ``full`` strategy on a
+    CLIP tower, or ``default`` on SigLIP, leave one feature more or fewer than the patches).
+
+    Raises:
+        UnsupportedModelError: as above.
+    """
+    side = mm_config.vision_config.image_size // mm_config.vision_config.patch_size
+    if is_next(mm_config) and positions_per_tile(mm_config) != side * side:
+        raise UnsupportedModelError(
+            f"LLaVA-NeXT with a {mm_config.vision_config.model_type} tower and the "
+            f"{getattr(mm_config, 'vision_feature_select_strategy', 'default')!r} feature strategy: its "
+            f"{positions_per_tile(mm_config)} features a tile do not form the {side}x{side} grid the packing needs")
+
+
 def num_tiles(mm_config: Any, image_size: tuple[int, int]) -> int:
     """The tiles an image of ``image_size`` (height, width) is encoded as (1 for LLaVA)."""
     if not is_next(mm_config):
@@ -173,6 +188,7 @@ class ImageEncoder(nn.Module):
         if vcfg.model_type not in VISION_TOWERS:
             raise UnsupportedModelError(f"vision tower {vcfg.model_type!r} is not supported; supported: "
                                         f"{', '.join(VISION_TOWERS)}")
+        check_layout(mm_config)
         self.wanted = feature_layers(mm_config)
         self.tower = VisionTower(vcfg, max(self.wanted))
         strategy = getattr(mm_config, "vision_feature_select_strategy", "default")
@@ -215,11 +231,11 @@ class ImageEncoder(nn.Module):
         seen: set[str] = set()
         for name, tensor in weights:
             target = _parameter_name(name, len(self.tower.layers))
-            if target is None:
-                continue
+            if target is None or target == _SKIPPED or target.startswith(_UNUSED_PARTS):
+                continue   # a layer past those run, the post-layernorm, SigLIP's pooling head: not read by LLaVA
             param = params.get(target)
             if param is None:
-                continue   # (the tower's post-layernorm and the like: not read by LLaVA)
+                raise ModelLoadError(f"{name}: no such tensor in the image encoder ({target})")
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             if not tensor.dtype.is_floating_point:
@@ -237,6 +253,9 @@ class ImageEncoder(nn.Module):
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 _NEWLINE_NAMES = ("model.image_newline", "image_newline")
+_SKIPPED = "(skipped)"
+#: the tower's tensors LLaVA never reads (after the prefix is mapped)
+_UNUSED_PARTS = ("tower.post_layernorm.", "tower.head.", "tower.position_ids")
 #: the checkpoint prefixes of the encoder's tensors (both layouts transformers writes)
 ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES
 
@@ -255,7 +274,7 @@ def _parameter_name(name: str, num_layers: int) -> str | None:
             m = _LAYER.match(rest)
             if m is not None:
                 if int(m[1]) >= num_layers:
-                    return None
+                    return _SKIPPED   # a layer past those run
                 rest = "layers." + rest[len("encoder."):].removeprefix("layers.")
                 rest = re.sub(r"\.(self_attn|mlp)\.", ".", rest)
             rest = rest.removeprefix("embeddings.")

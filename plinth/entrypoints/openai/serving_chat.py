@@ -58,7 +58,7 @@ from plinth.entrypoints.openai.tools import (
     tool_mode,
 )
 from plinth.lora.request import LoRARequest
-from plinth.multimodal.images import ImageParts, image_from_url
+from plinth.multimodal.images import ImageParts, image_from_url, media_pool
 
 
 def chat_messages(items: Sequence[ChatMessage], images: ImageParts | None = None) -> list[dict[str, Any]]:
@@ -197,8 +197,9 @@ async def load_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[st
                           "messages")
     if not found:
         return None
+    loop = asyncio.get_running_loop()
     try:
-        images = await asyncio.gather(*(asyncio.to_thread(image_from_url, url, where, support.policy)
+        images = await asyncio.gather(*(loop.run_in_executor(media_pool(), image_from_url, url, where, support.policy)
                                         for url, where in found.items()))
     except RequestRejectedError as exc:
         raise bad_request(str(exc), "messages") from None
