@@ -175,16 +175,18 @@ def test_chunked_prefill_splits_an_image(llava):
     assert len(calls) == 1
 
 
-def test_siglip_tower_with_the_full_feature_strategy(tmp_path):
-    """A SigLIP vision tower (no class token, biased patch embedding), its last layer's features
-    (``vision_feature_layer=-1``), the ``full`` strategy: tokens equal transformers'."""
-    model, processor, _ = _save_llava(tmp_path, tower="siglip", seed=3, vision_feature_layer=-1,
-                                      vision_feature_select_strategy="full")
+@pytest.mark.parametrize("strategy,layer,positions", [("full", -1, 16), ("default", -2, 15)])
+def test_siglip_tower(tmp_path, strategy, layer, positions):
+    """A SigLIP vision tower (no class token, biased patch embedding) with the ``full`` strategy and its last layer's
+    features, and with the ``default`` strategy, which drops the first feature whatever the tower (transformers'
+    rule): the image fills 16 or 15 positions, and the tokens equal transformers'."""
+    model, processor, _ = _save_llava(tmp_path, tower="siglip", seed=3, vision_feature_layer=layer,
+                                      vision_feature_select_strategy=strategy)
     llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
     img = _picture(8)
-    out = llm.generate({"prompt": "<image> Large language models", "multi_modal_data": {"image": img}},
+    out = llm.generate({"prompt": "Paris <image> Large language models", "multi_modal_data": {"image": img}},
                        _greedy(logprobs=None))[0]
-    assert out.prompt_token_ids.count(model.config.image_token_index) == 16
+    assert out.prompt_token_ids.count(model.config.image_token_index) == positions
     assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
 
 
@@ -279,18 +281,6 @@ def test_transparent_images_and_what_a_request_carries(llava, llm, tmp_path):
     _save_llava(tmp_path / "next-full", tower="next", vision_feature_select_strategy="full")
     with pytest.raises(UnsupportedModelError, match="do not form the 4x4 grid"):
         LLM(str(tmp_path / "next-full"), dtype="float32", platform="cpu", selection="off")
-
-
-def test_siglip_tower_with_the_default_strategy(tmp_path):
-    """The ``default`` strategy drops the first feature whatever the tower (transformers' rule): a SigLIP tower's
-    image fills 15 positions, and the tokens equal transformers'."""
-    model, processor, _ = _save_llava(tmp_path, tower="siglip", seed=4)
-    llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
-    img = _picture(17)
-    out = llm.generate({"prompt": "Paris <image> Large", "multi_modal_data": {"image": img}},
-                       _greedy(logprobs=None))[0]
-    assert out.prompt_token_ids.count(model.config.image_token_index) == 15
-    assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, [img])[0]
 
 
 def test_llava_next_tiles_by_image_size(tmp_path):
