@@ -345,6 +345,24 @@ def test_the_processors_chat_template(llava, tmp_path):
                                                                          "<|im_start|>assistant\n")
 
 
+def test_generate_rows_with_image_parts(llava, llm, tmp_path):
+    """`plinth generate`: a row's messages with an image_url part (a data URL) give LLM.chat's tokens."""
+    from plinth.entrypoints.cli import main
+
+    img = _picture(27)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(img)}},
+                                             {"type": "text", "text": "The quick brown fox"}]}]
+    rows = tmp_path / "in.jsonl"
+    rows.write_text(json.dumps({"id": "r1", "messages": messages, "max_tokens": 6, "temperature": 0}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(llava[0]), "--dtype", "float32", "--ignore-eos", "--selection", "off",
+                 "--platform", "cpu", "--input", str(rows), "--output", str(out)]) == 0
+    got = json.loads(out.read_text().splitlines()[0])
+    want = llm.chat(messages, _greedy(logprobs=None))[0]
+    assert got["id"] == "r1" and got["outputs"][0]["token_ids"] == list(want.outputs[0].token_ids)
+    assert got["prompt_tokens"] == len(want.prompt_token_ids)   # the image's positions counted
+
+
 def test_server_chat_with_an_image_url(llava):
     """POST /v1/chat/completions with an image_url part: the reply equals transformers' on the rendered prompt, and
     /v1/responses with an input_image part gives the same; a remote URL, bad base64 and bytes that are not an image

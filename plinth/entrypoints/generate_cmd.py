@@ -201,15 +201,35 @@ def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
 
 
 def _chat_messages(line: int, value: Any) -> list[dict[str, Any]]:
-    """A row's ``messages``, read as the server reads a request's (:func:`plain_messages`)."""
+    """A row's ``messages``, checked as the server reads a request's (:func:`plain_messages`; image parts are taken
+    here and read when the row runs, where the model takes images: :func:`chat_prompt`)."""
     from plinth.entrypoints.openai.tools import plain_messages
+    from plinth.multimodal.images import ImageParts
 
     if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
         raise RowError(line, "'messages' must be a non-empty list of {role, content} objects")
     try:
-        return plain_messages(value)
+        plain_messages(value, ImageParts("<image>", load=False))
     except ValueError as exc:
         raise RowError(line, str(exc)) from None
+    return value
+
+
+def chat_prompt(engine: Any, messages: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any] | None]:
+    """A chat row's prompt ids and its images' ``multi_modal_data`` (``None``: none), its image parts read as the
+    server reads them (data URLs; ``file://`` and ``http(s)://`` where ``--allowed-local-media-path`` and
+    ``--allowed-media-domains`` allow).
+
+    Raises:
+        ValueError: image parts for a model without image inputs, or an image that cannot be read.
+    """
+    from plinth.entrypoints.openai.tools import plain_messages
+    from plinth.multimodal.images import ImageParts
+
+    support = engine.images
+    parts = ImageParts(support.placeholder, support.policy, limit=support.limit) if support is not None else None
+    ids = engine.tokenize(engine.render_chat(plain_messages(messages, parts)), add_special_tokens=False)
+    return ids, ({"image": parts.images} if parts is not None and parts.images else None)
 
 
 def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str, Any, SamplingParams, bool]:
@@ -262,7 +282,8 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     return rid, value, params, key == "messages"
 
 
-def add_when_room(engine: Any, request_id: str, prompt: Any, params: SamplingParams, step: Any) -> None:
+def add_when_room(engine: Any, request_id: str, prompt: Any, params: SamplingParams, step: Any,
+                  multi_modal_data: dict[str, Any] | None = None) -> None:
     """``engine.add_request``, calling ``step()`` (which steps the engine) while its waiting queue is full
     (``--max-waiting-requests``).
 
@@ -273,7 +294,10 @@ def add_when_room(engine: Any, request_id: str, prompt: Any, params: SamplingPar
 
     while True:
         try:
-            engine.add_request(request_id, prompt, params)
+            if multi_modal_data is None:
+                engine.add_request(request_id, prompt, params)
+            else:
+                engine.add_request(request_id, prompt, params, multi_modal_data=multi_modal_data)
             return
         except QueueFullError:
             if not engine.has_unfinished_requests():
@@ -555,10 +579,11 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
 
         for line, rid, prompt, params, is_chat in rows:
             try:
+                images = None
                 if is_chat:
-                    prompt = engine.tokenize(engine.render_chat(prompt), add_special_tokens=False)
+                    prompt, images = chat_prompt(engine, prompt)
                 try:
-                    add_when_room(engine, f"row-{line}", prompt, params, step)   # a row's id may be anything
+                    add_when_room(engine, f"row-{line}", prompt, params, step, images)   # a row's id may be anything
                 except QueueFullError:   # nothing to wait for: it can never fit
                     raise RequestRejectedError("the row's sequences do not fit in the waiting queue "
                                                "(--max-waiting-requests)") from None
