@@ -223,15 +223,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--encoder-batches", default="1,8,32")
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: 2048 (LLaVA-1.5), 4096 (LLaVA-NeXT)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM nominal)")
     ap.add_argument("--flops", type=float, default=989e12, help="dense bfloat16 FLOP/s (H100 SXM nominal)")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--engine-kwargs", default="{}", help="more LLM(...) keywords, as JSON")
+    ap.add_argument("--engine-kwargs", default=None,
+                    help="more LLM(...) keywords, as JSON (LLaVA-NeXT default: a token budget of 8192, above its "
+                         "prompts: see the README's known GPU issue)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.encoder_batches = [int(b) for b in args.encoder_batches.split(",")]
+    tiled = "grid" in SHAPES[args.shape]
+    if args.max_model_len is None:
+        args.max_model_len = 4096 if tiled else 2048
+    if args.engine_kwargs is None:
+        args.engine_kwargs = '{"max_num_batched_tokens": 8192}' if tiled else "{}"
     args.platform = "cpu" if args.device == "cpu" else "cuda"
     dtype = getattr(torch, args.dtype)
     shape = SHAPES[args.shape]

@@ -207,7 +207,7 @@ def test_language_models_that_scale_their_embeddings(tmp_path, text_model):
 def test_new_weights_reach_the_image_encoder(llava, tmp_path):
     """update_weights from a LLaVA checkpoint: the vision tower and projector take their tensors too, and images
     encoded with the old weights are forgotten; the tokens then equal a fresh engine's on the new checkpoint."""
-    _save_llava(tmp_path / "other", seed=7)
+    other, _, _ = _save_llava(tmp_path / "other", seed=7)
     llm = LLM(str(llava[0]), dtype="float32", platform="cpu", block_size=4, selection="off")
     prompt = {"prompt": "The <image> fox", "multi_modal_data": {"image": _picture(21)}}
     before = llm.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids
@@ -215,6 +215,10 @@ def test_new_weights_reach_the_image_encoder(llava, tmp_path):
     after = llm.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids
     fresh = LLM(str(tmp_path / "other"), dtype="float32", platform="cpu", block_size=4, selection="off")
     assert after == fresh.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids != before
+    # a transformers model's state dict (its language model's names under model.language_model.) does the same
+    back = LLM(str(llava[0]), dtype="float32", platform="cpu", block_size=4, selection="off")
+    back.update_weights(other.state_dict())
+    assert back.generate(prompt, _greedy(logprobs=None))[0].outputs[0].token_ids == after
     # a refused update writes nothing, the image encoder's tensors included; an unknown encoder name is refused
     from plinth.errors import ModelLoadError
 
@@ -328,7 +332,8 @@ def test_chat_with_image_parts(llava, llm):
 
 def test_the_processors_chat_template(llava, tmp_path):
     """A checkpoint whose chat template is its processor's (``chat_template.json``, as llava-hf writes it) and not
-    the tokenizer's: the engine takes it."""
+    the tokenizer's: the engine takes it, and sees that it loops over content parts (through a filter, with
+    transformers' ``generation`` blocks), so text and image parts reach it as parts."""
     import shutil
 
     path = tmp_path / "llava"
@@ -337,12 +342,22 @@ def test_the_processors_chat_template(llava, tmp_path):
     config = json.loads((path / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT}))
+    # in the style of llava-hf's templates: images first through a filter, the assistant's text in generation blocks
+    template = ("{% for m in messages %}{{ m['role'].upper() + ': ' }}"
+                "{% for c in m['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+                "{% for c in m['content'] | selectattr('type', 'equalto', 'text') %}"
+                "{% if m['role'] == 'assistant' %}{% generation %}{{ c['text'] }}{% endgeneration %}"
+                "{% else %}{{ c['text'] + ' ' }}{% endif %}{% endfor %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
-    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": _picture(24)},
-                                             {"type": "text", "text": "Paris"}]}]
-    assert llm.chat(messages, _greedy(logprobs=None))[0].prompt.endswith("<image>\nParis<|im_end|>\n"
-                                                                         "<|im_start|>assistant\n")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Paris"},
+                                             {"type": "image_pil", "image_pil": _picture(24)}]}]
+    assert llm.chat(messages, _greedy(logprobs=None))[0].prompt == "USER: <image>\nParis ASSISTANT:"
+    text_only = [{"role": "user", "content": "The quick fox"}, {"role": "assistant", "content": "ok"},
+                 {"role": "user", "content": "again"}]
+    assert llm.chat(text_only, _greedy(logprobs=None))[0].prompt == \
+        "USER: The quick fox ASSISTANT: okUSER: again ASSISTANT:"
 
 
 def test_generate_rows_with_image_parts(llava, llm, tmp_path):
@@ -582,6 +597,17 @@ def image_site(tmp_path):
                     self.wfile.write(b"x")
                     self.wfile.flush()
                     time.sleep(0.1)
+            elif self.path == "/slow-headers":
+                self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                for _ in range(40):
+                    self.wfile.write(b"X-Slow: 1\r\n")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            elif self.path.startswith("/hop"):
+                time.sleep(0.4)
+                self.send_response(302)
+                self.send_header("Location", f"/hop{len(self.path)}")
+                self.end_headers()
             elif self.path == "/away":
                 self.send_response(302)
                 self.send_header("Location", "http://localhost.invalid/cat.png")
@@ -640,7 +666,7 @@ def test_image_urls_where_the_server_allows_them(llava, image_site, tmp_path):
                            (f"file://{media}/{'x' * 5000}.png", "cannot read the file"),
                            (f"{base}/missing.png", "HTTP 404"),
                            ("http://localhost.invalid/cat.png", "not among the allowed media domains"),
-                           (f"file://{tmp_path}/secret.png", "outside the allowed local media path"),
+                           (f"file://{tmp_path}/secret.png", "secret.png is outside the allowed local media path"),
                            (f"file://{media}/../secret.png", "outside the allowed local media path")]:
             r = chat(http, url)
             assert r.status_code == 400 and words in r.json()["error"]["message"], (url, r.text)
@@ -649,10 +675,11 @@ def test_image_urls_where_the_server_allows_them(llava, image_site, tmp_path):
     # a fetch has a deadline as a whole, not only per read (a server trickling a byte at a time)
     from plinth.multimodal.images import MediaPolicy, fetch_url
 
-    started = time.monotonic()
-    with pytest.raises(RequestRejectedError, match="took more than 1 s"):
-        fetch_url(f"{base}/slow", MediaPolicy(domains=("127.0.0.1",), timeout_s=1.0))
-    assert time.monotonic() - started < 2.5
+    for path in ("/slow", "/slow-headers", "/hop"):   # a trickled body or headers, redirect after redirect
+        started = time.monotonic()
+        with pytest.raises(RequestRejectedError, match="took more than 1 s"):
+            fetch_url(f"{base}{path}", MediaPolicy(domains=("127.0.0.1",), timeout_s=1.0))
+        assert time.monotonic() - started < 2.0, path
     # LLM.chat counts images against the limit before reading the one past it
     llm = LLM(str(llava[0]), dtype="float32", platform="cpu", selection="off", limit_mm_per_prompt={"image": 1})
     parts = [{"type": "image_url", "image_url": {"url": _data_url(img)}},

@@ -189,15 +189,21 @@ def template_iterates_content(template: str) -> bool:
     """Whether a chat template loops over a message's ``content`` (``{% for part in message['content'] %}``, or over
     a variable set from it): it reads OpenAI's list of content parts, and a string there would be looped over
     character by character, so messages reach it with their text as one ``{"type": "text"}`` part."""
+    import re
+
     import jinja2
     from jinja2 import nodes
 
+    # transformers' {% generation %} blocks (assistant-token masks) are not jinja2's: the text between them is kept
+    plain = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(plain)
     except jinja2.TemplateSyntaxError:
         return False
 
     def is_content(node: nodes.Node) -> bool:
+        while isinstance(node, nodes.Filter | nodes.Test):   # message['content'] | selectattr('type', ...)
+            node = node.node
         return ((isinstance(node, nodes.Getattr) and node.attr == "content")
                 or (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"))
 
@@ -1011,7 +1017,14 @@ class LLMEngine:
                                  "the engine at load time; load the new weights with a new engine")
         self._check_weights_awake()
         t0 = time.perf_counter()
-        pairs = self.checkpoint_weights(weights) if isinstance(weights, str | os.PathLike) else weight_pairs(weights)
+        if isinstance(weights, str | os.PathLike):
+            pairs = self.checkpoint_weights(weights)
+        else:
+            pairs = weight_pairs(weights)
+            if self.model_source.text_only:   # an image-and-text model's state dict: its language model's names
+                from plinth.model_registry.loader import language_model_names
+
+                pairs = language_model_names(pairs)
         try:
             count = self.executor.update_weights(pairs)
             self._weights_discarded = False

@@ -329,9 +329,9 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
             and not ModelRegistry.is_native(arch) and getattr(cfg, "num_attention_heads", None) is None:
         raise UnsupportedModelError(
             f"{path}: {arch} is an image-and-text model whose language model "
-            f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run; plinth runs LLaVA and LLaVA-NeXT "
-            f"checkpoints with images, and the language model alone of others built on a model it runs (Gemma 3, "
-            f"Mistral 3, ...)")
+            f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run natively; plinth runs LLaVA and "
+            f"LLaVA-NeXT checkpoints with images, and the language model alone of other image-and-text models, where "
+            f"that language model is one it runs (Llama, Mistral, Qwen2, Gemma 3, ...)")
     if fmt != "dummy":
         list_safetensors_files(path)  # fail now rather than after building the model
     tokenizer = model_config.tokenizer
@@ -433,6 +433,20 @@ def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
             if name.startswith(prefix):
                 yield target + name[len(prefix):], tensor
                 break
+
+
+def language_model_names(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """An image-and-text model's tensors with its language model's names as the causal LM's (a transformers
+    ``LlavaForConditionalGeneration.state_dict()`` handed to ``update_weights``); other names (the causal LM's own,
+    the vision tower's) as they are."""
+    out = []
+    for name, tensor in pairs:
+        for prefix, target in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = target + name[len(prefix):]
+                break
+        out.append((name, tensor))
+    return out
 
 
 def _decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

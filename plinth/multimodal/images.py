@@ -184,6 +184,32 @@ def fetch_url(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes:
         raise RequestRejectedError(f"{where}: host {host!r} is not among the allowed media domains "
                                    f"({', '.join(policy.domains)})")
 
+    import http.client
+    import socket
+    import threading
+    import time
+
+    deadline = time.monotonic() + policy.timeout_s
+    sockets: list[socket.socket] = []   # every connection the fetch opens (a redirect opens another)
+    expired = threading.Event()
+
+    def watched(base: type) -> Any:
+        class Connection(base):   # type: ignore[valid-type, misc]
+            def connect(self) -> None:
+                super().connect()
+                sockets.append(self.sock)
+                if expired.is_set():
+                    self.sock.close()
+        return Connection
+
+    class _Http(urllib.request.HTTPHandler):
+        def http_open(self, req):  # type: ignore[no-untyped-def]
+            return self.do_open(watched(http.client.HTTPConnection), req)
+
+    class _Https(urllib.request.HTTPSHandler):
+        def https_open(self, req):  # type: ignore[no-untyped-def]
+            return self.do_open(watched(http.client.HTTPSConnection), req, context=self._context)
+
     class _Checked(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
             target = urllib.parse.urlsplit(newurl)
@@ -192,18 +218,27 @@ def fetch_url(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes:
                                            "domains")
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 
-    import time
+    def expire() -> None:   # the whole fetch's deadline: headers, redirects and body (each read has its own timeout)
+        expired.set()
+        for sock in list(sockets):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
-    opener = urllib.request.build_opener(_Checked)
-    deadline = time.monotonic() + policy.timeout_s
+    too_slow = f"{where}: fetching the image took more than {policy.timeout_s:g} s"
+    timer = threading.Timer(policy.timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    opener = urllib.request.build_opener(_Http, _Https, _Checked)
     try:
         with opener.open(urllib.request.Request(url, headers={"User-Agent": "plinth"}),
                          timeout=policy.timeout_s) as response:
             chunks: list[bytes] = []
             size = 0
-            while size <= policy.max_bytes:   # (the socket timeout bounds each read; this, the whole fetch)
+            while size <= policy.max_bytes:
                 if time.monotonic() > deadline:
-                    raise RequestRejectedError(f"{where}: fetching the image took more than {policy.timeout_s:g} s")
+                    raise RequestRejectedError(too_slow)
                 chunk = response.read1(1 << 16)
                 if not chunk:
                     break
@@ -215,8 +250,14 @@ def fetch_url(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes:
     except urllib.error.HTTPError as exc:
         raise RequestRejectedError(f"{where}: fetching the image gave HTTP {exc.code}") from None
     except Exception as exc:   # noqa: BLE001 - URLError, timeouts, http.client's protocol errors, bad URLs
+        if expired.is_set():
+            raise RequestRejectedError(too_slow) from None
         reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         raise RequestRejectedError(f"{where}: cannot fetch the image: {reason}") from None
+    finally:
+        timer.cancel()
+    if expired.is_set():   # (a body cut short by the deadline reads as its end)
+        raise RequestRejectedError(too_slow)
     if len(data) > policy.max_bytes:
         raise RequestRejectedError(f"{where}: the image is larger than {policy.max_bytes} bytes")
     return data
@@ -239,6 +280,7 @@ def read_local(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes
                                    f"{parts.netloc!r}")
     try:
         root = Path(policy.local_path).resolve()
+        path = root
         path = Path(urllib.parse.unquote(parts.path)).resolve()
         if not path.is_relative_to(root):
             raise RequestRejectedError(f"{where}: {path} is outside the allowed local media path {root}")
@@ -246,6 +288,8 @@ def read_local(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes
             raise RequestRejectedError(f"{where}: no such file {path}")
         with path.open("rb") as f:
             data = f.read(policy.max_bytes + 1)
+    except RequestRejectedError:
+        raise
     except (OSError, ValueError) as exc:   # a NUL byte, a name too long, no permission
         raise RequestRejectedError(f"{where}: cannot read the file: {type(exc).__name__}: {exc}") from None
     if len(data) > policy.max_bytes:
@@ -254,10 +298,14 @@ def read_local(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes
 
 
 def _rgb(image: Any) -> Any:
-    """``image`` in RGB as transformers' processors make it (transparent pixels over white, not dropped alpha)."""
-    from transformers.image_transforms import convert_to_rgb
+    """``image`` in RGB as transformers' processors make it: any other mode through RGBA, put over white (so
+    transparent pixels are white, not their hidden colour)."""
+    from PIL import Image
 
-    return convert_to_rgb(image)
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
 def _as_pil(image: Any, where: str) -> Any:
