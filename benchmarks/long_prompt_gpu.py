@@ -1,14 +1,14 @@
-"""Reproduces the known GPU issue: one prompt longer than ``max_num_batched_tokens`` (its prefill cut into chunks)
-intermittently fails with an illegal memory access on an H100 (README, "CUDA graphs and KV-cache sizing").
+"""One prompt longer than ``max_num_batched_tokens`` (its prefill cut into chunks) on a GPU: before session 55's fix
+(the skinny GEMM's zero-row case) it failed intermittently with an illegal memory access on an H100 (README, "CUDA
+graphs and KV-cache sizing"); every run should now pass.
 
-    python benchmarks/long_prompt_gpu.py --runs 3          # a 2-layer random Llama, a 2,471-token prompt: failed 3 of 3
-    python benchmarks/long_prompt_gpu.py --runs 4 --gpu-memory-utilization 0.3 --cpu-init --budget 2048   # 0 of 4
-    python benchmarks/long_prompt_gpu.py --runs 2 --budget 8192                   # the workaround: no chunking
+    python benchmarks/long_prompt_gpu.py --runs 3          # a 2-layer random Llama, a 2,471-token prompt
+    python benchmarks/long_prompt_gpu.py --runs 4 --gpu-memory-utilization 0.3 --cpu-init --budget 2048
+    python benchmarks/long_prompt_gpu.py --runs 2 --budget 8192                   # no chunking
 
-Each run is a fresh process (a failed run aborts its process); prints each run's exit status and the tally. The
-two first lines differ in the KV cache's size (0.4 against 0.3 of the GPU's memory), in where the random weights
-were drawn, and in whether the token budget is given or the platform's default (both 2,048): which of these matters
-is not known yet (benchmarks/RESULTS.md, session 55).
+Each run is a fresh process (a failed run aborts its process); prints each run's exit status and the tally. Before the
+fix the first line failed 3 of 3 and the second passed 4 of 4: whether the start-up timing chose the skinny kernel for
+a few rows of the LM head's shape decided it (benchmarks/RESULTS.md, session 55).
 """
 
 from __future__ import annotations

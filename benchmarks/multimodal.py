@@ -230,7 +230,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--engine-kwargs", default=None,
                     help="more LLM(...) keywords, as JSON (LLaVA-NeXT default: a token budget of 8192, above its "
-                         "prompts: see the README's known GPU issue)")
+                         "prompts, as session 55's figures were taken)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     args.encoder_batches = [int(b) for b in args.encoder_batches.split(",")]

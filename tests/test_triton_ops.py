@@ -208,6 +208,13 @@ def test_skinny_method_routes_rows(monkeypatch):
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
     assert calls == [1]
+    # zero rows (the LM head of a prefill chunk that samples nothing) never take the kernel, whatever the choice:
+    # its one-row path reads and writes row 0 unmasked (on a GPU: an illegal memory access when timing had chosen
+    # the kernel for few rows)
+    layer.linear_method = SkinnyLinearMethod(layer.linear_method.inner, SkinnyChoice(one_row=True, few_rows=True))
+    assert layer(torch.zeros(0, 64)).shape == (0, 48)
+    assert calls == [1]
+    assert ops.skinny_linear(torch.zeros(0, 64), layer.weight).shape == (0, 48)
 
 
 def _count_launches(monkeypatch) -> list[str]:

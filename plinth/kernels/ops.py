@@ -238,6 +238,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n = weight.shape[0]
     if m > SKINNY_MAX_M:
         raise ValueError(f"skinny_linear takes at most {SKINNY_MAX_M} rows, got {m}")
+    if m == 0:   # nothing to compute (the one-row path would read and write row 0 of empty tensors)
+        y = x.new_empty((0, n))
+        return y if bias is None else y + bias
     tiles = tiles or default_tiles(m, n, k, num_sms(x.device))
     if tiles is None or k % (tiles.block_k * tiles.split_k):
         raise ValueError(f"input size {k} is not a multiple of the tile ({tiles})")

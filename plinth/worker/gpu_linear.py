@@ -41,7 +41,9 @@ class SkinnyChoice:
     def uses_triton(self, m: int) -> bool:
         if m == 1:
             return self.one_row
-        return self.few_rows and m <= ops.SKINNY_MAX_M
+        # (no rows: the vendor path, which launches nothing; a prefill chunk that samples nothing computes the LM
+        # head of zero rows)
+        return self.few_rows and 1 < m <= ops.SKINNY_MAX_M
 
 
 class SkinnyLinearMethod:
