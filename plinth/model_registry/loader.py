@@ -483,7 +483,7 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
         return (torch.randn(labels, hidden, generator=gen, dtype=torch.float64) * std).numpy(), None, None
     assert source.path is not None
     head = SafetensorsWeights(list_safetensors_files(Path(source.path)), only=CLASSIFIER_PREFIX)
-    found = dict(_widened_if_bnb(head, source, torch.float32, torch.device("cpu")))
+    found = dict(widened_if_bnb(head, source, torch.float32, torch.device("cpu")))
     weight, bias = found.pop("score.weight", None), found.pop("score.bias", None)
     if weight is None:
         raise ModelLoadError(f"{source.path}: the sequence classifier has no 'score.weight' tensor")
@@ -561,7 +561,7 @@ def _head_rows(model_dir: Path, ids: list[int], source: ModelSource | None = Non
     files = list_safetensors_files(model_dir)
     if source is not None and _is_bnb(source):
         head = SafetensorsWeights(files, only="lm_head.")
-        weight = dict(_widened_if_bnb(head, source, torch.float32, torch.device("cpu"))).get("lm_head.weight")
+        weight = dict(widened_if_bnb(head, source, torch.float32, torch.device("cpu"))).get("lm_head.weight")
         if weight is not None:
             if weight.dim() != 2 or max(ids) >= weight.shape[0]:
                 raise ModelLoadError(f"{model_dir}: 'lm_head.weight' of shape {list(weight.shape)} has no rows {ids}")
@@ -637,7 +637,7 @@ def update_stream(source: ModelSource) -> Callable[[Iterable[tuple[str, torch.Te
     return _with_model_prefix if source.headless else _language_model_weights if source.text_only else None
 
 
-def _widened_if_bnb(weights: SafetensorsWeights, source: ModelSource, dtype: torch.dtype,
+def widened_if_bnb(weights: SafetensorsWeights, source: ModelSource, dtype: torch.dtype,
                     device: torch.device) -> Iterable[tuple[str, torch.Tensor]]:
     """``weights``, with a bitsandbytes checkpoint's quantized layers widened to ``dtype`` as they are read
     (:mod:`plinth.quantization.bitsandbytes`)."""
@@ -675,7 +675,7 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
     elif source.kind == "hf_dir":
         assert source.path is not None
         weights = SafetensorsWeights(list_safetensors_files(Path(source.path)))
-        stream = _widened_if_bnb(weights, source, ctx.dtype, ctx.device)
+        stream = widened_if_bnb(weights, source, ctx.dtype, ctx.device)
         try:
             model.load_weights(_with_model_prefix(stream) if source.headless
                                else _language_model_weights(stream) if source.text_only

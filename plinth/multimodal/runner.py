@@ -92,33 +92,23 @@ class ImageFeatures:
         self._bytes = 0
 
 
-def _is_bnb(source: Any) -> bool:
-    from plinth.quantization.bitsandbytes import is_bnb
-    from plinth.quantization.resolve import checkpoint_quant_config
-
-    return is_bnb(checkpoint_quant_config(source.mm_config))
-
-
 def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ImageFeatures | None:
     """The image encoder of ``source`` (a LLaVA checkpoint; ``None`` for any other), its weights read from the
     checkpoint's vision tower and projector tensors (random for dummy weights)."""
     mm_config = getattr(source, "mm_config", None)
     if mm_config is None:
         return None
+    from plinth.model_registry.loader import widened_if_bnb
     from plinth.model_registry.weights import SafetensorsWeights, list_safetensors_files
     from plinth.multimodal.vision import ENCODER_PREFIXES, is_next, positions_per_tile
 
     encoder = ImageEncoder(mm_config)
     if source.kind == "hf_dir":
         files = list_safetensors_files(Path(source.path))
-        shards = [SafetensorsWeights(files, only=prefix) for prefix in ENCODER_PREFIXES]
-        stream: Any = itertools.chain.from_iterable(shards)
-        if _is_bnb(source):   # the tower's layers quantized by bitsandbytes too: widened as they are read
-            from plinth.quantization.bitsandbytes import dequantized_weights
-
-            stream = dequantized_weights(stream, [n for s in shards for n in s.names()], torch.float32,
-                                         torch.device("cpu"))
-        encoder.load_weights(stream)
+        # (a bitsandbytes checkpoint's tower is quantized too: widened as it is read, as the language model is)
+        encoder.load_weights(itertools.chain.from_iterable(
+            widened_if_bnb(SafetensorsWeights(files, only=prefix), source, torch.float32, torch.device("cpu"))
+            for prefix in ENCODER_PREFIXES))
     else:   # dummy weights
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

@@ -557,8 +557,6 @@ class DecoderForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if image_embeds is None:
-            return self.model(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata, image_embeds)
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
