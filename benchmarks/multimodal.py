@@ -1,8 +1,9 @@
-"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (random bfloat16 weights written by transformers), run by transformers'
-``LlavaForConditionalGeneration`` and by plinth on the same pixels and prompts, in one process.
+"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL; random bfloat16 weights
+written by transformers), run by transformers' ``LlavaForConditionalGeneration`` (or the shape's class) and by plinth on the same pixels and prompts, in one process.
 
     python benchmarks/multimodal.py                       # GPU: LLaVA-1.5-7B shape (CLIP-L/14 at 336, Llama-2-7B)
     python benchmarks/multimodal.py --shape tiny --device cpu --requests 8   # anywhere, small
+    python benchmarks/multimodal.py --shape qwen2-vl-7b --requests 16    # Qwen2-VL-7B shape (252 positions an image)
 
 Measured, for each system: the image encoder alone (vision tower to the layer LLaVA reads, then the projector) for
 batches of images; one request (an image and ``--text-len`` text tokens, greedy, EOS ignored): the time to the first
@@ -39,6 +40,31 @@ SHAPES = {
         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                     image_size=336, patch_size=14, projection_dim=768),
         image_token=32000, grid=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]),
+    "qwen2-vl-7b": dict(   # Qwen2-VL-7B: Qwen2-7B, a 32-layer ViT over 14-pixel patches, 2x2 merged
+        kind="qwen2_vl",
+        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2),
+        image_token=151655, vision_start=151652, vision_end=151653),
+    "qwen2.5-vl-7b": dict(   # Qwen2.5-VL-7B: windowed attention in 28 of the ViT's 32 blocks
+        kind="qwen2_5_vl",
+        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                    fullatt_block_indexes=[7, 15, 23, 31]),
+        image_token=151655, vision_start=151652, vision_end=151653),
+    "tiny-qwen2-vl": dict(
+        kind="qwen2_vl",
+        text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        vision=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2),
+        image_token=300, vision_start=301, vision_end=302),
     "tiny": dict(
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048),
@@ -59,9 +85,26 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def is_qwen(shape: dict) -> bool:
+    return shape.get("kind") in ("qwen2_vl", "qwen2_5_vl")
+
+
 def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
     import transformers
 
+    if is_qwen(shape):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        cls = (transformers.Qwen2VLForConditionalGeneration if shape["kind"] == "qwen2_vl"
+               else transformers.Qwen2_5_VLForConditionalGeneration)
+        config = cls.config_class(text_config=shape["text"], vision_config=shape["vision"],
+                                  image_token_id=shape["image_token"], vision_start_token_id=shape["vision_start"],
+                                  vision_end_token_id=shape["vision_end"], tie_word_embeddings=False,
+                                  dtype=str(dtype).removeprefix("torch."))
+        v = shape["vision"]
+        processor = Qwen2VLImageProcessorPil(patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"],
+                                             merge_size=v["spatial_merge_size"])
+        return _write(cls, config, processor, path, dtype, device)
     text = transformers.LlamaConfig(**shape["text"], tie_word_embeddings=False)
     vision = transformers.CLIPVisionConfig(**shape["vision"])
     size = shape["vision"]["image_size"]
@@ -78,6 +121,10 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
         cls = transformers.LlavaForConditionalGeneration
         processor = transformers.CLIPImageProcessor(size={"shortest_edge": size},
                                                     crop_size={"height": size, "width": size})
+    return _write(cls, config, processor, path, dtype, device)
+
+
+def _write(cls, config, processor, path: Path, dtype: torch.dtype, device: str):
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(config).to(dtype).eval()
@@ -95,24 +142,27 @@ def pictures(n: int, seed: int = 0) -> list:
     return [Image.fromarray((rng.random((400, 500, 3)) * 255).astype("uint8")) for _ in range(n)]
 
 
-def prompts_for(n: int, text_len: int, vocab: int, image_token: int, seed: int = 1) -> list[list[int]]:
+def prompts_for(n: int, text_len: int, shape: dict, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
+    image_token = shape["image_token"]
+    image = [shape["vision_start"], image_token, shape["vision_end"]] if is_qwen(shape) else [image_token]
+    low = min(shape["text"]["vocab_size"], image_token, shape.get("vision_start", image_token)) - 1
     out = []
     for _ in range(n):
-        words = [int(t) for t in rng.integers(100, min(vocab, image_token) - 1, text_len)]
-        out.append([1, image_token] + words)
+        words = [int(t) for t in rng.integers(100, low, text_len)]
+        out.append([1] + image + words)
     return out
 
 
-def encoder_times(encode, pixels: torch.Tensor, batches: list[int], device: str, iters: int = 5) -> dict:
+def encoder_times(encode, batches: list[int], device: str, iters: int = 5) -> dict:
+    """ms to encode the first ``b`` images, for each ``b`` of ``batches``."""
     out = {}
     for b in batches:
-        x = pixels[:b]
-        encode(x)
+        encode(b)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
-            encode(x)
+            encode(b)
         sync(device)
         out[b] = (time.perf_counter() - t0) / iters * 1e3
     return out
@@ -120,29 +170,39 @@ def encoder_times(encode, pixels: torch.Tensor, batches: list[int], device: str,
 
 def hf_run(model, processor, expanded: list[list[int]], images: list, args) -> dict:
     device = args.device
-    processed = processor(images=images, return_tensors="pt")
-    pixels = processed["pixel_values"].to(device, model.dtype)
-    sizes = processed.get("image_sizes")
-    extra = (lambda k: {"image_sizes": sizes[:k].to(device)}) if sizes is not None else (lambda k: {})
+    image_token = SHAPES[args.shape]["image_token"]
+    inputs: dict[int, dict] = {}
+
+    def pixels_of(k: int) -> dict:   # the first k images as the model takes them
+        if k not in inputs:
+            processed = processor(images=images[:k], return_tensors="pt")
+            inputs[k] = {key: processed[key].to(device) for key in ("pixel_values", "image_sizes", "image_grid_thw")
+                         if key in processed}
+            inputs[k]["pixel_values"] = inputs[k]["pixel_values"].to(model.dtype)
+        return inputs[k]
+
     res: dict = {}
     with torch.inference_mode():
-        res["encoder_ms"] = encoder_times(lambda x: model.get_image_features(pixel_values=x, **extra(len(x))),
-                                          pixels, args.encoder_batches, device)
+        res["encoder_ms"] = encoder_times(lambda k: model.get_image_features(**pixels_of(k)), args.encoder_batches,
+                                          device)
 
-        def gen(ids_rows, pix, n):
+        def gen(ids_rows, n):
             width = max(len(r) for r in ids_rows)
             ids = torch.tensor([[0] * (width - len(r)) + r for r in ids_rows], device=device)
             mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids_rows], device=device)
-            return model.generate(input_ids=ids, attention_mask=mask, pixel_values=pix, max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, **extra(len(pix)))
+            extra = dict(pixels_of(len(ids_rows)))
+            if "image_grid_thw" in extra:
+                extra["mm_token_type_ids"] = (ids == image_token).int()
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, **extra)
 
-        gen(expanded[:1], pixels[:1], 4)
-        gen(expanded, pixels[:len(expanded)], 4)
+        gen(expanded[:1], 4)
+        gen(expanded, 4)
 
         def timed(n):
             sync(device)
             t0 = time.perf_counter()
-            out = gen(expanded[:1], pixels[:1], n)
+            out = gen(expanded[:1], n)
             sync(device)
             return (time.perf_counter() - t0) * 1e3, out
 
@@ -152,7 +212,7 @@ def hf_run(model, processor, expanded: list[list[int]], images: list, args) -> d
         res["ms_per_token"] = (total - short) / (args.max_tokens - args.max_tokens // 4)
         res["tokens"] = out[0, len(expanded[0]):].tolist()
         t0 = time.perf_counter()
-        gen(expanded, pixels[:len(expanded)], args.max_tokens)
+        gen(expanded, args.max_tokens)
         sync(device)
         res["batch_tok_s"] = len(expanded) * args.max_tokens / (time.perf_counter() - t0)
     return res
@@ -170,15 +230,15 @@ def plinth_run(path: Path, prompts: list[list[int]], images: list, args) -> dict
     prepared = [engine.images.prepare({"image": img}) for img in images]
     from plinth.multimodal.images import ImageItem
 
-    def encode(x):   # the runner's path: the tower over every tile, each image packed
-        items = [ImageItem(0, p.lengths[0], p.pixels[0], f"bench-{i}-{time.perf_counter()}", p.sizes[0])
-                 for i, p in enumerate(prepared[:len(x)])]
+    def encode(k):   # the runner's path: the tower over every tile (LLaVA-NeXT: each image packed; Qwen2-VL: patches)
+        items = [ImageItem(0, p.lengths[0], p.pixels[0], f"bench-{i}-{time.perf_counter()}", p.sizes[0],
+                           p.grids[0] if p.grids else None) for i, p in enumerate(prepared[:k])]
         out = features.embeddings(items)
         features.clear()
         return out
 
     with torch.inference_mode():
-        res["encoder_ms"] = encoder_times(encode, list(range(len(images))), args.encoder_batches, args.device)
+        res["encoder_ms"] = encoder_times(encode, args.encoder_batches, args.device)
 
     def params(n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -215,7 +275,8 @@ def plinth_run(path: Path, prompts: list[list[int]], images: list, args) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llava-1.5-7b", choices=sorted(SHAPES),
-                    help="llava-1.5-7b (576 positions an image) or llava-next-7b (tiles: ~2,000-2,900)")
+                    help="llava-1.5-7b (576 positions an image), llava-next-7b (tiles: ~2,000-2,900), "
+                         "qwen2-vl-7b / qwen2.5-vl-7b (252 for the 400x500 images used)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model-dir", default="/tmp/plinth-llava-bench")
@@ -236,7 +297,7 @@ def main() -> None:
     args.encoder_batches = [int(b) for b in args.encoder_batches.split(",")]
     tiled = "grid" in SHAPES[args.shape]
     if args.max_model_len is None:
-        args.max_model_len = 4096 if tiled else 2048
+        args.max_model_len = 4096 if tiled or is_qwen(SHAPES[args.shape]) else 2048
     if args.engine_kwargs is None:
         args.engine_kwargs = '{"max_num_batched_tokens": 8192}' if tiled else "{}"
     args.platform = "cpu" if args.device == "cpu" else "cuda"
@@ -246,14 +307,19 @@ def main() -> None:
     model, processor = write_checkpoint(shape, path, dtype, args.device)
     images = pictures(max(args.requests, max(args.encoder_batches)))
     lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                   if "vision_tower" not in n and "multi_modal_projector" not in n and "embed_tokens" not in n)
+                   if "vision_tower" not in n and "multi_modal_projector" not in n and "embed_tokens" not in n
+                   and "visual" not in n)
     vision = shape["vision"]
-    positions = (vision["image_size"] // vision["patch_size"]) ** 2 + 1
-    tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n) \
-        * (vision["num_hidden_layers"] - 1) / vision["num_hidden_layers"]
+    if is_qwen(shape):   # every block runs; a patch a position
+        positions = int(processor(images=images[:1], return_tensors="pt")["image_grid_thw"].prod())
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    else:
+        positions = (vision["image_size"] // vision["patch_size"]) ** 2 + 1
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n) \
+            * (vision["num_hidden_layers"] - 1) / vision["num_hidden_layers"]
     floors = {"decode_ms_per_token": lm_bytes / args.bandwidth * 1e3,
               "encoder_ms_per_tile": 2 * tower_params * positions / args.flops * 1e3}
-    prompts = prompts_for(args.requests, args.text_len, shape["text"]["vocab_size"], shape["image_token"])
+    prompts = prompts_for(args.requests, args.text_len, shape)
     model_cpu = None
     if args.skip_transformers:
         del model
@@ -285,7 +351,7 @@ def main() -> None:
         print(f"{name:12s} encoder [{enc}]  TTFT {r['ttft_ms']:.1f} ms  decode {r['ms_per_token']:.2f} ms/token  "
               f"{args.requests} requests: {r['batch_tok_s']:.1f} output tok/s", flush=True)
     print(f"floors: decode {floors['decode_ms_per_token']:.2f} ms/token, encoder "
-          f"{floors['encoder_ms_per_tile']:.3f} ms a tile (LLaVA: an image; LLaVA-NeXT: up to 5 an image)",
+          f"{floors['encoder_ms_per_tile']:.3f} ms a tile (LLaVA, Qwen2-VL: an image; LLaVA-NeXT: up to 5 an image)",
           flush=True)
     if "same_tokens" in results:
         print(f"greedy tokens agree for the first {results['tokens_agree_for']} of {args.max_tokens}")

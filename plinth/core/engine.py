@@ -698,10 +698,11 @@ class LLMEngine:
             text, ids = None, _token_ids(prompt)
             self._check_vocab(ids, None)
         images: list[Any] = []
+        rope_layout = None
         if multi_modal_data is not None:
             if self.images is None:
                 raise RequestRejectedError("this model takes no image inputs (multi_modal_data): serve an "
-                                           "image-and-text model (LlavaForConditionalGeneration)",
+                                           "image-and-text model (LLaVA, Qwen2-VL)",
                                            param="multi_modal_data")
             if pooling is not None:
                 raise RequestRejectedError("image inputs are for text generation, not embeddings or classification",
@@ -715,6 +716,7 @@ class LLMEngine:
             if cache_salt is not None or self._image_epoch:   # tenants and epochs never share an encoded image
                 images = [dataclasses.replace(item, key=salted_key(item.key, cache_salt, self._image_epoch))
                           for item in images]
+            rope_layout = self.images.rope_layout(images)
         elif self.images is not None and self.images.token_id in ids:
             raise RequestRejectedError(f"the prompt has the image token (id {self.images.token_id}) but no image: "
                                        "give the images in multi_modal_data", param="multi_modal_data")
@@ -787,6 +789,7 @@ class LLMEngine:
                 req.lora = adapter
                 req.cache_salt = cache_salt
                 req.images = images
+                req.rope_layout = rope_layout
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:

@@ -454,6 +454,9 @@ class Request:
         self.draft_token_ids: list[int] = []   # speculative decoding: the drafts its scheduled step verifies
         #: image inputs (:class:`~plinth.multimodal.images.ImageItem`): the prompt positions their embeddings fill
         self.images: list[Any] = []
+        #: multimodal RoPE (Qwen2-VL): where the prompt's rotary positions depart from its indices
+        #: (:class:`~plinth.multimodal.mrope.RopeLayout`), or ``None``
+        self.rope_layout: Any = None
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 

@@ -329,8 +329,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
             and not ModelRegistry.is_native(arch) and getattr(cfg, "num_attention_heads", None) is None:
         raise UnsupportedModelError(
             f"{path}: {arch} is an image-and-text model whose language model "
-            f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run natively; plinth runs LLaVA and "
-            f"LLaVA-NeXT checkpoints with images, and the language model alone of other image-and-text models, where "
+            f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run natively; plinth runs LLaVA, "
+            f"LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL checkpoints with images, and the language model alone of other image-and-text models, where "
             f"that language model is one it runs (Llama, Mistral, Qwen2, Gemma 3, ...)")
     if fmt != "dummy":
         list_safetensors_files(path)  # fail now rather than after building the model
@@ -342,16 +342,23 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
 
 
 #: image-and-text architectures whose images plinth encodes (:mod:`plinth.multimodal`)
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                       "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+#: language models of image-and-text checkpoints that plinth runs as a native causal LM (their multimodal RoPE's
+#: sections from the config, transformers' default where it names none)
+_MROPE_TEXT_MODELS = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+_DEFAULT_MROPE_SECTION = [16, 24, 24]
 
 
 def _runs_images(cfg: Any, arch: str) -> bool:
     """Whether plinth runs the image side of image-and-text checkpoint ``cfg`` (a LLaVA model over a CLIP or
-    SigLIP vision tower)."""
+    SigLIP vision tower, or a Qwen2-VL / Qwen2.5-VL model)."""
+    from plinth.multimodal.qwen_vision import is_qwen_vl
     from plinth.multimodal.vision import VISION_TOWERS
 
     vision = getattr(cfg, "vision_config", None)
-    return arch in IMAGE_ARCHITECTURES and getattr(vision, "model_type", None) in VISION_TOWERS
+    return arch in IMAGE_ARCHITECTURES and (getattr(vision, "model_type", None) in VISION_TOWERS or is_qwen_vl(cfg))
 
 
 def _origin(where: Any, model_config: ModelConfig) -> str:
@@ -403,7 +410,17 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
     if text is None or not arch.endswith("ForConditionalGeneration") or ModelRegistry.is_native(arch):
         return None
     names = getattr(text, "architectures", None)
-    if names and isinstance(names, list | tuple) and isinstance(names[0], str):
+    mrope = _MROPE_TEXT_MODELS.get(getattr(text, "model_type", None))
+    if mrope is not None:
+        causal = mrope
+        params = getattr(text, "rope_parameters", None)
+        if isinstance(params, dict) and "mrope_section" not in params:
+            params["mrope_section"] = list(_DEFAULT_MROPE_SECTION)
+        elif not isinstance(params, dict):
+            scaling = dict(getattr(text, "rope_scaling", None) or {})
+            scaling.setdefault("mrope_section", list(_DEFAULT_MROPE_SECTION))
+            text.rope_scaling = scaling
+    elif names and isinstance(names, list | tuple) and isinstance(names[0], str):
         causal = names[0]
     else:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -423,7 +440,10 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
 # the language model's tensors in an image-and-text checkpoint: (prefix, what it becomes), both layouts
 # transformers has written (``language_model.model.`` before 4.52, ``model.language_model.`` since)
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
+                  # Qwen2-VL's original layout: the language model's tensors at the top, the encoder's under visual.
+                  ("model.embed_tokens.", "model.embed_tokens."), ("model.layers.", "model.layers."),
+                  ("model.norm.", "model.norm."))
 
 
 def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

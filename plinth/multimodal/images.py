@@ -83,6 +83,9 @@ class ImageItem:
         pixel_values: ``[tiles, C, S, S]`` float32, as the image processor made them (one tile for LLaVA).
         key: a digest of ``pixel_values`` and ``image_size`` (the prefix cache's and the encoder cache's key).
         image_size: the image's (height, width) before processing (LLaVA-NeXT packs its tiles by it).
+        grid: Qwen2-VL: the image's (time, height, width) in patches (its ``pixel_values`` are ``[t * h * w,
+            C * T * P * P]`` patches); else ``None``.
+        rope: Qwen2-VL: its positions' ``[length, 3]`` multimodal RoPE positions (:mod:`plinth.multimodal.mrope`).
     """
 
     offset: int
@@ -90,6 +93,8 @@ class ImageItem:
     pixel_values: torch.Tensor
     key: str
     image_size: tuple[int, int] | None = None
+    grid: tuple[int, int, int] | None = None
+    rope: Any = None
 
     @property
     def end(self) -> int:
@@ -328,22 +333,34 @@ class ImageSupport:
 
     def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None,
                  limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None):
+        from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
 
-        check_layout(mm_config)
+        #: Qwen2-VL / Qwen2.5-VL: images of any size as patches, multimodal RoPE positions
+        self.qwen = is_qwen_vl(mm_config)
+        if not self.qwen:
+            check_layout(mm_config)
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
                             else mm_config.image_token_id)
         self.mm_config = mm_config
         self.tiled = is_next(mm_config)
-        #: positions an image fills (LLaVA-NeXT: ``None``, it depends on the image's size)
-        self.tokens_per_image: int | None = None if self.tiled else tokens_per_image(mm_config)
-        self.image_size = int(mm_config.vision_config.image_size)
+        #: positions an image fills (LLaVA-NeXT, Qwen2-VL: ``None``, it depends on the image's size)
+        self.tokens_per_image: int | None = None if self.tiled or self.qwen else tokens_per_image(mm_config)
+        self.image_size = None if self.qwen else int(mm_config.vision_config.image_size)
+        self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
         self.processor = _image_processor(mm_config, path)
         self.limit = limit
         self.policy = policy or MediaPolicy()
         token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None else None
-        #: the image token as text (a chat message's image part, as a template that reads strings sees it)
+        #: the image token as text (a chat message's image part, as a template that reads strings sees it; Qwen2-VL's
+        #: between its vision start and end tokens)
         self.placeholder: str = token if isinstance(token, str) else "<image>"
+        if self.qwen and tokenizer is not None:
+            ends = [tokenizer.convert_ids_to_tokens(getattr(mm_config, key, None))
+                    if getattr(mm_config, key, None) is not None else None
+                    for key in ("vision_start_token_id", "vision_end_token_id")]
+            if all(isinstance(t, str) for t in ends):
+                self.placeholder = f"{ends[0]}{self.placeholder}{ends[1]}"
 
     def pixel_values(self, images: Sequence[Any]) -> list[torch.Tensor]:
         """Each PIL image's ``[tiles, C, S, S]`` float32 pixels, as the checkpoint's processor makes them (one tile
@@ -368,10 +385,34 @@ class ImageSupport:
         return [out[i, :num_tiles(self.mm_config, (img.height, img.width))].clone().float()
                 for i, img in enumerate(images)]
 
+    def patches(self, images: Sequence[Any]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """Qwen2-VL: each PIL image's ``[t * h * w, C * T * P * P]`` float32 patches and its (t, h, w) grid, as the
+        checkpoint's processor makes them (resized to a multiple of the merged patch, within its pixel limits).
+
+        Raises:
+            RequestRejectedError: the processor cannot take an image.
+        """
+        try:
+            out = self.processor(images=list(images), return_tensors="pt")
+            pixels, grids = out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
+        except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
+            raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
+                                       f"{exc}", param="multi_modal_data") from None
+        counts = [t * h * w for t, h, w in grids]
+        if len(grids) != len(images) or sum(counts) != pixels.shape[0] or any(
+                h % self.merge or w % self.merge for _, h, w in grids):
+            raise RequestRejectedError(f"the image processor made {pixels.shape[0]} patches in grids {grids}, which "
+                                       f"do not fit the vision tower (merges of {self.merge}x{self.merge})",
+                                       param="multi_modal_data")
+        return [p.clone().float() for p in pixels.split(counts)], grids
+
     def length_of(self, image: Any) -> int:
         """The positions a PIL image fills."""
         from plinth.multimodal.vision import tokens_per_image
 
+        if self.qwen:
+            (t, h, w), = self.patches([image])[1]
+            return t * h * w // (self.merge * self.merge)
         return self.tokens_per_image or tokens_per_image(self.mm_config, (image.height, image.width))
 
     def images_of(self, data: Any) -> list[Any]:
@@ -451,6 +492,11 @@ class ImageSupport:
         images = self.images_of(data)
         if not images:
             return PreparedImages((), (), (), ())
+        if self.qwen:
+            pixels, grids = self.patches(images)
+            return PreparedImages(tuple(pixels), tuple(_digest(p, g) for p, g in zip(pixels, grids, strict=True)),
+                                  (None,) * len(images),
+                                  tuple(t * h * w // (self.merge * self.merge) for t, h, w in grids), tuple(grids))
         pixels = self.pixel_values(images)
         sizes = tuple((img.height, img.width) if self.tiled else None for img in images)
         lengths = tuple(tokens_per_image(self.mm_config, size) for size in sizes)
@@ -462,20 +508,35 @@ class ImageSupport:
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
         expanded, spans = self.expand(ids, prepared.lengths)
-        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i])
+        grids = prepared.grids or (None,) * len(spans)
+        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i])
                  for i, (offset, length) in enumerate(spans)]
+        if self.qwen:
+            _, positions = self._layout(items)
+            items = [dataclasses.replace(item, rope=rows) for item, rows in zip(items, positions, strict=True)]
         return expanded, items
+
+    def rope_layout(self, items: Sequence[ImageItem]) -> Any:
+        """A prompt's multimodal RoPE layout (:class:`~plinth.multimodal.mrope.RopeLayout`) given its images, or
+        ``None`` (a model without one, or no images)."""
+        return self._layout(items)[0] if self.qwen and items else None
+
+    def _layout(self, items: Sequence[ImageItem]) -> Any:
+        from plinth.multimodal.mrope import layout
+
+        return layout([(item.offset, item.length, item.grid) for item in items], self.merge)
 
 
 @dataclasses.dataclass(frozen=True)
 class PreparedImages:
-    """A request's images as :meth:`ImageSupport.prepare` made them: each one's ``[tiles, C, S, S]`` pixels, digest,
-    size (LLaVA-NeXT; else ``None``) and the positions it fills."""
+    """A request's images as :meth:`ImageSupport.prepare` made them: each one's ``[tiles, C, S, S]`` pixels (Qwen2-VL:
+    patches), digest, size (LLaVA-NeXT; else ``None``), the positions it fills, and (Qwen2-VL) its patch grid."""
 
     pixels: tuple[torch.Tensor, ...]
     keys: tuple[str, ...]
     sizes: tuple[tuple[int, int] | None, ...]
     lengths: tuple[int, ...]
+    grids: tuple[tuple[int, int, int], ...] = ()
 
 
 class ImageParts:
@@ -540,6 +601,14 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
         except Exception as exc:   # noqa: BLE001
             raise ModelLoadError(f"{path}/preprocessor_config.json: cannot build the image processor: "
                                  f"{type(exc).__name__}: {exc}") from exc
+    from plinth.multimodal.qwen_vision import is_qwen_vl
+
+    if is_qwen_vl(mm_config):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        v = mm_config.vision_config
+        return Qwen2VLImageProcessorPil(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                                        merge_size=v.spatial_merge_size)
     size = int(mm_config.vision_config.image_size)
     if getattr(mm_config, "model_type", None) == "llava_next":
         return transformers.LlavaNextImageProcessor(size={"shortest_edge": size},

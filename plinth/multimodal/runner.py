@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from plinth.multimodal.images import ImageItem
+from plinth.multimodal.qwen_vision import QwenVisionEncoder, is_qwen_vl
 from plinth.multimodal.vision import ImageEncoder
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ class ImageFeatures:
         capacity_bytes: the most bytes of embeddings kept between steps (a step's own are always kept).
     """
 
-    def __init__(self, encoder: ImageEncoder, capacity_bytes: int = CACHE_BYTES):
+    def __init__(self, encoder: ImageEncoder | QwenVisionEncoder, capacity_bytes: int = CACHE_BYTES):
         self.encoder = encoder
         self.capacity_bytes = capacity_bytes
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -44,25 +46,24 @@ class ImageFeatures:
 
     @property
     def device(self) -> torch.device:
-        return self.encoder.linear_2.weight.device
+        return next(self.encoder.parameters()).device
 
     @torch.inference_mode()
     def embeddings(self, items: Sequence[ImageItem]) -> list[torch.Tensor]:
         """Each item's ``[length, hidden]`` embeddings (encoded now where not kept from an earlier step)."""
         todo = {item.key: item for item in items if item.key not in self._cache}
-        if todo:
+        if todo and todo[next(iter(todo))].grid is not None:   # Qwen2-VL: patches of any count, one image a pass
+            for key, item in todo.items():
+                grid = torch.tensor([item.grid], dtype=torch.int64)
+                self._keep(key, item, self.encoder(item.pixel_values.to(self.device), grid).clone())
+        elif todo:
             pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
             # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
             tiles = torch.cat([self.encoder(chunk.to(self.device)) for chunk in pixels.split(MAX_TILES)]).split(
                 [len(item.pixel_values) for item in todo.values()])
             for (key, item), features in zip(todo.items(), tiles, strict=True):
                 # (a copy: a view would keep the whole pass's output alive while the cache holds one image)
-                features = self.encoder.pack(features, item.image_size).clone()
-                if features.shape[0] != item.length:
-                    raise RuntimeError(f"an image's embeddings fill {features.shape[0]} positions, its prompt "
-                                       f"{item.length}")
-                self._cache[key] = features
-                self._bytes += features.numel() * features.element_size()
+                self._keep(key, item, self.encoder.pack(features, item.image_size).clone())
         wanted = [item.key for item in items]
         for key in wanted:
             self._cache.move_to_end(key)
@@ -75,16 +76,26 @@ class ImageFeatures:
             self._bytes -= old.numel() * old.element_size()
         return [self._cache[key] for key in wanted]
 
-    def rows(self, image_rows: Sequence[ImageRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _keep(self, key: str, item: ImageItem, features: torch.Tensor) -> None:
+        if features.shape[0] != item.length:
+            raise RuntimeError(f"an image's embeddings fill {features.shape[0]} positions, its prompt {item.length}")
+        self._cache[key] = features
+        self._bytes += features.numel() * features.element_size()
+
+    def rows(self, image_rows: Sequence[ImageRows]) -> tuple[torch.Tensor, ...]:
         """``(rows [K] int64, embeddings [K, hidden])``: the flat batch's rows that take image embeddings, and
-        theirs."""
+        theirs; for a multimodal RoPE (Qwen2-VL) a third item, the rows' ``[K, 3]`` rotary positions."""
         features = self.embeddings([item for _, _, item, _ in image_rows])
         values = torch.cat([f[first:first + count] for f, (_, count, _, first) in zip(features, image_rows,
                                                                                      strict=True)])
         rows = torch.tensor(list(itertools.chain.from_iterable(range(row, row + count)
                                                               for row, count, _, _ in image_rows)),
                             dtype=torch.int64).to(self.device, non_blocking=True)
-        return rows, values
+        if image_rows[0][2].rope is None:
+            return rows, values
+        positions = torch.from_numpy(np.concatenate([item.rope[first:first + count]
+                                                     for _, count, item, first in image_rows]))
+        return rows, values, positions.to(self.device, non_blocking=True)
 
     def clear(self) -> None:
         """Drop the kept embeddings (new weights)."""
@@ -102,7 +113,7 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
     from plinth.model_registry.weights import SafetensorsWeights, list_safetensors_files
     from plinth.multimodal.vision import ENCODER_PREFIXES, is_next, positions_per_tile
 
-    encoder = ImageEncoder(mm_config)
+    encoder: Any = QwenVisionEncoder(mm_config) if is_qwen_vl(mm_config) else ImageEncoder(mm_config)
     if source.kind == "hf_dir":
         files = list_safetensors_files(Path(source.path))
         # (a bitsandbytes checkpoint's tower is quantized too: widened as it is read, as the language model is)
@@ -115,7 +126,12 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
             for p in encoder.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     encoder = encoder.to(device=device, dtype=dtype).eval()
-    logger.info("image encoder: %s, %d of its layers, %d positions per %s", mm_config.vision_config.model_type,
-                len(encoder.tower.layers), positions_per_tile(mm_config),
-                "tile (LLaVA-NeXT)" if is_next(mm_config) else "image")
+    if is_qwen_vl(mm_config):
+        logger.info("image encoder: %s, %d layers, a position per %dx%d patches", mm_config.vision_config.model_type,
+                    mm_config.vision_config.depth, mm_config.vision_config.spatial_merge_size,
+                    mm_config.vision_config.spatial_merge_size)
+    else:
+        logger.info("image encoder: %s, %d of its layers, %d positions per %s", mm_config.vision_config.model_type,
+                    len(encoder.tower.layers), positions_per_tile(mm_config),
+                    "tile (LLaVA-NeXT)" if is_next(mm_config) else "image")
     return ImageFeatures(encoder)

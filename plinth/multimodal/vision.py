@@ -256,8 +256,9 @@ _NEWLINE_NAMES = ("model.image_newline", "image_newline")
 _SKIPPED = "(skipped)"
 #: the tower's tensors LLaVA never reads (after the prefix is mapped)
 _UNUSED_PARTS = ("tower.post_layernorm.", "tower.head.", "tower.position_ids")
-#: the checkpoint prefixes of the encoder's tensors (both layouts transformers writes)
-ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES
+#: the checkpoint prefixes of an image encoder's tensors (both layouts transformers writes; LLaVA's, then Qwen2-VL's:
+#: :data:`~plinth.multimodal.qwen_vision.QWEN_ENCODER_PREFIXES`)
+ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES + ("model.visual.", "visual.")
 
 
 def _parameter_name(name: str, num_layers: int) -> str | None:

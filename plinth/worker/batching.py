@@ -108,6 +108,8 @@ class FlatBatch(Sequence[SeqBatchEntry]):
             decoding: its token and each draft), or ``None``: one each.
         images: the rows that take image embeddings instead of their tokens' (prompt positions of image inputs),
             as :data:`~plinth.multimodal.runner.ImageRows`; ``None``: none.
+        rope_shift: ``[T]`` int64 added to each token's position for its rotary embedding (multimodal RoPE: a
+            Qwen2-VL prompt's text after an image sits at positions other than its index), or ``None``: none.
     """
 
     token_ids: np.ndarray
@@ -123,6 +125,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     lora_loads: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     num_logits: np.ndarray | None = None
     images: list[Any] | None = None
+    rope_shift: np.ndarray | None = None
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -340,10 +343,15 @@ class BatchBuilder:
         num_logits: list[int] | None = None
         expanded: list[int] | None = None   # drafts as rows: rows per scheduled entry
         images: list[Any] | None = None
+        shifts: list[tuple[int, np.ndarray]] | None = None   # (first row, shifts) of multimodal-RoPE sequences
         for i, s in enumerate(out.scheduled):
             req = s.request
             row = row_of(req.request_id, req.block_ids)
             start, num_new = s.num_computed_tokens, s.num_new_tokens
+            if req.rope_layout is not None:
+                if shifts is None:
+                    shifts = []
+                shifts.append((len(tokens), req.rope_layout.shifts(start, 1 + s.num_drafts if s.num_drafts else num_new)))
             if s.num_drafts and self.drafts_as_rows:
                 if expanded is None:
                     expanded = [1] * i
@@ -411,8 +419,17 @@ class BatchBuilder:
             lora_loads=lora_loads,
             num_logits=np.array(num_logits, dtype=np.int64) if num_logits is not None else None,
             images=images,
+            rope_shift=_rope_shift(shifts, len(tokens)) if shifts else None,
         )
         return batch, sampled
+
+
+def _rope_shift(parts: list[tuple[int, np.ndarray]], num_tokens: int) -> np.ndarray:
+    """``[T]`` int64: each part's shifts at its rows, 0 elsewhere."""
+    out = np.zeros(num_tokens, dtype=np.int64)
+    for base, values in parts:
+        out[base:base + len(values)] = values
+    return out
 
 
 def _image_rows(items: list[Any], start: int, num_new: int, base: int, out: list[Any] | None) -> list[Any] | None:

@@ -383,18 +383,21 @@ class CpuDecodePlan:
         return bufs
 
     @torch.inference_mode()
-    def run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+            rope_shift: np.ndarray | None = None) -> torch.Tensor | None:
         """One decode step for ``B`` sequences (see :meth:`_run`), as a decode step for the layers' GEMMs."""
         with decode_step():
-            return self._run(token_ids, positions, block_tables)
+            return self._run(token_ids, positions, block_tables, rope_shift)
 
-    def _run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
+    def _run(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+             rope_shift: np.ndarray | None = None) -> torch.Tensor | None:
         """One decode step for ``B`` sequences: logits ``[B, vocab]`` float32 (None: not a batch it takes).
 
         Args:
             token_ids: ``[B]`` the last token of each sequence.
             positions: ``[B]`` its position (= tokens already in the cache).
             block_tables: ``[B, W]`` int32, each sequence's blocks, 0-padded.
+            rope_shift: ``[B]`` added to the positions for the rotary embedding (multimodal RoPE), or ``None``.
         """
         b = len(token_ids)
         if not cpu_native.native_ops_on():   # switched off since the plan was built: the modules' routing
@@ -413,7 +416,8 @@ class CpuDecodePlan:
         hidden = F.embedding(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), self.embed)     # [B, H]
         if self.embed_scale != 1.0:
             hidden = hidden * self.embed_scale   # as DecoderModel.run_stage
-        cos, sin = self.rotary.cos_sin(torch.from_numpy(pos), hidden.dtype)                          # [B, R]
+        rope_pos = torch.from_numpy(pos if rope_shift is None else pos + rope_shift)
+        cos, sin = self.rotary.cos_sin(rope_pos, hidden.dtype)                                         # [B, R]
         cos, sin = cos.contiguous(), sin.contiguous()
         native, bufs = self.native, self._buffers_for(b)
         if self.fused_layers is not None and b <= self.fused_max_rows:
@@ -432,7 +436,7 @@ class CpuDecodePlan:
         cos_p, sin_p, rot_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
         local_p = (cos_p, sin_p, rot_dim)
         if self.local_rotary is not None:
-            local_cos, local_sin = (t.contiguous() for t in self.local_rotary.cos_sin(torch.from_numpy(pos), hidden.dtype))
+            local_cos, local_sin = (t.contiguous() for t in self.local_rotary.cos_sin(rope_pos, hidden.dtype))
             local_p = (local_cos.data_ptr(), local_sin.data_ptr(), local_cos.shape[-1])
         threads = torch.get_num_threads()
         from plinth.attention_backends.cpu_paged import F32_BF16_DTYPE_CODE, FP8_DTYPE_CODE

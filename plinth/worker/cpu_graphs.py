@@ -93,7 +93,7 @@ class CompiledDecodeRunner:
         return None
 
     def inputs(self, token_ids: np.ndarray, positions: np.ndarray, block_ids: Sequence[Sequence[int]],
-               size: int) -> tuple[torch.Tensor, ...]:
+               size: int, rope_shift: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
         """The padded step tensors (no Python loop over sequences)."""
         b = len(token_ids)
         bs = self.block_size
@@ -103,7 +103,7 @@ class CompiledDecodeRunner:
         tables = block_table_array(block_ids, width, size)                     # [G, W]
         vec = np.zeros((4, size), dtype=np.int64)
         vec[0, :b] = token_ids
-        vec[1, :b] = pos
+        vec[1, :b] = pos if rope_shift is None else pos + rope_shift         # the rotary embedding's positions
         vec[2, :b] = tables[np.arange(b), pos // bs] * bs + pos % bs          # slots (padding: slot 0)
         vec[3, :b] = pos + 1
         vec[3, b:] = 1
@@ -121,8 +121,8 @@ class CompiledDecodeRunner:
 
     @torch.inference_mode()
     def _call(self, token_ids: np.ndarray, positions: np.ndarray, block_ids: Sequence[Sequence[int]],
-              size: int) -> torch.Tensor | None:
-        args = self.inputs(token_ids, positions, block_ids, size)
+              size: int, rope_shift: np.ndarray | None = None) -> torch.Tensor | None:
+        args = self.inputs(token_ids, positions, block_ids, size, rope_shift)
         torch._dynamo.maybe_mark_dynamic(args[3], 1)
         if size in self.compiled_sizes:
             return self._fn(*args)
@@ -142,26 +142,27 @@ class CompiledDecodeRunner:
         return out
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray,
-            block_ids: Sequence[Sequence[int]]) -> torch.Tensor | None:
+            block_ids: Sequence[Sequence[int]], rope_shift: np.ndarray | None = None) -> torch.Tensor | None:
         """One decode step (:meth:`_run`), as a decode step for the layers' GEMMs (``cpu_linear.decode_step``)."""
         from plinth.worker.cpu_linear import decode_step
 
         with decode_step():
-            return self._run(token_ids, positions, block_ids)
+            return self._run(token_ids, positions, block_ids, rope_shift)
 
     def _run(self, token_ids: np.ndarray, positions: np.ndarray,
-             block_ids: Sequence[Sequence[int]]) -> torch.Tensor | None:
+             block_ids: Sequence[Sequence[int]], rope_shift: np.ndarray | None = None) -> torch.Tensor | None:
         """One decode step for ``B`` sequences; logits ``[B, vocab]`` float32, or ``None`` (run it eagerly).
 
         Args:
             token_ids: ``[B]`` the last token of each sequence.
             positions: ``[B]`` its position (= tokens already in the cache).
             block_ids: each sequence's KV blocks.
+            rope_shift: ``[B]`` added to the positions for the rotary embedding (multimodal RoPE), or ``None``.
         """
         if self.failed:
             return None
         size = self.padded_size(len(token_ids))
         if size is None:
             return None
-        out = self._call(token_ids, positions, block_ids, size)
+        out = self._call(token_ids, positions, block_ids, size, rope_shift)
         return None if out is None else out[: len(token_ids)]

@@ -181,7 +181,8 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(self, token_ids: np.ndarray, positions: np.ndarray,
-            block_ids: Sequence[Sequence[int]] | np.ndarray, feed: TokenFeed | None = None) -> torch.Tensor:
+            block_ids: Sequence[Sequence[int]] | np.ndarray, feed: TokenFeed | None = None,
+            rope_shift: np.ndarray | None = None) -> torch.Tensor:
         """Replay one decode step for ``B`` sequences; returns logits ``[B, vocab]`` (a view into static output).
 
         Args:
@@ -189,6 +190,7 @@ class DecodeGraphRunner:
             positions: ``[B]`` its position (= tokens already in the cache).
             block_ids: each sequence's KV blocks (lists, or a zero-padded ``[B, W]`` integer array).
             feed: rows of ``token_ids`` to take from the previous step's sampled tokens on the device.
+            rope_shift: ``[B]`` added to the positions for the rotary embedding (multimodal RoPE), or ``None``.
         """
         b = len(token_ids)
         size = self.padded_size(b)
@@ -211,7 +213,7 @@ class DecodeGraphRunner:
                 tables[i, :n] = blocks[:n]
         pos = positions.astype(np.int64)
         vec[0, :b] = token_ids
-        vec[1, :b] = pos
+        vec[1, :b] = pos if rope_shift is None else pos + rope_shift   # the rotary embedding's positions
         vec[2, :b] = tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
         lens[0, :b] = pos + 1         # seq_lens
         lens[1, :b] = pos             # context_lens

@@ -252,6 +252,8 @@ class ModelRunner:
         if self.lora is not None:
             lora = batch.lora_slots
             self.lora.set_tokens(lora if lora is None or batch.decode_only else np.repeat(lora, q_lens))
+        if batch.rope_shift is not None:   # multimodal RoPE: rotary positions apart from the cache's
+            positions = positions + batch.rope_shift
         sample_seqs = np.flatnonzero(batch.sample)
         sample_rows = qsl[1:][sample_seqs] - 1                                  # [S]
         if batch.num_logits is not None:   # speculative decoding: the last k positions of such sequences
@@ -324,10 +326,10 @@ class ModelRunner:
             # only the CUDA graph runner takes a feed: a CPU runner's fed tokens were filled in above
             if self.lora is not None:   # a captured step always runs the adapters' products (base rows: zeros)
                 self.lora.set_tokens(batch.lora_slots, rows=self.graphs.padded_size(batch.num_seqs))
-            if feed is None:
-                logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables)
-            else:
-                logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables, feed=feed)
+            extra: dict[str, Any] = {} if feed is None else {"feed": feed}
+            if batch.rope_shift is not None:
+                extra["rope_shift"] = batch.rope_shift
+            logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables, **extra)
             if logits is not None:   # None: this batch runs eagerly (a runner that could not compile)
                 return logits, list(range(batch.num_seqs)), None
         inputs = self.prepare(batch)

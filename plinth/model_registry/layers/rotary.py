@@ -37,6 +37,8 @@ def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[
         out = dict(getattr(hf_config, "rope_scaling", None) or {})
         out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    if out["rope_type"] == "mrope":   # Qwen2-VL's multimodal RoPE in older configs: default frequencies, by section
+        out["rope_type"] = "default"
     theta = out["rope_theta"]
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
         raise ModelLoadError(f"config: rope_theta must be a positive number, got {theta!r}")
@@ -192,6 +194,17 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):         # arithmetic on meta tensors would import torch._dynamo (~1 s per start)
             inv_freq, self.attention_scaling = compute_inv_freq(self.params, self.rotary_dim, max_positions, context)
         self.register_buffer("inv_freq", inv_freq.to(device=target, dtype=torch.float32), persistent=False)
+        #: multimodal RoPE (Qwen2-VL): which of a position's (time, height, width) components each frequency
+        #: takes, ``[rotary_dim / 2]``; ``None`` for a plain RoPE. Text positions have three equal components,
+        #: so they rotate as a plain RoPE does; only image positions take :meth:`cos_sin_3d`.
+        self.mrope_components: list[int] | None = None
+        sections = self.params.get("mrope_section")
+        if sections is not None:
+            half = self.rotary_dim // 2
+            if not isinstance(sections, list | tuple) or sum(int(n) for n in sections) != half:
+                raise UnsupportedModelError(f"mrope_section {sections!r} must split the {half} rotary frequencies "
+                                            "of a head")
+            self.mrope_components = [i % 3 for i, n in enumerate(sections) for _ in range(int(n))]
 
     def init_buffers(self) -> None:
         """Recompute the frequencies (after the model was materialised from the meta device)."""
@@ -205,6 +218,16 @@ class RotaryEmbedding(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+    def cos_sin_3d(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multimodal RoPE's ``cos, sin`` ``[K, rotary_dim]`` for positions ``[K, 3]`` (time, height, width): each
+        frequency rotates by the component its section names."""
+        assert self.mrope_components is not None, "a plain RoPE has no 3-component positions"
+        comp = torch.tensor(self.mrope_components, device=positions.device)                  # [R / 2]
+        picked = positions.to(torch.float32).index_select(1, comp)                            # [K, R / 2]
+        freqs = picked * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
 def deinterleave_pairs(x: torch.Tensor, rot_dim: int | None = None) -> torch.Tensor:

@@ -422,26 +422,31 @@ class DecoderModel(nn.Module):
 
     def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                   hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                  image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  image_embeds: tuple[torch.Tensor, ...] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's share of the forward pass.
 
         The first stage embeds ``input_ids``; later stages continue from the previous stage's
         ``hidden`` and ``residual`` (``[T, H]`` each). Returns ``(hidden, residual)``; on the last
         stage ``hidden`` is the normed final state and ``residual`` is ``None``. ``image_embeds``:
-        ``(rows [K], embeddings [K, H])`` that replace those rows' token embeddings (image inputs).
+        ``(rows [K], embeddings [K, H])`` that replace those rows' token embeddings (image inputs), and for a
+        multimodal RoPE (Qwen2-VL) a third item, the rows' ``[K, 3]`` positions.
         """
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)                  # [T, H]
             if self.embed_scale != 1.0:
                 hidden = hidden * self.embed_scale
             if image_embeds is not None:
-                rows, values = image_embeds
+                rows, values = image_embeds[:2]
                 if self.image_embed_scale != 1.0:
                     values = values * self.image_embed_scale
                 hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, R] each
+        if image_embeds is not None and len(image_embeds) > 2 and image_embeds[2] is not None:
+            # multimodal RoPE: image rows rotate by their (time, height, width) positions
+            rows, image_cos, image_sin = image_embeds[0], *self.rotary_emb.cos_sin_3d(image_embeds[2], hidden.dtype)
+            cos, sin = cos.index_copy(0, rows, image_cos), sin.index_copy(0, rows, image_sin)
         local = self.local_rotary_emb
         local_cos, local_sin = local.cos_sin(positions, hidden.dtype) if local is not None else (cos, sin)
         for i in range(self.start_layer, self.end_layer):
@@ -459,7 +464,7 @@ class DecoderModel(nn.Module):
         return hidden, None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                image_embeds: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         hidden, _ = self.run_stage(input_ids, positions, metadata, image_embeds=image_embeds)
         return hidden
 
@@ -556,7 +561,7 @@ class DecoderForCausalLM(CausalLM):
     accepts_image_embeds: ClassVar[bool] = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                image_embeds: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, metadata, image_embeds)
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,

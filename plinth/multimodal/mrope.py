@@ -1,0 +1,63 @@
+"""Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the rotary positions of a prompt with images.
+
+Text tokens count one position each, as usual. An image's tokens (its merged patches, in rows) sit at three-component
+positions (time, height, width) that all start where the text before them ends: ``(p, p + row, p + column)``. The
+text after an image resumes at ``p + max(rows, columns)``, so it sits at fewer positions than the image has tokens:
+from there on each token's rotary position is its index plus a *shift* (negative). Generated tokens take the last
+shift. Text positions have three equal components, so they rotate as a plain RoPE does at the shifted position;
+only image rows need the three components (:meth:`~plinth.model_registry.layers.rotary.RotaryEmbedding.cos_sin_3d`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RopeLayout:
+    """Where a sequence's rotary positions depart from its indices: from index ``starts[i]`` on, each token's
+    position is its index plus ``values[i]`` (``starts[0] == 0``, increasing)."""
+
+    starts: np.ndarray   # [S] int64
+    values: np.ndarray   # [S] int64
+
+    def shifts(self, start: int, count: int) -> np.ndarray:
+        """``[count]`` int64: the shifts of indices ``[start, start + count)``."""
+        idx = np.arange(start, start + count, dtype=np.int64)
+        return self.values[np.searchsorted(self.starts, idx, side="right") - 1]
+
+
+def image_positions(first: int, grid: tuple[int, int, int], merge: int) -> np.ndarray:
+    """``[t * (h / merge) * (w / merge), 3]`` int64: the positions of an image's tokens (time-major, then rows, then
+    columns of merged patches) whose first sits at ``first``; ``grid`` is its (t, h, w) in patches."""
+    t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+    tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+    return np.stack([tt.ravel(), hh.ravel(), ww.ravel()], axis=1).astype(np.int64) + first
+
+
+def layout(spans: Sequence[tuple[int, int, tuple[int, int, int]]], merge: int,
+           ) -> tuple[RopeLayout, list[np.ndarray]]:
+    """The rotary layout of a prompt whose images sit at ``spans`` (each ``(offset, length, grid)``, in order), and
+    each image's ``[length, 3]`` positions.
+
+    Raises:
+        ValueError: an image's length is not its grid's count of merged patches, or spans overlap.
+    """
+    starts, values, positions = [0], [0], []
+    pos, index = 0, 0   # the next text token's position and index
+    for offset, length, grid in spans:
+        if offset < index:
+            raise ValueError(f"images overlap at prompt position {offset}")
+        pos += offset - index                      # the text before the image
+        rows = image_positions(pos, grid, merge)
+        if len(rows) != length:
+            raise ValueError(f"an image of grid {grid} has {len(rows)} merged patches, its prompt {length} positions")
+        positions.append(rows)
+        pos += max(grid[1], grid[2]) // merge
+        index = offset + length
+        starts.append(index)
+        values.append(pos - index)
+    return RopeLayout(np.array(starts, dtype=np.int64), np.array(values, dtype=np.int64)), positions

@@ -1,0 +1,294 @@
+"""Image inputs for Qwen2-VL and Qwen2.5-VL: tiny random checkpoints written by transformers, run by plinth and by
+transformers' ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` on the same pixels
+(images of any size as patches, the multimodal RoPE's three-component positions)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import decisive_weights, make_tokenizer
+from safetensors.torch import load_file, save_file
+
+from plinth import LLM, SamplingParams
+from plinth.core.scheduler import RequestRejectedError
+from plinth.multimodal.mrope import image_positions, layout
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+
+
+def _save_qwen_vl(path, version: str = "2", seed: int = 0):
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    start, pad, end = tok.convert_tokens_to_ids(SPECIAL)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, eos_token_id=tok.eos_token_id,
+                bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    common = dict(depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if version == "2":
+        vision = dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+        cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                         vision_start_token_id=start, vision_end_token_id=end,
+                                         tie_word_embeddings=False)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    else:   # windows of 2x2 merged patches; the second block attends over the whole image
+        vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=16,
+                      fullatt_block_indexes=[1])
+        cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                            vision_start_token_id=start, vision_end_token_id=end,
+                                            tie_word_embeddings=False)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = decisive_weights(cls(cfg).eval())
+    model.save_pretrained(path)
+    tok.chat_template = CHAT
+    tok.save_pretrained(path)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                         size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 80})
+    processor.save_pretrained(path)
+    return model, processor, tok
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2vl")
+    return (path, *_save_qwen_vl(path, "2"))
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen25vl")
+    return (path, *_save_qwen_vl(path, "2.5", seed=1))
+
+
+def _reference(model, processor, ids, images, steps=6):
+    """transformers' greedy tokens and each step's log-probabilities for an expanded prompt and its images."""
+    input_ids = torch.tensor([ids])
+    extra = {}
+    if images:
+        out = processor(images=images, return_tensors="pt")
+        extra = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                     mm_token_type_ids=(input_ids == model.config.image_token_id).int())
+    with torch.no_grad():
+        gen = model.generate(input_ids=input_ids, max_new_tokens=steps, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, **extra)
+    return gen.sequences[0, len(ids):].tolist(), [torch.log_softmax(s[0].float(), -1) for s in gen.scores]
+
+
+def _greedy(steps=6, logprobs=5):
+    return SamplingParams(max_tokens=steps, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+
+
+def _check(out, model, processor, images, steps=6):
+    tokens, logprobs = _reference(model, processor, out.prompt_token_ids, images, steps)
+    assert out.outputs[0].token_ids == tokens
+    for step, ref in zip(out.outputs[0].logprobs, logprobs, strict=True):
+        for tid, lp in step.items():
+            assert abs(lp.logprob - ref[tid].item()) < 1e-4, (tid, lp.logprob, ref[tid].item())
+
+
+def test_layout_matches_transformers_rope_index(qwen2):
+    """The engine's rotary layout (text shifted after each image, image rows at three-component positions) equals
+    transformers' ``get_rope_index`` for a prompt with two images of different grids."""
+    model = qwen2[1]
+    grids = [(1, 10, 14), (1, 6, 4)]
+    lengths = [t * h * w // 4 for t, h, w in grids]
+    pad = model.config.image_token_id
+    ids = [5, 6, 7] + [pad] * lengths[0] + [8, 9] + [pad] * lengths[1] + [10]
+    spans = [(3, lengths[0], grids[0]), (3 + lengths[0] + 2, lengths[1], grids[1])]
+    rope, rows = layout(spans, 2)
+    input_ids = torch.tensor([ids])
+    ref, delta = model.model.get_rope_index(input_ids, mm_token_type_ids=(input_ids == pad).int(),
+                                             image_grid_thw=torch.tensor(grids))
+    ref = ref[:, 0].T.numpy()                                                          # [T, 3]
+    text = np.array([i for i, t in enumerate(ids) if t != pad])
+    np.testing.assert_array_equal(ref[text, 0], text + rope.shifts(0, len(ids))[text])
+    for (offset, length, _), r in zip(spans, rows, strict=True):
+        np.testing.assert_array_equal(ref[offset:offset + length], r)
+    assert rope.shifts(len(ids), 1)[0] == int(delta)   # generated tokens: transformers' rope delta
+    assert image_positions(4, (1, 4, 6), 2).tolist() == [[4, 4, 4], [4, 4, 5], [4, 4, 6], [4, 5, 4], [4, 5, 5],
+                                                        [4, 5, 6]]
+
+
+def test_qwen2_vl_tokens_and_logprobs_equal_transformers(qwen2):
+    """One image in the middle of a prompt: its placeholder widened to the image's merged patches; greedy tokens and
+    every step's top log-probabilities equal transformers' on the same pixels (decode steps take the last shift)."""
+    path, model, processor, _ = qwen2
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(1)
+    out = llm.generate({"prompt": f"The quick {IMAGE} brown fox", "multi_modal_data": {"image": img}},
+                       _greedy())[0]
+    assert out.prompt_token_ids.count(model.config.image_token_id) == 30   # 40x52 -> 40x48 pixels, 5x6 merged
+    _check(out, model, processor, [img])
+    # text alone on the same model: plain positions
+    plain = llm.generate("The quick brown fox", _greedy())[0]
+    _check(plain, model, processor, [])
+
+
+def test_qwen25_vl_two_images_chunked_mixed_batch(qwen25):
+    """Qwen2.5-VL (windowed vision attention, gated MLP, RMSNorm): two images of different sizes with text between,
+    the prompt prefilled in chunks of 16 tokens, batched with a text-only prompt and a second image prompt; every
+    output equals transformers' run alone."""
+    path, model, processor, _ = qwen25
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off",
+              max_num_batched_tokens=16, enable_chunked_prefill=True, max_model_len=256)
+    a, b, c = _picture(2, (48, 40)), _picture(3, (24, 72)), _picture(4, (33, 33))
+    prompts = [{"prompt": f"A {IMAGE} then {IMAGE} end", "multi_modal_data": {"image": [a, b]}},
+               "just some text here",
+               {"prompt": f"{IMAGE} first", "multi_modal_data": {"image": c}}]
+    outs = llm.generate(prompts, _greedy())
+    _check(outs[0], model, processor, [a, b])
+    _check(outs[1], model, processor, [])
+    _check(outs[2], model, processor, [c])
+
+
+def test_chat_image_url_and_prefix_cache(qwen2):
+    """``LLM.chat`` with an image given as a data URL renders the vision tokens around the image token; the same
+    conversation again reads its blocks from the prefix cache and gives the same tokens; another image does not."""
+    path, model, processor, _ = qwen2
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", enable_prefix_caching=True)
+    img = _picture(5, (56, 40))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look "},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": " what"}]}]
+    first = llm.chat(messages, _greedy())[0]
+    _check(first, model, processor, [img])
+    again = llm.chat(messages, _greedy())[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens > 0
+    other = _picture(6, (56, 40))
+    buf = io.BytesIO()
+    other.save(buf, format="PNG")
+    messages[0]["content"][1]["image_url"]["url"] = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    third = llm.chat(messages, _greedy())[0]
+    _check(third, model, processor, [other])
+
+
+def test_original_layout_checkpoint_and_bad_input(qwen2, tmp_path):
+    """A checkpoint in Qwen2-VL's original tensor layout (``model.layers.*``, ``visual.*``) runs the same; a prompt
+    whose image tokens do not match its images is refused with a clear error."""
+    path, model, processor, _ = qwen2
+    import shutil
+
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+            tensors[name] = t
+    assert any(n.startswith("visual.") for n in tensors) and any(n.startswith("model.layers.") for n in tensors)
+    save_file(tensors, tmp_path / "model.safetensors")
+    llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(7)
+    out = llm.generate({"prompt": f"x {IMAGE} y", "multi_modal_data": {"image": img}}, _greedy())[0]
+    _check(out, model, processor, [img])
+    with pytest.raises(RequestRejectedError, match="names 2 image"):
+        llm.llm_engine.add_request("bad", f"x {IMAGE} {IMAGE}", _greedy(), multi_modal_data={"image": img})
+
+
+def test_tensor_parallel_workers_take_the_rope_shift(qwen2):
+    """Two worker processes (tensor parallelism): the batch carries each token's rotary shift and each image's
+    positions to the workers; tokens equal transformers'."""
+    import threading
+
+    from plinth.config import EngineConfig
+    from plinth.core.engine import LLMEngine
+    from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
+
+    path, model, processor, _ = qwen2
+    a, b = _picture(8), _picture(9, (30, 60))
+    prompts = [{"prompt": f"The {IMAGE} quick brown", "multi_modal_data": {"image": a}},
+               {"prompt": f"{IMAGE} Paris {IMAGE}", "multi_modal_data": {"image": [b, a]}}]
+    procs = WorkerProcesses(2, timeout_s=120.0)
+    try:
+        config = EngineConfig.from_kwargs(model=str(path), dtype="float32", platform="cpu", block_size=4,
+                                          selection="off", tensor_parallel_size=2, distributed_executor="mp")
+        engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
+        try:
+            tp = LLM.__new__(LLM)   # an LLM over this engine
+            tp.engine, tp._ids, tp._lock = engine, iter(range(10**6)), threading.RLock()
+            got = tp.generate(prompts, _greedy(logprobs=None))
+        finally:
+            engine.shutdown()
+    finally:
+        procs.stop()
+    for out, images in zip(got, [[a], [b, a]], strict=True):
+        assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
+
+
+def test_compiled_cpu_decode_step_takes_the_shift():
+    """The compiled CPU decode step's inputs: rotary positions shifted, slots and lengths from the cache's."""
+    from plinth.worker.cpu_graphs import CompiledDecodeRunner
+
+    runner = CompiledDecodeRunner.__new__(CompiledDecodeRunner)
+    runner.block_size = 4
+    pos = np.array([5, 9])
+    tokens, rope, slots, tables, lens = runner.inputs(np.array([3, 4]), pos, [[7, 8], [1, 2, 3]], 4,
+                                                      rope_shift=np.array([-3, 0]))
+    assert rope.tolist()[:2] == [2, 9]
+    assert slots.tolist()[:2] == [8 * 4 + 1, 3 * 4 + 1]
+    assert lens.tolist()[:2] == [6, 10]
+    plain = runner.inputs(np.array([3, 4]), pos, [[7, 8], [1, 2, 3]], 4)
+    assert plain[1].tolist()[:2] == [5, 9]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_gpu_equals_transformers(version, tmp_path):
+    """On a GPU (CUDA graphs for the decode steps, whose rotary positions take each sequence's shift): images of two
+    shapes and a text-only prompt in one batch, float32 tokens equal transformers' on the CPU."""
+    model, processor, _ = _save_qwen_vl(tmp_path, version, seed=3)
+    llm = LLM(str(tmp_path), dtype="float32", platform="cuda", block_size=16, gpu_memory_utilization=0.3)
+    wide, tall = _picture(18, (30, 70)), _picture(19, (64, 40))
+    prompts = [{"prompt": f"{IMAGE} Paris {IMAGE}", "multi_modal_data": {"image": [tall, wide]}},
+               "Large language models",
+               {"prompt": f"The quick {IMAGE} brown fox", "multi_modal_data": {"image": wide}}]
+    outs = llm.generate(prompts, _greedy(steps=8, logprobs=None))
+    assert llm.llm_engine.runner.graphs is not None
+    for out, images in zip(outs, [[tall, wide], [], [wide]], strict=True):
+        assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images, steps=8)[0]
+
+
+def test_new_weights_reach_the_vision_tower(qwen2, tmp_path):
+    """update_weights with a transformers state dict (``model.language_model.*``, ``model.visual.*``): the vision
+    tower takes its tensors, images encoded with the old weights are forgotten, and tokens equal the new model's."""
+    path = qwen2[0]
+    other, processor, _ = _save_qwen_vl(tmp_path, "2", seed=9)
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(10)
+    prompt = {"prompt": f"The {IMAGE} fox", "multi_modal_data": {"image": img}}
+    before = llm.generate(prompt, _greedy(logprobs=None))[0]
+    state = other.state_dict()
+    assert llm.update_weights(state) == len(state)
+    after = llm.generate(prompt, _greedy(logprobs=None))[0]
+    want = _reference(other, processor, after.prompt_token_ids, [img])[0]
+    assert after.outputs[0].token_ids == want != before.outputs[0].token_ids
+    from plinth.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="visual"):
+        llm.update_weights({"model.visual.blocks.0.attn.qkv.weight": torch.ones(3, 3)})
