@@ -292,3 +292,24 @@ def test_new_weights_reach_the_vision_tower(qwen2, tmp_path):
 
     with pytest.raises(ModelLoadError, match="visual"):
         llm.update_weights({"model.visual.blocks.0.attn.qkv.weight": torch.ones(3, 3)})
+
+
+def test_images_encoded_together_equal_alone(qwen25, monkeypatch):
+    """The runner encodes a step's new images in passes of at most MAX_PATCHES patches (several images a pass); the
+    embeddings equal each image encoded alone."""
+    import plinth.multimodal.runner as runner_mod
+
+    path = qwen25[0]
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    support, features = llm.llm_engine.images, llm.llm_engine.runner.images
+    pics = [_picture(20 + i, size) for i, size in enumerate([(48, 40), (24, 72), (33, 33), (64, 64)])]
+    _, items = support.items([support.token_id] * 4, {"image": pics})
+    together = [e.clone() for e in features.embeddings(items)]
+    features.clear()
+    monkeypatch.setattr(runner_mod, "MAX_PATCHES", 1)   # every image alone
+    assert [len(g) for g in runner_mod._patch_groups(items)] == [1, 1, 1, 1]
+    alone = features.embeddings(items)
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(runner_mod, "MAX_PATCHES", len(items[0].pixel_values) + len(items[1].pixel_values))
+    assert [len(g) for g in runner_mod._patch_groups(items)][0] == 2

@@ -24,6 +24,8 @@ CACHE_BYTES = 256 << 20
 
 #: the most images or tiles the encoder takes in one pass
 MAX_TILES = 32
+#: Qwen2-VL: the most patches the encoder takes in one pass (an image with more goes alone)
+MAX_PATCHES = 16384
 
 #: ``(first row of the flat batch, rows, image, first of the image's positions)``: a step's rows that take an
 #: image's embeddings
@@ -52,10 +54,13 @@ class ImageFeatures:
     def embeddings(self, items: Sequence[ImageItem]) -> list[torch.Tensor]:
         """Each item's ``[length, hidden]`` embeddings (encoded now where not kept from an earlier step)."""
         todo = {item.key: item for item in items if item.key not in self._cache}
-        if todo and todo[next(iter(todo))].grid is not None:   # Qwen2-VL: patches of any count, one image a pass
-            for key, item in todo.items():
-                grid = torch.tensor([item.grid], dtype=torch.int64)
-                self._keep(key, item, self.encoder(item.pixel_values.to(self.device), grid).clone())
+        if todo and todo[next(iter(todo))].grid is not None:   # Qwen2-VL: images of any patch count
+            for group in _patch_groups(list(todo.values())):
+                pixels = torch.cat([item.pixel_values for item in group]).to(self.device)
+                grids = torch.tensor([item.grid for item in group], dtype=torch.int64)
+                out = self.encoder(pixels, grids).split([item.length for item in group])
+                for item, features in zip(group, out, strict=True):
+                    self._keep(item.key, item, features.clone())
         elif todo:
             pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
             # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
@@ -135,3 +140,17 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
                     len(encoder.tower.layers), positions_per_tile(mm_config),
                     "tile (LLaVA-NeXT)" if is_next(mm_config) else "image")
     return ImageFeatures(encoder)
+
+
+def _patch_groups(items: list[ImageItem]) -> list[list[ImageItem]]:
+    """``items`` in order, in groups of at most :data:`MAX_PATCHES` patches (an image with more alone)."""
+    groups: list[list[ImageItem]] = []
+    total = 0
+    for item in items:
+        n = len(item.pixel_values)
+        if not groups or total + n > MAX_PATCHES:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += n
+    return groups
