@@ -34,7 +34,7 @@ def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
     return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
 
 
-def _save_qwen_vl(path, version: str = "2", seed: int = 0):
+def _save_qwen_vl(path, version: str = "2", seed: int = 0, tie: bool = False):
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
     start, pad, end = tok.convert_tokens_to_ids(SPECIAL)
@@ -47,14 +47,14 @@ def _save_qwen_vl(path, version: str = "2", seed: int = 0):
         vision = dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
         cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
                                          vision_start_token_id=start, vision_end_token_id=end,
-                                         tie_word_embeddings=False)
+                                         tie_word_embeddings=tie)
         cls = transformers.Qwen2VLForConditionalGeneration
     else:   # windows of 2x2 merged patches; the second block attends over the whole image
         vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=16,
                       fullatt_block_indexes=[1])
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
                                             vision_start_token_id=start, vision_end_token_id=end,
-                                            tie_word_embeddings=False)
+                                            tie_word_embeddings=tie)
         cls = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     model = decisive_weights(cls(cfg).eval())
@@ -313,3 +313,57 @@ def test_images_encoded_together_equal_alone(qwen25, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(runner_mod, "MAX_PATCHES", len(items[0].pixel_values) + len(items[1].pixel_values))
     assert [len(g) for g in runner_mod._patch_groups(items)][0] == 2
+
+
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_tied_embeddings_checkpoint(version, tmp_path):
+    """Qwen2-VL-2B and Qwen2.5-VL-3B tie their LM head to the embeddings (the top-level config says so, the text
+    config does not repeat it, the checkpoint has no ``lm_head.weight``): it loads and equals transformers."""
+    model, processor, _ = _save_qwen_vl(tmp_path, version, seed=4, tie=True)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(30)
+    out = llm.generate({"prompt": f"a {IMAGE} b", "multi_modal_data": {"image": img}}, _greedy())[0]
+    _check(out, model, processor, [img])
+
+
+def test_positions_counted_from_the_size_alone(qwen2):
+    """The server counts an image's positions on its event loop from the image's size (no patches made): the count
+    equals the processor's for small, thin and large images."""
+    support = LLM(str(qwen2[0]), dtype="float32", platform="cpu", block_size=4, selection="off").llm_engine.images
+    sizes = [(1, 1), (2, 3), (8, 400), (400, 8), (40, 52), (300, 200), (97, 131)]
+    want = [support.prepare({"image": _picture(31, size)}).lengths[0] for size in sizes]
+    import types
+
+    proc = support.processor   # a stand-in with the processor's settings and no way to run it
+    support.processor = types.SimpleNamespace(patch_size=proc.patch_size, merge_size=proc.merge_size,
+                                              size=proc.size, do_resize=proc.do_resize)
+    assert [support.length_of(_picture(31, size)) for size in sizes] == want
+
+
+def test_peft_adapter_on_the_language_model(qwen2, tmp_path):
+    """A PEFT LoRA adapter trained on transformers' Qwen2-VL (its tensors named ``...model.language_model.layers...``)
+    applies to plinth's language model: tokens and log-probabilities equal transformers' merged model."""
+    peft = pytest.importorskip("peft")
+    from plinth.lora.request import LoRARequest
+
+    path = qwen2[0]
+    base, processor, _ = _save_qwen_vl(tmp_path / "base", "2")
+    peft_model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                           target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged = peft_model.merge_and_unload().eval()
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", enable_lora=True,
+              max_lora_rank=8)
+    img = _picture(32)
+    out = llm.generate({"prompt": f"The quick {IMAGE} brown fox", "multi_modal_data": {"image": img}}, _greedy(),
+                       lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))[0]
+    _check(out, merged, processor, [img])

@@ -44,8 +44,10 @@ TARGETS = {proj: kinds for layer in LAYER_TARGETS.values() for proj, kinds in la
 #: a fused module's parts: (projection, kind of its output rows), in the order of its rows
 FUSED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "kv"), ("v_proj", "kv")),
          "gate_up_proj": (("gate_proj", "intermediate"), ("up_proj", "intermediate"))}
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\."
-                  r"(?P<proj>[A-Za-z_0-9]+))\.lora_(?P<ab>[AB])\.weight$")
+# (an image-and-text model's language model under either prefix transformers writes: its decoder layers)
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
+                  r"(?P<rest>layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\.(?P<proj>[A-Za-z_0-9]+))"
+                  r"\.lora_(?P<ab>[AB])\.weight$")
 #: ``adapter_config.json`` keys that do not change what a plain LoRA adapter computes at inference (training and
 #: initialisation settings, bookkeeping, which modules and layers carry weights: read from the tensors' names)
 HARMLESS_CONFIG_KEYS = frozenset({
@@ -229,9 +231,10 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
             raise _fail(path, f"tensor {key!r} names layer {m['layer']}, but the model has {num_layers} layers")
         if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise _fail(path, f"tensor {key!r} is {tensor.dtype}; LoRA weights are float32, float16 or bfloat16")
-        if m["ab"] in pairs.get(m["module"], {}):
-            raise _fail(path, f"tensor {key!r}: module {m['module']} has a second lora_{m['ab']} weight")
-        pairs.setdefault(m["module"], {})[m["ab"]] = tensor
+        module = "model." + m["rest"]
+        if m["ab"] in pairs.get(module, {}):
+            raise _fail(path, f"tensor {key!r}: module {module} has a second lora_{m['ab']} weight")
+        pairs.setdefault(module, {})[m["ab"]] = tensor
     if not pairs:
         raise _fail(path, "the adapter has no LoRA weights")
     alpha_default, rank_default = cfg["lora_alpha"], cfg["r"]

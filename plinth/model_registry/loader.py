@@ -430,7 +430,8 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
         return None
     # the checkpoint's dtype is often given at the top level only, its quantization always (a bitsandbytes
     # checkpoint's language model is widened while loading only if its config says so)
-    for key in ("dtype", "torch_dtype", "quantization_config"):
+    # (and Qwen2-VL's tie of the LM head to the embeddings, which its text config does not repeat)
+    for key in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings"):
         if getattr(text, key, None) is None and getattr(cfg, key, None) is not None:
             setattr(text, key, getattr(cfg, key))
     text.architectures = [causal]

@@ -411,9 +411,31 @@ class ImageSupport:
         from plinth.multimodal.vision import tokens_per_image
 
         if self.qwen:
+            return self._qwen_length(image)
+        return self.tokens_per_image or tokens_per_image(self.mm_config, (image.height, image.width))
+
+    def _qwen_length(self, image: Any) -> int:
+        """Qwen2-VL: the positions of a PIL image from its size, as the processor resizes it (without making the
+        patches: the server counts positions on its event loop); the processor itself where it is not transformers'
+        usual one."""
+        proc = self.processor
+        size = getattr(proc, "size", None)
+        try:
+            patch, merge = int(proc.patch_size), int(proc.merge_size)
+            low, high = int(size["shortest_edge"]), int(size["longest_edge"])
+        except (AttributeError, KeyError, TypeError, ValueError):
             (t, h, w), = self.patches([image])[1]
             return t * h * w // (self.merge * self.merge)
-        return self.tokens_per_image or tokens_per_image(self.mm_config, (image.height, image.width))
+        height, width = image.height, image.width
+        if getattr(proc, "do_resize", True):
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+            try:
+                height, width = smart_resize(height, width, factor=patch * merge, min_pixels=low, max_pixels=high)
+            except ValueError as exc:
+                raise RequestRejectedError(f"the image processor cannot take this image: {exc}",
+                                           param="multi_modal_data") from None
+        return (height // patch) * (width // patch) // (merge * merge)
 
     def images_of(self, data: Any) -> list[Any]:
         """The PIL images of a request's ``multi_modal_data`` (``{"image": image or [images]}``).
