@@ -209,6 +209,8 @@ class ModelConfig:
         allowed_local_media_path: a directory whose files ``file://`` image URLs may name (default: none).
         allowed_media_domains: hosts whose ``http(s)://`` image URLs are fetched, with their subdomains (``*``: any;
             default: none, so only data URLs are taken).
+        mm_processor_kwargs: settings of the checkpoint's image processor (a dict or its JSON text), e.g. Qwen2-VL's
+            ``{"min_pixels": ..., "max_pixels": ...}``, which bound the positions an image fills.
     """
 
     model: str | None = None
@@ -237,6 +239,7 @@ class ModelConfig:
     limit_mm_per_prompt: Any = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: Any = None
+    mm_processor_kwargs: Any = None
 
     def _check_media(self) -> None:
         """``limit_mm_per_prompt`` as its image count, ``allowed_media_domains`` as a tuple of lower-case hosts."""
@@ -258,6 +261,11 @@ class ModelConfig:
                                   f"{self.allowed_media_domains!r}")
             domains = tuple(d.strip().lower().rstrip(".") for d in domains)
         object.__setattr__(self, "allowed_media_domains", domains)
+        settings = _json_text("mm_processor_kwargs", self.mm_processor_kwargs)
+        if settings is not None and (not isinstance(settings, dict) or not all(isinstance(k, str) for k in settings)):
+            raise ConfigError(f"mm_processor_kwargs must be a JSON object of the image processor's settings, such as "
+                              f"{{\"max_pixels\": 1003520}}, got {self.mm_processor_kwargs!r}")
+        object.__setattr__(self, "mm_processor_kwargs", settings)
 
     def __post_init__(self) -> None:
         _check_flags(self)

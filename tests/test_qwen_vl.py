@@ -367,3 +367,35 @@ def test_peft_adapter_on_the_language_model(qwen2, tmp_path):
     out = llm.generate({"prompt": f"The quick {IMAGE} brown fox", "multi_modal_data": {"image": img}}, _greedy(),
                        lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))[0]
     _check(out, merged, processor, [img])
+
+
+def test_mm_processor_kwargs_bound_the_pixels(qwen2):
+    """``mm_processor_kwargs={"max_pixels": ...}`` resizes images smaller (fewer positions), as transformers'
+    processor with the same setting does, and tokens equal transformers'; bad settings are refused at start."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from plinth.config import ConfigError
+
+    path, model, _, _ = qwen2
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off",
+              mm_processor_kwargs='{"max_pixels": 1024}')
+    img = _picture(33, (80, 120))
+    out = llm.generate({"prompt": f"a {IMAGE} b", "multi_modal_data": {"image": img}}, _greedy())[0]
+    small = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                     size={"shortest_edge": 256, "longest_edge": 1024})
+    grid = small(images=[img], return_tensors="pt")["image_grid_thw"][0].tolist()
+    assert out.prompt_token_ids.count(model.config.image_token_id) == grid[1] * grid[2] // 4 <= 1024 // 64
+    _check(out, model, small, [img])
+    for bad, words in [({"max_pixel": 5}, "no setting 'max_pixel'"), ({"min_pixels": 4096, "max_pixels": 1024},
+                                                                    "more than max_pixels"),
+                       ({"max_pixels": "big"}, "positive integer"), ('["x"]', "JSON object")]:
+        with pytest.raises(ConfigError, match=words):
+            LLM(str(path), dtype="float32", platform="cpu", selection="off", mm_processor_kwargs=bad)
+    import argparse
+
+    from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, "serve")
+    args = parser.parse_args([str(path), "--mm-processor-kwargs", '{"max_pixels": 2048, "min_pixels": 64}'])
+    assert engine_config_from_args(args).model.mm_processor_kwargs == {"max_pixels": 2048, "min_pixels": 64}

@@ -29,7 +29,7 @@ ENGINE_KWARGS = (
     "override_generation_config", "hf_overrides",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "logits_processors", "logprobs_mode", "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
-    "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
+    "mm_processor_kwargs", "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
@@ -98,6 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                    help='the most images a prompt of an image-and-text model may carry, e.g. \'{"image": 4}\' '
                         "(default 16)")
+    g.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help="settings of the image processor, e.g. '{\"max_pixels\": 1003520}' for Qwen2-VL (the most "
+                        "pixels an image is resized to, which bounds the positions it fills)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let image URLs name files under DIR (file:///DIR/...); default: no file URLs")
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",

@@ -329,10 +329,12 @@ class ImageSupport:
         tokenizer: the model's (the image token's text, which chat messages' image parts become).
         limit: the most images a prompt may carry (``--limit-mm-per-prompt``).
         policy: where images named by URL may come from (:class:`MediaPolicy`).
+        processor_kwargs: settings of the image processor (``mm_processor_kwargs``; see :func:`_apply_settings`).
     """
 
     def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None,
-                 limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None):
+                 limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None,
+                 processor_kwargs: dict[str, Any] | None = None):
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
 
@@ -349,6 +351,8 @@ class ImageSupport:
         self.image_size = None if self.qwen else int(mm_config.vision_config.image_size)
         self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
         self.processor = _image_processor(mm_config, path)
+        if processor_kwargs:
+            _apply_settings(self.processor, processor_kwargs, self.qwen)
         self.limit = limit
         self.policy = policy or MediaPolicy()
         token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None else None
@@ -640,3 +644,40 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
         return transformers.SiglipImageProcessor(size={"height": size, "width": size})
     logger.info("no preprocessor_config.json: images are processed as CLIP's processor does at %dx%d", size, size)
     return transformers.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+
+def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> None:
+    """Set ``mm_processor_kwargs`` on the image processor: Qwen2-VL's ``min_pixels`` / ``max_pixels`` (its resize
+    bounds), else settings the processor has whose current value is a number or a flag, given one of the same type.
+
+    Raises:
+        ConfigError: a setting the processor does not have, a value of another type, or bounds out of order.
+    """
+    from plinth.config import ConfigError
+
+    name = type(processor).__name__
+    pixels: dict[str, int] = {}
+    for key, value in settings.items():
+        current = getattr(processor, key, None)
+        if qwen and key in ("min_pixels", "max_pixels"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"mm_processor_kwargs: {key} must be a positive integer, got {value!r}")
+            pixels[key] = value
+        elif isinstance(current, bool | int | float) and type(value) is type(current):
+            setattr(processor, key, value)
+        else:
+            settable = sorted(k for k, v in vars(processor).items() if isinstance(v, bool | int | float)
+                              and not k.startswith("_"))
+            if qwen:
+                settable = ["max_pixels", "min_pixels", *settable]
+            raise ConfigError(f"mm_processor_kwargs: {name} has no setting {key!r} taking {value!r}; its settings: "
+                              f"{', '.join(settable)}")
+    if pixels:
+        from transformers.image_utils import SizeDict
+
+        size = processor.size
+        low = pixels.get("min_pixels", size["shortest_edge"])
+        high = pixels.get("max_pixels", size["longest_edge"])
+        if low > high:
+            raise ConfigError(f"mm_processor_kwargs: min_pixels {low} is more than max_pixels {high}")
+        processor.size = SizeDict(shortest_edge=low, longest_edge=high)
