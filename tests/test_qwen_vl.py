@@ -399,3 +399,24 @@ def test_mm_processor_kwargs_bound_the_pixels(qwen2):
     add_engine_args(parser, "serve")
     args = parser.parse_args([str(path), "--mm-processor-kwargs", '{"max_pixels": 2048, "min_pixels": 64}'])
     assert engine_config_from_args(args).model.mm_processor_kwargs == {"max_pixels": 2048, "min_pixels": 64}
+
+
+@pytest.mark.parametrize("fixture", ["qwen2", "qwen25"])
+def test_encoder_profile_pass(fixture, request):
+    """Start-up's memory profile runs the encoder's largest pass (on a GPU): one image of as many patches as a pass
+    takes, or as a prompt of max_model_len positions holds; here on the CPU, that it runs at all."""
+    import plinth.multimodal.runner as runner_mod
+
+    path = request.getfixturevalue(fixture)[0]
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=64)
+    features = llm.llm_engine.runner.images
+    seen = []
+    real = features.encoder.forward
+    features.encoder.forward = lambda pixels, grid: seen.append(tuple(grid[0].tolist())) or real(pixels, grid)
+    old = runner_mod.MAX_PATCHES
+    runner_mod.MAX_PATCHES = 16
+    try:
+        features.profile(64)   # 64 positions: 256 patches, a 16x16 grid
+    finally:
+        runner_mod.MAX_PATCHES = old
+    assert seen == [(1, 16, 16)]

@@ -166,6 +166,8 @@ class Worker:
         if self.device.type == "cuda":
             weights = torch.cuda.memory_allocated(self.device)
             self._profile_peak()
+            if self._images is not None:   # the image encoder's largest pass
+                self._images.profile(self.max_model_len)
             reserve = (torch.cuda.max_memory_allocated(self.device) - weights
                        + 4 * self.config.scheduler.max_num_seqs * self.hf.vocab_size * 4)
         config = self.config

@@ -102,6 +102,22 @@ class ImageFeatures:
                                                      for _, count, item, first in image_rows]))
         return rows, values, positions.to(self.device, non_blocking=True)
 
+    @torch.inference_mode()
+    def profile(self, max_model_len: int) -> None:
+        """Run the encoder's largest pass on random pixels, so that start-up's peak memory (what the KV cache leaves
+        free) counts its activations: :data:`MAX_TILES` tiles (LLaVA), or for Qwen2-VL one image of as many patches
+        as a pass may take, :data:`MAX_PATCHES` or the most a prompt of ``max_model_len`` positions holds."""
+        enc = self.encoder
+        if isinstance(enc, QwenVisionEncoder):
+            merge = enc.merge
+            side = max(1, int((max(MAX_PATCHES, max_model_len * merge * merge)) ** 0.5) // merge)   # merged units
+            grid = torch.tensor([[1, side * merge, side * merge]], dtype=torch.int64)
+            pixels = torch.randn(int(grid.prod()), enc.patch_embed.proj.weight[0].numel(), device=self.device)
+            enc(pixels, grid)
+        else:
+            size = int(enc.mm_config.vision_config.image_size)
+            enc(torch.randn(MAX_TILES, 3, size, size, device=self.device))
+
     def clear(self) -> None:
         """Drop the kept embeddings (new weights)."""
         self._cache.clear()

@@ -334,6 +334,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     if device.type == "cuda":
         weights = torch.cuda.memory_allocated(device)
         _profile_peak(model, device, config, backend, spec.cache_dtype)
+        if images is not None:   # the image encoder's largest pass
+            images.profile(max_model_len)
         if draft is not None:
             _profile_peak(draft[0], device, config, draft[1], draft[2])
         # Graph pools hold at most one decode batch's activations (below the profiled prefill peak);
