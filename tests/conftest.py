@@ -88,3 +88,28 @@ def processes():
     procs = WorkerProcesses(2, timeout_s=120.0)
     yield procs
     procs.stop()
+
+
+def generate_on_tp_workers(path, prompts, params, size: int = 2):
+    """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks are worker processes (CPU, float32)."""
+    import threading
+
+    from plinth import LLM
+    from plinth.config import EngineConfig
+    from plinth.core.engine import LLMEngine
+    from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
+
+    procs = WorkerProcesses(size, timeout_s=120.0)
+    try:
+        config = EngineConfig.from_kwargs(model=str(path), dtype="float32", platform="cpu", block_size=4,
+                                          selection="off", tensor_parallel_size=size, distributed_executor="mp")
+        engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
+        try:
+            assert engine.runner is None   # the ranks run in the workers
+            llm = LLM.__new__(LLM)   # an LLM over this engine
+            llm.engine, llm._ids, llm._lock = engine, iter(range(10**6)), threading.RLock()
+            return llm.generate(prompts, params)
+        finally:
+            engine.shutdown()
+    finally:
+        procs.stop()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, make_tokenizer
+from conftest import decisive_weights, generate_on_tp_workers, make_tokenizer
 
 from plinth import LLM, SamplingParams
 from plinth.core.scheduler import RequestRejectedError
@@ -517,28 +517,13 @@ def test_refusals(llava, llm, tiny_llama_dir, tmp_path):
 def test_tensor_parallel_workers_encode_the_image(llava, llm):
     """Two worker processes (tensor parallelism): each encodes the image (the batch carries its pixels) and the
     tokens equal the single-process engine's; pipeline parallelism is refused at start."""
-    from plinth.config import ConfigError, EngineConfig
-    from plinth.core.engine import LLMEngine
-    from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
+    from plinth.config import ConfigError
 
     path = str(llava[0])
     prompts = [{"prompt": "The <image> quick brown", "multi_modal_data": {"image": _picture(12)}},
                {"prompt": "<image> Paris <image>", "multi_modal_data": {"image": [_picture(13), _picture(12)]}}]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(logprobs=None))]
-    procs = WorkerProcesses(2, timeout_s=120.0)
-    try:
-        config = EngineConfig.from_kwargs(model=path, dtype="float32", platform="cpu", block_size=4, selection="off",
-                                          tensor_parallel_size=2, distributed_executor="mp")
-        engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
-        try:
-            assert engine.runner is None
-            tp = LLM.__new__(LLM)   # an LLM over this engine
-            tp.engine, tp._ids, tp._lock = engine, iter(range(10**6)), threading.RLock()
-            got = tp.generate(prompts, _greedy(logprobs=None))
-        finally:
-            engine.shutdown()
-    finally:
-        procs.stop()
+    got = generate_on_tp_workers(path, prompts, _greedy(logprobs=None))
     assert [o.outputs[0].token_ids for o in got] == want
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         LLM(path, dtype="float32", platform="cpu", pipeline_parallel_size=2, distributed_executor="mp")

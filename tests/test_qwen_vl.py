@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, make_tokenizer
+from conftest import decisive_weights, generate_on_tp_workers, make_tokenizer
 from safetensors.torch import load_file, save_file
 
 from plinth import LLM, SamplingParams
@@ -214,29 +214,11 @@ def test_original_layout_checkpoint_and_bad_input(qwen2, tmp_path):
 def test_tensor_parallel_workers_take_the_rope_shift(qwen2):
     """Two worker processes (tensor parallelism): the batch carries each token's rotary shift and each image's
     positions to the workers; tokens equal transformers'."""
-    import threading
-
-    from plinth.config import EngineConfig
-    from plinth.core.engine import LLMEngine
-    from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
-
     path, model, processor, _ = qwen2
     a, b = _picture(8), _picture(9, (30, 60))
     prompts = [{"prompt": f"The {IMAGE} quick brown", "multi_modal_data": {"image": a}},
                {"prompt": f"{IMAGE} Paris {IMAGE}", "multi_modal_data": {"image": [b, a]}}]
-    procs = WorkerProcesses(2, timeout_s=120.0)
-    try:
-        config = EngineConfig.from_kwargs(model=str(path), dtype="float32", platform="cpu", block_size=4,
-                                          selection="off", tensor_parallel_size=2, distributed_executor="mp")
-        engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
-        try:
-            tp = LLM.__new__(LLM)   # an LLM over this engine
-            tp.engine, tp._ids, tp._lock = engine, iter(range(10**6)), threading.RLock()
-            got = tp.generate(prompts, _greedy(logprobs=None))
-        finally:
-            engine.shutdown()
-    finally:
-        procs.stop()
+    got = generate_on_tp_workers(path, prompts, _greedy(logprobs=None))
     for out, images in zip(got, [[a], [b, a]], strict=True):
         assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
 

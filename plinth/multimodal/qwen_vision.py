@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.errors import UnsupportedModelError
 
 #: ``mm_config.model_type`` values this module runs
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -315,27 +315,12 @@ class QwenVisionEncoder(nn.Module):
             ModelLoadError: a missing tensor (unless ``partial``), an unknown one under the encoder's prefix, one of
                 another shape, or a non-float one.
         """
-        params = dict(self.named_parameters())
-        seen: set[str] = set()
-        for name, tensor in weights:
+        from plinth.multimodal.vision import load_encoder_weights
+
+        def target_of(name: str) -> str | None:
             prefix = next((p for p in QWEN_ENCODER_PREFIXES if name.startswith(p)), None)
-            if prefix is None:
-                continue
-            target = name[len(prefix):]
-            if target.endswith(_DERIVED):
-                continue
-            param = params.get(target)
-            if param is None:
-                raise ModelLoadError(f"{name}: no such tensor in the image encoder ({target})")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            if not tensor.dtype.is_floating_point:
-                raise ModelLoadError(f"{name}: a {tensor.dtype} tensor; the image encoder takes floating-point ones")
-            if write:
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
-            seen.add(target)
-        missing = sorted(set(params) - seen)
-        if missing and not partial:
-            raise ModelLoadError(f"the checkpoint lacks the image encoder's tensors {', '.join(missing[:4])}"
-                                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+            if prefix is None or name.endswith(_DERIVED):
+                return None
+            return name[len(prefix):]
+
+        load_encoder_weights(self, weights, target_of, partial, write)

@@ -227,27 +227,45 @@ class ImageEncoder(nn.Module):
         Raises:
             ModelLoadError: a missing tensor (unless ``partial``), one of another shape, or a non-float one.
         """
-        params = dict(self.named_parameters())
-        seen: set[str] = set()
-        for name, tensor in weights:
+        def target_of(name: str) -> str | None:
             target = _parameter_name(name, len(self.tower.layers))
             if target is None or target == _SKIPPED or target.startswith(_UNUSED_PARTS):
-                continue   # a layer past those run, the post-layernorm, SigLIP's pooling head: not read by LLaVA
-            param = params.get(target)
-            if param is None:
-                raise ModelLoadError(f"{name}: no such tensor in the image encoder ({target})")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            if not tensor.dtype.is_floating_point:
-                raise ModelLoadError(f"{name}: a {tensor.dtype} tensor; the image encoder takes floating-point ones")
-            if write:
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
-            seen.add(target)
-        missing = sorted(set(params) - seen)
-        if missing and not partial:
-            raise ModelLoadError(f"the checkpoint lacks the image encoder's tensors {', '.join(missing[:4])}"
-                                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+                return None   # a layer past those run, the post-layernorm, SigLIP's pooling head: not read by LLaVA
+            return target
+
+        load_encoder_weights(self, weights, target_of, partial, write)
+
+
+def load_encoder_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         target_of: Any, partial: bool, write: bool) -> None:
+    """Copy checkpoint tensors into an image encoder's parameters: ``target_of(name)`` names each tensor's parameter
+    (``None``: not the encoder's, skipped). ``partial``: any subset; ``write=False``: check only.
+
+    Raises:
+        ModelLoadError: a missing tensor (unless ``partial``), one with no parameter, of another shape, or not
+            floating-point.
+    """
+    params = dict(module.named_parameters())
+    seen: set[str] = set()
+    for name, tensor in weights:
+        target = target_of(name)
+        if target is None:
+            continue
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"{name}: no such tensor in the image encoder ({target})")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        if not tensor.dtype.is_floating_point:
+            raise ModelLoadError(f"{name}: a {tensor.dtype} tensor; the image encoder takes floating-point ones")
+        if write:
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+        seen.add(target)
+    missing = sorted(set(params) - seen)
+    if missing and not partial:
+        raise ModelLoadError(f"the checkpoint lacks the image encoder's tensors {', '.join(missing[:4])}"
+                             + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
 
 
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
