@@ -321,6 +321,15 @@ def test_positions_counted_from_the_size_alone(qwen2):
     import types
 
     proc = support.processor   # a stand-in with the processor's settings and no way to run it
+    # a processor that does not resize takes only images of whole merged patches
+    proc.do_resize = False
+    assert support.length_of(_picture(31, (48, 64))) == support.prepare({"image": _picture(31, (48, 64))}).lengths[0]
+    for size in [(40, 52), (97, 131)]:
+        with pytest.raises(RequestRejectedError, match="whole 8-pixel squares"):
+            support.length_of(_picture(31, size))
+        with pytest.raises(RequestRejectedError):
+            support.prepare({"image": _picture(31, size)})
+    proc.do_resize = True
     support.processor = types.SimpleNamespace(patch_size=proc.patch_size, merge_size=proc.merge_size,
                                               size=proc.size, do_resize=proc.do_resize)
     assert [support.length_of(_picture(31, size)) for size in sizes] == want
@@ -334,8 +343,11 @@ def test_peft_adapter_on_the_language_model(qwen2, tmp_path):
 
     path = qwen2[0]
     base, processor, _ = _save_qwen_vl(tmp_path / "base", "2")
-    peft_model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
-                                                           target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    # (rank and alpha overrides name modules as the adapter does: under language_model)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)",
+                             alpha_pattern={r"language_model\.layers\.0\.self_attn\.q_proj": 32},
+                             rank_pattern={r"language_model\.layers\.1\.self_attn\.v_proj": 8})
+    peft_model = peft.get_peft_model(base, config)
     torch.manual_seed(5)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -368,9 +380,11 @@ def test_mm_processor_kwargs_bound_the_pixels(qwen2):
     grid = small(images=[img], return_tensors="pt")["image_grid_thw"][0].tolist()
     assert out.prompt_token_ids.count(model.config.image_token_id) == grid[1] * grid[2] // 4 <= 1024 // 64
     _check(out, model, small, [img])
-    for bad, words in [({"max_pixel": 5}, "no setting 'max_pixel'"), ({"min_pixels": 4096, "max_pixels": 1024},
-                                                                    "more than max_pixels"),
-                       ({"max_pixels": "big"}, "positive integer"), ('["x"]', "JSON object")]:
+    for bad, words in [({"max_pixel": 5}, "'max_pixel' cannot be set"),
+                       ({"min_pixels": 4096, "max_pixels": 1024}, "more than max_pixels"),
+                       ({"max_pixels": "big"}, "positive integer"), ('["x"]', "JSON object"),
+                       ({"merge_size": 1}, "'merge_size' cannot be set"), ({"patch_size": 8}, "cannot be set"),
+                       ({"do_normalize": 1}, "takes a bool")]:
         with pytest.raises(ConfigError, match=words):
             LLM(str(path), dtype="float32", platform="cpu", selection="off", mm_processor_kwargs=bad)
     import argparse
@@ -399,6 +413,11 @@ def test_encoder_profile_pass(fixture, request):
     runner_mod.MAX_PATCHES = 16
     try:
         features.profile(64)   # 64 positions: 256 patches, a 16x16 grid
+        features.profile(64, image_patches=64)   # the processor's largest image: 64 patches
     finally:
         runner_mod.MAX_PATCHES = old
-    assert seen == [(1, 16, 16)]
+    assert seen == [(1, 16, 16), (1, 8, 8)]
+    from plinth.multimodal.images import max_patches
+
+    assert max_patches(llm.llm_engine.images.mm_config, str(path), None) == 8 * 8 * 80 // 16
+    assert max_patches(llm.llm_engine.images.mm_config, str(path), {"max_pixels": 1024}) == 1024 // 16

@@ -45,8 +45,8 @@ TARGETS = {proj: kinds for layer in LAYER_TARGETS.values() for proj, kinds in la
 FUSED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "kv"), ("v_proj", "kv")),
          "gate_up_proj": (("gate_proj", "intermediate"), ("up_proj", "intermediate"))}
 # (an image-and-text model's language model under either prefix transformers writes: its decoder layers)
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
-                  r"(?P<rest>layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\.(?P<proj>[A-Za-z_0-9]+))"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<name>(?:model\.language_model\.|language_model\.model\.|model\.)"
+                  r"(?P<rest>layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\.(?P<proj>[A-Za-z_0-9]+)))"
                   r"\.lora_(?P<ab>[AB])\.weight$")
 #: ``adapter_config.json`` keys that do not change what a plain LoRA adapter computes at inference (training and
 #: initialisation settings, bookkeeping, which modules and layers carry weights: read from the tensors' names)
@@ -215,6 +215,7 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
     num_layers = hf_config.num_hidden_layers
     moe = is_moe(hf_config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    names: dict[str, str] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None:
@@ -232,6 +233,7 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
         if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise _fail(path, f"tensor {key!r} is {tensor.dtype}; LoRA weights are float32, float16 or bfloat16")
         module = "model." + m["rest"]
+        names[module] = m["name"]   # (PEFT's rank and alpha patterns match the name in the adapter)
         if m["ab"] in pairs.get(module, {}):
             raise _fail(path, f"tensor {key!r}: module {module} has a second lora_{m['ab']} weight")
         pairs.setdefault(module, {})[m["ab"]] = tensor
@@ -259,10 +261,10 @@ def load_adapter(name: str, lora_id: int, path: str, hf_config: Any, max_rank: i
         if r > max_rank:
             raise _fail(path, f"module {module} has rank {r}, more than the engine's max_lora_rank {max_rank} "
                               "(--max-lora-rank)")
-        expected_rank = _pattern_value(rank_pattern, module, rank_default)
+        expected_rank = _pattern_value(rank_pattern, names[module], rank_default)
         if r != expected_rank:
             raise _fail(path, f"module {module} has rank {r}, but the config says {expected_rank}")
-        alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
+        alpha = float(_pattern_value(alpha_pattern, names[module], alpha_default))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _fail(path, f"module {module} has non-finite weights")

@@ -439,6 +439,9 @@ class ImageSupport:
             except ValueError as exc:
                 raise RequestRejectedError(f"the image processor cannot take this image: {exc}",
                                            param="multi_modal_data") from None
+        elif height % (patch * merge) or width % (patch * merge):   # (the processor would refuse it)
+            raise RequestRejectedError(f"the image processor does not resize images, and a {width}x{height} image "
+                                       f"is not made of whole {patch * merge}-pixel squares", param="multi_modal_data")
         return (height // patch) * (width // patch) // (merge * merge)
 
     def images_of(self, data: Any) -> list[Any]:
@@ -646,38 +649,62 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
     return transformers.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
 
 
+#: ``mm_processor_kwargs`` any image processor takes (they change pixel values, not the tiles the tower expects)
+SAFE_SETTINGS = ("do_normalize", "do_rescale", "rescale_factor", "do_convert_rgb")
+#: and Qwen2-VL's resize bounds (the patches' count, not their size)
+QWEN_SETTINGS = ("min_pixels", "max_pixels")
+
+
 def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> None:
     """Set ``mm_processor_kwargs`` on the image processor: Qwen2-VL's ``min_pixels`` / ``max_pixels`` (its resize
-    bounds), else settings the processor has whose current value is a number or a flag, given one of the same type.
+    bounds), and :data:`SAFE_SETTINGS`, each given a value of its current type. Settings that shape what the vision
+    tower takes (patch and tile sizes, crops) are refused: the checkpoint fixes them.
 
     Raises:
-        ConfigError: a setting the processor does not have, a value of another type, or bounds out of order.
+        ConfigError: another setting, a value of another type, or bounds out of order.
     """
     from plinth.config import ConfigError
 
-    name = type(processor).__name__
+    allowed = (*QWEN_SETTINGS, *SAFE_SETTINGS) if qwen else SAFE_SETTINGS
     pixels: dict[str, int] = {}
     for key, value in settings.items():
-        current = getattr(processor, key, None)
-        if qwen and key in ("min_pixels", "max_pixels"):
+        if key not in allowed:
+            raise ConfigError(f"mm_processor_kwargs: {key!r} cannot be set (the checkpoint fixes what shapes the "
+                              f"vision tower's input); settings taken: {', '.join(allowed)}")
+        if key in QWEN_SETTINGS:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"mm_processor_kwargs: {key} must be a positive integer, got {value!r}")
             pixels[key] = value
-        elif isinstance(current, bool | int | float) and type(value) is type(current):
-            setattr(processor, key, value)
-        else:
-            settable = sorted(k for k, v in vars(processor).items() if isinstance(v, bool | int | float)
-                              and not k.startswith("_"))
-            if qwen:
-                settable = ["max_pixels", "min_pixels", *settable]
-            raise ConfigError(f"mm_processor_kwargs: {name} has no setting {key!r} taking {value!r}; its settings: "
-                              f"{', '.join(settable)}")
+            continue
+        current = getattr(processor, key, None)
+        if current is None or type(value) is not type(current):
+            raise ConfigError(f"mm_processor_kwargs: {key} takes a {type(current).__name__} here, got {value!r}")
+        setattr(processor, key, value)
     if pixels:
         from transformers.image_utils import SizeDict
 
         size = processor.size
-        low = pixels.get("min_pixels", size["shortest_edge"])
-        high = pixels.get("max_pixels", size["longest_edge"])
+        low = pixels.get("min_pixels", size.get("shortest_edge") if hasattr(size, "get") else None)
+        high = pixels.get("max_pixels", size.get("longest_edge") if hasattr(size, "get") else None)
+        if low is None or high is None:
+            raise ConfigError("mm_processor_kwargs: the image processor has no pixel bounds of its own; give both "
+                              "min_pixels and max_pixels")
         if low > high:
             raise ConfigError(f"mm_processor_kwargs: min_pixels {low} is more than max_pixels {high}")
         processor.size = SizeDict(shortest_edge=low, longest_edge=high)
+
+
+def max_patches(mm_config: Any, path: str | None, settings: dict[str, Any] | None) -> int | None:
+    """Qwen2-VL: the most patches the checkpoint's processor makes of one image (its ``max_pixels``, with
+    ``mm_processor_kwargs``), else ``None``."""
+    from plinth.multimodal.qwen_vision import is_qwen_vl
+
+    if not is_qwen_vl(mm_config):
+        return None
+    processor = _image_processor(mm_config, path)
+    if settings:
+        _apply_settings(processor, settings, True)
+    try:
+        return int(processor.size["longest_edge"]) // int(processor.patch_size) ** 2
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None

@@ -103,14 +103,17 @@ class ImageFeatures:
         return rows, values, positions.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def profile(self, max_model_len: int) -> None:
+    def profile(self, max_model_len: int, image_patches: int | None = None) -> None:
         """Run the encoder's largest pass on random pixels, so that start-up's peak memory (what the KV cache leaves
         free) counts its activations: :data:`MAX_TILES` tiles (LLaVA), or for Qwen2-VL one image of as many patches
-        as a pass may take, :data:`MAX_PATCHES` or the most a prompt of ``max_model_len`` positions holds."""
+        as a pass may take: :data:`MAX_PATCHES`, or the largest image, of at most ``image_patches`` patches (the
+        processor's ``max_pixels``) and as many as a prompt of ``max_model_len`` positions holds."""
         enc = self.encoder
         if isinstance(enc, QwenVisionEncoder):
             merge = enc.merge
-            side = max(1, int((max(MAX_PATCHES, max_model_len * merge * merge)) ** 0.5) // merge)   # merged units
+            largest = max_model_len * merge * merge if image_patches is None else min(image_patches,
+                                                                                      max_model_len * merge * merge)
+            side = max(1, int(max(MAX_PATCHES, largest) ** 0.5) // merge)   # merged units a side
             grid = torch.tensor([[1, side * merge, side * merge]], dtype=torch.int64)
             pixels = torch.randn(int(grid.prod()), enc.patch_embed.proj.weight[0].numel(), device=self.device)
             enc(pixels, grid)

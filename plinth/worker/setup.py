@@ -335,7 +335,9 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         weights = torch.cuda.memory_allocated(device)
         _profile_peak(model, device, config, backend, spec.cache_dtype)
         if images is not None:   # the image encoder's largest pass
-            images.profile(max_model_len)
+            from plinth.multimodal.images import max_patches
+
+            images.profile(max_model_len, max_patches(source.mm_config, source.path, config.model.mm_processor_kwargs))
         if draft is not None:
             _profile_peak(draft[0], device, config, draft[1], draft[2])
         # Graph pools hold at most one decode batch's activations (below the profiled prefill peak);
