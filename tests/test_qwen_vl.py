@@ -421,3 +421,38 @@ def test_encoder_profile_pass(fixture, request):
 
     assert max_patches(llm.llm_engine.images.mm_config, str(path), None) == 8 * 8 * 80 // 16
     assert max_patches(llm.llm_engine.images.mm_config, str(path), {"max_pixels": 1024}) == 1024 // 16
+
+
+def test_server_chat_and_tokenize(qwen2):
+    """POST /v1/chat/completions with an image_url part on a Qwen2-VL model: the reply equals transformers' on the
+    rendered prompt, usage counts the image's positions, and /tokenize counts the same."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    path, model, processor, _ = qwen2
+    img = _picture(34, (60, 44))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu", served_model_name="qwen"))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Paris is"}]}]
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                    "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        ids = engine.tokenize(f"<|im_start|>user\n{IMAGE}Paris is<|im_end|>\n<|im_start|>assistant\n",
+                              add_special_tokens=False)
+        expanded, _ = engine.images.expand(ids, [engine.images.length_of(img)])
+        want = _reference(model, processor, expanded, [img])[0]
+        assert r.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(want, skip_special_tokens=True)
+        assert r.json()["usage"]["prompt_tokens"] == len(expanded)
+        r = http.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == expanded
