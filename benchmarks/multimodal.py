@@ -57,6 +57,14 @@ SHAPES = {
                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                     fullatt_block_indexes=[7, 15, 23, 31]),
         image_token=151655, vision_start=151652, vision_end=151653),
+    "qwen2-vl-2b": dict(   # Qwen2-VL-2B: Qwen2-1.5B (tied head), the 7B's vision transformer
+        kind="qwen2_vl",
+        text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2),
+        image_token=151655, vision_start=151652, vision_end=151653, tie=True),
     "tiny-qwen2-vl": dict(
         kind="qwen2_vl",
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -99,7 +107,8 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
                else transformers.Qwen2_5_VLForConditionalGeneration)
         config = cls.config_class(text_config=shape["text"], vision_config=shape["vision"],
                                   image_token_id=shape["image_token"], vision_start_token_id=shape["vision_start"],
-                                  vision_end_token_id=shape["vision_end"], tie_word_embeddings=False,
+                                  vision_end_token_id=shape["vision_end"],
+                                  tie_word_embeddings=shape.get("tie", False),
                                   dtype=str(dtype).removeprefix("torch."))
         v = shape["vision"]
         processor = Qwen2VLImageProcessorPil(patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"],
@@ -306,7 +315,7 @@ def main() -> None:
     path = Path(args.model_dir)
     model, processor = write_checkpoint(shape, path, dtype, args.device)
     images = pictures(max(args.requests, max(args.encoder_batches)))
-    lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+    lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)
                    if "vision_tower" not in n and "multi_modal_projector" not in n and "embed_tokens" not in n
                    and "visual" not in n)
     vision = shape["vision"]
