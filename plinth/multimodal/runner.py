@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,7 +114,7 @@ class ImageFeatures:
             merge = enc.merge
             largest = max_model_len * merge * merge if image_patches is None else min(image_patches,
                                                                                       max_model_len * merge * merge)
-            side = max(1, int(max(MAX_PATCHES, largest) ** 0.5) // merge)   # merged units a side
+            side = max(1, math.ceil(max(MAX_PATCHES, largest) ** 0.5 / merge))   # merged units a side (rounded up)
             grid = torch.tensor([[1, side * merge, side * merge]], dtype=torch.int64)
             pixels = torch.randn(int(grid.prod()), enc.patch_embed.proj.weight[0].numel(), device=self.device)
             enc(pixels, grid)
@@ -128,8 +129,8 @@ class ImageFeatures:
 
 
 def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ImageFeatures | None:
-    """The image encoder of ``source`` (a LLaVA checkpoint; ``None`` for any other), its weights read from the
-    checkpoint's vision tower and projector tensors (random for dummy weights)."""
+    """The image encoder of ``source`` (a LLaVA or Qwen2-VL checkpoint; ``None`` for any other), its weights read from
+    the checkpoint's vision tower and projector tensors (random for dummy weights)."""
     mm_config = getattr(source, "mm_config", None)
     if mm_config is None:
         return None

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.multimodal.qwen_vision import QWEN_ENCODER_PREFIXES
 
 #: vision towers this module runs (``vision_config.model_type``)
 VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
@@ -274,9 +275,8 @@ _NEWLINE_NAMES = ("model.image_newline", "image_newline")
 _SKIPPED = "(skipped)"
 #: the tower's tensors LLaVA never reads (after the prefix is mapped)
 _UNUSED_PARTS = ("tower.post_layernorm.", "tower.head.", "tower.position_ids")
-#: the checkpoint prefixes of an image encoder's tensors (both layouts transformers writes; LLaVA's, then Qwen2-VL's:
-#: :data:`~plinth.multimodal.qwen_vision.QWEN_ENCODER_PREFIXES`)
-ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES + ("model.visual.", "visual.")
+#: the checkpoint prefixes of an image encoder's tensors (both layouts transformers writes; LLaVA's, then Qwen2-VL's)
+ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES + QWEN_ENCODER_PREFIXES
 
 
 def _parameter_name(name: str, num_layers: int) -> str | None:

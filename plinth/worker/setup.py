@@ -338,11 +338,13 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
             from plinth.multimodal.images import max_patches
 
             images.profile(max_model_len, max_patches(source.mm_config, source.path, config.model.mm_processor_kwargs))
-        if draft is not None:
+        peak = torch.cuda.max_memory_allocated(device)
+        if draft is not None:   # (its profile resets the peak: the larger of the two counts)
             _profile_peak(draft[0], device, config, draft[1], draft[2])
+            peak = max(peak, torch.cuda.max_memory_allocated(device))
         # Graph pools hold at most one decode batch's activations (below the profiled prefill peak);
         # sampling needs a few [max_num_seqs, vocab] float32 temporaries.
-        reserve = (torch.cuda.max_memory_allocated(device) - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
+        reserve = (peak - weights) + 4 * config.scheduler.max_num_seqs * hf.vocab_size * 4
     if draft is not None:   # the draft's scratch blocks (past the target's) come out of the same budget
         from plinth.core.draft_model import scratch_blocks
 
