@@ -671,3 +671,27 @@ def test_image_urls_where_the_server_allows_them(llava, image_site, tmp_path):
              {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]
     with pytest.raises(RequestRejectedError, match="more than 1 images"):
         llm.chat([{"role": "user", "content": parts}])
+
+
+def test_images_given_as_embeddings(llava, llm):
+    """A LLaVA image given as its embeddings (``[1, 16, hidden]`` from transformers' ``get_image_features``) runs as
+    the image does; embeddings of the wrong count of positions or width are refused."""
+    _, model, processor, _ = llava
+    img = _picture(23)
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=processor(images=[img], return_tensors="pt")["pixel_values"])
+    embeds = features.pooler_output if hasattr(features, "pooler_output") else features
+    embeds = torch.cat(list(embeds)) if isinstance(embeds, list | tuple) else embeds
+    by_pixels = llm.generate({"prompt": "The <image> fox", "multi_modal_data": {"image": img}}, _greedy())[0]
+    by_embeds = llm.generate({"prompt": "The <image> fox", "multi_modal_data": {"image": embeds.reshape(1, 16, -1)}},
+                             _greedy())[0]
+    assert by_embeds.outputs[0].token_ids == by_pixels.outputs[0].token_ids
+    for x, y in zip(by_embeds.outputs[0].logprobs, by_pixels.outputs[0].logprobs, strict=True):
+        for tid, lp in x.items():
+            assert abs(lp.logprob - y[tid].logprob) < 1e-4
+    engine = llm.llm_engine
+    flat = embeds.reshape(16, -1)
+    for data, words in [(flat[:8], "this model's images fill 16"), (flat[:, :8], "takes"),
+                        ({"image_embeds": flat, "image_grid_thw": [1, 4, 4]}, "for Qwen2-VL models")]:
+        with pytest.raises(RequestRejectedError, match=words):
+            engine.add_request("bad", "The <image> fox", SamplingParams(max_tokens=2), multi_modal_data={"image": data})

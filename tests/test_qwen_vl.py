@@ -456,3 +456,36 @@ def test_server_chat_and_tokenize(qwen2):
         r = http.post("/tokenize", json={"messages": messages})
         assert r.status_code == 200, r.text
         assert r.json()["tokens"] == expanded
+
+
+def test_images_given_as_embeddings(qwen2):
+    """An image given as its embeddings (``{"image_embeds", "image_grid_thw"}``, as transformers' vision tower makes
+    them) runs as the image itself does, alone and beside a picture; bad embeddings are refused clearly."""
+    path, model, processor, _ = qwen2
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    a, b = _picture(40), _picture(41, (30, 64))
+    px = processor(images=[a], return_tensors="pt")
+    with torch.no_grad():
+        embeds = model.model.visual(px["pixel_values"], grid_thw=px["image_grid_thw"]).pooler_output
+    given = {"image_embeds": embeds, "image_grid_thw": px["image_grid_thw"]}
+    prompt = f"x {IMAGE} y {IMAGE}"
+    by_pixels = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [a, b]}}, _greedy())[0]
+    by_embeds = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [given, b]}}, _greedy())[0]
+    assert by_embeds.prompt_token_ids == by_pixels.prompt_token_ids
+    assert by_embeds.outputs[0].token_ids == by_pixels.outputs[0].token_ids
+    for x, y in zip(by_embeds.outputs[0].logprobs, by_pixels.outputs[0].logprobs, strict=True):
+        for tid, lp in x.items():
+            assert abs(lp.logprob - y[tid].logprob) < 1e-4
+    _check(by_embeds, model, processor, [a, b])
+    engine = llm.llm_engine
+    grid = px["image_grid_thw"]
+    cases = [({"image_embeds": embeds[:, :32], "image_grid_thw": grid}, r"\[positions, 64\]"),
+             ({"image_embeds": embeds[:-1], "image_grid_thw": grid}, "the embeddings have"),
+             ({"image_embeds": embeds}, "need 'image_grid_thw'"),
+             ({"image_embeds": embeds, "image_grid_thw": grid, "extra": 1}, "got keys"),
+             ({"image_embeds": embeds.long(), "image_grid_thw": grid}, "floating-point"),
+             ({"image_embeds": embeds * float("nan"), "image_grid_thw": grid}, "non-finite")]
+    for data, words in cases:
+        with pytest.raises(RequestRejectedError, match=words):
+            engine.add_request("bad", f"x {IMAGE}", _greedy(), multi_modal_data={"image": data})
+    assert not engine.has_unfinished_requests()

@@ -86,6 +86,8 @@ class ImageItem:
         grid: Qwen2-VL: the image's (time, height, width) in patches (its ``pixel_values`` are ``[t * h * w,
             C * T * P * P]`` patches); else ``None``.
         rope: Qwen2-VL: its positions' ``[length, 3]`` multimodal RoPE positions (:mod:`plinth.multimodal.mrope`).
+        embeds: an image given as its embeddings (``[length, hidden]``, :class:`EmbeddedImage`): not encoded, and
+            ``pixel_values`` is empty; else ``None``.
     """
 
     offset: int
@@ -95,6 +97,7 @@ class ImageItem:
     image_size: tuple[int, int] | None = None
     grid: tuple[int, int, int] | None = None
     rope: Any = None
+    embeds: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -411,9 +414,11 @@ class ImageSupport:
         return [p.clone().float() for p in pixels.split(counts)], grids
 
     def length_of(self, image: Any) -> int:
-        """The positions a PIL image fills."""
+        """The positions a PIL image (or an :class:`EmbeddedImage`) fills."""
         from plinth.multimodal.vision import tokens_per_image
 
+        if isinstance(image, EmbeddedImage):
+            return len(image.embeds)
         if self.qwen:
             return self._qwen_length(image)
         return self.tokens_per_image or tokens_per_image(self.mm_config, (image.height, image.width))
@@ -462,7 +467,58 @@ class ImageSupport:
         if len(images) > self.limit:
             raise RequestRejectedError(f"multi_modal_data: {len(images)} images, at most {self.limit} a prompt "
                                        "(--limit-mm-per-prompt)", param="multi_modal_data")
-        return [_as_pil(img, f"multi_modal_data image {i}") for i, img in enumerate(images)]
+        return [self._embedded(img, f"multi_modal_data image {i}") if isinstance(img, torch.Tensor | dict)
+                else _as_pil(img, f"multi_modal_data image {i}") for i, img in enumerate(images)]
+
+    def _embedded(self, value: Any, where: str) -> EmbeddedImage:
+        """An image given as its embeddings: a ``[positions, hidden]`` tensor (LLaVA; ``[1, positions, hidden]``
+        too), or ``{"image_embeds": tensor, "image_grid_thw": (t, h, w)}`` (Qwen2-VL: the grid its positions come
+        from), as the vision encoder and projector would make them.
+
+        Raises:
+            RequestRejectedError: another shape, a hidden size not the language model's, a count of positions the
+                model's images do not have, or values that are not finite.
+        """
+        grid = None
+        if isinstance(value, dict):
+            unknown = sorted(str(k) for k in value if k not in ("image_embeds", "image_grid_thw"))
+            if unknown or "image_embeds" not in value:
+                raise RequestRejectedError(f"{where}: an image given as embeddings is a tensor or a dict with "
+                                           f"'image_embeds' (and, for Qwen2-VL, 'image_grid_thw'); got keys "
+                                           f"{sorted(map(str, value))}", param="multi_modal_data")
+            grid, value = value.get("image_grid_thw"), value["image_embeds"]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise RequestRejectedError(f"{where}: image embeddings must be a floating-point tensor",
+                                       param="multi_modal_data")
+        embeds = value.detach()
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        hidden = int(self.mm_config.text_config.hidden_size)
+        if embeds.dim() != 2 or embeds.shape[1] != hidden or embeds.shape[0] < 1:
+            raise RequestRejectedError(f"{where}: image embeddings of shape {tuple(value.shape)}; this model takes "
+                                       f"[positions, {hidden}]", param="multi_modal_data")
+        rows = int(embeds.shape[0])
+        if self.qwen:
+            try:
+                grid = tuple(int(v) for v in torch.as_tensor(grid).reshape(-1).tolist()) if grid is not None else None
+            except (TypeError, ValueError, RuntimeError):
+                grid = None
+            m = self.merge
+            if grid is None or len(grid) != 3 or min(grid) < 1 or grid[1] % m or grid[2] % m:
+                raise RequestRejectedError(f"{where}: Qwen2-VL image embeddings need 'image_grid_thw', the image's "
+                                           f"(t, h, w) in patches (h and w multiples of {m})", param="multi_modal_data")
+            if grid[0] * grid[1] * grid[2] // (m * m) != rows:
+                raise RequestRejectedError(f"{where}: a grid of {grid} patches is {grid[0] * grid[1] * grid[2] // (m * m)}"
+                                           f" positions, the embeddings have {rows}", param="multi_modal_data")
+        elif grid is not None:
+            raise RequestRejectedError(f"{where}: 'image_grid_thw' is for Qwen2-VL models", param="multi_modal_data")
+        elif self.tokens_per_image is not None and rows != self.tokens_per_image:
+            raise RequestRejectedError(f"{where}: {rows} positions of image embeddings; this model's images fill "
+                                       f"{self.tokens_per_image}", param="multi_modal_data")
+        if not bool(torch.isfinite(embeds).all()):
+            raise RequestRejectedError(f"{where}: image embeddings with non-finite values", param="multi_modal_data")
+        # (a copy on the CPU: the caller's tensor may change or live on a device)
+        return EmbeddedImage(embeds.to("cpu", copy=True).contiguous(), grid)
 
     def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """The prompt with each image's placeholder widened to the positions the image fills (``lengths``, one per
@@ -516,11 +572,31 @@ class ImageSupport:
         Raises:
             RequestRejectedError: see :meth:`images_of` and :meth:`pixel_values`.
         """
-        from plinth.multimodal.vision import tokens_per_image
-
         images = self.images_of(data)
         if not images:
             return PreparedImages((), (), (), ())
+        embedded = [img for img in images if isinstance(img, EmbeddedImage)]
+        prepared = self._prepare_pictures([img for img in images if not isinstance(img, EmbeddedImage)])
+        if not embedded:
+            return prepared
+        # images given as embeddings keep their place among the pictures
+        out: list[tuple[Any, ...]] = []
+        pictures = iter(zip(prepared.pixels, prepared.keys, prepared.sizes, prepared.lengths,
+                            prepared.grids or (None,) * len(prepared.pixels), strict=True))
+        for img in images:
+            if isinstance(img, EmbeddedImage):
+                out.append((torch.empty(0), "e" + _digest(img.embeds.float(), img.grid), None, len(img.embeds),
+                            img.grid, img.embeds))
+            else:
+                out.append((*next(pictures), None))
+        pixels, keys, sizes, lengths, grids, embeds = zip(*out, strict=True)
+        return PreparedImages(pixels, keys, sizes, lengths, grids if self.qwen else (), embeds)
+
+    def _prepare_pictures(self, images: list[Any]) -> PreparedImages:
+        from plinth.multimodal.vision import tokens_per_image
+
+        if not images:
+            return PreparedImages((), (), (), (), ())
         if self.qwen:
             pixels, grids = self.patches(images)
             return PreparedImages(tuple(pixels), tuple(_digest(p, g) for p, g in zip(pixels, grids, strict=True)),
@@ -538,8 +614,9 @@ class ImageSupport:
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
         expanded, spans = self.expand(ids, prepared.lengths)
         grids = prepared.grids or (None,) * len(spans)
-        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i])
-                 for i, (offset, length) in enumerate(spans)]
+        embeds = prepared.embeds or (None,) * len(spans)
+        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i],
+                           embeds=embeds[i]) for i, (offset, length) in enumerate(spans)]
         if self.qwen:
             _, positions = self._layout(items)
             items = [dataclasses.replace(item, rope=rows) for item, rows in zip(items, positions, strict=True)]
@@ -566,6 +643,15 @@ class PreparedImages:
     sizes: tuple[tuple[int, int] | None, ...]
     lengths: tuple[int, ...]
     grids: tuple[tuple[int, int, int], ...] = ()
+    embeds: tuple[torch.Tensor | None, ...] = ()   # images given as embeddings (their pixels empty), else ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EmbeddedImage:
+    """An image given as its embeddings: ``[positions, hidden]`` on the CPU, and (Qwen2-VL) its patch grid."""
+
+    embeds: torch.Tensor
+    grid: tuple[int, int, int] | None = None
 
 
 class ImageParts:

@@ -51,10 +51,17 @@ class ImageFeatures:
     def device(self) -> torch.device:
         return next(self.encoder.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.encoder.parameters()).dtype
+
     @torch.inference_mode()
     def embeddings(self, items: Sequence[ImageItem]) -> list[torch.Tensor]:
         """Each item's ``[length, hidden]`` embeddings (encoded now where not kept from an earlier step)."""
         todo = {item.key: item for item in items if item.key not in self._cache}
+        for key in [key for key, item in todo.items() if item.embeds is not None]:   # given as embeddings
+            item = todo.pop(key)
+            self._keep(key, item, item.embeds.to(self.device, self.dtype))
         if todo and todo[next(iter(todo))].grid is not None:   # Qwen2-VL: images of any patch count
             for group in _patch_groups(list(todo.values())):
                 pixels = torch.cat([item.pixel_values for item in group]).to(self.device)
