@@ -483,8 +483,10 @@ def test_images_given_as_embeddings(qwen2):
              ({"image_embeds": embeds[:-1], "image_grid_thw": grid}, "the embeddings have"),
              ({"image_embeds": embeds}, "need 'image_grid_thw'"),
              ({"image_embeds": embeds, "image_grid_thw": grid, "extra": 1}, "got keys"),
-             ({"image_embeds": embeds.long(), "image_grid_thw": grid}, "floating-point"),
-             ({"image_embeds": embeds * float("nan"), "image_grid_thw": grid}, "non-finite")]
+             ({"image_embeds": embeds.long(), "image_grid_thw": grid}, "dense float32"),
+             ({"image_embeds": embeds.to_sparse(), "image_grid_thw": grid}, "dense float32"),
+             ({"image_embeds": embeds * float("nan"), "image_grid_thw": grid}, "not finite"),
+             ({"image_embeds": embeds.double() * 1e300, "image_grid_thw": grid}, "not finite in the model's float32")]
     for data, words in cases:
         with pytest.raises(RequestRejectedError, match=words):
             engine.add_request("bad", f"x {IMAGE}", _greedy(), multi_modal_data={"image": data})

@@ -285,7 +285,7 @@ class LLMEngine:
                                        MAX_IMAGES_PER_PROMPT if limit is None else limit,
                                        MediaPolicy(model_cfg.allowed_local_media_path,
                                                    model_cfg.allowed_media_domains or ()),
-                                       processor_kwargs=model_cfg.mm_processor_kwargs)
+                                       processor_kwargs=model_cfg.mm_processor_kwargs, dtype=parts.dtype)
         prefix_caching = config.cache.enable_prefix_caching
         if self.pooling is not None and self.classifier is None:
             logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,

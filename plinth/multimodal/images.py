@@ -333,11 +333,12 @@ class ImageSupport:
         limit: the most images a prompt may carry (``--limit-mm-per-prompt``).
         policy: where images named by URL may come from (:class:`MediaPolicy`).
         processor_kwargs: settings of the image processor (``mm_processor_kwargs``; see :func:`_apply_settings`).
+        dtype: the model's (images given as embeddings are kept in it, and must be finite in it).
     """
 
     def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None,
                  limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None,
-                 processor_kwargs: dict[str, Any] | None = None):
+                 processor_kwargs: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
 
@@ -357,6 +358,7 @@ class ImageSupport:
         if processor_kwargs:
             _apply_settings(self.processor, processor_kwargs, self.qwen)
         self.limit = limit
+        self.dtype = dtype
         self.policy = policy or MediaPolicy()
         token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None else None
         #: the image token as text (a chat message's image part, as a template that reads strings sees it; Qwen2-VL's
@@ -487,9 +489,11 @@ class ImageSupport:
                                            f"'image_embeds' (and, for Qwen2-VL, 'image_grid_thw'); got keys "
                                            f"{sorted(map(str, value))}", param="multi_modal_data")
             grid, value = value.get("image_grid_thw"), value["image_embeds"]
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            raise RequestRejectedError(f"{where}: image embeddings must be a floating-point tensor",
-                                       param="multi_modal_data")
+        if not isinstance(value, torch.Tensor) or value.dtype not in (torch.float32, torch.float16, torch.bfloat16,
+                                                                       torch.float64) \
+                or value.layout != torch.strided or value.is_meta:
+            raise RequestRejectedError(f"{where}: image embeddings must be a dense float32, float16, bfloat16 or "
+                                       "float64 tensor", param="multi_modal_data")
         embeds = value.detach()
         if embeds.dim() == 3 and embeds.shape[0] == 1:
             embeds = embeds[0]
@@ -515,10 +519,12 @@ class ImageSupport:
         elif self.tokens_per_image is not None and rows != self.tokens_per_image:
             raise RequestRejectedError(f"{where}: {rows} positions of image embeddings; this model's images fill "
                                        f"{self.tokens_per_image}", param="multi_modal_data")
+        # (a copy on the CPU in the model's dtype: the caller's tensor may change or live on a device)
+        embeds = embeds.to("cpu", self.dtype, copy=True).contiguous()
         if not bool(torch.isfinite(embeds).all()):
-            raise RequestRejectedError(f"{where}: image embeddings with non-finite values", param="multi_modal_data")
-        # (a copy on the CPU: the caller's tensor may change or live on a device)
-        return EmbeddedImage(embeds.to("cpu", copy=True).contiguous(), grid)
+            raise RequestRejectedError(f"{where}: image embeddings with values that are not finite in the model's "
+                                       f"{str(self.dtype).removeprefix('torch.')}", param="multi_modal_data")
+        return EmbeddedImage(embeds, grid)
 
     def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """The prompt with each image's placeholder widened to the positions the image fills (``lengths``, one per
