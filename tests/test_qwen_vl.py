@@ -491,3 +491,28 @@ def test_images_given_as_embeddings(qwen2):
         with pytest.raises(RequestRejectedError, match=words):
             engine.add_request("bad", f"x {IMAGE}", _greedy(), multi_modal_data={"image": data})
     assert not engine.has_unfinished_requests()
+
+
+def test_mm_processor_kwargs_per_prompt(qwen2):
+    """A prompt's own ``mm_processor_kwargs`` (vLLM's per-prompt key) process its images alone: the same image is
+    fewer positions in that prompt than in another of the same batch, and both equal transformers' with the matching
+    processor; bad settings refuse the prompt clearly."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path, model, processor, _ = qwen2
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(35, (80, 120))
+    small, default = llm.generate([
+        {"prompt": f"a {IMAGE} b", "multi_modal_data": {"image": img}, "mm_processor_kwargs": {"max_pixels": 1024}},
+        {"prompt": f"a {IMAGE} b", "multi_modal_data": {"image": img}}], _greedy())
+    pad = model.config.image_token_id
+    assert small.prompt_token_ids.count(pad) < default.prompt_token_ids.count(pad)
+    smaller = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                       size={"shortest_edge": 256, "longest_edge": 1024})
+    _check(small, model, smaller, [img])
+    _check(default, model, processor, [img])
+    with pytest.raises(RequestRejectedError, match="'merge_size' cannot be set"):
+        llm.generate({"prompt": f"a {IMAGE}", "multi_modal_data": {"image": img}, "mm_processor_kwargs":
+                      {"merge_size": 1}})
+    with pytest.raises(ValueError, match="give them in 'multi_modal_data'"):
+        llm.generate({"prompt": "a", "mm_processor_kwargs": {"max_pixels": 1024}})

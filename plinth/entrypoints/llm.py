@@ -58,12 +58,13 @@ def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list
 
 
 class _Salted(NamedTuple):
-    """A dict prompt's text or token ids with its ``cache_salt`` and its ``multi_modal_data`` (either may be
-    ``None``)."""
+    """A dict prompt's text or token ids with its ``cache_salt``, its ``multi_modal_data`` and the settings of the
+    image processor for its images, ``mm_processor_kwargs`` (each may be ``None``)."""
 
     prompt: Any
     salt: str | None
     multi_modal_data: Any = None
+    processor_kwargs: Any = None
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -75,10 +76,11 @@ def _one_prompt(prompt: Any) -> Any:
     if not isinstance(prompt, dict):
         return prompt
     keys = set(prompt) & set(_PROMPT_KEYS)
-    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt", "multi_modal_data"}, key=repr)
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt", "multi_modal_data", "mm_processor_kwargs"},
+                     key=repr)
     if len(keys) != 1 or unknown:
         raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids), "
-                         f"and optionally 'cache_salt' and 'multi_modal_data'"
+                         f"and optionally 'cache_salt', 'multi_modal_data' and 'mm_processor_kwargs'"
                          f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
     value = prompt[keys.pop()]
     if "prompt" in prompt and not isinstance(value, str):
@@ -87,13 +89,16 @@ def _one_prompt(prompt: Any) -> Any:
                                           and getattr(value, "ndim", None) != 1):
         raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
     value = value.tolist() if getattr(value, "ndim", None) == 1 else value
-    salt, mm = prompt.get("cache_salt"), prompt.get("multi_modal_data")
+    salt, mm, settings = prompt.get("cache_salt"), prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs")
+    if settings is not None and mm is None:
+        raise ValueError("'mm_processor_kwargs' sets how the prompt's images are processed: give them in "
+                         "'multi_modal_data'")
     if salt is None and mm is None:   # absent or null: no salt, no images
         return value
     problem = cache_salt_problem(salt)
     if problem is not None:
         raise ValueError(f"'cache_salt' {problem}")
-    return _Salted(value, salt, mm)
+    return _Salted(value, salt, mm, settings)
 
 
 def _unsalted(prompts: list[Any], what: str) -> list[Any]:
@@ -305,7 +310,9 @@ class LLM:
         try:
             for prompt, params, rank, lora in requests:
                 rid = f"llm-{next(self._ids)}"
-                prompt, salt, mm = prompt if isinstance(prompt, _Salted) else (prompt, None, None)
+                prompt, salt, mm, settings = prompt if isinstance(prompt, _Salted) else (prompt, None, None, None)
+                if settings and mm is not None and self.engine.images is not None:   # this prompt's own processing
+                    mm = self.engine.images.prepare(mm, settings)
                 self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt,
                                         multi_modal_data=mm)
                 ids.append(rid)

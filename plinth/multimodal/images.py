@@ -371,7 +371,7 @@ class ImageSupport:
             if all(isinstance(t, str) for t in ends):
                 self.placeholder = f"{ends[0]}{self.placeholder}{ends[1]}"
 
-    def pixel_values(self, images: Sequence[Any]) -> list[torch.Tensor]:
+    def pixel_values(self, images: Sequence[Any], processor: Any = None) -> list[torch.Tensor]:
         """Each PIL image's ``[tiles, C, S, S]`` float32 pixels, as the checkpoint's processor makes them (one tile
         for LLaVA; LLaVA-NeXT's processor pads every image to the most tiles, cut back to the image's own here).
 
@@ -381,7 +381,7 @@ class ImageSupport:
         from plinth.multimodal.vision import num_tiles
 
         try:
-            out = self.processor(images=list(images), return_tensors="pt")["pixel_values"]
+            out = (processor or self.processor)(images=list(images), return_tensors="pt")["pixel_values"]
         except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
             raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
                                        f"{exc}", param="multi_modal_data") from None
@@ -394,7 +394,8 @@ class ImageSupport:
         return [out[i, :num_tiles(self.mm_config, (img.height, img.width))].clone().float()
                 for i, img in enumerate(images)]
 
-    def patches(self, images: Sequence[Any]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+    def patches(self, images: Sequence[Any], processor: Any = None,
+                ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
         """Qwen2-VL: each PIL image's ``[t * h * w, C * T * P * P]`` float32 patches and its (t, h, w) grid, as the
         checkpoint's processor makes them (resized to a multiple of the merged patch, within its pixel limits).
 
@@ -402,7 +403,7 @@ class ImageSupport:
             RequestRejectedError: the processor cannot take an image.
         """
         try:
-            out = self.processor(images=list(images), return_tensors="pt")
+            out = (processor or self.processor)(images=list(images), return_tensors="pt")
             pixels, grids = out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
         except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
             raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
@@ -571,18 +572,34 @@ class ImageSupport:
                 f"{len(lengths)}: put one image token where each image goes", param="multi_modal_data")
         return out, spans
 
-    def prepare(self, data: Any) -> PreparedImages:
+    def prepare(self, data: Any, settings: dict[str, Any] | None = None) -> PreparedImages:
         """A request's ``multi_modal_data`` decoded, through the image processor and digested (what the async front
-        does in a worker thread, so that the engine's loop never runs the processor).
+        does in a worker thread, so that the engine's loop never runs the processor). ``settings``: the request's
+        own ``mm_processor_kwargs`` (as the engine's option takes them), for its images alone.
 
         Raises:
-            RequestRejectedError: see :meth:`images_of` and :meth:`pixel_values`.
+            RequestRejectedError: see :meth:`images_of` and :meth:`pixel_values`; settings the processor cannot
+                take.
         """
+        processor = None
+        if settings:
+            import copy
+
+            from plinth.config import ConfigError
+
+            if not isinstance(settings, dict):
+                raise RequestRejectedError("mm_processor_kwargs must be a dict of the image processor's settings",
+                                           param="mm_processor_kwargs")
+            processor = copy.deepcopy(self.processor)
+            try:
+                _apply_settings(processor, settings, self.qwen)
+            except ConfigError as exc:
+                raise RequestRejectedError(str(exc), param="mm_processor_kwargs") from None
         images = self.images_of(data)
         if not images:
             return PreparedImages((), (), (), ())
         embedded = [img for img in images if isinstance(img, EmbeddedImage)]
-        prepared = self._prepare_pictures([img for img in images if not isinstance(img, EmbeddedImage)])
+        prepared = self._prepare_pictures([img for img in images if not isinstance(img, EmbeddedImage)], processor)
         if not embedded:
             return prepared
         # images given as embeddings keep their place among the pictures
@@ -598,17 +615,17 @@ class ImageSupport:
         pixels, keys, sizes, lengths, grids, embeds = zip(*out, strict=True)
         return PreparedImages(pixels, keys, sizes, lengths, grids if self.qwen else (), embeds)
 
-    def _prepare_pictures(self, images: list[Any]) -> PreparedImages:
+    def _prepare_pictures(self, images: list[Any], processor: Any = None) -> PreparedImages:
         from plinth.multimodal.vision import tokens_per_image
 
         if not images:
             return PreparedImages((), (), (), (), ())
         if self.qwen:
-            pixels, grids = self.patches(images)
+            pixels, grids = self.patches(images, processor)
             return PreparedImages(tuple(pixels), tuple(_digest(p, g) for p, g in zip(pixels, grids, strict=True)),
                                   (None,) * len(images),
                                   tuple(t * h * w // (self.merge * self.merge) for t, h, w in grids), tuple(grids))
-        pixels = self.pixel_values(images)
+        pixels = self.pixel_values(images, processor)
         sizes = tuple((img.height, img.width) if self.tiled else None for img in images)
         lengths = tuple(tokens_per_image(self.mm_config, size) for size in sizes)
         return PreparedImages(tuple(pixels), tuple(_digest(p, s) for p, s in zip(pixels, sizes, strict=True)),
