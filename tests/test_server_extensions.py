@@ -410,7 +410,8 @@ def test_llm_dict_prompts(model_dir):
     for bad, message in (({"text": "x"}, "exactly one"), ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
                          ({"prompt": [1, 2]}, "must be text"), ({"prompt_token_ids": "abc"}, "list of token ids"),
                          ({"prompt": "x", "multi_modal_data": {}}, "takes no image inputs"),
-                         ({"prompt": "x", "mm_processor_kwargs": {}}, "unknown keys: 'mm_processor_kwargs'")):
+                         ({"prompt": "x", "mm_processor_kwargs": {}}, "give them in 'multi_modal_data'"),
+                         ({"prompt": "x", "image": 1}, "unknown keys: 'image'")):
         with pytest.raises(ValueError, match=message):
             llm.generate(bad, params)
 
