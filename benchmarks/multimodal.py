@@ -27,6 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+#: Qwen2-VL-7B's and Qwen2.5-VL-7B's language model (Qwen2-7B with the multimodal RoPE)
+QWEN2_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+
 SHAPES = {
     "llava-1.5-7b": dict(
         text=dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -42,17 +47,13 @@ SHAPES = {
         image_token=32000, grid=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]),
     "qwen2-vl-7b": dict(   # Qwen2-VL-7B: Qwen2-7B, a 32-layer ViT over 14-pixel patches, 2x2 merged
         kind="qwen2_vl",
-        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        text=QWEN2_7B_TEXT,
         vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2),
         image_token=151655, vision_start=151652, vision_end=151653),
     "qwen2.5-vl-7b": dict(   # Qwen2.5-VL-7B: windowed attention in 28 of the ViT's 32 blocks
         kind="qwen2_5_vl",
-        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        text=QWEN2_7B_TEXT,
         vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                     fullatt_block_indexes=[7, 15, 23, 31]),

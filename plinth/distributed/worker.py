@@ -166,11 +166,10 @@ class Worker:
         if self.device.type == "cuda":
             weights = torch.cuda.memory_allocated(self.device)
             self._profile_peak()
-            if self._images is not None:   # the image encoder's largest pass
-                from plinth.multimodal.images import max_patches
+            if self._images is not None:
+                from plinth.worker.setup import profile_image_encoder
 
-                self._images.profile(self.max_model_len, max_patches(self.source.mm_config, self.source.path,
-                                                                     self.config.model.mm_processor_kwargs))
+                profile_image_encoder(self._images, self.source, self.config, self.max_model_len)
             reserve = (torch.cuda.max_memory_allocated(self.device) - weights
                        + 4 * self.config.scheduler.max_num_seqs * self.hf.vocab_size * 4)
         config = self.config

@@ -26,6 +26,8 @@ class RopeLayout:
 
     def shifts(self, start: int, count: int) -> np.ndarray:
         """``[count]`` int64: the shifts of indices ``[start, start + count)``."""
+        if start >= self.starts[-1]:   # past the last image (decode steps): its shift throughout
+            return np.full(count, self.values[-1], dtype=np.int64)
         idx = np.arange(start, start + count, dtype=np.int64)
         return self.values[np.searchsorted(self.starts, idx, side="right") - 1]
 

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.errors import UnsupportedModelError
+from plinth.model_registry.layers.rotary import apply_rotary
+from plinth.multimodal.vision import QWEN_ENCODER_PREFIXES, activation, load_encoder_weights
 
 #: ``mm_config.model_type`` values this module runs
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-#: the checkpoint prefixes of the encoder's tensors (transformers 5's layout, the hub's original one)
-QWEN_ENCODER_PREFIXES = ("model.visual.", "visual.")
 #: tensors some checkpoints carry that are derived, not learned (the rotary frequencies): skipped
 _DERIVED = ("rotary_pos_emb.inv_freq",)
 
@@ -45,19 +45,6 @@ _DERIVED = ("rotary_pos_emb.inv_freq",)
 def is_qwen_vl(mm_config: Any) -> bool:
     """Whether ``mm_config`` is a Qwen2-VL or Qwen2.5-VL checkpoint's."""
     return getattr(mm_config, "model_type", None) in QWEN_VL_TYPES
-
-
-def _activation(name: str) -> Any:
-    from transformers.activations import ACT2FN
-
-    if name not in ACT2FN:
-        raise UnsupportedModelError(f"vision activation {name!r} is not supported")
-    return ACT2FN[name]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
 
 
 class _RMSNorm(nn.Module):
@@ -122,7 +109,7 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: _Segments) -> torch.Tensor:
         s = x.shape[0]
         q, k, v = self.qkv(x).view(s, 3, self.heads, -1).unbind(1)            # each [S, heads, D]
-        q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))
+        q, k = (apply_rotary(t.float(), cos, sin).to(x.dtype) for t in (q, k))
         return self.proj(segments.attend(q, k, v).reshape(s, -1))
 
 
@@ -133,7 +120,7 @@ class _MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
-        self.act = _activation(act)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -147,7 +134,7 @@ class _GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
-        self.act = _activation(act)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -242,7 +229,7 @@ class QwenVisionEncoder(nn.Module):
         return self.patch_embed.proj.weight.device
 
     def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[S, 1, head]`` (float32) of the patches in the processor's order: each patch's row angles,
+        """cos and sin ``[S, head]`` (float32) of the patches in the processor's order: each patch's row angles,
         its column angles, and the two again (rotate-half layout)."""
         m = self.merge
         positions = []
@@ -253,7 +240,7 @@ class QwenVisionEncoder(nn.Module):
             positions.append(hw.repeat(t, 1))
         pos = torch.cat(positions).float()                                               # [S, 2]
         angles = (pos[:, :, None] * self.inv_freq.to(device)).flatten(1)                 # [S, head / 2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
 
     def _windows(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
@@ -315,8 +302,6 @@ class QwenVisionEncoder(nn.Module):
             ModelLoadError: a missing tensor (unless ``partial``), an unknown one under the encoder's prefix, one of
                 another shape, or a non-float one.
         """
-        from plinth.multimodal.vision import load_encoder_weights
-
         def target_of(name: str) -> str | None:
             prefix = next((p for p in QWEN_ENCODER_PREFIXES if name.startswith(p)), None)
             if prefix is None or name.endswith(_DERIVED):

@@ -22,14 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.errors import ModelLoadError, UnsupportedModelError
-from plinth.multimodal.qwen_vision import QWEN_ENCODER_PREFIXES
 
 #: vision towers this module runs (``vision_config.model_type``)
 VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
 
-def _activation(name: str) -> Any:
+def activation(name: str) -> Any:
     from transformers.activations import ACT2FN
 
     if name not in ACT2FN:
@@ -129,7 +128,7 @@ class _EncoderLayer(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(h, h) for _ in range(4))
         self.fc1 = nn.Linear(h, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, h)
-        self.act = _activation(cfg.hidden_act)
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [N, P, H]
         n, p, h = x.shape
@@ -201,7 +200,7 @@ class ImageEncoder(nn.Module):
         text_hidden = mm_config.text_config.hidden_size
         self.linear_1 = nn.Linear(vcfg.hidden_size * len(self.wanted), text_hidden, bias=bias)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
-        self.act = _activation(getattr(mm_config, "projector_hidden_act", "gelu"))
+        self.act = activation(getattr(mm_config, "projector_hidden_act", "gelu"))
         self.mm_config = mm_config
         #: LLaVA-NeXT: the learned embedding after each row of tiles' features
         self.image_newline = nn.Parameter(torch.empty(text_hidden)) if is_next(mm_config) else None
@@ -275,6 +274,8 @@ _NEWLINE_NAMES = ("model.image_newline", "image_newline")
 _SKIPPED = "(skipped)"
 #: the tower's tensors LLaVA never reads (after the prefix is mapped)
 _UNUSED_PARTS = ("tower.post_layernorm.", "tower.head.", "tower.position_ids")
+#: the checkpoint prefixes of Qwen2-VL's encoder tensors (transformers 5's layout, then the original one)
+QWEN_ENCODER_PREFIXES = ("model.visual.", "visual.")
 #: the checkpoint prefixes of an image encoder's tensors (both layouts transformers writes; LLaVA's, then Qwen2-VL's)
 ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES + QWEN_ENCODER_PREFIXES
 

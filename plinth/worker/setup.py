@@ -334,10 +334,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     if device.type == "cuda":
         weights = torch.cuda.memory_allocated(device)
         _profile_peak(model, device, config, backend, spec.cache_dtype)
-        if images is not None:   # the image encoder's largest pass
-            from plinth.multimodal.images import max_patches
-
-            images.profile(max_model_len, max_patches(source.mm_config, source.path, config.model.mm_processor_kwargs))
+        if images is not None:
+            profile_image_encoder(images, source, config, max_model_len)
         peak = torch.cuda.max_memory_allocated(device)
         if draft is not None:   # (its profile resets the peak: the larger of the two counts)
             _profile_peak(draft[0], device, config, draft[1], draft[2])
@@ -385,6 +383,14 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         vocab_size=hf.vocab_size, eos_token_ids=eos, selection=selection, runner=runner,
         num_blocks=num_blocks, config=config, default_sampling=default_sampling, draft_runner=draft_runner,
     )
+
+
+def profile_image_encoder(images: Any, source: Any, config: EngineConfig, max_model_len: int) -> None:
+    """Run the image encoder's largest pass (its activations count in start-up's peak memory), bounded by the
+    processor's largest image."""
+    from plinth.multimodal.images import max_patches
+
+    images.profile(max_model_len, max_patches(source.mm_config, source.path, config.model.mm_processor_kwargs))
 
 
 def image_features(source: Any, model: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
