@@ -71,6 +71,10 @@ class AttentionMetadata:
     #: rows of a decode step may be one sequence's consecutive positions (speculative decoding's drafts): every
     #: row's keys and values must be in the cache before any row attends
     rows_share_sequences: bool = False
+    #: ``[B]`` int64: each sequence's row of the model's recurrent state (models with Mamba layers), and its host
+    #: copy; ``None``: the step keeps no state (a model without such layers, a start-up profile)
+    state_rows: torch.Tensor | None = None
+    state_rows_cpu: list[int] | None = None
 
     @property
     def is_decode_only(self) -> bool:

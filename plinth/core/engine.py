@@ -294,6 +294,18 @@ class LLMEngine:
                 logger.info("%s pooling needs every prompt position computed: the prefix cache is off",
                             self.pooling.kind)
                 prefix_caching = False
+        #: the model keeps per-sequence recurrent state (Mamba layers): no prefix cache, no speculative decoding
+        self.recurrent_state = _has_recurrent_state(parts)
+        if self.recurrent_state:
+            if config.speculative.enabled:
+                from plinth.config import ConfigError
+
+                raise ConfigError(f"speculative decoding is not supported for {parts.source.architecture}: its Mamba "
+                                  "layers' state cannot be taken back past rejected drafts")
+            if prefix_caching:
+                logger.info("%s keeps per-sequence state in its Mamba layers: the prefix cache is off",
+                            parts.source.architecture)
+                prefix_caching = False
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, prefix_caching)
         lora = config.lora
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
@@ -351,6 +363,7 @@ class LLMEngine:
             rows = getattr(graphs, "fused_max_rows", 0) or getattr(graphs, "max_size", 0)
             if rows:
                 self.scheduler.max_decode_rows = rows
+        self._batch_builder.state_rows = self.recurrent_state
         if lora.enable_lora:
             self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
             self._batch_builder.running = functools.partial(getattr, self.scheduler, "running")
@@ -1700,3 +1713,19 @@ class LLMEngine:
                                     mean_accepted_length=self.speculative.mean_accepted_length)}
                if self.speculative is not None else {}),
         }
+
+
+def _has_recurrent_state(parts: Any) -> bool:
+    """Whether the engine's model keeps per-sequence recurrent state (its class's ``has_recurrent_state``)."""
+    model = getattr(getattr(parts, "runner", None), "model", None)
+    if model is not None:
+        return bool(getattr(model, "has_recurrent_state", False))
+    source = getattr(parts, "source", None)
+    architecture = getattr(source, "architecture", None)
+    if not architecture:
+        return False
+    try:
+        cls = ModelRegistry.resolve(architecture)
+    except Exception:   # noqa: BLE001 - an architecture only worker processes know how to build
+        return False
+    return bool(getattr(cls, "has_recurrent_state", False))

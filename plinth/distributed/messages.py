@@ -34,6 +34,7 @@ class StepBatch:
         num_logits: sampled positions per sequence (speculative decoding; see the same).
         images: the rows that take image embeddings, with the images' pixels (see the same).
         rope_shift: rotary positions apart from the cache's (multimodal RoPE; see the same).
+        state_rows: each sequence's row of the model's recurrent state (Mamba layers; see the same).
     """
 
     token_ids: np.ndarray
@@ -48,6 +49,7 @@ class StepBatch:
     num_logits: np.ndarray | None = None
     images: list[Any] | None = None
     rope_shift: np.ndarray | None = None
+    state_rows: np.ndarray | None = None
 
     @classmethod
     def from_entries(cls, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepBatch:
@@ -61,7 +63,7 @@ class StepBatch:
                        block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample,
                        needs_hidden=entries.needs_hidden, lora_slots=entries.lora_slots,
                        lora_loads=entries.lora_loads, num_logits=entries.num_logits, images=entries.images,
-                       rope_shift=entries.rope_shift)
+                       rope_shift=entries.rope_shift, state_rows=entries.state_rows)
         n = len(entries)
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
         block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
@@ -84,7 +86,7 @@ class StepBatch:
         return FlatBatch(token_ids=self.token_ids, q_lens=self.q_lens, starts=self.starts, block_tables=tables,
                          block_counts=self.block_counts, sample=self.sample, needs_hidden=self.needs_hidden,
                          lora_slots=self.lora_slots, lora_loads=self.lora_loads, num_logits=self.num_logits,
-                         images=self.images, rope_shift=self.rope_shift,
+                         images=self.images, rope_shift=self.rope_shift, state_rows=self.state_rows,
                          decode_only=len(self.token_ids) == n and bool(self.sample.all()) and not self.needs_hidden
                          and not self.images)
 

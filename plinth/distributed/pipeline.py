@@ -61,7 +61,8 @@ def sub_batch(batch: FlatBatch, part: range) -> FlatBatch:
                      decode_only=t1 - t0 == b - a and bool(batch.sample[a:b].all()),
                      lora_slots=batch.lora_slots[a:b] if batch.lora_slots is not None else None,
                      num_logits=batch.num_logits[a:b] if batch.num_logits is not None else None,
-                     rope_shift=batch.rope_shift[t0:t1] if batch.rope_shift is not None else None)
+                     rope_shift=batch.rope_shift[t0:t1] if batch.rope_shift is not None else None,
+                     state_rows=batch.state_rows[a:b] if batch.state_rows is not None else None)
 
 
 class PipelineStage:

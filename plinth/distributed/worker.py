@@ -144,7 +144,7 @@ class Worker:
         from plinth.model_registry.interface import ModelContext
         from plinth.model_registry.loader import load_model
         from plinth.quantization.resolve import resolve_quantization
-        from plinth.worker.setup import _num_blocks, image_features
+        from plinth.worker.setup import _num_blocks, allocate_recurrent_state, image_features
 
         forced = DeviceConfig(platform=self.config.device.platform, attention_backend=backend_name, selection="off")
         backend = select_attention_backend(self._spec(), self.platform, forced).instantiate()
@@ -159,6 +159,7 @@ class Worker:
         model.eval()
         self._images = image_features(self.source, model, self.dtype, self.device, self.config.model.seed)
         enable_lora_for(model, self.config)
+        allocate_recurrent_state(model, self.config)
         self._model, self._backend = model, backend
         block_size = self.config.cache.block_size
         bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, block_size, self._spec().cache_dtype)

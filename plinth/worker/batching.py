@@ -110,6 +110,8 @@ class FlatBatch(Sequence[SeqBatchEntry]):
             as :data:`~plinth.multimodal.runner.ImageRows`; ``None``: none.
         rope_shift: ``[T]`` int64 added to each token's position for its rotary embedding (multimodal RoPE: a
             Qwen2-VL prompt's text after an image sits at positions other than its index), or ``None``: none.
+        state_rows: ``[N]`` int64, each sequence's row of the model's recurrent state (its block-table row, its own
+            while it runs; models with Mamba layers), or ``None``: the model keeps no such state.
     """
 
     token_ids: np.ndarray
@@ -126,6 +128,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     num_logits: np.ndarray | None = None
     images: list[Any] | None = None
     rope_shift: np.ndarray | None = None
+    state_rows: np.ndarray | None = None
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -310,6 +313,8 @@ class BatchBuilder:
         #: tokens sampled at each. Only for attention backends that write every row's keys before any row attends
         #: (the CPU backends; not a decode kernel that writes a row's keys itself, as Triton's fused one does).
         self.drafts_as_rows = False
+        #: the model keeps recurrent state per sequence (Mamba layers): batches carry the sequences' rows
+        self.state_rows = False
 
     def release(self, out: SchedulerOutput) -> None:
         """Free the rows of the requests preempted or finished (call for every step, even an empty one)."""
@@ -420,6 +425,7 @@ class BatchBuilder:
             num_logits=np.array(num_logits, dtype=np.int64) if num_logits is not None else None,
             images=images,
             rope_shift=_rope_shift(shifts, len(tokens)) if shifts else None,
+            state_rows=row_array if self.state_rows else None,
         )
         return batch, sampled
 

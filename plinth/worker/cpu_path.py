@@ -261,12 +261,15 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         logger.info("attention backend %s has no static-shape decode path: decode runs eagerly", runner.backend.name)
     elif getattr(model, "lora_state", None) is not None:
         logger.info("LoRA adapters enabled: decode runs the module tree (no compiled step or decode plan)")
+    elif getattr(model, "has_recurrent_state", False):
+        logger.info("Mamba layers keep per-sequence state: decode runs the module tree (no compiled step or decode "
+                    "plan)")
     elif env_flag(COMPILE_ENV, False) and max_batch > 0:
         runner.compile_cpu_decode(max_batch)
         report["compile"] = True
     report["decode_plan"] = False
     if (not report["compile"] and not enforce_eager and env_flag(DECODE_PLAN_ENV, True)
-            and getattr(model, "lora_state", None) is None):
+            and getattr(model, "lora_state", None) is None and not getattr(model, "has_recurrent_state", False)):
         from plinth.worker.cpu_decode_plan import build_decode_plan
 
         spec = getattr(config, "speculative", None)

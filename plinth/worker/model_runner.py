@@ -265,8 +265,12 @@ class ModelRunner:
         int64 = [batch.token_ids, positions, slot_mapping, sample_rows]
         if feed is not None:
             int64 += [feed.rows, feed.src]
-        (input_ids, positions_t, slots, rows, *fed), (qsl_t, lens_t, ctx_t, tables_t) = self.staging.upload(
+        if batch.state_rows is not None:
+            int64.append(batch.state_rows)
+        (input_ids, positions_t, slots, rows, *extra), (qsl_t, lens_t, ctx_t, tables_t) = self.staging.upload(
             int64, [qsl, seq_lens, starts, tables])
+        state_rows = extra.pop() if batch.state_rows is not None else None
+        fed = extra
         if feed is not None:   # the step in flight's sampled tokens, gathered on the device
             input_ids.index_copy_(0, fed[0], feed.tokens.index_select(0, fed[1]))
         metadata = AttentionMetadata(
@@ -282,6 +286,8 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             rows_share_sequences=self.shared_decode_rows,
+            state_rows=state_rows,
+            state_rows_cpu=batch.state_rows.tolist() if batch.state_rows is not None else None,
         )
         return StepInputs(input_ids=input_ids, positions=positions_t, metadata=metadata, sample_rows=rows,
                           sample_seqs=sample_seqs.tolist())

@@ -267,7 +267,9 @@ def _num_blocks(config: EngineConfig, platform: Any, runner_args: dict, bytes_pe
         logger.info("KV budget: %.2f GiB of %.2f GiB (%.0f%% utilization; %.2f GiB peak of weights+activations, "
                     "%.2f GiB kept for graphs and sampling)", budget / 2**30, total / 2**30,
                     cache.gpu_memory_utilization * 100, used / 2**30, reserve / 2**30)
-    blocks = min(useful, budget // bytes_per_block)
+    # a model without attention layers (every layer a Mamba layer) keeps nothing per block: the blocks only count
+    # each sequence's positions
+    blocks = min(useful, budget // bytes_per_block) if bytes_per_block else useful
     if blocks < 2:
         raise ModelLoadError(f"not enough memory for the KV cache: {budget / 2**20:.0f} MiB available, "
                              f"{bytes_per_block / 2**20:.2f} MiB per block; lower --max-model-len or raise the "
@@ -326,6 +328,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     model.eval()
     images = image_features(source, model, dtype, device, config.model.seed)
     enable_lora_for(model, config)
+    allocate_recurrent_state(model, config)
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, spec.cache_dtype)
     draft = _load_draft(config, platform, device, dtype, hf, max_model_len, workload) if drafting else None
     if draft is not None:   # the draft's KV cache has a block for every block of the target's
@@ -383,6 +386,16 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         vocab_size=hf.vocab_size, eos_token_ids=eos, selection=selection, runner=runner,
         num_blocks=num_blocks, config=config, default_sampling=default_sampling, draft_runner=draft_runner,
     )
+
+
+def allocate_recurrent_state(model: Any, config: EngineConfig) -> None:
+    """The per-sequence state of a model with Mamba layers, for ``max_num_seqs`` sequences (before the KV cache is
+    sized, so that it counts as the model's memory)."""
+    allocate = getattr(model, "allocate_recurrent_state", None)
+    if allocate is not None:
+        nbytes = allocate(config.scheduler.max_num_seqs)
+        logger.info("recurrent state (Mamba layers) for %d sequences: %.1f MiB", config.scheduler.max_num_seqs,
+                    nbytes / 2**20)
 
 
 def profile_image_encoder(images: Any, source: Any, config: EngineConfig, max_model_len: int) -> None:

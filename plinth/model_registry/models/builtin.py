@@ -29,6 +29,7 @@ def plinth_models() -> dict[str, str]:
         "OlmoeForCausalLM": f"{_M}.qwen2_moe:OlmoeForCausalLM",
         "GraniteMoeForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
         "GraniteMoeSharedForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
+        "GraniteMoeHybridForCausalLM": f"{_M}.granite_hybrid:GraniteMoeHybridForCausalLM",
         "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM": f"{_M}.glm4_moe:Glm4MoeForCausalLM",

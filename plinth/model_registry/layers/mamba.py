@@ -1,0 +1,262 @@
+"""Mamba-2 mixer layers (state space duality) with per-sequence recurrent state, for hybrid models whose layers
+are Mamba-2 mixers and attention (IBM Granite 4.0-H).
+
+A mixer keeps two states for each running sequence, in a row of the model's :class:`RecurrentState`:
+
+- the causal convolution's last ``d_conv - 1`` inputs (``[conv_dim, d_conv - 1]``, the model's dtype);
+- the state space model's state (``[heads, head_dim, d_state]``, float32).
+
+The row is the sequence's row of the engine's persistent block table (:attr:`FlatBatch.state_rows
+<plinth.worker.batching.FlatBatch>`, carried to the layers as ``AttentionMetadata.state_rows``): it is the
+sequence's for as long as it runs. A sequence whose step starts at position 0 (a new request, or one preempted and
+recomputed) starts from zero states; the model clears its rows before the first layer (:meth:`RecurrentState.reset`).
+
+Prompts run the chunked form of the scan: within a chunk of ``chunk_size`` positions the outputs are a masked
+product like attention's (decays ``exp(cumsum(dt * A))`` between positions), and the state passes from chunk to
+chunk; a decode step updates the state once. The scan computes in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plinth.attention_backends.interface import AttentionMetadata
+from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+
+class RecurrentState:
+    """Every Mamba layer's states for ``rows`` sequences, one tensor per kind (layer-major).
+
+    Attributes:
+        conv: ``[layers, rows, conv_dim, d_conv - 1]`` in the model's dtype.
+        ssm: ``[layers, rows, heads, head_dim, d_state]`` float32.
+    """
+
+    def __init__(self, num_layers: int, rows: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
+                 dtype: torch.dtype, device: torch.device):
+        self.conv = torch.zeros(num_layers, rows, *conv_shape, dtype=dtype, device=device)
+        self.ssm = torch.zeros(num_layers, rows, *ssm_shape, dtype=torch.float32, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.conv.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+
+    def grow(self, rows: int) -> None:
+        """Room for at least ``rows`` rows (the states of the rows there are kept)."""
+        if rows <= self.rows:
+            return
+        for name in ("conv", "ssm"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], rows, *old.shape[2:])
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Zero the states of ``rows`` (``[K]`` int64 on the states' device) in every layer."""
+        if rows.numel():
+            self.conv.index_fill_(1, rows, 0)
+            self.ssm.index_fill_(1, rows, 0)
+
+
+class GatedRMSNorm(nn.Module):
+    """``rms_norm(y * silu(z))`` over groups of ``group_size`` features, times ``weight`` (Mamba-2's output norm;
+    the gate comes before the norm). Computes in float32."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:   # [T, I] float32, [T, I] -> [T, I] float32
+        h = y.float() * F.silu(z.float())
+        g = h.view(h.shape[0], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return g.view_as(h) * self.weight.float()
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's selective scan, chunk by chunk, in float32.
+
+    Args:
+        x: ``[L, H, P]`` inputs.
+        dt: ``[L, H]`` time steps (after the bias, softplus and clamp).
+        a: ``[H]`` the (negative) state decay rates ``-exp(A_log)``.
+        b, c: ``[L, H, N]`` input and output projections of the state (expanded from the groups to the heads).
+        state: ``[H, P, N]`` the state before the first position.
+        chunk_size: positions per chunk.
+
+    Returns:
+        ``(y [L, H, P], state after the last position [H, P, N])``; ``y`` excludes the ``D`` skip term.
+    """
+    length = x.shape[0]
+    outputs = []
+    log_decay = dt * a                                                   # [L, H]
+    xdt = x * dt[..., None]                                              # [L, H, P]
+    for lo in range(0, length, chunk_size):
+        hi = min(lo + chunk_size, length)
+        cum = log_decay[lo:hi].cumsum(0)                                 # [Q, H]
+        # decay from position s to position l (l >= s): exp(cum[l] - cum[s]); masked above the diagonal
+        diff = cum[:, None, :] - cum[None, :, :]                         # [Q(l), Q(s), H]
+        causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
+        scores = torch.einsum("lhn,shn->lsh", c[lo:hi], b[lo:hi]) * decay                     # [Q, Q, H]
+        y = torch.einsum("lsh,shp->lhp", scores, xdt[lo:hi])
+        # the state carried into the chunk, decayed to each position and read through C
+        y = y + torch.einsum("lhn,hpn->lhp", c[lo:hi], state) * torch.exp(cum)[..., None]
+        outputs.append(y)
+        to_end = torch.exp(cum[-1:] - cum)                               # [Q, H]: decay from s to the chunk's end
+        state = state * torch.exp(cum[-1])[:, None, None] + torch.einsum(
+            "sh,shp,shn->hpn", to_end, xdt[lo:hi], b[lo:hi])
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0], state
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba-2 mixer: ``in_proj`` to the gate ``z``, the convolved ``x, B, C`` and the time step ``dt``; a causal
+    depthwise convolution and SiLU; the selective scan with the ``D`` skip; the gated RMSNorm; ``out_proj``.
+
+    Parameter names follow the checkpoints (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
+    ``out_proj``). ``state_index`` is the layer's index into the model's :class:`RecurrentState`, set when the model
+    allocates it.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
+                 conv_kernel: int, chunk_size: int, eps: float, *, conv_bias: bool = True, proj_bias: bool = False,
+                 activation: str = "silu", time_step_limit: tuple[float, float] | None = None,
+                 quant_method: Any = None, tp_size: int = 1):
+        super().__init__()
+        if tp_size > 1:
+            raise UnsupportedModelError("Mamba-2 layers are not split for tensor parallelism yet: run this model "
+                                        "with --tensor-parallel-size 1")
+        if activation not in ("silu", "swish"):
+            raise UnsupportedModelError(f"Mamba-2 layers with activation {activation!r}: only SiLU is supported")
+        if num_heads % n_groups:
+            raise ModelLoadError(f"Mamba-2: {num_heads} heads do not divide into {n_groups} groups")
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
+        self.intermediate_size = num_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
+        self.conv_kernel = conv_kernel
+        self.chunk_size = chunk_size
+        lo, hi = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
+        self.dt_min, self.dt_max = float(lo), float(hi)
+        tp = {"tp_rank": 0, "tp_size": 1, "quant_method": quant_method}
+        self.in_proj = ColumnParallelLinear(hidden_size, self.intermediate_size + self.conv_dim + num_heads,
+                                            bias=proj_bias, **tp)
+        self.out_proj = RowParallelLinear(self.intermediate_size, hidden_size, bias=proj_bias, **tp)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel), requires_grad=False)
+        self.conv_weight.weight_loader = self._load_conv_weight  # type: ignore[attr-defined]
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False) if conv_bias else None
+        # float32, as the scan computes
+        self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+        self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps)
+        self.state_index = -1
+        self.state: RecurrentState | None = None
+
+    # ------------------------------------------------------------------ loading
+
+    def _load_conv_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.dim() == 3 and loaded.shape[1] == 1:   # nn.Conv1d's depthwise [C, 1, K]
+            loaded = loaded[:, 0]
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ModelLoadError(f"Mamba-2 conv1d weight: expected {tuple(param.shape)} (or [C, 1, K]), checkpoint "
+                                 f"has {tuple(loaded.shape)}")
+        param.data.copy_(loaded)
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """The shapes of one sequence's convolution and scan states."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Decode steps run eagerly: the states' rows are not graph inputs yet."""
+        return False
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:   # [T, H] -> [T, H]
+        t = hidden.shape[0]
+        proj = self.in_proj(hidden)
+        z, xbc, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        rows = getattr(metadata, "state_rows", None)
+        if rows is None or self.state is None:
+            # a pass outside serving (the start-up memory profile, a probe): every sequence from zero states, kept
+            # nowhere
+            conv = hidden.new_zeros(metadata.num_seqs, self.conv_dim, self.conv_kernel - 1)
+            ssm = torch.zeros(metadata.num_seqs, self.num_heads, self.head_dim, self.state_size,
+                              dtype=torch.float32, device=hidden.device)
+            rows = torch.arange(metadata.num_seqs, device=hidden.device)
+        else:
+            conv, ssm = self.state.conv[self.state_index], self.state.ssm[self.state_index]
+        a = -torch.exp(self.A_log)                                                        # [H]
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(self.dt_min, self.dt_max)        # [T, H]
+        y = torch.empty(t, self.num_heads, self.head_dim, dtype=torch.float32, device=hidden.device)
+        qsl = metadata.query_start_loc_cpu
+        n = metadata.num_seqs
+        decodes = n if metadata.max_query_len == 1 else metadata.num_leading_decodes
+        if decodes:   # one token each: all at once
+            y[:decodes], xs = self._step(xbc[:decodes], dt[:decodes], a, conv, ssm, rows[:decodes])
+        for i in range(decodes, n):
+            lo, hi = qsl[i], qsl[i + 1]
+            if hi > lo:
+                y[lo:hi] = self._prompt(xbc[lo:hi], dt[lo:hi], a, conv, ssm, rows[i:i + 1])
+        # padding rows past the sequences (if any) keep whatever empty() held: they are never read
+        out = self.norm(y.view(t, self.intermediate_size), z)
+        return self.out_proj(out.to(hidden.dtype))
+
+    def _conv_window(self, window: torch.Tensor) -> torch.Tensor:
+        """``silu(conv)`` at the last position of each ``[B, C, K]`` window, float32 ``[B, C]``."""
+        out = (window.float() * self.conv_weight.float()).sum(-1)
+        if self.conv_bias is not None:
+            out = out + self.conv_bias.float()
+        return F.silu(out)
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, conv_dim]`` float32 to ``x [T, H, P]`` and ``B, C [T, H, N]`` (the groups expanded to the heads)."""
+        t = xbc.shape[0]
+        x, b, c = xbc.split([self.intermediate_size, self.n_groups * self.state_size,
+                             self.n_groups * self.state_size], dim=-1)
+        rep = self.num_heads // self.n_groups
+        b = b.reshape(t, self.n_groups, self.state_size).repeat_interleave(rep, dim=1)
+        c = c.reshape(t, self.n_groups, self.state_size).repeat_interleave(rep, dim=1)
+        return x.reshape(t, self.num_heads, self.head_dim), b, c
+
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+              rows: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """One token for each of ``B`` sequences (their rows ``rows``): ``y [B, H, P]``; the states updated."""
+        window = torch.cat([conv.index_select(0, rows), xbc[:, :, None].to(conv.dtype)], dim=-1)   # [B, C, K]
+        conv.index_copy_(0, rows, window[:, :, 1:])
+        x, b, c = self._split_xbc(self._conv_window(window))
+        state = ssm.index_select(0, rows)                                                # [B, H, P, N]
+        decay = torch.exp(dt * a)                                                        # [B, H]
+        state = state * decay[..., None, None] + (x * dt[..., None])[..., None] * b[:, :, None, :]
+        ssm.index_copy_(0, rows, state)
+        y = torch.einsum("bhpn,bhn->bhp", state, c) + x * self.D[:, None]
+        return y, None
+
+    def _prompt(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                row: torch.Tensor) -> torch.Tensor:
+        """``L`` consecutive tokens of one sequence (its row ``row``, ``[1]``): ``y [L, H, P]``; its states updated."""
+        length = xbc.shape[0]
+        k = self.conv_kernel
+        seq = torch.cat([conv.index_select(0, row)[0], xbc.t().to(conv.dtype)], dim=-1)   # [C, K-1+L]
+        conv.index_copy_(0, row, seq[None, :, seq.shape[1] - (k - 1):])
+        out = F.conv1d(seq.float()[None], self.conv_weight.float()[:, None, :],
+                       self.conv_bias.float() if self.conv_bias is not None else None, groups=self.conv_dim)[0]
+        x, b, c = self._split_xbc(F.silu(out[:, -length:]).t())
+        y, state = ssd_scan(x, dt, a, b, c, ssm.index_select(0, row)[0], self.chunk_size)
+        ssm.index_copy_(0, row, state[None])
+        return y + x * self.D[:, None]

@@ -1,0 +1,208 @@
+"""IBM Granite 4.0 hybrids (``GraniteMoeHybridForCausalLM``: granite-4.0-h-micro, -h-tiny, -h-small, and the
+attention-only granite-4.0-micro): Mamba-2 mixer layers and attention layers (``layer_types``), Granite's four
+multipliers, a shared MLP on every layer and, where ``num_local_experts`` is set, routed experts beside it.
+
+The Mamba layers keep recurrent state for every running sequence (:mod:`plinth.model_registry.layers.mamba`):
+the engine turns the prefix cache off for such models (a cached prefix would come without its state), refuses
+speculative decoding (a rejected draft would have to take the state back) and decodes eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from plinth.attention_backends.interface import AttentionMetadata
+from plinth.errors import UnsupportedModelError
+from plinth.model_registry.interface import ModelContext
+from plinth.model_registry.layers.layernorm import RMSNorm
+from plinth.model_registry.layers.mamba import Mamba2Mixer, RecurrentState
+from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention, DenseMLP
+from plinth.model_registry.models.granite import GraniteMoeForCausalLM
+
+logger = logging.getLogger(__name__)
+
+#: ``layer_types`` values of Mamba layers (transformers 5 writes ``linear_attention``; released configs ``mamba``)
+MAMBA_LAYER_TYPES = frozenset({"mamba", "linear_attention"})
+ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention"})
+
+
+def is_mamba_layer(cfg: Any, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` of a hybrid config is a Mamba layer (every layer is, without ``layer_types``)."""
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return True
+    kind = types[layer_idx]
+    if kind not in MAMBA_LAYER_TYPES | ATTENTION_LAYER_TYPES:
+        raise UnsupportedModelError(f"layer {layer_idx}: layer type {kind!r} is not supported (supported: "
+                                    f"{', '.join(sorted(MAMBA_LAYER_TYPES | ATTENTION_LAYER_TYPES))})")
+    return kind in MAMBA_LAYER_TYPES
+
+
+class HybridDecoderLayer(nn.Module):
+    """Granite 4.0's block: a pre-norm Mamba-2 mixer (``mamba``) or attention (``self_attn``), then the pre-norm
+    MLP; each output times ``residual_multiplier`` before it joins the residual stream. Speaks
+    :class:`~plinth.model_registry.models.decoder.DecoderLayer`'s ``(hidden, residual)`` protocol (one rank)."""
+
+    can_defer_output = False
+    reduce_input = False
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm):
+        super().__init__()
+        cfg = ctx.hf_config
+        self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
+        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mamba: Mamba2Mixer | None = None
+        self.self_attn: DecoderAttention | None = None
+        if is_mamba_layer(cfg, layer_idx):
+            head_dim = cfg.mamba_d_head
+            if not isinstance(head_dim, int):   # "auto" in a config transformers did not normalise
+                head_dim = int(cfg.mamba_expand * cfg.hidden_size) // cfg.mamba_n_heads
+            self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba_n_heads, head_dim, cfg.mamba_d_state,
+                                     cfg.mamba_n_groups, cfg.mamba_d_conv, cfg.mamba_chunk_size, cfg.rms_norm_eps,
+                                     conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
+                                     activation=getattr(cfg, "hidden_act", "silu") or "silu",
+                                     time_step_limit=getattr(cfg, "time_step_limit", None),
+                                     quant_method=ctx.quant_method, tp_size=ctx.tp_size)
+        else:
+            self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
+        self.mlp = mlp
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.mamba is not None:
+            hidden = self.mamba(hidden, metadata)
+        else:
+            assert self.self_attn is not None
+            hidden = self.self_attn(hidden, cos, sin, metadata)
+        m = self.residual_multiplier
+        hidden, residual = self.post_attention_layernorm(hidden * m if m != 1.0 else hidden, residual)
+        hidden = self.mlp(hidden)
+        return (hidden * m if m != 1.0 else hidden), residual
+
+
+class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
+    """``GraniteMoeHybridForCausalLM``. Checkpoint names: ``model.layers.N.mamba.*`` (``in_proj``, ``conv1d``,
+    ``A_log``, ``D``, ``dt_bias``, ``norm``, ``out_proj``) or ``self_attn.*``; ``shared_mlp.input_linear`` (gate rows
+    then up rows) and ``output_linear``; ``block_sparse_moe.*`` as Granite 3's mixtures of experts. RoPE only where
+    ``position_embedding_type`` is ``"rope"``."""
+
+    layer_class: ClassVar[type[nn.Module] | None] = HybridDecoderLayer
+    supports_pipeline_parallel: ClassVar[bool] = False
+    #: the model keeps per-sequence state outside the KV cache (see :mod:`plinth.model_registry.layers.mamba`)
+    has_recurrent_state: ClassVar[bool] = True
+    lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
+
+    def __init__(self, ctx: ModelContext):
+        if ctx.pp_size > 1:
+            raise UnsupportedModelError("GraniteMoeHybridForCausalLM: pipeline parallelism is not supported for "
+                                        "models with Mamba layers yet")
+        self.has_experts = int(getattr(ctx.hf_config, "num_local_experts", 0) or 0) > 0
+        super().__init__(ctx)
+        self.recurrent_state: RecurrentState | None = None
+
+    def attention_options(self, cfg: Any) -> AttentionOptions:
+        base = super().attention_options(cfg)
+        return AttentionOptions(qkv_bias=base.qkv_bias, o_bias=base.o_bias, scale=base.scale,
+                                rope=getattr(cfg, "position_embedding_type", None) == "rope")
+
+    def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
+        if self.has_experts:
+            return super().make_mlp(ctx, layer_idx)
+        return DenseMLP(ctx, ctx.hf_config.shared_intermediate_size, activation=self.block_options(ctx.hf_config).activation)
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self.has_experts:   # the shared MLP is the layer's MLP
+            weights = self._dense_mlp(weights)
+        super().load_weights(weights)
+
+    @staticmethod
+    def _dense_mlp(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            m = _SHARED_MLP.match(name)
+            if m is None:
+                yield name, t
+            elif m["what"] == "input_linear":
+                half = t.shape[0] // 2
+                yield f"{m['prefix']}.mlp.gate_proj.weight", t[:half]
+                yield f"{m['prefix']}.mlp.up_proj.weight", t[half:]
+            else:
+                yield f"{m['prefix']}.mlp.down_proj.weight", t
+
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        if ".mamba.conv1d." in name:
+            name = name.replace(".mamba.conv1d.weight", ".mamba.conv_weight").replace(".mamba.conv1d.bias",
+                                                                                      ".mamba.conv_bias")
+        return super().map_weight_name(name)
+
+    def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
+        if ".mamba.conv_" in param_name:
+            return param_name.replace(".mamba.conv_weight", ".mamba.conv1d.weight").replace(
+                ".mamba.conv_bias", ".mamba.conv1d.bias")
+        if not self.has_experts and ".mlp." in param_name:
+            layer = param_name.split(".mlp.", 1)[0]
+            if ".mlp.gate_up_proj." in param_name:
+                return f"{layer}.shared_mlp.input_linear.weight"
+            if ".mlp.down_proj." in param_name:
+                return f"{layer}.shared_mlp.output_linear.weight"
+        return super().checkpoint_name(param_name, shard_id)
+
+    # ------------------------------------------------------------------ recurrent state
+
+    def mamba_layers(self) -> list[Mamba2Mixer]:
+        return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]
+
+    def allocate_recurrent_state(self, rows: int) -> int:
+        """States for ``rows`` sequences (kept if allocated already; grown if fewer); returns their bytes."""
+        layers = self.mamba_layers()
+        if not layers:
+            return 0
+        if self.recurrent_state is None:
+            conv_shape, ssm_shape = layers[0].state_shapes()
+            if any(layer.state_shapes() != (conv_shape, ssm_shape) for layer in layers):
+                raise UnsupportedModelError("Mamba layers of different shapes in one model")
+            dtype = layers[0].in_proj.weight.dtype if layers[0].in_proj.weight.is_floating_point() else self.ctx.dtype
+            self.recurrent_state = RecurrentState(len(layers), rows, conv_shape, ssm_shape, dtype, self.ctx.device)
+            for i, layer in enumerate(layers):
+                layer.state, layer.state_index = self.recurrent_state, i
+        else:
+            self.recurrent_state.grow(rows)
+        return self.recurrent_state.nbytes
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:
+        """Before the layers: room for the step's rows, and zero states for the sequences that start at position 0."""
+        rows_cpu = metadata.state_rows_cpu
+        if rows_cpu is None or not rows_cpu:
+            return
+        need = max(rows_cpu) + 1
+        if self.recurrent_state is None or need > self.recurrent_state.rows:
+            grown = max(need, 2 * self.recurrent_state.rows if self.recurrent_state is not None else 16)
+            self.allocate_recurrent_state(grown)
+            logger.info("recurrent state for %d sequences (%.1f MiB)", grown,
+                        self.recurrent_state.nbytes / 2**20 if self.recurrent_state is not None else 0.0)
+        fresh = [i for i, c in enumerate(metadata.context_lens_cpu) if c == 0]
+        if fresh and self.recurrent_state is not None:
+            assert metadata.state_rows is not None
+            self.recurrent_state.reset(metadata.state_rows[fresh])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                image_embeds: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        self.begin_step(metadata)
+        return super().forward(input_ids, positions, metadata, image_embeds)
+
+
+_SHARED_MLP = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.shared_mlp\.(?P<what>input_linear|output_linear)\.weight$")

@@ -1,0 +1,214 @@
+"""Granite 4.0 hybrids (``GraniteMoeHybridForCausalLM``): Mamba-2 layers beside attention, with per-sequence
+recurrent state, against transformers running the same random weights (float32), and the scan against a float64
+step-by-step recurrence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import make_tokenizer
+
+import plinth
+from plinth.config import ConfigError
+from plinth.errors import UnsupportedModelError
+from plinth.model_registry.layers.mamba import Mamba2Mixer, ssd_scan
+
+MAX_TOKENS = 10
+
+#: name -> config overrides: Granite 4.0-H-like (dense, no RoPE), with routed experts and RoPE, attention only
+#: (granite-4.0-micro), every layer Mamba
+SHAPES = {
+    "dense_nope": dict(num_local_experts=0, position_embedding_type=None,
+                       layer_types=["mamba", "attention", "mamba", "mamba"]),
+    "moe_rope": dict(num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope",
+                     layer_types=["mamba", "mamba", "attention", "mamba"]),
+    "attention_only": dict(num_local_experts=0, position_embedding_type="rope", layer_types=["attention"] * 4),
+    "mamba_only": dict(num_local_experts=0, position_embedding_type=None, layer_types=["mamba"] * 4,
+                       mamba_conv_bias=False, mamba_proj_bias=True),
+}
+
+
+def _config(tokenizer, **overrides) -> transformers.GraniteMoeHybridConfig:
+    base = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_state=16,
+                mamba_d_head=16, mamba_n_groups=2, mamba_chunk_size=8, embedding_multiplier=2.0,
+                residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=3.0, max_position_embeddings=256,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=0, bos_token_id=tokenizer.bos_token_id)
+    return transformers.GraniteMoeHybridConfig(**{**base, **overrides}, attn_implementation="eager")
+
+
+@torch.no_grad()
+def _randomize_mamba(hf: transformers.PreTrainedModel) -> None:
+    """Decay rates, time-step biases, skips, norms and conv biases away from their constant initial values."""
+    g = torch.Generator().manual_seed(3)
+    for name, p in hf.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.rand(p.shape, generator=g) * 2 - 1)
+        elif name.endswith("dt_bias") or name.endswith(".D"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        elif "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def save_hybrid(path, **overrides) -> transformers.PreTrainedModel:
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    hf = transformers.GraniteMoeHybridForCausalLM(_config(tokenizer, **overrides)).eval()
+    _randomize_mamba(hf)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf
+
+
+def _prompts(vocab: int, lengths=(1, 5, 19, 33)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens (a full forward each step: no cache involved) and their log-probabilities."""
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        logp = torch.log_softmax(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].double(), -1)
+        ids.append(int(logp.argmax()))
+        lps.append(float(logp.max()))
+    return ids[len(prompt):], lps
+
+
+def _greedy(max_tokens: int = MAX_TOKENS, **kw) -> plinth.SamplingParams:
+    return plinth.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def hybrid(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_hybrid(path, **SHAPES[request.param])
+    prompts = _prompts(hf.config.vocab_size)
+    return str(path), hf, prompts, [hf_greedy(hf, p) for p in prompts]
+
+
+def test_engine_matches_transformers(hybrid):
+    """Greedy tokens and their log-probabilities equal transformers' for a batch of prompts of 1 to 33 tokens; a
+    16-token step budget cuts the longer prompts into chunks (8-position scan chunks inside) and mixes them with
+    other sequences' decodes."""
+    path, hf, prompts, want = hybrid
+    llm = plinth.LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=0), use_tqdm=False)
+    for out, (tokens, lps) in zip(outs, want, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        got_lps = [next(iter(step.values())).logprob for step in got.logprobs]
+        assert got_lps == pytest.approx(lps, abs=2e-4)
+    assert llm.engine.block_manager.enable_prefix_caching is False
+    llm.close()
+
+
+def test_rows_are_reused_and_sequences_kept_apart(hybrid):
+    """Two sequences at a time for six requests: rows of the recurrent state pass from finished requests to new
+    ones (starting from zero state), and a repeated prompt (no prefix cache) gives the same tokens."""
+    path, hf, prompts, want = hybrid
+    llm = plinth.LLM(path, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64)
+    order = [3, 0, 2, 1, 3, 0]
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[i][0] for i in order]
+    llm.close()
+
+
+def test_preempted_requests_restart_from_zero_state(tmp_path):
+    """A KV cache too small for every request at once preempts some; recomputed from position 0, their state starts
+    again and the tokens stay transformers'."""
+    hf = save_hybrid(tmp_path, **SHAPES["moe_rope"])
+    prompts = _prompts(hf.config.vocab_size, (20, 27, 31, 24, 18))
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, block_size=4, num_blocks=24,
+                     max_num_batched_tokens=32)
+    n = 30
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n), use_tqdm=False)
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, n)[0] for p in prompts]
+    llm.close()
+
+
+def test_n_samples_share_nothing(tmp_path):
+    """``n=3`` greedy samples of one prompt: each sequence has its own state, so all three are transformers'."""
+    hf = save_hybrid(tmp_path, **SHAPES["dense_nope"])
+    prompt = _prompts(hf.config.vocab_size, (12,))[0]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64)
+    out = llm.generate({"prompt_token_ids": prompt}, _greedy(n=3), use_tqdm=False)[0]
+    want = hf_greedy(hf, prompt)[0]
+    assert [c.token_ids for c in out.outputs] == [want] * 3
+    llm.close()
+
+
+def test_bfloat16_on_the_cpu_path(tmp_path):
+    """bfloat16 (the CPU platform's GEMMs, the float32 scan and states): the first greedy tokens agree with the
+    float32 reference (a near tie may part later ones)."""
+    hf = save_hybrid(tmp_path, **SHAPES["dense_nope"])
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="bfloat16", max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(3), use_tqdm=False)
+    agree = sum(o.outputs[0].token_ids[:2] == hf_greedy(hf, p, 2)[0] for o, p in zip(outs, prompts, strict=True))
+    assert agree >= len(prompts) - 1
+    llm.close()
+
+
+def test_speculative_decoding_is_refused(tmp_path):
+    save_hybrid(tmp_path, **SHAPES["dense_nope"])
+    with pytest.raises(ConfigError, match="speculative decoding is not supported.*Mamba"):
+        plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+def test_explicit_prefix_caching_is_turned_off(tmp_path, caplog):
+    save_hybrid(tmp_path, **SHAPES["dense_nope"])
+    with caplog.at_level("INFO"):
+        llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, enable_prefix_caching=True)
+    assert llm.engine.block_manager.enable_prefix_caching is False
+    assert "prefix cache is off" in caplog.text
+    llm.close()
+
+
+def test_parallelism_is_refused_clearly():
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
+        Mamba2Mixer(64, 8, 16, 16, 2, 4, 8, 1e-6, tp_size=2)
+
+
+def _scan_reference(x, dt, a, b, c, state):
+    """The recurrence one position at a time, float64: ``h = exp(dt a) h + dt x b^T``, ``y = h c``."""
+    ys = []
+    for t in range(x.shape[0]):
+        state = state * torch.exp(dt[t] * a)[:, None, None] + (dt[t][:, None] * x[t])[..., None] * b[t][:, None, :]
+        ys.append(torch.einsum("hpn,hn->hp", state, c[t]))
+    return torch.stack(ys), state
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 8), (7, 8), (8, 8), (21, 8), (21, 1), (40, 16)])
+def test_chunked_scan_matches_the_recurrence(length, chunk):
+    g = torch.Generator().manual_seed(length * 31 + chunk)
+    h, p, n = 3, 4, 5
+    x = torch.randn(length, h, p, generator=g, dtype=torch.float64)
+    dt = torch.rand(length, h, generator=g, dtype=torch.float64) * 0.5
+    a = -torch.rand(h, generator=g, dtype=torch.float64) * 2
+    b = torch.randn(length, h, n, generator=g, dtype=torch.float64)
+    c = torch.randn(length, h, n, generator=g, dtype=torch.float64)
+    s0 = torch.randn(h, p, n, generator=g, dtype=torch.float64)
+    y, s = ssd_scan(x, dt, a, b, c, s0, chunk)
+    y_ref, s_ref = _scan_reference(x, dt, a, b, c, s0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_matches_transformers(tmp_path):
+    """On a GPU (decode runs eagerly: the Mamba layers say they cannot be captured): float32 greedy tokens equal
+    transformers'."""
+    hf = save_hybrid(tmp_path, **SHAPES["moe_rope"])
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+                     gpu_memory_utilization=0.3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
+    llm.close()
