@@ -217,7 +217,9 @@ def _transformers_passes_sinks(model_type: str) -> bool:
 
 def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> AttentionSpec:
     """The model's attention shapes; ``kv_cache_dtype`` is :attr:`~plinth.config.CacheConfig.kv_cache_dtype`."""
-    heads = hf_config.num_attention_heads
+    # a model without attention layers (Mamba-2) has no attention shapes: a nominal one-head spec, whose backend no
+    # layer calls
+    heads = getattr(hf_config, "num_attention_heads", None) or 1
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if getattr(hf_config, "kv_lora_rank", None) and getattr(hf_config, "qk_nope_head_dim", None):

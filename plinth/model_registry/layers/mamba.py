@@ -260,3 +260,49 @@ class Mamba2Mixer(nn.Module):
         y, state = ssd_scan(x, dt, a, b, c, ssm.index_select(0, row)[0], self.chunk_size)
         ssm.index_copy_(0, row, state[None])
         return y + x * self.D[:, None]
+
+
+class MambaStateMixin:
+    """For a causal LM with :class:`Mamba2Mixer` layers: the per-sequence state (one :class:`RecurrentState` for
+    every such layer) and the step's preparation; the model calls :meth:`begin_step` before its layers."""
+
+    #: the model keeps per-sequence state outside the KV cache: the engine turns the prefix cache off, refuses
+    #: speculative decoding and sends each sequence's state row with every step
+    has_recurrent_state: bool = True
+    recurrent_state: RecurrentState | None = None
+
+    def mamba_layers(self) -> list[Mamba2Mixer]:
+        return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]  # type: ignore[attr-defined]
+
+    def allocate_recurrent_state(self, rows: int) -> int:
+        """States for ``rows`` sequences (kept if allocated already; grown if fewer); returns their bytes."""
+        layers = self.mamba_layers()
+        if not layers:
+            return 0
+        if self.recurrent_state is None:
+            conv_shape, ssm_shape = layers[0].state_shapes()
+            if any(layer.state_shapes() != (conv_shape, ssm_shape) for layer in layers):
+                raise UnsupportedModelError("Mamba layers of different shapes in one model")
+            weight = layers[0].conv_weight
+            self.recurrent_state = RecurrentState(len(layers), rows, conv_shape, ssm_shape, weight.dtype,
+                                                  weight.device)
+            for i, layer in enumerate(layers):
+                layer.state, layer.state_index = self.recurrent_state, i
+        else:
+            self.recurrent_state.grow(rows)
+        return self.recurrent_state.nbytes
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:
+        """Before the layers: room for the step's rows, and zero states for the sequences that start at position 0."""
+        rows_cpu = metadata.state_rows_cpu
+        if not rows_cpu:
+            return
+        need = max(rows_cpu) + 1
+        if self.recurrent_state is None or need > self.recurrent_state.rows:
+            have = self.recurrent_state.rows if self.recurrent_state is not None else 0
+            nbytes = self.allocate_recurrent_state(max(need, 2 * have, 16))
+            logger.info("recurrent state grown to %d sequences (%.1f MiB)", max(need, 2 * have, 16), nbytes / 2**20)
+        fresh = [i for i, c in enumerate(metadata.context_lens_cpu) if c == 0]
+        if fresh and self.recurrent_state is not None:
+            assert metadata.state_rows is not None
+            self.recurrent_state.reset(metadata.state_rows[fresh])

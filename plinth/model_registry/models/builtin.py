@@ -30,6 +30,8 @@ def plinth_models() -> dict[str, str]:
         "GraniteMoeForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
         "GraniteMoeSharedForCausalLM": f"{_M}.granite:GraniteMoeForCausalLM",
         "GraniteMoeHybridForCausalLM": f"{_M}.granite_hybrid:GraniteMoeHybridForCausalLM",
+        "NemotronHForCausalLM": f"{_M}.nemotron_h:NemotronHForCausalLM",
+        "Mamba2ForCausalLM": f"{_M}.nemotron_h:Mamba2ForCausalLM",
         "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM": f"{_M}.glm4_moe:Glm4MoeForCausalLM",

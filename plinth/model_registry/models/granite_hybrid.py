@@ -9,7 +9,6 @@ speculative decoding (a rejected draft would have to take the state back) and de
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
@@ -21,11 +20,9 @@ from plinth.attention_backends.interface import AttentionMetadata
 from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.layernorm import RMSNorm
-from plinth.model_registry.layers.mamba import Mamba2Mixer, RecurrentState
+from plinth.model_registry.layers.mamba import Mamba2Mixer, MambaStateMixin
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention, DenseMLP
 from plinth.model_registry.models.granite import GraniteMoeForCausalLM
-
-logger = logging.getLogger(__name__)
 
 #: ``layer_types`` values of Mamba layers (transformers 5 writes ``linear_attention``; released configs ``mamba``)
 MAMBA_LAYER_TYPES = frozenset({"mamba", "linear_attention"})
@@ -93,7 +90,7 @@ class HybridDecoderLayer(nn.Module):
         return (hidden * m if m != 1.0 else hidden), residual
 
 
-class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
+class GraniteMoeHybridForCausalLM(MambaStateMixin, GraniteMoeForCausalLM):
     """``GraniteMoeHybridForCausalLM``. Checkpoint names: ``model.layers.N.mamba.*`` (``in_proj``, ``conv1d``,
     ``A_log``, ``D``, ``dt_bias``, ``norm``, ``out_proj``) or ``self_attn.*``; ``shared_mlp.input_linear`` (gate rows
     then up rows) and ``output_linear``; ``block_sparse_moe.*`` as Granite 3's mixtures of experts. RoPE only where
@@ -101,8 +98,6 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
 
     layer_class: ClassVar[type[nn.Module] | None] = HybridDecoderLayer
     supports_pipeline_parallel: ClassVar[bool] = False
-    #: the model keeps per-sequence state outside the KV cache (see :mod:`plinth.model_registry.layers.mamba`)
-    has_recurrent_state: ClassVar[bool] = True
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
 
     def __init__(self, ctx: ModelContext):
@@ -111,7 +106,6 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
                                         "models with Mamba layers yet")
         self.has_experts = int(getattr(ctx.hf_config, "num_local_experts", 0) or 0) > 0
         super().__init__(ctx)
-        self.recurrent_state: RecurrentState | None = None
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         base = super().attention_options(cfg)
@@ -160,44 +154,6 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
             if ".mlp.down_proj." in param_name:
                 return f"{layer}.shared_mlp.output_linear.weight"
         return super().checkpoint_name(param_name, shard_id)
-
-    # ------------------------------------------------------------------ recurrent state
-
-    def mamba_layers(self) -> list[Mamba2Mixer]:
-        return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]
-
-    def allocate_recurrent_state(self, rows: int) -> int:
-        """States for ``rows`` sequences (kept if allocated already; grown if fewer); returns their bytes."""
-        layers = self.mamba_layers()
-        if not layers:
-            return 0
-        if self.recurrent_state is None:
-            conv_shape, ssm_shape = layers[0].state_shapes()
-            if any(layer.state_shapes() != (conv_shape, ssm_shape) for layer in layers):
-                raise UnsupportedModelError("Mamba layers of different shapes in one model")
-            dtype = layers[0].in_proj.weight.dtype if layers[0].in_proj.weight.is_floating_point() else self.ctx.dtype
-            self.recurrent_state = RecurrentState(len(layers), rows, conv_shape, ssm_shape, dtype, self.ctx.device)
-            for i, layer in enumerate(layers):
-                layer.state, layer.state_index = self.recurrent_state, i
-        else:
-            self.recurrent_state.grow(rows)
-        return self.recurrent_state.nbytes
-
-    def begin_step(self, metadata: AttentionMetadata) -> None:
-        """Before the layers: room for the step's rows, and zero states for the sequences that start at position 0."""
-        rows_cpu = metadata.state_rows_cpu
-        if rows_cpu is None or not rows_cpu:
-            return
-        need = max(rows_cpu) + 1
-        if self.recurrent_state is None or need > self.recurrent_state.rows:
-            grown = max(need, 2 * self.recurrent_state.rows if self.recurrent_state is not None else 16)
-            self.allocate_recurrent_state(grown)
-            logger.info("recurrent state for %d sequences (%.1f MiB)", grown,
-                        self.recurrent_state.nbytes / 2**20 if self.recurrent_state is not None else 0.0)
-        fresh = [i for i, c in enumerate(metadata.context_lens_cpu) if c == 0]
-        if fresh and self.recurrent_state is not None:
-            assert metadata.state_rows is not None
-            self.recurrent_state.reset(metadata.state_rows[fresh])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 image_embeds: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Granite 4.0 hybrids (``GraniteMoeHybridForCausalLM``): Mamba-2 layers beside attention, with per-sequence
-recurrent state, against transformers running the same random weights (float32), and the scan against a float64
-step-by-step recurrence."""
+"""Models with Mamba-2 layers (per-sequence recurrent state): Granite 4.0 hybrids (``GraniteMoeHybridForCausalLM``),
+Nemotron-H and Mamba-2, against transformers running the same random weights (float32), and the scan against a
+float64 step-by-step recurrence."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _config(tokenizer, **overrides) -> transformers.GraniteMoeHybridConfig:
 
 
 @torch.no_grad()
-def _randomize_mamba(hf: transformers.PreTrainedModel) -> None:
+def randomize_mamba(hf: transformers.PreTrainedModel) -> None:
     """Decay rates, time-step biases, skips, norms and conv biases away from their constant initial values."""
     g = torch.Generator().manual_seed(3)
     for name, p in hf.named_parameters():
@@ -57,7 +57,7 @@ def save_hybrid(path, **overrides) -> transformers.PreTrainedModel:
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     hf = transformers.GraniteMoeHybridForCausalLM(_config(tokenizer, **overrides)).eval()
-    _randomize_mamba(hf)
+    randomize_mamba(hf)
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return hf
@@ -199,6 +199,60 @@ def test_chunked_scan_matches_the_recurrence(length, chunk):
     y_ref, s_ref = _scan_reference(x, dt, a, b, c, s0)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
+
+
+def save_backbone_model(path, arch: str, **overrides) -> transformers.PreTrainedModel:
+    """A random ``NemotronHForCausalLM`` (Mamba, MLP and attention blocks) or ``Mamba2ForCausalLM`` (tied
+    embeddings) with the tests' tokenizer."""
+    tokenizer = make_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
+                  bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    if arch == "NemotronHForCausalLM":
+        cfg = transformers.NemotronHConfig(**{**common, **dict(
+            intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+            mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8,
+            layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba"]), **overrides},
+            attn_implementation="eager")
+        hf = transformers.NemotronHForCausalLM(cfg).eval()
+    else:
+        cfg = transformers.Mamba2Config(**{**common, **dict(
+            num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=2, chunk_size=8, num_hidden_layers=3,
+            tie_word_embeddings=True), **overrides})
+        hf = transformers.Mamba2ForCausalLM(cfg).eval()
+    randomize_mamba(hf)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("arch", ["NemotronHForCausalLM", "Mamba2ForCausalLM"])
+def test_backbone_models_match_transformers(arch, tmp_path):
+    """Nemotron-H (Mamba, squared-ReLU MLP and RoPE-less attention blocks) and Mamba-2 (no attention at all: the KV
+    blocks only count positions): greedy tokens and log-probabilities equal transformers', chunked prefill included;
+    six requests two at a time reuse state rows."""
+    hf = save_backbone_model(tmp_path, arch)
+    prompts = _prompts(hf.config.vocab_size)
+    want = [hf_greedy(hf, p) for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=0), use_tqdm=False)
+    for out, (tokens, lps) in zip(outs, want, strict=True):
+        assert out.outputs[0].token_ids == tokens
+        assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
+    llm.close()
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=2)
+    order = [3, 0, 2, 1, 3, 0]
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[i][0] for i in order]
+    llm.close()
+
+
+def test_nemotron_h_mixture_of_experts_blocks_are_refused(tmp_path):
+    save_backbone_model(tmp_path, "NemotronHForCausalLM", layers_block_type=["mamba", "moe", "attention"],
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        moe_shared_expert_intermediate_size=32)
+    with pytest.raises(UnsupportedModelError, match="block 1 is of kind 'moe'"):
+        plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
