@@ -103,7 +103,9 @@ def test_engine_matches_transformers(hybrid):
         assert got.token_ids == tokens
         got_lps = [next(iter(step.values())).logprob for step in got.logprobs]
         assert got_lps == pytest.approx(lps, abs=2e-4)
-    assert llm.engine.block_manager.enable_prefix_caching is False
+    # the prefix cache is off where the model keeps state (attention-only Granite keeps none)
+    has_mamba = "linear_attention" in hf.config.layer_types
+    assert llm.engine.recurrent_state is has_mamba and llm.engine.block_manager.enable_prefix_caching is not has_mamba
     llm.close()
 
 
@@ -169,6 +171,39 @@ def test_explicit_prefix_caching_is_turned_off(tmp_path, caplog):
     assert llm.engine.block_manager.enable_prefix_caching is False
     assert "prefix cache is off" in caplog.text
     llm.close()
+
+
+def test_attention_only_granite_keeps_the_prefix_cache(tmp_path):
+    """granite-4.0-micro's shape (every layer attention) keeps no state: it runs as any model, prefix cache on."""
+    save_hybrid(tmp_path, **SHAPES["attention_only"])
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64)
+    assert llm.engine.recurrent_state is False and llm.engine.block_manager.enable_prefix_caching is True
+    llm.close()
+
+
+def test_quantized_projections(tmp_path):
+    """``--quantization fp8`` (the dequantizing kernel on a CPU) quantizes the Mamba layers' projections too; the
+    greedy tokens stay close to the float model's (random weights: a few near ties part)."""
+    save_hybrid(tmp_path, **SHAPES["moe_rope"])
+    prompts = [{"prompt_token_ids": p} for p in _prompts(300)]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, quantization="fp8")
+    quantized = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(8), use_tqdm=False)]
+    in_proj = llm.engine.runner.model.model.layers[0].mamba.in_proj
+    assert not hasattr(in_proj, "weight") or in_proj.weight.dtype != torch.float32
+    llm.close()
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    full = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(8), use_tqdm=False)]
+    llm.close()
+    assert sum(a[0] == b[0] for a, b in zip(quantized, full, strict=True)) >= 3
+
+
+def test_a_draft_model_with_mamba_layers_is_refused(tmp_path):
+    save_hybrid(tmp_path / "draft", **SHAPES["dense_nope"])
+    save_hybrid(tmp_path / "target", **SHAPES["attention_only"])
+    with pytest.raises(ConfigError, match="draft model .* has Mamba layers"):
+        plinth.LLM(str(tmp_path / "target"), dtype="float32", max_model_len=64,
+                   speculative_config={"method": "draft_model", "model": str(tmp_path / "draft"),
+                                       "num_speculative_tokens": 2})
 
 
 def test_parallelism_is_refused_clearly():

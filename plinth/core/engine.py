@@ -1716,16 +1716,13 @@ class LLMEngine:
 
 
 def _has_recurrent_state(parts: Any) -> bool:
-    """Whether the engine's model keeps per-sequence recurrent state (its class's ``has_recurrent_state``)."""
+    """Whether the engine's model keeps per-sequence recurrent state (Mamba layers)."""
     model = getattr(getattr(parts, "runner", None), "model", None)
     if model is not None:
         return bool(getattr(model, "has_recurrent_state", False))
-    source = getattr(parts, "source", None)
-    architecture = getattr(source, "architecture", None)
-    if not architecture:
+    source = getattr(parts, "source", None)   # worker processes hold the model: ask its class about the config
+    if not getattr(source, "architecture", None):
         return False
-    try:
-        cls = ModelRegistry.resolve(architecture)
-    except Exception:   # noqa: BLE001 - an architecture only worker processes know how to build
-        return False
-    return bool(getattr(cls, "has_recurrent_state", False))
+    from plinth.worker.setup import recurrent_state_architecture
+
+    return recurrent_state_architecture(source.architecture, source.hf_config)

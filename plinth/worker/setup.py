@@ -390,14 +390,28 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     )
 
 
+def recurrent_state_architecture(architecture: str, hf_config: Any) -> bool:
+    """Whether a model of ``architecture`` with ``hf_config`` keeps per-sequence recurrent state (Mamba layers):
+    its class's ``config_has_recurrent_state(hf_config)``."""
+    from plinth.model_registry.registry import ModelRegistry
+
+    try:
+        cls = ModelRegistry.resolve(architecture)
+    except Exception:   # noqa: BLE001 - an architecture plinth cannot build says so where it is built
+        return False
+    check = getattr(cls, "config_has_recurrent_state", None)
+    return bool(check(hf_config)) if check is not None else False
+
+
 def allocate_recurrent_state(model: Any, config: EngineConfig) -> None:
     """The per-sequence state of a model with Mamba layers, for ``max_num_seqs`` sequences (before the KV cache is
     sized, so that it counts as the model's memory)."""
     allocate = getattr(model, "allocate_recurrent_state", None)
     if allocate is not None:
         nbytes = allocate(config.scheduler.max_num_seqs)
-        logger.info("recurrent state (Mamba layers) for %d sequences: %.1f MiB", config.scheduler.max_num_seqs,
-                    nbytes / 2**20)
+        if nbytes:
+            logger.info("recurrent state (Mamba layers) for %d sequences: %.1f MiB", config.scheduler.max_num_seqs,
+                        nbytes / 2**20)
 
 
 def profile_image_encoder(images: Any, source: Any, config: EngineConfig, max_model_len: int) -> None:
@@ -467,6 +481,9 @@ def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype
         raise ModelLoadError(f"the draft model (speculative_config's model): {exc}") from None
     source.check_task("generate")
     hf = source.hf_config
+    if recurrent_state_architecture(source.architecture, hf):
+        raise ConfigError(f"the draft model ({source.architecture}) has Mamba layers, whose per-sequence state a "
+                          "draft model cannot keep: choose a draft model without them")
     if hf.vocab_size > target_hf.vocab_size:
         raise ConfigError(f"the draft model's vocabulary ({hf.vocab_size} tokens) is larger than the target's "
                           f"({target_hf.vocab_size}): a draft model must share the target's tokenizer")

@@ -267,9 +267,15 @@ class MambaStateMixin:
     every such layer) and the step's preparation; the model calls :meth:`begin_step` before its layers."""
 
     #: the model keeps per-sequence state outside the KV cache: the engine turns the prefix cache off, refuses
-    #: speculative decoding and sends each sequence's state row with every step
+    #: speculative decoding and sends each sequence's state row with every step (set per instance by the model:
+    #: :meth:`config_has_recurrent_state` of its config)
     has_recurrent_state: bool = True
     recurrent_state: RecurrentState | None = None
+
+    @classmethod
+    def config_has_recurrent_state(cls, hf_config: Any) -> bool:
+        """Whether a model of this class with ``hf_config`` has Mamba layers (default: always)."""
+        return True
 
     def mamba_layers(self) -> list[Mamba2Mixer]:
         return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]  # type: ignore[attr-defined]
@@ -295,7 +301,7 @@ class MambaStateMixin:
     def begin_step(self, metadata: AttentionMetadata) -> None:
         """Before the layers: room for the step's rows, and zero states for the sequences that start at position 0."""
         rows_cpu = metadata.state_rows_cpu
-        if not rows_cpu:
+        if not rows_cpu or not self.has_recurrent_state:
             return
         need = max(rows_cpu) + 1
         if self.recurrent_state is None or need > self.recurrent_state.rows:

@@ -106,6 +106,12 @@ class GraniteMoeHybridForCausalLM(MambaStateMixin, GraniteMoeForCausalLM):
                                         "models with Mamba layers yet")
         self.has_experts = int(getattr(ctx.hf_config, "num_local_experts", 0) or 0) > 0
         super().__init__(ctx)
+        self.has_recurrent_state = self.config_has_recurrent_state(ctx.hf_config)
+
+    @classmethod
+    def config_has_recurrent_state(cls, hf_config: Any) -> bool:
+        """Granite 4.0's attention-only models (granite-4.0-micro) keep no state: they run as any model does."""
+        return any(is_mamba_layer(hf_config, i) for i in range(hf_config.num_hidden_layers))
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
         base = super().attention_options(cfg)

@@ -1,0 +1,164 @@
+"""Models with Mamba-2 layers: plinth against transformers on the same random Granite 4.0-H-shaped checkpoint (Mamba-2
+and attention layers, a shared MLP), in one process.
+
+    python benchmarks/mamba_models.py --device cpu                 # a ~110M-parameter shape, 2 cores are enough
+    python benchmarks/mamba_models.py --shape 1b                    # GPU: a ~1.5B-parameter shape
+
+Measured for each engine: one request (``--prompt-len`` random tokens, ``--max-tokens`` new ones, greedy, EOS ignored):
+milliseconds per output token after the first (from runs of ``--max-tokens`` / 4 and ``--max-tokens`` tokens, so the
+prompt's cost cancels) and the time to the first token; ``--requests`` such requests at once: output tokens per
+second (transformers: one left-padded ``generate``, its Mamba layers through its own PyTorch scan, as on any machine
+without the ``mamba_ssm`` kernels). Whether the single request's greedy tokens agree is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+#: name -> GraniteMoeHybridConfig fields: every sixth layer attention, the others Mamba-2
+SHAPES = {
+    "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  shared_intermediate_size=2048, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,
+                  vocab_size=49152),
+    "1b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+               shared_intermediate_size=5632, mamba_n_heads=64, mamba_d_head=64, mamba_d_state=128,
+               vocab_size=100352),
+    "tiny": dict(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                 shared_intermediate_size=256, mamba_n_heads=8, mamba_d_head=32, mamba_d_state=32, vocab_size=512),
+}
+
+
+def build_checkpoint(shape: str, path: str, dtype: torch.dtype) -> None:
+    import transformers
+
+    fields = dict(SHAPES[shape])
+    n = fields["num_hidden_layers"]
+    cfg = transformers.GraniteMoeHybridConfig(
+        **fields, intermediate_size=fields["shared_intermediate_size"], num_local_experts=0,
+        layer_types=["attention" if i % 6 == 5 else "mamba" for i in range(n)], mamba_n_groups=1,
+        mamba_chunk_size=256, mamba_expand=fields["mamba_n_heads"] * fields["mamba_d_head"] // fields["hidden_size"],
+        position_embedding_type=None, max_position_embeddings=4096, eos_token_id=0, pad_token_id=0, bos_token_id=1,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.GraniteMoeHybridForCausalLM(cfg).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 15 + 1))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.rand(p.shape, generator=g) * -4 - 1)
+    model.save_pretrained(path)
+
+
+def _timed(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    import plinth
+
+    kw = {"gpu_memory_utilization": 0.5} if args.device == "cuda" else {}
+    llm = plinth.LLM(path, dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8,
+                     max_num_seqs=max(args.requests, 1), **kw)
+
+    def sp(n):
+        return plinth.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    one = [{"prompt_token_ids": prompts[0]}]
+    llm.generate(one, sp(4), use_tqdm=False)   # warm-up
+    short_n, long_n = max(2, args.max_tokens // 4), args.max_tokens
+    tokens: list[int] = []
+
+    def long_run():
+        tokens[:] = llm.generate(one, sp(long_n), use_tqdm=False)[0].outputs[0].token_ids
+
+    ttft = _timed(lambda: llm.generate(one, sp(1), use_tqdm=False))
+    t_short = _timed(lambda: llm.generate(one, sp(short_n), use_tqdm=False))
+    t_long = _timed(long_run)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    t_batch = _timed(lambda: llm.generate(batch, sp(args.max_tokens), use_tqdm=False))
+    llm.close()
+    return {"ttft_s": ttft, "ms_per_token": 1e3 * (t_long - t_short) / (long_n - short_n),
+            "batch_tok_s": len(prompts) * args.max_tokens / t_batch, "tokens": tokens}
+
+
+def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    import transformers
+
+    dtype = getattr(torch, args.dtype)
+    model = transformers.GraniteMoeHybridForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    dev = args.device
+
+    def gen(batch: list[list[int]], n: int) -> torch.Tensor:
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)[:, width:]
+
+    gen([prompts[0]], 4)
+    gen([prompts[0]], 4)
+    short_n, long_n = max(2, args.max_tokens // 4), args.max_tokens
+    out: list[torch.Tensor] = []
+    ttft = _timed(lambda: gen([prompts[0]], 1))
+    t_short = _timed(lambda: gen([prompts[0]], short_n))
+    t_long = _timed(lambda: out.append(gen([prompts[0]], long_n)))
+    t_batch = _timed(lambda: gen(prompts, args.max_tokens))
+    gc.collect()
+    return {"ttft_s": ttft, "ms_per_token": 1e3 * (t_long - t_short) / (long_n - short_n),
+            "batch_tok_s": len(prompts) * args.max_tokens / t_batch, "tokens": out[0][0].tolist()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: small on a CPU, 1b on a GPU")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    shape = args.shape or ("1b" if args.device == "cuda" else "small")
+    g = torch.Generator().manual_seed(7)
+    vocab = SHAPES[shape]["vocab_size"]
+    prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        build_checkpoint(shape, tmp, getattr(torch, args.dtype))
+        params = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.endswith(".safetensors"))
+        ours = run_plinth(tmp, args, prompts)
+        theirs = run_transformers(tmp, args, prompts)
+    agree = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=False))
+    print(f"shape {shape} ({params / 2**20:.0f} MiB of weights, {args.dtype}) on {args.device}; prompt "
+          f"{args.prompt_len} tokens, {args.max_tokens} new, {args.requests} requests at once")
+    print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}")
+    for key, label, better_low in [("ms_per_token", "ms/token", True), ("ttft_s", "TTFT s", True),
+                                   ("batch_tok_s", "batch tok/s", False)]:
+        a, b = ours[key], theirs[key]
+        ratio = b / a if better_low else a / b
+        print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x")
+    print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,
+                       "transformers": theirs, "agree": agree}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
