@@ -206,9 +206,26 @@ def test_a_draft_model_with_mamba_layers_is_refused(tmp_path):
                                        "num_speculative_tokens": 2})
 
 
-def test_parallelism_is_refused_clearly():
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
-        Mamba2Mixer(64, 8, 16, 16, 2, 4, 8, 1e-6, tp_size=2)
+def test_uneven_tensor_parallel_splits_are_refused_clearly():
+    """The heads must divide over the ranks, and the groups too unless there is one (then it is replicated)."""
+    with pytest.raises(UnsupportedModelError, match="cannot be split over 3 tensor-parallel ranks"):
+        Mamba2Mixer(64, 8, 16, 16, 2, 4, 8, 1e-6, tp_size=3)
+    with pytest.raises(UnsupportedModelError, match="cannot be split over 4 tensor-parallel ranks"):
+        Mamba2Mixer(64, 8, 16, 16, 2, 4, 8, 1e-6, tp_size=4)
+
+
+@pytest.mark.parametrize("groups", [2, 1], ids=["groups_split", "one_group_replicated"])
+def test_tensor_parallel_workers_match_transformers(groups, tmp_path):
+    """Two tensor-parallel worker processes (CPU, gloo): each rank holds half of the Mamba heads (their rows of
+    ``in_proj``, channels of ``conv1d``, ``A_log``/``D``/``dt_bias``, norm and ``out_proj`` columns) and either half
+    of the groups or, with one group, all of it, its gated norm's squares all-reduced; the attention and MLP split as
+    usual. Greedy tokens equal transformers'."""
+    from conftest import generate_on_tp_workers
+
+    hf = save_hybrid(tmp_path, **{**SHAPES["moe_rope"], "mamba_n_groups": groups})
+    prompts = _prompts(hf.config.vocab_size)
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
+    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 
 def _scan_reference(x, dt, a, b, c, state):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
+from plinth.distributed.communication import tp_all_reduce
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -72,16 +73,23 @@ class RecurrentState:
 
 class GatedRMSNorm(nn.Module):
     """``rms_norm(y * silu(z))`` over groups of ``group_size`` features, times ``weight`` (Mamba-2's output norm;
-    the gate comes before the norm). Computes in float32."""
+    the gate comes before the norm). Computes in float32. With ``spans_ranks`` the one group is split over the
+    tensor-parallel ranks (each holds ``hidden_size`` of its ``group_size`` features): the squares' sums are
+    all-reduced."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float):
+    def __init__(self, hidden_size: int, group_size: int, eps: float, spans_ranks: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.group_size = group_size
         self.eps = eps
+        self.spans_ranks = spans_ranks
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:   # [T, I] float32, [T, I] -> [T, I] float32
         h = y.float() * F.silu(z.float())
+        if self.spans_ranks:
+            squares = h.pow(2).sum(-1, keepdim=True)
+            tp_all_reduce(squares)
+            return h * torch.rsqrt(squares / self.group_size + self.eps) * self.weight.float()
         g = h.view(h.shape[0], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return g.view_as(h) * self.weight.float()
@@ -124,6 +132,31 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0], state
 
 
+class _InProjection(ColumnParallelLinear):
+    """Mamba-2's ``in_proj`` on one tensor-parallel rank: the rows of its heads' ``z``, ``x`` and ``dt``, and of its
+    groups' ``B`` and ``C`` (all of them where the layer has one group), cut from the checkpoint's full tensor."""
+
+    def __init__(self, input_size: int, full_rows: int, rows: list[tuple[int, int]], **kwargs: Any):
+        self.rows = rows
+        super().__init__(input_size, full_rows, **kwargs)
+
+    def _partition_sizes(self) -> tuple[int, list[int]]:
+        return self.input_size, [sum(length for _, length in self.rows)]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_size == 1:
+            super().weight_loader(param, loaded)
+            return
+        if param.dim() == 0 or param.shape[0] != sum(length for _, length in self.rows):
+            raise ModelLoadError(f"Mamba-2 in_proj: a tensor of shape {tuple(loaded.shape)} cannot be split over "
+                                 "tensor-parallel ranks (a quantized checkpoint's own scales: run it with "
+                                 "--tensor-parallel-size 1)")
+        if loaded.shape[0] != self.output_size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+            raise ModelLoadError(f"Mamba-2 in_proj: expected {self.output_size} rows of shape "
+                                 f"{tuple(param.shape[1:])}, checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(torch.cat([loaded.narrow(0, start, length) for start, length in self.rows]))
+
+
 class Mamba2Mixer(nn.Module):
     """A Mamba-2 mixer: ``in_proj`` to the gate ``z``, the convolved ``x, B, C`` and the time step ``dt``; a causal
     depthwise convolution and SiLU; the selective scan with the ``D`` skip; the gated RMSNorm; ``out_proj``.
@@ -136,46 +169,85 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int, chunk_size: int, eps: float, *, conv_bias: bool = True, proj_bias: bool = False,
                  activation: str = "silu", time_step_limit: tuple[float, float] | None = None,
-                 quant_method: Any = None, tp_size: int = 1):
+                 quant_method: Any = None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        if tp_size > 1:
-            raise UnsupportedModelError("Mamba-2 layers are not split for tensor parallelism yet: run this model "
-                                        "with --tensor-parallel-size 1")
         if activation not in ("silu", "swish"):
             raise UnsupportedModelError(f"Mamba-2 layers with activation {activation!r}: only SiLU is supported")
         if num_heads % n_groups:
             raise ModelLoadError(f"Mamba-2: {num_heads} heads do not divide into {n_groups} groups")
-        self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
-        self.intermediate_size = num_heads * head_dim
-        self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
+        if num_heads % tp_size or (n_groups % tp_size and n_groups != 1):
+            raise UnsupportedModelError(f"Mamba-2 layers of {num_heads} heads in {n_groups} groups cannot be split "
+                                        f"over {tp_size} tensor-parallel ranks (the heads, and the groups unless "
+                                        "there is one, must divide evenly)")
+        full = num_heads * head_dim
+        #: this rank's heads and groups (one group is replicated on every rank)
+        self.num_heads, self.head_dim, self.state_size = num_heads // tp_size, head_dim, state_size
+        self.n_groups = n_groups // tp_size if n_groups % tp_size == 0 else n_groups
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._full = (full, n_groups, num_heads)
+        self.intermediate_size = self.num_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * state_size
         self.conv_kernel = conv_kernel
         self.chunk_size = chunk_size
         lo, hi = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
         self.dt_min, self.dt_max = float(lo), float(hi)
-        tp = {"tp_rank": 0, "tp_size": 1, "quant_method": quant_method}
-        self.in_proj = ColumnParallelLinear(hidden_size, self.intermediate_size + self.conv_dim + num_heads,
-                                            bias=proj_bias, **tp)
-        self.out_proj = RowParallelLinear(self.intermediate_size, hidden_size, bias=proj_bias, **tp)
+        self.in_proj = _InProjection(hidden_size, 2 * full + 2 * n_groups * state_size + num_heads, self._rows(),
+                                     bias=proj_bias, tp_rank=tp_rank, tp_size=tp_size,
+                                     quant_method=quant_method)
+        self.out_proj = RowParallelLinear(full, hidden_size, bias=proj_bias, tp_rank=tp_rank, tp_size=tp_size,
+                                          quant_method=quant_method)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel), requires_grad=False)
-        self.conv_weight.weight_loader = self._load_conv_weight  # type: ignore[attr-defined]
-        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False) if conv_bias else None
-        # float32, as the scan computes
-        self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
-        self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps)
+        self.conv_weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
+        self.conv_bias = None
+        if conv_bias:
+            self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False)
+            self.conv_bias.weight_loader = self._load_conv  # type: ignore[attr-defined]
+        # float32, as the scan computes; this rank's heads
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        for param in (self.A_log, self.D, self.dt_bias):
+            param.weight_loader = self._load_heads  # type: ignore[attr-defined]
+        spans = n_groups == 1 and tp_size > 1
+        self.norm = GatedRMSNorm(self.intermediate_size, full // n_groups, eps, spans_ranks=spans)
+        self.norm.weight.weight_loader = self._load_norm  # type: ignore[attr-defined]
         self.state_index = -1
         self.state: RecurrentState | None = None
 
+    def _rows(self) -> list[tuple[int, int]]:
+        """This rank's ``(start, length)`` row ranges of the checkpoint's ``in_proj`` (``z``, ``x``, ``B``, ``C``,
+        ``dt``), in order."""
+        full, groups, heads = self._full
+        i, r, n = self.intermediate_size, self.tp_rank, self.state_size
+        g0 = r * self.n_groups if self.n_groups != groups else 0
+        gn = self.n_groups * n
+        return [(r * i, i), (full + r * i, i), (2 * full + g0 * n, gn), (2 * full + groups * n + g0 * n, gn),
+                (2 * full + 2 * groups * n + r * self.num_heads, self.num_heads)]
+
     # ------------------------------------------------------------------ loading
 
-    def _load_conv_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """``conv1d``'s weight (``[C, 1, K]`` or ``[C, K]``) or bias: this rank's channels of ``x``, ``B``, ``C``."""
         if loaded.dim() == 3 and loaded.shape[1] == 1:   # nn.Conv1d's depthwise [C, 1, K]
             loaded = loaded[:, 0]
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ModelLoadError(f"Mamba-2 conv1d weight: expected {tuple(param.shape)} (or [C, 1, K]), checkpoint "
-                                 f"has {tuple(loaded.shape)}")
-        param.data.copy_(loaded)
+        full, groups, _ = self._full
+        if loaded.shape[0] != full + 2 * groups * self.state_size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+            raise ModelLoadError(f"Mamba-2 conv1d: expected {full + 2 * groups * self.state_size} channels of shape "
+                                 f"{tuple(param.shape[1:])}, checkpoint has {tuple(loaded.shape)}")
+        x_rows, b_rows, c_rows = self._rows()[1:4]
+        param.data.copy_(torch.cat([loaded.narrow(0, start - full, length)
+                                    for start, length in (x_rows, b_rows, c_rows)]))
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (self._full[2],):
+            raise ModelLoadError(f"Mamba-2: expected one value per head ({self._full[2]},), checkpoint has "
+                                 f"{tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.tp_rank * self.num_heads, self.num_heads))
+
+    def _load_norm(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (self._full[0],):
+            raise ModelLoadError(f"Mamba-2 norm: expected ({self._full[0]},), checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.tp_rank * self.intermediate_size, self.intermediate_size))
 
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """The shapes of one sequence's convolution and scan states."""

@@ -4,7 +4,8 @@ multipliers, a shared MLP on every layer and, where ``num_local_experts`` is set
 
 The Mamba layers keep recurrent state for every running sequence (:mod:`plinth.model_registry.layers.mamba`):
 the engine turns the prefix cache off for such models (a cached prefix would come without its state), refuses
-speculative decoding (a rejected draft would have to take the state back) and decodes eagerly.
+speculative decoding (a rejected draft would have to take the state back) and decodes eagerly. Tensor parallelism
+splits the Mamba layers by heads (:class:`~plinth.model_registry.layers.mamba.Mamba2Mixer`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class HybridDecoderLayer(nn.Module):
                                      conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
                                      activation=getattr(cfg, "hidden_act", "silu") or "silu",
                                      time_step_limit=getattr(cfg, "time_step_limit", None),
-                                     quant_method=ctx.quant_method, tp_size=ctx.tp_size)
+                                     quant_method=ctx.quant_method, tp_rank=ctx.tp_rank,
+                                     tp_size=ctx.tp_size)
         else:
             self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
         self.mlp = mlp

@@ -59,7 +59,8 @@ class MixerBlock(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=eps)
         self.mixer: nn.Module
         if kind == "mamba":
-            self.mixer = Mamba2Mixer(cfg.hidden_size, quant_method=ctx.quant_method, tp_size=ctx.tp_size, eps=eps,
+            self.mixer = Mamba2Mixer(cfg.hidden_size, quant_method=ctx.quant_method, tp_rank=ctx.tp_rank,
+                                     tp_size=ctx.tp_size, eps=eps,
                                      **mamba)
         elif kind == "attention":
             self.mixer = DecoderAttention(ctx, layer_idx, AttentionOptions(
