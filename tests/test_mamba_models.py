@@ -228,6 +228,24 @@ def test_tensor_parallel_workers_match_transformers(groups, tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 
+def test_nemotron_h_on_tensor_parallel_workers(tmp_path):
+    """Nemotron-H with Mamba, attention, MLP and expert blocks on two CPU worker processes: the experts' features
+    split over the ranks; greedy tokens equal transformers'."""
+    from conftest import generate_on_tp_workers
+
+    hf = save_backbone_model(tmp_path, "NemotronHForCausalLM", layers_block_type=["mamba", "moe", "attention", "mlp"],
+                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             moe_shared_expert_intermediate_size=48)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    hf.save_pretrained(tmp_path)
+    prompts = _prompts(hf.config.vocab_size)
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
+    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
+
+
 def _scan_reference(x, dt, a, b, c, state):
     """The recurrence one position at a time, float64: ``h = exp(dt a) h + dt x b^T``, ``y = h c``."""
     ys = []
@@ -299,12 +317,29 @@ def test_backbone_models_match_transformers(arch, tmp_path):
     llm.close()
 
 
-def test_nemotron_h_mixture_of_experts_blocks_are_refused(tmp_path):
-    save_backbone_model(tmp_path, "NemotronHForCausalLM", layers_block_type=["mamba", "moe", "attention"],
-                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        moe_shared_expert_intermediate_size=32)
-    with pytest.raises(UnsupportedModelError, match="block 1 is of kind 'moe'"):
-        plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64)
+@pytest.mark.parametrize("latent", [None, 24], ids=["experts", "latent_experts"])
+def test_nemotron_h_mixture_of_experts_blocks(latent, tmp_path):
+    """Nemotron 3's blocks: a float32 router with corrected sigmoid routing in groups, squared-ReLU experts (inside
+    latent projections where ``moe_latent_size`` is set) and a shared expert; greedy tokens and log-probabilities
+    equal transformers'."""
+    hf = save_backbone_model(tmp_path, "NemotronHForCausalLM", layers_block_type=["mamba", "moe", "attention", "moe"],
+                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5, moe_latent_size=latent)
+    with torch.no_grad():   # the router starts at zeros (every expert tied): random rows choose
+        g = torch.Generator().manual_seed(4)
+        for name, p in hf.named_parameters():
+            if name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+    hf.save_pretrained(tmp_path)
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=0), use_tqdm=False)
+    for out, prompt in zip(outs, prompts, strict=True):
+        tokens, lps = hf_greedy(hf, prompt)
+        assert out.outputs[0].token_ids == tokens
+        assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
+    llm.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

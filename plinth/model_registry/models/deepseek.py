@@ -200,25 +200,36 @@ class DeepseekExperts(FusedMoE):
                                                      requires_grad=False) if v3 else None)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = router_logits.to(torch.float32)
-        scores = logits.sigmoid() if self.v3 else logits.softmax(dim=-1)
-        choice = scores + self.e_score_correction_bias if self.e_score_correction_bias is not None else scores
-        if self.n_group > 1:
-            t = choice.shape[0]
-            groups = choice.view(t, self.n_group, -1)
-            group_score = groups.topk(2, dim=-1).values.sum(dim=-1) if self.v3 else groups.amax(dim=-1)
-            keep = torch.zeros_like(group_score, dtype=torch.bool)
-            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
-            keep = keep[:, :, None].expand_as(groups).reshape(t, -1)
-            if self.v3:
-                choice = choice.masked_fill(~keep, float("-inf"))
-            else:   # V2 zeroes the other groups' scores (and takes the weights from them)
-                choice = scores = scores.masked_fill(~keep, 0.0)
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        return grouped_route(router_logits, self.top_k, v3=self.v3, correction=self.e_score_correction_bias,
+                             n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+                             scaling=self.scaling)
+
+
+def grouped_route(router_logits: torch.Tensor, top_k: int, *, v3: bool, correction: torch.Tensor | None,
+                  n_group: int, topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing: top-k expert weights ``[T, K]`` (float32) and ids ``[T, K]`` from router logits
+    ``[T, E]``. V3 (``v3``): sigmoid scores, the choice made on the scores plus ``correction``, within the
+    ``topk_group`` groups of ``n_group`` whose two best experts score highest; V2: softmax scores, groups by their
+    best expert, the other groups' scores zeroed. Weights renormalised if asked, then times ``scaling``."""
+    logits = router_logits.to(torch.float32)
+    scores = logits.sigmoid() if v3 else logits.softmax(dim=-1)
+    choice = scores + correction if correction is not None else scores
+    if n_group > 1:
+        t = choice.shape[0]
+        groups = choice.view(t, n_group, -1)
+        group_score = groups.topk(2, dim=-1).values.sum(dim=-1) if v3 else groups.amax(dim=-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        keep = keep[:, :, None].expand_as(groups).reshape(t, -1)
+        if v3:
+            choice = choice.masked_fill(~keep, float("-inf"))
+        else:   # V2 zeroes the other groups' scores (and takes the weights from them)
+            choice = scores = scores.masked_fill(~keep, 0.0)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 class Float32Router(nn.Module):

@@ -9,23 +9,34 @@ Each block is ``h = h + mixer(norm(h))``; the embeddings are ``backbone.embeddin
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
+from plinth.distributed.communication import tp_all_reduce
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.layers.embedding import LMHead, VocabEmbedding
 from plinth.model_registry.layers.layernorm import RMSNorm
-from plinth.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
+from plinth.model_registry.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    divide,
+)
 from plinth.model_registry.layers.mamba import Mamba2Mixer, MambaStateMixin
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention
+from plinth.model_registry.models.deepseek import Float32Router, grouped_route
 
 #: block kinds (``layers_block_type``; transformers 5 writes ``linear_attention`` and ``full_attention``)
 _KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
-          "mlp": "mlp"}
+          "mlp": "mlp", "moe": "moe"}
+#: per-expert checkpoint tensors of a Nemotron-H mixture-of-experts block
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up|down)_proj\.weight$")
 
 
 class UngatedMLP(nn.Module):
@@ -47,6 +58,107 @@ class UngatedMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
+class UngatedExperts(nn.Module):
+    """Routed experts of ``down(act(up(x)))`` each (Nemotron 3's squared ReLU), stacked: ``up_weight`` ``[E, I, D]``,
+    ``down_weight`` ``[E, D, I]`` (``D``: the model width, or the latent width where the block projects into one).
+    The tokens of each chosen expert run as two matmuls (a loop over the experts that have tokens). Under tensor
+    parallelism each rank holds a slice of every expert's intermediate features and the outputs are all-reduced."""
+
+    def __init__(self, num_experts: int, width: int, intermediate_size: int, activation: str, *, tp_rank: int = 0,
+                 tp_size: int = 1):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.num_experts, self.tp_rank, self.tp_size = num_experts, tp_rank, tp_size
+        i = self.intermediate_per_rank = divide(intermediate_size, tp_size, "expert intermediate size")
+        self.up_weight = nn.Parameter(torch.empty(num_experts, i, width), requires_grad=False)
+        self.down_weight = nn.Parameter(torch.empty(num_experts, width, i), requires_grad=False)
+        for p in (self.up_weight, self.down_weight):
+            p.weight_loader = self._load  # type: ignore[attr-defined]
+            p.expected_shards = tuple(range(num_experts))  # type: ignore[attr-defined]
+        if activation not in ACT2FN:
+            raise UnsupportedModelError(f"activation {activation!r} is not one transformers knows")
+        self.act = ACT2FN[activation]
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, expert: int) -> None:
+        """Expert ``expert``'s ``up_proj`` ``[I, D]`` or ``down_proj`` ``[D, I]``: this rank's features."""
+        if not 0 <= expert < self.num_experts:
+            raise ModelLoadError(f"expert index {expert} out of range (the block has {self.num_experts} experts)")
+        i = self.intermediate_per_rank
+        dim = 0 if param is self.up_weight else 1
+        want = list(param.shape[1:])
+        want[dim] = i * self.tp_size
+        if list(loaded.shape) != want:
+            raise ModelLoadError(f"shape mismatch: expected {tuple(want)}, checkpoint has {tuple(loaded.shape)}")
+        param.data[expert].copy_(loaded.narrow(dim, self.tp_rank * i, i))
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """The loop reads the routing on the host."""
+        return False
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:   # [T, D]
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // top_k
+        slot_weights = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                rows = token_of[start:start + n]
+                y = F.linear(self.act(F.linear(x[rows], self.up_weight[expert])), self.down_weight[expert])
+                out.index_add_(0, rows, y.to(torch.float32) * slot_weights[start:start + n, None])
+                start += n
+        if self.tp_size > 1:
+            tp_all_reduce(out)
+        return out.to(x.dtype)
+
+
+class NemotronHMoE(nn.Module):
+    """Nemotron 3's mixture-of-experts block: a float32 router (``gate``) with DeepSeek-V3's corrected sigmoid
+    routing in groups (``e_score_correction_bias``, ``n_group``, ``topk_group``, ``norm_topk_prob``,
+    ``routed_scaling_factor``), routed :class:`UngatedExperts` (inside the latent projections
+    ``fc1_latent_proj`` / ``fc2_latent_proj`` where ``moe_latent_size`` is set) and a shared expert every token runs."""
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        cfg = ctx.hf_config
+        num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group, self.topk_group = int(cfg.n_group or 1), int(cfg.topk_group or 1)
+        if num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group or (
+                self.n_group > 1 and num_experts // self.n_group < 2):
+            raise UnsupportedModelError(f"NemotronH: {num_experts} experts in n_group={self.n_group} groups with "
+                                        f"topk_group={self.topk_group}")
+        self.renormalize = bool(getattr(cfg, "norm_topk_prob", True))
+        self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
+        act = getattr(cfg, "mlp_hidden_act", "relu2") or "relu2"
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        latent = getattr(cfg, "moe_latent_size", None)
+        self.gate = Float32Router(num_experts, cfg.hidden_size)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                         requires_grad=False)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if latent:
+            self.fc1_latent_proj = ReplicatedLinear(cfg.hidden_size, latent, bias=bias)
+            self.fc2_latent_proj = ReplicatedLinear(latent, cfg.hidden_size, bias=bias)
+        self.experts = UngatedExperts(num_experts, latent or cfg.hidden_size, cfg.moe_intermediate_size, act,
+                                      tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        self.shared_experts = UngatedMLP(ctx, cfg.moe_shared_expert_intermediate_size, act, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, H] -> [T, H]
+        weights, ids = grouped_route(self.gate(x), self.top_k, v3=True, correction=self.gate.e_score_correction_bias,
+                                     n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+                                     scaling=self.scaling)
+        h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        h = self.experts(h, weights.to(torch.float32), ids)
+        if self.fc2_latent_proj is not None:
+            h = self.fc2_latent_proj(h)
+        return h + self.shared_experts(x)
+
+
 class MixerBlock(nn.Module):
     """``norm`` then one mixer (``kind``: ``"mamba"``, ``"attention"`` or ``"mlp"``); returns ``(mixer output,
     residual stream)``, the next block's norm adding the two (one fused add-and-norm)."""
@@ -66,6 +178,8 @@ class MixerBlock(nn.Module):
             self.mixer = DecoderAttention(ctx, layer_idx, AttentionOptions(
                 qkv_bias=bool(getattr(cfg, "attention_bias", False)),
                 o_bias=bool(getattr(cfg, "attention_bias", False)), rope=False))
+        elif kind == "moe":
+            self.mixer = NemotronHMoE(ctx)
         else:
             assert mlp is not None
             self.mixer = UngatedMLP(ctx, *mlp)
@@ -134,9 +248,15 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
         if ".mixer.conv1d." in name:
             name = name.replace(".mixer.conv1d.weight", ".mixer.conv_weight").replace(".mixer.conv1d.bias",
                                                                                       ".mixer.conv_bias")
+        m = _EXPERT_TENSOR.match(name)
+        if m is not None:
+            return f"{m['prefix']}.{m['proj']}_weight", int(m["expert"])
         return super().map_weight_name(name)
 
     def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
+        if param_name.endswith(("experts.up_weight", "experts.down_weight")) and isinstance(shard_id, int):
+            proj = "up" if param_name.endswith("up_weight") else "down"
+            return f"{param_name.rsplit('.', 1)[0]}.{shard_id}.{proj}_proj.weight"
         if ".mixer.conv_" in param_name:
             return param_name.replace(".mixer.conv_weight", ".mixer.conv1d.weight").replace(
                 ".mixer.conv_bias", ".mixer.conv1d.bias")
@@ -178,8 +298,8 @@ class Mamba2ForCausalLM(MambaBackboneForCausalLM):
 
 
 class NemotronHForCausalLM(MambaBackboneForCausalLM):
-    """``NemotronHForCausalLM``: Mamba-2, attention (no RoPE) and squared-ReLU MLP blocks; mixture-of-experts blocks
-    (Nemotron 3) are refused."""
+    """``NemotronHForCausalLM``: Mamba-2, attention (no RoPE), squared-ReLU MLP and (Nemotron 3) mixture-of-experts
+    blocks."""
 
     def block_kinds(self, cfg: Any) -> list[str]:
         types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None)
@@ -189,7 +309,7 @@ class NemotronHForCausalLM(MambaBackboneForCausalLM):
         for i, kind in enumerate(types):
             if kind not in _KINDS:
                 raise UnsupportedModelError(f"NemotronH: block {i} is of kind {kind!r}; supported: "
-                                            f"{', '.join(sorted(_KINDS))} (mixture-of-experts blocks are not yet)")
+                                            f"{', '.join(sorted(_KINDS))}")
             kinds.append(_KINDS[kind])
         return kinds
 
