@@ -246,6 +246,17 @@ def test_nemotron_h_on_tensor_parallel_workers(tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 
+def test_falcon_h1_on_tensor_parallel_workers(tmp_path):
+    """Falcon-H1 with one Mamba group (replicated; its norm before the gate all-reduced) on two CPU worker processes:
+    greedy tokens equal transformers'."""
+    from conftest import generate_on_tp_workers
+
+    hf = save_falcon_h1(tmp_path, mamba_n_groups=1, mamba_rms_norm=True, mamba_norm_before_gate=True)
+    prompts = _prompts(hf.config.vocab_size)
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
+    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
+
+
 def _scan_reference(x, dt, a, b, c, state):
     """The recurrence one position at a time, float64: ``h = exp(dt a) h + dt x b^T``, ``y = h c``."""
     ys = []
@@ -294,6 +305,45 @@ def save_backbone_model(path, arch: str, **overrides) -> transformers.PreTrained
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return hf
+
+
+def save_falcon_h1(path, **overrides) -> transformers.PreTrainedModel:
+    """A random ``FalconH1ForCausalLM`` with every muP multiplier away from 1, biases where the config allows."""
+    tokenizer = make_tokenizer()
+    fields = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                  mamba_n_groups=2, mamba_chunk_size=8, mamba_d_ssm=128, embedding_multiplier=1.5,
+                  lm_head_multiplier=0.7, key_multiplier=1.3, attention_in_multiplier=0.8,
+                  attention_out_multiplier=1.2, ssm_in_multiplier=0.9, ssm_out_multiplier=1.1,
+                  ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.7], mlp_multipliers=[1.4, 0.6], attention_bias=True,
+                  mlp_bias=True, mamba_proj_bias=True, projectors_bias=True, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=0, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    hf = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**{**fields, **overrides},
+                                                                      attn_implementation="eager")).eval()
+    randomize_mamba(hf)
+    with torch.no_grad():   # without the gated norm the Mamba branch's output is tiny at this init: make it count
+        for layer in hf.model.layers:
+            layer.mamba.out_proj.weight.mul_(400.0)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("norm", ["gate", "norm_gate", "gate_norm"])
+def test_falcon_h1_matches_transformers(norm, tmp_path):
+    """Falcon-H1 (Mamba and attention side by side in every layer, the muP multipliers folded into the weights) with
+    each of its output-gate variants (``mamba_rms_norm`` off; on, before or after the gate): greedy tokens and
+    log-probabilities equal transformers', chunked prefill included."""
+    hf = save_falcon_h1(tmp_path, mamba_rms_norm=norm != "gate", mamba_norm_before_gate=norm == "norm_gate")
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=0), use_tqdm=False)
+    for out, prompt in zip(outs, prompts, strict=True):
+        tokens, lps = hf_greedy(hf, prompt)
+        assert out.outputs[0].token_ids == tokens
+        assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
+    llm.close()
 
 
 @pytest.mark.parametrize("arch", ["NemotronHForCausalLM", "Mamba2ForCausalLM"])

@@ -72,20 +72,27 @@ class RecurrentState:
 
 
 class GatedRMSNorm(nn.Module):
-    """``rms_norm(y * silu(z))`` over groups of ``group_size`` features, times ``weight`` (Mamba-2's output norm;
-    the gate comes before the norm). Computes in float32. With ``spans_ranks`` the one group is split over the
+    """Mamba-2's output norm and gate over groups of ``group_size`` features, in float32: ``mode`` ``"gate_norm"``
+    (Mamba-2's: ``rms_norm(y * silu(z)) * weight``), ``"norm_gate"`` (``rms_norm(y) * weight * silu(z)``) or
+    ``"gate"`` (``y * silu(z)``, no norm and no weight). With ``spans_ranks`` the one group is split over the
     tensor-parallel ranks (each holds ``hidden_size`` of its ``group_size`` features): the squares' sums are
     all-reduced."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float, spans_ranks: bool = False):
+    MODES = ("gate_norm", "norm_gate", "gate")
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float, spans_ranks: bool = False,
+                 mode: str = "gate_norm"):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        if mode not in self.MODES:
+            raise ValueError(f"gated norm mode {mode!r}; one of {self.MODES}")
+        self.mode = mode
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False) if mode != "gate" else None
         self.group_size = group_size
         self.eps = eps
         self.spans_ranks = spans_ranks
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:   # [T, I] float32, [T, I] -> [T, I] float32
-        h = y.float() * F.silu(z.float())
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
         if self.spans_ranks:
             squares = h.pow(2).sum(-1, keepdim=True)
             tp_all_reduce(squares)
@@ -93,6 +100,14 @@ class GatedRMSNorm(nn.Module):
         g = h.view(h.shape[0], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return g.view_as(h) * self.weight.float()
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:   # [T, I] float32, [T, I] -> [T, I] float32
+        gate = F.silu(z.float())
+        if self.mode == "gate":
+            return y.float() * gate
+        if self.mode == "norm_gate":
+            return self._norm(y.float()) * gate
+        return self._norm(y.float() * gate)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -169,7 +184,8 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int, chunk_size: int, eps: float, *, conv_bias: bool = True, proj_bias: bool = False,
                  activation: str = "silu", time_step_limit: tuple[float, float] | None = None,
-                 quant_method: Any = None, tp_rank: int = 0, tp_size: int = 1):
+                 quant_method: Any = None, tp_rank: int = 0, tp_size: int = 1, norm_mode: str = "gate_norm",
+                 out_bias: bool | None = None):
         super().__init__()
         if activation not in ("silu", "swish"):
             raise UnsupportedModelError(f"Mamba-2 layers with activation {activation!r}: only SiLU is supported")
@@ -194,8 +210,8 @@ class Mamba2Mixer(nn.Module):
         self.in_proj = _InProjection(hidden_size, 2 * full + 2 * n_groups * state_size + num_heads, self._rows(),
                                      bias=proj_bias, tp_rank=tp_rank, tp_size=tp_size,
                                      quant_method=quant_method)
-        self.out_proj = RowParallelLinear(full, hidden_size, bias=proj_bias, tp_rank=tp_rank, tp_size=tp_size,
-                                          quant_method=quant_method)
+        self.out_proj = RowParallelLinear(full, hidden_size, bias=proj_bias if out_bias is None else out_bias,
+                                          tp_rank=tp_rank, tp_size=tp_size, quant_method=quant_method)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel), requires_grad=False)
         self.conv_weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
         self.conv_bias = None
@@ -209,8 +225,9 @@ class Mamba2Mixer(nn.Module):
         for param in (self.A_log, self.D, self.dt_bias):
             param.weight_loader = self._load_heads  # type: ignore[attr-defined]
         spans = n_groups == 1 and tp_size > 1
-        self.norm = GatedRMSNorm(self.intermediate_size, full // n_groups, eps, spans_ranks=spans)
-        self.norm.weight.weight_loader = self._load_norm  # type: ignore[attr-defined]
+        self.norm = GatedRMSNorm(self.intermediate_size, full // n_groups, eps, spans_ranks=spans, mode=norm_mode)
+        if self.norm.weight is not None:
+            self.norm.weight.weight_loader = self._load_norm  # type: ignore[attr-defined]
         self.state_index = -1
         self.state: RecurrentState | None = None
 

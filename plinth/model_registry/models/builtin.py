@@ -32,6 +32,7 @@ def plinth_models() -> dict[str, str]:
         "GraniteMoeHybridForCausalLM": f"{_M}.granite_hybrid:GraniteMoeHybridForCausalLM",
         "NemotronHForCausalLM": f"{_M}.nemotron_h:NemotronHForCausalLM",
         "Mamba2ForCausalLM": f"{_M}.nemotron_h:Mamba2ForCausalLM",
+        "FalconH1ForCausalLM": f"{_M}.falcon_h1:FalconH1ForCausalLM",
         "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM": f"{_M}.glm4_moe:Glm4MoeForCausalLM",
