@@ -257,6 +257,104 @@ def test_falcon_h1_on_tensor_parallel_workers(tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 
+def test_mamba2_on_tensor_parallel_workers_and_int4(tmp_path):
+    """Mamba-2 has no attention heads in its config: the parallel layout and int4's group size do without them. Two
+    worker processes give transformers' greedy tokens; ``--quantization int4`` runs (its group divides the Mamba
+    layers' ``out_proj`` input too)."""
+    from conftest import generate_on_tp_workers
+
+    hf = save_backbone_model(tmp_path, "Mamba2ForCausalLM", n_groups=1)
+    prompts = _prompts(hf.config.vocab_size)
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
+    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, quantization="int4")
+    assert len(llm.generate({"prompt_token_ids": prompts[1]}, _greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    llm.close()
+
+
+def _fp8_granite(src, out) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint (``quant_method: fp8``, per-row scales) of a Granite 4.0-H checkpoint: every projection of
+    its layers (Mamba, attention, the shared MLP's fused ``input_linear``); the dequantized tensors returned."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors, deq = load_file(str(out / "model.safetensors")), {}
+    for name in [n for n in tensors if ".layers." in n and n.endswith(("_proj.weight", "_linear.weight"))]:
+        w = tensors[name]
+        scale = w.abs().amax(1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
+        tensors[name] = (w / scale).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix(".weight") + ".weight_scale"] = scale
+        deq[name] = tensors[name].float() * scale
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (out / "config.json").write_text(json.dumps(config))
+    return deq
+
+
+def test_fp8_checkpoint_and_its_tensor_parallel_refusal(tmp_path):
+    """An FP8 Granite 4.0-H checkpoint (the shared MLP's fused ``input_linear`` and its row scales split into gate
+    and up) gives transformers' greedy tokens on the dequantized weights. Its packed tensors load through the
+    method's own row cuts, not the Mamba layer's parts, so splitting it over ranks is refused instead of loading
+    the wrong rows."""
+    from conftest import generate_on_tp_workers
+
+    hf = save_hybrid(tmp_path / "float", **SHAPES["dense_nope"])
+    deq = _fp8_granite(tmp_path / "float", tmp_path / "fp8")
+    with torch.no_grad():
+        params = dict(hf.named_parameters())
+        for name, w in deq.items():
+            params[name].copy_(w)
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path / "fp8"), dtype="float32", max_model_len=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
+    llm.close()
+    with pytest.raises(UnsupportedModelError, match="quantized ahead of time cannot split its Mamba layers"):
+        generate_on_tp_workers(tmp_path / "fp8", [{"prompt_token_ids": prompts[0]}], _greedy(4))
+
+
+def test_nemotron_h_keeps_its_own_lm_head_and_skips_prediction_layers(tmp_path):
+    """transformers' Nemotron-H never ties its LM head to the embeddings, whatever ``tie_word_embeddings`` says;
+    a checkpoint's multi-token-prediction tensors (``mtp.*``) are skipped."""
+    from safetensors.torch import load_file, save_file
+
+    hf = save_backbone_model(tmp_path, "NemotronHForCausalLM", tie_word_embeddings=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert not torch.equal(tensors["lm_head.weight"], tensors["backbone.embeddings.weight"])
+    tensors["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
+    llm.close()
+
+
+def test_a_state_larger_than_free_memory_is_refused_clearly(tmp_path):
+    """The state for ``max_num_seqs`` sequences is checked against the device's free memory before it is taken."""
+    from plinth.config import EngineConfig
+    from plinth.worker.setup import allocate_recurrent_state
+
+    hf = save_hybrid(tmp_path, **SHAPES["dense_nope"])
+    del hf
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64)
+    model = llm.engine.runner.model
+    per_seq = model.recurrent_state_bytes(1)
+
+    class Tight:
+        def free_memory(self, index: int = 0) -> int:
+            return 100 * per_seq
+
+    config = EngineConfig.from_kwargs(model=str(tmp_path), max_num_seqs=256)
+    with pytest.raises(ConfigError, match="state for 256 sequences .* lower --max-num-seqs"):
+        allocate_recurrent_state(model, config, Tight(), torch.device("cpu"))
+    llm.close()
+
+
 def _scan_reference(x, dt, a, b, c, state):
     """The recurrence one position at a time, float64: ``h = exp(dt a) h + dt x b^T``, ``y = h c``."""
     ys = []

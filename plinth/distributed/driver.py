@@ -34,11 +34,11 @@ def validate_parallel_layout(hf: Any, architecture: str, par: ParallelConfig) ->
     layers = hf.num_hidden_layers
     if pp > layers:
         raise ConfigError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
-    heads = hf.num_attention_heads
+    heads = getattr(hf, "num_attention_heads", None)   # (a model without attention layers has none: Mamba-2)
     kv = getattr(hf, "num_key_value_heads", None) or heads
-    if heads % tp:
+    if heads and heads % tp:
         raise ConfigError(f"tensor_parallel_size {tp} must divide the number of attention heads ({heads})")
-    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+    if kv and ((kv >= tp and kv % tp) or (kv < tp and tp % kv)):
         raise ConfigError(f"tensor_parallel_size {tp} and the number of KV heads ({kv}) must divide one another")
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "shared_intermediate_size"):

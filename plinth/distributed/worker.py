@@ -159,7 +159,7 @@ class Worker:
         model.eval()
         self._images = image_features(self.source, model, self.dtype, self.device, self.config.model.seed)
         enable_lora_for(model, self.config)
-        allocate_recurrent_state(model, self.config)
+        allocate_recurrent_state(model, self.config, self.platform, self.device)
         self._model, self._backend = model, backend
         block_size = self.config.cache.block_size
         bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, block_size, self._spec().cache_dtype)

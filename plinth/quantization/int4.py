@@ -32,13 +32,28 @@ DEFAULT_GROUP = 128
 def input_sizes(hf_config: Any, tp_size: int) -> set[int]:
     """Input features of the decoder's linear layers on one rank (hidden; attention and MLP outputs)."""
     hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    sizes = {hidden, heads * head_dim // tp_size}
+    sizes = {hidden}
+    heads = getattr(hf_config, "num_attention_heads", None)   # (none: a model without attention, Mamba-2)
+    if heads:
+        sizes.add((getattr(hf_config, "head_dim", None) or hidden // heads) * heads // tp_size)
     inter = getattr(hf_config, "intermediate_size", None)
     if inter:
         sizes.add(inter // tp_size)
+    mamba = mamba_width(hf_config)   # the Mamba layers' out_proj input
+    if mamba:
+        sizes.add(mamba // tp_size)
     return sizes
+
+
+def mamba_width(hf_config: Any) -> int | None:
+    """The Mamba-2 layers' inner width (heads x head dim) of a config that has them, else ``None``."""
+    for heads_key, dim_key in (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")):
+        heads, dim = getattr(hf_config, heads_key, None), getattr(hf_config, dim_key, None)
+        if isinstance(heads, int) and isinstance(dim, int):
+            return heads * dim
+    if getattr(hf_config, "model_type", None) == "mamba2":
+        return int(hf_config.num_heads * hf_config.head_dim)
+    return None
 
 
 def choose_group_size(sizes: set[int], requested: int | None) -> int:

@@ -330,7 +330,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     model.eval()
     images = image_features(source, model, dtype, device, config.model.seed)
     enable_lora_for(model, config)
-    allocate_recurrent_state(model, config)
+    allocate_recurrent_state(model, config, platform, device)
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, spec.cache_dtype)
     draft = _load_draft(config, platform, device, dtype, hf, max_model_len, workload) if drafting else None
     if draft is not None:   # the draft's KV cache has a block for every block of the target's
@@ -403,12 +403,27 @@ def recurrent_state_architecture(architecture: str, hf_config: Any) -> bool:
     return bool(check(hf_config)) if check is not None else False
 
 
-def allocate_recurrent_state(model: Any, config: EngineConfig) -> None:
+def allocate_recurrent_state(model: Any, config: EngineConfig, platform: Any = None,
+                             device: torch.device | None = None) -> None:
     """The per-sequence state of a model with Mamba layers, for ``max_num_seqs`` sequences (before the KV cache is
-    sized, so that it counts as the model's memory)."""
+    sized, so that it counts as the model's memory).
+
+    Raises:
+        ConfigError: it would take more than 90% of the device's free memory.
+    """
     allocate = getattr(model, "allocate_recurrent_state", None)
     if allocate is not None:
-        nbytes = allocate(config.scheduler.max_num_seqs)
+        rows = config.scheduler.max_num_seqs
+        need = model.recurrent_state_bytes(rows)
+        if need and platform is not None and device is not None:
+            free = platform.free_memory(device.index or 0)
+            if need > 0.9 * free:
+                from plinth.config import ConfigError
+
+                raise ConfigError(f"the Mamba layers' state for {rows} sequences (max_num_seqs) needs "
+                                  f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free: lower "
+                                  f"--max-num-seqs (each sequence takes {need / rows / 2**20:.1f} MiB)")
+        nbytes = allocate(rows)
         if nbytes:
             logger.info("recurrent state (Mamba layers) for %d sequences: %.1f MiB", config.scheduler.max_num_seqs,
                         nbytes / 2**20)

@@ -154,6 +154,13 @@ class _InProjection(ColumnParallelLinear):
     def __init__(self, input_size: int, full_rows: int, rows: list[tuple[int, int]], **kwargs: Any):
         self.rows = rows
         super().__init__(input_size, full_rows, **kwargs)
+        if self.tp_size > 1 and any(getattr(p, "weight_loader", None) != self.weight_loader
+                                    for p in self.parameters(recurse=False)):
+            # a checkpoint quantized ahead of time: its packed tensors and scales load through the method's own
+            # loaders, which cut contiguous rows, not this layer's parts
+            raise UnsupportedModelError("a checkpoint quantized ahead of time cannot split its Mamba layers over "
+                                        "tensor-parallel ranks: run it with --tensor-parallel-size 1, or quantize "
+                                        "a floating-point checkpoint as it loads (--quantization)")
 
     def _partition_sizes(self) -> tuple[int, list[int]]:
         return self.input_size, [sum(length for _, length in self.rows)]
@@ -368,6 +375,14 @@ class MambaStateMixin:
 
     def mamba_layers(self) -> list[Mamba2Mixer]:
         return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]  # type: ignore[attr-defined]
+
+    def recurrent_state_bytes(self, rows: int) -> int:
+        """The bytes of every Mamba layer's state for ``rows`` sequences (before allocating it)."""
+        layers = self.mamba_layers()
+        if not layers:
+            return 0
+        (c, k), (h, p, n) = layers[0].state_shapes()
+        return len(layers) * rows * (c * k * layers[0].conv_weight.element_size() + h * p * n * 4)
 
     def allocate_recurrent_state(self, rows: int) -> int:
         """States for ``rows`` sequences (kept if allocated already; grown if fewer); returns their bytes."""

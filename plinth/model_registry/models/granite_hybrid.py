@@ -134,16 +134,18 @@ class GraniteMoeHybridForCausalLM(MambaStateMixin, GraniteMoeForCausalLM):
 
     @staticmethod
     def _dense_mlp(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The shared MLP's tensors under the dense MLP's names: ``input_linear`` (gate rows, then up rows) split in
+        two, with its per-row scales (an FP8 checkpoint's ``weight_scale``, ``weight_scale_inv``); a scalar scale
+        goes to both halves."""
         for name, t in weights:
             m = _SHARED_MLP.match(name)
             if m is None:
                 yield name, t
             elif m["what"] == "input_linear":
-                half = t.shape[0] // 2
-                yield f"{m['prefix']}.mlp.gate_proj.weight", t[:half]
-                yield f"{m['prefix']}.mlp.up_proj.weight", t[half:]
+                for proj, part in zip(("gate_proj", "up_proj"), _halves(t), strict=True):
+                    yield f"{m['prefix']}.mlp.{proj}.{m['tensor']}", part
             else:
-                yield f"{m['prefix']}.mlp.down_proj.weight", t
+                yield f"{m['prefix']}.mlp.down_proj.{m['tensor']}", t
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         if ".mamba.conv1d." in name:
@@ -169,4 +171,17 @@ class GraniteMoeHybridForCausalLM(MambaStateMixin, GraniteMoeForCausalLM):
         return super().forward(input_ids, positions, metadata, image_embeds)
 
 
-_SHARED_MLP = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.shared_mlp\.(?P<what>input_linear|output_linear)\.weight$")
+_SHARED_MLP = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.shared_mlp\.(?P<what>input_linear|output_linear)\."
+                         r"(?P<tensor>weight|bias|weight_scale|weight_scale_inv|input_scale)$")
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused gate/up tensor's two halves of rows (a scalar, a per-tensor scale: itself twice)."""
+    if t.dim() == 0 or t.numel() == 1:
+        return t, t
+    if t.shape[0] % 2:
+        from plinth.errors import ModelLoadError
+
+        raise ModelLoadError(f"shared_mlp.input_linear: {t.shape[0]} rows do not split into gate and up halves")
+    half = t.shape[0] // 2
+    return t[:half], t[half:]

@@ -175,9 +175,8 @@ class MixerBlock(nn.Module):
                                      tp_size=ctx.tp_size, eps=eps,
                                      **mamba)
         elif kind == "attention":
-            self.mixer = DecoderAttention(ctx, layer_idx, AttentionOptions(
-                qkv_bias=bool(getattr(cfg, "attention_bias", False)),
-                o_bias=bool(getattr(cfg, "attention_bias", False)), rope=False))
+            # no biases whatever attention_bias says, as transformers' Nemotron-H builds it
+            self.mixer = DecoderAttention(ctx, layer_idx, AttentionOptions(rope=False))
         elif kind == "moe":
             self.mixer = NemotronHMoE(ctx)
         else:
@@ -223,13 +222,23 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
                                         "with Mamba layers yet")
         self.backbone = Backbone(ctx, self.block_kinds(cfg), self.mamba_options(cfg), self.norm_eps(cfg),
                                  self.mlp_options(cfg))
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.tie_word_embeddings = self.ties_embeddings(cfg)
+        self.has_recurrent_state = self.config_has_recurrent_state(cfg)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tie_to=self.backbone.embeddings if self.tie_word_embeddings else None,
                               tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
 
-    def block_kinds(self, cfg: Any) -> list[str]:
+    @classmethod
+    def block_kinds(cls, cfg: Any) -> list[str]:
         raise NotImplementedError
+
+    @classmethod
+    def config_has_recurrent_state(cls, hf_config: Any) -> bool:
+        return "mamba" in cls.block_kinds(hf_config)
+
+    def ties_embeddings(self, cfg: Any) -> bool:
+        """Whether the LM head is the embedding matrix (the config's ``tie_word_embeddings``)."""
+        return bool(getattr(cfg, "tie_word_embeddings", False))
 
     def mamba_options(self, cfg: Any) -> dict[str, Any]:
         raise NotImplementedError
@@ -241,6 +250,8 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
         return None
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        if name.startswith("mtp."):   # multi-token-prediction layers (Nemotron 3): not run
+            return None
         if name.startswith("model."):   # transformers' module names for the backbone
             name = "backbone." + name[len("model."):]
         if self.tie_word_embeddings and name == "lm_head.weight":
@@ -284,7 +295,8 @@ def _limit(cfg: Any) -> tuple[float, float] | None:
 class Mamba2ForCausalLM(MambaBackboneForCausalLM):
     """``Mamba2ForCausalLM`` (Mamba-Codestral and other Mamba-2 checkpoints): every block a Mamba-2 mixer."""
 
-    def block_kinds(self, cfg: Any) -> list[str]:
+    @classmethod
+    def block_kinds(cls, cfg: Any) -> list[str]:
         return ["mamba"] * cfg.num_hidden_layers
 
     def mamba_options(self, cfg: Any) -> dict[str, Any]:
@@ -301,7 +313,12 @@ class NemotronHForCausalLM(MambaBackboneForCausalLM):
     """``NemotronHForCausalLM``: Mamba-2, attention (no RoPE), squared-ReLU MLP and (Nemotron 3) mixture-of-experts
     blocks."""
 
-    def block_kinds(self, cfg: Any) -> list[str]:
+    def ties_embeddings(self, cfg: Any) -> bool:
+        """Never: transformers' Nemotron-H keeps its own ``lm_head`` whatever ``tie_word_embeddings`` says."""
+        return False
+
+    @classmethod
+    def block_kinds(cls, cfg: Any) -> list[str]:
         types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None)
         if types is None:
             raise ModelLoadError("NemotronH: the config has no layers_block_type (or hybrid_override_pattern)")
