@@ -355,6 +355,15 @@ def test_a_state_larger_than_free_memory_is_refused_clearly(tmp_path):
     llm.close()
 
 
+def test_decode_rows_update_in_place_only_as_a_span():
+    """The decode step updates the scan state in place only where its rows are consecutive (else it gathers and
+    scatters them)."""
+    from plinth.model_registry.layers.mamba import _span
+
+    assert _span([3, 4, 5, 9], 3) == (3, 6) and _span([3, 4, 5], 3) == (3, 6)
+    assert _span([4, 3, 5], 3) is None and _span([0, 2], 2) is None and _span(None, 2) is None and _span([], 0) is None
+
+
 def _scan_reference(x, dt, a, b, c, state):
     """The recurrence one position at a time, float64: ``h = exp(dt a) h + dt x b^T``, ``y = h c``."""
     ys = []

@@ -179,6 +179,14 @@ class _InProjection(ColumnParallelLinear):
         param.data.copy_(torch.cat([loaded.narrow(0, start, length) for start, length in self.rows]))
 
 
+def _span(rows: list[int] | None, n: int) -> tuple[int, int] | None:
+    """``(lo, lo + n)`` when the first ``n`` of ``rows`` are consecutive increasing rows, else ``None``."""
+    if rows is None or n == 0:
+        return None
+    lo = rows[0]
+    return (lo, lo + n) if rows[n - 1] - lo == n - 1 and all(r == lo + i for i, r in enumerate(rows[:n])) else None
+
+
 class Mamba2Mixer(nn.Module):
     """A Mamba-2 mixer: ``in_proj`` to the gate ``z``, the convolved ``x, B, C`` and the time step ``dt``; a causal
     depthwise convolution and SiLU; the selective scan with the ``D`` skip; the gated RMSNorm; ``out_proj``.
@@ -304,7 +312,8 @@ class Mamba2Mixer(nn.Module):
         n = metadata.num_seqs
         decodes = n if metadata.max_query_len == 1 else metadata.num_leading_decodes
         if decodes:   # one token each: all at once
-            y[:decodes], xs = self._step(xbc[:decodes], dt[:decodes], a, conv, ssm, rows[:decodes])
+            y[:decodes] = self._step(xbc[:decodes], dt[:decodes], a, conv, ssm, rows[:decodes],
+                                     _span(metadata.state_rows_cpu, decodes) if self.state is not None else None)
         for i in range(decodes, n):
             lo, hi = qsl[i], qsl[i + 1]
             if hi > lo:
@@ -331,17 +340,19 @@ class Mamba2Mixer(nn.Module):
         return x.reshape(t, self.num_heads, self.head_dim), b, c
 
     def _step(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-              rows: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """One token for each of ``B`` sequences (their rows ``rows``): ``y [B, H, P]``; the states updated."""
+              rows: torch.Tensor, span: tuple[int, int] | None = None) -> torch.Tensor:
+        """One token for each of ``B`` sequences (their rows ``rows``; ``span``: they are the rows ``[lo, hi)`` in
+        order, known on the host): ``y [B, H, P]``; the states updated. The scan state, the large one, is updated in
+        place where the rows are a span (two passes over it and one read), else gathered and scattered."""
         window = torch.cat([conv.index_select(0, rows), xbc[:, :, None].to(conv.dtype)], dim=-1)   # [B, C, K]
         conv.index_copy_(0, rows, window[:, :, 1:])
         x, b, c = self._split_xbc(self._conv_window(window))
-        state = ssm.index_select(0, rows)                                                # [B, H, P, N]
+        state = ssm[span[0]:span[1]] if span is not None else ssm.index_select(0, rows)   # [B, H, P, N]
         decay = torch.exp(dt * a)                                                        # [B, H]
-        state = state * decay[..., None, None] + (x * dt[..., None])[..., None] * b[:, :, None, :]
-        ssm.index_copy_(0, rows, state)
-        y = torch.einsum("bhpn,bhn->bhp", state, c) + x * self.D[:, None]
-        return y, None
+        state.mul_(decay[..., None, None]).addcmul_((x * dt[..., None])[..., None], b[:, :, None, :])
+        if span is None:
+            ssm.index_copy_(0, rows, state)
+        return torch.einsum("bhpn,bhn->bhp", state, c) + x * self.D[:, None]
 
     def _prompt(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                 row: torch.Tensor) -> torch.Tensor:
