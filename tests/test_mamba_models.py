@@ -53,10 +53,34 @@ def randomize_mamba(hf: transformers.PreTrainedModel) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
+def _grouped_gated_norms(hf: transformers.PreTrainedModel) -> None:
+    """Older transformers (5.17 among them) normalize GraniteMoeHybrid's gated RMSNorm over the whole intermediate
+    size, ignoring ``mamba_n_groups`` (its own CUDA path, mamba_ssm's kernels, later transformers and plinth normalize
+    each of the ``n_groups`` groups): give such a reference the groups, so that it computes what the checkpoint means."""
+    import types
+
+    def grouped(self, hidden_states, gate=None):
+        dtype = hidden_states.dtype
+        h = hidden_states.float()
+        if gate is not None:
+            h = h * torch.nn.functional.silu(gate.float())
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * g.view_as(h).to(dtype)
+
+    for module in hf.modules():
+        norm = getattr(module, "norm", None)
+        if hasattr(module, "n_groups") and hasattr(module, "intermediate_size") and norm is not None \
+                and not hasattr(norm, "group_size"):
+            norm.group_size = module.intermediate_size // module.n_groups
+            norm.forward = types.MethodType(grouped, norm)
+
+
 def save_hybrid(path, **overrides) -> transformers.PreTrainedModel:
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     hf = transformers.GraniteMoeHybridForCausalLM(_config(tokenizer, **overrides)).eval()
+    _grouped_gated_norms(hf)
     randomize_mamba(hf)
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)
