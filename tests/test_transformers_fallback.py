@@ -57,9 +57,8 @@ def test_attention_the_paged_cache_cannot_hold_is_refused(model_type, kw, match,
 
 def test_config_with_infinite_floats_loads(tmp_path):
     """transformers writes inf as {"__float__": "Infinity"} (Falcon-H1's time_step_limit): the config loads, and
-    the hybrid model is then refused for its state-space layers."""
+    the model runs (natively: Falcon-H1's Mamba layers read the limit)."""
     from plinth.config import ModelConfig
-    from plinth.errors import UnsupportedModelError
     from plinth.model_registry.loader import resolve_model_source
 
     hf = _model("falcon_h1", num_key_value_heads=2)
@@ -68,8 +67,13 @@ def test_config_with_infinite_floats_loads(tmp_path):
     source = resolve_model_source(ModelConfig(model=str(tmp_path), dtype="float32"))
     assert source.hf_config.time_step_limit[1] == float("inf")
     import plinth
-    with pytest.raises(UnsupportedModelError, match="hybrid"):
-        plinth.LLM(str(tmp_path), dtype="float32")
+    from plinth.model_registry.models.falcon_h1 import FalconH1ForCausalLM
+
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64)
+    model = llm.engine.runner.model
+    assert isinstance(model, FalconH1ForCausalLM)
+    assert all(m.dt_max == float("inf") for m in model.mamba_layers())
+    llm.close()
 
 
 def test_the_engine_refuses_at_start_up_what_only_a_pass_shows(tmp_path):
