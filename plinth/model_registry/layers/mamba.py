@@ -147,6 +147,20 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0], state
 
 
+class DepthwiseConv(nn.Module):
+    """The causal depthwise convolution's parameters (``conv1d.weight`` ``[C, K]``, read from the checkpoint's
+    ``[C, 1, K]``; ``conv1d.bias`` ``[C]``), loaded by ``loader(param, tensor)``; the mixer computes with them."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, loader: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel), requires_grad=False)
+        self.weight.weight_loader = loader  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(channels), requires_grad=False)
+            self.bias.weight_loader = loader  # type: ignore[attr-defined]
+
+
 class _InProjection(ColumnParallelLinear):
     """Mamba-2's ``in_proj`` on one tensor-parallel rank: the rows of its heads' ``z``, ``x`` and ``dt``, and of its
     groups' ``B`` and ``C`` (all of them where the layer has one group), cut from the checkpoint's full tensor."""
@@ -227,12 +241,7 @@ class Mamba2Mixer(nn.Module):
                                      quant_method=quant_method)
         self.out_proj = RowParallelLinear(full, hidden_size, bias=proj_bias if out_bias is None else out_bias,
                                           tp_rank=tp_rank, tp_size=tp_size, quant_method=quant_method)
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel), requires_grad=False)
-        self.conv_weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
-        self.conv_bias = None
-        if conv_bias:
-            self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False)
-            self.conv_bias.weight_loader = self._load_conv  # type: ignore[attr-defined]
+        self.conv1d = DepthwiseConv(self.conv_dim, conv_kernel, conv_bias, self._load_conv)
         # float32, as the scan computes; this rank's heads
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
@@ -324,9 +333,9 @@ class Mamba2Mixer(nn.Module):
 
     def _conv_window(self, window: torch.Tensor) -> torch.Tensor:
         """``silu(conv)`` at the last position of each ``[B, C, K]`` window, float32 ``[B, C]``."""
-        out = (window.float() * self.conv_weight.float()).sum(-1)
-        if self.conv_bias is not None:
-            out = out + self.conv_bias.float()
+        out = (window.float() * self.conv1d.weight.float()).sum(-1)
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias.float()
         return F.silu(out)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -361,8 +370,8 @@ class Mamba2Mixer(nn.Module):
         k = self.conv_kernel
         seq = torch.cat([conv.index_select(0, row)[0], xbc.t().to(conv.dtype)], dim=-1)   # [C, K-1+L]
         conv.index_copy_(0, row, seq[None, :, seq.shape[1] - (k - 1):])
-        out = F.conv1d(seq.float()[None], self.conv_weight.float()[:, None, :],
-                       self.conv_bias.float() if self.conv_bias is not None else None, groups=self.conv_dim)[0]
+        bias = self.conv1d.bias.float() if self.conv1d.bias is not None else None
+        out = F.conv1d(seq.float()[None], self.conv1d.weight.float()[:, None, :], bias, groups=self.conv_dim)[0]
         x, b, c = self._split_xbc(F.silu(out[:, -length:]).t())
         y, state = ssd_scan(x, dt, a, b, c, ssm.index_select(0, row)[0], self.chunk_size)
         ssm.index_copy_(0, row, state[None])
@@ -393,7 +402,7 @@ class MambaStateMixin:
         if not layers:
             return 0
         (c, k), (h, p, n) = layers[0].state_shapes()
-        return len(layers) * rows * (c * k * layers[0].conv_weight.element_size() + h * p * n * 4)
+        return len(layers) * rows * (c * k * layers[0].conv1d.weight.element_size() + h * p * n * 4)
 
     def allocate_recurrent_state(self, rows: int) -> int:
         """States for ``rows`` sequences (kept if allocated already; grown if fewer); returns their bytes."""
@@ -404,7 +413,7 @@ class MambaStateMixin:
             conv_shape, ssm_shape = layers[0].state_shapes()
             if any(layer.state_shapes() != (conv_shape, ssm_shape) for layer in layers):
                 raise UnsupportedModelError("Mamba layers of different shapes in one model")
-            weight = layers[0].conv_weight
+            weight = layers[0].conv1d.weight
             self.recurrent_state = RecurrentState(len(layers), rows, conv_shape, ssm_shape, weight.dtype,
                                                   weight.device)
             for i, layer in enumerate(layers):

@@ -111,16 +111,7 @@ class FalconH1ForCausalLM(MambaStateMixin, DecoderForCausalLM):
         return DenseMLP(ctx, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)),
                         activation=self.block_options(cfg).activation)
 
-    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
-        if ".mamba.conv1d." in name:
-            name = name.replace(".mamba.conv1d.weight", ".mamba.conv_weight").replace(".mamba.conv1d.bias",
-                                                                                      ".mamba.conv_bias")
-        return super().map_weight_name(name)
-
     def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
-        if ".mamba.conv_" in param_name:
-            return param_name.replace(".mamba.conv_weight", ".mamba.conv1d.weight").replace(
-                ".mamba.conv_bias", ".mamba.conv1d.bias")
         if param_name == "model.norm.weight":
             return "model.final_layernorm.weight"
         return super().checkpoint_name(param_name, shard_id)

@@ -147,16 +147,7 @@ class GraniteMoeHybridForCausalLM(MambaStateMixin, GraniteMoeForCausalLM):
             else:
                 yield f"{m['prefix']}.mlp.down_proj.{m['tensor']}", t
 
-    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
-        if ".mamba.conv1d." in name:
-            name = name.replace(".mamba.conv1d.weight", ".mamba.conv_weight").replace(".mamba.conv1d.bias",
-                                                                                      ".mamba.conv_bias")
-        return super().map_weight_name(name)
-
     def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
-        if ".mamba.conv_" in param_name:
-            return param_name.replace(".mamba.conv_weight", ".mamba.conv1d.weight").replace(
-                ".mamba.conv_bias", ".mamba.conv1d.bias")
         if not self.has_experts and ".mlp." in param_name:
             layer = param_name.split(".mlp.", 1)[0]
             if ".mlp.gate_up_proj." in param_name:

@@ -256,9 +256,6 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
             name = "backbone." + name[len("model."):]
         if self.tie_word_embeddings and name == "lm_head.weight":
             return None
-        if ".mixer.conv1d." in name:
-            name = name.replace(".mixer.conv1d.weight", ".mixer.conv_weight").replace(".mixer.conv1d.bias",
-                                                                                      ".mixer.conv_bias")
         m = _EXPERT_TENSOR.match(name)
         if m is not None:
             return f"{m['prefix']}.{m['proj']}_weight", int(m["expert"])
@@ -268,9 +265,6 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
         if param_name.endswith(("experts.up_weight", "experts.down_weight")) and isinstance(shard_id, int):
             proj = "up" if param_name.endswith("up_weight") else "down"
             return f"{param_name.rsplit('.', 1)[0]}.{shard_id}.{proj}_proj.weight"
-        if ".mixer.conv_" in param_name:
-            return param_name.replace(".mixer.conv_weight", ".mixer.conv1d.weight").replace(
-                ".mixer.conv_bias", ".mixer.conv1d.bias")
         return super().checkpoint_name(param_name, shard_id)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
