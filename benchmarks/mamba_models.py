@@ -1,8 +1,8 @@
 """Models with Mamba-2 layers: plinth against transformers on the same random Granite 4.0-H-shaped checkpoint (Mamba-2
 and attention layers, a shared MLP), in one process.
 
-    python benchmarks/mamba_models.py --device cpu                 # a ~110M-parameter shape, 2 cores are enough
-    python benchmarks/mamba_models.py --shape 1b                    # GPU: a ~1.5B-parameter shape
+    python benchmarks/mamba_models.py --device cpu                 # a ~135M-parameter shape, 2 cores are enough
+    python benchmarks/mamba_models.py --shape 1b                    # GPU: a ~1.6B-parameter shape
 
 Measured for each engine: one request (``--prompt-len`` random tokens, ``--max-tokens`` new ones, greedy, EOS ignored):
 milliseconds per output token after the first (from runs of ``--max-tokens`` / 4 and ``--max-tokens`` tokens, so the
