@@ -144,7 +144,9 @@ def main() -> None:
         params = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.endswith(".safetensors"))
         ours = run_plinth(tmp, args, prompts)
         theirs = run_transformers(tmp, args, prompts)
-    agree = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=False))
+    pairs = list(zip(ours["tokens"], theirs["tokens"], strict=False))
+    agree = sum(a == b for a, b in pairs)
+    prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
     print(f"shape {shape} ({params / 2**20:.0f} MiB of weights, {args.dtype}) on {args.device}; prompt "
           f"{args.prompt_len} tokens, {args.max_tokens} new, {args.requests} requests at once")
     print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}")
@@ -153,11 +155,11 @@ def main() -> None:
         a, b = ours[key], theirs[key]
         ratio = b / a if better_low else a / b
         print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x")
-    print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])}")
+    print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])} (the first {prefix} in a row)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,
-                       "transformers": theirs, "agree": agree}, f, indent=1)
+                       "transformers": theirs, "agree": agree, "agree_prefix": prefix}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Models with Mamba-2 layers (per-sequence recurrent state): Granite 4.0 hybrids (``GraniteMoeHybridForCausalLM``),
-Nemotron-H and Mamba-2, against transformers running the same random weights (float32), and the scan against a
+Nemotron-H, Falcon-H1 and Mamba-2, against transformers running the same random weights (float32), and the scan against a
 float64 step-by-step recurrence."""
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_engine_matches_transformers(hybrid):
         assert got_lps == pytest.approx(lps, abs=2e-4)
     # the prefix cache is off where the model keeps state (attention-only Granite keeps none)
     has_mamba = "linear_attention" in hf.config.layer_types
-    assert llm.engine.recurrent_state is has_mamba and llm.engine.block_manager.enable_prefix_caching is not has_mamba
+    assert llm.engine.has_recurrent_state is has_mamba and llm.engine.block_manager.enable_prefix_caching is not has_mamba
     llm.close()
 
 
@@ -214,7 +214,7 @@ def test_attention_only_granite_keeps_the_prefix_cache(tmp_path):
     """granite-4.0-micro's shape (every layer attention) keeps no state: it runs as any model, prefix cache on."""
     save_hybrid(tmp_path, **SHAPES["attention_only"])
     llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64)
-    assert llm.engine.recurrent_state is False and llm.engine.block_manager.enable_prefix_caching is True
+    assert llm.engine.has_recurrent_state is False and llm.engine.block_manager.enable_prefix_caching is True
     llm.close()
 
 
@@ -481,6 +481,14 @@ def test_falcon_h1_matches_transformers(norm, tmp_path):
     log-probabilities equal transformers', chunked prefill included."""
     hf = save_falcon_h1(tmp_path, mamba_rms_norm=norm != "gate", mamba_norm_before_gate=norm == "norm_gate")
     engine_tokens_and_logprobs_match(tmp_path, hf)
+
+
+def test_lora_is_refused_where_it_would_miss_folded_multipliers(tmp_path):
+    """Falcon-H1's attention multipliers live in its base weights: an adapter's product would miss them, so LoRA is
+    refused at start-up."""
+    save_falcon_h1(tmp_path)
+    with pytest.raises(ConfigError, match="no layers that take LoRA adapters"):
+        plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, enable_lora=True)
 
 
 @pytest.mark.parametrize("arch", ["NemotronHForCausalLM", "Mamba2ForCausalLM"])

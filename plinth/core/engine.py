@@ -295,8 +295,8 @@ class LLMEngine:
                             self.pooling.kind)
                 prefix_caching = False
         #: the model keeps per-sequence recurrent state (Mamba layers): no prefix cache, no speculative decoding
-        self.recurrent_state = _has_recurrent_state(parts)
-        if self.recurrent_state:
+        self.has_recurrent_state = _has_recurrent_state(parts)
+        if self.has_recurrent_state:
             if config.speculative.enabled:
                 from plinth.config import ConfigError
 
@@ -363,7 +363,7 @@ class LLMEngine:
             rows = getattr(graphs, "fused_max_rows", 0) or getattr(graphs, "max_size", 0)
             if rows:
                 self.scheduler.max_decode_rows = rows
-        self._batch_builder.state_rows = self.recurrent_state
+        self._batch_builder.carries_state_rows = self.has_recurrent_state
         if lora.enable_lora:
             self._batch_builder.lora_slots = LoRASlotTable(lora.max_loras)
             self._batch_builder.running = functools.partial(getattr, self.scheduler, "running")

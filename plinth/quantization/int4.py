@@ -51,6 +51,8 @@ def mamba_width(hf_config: Any) -> int | None:
         heads, dim = getattr(hf_config, heads_key, None), getattr(hf_config, dim_key, None)
         if isinstance(heads, int) and isinstance(dim, int):
             return heads * dim
+        if isinstance(heads, int) and dim == "auto":   # a config transformers did not normalise
+            return int(getattr(hf_config, "mamba_d_ssm", None) or hf_config.mamba_expand * hf_config.hidden_size)
     if getattr(hf_config, "model_type", None) == "mamba2":
         return int(hf_config.num_heads * hf_config.head_dim)
     return None

@@ -314,7 +314,7 @@ class BatchBuilder:
         #: (the CPU backends; not a decode kernel that writes a row's keys itself, as Triton's fused one does).
         self.drafts_as_rows = False
         #: the model keeps recurrent state per sequence (Mamba layers): batches carry the sequences' rows
-        self.state_rows = False
+        self.carries_state_rows = False
 
     def release(self, out: SchedulerOutput) -> None:
         """Free the rows of the requests preempted or finished (call for every step, even an empty one)."""
@@ -425,7 +425,7 @@ class BatchBuilder:
             num_logits=np.array(num_logits, dtype=np.int64) if num_logits is not None else None,
             images=images,
             rope_shift=_rope_shift(shifts, len(tokens)) if shifts else None,
-            state_rows=row_array if self.state_rows else None,
+            state_rows=row_array if self.carries_state_rows else None,
         )
         return batch, sampled
 

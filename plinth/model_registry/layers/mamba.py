@@ -1,5 +1,5 @@
-"""Mamba-2 mixer layers (state space duality) with per-sequence recurrent state, for hybrid models whose layers
-are Mamba-2 mixers and attention (IBM Granite 4.0-H).
+"""Mamba-2 mixer layers (state space duality) with per-sequence recurrent state, for the models built on them
+(IBM Granite 4.0-H, NVIDIA Nemotron-H, TII Falcon-H1, Mamba-2).
 
 A mixer keeps two states for each running sequence, in a row of the model's :class:`RecurrentState`:
 
@@ -327,7 +327,7 @@ class Mamba2Mixer(nn.Module):
             lo, hi = qsl[i], qsl[i + 1]
             if hi > lo:
                 y[lo:hi] = self._prompt(xbc[lo:hi], dt[lo:hi], a, conv, ssm, rows[i:i + 1])
-        # padding rows past the sequences (if any) keep whatever empty() held: they are never read
+        # (every row is written: the leading decodes' by _step, each prompt's by _prompt)
         out = self.norm(y.view(t, self.intermediate_size), z)
         return self.out_proj(out.to(hidden.dtype))
 
@@ -431,7 +431,9 @@ class MambaStateMixin:
         if self.recurrent_state is None or need > self.recurrent_state.rows:
             have = self.recurrent_state.rows if self.recurrent_state is not None else 0
             nbytes = self.allocate_recurrent_state(max(need, 2 * have, 16))
-            logger.info("recurrent state grown to %d sequences (%.1f MiB)", max(need, 2 * have, 16), nbytes / 2**20)
+            logger.warning("recurrent state grown to %d sequences (%.1f MiB) while serving: more rows than the "
+                           "%d allocated at start-up (outside the memory the KV cache was sized around)",
+                           max(need, 2 * have, 16), nbytes / 2**20, have)
         fresh = [i for i, c in enumerate(metadata.context_lens_cpu) if c == 0]
         if fresh and self.recurrent_state is not None:
             assert metadata.state_rows is not None

@@ -85,7 +85,8 @@ class FalconH1ForCausalLM(MambaStateMixin, DecoderForCausalLM):
     layer_class: ClassVar[type[nn.Module] | None] = FalconH1Layer
     supports_pipeline_parallel: ClassVar[bool] = False
     config_biases: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
-    lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
+    #: none: the attention multipliers are folded into the base weights, which an adapter's product would miss
+    lora_modules: ClassVar[tuple[str, ...]] = ()
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         **DecoderForCausalLM.packed_modules_mapping, ".final_layernorm.": (".norm.", None)}
 
