@@ -39,23 +39,12 @@ def input_sizes(hf_config: Any, tp_size: int) -> set[int]:
     inter = getattr(hf_config, "intermediate_size", None)
     if inter:
         sizes.add(inter // tp_size)
+    from plinth.model_registry.layers.mamba import mamba_width
+
     mamba = mamba_width(hf_config)   # the Mamba layers' out_proj input
     if mamba:
         sizes.add(mamba // tp_size)
     return sizes
-
-
-def mamba_width(hf_config: Any) -> int | None:
-    """The Mamba-2 layers' inner width (heads x head dim) of a config that has them, else ``None``."""
-    for heads_key, dim_key in (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")):
-        heads, dim = getattr(hf_config, heads_key, None), getattr(hf_config, dim_key, None)
-        if isinstance(heads, int) and isinstance(dim, int):
-            return heads * dim
-        if isinstance(heads, int) and dim == "auto":   # a config transformers did not normalise
-            return int(getattr(hf_config, "mamba_d_ssm", None) or hf_config.mamba_expand * hf_config.hidden_size)
-    if getattr(hf_config, "model_type", None) == "mamba2":
-        return int(hf_config.num_heads * hf_config.head_dim)
-    return None
 
 
 def choose_group_size(sizes: set[int], requested: int | None) -> int:

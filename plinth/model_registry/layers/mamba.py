@@ -45,6 +45,9 @@ class RecurrentState:
                  dtype: torch.dtype, device: torch.device):
         self.conv = torch.zeros(num_layers, rows, *conv_shape, dtype=dtype, device=device)
         self.ssm = torch.zeros(num_layers, rows, *ssm_shape, dtype=torch.float32, device=device)
+        #: the current step's rows are ``first_row, first_row + 1, ...`` in order (set by the step's preparation,
+        #: known on the host); ``None``: they are not, or not known
+        self.first_row: int | None = None
 
     @property
     def rows(self) -> int:
@@ -201,6 +204,36 @@ def _span(rows: list[int] | None, n: int) -> tuple[int, int] | None:
     return (lo, lo + n) if rows[n - 1] - lo == n - 1 and all(r == lo + i for i, r in enumerate(rows[:n])) else None
 
 
+def mamba_width(hf_config: Any) -> int | None:
+    """The Mamba-2 layers' inner width (heads x head dim) of a config that has them, else ``None``: Granite 4.0-H's
+    and Falcon-H1's ``mamba_*`` keys (``mamba_d_head`` ``"auto"``: ``mamba_d_ssm`` or ``mamba_expand`` x hidden),
+    Nemotron-H's, Mamba-2's."""
+    for heads_key, dim_key in (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")):
+        heads, dim = getattr(hf_config, heads_key, None), getattr(hf_config, dim_key, None)
+        if isinstance(heads, int) and isinstance(dim, int):
+            return heads * dim
+        if isinstance(heads, int) and dim == "auto":   # a config transformers did not normalise
+            return int(getattr(hf_config, "mamba_d_ssm", None) or hf_config.mamba_expand * hf_config.hidden_size)
+    if getattr(hf_config, "model_type", None) == "mamba2":
+        return int(hf_config.num_heads * hf_config.head_dim)
+    return None
+
+
+def mixer_from_mamba_config(ctx: Any, **options: Any) -> Mamba2Mixer:
+    """A :class:`Mamba2Mixer` of a config with Granite 4.0-H's / Falcon-H1's ``mamba_*`` keys (``options`` add to or
+    override the keyword arguments)."""
+    cfg = ctx.hf_config
+    width = mamba_width(cfg)
+    assert width is not None
+    kwargs = dict(conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
+                  activation=getattr(cfg, "hidden_act", "silu") or "silu",
+                  time_step_limit=getattr(cfg, "time_step_limit", None), quant_method=ctx.quant_method,
+                  tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+    return Mamba2Mixer(cfg.hidden_size, cfg.mamba_n_heads, width // cfg.mamba_n_heads, cfg.mamba_d_state,
+                       cfg.mamba_n_groups, cfg.mamba_d_conv, cfg.mamba_chunk_size, cfg.rms_norm_eps,
+                       **{**kwargs, **options})
+
+
 class Mamba2Mixer(nn.Module):
     """A Mamba-2 mixer: ``in_proj`` to the gate ``z``, the convolved ``x, B, C`` and the time step ``dt``; a causal
     depthwise convolution and SiLU; the selective scan with the ``D`` skip; the gated RMSNorm; ``out_proj``.
@@ -321,8 +354,9 @@ class Mamba2Mixer(nn.Module):
         n = metadata.num_seqs
         decodes = n if metadata.max_query_len == 1 else metadata.num_leading_decodes
         if decodes:   # one token each: all at once
+            first = self.state.first_row if self.state is not None else None
             y[:decodes] = self._step(xbc[:decodes], dt[:decodes], a, conv, ssm, rows[:decodes],
-                                     _span(metadata.state_rows_cpu, decodes) if self.state is not None else None)
+                                     (first, first + decodes) if first is not None else None)
         for i in range(decodes, n):
             lo, hi = qsl[i], qsl[i + 1]
             if hi > lo:
@@ -424,6 +458,8 @@ class MambaStateMixin:
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         """Before the layers: room for the step's rows, and zero states for the sequences that start at position 0."""
+        if self.recurrent_state is not None:
+            self.recurrent_state.first_row = None
         rows_cpu = metadata.state_rows_cpu
         if not rows_cpu or not self.has_recurrent_state:
             return
@@ -434,7 +470,10 @@ class MambaStateMixin:
             logger.warning("recurrent state grown to %d sequences (%.1f MiB) while serving: more rows than the "
                            "%d allocated at start-up (outside the memory the KV cache was sized around)",
                            max(need, 2 * have, 16), nbytes / 2**20, have)
+        assert self.recurrent_state is not None
+        span = _span(rows_cpu, len(rows_cpu))   # (once a step, for every layer's decode rows)
+        self.recurrent_state.first_row = span[0] if span is not None else None
         fresh = [i for i, c in enumerate(metadata.context_lens_cpu) if c == 0]
-        if fresh and self.recurrent_state is not None:
+        if fresh:
             assert metadata.state_rows is not None
             self.recurrent_state.reset(metadata.state_rows[fresh])

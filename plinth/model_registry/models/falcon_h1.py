@@ -22,7 +22,7 @@ from plinth.attention_backends.interface import AttentionMetadata
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.layernorm import RMSNorm
-from plinth.model_registry.layers.mamba import Mamba2Mixer, MambaStateMixin
+from plinth.model_registry.layers.mamba import MambaStateMixin, mamba_width, mixer_from_mamba_config
 from plinth.model_registry.models.decoder import (
     AttentionOptions,
     BlockOptions,
@@ -30,10 +30,6 @@ from plinth.model_registry.models.decoder import (
     DecoderForCausalLM,
     DenseMLP,
 )
-
-
-def _mamba_width(cfg: Any) -> int:
-    return int(cfg.mamba_d_ssm) if getattr(cfg, "mamba_d_ssm", None) else int(cfg.mamba_expand * cfg.hidden_size)
 
 
 class FalconH1Layer(nn.Module):
@@ -50,20 +46,12 @@ class FalconH1Layer(nn.Module):
         eps = cfg.rms_norm_eps
         self.input_layernorm = norm(cfg.hidden_size, eps=eps)
         self.pre_ff_layernorm = norm(cfg.hidden_size, eps=eps)
-        width = _mamba_width(cfg)
-        head_dim = cfg.mamba_d_head if isinstance(cfg.mamba_d_head, int) else width // cfg.mamba_n_heads
         if not getattr(cfg, "mamba_rms_norm", False):
             mode = "gate"
         else:
             mode = "norm_gate" if getattr(cfg, "mamba_norm_before_gate", True) else "gate_norm"
-        self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba_n_heads, head_dim, cfg.mamba_d_state, cfg.mamba_n_groups,
-                                 cfg.mamba_d_conv, cfg.mamba_chunk_size, eps,
-                                 conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
-                                 out_bias=bool(getattr(cfg, "projectors_bias", False)),
-                                 activation=getattr(cfg, "hidden_act", "silu") or "silu",
-                                 time_step_limit=getattr(cfg, "time_step_limit", None),
-                                 quant_method=ctx.quant_method, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size,
-                                 norm_mode=mode)
+        self.mamba = mixer_from_mamba_config(ctx, out_bias=bool(getattr(cfg, "projectors_bias", False)),
+                                             norm_mode=mode)
         self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
         self.feed_forward = mlp
 
@@ -130,7 +118,7 @@ class FalconH1ForCausalLM(MambaStateMixin, DecoderForCausalLM):
         attn_in, key_mult, attn_out = num("attention_in_multiplier"), num("key_multiplier"), \
             num("attention_out_multiplier")
         gate_mult, down_mult = (float(m) for m in (getattr(cfg, "mlp_multipliers", None) or (1.0, 1.0)))
-        width, groups, state, heads = _mamba_width(cfg), cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_n_heads
+        width, groups, state, heads = mamba_width(cfg), cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_n_heads
         parts = [float(m) for m in (getattr(cfg, "ssm_multipliers", None) or (1.0,) * 5)]
         if len(parts) != 5:
             raise ModelLoadError(f"FalconH1: ssm_multipliers needs five values (z, x, B, C, dt), got {parts!r}")

@@ -10,6 +10,7 @@ splits the Mamba layers by heads (:class:`~plinth.model_registry.layers.mamba.Ma
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
@@ -21,7 +22,7 @@ from plinth.attention_backends.interface import AttentionMetadata
 from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.layernorm import RMSNorm
-from plinth.model_registry.layers.mamba import Mamba2Mixer, MambaStateMixin
+from plinth.model_registry.layers.mamba import Mamba2Mixer, MambaStateMixin, mixer_from_mamba_config
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention, DenseMLP
 from plinth.model_registry.models.granite import GraniteMoeForCausalLM
 
@@ -60,16 +61,7 @@ class HybridDecoderLayer(nn.Module):
         self.mamba: Mamba2Mixer | None = None
         self.self_attn: DecoderAttention | None = None
         if is_mamba_layer(cfg, layer_idx):
-            head_dim = cfg.mamba_d_head
-            if not isinstance(head_dim, int):   # "auto" in a config transformers did not normalise
-                head_dim = int(cfg.mamba_expand * cfg.hidden_size) // cfg.mamba_n_heads
-            self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba_n_heads, head_dim, cfg.mamba_d_state,
-                                     cfg.mamba_n_groups, cfg.mamba_d_conv, cfg.mamba_chunk_size, cfg.rms_norm_eps,
-                                     conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
-                                     activation=getattr(cfg, "hidden_act", "silu") or "silu",
-                                     time_step_limit=getattr(cfg, "time_step_limit", None),
-                                     quant_method=ctx.quant_method, tp_rank=ctx.tp_rank,
-                                     tp_size=ctx.tp_size)
+            self.mamba = mixer_from_mamba_config(ctx)
         else:
             self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
         self.mlp = mlp
@@ -116,9 +108,8 @@ class GraniteMoeHybridForCausalLM(MambaStateMixin, GraniteMoeForCausalLM):
         return any(is_mamba_layer(hf_config, i) for i in range(hf_config.num_hidden_layers))
 
     def attention_options(self, cfg: Any) -> AttentionOptions:
-        base = super().attention_options(cfg)
-        return AttentionOptions(qkv_bias=base.qkv_bias, o_bias=base.o_bias, scale=base.scale,
-                                rope=getattr(cfg, "position_embedding_type", None) == "rope")
+        return dataclasses.replace(super().attention_options(cfg),
+                                   rope=getattr(cfg, "position_embedding_type", None) == "rope")
 
     def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
         if self.has_experts:
