@@ -69,10 +69,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]], eager: bool = False) -> dict:
     import plinth
 
     kw = {"gpu_memory_utilization": 0.5} if args.device == "cuda" else {}
+    if eager:
+        kw["enforce_eager"] = True
     llm = plinth.LLM(path, dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8,
                      max_num_seqs=max(args.requests, 1), **kw)
 
@@ -133,6 +135,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--eager", action="store_true",
+                    help="also run plinth with --enforce-eager (no CUDA graphs, no compiled CPU decode) in a column")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shape = args.shape or ("1b" if args.device == "cuda" else "small")
@@ -143,23 +147,24 @@ def main() -> None:
         build_checkpoint(shape, tmp, getattr(torch, args.dtype))
         params = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.endswith(".safetensors"))
         ours = run_plinth(tmp, args, prompts)
+        eager = run_plinth(tmp, args, prompts, eager=True) if args.eager else None
         theirs = run_transformers(tmp, args, prompts)
     pairs = list(zip(ours["tokens"], theirs["tokens"], strict=False))
     agree = sum(a == b for a, b in pairs)
     prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
     print(f"shape {shape} ({params / 2**20:.0f} MiB of weights, {args.dtype}) on {args.device}; prompt "
           f"{args.prompt_len} tokens, {args.max_tokens} new, {args.requests} requests at once")
-    print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}")
+    print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}" + (f"{'plinth eager':>14}" if eager else ""))
     for key, label, better_low in [("ms_per_token", "ms/token", True), ("ttft_s", "TTFT s", True),
                                    ("batch_tok_s", "batch tok/s", False)]:
         a, b = ours[key], theirs[key]
         ratio = b / a if better_low else a / b
-        print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x")
+        print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x" + (f"{eager[key]:14.2f}" if eager else ""))
     print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])} (the first {prefix} in a row)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,
-                       "transformers": theirs, "agree": agree, "agree_prefix": prefix}, f, indent=1)
+                       "transformers": theirs, "plinth_eager": eager, "agree": agree, "agree_prefix": prefix}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -531,13 +531,36 @@ def test_nemotron_h_mixture_of_experts_blocks(latent, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_engine_matches_transformers(tmp_path):
-    """On a GPU (decode runs eagerly: the Mamba layers say they cannot be captured): float32 greedy tokens equal
-    transformers'."""
-    hf = save_hybrid(tmp_path, **SHAPES["moe_rope"])
-    prompts = _prompts(hf.config.vocab_size)
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+@pytest.mark.parametrize("arch", ["GraniteMoeHybridForCausalLM", "NemotronHForCausalLM"])
+def test_gpu_engine_matches_transformers(arch, tmp_path):
+    """On a GPU, float32: greedy tokens equal transformers' for prompts of 1 to 33 tokens (a 1-token prompt's first
+    step is a decode row that starts its state), three at a time (decode graphs padded to 4: the padding rows write
+    the state's scratch row) and again one after another (rows passing between requests). Granite's decode steps
+    replay CUDA graphs; Nemotron-H's expert blocks loop over experts on the host, so it decodes eagerly."""
+    from plinth.worker.cuda_graphs import DecodeGraphRunner
+
+    if arch == "NemotronHForCausalLM":
+        hf = save_backbone_model(tmp_path, arch, layers_block_type=["mamba", "moe", "attention", "mlp"],
+                                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 moe_shared_expert_intermediate_size=48)
+    else:
+        hf = save_hybrid(tmp_path, **SHAPES["dense_nope"])
+    prompts = _prompts(hf.config.vocab_size)[:3] + _prompts(hf.config.vocab_size, (1,))
+    want = [hf_greedy(hf, p)[0] for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8,
                      gpu_memory_utilization=0.3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
+    assert isinstance(llm.engine.runner.graphs, DecodeGraphRunner) is (arch == "GraniteMoeHybridForCausalLM")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want[:3]
+    for prompt, tokens in zip(prompts[::-1], want[::-1], strict=True):
+        assert llm.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0].outputs[0].token_ids == tokens
+    graphs = llm.engine.runner.graphs
+    if isinstance(graphs, DecodeGraphRunner):
+        # a state grown to new memory (as when a step needs more rows than allocated): the graphs, captured on the
+        # old memory, are dropped and decode runs eagerly, with the same tokens
+        assert graphs.graphs
+        llm.engine.runner.model.allocate_recurrent_state(32)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], _greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want[:3]
+        assert not graphs.graphs
     llm.close()

@@ -72,9 +72,9 @@ class DecodeGraphRunner:
         # same layout with one copy per step: int64 rows (token ids, positions, slots, then the two rows of
         # fed tokens: batch rows and rows of the previous output) and int32 words (sequence lengths, context
         # lengths, then the block table, whose first `size` rows are copied).
-        self.host_vec = torch.zeros((5, g), dtype=torch.int64, pin_memory=True)
+        self.host_vec = torch.zeros((6, g), dtype=torch.int64, pin_memory=True)
         self.host_words = torch.zeros(2 * g + g * w, dtype=torch.int32, pin_memory=True)
-        self.dev_vec = torch.zeros((5, g), dtype=torch.int64, device=device)
+        self.dev_vec = torch.zeros((6, g), dtype=torch.int64, device=device)
         self.dev_words = torch.zeros(2 * g + g * w, dtype=torch.int32, device=device)
         self.static = _Static(
             input_ids=self.dev_vec[0], positions=self.dev_vec[1], slot_mapping=self.dev_vec[2],
@@ -82,6 +82,14 @@ class DecodeGraphRunner:
             query_start_loc=torch.zeros(g + 1, dtype=torch.int32, device=device),
             block_tables=self.dev_words[2 * g:].view(g, w),
         )
+        #: a model with Mamba layers: each row's state row (the sixth int64 row; padding rows take the state's
+        #: scratch row, the last, which no sequence holds), and the state (see :mod:`plinth.model_registry.layers.mamba`)
+        self.recurrent = getattr(model, "recurrent_state", None) if getattr(model, "has_recurrent_state", False) \
+            else None
+        self.scratch_row = self.recurrent.scratch_row if self.recurrent is not None else 0
+        #: the state's tensors the graphs were captured on (a state grown while serving is new memory: the steps
+        #: run eagerly from then on)
+        self._state_tensors = (self.recurrent.conv, self.recurrent.ssm) if self.recurrent is not None else None
         self._copied: torch.cuda.Event | None = None   # recorded after the latest copies from the host buffers
         # keyed by (batch size, with the LoRA adapters' products)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -99,6 +107,9 @@ class DecodeGraphRunner:
             block_tables=s.block_tables[:size],
             query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
             rows_share_sequences=self.shared_rows,
+            # the state rows on the device only: the model's step preparation (zeroing rows that start, growing
+            # the state) happens before the replay, outside the graph
+            state_rows=self.dev_vec[5, :size] if self.recurrent is not None else None,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -120,6 +131,8 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         self.capture_error_mode = capture_error_mode
         self._fill_padding(0, self.max_size)
+        if self.recurrent is not None:   # the graphs gather and scatter the state's rows, whichever they are
+            self.recurrent.first_row = None
         lora = self.lora
         # with LoRA adapters, each size twice: without the adapters' products (steps of base-model requests only)
         # and with them (a replay's slot weights pick each row's adapter; base rows have zero weights)
@@ -172,6 +185,20 @@ class DecodeGraphRunner:
         s.context_lens[start:end] = 0
         s.query_start_loc[start + 1: end + 1] = idx + 1
         s.block_tables[start:end] = 0
+        self.dev_vec[5, start:end] = self.scratch_row
+
+    def _replayable(self, state_rows: np.ndarray | None) -> bool:
+        """Whether a step of these state rows can replay the graphs: ``False`` (the step runs eagerly) for rows past
+        the ones allocated, and from the step on which the state was grown to new memory."""
+        assert self.recurrent is not None and self._state_tensors is not None
+        if state_rows is None or int(state_rows.max()) >= self.scratch_row:
+            return False
+        if self._state_tensors[0] is self.recurrent.conv and self._state_tensors[1] is self.recurrent.ssm:
+            return True
+        if self.graphs:
+            logger.warning("the Mamba layers' state was grown while serving: decode steps run eagerly from now on")
+            self.graphs.clear()
+        return False
 
     def padded_size(self, batch: int) -> int | None:
         for size in self.sizes:
@@ -182,7 +209,7 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def run(self, token_ids: np.ndarray, positions: np.ndarray,
             block_ids: Sequence[Sequence[int]] | np.ndarray, feed: TokenFeed | None = None,
-            rope_shift: np.ndarray | None = None) -> torch.Tensor:
+            rope_shift: np.ndarray | None = None, state_rows: np.ndarray | None = None) -> torch.Tensor:
         """Replay one decode step for ``B`` sequences; returns logits ``[B, vocab]`` (a view into static output).
 
         Args:
@@ -191,8 +218,11 @@ class DecodeGraphRunner:
             block_ids: each sequence's KV blocks (lists, or a zero-padded ``[B, W]`` integer array).
             feed: rows of ``token_ids`` to take from the previous step's sampled tokens on the device.
             rope_shift: ``[B]`` added to the positions for the rotary embedding (multimodal RoPE), or ``None``.
+            state_rows: ``[B]`` each sequence's row of the model's recurrent state (Mamba layers), or ``None``.
         """
         b = len(token_ids)
+        if self.recurrent is not None and not self._replayable(state_rows):
+            return None
         size = self.padded_size(b)
         assert size is not None, f"decode batch {b} exceeds the largest graph {self.max_size}"
         if self._copied is not None:   # the previous step's copies may still read the host buffers
@@ -221,6 +251,10 @@ class DecodeGraphRunner:
         vec[:3, b:size] = 0
         lens[0, b:size] = 1
         lens[1, b:size] = 0
+        if self.recurrent is not None:
+            assert state_rows is not None
+            vec[5, :b] = state_rows
+            vec[5, b:size] = self.scratch_row
         k = 0 if feed is None else len(feed.rows)
         if k:
             vec[3, :k] = feed.rows
@@ -233,6 +267,8 @@ class DecodeGraphRunner:
             s.input_ids.index_copy_(0, self.dev_vec[3, :k], feed.tokens.index_select(0, self.dev_vec[4, :k]))
         self._copied = torch.cuda.Event()
         self._copied.record()
+        if self.recurrent is not None and not pos.all():   # sequences whose first token this is: zero states
+            self.recurrent.reset(self.dev_vec[5, :b][torch.from_numpy(pos == 0).to(self.device)])
         # query_start_loc is 0..size for a decode batch: constant, filled at capture
         key = (size, self.lora is not None and self.lora.active)
         self.graphs[key].replay()

@@ -335,6 +335,8 @@ class ModelRunner:
             extra: dict[str, Any] = {} if feed is None else {"feed": feed}
             if batch.rope_shift is not None:
                 extra["rope_shift"] = batch.rope_shift
+            if batch.state_rows is not None:
+                extra["state_rows"] = batch.state_rows
             logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables, **extra)
             if logits is not None:   # None: this batch runs eagerly (a runner that could not compile)
                 return logits, list(range(batch.num_seqs)), None

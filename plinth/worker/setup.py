@@ -422,7 +422,7 @@ def allocate_recurrent_state(model: Any, config: EngineConfig, platform: Any = N
 
                 raise ConfigError(f"the Mamba layers' state for {rows} sequences (max_num_seqs) needs "
                                   f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free: lower "
-                                  f"--max-num-seqs (each sequence takes {need / rows / 2**20:.1f} MiB)")
+                                  f"--max-num-seqs (each sequence takes {need / (rows + 1) / 2**20:.1f} MiB)")
         nbytes = allocate(rows)
         if nbytes:
             logger.info("recurrent state (Mamba layers) for %d sequences: %.1f MiB", config.scheduler.max_num_seqs,

@@ -34,24 +34,30 @@ logger = logging.getLogger(__name__)
 
 
 class RecurrentState:
-    """Every Mamba layer's states for ``rows`` sequences, one tensor per kind (layer-major).
+    """Every Mamba layer's states for ``rows`` sequences, one tensor per kind (layer-major), and a scratch row
+    after them that no sequence holds (the CUDA decode graphs' padding rows read and write it).
 
     Attributes:
-        conv: ``[layers, rows, conv_dim, d_conv - 1]`` in the model's dtype.
-        ssm: ``[layers, rows, heads, head_dim, d_state]`` float32.
+        conv: ``[layers, rows + 1, conv_dim, d_conv - 1]`` in the model's dtype.
+        ssm: ``[layers, rows + 1, heads, head_dim, d_state]`` float32.
     """
 
     def __init__(self, num_layers: int, rows: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
                  dtype: torch.dtype, device: torch.device):
-        self.conv = torch.zeros(num_layers, rows, *conv_shape, dtype=dtype, device=device)
-        self.ssm = torch.zeros(num_layers, rows, *ssm_shape, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(num_layers, rows + 1, *conv_shape, dtype=dtype, device=device)
+        self.ssm = torch.zeros(num_layers, rows + 1, *ssm_shape, dtype=torch.float32, device=device)
         #: the current step's rows are ``first_row, first_row + 1, ...`` in order (set by the step's preparation,
         #: known on the host); ``None``: they are not, or not known
         self.first_row: int | None = None
 
     @property
     def rows(self) -> int:
-        return self.conv.shape[1]
+        """The sequences' rows (``0 .. rows - 1``)."""
+        return self.conv.shape[1] - 1
+
+    @property
+    def scratch_row(self) -> int:
+        return self.conv.shape[1] - 1
 
     @property
     def nbytes(self) -> int:
@@ -63,8 +69,8 @@ class RecurrentState:
             return
         for name in ("conv", "ssm"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], rows, *old.shape[2:])
-            new[:, : old.shape[1]] = old
+            new = old.new_zeros(old.shape[0], rows + 1, *old.shape[2:])
+            new[:, : self.rows] = old[:, : self.rows]
             setattr(self, name, new)
 
     def reset(self, rows: torch.Tensor) -> None:
@@ -328,8 +334,9 @@ class Mamba2Mixer(nn.Module):
         return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Decode steps run eagerly: the states' rows are not graph inputs yet."""
-        return False
+        """A decode step reads and writes the states through device-side row indices (the decode graphs' state-row
+        input; padding rows use the state's scratch row): capturable on CUDA."""
+        return device.type == "cuda"
 
     # ------------------------------------------------------------------ forward
 
@@ -431,12 +438,12 @@ class MambaStateMixin:
         return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]  # type: ignore[attr-defined]
 
     def recurrent_state_bytes(self, rows: int) -> int:
-        """The bytes of every Mamba layer's state for ``rows`` sequences (before allocating it)."""
+        """The bytes of every Mamba layer's state for ``rows`` sequences and the scratch row (before allocating it)."""
         layers = self.mamba_layers()
         if not layers:
             return 0
         (c, k), (h, p, n) = layers[0].state_shapes()
-        return len(layers) * rows * (c * k * layers[0].conv1d.weight.element_size() + h * p * n * 4)
+        return len(layers) * (rows + 1) * (c * k * layers[0].conv1d.weight.element_size() + h * p * n * 4)
 
     def allocate_recurrent_state(self, rows: int) -> int:
         """States for ``rows`` sequences (kept if allocated already; grown if fewer); returns their bytes."""
