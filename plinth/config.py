@@ -362,6 +362,9 @@ class CacheConfig:
             and values stored in 8 bits (twice the tokens in the same memory, half the bytes read per attention
             step), rounded when written, with a scale of 1 (no calibration); ``bfloat16``: keys and values of a
             float32 model rounded to bfloat16 (the same as ``auto`` for a bfloat16 model).
+        mamba_cache_slots: models with Mamba layers, prefix cache on: how many states (each the size of one
+            sequence's) the prefix cache keeps, at block boundaries (default: ``max_num_seqs``, fewer if they do
+            not fit half the free memory; 0: no prefix cache for such models).
     """
 
     block_size: int = 16
@@ -370,9 +373,13 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 2 << 30
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    mamba_cache_slots: int | None = None
 
     def __post_init__(self) -> None:
         _check_flags(self)
+        if self.mamba_cache_slots is not None and (not isinstance(self.mamba_cache_slots, int) or isinstance(
+                self.mamba_cache_slots, bool) or self.mamba_cache_slots < 0):
+            raise ConfigError(f"mamba_cache_slots must be a non-negative integer, got {self.mamba_cache_slots!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("block_size", self.block_size, allow_none=False)

@@ -90,8 +90,10 @@ def processes():
     procs.stop()
 
 
-def generate_on_tp_workers(path, prompts, params, size: int = 2):
-    """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks are worker processes (CPU, float32)."""
+def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1, hits: list | None = None):
+    """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks are worker processes (CPU, float32);
+    ``rounds`` times one after another (the outputs of every round, concatenated), the prefix cache's hit tokens
+    appended to ``hits``."""
     import threading
 
     from plinth import LLM
@@ -108,7 +110,10 @@ def generate_on_tp_workers(path, prompts, params, size: int = 2):
             assert engine.runner is None   # the ranks run in the workers
             llm = LLM.__new__(LLM)   # an LLM over this engine
             llm.engine, llm._ids, llm._lock = engine, iter(range(10**6)), threading.RLock()
-            return llm.generate(prompts, params)
+            outs = [o for _ in range(rounds) for o in llm.generate(prompts, params)]
+            if hits is not None:
+                hits.append(engine.block_manager.stats.hit_tokens)
+            return outs
         finally:
             engine.shutdown()
     finally:

@@ -145,6 +145,41 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+class StateCheckpointMachine(BlockManagerMachine):
+    """The same with recurrent-state checkpoints (models with Mamba layers): a shadow state per slot and per request
+    (the token prefix it has consumed). A restore must give exactly the hit's prefix, and a cached block's
+    checkpoint must always hold the state after exactly that block's prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BS, state_slots=3)
+        self.saved: dict[int, tuple[int, ...]] = {}   # slot -> prefix its state consumed
+
+    def compute(self, req: Request, num_new: int) -> None:
+        restores, saves = self.bm.take_state_plan()
+        start, tokens = req.num_computed_tokens, req.all_token_ids
+        assert set(restores) <= {req.request_id} and set(saves) <= {req.request_id}
+        if req.request_id in restores:
+            assert start > 0 and self.saved[restores[req.request_id]] == tuple(tokens[:start])
+        if req.request_id in saves:
+            offset, slot = saves[req.request_id]
+            assert 0 < offset <= num_new and (start + offset) % BS == 0
+            self.saved[slot] = tuple(tokens[:start + offset])
+        super().compute(req, num_new)
+        self.bm.begin_schedule()   # the next rule is the next step
+
+    @invariant()
+    def checkpoints_hold_their_blocks_prefix(self):
+        slot_of = self.bm._slot_of
+        assert len(slot_of) <= 3 and len(set(slot_of.values())) == len(slot_of)
+        for block, slot in slot_of.items():
+            assert self.saved[slot] == self.kv[(block, BS - 1)]
+
+
+TestStateCheckpointMachine = StateCheckpointMachine.TestCase
+TestStateCheckpointMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
 # ------------------------------------------------------------------ targeted tests
 
 def admit(bm: BlockManager, tokens: list[int]) -> Request:
@@ -314,3 +349,32 @@ def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
     assert set(plain.block_ids).isdisjoint(first.block_ids)
     assert bm.get_computed_blocks(salted(None)) == (plain.block_ids[:2], 4)
     assert bm.get_computed_blocks(salted("tenant-a")) == (first.block_ids[:2], 4)
+
+
+def test_a_state_checkpoint_is_offered_from_the_step_after_its_save():
+    """With recurrent state: a hit ends at the deepest block whose state is kept, and a state saved by the step
+    being scheduled is not offered in it (restores run before the layers that save)."""
+    bm = BlockManager(16, 4, state_slots=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    a = admit(bm, prompt)
+    restores, saves = bm.take_state_plan()
+    assert restores == {} and saves == {a.request_id: (8, saves[a.request_id][1])}   # after the last token's block
+    sibling = make_request(prompt)
+    assert bm.get_computed_blocks(sibling) == ([], 0)    # KV blocks cached, their state not yet written
+    bm.begin_schedule()
+    blocks, n = bm.get_computed_blocks(sibling)
+    assert n == 8 and blocks == a.block_ids[:2]
+    assert bm.allocate_slots(sibling, 1, blocks)
+    restores, _ = bm.take_state_plan()
+    assert restores == {sibling.request_id: saves[a.request_id][1]}
+    # a longer prompt sharing only the first block finds no state there: no hit at all
+    assert bm.get_computed_blocks(make_request([1, 2, 3, 4, 0, 0, 0, 0, 0])) == ([], 0)
+
+
+def test_a_request_freed_in_its_step_drops_its_planned_save():
+    bm = BlockManager(16, 4, state_slots=1)
+    a = admit(bm, [1, 2, 3, 4, 5])
+    bm.free(a)   # preempted before its step ran
+    assert bm.take_state_plan() == ({}, {})
+    b = admit(bm, [7, 7, 7, 7, 7])   # the one slot is free again
+    assert bm.take_state_plan()[1] == {b.request_id: (4, 0)}

@@ -140,15 +140,18 @@ def test_engine_matches_transformers(hybrid):
         assert got.token_ids == tokens
         got_lps = [next(iter(step.values())).logprob for step in got.logprobs]
         assert got_lps == pytest.approx(lps, abs=2e-4)
-    # the prefix cache is off where the model keeps state (attention-only Granite keeps none)
+    # the prefix cache is on; where the model keeps state (attention-only Granite keeps none) with states kept at
+    # block boundaries
     has_mamba = "linear_attention" in hf.config.layer_types
-    assert llm.engine.has_recurrent_state is has_mamba and llm.engine.block_manager.enable_prefix_caching is not has_mamba
+    bm = llm.engine.block_manager
+    assert llm.engine.has_recurrent_state is has_mamba and bm.enable_prefix_caching
+    assert bm.state_slots == (8 if has_mamba else 0)   # max_num_seqs
     llm.close()
 
 
 def test_rows_are_reused_and_sequences_kept_apart(hybrid):
     """Two sequences at a time for six requests: rows of the recurrent state pass from finished requests to new
-    ones (starting from zero state), and a repeated prompt (no prefix cache) gives the same tokens."""
+    ones (starting from zero state), and a repeated prompt (from the prefix cache's state) gives the same tokens."""
     path, hf, prompts, want = hybrid
     llm = plinth.LLM(path, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64)
     order = [3, 0, 2, 1, 3, 0]
@@ -201,12 +204,75 @@ def test_speculative_decoding_is_refused(tmp_path):
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
 
 
-def test_explicit_prefix_caching_is_turned_off(tmp_path, caplog):
+def test_no_state_slots_turn_the_prefix_cache_off(tmp_path, caplog):
     save_hybrid(tmp_path, **SHAPES["dense_nope"])
     with caplog.at_level("INFO"):
-        llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, enable_prefix_caching=True)
+        llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, mamba_cache_slots=0)
     assert llm.engine.block_manager.enable_prefix_caching is False
     assert "prefix cache is off" in caplog.text
+    assert llm.engine.runner.model.recurrent_state.slots == 0
+    llm.close()
+    with pytest.raises(ConfigError, match="mamba_cache_slots must be a non-negative integer"):
+        plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, mamba_cache_slots=-1)
+
+
+def _hits(llm) -> int:
+    return llm.engine.block_manager.stats.hit_tokens
+
+
+@pytest.mark.parametrize("block_size,budget", [(8, 64), (4, 10)])
+def test_prefix_cache_resumes_from_saved_states(hybrid, block_size, budget):
+    """Repeated prompts resume from the state saved at the block boundary before their last token, and a next turn
+    (a prompt that goes on from an earlier request's prompt and output) from the state saved in its decode: the
+    tokens and log-probabilities stay transformers'. A 10-token step budget with 4-token blocks puts the prompt's
+    boundary inside a chunk (the scan is split there); 8-token blocks and a whole-prompt step save at chunk ends."""
+    path, hf, prompts, want = hybrid
+    if "linear_attention" not in hf.config.layer_types:
+        pytest.skip("no Mamba layers")
+    llm = plinth.LLM(path, dtype="float32", max_model_len=128, max_num_seqs=4, block_size=block_size,
+                     max_num_batched_tokens=budget, mamba_cache_slots=8)   # two for each running request
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    first = llm.generate(reqs, _greedy(logprobs=0), use_tqdm=False)
+    assert _hits(llm) == 0
+    again = llm.generate(reqs, _greedy(logprobs=0), use_tqdm=False)
+    # every prompt of more than one block resumes at the boundary before its last token
+    assert _hits(llm) == sum((len(p) - 1) // block_size * block_size for p in prompts)
+    for out, (tokens, lps) in zip(first + again, want + want, strict=True):
+        assert out.outputs[0].token_ids == tokens
+        assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
+    # a next turn: the longest prompt, its output and 3 more tokens resumes inside the output
+    turn = prompts[-1] + want[-1][0] + [5, 6, 7]
+    before = _hits(llm)
+    out = llm.generate({"prompt_token_ids": turn}, _greedy(logprobs=0), use_tqdm=False)[0]
+    done = len(prompts[-1]) + MAX_TOKENS - 1   # the last output token was never computed
+    assert _hits(llm) - before == done // block_size * block_size > len(prompts[-1])
+    tokens, lps = hf_greedy(hf, turn)
+    assert out.outputs[0].token_ids == tokens
+    assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
+    llm.close()
+
+
+def test_prefix_cache_states_evicted_least_recently_used(tmp_path):
+    """Two state slots for five prompts sharing a 16-token head, twice: a hit ends at the deepest block whose state
+    is still kept (none once evicted: the prompt is computed again), and the tokens stay transformers'."""
+    hf = save_hybrid(tmp_path, **SHAPES["moe_rope"])
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(2, hf.config.vocab_size, (16,), generator=g).tolist()
+    prompts = [head + torch.randint(2, hf.config.vocab_size, (k,), generator=g).tolist() for k in (9, 3, 12, 6, 1)]
+    want = [hf_greedy(hf, p)[0] for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=2, block_size=8,
+                     mamba_cache_slots=2)
+    bm = llm.engine.block_manager
+    hits = []
+    for _ in range(2):
+        for p, tokens in zip(prompts, want, strict=True):
+            before = _hits(llm)
+            assert llm.generate({"prompt_token_ids": p}, _greedy(), use_tqdm=False)[0].outputs[0].token_ids == tokens
+            hits.append(_hits(llm) - before)
+            assert len(bm._slot_of) <= 2
+    # the head's state (saved by the 19-token prompt, the first whose last token's boundary is 16) serves the next
+    # prompt, then the least recently used slot goes to a new checkpoint: the head's, until saved again
+    assert hits == [0, 0, 16, 0, 16, 16, 0, 16, 0, 16]
     llm.close()
 
 
@@ -256,13 +322,17 @@ def test_tensor_parallel_workers_match_transformers(groups, tmp_path):
     """Two tensor-parallel worker processes (CPU, gloo): each rank holds half of the Mamba heads (their rows of
     ``in_proj``, channels of ``conv1d``, ``A_log``/``D``/``dt_bias``, norm and ``out_proj`` columns) and either half
     of the groups or, with one group, all of it, its gated norm's squares all-reduced; the attention and MLP split as
-    usual. Greedy tokens equal transformers'."""
+    usual. Greedy tokens equal transformers', also the second time, when the prompts resume from the prefix cache's
+    states (every rank restores its share)."""
     from conftest import generate_on_tp_workers
 
     hf = save_hybrid(tmp_path, **{**SHAPES["moe_rope"], "mamba_n_groups": groups})
     prompts = _prompts(hf.config.vocab_size)
-    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
-    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
+    hits: list[int] = []
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy(), rounds=2,
+                                 hits=hits)
+    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts] * 2
+    assert hits == [sum((len(p) - 1) // 4 * 4 for p in prompts)]   # 4-token blocks
 
 
 def test_nemotron_h_on_tensor_parallel_workers(tmp_path):
@@ -554,6 +624,8 @@ def test_gpu_engine_matches_transformers(arch, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == want[:3]
     for prompt, tokens in zip(prompts[::-1], want[::-1], strict=True):
         assert llm.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0].outputs[0].token_ids == tokens
+    # the second time, each prompt of more than one block resumed from the prefix cache's state
+    assert llm.engine.block_manager.stats.hit_tokens == sum((len(p) - 1) // 16 * 16 for p in prompts)
     graphs = llm.engine.runner.graphs
     if isinstance(graphs, DecodeGraphRunner):
         # a state grown to new memory (as when a step needs more rows than allocated): the graphs, captured on the

@@ -24,6 +24,17 @@ one-token query is offered to other requests only from the next :meth:`BlockMana
 on (a request admitted in the same step computes those tokens itself, which also makes its
 step a prefill step).
 
+Recurrent state (models with Mamba layers, ``state_slots > 0``). A hit must also give the layers' state after the
+hit's last token, which, unlike keys and values, is not in the blocks: the manager keeps ``state_slots`` checkpoint
+slots, each holding the state after the last token of one block, and a hit ends at the deepest block of the chain
+that has one. A step that takes a request's tokens over a block boundary saves the state there: the boundary before
+its prompt's last token (a request with the same prompt resumes there), and later the last boundary it passes (the
+next turn of a conversation resumes there; a request's rolling checkpoint moves on in its own slot, so a running
+request holds at most two slots).
+:meth:`BlockManager.take_state_plan` hands the step's saves and the restores of admitted requests to the worker.
+Slots are evicted least recently used first, and with their block; a slot saved by the step being scheduled is not
+offered in that step (the restores run before the layers).
+
 Free blocks (reference count 0) sit in one LRU list. Cached ones keep their contents and can
 be revived by a hit until a new block is needed; then the least recently used goes first.
 Uncached free blocks are at the front (nothing to lose), and a freed request's blocks enter
@@ -90,7 +101,7 @@ class BlockManager:
     The manager owns ``request.block_ids``; callers only read it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -112,6 +123,16 @@ class BlockManager:
         # cached blocks completed by a one-token query of the step being scheduled (not reusable in it)
         self._filling: set[int] = set()
         self.stats = PrefixCacheStats()
+        # recurrent-state checkpoints (models with Mamba layers; see the module's docstring)
+        self.state_slots = state_slots if enable_prefix_caching else 0
+        self._slot_of: dict[int, int] = {}                    # block -> slot holding the state after it
+        self._block_of: dict[int, int] = {}                   # slot -> block
+        self._free_slots = list(range(self.state_slots - 1, -1, -1))
+        self._slot_lru: OrderedDict[int, None] = OrderedDict()   # assigned slots, least recently used first
+        self._saving: set[int] = set()                        # slots written by the step being scheduled
+        self._rolling: dict[str, int] = {}                    # request -> block of its rolling checkpoint
+        self._saves: dict[str, tuple[int, int]] = {}          # request -> (offset in its step's tokens, slot)
+        self._restores: dict[str, int] = {}                   # request -> slot it starts from
 
     # ---------------------------------------------------------------- queries
 
@@ -160,8 +181,17 @@ class BlockManager:
 
     def begin_schedule(self) -> None:
         """A new step is being scheduled: blocks completed by last step's one-token queries (now
-        written) become reusable."""
+        written) become reusable, and so do the state checkpoints it saved."""
         self._filling.clear()
+        self._saving.clear()
+
+    def take_state_plan(self) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+        """The scheduled step's work on state checkpoints: ``(restores, saves)``, request id -> the slot it starts
+        from, and request id -> ``(offset, slot)``: save its state after the first ``offset`` of its tokens of
+        the step into ``slot``."""
+        plan = self._restores, self._saves
+        self._restores, self._saves = {}, {}
+        return plan
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Find the longest cached prefix of ``request.all_token_ids`` in whole blocks.
@@ -178,12 +208,18 @@ class BlockManager:
         tokens = request.all_token_ids
         blocks: list[int] = []
         parent = self._root(request)
+        reach = 0   # with recurrent state: the blocks up to the deepest one whose state is kept
         for i in range((len(tokens) - 1) // bs):
             block = self._cache.get((parent, _block_tokens(request, tokens, i, bs)))
             if block is None or block in self._filling:
                 break
             blocks.append(block)
             parent = self._prefix_id[block]
+            slot = self._slot_of.get(block)
+            if slot is not None and slot not in self._saving:
+                reach = len(blocks)
+        if self.state_slots:
+            del blocks[reach:]
         return blocks, len(blocks) * bs
 
     def blocks_to_take(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
@@ -218,6 +254,8 @@ class BlockManager:
         """
         if request.block_ids and not cached_blocks:
             if self._fits(request, num_new_tokens):
+                if self.state_slots:
+                    self._plan_save(request, request.num_computed_tokens, num_new_tokens)
                 return True
         elif cached_blocks and request.block_ids:
             raise ValueError(f"request {request.request_id!r} already holds blocks; cached blocks are only "
@@ -239,6 +277,12 @@ class BlockManager:
         num_total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         for _ in range(self.blocks_needed(num_total) - len(request.block_ids)):
             request.block_ids.append(self._take_free_block())
+        if self.state_slots:   # (before registering: a block found private hands its checkpoint to the cached one)
+            if cached_blocks:
+                slot = self._slot_of[cached_blocks[-1]]
+                self._restores[request.request_id] = slot
+                self._slot_lru.move_to_end(slot)
+            self._plan_save(request, num_total - num_new_tokens, num_new_tokens)
         if self.enable_prefix_caching:
             # a decode's one token (and the drafts after it) completes a block while this step computes it
             self._register_full_blocks(request, min(num_total, request.num_tokens), chain,
@@ -270,6 +314,13 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Drop the request's references; its cached blocks stay reusable until evicted."""
+        rid = request.request_id
+        if self.state_slots:
+            self._restores.pop(rid, None)
+            save = self._saves.pop(rid, None)
+            if save is not None:   # preempted in the step that was to save: nothing will be written there
+                self._release_slot(save[1])
+            self._rolling.pop(rid, None)
         for block in reversed(request.block_ids):
             ref = self._ref[block] - 1
             assert ref >= 0, f"block {block} freed more often than taken"
@@ -278,9 +329,11 @@ class BlockManager:
                 self._free[block] = None
                 if self._key[block] is None:
                     self._free.move_to_end(block, last=False)
+                    if block in self._slot_of:   # a state after a block no lookup can reach
+                        self._release_slot(self._slot_of[block])
         request.block_ids = []
-        self._chains.pop(request.request_id, None)
-        self._roots.pop(request.request_id, None)
+        self._chains.pop(rid, None)
+        self._roots.pop(rid, None)
 
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Forget every cached block that no request holds. Returns ``(dropped, held)``: the blocks forgotten, and
@@ -322,6 +375,8 @@ class BlockManager:
         if self._key[block] is not None:
             self._uncache(block)
             self.stats.evictions += 1
+        elif block in self._slot_of:
+            self._release_slot(self._slot_of[block])
         self._ref[block] = 1
         return block
 
@@ -332,6 +387,85 @@ class BlockManager:
         self._filling.discard(block)
         self._key[block] = None
         self._prefix_id[block] = ROOT
+        slot = self._slot_of.get(block)
+        if slot is not None:
+            self._release_slot(slot)
+
+    # ---------------------------------------------------------------- recurrent-state checkpoints
+
+    def _plan_save(self, request: Request, start: int, num_new: int) -> None:
+        """Plan the state save of a step computing the request's tokens ``start .. start + num_new - 1``: at the
+        boundary before its prompt's last token if the step passes it, else (past its prompt) at the last
+        boundary it reaches, which replaces the request's previous rolling checkpoint."""
+        rid = request.request_id
+        if rid in self._saves:
+            return
+        bs = self.block_size
+        end = start + num_new
+        prompt_mark = (request.num_prompt_tokens - 1) // bs * bs
+        if start < prompt_mark <= end:
+            mark, rolling = prompt_mark, False
+        else:
+            mark, rolling = end // bs * bs, True
+            if mark <= start or mark <= prompt_mark:
+                return
+        block = request.block_ids[mark // bs - 1]
+        if block in self._slot_of:
+            return
+        previous = self._rolling.get(rid) if rolling else None
+        if previous is not None and previous in self._slot_of:   # the request's rolling checkpoint moves on
+            slot = self._slot_of[previous]
+            self._release_slot(slot)
+            self._free_slots.remove(slot)
+        else:
+            slot = self._take_slot()
+            if slot is None:
+                return
+        if rolling:
+            self._rolling[rid] = block
+        self._slot_of[block] = slot
+        self._block_of[slot] = block
+        self._slot_lru[slot] = None
+        self._saving.add(slot)
+        self._saves[rid] = (mark - start, slot)
+
+    def _adopt_slot(self, rid: str, own: int, existing: int) -> None:
+        """The request's block ``own`` turned out private (``existing`` holds its prefix in the cache): its state
+        checkpoint goes to ``existing``, or is dropped (with its save, if still to come) where that has one."""
+        slot = self._slot_of[own]
+        if existing not in self._slot_of:
+            del self._slot_of[own]
+            self._slot_of[existing] = slot
+            self._block_of[slot] = existing
+            if self._rolling.get(rid) == own:
+                self._rolling[rid] = existing
+            return
+        save = self._saves.get(rid)
+        if save is not None and save[1] == slot:
+            del self._saves[rid]
+        if self._rolling.get(rid) == own:
+            del self._rolling[rid]
+        self._release_slot(slot)
+
+    def _take_slot(self) -> int | None:
+        """A free checkpoint slot, else the least recently used one not written or read by this step."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        busy = self._saving | set(self._restores.values())
+        victim = next((s for s in self._slot_lru if s not in busy), None)
+        if victim is not None:
+            self._release_slot(victim)
+            return self._free_slots.pop()
+        return None
+
+    def _release_slot(self, slot: int) -> None:
+        block = self._block_of.pop(slot, None)
+        if block is None:
+            return
+        del self._slot_of[block]
+        self._slot_lru.pop(slot, None)
+        self._saving.discard(slot)
+        self._free_slots.append(slot)
 
     def _register_full_blocks(self, request: Request, num_tokens: int, chain: list[int],
                               filling: bool = False) -> None:
@@ -347,6 +481,8 @@ class BlockManager:
                 # Same prefix computed elsewhere (a sibling in the same step): keep that entry and
                 # continue the chain from it; this block stays private and uncached.
                 chain.append(self._prefix_id[existing])
+                if request.block_ids[i] in self._slot_of:
+                    self._adopt_slot(request.request_id, request.block_ids[i], existing)
                 continue
             block = request.block_ids[i]
             assert self._key[block] is None, f"block {block} is already cached"

@@ -294,8 +294,10 @@ class LLMEngine:
                 logger.info("%s pooling needs every prompt position computed: the prefix cache is off",
                             self.pooling.kind)
                 prefix_caching = False
-        #: the model keeps per-sequence recurrent state (Mamba layers): no prefix cache, no speculative decoding
+        #: the model keeps per-sequence recurrent state (Mamba layers): no speculative decoding, and the prefix
+        #: cache needs its states kept at block boundaries (checkpoint slots)
         self.has_recurrent_state = _has_recurrent_state(parts)
+        state_slots = 0
         if self.has_recurrent_state:
             if config.speculative.enabled:
                 from plinth.config import ConfigError
@@ -303,10 +305,12 @@ class LLMEngine:
                 raise ConfigError(f"speculative decoding is not supported for {parts.source.architecture}: its Mamba "
                                   "layers' state cannot be taken back past rejected drafts")
             if prefix_caching:
-                logger.info("%s keeps per-sequence state in its Mamba layers: the prefix cache is off",
-                            parts.source.architecture)
-                prefix_caching = False
-        self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, prefix_caching)
+                state_slots = _state_slots(parts)
+                if not state_slots:
+                    logger.info("%s keeps per-sequence state in its Mamba layers and no prefix-cache states "
+                                "(--mamba-cache-slots 0, or none fit): the prefix cache is off", parts.source.architecture)
+                    prefix_caching = False
+        self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, prefix_caching, state_slots)
         lora = config.lora
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    max_loras=lora.max_loras if lora.enable_lora else 0)
@@ -1713,6 +1717,16 @@ class LLMEngine:
                                     mean_accepted_length=self.speculative.mean_accepted_length)}
                if self.speculative is not None else {}),
         }
+
+
+def _state_slots(parts: Any) -> int:
+    """The prefix-cache states the model keeps (every rank's: the fewest)."""
+    from plinth.model_registry.layers.mamba import state_slots
+
+    model = getattr(getattr(parts, "runner", None), "model", None)
+    if model is not None:
+        return state_slots(model)
+    return min(parts.executor.apply_model(state_slots))
 
 
 def _has_recurrent_state(parts: Any) -> bool:

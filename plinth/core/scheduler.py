@@ -129,6 +129,11 @@ class SchedulerOutput:
     new_request_ids: list[str]           # admitted (or resumed after preemption) in this step
     preempted_request_ids: list[str]     # preempted in this step
     finished_request_ids: list[str]      # finished or aborted since the previous step
+    #: models with Mamba layers, prefix cache on: request id -> the checkpoint slot its state starts from, and
+    #: request id -> ``(offset, slot)``, save its state after ``offset`` of its tokens of the step (see
+    #: :meth:`~plinth.core.block_manager.BlockManager.take_state_plan`)
+    state_restores: dict[str, int] = dataclasses.field(default_factory=dict)
+    state_saves: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -413,6 +418,7 @@ class Scheduler:
 
         num_decodes = sum(1 for s in scheduled if s.is_decode)   # first in the list
         finished, self._finished_ids = self._finished_ids, []
+        restores, saves = bm.take_state_plan()
         return SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=sum(s.num_new_tokens for s in scheduled),
@@ -420,6 +426,8 @@ class Scheduler:
             new_request_ids=new_ids,
             preempted_request_ids=displaced + preempted,
             finished_request_ids=finished,
+            state_restores=restores,
+            state_saves=saves,
         )
 
     def _drafts(self, req: Request, budget: int, reserved: int = 0) -> list[int]:

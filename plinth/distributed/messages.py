@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from plinth.core.logits_processors import ProcessorRow
-from plinth.worker.batching import FlatBatch
+from plinth.worker.batching import FlatBatch, StateCheckpoints
 from plinth.worker.model_runner import SeqBatchEntry
 
 
@@ -35,6 +35,7 @@ class StepBatch:
         images: the rows that take image embeddings, with the images' pixels (see the same).
         rope_shift: rotary positions apart from the cache's (multimodal RoPE; see the same).
         state_rows: each sequence's row of the model's recurrent state (Mamba layers; see the same).
+        state_checkpoints: the step's restores and saves of those states' prefix-cache checkpoints (see the same).
     """
 
     token_ids: np.ndarray
@@ -50,6 +51,7 @@ class StepBatch:
     images: list[Any] | None = None
     rope_shift: np.ndarray | None = None
     state_rows: np.ndarray | None = None
+    state_checkpoints: StateCheckpoints | None = None
 
     @classmethod
     def from_entries(cls, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepBatch:
@@ -63,7 +65,8 @@ class StepBatch:
                        block_counts=entries.block_counts, block_ids=entries.block_ids_flat(), sample=entries.sample,
                        needs_hidden=entries.needs_hidden, lora_slots=entries.lora_slots,
                        lora_loads=entries.lora_loads, num_logits=entries.num_logits, images=entries.images,
-                       rope_shift=entries.rope_shift, state_rows=entries.state_rows)
+                       rope_shift=entries.rope_shift, state_rows=entries.state_rows,
+                       state_checkpoints=entries.state_checkpoints)
         n = len(entries)
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
         block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
@@ -87,6 +90,7 @@ class StepBatch:
                          block_counts=self.block_counts, sample=self.sample, needs_hidden=self.needs_hidden,
                          lora_slots=self.lora_slots, lora_loads=self.lora_loads, num_logits=self.num_logits,
                          images=self.images, rope_shift=self.rope_shift, state_rows=self.state_rows,
+                         state_checkpoints=self.state_checkpoints,
                          decode_only=len(self.token_ids) == n and bool(self.sample.all()) and not self.needs_hidden
                          and not self.images)
 

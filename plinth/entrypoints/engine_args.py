@@ -30,7 +30,7 @@ ENGINE_KWARGS = (
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "logits_processors", "logprobs_mode", "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
     "mm_processor_kwargs", "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
-    "kv_cache_dtype",
+    "kv_cache_dtype", "mamba_cache_slots",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor",
@@ -137,6 +137,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                         "tokens per GiB), with backends that read them (Triton on GPUs with FP8, the torch backends); "
                         "bfloat16: a float32 model's keys and values in 16 bits (CPUs: half the bytes each decode "
                         "step reads)")
+    g.add_argument("--mamba-cache-slots", type=int, default=None,
+                   help="models with Mamba layers: states the prefix cache keeps, one sequence's size each (default: "
+                        "--max-num-seqs, fewer if they do not fit half the free memory; 0: no prefix cache)")
     g = parser.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once (default: the platform's, 512 on GPUs of 70 GiB and more, else 256)")

@@ -87,6 +87,32 @@ class TokenFeed:
 
 
 @dataclasses.dataclass(eq=False)
+class StateCheckpoints:
+    """A step's work on the prefix cache's checkpoints of recurrent state (models with Mamba layers; see
+    :mod:`plinth.core.block_manager`): the sequences (batch indices) that start from a checkpoint slot's state, and
+    the saves: a sequence's state after the first ``offset`` of its tokens of the step into a slot."""
+
+    restore_seqs: np.ndarray    # [R] int64
+    restore_slots: np.ndarray   # [R] int64
+    save_seqs: np.ndarray       # [S] int64
+    save_offsets: np.ndarray    # [S] int64
+    save_slots: np.ndarray      # [S] int64
+
+    @classmethod
+    def of(cls, index: dict[str, int], restores: dict[str, int],
+           saves: dict[str, tuple[int, int]]) -> StateCheckpoints | None:
+        """From the scheduler's plan (request id -> slot, request id -> ``(offset, slot)``) and each scheduled
+        request's batch index; ``None``: nothing to do."""
+        r = [(index[rid], slot) for rid, slot in restores.items() if rid in index]
+        w = [(index[rid], off, slot) for rid, (off, slot) in saves.items() if rid in index]
+        if not r and not w:
+            return None
+        ra = np.array(r, dtype=np.int64).reshape(-1, 2)
+        wa = np.array(w, dtype=np.int64).reshape(-1, 3)
+        return cls(ra[:, 0], ra[:, 1], wa[:, 0], wa[:, 1], wa[:, 2])
+
+
+@dataclasses.dataclass(eq=False)
 class FlatBatch(Sequence[SeqBatchEntry]):
     """One step's sequences as flat arrays.
 
@@ -112,6 +138,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
             Qwen2-VL prompt's text after an image sits at positions other than its index), or ``None``: none.
         state_rows: ``[N]`` int64, each sequence's row of the model's recurrent state (its block-table row, its own
             while it runs; models with Mamba layers), or ``None``: the model keeps no such state.
+        state_checkpoints: the step's restores and saves of such states' prefix-cache checkpoints, or ``None``.
     """
 
     token_ids: np.ndarray
@@ -129,6 +156,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     images: list[Any] | None = None
     rope_shift: np.ndarray | None = None
     state_rows: np.ndarray | None = None
+    state_checkpoints: StateCheckpoints | None = None
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -426,6 +454,9 @@ class BatchBuilder:
             images=images,
             rope_shift=_rope_shift(shifts, len(tokens)) if shifts else None,
             state_rows=row_array if self.carries_state_rows else None,
+            state_checkpoints=(StateCheckpoints.of({s.request.request_id: i for i, s in enumerate(out.scheduled)},
+                                                   out.state_restores, out.state_saves)
+                               if out.state_restores or out.state_saves else None),
         )
         return batch, sampled
 

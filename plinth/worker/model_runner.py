@@ -288,6 +288,7 @@ class ModelRunner:
             rows_share_sequences=self.shared_decode_rows,
             state_rows=state_rows,
             state_rows_cpu=batch.state_rows.tolist() if batch.state_rows is not None else None,
+            state_saves=_inner_saves(batch),
         )
         return StepInputs(input_ids=input_ids, positions=positions_t, metadata=metadata, sample_rows=rows,
                           sample_seqs=sample_seqs.tolist())
@@ -327,6 +328,11 @@ class ModelRunner:
         if feed is not None and self.device.type == "cpu":   # the previous step's tokens are computed already
             batch = dataclasses.replace(batch, token_ids=feed.apply_on_host(batch.token_ids), feed=None)
             feed = None
+        checkpoints = batch.state_checkpoints
+        if checkpoints is not None and len(checkpoints.restore_seqs):   # before any layer (and a graph's replay)
+            assert batch.state_rows is not None
+            self.model.recurrent_state.restore(self._on_device(batch.state_rows[checkpoints.restore_seqs]),
+                                               self._on_device(checkpoints.restore_slots))
         if self.graphs is not None and batch.decode_only and 0 < batch.num_seqs <= self.graphs.max_size:
             # [B, W] rows, 0-padded: the graph runners copy them as they copy lists of block ids
             # only the CUDA graph runner takes a feed: a CPU runner's fed tokens were filled in above
@@ -339,6 +345,7 @@ class ModelRunner:
                 extra["state_rows"] = batch.state_rows
             logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables, **extra)
             if logits is not None:   # None: this batch runs eagerly (a runner that could not compile)
+                self._save_states(batch)
                 return logits, list(range(batch.num_seqs)), None
         inputs = self.prepare(batch)
         self.backend.prepare(inputs.metadata)
@@ -349,8 +356,24 @@ class ModelRunner:
                                 image_embeds=self.images.rows(batch.images))
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        self._save_states(batch)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return logits, inputs.sample_seqs, hidden
+
+    def _on_device(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device, non_blocking=False)
+
+    def _save_states(self, batch: FlatBatch) -> None:
+        """After the layers: the checkpoint saves at the end of a sequence's tokens of the step (copies of its state
+        row; those inside a prompt chunk were made by the layers)."""
+        checkpoints = batch.state_checkpoints
+        if checkpoints is None or not len(checkpoints.save_seqs):
+            return
+        assert batch.state_rows is not None
+        at_end = checkpoints.save_offsets == batch.q_lens[checkpoints.save_seqs]
+        if at_end.any():
+            self.model.recurrent_state.save(self._on_device(batch.state_rows[checkpoints.save_seqs[at_end]]),
+                                            self._on_device(checkpoints.save_slots[at_end]))
 
     def load_adapters(self, batch: FlatBatch) -> None:
         """Copy the step's new LoRA adapters into their slots (before anything of the step runs)."""
@@ -362,6 +385,16 @@ class ModelRunner:
     def prompt_logits(self, hidden: torch.Tensor, rows: slice) -> torch.Tensor:
         """Logits of a range of flat-batch rows (for prompt logprobs)."""
         return self.model.compute_logits(hidden[rows])
+
+
+def _inner_saves(batch: FlatBatch) -> dict[int, tuple[int, int]] | None:
+    """The checkpoint saves the layers make: sequence index -> ``(offset, slot)`` for those inside a chunk."""
+    c = batch.state_checkpoints
+    if c is None or not len(c.save_seqs):
+        return None
+    inner = {int(i): (int(o), int(slot)) for i, o, slot in zip(c.save_seqs, c.save_offsets, c.save_slots, strict=True)
+             if o < batch.q_lens[i]}
+    return inner or None
 
 
 def _fit_width(tables: np.ndarray, rows: int, width: int) -> np.ndarray:

@@ -415,18 +415,38 @@ def allocate_recurrent_state(model: Any, config: EngineConfig, platform: Any = N
     if allocate is not None:
         rows = config.scheduler.max_num_seqs
         need = model.recurrent_state_bytes(rows)
+        slots = mamba_cache_slots(config)
         if need and platform is not None and device is not None:
             free = platform.free_memory(device.index or 0)
+            each = model.recurrent_state_bytes(rows, 1) - need
             if need > 0.9 * free:
                 from plinth.config import ConfigError
 
                 raise ConfigError(f"the Mamba layers' state for {rows} sequences (max_num_seqs) needs "
                                   f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free: lower "
-                                  f"--max-num-seqs (each sequence takes {need / (rows + 1) / 2**20:.1f} MiB)")
-        nbytes = allocate(rows)
+                                  f"--max-num-seqs (each sequence takes {each / 2**20:.1f} MiB)")
+            if config.cache.mamba_cache_slots is None and need + slots * each > 0.5 * free:
+                slots = max(0, int((0.5 * free - need) // each))
+                logger.info("the prefix cache keeps %d Mamba states (as many as fit half the free memory; "
+                            "--mamba-cache-slots sets the number)", slots)
+            elif need + slots * each > 0.9 * free:
+                from plinth.config import ConfigError
+
+                raise ConfigError(f"--mamba-cache-slots {slots} with the state of {rows} sequences needs "
+                                  f"{(need + slots * each) / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB "
+                                  f"free (each takes {each / 2**20:.1f} MiB)")
+        nbytes = allocate(rows, slots)
         if nbytes:
-            logger.info("recurrent state (Mamba layers) for %d sequences: %.1f MiB", config.scheduler.max_num_seqs,
-                        nbytes / 2**20)
+            logger.info("recurrent state (Mamba layers) for %d sequences and %d prefix-cache states: %.1f MiB",
+                        rows, slots, nbytes / 2**20)
+
+
+def mamba_cache_slots(config: EngineConfig) -> int:
+    """The prefix cache's states of a model with Mamba layers, as configured (0: prefix cache off)."""
+    cache = config.cache
+    if not cache.enable_prefix_caching:
+        return 0
+    return config.scheduler.max_num_seqs if cache.mamba_cache_slots is None else cache.mamba_cache_slots
 
 
 def profile_image_encoder(images: Any, source: Any, config: EngineConfig, max_model_len: int) -> None:

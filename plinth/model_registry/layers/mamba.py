@@ -11,6 +11,13 @@ The row is the sequence's row of the engine's persistent block table (:attr:`Fla
 sequence's for as long as it runs. A sequence whose step starts at position 0 (a new request, or one preempted and
 recomputed) starts from zero states; the model clears its rows before the first layer (:meth:`RecurrentState.reset`).
 
+With the prefix cache on, the state also has checkpoint slots: the states after the last token of some cached KV
+blocks (the engine's :class:`~plinth.core.block_manager.BlockManager` says which block's state goes to which slot).
+A request whose prompt starts with such a block's prefix starts from the slot's state (:meth:`RecurrentState.restore`)
+after the cached tokens, as an attention layer starts from the cached blocks' keys and values. A step saves the
+state after a block boundary inside a prompt chunk in the layer (its scan split there), and one at the end of a
+chunk as a copy of the row after the forward (:meth:`RecurrentState.save`).
+
 Prompts run the chunked form of the scan: within a chunk of ``chunk_size`` positions the outputs are a masked
 product like attention's (decays ``exp(cumsum(dt * A))`` between positions), and the state passes from chunk to
 chunk; a decode step updates the state once. The scan computes in float32.
@@ -43,9 +50,12 @@ class RecurrentState:
     """
 
     def __init__(self, num_layers: int, rows: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, slots: int = 0):
         self.conv = torch.zeros(num_layers, rows + 1, *conv_shape, dtype=dtype, device=device)
         self.ssm = torch.zeros(num_layers, rows + 1, *ssm_shape, dtype=torch.float32, device=device)
+        #: checkpoint slots of the prefix cache, ``[layers, slots, ...]`` as the rows
+        self.saved_conv = torch.zeros(num_layers, slots, *conv_shape, dtype=dtype, device=device)
+        self.saved_ssm = torch.zeros(num_layers, slots, *ssm_shape, dtype=torch.float32, device=device)
         #: the current step's rows are ``first_row, first_row + 1, ...`` in order (set by the step's preparation,
         #: known on the host); ``None``: they are not, or not known
         self.first_row: int | None = None
@@ -60,8 +70,12 @@ class RecurrentState:
         return self.conv.shape[1] - 1
 
     @property
+    def slots(self) -> int:
+        return self.saved_conv.shape[1]
+
+    @property
     def nbytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.saved_conv, self.saved_ssm))
 
     def grow(self, rows: int) -> None:
         """Room for at least ``rows`` rows (the states of the rows there are kept)."""
@@ -78,6 +92,21 @@ class RecurrentState:
         if rows.numel():
             self.conv.index_fill_(1, rows, 0)
             self.ssm.index_fill_(1, rows, 0)
+
+    def save(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy the states of ``rows`` into checkpoint ``slots`` (``[K]`` int64 each), every layer."""
+        self.saved_conv.index_copy_(1, slots, self.conv.index_select(1, rows))
+        self.saved_ssm.index_copy_(1, slots, self.ssm.index_select(1, rows))
+
+    def restore(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Start ``rows`` from the states of checkpoint ``slots``, every layer."""
+        self.conv.index_copy_(1, rows, self.saved_conv.index_select(1, slots))
+        self.ssm.index_copy_(1, rows, self.saved_ssm.index_select(1, slots))
+
+    def save_layer(self, layer: int, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """One layer's states (``[C, K-1]``, ``[H, P, N]``) into checkpoint ``slot``."""
+        self.saved_conv[layer, slot] = conv
+        self.saved_ssm[layer, slot] = ssm
 
 
 class GatedRMSNorm(nn.Module):
@@ -364,10 +393,12 @@ class Mamba2Mixer(nn.Module):
             first = self.state.first_row if self.state is not None else None
             y[:decodes] = self._step(xbc[:decodes], dt[:decodes], a, conv, ssm, rows[:decodes],
                                      (first, first + decodes) if first is not None else None)
+        saves = metadata.state_saves if self.state is not None else None
         for i in range(decodes, n):
             lo, hi = qsl[i], qsl[i + 1]
             if hi > lo:
-                y[lo:hi] = self._prompt(xbc[lo:hi], dt[lo:hi], a, conv, ssm, rows[i:i + 1])
+                y[lo:hi] = self._prompt(xbc[lo:hi], dt[lo:hi], a, conv, ssm, rows[i:i + 1],
+                                        saves.get(i) if saves else None)
         # (every row is written: the leading decodes' by _step, each prompt's by _prompt)
         out = self.norm(y.view(t, self.intermediate_size), z)
         return self.out_proj(out.to(hidden.dtype))
@@ -405,8 +436,10 @@ class Mamba2Mixer(nn.Module):
         return torch.einsum("bhpn,bhn->bhp", state, c) + x * self.D[:, None]
 
     def _prompt(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                row: torch.Tensor) -> torch.Tensor:
-        """``L`` consecutive tokens of one sequence (its row ``row``, ``[1]``): ``y [L, H, P]``; its states updated."""
+                row: torch.Tensor, save: tuple[int, int] | None = None) -> torch.Tensor:
+        """``L`` consecutive tokens of one sequence (its row ``row``, ``[1]``): ``y [L, H, P]``; its states updated.
+        ``save``: ``(offset, slot)``, also keep the states after the first ``offset`` tokens in checkpoint ``slot``
+        (the scan is split there)."""
         length = xbc.shape[0]
         k = self.conv_kernel
         seq = torch.cat([conv.index_select(0, row)[0], xbc.t().to(conv.dtype)], dim=-1)   # [C, K-1+L]
@@ -414,9 +447,24 @@ class Mamba2Mixer(nn.Module):
         bias = self.conv1d.bias.float() if self.conv1d.bias is not None else None
         out = F.conv1d(seq.float()[None], self.conv1d.weight.float()[:, None, :], bias, groups=self.conv_dim)[0]
         x, b, c = self._split_xbc(F.silu(out[:, -length:]).t())
-        y, state = ssd_scan(x, dt, a, b, c, ssm.index_select(0, row)[0], self.chunk_size)
+        state = ssm.index_select(0, row)[0]
+        if save is not None and 0 < save[0] < length:
+            o = save[0]
+            head, state = ssd_scan(x[:o], dt[:o], a, b[:o], c[:o], state, self.chunk_size)
+            assert self.state is not None
+            self.state.save_layer(self.state_index, save[1], seq[:, o:o + k - 1], state)
+            tail, state = ssd_scan(x[o:], dt[o:], a, b[o:], c[o:], state, self.chunk_size)
+            y = torch.cat([head, tail])
+        else:
+            y, state = ssd_scan(x, dt, a, b, c, state, self.chunk_size)
         ssm.index_copy_(0, row, state[None])
         return y + x * self.D[:, None]
+
+
+def state_slots(model: Any) -> int:
+    """The prefix-cache checkpoint slots ``model``'s recurrent state has (0: none, or no such state)."""
+    state = getattr(model, "recurrent_state", None)
+    return state.slots if state is not None else 0
 
 
 class MambaStateMixin:
@@ -437,16 +485,18 @@ class MambaStateMixin:
     def mamba_layers(self) -> list[Mamba2Mixer]:
         return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]  # type: ignore[attr-defined]
 
-    def recurrent_state_bytes(self, rows: int) -> int:
-        """The bytes of every Mamba layer's state for ``rows`` sequences and the scratch row (before allocating it)."""
+    def recurrent_state_bytes(self, rows: int, slots: int = 0) -> int:
+        """The bytes of every Mamba layer's state for ``rows`` sequences, the scratch row and ``slots`` checkpoint
+        slots (before allocating them)."""
         layers = self.mamba_layers()
         if not layers:
             return 0
         (c, k), (h, p, n) = layers[0].state_shapes()
-        return len(layers) * (rows + 1) * (c * k * layers[0].conv1d.weight.element_size() + h * p * n * 4)
+        return len(layers) * (rows + 1 + slots) * (c * k * layers[0].conv1d.weight.element_size() + h * p * n * 4)
 
-    def allocate_recurrent_state(self, rows: int) -> int:
-        """States for ``rows`` sequences (kept if allocated already; grown if fewer); returns their bytes."""
+    def allocate_recurrent_state(self, rows: int, slots: int = 0) -> int:
+        """States for ``rows`` sequences and ``slots`` checkpoint slots of the prefix cache (kept if allocated
+        already; rows grown if fewer); returns their bytes."""
         layers = self.mamba_layers()
         if not layers:
             return 0
@@ -456,7 +506,7 @@ class MambaStateMixin:
                 raise UnsupportedModelError("Mamba layers of different shapes in one model")
             weight = layers[0].conv1d.weight
             self.recurrent_state = RecurrentState(len(layers), rows, conv_shape, ssm_shape, weight.dtype,
-                                                  weight.device)
+                                                  weight.device, slots)
             for i, layer in enumerate(layers):
                 layer.state, layer.state_index = self.recurrent_state, i
         else:
