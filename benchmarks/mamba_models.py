@@ -75,7 +75,7 @@ def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]], ea
     kw = {"gpu_memory_utilization": 0.5} if args.device == "cuda" else {}
     if eager:
         kw["enforce_eager"] = True
-    llm = plinth.LLM(path, dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8,
+    llm = plinth.LLM(path, dtype=args.dtype, max_model_len=4 * args.prompt_len + 2 * args.max_tokens + 16,
                      max_num_seqs=max(args.requests, 1), **kw)
 
     def sp(n):
@@ -94,9 +94,21 @@ def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]], ea
     t_long = _timed(long_run)
     batch = [{"prompt_token_ids": p} for p in prompts]
     t_batch = _timed(lambda: llm.generate(batch, sp(args.max_tokens), use_tqdm=False))
+    # the prefix cache: a long prompt (4x, tokens not seen before) cold, then again (resuming from the state saved at its last
+    # block boundary); then a next turn (its prompt, output and 8 tokens more) resuming inside the output
+    long_prompt = [t for p in prompts[:4] for t in reversed(p)]
+    cold = _timed(lambda: llm.generate({"prompt_token_ids": long_prompt}, sp(1), use_tqdm=False))
+    warm = _timed(lambda: llm.generate({"prompt_token_ids": long_prompt}, sp(1), use_tqdm=False))
+    reply = llm.generate({"prompt_token_ids": long_prompt}, sp(args.max_tokens), use_tqdm=False)[0]
+    turn = long_prompt + list(reply.outputs[0].token_ids) + long_prompt[:8]
+    hits = llm.engine.block_manager.stats.hit_tokens
+    next_turn = _timed(lambda: llm.generate({"prompt_token_ids": turn}, sp(1), use_tqdm=False))
+    turn_hit = llm.engine.block_manager.stats.hit_tokens - hits
     llm.close()
     return {"ttft_s": ttft, "ms_per_token": 1e3 * (t_long - t_short) / (long_n - short_n),
-            "batch_tok_s": len(prompts) * args.max_tokens / t_batch, "tokens": tokens}
+            "batch_tok_s": len(prompts) * args.max_tokens / t_batch, "tokens": tokens,
+            "long_prompt": len(long_prompt), "ttft_cold_s": cold, "ttft_cached_s": warm,
+            "next_turn": len(turn), "next_turn_hit": turn_hit, "ttft_next_turn_s": next_turn}
 
 
 def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
@@ -161,6 +173,9 @@ def main() -> None:
         ratio = b / a if better_low else a / b
         print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x" + (f"{eager[key]:14.2f}" if eager else ""))
     print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])} (the first {prefix} in a row)")
+    print(f"plinth's prefix cache: a {ours['long_prompt']}-token prompt's first token in {ours['ttft_cold_s']:.3f} s "
+          f"cold, {ours['ttft_cached_s']:.3f} s again; a next turn of {ours['next_turn']} tokens "
+          f"({ours['next_turn_hit']} from the cache) in {ours['ttft_next_turn_s']:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,
