@@ -636,3 +636,24 @@ def test_gpu_engine_matches_transformers(arch, tmp_path):
         assert [o.outputs[0].token_ids for o in outs] == want[:3]
         assert not graphs.graphs
     llm.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sleep_frees_the_states_without_a_host_copy(tmp_path):
+    """Sleep mode frees the Mamba states (rows and prefix-cache states) with no host copy; after waking (states
+    zeroed, decode graphs captured again) the tokens are transformers' again."""
+    hf = save_hybrid(tmp_path, **SHAPES["dense_nope"])
+    prompts = _prompts(hf.config.vocab_size)
+    want = [hf_greedy(hf, p)[0] for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=8, enable_sleep_mode=True,
+                     gpu_memory_utilization=0.3)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(reqs, _greedy(), use_tqdm=False)] == want
+    runner = llm.engine.runner
+    state = runner.model.recurrent_state
+    llm.sleep(level=1)
+    assert state.ssm.untyped_storage().nbytes() == 0 and state.saved_ssm.untyped_storage().nbytes() == 0
+    assert runner._offloaded.host_bytes == runner._offloaded.nbytes - state.nbytes
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(reqs, _greedy(), use_tqdm=False)] == want
+    llm.close()

@@ -136,6 +136,13 @@ def test_offloading_keeps_each_tensor_and_its_views():
             assert torch.equal(t, torch.zeros_like(kept) if discard and is_param else kept)
         assert head.weight_view.data_ptr() == head.weight.data_ptr()   # the view follows its weight
         assert tensors[0] is head.weight
+    # scratch storages (a model's recurrent state) are freed with no host copy and come back as zeros
+    scratch = frozenset({head.extra["copy"].untyped_storage().data_ptr()})
+    offloaded = OffloadedTensors(model, cpu, discard_parameters=False, scratch=scratch)
+    assert head.extra["copy"].untyped_storage().nbytes() == 0
+    assert offloaded.host_bytes == offloaded.nbytes - 7 * 4
+    offloaded.restore()
+    assert torch.equal(head.extra["copy"], torch.zeros(7)) and torch.equal(model.table, values[id(model.table)])
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],

@@ -170,8 +170,10 @@ class ModelRunner:
         # the weights first: a failure there (no host memory to pin) leaves everything as it was
         if self.device.type != "cpu":
             kv = frozenset(c.untyped_storage().data_ptr() for c in self.kv_caches)
+            transient = getattr(self.model, "transient_tensors", None)
+            scratch = frozenset(t.untyped_storage().data_ptr() for t in (transient() if transient else ()))
             self._offloaded = OffloadedTensors(self.model, self.device, discard_parameters=level >= 2,
-                                               host_pool=self._host_pool, exclude=kv)
+                                               host_pool=self._host_pool, exclude=kv, scratch=scratch)
             self._host_pool = self._offloaded.pool   # kept for the next sleep (pinning costs 0.3-0.6 s a GB)
             self.asleep.add("weights")
         if self.graphs is not None:

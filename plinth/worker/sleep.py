@@ -5,7 +5,9 @@ the trainer runs, the engine's weights and KV cache would hold memory it needs. 
 <plinth.worker.model_runner.ModelRunner.sleep>` frees the KV cache (its contents are lost: the engine forgets its
 prefix cache) and, on an accelerator, the weights' device memory: level 1 copies them to host memory first, level 2
 discards the checkpoint's parameters (the next weight update brings them). What is not a parameter (buffers,
-rotary tables, LoRA slots, a kernel's own copies) is copied to host memory at either level.
+rotary tables, LoRA slots, a kernel's own copies) is copied to host memory at either level, except what the model's
+``transient_tensors()`` names (the Mamba layers' per-sequence states and prefix-cache states, which an idle engine
+with its prefix cache forgotten does not need): freed, and zeros after waking.
 
 The tensors keep their identity: each one's storage is resized to nothing and back (as FSDP frees parameters),
 so every view of a weight, and every layer that holds it, sees the same tensor after waking; only the memory
@@ -94,10 +96,13 @@ class OffloadedTensors:
         discard_parameters: level 2: the parameters' values are not kept (zeros after :meth:`restore`).
         host_pool: a uint8 host buffer to hold the copies, if large enough.
         exclude: data pointers of storages left alone (the KV cache, freed on its own).
+        scratch: data pointers of storages whose contents are not needed after waking (a model's per-sequence
+            recurrent state): freed with no host copy, zeros after :meth:`restore`.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, discard_parameters: bool,
-                 host_pool: torch.Tensor | None = None, exclude: frozenset[int] = frozenset()):
+                 host_pool: torch.Tensor | None = None, exclude: frozenset[int] = frozenset(),
+                 scratch: frozenset[int] = frozenset()):
         self.entries: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
         self.skipped = 0
         kept: list[tuple[torch.UntypedStorage, int, bool]] = []
@@ -105,7 +110,8 @@ class OffloadedTensors:
             if not getattr(storage, "resizable", lambda: True)():
                 self.skipped += 1
                 continue
-            kept.append((storage, storage.nbytes(), not (discard_parameters and is_param)))
+            kept.append((storage, storage.nbytes(),
+                         not (discard_parameters and is_param) and storage.data_ptr() not in scratch))
         need = sum(-(-n // _ALIGN) * _ALIGN for _, n, keep in kept if keep)
         if host_pool is None or host_pool.numel() < need:
             host_pool = torch.empty(need, dtype=torch.uint8, pin_memory=device.type == "cuda")

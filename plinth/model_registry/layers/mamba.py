@@ -513,6 +513,12 @@ class MambaStateMixin:
             self.recurrent_state.grow(rows)
         return self.recurrent_state.nbytes
 
+    def transient_tensors(self) -> list[torch.Tensor]:
+        """Tensors whose contents sleep mode need not keep: the states (a sleeping engine runs no request, and its
+        prefix cache is forgotten)."""
+        state = self.recurrent_state
+        return [] if state is None else [state.conv, state.ssm, state.saved_conv, state.saved_ssm]
+
     def begin_step(self, metadata: AttentionMetadata) -> None:
         """Before the layers: room for the step's rows, and zero states for the sequences that start at position 0."""
         if self.recurrent_state is not None:
