@@ -510,6 +510,12 @@ def save_backbone_model(path, arch: str, **overrides) -> transformers.PreTrained
             layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba"]), **overrides},
             attn_implementation="eager")
         hf = transformers.NemotronHForCausalLM(cfg).eval()
+    elif arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
+        config_class = transformers.MambaConfig if arch == "MambaForCausalLM" else transformers.FalconMambaConfig
+        cfg = config_class(**{**common, **dict(state_size=8, expand=2, conv_kernel=4, num_hidden_layers=3,
+                                               time_step_rank=8, use_conv_bias=True, use_bias=False,
+                                               residual_in_fp32=False)}, **overrides)
+        hf = getattr(transformers, arch)(cfg).eval()
     else:
         cfg = transformers.Mamba2Config(**{**common, **dict(
             num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=2, chunk_size=8, num_hidden_layers=3,
@@ -561,11 +567,12 @@ def test_lora_is_refused_where_it_would_miss_folded_multipliers(tmp_path):
         plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, enable_lora=True)
 
 
-@pytest.mark.parametrize("arch", ["NemotronHForCausalLM", "Mamba2ForCausalLM"])
+@pytest.mark.parametrize("arch", ["NemotronHForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM",
+                                  "FalconMambaForCausalLM"])
 def test_backbone_models_match_transformers(arch, tmp_path):
-    """Nemotron-H (Mamba, squared-ReLU MLP and RoPE-less attention blocks) and Mamba-2 (no attention at all: the KV
-    blocks only count positions): greedy tokens and log-probabilities equal transformers', chunked prefill included;
-    six requests two at a time reuse state rows."""
+    """Nemotron-H (Mamba, squared-ReLU MLP and RoPE-less attention blocks), Mamba-2 and Mamba / Falcon-Mamba
+    (Mamba-1 mixers; no attention at all: the KV blocks only count positions): greedy tokens and log-probabilities
+    equal transformers', chunked prefill included; six requests two at a time reuse state rows."""
     hf = save_backbone_model(tmp_path, arch)
     prompts = _prompts(hf.config.vocab_size)
     want = [hf_greedy(hf, p) for p in prompts]
@@ -657,3 +664,48 @@ def test_gpu_sleep_frees_the_states_without_a_host_copy(tmp_path):
     llm.wake_up()
     assert [o.outputs[0].token_ids for o in llm.generate(reqs, _greedy(), use_tqdm=False)] == want
     llm.close()
+
+
+@pytest.mark.parametrize("arch", ["MambaForCausalLM", "FalconMambaForCausalLM"])
+def test_mamba1_prefix_cache_and_tensor_parallel_workers(arch, tmp_path):
+    """Mamba-1 mixers resume from the prefix cache's states (a boundary inside a chunk: the scan split there; a next
+    turn) and split their channels over two tensor-parallel worker processes: the tokens stay transformers'."""
+    from conftest import generate_on_tp_workers
+
+    hf = save_backbone_model(tmp_path, arch)
+    prompts = _prompts(hf.config.vocab_size)
+    want = [hf_greedy(hf, p)[0] for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4, block_size=4,
+                     max_num_batched_tokens=10, mamba_cache_slots=8)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(reqs, _greedy(), use_tqdm=False)] == want
+    assert _hits(llm) == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    turn = prompts[-1] + want[-1] + [5, 6, 7]
+    before = _hits(llm)
+    out = llm.generate({"prompt_token_ids": turn}, _greedy(), use_tqdm=False)[0]
+    assert _hits(llm) - before > len(prompts[-1]) and out.outputs[0].token_ids == hf_greedy(hf, turn)[0]
+    llm.close()
+    got = generate_on_tp_workers(tmp_path, reqs, _greedy())
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
+def test_selective_scan_matches_the_recurrence():
+    """Mamba-1's chunked scan against a float64 step-by-step recurrence, from a nonzero state, with chunks that do
+    not divide the length."""
+    from plinth.model_registry.layers.mamba import selective_scan
+
+    g = torch.Generator().manual_seed(0)
+    length, d, n = 13, 6, 4
+    x, dt = torch.randn(length, d, generator=g), torch.rand(length, d, generator=g)
+    a = -torch.rand(d, n, generator=g) * 3
+    b, c = torch.randn(length, n, generator=g), torch.randn(length, n, generator=g)
+    state = torch.randn(d, n, generator=g)
+    h, want = state.double(), []
+    for t in range(length):
+        h = torch.exp(dt[t, :, None].double() * a.double()) * h + (dt[t] * x[t]).double()[:, None] * b[t].double()
+        want.append(h @ c[t].double())
+    for chunk in (1, 4, 5, 13):
+        y, end = selective_scan(x, dt, a, b, c, state, chunk)
+        assert torch.allclose(y.double(), torch.stack(want), atol=1e-5)
+        assert torch.allclose(end.double(), h, atol=1e-5)

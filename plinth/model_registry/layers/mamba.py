@@ -467,6 +467,208 @@ def state_slots(model: Any) -> int:
     return state.slots if state is not None else 0
 
 
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                   state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-1's selective scan of one sequence, in float32, chunk by chunk: within a chunk every position's state is
+    the carried state decayed to it plus the decayed inputs before it (``exp(cum[t] - cum[s])`` per channel and
+    state feature, a ``[Q, Q, D, N]`` product, so the caller sizes ``chunk_size`` to the memory it may take).
+
+    Args:
+        x: ``[L, D]`` inputs (after the convolution and activation).
+        dt: ``[L, D]`` time steps (after the bias and softplus).
+        a: ``[D, N]`` the (negative) decay rates ``-exp(A_log)``.
+        b, c: ``[L, N]`` input and output projections of the state.
+        state: ``[D, N]`` the state before the first position.
+
+    Returns:
+        ``(y [L, D], state after the last position [D, N])``; ``y`` excludes the ``D`` skip term.
+    """
+    length = x.shape[0]
+    outputs = []
+    for lo in range(0, length, chunk_size):
+        hi = min(lo + chunk_size, length)
+        cum = (dt[lo:hi, :, None] * a).cumsum(0)                          # [Q, D, N]
+        u = (dt[lo:hi] * x[lo:hi])[:, :, None] * b[lo:hi, None, :]         # [Q, D, N]
+        causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp((cum[:, None] - cum[None]).masked_fill(~causal[..., None, None], float("-inf")))
+        h = torch.einsum("tsdn,sdn->tdn", decay, u) + torch.exp(cum) * state   # [Q, D, N]
+        outputs.append(torch.einsum("tdn,tn->td", h, c[lo:hi]))
+        state = h[-1]
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0], state
+
+
+class _PlainRMSNorm(nn.Module):
+    """RMS normalisation in float32, with a weight or (Falcon-Mamba's) without."""
+
+    def __init__(self, size: int, eps: float, weighted: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False) if weighted else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # float32 in and out
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * self.weight.float() if self.weight is not None else x
+
+
+class Mamba1Mixer(nn.Module):
+    """A Mamba (-1) mixer: ``in_proj`` to ``x`` and the gate ``z``; the causal depthwise convolution and SiLU on
+    ``x``; ``x_proj`` to the time step's low-rank input and ``B``, ``C`` (Falcon-Mamba normalises the three without
+    weights, Jamba with them); ``dt_proj`` and softplus; the selective scan with a ``[channels, d_state]`` decay
+    per channel, the ``D`` skip, ``* silu(z)``; ``out_proj``.
+
+    Parameter names follow the checkpoints. Tensor parallelism splits the channels: ``in_proj`` and ``dt_proj`` by
+    output rows, ``conv1d``, ``A_log`` and ``D`` by channel, ``x_proj`` and ``out_proj`` by input columns
+    (all-reduced).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, state_size: int, conv_kernel: int,
+                 time_step_rank: int, *, conv_bias: bool = True, proj_bias: bool = False, activation: str = "silu",
+                 inner_norms: str | None = None, norm_eps: float = 1e-6, quant_method: Any = None,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise UnsupportedModelError(f"Mamba layers with activation {activation!r}: only SiLU is supported")
+        if intermediate_size % tp_size:
+            raise UnsupportedModelError(f"Mamba layers of {intermediate_size} channels cannot be split over "
+                                        f"{tp_size} tensor-parallel ranks")
+        i = intermediate_size // tp_size
+        self.intermediate_size, self.state_size, self.conv_kernel = i, state_size, conv_kernel
+        self.time_step_rank, self.tp_rank, self._full = time_step_rank, tp_rank, intermediate_size
+        self.conv_dim = i
+        self.in_proj = _InProjection(hidden_size, 2 * intermediate_size,
+                                     [(tp_rank * i, i), (intermediate_size + tp_rank * i, i)], bias=proj_bias,
+                                     tp_rank=tp_rank, tp_size=tp_size, quant_method=quant_method)
+        self.conv1d = DepthwiseConv(i, conv_kernel, conv_bias, self._load_channels)
+        self.x_proj = RowParallelLinear(intermediate_size, time_step_rank + 2 * state_size, bias=False,
+                                        tp_rank=tp_rank, tp_size=tp_size)
+        self.dt_proj = ColumnParallelLinear(time_step_rank, intermediate_size, bias=True, tp_rank=tp_rank,
+                                            tp_size=tp_size)
+        self.A_log = nn.Parameter(torch.empty(i, state_size, dtype=torch.float32), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(i, dtype=torch.float32), requires_grad=False)
+        for param in (self.A_log, self.D):
+            param.weight_loader = self._load_channels  # type: ignore[attr-defined]
+        self.out_proj = RowParallelLinear(intermediate_size, hidden_size, bias=proj_bias, tp_rank=tp_rank,
+                                          tp_size=tp_size, quant_method=quant_method)
+        if inner_norms not in (None, "weighted", "weightless"):
+            raise ValueError(f"inner_norms {inner_norms!r}")
+        self.inner_norms = inner_norms
+        if inner_norms is not None:
+            weighted = inner_norms == "weighted"
+            self.dt_layernorm = _PlainRMSNorm(time_step_rank, norm_eps, weighted)
+            self.b_layernorm = _PlainRMSNorm(state_size, norm_eps, weighted)
+            self.c_layernorm = _PlainRMSNorm(state_size, norm_eps, weighted)
+        # positions of a prompt scanned at once: the chunk's [Q, Q, channels, d_state] decays within ~64 MiB
+        self.chunk_size = max(1, min(64, int((2**24 / (i * state_size)) ** 0.5)))
+        self.state_index = -1
+        self.state: RecurrentState | None = None
+
+    def _load_channels(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """``conv1d`` (``[C, 1, K]`` or ``[C, K]``, bias ``[C]``), ``A_log`` ``[C, N]``, ``D`` ``[C]``: this rank's
+        channels."""
+        if loaded.dim() == 3 and loaded.shape[1] == 1:
+            loaded = loaded[:, 0]
+        if loaded.shape[0] != self._full or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+            raise ModelLoadError(f"Mamba: expected {self._full} channels of shape {tuple(param.shape[1:])}, "
+                                 f"checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.tp_rank * self.intermediate_size, self.intermediate_size))
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The shapes of one sequence's convolution and scan states."""
+        return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cuda"
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:   # [T, H] -> [T, H]
+        t = hidden.shape[0]
+        x, z = self.in_proj(hidden).split([self.intermediate_size, self.intermediate_size], dim=-1)
+        conv, ssm, rows = _layer_states(self, hidden, metadata)
+        a = -torch.exp(self.A_log)                                                        # [D, N]
+        xc = torch.empty(t, self.intermediate_size, dtype=torch.float32, device=hidden.device)
+        qsl = metadata.query_start_loc_cpu
+        n = metadata.num_seqs
+        decodes = n if metadata.max_query_len == 1 else metadata.num_leading_decodes
+        # the convolution first (each sequence's window), then the projections of every token at once, then the scan
+        if decodes:
+            window = torch.cat([conv.index_select(0, rows[:decodes]), x[:decodes, :, None].to(conv.dtype)], dim=-1)
+            conv.index_copy_(0, rows[:decodes], window[:, :, 1:])
+            xc[:decodes] = _conv_last(self.conv1d, window)
+        windows: dict[int, torch.Tensor] = {}
+        for i in range(decodes, n):
+            lo, hi = qsl[i], qsl[i + 1]
+            if hi > lo:
+                xc[lo:hi], windows[i] = _conv_prompt(self.conv1d, conv, rows[i:i + 1], x[lo:hi])
+        dt, b, c = self.x_proj(xc.to(hidden.dtype)).float().split(
+            [self.time_step_rank, self.state_size, self.state_size], dim=-1)
+        if self.inner_norms is not None:
+            dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
+        dt = F.softplus(F.linear(dt.to(hidden.dtype), self.dt_proj.weight).float() + self.dt_proj.bias.float())
+        y = torch.empty_like(xc)
+        if decodes:
+            first = self.state.first_row if self.state is not None else None
+            r = rows[:decodes]
+            state = ssm[first:first + decodes] if first is not None else ssm.index_select(0, r)   # [B, D, N]
+            state.mul_(torch.exp(dt[:decodes, :, None] * a)).addcmul_(
+                (dt[:decodes] * xc[:decodes])[:, :, None], b[:decodes, None, :])
+            if first is None:
+                ssm.index_copy_(0, r, state)
+            y[:decodes] = torch.einsum("bdn,bn->bd", state, c[:decodes])
+        saves = metadata.state_saves if self.state is not None else None
+        for i in range(decodes, n):
+            lo, hi = qsl[i], qsl[i + 1]
+            if hi == lo:
+                continue
+            save = saves.get(i) if saves else None
+            start = ssm.index_select(0, rows[i:i + 1])[0]
+            if save is not None and 0 < save[0] < hi - lo:
+                o = save[0]
+                head, mid = selective_scan(xc[lo:lo + o], dt[lo:lo + o], a, b[lo:lo + o], c[lo:lo + o], start,
+                                           self.chunk_size)
+                assert self.state is not None
+                self.state.save_layer(self.state_index, save[1], windows[i][:, o:o + self.conv_kernel - 1], mid)
+                tail, end = selective_scan(xc[lo + o:hi], dt[lo + o:hi], a, b[lo + o:hi], c[lo + o:hi], mid,
+                                           self.chunk_size)
+                y[lo:hi] = torch.cat([head, tail])
+            else:
+                y[lo:hi], end = selective_scan(xc[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi], start, self.chunk_size)
+            ssm.index_copy_(0, rows[i:i + 1], end[None])
+        y = (y + xc * self.D) * F.silu(z.float())
+        return self.out_proj(y.to(hidden.dtype))
+
+
+def _layer_states(layer: Any, hidden: torch.Tensor,
+                  metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A mixer's convolution and scan states of every row and the step's rows; outside serving (a start-up
+    profile, a probe) zero states for each sequence, kept nowhere."""
+    rows = getattr(metadata, "state_rows", None)
+    if rows is None or layer.state is None:
+        (c, k), ssm_shape = layer.state_shapes()
+        conv = hidden.new_zeros(metadata.num_seqs, c, k)
+        ssm = torch.zeros(metadata.num_seqs, *ssm_shape, dtype=torch.float32, device=hidden.device)
+        return conv, ssm, torch.arange(metadata.num_seqs, device=hidden.device)
+    return layer.state.conv[layer.state_index], layer.state.ssm[layer.state_index], rows
+
+
+def _conv_last(conv1d: DepthwiseConv, window: torch.Tensor) -> torch.Tensor:
+    """``silu(conv)`` at the last position of each ``[B, C, K]`` window, float32 ``[B, C]``."""
+    out = (window.float() * conv1d.weight.float()).sum(-1)
+    if conv1d.bias is not None:
+        out = out + conv1d.bias.float()
+    return F.silu(out)
+
+
+def _conv_prompt(conv1d: DepthwiseConv, conv: torch.Tensor, row: torch.Tensor,
+                 inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``L`` positions of one sequence (``inputs [L, C]``, its row ``row``): ``silu(conv)`` float32 ``[L, C]`` and the
+    window ``[C, K-1+L]`` (the state before, then the inputs); the row's state updated."""
+    length, k = inputs.shape[0], conv1d.weight.shape[1]
+    seq = torch.cat([conv.index_select(0, row)[0], inputs.t().to(conv.dtype)], dim=-1)   # [C, K-1+L]
+    conv.index_copy_(0, row, seq[None, :, seq.shape[1] - (k - 1):])
+    bias = conv1d.bias.float() if conv1d.bias is not None else None
+    out = F.conv1d(seq.float()[None], conv1d.weight.float()[:, None, :], bias, groups=seq.shape[0])[0]
+    return F.silu(out[:, -length:]).t(), seq
+
+
 class MambaStateMixin:
     """For a causal LM with :class:`Mamba2Mixer` layers: the per-sequence state (one :class:`RecurrentState` for
     every such layer) and the step's preparation; the model calls :meth:`begin_step` before its layers."""
@@ -482,8 +684,8 @@ class MambaStateMixin:
         """Whether a model of this class with ``hf_config`` has Mamba layers (default: always)."""
         return True
 
-    def mamba_layers(self) -> list[Mamba2Mixer]:
-        return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]  # type: ignore[attr-defined]
+    def mamba_layers(self) -> list[Mamba2Mixer | Mamba1Mixer]:
+        return [m for m in self.modules() if isinstance(m, Mamba2Mixer | Mamba1Mixer)]  # type: ignore[attr-defined]
 
     def recurrent_state_bytes(self, rows: int, slots: int = 0) -> int:
         """The bytes of every Mamba layer's state for ``rows`` sequences, the scratch row and ``slots`` checkpoint
@@ -491,8 +693,11 @@ class MambaStateMixin:
         layers = self.mamba_layers()
         if not layers:
             return 0
-        (c, k), (h, p, n) = layers[0].state_shapes()
-        return len(layers) * (rows + 1 + slots) * (c * k * layers[0].conv1d.weight.element_size() + h * p * n * 4)
+        (c, k), ssm_shape = layers[0].state_shapes()
+        ssm = 4
+        for size in ssm_shape:
+            ssm *= size
+        return len(layers) * (rows + 1 + slots) * (c * k * layers[0].conv1d.weight.element_size() + ssm)
 
     def allocate_recurrent_state(self, rows: int, slots: int = 0) -> int:
         """States for ``rows`` sequences and ``slots`` checkpoint slots of the prefix cache (kept if allocated

@@ -32,6 +32,8 @@ def plinth_models() -> dict[str, str]:
         "GraniteMoeHybridForCausalLM": f"{_M}.granite_hybrid:GraniteMoeHybridForCausalLM",
         "NemotronHForCausalLM": f"{_M}.nemotron_h:NemotronHForCausalLM",
         "Mamba2ForCausalLM": f"{_M}.nemotron_h:Mamba2ForCausalLM",
+        "MambaForCausalLM": f"{_M}.nemotron_h:MambaForCausalLM",
+        "FalconMambaForCausalLM": f"{_M}.nemotron_h:FalconMambaForCausalLM",
         "FalconH1ForCausalLM": f"{_M}.falcon_h1:FalconH1ForCausalLM",
         "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",

@@ -1,5 +1,6 @@
-"""Models whose blocks are one pre-norm mixer each, under the checkpoint's ``backbone.`` prefix: Mamba-2
-(``Mamba2ForCausalLM``: every block a Mamba-2 mixer) and NVIDIA Nemotron-H (``NemotronHForCausalLM``: Nemotron-H
+"""Models whose blocks are one pre-norm mixer each, under the checkpoint's ``backbone.`` prefix: Mamba
+(``MambaForCausalLM``: every block a Mamba-1 mixer; ``FalconMambaForCausalLM``: the same with normalised time
+steps and ``B``/``C``), Mamba-2 (``Mamba2ForCausalLM``: every block a Mamba-2 mixer) and NVIDIA Nemotron-H (``NemotronHForCausalLM``: Nemotron-H
 8B/47B, Nemotron Nano 2; blocks of Mamba-2 mixers, attention without positional embeddings, or a squared-ReLU MLP,
 as ``layers_block_type`` / ``hybrid_override_pattern`` lists them).
 
@@ -28,7 +29,7 @@ from plinth.model_registry.layers.linear import (
     RowParallelLinear,
     divide,
 )
-from plinth.model_registry.layers.mamba import Mamba2Mixer, MambaStateMixin
+from plinth.model_registry.layers.mamba import Mamba1Mixer, Mamba2Mixer, MambaStateMixin
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention
 from plinth.model_registry.models.deepseek import Float32Router, grouped_route
 
@@ -174,6 +175,9 @@ class MixerBlock(nn.Module):
             self.mixer = Mamba2Mixer(cfg.hidden_size, quant_method=ctx.quant_method, tp_rank=ctx.tp_rank,
                                      tp_size=ctx.tp_size, eps=eps,
                                      **mamba)
+        elif kind == "mamba1":
+            self.mixer = Mamba1Mixer(cfg.hidden_size, quant_method=ctx.quant_method, tp_rank=ctx.tp_rank,
+                                     tp_size=ctx.tp_size, **mamba)
         elif kind == "attention":
             # no biases whatever attention_bias says, as transformers' Nemotron-H builds it
             self.mixer = DecoderAttention(ctx, layer_idx, AttentionOptions(rope=False))
@@ -189,7 +193,7 @@ class MixerBlock(nn.Module):
             residual, hidden = hidden, self.norm(hidden)
         else:
             hidden, residual = self.norm(hidden, residual)
-        if self.kind == "mamba":
+        if self.kind in ("mamba", "mamba1"):
             return self.mixer(hidden, metadata), residual
         if self.kind == "attention":
             return self.mixer(hidden, None, None, metadata), residual
@@ -234,7 +238,7 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
 
     @classmethod
     def config_has_recurrent_state(cls, hf_config: Any) -> bool:
-        return "mamba" in cls.block_kinds(hf_config)
+        return any(kind.startswith("mamba") for kind in cls.block_kinds(hf_config))
 
     def ties_embeddings(self, cfg: Any) -> bool:
         """Whether the LM head is the embedding matrix (the config's ``tie_word_embeddings``)."""
@@ -284,6 +288,37 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
 def _limit(cfg: Any) -> tuple[float, float] | None:
     limit = getattr(cfg, "time_step_limit", None)
     return (float(limit[0]), float(limit[1])) if limit is not None else None
+
+
+class MambaForCausalLM(MambaBackboneForCausalLM):
+    """``MambaForCausalLM`` (state-spaces/mamba-130m to 2.8b and other Mamba-1 checkpoints): every block a Mamba-1
+    mixer; the LM head tied to the embeddings unless the config says otherwise."""
+
+    inner_norms: ClassVar[str | None] = None
+
+    @classmethod
+    def block_kinds(cls, cfg: Any) -> list[str]:
+        return ["mamba1"] * cfg.num_hidden_layers
+
+    def ties_embeddings(self, cfg: Any) -> bool:
+        return bool(getattr(cfg, "tie_word_embeddings", True))
+
+    def mamba_options(self, cfg: Any) -> dict[str, Any]:
+        rank = cfg.time_step_rank
+        if rank == "auto":   # a config transformers did not normalise
+            rank = -(-cfg.hidden_size // 16)
+        width = getattr(cfg, "intermediate_size", None) or int(cfg.expand * cfg.hidden_size)
+        return dict(intermediate_size=int(width), state_size=cfg.state_size, conv_kernel=cfg.conv_kernel,
+                    time_step_rank=int(rank), conv_bias=bool(cfg.use_conv_bias), proj_bias=bool(cfg.use_bias),
+                    activation=getattr(cfg, "hidden_act", "silu") or "silu", inner_norms=self.inner_norms,
+                    norm_eps=float(getattr(cfg, "mixer_rms_eps", 1e-6)))
+
+
+class FalconMambaForCausalLM(MambaForCausalLM):
+    """``FalconMambaForCausalLM`` (TII Falcon-Mamba 7B and its instruct model): Mamba-1 blocks whose time steps and
+    ``B``, ``C`` are RMS-normalised without weights (``mixer_rms_eps``)."""
+
+    inner_norms: ClassVar[str | None] = "weightless"
 
 
 class Mamba2ForCausalLM(MambaBackboneForCausalLM):
