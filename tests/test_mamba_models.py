@@ -709,3 +709,49 @@ def test_selective_scan_matches_the_recurrence():
         y, end = selective_scan(x, dt, a, b, c, state, chunk)
         assert torch.allclose(y.double(), torch.stack(want), atol=1e-5)
         assert torch.allclose(end.double(), h, atol=1e-5)
+
+
+def save_jamba(path, **overrides) -> transformers.PreTrainedModel:
+    """A random ``JambaForCausalLM``: attention on layers 1 and 3, experts on layers 1 and 3 (dense MLPs on 0 and 2)."""
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    cfg = transformers.JambaConfig(**{**dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=8, eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False), **overrides},
+        attn_implementation="eager")
+    hf = transformers.JambaForCausalLM(cfg).eval()
+    randomize_mamba(hf)
+    with torch.no_grad():   # routers that prefer experts clearly (random ones give near ties)
+        g = torch.Generator().manual_seed(5)
+        for name, p in hf.named_parameters():
+            if name.endswith("router.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf
+
+
+def test_jamba_matches_transformers(tmp_path):
+    """Jamba (Mamba-1 layers with weighted inner norms, RoPE-less attention, dense and expert feed-forward blocks
+    with unrenormalised top-k weights): greedy tokens and log-probabilities equal transformers' with chunked
+    prefill; the prefix cache's states and two tensor-parallel worker processes give the same tokens."""
+    from conftest import generate_on_tp_workers
+
+    hf = save_jamba(tmp_path)
+    prompts = _prompts(hf.config.vocab_size)
+    want = [hf_greedy(hf, p) for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8,
+                     block_size=4)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(2):
+        outs = llm.generate(reqs, _greedy(logprobs=0), use_tqdm=False)
+        for out, (tokens, lps) in zip(outs, want, strict=True):
+            assert out.outputs[0].token_ids == tokens
+            assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
+    assert _hits(llm) == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    llm.close()
+    got = generate_on_tp_workers(tmp_path, reqs, _greedy())
+    assert [o.outputs[0].token_ids for o in got] == [w[0] for w in want]

@@ -34,6 +34,7 @@ def plinth_models() -> dict[str, str]:
         "Mamba2ForCausalLM": f"{_M}.nemotron_h:Mamba2ForCausalLM",
         "MambaForCausalLM": f"{_M}.nemotron_h:MambaForCausalLM",
         "FalconMambaForCausalLM": f"{_M}.nemotron_h:FalconMambaForCausalLM",
+        "JambaForCausalLM": f"{_M}.jamba:JambaForCausalLM",
         "FalconH1ForCausalLM": f"{_M}.falcon_h1:FalconH1ForCausalLM",
         "DeepseekV2ForCausalLM": f"{_M}.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": f"{_M}.deepseek:DeepseekV3ForCausalLM",
