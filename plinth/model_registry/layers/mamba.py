@@ -673,8 +673,8 @@ class MambaStateMixin:
     """For a causal LM with :class:`Mamba2Mixer` layers: the per-sequence state (one :class:`RecurrentState` for
     every such layer) and the step's preparation; the model calls :meth:`begin_step` before its layers."""
 
-    #: the model keeps per-sequence state outside the KV cache: the engine turns the prefix cache off, refuses
-    #: speculative decoding and sends each sequence's state row with every step (set per instance by the model:
+    #: the model keeps per-sequence state outside the KV cache: the engine keeps states for the prefix cache,
+    #: refuses speculative decoding and sends each sequence's state row with every step (set per instance by the model:
     #: :meth:`config_has_recurrent_state` of its config)
     has_recurrent_state: bool = True
     recurrent_state: RecurrentState | None = None

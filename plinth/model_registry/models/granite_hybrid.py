@@ -3,9 +3,9 @@ attention-only granite-4.0-micro): Mamba-2 mixer layers and attention layers (``
 multipliers, a shared MLP on every layer and, where ``num_local_experts`` is set, routed experts beside it.
 
 The Mamba layers keep recurrent state for every running sequence (:mod:`plinth.model_registry.layers.mamba`):
-the engine turns the prefix cache off for such models (a cached prefix would come without its state), refuses
-speculative decoding (a rejected draft would have to take the state back) and decodes eagerly. Tensor parallelism
-splits the Mamba layers by heads (:class:`~plinth.model_registry.layers.mamba.Mamba2Mixer`).
+the engine keeps that state at block boundaries for the prefix cache and refuses speculative decoding (a rejected
+draft would have to take the state back). Tensor parallelism splits the Mamba layers by heads
+(:class:`~plinth.model_registry.layers.mamba.Mamba2Mixer`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from plinth.attention_backends.interface import AttentionMetadata
 from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.layernorm import RMSNorm
-from plinth.model_registry.layers.mamba import Mamba2Mixer, MambaStateMixin, mixer_from_mamba_config
+from plinth.model_registry.layers.mamba import MambaStateMixin, mixer_from_mamba_config
 from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention, DenseMLP
 from plinth.model_registry.models.granite import GraniteMoeForCausalLM
 
@@ -58,13 +58,15 @@ class HybridDecoderLayer(nn.Module):
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
         self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mamba: Mamba2Mixer | None = None
         self.self_attn: DecoderAttention | None = None
-        if is_mamba_layer(cfg, layer_idx):
-            self.mamba = mixer_from_mamba_config(ctx)
-        else:
+        self.mamba = self.make_mamba(ctx, layer_idx)
+        if self.mamba is None:
             self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
         self.mlp = mlp
+
+    def make_mamba(self, ctx: ModelContext, layer_idx: int) -> nn.Module | None:
+        """The layer's Mamba mixer, or ``None`` for an attention layer (Granite 4.0's: ``layer_types``)."""
+        return mixer_from_mamba_config(ctx) if is_mamba_layer(ctx.hf_config, layer_idx) else None
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

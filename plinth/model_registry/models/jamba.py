@@ -2,10 +2,11 @@
 mixer layers with attention every ``attn_layer_period`` layers (no positional embeddings: the Mamba layers carry
 order), and a mixture of experts instead of the dense MLP every ``expert_layer_period`` layers.
 
-Each layer is ``h = h + mixer(input_layernorm(h))``, then ``h = h + feed_forward(pre_ff_layernorm(h))``; the
-mixture of experts routes by a softmax over ``router`` and keeps the top-k weights as they are (not renormalised).
-The Mamba layers normalise their time steps and ``B``/``C`` with weights (``dt_layernorm``, ``b_layernorm``,
-``c_layernorm``) and keep per-sequence state (:mod:`plinth.model_registry.layers.mamba`).
+Each layer is ``h = h + mixer(input_layernorm(h))``, then ``h = h + feed_forward(pre_ff_layernorm(h))`` (Granite
+4.0's hybrid layer under other names); the mixture of experts routes by a softmax over ``router`` and keeps the
+top-k weights as they are (not renormalised). The Mamba layers normalise their time steps and ``B``/``C`` with
+weights (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``) and keep per-sequence state
+(:mod:`plinth.model_registry.layers.mamba`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from torch import nn
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
-from plinth.model_registry.layers.layernorm import RMSNorm
 from plinth.model_registry.layers.mamba import Mamba1Mixer, MambaStateMixin
 from plinth.model_registry.layers.moe import (
     SparseMoeBlock,
@@ -26,14 +26,13 @@ from plinth.model_registry.layers.moe import (
     expert_checkpoint_name,
     map_expert_weight,
 )
-from plinth.model_registry.models.decoder import (
-    AttentionOptions,
-    DecoderAttention,
-    DecoderForCausalLM,
-    DenseMLP,
-)
+from plinth.model_registry.models.decoder import AttentionOptions, DecoderForCausalLM, DenseMLP
+from plinth.model_registry.models.granite_hybrid import HybridDecoderLayer
 
 _EXPERT_PROJS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+#: checkpoint names -> the hybrid layer's (and the decoder's final norm)
+_RENAMES = ((".pre_ff_layernorm.", ".post_attention_layernorm."), (".feed_forward.router.", ".mlp.gate."),
+            (".feed_forward.", ".mlp."), ("model.final_layernorm.", "model.norm."))
 
 
 def layer_kinds(cfg: Any) -> list[str]:
@@ -57,48 +56,21 @@ def layer_experts(cfg: Any) -> list[int]:
     return [int(c) for c in counts]
 
 
-class JambaDecoderLayer(nn.Module):
-    """A pre-norm Mamba-1 mixer (``mamba``) or attention (``self_attn``), then the pre-norm ``feed_forward``; speaks
-    :class:`~plinth.model_registry.models.decoder.DecoderLayer`'s ``(hidden, residual)`` protocol."""
+class JambaDecoderLayer(HybridDecoderLayer):
+    """A pre-norm Mamba-1 mixer (``mamba``) or attention (``self_attn``), then the pre-norm feed-forward block."""
 
-    can_defer_output = False
-    reduce_input = False
-
-    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
-                 norm: type[RMSNorm] = RMSNorm):
-        super().__init__()
+    def make_mamba(self, ctx: ModelContext, layer_idx: int) -> nn.Module | None:
         cfg = ctx.hf_config
-        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.pre_ff_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mamba: Mamba1Mixer | None = None
-        self.self_attn: DecoderAttention | None = None
-        if layer_kinds(cfg)[layer_idx] == "mamba":
-            rank = cfg.mamba_dt_rank
-            if rank == "auto":
-                rank = -(-cfg.hidden_size // 16)
-            self.mamba = Mamba1Mixer(
-                cfg.hidden_size, cfg.mamba_expand * cfg.hidden_size, cfg.mamba_d_state, cfg.mamba_d_conv, int(rank),
-                conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
-                activation=getattr(cfg, "hidden_act", "silu") or "silu", inner_norms="weighted",
-                norm_eps=cfg.rms_norm_eps, quant_method=ctx.quant_method, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
-        else:
-            self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
-        self.feed_forward = mlp
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        if self.mamba is not None:
-            hidden = self.mamba(hidden, metadata)
-        else:
-            assert self.self_attn is not None
-            hidden = self.self_attn(hidden, cos, sin, metadata)
-        hidden, residual = self.pre_ff_layernorm(hidden, residual)
-        return self.feed_forward(hidden), residual
+        if layer_kinds(cfg)[layer_idx] != "mamba":
+            return None
+        rank = cfg.mamba_dt_rank
+        if rank == "auto":
+            rank = -(-cfg.hidden_size // 16)
+        return Mamba1Mixer(
+            cfg.hidden_size, cfg.mamba_expand * cfg.hidden_size, cfg.mamba_d_state, cfg.mamba_d_conv, int(rank),
+            conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
+            activation=getattr(cfg, "hidden_act", "silu") or "silu", inner_norms="weighted",
+            norm_eps=cfg.rms_norm_eps, quant_method=ctx.quant_method, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
 
 
 class JambaForCausalLM(MambaStateMixin, DecoderForCausalLM):
@@ -136,13 +108,14 @@ class JambaForCausalLM(MambaStateMixin, DecoderForCausalLM):
         return DenseMLP(ctx, cfg.intermediate_size, activation=activation)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
-        name = name.replace("model.final_layernorm.", "model.norm.").replace(".feed_forward.router.",
-                                                                              ".feed_forward.gate.")
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
         return map_expert_weight(name, _EXPERT_PROJS) or super().map_weight_name(name)
 
     def checkpoint_name(self, param_name: str, shard_id: Any = None) -> str:
-        name = param_name.replace("model.norm.", "model.final_layernorm.").replace(".feed_forward.gate.",
-                                                                                    ".feed_forward.router.")
+        name = param_name
+        for theirs, ours in _RENAMES:
+            name = name.replace(ours, theirs)
         if isinstance(shard_id, tuple):
             return expert_checkpoint_name(name, shard_id, _EXPERT_PROJS)
         return super().checkpoint_name(name, shard_id)
