@@ -54,9 +54,10 @@ def randomize_mamba(hf: transformers.PreTrainedModel) -> None:
 
 
 def _grouped_gated_norms(hf: transformers.PreTrainedModel) -> None:
-    """Older transformers (5.17 among them) normalize GraniteMoeHybrid's gated RMSNorm over the whole intermediate
-    size, ignoring ``mamba_n_groups`` (its own CUDA path, mamba_ssm's kernels, later transformers and plinth normalize
-    each of the ``n_groups`` groups): give such a reference the groups, so that it computes what the checkpoint means."""
+    """Older transformers (5.17 among them) normalize GraniteMoeHybrid's and Mamba-2's gated RMSNorm over the whole
+    intermediate size, ignoring the groups (its own CUDA path, mamba_ssm's kernels, later transformers and plinth
+    normalize each of the ``n_groups`` groups): give such a reference the groups, so that it computes what the
+    checkpoint means."""
     import types
 
     def grouped(self, hidden_states, gate=None):
@@ -521,6 +522,7 @@ def save_backbone_model(path, arch: str, **overrides) -> transformers.PreTrained
             num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=2, chunk_size=8, num_hidden_layers=3,
             tie_word_embeddings=True), **overrides})
         hf = transformers.Mamba2ForCausalLM(cfg).eval()
+        _grouped_gated_norms(hf)   # (Mamba-2's gated norm in older transformers ignores the groups too)
     randomize_mamba(hf)
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -755,3 +757,18 @@ def test_jamba_matches_transformers(tmp_path):
     llm.close()
     got = generate_on_tp_workers(tmp_path, reqs, _greedy())
     assert [o.outputs[0].token_ids for o in got] == [w[0] for w in want]
+
+
+def test_a_grown_state_keeps_its_rows():
+    """Growing the state (a step needing more rows than allocated) keeps every row's states, zeroes the new rows and
+    moves the scratch row to the end."""
+    from plinth.model_registry.layers.mamba import RecurrentState
+
+    state = RecurrentState(2, 3, (4, 2), (2, 3, 5), torch.float32, torch.device("cpu"), slots=1)
+    state.conv.normal_()
+    state.ssm.normal_()
+    conv, ssm = state.conv[:, :3].clone(), state.ssm[:, :3].clone()
+    state.grow(7)
+    assert state.rows == 7 and state.scratch_row == 7 and state.conv.shape[1] == state.ssm.shape[1] == 8
+    assert torch.equal(state.conv[:, :3], conv) and torch.equal(state.ssm[:, :3], ssm)
+    assert not state.conv[:, 3:].any() and not state.ssm[:, 3:].any()

@@ -79,12 +79,13 @@ class RecurrentState:
 
     def grow(self, rows: int) -> None:
         """Room for at least ``rows`` rows (the states of the rows there are kept)."""
-        if rows <= self.rows:
+        keep = self.rows
+        if rows <= keep:
             return
         for name in ("conv", "ssm"):
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], rows + 1, *old.shape[2:])
-            new[:, : self.rows] = old[:, : self.rows]
+            new[:, :keep] = old[:, :keep]
             setattr(self, name, new)
 
     def reset(self, rows: torch.Tensor) -> None:
