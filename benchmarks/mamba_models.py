@@ -35,9 +35,36 @@ SHAPES = {
 }
 
 
-def build_checkpoint(shape: str, path: str, dtype: torch.dtype) -> None:
+#: name -> JambaConfig fields (``--arch jamba``): Mamba-1 layers, attention every eighth layer, experts every second
+JAMBA_SHAPES = {
+    "small": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=1024, num_experts=8, mamba_d_state=16, mamba_dt_rank=48, vocab_size=49152),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+               intermediate_size=4096, num_experts=8, mamba_d_state=16, mamba_dt_rank=128, vocab_size=100352),
+    "tiny": dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, num_experts=4, mamba_d_state=16, mamba_dt_rank=8, vocab_size=512),
+}
+
+
+def build_jamba(shape: str, path: str, dtype: torch.dtype) -> None:
     import transformers
 
+    cfg = transformers.JambaConfig(
+        **JAMBA_SHAPES[shape], attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1,
+        num_experts_per_tok=2, mamba_d_conv=4, mamba_expand=2, eos_token_id=0, pad_token_id=0, bos_token_id=1,
+        max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.JambaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(path)
+
+
+def build_checkpoint(shape: str, path: str, dtype: torch.dtype, arch: str = "granite") -> None:
+    import transformers
+
+    if arch == "jamba":
+        build_jamba(shape, path, dtype)
+        return
     fields = dict(SHAPES[shape])
     n = fields["num_hidden_layers"]
     cfg = transformers.GraniteMoeHybridConfig(
@@ -89,10 +116,15 @@ def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]], ea
     def long_run():
         tokens[:] = llm.generate(one, sp(long_n), use_tqdm=False)[0].outputs[0].token_ids
 
+    # (the prefix cache emptied before each measurement: every prompt computed, as transformers computes it)
+    llm.reset_prefix_cache()
     ttft = _timed(lambda: llm.generate(one, sp(1), use_tqdm=False))
+    llm.reset_prefix_cache()
     t_short = _timed(lambda: llm.generate(one, sp(short_n), use_tqdm=False))
+    llm.reset_prefix_cache()
     t_long = _timed(long_run)
     batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.reset_prefix_cache()
     t_batch = _timed(lambda: llm.generate(batch, sp(args.max_tokens), use_tqdm=False))
     # the prefix cache: a long prompt (4x, tokens not seen before) cold, then again (resuming from the state saved at its last
     # block boundary); then a next turn (its prompt, output and 8 tokens more) resuming inside the output
@@ -115,7 +147,8 @@ def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int
     import transformers
 
     dtype = getattr(torch, args.dtype)
-    model = transformers.GraniteMoeHybridForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    model_class = transformers.JambaForCausalLM if args.arch == "jamba" else transformers.GraniteMoeHybridForCausalLM
+    model = model_class.from_pretrained(path, dtype=dtype).to(args.device).eval()
     dev = args.device
 
     def gen(batch: list[list[int]], n: int) -> torch.Tensor:
@@ -141,6 +174,8 @@ def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=("granite", "jamba"), default="granite",
+                    help="granite: Granite 4.0-H (Mamba-2 layers); jamba: Jamba (Mamba-1 layers and experts)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: small on a CPU, 1b on a GPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -153,10 +188,10 @@ def main() -> None:
     args = ap.parse_args()
     shape = args.shape or ("1b" if args.device == "cuda" else "small")
     g = torch.Generator().manual_seed(7)
-    vocab = SHAPES[shape]["vocab_size"]
+    vocab = (JAMBA_SHAPES if args.arch == "jamba" else SHAPES)[shape]["vocab_size"]
     prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as tmp:
-        build_checkpoint(shape, tmp, getattr(torch, args.dtype))
+        build_checkpoint(shape, tmp, getattr(torch, args.dtype), args.arch)
         params = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.endswith(".safetensors"))
         ours = run_plinth(tmp, args, prompts)
         eager = run_plinth(tmp, args, prompts, eager=True) if args.eager else None
@@ -164,7 +199,7 @@ def main() -> None:
     pairs = list(zip(ours["tokens"], theirs["tokens"], strict=False))
     agree = sum(a == b for a, b in pairs)
     prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-    print(f"shape {shape} ({params / 2**20:.0f} MiB of weights, {args.dtype}) on {args.device}; prompt "
+    print(f"{args.arch} shape {shape} ({params / 2**20:.0f} MiB of weights, {args.dtype}) on {args.device}; prompt "
           f"{args.prompt_len} tokens, {args.max_tokens} new, {args.requests} requests at once")
     print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}" + (f"{'plinth eager':>14}" if eager else ""))
     for key, label, better_low in [("ms_per_token", "ms/token", True), ("ttft_s", "TTFT s", True),
@@ -178,7 +213,7 @@ def main() -> None:
           f"({ours['next_turn_hit']} from the cache) in {ours['ttft_next_turn_s']:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,
+            json.dump({"arch": args.arch, "shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,
                        "transformers": theirs, "plinth_eager": eager, "agree": agree, "agree_prefix": prefix}, f, indent=1)
 
 

@@ -470,9 +470,11 @@ def state_slots(model: Any) -> int:
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                    state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mamba-1's selective scan of one sequence, in float32, chunk by chunk: within a chunk every position's state is
-    the carried state decayed to it plus the decayed inputs before it (``exp(cum[t] - cum[s])`` per channel and
-    state feature, a ``[Q, Q, D, N]`` product, so the caller sizes ``chunk_size`` to the memory it may take).
+    """Mamba-1's selective scan of one sequence, in float32. The decays ``exp(dt * A)`` and inputs ``dt * x * B`` of
+    ``chunk_size`` positions at a time are computed at once (``[Q, channels, d_state]``), then the state passes from
+    position to position in one fused multiply-add each (the decay differs per channel and state feature, so the
+    positions of a chunk cannot be combined in one product as Mamba-2's scalar decays can without a ``Q``-fold
+    larger one), and the outputs are read through ``C`` at once.
 
     Args:
         x: ``[L, D]`` inputs (after the convolution and activation).
@@ -488,13 +490,13 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     outputs = []
     for lo in range(0, length, chunk_size):
         hi = min(lo + chunk_size, length)
-        cum = (dt[lo:hi, :, None] * a).cumsum(0)                          # [Q, D, N]
-        u = (dt[lo:hi] * x[lo:hi])[:, :, None] * b[lo:hi, None, :]         # [Q, D, N]
-        causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=x.device).tril()
-        decay = torch.exp((cum[:, None] - cum[None]).masked_fill(~causal[..., None, None], float("-inf")))
-        h = torch.einsum("tsdn,sdn->tdn", decay, u) + torch.exp(cum) * state   # [Q, D, N]
-        outputs.append(torch.einsum("tdn,tn->td", h, c[lo:hi]))
-        state = h[-1]
+        decay = torch.exp(dt[lo:hi, :, None] * a)                                # [Q, D, N]
+        states = (dt[lo:hi] * x[lo:hi])[:, :, None] * b[lo:hi, None, :]          # [Q, D, N]: inputs, then states
+        prev = state
+        for t in range(hi - lo):
+            prev = torch.addcmul(states[t], decay[t], prev, out=states[t])
+        outputs.append(torch.einsum("tdn,tn->td", states, c[lo:hi]))
+        state = prev.clone()
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0], state
 
 
@@ -558,8 +560,8 @@ class Mamba1Mixer(nn.Module):
             self.dt_layernorm = _PlainRMSNorm(time_step_rank, norm_eps, weighted)
             self.b_layernorm = _PlainRMSNorm(state_size, norm_eps, weighted)
             self.c_layernorm = _PlainRMSNorm(state_size, norm_eps, weighted)
-        # positions of a prompt scanned at once: the chunk's [Q, Q, channels, d_state] decays within ~64 MiB
-        self.chunk_size = max(1, min(64, int((2**24 / (i * state_size)) ** 0.5)))
+        # positions of a prompt whose decays and states are held at once: [Q, channels, d_state] within ~64 MiB
+        self.chunk_size = max(1, min(1024, 2**24 // (i * state_size)))
         self.state_index = -1
         self.state: RecurrentState | None = None
 
@@ -603,7 +605,8 @@ class Mamba1Mixer(nn.Module):
             [self.time_step_rank, self.state_size, self.state_size], dim=-1)
         if self.inner_norms is not None:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
-        dt = F.softplus(F.linear(dt.to(hidden.dtype), self.dt_proj.weight).float() + self.dt_proj.bias.float())
+        # (the bias added in float32, as the reference scan adds it)
+        dt = F.softplus(self.dt_proj._matmul(dt.to(hidden.dtype), None).float() + self.dt_proj.bias.float())
         y = torch.empty_like(xc)
         if decodes:
             first = self.state.first_row if self.state is not None else None
