@@ -785,3 +785,60 @@ def test_mamba1_in_bfloat16_on_the_cpu_path(arch, tmp_path):
     agree = sum(o.outputs[0].token_ids[:2] == hf_greedy(hf, p, 2)[0] for o, p in zip(outs, prompts, strict=True))
     assert agree >= len(prompts) - 1
     llm.close()
+
+
+def test_a_failed_step_leaves_no_unwritten_state_in_the_prefix_cache(tmp_path):
+    """A step that fails before its saves ran: the checkpoints it was to write are dropped (one would have gone to
+    another prompt's cached block whose state was never kept, which a later request would then have resumed from);
+    the later request's tokens are transformers'."""
+    hf = save_hybrid(tmp_path, **SHAPES["mamba_only"])
+    g = torch.Generator().manual_seed(7)
+    p1, other = (torch.randint(3, hf.config.vocab_size, (12,), generator=g).tolist() for _ in range(2))
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, block_size=4, mamba_cache_slots=2)
+    engine = llm.engine
+    llm.generate({"prompt_token_ids": other}, _greedy(2), use_tqdm=False)
+    llm.generate({"prompt_token_ids": p1}, _greedy(2), use_tqdm=False)
+    real = engine.executor.execute
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("device error")
+
+    engine.executor.execute = failing
+    with pytest.raises(RuntimeError, match="device error"):
+        # shares p1's first block, whose state is not kept: computes it again, planning its checkpoint there
+        llm.generate({"prompt_token_ids": p1[:4] + [11]}, _greedy(2), use_tqdm=False)
+    engine.executor.execute = real
+    prompt = p1[:4] + [21, 22, 23]
+    out = llm.generate({"prompt_token_ids": prompt}, _greedy(8), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)[0]
+    llm.close()
+
+
+def test_a_checkpoint_evicted_in_the_step_that_saves_it_is_not_written_twice(tmp_path):
+    """A decode's rolling checkpoint lands on another (finished) request's cached block with the same tokens; a
+    request admitted in the same step evicts that block and takes a slot: each slot gets one save, and a later
+    prompt resuming from the new request's checkpoint gets transformers' tokens."""
+    hf = save_hybrid(tmp_path, **SHAPES["mamba_only"])
+    g = torch.Generator().manual_seed(5)
+    p = torch.randint(3, hf.config.vocab_size, (9,), generator=g).tolist()
+    c = torch.randint(3, hf.config.vocab_size, (30,), generator=g).tolist()
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, block_size=4, num_blocks=12, max_num_seqs=4,
+                     max_num_batched_tokens=64, mamba_cache_slots=3)
+    engine, bm = llm.engine, llm.engine.block_manager
+    plans = []
+    take = bm.take_state_plan
+    bm.take_state_plan = lambda: plans.append(take()) or plans[-1]
+    llm.generate({"prompt_token_ids": p}, _greedy(8), use_tqdm=False)
+    engine.add_request("A", p, _greedy(8))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("C", c, _greedy(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for _, saves in plans:
+        slots = [slot for _, slot in saves.values()]
+        assert len(slots) == len(set(slots)), saves
+    prompt = c[:28] + [7, 8, 9]
+    out = llm.generate({"prompt_token_ids": prompt}, _greedy(8), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)[0]
+    llm.close()

@@ -317,9 +317,10 @@ class BlockManager:
         rid = request.request_id
         if self.state_slots:
             self._restores.pop(rid, None)
-            save = self._saves.pop(rid, None)
+            save = self._saves.get(rid)
             if save is not None:   # preempted in the step that was to save: nothing will be written there
                 self._release_slot(save[1])
+                self._saves.pop(rid, None)
             self._rolling.pop(rid, None)
         for block in reversed(request.block_ids):
             ref = self._ref[block] - 1
@@ -431,7 +432,9 @@ class BlockManager:
 
     def _adopt_slot(self, rid: str, own: int, existing: int) -> None:
         """The request's block ``own`` turned out private (``existing`` holds its prefix in the cache): its state
-        checkpoint goes to ``existing``, or is dropped (with its save, if still to come) where that has one."""
+        checkpoint goes to ``existing``, unless that has one (then it is dropped, with its save if still to come).
+        Should ``existing`` be evicted before the save runs, releasing the slot drops the save; should the step fail,
+        the engine drops its saves' slots (:meth:`drop_state_saves`)."""
         slot = self._slot_of[own]
         if existing not in self._slot_of:
             del self._slot_of[own]
@@ -440,9 +443,6 @@ class BlockManager:
             if self._rolling.get(rid) == own:
                 self._rolling[rid] = existing
             return
-        save = self._saves.get(rid)
-        if save is not None and save[1] == slot:
-            del self._saves[rid]
         if self._rolling.get(rid) == own:
             del self._rolling[rid]
         self._release_slot(slot)
@@ -459,13 +459,25 @@ class BlockManager:
         return None
 
     def _release_slot(self, slot: int) -> None:
+        """Free ``slot``; a save into it planned in this step is dropped (the slot may be planned again)."""
         block = self._block_of.pop(slot, None)
         if block is None:
             return
         del self._slot_of[block]
         self._slot_lru.pop(slot, None)
-        self._saving.discard(slot)
+        if slot in self._saving:
+            self._saving.discard(slot)
+            for rid, (_, planned) in list(self._saves.items()):
+                if planned == slot:
+                    del self._saves[rid]
         self._free_slots.append(slot)
+
+    def drop_state_saves(self, saves: dict[str, tuple[int, int]]) -> None:
+        """A step failed before its saves ran: forget the checkpoints it was to write (``saves`` as
+        :meth:`take_state_plan` gave them; a slot given to another block since is dropped too: that costs a
+        checkpoint, never a wrong state)."""
+        for _, slot in saves.values():
+            self._release_slot(slot)
 
     def _register_full_blocks(self, request: Request, num_tokens: int, chain: list[int],
                               filling: bool = False) -> None:

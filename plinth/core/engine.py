@@ -1450,6 +1450,8 @@ class LLMEngine:
                 s.request.num_pending_tokens = 0
                 # blocks registered in the prefix cache for this step's tokens may never have been written
                 self.block_manager.uncache_unwritten(s.request, s.num_computed_tokens)
+            if o is not None and o.state_saves:   # nor the Mamba states the step was to save
+                self.block_manager.drop_state_saves(o.state_saves)
         if groups:
             logger.error("a step failed with requests in flight; aborting %d request(s)", len(groups))
             self.abort_request(sorted(groups))

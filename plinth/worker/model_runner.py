@@ -333,8 +333,9 @@ class ModelRunner:
         checkpoints = batch.state_checkpoints
         if checkpoints is not None and len(checkpoints.restore_seqs):   # before any layer (and a graph's replay)
             assert batch.state_rows is not None
-            self.model.recurrent_state.restore(self._on_device(batch.state_rows[checkpoints.restore_seqs]),
-                                               self._on_device(checkpoints.restore_slots))
+            rows = batch.state_rows[checkpoints.restore_seqs]
+            self.model.ensure_state_rows(int(rows.max()) + 1)
+            self.model.recurrent_state.restore(self._on_device(rows), self._on_device(checkpoints.restore_slots))
         if self.graphs is not None and batch.decode_only and 0 < batch.num_seqs <= self.graphs.max_size:
             # [B, W] rows, 0-padded: the graph runners copy them as they copy lists of block ids
             # only the CUDA graph runner takes a feed: a CPU runner's fed tokens were filled in above

@@ -223,11 +223,11 @@ class _InProjection(ColumnParallelLinear):
             super().weight_loader(param, loaded)
             return
         if param.dim() == 0 or param.shape[0] != sum(length for _, length in self.rows):
-            raise ModelLoadError(f"Mamba-2 in_proj: a tensor of shape {tuple(loaded.shape)} cannot be split over "
+            raise ModelLoadError(f"Mamba in_proj: a tensor of shape {tuple(loaded.shape)} cannot be split over "
                                  "tensor-parallel ranks (a quantized checkpoint's own scales: run it with "
                                  "--tensor-parallel-size 1)")
         if loaded.shape[0] != self.output_size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
-            raise ModelLoadError(f"Mamba-2 in_proj: expected {self.output_size} rows of shape "
+            raise ModelLoadError(f"Mamba in_proj: expected {self.output_size} rows of shape "
                                  f"{tuple(param.shape[1:])}, checkpoint has {tuple(loaded.shape)}")
         param.data.copy_(torch.cat([loaded.narrow(0, start, length) for start, length in self.rows]))
 
@@ -560,8 +560,9 @@ class Mamba1Mixer(nn.Module):
             self.dt_layernorm = _PlainRMSNorm(time_step_rank, norm_eps, weighted)
             self.b_layernorm = _PlainRMSNorm(state_size, norm_eps, weighted)
             self.c_layernorm = _PlainRMSNorm(state_size, norm_eps, weighted)
-        # positions of a prompt whose decays and states are held at once: [Q, channels, d_state] within ~64 MiB
-        self.chunk_size = max(1, min(1024, 2**24 // (i * state_size)))
+        # positions of a prompt whose decays and states are held at once: [Q, channels, d_state] float32 tensors of
+        # ~16 MiB each (a few of them live at a time)
+        self.chunk_size = max(1, min(1024, 2**22 // (i * state_size)))
         self.state_index = -1
         self.state: RecurrentState | None = None
 
@@ -728,6 +729,15 @@ class MambaStateMixin:
         state = self.recurrent_state
         return [] if state is None else [state.conv, state.ssm, state.saved_conv, state.saved_ssm]
 
+    def ensure_state_rows(self, need: int) -> None:
+        """Room for rows ``0 .. need - 1`` (grown, with a warning, past those allocated at start-up)."""
+        if self.recurrent_state is None or need > self.recurrent_state.rows:
+            have = self.recurrent_state.rows if self.recurrent_state is not None else 0
+            nbytes = self.allocate_recurrent_state(max(need, 2 * have, 16))
+            logger.warning("recurrent state grown to %d sequences (%.1f MiB) while serving: more rows than the "
+                           "%d allocated at start-up (outside the memory the KV cache was sized around)",
+                           max(need, 2 * have, 16), nbytes / 2**20, have)
+
     def begin_step(self, metadata: AttentionMetadata) -> None:
         """Before the layers: room for the step's rows, and zero states for the sequences that start at position 0."""
         if self.recurrent_state is not None:
@@ -735,13 +745,7 @@ class MambaStateMixin:
         rows_cpu = metadata.state_rows_cpu
         if not rows_cpu or not self.has_recurrent_state:
             return
-        need = max(rows_cpu) + 1
-        if self.recurrent_state is None or need > self.recurrent_state.rows:
-            have = self.recurrent_state.rows if self.recurrent_state is not None else 0
-            nbytes = self.allocate_recurrent_state(max(need, 2 * have, 16))
-            logger.warning("recurrent state grown to %d sequences (%.1f MiB) while serving: more rows than the "
-                           "%d allocated at start-up (outside the memory the KV cache was sized around)",
-                           max(need, 2 * have, 16), nbytes / 2**20, have)
+        self.ensure_state_rows(max(rows_cpu) + 1)
         assert self.recurrent_state is not None
         span = _span(rows_cpu, len(rows_cpu))   # (once a step, for every layer's decode rows)
         self.recurrent_state.first_row = span[0] if span is not None else None
