@@ -168,6 +168,18 @@ class StateCheckpointMachine(BlockManagerMachine):
         super().compute(req, num_new)
         self.bm.begin_schedule()   # the next rule is the next step
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), chunk=st.integers(1, 6))
+    def failed_step(self, data, chunk):
+        """A step allocated and planned, then failed before it ran (nothing written), as the engine handles it."""
+        req = self.live[data.draw(st.sampled_from(list(self.live)), label="request")]
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        if num_new and self.bm.allocate_slots(req, num_new):
+            _, saves = self.bm.take_state_plan()
+            self.bm.uncache_unwritten(req, req.num_computed_tokens)
+            self.bm.drop_state_saves(saves)
+            self.bm.begin_schedule()
+
     @invariant()
     def checkpoints_hold_their_blocks_prefix(self):
         slot_of = self.bm._slot_of
