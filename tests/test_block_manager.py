@@ -161,8 +161,9 @@ class StateCheckpointMachine(BlockManagerMachine):
         assert set(restores) <= {req.request_id} and set(saves) <= {req.request_id}
         if req.request_id in restores:
             assert start > 0 and self.saved[restores[req.request_id]] == tuple(tokens[:start])
-        if req.request_id in saves:
-            offset, slot = saves[req.request_id]
+        planned = saves.get(req.request_id, [])
+        assert len({slot for _, slot in planned}) == len(planned)
+        for offset, slot in planned:
             assert 0 < offset <= num_new and (start + offset) % BS == 0
             self.saved[slot] = tuple(tokens[:start + offset])
         super().compute(req, num_new)
@@ -370,7 +371,7 @@ def test_a_state_checkpoint_is_offered_from_the_step_after_its_save():
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     a = admit(bm, prompt)
     restores, saves = bm.take_state_plan()
-    assert restores == {} and saves == {a.request_id: (8, saves[a.request_id][1])}   # after the last token's block
+    assert restores == {} and saves == {a.request_id: [(8, saves[a.request_id][0][1])]}   # before the last token
     sibling = make_request(prompt)
     assert bm.get_computed_blocks(sibling) == ([], 0)    # KV blocks cached, their state not yet written
     bm.begin_schedule()
@@ -378,7 +379,7 @@ def test_a_state_checkpoint_is_offered_from_the_step_after_its_save():
     assert n == 8 and blocks == a.block_ids[:2]
     assert bm.allocate_slots(sibling, 1, blocks)
     restores, _ = bm.take_state_plan()
-    assert restores == {sibling.request_id: saves[a.request_id][1]}
+    assert restores == {sibling.request_id: saves[a.request_id][0][1]}
     # a longer prompt sharing only the first block finds no state there: no hit at all
     assert bm.get_computed_blocks(make_request([1, 2, 3, 4, 0, 0, 0, 0, 0])) == ([], 0)
 
@@ -389,4 +390,4 @@ def test_a_request_freed_in_its_step_drops_its_planned_save():
     bm.free(a)   # preempted before its step ran
     assert bm.take_state_plan() == ({}, {})
     b = admit(bm, [7, 7, 7, 7, 7])   # the one slot is free again
-    assert bm.take_state_plan()[1] == {b.request_id: (4, 0)}
+    assert bm.take_state_plan()[1] == {b.request_id: [(4, 0)]}

@@ -827,9 +827,30 @@ def test_a_checkpoint_evicted_in_the_step_that_saves_it_is_not_written_twice(tmp
     while engine.has_unfinished_requests():
         engine.step()
     for _, saves in plans:
-        slots = [slot for _, slot in saves.values()]
+        slots = [slot for planned in saves.values() for _, slot in planned]
         assert len(slots) == len(set(slots)), saves
     prompt = c[:28] + [7, 8, 9]
     out = llm.generate({"prompt_token_ids": prompt}, _greedy(8), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)[0]
+    llm.close()
+
+
+@pytest.mark.parametrize("arch", ["granite", "MambaForCausalLM"])
+def test_a_shared_system_prompt_keeps_its_state(arch, tmp_path):
+    """Prompts that share a 20-token head (a system prompt) and go on differently: the second finds the head's keys
+    and values cached without a state there, so it saves one at the end of those blocks (16 tokens, 8-token blocks;
+    its one prompt chunk scanned in three parts, with the save before its last token); the third resumes from it.
+    Tokens are transformers' (Mamba-2 and Mamba-1 mixers)."""
+    hf = save_hybrid(tmp_path, **SHAPES["dense_nope"]) if arch == "granite" else save_backbone_model(tmp_path, arch)
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(2, hf.config.vocab_size, (20,), generator=g).tolist()
+    prompts = [head + torch.randint(2, hf.config.vocab_size, (k,), generator=g).tolist() for k in (9, 5, 12)]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, block_size=8)
+    hits = []
+    for p in prompts:
+        before = _hits(llm)
+        assert llm.generate({"prompt_token_ids": p}, _greedy(), use_tqdm=False)[0].outputs[0].token_ids == \
+            hf_greedy(hf, p)[0]
+        hits.append(_hits(llm) - before)
+    assert hits == [0, 0, 16]
     llm.close()

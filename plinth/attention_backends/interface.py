@@ -75,10 +75,11 @@ class AttentionMetadata:
     #: copy; ``None``: the step keeps no state (a model without such layers, a start-up profile)
     state_rows: torch.Tensor | None = None
     state_rows_cpu: list[int] | None = None
-    #: prefix caching of such states: sequence index -> ``(offset, slot)``, save the state after the first
-    #: ``offset`` tokens of the sequence's chunk (fewer than its tokens: inside a prompt chunk) into checkpoint slot
-    #: ``slot``; ``None``: none this step (saves at the end of a chunk are copies of rows, made after the forward)
-    state_saves: dict[int, tuple[int, int]] | None = None
+    #: prefix caching of such states: sequence index -> ``[(offset, slot)]`` (increasing offsets), save the state
+    #: after the first ``offset`` tokens of the sequence's chunk (fewer than its tokens: inside a prompt chunk) into
+    #: checkpoint slot ``slot``; ``None``: none this step (saves at the end of a chunk are copies of rows, made after
+    #: the forward)
+    state_saves: dict[int, list[tuple[int, int]]] | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -27,10 +27,11 @@ step a prefill step).
 Recurrent state (models with Mamba layers, ``state_slots > 0``). A hit must also give the layers' state after the
 hit's last token, which, unlike keys and values, is not in the blocks: the manager keeps ``state_slots`` checkpoint
 slots, each holding the state after the last token of one block, and a hit ends at the deepest block of the chain
-that has one. A step that takes a request's tokens over a block boundary saves the state there: the boundary before
-its prompt's last token (a request with the same prompt resumes there), and later the last boundary it passes (the
-next turn of a conversation resumes there; a request's rolling checkpoint moves on in its own slot, so a running
-request holds at most two slots).
+that has one. A step that takes a request's tokens over a block boundary saves the state there: the end of the
+prompt's blocks the cache already held without a kept state (a shared system prompt: the next request with it
+resumes there), the boundary before its prompt's last token (a request with the same prompt resumes there), and
+later the last boundary it passes (the next turn of a conversation resumes there; a request's rolling checkpoint
+moves on in its own slot, so a running request holds at most three slots).
 :meth:`BlockManager.take_state_plan` hands the step's saves and the restores of admitted requests to the worker.
 Slots are evicted least recently used first, and with their block; a slot saved by the step being scheduled is not
 offered in that step (the restores run before the layers).
@@ -131,7 +132,7 @@ class BlockManager:
         self._slot_lru: OrderedDict[int, None] = OrderedDict()   # assigned slots, least recently used first
         self._saving: set[int] = set()                        # slots written by the step being scheduled
         self._rolling: dict[str, int] = {}                    # request -> block of its rolling checkpoint
-        self._saves: dict[str, tuple[int, int]] = {}          # request -> (offset in its step's tokens, slot)
+        self._saves: dict[str, list[tuple[int, int]]] = {}    # request -> [(offset in its step's tokens, slot)]
         self._restores: dict[str, int] = {}                   # request -> slot it starts from
 
     # ---------------------------------------------------------------- queries
@@ -185,10 +186,10 @@ class BlockManager:
         self._filling.clear()
         self._saving.clear()
 
-    def take_state_plan(self) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    def take_state_plan(self) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
         """The scheduled step's work on state checkpoints: ``(restores, saves)``, request id -> the slot it starts
-        from, and request id -> ``(offset, slot)``: save its state after the first ``offset`` of its tokens of
-        the step into ``slot``."""
+        from, and request id -> ``[(offset, slot)]`` in increasing offsets: save its state after the first
+        ``offset`` of its tokens of the step into ``slot``."""
         plan = self._restores, self._saves
         self._restores, self._saves = {}, {}
         return plan
@@ -317,10 +318,9 @@ class BlockManager:
         rid = request.request_id
         if self.state_slots:
             self._restores.pop(rid, None)
-            save = self._saves.get(rid)
-            if save is not None:   # preempted in the step that was to save: nothing will be written there
-                self._release_slot(save[1])
-                self._saves.pop(rid, None)
+            for _, slot in self._saves.get(rid, [])[:]:   # preempted in the step that was to save: nothing is written
+                self._release_slot(slot)
+            self._saves.pop(rid, None)
             self._rolling.pop(rid, None)
         for block in reversed(request.block_ids):
             ref = self._ref[block] - 1
@@ -395,22 +395,43 @@ class BlockManager:
     # ---------------------------------------------------------------- recurrent-state checkpoints
 
     def _plan_save(self, request: Request, start: int, num_new: int) -> None:
-        """Plan the state save of a step computing the request's tokens ``start .. start + num_new - 1``: at the
-        boundary before its prompt's last token if the step passes it, else (past its prompt) at the last
-        boundary it reaches, which replaces the request's previous rolling checkpoint."""
+        """Plan the state saves of a step computing the request's tokens ``start .. start + num_new - 1``: where its
+        prompt's cached keys and values run past the deepest kept state (a shared prefix, a system prompt, seen
+        before without its state), at their end; at the boundary before its prompt's last token if the step passes
+        it; else (past its prompt) at the last boundary it reaches, which replaces the request's previous rolling
+        checkpoint."""
         rid = request.request_id
         if rid in self._saves:
             return
         bs = self.block_size
         end = start + num_new
         prompt_mark = (request.num_prompt_tokens - 1) // bs * bs
+        marks: list[tuple[int, bool]] = []
+        if start < prompt_mark:
+            shared = self._cached_reach(request) * bs
+            if start < shared <= end and shared < prompt_mark:
+                marks.append((shared, False))
         if start < prompt_mark <= end:
-            mark, rolling = prompt_mark, False
-        else:
-            mark, rolling = end // bs * bs, True
-            if mark <= start or mark <= prompt_mark:
-                return
-        block = request.block_ids[mark // bs - 1]
+            marks.append((prompt_mark, False))
+        elif prompt_mark < end // bs * bs and start < end // bs * bs:
+            marks.append((end // bs * bs, True))
+        for mark, rolling in marks:
+            self._plan_one(request, start, mark, rolling)
+
+    def _cached_reach(self, request: Request) -> int:
+        """How many leading full blocks of the request's prompt the cache holds (states kept or not)."""
+        tokens, bs = request.all_token_ids, self.block_size
+        parent = self._root(request)
+        for i in range((request.num_prompt_tokens - 1) // bs):
+            block = self._cache.get((parent, _block_tokens(request, tokens, i, bs)))
+            if block is None:
+                return i
+            parent = self._prefix_id[block]
+        return (request.num_prompt_tokens - 1) // bs
+
+    def _plan_one(self, request: Request, start: int, mark: int, rolling: bool) -> None:
+        rid = request.request_id
+        block = request.block_ids[mark // self.block_size - 1]
         if block in self._slot_of:
             return
         previous = self._rolling.get(rid) if rolling else None
@@ -428,7 +449,7 @@ class BlockManager:
         self._block_of[slot] = block
         self._slot_lru[slot] = None
         self._saving.add(slot)
-        self._saves[rid] = (mark - start, slot)
+        self._saves.setdefault(rid, []).append((mark - start, slot))
 
     def _adopt_slot(self, rid: str, own: int, existing: int) -> None:
         """The request's block ``own`` turned out private (``existing`` holds its prefix in the cache): its state
@@ -467,17 +488,22 @@ class BlockManager:
         self._slot_lru.pop(slot, None)
         if slot in self._saving:
             self._saving.discard(slot)
-            for rid, (_, planned) in list(self._saves.items()):
-                if planned == slot:
-                    del self._saves[rid]
+            for rid, saves in list(self._saves.items()):
+                kept = [save for save in saves if save[1] != slot]
+                if len(kept) != len(saves):
+                    if kept:
+                        self._saves[rid] = kept
+                    else:
+                        del self._saves[rid]
         self._free_slots.append(slot)
 
-    def drop_state_saves(self, saves: dict[str, tuple[int, int]]) -> None:
+    def drop_state_saves(self, saves: dict[str, list[tuple[int, int]]]) -> None:
         """A step failed before its saves ran: forget the checkpoints it was to write (``saves`` as
         :meth:`take_state_plan` gave them; a slot given to another block since is dropped too: that costs a
         checkpoint, never a wrong state)."""
-        for _, slot in saves.values():
-            self._release_slot(slot)
+        for planned in saves.values():
+            for _, slot in planned:
+                self._release_slot(slot)
 
     def _register_full_blocks(self, request: Request, num_tokens: int, chain: list[int],
                               filling: bool = False) -> None:

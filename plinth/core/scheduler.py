@@ -130,10 +130,10 @@ class SchedulerOutput:
     preempted_request_ids: list[str]     # preempted in this step
     finished_request_ids: list[str]      # finished or aborted since the previous step
     #: models with Mamba layers, prefix cache on: request id -> the checkpoint slot its state starts from, and
-    #: request id -> ``(offset, slot)``, save its state after ``offset`` of its tokens of the step (see
+    #: request id -> ``[(offset, slot)]``, save its state after ``offset`` of its tokens of the step (see
     #: :meth:`~plinth.core.block_manager.BlockManager.take_state_plan`)
     state_restores: dict[str, int] = dataclasses.field(default_factory=dict)
-    state_saves: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    state_saves: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -100,11 +100,11 @@ class StateCheckpoints:
 
     @classmethod
     def of(cls, index: dict[str, int], restores: dict[str, int],
-           saves: dict[str, tuple[int, int]]) -> StateCheckpoints | None:
-        """From the scheduler's plan (request id -> slot, request id -> ``(offset, slot)``) and each scheduled
+           saves: dict[str, list[tuple[int, int]]]) -> StateCheckpoints | None:
+        """From the scheduler's plan (request id -> slot, request id -> ``[(offset, slot)]``) and each scheduled
         request's batch index; ``None``: nothing to do."""
         r = [(index[rid], slot) for rid, slot in restores.items() if rid in index]
-        w = [(index[rid], off, slot) for rid, (off, slot) in saves.items() if rid in index]
+        w = [(index[rid], off, slot) for rid, planned in saves.items() if rid in index for off, slot in planned]
         if not r and not w:
             return None
         ra = np.array(r, dtype=np.int64).reshape(-1, 2)

@@ -390,13 +390,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
 
-def _inner_saves(batch: FlatBatch) -> dict[int, tuple[int, int]] | None:
-    """The checkpoint saves the layers make: sequence index -> ``(offset, slot)`` for those inside a chunk."""
+def _inner_saves(batch: FlatBatch) -> dict[int, list[tuple[int, int]]] | None:
+    """The checkpoint saves the layers make: sequence index -> ``[(offset, slot)]`` (increasing offsets) for those
+    inside a chunk."""
     c = batch.state_checkpoints
     if c is None or not len(c.save_seqs):
         return None
-    inner = {int(i): (int(o), int(slot)) for i, o, slot in zip(c.save_seqs, c.save_offsets, c.save_slots, strict=True)
-             if o < batch.q_lens[i]}
+    inner: dict[int, list[tuple[int, int]]] = {}
+    for i, o, slot in zip(c.save_seqs.tolist(), c.save_offsets.tolist(), c.save_slots.tolist(), strict=True):
+        if o < batch.q_lens[i]:
+            inner.setdefault(i, []).append((o, slot))
+    for saves in inner.values():
+        saves.sort()
     return inner or None
 
 

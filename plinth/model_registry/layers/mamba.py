@@ -437,10 +437,10 @@ class Mamba2Mixer(nn.Module):
         return torch.einsum("bhpn,bhn->bhp", state, c) + x * self.D[:, None]
 
     def _prompt(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                row: torch.Tensor, save: tuple[int, int] | None = None) -> torch.Tensor:
+                row: torch.Tensor, saves: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """``L`` consecutive tokens of one sequence (its row ``row``, ``[1]``): ``y [L, H, P]``; its states updated.
-        ``save``: ``(offset, slot)``, also keep the states after the first ``offset`` tokens in checkpoint ``slot``
-        (the scan is split there)."""
+        ``saves``: ``[(offset, slot)]``, also keep the states after the first ``offset`` tokens in checkpoint
+        ``slot`` (the scan is split there)."""
         length = xbc.shape[0]
         k = self.conv_kernel
         seq = torch.cat([conv.index_select(0, row)[0], xbc.t().to(conv.dtype)], dim=-1)   # [C, K-1+L]
@@ -449,15 +449,17 @@ class Mamba2Mixer(nn.Module):
         out = F.conv1d(seq.float()[None], self.conv1d.weight.float()[:, None, :], bias, groups=self.conv_dim)[0]
         x, b, c = self._split_xbc(F.silu(out[:, -length:]).t())
         state = ssm.index_select(0, row)[0]
-        if save is not None and 0 < save[0] < length:
-            o = save[0]
-            head, state = ssd_scan(x[:o], dt[:o], a, b[:o], c[:o], state, self.chunk_size)
-            assert self.state is not None
-            self.state.save_layer(self.state_index, save[1], seq[:, o:o + k - 1], state)
-            tail, state = ssd_scan(x[o:], dt[o:], a, b[o:], c[o:], state, self.chunk_size)
-            y = torch.cat([head, tail])
-        else:
-            y, state = ssd_scan(x, dt, a, b, c, state, self.chunk_size)
+        parts, lo = [], 0
+        for o, slot in list(saves or ()) + [(length, -1)]:   # the scan split at each save (then the rest)
+            if o <= lo or o > length:
+                continue
+            part, state = ssd_scan(x[lo:o], dt[lo:o], a, b[lo:o], c[lo:o], state, self.chunk_size)
+            parts.append(part)
+            if slot >= 0:
+                assert self.state is not None
+                self.state.save_layer(self.state_index, slot, seq[:, o:o + k - 1], state)
+            lo = o
+        y = torch.cat(parts) if len(parts) > 1 else parts[0]
         ssm.index_copy_(0, row, state[None])
         return y + x * self.D[:, None]
 
@@ -623,20 +625,18 @@ class Mamba1Mixer(nn.Module):
             lo, hi = qsl[i], qsl[i + 1]
             if hi == lo:
                 continue
-            save = saves.get(i) if saves else None
-            start = ssm.index_select(0, rows[i:i + 1])[0]
-            if save is not None and 0 < save[0] < hi - lo:
-                o = save[0]
-                head, mid = selective_scan(xc[lo:lo + o], dt[lo:lo + o], a, b[lo:lo + o], c[lo:lo + o], start,
-                                           self.chunk_size)
-                assert self.state is not None
-                self.state.save_layer(self.state_index, save[1], windows[i][:, o:o + self.conv_kernel - 1], mid)
-                tail, end = selective_scan(xc[lo + o:hi], dt[lo + o:hi], a, b[lo + o:hi], c[lo + o:hi], mid,
-                                           self.chunk_size)
-                y[lo:hi] = torch.cat([head, tail])
-            else:
-                y[lo:hi], end = selective_scan(xc[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi], start, self.chunk_size)
-            ssm.index_copy_(0, rows[i:i + 1], end[None])
+            state = ssm.index_select(0, rows[i:i + 1])[0]
+            done = 0
+            for o, slot in (saves.get(i, []) if saves else []) + [(hi - lo, -1)]:   # split at each save
+                if o <= done or o > hi - lo:
+                    continue
+                p, q = lo + done, lo + o
+                y[p:q], state = selective_scan(xc[p:q], dt[p:q], a, b[p:q], c[p:q], state, self.chunk_size)
+                if slot >= 0:
+                    assert self.state is not None
+                    self.state.save_layer(self.state_index, slot, windows[i][:, o:o + self.conv_kernel - 1], state)
+                done = o
+            ssm.index_copy_(0, rows[i:i + 1], state[None])
         y = (y + xc * self.D) * F.silu(z.float())
         return self.out_proj(y.to(hidden.dtype))
 
