@@ -407,21 +407,23 @@ class BlockManager:
         end = start + num_new
         prompt_mark = (request.num_prompt_tokens - 1) // bs * bs
         marks: list[tuple[int, bool]] = []
-        if start < prompt_mark:
-            shared = self._cached_reach(request) * bs
-            if start < shared <= end and shared < prompt_mark:
-                marks.append((shared, False))
         if start < prompt_mark <= end:
             marks.append((prompt_mark, False))
         elif prompt_mark < end // bs * bs and start < end // bs * bs:
             marks.append((end // bs * bs, True))
+        if start < prompt_mark:   # (planned last: the most recently used of the request's slots)
+            shared = self._cached_reach(request) * bs
+            if start < shared <= end and shared < prompt_mark:
+                marks.append((shared, False))
         for mark, rolling in marks:
             self._plan_one(request, start, mark, rolling)
+        if len(self._saves.get(rid, ())) > 1:
+            self._saves[rid].sort()
 
     def _cached_reach(self, request: Request) -> int:
         """How many leading full blocks of the request's prompt the cache holds (states kept or not)."""
         tokens, bs = request.all_token_ids, self.block_size
-        parent = self._root(request)
+        parent = self._roots.get(request.request_id) or self._root(request)   # (as its blocks are registered)
         for i in range((request.num_prompt_tokens - 1) // bs):
             block = self._cache.get((parent, _block_tokens(request, tokens, i, bs)))
             if block is None:
