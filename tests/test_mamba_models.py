@@ -464,6 +464,18 @@ def test_a_state_larger_than_free_memory_is_refused_clearly(tmp_path):
     config = EngineConfig.from_kwargs(model=str(tmp_path), max_num_seqs=256)
     with pytest.raises(ConfigError, match="state for 256 sequences .* lower --max-num-seqs"):
         allocate_recurrent_state(model, config, Tight(), torch.device("cpu"))
+    # the rows fit; the default prefix-cache states (one per sequence) do not fit half the free memory: fewer
+    each = model.recurrent_state_bytes(1, 1) - model.recurrent_state_bytes(1)   # one state
+    model.recurrent_state = None
+    allocate_recurrent_state(model, EngineConfig.from_kwargs(model=str(tmp_path), max_num_seqs=60), Tight(),
+                             torch.device("cpu"))
+    assert model.recurrent_state.rows == 60
+    assert model.recurrent_state.slots == int((50 * per_seq - model.recurrent_state_bytes(60)) // each) == 39
+    # asked for explicitly, too many is refused
+    model.recurrent_state = None
+    with pytest.raises(ConfigError, match="--mamba-cache-slots 150 .* more than"):
+        allocate_recurrent_state(model, EngineConfig.from_kwargs(model=str(tmp_path), max_num_seqs=60,
+                                                                 mamba_cache_slots=150), Tight(), torch.device("cpu"))
     llm.close()
 
 
