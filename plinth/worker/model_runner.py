@@ -364,7 +364,7 @@ class ModelRunner:
         return logits, inputs.sample_seqs, hidden
 
     def _on_device(self, values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device, non_blocking=False)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
 
     def _save_states(self, batch: FlatBatch) -> None:
         """After the layers: the checkpoint saves at the end of a sequence's tokens of the step (copies of its state

@@ -26,6 +26,7 @@ chunk; a decode step updates the state once. The scan computes in float32.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -374,16 +375,7 @@ class Mamba2Mixer(nn.Module):
         t = hidden.shape[0]
         proj = self.in_proj(hidden)
         z, xbc, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        rows = getattr(metadata, "state_rows", None)
-        if rows is None or self.state is None:
-            # a pass outside serving (the start-up memory profile, a probe): every sequence from zero states, kept
-            # nowhere
-            conv = hidden.new_zeros(metadata.num_seqs, self.conv_dim, self.conv_kernel - 1)
-            ssm = torch.zeros(metadata.num_seqs, self.num_heads, self.head_dim, self.state_size,
-                              dtype=torch.float32, device=hidden.device)
-            rows = torch.arange(metadata.num_seqs, device=hidden.device)
-        else:
-            conv, ssm = self.state.conv[self.state_index], self.state.ssm[self.state_index]
+        conv, ssm, rows = _layer_states(self, hidden, metadata)
         a = -torch.exp(self.A_log)                                                        # [H]
         dt = F.softplus(dt.float() + self.dt_bias).clamp(self.dt_min, self.dt_max)        # [T, H]
         y = torch.empty(t, self.num_heads, self.head_dim, dtype=torch.float32, device=hidden.device)
@@ -404,13 +396,6 @@ class Mamba2Mixer(nn.Module):
         out = self.norm(y.view(t, self.intermediate_size), z)
         return self.out_proj(out.to(hidden.dtype))
 
-    def _conv_window(self, window: torch.Tensor) -> torch.Tensor:
-        """``silu(conv)`` at the last position of each ``[B, C, K]`` window, float32 ``[B, C]``."""
-        out = (window.float() * self.conv1d.weight.float()).sum(-1)
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias.float()
-        return F.silu(out)
-
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, conv_dim]`` float32 to ``x [T, H, P]`` and ``B, C [T, H, N]`` (the groups expanded to the heads)."""
         t = xbc.shape[0]
@@ -428,7 +413,7 @@ class Mamba2Mixer(nn.Module):
         place where the rows are a span (two passes over it and one read), else gathered and scattered."""
         window = torch.cat([conv.index_select(0, rows), xbc[:, :, None].to(conv.dtype)], dim=-1)   # [B, C, K]
         conv.index_copy_(0, rows, window[:, :, 1:])
-        x, b, c = self._split_xbc(self._conv_window(window))
+        x, b, c = self._split_xbc(_conv_last(self.conv1d, window))
         state = ssm[span[0]:span[1]] if span is not None else ssm.index_select(0, rows)   # [B, H, P, N]
         decay = torch.exp(dt * a)                                                        # [B, H]
         state.mul_(decay[..., None, None]).addcmul_((x * dt[..., None])[..., None], b[:, :, None, :])
@@ -441,25 +426,9 @@ class Mamba2Mixer(nn.Module):
         """``L`` consecutive tokens of one sequence (its row ``row``, ``[1]``): ``y [L, H, P]``; its states updated.
         ``saves``: ``[(offset, slot)]``, also keep the states after the first ``offset`` tokens in checkpoint
         ``slot`` (the scan is split there)."""
-        length = xbc.shape[0]
-        k = self.conv_kernel
-        seq = torch.cat([conv.index_select(0, row)[0], xbc.t().to(conv.dtype)], dim=-1)   # [C, K-1+L]
-        conv.index_copy_(0, row, seq[None, :, seq.shape[1] - (k - 1):])
-        bias = self.conv1d.bias.float() if self.conv1d.bias is not None else None
-        out = F.conv1d(seq.float()[None], self.conv1d.weight.float()[:, None, :], bias, groups=self.conv_dim)[0]
-        x, b, c = self._split_xbc(F.silu(out[:, -length:]).t())
-        state = ssm.index_select(0, row)[0]
-        parts, lo = [], 0
-        for o, slot in list(saves or ()) + [(length, -1)]:   # the scan split at each save (then the rest)
-            if o <= lo or o > length:
-                continue
-            part, state = ssd_scan(x[lo:o], dt[lo:o], a, b[lo:o], c[lo:o], state, self.chunk_size)
-            parts.append(part)
-            if slot >= 0:
-                assert self.state is not None
-                self.state.save_layer(self.state_index, slot, seq[:, o:o + k - 1], state)
-            lo = o
-        y = torch.cat(parts) if len(parts) > 1 else parts[0]
+        activated, seq = _conv_prompt(self.conv1d, conv, row, xbc)
+        x, b, c = self._split_xbc(activated)
+        y, state = _scan_in_parts(self, ssd_scan, (x, dt, a, b, c), ssm.index_select(0, row)[0], seq, saves)
         ssm.index_copy_(0, row, state[None])
         return y + x * self.D[:, None]
 
@@ -625,17 +594,9 @@ class Mamba1Mixer(nn.Module):
             lo, hi = qsl[i], qsl[i + 1]
             if hi == lo:
                 continue
-            state = ssm.index_select(0, rows[i:i + 1])[0]
-            done = 0
-            for o, slot in (saves.get(i, []) if saves else []) + [(hi - lo, -1)]:   # split at each save
-                if o <= done or o > hi - lo:
-                    continue
-                p, q = lo + done, lo + o
-                y[p:q], state = selective_scan(xc[p:q], dt[p:q], a, b[p:q], c[p:q], state, self.chunk_size)
-                if slot >= 0:
-                    assert self.state is not None
-                    self.state.save_layer(self.state_index, slot, windows[i][:, o:o + self.conv_kernel - 1], state)
-                done = o
+            y[lo:hi], state = _scan_in_parts(self, selective_scan, (xc[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi]),
+                                             ssm.index_select(0, rows[i:i + 1])[0], windows[i],
+                                             saves.get(i) if saves else None)
             ssm.index_copy_(0, rows[i:i + 1], state[None])
         y = (y + xc * self.D) * F.silu(z.float())
         return self.out_proj(y.to(hidden.dtype))
@@ -652,6 +613,27 @@ def _layer_states(layer: Any, hidden: torch.Tensor,
         ssm = torch.zeros(metadata.num_seqs, *ssm_shape, dtype=torch.float32, device=hidden.device)
         return conv, ssm, torch.arange(metadata.num_seqs, device=hidden.device)
     return layer.state.conv[layer.state_index], layer.state.ssm[layer.state_index], rows
+
+
+def _scan_in_parts(layer: Any, scan: Any, inputs: tuple[torch.Tensor, ...], state: torch.Tensor,
+                   window: torch.Tensor, saves: list[tuple[int, int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's scan (:func:`ssd_scan` or :func:`selective_scan` of ``inputs`` ``(x, dt, a, b, c)``, ``L``
+    positions) split at each save ``(offset, slot)``, whose states (the convolution's from ``window``, the
+    sequence's ``[C, K-1+L]`` inputs) go to the layer's checkpoint slot; returns ``(y, state after the last
+    position)``."""
+    x, dt, a, b, c = inputs
+    length = x.shape[0]
+    parts, done = [], 0
+    for o, slot in list(saves or ()) + [(length, -1)]:
+        if o <= done or o > length:
+            continue
+        part, state = scan(x[done:o], dt[done:o], a, b[done:o], c[done:o], state, layer.chunk_size)
+        parts.append(part)
+        if slot >= 0:
+            assert layer.state is not None
+            layer.state.save_layer(layer.state_index, slot, window[:, o:o + layer.conv_kernel - 1], state)
+        done = o
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]), state
 
 
 def _conv_last(conv1d: DepthwiseConv, window: torch.Tensor) -> torch.Tensor:
@@ -699,10 +681,8 @@ class MambaStateMixin:
         if not layers:
             return 0
         (c, k), ssm_shape = layers[0].state_shapes()
-        ssm = 4
-        for size in ssm_shape:
-            ssm *= size
-        return len(layers) * (rows + 1 + slots) * (c * k * layers[0].conv1d.weight.element_size() + ssm)
+        return len(layers) * (rows + 1 + slots) * (c * k * layers[0].conv1d.weight.element_size()
+                                                   + 4 * math.prod(ssm_shape))
 
     def allocate_recurrent_state(self, rows: int, slots: int = 0) -> int:
         """States for ``rows`` sequences and ``slots`` checkpoint slots of the prefix cache (kept if allocated
