@@ -150,6 +150,26 @@ class GatedRMSNorm(nn.Module):
         return self._norm(y.float() * gate)
 
 
+class StatefulMixer(nn.Module):
+    """A token mixer that keeps per-sequence state in a row of the model's :class:`RecurrentState` (Mamba-1, Mamba-2,
+    gated DeltaNet): a causal depthwise convolution's window (``conv1d``, ``conv_kernel``) and a float32 scan state.
+    ``state_index`` is the layer's index into the state, set when the model allocates it."""
+
+    conv1d: DepthwiseConv
+    conv_kernel: int
+    state_index: int = -1
+    state: RecurrentState | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, ...]]:
+        """The shapes of one sequence's convolution and scan states."""
+        raise NotImplementedError
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """A decode step reads and writes the states through device-side row indices (the decode graphs' state-row
+        input; padding rows use the state's scratch row): capturable on CUDA."""
+        return device.type == "cuda"
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's selective scan, chunk by chunk, in float32.
@@ -271,7 +291,7 @@ def mixer_from_mamba_config(ctx: Any, **options: Any) -> Mamba2Mixer:
                        **{**kwargs, **options})
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(StatefulMixer):
     """A Mamba-2 mixer: ``in_proj`` to the gate ``z``, the convolved ``x, B, C`` and the time step ``dt``; a causal
     depthwise convolution and SiLU; the selective scan with the ``D`` skip; the gated RMSNorm; ``out_proj``.
 
@@ -364,18 +384,13 @@ class Mamba2Mixer(nn.Module):
         """The shapes of one sequence's convolution and scan states."""
         return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
 
-    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """A decode step reads and writes the states through device-side row indices (the decode graphs' state-row
-        input; padding rows use the state's scratch row): capturable on CUDA."""
-        return device.type == "cuda"
-
     # ------------------------------------------------------------------ forward
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:   # [T, H] -> [T, H]
         t = hidden.shape[0]
         proj = self.in_proj(hidden)
         z, xbc, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        conv, ssm, rows = _layer_states(self, hidden, metadata)
+        conv, ssm, rows = layer_states(self, hidden, metadata)
         a = -torch.exp(self.A_log)                                                        # [H]
         dt = F.softplus(dt.float() + self.dt_bias).clamp(self.dt_min, self.dt_max)        # [T, H]
         y = torch.empty(t, self.num_heads, self.head_dim, dtype=torch.float32, device=hidden.device)
@@ -413,7 +428,7 @@ class Mamba2Mixer(nn.Module):
         place where the rows are a span (two passes over it and one read), else gathered and scattered."""
         window = torch.cat([conv.index_select(0, rows), xbc[:, :, None].to(conv.dtype)], dim=-1)   # [B, C, K]
         conv.index_copy_(0, rows, window[:, :, 1:])
-        x, b, c = self._split_xbc(_conv_last(self.conv1d, window))
+        x, b, c = self._split_xbc(conv_last(self.conv1d, window))
         state = ssm[span[0]:span[1]] if span is not None else ssm.index_select(0, rows)   # [B, H, P, N]
         decay = torch.exp(dt * a)                                                        # [B, H]
         state.mul_(decay[..., None, None]).addcmul_((x * dt[..., None])[..., None], b[:, :, None, :])
@@ -426,9 +441,10 @@ class Mamba2Mixer(nn.Module):
         """``L`` consecutive tokens of one sequence (its row ``row``, ``[1]``): ``y [L, H, P]``; its states updated.
         ``saves``: ``[(offset, slot)]``, also keep the states after the first ``offset`` tokens in checkpoint
         ``slot`` (the scan is split there)."""
-        activated, seq = _conv_prompt(self.conv1d, conv, row, xbc)
+        activated, seq = conv_prompt(self.conv1d, conv, row, xbc)
         x, b, c = self._split_xbc(activated)
-        y, state = _scan_in_parts(self, ssd_scan, (x, dt, a, b, c), ssm.index_select(0, row)[0], seq, saves)
+        y, state = scan_in_parts(self, lambda x, dt, b, c, h: ssd_scan(x, dt, a, b, c, h, self.chunk_size),
+                                 (x, dt, b, c), ssm.index_select(0, row)[0], seq, saves)
         ssm.index_copy_(0, row, state[None])
         return y + x * self.D[:, None]
 
@@ -484,7 +500,7 @@ class _PlainRMSNorm(nn.Module):
         return x * self.weight.float() if self.weight is not None else x
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(StatefulMixer):
     """A Mamba (-1) mixer: ``in_proj`` to ``x`` and the gate ``z``; the causal depthwise convolution and SiLU on
     ``x``; ``x_proj`` to the time step's low-rank input and ``B``, ``C`` (Falcon-Mamba normalises the three without
     weights, Jamba with them); ``dt_proj`` and softplus; the selective scan with a ``[channels, d_state]`` decay
@@ -551,13 +567,10 @@ class Mamba1Mixer(nn.Module):
         """The shapes of one sequence's convolution and scan states."""
         return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
 
-    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cuda"
-
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:   # [T, H] -> [T, H]
         t = hidden.shape[0]
         x, z = self.in_proj(hidden).split([self.intermediate_size, self.intermediate_size], dim=-1)
-        conv, ssm, rows = _layer_states(self, hidden, metadata)
+        conv, ssm, rows = layer_states(self, hidden, metadata)
         a = -torch.exp(self.A_log)                                                        # [D, N]
         xc = torch.empty(t, self.intermediate_size, dtype=torch.float32, device=hidden.device)
         qsl = metadata.query_start_loc_cpu
@@ -567,12 +580,12 @@ class Mamba1Mixer(nn.Module):
         if decodes:
             window = torch.cat([conv.index_select(0, rows[:decodes]), x[:decodes, :, None].to(conv.dtype)], dim=-1)
             conv.index_copy_(0, rows[:decodes], window[:, :, 1:])
-            xc[:decodes] = _conv_last(self.conv1d, window)
+            xc[:decodes] = conv_last(self.conv1d, window)
         windows: dict[int, torch.Tensor] = {}
         for i in range(decodes, n):
             lo, hi = qsl[i], qsl[i + 1]
             if hi > lo:
-                xc[lo:hi], windows[i] = _conv_prompt(self.conv1d, conv, rows[i:i + 1], x[lo:hi])
+                xc[lo:hi], windows[i] = conv_prompt(self.conv1d, conv, rows[i:i + 1], x[lo:hi])
         dt, b, c = self.x_proj(xc.to(hidden.dtype)).float().split(
             [self.time_step_rank, self.state_size, self.state_size], dim=-1)
         if self.inner_norms is not None:
@@ -594,15 +607,16 @@ class Mamba1Mixer(nn.Module):
             lo, hi = qsl[i], qsl[i + 1]
             if hi == lo:
                 continue
-            y[lo:hi], state = _scan_in_parts(self, selective_scan, (xc[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi]),
-                                             ssm.index_select(0, rows[i:i + 1])[0], windows[i],
-                                             saves.get(i) if saves else None)
+            y[lo:hi], state = scan_in_parts(
+                self, lambda x, d, b, c, h: selective_scan(x, d, a, b, c, h, self.chunk_size),
+                (xc[lo:hi], dt[lo:hi], b[lo:hi], c[lo:hi]), ssm.index_select(0, rows[i:i + 1])[0], windows[i],
+                saves.get(i) if saves else None)
             ssm.index_copy_(0, rows[i:i + 1], state[None])
         y = (y + xc * self.D) * F.silu(z.float())
         return self.out_proj(y.to(hidden.dtype))
 
 
-def _layer_states(layer: Any, hidden: torch.Tensor,
+def layer_states(layer: Any, hidden: torch.Tensor,
                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A mixer's convolution and scan states of every row and the step's rows; outside serving (a start-up
     profile, a probe) zero states for each sequence, kept nowhere."""
@@ -615,19 +629,18 @@ def _layer_states(layer: Any, hidden: torch.Tensor,
     return layer.state.conv[layer.state_index], layer.state.ssm[layer.state_index], rows
 
 
-def _scan_in_parts(layer: Any, scan: Any, inputs: tuple[torch.Tensor, ...], state: torch.Tensor,
-                   window: torch.Tensor, saves: list[tuple[int, int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's scan (:func:`ssd_scan` or :func:`selective_scan` of ``inputs`` ``(x, dt, a, b, c)``, ``L``
-    positions) split at each save ``(offset, slot)``, whose states (the convolution's from ``window``, the
-    sequence's ``[C, K-1+L]`` inputs) go to the layer's checkpoint slot; returns ``(y, state after the last
-    position)``."""
-    x, dt, a, b, c = inputs
-    length = x.shape[0]
+def scan_in_parts(layer: Any, scan: Any, inputs: tuple[torch.Tensor, ...], state: torch.Tensor,
+                  window: torch.Tensor, saves: list[tuple[int, int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's scan ``scan(*parts, state) -> (y, state)`` over ``inputs`` (tensors of ``L`` positions each,
+    cut along their first dimension) split at each save ``(offset, slot)``, whose states (the convolution's from
+    ``window``, the sequence's ``[C, K-1+L]`` inputs) go to the layer's checkpoint slot; returns ``(y, state after
+    the last position)``."""
+    length = inputs[0].shape[0]
     parts, done = [], 0
     for o, slot in list(saves or ()) + [(length, -1)]:
         if o <= done or o > length:
             continue
-        part, state = scan(x[done:o], dt[done:o], a, b[done:o], c[done:o], state, layer.chunk_size)
+        part, state = scan(*(t[done:o] for t in inputs), state)
         parts.append(part)
         if slot >= 0:
             assert layer.state is not None
@@ -636,7 +649,7 @@ def _scan_in_parts(layer: Any, scan: Any, inputs: tuple[torch.Tensor, ...], stat
     return (torch.cat(parts) if len(parts) > 1 else parts[0]), state
 
 
-def _conv_last(conv1d: DepthwiseConv, window: torch.Tensor) -> torch.Tensor:
+def conv_last(conv1d: DepthwiseConv, window: torch.Tensor) -> torch.Tensor:
     """``silu(conv)`` at the last position of each ``[B, C, K]`` window, float32 ``[B, C]``."""
     out = (window.float() * conv1d.weight.float()).sum(-1)
     if conv1d.bias is not None:
@@ -644,7 +657,7 @@ def _conv_last(conv1d: DepthwiseConv, window: torch.Tensor) -> torch.Tensor:
     return F.silu(out)
 
 
-def _conv_prompt(conv1d: DepthwiseConv, conv: torch.Tensor, row: torch.Tensor,
+def conv_prompt(conv1d: DepthwiseConv, conv: torch.Tensor, row: torch.Tensor,
                  inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``L`` positions of one sequence (``inputs [L, C]``, its row ``row``): ``silu(conv)`` float32 ``[L, C]`` and the
     window ``[C, K-1+L]`` (the state before, then the inputs); the row's state updated."""
@@ -671,8 +684,8 @@ class MambaStateMixin:
         """Whether a model of this class with ``hf_config`` has Mamba layers (default: always)."""
         return True
 
-    def mamba_layers(self) -> list[Mamba2Mixer | Mamba1Mixer]:
-        return [m for m in self.modules() if isinstance(m, Mamba2Mixer | Mamba1Mixer)]  # type: ignore[attr-defined]
+    def mamba_layers(self) -> list[StatefulMixer]:
+        return [m for m in self.modules() if isinstance(m, StatefulMixer)]  # type: ignore[attr-defined]
 
     def recurrent_state_bytes(self, rows: int, slots: int = 0) -> int:
         """The bytes of every Mamba layer's state for ``rows`` sequences, the scratch row and ``slots`` checkpoint
