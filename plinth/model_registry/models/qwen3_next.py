@@ -134,6 +134,8 @@ class Qwen3NextForCausalLM(MambaStateMixin, Qwen2MoeForCausalLM):
                                     cfg.shared_expert_intermediate_size, gated=True)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        if name.startswith("mtp."):   # the multi-token-prediction layer: not run
+            return None
         for theirs, ours in _RENAMES:
             name = name.replace(theirs, ours)
         return super().map_weight_name(name)
