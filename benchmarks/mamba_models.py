@@ -1,8 +1,10 @@
-"""Models with Mamba-2 layers: plinth against transformers on the same random Granite 4.0-H-shaped checkpoint (Mamba-2
-and attention layers, a shared MLP), in one process.
+"""Models with recurrent layers: plinth against transformers on the same random checkpoint, in one process: a Granite
+4.0-H shape (Mamba-2 and attention layers, a shared MLP), or with ``--arch`` Jamba's (Mamba-1), Qwen3.5's or
+Qwen3-Next's (gated DeltaNet and gated attention; Qwen3-Next with experts).
 
     python benchmarks/mamba_models.py --device cpu                 # a ~135M-parameter shape, 2 cores are enough
     python benchmarks/mamba_models.py --shape 1b                    # GPU: a ~1.6B-parameter shape
+    python benchmarks/mamba_models.py --arch qwen3_5 --eager
 
 Measured for each engine: one request (``--prompt-len`` random tokens, ``--max-tokens`` new ones, greedy, EOS ignored):
 milliseconds per output token after the first (from runs of ``--max-tokens`` / 4 and ``--max-tokens`` tokens, so the
@@ -46,6 +48,44 @@ JAMBA_SHAPES = {
 }
 
 
+#: name -> Qwen3_5TextConfig fields (``--arch qwen3_5``; ``qwen3_next`` adds experts): gated DeltaNet layers, gated
+#: attention every fourth layer
+QWEN_SHAPES = {
+    "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                  intermediate_size=2048, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
+                  linear_value_head_dim=64, vocab_size=49152),
+    "1b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+               intermediate_size=6144, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+               linear_value_head_dim=128, vocab_size=100352),
+    "tiny": dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                 linear_value_head_dim=32, vocab_size=512),
+}
+#: the expert fields of ``--arch qwen3_next`` (a mixture of experts on every layer, a shared expert)
+QWEN_NEXT_EXPERTS = {"small": (16, 256), "1b": (32, 512), "tiny": (4, 64)}
+MODEL_CLASSES = {"granite": "GraniteMoeHybridForCausalLM", "jamba": "JambaForCausalLM",
+                 "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+
+
+def build_qwen(shape: str, path: str, dtype: torch.dtype, arch: str) -> None:
+    import transformers
+
+    fields = dict(QWEN_SHAPES[shape], linear_conv_kernel_dim=4, max_position_embeddings=4096, eos_token_id=0,
+                  pad_token_id=0, bos_token_id=1, tie_word_embeddings=False)
+    fields["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention"
+                             for i in range(fields["num_hidden_layers"])]
+    if arch == "qwen3_next":
+        experts, size = QWEN_NEXT_EXPERTS[shape]
+        cfg = transformers.Qwen3NextConfig(**fields, num_experts=experts, num_experts_per_tok=4,
+                                           moe_intermediate_size=size, shared_expert_intermediate_size=size)
+    else:
+        cfg = transformers.Qwen3_5TextConfig(**fields)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = getattr(transformers, MODEL_CLASSES[arch])(cfg).to(dtype)
+    model.save_pretrained(path)
+
+
 def build_jamba(shape: str, path: str, dtype: torch.dtype) -> None:
     import transformers
 
@@ -64,6 +104,9 @@ def build_checkpoint(shape: str, path: str, dtype: torch.dtype, arch: str = "gra
 
     if arch == "jamba":
         build_jamba(shape, path, dtype)
+        return
+    if arch in ("qwen3_5", "qwen3_next"):
+        build_qwen(shape, path, dtype, arch)
         return
     fields = dict(SHAPES[shape])
     n = fields["num_hidden_layers"]
@@ -147,7 +190,7 @@ def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int
     import transformers
 
     dtype = getattr(torch, args.dtype)
-    model_class = transformers.JambaForCausalLM if args.arch == "jamba" else transformers.GraniteMoeHybridForCausalLM
+    model_class = getattr(transformers, MODEL_CLASSES[args.arch])
     model = model_class.from_pretrained(path, dtype=dtype).to(args.device).eval()
     dev = args.device
 
@@ -174,8 +217,10 @@ def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=("granite", "jamba"), default="granite",
-                    help="granite: Granite 4.0-H (Mamba-2 layers); jamba: Jamba (Mamba-1 layers and experts)")
+    ap.add_argument("--arch", choices=sorted(MODEL_CLASSES), default="granite",
+                    help="granite: Granite 4.0-H (Mamba-2 layers); jamba: Jamba (Mamba-1 layers and experts); "
+                         "qwen3_5: Qwen3.5 (gated DeltaNet layers, a dense MLP); qwen3_next: Qwen3-Next (the same "
+                         "with experts)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: small on a CPU, 1b on a GPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -188,7 +233,8 @@ def main() -> None:
     args = ap.parse_args()
     shape = args.shape or ("1b" if args.device == "cuda" else "small")
     g = torch.Generator().manual_seed(7)
-    vocab = (JAMBA_SHAPES if args.arch == "jamba" else SHAPES)[shape]["vocab_size"]
+    shapes = {"jamba": JAMBA_SHAPES, "qwen3_5": QWEN_SHAPES, "qwen3_next": QWEN_SHAPES}.get(args.arch, SHAPES)
+    vocab = shapes[shape]["vocab_size"]
     prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(shape, tmp, getattr(torch, args.dtype), args.arch)

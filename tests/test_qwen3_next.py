@@ -90,6 +90,40 @@ def test_chunked_scan_matches_the_recurrence(length, chunk):
     assert torch.allclose(end.double(), want_state, atol=2e-5)
 
 
+@pytest.mark.parametrize("span", [False, True], ids=["gathered", "span"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_decode_step_matches_the_rule(span, native, monkeypatch):
+    """The decode step (the native CPU kernel, and the torch ops that run where it is not built, rows gathered and
+    scattered or a span updated in place) against the float64 rule: outputs, the step's rows updated, the other rows
+    untouched."""
+    from plinth.kernels import cpu_native
+    from plinth.model_registry.layers.gated_delta import gated_delta_step
+
+    if native and not cpu_native.gated_delta_step_enabled(torch.zeros(1)):
+        pytest.skip("the native CPU kernels are not built here")
+    if not native:
+        monkeypatch.setattr(cpu_native, "gated_delta_step_enabled", lambda state: False)
+
+    g = torch.Generator().manual_seed(int(span))
+    rows = torch.tensor([2, 3, 4]) if span else torch.tensor([4, 1, 2])
+    heads, kd, vd = 3, 16, 24
+    ssm = torch.randn(6, heads, kd, vd, generator=g)
+    before = ssm.clone()
+    q, k = (torch.nn.functional.normalize(torch.randn(3, heads, kd, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(3, heads, vd, generator=g)
+    decay, beta = -torch.rand(3, heads, generator=g), torch.rand(3, heads, generator=g)
+    out = gated_delta_step(ssm, rows, q, k, v, decay, beta, (2, 5) if span else None)
+    want_out, want_state = [], []
+    for i, r in enumerate(rows.tolist()):
+        o, s = _recurrence(q[i:i + 1], k[i:i + 1], v[i:i + 1], decay[i:i + 1], beta[i:i + 1], before[r])
+        want_out.append(o[0])
+        want_state.append(s)
+    torch.testing.assert_close(out.double(), torch.stack(want_out), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm[rows].double(), torch.stack(want_state), atol=1e-5, rtol=1e-5)
+    others = [i for i in range(6) if i not in rows.tolist()]
+    assert torch.equal(ssm[others], before[others])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_matches_transformers(arch, tmp_path):
     """Greedy tokens and their log-probabilities equal transformers' for prompts of 1 to 33 tokens with chunked

@@ -660,3 +660,25 @@ def test_moe_gemv_takes_gptq_experts(tmp_path, bits, desc_act):
         moe.uses_gemv = moe.uses_grouped_kernel = lambda _x: False
         torch.testing.assert_close(got, moe(x, logits), atol=1e-5, rtol=1e-5)
         del moe.uses_gemv, moe.uses_grouped_kernel
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kd,vd", [(16, 8), (128, 128), (24, 40)])
+def test_gated_delta_step_updates_the_rows_in_place(kd, vd):
+    """The one-launch gated DeltaNet decode step against the float64 rule: outputs, the states of the step's rows
+    (not in order, not a span) updated in place, every other row untouched; head sizes that are not powers of two
+    (masked lanes) and value heads wider than one program's block."""
+    g = torch.Generator().manual_seed(kd + vd)
+    rows, heads = torch.tensor([4, 1, 2]), 3
+    ssm = torch.randn(6, heads, kd, vd, generator=g)
+    before = ssm.clone()
+    q, k = (torch.nn.functional.normalize(torch.randn(3, heads, kd, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(3, heads, vd, generator=g)
+    decay, beta = -torch.rand(3, heads, generator=g), torch.rand(3, heads, generator=g)
+    out = ops.gated_delta_step(ssm, rows, q, k, v, decay, beta)
+    s = before[rows].double() * torch.exp(decay.double())[..., None, None]
+    write = (v.double() - torch.einsum("bhkv,bhk->bhv", s, k.double())) * beta.double()[..., None]
+    s = s + k.double()[..., None] * write[:, :, None, :]
+    torch.testing.assert_close(out.double(), torch.einsum("bhkv,bhk->bhv", s, q.double()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm[rows].double(), s, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ssm[[0, 3, 5]], before[[0, 3, 5]])

@@ -29,7 +29,7 @@ from plinth.kernels.native_build import NativeBuild, build_and_open
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ABI_VERSION = 13
+ABI_VERSION = 14
 NATIVE_OPS_ENV = "PLINTH_CPU_NATIVE_OPS"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
@@ -64,6 +64,7 @@ _SIGNATURES = {
     "plinth_sample_rows_bf16": [_P, _I, _I, _I, _P, _P, _P],
     "plinth_sample_rows_f32": [_P, _I, _I, _I, _P, _P, _P],
     "plinth_gguf_dequant_f32": [_P, _I, _I, _P],
+    "plinth_gated_delta_step_f32": [_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
 }
 _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32": ctypes.c_int64,
             "plinth_q4p_gemm_bf16": ctypes.c_int64, "plinth_q4p_gemm_amx": ctypes.c_int64,
@@ -74,7 +75,7 @@ _RETURNS = {"plinth_q8_0r8_gemv_f32q8": ctypes.c_int64, "plinth_q8_0r8_gemm_f32"
             "plinth_q4p_gemm_f32q8": ctypes.c_int64, "plinth_decode_layers_bf16": ctypes.c_int64,
             "plinth_decode_layers_amx": ctypes.c_int64,
             "plinth_decode_layers_f32": ctypes.c_int64, "plinth_decode_layers_f32q8": ctypes.c_int64,
-            "plinth_gguf_dequant_f32": ctypes.c_int64}
+            "plinth_gguf_dequant_f32": ctypes.c_int64, "plinth_gated_delta_step_f32": ctypes.c_int64}
 
 
 @functools.cache
@@ -212,6 +213,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((t, d), dtype=x.dtype)
     _op("silu_mul", x)(x.data_ptr(), x.stride(0), y.data_ptr(), t, d)
     return y
+
+
+def gated_delta_step_enabled(state: torch.Tensor) -> bool:
+    """Whether :func:`gated_delta_step` runs on ``state`` (a float32 CPU tensor, the switch on, the library built)."""
+    return (state.device.type == "cpu" and state.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and _env_enabled() and load_library().library is not None)
+
+
+def gated_delta_step(state: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor | None:
+    """One decode token of a gated DeltaNet layer per sequence (see ``plinth_gated_delta_step_f32``): ``state``
+    ``[rows, H, K, V]`` float32 (rows contiguous) updated in place at ``rows`` ``[B]``; ``q``, ``k`` ``[B, H, K]``,
+    ``v`` ``[B, H, V]``, ``g``, ``beta`` ``[B, H]`` float32. Returns the outputs ``[B, H, V]``, or ``None`` where the
+    kernel does not take the shapes (nothing written)."""
+    b, h, kd = k.shape
+    vd = v.shape[-1]
+    if state.shape[1:] != (h, kd, vd) or state.stride(0) != h * kd * vd or not state[0].is_contiguous():
+        return None
+    q, k, v, g, beta = (t.contiguous().float() for t in (q, k, v, g, beta))
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty((b, h, vd), dtype=torch.float32)
+    done = _lib().plinth_gated_delta_step_f32(state.data_ptr(), state.stride(0), rows.data_ptr(), b, h, kd, vd,
+                                              q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
+                                              beta.data_ptr(), out.data_ptr())
+    return out if done == 0 else None
 
 
 def sampling_enabled(logits: torch.Tensor) -> bool:

@@ -450,6 +450,36 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) 
     return out
 
 
+def gated_delta_step_enabled(state: torch.Tensor) -> bool:
+    """Whether :func:`gated_delta_step` runs on ``state`` (float32, a Triton device)."""
+    return state.dtype == torch.float32 and _triton_kernels_run(state)
+
+
+def gated_delta_step(state: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor | None:
+    """One decode token of a gated DeltaNet layer per sequence, in one launch (``gated_delta_step_kernel``):
+    ``state`` ``[rows, H, K, V]`` float32 updated in place at ``rows`` ``[B]`` (on the device: CUDA graphs
+    capture it); ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``, ``g``, ``beta`` ``[B, H]``. Returns the outputs
+    ``[B, H, V]`` float32, or ``None`` where the state's rows are not contiguous heads (nothing written)."""
+    b, h, kd = k.shape
+    vd = v.shape[-1]
+    if state.shape[1:] != (h, kd, vd) or not state[0].is_contiguous():
+        return None
+    q, k, v, g, beta = (t.contiguous().float() for t in (q, k, v, g, beta))
+    out = torch.empty((b, h, vd), dtype=torch.float32, device=state.device)
+    if b:
+        block_k = max(16, 1 << (kd - 1).bit_length())
+        block_v = max(16, min(1 << (vd - 1).bit_length(), 4096 // block_k))
+        jit_module().gated_delta_step_kernel[(b, h, _cdiv(vd, block_v))](
+            state, rows, q, k, v, g, beta, out, state.stride(0), h, kd, vd, BLOCK_K=block_k, BLOCK_V=block_v,
+            num_warps=4)
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _triton_kernels_run(x: torch.Tensor) -> bool:
     """Whether Triton kernels may run on ``x``: a Triton device, or the interpreter in tests."""
     return triton_kernels_on(x.device)

@@ -543,3 +543,34 @@ def _grouped_dot(x, w, acc, x_ptr, IEEE: tl.constexpr):
         return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     dtype = x_ptr.dtype.element_ty
     return tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc)
+
+
+@triton.jit
+def gated_delta_step_kernel(state_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, row_stride, H, KD, VD,
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One decode token of a gated DeltaNet layer: program (b, h, j) updates columns ``j * BLOCK_V ...`` of the
+    ``[KD, VD]`` float32 state of value head ``h`` of sequence ``b`` (at row ``rows[b]`` of ``state``) in place,
+    reading it once: ``r_k = S^T k``, ``r_q = S^T q`` before the decay ``e = exp(g)``; ``w = beta (v - e r_k)``;
+    ``out = e r_q + (k . q) w``; ``S = e S + k w^T``."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    item = b * H + h
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = offs_k < KD
+    mv = offs_v < VD
+    mask = mk[:, None] & mv[None, :]
+    ptrs = state_ptr + row * row_stride + h * KD * VD + offs_k[:, None] * VD + offs_v[None, :]
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    kk = tl.load(k_ptr + item * KD + offs_k, mask=mk, other=0.0)
+    qq = tl.load(q_ptr + item * KD + offs_k, mask=mk, other=0.0)
+    vv = tl.load(v_ptr + item * VD + offs_v, mask=mv, other=0.0)
+    e = tl.exp(tl.load(g_ptr + item))
+    bt = tl.load(beta_ptr + item)
+    rk = tl.sum(s * kk[:, None], axis=0)
+    rq = tl.sum(s * qq[:, None], axis=0)
+    kq = tl.sum(kk * qq, axis=0)
+    w = bt * (vv - e * rk)
+    tl.store(out_ptr + item * VD + offs_v, e * rq + kq * w, mask=mv)
+    tl.store(ptrs, e * s + kk[:, None] * w[None, :], mask=mask)

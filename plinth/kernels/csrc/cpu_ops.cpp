@@ -1404,7 +1404,7 @@ void gguf_dequant_blocks(const uint8_t* blocks, int64_t n_blocks, int64_t type_s
 
 extern "C" {
 
-int64_t plinth_cpu_ops_abi() { return 13; }
+int64_t plinth_cpu_ops_abi() { return 14; }
 
 // n_blocks GGUF blocks of ggml type `type` (Q4_0, Q4_1 or Q8_0) -> out [n_blocks * 32] float32. Returns 0, or -1
 // for another type (nothing written).
@@ -2147,3 +2147,50 @@ int64_t plinth_decode_layers_f32q8(const PlinthDecodeLayer* layers, int64_t num_
 }
 
 }  // extern "C"
+
+// One decode token of a gated DeltaNet layer for each of `batch` sequences, every value head: the state of head h of
+// sequence b is state[rows[b] * row_stride + h * kd * vd ...] ([kd, vd] float32, row-major), updated in place:
+//   e = exp(g), S = e S, w = beta (v - S^T k), S = S + k w^T, out = S^T q
+// computed as r_k = S^T k and r_q = S^T q over the state before the decay (one read), w = beta (v - e r_k),
+// out = e r_q + (k . q) w, then S = e S + k w^T (one write; a head's state stays in cache between the two). q, k
+// [batch, heads, kd], v and out [batch, heads, vd], g and beta [batch, heads], all float32 and contiguous.
+// Returns 0, or -1 for a value head size over 512 (nothing written).
+extern "C" int64_t plinth_gated_delta_step_f32(float* state, int64_t row_stride, const int64_t* rows, int64_t batch,
+                                               int64_t heads, int64_t kd, int64_t vd, const float* q, const float* k,
+                                               const float* v, const float* g, const float* beta, float* out) {
+  constexpr int64_t kMaxV = 512;
+  if (vd > kMaxV) return -1;
+  const int64_t items = batch * heads;
+#pragma omp parallel for schedule(static) if (items * kd * vd >= (1 << 15))
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t b = item / heads, h = item % heads;
+    float* s = state + rows[b] * row_stride + h * kd * vd;
+    const float* qi = q + item * kd;
+    const float* ki = k + item * kd;
+    const float* vi = v + item * vd;
+    float* oi = out + item * vd;
+    const float e = std::exp(g[item]), bt = beta[item];
+    float rk[kMaxV], rq[kMaxV], w[kMaxV];
+    for (int64_t j = 0; j < vd; ++j) rk[j] = rq[j] = 0.f;
+    float kq = 0.f;
+    for (int64_t i = 0; i < kd; ++i) {
+      const float* si = s + i * vd;
+      const float a = ki[i], c = qi[i];
+      kq += a * c;
+      for (int64_t j = 0; j < vd; ++j) {
+        rk[j] += si[j] * a;
+        rq[j] += si[j] * c;
+      }
+    }
+    for (int64_t j = 0; j < vd; ++j) {
+      w[j] = bt * (vi[j] - e * rk[j]);
+      oi[j] = e * rq[j] + kq * w[j];
+    }
+    for (int64_t i = 0; i < kd; ++i) {
+      float* si = s + i * vd;
+      const float a = ki[i];
+      for (int64_t j = 0; j < vd; ++j) si[j] = e * si[j] + a * w[j];
+    }
+  }
+  return 0;
+}

@@ -29,6 +29,7 @@ from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.kernels import cpu_native, ops
 from plinth.model_registry.layers.linear import ColumnParallelLinear, RowParallelLinear
 from plinth.model_registry.layers.mamba import (
     DepthwiseConv,
@@ -88,6 +89,28 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         to_end = torch.exp(cum[:, -1:] - cum)[..., None]                      # [H, Q, 1]
         state = torch.exp(cum[:, -1])[:, None, None] * state + (kc * to_end).transpose(-1, -2) @ u
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0], state
+
+
+def gated_delta_step(ssm: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, span: tuple[int, int] | None = None) -> torch.Tensor:
+    """One token for each of ``B`` sequences: their states (rows ``rows`` of ``ssm`` ``[rows, H, K, V]``; ``span``:
+    they are the rows ``[lo, hi)`` in order, known on the host) updated in place; returns ``o [B, H, V]``. One fused
+    pass over each state where a kernel runs (Triton on GPUs, the native CPU kernel), else torch ops (the state
+    updated in place where the rows are a span, else gathered and scattered)."""
+    out = None
+    if ops.gated_delta_step_enabled(ssm):
+        out = ops.gated_delta_step(ssm, rows, q, k, v, g, beta)
+    elif cpu_native.gated_delta_step_enabled(ssm):
+        out = cpu_native.gated_delta_step(ssm, rows, q, k, v, g, beta)
+    if out is not None:
+        return out
+    state = ssm[span[0]:span[1]] if span is not None else ssm.index_select(0, rows)   # [B, H, K, V]
+    state.mul_(torch.exp(g)[..., None, None])
+    write = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
+    state.add_(k[..., None] * write[:, :, None, :])
+    if span is None:
+        ssm.index_copy_(0, rows, state)
+    return torch.einsum("bhkv,bhk->bhv", state, q)
 
 
 class GatedDeltaNetMixer(StatefulMixer):
@@ -223,15 +246,8 @@ class GatedDeltaNetMixer(StatefulMixer):
         y = torch.empty_like(v)
         if decodes:
             first = self.state.first_row if self.state is not None else None
-            r = rows[:decodes]
-            state = ssm[first:first + decodes] if first is not None else ssm.index_select(0, r)   # [B, H, K, V]
-            state.mul_(torch.exp(g[:decodes])[..., None, None])
-            known = torch.einsum("bhkv,bhk->bhv", state, k[:decodes])
-            write = (v[:decodes] - known) * beta[:decodes, :, None]
-            state.add_(k[:decodes, :, :, None] * write[:, :, None, :])
-            if first is None:
-                ssm.index_copy_(0, r, state)
-            y[:decodes] = torch.einsum("bhkv,bhk->bhv", state, q[:decodes])
+            y[:decodes] = gated_delta_step(ssm, rows[:decodes], q[:decodes], k[:decodes], v[:decodes], g[:decodes],
+                                           beta[:decodes], (first, first + decodes) if first is not None else None)
         saves = metadata.state_saves if self.state is not None else None
         for i in range(decodes, n):
             lo, hi = qsl[i], qsl[i + 1]
