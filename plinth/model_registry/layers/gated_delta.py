@@ -153,15 +153,16 @@ class GatedDeltaNetMixer(StatefulMixer):
             # each key head's rows are contiguous, so a rank's rows are one range
             self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * full_k + 2 * full_v, bias=False,
                                                      quant_method=quant_method, **tp)
-            self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads, bias=False, **tp)
+            self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads, bias=False, quant_method=quant_method,
+                                                   **tp)
         else:
             r, kd, vd = tp_rank, self.key_dim, self.value_dim
             self.in_proj_qkv = _InProjection(hidden_size, 2 * full_k + full_v,
                                              [(r * kd, kd), (full_k + r * kd, kd), (2 * full_k + r * vd, vd)],
                                              bias=False, quant_method=quant_method, **tp)
             self.in_proj_z = ColumnParallelLinear(hidden_size, full_v, bias=False, quant_method=quant_method, **tp)
-            self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads, bias=False, **tp)
-            self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads, bias=False, **tp)
+            self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads, bias=False, quant_method=quant_method, **tp)
+            self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads, bias=False, quant_method=quant_method, **tp)
         self.conv1d = DepthwiseConv(self.conv_dim, conv_kernel, False, self._load_conv)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), requires_grad=False)
