@@ -1,5 +1,7 @@
 """Mamba-2 mixer layers (state space duality) with per-sequence recurrent state, for the models built on them
-(IBM Granite 4.0-H, NVIDIA Nemotron-H, TII Falcon-H1, Mamba-2).
+(IBM Granite 4.0-H, NVIDIA Nemotron-H, TII Falcon-H1, Mamba-2), Mamba-1 mixer layers (Mamba, Falcon-Mamba, Jamba),
+and the state every such layer keeps (:class:`RecurrentState`, :class:`StatefulMixer`; the gated DeltaNet layers of
+:mod:`plinth.model_registry.layers.gated_delta` keep theirs here too).
 
 A mixer keeps two states for each running sequence, in a row of the model's :class:`RecurrentState`:
 
@@ -617,7 +619,7 @@ class Mamba1Mixer(StatefulMixer):
 
 
 def layer_states(layer: Any, hidden: torch.Tensor,
-                  metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A mixer's convolution and scan states of every row and the step's rows; outside serving (a start-up
     profile, a probe) zero states for each sequence, kept nowhere."""
     rows = getattr(metadata, "state_rows", None)
