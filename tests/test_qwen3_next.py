@@ -71,10 +71,12 @@ def _recurrence(q, k, v, g, beta, state):
     return torch.stack(out), s
 
 
-@pytest.mark.parametrize("length,chunk", [(1, 64), (7, 8), (8, 8), (37, 16), (37, 1), (130, 64)])
-def test_chunked_scan_matches_the_recurrence(length, chunk):
-    """The chunked form (one triangular solve per chunk) equals the step-by-step rule, outputs and final state,
-    from a nonzero state, for lengths that fill chunks exactly, leave a remainder or fit in one."""
+@pytest.mark.parametrize("length,chunk,at_once", [(1, 64, 32), (7, 8, 32), (8, 8, 32), (37, 16, 32), (37, 1, 32),
+                                                  (130, 64, 32), (37, 4, 2), (300, 8, 32)])
+def test_chunked_scan_matches_the_recurrence(length, chunk, at_once):
+    """The chunked form (the chunks' triangular solves batched ``at_once`` chunks at a time, the state passed from
+    chunk to chunk) equals the step-by-step rule, outputs and final state, from a nonzero state, for lengths that
+    fill chunks exactly, leave a remainder, fit in one, or span several batches of chunks."""
     g = torch.Generator().manual_seed(length * 100 + chunk)
     heads, dk, dv = 3, 8, 5
     q = torch.nn.functional.normalize(torch.randn(length, heads, dk, generator=g), dim=-1) * dk ** -0.5
@@ -84,7 +86,7 @@ def test_chunked_scan_matches_the_recurrence(length, chunk):
     beta = torch.rand(length, heads, generator=g)
     state = torch.randn(heads, dk, dv, generator=g)
     want_out, want_state = _recurrence(q, k, v, decay, beta, state)
-    out, end = gated_delta_scan(q, k, v, decay, beta, state, chunk)
+    out, end = gated_delta_scan(q, k, v, decay, beta, state, chunk, at_once)
     assert out.shape == (length, heads, dv) and end.shape == (heads, dk, dv)
     assert torch.allclose(out.double(), want_out, atol=2e-5)
     assert torch.allclose(end.double(), want_state, atol=2e-5)

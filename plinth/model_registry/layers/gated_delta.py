@@ -48,15 +48,27 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def _chunked(t: torch.Tensor, n: int, c: int) -> torch.Tensor:
+    """``[P, H, ...]`` positions to ``[H, n, c, ...]`` chunks, zero-padded at the end (padded positions write nothing,
+    with ``beta`` 0, and do not decay, with ``g`` 0)."""
+    t = t.movedim(0, 1)
+    pad = n * c - t.shape[1]
+    if pad:
+        t = torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], dim=1)
+    return t.reshape(t.shape[0], n, c, *t.shape[2:])
+
+
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, chunk_size: int, chunks_at_once: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's gated delta rule, ``chunk_size`` positions at a time, in float32.
 
     Within a chunk, with ``G`` the cumulative log decays from the chunk's start and ``S0`` the state before it, the
     writes ``u_t = beta_t (v_t - S'_t^T k_t)`` satisfy ``(I + A) U = beta (V - exp(G) K S0)`` where ``A[t, s] =
-    beta_t exp(G_t - G_s) k_t . k_s`` for ``s < t``: one unit lower-triangular solve. Then ``o_t = exp(G_t) S0^T q_t
-    + sum_{s <= t} exp(G_t - G_s) (q_t . k_s) u_s`` and the state after the chunk is ``exp(G_last) S0 + sum_s
-    exp(G_last - G_s) k_s u_s^T``.
+    beta_t exp(G_t - G_s) k_t . k_s`` for ``s < t`` (unit lower-triangular), so ``U = U0 - W S0`` with ``U0`` and
+    ``W`` the solutions for ``beta V`` and ``beta exp(G) K``, which do not depend on the state. Then ``o_t = exp(G_t)
+    S0^T q_t + sum_{s <= t} exp(G_t - G_s) (q_t . k_s) u_s`` and the state after the chunk is ``exp(G_last) S0 +
+    sum_s exp(G_last - G_s) k_s u_s^T``. Everything but the last three products is computed for ``chunks_at_once``
+    chunks together (one solve for all of them); the state then passes from chunk to chunk in three products each.
 
     Args:
         q, k: ``[L, H, K]`` queries (normalised and scaled) and keys (normalised), one per value head.
@@ -69,25 +81,32 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         ``(o [L, H, V], state after the last position [H, K, V])``.
     """
     length = q.shape[0]
+    c = chunk_size
     outputs = []
-    for lo in range(0, length, chunk_size):
-        hi = min(lo + chunk_size, length)
-        n = hi - lo
-        qc, kc, vc = (t[lo:hi].transpose(0, 1) for t in (q, k, v))           # [H, Q, K|V]
-        cum = g[lo:hi].t().cumsum(-1)                                         # [H, Q]
-        bc = beta[lo:hi].t()                                                  # [H, Q]
-        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before the exponential: no overflow)
-        decay = torch.exp((cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")))   # [H, Q, Q]
-        system = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
-        system = system + torch.eye(n, dtype=q.dtype, device=q.device)
-        start = torch.exp(cum)[..., None]                                     # [H, Q, 1]
-        rhs = bc[..., None] * (vc - start * (kc @ state))                     # [H, Q, V]
-        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        o = start * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ u
-        outputs.append(o.transpose(0, 1))
-        to_end = torch.exp(cum[:, -1:] - cum)[..., None]                      # [H, Q, 1]
-        state = torch.exp(cum[:, -1])[:, None, None] * state + (kc * to_end).transpose(-1, -2) @ u
+    span = c * chunks_at_once
+    for lo in range(0, length, span):
+        hi = min(lo + span, length)
+        n = -(-(hi - lo) // c)
+        qc, kc, vc, gc, bc = (_chunked(t[lo:hi], n, c) for t in (q, k, v, g, beta))
+        cum = gc.cumsum(-1)                                                    # [H, N, C]
+        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")))   # [H, N, C, C]
+        system = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
+        system = system + torch.eye(c, dtype=q.dtype, device=q.device)
+        start = torch.exp(cum)[..., None]                                      # [H, N, C, 1]
+        solved = torch.linalg.solve_triangular(system, bc[..., None] * torch.cat([vc, start * kc], dim=-1),
+                                               upper=False, unitriangular=True)
+        u0, w = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)             # [H, N, C, V], [H, N, C, K]
+        qk = (qc @ kc.transpose(-1, -2)) * decay                               # [H, N, C, C]
+        q_start = qc * start
+        k_end = (kc * torch.exp(cum[..., -1:] - cum)[..., None]).transpose(-1, -2)   # [H, N, K, C]
+        chunk_decay = torch.exp(cum[..., -1])[..., None, None]                 # [H, N, 1, 1]
+        out = torch.empty_like(u0)
+        for i in range(n):
+            u = u0[:, i] - w[:, i] @ state
+            out[:, i] = q_start[:, i] @ state + qk[:, i] @ u
+            state = chunk_decay[:, i] * state + k_end[:, i] @ u
+        outputs.append(out.reshape(out.shape[0], n * c, -1)[:, :hi - lo].movedim(1, 0))
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0], state
 
 
