@@ -154,9 +154,11 @@ def test_engine_matches_transformers(arch, tmp_path):
     llm.close()
 
 
-def test_image_text_checkpoint_runs_its_language_model(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_image_text_checkpoint_runs_its_language_model(tied, tmp_path):
     """A ``Qwen3_5ForConditionalGeneration`` checkpoint (``model.language_model.*``, a vision tower, a multimodal
-    RoPE with interleaved sections) runs its language model alone: text prompts give transformers' tokens."""
+    RoPE with interleaved sections) runs its language model alone: text prompts give transformers' tokens. Tied by
+    the top-level flag (the text config's saying otherwise), its file has no LM head: the embeddings serve."""
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     text = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
@@ -165,7 +167,7 @@ def test_image_text_checkpoint_runs_its_language_model(tmp_path):
                                  "mrope_section": [2, 1, 1], "mrope_interleaved": True})
     cfg = transformers.Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
                                                                          num_heads=2, out_hidden_size=64),
-                                     attn_implementation="eager")
+                                     tie_word_embeddings=tied, attn_implementation="eager")
     hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
     _randomize(hf)
     hf.save_pretrained(tmp_path)
@@ -180,6 +182,27 @@ def test_image_text_checkpoint_runs_its_language_model(tmp_path):
                 ids.append(int(hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
             assert out.outputs[0].token_ids == ids[len(prompt):]
     llm.close()
+
+
+def test_stacked_expert_tensors(tmp_path):
+    """Experts stored stacked, as transformers holds them (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``mlp.experts.down_proj`` ``[E, H, I]``: Qwen3.5-MoE checkpoints' layout), load as the per-expert tensors do; a
+    stacked tensor of the wrong rank is refused by name."""
+    from safetensors.torch import save_file
+
+    hf = save_model(tmp_path, "Qwen3_5MoeForCausalLM")
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
+    llm.close()
+    tensors["model.layers.0.mlp.experts.down_proj"] = tensors["model.layers.0.mlp.experts.down_proj"][0]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.experts.down_proj: expected \[experts"):
+        plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
 
 
 @pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"])

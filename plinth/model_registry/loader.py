@@ -434,6 +434,10 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
     for key in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings"):
         if getattr(text, key, None) is None and getattr(cfg, key, None) is not None:
             setattr(text, key, getattr(cfg, key))
+    # transformers ties the image-and-text model's LM head by the top-level flag (its own config's): a checkpoint it
+    # wrote tied has no LM head tensor, whatever the text config's flag says (Qwen3.5's defaults to false)
+    if getattr(cfg, "tie_word_embeddings", None) is True:
+        text.tie_word_embeddings = True
     text.architectures = [causal]
     return text, causal
 

@@ -17,13 +17,15 @@ graphs, tensor parallelism (split by key heads) and sleep mode work as they do f
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
-from plinth.errors import UnsupportedModelError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.gated_delta import GatedDeltaNetMixer
 from plinth.model_registry.layers.layernorm import GemmaRMSNorm
@@ -40,6 +42,9 @@ from plinth.model_registry.models.granite_hybrid import HybridDecoderLayer, is_m
 from plinth.model_registry.models.qwen2_moe import Qwen2MoeForCausalLM, SharedExpertMoeBlock, _sparse
 
 _RENAMES = ((".linear_attn.", ".mamba."),)
+#: an expert layer's tensors stacked over its experts (transformers' own layout, which Qwen3.5-MoE checkpoints use):
+#: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and ``down_proj`` ``[E, H, I]``
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
 
 class GatedAttention(DecoderAttention):
@@ -133,6 +138,9 @@ class Qwen3NextForCausalLM(MambaStateMixin, Qwen2MoeForCausalLM):
                                     bool(getattr(cfg, "norm_topk_prob", True)),
                                     cfg.shared_expert_intermediate_size, gated=True)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         if name.startswith("mtp."):   # the multi-token-prediction layer: not run
             return None
@@ -160,3 +168,24 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):   # noqa: N801 (the checkpoint's
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):   # noqa: N801
     """``Qwen3_5MoeForCausalLM``: Qwen3.5 with Qwen3-Next's sparse feed-forward blocks."""
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacked expert tensors (:data:`_STACKED_EXPERTS`) as the per-expert ones (``experts.E.{gate,up,down}_proj``)
+    the experts load from; every other tensor as it is."""
+    for name, t in weights:
+        m = _STACKED_EXPERTS.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix = m["prefix"]
+        if t.dim() != 3 or (m["which"] == "gate_up_proj" and t.shape[1] % 2):
+            raise ModelLoadError(f"{name}: expected [experts, 2 x intermediate, hidden] (gate_up_proj) or [experts, "
+                                 f"hidden, intermediate] (down_proj), checkpoint has {tuple(t.shape)}")
+        half = t.shape[1] // 2
+        for e in range(t.shape[0]):
+            if m["which"] == "down_proj":
+                yield f"{prefix}.{e}.down_proj.weight", t[e]
+            else:
+                yield f"{prefix}.{e}.gate_proj.weight", t[e, :half]
+                yield f"{prefix}.{e}.up_proj.weight", t[e, half:]
