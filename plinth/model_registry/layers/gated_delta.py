@@ -36,8 +36,7 @@ from plinth.model_registry.layers.mamba import (
     GatedRMSNorm,
     StatefulMixer,
     _InProjection,
-    conv_last,
-    conv_prompt,
+    convolve,
     layer_states,
     scan_in_parts,
 )
@@ -244,19 +243,8 @@ class GatedDeltaNetMixer(StatefulMixer):
         conv, ssm, rows = layer_states(self, hidden, metadata)
         beta = torch.sigmoid(b.float())                                                       # [T, Hv]
         g = -torch.exp(self.A_log) * F.softplus(a.float() + self.dt_bias)                     # [T, Hv]
-        xc = torch.empty(t, self.conv_dim, dtype=torch.float32, device=hidden.device)
-        qsl = metadata.query_start_loc_cpu
-        n = metadata.num_seqs
-        decodes = n if metadata.max_query_len == 1 else metadata.num_leading_decodes
-        if decodes:
-            window = torch.cat([conv.index_select(0, rows[:decodes]), qkv[:decodes, :, None].to(conv.dtype)], dim=-1)
-            conv.index_copy_(0, rows[:decodes], window[:, :, 1:])
-            xc[:decodes] = conv_last(self.conv1d, window)
-        windows: dict[int, torch.Tensor] = {}
-        for i in range(decodes, n):
-            lo, hi = qsl[i], qsl[i + 1]
-            if hi > lo:
-                xc[lo:hi], windows[i] = conv_prompt(self.conv1d, conv, rows[i:i + 1], qkv[lo:hi])
+        qsl, n = metadata.query_start_loc_cpu, metadata.num_seqs
+        xc, windows, decodes = convolve(self.conv1d, conv, rows, qkv, metadata)
         q, k, v = xc.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = l2_normalize(k.view(t, self.num_k_heads, self.head_k_dim))

@@ -570,24 +570,12 @@ class Mamba1Mixer(StatefulMixer):
         return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:   # [T, H] -> [T, H]
-        t = hidden.shape[0]
         x, z = self.in_proj(hidden).split([self.intermediate_size, self.intermediate_size], dim=-1)
         conv, ssm, rows = layer_states(self, hidden, metadata)
         a = -torch.exp(self.A_log)                                                        # [D, N]
-        xc = torch.empty(t, self.intermediate_size, dtype=torch.float32, device=hidden.device)
-        qsl = metadata.query_start_loc_cpu
-        n = metadata.num_seqs
-        decodes = n if metadata.max_query_len == 1 else metadata.num_leading_decodes
+        qsl, n = metadata.query_start_loc_cpu, metadata.num_seqs
         # the convolution first (each sequence's window), then the projections of every token at once, then the scan
-        if decodes:
-            window = torch.cat([conv.index_select(0, rows[:decodes]), x[:decodes, :, None].to(conv.dtype)], dim=-1)
-            conv.index_copy_(0, rows[:decodes], window[:, :, 1:])
-            xc[:decodes] = conv_last(self.conv1d, window)
-        windows: dict[int, torch.Tensor] = {}
-        for i in range(decodes, n):
-            lo, hi = qsl[i], qsl[i + 1]
-            if hi > lo:
-                xc[lo:hi], windows[i] = conv_prompt(self.conv1d, conv, rows[i:i + 1], x[lo:hi])
+        xc, windows, decodes = convolve(self.conv1d, conv, rows, x, metadata)
         dt, b, c = self.x_proj(xc.to(hidden.dtype)).float().split(
             [self.time_step_rank, self.state_size, self.state_size], dim=-1)
         if self.inner_norms is not None:
@@ -649,6 +637,26 @@ def scan_in_parts(layer: Any, scan: Any, inputs: tuple[torch.Tensor, ...], state
             layer.state.save_layer(layer.state_index, slot, window[:, o:o + layer.conv_kernel - 1], state)
         done = o
     return (torch.cat(parts) if len(parts) > 1 else parts[0]), state
+
+
+def convolve(conv1d: DepthwiseConv, conv: torch.Tensor, rows: torch.Tensor, inputs: torch.Tensor,
+             metadata: AttentionMetadata) -> tuple[torch.Tensor, dict[int, torch.Tensor], int]:
+    """The causal convolution and SiLU of a step's inputs ``[T, C]``: the leading decode rows one window each (their
+    states updated), each prompt chunk over its window. Returns ``(silu(conv) [T, C] float32, {sequence: its window
+    [C, K-1+L]}, the number of leading decode rows)``."""
+    out = torch.empty(inputs.shape, dtype=torch.float32, device=inputs.device)
+    qsl, n = metadata.query_start_loc_cpu, metadata.num_seqs
+    decodes = n if metadata.max_query_len == 1 else metadata.num_leading_decodes
+    if decodes:
+        window = torch.cat([conv.index_select(0, rows[:decodes]), inputs[:decodes, :, None].to(conv.dtype)], dim=-1)
+        conv.index_copy_(0, rows[:decodes], window[:, :, 1:])
+        out[:decodes] = conv_last(conv1d, window)
+    windows: dict[int, torch.Tensor] = {}
+    for i in range(decodes, n):
+        lo, hi = qsl[i], qsl[i + 1]
+        if hi > lo:
+            out[lo:hi], windows[i] = conv_prompt(conv1d, conv, rows[i:i + 1], inputs[lo:hi])
+    return out, windows, decodes
 
 
 def conv_last(conv1d: DepthwiseConv, window: torch.Tensor) -> torch.Tensor:

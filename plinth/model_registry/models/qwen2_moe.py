@@ -98,8 +98,10 @@ class Qwen2MoeForCausalLM(_ExpertWeights, Qwen2ForCausalLM):
         if not _sparse(cfg, layer_idx):
             return DenseMLP(ctx, cfg.intermediate_size, activation=activation)
         check_expert_activation(activation)
+        # (Qwen3.5-MoE's config has no norm_topk_prob: its router always renormalises)
         return SharedExpertMoeBlock(ctx, activation, cfg.num_experts, cfg.moe_intermediate_size,
-                                    bool(cfg.norm_topk_prob), cfg.shared_expert_intermediate_size, gated=True)
+                                    bool(getattr(cfg, "norm_topk_prob", True)), cfg.shared_expert_intermediate_size,
+                                    gated=True)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         """A config without a shared expert (``shared_expert_intermediate_size`` 0) still has transformers write

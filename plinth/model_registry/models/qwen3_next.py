@@ -31,15 +31,13 @@ from plinth.model_registry.layers.gated_delta import GatedDeltaNetMixer
 from plinth.model_registry.layers.layernorm import GemmaRMSNorm
 from plinth.model_registry.layers.linear import QKVParallelLinear
 from plinth.model_registry.layers.mamba import MambaStateMixin
-from plinth.model_registry.layers.moe import check_expert_activation
 from plinth.model_registry.models.decoder import (
     AttentionOptions,
     BlockOptions,
     DecoderAttention,
-    DenseMLP,
 )
 from plinth.model_registry.models.granite_hybrid import HybridDecoderLayer, is_mamba_layer
-from plinth.model_registry.models.qwen2_moe import Qwen2MoeForCausalLM, SharedExpertMoeBlock, _sparse
+from plinth.model_registry.models.qwen2_moe import Qwen2MoeForCausalLM
 
 _RENAMES = ((".linear_attn.", ".mamba."),)
 #: an expert layer's tensors stacked over its experts (transformers' own layout, which Qwen3.5-MoE checkpoints use):
@@ -126,17 +124,6 @@ class Qwen3NextForCausalLM(MambaStateMixin, Qwen2MoeForCausalLM):
 
     def block_options(self, cfg: Any) -> BlockOptions:
         return dataclasses.replace(super().block_options(cfg), norm=GemmaRMSNorm)
-
-    def make_mlp(self, ctx: ModelContext, layer_idx: int) -> nn.Module:
-        cfg = ctx.hf_config
-        activation = self.block_options(cfg).activation
-        if not _sparse(cfg, layer_idx):
-            return DenseMLP(ctx, cfg.intermediate_size, activation=activation)
-        check_expert_activation(activation)
-        # (Qwen3.5-MoE's config has no norm_topk_prob: its router always renormalises)
-        return SharedExpertMoeBlock(ctx, activation, cfg.num_experts, cfg.moe_intermediate_size,
-                                    bool(getattr(cfg, "norm_topk_prob", True)),
-                                    cfg.shared_expert_intermediate_size, gated=True)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_per_expert(weights))
