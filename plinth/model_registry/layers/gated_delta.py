@@ -80,7 +80,7 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         ``(o [L, H, V], state after the last position [H, K, V])``.
     """
     length = q.shape[0]
-    c = chunk_size
+    c = min(chunk_size, length)   # (a prompt shorter than a chunk: one chunk of its length, no padding)
     outputs = []
     span = c * chunks_at_once
     for lo in range(0, length, span):
