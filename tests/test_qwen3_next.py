@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_tokenizer
-from test_mamba_models import _greedy, _hits, _prompts, hf_greedy
+from test_mamba_models import _greedy, _hits, _prompts, hf_greedy, twice_through_the_prefix_cache
 
 import plinth
 from plinth.errors import ModelLoadError, UnsupportedModelError
@@ -139,19 +139,7 @@ def test_engine_matches_transformers(arch, tmp_path):
     tensors["mtp.fc.weight"] = torch.zeros(64, 128)
     tensors["mtp.layers.0.self_attn.q_proj.weight"] = torch.zeros(256, 64)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    prompts = _prompts(hf.config.vocab_size)
-    want = [hf_greedy(hf, p) for p in prompts]
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8,
-                     block_size=4)
-    assert llm.engine.runner.model.has_recurrent_state
-    reqs = [{"prompt_token_ids": p} for p in prompts]
-    for _ in range(2):
-        outs = llm.generate(reqs, _greedy(logprobs=0), use_tqdm=False)
-        for out, (tokens, lps) in zip(outs, want, strict=True):
-            assert out.outputs[0].token_ids == tokens
-            assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
-    assert _hits(llm) == sum((len(p) - 1) // 4 * 4 for p in prompts)
-    llm.close()
+    twice_through_the_prefix_cache(tmp_path, hf)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

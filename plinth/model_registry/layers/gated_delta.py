@@ -38,6 +38,7 @@ from plinth.model_registry.layers.mamba import (
     _InProjection,
     convolve,
     layer_states,
+    load_rank_heads,
     scan_in_parts,
 )
 
@@ -208,10 +209,7 @@ class GatedDeltaNetMixer(StatefulMixer):
                                     loaded.narrow(0, 2 * full_k + r * vd, vd)]))
 
     def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if tuple(loaded.shape) != (self._full[2],):
-            raise ModelLoadError(f"gated DeltaNet: expected one value per value head ({self._full[2]},), "
-                                 f"checkpoint has {tuple(loaded.shape)}")
-        param.data.copy_(loaded.narrow(0, self.tp_rank * self.num_v_heads, self.num_v_heads))
+        load_rank_heads(param, loaded, self._full[2], self.tp_rank, "gated DeltaNet: expected one value per value head")
 
     def _load_norm(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if tuple(loaded.shape) != (self.head_v_dim,):

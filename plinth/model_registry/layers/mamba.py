@@ -263,6 +263,15 @@ def _span(rows: list[int] | None, n: int) -> tuple[int, int] | None:
     return (lo, lo + n) if rows[n - 1] - lo == n - 1 and all(r == lo + i for i, r in enumerate(rows[:n])) else None
 
 
+def load_rank_heads(param: nn.Parameter, loaded: torch.Tensor, total: int, tp_rank: int, what: str) -> None:
+    """A per-head checkpoint tensor ``[total]`` (``A_log``, ``dt_bias``, ...) into ``param``: this rank's
+    ``param.shape[0]`` heads; another shape is refused with ``what``."""
+    if tuple(loaded.shape) != (total,):
+        raise ModelLoadError(f"{what} ({total},), checkpoint has {tuple(loaded.shape)}")
+    n = param.shape[0]
+    param.data.copy_(loaded.narrow(0, tp_rank * n, n))
+
+
 def mamba_width(hf_config: Any) -> int | None:
     """The Mamba-2 layers' inner width (heads x head dim) of a config that has them, else ``None``: Granite 4.0-H's
     and Falcon-H1's ``mamba_*`` keys (``mamba_d_head`` ``"auto"``: ``mamba_d_ssm`` or ``mamba_expand`` x hidden),
@@ -372,10 +381,7 @@ class Mamba2Mixer(StatefulMixer):
                                     for start, length in (x_rows, b_rows, c_rows)]))
 
     def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if tuple(loaded.shape) != (self._full[2],):
-            raise ModelLoadError(f"Mamba-2: expected one value per head ({self._full[2]},), checkpoint has "
-                                 f"{tuple(loaded.shape)}")
-        param.data.copy_(loaded.narrow(0, self.tp_rank * self.num_heads, self.num_heads))
+        load_rank_heads(param, loaded, self._full[2], self.tp_rank, "Mamba-2: expected one value per head")
 
     def _load_norm(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if tuple(loaded.shape) != (self._full[0],):

@@ -130,6 +130,9 @@ def _has_sliding_window(model_type: str) -> bool:
 class DecoderAttention(nn.Module):
     """Fused QKV projection, optional q/k norm, rotary embedding, paged attention, output projection."""
 
+    #: ``q_proj``'s rows per head, in units of ``head_dim`` (2: each head's query and an output gate side by side)
+    query_parts: ClassVar[int] = 1
+
     def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions,
                  norm: type[RMSNorm] = RMSNorm):
         super().__init__()
@@ -138,10 +141,10 @@ class DecoderAttention(nn.Module):
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(cfg)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, num_heads, num_kv_heads,
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, self.query_parts * num_heads, num_kv_heads,
                                           bias=options.qkv_bias, **tp)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg.hidden_size, bias=options.o_bias, **tp)
-        self.num_heads = self.qkv_proj.num_heads          # on this rank
+        self.num_heads = self.qkv_proj.num_heads // self.query_parts   # on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads    # on this rank
         self.qk_norm_full = options.qk_norm_full
         if options.clip_qkv is not None and options.qk_norm and not options.qk_norm_full:

@@ -50,6 +50,8 @@ class HybridDecoderLayer(nn.Module):
 
     can_defer_output = False
     reduce_input = False
+    #: the attention block of the attention layers (built as ``attention(ctx, layer_idx, options, norm)``)
+    attention: ClassVar[type[nn.Module]] = DecoderAttention
 
     def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
                  norm: type[RMSNorm] = RMSNorm):
@@ -58,10 +60,10 @@ class HybridDecoderLayer(nn.Module):
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
         self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn: DecoderAttention | None = None
+        self.self_attn: nn.Module | None = None
         self.mamba = self.make_mamba(ctx, layer_idx)
         if self.mamba is None:
-            self.self_attn = DecoderAttention(ctx, layer_idx, options, norm)
+            self.self_attn = self.attention(ctx, layer_idx, options, norm)
         self.mlp = mlp
 
     def make_mamba(self, ctx: ModelContext, layer_idx: int) -> nn.Module | None:

@@ -29,7 +29,6 @@ from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.gated_delta import GatedDeltaNetMixer
 from plinth.model_registry.layers.layernorm import GemmaRMSNorm
-from plinth.model_registry.layers.linear import QKVParallelLinear
 from plinth.model_registry.layers.mamba import MambaStateMixin
 from plinth.model_registry.models.decoder import (
     AttentionOptions,
@@ -49,14 +48,8 @@ class GatedAttention(DecoderAttention):
     """Attention whose output is gated per feature by ``sigmoid`` of a second half of ``q_proj`` (each head's
     ``[query, gate]`` side by side in the checkpoint's rows)."""
 
-    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, norm: Any):
-        super().__init__(ctx, layer_idx, options, norm)
-        cfg = ctx.hf_config
-        # twice the query rows: as many "heads" of head_dim, split over ranks in whole (query, gate) pairs
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, 2 * cfg.num_attention_heads,
-                                          getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                                          bias=options.qkv_bias, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size,
-                                          quant_method=ctx.quant_method)
+    #: twice the query rows: as many "heads" of head_dim, split over ranks in whole (query, gate) pairs
+    query_parts: ClassVar[int] = 2
 
     def forward(self, hidden: Any, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
@@ -77,11 +70,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
     """A pre-norm gated DeltaNet (``linear_attn``, held as ``mamba``) or gated attention, then the pre-norm
     feed-forward block."""
 
-    def __init__(self, ctx: ModelContext, layer_idx: int, options: AttentionOptions, mlp: nn.Module,
-                 norm: Any = GemmaRMSNorm):
-        super().__init__(ctx, layer_idx, options, mlp, norm)
-        if self.self_attn is not None:
-            self.self_attn = GatedAttention(ctx, layer_idx, options, norm)
+    attention: ClassVar[type[nn.Module]] = GatedAttention
 
     def make_mamba(self, ctx: ModelContext, layer_idx: int) -> nn.Module | None:
         cfg = ctx.hf_config
