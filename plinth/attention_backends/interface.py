@@ -80,6 +80,8 @@ class AttentionMetadata:
     #: checkpoint slot ``slot``; ``None``: none this step (saves at the end of a chunk are copies of rows, made after
     #: the forward)
     state_saves: dict[int, list[tuple[int, int]]] | None = None
+    #: the step as other kinds of layers see it, made once per step (:func:`chunked_attention_view`)
+    views: dict[Any, AttentionMetadata] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def is_decode_only(self) -> bool:
@@ -99,6 +101,72 @@ class AttentionMetadata:
     def context_lens_cpu(self) -> list[int]:
         q = self.query_start_loc_cpu
         return [self.seq_lens_cpu[i] - (q[i + 1] - q[i]) for i in range(self.num_seqs)]
+
+
+def chunked_attention_view(metadata: AttentionMetadata, chunk: int, block_size: int,
+                           backend: AttentionBackend | None = None) -> AttentionMetadata:
+    """The step as a layer of chunked local attention sees it (Llama 4): a query at position ``p`` attends to the
+    positions ``p // chunk * chunk .. p`` only.
+
+    Each sequence's queries are cut where they cross a chunk boundary, and each piece becomes a sequence of its own
+    whose block table starts at its chunk's first block (``chunk`` is a multiple of ``block_size``): plain causal
+    attention over that view is chunked attention over the step, so every backend runs it unchanged. The query rows
+    keep their order and the new keys and values their slots. A decode-only step keeps one piece per row and is
+    made with device ops alone (a decode graph captures it); other steps are cut on the host. Made once per step
+    and ``chunk`` (kept in ``metadata.views``) and prepared by ``backend``.
+    """
+    if chunk % block_size:
+        raise ValueError(f"an attention chunk of {chunk} tokens is not a multiple of the {block_size}-token blocks")
+    key = ("chunked", chunk, block_size)
+    view = metadata.views.get(key)
+    if view is not None:
+        return view
+    per_chunk = chunk // block_size
+    tables = metadata.block_tables
+    device = tables.device
+    width = min(tables.shape[1], per_chunk)
+    if metadata.is_decode_only:   # one query per row: its chunk is that of its sequence's last position
+        lens = metadata.seq_lens
+        first = torch.div((lens - 1).clamp(min=0), chunk, rounding_mode="floor") * per_chunk   # [B] blocks skipped
+        src = torch.arange(metadata.num_seqs, device=device)
+        qsl, qsl_cpu = metadata.query_start_loc, metadata.query_start_loc_cpu
+        new_lens = (lens - first * block_size).to(torch.int32)
+        context = (metadata.context_lens - first * block_size).clamp(min=0).to(torch.int32)
+        lens_cpu = [n - max(n - 1, 0) // chunk * chunk for n in metadata.seq_lens_cpu]
+        max_query = metadata.max_query_len
+    else:
+        starts, first_cpu, src_cpu, qsl_cpu, lens_cpu = [], [], [], [0], []
+        q = metadata.query_start_loc_cpu
+        for s, total in enumerate(metadata.seq_lens_cpu):
+            n = q[s + 1] - q[s]
+            begin = total - n   # the position of the sequence's first query of the step
+            c = max(begin, 0) // chunk if n else max(total - 1, 0) // chunk
+            while True:   # (a sequence without queries keeps one empty piece, at its last chunk)
+                end = min(total, (c + 1) * chunk) if n else total
+                src_cpu.append(s)
+                first_cpu.append(c * per_chunk)
+                lens_cpu.append(end - c * chunk)
+                qsl_cpu.append(qsl_cpu[-1] + (end - max(begin, c * chunk) if n else 0))
+                starts.append(max(begin, c * chunk) - c * chunk)
+                if end >= total:
+                    break
+                c += 1
+        host = torch.tensor([src_cpu, first_cpu, lens_cpu, starts, qsl_cpu[:-1]], dtype=torch.int64)
+        host = host.to(device, non_blocking=True)
+        src, first, new_lens, context = host[0], host[1], host[2].to(torch.int32), host[3].to(torch.int32)
+        qsl = torch.cat([host[4], host.new_tensor([qsl_cpu[-1]])]).to(torch.int32)
+        max_query = max(b - a for a, b in zip(qsl_cpu, qsl_cpu[1:], strict=False)) if len(qsl_cpu) > 1 else 0
+    columns = (first[:, None] + torch.arange(width, device=device)).clamp(max=tables.shape[1] - 1)
+    view = dataclasses.replace(
+        metadata, num_seqs=len(lens_cpu), max_query_len=max_query,
+        max_seq_len=min(metadata.max_seq_len, chunk), query_start_loc=qsl, seq_lens=new_lens,
+        context_lens=context, block_tables=tables[src].gather(1, columns.to(torch.int64)),
+        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu, backend_data=None, state_rows=None, state_rows_cpu=None,
+        state_saves=None, views={})
+    if backend is not None:
+        backend.prepare(view)
+    metadata.views[key] = view
+    return view
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,8 +148,12 @@ def _why_not(model: torch.nn.Module, backend: object) -> str:
         if type(layer) not in (DecoderLayer, SandwichDecoderLayer) or not isinstance(layer.self_attn, DecoderAttention):
             return f"layer {type(layer).__name__} is not a standard decoder layer"
         attn, mlp = layer.self_attn, layer.mlp
+        if type(attn).forward is not DecoderAttention.forward:
+            return f"attention block {type(attn).__name__} has a forward pass of its own"
         if attn.rope_interleaved:
             return "RoPE over adjacent pairs of features"
+        if attn.attn.attention_chunk is not None:
+            return "chunked local attention"
         if attn.q_norm is not None and (attn.qk_norm_full or type(attn.q_norm) not in (RMSNorm, GemmaRMSNorm)):
             return "q/k norms over all heads"
         if not isinstance(mlp, DenseMLP):

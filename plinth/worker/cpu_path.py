@@ -264,6 +264,8 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     elif getattr(model, "has_recurrent_state", False):
         logger.info("Mamba layers keep per-sequence state: decode runs the module tree (no compiled step or decode "
                     "plan)")
+    elif any(getattr(layer, "attention_chunk", None) for layer in model.attention_layers()):
+        logger.info("chunked local attention: decode runs the module tree (no compiled step)")
     elif env_flag(COMPILE_ENV, False) and max_batch > 0:
         runner.compile_cpu_decode(max_batch)
         report["compile"] = True

@@ -107,6 +107,14 @@ class ModelRunner:
     def _allocate_kv(self) -> None:
         """Allocate a zeroed KV cache for every attention layer (at start and on waking)."""
         model, backend, device, num_blocks = self.model, self.backend, self.device, self.num_blocks
+        for layer in model.attention_layers():
+            chunk = getattr(layer, "attention_chunk", None)
+            if chunk and chunk % self.block_size:
+                from plinth.config import ConfigError
+
+                raise ConfigError(f"attention layer {layer.layer_idx} attends in chunks of {chunk} tokens, which "
+                                  f"the {self.block_size}-token KV blocks do not divide: choose a --block-size that "
+                                  "divides it")
         stores = []   # the memory behind each cache (a shared cache's one half)
         caches = []
         try:
@@ -125,6 +133,7 @@ class ModelRunner:
                               "from the memory there is") from None
         for layer, cache in zip(model.attention_layers(), caches, strict=True):
             layer.kv_cache = cache
+            layer.block_size = self.block_size
         self.kv_caches = caches
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in stores)
         if device.type == "cpu" and self.kv_caches:

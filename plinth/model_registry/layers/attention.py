@@ -13,6 +13,7 @@ from plinth.attention_backends.interface import (
     applies_sinks,
     applies_soft_cap,
     attend_kwargs,
+    chunked_attention_view,
 )
 from plinth.errors import UnsupportedModelError
 from plinth.kernels import ops
@@ -44,12 +45,19 @@ class Attention(nn.Module):
         layer_idx: the layer's index (for messages and backends that need it).
         soft_cap: attention-logit soft-capping, ``soft_cap * tanh(score / soft_cap)`` (Gemma 2), or ``None``.
         has_sinks: :meth:`forward` receives each head's sink logit (gpt-oss): the backend must take ``sinks``.
+        attention_chunk: chunked local attention (Llama 4): a query at position ``p`` attends to positions
+            ``p // attention_chunk * attention_chunk .. p`` only (:func:`chunked_attention_view`), or ``None``.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  backend: AttentionBackend, sliding_window: int | None = None, layer_idx: int = 0,
-                 soft_cap: float | None = None, has_sinks: bool = False, values_are_keys: bool = False):
+                 soft_cap: float | None = None, has_sinks: bool = False, values_are_keys: bool = False,
+                 attention_chunk: int | None = None):
         super().__init__()
+        if attention_chunk is not None and (isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int)
+                                            or attention_chunk < 1):
+            raise UnsupportedModelError(f"attention layer {layer_idx}: attention_chunk_size must be a positive "
+                                        f"integer, got {attention_chunk!r}")
         if has_sinks and not applies_sinks(backend):
             raise UnsupportedModelError(f"attention layer {layer_idx}: attention sinks need a backend that applies "
                                         f"them ({type(backend).__name__} does not)")
@@ -69,7 +77,10 @@ class Attention(nn.Module):
         self.values_are_keys = values_are_keys
         self.layer_idx = layer_idx
         self.backend = backend
+        self.attention_chunk = attention_chunk
         self.kv_cache: torch.Tensor | None = None
+        #: tokens per KV block (set with ``kv_cache`` by the model runner; read by chunked attention)
+        self.block_size: int | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -86,6 +97,10 @@ class Attention(nn.Module):
             raise ValueError(f"attention layer {self.layer_idx}: sinks {'given' if sinks is not None else 'missing'}"
                              f" (the layer was built with has_sinks={self.has_sinks})")
         options = self._options(sinks)
+        if self.attention_chunk is not None and metadata.max_seq_len > self.attention_chunk:
+            # (default cache layout [2, blocks, block_size, ...] where no runner said the block size)
+            block_size = self.block_size or self.kv_cache.shape[2]
+            metadata = chunked_attention_view(metadata, self.attention_chunk, block_size, self.backend)
         if rotary is not None:
             cos, sin = rotary
             if (self.backend.fuses_rotary and cos.shape[-1] == self.head_size and ops.fused_ops_enabled(q)):
@@ -103,4 +118,5 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
                 f"sliding_window={self.sliding_window}" + (f", soft_cap={self.soft_cap}" if self.soft_cap else "")
-                + (", sinks" if self.has_sinks else ""))
+                + (", sinks" if self.has_sinks else "")
+                + (f", attention_chunk={self.attention_chunk}" if self.attention_chunk else ""))

@@ -21,6 +21,7 @@ def plinth_models() -> dict[str, str]:
         "Gemma3ForCausalLM": f"{_M}.gemma:Gemma3ForCausalLM",
         "Phi3ForCausalLM": f"{_M}.phi3:Phi3ForCausalLM",
         "SmolLM3ForCausalLM": f"{_M}.smollm3:SmolLM3ForCausalLM",
+        "Llama4ForCausalLM": f"{_M}.llama4:Llama4ForCausalLM",
         "GraniteForCausalLM": f"{_M}.granite:GraniteForCausalLM",
         "Olmo2ForCausalLM": f"{_M}.olmo2:Olmo2ForCausalLM",
         "Olmo3ForCausalLM": f"{_M}.olmo2:Olmo3ForCausalLM",

@@ -53,6 +53,7 @@ class AttentionOptions:
     sinks: bool = False         # each head's learned sink logit in its softmax's denominator (``self_attn.sinks``, gpt-oss)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] after the q/k norms (OLMoE, OLMo)
     rope_interleaved: bool = False  # RoPE rotates adjacent pairs of features (GPT-J style; ERNIE 4.5)
+    attention_chunk: int | None = None  # chunked local attention: positions p // chunk * chunk .. p (Llama 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,8 @@ class DecoderAttention(nn.Module):
         scale = options.scale if options.scale is not None else self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
                               ctx.attention_backend, sliding_window_of(cfg, layer_idx), layer_idx,
-                              soft_cap=options.soft_cap, has_sinks=options.sinks)
+                              soft_cap=options.soft_cap, has_sinks=options.sinks,
+                              attention_chunk=options.attention_chunk)
         self.use_rope = options.rope
         self.rope_interleaved = options.rope_interleaved
         self.sinks = None
