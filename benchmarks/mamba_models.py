@@ -139,12 +139,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]], eager: bool = False) -> dict:
+def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]], eager: bool = False,
+               hf_overrides: dict | None = None) -> dict:
     import plinth
 
     kw = {"gpu_memory_utilization": 0.5} if args.device == "cuda" else {}
     if eager:
         kw["enforce_eager"] = True
+    if hf_overrides:
+        kw["hf_overrides"] = hf_overrides
     llm = plinth.LLM(path, dtype=args.dtype, max_model_len=4 * args.prompt_len + 2 * args.max_tokens + 16,
                      max_num_seqs=max(args.requests, 1), **kw)
 
@@ -186,11 +189,12 @@ def run_plinth(path: str, args: argparse.Namespace, prompts: list[list[int]], ea
             "next_turn": len(turn), "next_turn_hit": turn_hit, "ttft_next_turn_s": next_turn}
 
 
-def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int]],
+                     architecture: str | None = None) -> dict:
     import transformers
 
     dtype = getattr(torch, args.dtype)
-    model_class = getattr(transformers, MODEL_CLASSES[args.arch])
+    model_class = getattr(transformers, architecture or MODEL_CLASSES[args.arch])
     model = model_class.from_pretrained(path, dtype=dtype).to(args.device).eval()
     dev = args.device
 
