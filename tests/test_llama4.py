@@ -171,6 +171,20 @@ def test_tensor_parallel_workers_match_transformers(tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 
+def test_pipeline_stages_match_transformers(tmp_path):
+    """Two pipeline stages in worker processes (each sets its NoPE layers' query scales from the positions):
+    transformers' tokens."""
+    hf = save_model(tmp_path)
+    prompts = _prompts(hf.config.vocab_size)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", pipeline_parallel_size=2,
+                     distributed_executor="mp", block_size=4, max_model_len=128)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    finally:
+        llm.close()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
+
+
 def test_bfloat16_and_fp8_on_the_cpu_path(tmp_path):
     """bfloat16 and ``--quantization fp8`` (the experts too): the first token's top-3 log-probabilities lie within
     0.02 (bfloat16) and 0.06 (FP8) of transformers' float32 ones for the same tokens. (Greedy tokens are no test here:
