@@ -17,7 +17,7 @@ from plinth.attention_backends.interface import AttentionSpec, chunked_attention
 from plinth.attention_backends.torch_batched import TorchBatchedBackend
 from plinth.attention_backends.torch_sdpa import TorchSDPABackend
 from plinth.config import ConfigError
-from plinth.errors import UnsupportedModelError
+from plinth.errors import ModelLoadError, UnsupportedModelError
 
 #: four layers: chunked RoPE attention with q/k norms on 0 and 2, NoPE full attention on 1 and 3 (queries scaled from
 #: position 3 on: floor_scale 4), experts on 1 and 3; 8-position chunks, so prompts and decodes cross boundaries
@@ -124,15 +124,19 @@ def test_other_cpu_backends(backend, tmp_path):
 
 def test_without_qk_norm_and_temperature(tmp_path):
     """Maverick's settings: no q/k norms (the RoPE then fuses into backends that take it), no temperature tuning,
-    experts on every layer, NoPE layers listed explicitly."""
-    hf = save_model(tmp_path, use_qk_norm=False, attn_temperature_tuning=False, interleave_moe_layer_step=1,
-                    no_rope_layers=[1, 1, 0, 1])
-    assert hf.config.moe_layers == [0, 1, 2, 3]
-    prompts = _prompts(hf.config.vocab_size, (5, 33))
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, block_size=4)
-    _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=0), use_tqdm=False),
-           [hf_greedy(hf, p) for p in prompts])
-    llm.close()
+    experts on every layer, NoPE layers listed explicitly; and a config whose ``moe_layers`` is empty (every layer
+    dense)."""
+    for name, overrides in (("maverick", dict(use_qk_norm=False, attn_temperature_tuning=False,
+                                              interleave_moe_layer_step=1, no_rope_layers=[1, 1, 0, 1])),
+                            ("dense", dict(moe_layers=[]))):
+        hf = save_model(tmp_path / name, **overrides)
+        assert hf.config.moe_layers == ([0, 1, 2, 3] if name == "maverick" else [])
+        prompts = _prompts(hf.config.vocab_size, (5, 33))
+        llm = plinth.LLM(str(tmp_path / name), dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+                         block_size=4)
+        _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=0), use_tqdm=False),
+               [hf_greedy(hf, p) for p in prompts])
+        llm.close()
 
 
 def test_image_text_checkpoint_runs_its_language_model(tmp_path):
@@ -207,18 +211,28 @@ def test_bfloat16_and_fp8_on_the_cpu_path(tmp_path):
 
 
 def test_unsupported_settings_are_refused_clearly(tmp_path):
-    """Two experts per token, a KV block size that does not divide the attention chunk, and unknown layer types fail
-    at load with messages that say so."""
+    """Two experts per token, a KV block size that does not divide the attention chunk (before any weight loads),
+    quantized experts stored stacked, and unknown layer types fail at load with messages that say so."""
     save_model(tmp_path / "k2", num_experts_per_tok=2)
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=2"):
-        plinth.LLM(str(tmp_path / "k2"), dtype="float32", max_model_len=128)
+        plinth.LLM(str(tmp_path / "k2"), dtype="float32", max_model_len=128, block_size=4)
     save_model(tmp_path / "m")
-    with pytest.raises(ConfigError, match="chunks of 8 tokens, which the 16-token KV blocks do not divide"):
+    with pytest.raises(ConfigError, match="chunked_attention layers: attention in chunks of 8 tokens, which the "
+                                          "16-token KV blocks do not divide"):
         plinth.LLM(str(tmp_path / "m"), dtype="float32", max_model_len=128, block_size=16)
+    # quantized experts stored stacked (their scales beside them, or 8-bit stacked tensors)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    name = "model.layers.1.feed_forward.experts.down_proj"
+    for extra in ({f"{name}_scale": torch.ones(4, 1, 64)}, {name: tensors[name].to(torch.float8_e4m3fn)}):
+        save_file({**tensors, **extra}, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match="experts.*stacked.*plinth reads stacked experts in floating point"):
+            plinth.LLM(str(tmp_path / "m"), dtype="float32", max_model_len=128, block_size=4)
     save_model(tmp_path / "t", layer_types=["chunked_attention", "sliding_attention", "full_attention",
                                             "full_attention"])
     with pytest.raises(UnsupportedModelError, match="layer types \\['sliding_attention'\\]"):
-        plinth.LLM(str(tmp_path / "t"), dtype="float32", max_model_len=128)
+        plinth.LLM(str(tmp_path / "t"), dtype="float32", max_model_len=128, block_size=4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -103,6 +103,20 @@ class AttentionMetadata:
         return [self.seq_lens_cpu[i] - (q[i + 1] - q[i]) for i in range(self.num_seqs)]
 
 
+def check_chunk_blocks(chunk: int, block_size: int, where: str) -> None:
+    """Refuse KV blocks that do not divide an attention chunk (:func:`chunked_attention_view` starts each chunk's
+    block table at a block boundary).
+
+    Raises:
+        ConfigError: ``chunk % block_size != 0``.
+    """
+    if chunk % block_size:
+        from plinth.config import ConfigError
+
+        raise ConfigError(f"{where}: attention in chunks of {chunk} tokens, which the {block_size}-token KV blocks "
+                          "do not divide; choose a --block-size that divides it")
+
+
 def chunked_attention_view(metadata: AttentionMetadata, chunk: int, block_size: int,
                            backend: AttentionBackend | None = None) -> AttentionMetadata:
     """The step as a layer of chunked local attention sees it (Llama 4): a query at position ``p`` attends to the
@@ -117,6 +131,9 @@ def chunked_attention_view(metadata: AttentionMetadata, chunk: int, block_size: 
     """
     if chunk % block_size:
         raise ValueError(f"an attention chunk of {chunk} tokens is not a multiple of the {block_size}-token blocks")
+    if metadata.max_seq_len <= 0 or len(metadata.seq_lens_cpu) != metadata.num_seqs:
+        raise RuntimeError("chunked attention needs the step's sequence lengths on the host (a step without them, "
+                           "such as a compiled CPU decode step's, cannot be cut into chunks)")
     key = ("chunked", chunk, block_size)
     view = metadata.views.get(key)
     if view is not None:

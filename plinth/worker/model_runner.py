@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata
+from plinth.attention_backends.interface import AttentionBackend, AttentionMetadata, check_chunk_blocks
 from plinth.worker.batching import FlatBatch, SeqBatchEntry
 from plinth.worker.kv_prefault import PREFAULT_ENV, KVPrefaulter
 from plinth.worker.staging import HostStaging
@@ -108,13 +108,8 @@ class ModelRunner:
         """Allocate a zeroed KV cache for every attention layer (at start and on waking)."""
         model, backend, device, num_blocks = self.model, self.backend, self.device, self.num_blocks
         for layer in model.attention_layers():
-            chunk = getattr(layer, "attention_chunk", None)
-            if chunk and chunk % self.block_size:
-                from plinth.config import ConfigError
-
-                raise ConfigError(f"attention layer {layer.layer_idx} attends in chunks of {chunk} tokens, which "
-                                  f"the {self.block_size}-token KV blocks do not divide: choose a --block-size that "
-                                  "divides it")
+            if getattr(layer, "attention_chunk", None):
+                check_chunk_blocks(layer.attention_chunk, self.block_size, f"attention layer {layer.layer_idx}")
         stores = []   # the memory behind each cache (a shared cache's one half)
         caches = []
         try:

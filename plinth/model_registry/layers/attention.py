@@ -97,7 +97,7 @@ class Attention(nn.Module):
             raise ValueError(f"attention layer {self.layer_idx}: sinks {'given' if sinks is not None else 'missing'}"
                              f" (the layer was built with has_sinks={self.has_sinks})")
         options = self._options(sinks)
-        if self.attention_chunk is not None and metadata.max_seq_len > self.attention_chunk:
+        if self.attention_chunk is not None and not 0 < metadata.max_seq_len <= self.attention_chunk:
             # (default cache layout [2, blocks, block_size, ...] where no runner said the block size)
             block_size = self.block_size or self.kv_cache.shape[2]
             metadata = chunked_attention_view(metadata, self.attention_chunk, block_size, self.backend)

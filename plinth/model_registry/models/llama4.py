@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from plinth.attention_backends.interface import AttentionMetadata
+from plinth.attention_backends.interface import AttentionMetadata, check_chunk_blocks
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.linear import ReplicatedLinear
@@ -38,6 +38,8 @@ from plinth.model_registry.models.decoder import (
 from plinth.model_registry.models.qwen2_moe import _ExpertWeights
 
 _STACKED = re.compile(r"^(?P<prefix>.+\.feed_forward\.experts)\.(?P<which>gate_up_proj|down_proj)$")
+#: a stacked projection's quantization tensors (``gate_up_proj_scale``, ...)
+_STACKED_EXTRA = re.compile(r"^.+\.feed_forward\.experts\.(gate_up_proj|down_proj)_\w+$")
 
 
 class _StepScales:
@@ -148,8 +150,11 @@ class Llama4ForCausalLM(_ExpertWeights, DecoderForCausalLM):
             raise UnsupportedModelError(f"Llama 4: chunked_attention layers need a positive attention_chunk_size, "
                                         f"got {chunk!r}")
         self.chunks = tuple(chunk if t == "chunked_attention" else None for t in types)
+        if "chunked_attention" in types:
+            check_chunk_blocks(chunk, ctx.block_size, "Llama 4's chunked_attention layers")
         step = int(getattr(cfg, "interleave_moe_layer_step", 1) or 1)
-        self.moe_layers = frozenset(getattr(cfg, "moe_layers", None) or range(step - 1, n, step))
+        moe = getattr(cfg, "moe_layers", None)   # (an empty list: every layer dense)
+        self.moe_layers = frozenset(range(step - 1, n, step) if moe is None else moe)
         super().__init__(ctx)
         self._step = _StepScales()
         self.temperature = None
@@ -203,8 +208,15 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
     for name, t in weights:
         m = _STACKED.match(name)
         if m is None:
+            if _STACKED_EXTRA.match(name):
+                raise ModelLoadError(f"{name}: quantized experts stored stacked are not supported; plinth reads "
+                                     "stacked experts in floating point and quantized ones one tensor per expert")
             yield name, t
             continue
+        if not t.dtype.is_floating_point or t.element_size() == 1:   # (8-bit floats too)
+            raise ModelLoadError(f"{name}: stacked experts in {str(t.dtype).removeprefix('torch.')} are not "
+                                 "supported; plinth reads stacked experts in floating point and quantized ones one "
+                                 "tensor per expert")
         prefix = m["prefix"]
         if t.dim() != 3 or (m["which"] == "gate_up_proj" and t.shape[2] % 2):
             raise ModelLoadError(f"{name}: expected [experts, hidden, 2 x intermediate] (gate_up_proj) or [experts, "
