@@ -112,6 +112,8 @@ def test_presets_ship_and_load():
     ("smollm3-3b", 3_075_098_624),   # transformers' SmolLM3ForCausalLM of the same config (published: 3.08B)
     ("gpt-oss-20b", 20_914_757_184),   # transformers' GptOssForCausalLM of the same config (published: 21B)
     ("deepseek-v2-lite", 15_706_484_224),   # transformers' DeepseekV2ForCausalLM of the same config (published: 15.7B)
+    ("llama-4-scout", 107_769_861_120),   # transformers' Llama4ForCausalLM of the same config (published: 109B with
+                                          # the vision tower)
 ])
 def test_preset_parameter_counts(preset, params):
     """Built on the meta device (no memory): the published parameter counts."""
