@@ -80,7 +80,8 @@ class AttentionMetadata:
     #: checkpoint slot ``slot``; ``None``: none this step (saves at the end of a chunk are copies of rows, made after
     #: the forward)
     state_saves: dict[int, list[tuple[int, int]]] | None = None
-    #: the step as other kinds of layers see it, made once per step (:func:`chunked_attention_view`)
+    #: the step as other kinds of layers see it, made once per step (:func:`chunked_attention_view`; a copy of this
+    #: metadata that changes the step, ``dataclasses.replace``, must start with ``views={}``)
     views: dict[Any, AttentionMetadata] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -145,7 +146,7 @@ def chunked_attention_view(metadata: AttentionMetadata, chunk: int, block_size: 
     if metadata.is_decode_only:   # one query per row: its chunk is that of its sequence's last position
         lens = metadata.seq_lens
         first = torch.div((lens - 1).clamp(min=0), chunk, rounding_mode="floor") * per_chunk   # [B] blocks skipped
-        src = torch.arange(metadata.num_seqs, device=device)
+        rows = tables   # each piece's sequence's table row
         qsl, qsl_cpu = metadata.query_start_loc, metadata.query_start_loc_cpu
         new_lens = (lens - first * block_size).to(torch.int32)
         context = (metadata.context_lens - first * block_size).clamp(min=0).to(torch.int32)
@@ -170,14 +171,15 @@ def chunked_attention_view(metadata: AttentionMetadata, chunk: int, block_size: 
                 c += 1
         host = torch.tensor([src_cpu, first_cpu, lens_cpu, starts, qsl_cpu[:-1]], dtype=torch.int64)
         host = host.to(device, non_blocking=True)
-        src, first, new_lens, context = host[0], host[1], host[2].to(torch.int32), host[3].to(torch.int32)
+        first, new_lens, context = host[1], host[2].to(torch.int32), host[3].to(torch.int32)
+        rows = tables[host[0]]
         qsl = torch.cat([host[4], host.new_tensor([qsl_cpu[-1]])]).to(torch.int32)
         max_query = max(b - a for a, b in zip(qsl_cpu, qsl_cpu[1:], strict=False)) if len(qsl_cpu) > 1 else 0
     columns = (first[:, None] + torch.arange(width, device=device)).clamp(max=tables.shape[1] - 1)
     view = dataclasses.replace(
         metadata, num_seqs=len(lens_cpu), max_query_len=max_query,
         max_seq_len=min(metadata.max_seq_len, chunk), query_start_loc=qsl, seq_lens=new_lens,
-        context_lens=context, block_tables=tables[src].gather(1, columns.to(torch.int64)),
+        context_lens=context, block_tables=rows.gather(1, columns.to(torch.int64)),
         query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu, backend_data=None, state_rows=None, state_rows_cpu=None,
         state_saves=None, views={})
     if backend is not None:
