@@ -22,7 +22,7 @@ import os
 import tempfile
 
 import torch
-from mamba_models import run_plinth, run_transformers
+from mamba_models import print_comparison, run_plinth, run_transformers
 
 #: name -> Llama4TextConfig fields
 SHAPES = {
@@ -77,23 +77,9 @@ def main() -> None:
         chunked = (run_plinth(tmp, args, prompts, hf_overrides={"attention_chunk_size": args.chunk})
                    if args.chunk else None)
         theirs = run_transformers(tmp, args, prompts, "Llama4ForCausalLM")
-    pairs = list(zip(ours["tokens"], theirs["tokens"], strict=False))
-    agree = sum(a == b for a, b in pairs)
     print(f"llama4 shape {shape} ({size / 2**20:.0f} MiB of weights, {args.dtype}) on {args.device}; prompt "
           f"{args.prompt_len} tokens, {args.max_tokens} new, {args.requests} requests at once")
-    extra = f"{f'plinth chunk {args.chunk}':>18}" if chunked else ""
-    print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}{extra}")
-    for key, label, better_low in [("ms_per_token", "ms/token", True), ("ttft_s", "TTFT s", True),
-                                   ("batch_tok_s", "batch tok/s", False)]:
-        a, b = ours[key], theirs[key]
-        ratio = b / a if better_low else a / b
-        print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x" + (f"{chunked[key]:18.2f}" if chunked else ""))
-    print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])}")
-    for name, run in (("plinth", ours), (f"plinth, {args.chunk}-token chunks", chunked)):
-        if run is not None:
-            print(f"{name}: a {run['long_prompt']}-token prompt's first token in {run['ttft_cold_s']:.3f} s cold, "
-                  f"{run['ttft_cached_s']:.3f} s again; a next turn of {run['next_turn']} tokens "
-                  f"({run['next_turn_hit']} from the cache) in {run['ttft_next_turn_s']:.3f} s")
+    agree, _ = print_comparison(ours, theirs, {f"plinth chunk {args.chunk}": chunked} if chunked else {})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,

@@ -219,6 +219,26 @@ def run_transformers(path: str, args: argparse.Namespace, prompts: list[list[int
             "batch_tok_s": len(prompts) * args.max_tokens / t_batch, "tokens": out[0][0].tolist()}
 
 
+def print_comparison(ours: dict, theirs: dict, extra: dict[str, dict]) -> tuple[int, int]:
+    """The side-by-side table (``extra``: more plinth runs as columns), the single request's agreement and the
+    prefix-cache lines; returns ``(tokens that agree, the first run of them)``."""
+    pairs = list(zip(ours["tokens"], theirs["tokens"], strict=False))
+    agree = sum(a == b for a, b in pairs)
+    prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}" + "".join(f"{name:>20}" for name in extra))
+    for key, label, better_low in [("ms_per_token", "ms/token", True), ("ttft_s", "TTFT s", True),
+                                   ("batch_tok_s", "batch tok/s", False)]:
+        a, b = ours[key], theirs[key]
+        ratio = b / a if better_low else a / b
+        print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x" + "".join(f"{run[key]:20.2f}" for run in extra.values()))
+    print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])} (the first {prefix} in a row)")
+    for name, run in {"plinth": ours, **extra}.items():
+        print(f"{name}'s prefix cache: a {run['long_prompt']}-token prompt's first token in {run['ttft_cold_s']:.3f} s "
+              f"cold, {run['ttft_cached_s']:.3f} s again; a next turn of {run['next_turn']} tokens "
+              f"({run['next_turn_hit']} from the cache) in {run['ttft_next_turn_s']:.3f} s")
+    return agree, prefix
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=sorted(MODEL_CLASSES), default="granite",
@@ -246,21 +266,9 @@ def main() -> None:
         ours = run_plinth(tmp, args, prompts)
         eager = run_plinth(tmp, args, prompts, eager=True) if args.eager else None
         theirs = run_transformers(tmp, args, prompts)
-    pairs = list(zip(ours["tokens"], theirs["tokens"], strict=False))
-    agree = sum(a == b for a, b in pairs)
-    prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
     print(f"{args.arch} shape {shape} ({params / 2**20:.0f} MiB of weights, {args.dtype}) on {args.device}; prompt "
           f"{args.prompt_len} tokens, {args.max_tokens} new, {args.requests} requests at once")
-    print(f"{'':14}{'plinth':>12}{'transformers':>14}{'ratio':>8}" + (f"{'plinth eager':>14}" if eager else ""))
-    for key, label, better_low in [("ms_per_token", "ms/token", True), ("ttft_s", "TTFT s", True),
-                                   ("batch_tok_s", "batch tok/s", False)]:
-        a, b = ours[key], theirs[key]
-        ratio = b / a if better_low else a / b
-        print(f"{label:14}{a:12.2f}{b:14.2f}{ratio:7.2f}x" + (f"{eager[key]:14.2f}" if eager else ""))
-    print(f"greedy tokens of the single request agree: {agree}/{len(ours['tokens'])} (the first {prefix} in a row)")
-    print(f"plinth's prefix cache: a {ours['long_prompt']}-token prompt's first token in {ours['ttft_cold_s']:.3f} s "
-          f"cold, {ours['ttft_cached_s']:.3f} s again; a next turn of {ours['next_turn']} tokens "
-          f"({ours['next_turn_hit']} from the cache) in {ours['ttft_next_turn_s']:.3f} s")
+    agree, prefix = print_comparison(ours, theirs, {"plinth eager": eager} if eager else {})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": args.arch, "shape": shape, "device": args.device, "dtype": args.dtype, "plinth": ours,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -357,6 +357,44 @@ class FusedMoE(nn.Module):
 
 
 @functools.cache
+def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]], stacked: re.Pattern[str],
+                          inputs_first: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacked expert tensors as the per-expert ones the experts load from (``{prefix}.E.{gate,up,down}_proj.weight``,
+    ``[out, in]``); every other tensor as it is.
+
+    ``stacked`` matches a stacked tensor's name with groups ``prefix`` (``...experts``) and ``which``
+    (``gate_up_proj`` or ``down_proj``). Layouts: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
+    ``down_proj`` ``[E, H, I]`` (transformers' Qwen3.5-MoE), or with ``inputs_first`` ``[E, H, 2I]`` and ``[E, I, H]``
+    (Llama 4). Only floating-point tensors: quantized experts come one tensor per expert.
+
+    Raises:
+        ModelLoadError: a stacked tensor of another rank or an odd gate/up width, or one in an 8-bit or integer type.
+    """
+    gate_up, down = ("[experts, hidden, 2 x intermediate]", "[experts, intermediate, hidden]") if inputs_first \
+        else ("[experts, 2 x intermediate, hidden]", "[experts, hidden, intermediate]")
+    for name, t in weights:
+        m = stacked.match(name)
+        if m is None:
+            yield name, t
+            continue
+        if not t.dtype.is_floating_point or t.element_size() == 1:   # (8-bit floats too)
+            raise ModelLoadError(f"{name}: stacked experts in {str(t.dtype).removeprefix('torch.')} are not "
+                                 "supported; plinth reads stacked experts in floating point and quantized ones one "
+                                 "tensor per expert")
+        if t.dim() != 3 or (m["which"] == "gate_up_proj" and t.shape[2 if inputs_first else 1] % 2):
+            raise ModelLoadError(f"{name}: expected {gate_up} (gate_up_proj) or {down} (down_proj), checkpoint has "
+                                 f"{tuple(t.shape)}")
+        if inputs_first:
+            t = t.transpose(1, 2)   # [E, out, in]
+        prefix, half = m["prefix"], t.shape[1] // 2
+        for e in range(t.shape[0]):
+            if m["which"] == "down_proj":
+                yield f"{prefix}.{e}.down_proj.weight", t[e]
+            else:
+                yield f"{prefix}.{e}.gate_proj.weight", t[e, :half]
+                yield f"{prefix}.{e}.up_proj.weight", t[e, half:]
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     """A CUDA device's compute capability (asked once per device: the experts ask at every forward)."""
     return torch.cuda.get_device_capability(device)

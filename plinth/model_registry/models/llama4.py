@@ -26,7 +26,7 @@ from plinth.attention_backends.interface import AttentionMetadata, check_chunk_b
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.linear import ReplicatedLinear
-from plinth.model_registry.layers.moe import FusedMoE, check_expert_activation
+from plinth.model_registry.layers.moe import FusedMoE, check_expert_activation, split_stacked_experts
 from plinth.model_registry.layers.rotary import deinterleave_pairs
 from plinth.model_registry.models.decoder import (
     AttentionOptions,
@@ -193,7 +193,7 @@ class Llama4ForCausalLM(_ExpertWeights, DecoderForCausalLM):
         return super().forward_stage(input_ids, positions, metadata, hidden, residual)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_per_expert(weights))
+        super().load_weights(split_stacked_experts(_refuse_stacked_scales(weights), _STACKED, inputs_first=True))
 
     def _to_param(self, name: str) -> str:
         return name.replace(".feed_forward.", ".mlp.", 1)
@@ -202,29 +202,9 @@ class Llama4ForCausalLM(_ExpertWeights, DecoderForCausalLM):
         return param_name.replace(".mlp.", ".feed_forward.", 1)
 
 
-def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Llama 4's stacked experts (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``: inputs first) as
-    per-expert ``[out, in]`` tensors (``experts.E.{gate,up,down}_proj.weight``); every other tensor as it is."""
+def _refuse_stacked_scales(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in weights:
-        m = _STACKED.match(name)
-        if m is None:
-            if _STACKED_EXTRA.match(name):
-                raise ModelLoadError(f"{name}: quantized experts stored stacked are not supported; plinth reads "
-                                     "stacked experts in floating point and quantized ones one tensor per expert")
-            yield name, t
-            continue
-        if not t.dtype.is_floating_point or t.element_size() == 1:   # (8-bit floats too)
-            raise ModelLoadError(f"{name}: stacked experts in {str(t.dtype).removeprefix('torch.')} are not "
-                                 "supported; plinth reads stacked experts in floating point and quantized ones one "
-                                 "tensor per expert")
-        prefix = m["prefix"]
-        if t.dim() != 3 or (m["which"] == "gate_up_proj" and t.shape[2] % 2):
-            raise ModelLoadError(f"{name}: expected [experts, hidden, 2 x intermediate] (gate_up_proj) or [experts, "
-                                 f"intermediate, hidden] (down_proj), checkpoint has {tuple(t.shape)}")
-        half = t.shape[2] // 2
-        for e in range(t.shape[0]):
-            if m["which"] == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", t[e].t()
-            else:
-                yield f"{prefix}.{e}.gate_proj.weight", t[e, :, :half].t()
-                yield f"{prefix}.{e}.up_proj.weight", t[e, :, half:].t()
+        if _STACKED_EXTRA.match(name):
+            raise ModelLoadError(f"{name}: quantized experts stored stacked are not supported; plinth reads stacked "
+                                 "experts in floating point and quantized ones one tensor per expert")
+        yield name, t

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
-from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.gated_delta import GatedDeltaNetMixer
 from plinth.model_registry.layers.layernorm import GemmaRMSNorm
 from plinth.model_registry.layers.mamba import MambaStateMixin
+from plinth.model_registry.layers.moe import split_stacked_experts
 from plinth.model_registry.models.decoder import (
     AttentionOptions,
     BlockOptions,
@@ -115,7 +116,7 @@ class Qwen3NextForCausalLM(MambaStateMixin, Qwen2MoeForCausalLM):
         return dataclasses.replace(super().block_options(cfg), norm=GemmaRMSNorm)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_per_expert(weights))
+        super().load_weights(split_stacked_experts(weights, _STACKED_EXPERTS))
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         if name.startswith("mtp."):   # the multi-token-prediction layer: not run
@@ -144,24 +145,3 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):   # noqa: N801 (the checkpoint's
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):   # noqa: N801
     """``Qwen3_5MoeForCausalLM``: Qwen3.5 with Qwen3-Next's sparse feed-forward blocks."""
-
-
-def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stacked expert tensors (:data:`_STACKED_EXPERTS`) as the per-expert ones (``experts.E.{gate,up,down}_proj``)
-    the experts load from; every other tensor as it is."""
-    for name, t in weights:
-        m = _STACKED_EXPERTS.match(name)
-        if m is None:
-            yield name, t
-            continue
-        prefix = m["prefix"]
-        if t.dim() != 3 or (m["which"] == "gate_up_proj" and t.shape[1] % 2):
-            raise ModelLoadError(f"{name}: expected [experts, 2 x intermediate, hidden] (gate_up_proj) or [experts, "
-                                 f"hidden, intermediate] (down_proj), checkpoint has {tuple(t.shape)}")
-        half = t.shape[1] // 2
-        for e in range(t.shape[0]):
-            if m["which"] == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", t[e]
-            else:
-                yield f"{prefix}.{e}.gate_proj.weight", t[e, :half]
-                yield f"{prefix}.{e}.up_proj.weight", t[e, half:]
