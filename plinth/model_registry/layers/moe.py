@@ -356,7 +356,6 @@ class FusedMoE(nn.Module):
         return torch.stack([method.widen(self, which, e, dtype) for e in range(first, last)])
 
 
-@functools.cache
 def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]], stacked: re.Pattern[str],
                           inputs_first: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Stacked expert tensors as the per-expert ones the experts load from (``{prefix}.E.{gate,up,down}_proj.weight``,
@@ -395,6 +394,7 @@ def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]], stacked: 
                 yield f"{prefix}.{e}.up_proj.weight", t[e, half:]
 
 
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     """A CUDA device's compute capability (asked once per device: the experts ask at every forward)."""
     return torch.cuda.get_device_capability(device)
