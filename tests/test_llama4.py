@@ -9,7 +9,7 @@ import torch
 import transformers
 from attention_batches import make_batch, reference_attention
 from conftest import make_tokenizer
-from test_mamba_models import _greedy, _hits, _prompts, hf_greedy
+from test_mamba_models import _greedy, _hits, _prompts, engine_greedy_matches, hf_greedy
 
 import plinth
 from plinth.attention_backends.cpu_paged import CpuPagedBackend
@@ -153,11 +153,7 @@ def test_image_text_checkpoint_runs_its_language_model(tmp_path):
     _randomize(hf)
     hf.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    prompts = _prompts(len(tokenizer), (5, 19))
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128, block_size=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(8), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8)[0] for p in prompts]
-    llm.close()
+    engine_greedy_matches(tmp_path, hf, _prompts(len(tokenizer), (5, 19)), 8, block_size=4)
 
 
 def test_tensor_parallel_workers_match_transformers(tmp_path):

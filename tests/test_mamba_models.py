@@ -117,6 +117,15 @@ def engine_tokens_and_logprobs_match(path, hf) -> None:
     llm.close()
 
 
+def engine_greedy_matches(path, hf, prompts: list[list[int]], n: int = MAX_TOKENS, **llm_kwargs) -> None:
+    """The engine's greedy tokens (float32, ``max_model_len`` 128 unless ``llm_kwargs`` say otherwise) for ``prompts``
+    equal transformers'."""
+    llm = plinth.LLM(str(path), **{"dtype": "float32", "max_model_len": 128, **llm_kwargs})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, n)[0] for p in prompts]
+    llm.close()
+
+
 def _greedy(max_tokens: int = MAX_TOKENS, **kw) -> plinth.SamplingParams:
     return plinth.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
@@ -421,10 +430,7 @@ def test_fp8_checkpoint_and_its_tensor_parallel_refusal(tmp_path):
         for name, w in deq.items():
             params[name].copy_(w)
     prompts = _prompts(hf.config.vocab_size)
-    llm = plinth.LLM(str(tmp_path / "fp8"), dtype="float32", max_model_len=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
-    llm.close()
+    engine_greedy_matches(tmp_path / "fp8", hf, prompts, max_model_len=64)
     with pytest.raises(UnsupportedModelError, match="quantized ahead of time cannot split its Mamba layers"):
         generate_on_tp_workers(tmp_path / "fp8", [{"prompt_token_ids": prompts[0]}], _greedy(4))
 
@@ -439,11 +445,7 @@ def test_nemotron_h_keeps_its_own_lm_head_and_skips_prediction_layers(tmp_path):
     assert not torch.equal(tensors["lm_head.weight"], tensors["backbone.embeddings.weight"])
     tensors["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(64, 64)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    prompts = _prompts(hf.config.vocab_size)
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
-    llm.close()
+    engine_greedy_matches(tmp_path, hf, _prompts(hf.config.vocab_size))
 
 
 def test_a_state_larger_than_free_memory_is_refused_clearly(tmp_path):

@@ -8,7 +8,14 @@ import pytest
 import torch
 import transformers
 from conftest import make_tokenizer
-from test_mamba_models import _greedy, _hits, _prompts, hf_greedy, twice_through_the_prefix_cache
+from test_mamba_models import (
+    _greedy,
+    _hits,
+    _prompts,
+    engine_greedy_matches,
+    hf_greedy,
+    twice_through_the_prefix_cache,
+)
 
 import plinth
 from plinth.errors import ModelLoadError, UnsupportedModelError
@@ -160,16 +167,7 @@ def test_image_text_checkpoint_runs_its_language_model(tied, tmp_path):
     _randomize(hf)
     hf.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    prompts = _prompts(len(tokenizer), (5, 19))
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(8), use_tqdm=False)
-    with torch.no_grad():
-        for out, prompt in zip(outs, prompts, strict=True):
-            ids = list(prompt)
-            for _ in range(8):
-                ids.append(int(hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-            assert out.outputs[0].token_ids == ids[len(prompt):]
-    llm.close()
+    engine_greedy_matches(tmp_path, hf, _prompts(len(tokenizer), (5, 19)), 8)
 
 
 def test_stacked_expert_tensors(tmp_path):
@@ -182,11 +180,7 @@ def test_stacked_expert_tensors(tmp_path):
     tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
     assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    prompts = _prompts(hf.config.vocab_size)
-    llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p)[0] for p in prompts]
-    llm.close()
+    engine_greedy_matches(tmp_path, hf, _prompts(hf.config.vocab_size))
     tensors["model.layers.0.mlp.experts.down_proj"] = tensors["model.layers.0.mlp.experts.down_proj"][0]
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.experts.down_proj: expected \[experts"):

@@ -20,23 +20,13 @@ if importlib.util.find_spec("triton") is None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 is set: these tests are for compiled kernels", allow_module_level=True)
 
+from attention_batches import Batch  # noqa: E402
+
 from plinth.attention_backends.interface import AttentionMetadata, AttentionSpec  # noqa: E402
 from plinth.attention_backends.triton.backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = torch.device("cuda")
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
-
-
-@dataclasses.dataclass
-class Batch:
-    query: torch.Tensor         # [T, H, D]
-    key: torch.Tensor           # [T, Hkv, D]
-    value: torch.Tensor         # [T, Hkv, D]
-    kv_cache: torch.Tensor      # [2, num_blocks, block_size, Hkv, D]
-    metadata: AttentionMetadata
-    full_k: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]
-    full_v: list[torch.Tensor]
-    num_real_tokens: int
 
 
 def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_size: int,
