@@ -90,10 +90,11 @@ def processes():
     procs.stop()
 
 
-def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1, hits: list | None = None):
-    """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks are worker processes (CPU, float32);
-    ``rounds`` times one after another (the outputs of every round, concatenated), the prefix cache's hit tokens
-    appended to ``hits``."""
+def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1, hits: list | None = None,
+                           pp: int = 1):
+    """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks (times ``pp`` pipeline stages) are
+    worker processes (CPU, float32); ``rounds`` times one after another (the outputs of every round, concatenated),
+    the prefix cache's hit tokens appended to ``hits``."""
     import threading
 
     from plinth import LLM
@@ -101,10 +102,11 @@ def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1
     from plinth.core.engine import LLMEngine
     from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
 
-    procs = WorkerProcesses(size, timeout_s=120.0)
+    procs = WorkerProcesses(size * pp, timeout_s=120.0)
     try:
         config = EngineConfig.from_kwargs(model=str(path), dtype="float32", platform="cpu", block_size=4,
-                                          selection="off", tensor_parallel_size=size, distributed_executor="mp")
+                                          selection="off", tensor_parallel_size=size, pipeline_parallel_size=pp,
+                                          distributed_executor="mp")
         engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
         try:
             assert engine.runner is None   # the ranks run in the workers

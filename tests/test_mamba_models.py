@@ -349,9 +349,41 @@ def test_tensor_parallel_workers_match_transformers(groups, tmp_path):
     assert hits == [sum((len(p) - 1) // 4 * 4 for p in prompts)]   # 4-token blocks
 
 
-def test_nemotron_h_on_tensor_parallel_workers(tmp_path):
-    """Nemotron-H with Mamba, attention, MLP and expert blocks on two CPU worker processes: the experts' features
-    split over the ranks; greedy tokens equal transformers'."""
+@pytest.mark.parametrize("layer_types", [["mamba", "mamba", "attention", "mamba"],
+                                         ["mamba", "mamba", "attention", "attention"]],
+                         ids=["state_on_both_stages", "second_stage_attention_only"])
+def test_pipeline_stages_match_transformers(layer_types, tmp_path):
+    """Two pipeline stages in worker processes: each stage keeps the state of its own Mamba layers in the same rows
+    (a stage of attention layers keeps none, and does not turn the prefix cache off), restores and saves the prefix
+    cache's checkpoints of its layers, and each of a step's micro-batches saves its own. Tokens and log-probabilities
+    equal transformers', also when repeated prompts resume from the states saved inside their chunks (10-token steps,
+    4-token blocks) and a next turn from the one saved at the end of a decode step."""
+    hf = save_hybrid(tmp_path, **{**SHAPES["moe_rope"], "layer_types": layer_types})
+    prompts = _prompts(hf.config.vocab_size)
+    want = [hf_greedy(hf, p) for p in prompts]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", pipeline_parallel_size=2,
+                     distributed_executor="mp", max_model_len=128, max_num_seqs=4, block_size=4,
+                     max_num_batched_tokens=10, mamba_cache_slots=8)
+    try:
+        reqs = [{"prompt_token_ids": p} for p in prompts]
+        outs = [o for _ in range(2) for o in llm.generate(reqs, _greedy(logprobs=0), use_tqdm=False)]
+        assert _hits(llm) == sum((len(p) - 1) // 4 * 4 for p in prompts)
+        turn = prompts[-1] + want[-1][0] + [5, 6, 7]   # the longest prompt's next turn resumes inside its output
+        before = _hits(llm)
+        outs.append(llm.generate({"prompt_token_ids": turn}, _greedy(logprobs=0), use_tqdm=False)[0])
+        assert _hits(llm) - before == (len(prompts[-1]) + MAX_TOKENS - 1) // 4 * 4 > len(prompts[-1])
+    finally:
+        llm.close()
+    for out, (tokens, lps) in zip(outs, want + want + [hf_greedy(hf, turn)], strict=True):
+        assert out.outputs[0].token_ids == tokens
+        assert [next(iter(s.values())).logprob for s in out.outputs[0].logprobs] == pytest.approx(lps, abs=2e-4)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tensor_parallel", "pipeline_stages"])
+def test_nemotron_h_on_worker_processes(tp, pp, tmp_path):
+    """Nemotron-H with Mamba, attention, MLP and expert blocks on two CPU worker processes, as tensor-parallel ranks
+    (the experts' features split) or as two pipeline stages (blocks 0-1 and 2-3); greedy tokens equal
+    transformers'."""
     from conftest import generate_on_tp_workers
 
     hf = save_backbone_model(tmp_path, "NemotronHForCausalLM", layers_block_type=["mamba", "moe", "attention", "mlp"],
@@ -363,31 +395,37 @@ def test_nemotron_h_on_tensor_parallel_workers(tmp_path):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
     hf.save_pretrained(tmp_path)
     prompts = _prompts(hf.config.vocab_size)
-    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy(), size=tp, pp=pp)
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 
-def test_falcon_h1_on_tensor_parallel_workers(tmp_path):
-    """Falcon-H1 with one Mamba group (replicated; its norm before the gate all-reduced) on two CPU worker processes:
-    greedy tokens equal transformers'."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tensor_parallel", "pipeline_stages"])
+def test_falcon_h1_on_worker_processes(tp, pp, tmp_path):
+    """Falcon-H1 with one Mamba group (replicated; its norm before the gate all-reduced) on two CPU worker processes,
+    as tensor-parallel ranks or as two pipeline stages (the final norm, ``final_layernorm``, on the second): greedy
+    tokens equal transformers'."""
     from conftest import generate_on_tp_workers
 
     hf = save_falcon_h1(tmp_path, mamba_n_groups=1, mamba_rms_norm=True, mamba_norm_before_gate=True)
     prompts = _prompts(hf.config.vocab_size)
-    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy(), size=tp, pp=pp)
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 
-def test_mamba2_on_tensor_parallel_workers_and_int4(tmp_path):
+def test_mamba2_on_worker_processes_and_int4(tmp_path):
     """Mamba-2 has no attention heads in its config: the parallel layout and int4's group size do without them. Two
-    worker processes give transformers' greedy tokens; ``--quantization int4`` runs (its group divides the Mamba
-    layers' ``out_proj`` input too)."""
+    tensor-parallel worker processes, and two pipeline stages (the second reads the tied embeddings into its own LM
+    head), give transformers' greedy tokens; ``--quantization int4`` runs (its group divides the Mamba layers'
+    ``out_proj`` input too)."""
     from conftest import generate_on_tp_workers
 
     hf = save_backbone_model(tmp_path, "Mamba2ForCausalLM", n_groups=1)
     prompts = _prompts(hf.config.vocab_size)
+    want = [hf_greedy(hf, p)[0] for p in prompts]
     got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
-    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in got] == want
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy(), size=1, pp=2)
+    assert [o.outputs[0].token_ids for o in got] == want
     llm = plinth.LLM(str(tmp_path), dtype="float32", max_model_len=64, quantization="int4")
     assert len(llm.generate({"prompt_token_ids": prompts[1]}, _greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
     llm.close()
@@ -757,12 +795,15 @@ def save_jamba(path, **overrides) -> transformers.PreTrainedModel:
 def test_jamba_matches_transformers(tmp_path):
     """Jamba (Mamba-1 layers with weighted inner norms, RoPE-less attention, dense and expert feed-forward blocks
     with unrenormalised top-k weights): greedy tokens and log-probabilities equal transformers' with chunked
-    prefill; the prefix cache's states and two tensor-parallel worker processes give the same tokens."""
+    prefill; the prefix cache's states, two tensor-parallel worker processes and two pipeline stages give the same
+    tokens."""
     from conftest import generate_on_tp_workers
 
     hf = save_jamba(tmp_path)
     reqs, want = twice_through_the_prefix_cache(tmp_path, hf)
     got = generate_on_tp_workers(tmp_path, reqs, _greedy())
+    assert [o.outputs[0].token_ids for o in got] == [w[0] for w in want]
+    got = generate_on_tp_workers(tmp_path, reqs, _greedy(), size=1, pp=2)   # two pipeline stages
     assert [o.outputs[0].token_ids for o in got] == [w[0] for w in want]
 
 

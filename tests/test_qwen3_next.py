@@ -187,15 +187,17 @@ def test_stacked_expert_tensors(tmp_path):
         plinth.LLM(str(tmp_path), dtype="float32", max_model_len=128)
 
 
-@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"])
-def test_tensor_parallel_workers_match_transformers(arch, tmp_path):
+@pytest.mark.parametrize("arch,tp,pp", [("Qwen3NextForCausalLM", 2, 1), ("Qwen3_5ForCausalLM", 2, 1),
+                                        ("Qwen3NextForCausalLM", 1, 2)])
+def test_worker_processes_match_transformers(arch, tp, pp, tmp_path):
     """Two tensor-parallel worker processes (one key head and its two value heads each; Qwen3.5's q/k/v rows cut out
-    of one tensor, Qwen3-Next's per-key-head rows in one range): transformers' tokens."""
+    of one tensor, Qwen3-Next's per-key-head rows in one range), or two pipeline stages (each keeping its DeltaNet
+    layers' state): transformers' tokens."""
     from conftest import generate_on_tp_workers
 
     hf = save_model(tmp_path, arch)
     prompts = _prompts(hf.config.vocab_size)
-    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy())
+    got = generate_on_tp_workers(tmp_path, [{"prompt_token_ids": p} for p in prompts], _greedy(), size=tp, pp=pp)
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p)[0] for p in prompts]
 
 

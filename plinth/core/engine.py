@@ -1727,8 +1727,9 @@ def _state_slots(parts: Any) -> int:
 
     model = getattr(getattr(parts, "runner", None), "model", None)
     if model is not None:
-        return state_slots(model)
-    return min(parts.executor.apply_model(state_slots))
+        return state_slots(model) or 0
+    slots = [n for n in parts.executor.apply_model(state_slots) if n is not None]   # (stages without such layers:
+    return min(slots, default=0)                                                     # None)
 
 
 def _has_recurrent_state(parts: Any) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from plinth.distributed.communication import pp_recv, pp_send_async
 from plinth.distributed.parallel_state import ParallelLayout
-from plinth.worker.batching import FlatBatch
+from plinth.worker.batching import FlatBatch, StateCheckpoints
 from plinth.worker.model_runner import ModelRunner, SeqBatchEntry
 
 
@@ -62,7 +62,20 @@ def sub_batch(batch: FlatBatch, part: range) -> FlatBatch:
                      lora_slots=batch.lora_slots[a:b] if batch.lora_slots is not None else None,
                      num_logits=batch.num_logits[a:b] if batch.num_logits is not None else None,
                      rope_shift=batch.rope_shift[t0:t1] if batch.rope_shift is not None else None,
-                     state_rows=batch.state_rows[a:b] if batch.state_rows is not None else None)
+                     state_rows=batch.state_rows[a:b] if batch.state_rows is not None else None,
+                     state_checkpoints=_sub_checkpoints(batch.state_checkpoints, a, b))
+
+
+def _sub_checkpoints(c: StateCheckpoints | None, a: int, b: int) -> StateCheckpoints | None:
+    """The recurrent-state checkpoint work of sequences ``a .. b - 1``, their indices made relative to ``a``."""
+    if c is None:
+        return None
+    r = (c.restore_seqs >= a) & (c.restore_seqs < b)
+    w = (c.save_seqs >= a) & (c.save_seqs < b)
+    if not r.any() and not w.any():
+        return None
+    return StateCheckpoints(c.restore_seqs[r] - a, c.restore_slots[r], c.save_seqs[w] - a, c.save_offsets[w],
+                            c.save_slots[w])
 
 
 class PipelineStage:
@@ -98,9 +111,11 @@ class PipelineStage:
         hiddens: list[torch.Tensor] = []
         batch = FlatBatch.from_entries(entries)
         runner.load_adapters(batch)
+        runner.restore_states(batch)   # (models with recurrent state: each stage its own layers')
         try:
             for mb in split_microbatches(batch, layout.pp_size):
-                inputs = runner.prepare(sub_batch(batch, mb))
+                part = sub_batch(batch, mb)
+                inputs = runner.prepare(part)
                 runner.backend.prepare(inputs.metadata)
                 hidden = residual = None
                 if not layout.is_first_stage:
@@ -109,6 +124,7 @@ class PipelineStage:
                     hidden, residual = packed[0], packed[1]
                 hidden, residual = self.model.forward_stage(inputs.input_ids, inputs.positions, inputs.metadata,
                                                             hidden, residual)
+                runner.save_states(part)
                 if not layout.is_last_stage:
                     packed = torch.stack((hidden, residual))    # [2, T, H]
                     sends.append((pp_send_async(packed), packed))

@@ -334,12 +334,7 @@ class ModelRunner:
         if feed is not None and self.device.type == "cpu":   # the previous step's tokens are computed already
             batch = dataclasses.replace(batch, token_ids=feed.apply_on_host(batch.token_ids), feed=None)
             feed = None
-        checkpoints = batch.state_checkpoints
-        if checkpoints is not None and len(checkpoints.restore_seqs):   # before any layer (and a graph's replay)
-            assert batch.state_rows is not None
-            rows = batch.state_rows[checkpoints.restore_seqs]
-            self.model.ensure_state_rows(int(rows.max()) + 1)
-            self.model.recurrent_state.restore(self._on_device(rows), self._on_device(checkpoints.restore_slots))
+        self.restore_states(batch)   # before any layer (and a graph's replay)
         if self.graphs is not None and batch.decode_only and 0 < batch.num_seqs <= self.graphs.max_size:
             # [B, W] rows, 0-padded: the graph runners copy them as they copy lists of block ids
             # only the CUDA graph runner takes a feed: a CPU runner's fed tokens were filled in above
@@ -352,7 +347,7 @@ class ModelRunner:
                 extra["state_rows"] = batch.state_rows
             logits = self.graphs.run(batch.token_ids, batch.starts, batch.block_tables, **extra)
             if logits is not None:   # None: this batch runs eagerly (a runner that could not compile)
-                self._save_states(batch)
+                self.save_states(batch)
                 return logits, list(range(batch.num_seqs)), None
         inputs = self.prepare(batch)
         self.backend.prepare(inputs.metadata)
@@ -363,18 +358,32 @@ class ModelRunner:
                                 image_embeds=self.images.rows(batch.images))
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        self._save_states(batch)
+        self.save_states(batch)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return logits, inputs.sample_seqs, hidden
 
     def _on_device(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
 
-    def _save_states(self, batch: FlatBatch) -> None:
+    def restore_states(self, batch: FlatBatch) -> None:
+        """Before the layers: the sequences that start from a prefix-cache checkpoint's recurrent state take it."""
+        checkpoints = batch.state_checkpoints
+        if checkpoints is None or not len(checkpoints.restore_seqs) or not self._keeps_state():
+            return
+        assert batch.state_rows is not None
+        rows = batch.state_rows[checkpoints.restore_seqs]
+        self.model.ensure_state_rows(int(rows.max()) + 1)
+        self.model.recurrent_state.restore(self._on_device(rows), self._on_device(checkpoints.restore_slots))
+
+    def _keeps_state(self) -> bool:
+        """Whether this runner's layers keep recurrent state (a pipeline stage of attention layers keeps none)."""
+        return bool(getattr(self.model, "stage_has_state", False))
+
+    def save_states(self, batch: FlatBatch) -> None:
         """After the layers: the checkpoint saves at the end of a sequence's tokens of the step (copies of its state
         row; those inside a prompt chunk were made by the layers)."""
         checkpoints = batch.state_checkpoints
-        if checkpoints is None or not len(checkpoints.save_seqs):
+        if checkpoints is None or not len(checkpoints.save_seqs) or not self._keeps_state():
             return
         assert batch.state_rows is not None
         at_end = checkpoints.save_offsets == batch.q_lens[checkpoints.save_seqs]

@@ -457,9 +457,12 @@ class Mamba2Mixer(StatefulMixer):
         return y + x * self.D[:, None]
 
 
-def state_slots(model: Any) -> int:
-    """The prefix-cache checkpoint slots ``model``'s recurrent state has (0: none, or no such state)."""
+def state_slots(model: Any) -> int | None:
+    """The prefix-cache checkpoint slots ``model``'s recurrent state has (0: none, or no such state; ``None``: a
+    pipeline stage of such a model whose layers keep none, which bounds nothing)."""
     state = getattr(model, "recurrent_state", None)
+    if state is None and getattr(model, "has_recurrent_state", False) and not getattr(model, "stage_has_state", True):
+        return None
     return state.slots if state is not None else 0
 
 
@@ -703,6 +706,15 @@ class MambaStateMixin:
     def mamba_layers(self) -> list[StatefulMixer]:
         return [m for m in self.modules() if isinstance(m, StatefulMixer)]  # type: ignore[attr-defined]
 
+    @property
+    def stage_has_state(self) -> bool:
+        """Whether this process's layers keep state (under pipeline parallelism a stage may hold attention layers
+        only, and keeps none)."""
+        has = self.__dict__.get("_stage_has_state")
+        if has is None:
+            has = self.__dict__["_stage_has_state"] = bool(self.mamba_layers())
+        return has
+
     def recurrent_state_bytes(self, rows: int, slots: int = 0) -> int:
         """The bytes of every Mamba layer's state for ``rows`` sequences, the scratch row and ``slots`` checkpoint
         slots (before allocating them)."""
@@ -740,6 +752,8 @@ class MambaStateMixin:
 
     def ensure_state_rows(self, need: int) -> None:
         """Room for rows ``0 .. need - 1`` (grown, with a warning, past those allocated at start-up)."""
+        if not self.stage_has_state:
+            return
         if self.recurrent_state is None or need > self.recurrent_state.rows:
             have = self.recurrent_state.rows if self.recurrent_state is not None else 0
             nbytes = self.allocate_recurrent_state(max(need, 2 * have, 16))
@@ -752,7 +766,7 @@ class MambaStateMixin:
         if self.recurrent_state is not None:
             self.recurrent_state.first_row = None
         rows_cpu = metadata.state_rows_cpu
-        if not rows_cpu or not self.has_recurrent_state:
+        if not rows_cpu or not self.has_recurrent_state or not self.stage_has_state:
             return
         self.ensure_state_rows(max(rows_cpu) + 1)
         assert self.recurrent_state is not None
@@ -762,3 +776,11 @@ class MambaStateMixin:
         if fresh:
             assert metadata.state_rows is not None
             self.recurrent_state.reset(metadata.state_rows[fresh])
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                      hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pipeline stage (see :meth:`~plinth.model_registry.models.decoder.DecoderForCausalLM.forward_stage`),
+        after :meth:`begin_step`: each stage keeps the state of its own layers, in the same rows."""
+        self.begin_step(metadata)
+        return super().forward_stage(input_ids, positions, metadata, hidden, residual)  # type: ignore[misc]

@@ -556,7 +556,7 @@ class DecoderForCausalLM(CausalLM):
             return self.model.start_layer <= idx < self.model.end_layer or idx >= self.ctx.hf_config.num_hidden_layers
         if name.startswith("model.embed_tokens."):
             return self.model.embed_tokens is not None or (self.lm_head is not None and self.tie_word_embeddings)
-        if name.startswith("model.norm."):
+        if name.startswith(("model.norm.", "model.final_layernorm.")):   # (the final norm's two names)
             return self.model.norm is not None
         if name.startswith("lm_head."):
             return self.lm_head is not None

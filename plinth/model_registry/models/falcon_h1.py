@@ -71,7 +71,6 @@ class FalconH1ForCausalLM(MambaStateMixin, DecoderForCausalLM):
     ``input_layernorm``, ``pre_ff_layernorm``, ``model.final_layernorm``."""
 
     layer_class: ClassVar[type[nn.Module] | None] = FalconH1Layer
-    supports_pipeline_parallel: ClassVar[bool] = False
     config_biases: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias")
     #: none: the attention multipliers are folded into the base weights, which an adapter's product would miss
     lora_modules: ClassVar[tuple[str, ...]] = ()
@@ -79,9 +78,6 @@ class FalconH1ForCausalLM(MambaStateMixin, DecoderForCausalLM):
         **DecoderForCausalLM.packed_modules_mapping, ".final_layernorm.": (".norm.", None)}
 
     def __init__(self, ctx: ModelContext):
-        if ctx.pp_size > 1:
-            raise UnsupportedModelError("FalconH1ForCausalLM: pipeline parallelism is not supported for models with "
-                                        "Mamba layers yet")
         cfg = ctx.hf_config
         for key in ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "attention_in_multiplier",
                     "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier"):

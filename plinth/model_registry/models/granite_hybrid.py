@@ -95,13 +95,9 @@ class GraniteMoeHybridForCausalLM(MambaStateMixin, GraniteMoeForCausalLM):
     ``position_embedding_type`` is ``"rope"``."""
 
     layer_class: ClassVar[type[nn.Module] | None] = HybridDecoderLayer
-    supports_pipeline_parallel: ClassVar[bool] = False
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
 
     def __init__(self, ctx: ModelContext):
-        if ctx.pp_size > 1:
-            raise UnsupportedModelError("GraniteMoeHybridForCausalLM: pipeline parallelism is not supported for "
-                                        "models with Mamba layers yet")
         self.has_experts = int(getattr(ctx.hf_config, "num_local_experts", 0) or 0) > 0
         super().__init__(ctx)
         self.has_recurrent_state = self.config_has_recurrent_state(ctx.hf_config)

@@ -79,14 +79,10 @@ class JambaForCausalLM(MambaStateMixin, DecoderForCausalLM):
     dense ``gate_proj``/``up_proj``/``down_proj``, or ``router`` and ``experts.E.*``); ``model.final_layernorm``."""
 
     layer_class: ClassVar[type[nn.Module] | None] = JambaDecoderLayer
-    supports_pipeline_parallel: ClassVar[bool] = False
     lora_modules: ClassVar[tuple[str, ...]] = ()
     config_biases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ModelContext):
-        if ctx.pp_size > 1:
-            raise UnsupportedModelError("JambaForCausalLM: pipeline parallelism is not supported for models with "
-                                        "Mamba layers yet")
         super().__init__(ctx)
         self.has_recurrent_state = self.config_has_recurrent_state(ctx.hf_config)
 

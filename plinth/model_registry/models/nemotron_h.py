@@ -19,6 +19,7 @@ from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.distributed.communication import tp_all_reduce
+from plinth.distributed.parallel_state import pp_layer_range
 from plinth.errors import ModelLoadError, UnsupportedModelError
 from plinth.model_registry.interface import CausalLM, ModelContext
 from plinth.model_registry.layers.embedding import LMHead, VocabEmbedding
@@ -30,13 +31,14 @@ from plinth.model_registry.layers.linear import (
     divide,
 )
 from plinth.model_registry.layers.mamba import Mamba1Mixer, Mamba2Mixer, MambaStateMixin
-from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention
+from plinth.model_registry.models.decoder import AttentionOptions, DecoderAttention, MissingLayer
 from plinth.model_registry.models.deepseek import Float32Router, grouped_route
 
 #: block kinds (``layers_block_type``; transformers 5 writes ``linear_attention`` and ``full_attention``)
 _KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
           "mlp": "mlp", "moe": "moe"}
 #: per-expert checkpoint tensors of a Nemotron-H mixture-of-experts block
+_BLOCK = re.compile(r"^backbone\.layers\.(?P<idx>\d+)\.")
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up|down)_proj\.weight$")
 
 
@@ -201,13 +203,36 @@ class MixerBlock(nn.Module):
 
 
 class Backbone(nn.Module):
+    """The embeddings, blocks and final norm; under pipeline parallelism this stage's blocks only (the others
+    :class:`~plinth.model_registry.models.decoder.MissingLayer`), the embeddings on the first stage, the final norm
+    on the last."""
+
     def __init__(self, ctx: ModelContext, kinds: list[str], mamba: dict[str, Any], eps: float,
                  mlp: tuple[int, str, bool] | None):
         super().__init__()
         cfg = ctx.hf_config
-        self.embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
-        self.layers = nn.ModuleList(MixerBlock(ctx, i, kind, mamba, eps, mlp) for i, kind in enumerate(kinds))
-        self.norm_f = RMSNorm(cfg.hidden_size, eps=eps)
+        self.start_layer, self.end_layer = pp_layer_range(len(kinds), ctx.pp_rank, ctx.pp_size)
+        self.is_last_stage = ctx.pp_rank == ctx.pp_size - 1
+        self.embeddings = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+                           if ctx.pp_rank == 0 else None)
+        self.layers = nn.ModuleList(MixerBlock(ctx, i, kind, mamba, eps, mlp)
+                                    if self.start_layer <= i < self.end_layer else MissingLayer()
+                                    for i, kind in enumerate(kinds))
+        self.norm_f = RMSNorm(cfg.hidden_size, eps=eps) if self.is_last_stage else None
+
+    def run_stage(self, input_ids: torch.Tensor, metadata: AttentionMetadata, hidden: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's blocks (see :meth:`~plinth.model_registry.models.decoder.DecoderModel.run_stage`)."""
+        if self.embeddings is not None:
+            hidden = self.embeddings(input_ids)
+        assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
+        for i in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[i](hidden, residual, metadata)
+        if self.norm_f is None:
+            assert residual is not None
+            return hidden, residual
+        hidden, _ = self.norm_f(hidden, residual)
+        return hidden, None
 
 
 class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
@@ -215,22 +240,21 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v")}
-    supports_pipeline_parallel: ClassVar[bool] = False
+    #: stages are built and run one at a time (:meth:`forward_stage`)
+    supports_pipeline_parallel: ClassVar[bool] = True
     lora_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)
         cfg = ctx.hf_config
-        if ctx.pp_size > 1:
-            raise UnsupportedModelError(f"{type(self).__name__}: pipeline parallelism is not supported for models "
-                                        "with Mamba layers yet")
         self.backbone = Backbone(ctx, self.block_kinds(cfg), self.mamba_options(cfg), self.norm_eps(cfg),
                                  self.mlp_options(cfg))
         self.tie_word_embeddings = self.ties_embeddings(cfg)
         self.has_recurrent_state = self.config_has_recurrent_state(cfg)
+        # a last stage without the embeddings reads the tied matrix into its own LM head
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tie_to=self.backbone.embeddings if self.tie_word_embeddings else None,
-                              tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+                              tp_rank=ctx.tp_rank, tp_size=ctx.tp_size) if self.backbone.is_last_stage else None
 
     @classmethod
     def block_kinds(cls, cfg: Any) -> list[str]:
@@ -260,6 +284,11 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
             name = "backbone." + name[len("model."):]
         if self.tie_word_embeddings and name == "lm_head.weight":
             return None
+        if self.ctx.pp_size > 1:
+            if self.tie_word_embeddings and self.backbone.embeddings is None and name == "backbone.embeddings.weight":
+                return ("lm_head.weight", None) if self.lm_head is not None else None
+            if not self._on_this_stage(name):
+                return None
         m = _EXPERT_TENSOR.match(name)
         if m is not None:
             return f"{m['prefix']}.{m['proj']}_weight", int(m["expert"])
@@ -271,17 +300,38 @@ class MambaBackboneForCausalLM(MambaStateMixin, CausalLM):
             return f"{param_name.rsplit('.', 1)[0]}.{shard_id}.{proj}_proj.weight"
         return super().checkpoint_name(param_name, shard_id)
 
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` (``backbone.`` names) belongs to this pipeline stage's modules (a block
+        that no stage holds goes on, to be refused as unknown)."""
+        b = self.backbone
+        m = _BLOCK.match(name)
+        if m is not None:
+            idx = int(m["idx"])
+            return b.start_layer <= idx < b.end_layer or idx >= len(b.layers)
+        if name.startswith("backbone.embeddings."):
+            return b.embeddings is not None
+        if name.startswith("backbone.norm_f."):
+            return b.norm_f is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 image_embeds: Any = None) -> torch.Tensor:
         self.begin_step(metadata)
-        hidden = self.backbone.embeddings(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.backbone.layers:
-            hidden, residual = layer(hidden, residual, metadata)
-        hidden, _ = self.backbone.norm_f(hidden, residual)
+        hidden, _ = self.backbone.run_stage(input_ids, metadata, None, None)
         return hidden
 
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                      hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pipeline stage: the first embeds ``input_ids``, later ones go on from the previous stage's ``(hidden,
+        residual)``; the last returns the normed final states (and ``None``). Each keeps its own blocks' state."""
+        self.begin_step(metadata)
+        return self.backbone.run_stage(input_ids, metadata, hidden, residual)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden).float()
 
 

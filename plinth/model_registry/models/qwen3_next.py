@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
-from plinth.errors import UnsupportedModelError
 from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.gated_delta import GatedDeltaNetMixer
 from plinth.model_registry.layers.layernorm import GemmaRMSNorm
@@ -92,15 +91,11 @@ class Qwen3NextForCausalLM(MambaStateMixin, Qwen2MoeForCausalLM):
     ``mlp.experts.E.*``, ``mlp.shared_expert.*``, ``mlp.shared_expert_gate`` (or a dense ``mlp.*``)."""
 
     layer_class: ClassVar[type[nn.Module] | None] = Qwen3NextDecoderLayer
-    supports_pipeline_parallel: ClassVar[bool] = False
     partial_rotary: ClassVar[bool] = True
     lora_modules: ClassVar[tuple[str, ...]] = ()
     config_biases: ClassVar[tuple[str, ...]] = ("attention_bias",)
 
     def __init__(self, ctx: ModelContext):
-        if ctx.pp_size > 1:
-            raise UnsupportedModelError(f"{type(self).__name__}: pipeline parallelism is not supported for models "
-                                        "with linear-attention layers yet")
         super().__init__(ctx)
         self.has_recurrent_state = self.config_has_recurrent_state(ctx.hf_config)
 
