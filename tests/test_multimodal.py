@@ -232,6 +232,25 @@ def test_new_weights_reach_the_image_encoder(llava, tmp_path):
         llm.update_weights({"multi_modal_projector.linear_3.weight": torch.ones(4, 4)})
 
 
+def test_new_weights_on_pipeline_stages(llava, tmp_path):
+    """Two pipeline stages: the first stage's image encoder takes the new vision tower and projector tensors, the
+    second (no encoder) its layers' and passes over the encoder's; the tokens then equal a one-process engine's on
+    the new checkpoint."""
+    _save_llava(tmp_path / "other", seed=7)
+    prompts = [{"prompt": "The <image> fox", "multi_modal_data": {"image": _picture(21)}}, {"prompt": "A fox"}]
+    fresh = LLM(str(tmp_path / "other"), dtype="float32", platform="cpu", block_size=4, selection="off")
+    want = [o.outputs[0].token_ids for o in fresh.generate(prompts, _greedy(logprobs=None))]
+    fresh.close()
+    llm = LLM(str(llava[0]), dtype="float32", platform="cpu", block_size=4, selection="off",
+              pipeline_parallel_size=2, distributed_executor="mp")
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(logprobs=None))] != want
+        assert llm.update_weights(str(tmp_path / "other")) == len(safe_names(tmp_path / "other"))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(logprobs=None))] == want
+    finally:
+        llm.close()
+
+
 def safe_names(path):
     from safetensors import safe_open
 
@@ -514,19 +533,18 @@ def test_refusals(llava, llm, tiny_llama_dir, tmp_path):
         text_only.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img}]}])
 
 
-def test_tensor_parallel_workers_encode_the_image(llava, llm):
-    """Two worker processes (tensor parallelism): each encodes the image (the batch carries its pixels) and the
-    tokens equal the single-process engine's; pipeline parallelism is refused at start."""
-    from plinth.config import ConfigError
-
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tensor_parallel", "pipeline_stages"])
+def test_worker_processes_encode_the_image(tp, pp, llava, llm):
+    """Two worker processes: as tensor-parallel ranks each encodes the image (the batch carries its pixels); as two
+    pipeline stages the first encodes it, in each micro-batch that holds image rows. The tokens equal the
+    single-process engine's."""
     path = str(llava[0])
     prompts = [{"prompt": "The <image> quick brown", "multi_modal_data": {"image": _picture(12)}},
-               {"prompt": "<image> Paris <image>", "multi_modal_data": {"image": [_picture(13), _picture(12)]}}]
+               {"prompt": "<image> Paris <image>", "multi_modal_data": {"image": [_picture(13), _picture(12)]}},
+               {"prompt": "No picture here"}]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(logprobs=None))]
-    got = generate_on_tp_workers(path, prompts, _greedy(logprobs=None))
+    got = generate_on_tp_workers(path, prompts, _greedy(logprobs=None), size=tp, pp=pp)
     assert [o.outputs[0].token_ids for o in got] == want
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
-        LLM(path, dtype="float32", platform="cpu", pipeline_parallel_size=2, distributed_executor="mp")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -211,14 +211,16 @@ def test_original_layout_checkpoint_and_bad_input(qwen2, tmp_path):
         llm.llm_engine.add_request("bad", f"x {IMAGE} {IMAGE}", _greedy(), multi_modal_data={"image": img})
 
 
-def test_tensor_parallel_workers_take_the_rope_shift(qwen2):
-    """Two worker processes (tensor parallelism): the batch carries each token's rotary shift and each image's
-    positions to the workers; tokens equal transformers'."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tensor_parallel", "pipeline_stages"])
+def test_worker_processes_take_the_rope_shift(tp, pp, qwen2):
+    """Two worker processes (tensor-parallel ranks, or two pipeline stages: the first encodes the images, the second
+    takes their rows' positions): the batch carries each token's rotary shift and each image's positions to the
+    workers; tokens equal transformers'."""
     path, model, processor, _ = qwen2
     a, b = _picture(8), _picture(9, (30, 60))
     prompts = [{"prompt": f"The {IMAGE} quick brown", "multi_modal_data": {"image": a}},
                {"prompt": f"{IMAGE} Paris {IMAGE}", "multi_modal_data": {"image": [b, a]}}]
-    got = generate_on_tp_workers(path, prompts, _greedy(logprobs=None))
+    got = generate_on_tp_workers(path, prompts, _greedy(logprobs=None), size=tp, pp=pp)
     for out, images in zip(got, [[a], [b, a]], strict=True):
         assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
 

@@ -63,7 +63,9 @@ def sub_batch(batch: FlatBatch, part: range) -> FlatBatch:
                      num_logits=batch.num_logits[a:b] if batch.num_logits is not None else None,
                      rope_shift=batch.rope_shift[t0:t1] if batch.rope_shift is not None else None,
                      state_rows=batch.state_rows[a:b] if batch.state_rows is not None else None,
-                     state_checkpoints=_sub_checkpoints(batch.state_checkpoints, a, b))
+                     state_checkpoints=_sub_checkpoints(batch.state_checkpoints, a, b),
+                     images=[(row - t0, *rest) for row, *rest in batch.images if t0 <= row < t1] or None
+                     if batch.images else None)
 
 
 def _sub_checkpoints(c: StateCheckpoints | None, a: int, b: int) -> StateCheckpoints | None:
@@ -95,6 +97,19 @@ class PipelineStage:
         self.hidden_size = hidden_size
         self.dtype = dtype
 
+    def _image_inputs(self, part: FlatBatch) -> tuple[torch.Tensor | None, ...]:
+        """A micro-batch's image rows: the first stage encodes them (their embeddings replace the token
+        embeddings); later stages take the rows and, for a multimodal RoPE, their positions."""
+        from plinth.multimodal.runner import image_rows_without_embeddings
+
+        assert part.images
+        if self.layout.is_first_stage:
+            if self.runner.images is None:
+                raise RuntimeError("a batch with image inputs reached a first stage without an image encoder")
+            return self.runner.images.rows(part.images)
+        rows, *positions = image_rows_without_embeddings(part.images, self.runner.device)
+        return rows, None, *positions
+
     @torch.inference_mode()
     def execute(self, entries: Sequence[SeqBatchEntry] | FlatBatch) -> tuple[torch.Tensor | None, list[int],
                                                                               list[torch.Tensor]]:
@@ -122,8 +137,9 @@ class PipelineStage:
                     t = inputs.metadata.num_tokens
                     packed = pp_recv((2, t, self.hidden_size), self.dtype, runner.device)   # [2, T, H]
                     hidden, residual = packed[0], packed[1]
+                extra = {"image_embeds": self._image_inputs(part)} if part.images else {}
                 hidden, residual = self.model.forward_stage(inputs.input_ids, inputs.positions, inputs.metadata,
-                                                            hidden, residual)
+                                                            hidden, residual, **extra)
                 runner.save_states(part)
                 if not layout.is_last_stage:
                     packed = torch.stack((hidden, residual))    # [2, T, H]

@@ -157,7 +157,9 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         model = load_model(self.source, ctx, seed=self.config.model.seed)
         model.eval()
-        self._images = image_features(self.source, model, self.dtype, self.device, self.config.model.seed)
+        # (the first pipeline stage embeds the images: later stages take only their rows and positions)
+        self._images = (image_features(self.source, model, self.dtype, self.device, self.config.model.seed)
+                        if lay.pp_rank == 0 else None)
         enable_lora_for(model, self.config)
         allocate_recurrent_state(model, self.config, self.platform, self.device)
         self._model, self._backend = model, backend
@@ -393,6 +395,11 @@ class Worker:
                             f"({type(exc).__name__}: {exc}); return plain values or CPU tensors") from None
         return result
 
+    @property
+    def _encoder_elsewhere(self) -> bool:
+        """Whether the model takes images that another stage encodes (a later pipeline stage)."""
+        return self.layout.pp_rank > 0 and getattr(self.source, "mm_config", None) is not None
+
     def update_weights(self, weights: list[tuple[str, torch.Tensor]] | None, phase: str) -> int:
         """New values for this rank's shard of the weights (see ``Executor.update_weights``), in two calls:
         ``"check"`` with the tensors (kept here), then ``"write"`` (``weights`` None: those kept) once every rank
@@ -401,13 +408,14 @@ class Worker:
 
         if phase == "check":
             self._staged_weights = None
-            update_weights(self._model, weights or [], "check", self._images)   # (host tensors: each loader copies its part)
+            update_weights(self._model, weights or [], "check", self._images,   # (host tensors: each loader copies
+                           encoder_elsewhere=self._encoder_elsewhere)                # its part)
             self._staged_weights = weights
             return len(weights or ())
         staged, self._staged_weights = self._staged_weights, None
         if staged is None:
             raise RuntimeError("a weight update's write came without its check")
-        count = update_weights(self._model, staged, "write", self._images)
+        count = update_weights(self._model, staged, "write", self._images, encoder_elsewhere=self._encoder_elsewhere)
         self._sync()
         return count
 

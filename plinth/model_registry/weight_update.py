@@ -75,11 +75,12 @@ def _mode(model: Any, mode: str) -> Iterator[None]:
 
 
 def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]], phase: str | None = None,
-                   images: Any = None) -> int:
+                   images: Any = None, encoder_elsewhere: bool = False) -> int:
     """Copy ``pairs`` (checkpoint names and tensors, any subset of the model's, as :func:`weight_pairs` gives them)
     into ``model``'s parameters; the number of tensors given. ``images``: the runner's image encoder
     (:class:`~plinth.multimodal.runner.ImageFeatures`), which takes the vision tower's and projector's tensors (and
-    forgets the images it encoded with the old ones).
+    forgets the images it encoded with the old ones); ``encoder_elsewhere``: this process has no image encoder of the
+    model's (a later pipeline stage), so such tensors are not its to check or write.
 
     Every name is mapped and every dtype and shape checked before anything is written (``phase``: ``"check"`` or
     ``"write"`` alone, for ranks that must all pass the check before any writes; ``None``: both). A model's own
@@ -96,10 +97,11 @@ def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]]
     if not pairs:
         return 0
     encoder_pairs: list[tuple[str, torch.Tensor]] = []
-    if images is not None:   # the vision tower's and projector's tensors go to the image encoder
+    given = len(pairs)
+    if images is not None or encoder_elsewhere:   # the vision tower's and projector's tensors go to the image encoder
         from plinth.multimodal.vision import ENCODER_PREFIXES
 
-        encoder_pairs = [(n, t) for n, t in pairs if n.startswith(ENCODER_PREFIXES)]
+        encoder_pairs = [(n, t) for n, t in pairs if n.startswith(ENCODER_PREFIXES)] if images is not None else []
         pairs = [(n, t) for n, t in pairs if not n.startswith(ENCODER_PREFIXES)]
     with torch.no_grad():
         if phase in (None, "check"):   # everything checked before anything is written
@@ -118,7 +120,7 @@ def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]]
                 except ModelLoadError as exc:
                     raise ModelLoadError(f"{exc} (the tensors before it were written: update again with tensors "
                                          "that fit)") from exc
-    return len(pairs) + len(encoder_pairs)
+    return given
 
 
 def weight_pairs(weights: Any) -> list[tuple[str, torch.Tensor]]:

@@ -101,14 +101,8 @@ class ImageFeatures:
         features = self.embeddings([item for _, _, item, _ in image_rows])
         values = torch.cat([f[first:first + count] for f, (_, count, _, first) in zip(features, image_rows,
                                                                                      strict=True)])
-        rows = torch.tensor(list(itertools.chain.from_iterable(range(row, row + count)
-                                                              for row, count, _, _ in image_rows)),
-                            dtype=torch.int64).to(self.device, non_blocking=True)
-        if image_rows[0][2].rope is None:
-            return rows, values
-        positions = torch.from_numpy(np.concatenate([item.rope[first:first + count]
-                                                     for _, count, item, first in image_rows]))
-        return rows, values, positions.to(self.device, non_blocking=True)
+        rows, *positions = image_rows_without_embeddings(image_rows, self.device)
+        return rows, values, *positions
 
     @torch.inference_mode()
     def profile(self, max_model_len: int, image_patches: int | None = None) -> None:
@@ -133,6 +127,20 @@ class ImageFeatures:
         """Drop the kept embeddings (new weights)."""
         self._cache.clear()
         self._bytes = 0
+
+
+def image_rows_without_embeddings(image_rows: Sequence[ImageRows], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(rows [K] int64,)`` the flat batch's rows of image positions, and for a multimodal RoPE (Qwen2-VL) their
+    ``[K, 3]`` rotary positions too: what a pipeline stage after the first needs of a step's images (the first
+    stage embeds them)."""
+    rows = torch.tensor(list(itertools.chain.from_iterable(range(row, row + count)
+                                                          for row, count, _, _ in image_rows)),
+                        dtype=torch.int64).to(device, non_blocking=True)
+    if image_rows[0][2].rope is None:
+        return (rows,)
+    positions = torch.from_numpy(np.concatenate([item.rope[first:first + count]
+                                                 for _, count, item, first in image_rows]))
+    return rows, positions.to(device, non_blocking=True)
 
 
 def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ImageFeatures | None:

@@ -303,9 +303,6 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     if executor_name != "uniproc" or executor_factory is not None:
         from plinth.distributed.driver import build_distributed_parts
 
-        if config.parallel.pipeline_parallel_size > 1:
-            _refuse_images_with_pipeline(config)
-
         return dataclasses.replace(build_distributed_parts(config, platform, executor_name, executor_factory),
                                    config=config)
     platform.set_device(0)   # the CPU platform sizes its thread pool here
@@ -473,20 +470,6 @@ def image_features(source: Any, model: Any, dtype: torch.dtype, device: torch.de
     from plinth.multimodal.runner import load_image_features
 
     return load_image_features(source, dtype, device, seed)
-
-
-def _refuse_images_with_pipeline(config: EngineConfig) -> None:
-    """Image inputs are embedded on the first pipeline stage only, which plinth does not do yet.
-
-    Raises:
-        ConfigError: an image-and-text checkpoint whose images plinth encodes, with pipeline parallelism.
-    """
-    from plinth.config import ConfigError
-    from plinth.model_registry.loader import resolve_model_source
-
-    if resolve_model_source(config.model).mm_config is not None:
-        raise ConfigError("image inputs do not run with pipeline parallelism (--pipeline-parallel-size): use tensor "
-                          "parallelism for this model")
 
 
 def _load_draft(config: EngineConfig, platform: Any, device: torch.device, dtype: torch.dtype, target_hf: Any,

@@ -570,10 +570,12 @@ class DecoderForCausalLM(CausalLM):
         return self.model(input_ids, positions, metadata, image_embeds)
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                      hidden: torch.Tensor | None = None,
-                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pipeline stage: see :meth:`DecoderModel.run_stage`."""
-        return self.model.run_stage(input_ids, positions, metadata, hidden, residual)
+                      hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                      image_embeds: tuple[torch.Tensor | None, ...] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pipeline stage: see :meth:`DecoderModel.run_stage` (``image_embeds``: the first stage's rows and
+        embeddings; a later stage's rows and, for a multimodal RoPE, their positions, the embeddings ``None``)."""
+        return self.model.run_stage(input_ids, positions, metadata, hidden, residual, image_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
