@@ -204,8 +204,8 @@ class ModelConfig:
         logits_processors: custom logits processors (:mod:`plinth.core.logits_processors`), in the order they
             run: names plugins register, ``"package.module:Class"`` references or the classes themselves (kept
             as a tuple).
-        limit_mm_per_prompt: the most images a prompt of an image-and-text model may carry (``{"image": N}`` or its
-            JSON text; default 16).
+        limit_mm_per_prompt: the most images and videos a prompt of an image-and-text model may carry (``{"image":
+            N, "video": M}`` or its JSON text; default 16 images and 4 videos; kept as that dict).
         allowed_local_media_path: a directory whose files ``file://`` image URLs may name (default: none).
         allowed_media_domains: hosts whose ``http(s)://`` image URLs are fetched, with their subdomains (``*``: any;
             default: none, so only data URLs are taken).
@@ -245,12 +245,13 @@ class ModelConfig:
         """``limit_mm_per_prompt`` as its image count, ``allowed_media_domains`` as a tuple of lower-case hosts."""
         limit = _json_text("limit_mm_per_prompt", self.limit_mm_per_prompt)
         if limit is not None:
-            if not isinstance(limit, dict) or set(limit) - {"image"}:
-                raise ConfigError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}} (images are "
-                                  f"the only inputs besides text), got {self.limit_mm_per_prompt!r}")
-            limit = limit.get("image")
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-                raise ConfigError(f"limit_mm_per_prompt's image count must be an integer >= 0, got {limit!r}")
+            if not isinstance(limit, dict) or set(limit) - {"image", "video"}:
+                raise ConfigError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4, \"video\": 1}} "
+                                  f"(images and videos are the inputs besides text), got {self.limit_mm_per_prompt!r}")
+            for kind, count in limit.items():
+                if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                    raise ConfigError(f"limit_mm_per_prompt's {kind} count must be an integer >= 0, got {count!r}")
+            limit = {"image": limit.get("image"), "video": limit.get("video")}
         object.__setattr__(self, "limit_mm_per_prompt", limit)
         domains = self.allowed_media_domains
         if isinstance(domains, str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -21,12 +22,18 @@ from plinth.multimodal.mrope import image_positions, layout
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
-SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-        "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+        "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif p['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
         "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+#: the tests' video processor settings (as transformers' Qwen2VLVideoProcessor saves them): frames of 4 to 80 merged
+#: 8-pixel squares
+VIDEO_PROCESSOR = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 4, "temporal_patch_size": 2,
+                   "merge_size": 2, "size": {"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 80}}
 
 
 def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
@@ -37,7 +44,7 @@ def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
 def _save_qwen_vl(path, version: str = "2", seed: int = 0, tie: bool = False):
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    start, pad, end = tok.convert_tokens_to_ids(SPECIAL)
+    start, pad, end, video = tok.convert_tokens_to_ids(SPECIAL)
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, eos_token_id=tok.eos_token_id,
@@ -46,15 +53,15 @@ def _save_qwen_vl(path, version: str = "2", seed: int = 0, tie: bool = False):
     if version == "2":
         vision = dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
         cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
-                                         vision_start_token_id=start, vision_end_token_id=end,
-                                         tie_word_embeddings=tie)
+                                         video_token_id=video, vision_start_token_id=start,
+                                         vision_end_token_id=end, tie_word_embeddings=tie)
         cls = transformers.Qwen2VLForConditionalGeneration
     else:   # windows of 2x2 merged patches; the second block attends over the whole image
         vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=16,
                       fullatt_block_indexes=[1])
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
-                                            vision_start_token_id=start, vision_end_token_id=end,
-                                            tie_word_embeddings=tie)
+                                            video_token_id=video, vision_start_token_id=start,
+                                            vision_end_token_id=end, tie_word_embeddings=tie)
         cls = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     model = decisive_weights(cls(cfg).eval())
@@ -66,6 +73,7 @@ def _save_qwen_vl(path, version: str = "2", seed: int = 0, tie: bool = False):
     processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
                                          size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 80})
     processor.save_pretrained(path)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
     return model, processor, tok
 
 
@@ -81,14 +89,30 @@ def qwen25(tmp_path_factory):
     return (path, *_save_qwen_vl(path, "2.5", seed=1))
 
 
-def _reference(model, processor, ids, images, steps=6):
-    """transformers' greedy tokens and each step's log-probabilities for an expanded prompt and its images."""
+def _reference(model, processor, ids, images, steps=6, videos=()):
+    """transformers' greedy tokens and each step's log-probabilities for an expanded prompt and its images and videos
+    (``(frames, fps or None)``; their patches as plinth makes them, which equal transformers' video processor's:
+    see ``test_video_patches_equal_transformers_video_processor``)."""
     input_ids = torch.tensor([ids])
-    extra = {}
+    extra: dict = {}
     if images:
         out = processor(images=images, return_tensors="pt")
-        extra = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
-                     mm_token_type_ids=(input_ids == model.config.image_token_id).int())
+        extra = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+    if videos:
+        from plinth.multimodal import video as v
+
+        size = VIDEO_PROCESSOR["size"]
+        cfg = v.video_settings(model.config, None, {"video_min_pixels": size["shortest_edge"],
+                                                    "video_max_pixels": size["longest_edge"]})
+        made = [v.patches(cfg, v.Video(frames, fps)) for frames, fps in videos]
+        extra.update(pixel_values_videos=torch.cat([p for p, _ in made]),
+                     video_grid_thw=torch.tensor([g for _, g in made]))
+        if model.config.model_type == "qwen2_5_vl":   # (the processor's float32 seconds a frame group)
+            extra["second_per_grid_ts"] = torch.tensor([cfg.temporal / (fps or v.DEFAULT_FPS) for _, fps in videos],
+                                                       dtype=torch.float32)
+    if images or videos:
+        extra["mm_token_type_ids"] = ((input_ids == model.config.image_token_id).int()
+                                      + 2 * (input_ids == model.config.video_token_id).int())
     with torch.no_grad():
         gen = model.generate(input_ids=input_ids, max_new_tokens=steps, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, **extra)
@@ -99,8 +123,8 @@ def _greedy(steps=6, logprobs=5):
     return SamplingParams(max_tokens=steps, temperature=0.0, logprobs=logprobs, ignore_eos=True)
 
 
-def _check(out, model, processor, images, steps=6):
-    tokens, logprobs = _reference(model, processor, out.prompt_token_ids, images, steps)
+def _check(out, model, processor, images, steps=6, videos=()):
+    tokens, logprobs = _reference(model, processor, out.prompt_token_ids, images, steps, videos)
     assert out.outputs[0].token_ids == tokens
     for step, ref in zip(out.outputs[0].logprobs, logprobs, strict=True):
         for tid, lp in step.items():
@@ -291,12 +315,13 @@ def test_images_encoded_together_equal_alone(qwen25, monkeypatch):
     together = [e.clone() for e in features.embeddings(items)]
     features.clear()
     monkeypatch.setattr(runner_mod, "MAX_PATCHES", 1)   # every image alone
-    assert [len(g) for g in runner_mod._patch_groups(items)] == [1, 1, 1, 1]
+    pieces = [piece for item in items for piece in runner_mod._pieces(item)]
+    assert [len(g) for g in runner_mod._patch_groups(pieces)] == [1, 1, 1, 1]
     alone = features.embeddings(items)
     for a, b in zip(together, alone, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(runner_mod, "MAX_PATCHES", len(items[0].pixel_values) + len(items[1].pixel_values))
-    assert [len(g) for g in runner_mod._patch_groups(items)][0] == 2
+    assert [len(g) for g in runner_mod._patch_groups(pieces)][0] == 2
 
 
 @pytest.mark.parametrize("version", ["2", "2.5"])
@@ -518,3 +543,172 @@ def test_mm_processor_kwargs_per_prompt(qwen2):
                       {"merge_size": 1}})
     with pytest.raises(ValueError, match="give them in 'multi_modal_data'"):
         llm.generate({"prompt": "a", "mm_processor_kwargs": {"max_pixels": 1024}})
+
+
+def _video(seed: int, frames: int = 5, size: tuple[int, int] = (40, 52)) -> np.ndarray:
+    """``[frames, H, W, 3]`` uint8: a random first frame drifting a little each frame."""
+    rng = np.random.default_rng(seed)
+    first = rng.random((*size, 3)) * 200
+    return np.stack([(first + 10 * i + rng.random((*size, 3)) * 30).clip(0, 255) for i in range(frames)]).astype(
+        "uint8")
+
+
+@pytest.mark.parametrize("fixture", ["qwen2", "qwen25"])
+def test_video_tokens_and_logprobs_equal_transformers(fixture, request):
+    """A video (5 frames: the last repeated to 3 groups of 2) beside an image in one prompt, a second prompt with two
+    videos, one given as PIL frames with its frame rate, prefilled in chunks of 16 tokens: the video token widened to
+    the merged patches of all its groups, the frame groups' rotary time positions (Qwen2-VL one a group; Qwen2.5-VL
+    ``tokens_per_second`` a second, at 2 frames a second or, without a rate, 24), and greedy tokens and every step's
+    log-probabilities equal transformers' on the same patches."""
+    path, model, processor, _ = request.getfixturevalue(fixture)
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_num_batched_tokens=16,
+              enable_chunked_prefill=True, max_model_len=512)
+    img, clip, other = _picture(30), _video(31), _video(32, frames=4, size=(24, 40))
+    prompts = [{"prompt": f"A {IMAGE} then {VIDEO} end", "multi_modal_data": {"image": img, "video": clip}},
+               {"prompt": f"{VIDEO} and {VIDEO}",
+                "multi_modal_data": {"video": [([Image.fromarray(f) for f in other], {"fps": 2.0}), clip]}}]
+    outs = llm.generate(prompts, _greedy())
+    assert outs[0].prompt_token_ids.count(model.config.video_token_id) == 3 * 5 * 6   # 3 groups of 5x6 merged
+    _check(outs[0], model, processor, [img], videos=[(clip, None)])
+    _check(outs[1], model, processor, [], videos=[(other, 2.0), (clip, None)])
+
+
+def test_video_patches_equal_transformers_video_processor():
+    """plinth's frames-to-patches (resize, rescale, normalize, the last frame repeated, the patch layout) equals
+    transformers' ``Qwen2VLVideoProcessor``, value for value (it needs torchvision, which plinth does not)."""
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from plinth.multimodal import video as v
+
+    for frames, size in [(3, (37, 53)), (4, (48, 40)), (6, (120, 90))]:
+        clip = _video(frames, frames, size)
+        proc = Qwen2VLVideoProcessor(**{k: val for k, val in VIDEO_PROCESSOR.items() if k != "video_processor_type"})
+        out = proc(videos=[clip], return_tensors="pt", cap_pixels_per_frame=False)
+        cfg = v.VideoSettings(patch=4, temporal=2, merge=2, min_pixels=8 * 8 * 4, max_pixels=8 * 8 * 80)
+        patches, grid = v.patches(cfg, v.Video(clip))
+        assert grid == tuple(out["video_grid_thw"][0].tolist())
+        assert torch.equal(patches, out["pixel_values_videos"])
+
+
+def test_video_patch_layout_equals_the_image_processors():
+    """Without torchvision: a video of two equal frames that need no resizing is one frame group whose patches are
+    the image processor's patches of that frame (the image processor repeats an image over the group); a third frame
+    makes a second group of it repeated."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from plinth.multimodal import video as v
+
+    frame = _video(40, 1, (32, 48))[0]
+    proc = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                    size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 80})
+    want = proc(images=[Image.fromarray(frame)], return_tensors="pt")["pixel_values"]
+    cfg = v.VideoSettings(patch=4, temporal=2, merge=2, min_pixels=8 * 8 * 4, max_pixels=8 * 8 * 80)
+    patches, grid = v.patches(cfg, v.Video(np.stack([frame, frame])))
+    assert grid == (1, 8, 12)
+    torch.testing.assert_close(patches, want, atol=1e-6, rtol=1e-6)
+    patches, grid = v.patches(cfg, v.Video(np.stack([frame, frame, frame])))
+    assert grid == (2, 8, 12)
+    torch.testing.assert_close(patches, torch.cat([want, want]), atol=1e-6, rtol=1e-6)
+
+
+def test_long_video_encodes_in_runs_of_frame_groups(qwen25, monkeypatch):
+    """A video of more patches than a pass takes is encoded a few frame groups at a time (the vision tower attends
+    within a group): the embeddings equal the whole video's."""
+    import plinth.multimodal.runner as runner_mod
+
+    llm = LLM(str(qwen25[0]), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=512)
+    support, features = llm.llm_engine.images, llm.llm_engine.runner.images
+    _, items = support.items([support.video_token_id], {"video": _video(41, frames=8)})
+    whole = features.embeddings(items)[0].clone()
+    features.clear()
+    monkeypatch.setattr(runner_mod, "MAX_PATCHES", 2 * 10 * 12)   # two of the four groups a pass
+    assert [p[2] for p in runner_mod._pieces(items[0])] == [(2, 10, 12), (2, 10, 12)]
+    torch.testing.assert_close(features.embeddings(items)[0], whole, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_videos_are_refused(qwen2):
+    """Frames of different sizes, a float array, an empty list, a bad frame rate, a video token without a video,
+    more videos than placeholders or than the limit, and a video for a model that takes none: clear errors."""
+    path = qwen2[0]
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off",
+              limit_mm_per_prompt={"image": 2, "video": 1})
+    clip = _video(50)
+    cases = [
+        ({"video": [clip[0], clip[1][:20]]}, f"x {VIDEO}", "frames have one size"),
+        ({"video": clip.astype("float32")}, f"x {VIDEO}", r"\[frames, H, W, 3\] uint8"),
+        ({"video": []}, f"x {VIDEO}", "a video is a list of frames"),
+        ({"video": (clip, {"fps": 0})}, f"x {VIDEO}", "fps must be a positive number"),
+        ({"video": clip}, f"x {VIDEO} {VIDEO}", r"names 2 video\(s\)"),
+        ({"video": [clip, clip]}, f"x {VIDEO} {VIDEO}", "2 videos, at most 1"),
+        ({"audio": clip}, "x", "takes images and videos only"),
+    ]
+    for data, prompt, match in cases:
+        with pytest.raises(RequestRejectedError, match=match):
+            llm.generate({"prompt": prompt, "multi_modal_data": data}, _greedy())
+    with pytest.raises(RequestRejectedError, match="video token .* but no video"):
+        llm.generate(f"x {VIDEO}", _greedy())
+    assert llm.generate({"prompt": f"x {VIDEO}", "multi_modal_data": {"video": clip}}, _greedy(2))[0].outputs
+
+
+def _mp4(frames: np.ndarray, fps: int = 8) -> bytes:
+    """``frames`` encoded as an MPEG-4 file (PyAV)."""
+    av = pytest.importorskip("av")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def test_video_files_in_chat_and_the_server(qwen25):
+    """A video file (MPEG-4, 12 frames at 8 a second) as a ``video_url`` data URL: read 2 frames a second (3 frames,
+    at 2 a second), in ``LLM.chat`` and in ``POST /v1/chat/completions`` alike, and a ``video`` part with frames in
+    ``LLM.chat``. The replies equal transformers' on the frames read (its rotary time positions at 2 frames a
+    second); the server's usage and ``/tokenize`` count the video's positions."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.multimodal.video import decode_video
+
+    path, model, processor, _ = qwen25
+    data = _mp4(_video(60, frames=12, size=(32, 48)))
+    read = decode_video(data)
+    assert read.frames.shape == (3, 32, 48, 3) and read.fps == pytest.approx(2.0)
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "Paris is"}]}]
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    out = llm.chat(messages, _greedy())[0]
+    _check(out, model, processor, [], videos=[(read.frames, read.fps)])
+    clip = _video(61)
+    framed = llm.chat([{"role": "user", "content": [{"type": "video", "video": clip}]}], _greedy())[0]
+    _check(framed, model, processor, [], videos=[(clip, None)])
+    llm.close()
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu", served_model_name="qwen"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                    "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == out.outputs[0].text
+        assert r.json()["usage"]["prompt_tokens"] == len(out.prompt_token_ids)
+        r = http.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == out.prompt_token_ids
+        bad = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]
+        r = http.post("/v1/chat/completions", json={"messages": bad, "max_tokens": 2})
+        assert r.status_code == 400 and "cannot be read as a video" in r.text, r.text
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:image/png;base64,AAAA"}}]}], "max_tokens": 2})
+        assert r.status_code == 400 and "not a video" in r.text, r.text

@@ -180,8 +180,15 @@ class ImagePart(str):
     that reads plain strings sees), or ``{"type": "image"}`` for a template that loops over content parts."""
 
 
+class VideoPart(str):
+    """A video content part (Qwen2-VL): the model's video token as text, or ``{"type": "video"}`` for a template
+    that loops over content parts."""
+
+
 def _template_part(part: str) -> dict[str, str]:
-    return {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part}
+    if isinstance(part, ImagePart):
+        return {"type": "image"}
+    return {"type": "video"} if isinstance(part, VideoPart) else {"type": "text", "text": part}
 
 
 @functools.lru_cache(maxsize=16)
@@ -277,15 +284,22 @@ class LLMEngine:
         self.images: Any = None
         self._image_epoch = 0   # counts prefix-cache resets: part of every image's cache key
         if getattr(parts.source, "mm_config", None) is not None:
-            from plinth.multimodal.images import MAX_IMAGES_PER_PROMPT, ImageSupport, MediaPolicy
+            from plinth.multimodal.images import (
+                MAX_IMAGES_PER_PROMPT,
+                MAX_VIDEOS_PER_PROMPT,
+                ImageSupport,
+                MediaPolicy,
+            )
 
             model_cfg = config.model
-            limit = model_cfg.limit_mm_per_prompt
+            limits = model_cfg.limit_mm_per_prompt or {}
             self.images = ImageSupport(parts.source.mm_config, parts.source.path, parts.tokenizer,
-                                       MAX_IMAGES_PER_PROMPT if limit is None else limit,
+                                       MAX_IMAGES_PER_PROMPT if limits.get("image") is None else limits["image"],
                                        MediaPolicy(model_cfg.allowed_local_media_path,
                                                    model_cfg.allowed_media_domains or ()),
-                                       processor_kwargs=model_cfg.mm_processor_kwargs, dtype=parts.dtype)
+                                       processor_kwargs=model_cfg.mm_processor_kwargs, dtype=parts.dtype,
+                                       video_limit=(MAX_VIDEOS_PER_PROMPT if limits.get("video") is None
+                                                    else limits["video"]))
         prefix_caching = config.cache.enable_prefix_caching
         if self.pooling is not None and self.classifier is None:
             logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,
@@ -738,6 +752,10 @@ class LLMEngine:
         elif self.images is not None and self.images.token_id in ids:
             raise RequestRejectedError(f"the prompt has the image token (id {self.images.token_id}) but no image: "
                                        "give the images in multi_modal_data", param="multi_modal_data")
+        elif self.images is not None and self.images.video_token_id is not None \
+                and self.images.video_token_id in ids:
+            raise RequestRejectedError(f"the prompt has the video token (id {self.images.video_token_id}) but no "
+                                       "video: give the videos in multi_modal_data", param="multi_modal_data")
         if keep is not None:   # the prompt's last tokens only (vLLM's truncate_prompt_tokens)
             keep = self.max_model_len if keep == -1 else keep
             if keep > self.max_model_len:

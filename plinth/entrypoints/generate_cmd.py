@@ -209,7 +209,7 @@ def _chat_messages(line: int, value: Any) -> list[dict[str, Any]]:
     if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
         raise RowError(line, "'messages' must be a non-empty list of {role, content} objects")
     try:
-        plain_messages(value, ImageParts("<image>", load=False))
+        plain_messages(value, ImageParts("<image>", load=False, video_placeholder="<video>"))
     except ValueError as exc:
         raise RowError(line, str(exc)) from None
     return value
@@ -224,12 +224,11 @@ def chat_prompt(engine: Any, messages: list[dict[str, Any]]) -> tuple[list[int],
         ValueError: image parts for a model without image inputs, or an image that cannot be read.
     """
     from plinth.entrypoints.openai.tools import plain_messages
-    from plinth.multimodal.images import ImageParts
 
     support = engine.images
-    parts = ImageParts(support.placeholder, support.policy, limit=support.limit) if support is not None else None
+    parts = support.parts() if support is not None else None
     ids = engine.tokenize(engine.render_chat(plain_messages(messages, parts)), add_special_tokens=False)
-    return ids, ({"image": parts.images} if parts is not None and parts.images else None)
+    return ids, (parts.multi_modal_data() if parts is not None else None)
 
 
 def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str, Any, SamplingParams, bool]:

@@ -464,12 +464,10 @@ class LLM:
         with the last message instead of starting a reply, with ``add_generation_prompt=False``;
         ``chat_template_kwargs``: more template variables, e.g. ``{"enable_thinking": False}``)."""
         from plinth.entrypoints.openai.tools import plain_messages
-        from plinth.multimodal.images import ImageParts
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         support = self.engine.images
-        collected = [ImageParts(support.placeholder, support.policy, limit=support.limit) if support is not None
-                     else None for _ in conversations]
+        collected = [support.parts() if support is not None else None for _ in conversations]
         conversations = [plain_messages(conv, images)  # type: ignore[arg-type]
                          for conv, images in zip(conversations, collected, strict=True)]
         texts = [self.engine.render_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
@@ -478,8 +476,9 @@ class LLM:
                  for conv in conversations]  # type: ignore[arg-type]
         # The template writes the special tokens itself: tokenize without adding BOS again.
         prompts: list[Any] = [self.engine.tokenize(text, add_special_tokens=False) for text in texts]
-        prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": images.images}}
-                   if images is not None and images.images else ids for ids, images in zip(prompts, collected, strict=True)]
+        prompts = [{"prompt_token_ids": ids, "multi_modal_data": images.multi_modal_data()}
+                   if images is not None and images.multi_modal_data() else ids
+                   for ids, images in zip(prompts, collected, strict=True)]
         try:
             outputs = self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
         except RequestFailedError as exc:   # the outputs it carries get their prompts too

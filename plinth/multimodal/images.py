@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 #: the most images one request may carry (vLLM's ``--limit-mm-per-prompt`` default is larger; one prompt's images
 #: must fit its context anyway)
 MAX_IMAGES_PER_PROMPT = 16
+#: the most videos a prompt may carry unless ``--limit-mm-per-prompt`` says otherwise
+MAX_VIDEOS_PER_PROMPT = 4
 #: the largest image (pixels) decoded: PIL's own decompression-bomb limit
 MAX_IMAGE_PIXELS = 89_478_485
 #: the most elongated image taken (long side over short side): processors scale the short side up to the tower's
@@ -88,6 +90,7 @@ class ImageItem:
         rope: Qwen2-VL: its positions' ``[length, 3]`` multimodal RoPE positions (:mod:`plinth.multimodal.mrope`).
         embeds: an image given as its embeddings (``[length, hidden]``, :class:`EmbeddedImage`): not encoded, and
             ``pixel_values`` is empty; else ``None``.
+        time_interval: a video's (Qwen2-VL): how far apart its frame groups' rotary time positions are.
     """
 
     offset: int
@@ -98,6 +101,7 @@ class ImageItem:
     grid: tuple[int, int, int] | None = None
     rope: Any = None
     embeds: torch.Tensor | None = None
+    time_interval: float = 1.0
 
     @property
     def end(self) -> int:
@@ -151,27 +155,39 @@ def image_from_url(url: str, where: str = "image_url", policy: MediaPolicy | Non
         RequestRejectedError: a URL the policy does not allow, bad base64, a failed fetch, or bytes that are not an
             image.
     """
+    return decode_image(media_bytes(url, where, policy, "image"), where)
+
+
+def media_bytes(url: str, where: str, policy: MediaPolicy | None, kind: str) -> bytes:
+    """The bytes of a ``data:<kind>/...;base64,...`` URL, or, where ``policy`` allows, of a ``file://`` URL under its
+    directory or an ``http(s)://`` URL of its domains (``kind``: ``"image"`` or ``"video"``).
+
+    Raises:
+        RequestRejectedError: a URL the policy does not allow, a data URL of another media type, bad base64, a
+            failed fetch.
+    """
     if not isinstance(url, str):
         raise RequestRejectedError(f"{where} must be a string URL, got {type(url).__name__}")
     policy = policy or MediaPolicy()
     if url[:8].lower().startswith(("http://", "https://")):
-        return decode_image(fetch_url(url, policy, where), where)
+        return fetch_url(url, policy, where)
     if url[:7].lower() == "file://":
-        return decode_image(read_local(url, policy, where), where)
+        return read_local(url, policy, where)
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else url[:20]
-        raise RequestRejectedError(f"{where}: a {scheme!r} URL; images come as data: URLs (data:image/png;base64,"
-                                   "...), or http(s):// and file:// URLs where the server allows them")
+        example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+        raise RequestRejectedError(f"{where}: a {scheme!r} URL; {kind}s come as data: URLs ({example}), or "
+                                   "http(s):// and file:// URLs where the server allows them")
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise RequestRejectedError(f"{where}: a data URL must be data:<media type>;base64,<data>")
-    if not header.startswith("image/"):
-        raise RequestRejectedError(f"{where}: the data URL's media type is {header[:-7] or 'missing'!r}, not an image")
+    if not header.startswith(f"{kind}/"):
+        raise RequestRejectedError(f"{where}: the data URL's media type is {header[:-7] or 'missing'!r}, not "
+                                   f"{'an image' if kind == 'image' else 'a video'}")
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise RequestRejectedError(f"{where}: the data URL's payload is not valid base64") from None
-    return decode_image(data, where)
 
 
 def fetch_url(url: str, policy: MediaPolicy, where: str = "image_url") -> bytes:
@@ -334,11 +350,13 @@ class ImageSupport:
         policy: where images named by URL may come from (:class:`MediaPolicy`).
         processor_kwargs: settings of the image processor (``mm_processor_kwargs``; see :func:`_apply_settings`).
         dtype: the model's (images given as embeddings are kept in it, and must be finite in it).
+        video_limit: the most videos a prompt may carry (Qwen2-VL).
     """
 
     def __init__(self, mm_config: Any, path: str | None, tokenizer: Any = None,
                  limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None,
-                 processor_kwargs: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
+                 processor_kwargs: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
+                 video_limit: int = MAX_VIDEOS_PER_PROMPT):
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
 
@@ -360,16 +378,35 @@ class ImageSupport:
         self.limit = limit
         self.dtype = dtype
         self.policy = policy or MediaPolicy()
+        self.path = path
+        #: Qwen2-VL: the video token and how videos become patches (:mod:`plinth.multimodal.video`); else ``None``
+        self.video_token_id: int | None = None
+        self.video: Any = None
+        self.video_limit = video_limit
+        vocab = int(getattr(getattr(mm_config, "text_config", mm_config), "vocab_size", 0) or 0)
+        video_id = getattr(mm_config, "video_token_id", None) if self.qwen else None
+        if video_id is not None and 0 <= int(video_id) < (vocab or int(video_id) + 1):
+            from plinth.multimodal.video import video_settings
+
+            self.video_token_id = int(video_id)
+            self.video = video_settings(mm_config, path, processor_kwargs)
         token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None else None
         #: the image token as text (a chat message's image part, as a template that reads strings sees it; Qwen2-VL's
         #: between its vision start and end tokens)
         self.placeholder: str = token if isinstance(token, str) else "<image>"
+        #: the video token as text, likewise (a model that takes videos; else ``None``)
+        self.video_placeholder: str | None = None
+        if self.video_token_id is not None and tokenizer is not None:
+            video = tokenizer.convert_ids_to_tokens(self.video_token_id)
+            self.video_placeholder = video if isinstance(video, str) else None
         if self.qwen and tokenizer is not None:
             ends = [tokenizer.convert_ids_to_tokens(getattr(mm_config, key, None))
                     if getattr(mm_config, key, None) is not None else None
                     for key in ("vision_start_token_id", "vision_end_token_id")]
             if all(isinstance(t, str) for t in ends):
                 self.placeholder = f"{ends[0]}{self.placeholder}{ends[1]}"
+                if self.video_placeholder is not None:
+                    self.video_placeholder = f"{ends[0]}{self.video_placeholder}{ends[1]}"
 
     def pixel_values(self, images: Sequence[Any], processor: Any = None) -> list[torch.Tensor]:
         """Each PIL image's ``[tiles, C, S, S]`` float32 pixels, as the checkpoint's processor makes them (one tile
@@ -416,9 +453,19 @@ class ImageSupport:
                                        param="multi_modal_data")
         return [p.clone().float() for p in pixels.split(counts)], grids
 
+    def parts(self, loaded: dict[str, Any] | None = None, load: bool = True) -> ImageParts:
+        """A conversation's collector of image (and video) content parts for this model (its placeholders, media
+        policy and limits)."""
+        return ImageParts(self.placeholder, self.policy, loaded, load, self.limit, self.video_placeholder,
+                          self.video_limit)
+
     def length_of(self, image: Any) -> int:
-        """The positions a PIL image (or an :class:`EmbeddedImage`) fills."""
+        """The positions a PIL image (or an :class:`EmbeddedImage`, or a video) fills."""
+        from plinth.multimodal.video import Video, length_of
         from plinth.multimodal.vision import tokens_per_image
+
+        if isinstance(image, Video):
+            return length_of(self.video, image)
 
         if isinstance(image, EmbeddedImage):
             return len(image.embeds)
@@ -461,10 +508,11 @@ class ImageSupport:
         if not isinstance(data, dict):
             raise RequestRejectedError(f"multi_modal_data must be a dict such as {{'image': image}}, got "
                                        f"{type(data).__name__}", param="multi_modal_data")
-        other = sorted(str(k) for k in data if k != "image")
+        taken = ("image", "video") if self.video is not None else ("image",)
+        other = sorted(str(k) for k in data if k not in taken)
         if other:
-            raise RequestRejectedError(f"multi_modal_data: this model takes images only, got {', '.join(other)}",
-                                       param="multi_modal_data")
+            raise RequestRejectedError(f"multi_modal_data: this model takes {' and '.join(t + 's' for t in taken)} "
+                                       f"only, got {', '.join(other)}", param="multi_modal_data")
         images = data.get("image", [])
         images = list(images) if isinstance(images, list | tuple) else [images]
         if len(images) > self.limit:
@@ -527,50 +575,71 @@ class ImageSupport:
                                        f"{str(self.dtype).removeprefix('torch.')}", param="multi_modal_data")
         return EmbeddedImage(embeds, grid)
 
-    def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    def expand(self, ids: Sequence[int], lengths: Sequence[int], tokens: Sequence[int] = (),
+               ) -> tuple[list[int], list[tuple[int, int]]]:
         """The prompt with each image's placeholder widened to the positions the image fills (``lengths``, one per
-        image, in order), and each image's ``(offset, length)``. A run of image tokens is images already widened
-        where it holds exactly their lengths, else one image per token (``<image><image>``).
+        entry), and each entry's ``(offset, length)``, in the entries' order. ``tokens``: each entry's placeholder
+        token (Qwen2-VL's videos take the video token; default: every entry an image). The entries of a token take
+        its placeholders in order. A run of a placeholder token is entries already widened where it holds exactly
+        their lengths, else one entry per token (``<image><image>``).
 
         Raises:
-            RequestRejectedError: the prompt's placeholders do not name ``len(lengths)`` images.
+            RequestRejectedError: the prompt's placeholders of a token do not name as many entries as it has.
         """
-        token = self.token_id
+        kinds = list(tokens) or [self.token_id] * len(lengths)
+        queues: dict[int, list[int]] = {self.token_id: []}
+        if self.video_token_id is not None:
+            queues[self.video_token_id] = []
+        for i, token in enumerate(kinds):
+            queues.setdefault(token, []).append(i)
+        named = dict.fromkeys(queues, 0)
+        spans: list[tuple[int, int]] = [(0, 0)] * len(lengths)
         out: list[int] = []
-        spans: list[tuple[int, int]] = []
         i = 0
         while i < len(ids):
-            if ids[i] != token:
-                out.append(ids[i])
+            token = ids[i]
+            if token not in queues:
+                out.append(token)
                 i += 1
                 continue
             j = i
             while j < len(ids) and ids[j] == token:
                 j += 1
-            run, k = j - i, len(spans)
-            if run == 1 or k >= len(lengths):
-                taken = [lengths[k]] if k < len(lengths) else [1]
-            else:   # images already widened (as many as the run holds exactly), else one image per token
-                taken, total = [], 0
-                while total < run and k + len(taken) < len(lengths):
-                    taken.append(lengths[k + len(taken)])
-                    total += taken[-1]
-                if total != run:
-                    if run > len(lengths) - k:
-                        raise RequestRejectedError(
-                            f"the prompt has a run of {run} image tokens (id {token}) for {len(lengths) - k} "
-                            f"image(s) left: give one per image (widened here) or exactly the "
-                            f"{'/'.join(map(str, lengths[k:]))} positions of its images", param="multi_modal_data")
-                    taken = list(lengths[k:k + run])
-            for n in taken:
-                spans.append((len(out), n))
+            mine, k = [lengths[e] for e in queues[token]], named[token]
+            what = "video" if token == self.video_token_id else "image"
+            for n in self._widths(j - i, mine, k, token, what):
+                if k < len(mine):
+                    spans[queues[token][k]] = (len(out), n)
+                k += 1
                 out.extend([token] * n)
+            named[token] = k
             i = j
-        if len(spans) != len(lengths):
-            raise RequestRejectedError(
-                f"the prompt names {len(spans)} image(s) (image token id {token}) but multi_modal_data has "
-                f"{len(lengths)}: put one image token where each image goes", param="multi_modal_data")
+        for token, entries in queues.items():
+            if named[token] != len(entries):
+                what = "video" if token == self.video_token_id else "image"
+                raise RequestRejectedError(
+                    f"the prompt names {named[token]} {what}(s) ({what} token id {token}) but multi_modal_data has "
+                    f"{len(entries)}: put one {what} token where each {what} goes", param="multi_modal_data")
         return out, spans
+
+    @staticmethod
+    def _widths(run: int, lengths: Sequence[int], k: int, token: int, what: str) -> list[int]:
+        """The widths of the entries a run of ``run`` placeholder tokens names, its first the ``k``-th of
+        ``lengths`` (a width 1 for each placeholder past the entries)."""
+        if run == 1 or k >= len(lengths):
+            return [lengths[k]] if k < len(lengths) else [1] * run
+        taken, total = [], 0   # entries already widened (as many as the run holds exactly), else one per token
+        while total < run and k + len(taken) < len(lengths):
+            taken.append(lengths[k + len(taken)])
+            total += taken[-1]
+        if total == run:
+            return taken
+        if run > len(lengths) - k:
+            raise RequestRejectedError(
+                f"the prompt has a run of {run} {what} tokens (id {token}) for {len(lengths) - k} {what}(s) left: "
+                f"give one per {what} (widened here) or exactly the {'/'.join(map(str, lengths[k:]))} positions "
+                f"of its {what}s", param="multi_modal_data")
+        return list(lengths[k:k + run])
 
     def prepare(self, data: Any, settings: dict[str, Any] | None = None) -> PreparedImages:
         """A request's ``multi_modal_data`` decoded, through the image processor and digested (what the async front
@@ -596,8 +665,45 @@ class ImageSupport:
             except ConfigError as exc:
                 raise RequestRejectedError(str(exc), param="mm_processor_kwargs") from None
         images = self.images_of(data)
-        if not images:
+        videos = self._videos_of(data)
+        if not images and not videos:
             return PreparedImages((), (), (), ())
+        return self._with_videos(self._prepare_images(images, processor), videos, settings)
+
+    def _videos_of(self, data: Any) -> list[Any]:
+        if self.video is None or "video" not in data:
+            return []
+        from plinth.multimodal.video import videos_in
+
+        return videos_in(data["video"], self.video_limit)
+
+    def _with_videos(self, prepared: PreparedImages, videos: list[Any],
+                     settings: dict[str, Any] | None) -> PreparedImages:
+        """``prepared`` (the images) with the videos' patches after them, each entry with its placeholder token."""
+        if not videos:
+            return prepared
+        from plinth.multimodal import video as v
+
+        try:
+            cfg = v.video_settings(self.mm_config, self.path, settings) if settings else self.video
+        except ModelLoadError as exc:
+            raise RequestRejectedError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
+        made = [v.patches(cfg, video) for video in videos]
+        n, k = len(prepared.pixels), len(videos)
+        m = cfg.merge * cfg.merge
+        return PreparedImages(
+            prepared.pixels + tuple(p for p, _ in made),
+            prepared.keys + tuple("v" + _digest(p, g) for p, g in made),
+            prepared.sizes + (None,) * k,
+            prepared.lengths + tuple(t * h * w // m for _, (t, h, w) in made),
+            tuple(prepared.grids) + tuple(g for _, g in made),
+            (tuple(prepared.embeds) or (None,) * n) + (None,) * k,
+            (self.token_id,) * n + (self.video_token_id,) * k,
+            (1.0,) * n + tuple(v.time_interval(cfg, video) for video in videos))
+
+    def _prepare_images(self, images: list[Any], processor: Any) -> PreparedImages:
+        if not images:
+            return PreparedImages((), (), (), (), ())
         embedded = [img for img in images if isinstance(img, EmbeddedImage)]
         prepared = self._prepare_pictures([img for img in images if not isinstance(img, EmbeddedImage)], processor)
         if not embedded:
@@ -635,11 +741,13 @@ class ImageSupport:
         """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data`` (or its
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
-        expanded, spans = self.expand(ids, prepared.lengths)
+        expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens)
         grids = prepared.grids or (None,) * len(spans)
         embeds = prepared.embeds or (None,) * len(spans)
-        items = [ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i],
-                           embeds=embeds[i]) for i, (offset, length) in enumerate(spans)]
+        intervals = prepared.intervals or (1.0,) * len(spans)
+        items = sorted((ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i],
+                                  embeds=embeds[i], time_interval=intervals[i])
+                        for i, (offset, length) in enumerate(spans)), key=lambda item: item.offset)
         if self.qwen:
             _, positions = self._layout(items)
             items = [dataclasses.replace(item, rope=rows) for item, rows in zip(items, positions, strict=True)]
@@ -653,7 +761,7 @@ class ImageSupport:
     def _layout(self, items: Sequence[ImageItem]) -> Any:
         from plinth.multimodal.mrope import layout
 
-        return layout([(item.offset, item.length, item.grid) for item in items], self.merge)
+        return layout([(item.offset, item.length, item.grid, item.time_interval) for item in items], self.merge)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -667,6 +775,8 @@ class PreparedImages:
     lengths: tuple[int, ...]
     grids: tuple[tuple[int, int, int], ...] = ()
     embeds: tuple[torch.Tensor | None, ...] = ()   # images given as embeddings (their pixels empty), else ()
+    tokens: tuple[int, ...] = ()       # each entry's placeholder token (Qwen2-VL's videos after the images); () images
+    intervals: tuple[float, ...] = ()  # each entry's rotary time interval (videos); () all 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -678,17 +788,55 @@ class EmbeddedImage:
 
 
 class ImageParts:
-    """A conversation's images, collected from its messages' image content parts in order; each part becomes an
-    :class:`~plinth.core.engine.ImagePart` holding the image token's text."""
+    """A conversation's images (and Qwen2-VL's videos), collected from its messages' content parts in order; each
+    part becomes an :class:`~plinth.core.engine.ImagePart` (:class:`~plinth.core.engine.VideoPart`) holding the
+    image (video) token's text."""
 
     def __init__(self, placeholder: str, policy: MediaPolicy | None = None, loaded: dict[str, Any] | None = None,
-                 load: bool = True, limit: int | None = None):
+                 load: bool = True, limit: int | None = None, video_placeholder: str | None = None,
+                 video_limit: int | None = None):
         self.placeholder = placeholder
         self.limit = limit   # the most images (refused before the one past it is read)
         self.policy = policy
-        self.loaded = loaded or {}   # images already loaded (off the server's event loop), by URL
+        self.loaded = loaded or {}   # images (and videos) already loaded (off the server's event loop), by URL
         self.load = load   # False: the parts only (a conversation whose images are not needed)
         self.images: list[Any] = []
+        #: the video token's text (a model that takes videos), else ``None``
+        self.video_placeholder = video_placeholder
+        self.video_limit = video_limit
+        self.videos: list[Any] = []
+
+    def multi_modal_data(self) -> dict[str, Any] | None:
+        """The collected images and videos as a request's ``multi_modal_data`` (``None``: none)."""
+        data = {k: v for k, v in (("image", self.images), ("video", self.videos)) if v}
+        return data or None
+
+    def add_video(self, value: Any, where: str) -> str:
+        """The part of a ``video_url`` value (``{"url": "data:video/..."}`` or the URL) or of a video's frames
+        (Python's ``video`` parts: what ``multi_modal_data["video"]`` takes).
+
+        Raises:
+            RequestRejectedError: a model without video inputs, more videos than the limit, not a video.
+        """
+        from plinth.core.engine import VideoPart
+
+        if self.video_placeholder is None:
+            raise RequestRejectedError(f"{where}: this model takes no videos", param="multi_modal_data")
+        if isinstance(value, dict) and "url" in value:
+            value = value.get("url")
+        if not self.load:
+            return VideoPart(self.video_placeholder)
+        if self.video_limit is not None and len(self.videos) >= self.video_limit:
+            raise RequestRejectedError(f"{where}: more than {self.video_limit} videos in a prompt "
+                                       "(--limit-mm-per-prompt)", param="multi_modal_data")
+        from plinth.multimodal import video as v
+
+        if isinstance(value, str):
+            found = self.loaded.get(value) or v.video_from_url(value, where, self.policy)
+        else:
+            found = v.video_of(value, where)
+        self.videos.append(found)
+        return VideoPart(self.video_placeholder)
 
     def add(self, value: Any, where: str) -> str:
         """The part of an ``image_url`` value (``{"url": "data:..."}`` or the URL) or a PIL image (Python's
@@ -762,6 +910,8 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
 SAFE_SETTINGS = ("do_normalize", "do_rescale", "rescale_factor", "do_convert_rgb")
 #: and Qwen2-VL's resize bounds (the patches' count, not their size)
 QWEN_SETTINGS = ("min_pixels", "max_pixels")
+#: Qwen2-VL's resize bounds of video frames (:mod:`plinth.multimodal.video`; not the image processor's)
+VIDEO_SETTINGS = ("video_min_pixels", "video_max_pixels")
 
 
 def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> None:
@@ -774,16 +924,17 @@ def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> Non
     """
     from plinth.config import ConfigError
 
-    allowed = (*QWEN_SETTINGS, *SAFE_SETTINGS) if qwen else SAFE_SETTINGS
+    allowed = (*QWEN_SETTINGS, *VIDEO_SETTINGS, *SAFE_SETTINGS) if qwen else SAFE_SETTINGS
     pixels: dict[str, int] = {}
     for key, value in settings.items():
         if key not in allowed:
             raise ConfigError(f"mm_processor_kwargs: {key!r} cannot be set (the checkpoint fixes what shapes the "
                               f"vision tower's input); settings taken: {', '.join(allowed)}")
-        if key in QWEN_SETTINGS:
+        if key in QWEN_SETTINGS or key in VIDEO_SETTINGS:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"mm_processor_kwargs: {key} must be a positive integer, got {value!r}")
-            pixels[key] = value
+            if key in QWEN_SETTINGS:
+                pixels[key] = value
             continue
         current = getattr(processor, key, None)
         if current is None or type(value) is not type(current):

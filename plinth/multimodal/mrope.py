@@ -32,29 +32,34 @@ class RopeLayout:
         return self.values[np.searchsorted(self.starts, idx, side="right") - 1]
 
 
-def image_positions(first: int, grid: tuple[int, int, int], merge: int) -> np.ndarray:
+def image_positions(first: int, grid: tuple[int, int, int], merge: int, interval: float = 1.0) -> np.ndarray:
     """``[t * (h / merge) * (w / merge), 3]`` int64: the positions of an image's tokens (time-major, then rows, then
-    columns of merged patches) whose first sits at ``first``; ``grid`` is its (t, h, w) in patches."""
+    columns of merged patches) whose first sits at ``first``; ``grid`` is its (t, h, w) in patches. A video's frame
+    group ``i`` sits at time ``int(i * interval)`` (Qwen2.5-VL's seconds; computed in float32 as transformers
+    does)."""
     t, h, w = grid[0], grid[1] // merge, grid[2] // merge
-    tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+    times = np.arange(t) if interval == 1.0 else (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(
+        np.int64)
+    tt, hh, ww = np.meshgrid(times, np.arange(h), np.arange(w), indexing="ij")
     return np.stack([tt.ravel(), hh.ravel(), ww.ravel()], axis=1).astype(np.int64) + first
 
 
-def layout(spans: Sequence[tuple[int, int, tuple[int, int, int]]], merge: int,
-           ) -> tuple[RopeLayout, list[np.ndarray]]:
-    """The rotary layout of a prompt whose images sit at ``spans`` (each ``(offset, length, grid)``, in order), and
-    each image's ``[length, 3]`` positions.
+def layout(spans: Sequence[tuple[int, int, tuple[int, int, int]] | tuple[int, int, tuple[int, int, int], float]],
+           merge: int) -> tuple[RopeLayout, list[np.ndarray]]:
+    """The rotary layout of a prompt whose images and videos sit at ``spans`` (each ``(offset, length, grid)``, or
+    with a video's time interval, ``(offset, length, grid, interval)``; in order), and each one's ``[length, 3]``
+    positions.
 
     Raises:
         ValueError: an image's length is not its grid's count of merged patches, or spans overlap.
     """
     starts, values, positions = [0], [0], []
     pos, index = 0, 0   # the next text token's position and index
-    for offset, length, grid in spans:
+    for offset, length, grid, *interval in spans:
         if offset < index:
             raise ValueError(f"images overlap at prompt position {offset}")
         pos += offset - index                      # the text before the image
-        rows = image_positions(pos, grid, merge)
+        rows = image_positions(pos, grid, merge, *interval)
         if len(rows) != length:
             raise ValueError(f"an image of grid {grid} has {len(rows)} merged patches, its prompt {length} positions")
         positions.append(rows)

@@ -62,13 +62,17 @@ class ImageFeatures:
         for key in [key for key, item in todo.items() if item.embeds is not None]:   # given as embeddings
             item = todo.pop(key)
             self._keep(key, item, item.embeds.to(self.device, self.dtype))
-        if todo and todo[next(iter(todo))].grid is not None:   # Qwen2-VL: images of any patch count
-            for group in _patch_groups(list(todo.values())):
-                pixels = torch.cat([item.pixel_values for item in group]).to(self.device)
-                grids = torch.tensor([item.grid for item in group], dtype=torch.int64)
-                out = self.encoder(pixels, grids).split([item.length for item in group])
-                for item, features in zip(group, out, strict=True):
-                    self._keep(item.key, item, features.clone())
+        if todo and todo[next(iter(todo))].grid is not None:   # Qwen2-VL: images and videos of any patch count
+            merged = self.encoder.merge ** 2
+            parts: dict[str, list[torch.Tensor]] = {}
+            for group in _patch_groups([piece for item in todo.values() for piece in _pieces(item)]):
+                pixels = torch.cat([p for _, p, _ in group]).to(self.device)
+                grids = torch.tensor([g for _, _, g in group], dtype=torch.int64)
+                out = self.encoder(pixels, grids).split([t * h * w // merged for _, _, (t, h, w) in group])
+                for (key, _, _), features in zip(group, out, strict=True):
+                    parts.setdefault(key, []).append(features)
+            for key, item in todo.items():
+                self._keep(key, item, torch.cat(parts[key]) if len(parts[key]) > 1 else parts[key][0].clone())
         elif todo:
             pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
             # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
@@ -177,15 +181,32 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
     return ImageFeatures(encoder)
 
 
-def _patch_groups(items: list[ImageItem]) -> list[list[ImageItem]]:
-    """``items`` in order, in groups of at most :data:`MAX_PATCHES` patches (an image with more alone)."""
-    groups: list[list[ImageItem]] = []
+#: ``(key, patches, grid)``: an image, or a run of a video's frame groups, that the encoder takes in one pass
+_Piece = tuple[str, torch.Tensor, tuple[int, int, int]]
+
+
+def _pieces(item: ImageItem) -> list[_Piece]:
+    """An image whole; a video of more than :data:`MAX_PATCHES` patches as runs of its frame groups (the vision tower
+    attends within a group, so the runs' features, in order, are the video's)."""
+    from plinth.multimodal.video import split_groups
+
+    t, h, w = item.grid
+    if t * h * w <= MAX_PATCHES:
+        return [(item.key, item.pixel_values, item.grid)]
+    counts = split_groups(item.grid, MAX_PATCHES)
+    runs = item.pixel_values.split([c * h * w for c in counts])
+    return [(item.key, run, (c, h, w)) for run, c in zip(runs, counts, strict=True)]
+
+
+def _patch_groups(pieces: list[_Piece]) -> list[list[_Piece]]:
+    """``pieces`` in order, in groups of at most :data:`MAX_PATCHES` patches (a piece with more alone)."""
+    groups: list[list[_Piece]] = []
     total = 0
-    for item in items:
-        n = len(item.pixel_values)
+    for piece in pieces:
+        n = len(piece[1])
         if not groups or total + n > MAX_PATCHES:
             groups.append([])
             total = 0
-        groups[-1].append(item)
+        groups[-1].append(piece)
         total += n
     return groups

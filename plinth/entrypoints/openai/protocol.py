@@ -234,6 +234,7 @@ class ContentPart(_Request):
     text: str | None = None
     refusal: str | None = None   # an assistant message's refusal part (its text, for the template)
     image_url: dict[str, Any] | str | None = None   # an image part: {"url": "data:image/...;base64,..."}
+    video_url: dict[str, Any] | str | None = None   # a video part: {"url": "data:video/mp4;base64,..."}
 
 
 class ChatMessage(_Request):

@@ -77,18 +77,21 @@ def chat_messages(items: Sequence[ChatMessage], images: ImageParts | None = None
                         raise bad_request(f"messages[{i}]: a refusal content part needs its 'refusal'", "messages")
                     parts.append(part.refusal)
                     continue
-                if part.type == "image_url":
+                if part.type in ("image_url", "video_url"):
+                    image = part.type == "image_url"
                     if images is None:
-                        raise bad_request(f"messages[{i}]: this model takes no images (an image_url content part); "
-                                          "serve an image-and-text model", "messages")
+                        raise bad_request(f"messages[{i}]: this model takes no {'images' if image else 'videos'} "
+                                          f"({'an' if image else 'a'} {part.type} content part); serve an "
+                                          "image-and-text model", "messages")
+                    add = images.add if image else images.add_video
                     try:
-                        parts.append(images.add(part.image_url, f"messages[{i}] image_url"))
+                        parts.append(add(getattr(part, part.type), f"messages[{i}] {part.type}"))
                     except RequestRejectedError as exc:
                         raise bad_request(str(exc), "messages") from None
                     continue
                 if part.type != "text":
-                    raise bad_request(f"messages[{i}]: only text and image_url content parts are supported, got "
-                                      f"{part.type!r}", "messages")
+                    raise bad_request(f"messages[{i}]: only text, image_url and video_url content parts are "
+                                      f"supported, got {part.type!r}", "messages")
                 if part.text is None:
                     raise bad_request(f"messages[{i}]: a text content part needs its 'text'", "messages")
                 parts.append(part.text)
@@ -176,31 +179,40 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> ToolMode | Non
 
 
 async def load_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The images of the messages' ``image_url`` parts, by URL: decoded (data URLs), read (``file://``) or fetched
-    (``http(s)://``) in worker threads, off the event loop, once their number is checked against
-    ``--limit-mm-per-prompt`` (``None``: a model without image inputs, or no such parts). A refused URL or an
-    unreadable image is a 400 naming ``messages``."""
+    """The images of the messages' ``image_url`` parts (and videos of ``video_url`` parts), by URL: decoded (data
+    URLs), read (``file://``) or fetched (``http(s)://``) in worker threads, off the event loop, once their number is
+    checked against ``--limit-mm-per-prompt`` (``None``: a model without image inputs, or no such parts). A refused
+    URL or an unreadable image or video is a 400 naming ``messages``."""
     support = getattr(ctx.front, "images", None)
     if support is None:
         return None
-    found: dict[Any, str] = {}
-    count = 0
+    from plinth.multimodal.video import video_from_url
+
+    found: dict[Any, tuple[str, Any]] = {}
+    counts = {"image_url": 0, "video_url": 0}
     for i, m in enumerate(req.messages):
         for part in m.content if isinstance(m.content, list) else ():
-            if part.type == "image_url":
-                count += 1
-                url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+            if part.type in counts:
+                counts[part.type] += 1
+                value = getattr(part, part.type)
+                url = value.get("url") if isinstance(value, dict) else value
                 if isinstance(url, str):
-                    found.setdefault(url, f"messages[{i}] image_url")
-    if count > support.limit:
-        raise bad_request(f"messages: {count} images, at most {support.limit} a prompt (--limit-mm-per-prompt)",
-                          "messages")
+                    found.setdefault(url, (f"messages[{i}] {part.type}",
+                                           image_from_url if part.type == "image_url" else video_from_url))
+    if counts["image_url"] > support.limit:
+        raise bad_request(f"messages: {counts['image_url']} images, at most {support.limit} a prompt "
+                          "(--limit-mm-per-prompt)", "messages")
+    if counts["video_url"] and support.video_placeholder is None:
+        raise bad_request("messages: this model takes no videos (a video_url content part)", "messages")
+    if counts["video_url"] > support.video_limit:
+        raise bad_request(f"messages: {counts['video_url']} videos, at most {support.video_limit} a prompt "
+                          "(--limit-mm-per-prompt)", "messages")
     if not found:
         return None
     loop = asyncio.get_running_loop()
     try:
-        images = await asyncio.gather(*(loop.run_in_executor(media_pool(), image_from_url, url, where, support.policy)
-                                        for url, where in found.items()))
+        images = await asyncio.gather(*(loop.run_in_executor(media_pool(), read, url, where, support.policy)
+                                        for url, (where, read) in found.items()))
     except RequestRejectedError as exc:
         raise bad_request(str(exc), "messages") from None
     return dict(zip(found, images, strict=True))
@@ -214,11 +226,11 @@ def render_messages(ctx: ServerContext, req: ChatCompletionRequest | Any, tools:
     image inputs; without it the parts are rendered and their images not read); ``loaded``: the images
     :func:`load_images` loaded."""
     support = getattr(ctx.front, "images", None)
-    collected = (ImageParts(support.placeholder, support.policy, loaded, load=images is not None)
-                 if support is not None else None)
+    collected = support.parts(loaded, load=images is not None) if support is not None else None
     messages = chat_messages(req.messages, collected)
     if images is not None and collected is not None:
         images.extend(collected.images)
+        images.extend(collected.videos)   # (after the images: told apart by their type)
     kwargs = req.chat_template_kwargs or {}
     reserved = sorted((RESERVED_TEMPLATE_KWARGS | {"documents"}) & set(kwargs))   # documents: a request field
     if reserved:
@@ -289,7 +301,7 @@ def _echoed(ctx: ServerContext, req: ChatCompletionRequest) -> str:
     if not req.echo:
         return ""
     support = getattr(ctx.front, "images", None)   # (an image part echoes as the image token)
-    last = chat_messages(req.messages[-1:], ImageParts(support.placeholder, load=False) if support else None)[0]
+    last = chat_messages(req.messages[-1:], support.parts(load=False) if support else None)[0]
     return last["content"] if last["role"] == _reply_role(ctx, req) else ""
 
 
@@ -348,14 +360,21 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
         raise bad_request("the chat template rendered these messages as an empty prompt; at least one token is "
                           "needed", "messages")
     support = getattr(ctx.front, "images", None)
+    from plinth.multimodal.video import Video
+
+    videos = [item for item in images if isinstance(item, Video)]
+    images = [item for item in images if not isinstance(item, Video)]
     if support is not None and not images and support.token_id in ids:
         raise bad_request(f"the rendered prompt has the image token ({support.placeholder!r}) but the messages have "
                           "no image: send images as image_url parts", "messages")
-    # each image's one token becomes the positions its embeddings fill
-    length = len(ids) + sum(support.length_of(img) - 1 for img in images) if images else len(ids)
+    if support is not None and not videos and support.video_token_id is not None and support.video_token_id in ids:
+        raise bad_request(f"the rendered prompt has the video token ({support.video_placeholder!r}) but the messages "
+                          "have no video: send videos as video_url parts", "messages")
+    # each image's (video's) one token becomes the positions its embeddings fill
+    length = len(ids) + sum(support.length_of(item) - 1 for item in images + videos) if images or videos else len(ids)
     ctx.check_length(length, max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
-    return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, {"image": images} if images else None,
-                        length)
+    data = {k: v for k, v in (("image", images), ("video", videos)) if v}
+    return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, data or None, length)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:

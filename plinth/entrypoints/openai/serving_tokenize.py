@@ -49,7 +49,10 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
     if req.messages is not None and images:
         support = ctx.front.images
         try:
-            ids, _ = support.expand(ids, [support.length_of(img) for img in images])
+            from plinth.multimodal.video import Video
+
+            tokens = [support.video_token_id if isinstance(item, Video) else support.token_id for item in images]
+            ids, _ = support.expand(ids, [support.length_of(item) for item in images], tokens)
         except RequestRejectedError as exc:
             raise bad_request(str(exc), "messages") from None
     strs = None

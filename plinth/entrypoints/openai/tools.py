@@ -189,7 +189,8 @@ def plain_messages(messages: Sequence[Any], images: Any = None) -> list[dict[str
     assistant's refusal) content parts are joined by line breaks (:class:`TextParts`), and tool-call arguments written as a JSON object become
     the object (:func:`template_messages`). ``images`` (a model with image inputs: an
     :class:`~plinth.multimodal.images.ImageParts`) collects the images of ``image_url`` (a data URL) and ``image_pil``
-    (a PIL image) parts, in order; without it such parts are refused.
+    (a PIL image) parts, and a video model's videos of ``video_url`` (a data URL of a video file) and ``video`` (its
+    frames) parts, in order; without it such parts are refused.
 
     Raises:
         ValueError: ``messages[i]: ...`` for a message that is not an object with a role and text content.
@@ -210,10 +211,17 @@ def plain_messages(messages: Sequence[Any], images: Any = None) -> list[dict[str
                         raise ValueError(f"messages[{i}]: this model takes no images (an {kind} content part)")
                     texts.append(images.add(part.get(kind), f"messages[{i}] {kind}"))
                     continue
+                if kind in ("video_url", "video"):
+                    if images is None:
+                        raise ValueError(f"messages[{i}]: this model takes no videos (a {kind} content part)")
+                    texts.append(images.add_video(part.get(kind), f"messages[{i}] {kind}"))
+                    continue
                 key = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
                 if key is None or not isinstance(part.get(key), str):
                     raise ValueError(f"messages[{i}]: only text content parts ({{type: text, text}}) are supported"
-                                     + (", and image_url / image_pil ones" if images is not None else ""))
+                                     + (", and image_url / image_pil ones" if images is not None else "")
+                                     + (" and video_url / video ones" if getattr(images, "video_placeholder", None)
+                                        else ""))
                 texts.append(part[key])
             content = TextParts(texts)
         elif content is None and role == "assistant":   # a turn of tool calls only

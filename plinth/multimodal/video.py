@@ -1,0 +1,375 @@
+"""Video inputs of Qwen2-VL and Qwen2.5-VL: a video's frames to the vision tower's patches, as transformers'
+``Qwen2VLVideoProcessor`` makes them.
+
+Every frame is resized to the same multiple of the merged patch (``smart_resize`` within the video processor's
+``min_pixels`` / ``max_pixels``; bicubic with antialiasing on the 8-bit frames, as torchvision resizes them on a
+CPU), rescaled and normalized; the last frame is repeated to a multiple of
+``temporal_patch_size`` frames; then each group of ``temporal_patch_size`` frames is cut into patches laid out as an
+image's are (merged 2x2 units in rows), ``[t * h * w, C * T * P * P]`` with the grid ``(t, h, w)``. The video fills
+``t * h * w / merge**2`` prompt positions at its ``<|video_pad|>`` token. Its rotary positions are an image's whose
+time component counts the frame groups: one a group for Qwen2-VL; for Qwen2.5-VL ``tokens_per_second`` a second of
+video (a group lasts ``temporal_patch_size / fps`` seconds; frames given without a frame rate are taken at 24 a
+second, as transformers takes them).
+
+The vision tower attends within each frame group only, so a long video is encoded a few groups at a time
+(:mod:`plinth.multimodal.runner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from plinth.core.scheduler import RequestRejectedError
+from plinth.errors import ModelLoadError
+
+#: the Qwen2-VL video processor's default bounds on a frame's pixels (after resizing)
+DEFAULT_MIN_PIXELS = 128 * 28 * 28
+DEFAULT_MAX_PIXELS = 768 * 28 * 28
+#: the frame rate of frames given without one (transformers' assumption)
+DEFAULT_FPS = 24.0
+#: the most frames a video may have
+MAX_FRAMES = 1024
+#: the most pixels of all a video's frames together (before resizing)
+MAX_VIDEO_PIXELS = 1 << 31
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoSettings:
+    """How a checkpoint's videos become patches (its ``video_preprocessor_config.json``, else the Qwen2-VL video
+    processor's defaults at the vision tower's patch sizes)."""
+
+    patch: int
+    temporal: int
+    merge: int
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    mean: tuple[float, ...] = _CLIP_MEAN
+    std: tuple[float, ...] = _CLIP_STD
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    #: Qwen2.5-VL: rotary time positions a second of video; ``None``: one a frame group (Qwen2-VL)
+    tokens_per_second: float | None = None
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Video:
+    """A request's video: ``[T, H, W, 3]`` uint8 frames and their frame rate (``None``: not given)."""
+
+    frames: np.ndarray
+    fps: float | None = None
+
+
+def video_settings(mm_config: Any, path: str | None, settings: dict[str, Any] | None = None) -> VideoSettings:
+    """The checkpoint's video settings; ``settings``: ``mm_processor_kwargs`` (``min_pixels`` / ``max_pixels`` apply
+    to the video frames too where given as ``video_min_pixels`` / ``video_max_pixels``).
+
+    Raises:
+        ModelLoadError: a ``video_preprocessor_config.json`` that cannot be read or whose patch sizes are not the
+            vision tower's.
+    """
+    v = mm_config.vision_config
+    patch, temporal, merge = int(v.patch_size), int(v.temporal_patch_size), int(v.spatial_merge_size)
+    tps = getattr(v, "tokens_per_second", None) if getattr(mm_config, "model_type", "") == "qwen2_5_vl" else None
+    fields: dict[str, Any] = dict(patch=patch, temporal=temporal, merge=merge,
+                                  tokens_per_second=float(tps) if tps is not None else None)
+    file = Path(path) / "video_preprocessor_config.json" if path is not None else None
+    if file is not None and file.is_file():
+        try:
+            cfg = json.loads(file.read_text())
+            size = cfg.get("size") or {}
+            low = cfg.get("min_pixels", size.get("shortest_edge"))
+            high = cfg.get("max_pixels", size.get("longest_edge"))
+            if low is not None:
+                fields["min_pixels"] = int(low)
+            if high is not None:
+                fields["max_pixels"] = int(high)
+            for key, name in (("image_mean", "mean"), ("image_std", "std")):
+                if cfg.get(key) is not None:
+                    fields[name] = tuple(float(x) for x in cfg[key])
+            for key in ("rescale_factor",):
+                if cfg.get(key) is not None:
+                    fields[key] = float(cfg[key])
+            for key in ("do_resize", "do_rescale", "do_normalize"):
+                if cfg.get(key) is not None:
+                    fields[key] = bool(cfg[key])
+            theirs = (int(cfg.get("patch_size", patch)), int(cfg.get("temporal_patch_size", temporal)),
+                      int(cfg.get("merge_size", merge)))
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{file}: cannot read the video processor's settings: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+        if theirs != (patch, temporal, merge):
+            raise ModelLoadError(f"{file}: patch sizes {theirs} (patch, temporal, merge) are not the vision tower's "
+                                 f"{(patch, temporal, merge)}")
+    for key in ("video_min_pixels", "video_max_pixels"):
+        value = (settings or {}).get(key)
+        if value is not None:
+            fields[key.removeprefix("video_")] = int(value)
+    out = VideoSettings(**fields)
+    if out.min_pixels > out.max_pixels:
+        raise ModelLoadError(f"video min_pixels {out.min_pixels} is more than max_pixels {out.max_pixels}")
+    return out
+
+
+def video_of(value: Any, where: str) -> Video:
+    """A request's video: a list of frames (PIL images or ``[H, W, 3]`` uint8 arrays), a ``[T, H, W, 3]`` uint8
+    array or tensor, or either with its frame rate, as ``(frames, {"fps": rate})`` or ``{"frames": frames, "fps":
+    rate}``.
+
+    Raises:
+        RequestRejectedError: another shape or type, no frames, frames of different sizes, too many frames or pixels,
+            a frame rate that is not a positive number.
+    """
+    from plinth.multimodal.images import check_size
+
+    if isinstance(value, Video):   # (read already: a video file's frames)
+        return value
+    fps: Any = None
+    if isinstance(value, dict):
+        unknown = sorted(str(k) for k in value if k not in ("frames", "fps"))
+        if unknown or "frames" not in value:
+            raise RequestRejectedError(f"{where}: a video given as a dict has 'frames' (and optionally 'fps'); got "
+                                       f"keys {sorted(map(str, value))}", param="multi_modal_data")
+        value, fps = value["frames"], value.get("fps")
+    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        value, meta = value
+        fps = meta.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps)
+                            or fps <= 0):
+        raise RequestRejectedError(f"{where}: fps must be a positive number, got {fps!r}", param="multi_modal_data")
+    frames = _frames(value, where)
+    t, h, w = frames.shape[:3]
+    if t > MAX_FRAMES:
+        raise RequestRejectedError(f"{where}: {t} frames, at most {MAX_FRAMES}", param="multi_modal_data")
+    check_size(w, h, f"{where} frame")
+    if t * h * w > MAX_VIDEO_PIXELS:
+        raise RequestRejectedError(f"{where}: {t} frames of {w}x{h} pixels, more than {MAX_VIDEO_PIXELS} pixels in "
+                                   "all", param="multi_modal_data")
+    return Video(frames, float(fps) if fps is not None else None)
+
+
+def _frames(value: Any, where: str) -> np.ndarray:
+    from PIL import Image
+
+    bad = RequestRejectedError(f"{where}: a video is a list of frames (PIL images or [H, W, 3] uint8 arrays) or a "
+                               f"[frames, H, W, 3] uint8 array, got {type(value).__name__}", param="multi_modal_data")
+    if isinstance(value, torch.Tensor):
+        if value.dtype != torch.uint8 or value.is_meta or value.layout != torch.strided:
+            raise bad
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype != np.uint8 or value.ndim != 4 or value.shape[-1] != 3 or 0 in value.shape:
+            raise RequestRejectedError(f"{where}: a video array must be [frames, H, W, 3] uint8, got "
+                                       f"{list(value.shape)} {value.dtype}", param="multi_modal_data")
+        return np.ascontiguousarray(value)
+    if not isinstance(value, list | tuple) or not value:
+        raise bad
+    out = []
+    for i, frame in enumerate(value):
+        if isinstance(frame, Image.Image):
+            from plinth.multimodal.images import check_size
+
+            check_size(frame.width, frame.height, f"{where} frame {i}")
+            frame = np.asarray(frame.convert("RGB"))
+        elif not (isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3
+                  and frame.shape[-1] == 3):
+            raise bad
+        if out and frame.shape != out[0].shape:
+            raise RequestRejectedError(f"{where}: frame {i} is {frame.shape[1]}x{frame.shape[0]}, frame 0 "
+                                       f"{out[0].shape[1]}x{out[0].shape[0]}: a video's frames have one size",
+                                       param="multi_modal_data")
+        if 0 in frame.shape:
+            raise RequestRejectedError(f"{where}: frame {i} is empty", param="multi_modal_data")
+        out.append(frame)
+    return np.stack(out)
+
+
+def resized(settings: VideoSettings, height: int, width: int) -> tuple[int, int]:
+    """The frames' size after resizing.
+
+    Raises:
+        RequestRejectedError: a size the resize cannot take (too elongated); frames that are not whole merged
+            patches when the settings do not resize.
+    """
+    f = settings.factor
+    if not settings.do_resize:
+        if height % f or width % f:
+            raise RequestRejectedError(f"the video processor does not resize, and {width}x{height} frames are not "
+                                       f"made of whole {f}-pixel squares", param="multi_modal_data")
+        return height, width
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    try:
+        return smart_resize(height, width, factor=f, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels)
+    except ValueError as exc:
+        raise RequestRejectedError(f"the video processor cannot take this video: {exc}",
+                                   param="multi_modal_data") from None
+
+
+def grid_of(settings: VideoSettings, video: Video) -> tuple[int, int, int]:
+    """The video's ``(t, h, w)`` grid of patches."""
+    t, height, width = video.frames.shape[:3]
+    h, w = resized(settings, height, width)
+    return -(-t // settings.temporal), h // settings.patch, w // settings.patch
+
+
+def length_of(settings: VideoSettings, video: Video) -> int:
+    """The prompt positions the video fills."""
+    t, h, w = grid_of(settings, video)
+    return t * h * w // (settings.merge * settings.merge)
+
+
+def time_interval(settings: VideoSettings, video: Video) -> float:
+    """How far apart the rotary time positions of consecutive frame groups are."""
+    if settings.tokens_per_second is None:
+        return 1.0
+    # (in float32, as transformers computes it from the processor's float32 seconds per group: the positions are
+    # truncated, so a rounding apart would move one)
+    seconds = torch.tensor(settings.temporal / (video.fps or DEFAULT_FPS), dtype=torch.float32)
+    return float(settings.tokens_per_second * seconds)
+
+
+def patches(settings: VideoSettings, video: Video) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The video's ``[t * h * w, C * T * P * P]`` float32 patches and its grid."""
+    frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()   # [T, C, H, W] uint8
+    height, width = frames.shape[-2:]
+    h, w = resized(settings, height, width)
+    if (h, w) != (height, width):   # (torch's own 8-bit kernel, as torchvision resizes 8-bit frames on a CPU)
+        frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+    frames = frames.float()
+    if settings.do_normalize:   # (with the rescale folded into the mean and deviation, as transformers does)
+        scale = 1.0 / settings.rescale_factor if settings.do_rescale else 1.0
+        mean = (torch.tensor(settings.mean) * scale).view(1, -1, 1, 1)
+        std = (torch.tensor(settings.std) * scale).view(1, -1, 1, 1)
+        frames = (frames - mean) / std
+    elif settings.do_rescale:
+        frames = frames * settings.rescale_factor
+    tp, p, m = settings.temporal, settings.patch, settings.merge
+    if pad := -frames.shape[0] % tp:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+    t, c = frames.shape[0] // tp, frames.shape[1]
+    gh, gw = h // p, w // p
+    x = frames.reshape(t, tp, c, gh // m, m, p, gw // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)          # [t, gh/m, gw/m, m, m, C, T, P, P]
+    return x.reshape(t * gh * gw, c * tp * p * p).contiguous(), (t, gh, gw)
+
+
+#: the frames a second read from a video file (Qwen2-VL's usual sampling rate)
+SAMPLE_FPS = 2.0
+#: the most frames decoded from a video file (however few are kept): a bound on the work a file can ask for
+MAX_DECODED_FRAMES = 20_000
+
+
+def decode_video(data: bytes, where: str = "video") -> Video:
+    """A video file's frames (MP4, WebM, AVI, ... whatever FFmpeg reads, through PyAV), :data:`SAMPLE_FPS` a second
+    (the first frame, then the first at or after each next sample time; all of them where the file has fewer a
+    second), at most :data:`MAX_FRAMES`; its frame rate is that of the frames kept.
+
+    Raises:
+        RequestRejectedError: PyAV is not installed, the bytes are not a video FFmpeg reads, no frames, frames too
+            large, or more frames than :data:`MAX_DECODED_FRAMES`.
+    """
+    try:
+        import av
+    except ImportError:
+        raise RequestRejectedError(f"{where}: reading video files needs PyAV: pip install 'plinth-llm[video]' (or "
+                                   "give the frames themselves in multi_modal_data)") from None
+    import io
+
+    from plinth.multimodal.images import check_size
+
+    frames: list[np.ndarray] = []
+    times: list[float] = []
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise RequestRejectedError(f"{where}: the file has no video stream")
+            stream = container.streams.video[0]
+            check_size(stream.codec_context.width, stream.codec_context.height, f"{where} frame")
+            step, decoded = 1 / SAMPLE_FPS, 0
+            next_time: float | None = None   # the next sample time
+            for frame in container.decode(stream):
+                decoded += 1
+                if decoded > MAX_DECODED_FRAMES:
+                    raise RequestRejectedError(f"{where}: more than {MAX_DECODED_FRAMES} frames")
+                t = float(frame.time) if frame.time is not None else (decoded - 1) * step
+                if next_time is not None and t < next_time:
+                    continue
+                check_size(frame.width, frame.height, f"{where} frame")
+                frames.append(frame.to_ndarray(format="rgb24"))
+                times.append(t)
+                next_time = (t if next_time is None else next_time) + step
+                while next_time <= t:   # (past a gap in the file's timestamps)
+                    next_time += step
+                if len(frames) > MAX_FRAMES:
+                    raise RequestRejectedError(f"{where}: more than {MAX_FRAMES} frames at {SAMPLE_FPS:g} a second")
+    except RequestRejectedError:
+        raise
+    except Exception as exc:   # noqa: BLE001 - FFmpeg raises many kinds for a bad file
+        raise RequestRejectedError(f"{where} cannot be read as a video: {type(exc).__name__}: {exc}") from None
+    if not frames:
+        raise RequestRejectedError(f"{where}: the video has no frames")
+    span = times[-1] - times[0]
+    fps = (len(frames) - 1) / span if len(frames) > 1 and span > 0 else SAMPLE_FPS
+    return Video(video_of(np.stack(frames), where).frames, fps)   # (the shape checks of frames given directly)
+
+
+def video_from_url(url: str, where: str = "video_url", policy: Any = None) -> Video:
+    """A video from a ``data:video/...;base64,...`` URL, or, where ``policy`` allows, a ``file://`` URL under its
+    directory or an ``http(s)://`` URL of its domains (:func:`decode_video`).
+
+    Raises:
+        RequestRejectedError: a URL the policy does not allow, bad base64, a failed fetch, or not a video.
+    """
+    from plinth.multimodal.images import media_bytes
+
+    return decode_video(media_bytes(url, where, policy, "video"), where)
+
+
+def split_groups(grid: tuple[int, int, int], most: int) -> list[int]:
+    """A video's frame groups in runs of at most ``most`` patches (at least one group a run): the counts of groups,
+    in order (the vision tower attends within a group, so the runs encode apart)."""
+    t, h, w = grid
+    per = max(1, most // (h * w))
+    return [min(per, t - i) for i in range(0, t, per)]
+
+
+def videos_in(data: Any, limit: int, where: str = "multi_modal_data video") -> list[Video]:
+    """The videos of a request's ``multi_modal_data["video"]`` (one video, or a list of them).
+
+    Raises:
+        RequestRejectedError: more than ``limit`` videos, or one :func:`video_of` refuses.
+    """
+    if isinstance(data, list) and data and all(_is_video(v) for v in data):
+        values: Sequence[Any] = data
+    else:
+        values = [data]
+    if len(values) > limit:
+        raise RequestRejectedError(f"multi_modal_data: {len(values)} videos, at most {limit} a prompt "
+                                   "(--limit-mm-per-prompt)", param="multi_modal_data")
+    return [video_of(v, f"{where} {i}") for i, v in enumerate(values)]
+
+
+def _is_video(value: Any) -> bool:
+    """Whether one entry of a list is a whole video (a list of frames, a 4-d array, a dict, a (frames, meta) tuple),
+    so that the list is a list of videos rather than one video's frames."""
+    if isinstance(value, np.ndarray | torch.Tensor):
+        return value.ndim == 4
+    return isinstance(value, list | dict | Video) or (isinstance(value, tuple) and len(value) == 2
+                                              and isinstance(value[1], dict))
