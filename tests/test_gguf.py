@@ -84,12 +84,13 @@ def llamacpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def gguf_writer(path, config, arch: str, layer_norm: bool = False, feed_forward: int | None = None
-                ) -> gguf.GGUFWriter:
+def gguf_writer(path, config, arch: str, layer_norm: bool = False, feed_forward: int | None = None,
+                split_max_tensors: int = 0) -> gguf.GGUFWriter:
     """A writer with the size metadata every file of ``config`` carries (llama.cpp's converter's keys): the RMSNorm
     epsilon, or with ``layer_norm`` the LayerNorm one; ``feed_forward``: a feed-forward length other than the
-    config's ``intermediate_size``."""
-    writer = gguf.GGUFWriter(str(path), arch)
+    config's ``intermediate_size``; ``split_max_tensors``: a split model of files of that many tensors at most
+    (``gguf-split``'s names and keys)."""
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -122,11 +123,12 @@ def finish(writer: gguf.GGUFWriter, path) -> str:
     return str(path)
 
 
-def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=None) -> str:
-    """Write ``model`` to ``path`` as llama.cpp's converter would."""
+def write_gguf(path, model, arch: str, qtype=Q.F32, extra_tensors=(), metadata=None, split_max_tensors=0) -> str:
+    """Write ``model`` to ``path`` as llama.cpp's converter would (split into files of ``split_max_tensors`` tensors
+    where given)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer = gguf_writer(path, config, arch)
+    writer = gguf_writer(path, config, arch, split_max_tensors=split_max_tensors)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:
@@ -401,11 +403,50 @@ def test_tensor_without_hf_counterpart(tmp_path):
         list(iter_gguf_weights(path, torch.float32))
 
 
-def test_split_file(tmp_path):
-    path = write_gguf(tmp_path / "m-00001-of-00002.gguf", small_model("llama", True), "llama",
-                      metadata={"split": lambda w: w.add_uint16("split.count", 2)})
-    with pytest.raises(ModelLoadError, match="one part of a split model"):
-        read_gguf_config(path)
+def test_split_model(tmp_path):
+    """A model split by llama.cpp's ``gguf-split`` (written by gguf-py: ``m-0000i-of-0000n.gguf``, the metadata in the
+    first, ``split.*`` keys in each) opens from its first file as one: the same config and the same weights, value
+    for value, as the file written whole, quantized tensors in every part included, and the engine generates the
+    same tokens from it. A later part given, a missing part, a first part renamed, mismatched split keys: clear
+    errors."""
+    import plinth
+    from conftest import save_tiny_model
+
+    tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
+    model = small_model("llama", False, vocab_size=300)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "split").mkdir()
+    whole = write_gguf(tmp_path / "one" / "m.gguf", model, "llama", Q.Q8_0)
+    write_gguf(tmp_path / "split" / "m.gguf", model, "llama", Q.Q8_0, split_max_tensors=5)
+    parts = sorted(p.name for p in (tmp_path / "split").iterdir())
+    n = len(parts)
+    assert n >= 3 and parts == [f"m-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    first = str(tmp_path / "split" / parts[0])
+    assert read_gguf_config(first)[0].to_dict() == read_gguf_config(whole)[0].to_dict()
+    want = dict(iter_gguf_weights(whole, torch.float32))
+    got = dict(iter_gguf_weights(first, torch.float32))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    params = plinth.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for path in (whole, first):
+        llm = plinth.LLM(path, tokenizer=str(tokenizer_dir), dtype="float32", max_model_len=64, quantization="gguf")
+        outs.append(llm.generate([{"prompt_token_ids": list(range(3, 20))}], params, use_tqdm=False)[0])
+        llm.close()
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    with pytest.raises(ModelLoadError, match=f"part 2 of a split model of {n} files: give the first one "
+                                             f"\\(m-00001-of-{n:05d}.gguf\\)"):
+        read_gguf_config(str(tmp_path / "split" / parts[1]))
+    renamed = tmp_path / "split" / "first.gguf"
+    shutil.copy(first, renamed)
+    with pytest.raises(ModelLoadError, match="its name is not NAME-00001-of"):
+        read_gguf_config(str(renamed))
+    os.remove(renamed)
+    os.rename(tmp_path / "split" / parts[-1], tmp_path / "split" / "gone.gguf")
+    with pytest.raises(ModelLoadError, match=f"part {n} .* is missing"):
+        read_gguf_config(first)
+    shutil.copy(tmp_path / "split" / parts[1], tmp_path / "split" / parts[-1])   # part 2 where part n should be
+    with pytest.raises(ModelLoadError, match=f"is not part {n} of {n}"):
+        read_gguf_config(first)
 
 
 def test_file_without_tokenizer(tmp_path):

@@ -24,6 +24,7 @@ import dataclasses
 import math
 import mmap
 import os
+import re
 import struct
 import threading
 from typing import Any
@@ -64,6 +65,7 @@ class GGUFTensorInfo:
     shape: tuple[int, ...]  # as numpy/Hugging Face order it: outermost first
     offset: int  # absolute file offset of the first byte
     n_bytes: int
+    part: int = 0  # which file of a split model holds it (0: the first, or the only one)
 
     @property
     def array_shape(self) -> tuple[int, ...]:
@@ -192,6 +194,14 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: tuple[GGUFTensorInfo, ...]
     _map: Any = dataclasses.field(repr=False)
+    #: the maps of a split model's later files (``GGUFTensorInfo.part`` 1, 2, ...)
+    _parts: tuple[Any, ...] = dataclasses.field(default=(), repr=False)
+    #: a split model's later files: ``(path, identity)`` each, as parsed
+    part_files: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+
+    def parts_unchanged(self) -> bool:
+        """Whether a split model's later files are still those parsed (always true of one file)."""
+        return all(_identity(path) == identity for path, identity in self.part_files)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -199,17 +209,66 @@ class GGUFFile:
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes, memory-mapped and read-only, as ``info.array_shape`` (see there)."""
         dtype = _VALUE_DTYPES.get(int(info.ggml_type), np.dtype(np.uint8))
-        flat = np.frombuffer(self._map, dtype=dtype, count=info.n_bytes // dtype.itemsize, offset=info.offset)
+        buf = self._map if info.part == 0 else self._parts[info.part - 1]
+        flat = np.frombuffer(buf, dtype=dtype, count=info.n_bytes // dtype.itemsize, offset=info.offset)
         return flat.reshape(info.array_shape)
 
     @classmethod
     def parse(cls, path: str) -> GGUFFile:
-        """Read the header of ``path``.
+        """Read the header of ``path``; of a split model (llama.cpp's ``gguf-split``: ``NAME-00001-of-0000N.gguf``
+        and the files beside it), the first file's metadata and every file's tensors.
 
         Raises:
             ModelLoadError: the file is missing, not GGUF, of another version or byte order, truncated,
-                corrupt, or one part of a split model.
+                corrupt; a split model's later file given instead of the first, a missing or mismatched part, or a
+                tensor in two parts.
         """
+        first = cls._parse_one(path)
+        count = first.metadata.get("split.count", 1)
+        if not isinstance(count, int) or count <= 1:
+            return first
+        return cls._joined(first, count)
+
+    @classmethod
+    def _joined(cls, first: GGUFFile, count: int) -> GGUFFile:
+        """A split model's parts as one file: the metadata of the first, the tensors of all."""
+        path = first.path
+        m = _SPLIT_NAME.match(os.path.basename(path))
+        if first.metadata.get("split.no", 0) != 0:
+            name = (f"{m['stem']}-00001-of-{m['count']}.gguf" if m else "the first part")
+            raise ModelLoadError(f"GGUF file {path!r} is part {first.metadata.get('split.no', 0) + 1} of a split "
+                                 f"model of {count} files: give the first one ({name}), which names the others")
+        if m is None or int(m["count"]) != count:
+            raise ModelLoadError(f"GGUF file {path!r} is the first of a split model of {count} files, but its name is "
+                                 f"not NAME-00001-of-{count:05d}.gguf, so the other parts cannot be found: keep "
+                                 "llama.cpp's names (or merge the parts with gguf-split --merge)")
+        tensors, maps, files = list(first.tensors), [], []
+        names = {t.name for t in tensors}
+        for i in range(1, count):
+            part_path = os.path.join(os.path.dirname(path), f"{m['stem']}-{i + 1:05d}-of-{m['count']}.gguf")
+            if not os.path.isfile(part_path):
+                raise ModelLoadError(f"GGUF file {path!r} is split into {count} files, but part {i + 1} "
+                                     f"({part_path!r}) is missing")
+            part = cls._parse_one(part_path)
+            if part.metadata.get("split.count") != count or part.metadata.get("split.no") != i:
+                raise ModelLoadError(f"GGUF file {part_path!r} is not part {i + 1} of {count} of {path!r} (its "
+                                     f"split.no is {part.metadata.get('split.no')!r}, split.count "
+                                     f"{part.metadata.get('split.count')!r})")
+            for t in part.tensors:
+                if t.name in names:
+                    raise ModelLoadError(f"GGUF split model {path!r}: tensor {t.name!r} is in two parts")
+                names.add(t.name)
+                tensors.append(dataclasses.replace(t, part=i))
+            maps.append(part._map)
+            files.append((part_path, part.identity))
+        total = first.metadata.get("split.tensors.count")
+        if isinstance(total, int) and total != len(tensors):
+            raise ModelLoadError(f"GGUF split model {path!r}: its parts hold {len(tensors)} tensors, its first file "
+                                 f"says {total}")
+        return dataclasses.replace(first, tensors=tuple(tensors), _parts=tuple(maps), part_files=tuple(files))
+
+    @classmethod
+    def _parse_one(cls, path: str) -> GGUFFile:
         import gguf
 
         if not os.path.isfile(path):
@@ -252,13 +311,19 @@ class GGUFFile:
             raise ModelLoadError(f"GGUF file {path!r} is truncated or corrupt: {e}") from e
         except (ValueError, UnicodeDecodeError, struct.error) as e:
             raise ModelLoadError(f"GGUF file {path!r} is corrupt: {e}") from e
-        split = metadata.get("split.count", 1)
-        if isinstance(split, int) and split > 1:
-            raise ModelLoadError(
-                f"GGUF file {path!r} is one part of a split model; merge the parts into one file first "
-                "(llama.cpp's gguf-split --merge)"
-            )
         return cls(path, identity, version, metadata, tensors, buf)
+
+
+def _identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+#: the names llama.cpp's ``gguf-split`` gives a split model's files
+_SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 
 def _tensor_table(raw: list[tuple[str, list[int], int, int]], data_start: int, size: int, path: str,
@@ -303,7 +368,7 @@ class _SharedFiles:
         identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         with self._lock:  # one parse per file even when threads ask at once
             parsed = self._files.get(real)
-            if parsed is None or parsed.identity != identity:
+            if parsed is None or parsed.identity != identity or not parsed.parts_unchanged():
                 parsed = GGUFFile.parse(path)
                 self._files[real] = parsed
             self._files.move_to_end(real)
