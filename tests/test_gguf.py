@@ -409,8 +409,9 @@ def test_split_model(tmp_path):
     for value, as the file written whole, quantized tensors in every part included, and the engine generates the
     same tokens from it. A later part given, a missing part, a first part renamed, mismatched split keys: clear
     errors."""
-    import plinth
     from conftest import save_tiny_model
+
+    import plinth
 
     tokenizer_dir = save_tiny_model(tmp_path / "tok")   # its 300-token tokenizer
     model = small_model("llama", False, vocab_size=300)
