@@ -248,10 +248,10 @@ class ModelConfig:
             if not isinstance(limit, dict) or set(limit) - {"image", "video"}:
                 raise ConfigError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4, \"video\": 1}} "
                                   f"(images and videos are the inputs besides text), got {self.limit_mm_per_prompt!r}")
-            for kind, count in limit.items():
-                if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            for kind, count in limit.items():   # (None: the default)
+                if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
                     raise ConfigError(f"limit_mm_per_prompt's {kind} count must be an integer >= 0, got {count!r}")
-            limit = {"image": limit.get("image"), "video": limit.get("video")}
+            limit = {kind: count for kind, count in limit.items() if count is not None}
         object.__setattr__(self, "limit_mm_per_prompt", limit)
         domains = self.allowed_media_domains
         if isinstance(domains, str):

@@ -497,7 +497,7 @@ def test_server_checks_of_image_requests(llava):
 def test_refusals(llava, llm, tiny_llama_dir, tmp_path):
     """Clear errors: images that the prompt does not name (or names too often), an image token without an image, a
     run of image tokens of the wrong length, something that is not an image, a thin strip, an image-and-text model
-    whose language model plinth does not run (Qwen3-VL), images for a text-only model, and an image part in a
+    whose language model plinth does not run (BLIP-2 over OPT), images for a text-only model, and an image part in a
     text-only model's chat."""
     img = _picture(11)
     engine = llm.llm_engine
@@ -516,16 +516,18 @@ def test_refusals(llava, llm, tiny_llama_dir, tmp_path):
         with pytest.raises(RequestRejectedError, match=words):
             engine.add_request("bad", prompt, SamplingParams(max_tokens=2), multi_modal_data=data)
     assert not engine.has_unfinished_requests()
-    qwen3vl = transformers.Qwen3VLConfig(
-        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
-    transformers.Qwen3VLForConditionalGeneration(qwen3vl).save_pretrained(tmp_path / "qwen3vl")
+    blip2 = transformers.Blip2Config(   # BLIP-2 over OPT, a language model plinth does not run
+        text_config=dict(model_type="opt", vocab_size=100, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+                         num_attention_heads=2, word_embed_proj_dim=32),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4),
+        qformer_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                            encoder_hidden_size=32), num_query_tokens=2)
+    transformers.Blip2ForConditionalGeneration(blip2).save_pretrained(tmp_path / "blip2")
     from plinth.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="whose language model .* plinth does not run"):
-        LLM(str(tmp_path / "qwen3vl"), dtype="float32", platform="cpu", selection="off")
+        LLM(str(tmp_path / "blip2"), dtype="float32", platform="cpu", selection="off")
     text_only = LLM(str(tiny_llama_dir), dtype="float32", platform="cpu", selection="off")
     with pytest.raises(RequestRejectedError, match="takes no image inputs"):
         text_only.generate({"prompt": "The fox", "multi_modal_data": {"image": img}})

@@ -447,7 +447,10 @@ def test_encoder_profile_pass(fixture, request):
     from plinth.multimodal.images import max_patches
 
     assert max_patches(llm.llm_engine.images.mm_config, str(path), None) == 8 * 8 * 80 // 16
-    assert max_patches(llm.llm_engine.images.mm_config, str(path), {"max_pixels": 1024}) == 1024 // 16
+    # (a video's frame group counts too: the video processor's bound is the larger here)
+    assert max_patches(llm.llm_engine.images.mm_config, str(path), {"max_pixels": 1024}) == 8 * 8 * 80 // 16
+    assert max_patches(llm.llm_engine.images.mm_config, str(path), {"max_pixels": 1024,
+                                                                    "video_max_pixels": 512}) == 1024 // 16
 
 
 def test_server_chat_and_tokenize(qwen2):
@@ -543,6 +546,11 @@ def test_mm_processor_kwargs_per_prompt(qwen2):
                       {"merge_size": 1}})
     with pytest.raises(ValueError, match="give them in 'multi_modal_data'"):
         llm.generate({"prompt": "a", "mm_processor_kwargs": {"max_pixels": 1024}})
+    # bounds above the engine's (which start-up sized the encoder's memory for) are refused
+    for key, bound in (("max_pixels", 8 * 8 * 80), ("video_max_pixels", 8 * 8 * 80)):
+        with pytest.raises(RequestRejectedError, match=f"{key} {bound + 64} is more than the engine's {bound}"):
+            llm.generate({"prompt": f"a {IMAGE}", "multi_modal_data": {"image": img},
+                          "mm_processor_kwargs": {key: bound + 64}})
 
 
 def _video(seed: int, frames: int = 5, size: tuple[int, int] = (40, 52)) -> np.ndarray:
@@ -558,19 +566,21 @@ def test_video_tokens_and_logprobs_equal_transformers(fixture, request):
     """A video (5 frames: the last repeated to 3 groups of 2) beside an image in one prompt, a second prompt with two
     videos, one given as PIL frames with its frame rate, prefilled in chunks of 16 tokens: the video token widened to
     the merged patches of all its groups, the frame groups' rotary time positions (Qwen2-VL one a group; Qwen2.5-VL
-    ``tokens_per_second`` a second, at 2 frames a second or, without a rate, 24), and greedy tokens and every step's
-    log-probabilities equal transformers' on the same patches."""
+    ``tokens_per_second`` a second, at 4 frames a second or, without a rate, 24), and greedy tokens and every step's
+    log-probabilities equal transformers' on the same patches. (The videos' times stay within their rows and columns,
+    where transformers 5.3+ and the reference place the text after a video alike: see
+    ``test_text_after_a_video_resumes_past_its_times``.)"""
     path, model, processor, _ = request.getfixturevalue(fixture)
     llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_num_batched_tokens=16,
               enable_chunked_prefill=True, max_model_len=512)
     img, clip, other = _picture(30), _video(31), _video(32, frames=4, size=(24, 40))
     prompts = [{"prompt": f"A {IMAGE} then {VIDEO} end", "multi_modal_data": {"image": img, "video": clip}},
                {"prompt": f"{VIDEO} and {VIDEO}",
-                "multi_modal_data": {"video": [([Image.fromarray(f) for f in other], {"fps": 2.0}), clip]}}]
+                "multi_modal_data": {"video": [([Image.fromarray(f) for f in other], {"fps": 4.0}), clip]}}]
     outs = llm.generate(prompts, _greedy())
     assert outs[0].prompt_token_ids.count(model.config.video_token_id) == 3 * 5 * 6   # 3 groups of 5x6 merged
     _check(outs[0], model, processor, [img], videos=[(clip, None)])
-    _check(outs[1], model, processor, [], videos=[(other, 2.0), (clip, None)])
+    _check(outs[1], model, processor, [], videos=[(other, 4.0), (clip, None)])
 
 
 def test_video_patches_equal_transformers_video_processor():
@@ -639,6 +649,8 @@ def test_bad_videos_are_refused(qwen2):
         ({"video": clip.astype("float32")}, f"x {VIDEO}", r"\[frames, H, W, 3\] uint8"),
         ({"video": []}, f"x {VIDEO}", "a video is a list of frames"),
         ({"video": (clip, {"fps": 0})}, f"x {VIDEO}", "fps must be a positive number"),
+        ({"video": (clip, {"fps": 1e-30})}, f"x {VIDEO}", "fps must be a positive number"),
+        ({"video": np.zeros((2000, 8, 8, 3), np.uint8)}, f"x {VIDEO}", "2000 frames, at most 1024"),
         ({"video": clip}, f"x {VIDEO} {VIDEO}", r"names 2 video\(s\)"),
         ({"video": [clip, clip]}, f"x {VIDEO} {VIDEO}", "2 videos, at most 1"),
         ({"audio": clip}, "x", "takes images and videos only"),
@@ -712,3 +724,143 @@ def test_video_files_in_chat_and_the_server(qwen25):
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": "data:image/png;base64,AAAA"}}]}], "max_tokens": 2})
         assert r.status_code == 400 and "not a video" in r.text, r.text
+
+
+def _reference_rope_index(ids: list[int], video_token: int, grid: tuple[int, int, int], seconds: float,
+                          rate: float, merge: int = 2) -> torch.Tensor:
+    """The Qwen2.5-VL reference code's positions of a prompt with one video (as its authors wrote ``get_rope_index``,
+    transformers before 5.3 and vLLM keep it): frame group ``i`` at ``i * seconds * rate`` (float32, truncated), the
+    text after the video at one past its largest position."""
+    start = ids.index(video_token)
+    t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+    before = torch.arange(start).view(1, -1).expand(3, -1)
+    times = (torch.arange(t).view(-1, 1).expand(-1, h * w) * torch.tensor(seconds, dtype=torch.float32)
+             * rate).long().flatten()
+    rows = torch.arange(h).view(1, -1, 1).expand(t, -1, w).flatten()
+    cols = torch.arange(w).view(1, 1, -1).expand(t, h, -1).flatten()
+    video = torch.stack([times, rows, cols]) + start
+    after = torch.arange(len(ids) - start - t * h * w).view(1, -1).expand(3, -1) + video.max() + 1
+    return torch.cat([before, video, after], dim=1)
+
+
+def test_text_after_a_video_resumes_past_its_times():
+    """A Qwen2.5-VL video whose time positions run past its rows and columns (3 groups at 2 positions a second of 1 s
+    each: times 0, 2, 4 over a 2x2 grid): its positions, and the text after it at one past the largest (5), as the
+    reference code computes them (transformers 5.3+ resumes at the rows' count, 2: its issue 45381)."""
+    ids = [7, 8, 100] * 1 + [99] * 12 + [9, 10]
+    spans = [(3, 12, (3, 4, 4), (1.0, 2.0))]
+    rope, (rows,) = layout(spans, 2)
+    want = _reference_rope_index(ids[:2] + [0] + [99] * 12 + [9, 10], 99, (3, 4, 4), 1.0, 2.0)
+    got = np.stack([np.arange(len(ids)) + rope.shifts(0, len(ids))] * 3)
+    got[:, 3:15] = rows.T
+    assert got.tolist() == want.tolist()
+    assert want[:, 15].tolist() == [5 + 3] * 3   # the video's largest position (4 + 3) plus one
+
+
+def test_video_keys_and_settings(qwen25):
+    """The same frames at another frame rate sit at other rotary positions: another cache key, so the prefix cache
+    does not reuse the first one's blocks (the second equals transformers'); a request's ``mm_processor_kwargs`` go
+    on top of the engine's (an image setting keeps the engine's video bounds)."""
+    path, model, processor, _ = qwen25
+    llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", enable_prefix_caching=True,
+              mm_processor_kwargs={"video_max_pixels": 256})
+    clip = _video(70)
+    prompt = f"Watch {VIDEO} now"
+    llm.generate({"prompt": prompt, "multi_modal_data": {"video": (clip, {"fps": 4.0})}}, _greedy())
+    again = llm.generate({"prompt": prompt, "multi_modal_data": {"video": clip}}, _greedy())[0]
+    from plinth.multimodal import video as v
+
+    support = llm.llm_engine.images
+    small = v.video_settings(model.config, None, {"video_min_pixels": VIDEO_PROCESSOR["size"]["shortest_edge"],
+                                                  "video_max_pixels": 256})
+    length = v.length_of(small, v.Video(clip))
+    assert support.video.max_pixels == 256 and length < v.length_of(support.video.__class__(
+        **{**vars(small), "max_pixels": 8 * 8 * 80}), v.Video(clip))
+    assert again.prompt_token_ids.count(model.config.video_token_id) == length
+    _check_with(again, model, processor, clip, small)
+    assert support.prepare({"video": clip}, {"do_normalize": True}).lengths == (length,)
+
+
+def _check_with(out, model, processor, clip, cfg) -> None:
+    """``_check`` for one video made with the video settings ``cfg``."""
+    from plinth.multimodal import video as v
+
+    patches, grid = v.patches(cfg, v.Video(clip))
+    ids = torch.tensor([out.prompt_token_ids])
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pixel_values_videos=patches,
+                             video_grid_thw=torch.tensor([grid]),
+                             second_per_grid_ts=torch.tensor([cfg.temporal / v.DEFAULT_FPS], dtype=torch.float32),
+                             mm_token_type_ids=2 * (ids == model.config.video_token_id).int())
+    assert out.outputs[0].token_ids == gen.sequences[0, ids.shape[1]:].tolist()
+
+
+def _encoded(fmt: str, codec: str, size: tuple[int, int], frames: int = 12, fps: int = 8) -> bytes:
+    """``frames`` plain frames of ``size`` (H, W) at ``fps`` a second, in ``fmt`` (PyAV)."""
+    av = pytest.importorskip("av")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[1], size[0], "yuv420p"
+        for i in range(frames):
+            frame = np.full((*size, 3), 20 * i % 256, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def test_video_file_decoding():
+    """Files read at 2 frames a second: MP4, MPEG-TS and a raw H.264 stream (no timestamps: its frame rate counts);
+    a stream whose frames change size mid-way, and bytes that are no video, are refused clearly."""
+    from plinth.multimodal.video import decode_video
+
+    for fmt, codec in (("mp4", "mpeg4"), ("mpegts", "mpeg2video"), ("h264", "libx264")):
+        video = decode_video(_encoded(fmt, codec, (32, 48)))   # 1.5 s at 8 a second
+        assert video.frames.shape == (3, 32, 48, 3) and video.fps == pytest.approx(2.0), fmt
+    joined = _encoded("h264", "libx264", (32, 48)) + _encoded("h264", "libx264", (48, 64))
+    with pytest.raises(RequestRejectedError, match="frames change size"):
+        decode_video(joined)
+    with pytest.raises(RequestRejectedError, match="cannot be read as a video"):
+        decode_video(b"\x00" * 64)
+
+
+def test_limit_mm_per_prompt_forms():
+    """``limit_mm_per_prompt`` keeps the counts given (``null``: the default) and stays valid when the model config is
+    copied again (a draft model's, bitsandbytes'); other kinds and counts are refused."""
+    import dataclasses
+
+    from plinth.config import ConfigError, EngineConfig
+
+    for given, kept in (({"image": 2}, {"image": 2}), ('{"video": 1, "image": null}', {"video": 1}), (None, None)):
+        model = EngineConfig.from_kwargs(model="x", limit_mm_per_prompt=given).model
+        assert model.limit_mm_per_prompt == kept
+        assert dataclasses.replace(model).limit_mm_per_prompt == kept
+    for bad in ({"audio": 1}, {"video": -1}, {"image": True}, [1]):
+        with pytest.raises(ConfigError, match="limit_mm_per_prompt"):
+            EngineConfig.from_kwargs(model="x", limit_mm_per_prompt=bad)
+
+
+def test_video_settings_files(tmp_path):
+    """The video processor's settings come from where transformers looks, in its order: ``processor_config.json``'s
+    ``video_processor``, ``video_preprocessor_config.json``, the image processor's ``preprocessor_config.json``
+    (older checkpoints); none: the Qwen2-VL video processor's defaults. Patch sizes other than the tower's are
+    refused."""
+    from plinth.errors import ModelLoadError
+    from plinth.multimodal import video as v
+
+    cfg = transformers.Qwen2VLConfig(vision_config=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
+    assert (v.video_settings(cfg, str(tmp_path)).min_pixels, v.video_settings(cfg, str(tmp_path)).max_pixels) == (
+        v.DEFAULT_MIN_PIXELS, v.DEFAULT_MAX_PIXELS)
+    files = [("preprocessor_config.json", {"min_pixels": 3136, "max_pixels": 12845056}),
+             ("video_preprocessor_config.json", {"size": {"shortest_edge": 1000, "longest_edge": 2000}}),
+             ("processor_config.json", {"video_processor": {"min_pixels": 10, "max_pixels": 20}})]
+    for (name, data), want in zip(files, [(3136, 12845056), (1000, 2000), (10, 20)], strict=True):
+        (tmp_path / name).write_text(json.dumps(data))
+        got = v.video_settings(cfg, str(tmp_path))
+        assert (got.min_pixels, got.max_pixels) == want
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": {"patch_size": 16}}))
+    with pytest.raises(ModelLoadError, match="not the vision tower's"):
+        v.video_settings(cfg, str(tmp_path))

@@ -349,6 +349,9 @@ IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditional
 #: sections from the config, transformers' default where it names none)
 _MROPE_TEXT_MODELS = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
 _DEFAULT_MROPE_SECTION = [16, 24, 24]
+#: language models of image-and-text checkpoints that transformers has no causal LM class for, run text-only (a
+#: text prompt's multimodal RoPE positions are plain ones)
+_TEXT_CAUSAL_MODELS = {"qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
 
 
 def _runs_images(cfg: Any, arch: str) -> bool:
@@ -420,6 +423,8 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
             scaling = dict(getattr(text, "rope_scaling", None) or {})
             scaling.setdefault("mrope_section", list(_DEFAULT_MROPE_SECTION))
             text.rope_scaling = scaling
+    elif getattr(text, "model_type", None) in _TEXT_CAUSAL_MODELS:
+        causal = _TEXT_CAUSAL_MODELS[text.model_type]
     elif names and isinstance(names, list | tuple) and isinstance(names[0], str):
         causal = names[0]
     else:
@@ -435,9 +440,10 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
         if getattr(text, key, None) is None and getattr(cfg, key, None) is not None:
             setattr(text, key, getattr(cfg, key))
     # transformers ties the image-and-text model's LM head by the top-level flag (its own config's): a checkpoint it
-    # wrote tied has no LM head tensor, whatever the text config's flag says (Qwen3.5's defaults to false)
-    if getattr(cfg, "tie_word_embeddings", None) is True:
-        text.tie_word_embeddings = True
+    # wrote tied has no LM head tensor, and one it wrote untied has one, whatever the text config's flag says
+    # (Qwen3.5's defaults to false, Qwen3-VL-MoE's to true)
+    if getattr(cfg, "tie_word_embeddings", None) is not None:
+        text.tie_word_embeddings = bool(cfg.tie_word_embeddings)
     text.architectures = [causal]
     return text, causal
 

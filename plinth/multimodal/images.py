@@ -90,7 +90,8 @@ class ImageItem:
         rope: Qwen2-VL: its positions' ``[length, 3]`` multimodal RoPE positions (:mod:`plinth.multimodal.mrope`).
         embeds: an image given as its embeddings (``[length, hidden]``, :class:`EmbeddedImage`): not encoded, and
             ``pixel_values`` is empty; else ``None``.
-        time_interval: a video's (Qwen2-VL): how far apart its frame groups' rotary time positions are.
+        time_scale: a Qwen2.5-VL video's ``(seconds a frame group, rotary time positions a second)``; else ``None``
+            (one time position a frame group; see :func:`plinth.multimodal.mrope.image_positions`).
     """
 
     offset: int
@@ -101,7 +102,7 @@ class ImageItem:
     grid: tuple[int, int, int] | None = None
     rope: Any = None
     embeds: torch.Tensor | None = None
-    time_interval: float = 1.0
+    time_scale: tuple[float, float] | None = None
 
     @property
     def end(self) -> int:
@@ -379,6 +380,7 @@ class ImageSupport:
         self.dtype = dtype
         self.policy = policy or MediaPolicy()
         self.path = path
+        self.processor_kwargs = processor_kwargs
         #: Qwen2-VL: the video token and how videos become patches (:mod:`plinth.multimodal.video`); else ``None``
         self.video_token_id: int | None = None
         self.video: Any = None
@@ -664,11 +666,33 @@ class ImageSupport:
                 _apply_settings(processor, settings, self.qwen)
             except ConfigError as exc:
                 raise RequestRejectedError(str(exc), param="mm_processor_kwargs") from None
+            self._check_bounds(settings)
         images = self.images_of(data)
         videos = self._videos_of(data)
         if not images and not videos:
             return PreparedImages((), (), (), ())
         return self._with_videos(self._prepare_images(images, processor), videos, settings)
+
+    def _check_bounds(self, settings: dict[str, Any]) -> None:
+        """Refuse a request's ``max_pixels`` / ``video_max_pixels`` above the engine's: start-up sized the encoder's
+        largest pass (and so the memory it left the KV cache) by those.
+
+        Raises:
+            RequestRejectedError: as above.
+        """
+        engine = self.processor_kwargs or {}
+        for key in ("max_pixels", "video_max_pixels"):
+            if key not in settings:
+                continue
+            if key == "max_pixels":
+                size = getattr(self.processor, "size", None)
+                bound = engine.get(key, size.get("longest_edge") if hasattr(size, "get") else None)
+            else:
+                bound = self.video.max_pixels if self.video is not None else None
+            if bound is not None and settings[key] > bound:
+                raise RequestRejectedError(f"mm_processor_kwargs: {key} {settings[key]} is more than the engine's "
+                                           f"{bound}, which its memory was sized for (start it with a larger "
+                                           "--mm-processor-kwargs bound)", param="mm_processor_kwargs")
 
     def _videos_of(self, data: Any) -> list[Any]:
         if self.video is None or "video" not in data:
@@ -684,22 +708,25 @@ class ImageSupport:
             return prepared
         from plinth.multimodal import video as v
 
-        try:
-            cfg = v.video_settings(self.mm_config, self.path, settings) if settings else self.video
+        try:   # (a request's settings on top of the engine's)
+            cfg = (v.video_settings(self.mm_config, self.path, {**(self.processor_kwargs or {}), **settings})
+                   if settings else self.video)
         except ModelLoadError as exc:
             raise RequestRejectedError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
         made = [v.patches(cfg, video) for video in videos]
+        scales = [v.time_scale(cfg, video) for video in videos]
         n, k = len(prepared.pixels), len(videos)
         m = cfg.merge * cfg.merge
         return PreparedImages(
             prepared.pixels + tuple(p for p, _ in made),
-            prepared.keys + tuple("v" + _digest(p, g) for p, g in made),
+            # (the key holds the time scale: the same frames at another rate sit at other rotary positions)
+            prepared.keys + tuple("v" + _digest(p, (g, scale)) for (p, g), scale in zip(made, scales, strict=True)),
             prepared.sizes + (None,) * k,
             prepared.lengths + tuple(t * h * w // m for _, (t, h, w) in made),
             tuple(prepared.grids) + tuple(g for _, g in made),
             (tuple(prepared.embeds) or (None,) * n) + (None,) * k,
             (self.token_id,) * n + (self.video_token_id,) * k,
-            (1.0,) * n + tuple(v.time_interval(cfg, video) for video in videos))
+            (None,) * n + tuple(scales))
 
     def _prepare_images(self, images: list[Any], processor: Any) -> PreparedImages:
         if not images:
@@ -744,9 +771,9 @@ class ImageSupport:
         expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens)
         grids = prepared.grids or (None,) * len(spans)
         embeds = prepared.embeds or (None,) * len(spans)
-        intervals = prepared.intervals or (1.0,) * len(spans)
+        scales = prepared.time_scales or (None,) * len(spans)
         items = sorted((ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i],
-                                  embeds=embeds[i], time_interval=intervals[i])
+                                  embeds=embeds[i], time_scale=scales[i])
                         for i, (offset, length) in enumerate(spans)), key=lambda item: item.offset)
         if self.qwen:
             _, positions = self._layout(items)
@@ -761,7 +788,7 @@ class ImageSupport:
     def _layout(self, items: Sequence[ImageItem]) -> Any:
         from plinth.multimodal.mrope import layout
 
-        return layout([(item.offset, item.length, item.grid, item.time_interval) for item in items], self.merge)
+        return layout([(item.offset, item.length, item.grid, item.time_scale) for item in items], self.merge)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -776,7 +803,7 @@ class PreparedImages:
     grids: tuple[tuple[int, int, int], ...] = ()
     embeds: tuple[torch.Tensor | None, ...] = ()   # images given as embeddings (their pixels empty), else ()
     tokens: tuple[int, ...] = ()       # each entry's placeholder token (Qwen2-VL's videos after the images); () images
-    intervals: tuple[float, ...] = ()  # each entry's rotary time interval (videos); () all 1
+    time_scales: tuple[tuple[float, float] | None, ...] = ()   # each entry's ImageItem.time_scale; () all None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -831,8 +858,8 @@ class ImageParts:
                                        "(--limit-mm-per-prompt)", param="multi_modal_data")
         from plinth.multimodal import video as v
 
-        if isinstance(value, str):
-            found = self.loaded.get(value) or v.video_from_url(value, where, self.policy)
+        if isinstance(value, str):   # (videos loaded ahead are kept under ("video", url))
+            found = self.loaded.get(("video", value)) or v.video_from_url(value, where, self.policy)
         else:
             found = v.video_of(value, where)
         self.videos.append(found)
@@ -870,7 +897,7 @@ def salted_key(key: str, salt: str | None, epoch: int) -> str:
     return h.hexdigest()
 
 
-def _digest(pixels: torch.Tensor, size: tuple[int, int] | None) -> str:
+def _digest(pixels: torch.Tensor, size: Any) -> str:   # (size: an image's size, a grid, what else tells apart)
     h = hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16)
     h.update(repr((tuple(pixels.shape), size)).encode())
     return h.hexdigest()
@@ -956,15 +983,18 @@ def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> Non
 
 def max_patches(mm_config: Any, path: str | None, settings: dict[str, Any] | None) -> int | None:
     """Qwen2-VL: the most patches the checkpoint's processor makes of one image (its ``max_pixels``, with
-    ``mm_processor_kwargs``), else ``None``."""
+    ``mm_processor_kwargs``), or of one frame group of a video (the video processor's), else ``None``."""
     from plinth.multimodal.qwen_vision import is_qwen_vl
+    from plinth.multimodal.video import video_settings
 
     if not is_qwen_vl(mm_config):
         return None
     processor = _image_processor(mm_config, path)
     if settings:
         _apply_settings(processor, settings, True)
+    video = video_settings(mm_config, path, settings)
+    frames = video.max_pixels // video.patch ** 2
     try:
-        return int(processor.size["longest_edge"]) // int(processor.patch_size) ** 2
+        return max(int(processor.size["longest_edge"]) // int(processor.patch_size) ** 2, frames)
     except (AttributeError, KeyError, TypeError, ValueError):
-        return None
+        return frames

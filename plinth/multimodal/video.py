@@ -18,7 +18,6 @@ The vision tower attends within each frame group only, so a long video is encode
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,10 +35,12 @@ DEFAULT_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_MAX_PIXELS = 768 * 28 * 28
 #: the frame rate of frames given without one (transformers' assumption)
 DEFAULT_FPS = 24.0
+#: the frame rates taken (a frame an hour to 10,000 a second: the rotary time positions stay finite)
+MIN_FPS, MAX_FPS = 1 / 3600, 10_000.0
 #: the most frames a video may have
 MAX_FRAMES = 1024
-#: the most pixels of all a video's frames together (before resizing)
-MAX_VIDEO_PIXELS = 1 << 31
+#: the most pixels of all a video's frames together (before resizing): 768 MiB of 8-bit RGB
+MAX_VIDEO_PIXELS = 1 << 28
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -77,8 +78,9 @@ class Video:
 
 
 def video_settings(mm_config: Any, path: str | None, settings: dict[str, Any] | None = None) -> VideoSettings:
-    """The checkpoint's video settings; ``settings``: ``mm_processor_kwargs`` (``min_pixels`` / ``max_pixels`` apply
-    to the video frames too where given as ``video_min_pixels`` / ``video_max_pixels``).
+    """The checkpoint's video settings; ``settings``: ``mm_processor_kwargs`` (``video_min_pixels`` /
+    ``video_max_pixels`` bound the frames; ``do_normalize``, ``do_rescale`` and ``rescale_factor`` apply to them as
+    to images).
 
     Raises:
         ModelLoadError: a ``video_preprocessor_config.json`` that cannot be read or whose patch sizes are not the
@@ -89,10 +91,9 @@ def video_settings(mm_config: Any, path: str | None, settings: dict[str, Any] | 
     tps = getattr(v, "tokens_per_second", None) if getattr(mm_config, "model_type", "") == "qwen2_5_vl" else None
     fields: dict[str, Any] = dict(patch=patch, temporal=temporal, merge=merge,
                                   tokens_per_second=float(tps) if tps is not None else None)
-    file = Path(path) / "video_preprocessor_config.json" if path is not None else None
-    if file is not None and file.is_file():
+    file, cfg = _processor_dict(path)
+    if cfg is not None:
         try:
-            cfg = json.loads(file.read_text())
             size = cfg.get("size") or {}
             low = cfg.get("min_pixels", size.get("shortest_edge"))
             high = cfg.get("max_pixels", size.get("longest_edge"))
@@ -121,10 +122,38 @@ def video_settings(mm_config: Any, path: str | None, settings: dict[str, Any] | 
         value = (settings or {}).get(key)
         if value is not None:
             fields[key.removeprefix("video_")] = int(value)
+    for key in ("do_normalize", "do_rescale", "rescale_factor"):   # (checked as the image processor's settings)
+        if (settings or {}).get(key) is not None:
+            fields[key] = settings[key]
     out = VideoSettings(**fields)
     if out.min_pixels > out.max_pixels:
         raise ModelLoadError(f"video min_pixels {out.min_pixels} is more than max_pixels {out.max_pixels}")
     return out
+
+
+def _processor_dict(path: str | None) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint's video processor settings and their file, where transformers looks for them, in its order:
+    ``processor_config.json``'s ``video_processor``, ``video_preprocessor_config.json``, then the image processor's
+    ``preprocessor_config.json`` (older Qwen2-VL checkpoints, whose one processor took videos too).
+
+    Raises:
+        ModelLoadError: a file that is not a JSON object.
+    """
+    if path is None:
+        return None, None
+    for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None),
+                      ("preprocessor_config.json", None)):
+        file = Path(path) / name
+        if not file.is_file():
+            continue
+        from plinth.model_registry.loader import _json_object
+
+        data = _json_object(file)
+        if key is None:
+            return file, data
+        if isinstance(data.get(key), dict):
+            return file, data[key]
+    return None, None
 
 
 def video_of(value: Any, where: str) -> Video:
@@ -136,7 +165,6 @@ def video_of(value: Any, where: str) -> Video:
         RequestRejectedError: another shape or type, no frames, frames of different sizes, too many frames or pixels,
             a frame rate that is not a positive number.
     """
-    from plinth.multimodal.images import check_size
 
     if isinstance(value, Video):   # (read already: a video file's frames)
         return value
@@ -151,17 +179,10 @@ def video_of(value: Any, where: str) -> Video:
         value, meta = value
         fps = meta.get("fps")
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps)
-                            or fps <= 0):
-        raise RequestRejectedError(f"{where}: fps must be a positive number, got {fps!r}", param="multi_modal_data")
-    frames = _frames(value, where)
-    t, h, w = frames.shape[:3]
-    if t > MAX_FRAMES:
-        raise RequestRejectedError(f"{where}: {t} frames, at most {MAX_FRAMES}", param="multi_modal_data")
-    check_size(w, h, f"{where} frame")
-    if t * h * w > MAX_VIDEO_PIXELS:
-        raise RequestRejectedError(f"{where}: {t} frames of {w}x{h} pixels, more than {MAX_VIDEO_PIXELS} pixels in "
-                                   "all", param="multi_modal_data")
-    return Video(frames, float(fps) if fps is not None else None)
+                            or not MIN_FPS <= fps <= MAX_FPS):
+        raise RequestRejectedError(f"{where}: fps must be a positive number from {MIN_FPS} to {MAX_FPS}, got "
+                                   f"{fps!r}", param="multi_modal_data")
+    return Video(_frames(value, where), float(fps) if fps is not None else None)
 
 
 def _frames(value: Any, where: str) -> np.ndarray:
@@ -172,14 +193,18 @@ def _frames(value: Any, where: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         if value.dtype != torch.uint8 or value.is_meta or value.layout != torch.strided:
             raise bad
+        _check_extent(tuple(value.shape), where)
         value = value.detach().cpu().numpy()
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim != 4 or value.shape[-1] != 3 or 0 in value.shape:
             raise RequestRejectedError(f"{where}: a video array must be [frames, H, W, 3] uint8, got "
                                        f"{list(value.shape)} {value.dtype}", param="multi_modal_data")
+        _check_extent(value.shape, where)
         return np.ascontiguousarray(value)
     if not isinstance(value, list | tuple) or not value:
         raise bad
+    if len(value) > MAX_FRAMES:
+        raise RequestRejectedError(f"{where}: {len(value)} frames, at most {MAX_FRAMES}", param="multi_modal_data")
     out = []
     for i, frame in enumerate(value):
         if isinstance(frame, Image.Image):
@@ -197,7 +222,24 @@ def _frames(value: Any, where: str) -> np.ndarray:
         if 0 in frame.shape:
             raise RequestRejectedError(f"{where}: frame {i} is empty", param="multi_modal_data")
         out.append(frame)
+    _check_extent((len(out), *out[0].shape), where)
     return np.stack(out)
+
+
+def _check_extent(shape: tuple[int, ...], where: str) -> None:
+    """Refuse ``[frames, H, W, ...]`` of too many frames, a frame too large, or too many pixels in all (before any
+    copy is made)."""
+    from plinth.multimodal.images import check_size
+
+    if len(shape) < 3:
+        return
+    t, h, w = shape[:3]
+    if t > MAX_FRAMES:
+        raise RequestRejectedError(f"{where}: {t} frames, at most {MAX_FRAMES}", param="multi_modal_data")
+    check_size(w, h, f"{where} frame")
+    if t * h * w > MAX_VIDEO_PIXELS:
+        raise RequestRejectedError(f"{where}: {t} frames of {w}x{h} pixels, more than {MAX_VIDEO_PIXELS} pixels in "
+                                   "all", param="multi_modal_data")
 
 
 def resized(settings: VideoSettings, height: int, width: int) -> tuple[int, int]:
@@ -235,14 +277,13 @@ def length_of(settings: VideoSettings, video: Video) -> int:
     return t * h * w // (settings.merge * settings.merge)
 
 
-def time_interval(settings: VideoSettings, video: Video) -> float:
-    """How far apart the rotary time positions of consecutive frame groups are."""
+def time_scale(settings: VideoSettings, video: Video) -> tuple[float, float] | None:
+    """Qwen2.5-VL: ``(seconds a frame group lasts, rotary time positions a second)`` (the seconds rounded to float32,
+    as the processor gives them); Qwen2-VL: ``None`` (one position a group). See
+    :func:`plinth.multimodal.mrope.image_positions`."""
     if settings.tokens_per_second is None:
-        return 1.0
-    # (in float32, as transformers computes it from the processor's float32 seconds per group: the positions are
-    # truncated, so a rounding apart would move one)
-    seconds = torch.tensor(settings.temporal / (video.fps or DEFAULT_FPS), dtype=torch.float32)
-    return float(settings.tokens_per_second * seconds)
+        return None
+    return float(np.float32(settings.temporal / (video.fps or DEFAULT_FPS))), float(settings.tokens_per_second)
 
 
 def patches(settings: VideoSettings, video: Video) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -272,8 +313,10 @@ def patches(settings: VideoSettings, video: Video) -> tuple[torch.Tensor, tuple[
 
 #: the frames a second read from a video file (Qwen2-VL's usual sampling rate)
 SAMPLE_FPS = 2.0
-#: the most frames decoded from a video file (however few are kept): a bound on the work a file can ask for
+#: the most frames decoded from a video file (however few are kept), and the most pixels of them together: bounds on
+#: the work a file can ask for
 MAX_DECODED_FRAMES = 20_000
+MAX_DECODED_PIXELS = 1 << 34
 
 
 def decode_video(data: bytes, where: str = "video") -> Video:
@@ -302,16 +345,29 @@ def decode_video(data: bytes, where: str = "video") -> Video:
                 raise RequestRejectedError(f"{where}: the file has no video stream")
             stream = container.streams.video[0]
             check_size(stream.codec_context.width, stream.codec_context.height, f"{where} frame")
-            step, decoded = 1 / SAMPLE_FPS, 0
+            # frames without times (a raw stream) are spaced by the codec's rate, else the guessed one
+            given = stream.codec_context.framerate or stream.guessed_rate or stream.average_rate
+            rate = float(given) if given else SAMPLE_FPS
+            step, decoded, decoded_pixels, kept_pixels = 1 / SAMPLE_FPS, 0, 0, 0
             next_time: float | None = None   # the next sample time
             for frame in container.decode(stream):
                 decoded += 1
-                if decoded > MAX_DECODED_FRAMES:
-                    raise RequestRejectedError(f"{where}: more than {MAX_DECODED_FRAMES} frames")
-                t = float(frame.time) if frame.time is not None else (decoded - 1) * step
+                decoded_pixels += frame.width * frame.height
+                if decoded > MAX_DECODED_FRAMES or decoded_pixels > MAX_DECODED_PIXELS:
+                    raise RequestRejectedError(f"{where}: more than {MAX_DECODED_FRAMES} frames or "
+                                               f"{MAX_DECODED_PIXELS} pixels to decode")
+                t = float(frame.time) if frame.time is not None else (decoded - 1) / rate
                 if next_time is not None and t < next_time:
                     continue
                 check_size(frame.width, frame.height, f"{where} frame")
+                if frames and (frame.height, frame.width) != frames[0].shape[:2]:
+                    raise RequestRejectedError(f"{where}: its frames change size ({frames[0].shape[1]}x"
+                                               f"{frames[0].shape[0]}, then {frame.width}x{frame.height}); a "
+                                               "video's frames have one size")
+                kept_pixels += frame.width * frame.height
+                if kept_pixels > MAX_VIDEO_PIXELS:
+                    raise RequestRejectedError(f"{where}: more than {MAX_VIDEO_PIXELS} pixels in the frames kept at "
+                                               f"{SAMPLE_FPS:g} a second")
                 frames.append(frame.to_ndarray(format="rgb24"))
                 times.append(t)
                 next_time = (t if next_time is None else next_time) + step

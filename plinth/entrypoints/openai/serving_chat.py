@@ -196,9 +196,10 @@ async def load_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[st
                 counts[part.type] += 1
                 value = getattr(part, part.type)
                 url = value.get("url") if isinstance(value, dict) else value
-                if isinstance(url, str):
-                    found.setdefault(url, (f"messages[{i}] {part.type}",
-                                           image_from_url if part.type == "image_url" else video_from_url))
+                if isinstance(url, str):   # (a video by ("video", url): the same URL may name an image too)
+                    found.setdefault(url if part.type == "image_url" else ("video", url),
+                                     (f"messages[{i}] {part.type}",
+                                      image_from_url if part.type == "image_url" else video_from_url))
     if counts["image_url"] > support.limit:
         raise bad_request(f"messages: {counts['image_url']} images, at most {support.limit} a prompt "
                           "(--limit-mm-per-prompt)", "messages")
@@ -211,7 +212,8 @@ async def load_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[st
         return None
     loop = asyncio.get_running_loop()
     try:
-        images = await asyncio.gather(*(loop.run_in_executor(media_pool(), read, url, where, support.policy)
+        images = await asyncio.gather(*(loop.run_in_executor(media_pool(), read, url if isinstance(url, str) else url[1],
+                                                             where, support.policy)
                                         for url, (where, read) in found.items()))
     except RequestRejectedError as exc:
         raise bad_request(str(exc), "messages") from None

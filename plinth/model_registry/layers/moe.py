@@ -357,14 +357,16 @@ class FusedMoE(nn.Module):
 
 
 def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]], stacked: re.Pattern[str],
-                          inputs_first: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                          inputs_first: bool = False, hidden: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stacked expert tensors as the per-expert ones the experts load from (``{prefix}.E.{gate,up,down}_proj.weight``,
     ``[out, in]``); every other tensor as it is.
 
     ``stacked`` matches a stacked tensor's name with groups ``prefix`` (``...experts``) and ``which``
     (``gate_up_proj`` or ``down_proj``). Layouts: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
     ``down_proj`` ``[E, H, I]`` (transformers' Qwen3.5-MoE), or with ``inputs_first`` ``[E, H, 2I]`` and ``[E, I, H]``
-    (Llama 4). Only floating-point tensors: quantized experts come one tensor per expert.
+    (Llama 4). ``hidden``: the model width, which tells the two layouts apart tensor by tensor (Qwen3-VL-MoE's
+    released checkpoints put the inputs first, transformers writes them last); transformers' where both would fit. Only
+    floating-point tensors: quantized experts come one tensor per expert.
 
     Raises:
         ModelLoadError: a stacked tensor of another rank or an odd gate/up width, or one in an 8-bit or integer type.
@@ -380,6 +382,11 @@ def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]], stacked: 
             raise ModelLoadError(f"{name}: stacked experts in {str(t.dtype).removeprefix('torch.')} are not "
                                  "supported; plinth reads stacked experts in floating point and quantized ones one "
                                  "tensor per expert")
+        if hidden is not None and t.dim() == 3:   # the inputs' axis is the one of the model's width
+            ins, outs = (1, 2) if m["which"] == "gate_up_proj" else (2, 1)   # the width's axis, inputs first
+            inputs_first = t.shape[ins] == hidden and t.shape[outs] != hidden
+            gate_up, down = ("[experts, hidden, 2 x intermediate]", "[experts, intermediate, hidden]") if inputs_first \
+                else ("[experts, 2 x intermediate, hidden]", "[experts, hidden, intermediate]")
         if t.dim() != 3 or (m["which"] == "gate_up_proj" and t.shape[2 if inputs_first else 1] % 2):
             raise ModelLoadError(f"{name}: expected {gate_up} (gate_up_proj) or {down} (down_proj), checkpoint has "
                                  f"{tuple(t.shape)}")

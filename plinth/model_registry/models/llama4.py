@@ -187,10 +187,11 @@ class Llama4ForCausalLM(_ExpertWeights, DecoderForCausalLM):
         return super().forward(input_ids, positions, metadata, image_embeds)
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                      hidden: torch.Tensor | None = None,
-                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                      image_embeds: tuple[torch.Tensor | None, ...] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._scales(positions)
-        return super().forward_stage(input_ids, positions, metadata, hidden, residual)
+        return super().forward_stage(input_ids, positions, metadata, hidden, residual, image_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(split_stacked_experts(_refuse_stacked_scales(weights), _STACKED, inputs_first=True))

@@ -6,8 +6,11 @@ multiple of ``decoder_sparse_step``; ``norm_topk_prob`` renormalises the top-k w
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from plinth.model_registry.interface import ModelContext
@@ -16,11 +19,15 @@ from plinth.model_registry.layers.moe import (
     check_expert_activation,
     expert_checkpoint_name,
     map_expert_weight,
+    split_stacked_experts,
 )
 from plinth.model_registry.models.decoder import DenseMLP
 from plinth.model_registry.models.qwen3 import Qwen3ForCausalLM
 
 _EXPERT_PROJS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+#: an expert layer's tensors stacked over its experts (Qwen3-VL-MoE's language model: inputs first in the released
+#: checkpoints, last as transformers writes them)
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -37,7 +44,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return DenseMLP(ctx, cfg.intermediate_size, activation=activation)
         check_expert_activation(activation)
         return SparseMoeBlock(num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                              renormalize=bool(cfg.norm_topk_prob), tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+                              # (Qwen3-VL-MoE's config has no such key: it always renormalises)
+                              renormalize=bool(getattr(cfg, "norm_topk_prob", True)), tp_rank=ctx.tp_rank,
+                              tp_size=ctx.tp_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(split_stacked_experts(weights, _STACKED_EXPERTS, hidden=self.ctx.hf_config.hidden_size))
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         return map_expert_weight(name, _EXPERT_PROJS) or super().map_weight_name(name)
