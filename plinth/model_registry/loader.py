@@ -318,7 +318,10 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     text = _text_model(cfg, arch)
     if text is not None:
         if _runs_images(cfg, arch):
+            from plinth.multimodal.qwen_vision import deepstack_count
+
             mm_config = cfg
+            text[0].deepstack_layers = deepstack_count(cfg)   # (Qwen3-VL: the layers that take DeepStack embeddings)
             logger.info("%s: %s with image inputs (its vision tower %s)", path, arch,
                         cfg.vision_config.model_type)
         else:
@@ -343,15 +346,15 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
 
 #: image-and-text architectures whose images plinth encodes (:mod:`plinth.multimodal`)
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                       "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                       "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                       "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
-#: language models of image-and-text checkpoints that plinth runs as a native causal LM (their multimodal RoPE's
-#: sections from the config, transformers' default where it names none)
-_MROPE_TEXT_MODELS = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
-_DEFAULT_MROPE_SECTION = [16, 24, 24]
-#: language models of image-and-text checkpoints that transformers has no causal LM class for, run text-only (a
-#: text prompt's multimodal RoPE positions are plain ones)
-_TEXT_CAUSAL_MODELS = {"qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
+#: language models of image-and-text checkpoints that plinth runs as a native causal LM, and their multimodal RoPE:
+#: transformers' default sections where the config names none, and whether they interleave (Qwen3-VL always does)
+_MROPE_TEXT_MODELS = {"qwen2_vl_text": ("Qwen2ForCausalLM", [16, 24, 24], False),
+                      "qwen2_5_vl_text": ("Qwen2ForCausalLM", [16, 24, 24], False),
+                      "qwen3_vl_text": ("Qwen3ForCausalLM", [24, 20, 20], True),
+                      "qwen3_vl_moe_text": ("Qwen3MoeForCausalLM", [24, 20, 20], True)}
 
 
 def _runs_images(cfg: Any, arch: str) -> bool:
@@ -415,16 +418,14 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
     names = getattr(text, "architectures", None)
     mrope = _MROPE_TEXT_MODELS.get(getattr(text, "model_type", None))
     if mrope is not None:
-        causal = mrope
+        causal, sections, interleaved = mrope
         params = getattr(text, "rope_parameters", None)
-        if isinstance(params, dict) and "mrope_section" not in params:
-            params["mrope_section"] = list(_DEFAULT_MROPE_SECTION)
-        elif not isinstance(params, dict):
-            scaling = dict(getattr(text, "rope_scaling", None) or {})
-            scaling.setdefault("mrope_section", list(_DEFAULT_MROPE_SECTION))
-            text.rope_scaling = scaling
-    elif getattr(text, "model_type", None) in _TEXT_CAUSAL_MODELS:
-        causal = _TEXT_CAUSAL_MODELS[text.model_type]
+        if not isinstance(params, dict):
+            params = dict(getattr(text, "rope_scaling", None) or {})
+            text.rope_scaling = params
+        params.setdefault("mrope_section", list(sections))
+        if interleaved:
+            params["mrope_interleaved"] = True
     elif names and isinstance(names, list | tuple) and isinstance(names[0], str):
         causal = names[0]
     else:

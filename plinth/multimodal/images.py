@@ -386,7 +386,9 @@ class ImageSupport:
         self.video: Any = None
         self.video_limit = video_limit
         vocab = int(getattr(getattr(mm_config, "text_config", mm_config), "vocab_size", 0) or 0)
-        video_id = getattr(mm_config, "video_token_id", None) if self.qwen else None
+        # (Qwen3-VL's videos, whose prompts carry each frame group's time as text, are not taken)
+        qwen3 = str(getattr(mm_config, "model_type", "")).startswith("qwen3_vl")
+        video_id = getattr(mm_config, "video_token_id", None) if self.qwen and not qwen3 else None
         if video_id is not None and 0 <= int(video_id) < (vocab or int(video_id) + 1):
             from plinth.multimodal.video import video_settings
 
@@ -548,7 +550,10 @@ class ImageSupport:
         embeds = value.detach()
         if embeds.dim() == 3 and embeds.shape[0] == 1:
             embeds = embeds[0]
-        hidden = int(self.mm_config.text_config.hidden_size)
+        from plinth.multimodal.qwen_vision import deepstack_count
+
+        # (Qwen3-VL: the main embeddings, then each DeepStack merger's, side by side, as its encoder makes them)
+        hidden = int(self.mm_config.text_config.hidden_size) * (1 + deepstack_count(self.mm_config))
         if embeds.dim() != 2 or embeds.shape[1] != hidden or embeds.shape[0] < 1:
             raise RequestRejectedError(f"{where}: image embeddings of shape {tuple(value.shape)}; this model takes "
                                        f"[positions, {hidden}]", param="multi_modal_data")

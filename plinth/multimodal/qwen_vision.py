@@ -18,6 +18,12 @@ angles in float32), and attend bidirectionally within each frame of each image, 
   column of windows cut short where the frame is not a multiple of them); the blocks of ``fullatt_block_indexes``
   attend over the whole frame, the others within each window; the merged embeddings are put back in the image
   order. The merger's ``ln_q`` is an RMSNorm and it ends in ``out_hidden_size``.
+- Qwen3-VL: Qwen2-VL's blocks (LayerNorm, an MLP ``linear_fc1`` -> ``hidden_act`` -> ``linear_fc2``), a biased patch
+  embedding plus a learned square table of position embeddings resampled (bilinear, corners aligned) to each image's
+  grid, and DeepStack: the blocks of ``deepstack_visual_indexes`` feed mergers of their own (normalizing the merged
+  features), whose embeddings the language model adds to the image positions' hidden states after its first layers.
+  The encoder returns the main merger's embeddings and then each DeepStack merger's, side by side (``[N, (1 + k) *
+  out_hidden_size]``), so that they travel and are kept together.
 
 Attention runs with ``F.scaled_dot_product_attention``, segments of the same length (images of the same grid,
 windows of the same size) batched together.
@@ -37,7 +43,7 @@ from plinth.model_registry.layers.rotary import apply_rotary
 from plinth.multimodal.vision import QWEN_ENCODER_PREFIXES, activation, load_encoder_weights
 
 #: ``mm_config.model_type`` values this module runs
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: tensors some checkpoints carry that are derived, not learned (the rotary frequencies): skipped
 _DERIVED = ("rotary_pos_emb.inv_freq",)
 
@@ -140,14 +146,29 @@ class _GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _Qwen3MLP(nn.Module):
+    """Qwen3-VL's: ``linear_fc1``, the activation, ``linear_fc2``."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(dim, hidden)
+        self.linear_fc2 = nn.Linear(hidden, dim)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
 class _Block(nn.Module):
-    def __init__(self, vcfg: Any, dim: int, qwen25: bool):
+    def __init__(self, vcfg: Any, dim: int, qwen25: bool, qwen3: bool = False):
         super().__init__()
         self.norm1 = _norm(qwen25, dim)
         self.norm2 = _norm(qwen25, dim)
         self.attn = _Attention(dim, int(vcfg.num_heads))
-        if qwen25:
-            self.mlp: nn.Module = _GatedMLP(dim, int(vcfg.intermediate_size), vcfg.hidden_act)
+        if qwen3:
+            self.mlp: nn.Module = _Qwen3MLP(dim, int(vcfg.intermediate_size), vcfg.hidden_act)
+        elif qwen25:
+            self.mlp = _GatedMLP(dim, int(vcfg.intermediate_size), vcfg.hidden_act)
         else:
             self.mlp = _MLP(dim, int(dim * vcfg.mlp_ratio), vcfg.hidden_act)
 
@@ -160,14 +181,15 @@ class _PatchEmbed(nn.Module):
     """The Conv3d of stride = kernel, run as a matmul over the processor's flattened patches (the parameter keeps
     the Conv3d's shape, as checkpoints store it)."""
 
-    def __init__(self, vcfg: Any, dim: int):
+    def __init__(self, vcfg: Any, dim: int, bias: bool = False):
         super().__init__()
         t, p = int(vcfg.temporal_patch_size), int(vcfg.patch_size)
-        self.proj = nn.Conv3d(int(vcfg.in_channels), dim, kernel_size=(t, p, p), stride=(t, p, p), bias=False)
+        self.proj = nn.Conv3d(int(vcfg.in_channels), dim, kernel_size=(t, p, p), stride=(t, p, p), bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return pixel_values.to(weight.dtype) @ weight.view(weight.shape[0], -1).t()
+        out = pixel_values.to(weight.dtype) @ weight.view(weight.shape[0], -1).t()
+        return out + self.proj.bias if self.proj.bias is not None else out
 
 
 class _Merger(nn.Module):
@@ -182,6 +204,30 @@ class _Merger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).reshape(-1, self.width))
+
+
+class _Qwen3Merger(nn.Module):
+    """Qwen3-VL's merger: each merge group's patch features concatenated, a LayerNorm (over each patch's features, or
+    after the concatenation: ``postshuffle``, the DeepStack mergers'), ``linear_fc1``, GELU, ``linear_fc2``."""
+
+    def __init__(self, dim: int, out: int, merge: int, postshuffle: bool):
+        super().__init__()
+        self.width = dim * merge * merge
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.width if postshuffle else dim, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.reshape(-1, self.width)) if self.postshuffle else self.norm(x).reshape(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+def deepstack_count(mm_config: Any) -> int:
+    """How many DeepStack embeddings a Qwen3-VL image position carries (0 for the other models)."""
+    if not str(getattr(mm_config, "model_type", "")).startswith("qwen3_vl"):
+        return 0
+    return len(getattr(mm_config.vision_config, "deepstack_visual_indexes", None) or ())
 
 
 class QwenVisionEncoder(nn.Module):
@@ -201,17 +247,27 @@ class QwenVisionEncoder(nn.Module):
                                         f"supported: {', '.join(QWEN_VL_TYPES)}")
         vcfg = mm_config.vision_config
         self.qwen25 = mm_config.model_type == "qwen2_5_vl"
-        dim = int(vcfg.hidden_size if self.qwen25 else vcfg.embed_dim)
-        out = int(vcfg.out_hidden_size if self.qwen25 else vcfg.hidden_size)
+        self.qwen3 = mm_config.model_type.startswith("qwen3_vl")
+        dim = int(vcfg.hidden_size if self.qwen25 or self.qwen3 else vcfg.embed_dim)
+        out = int(vcfg.out_hidden_size if self.qwen25 or self.qwen3 else vcfg.hidden_size)
         heads = int(vcfg.num_heads)
         if dim % heads or (dim // heads) % 4:
             raise UnsupportedModelError(f"vision width {dim} over {heads} heads: the 2D rotary embedding needs a "
                                         "head size that is a multiple of 4")
         self.merge = int(vcfg.spatial_merge_size)
         self.patch_size = int(vcfg.patch_size)
-        self.patch_embed = _PatchEmbed(vcfg, dim)
-        self.blocks = nn.ModuleList(_Block(vcfg, dim, self.qwen25) for _ in range(int(vcfg.depth)))
-        self.merger = _Merger(dim, out, self.merge, self.qwen25)
+        self.patch_embed = _PatchEmbed(vcfg, dim, bias=self.qwen3)
+        self.blocks = nn.ModuleList(_Block(vcfg, dim, self.qwen25, self.qwen3) for _ in range(int(vcfg.depth)))
+        self.merger: nn.Module = (_Qwen3Merger(dim, out, self.merge, False) if self.qwen3
+                                  else _Merger(dim, out, self.merge, self.qwen25))
+        self.out_features = out
+        #: Qwen3-VL: the learned position table (``side`` x ``side``) and the DeepStack blocks and their mergers
+        self.deepstack: list[int] = [int(i) for i in vcfg.deepstack_visual_indexes] if self.qwen3 else []
+        if self.qwen3:
+            self.pos_embed = nn.Embedding(int(vcfg.num_position_embeddings), dim)
+            self.side = int(int(vcfg.num_position_embeddings) ** 0.5)
+            self.deepstack_merger_list = nn.ModuleList(_Qwen3Merger(dim, out, self.merge, True)
+                                                       for _ in self.deepstack)
         rope = getattr(vcfg, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(vcfg, "rope_theta", 10000.0)))
         half = dim // heads // 2
@@ -243,6 +299,18 @@ class QwenVisionEncoder(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
 
+    def _positions(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Qwen3-VL: each patch's position embedding, in the processor's order: the learned ``side`` x ``side`` table
+        resampled to the image's grid (bilinear, corners aligned), as merge groups, repeated over the frames."""
+        m = self.merge
+        table = self.pos_embed.weight.float().t().reshape(1, -1, self.side, self.side)    # [1, dim, side, side]
+        out = []
+        for t, h, w in grids:
+            grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]   # [dim, h, w]
+            grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, -1).transpose(1, 2).reshape(h * w, -1)
+            out.append(grid.repeat(t, 1))
+        return torch.cat(out)
+
     def _windows(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
         """Qwen2.5-VL's window order: the merge groups' indices (over all images) window by window, and each
         window's length in patches."""
@@ -273,11 +341,20 @@ class QwenVisionEncoder(nn.Module):
             raise ValueError(f"{pixel_values.shape[0]} patches for image grids {grids}")
         device = self.device
         if not grids:
-            return torch.empty(0, self.merger.mlp[2].out_features, device=device, dtype=self.merger.mlp[2].weight.dtype)
+            dtype = self.patch_embed.proj.weight.dtype
+            return torch.empty(0, self.out_features * (1 + len(self.deepstack)), device=device, dtype=dtype)
         pixel_values = pixel_values.to(device)
         x = self.patch_embed(pixel_values)                                               # [S, dim]
         cos, sin = self._rotary(grids, device)
         frames = _Segments([h * w for t, h, w in grids for _ in range(t)], device)
+        if self.qwen3:
+            x = x + self._positions(grids).to(x.dtype)
+            deep = []
+            for i, block in enumerate(self.blocks):
+                x = block(x, cos, sin, frames)
+                if i in self.deepstack:
+                    deep.append(self.deepstack_merger_list[self.deepstack.index(i)](x))
+            return torch.cat([self.merger(x), *deep], dim=-1)
         if not self.qwen25:
             for block in self.blocks:
                 x = block(x, cos, sin, frames)

@@ -204,7 +204,12 @@ class RotaryEmbedding(nn.Module):
             if not isinstance(sections, list | tuple) or sum(int(n) for n in sections) != half:
                 raise UnsupportedModelError(f"mrope_section {sections!r} must split the {half} rotary frequencies "
                                             "of a head")
-            self.mrope_components = [i % 3 for i, n in enumerate(sections) for _ in range(int(n))]
+            if self.params.get("mrope_interleaved"):   # Qwen3-VL: (t, h, w, t, h, w, ...), time past the others
+                h, w = int(sections[1]), int(sections[2])
+                self.mrope_components = [1 if j % 3 == 1 and j < 3 * h else 2 if j % 3 == 2 and j < 3 * w else 0
+                                         for j in range(half)]
+            else:
+                self.mrope_components = [i % 3 for i, n in enumerate(sections) for _ in range(int(n))]
 
     def init_buffers(self) -> None:
         """Recompute the frequencies (after the model was materialised from the meta device)."""

@@ -420,6 +420,14 @@ class DecoderModel(nn.Module):
         if block.embed_scale:
             self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=ctx.dtype, device="cpu"))
             self.image_embed_scale = 1.0
+        #: Qwen3-VL's DeepStack: how many of the first layers add an image position's extra embeddings (which come
+        #: after its main one in the image embeddings' rows) to its hidden states
+        self.deepstack = int(getattr(cfg, "deepstack_layers", 0) or 0)
+        if self.deepstack and ctx.pp_size > 1 and pp_layer_range(cfg.num_hidden_layers, 0, ctx.pp_size)[1] < min(
+                self.deepstack, cfg.num_hidden_layers):
+            raise UnsupportedModelError(f"the first {self.deepstack} layers take the images' DeepStack embeddings, "
+                                        "which the first pipeline stage makes: it must hold them (use fewer "
+                                        "pipeline stages)")
         self.rotary_emb = _rotary(ctx, "full_attention", owner.partial_rotary)
         #: the sliding-window layers' own RoPE (Gemma 3's local base frequency), else ``None``
         self.local_rotary_emb = _rotary(ctx, "sliding_attention", owner.partial_rotary) if block.local_rope else None
@@ -437,12 +445,16 @@ class DecoderModel(nn.Module):
         ``(rows [K], embeddings [K, H])`` that replace those rows' token embeddings (image inputs), and for a
         multimodal RoPE (Qwen2-VL) a third item, the rows' ``[K, 3]`` positions.
         """
+        deep = None   # Qwen3-VL: the image rows' DeepStack embeddings [K, layers, H]
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)                  # [T, H]
             if self.embed_scale != 1.0:
                 hidden = hidden * self.embed_scale
             if image_embeds is not None:
                 rows, values = image_embeds[:2]
+                if self.deepstack:
+                    width = hidden.shape[-1]
+                    values, deep = values[:, :width], values[:, width:].unflatten(-1, (-1, width)).to(hidden.dtype)
                 if self.image_embed_scale != 1.0:
                     values = values * self.image_embed_scale
                 hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
@@ -459,6 +471,9 @@ class DecoderModel(nn.Module):
                 hidden, residual = self.layers[i](hidden, residual, local_cos, local_sin, metadata)
             else:
                 hidden, residual = self.layers[i](hidden, residual, cos, sin, metadata)
+            if deep is not None and i < deep.shape[1]:   # (to the residual stream: whole on every rank)
+                assert residual is not None and image_embeds is not None
+                residual = residual.index_add(0, image_embeds[0], deep[:, i])
         if self.norm is None:
             return hidden, residual
         if self.reduce_final:

@@ -1,0 +1,187 @@
+"""Qwen3-VL and Qwen3-VL-MoE: tiny random checkpoints written by transformers, run by plinth (the language model as
+Qwen3 / Qwen3-MoE, the vision tower with DeepStack) and by transformers' ``Qwen3VLForConditionalGeneration`` /
+``Qwen3VLMoeForConditionalGeneration`` on the same prompts and images (a text prompt's multimodal RoPE positions are
+plain ones, so the interleaved sections change nothing there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import decisive_weights, make_tokenizer
+from safetensors.torch import load_file, save_file
+
+import plinth
+
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True})
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              deepstack_visual_indexes=[0])
+
+
+def _save(path, moe: bool, tie: bool = False):
+    tok = make_tokenizer()
+    text = dict(TEXT, vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    if moe:   # 2 x 24 gate/up rows != 64 wide: the stacked layouts tell apart
+        cfg = transformers.Qwen3VLMoeConfig(text_config=dict(text, num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=24, decoder_sparse_step=1),
+                                            vision_config=VISION, tie_word_embeddings=tie)
+        model = transformers.Qwen3VLMoeForConditionalGeneration(cfg)
+    else:
+        cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=VISION, tie_word_embeddings=tie)
+        model = transformers.Qwen3VLForConditionalGeneration(cfg)
+    model = decisive_weights(model.eval())
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model
+
+
+def _reference(model, prompt: list[int], steps: int = 8) -> tuple[list[int], list[torch.Tensor]]:
+    with torch.no_grad():
+        gen = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    return gen.sequences[0, len(prompt):].tolist(), [torch.log_softmax(s[0].float(), -1) for s in gen.scores]
+
+
+def _check(path, model) -> None:
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=128)
+    prompts = [[5, 9, 14, 3, 27, 40, 8], list(range(10, 31))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        plinth.SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
+                        use_tqdm=False)
+    for out, prompt in zip(outs, prompts, strict=True):
+        tokens, logprobs = _reference(model, prompt)
+        assert out.outputs[0].token_ids == tokens
+        for step, ref in zip(out.outputs[0].logprobs, logprobs, strict=True):
+            for tid, lp in step.items():
+                assert abs(lp.logprob - ref[tid].item()) < 2e-4
+    llm.close()
+
+
+@pytest.mark.parametrize("moe,tie", [(False, False), (False, True), (True, False)], ids=["dense", "tied", "moe"])
+def test_language_model_equals_transformers(moe, tie, tmp_path):
+    """Greedy tokens and log-probabilities equal transformers' for text prompts; the vision tower's tensors are
+    skipped; the MoE experts load from the stacked tensors transformers writes (``[E, 2I, H]``, ``[E, H, I]``)."""
+    model = _save(tmp_path, moe, tie)
+    _check(tmp_path, model)
+
+
+def test_released_expert_layout(tmp_path):
+    """Qwen3-VL-MoE as released: the stacked experts with their inputs first (``gate_up_proj`` ``[E, H, 2I]``,
+    ``down_proj`` ``[E, I, H]``), told apart by the model width: the same tokens."""
+    model = _save(tmp_path, moe=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    flipped = {k: (v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v) for k, v in tensors.items()}
+    assert flipped["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 48)
+    save_file(flipped, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    _check(tmp_path, model)
+
+
+def test_videos_are_refused_clearly(tmp_path):
+    """Qwen3-VL's videos (whose prompts carry each frame group's time as text) are not taken: refused clearly."""
+    import numpy as np
+
+    from plinth.core.scheduler import RequestRejectedError
+
+    _save(tmp_path, moe=False)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", selection="off", max_model_len=64)
+    with pytest.raises(RequestRejectedError, match="takes images only"):
+        llm.generate({"prompt": "a clip", "multi_modal_data": {"video": np.zeros((2, 8, 8, 3), np.uint8)}})
+    llm.close()
+
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _save_with_images(path, moe: bool):
+    """A Qwen3-VL checkpoint whose image side runs: the vision tokens, 4-pixel patches in 2x2 merge groups, a 4x4
+    position table, DeepStack mergers after vision blocks 0 and 1 (added after language layers 0 and 1), the
+    interleaved multimodal RoPE."""
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    start, pad, end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    text = dict(TEXT, num_hidden_layers=3, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(VISION, depth=2, deepstack_visual_indexes=[0, 1], num_position_embeddings=16)
+    common = dict(vision_config=vision, image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end)
+    torch.manual_seed(1)
+    if moe:
+        cfg = transformers.Qwen3VLMoeConfig(text_config=dict(text, num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=24, decoder_sparse_step=1),
+                                            **common)
+        model = transformers.Qwen3VLMoeForConditionalGeneration(cfg)
+    else:
+        model = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(text_config=text, **common))
+    model = decisive_weights(model.eval())
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                         image_std=[0.5] * 3,
+                                         size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 80})
+    processor.save_pretrained(path)
+    return model, processor
+
+
+def _picture(seed: int, size=(40, 52)):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_images_equal_transformers(moe, tmp_path):
+    """Qwen3-VL with images: the vision tower (biased patch embedding, the position table resampled to each grid,
+    2D rotary attention within each image), the merger and the DeepStack mergers, whose embeddings join the image
+    positions' hidden states after the first language layers, and the interleaved multimodal RoPE. Two images of
+    different sizes (one wider than the position table) in one prompt, prefilled in chunks of 16 tokens, beside a
+    text prompt: greedy tokens and each step's log-probabilities equal transformers'."""
+    model, processor = _save_with_images(tmp_path, moe)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off",
+                     max_num_batched_tokens=16, enable_chunked_prefill=True, max_model_len=256)
+    a, b = _picture(1), _picture(2, (24, 72))
+    params = plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt": f"A {IMAGE} then {IMAGE} end", "multi_modal_data": {"image": [a, b]}},
+                         "plain text here"], params)
+    for out, images in zip(outs, [[a, b], []], strict=True):
+        ids = torch.tensor([out.prompt_token_ids])
+        extra = {}
+        if images:
+            px = processor(images=images, return_tensors="pt")
+            extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                         mm_token_type_ids=(ids == model.config.image_token_id).int())
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, **extra)
+        assert out.outputs[0].token_ids == gen.sequences[0, ids.shape[1]:].tolist()
+        for step, scores in zip(out.outputs[0].logprobs, gen.scores, strict=True):
+            ref = torch.log_softmax(scores[0].float(), -1)
+            for tid, lp in step.items():
+                assert abs(lp.logprob - ref[tid].item()) < 2e-4
+    assert outs[0].prompt_token_ids.count(model.config.image_token_id) == 5 * 6 + 3 * 9
+    llm.close()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tensor_parallel", "pipeline_stages"])
+def test_images_on_worker_processes(tp, pp, tmp_path):
+    """Two tensor-parallel ranks (each encodes the images and adds the DeepStack embeddings to its whole residual
+    stream) or two pipeline stages (the first, holding the DeepStack layers, encodes them; the second takes the
+    image rows' rotary positions): the one-process engine's tokens."""
+    from conftest import generate_on_tp_workers
+
+    model, _ = _save_with_images(tmp_path, moe=False)
+    prompts = [{"prompt": f"A {IMAGE} then {IMAGE} end", "multi_modal_data": {"image": [_picture(3), _picture(4)]}},
+               {"prompt": f"{IMAGE} alone", "multi_modal_data": {"image": _picture(5, (32, 32))}}]
+    params = plinth.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.close()
+    got = generate_on_tp_workers(tmp_path, prompts, params, size=tp, pp=pp)
+    assert [o.outputs[0].token_ids for o in got] == want
