@@ -90,6 +90,22 @@ def processes():
     procs.stop()
 
 
+def output_matches_transformers(out, model, steps: int = 6, tol: float = 2e-4, **inputs) -> None:
+    """``out`` (a plinth ``RequestOutput`` with per-step logprobs) equals transformers' greedy ``generate`` of ``model``
+    on its prompt tokens and ``inputs`` (pixels and the like): the same tokens, and each logprob within ``tol``."""
+    import torch
+
+    ids = torch.tensor([out.prompt_token_ids])
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, **inputs)
+    assert out.outputs[0].token_ids == gen.sequences[0, ids.shape[1]:].tolist()
+    for step, scores in zip(out.outputs[0].logprobs, gen.scores, strict=True):
+        ref = torch.log_softmax(scores[0].float(), -1)
+        for tid, lp in step.items():
+            assert abs(lp.logprob - ref[tid].item()) < tol, (tid, lp.logprob, ref[tid].item())
+
+
 def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1, hits: list | None = None,
                            pp: int = 1):
     """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks (times ``pp`` pipeline stages) are

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, make_tokenizer
+from conftest import decisive_weights, make_tokenizer, output_matches_transformers
 from safetensors.torch import load_file, save_file
 
 import plinth
@@ -157,14 +157,7 @@ def test_images_equal_transformers(moe, tmp_path):
             px = processor(images=images, return_tensors="pt")
             extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
                          mm_token_type_ids=(ids == model.config.image_token_id).int())
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, **extra)
-        assert out.outputs[0].token_ids == gen.sequences[0, ids.shape[1]:].tolist()
-        for step, scores in zip(out.outputs[0].logprobs, gen.scores, strict=True):
-            ref = torch.log_softmax(scores[0].float(), -1)
-            for tid, lp in step.items():
-                assert abs(lp.logprob - ref[tid].item()) < 2e-4
+        output_matches_transformers(out, model, **extra)
     assert outs[0].prompt_token_ids.count(model.config.image_token_id) == 5 * 6 + 3 * 9
     llm.close()
 

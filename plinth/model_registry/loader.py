@@ -347,7 +347,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
 #: image-and-text architectures whose images plinth encodes (:mod:`plinth.multimodal`)
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                        "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                       "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+                       "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                       "Mistral3ForConditionalGeneration")
 
 #: language models of image-and-text checkpoints that plinth runs as a native causal LM, and their multimodal RoPE:
 #: transformers' default sections where the config names none, and whether they interleave (Qwen3-VL always does)
@@ -360,11 +361,13 @@ _MROPE_TEXT_MODELS = {"qwen2_vl_text": ("Qwen2ForCausalLM", [16, 24, 24], False)
 def _runs_images(cfg: Any, arch: str) -> bool:
     """Whether plinth runs the image side of image-and-text checkpoint ``cfg`` (a LLaVA model over a CLIP or
     SigLIP vision tower, or a Qwen2-VL / Qwen2.5-VL model)."""
+    from plinth.multimodal.pixtral import is_pixtral
     from plinth.multimodal.qwen_vision import is_qwen_vl
     from plinth.multimodal.vision import VISION_TOWERS
 
     vision = getattr(cfg, "vision_config", None)
-    return arch in IMAGE_ARCHITECTURES and (getattr(vision, "model_type", None) in VISION_TOWERS or is_qwen_vl(cfg))
+    return arch in IMAGE_ARCHITECTURES and (getattr(vision, "model_type", None) in VISION_TOWERS or is_qwen_vl(cfg)
+                                            or is_pixtral(cfg))
 
 
 def _origin(where: Any, model_config: ModelConfig) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from plinth.core.scheduler import RequestRejectedError
@@ -103,6 +104,14 @@ class ImageItem:
     rope: Any = None
     embeds: torch.Tensor | None = None
     time_scale: tuple[float, float] | None = None
+    #: Mistral 3: which positions of its span take its embeddings (``[length]`` bool; the row breaks and the end
+    #: token keep their own); ``None``: all of them
+    mask: Any = None
+
+    @property
+    def embedded(self) -> int:
+        """How many of its positions take its embeddings."""
+        return self.length if self.mask is None else int(self.mask.sum())
 
     @property
     def end(self) -> int:
@@ -358,20 +367,24 @@ class ImageSupport:
                  limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None,
                  processor_kwargs: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
                  video_limit: int = MAX_VIDEOS_PER_PROMPT):
+        from plinth.multimodal.pixtral import is_pixtral
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
 
         #: Qwen2-VL / Qwen2.5-VL: images of any size as patches, multimodal RoPE positions
         self.qwen = is_qwen_vl(mm_config)
-        if not self.qwen:
+        #: Mistral 3 (Pixtral): images at their own size, rows of image tokens with break tokens between
+        self.pixtral = is_pixtral(mm_config)
+        if not self.qwen and not self.pixtral:
             check_layout(mm_config)
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
                             else mm_config.image_token_id)
         self.mm_config = mm_config
         self.tiled = is_next(mm_config)
         #: positions an image fills (LLaVA-NeXT, Qwen2-VL: ``None``, it depends on the image's size)
-        self.tokens_per_image: int | None = None if self.tiled or self.qwen else tokens_per_image(mm_config)
-        self.image_size = None if self.qwen else int(mm_config.vision_config.image_size)
+        self.tokens_per_image: int | None = (None if self.tiled or self.qwen or self.pixtral
+                                             else tokens_per_image(mm_config))
+        self.image_size = None if self.qwen or self.pixtral else int(mm_config.vision_config.image_size)
         self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
         self.processor = _image_processor(mm_config, path)
         if processor_kwargs:
@@ -398,6 +411,15 @@ class ImageSupport:
         #: the image token as text (a chat message's image part, as a template that reads strings sees it; Qwen2-VL's
         #: between its vision start and end tokens)
         self.placeholder: str = token if isinstance(token, str) else "<image>"
+        #: Mistral 3: the row-break and end tokens of an image's prompt
+        self.break_ids: tuple[int, int] | None = None
+        if self.pixtral:
+            ids = [tokenizer.convert_tokens_to_ids(t) if tokenizer is not None else None
+                   for t in ("[IMG_BREAK]", "[IMG_END]")]
+            if not all(isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None) for i in ids):
+                raise ModelLoadError("a Mistral 3 checkpoint's images need its tokenizer's [IMG_BREAK] and [IMG_END] "
+                                     "tokens")
+            self.break_ids = (int(ids[0]), int(ids[1]))
         #: the video token as text, likewise (a model that takes videos; else ``None``)
         self.video_placeholder: str | None = None
         if self.video_token_id is not None and tokenizer is not None:
@@ -457,6 +479,17 @@ class ImageSupport:
                                        param="multi_modal_data")
         return [p.clone().float() for p in pixels.split(counts)], grids
 
+    def pattern_of(self, image: Any) -> tuple[int, ...] | None:
+        """Mistral 3: a PIL image's prompt tokens (its rows of image tokens and breaks, from its size alone); the
+        other models: ``None`` (the placeholder repeated)."""
+        if not self.pixtral or isinstance(image, EmbeddedImage):
+            return None
+        from plinth.multimodal.pixtral import grid_of, layout
+
+        assert self.break_ids is not None
+        rows, cols = grid_of(self.mm_config, self.processor, (image.height, image.width))
+        return tuple(layout(rows, cols, self.token_id, *self.break_ids))
+
     def parts(self, loaded: dict[str, Any] | None = None, load: bool = True) -> ImageParts:
         """A conversation's collector of image (and video) content parts for this model (its placeholders, media
         policy and limits)."""
@@ -470,6 +503,11 @@ class ImageSupport:
 
         if isinstance(image, Video):
             return length_of(self.video, image)
+        if self.pixtral and not isinstance(image, EmbeddedImage):
+            from plinth.multimodal.pixtral import grid_of
+
+            rows, cols = grid_of(self.mm_config, self.processor, (image.height, image.width))
+            return rows * (cols + 1)
 
         if isinstance(image, EmbeddedImage):
             return len(image.embeds)
@@ -535,6 +573,9 @@ class ImageSupport:
                 model's images do not have, or values that are not finite.
         """
         grid = None
+        if self.pixtral:
+            raise RequestRejectedError(f"{where}: Mistral 3 takes images as pictures, not embeddings (an image's "
+                                       "prompt is laid out by its rows)", param="multi_modal_data")
         if isinstance(value, dict):
             unknown = sorted(str(k) for k in value if k not in ("image_embeds", "image_grid_thw"))
             if unknown or "image_embeds" not in value:
@@ -583,7 +624,7 @@ class ImageSupport:
         return EmbeddedImage(embeds, grid)
 
     def expand(self, ids: Sequence[int], lengths: Sequence[int], tokens: Sequence[int] = (),
-               ) -> tuple[list[int], list[tuple[int, int]]]:
+               patterns: Sequence[Sequence[int] | None] = ()) -> tuple[list[int], list[tuple[int, int]]]:
         """The prompt with each image's placeholder widened to the positions the image fills (``lengths``, one per
         entry), and each entry's ``(offset, length)``, in the entries' order. ``tokens``: each entry's placeholder
         token (Qwen2-VL's videos take the video token; default: every entry an image). The entries of a token take
@@ -615,10 +656,12 @@ class ImageSupport:
             mine, k = [lengths[e] for e in queues[token]], named[token]
             what = "video" if token == self.video_token_id else "image"
             for n in self._widths(j - i, mine, k, token, what):
+                pattern = None
                 if k < len(mine):
                     spans[queues[token][k]] = (len(out), n)
+                    pattern = patterns[queues[token][k]] if patterns else None
                 k += 1
-                out.extend([token] * n)
+                out.extend(pattern if pattern is not None else [token] * n)
             named[token] = k
             i = j
         for token, entries in queues.items():
@@ -763,22 +806,52 @@ class ImageSupport:
             return PreparedImages(tuple(pixels), tuple(_digest(p, g) for p, g in zip(pixels, grids, strict=True)),
                                   (None,) * len(images),
                                   tuple(t * h * w // (self.merge * self.merge) for t, h, w in grids), tuple(grids))
+        if self.pixtral:
+            return self._pixtral_pictures(images, processor)
         pixels = self.pixel_values(images, processor)
         sizes = tuple((img.height, img.width) if self.tiled else None for img in images)
         lengths = tuple(tokens_per_image(self.mm_config, size) for size in sizes)
         return PreparedImages(tuple(pixels), tuple(_digest(p, s) for p, s in zip(pixels, sizes, strict=True)),
                               sizes, lengths)
 
+    def _pixtral_pictures(self, images: list[Any], processor: Any = None) -> PreparedImages:
+        """Mistral 3: each image resized by the processor (its longest side within ``longest_edge``, both sides whole
+        merged patches), its ``[C, H, W]`` pixels, and its prompt: rows of image tokens, a break after each, the
+        last an end token."""
+        from plinth.multimodal.pixtral import layout
+
+        assert self.break_ids is not None
+        unit = int(self.mm_config.vision_config.patch_size) * int(self.mm_config.spatial_merge_size)
+        pixels, patterns = [], []
+        for img in images:
+            try:
+                out = (processor or self.processor)(images=[img], patch_size={"height": unit, "width": unit},
+                                                    return_tensors="pt")
+                (h, w), = [tuple(int(v) for v in s) for s in out["image_sizes"]]
+                pv = out["pixel_values"][0, :, :h, :w]
+            except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
+                raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
+                                           f"{exc}", param="multi_modal_data") from None
+            if h % unit or w % unit:
+                raise RequestRejectedError(f"the image processor made a {w}x{h} image, not whole {unit}-pixel "
+                                           "squares", param="multi_modal_data")
+            pixels.append(pv.clone().float())
+            patterns.append(tuple(layout(h // unit, w // unit, self.token_id, *self.break_ids)))
+        return PreparedImages(tuple(pixels), tuple(_digest(p, None) for p in pixels), (None,) * len(images),
+                              tuple(len(p) for p in patterns), patterns=tuple(patterns))
+
     def items(self, ids: Sequence[int], data: Any) -> tuple[list[int], list[ImageItem]]:
         """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data`` (or its
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
-        expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens)
+        expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens, prepared.patterns)
         grids = prepared.grids or (None,) * len(spans)
         embeds = prepared.embeds or (None,) * len(spans)
         scales = prepared.time_scales or (None,) * len(spans)
+        masks = [None if p is None else np.asarray(p) == self.token_id for p in prepared.patterns] \
+            if prepared.patterns else [None] * len(spans)
         items = sorted((ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i],
-                                  embeds=embeds[i], time_scale=scales[i])
+                                  embeds=embeds[i], time_scale=scales[i], mask=masks[i])
                         for i, (offset, length) in enumerate(spans)), key=lambda item: item.offset)
         if self.qwen:
             _, positions = self._layout(items)
@@ -809,6 +882,7 @@ class PreparedImages:
     embeds: tuple[torch.Tensor | None, ...] = ()   # images given as embeddings (their pixels empty), else ()
     tokens: tuple[int, ...] = ()       # each entry's placeholder token (Qwen2-VL's videos after the images); () images
     time_scales: tuple[tuple[float, float] | None, ...] = ()   # each entry's ImageItem.time_scale; () all None
+    patterns: tuple[tuple[int, ...] | None, ...] = ()   # each entry's prompt tokens (Mistral 3); () placeholders
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -919,8 +993,15 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
         except Exception as exc:   # noqa: BLE001
             raise ModelLoadError(f"{path}/preprocessor_config.json: cannot build the image processor: "
                                  f"{type(exc).__name__}: {exc}") from exc
+    from plinth.multimodal.pixtral import is_pixtral
     from plinth.multimodal.qwen_vision import is_qwen_vl
 
+    if is_pixtral(mm_config):
+        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+        unit = int(mm_config.vision_config.patch_size) * int(mm_config.spatial_merge_size)
+        return PixtralImageProcessorPil(patch_size={"height": unit, "width": unit},
+                                        size={"longest_edge": int(mm_config.vision_config.image_size)})
     if is_qwen_vl(mm_config):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

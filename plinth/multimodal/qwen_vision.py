@@ -53,8 +53,9 @@ def is_qwen_vl(mm_config: Any) -> bool:
     return getattr(mm_config, "model_type", None) in QWEN_VL_TYPES
 
 
-class _RMSNorm(nn.Module):
-    """Qwen's RMSNorm: normalized in float32, cast back to the input's dtype, then scaled."""
+class FloatRMSNorm(nn.Module):
+    """The vision towers' RMSNorm (Qwen2.5-VL's, Pixtral's): normalized in float32, cast back to the input's dtype,
+    then scaled."""
 
     def __init__(self, size: int, eps: float = 1e-6):
         super().__init__()
@@ -68,7 +69,7 @@ class _RMSNorm(nn.Module):
 
 
 def _norm(qwen25: bool, size: int) -> nn.Module:
-    return _RMSNorm(size, eps=1e-6) if qwen25 else nn.LayerNorm(size, eps=1e-6)
+    return FloatRMSNorm(size, eps=1e-6) if qwen25 else nn.LayerNorm(size, eps=1e-6)
 
 
 class _Segments:

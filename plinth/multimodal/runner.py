@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from plinth.multimodal.images import ImageItem
+from plinth.multimodal.pixtral import PixtralEncoder, is_pixtral
 from plinth.multimodal.qwen_vision import QwenVisionEncoder, is_qwen_vl
 from plinth.multimodal.vision import ImageEncoder
 
@@ -41,7 +42,7 @@ class ImageFeatures:
         capacity_bytes: the most bytes of embeddings kept between steps (a step's own are always kept).
     """
 
-    def __init__(self, encoder: ImageEncoder | QwenVisionEncoder, capacity_bytes: int = CACHE_BYTES):
+    def __init__(self, encoder: ImageEncoder | QwenVisionEncoder | PixtralEncoder, capacity_bytes: int = CACHE_BYTES):
         self.encoder = encoder
         self.capacity_bytes = capacity_bytes
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -73,6 +74,9 @@ class ImageFeatures:
                     parts.setdefault(key, []).append(features)
             for key, item in todo.items():
                 self._keep(key, item, torch.cat(parts[key]) if len(parts[key]) > 1 else parts[key][0].clone())
+        elif todo and isinstance(self.encoder, PixtralEncoder):   # Mistral 3: each image at its own size
+            for key, item in todo.items():
+                self._keep(key, item, self.encoder(item.pixel_values))
         elif todo:
             pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
             # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
@@ -94,8 +98,8 @@ class ImageFeatures:
         return [self._cache[key] for key in wanted]
 
     def _keep(self, key: str, item: ImageItem, features: torch.Tensor) -> None:
-        if features.shape[0] != item.length:
-            raise RuntimeError(f"an image's embeddings fill {features.shape[0]} positions, its prompt {item.length}")
+        if features.shape[0] != item.embedded:
+            raise RuntimeError(f"an image's embeddings fill {features.shape[0]} positions, its prompt {item.embedded}")
         self._cache[key] = features
         self._bytes += features.numel() * features.element_size()
 
@@ -103,8 +107,8 @@ class ImageFeatures:
         """``(rows [K] int64, embeddings [K, hidden])``: the flat batch's rows that take image embeddings, and
         theirs; for a multimodal RoPE (Qwen2-VL) a third item, the rows' ``[K, 3]`` rotary positions."""
         features = self.embeddings([item for _, _, item, _ in image_rows])
-        values = torch.cat([f[first:first + count] for f, (_, count, _, first) in zip(features, image_rows,
-                                                                                     strict=True)])
+        values = torch.cat([f[first:first + count] if item.mask is None else f[_ranks(item, first, count)]
+                            for f, (_, count, item, first) in zip(features, image_rows, strict=True)])
         rows, *positions = image_rows_without_embeddings(image_rows, self.device)
         return rows, values, *positions
 
@@ -115,7 +119,10 @@ class ImageFeatures:
         as a pass may take: :data:`MAX_PATCHES`, or the largest image, of at most ``image_patches`` patches (the
         processor's ``max_pixels``) and as many as a prompt of ``max_model_len`` positions holds."""
         enc = self.encoder
-        if isinstance(enc, QwenVisionEncoder):
+        if isinstance(enc, PixtralEncoder):   # one image of the processor's largest side, square
+            side = int(enc.mm_config.vision_config.image_size) // (enc.patch_size * enc.merge) * enc.patch_size * enc.merge
+            enc(torch.randn(int(enc.mm_config.vision_config.num_channels), side, side, device=self.device))
+        elif isinstance(enc, QwenVisionEncoder):
             merge = enc.merge
             largest = max_model_len * merge * merge if image_patches is None else min(image_patches,
                                                                                       max_model_len * merge * merge)
@@ -137,14 +144,22 @@ def image_rows_without_embeddings(image_rows: Sequence[ImageRows], device: torch
     """``(rows [K] int64,)`` the flat batch's rows of image positions, and for a multimodal RoPE (Qwen2-VL) their
     ``[K, 3]`` rotary positions too: what a pipeline stage after the first needs of a step's images (the first
     stage embeds them)."""
-    rows = torch.tensor(list(itertools.chain.from_iterable(range(row, row + count)
-                                                          for row, count, _, _ in image_rows)),
-                        dtype=torch.int64).to(device, non_blocking=True)
+    rows = torch.tensor(list(itertools.chain.from_iterable(
+        range(row, row + count) if item.mask is None else (row + np.flatnonzero(item.mask[first:first + count])).tolist()
+        for row, count, item, first in image_rows)), dtype=torch.int64).to(device, non_blocking=True)
     if image_rows[0][2].rope is None:
         return (rows,)
     positions = torch.from_numpy(np.concatenate([item.rope[first:first + count]
                                                  for _, count, item, first in image_rows]))
     return rows, positions.to(device, non_blocking=True)
+
+
+def _ranks(item: ImageItem, first: int, count: int) -> torch.Tensor:
+    """The embedding rows of an image's positions ``[first, first + count)`` that take embeddings (Mistral 3's
+    image tokens, not its row breaks)."""
+    mask = item.mask
+    ranks = np.cumsum(mask) - 1
+    return torch.from_numpy(ranks[first:first + count][mask[first:first + count]])
 
 
 def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ImageFeatures | None:
@@ -157,7 +172,8 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
     from plinth.model_registry.weights import SafetensorsWeights, list_safetensors_files
     from plinth.multimodal.vision import ENCODER_PREFIXES, is_next, positions_per_tile
 
-    encoder: Any = QwenVisionEncoder(mm_config) if is_qwen_vl(mm_config) else ImageEncoder(mm_config)
+    encoder: Any = (QwenVisionEncoder(mm_config) if is_qwen_vl(mm_config) else PixtralEncoder(mm_config)
+                    if is_pixtral(mm_config) else ImageEncoder(mm_config))
     if source.kind == "hf_dir":
         files = list_safetensors_files(Path(source.path))
         # (a bitsandbytes checkpoint's tower is quantized too: widened as it is read, as the language model is)
@@ -170,7 +186,10 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
             for p in encoder.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     encoder = encoder.to(device=device, dtype=dtype).eval()
-    if is_qwen_vl(mm_config):
+    if is_pixtral(mm_config):
+        logger.info("image encoder: pixtral, %d of its layers, a position per %dx%d patches",
+                    len(encoder.layers), encoder.merge, encoder.merge)
+    elif is_qwen_vl(mm_config):
         logger.info("image encoder: %s, %d layers, a position per %dx%d patches", mm_config.vision_config.model_type,
                     mm_config.vision_config.depth, mm_config.vision_config.spatial_merge_size,
                     mm_config.vision_config.spatial_merge_size)

@@ -52,7 +52,8 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
             from plinth.multimodal.video import Video
 
             tokens = [support.video_token_id if isinstance(item, Video) else support.token_id for item in images]
-            ids, _ = support.expand(ids, [support.length_of(item) for item in images], tokens)
+            patterns = [None if isinstance(item, Video) else support.pattern_of(item) for item in images]
+            ids, _ = support.expand(ids, [support.length_of(item) for item in images], tokens, patterns)
         except RequestRejectedError as exc:
             raise bad_request(str(exc), "messages") from None
     strs = None

@@ -1,0 +1,121 @@
+"""Mistral 3 (``Mistral3ForConditionalGeneration``: Mistral Small 3.1 / 3.2) with images: a tiny random checkpoint
+written by transformers, run by plinth (the Pixtral vision tower and Mistral 3's projector, the prompt's rows of image
+tokens with breaks) and by transformers on the same pixels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import decisive_weights, make_tokenizer, output_matches_transformers
+
+import plinth
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+SPECIAL = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def _save(path):
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    img, brk, end = tok.convert_tokens_to_ids(SPECIAL)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
+                bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
+                  image_size=64, head_dim=16)
+    cfg = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_id=img,
+                                      spatial_merge_size=2, multimodal_projector_bias=True)
+    torch.manual_seed(0)
+    model = decisive_weights(transformers.Mistral3ForConditionalGeneration(cfg).eval())
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    processor = PixtralImageProcessorPil(patch_size={"height": 8, "width": 8}, size={"longest_edge": 64})
+    processor.save_pretrained(path)
+    return model, processor, tok
+
+
+def _picture(seed: int, size=(40, 52)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mistral3")
+    return (path, *_save(path))
+
+
+def test_images_equal_transformers(mistral3):
+    """Two images of different sizes (one resized down to the 64-pixel longest side) in one prompt, prefilled in chunks
+    of 16 tokens beside a text prompt: the prompt's image rows (image tokens, a break after each row, the end token
+    last) equal transformers' ``PixtralProcessor``'s, and greedy tokens and each step's log-probabilities equal
+    transformers' ``Mistral3ForConditionalGeneration`` on the same pixels."""
+    path, model, processor, tok = mistral3
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off",
+                     max_num_batched_tokens=16, enable_chunked_prefill=True, max_model_len=512)
+    a, b = _picture(1), _picture(2, (30, 120))
+    prompt = "A [IMG] then [IMG] end"
+    params = plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": [a, b]}}, "plain text here"], params)
+    pixels = processor(images=[a, b], patch_size={"height": 8, "width": 8}, return_tensors="pt")
+    pieces = prompt.split("[IMG]")   # (PixtralProcessor's rule; the class itself needs torchvision)
+    text = pieces[0]
+    for (h, w), after in zip(pixels["image_sizes"].tolist(), pieces[1:], strict=True):
+        rows = (["[IMG]"] * (w // 8) + ["[IMG_BREAK]"]) * (h // 8)
+        rows[-1] = "[IMG_END]"
+        text += "".join(rows) + after
+    assert outs[0].prompt_token_ids == tok(text)["input_ids"]
+    sizes = pixels["image_sizes"].tolist()
+    assert sizes == [[40, 56], [16, 64]]   # within 64 pixels a side, whole 8-pixel merged patches
+    assert outs[0].prompt_token_ids.count(tok.convert_tokens_to_ids("[IMG_BREAK]")) == (5 - 1) + (2 - 1)
+    output_matches_transformers(outs[0], model, pixel_values=pixels["pixel_values"], image_sizes=pixels["image_sizes"])
+    output_matches_transformers(outs[1], model)
+    llm.close()
+
+
+def test_chat_and_tokenize(mistral3):
+    """``LLM.chat`` with an image part and the server's ``/tokenize`` lay the image out as ``generate`` does: the
+    same prompt tokens (rows, breaks, end), and the same reply."""
+    pytest.importorskip("fastapi")
+    import base64
+    import io
+
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    path, _, _, tok = mistral3
+    tok.chat_template = ("{% for m in messages %}[INST]{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                         "[IMG]{% else %}{{ p['text'] }}{% endif %}{% endfor %}[/INST]{% endfor %}")
+    tok.save_pretrained(path)
+    img = _picture(7, (48, 24))
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    params = plinth.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                                  {"type": "text", "text": "Paris"}]}], params)[0]
+    plain = llm.generate({"prompt": "[INST][IMG]Paris[/INST]", "multi_modal_data": {"image": img}}, params)[0]
+    # (the template writes no BOS; generate's prompt string gets the tokenizer's)
+    chat_ids = chat.prompt_token_ids
+    assert [t for t in plain.prompt_token_ids if t != tok.bos_token_id] == chat_ids
+    assert tok.convert_tokens_to_ids("[IMG_END]") in chat_ids
+    llm.close()
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "Paris"}]}]
+        r = http.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == chat_ids
