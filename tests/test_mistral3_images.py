@@ -119,3 +119,17 @@ def test_chat_and_tokenize(mistral3):
         r = http.post("/tokenize", json={"messages": messages})
         assert r.status_code == 200, r.text
         assert r.json()["tokens"] == chat_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_images_equal_transformers(tmp_path):
+    """On a GPU: float32 tokens of an image prompt beside a text prompt equal transformers' on the CPU."""
+    model, processor, _ = _save(tmp_path)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cuda", block_size=16, gpu_memory_utilization=0.3)
+    img = _picture(11, (56, 40))
+    outs = llm.generate([{"prompt": "See [IMG] now", "multi_modal_data": {"image": img}}, "Large language models"],
+                        plinth.SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True))
+    pixels = processor(images=[img], patch_size={"height": 8, "width": 8}, return_tensors="pt")
+    output_matches_transformers(outs[0], model, steps=8, tol=1e-3, pixel_values=pixels["pixel_values"],
+                                image_sizes=pixels["image_sizes"])
+    output_matches_transformers(outs[1], model, steps=8, tol=1e-3)

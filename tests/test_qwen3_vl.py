@@ -178,3 +178,25 @@ def test_images_on_worker_processes(tp, pp, tmp_path):
     llm.close()
     got = generate_on_tp_workers(tmp_path, prompts, params, size=tp, pp=pp)
     assert [o.outputs[0].token_ids for o in got] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_images_equal_transformers(tmp_path):
+    """On a GPU (the Triton attention kernels through the image rows, CUDA graphs for the decode steps): float32 tokens
+    of two image prompts and a text prompt in one batch equal transformers' on the CPU."""
+    model, processor = _save_with_images(tmp_path, moe=False)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cuda", block_size=16, gpu_memory_utilization=0.3)
+    a, b = _picture(8), _picture(9, (64, 40))
+    prompts = [{"prompt": f"{IMAGE} Paris {IMAGE}", "multi_modal_data": {"image": [a, b]}}, "Large language models",
+               {"prompt": f"The quick {IMAGE} brown fox", "multi_modal_data": {"image": b}}]
+    params = plinth.SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert llm.llm_engine.runner.graphs is not None
+    for out, images in zip(outs, [[a, b], [], [b]], strict=True):
+        ids = torch.tensor([out.prompt_token_ids])
+        extra = {}
+        if images:
+            px = processor(images=images, return_tensors="pt")
+            extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                         mm_token_type_ids=(ids == model.config.image_token_id).int())
+        output_matches_transformers(out, model, steps=8, tol=1e-3, **extra)
