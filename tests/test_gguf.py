@@ -434,6 +434,13 @@ def test_split_model(tmp_path):
         outs.append(llm.generate([{"prompt_token_ids": list(range(3, 20))}], params, use_tqdm=False)[0])
         llm.close()
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    # the CPU path's cache of 4-bit copies is keyed by every part: a later part changed is not taken for the old
+    from plinth.worker.cpu_int4 import _cache_file
+
+    before = _cache_file(first, torch.bfloat16)
+    later = tmp_path / "split" / parts[1]
+    os.utime(later, ns=(later.stat().st_atime_ns, later.stat().st_mtime_ns + 10**9))
+    assert before is not None and _cache_file(first, torch.bfloat16) not in (None, before)
     with pytest.raises(ModelLoadError, match=f"part 2 of a split model of {n} files: give the first one "
                                              f"\\(m-00001-of-{n:05d}.gguf\\)"):
         read_gguf_config(str(tmp_path / "split" / parts[1]))

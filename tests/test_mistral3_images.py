@@ -133,3 +133,32 @@ def test_gpu_images_equal_transformers(tmp_path):
     output_matches_transformers(outs[0], model, steps=8, tol=1e-3, pixel_values=pixels["pixel_values"],
                                 image_sizes=pixels["image_sizes"])
     output_matches_transformers(outs[1], model, steps=8, tol=1e-3)
+
+
+def test_the_checkpoints_own_head(tmp_path):
+    """A checkpoint that stores its LM head uses it, whatever the configs' tie flags say: Mistral 3's top-level flag
+    defaults to true, so a config written without it (as transformers 4.x wrote Mistral Small 3.1's) would tie the
+    head to the embeddings; transformers keeps the stored head, and so does plinth."""
+    import json
+
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    cfg = transformers.Mistral3Config(text_config=text, vision_config=dict(hidden_size=32, intermediate_size=48,
+                                                                           num_hidden_layers=1, num_attention_heads=2,
+                                                                           patch_size=4, image_size=64, head_dim=16),
+                                      image_token_id=tok.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = decisive_weights(transformers.Mistral3ForConditionalGeneration(cfg).eval())
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written.pop("tie_word_embeddings", None)
+    written["text_config"].pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", selection="off", max_model_len=64)
+    out = llm.generate({"prompt_token_ids": [5, 9, 14, 3, 27]},
+                       plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
+    output_matches_transformers(out, model)
+    llm.close()

@@ -87,27 +87,32 @@ def test_videos_are_refused_clearly(tmp_path):
 
     from plinth.core.scheduler import RequestRejectedError
 
-    _save(tmp_path, moe=False)
+    _save_with_images(tmp_path, moe=False)
     llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", selection="off", max_model_len=64)
     with pytest.raises(RequestRejectedError, match="takes images only"):
         llm.generate({"prompt": "a clip", "multi_modal_data": {"video": np.zeros((2, 8, 8, 3), np.uint8)}})
+    video = llm.llm_engine.images.refused_video_id
+    with pytest.raises(RequestRejectedError, match="videos are not taken"):   # (its token alone, too)
+        llm.generate({"prompt_token_ids": [5, video, 6]})
     llm.close()
 
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def _save_with_images(path, moe: bool):
+def _save_with_images(path, moe: bool, num_position_embeddings: int = 16):
     """A Qwen3-VL checkpoint whose image side runs: the vision tokens, 4-pixel patches in 2x2 merge groups, a 4x4
     position table, DeepStack mergers after vision blocks 0 and 1 (added after language layers 0 and 1), the
     interleaved multimodal RoPE."""
     tok = make_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
-    start, pad, end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    special = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": special})
+    start, pad, end, video = tok.convert_tokens_to_ids(special)
     text = dict(TEXT, num_hidden_layers=3, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                 bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    vision = dict(VISION, depth=2, deepstack_visual_indexes=[0, 1], num_position_embeddings=16)
-    common = dict(vision_config=vision, image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end)
+    vision = dict(VISION, depth=2, deepstack_visual_indexes=[0, 1], num_position_embeddings=num_position_embeddings)
+    common = dict(vision_config=vision, image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
+                  video_token_id=video)
     torch.manual_seed(1)
     if moe:
         cfg = transformers.Qwen3VLMoeConfig(text_config=dict(text, num_experts=4, num_experts_per_tok=2,
@@ -200,3 +205,27 @@ def test_gpu_images_equal_transformers(tmp_path):
             extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
                          mm_token_type_ids=(ids == model.config.image_token_id).int())
         output_matches_transformers(out, model, steps=8, tol=1e-3, **extra)
+
+
+def test_encoder_profile_and_position_table(tmp_path):
+    """Start-up's encoder pass is sized by the images alone (Qwen3-VL's videos are refused, so its video processor's
+    budget does not count); a position table whose count is no square is read by its first side x side rows, as
+    transformers reads it: the tokens equal transformers'."""
+    import json
+
+    from plinth.multimodal.images import max_patches
+
+    model, processor = _save_with_images(tmp_path, moe=False)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 4096,
+                                                                                   "longest_edge": 25165824}}))
+    assert max_patches(model.config, str(tmp_path), None) == 8 * 8 * 80 // 16
+    model, processor = _save_with_images(tmp_path / "odd", moe=False, num_position_embeddings=20)
+    llm = plinth.LLM(str(tmp_path / "odd"), dtype="float32", platform="cpu", block_size=4, selection="off")
+    img = _picture(12)
+    out = llm.generate({"prompt": f"See {IMAGE}", "multi_modal_data": {"image": img}},
+                       plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
+    px = processor(images=[img], return_tensors="pt")
+    output_matches_transformers(out, model, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                                mm_token_type_ids=(torch.tensor([out.prompt_token_ids])
+                                                   == model.config.image_token_id).int())
+    llm.close()

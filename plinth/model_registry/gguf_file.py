@@ -245,7 +245,8 @@ class GGUFFile:
         tensors, maps, files = list(first.tensors), [], []
         names = {t.name for t in tensors}
         for i in range(1, count):
-            part_path = os.path.join(os.path.dirname(path), f"{m['stem']}-{i + 1:05d}-of-{m['count']}.gguf")
+            ext = os.path.basename(path)[-5:]   # (".gguf" in the first file's case)
+            part_path = os.path.join(os.path.dirname(path), f"{m['stem']}-{i + 1:05d}-of-{m['count']}{ext}")
             if not os.path.isfile(part_path):
                 raise ModelLoadError(f"GGUF file {path!r} is split into {count} files, but part {i + 1} "
                                      f"({part_path!r}) is missing")

@@ -328,6 +328,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
             logger.info("%s: running its language model (%s) alone; image inputs are not supported",
                         path, text[1])
         cfg, arch, text_only = text[0], text[1], True
+        if fmt != "dummy":
+            _tie_by_tensors(cfg, path)
     elif getattr(cfg, "text_config", None) is not None and arch.endswith("ForConditionalGeneration") \
             and not ModelRegistry.is_native(arch) and getattr(cfg, "num_attention_heads", None) is None:
         raise UnsupportedModelError(
@@ -450,6 +452,23 @@ def _text_model(cfg: Any, arch: str) -> tuple[Any, str] | None:
         text.tie_word_embeddings = bool(cfg.tie_word_embeddings)
     text.architectures = [causal]
     return text, causal
+
+
+def _tie_by_tensors(text: Any, path: Path) -> None:
+    """An image-and-text checkpoint's LM head is its own where the checkpoint stores one, else the embedding matrix
+    (what transformers loads, whatever the configs' tie flags say: Mistral 3's top-level flag defaults to true
+    though its checkpoints carry a head; Qwen3.5's text flag to false though they do not)."""
+    from safetensors import safe_open
+
+    from plinth.model_registry.weights import list_safetensors_files
+
+    heads = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
+    for file in list_safetensors_files(path):
+        with safe_open(str(file), "pt") as f:
+            if any(name in heads for name in f.keys()):  # noqa: SIM118 - (safe_open has no __contains__)
+                text.tie_word_embeddings = False
+                return
+    text.tie_word_embeddings = True
 
 
 # the language model's tensors in an image-and-text checkpoint: (prefix, what it becomes), both layouts

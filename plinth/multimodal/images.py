@@ -402,6 +402,10 @@ class ImageSupport:
         # (Qwen3-VL's videos, whose prompts carry each frame group's time as text, are not taken)
         qwen3 = str(getattr(mm_config, "model_type", "")).startswith("qwen3_vl")
         video_id = getattr(mm_config, "video_token_id", None) if self.qwen and not qwen3 else None
+        #: Qwen3-VL: its video token, which a prompt may not carry (its videos are not taken)
+        self.refused_video_id: int | None = None
+        if qwen3 and getattr(mm_config, "video_token_id", None) is not None:
+            self.refused_video_id = int(mm_config.video_token_id)
         if video_id is not None and 0 <= int(video_id) < (vocab or int(video_id) + 1):
             from plinth.multimodal.video import video_settings
 
@@ -1078,8 +1082,10 @@ def max_patches(mm_config: Any, path: str | None, settings: dict[str, Any] | Non
     processor = _image_processor(mm_config, path)
     if settings:
         _apply_settings(processor, settings, True)
-    video = video_settings(mm_config, path, settings)
-    frames = video.max_pixels // video.patch ** 2
+    frames = 0
+    if not str(getattr(mm_config, "model_type", "")).startswith("qwen3_vl"):   # (Qwen3-VL's videos are refused)
+        video = video_settings(mm_config, path, settings)
+        frames = video.max_pixels // video.patch ** 2
     try:
         return max(int(processor.size["longest_edge"]) // int(processor.patch_size) ** 2, frames)
     except (AttributeError, KeyError, TypeError, ValueError):

@@ -304,7 +304,8 @@ class QwenVisionEncoder(nn.Module):
         """Qwen3-VL: each patch's position embedding, in the processor's order: the learned ``side`` x ``side`` table
         resampled to the image's grid (bilinear, corners aligned), as merge groups, repeated over the frames."""
         m = self.merge
-        table = self.pos_embed.weight.float().t().reshape(1, -1, self.side, self.side)    # [1, dim, side, side]
+        # (the first side x side rows, as transformers reads the table: a count that is no square leaves some over)
+        table = self.pos_embed.weight[:self.side * self.side].float().t().reshape(1, -1, self.side, self.side)
         out = []
         for t, h, w in grids:
             grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]   # [dim, h, w]

@@ -73,13 +73,16 @@ def _cache_file(path: str, dtype: torch.dtype) -> Path | None:
     and change time too, so another file put in its place with the same size and modification time is not taken
     for it)."""
     from plinth.config import cache_dir
+    from plinth.errors import ModelLoadError
+    from plinth.model_registry.gguf_file import open_gguf
 
     try:
         st = os.stat(path)
-    except OSError:
+        parts = [[p, *identity] for p, identity in open_gguf(path).part_files]   # (a split model's other files)
+    except (OSError, ModelLoadError):
         return None
     key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, *_made_for(dtype),
-                      2])
+                      2, *parts])
     return Path(cache_dir()) / "cpu_int4" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
 
