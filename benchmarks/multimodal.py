@@ -1,9 +1,11 @@
-"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL; random bfloat16 weights
+"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3; random bfloat16 weights
 written by transformers), run by transformers' ``LlavaForConditionalGeneration`` (or the shape's class) and by plinth on the same pixels and prompts, in one process.
 
     python benchmarks/multimodal.py                       # GPU: LLaVA-1.5-7B shape (CLIP-L/14 at 336, Llama-2-7B)
     python benchmarks/multimodal.py --shape tiny --device cpu --requests 8   # anywhere, small
     python benchmarks/multimodal.py --shape qwen2-vl-7b --requests 16    # Qwen2-VL-7B shape (252 positions an image)
+    python benchmarks/multimodal.py --shape qwen3-vl-small --device cpu --requests 8   # Qwen3-VL layout, small
+    python benchmarks/multimodal.py --shape mistral3-small --device cpu --requests 8   # Mistral 3 layout, small
 
 Measured, for each system: the image encoder alone (vision tower to the layer LLaVA reads, then the projector) for
 batches of images; one request (an image and ``--text-len`` text tokens, greedy, EOS ignored): the time to the first
@@ -74,6 +76,24 @@ SHAPES = {
         vision=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2),
         image_token=300, vision_start=301, vision_end=302),
+    "qwen3-vl-small": dict(   # Qwen3-VL's layout at a small width: DeepStack after vision blocks 1, 3, 5
+        kind="qwen3_vl",
+        text=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True}),
+        vision=dict(depth=8, hidden_size=512, intermediate_size=2048, num_heads=8, out_hidden_size=1024,
+                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                    deepstack_visual_indexes=[1, 3, 5]),
+        image_token=151655, vision_start=151652, vision_end=151653, tie=True),
+    "mistral3-small": dict(   # Mistral 3's layout at a small width: Pixtral over 14-pixel patches, 2x2 merged
+        kind="mistral3",
+        text=dict(vocab_size=131072, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
+                  rope_theta=1e9),
+        vision=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, head_dim=64,
+                    patch_size=14, image_size=1540),
+        image_token=10, image_break=12, image_end=13),
     "tiny": dict(
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048),
@@ -95,17 +115,29 @@ def sync(device: str) -> None:
 
 
 def is_qwen(shape: dict) -> bool:
-    return shape.get("kind") in ("qwen2_vl", "qwen2_5_vl")
+    return shape.get("kind") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
     import transformers
 
+    if shape.get("kind") == "mistral3":
+        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+        config = transformers.Mistral3Config(text_config=shape["text"], vision_config=shape["vision"],
+                                             image_token_id=shape["image_token"], tie_word_embeddings=False,
+                                             dtype=str(dtype).removeprefix("torch."))
+        unit = shape["vision"]["patch_size"] * 2
+        processor = PixtralImageProcessorPil(patch_size={"height": unit, "width": unit},
+                                             size={"longest_edge": shape["vision"]["image_size"]})
+        return _write(transformers.Mistral3ForConditionalGeneration, config, processor, path, dtype, device,
+                      shape)
     if is_qwen(shape):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        cls = (transformers.Qwen2VLForConditionalGeneration if shape["kind"] == "qwen2_vl"
-               else transformers.Qwen2_5_VLForConditionalGeneration)
+        cls = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+               "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+               "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[shape["kind"]]
         config = cls.config_class(text_config=shape["text"], vision_config=shape["vision"],
                                   image_token_id=shape["image_token"], vision_start_token_id=shape["vision_start"],
                                   vision_end_token_id=shape["vision_end"],
@@ -134,15 +166,33 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
     return _write(cls, config, processor, path, dtype, device)
 
 
-def _write(cls, config, processor, path: Path, dtype: torch.dtype, device: str):
+def _write(cls, config, processor, path: Path, dtype: torch.dtype, device: str, shape: dict | None = None):
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(config).to(dtype).eval()
     t0 = time.perf_counter()
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    if shape is not None and "image_break" in shape:   # Mistral 3: a tokenizer that knows its image tokens
+        _write_mistral_tokenizer(path, shape)
     print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
     return model, processor
+
+
+def _write_mistral_tokenizer(path: Path, shape: dict) -> None:
+    """A word-level tokenizer over the vocabulary whose ids ``image_token``, ``image_break`` and ``image_end`` are
+    ``[IMG]``, ``[IMG_BREAK]`` and ``[IMG_END]`` (the benchmark's prompts are token ids; the engine needs the names of
+    the break and end tokens)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    names = {shape["image_token"]: "[IMG]", shape["image_break"]: "[IMG_BREAK]", shape["image_end"]: "[IMG_END]",
+             0: "<unk>", 1: "<s>", 2: "</s>"}
+    vocab = {names.get(i, f"t{i}"): i for i in range(shape["text"]["vocab_size"])}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    tok.save_pretrained(path)
 
 
 def pictures(n: int, seed: int = 0) -> list:
@@ -157,6 +207,8 @@ def prompts_for(n: int, text_len: int, shape: dict, seed: int = 1) -> list[list[
     image_token = shape["image_token"]
     image = [shape["vision_start"], image_token, shape["vision_end"]] if is_qwen(shape) else [image_token]
     low = min(shape["text"]["vocab_size"], image_token, shape.get("vision_start", image_token)) - 1
+    if shape.get("kind") == "mistral3":   # (its image tokens sit low in the vocabulary)
+        low = shape["text"]["vocab_size"] - 1
     out = []
     for _ in range(n):
         words = [int(t) for t in rng.integers(100, low, text_len)]
@@ -185,7 +237,11 @@ def hf_run(model, processor, expanded: list[list[int]], images: list, args) -> d
 
     def pixels_of(k: int) -> dict:   # the first k images as the model takes them
         if k not in inputs:
-            processed = processor(images=images[:k], return_tensors="pt")
+            extra = {}
+            if SHAPES[args.shape].get("kind") == "mistral3":   # (as PixtralProcessor calls it: merged patches)
+                unit = SHAPES[args.shape]["vision"]["patch_size"] * 2
+                extra = {"patch_size": {"height": unit, "width": unit}}
+            processed = processor(images=images[:k], return_tensors="pt", **extra)
             inputs[k] = {key: processed[key].to(device) for key in ("pixel_values", "image_sizes", "image_grid_thw")
                          if key in processed}
             inputs[k]["pixel_values"] = inputs[k]["pixel_values"].to(model.dtype)
@@ -242,7 +298,9 @@ def plinth_run(path: Path, prompts: list[list[int]], images: list, args) -> dict
 
     def encode(k):   # the runner's path: the tower over every tile (LLaVA-NeXT: each image packed; Qwen2-VL: patches)
         items = [ImageItem(0, p.lengths[0], p.pixels[0], f"bench-{i}-{time.perf_counter()}", p.sizes[0],
-                           p.grids[0] if p.grids else None) for i, p in enumerate(prepared[:k])]
+                           p.grids[0] if p.grids else None,
+                           mask=np.asarray(p.patterns[0]) == engine.images.token_id if p.patterns else None)
+                 for i, p in enumerate(prepared[:k])]
         out = features.embeddings(items)
         features.clear()
         return out
@@ -323,6 +381,11 @@ def main() -> None:
     if is_qwen(shape):   # every block runs; a patch a position
         positions = int(processor(images=images[:1], return_tensors="pt")["image_grid_thw"].prod())
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    elif shape.get("kind") == "mistral3":
+        unit = vision["patch_size"] * 2
+        sizes = processor(images=images[:1], patch_size={"height": unit, "width": unit}, return_tensors="pt")
+        positions = int(sizes["image_sizes"][0].prod()) // vision["patch_size"] ** 2
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n)
     else:
         positions = (vision["image_size"] // vision["patch_size"]) ** 2 + 1
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n) \
