@@ -197,7 +197,10 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
         logger.info("image encoder: %s, %d of its layers, %d positions per %s", mm_config.vision_config.model_type,
                     len(encoder.tower.layers), positions_per_tile(mm_config),
                     "tile (LLaVA-NeXT)" if is_next(mm_config) else "image")
-    return ImageFeatures(encoder)
+    from plinth.multimodal.qwen_vision import deepstack_count
+
+    # (Qwen3-VL's rows carry their DeepStack embeddings too: as many positions kept as for the other models)
+    return ImageFeatures(encoder, CACHE_BYTES * (1 + deepstack_count(mm_config)))
 
 
 #: ``(key, patches, grid)``: an image, or a run of a video's frame groups, that the encoder takes in one pass
