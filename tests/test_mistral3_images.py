@@ -162,3 +162,39 @@ def test_the_checkpoints_own_head(tmp_path):
                        plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
     output_matches_transformers(out, model)
     llm.close()
+
+
+def _rule(prompt: str, sizes, unit: int = 8) -> str:
+    """PixtralProcessor's prompt rule: each ``[IMG]`` becomes its image's rows of ``[IMG]``, an ``[IMG_BREAK]`` after
+    each row, the last an ``[IMG_END]`` (the class itself needs torchvision)."""
+    pieces = prompt.split("[IMG]")
+    text = pieces[0]
+    for (h, w), after in zip(sizes, pieces[1:], strict=True):
+        rows = (["[IMG]"] * (w // unit) + ["[IMG_BREAK]"]) * (h // unit)
+        rows[-1] = "[IMG_END]"
+        text += "".join(rows) + after
+    return text
+
+
+def test_adjacent_images_and_layouts(mistral3):
+    """Adjacent placeholders name one image each, however small the first (an 8-pixel image is one merged patch:
+    two positions, as many as the two placeholders); the tokens equal transformers'. A prompt that carries the row
+    tokens itself (a widened one) is refused clearly; an image's layout from its size alone (the server's count and
+    /tokenize) equals the processed one's, thin images included."""
+    from plinth.core.scheduler import RequestRejectedError
+
+    path, model, processor, tok = mistral3
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=512)
+    small, big = _picture(20, (8, 8)), _picture(21)
+    out = llm.generate({"prompt": "A [IMG][IMG] b", "multi_modal_data": {"image": [small, big]}},
+                       plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
+    pixels = processor(images=[small, big], patch_size={"height": 8, "width": 8}, return_tensors="pt")
+    assert out.prompt_token_ids == tok(_rule("A [IMG][IMG] b", pixels["image_sizes"].tolist()))["input_ids"]
+    output_matches_transformers(out, model, pixel_values=pixels["pixel_values"], image_sizes=pixels["image_sizes"])
+    with pytest.raises(RequestRejectedError, match=r"row-break or end tokens"):
+        llm.generate({"prompt": "A [IMG][IMG_END] b", "multi_modal_data": {"image": small}})
+    support = llm.llm_engine.images
+    for size in ((3, 60), (1, 60), (60, 3), (40, 52), (200, 30)):
+        img = _picture(22, size)
+        assert support.pattern_of(img) == support.prepare({"image": img}).patterns[0], size
+    llm.close()

@@ -157,7 +157,7 @@ def test_write_false_and_partial_keep_other_weights(models):
 
 
 def test_config_checks(models):
-    assert QWEN_VL_TYPES == ("qwen2_vl", "qwen2_5_vl")
+    assert QWEN_VL_TYPES == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
     assert is_qwen_vl(models["qwen2_vl"][0].config) and is_qwen_vl(models["qwen2_5_vl"][0].config)
     llava = transformers.LlavaConfig()
     assert not is_qwen_vl(llava)

@@ -420,10 +420,11 @@ class ImageSupport:
         if self.pixtral:
             ids = [tokenizer.convert_tokens_to_ids(t) if tokenizer is not None else None
                    for t in ("[IMG_BREAK]", "[IMG_END]")]
-            if not all(isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None) for i in ids):
-                raise ModelLoadError("a Mistral 3 checkpoint's images need its tokenizer's [IMG_BREAK] and [IMG_END] "
-                                     "tokens")
-            self.break_ids = (int(ids[0]), int(ids[1]))
+            if all(isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None) for i in ids):
+                self.break_ids = (int(ids[0]), int(ids[1]))
+            else:   # (text prompts still run; images are refused, see _pixtral_pictures)
+                logger.warning("this Mistral 3 checkpoint's tokenizer lacks [IMG_BREAK] / [IMG_END]: its images are "
+                               "refused")
         #: the video token as text, likewise (a model that takes videos; else ``None``)
         self.video_placeholder: str | None = None
         if self.video_token_id is not None and tokenizer is not None:
@@ -490,8 +491,12 @@ class ImageSupport:
             return None
         from plinth.multimodal.pixtral import grid_of, layout
 
-        assert self.break_ids is not None
-        rows, cols = grid_of(self.mm_config, self.processor, (image.height, image.width))
+        try:
+            rows, cols = grid_of(self.mm_config, self.processor, (image.height, image.width))
+        except (KeyError, TypeError, ValueError, AttributeError):   # a processor of other settings: run it
+            return self._pixtral_pictures([image]).patterns[0]
+        if self.break_ids is None:
+            return self._pixtral_pictures([image]).patterns[0]   # (refuses it)
         return tuple(layout(rows, cols, self.token_id, *self.break_ids))
 
     def parts(self, loaded: dict[str, Any] | None = None, load: bool = True) -> ImageParts:
@@ -508,10 +513,7 @@ class ImageSupport:
         if isinstance(image, Video):
             return length_of(self.video, image)
         if self.pixtral and not isinstance(image, EmbeddedImage):
-            from plinth.multimodal.pixtral import grid_of
-
-            rows, cols = grid_of(self.mm_config, self.processor, (image.height, image.width))
-            return rows * (cols + 1)
+            return len(self.pattern_of(image) or ())
 
         if isinstance(image, EmbeddedImage):
             return len(image.embeds)
@@ -659,7 +661,10 @@ class ImageSupport:
                 j += 1
             mine, k = [lengths[e] for e in queues[token]], named[token]
             what = "video" if token == self.video_token_id else "image"
-            for n in self._widths(j - i, mine, k, token, what):
+            # (Mistral 3: each placeholder one image, adjacent ones too: a widened image is never one run)
+            widths = ([mine[k + r] if k + r < len(mine) else 1 for r in range(j - i)] if self.pixtral
+                      else self._widths(j - i, mine, k, token, what))
+            for n in widths:
                 pattern = None
                 if k < len(mine):
                     spans[queues[token][k]] = (len(out), n)
@@ -824,7 +829,9 @@ class ImageSupport:
         last an end token."""
         from plinth.multimodal.pixtral import layout
 
-        assert self.break_ids is not None
+        if self.break_ids is None:
+            raise RequestRejectedError("this Mistral 3 checkpoint's tokenizer has no [IMG_BREAK] / [IMG_END] tokens, "
+                                       "which an image's prompt needs", param="multi_modal_data")
         unit = int(self.mm_config.vision_config.patch_size) * int(self.mm_config.spatial_merge_size)
         pixels, patterns = [], []
         for img in images:
@@ -848,6 +855,10 @@ class ImageSupport:
         """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data`` (or its
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
+        if self.break_ids is not None and any(t in self.break_ids for t in ids):
+            raise RequestRejectedError("the prompt has image row-break or end tokens ([IMG_BREAK], [IMG_END]): give "
+                                       "one [IMG] where each image goes; plinth lays out its rows",
+                                       param="multi_modal_data")
         expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens, prepared.patterns)
         grids = prepared.grids or (None,) * len(spans)
         embeds = prepared.embeds or (None,) * len(spans)
@@ -1074,9 +1085,19 @@ def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> Non
 def max_patches(mm_config: Any, path: str | None, settings: dict[str, Any] | None) -> int | None:
     """Qwen2-VL: the most patches the checkpoint's processor makes of one image (its ``max_pixels``, with
     ``mm_processor_kwargs``), or of one frame group of a video (the video processor's), else ``None``."""
+    from plinth.multimodal.pixtral import is_pixtral
     from plinth.multimodal.qwen_vision import is_qwen_vl
     from plinth.multimodal.video import video_settings
 
+    if is_pixtral(mm_config):   # Mistral 3: a square image of the processor's longest side, in whole merged patches
+        processor = _image_processor(mm_config, path)
+        patch = int(mm_config.vision_config.patch_size)
+        unit = patch * int(mm_config.spatial_merge_size)
+        try:
+            side = -(-int(processor.size["longest_edge"]) // unit) * unit
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+        return (side // patch) ** 2
     if not is_qwen_vl(mm_config):
         return None
     processor = _image_processor(mm_config, path)

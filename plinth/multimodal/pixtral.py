@@ -193,7 +193,8 @@ def grid_of(mm_config: Any, processor: Any, size: tuple[int, int]) -> tuple[int,
     unit = int(mm_config.vision_config.patch_size) * int(mm_config.spatial_merge_size)
     longest = int(processor.size["longest_edge"])
     import numpy as np
+    from transformers.image_utils import ChannelDimension
 
     h, w = get_resize_output_image_size(np.zeros((*size, 3), dtype=np.uint8), size=(longest, longest),
-                                        patch_size=(unit, unit))
+                                        patch_size=(unit, unit), input_data_format=ChannelDimension.LAST)
     return math.ceil(h / unit), math.ceil(w / unit)

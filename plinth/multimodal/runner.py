@@ -119,8 +119,11 @@ class ImageFeatures:
         as a pass may take: :data:`MAX_PATCHES`, or the largest image, of at most ``image_patches`` patches (the
         processor's ``max_pixels``) and as many as a prompt of ``max_model_len`` positions holds."""
         enc = self.encoder
-        if isinstance(enc, PixtralEncoder):   # one image of the processor's largest side, square
-            side = int(enc.mm_config.vision_config.image_size) // (enc.patch_size * enc.merge) * enc.patch_size * enc.merge
+        if isinstance(enc, PixtralEncoder):   # one square image of the processor's largest side (whole merged patches)
+            unit = enc.patch_size * enc.merge
+            side = (math.isqrt(image_patches - 1) + 1) * enc.patch_size if image_patches else \
+                int(enc.mm_config.vision_config.image_size)
+            side = -(-side // unit) * unit
             enc(torch.randn(int(enc.mm_config.vision_config.num_channels), side, side, device=self.device))
         elif isinstance(enc, QwenVisionEncoder):
             merge = enc.merge
