@@ -198,3 +198,27 @@ def test_adjacent_images_and_layouts(mistral3):
         img = _picture(22, size)
         assert support.pattern_of(img) == support.prepare({"image": img}).patterns[0], size
     llm.close()
+
+
+def test_images_of_one_size_encode_together(mistral3):
+    """Images of one size are encoded in one batch (each attending to itself), at most as many patches a pass as
+    start-up's pass took: their embeddings equal each image encoded alone."""
+    path = mistral3[0]
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=512)
+    support, features = llm.llm_engine.images, llm.llm_engine.runner.images
+    pics = [_picture(30, (16, 24)), _picture(31, (16, 24)), _picture(32, (24, 64)), _picture(33, (16, 24))]
+    _, items = support.items([support.token_id] * 4, {"image": pics})
+    calls = []
+    encode = features.encoder.forward
+    features.encoder.forward = lambda pixels: calls.append(len(pixels)) or encode(pixels)
+    together = [e.clone() for e in features.embeddings(items)]
+    assert sorted(calls) == [1, 3]   # the three 16x24 images in one pass
+    for item, want in zip(items, together, strict=True):
+        features.clear()
+        torch.testing.assert_close(features.embeddings([item])[0], want, atol=1e-5, rtol=1e-5)
+    features.clear()
+    features.pass_patches, calls[:] = 1, []   # one image a pass
+    for item, want in zip(items, features.embeddings(items), strict=True):
+        torch.testing.assert_close(want, together[items.index(item)], atol=1e-5, rtol=1e-5)
+    assert calls == [1, 1, 1, 1]
+    llm.close()

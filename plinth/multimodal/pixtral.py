@@ -45,12 +45,13 @@ class _Attention(nn.Module):
         self.heads = heads
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:   # [N, dim]
-        n = x.shape[0]
-        q, k, v = (proj(x).view(n, self.heads, -1).transpose(0, 1) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:   # [B, N, dim]
+        b, n = x.shape[:2]
+        q, k, v = (proj(x).view(b, n, self.heads, -1).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))                      # [B, heads, N, D]
         q, k = (_rotate(t, cos, sin) for t in (q, k))
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]                  # [heads, N, D]
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        out = F.scaled_dot_product_attention(q, k, v)                                       # each image on its own
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,14 +132,17 @@ class PixtralEncoder(nn.Module):
         return self.patch_conv.weight.device
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """One image's ``[C, H, W]`` pixels (H and W whole merged patches) -> ``[(H / P / m) * (W / P / m), text
-        hidden]`` embeddings, the merged patches in rows."""
+        """Images' ``[C, H, W]`` pixels, or ``[B, C, H, W]`` of images of one size (H and W whole merged patches) ->
+        ``[(H / P / m) * (W / P / m), text hidden]`` embeddings, the merged patches in rows (``[B, ...]`` for a
+        batch). The images of a batch attend each to itself."""
         weight = self.patch_conv.weight
-        x = self.patch_conv(pixel_values.to(weight.device, weight.dtype)[None])[0]        # [dim, h, w]
-        dim, h, w = x.shape
+        single = pixel_values.dim() == 3
+        x = self.patch_conv(pixel_values.to(weight.device, weight.dtype)[None] if single
+                            else pixel_values.to(weight.device, weight.dtype))             # [B, dim, h, w]
+        b, dim, h, w = x.shape
         if h % self.merge or w % self.merge:
             raise ValueError(f"an image of {h}x{w} patches is not whole {self.merge}x{self.merge} merge blocks")
-        x = self.ln_pre(x.flatten(1).t())                                                  # [h * w, dim]
+        x = self.ln_pre(x.flatten(2).transpose(1, 2))                                      # [B, h * w, dim]
         rows = torch.arange(h, device=x.device).repeat_interleave(w).float()
         cols = torch.arange(w, device=x.device).repeat(h).float()
         angles = torch.cat([rows[:, None] * self.row_freqs.to(x.device), cols[:, None] * self.col_freqs.to(x.device)],
@@ -149,8 +153,9 @@ class PixtralEncoder(nn.Module):
             x = layer(x, cos, sin)
         x = self.norm(x)
         m = self.merge
-        grid = F.unfold(x.t().reshape(1, dim, h, w), kernel_size=m, stride=m)[0].t()       # [(h/m)(w/m), dim m m]
-        return self.linear_2(self.act(self.linear_1(self.merging_layer(grid))))
+        grid = F.unfold(x.transpose(1, 2).reshape(b, dim, h, w), kernel_size=m, stride=m).transpose(1, 2)
+        out = self.linear_2(self.act(self.linear_1(self.merging_layer(grid))))            # [B, (h/m)(w/m), text]
+        return out[0] if single else out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
                      write: bool = True) -> None:

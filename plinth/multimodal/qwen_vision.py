@@ -289,12 +289,13 @@ class QwenVisionEncoder(nn.Module):
         """cos and sin ``[S, head]`` (float32) of the patches in the processor's order: each patch's row angles,
         its column angles, and the two again (rotate-half layout)."""
         m = self.merge
-        positions = []
+        positions, made = [], {}   # (images of one grid share their positions)
         for t, h, w in grids:
-            rows = torch.arange(h, device=device)[:, None].expand(h, w)
-            cols = torch.arange(w, device=device)[None, :].expand(h, w)
-            hw = torch.stack([rows, cols], dim=-1).view(h // m, m, w // m, m, 2).transpose(1, 2).reshape(-1, 2)
-            positions.append(hw.repeat(t, 1))
+            if (h, w) not in made:
+                rows = torch.arange(h, device=device)[:, None].expand(h, w)
+                cols = torch.arange(w, device=device)[None, :].expand(h, w)
+                made[h, w] = torch.stack([rows, cols], dim=-1).view(h // m, m, w // m, m, 2).transpose(1, 2).reshape(-1, 2)
+            positions.append(made[h, w].repeat(t, 1) if t > 1 else made[h, w])
         pos = torch.cat(positions).float()                                               # [S, 2]
         angles = (pos[:, :, None] * self.inv_freq.to(device)).flatten(1)                 # [S, head / 2]
         angles = torch.cat([angles, angles], dim=-1)
@@ -306,11 +307,12 @@ class QwenVisionEncoder(nn.Module):
         m = self.merge
         # (the first side x side rows, as transformers reads the table: a count that is no square leaves some over)
         table = self.pos_embed.weight[:self.side * self.side].float().t().reshape(1, -1, self.side, self.side)
-        out = []
+        out, made = [], {}   # (images of one grid share their resampled table)
         for t, h, w in grids:
-            grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]   # [dim, h, w]
-            grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, -1).transpose(1, 2).reshape(h * w, -1)
-            out.append(grid.repeat(t, 1))
+            if (h, w) not in made:
+                grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]   # [dim, h, w]
+                made[h, w] = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, -1).transpose(1, 2).reshape(h * w, -1)
+            out.append(made[h, w].repeat(t, 1) if t > 1 else made[h, w])
         return torch.cat(out)
 
     def _windows(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:

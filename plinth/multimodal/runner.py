@@ -45,6 +45,8 @@ class ImageFeatures:
     def __init__(self, encoder: ImageEncoder | QwenVisionEncoder | PixtralEncoder, capacity_bytes: int = CACHE_BYTES):
         self.encoder = encoder
         self.capacity_bytes = capacity_bytes
+        #: Mistral 3: the patches of start-up's encoder pass (a batch of images takes at most as many); 0: none ran
+        self.pass_patches = 0
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._bytes = 0
 
@@ -74,9 +76,20 @@ class ImageFeatures:
                     parts.setdefault(key, []).append(features)
             for key, item in todo.items():
                 self._keep(key, item, torch.cat(parts[key]) if len(parts[key]) > 1 else parts[key][0].clone())
-        elif todo and isinstance(self.encoder, PixtralEncoder):   # Mistral 3: each image at its own size
+        elif todo and isinstance(self.encoder, PixtralEncoder):   # Mistral 3: the images of each size together
+            by_size: dict[tuple[int, ...], list[tuple[str, ImageItem]]] = {}
             for key, item in todo.items():
-                self._keep(key, item, self.encoder(item.pixel_values))
+                by_size.setdefault(tuple(item.pixel_values.shape), []).append((key, item))
+            enc = self.encoder
+            # (at most the patches of start-up's pass a batch: its memory was left free)
+            largest = self.pass_patches or (int(enc.mm_config.vision_config.image_size) // enc.patch_size) ** 2
+            for group in by_size.values():
+                h, w = group[0][1].pixel_values.shape[-2:]
+                step = max(1, min(MAX_TILES, largest // max(1, (h // enc.patch_size) * (w // enc.patch_size))))
+                for part in (group[i:i + step] for i in range(0, len(group), step)):
+                    out = self.encoder(torch.stack([item.pixel_values for _, item in part]))
+                    for (key, item), features in zip(part, out, strict=True):
+                        self._keep(key, item, features.clone())
         elif todo:
             pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
             # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
@@ -125,6 +138,7 @@ class ImageFeatures:
                 int(enc.mm_config.vision_config.image_size)
             side = -(-side // unit) * unit
             enc(torch.randn(int(enc.mm_config.vision_config.num_channels), side, side, device=self.device))
+            self.pass_patches = (side // enc.patch_size) ** 2
         elif isinstance(enc, QwenVisionEncoder):
             merge = enc.merge
             largest = max_model_len * merge * merge if image_patches is None else min(image_patches,
