@@ -78,9 +78,12 @@ def _cache_file(path: str, dtype: torch.dtype) -> Path | None:
 
     try:
         st = os.stat(path)
-        parts = [[p, *identity] for p, identity in open_gguf(path).part_files]   # (a split model's other files)
-    except (OSError, ModelLoadError):
+    except OSError:
         return None
+    try:
+        parts = [[p, *identity] for p, identity in open_gguf(path).part_files]   # (a split model's other files)
+    except ModelLoadError:   # (a file it cannot parse: its own identity keys it, as before)
+        parts = []
     key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, *_made_for(dtype),
                       2, *parts])
     return Path(cache_dir()) / "cpu_int4" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
