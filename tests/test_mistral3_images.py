@@ -64,13 +64,7 @@ def test_images_equal_transformers(mistral3):
     params = plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": [a, b]}}, "plain text here"], params)
     pixels = processor(images=[a, b], patch_size={"height": 8, "width": 8}, return_tensors="pt")
-    pieces = prompt.split("[IMG]")   # (PixtralProcessor's rule; the class itself needs torchvision)
-    text = pieces[0]
-    for (h, w), after in zip(pixels["image_sizes"].tolist(), pieces[1:], strict=True):
-        rows = (["[IMG]"] * (w // 8) + ["[IMG_BREAK]"]) * (h // 8)
-        rows[-1] = "[IMG_END]"
-        text += "".join(rows) + after
-    assert outs[0].prompt_token_ids == tok(text)["input_ids"]
+    assert outs[0].prompt_token_ids == tok(_rule(prompt, pixels["image_sizes"].tolist()))["input_ids"]
     sizes = pixels["image_sizes"].tolist()
     assert sizes == [[40, 56], [16, 64]]   # within 64 pixels a side, whole 8-pixel merged patches
     assert outs[0].prompt_token_ids.count(tok.convert_tokens_to_ids("[IMG_BREAK]")) == (5 - 1) + (2 - 1)

@@ -141,6 +141,16 @@ def _picture(seed: int, size=(40, 52)):
     return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
 
 
+def _matches(out, model, processor, images, **kw) -> None:
+    """``out`` equals transformers' ``generate`` on its prompt and ``images`` (as the processor makes them)."""
+    extra = {}
+    if images:
+        px = processor(images=images, return_tensors="pt")
+        extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                     mm_token_type_ids=(torch.tensor([out.prompt_token_ids]) == model.config.image_token_id).int())
+    output_matches_transformers(out, model, **kw, **extra)
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_images_equal_transformers(moe, tmp_path):
     """Qwen3-VL with images: the vision tower (biased patch embedding, the position table resampled to each grid,
@@ -156,13 +166,7 @@ def test_images_equal_transformers(moe, tmp_path):
     outs = llm.generate([{"prompt": f"A {IMAGE} then {IMAGE} end", "multi_modal_data": {"image": [a, b]}},
                          "plain text here"], params)
     for out, images in zip(outs, [[a, b], []], strict=True):
-        ids = torch.tensor([out.prompt_token_ids])
-        extra = {}
-        if images:
-            px = processor(images=images, return_tensors="pt")
-            extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                         mm_token_type_ids=(ids == model.config.image_token_id).int())
-        output_matches_transformers(out, model, **extra)
+        _matches(out, model, processor, images)
     assert outs[0].prompt_token_ids.count(model.config.image_token_id) == 5 * 6 + 3 * 9
     llm.close()
 
@@ -198,13 +202,7 @@ def test_gpu_images_equal_transformers(tmp_path):
     outs = llm.generate(prompts, params)
     assert llm.llm_engine.runner.graphs is not None
     for out, images in zip(outs, [[a, b], [], [b]], strict=True):
-        ids = torch.tensor([out.prompt_token_ids])
-        extra = {}
-        if images:
-            px = processor(images=images, return_tensors="pt")
-            extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                         mm_token_type_ids=(ids == model.config.image_token_id).int())
-        output_matches_transformers(out, model, steps=8, tol=1e-3, **extra)
+        _matches(out, model, processor, images, steps=8, tol=1e-3)
 
 
 def test_encoder_profile_and_position_table(tmp_path):
@@ -224,8 +222,5 @@ def test_encoder_profile_and_position_table(tmp_path):
     img = _picture(12)
     out = llm.generate({"prompt": f"See {IMAGE}", "multi_modal_data": {"image": img}},
                        plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
-    px = processor(images=[img], return_tensors="pt")
-    output_matches_transformers(out, model, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                                mm_token_type_ids=(torch.tensor([out.prompt_token_ids])
-                                                   == model.config.image_token_id).int())
+    _matches(out, model, processor, [img])
     llm.close()
