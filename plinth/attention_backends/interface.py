@@ -80,6 +80,10 @@ class AttentionMetadata:
     #: checkpoint slot ``slot``; ``None``: none this step (saves at the end of a chunk are copies of rows, made after
     #: the forward)
     state_saves: dict[int, list[tuple[int, int]]] | None = None
+    #: image positions that attend bidirectionally within their image (Gemma 3): ``(sequence, first row, rows, first
+    #: position, end position)`` per image, its rows this step's queries; every position before the end is in the
+    #: cache by the end of the step (the scheduler never ends a chunk inside such an image); ``None``: none
+    image_spans: tuple[tuple[int, int, int, int, int], ...] | None = None
     #: the step as other kinds of layers see it, made once per step (:func:`chunked_attention_view`; a copy of this
     #: metadata that changes the step, ``dataclasses.replace``, must start with ``views={}``)
     views: dict[Any, AttentionMetadata] = dataclasses.field(default_factory=dict, repr=False)
@@ -411,6 +415,43 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.matmul(softmax_with_sinks(scores, sinks), v.to(acc)).to(q.dtype)
+
+
+def attend_within_images(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                         *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` (a backend's causal attention of the step) with the rows of ``metadata.image_spans`` attended again
+    as transformers' Gemma 3 masks them: a position of an image sees every earlier position and every position of its
+    own image (and, in a sliding-window layer, those within the window behind it: keys ``(p - window, end)``).
+
+    The keys and values are read from ``kv_cache`` (the default layout, :meth:`AttentionBackend.kv_cache_shape`),
+    where the backend wrote this step's; ``query`` is rotated already.
+    """
+    if not metadata.image_spans:
+        return out
+    bs = kv_cache.shape[2]
+    group = query.shape[1] // kv_cache.shape[-2]
+    for seq, first, rows, pos, end in metadata.image_spans:
+        lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+        base = lo // bs * bs
+        blocks = metadata.block_tables[seq, base // bs:-(-end // bs)].long()
+        k = kv_cache[0, blocks].flatten(0, 1)[lo - base:end - base].transpose(0, 1)            # [Hkv, L, D]
+        v = kv_cache[1, blocks].flatten(0, 1)[lo - base:end - base].transpose(0, 1)
+        k = k.to(query.dtype).repeat_interleave(group, dim=0)
+        v = v.to(query.dtype).repeat_interleave(group, dim=0)
+        q = query[first:first + rows].transpose(0, 1)                                             # [Hq, R, D]
+        allowed = None
+        if sliding_window is not None:
+            q_pos = torch.arange(pos, pos + rows, device=query.device)[:, None]
+            k_pos = torch.arange(lo, end, device=query.device)[None, :]
+            allowed = k_pos > q_pos - sliding_window
+        if soft_cap is not None or sinks is not None:
+            o = math_attention(q, k, v, allowed, scale, soft_cap, None if sinks is None else sinks[:, None, None])
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed,
+                                                                 scale=scale)[0]
+        out[first:first + rows] = o.transpose(0, 1)
+    return out
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -329,6 +329,14 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    max_loras=lora.max_loras if lora.enable_lora else 0)
         budget = self.scheduler.config.max_num_batched_tokens
+        if self.images is not None and self.images.layout is not None:   # (Gemma 3: an image's positions see it all)
+            if budget < self.images.tokens_per_image:
+                from plinth.config import ConfigError
+
+                raise ConfigError(f"max_num_batched_tokens ({budget}) is below the {self.images.tokens_per_image} "
+                                  f"positions of one image, which {parts.source.architecture} computes in one step "
+                                  "(its image positions attend to each other): raise the budget")
+            self.scheduler.whole_images = self.images.tokens_per_image
         if not self.scheduler.config.enable_chunked_prefill and budget < self.max_model_len:
             logger.warning("max_num_batched_tokens (%d) is below max_model_len (%d) with chunked prefill off: prompts "
                            "longer than %d tokens will be refused; raise the budget or enable chunked prefill",

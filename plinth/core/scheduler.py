@@ -196,6 +196,10 @@ class Scheduler:
         #: the most rows a step's decodes take with their drafts (None: no cap): drafts beyond it are not sent (a
         #: CPU decode plan runs up to so many rows in one native call; more rows cost more than drafts gain there)
         self.max_decode_rows: int | None = None
+        #: the most positions one image fills where an image's positions attend to each other (Gemma 3), set by the
+        #: engine: a prompt chunk never ends inside an image, and a step leaves prefill chunks at least so many
+        #: tokens; 0: chunks end anywhere
+        self.whole_images = 0
 
     # ---------------------------------------------------------------- intake
 
@@ -338,6 +342,7 @@ class Scheduler:
         # blocks the decodes after each one need for their own token (drafts may not take them)
         reserve = ([0] * len(decodes) if self.proposer is None or draft_room <= 0
                    else _later_needs([bm.blocks_to_take(r, 1) for r in decodes]))
+        stalled = False   # a prompt chunk that cannot reach the end of an image this step: no admissions
         for is_decode, group in ((True, decodes), (False, prefills)):
             if not is_decode and (prefills or self.waiting):
                 budget = self._prefill_budget(budget, len(scheduled))
@@ -370,6 +375,11 @@ class Scheduler:
                         num_new = fit
                     elif scheduled or early:
                         continue
+                if not is_decode and self.whole_images:
+                    num_new = self._whole_images(req, start, num_new)
+                    if not num_new:
+                        stalled = True
+                        continue
                 while not bm.allocate_slots(req, num_new):
                     victim = self._victim(done)
                     assert victim is not None   # req itself is a candidate
@@ -386,7 +396,7 @@ class Scheduler:
         scheduled.extend(early)   # prefills, after the decodes
         adapters = self._running_adapters() if self.max_loras else set()
         skipped = 0   # waiting requests passed over because their adapter has no slot
-        while (not preempted and not displaced and len(self.waiting) > skipped and budget > 0
+        while (not preempted and not displaced and not stalled and len(self.waiting) > skipped and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[skipped]
             if req.num_pending_tokens:
@@ -408,6 +418,10 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and req.num_output_tokens == 0:
                     break
                 num_new = budget
+            if self.whole_images:
+                num_new = self._whole_images(req, num_cached, num_new)
+                if not num_new:
+                    break
             if not bm.allocate_slots(req, num_new, cached, query=self._queries(req)):
                 break
             scheduled.append(self._admit(req, num_new, num_cached, skipped))
@@ -528,6 +542,8 @@ class Scheduler:
         num_new = min(head.num_tokens - num_cached, num_new)
         if self.config.enable_chunked_prefill or head.num_output_tokens:
             num_new = self._fitting_chunk(head, num_new, cached, reserved)
+        if self.whole_images:
+            num_new = self._whole_images(head, num_cached, num_new)
         if num_new <= 0 or bm.blocks_to_take(head, num_new, cached) + reserved > bm.num_free_blocks \
                 or not bm.allocate_slots(head, num_new, cached, query=self._queries(head)):
             return 0
@@ -555,7 +571,17 @@ class Scheduler:
         allowance = self.prefill_allowance(num_decodes)
         if allowance is None:
             return budget
-        return min(budget, max(allowance, self.block_manager.block_size))
+        return min(budget, max(allowance, self.block_manager.block_size, self.whole_images))
+
+    @staticmethod
+    def _whole_images(req: Request, start: int, num_new: int) -> int:
+        """The most of a prompt chunk of ``num_new`` tokens from ``start`` that does not end inside one of the
+        request's images (0: the chunk starts at or inside an image whose end it does not reach)."""
+        end = start + num_new
+        for item in req.images:
+            if item.offset < end < item.end:
+                return max(0, item.offset - start)
+        return num_new
 
     def _commit(self, req: Request, num_new: int, is_decode: bool) -> ScheduledRequest:
         start = req.num_computed_tokens

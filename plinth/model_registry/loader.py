@@ -322,6 +322,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
 
             mm_config = cfg
             text[0].deepstack_layers = deepstack_count(cfg)   # (Qwen3-VL: the layers that take DeepStack embeddings)
+            # (Gemma 3: an image's positions attend to each other)
+            text[0].bidirectional_image_attention = getattr(cfg, "model_type", None) == "gemma3"
             logger.info("%s: %s with image inputs (its vision tower %s)", path, arch,
                         cfg.vision_config.model_type)
         else:
@@ -350,7 +352,7 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                        "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-                       "Mistral3ForConditionalGeneration")
+                       "Mistral3ForConditionalGeneration", "Gemma3ForConditionalGeneration")
 
 #: language models of image-and-text checkpoints that plinth runs as a native causal LM, and their multimodal RoPE:
 #: transformers' default sections where the config names none, and whether they interleave (Qwen3-VL always does)

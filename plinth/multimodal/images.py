@@ -367,6 +367,7 @@ class ImageSupport:
                  limit: int = MAX_IMAGES_PER_PROMPT, policy: MediaPolicy | None = None,
                  processor_kwargs: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
                  video_limit: int = MAX_VIDEOS_PER_PROMPT):
+        from plinth.multimodal.gemma3 import PromptLayout, is_gemma3
         from plinth.multimodal.pixtral import is_pixtral
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
@@ -375,6 +376,10 @@ class ImageSupport:
         self.qwen = is_qwen_vl(mm_config)
         #: Mistral 3 (Pixtral): images at their own size, rows of image tokens with break tokens between
         self.pixtral = is_pixtral(mm_config)
+        #: Gemma 3: how its prompt lays out an image (the ``<start_of_image>`` a prompt carries widened); else ``None``
+        self.layout: Any = None
+        if is_gemma3(mm_config):
+            self.layout = PromptLayout(mm_config, tokenizer)
         if not self.qwen and not self.pixtral:
             check_layout(mm_config)
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
@@ -389,6 +394,10 @@ class ImageSupport:
         self.processor = _image_processor(mm_config, path)
         if processor_kwargs:
             _apply_settings(self.processor, processor_kwargs, self.qwen)
+        if self.layout is not None and getattr(self.processor, "do_pan_and_scan", False):
+            logger.warning("Gemma 3: the image processor's pan-and-scan crops are not taken; each image is encoded "
+                           "whole, at %dx%d", self.image_size, self.image_size)
+            self.processor.do_pan_and_scan = False
         self.limit = limit
         self.dtype = dtype
         self.policy = policy or MediaPolicy()
@@ -425,6 +434,9 @@ class ImageSupport:
             else:   # (text prompts still run; images are refused, see _pixtral_pictures)
                 logger.warning("this Mistral 3 checkpoint's tokenizer lacks [IMG_BREAK] / [IMG_END]: its images are "
                                "refused")
+        if self.layout is not None:   # (Gemma 3: a prompt names an image by its <start_of_image>)
+            begin = tokenizer.convert_ids_to_tokens(self.layout.begin) if tokenizer is not None else None
+            self.placeholder = begin if isinstance(begin, str) else "<start_of_image>"
         #: the video token as text, likewise (a model that takes videos; else ``None``)
         self.video_placeholder: str | None = None
         if self.video_token_id is not None and tokenizer is not None:
@@ -851,10 +863,17 @@ class ImageSupport:
         return PreparedImages(tuple(pixels), tuple(_digest(p, None) for p in pixels), (None,) * len(images),
                               tuple(len(p) for p in patterns), patterns=tuple(patterns))
 
+    def prompt_ids(self, ids: Sequence[int]) -> list[int]:
+        """A prompt's tokens with each image named by one image token (Gemma 3: its ``<start_of_image>`` made into the
+        tokens its processor writes around an image, see :class:`~plinth.multimodal.gemma3.PromptLayout`; the other
+        models' prompts as they are)."""
+        return self.layout.expand_prompt(ids) if self.layout is not None else list(ids)
+
     def items(self, ids: Sequence[int], data: Any) -> tuple[list[int], list[ImageItem]]:
         """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data`` (or its
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
+        ids = self.prompt_ids(ids)
         if self.break_ids is not None and any(t in self.break_ids for t in ids):
             raise RequestRejectedError("the prompt has image row-break or end tokens ([IMG_BREAK], [IMG_END]): give "
                                        "one [IMG] where each image goes; plinth lays out its rows",

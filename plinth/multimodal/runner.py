@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plinth.multimodal.gemma3 import Gemma3ImageEncoder, is_gemma3
 from plinth.multimodal.images import ImageItem
 from plinth.multimodal.pixtral import PixtralEncoder, is_pixtral
 from plinth.multimodal.qwen_vision import QwenVisionEncoder, is_qwen_vl
@@ -93,7 +94,8 @@ class ImageFeatures:
         elif todo:
             pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
             # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
-            tiles = torch.cat([self.encoder(chunk.to(self.device)) for chunk in pixels.split(MAX_TILES)]).split(
+            per_pass = getattr(self.encoder, "tiles_per_pass", MAX_TILES)
+            tiles = torch.cat([self.encoder(chunk.to(self.device)) for chunk in pixels.split(per_pass)]).split(
                 [len(item.pixel_values) for item in todo.values()])
             for (key, item), features in zip(todo.items(), tiles, strict=True):
                 # (a copy: a view would keep the whole pass's output alive while the cache holds one image)
@@ -149,7 +151,7 @@ class ImageFeatures:
             enc(pixels, grid)
         else:
             size = int(enc.mm_config.vision_config.image_size)
-            enc(torch.randn(MAX_TILES, 3, size, size, device=self.device))
+            enc(torch.randn(getattr(enc, "tiles_per_pass", MAX_TILES), 3, size, size, device=self.device))
 
     def clear(self) -> None:
         """Drop the kept embeddings (new weights)."""
@@ -190,7 +192,8 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
     from plinth.multimodal.vision import ENCODER_PREFIXES, is_next, positions_per_tile
 
     encoder: Any = (QwenVisionEncoder(mm_config) if is_qwen_vl(mm_config) else PixtralEncoder(mm_config)
-                    if is_pixtral(mm_config) else ImageEncoder(mm_config))
+                    if is_pixtral(mm_config) else Gemma3ImageEncoder(mm_config) if is_gemma3(mm_config)
+                    else ImageEncoder(mm_config))
     if source.kind == "hf_dir":
         files = list_safetensors_files(Path(source.path))
         # (a bitsandbytes checkpoint's tower is quantized too: widened as it is read, as the language model is)

@@ -53,7 +53,9 @@ def feature_layers(mm_config: Any) -> list[int]:
 
 def positions_per_tile(mm_config: Any) -> int:
     """The features one tile (a whole image for LLaVA) gives: a patch each, CLIP's class token too, less the first
-    under the ``default`` strategy (transformers' rule, whatever the tower)."""
+    under the ``default`` strategy (transformers' rule, whatever the tower); Gemma 3: its pooled grid's."""
+    if getattr(mm_config, "model_type", None) == "gemma3":
+        return int(mm_config.mm_tokens_per_image)
     vcfg = mm_config.vision_config
     clip = vcfg.model_type == "clip_vision_model"
     drop = getattr(mm_config, "vision_feature_select_strategy", "default") == "default"

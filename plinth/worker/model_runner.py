@@ -295,6 +295,8 @@ class ModelRunner:
             state_rows=state_rows,
             state_rows_cpu=batch.state_rows.tolist() if batch.state_rows is not None else None,
             state_saves=_inner_saves(batch),
+            image_spans=(_image_spans(batch.images, qsl, starts, seq_lens)
+                         if batch.images and getattr(self.model, "bidirectional_images", False) else None),
         )
         return StepInputs(input_ids=input_ids, positions=positions_t, metadata=metadata, sample_rows=rows,
                           sample_seqs=sample_seqs.tolist())
@@ -425,3 +427,22 @@ def _fit_width(tables: np.ndarray, rows: int, width: int) -> np.ndarray:
         w = min(width, tables.shape[1])
         out[:, :w] = tables[:, :w]
     return out
+
+
+def _image_spans(images: Any, qsl: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray,
+                 ) -> tuple[tuple[int, int, int, int, int], ...]:
+    """A step's image rows as :attr:`AttentionMetadata.image_spans` (each image's rows, their sequence, first position
+    and the image's end position).
+
+    Raises:
+        RuntimeError: a chunk that ends inside an image (its later positions, which its rows see, not yet computed).
+    """
+    spans = []
+    for first, rows, item, offset in images:
+        seq = int(np.searchsorted(qsl, first, side="right")) - 1
+        pos = int(starts[seq]) + first - int(qsl[seq])
+        if item.end > int(seq_lens[seq]):
+            raise RuntimeError(f"a prompt chunk ends at position {int(seq_lens[seq])}, inside an image "
+                               f"({item.offset}..{item.end}) whose positions attend to each other")
+        spans.append((seq, int(first), int(rows), pos, int(item.end)))
+    return tuple(spans)

@@ -372,6 +372,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     if support is not None and not videos and support.video_token_id is not None and support.video_token_id in ids:
         raise bad_request(f"the rendered prompt has the video token ({support.video_placeholder!r}) but the messages "
                           "have no video: send videos as video_url parts", "messages")
+    if support is not None and images:
+        ids = support.prompt_ids(ids)   # (Gemma 3: the tokens its processor writes around each image)
     # each image's (video's) one token becomes the positions its embeddings fill
     length = len(ids) + sum(support.length_of(item) - 1 for item in images + videos) if images or videos else len(ids)
     ctx.check_length(length, max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)

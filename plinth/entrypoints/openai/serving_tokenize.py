@@ -53,7 +53,8 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
 
             tokens = [support.video_token_id if isinstance(item, Video) else support.token_id for item in images]
             patterns = [None if isinstance(item, Video) else support.pattern_of(item) for item in images]
-            ids, _ = support.expand(ids, [support.length_of(item) for item in images], tokens, patterns)
+            ids, _ = support.expand(support.prompt_ids(ids), [support.length_of(item) for item in images], tokens,
+                                    patterns)
         except RequestRejectedError as exc:
             raise bad_request(str(exc), "messages") from None
     strs = None

@@ -11,6 +11,7 @@ from plinth.attention_backends.interface import (
     AttentionBackend,
     AttentionMetadata,
     applies_sinks,
+    attend_within_images,
     applies_soft_cap,
     attend_kwargs,
     chunked_attention_view,
@@ -103,10 +104,14 @@ class Attention(nn.Module):
             metadata = chunked_attention_view(metadata, self.attention_chunk, block_size, self.backend)
         if rotary is not None:
             cos, sin = rotary
-            if (self.backend.fuses_rotary and cos.shape[-1] == self.head_size and ops.fused_ops_enabled(q)):
+            if (self.backend.fuses_rotary and cos.shape[-1] == self.head_size and ops.fused_ops_enabled(q)
+                    and not metadata.image_spans):
                 return self.backend.forward(q, k, v, self.kv_cache, metadata, rotary=rotary, **options)
             q, k = rotate_qk(q, k, cos, sin)
-        return self.backend.forward(q, k, v, self.kv_cache, metadata, **options)
+        out = self.backend.forward(q, k, v, self.kv_cache, metadata, **options)
+        if metadata.image_spans:   # (Gemma 3: image positions see their whole image)
+            out = attend_within_images(out, q, self.kv_cache, metadata, **options)
+        return out
 
     def _options(self, sinks: torch.Tensor | None = None) -> dict[str, Any]:
         """The backend's per-layer keywords."""

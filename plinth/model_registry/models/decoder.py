@@ -524,6 +524,9 @@ class DecoderForCausalLM(CausalLM):
         super().__init__(ctx)
         cfg = ctx.hf_config
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        #: an image's positions attend to each other (Gemma 3; set by the loader on the language model's config):
+        #: the runner marks them in the step's metadata (:attr:`AttentionMetadata.image_spans`)
+        self.bidirectional_images = bool(getattr(cfg, "bidirectional_image_attention", False))
         self.model = DecoderModel(ctx, self)
         # a last stage without the embedding reads the tied matrix into its own LM head
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,

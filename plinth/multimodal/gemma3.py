@@ -1,0 +1,161 @@
+"""Gemma 3's images (``Gemma3ForConditionalGeneration``: gemma-3-4b/12b/27b): the SigLIP vision tower, all of its
+layers and its final LayerNorm, then Gemma 3's projector (the patch grid average-pooled to ``mm_tokens_per_image``
+positions, a Gemma RMSNorm, one matrix).
+
+An image's prompt is Gemma 3's processor's: the ``<start_of_image>`` a prompt carries becomes ``"\\n\\n"``, itself,
+the image's positions, ``<end_of_image>``, ``"\\n\\n"`` (:func:`expand_prompt`, which joins the new line breaks with
+those beside them as the tokenizer would have). The language model attends bidirectionally among one image's
+positions (each image position sees the whole image, in the sliding-window layers too): see
+:func:`plinth.attention_backends.interface.attend_within_images`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from plinth.multimodal.vision import VisionTower, load_encoder_weights
+
+#: the most images the encoder takes in one pass (896-pixel images are 4,096 patches each)
+IMAGES_PER_PASS = 4
+_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
+
+
+def is_gemma3(mm_config: Any) -> bool:
+    """Whether ``mm_config`` is Gemma 3's image-and-text config."""
+    return getattr(mm_config, "model_type", None) == "gemma3"
+
+
+class Gemma3ImageEncoder(nn.Module):
+    """Pixels ``[N, C, S, S]`` to ``[N, mm_tokens_per_image, text hidden]`` embeddings."""
+
+    #: the most images a pass takes (the runner's batching, start-up's profile)
+    tiles_per_pass = IMAGES_PER_PASS
+
+    def __init__(self, mm_config: Any):
+        super().__init__()
+        vcfg = mm_config.vision_config
+        self.mm_config = mm_config
+        self.tower = VisionTower(vcfg, int(vcfg.num_hidden_layers))
+        self.post_layernorm = nn.LayerNorm(vcfg.hidden_size, eps=vcfg.layer_norm_eps)
+        self.side = int(vcfg.image_size) // int(vcfg.patch_size)   # patches a side
+        tokens = int(mm_config.mm_tokens_per_image)
+        per_side = int(round(tokens ** 0.5))
+        if per_side * per_side != tokens or per_side < 1 or self.side % per_side:
+            from plinth.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"Gemma 3: mm_tokens_per_image {tokens} is not a square grid that divides the "
+                                        f"vision tower's {self.side}x{self.side} patches")
+        self.kernel = self.side // per_side
+        self.norm_weight = nn.Parameter(torch.zeros(vcfg.hidden_size))
+        self.norm_eps = float(vcfg.layer_norm_eps)
+        self.projection = nn.Parameter(torch.zeros(vcfg.hidden_size, mm_config.text_config.hidden_size))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.post_layernorm(self.tower(pixel_values, [len(self.tower.layers)])[0])     # [N, P, Hv]
+        n, _, hidden = x.shape
+        grid = x.transpose(1, 2).reshape(n, hidden, self.side, self.side)
+        pooled = nn.functional.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)   # [N, T, Hv]
+        y = pooled.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps) * (1.0 + self.norm_weight.float())
+        return torch.matmul(y.to(x.dtype), self.projection)
+
+    def pack(self, features: torch.Tensor, image_size: tuple[int, int] | None) -> torch.Tensor:
+        """One image's ``[positions, hidden]`` embeddings (its single tile's)."""
+        return features[0]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
+                     write: bool = True) -> None:
+        """Fill the parameters from the checkpoint's ``vision_tower.*`` and ``multi_modal_projector.*`` tensors
+        (either layout transformers writes; SigLIP's pooling head, unused, is skipped).
+
+        Raises:
+            ModelLoadError: see :func:`~plinth.multimodal.vision.load_encoder_weights`.
+        """
+        load_encoder_weights(self, weights, _parameter_name, partial, write)
+
+
+def _parameter_name(name: str) -> str | None:
+    for prefix in ("model.multi_modal_projector.", "multi_modal_projector."):
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            return {"mm_input_projection_weight": "projection", "mm_soft_emb_norm.weight": "norm_weight"}.get(
+                rest, rest)
+    for prefix in ("model.vision_tower.", "vision_tower."):
+        if name.startswith(prefix):
+            rest = name[len(prefix):].removeprefix("vision_model.")
+            if rest.startswith(("head.", "position_ids")):
+                return None   # SigLIP's pooling head: Gemma 3 reads the patches
+            if rest.startswith("post_layernorm."):
+                return rest
+            if _LAYER.match(rest) is not None:
+                rest = "layers." + rest[len("encoder."):].removeprefix("layers.")
+                rest = re.sub(r"\.(self_attn|mlp)\.", ".", rest)
+            return "tower." + rest.removeprefix("embeddings.")
+    return None
+
+
+class PromptLayout:
+    """How Gemma 3 lays out an image in a prompt's tokens.
+
+    Args:
+        mm_config: the checkpoint's ``Gemma3Config``.
+        tokenizer: the model's (its line-break tokens; ``None``: line breaks are not joined).
+    """
+
+    def __init__(self, mm_config: Any, tokenizer: Any):
+        self.begin = int(mm_config.boi_token_index)
+        self.end = int(mm_config.eoi_token_index)
+        self.image = int(mm_config.image_token_index)
+        self.tokenizer = tokenizer
+        self.breaks: list[int] = self._encode("\n\n") if tokenizer is not None else []
+        self._newline_ids: dict[int, bool] = {}
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _is_newlines(self, token: int) -> bool:
+        """Whether ``token`` is line breaks only."""
+        known = self._newline_ids.get(token)
+        if known is None:
+            text = self.tokenizer.decode([token])
+            known = self._newline_ids[token] = bool(text) and set(text) == {"\n"}
+        return known
+
+    def expand_prompt(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with each ``<start_of_image>`` not already followed by image tokens made into ``"\\n\\n"``,
+        ``<start_of_image>``, one image token (widened later to the image's positions), ``<end_of_image>``,
+        ``"\\n\\n"``; a run of line-break tokens that takes new ones is tokenized again as one text (as the tokenizer
+        would have made the processor's text)."""
+        out: list[int] = []
+        fresh: list[bool] = []   # whether out[i] is a line break put in here
+        for i, token in enumerate(ids):
+            if token != self.begin or (i + 1 < len(ids) and ids[i + 1] == self.image):
+                out.append(token)
+                fresh.append(False)
+                continue
+            for part, new in ((self.breaks, True), ([self.begin, self.image, self.end], False), (self.breaks, True)):
+                out.extend(part)
+                fresh.extend([new] * len(part))
+        if self.tokenizer is None or not any(fresh):
+            return out
+        joined: list[int] = []
+        i = 0
+        while i < len(out):
+            if not self._is_newlines(out[i]):
+                joined.append(out[i])
+                i += 1
+                continue
+            j = i
+            while j < len(out) and self._is_newlines(out[j]):
+                j += 1
+            if any(fresh[i:j]) and j - i > 1:
+                joined.extend(self._encode(self.tokenizer.decode(out[i:j])))
+            else:
+                joined.extend(out[i:j])
+            i = j
+        return joined
