@@ -295,7 +295,7 @@ class ModelRunner:
             state_rows=state_rows,
             state_rows_cpu=batch.state_rows.tolist() if batch.state_rows is not None else None,
             state_saves=_inner_saves(batch),
-            image_spans=(_image_spans(batch.images, qsl, starts, seq_lens)
+            image_spans=(_image_spans(batch.images, qsl, seq_lens)
                          if batch.images and getattr(self.model, "bidirectional_images", False) else None),
         )
         return StepInputs(input_ids=input_ids, positions=positions_t, metadata=metadata, sample_rows=rows,
@@ -429,7 +429,7 @@ def _fit_width(tables: np.ndarray, rows: int, width: int) -> np.ndarray:
     return out
 
 
-def _image_spans(images: Any, qsl: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray,
+def _image_spans(images: Any, qsl: np.ndarray, seq_lens: np.ndarray,
                  ) -> tuple[tuple[int, int, int, int, int], ...]:
     """A step's image rows as :attr:`AttentionMetadata.image_spans` (each image's rows, their sequence, first position
     and the image's end position).
@@ -440,7 +440,7 @@ def _image_spans(images: Any, qsl: np.ndarray, starts: np.ndarray, seq_lens: np.
     spans = []
     for first, rows, item, offset in images:
         seq = int(np.searchsorted(qsl, first, side="right")) - 1
-        pos = int(starts[seq]) + first - int(qsl[seq])
+        pos = item.offset + offset
         if item.end > int(seq_lens[seq]):
             raise RuntimeError(f"a prompt chunk ends at position {int(seq_lens[seq])}, inside an image "
                                f"({item.offset}..{item.end}) whose positions attend to each other")

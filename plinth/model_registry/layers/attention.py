@@ -11,9 +11,9 @@ from plinth.attention_backends.interface import (
     AttentionBackend,
     AttentionMetadata,
     applies_sinks,
-    attend_within_images,
     applies_soft_cap,
     attend_kwargs,
+    attend_within_images,
     chunked_attention_view,
 )
 from plinth.errors import UnsupportedModelError
