@@ -1,4 +1,4 @@
-"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3; random bfloat16 weights
+"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3; random bfloat16 weights
 written by transformers), run by transformers' ``LlavaForConditionalGeneration`` (or the shape's class) and by plinth on the same pixels and prompts, in one process.
 
     python benchmarks/multimodal.py                       # GPU: LLaVA-1.5-7B shape (CLIP-L/14 at 336, Llama-2-7B)
@@ -6,6 +6,7 @@ written by transformers), run by transformers' ``LlavaForConditionalGeneration``
     python benchmarks/multimodal.py --shape qwen2-vl-7b --requests 16    # Qwen2-VL-7B shape (252 positions an image)
     python benchmarks/multimodal.py --shape qwen3-vl-small --device cpu --requests 8   # Qwen3-VL layout, small
     python benchmarks/multimodal.py --shape mistral3-small --device cpu --requests 8   # Mistral 3 layout, small
+    python benchmarks/multimodal.py --shape gemma3-4b --requests 16       # gemma-3-4b shape (256 positions an image)
 
 Measured, for each system: the image encoder alone (vision tower to the layer LLaVA reads, then the projector) for
 batches of images; one request (an image and ``--text-len`` text tokens, greedy, EOS ignored): the time to the first
@@ -94,6 +95,24 @@ SHAPES = {
         vision=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, head_dim=64,
                     patch_size=14, image_size=1540),
         image_token=10, image_break=12, image_end=13),
+    "gemma3-4b": dict(   # gemma-3-4b: SigLIP-so400m at 896 (4,096 patches pooled to 256 positions), 34 layers
+        kind="gemma3",
+        text=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                  query_pre_attn_scalar=256, sliding_window=1024,
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                    image_size=896, patch_size=14, vision_use_head=False),
+        image_token=262144, boi=255999, eoi=256000),
+    "gemma3-small": dict(   # Gemma 3's layout at a small width: 448-pixel images (1,024 patches pooled to 256)
+        kind="gemma3",
+        text=dict(vocab_size=262208, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
+                  query_pre_attn_scalar=128, sliding_window=512),
+        vision=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                    image_size=448, patch_size=14, vision_use_head=False),
+        image_token=262144, boi=255999, eoi=256000),
     "tiny": dict(
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048),
@@ -121,6 +140,15 @@ def is_qwen(shape: dict) -> bool:
 def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
     import transformers
 
+    if shape.get("kind") == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        config = transformers.Gemma3Config(text_config=shape["text"], vision_config=shape["vision"],
+                                           image_token_index=shape["image_token"], boi_token_index=shape["boi"],
+                                           eoi_token_index=shape["eoi"], dtype=str(dtype).removeprefix("torch."))
+        size = shape["vision"]["image_size"]
+        processor = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+        return _write(transformers.Gemma3ForConditionalGeneration, config, processor, path, dtype, device, shape)
     if shape.get("kind") == "mistral3":
         from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
@@ -175,6 +203,8 @@ def _write(cls, config, processor, path: Path, dtype: torch.dtype, device: str, 
     processor.save_pretrained(path)
     if shape is not None and "image_break" in shape:   # Mistral 3: a tokenizer that knows its image tokens
         _write_mistral_tokenizer(path, shape)
+    if shape is not None and "boi" in shape:   # Gemma 3: likewise, and its line breaks
+        _write_gemma3_tokenizer(path, shape)
     print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
     return model, processor
 
@@ -195,6 +225,23 @@ def _write_mistral_tokenizer(path: Path, shape: dict) -> None:
     tok.save_pretrained(path)
 
 
+def _write_gemma3_tokenizer(path: Path, shape: dict) -> None:
+    """A word-level tokenizer whose ids ``boi``, ``eoi`` and ``image_token`` are Gemma 3's image tokens, and whose ids
+    107 to 111 are runs of one to five line breaks (as in Gemma's vocabulary)."""
+    from tokenizers import AddedToken, Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    names = {shape["boi"]: "<start_of_image>", shape["eoi"]: "<end_of_image>", shape["image_token"]: "<image_soft_token>",
+             0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", **{106 + k: "\n" * k for k in range(1, 6)}}
+    vocab = {names.get(i, f"t{i}"): i for i in range(shape["text"]["vocab_size"])}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.add_tokens([AddedToken("\n" * k, normalized=False) for k in range(5, 0, -1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>",
+                                  pad_token="<pad>")
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]})
+    tok.save_pretrained(path)
+
+
 def pictures(n: int, seed: int = 0) -> list:
     from PIL import Image
 
@@ -209,6 +256,8 @@ def prompts_for(n: int, text_len: int, shape: dict, seed: int = 1) -> list[list[
     low = min(shape["text"]["vocab_size"], image_token, shape.get("vision_start", image_token)) - 1
     if shape.get("kind") == "mistral3":   # (its image tokens sit low in the vocabulary)
         low = shape["text"]["vocab_size"] - 1
+    if shape.get("kind") == "gemma3":   # (a prompt names an image by its <start_of_image>)
+        image, low = [shape["boi"]], shape["boi"] - 1
     out = []
     for _ in range(n):
         words = [int(t) for t in rng.integers(100, low, text_len)]
@@ -259,6 +308,8 @@ def hf_run(model, processor, expanded: list[list[int]], images: list, args) -> d
             extra = dict(pixels_of(len(ids_rows)))
             if "image_grid_thw" in extra:
                 extra["mm_token_type_ids"] = (ids == image_token).int()
+            if SHAPES[args.shape].get("kind") == "gemma3":   # (its image positions' bidirectional mask)
+                extra["token_type_ids"] = (ids == image_token).long()
             return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, **extra)
 
@@ -381,6 +432,9 @@ def main() -> None:
     if is_qwen(shape):   # every block runs; a patch a position
         positions = int(processor(images=images[:1], return_tensors="pt")["image_grid_thw"].prod())
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    elif shape.get("kind") == "gemma3":   # every layer runs; the pooling and projection are small
+        positions = (vision["image_size"] // vision["patch_size"]) ** 2
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n)
     elif shape.get("kind") == "mistral3":
         unit = vision["patch_size"] * 2
         sizes = processor(images=images[:1], patch_size={"height": unit, "width": unit}, return_tensors="pt")
