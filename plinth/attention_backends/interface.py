@@ -437,8 +437,7 @@ def attend_within_images(out: torch.Tensor, query: torch.Tensor, kv_cache: torch
         blocks = metadata.block_tables[seq, base // bs:-(-end // bs)].long()
         k = kv_cache[0, blocks].flatten(0, 1)[lo - base:end - base].transpose(0, 1)            # [Hkv, L, D]
         v = kv_cache[1, blocks].flatten(0, 1)[lo - base:end - base].transpose(0, 1)
-        k = k.to(query.dtype).repeat_interleave(group, dim=0)
-        v = v.to(query.dtype).repeat_interleave(group, dim=0)
+        k, v = k.to(query.dtype), v.to(query.dtype)
         q = query[first:first + rows].transpose(0, 1)                                             # [Hq, R, D]
         allowed = None
         if sliding_window is not None:
@@ -446,10 +445,11 @@ def attend_within_images(out: torch.Tensor, query: torch.Tensor, kv_cache: torch
             k_pos = torch.arange(lo, end, device=query.device)[None, :]
             allowed = k_pos > q_pos - sliding_window
         if soft_cap is not None or sinks is not None:
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
             o = math_attention(q, k, v, allowed, scale, soft_cap, None if sinks is None else sinks[:, None, None])
-        else:
+        else:   # (the key heads shared by their query heads, not copied)
             o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed,
-                                                                 scale=scale)[0]
+                                                                 scale=scale, enable_gqa=group > 1)[0]
         out[first:first + rows] = o.transpose(0, 1)
     return out
 

@@ -337,7 +337,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         raise UnsupportedModelError(
             f"{path}: {arch} is an image-and-text model whose language model "
             f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run natively; plinth runs LLaVA, "
-            f"LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL checkpoints with images, and the language model alone of other image-and-text models, where "
+            f"LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3 and Gemma 3 checkpoints with images, and the language "
+            f"model alone of other image-and-text models, where "
             f"that language model is one it runs (Llama, Mistral, Qwen2, Gemma 3, ...)")
     if fmt != "dummy":
         list_safetensors_files(path)  # fail now rather than after building the model
