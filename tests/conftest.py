@@ -21,8 +21,8 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE tokenizer trained on a tiny corpus, with ChatML special tokens."""
+def make_tokenizer(vocab_size: int = 300, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer trained on a tiny corpus (``corpus``: another), with ChatML special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -31,7 +31,7 @@ def make_tokenizer(vocab_size: int = 300):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(CORPUS if corpus is None else corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token="<|im_start|>")
     fast.chat_template = CHATML

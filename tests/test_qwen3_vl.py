@@ -81,30 +81,14 @@ def test_released_expert_layout(tmp_path):
     _check(tmp_path, model)
 
 
-def test_videos_are_refused_clearly(tmp_path):
-    """Qwen3-VL's videos (whose prompts carry each frame group's time as text) are not taken: refused clearly."""
-    import numpy as np
-
-    from plinth.core.scheduler import RequestRejectedError
-
-    _save_with_images(tmp_path, moe=False)
-    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", selection="off", max_model_len=64)
-    with pytest.raises(RequestRejectedError, match="takes images only"):
-        llm.generate({"prompt": "a clip", "multi_modal_data": {"video": np.zeros((2, 8, 8, 3), np.uint8)}})
-    video = llm.llm_engine.images.refused_video_id
-    with pytest.raises(RequestRejectedError, match="videos are not taken"):   # (its token alone, too)
-        llm.generate({"prompt_token_ids": [5, video, 6]})
-    llm.close()
-
-
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def _save_with_images(path, moe: bool, num_position_embeddings: int = 16):
+def _save_with_images(path, moe: bool, num_position_embeddings: int = 16, corpus: list[str] | None = None):
     """A Qwen3-VL checkpoint whose image side runs: the vision tokens, 4-pixel patches in 2x2 merge groups, a 4x4
     position table, DeepStack mergers after vision blocks 0 and 1 (added after language layers 0 and 1), the
-    interleaved multimodal RoPE."""
-    tok = make_tokenizer()
+    interleaved multimodal RoPE (``corpus``: the tokenizer's training text)."""
+    tok = make_tokenizer(corpus=corpus)
     special = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
     tok.add_special_tokens({"additional_special_tokens": special})
     start, pad, end, video = tok.convert_tokens_to_ids(special)
@@ -206,8 +190,8 @@ def test_gpu_images_equal_transformers(tmp_path):
 
 
 def test_encoder_profile_and_position_table(tmp_path):
-    """Start-up's encoder pass is sized by the images alone (Qwen3-VL's videos are refused, so its video processor's
-    budget does not count); a position table whose count is no square is read by its first side x side rows, as
+    """Start-up's encoder pass is sized by the larger of an image and a video's frame group (Qwen3-VL's video budget
+    bounds all the sampled frames together); a position table whose count is no square is read by its first side x side rows, as
     transformers reads it: the tokens equal transformers'."""
     import json
 
@@ -216,11 +200,160 @@ def test_encoder_profile_and_position_table(tmp_path):
     model, processor = _save_with_images(tmp_path, moe=False)
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 4096,
                                                                                    "longest_edge": 25165824}}))
-    assert max_patches(model.config, str(tmp_path), None) == 8 * 8 * 80 // 16
+    # (a frame group: a video has two frames or more, so at most half the frames' shared budget)
+    assert max_patches(model.config, str(tmp_path), None) == 25165824 // 2 // 16
     model, processor = _save_with_images(tmp_path / "odd", moe=False, num_position_embeddings=20)
     llm = plinth.LLM(str(tmp_path / "odd"), dtype="float32", platform="cpu", block_size=4, selection="off")
     img = _picture(12)
     out = llm.generate({"prompt": f"See {IMAGE}", "multi_modal_data": {"image": img}},
                        plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
     _matches(out, model, processor, [img])
+    llm.close()
+
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+#: the test checkpoint's video processor: 4-pixel patches, the pixel bounds over all sampled frames together
+VIDEO_CONFIG = {"size": {"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 60 * 4}, "patch_size": 4,
+                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                "fps": 2, "min_frames": 4, "max_frames": 16}
+
+
+def _clip(seed: int, frames: int = 10, size=(24, 40)):
+    import numpy as np
+
+    return (np.random.default_rng(seed).random((frames, *size, 3)) * 255).astype("uint8")
+
+
+def _video_prompt(text: str, stamps: list[float], per_group: int) -> str:
+    """Qwen3-VL's processor's rule: the video's wrapper becomes its frame groups, each after its time."""
+    groups = "".join(f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_group + "<|vision_end|>"
+                     for t in stamps)
+    return text.replace(VIDEO, groups)
+
+
+def _video_reference(out, model, videos, settings) -> None:
+    """``out`` equals transformers' ``generate`` on its prompt and the videos' patches (as plinth makes them; they
+    equal transformers' video processor's, see test_video_patches_equal_transformers), ``video_grid_thw`` and the
+    token types (video: 2)."""
+    from plinth.multimodal import video as v
+
+    ids = torch.tensor([out.prompt_token_ids])
+    made = [v.patches(settings, clip) for clip in videos]
+    output_matches_transformers(out, model, pixel_values_videos=torch.cat([p for p, _ in made]),
+                                video_grid_thw=torch.tensor([g for _, g in made]),
+                                mm_token_type_ids=(ids == model.config.video_token_id).int() * 2)
+
+
+def test_videos_equal_transformers(tmp_path):
+    """Qwen3-VL videos: frames sampled at 2 a second of the video's rate (at least 4), resized within the pixel budget
+    of all the sampled frames, each frame group after its time as text (``<0.3 seconds>``, the mean of its frames'
+    times), encoded and placed as an image: the prompt is Qwen3-VL's processor's rule and the greedy tokens and
+    log-probabilities equal transformers' on the same patches, for a video beside an image in chunks of 16 tokens;
+    a prompt already laid out is taken as it is, and chat and ``/tokenize`` lay the video out alike."""
+    import json
+
+    from plinth.multimodal import video as v
+
+    model, processor = _save_with_images(tmp_path, moe=False)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off",
+                     max_num_batched_tokens=16, enable_chunked_prefill=True, max_model_len=256)
+    settings = llm.llm_engine.images.video
+    assert settings.qwen3 and settings.min_frames == 4
+    clip = _clip(1)
+    video = v.Video(clip, 5.0)
+    assert v.sampled(settings, video).tolist() == [0, 3, 6, 9]   # 10 frames at 5 a second: 4 frames at 2 a second
+    stamps = v.stamps(settings, video)
+    assert stamps == pytest.approx([0.3, 1.5])
+    t, h, w = v.grid_of(settings, video)
+    assert (t, h, w) == (2, 6, 10)
+    params = plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    text = f"A clip:{VIDEO} then"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"video": (clip, {"fps": 5.0})}}, params)[0]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert out.prompt_token_ids == tok(_video_prompt(text, stamps, h * w // 4))["input_ids"]
+    _video_reference(out, model, [video], settings)
+    again = llm.generate({"prompt_token_ids": out.prompt_token_ids,
+                          "multi_modal_data": {"video": (clip, {"fps": 5.0})}}, params)[0]
+    assert again.prompt_token_ids == out.prompt_token_ids
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    # a video (without a rate: 24 a second, so its 10 frames sample down to 4) after an image
+    img, short = _picture(3), v.Video(_clip(2, 6, (32, 24)), None)
+    both = llm.generate({"prompt": f"{IMAGE} and {VIDEO}", "multi_modal_data": {"image": img, "video": short.frames}},
+                        params)[0]
+    px = processor(images=[img], return_tensors="pt")
+    made = v.patches(settings, short)
+    ids = torch.tensor([both.prompt_token_ids])
+    types = (ids == model.config.image_token_id).int() + (ids == model.config.video_token_id).int() * 2
+    output_matches_transformers(both, model, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                                pixel_values_videos=made[0], video_grid_thw=torch.tensor([made[1]]),
+                                mm_token_type_ids=types)
+    chat = llm.chat([{"role": "user", "content": [{"type": "video", "video": (clip, {"fps": 5.0})},
+                                                  {"type": "text", "text": "Go"}]}], params)[0]
+    assert chat.prompt_token_ids.count(model.config.video_token_id) == 2 * h * w // 4
+    # (a template that reads strings gets the parts' texts a line apart)
+    rendered = tok.apply_chat_template([{"role": "user", "content": f"{VIDEO}\nGo"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert chat.prompt_token_ids == tok(_video_prompt(rendered, stamps, h * w // 4))["input_ids"]
+    llm.close()
+
+
+def test_video_times_tokenized_with_the_text_before(tmp_path):
+    """The first frame group's time is tokenized with the text before the video, as the processor's text is: with a
+    tokenizer that merges " <" into one token, the prompt still equals the tokenizer's on the processor's text."""
+    from conftest import CORPUS
+
+    _save_with_images(tmp_path, moe=False, corpus=CORPUS + ["Look at <0.3 seconds> and <1.5 seconds> now"] * 40)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.encode("at <0.3 seconds>") != tok.encode("at ") + tok.encode("<0.3 seconds>")   # (it merges)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    clip = _clip(4, 10)
+    from plinth.multimodal import video as v
+
+    settings = llm.llm_engine.images.video
+    t, h, w = v.grid_of(settings, v.Video(clip, 5.0))
+    text = f"Look at {VIDEO} and"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"video": (clip, {"fps": 5.0})}},
+                       plinth.SamplingParams(max_tokens=1))[0]
+    stamps = v.stamps(settings, v.Video(clip, 5.0))
+    assert out.prompt_token_ids == tok(_video_prompt(text, stamps, h * w // 4))["input_ids"]
+    llm.close()
+
+
+def test_video_patches_equal_transformers(tmp_path):
+    """Where torchvision is installed: a video's sampled frames, patches, grid and frame-group times equal
+    transformers' ``Qwen3VLVideoProcessor``'s (which needs torchvision), and its prompt its ``Qwen3VLProcessor``'s."""
+    pytest.importorskip("torchvision")
+    import json
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from plinth.multimodal import video as v
+
+    model, processor = _save_with_images(tmp_path, moe=False)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))
+    settings = v.video_settings(model.config, str(tmp_path))
+    theirs = Qwen3VLVideoProcessor(**VIDEO_CONFIG)
+    for frames, fps, size in ((10, 5.0, (24, 40)), (31, 12.0, (50, 70)), (3, None, (17, 33)), (40, 30.0, (64, 48))):
+        clip = _clip(frames, frames, size)
+        meta = VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
+        ref = theirs(videos=[clip], video_metadata=[meta], return_metadata=True, return_tensors="pt",
+                     cap_pixels_per_frame=False)
+        patches, grid = v.patches(settings, v.Video(clip, fps))
+        assert list(grid) == ref["video_grid_thw"][0].tolist()
+        torch.testing.assert_close(patches, ref["pixel_values_videos"], atol=2e-2, rtol=0)
+        got = ref["video_metadata"][0]
+        assert v.sampled(settings, v.Video(clip, fps)).tolist() == list(got.frames_indices)
+    # the prompt: Qwen3VLProcessor's on the same text and video
+    clip = _clip(5, 10)
+    proc = transformers.Qwen3VLProcessor(image_processor=processor, video_processor=theirs,
+                                         tokenizer=transformers.AutoTokenizer.from_pretrained(tmp_path))
+    text = f"A clip: {VIDEO} then"
+    ref = proc(text=text, videos=[clip], return_tensors="pt", cap_pixels_per_frame=False,
+               video_metadata=[VideoMetadata(total_num_frames=10, fps=5.0, frames_indices=list(range(10)))])
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    out = llm.generate({"prompt": text, "multi_modal_data": {"video": (clip, {"fps": 5.0})}},
+                       plinth.SamplingParams(max_tokens=1))[0]
+    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
     llm.close()

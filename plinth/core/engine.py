@@ -764,10 +764,6 @@ class LLMEngine:
                 and self.images.video_token_id in ids:
             raise RequestRejectedError(f"the prompt has the video token (id {self.images.video_token_id}) but no "
                                        "video: give the videos in multi_modal_data", param="multi_modal_data")
-        if self.images is not None and self.images.refused_video_id is not None \
-                and self.images.refused_video_id in ids:
-            raise RequestRejectedError(f"the prompt has the video token (id {self.images.refused_video_id}); this "
-                                       "model's videos are not taken", param="multi_modal_data")
         if keep is not None:   # the prompt's last tokens only (vLLM's truncate_prompt_tokens)
             keep = self.max_model_len if keep == -1 else keep
             if keep > self.max_model_len:

@@ -408,13 +408,9 @@ class ImageSupport:
         self.video: Any = None
         self.video_limit = video_limit
         vocab = int(getattr(getattr(mm_config, "text_config", mm_config), "vocab_size", 0) or 0)
-        # (Qwen3-VL's videos, whose prompts carry each frame group's time as text, are not taken)
-        qwen3 = str(getattr(mm_config, "model_type", "")).startswith("qwen3_vl")
-        video_id = getattr(mm_config, "video_token_id", None) if self.qwen and not qwen3 else None
-        #: Qwen3-VL: its video token, which a prompt may not carry (its videos are not taken)
-        self.refused_video_id: int | None = None
-        if qwen3 and getattr(mm_config, "video_token_id", None) is not None:
-            self.refused_video_id = int(mm_config.video_token_id)
+        video_id = getattr(mm_config, "video_token_id", None) if self.qwen else None
+        #: the model's tokenizer (Qwen3-VL: the frame groups' times are written in the prompt as text)
+        self.tokenizer = tokenizer
         if video_id is not None and 0 <= int(video_id) < (vocab or int(video_id) + 1):
             from plinth.multimodal.video import video_settings
 
@@ -523,6 +519,13 @@ class ImageSupport:
         from plinth.multimodal.vision import tokens_per_image
 
         if isinstance(image, Video):
+            if self.video.qwen3:   # (its frame groups, each with its time, start and end, less the wrapper's two)
+                from plinth.multimodal.video import grid_of, stamps
+
+                t, h, w = grid_of(self.video, image)
+                times = sum(len(self.tokenizer.encode(f"<{s:.1f} seconds>", add_special_tokens=False))
+                            for s in stamps(self.video, image)) if self.tokenizer is not None else 0
+                return times + t * (2 + h * w // (self.video.merge ** 2)) - 2
             return length_of(self.video, image)
         if self.pixtral and not isinstance(image, EmbeddedImage):
             return len(self.pattern_of(image) or ())
@@ -782,10 +785,12 @@ class ImageSupport:
                    if settings else self.video)
         except ModelLoadError as exc:
             raise RequestRejectedError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
+        n, m = len(prepared.pixels), cfg.merge * cfg.merge
+        if cfg.qwen3:
+            return self._qwen3_videos(prepared, videos, cfg)
         made = [v.patches(cfg, video) for video in videos]
         scales = [v.time_scale(cfg, video) for video in videos]
-        n, k = len(prepared.pixels), len(videos)
-        m = cfg.merge * cfg.merge
+        k = len(videos)
         return PreparedImages(
             prepared.pixels + tuple(p for p, _ in made),
             # (the key holds the time scale: the same frames at another rate sit at other rotary positions)
@@ -796,6 +801,93 @@ class ImageSupport:
             (tuple(prepared.embeds) or (None,) * n) + (None,) * k,
             (self.token_id,) * n + (self.video_token_id,) * k,
             (None,) * n + tuple(scales))
+
+    def _qwen3_videos(self, prepared: PreparedImages, videos: list[Any], cfg: Any) -> PreparedImages:
+        """Qwen3-VL: ``prepared`` with each video's frame groups after it, an entry each (the vision tower and the
+        rotary positions take a frame group as an image, its time written before it in the prompt)."""
+        from plinth.multimodal import video as v
+
+        pixels, keys, lengths, grids = [], [], [], []
+        for video in videos:
+            patches, (t, h, w) = v.patches(cfg, video)
+            for group in patches.split(h * w):
+                group = group.clone()   # (a view would keep the whole video's patches alive in the cache)
+                pixels.append(group)
+                keys.append("v" + _digest(group, (1, h, w)))
+                lengths.append(h * w // (cfg.merge * cfg.merge))
+                grids.append((1, h, w))
+        n, k = len(prepared.pixels), len(pixels)
+        return PreparedImages(
+            prepared.pixels + tuple(pixels), prepared.keys + tuple(keys), prepared.sizes + (None,) * k,
+            prepared.lengths + tuple(lengths), tuple(prepared.grids) + tuple(grids),
+            (tuple(prepared.embeds) or (None,) * n) + (None,) * k, (self.token_id,) * n + (self.video_token_id,) * k,
+            stamps=tuple(tuple(v.stamps(cfg, video)) for video in videos))
+
+    def _stamped(self, ids: Sequence[int], stamps: Sequence[Sequence[float]]) -> list[int]:
+        """Qwen3-VL: the prompt with each video's token (and the vision start and end tokens around it, which each
+        frame group takes instead) made into its frame groups: ``<1.5 seconds>`` as text, then the vision start
+        token, the video token (widened later), the vision end token, as Qwen3-VL's processor writes them (the first
+        time tokenized with the text before it). A prompt whose video tokens are not one for each video (one laid
+        out already) is kept as it is."""
+        video = self.video_token_id
+        runs = sum(1 for i, t in enumerate(ids) if t == video and (i == 0 or ids[i - 1] != video))
+        if runs != len(stamps) or ids.count(video) != runs:
+            return list(ids)
+        start = int(self.mm_config.vision_start_token_id)
+        end = int(self.mm_config.vision_end_token_id)
+        tok = self.tokenizer
+        special = set(getattr(tok, "added_tokens_decoder", {}) or {}) if tok is not None else set()
+        out: list[int] = []
+        k = i = 0
+        while i < len(ids):
+            if ids[i] != video:
+                out.append(ids[i])
+                i += 1
+                continue
+            wrapped = bool(out) and out[-1] == start and i + 1 < len(ids) and ids[i + 1] == end
+            if wrapped:
+                out.pop()
+            for g, seconds in enumerate(stamps[k]):
+                text = f"<{seconds:.1f} seconds>"
+                if tok is None:
+                    raise RequestRejectedError("this model's videos need its tokenizer (their times are text)",
+                                               param="multi_modal_data")
+                j = len(out)
+                while g == 0 and j > 0 and out[j - 1] not in special:
+                    j -= 1   # (the text before the first time: tokenized with it, as the processor's text is)
+                before = tok.decode(out[j:], clean_up_tokenization_spaces=False) if j < len(out) else ""
+                out[j:] = list(tok.encode(before + text, add_special_tokens=False))
+                out.extend((start, video, end))
+            k += 1
+            i += 2 if wrapped else 1
+        return out
+
+    def laid_out(self, ids: Sequence[int], media: Sequence[Any]) -> list[int]:
+        """A prompt's tokens with its images and videos (pictures and :class:`~plinth.multimodal.video.Video` s, in
+        the prompt's order) laid out as :meth:`items` lays them out, without making their pixels (``/tokenize``).
+
+        Raises:
+            RequestRejectedError: see :meth:`expand`.
+        """
+        from plinth.multimodal import video as v
+
+        ids = self.prompt_ids(ids)
+        images = [m for m in media if not isinstance(m, v.Video)]
+        videos = [m for m in media if isinstance(m, v.Video)]
+        lengths = [self.length_of(m) for m in images]
+        tokens = [self.token_id] * len(images)
+        patterns = [self.pattern_of(m) for m in images]
+        if videos and self.video.qwen3:
+            ids = self._stamped(ids, [v.stamps(self.video, m) for m in videos])
+            for m in videos:
+                t, h, w = v.grid_of(self.video, m)
+                lengths += [h * w // (self.video.merge ** 2)] * t
+                tokens += [self.video_token_id] * t
+        else:
+            lengths += [self.length_of(m) for m in videos]
+            tokens += [self.video_token_id] * len(videos)
+        patterns += [None] * (len(tokens) - len(patterns))
+        return self.expand(ids, lengths, tokens, patterns)[0]
 
     def _prepare_images(self, images: list[Any], processor: Any) -> PreparedImages:
         if not images:
@@ -874,6 +966,8 @@ class ImageSupport:
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
         ids = self.prompt_ids(ids)
+        if prepared.stamps:   # (Qwen3-VL's videos: their frame groups, each after its time)
+            ids = self._stamped(ids, prepared.stamps)
         if self.break_ids is not None and any(t in self.break_ids for t in ids):
             raise RequestRejectedError("the prompt has image row-break or end tokens ([IMG_BREAK], [IMG_END]): give "
                                        "one [IMG] where each image goes; plinth lays out its rows",
@@ -917,6 +1011,8 @@ class PreparedImages:
     tokens: tuple[int, ...] = ()       # each entry's placeholder token (Qwen2-VL's videos after the images); () images
     time_scales: tuple[tuple[float, float] | None, ...] = ()   # each entry's ImageItem.time_scale; () all None
     patterns: tuple[tuple[int, ...] | None, ...] = ()   # each entry's prompt tokens (Mistral 3); () placeholders
+    #: Qwen3-VL: each video's frame groups' times in seconds (its groups are entries of their own); () none
+    stamps: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1122,10 +1218,10 @@ def max_patches(mm_config: Any, path: str | None, settings: dict[str, Any] | Non
     processor = _image_processor(mm_config, path)
     if settings:
         _apply_settings(processor, settings, True)
-    frames = 0
-    if not str(getattr(mm_config, "model_type", "")).startswith("qwen3_vl"):   # (Qwen3-VL's videos are refused)
-        video = video_settings(mm_config, path, settings)
-        frames = video.max_pixels // video.patch ** 2
+    video = video_settings(mm_config, path, settings)
+    # (Qwen3-VL: the bound is on all the sampled frames together, of which a video has two or more)
+    frames = (max(video.max_pixels // 2, int(video.min_pixels * 1.05)) if video.qwen3 else video.max_pixels) \
+        // video.patch ** 2
     try:
         return max(int(processor.size["longest_edge"]) // int(processor.patch_size) ** 2, frames)
     except (AttributeError, KeyError, TypeError, ValueError):

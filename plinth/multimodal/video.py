@@ -1,5 +1,8 @@
-"""Video inputs of Qwen2-VL and Qwen2.5-VL: a video's frames to the vision tower's patches, as transformers'
-``Qwen2VLVideoProcessor`` makes them.
+"""Video inputs of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a video's frames to the vision tower's patches, as
+transformers' ``Qwen2VLVideoProcessor`` (``Qwen3VLVideoProcessor``) makes them.
+
+Qwen3-VL samples the frames first (:func:`sampled`), bounds the pixels of all of them together, and writes each frame
+group's time in the prompt (:func:`stamps`); each of its frame groups then takes its positions as an image does.
 
 Every frame is resized to the same multiple of the merged patch (``smart_resize`` within the video processor's
 ``min_pixels`` / ``max_pixels``; bicubic with antialiasing on the 8-bit frames, as torchvision resizes them on a
@@ -33,6 +36,9 @@ from plinth.errors import ModelLoadError
 #: the Qwen2-VL video processor's default bounds on a frame's pixels (after resizing)
 DEFAULT_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_MAX_PIXELS = 768 * 28 * 28
+#: the Qwen3-VL video processor's default bounds on the pixels of all the sampled frames together
+QWEN3_MIN_PIXELS = 128 * 32 * 32
+QWEN3_MAX_PIXELS = 32 * 32 * 768
 #: the frame rate of frames given without one (transformers' assumption)
 DEFAULT_FPS = 24.0
 #: the frame rates taken (a frame an hour to 10,000 a second: the rotary time positions stay finite)
@@ -63,6 +69,18 @@ class VideoSettings:
     do_normalize: bool = True
     #: Qwen2.5-VL: rotary time positions a second of video; ``None``: one a frame group (Qwen2-VL)
     tokens_per_second: float | None = None
+    #: Qwen3-VL: frames sampled at ``sample_fps`` a second (``min_frames`` to ``max_frames`` of them), the pixel
+    #: bounds over all the sampled frames together, each frame group's time written in the prompt as text; the frame
+    #: groups take their positions as images do (:func:`stamps`)
+    qwen3: bool = False
+    sample_frames: bool = True
+    sample_fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    #: Qwen3-VL: each frame's pixels capped as qwen-vl-utils caps them (``max_video_tokens`` merged patches, or an
+    #: even share of ``max_pixels``)
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
 
     @property
     def factor(self) -> int:
@@ -91,9 +109,18 @@ def video_settings(mm_config: Any, path: str | None, settings: dict[str, Any] | 
     tps = getattr(v, "tokens_per_second", None) if getattr(mm_config, "model_type", "") == "qwen2_5_vl" else None
     fields: dict[str, Any] = dict(patch=patch, temporal=temporal, merge=merge,
                                   tokens_per_second=float(tps) if tps is not None else None)
+    if str(getattr(mm_config, "model_type", "")).startswith("qwen3_vl"):   # (Qwen3VLVideoProcessor's defaults)
+        fields.update(qwen3=True, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS, mean=(0.5, 0.5, 0.5),
+                      std=(0.5, 0.5, 0.5))
     file, cfg = _processor_dict(path)
     if cfg is not None:
         try:
+            if fields.get("qwen3"):
+                for key, kind in (("do_sample_frames", bool), ("fps", float), ("min_frames", int),
+                                  ("max_frames", int), ("cap_pixels_per_frame", bool), ("max_video_tokens", int)):
+                    if cfg.get(key) is not None:
+                        fields["sample_fps" if key == "fps" else "sample_frames" if key == "do_sample_frames"
+                               else key] = kind(cfg[key])
             size = cfg.get("size") or {}
             low = cfg.get("min_pixels", size.get("shortest_edge"))
             high = cfg.get("max_pixels", size.get("longest_edge"))
@@ -128,6 +155,9 @@ def video_settings(mm_config: Any, path: str | None, settings: dict[str, Any] | 
     out = VideoSettings(**fields)
     if out.min_pixels > out.max_pixels:
         raise ModelLoadError(f"video min_pixels {out.min_pixels} is more than max_pixels {out.max_pixels}")
+    if out.qwen3 and not (out.sample_fps > 0 and 1 <= out.min_frames <= out.max_frames and out.max_video_tokens > 0):
+        raise ModelLoadError(f"video sampling settings out of range: fps {out.sample_fps}, frames {out.min_frames} to "
+                             f"{out.max_frames}, max_video_tokens {out.max_video_tokens}")
     return out
 
 
@@ -242,8 +272,8 @@ def _check_extent(shape: tuple[int, ...], where: str) -> None:
                                    "all", param="multi_modal_data")
 
 
-def resized(settings: VideoSettings, height: int, width: int) -> tuple[int, int]:
-    """The frames' size after resizing.
+def resized(settings: VideoSettings, height: int, width: int, frames: int = 1) -> tuple[int, int]:
+    """The frames' size after resizing (Qwen3-VL: ``frames`` sampled frames share the pixel bounds).
 
     Raises:
         RequestRejectedError: a size the resize cannot take (too elongated); frames that are not whole merged
@@ -255,19 +285,53 @@ def resized(settings: VideoSettings, height: int, width: int) -> tuple[int, int]
             raise RequestRejectedError(f"the video processor does not resize, and {width}x{height} frames are not "
                                        f"made of whole {f}-pixel squares", param="multi_modal_data")
         return height, width
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
     try:
+        if settings.qwen3:
+            from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as smart_resize_3
+
+            high = settings.max_pixels
+            if settings.cap_pixels_per_frame:
+                per_frame = max(min(settings.max_video_tokens * f * f, settings.max_pixels // frames),
+                                int(settings.min_pixels * 1.05))
+                high = per_frame * frames
+            return smart_resize_3(frames, height, width, temporal_factor=settings.temporal, factor=f,
+                                  min_pixels=settings.min_pixels, max_pixels=high)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
         return smart_resize(height, width, factor=f, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels)
     except ValueError as exc:
         raise RequestRejectedError(f"the video processor cannot take this video: {exc}",
                                    param="multi_modal_data") from None
 
 
+def sampled(settings: VideoSettings, video: Video) -> np.ndarray:
+    """The indices of the frames that become patches: all of them (Qwen2-VL), or Qwen3-VL's sample: ``sample_fps``
+    a second of the video's rate (24 where it has none), at least ``min_frames`` and at most ``max_frames`` (and the
+    frames there are), spread evenly over the video."""
+    total = int(video.frames.shape[0])
+    if not settings.qwen3 or not settings.sample_frames:
+        return np.arange(total)
+    count = int(total / (video.fps or DEFAULT_FPS) * settings.sample_fps)
+    count = min(max(count, settings.min_frames), settings.max_frames, total)
+    return np.linspace(0, total - 1, count).round().astype(np.int64)
+
+
+def stamps(settings: VideoSettings, video: Video) -> list[float]:
+    """Qwen3-VL: each frame group's time in seconds (the mean of its first and last frames' times, the last frame
+    repeated to fill the last group), as the prompt writes them (``<1.5 seconds>``)."""
+    indices = sampled(settings, video).tolist()
+    indices += [indices[-1]] * (-len(indices) % settings.temporal)
+    fps = video.fps or DEFAULT_FPS
+    times = [i / fps for i in indices]
+    tp = settings.temporal
+    return [(times[i] + times[i + tp - 1]) / 2 for i in range(0, len(times), tp)]
+
+
 def grid_of(settings: VideoSettings, video: Video) -> tuple[int, int, int]:
     """The video's ``(t, h, w)`` grid of patches."""
-    t, height, width = video.frames.shape[:3]
-    h, w = resized(settings, height, width)
+    t = len(sampled(settings, video))
+    height, width = video.frames.shape[1:3]
+    h, w = resized(settings, height, width, t)
     return -(-t // settings.temporal), h // settings.patch, w // settings.patch
 
 
@@ -288,9 +352,11 @@ def time_scale(settings: VideoSettings, video: Video) -> tuple[float, float] | N
 
 def patches(settings: VideoSettings, video: Video) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """The video's ``[t * h * w, C * T * P * P]`` float32 patches and its grid."""
-    frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()   # [T, C, H, W] uint8
+    chosen = sampled(settings, video)
+    picked = video.frames if len(chosen) == video.frames.shape[0] else video.frames[chosen]
+    frames = torch.from_numpy(picked).permute(0, 3, 1, 2).contiguous()   # [T, C, H, W] uint8
     height, width = frames.shape[-2:]
-    h, w = resized(settings, height, width)
+    h, w = resized(settings, height, width, frames.shape[0])
     if (h, w) != (height, width):   # (torch's own 8-bit kernel, as torchvision resizes 8-bit frames on a CPU)
         frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
     frames = frames.float()

@@ -49,12 +49,7 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
     if req.messages is not None and images:
         support = ctx.front.images
         try:
-            from plinth.multimodal.video import Video
-
-            tokens = [support.video_token_id if isinstance(item, Video) else support.token_id for item in images]
-            patterns = [None if isinstance(item, Video) else support.pattern_of(item) for item in images]
-            ids, _ = support.expand(support.prompt_ids(ids), [support.length_of(item) for item in images], tokens,
-                                    patterns)
+            ids = support.laid_out(ids, images)
         except RequestRejectedError as exc:
             raise bad_request(str(exc), "messages") from None
     strs = None
