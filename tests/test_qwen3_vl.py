@@ -298,6 +298,45 @@ def test_videos_equal_transformers(tmp_path):
     llm.close()
 
 
+def test_video_file_in_server_chat_and_tokenize(tmp_path):
+    """A video file (MPEG-4, 16 frames at 8 a second: read at 2 a second, 4 frames) as a ``video_url`` part: the
+    server's reply equals ``LLM.chat``'s, its usage counts the laid-out prompt, and ``/tokenize`` gives the same
+    tokens without making the video's pixels."""
+    pytest.importorskip("fastapi")
+    import base64
+    import json
+
+    from starlette.testclient import TestClient
+    from test_qwen_vl import _mp4
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+
+    _save_with_images(tmp_path, moe=False)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))
+    url = "data:video/mp4;base64," + base64.b64encode(_mp4(_clip(6, 16, (32, 48)))).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "video_url", "video_url": {"url": url}}]}]
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    out = llm.chat(messages, plinth.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    llm.close()
+    assert out.prompt_token_ids.count(llm.llm_engine.images.mm_config.vision_start_token_id) == 2   # 2 groups
+    from plinth.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu", served_model_name="qwen3"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "temperature": 0,
+                                                    "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == out.outputs[0].text
+        assert r.json()["usage"]["prompt_tokens"] == len(out.prompt_token_ids)
+        r = http.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == out.prompt_token_ids
+
+
 def test_video_times_tokenized_with_the_text_before(tmp_path):
     """The first frame group's time is tokenized with the text before the video, as the processor's text is: with a
     tokenizer that merges " <" into one token, the prompt still equals the tokenizer's on the processor's text."""
