@@ -422,6 +422,8 @@ class SchedulerConfig:
             requests are admitted by their ``priority`` (lower first, then arrival), and when KV blocks run
             short the least important running request is preempted, also to admit a more important
             waiting one.
+        budget_is_default: ``max_num_batched_tokens`` is plinth's own choice (``plinth serve`` on a CPU), not the
+            user's: a model that needs more (room for a whole image beside the decodes, Gemma 3) may raise it.
     """
 
     max_num_seqs: int | None = None
@@ -431,6 +433,7 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
     itl_target_ms: float = 0.0
     scheduling_policy: str = "fcfs"
+    budget_is_default: bool = False
 
     def __post_init__(self) -> None:
         _check_flags(self)

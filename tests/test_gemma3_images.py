@@ -153,14 +153,28 @@ def test_chat_and_tokenize(gemma3):
         assert r.json()["tokens"] == chat.prompt_token_ids
 
 
-def test_budget_below_an_image_is_refused(gemma3):
-    """A step budget smaller than one image (whose positions are computed in one step) is refused at start-up."""
+def test_step_budget_and_images(gemma3):
+    """A step budget smaller than one image (whose positions are prefilled in one step) is refused at start-up,
+    unless images are turned off; plinth's own default budget is raised to an image beside a full batch of decodes;
+    a budget the user gave that leaves less keeps new requests back while an image prompt waits for room."""
     from plinth.config import ConfigError
 
     path = gemma3[0]
+    common = dict(dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=256)
     with pytest.raises(ConfigError, match="below the 16 positions of one image"):
-        plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off",
-                   max_num_batched_tokens=12, enable_chunked_prefill=True, max_model_len=256)
+        plinth.LLM(str(path), max_num_batched_tokens=12, **common)
+    llm = plinth.LLM(str(path), max_num_batched_tokens=12, limit_mm_per_prompt={"image": 0}, **common)
+    assert llm.llm_engine.scheduler.whole_images == 0
+    out = llm.generate("plain text here", plinth.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3
+    llm.close()
+    llm = plinth.LLM(str(path), max_num_batched_tokens=12, budget_is_default=True, max_num_seqs=8, **common)
+    assert llm.llm_engine.scheduler.config.max_num_batched_tokens == 16 + 8
+    assert not llm.llm_engine.scheduler.hold_for_images
+    llm.close()
+    llm = plinth.LLM(str(path), max_num_batched_tokens=20, max_num_seqs=8, **common)
+    assert llm.llm_engine.scheduler.config.max_num_batched_tokens == 20 and llm.llm_engine.scheduler.hold_for_images
+    llm.close()
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tensor_parallel", "pipeline_stages"])

@@ -679,3 +679,56 @@ def test_a_prompt_chunk_without_room_waits_instead_of_preempting_itself():
     outputs = run(sched, lows, watch)
     assert high.metrics.num_preemptions == 0
     assert {**outputs, "high": high.output_token_ids} == expected
+
+
+def _image_prompt(rid: str, text: int, image: int, after: int, base: int = 100, max_tokens: int = 1):
+    """A request of ``text`` tokens, an image of ``image`` positions, ``after`` tokens more."""
+    import torch
+
+    from plinth.multimodal.images import ImageItem
+
+    r = req(rid, [base + i for i in range(text)] + [999] * image + [base + 50 + i for i in range(after)],
+            max_tokens=max_tokens)
+    r.images = [ImageItem(text, image, torch.empty(0), key=rid)]
+    return r
+
+
+def _run(s, runner, arrivals=None, steps: int = 400) -> dict[str, int]:
+    """Run ``s`` to the end (requests of ``arrivals`` added at their steps); the step of each request's first
+    token. Fails if a step schedules nothing while requests are unfinished, or a chunk ends inside an image."""
+    first: dict[str, int] = {}
+    for step in range(steps):
+        for r in (arrivals or {}).get(step, []):
+            s.add_request(r)
+        if not s.has_unfinished_requests():
+            return first
+        out = s.schedule()
+        assert out.scheduled, f"step {step}: nothing scheduled, requests unfinished"
+        for e in out.scheduled:
+            end = e.num_computed_tokens + e.num_new_tokens
+            assert not any(item.offset < end < item.end for item in e.request.images), "a chunk ends in an image"
+            if e.sample:
+                first.setdefault(e.request.request_id, step)
+        s.update_from_output(out, runner.execute(out))
+    raise AssertionError("did not finish")
+
+
+def test_whole_images_with_few_free_blocks():
+    """Chunks never end inside an image (Gemma 3), and two prompts stopped before their images with fewer free blocks
+    than an image needs still finish: the one that cannot fit preempts the other instead of both waiting."""
+    s = make_scheduler(num_blocks=8, block_size=4, budget=16, prefix_caching=False)
+    s.whole_images = 16
+    first = _run(s, FakeRunner(4), {0: [_image_prompt("a", 8, 16, 4), _image_prompt("b", 8, 16, 4, base=300)]})
+    assert set(first) == {"a", "b"}
+
+
+def test_a_prompt_waiting_for_room_for_its_image_holds_back_no_one():
+    """A prompt that waits for a step with room for its whole image beside a long decode does not keep other requests
+    out (unless the engine says the budget may never leave that room: ``hold_for_images``)."""
+    s = make_scheduler(num_blocks=256, block_size=4, budget=16, max_model_len=512)
+    s.whole_images = 16
+    first = _run(s, FakeRunner(4), {0: [req("long", [1, 2, 3], max_tokens=300)],
+                                    2: [_image_prompt("image", 4, 16, 4, max_tokens=2)],
+                                    3: [req("text", [7, 8, 9], max_tokens=2)]})
+    assert first["text"] == 3   # at once, though the image prompt waits for the decode to end
+    assert first["image"] > first["long"] + 250

@@ -231,7 +231,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, executor_factory: Callable[[EngineConfig], Executor] | None = None):
         from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
-        from plinth.worker.setup import build_engine_parts
+        from plinth.worker.setup import build_engine_parts, whole_image_positions
 
         t0 = time.perf_counter()
         reasoning = resolve_reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
@@ -329,14 +329,21 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    max_loras=lora.max_loras if lora.enable_lora else 0)
         budget = self.scheduler.config.max_num_batched_tokens
-        if self.images is not None and self.images.layout is not None:   # (Gemma 3: an image's positions see it all)
-            if budget < self.images.tokens_per_image:
+        whole = whole_image_positions(parts.source, config)
+        if whole:   # (Gemma 3: an image's positions see the whole image)
+            seqs = self.scheduler.config.max_num_seqs
+            if budget < whole:
                 from plinth.config import ConfigError
 
-                raise ConfigError(f"max_num_batched_tokens ({budget}) is below the {self.images.tokens_per_image} "
-                                  f"positions of one image, which {parts.source.architecture} computes in one step "
-                                  "(its image positions attend to each other): raise the budget")
-            self.scheduler.whole_images = self.images.tokens_per_image
+                raise ConfigError(f"max_num_batched_tokens ({budget}) is below the {whole} positions of one image, "
+                                  "which Gemma 3 prefills in one step (an image's positions attend to each other): "
+                                  "raise the budget, or turn images off with limit_mm_per_prompt {\"image\": 0}")
+            if budget < whole + seqs:
+                logger.warning("max_num_batched_tokens (%d) leaves less than an image's %d positions beside %d "
+                               "decodes: an image prompt may wait, holding new requests back, until fewer requests "
+                               "decode (%d or more avoids it)", budget, whole, seqs, whole + seqs)
+                self.scheduler.hold_for_images = True
+            self.scheduler.whole_images = whole
         if not self.scheduler.config.enable_chunked_prefill and budget < self.max_model_len:
             logger.warning("max_num_batched_tokens (%d) is below max_model_len (%d) with chunked prefill off: prompts "
                            "longer than %d tokens will be refused; raise the budget or enable chunked prefill",

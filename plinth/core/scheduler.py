@@ -200,6 +200,9 @@ class Scheduler:
         #: engine: a prompt chunk never ends inside an image, and a step leaves prefill chunks at least so many
         #: tokens; 0: chunks end anywhere
         self.whole_images = 0
+        #: a step budget that may leave a prompt chunk no room for a whole image beside the decodes: a prompt waiting
+        #: for that room holds back new requests (whose decodes would keep taking it); set by the engine
+        self.hold_for_images = False
 
     # ---------------------------------------------------------------- intake
 
@@ -371,14 +374,16 @@ class Scheduler:
                     # this step's other work runs (preempting itself would throw its computed tokens away; a
                     # decode that needs its blocks preempts it); with nothing else to run, preemption as usual
                     fit = self._fitting_chunk(req, num_new)
+                    if fit and self.whole_images:   # (a chunk that fits but ends inside an image: none)
+                        fit = self._whole_images(req, start, fit)
                     if fit:
                         num_new = fit
                     elif scheduled or early:
                         continue
                 if not is_decode and self.whole_images:
                     num_new = self._whole_images(req, start, num_new)
-                    if not num_new:
-                        stalled = True
+                    if not num_new:   # (the budget left: the next step's, whose decodes come first)
+                        stalled = self.hold_for_images
                         continue
                 while not bm.allocate_slots(req, num_new):
                     victim = self._victim(done)
@@ -513,6 +518,8 @@ class Scheduler:
         cached, num_cached = self._cached_prefix(head)
         # leave one token of budget to each running request (decodes first)
         num_new = min(head.num_tokens - num_cached, budget - len(self.running))
+        if self.whole_images and num_new > 0:   # (no one preempted for a chunk that cannot reach an image's end)
+            num_new = self._whole_images(head, num_cached, num_new)
         if num_new <= 0 or (num_new < head.num_tokens - num_cached and not self.config.enable_chunked_prefill
                             and head.num_output_tokens == 0):
             return 0

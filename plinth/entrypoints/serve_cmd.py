@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -258,6 +259,9 @@ def serving_config(args: argparse.Namespace) -> Any:
             logger.info("serving on a CPU: %d tokens per step (decodes plus prefill chunks; "
                         "--max-num-batched-tokens changes it)", budget)
             args.max_num_batched_tokens = budget
+            config = engine_config_from_args(args)
+            return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                             budget_is_default=True))
     return engine_config_from_args(args)
 
 

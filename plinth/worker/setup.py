@@ -96,6 +96,17 @@ def resolve_scheduler_limits(config: EngineConfig, platform: Any) -> EngineConfi
     return dataclasses.replace(config, scheduler=scheduler)
 
 
+def whole_image_positions(source: Any, config: EngineConfig) -> int:
+    """The positions of one image whose positions attend to each other, so that a prompt chunk never ends inside it
+    (Gemma 3, images not turned off by ``limit_mm_per_prompt``); 0 for other models."""
+    mm = getattr(source, "mm_config", None)
+    if mm is None or getattr(mm, "model_type", None) != "gemma3":
+        return 0
+    if (config.model.limit_mm_per_prompt or {}).get("image") == 0:
+        return 0
+    return int(mm.mm_tokens_per_image)
+
+
 def load_tokenizer(source: Any, config: EngineConfig) -> Any:
     """The tokenizer of the model (``None`` for a dummy preset without one)."""
     path = source.tokenizer_path
@@ -292,6 +303,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     from plinth.quantization.resolve import resolve_quantization
 
     platform = select_platform(config.device.platform)
+    budget_given = config.scheduler.max_num_batched_tokens is not None and not config.scheduler.budget_is_default
     config = resolve_scheduler_limits(config, platform)
     executor_name = resolve_executor_name(config, platform)
     drafting = config.speculative.speculative_method == "draft_model"
@@ -309,6 +321,13 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     device = platform.device(0)
     source = resolve_model_source(config.model)
     source.check_task(config.model.task)
+    whole = whole_image_positions(source, config)
+    seqs, tokens = config.scheduler.limits
+    if whole and not budget_given and tokens < whole + seqs:   # (room for a whole image beside a full batch)
+        logger.info("max_num_batched_tokens %d -> %d: an image's %d positions are prefilled in one step, beside up "
+                    "to %d decodes", tokens, whole + seqs, whole, seqs)
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                           max_num_batched_tokens=whole + seqs))
     hf = source.hf_config
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
     quant_method = resolve_quantization(config, source, platform, dtype, device)

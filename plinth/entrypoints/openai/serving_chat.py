@@ -367,7 +367,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     videos = [item for item in images if isinstance(item, Video)]
     images = [item for item in images if not isinstance(item, Video)]
     if support is not None and not images and support.token_id in ids:
-        raise bad_request(f"the rendered prompt has the image token ({support.placeholder!r}) but the messages have "
+        raise bad_request(f"the rendered prompt has the image token (id {support.token_id}) but the messages have "
                           "no image: send images as image_url parts", "messages")
     if support is not None and not videos and support.video_token_id is not None and support.video_token_id in ids:
         raise bad_request(f"the rendered prompt has the video token ({support.video_placeholder!r}) but the messages "
