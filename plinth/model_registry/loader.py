@@ -337,7 +337,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         raise UnsupportedModelError(
             f"{path}: {arch} is an image-and-text model whose language model "
             f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run natively; plinth runs LLaVA, "
-            f"LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3 and Gemma 3 checkpoints with images, and the language "
+            f"LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, Idefics3 and SmolVLM checkpoints with "
+            f"images, and the language "
             f"model alone of other image-and-text models, where "
             f"that language model is one it runs (Llama, Mistral, Qwen2, Gemma 3, ...)")
     if fmt != "dummy":
@@ -353,7 +354,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                        "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-                       "Mistral3ForConditionalGeneration", "Gemma3ForConditionalGeneration")
+                       "Mistral3ForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                       "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
 #: language models of image-and-text checkpoints that plinth runs as a native causal LM, and their multimodal RoPE:
 #: transformers' default sections where the config names none, and whether they interleave (Qwen3-VL always does)
@@ -366,13 +368,14 @@ _MROPE_TEXT_MODELS = {"qwen2_vl_text": ("Qwen2ForCausalLM", [16, 24, 24], False)
 def _runs_images(cfg: Any, arch: str) -> bool:
     """Whether plinth runs the image side of image-and-text checkpoint ``cfg`` (a LLaVA model over a CLIP or
     SigLIP vision tower, or a Qwen2-VL / Qwen2.5-VL model)."""
+    from plinth.multimodal.idefics3 import is_idefics3
     from plinth.multimodal.pixtral import is_pixtral
     from plinth.multimodal.qwen_vision import is_qwen_vl
     from plinth.multimodal.vision import VISION_TOWERS
 
     vision = getattr(cfg, "vision_config", None)
     return arch in IMAGE_ARCHITECTURES and (getattr(vision, "model_type", None) in VISION_TOWERS or is_qwen_vl(cfg)
-                                            or is_pixtral(cfg))
+                                            or is_pixtral(cfg) or is_idefics3(cfg))
 
 
 def _origin(where: Any, model_config: ModelConfig) -> str:
@@ -477,6 +480,7 @@ def _tie_by_tensors(text: Any, path: Path) -> None:
 # the language model's tensors in an image-and-text checkpoint: (prefix, what it becomes), both layouts
 # transformers has written (``language_model.model.`` before 4.52, ``model.language_model.`` since)
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("model.text_model.", "model."),   # (Idefics3's and SmolVLM's)
                   ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
                   # Qwen2-VL's original layout: the language model's tensors at the top, the encoder's under visual.
                   ("model.embed_tokens.", "model.embed_tokens."), ("model.layers.", "model.layers."),

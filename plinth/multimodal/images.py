@@ -368,6 +368,7 @@ class ImageSupport:
                  processor_kwargs: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
                  video_limit: int = MAX_VIDEOS_PER_PROMPT):
         from plinth.multimodal.gemma3 import PromptLayout, is_gemma3
+        from plinth.multimodal.idefics3 import is_idefics3
         from plinth.multimodal.pixtral import is_pixtral
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
@@ -376,6 +377,19 @@ class ImageSupport:
         self.qwen = is_qwen_vl(mm_config)
         #: Mistral 3 (Pixtral): images at their own size, rows of image tokens with break tokens between
         self.pixtral = is_pixtral(mm_config)
+        #: Idefics3 / SmolVLM: an image as tiles and a global view, its prompt laid out by its tiles (the tokenizer's
+        #: tokens for it, :class:`~plinth.multimodal.idefics3.PromptTokens`); else ``None``
+        self.tiles: Any = None
+        if is_idefics3(mm_config):
+            from plinth.multimodal.idefics3 import PromptTokens
+
+            try:
+                self.tiles = PromptTokens(mm_config, tokenizer) if tokenizer is not None else None
+            except ValueError as exc:
+                logger.warning("this Idefics3 / SmolVLM checkpoint's tokenizer cannot lay images out (%s): its images "
+                               "are refused", exc)
+        #: a prompt's image is laid out by the image (Mistral 3, Idefics3 / SmolVLM): each placeholder names one image
+        self.patterned = self.pixtral or is_idefics3(mm_config)
         #: Gemma 3: how its prompt lays out an image (the ``<start_of_image>`` a prompt carries widened); else ``None``
         self.layout: Any = None
         if is_gemma3(mm_config):
@@ -387,7 +401,7 @@ class ImageSupport:
         self.mm_config = mm_config
         self.tiled = is_next(mm_config)
         #: positions an image fills (LLaVA-NeXT, Qwen2-VL: ``None``, it depends on the image's size)
-        self.tokens_per_image: int | None = (None if self.tiled or self.qwen or self.pixtral
+        self.tokens_per_image: int | None = (None if self.tiled or self.qwen or self.patterned
                                              else tokens_per_image(mm_config))
         self.image_size = None if self.qwen or self.pixtral else int(mm_config.vision_config.image_size)
         self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
@@ -493,10 +507,20 @@ class ImageSupport:
         return [p.clone().float() for p in pixels.split(counts)], grids
 
     def pattern_of(self, image: Any) -> tuple[int, ...] | None:
-        """Mistral 3: a PIL image's prompt tokens (its rows of image tokens and breaks, from its size alone); the
-        other models: ``None`` (the placeholder repeated)."""
-        if not self.pixtral or isinstance(image, EmbeddedImage):
+        """Mistral 3: a PIL image's prompt tokens (its rows of image tokens and breaks, from its size alone);
+        Idefics3 / SmolVLM: its tiles' and global view's; the other models: ``None`` (the placeholder repeated)."""
+        if not self.patterned or isinstance(image, EmbeddedImage):
             return None
+        if not self.pixtral:
+            from plinth.multimodal.idefics3 import grid_of
+
+            try:
+                rows, cols = grid_of(self.processor, (image.height, image.width))
+            except (KeyError, TypeError, ValueError, AttributeError):   # a processor of other settings: run it
+                return self._tiled_pictures([image]).patterns[0]
+            if self.tiles is None:
+                return self._tiled_pictures([image]).patterns[0]   # (refuses it)
+            return tuple(self.tiles.layout(rows, cols))
         from plinth.multimodal.pixtral import grid_of, layout
 
         try:
@@ -527,7 +551,7 @@ class ImageSupport:
                             for s in stamps(self.video, image)) if self.tokenizer is not None else 0
                 return times + t * (2 + h * w // (self.video.merge ** 2)) - 2
             return length_of(self.video, image)
-        if self.pixtral and not isinstance(image, EmbeddedImage):
+        if self.patterned and not isinstance(image, EmbeddedImage):
             return len(self.pattern_of(image) or ())
 
         if isinstance(image, EmbeddedImage):
@@ -594,9 +618,9 @@ class ImageSupport:
                 model's images do not have, or values that are not finite.
         """
         grid = None
-        if self.pixtral:
-            raise RequestRejectedError(f"{where}: Mistral 3 takes images as pictures, not embeddings (an image's "
-                                       "prompt is laid out by its rows)", param="multi_modal_data")
+        if self.patterned:
+            raise RequestRejectedError(f"{where}: this model takes images as pictures, not embeddings (an image's "
+                                       "prompt is laid out by its rows or tiles)", param="multi_modal_data")
         if isinstance(value, dict):
             unknown = sorted(str(k) for k in value if k not in ("image_embeds", "image_grid_thw"))
             if unknown or "image_embeds" not in value:
@@ -677,7 +701,7 @@ class ImageSupport:
             mine, k = [lengths[e] for e in queues[token]], named[token]
             what = "video" if token == self.video_token_id else "image"
             # (Mistral 3: each placeholder one image, adjacent ones too: a widened image is never one run)
-            widths = ([mine[k + r] if k + r < len(mine) else 1 for r in range(j - i)] if self.pixtral
+            widths = ([mine[k + r] if k + r < len(mine) else 1 for r in range(j - i)] if self.patterned
                       else self._widths(j - i, mine, k, token, what))
             for n in widths:
                 pattern = None
@@ -921,6 +945,8 @@ class ImageSupport:
                                   tuple(t * h * w // (self.merge * self.merge) for t, h, w in grids), tuple(grids))
         if self.pixtral:
             return self._pixtral_pictures(images, processor)
+        if self.patterned:
+            return self._tiled_pictures(images, processor)
         pixels = self.pixel_values(images, processor)
         sizes = tuple((img.height, img.width) if self.tiled else None for img in images)
         lengths = tuple(tokens_per_image(self.mm_config, size) for size in sizes)
@@ -955,6 +981,30 @@ class ImageSupport:
         return PreparedImages(tuple(pixels), tuple(_digest(p, None) for p in pixels), (None,) * len(images),
                               tuple(len(p) for p in patterns), patterns=tuple(patterns))
 
+    def _tiled_pictures(self, images: list[Any], processor: Any = None) -> PreparedImages:
+        """Idefics3 / SmolVLM: each image's tiles and global view (``[tiles, C, S, S]``) as the processor cuts them,
+        and its prompt (:meth:`~plinth.multimodal.idefics3.PromptTokens.layout`)."""
+        if self.tiles is None:
+            raise RequestRejectedError("this checkpoint's tokenizer has no <fake_token_around_image> token, which an "
+                                       "image's prompt needs", param="multi_modal_data")
+        size = self.image_size
+        pixels, patterns = [], []
+        for img in images:
+            try:
+                out = (processor or self.processor)(images=[img], return_tensors="pt", return_row_col_info=True)
+                pv, rows, cols = out["pixel_values"][0], int(out["rows"][0][0]), int(out["cols"][0][0])
+            except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
+                raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
+                                           f"{exc}", param="multi_modal_data") from None
+            if pv.dim() != 4 or pv.shape[-2:] != (size, size) or len(pv) != (rows * cols + 1 if rows else 1):
+                raise RequestRejectedError(f"the image processor made tiles of shape {tuple(pv.shape)} for {rows}x"
+                                           f"{cols} tiles; the vision tower takes {size}x{size} ones",
+                                           param="multi_modal_data")
+            pixels.append(pv.clone().float())
+            patterns.append(tuple(self.tiles.layout(rows, cols)))
+        return PreparedImages(tuple(pixels), tuple(_digest(p, None) for p in pixels), (None,) * len(images),
+                              tuple(len(p) for p in patterns), patterns=tuple(patterns))
+
     def prompt_ids(self, ids: Sequence[int]) -> list[int]:
         """A prompt's tokens with each image named by one image token (Gemma 3: its ``<start_of_image>`` made into the
         tokens its processor writes around an image, see :class:`~plinth.multimodal.gemma3.PromptLayout`; the other
@@ -972,6 +1022,9 @@ class ImageSupport:
             raise RequestRejectedError("the prompt has image row-break or end tokens ([IMG_BREAK], [IMG_END]): give "
                                        "one [IMG] where each image goes; plinth lays out its rows",
                                        param="multi_modal_data")
+        if self.tiles is not None and self.tiles.laid_out(ids):
+            raise RequestRejectedError("the prompt has <fake_token_around_image> tokens: give one <image> where each "
+                                       "image goes; plinth lays out its tiles", param="multi_modal_data")
         expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens, prepared.patterns)
         grids = prepared.grids or (None,) * len(spans)
         embeds = prepared.embeds or (None,) * len(spans)
@@ -1132,6 +1185,11 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
         unit = int(mm_config.vision_config.patch_size) * int(mm_config.spatial_merge_size)
         return PixtralImageProcessorPil(patch_size={"height": unit, "width": unit},
                                         size={"longest_edge": int(mm_config.vision_config.image_size)})
+    if getattr(mm_config, "model_type", None) in ("idefics3", "smolvlm"):   # (tiles of the tower's size, 4 a side)
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        side = int(mm_config.vision_config.image_size)
+        return SmolVLMImageProcessorPil(size={"longest_edge": 4 * side}, max_image_size={"longest_edge": side})
     if is_qwen_vl(mm_config):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

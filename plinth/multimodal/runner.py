@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from plinth.multimodal.gemma3 import Gemma3ImageEncoder, is_gemma3
+from plinth.multimodal.idefics3 import Idefics3ImageEncoder, is_idefics3
 from plinth.multimodal.images import ImageItem
 from plinth.multimodal.pixtral import PixtralEncoder, is_pixtral
 from plinth.multimodal.qwen_vision import QwenVisionEncoder, is_qwen_vl
@@ -193,7 +194,7 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
 
     encoder: Any = (QwenVisionEncoder(mm_config) if is_qwen_vl(mm_config) else PixtralEncoder(mm_config)
                     if is_pixtral(mm_config) else Gemma3ImageEncoder(mm_config) if is_gemma3(mm_config)
-                    else ImageEncoder(mm_config))
+                    else Idefics3ImageEncoder(mm_config) if is_idefics3(mm_config) else ImageEncoder(mm_config))
     if source.kind == "hf_dir":
         files = list_safetensors_files(Path(source.path))
         # (a bitsandbytes checkpoint's tower is quantized too: widened as it is read, as the language model is)

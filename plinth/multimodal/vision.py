@@ -279,7 +279,8 @@ _UNUSED_PARTS = ("tower.post_layernorm.", "tower.head.", "tower.position_ids")
 #: the checkpoint prefixes of Qwen2-VL's encoder tensors (transformers 5's layout, then the original one)
 QWEN_ENCODER_PREFIXES = ("model.visual.", "visual.")
 #: the checkpoint prefixes of an image encoder's tensors (both layouts transformers writes; LLaVA's, then Qwen2-VL's)
-ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES + QWEN_ENCODER_PREFIXES
+ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES + QWEN_ENCODER_PREFIXES + (
+    "model.vision_model.", "model.connector.")   # (and Idefics3's / SmolVLM's)
 
 
 def _parameter_name(name: str, num_layers: int) -> str | None:
