@@ -1,4 +1,4 @@
-"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3; random bfloat16 weights
+"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, SmolVLM; random bfloat16 weights
 written by transformers), run by transformers' ``LlavaForConditionalGeneration`` (or the shape's class) and by plinth on the same pixels and prompts, in one process.
 
     python benchmarks/multimodal.py                       # GPU: LLaVA-1.5-7B shape (CLIP-L/14 at 336, Llama-2-7B)
@@ -7,6 +7,7 @@ written by transformers), run by transformers' ``LlavaForConditionalGeneration``
     python benchmarks/multimodal.py --shape qwen3-vl-small --device cpu --requests 8   # Qwen3-VL layout, small
     python benchmarks/multimodal.py --shape mistral3-small --device cpu --requests 8   # Mistral 3 layout, small
     python benchmarks/multimodal.py --shape gemma3-4b --requests 16       # gemma-3-4b shape (256 positions an image)
+    python benchmarks/multimodal.py --shape smolvlm-256m --device cpu --requests 4   # SmolVLM-256M shape (17 tiles)
 
 Measured, for each system: the image encoder alone (vision tower to the layer LLaVA reads, then the projector) for
 batches of images; one request (an image and ``--text-len`` text tokens, greedy, EOS ignored): the time to the first
@@ -113,6 +114,14 @@ SHAPES = {
         vision=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                     image_size=448, patch_size=14, vision_use_head=False),
         image_token=262144, boi=255999, eoi=256000),
+    "smolvlm-256m": dict(   # SmolVLM-256M-Instruct: SmolLM2-135M, a 12-layer SigLIP at 512 (64 positions a tile)
+        kind="idefics3",
+        text=dict(vocab_size=49280, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                  tie_word_embeddings=True, model_type="llama"),
+        vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                    image_size=512, patch_size=16),
+        scale_factor=4, image_token=49190, fake=49189, global_img=49152, end_of_utterance=49279),
     "tiny": dict(
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048),
@@ -149,6 +158,15 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
         size = shape["vision"]["image_size"]
         processor = Gemma3ImageProcessorPil(size={"height": size, "width": size})
         return _write(transformers.Gemma3ForConditionalGeneration, config, processor, path, dtype, device, shape)
+    if shape.get("kind") == "idefics3":
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        config = transformers.Idefics3Config(text_config=shape["text"], vision_config=shape["vision"],
+                                             scale_factor=shape["scale_factor"], image_token_id=shape["image_token"],
+                                             tie_word_embeddings=True, dtype=str(dtype).removeprefix("torch."))
+        side = shape["vision"]["image_size"]
+        processor = SmolVLMImageProcessorPil(size={"longest_edge": 4 * side}, max_image_size={"longest_edge": side})
+        return _write(transformers.Idefics3ForConditionalGeneration, config, processor, path, dtype, device, shape)
     if shape.get("kind") == "mistral3":
         from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
@@ -205,6 +223,8 @@ def _write(cls, config, processor, path: Path, dtype: torch.dtype, device: str, 
         _write_mistral_tokenizer(path, shape)
     if shape is not None and "boi" in shape:   # Gemma 3: likewise, and its line breaks
         _write_gemma3_tokenizer(path, shape)
+    if shape is not None and "fake" in shape:   # Idefics3 / SmolVLM: its image tokens and tile tags
+        _write_idefics3_tokenizer(path, shape)
     print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
     return model, processor
 
@@ -242,6 +262,28 @@ def _write_gemma3_tokenizer(path: Path, shape: dict) -> None:
     tok.save_pretrained(path)
 
 
+def _write_idefics3_tokenizer(path: Path, shape: dict) -> None:
+    """A word-level tokenizer with SmolVLM's image tokens at their ids: ``<image>``, ``<fake_token_around_image>``,
+    ``<global-img>`` and the 36 ``<row_i_col_j>`` tags after it, ``<end_of_utterance>``; ids 198 and 271 are one and
+    two line breaks."""
+    from tokenizers import AddedToken, Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tags = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    names = {shape["image_token"]: "<image>", shape["fake"]: "<fake_token_around_image>",
+             shape["global_img"]: "<global-img>", shape["end_of_utterance"]: "<end_of_utterance>",
+             **{shape["global_img"] + 1 + k: tag for k, tag in enumerate(tags)},
+             0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", 3: "<unk>", 198: "\n", 271: "\n\n"}
+    vocab = {names.get(i, f"t{i}"): i for i in range(shape["text"]["vocab_size"])}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.add_tokens([AddedToken("\n\n", normalized=False), AddedToken("\n", normalized=False)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>",
+                                                          "<end_of_utterance>", *tags]})
+    tok.save_pretrained(path)
+
+
 def pictures(n: int, seed: int = 0) -> list:
     from PIL import Image
 
@@ -258,6 +300,8 @@ def prompts_for(n: int, text_len: int, shape: dict, seed: int = 1) -> list[list[
         low = shape["text"]["vocab_size"] - 1
     if shape.get("kind") == "gemma3":   # (a prompt names an image by its <start_of_image>)
         image, low = [shape["boi"]], shape["boi"] - 1
+    if shape.get("kind") == "idefics3":   # (below its image tokens and tags)
+        low = shape["global_img"] - 1
     out = []
     for _ in range(n):
         words = [int(t) for t in rng.integers(100, low, text_len)]
@@ -291,8 +335,8 @@ def hf_run(model, processor, expanded: list[list[int]], images: list, args) -> d
                 unit = SHAPES[args.shape]["vision"]["patch_size"] * 2
                 extra = {"patch_size": {"height": unit, "width": unit}}
             processed = processor(images=images[:k], return_tensors="pt", **extra)
-            inputs[k] = {key: processed[key].to(device) for key in ("pixel_values", "image_sizes", "image_grid_thw")
-                         if key in processed}
+            inputs[k] = {key: processed[key].to(device) for key in ("pixel_values", "image_sizes", "image_grid_thw",
+                                                                     "pixel_attention_mask") if key in processed}
             inputs[k]["pixel_values"] = inputs[k]["pixel_values"].to(model.dtype)
         return inputs[k]
 
@@ -427,7 +471,7 @@ def main() -> None:
     images = pictures(max(args.requests, max(args.encoder_batches)))
     lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)
                    if "vision_tower" not in n and "multi_modal_projector" not in n and "embed_tokens" not in n
-                   and "visual" not in n)
+                   and "visual" not in n and "vision_model" not in n and "connector" not in n)
     vision = shape["vision"]
     if is_qwen(shape):   # every block runs; a patch a position
         positions = int(processor(images=images[:1], return_tensors="pt")["image_grid_thw"].prod())
@@ -435,6 +479,9 @@ def main() -> None:
     elif shape.get("kind") == "gemma3":   # every layer runs; the pooling and projection are small
         positions = (vision["image_size"] // vision["patch_size"]) ** 2
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n)
+    elif shape.get("kind") == "idefics3":   # a tile (an image is several, and a global view)
+        positions = (vision["image_size"] // vision["patch_size"]) ** 2
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_model" in n)
     elif shape.get("kind") == "mistral3":
         unit = vision["patch_size"] * 2
         sizes = processor(images=images[:1], patch_size={"height": unit, "width": unit}, return_tensors="pt")
