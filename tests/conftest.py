@@ -106,6 +106,32 @@ def output_matches_transformers(out, model, steps: int = 6, tol: float = 2e-4, *
             assert abs(lp.logprob - ref[tid].item()) < tol, (tid, lp.logprob, ref[tid].item())
 
 
+def server_tokens_of_image_chat(path, image, text: str) -> list[int]:
+    """The tokens the server's ``/tokenize`` gives for a user message of ``image`` (a PIL image, sent as a PNG data
+    URL) then ``text``, on an engine over ``path`` (CPU, float32)."""
+    import base64
+    import io
+
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu"))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": text}]}]
+        r = http.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+
 def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1, hits: list | None = None,
                            pp: int = 1):
     """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks (times ``pp`` pipeline stages) are

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, make_tokenizer, output_matches_transformers
+from conftest import (
+    decisive_weights,
+    make_tokenizer,
+    output_matches_transformers,
+    server_tokens_of_image_chat,
+)
 
 import plinth
 
@@ -120,16 +125,6 @@ def test_chat_and_tokenize(gemma3):
     """``LLM.chat`` with an image part, and the server's ``/tokenize`` of the same messages, lay the image out as
     Gemma 3's processor does on the rendered template."""
     pytest.importorskip("fastapi")
-    import base64
-    import io
-
-    from starlette.testclient import TestClient
-
-    from plinth.config import EngineConfig
-    from plinth.core.async_engine import AsyncLLMEngine
-    from plinth.core.engine import LLMEngine
-    from plinth.entrypoints.openai.api_server import build_app
-
     path, model, processor = gemma3
     img = _picture(7, (48, 24))
     llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
@@ -141,16 +136,7 @@ def test_chat_and_tokenize(gemma3):
     inputs = processor(text=text, images=[img], return_tensors="pt", add_special_tokens=False)
     assert chat.prompt_token_ids == inputs["input_ids"][0].tolist()
     llm.close()
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
-                                                platform="cpu"))
-    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
-        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Paris?"}]
-        r = http.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["tokens"] == chat.prompt_token_ids
+    assert server_tokens_of_image_chat(path, img, "Paris?") == chat.prompt_token_ids
 
 
 def test_step_budget_and_images(gemma3):

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, make_tokenizer, output_matches_transformers
+from conftest import (
+    decisive_weights,
+    make_tokenizer,
+    output_matches_transformers,
+    server_tokens_of_image_chat,
+)
 
 import plinth
 
@@ -77,16 +82,6 @@ def test_chat_and_tokenize(mistral3):
     """``LLM.chat`` with an image part and the server's ``/tokenize`` lay the image out as ``generate`` does: the
     same prompt tokens (rows, breaks, end), and the same reply."""
     pytest.importorskip("fastapi")
-    import base64
-    import io
-
-    from starlette.testclient import TestClient
-
-    from plinth.config import EngineConfig
-    from plinth.core.async_engine import AsyncLLMEngine
-    from plinth.core.engine import LLMEngine
-    from plinth.entrypoints.openai.api_server import build_app
-
     path, _, _, tok = mistral3
     tok.chat_template = ("{% for m in messages %}[INST]{% for p in m['content'] %}{% if p['type'] == 'image' %}"
                          "[IMG]{% else %}{{ p['text'] }}{% endif %}{% endfor %}[/INST]{% endfor %}")
@@ -102,17 +97,7 @@ def test_chat_and_tokenize(mistral3):
     assert [t for t in plain.prompt_token_ids if t != tok.bos_token_id] == chat_ids
     assert tok.convert_tokens_to_ids("[IMG_END]") in chat_ids
     llm.close()
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
-                                                platform="cpu"))
-    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
-        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                 {"type": "text", "text": "Paris"}]}]
-        r = http.post("/tokenize", json={"messages": messages})
-        assert r.status_code == 200, r.text
-        assert r.json()["tokens"] == chat_ids
+    assert server_tokens_of_image_chat(path, img, "Paris") == chat_ids
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -11,18 +11,16 @@ positions (each image position sees the whole image, in the sliding-window layer
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from plinth.multimodal.vision import VisionTower, load_encoder_weights
+from plinth.multimodal.vision import FullTower, load_encoder_weights, tower_parameter
 
 #: the most images the encoder takes in one pass (896-pixel images are 4,096 patches each)
 IMAGES_PER_PASS = 4
-_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
 
 def is_gemma3(mm_config: Any) -> bool:
@@ -30,19 +28,16 @@ def is_gemma3(mm_config: Any) -> bool:
     return getattr(mm_config, "model_type", None) == "gemma3"
 
 
-class Gemma3ImageEncoder(nn.Module):
+class Gemma3ImageEncoder(FullTower):
     """Pixels ``[N, C, S, S]`` to ``[N, mm_tokens_per_image, text hidden]`` embeddings."""
 
     #: the most images a pass takes (the runner's batching, start-up's profile)
     tiles_per_pass = IMAGES_PER_PASS
 
     def __init__(self, mm_config: Any):
-        super().__init__()
         vcfg = mm_config.vision_config
+        super().__init__(vcfg)
         self.mm_config = mm_config
-        self.tower = VisionTower(vcfg, int(vcfg.num_hidden_layers))
-        self.post_layernorm = nn.LayerNorm(vcfg.hidden_size, eps=vcfg.layer_norm_eps)
-        self.side = int(vcfg.image_size) // int(vcfg.patch_size)   # patches a side
         tokens = int(mm_config.mm_tokens_per_image)
         per_side = int(round(tokens ** 0.5))
         if per_side * per_side != tokens or per_side < 1 or self.side % per_side:
@@ -56,7 +51,7 @@ class Gemma3ImageEncoder(nn.Module):
         self.projection = nn.Parameter(torch.zeros(vcfg.hidden_size, mm_config.text_config.hidden_size))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.post_layernorm(self.tower(pixel_values, [len(self.tower.layers)])[0])     # [N, P, Hv]
+        x = self.patch_features(pixel_values)                                              # [N, P, Hv]
         n, _, hidden = x.shape
         grid = x.transpose(1, 2).reshape(n, hidden, self.side, self.side)
         pooled = nn.functional.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)   # [N, T, Hv]
@@ -87,15 +82,7 @@ def _parameter_name(name: str) -> str | None:
                 rest, rest)
     for prefix in ("model.vision_tower.", "vision_tower."):
         if name.startswith(prefix):
-            rest = name[len(prefix):].removeprefix("vision_model.")
-            if rest.startswith(("head.", "position_ids")):
-                return None   # SigLIP's pooling head: Gemma 3 reads the patches
-            if rest.startswith("post_layernorm."):
-                return rest
-            if _LAYER.match(rest) is not None:
-                rest = "layers." + rest[len("encoder."):].removeprefix("layers.")
-                rest = re.sub(r"\.(self_attn|mlp)\.", ".", rest)
-            return "tower." + rest.removeprefix("embeddings.")
+            return tower_parameter(name[len(prefix):].removeprefix("vision_model."))
     return None
 
 

@@ -14,20 +14,18 @@ image tokens take embeddings. The language model (Llama) attends causally, as fo
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from plinth.multimodal.vision import VisionTower, load_encoder_weights
+from plinth.multimodal.vision import FullTower, load_encoder_weights, tower_parameter
 
 #: tiles the encoder takes in one pass
 TILES_PER_PASS = 16
 #: the image processor's bound on a resized image's longest side (transformers' ``MAX_IMAGE_SIZE``)
 MAX_IMAGE_SIDE = 4096
-_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
 
 def is_idefics3(mm_config: Any) -> bool:
@@ -41,19 +39,16 @@ def positions_per_tile(mm_config: Any) -> int:
     return (int(v.image_size) // int(v.patch_size)) ** 2 // int(mm_config.scale_factor) ** 2
 
 
-class Idefics3ImageEncoder(nn.Module):
+class Idefics3ImageEncoder(FullTower):
     """Tiles ``[N, C, S, S]`` to ``[N, positions_per_tile, text hidden]`` embeddings."""
 
     tiles_per_pass = TILES_PER_PASS
 
     def __init__(self, mm_config: Any):
-        super().__init__()
         v = mm_config.vision_config
+        super().__init__(v)
         self.mm_config = mm_config
-        self.tower = VisionTower(v, int(v.num_hidden_layers))
-        self.post_layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
         self.scale = int(mm_config.scale_factor)
-        self.side = int(v.image_size) // int(v.patch_size)
         if self.side % self.scale:
             from plinth.errors import UnsupportedModelError
 
@@ -62,7 +57,7 @@ class Idefics3ImageEncoder(nn.Module):
         self.proj = nn.Linear(v.hidden_size * self.scale ** 2, mm_config.text_config.hidden_size, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.post_layernorm(self.tower(pixel_values, [len(self.tower.layers)])[0])      # [N, P, H]
+        x = self.patch_features(pixel_values)                                              # [N, P, H]
         n, _, hidden = x.shape
         s, side = self.scale, self.side
         # each s x s block of patches becomes one position: its patches' features side by side, rows then columns
@@ -77,7 +72,7 @@ class Idefics3ImageEncoder(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
                      write: bool = True) -> None:
-        """Fill the parameters from the checkpoint's ``vision_model.*`` and ``connector.*`` tensors.
+        """Fill the parameters from the checkpoint's ``model.vision_model.*`` and ``model.connector.*`` tensors.
 
         Raises:
             ModelLoadError: see :func:`~plinth.multimodal.vision.load_encoder_weights`.
@@ -85,22 +80,12 @@ class Idefics3ImageEncoder(nn.Module):
         load_encoder_weights(self, weights, _parameter_name, partial, write)
 
 
-#: where an Idefics3 / SmolVLM checkpoint keeps its encoder's tensors
-ENCODER_PREFIXES = ("model.vision_model.", "model.connector.")
-
-
 def _parameter_name(name: str) -> str | None:
     if name.startswith("model.connector.modality_projection.proj."):
         return "proj." + name[len("model.connector.modality_projection.proj."):]
-    if not name.startswith("model.vision_model."):
-        return None
-    rest = name[len("model.vision_model."):]
-    if rest.startswith("post_layernorm."):
-        return rest
-    if _LAYER.match(rest) is not None:
-        rest = "layers." + rest[len("encoder."):].removeprefix("layers.")
-        rest = re.sub(r"\.(self_attn|mlp)\.", ".", rest)
-    return "tower." + rest.removeprefix("embeddings.")
+    if name.startswith("model.vision_model."):
+        return tower_parameter(name[len("model.vision_model."):])
+    return None
 
 
 def grid_of(processor: Any, size: tuple[int, int]) -> tuple[int, int]:

@@ -176,6 +176,34 @@ class VisionTower(nn.Module):
         return [states[i] for i in wanted]
 
 
+class FullTower(nn.Module):
+    """A SigLIP vision tower whose every layer runs, then its final LayerNorm: the base of the encoders that read its
+    patches' last features (Gemma 3, Idefics3 / SmolVLM)."""
+
+    def __init__(self, vcfg: Any):
+        super().__init__()
+        self.tower = VisionTower(vcfg, int(vcfg.num_hidden_layers))
+        self.post_layernorm = nn.LayerNorm(vcfg.hidden_size, eps=vcfg.layer_norm_eps)
+        self.side = int(vcfg.image_size) // int(vcfg.patch_size)   # patches a side
+
+    def patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, C, S, S]`` -> ``[N, side * side, H]``."""
+        return self.post_layernorm(self.tower(pixel_values, [len(self.tower.layers)])[0])
+
+
+def tower_parameter(rest: str) -> str | None:
+    """The :class:`FullTower` parameter of a SigLIP tower tensor (its name after ``vision_model.``); ``None`` for
+    the pooling head, which these encoders do not read."""
+    if rest.startswith(("head.", "position_ids")):
+        return None
+    if rest.startswith("post_layernorm."):
+        return rest
+    if _LAYER.match(rest) is not None:
+        rest = "layers." + rest[len("encoder."):].removeprefix("layers.")
+        rest = re.sub(r"\.(self_attn|mlp)\.", ".", rest)
+    return "tower." + rest.removeprefix("embeddings.")
+
+
 class ImageEncoder(nn.Module):
     """Pixels to the language model's embeddings: the vision tower's selected features, then LLaVA's projector
     (``linear_1``, the activation, ``linear_2``).
