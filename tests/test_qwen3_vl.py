@@ -396,3 +396,40 @@ def test_video_patches_equal_transformers(tmp_path):
                        plinth.SamplingParams(max_tokens=1))[0]
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
     llm.close()
+
+
+def test_video_prompts_refused_or_counted_as_laid_out(tmp_path):
+    """Video tokens that are neither one for each video nor the processor's layout are refused, counted in videos (a
+    video's placeholder typed twice would otherwise split its frame groups); a bare video token (no vision start and
+    end around it) is laid out as the processor lays it out, and the layout without pixels (what the server counts)
+    equals the engine's prompt; a video longer than the context is refused before its patches are made."""
+    import json
+
+    from plinth.core.scheduler import RequestRejectedError
+    from plinth.multimodal import video as v
+
+    _save_with_images(tmp_path, moe=False)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off",
+                     max_model_len=64)
+    clip = (_clip(1), {"fps": 5.0})
+    params = plinth.SamplingParams(max_tokens=1)
+    with pytest.raises(RequestRejectedError, match=r"names 2 video\(s\) .* has 1"):
+        llm.generate({"prompt": f"first {VIDEO} second {VIDEO}", "multi_modal_data": {"video": clip}}, params)
+    with pytest.raises(RequestRejectedError, match=r"names 0 video\(s\) .* has 1"):
+        llm.generate({"prompt": "no video here", "multi_modal_data": {"video": clip}}, params)
+    support = llm.llm_engine.images
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    video = v.Video(clip[0], 5.0)
+    t, h, w = v.grid_of(support.video, video)
+    for text in (f"a {VIDEO} b", "a <|video_pad|> b"):
+        out = llm.generate({"prompt": text, "multi_modal_data": {"video": clip}}, params)[0]
+        groups = "".join(f"<{s:.1f} seconds><|vision_start|>" + "<|video_pad|>" * (h * w // 4) + "<|vision_end|>"
+                         for s in v.stamps(support.video, video))
+        assert out.prompt_token_ids == tok(text.replace(VIDEO, "<|video_pad|>").replace("<|video_pad|>", groups))[
+            "input_ids"]
+        assert support.laid_out(tok(text)["input_ids"], [video]) == out.prompt_token_ids
+    long_clip = (_clip(2, 40, (64, 64)), {"fps": 2.0})
+    with pytest.raises(RequestRejectedError, match="fills 72 positions, more than the 64 a prompt may"):
+        llm.generate({"prompt": f"a {VIDEO}", "multi_modal_data": {"video": long_clip}}, params)
+    llm.close()

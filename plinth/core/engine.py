@@ -300,6 +300,7 @@ class LLMEngine:
                                        processor_kwargs=model_cfg.mm_processor_kwargs, dtype=parts.dtype,
                                        video_limit=(MAX_VIDEOS_PER_PROMPT if limits.get("video") is None
                                                     else limits["video"]))
+            self.images.max_positions = self.max_model_len
         prefix_caching = config.cache.enable_prefix_caching
         if self.pooling is not None and self.classifier is None:
             logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,

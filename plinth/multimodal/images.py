@@ -425,6 +425,9 @@ class ImageSupport:
         video_id = getattr(mm_config, "video_token_id", None) if self.qwen else None
         #: the model's tokenizer (Qwen3-VL: the frame groups' times are written in the prompt as text)
         self.tokenizer = tokenizer
+        #: the most positions a prompt may fill (the engine's ``max_model_len``): a video that fills more is refused
+        #: before its patches are made; ``None``: no bound
+        self.max_positions: int | None = None
         if video_id is not None and 0 <= int(video_id) < (vocab or int(video_id) + 1):
             from plinth.multimodal.video import video_settings
 
@@ -810,6 +813,13 @@ class ImageSupport:
         except ModelLoadError as exc:
             raise RequestRejectedError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
         n, m = len(prepared.pixels), cfg.merge * cfg.merge
+        if self.max_positions is not None:   # (before any patches are made: a long video's are large)
+            for i, video in enumerate(videos):
+                t, h, w = v.grid_of(cfg, video)
+                if t * h * w // m > self.max_positions:
+                    raise RequestRejectedError(f"video {i} fills {t * h * w // m} positions, more than the "
+                                               f"{self.max_positions} a prompt may (max_model_len)",
+                                               param="multi_modal_data")
         if cfg.qwen3:
             return self._qwen3_videos(prepared, videos, cfg)
         made = [v.patches(cfg, video) for video in videos]
@@ -847,16 +857,25 @@ class ImageSupport:
             (tuple(prepared.embeds) or (None,) * n) + (None,) * k, (self.token_id,) * n + (self.video_token_id,) * k,
             stamps=tuple(tuple(v.stamps(cfg, video)) for video in videos))
 
-    def _stamped(self, ids: Sequence[int], stamps: Sequence[Sequence[float]]) -> list[int]:
+    def _stamped(self, ids: Sequence[int], stamps: Sequence[Sequence[float]], width: Sequence[int]) -> list[int]:
         """Qwen3-VL: the prompt with each video's token (and the vision start and end tokens around it, which each
         frame group takes instead) made into its frame groups: ``<1.5 seconds>`` as text, then the vision start
         token, the video token (widened later), the vision end token, as Qwen3-VL's processor writes them (the first
-        time tokenized with the text before it). A prompt whose video tokens are not one for each video (one laid
-        out already) is kept as it is."""
+        time tokenized with the text before it). A prompt laid out already (a run of each video's group width, its
+        ``width``, for every frame group) is kept as it is.
+
+        Raises:
+            RequestRejectedError: video tokens that are neither one for each video nor such a layout.
+        """
         video = self.video_token_id
-        runs = sum(1 for i, t in enumerate(ids) if t == video and (i == 0 or ids[i - 1] != video))
-        if runs != len(stamps) or ids.count(video) != runs:
-            return list(ids)
+        runs = [j - i for i, j in _runs(ids, video)]
+        if runs == [w for w, groups in zip(width, stamps, strict=True) for _ in groups]:
+            return list(ids)   # (laid out already)
+        if runs != [1] * len(stamps):
+            raise RequestRejectedError(
+                f"the prompt names {len(runs)} video(s) (video token id {video}) but multi_modal_data has "
+                f"{len(stamps)}: put one video token where each video goes (plinth writes its frame groups)",
+                param="multi_modal_data")
         start = int(self.mm_config.vision_start_token_id)
         end = int(self.mm_config.vision_end_token_id)
         tok = self.tokenizer
@@ -902,10 +921,11 @@ class ImageSupport:
         tokens = [self.token_id] * len(images)
         patterns = [self.pattern_of(m) for m in images]
         if videos and self.video.qwen3:
-            ids = self._stamped(ids, [v.stamps(self.video, m) for m in videos])
-            for m in videos:
-                t, h, w = v.grid_of(self.video, m)
-                lengths += [h * w // (self.video.merge ** 2)] * t
+            grids = [v.grid_of(self.video, m) for m in videos]
+            widths = [h * w // (self.video.merge ** 2) for _, h, w in grids]
+            ids = self._stamped(ids, [v.stamps(self.video, m) for m in videos], widths)
+            for (t, _, _), width in zip(grids, widths, strict=True):
+                lengths += [width] * t
                 tokens += [self.video_token_id] * t
         else:
             lengths += [self.length_of(m) for m in videos]
@@ -1017,7 +1037,12 @@ class ImageSupport:
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
         ids = self.prompt_ids(ids)
         if prepared.stamps:   # (Qwen3-VL's videos: their frame groups, each after its time)
-            ids = self._stamped(ids, prepared.stamps)
+            first = len(prepared.lengths) - sum(len(groups) for groups in prepared.stamps)
+            widths, k = [], first
+            for groups in prepared.stamps:
+                widths.append(prepared.lengths[k])
+                k += len(groups)
+            ids = self._stamped(ids, prepared.stamps, widths)
         if self.break_ids is not None and any(t in self.break_ids for t in ids):
             raise RequestRejectedError("the prompt has image row-break or end tokens ([IMG_BREAK], [IMG_END]): give "
                                        "one [IMG] where each image goes; plinth lays out its rows",
@@ -1048,6 +1073,21 @@ class ImageSupport:
         from plinth.multimodal.mrope import layout
 
         return layout([(item.offset, item.length, item.grid, item.time_scale) for item in items], self.merge)
+
+
+def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` of each run of ``token`` in ``ids``."""
+    out, i = [], 0
+    while i < len(ids):
+        if ids[i] != token:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == token:
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -374,8 +374,12 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
                           "have no video: send videos as video_url parts", "messages")
     if support is not None and images:
         ids = support.prompt_ids(ids)   # (Gemma 3: the tokens its processor writes around each image)
-    # each image's (video's) one token becomes the positions its embeddings fill
-    length = len(ids) + sum(support.length_of(item) - 1 for item in images + videos) if images or videos else len(ids)
+    length = len(ids)
+    if images or videos:   # the prompt as the engine lays it out: each image's (video's) positions, without pixels
+        try:
+            length = len(support.laid_out(ids, images + videos))
+        except RequestRejectedError as exc:
+            raise bad_request(str(exc), "messages") from None
     ctx.check_length(length, max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     data = {k: v for k, v in (("image", images), ("video", videos)) if v}
     return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, data or None, length)
