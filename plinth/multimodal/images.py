@@ -369,6 +369,7 @@ class ImageSupport:
                  video_limit: int = MAX_VIDEOS_PER_PROMPT):
         from plinth.multimodal.gemma3 import PromptLayout, is_gemma3
         from plinth.multimodal.idefics3 import is_idefics3
+        from plinth.multimodal.internvl import is_internvl
         from plinth.multimodal.pixtral import is_pixtral
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
@@ -380,21 +381,25 @@ class ImageSupport:
         #: Idefics3 / SmolVLM: an image as tiles and a global view, its prompt laid out by its tiles (the tokenizer's
         #: tokens for it, :class:`~plinth.multimodal.idefics3.PromptTokens`); else ``None``
         self.tiles: Any = None
-        if is_idefics3(mm_config):
-            from plinth.multimodal.idefics3 import PromptTokens
-
+        #: InternVL: an image as tiles and a thumbnail between <img> and </img>
+        self.internvl = is_internvl(mm_config)
+        if is_idefics3(mm_config) or self.internvl:
+            if self.internvl:
+                from plinth.multimodal.internvl import PromptTokens
+            else:
+                from plinth.multimodal.idefics3 import PromptTokens
             try:
                 self.tiles = PromptTokens(mm_config, tokenizer) if tokenizer is not None else None
             except ValueError as exc:
-                logger.warning("this Idefics3 / SmolVLM checkpoint's tokenizer cannot lay images out (%s): its images "
-                               "are refused", exc)
-        #: a prompt's image is laid out by the image (Mistral 3, Idefics3 / SmolVLM): each placeholder names one image
-        self.patterned = self.pixtral or is_idefics3(mm_config)
+                logger.warning("this checkpoint's tokenizer cannot lay images out (%s): its images are refused", exc)
+        #: a prompt's image is laid out by the image (Mistral 3, Idefics3 / SmolVLM, InternVL): each placeholder names
+        #: one image
+        self.patterned = self.pixtral or is_idefics3(mm_config) or self.internvl
         #: Gemma 3: how its prompt lays out an image (the ``<start_of_image>`` a prompt carries widened); else ``None``
         self.layout: Any = None
         if is_gemma3(mm_config):
             self.layout = PromptLayout(mm_config, tokenizer)
-        if not self.qwen and not self.pixtral:
+        if not self.qwen and not self.patterned:
             check_layout(mm_config)
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
                             else mm_config.image_token_id)
@@ -403,7 +408,9 @@ class ImageSupport:
         #: positions an image fills (LLaVA-NeXT, Qwen2-VL: ``None``, it depends on the image's size)
         self.tokens_per_image: int | None = (None if self.tiled or self.qwen or self.patterned
                                              else tokens_per_image(mm_config))
-        self.image_size = None if self.qwen or self.pixtral else int(mm_config.vision_config.image_size)
+        from plinth.multimodal.internvl import _pair
+
+        self.image_size = None if self.qwen or self.pixtral else _pair(mm_config.vision_config.image_size)
         self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
         self.processor = _image_processor(mm_config, path)
         if processor_kwargs:
@@ -518,12 +525,13 @@ class ImageSupport:
             from plinth.multimodal.idefics3 import grid_of
 
             try:
-                rows, cols = grid_of(self.processor, (image.height, image.width))
+                grid = ((int(self.processor.get_number_of_image_patches(image.height, image.width, {})),)
+                        if self.internvl else grid_of(self.processor, (image.height, image.width)))
             except (KeyError, TypeError, ValueError, AttributeError):   # a processor of other settings: run it
                 return self._tiled_pictures([image]).patterns[0]
             if self.tiles is None:
                 return self._tiled_pictures([image]).patterns[0]   # (refuses it)
-            return tuple(self.tiles.layout(rows, cols))
+            return tuple(self.tiles.layout(*grid))
         from plinth.multimodal.pixtral import grid_of, layout
 
         try:
@@ -1002,26 +1010,32 @@ class ImageSupport:
                               tuple(len(p) for p in patterns), patterns=tuple(patterns))
 
     def _tiled_pictures(self, images: list[Any], processor: Any = None) -> PreparedImages:
-        """Idefics3 / SmolVLM: each image's tiles and global view (``[tiles, C, S, S]``) as the processor cuts them,
-        and its prompt (:meth:`~plinth.multimodal.idefics3.PromptTokens.layout`)."""
+        """Idefics3 / SmolVLM, InternVL: each image's tiles (``[tiles, C, S, S]``: Idefics3's grid and global view,
+        InternVL's grid and thumbnail) as the processor cuts them, and its prompt (the model's ``PromptTokens``)."""
         if self.tiles is None:
-            raise RequestRejectedError("this checkpoint's tokenizer has no <fake_token_around_image> token, which an "
-                                       "image's prompt needs", param="multi_modal_data")
+            raise RequestRejectedError("this checkpoint's tokenizer lacks the tokens an image's prompt needs "
+                                       "(<fake_token_around_image>; InternVL: <img>, </img>)", param="multi_modal_data")
         size = self.image_size
         pixels, patterns = [], []
         for img in images:
             try:
-                out = (processor or self.processor)(images=[img], return_tensors="pt", return_row_col_info=True)
-                pv, rows, cols = out["pixel_values"][0], int(out["rows"][0][0]), int(out["cols"][0][0])
+                if self.internvl:
+                    out = (processor or self.processor)(images=[img], return_tensors="pt")
+                    pv = out["pixel_values"]
+                    grid: tuple[int, ...] = (int(out["num_patches"][0]),)
+                    tiles = grid[0]
+                else:
+                    out = (processor or self.processor)(images=[img], return_tensors="pt", return_row_col_info=True)
+                    pv, rows, cols = out["pixel_values"][0], int(out["rows"][0][0]), int(out["cols"][0][0])
+                    grid, tiles = (rows, cols), rows * cols + 1 if rows else 1
             except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
                 raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
                                            f"{exc}", param="multi_modal_data") from None
-            if pv.dim() != 4 or pv.shape[-2:] != (size, size) or len(pv) != (rows * cols + 1 if rows else 1):
-                raise RequestRejectedError(f"the image processor made tiles of shape {tuple(pv.shape)} for {rows}x"
-                                           f"{cols} tiles; the vision tower takes {size}x{size} ones",
-                                           param="multi_modal_data")
+            if pv.dim() != 4 or pv.shape[-2:] != (size, size) or len(pv) != tiles:
+                raise RequestRejectedError(f"the image processor made tiles of shape {tuple(pv.shape)} for {grid} "
+                                           f"tiles; the vision tower takes {size}x{size} ones", param="multi_modal_data")
             pixels.append(pv.clone().float())
-            patterns.append(tuple(self.tiles.layout(rows, cols)))
+            patterns.append(tuple(self.tiles.layout(*grid)))
         return PreparedImages(tuple(pixels), tuple(_digest(p, None) for p in pixels), (None,) * len(images),
                               tuple(len(p) for p in patterns), patterns=tuple(patterns))
 
@@ -1048,8 +1062,9 @@ class ImageSupport:
                                        "one [IMG] where each image goes; plinth lays out its rows",
                                        param="multi_modal_data")
         if self.tiles is not None and self.tiles.laid_out(ids):
-            raise RequestRejectedError("the prompt has <fake_token_around_image> tokens: give one <image> where each "
-                                       "image goes; plinth lays out its tiles", param="multi_modal_data")
+            raise RequestRejectedError("the prompt carries an image's layout already (<fake_token_around_image>; "
+                                       "InternVL: <img>): give one image token where each image goes; plinth lays "
+                                       "out its tiles", param="multi_modal_data")
         expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens, prepared.patterns)
         grids = prepared.grids or (None,) * len(spans)
         embeds = prepared.embeds or (None,) * len(spans)
@@ -1225,6 +1240,14 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
         unit = int(mm_config.vision_config.patch_size) * int(mm_config.spatial_merge_size)
         return PixtralImageProcessorPil(patch_size={"height": unit, "width": unit},
                                         size={"longest_edge": int(mm_config.vision_config.image_size)})
+    if getattr(mm_config, "model_type", None) == "internvl":   # (InternVL's processor: up to 12 tiles, a thumbnail)
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        from plinth.multimodal.internvl import _pair
+
+        side = _pair(mm_config.vision_config.image_size)
+        return GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
+                                        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
     if getattr(mm_config, "model_type", None) in ("idefics3", "smolvlm"):   # (tiles of the tower's size, 4 a side)
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
