@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, make_tokenizer, output_matches_transformers, server_tokens_of_image_chat
+from conftest import (
+    decisive_weights,
+    make_tokenizer,
+    output_matches_transformers,
+    server_tokens_of_image_chat,
+)
 
 import plinth
 
