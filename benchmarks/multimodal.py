@@ -1,4 +1,4 @@
-"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, SmolVLM; random bfloat16 weights
+"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, SmolVLM, InternVL; random bfloat16 weights
 written by transformers), run by transformers' ``LlavaForConditionalGeneration`` (or the shape's class) and by plinth on the same pixels and prompts, in one process.
 
     python benchmarks/multimodal.py                       # GPU: LLaVA-1.5-7B shape (CLIP-L/14 at 336, Llama-2-7B)
@@ -7,7 +7,8 @@ written by transformers), run by transformers' ``LlavaForConditionalGeneration``
     python benchmarks/multimodal.py --shape qwen3-vl-small --device cpu --requests 8   # Qwen3-VL layout, small
     python benchmarks/multimodal.py --shape mistral3-small --device cpu --requests 8   # Mistral 3 layout, small
     python benchmarks/multimodal.py --shape gemma3-4b --requests 16       # gemma-3-4b shape (256 positions an image)
-    python benchmarks/multimodal.py --shape smolvlm-256m --device cpu --requests 4   # SmolVLM-256M shape (17 tiles)
+    python benchmarks/multimodal.py --shape smolvlm-256m --requests 16    # SmolVLM-256M shape (17 tiles an image)
+    python benchmarks/multimodal.py --shape internvl3-1b --requests 16    # InternVL3-1B shape (tiles and a thumbnail)
 
 Measured, for each system: the image encoder alone (vision tower to the layer LLaVA reads, then the projector) for
 batches of images; one request (an image and ``--text-len`` text tokens, greedy, EOS ignored): the time to the first
@@ -122,6 +123,14 @@ SHAPES = {
         vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                     image_size=512, patch_size=16),
         scale_factor=4, image_token=49190, fake=49189, global_img=49152, end_of_utterance=49279),
+    "internvl3-1b": dict(   # InternVL3-1B: InternViT-300M at 448 (256 positions a tile), Qwen2.5-0.5B
+        kind="internvl",
+        text=dict(vocab_size=151674, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+                  tie_word_embeddings=True, model_type="qwen2"),
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    image_size=[448, 448], patch_size=[14, 14], attention_bias=True, use_mean_pooling=True),
+        image_token=151667, image_start=151665, image_end=151666),
     "tiny": dict(
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048),
@@ -158,6 +167,16 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
         size = shape["vision"]["image_size"]
         processor = Gemma3ImageProcessorPil(size={"height": size, "width": size})
         return _write(transformers.Gemma3ForConditionalGeneration, config, processor, path, dtype, device, shape)
+    if shape.get("kind") == "internvl":
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        config = transformers.InternVLConfig(text_config=shape["text"], vision_config=shape["vision"],
+                                             image_token_id=shape["image_token"], tie_word_embeddings=True,
+                                             dtype=str(dtype).removeprefix("torch."))
+        side = shape["vision"]["image_size"][0]
+        processor = GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
+                                             image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+        return _write(transformers.InternVLForConditionalGeneration, config, processor, path, dtype, device, shape)
     if shape.get("kind") == "idefics3":
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
@@ -219,69 +238,60 @@ def _write(cls, config, processor, path: Path, dtype: torch.dtype, device: str, 
     t0 = time.perf_counter()
     model.save_pretrained(path)
     processor.save_pretrained(path)
-    if shape is not None and "image_break" in shape:   # Mistral 3: a tokenizer that knows its image tokens
-        _write_mistral_tokenizer(path, shape)
-    if shape is not None and "boi" in shape:   # Gemma 3: likewise, and its line breaks
-        _write_gemma3_tokenizer(path, shape)
-    if shape is not None and "fake" in shape:   # Idefics3 / SmolVLM: its image tokens and tile tags
-        _write_idefics3_tokenizer(path, shape)
+    if shape is not None:   # a tokenizer that knows the model's image tokens
+        _write_tokenizer(path, shape)
     print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
     return model, processor
 
 
-def _write_mistral_tokenizer(path: Path, shape: dict) -> None:
-    """A word-level tokenizer over the vocabulary whose ids ``image_token``, ``image_break`` and ``image_end`` are
-    ``[IMG]``, ``[IMG_BREAK]`` and ``[IMG_END]`` (the benchmark's prompts are token ids; the engine needs the names of
-    the break and end tokens)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    names = {shape["image_token"]: "[IMG]", shape["image_break"]: "[IMG_BREAK]", shape["image_end"]: "[IMG_END]",
-             0: "<unk>", 1: "<s>", 2: "</s>"}
-    vocab = {names.get(i, f"t{i}"): i for i in range(shape["text"]["vocab_size"])}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
-                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
-    tok.save_pretrained(path)
-
-
-def _write_gemma3_tokenizer(path: Path, shape: dict) -> None:
-    """A word-level tokenizer whose ids ``boi``, ``eoi`` and ``image_token`` are Gemma 3's image tokens, and whose ids
-    107 to 111 are runs of one to five line breaks (as in Gemma's vocabulary)."""
+def _write_word_tokenizer(path: Path, vocab_size: int, names: dict[int, str], special: list[str],
+                          newlines: dict[int, str] | None = None, bos: str = "<s>", eos: str = "</s>") -> None:
+    """A word-level tokenizer over ``vocab_size`` ids whose ids in ``names`` have those names (``special`` of them
+    special tokens; ``newlines``: ids of line-break runs, matched as text) and the others ``t<id>``: the benchmark's
+    prompts are token ids, and the engine needs the names of a model's image tokens."""
     from tokenizers import AddedToken, Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    names = {shape["boi"]: "<start_of_image>", shape["eoi"]: "<end_of_image>", shape["image_token"]: "<image_soft_token>",
-             0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", **{106 + k: "\n" * k for k in range(1, 6)}}
-    vocab = {names.get(i, f"t{i}"): i for i in range(shape["text"]["vocab_size"])}
+    names = {0: "<unk>", **names, **(newlines or {})}
+    vocab = {names.get(i, f"t{i}"): i for i in range(vocab_size)}
+    for name in (bos, eos):
+        vocab.setdefault(name, len(vocab))   # (named where the caller's ids leave them none)
     inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    inner.add_tokens([AddedToken("\n" * k, normalized=False) for k in range(5, 0, -1)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>",
-                                  pad_token="<pad>")
-    tok.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]})
+    if newlines:   # (the longest first)
+        inner.add_tokens([AddedToken(t, normalized=False) for t in sorted(newlines.values(), key=len, reverse=True)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token=bos, eos_token=eos)
+    tok.add_special_tokens({"additional_special_tokens": special})
     tok.save_pretrained(path)
 
 
-def _write_idefics3_tokenizer(path: Path, shape: dict) -> None:
-    """A word-level tokenizer with SmolVLM's image tokens at their ids: ``<image>``, ``<fake_token_around_image>``,
-    ``<global-img>`` and the 36 ``<row_i_col_j>`` tags after it, ``<end_of_utterance>``; ids 198 and 271 are one and
-    two line breaks."""
-    from tokenizers import AddedToken, Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    tags = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
-    names = {shape["image_token"]: "<image>", shape["fake"]: "<fake_token_around_image>",
-             shape["global_img"]: "<global-img>", shape["end_of_utterance"]: "<end_of_utterance>",
-             **{shape["global_img"] + 1 + k: tag for k, tag in enumerate(tags)},
-             0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", 3: "<unk>", 198: "\n", 271: "\n\n"}
-    vocab = {names.get(i, f"t{i}"): i for i in range(shape["text"]["vocab_size"])}
-    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    inner.add_tokens([AddedToken("\n\n", normalized=False), AddedToken("\n", normalized=False)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>",
-                                                          "<end_of_utterance>", *tags]})
-    tok.save_pretrained(path)
+def _write_tokenizer(path: Path, shape: dict) -> None:
+    """The shape's tokenizer: its image tokens at their ids (Mistral 3's rows, Gemma 3's line breaks, SmolVLM's tile
+    tags, InternVL's image brackets)."""
+    vocab = shape["text"]["vocab_size"]
+    kind = shape.get("kind")
+    if kind == "mistral3":
+        names = {shape["image_token"]: "[IMG]", shape["image_break"]: "[IMG_BREAK]", shape["image_end"]: "[IMG_END]",
+                 1: "<s>", 2: "</s>"}
+        _write_word_tokenizer(path, vocab, names, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    elif kind == "gemma3":   # (ids 107 to 111: runs of one to five line breaks, as in Gemma's vocabulary)
+        names = {shape["boi"]: "<start_of_image>", shape["eoi"]: "<end_of_image>",
+                 shape["image_token"]: "<image_soft_token>", 1: "<eos>", 2: "<bos>"}
+        _write_word_tokenizer(path, vocab, names, [names[shape["boi"]], names[shape["eoi"]],
+                                                   names[shape["image_token"]]],
+                              {106 + k: "\n" * k for k in range(1, 6)}, bos="<bos>", eos="<eos>")
+    elif kind == "idefics3":   # (SmolVLM's ids; 198 and 271: one and two line breaks)
+        tags = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+        names = {shape["image_token"]: "<image>", shape["fake"]: "<fake_token_around_image>",
+                 shape["global_img"]: "<global-img>", shape["end_of_utterance"]: "<end_of_utterance>",
+                 **{shape["global_img"] + 1 + k: tag for k, tag in enumerate(tags)}, 1: "<|im_start|>", 2: "<|im_end|>"}
+        _write_word_tokenizer(path, vocab, names, ["<image>", "<fake_token_around_image>", "<global-img>",
+                                                   "<end_of_utterance>", *tags], {198: "\n", 271: "\n\n"},
+                              bos="<|im_start|>", eos="<|im_end|>")
+    elif kind == "internvl":
+        names = {shape["image_token"]: "<IMG_CONTEXT>", shape["image_start"]: "<img>", shape["image_end"]: "</img>",
+                 1: "<|im_start|>", 2: "<|im_end|>"}
+        _write_word_tokenizer(path, vocab, names, ["<img>", "</img>", "<IMG_CONTEXT>"], bos="<|im_start|>",
+                              eos="<|im_end|>")
 
 
 def pictures(n: int, seed: int = 0) -> list:
@@ -302,6 +312,8 @@ def prompts_for(n: int, text_len: int, shape: dict, seed: int = 1) -> list[list[
         image, low = [shape["boi"]], shape["boi"] - 1
     if shape.get("kind") == "idefics3":   # (below its image tokens and tags)
         low = shape["global_img"] - 1
+    if shape.get("kind") == "internvl":   # (below its image tokens)
+        low = shape["image_start"] - 1
     out = []
     for _ in range(n):
         words = [int(t) for t in rng.integers(100, low, text_len)]
@@ -478,6 +490,9 @@ def main() -> None:
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
     elif shape.get("kind") == "gemma3":   # every layer runs; the pooling and projection are small
         positions = (vision["image_size"] // vision["patch_size"]) ** 2
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n)
+    elif shape.get("kind") == "internvl":   # a tile (an image is several, and a thumbnail)
+        positions = (vision["image_size"][0] // vision["patch_size"][0]) ** 2 + 1
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n)
     elif shape.get("kind") == "idefics3":   # a tile (an image is several, and a global view)
         positions = (vision["image_size"] // vision["patch_size"]) ** 2
