@@ -141,3 +141,32 @@ def test_gpu_images_equal_transformers(tmp_path):
     output_matches_transformers(outs[0], model, steps=8, tol=1e-3, pixel_values=pixels)
     output_matches_transformers(outs[1], model, steps=8, tol=1e-3)
     llm.close()
+
+
+def test_tile_count_settings(checkpoint):
+    """``mm_processor_kwargs`` may set InternVL's tile counts (``max_patches``, ``min_patches``, ``crop_to_patches``),
+    for the engine or one prompt: the prompt and pixels follow the processor so set; bad values are refused."""
+    from plinth.config import ConfigError
+    from plinth.core.scheduler import RequestRejectedError
+
+    path, model, images, tok = checkpoint
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=1024,
+                     mm_processor_kwargs={"max_patches": 2})
+    a = _picture(1, (40, 130))
+    params = plinth.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt": "See <IMG_CONTEXT>", "multi_modal_data": {"image": a}}, params)[0]
+    import copy
+
+    fewer = copy.deepcopy(images)
+    fewer.max_patches = 2
+    assert out.prompt_token_ids == _processed(fewer, tok, "See <IMG_CONTEXT>", [a])[0]
+    one = llm.generate({"prompt": "See <IMG_CONTEXT>", "multi_modal_data": {"image": a},
+                        "mm_processor_kwargs": {"crop_to_patches": False}}, params)[0]
+    assert one.prompt_token_ids.count(model.config.image_token_id) == PER_TILE   # one tile, no thumbnail
+    with pytest.raises(RequestRejectedError, match="max_patches must be from 1 to 48"):
+        llm.generate({"prompt": "See <IMG_CONTEXT>", "multi_modal_data": {"image": a},
+                      "mm_processor_kwargs": {"max_patches": 0}}, params)
+    llm.close()
+    with pytest.raises(ConfigError, match="min_patches 3 is more than max_patches 2"):
+        plinth.LLM(str(path), dtype="float32", platform="cpu", mm_processor_kwargs={"min_patches": 3,
+                                                                                    "max_patches": 2})

@@ -414,7 +414,7 @@ class ImageSupport:
         self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
         self.processor = _image_processor(mm_config, path)
         if processor_kwargs:
-            _apply_settings(self.processor, processor_kwargs, self.qwen)
+            _apply_settings(self.processor, processor_kwargs, self.qwen, tile_settings(mm_config))
         if self.layout is not None and getattr(self.processor, "do_pan_and_scan", False):
             logger.warning("Gemma 3: the image processor's pan-and-scan crops are not taken; each image is encoded "
                            "whole, at %dx%d", self.image_size, self.image_size)
@@ -770,7 +770,7 @@ class ImageSupport:
                                            param="mm_processor_kwargs")
             processor = copy.deepcopy(self.processor)
             try:
-                _apply_settings(processor, settings, self.qwen)
+                _apply_settings(processor, settings, self.qwen, tile_settings(self.mm_config))
             except ConfigError as exc:
                 raise RequestRejectedError(str(exc), param="mm_processor_kwargs") from None
             self._check_bounds(settings)
@@ -1270,6 +1270,8 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
     return transformers.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
 
 
+#: the most tiles InternVL's ``max_patches`` may ask for an image (each fills 256 positions)
+MAX_TILES_SETTING = 48
 #: ``mm_processor_kwargs`` any image processor takes (they change pixel values, not the tiles the tower expects)
 SAFE_SETTINGS = ("do_normalize", "do_rescale", "rescale_factor", "do_convert_rgb")
 #: and Qwen2-VL's resize bounds (the patches' count, not their size)
@@ -1278,17 +1280,30 @@ QWEN_SETTINGS = ("min_pixels", "max_pixels")
 VIDEO_SETTINGS = ("video_min_pixels", "video_max_pixels")
 
 
-def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> None:
+def tile_settings(mm_config: Any) -> tuple[str, ...]:
+    """The settings that choose how many tiles an image is cut into, which a model's processor takes as
+    ``mm_processor_kwargs`` (InternVL's ``min_patches`` / ``max_patches`` / ``crop_to_patches``, Idefics3's
+    ``do_image_splitting``): the tiles keep the tower's size."""
+    kind = getattr(mm_config, "model_type", None)
+    if kind == "internvl":
+        return ("min_patches", "max_patches", "crop_to_patches")
+    if kind in ("idefics3", "smolvlm"):
+        return ("do_image_splitting",)
+    return ()
+
+
+def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool, tiles: tuple[str, ...] = ()) -> None:
     """Set ``mm_processor_kwargs`` on the image processor: Qwen2-VL's ``min_pixels`` / ``max_pixels`` (its resize
-    bounds), and :data:`SAFE_SETTINGS`, each given a value of its current type. Settings that shape what the vision
-    tower takes (patch and tile sizes, crops) are refused: the checkpoint fixes them.
+    bounds), the tile counts ``tiles`` names (:func:`tile_settings`) and :data:`SAFE_SETTINGS`, each given a value of
+    its current type. Settings that shape what the vision tower takes (patch and tile sizes) are refused: the
+    checkpoint fixes them.
 
     Raises:
         ConfigError: another setting, a value of another type, or bounds out of order.
     """
     from plinth.config import ConfigError
 
-    allowed = (*QWEN_SETTINGS, *VIDEO_SETTINGS, *SAFE_SETTINGS) if qwen else SAFE_SETTINGS
+    allowed = (*QWEN_SETTINGS, *VIDEO_SETTINGS, *SAFE_SETTINGS) if qwen else (*SAFE_SETTINGS, *tiles)
     pixels: dict[str, int] = {}
     for key, value in settings.items():
         if key not in allowed:
@@ -1303,7 +1318,12 @@ def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool) -> Non
         current = getattr(processor, key, None)
         if current is None or type(value) is not type(current):
             raise ConfigError(f"mm_processor_kwargs: {key} takes a {type(current).__name__} here, got {value!r}")
+        if key in ("min_patches", "max_patches") and not 1 <= value <= MAX_TILES_SETTING:
+            raise ConfigError(f"mm_processor_kwargs: {key} must be from 1 to {MAX_TILES_SETTING}, got {value!r}")
         setattr(processor, key, value)
+    if getattr(processor, "min_patches", 1) > getattr(processor, "max_patches", MAX_TILES_SETTING):
+        raise ConfigError(f"mm_processor_kwargs: min_patches {processor.min_patches} is more than max_patches "
+                          f"{processor.max_patches}")
     if pixels:
         from transformers.image_utils import SizeDict
 
