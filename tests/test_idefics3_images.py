@@ -111,6 +111,9 @@ def test_layout_from_the_size_alone(checkpoint):
     for size in [(40, 52), (20, 70), (8, 8)]:
         pic = _picture(4, size)
         assert support.pattern_of(pic) == support._tiled_pictures([pic]).patterns[0]
+    fixed = type(images)(size={"height": 64, "width": 64}, max_image_size={"longest_edge": 32})
+    with pytest.raises(KeyError):   # (a size as height and width: the server runs the processor for the count)
+        grid_of(fixed, (30, 40))
     laid = processor(text="See <image>", images=[[_picture(5)]], return_tensors="pt")["input_ids"][0].tolist()
     with pytest.raises(RequestRejectedError, match="plinth lays out its tiles"):
         llm.generate({"prompt_token_ids": laid, "multi_modal_data": {"image": _picture(5)}})

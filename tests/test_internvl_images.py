@@ -48,8 +48,10 @@ def _save(path, qk_norm: bool):
     tok.save_pretrained(path)
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
+    # (saved as the released -hf checkpoints save it, crop_to_patches off: InternVLProcessor turns it on for every
+    # call, and so does plinth)
+    GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=False, max_patches=6).save_pretrained(path)
     images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True, max_patches=6)
-    images.save_pretrained(path)
     return model, images, tok
 
 
@@ -170,3 +172,17 @@ def test_tile_count_settings(checkpoint):
     with pytest.raises(ConfigError, match="min_patches 3 is more than max_patches 2"):
         plinth.LLM(str(path), dtype="float32", platform="cpu", mm_processor_kwargs={"min_patches": 3,
                                                                                     "max_patches": 2})
+
+
+def test_encoder_profile_takes_the_pair_sized_tiles(tmp_path):
+    """Start-up's encoder pass (run on GPUs to size the KV cache) takes InternVL's tile size, which its config gives as
+    a pair."""
+    from plinth.config import ModelConfig
+    from plinth.model_registry.loader import resolve_model_source
+    from plinth.multimodal.runner import load_image_features
+
+    _save(tmp_path, qk_norm=False)
+    source = resolve_model_source(ModelConfig(model=str(tmp_path)))
+    features = load_image_features(source, torch.float32, torch.device("cpu"))
+    features.profile(1024, None)   # (13 tiles of 32x32; it raised on the pair before)
+    assert features.encoder(torch.zeros(2, 3, 32, 32)).shape == (2, PER_TILE, 64)

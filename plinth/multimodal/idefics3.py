@@ -101,6 +101,8 @@ def grid_of(processor: Any, size: tuple[int, int]) -> tuple[int, int]:
         return 0, 0
     if getattr(processor, "do_resize", True):
         longest = processor.size["longest_edge"]
+        if not longest:   # (a size given as height and width: the caller runs the processor instead)
+            raise KeyError("longest_edge")
         height, width = _resize_output_size_rescale_to_max_len(height, width, max_len=longest)
         height, width = _resize_output_size_scale_below_upper_bound(height, width, max_len=MAX_IMAGE_SIDE)
     tile = int(processor.max_image_size["longest_edge"])

@@ -413,6 +413,8 @@ class ImageSupport:
         self.image_size = None if self.qwen or self.pixtral else _pair(mm_config.vision_config.image_size)
         self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
         self.processor = _image_processor(mm_config, path)
+        if self.internvl:   # (InternVLProcessor cuts images into tiles whatever its image processor's config says)
+            self.processor.crop_to_patches = True
         if processor_kwargs:
             _apply_settings(self.processor, processor_kwargs, self.qwen, tile_settings(mm_config))
         if self.layout is not None and getattr(self.processor, "do_pan_and_scan", False):
