@@ -433,3 +433,35 @@ def test_video_prompts_refused_or_counted_as_laid_out(tmp_path):
     with pytest.raises(RequestRejectedError, match="fills 72 positions, more than the 64 a prompt may"):
         llm.generate({"prompt": f"a {VIDEO}", "multi_modal_data": {"video": long_clip}}, params)
     llm.close()
+
+
+def test_video_file_frames_sampled_as_transformers_reads_them(tmp_path):
+    """A video file for Qwen3-VL: its frames picked from every frame of the file at its stated count and rate, as
+    transformers reads files for the processor (30 frames at 10 a second: 6 frames at 2 a second, frames 0, 6, 12, 17,
+    23, 29), the frames those of the file, and the frame groups' times transformers' (its processor's rule on those
+    frame numbers)."""
+    import io
+    import json
+
+    import numpy as np
+    from test_qwen_vl import _mp4
+
+    av = pytest.importorskip("av")
+
+    from plinth.multimodal import video as v
+
+    model, _ = _save_with_images(tmp_path, moe=False)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))
+    settings = v.video_settings(model.config, str(tmp_path))
+    data = _mp4(_clip(8, 30, (32, 48)), fps=10)
+    read = v.decode_video(data, sample=v.file_sampler(settings))
+    assert read.indices == (0, 6, 12, 17, 23, 29) and read.fps == pytest.approx(10.0)
+    with av.open(io.BytesIO(data)) as container:
+        every = [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
+    assert len(every) == 30
+    assert np.array_equal(read.frames, np.stack([every[i] for i in read.indices]))
+    want = transformers.Qwen3VLProcessor._calculate_timestamps(None, list(read.indices), 10.0, 2)
+    assert v.stamps(settings, read) == pytest.approx(want)
+    assert v.sampled(settings, read).tolist() == list(range(6))   # (sampled already)
+    plain = v.decode_video(data)   # (Qwen2-VL: 2 frames a second as the file is read)
+    assert plain.indices is None and len(plain.frames) == 6

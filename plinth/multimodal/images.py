@@ -548,7 +548,14 @@ class ImageSupport:
         """A conversation's collector of image (and video) content parts for this model (its placeholders, media
         policy and limits)."""
         return ImageParts(self.placeholder, self.policy, loaded, load, self.limit, self.video_placeholder,
-                          self.video_limit)
+                          self.video_limit, self.video_sampler)
+
+    @property
+    def video_sampler(self) -> Any:
+        """How a video file's frames are chosen (:func:`~plinth.multimodal.video.file_sampler`)."""
+        from plinth.multimodal.video import file_sampler
+
+        return file_sampler(self.video)
 
     def length_of(self, image: Any) -> int:
         """The positions a PIL image (or an :class:`EmbeddedImage`, or a video) fills."""
@@ -1140,7 +1147,7 @@ class ImageParts:
 
     def __init__(self, placeholder: str, policy: MediaPolicy | None = None, loaded: dict[str, Any] | None = None,
                  load: bool = True, limit: int | None = None, video_placeholder: str | None = None,
-                 video_limit: int | None = None):
+                 video_limit: int | None = None, video_sampler: Any = None):
         self.placeholder = placeholder
         self.limit = limit   # the most images (refused before the one past it is read)
         self.policy = policy
@@ -1151,6 +1158,7 @@ class ImageParts:
         self.video_placeholder = video_placeholder
         self.video_limit = video_limit
         self.videos: list[Any] = []
+        self.video_sampler = video_sampler   # how a video file's frames are chosen (Qwen3-VL's sampling)
 
     def multi_modal_data(self) -> dict[str, Any] | None:
         """The collected images and videos as a request's ``multi_modal_data`` (``None``: none)."""
@@ -1178,7 +1186,8 @@ class ImageParts:
         from plinth.multimodal import video as v
 
         if isinstance(value, str):   # (videos loaded ahead are kept under ("video", url))
-            found = self.loaded.get(("video", value)) or v.video_from_url(value, where, self.policy)
+            found = self.loaded.get(("video", value)) or v.video_from_url(value, where, self.policy,
+                                                                          self.video_sampler)
         else:
             found = v.video_of(value, where)
         self.videos.append(found)

@@ -93,6 +93,9 @@ class Video:
 
     frames: np.ndarray
     fps: float | None = None
+    #: a file read for Qwen3-VL: the file's numbers of the frames held (sampled already, as the model's processor
+    #: samples them; ``fps`` the file's rate); ``None``: the frames are the video's
+    indices: tuple[int, ...] | None = None
 
 
 def video_settings(mm_config: Any, path: str | None, settings: dict[str, Any] | None = None) -> VideoSettings:
@@ -309,7 +312,7 @@ def sampled(settings: VideoSettings, video: Video) -> np.ndarray:
     a second of the video's rate (24 where it has none), at least ``min_frames`` and at most ``max_frames`` (and the
     frames there are), spread evenly over the video."""
     total = int(video.frames.shape[0])
-    if not settings.qwen3 or not settings.sample_frames:
+    if not settings.qwen3 or not settings.sample_frames or video.indices is not None:
         return np.arange(total)
     count = int(total / (video.fps or DEFAULT_FPS) * settings.sample_fps)
     count = min(max(count, settings.min_frames), settings.max_frames, total)
@@ -319,7 +322,7 @@ def sampled(settings: VideoSettings, video: Video) -> np.ndarray:
 def stamps(settings: VideoSettings, video: Video) -> list[float]:
     """Qwen3-VL: each frame group's time in seconds (the mean of its first and last frames' times, the last frame
     repeated to fill the last group), as the prompt writes them (``<1.5 seconds>``)."""
-    indices = sampled(settings, video).tolist()
+    indices = list(video.indices) if video.indices is not None else sampled(settings, video).tolist()
     indices += [indices[-1]] * (-len(indices) % settings.temporal)
     fps = video.fps or DEFAULT_FPS
     times = [i / fps for i in indices]
@@ -385,10 +388,20 @@ MAX_DECODED_FRAMES = 20_000
 MAX_DECODED_PIXELS = 1 << 34
 
 
-def decode_video(data: bytes, where: str = "video") -> Video:
+def file_sampler(settings: VideoSettings | None) -> Any:
+    """How a video file's frames are chosen for ``settings``: Qwen3-VL's ``(frame count, rate) -> indices`` (its
+    processor's sampling over every frame of the file, as transformers reads files); ``None``: :data:`SAMPLE_FPS` a
+    second (Qwen2-VL)."""
+    if settings is None or not settings.qwen3 or not settings.sample_frames:
+        return None
+    return lambda total, fps: sampled(settings, Video(np.empty((total, 0, 0, 3), np.uint8), fps))
+
+
+def decode_video(data: bytes, where: str = "video", sample: Any = None) -> Video:
     """A video file's frames (MP4, WebM, AVI, ... whatever FFmpeg reads, through PyAV), :data:`SAMPLE_FPS` a second
     (the first frame, then the first at or after each next sample time; all of them where the file has fewer a
-    second), at most :data:`MAX_FRAMES`; its frame rate is that of the frames kept.
+    second), at most :data:`MAX_FRAMES`; its frame rate is that of the frames kept. ``sample`` (:func:`file_sampler`):
+    the frames it picks of the file's count and rate where the file states them (the video keeps their numbers).
 
     Raises:
         RequestRejectedError: PyAV is not installed, the bytes are not a video FFmpeg reads, no frames, frames too
@@ -411,6 +424,9 @@ def decode_video(data: bytes, where: str = "video") -> Video:
                 raise RequestRejectedError(f"{where}: the file has no video stream")
             stream = container.streams.video[0]
             check_size(stream.codec_context.width, stream.codec_context.height, f"{where} frame")
+            total, average = int(stream.frames or 0), float(stream.average_rate or 0)
+            if sample is not None and total > 0 and MIN_FPS <= average <= MAX_FPS:
+                return _decode_picked(container, stream, [int(i) for i in sample(total, average)], average, where)
             # frames without times (a raw stream) are spaced by the codec's rate, else the guessed one
             given = stream.codec_context.framerate or stream.guessed_rate or stream.average_rate
             rate = float(given) if given else SAMPLE_FPS
@@ -452,7 +468,40 @@ def decode_video(data: bytes, where: str = "video") -> Video:
     return Video(video_of(np.stack(frames), where).frames, fps)   # (the shape checks of frames given directly)
 
 
-def video_from_url(url: str, where: str = "video_url", policy: Any = None) -> Video:
+def _decode_picked(container: Any, stream: Any, picked: list[int], fps: float, where: str) -> Video:
+    """The frames of numbers ``picked`` (increasing) of a file's video stream, decoded in order up to the last.
+
+    Raises:
+        RequestRejectedError: frames too large or changing size, too many to decode, none found.
+    """
+    from plinth.multimodal.images import check_size
+
+    wanted = set(picked)
+    frames: list[np.ndarray] = []
+    found: list[int] = []
+    decoded = decoded_pixels = 0
+    for i, frame in enumerate(container.decode(stream)):
+        if i > picked[-1]:
+            break
+        decoded += 1
+        decoded_pixels += frame.width * frame.height
+        if decoded > MAX_DECODED_FRAMES or decoded_pixels > MAX_DECODED_PIXELS:
+            raise RequestRejectedError(f"{where}: more than {MAX_DECODED_FRAMES} frames or {MAX_DECODED_PIXELS} "
+                                       "pixels to decode")
+        if i not in wanted:
+            continue
+        check_size(frame.width, frame.height, f"{where} frame")
+        if frames and (frame.height, frame.width) != frames[0].shape[:2]:
+            raise RequestRejectedError(f"{where}: its frames change size ({frames[0].shape[1]}x{frames[0].shape[0]}, "
+                                       f"then {frame.width}x{frame.height}); a video's frames have one size")
+        frames.append(frame.to_ndarray(format="rgb24"))
+        found.append(i)
+    if not frames:
+        raise RequestRejectedError(f"{where}: the video has no frames")
+    return Video(video_of(np.stack(frames), where).frames, fps, tuple(found))
+
+
+def video_from_url(url: str, where: str = "video_url", policy: Any = None, sample: Any = None) -> Video:
     """A video from a ``data:video/...;base64,...`` URL, or, where ``policy`` allows, a ``file://`` URL under its
     directory or an ``http(s)://`` URL of its domains (:func:`decode_video`).
 
@@ -461,7 +510,7 @@ def video_from_url(url: str, where: str = "video_url", policy: Any = None) -> Vi
     """
     from plinth.multimodal.images import media_bytes
 
-    return decode_video(media_bytes(url, where, policy, "video"), where)
+    return decode_video(media_bytes(url, where, policy, "video"), where, sample)
 
 
 def split_groups(grid: tuple[int, int, int], most: int) -> list[int]:

@@ -186,8 +186,12 @@ async def load_images(ctx: ServerContext, req: ChatCompletionRequest) -> dict[st
     support = getattr(ctx.front, "images", None)
     if support is None:
         return None
+    import functools
+
     from plinth.multimodal.video import video_from_url
 
+    # (a video file's frames as the model's processor picks them)
+    video_from_url = functools.partial(video_from_url, sample=support.video_sampler)
     found: dict[Any, tuple[str, Any]] = {}
     counts = {"image_url": 0, "video_url": 0}
     for i, m in enumerate(req.messages):
