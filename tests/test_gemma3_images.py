@@ -197,3 +197,20 @@ def test_gpu_images_equal_transformers(tmp_path):
                                 token_type_ids=inputs["token_type_ids"])
     output_matches_transformers(outs[1], model, steps=8, tol=1e-3)
     llm.close()
+
+
+def test_default_budget_makes_room_before_any_worker_starts(gemma3):
+    """plinth's own budget is raised from the model directory's config before the executor is chosen (worker
+    processes get it too), by an image beside a full batch of decodes and their speculative drafts."""
+    from plinth.config import EngineConfig
+    from plinth.worker.setup import _room_for_whole_images
+
+    path = gemma3[0]
+    base = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8, max_num_batched_tokens=12, platform="cpu")
+    assert _room_for_whole_images(base).scheduler.max_num_batched_tokens == 16 + 8
+    drafting = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8, max_num_batched_tokens=12, platform="cpu",
+                                        speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert _room_for_whole_images(drafting).scheduler.max_num_batched_tokens == 16 + 8 * 4
+    off = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8, max_num_batched_tokens=12, platform="cpu",
+                                   limit_mm_per_prompt={"image": 0})
+    assert _room_for_whole_images(off).scheduler.max_num_batched_tokens == 12

@@ -231,7 +231,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, executor_factory: Callable[[EngineConfig], Executor] | None = None):
         from plinth.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
-        from plinth.worker.setup import build_engine_parts, whole_image_positions
+        from plinth.worker.setup import build_engine_parts, decode_rows, whole_image_positions
 
         t0 = time.perf_counter()
         reasoning = resolve_reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
@@ -332,7 +332,7 @@ class LLMEngine:
         budget = self.scheduler.config.max_num_batched_tokens
         whole = whole_image_positions(parts.source, config)
         if whole:   # (Gemma 3: an image's positions see the whole image)
-            seqs = self.scheduler.config.max_num_seqs
+            seqs = self.scheduler.config.max_num_seqs * decode_rows(config)   # (decodes' tokens, drafts included)
             if budget < whole:
                 from plinth.config import ConfigError
 
@@ -340,9 +340,10 @@ class LLMEngine:
                                   "which Gemma 3 prefills in one step (an image's positions attend to each other): "
                                   "raise the budget, or turn images off with limit_mm_per_prompt {\"image\": 0}")
             if budget < whole + seqs:
-                logger.warning("max_num_batched_tokens (%d) leaves less than an image's %d positions beside %d "
-                               "decodes: an image prompt may wait, holding new requests back, until fewer requests "
-                               "decode (%d or more avoids it)", budget, whole, seqs, whole + seqs)
+                logger.warning("max_num_batched_tokens (%d) leaves less than an image's %d positions beside the %d "
+                               "tokens of a full batch of decodes: an image prompt may wait, holding new requests "
+                               "back, until fewer requests decode (%d or more avoids it)", budget, whole, seqs,
+                               whole + seqs)
                 self.scheduler.hold_for_images = True
             self.scheduler.whole_images = whole
         if not self.scheduler.config.enable_chunked_prefill and budget < self.max_model_len:

@@ -419,14 +419,15 @@ def decode_video(data: bytes, where: str = "video", sample: Any = None) -> Video
     frames: list[np.ndarray] = []
     times: list[float] = []
     try:
+        if sample is not None:   # (Qwen3-VL: the frames its processor picks of the file's stated count and rate)
+            picked = _sampled_file(data, sample, where)
+            if picked is not None:
+                return picked
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise RequestRejectedError(f"{where}: the file has no video stream")
             stream = container.streams.video[0]
             check_size(stream.codec_context.width, stream.codec_context.height, f"{where} frame")
-            total, average = int(stream.frames or 0), float(stream.average_rate or 0)
-            if sample is not None and total > 0 and MIN_FPS <= average <= MAX_FPS:
-                return _decode_picked(container, stream, [int(i) for i in sample(total, average)], average, where)
             # frames without times (a raw stream) are spaced by the codec's rate, else the guessed one
             given = stream.codec_context.framerate or stream.guessed_rate or stream.average_rate
             rate = float(given) if given else SAMPLE_FPS
@@ -468,18 +469,46 @@ def decode_video(data: bytes, where: str = "video", sample: Any = None) -> Video
     return Video(video_of(np.stack(frames), where).frames, fps)   # (the shape checks of frames given directly)
 
 
-def _decode_picked(container: Any, stream: Any, picked: list[int], fps: float, where: str) -> Video:
-    """The frames of numbers ``picked`` (increasing) of a file's video stream, decoded in order up to the last.
+def _sampled_file(data: bytes, sample: Any, where: str) -> Video | None:
+    """A video file's frames that ``sample`` picks of its stated frame count and rate (picked again among the frames
+    it has where it states more); ``None``: the file states no count or rate, or has fewer than two frames."""
+    import io
+
+    import av
+
+    from plinth.multimodal.images import check_size
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.video:
+            raise RequestRejectedError(f"{where}: the file has no video stream")
+        stream = container.streams.video[0]
+        check_size(stream.codec_context.width, stream.codec_context.height, f"{where} frame")
+        total, rate = int(stream.frames or 0), float(stream.average_rate or 0)
+        if total <= 0 or not MIN_FPS <= rate <= MAX_FPS:
+            return None
+        video, decoded = _decode_picked(container, stream, [int(i) for i in sample(total, rate)], rate, where)
+    if video is None and decoded >= 2:   # (fewer frames than it states)
+        with av.open(io.BytesIO(data), mode="r") as container:
+            video, _ = _decode_picked(container, container.streams.video[0], [int(i) for i in sample(decoded, rate)],
+                                      rate, where)
+    return video
+
+
+def _decode_picked(container: Any, stream: Any, picked: list[int], fps: float, where: str) -> tuple[Video | None, int]:
+    """The frames of numbers ``picked`` (increasing) of a file's video stream, decoded in order up to the last, and
+    the frames decoded; ``None`` where the stream ends before the last (it has fewer frames than it states).
 
     Raises:
-        RequestRejectedError: frames too large or changing size, too many to decode, none found.
+        RequestRejectedError: frames too large or changing size, too many to decode or keep.
     """
     from plinth.multimodal.images import check_size
 
+    if len(picked) > MAX_FRAMES:
+        raise RequestRejectedError(f"{where}: {len(picked)} frames, at most {MAX_FRAMES}", param="multi_modal_data")
     wanted = set(picked)
     frames: list[np.ndarray] = []
     found: list[int] = []
-    decoded = decoded_pixels = 0
+    decoded = decoded_pixels = kept_pixels = 0
     for i, frame in enumerate(container.decode(stream)):
         if i > picked[-1]:
             break
@@ -494,11 +523,14 @@ def _decode_picked(container: Any, stream: Any, picked: list[int], fps: float, w
         if frames and (frame.height, frame.width) != frames[0].shape[:2]:
             raise RequestRejectedError(f"{where}: its frames change size ({frames[0].shape[1]}x{frames[0].shape[0]}, "
                                        f"then {frame.width}x{frame.height}); a video's frames have one size")
+        kept_pixels += frame.width * frame.height
+        if kept_pixels > MAX_VIDEO_PIXELS:   # (before the frames are copied together)
+            raise RequestRejectedError(f"{where}: more than {MAX_VIDEO_PIXELS} pixels in the frames kept")
         frames.append(frame.to_ndarray(format="rgb24"))
         found.append(i)
-    if not frames:
-        raise RequestRejectedError(f"{where}: the video has no frames")
-    return Video(video_of(np.stack(frames), where).frames, fps, tuple(found))
+    if not found or found[-1] != picked[-1]:
+        return None, decoded
+    return Video(video_of(np.stack(frames), where).frames, fps, tuple(found)), decoded
 
 
 def video_from_url(url: str, where: str = "video_url", policy: Any = None, sample: Any = None) -> Video:

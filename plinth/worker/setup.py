@@ -96,6 +96,33 @@ def resolve_scheduler_limits(config: EngineConfig, platform: Any) -> EngineConfi
     return dataclasses.replace(config, scheduler=scheduler)
 
 
+def decode_rows(config: EngineConfig) -> int:
+    """The most step tokens one decoding sequence takes (its token and its speculative drafts)."""
+    spec = config.speculative
+    return 1 + (int(spec.num_speculative_tokens or 0) if spec.enabled else 0)
+
+
+def _room_for_whole_images(config: EngineConfig) -> EngineConfig:
+    """``config`` with plinth's own step budget raised to an image's positions beside a full batch of decodes (their
+    drafts included) where the model's image positions attend to each other (Gemma 3; read from a model directory's
+    config before any worker starts)."""
+    from plinth.model_registry.loader import resolve_model_source
+
+    if not os.path.isdir(os.path.expanduser(str(config.model.model))):
+        return config
+    try:
+        whole = whole_image_positions(resolve_model_source(config.model), config)
+    except Exception:   # noqa: BLE001 - the load that follows reports a bad model as it always does
+        return config
+    seqs, tokens = config.scheduler.limits
+    need = whole + seqs * decode_rows(config)
+    if not whole or tokens >= need:
+        return config
+    logger.info("max_num_batched_tokens %d -> %d: an image's %d positions are prefilled in one step, beside up to %d "
+                "decodes", tokens, need, whole, seqs)
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=need))
+
+
 def whole_image_positions(source: Any, config: EngineConfig) -> int:
     """The positions of one image whose positions attend to each other, so that a prompt chunk never ends inside it
     (Gemma 3, images not turned off by ``limit_mm_per_prompt``); 0 for other models."""
@@ -305,6 +332,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     platform = select_platform(config.device.platform)
     budget_given = config.scheduler.max_num_batched_tokens is not None and not config.scheduler.budget_is_default
     config = resolve_scheduler_limits(config, platform)
+    if not budget_given:
+        config = _room_for_whole_images(config)
     executor_name = resolve_executor_name(config, platform)
     drafting = config.speculative.speculative_method == "draft_model"
     if drafting and (executor_name != "uniproc" or executor_factory is not None):
@@ -321,13 +350,6 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     device = platform.device(0)
     source = resolve_model_source(config.model)
     source.check_task(config.model.task)
-    whole = whole_image_positions(source, config)
-    seqs, tokens = config.scheduler.limits
-    if whole and not budget_given and tokens < whole + seqs:   # (room for a whole image beside a full batch)
-        logger.info("max_num_batched_tokens %d -> %d: an image's %d positions are prefilled in one step, beside up "
-                    "to %d decodes", tokens, whole + seqs, whole, seqs)
-        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
-                                                                           max_num_batched_tokens=whole + seqs))
     hf = source.hf_config
     dtype = resolve_dtype(config.model, hf, platform.supported_dtypes())
     quant_method = resolve_quantization(config, source, platform, dtype, device)
