@@ -260,6 +260,8 @@ def serving_config(args: argparse.Namespace) -> Any:
                         "--max-num-batched-tokens changes it)", budget)
             args.max_num_batched_tokens = budget
             config = engine_config_from_args(args)
+            if config.scheduler.max_num_batched_tokens != budget:   # (a plugin's override chose another)
+                return config
             return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
                                                                              budget_is_default=True))
     return engine_config_from_args(args)
