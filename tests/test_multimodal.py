@@ -140,6 +140,13 @@ def test_two_images_in_one_prompt_and_a_batch(llava, llm):
     assert outs[3].prompt_token_ids.count(model.config.image_token_index) == 32
     for out, images in zip(outs, [[a, b], [], [b], [b, a]], strict=True):
         assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images)[0]
+    # (the prompts' images are processed together before any is queued: one unreadable image queues none)
+    from plinth.core.scheduler import RequestRejectedError
+
+    with pytest.raises(RequestRejectedError, match="cannot be read as an image"):
+        llm.generate([{"prompt": "<image> a", "multi_modal_data": {"image": a}},
+                      {"prompt": "<image> b", "multi_modal_data": {"image": b"not an image"}}], _greedy())
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_prefix_cache_keys_blocks_by_image(llava):

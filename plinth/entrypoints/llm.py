@@ -307,12 +307,13 @@ class LLM:
         """Queue ``(prompt, params, priority, lora_request)`` tuples; their ids. A rejected prompt leaves none of
         them queued."""
         ids: list[str] = []
+        requests = list(requests)
+        prepared = self._prepare_media([r[0] for r in requests])
         try:
-            for prompt, params, rank, lora in requests:
+            for i, (prompt, params, rank, lora) in enumerate(requests):
                 rid = f"llm-{next(self._ids)}"
                 prompt, salt, mm, settings = prompt if isinstance(prompt, _Salted) else (prompt, None, None, None)
-                if settings and mm is not None and self.engine.images is not None:   # this prompt's own processing
-                    mm = self.engine.images.prepare(mm, settings)
+                mm = prepared.get(i, mm)
                 self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt,
                                         multi_modal_data=mm)
                 ids.append(rid)
@@ -322,6 +323,23 @@ class LLM:
                 self.engine.step(final_only=True)   # reports (and forgets) the aborted requests
             raise
         return ids
+
+    def _prepare_media(self, prompts: list[Any]) -> dict[int, Any]:
+        """The prompts' images and videos through the image processor (each prompt with its own settings), several
+        prompts' at once on the media threads (the processors resize in native code, off the interpreter lock): prompt
+        index -> :class:`~plinth.multimodal.images.PreparedImages`. A prompt the processor refuses raises here, before
+        any request is queued."""
+        support = self.engine.images
+        jobs = [(i, p.multi_modal_data, p.processor_kwargs) for i, p in enumerate(prompts)
+                if isinstance(p, _Salted) and p.multi_modal_data is not None]
+        if support is None or not jobs or (len(jobs) == 1 and not jobs[0][2]):
+            return {}   # (one prompt: processed as it is added)
+        if len(jobs) == 1:
+            return {jobs[0][0]: support.prepare(jobs[0][1], jobs[0][2])}
+        from plinth.multimodal.images import media_pool
+
+        futures = [(i, media_pool().submit(support.prepare, mm, settings)) for i, mm, settings in jobs]
+        return {i: future.result() for i, future in futures}
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
