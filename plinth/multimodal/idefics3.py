@@ -22,8 +22,8 @@ from torch import nn
 
 from plinth.multimodal.vision import FullTower, load_encoder_weights, tower_parameter
 
-#: tiles the encoder takes in one pass
-TILES_PER_PASS = 16
+#: tiles the encoder takes in one pass (SmolVLM's images are up to 17 tiles: one pass each)
+TILES_PER_PASS = 32
 #: the image processor's bound on a resized image's longest side (transformers' ``MAX_IMAGE_SIZE``)
 MAX_IMAGE_SIDE = 4096
 
