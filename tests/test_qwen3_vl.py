@@ -467,6 +467,10 @@ def test_video_file_frames_sampled_as_transformers_reads_them(tmp_path):
     assert v.sampled(settings, read).tolist() == list(range(6))   # (sampled already)
     plain = v.decode_video(data)   # (Qwen2-VL: 2 frames a second as the file is read)
     assert plain.indices is None and len(plain.frames) == 6
+    import dataclasses
+
+    every_frame = v.decode_video(data, sample=v.file_sampler(dataclasses.replace(settings, sample_frames=False)))
+    assert every_frame.indices == tuple(range(30))   # (do_sample_frames off: all of them, as transformers reads it)
 
 
 def test_video_file_stating_more_frames_than_it_has(monkeypatch):

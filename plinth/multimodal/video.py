@@ -392,8 +392,10 @@ def file_sampler(settings: VideoSettings | None) -> Any:
     """How a video file's frames are chosen for ``settings``: Qwen3-VL's ``(frame count, rate) -> indices`` (its
     processor's sampling over every frame of the file, as transformers reads files); ``None``: :data:`SAMPLE_FPS` a
     second (Qwen2-VL)."""
-    if settings is None or not settings.qwen3 or not settings.sample_frames:
+    if settings is None or not settings.qwen3:
         return None
+    if not settings.sample_frames:   # (every frame, as transformers reads a file it does not sample)
+        return lambda total, fps: np.arange(total)
     return lambda total, fps: sampled(settings, Video(np.empty((total, 0, 0, 3), np.uint8), fps))
 
 
