@@ -434,6 +434,12 @@ def test_video_prompts_refused_or_counted_as_laid_out(tmp_path):
     long_clip = (_clip(2, 40, (64, 64)), {"fps": 2.0})
     with pytest.raises(RequestRejectedError, match="fills 72 positions, more than the 64 a prompt may"):
         llm.generate({"prompt": f"a {VIDEO}", "multi_modal_data": {"video": long_clip}}, params)
+    start = support.mm_config.vision_start_token_id
+    llm.close()
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    two = llm.generate({"prompt": "<|video_pad|><|video_pad|> both", "multi_modal_data": {"video": [clip, clip]}},
+                       params)[0]   # (adjacent video tokens: one video each)
+    assert two.prompt_token_ids.count(start) == 4
     llm.close()
 
 

@@ -888,9 +888,9 @@ class ImageSupport:
         runs = [j - i for i, j in _runs(ids, video)]
         if runs == [w for w, groups in zip(width, stamps, strict=True) for _ in groups]:
             return list(ids)   # (laid out already)
-        if runs != [1] * len(stamps):
+        if sum(runs) != len(stamps):   # (one video token for each video, adjacent ones too)
             raise RequestRejectedError(
-                f"the prompt names {len(runs)} video(s) (video token id {video}) but multi_modal_data has "
+                f"the prompt names {sum(runs)} video(s) (video token id {video}) but multi_modal_data has "
                 f"{len(stamps)}: put one video token where each video goes (plinth writes its frame groups)",
                 param="multi_modal_data")
         start = int(self.mm_config.vision_start_token_id)
