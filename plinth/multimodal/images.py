@@ -408,9 +408,9 @@ class ImageSupport:
         #: positions an image fills (LLaVA-NeXT, Qwen2-VL: ``None``, it depends on the image's size)
         self.tokens_per_image: int | None = (None if self.tiled or self.qwen or self.patterned
                                              else tokens_per_image(mm_config))
-        from plinth.multimodal.internvl import _pair
+        from plinth.multimodal.internvl import square_size
 
-        self.image_size = None if self.qwen or self.pixtral else _pair(mm_config.vision_config.image_size)
+        self.image_size = None if self.qwen or self.pixtral else square_size(mm_config.vision_config.image_size)
         self.merge = int(getattr(mm_config.vision_config, "spatial_merge_size", 1))
         self.processor = _image_processor(mm_config, path)
         if self.internvl:   # (InternVLProcessor cuts images into tiles whatever its image processor's config says)
@@ -562,14 +562,7 @@ class ImageSupport:
         from plinth.multimodal.video import Video, length_of
         from plinth.multimodal.vision import tokens_per_image
 
-        if isinstance(image, Video):
-            if self.video.qwen3:   # (its frame groups, each with its time, start and end, less the wrapper's two)
-                from plinth.multimodal.video import grid_of, stamps
-
-                t, h, w = grid_of(self.video, image)
-                times = sum(len(self.tokenizer.encode(f"<{s:.1f} seconds>", add_special_tokens=False))
-                            for s in stamps(self.video, image)) if self.tokenizer is not None else 0
-                return times + t * (2 + h * w // (self.video.merge ** 2)) - 2
+        if isinstance(image, Video):   # (Qwen3-VL's videos: see laid_out, which writes their frame groups' times)
             return length_of(self.video, image)
         if self.patterned and not isinstance(image, EmbeddedImage):
             return len(self.pattern_of(image) or ())
@@ -1254,9 +1247,9 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
     if getattr(mm_config, "model_type", None) == "internvl":   # (InternVL's processor: up to 12 tiles, a thumbnail)
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-        from plinth.multimodal.internvl import _pair
+        from plinth.multimodal.internvl import square_size
 
-        side = _pair(mm_config.vision_config.image_size)
+        side = square_size(mm_config.vision_config.image_size)
         return GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
                                         image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
     if getattr(mm_config, "model_type", None) in ("idefics3", "smolvlm"):   # (tiles of the tower's size, 4 a side)

@@ -33,7 +33,7 @@ def is_internvl(mm_config: Any) -> bool:
     return getattr(mm_config, "model_type", None) == "internvl"
 
 
-def _pair(value: Any) -> int:
+def square_size(value: Any) -> int:
     """A square size given as one number or a pair (InternVL's configs give pairs)."""
     if isinstance(value, list | tuple):
         if len(set(value)) != 1:
@@ -44,7 +44,7 @@ def _pair(value: Any) -> int:
 
 def positions_per_tile(mm_config: Any) -> int:
     v = mm_config.vision_config
-    side = _pair(v.image_size) // _pair(v.patch_size)
+    side = square_size(v.image_size) // square_size(v.patch_size)
     return int(side * side * float(mm_config.downsample_ratio) ** 2)
 
 
@@ -101,8 +101,8 @@ class InternVLImageEncoder(nn.Module):
         if not 0 < self.layers_run <= total:
             raise UnsupportedModelError(f"InternVL: vision_feature_layer {layer} is outside the tower's {total} layers")
         h = v.hidden_size
-        self.patch = _pair(v.patch_size)
-        self.side = _pair(v.image_size) // self.patch
+        self.patch = square_size(v.patch_size)
+        self.side = square_size(v.image_size) // self.patch
         if self.side % 2:
             raise UnsupportedModelError(f"InternVL: {self.side} patches a side, which a 2x2 shuffle cannot halve")
         self.patch_embedding = nn.Conv2d(v.num_channels, h, self.patch, stride=self.patch)

@@ -152,9 +152,9 @@ class ImageFeatures:
             pixels = torch.randn(int(grid.prod()), enc.patch_embed.proj.weight[0].numel(), device=self.device)
             enc(pixels, grid)
         else:
-            from plinth.multimodal.internvl import _pair
+            from plinth.multimodal.internvl import square_size
 
-            size = _pair(enc.mm_config.vision_config.image_size)   # (InternVL's configs give a pair)
+            size = square_size(enc.mm_config.vision_config.image_size)   # (InternVL's configs give a pair)
             enc(torch.randn(getattr(enc, "tiles_per_pass", MAX_TILES), 3, size, size, device=self.device))
 
     def clear(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import logging
 import os
 from pathlib import Path
@@ -108,7 +109,12 @@ def _room_for_whole_images(config: EngineConfig) -> EngineConfig:
     config before any worker starts)."""
     from plinth.model_registry.loader import resolve_model_source
 
-    if not os.path.isdir(os.path.expanduser(str(config.model.model))):
+    config_file = os.path.join(os.path.expanduser(str(config.model.model)), "config.json")
+    try:   # (only Gemma 3's image-and-text configs: the other models' start-up reads nothing more)
+        with open(config_file, encoding="utf-8") as f:
+            if json.load(f).get("model_type") != "gemma3":
+                return config
+    except (OSError, ValueError, AttributeError):
         return config
     try:
         whole = whole_image_positions(resolve_model_source(config.model), config)
