@@ -202,6 +202,8 @@ def test_server_use_beam_search(tiny_llama_dir, llm):
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
                                                     "max_tokens": 5, "use_beam_search": True})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        # (the usage's shape as on the other routes)
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
         ids = engine.tokenize(engine.render_chat([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
         beams = llm.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=5))[0].sequences
         assert [c["message"]["content"] for c in r.json()["choices"]] == [b.text for b in beams]

@@ -102,6 +102,8 @@ def test_sampling_params_are_checked_when_the_request_arrives(tiny_llama_dir):
         llm.generate(PROMPTS[:1], {"temperature": 0.0}, use_tqdm=False)
     with pytest.raises(SamplingParamsError, match="stop: must be a list, got int"):
         SamplingParams(stop=5)
+    with pytest.raises(SamplingParamsError, match="stop: must be valid Unicode text"):
+        SamplingParams(stop=["ok", "\ud800"])   # (what JSON's lone surrogate escape decodes to: it could never match)
     for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
         with pytest.raises(SamplingParamsError, match=f"{field}: must be true or false, got 'no'"):
             SamplingParams(**{field: "no"})   # a truthy string would have meant True

@@ -291,6 +291,22 @@ def test_csv_stop_cells_are_json_lists_or_one_string():
         _coerce("ignore_eos", "maybe", False, True)
 
 
+def test_csv_list_cells_of_bad_words_and_allowed_token_ids():
+    """``bad_words`` cells are read as ``stop`` cells are, ``allowed_token_ids`` as ``stop_token_ids``: a CSV row
+    gives the sampling parameters its JSONL twin gives."""
+    from plinth import SamplingParams
+    from plinth.entrypoints.generate_cmd import parse_row
+
+    base = SamplingParams()
+    jsonl = parse_row(1, {"prompt": "x", "bad_words": ["[", "x"], "allowed_token_ids": [7, 11]}, base)[2]
+    csv = parse_row(1, {"prompt": "x", "bad_words": '["[", "x"]', "allowed_token_ids": "[7, 11]", "_cells": True},
+                    base)[2]
+    assert csv.bad_words == jsonl.bad_words == ["[", "x"]
+    assert csv.allowed_token_ids == jsonl.allowed_token_ids == [7, 11]
+    one = parse_row(2, {"prompt": "x", "bad_words": "[", "allowed_token_ids": "7", "_cells": True}, base)[2]
+    assert one.bad_words == ["["] and one.allowed_token_ids == [7]
+
+
 def test_csv_rows_keep_their_starting_line_after_quoted_line_breaks(tmp_path):
     from plinth.entrypoints.generate_cmd import read_rows
 

@@ -211,9 +211,10 @@ def test_language_models_that_scale_their_embeddings(tmp_path, text_model):
                for step, ref in zip(out.outputs[0].logprobs, logprobs, strict=True) for t, lp in step.items())
 
 
-def test_new_weights_reach_the_image_encoder(llava, tmp_path):
+def test_new_weights_reach_the_image_encoder(llava, tmp_path, monkeypatch):
     """update_weights from a LLaVA checkpoint: the vision tower and projector take their tensors too, and images
     encoded with the old weights are forgotten; the tokens then equal a fresh engine's on the new checkpoint."""
+    monkeypatch.setenv("PLINTH_CPU_PACKED", "0")   # weights update_weights() can take (the CPU path's plain ones)
     other, _, _ = _save_llava(tmp_path / "other", seed=7)
     llm = LLM(str(llava[0]), dtype="float32", platform="cpu", block_size=4, selection="off")
     prompt = {"prompt": "The <image> fox", "multi_modal_data": {"image": _picture(21)}}

@@ -233,6 +233,8 @@ class SamplingParams:
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed",
               f"must be an integer, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(all(encodable_text(s) for s in self.stop), "stop", "must be valid Unicode text (not a lone UTF-16 "
+              "surrogate)")
         check(self.detokenize or not self.stop, "stop", "stop strings are matched in the text: they need "
               "detokenize=True")
         check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),

@@ -177,9 +177,9 @@ def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
         return int(value)
     if not (cells and isinstance(value, str)):
         return value
-    if name == "stop_token_ids":
+    if name in ("stop_token_ids", "allowed_token_ids"):
         return json.loads(value) if value.startswith("[") else [int(value)]
-    if name == "stop":   # a JSON list of strings, else the cell is one stop string ("[/INST]" included)
+    if name in ("stop", "bad_words"):   # a JSON list of strings, else the cell is one string ("[/INST]" included)
         if value.startswith('["'):   # meant as a JSON list: it must be one
             decoded = json.loads(value)
             if not (isinstance(decoded, list) and all(isinstance(x, str) for x in decoded)):

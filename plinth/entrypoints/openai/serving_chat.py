@@ -411,7 +411,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                 message.content = _echoed(ctx, req) + (message.content or "")
             choices.append(ChatChoice(index=j, message=message, finish_reason=b.finish_reason))
         completion = sum(len(b.token_ids) for b in out.sequences)
-        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
+        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion,
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=ctx.reply_model(lora), choices=choices,
                                                    usage=usage).model_dump())
     started = await unless_disconnected(raw, start(ctx, [(rid, ids, params)], req.priority, lora,
