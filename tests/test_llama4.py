@@ -144,7 +144,7 @@ def test_image_text_checkpoint_runs_its_language_model(tmp_path):
     language model alone: text prompts give transformers' tokens."""
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14, projector_input_dim=64, projector_output_dim=64, vision_output_dim=64,
                   pixel_shuffle_ratio=0.5)
     cfg = transformers.Llama4Config(text_config=_text_config(tokenizer), vision_config=vision,

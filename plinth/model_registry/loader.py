@@ -337,7 +337,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         raise UnsupportedModelError(
             f"{path}: {arch} is an image-and-text model whose language model "
             f"({getattr(cfg.text_config, 'model_type', '?')}) plinth does not run natively; plinth runs LLaVA, "
-            f"LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, Idefics3, SmolVLM and InternVL checkpoints with "
+            f"LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, Idefics3, SmolVLM, InternVL and Llama 4 "
+            f"checkpoints with "
             f"images, and the language "
             f"model alone of other image-and-text models, where "
             f"that language model is one it runs (Llama, Mistral, Qwen2, Gemma 3, ...)")
@@ -356,7 +357,7 @@ IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditional
                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                        "Mistral3ForConditionalGeneration", "Gemma3ForConditionalGeneration",
                        "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
-                       "InternVLForConditionalGeneration")
+                       "InternVLForConditionalGeneration", "Llama4ForConditionalGeneration")
 
 #: language models of image-and-text checkpoints that plinth runs as a native causal LM, and their multimodal RoPE:
 #: transformers' default sections where the config names none, and whether they interleave (Qwen3-VL always does)
@@ -371,13 +372,15 @@ def _runs_images(cfg: Any, arch: str) -> bool:
     SigLIP vision tower, or a Qwen2-VL / Qwen2.5-VL model)."""
     from plinth.multimodal.idefics3 import is_idefics3
     from plinth.multimodal.internvl import is_internvl
+    from plinth.multimodal.llama4 import is_llama4
     from plinth.multimodal.pixtral import is_pixtral
     from plinth.multimodal.qwen_vision import is_qwen_vl
     from plinth.multimodal.vision import VISION_TOWERS
 
     vision = getattr(cfg, "vision_config", None)
     return arch in IMAGE_ARCHITECTURES and (getattr(vision, "model_type", None) in VISION_TOWERS or is_qwen_vl(cfg)
-                                            or is_pixtral(cfg) or is_idefics3(cfg) or is_internvl(cfg))
+                                            or is_pixtral(cfg) or is_idefics3(cfg) or is_internvl(cfg)
+                                            or is_llama4(cfg))
 
 
 def _origin(where: Any, model_config: ModelConfig) -> str:

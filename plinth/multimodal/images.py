@@ -370,6 +370,7 @@ class ImageSupport:
         from plinth.multimodal.gemma3 import PromptLayout, is_gemma3
         from plinth.multimodal.idefics3 import is_idefics3
         from plinth.multimodal.internvl import is_internvl
+        from plinth.multimodal.llama4 import is_llama4
         from plinth.multimodal.pixtral import is_pixtral
         from plinth.multimodal.qwen_vision import is_qwen_vl
         from plinth.multimodal.vision import check_layout, is_next, tokens_per_image
@@ -383,9 +384,13 @@ class ImageSupport:
         self.tiles: Any = None
         #: InternVL: an image as tiles and a thumbnail between <img> and </img>
         self.internvl = is_internvl(mm_config)
-        if is_idefics3(mm_config) or self.internvl:
+        #: Llama 4: an image as tiles and a global view, its prompt's placeholder <|image|>, its patches the image token
+        self.llama4 = is_llama4(mm_config)
+        if is_idefics3(mm_config) or self.internvl or self.llama4:
             if self.internvl:
                 from plinth.multimodal.internvl import PromptTokens
+            elif self.llama4:
+                from plinth.multimodal.llama4 import PromptTokens
             else:
                 from plinth.multimodal.idefics3 import PromptTokens
             try:
@@ -394,7 +399,7 @@ class ImageSupport:
                 logger.warning("this checkpoint's tokenizer cannot lay images out (%s): its images are refused", exc)
         #: a prompt's image is laid out by the image (Mistral 3, Idefics3 / SmolVLM, InternVL): each placeholder names
         #: one image
-        self.patterned = self.pixtral or is_idefics3(mm_config) or self.internvl
+        self.patterned = self.pixtral or is_idefics3(mm_config) or self.internvl or self.llama4
         #: Gemma 3: how its prompt lays out an image (the ``<start_of_image>`` a prompt carries widened); else ``None``
         self.layout: Any = None
         if is_gemma3(mm_config):
@@ -403,6 +408,11 @@ class ImageSupport:
             check_layout(mm_config)
         self.token_id = int(mm_config.image_token_index if getattr(mm_config, "image_token_index", None) is not None
                             else mm_config.image_token_id)
+        #: the token of the positions that take an image's embeddings (Llama 4: its patches'; the others: the image
+        #: token itself)
+        self.embedding_token = self.token_id
+        if self.llama4:   # (a prompt names an image by <|image|>; the laid-out patches are the image token)
+            self.token_id = self.tiles.placeholder if self.tiles is not None else -1
         self.mm_config = mm_config
         self.tiled = is_next(mm_config)
         #: positions an image fills (LLaVA-NeXT, Qwen2-VL: ``None``, it depends on the image's size)
@@ -442,7 +452,7 @@ class ImageSupport:
 
             self.video_token_id = int(video_id)
             self.video = video_settings(mm_config, path, processor_kwargs)
-        token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None else None
+        token = tokenizer.convert_ids_to_tokens(self.token_id) if tokenizer is not None and self.token_id >= 0 else None
         #: the image token as text (a chat message's image part, as a template that reads strings sees it; Qwen2-VL's
         #: between its vision start and end tokens)
         self.placeholder: str = token if isinstance(token, str) else "<image>"
@@ -528,7 +538,8 @@ class ImageSupport:
 
             try:
                 grid = ((int(self.processor.get_number_of_image_patches(image.height, image.width, {})),)
-                        if self.internvl else grid_of(self.processor, (image.height, image.width)))
+                        if self.internvl else self.processor.grid(image.height, image.width) if self.llama4
+                        else grid_of(self.processor, (image.height, image.width)))
             except (KeyError, TypeError, ValueError, AttributeError):   # a processor of other settings: run it
                 return self._tiled_pictures([image]).patterns[0]
             if self.tiles is None:
@@ -1016,7 +1027,9 @@ class ImageSupport:
         InternVL's grid and thumbnail) as the processor cuts them, and its prompt (the model's ``PromptTokens``)."""
         if self.tiles is None:
             raise RequestRejectedError("this checkpoint's tokenizer lacks the tokens an image's prompt needs "
-                                       "(<fake_token_around_image>; InternVL: <img>, </img>)", param="multi_modal_data")
+                                       "(<fake_token_around_image>; InternVL: <img>, </img>; Llama 4: <|image_start|>, "
+                                       "<|image_end|>, <|image|>, <|tile_x_separator|>, <|tile_y_separator|>)",
+                                       param="multi_modal_data")
         size = self.image_size
         pixels, patterns = [], []
         for img in images:
@@ -1026,6 +1039,10 @@ class ImageSupport:
                     pv = out["pixel_values"]
                     grid: tuple[int, ...] = (int(out["num_patches"][0]),)
                     tiles = grid[0]
+                elif self.llama4:
+                    out = (processor or self.processor)(images=[img], return_tensors="pt")
+                    pv, (grid,) = out["pixel_values"], [tuple(int(v) for v in g) for g in out["aspect_ratios"]]
+                    tiles = grid[0] * grid[1] + (1 if grid[0] * grid[1] > 1 else 0)
                 else:
                     out = (processor or self.processor)(images=[img], return_tensors="pt", return_row_col_info=True)
                     pv, rows, cols = out["pixel_values"][0], int(out["rows"][0][0]), int(out["cols"][0][0])
@@ -1065,13 +1082,13 @@ class ImageSupport:
                                        param="multi_modal_data")
         if self.tiles is not None and self.tiles.laid_out(ids):
             raise RequestRejectedError("the prompt carries an image's layout already (<fake_token_around_image>; "
-                                       "InternVL: <img>): give one image token where each image goes; plinth lays "
-                                       "out its tiles", param="multi_modal_data")
+                                       "InternVL: <img>; Llama 4: <|image_start|>): give one image token where each "
+                                       "image goes; plinth lays out its tiles", param="multi_modal_data")
         expanded, spans = self.expand(ids, prepared.lengths, prepared.tokens, prepared.patterns)
         grids = prepared.grids or (None,) * len(spans)
         embeds = prepared.embeds or (None,) * len(spans)
         scales = prepared.time_scales or (None,) * len(spans)
-        masks = [None if p is None else np.asarray(p) == self.token_id for p in prepared.patterns] \
+        masks = [None if p is None else np.asarray(p) == self.embedding_token for p in prepared.patterns] \
             if prepared.patterns else [None] * len(spans)
         items = sorted((ImageItem(offset, length, prepared.pixels[i], prepared.keys[i], prepared.sizes[i], grids[i],
                                   embeds=embeds[i], time_scale=scales[i], mask=masks[i])
@@ -1229,6 +1246,10 @@ def _image_processor(mm_config: Any, path: str | None) -> Any:
     (CLIP's or SigLIP's) at the tower's image size."""
     import transformers
 
+    if getattr(mm_config, "model_type", None) == "llama4":   # (plinth's: transformers' needs torchvision)
+        from plinth.multimodal.llama4 import ImageProcessor
+
+        return ImageProcessor.for_checkpoint(mm_config, path)
     if path is not None and (Path(path) / "preprocessor_config.json").is_file():
         try:
             return transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
@@ -1293,6 +1314,8 @@ def tile_settings(mm_config: Any) -> tuple[str, ...]:
         return ("min_patches", "max_patches", "crop_to_patches")
     if kind in ("idefics3", "smolvlm"):
         return ("do_image_splitting",)
+    if kind == "llama4":
+        return ("max_patches", "resize_to_max_canvas")
     return ()
 
 

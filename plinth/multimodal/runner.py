@@ -18,6 +18,7 @@ from plinth.multimodal.gemma3 import Gemma3ImageEncoder, is_gemma3
 from plinth.multimodal.idefics3 import Idefics3ImageEncoder, is_idefics3
 from plinth.multimodal.images import ImageItem
 from plinth.multimodal.internvl import InternVLImageEncoder, is_internvl
+from plinth.multimodal.llama4 import Llama4ImageEncoder, is_llama4
 from plinth.multimodal.pixtral import PixtralEncoder, is_pixtral
 from plinth.multimodal.qwen_vision import QwenVisionEncoder, is_qwen_vl
 from plinth.multimodal.vision import ImageEncoder
@@ -198,7 +199,8 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
     encoder: Any = (QwenVisionEncoder(mm_config) if is_qwen_vl(mm_config) else PixtralEncoder(mm_config)
                     if is_pixtral(mm_config) else Gemma3ImageEncoder(mm_config) if is_gemma3(mm_config)
                     else Idefics3ImageEncoder(mm_config) if is_idefics3(mm_config)
-                    else InternVLImageEncoder(mm_config) if is_internvl(mm_config) else ImageEncoder(mm_config))
+                    else InternVLImageEncoder(mm_config) if is_internvl(mm_config)
+                    else Llama4ImageEncoder(mm_config) if is_llama4(mm_config) else ImageEncoder(mm_config))
     if source.kind == "hf_dir":
         files = list_safetensors_files(Path(source.path))
         # (a bitsandbytes checkpoint's tower is quantized too: widened as it is read, as the language model is)
@@ -218,10 +220,11 @@ def load_image_features(source: Any, dtype: torch.dtype, device: torch.device, s
         logger.info("image encoder: %s, %d layers, a position per %dx%d patches", mm_config.vision_config.model_type,
                     mm_config.vision_config.depth, mm_config.vision_config.spatial_merge_size,
                     mm_config.vision_config.spatial_merge_size)
-    elif is_internvl(mm_config) or is_idefics3(mm_config):
-        from plinth.multimodal import idefics3, internvl
+    elif is_internvl(mm_config) or is_idefics3(mm_config) or is_llama4(mm_config):
+        from plinth.multimodal import idefics3, internvl, llama4
 
-        per_tile = (internvl if is_internvl(mm_config) else idefics3).positions_per_tile(mm_config)
+        per_tile = (internvl if is_internvl(mm_config) else llama4 if is_llama4(mm_config)
+                    else idefics3).positions_per_tile(mm_config)
         logger.info("image encoder: %s, %d positions per tile", mm_config.vision_config.model_type, per_tile)
     else:
         logger.info("image encoder: %s, %d of its layers, %d positions per %s", mm_config.vision_config.model_type,

@@ -308,7 +308,8 @@ _UNUSED_PARTS = ("tower.post_layernorm.", "tower.head.", "tower.position_ids")
 QWEN_ENCODER_PREFIXES = ("model.visual.", "visual.")
 #: the checkpoint prefixes of an image encoder's tensors (both layouts transformers writes; LLaVA's, then Qwen2-VL's)
 ENCODER_PREFIXES = _TOWER_PREFIXES + _PROJECTOR_PREFIXES + _NEWLINE_NAMES + QWEN_ENCODER_PREFIXES + (
-    "model.vision_model.", "model.connector.")   # (and Idefics3's / SmolVLM's)
+    "model.vision_model.", "model.connector.",   # (and Idefics3's / SmolVLM's)
+    "vision_model.")   # (and Llama 4's)
 
 
 def _parameter_name(name: str, num_layers: int) -> str | None:
