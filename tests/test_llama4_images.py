@@ -269,6 +269,23 @@ def test_processor_equals_transformers(checkpoint):
     llm.close()
 
 
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tensor_parallel", "pipeline_stages"])
+def test_images_on_worker_processes(checkpoint, tp, pp):
+    """Two tensor-parallel ranks (the experts' and heads' features split) or two pipeline stages give the
+    one-process engine's tokens for image prompts."""
+    from conftest import generate_on_tp_workers
+
+    path = checkpoint[0]
+    prompts = [{"prompt": "A <|image|> then <|image|> end", "multi_modal_data": {"image": [_picture(3), _picture(4)]}},
+               {"prompt": "<|image|> alone", "multi_modal_data": {"image": _picture(5, (32, 32))}}]
+    params = plinth.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.close()
+    got = generate_on_tp_workers(path, prompts, params, size=tp, pp=pp)
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_images_equal_transformers(tmp_path):
     """On a GPU: float32 tokens of an image prompt beside a text prompt equal transformers' on the CPU."""
