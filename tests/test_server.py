@@ -777,6 +777,8 @@ def test_kv_cache_refusal_names_max_tokens_without_the_engine_request_id(model_d
         assert "lower max_tokens" in err["message"] and not err["message"].startswith("request "), err
         err = assert_error(http.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 1}), 400, "prompt")
         assert "shorten it" in err["message"] and "cmpl-" not in err["message"], err
+        # the model card says how long a sequence may be: what the cache holds, below max_model_len here
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == engine.max_sequence_len < engine.max_model_len
 
 
 def test_replies_with_logprobs_are_built_off_the_event_loop(model_dir, monkeypatch):

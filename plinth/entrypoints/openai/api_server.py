@@ -193,10 +193,12 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
         return Response(ctx.metrics.render(front.stats()), media_type=CONTENT_TYPE)
 
     def card(name: str) -> ModelCard:
+        # (the longest sequence a request may make: max_model_len, or less where the KV cache holds less)
+        longest = front.max_sequence_len
         lora = ctx.loras.get(name)
         if name not in ctx.model_names and lora is not None:
-            return ModelCard(id=name, root=lora.lora_path, parent=ctx.model_name, max_model_len=front.max_model_len)
-        return ModelCard(id=name, max_model_len=front.max_model_len)
+            return ModelCard(id=name, root=lora.lora_path, parent=ctx.model_name, max_model_len=longest)
+        return ModelCard(id=name, max_model_len=longest)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
