@@ -174,6 +174,29 @@ def test_inconsistent_vision_config_is_refused(tmp_path):
         plinth.LLM(str(tmp_path), dtype="float32", platform="cpu", selection="off", block_size=4)
 
 
+def test_preprocessor_config_values(tmp_path):
+    """A ``preprocessor_config.json``'s settings: one mean and deviation for every channel (as transformers takes
+    them) give the processor the lists give; a ``max_patches`` out of range, a non-square tile or another resampling
+    fail at load, clearly."""
+    from types import SimpleNamespace
+
+    from plinth.errors import ModelLoadError
+
+    config = SimpleNamespace(vision_config=SimpleNamespace(image_size=32))
+    img = _picture(9, (40, 70))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "image_mean": 0.5,
+                                                                   "image_std": 0.25}))
+    scalar = ImageProcessor.for_checkpoint(config, str(tmp_path))
+    lists = ImageProcessor(size=32, max_patches=6, image_std=(0.25, 0.25, 0.25))
+    assert torch.equal(scalar(images=[img])["pixel_values"], lists(images=[img])["pixel_values"])
+    for change, message in [({"max_patches": 0}, "max_patches must be an integer from 1 to 48"),
+                            ({"size": {"height": 32, "width": 64}}, "tiles are square"),
+                            ({"resample": 3}, "bilinearly"), ({"image_mean": [0.5, 0.5]}, "one value a channel")]:
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, **change}))
+        with pytest.raises(ModelLoadError, match=message):
+            ImageProcessor.for_checkpoint(config, str(tmp_path))
+
+
 #: ``(height, width, max_patches, resize_to_max_canvas, rows, cols, resized height, resized width)``: the canvas of
 #: tiles transformers' ``Llama4ImageProcessor`` (transformers 5.25, 336-pixel tiles) chose for an image, and the size
 #: it resized the image to in it (found from its padding); recorded with torchvision installed
@@ -247,14 +270,18 @@ def test_processor_equals_transformers(checkpoint):
     from transformers.models.llama4.image_processing_llama4 import Llama4ImageProcessor
 
     rng = np.random.default_rng(0)
-    for most, widest in [(16, False), (16, True), (4, False), (1, False)]:
-        theirs = Llama4ImageProcessor(max_patches=most, resize_to_max_canvas=widest)
-        mine = ImageProcessor(max_patches=most, resize_to_max_canvas=widest)
+    for most, widest, extra in [(16, False, {}), (16, True, {}), (4, False, {}), (1, False, {}),
+                                (4, False, {"do_normalize": False}), (4, False, {"rescale_factor": 0.5 / 255})]:
+        theirs = Llama4ImageProcessor(max_patches=most, resize_to_max_canvas=widest, **extra)
+        mine = ImageProcessor(max_patches=most, resize_to_max_canvas=widest, **extra)
         for h, w in [(500, 700), (720, 1280), (100, 100), (337, 335), (2000, 1500), (3, 500), (1080, 1920)]:
             img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
             want, got = theirs(images=[img], return_tensors="pt"), mine(images=[img])
             assert want["aspect_ratios"].tolist() == got["aspect_ratios"].tolist()
-            assert torch.equal(want["pixel_values"].float(), got["pixel_values"]), (h, w, most, widest)
+            assert torch.equal(want["pixel_values"].float(), got["pixel_values"]), (h, w, most, widest, extra)
+    rgba = Image.fromarray(rng.integers(0, 256, (50, 90, 4), dtype=np.uint8), "RGBA")   # (transparency over white)
+    want = Llama4ImageProcessor(max_patches=4)(images=[rgba], return_tensors="pt")["pixel_values"].float()
+    assert torch.equal(want, ImageProcessor(max_patches=4)(images=[rgba])["pixel_values"])
     path, model, tok = checkpoint
     processor = transformers.Llama4Processor(image_processor=Llama4ImageProcessor(**{
         k: v for k, v in PREPROCESSOR.items() if k != "image_processor_type"}), tokenizer=tok, patch_size=4)

@@ -224,6 +224,8 @@ class ImageProcessor:
         self.max_patches = int(max_patches)
         self.resize_to_max_canvas = bool(resize_to_max_canvas)
         self.image_mean, self.image_std = [float(m) for m in image_mean], [float(s) for s in image_std]
+        if len(self.image_mean) != 3 or len(self.image_std) != 3:
+            raise ValueError(f"image_mean and image_std take one value a channel, got {image_mean!r}, {image_std!r}")
         self.rescale_factor = float(rescale_factor)
         self.do_rescale, self.do_normalize = bool(do_rescale), bool(do_normalize)
         self.do_convert_rgb = True
@@ -253,7 +255,18 @@ class ImageProcessor:
             raise ModelLoadError(f"{file}: tiles of {size['height']} pixels; the vision tower takes {side}")
         keys = ("max_patches", "resize_to_max_canvas", "image_mean", "image_std", "rescale_factor", "do_rescale",
                 "do_normalize")
-        return cls(size=side, **{k: raw[k] for k in keys if raw.get(k) is not None})
+        given = {k: raw[k] for k in keys if raw.get(k) is not None}
+        most = given.get("max_patches", 16)
+        if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_TILES_SETTING:
+            raise ModelLoadError(f"{file}: max_patches must be an integer from 1 to {MAX_TILES_SETTING}, got {most!r}")
+        for key in ("image_mean", "image_std"):   # (one number for every channel, as transformers takes it)
+            value = given.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                given[key] = [float(value)] * 3
+        try:
+            return cls(size=side, **given)
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{file}: settings plinth cannot read: {exc}") from exc
 
     def canvases(self) -> list[tuple[int, int]]:
         """The ``(height, width)`` canvases of at most ``max_patches`` tiles, in the order transformers lists them
@@ -319,8 +332,9 @@ class ImageProcessor:
                              antialias=True)[0]
 
     def _normalized(self, image: torch.Tensor) -> torch.Tensor:
-        """uint8 pixels scaled and normalised in bfloat16 (the checkpoints' processing), as float32."""
-        x = image.to(torch.bfloat16)
+        """uint8 pixels scaled and normalised, as float32: both in bfloat16 (the checkpoints' processing), as
+        transformers does; either alone in float32."""
+        x = image.to(torch.bfloat16) if self.do_rescale and self.do_normalize else image.float()
         if self.do_rescale:
             x = x * self.rescale_factor
         if self.do_normalize:
@@ -331,7 +345,10 @@ class ImageProcessor:
 
     def tile(self, image: Any) -> tuple[torch.Tensor, tuple[int, int]]:
         """A PIL image's ``[tiles, C, S, S]`` float32 pixels and its ``(rows, cols)`` grid."""
-        pixels = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
+        from plinth.multimodal.images import _rgb
+
+        # (transparent pixels over white, as transformers converts images)
+        pixels = torch.from_numpy(np.asarray(_rgb(image), dtype=np.uint8).copy()).permute(2, 0, 1)
         pixels = pixels.contiguous()
         height, width = int(pixels.shape[1]), int(pixels.shape[2])
         canvas_h, canvas_w = self.canvas(height, width)
