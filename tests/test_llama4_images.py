@@ -165,6 +165,54 @@ def test_layout_from_the_size_alone_chat_settings_and_refusals(checkpoint):
     assert server_tokens_of_image_chat(path, img, "Paris") == chat.prompt_token_ids
 
 
+def test_server_request_processor_settings(checkpoint):
+    """A chat request's ``mm_processor_kwargs`` (vLLM's field) process its images with those settings: ``/tokenize``
+    and the reply's usage count the prompt so laid out, the reply equals the offline engine's with the same settings;
+    a setting the processor does not take is a 400 naming the field."""
+    pytest.importorskip("fastapi")
+    import base64
+    import io
+
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+
+    path, model, tok = checkpoint
+    img = _picture(8, (40, 90))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Paris"}]}]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "<|image|>\nParis"}], tokenize=False,
+                                       add_generation_prompt=True)
+    want = _processed(ImageProcessor(size=32, max_patches=1), tok, rendered, [img])[0]
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=1024)
+    offline = llm.generate({"prompt_token_ids": tok(rendered)["input_ids"], "multi_modal_data": {"image": img},
+                            "mm_processor_kwargs": {"max_patches": 1}},
+                           plinth.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    llm.close()
+    assert offline.prompt_token_ids == want
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", block_size=4, selection="off",
+                                                platform="cpu", max_model_len=1024))
+    with TestClient(build_app(AsyncLLMEngine(engine))) as http:
+        r = http.post("/tokenize", json={"messages": messages, "mm_processor_kwargs": {"max_patches": 1}})
+        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+        assert http.post("/tokenize", json={"messages": messages}).json()["count"] > len(want)   # (6 tiles otherwise)
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                    "ignore_eos": True, "mm_processor_kwargs": {"max_patches": 1}})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+        assert r.json()["choices"][0]["message"]["content"] == offline.outputs[0].text
+        for bad in ({"max_patches": 0}, {"patch_size": 4}):
+            r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                        "mm_processor_kwargs": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs", r.text
+
+
 def test_inconsistent_vision_config_is_refused(tmp_path):
     """A vision config whose adapter cannot take the pixel shuffle's features fails at load, clearly."""
     from plinth.errors import UnsupportedModelError

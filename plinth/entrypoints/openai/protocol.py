@@ -273,6 +273,8 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     #: OpenAI's thinking budget; the chat template reads it as ``reasoning_effort`` (gpt-oss's does)
     reasoning_effort: ReasoningEffort | None = None
+    #: vLLM's: settings of the image processor for this request's images (as ``--mm-processor-kwargs`` takes them)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
         if not self.tools or self.tool_choice in (None, "none", "auto"):
@@ -434,6 +436,7 @@ class TokenizeRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None   # shown to templates that render tools, as in a chat request
     documents: list[dict[str, Any]] | None = None   # as in a chat request
+    mm_processor_kwargs: dict[str, Any] | None = None   # as in a chat request
     return_token_strs: bool = False
 
 

@@ -322,7 +322,9 @@ class PreparedChat:
     max_tokens: int | None
     max_param: str
     k: int | None
-    multi_modal_data: dict[str, Any] | None = None   # the messages' images (a model with image inputs)
+    #: the messages' images (a model with image inputs): a ``multi_modal_data`` dict, or its images processed already
+    #: (with the request's ``mm_processor_kwargs``)
+    multi_modal_data: Any = None
     prompt_len: int = 0   # the prompt's positions (each image's token widened)
 
 
@@ -379,14 +381,34 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     if support is not None and images:
         ids = support.prompt_ids(ids)   # (Gemma 3: the tokens its processor writes around each image)
     length = len(ids)
-    if images or videos:   # the prompt as the engine lays it out: each image's (video's) positions, without pixels
+    data: Any = {k: v for k, v in (("image", images), ("video", videos)) if v}
+    if data and req.mm_processor_kwargs:   # (the images processed here with the request's settings)
+        ids_laid, data = await processed_media(support, ids, data, req.mm_processor_kwargs)
+        length = len(ids_laid)
+    elif data:   # the prompt as the engine lays it out: each image's (video's) positions, without pixels
         try:
             length = len(support.laid_out(ids, images + videos))
         except RequestRejectedError as exc:
             raise bad_request(str(exc), "messages") from None
     ctx.check_length(length, max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
-    data = {k: v for k, v in (("image", images), ("video", videos)) if v}
     return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, data or None, length)
+
+
+async def processed_media(support: Any, ids: list[int], data: dict[str, Any],
+                          settings: Any) -> tuple[list[int], Any]:
+    """A chat request's images (and videos) through the image processor with the request's own
+    ``mm_processor_kwargs`` (on the media threads), and the prompt as the engine lays it out with them.
+
+    Raises:
+        APIError: 400, settings the processor does not take (naming ``mm_processor_kwargs``) or media it refuses.
+    """
+    from plinth.multimodal.images import media_pool
+
+    try:
+        prepared = await asyncio.get_running_loop().run_in_executor(media_pool(), support.prepare, data, settings)
+        return support.items(ids, prepared)[0], prepared
+    except RequestRejectedError as exc:
+        raise bad_request(str(exc), exc.param if exc.param == "mm_processor_kwargs" else "messages") from None
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:

@@ -24,8 +24,9 @@ from plinth.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from plinth.entrypoints.openai.serving import ServerContext
-from plinth.entrypoints.openai.serving_chat import load_images, render_messages
+from plinth.entrypoints.openai.serving_chat import load_images, processed_media, render_messages
 from plinth.entrypoints.openai.tools import tool_mode
+from plinth.multimodal.video import Video
 
 
 async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
@@ -48,10 +49,16 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
     ids = await ctx.tokenize(text, add_special_tokens=special, param=param)
     if req.messages is not None and images:
         support = ctx.front.images
-        try:
-            ids = support.laid_out(ids, images)
-        except RequestRejectedError as exc:
-            raise bad_request(str(exc), "messages") from None
+        if req.mm_processor_kwargs:   # (the images processed with the request's settings)
+            media = [m for m in images if not isinstance(m, Video)]
+            videos = [m for m in images if isinstance(m, Video)]
+            ids, _ = await processed_media(support, ids, {k: v for k, v in (("image", media), ("video", videos))
+                                                          if v}, req.mm_processor_kwargs)
+        else:
+            try:
+                ids = support.laid_out(ids, images)
+            except RequestRejectedError as exc:
+                raise bad_request(str(exc), "messages") from None
     strs = None
     if req.return_token_strs:   # the vocabulary's own strings of the tokens, as vLLM gives them
         tok = ctx.front.tokenizer
