@@ -1,4 +1,5 @@
-"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, SmolVLM, InternVL; random bfloat16 weights
+"""Image inputs: a LLaVA-1.5-7B-shaped checkpoint (or LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, Gemma 3, SmolVLM, InternVL,
+Llama 4; random bfloat16 weights
 written by transformers), run by transformers' ``LlavaForConditionalGeneration`` (or the shape's class) and by plinth on the same pixels and prompts, in one process.
 
     python benchmarks/multimodal.py                       # GPU: LLaVA-1.5-7B shape (CLIP-L/14 at 336, Llama-2-7B)
@@ -9,6 +10,7 @@ written by transformers), run by transformers' ``LlavaForConditionalGeneration``
     python benchmarks/multimodal.py --shape gemma3-4b --requests 16       # gemma-3-4b shape (256 positions an image)
     python benchmarks/multimodal.py --shape smolvlm-256m --requests 16    # SmolVLM-256M shape (17 tiles an image)
     python benchmarks/multimodal.py --shape internvl3-1b --requests 16    # InternVL3-1B shape (tiles and a thumbnail)
+    python benchmarks/multimodal.py --shape llama4-small --requests 16    # Llama 4 Scout's vision model, a small Llama 4
 
 Measured, for each system: the image encoder alone (vision tower to the layer LLaVA reads, then the projector) for
 batches of images; one request (an image and ``--text-len`` text tokens, greedy, EOS ignored): the time to the first
@@ -131,6 +133,16 @@ SHAPES = {
         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                     image_size=[448, 448], patch_size=[14, 14], attention_bias=True, use_mean_pooling=True),
         image_token=151667, image_start=151665, image_end=151666),
+    "llama4-small": dict(   # Llama 4 Scout's vision model at 336 (144 positions a tile), a small Llama 4 (8 experts)
+        kind="llama4",
+        text=dict(vocab_size=202048, hidden_size=1024, intermediate_size=1024, intermediate_size_mlp=4096,
+                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                  num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8192,
+                  max_position_embeddings=32768, rope_theta=500000.0),
+        vision=dict(hidden_size=1408, intermediate_size=5632, num_hidden_layers=34, num_attention_heads=16,
+                    image_size=336, patch_size=14, projector_input_dim=4096, projector_output_dim=4096,
+                    vision_output_dim=4096, pixel_shuffle_ratio=0.5),
+        image_token=200092, image_start=200080, image_end=200081, image=200090, tile_x=200084, tile_y=200085),
     "tiny": dict(
         text=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048),
@@ -167,6 +179,21 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str):
         size = shape["vision"]["image_size"]
         processor = Gemma3ImageProcessorPil(size={"height": size, "width": size})
         return _write(transformers.Gemma3ForConditionalGeneration, config, processor, path, dtype, device, shape)
+    if shape.get("kind") == "llama4":   # (plinth's processor for both: transformers' needs torchvision)
+        from plinth.multimodal.llama4 import ImageProcessor
+
+        config = transformers.Llama4Config(text_config=shape["text"], vision_config=shape["vision"],
+                                           image_token_index=shape["image_token"], tie_word_embeddings=False,
+                                           dtype=str(dtype).removeprefix("torch."))
+        side = shape["vision"]["image_size"]
+        model, _ = _write(transformers.Llama4ForConditionalGeneration, config, None, path, dtype, device, shape)
+        # (Module.to(dtype) casts complex buffers too: the vision model's rotary table, complex64 as transformers
+        # builds it in from_pretrained, is made again)
+        rotary = model.vision_model.rotary_embedding
+        rotary.freqs_ci = rotary._compute_freqs_ci(model.config.vision_config).to(device)
+        (path / "preprocessor_config.json").write_text(json.dumps({"size": {"height": side, "width": side},
+                                                                   "max_patches": 16}))
+        return model, ImageProcessor(size=side)
     if shape.get("kind") == "internvl":
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
@@ -237,7 +264,8 @@ def _write(cls, config, processor, path: Path, dtype: torch.dtype, device: str, 
         model = cls(config).to(dtype).eval()
     t0 = time.perf_counter()
     model.save_pretrained(path)
-    processor.save_pretrained(path)
+    if processor is not None:
+        processor.save_pretrained(path)
     if shape is not None:   # a tokenizer that knows the model's image tokens
         _write_tokenizer(path, shape)
     print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -287,6 +315,13 @@ def _write_tokenizer(path: Path, shape: dict) -> None:
         _write_word_tokenizer(path, vocab, names, ["<image>", "<fake_token_around_image>", "<global-img>",
                                                    "<end_of_utterance>", *tags], {198: "\n", 271: "\n\n"},
                               bos="<|im_start|>", eos="<|im_end|>")
+    elif kind == "llama4":
+        names = {shape["image_token"]: "<|patch|>", shape["image_start"]: "<|image_start|>",
+                 shape["image_end"]: "<|image_end|>", shape["image"]: "<|image|>",
+                 shape["tile_x"]: "<|tile_x_separator|>", shape["tile_y"]: "<|tile_y_separator|>",
+                 1: "<|begin_of_text|>", 2: "<|eot|>"}
+        _write_word_tokenizer(path, vocab, names, [names[k] for k in names if k > 2], bos="<|begin_of_text|>",
+                              eos="<|eot|>")
     elif kind == "internvl":
         names = {shape["image_token"]: "<IMG_CONTEXT>", shape["image_start"]: "<img>", shape["image_end"]: "</img>",
                  1: "<|im_start|>", 2: "<|im_end|>"}
@@ -314,6 +349,8 @@ def prompts_for(n: int, text_len: int, shape: dict, seed: int = 1) -> list[list[
         low = shape["global_img"] - 1
     if shape.get("kind") == "internvl":   # (below its image tokens)
         low = shape["image_start"] - 1
+    if shape.get("kind") == "llama4":   # (a prompt names an image by <|image|>; below its image tokens)
+        image, low = [shape["image"]], shape["image_start"] - 1
     out = []
     for _ in range(n):
         words = [int(t) for t in rng.integers(100, low, text_len)]
@@ -354,8 +391,14 @@ def hf_run(model, processor, expanded: list[list[int]], images: list, args) -> d
 
     res: dict = {}
     with torch.inference_mode():
-        res["encoder_ms"] = encoder_times(lambda k: model.get_image_features(**pixels_of(k)), args.encoder_batches,
-                                          device)
+        import inspect
+
+        # (older transformers' Llama 4 asks for the feature strategy, which it then ignores)
+        strategy = ({"vision_feature_select_strategy": "default"}
+                    if "vision_feature_select_strategy" in inspect.signature(model.get_image_features).parameters
+                    else {})
+        res["encoder_ms"] = encoder_times(lambda k: model.get_image_features(**pixels_of(k), **strategy),
+                                          args.encoder_batches, device)
 
         def gen(ids_rows, n):
             width = max(len(r) for r in ids_rows)
@@ -406,7 +449,7 @@ def plinth_run(path: Path, prompts: list[list[int]], images: list, args) -> dict
     def encode(k):   # the runner's path: the tower over every tile (LLaVA-NeXT: each image packed; Qwen2-VL: patches)
         items = [ImageItem(0, p.lengths[0], p.pixels[0], f"bench-{i}-{time.perf_counter()}", p.sizes[0],
                            p.grids[0] if p.grids else None,
-                           mask=np.asarray(p.patterns[0]) == engine.images.token_id if p.patterns else None)
+                           mask=np.asarray(p.patterns[0]) == engine.images.embedding_token if p.patterns else None)
                  for i, p in enumerate(prepared[:k])]
         out = features.embeddings(items)
         features.clear()
@@ -485,6 +528,10 @@ def main() -> None:
                    if "vision_tower" not in n and "multi_modal_projector" not in n and "embed_tokens" not in n
                    and "visual" not in n and "vision_model" not in n and "connector" not in n)
     vision = shape["vision"]
+    if shape.get("kind") == "llama4":   # a decode token reads one expert of each layer's (and the shared one)
+        experts = shape["text"]["num_local_experts"]
+        lm_bytes -= sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                        if ".feed_forward.experts." in n) * (experts - 1) // experts
     if is_qwen(shape):   # every block runs; a patch a position
         positions = int(processor(images=images[:1], return_tensors="pt")["image_grid_thw"].prod())
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
@@ -494,6 +541,9 @@ def main() -> None:
     elif shape.get("kind") == "internvl":   # a tile (an image is several, and a thumbnail)
         positions = (vision["image_size"][0] // vision["patch_size"][0]) ** 2 + 1
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_tower" in n)
+    elif shape.get("kind") == "llama4":   # a tile and its class token (an image is several, and a global view)
+        positions = (vision["image_size"] // vision["patch_size"]) ** 2 + 1
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_model" in n)
     elif shape.get("kind") == "idefics3":   # a tile (an image is several, and a global view)
         positions = (vision["image_size"] // vision["patch_size"]) ** 2
         tower_params = sum(p.numel() for n, p in model.named_parameters() if "vision_model" in n)

@@ -365,7 +365,7 @@ def test_images_on_worker_processes(checkpoint, tp, pp):
 def test_gpu_images_equal_transformers(tmp_path):
     """On a GPU: float32 tokens of an image prompt beside a text prompt equal transformers' on the CPU."""
     model, tok = _save(tmp_path)
-    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cuda", block_size=16, gpu_memory_utilization=0.3)
+    llm = plinth.LLM(str(tmp_path), dtype="float32", platform="cuda", block_size=8, gpu_memory_utilization=0.3)
     a = _picture(11, (56, 100))
     prompt = "See<|image|> now"
     outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": a}}, "Large language models"],

@@ -69,22 +69,21 @@ class _Block(nn.Module):
         self.fc1 = nn.Linear(h, int(v.intermediate_size))
         self.fc2 = nn.Linear(int(v.intermediate_size), h)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:   # [N, P, H]
+    def forward(self, x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:   # [N, P, H]
         n, p, h = x.shape
         y = self.input_layernorm(x)
         q, k, v = (proj(y).view(n, p, self.heads, h // self.heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = _rotate(q, turns), _rotate(k, turns)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.o_proj(attn.transpose(1, 2).reshape(n, p, h))
         return x + self.fc2(F.gelu(self.fc1(self.post_attention_layernorm(x))))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Adjacent feature pairs of ``x`` ``[N, P, heads, D]`` turned by the angles of ``cos`` / ``sin`` ``[P, 1, D/2]``
-    (in float32)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+def _rotate(x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """Adjacent feature pairs of ``x`` ``[N, P, heads, D]`` turned by ``turns`` ``[P, 1, D/2]`` (unit complex
+    numbers), in float32: each pair as one complex number times its turn (one kernel, not one per term)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * turns).flatten(-2).to(x.dtype)
 
 
 def rotary_angles(v: Any) -> torch.Tensor:
@@ -138,11 +137,11 @@ class Llama4ImageEncoder(nn.Module):
         # (not buffers: the rotary tables stay float32 whatever dtype the encoder is cast to, as transformers turns
         # the features in float32)
         angles = rotary_angles(v)[:, None, :]
-        self._turns = (angles.cos(), angles.sin())
+        self._turns = torch.polar(torch.ones_like(angles), angles)   # (complex64)
 
-    def _rotary(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._turns[0].device != device:
-            self._turns = (self._turns[0].to(device), self._turns[1].to(device))
+    def _rotary(self, device: torch.device) -> torch.Tensor:
+        if self._turns.device != device:
+            self._turns = self._turns.to(device)
         return self._turns
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -154,9 +153,9 @@ class Llama4ImageEncoder(nn.Module):
         x = self.patch_embedding(x)
         x = torch.cat([x, self.class_embedding.expand(n, 1, -1)], dim=1) + self.positional_embedding
         x = self.layernorm_pre(x)
-        cos, sin = self._rotary(x.device)
+        turns = self._rotary(x.device)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, turns)
         x = self.layernorm_post(x)[:, :-1]                                    # (the class token dropped)
         hidden, s = x.shape[-1], self.shuffle
         # each s x s patches to one position, as transformers' pixel shuffle lays them out
