@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plinth.multimodal.vision import FullTower, load_encoder_weights, tower_parameter
+from plinth.multimodal.vision import FullTower, load_encoder_weights, pixel_shuffle, tower_parameter
 
 #: tiles the encoder takes in one pass (SmolVLM's images are up to 17 tiles: one pass each)
 TILES_PER_PASS = 32
@@ -57,14 +57,7 @@ class Idefics3ImageEncoder(FullTower):
         self.proj = nn.Linear(v.hidden_size * self.scale ** 2, mm_config.text_config.hidden_size, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.patch_features(pixel_values)                                              # [N, P, H]
-        n, _, hidden = x.shape
-        s, side = self.scale, self.side
-        # each s x s block of patches becomes one position: its patches' features side by side, rows then columns
-        # within the block, as transformers' pixel shuffle lays them out
-        x = x.view(n, side, side // s, hidden * s).permute(0, 2, 1, 3)
-        x = x.reshape(n, side // s, side // s, hidden * s * s).permute(0, 2, 1, 3)
-        return self.proj(x.reshape(n, -1, hidden * s * s))
+        return self.proj(pixel_shuffle(self.patch_features(pixel_values), self.side, self.scale))
 
     def pack(self, features: torch.Tensor, image_size: tuple[int, int] | None) -> torch.Tensor:
         """One image's ``[positions, hidden]`` embeddings: its tiles' in order (the global view last)."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from plinth.errors import UnsupportedModelError
 from plinth.multimodal.qwen_vision import FloatRMSNorm
-from plinth.multimodal.vision import activation, load_encoder_weights
+from plinth.multimodal.vision import activation, load_encoder_weights, pixel_shuffle
 
 #: tiles the encoder takes in one pass
 TILES_PER_PASS = 13
@@ -124,12 +124,7 @@ class InternVLImageEncoder(nn.Module):
             x = layer(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        x = x[:, 1:]                                                     # [N, side * side, H] (the class token dropped)
-        n, _, h = x.shape
-        side = self.side
-        # 2x2 patches to one position, as transformers' pixel shuffle lays them out
-        x = x.reshape(n, side, side // 2, h * 2).permute(0, 2, 1, 3)
-        x = x.reshape(n, side // 2, side // 2, h * 4).permute(0, 2, 1, 3).reshape(n, -1, h * 4)
+        x = pixel_shuffle(x[:, 1:], self.side, 2)   # (the class token dropped; 2x2 patches to one position)
         return self.linear_2(self.act(self.linear_1(self.norm(x))))
 
     def pack(self, features: torch.Tensor, image_size: tuple[int, int] | None) -> torch.Tensor:

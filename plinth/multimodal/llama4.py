@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.errors import ModelLoadError, UnsupportedModelError
-from plinth.multimodal.vision import load_encoder_weights
+from plinth.multimodal.vision import load_encoder_weights, pixel_shuffle
 
 #: tiles the encoder takes in one pass (an image of the default 16 tiles and its global view)
 TILES_PER_PASS = 17
@@ -156,11 +156,7 @@ class Llama4ImageEncoder(nn.Module):
         turns = self._rotary(x.device)
         for layer in self.layers:
             x = layer(x, turns)
-        x = self.layernorm_post(x)[:, :-1]                                    # (the class token dropped)
-        hidden, s = x.shape[-1], self.shuffle
-        # each s x s patches to one position, as transformers' pixel shuffle lays them out
-        x = x.reshape(n, side, side // s, hidden * s).permute(0, 2, 1, 3)
-        x = x.reshape(n, side // s, side // s, hidden * s * s).permute(0, 2, 1, 3).reshape(n, -1, hidden * s * s)
+        x = pixel_shuffle(self.layernorm_post(x)[:, :-1], side, self.shuffle)   # (the class token dropped)
         x = F.gelu(self.adapter_fc2(F.gelu(self.adapter_fc1(x))))
         return self.projector(x)
 

@@ -191,6 +191,16 @@ class FullTower(nn.Module):
         return self.post_layernorm(self.tower(pixel_values, [len(self.tower.layers)])[0])
 
 
+def pixel_shuffle(x: torch.Tensor, side: int, s: int) -> torch.Tensor:
+    """Patch features ``[N, side * side, H]`` (rows of patches) to ``[N, (side / s)^2, H * s * s]``: each ``s x s``
+    block of patches becomes one position, its patches' features side by side (rows, then columns within the block),
+    as transformers' pixel shuffle lays them out (Idefics3 / SmolVLM, InternVL, Llama 4)."""
+    n, _, hidden = x.shape
+    x = x.reshape(n, side, side // s, hidden * s).permute(0, 2, 1, 3)
+    x = x.reshape(n, side // s, side // s, hidden * s * s).permute(0, 2, 1, 3)
+    return x.reshape(n, -1, hidden * s * s)
+
+
 def tower_parameter(rest: str) -> str | None:
     """The :class:`FullTower` parameter of a SigLIP tower tensor (its name after ``vision_model.``); ``None`` for
     the pooling head, which these encoders do not read."""
