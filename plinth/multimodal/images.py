@@ -397,7 +397,7 @@ class ImageSupport:
                 self.tiles = PromptTokens(mm_config, tokenizer) if tokenizer is not None else None
             except ValueError as exc:
                 logger.warning("this checkpoint's tokenizer cannot lay images out (%s): its images are refused", exc)
-        #: a prompt's image is laid out by the image (Mistral 3, Idefics3 / SmolVLM, InternVL): each placeholder names
+        #: a prompt's image is laid out by the image (Mistral 3, Idefics3 / SmolVLM, InternVL, Llama 4): each placeholder names
         #: one image
         self.patterned = self.pixtral or is_idefics3(mm_config) or self.internvl or self.llama4
         #: Gemma 3: how its prompt lays out an image (the ``<start_of_image>`` a prompt carries widened); else ``None``
