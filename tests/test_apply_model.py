@@ -43,6 +43,12 @@ def unpicklable_result(model):
     return (p for p in model.parameters())
 
 
+@pytest.fixture(autouse=True)
+def _plain_weights(monkeypatch):
+    """The CPU path's plain weights (on CPUs without native bfloat16 it multiplies repacked copies of float32 ones)."""
+    monkeypatch.setenv("PLINTH_CPU_PACKED", "0")
+
+
 def test_a_function_sees_and_changes_the_model(model_dir):
     llm = LLM(str(model_dir), dtype="float32", selection="off")
     assert llm.llm_engine is llm.engine
@@ -78,7 +84,9 @@ def test_a_function_sees_and_changes_the_model(model_dir):
 def processes():
     from plinth.distributed.executor_mp import WorkerProcesses
 
-    procs = WorkerProcesses(2, timeout_s=120.0)
+    with pytest.MonkeyPatch.context() as env:   # (the workers' environment is fixed when they start)
+        env.setenv("PLINTH_CPU_PACKED", "0")
+        procs = WorkerProcesses(2, timeout_s=120.0)
     yield procs
     procs.stop()
 

@@ -282,9 +282,10 @@ def test_gpu_equals_transformers(version, tmp_path):
         assert out.outputs[0].token_ids == _reference(model, processor, out.prompt_token_ids, images, steps=8)[0]
 
 
-def test_new_weights_reach_the_vision_tower(qwen2, tmp_path):
+def test_new_weights_reach_the_vision_tower(qwen2, tmp_path, monkeypatch):
     """update_weights with a transformers state dict (``model.language_model.*``, ``model.visual.*``): the vision
     tower takes its tensors, images encoded with the old weights are forgotten, and tokens equal the new model's."""
+    monkeypatch.setenv("PLINTH_CPU_PACKED", "0")   # weights update_weights() can take (the CPU path's plain ones)
     path = qwen2[0]
     other, processor, _ = _save_qwen_vl(tmp_path, "2", seed=9)
     llm = LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off")
