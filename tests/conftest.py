@@ -106,6 +106,15 @@ def output_matches_transformers(out, model, steps: int = 6, tol: float = 2e-4, *
             assert abs(lp.logprob - ref[tid].item()) < tol, (tid, lp.logprob, ref[tid].item())
 
 
+def random_picture(seed: int, size: tuple[int, int] = (40, 52)):
+    """A PIL RGB image of ``size`` (height, width) whose pixels are uniform random bytes (seeded)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+
+
 def server_tokens_of_image_chat(path, image, text: str) -> list[int]:
     """The tokens the server's ``/tokenize`` gives for a user message of ``image`` (a PIL image, sent as a PNG data
     URL) then ``text``, on an engine over ``path`` (CPU, float32)."""

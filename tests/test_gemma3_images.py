@@ -4,7 +4,6 @@ attention among an image's positions) and by transformers on the same pixels."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -12,6 +11,7 @@ from conftest import (
     decisive_weights,
     make_tokenizer,
     output_matches_transformers,
+    random_picture,
     server_tokens_of_image_chat,
 )
 
@@ -57,9 +57,8 @@ def _save(path):
     return model, processor
 
 
-def _picture(seed: int, size=(40, 52)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
+    return random_picture(seed, size)
 
 
 @pytest.fixture(scope="module")

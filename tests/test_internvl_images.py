@@ -5,7 +5,6 @@ prompt follows ``InternVLProcessor``'s rule (its constructor needs torchvision f
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -13,6 +12,7 @@ from conftest import (
     decisive_weights,
     make_tokenizer,
     output_matches_transformers,
+    random_picture,
     server_tokens_of_image_chat,
 )
 
@@ -55,9 +55,8 @@ def _save(path, qk_norm: bool):
     return model, images, tok
 
 
-def _picture(seed: int, size=(40, 90)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+def _picture(seed: int, size: tuple[int, int] = (40, 90)) -> Image.Image:
+    return random_picture(seed, size)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["internvit_300m", "internvit_6b"])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, make_tokenizer, server_tokens_of_image_chat
+from conftest import decisive_weights, make_tokenizer, random_picture, server_tokens_of_image_chat
 from test_llama4 import _randomize, _text_config
 
 import plinth
@@ -54,9 +54,8 @@ def _save(path, **vision_overrides):
     return model, tok
 
 
-def _picture(seed: int, size=(40, 90)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+def _picture(seed: int, size: tuple[int, int] = (40, 90)) -> Image.Image:
+    return random_picture(seed, size)
 
 
 @pytest.fixture(scope="module")

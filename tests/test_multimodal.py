@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, generate_on_tp_workers, make_tokenizer
+from conftest import decisive_weights, generate_on_tp_workers, make_tokenizer, random_picture
 
 from plinth import LLM, SamplingParams
 from plinth.core.scheduler import RequestRejectedError
@@ -29,8 +29,7 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
 
 
 def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+    return random_picture(seed, size)
 
 
 def _save_llava(path, tower: str = "clip", seed: int = 0, vision_hidden: int = 32, text_model: str = "llama",

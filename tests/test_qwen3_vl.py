@@ -118,11 +118,9 @@ def _save_with_images(path, moe: bool, num_position_embeddings: int = 16, corpus
 
 
 def _picture(seed: int, size=(40, 52)):
-    import numpy as np
-    from PIL import Image
+    from conftest import random_picture
 
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+    return random_picture(seed, size)
 
 
 def _matches(out, model, processor, images, **kw) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import decisive_weights, generate_on_tp_workers, make_tokenizer
+from conftest import decisive_weights, generate_on_tp_workers, make_tokenizer, random_picture
 from safetensors.torch import load_file, save_file
 
 from plinth import LLM, SamplingParams
@@ -37,8 +37,7 @@ VIDEO_PROCESSOR = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size"
 
 
 def _picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+    return random_picture(seed, size)
 
 
 def _save_qwen_vl(path, version: str = "2", seed: int = 0, tie: bool = False):

@@ -259,14 +259,14 @@ class AsyncLLMEngine:
         if not isinstance(request_id, str):   # (refused here: the engine loop keys its streams by id)
             raise RequestRejectedError(f"a request id must be a string, got {type(request_id).__name__}",
                                        param="request_id")
-        from plinth.multimodal.images import PreparedImages, media_pool
+        if multi_modal_data is not None and self.images is not None:
+            from plinth.multimodal.images import PreparedImages, media_pool
 
-        # (the image processor runs here, not in the loop; images the server processed already with a request's
-        # own settings are taken as they are)
-        if multi_modal_data is not None and self.images is not None and not isinstance(multi_modal_data,
-                                                                                        PreparedImages):
-            multi_modal_data = await asyncio.get_running_loop().run_in_executor(media_pool(), self.images.prepare,
-                                                                                multi_modal_data)
+            # (the image processor runs here, not in the loop; images the server processed already with a request's
+            # own settings are taken as they are)
+            if not isinstance(multi_modal_data, PreparedImages):
+                multi_modal_data = await asyncio.get_running_loop().run_in_executor(
+                    media_pool(), self.images.prepare, multi_modal_data)
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
         prompt = prompt if isinstance(prompt, str) else list(prompt)

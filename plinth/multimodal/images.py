@@ -1025,6 +1025,8 @@ class ImageSupport:
     def _tiled_pictures(self, images: list[Any], processor: Any = None) -> PreparedImages:
         """Idefics3 / SmolVLM, InternVL: each image's tiles (``[tiles, C, S, S]``: Idefics3's grid and global view,
         InternVL's grid and thumbnail) as the processor cuts them, and its prompt (the model's ``PromptTokens``)."""
+        from plinth.multimodal.llama4 import tile_count
+
         if self.tiles is None:
             raise RequestRejectedError("this checkpoint's tokenizer lacks the tokens an image's prompt needs "
                                        "(<fake_token_around_image>; InternVL: <img>, </img>; Llama 4: <|image_start|>, "
@@ -1042,7 +1044,7 @@ class ImageSupport:
                 elif self.llama4:
                     out = (processor or self.processor)(images=[img], return_tensors="pt")
                     pv, (grid,) = out["pixel_values"], [tuple(int(v) for v in g) for g in out["aspect_ratios"]]
-                    tiles = grid[0] * grid[1] + (1 if grid[0] * grid[1] > 1 else 0)
+                    tiles = tile_count(*grid)
                 else:
                     out = (processor or self.processor)(images=[img], return_tensors="pt", return_row_col_info=True)
                     pv, rows, cols = out["pixel_values"][0], int(out["rows"][0][0]), int(out["cols"][0][0])

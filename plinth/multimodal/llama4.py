@@ -52,6 +52,11 @@ def _shuffle_factor(v: Any) -> int:
     return factor
 
 
+def tile_count(rows: int, cols: int) -> int:
+    """The tiles of an image cut into ``rows x cols``: those, and the global view where there are more than one."""
+    return rows * cols + (1 if rows * cols > 1 else 0)
+
+
 def positions_per_tile(mm_config: Any) -> int:
     """The positions one tile's embeddings fill."""
     v = mm_config.vision_config
@@ -293,8 +298,7 @@ class ImageProcessor:
         return h // self.size, w // self.size
 
     def tiles(self, height: int, width: int) -> int:
-        rows, cols = self.grid(height, width)
-        return rows * cols + (1 if rows * cols > 1 else 0)
+        return tile_count(*self.grid(height, width))
 
     def fitted(self, height: int, width: int, canvas_h: int, canvas_w: int) -> tuple[int, int]:
         """The size an image of ``height x width`` is resized to in its canvas: without distortion, enlarged at most

@@ -381,7 +381,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     if support is not None and images:
         ids = support.prompt_ids(ids)   # (Gemma 3: the tokens its processor writes around each image)
     length = len(ids)
-    data: Any = {k: v for k, v in (("image", images), ("video", videos)) if v}
+    data: Any = media_data(images + videos)
     if data and req.mm_processor_kwargs:   # (the images processed here with the request's settings)
         ids_laid, data = await processed_media(support, ids, data, req.mm_processor_kwargs)
         length = len(ids_laid)
@@ -392,6 +392,15 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
             raise bad_request(str(exc), "messages") from None
     ctx.check_length(length, max_tokens, "messages", max_param, min_tokens=req.min_tokens or 0)
     return PreparedChat(lora, mode, params, ids, max_tokens, max_param, k, data or None, length)
+
+
+def media_data(media: Sequence[Any]) -> dict[str, list[Any]]:
+    """A conversation's images and videos (each kind in the order given) as ``multi_modal_data``."""
+    from plinth.multimodal.video import Video
+
+    kinds = (("image", [m for m in media if not isinstance(m, Video)]),
+             ("video", [m for m in media if isinstance(m, Video)]))
+    return {kind: items for kind, items in kinds if items}
 
 
 async def processed_media(support: Any, ids: list[int], data: dict[str, Any],

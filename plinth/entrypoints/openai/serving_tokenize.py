@@ -24,9 +24,8 @@ from plinth.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from plinth.entrypoints.openai.serving import ServerContext
-from plinth.entrypoints.openai.serving_chat import load_images, processed_media, render_messages
+from plinth.entrypoints.openai.serving_chat import load_images, media_data, processed_media, render_messages
 from plinth.entrypoints.openai.tools import tool_mode
-from plinth.multimodal.video import Video
 
 
 async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
@@ -50,10 +49,7 @@ async def tokenize(ctx: ServerContext, req: TokenizeRequest) -> Response:
     if req.messages is not None and images:
         support = ctx.front.images
         if req.mm_processor_kwargs:   # (the images processed with the request's settings)
-            media = [m for m in images if not isinstance(m, Video)]
-            videos = [m for m in images if isinstance(m, Video)]
-            ids, _ = await processed_media(support, ids, {k: v for k, v in (("image", media), ("video", videos))
-                                                          if v}, req.mm_processor_kwargs)
+            ids, _ = await processed_media(support, ids, media_data(images), req.mm_processor_kwargs)
         else:
             try:
                 ids = support.laid_out(ids, images)
