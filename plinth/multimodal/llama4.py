@@ -31,12 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from plinth.errors import ModelLoadError, UnsupportedModelError
+from plinth.multimodal.images import MAX_TILES_SETTING
 from plinth.multimodal.vision import load_encoder_weights, pixel_shuffle
 
 #: tiles the encoder takes in one pass (an image of the default 16 tiles and its global view)
 TILES_PER_PASS = 17
-#: the most tiles ``max_patches`` may ask for (each fills 144 positions in the released checkpoints)
-MAX_TILES_SETTING = 48
 
 
 def is_llama4(mm_config: Any) -> bool:
@@ -228,6 +227,7 @@ class ImageProcessor:
             raise ValueError(f"image_mean and image_std take one value a channel, got {image_mean!r}, {image_std!r}")
         self.rescale_factor = float(rescale_factor)
         self.do_rescale, self.do_normalize = bool(do_rescale), bool(do_normalize)
+        #: (a setting transformers' processors take; images always reach RGB here, transparent pixels over white)
         self.do_convert_rgb = True
 
     @classmethod
