@@ -211,6 +211,8 @@ class ModelConfig:
             default: none, so only data URLs are taken).
         mm_processor_kwargs: settings of the checkpoint's image processor (a dict or its JSON text), e.g. Qwen2-VL's
             ``{"min_pixels": ..., "max_pixels": ...}``, which bound the positions an image fills.
+        enable_prompt_embeds: take prompts given as embeddings (``prompt_embeds``; see
+            :mod:`plinth.core.prompt_embeds`).
     """
 
     model: str | None = None
@@ -240,6 +242,7 @@ class ModelConfig:
     allowed_local_media_path: str | None = None
     allowed_media_domains: Any = None
     mm_processor_kwargs: Any = None
+    enable_prompt_embeds: bool = False
 
     def _check_media(self) -> None:
         """``limit_mm_per_prompt`` as its image count, ``allowed_media_domains`` as a tuple of lower-case hosts."""
@@ -660,6 +663,10 @@ class EngineConfig:
             what = "an embedding model" if self.model.task == "embed" else "a sequence classifier"
             raise ConfigError(f"speculative decoding applies to generation; {what} (task {self.model.task}) decodes "
                               "nothing: drop speculative_config")
+        if self.speculative.enabled and self.model.enable_prompt_embeds:
+            raise ConfigError("speculative decoding does not take prompts given as embeddings (its drafts come from "
+                              "prompt tokens or a draft model that reads tokens): drop enable_prompt_embeds or "
+                              "speculative_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

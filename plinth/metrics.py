@@ -167,7 +167,7 @@ class RequestTracker:
             self._queued = True
             m.queue_time.observe(max(met.first_scheduled_time - met.arrival_time, 0.0))
         if self._num_prompt is None:
-            self._num_prompt = len(out.prompt_token_ids)
+            self._num_prompt = getattr(out, "num_prompt_positions", None) or len(out.prompt_token_ids)
         if not isinstance(out.outputs, list):   # an embedding (PoolingRequestOutput): prompt tokens only
             if not self._seen:
                 self._seen = [0]
@@ -177,7 +177,7 @@ class RequestTracker:
             return
         if not self._seen:
             self._seen = [0] * len(out.outputs)
-            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            m.prompt_tokens.inc(out.num_prompt_positions)
         growth = [len(c.token_ids) - seen for c, seen in zip(out.outputs, self._seen, strict=True)]
         steps = max(growth, default=0)   # sequences of one request advance together
         if steps > 0:

@@ -142,10 +142,10 @@ def server_tokens_of_image_chat(path, image, text: str) -> list[int]:
 
 
 def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1, hits: list | None = None,
-                           pp: int = 1):
+                           pp: int = 1, **engine_kw):
     """``LLM.generate`` through an engine whose ``size`` tensor-parallel ranks (times ``pp`` pipeline stages) are
     worker processes (CPU, float32); ``rounds`` times one after another (the outputs of every round, concatenated),
-    the prefix cache's hit tokens appended to ``hits``."""
+    the prefix cache's hit tokens appended to ``hits``. ``engine_kw``: more engine options."""
     import threading
 
     from plinth import LLM
@@ -157,7 +157,7 @@ def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1
     try:
         config = EngineConfig.from_kwargs(model=str(path), dtype="float32", platform="cpu", block_size=4,
                                           selection="off", tensor_parallel_size=size, pipeline_parallel_size=pp,
-                                          distributed_executor="mp")
+                                          distributed_executor="mp", **engine_kw)
         engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
         try:
             assert engine.runner is None   # the ranks run in the workers

@@ -36,6 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
+from plinth.core.prompt_embeds import EmbedsPrompt
 from plinth.core.request import RequestOutput, RequestOutputKind, SamplingParams
 from plinth.core.scheduler import RequestRejectedError
 from plinth.errors import RequestFailedError
@@ -129,6 +130,7 @@ class AsyncLLMEngine:
         self._update_lock: tuple[Any, asyncio.Lock] | None = None   # (its event loop, the lock of weight updates)
         self.tokenizer = engine.tokenizer
         self.images = engine.images   # image inputs' support (plinth.multimodal.images.ImageSupport), or None
+        self.prompt_embeds: bool = bool(getattr(engine, "prompt_embeds", False))   # enable_prompt_embeds
         self.max_model_len: int = engine.max_model_len
         self.max_sequence_len: int = getattr(engine, "max_sequence_len", self.max_model_len)
         self.vocab_size: int | None = getattr(engine, "vocab_size", None)
@@ -236,7 +238,7 @@ class AsyncLLMEngine:
                                         continue_final_message=continue_final_message,
                                         template_kwargs=template_kwargs)
 
-    async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | Any,
+    async def generate(self, request_id: str, prompt: str | Sequence[int] | EmbedsPrompt, params: SamplingParams | Any,
                        priority: int = 0, lora_request: Any = None,
                        accepted: asyncio.Future[None] | None = None,
                        cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None,
@@ -269,7 +271,8 @@ class AsyncLLMEngine:
                     media_pool(), self.images.prepare, multi_modal_data)
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
-        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str | EmbedsPrompt):   # (a copy: the caller's list may change)
+            prompt = list(prompt)
         self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request, cache_salt,
                           multi_modal_data))
         finished = False

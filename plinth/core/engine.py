@@ -36,6 +36,7 @@ from plinth.core.pooling import (
     finish_embedding,
     resolve_pooling,
 )
+from plinth.core.prompt_embeds import PLACEHOLDER_ID, EmbedsPrompt
 from plinth.core.request import (
     CompletionOutput,
     FinishReason,
@@ -97,6 +98,7 @@ class _Group:
     aborted: bool = False
     lora_request: Any = None
     error: str | None = None   # why the engine ended it (a custom logits processor failed on it)
+    num_prompt_embeds: int = 0   # a prompt given as embeddings: its positions (prompt_token_ids is empty)
 
     @property
     def finished(self) -> bool:
@@ -280,6 +282,8 @@ class LLMEngine:
                         ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),
                         self.classifier.activation)
         self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
+        #: prompts may be given as embeddings (``enable_prompt_embeds``)
+        self.prompt_embeds = bool(config.model.enable_prompt_embeds)
         #: image inputs (a LLaVA checkpoint): the processor and the placeholder rules, else ``None``
         self.images: Any = None
         self._image_epoch = 0   # counts prefix-cache resets: part of every image's cache key
@@ -677,7 +681,7 @@ class LLMEngine:
         with self._lora_lock:
             return self._adapters.get(lora_int_id) or self._live_adapters.get(lora_int_id)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | EmbedsPrompt,
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None, cache_salt: str | None = None,
@@ -691,6 +695,8 @@ class LLMEngine:
         that do not share a salt cannot learn each other's prompts from cache hits (their timing).
         ``multi_modal_data`` (an image-and-text model: ``{"image": image or [images]}``, PIL images or image files'
         bytes): the images the prompt's image tokens stand for, one token each (see :mod:`plinth.multimodal`).
+        ``prompt`` may be an :class:`~plinth.core.prompt_embeds.EmbedsPrompt`: the prompt as its input embeddings (an
+        engine with ``enable_prompt_embeds``); its output's ``prompt_token_ids`` is then empty.
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt, ``logit_bias``,
@@ -734,7 +740,11 @@ class LLMEngine:
         salt_problem = cache_salt_problem(cache_salt)
         if salt_problem is not None:
             raise RequestRejectedError(f"cache_salt {salt_problem}", param="cache_salt")
-        if isinstance(prompt, str):
+        embeds = None   # a prompt given as embeddings: [positions, hidden] (plinth.core.prompt_embeds)
+        if isinstance(prompt, EmbedsPrompt):
+            embeds = self._prompt_embeds(prompt, params, pooling, multi_modal_data)
+            text, ids = None, [PLACEHOLDER_ID] * len(embeds)
+        elif isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenize(prompt)
             bad = self._out_of_vocab(ids)
@@ -781,6 +791,15 @@ class LLMEngine:
                                            param="truncate_prompt_tokens")
             if len(ids) > keep:
                 text, ids = None, ids[-keep:]
+        if embeds is not None:
+            from plinth.core.prompt_embeds import embeds_items
+            from plinth.multimodal.images import salted_key
+
+            # (the rows kept by truncate_prompt_tokens)
+            images = embeds_items(embeds[len(embeds) - len(ids):], self.scheduler.block_manager.block_size)
+            if cache_salt is not None or self._image_epoch:   # tenants and epochs never share cached blocks
+                images = [dataclasses.replace(item, key=salted_key(item.key, cache_salt, self._image_epoch))
+                          for item in images]
         if not ids:
             raise RequestRejectedError("the prompt is empty")
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
@@ -827,9 +846,9 @@ class LLMEngine:
             self._check_grammar_start(matcher, params, bad_words)
         seqs: list[_Sequence] = []
         run_ids = self.classifier.read_tokens(ids) if self.classifier is not None else ids
-        group = _Group(request_id, text, ids, params, seqs,
+        group = _Group(request_id, text, ids if embeds is None else [], params, seqs,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                       lora_request=lora_request)
+                       lora_request=lora_request, num_prompt_embeds=0 if embeds is None else len(ids))
         try:
             for i in range(params.n):
                 child_params = params if i == 0 or params.seed is None else params.clone(seed=_child_seed(params.seed, i))
@@ -842,12 +861,13 @@ class LLMEngine:
                 req.lora = adapter
                 req.cache_salt = cache_salt
                 req.images = images
+                req.prompt_is_embeds = embeds is not None
                 req.rope_layout = rope_layout
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
-                detok = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
+                detok = (IncrementalDetokenizer(self.tokenizer, ids if embeds is None else [], child_params)
                          if self.tokenizer is not None and child_params.detokenize else None)
                 seq = _Sequence(req, detok, [] if params.logprobs is not None else None,
                                 0.0 if params.logprobs is not None else None)
@@ -868,6 +888,31 @@ class LLMEngine:
             self._prompt_logprob_groups.add(request_id)
         if _needs_sync_steps(params) or pooling is not None or custom:   # pooling reads the step's hidden states
             self._sync_groups.add(request_id)
+
+    def _prompt_embeds(self, prompt: EmbedsPrompt, params: SamplingParams, pooling: Any,
+                       multi_modal_data: Any) -> torch.Tensor:
+        """A prompt given as embeddings, checked: ``[positions, hidden_size]`` in the model's dtype, on the CPU.
+
+        Raises:
+            RequestRejectedError: an engine started without ``enable_prompt_embeds``, an embedding or classification
+                request, images beside it, ``prompt_logprobs`` (there are no prompt tokens to score), or embeddings
+                of another shape or with values that are not finite.
+        """
+        if not self.prompt_embeds:
+            raise RequestRejectedError("prompts given as embeddings need an engine started with enable_prompt_embeds "
+                                       "(--enable-prompt-embeds)", param="prompt_embeds")
+        if pooling is not None:
+            raise RequestRejectedError("prompts given as embeddings are for text generation, not embeddings or "
+                                       "classification", param="prompt_embeds")
+        if multi_modal_data is not None:
+            raise RequestRejectedError("a prompt given as embeddings takes no multi_modal_data (give the images' "
+                                       "embeddings among its rows)", param="multi_modal_data")
+        if params.prompt_logprobs is not None:
+            raise RequestRejectedError("prompt_logprobs needs prompt tokens; a prompt given as embeddings has none",
+                                       param="prompt_logprobs")
+        from plinth.core.prompt_embeds import checked_embeds
+
+        return checked_embeds(prompt.embeds, self.hidden_size, self.dtype)
 
     def _pooling_request(self, params: Any) -> PoolingParams | None:
         """The pooling options of a request to an embedding or classification engine (``None`` for a generation
@@ -1736,7 +1781,8 @@ class LLMEngine:
         # the metrics as of this output (the request's own object goes on changing)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.aborted or all_finished, group.prompt_logprobs, dataclasses.replace(first.metrics),
-                             first.num_cached_tokens, lora_request=group.lora_request, error=group.error)
+                             first.num_cached_tokens, lora_request=group.lora_request, error=group.error,
+                             num_prompt_embeds=group.num_prompt_embeds)
 
     # ----------------------------------------------------------------------------------- stats
 

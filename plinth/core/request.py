@@ -376,6 +376,13 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None   # set when the engine failed the request
     lora_request: Any = None   # the request's plinth.lora.LoRARequest, if it named one
+    #: a prompt given as embeddings: its positions (``prompt_token_ids`` is then empty); else 0
+    num_prompt_embeds: int = 0
+
+    @property
+    def num_prompt_positions(self) -> int:
+        """The prompt's positions: its tokens, or its embeddings."""
+        return len(self.prompt_token_ids) + self.num_prompt_embeds
 
 
 class RequestStatus(enum.IntEnum):
@@ -456,6 +463,9 @@ class Request:
         self.draft_token_ids: list[int] = []   # speculative decoding: the drafts its scheduled step verifies
         #: image inputs (:class:`~plinth.multimodal.images.ImageItem`): the prompt positions their embeddings fill
         self.images: list[Any] = []
+        #: the prompt was given as embeddings (:mod:`plinth.core.prompt_embeds`): its token ids are placeholders,
+        #: which penalties and logits processors do not see
+        self.prompt_is_embeds = False
         #: multimodal RoPE (Qwen2-VL): where the prompt's rotary positions depart from its indices
         #: (:class:`~plinth.multimodal.mrope.RopeLayout`), or ``None``
         self.rope_layout: Any = None

@@ -152,7 +152,7 @@ class _Composition:
         prompt_mask = None
         if use_rep:
             prompt_mask = torch.zeros(len(params), V, dtype=torch.bool, device=device)
-            rows, ids = _flatten([r.prompt_token_ids for r in requests])
+            rows, ids = _flatten([r.prompt_token_ids if not r.prompt_is_embeds else [] for r in requests])
             prompt_mask[dev(rows), dev(ids)] = True
         self.use_counts = use_rep or use_add
         self.counts: torch.Tensor | None = None      # [B, V] as of ``num_output`` tokens per row
@@ -240,7 +240,8 @@ class _Composition:
         custom = None
         if self.custom_rows is not None:   # as of the requests' latest tokens (synchronous steps)
             # the requests' own lists (no copy per step; processors read them)
-            rows = {i: ProcessorRow(requests[i].request_id, requests[i].prompt_token_ids,
+            rows = {i: ProcessorRow(requests[i].request_id,
+                                    requests[i].prompt_token_ids if not requests[i].prompt_is_embeds else (),
                                     requests[i].output_token_ids, requests[i].sampling_params.extra_args or {})
                     for i in set().union(*self.custom_rows)}
             custom = tuple((index, tuple(rows[i] for i in index)) for index in self.custom_rows)

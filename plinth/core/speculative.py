@@ -119,6 +119,10 @@ class DraftRow:
         return self.request.prompt_token_ids
 
     @property
+    def prompt_is_embeds(self) -> bool:
+        return self.request.prompt_is_embeds
+
+    @property
     def output_token_ids(self) -> list[int]:
         out = self.request.output_token_ids
         return out + self.drafts[:self.num_drafts] if self.num_drafts else out

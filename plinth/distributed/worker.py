@@ -158,8 +158,8 @@ class Worker:
         model = load_model(self.source, ctx, seed=self.config.model.seed)
         model.eval()
         # (the first pipeline stage embeds the images: later stages take only their rows and positions)
-        self._images = (image_features(self.source, model, self.dtype, self.device, self.config.model.seed)
-                        if lay.pp_rank == 0 else None)
+        self._images = (image_features(self.source, model, self.dtype, self.device, self.config.model.seed,
+                                       self.config.model.enable_prompt_embeds) if lay.pp_rank == 0 else None)
         enable_lora_for(model, self.config)
         allocate_recurrent_state(model, self.config, self.platform, self.device)
         self._model, self._backend = model, backend
@@ -169,7 +169,7 @@ class Worker:
         if self.device.type == "cuda":
             weights = torch.cuda.memory_allocated(self.device)
             self._profile_peak()
-            if self._images is not None:
+            if self._images is not None and self._images.encoder is not None:
                 from plinth.worker.setup import profile_image_encoder
 
                 profile_image_encoder(self._images, self.source, self.config, self.max_model_len)

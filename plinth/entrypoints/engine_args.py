@@ -29,7 +29,7 @@ ENGINE_KWARGS = (
     "override_generation_config", "hf_overrides",
     "reasoning_parser", "task", "pooling", "normalize_embeddings", "max_logprobs",
     "logits_processors", "logprobs_mode", "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
-    "mm_processor_kwargs", "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
+    "mm_processor_kwargs", "enable_prompt_embeds", "block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_bytes", "enable_prefix_caching",
     "kv_cache_dtype", "mamba_cache_slots",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "max_waiting_requests",
     "async_scheduling", "itl_target_ms", "scheduling_policy",
@@ -106,6 +106,9 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="fetch http(s) image URLs from these hosts and their subdomains ('*': any host); default: "
                         "none, images come inline as data: URLs")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="take prompts given as embeddings (prompt_embeds in /v1/completions and LLM.generate), "
+                        "[positions, hidden_size] as the model's input embedding layer gives them")
     g.add_argument("--task", default="generate", choices=TASKS,
                    help="generate text, serve an embedding model (embed: /v1/embeddings, LLM.embed) or a sequence "
                         "classifier (classify: /classify, LLM.classify)")

@@ -67,21 +67,26 @@ class _Salted(NamedTuple):
     processor_kwargs: Any = None
 
 
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
 
 
 def _one_prompt(prompt: Any) -> Any:
-    """A dict prompt as its text or token ids (other forms as they are), as a :class:`_Salted` where it has a
-    ``cache_salt`` or ``multi_modal_data``."""
+    """A dict prompt as its text, token ids or :class:`~plinth.core.prompt_embeds.EmbedsPrompt` (other forms as they
+    are), as a :class:`_Salted` where it has a ``cache_salt`` or ``multi_modal_data``."""
     if not isinstance(prompt, dict):
         return prompt
     keys = set(prompt) & set(_PROMPT_KEYS)
     unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt", "multi_modal_data", "mm_processor_kwargs"},
                      key=repr)
     if len(keys) != 1 or unknown:
-        raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids), "
-                         f"and optionally 'cache_salt', 'multi_modal_data' and 'mm_processor_kwargs'"
+        raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text), 'prompt_token_ids' (token ids) and "
+                         f"'prompt_embeds' (a [positions, hidden_size] tensor), and optionally 'cache_salt', "
+                         f"'multi_modal_data' and 'mm_processor_kwargs'"
                          f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
+    if "prompt_embeds" in prompt:
+        from plinth.core.prompt_embeds import EmbedsPrompt
+
+        prompt = {**prompt, "prompt_embeds": EmbedsPrompt(prompt["prompt_embeds"])}
     value = prompt[keys.pop()]
     if "prompt" in prompt and not isinstance(value, str):
         raise ValueError(f"'prompt' must be text, got {type(value).__name__}")

@@ -98,6 +98,8 @@ def update_weights(model: torch.nn.Module, pairs: list[tuple[str, torch.Tensor]]
         return 0
     encoder_pairs: list[tuple[str, torch.Tensor]] = []
     given = len(pairs)
+    if images is not None and images.encoder is None:   # (a text model's prompt embeddings: no encoder)
+        images = None
     if images is not None or encoder_elsewhere:   # the vision tower's and projector's tensors go to the image encoder
         from plinth.multimodal.vision import ENCODER_PREFIXES
 

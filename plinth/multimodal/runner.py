@@ -42,25 +42,27 @@ class ImageFeatures:
     """Encodes a step's images (those not encoded lately) and gives the embeddings of its image rows.
 
     Args:
-        encoder: the checkpoint's image encoder, on the runner's device and in the model's dtype.
+        encoder: the checkpoint's image encoder, on the runner's device and in the model's dtype; ``None``: a text
+            model that takes prompts given as embeddings only (:mod:`plinth.core.prompt_embeds`).
         capacity_bytes: the most bytes of embeddings kept between steps (a step's own are always kept).
+        device, dtype: where and in which dtype the embeddings go (default: the encoder's).
     """
 
-    def __init__(self, encoder: ImageEncoder | QwenVisionEncoder | PixtralEncoder, capacity_bytes: int = CACHE_BYTES):
+    def __init__(self, encoder: ImageEncoder | QwenVisionEncoder | PixtralEncoder | None,
+                 capacity_bytes: int = CACHE_BYTES, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None):
         self.encoder = encoder
         self.capacity_bytes = capacity_bytes
+        if encoder is not None:
+            first = next(encoder.parameters())
+            device, dtype = first.device, first.dtype
+        assert device is not None and dtype is not None, "embeddings without an encoder need a device and a dtype"
+        self.device: torch.device = device
+        self.dtype: torch.dtype = dtype
         #: Mistral 3: the patches of start-up's encoder pass (a batch of images takes at most as many); 0: none ran
         self.pass_patches = 0
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._bytes = 0
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.encoder.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.encoder.parameters()).dtype
 
     @torch.inference_mode()
     def embeddings(self, items: Sequence[ImageItem]) -> list[torch.Tensor]:
@@ -69,6 +71,8 @@ class ImageFeatures:
         for key in [key for key, item in todo.items() if item.embeds is not None]:   # given as embeddings
             item = todo.pop(key)
             self._keep(key, item, item.embeds.to(self.device, self.dtype))
+        if todo and self.encoder is None:
+            raise RuntimeError("image inputs reached a runner that takes prompt embeddings only")
         if todo and todo[next(iter(todo))].grid is not None:   # Qwen2-VL: images and videos of any patch count
             merged = self.encoder.merge ** 2
             parts: dict[str, list[torch.Tensor]] = {}

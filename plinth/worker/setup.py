@@ -372,7 +372,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     torch.manual_seed(config.model.seed)
     model = load_model(source, ctx, seed=config.model.seed)
     model.eval()
-    images = image_features(source, model, dtype, device, config.model.seed)
+    images = image_features(source, model, dtype, device, config.model.seed, config.model.enable_prompt_embeds)
     enable_lora_for(model, config)
     allocate_recurrent_state(model, config, platform, device)
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, backend, config.cache.block_size, spec.cache_dtype)
@@ -383,7 +383,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     if device.type == "cuda":
         weights = torch.cuda.memory_allocated(device)
         _profile_peak(model, device, config, backend, spec.cache_dtype)
-        if images is not None:
+        if images is not None and images.encoder is not None:
             profile_image_encoder(images, source, config, max_model_len)
         peak = torch.cuda.max_memory_allocated(device)
         if draft is not None:   # (its profile resets the peak: the larger of the two counts)
@@ -501,21 +501,27 @@ def profile_image_encoder(images: Any, source: Any, config: EngineConfig, max_mo
     images.profile(max_model_len, max_patches(source.mm_config, source.path, config.model.mm_processor_kwargs))
 
 
-def image_features(source: Any, model: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
-    """The runner's image encoder for a checkpoint with image inputs (``None`` for the others).
+def image_features(source: Any, model: Any, dtype: torch.dtype, device: torch.device, seed: int,
+                   prompt_embeds: bool = False) -> Any:
+    """The runner's image encoder for a checkpoint with image inputs; for a text model that takes prompts given as
+    embeddings (``prompt_embeds``), what writes them over the token embeddings; else ``None``.
 
     Raises:
-        UnsupportedModelError: the language model's forward pass cannot take image embeddings.
+        UnsupportedModelError: the language model's forward pass cannot take embeddings.
     """
-    if getattr(source, "mm_config", None) is None:
+    images = getattr(source, "mm_config", None) is not None
+    if not images and not prompt_embeds:
         return None
     if not getattr(model, "accepts_image_embeds", False):
         from plinth.errors import UnsupportedModelError
 
-        raise UnsupportedModelError(f"{source.architecture} cannot take image embeddings: image inputs need a "
-                                    "language model on plinth's native decoder")
-    from plinth.multimodal.runner import load_image_features
+        what = "image inputs" if images else "prompts given as embeddings (enable_prompt_embeds)"
+        raise UnsupportedModelError(f"{source.architecture} cannot take embeddings in its forward pass: {what} "
+                                    "need a language model on plinth's native decoder")
+    from plinth.multimodal.runner import ImageFeatures, load_image_features
 
+    if not images:
+        return ImageFeatures(None, device=device, dtype=dtype)
     return load_image_features(source, dtype, device, seed)
 
 

@@ -212,7 +212,10 @@ class _SamplingFields(_NamedExtras):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
+    #: vLLM's: prompts given as embeddings, each base64 text of ``torch.save``'s bytes of a ``[positions, hidden]``
+    #: tensor (a server started with ``--enable-prompt-embeds``); they come before ``prompt``'s in the choices
+    prompt_embeds: str | list[str] | None = None
     max_tokens: StrictInt | None = 16
     echo: StrictBool = False
     logprobs: StrictInt | None = None

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from plinth.core.prompt_embeds import EmbedsPrompt, decode_base64
 from plinth.core.request import (
     CompletionOutput,
     FinishReason,
@@ -52,15 +53,62 @@ class _Prompt:
     #: positions of tokens the tokenizer added that ``text`` does not hold (a BOS before the caller's string);
     #: None where not worked out (the echo then takes special tokens whose text ``text`` lacks)
     added: frozenset[int] | None = None
+    #: a prompt given as embeddings (``token_ids`` is then empty)
+    embeds: EmbedsPrompt | None = None
+
+    @property
+    def length(self) -> int:
+        """The prompt's positions."""
+        return len(self.token_ids) if self.embeds is None else len(self.embeds.embeds)
+
+    @property
+    def engine_prompt(self) -> list[int] | EmbedsPrompt:
+        return self.token_ids if self.embeds is None else self.embeds
+
+
+async def _embeds_prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
+    """``prompt_embeds``' prompts: each read off the event loop, cut to ``truncate_prompt_tokens``."""
+    raw = req.prompt_embeds
+    raw = [raw] if isinstance(raw, str) else list(raw or ())
+    if not raw:
+        raise bad_request("prompt_embeds must not be empty", "prompt_embeds")
+    if not ctx.front.prompt_embeds:
+        raise bad_request("prompts given as embeddings need a server started with --enable-prompt-embeds",
+                          "prompt_embeds")
+    for field in ("echo", "use_beam_search"):
+        if getattr(req, field):
+            raise bad_request(f"{field} needs prompt tokens; prompts given as embeddings have none", field)
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs needs prompt tokens; prompts given as embeddings have none",
+                          "prompt_logprobs")
+    keep = ctx.keep_tokens(req)
+    prompts = []
+    for text in raw:
+        value = await asyncio.to_thread(decode_base64, text)
+        if value.dim() not in (2, 3) or (value.dim() == 3 and value.shape[0] != 1):
+            raise bad_request(f"prompt embeddings of shape {list(value.shape)}; give [positions, hidden_size]",
+                              "prompt_embeds")
+        value = value[0] if value.dim() == 3 else value
+        if keep is not None and len(value) > keep:
+            value = value[-keep:]
+        prompts.append(_Prompt("", [], frozenset(), EmbedsPrompt(value)))
+    return prompts
 
 
 async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
+    """The request's prompts: those of ``prompt_embeds`` first (vLLM's order), then those of ``prompt``."""
+    if req.prompt is None and req.prompt_embeds is None:
+        raise bad_request("give a prompt (text or token ids) or prompt_embeds", "prompt")
+    embedded = await _embeds_prompts(ctx, req) if req.prompt_embeds is not None else []
     raw = req.prompt
+    if raw is None:
+        check_choices(len(embedded), req.n)
+        return embedded
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
     if not raw:
         raise bad_request("prompt must not be empty", "prompt")
-    check_choices(len(raw), req.n)
+    check_choices(len(embedded) + len(raw), req.n)
     for p in raw:   # every prompt has a context of its own: each is checked before any is tokenized
         if isinstance(p, str):
             ctx.check_text(len(p), "prompt", req.truncate_prompt_tokens is not None)
@@ -85,7 +133,7 @@ async def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[_Prompt]:
             prompts.append(_Prompt(text, ids, frozenset()))   # the text is the decode of every id
         if not prompts[-1].token_ids:
             raise bad_request("prompt must not be empty", "prompt")
-    return prompts
+    return embedded + prompts
 
 
 class _TextOffsets:
@@ -196,7 +244,7 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: _Prompt, out: Re
 
 
 def _usage(prompts: Sequence[_Prompt], completion_tokens: int, cached_tokens: int) -> UsageInfo:
-    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    prompt_tokens = sum(p.length for p in prompts)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
@@ -226,13 +274,15 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                                                          defaults=defaults), max_logprobs=ctx.front.max_logprobs)
     await check_structured(ctx, req, params)
     for p in prompts:
-        ctx.check_length(len(p.token_ids), 1 if echo_only else req.max_tokens, "prompt",
-                         min_tokens=req.min_tokens or 0)
+        ctx.check_length(p.length, 1 if echo_only else req.max_tokens, "prompt" if p.embeds is None
+                         else "prompt_embeds", min_tokens=req.min_tokens or 0)
     rid = random_id("cmpl")
     if req.use_beam_search:
         return await _beam_search(ctx, req, rid, prompts, raw, lora, created)
-    requests = [(f"{rid}-{i}", p.token_ids, params) for i, p in enumerate(prompts)]
-    started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora, cache_salt=req.cache_salt))
+    requests = [(f"{rid}-{i}", p.engine_prompt, params) for i, p in enumerate(prompts)]
+    fields = ["prompt" if p.embeds is None else "prompt_embeds" for p in prompts]
+    started = await unless_disconnected(raw, start(ctx, requests, req.priority, lora, fields,
+                                                   cache_salt=req.cache_salt))
     events = merge(started)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -321,7 +371,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, prompts:
                                           stop_reason=c.stop_reason if finish else None)
                 usage = None
                 if continuous:   # vLLM's: this choice's counts so far on every chunk
-                    prompt_tokens = len(prompts[i].token_ids)
+                    prompt_tokens = prompts[i].length
                     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=end,
                                       total_tokens=prompt_tokens + end)
                 body = CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage)

@@ -86,6 +86,9 @@ class FalconH1ForCausalLM(MambaStateMixin, DecoderForCausalLM):
                 raise UnsupportedModelError(f"FalconH1ForCausalLM: {key} must be a number, got {value!r}")
         super().__init__(ctx)
         self.lm_head_multiplier = float(getattr(cfg, "lm_head_multiplier", 1.0))
+        # embeddings given in place of tokens (prompt_embeds) are taken as they are: transformers multiplies only
+        # the embeddings it looks up itself by embedding_multiplier
+        self.model.image_embed_scale = 1.0
 
     def block_options(self, cfg: Any) -> BlockOptions:
         return BlockOptions(activation=getattr(cfg, "hidden_act", None) or "silu",
