@@ -722,3 +722,19 @@ def test_images_given_as_embeddings(llava, llm):
                         ({"image_embeds": flat, "image_grid_thw": [1, 4, 4]}, "for Qwen2-VL models")]:
         with pytest.raises(RequestRejectedError, match=words):
             engine.add_request("bad", "The <image> fox", SamplingParams(max_tokens=2), multi_modal_data={"image": data})
+
+
+def test_a_bfloat16_model_keeps_pixels_in_bfloat16(llava):
+    """A bfloat16 model's processed pixels are kept in bfloat16 (half the memory while queued, half the bytes to the
+    device): the values its encoder casts them to first, so the image embeddings are the same bit for bit."""
+    path, _, processor, _ = llava
+    llm = LLM(str(path), dtype="bfloat16", platform="cpu", block_size=4, selection="off")
+    img = _picture(21)
+    prepared = llm.llm_engine.images.prepare({"image": img})
+    full = processor(images=[img], return_tensors="pt")["pixel_values"]
+    assert prepared.pixels[0].dtype == torch.bfloat16 and torch.equal(prepared.pixels[0], full.to(torch.bfloat16))
+    encoder = llm.llm_engine.runner.images.encoder
+    with torch.no_grad():
+        assert torch.equal(encoder(prepared.pixels[0]), encoder(full))
+    out, = llm.generate({"prompt": "The quick <image> brown fox", "multi_modal_data": {"image": img}}, _greedy())
+    assert len(out.outputs[0].token_ids) == 6

@@ -359,7 +359,8 @@ class ImageSupport:
         limit: the most images a prompt may carry (``--limit-mm-per-prompt``).
         policy: where images named by URL may come from (:class:`MediaPolicy`).
         processor_kwargs: settings of the image processor (``mm_processor_kwargs``; see :func:`_apply_settings`).
-        dtype: the model's (images given as embeddings are kept in it, and must be finite in it).
+        dtype: the model's (images given as embeddings are kept in it, and must be finite in it; processed pixels
+            are kept in it).
         video_limit: the most videos a prompt may carry (Qwen2-VL).
     """
 
@@ -791,7 +792,13 @@ class ImageSupport:
         videos = self._videos_of(data)
         if not images and not videos:
             return PreparedImages((), (), (), ())
-        return self._with_videos(self._prepare_images(images, processor), videos, settings)
+        prepared = self._with_videos(self._prepare_images(images, processor), videos, settings)
+        # the pixels in the model's dtype here, off the engine's loop: every encoder casts them to it first, so they
+        # take half the memory while queued and half the bytes to the device (bfloat16 and float16 models)
+        if any(p.dtype != self.dtype and p.is_floating_point() for p in prepared.pixels):
+            prepared = dataclasses.replace(prepared, pixels=tuple(p.to(self.dtype) if p.is_floating_point() else p
+                                                                  for p in prepared.pixels))
+        return prepared
 
     def _check_bounds(self, settings: dict[str, Any]) -> None:
         """Refuse a request's ``max_pixels`` / ``video_max_pixels`` above the engine's: start-up sized the encoder's
