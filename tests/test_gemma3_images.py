@@ -4,6 +4,7 @@ attention among an image's positions) and by transformers on the same pixels."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -213,3 +214,74 @@ def test_default_budget_makes_room_before_any_worker_starts(gemma3):
     off = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8, max_num_batched_tokens=12, platform="cpu",
                                    limit_mm_per_prompt={"image": 0})
     assert _room_for_whole_images(off).scheduler.max_num_batched_tokens == 12
+
+
+PAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
+
+
+def test_crop_count_equals_the_processors_pan_and_scan():
+    """How many crops an image gets, from its size and the settings alone, equals the crops transformers' processor
+    cuts, over sizes and settings around every threshold."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from plinth.multimodal.gemma3 import PAN_AND_SCAN_DEFAULTS, crop_count
+
+    hf = Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    checked = 0
+    for min_size, most, ratio in [(256, 4, 1.2), (16, 4, 1.2), (16, 2, 1.5), (40, 6, 1.0), (7, 1, 2.0)]:
+        settings = type("S", (), {**PAN_AND_SCAN_DEFAULTS, "do_pan_and_scan": True,
+                                  "pan_and_scan_min_crop_size": min_size, "pan_and_scan_max_num_crops": most,
+                                  "pan_and_scan_min_ratio_to_activate": ratio})()
+        for h in (12, 30, 40, 64, 100, 257, 600):
+            for w in (12, 33, 40, 48, 130, 512, 1100):
+                crops = hf.pan_and_scan(np.zeros((3, h, w), dtype=np.uint8), min_size, most, ratio)
+                assert crop_count(h, w, settings) == len(crops), (h, w, min_size, most, ratio)
+                checked += bool(crops)
+    assert checked > 40   # (crops were cut in many of the cases)
+
+
+def test_pan_and_scan_crops_equal_transformers(gemma3):
+    """With pan-and-scan on (the engine's mm_processor_kwargs), a wide and a tall image get crops and a square one
+    none: the prompt is Gemma 3's processor's (its sentence around the image and the crops, tokenized with the text
+    beside it), and greedy tokens and log-probabilities equal transformers' on the processor's pixels."""
+    path, model, processor = gemma3
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=512,
+                     mm_processor_kwargs=PAN)
+    images = [_picture(8, (40, 130)), _picture(9, (100, 30)), _picture(10, (40, 44))]
+    prompt = "Look at this <start_of_image> and<start_of_image>\nthen <start_of_image>what"
+    params = plinth.SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, params)[0]
+    inputs = processor(text=prompt, images=images, return_tensors="pt", **PAN)
+    assert inputs["pixel_values"].shape[0] == (1 + 3) + (1 + 3) + 1   # (3 crops each for the first two, none after)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    output_matches_transformers(out, model, pixel_values=inputs["pixel_values"],
+                                token_type_ids=inputs["token_type_ids"])
+    # the same through /tokenize's layout (sizes only, no pixels)
+    ids = llm.llm_engine.tokenize(prompt)
+    assert llm.llm_engine.images.laid_out(ids, images) == out.prompt_token_ids
+    llm.close()
+
+
+def test_pan_and_scan_per_request_and_refused_settings(gemma3):
+    """A request's own mm_processor_kwargs turn the crops on for its images alone; settings out of range are
+    refused with the field named."""
+    from plinth.core.scheduler import RequestRejectedError
+
+    path, model, processor = gemma3
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=512)
+    img = _picture(11, (30, 90))
+    params = plinth.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain, cropped = llm.generate([{"prompt": "See <start_of_image>", "multi_modal_data": {"image": img}},
+                                   {"prompt": "See <start_of_image>", "multi_modal_data": {"image": img},
+                                    "mm_processor_kwargs": PAN}], params)
+    assert plain.prompt_token_ids == processor(text="See <start_of_image>", images=[img])["input_ids"][0]
+    assert cropped.prompt_token_ids == processor(text="See <start_of_image>", images=[img], **PAN)["input_ids"][0]
+    assert cropped.prompt_token_ids.count(model.config.image_token_id) == 4 * TOKENS
+    for bad, message in [({"pan_and_scan_max_num_crops": 0}, "from 1 to"),
+                         ({"pan_and_scan_min_crop_size": -4}, "above 0"),
+                         ({"do_pan_and_scan": "yes"}, "takes a bool")]:
+        with pytest.raises(RequestRejectedError, match=message) as err:
+            llm.generate({"prompt": "See <start_of_image>", "multi_modal_data": {"image": img},
+                          "mm_processor_kwargs": bad}, params)
+        assert err.value.param == "mm_processor_kwargs"
+    llm.close()

@@ -221,6 +221,42 @@ def test_image_model_takes_prompt_embeds(tmp_path):
     assert by_embeds.outputs[0].token_ids == by_ids.outputs[0].token_ids
 
 
+def test_image_models_batch_images_beside_prompt_embeds(tmp_path):
+    """Gemma 3 (bidirectional attention within an image), Qwen2-VL (multimodal RoPE) and Qwen3-VL (DeepStack rows):
+    the rows of a prompt's tokens give the tokens' own output, and an image prompt batched with them gives its own
+    output alone (the prompt's rows are text: attended causally, rotated as text, without DeepStack rows)."""
+    from test_gemma3_images import _save as save_gemma3
+    from test_multimodal import _picture
+    from test_qwen3_vl import IMAGE as QWEN3_IMAGE
+    from test_qwen3_vl import _save_with_images as save_qwen3
+    from test_qwen_vl import IMAGE as QWEN_IMAGE
+    from test_qwen_vl import _save_qwen_vl
+
+    ids = [5, 9, 14, 3, 40, 41, 7, 22, 31, 11]
+    for name, save, image_prompt in [
+            ("gemma3", save_gemma3, "The quick <start_of_image> brown fox"),
+            ("qwen2vl", lambda p: _save_qwen_vl(p, "2"), f"The quick {QWEN_IMAGE} brown fox"),
+            ("qwen3vl", lambda p: save_qwen3(p, False), f"A {QWEN3_IMAGE} end")]:
+        path = tmp_path / name
+        path.mkdir()
+        model = save(path)[0]
+        with torch.no_grad():
+            rows = model.get_input_embeddings()(torch.tensor(ids))
+        # (no prefix cache: every step computes both prompts whole)
+        llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=256, enable_prompt_embeds=True,
+                  enable_prefix_caching=False)
+        image = {"prompt": image_prompt, "multi_modal_data": {"image": _picture(1)}}
+        by_ids, alone = llm.generate([{"prompt_token_ids": ids}, image], _greedy(), use_tqdm=False)
+        for prompts in ([{"prompt_embeds": rows}, image], [image, {"prompt_embeds": rows}]):
+            outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+            embedded, pictured = outs if "prompt_embeds" in prompts[0] else outs[::-1]
+            for got, want in ((embedded, by_ids), (pictured, alone)):
+                assert got.outputs[0].token_ids == want.outputs[0].token_ids, name
+                for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+                    assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a), name
+        llm.close()
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_on_worker_processes(llama, tp, pp):
     """Tensor-parallel ranks and pipeline stages in worker processes: the same output as transformers, and cached
@@ -242,6 +278,19 @@ def _b64(value) -> str:
     buf = io.BytesIO()
     torch.save(value, buf)
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def _compressed(value) -> str:
+    """``torch.save``'s archive with its entries deflated: a small request that would unpack to much more memory."""
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    return base64.b64encode(out.getvalue()).decode()
 
 
 class _NotATensor:
@@ -288,6 +337,9 @@ def test_server_completions_take_prompt_embeds(llama):
             ({"prompt_embeds": "not base64!"}, "prompt_embeds", "not valid base64"),
             ({"prompt_embeds": _b64({"rows": rows})}, "prompt_embeds", "holds a dict, not a tensor"),
             ({"prompt_embeds": _b64(_NotATensor())}, "prompt_embeds", "could not be read as a tensor"),
+            ({"prompt_embeds": _compressed(rows)}, "prompt_embeds", "compressed entries"),
+            ({"prompt_embeds": _b64(rows.to_sparse()), "truncate_prompt_tokens": 3}, "prompt_embeds",
+             "must be a dense tensor, got a sparse_coo one"),
             ({"prompt_embeds": _b64(torch.randn(5, 32))}, "prompt_embeds", "this model takes [positions, 64]"),
             ({"prompt_embeds": _b64(torch.randn(5))}, "prompt_embeds", "give [positions, hidden_size]"),
             ({"prompt_embeds": []}, "prompt_embeds", "must not be empty"),

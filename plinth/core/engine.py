@@ -796,7 +796,8 @@ class LLMEngine:
             from plinth.multimodal.images import salted_key
 
             # (the rows kept by truncate_prompt_tokens)
-            images = embeds_items(embeds[len(embeds) - len(ids):], self.scheduler.block_manager.block_size)
+            images = embeds_items(embeds[len(embeds) - len(ids):], self.scheduler.block_manager.block_size,
+                                  multimodal_rope=self.images is not None and self.images.qwen)
             if cache_salt is not None or self._image_epoch:   # tenants and epochs never share cached blocks
                 images = [dataclasses.replace(item, key=salted_key(item.key, cache_salt, self._image_epoch))
                           for item in images]

@@ -52,8 +52,9 @@ def checked_embeds(value: Any, hidden_size: int, dtype: torch.dtype, param: str 
     """
     if not isinstance(value, torch.Tensor) or value.dtype not in FLOAT_DTYPES or value.layout != torch.strided \
             or value.is_meta:
-        got = f"a {str(value.dtype).removeprefix('torch.')} tensor" if isinstance(value, torch.Tensor) \
-            else type(value).__name__
+        got = type(value).__name__ if not isinstance(value, torch.Tensor) else \
+            f"a {str(value.layout).removeprefix('torch.')} tensor" if value.layout != torch.strided else \
+            "a meta tensor" if value.is_meta else f"a {str(value.dtype).removeprefix('torch.')} tensor"
         raise RequestRejectedError(f"prompt embeddings must be a dense float32, float16, bfloat16 or float64 tensor, "
                                    f"got {got}", param=param)
     embeds = value.detach()
@@ -79,17 +80,23 @@ def digest(embeds: torch.Tensor) -> str:
     return "p" + h.hexdigest()
 
 
-def embeds_items(embeds: torch.Tensor, block_size: int) -> list[Any]:
+def embeds_items(embeds: torch.Tensor, block_size: int, multimodal_rope: bool = False) -> list[Any]:
     """The items that carry a prompt's embeddings to the runner, one per KV block of positions, each keyed by its
     own rows: a block's cache key then chains the rows of every block up to it, so prompts that start with the
-    same rows share those blocks (as token prompts share a prefix)."""
+    same rows share those blocks (as token prompts share a prefix). ``multimodal_rope`` (Qwen2-VL's models): each
+    item carries its positions' rotary positions, a text position's (its index, three times), as images carry
+    theirs, so that a step may hold both."""
+    import numpy as np
+
     from plinth.multimodal.images import ImageItem
 
     items = []
     for start in range(0, int(embeds.shape[0]), block_size):
         rows = embeds[start:start + block_size].clone()   # (its own storage: an item travels to worker processes)
+        rope = (np.repeat(np.arange(start, start + len(rows), dtype=np.int64)[:, None], 3, axis=1)
+                if multimodal_rope else None)
         items.append(ImageItem(offset=start, length=int(rows.shape[0]), pixel_values=torch.empty(0),
-                               key=digest(rows), embeds=rows))
+                               key=digest(rows), rope=rope, embeds=rows, prompt=True))
     return items
 
 
@@ -106,6 +113,7 @@ def decode_base64(text: Any, where: str = "prompt_embeds") -> torch.Tensor:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise RequestRejectedError(f"{where} is not valid base64 text", param=where) from None
+    _check_stored(raw, where)
     try:
         value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:   # a corrupt file, or one holding more than tensors (refused by weights_only)
@@ -115,3 +123,20 @@ def decode_base64(text: Any, where: str = "prompt_embeds") -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise RequestRejectedError(f"{where} holds a {type(value).__name__}, not a tensor", param=where)
     return value
+
+
+def _check_stored(raw: bytes, where: str) -> None:
+    """Refuse a ``torch.save`` archive whose entries are compressed: ``torch.save`` stores them as they are, and a
+    compressed one could unpack to far more memory than the request's bytes."""
+    import zipfile
+
+    if not zipfile.is_zipfile(io.BytesIO(raw)):
+        return   # (torch.save's legacy format: storages written as they are; torch.load refuses anything else)
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise RequestRejectedError(f"{where} is not a readable torch.save archive: {exc}", param=where) from None
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > len(raw):
+        raise RequestRejectedError(f"{where} holds compressed entries; send the bytes torch.save writes",
+                                   param=where)

@@ -586,7 +586,7 @@ class Scheduler:
         request's images (0: the chunk starts at or inside an image whose end it does not reach)."""
         end = start + num_new
         for item in req.images:
-            if item.offset < end < item.end:
+            if item.offset < end < item.end and not item.prompt:
                 return max(0, item.offset - start)
         return num_new
 

@@ -11,16 +11,45 @@ positions (each image position sees the whole image, in the sliding-window layer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from plinth.core.scheduler import RequestRejectedError
 from plinth.multimodal.vision import FullTower, load_encoder_weights, tower_parameter
 
 #: the most images the encoder takes in one pass (896-pixel images are 4,096 patches each)
 IMAGES_PER_PASS = 4
+
+#: the pan-and-scan settings of Gemma 3's image processor, where its config leaves them unset: transformers'
+#: ``Gemma3Processor`` defaults (crops off)
+PAN_AND_SCAN_DEFAULTS: dict[str, Any] = {"do_pan_and_scan": False, "pan_and_scan_min_crop_size": 256,
+                                         "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2}
+#: the text Gemma 3's processor writes around an image that has pan-and-scan crops
+ORIGINAL_TEXT, CROPS_TEXT = "Here is the original image ", " and here are some crops to help you see better "
+
+
+def crop_count(height: int, width: int, processor: Any) -> int:
+    """How many pan-and-scan crops Gemma 3's image processor cuts from a ``height`` x ``width`` image (0 with
+    ``do_pan_and_scan`` off): 2 up to ``pan_and_scan_max_num_crops`` along the longer side, about its ratio to the
+    shorter one, when that ratio reaches ``pan_and_scan_min_ratio_to_activate`` and the crops keep at least
+    ``pan_and_scan_min_crop_size`` pixels a side (transformers' ``Gemma3ImageProcessor.pan_and_scan``)."""
+    if not getattr(processor, "do_pan_and_scan", False):
+        return 0
+    min_size = int(processor.pan_and_scan_min_crop_size)
+    most = int(processor.pan_and_scan_max_num_crops)
+    ratio = float(processor.pan_and_scan_min_ratio_to_activate)
+    long, short = (width, height) if width >= height else (height, width)
+    if long / short < ratio:
+        return 0
+    count = min(math.floor(long / min_size), math.floor(long / short + 0.5))
+    count = min(most, max(2, count))
+    if min(math.ceil(long / count), short) < min_size:
+        return 0
+    return count
 
 
 def is_gemma3(mm_config: Any) -> bool:
@@ -113,36 +142,90 @@ class PromptLayout:
             known = self._newline_ids[token] = bool(text) and set(text) == {"\n"}
         return known
 
-    def expand_prompt(self, ids: Sequence[int]) -> list[int]:
+    def expand_prompt(self, ids: Sequence[int], crops: Sequence[int] = ()) -> list[int]:
         """``ids`` with each ``<start_of_image>`` not already followed by image tokens made into ``"\\n\\n"``,
         ``<start_of_image>``, one image token (widened later to the image's positions), ``<end_of_image>``,
         ``"\\n\\n"``; a run of line-break tokens that takes new ones is tokenized again as one text (as the tokenizer
-        would have made the processor's text)."""
-        out: list[int] = []
+        would have made the processor's text). ``crops``: each such image's pan-and-scan crops (none where not
+        given); an image with crops becomes its processor's sentence around the image and each crop, each laid out
+        as above, and the text between the special tokens around it is tokenized again as one text."""
+        out: list[int | str] = []   # token ids, and text (pan-and-scan's sentences) tokenized with its neighbours
         fresh: list[bool] = []   # whether out[i] is a line break put in here
+        k = 0
         for i, token in enumerate(ids):
             if token != self.begin or (i + 1 < len(ids) and ids[i + 1] == self.image):
                 out.append(token)
                 fresh.append(False)
                 continue
-            for part, new in ((self.breaks, True), ([self.begin, self.image, self.end], False), (self.breaks, True)):
-                out.extend(part)
-                fresh.extend([new] * len(part))
+            count = crops[k] if k < len(crops) else 0
+            k += 1
+            if not count:
+                for part, new in ((self.breaks, True), ([self.begin, self.image, self.end], False),
+                                  (self.breaks, True)):
+                    out.extend(part)
+                    fresh.extend([new] * len(part))
+                continue
+            image = [self.begin, self.image, self.end]
+            parts: list[int | str] = [ORIGINAL_TEXT + "\n\n", *image, "\n\n" + CROPS_TEXT + "\n\n", *image]
+            for _ in range(count - 1):
+                parts += ["\n\n \n\n", *image]
+            parts.append("\n\n")
+            out.extend(parts)
+            fresh.extend([False] * len(parts))
+        if any(isinstance(t, str) for t in out):
+            out, fresh = self._tokenize_texts(out, fresh)
         if self.tokenizer is None or not any(fresh):
-            return out
+            return out   # type: ignore[return-value]
         joined: list[int] = []
         i = 0
         while i < len(out):
-            if not self._is_newlines(out[i]):
-                joined.append(out[i])
+            if not self._is_newlines(out[i]):   # type: ignore[arg-type]
+                joined.append(out[i])   # type: ignore[arg-type]
                 i += 1
                 continue
             j = i
-            while j < len(out) and self._is_newlines(out[j]):
+            while j < len(out) and self._is_newlines(out[j]):   # type: ignore[arg-type]
                 j += 1
             if any(fresh[i:j]) and j - i > 1:
                 joined.extend(self._encode(self.tokenizer.decode(out[i:j])))
             else:
-                joined.extend(out[i:j])
+                joined.extend(out[i:j])   # type: ignore[arg-type]
             i = j
         return joined
+
+    def _tokenize_texts(self, out: list[int | str], fresh: list[bool]) -> tuple[list[int], list[bool]]:
+        """``out`` with each run between special tokens that holds text made into tokens: its tokens decoded, joined
+        with the text, and tokenized as one text (as the tokenizer reads the processor's text)."""
+        if self.tokenizer is None:
+            raise RequestRejectedError("Gemma 3's pan-and-scan crops need the model's tokenizer")
+        special = {*self.tokenizer.all_special_ids, self.begin, self.end, self.image}
+        ids: list[int] = []
+        flags: list[bool] = []
+        i = 0
+        while i < len(out):
+            if isinstance(out[i], int) and out[i] in special:
+                ids.append(out[i])   # type: ignore[arg-type]
+                flags.append(fresh[i])
+                i += 1
+                continue
+            j = i
+            while j < len(out) and not (isinstance(out[j], int) and out[j] in special):
+                j += 1
+            run = out[i:j]
+            if any(isinstance(t, str) for t in run):
+                text, pending = "", []
+                for t in run:
+                    if isinstance(t, str):
+                        text += self.tokenizer.decode(pending, clean_up_tokenization_spaces=False) + t
+                        pending = []
+                    else:
+                        pending.append(t)
+                text += self.tokenizer.decode(pending, clean_up_tokenization_spaces=False)
+                new = self._encode(text)
+                ids.extend(new)
+                flags.extend([False] * len(new))
+            else:
+                ids.extend(run)   # type: ignore[arg-type]
+                flags.extend(fresh[i:j])
+            i = j
+        return ids, flags

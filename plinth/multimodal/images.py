@@ -107,6 +107,9 @@ class ImageItem:
     #: Mistral 3: which positions of its span take its embeddings (``[length]`` bool; the row breaks and the end
     #: token keep their own); ``None``: all of them
     mask: Any = None
+    #: rows of a prompt given as embeddings (:mod:`plinth.core.prompt_embeds`), not an image: attended causally, as
+    #: text, and without DeepStack rows
+    prompt: bool = False
 
     @property
     def embedded(self) -> int:
@@ -426,12 +429,14 @@ class ImageSupport:
         self.processor = _image_processor(mm_config, path)
         if self.internvl:   # (InternVLProcessor cuts images into tiles whatever its image processor's config says)
             self.processor.crop_to_patches = True
+        if self.layout is not None:   # (Gemma 3: what its config leaves unset, as transformers' processor sets it)
+            from plinth.multimodal.gemma3 import PAN_AND_SCAN_DEFAULTS
+
+            for key, value in PAN_AND_SCAN_DEFAULTS.items():
+                if getattr(self.processor, key, None) is None:
+                    setattr(self.processor, key, value)
         if processor_kwargs:
             _apply_settings(self.processor, processor_kwargs, self.qwen, tile_settings(mm_config))
-        if self.layout is not None and getattr(self.processor, "do_pan_and_scan", False):
-            logger.warning("Gemma 3: the image processor's pan-and-scan crops are not taken; each image is encoded "
-                           "whole, at %dx%d", self.image_size, self.image_size)
-            self.processor.do_pan_and_scan = False
         self.limit = limit
         self.dtype = dtype
         self.policy = policy or MediaPolicy()
@@ -568,6 +573,15 @@ class ImageSupport:
         from plinth.multimodal.video import file_sampler
 
         return file_sampler(self.video)
+
+    def crops_of(self, images: Sequence[Any]) -> list[int]:
+        """Each image's pan-and-scan crops (Gemma 3 with ``do_pan_and_scan``; 0 for the others and for images given
+        as embeddings)."""
+        if self.layout is None or not getattr(self.processor, "do_pan_and_scan", False):
+            return [0] * len(images)
+        from plinth.multimodal.gemma3 import crop_count
+
+        return [0 if isinstance(m, EmbeddedImage) else crop_count(m.height, m.width, self.processor) for m in images]
 
     def length_of(self, image: Any) -> int:
         """The positions a PIL image (or an :class:`EmbeddedImage`, or a video) fills."""
@@ -942,12 +956,14 @@ class ImageSupport:
         """
         from plinth.multimodal import video as v
 
-        ids = self.prompt_ids(ids)
         images = [m for m in media if not isinstance(m, v.Video)]
         videos = [m for m in media if isinstance(m, v.Video)]
-        lengths = [self.length_of(m) for m in images]
-        tokens = [self.token_id] * len(images)
-        patterns = [self.pattern_of(m) for m in images]
+        crops = self.crops_of(images)
+        ids = self.prompt_ids(ids, crops)
+        # (Gemma 3: an image with pan-and-scan crops is its entry and one more for each crop)
+        lengths = [self.length_of(m) for m, k in zip(images, crops, strict=True) for _ in range(1 + k)]
+        tokens = [self.token_id] * len(lengths)
+        patterns = [self.pattern_of(m) for m, k in zip(images, crops, strict=True) for _ in range(1 + k)]
         if videos and self.video.qwen3:
             grids = [v.grid_of(self.video, m) for m in videos]
             widths = [h * w // (self.video.merge ** 2) for _, h, w in grids]
@@ -968,18 +984,23 @@ class ImageSupport:
         prepared = self._prepare_pictures([img for img in images if not isinstance(img, EmbeddedImage)], processor)
         if not embedded:
             return prepared
-        # images given as embeddings keep their place among the pictures
+        # images given as embeddings keep their place among the pictures (each picture's entries: Gemma 3's crops)
         out: list[tuple[Any, ...]] = []
         pictures = iter(zip(prepared.pixels, prepared.keys, prepared.sizes, prepared.lengths,
                             prepared.grids or (None,) * len(prepared.pixels), strict=True))
+        crops = iter(prepared.crops)
+        every: list[int] = []   # each image's crops
         for img in images:
             if isinstance(img, EmbeddedImage):
                 out.append((torch.empty(0), "e" + _digest(img.embeds.float(), img.grid), None, len(img.embeds),
                             img.grid, img.embeds))
+                every.append(0)
             else:
-                out.append((*next(pictures), None))
+                every.append(next(crops, 0))
+                out.extend((*next(pictures), None) for _ in range(1 + every[-1]))
         pixels, keys, sizes, lengths, grids, embeds = zip(*out, strict=True)
-        return PreparedImages(pixels, keys, sizes, lengths, grids if self.qwen else (), embeds)
+        return PreparedImages(pixels, keys, sizes, lengths, grids if self.qwen else (), embeds,
+                              crops=tuple(every) if prepared.crops else ())
 
     def _prepare_pictures(self, images: list[Any], processor: Any = None) -> PreparedImages:
         from plinth.multimodal.vision import tokens_per_image
@@ -995,11 +1016,39 @@ class ImageSupport:
             return self._pixtral_pictures(images, processor)
         if self.patterned:
             return self._tiled_pictures(images, processor)
+        if self.layout is not None and getattr(processor or self.processor, "do_pan_and_scan", False):
+            return self._gemma3_crops(images, processor)
         pixels = self.pixel_values(images, processor)
         sizes = tuple((img.height, img.width) if self.tiled else None for img in images)
         lengths = tuple(tokens_per_image(self.mm_config, size) for size in sizes)
         return PreparedImages(tuple(pixels), tuple(_digest(p, s) for p, s in zip(pixels, sizes, strict=True)),
                               sizes, lengths)
+
+    def _gemma3_crops(self, images: list[Any], processor: Any = None) -> PreparedImages:
+        """Gemma 3 with pan-and-scan: each image whole, then each of its crops (as many as
+        :func:`~plinth.multimodal.gemma3.crop_count` says), an entry each, with the processor's pixels."""
+        from plinth.multimodal.gemma3 import crop_count
+
+        proc = processor or self.processor
+        size = self.image_size
+        pixels: list[torch.Tensor] = []
+        crops: list[int] = []
+        for img in images:
+            count = crop_count(img.height, img.width, proc)
+            try:
+                out = proc(images=[img], return_tensors="pt")
+                pv, made = out["pixel_values"], [int(c) for c in out.get("num_crops", [count])]
+            except Exception as exc:   # noqa: BLE001 - a processor's failure on one odd image
+                raise RequestRejectedError(f"the image processor cannot take this image: {type(exc).__name__}: "
+                                           f"{exc}", param="multi_modal_data") from None
+            if pv.dim() != 4 or len(pv) != 1 + count or tuple(pv.shape[-2:]) != (size, size) or made != [count]:
+                raise RequestRejectedError(f"the image processor made pixels of shape {tuple(pv.shape)} and {made} "
+                                           f"crops for a {img.width}x{img.height} image; expected {1 + count} images "
+                                           f"of {size}x{size}", param="multi_modal_data")
+            pixels.extend(pv[j:j + 1].clone().float() for j in range(len(pv)))
+            crops.append(count)
+        return PreparedImages(tuple(pixels), tuple(_digest(p, None) for p in pixels), (None,) * len(pixels),
+                              (self.tokens_per_image or 0,) * len(pixels), crops=tuple(crops))
 
     def _pixtral_pictures(self, images: list[Any], processor: Any = None) -> PreparedImages:
         """Mistral 3: each image resized by the processor (its longest side within ``longest_edge``, both sides whole
@@ -1067,17 +1116,17 @@ class ImageSupport:
         return PreparedImages(tuple(pixels), tuple(_digest(p, None) for p in pixels), (None,) * len(images),
                               tuple(len(p) for p in patterns), patterns=tuple(patterns))
 
-    def prompt_ids(self, ids: Sequence[int]) -> list[int]:
+    def prompt_ids(self, ids: Sequence[int], crops: Sequence[int] = ()) -> list[int]:
         """A prompt's tokens with each image named by one image token (Gemma 3: its ``<start_of_image>`` made into the
-        tokens its processor writes around an image, see :class:`~plinth.multimodal.gemma3.PromptLayout`; the other
-        models' prompts as they are)."""
-        return self.layout.expand_prompt(ids) if self.layout is not None else list(ids)
+        tokens its processor writes around an image, with ``crops``, each image's pan-and-scan crops, see
+        :class:`~plinth.multimodal.gemma3.PromptLayout`; the other models' prompts as they are)."""
+        return self.layout.expand_prompt(ids, crops) if self.layout is not None else list(ids)
 
     def items(self, ids: Sequence[int], data: Any) -> tuple[list[int], list[ImageItem]]:
         """``(expanded prompt, its images)`` of a prompt and its ``multi_modal_data`` (or its
         :class:`PreparedImages`)."""
         prepared = data if isinstance(data, PreparedImages) else self.prepare(data)
-        ids = self.prompt_ids(ids)
+        ids = self.prompt_ids(ids, prepared.crops)
         if prepared.stamps:   # (Qwen3-VL's videos: their frame groups, each after its time)
             first = len(prepared.lengths) - sum(len(groups) for groups in prepared.stamps)
             widths, k = [], first
@@ -1149,6 +1198,9 @@ class PreparedImages:
     patterns: tuple[tuple[int, ...] | None, ...] = ()   # each entry's prompt tokens (Mistral 3); () placeholders
     #: Qwen3-VL: each video's frame groups' times in seconds (its groups are entries of their own); () none
     stamps: tuple[tuple[float, ...], ...] = ()
+    #: Gemma 3: each picture's pan-and-scan crops (a picture is then its entry and one more for each crop, in
+    #: order); () none
+    crops: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1317,7 +1369,7 @@ VIDEO_SETTINGS = ("video_min_pixels", "video_max_pixels")
 def tile_settings(mm_config: Any) -> tuple[str, ...]:
     """The settings that choose how many tiles an image is cut into, which a model's processor takes as
     ``mm_processor_kwargs`` (InternVL's ``min_patches`` / ``max_patches`` / ``crop_to_patches``, Idefics3's
-    ``do_image_splitting``): the tiles keep the tower's size."""
+    ``do_image_splitting``, Gemma 3's pan-and-scan): the tiles keep the tower's size."""
     kind = getattr(mm_config, "model_type", None)
     if kind == "internvl":
         return ("min_patches", "max_patches", "crop_to_patches")
@@ -1325,6 +1377,10 @@ def tile_settings(mm_config: Any) -> tuple[str, ...]:
         return ("do_image_splitting",)
     if kind == "llama4":
         return ("max_patches", "resize_to_max_canvas")
+    if kind == "gemma3":
+        from plinth.multimodal.gemma3 import PAN_AND_SCAN_DEFAULTS
+
+        return tuple(PAN_AND_SCAN_DEFAULTS)
     return ()
 
 
@@ -1356,6 +1412,10 @@ def _apply_settings(processor: Any, settings: dict[str, Any], qwen: bool, tiles:
             raise ConfigError(f"mm_processor_kwargs: {key} takes a {type(current).__name__} here, got {value!r}")
         if key in ("min_patches", "max_patches") and not 1 <= value <= MAX_TILES_SETTING:
             raise ConfigError(f"mm_processor_kwargs: {key} must be from 1 to {MAX_TILES_SETTING}, got {value!r}")
+        if key == "pan_and_scan_max_num_crops" and not 1 <= value <= MAX_TILES_SETTING:
+            raise ConfigError(f"mm_processor_kwargs: {key} must be from 1 to {MAX_TILES_SETTING}, got {value!r}")
+        if key in ("pan_and_scan_min_crop_size", "pan_and_scan_min_ratio_to_activate") and not value > 0:
+            raise ConfigError(f"mm_processor_kwargs: {key} must be above 0, got {value!r}")
         setattr(processor, key, value)
     if getattr(processor, "min_patches", 1) > getattr(processor, "max_patches", MAX_TILES_SETTING):
         raise ConfigError(f"mm_processor_kwargs: min_patches {processor.min_patches} is more than max_patches "

@@ -129,8 +129,11 @@ class ImageFeatures:
         """``(rows [K] int64, embeddings [K, hidden])``: the flat batch's rows that take image embeddings, and
         theirs; for a multimodal RoPE (Qwen2-VL) a third item, the rows' ``[K, 3]`` rotary positions."""
         features = self.embeddings([item for _, _, item, _ in image_rows])
-        values = torch.cat([f[first:first + count] if item.mask is None else f[_ranks(item, first, count)]
-                            for f, (_, count, item, first) in zip(features, image_rows, strict=True)])
+        parts = [f[first:first + count] if item.mask is None else f[_ranks(item, first, count)]
+                 for f, (_, count, item, first) in zip(features, image_rows, strict=True)]
+        width = max(p.shape[1] for p in parts)   # (Qwen3-VL: a prompt's embedded rows have no DeepStack rows: zeros)
+        values = torch.cat([p if p.shape[1] == width else torch.nn.functional.pad(p, (0, width - p.shape[1]))
+                            for p in parts])
         rows, *positions = image_rows_without_embeddings(image_rows, self.device)
         return rows, values, *positions
 

@@ -439,6 +439,8 @@ def _image_spans(images: Any, qsl: np.ndarray, seq_lens: np.ndarray,
     """
     spans = []
     for first, rows, item, offset in images:
+        if item.prompt:   # (a prompt given as embeddings: text, attended causally)
+            continue
         seq = int(np.searchsorted(qsl, first, side="right")) - 1
         pos = item.offset + offset
         if item.end > int(seq_lens[seq]):

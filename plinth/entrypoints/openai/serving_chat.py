@@ -378,8 +378,6 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, note_igno
     if support is not None and not videos and support.video_token_id is not None and support.video_token_id in ids:
         raise bad_request(f"the rendered prompt has the video token ({support.video_placeholder!r}) but the messages "
                           "have no video: send videos as video_url parts", "messages")
-    if support is not None and images:
-        ids = support.prompt_ids(ids)   # (Gemma 3: the tokens its processor writes around each image)
     length = len(ids)
     data: Any = media_data(images + videos)
     if data and req.mm_processor_kwargs:   # (the images processed here with the request's settings)

@@ -8,6 +8,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
+import torch
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -85,6 +86,9 @@ async def _embeds_prompts(ctx: ServerContext, req: CompletionRequest) -> list[_P
     prompts = []
     for text in raw:
         value = await asyncio.to_thread(decode_base64, text)
+        if value.layout != torch.strided:
+            raise bad_request(f"prompt embeddings must be a dense tensor, got a "
+                              f"{str(value.layout).removeprefix('torch.')} one", "prompt_embeds")
         if value.dim() not in (2, 3) or (value.dim() == 3 and value.shape[0] != 1):
             raise bad_request(f"prompt embeddings of shape {list(value.shape)}; give [positions, hidden_size]",
                               "prompt_embeds")
