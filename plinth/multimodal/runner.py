@@ -7,7 +7,7 @@ import itertools
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,8 @@ class ImageFeatures:
         self.pass_patches = 0
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._bytes = 0
+        #: GPUs: two pinned host buffers of one encoder pass's tiles (see :meth:`_passes`), made when first needed
+        self._staging: list[torch.Tensor] | None = None
 
     @torch.inference_mode()
     def embeddings(self, items: Sequence[ImageItem]) -> list[torch.Tensor]:
@@ -99,10 +101,10 @@ class ImageFeatures:
                     for (key, item), features in zip(part, out, strict=True):
                         self._keep(key, item, features.clone())
         elif todo:
-            pixels = torch.cat([item.pixel_values for item in todo.values()])                   # [tiles, C, S, S]
             # at most MAX_TILES tiles a pass: the tower's activations stay within what start-up left free
             per_pass = getattr(self.encoder, "tiles_per_pass", MAX_TILES)
-            tiles = torch.cat([self.encoder(chunk.to(self.device)) for chunk in pixels.split(per_pass)]).split(
+            tiles = torch.cat([self.encoder(chunk) for chunk in self._passes(
+                [item.pixel_values for item in todo.values()], per_pass)]).split(
                 [len(item.pixel_values) for item in todo.values()])
             for (key, item), features in zip(todo.items(), tiles, strict=True):
                 # (a copy: a view would keep the whole pass's output alive while the cache holds one image)
@@ -118,6 +120,41 @@ class ImageFeatures:
             old = self._cache.pop(key)
             self._bytes -= old.numel() * old.element_size()
         return [self._cache[key] for key in wanted]
+
+    def _passes(self, pixels: list[torch.Tensor], per_pass: int) -> Iterator[torch.Tensor]:
+        """The tiles of ``pixels`` (``[tiles, C, S, S]`` each) in passes of at most ``per_pass``, on the device. On a
+        GPU each pass is gathered into one of two pinned host buffers and copied without waiting, so that gathering
+        and copying the next pass overlap the encoder's run of this one (a pageable copy would hold the host until
+        the GPU is idle)."""
+        if self.device.type != "cuda":
+            yield from (chunk.to(self.device) for chunk in torch.cat(pixels).split(per_pass))
+            return
+        passes: list[list[torch.Tensor]] = [[]]
+        room = per_pass
+        for tiles in pixels:
+            start = 0
+            while start < len(tiles):
+                if not room:
+                    passes.append([])
+                    room = per_pass
+                take = min(room, len(tiles) - start)
+                passes[-1].append(tiles[start:start + take])
+                start += take
+                room -= take
+        shape, dtype = tuple(pixels[0].shape[1:]), pixels[0].dtype
+        if self._staging is None or self._staging[0].shape != (per_pass, *shape) or self._staging[0].dtype != dtype:
+            self._staging = [torch.empty((per_pass, *shape), dtype=dtype, pin_memory=True) for _ in range(2)]
+        copied: list[Any] = [None, None]   # each buffer's copy to the device, as an event
+        for i, parts in enumerate(passes):
+            buffer = self._staging[i % 2]
+            if copied[i % 2] is not None:
+                copied[i % 2].synchronize()   # (the buffer's copy two passes ago has left it)
+            rows = sum(len(p) for p in parts)
+            torch.cat([p.to(dtype) for p in parts], out=buffer[:rows])
+            on_device = buffer[:rows].to(self.device, non_blocking=True)
+            copied[i % 2] = torch.cuda.Event()
+            copied[i % 2].record()
+            yield on_device
 
     def _keep(self, key: str, item: ImageItem, features: torch.Tensor) -> None:
         if features.shape[0] != item.embedded:
