@@ -285,3 +285,37 @@ def test_pan_and_scan_per_request_and_refused_settings(gemma3):
                           "mm_processor_kwargs": bad}, params)
         assert err.value.param == "mm_processor_kwargs"
     llm.close()
+
+
+def test_pan_and_scan_only_when_asked_and_partial_layouts(gemma3, tmp_path):
+    """An image processor config that turns pan-and-scan on is not what turns it on (transformers' Gemma3Processor
+    passes its own defaults over it): only mm_processor_kwargs do. With crops on, a token prompt that lays out some
+    images itself and leaves others bare is refused with a clear message."""
+    import json
+    import shutil
+
+    from plinth.core.scheduler import RequestRejectedError
+
+    path, model, processor = gemma3
+    copy = tmp_path / "configured"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "preprocessor_config.json").read_text())
+    (copy / "preprocessor_config.json").write_text(json.dumps({**config, **PAN}))
+    img = _picture(12, (40, 130))
+    params = plinth.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm = plinth.LLM(str(copy), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=512)
+    out = llm.generate({"prompt": "See <start_of_image>", "multi_modal_data": {"image": img}}, params)[0]
+    assert out.prompt_token_ids == processor(text="See <start_of_image>", images=[img])["input_ids"][0]
+    assert out.prompt_token_ids.count(model.config.image_token_id) == TOKENS
+    llm.close()
+    llm = plinth.LLM(str(path), dtype="float32", platform="cpu", block_size=4, selection="off", max_model_len=512,
+                     mm_processor_kwargs=PAN)
+    square = _picture(13, (40, 40))
+    laid = processor(text="a <start_of_image>", images=[square], **PAN)["input_ids"][0]
+    bare = llm.llm_engine.tokenize(" b <start_of_image> c")
+    with pytest.raises(RequestRejectedError, match="lays out all of its images or none"):
+        llm.generate({"prompt_token_ids": laid + bare, "multi_modal_data": {"image": [square, img]}}, params)
+    with pytest.raises(RequestRejectedError, match="each crop counts as an image"):
+        llm.generate({"prompt_token_ids": processor(text="a <start_of_image>", images=[img])["input_ids"][0],
+                      "multi_modal_data": {"image": [img]}}, params)
+    llm.close()

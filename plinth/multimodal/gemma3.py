@@ -152,6 +152,12 @@ class PromptLayout:
         out: list[int | str] = []   # token ids, and text (pan-and-scan's sentences) tokenized with its neighbours
         fresh: list[bool] = []   # whether out[i] is a line break put in here
         k = 0
+        laid_out = any(t == self.begin and nxt == self.image for t, nxt in zip(ids, ids[1:], strict=False))
+        if any(crops) and laid_out and any(t == self.begin for i, t in enumerate(ids)
+                                          if i + 1 == len(ids) or ids[i + 1] != self.image):
+            raise RequestRejectedError("with pan-and-scan crops, a prompt lays out all of its images or none of them "
+                                       "(it has both an image laid out and a bare <start_of_image>)",
+                                       param="multi_modal_data")
         for i, token in enumerate(ids):
             if token != self.begin or (i + 1 < len(ids) and ids[i + 1] == self.image):
                 out.append(token)

@@ -429,12 +429,13 @@ class ImageSupport:
         self.processor = _image_processor(mm_config, path)
         if self.internvl:   # (InternVLProcessor cuts images into tiles whatever its image processor's config says)
             self.processor.crop_to_patches = True
-        if self.layout is not None:   # (Gemma 3: what its config leaves unset, as transformers' processor sets it)
+        if self.layout is not None:
+            # (Gemma 3: transformers' Gemma3Processor passes its own pan-and-scan defaults whatever the image processor's
+            # config says, so only mm_processor_kwargs turn the crops on)
             from plinth.multimodal.gemma3 import PAN_AND_SCAN_DEFAULTS
 
             for key, value in PAN_AND_SCAN_DEFAULTS.items():
-                if getattr(self.processor, key, None) is None:
-                    setattr(self.processor, key, value)
+                setattr(self.processor, key, value)
         if processor_kwargs:
             _apply_settings(self.processor, processor_kwargs, self.qwen, tile_settings(mm_config))
         self.limit = limit
@@ -754,9 +755,12 @@ class ImageSupport:
         for token, entries in queues.items():
             if named[token] != len(entries):
                 what = "video" if token == self.video_token_id else "image"
+                crops = (" (with pan-and-scan on, each crop counts as an image: lay the crops out as the processor "
+                         "does, or give one <start_of_image> for each image)"
+                         if self.layout is not None and getattr(self.processor, "do_pan_and_scan", False) else "")
                 raise RequestRejectedError(
                     f"the prompt names {named[token]} {what}(s) ({what} token id {token}) but multi_modal_data has "
-                    f"{len(entries)}: put one {what} token where each {what} goes", param="multi_modal_data")
+                    f"{len(entries)}: put one {what} token where each {what} goes{crops}", param="multi_modal_data")
         return out, spans
 
     @staticmethod
