@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "RequestOutputKind", "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
            "StructuredOutputsParams",
-           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "LoRARequest", "ModelRegistry", "__version__"]
+           "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "EmbedsPrompt", "LoRARequest", "ModelRegistry", "__version__"]
 
 # Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
 _LAZY = {
@@ -28,6 +28,7 @@ _LAZY = {
     "GuidedDecodingParams": "plinth.core.structured:StructuredOutputsParams",
     "TextPrompt": "plinth.core.request:TextPrompt",
     "TokensPrompt": "plinth.core.request:TokensPrompt",
+    "EmbedsPrompt": "plinth.core.request:EmbedsPrompt",
     "LoRARequest": "plinth.lora.request:LoRARequest",
     "ModelRegistry": "plinth.model_registry.registry:ModelRegistry",
 }
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from plinth.core.pooling import PoolingRequestOutput as EmbeddingRequestOutput
     from plinth.core.request import (
         CompletionOutput,
+        EmbedsPrompt,
         RequestOutput,
         RequestOutputKind,
         SamplingParams,

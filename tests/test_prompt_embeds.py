@@ -14,7 +14,7 @@ from conftest import generate_on_tp_workers, save_tiny_model
 from test_mamba_models import save_falcon_h1
 from test_models import save_with_tokenizer
 
-from plinth import LLM, SamplingParams
+from plinth import LLM, EmbedsPrompt, SamplingParams
 from plinth.config import ConfigError, EngineConfig
 from plinth.core.scheduler import RequestRejectedError
 
@@ -153,7 +153,7 @@ def test_a_batch_of_token_and_embedding_prompts_with_n(llm, llama):
     hf = llama[1]
     rows = _rows(hf, 4, 7)
     params = SamplingParams(temperature=1.0, max_tokens=5, n=3, seed=11, ignore_eos=True)
-    mixed = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_embeds": rows}], params, use_tqdm=False)
+    mixed = llm.generate([{"prompt_token_ids": [5, 6, 7]}, EmbedsPrompt(prompt_embeds=rows)], params, use_tqdm=False)
     alone, = llm.generate({"prompt_embeds": rows}, params, use_tqdm=False)
     assert [c.token_ids for c in mixed[1].outputs] == [c.token_ids for c in alone.outputs]
     tok = llm.get_tokenizer()

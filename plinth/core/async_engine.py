@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from plinth.core.prompt_embeds import EmbedsPrompt
+from plinth.core.prompt_embeds import PromptEmbeds
 from plinth.core.request import RequestOutput, RequestOutputKind, SamplingParams
 from plinth.core.scheduler import RequestRejectedError
 from plinth.errors import RequestFailedError
@@ -238,7 +238,7 @@ class AsyncLLMEngine:
                                         continue_final_message=continue_final_message,
                                         template_kwargs=template_kwargs)
 
-    async def generate(self, request_id: str, prompt: str | Sequence[int] | EmbedsPrompt, params: SamplingParams | Any,
+    async def generate(self, request_id: str, prompt: str | Sequence[int] | PromptEmbeds, params: SamplingParams | Any,
                        priority: int = 0, lora_request: Any = None,
                        accepted: asyncio.Future[None] | None = None,
                        cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None,
@@ -271,7 +271,7 @@ class AsyncLLMEngine:
                     media_pool(), self.images.prepare, multi_modal_data)
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, _Mailbox())
-        if not isinstance(prompt, str | EmbedsPrompt):   # (a copy: the caller's list may change)
+        if not isinstance(prompt, str | PromptEmbeds):   # (a copy: the caller's list may change)
             prompt = list(prompt)
         self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request, cache_salt,
                           multi_modal_data))

@@ -36,7 +36,7 @@ from plinth.core.pooling import (
     finish_embedding,
     resolve_pooling,
 )
-from plinth.core.prompt_embeds import PLACEHOLDER_ID, EmbedsPrompt
+from plinth.core.prompt_embeds import PLACEHOLDER_ID, PromptEmbeds
 from plinth.core.request import (
     CompletionOutput,
     FinishReason,
@@ -681,7 +681,7 @@ class LLMEngine:
         with self._lora_lock:
             return self._adapters.get(lora_int_id) or self._live_adapters.get(lora_int_id)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int] | EmbedsPrompt,
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | PromptEmbeds,
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None, cache_salt: str | None = None,
@@ -695,7 +695,7 @@ class LLMEngine:
         that do not share a salt cannot learn each other's prompts from cache hits (their timing).
         ``multi_modal_data`` (an image-and-text model: ``{"image": image or [images]}``, PIL images or image files'
         bytes): the images the prompt's image tokens stand for, one token each (see :mod:`plinth.multimodal`).
-        ``prompt`` may be an :class:`~plinth.core.prompt_embeds.EmbedsPrompt`: the prompt as its input embeddings (an
+        ``prompt`` may be an :class:`~plinth.core.prompt_embeds.PromptEmbeds`: the prompt as its input embeddings (an
         engine with ``enable_prompt_embeds``); its output's ``prompt_token_ids`` is then empty.
 
         Raises:
@@ -741,7 +741,7 @@ class LLMEngine:
         if salt_problem is not None:
             raise RequestRejectedError(f"cache_salt {salt_problem}", param="cache_salt")
         embeds = None   # a prompt given as embeddings: [positions, hidden] (plinth.core.prompt_embeds)
-        if isinstance(prompt, EmbedsPrompt):
+        if isinstance(prompt, PromptEmbeds):
             embeds = self._prompt_embeds(prompt, params, pooling, multi_modal_data)
             text, ids = None, [PLACEHOLDER_ID] * len(embeds)
         elif isinstance(prompt, str):
@@ -890,7 +890,7 @@ class LLMEngine:
         if _needs_sync_steps(params) or pooling is not None or custom:   # pooling reads the step's hidden states
             self._sync_groups.add(request_id)
 
-    def _prompt_embeds(self, prompt: EmbedsPrompt, params: SamplingParams, pooling: Any,
+    def _prompt_embeds(self, prompt: PromptEmbeds, params: SamplingParams, pooling: Any,
                        multi_modal_data: Any) -> torch.Tensor:
         """A prompt given as embeddings, checked: ``[positions, hidden_size]`` in the model's dtype, on the CPU.
 

@@ -34,11 +34,11 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclasses.dataclass(eq=False)
-class EmbedsPrompt:
+class PromptEmbeds:
     """A prompt given as its input embeddings, ``[positions, hidden_size]`` (``[1, positions, hidden_size]`` too).
 
     Pass it where a prompt goes (``LLMEngine.add_request``, ``AsyncLLMEngine.generate``); ``LLM.generate`` takes vLLM's
-    dict form ``{"prompt_embeds": tensor}``."""
+    dict form, :class:`plinth.EmbedsPrompt` (``{"prompt_embeds": tensor}``)."""
 
     embeds: Any
 

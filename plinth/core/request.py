@@ -48,6 +48,15 @@ class TokensPrompt(TypedDict):
     cache_salt: NotRequired[str]
 
 
+class EmbedsPrompt(TypedDict):
+    """A prompt as its input embeddings (vLLM's ``EmbedsPrompt``: ``{"prompt_embeds": tensor}``, ``[positions,
+    hidden_size]``; an engine with ``enable_prompt_embeds``, see :mod:`plinth.core.prompt_embeds`); ``cache_salt``:
+    see :meth:`plinth.core.engine.LLMEngine.add_request`."""
+
+    prompt_embeds: Any
+    cache_salt: NotRequired[str]
+
+
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter. ``param`` names it (the OpenAI field name)."""
 

@@ -188,7 +188,7 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
         TypeError: ``params`` is not a :class:`BeamSearchParams`.
         RequestRejectedError: a prompt is empty, not token ids, or leaves no room in the context.
     """
-    from plinth.core.prompt_embeds import EmbedsPrompt
+    from plinth.core.prompt_embeds import PromptEmbeds
     from plinth.entrypoints.llm import _Salted
 
     engine = llm.engine
@@ -197,7 +197,7 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
                                    param="multi_modal_data")
     salts = [p.salt if isinstance(p, _Salted) else None for p in prompts]   # a dict prompt's cache_salt
     prompts = [p.prompt if isinstance(p, _Salted) else p for p in prompts]
-    if any(isinstance(p, EmbedsPrompt) for p in prompts):
+    if any(isinstance(p, PromptEmbeds) for p in prompts):
         raise RequestRejectedError("beam search takes prompts as text or token ids, not embeddings (prompt_embeds)",
                                    param="prompt_embeds")
     starts = [list(engine.tokenize(p)) if isinstance(p, str) else _token_ids(p) for p in prompts]

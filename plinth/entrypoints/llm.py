@@ -71,7 +71,7 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
 
 
 def _one_prompt(prompt: Any) -> Any:
-    """A dict prompt as its text, token ids or :class:`~plinth.core.prompt_embeds.EmbedsPrompt` (other forms as they
+    """A dict prompt as its text, token ids or :class:`~plinth.core.prompt_embeds.PromptEmbeds` (other forms as they
     are), as a :class:`_Salted` where it has a ``cache_salt`` or ``multi_modal_data``."""
     if not isinstance(prompt, dict):
         return prompt
@@ -84,9 +84,9 @@ def _one_prompt(prompt: Any) -> Any:
                          f"'multi_modal_data' and 'mm_processor_kwargs'"
                          f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
     if "prompt_embeds" in prompt:
-        from plinth.core.prompt_embeds import EmbedsPrompt
+        from plinth.core.prompt_embeds import PromptEmbeds
 
-        prompt = {**prompt, "prompt_embeds": EmbedsPrompt(prompt["prompt_embeds"])}
+        prompt = {**prompt, "prompt_embeds": PromptEmbeds(prompt["prompt_embeds"])}
     value = prompt[keys.pop()]
     if "prompt" in prompt and not isinstance(value, str):
         raise ValueError(f"'prompt' must be text, got {type(value).__name__}")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.prompt_embeds import EmbedsPrompt, decode_base64
+from plinth.core.prompt_embeds import PromptEmbeds, decode_base64
 from plinth.core.request import (
     CompletionOutput,
     FinishReason,
@@ -55,7 +55,7 @@ class _Prompt:
     #: None where not worked out (the echo then takes special tokens whose text ``text`` lacks)
     added: frozenset[int] | None = None
     #: a prompt given as embeddings (``token_ids`` is then empty)
-    embeds: EmbedsPrompt | None = None
+    embeds: PromptEmbeds | None = None
 
     @property
     def length(self) -> int:
@@ -63,7 +63,7 @@ class _Prompt:
         return len(self.token_ids) if self.embeds is None else len(self.embeds.embeds)
 
     @property
-    def engine_prompt(self) -> list[int] | EmbedsPrompt:
+    def engine_prompt(self) -> list[int] | PromptEmbeds:
         return self.token_ids if self.embeds is None else self.embeds
 
 
@@ -95,7 +95,7 @@ async def _embeds_prompts(ctx: ServerContext, req: CompletionRequest) -> list[_P
         value = value[0] if value.dim() == 3 else value
         if keep is not None and len(value) > keep:
             value = value[-keep:]
-        prompts.append(_Prompt("", [], frozenset(), EmbedsPrompt(value)))
+        prompts.append(_Prompt("", [], frozenset(), PromptEmbeds(value)))
     return prompts
 
 
