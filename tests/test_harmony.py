@@ -154,7 +154,8 @@ def http(tmp_path, monkeypatch):
         if params.skip_special_tokens:
             for marker in MARKERS:
                 text = text.replace(marker, "")
-        cuts = list(range(0, len(text), 7)) + [len(text)]
+        # the outputs end at these characters (default: every 7th), as a stream's outputs may merge
+        cuts = sorted({0, len(text), *(c for c in script.get("cuts", range(0, len(text), 7)) if c < len(text))})
         for i, cut in enumerate(cuts[1:]):
             last = cut == len(text)
             reason = script.get("finish", FinishReason.STOP) if last else None
@@ -216,17 +217,26 @@ def test_reasoning_effort_reaches_the_template(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning", r.text
 
 
-def test_responses_stream_keeps_thinking_written_after_the_answer_began(http):
+LATE_THINKING = ("<|channel|>analysis<|message|>Think one.<|end|><|start|>assistant<|channel|>commentary"
+                 "<|message|>Pre.<|end|><|start|>assistant<|channel|>analysis<|message|>Think two.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>F.")
+
+
+@pytest.mark.parametrize("cuts", ["every_7", "one_output", "answer_and_late_thinking_merged"])
+def test_responses_stream_keeps_thinking_written_after_the_answer_began(http, cuts):
     """Harmony may think again after a preamble: that thinking comes as a second reasoning item after the message
     (streamed, the first was closed when the message opened), streamed or not; nothing is lost, and the events
-    validate."""
+    validate. Also when one engine output carries the answer's start and the later thinking (outputs merged while
+    the client lagged), alone or after the first thinking was streamed."""
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
     client, script = http
-    script["text"] = ("<|channel|>analysis<|message|>Think one.<|end|><|start|>assistant<|channel|>commentary"
-                      "<|message|>Pre.<|end|><|start|>assistant<|channel|>analysis<|message|>Think two.<|end|>"
-                      "<|start|>assistant<|channel|>final<|message|>F.")
+    script["text"] = LATE_THINKING
+    if cuts == "one_output":
+        script["cuts"] = []
+    elif cuts == "answer_and_late_thinking_merged":
+        script["cuts"] = [LATE_THINKING.index("one.")]
     whole = client.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json()
     assert [(i["type"], (i["content"] or [{}])[0].get("text"), i["status"]) for i in whole["output"]] == [
         ("reasoning", "Think one.", "completed"), ("message", "Pre.\nF.", "completed"),
@@ -283,3 +293,41 @@ def test_thinking_cut_off_by_the_output_limit_is_an_incomplete_item(http):
     final = payloads[-1]["response"]
     assert [(i["type"], i["status"]) for i in final["output"]] == [("reasoning", "incomplete"), ("message", "incomplete")]
     assert final["output"][0]["content"][0]["text"] == "Still thinking about"
+
+
+def test_reasoning_tokens_stop_where_the_later_thinking_ends(tmp_path, monkeypatch):
+    """``reasoning_tokens`` of a reply that thinks again after a preamble counts that thinking up to where the answer
+    goes on, not the answer after it: two replies that differ only in their final answer's length count the same,
+    more than the same reply without the later thinking and less than every token before the final answer."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.core.request import CompletionOutput, FinishReason, RequestOutput
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.entrypoints.openai.serving import ServerContext
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(make_tiny_model(tmp_path / "m")), dtype="float32",
+                                                selection="off", served_model_name="tiny", chat_template=TEMPLATE))
+    tok = engine.tokenizer
+    script = {}
+
+    async def scripted(self, rid, prompt, params, priority=0, lora=None, accepted=None, cache_salt=None):
+        ids = tok.encode(script["text"], add_special_tokens=False)
+        yield RequestOutput(rid, None, list(prompt), [CompletionOutput(0, tok.decode(ids), ids,
+                                                                       finish_reason=FinishReason.STOP)], True)
+
+    monkeypatch.setattr(ServerContext, "generate", scripted)
+    app = build_app(AsyncLLMEngine(engine), tool_parser=GptOssToolParser, reasoning_parser=GptOssReasoningParser)
+    head = LATE_THINKING.removesuffix("F.")
+    early = LATE_THINKING[:LATE_THINKING.index("<|start|>assistant<|channel|>commentary")]
+    counts = {}
+    with TestClient(app) as client:
+        for name, text in [("short", head + "F."), ("long", head + "F. And a much longer final answer than that."),
+                           ("no_late", early + "<|start|>assistant<|channel|>final<|message|>F.")]:
+            script["text"] = text
+            usage = client.post("/v1/responses", json={"model": "tiny", "input": "hi"}).json()["usage"]
+            counts[name] = usage["output_tokens_details"]["reasoning_tokens"]
+    assert counts["short"] == counts["long"] > counts["no_late"] > 0
+    assert counts["short"] < len(tok.encode(head, add_special_tokens=False))

@@ -338,13 +338,31 @@ def test_usage_counts_the_reasoning_tokens(tmp_path, monkeypatch, finish):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_echoed_fields_that_cannot_be_written_back_are_400s(client, stream):
-    """``metadata``, ``user``, ``text``, ``truncation`` come back in the response as sent: a lone UTF-16 surrogate
-    (valid JSON, not encodable as UTF-8) in one of them is a 400 naming it, before anything runs (not a 500, not a
-    stream cut off after its headers)."""
-    for field, value in (("metadata", '{"k": "\\ud800"}'), ("user", '"\\ud800"'), ("truncation", '"\\ud800"'),
+    """``instructions``, ``metadata``, ``user``, ``text``, ``truncation`` come back in the response as sent: a lone
+    UTF-16 surrogate (valid JSON, not encodable as UTF-8) in one of them is a 400 naming it, before anything runs (not
+    a 500, not a stream cut off after its headers)."""
+    for field, value in (("instructions", '"\\ud800"'), ("metadata", '{"k": "\\ud800"}'), ("user", '"\\ud800"'),
+                         ("truncation", '"\\ud800"'),
                          ("text", '{"format": {"type": "text"}, "verbosity": "\\ud800"}')):
         raw = (f'{{"input": "hi", "max_output_tokens": 2, "stream": {json.dumps(stream)}, "{field}": {value}}}')
         r = client.post("/v1/responses", content=raw.encode(), headers={"content-type": "application/json"})
         assert r.status_code == 400, (field, r.status_code, r.text)
         err = r.json()["error"]
         assert err["param"] == field and "not valid Unicode" in err["message"], err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_values_a_client_would_refuse_are_400s(client, stream):
+    """``truncation``, ``text.verbosity`` and a json_schema ``text.format`` come back in the response: values the
+    API does not define (which the SDK's response model refuses) are 400s naming the field; defined ones are echoed."""
+    for extra, param, message in [({"truncation": "bogus"}, "truncation", "truncation must be one of auto, disabled"),
+                                  ({"text": {"verbosity": "loud"}}, "text", "text.verbosity must be one of"),
+                                  ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+                                   "text", "needs a name")]:
+        r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "stream": stream, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and message in err["message"], err
+    r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "truncation": "auto",
+                                           "text": {"format": {"type": "text"}, "verbosity": "low"}})
+    assert r.status_code == 200 and r.json()["truncation"] == "auto" and r.json()["text"]["verbosity"] == "low"

@@ -96,6 +96,8 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     if fmt.get("type") == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise bad_request("text.format of type json_schema needs a schema (a JSON object)", "text")
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise bad_request("text.format of type json_schema needs a name (a string)", "text")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     raise bad_request(f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
                       "text")
@@ -211,11 +213,15 @@ class _Body:
 
 
 #: request fields the response repeats as they came
-_ECHOED = ("metadata", "user", "text", "truncation", "tool_choice")
+_ECHOED = ("instructions", "metadata", "user", "text", "truncation", "tool_choice")
+#: the values OpenAI's response object holds for the echoed ``truncation`` and ``text.verbosity``
+TRUNCATIONS = ("auto", "disabled")
+VERBOSITIES = ("low", "medium", "high")
 
 
 def _check_echoed(req: ResponsesRequest) -> None:
-    """Refuse echoed fields that cannot be written back as UTF-8 (JSON allows a lone UTF-16 surrogate escape)."""
+    """Refuse echoed fields that cannot be written back as UTF-8 (JSON allows a lone UTF-16 surrogate escape), or
+    whose values a client's response model would refuse (``truncation``, ``text.verbosity``)."""
     for name in _ECHOED:
         value = getattr(req, name, None)
         if value is None:
@@ -224,6 +230,11 @@ def _check_echoed(req: ResponsesRequest) -> None:
             json.dumps(value, ensure_ascii=False).encode()
         except UnicodeEncodeError:
             raise bad_request(f"{name} holds text that is not valid Unicode (a lone UTF-16 surrogate)", name) from None
+    if req.truncation is not None and req.truncation not in TRUNCATIONS:
+        raise bad_request(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {req.truncation!r}", "truncation")
+    verbosity = (req.text or {}).get("verbosity")
+    if verbosity is not None and verbosity not in VERBOSITIES:
+        raise bad_request(f"text.verbosity must be one of {', '.join(VERBOSITIES)}, got {verbosity!r}", "text")
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
@@ -312,8 +323,18 @@ async def _reasoning_tokens(ctx: ServerContext, final: RequestOutput, skip_speci
             return written   # all thinking
         before = parser().scan(text(answer), False).reasoning
         thinking = answer - 1
-        if len(thought) > len(before):   # thought again after the answer
-            thinking += written - first(lambda m: len(parser().scan(text(m), False).reasoning) > len(before)) + 1
+        if len(thought) > len(before):   # thought again after the answer: until the answer goes on (or the end)
+            def reasoning(m: int) -> int:
+                return len(parser().scan(text(m), False).reasoning)
+
+            def content(m: int) -> int:
+                return len(parser().scan(text(m), False).content)
+
+            start = first(lambda m: reasoning(m) > len(before))
+            done = first(lambda m: reasoning(m) >= len(thought))
+            shown = content(done)
+            resumed = first(lambda m: m > done and content(m) > shown)
+            thinking += min(resumed, written + 1) - start
         return thinking
 
     return await asyncio.to_thread(count)
@@ -343,16 +364,17 @@ async def _events(ctx: ServerContext, body: _Body, events: AsyncIterator[tuple[i
     message: int | None = None           # the message's output index once it is announced
     text, final, failure = "", None, None
 
-    sent_thinking = 0   # characters of the thinking sent in the reasoning item
+    sent_thinking = 0   # characters of the thinking sent in the reasoning item, once it is closed
+    shown = ""          # the thinking sent in the reasoning item
 
     def close_thinking(state: str = "completed") -> Iterator[str]:
         nonlocal thinking, sent_thinking
-        sent_thinking = len(reply.thinking)
+        sent_thinking = len(shown)
         if thinking is None:
             return
         yield event("response.reasoning_text.done", item_id=body.reasoning_id, output_index=thinking,
-                    content_index=0, text=reply.thinking)
-        item = body.reasoning(reply.thinking, state)
+                    content_index=0, text=shown)
+        item = body.reasoning(shown, state)
         yield event("response.output_item.done", output_index=thinking, item=item)
         items.append(item)
         thinking = None
@@ -370,14 +392,20 @@ async def _events(ctx: ServerContext, body: _Body, events: AsyncIterator[tuple[i
             final = out
             c = out.outputs[0]
             thought, delta, _ = reply.update(c.text, final=c.finish_reason is not None)
-            if thought:
-                if thinking is None and message is None:
+            if thought and delta and message is None:
+                # the answer began within this output, and thinking came with it (outputs merged while the client
+                # lagged; several tokens a step): only what was thought before the answer goes in this item, the
+                # rest in one after the message, as the reply without streaming has it
+                early = _thinking_before_answer(ctx, c.text)
+                thought = early[len(shown):] if early.startswith(shown) else ""
+            if thought and message is None:
+                if thinking is None:
                     thinking = len(items)
                     yield event("response.output_item.added", output_index=thinking,
                                 item=body.reasoning("", "in_progress"))
-                if thinking is not None:
-                    yield event("response.reasoning_text.delta", item_id=body.reasoning_id, output_index=thinking,
-                                content_index=0, delta=thought)
+                shown += thought
+                yield event("response.reasoning_text.delta", item_id=body.reasoning_id, output_index=thinking,
+                            content_index=0, delta=thought)
             if delta:
                 if message is None:
                     for e in open_message():
