@@ -1127,3 +1127,50 @@ def test_a_cache_salt_shares_the_prefix_cache_only_within_the_salt(server, clien
                      "cache_salt")
         assert_error(post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "cache_salt": bad}),
                      400, "cache_salt")
+
+
+def test_request_bodies_over_the_limit_are_413s(model_dir):
+    """A body larger than ``max_request_bytes`` is refused with a 413 naming the flag: by its Content-Length before
+    it is read, and a chunked body (no length) as it arrives; bodies within the limit, streamed replies (which watch
+    for the client leaving) and an API key check before the body is read all work as before."""
+    from starlette.testclient import TestClient
+
+    from plinth.config import EngineConfig
+    from plinth.core.async_engine import AsyncLLMEngine
+    from plinth.core.engine import LLMEngine
+    from plinth.entrypoints.openai.api_server import build_app
+    from plinth.entrypoints.serve_cmd import ServeError, request_limit
+
+    assert request_limit(None) == 256 << 20 and request_limit(0) is None
+    with pytest.raises(ServeError, match="--max-request-bytes must be 0"):
+        request_limit(-1)
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), selection="off", block_size=4,
+                                                served_model_name="tiny"))
+    app = build_app(AsyncLLMEngine(engine), max_request_bytes=4000, api_key="k")
+    key = {"Authorization": "Bearer k"}
+    big = {"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2}
+    with TestClient(app) as http:
+        err = assert_error(http.post("/v1/completions", json=big, headers=key), 413, None)
+        assert "--max-request-bytes" in err["message"] and err["code"] == "request_too_large", err
+        assert http.post("/v1/completions", json=big).status_code == 401   # the key first, the body unread
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, headers=key)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        with http.stream("POST", "/v1/completions", headers=key,
+                         json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200 and len(lines) >= 2 and lines[-1] == "data: [DONE]"
+
+    async def chunked() -> tuple[int, dict]:
+        async def parts():
+            for _ in range(5):
+                yield b" " * 1000
+            yield json.dumps(big).encode()
+
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            r = await client.post("/v1/completions", content=parts(),
+                                  headers={**key, "content-type": "application/json"})
+            return r.status_code, r.json()
+
+    status, body = asyncio.run(chunked())
+    assert status == 413 and "--max-request-bytes" in body["error"]["message"]

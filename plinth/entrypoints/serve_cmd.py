@@ -62,6 +62,9 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and "
                         f"/metrics (default: ${API_KEY_ENV})")
+    g.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help="the largest request body read, in bytes; larger ones are refused with a 413 "
+                        "(default: 256 MiB; 0: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default: %(default)s)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
@@ -158,6 +161,21 @@ def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
     if out and not args.enable_lora:
         raise ServeError("--lora-modules needs --enable-lora")
     return out
+
+
+def request_limit(value: int | None) -> int | None:
+    """``--max-request-bytes`` as ``build_app`` takes it (``None``: the default; 0: no limit).
+
+    Raises:
+        ServeError: a negative value.
+    """
+    from plinth.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES
+
+    if value is None:
+        return DEFAULT_MAX_REQUEST_BYTES
+    if value < 0:
+        raise ServeError(f"--max-request-bytes must be 0 (no limit) or more, got {value}")
+    return value or None
 
 
 def api_app(front: Any, args: argparse.Namespace, **kwargs: Any) -> Any:
@@ -381,6 +399,7 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
     if args.ssl_certfile is not None:
         check_tls_files(args.ssl_keyfile, args.ssl_certfile)
     cors = cors_settings(args)
+    max_request_bytes = request_limit(args.max_request_bytes)
     lora_modules(args)   # a malformed --lora-modules fails before the model loads
     if args.allow_runtime_lora_updating and not args.enable_lora:
         raise ServeError("--allow-runtime-lora-updating needs --enable-lora")
@@ -406,7 +425,8 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
             uv_config.app = api_app(front, args, api_key=api_key, cors=cors,
                                     allow_lora_updates=args.allow_runtime_lora_updating,
                                     allow_weight_updates=args.enable_weight_updates,
-                                    openapi=not args.disable_fastapi_docs)
+                                    openapi=not args.disable_fastapi_docs,
+                                    max_request_bytes=max_request_bytes)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on %s://%s:%d%s", front.served_model_name,

@@ -100,6 +100,60 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+#: the largest request body the server reads by default (``--max-request-bytes``): a long prompt of embeddings or
+#: several large images as data URLs fit; a body that would only exhaust the host's memory does not
+DEFAULT_MAX_REQUEST_BYTES = 256 << 20
+
+
+class RequestSizeMiddleware:
+    """Refuse (413) a request whose body is larger than ``max_bytes``: by its ``Content-Length`` before anything is
+    read, else while it arrives (a chunked body), never holding more than the limit; the app then reads the body
+    as it came."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _refusal(self) -> Any:
+        return APIError(413, f"the request body is larger than the server takes ({self.max_bytes} bytes; "
+                             "--max-request-bytes)", code="request_too_large").response()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refusal()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":   # the client left: the app sees it as it would have
+                chunks = []
+                first: Any = message
+                break
+            total += len(message.get("body", b""))
+            if total > self.max_bytes:
+                await self._refusal()(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()   # (later: the disconnect a streaming reply watches for)
+
+        await self.app(scope, replay, send)
+
+
 class RequestIdMiddleware:
     """Send a request's ``X-Request-Id`` header back on its response (for tracing through proxies)."""
 
@@ -135,7 +189,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
               reasoning_parser: type[ReasoningParser] | None = None, return_tokens_as_token_ids: bool = False,
               cors: CorsSettings | None = None, lora_modules: Sequence[tuple[str, str]] = (),
               allow_lora_updates: bool = False, openapi: bool = True, response_role: str = "assistant",
-              allow_weight_updates: bool = False) -> FastAPI:
+              allow_weight_updates: bool = False,
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
     tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
     ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
@@ -143,7 +198,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     adapters served as models of those names (read and checked here); ``allow_lora_updates``: the routes that
     load and unload adapters while serving; ``openapi``: serve the API's schema at ``/openapi.json``;
     ``response_role``: the role of chat replies to requests with ``add_generation_prompt``;
-    ``allow_weight_updates``: the routes that load new weights from the server's disk and forget the prefix cache.
+    ``allow_weight_updates``: the routes that load new weights from the server's disk and forget the prefix cache;
+    ``max_request_bytes``: the largest request body read (larger ones are 413s; ``None``: no limit).
 
     Raises:
         ValueError: an adapter cannot be served, or its name is taken.
@@ -167,6 +223,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
                   openapi_url="/openapi.json" if openapi else None)
     app.state.ctx = ctx
     install_error_handlers(app)
+    if max_request_bytes is not None:   # (the innermost: a caller without the key is refused before its body is read)
+        app.add_middleware(RequestSizeMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if cors is not None:   # outside the key check: a browser's preflight carries no key
