@@ -101,7 +101,7 @@ def test_transformers_architecture_without_native_class_uses_the_fallback():
     assert ModelRegistry.resolve("GPTNeoXForCausalLM") is cls
     assert not ModelRegistry.is_native("GPTNeoXForCausalLM")
     with pytest.raises(UnsupportedModelError):  # known to transformers, but not a causal LM
-        ModelRegistry.resolve("BertModel")
+        ModelRegistry.resolve("T5EncoderModel")
 
 
 def test_register_class_object(custom_checkpoint, registered):

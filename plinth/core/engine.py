@@ -241,6 +241,10 @@ class LLMEngine:
         self.logits_processors = resolve_processors(config.model.logits_processors)
         parts = build_engine_parts(config, executor_factory)
         self.config = config = parts.config or config   # scheduler limits resolved for the platform
+        if parts.source.encoder:   # (inputs run whole, without the prefix cache)
+            from plinth.worker.setup import encoder_settings
+
+            self.config = config = encoder_settings(config, parts.max_model_len)
         self.platform = parts.platform
         self.model_source = parts.source
         self.tokenizer = parts.tokenizer
@@ -268,16 +272,20 @@ class LLMEngine:
         self._weights_discarded = False
         #: ``generate``, ``embed`` or ``classify`` (the last two: :meth:`add_request` takes PoolingParams)
         self.task = config.model.task
-        self.pooling = (resolve_pooling(parts.source.path, config.model.pooling, config.model.normalize_embeddings)
+        self.pooling = (resolve_pooling(parts.source.path, config.model.pooling, config.model.normalize_embeddings,
+                                        "cls" if parts.source.encoder else "last")
                         if self.task == "embed" else None)
         #: a sequence classifier's head (``task="classify"``), applied to each prompt's last hidden state
         self.classifier: ClassifierHead | None = None
         if self.task == "classify":
             from plinth.model_registry.loader import load_classifier_head
 
+            encoder = parts.source.encoder
             self.classifier = ClassifierHead.of(parts.source.hf_config,
-                                                *load_classifier_head(parts.source, config.model.seed, parts.tokenizer))
-            self.pooling = PoolingConfig("last", False, "the sequence classifier")
+                                                *load_classifier_head(parts.source, config.model.seed, parts.tokenizer),
+                                                encoder=encoder)
+            # (an encoder's head reads the first token, which has seen every token)
+            self.pooling = PoolingConfig("cls" if encoder else "last", False, "the sequence classifier")
             logger.info("sequence classifier: %d labels (%s), %s", len(self.classifier.labels),
                         ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),
                         self.classifier.activation)

@@ -94,16 +94,17 @@ class PoolingConfig:
     origin: str = "the default"
 
 
-def resolve_pooling(model_path: str | None, pooling: str | None, normalize: bool | None) -> PoolingConfig:
+def resolve_pooling(model_path: str | None, pooling: str | None, normalize: bool | None,
+                    default: str = "last") -> PoolingConfig:
     """The pooling of an embedding model: the flags where given, else the model folder's sentence-transformers
-    configuration, else ``last`` with normalization.
+    configuration, else ``default`` (``last``; an encoder's ``cls``) with normalization.
 
     Raises:
         ModelLoadError: sentence-transformers modules plinth cannot run (a ``Dense`` projection, a pooling mode
             other than last/mean/cls).
     """
     found = _sentence_transformers(Path(model_path)) if model_path and Path(model_path).is_dir() else None
-    kind, norm, origin = "last", True, "the default"
+    kind, norm, origin = default, True, "the default"
     if found is not None:
         kind, norm, origin = found
     if pooling is not None or normalize is not None:
@@ -198,11 +199,17 @@ class ClassifierHead:
     activation: str                # "softmax", "sigmoid" or "none"
     labels: tuple[str, ...]        # each label's name (the config's id2label)
     pad_token_id: int | None = None   # trailing ones are not read (transformers pools the last other token)
+    #: an encoder's projection before the head, ``tanh(pre_weight @ h + pre_bias)`` (BERT's pooler, RoBERTa's dense
+    #: layer), or ``None``
+    pre: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def of(cls, hf_config: Any, weight: np.ndarray, bias: np.ndarray | None,
-           labels: tuple[str, ...] | None = None) -> ClassifierHead:
-        """The head of ``weight`` and ``bias``; ``labels``: their names (default: the config's ``id2label``)."""
+           labels: tuple[str, ...] | None = None, pre: tuple[np.ndarray, np.ndarray] | None = None,
+           encoder: bool = False) -> ClassifierHead:
+        """The head of ``weight`` and ``bias``; ``labels``: their names (default: the config's ``id2label``);
+        ``pre``: an encoder's projection before it; ``encoder``: the model reads its first token (every token: no
+        trailing pad tokens are left out)."""
         problem = getattr(hf_config, "problem_type", None)
         count = weight.shape[0]
         activation = ("none" if problem == "regression"
@@ -210,10 +217,10 @@ class ClassifierHead:
         names = dict(getattr(hf_config, "id2label", None) or {})
         labels = labels or tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count))
         pad = getattr(hf_config, "pad_token_id", None)
-        if head_from_tokens(hf_config):   # a causal LM's head rows read at the last token, pad or not (as vLLM)
-            pad = None
+        if head_from_tokens(hf_config) or encoder:   # a causal LM's head rows read at the last token, pad or not (as
+            pad = None                                 # vLLM); an encoder's first token, which sees every token
         return cls(weight, bias, activation, labels,
-                   pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
+                   pad if isinstance(pad, int) and not isinstance(pad, bool) else None, pre)
 
     def read_tokens(self, ids: list[int]) -> list[int]:
         """The prompt tokens the classifier reads: without trailing pad tokens (transformers' classes pool the last
@@ -228,7 +235,10 @@ class ClassifierHead:
 
     def probs(self, vector: np.ndarray, activation: bool = True) -> list[float]:
         """The label probabilities of a pooled hidden state (its raw logits without ``activation``)."""
-        logits = self.weight @ np.asarray(vector, dtype=np.float64)
+        vector = np.asarray(vector, dtype=np.float64)
+        if self.pre is not None:
+            vector = np.tanh(self.pre[0] @ vector + self.pre[1])
+        logits = self.weight @ vector
         if self.bias is not None:
             logits = logits + self.bias
         if activation and self.activation == "softmax":

@@ -74,6 +74,12 @@ class ModelSource:
     classifier: bool = False
     mm_config: Any = None
 
+    @property
+    def encoder(self) -> bool:
+        """An encoder-only model (BERT, RoBERTa, XLM-RoBERTa): embeddings and classifiers only, each input run whole
+        in one step (:mod:`plinth.model_registry.models.bert`)."""
+        return is_encoder_architecture(self.architecture)
+
     def check_task(self, task: str) -> None:
         """Refuse text generation from a checkpoint without an LM head, and classification from one without a
         classifier's.
@@ -85,6 +91,10 @@ class ModelSource:
         if self.headless and task != "embed":
             raise ModelLoadError(f"{self.path} is a base model without an LM head ({self.hf_config.architectures[0]}): "
                                  f"it cannot generate text; serve it as an embedding model with --task embed")
+        if self.encoder and task == "generate":
+            raise ModelLoadError(f"{self.path or 'the model'} is an encoder-only model "
+                                 f"({self.hf_config.architectures[0]}): it cannot generate text; serve it with "
+                                 f"--task embed" + (" or --task classify" if self.classifier else ""))
         if self.classifier and task == "generate":
             raise ModelLoadError(f"{self.path} is a sequence classifier ({self.hf_config.architectures[0]}): it cannot "
                                  f"generate text; serve it with --task classify (or --task embed for its hidden states)")
@@ -347,6 +357,8 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     tokenizer = model_config.tokenizer
     if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = str(path)
+    if is_encoder_architecture(arch):
+        _encoder_separator(cfg, tokenizer, path)
     return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only,
                        classifier, mm_config)
 
@@ -396,6 +408,8 @@ def _decoder_of(cfg: Any, arch: str, where: Any) -> tuple[str, bool, bool]:
     Raises:
         UnsupportedModelError: a classifier whose decoder plinth does not run, or one of an image-and-text model.
     """
+    if arch.endswith("ForSequenceClassification") and is_encoder_architecture(arch):
+        return arch, False, True   # (an encoder's classifier: its pooler and head run in the engine)
     if arch.endswith("ForSequenceClassification") and not ModelRegistry.is_native(arch):
         causal = _causal_of(cfg, arch.removesuffix("ForSequenceClassification"))
         if not ModelRegistry.is_native(causal):
@@ -412,6 +426,38 @@ def _decoder_of(cfg: Any, arch: str, where: Any) -> tuple[str, bool, bool]:
             cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
             return causal, True, False
     return arch, False, False
+
+
+def is_encoder_architecture(arch: str) -> bool:
+    """Whether ``arch`` is a native encoder-only model (its class says ``is_encoder``)."""
+    if not ModelRegistry.is_native(arch):
+        return False
+    try:
+        return bool(getattr(ModelRegistry.resolve(arch), "is_encoder", False))
+    except UnsupportedModelError:
+        return False
+
+
+def _encoder_separator(cfg: Any, tokenizer: str | None, where: Any) -> None:
+    """Give a BERT config that reads text pairs as two segments its tokenizer's ``sep_token_id`` (its ``[SEP]``
+    tokens end each segment), where the config has none."""
+    from plinth.model_registry.models.bert import uses_segments
+
+    if not uses_segments(cfg) or isinstance(getattr(cfg, "sep_token_id", None), int):
+        return
+    sep = None
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            sep = AutoTokenizer.from_pretrained(tokenizer).sep_token_id
+        except Exception as exc:  # noqa: BLE001 - the tokenizer's own load reports it again with the model's name
+            logger.warning("%s: cannot read the tokenizer's [SEP] token (%s)", where, exc)
+    if isinstance(sep, int):
+        cfg.sep_token_id = sep
+    else:
+        logger.warning("%s: no sep_token_id in the config or the tokenizer: every input is read as one segment "
+                       "(token type 0), also text pairs", where)
 
 
 def _causal_of(cfg: Any, stem: str) -> str:
@@ -527,11 +573,12 @@ def _decoder_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
 CLASSIFIER_PREFIX = "score."
 
 
-def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = None) -> tuple[Any, Any, Any]:
+def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = None) -> tuple[Any, Any, Any, Any]:
     """A sequence classifier's ``score`` layer as float64 arrays: ``(weight [labels, hidden], bias [labels] or
-    None, label names or None for the config's)``; random (seeded) for dummy weights. A causal LM read as a
+    None, label names or None for the config's, None)``; random (seeded) for dummy weights. A causal LM read as a
     classifier (``classifier_from_token``, set with ``hf_overrides``) takes its LM head's rows of those tokens
-    instead (:func:`_head_from_tokens`).
+    instead (:func:`_head_from_tokens`). An encoder's classifier has a ``tanh`` projection before its head, the
+    fourth item (:func:`_encoder_head`).
 
     Raises:
         ModelLoadError: no ``score.weight``, a quantized one, or one whose shape disagrees with the config.
@@ -540,13 +587,15 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
     from plinth.core.pooling import head_from_tokens
 
     if head_from_tokens(cfg):
-        return _head_from_tokens(source, tokenizer, seed)
+        return (*_head_from_tokens(source, tokenizer, seed), None)
+    if source.encoder:
+        return _encoder_head(source, seed)
     hidden = int(cfg.hidden_size)
     labels = int(getattr(cfg, "num_labels", 0) or 0)
     if source.kind == "dummy":
         gen = torch.Generator().manual_seed(seed)
         std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
-        return (torch.randn(labels, hidden, generator=gen, dtype=torch.float64) * std).numpy(), None, None
+        return (torch.randn(labels, hidden, generator=gen, dtype=torch.float64) * std).numpy(), None, None, None
     assert source.path is not None
     head = SafetensorsWeights(list_safetensors_files(Path(source.path)), only=CLASSIFIER_PREFIX)
     found = dict(widened_if_bnb(head, source, torch.float32, torch.device("cpu")))
@@ -565,7 +614,54 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
     if bias is not None and list(bias.shape) != [weight.shape[0]]:
         raise ModelLoadError(f"{source.path}: 'score.bias' must have {weight.shape[0]} values, got {list(bias.shape)}")
     as_array = lambda t: t.to(torch.float64).numpy()   # noqa: E731
-    return as_array(weight), None if bias is None else as_array(bias), None
+    return as_array(weight), None if bias is None else as_array(bias), None, None
+
+
+#: an encoder classifier's tensors: (projection before the tanh, head) as BERT and RoBERTa name them
+_ENCODER_HEADS = {"bert": ("bert.pooler.dense.", "classifier."),
+                  "roberta": ("classifier.dense.", "classifier.out_proj.")}
+
+
+def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, tuple[Any, Any]]:
+    """An encoder classifier's head as float64 arrays: ``(weight, bias, None, (projection weight, projection
+    bias))``, read from the first token's state as ``weight @ tanh(projection @ h + projection bias) + bias``:
+    BERT's pooler and classifier, RoBERTa's classification head (the same computation).
+
+    Raises:
+        ModelLoadError: a missing tensor, or shapes that disagree with the config.
+    """
+    from plinth.model_registry.models.bert import ROBERTA_TYPES
+
+    cfg = source.hf_config
+    hidden = int(cfg.hidden_size)
+    labels = int(getattr(cfg, "num_labels", 0) or 0)
+    if source.kind == "dummy":
+        gen = torch.Generator().manual_seed(seed)
+        std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
+        draw = lambda *shape: (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).numpy()  # noqa: E731
+        return draw(labels, hidden), draw(labels), None, (draw(hidden, hidden), draw(hidden))
+    assert source.path is not None
+    pre, head = _ENCODER_HEADS["roberta" if getattr(cfg, "model_type", None) in ROBERTA_TYPES else "bert"]
+    files = list_safetensors_files(Path(source.path))
+    found = dict(widened_if_bnb(SafetensorsWeights(files, only=(pre, head)), source, torch.float32,
+                                torch.device("cpu")))
+    shapes = {pre + "weight": (hidden, hidden), pre + "bias": (hidden,), head + "weight": (labels or None, hidden),
+              head + "bias": (labels or None,)}
+    out = {}
+    for name, shape in shapes.items():
+        tensor = found.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{source.path}: the sequence classifier has no {name!r} tensor")
+        if not tensor.is_floating_point() or tensor.dim() != len(shape) or any(
+                want is not None and got != want for got, want in zip(tensor.shape, shape, strict=True)):
+            raise ModelLoadError(f"{source.path}: {name!r} must be a float tensor of shape "
+                                 f"{[d if d is not None else 'labels' for d in shape]}, got {tensor.dtype} "
+                                 f"{list(tensor.shape)}")
+        out[name] = tensor.to(torch.float64).numpy()
+    if out[head + "bias"].shape[0] != out[head + "weight"].shape[0]:
+        raise ModelLoadError(f"{source.path}: {head}bias has {out[head + 'bias'].shape[0]} values for "
+                             f"{out[head + 'weight'].shape[0]} labels")
+    return out[head + "weight"], out[head + "bias"], None, (out[pre + "weight"], out[pre + "bias"])
 
 
 #: config attributes that change a causal LM's logits after its head (a classifier made of head rows would not)

@@ -255,8 +255,11 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
     enforce_eager = bool(getattr(getattr(config, "device", None), "enforce_eager", False))
     max_num_seqs = config.scheduler.limits[0]
     max_batch = min(env_int(COMPILE_BATCH_ENV, DEFAULT_COMPILE_MAX_BATCH), max_num_seqs)
+    encoder = getattr(model, "is_encoder", False)
     if enforce_eager:
         logger.info("CPU decode compilation off (enforce_eager)")
+    elif encoder:
+        logger.info("encoder-only model: no decode steps (each input runs whole in one step)")
     elif not getattr(runner.backend, "compile_safe_decode", False):
         logger.info("attention backend %s has no static-shape decode path: decode runs eagerly", runner.backend.name)
     elif getattr(model, "lora_state", None) is not None:
@@ -270,7 +273,7 @@ def accelerate_cpu_runner(runner: Any, source: Any, config: Any) -> dict[str, An
         runner.compile_cpu_decode(max_batch)
         report["compile"] = True
     report["decode_plan"] = False
-    if (not report["compile"] and not enforce_eager and env_flag(DECODE_PLAN_ENV, True)
+    if (not report["compile"] and not enforce_eager and not encoder and env_flag(DECODE_PLAN_ENV, True)
             and getattr(model, "lora_state", None) is None and not getattr(model, "has_recurrent_state", False)):
         from plinth.worker.cpu_decode_plan import build_decode_plan
 

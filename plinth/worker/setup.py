@@ -54,8 +54,11 @@ def resolve_max_model_len(config: EngineConfig, hf: Any) -> int:
             (positions the model was not trained for give wrong outputs, as vLLM warns).
     """
     from plinth.model_registry.layers.rotary import context_length
+    from plinth.model_registry.models.bert import position_offset
 
-    limit = context_length(hf)   # max_position_embeddings, times a RoPE scaling factor that extends it
+    # max_position_embeddings, times a RoPE scaling factor that extends it (less the positions that RoBERTa-style
+    # encoders skip)
+    limit = context_length(hf) - position_offset(hf)
     wanted = config.model.max_model_len
     if not wanted:
         return limit
@@ -127,6 +130,30 @@ def _room_for_whole_images(config: EngineConfig) -> EngineConfig:
     logger.info("max_num_batched_tokens %d -> %d: an image's %d positions are prefilled in one step, beside up to %d "
                 "decodes", tokens, need, whole, seqs)
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=need))
+
+
+def encoder_settings(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """``config`` for an encoder-only model, whose every position attends to its whole input: inputs run whole in
+    one step (chunked prefill off, the step budget at least ``max_model_len``) and the prefix cache is off (a
+    position's state depends on the tokens after it).
+
+    Raises:
+        ConfigError: speculative decoding, which needs a model that generates text.
+    """
+    if config.speculative.enabled:
+        raise ConfigError("speculative decoding needs a model that generates text; encoder-only models embed and "
+                          "classify")
+    scheduler = config.scheduler
+    budget = max(scheduler.max_num_batched_tokens, max_model_len)
+    if budget != scheduler.max_num_batched_tokens:
+        logger.info("max_num_batched_tokens %d -> %d: an encoder's input runs whole in one step",
+                    scheduler.max_num_batched_tokens, budget)
+    if scheduler.enable_chunked_prefill or config.cache.enable_prefix_caching:
+        logger.info("encoder-only model: chunked prefill and the prefix cache are off (every position attends to "
+                    "its whole input)")
+    return dataclasses.replace(
+        config, scheduler=dataclasses.replace(scheduler, enable_chunked_prefill=False, max_num_batched_tokens=budget),
+        cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
 
 
 def whole_image_positions(source: Any, config: EngineConfig) -> int:
@@ -412,6 +439,8 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
         logger.info("graph capture off (enforce_eager)")
     elif runner.graphs is not None:
         pass   # the platform set up its own decode steps
+    elif getattr(model, "is_encoder", False):
+        logger.info("encoder-only model: no decode steps to capture (each input runs whole in one step)")
     elif not platform.supports_graph_capture or device.type != "cuda":
         logger.info("graph capture not supported on %s: decode runs eagerly", platform.name)
     elif not getattr(backend, "graph_safe", False):

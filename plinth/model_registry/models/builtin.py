@@ -52,4 +52,11 @@ def plinth_models() -> dict[str, str]:
         "Cohere2ForCausalLM": f"{_M}.cohere:Cohere2ForCausalLM",
         "StableLmForCausalLM": f"{_M}.stablelm:StableLmForCausalLM",
         "PhiForCausalLM": f"{_M}.phi:PhiForCausalLM",
+        # encoder-only models: embeddings (task "embed") and classifiers (task "classify")
+        "BertModel": f"{_M}.bert:BertModel",
+        "BertForSequenceClassification": f"{_M}.bert:BertModel",
+        "RobertaModel": f"{_M}.bert:BertModel",
+        "RobertaForSequenceClassification": f"{_M}.bert:BertModel",
+        "XLMRobertaModel": f"{_M}.bert:BertModel",
+        "XLMRobertaForSequenceClassification": f"{_M}.bert:BertModel",
     }

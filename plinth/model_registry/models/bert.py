@@ -1,0 +1,256 @@
+"""Encoder-only models: BERT, RoBERTa and XLM-RoBERTa (embedding models such as all-MiniLM, bge, e5, gte and
+multilingual-e5; cross-encoder rerankers such as ms-marco-MiniLM and bge-reranker).
+
+Every position attends to every other position of its input (no causal mask), so an input's hidden states depend
+on all of its tokens: each input runs whole in one step (the engine turns chunked prefill and the prefix cache off
+for these models) and keeps no KV cache. The layers are post-norm: ``LayerNorm(x + attention(x))``, then
+``LayerNorm(x + MLP(x))``; the embeddings are the token's, its absolute position's and its segment's (token type),
+summed and normed.
+
+Segments: BERT reads a text pair as ``[CLS] a [SEP] b [SEP]`` with token type 1 after the first ``[SEP]``, as its
+tokenizer's ``token_type_ids`` say; the model derives them from the ``[SEP]`` tokens of each input (``sep_token_id``,
+taken from the tokenizer where the config has none). RoBERTa and XLM-RoBERTa use one segment, and count positions
+from ``pad_token_id + 1`` (a pad token inside an input takes the pad position and does not advance the count, as
+transformers' ``create_position_ids_from_input_ids``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plinth.attention_backends.interface import AttentionMetadata
+from plinth.errors import UnsupportedModelError
+from plinth.model_registry.interface import CausalLM, ModelContext
+from plinth.model_registry.layers.embedding import VocabEmbedding
+from plinth.model_registry.layers.layernorm import LayerNorm
+from plinth.model_registry.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    divide,
+)
+
+#: model types whose positions start after the pad token's (``pad_token_id + 1``) and that have one segment
+ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+
+#: the prefixes of the encoder's tensors in the checkpoints transformers writes (the base model has none)
+_PREFIXES = ("bert.", "roberta.", "model.")
+
+#: checkpoint tensors that are not the encoder's: the pooler and classifier (read by the engine's classifier head,
+#: :func:`plinth.model_registry.loader.load_classifier_head`), masked-LM heads
+_NOT_ENCODER = ("pooler.", "classifier.", "cls.", "lm_head.", "embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def position_offset(cfg: Any) -> int:
+    """Where an encoder's positions start in its position table: ``pad_token_id + 1`` for RoBERTa-style models,
+    else 0."""
+    if getattr(cfg, "model_type", None) in ROBERTA_TYPES:
+        pad = getattr(cfg, "pad_token_id", None)
+        return int(pad) + 1 if isinstance(pad, int) else 0
+    return 0
+
+
+def uses_segments(cfg: Any) -> bool:
+    """Whether an input's token types come from its ``[SEP]`` tokens (BERT with more than one token type)."""
+    return getattr(cfg, "model_type", None) not in ROBERTA_TYPES and int(getattr(cfg, "type_vocab_size", 1) or 1) > 1
+
+
+class _Step:
+    """One step's inputs laid out as a padded batch ``[B, L]`` (built once, shared by every layer)."""
+
+    def __init__(self, metadata: AttentionMetadata, device: torch.device, num_tokens: int):
+        starts = metadata.query_start_loc_cpu
+        lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
+        done = [metadata.seq_lens_cpu[i] - lens[i] for i in range(metadata.num_seqs)]
+        if any(done):
+            raise RuntimeError("an encoder-only model runs each input whole in one step; this step continues one "
+                               "(chunked prefill or the prefix cache must be off)")
+        self.num_seqs = len(lens)
+        self.width = max(lens) if lens else 0
+        self.uniform = len(set(lens)) <= 1 and sum(lens) == num_tokens
+        self.starts = torch.tensor(starts[:-1], dtype=torch.int64).to(device, non_blocking=True)
+        self.lens = lens
+        if self.uniform:
+            self.index = None
+            self.mask = None
+        else:   # the flat row of each padded slot (pads read row 0), and which slots are real
+            offsets = torch.arange(self.width, dtype=torch.int64)
+            lens_t = torch.tensor(lens, dtype=torch.int64)
+            real = offsets[None, :] < lens_t[:, None]
+            index = torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + offsets[None, :]
+            self.index = torch.where(real, index, 0).to(device, non_blocking=True)
+            self.real = real.to(device, non_blocking=True)
+            self.mask = self.real[:, None, None, :]   # [B, 1, 1, L]: keys to attend to
+            self.rows = torch.nonzero(real.flatten()).flatten().to(device, non_blocking=True)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` -> ``[B, L, ...]``."""
+        if self.index is None:
+            return x[:self.num_seqs * self.width].view(self.num_seqs, self.width, *x.shape[1:])
+        return x[self.index]
+
+    def unpad(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[B, L, ...]`` -> ``[T, ...]`` (rows past the inputs, padding for graphs, are zero)."""
+        flat = y.reshape(-1, *y.shape[2:])
+        if self.index is not None:
+            flat = flat[self.rows]
+        if flat.shape[0] < num_tokens:
+            flat = torch.cat([flat, flat.new_zeros(num_tokens - flat.shape[0], *flat.shape[1:])])
+        return flat
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        cfg = ctx.hf_config
+        tp = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size, "quant_method": ctx.quant_method}
+        hidden = int(cfg.hidden_size)
+        heads = int(cfg.num_attention_heads)
+        self.head_size = divide(hidden, heads, "hidden size over the attention heads")
+        self.num_heads = divide(heads, ctx.tp_size, "number of attention heads")
+        self.qkv = QKVParallelLinear(hidden, self.head_size, heads, heads, bias=True, **tp)
+        self.dense = RowParallelLinear(hidden, hidden, bias=True, **tp)
+        self.norm = LayerNorm(hidden, float(cfg.layer_norm_eps), bias=True)
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_size).unbind(1)
+        # [B, H, L, D] per input; the pad slots are masked out as keys
+        q, k, v = (step.pad(t).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+        out = step.unpad(out.transpose(1, 2), x.shape[0]).reshape(x.shape[0], -1)
+        return self.norm(self.dense(out), residual=x)[0]
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        cfg = ctx.hf_config
+        tp = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size, "quant_method": ctx.quant_method}
+        hidden, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
+        act = getattr(cfg, "hidden_act", "gelu")
+        if not isinstance(act, str) or act not in ACT2FN:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not an activation transformers knows")
+        self.attention = EncoderAttention(ctx)
+        self.intermediate = ColumnParallelLinear(hidden, inter, bias=True, **tp)
+        self.act = ACT2FN[act]
+        self.output = RowParallelLinear(inter, hidden, bias=True, **tp)
+        self.output_norm = LayerNorm(hidden, float(cfg.layer_norm_eps), bias=True)
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        x = self.attention(x, step)
+        return self.output_norm(self.output(self.act(self.intermediate(x))), residual=x)[0]
+
+
+class BertModel(CausalLM):
+    """BERT (``BertModel``, ``BertForSequenceClassification``), RoBERTa and XLM-RoBERTa (``RobertaModel``,
+    ``XLMRobertaModel`` and their ``*ForSequenceClassification``): embeddings and classifiers only, with the task
+    ``embed`` or ``classify`` (the classifier's pooler and head run in the engine, on the first token's state)."""
+
+    #: every position attends to the whole input: inputs run whole, without the prefix cache or a KV cache
+    is_encoder: ClassVar[bool] = True
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
+        "attention.self.query": ("attention.qkv", "q"),
+        "attention.self.key": ("attention.qkv", "k"),
+        "attention.self.value": ("attention.qkv", "v"),
+        "attention.output.dense": ("attention.dense", None),
+        "attention.output.LayerNorm": ("attention.norm", None),
+        "intermediate.dense": ("intermediate", None),
+        "output.dense": ("output", None),
+        "output.LayerNorm": ("output_norm", None),
+    }
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__(ctx)
+        cfg = ctx.hf_config
+        kind = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
+        if kind != "absolute":
+            raise UnsupportedModelError(f"position_embedding_type {kind!r}: plinth runs encoders with absolute "
+                                        "position embeddings")
+        if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
+            raise UnsupportedModelError("a BERT-style model configured as a decoder (is_decoder, "
+                                        "add_cross_attention) is not supported; plinth runs these models as encoders")
+        hidden = int(cfg.hidden_size)
+        self.word_embeddings = VocabEmbedding(int(cfg.vocab_size), hidden, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        self.position_embeddings = nn.Parameter(torch.empty(int(cfg.max_position_embeddings), hidden),
+                                                requires_grad=False)
+        types = int(getattr(cfg, "type_vocab_size", 1) or 1)
+        self.token_type_embeddings = nn.Parameter(torch.empty(types, hidden), requires_grad=False)
+        self.embeddings_norm = LayerNorm(hidden, float(cfg.layer_norm_eps), bias=True)
+        self.layers = nn.ModuleList(EncoderLayer(ctx) for _ in range(int(cfg.num_hidden_layers)))
+        self.position_start = position_offset(cfg)
+        self.pad_token_id = getattr(cfg, "pad_token_id", None) if self.position_start else None
+        self.sep_token_id = getattr(cfg, "sep_token_id", None) if uses_segments(cfg) else None
+
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        for prefix in _PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        if name.startswith(_NOT_ENCODER):
+            return None
+        if name.startswith("embeddings."):
+            rest = name[len("embeddings."):]
+            if rest == "LayerNorm.weight" or rest == "LayerNorm.bias":
+                return "embeddings_norm." + rest.split(".")[1], None
+            if rest == "word_embeddings.weight":
+                return name.removeprefix("embeddings."), None
+            return rest.removesuffix(".weight"), None
+        if name.startswith("encoder.layer."):
+            name = "layers." + name[len("encoder.layer."):]
+        return super().map_weight_name(name)
+
+    def _positions(self, input_ids: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
+        if self.pad_token_id is None:
+            return positions + self.position_start
+        # transformers' rule: a non-pad token's position counts the non-pad tokens up to it, from pad + 1
+        real = (input_ids != self.pad_token_id).to(torch.int64)
+        counts = torch.cumsum(real, 0)
+        before = torch.cat([counts.new_zeros(1), counts])[step.starts]   # non-pad tokens before each input
+        seq = torch.repeat_interleave(torch.arange(step.num_seqs, device=input_ids.device),
+                                      torch.tensor(step.lens, device=input_ids.device),
+                                      output_size=sum(step.lens))
+        mine = counts[:seq.shape[0]] - before[seq]
+        out = torch.full_like(positions, self.pad_token_id)
+        out[:seq.shape[0]] = torch.where(real[:seq.shape[0]].bool(), mine + self.pad_token_id, self.pad_token_id)
+        return out
+
+    def _token_types(self, input_ids: torch.Tensor, step: _Step) -> torch.Tensor | None:
+        if self.sep_token_id is None:
+            return None
+        # type 1 after an input's first [SEP]: [CLS] a [SEP] | b [SEP]
+        seps = (input_ids == self.sep_token_id).to(torch.int64)
+        counts = torch.cumsum(seps, 0) - seps                                  # [SEP]s before each row
+        n = sum(step.lens)
+        seq = torch.repeat_interleave(torch.arange(step.num_seqs, device=input_ids.device),
+                                      torch.tensor(step.lens, device=input_ids.device), output_size=n)
+        first = torch.cat([counts.new_zeros(1), torch.cumsum(seps, 0)])[step.starts]
+        types = torch.zeros_like(input_ids)
+        types[:n] = ((counts[:n] - first[seq]) > 0).to(torch.int64)
+        return types
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        step = _Step(metadata, input_ids.device, input_ids.shape[0])
+        pos = self._positions(input_ids, positions, step).clamp_(0, self.position_embeddings.shape[0] - 1)
+        x = self.word_embeddings(input_ids) + self.position_embeddings[pos]
+        types = self._token_types(input_ids, step)
+        x = x + (self.token_type_embeddings[0] if types is None else self.token_type_embeddings[types])
+        x = self.embeddings_norm(x)
+        for layer in self.layers:
+            x = layer(x, step)
+        return x
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """No decode steps to capture (worker processes ask this)."""
+        return False
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """An encoder has no LM head: a pooling request's one sampled token is dropped, so it samples from one
+        zero logit."""
+        return hidden.new_zeros(hidden.shape[0], 1, dtype=torch.float32)
