@@ -91,6 +91,14 @@ def test_embeddings_match_transformers(encoder, pooling):
             np.testing.assert_allclose(out.outputs.embedding, ref.numpy(), atol=2e-5, rtol=1e-5)
     normed = llm.embed(TEXTS[1])[0].outputs.embedding   # normalized by default
     assert abs(float(np.linalg.norm(normed)) - 1.0) < 1e-5
+    # truncation keeps the beginning and the closing [SEP] / </s>, as the tokenizer truncates
+    out = llm.embed(TEXTS[3], PoolingParams(truncate_prompt_tokens=7, normalize=False))[0]
+    enc = tokenizer(TEXTS[3], truncation=True, max_length=7, return_tensors="pt")
+    assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+    with torch.no_grad():
+        states = hf(**hf_inputs(tokenizer, hf, ids=out.prompt_token_ids)).last_hidden_state[0].double()
+    np.testing.assert_allclose(out.outputs.embedding, (states[0] if pooling == "cls" else states.mean(0)).numpy(),
+                               atol=2e-5)
 
 
 def test_default_pooling_is_the_first_token_and_sentence_transformers_configs_are_read(tmp_path):
@@ -244,6 +252,11 @@ def test_server_embeddings_and_rerank(tmp_path):
             with torch.no_grad():
                 ref = hf(**hf_inputs(tokenizer, hf, text)).last_hidden_state[0, 0].double()
             np.testing.assert_allclose(item["embedding"], (ref / ref.norm()).numpy(), atol=2e-5)
+        r = client.post("/v1/embeddings", json={"input": TEXTS[3], "truncate_prompt_tokens": 7})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 7, r.text
+        with torch.no_grad():
+            ref = hf(**tokenizer(TEXTS[3], truncation=True, max_length=7, return_tensors="pt")).last_hidden_state[0, 0]
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], (ref / ref.norm()).double().numpy(), atol=2e-5)
         r = client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
         r = client.post("/v1/embeddings", json={"input": " ".join(["cat"] * 70)})

@@ -139,6 +139,8 @@ class AsyncLLMEngine:
         self.default_max_tokens: int | None = getattr(engine, "default_max_tokens", None)
         self.task: str = getattr(engine, "task", "generate")   # "embed", "classify": requests take PoolingParams
         self.classifier = getattr(engine, "classifier", None)   # a sequence classifier's head (its labels)
+        self.encoder: bool = bool(getattr(engine, "encoder", False))   # an encoder-only model (BERT, ...)
+        self.special_ids: frozenset[int] = frozenset(getattr(engine, "special_ids", ()))
         self.config: Any = getattr(engine, "config", None)     # the engine's resolved configuration
         self.max_logprobs: int = getattr(engine, "max_logprobs", 20)
         self.logprobs_as_logits: bool = getattr(engine, "logprobs_as_logits", False)

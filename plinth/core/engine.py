@@ -34,6 +34,7 @@ from plinth.core.pooling import (
     PoolingRequestOutput,
     PoolState,
     finish_embedding,
+    kept_tokens,
     resolve_pooling,
 )
 from plinth.core.prompt_embeds import PLACEHOLDER_ID, PromptEmbeds
@@ -290,6 +291,9 @@ class LLMEngine:
                         ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),
                         self.classifier.activation)
         self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
+        #: an encoder-only model (BERT, ...): inputs run whole, and truncation keeps their beginning
+        self.encoder: bool = parts.source.encoder
+        self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
         #: prompts may be given as embeddings (``enable_prompt_embeds``)
         self.prompt_embeds = bool(config.model.enable_prompt_embeds)
         #: image inputs (a LLaVA checkpoint): the processor and the placeholder rules, else ``None``
@@ -797,8 +801,8 @@ class LLMEngine:
                 raise RequestRejectedError(f"truncate_prompt_tokens is {keep}, more than max_model_len "
                                            f"({self.max_model_len}); give a smaller value (or -1: the context)",
                                            param="truncate_prompt_tokens")
-            if len(ids) > keep:
-                text, ids = None, ids[-keep:]
+            if len(ids) > keep:   # (an encoder's first tokens: see kept_tokens)
+                text, ids = None, kept_tokens(ids, keep, self.encoder, self.special_ids)
         if embeds is not None:
             from plinth.core.prompt_embeds import embeds_items
             from plinth.multimodal.images import salted_key

@@ -260,6 +260,17 @@ def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[flo
     return np.clip(scores, -1.0, 1.0).tolist()
 
 
+def kept_tokens(ids: list[int], keep: int, encoder: bool = False, special_ids: Any = ()) -> list[int]:
+    """The tokens ``truncate_prompt_tokens`` keeps of ``ids``, which are more than ``keep``: the last ``keep`` (vLLM's
+    rule); for an encoder-only model, which reads its first token, the first ones and a closing special token
+    (``[SEP]``, ``</s>``) where ``ids`` end with one in ``special_ids``: what its tokenizer's
+    ``truncation=True, max_length=keep`` gives."""
+    if not encoder:
+        return ids[-keep:]
+    closing = ids[-1:] if keep > 1 and ids[-1] in special_ids else []
+    return ids[:keep - len(closing)] + closing
+
+
 def cut_pair(first: list[int], second: list[int], keep: int | None) -> list[int]:
     """Two token-id lists joined and cut to ``keep`` tokens (``None``: not cut) as transformers' tokenizers cut a pair
     (``truncation="longest_first"``): a token off the end of the longer list (the second on a tie) at a time, so

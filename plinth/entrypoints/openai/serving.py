@@ -283,9 +283,14 @@ class ServerContext:
 
     def truncated(self, ids: list[int], req: Any) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (all without it; -1: as many as the context
-        holds, as vLLM takes it); 0, below -1 or beyond the context is a 400."""
+        holds, as vLLM takes it; an encoder's first ones, :func:`~plinth.core.pooling.kept_tokens`); 0, below -1 or
+        beyond the context is a 400."""
+        from plinth.core.pooling import kept_tokens
+
         keep = self.keep_tokens(req)
-        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+        if keep is None or len(ids) <= keep:
+            return ids
+        return kept_tokens(ids, keep, getattr(self.front, "encoder", False), getattr(self.front, "special_ids", ()))
 
     def keep_tokens(self, req: Any) -> int | None:
         """How many tokens ``req.truncate_prompt_tokens`` keeps (-1: the context; ``None``: no cut); 0, below -1
