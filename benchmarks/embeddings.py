@@ -9,8 +9,10 @@ With ``--task classify`` both run the preset's ``*ForSequenceClassification`` (p
 ``LLM.classify``; transformers' class, whose pad token is set so that it batches; no prompt holds it) and
 softmax the two labels' logits.
 
+    python benchmarks/embeddings.py --preset bert-base --len-range 32 512    # an encoder (first-token pooling)
+
 Workload: ``--num-prompts`` prompts of random token ids, lengths uniform in ``[--len-range)`` (seeded), each
-pooled to one vector (last token, normalized). plinth gets all prompts at once (``LLM.embed``, prefix cache off:
+pooled to one vector (last token, normalized; an encoder's first token). plinth gets all prompts at once (``LLM.embed``, prefix cache off:
 every run computes every prompt); transformers
 runs its base model (sdpa) over length-sorted batches of ``--hf-batch`` prompts, padded on the right, and takes
 each prompt's last real position. Both models have random weights of the preset's shape (plinth's dummy
@@ -50,11 +52,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def is_encoder(preset: str) -> bool:
+    """Whether a preset is an encoder-only model (``bert-base``, ``bge-m3``): pooled at its first token."""
+    from plinth.model_registry.loader import PRESET_DIR, is_encoder_architecture
+
+    return is_encoder_architecture(json.loads((PRESET_DIR / f"{preset}.json").read_text())["architectures"][0])
+
+
 def classifier_overrides(preset: str) -> dict:
-    """The ``hf_overrides`` that make a preset's causal LM a 2-label sequence classifier."""
+    """The ``hf_overrides`` that make a preset's causal LM (or encoder) a 2-label sequence classifier."""
     from plinth.model_registry.loader import PRESET_DIR
 
     arch = json.loads((PRESET_DIR / f"{preset}.json").read_text())["architectures"][0]
+    if is_encoder(preset):
+        return {"architectures": [arch.removesuffix("Model") + "ForSequenceClassification"], "num_labels": 2}
     return {"architectures": [arch.replace("ForCausalLM", "ForSequenceClassification")], "num_labels": 2,
             "pad_token_id": 0}
 
@@ -96,6 +107,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]], device:
     with torch.device(device):
         model = builder.from_config(config, dtype=DTYPES[args.dtype]).eval()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    encoder = is_encoder(args.preset)
 
     @torch.no_grad()
     def embed_all() -> None:
@@ -112,7 +124,10 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]], device:
                 model(input_ids=ids, attention_mask=mask).logits.float().softmax(-1).cpu()
                 continue
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = hidden[torch.arange(len(batch), device=device), mask.sum(1) - 1].float()
+            if encoder:   # (an encoder's first token)
+                last = hidden[:, 0].float()
+            else:
+                last = hidden[torch.arange(len(batch), device=device), mask.sum(1) - 1].float()
             torch.nn.functional.normalize(last, dim=-1).cpu()
 
     return timed(embed_all, args.iters, device)

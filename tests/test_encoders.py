@@ -286,3 +286,15 @@ def test_gpu_bfloat16_embeddings(tmp_path):
             states = hf.double()(**hf_inputs(tokenizer, hf, text)).last_hidden_state[0].mean(0)
         cos = float(np.dot(out.outputs.embedding, (states / states.norm()).numpy()))
         assert cos > 0.999, cos
+    # the variable-length kernel (mixed lengths in one step) against padded SDPA
+    from plinth.model_registry.models import bert
+
+    if bert._varlen_kernel() is not None:
+        device = str(llm.engine.device)
+        bert._NO_VARLEN.add(device)
+        try:
+            padded = llm.embed(TEXTS)
+        finally:
+            bert._NO_VARLEN.discard(device)
+        for a, b in zip(outs, padded, strict=True):
+            assert float(np.dot(a.outputs.embedding, b.outputs.embedding)) > 0.9999

@@ -114,6 +114,8 @@ def test_presets_ship_and_load():
     ("deepseek-v2-lite", 15_706_484_224),   # transformers' DeepseekV2ForCausalLM of the same config (published: 15.7B)
     ("llama-4-scout", 107_769_861_120),   # transformers' Llama4ForCausalLM of the same config (published: 109B with
                                           # the vision tower)
+    ("bert-base", 108_891_648),   # transformers' BertModel without its pooler (published: 110M with it)
+    ("bge-m3", 566_705_152),   # transformers' XLMRobertaModel without its pooler (published: 568M)
 ])
 def test_preset_parameter_counts(preset, params):
     """Built on the meta device (no memory): the published parameter counts."""

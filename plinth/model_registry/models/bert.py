@@ -16,6 +16,7 @@ transformers' ``create_position_ids_from_input_ids``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +34,8 @@ from plinth.model_registry.layers.linear import (
     RowParallelLinear,
     divide,
 )
+
+logger = logging.getLogger(__name__)
 
 #: model types whose positions start after the pad token's (``pad_token_id + 1``) and that have one segment
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -59,10 +62,25 @@ def uses_segments(cfg: Any) -> bool:
     return getattr(cfg, "model_type", None) not in ROBERTA_TYPES and int(getattr(cfg, "type_vocab_size", 1) or 1) > 1
 
 
-class _Step:
-    """One step's inputs laid out as a padded batch ``[B, L]`` (built once, shared by every layer)."""
+def _varlen_kernel() -> Any:
+    """PyTorch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``), or ``None`` where this
+    PyTorch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
-    def __init__(self, metadata: AttentionMetadata, device: torch.device, num_tokens: int):
+
+#: devices where the variable-length kernel failed once (an architecture it does not support): padded SDPA there
+_NO_VARLEN: set[str] = set()
+
+
+class _Step:
+    """One step's inputs: as flat sequences for the variable-length kernel (CUDA, 16-bit), else laid out as a padded
+    batch ``[B, L]`` (made on first use, shared by every layer)."""
+
+    def __init__(self, metadata: AttentionMetadata, device: torch.device, num_tokens: int, dtype: torch.dtype):
         starts = metadata.query_start_loc_cpu
         lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
         done = [metadata.seq_lens_cpu[i] - lens[i] for i in range(metadata.num_seqs)]
@@ -71,24 +89,35 @@ class _Step:
                                "(chunked prefill or the prefix cache must be off)")
         self.num_seqs = len(lens)
         self.width = max(lens) if lens else 0
-        self.uniform = len(set(lens)) <= 1 and sum(lens) == num_tokens
-        self.starts = torch.tensor(starts[:-1], dtype=torch.int64).to(device, non_blocking=True)
         self.lens = lens
-        if self.uniform:
-            self.index = None
-            self.mask = None
-        else:   # the flat row of each padded slot (pads read row 0), and which slots are real
-            offsets = torch.arange(self.width, dtype=torch.int64)
-            lens_t = torch.tensor(lens, dtype=torch.int64)
-            real = offsets[None, :] < lens_t[:, None]
-            index = torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + offsets[None, :]
-            self.index = torch.where(real, index, 0).to(device, non_blocking=True)
-            self.real = real.to(device, non_blocking=True)
-            self.mask = self.real[:, None, None, :]   # [B, 1, 1, L]: keys to attend to
-            self.rows = torch.nonzero(real.flatten()).flatten().to(device, non_blocking=True)
+        self.num_tokens = num_tokens
+        self.device = device
+        self.host_starts = starts
+        self.starts = torch.tensor(starts[:-1], dtype=torch.int64).to(device, non_blocking=True)
+        uniform = len(set(lens)) <= 1 and sum(lens) == num_tokens
+        self.varlen = (_varlen_kernel() if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+                       and str(device) not in _NO_VARLEN and not uniform else None)
+        self.cu = metadata.query_start_loc
+        self.uniform = uniform
+        self.index: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self._laid_out = uniform
+
+    def _lay_out(self) -> None:
+        """The flat row of each padded slot (pads read row 0), and which slots are real."""
+        offsets = torch.arange(self.width, dtype=torch.int64)
+        lens = torch.tensor(self.lens, dtype=torch.int64)
+        real = offsets[None, :] < lens[:, None]
+        index = torch.tensor(self.host_starts[:-1], dtype=torch.int64)[:, None] + offsets[None, :]
+        self.index = torch.where(real, index, 0).to(self.device, non_blocking=True)
+        self.mask = real.to(self.device, non_blocking=True)[:, None, None, :]   # [B, 1, 1, L]: keys to attend to
+        self.rows = torch.nonzero(real.flatten()).flatten().to(self.device, non_blocking=True)
+        self._laid_out = True
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, ...]`` -> ``[B, L, ...]``."""
+        if not self._laid_out:
+            self._lay_out()
         if self.index is None:
             return x[:self.num_seqs * self.width].view(self.num_seqs, self.width, *x.shape[1:])
         return x[self.index]
@@ -117,12 +146,28 @@ class EncoderAttention(nn.Module):
         self.norm = LayerNorm(hidden, float(cfg.layer_norm_eps), bias=True)
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_size).unbind(1)
-        # [B, H, L, D] per input; the pad slots are masked out as keys
-        q, k, v = (step.pad(t).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
-        out = step.unpad(out.transpose(1, 2), x.shape[0]).reshape(x.shape[0], -1)
-        return self.norm(self.dense(out), residual=x)[0]
+        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_size)
+        out = self._varlen(qkv, step) if step.varlen is not None else None
+        if out is None:
+            # [B, H, L, D] per input; the pad slots are masked out as keys
+            q, k, v = step.pad(qkv).permute(2, 0, 3, 1, 4).unbind(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+            out = step.unpad(out.transpose(1, 2), x.shape[0])
+        return self.norm(self.dense(out.reshape(x.shape[0], -1)), residual=x)[0]
+
+    def _varlen(self, qkv: torch.Tensor, step: _Step) -> torch.Tensor | None:
+        """Each input's attention by the variable-length kernel over the flat rows (rows past the inputs, padding
+        for graphs, are left as the kernel leaves them); ``None`` where the kernel refuses this device, which then
+        runs padded SDPA from here on."""
+        q, k, v = (t.contiguous() for t in qkv.unbind(1))
+        try:
+            return step.varlen(q, k, v, step.cu, step.cu, step.width, step.width)
+        except RuntimeError as exc:
+            _NO_VARLEN.add(str(step.device))
+            logger.info("variable-length attention unavailable on %s (%s): encoder attention runs padded SDPA",
+                        step.device, str(exc).splitlines()[0][:200])
+            step.varlen = None
+            return None
 
 
 class EncoderLayer(nn.Module):
@@ -236,7 +281,7 @@ class BertModel(CausalLM):
         return types
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        step = _Step(metadata, input_ids.device, input_ids.shape[0])
+        step = _Step(metadata, input_ids.device, input_ids.shape[0], self.position_embeddings.dtype)
         pos = self._positions(input_ids, positions, step).clamp_(0, self.position_embeddings.shape[0] - 1)
         x = self.word_embeddings(input_ids) + self.position_embeddings[pos]
         types = self._token_types(input_ids, step)
