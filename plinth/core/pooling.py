@@ -189,6 +189,28 @@ def finish_embedding(vector: np.ndarray, params: PoolingParams, config: PoolingC
 
 
 @dataclasses.dataclass(frozen=True)
+class Projection:
+    """An encoder classifier's layer between its pooled state and its head (float64): ``norm(act(weight @ h +
+    bias))``: BERT's pooler and RoBERTa's dense layer (``tanh``, no norm), ModernBERT's head (GELU, LayerNorm)."""
+
+    weight: np.ndarray                 # [hidden, hidden]
+    bias: np.ndarray | None
+    activation: str = "tanh"           # a transformers activation name
+    norm: tuple[np.ndarray, np.ndarray | None, float] | None = None   # LayerNorm weight, bias, eps
+
+    def __call__(self, vector: np.ndarray) -> np.ndarray:
+        import torch
+        from transformers.activations import ACT2FN
+
+        x = self.weight @ vector + (self.bias if self.bias is not None else 0.0)
+        x = ACT2FN[self.activation](torch.from_numpy(np.asarray(x, dtype=np.float64))).numpy()
+        if self.norm is not None:
+            weight, bias, eps = self.norm
+            x = (x - x.mean()) / np.sqrt(x.var() + eps) * weight + (bias if bias is not None else 0.0)
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
 class ClassifierHead:
     """A sequence classifier's ``score`` layer (float64) and how its logits become probabilities: transformers'
     text-classification rule: none for ``problem_type`` ``regression``, a sigmoid per label for
@@ -199,13 +221,12 @@ class ClassifierHead:
     activation: str                # "softmax", "sigmoid" or "none"
     labels: tuple[str, ...]        # each label's name (the config's id2label)
     pad_token_id: int | None = None   # trailing ones are not read (transformers pools the last other token)
-    #: an encoder's projection before the head, ``tanh(pre_weight @ h + pre_bias)`` (BERT's pooler, RoBERTa's dense
-    #: layer), or ``None``
-    pre: tuple[np.ndarray, np.ndarray] | None = None
+    #: an encoder's layer before the head (BERT's pooler, RoBERTa's dense layer, ModernBERT's head), or ``None``
+    pre: Projection | None = None
 
     @classmethod
     def of(cls, hf_config: Any, weight: np.ndarray, bias: np.ndarray | None,
-           labels: tuple[str, ...] | None = None, pre: tuple[np.ndarray, np.ndarray] | None = None,
+           labels: tuple[str, ...] | None = None, pre: Projection | None = None,
            encoder: bool = False) -> ClassifierHead:
         """The head of ``weight`` and ``bias``; ``labels``: their names (default: the config's ``id2label``);
         ``pre``: an encoder's projection before it; ``encoder``: the model reads its first token (every token: no
@@ -237,7 +258,7 @@ class ClassifierHead:
         """The label probabilities of a pooled hidden state (its raw logits without ``activation``)."""
         vector = np.asarray(vector, dtype=np.float64)
         if self.pre is not None:
-            vector = np.tanh(self.pre[0] @ vector + self.pre[1])
+            vector = self.pre(vector)
         logits = self.weight @ vector
         if self.bias is not None:
             logits = logits + self.bias

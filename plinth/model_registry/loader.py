@@ -622,14 +622,15 @@ _ENCODER_HEADS = {"bert": ("bert.pooler.dense.", "classifier."),
                   "roberta": ("classifier.dense.", "classifier.out_proj.")}
 
 
-def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, tuple[Any, Any]]:
-    """An encoder classifier's head as float64 arrays: ``(weight, bias, None, (projection weight, projection
-    bias))``, read from the first token's state as ``weight @ tanh(projection @ h + projection bias) + bias``:
-    BERT's pooler and classifier, RoBERTa's classification head (the same computation).
+def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, Any]:
+    """An encoder classifier's head as float64 arrays: ``(weight, bias, None, projection)``, read from the first
+    token's state as ``weight @ tanh(projection @ h + projection bias) + bias``: BERT's pooler and classifier,
+    RoBERTa's classification head (the same computation; a :class:`~plinth.core.pooling.Projection`).
 
     Raises:
         ModelLoadError: a missing tensor, or shapes that disagree with the config.
     """
+    from plinth.core.pooling import Projection
     from plinth.model_registry.models.bert import ROBERTA_TYPES
 
     cfg = source.hf_config
@@ -639,7 +640,7 @@ def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, tuple
         gen = torch.Generator().manual_seed(seed)
         std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
         draw = lambda *shape: (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).numpy()  # noqa: E731
-        return draw(labels, hidden), draw(labels), None, (draw(hidden, hidden), draw(hidden))
+        return draw(labels, hidden), draw(labels), None, Projection(draw(hidden, hidden), draw(hidden))
     assert source.path is not None
     pre, head = _ENCODER_HEADS["roberta" if getattr(cfg, "model_type", None) in ROBERTA_TYPES else "bert"]
     files = list_safetensors_files(Path(source.path))
@@ -661,7 +662,7 @@ def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, tuple
     if out[head + "bias"].shape[0] != out[head + "weight"].shape[0]:
         raise ModelLoadError(f"{source.path}: {head}bias has {out[head + 'bias'].shape[0]} values for "
                              f"{out[head + 'weight'].shape[0]} labels")
-    return out[head + "weight"], out[head + "bias"], None, (out[pre + "weight"], out[pre + "bias"])
+    return out[head + "weight"], out[head + "bias"], None, Projection(out[pre + "weight"], out[pre + "bias"])
 
 
 #: config attributes that change a causal LM's logits after its head (a classifier made of head rows would not)

@@ -72,11 +72,21 @@ def _varlen_kernel() -> Any:
     return varlen_attn
 
 
+def _varlen_takes_windows(kernel: Any) -> bool:
+    """Whether the variable-length kernel takes ``window_size`` (newer PyTorch)."""
+    import inspect
+
+    try:
+        return "window_size" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 #: devices where the variable-length kernel failed once (an architecture it does not support): padded SDPA there
 _NO_VARLEN: set[str] = set()
 
 
-class _Step:
+class EncoderStep:
     """One step's inputs: as flat sequences for the variable-length kernel (CUDA, 16-bit), else laid out as a padded
     batch ``[B, L]`` (made on first use, shared by every layer)."""
 
@@ -102,6 +112,7 @@ class _Step:
         self.index: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self._laid_out = uniform
+        self._windows: dict[int, torch.Tensor] = {}
 
     def _lay_out(self) -> None:
         """The flat row of each padded slot (pads read row 0), and which slots are real."""
@@ -113,6 +124,46 @@ class _Step:
         self.mask = real.to(self.device, non_blocking=True)[:, None, None, :]   # [B, 1, 1, L]: keys to attend to
         self.rows = torch.nonzero(real.flatten()).flatten().to(self.device, non_blocking=True)
         self._laid_out = True
+
+    def attend(self, qkv: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Each input's bidirectional attention: ``qkv`` ``[T, 3, H, D]`` -> ``[T, H, D]``; with ``window`` a position
+        sees only the positions at most ``window`` away (ModernBERT's local layers)."""
+        if self.varlen is not None and (window is None or _varlen_takes_windows(self.varlen)):
+            out = self._varlen(qkv, window)
+            if out is not None:
+                return out
+        # [B, H, L, D] per input; the pad slots (and positions out of the window) are masked out as keys
+        q, k, v = self.pad(qkv).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(window))
+        return self.unpad(out.transpose(1, 2), qkv.shape[0])
+
+    def _varlen(self, qkv: torch.Tensor, window: int | None) -> torch.Tensor | None:
+        """Each input's attention by the variable-length kernel over the flat rows (rows past the inputs, padding
+        for graphs, are left as the kernel leaves them); ``None`` where the kernel refuses this device, which then
+        runs padded SDPA from here on."""
+        q, k, v = (t.contiguous() for t in qkv.unbind(1))
+        extra = {"window_size": (window, window)} if window is not None else {}
+        try:
+            return self.varlen(q, k, v, self.cu, self.cu, self.width, self.width, **extra)
+        except RuntimeError as exc:
+            _NO_VARLEN.add(str(self.device))
+            logger.info("variable-length attention unavailable on %s (%s): encoder attention runs padded SDPA",
+                        self.device, str(exc).splitlines()[0][:200])
+            self.varlen = None
+            return None
+
+    def _mask(self, window: int | None) -> torch.Tensor | None:
+        if not self._laid_out:
+            self._lay_out()
+        if window is None:
+            return self.mask
+        cached = self._windows.get(window)
+        if cached is None:
+            pos = torch.arange(self.width, device=self.device)
+            near = (pos[:, None] - pos[None, :]).abs() <= window                 # [L, L]
+            cached = near[None, None] if self.mask is None else near[None, None] & self.mask
+            self._windows[window] = cached
+        return cached
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, ...]`` -> ``[B, L, ...]``."""
@@ -145,29 +196,9 @@ class EncoderAttention(nn.Module):
         self.dense = RowParallelLinear(hidden, hidden, bias=True, **tp)
         self.norm = LayerNorm(hidden, float(cfg.layer_norm_eps), bias=True)
 
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_size)
-        out = self._varlen(qkv, step) if step.varlen is not None else None
-        if out is None:
-            # [B, H, L, D] per input; the pad slots are masked out as keys
-            q, k, v = step.pad(qkv).permute(2, 0, 3, 1, 4).unbind(0)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
-            out = step.unpad(out.transpose(1, 2), x.shape[0])
+    def forward(self, x: torch.Tensor, step: EncoderStep) -> torch.Tensor:
+        out = step.attend(self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_size))
         return self.norm(self.dense(out.reshape(x.shape[0], -1)), residual=x)[0]
-
-    def _varlen(self, qkv: torch.Tensor, step: _Step) -> torch.Tensor | None:
-        """Each input's attention by the variable-length kernel over the flat rows (rows past the inputs, padding
-        for graphs, are left as the kernel leaves them); ``None`` where the kernel refuses this device, which then
-        runs padded SDPA from here on."""
-        q, k, v = (t.contiguous() for t in qkv.unbind(1))
-        try:
-            return step.varlen(q, k, v, step.cu, step.cu, step.width, step.width)
-        except RuntimeError as exc:
-            _NO_VARLEN.add(str(step.device))
-            logger.info("variable-length attention unavailable on %s (%s): encoder attention runs padded SDPA",
-                        step.device, str(exc).splitlines()[0][:200])
-            step.varlen = None
-            return None
 
 
 class EncoderLayer(nn.Module):
@@ -187,7 +218,7 @@ class EncoderLayer(nn.Module):
         self.output = RowParallelLinear(inter, hidden, bias=True, **tp)
         self.output_norm = LayerNorm(hidden, float(cfg.layer_norm_eps), bias=True)
 
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: EncoderStep) -> torch.Tensor:
         x = self.attention(x, step)
         return self.output_norm(self.output(self.act(self.intermediate(x))), residual=x)[0]
 
@@ -251,7 +282,7 @@ class BertModel(CausalLM):
             name = "layers." + name[len("encoder.layer."):]
         return super().map_weight_name(name)
 
-    def _positions(self, input_ids: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
+    def _positions(self, input_ids: torch.Tensor, positions: torch.Tensor, step: EncoderStep) -> torch.Tensor:
         if self.pad_token_id is None:
             return positions + self.position_start
         # transformers' rule: a non-pad token's position counts the non-pad tokens up to it, from pad + 1
@@ -266,7 +297,7 @@ class BertModel(CausalLM):
         out[:seq.shape[0]] = torch.where(real[:seq.shape[0]].bool(), mine + self.pad_token_id, self.pad_token_id)
         return out
 
-    def _token_types(self, input_ids: torch.Tensor, step: _Step) -> torch.Tensor | None:
+    def _token_types(self, input_ids: torch.Tensor, step: EncoderStep) -> torch.Tensor | None:
         if self.sep_token_id is None:
             return None
         # type 1 after an input's first [SEP]: [CLS] a [SEP] | b [SEP]
@@ -281,7 +312,7 @@ class BertModel(CausalLM):
         return types
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        step = _Step(metadata, input_ids.device, input_ids.shape[0], self.position_embeddings.dtype)
+        step = EncoderStep(metadata, input_ids.device, input_ids.shape[0], self.position_embeddings.dtype)
         pos = self._positions(input_ids, positions, step).clamp_(0, self.position_embeddings.shape[0] - 1)
         x = self.word_embeddings(input_ids) + self.position_embeddings[pos]
         types = self._token_types(input_ids, step)
