@@ -1,6 +1,6 @@
-"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa): embeddings, classifiers and cross-encoder pair scores against
-transformers running the same weights, batched inputs of mixed lengths, RoBERTa's positions around pad tokens,
-BERT's two segments, tensor parallelism, the server's routes and the refusals."""
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa, ModernBERT): embeddings, classifiers and cross-encoder pair scores
+against transformers running the same weights, batched inputs of mixed lengths, RoBERTa's positions around pad
+tokens, BERT's two segments, ModernBERT's local windows, tensor parallelism, the server's routes and the refusals."""
 
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ def save_encoder(path, kind: str = "bert", labels: int = 0, **overrides):
     if kind == "bert":
         cfg = transformers.BertConfig(max_position_embeddings=64, **common, **overrides)
         cls = transformers.BertForSequenceClassification if labels else transformers.BertModel
+    elif kind == "modernbert":   # four layers (full, local, local, full), local layers 4 positions to each side
+        common.update(num_hidden_layers=4, intermediate_size=96)
+        cfg = transformers.ModernBertConfig(max_position_embeddings=128, pad_token_id=0, cls_token_id=2,
+                                            sep_token_id=3, bos_token_id=2, eos_token_id=3, local_attention=8,
+                                            **common, **overrides)
+        cls = transformers.ModernBertForSequenceClassification if labels else transformers.ModernBertModel
     else:   # positions from pad + 1 (66 - 1 = 65 of them), one segment
         cfg = transformers.XLMRobertaConfig(max_position_embeddings=66, pad_token_id=0, bos_token_id=2,
                                             eos_token_id=3, type_vocab_size=1, **common, **overrides)
@@ -60,12 +66,12 @@ def hf_encoder(path, labels: bool = False):
 
 def hf_inputs(tokenizer, model, *texts, ids=None):
     enc = tokenizer(*texts, return_tensors="pt") if ids is None else {"input_ids": torch.tensor([ids])}
-    if model.config.model_type != "bert":   # (XLM-RoBERTa's own tokenizer gives no token types)
+    if model.config.model_type != "bert":   # (XLM-RoBERTa's and ModernBERT's own tokenizers give no token types)
         enc.pop("token_type_ids", None)
     return enc
 
 
-@pytest.fixture(scope="module", params=["bert", "xlmr"])
+@pytest.fixture(scope="module", params=["bert", "xlmr", "modernbert"])
 def encoder(request, tmp_path_factory):
     return request.param, save_encoder(tmp_path_factory.mktemp(f"enc-{request.param}"), request.param)
 
@@ -160,10 +166,11 @@ def test_bert_cross_encoder_reads_a_pair_as_two_segments(tmp_path):
     assert max(abs(a - b) for a, b in zip(two, one, strict=True)) > 1e-3   # the segments matter
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlmr"])
+@pytest.mark.parametrize("kind", ["bert", "xlmr", "modernbert", "modernbert-mean"])
 def test_classifier_heads_match_transformers(tmp_path, kind):
-    labels = 3 if kind == "xlmr" else 2
-    path = save_encoder(tmp_path / kind, kind, labels=labels)
+    labels = 2 if kind == "bert" else 3
+    extra = {"classifier_pooling": "mean"} if kind == "modernbert-mean" else {}
+    path = save_encoder(tmp_path / kind, kind.removesuffix("-mean"), labels=labels, **extra)
     tokenizer, hf = hf_encoder(path, labels=True)
     llm = LLM(str(path), task="classify", dtype="float32", selection="off")
     assert llm.labels == tuple(f"LABEL_{i}" for i in range(labels))
@@ -176,6 +183,22 @@ def test_classifier_heads_match_transformers(tmp_path, kind):
         np.testing.assert_allclose(p, torch.softmax(ref, 0).numpy(), atol=1e-6)
     # the classifier's hidden states serve as embeddings too
     assert len(LLM(str(path), task="embed", dtype="float32", selection="off").embed("hi")[0].outputs.embedding) == 64
+
+
+def test_modernbert_local_layers_see_their_window_only(tmp_path):
+    path = save_encoder(tmp_path / "mb", "modernbert")
+    tokenizer, hf = hf_encoder(path)
+    text = " ".join(WORDS[:30])   # 32 tokens: the local layers' windows (4 each side) cut most pairs
+    llm = LLM(str(path), task="embed", dtype="float32", selection="off", pooling="mean")
+    out = llm.embed(text, PoolingParams(normalize=False))[0].outputs.embedding
+    enc = hf_inputs(tokenizer, hf, text)
+    with torch.no_grad():
+        ref = hf(**enc).last_hidden_state[0].double().mean(0)
+        hf.config.local_attention = 1024   # every layer sees the whole input: the output changes
+        hf.config._attn_implementation = "eager"
+        wide = hf(**enc).last_hidden_state[0].double().mean(0)
+    np.testing.assert_allclose(out, ref.numpy(), atol=2e-5)
+    assert float((wide - ref).abs().max()) > 1e-3
 
 
 def test_many_inputs_over_several_steps_and_a_small_budget(tmp_path, caplog):
@@ -276,8 +299,9 @@ def test_server_embeddings_and_rerank(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bfloat16_embeddings(tmp_path):
-    path = save_encoder(tmp_path / "gpu", "xlmr")
+@pytest.mark.parametrize("kind", ["xlmr", "modernbert"])
+def test_gpu_bfloat16_embeddings(tmp_path, kind):
+    path = save_encoder(tmp_path / "gpu", kind)
     tokenizer, hf = hf_encoder(path)
     llm = LLM(str(path), task="embed", dtype="bfloat16", pooling="mean")
     outs = llm.embed(TEXTS)

@@ -64,7 +64,7 @@ from plinth.core.structured import (
     reasoning_markers,
 )
 from plinth.distributed.executor import Executor, PendingStep, UniprocExecutor
-from plinth.errors import EngineSleepingError, LoRAAdapterError, SleepModeError
+from plinth.errors import EngineSleepingError, LoRAAdapterError, ModelLoadError, SleepModeError
 from plinth.lora.adapter import LoRAAdapter, adapter_targets, load_adapter
 from plinth.lora.request import LoRARequest
 from plinth.lora.slots import LoRASlotTable
@@ -285,8 +285,12 @@ class LLMEngine:
             self.classifier = ClassifierHead.of(parts.source.hf_config,
                                                 *load_classifier_head(parts.source, config.model.seed, parts.tokenizer),
                                                 encoder=encoder)
-            # (an encoder's head reads the first token, which has seen every token)
-            self.pooling = PoolingConfig("cls" if encoder else "last", False, "the sequence classifier")
+            # (an encoder's head reads the first token, which has seen every token, or the mean: ModernBERT's
+            # classifier_pooling)
+            kind = (getattr(parts.source.hf_config, "classifier_pooling", None) or "cls") if encoder else "last"
+            if kind not in ("cls", "mean"):
+                raise ModelLoadError(f"classifier_pooling {kind!r}: plinth pools a classifier's cls token or mean")
+            self.pooling = PoolingConfig(kind, False, "the sequence classifier")
             logger.info("sequence classifier: %d labels (%s), %s", len(self.classifier.labels),
                         ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),
                         self.classifier.activation)

@@ -642,6 +642,8 @@ def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, Any]:
         draw = lambda *shape: (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).numpy()  # noqa: E731
         return draw(labels, hidden), draw(labels), None, Projection(draw(hidden, hidden), draw(hidden))
     assert source.path is not None
+    if getattr(cfg, "model_type", None) == "modernbert":
+        return _modernbert_head(source)
     pre, head = _ENCODER_HEADS["roberta" if getattr(cfg, "model_type", None) in ROBERTA_TYPES else "bert"]
     files = list_safetensors_files(Path(source.path))
     found = dict(widened_if_bnb(SafetensorsWeights(files, only=(pre, head)), source, torch.float32,
@@ -663,6 +665,45 @@ def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, Any]:
         raise ModelLoadError(f"{source.path}: {head}bias has {out[head + 'bias'].shape[0]} values for "
                              f"{out[head + 'weight'].shape[0]} labels")
     return out[head + "weight"], out[head + "bias"], None, Projection(out[pre + "weight"], out[pre + "bias"])
+
+
+def _modernbert_head(source: ModelSource) -> tuple[Any, Any, None, Any]:
+    """ModernBERT's classifier: ``head.dense`` (a bias where ``classifier_bias``), ``classifier_activation``, the
+    LayerNorm ``head.norm`` (a bias where ``norm_bias``), then ``classifier``; as :func:`_encoder_head`.
+
+    Raises:
+        ModelLoadError: a missing tensor, or shapes that disagree with the config.
+    """
+    from plinth.core.pooling import Projection
+
+    cfg = source.hf_config
+    hidden = int(cfg.hidden_size)
+    names = ["head.dense.weight", "head.norm.weight", "classifier.weight", "classifier.bias"]
+    names += ["head.dense.bias"] if getattr(cfg, "classifier_bias", False) else []
+    names += ["head.norm.bias"] if getattr(cfg, "norm_bias", False) else []
+    files = list_safetensors_files(Path(source.path or ""))
+    found = {name.removeprefix("model."): t for name, t in widened_if_bnb(
+        SafetensorsWeights(files, only=("head.", "classifier.", "model.head.")), source, torch.float32,
+        torch.device("cpu"))}
+    out = {}
+    for name in names:
+        tensor = found.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{source.path}: the sequence classifier has no {name!r} tensor")
+        if not tensor.is_floating_point() or tensor.shape[-1] != (hidden if name != "classifier.bias"
+                                                                    else found["classifier.weight"].shape[0]):
+            raise ModelLoadError(f"{source.path}: {name!r} has the shape {list(tensor.shape)}, which does not fit a "
+                                 f"hidden size of {hidden}")
+        out[name] = tensor.to(torch.float64).numpy()
+    activation = getattr(cfg, "classifier_activation", "gelu")
+    from transformers.activations import ACT2FN
+
+    if activation not in ACT2FN:
+        raise ModelLoadError(f"{source.path}: classifier_activation {activation!r} is not an activation transformers "
+                             f"knows")
+    norm = (out["head.norm.weight"], out.get("head.norm.bias"), float(cfg.norm_eps))
+    return (out["classifier.weight"], out["classifier.bias"], None,
+            Projection(out["head.dense.weight"], out.get("head.dense.bias"), activation, norm))
 
 
 #: config attributes that change a causal LM's logits after its head (a classifier made of head rows would not)

@@ -59,4 +59,6 @@ def plinth_models() -> dict[str, str]:
         "RobertaForSequenceClassification": f"{_M}.bert:BertModel",
         "XLMRobertaModel": f"{_M}.bert:BertModel",
         "XLMRobertaForSequenceClassification": f"{_M}.bert:BertModel",
+        "ModernBertModel": f"{_M}.modernbert:ModernBertModel",
+        "ModernBertForSequenceClassification": f"{_M}.modernbert:ModernBertModel",
     }
