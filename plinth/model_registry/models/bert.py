@@ -16,6 +16,7 @@ transformers' ``create_position_ids_from_input_ids``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, ClassVar
 
@@ -62,6 +63,7 @@ def uses_segments(cfg: Any) -> bool:
     return getattr(cfg, "model_type", None) not in ROBERTA_TYPES and int(getattr(cfg, "type_vocab_size", 1) or 1) > 1
 
 
+@functools.cache
 def _varlen_kernel() -> Any:
     """PyTorch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``), or ``None`` where this
     PyTorch has none."""
@@ -72,6 +74,7 @@ def _varlen_kernel() -> Any:
     return varlen_attn
 
 
+@functools.cache
 def _varlen_takes_windows(kernel: Any) -> bool:
     """Whether the variable-length kernel takes ``window_size`` (newer PyTorch)."""
     import inspect
