@@ -116,6 +116,7 @@ def test_presets_ship_and_load():
                                           # the vision tower)
     ("bert-base", 108_891_648),   # transformers' BertModel without its pooler (published: 110M with it)
     ("bge-m3", 566_705_152),   # transformers' XLMRobertaModel without its pooler (published: 568M)
+    ("modernbert-base", 149_014_272),   # published: 149M
 ])
 def test_preset_parameter_counts(preset, params):
     """Built on the meta device (no memory): the published parameter counts."""
