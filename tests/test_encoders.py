@@ -215,6 +215,12 @@ def test_many_inputs_over_several_steps_and_a_small_budget(tmp_path, caplog):
         with torch.no_grad():
             ref = hf(**hf_inputs(tokenizer, hf, text)).last_hidden_state[0, 0].double()
         np.testing.assert_allclose(out.outputs.embedding, ref.numpy(), atol=2e-5)
+    # one-token inputs (scheduled as decode-sized steps) beside longer ones
+    outs = llm.embed([{"prompt_token_ids": [7]}, {"prompt_token_ids": [8]}, texts[5]], PoolingParams(normalize=False))
+    for ids, out in zip(([7], [8]), outs, strict=False):
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([ids])).last_hidden_state[0, 0].double()
+        np.testing.assert_allclose(out.outputs.embedding, ref.numpy(), atol=2e-5)
 
 
 def test_refusals(tmp_path):
