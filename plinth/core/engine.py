@@ -288,7 +288,7 @@ class LLMEngine:
             # (an encoder's head reads the first token, which has seen every token, or the mean: ModernBERT's
             # classifier_pooling)
             kind = (getattr(parts.source.hf_config, "classifier_pooling", None) or "cls") if encoder else "last"
-            if kind not in ("cls", "mean"):
+            if encoder and kind not in ("cls", "mean"):
                 raise ModelLoadError(f"classifier_pooling {kind!r}: plinth pools a classifier's cls token or mean")
             self.pooling = PoolingConfig(kind, False, "the sequence classifier")
             logger.info("sequence classifier: %d labels (%s), %s", len(self.classifier.labels),
