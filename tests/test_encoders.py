@@ -18,8 +18,8 @@ from plinth.errors import ModelLoadError, UnsupportedModelError
 
 WORDS = ("the a of to and in is was for on that with as it by at from his her be this are have an not which or but "
          "one all were they we you cat mat sat dog").split()
-VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list("abcdefghijklmnopqrstuvwxyz.,?!")
-         + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz"])
+VOCAB = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list("abcdefghijklmnopqrstuvwxyz.,?!")
+                           + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz"]))
 TEXTS = ["the cat sat on a mat.", "it was all for one and one for all, we are!", "hi",
          "to be or not to be, that is the question of his and her dog"]
 
@@ -30,8 +30,9 @@ def save_encoder(path, kind: str = "bert", labels: int = 0, **overrides):
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True).save_pretrained(path)
+    tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(VOCAB)}, do_lower_case=True)
+    assert len(tokenizer) == len(VOCAB)   # (the words are in it: texts are not [UNK]s)
+    tokenizer.save_pretrained(path)
     common = dict(vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, **({"num_labels": labels} if labels else {}))
     if kind == "bert":
@@ -107,6 +108,19 @@ def test_embeddings_match_transformers(encoder, pooling):
                                atol=2e-5)
 
 
+def test_an_embedding_model_reads_a_sep_inside_a_text_as_one_segment(tmp_path):
+    path = save_encoder(tmp_path / "sep")
+    tokenizer, hf = hf_encoder(path)
+    text = "the cat [SEP] sat on a mat"   # one text: token type 0 throughout, as the tokenizer says
+    enc = hf_inputs(tokenizer, hf, text)
+    assert enc["token_type_ids"].sum() == 0 and (enc["input_ids"] == tokenizer.sep_token_id).sum() == 2
+    with torch.no_grad():
+        ref = hf(**enc).last_hidden_state[0, 0].double()
+    llm = LLM(str(path), task="embed", dtype="float32", selection="off")
+    out = llm.embed(text, PoolingParams(normalize=False))[0].outputs.embedding
+    np.testing.assert_allclose(out, ref.numpy(), atol=2e-5)
+
+
 def test_default_pooling_is_the_first_token_and_sentence_transformers_configs_are_read(tmp_path):
     path = save_encoder(tmp_path / "st")
     tokenizer, hf = hf_encoder(path)
@@ -153,7 +167,7 @@ def test_bert_cross_encoder_reads_a_pair_as_two_segments(tmp_path):
     path = save_encoder(tmp_path / "ce", labels=1)
     tokenizer, hf = hf_encoder(path, labels=True)
     llm = LLM(str(path), task="classify", dtype="float32", selection="off")
-    assert llm.engine.model_source.hf_config.sep_token_id == tokenizer.sep_token_id
+    assert llm.engine.model_source.hf_config.segment_token_id == tokenizer.sep_token_id
     queries = ["the cat", "one", "what is this"]
     docs = ["a cat sat on the mat", "all for one", "this is a dog"]
     scores = [s.outputs.score for s in llm.score(queries, docs)]
@@ -164,6 +178,18 @@ def test_bert_cross_encoder_reads_a_pair_as_two_segments(tmp_path):
         one = [torch.sigmoid(hf(input_ids=e["input_ids"]).logits[0, 0]).item() for e in enc]
     np.testing.assert_allclose(scores, two, atol=1e-5)
     assert max(abs(a - b) for a, b in zip(two, one, strict=True)) > 1e-3   # the segments matter
+    # token-id pairs cut as the tokenizer cuts the texts: the [CLS] and both [SEP]s stay
+    query, doc = tokenizer("what is this")["input_ids"], tokenizer("this is a dog")["input_ids"][1:]
+    assert query + doc == tokenizer("what is this", "this is a dog")["input_ids"]
+    for keep in (6, 9):
+        enc = tokenizer("what is this", "this is a dog", truncation=True, max_length=keep, return_tensors="pt")
+        with torch.no_grad():
+            ref = torch.sigmoid(hf(**enc).logits[0, 0]).item()
+        out = llm.score([query], [doc], truncate_prompt_tokens=keep)[0]
+        assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+        assert abs(out.outputs.score - ref) < 1e-5
+    with pytest.raises(ValueError, match="text_2 must not hold an empty token list"):
+        llm.score([query], [[]])
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlmr", "modernbert", "modernbert-mean"])
@@ -299,6 +325,8 @@ def test_server_embeddings_and_rerank(tmp_path):
         with torch.no_grad():
             ref = [torch.sigmoid(hf(**tokenizer("the cat", d, return_tensors="pt")).logits[0, 0]).item() for d in TEXTS]
         best = sorted(range(len(TEXTS)), key=lambda i: -ref[i])[:2]
+        r2 = client.post("/v1/rerank", json={"query": " ".join(["cat"] * 70), "documents": ["a"]})
+        assert r2.status_code == 400 and r2.json()["error"]["param"] == "query", r2.text
         results = r.json()["results"]
         assert [x["index"] for x in results] == best
         np.testing.assert_allclose([x["relevance_score"] for x in results], [ref[i] for i in best], atol=1e-5)

@@ -292,17 +292,31 @@ def kept_tokens(ids: list[int], keep: int, encoder: bool = False, special_ids: A
     return ids[:keep - len(closing)] + closing
 
 
-def cut_pair(first: list[int], second: list[int], keep: int | None) -> list[int]:
+def cut_pair(first: list[int], second: list[int], keep: int | None, special: Any = ()) -> list[int]:
     """Two token-id lists joined and cut to ``keep`` tokens (``None``: not cut) as transformers' tokenizers cut a pair
     (``truncation="longest_first"``): a token off the end of the longer list (the second on a tie) at a time, so
-    that both keep their beginning."""
-    first, second = list(first), list(second)
-    while keep is not None and len(first) + len(second) > keep:
+    that both keep their beginning. The tokens of ``special`` at either end of each list (an encoder's ``[CLS]``,
+    ``[SEP]``, ``</s>``) stay where ``keep`` leaves room for them: only the text between is cut, as the tokenizer
+    cuts the texts before it adds them."""
+    def split(ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+        a, b = 0, len(ids)
+        while a < b and ids[a] in special:
+            a += 1
+        while b > a and ids[b - 1] in special:
+            b -= 1
+        return list(ids[:a]), list(ids[a:b]), list(ids[b:])
+
+    (h1, first, t1), (h2, second, t2) = split(first), split(second)
+    fixed = len(h1) + len(t1) + len(h2) + len(t2)
+    if keep is not None and keep < fixed:   # no room for the special tokens: cut the whole lists
+        first, second, fixed = h1 + first + t1, h2 + second + t2, 0
+        h1 = t1 = h2 = t2 = []
+    while keep is not None and len(first) + len(second) > keep - fixed:
         if len(first) > len(second):
             first.pop()
         else:
             second.pop()
-    return first + second
+    return h1 + first + t1 + h2 + second + t2
 
 
 def head_from_tokens(hf_config: Any) -> bool:

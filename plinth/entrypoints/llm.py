@@ -54,7 +54,10 @@ def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list
                                max_chars=max(engine.chars_per_token * engine.max_model_len, MAX_TRUNCATED_CHARS))
     if isinstance(first, str) or isinstance(second, str):
         raise ValueError("a cross-encoder reads text_1 and text_2 together: give both as texts or both as token ids")
-    return cut_pair(first, second, keep)
+    if not first or not second:
+        raise ValueError(f"{'text_1' if not first else 'text_2'} must not hold an empty token list")
+    # (an encoder's special tokens at the lists' ends stay: only the text between is cut)
+    return cut_pair(first, second, keep, engine.special_ids if getattr(engine, "encoder", False) else ())
 
 
 class _Salted(NamedTuple):

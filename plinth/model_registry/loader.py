@@ -358,7 +358,7 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = str(path)
     if is_encoder_architecture(arch):
-        _encoder_separator(cfg, tokenizer, path)
+        _encoder_separator(cfg, tokenizer, path, model_config.task)
     return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only,
                        classifier, mm_config)
 
@@ -438,14 +438,20 @@ def is_encoder_architecture(arch: str) -> bool:
         return False
 
 
-def _encoder_separator(cfg: Any, tokenizer: str | None, where: Any) -> None:
-    """Give a BERT config that reads text pairs as two segments its tokenizer's ``sep_token_id`` (its ``[SEP]``
-    tokens end each segment), where the config has none."""
+def _encoder_separator(cfg: Any, tokenizer: str | None, where: Any, task: str) -> None:
+    """Give the config of a BERT classifier, which reads text pairs as two segments, ``segment_token_id``: the
+    ``[SEP]`` that ends the first segment (the config's ``sep_token_id``, else its tokenizer's). An embedding model
+    reads every input as one segment (what its tokenizer gives a single text), and so does a classifier without a
+    separator."""
     from plinth.model_registry.models.bert import uses_segments
 
-    if not uses_segments(cfg) or isinstance(getattr(cfg, "sep_token_id", None), int):
+    cfg.segment_token_id = None
+    if task != "classify" or not uses_segments(cfg):
         return
-    sep = None
+    sep = getattr(cfg, "sep_token_id", None)
+    if isinstance(sep, int) and not isinstance(sep, bool):
+        cfg.segment_token_id = sep
+        return
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
@@ -454,7 +460,7 @@ def _encoder_separator(cfg: Any, tokenizer: str | None, where: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - the tokenizer's own load reports it again with the model's name
             logger.warning("%s: cannot read the tokenizer's [SEP] token (%s)", where, exc)
     if isinstance(sep, int):
-        cfg.sep_token_id = sep
+        cfg.segment_token_id = sep
     else:
         logger.warning("%s: no sep_token_id in the config or the tokenizer: every input is read as one segment "
                        "(token type 0), also text pairs", where)

@@ -52,9 +52,10 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
         raise bad_request(f"{params[1]} holds {len(pairs)} items; at most {MAX_CHOICES} per request", params[1])
     keep = ctx.keep_tokens(req)
     inputs: list[list[int]] = []
+    special = ctx.front.special_ids if getattr(ctx.front, "encoder", False) else ()
     for first, second in pairs:
+        longer = params[0] if len(first) >= len(second) else params[1]   # named where the pair is too long
         if isinstance(first, str) and isinstance(second, str):
-            longer = params[0] if len(first) >= len(second) else params[1]   # named where the pair is too long
             ids = await ctx.tokenize(first, add_special_tokens=req.add_special_tokens, param=longer,
                                      truncating=keep is not None, pair=second, pair_max_tokens=keep)
         elif isinstance(first, str) or isinstance(second, str):
@@ -65,10 +66,10 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
                 if not item:
                     raise bad_request(f"{param} must not hold an empty token list", param)
                 ctx.check_token_ids(item, param)
-            ids = cut_pair(first, second, keep)
+            ids = cut_pair(first, second, keep, special)
         if not ids:
             raise bad_request(f"{params[0]} and {params[1]} must not be empty", params[0])
-        ctx.check_length(len(ids), None, params[1], pooling=True)   # at most max_model_len tokens
+        ctx.check_length(len(ids), None, longer, pooling=True)   # at most max_model_len tokens
         inputs.append(ids)
     outs = await pool_all(ctx, raw, rid, inputs, PoolingParams(), req.priority, lora, params[1],
                           cache_salt=req.cache_salt)

@@ -7,9 +7,11 @@ for these models) and keeps no KV cache. The layers are post-norm: ``LayerNorm(x
 ``LayerNorm(x + MLP(x))``; the embeddings are the token's, its absolute position's and its segment's (token type),
 summed and normed.
 
-Segments: BERT reads a text pair as ``[CLS] a [SEP] b [SEP]`` with token type 1 after the first ``[SEP]``, as its
-tokenizer's ``token_type_ids`` say; the model derives them from the ``[SEP]`` tokens of each input (``sep_token_id``,
-taken from the tokenizer where the config has none). RoBERTa and XLM-RoBERTa use one segment, and count positions
+Segments: a BERT classifier reads a text pair as ``[CLS] a [SEP] b [SEP]`` with token type 1 after the first
+``[SEP]``, as its tokenizer's ``token_type_ids`` say; the model derives them from the ``[SEP]`` tokens of each input
+(``segment_token_id``, set by the loader for ``task="classify"`` from the config's or the tokenizer's
+``sep_token_id``), so a single text that holds a ``[SEP]`` is read as a pair there. An embedding model reads every
+input as one segment. RoBERTa and XLM-RoBERTa use one segment, and count positions
 from ``pad_token_id + 1`` (a pad token inside an input takes the pad position and does not advance the count, as
 transformers' ``create_position_ids_from_input_ids``).
 """
@@ -265,7 +267,8 @@ class BertModel(CausalLM):
         self.layers = nn.ModuleList(EncoderLayer(ctx) for _ in range(int(cfg.num_hidden_layers)))
         self.position_start = position_offset(cfg)
         self.pad_token_id = getattr(cfg, "pad_token_id", None) if self.position_start else None
-        self.sep_token_id = getattr(cfg, "sep_token_id", None) if uses_segments(cfg) else None
+        # (a classifier's text pairs: see plinth.model_registry.loader._encoder_separator)
+        self.sep_token_id = getattr(cfg, "segment_token_id", None) if uses_segments(cfg) else None
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         for prefix in _PREFIXES:
