@@ -651,12 +651,55 @@ def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, Any]:
     if getattr(cfg, "model_type", None) == "modernbert":
         return _modernbert_head(source)
     pre, head = _ENCODER_HEADS["roberta" if getattr(cfg, "model_type", None) in ROBERTA_TYPES else "bert"]
-    files = list_safetensors_files(Path(source.path))
-    found = dict(widened_if_bnb(SafetensorsWeights(files, only=(pre, head)), source, torch.float32,
-                                torch.device("cpu")))
-    shapes = {pre + "weight": (hidden, hidden), pre + "bias": (hidden,), head + "weight": (labels or None, hidden),
-              head + "bias": (labels or None,)}
-    out = {}
+    out = _head_tensors(source, {pre + "weight": (hidden, hidden), pre + "bias": (hidden,),
+                                 head + "weight": (labels or None, hidden), head + "bias": (labels or None,)})
+    return out[head + "weight"], out[head + "bias"], None, Projection(out[pre + "weight"], out[pre + "bias"])
+
+
+def _modernbert_head(source: ModelSource) -> tuple[Any, Any, None, Any]:
+    """ModernBERT's classifier: ``head.dense`` (a bias where ``classifier_bias``), ``classifier_activation``, the
+    LayerNorm ``head.norm`` (a bias where ``norm_bias``), then ``classifier``; as :func:`_encoder_head`.
+
+    Raises:
+        ModelLoadError: a missing tensor, shapes that disagree with the config, an unknown activation.
+    """
+    from transformers.activations import ACT2FN
+
+    from plinth.core.pooling import Projection
+
+    cfg = source.hf_config
+    hidden = int(cfg.hidden_size)
+    labels = int(getattr(cfg, "num_labels", 0) or 0) or None
+    shapes = {"head.dense.weight": (hidden, hidden), "head.norm.weight": (hidden,),
+              "classifier.weight": (labels, hidden), "classifier.bias": (labels,)}
+    if getattr(cfg, "classifier_bias", False):
+        shapes["head.dense.bias"] = (hidden,)
+    if getattr(cfg, "norm_bias", False):
+        shapes["head.norm.bias"] = (hidden,)
+    out = _head_tensors(source, shapes, strip="model.")
+    activation = getattr(cfg, "classifier_activation", "gelu")
+    if activation not in ACT2FN:
+        raise ModelLoadError(f"{source.path}: classifier_activation {activation!r} is not an activation transformers "
+                             f"knows")
+    norm = (out["head.norm.weight"], out.get("head.norm.bias"), float(cfg.norm_eps))
+    return (out["classifier.weight"], out["classifier.bias"], None,
+            Projection(out["head.dense.weight"], out.get("head.dense.bias"), activation, norm))
+
+
+def _head_tensors(source: ModelSource, shapes: dict[str, tuple[int | None, ...]],
+                  strip: str = "") -> dict[str, Any]:
+    """The checkpoint tensors ``shapes`` names (read under the names with ``strip`` in front too), as float64
+    arrays of those shapes (``None``: any size, the same for every tensor: the label count).
+
+    Raises:
+        ModelLoadError: a missing tensor, or one of another dtype or shape.
+    """
+    prefixes = tuple(dict.fromkeys(name.rsplit(".", 1)[0] + "." for name in shapes))   # (their layers only)
+    only = prefixes + tuple(strip + p for p in prefixes) if strip else prefixes
+    files = list_safetensors_files(Path(source.path or ""))
+    found = {name.removeprefix(strip) if strip else name: t for name, t in widened_if_bnb(
+        SafetensorsWeights(files, only=only), source, torch.float32, torch.device("cpu"))}
+    out, sizes = {}, set()
     for name, shape in shapes.items():
         tensor = found.get(name)
         if tensor is None:
@@ -666,50 +709,11 @@ def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, Any]:
             raise ModelLoadError(f"{source.path}: {name!r} must be a float tensor of shape "
                                  f"{[d if d is not None else 'labels' for d in shape]}, got {tensor.dtype} "
                                  f"{list(tensor.shape)}")
+        sizes.update(got for got, want in zip(tensor.shape, shape, strict=True) if want is None)
         out[name] = tensor.to(torch.float64).numpy()
-    if out[head + "bias"].shape[0] != out[head + "weight"].shape[0]:
-        raise ModelLoadError(f"{source.path}: {head}bias has {out[head + 'bias'].shape[0]} values for "
-                             f"{out[head + 'weight'].shape[0]} labels")
-    return out[head + "weight"], out[head + "bias"], None, Projection(out[pre + "weight"], out[pre + "bias"])
-
-
-def _modernbert_head(source: ModelSource) -> tuple[Any, Any, None, Any]:
-    """ModernBERT's classifier: ``head.dense`` (a bias where ``classifier_bias``), ``classifier_activation``, the
-    LayerNorm ``head.norm`` (a bias where ``norm_bias``), then ``classifier``; as :func:`_encoder_head`.
-
-    Raises:
-        ModelLoadError: a missing tensor, or shapes that disagree with the config.
-    """
-    from plinth.core.pooling import Projection
-
-    cfg = source.hf_config
-    hidden = int(cfg.hidden_size)
-    names = ["head.dense.weight", "head.norm.weight", "classifier.weight", "classifier.bias"]
-    names += ["head.dense.bias"] if getattr(cfg, "classifier_bias", False) else []
-    names += ["head.norm.bias"] if getattr(cfg, "norm_bias", False) else []
-    files = list_safetensors_files(Path(source.path or ""))
-    found = {name.removeprefix("model."): t for name, t in widened_if_bnb(
-        SafetensorsWeights(files, only=("head.", "classifier.", "model.head.")), source, torch.float32,
-        torch.device("cpu"))}
-    out = {}
-    for name in names:
-        tensor = found.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"{source.path}: the sequence classifier has no {name!r} tensor")
-        if not tensor.is_floating_point() or tensor.shape[-1] != (hidden if name != "classifier.bias"
-                                                                    else found["classifier.weight"].shape[0]):
-            raise ModelLoadError(f"{source.path}: {name!r} has the shape {list(tensor.shape)}, which does not fit a "
-                                 f"hidden size of {hidden}")
-        out[name] = tensor.to(torch.float64).numpy()
-    activation = getattr(cfg, "classifier_activation", "gelu")
-    from transformers.activations import ACT2FN
-
-    if activation not in ACT2FN:
-        raise ModelLoadError(f"{source.path}: classifier_activation {activation!r} is not an activation transformers "
-                             f"knows")
-    norm = (out["head.norm.weight"], out.get("head.norm.bias"), float(cfg.norm_eps))
-    return (out["classifier.weight"], out["classifier.bias"], None,
-            Projection(out["head.dense.weight"], out.get("head.dense.bias"), activation, norm))
+    if len(sizes) > 1:
+        raise ModelLoadError(f"{source.path}: the classifier's tensors disagree on the label count ({sorted(sizes)})")
+    return out
 
 
 #: config attributes that change a causal LM's logits after its head (a classifier made of head rows would not)

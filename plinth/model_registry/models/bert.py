@@ -113,7 +113,6 @@ class EncoderStep:
         self.varlen = (_varlen_kernel() if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
                        and str(device) not in _NO_VARLEN and not uniform else None)
         self.cu = metadata.query_start_loc
-        self.uniform = uniform
         self.index: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self._laid_out = uniform
@@ -140,7 +139,7 @@ class EncoderStep:
         # [B, H, L, D] per input; the pad slots (and positions out of the window) are masked out as keys
         q, k, v = self.pad(qkv).permute(2, 0, 3, 1, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(window))
-        return self.unpad(out.transpose(1, 2), qkv.shape[0])
+        return self.unpad(out.transpose(1, 2))
 
     def _varlen(self, qkv: torch.Tensor, window: int | None) -> torch.Tensor | None:
         """Each input's attention by the variable-length kernel over the flat rows (rows past the inputs, padding
@@ -178,13 +177,13 @@ class EncoderStep:
             return x[:self.num_seqs * self.width].view(self.num_seqs, self.width, *x.shape[1:])
         return x[self.index]
 
-    def unpad(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """``[B, L, ...]`` -> ``[T, ...]`` (rows past the inputs, padding for graphs, are zero)."""
         flat = y.reshape(-1, *y.shape[2:])
         if self.index is not None:
             flat = flat[self.rows]
-        if flat.shape[0] < num_tokens:
-            flat = torch.cat([flat, flat.new_zeros(num_tokens - flat.shape[0], *flat.shape[1:])])
+        if flat.shape[0] < self.num_tokens:
+            flat = torch.cat([flat, flat.new_zeros(self.num_tokens - flat.shape[0], *flat.shape[1:])])
         return flat
 
 
@@ -228,13 +227,26 @@ class EncoderLayer(nn.Module):
         return self.output_norm(self.output(self.act(self.intermediate(x))), residual=x)[0]
 
 
-class BertModel(CausalLM):
-    """BERT (``BertModel``, ``BertForSequenceClassification``), RoBERTa and XLM-RoBERTa (``RobertaModel``,
-    ``XLMRobertaModel`` and their ``*ForSequenceClassification``): embeddings and classifiers only, with the task
-    ``embed`` or ``classify`` (the classifier's pooler and head run in the engine, on the first token's state)."""
+class EncoderModel(CausalLM):
+    """What every encoder-only model shares: no decode steps, no LM head."""
 
     #: every position attends to the whole input: inputs run whole, without the prefix cache or a KV cache
     is_encoder: ClassVar[bool] = True
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """No decode steps to capture (worker processes ask this)."""
+        return False
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """An encoder has no LM head: a pooling request's one sampled token is dropped, so it samples from one
+        zero logit."""
+        return hidden.new_zeros(hidden.shape[0], 1, dtype=torch.float32)
+
+
+class BertModel(EncoderModel):
+    """BERT (``BertModel``, ``BertForSequenceClassification``), RoBERTa and XLM-RoBERTa (``RobertaModel``,
+    ``XLMRobertaModel`` and their ``*ForSequenceClassification``): embeddings and classifiers only, with the task
+    ``embed`` or ``classify`` (the classifier's pooler and head run in the engine, on the first token's state)."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "attention.self.query": ("attention.qkv", "q"),
@@ -327,12 +339,3 @@ class BertModel(CausalLM):
         for layer in self.layers:
             x = layer(x, step)
         return x
-
-    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """No decode steps to capture (worker processes ask this)."""
-        return False
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """An encoder has no LM head: a pooling request's one sampled token is dropped, so it samples from one
-        zero logit."""
-        return hidden.new_zeros(hidden.shape[0], 1, dtype=torch.float32)

@@ -16,7 +16,7 @@ from torch import nn
 
 from plinth.attention_backends.interface import AttentionMetadata
 from plinth.errors import UnsupportedModelError
-from plinth.model_registry.interface import CausalLM, ModelContext
+from plinth.model_registry.interface import ModelContext
 from plinth.model_registry.layers.activation import GATED_ACTIVATIONS
 from plinth.model_registry.layers.embedding import VocabEmbedding
 from plinth.model_registry.layers.layernorm import LayerNorm
@@ -27,7 +27,7 @@ from plinth.model_registry.layers.linear import (
     divide,
 )
 from plinth.model_registry.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from plinth.model_registry.models.bert import EncoderStep
+from plinth.model_registry.models.bert import EncoderModel, EncoderStep
 
 #: checkpoint tensors that are not the encoder's (the classifier's head is read by the engine; the masked-LM head)
 _NOT_ENCODER = ("head.", "classifier.", "decoder.")
@@ -93,12 +93,10 @@ class ModernBertLayer(nn.Module):
         return x + self.down(self.act(self.gate_up(self.mlp_norm(x))))
 
 
-class ModernBertModel(CausalLM):
+class ModernBertModel(EncoderModel):
     """ModernBERT: embeddings (``task="embed"``) and, for ``ModernBertForSequenceClassification``, classifiers
     (``task="classify"``: the config's ``classifier_pooling`` of the final states through the checkpoint's
     ``head`` and ``classifier``, in the engine)."""
-
-    is_encoder: ClassVar[bool] = True
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "attn.Wqkv.q": ("qkv", "q"), "attn.Wqkv.k": ("qkv", "k"), "attn.Wqkv.v": ("qkv", "v"),
@@ -142,14 +140,6 @@ class ModernBertModel(CausalLM):
         for layer in self.layers:
             x = layer(x, step, rotary[layer.kind])
         return self.final_norm(x)
-
-    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """No decode steps to capture (worker processes ask this)."""
-        return False
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """No LM head: a pooling request's one sampled token is dropped, so it samples from one zero logit."""
-        return hidden.new_zeros(hidden.shape[0], 1, dtype=torch.float32)
 
 
 def _split_fused(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
