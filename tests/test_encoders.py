@@ -227,6 +227,21 @@ def test_modernbert_local_layers_see_their_window_only(tmp_path):
     assert float((wide - ref).abs().max()) > 1e-3
 
 
+def test_an_accelerators_default_step_runs_many_inputs():
+    """No budget set: an encoder's steps on a GPU take ENCODER_STEP_TOKENS (many short inputs a step); a budget the
+    user set, or a CPU's, is kept (raised only to the context)."""
+    from plinth.config import EngineConfig
+    from plinth.worker.setup import ENCODER_STEP_TOKENS, encoder_settings
+
+    config = EngineConfig.from_kwargs(model="m", max_num_batched_tokens=2048, enable_chunked_prefill=True)
+    steps = {(given, device): encoder_settings(config, 512, given, device).scheduler
+             for given in (False, True) for device in ("cuda", "cpu")}
+    assert steps[False, "cuda"].max_num_batched_tokens == ENCODER_STEP_TOKENS > 2048
+    assert [steps[k].max_num_batched_tokens for k in ((True, "cuda"), (False, "cpu"), (True, "cpu"))] == [2048] * 3
+    assert encoder_settings(config, 40000, True, "cuda").scheduler.max_num_batched_tokens == 40000
+    assert not any(s.enable_chunked_prefill for s in steps.values())
+
+
 def test_many_inputs_over_several_steps_and_a_small_budget(tmp_path, caplog):
     path = save_encoder(tmp_path / "many")
     tokenizer, hf = hf_encoder(path)
@@ -289,6 +304,7 @@ def test_tensor_parallel_embeddings_equal(tmp_path, processes):
     np.testing.assert_allclose([done[f"r{i}"] for i in range(len(TEXTS))], one, atol=1e-5)
 
 
+@pytest.mark.server
 def test_server_embeddings_and_rerank(tmp_path):
     from starlette.testclient import TestClient
 

@@ -122,6 +122,8 @@ MIN_CHARS_PER_TOKEN = 64
 
 def _token_ids(prompt: Any) -> list[int]:
     """A token-id prompt as a list of ints (numpy and torch integers too; not floats, strings or bools)."""
+    if type(prompt) is list and set(map(type, prompt)) <= {int}:   # (the common case, without a per-token call)
+        return list(prompt)
     try:
         items = list(prompt) if not isinstance(prompt, bytes) else []
         ids = [operator.index(t) for t in items if not isinstance(t, bool)]
@@ -240,12 +242,14 @@ class LLMEngine:
         reasoning = resolve_reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
         #: the custom logits processor classes (:mod:`plinth.core.logits_processors`)
         self.logits_processors = resolve_processors(config.model.logits_processors)
+        budget_given = config.scheduler.max_num_batched_tokens is not None and not config.scheduler.budget_is_default
         parts = build_engine_parts(config, executor_factory)
         self.config = config = parts.config or config   # scheduler limits resolved for the platform
         if parts.source.encoder:   # (inputs run whole, without the prefix cache)
             from plinth.worker.setup import encoder_settings
 
-            self.config = config = encoder_settings(config, parts.max_model_len)
+            self.config = config = encoder_settings(config, parts.max_model_len, budget_given,
+                                                    parts.platform.device_type)
         self.platform = parts.platform
         self.model_source = parts.source
         self.tokenizer = parts.tokenizer
@@ -723,11 +727,12 @@ class LLMEngine:
         keep = getattr(params, "truncate_prompt_tokens", None)   # (a PoolingParams' too)
         pooling = self._pooling_request(params)
         if pooling is not None:   # the prompt's prefill; the one token sampled after it is dropped
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        params = params or self.default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.recheck()   # values set after construction are checked too
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)   # (checked as it is made)
+        else:
+            params = params or self.default_sampling_params()
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            params.recheck()   # values set after construction are checked too
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         self._check_awake()
@@ -1012,6 +1017,8 @@ class LLMEngine:
 
     def _out_of_vocab(self, ids: Any) -> int | None:
         """The first of ``ids`` outside the vocabulary, if any."""
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
+            return None
         return next((t for t in ids if not 0 <= t < self.vocab_size), None)
 
     def _check_vocab(self, ids: Any, param: str | None) -> None:

@@ -7,6 +7,8 @@ the start and back on after, as it was. A server that owns its process also free
 (``gc.freeze``), so that later collections, which would stall a decode step, never scan those objects again:
 first one collection of the youngest generation, where everything made during the pause still is, frees the
 start's own garbage (~10k objects in reference cycles for the default model), so that none of it is frozen.
+``LLM`` also pauses it while it queues a batch of prompts (each prompt's token list is a tracked object, and
+the collections that thousands of new requests trigger rescan every earlier one's).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ from typing import Any, NotRequired, TypedDict
 
 from plinth.core import structured
 
+#: the types :meth:`SamplingParams._plain_numbers` leaves as they are (without an ABC check per field)
+_PLAIN_TYPES = frozenset({int, float, bool, type(None)})
+
 
 def truncation_problem(keep: Any) -> str | None:
     """What is wrong with a ``truncate_prompt_tokens`` value (None: nothing; the engine checks it against the
@@ -172,6 +175,8 @@ class SamplingParams:
         for names, kind, cast in ((self._REAL_FIELDS, numbers.Real, float), (self._INT_FIELDS, numbers.Integral, int)):
             for name in names:
                 value = getattr(self, name)
+                if type(value) in _PLAIN_TYPES:
+                    continue
                 if isinstance(value, kind) and type(value) not in (int, float) and not isinstance(value, bool):
                     setattr(self, name, cast(value))
 

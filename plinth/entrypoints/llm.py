@@ -318,13 +318,14 @@ class LLM:
         requests = list(requests)
         prepared = self._prepare_media([r[0] for r in requests])
         try:
-            for i, (prompt, params, rank, lora) in enumerate(requests):
-                rid = f"llm-{next(self._ids)}"
-                prompt, salt, mm, settings = prompt if isinstance(prompt, _Salted) else (prompt, None, None, None)
-                mm = prepared.get(i, mm)
-                self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt,
-                                        multi_modal_data=mm)
-                ids.append(rid)
+            with GcPause():   # (queuing a batch makes many objects and no garbage: no collections scanning them)
+                for i, (prompt, params, rank, lora) in enumerate(requests):
+                    rid = f"llm-{next(self._ids)}"
+                    prompt, salt, mm, settings = prompt if isinstance(prompt, _Salted) else (prompt, None, None, None)
+                    mm = prepared.get(i, mm)
+                    self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt,
+                                            multi_modal_data=mm)
+                    ids.append(rid)
         except BaseException:
             if ids:
                 self.engine.abort_request(ids)

@@ -169,13 +169,14 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``x @ W^T (+ bias)`` summed over the ranks; with ``reduce=False`` this rank's partial sums, which
         the caller reduces (a layer without a bias only: the bias is added after the reduction)."""
+        if self.tp_size == 1 and reduce:
+            return self._matmul(x, self.bias)   # (the bias in the GEMM)
         out = self._matmul(x, None)
         if not reduce:
             if self.bias is not None:
                 raise ValueError("a row-parallel layer with a bias cannot leave its reduction to the caller")
             return out
-        if self.tp_size > 1:
-            tp_all_reduce(out)
+        tp_all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
         return out

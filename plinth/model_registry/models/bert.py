@@ -145,7 +145,7 @@ class EncoderStep:
         """Each input's attention by the variable-length kernel over the flat rows (rows past the inputs, padding
         for graphs, are left as the kernel leaves them); ``None`` where the kernel refuses this device, which then
         runs padded SDPA from here on."""
-        q, k, v = (t.contiguous() for t in qkv.unbind(1))
+        q, k, v = qkv.unbind(1)   # (rows strided over the fused projection: the kernel takes row strides)
         extra = {"window_size": (window, window)} if window is not None else {}
         try:
             return self.varlen(q, k, v, self.cu, self.cu, self.width, self.width, **extra)
