@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,15 +80,40 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module")
-def processes():
-    """Two worker processes shared by a test module's engines, one executor at a time (modules that need
-    another pool define their own ``processes``)."""
+#: worker processes shared by the session's engines, one executor at a time: count -> (their environment, pool)
+_POOLS: dict[int, tuple[dict[str, str], Any]] = {}
+
+
+def shared_worker_processes(count: int = 2):
+    """``count`` worker processes that engines run on one after another (each releases its ranks when it shuts
+    down), which saves each engine the start of its processes (importing torch). A pool left broken, with a dead
+    process, or started under other environment variables (a test's ``monkeypatch.setenv``) is replaced."""
+    import os
+
     from plinth.distributed.executor_mp import WorkerProcesses
 
-    procs = WorkerProcesses(2, timeout_s=120.0)
-    yield procs
-    procs.stop()
+    env, procs = _POOLS.get(count, (None, None))
+    if procs is not None and (procs.broken or env != dict(os.environ)
+                              or not all(p.is_alive() for p in procs.procs)):
+        procs.stop()
+        procs = None
+    if procs is None:
+        procs = WorkerProcesses(count, timeout_s=120.0)
+        _POOLS[count] = (dict(os.environ), procs)
+    return procs
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for _, procs in _POOLS.values():
+        procs.stop()
+    _POOLS.clear()
+
+
+@pytest.fixture(scope="module")
+def processes():
+    """Two worker processes shared by the session's engines, one executor at a time (modules that need
+    another pool define their own ``processes``)."""
+    return shared_worker_processes(2)
 
 
 def output_matches_transformers(out, model, steps: int = 6, tol: float = 2e-4, **inputs) -> None:
@@ -151,23 +177,20 @@ def generate_on_tp_workers(path, prompts, params, size: int = 2, rounds: int = 1
     from plinth import LLM
     from plinth.config import EngineConfig
     from plinth.core.engine import LLMEngine
-    from plinth.distributed.executor_mp import MultiprocExecutor, WorkerProcesses
+    from plinth.distributed.executor_mp import MultiprocExecutor
 
-    procs = WorkerProcesses(size * pp, timeout_s=120.0)
+    procs = shared_worker_processes(size * pp)
+    config = EngineConfig.from_kwargs(model=str(path), dtype="float32", platform="cpu", block_size=4,
+                                      selection="off", tensor_parallel_size=size, pipeline_parallel_size=pp,
+                                      distributed_executor="mp", **engine_kw)
+    engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
     try:
-        config = EngineConfig.from_kwargs(model=str(path), dtype="float32", platform="cpu", block_size=4,
-                                          selection="off", tensor_parallel_size=size, pipeline_parallel_size=pp,
-                                          distributed_executor="mp", **engine_kw)
-        engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, procs))
-        try:
-            assert engine.runner is None   # the ranks run in the workers
-            llm = LLM.__new__(LLM)   # an LLM over this engine
-            llm.engine, llm._ids, llm._lock = engine, iter(range(10**6)), threading.RLock()
-            outs = [o for _ in range(rounds) for o in llm.generate(prompts, params)]
-            if hits is not None:
-                hits.append(engine.block_manager.stats.hit_tokens)
-            return outs
-        finally:
-            engine.shutdown()
+        assert engine.runner is None   # the ranks run in the workers
+        llm = LLM.__new__(LLM)   # an LLM over this engine
+        llm.engine, llm._ids, llm._lock = engine, iter(range(10**6)), threading.RLock()
+        outs = [o for _ in range(rounds) for o in llm.generate(prompts, params)]
+        if hits is not None:
+            hits.append(engine.block_manager.stats.hit_tokens)
+        return outs
     finally:
-        procs.stop()
+        engine.shutdown()
