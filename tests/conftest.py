@@ -92,14 +92,14 @@ def shared_worker_processes(count: int = 2):
 
     from plinth.distributed.executor_mp import WorkerProcesses
 
-    env, procs = _POOLS.get(count, (None, None))
-    if procs is not None and (procs.broken or env != dict(os.environ)
-                              or not all(p.is_alive() for p in procs.procs)):
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}   # (pytest's, changed every phase)
+    started, procs = _POOLS.get(count, (None, None))
+    if procs is not None and (procs.broken or started != env or not all(p.is_alive() for p in procs.procs)):
         procs.stop()
         procs = None
     if procs is None:
         procs = WorkerProcesses(count, timeout_s=120.0)
-        _POOLS[count] = (dict(os.environ), procs)
+        _POOLS[count] = (env, procs)
     return procs
 
 
@@ -109,10 +109,10 @@ def pytest_sessionfinish(session, exitstatus):
     _POOLS.clear()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def processes():
-    """Two worker processes shared by the session's engines, one executor at a time (modules that need
-    another pool define their own ``processes``)."""
+    """Two worker processes shared by the session's engines, one executor at a time, checked before each test
+    (modules that need another pool define their own ``processes``)."""
     return shared_worker_processes(2)
 
 

@@ -319,3 +319,28 @@ def test_run_declines_batches_it_does_not_take(llm):
     too_many = plan.max_size + 1
     assert plan.run(np.zeros(too_many, dtype=np.int64), np.zeros(too_many, dtype=np.int64),
                     np.ones((too_many, 1), np.int32)) is None
+
+
+def test_plan_of_biased_projections_equals_the_module_path(tmp_path):
+    """A Llama with biases on every projection (``attention_bias``, ``mlp_bias``) in bfloat16: the plan adds each
+    bias where the module path does (o_proj and down_proj, row-parallel, take theirs inside the GEMM on one rank),
+    so the logits are bit-identical."""
+    import transformers
+    from conftest import decisive_weights, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   attention_bias=True, mlp_bias=True, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = decisive_weights(transformers.LlamaForCausalLM(cfg).eval())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with make_llm(tmp_path) as llm:
+        assert isinstance(llm.engine.runner.graphs, CpuDecodePlan)
+        for n in (1, 3):
+            _plan_equals_modules(llm, n, "b")

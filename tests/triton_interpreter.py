@@ -71,14 +71,19 @@ def run_in_fresh_process(path: str, interpreted: bool) -> None:
     files = tuple(os.path.join(here, f) for f in INTERPRETED_FILES) if name in INTERPRETED_FILES else (path,)
     done = _runs.get(files)
     if done is None:
-        env = dict(os.environ, TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
-        done = _runs[files] = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files],
-            env=env, capture_output=True, text=True, timeout=900)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PY_COLORS", "FORCE_COLOR")}
+        env.update(TRITON_INTERPRET="1", PLINTH_TRITON_INTERPRET="1")
+        try:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--color=no", "-o", "addopts=",
+                                   "-p", "no:cacheprovider", *files],
+                                  env=env, capture_output=True, text=True, timeout=1800)
+        except subprocess.TimeoutExpired as exc:   # (kept: the other files do not start it again)
+            done = subprocess.CompletedProcess(exc.cmd, -1, str(exc.stdout or ""), f"timed out after {exc.timeout} s")
+        _runs[files] = done
     report = done.stdout[-6000:] + done.stderr[-2000:]
-    if done.returncode == 1:   # some tests failed: this file's own?
+    if done.returncode == 1:   # some tests failed: this file's own? ('FAILED path::test - ...', 'ERROR path - ...')
         mine = [line for line in done.stdout.splitlines()
-                if line.startswith(("FAILED", "ERROR")) and f"{name}::" in line]
+                if line.startswith(("FAILED", "ERROR")) and (f"{name}::" in line or f"{name} " in line)]
         assert not mine, "\n".join(mine) + "\n" + report
     else:
         assert done.returncode == 0, report

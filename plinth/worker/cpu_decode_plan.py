@@ -44,20 +44,13 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _linear(layer: torch.nn.Module) -> Linear:
-    """``x -> layer(x)`` without the module call: the layer's method (its GEMM), then its bias."""
+    """``x -> layer(x)`` without the module call: the layer's method, its bias in the GEMM (a row-parallel layer of one
+    rank too, as ``RowParallelLinear.forward`` runs it)."""
     method, bias = layer.linear_method, layer.bias
     matmul = getattr(method, "matmul", None)
     if matmul is not None:              # plinth.worker.cpu_linear.CpuLinearMethod: bias added inside
         return (lambda x: matmul(x, bias)) if bias is not None else matmul
     return lambda x: method.apply(layer, x, bias)
-
-
-def _row_linear(layer: torch.nn.Module) -> Linear:
-    """A row-parallel layer of one rank: its bias is added after the GEMM (``RowParallelLinear.forward``)."""
-    method, bias = layer.linear_method, layer.bias
-    if bias is None:
-        return _linear(layer)
-    return lambda x: method.apply(layer, x, None) + bias
 
 
 def _int4_copy(layer: torch.nn.Module) -> Int4Weight | None:
@@ -272,8 +265,8 @@ class CpuDecodePlan:
             self.layers.append(_Layer(
                 in_norm=layer.input_layernorm.weight, post_norm=mlp_in.weight,
                 eps=layer.input_layernorm.eps, post_eps=mlp_in.eps,
-                qkv=_linear(attn.qkv_proj), o=_row_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
-                down=_row_linear(mlp.down_proj), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                qkv=_linear(attn.qkv_proj), o=_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
+                down=_linear(mlp.down_proj), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                 head_size=attn.head_dim, scale=attn.attn.scale, sliding_window=attn.attn.sliding_window,
                 kv_cache=attn.attn.kv_cache, int4_copies={
                     name: copy for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
