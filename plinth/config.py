@@ -454,6 +454,11 @@ class SchedulerConfig:
                               f"got {self.itl_target_ms!r}")
 
     @property
+    def budget_given(self) -> bool:
+        """``max_num_batched_tokens`` is the user's (before and after the platform's defaults are filled in)."""
+        return self.max_num_batched_tokens is not None and not self.budget_is_default
+
+    @property
     def resolved(self) -> bool:
         return self.max_num_seqs is not None and self.max_num_batched_tokens is not None
 
@@ -466,12 +471,14 @@ class SchedulerConfig:
                 else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
     def with_defaults(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
-        """This configuration with its unset limits filled in."""
+        """This configuration with its unset limits filled in (a budget filled in is plinth's own choice:
+        ``budget_is_default``)."""
         return dataclasses.replace(
             self,
             max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max_num_seqs,
             max_num_batched_tokens=(self.max_num_batched_tokens if self.max_num_batched_tokens is not None
-                                    else max_num_batched_tokens))
+                                    else max_num_batched_tokens),
+            budget_is_default=self.budget_is_default or self.max_num_batched_tokens is None)
 
 
 @dataclasses.dataclass(frozen=True)

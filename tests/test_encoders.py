@@ -230,15 +230,20 @@ def test_modernbert_local_layers_see_their_window_only(tmp_path):
 def test_an_accelerators_default_step_runs_many_inputs():
     """No budget set: an encoder's steps on a GPU take ENCODER_STEP_TOKENS (many short inputs a step); a budget the
     user set, or a CPU's, is kept (raised only to the context)."""
+    import dataclasses
+
     from plinth.config import EngineConfig
     from plinth.worker.setup import ENCODER_STEP_TOKENS, encoder_settings
 
     config = EngineConfig.from_kwargs(model="m", max_num_batched_tokens=2048, enable_chunked_prefill=True)
-    steps = {(given, device): encoder_settings(config, 512, given, device).scheduler
+    unset = EngineConfig.from_kwargs(model="m", enable_chunked_prefill=True)
+    unset = dataclasses.replace(unset, scheduler=unset.scheduler.with_defaults(512, 2048))   # (the platform's)
+    configs = {False: unset, True: config}
+    steps = {(given, device): encoder_settings(configs[given], 512, device).scheduler
              for given in (False, True) for device in ("cuda", "cpu")}
     assert steps[False, "cuda"].max_num_batched_tokens == ENCODER_STEP_TOKENS > 2048
     assert [steps[k].max_num_batched_tokens for k in ((True, "cuda"), (False, "cpu"), (True, "cpu"))] == [2048] * 3
-    assert encoder_settings(config, 40000, True, "cuda").scheduler.max_num_batched_tokens == 40000
+    assert encoder_settings(config, 40000, "cuda").scheduler.max_num_batched_tokens == 40000
     assert not any(s.enable_chunked_prefill for s in steps.values())
 
 

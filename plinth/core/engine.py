@@ -242,14 +242,12 @@ class LLMEngine:
         reasoning = resolve_reasoning_parser(config.model.reasoning_parser)   # a bad name fails before the model loads
         #: the custom logits processor classes (:mod:`plinth.core.logits_processors`)
         self.logits_processors = resolve_processors(config.model.logits_processors)
-        budget_given = config.scheduler.max_num_batched_tokens is not None and not config.scheduler.budget_is_default
         parts = build_engine_parts(config, executor_factory)
         self.config = config = parts.config or config   # scheduler limits resolved for the platform
         if parts.source.encoder:   # (inputs run whole, without the prefix cache)
             from plinth.worker.setup import encoder_settings
 
-            self.config = config = encoder_settings(config, parts.max_model_len, budget_given,
-                                                    parts.platform.device_type)
+            self.config = config = encoder_settings(config, parts.max_model_len, parts.platform.device_type)
         self.platform = parts.platform
         self.model_source = parts.source
         self.tokenizer = parts.tokenizer

@@ -175,9 +175,7 @@ class SamplingParams:
         for names, kind, cast in ((self._REAL_FIELDS, numbers.Real, float), (self._INT_FIELDS, numbers.Integral, int)):
             for name in names:
                 value = getattr(self, name)
-                if type(value) in _PLAIN_TYPES:
-                    continue
-                if isinstance(value, kind) and type(value) not in (int, float) and not isinstance(value, bool):
+                if type(value) not in _PLAIN_TYPES and isinstance(value, kind):
                     setattr(self, name, cast(value))
 
     def _lists(self) -> None:

@@ -138,11 +138,10 @@ def _room_for_whole_images(config: EngineConfig) -> EngineConfig:
 ENCODER_STEP_TOKENS = 16384
 
 
-def encoder_settings(config: EngineConfig, max_model_len: int, budget_given: bool = True,
-                     device_type: str = "cpu") -> EngineConfig:
+def encoder_settings(config: EngineConfig, max_model_len: int, device_type: str) -> EngineConfig:
     """``config`` for an encoder-only model, whose every position attends to its whole input: inputs run whole in
     one step (chunked prefill off, the step budget at least ``max_model_len``, and at least
-    :data:`ENCODER_STEP_TOKENS` on an accelerator unless ``budget_given``) and the prefix cache is off (a
+    :data:`ENCODER_STEP_TOKENS` on an accelerator unless the user set the budget) and the prefix cache is off (a
     position's state depends on the tokens after it).
 
     Raises:
@@ -153,7 +152,7 @@ def encoder_settings(config: EngineConfig, max_model_len: int, budget_given: boo
                           "classify")
     scheduler = config.scheduler
     budget = max(scheduler.max_num_batched_tokens, max_model_len)
-    if not budget_given and device_type != "cpu":
+    if not scheduler.budget_given and device_type != "cpu":
         budget = max(budget, ENCODER_STEP_TOKENS)
     if budget != scheduler.max_num_batched_tokens:
         logger.info("max_num_batched_tokens %d -> %d: an encoder's input runs whole in one step, and steps run many "
@@ -374,7 +373,7 @@ def build_engine_parts(config: EngineConfig, executor_factory: Any = None) -> En
     from plinth.quantization.resolve import resolve_quantization
 
     platform = select_platform(config.device.platform)
-    budget_given = config.scheduler.max_num_batched_tokens is not None and not config.scheduler.budget_is_default
+    budget_given = config.scheduler.budget_given
     config = resolve_scheduler_limits(config, platform)
     if not budget_given:
         config = _room_for_whole_images(config)
