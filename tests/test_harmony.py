@@ -99,6 +99,18 @@ def test_a_reply_that_opens_with_a_recipient_is_a_call():
     assert stream_scan(GptOssToolParser(TOOLS), split.content) == Scan("", (ParsedCall("get_time", '{"tz": "UTC"}'),))
 
 
+def test_an_answer_that_begins_like_a_recipient_is_kept():
+    """A final answer whose text begins ``to=``: the reasoning parser passes its body on as plain text, and the tool
+    parser keeps it (it took it for the reply's recipient header and dropped it), alone or before a call."""
+    answer = "to=be or not to be"
+    split = stream_split(GptOssReasoningParser(), ANALYSIS + "<|start|>assistant<|channel|>final<|message|>" + answer)
+    assert split == Split("The user asks 2+2.", answer)
+    assert stream_scan(GptOssToolParser(TOOLS), split.content) == Scan(answer)
+    split = stream_split(GptOssReasoningParser(), f"<|channel|>final<|message|>{answer}<|end|><|start|>assistant{CALL}")
+    assert stream_scan(GptOssToolParser(TOOLS), split.content) == Scan(
+        answer, (ParsedCall("get_weather", '{"city": "Oslo"}'),))
+
+
 def test_a_reply_cut_inside_a_header_shows_no_markup():
     assert stream_split(GptOssReasoningParser(), ANALYSIS + "<|start|>assistant<|channel|>final") == Split(
         "The user asks 2+2.", "")

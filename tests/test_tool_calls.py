@@ -199,6 +199,8 @@ def test_glm45_and_qwen3_coder_parsers_type_bare_values_by_the_schema():
     ({"enum": ["123", "456"]}, "123", "123"), ({"enum": [1, 2]}, "2", 2), ({"type": "integer"}, "42", 42),
     ({"type": "object"}, '{"a": [1]}', {"a": [1]}), ({"type": "boolean"}, "true", True), (True, "123", 123),
     ({"type": "array"}, "not json", "not json"),
+    # schemas a request may send with tool_choice "auto" (not compiled): no information, not an error
+    ({"anyOf": 5}, "7", 7), ({"oneOf": True}, "7", 7), ({"anyOf": [{"type": "string"}, {"enum": "x"}]}, "null", "null"),
 ])
 def test_bare_values_follow_the_schema(schema, raw, value):
     """How glm45 and qwen3_coder type a bare value: by the property's schema (type lists, anyOf/oneOf branches, string
@@ -206,6 +208,18 @@ def test_bare_values_follow_the_schema(schema, raw, value):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                            "properties": {"x": schema}}}}]
     assert Glm45ToolParser(tools).typed_value("f", "x", raw) == value
+
+
+def test_bare_values_without_json_text_stay_strings():
+    """A bare value that Python's JSON reader takes but that has no JSON text (``NaN``, ``Infinity``, a number out of
+    float range) is the text itself, a string: the call is kept (it became content, markup and all)."""
+    for raw in ("NaN", "Infinity", "-Infinity", "1e400"):
+        assert Glm45ToolParser([]).typed_value("f", "x", raw) == raw
+        coder = f"<tool_call>\n<function=f>\n<parameter=x>\n{raw}\n</parameter>\n</function>\n</tool_call>"
+        assert prefixes_scan(Qwen3CoderToolParser(TOOLS), coder) == ("", [ParsedCall("f", json.dumps({"x": raw}))])
+        glm = f"<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>{raw}</arg_value>\n</tool_call>"
+        assert prefixes_scan(Glm45ToolParser(TOOLS), glm) == ("", [ParsedCall("f", json.dumps({"x": raw}))])
+
 
 def test_deepseek_and_kimi_parsers():
     """DeepSeek-V3/R1 (fenced JSON after ``function<｜tool▁sep｜>NAME``) and V3.1 (``NAME<｜tool▁sep｜>JSON``) sections of
@@ -233,6 +247,19 @@ def test_deepseek_and_kimi_parsers():
     assert [d["id"] for d in deltas] == ["functions.get_weather:0", "functions.get_time:1"]
     cut = '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{"zone": "U'
     assert prefixes_scan(KimiK2ToolParser(TOOLS), cut) == (cut, [])
+
+
+def test_call_ids_of_one_reply_are_unique():
+    """A Kimi K2 reply that writes the same ``functions.NAME:INDEX`` header twice: the second call gets an id of its
+    own (two calls with one id cannot be told apart by the tool messages that answer them)."""
+    call = ('<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{{"zone": "{}"}}<|tool_call_end|>')
+    kimi = f'<|tool_calls_section_begin|>{call.format("UTC")}{call.format("CET")}<|tool_calls_section_end|>'
+    for final in (True, False):
+        tracker = ToolCallTracker(tool_mode(TOOLS, "auto", None, KimiK2ToolParser))
+        _, deltas = tracker.update(kimi, final=final)
+        ids = [d["id"] for d in deltas]
+        assert ids[0] == "functions.get_time:0" and ids[1].startswith("call_") and len(set(ids)) == 2
+        assert [c["id"] for c in tracker.message_calls()] == ids
 
 
 PIECES = st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}', "{", "}", " ",

@@ -83,6 +83,20 @@ def _may_become_recipient(text: str) -> bool:
     return "to=".startswith(rest)
 
 
+def _opens_with_recipient(text: str, final: bool) -> bool:
+    """Whether ``text``, a reply, opens with the rest of a header naming its recipient: :data:`_REPLY_RECIPIENT`,
+    then no ``<|start|>`` before the header's ``<|message|>``; at the reply's end, text without that ``<|message|>``
+    and without special tokens is no header cut short but plain text (an answer that begins ``to=``, as the
+    reasoning parser passes a final message's body on)."""
+    if _REPLY_RECIPIENT.match(text) is None:
+        return False
+    body_at = text.find(MESSAGE)
+    header = text if body_at < 0 else text[:body_at]
+    if START in header:
+        return False
+    return body_at >= 0 or not final or "<|" in header
+
+
 def _first(text: str, markers: Sequence[str], start: int) -> tuple[int, str]:
     """The earliest of ``markers`` in ``text`` from ``start``: ``(position, marker)``, ``(-1, "")`` if none."""
     best, found = -1, ""
@@ -108,7 +122,7 @@ def messages(text: str, final: bool) -> list[Message]:
     while pos < len(text):
         # the prompt ends with <|start|>assistant, so a reply may open with the rest of a header that names its
         # recipient before the channel (" to=functions.f<|channel|>commentary json<|message|>...")
-        opened = text.startswith(HEADER_OPENS, pos) or (pos == 0 and _REPLY_RECIPIENT.match(text) is not None)
+        opened = text.startswith(HEADER_OPENS, pos) or (pos == 0 and _opens_with_recipient(text, final))
         if not opened:   # text outside the format, up to the next header
             nxt, _ = _first(text, HEADER_OPENS, pos)
             stretch = text[pos:nxt if nxt >= 0 else len(text)]

@@ -253,14 +253,15 @@ class BlockToolParser(ToolParser):
         """An argument the model wrote as bare text (GLM-4.5, Qwen3-Coder): a string where the tool's schema lets the
         parameter be one (``type`` ``string`` or a list holding it, a string ``enum`` holding the text, an
         ``anyOf``/``oneOf`` branch of those; ``null`` where it also allows null), else the JSON value the text reads
-        as (a string where it reads as none)."""
+        as (a string where it reads as none, or as a value with no JSON text: ``NaN``, ``Infinity``, ``1e400``)."""
         schema = self._property_schema(function, key)
         if schema is not None and _allows_string(schema, raw):
             return None if raw.strip() == "null" and _allows_null(schema) else raw
         try:
-            return json.loads(raw)
+            value = json.loads(raw)
         except (ValueError, RecursionError):
             return raw
+        return value if arguments_json({key: value}) is not None else raw
 
     def _property_schema(self, function: str, key: str) -> Any:
         for tool in self.tools:
@@ -289,7 +290,8 @@ def _schema_branches(schema: Any) -> list[dict[str, Any]]:
         return []
     out = [schema]
     for key in ("anyOf", "oneOf"):
-        for branch in schema.get(key) or ():
+        branches = schema.get(key)
+        for branch in branches if isinstance(branches, list) else ():   # (a tool's schema is not checked in auto)
             out.extend(_schema_branches(branch))
     return out
 
@@ -310,7 +312,8 @@ def _allows_string(schema: Any, raw: str) -> bool:
 
 
 def _allows_null(schema: Any) -> bool:
-    return any("null" in _types(b) or None in (b.get("enum") or ()) for b in _schema_branches(schema))
+    return any("null" in _types(b) or (isinstance(b.get("enum"), list) and None in b["enum"])
+               for b in _schema_branches(schema))
 
 
 class HermesToolParser(BlockToolParser):

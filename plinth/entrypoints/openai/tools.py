@@ -313,7 +313,9 @@ class ToolCallTracker:
     def _new_calls(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
         deltas = []
         for i in range(len(self.calls), len(calls)):
-            cid = calls[i].id or (self.mode.call_id() if self.mode is not None else ToolParser.call_id())
+            cid = calls[i].id
+            if not cid or any(cid == earlier for earlier, _ in self.calls):   # (a model may repeat its own id)
+                cid = self.mode.call_id() if self.mode is not None else ToolParser.call_id()
             self.calls.append((cid, calls[i]))
             deltas.append({"index": i, "id": cid, "type": "function",
                            "function": {"name": calls[i].name, "arguments": calls[i].arguments}})
