@@ -10,6 +10,8 @@ With ``--task classify`` both run the preset's ``*ForSequenceClassification`` (p
 softmax the two labels' logits.
 
     python benchmarks/embeddings.py --preset bert-base --len-range 32 512    # an encoder (first-token pooling)
+    python benchmarks/embeddings.py --preset bert-base --len-range 32 512 --systems plinth \
+        --engine-kwargs '{"async_scheduling": false}'                        # plinth's steps one after another
 
 Workload: ``--num-prompts`` prompts of random token ids, lengths uniform in ``[--len-range)`` (seeded), each
 pooled to one vector (last token, normalized; an encoder's first token). plinth gets all prompts at once (``LLM.embed``, prefix cache off:
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="plinth,transformers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--task", default="embed", choices=("embed", "classify"))
+    p.add_argument("--engine-kwargs", type=json.loads, default={},
+                   help='more LLM(...) arguments for plinth, as JSON (e.g. \'{"async_scheduling": false}\')')
     return p.parse_args(argv)
 
 
@@ -82,7 +86,7 @@ def run_plinth(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[floa
     # without the prefix cache: the timed runs repeat the warm-up's prompts, which would otherwise be cached
     extra = {"hf_overrides": classifier_overrides(args.preset)} if args.task == "classify" else {}
     llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, task=args.task, enable_prefix_caching=False,
-              **extra)
+              **extra, **args.engine_kwargs)
     device = llm.engine.device
     run = llm.classify if args.task == "classify" else llm.embed
     seconds = timed(lambda: run(prompts, use_tqdm=False), args.iters, device)

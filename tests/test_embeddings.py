@@ -56,26 +56,72 @@ def test_pooled_hidden_states_match_transformers(model_dir, kind, normalize):
         np.testing.assert_allclose(got, reference(model_dir, ids, kind, normalize), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["last", "mean"])
-def test_every_chunk_split(model_dir, kind):
-    """Prompts of 1-13 tokens against step budgets of 1-9 tokens: a prompt's last chunk is often one token (the
-    scheduler counts it among the decodes) or shares its step with other prompts' chunks."""
+def normalized_references(model_dir, prompts: list[list[int]], kind: str) -> list[np.ndarray]:
+    """transformers' pooled (``last`` or ``mean``) and normalized final hidden states of each prompt."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [list(range(5, 5 + n)) for n in range(1, 14)]
+    refs = []
     with torch.no_grad():
-        refs = []
         for ids in prompts:
             hidden = model.model(torch.tensor([ids])).last_hidden_state[0].double()
             vector = hidden[-1] if kind == "last" else hidden.mean(0)
             refs.append((vector / vector.norm()).numpy())
+    return refs
+
+
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_every_chunk_split(model_dir, kind):
+    """Prompts of 1-13 tokens against step budgets of 1-9 tokens: a prompt's last chunk is often one token (the
+    scheduler counts it among the decodes) or shares its step with other prompts' chunks."""
+    prompts = [list(range(5, 5 + n)) for n in range(1, 14)]
+    refs = normalized_references(model_dir, prompts, kind)
     for budget in (1, 2, 3, 5, 8, 9):
         llm = LLM(str(model_dir), dtype="float32", selection="off", task="embed", pooling=kind,
                   max_num_batched_tokens=budget, max_num_seqs=4, block_size=4)
         for out, ref in zip(llm.embed(prompts, use_tqdm=False), refs, strict=True):
             assert out.outputs is not None, (budget, len(out.prompt_token_ids))
             np.testing.assert_allclose(out.outputs.embedding, ref, atol=2e-5, err_msg=f"budget {budget}")
+
+
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_asynchronous_steps(model_dir, kind):
+    """Embedding steps scheduled while the step before is in flight (its pooled rows read back one step late),
+    through chunked prefill and preemption (few KV blocks): the same vectors as transformers'."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 100, size=n).tolist() for n in (13, 4, 11, 1, 9, 12, 6, 10)]
+    refs = normalized_references(model_dir, prompts, kind)
+    for blocks, budget in ((64, 5), (5, 8)):
+        llm = LLM(str(model_dir), dtype="float32", selection="off", task="embed", pooling=kind,
+                  max_num_batched_tokens=budget, max_num_seqs=4, block_size=4, num_blocks=blocks, async_scheduling=True)
+        engine = llm.engine
+        assert engine.async_scheduling
+        launched: list[int] = []   # arguments of each launch (3: with pool ranges)
+        engine.executor.launch = lambda *args, seen=launched, launch=engine.executor.launch: (
+            seen.append(len(args)) or launch(*args))
+        for out, ref in zip(llm.embed(prompts, use_tqdm=False), refs, strict=True):
+            np.testing.assert_allclose(out.outputs.embedding, ref, atol=2e-5, err_msg=f"{blocks} blocks")
+        assert 3 in launched and not engine._sync_groups   # (launched with pool ranges: no synchronous steps)
+        if blocks == 5:
+            assert engine.scheduler.stats().num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_mean_pooling_adds_each_position_once():
+    """Rows of positions a request has already (a prefill recomputed after preemption, or rows of a step that was
+    in flight when its next chunk was scheduled) are not counted twice."""
+    from plinth.core.pooling import PoolState
+
+    rows = np.arange(20, dtype=np.float32).reshape(10, 2)
+    state = PoolState("mean", 10, PoolingParams())
+    assert state.rows_wanted(0, 4) == (0, 4)
+    state.add(0, rows[0:4])
+    assert state.rows_wanted(0, 6) == (4, 6)   # recomputed from the start: only the new positions
+    state.add(2, rows[2:7])                    # overlapping rows: positions 2-3 are skipped
+    state.add(5, rows[5:7])                    # nothing new
+    assert state.covered == 7 and state.vector is None
+    state.add(7, rows[7:10])
+    np.testing.assert_allclose(state.vector, rows.astype(np.float64).mean(0))
 
 
 def test_one_token_steps_are_not_decode_graphs_on_workers():

@@ -247,13 +247,17 @@ def test_an_accelerators_default_step_runs_many_inputs():
     assert not any(s.enable_chunked_prefill for s in steps.values())
 
 
-def test_many_inputs_over_several_steps_and_a_small_budget(tmp_path, caplog):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_many_inputs_over_several_steps_and_a_small_budget(tmp_path, caplog, async_steps):
+    """With ``async_steps`` each step is scheduled while the one before is in flight (its pooled rows read back
+    after the next step is launched), as on a GPU."""
     path = save_encoder(tmp_path / "many")
     tokenizer, hf = hf_encoder(path)
     texts = [" ".join(WORDS[i % 7: i % 7 + 1 + i % 11]) for i in range(24)]
     with caplog.at_level(logging.INFO, logger="plinth"):
         llm = LLM(str(path), task="embed", dtype="float32", selection="off", max_num_batched_tokens=16,
-                  max_num_seqs=4)
+                  max_num_seqs=4, async_scheduling=async_steps)
+    assert llm.engine.async_scheduling == async_steps
     assert llm.engine.config.scheduler.max_num_batched_tokens == 64   # raised to the context: inputs run whole
     assert "an encoder's input runs whole in one step" in caplog.text
     outs = llm.embed(texts, PoolingParams(normalize=False))

@@ -106,6 +106,10 @@ class _Group:
         return self.aborted or all(s.request.is_finished for s in self.seqs)
 
 
+#: an embedding request's rows of a step: (its state, its first position, the step's flat rows [start, stop))
+_PoolSpan = tuple[PoolState, int, int, int]
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A launched step whose sampled tokens the host has not read yet (asynchronous scheduling)."""
@@ -114,6 +118,7 @@ class _InFlight:
     reqs: list[Request]        # the requests it samples, in row order
     step: PendingStep
     rows: dict[str, int]       # request id -> row of its token in the step's output
+    pooled: list[_PoolSpan] | None = None   # the embedding requests' rows it computes (see LLMEngine._pool_spans)
 
 
 #: the floor of ``LLMEngine.chars_per_token`` (real text has a few characters per token)
@@ -906,7 +911,8 @@ class LLMEngine:
         self._groups[request_id] = group
         if params.prompt_logprobs is not None:
             self._prompt_logprob_groups.add(request_id)
-        if _needs_sync_steps(params) or pooling is not None or custom:   # pooling reads the step's hidden states
+        if (_needs_sync_steps(params) or custom
+                or (pooling is not None and not self.executor.supports_async_pooling)):   # (reads hidden states)
             self._sync_groups.add(request_id)
 
     def _prompt_embeds(self, prompt: PromptEmbeds, params: SamplingParams, pooling: Any,
@@ -1528,10 +1534,14 @@ class LLMEngine:
                 if batch.feed is not None:
                     assert prev is not None
                     batch.feed.tokens = prev.step.device_tokens
-                step = self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs))
+                spans = self._pool_spans(out) if self.pooling is not None else None
+                step = (self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs),
+                                          [(a, b) for _, _, a, b in spans]) if spans
+                        else self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs)))
                 for r in reqs:
                     r.num_pending_tokens += 1
-                self._in_flight = _InFlight(out, reqs, step, {r.request_id: i for i, r in enumerate(reqs)})
+                self._in_flight = _InFlight(out, reqs, step, {r.request_id: i for i, r in enumerate(reqs)},
+                                            spans or None)
             else:
                 self._batch_builder.release(out)
             if prev is not None:
@@ -1572,6 +1582,8 @@ class LLMEngine:
         token_ids = self._run_guarded(prev.step.token_ids)   # waits for that step only
         for r in prev.reqs:
             r.num_pending_tokens -= 1
+        if prev.pooled:
+            self._add_pooled(prev.pooled, self._run_guarded(prev.step.pooled_rows))
         if prev.step.output is None:
             self.scheduler.update_from_output(prev.out, [None] * len(prev.out.scheduled))
             return
@@ -1749,10 +1761,19 @@ class LLMEngine:
             row += n
 
     def _pool(self, out: SchedulerOutput, hidden: Any) -> None:
-        """Hand embedding requests the hidden states of the positions they pool (one executor call a step).
-        Every entry counts: a prompt's last chunk of one token is scheduled among the decodes."""
+        """Hand embedding requests the hidden states of the positions they pool (one executor call a step)."""
+        wanted = self._pool_spans(out)
+        if wanted:
+            self._add_pooled(wanted, self._run_guarded(self.executor.hidden_rows, hidden,
+                                                       [(a, b) for _, _, a, b in wanted]).numpy())
+
+    @staticmethod
+    def _pool_spans(out: SchedulerOutput) -> list[_PoolSpan]:
+        """The step's rows that embedding requests pool. Every entry counts: a prompt's last chunk of one token is
+        scheduled among the decodes. (With a step in flight a request's state may lack that step's rows; its
+        next chunk starts after them, and :meth:`PoolState.add` skips positions it has already.)"""
         row = 0
-        wanted: list[tuple[PoolState, int, int, int]] = []   # (state, first position, rows start, rows stop)
+        wanted: list[_PoolSpan] = []
         for s in out.scheduled:
             state = s.request.pooling
             span = state.rows_wanted(s.num_computed_tokens, s.num_new_tokens) if state is not None else None
@@ -1761,9 +1782,11 @@ class LLMEngine:
                 start = s.num_computed_tokens
                 wanted.append((state, first, row + first - start, row + stop - start))
             row += s.num_new_tokens
-        if not wanted:
-            return
-        rows = self._run_guarded(self.executor.hidden_rows, hidden, [(a, b) for _, _, a, b in wanted]).numpy()
+        return wanted
+
+    @staticmethod
+    def _add_pooled(wanted: list[_PoolSpan], rows: np.ndarray) -> None:
+        """Give each request its rows of ``rows`` (those of ``wanted``, concatenated)."""
         at = 0
         for state, first, a, b in wanted:
             state.add(first, rows[at:at + b - a])

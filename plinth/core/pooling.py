@@ -165,7 +165,12 @@ class PoolState:
         return (first, end) if end > first else None
 
     def add(self, first: int, rows: np.ndarray) -> None:
-        """Hidden states ``[n, hidden]`` of positions ``first ..``."""
+        """Hidden states ``[n, hidden]`` of positions ``first ..`` (those before ``covered``, added already by an
+        earlier step, are skipped: a prefill preempted and recomputed while a step was in flight)."""
+        if self.kind == "mean" and first < self.covered:
+            rows, first = rows[self.covered - first:], self.covered
+            if not len(rows):
+                return
         rows = rows.astype(np.float64)
         if self.kind == "mean":
             self.total = rows.sum(axis=0) if self.total is None else self.total + rows.sum(axis=0)

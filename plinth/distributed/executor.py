@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from plinth import benchmarks_floor as floors
@@ -96,6 +97,23 @@ class PendingStep:
         self.output = output
         self._host = host
         self._copied = copied
+        self._pooled: torch.Tensor | None = None   # the rows asked for by ``pool_ranges`` (see with_pooled)
+        self._pooled_copied: torch.cuda.Event | None = None
+
+    def with_pooled(self, rows: torch.Tensor, copied: torch.cuda.Event | None = None) -> PendingStep:
+        """This step, with the hidden-state rows an embedding step reads (float32 on the host, or being copied
+        there until ``copied``)."""
+        self._pooled, self._pooled_copied = rows, copied
+        return self
+
+    def pooled_rows(self) -> np.ndarray:
+        """The hidden-state rows the launch was asked for (``pool_ranges``), float32 ``[rows, hidden]``: a copy,
+        waiting for this step only."""
+        if self._pooled is None:
+            raise RuntimeError("this step was launched without pool_ranges")
+        if self._pooled_copied is not None:
+            self._pooled_copied.synchronize()
+        return self._pooled.numpy().copy()
 
     @property
     def device_tokens(self) -> torch.Tensor | None:
@@ -112,16 +130,18 @@ class PendingStep:
         return host[: len(self.output.sampled_token_ids)].tolist()
 
 
-def gather_rows(hidden: torch.Tensor | None, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """Rows ``[a, b)`` of ``hidden`` for each range, concatenated, float32 on the host.
+def gather_rows(hidden: torch.Tensor | None, ranges: list[tuple[int, int]], on_device: bool = False) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``hidden`` for each range, concatenated, float32 on the host (``on_device``: where
+    ``hidden`` is).
 
     Raises:
         RuntimeError: the step kept no hidden states (a replayed decode step).
     """
     if hidden is None:
         raise RuntimeError("the step kept no hidden states (a replayed decode graph); embeddings need an eager step")
-    index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(hidden.device)
-    return hidden.index_select(0, index).float().cpu()
+    index = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
+    rows = hidden.index_select(0, torch.from_numpy(index).to(hidden.device, non_blocking=True)).float()
+    return rows if on_device else rows.cpu()
 
 
 class Executor(abc.ABC):
@@ -131,15 +151,20 @@ class Executor(abc.ABC):
         num_blocks: KV blocks per layer (the same on every rank).
         selection: the attention-backend selection result.
         supports_async_steps: :meth:`launch` is implemented (asynchronous scheduling).
+        supports_async_pooling: :meth:`launch` takes ``pool_ranges`` (embedding steps run asynchronously too).
     """
 
     num_blocks: int
     selection: Any
     supports_async_steps: bool = False
+    supports_async_pooling: bool = False
 
-    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
+    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None,
+               pool_ranges: list[tuple[int, int]] | None = None) -> PendingStep:
         """Queue one step (its ``batch.feed`` rows read from the previous step's output on the device)
-        and return at once; :meth:`PendingStep.token_ids` waits for its tokens."""
+        and return at once; :meth:`PendingStep.token_ids` waits for its tokens. ``pool_ranges``: flat-batch
+        rows ``[a, b)`` of the step's final hidden states that :meth:`PendingStep.pooled_rows` then gives
+        (embeddings; only where ``supports_async_pooling``)."""
         raise NotImplementedError(f"{type(self).__name__} runs steps synchronously")
 
     @abc.abstractmethod
@@ -225,6 +250,7 @@ class UniprocExecutor(Executor):
     """The model runner of the engine's own process."""
 
     supports_async_steps = True
+    supports_async_pooling = True
 
     def __init__(self, runner: Any, num_blocks: int, selection: Any, seed: int = 0, processors: Sequence[type] = (),
                  logprobs_mode: str = "raw_logprobs"):
@@ -236,17 +262,40 @@ class UniprocExecutor(Executor):
         # the engine seed: rows without their own seed draw from it; the engine's custom logits processors
         self.sampler = Sampler(seed, processors, logprobs_mode)
         self._pinned: list[torch.Tensor] = []   # two host buffers for sampled tokens, used in turn
+        self._pinned_rows: list[torch.Tensor] = []   # and two for pooled hidden-state rows (float32, flat)
         device = getattr(runner, "device", None)
         sync = (lambda: torch.cuda.synchronize(device)) if device is not None and device.type == "cuda" else (
             lambda: None)
         self.profiler = StepProfiler(0, sync)
 
-    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
+    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None,
+               pool_ranges: list[tuple[int, int]] | None = None) -> PendingStep:
         with self.profiler:
-            return self._launch(batch, make_sampling_batch)
+            logits, sample_seqs, hidden = self.runner.execute(batch)
+            # the pooled rows are gathered before sampling, so that their copy to the host overlaps it
+            pooled = self._pool_async(hidden, pool_ranges) if pool_ranges else None
+            step = self._sample_async(logits, sample_seqs, make_sampling_batch)
+            return step if pooled is None else step.with_pooled(*pooled)
 
-    def _launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
-        logits, sample_seqs, _ = self.runner.execute(batch)
+    def _pool_async(self, hidden: torch.Tensor | None,
+                    ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The rows of ``ranges`` on their way to the host: (a host tensor, the event after its copy)."""
+        rows = gather_rows(hidden, ranges, on_device=True)
+        if rows.device.type != "cuda":
+            return rows.cpu(), None
+        n = rows.numel()
+        if not self._pinned_rows or self._pinned_rows[0].numel() < n:
+            size = max(n, 2 * self._pinned_rows[0].numel() if self._pinned_rows else 0)
+            self._pinned_rows = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self._pinned_rows.reverse()   # the other buffer may still be read by the step in flight's owner
+        host = self._pinned_rows[0][:n].view(rows.shape)
+        host.copy_(rows, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
+
+    def _sample_async(self, logits: torch.Tensor, sample_seqs: list[int],
+                      make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
         if make_sampling_batch is None or not sample_seqs:
             return PendingStep(None)
         out = self.sampler.sample(logits, make_sampling_batch(logits.device))

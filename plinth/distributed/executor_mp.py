@@ -290,13 +290,17 @@ class MultiprocExecutor(DistributedExecutor):
 
     # ------------------------------------------------------------------ asynchronous steps
 
-    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
+    def launch(self, batch: FlatBatch, make_sampling_batch: MakeSamplingBatch | None,
+               pool_ranges: list[tuple[int, int]] | None = None) -> PendingStep:
         """Send one step to every worker and return at once. The workers queue it (its ``batch.feed`` rows
         read the previous launched step's tokens on their devices) and answer with the previous launched
-        step's output, so one step's answer travels while the next runs."""
+        step's output, so one step's answer travels while the next runs. Embedding steps run synchronously
+        (``pool_ranges`` is refused)."""
         self._check_alive()
         if not self.supports_async_steps:
             raise NotImplementedError("asynchronous steps need a TP-only layout (no pipeline stages)")
+        if pool_ranges:
+            raise NotImplementedError("embedding steps on worker processes run synchronously")
         feed = batch.feed
         step_batch = StepBatch.from_entries(dataclasses.replace(batch, feed=None) if feed is not None else batch)
         sampling = make_sampling_batch(torch.device("cpu")) if make_sampling_batch is not None else None
