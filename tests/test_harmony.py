@@ -343,3 +343,91 @@ def test_reasoning_tokens_stop_where_the_later_thinking_ends(tmp_path, monkeypat
             counts[name] = usage["output_tokens_details"]["reasoning_tokens"]
     assert counts["short"] == counts["long"] > counts["no_late"] > 0
     assert counts["short"] < len(tok.encode(head, add_special_tokens=False))
+
+
+PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+WEATHER_CALL = CALL + "<|call|>"
+WEATHER_CALL_RECIPIENT_FIRST = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Oslo"}<|call|>'
+
+
+@pytest.mark.parametrize("text, scan", [
+    (ANALYSIS + "<|start|>assistant" + WEATHER_CALL + FINAL, Scan("It is 4.", (ParsedCall("get_weather", '{"city": "Oslo"}'),))),
+    (PREAMBLE + WEATHER_CALL + FINAL, Scan("Checking.\nIt is 4.", (ParsedCall("get_weather", '{"city": "Oslo"}'),))),
+    # markup that makes no call (no JSON object, a recipient that is no function, a call cut short) is dropped
+    ("<|channel|>commentary to=browser.search<|message|>[1]<|end|>" + FINAL, Scan("It is 4.")),
+    ('It is 4.<|channel|>commentary to=functions.f<|message|>{"a": ', Scan("It is 4.")),
+    ("It is 4.", Scan("It is 4.")),
+])
+def test_call_reader_leaves_no_markup(text, scan):
+    """The reader a reply without the gpt_oss tool parser takes the reasoning parser's call messages out with: the
+    calls, and content without markup, streamed or not."""
+    from plinth.entrypoints.openai.harmony import GptOssCallReader
+
+    split = stream_split(GptOssReasoningParser(), text)
+    assert stream_scan(GptOssCallReader(TOOLS), split.content) == scan
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+CHOICES = {"no_tools": {}, "none": {"tools": TOOLS, "tool_choice": "none"},
+           "required": {"tools": TOOLS, "tool_choice": "required"},
+           "named": {"tools": TOOLS, "tool_choice": WEATHER}}
+
+
+def _reply(client, body: dict) -> tuple[str | None, str | None, list[tuple[str, dict]], str]:
+    """A chat reply's thinking, content, calls (name, decoded arguments) and finish reason."""
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    msg = choice["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
+    return msg.get("reasoning_content"), msg["content"], calls, choice["finish_reason"]
+
+
+def _streamed_reply(client, body: dict) -> tuple[str | None, str | None, list[tuple[str, dict]], str]:
+    """:func:`_reply` from the streamed deltas (each call's argument deltas joined)."""
+    thinking, content, deltas, reason = streamed(client, body)
+    calls: dict[int, list] = {}
+    for d in deltas:
+        entry = calls.setdefault(d["index"], [None, ""])
+        entry[0] = d["function"].get("name") or entry[0]
+        entry[1] += d["function"].get("arguments") or ""
+    return (thinking or None, content or None, [(name, json.loads(args)) for name, args in calls.values()], reason)
+
+
+@pytest.mark.parametrize("call", [WEATHER_CALL, WEATHER_CALL_RECIPIENT_FIRST])
+@pytest.mark.parametrize("answer", ["", FINAL])
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_call_messages_without_the_gpt_oss_tool_parser_show_no_markup(http, choice, answer, call):
+    """A call message where the gpt_oss tool parser does not read the reply (no tools, tool choice "none",
+    "required" or a named function): a call where the tool choice makes calls, dropped where it makes none, and the
+    final answer kept; never markup in the content or the arguments; streamed (every character its own output) as
+    not streamed."""
+    client, script = http
+    thinking = ANALYSIS if call == WEATHER_CALL else ""
+    script["text"] = thinking + ("<|start|>assistant" if thinking else "") + call + answer
+    body = {"messages": MESSAGES, "max_tokens": 50, **CHOICES[choice]}
+    whole = _reply(client, body)
+    weather = [("get_weather", {"city": "Oslo"})]
+    expected = {"no_tools": ("It is 4." if answer else None, [], "stop"),
+                "none": ("It is 4." if answer else None, [], "stop"),
+                "required": (None, weather, "tool_calls"),
+                "named": (None, weather, "stop")}[choice]
+    assert whole == ("The user asks 2+2." if thinking else None, *expected)
+    script["cuts"] = range(len(script["text"]))
+    assert _streamed_reply(client, body) == whole
+
+
+def test_responses_show_no_call_markup(http):
+    """/v1/responses (no tools): a call message is no part of the message, streamed or not; thinking after the call
+    and before the answer is thinking before the message."""
+    client, script = http
+    later = "<|start|>assistant<|channel|>analysis<|message|>Sunny.<|end|>"
+    script["text"] = ANALYSIS + "<|start|>assistant" + WEATHER_CALL + later + FINAL
+    body = {"model": "tiny", "input": "hi"}
+    whole = client.post("/v1/responses", json=body).json()
+    items = [(i["type"], i["content"][0]["text"]) for i in whole["output"]]
+    assert items == [("reasoning", "The user asks 2+2.\nSunny."), ("message", "It is 4.")]
+    for cuts in ([], range(len(script["text"]))):
+        script["cuts"] = cuts
+        with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            payloads = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        final = payloads[-1]["response"]
+        assert [(i["type"], i["content"][0]["text"]) for i in final["output"]] == items

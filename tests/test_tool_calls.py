@@ -153,6 +153,18 @@ def test_llama3_json_and_mistral_parsers():
         "", [ParsedCall("get_time", "{}")])
 
 
+def test_llama3_json_parser_takes_a_semicolon_after_the_last_call():
+    """Llama 3's calls may each end with ``;``: a trailing one (and whitespace) after the last call still leaves
+    the calls, while other text after it, or a ``;`` with nothing before it, is content."""
+    llama = Llama3JsonToolParser(TOOLS)
+    assert prefixes_scan(llama, '{"name": "f", "parameters": {"a": 1}};') == ("", [ParsedCall("f", '{"a": 1}')])
+    assert prefixes_scan(llama, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                                '{"name": "get_weather", "parameters": {"city": "Oslo"}} ;\n') == (
+        "", [ParsedCall("get_time", '{"zone": "UTC"}'), ParsedCall("get_weather", '{"city": "Oslo"}')])
+    for text in ('{"name": "f", "parameters": {}};;', '{"name": "f", "parameters": {}}; more', ";", "; "):
+        assert prefixes_scan(llama, text) == (text, [])
+
+
 def test_glm45_and_qwen3_coder_parsers_type_bare_values_by_the_schema():
     """GLM-4.5's ``<arg_key>``/``<arg_value>`` pairs and Qwen3-Coder's ``<parameter=...>`` elements: bare-text values
     are strings where the tool's schema says so (``"2"`` for a string stays ``"2"``), JSON values elsewhere."""

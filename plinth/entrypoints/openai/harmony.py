@@ -14,7 +14,7 @@ stand before the channel too (``<|start|>assistant to=functions.f<|channel|>comm
 
 ``--reasoning-parser gpt_oss`` takes the thinking out and leaves the answer as plain text, with each call message
 kept in its markup for ``--tool-call-parser gpt_oss``, which turns it into a call. Both keep special tokens in the
-text they read. Text outside any message (a reply that does not follow the format) is answer text.
+text they read. A reply that parser does not read takes the call messages out with :class:`GptOssCallReader`. Text outside any message (a reply that does not follow the format) is answer text.
 """
 
 from __future__ import annotations
@@ -158,6 +158,57 @@ def separated(previous: Message | None, m: Message) -> str:
     return "\n" + m.body if joined else m.body
 
 
+class GptOssToolParser(ToolParser):
+    """Messages to ``functions.NAME`` as calls; every other message's body as content."""
+
+    name = "gpt_oss"
+    keeps_special_tokens = True
+    PREFIX: ClassVar[str] = "functions."
+    #: a finished message to a recipient that makes no call is content in its markup (else it is dropped)
+    keeps_markup: ClassVar[bool] = True
+
+    def scan(self, text: str, final: bool) -> Scan:
+        segments, calls = [""], []
+        last = None
+        for m in messages(text, final):
+            if not (m.header and m.recipient is not None):
+                segments[-1] += separated(last, m)
+                last = m
+                continue
+            last = m
+            call = self._call(m)
+            if call is not None:
+                calls.append(call)
+                segments.append("")
+            elif not m.ended:
+                break   # a call still being written: nothing after it yet
+            elif self.keeps_markup:
+                segments[-1] += m.markup   # not a call after all: the markup is content, verbatim
+            else:
+                segments.append("")
+        return Scan(join_segments(segments, len(segments) > 1, final), tuple(calls))
+
+    def _call(self, m: Message) -> ParsedCall | None:
+        """The call a finished message to ``functions.NAME`` makes (``None``: not a call, or not finished)."""
+        recipient = m.recipient or ""
+        if not m.ended or not recipient.startswith(self.PREFIX) or len(recipient) == len(self.PREFIX):
+            return None
+        try:
+            args: Any = json.loads(m.body) if m.body.strip() else {}
+        except (ValueError, RecursionError):   # (nesting deeper than Python's stack)
+            return None
+        text = arguments_json(args) if isinstance(args, dict) else None
+        return ParsedCall(recipient[len(self.PREFIX):], text) if text is not None else None
+
+
+class GptOssCallReader(GptOssToolParser):
+    """The calls that :class:`GptOssReasoningParser` leaves in the answer, read for a request whose tool choice
+    reads them with no ``gpt_oss`` tool parser: no markup stays in the content, a message to a recipient that
+    makes no call is dropped."""
+
+    keeps_markup = False
+
+
 class GptOssReasoningParser(ReasoningParser):
     """The ``analysis`` channel as the thinking; the other messages as the answer (call messages in markup)."""
 
@@ -166,6 +217,7 @@ class GptOssReasoningParser(ReasoningParser):
     # several tokens each: structured outputs cannot wait for them (the engine says so at start-up)
     START = f"{CHANNEL}analysis{MESSAGE}"
     END = f"{CHANNEL}final{MESSAGE}"
+    call_parser = GptOssCallReader
 
     def scan(self, text: str, final: bool) -> Split:
         thinking, answer = [], []
@@ -184,42 +236,3 @@ class GptOssReasoningParser(ReasoningParser):
                 answer.append(separated(last_said, m))
                 last_said = m
         return Split("".join(thinking), "".join(answer))
-
-
-class GptOssToolParser(ToolParser):
-    """Messages to ``functions.NAME`` as calls; every other message's body as content."""
-
-    name = "gpt_oss"
-    keeps_special_tokens = True
-    PREFIX: ClassVar[str] = "functions."
-
-    def scan(self, text: str, final: bool) -> Scan:
-        segments, calls = [""], []
-        last = None
-        for m in messages(text, final):
-            if not (m.header and m.recipient is not None):
-                segments[-1] += separated(last, m)
-                last = m
-                continue
-            last = m
-            call = self._call(m)
-            if call is not None:
-                calls.append(call)
-                segments.append("")
-            elif not m.ended:
-                break   # a call still being written: nothing after it yet
-            else:
-                segments[-1] += m.markup   # not a call after all: the markup is content, verbatim
-        return Scan(join_segments(segments, bool(calls), final), tuple(calls))
-
-    def _call(self, m: Message) -> ParsedCall | None:
-        """The call a finished message to ``functions.NAME`` makes (``None``: not a call, or not finished)."""
-        recipient = m.recipient or ""
-        if not m.ended or not recipient.startswith(self.PREFIX) or len(recipient) == len(self.PREFIX):
-            return None
-        try:
-            args: Any = json.loads(m.body) if m.body.strip() else {}
-        except (ValueError, RecursionError):   # (nesting deeper than Python's stack)
-            return None
-        text = arguments_json(args) if isinstance(args, dict) else None
-        return ParsedCall(recipient[len(self.PREFIX):], text) if text is not None else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from plinth.entrypoints.openai.tool_parsers import held_prefix, resolve_parser
+from plinth.entrypoints.openai.tool_parsers import ToolParser, held_prefix, resolve_parser
 from plinth.hookspecs import hookimpl
 
 PLINTH_PLUGIN_API = "1.0"
@@ -56,6 +56,10 @@ class ReasoningParser:
     starts_in_thinking: ClassVar[bool] = False
     #: the markers are special tokens (gpt-oss's channels): replies keep them in the text the parser reads
     keeps_special_tokens: ClassVar[bool] = False
+    #: the tool parser that takes out of the answer the calls this parser leaves there in their markup (gpt-oss's
+    #: call messages) where the request's ``auto`` tool parser is not one it derives from: they are the reply's
+    #: calls where its tool choice makes calls, and are dropped where it makes none (no tools, ``"none"``)
+    call_parser: ClassVar[type[ToolParser] | None] = None
 
     def scan(self, text: str, final: bool) -> Split:
         """The thinking and the answer in ``text`` (all generated so far; ``final``: all there will be).

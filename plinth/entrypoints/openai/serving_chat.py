@@ -130,7 +130,7 @@ class _Reply:
 
     def __init__(self, mode: ToolMode | None, reasoning: type[ReasoningParser] | None, include_reasoning: bool = True):
         self.reasoning = reasoning() if reasoning is not None else None
-        self.tools = ToolCallTracker(mode)
+        self.tools = ToolCallTracker(mode, reasoning.call_parser if reasoning is not None else None)
         self.thinking = ""
         self.include_reasoning = include_reasoning   # vLLM's include_reasoning: false drops the thinking from replies
 

@@ -277,11 +277,12 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
 
 def _thinking_before_answer(ctx: ServerContext, text: str) -> str:
     """The thinking a reply wrote before its answer's first character (``text``: the whole reply, which has an
-    answer): the reasoning of the shortest prefix whose scan already holds answer text."""
+    answer): the reasoning of the shortest prefix that already holds answer text (as the message has it: without
+    the calls the reasoning parser leaves in their markup)."""
     parser = ctx.reasoning_parser
     if parser is None:
         return ""
-    hi = _first_holding(len(text), lambda m: bool(parser().scan(text[:m], False).content.strip()))
+    hi = _first_holding(len(text), lambda m: bool(_Reply(None, parser).update(text[:m], False)[1].strip()))
     hi = min(hi, len(text))
     return parser().scan(text[:hi], hi == len(text)).reasoning
 

@@ -449,7 +449,8 @@ class KimiK2ToolParser(BlockToolParser):
 
 
 class Llama3JsonToolParser(ToolParser):
-    """A reply that is a JSON call (or several joined by ``;``), optionally after ``<|python_tag|>``."""
+    """A reply that is a JSON call (or several joined by ``;``, the last one may be followed by ``;`` too),
+    optionally after ``<|python_tag|>``."""
 
     name = "llama3_json"
     TAG = "<|python_tag|>"
@@ -488,6 +489,8 @@ class Llama3JsonToolParser(ToolParser):
             pos = len(body) - len(rest) + 1
             while pos < len(body) and body[pos].isspace():
                 pos += 1
+            if pos == len(body):   # a ";" after the last call
+                return calls
 
 
 class MistralToolParser(ToolParser):

@@ -261,12 +261,19 @@ class ToolCallTracker:
 
     :meth:`update` takes the whole text so far and returns what is new: ``(content, tool_call_deltas)``,
     each delta in the shape of OpenAI's streamed ``delta.tool_calls`` entries.
+
+    ``markup`` is a reasoning parser's :attr:`~plinth.entrypoints.openai.reasoning_parsers.ReasoningParser.call_parser`
+    (calls it leaves in the text in their markup): unless the ``auto`` parser reads them (the reader derives from
+    it), it takes them out of the text first; they are the calls of ``auto`` and ``required``, a forced function's
+    call (its arguments then come whole, once the call is complete), and are dropped without calls.
     """
 
-    def __init__(self, mode: ToolMode | None):
+    def __init__(self, mode: ToolMode | None, markup: type[ToolParser] | None = None):
         self.mode = mode
         auto = mode is not None and mode.kind == "auto" and mode.parser is not None
         self.parser = mode.parser(mode.tools) if auto else None   # type: ignore[union-attr,misc]
+        reads = self.parser is not None and markup is not None and issubclass(markup, type(self.parser))
+        self.markup = markup(mode.tools if mode is not None else []) if markup is not None and not reads else None
         self.content: str | None = ""
         self.calls: list[tuple[str, ParsedCall]] = []   # (id, call)
         self._sent_args = 0   # forced function: argument characters sent
@@ -275,10 +282,18 @@ class ToolCallTracker:
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         kind = self.mode.kind if self.mode is not None else "none"
+        marked: tuple[ParsedCall, ...] = ()   # the calls taken out of the text in their markup
+        if self.markup is not None:
+            scan = self.markup.scan(text, final)
+            text, marked = scan.content, scan.calls
         if kind == "function":
             assert self.mode is not None and self.mode.function is not None
             self.content = None
             deltas: list[dict[str, Any]] = []
+            if marked:
+                text = marked[0].arguments
+            elif self.markup is not None and not final:
+                text = ""   # the text may still be followed by the call: its arguments if so, else the text
             if not self.calls:
                 self.calls.append((self.mode.call_id(), ParsedCall(self.mode.function, "")))
             cid, call = self.calls[0]
@@ -293,7 +308,9 @@ class ToolCallTracker:
             return "", deltas
         if kind == "required":
             self._found.extend(c for c in map(_required_call, self._array.feed(text)) if c is not None)
-            calls = self._found
+            calls = [*marked, *self._found]
+            if self.mode is not None and not self.mode.parallel:
+                calls = calls[:1]
             self.content = None
             if final and not calls:   # cut short before a complete call: the text is the content
                 self.content = text
@@ -304,10 +321,11 @@ class ToolCallTracker:
             self.content = text
             return text[len(before):], []
         scan = self.parser.scan(text, final)
-        self.content = None if final and scan.calls and not scan.content else scan.content
+        found = [*marked, *scan.calls]
+        self.content = None if final and found and not scan.content else scan.content
         # a parser keeps its content growing (ToolParser.scan); one that does not loses only stream deltas
         delta = scan.content[len(before):] if scan.content.startswith(before) else ""
-        calls = list(scan.calls) if self.mode is None or self.mode.parallel else list(scan.calls[:1])
+        calls = found if self.mode is None or self.mode.parallel else found[:1]
         return delta, self._new_calls(calls)
 
     def _new_calls(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
