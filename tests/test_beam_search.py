@@ -261,10 +261,10 @@ def test_server_beam_search_runs_at_the_request_priority(tiny_llama_dir, monkeyp
     add = LLMEngine.add_request
 
     def recording(self, request_id, prompt, params=None, arrival_time=None, priority=0, lora_request=None,
-                  cache_salt=None, multi_modal_data=None):
+                  cache_salt=None, multi_modal_data=None, token_type_ids=None):
         seen.append((priority, cache_salt))
         return add(self, request_id, prompt, params, arrival_time, priority, lora_request, cache_salt,
-                   multi_modal_data)
+                   multi_modal_data, token_type_ids)
 
     monkeypatch.setattr(LLMEngine, "add_request", recording)
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", selection="off",

@@ -142,6 +142,9 @@ def test_refusals(tmp_path):
         with pytest.raises(RequestRejectedError, match=f"{field} applies to embeddings") as info:
             llm.classify("a", params, use_tqdm=False)
         assert info.value.param == field
+    with pytest.raises(RequestRejectedError, match="token_type_ids are for encoder models") as info:
+        llm.classify({"prompt_token_ids": [5, 6], "token_type_ids": [0, 1]}, use_tqdm=False)   # (a decoder has none)
+    assert info.value.param == "token_type_ids"
     with pytest.raises(ValueError, match="activation must be true or false"):
         PoolingParams(activation=1)   # type: ignore[arg-type]
     with pytest.raises(ValueError, match="disagree"):

@@ -167,7 +167,7 @@ def test_bert_cross_encoder_reads_a_pair_as_two_segments(tmp_path):
     path = save_encoder(tmp_path / "ce", labels=1)
     tokenizer, hf = hf_encoder(path, labels=True)
     llm = LLM(str(path), task="classify", dtype="float32", selection="off")
-    assert llm.engine.model_source.hf_config.segment_token_id == tokenizer.sep_token_id
+    assert llm.engine.num_token_types == 2
     queries = ["the cat", "one", "what is this"]
     docs = ["a cat sat on the mat", "all for one", "this is a dog"]
     scores = [s.outputs.score for s in llm.score(queries, docs)]
@@ -190,6 +190,46 @@ def test_bert_cross_encoder_reads_a_pair_as_two_segments(tmp_path):
         assert abs(out.outputs.score - ref) < 1e-5
     with pytest.raises(ValueError, match="text_2 must not hold an empty token list"):
         llm.score([query], [[]])
+
+
+def test_token_types_come_with_the_request_not_from_sep_tokens(tmp_path):
+    """A single text that holds a literal ``[SEP]`` is one segment (as its tokenizer types it); a pair whose first text
+    holds one splits where the tokenizer splits it; ``token_type_ids`` given with token ids are used as given (cut
+    with the prompt by ``truncate_prompt_tokens``) and checked."""
+    path = save_encoder(tmp_path / "types", labels=1)
+    tokenizer, hf = hf_encoder(path, labels=True)
+    llm = LLM(str(path), task="classify", dtype="float32", selection="off")
+
+    def hf_logit(**enc):
+        with torch.no_grad():
+            return hf(**{k: torch.as_tensor(v).reshape(1, -1) for k, v in enc.items()}).logits[0, 0].item()
+
+    text = "the cat [SEP] sat on a mat"
+    enc = tokenizer(text)
+    assert sum(enc["token_type_ids"]) == 0 and enc["input_ids"].count(tokenizer.sep_token_id) == 2
+    got = llm.classify(text, PoolingParams(use_activation=False))[0].outputs.probs[0]
+    assert abs(got - hf_logit(**enc)) < 1e-5
+    as_pair = hf_logit(input_ids=enc["input_ids"], token_type_ids=[0] * 5 + [1] * (len(enc["input_ids"]) - 5))
+    assert abs(got - as_pair) > 1e-3   # (read as a pair, it would score otherwise)
+    enc = tokenizer("the cat [SEP] sat", "on a mat")
+    score = llm.score("the cat [SEP] sat", "on a mat")[0].outputs.score
+    assert abs(score - torch.sigmoid(torch.tensor(hf_logit(**enc))).item()) < 1e-5
+    # given token types, also cut by truncate_prompt_tokens (the first tokens and the closing [SEP] stay)
+    ids, types = enc["input_ids"], [0, 1, 1, 0, 1, 0, 1, 1, 0, 1]
+    assert len(types) == len(ids)
+    out = llm.classify({"prompt_token_ids": ids, "token_type_ids": types}, PoolingParams(use_activation=False))
+    assert abs(out[0].outputs.probs[0] - hf_logit(input_ids=ids, token_type_ids=types)) < 1e-5
+    out = llm.classify({"prompt_token_ids": ids, "token_type_ids": types},
+                       PoolingParams(use_activation=False, truncate_prompt_tokens=6))
+    assert out[0].prompt_token_ids == ids[:5] + ids[-1:]
+    assert abs(out[0].outputs.probs[0] - hf_logit(input_ids=ids[:5] + ids[-1:], token_type_ids=types[:5] + types[-1:])) < 1e-5
+    for bad, match in (([0, 1], "holds 2 values for a prompt of 10 tokens"), ([0] * 9 + [2], r"in \[0, 2\).* got 2"),
+                       ([0] * 9 + [-1], "got -1"), (["a"] * 10, "must be a list of integers")):
+        with pytest.raises(RequestRejectedError, match=match) as info:
+            llm.classify({"prompt_token_ids": ids, "token_type_ids": bad})
+        assert info.value.param == "token_type_ids"
+    with pytest.raises(ValueError, match="'token_type_ids' .* go with 'prompt_token_ids'"):
+        llm.classify({"prompt": text, "token_type_ids": [0]})
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlmr", "modernbert", "modernbert-mean"])
@@ -301,8 +341,9 @@ def test_tensor_parallel_embeddings_equal(tmp_path, processes):
     engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
     try:
         tokenizer = engine.tokenizer
-        for i, text in enumerate(TEXTS):
-            engine.add_request(f"r{i}", tokenizer("the cat", text)["input_ids"], PoolingParams())
+        for i, text in enumerate(TEXTS):   # (the pairs' token types travel to the workers with the step)
+            enc = tokenizer("the cat", text)
+            engine.add_request(f"r{i}", enc["input_ids"], PoolingParams(), token_type_ids=enc["token_type_ids"])
         done = {}
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -84,6 +84,8 @@ class AttentionMetadata:
     #: position, end position)`` per image, its rows this step's queries; every position before the end is in the
     #: cache by the end of the step (the scheduler never ends a chunk inside such an image); ``None``: none
     image_spans: tuple[tuple[int, int, int, int, int], ...] | None = None
+    #: ``[T]`` int64: each row's segment (token type) for an encoder that reads text pairs (BERT); ``None``: 0
+    token_types: torch.Tensor | None = None
     #: the step as other kinds of layers see it, made once per step (:func:`chunked_attention_view`; a copy of this
     #: metadata that changes the step, ``dataclasses.replace``, must start with ``views={}``)
     views: dict[Any, AttentionMetadata] = dataclasses.field(default_factory=dict, repr=False)

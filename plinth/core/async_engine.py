@@ -96,6 +96,7 @@ class _Add:
     lora_request: Any = None
     cache_salt: str | None = None
     multi_modal_data: Any = None
+    token_type_ids: list[int] | None = None
 
 
 _ACCEPTED = object()   # sent to a request's queue when the engine takes it
@@ -180,13 +181,16 @@ class AsyncLLMEngine:
         """The exception that stopped the engine loop, or ``None`` while it runs."""
         return self._dead
 
-    def tokenize(self, text: str, add_special_tokens: bool = True, max_chars: int | None = None,
-                 pair: str | None = None, pair_max_tokens: int | None = None) -> list[int]:
-        """Token ids of ``text`` (with ``pair``: the two as a pair) with the model's tokenizer and the engine's
-        checks (text that is not valid Unicode, or longer than the context could hold or than ``max_chars``:
-        :class:`RequestRejectedError`)."""
-        return self._engine.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars, pair=pair,
-                                     pair_max_tokens=pair_max_tokens)
+    def tokenize(self, text: str, add_special_tokens: bool = True, max_chars: int | None = None) -> list[int]:
+        """Token ids of ``text`` with the model's tokenizer and the engine's checks (text that is not valid Unicode,
+        or longer than the context could hold or than ``max_chars``: :class:`RequestRejectedError`)."""
+        return self._engine.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars)
+
+    def tokenize_pair(self, first: str, second: str, add_special_tokens: bool = True, max_chars: int | None = None,
+                      max_tokens: int | None = None) -> tuple[list[int], list[int] | None]:
+        """Two texts as a pair: token ids and token types (see ``LLMEngine.tokenize_pair``)."""
+        return self._engine.tokenize_pair(first, second, add_special_tokens=add_special_tokens, max_chars=max_chars,
+                                          max_tokens=max_tokens)
 
     @property
     def chars_per_token(self) -> int:
@@ -244,7 +248,7 @@ class AsyncLLMEngine:
                        priority: int = 0, lora_request: Any = None,
                        accepted: asyncio.Future[None] | None = None,
                        cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None,
-                       ) -> AsyncIterator[RequestOutput | Any]:
+                       token_type_ids: list[int] | None = None) -> AsyncIterator[RequestOutput | Any]:
         """Queue a request and yield its outputs until it finishes.
 
         Outputs are cumulative, so when the caller falls behind only the newest one is
@@ -252,7 +256,8 @@ class AsyncLLMEngine:
         it was given before (the prompt's logprobs in the first), one that is ``FINAL_ONLY`` the final output only.
         Leaving the loop early (or being cancelled) aborts the request. ``accepted``
         (if given) is resolved once the engine has taken the request, which may be long before
-        its first output when the batch is full. ``cache_salt``, ``multi_modal_data``: see :meth:`LLMEngine.add_request`.
+        its first output when the batch is full. ``cache_salt``, ``multi_modal_data``, ``token_type_ids``: see
+        :meth:`LLMEngine.add_request`.
 
         Raises:
             RequestRejectedError, QueueFullError: from the engine, before anything is yielded.
@@ -276,7 +281,7 @@ class AsyncLLMEngine:
         if not isinstance(prompt, str | PromptEmbeds):   # (a copy: the caller's list may change)
             prompt = list(prompt)
         self._submit(_Add(request_id, prompt, params, time.time(), sink, priority, lora_request, cache_salt,
-                          multi_modal_data))
+                          multi_modal_data, token_type_ids))
         finished = False
         kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
         delta = _Delta() if kind == RequestOutputKind.DELTA else None
@@ -522,7 +527,8 @@ class AsyncLLMEngine:
                 try:
                     self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
                                              priority=cmd.priority, lora_request=cmd.lora_request,
-                                             cache_salt=cmd.cache_salt, multi_modal_data=cmd.multi_modal_data)
+                                             cache_salt=cmd.cache_salt, multi_modal_data=cmd.multi_modal_data,
+                                             token_type_ids=cmd.token_type_ids)
                 except Exception as exc:  # noqa: BLE001 - a rejected request is reported to its caller
                     self._send({cmd.sink.loop: [(cmd.sink.box, exc)]})
                 else:

@@ -304,6 +304,10 @@ class LLMEngine:
         self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
         #: an encoder-only model (BERT, ...): inputs run whole, and truncation keeps their beginning
         self.encoder: bool = parts.source.encoder
+        #: the token types (segments) an input may use (``token_type_ids``): an encoder's ``type_vocab_size``;
+        #: 0 for a decoder, which has none
+        self.num_token_types = (max(int(getattr(parts.source.hf_config, "type_vocab_size", 1) or 1), 1)
+                                if self.encoder else 0)
         self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
         #: prompts may be given as embeddings (``enable_prompt_embeds``)
         self.prompt_embeds = bool(config.model.enable_prompt_embeds)
@@ -522,26 +526,44 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- requests
 
-    def tokenize(self, prompt: str, add_special_tokens: bool = True, max_chars: int | None = None,
-                 pair: str | None = None, pair_max_tokens: int | None = None) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True, max_chars: int | None = None) -> list[int]:
         """Token ids of ``prompt``.
 
         Args:
             max_chars: the longest text tokenized (default: what the context could hold whatever its tokens; a
                 caller that keeps only the last tokens, such as the server's ``truncate_prompt_tokens``, allows more).
-            pair: a second text, tokenized with ``prompt`` as a pair (the tokenizer's pair template, as a
-                cross-encoder reads its query and document); the limits apply to both texts together.
-            pair_max_tokens: cut the pair to this many tokens as the tokenizer cuts a pair
-                (``truncation="longest_first"``: the longer text first, both keeping their beginning).
 
         Raises:
             RequestRejectedError: text that is not valid Unicode (a lone surrogate), or longer than the
                 context could hold whatever its tokens (checked before tokenizing it).
         """
+        return list(self._encode([prompt], add_special_tokens, max_chars, None)["input_ids"])
+
+    def tokenize_pair(self, first: str, second: str, add_special_tokens: bool = True, max_chars: int | None = None,
+                      max_tokens: int | None = None) -> tuple[list[int], list[int] | None]:
+        """Two texts tokenized as a pair (the tokenizer's pair template, as a cross-encoder reads its query and
+        document): their token ids, and the token types the tokenizer gives them where the model reads segments
+        (BERT: 0 for ``[CLS] first [SEP]``, 1 for ``second [SEP]``; else ``None``). ``max_chars`` applies to both texts
+        together; ``max_tokens`` cuts the pair as the tokenizer cuts one (``truncation="longest_first"``: the longer
+        text first, both keeping their beginning).
+
+        Raises:
+            RequestRejectedError: as :meth:`tokenize`, or ``max_tokens`` too few for the pair's special tokens.
+        """
+        encoded = self._encode([first, second], add_special_tokens, max_chars, max_tokens)
+        ids = list(encoded["input_ids"])
+        if max_tokens is not None and len(ids) > max_tokens:   # the template's special tokens alone exceed it
+            raise RequestRejectedError(f"truncate_prompt_tokens is {max_tokens}: too few for the pair's special "
+                                       f"tokens", param="truncate_prompt_tokens")
+        types = encoded.get("token_type_ids") if self.num_token_types > 1 else None
+        return ids, list(types) if types is not None else None
+
+    def _encode(self, texts: list[str], add_special_tokens: bool, max_chars: int | None,
+                max_tokens: int | None) -> Any:
+        """The tokenizer's encoding of one text or a pair, after the checks of :meth:`tokenize`."""
         if self.tokenizer is None:
             raise RequestRejectedError("this model has no tokenizer (its directory has no tokenizer files and none was "
                                        "given): pass token ids, or give a tokenizer (tokenizer= / --tokenizer)")
-        texts = [prompt] if pair is None else [prompt, pair]
         bad = next((t for t in texts if not isinstance(t, str)), None)
         if bad is not None:
             raise RequestRejectedError(f"a prompt is text or a list of token ids, not {type(bad).__name__}")
@@ -559,14 +581,10 @@ class LLMEngine:
             except UnicodeEncodeError as exc:
                 raise RequestRejectedError(f"the prompt is not valid Unicode text: {exc.reason} at character "
                                            f"{exc.start}") from None
-        if pair_max_tokens is None:
-            return list(self.tokenizer(*texts, add_special_tokens=add_special_tokens)["input_ids"])
-        ids = list(self.tokenizer(*texts, add_special_tokens=add_special_tokens, truncation="longest_first",
-                                  max_length=pair_max_tokens)["input_ids"])
-        if len(ids) > pair_max_tokens:   # the template's special tokens alone exceed it
-            raise RequestRejectedError(f"truncate_prompt_tokens is {pair_max_tokens}: too few for the pair's special "
-                                       f"tokens", param="truncate_prompt_tokens")
-        return ids
+        if max_tokens is None:
+            return self.tokenizer(*texts, add_special_tokens=add_special_tokens)
+        return self.tokenizer(*texts, add_special_tokens=add_special_tokens, truncation="longest_first",
+                              max_length=max_tokens)
 
     @functools.cached_property
     def chars_per_token(self) -> int:
@@ -708,7 +726,8 @@ class LLMEngine:
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None, cache_salt: str | None = None,
-                    multi_modal_data: dict[str, Any] | None = None) -> None:
+                    multi_modal_data: dict[str, Any] | None = None,
+                    token_type_ids: Sequence[int] | None = None) -> None:
         """Queue a request. ``priority`` (the ``priority`` scheduling policy only): lower runs first.
         An embedding engine (``task="embed"``) takes :class:`~plinth.core.pooling.PoolingParams` (or none);
         its outputs are :class:`~plinth.core.pooling.PoolingRequestOutput` (a classifier's, ``task="classify"``,
@@ -720,11 +739,14 @@ class LLMEngine:
         bytes): the images the prompt's image tokens stand for, one token each (see :mod:`plinth.multimodal`).
         ``prompt`` may be an :class:`~plinth.core.prompt_embeds.PromptEmbeds`: the prompt as its input embeddings (an
         engine with ``enable_prompt_embeds``); its output's ``prompt_token_ids`` is then empty.
+        ``token_type_ids`` (an encoder: vLLM's ``TokensPrompt`` field): each prompt token's segment, as a BERT
+        tokenizer gives a text pair (``[CLS] a [SEP]`` type 0, ``b [SEP]`` type 1); without it every token's is 0.
 
         Raises:
             RequestRejectedError: the prompt is empty or too long, a token id (of the prompt, ``logit_bias``,
                 ``allowed_token_ids``) is not in the vocabulary, the id is in use, a
-                priority without the priority policy, or an adapter that cannot be served.
+                priority without the priority policy, an adapter that cannot be served, or token types that are
+                not one per prompt token within the model's ``type_vocab_size`` (or given to a decoder).
             QueueFullError: the waiting queue is full.
         """
         keep = getattr(params, "truncate_prompt_tokens", None)   # (a PoolingParams' too)
@@ -807,6 +829,7 @@ class LLMEngine:
                 and self.images.video_token_id in ids:
             raise RequestRejectedError(f"the prompt has the video token (id {self.images.video_token_id}) but no "
                                        "video: give the videos in multi_modal_data", param="multi_modal_data")
+        types = self._token_types(token_type_ids, ids) if token_type_ids is not None else None
         if keep is not None:   # the prompt's last tokens only (vLLM's truncate_prompt_tokens)
             keep = self.max_model_len if keep == -1 else keep
             if keep > self.max_model_len:
@@ -814,7 +837,11 @@ class LLMEngine:
                                            f"({self.max_model_len}); give a smaller value (or -1: the context)",
                                            param="truncate_prompt_tokens")
             if len(ids) > keep:   # (an encoder's first tokens: see kept_tokens)
-                text, ids = None, kept_tokens(ids, keep, self.encoder, self.special_ids)
+                cut = kept_tokens(ids, keep, self.encoder, self.special_ids)
+                if types is not None:   # the same positions: the first ones, and the closing token where it stays
+                    closing = int(cut[-1:] == ids[-1:] and len(cut) > 1 and ids[-1] in self.special_ids)
+                    types = types[:len(cut) - closing] + types[len(types) - closing:]
+                text, ids = None, cut
         if embeds is not None:
             from plinth.core.prompt_embeds import embeds_items
             from plinth.multimodal.images import salted_key
@@ -890,6 +917,8 @@ class LLMEngine:
                 req.rope_layout = rope_layout
                 if pooling is not None:
                     req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
+                if types is not None and any(types):
+                    req.token_types = np.asarray(types[:len(run_ids)], dtype=np.int64)
                 if matcher is not None:
                     req.matcher = matcher if i == 0 else matcher.deep_copy()
                 detok = (IncrementalDetokenizer(self.tokenizer, ids if embeds is None else [], child_params)
@@ -939,6 +968,28 @@ class LLMEngine:
         from plinth.core.prompt_embeds import checked_embeds
 
         return checked_embeds(prompt.embeds, self.hidden_size, self.dtype)
+
+    def _token_types(self, token_type_ids: Any, ids: list[int]) -> list[int]:
+        """A request's ``token_type_ids``, checked: one per prompt token, each below the model's ``type_vocab_size``.
+
+        Raises:
+            RequestRejectedError: naming ``token_type_ids``.
+        """
+        if not self.num_token_types:
+            raise RequestRejectedError("token_type_ids are for encoder models (BERT-style), which read text pairs as "
+                                       "two segments; this model has no token types", param="token_type_ids")
+        try:
+            types = _token_ids(token_type_ids)
+        except RequestRejectedError:
+            raise RequestRejectedError("token_type_ids must be a list of integers", param="token_type_ids") from None
+        if len(types) != len(ids):
+            raise RequestRejectedError(f"token_type_ids holds {len(types)} values for a prompt of {len(ids)} tokens: "
+                                       "give one per token", param="token_type_ids")
+        if types and (min(types) < 0 or max(types) >= self.num_token_types):
+            raise RequestRejectedError(f"token_type_ids must be in [0, {self.num_token_types}) (this model's "
+                                       f"type_vocab_size), got {min(types) if min(types) < 0 else max(types)}",
+                                       param="token_type_ids")
+        return types
 
     def _pooling_request(self, params: Any) -> PoolingParams | None:
         """The pooling options of a request to an embedding or classification engine (``None`` for a generation

@@ -297,12 +297,18 @@ def kept_tokens(ids: list[int], keep: int, encoder: bool = False, special_ids: A
     return ids[:keep - len(closing)] + closing
 
 
-def cut_pair(first: list[int], second: list[int], keep: int | None, special: Any = ()) -> list[int]:
+def pair_types(length: int, split: int) -> list[int]:
+    """The token types of a pair of ``length`` tokens whose second part starts at ``split``: 0 then 1 (BERT's
+    segments)."""
+    return [0] * split + [1] * (length - split)
+
+
+def cut_pair(first: list[int], second: list[int], keep: int | None, special: Any = ()) -> tuple[list[int], int]:
     """Two token-id lists joined and cut to ``keep`` tokens (``None``: not cut) as transformers' tokenizers cut a pair
     (``truncation="longest_first"``): a token off the end of the longer list (the second on a tie) at a time, so
     that both keep their beginning. The tokens of ``special`` at either end of each list (an encoder's ``[CLS]``,
     ``[SEP]``, ``</s>``) stay where ``keep`` leaves room for them: only the text between is cut, as the tokenizer
-    cuts the texts before it adds them."""
+    cuts the texts before it adds them. Returns the joined ids and where the second list's tokens start."""
     def split(ids: list[int]) -> tuple[list[int], list[int], list[int]]:
         a, b = 0, len(ids)
         while a < b and ids[a] in special:
@@ -321,7 +327,8 @@ def cut_pair(first: list[int], second: list[int], keep: int | None, special: Any
             first.pop()
         else:
             second.pop()
-    return h1 + first + t1 + h2 + second + t2
+    head = h1 + first + t1
+    return head + h2 + second + t2, len(head)
 
 
 def head_from_tokens(hf_config: Any) -> bool:

@@ -481,6 +481,8 @@ class Request:
         #: multimodal RoPE (Qwen2-VL): where the prompt's rotary positions depart from its indices
         #: (:class:`~plinth.multimodal.mrope.RopeLayout`), or ``None``
         self.rope_layout: Any = None
+        #: ``[num_prompt_tokens]`` int64: each prompt token's segment (an encoder's text pair), or ``None``: all 0
+        self.token_types: Any = None
         if arrival_time is not None:
             self.metrics.arrival_time = arrival_time
 

@@ -36,6 +36,7 @@ class StepBatch:
         rope_shift: rotary positions apart from the cache's (multimodal RoPE; see the same).
         state_rows: each sequence's row of the model's recurrent state (Mamba layers; see the same).
         state_checkpoints: the step's restores and saves of those states' prefix-cache checkpoints (see the same).
+        token_types: each token's segment (an encoder's text pairs; see the same).
     """
 
     token_ids: np.ndarray
@@ -52,6 +53,7 @@ class StepBatch:
     rope_shift: np.ndarray | None = None
     state_rows: np.ndarray | None = None
     state_checkpoints: StateCheckpoints | None = None
+    token_types: np.ndarray | None = None
 
     @classmethod
     def from_entries(cls, entries: Sequence[SeqBatchEntry] | FlatBatch) -> StepBatch:
@@ -66,7 +68,7 @@ class StepBatch:
                        needs_hidden=entries.needs_hidden, lora_slots=entries.lora_slots,
                        lora_loads=entries.lora_loads, num_logits=entries.num_logits, images=entries.images,
                        rope_shift=entries.rope_shift, state_rows=entries.state_rows,
-                       state_checkpoints=entries.state_checkpoints)
+                       state_checkpoints=entries.state_checkpoints, token_types=entries.token_types)
         n = len(entries)
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
         block_counts = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
@@ -90,7 +92,7 @@ class StepBatch:
                          block_counts=self.block_counts, sample=self.sample, needs_hidden=self.needs_hidden,
                          lora_slots=self.lora_slots, lora_loads=self.lora_loads, num_logits=self.num_logits,
                          images=self.images, rope_shift=self.rope_shift, state_rows=self.state_rows,
-                         state_checkpoints=self.state_checkpoints,
+                         state_checkpoints=self.state_checkpoints, token_types=self.token_types,
                          decode_only=len(self.token_ids) == n and bool(self.sample.all()) and not self.needs_hidden
                          and not self.images)
 

@@ -62,6 +62,7 @@ def sub_batch(batch: FlatBatch, part: range) -> FlatBatch:
                      lora_slots=batch.lora_slots[a:b] if batch.lora_slots is not None else None,
                      num_logits=batch.num_logits[a:b] if batch.num_logits is not None else None,
                      rope_shift=batch.rope_shift[t0:t1] if batch.rope_shift is not None else None,
+                     token_types=batch.token_types[t0:t1] if batch.token_types is not None else None,
                      state_rows=batch.state_rows[a:b] if batch.state_rows is not None else None,
                      state_checkpoints=_sub_checkpoints(batch.state_checkpoints, a, b),
                      images=[(row - t0, *rest) for row, *rest in batch.images if t0 <= row < t1] or None

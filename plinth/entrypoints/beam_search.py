@@ -195,6 +195,9 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
     if any(isinstance(p, _Salted) and p.multi_modal_data is not None for p in prompts):
         raise RequestRejectedError("beam search does not take image inputs (multi_modal_data)",
                                    param="multi_modal_data")
+    if any(isinstance(p, _Salted) and p.token_type_ids is not None for p in prompts):
+        raise RequestRejectedError("token_type_ids are for encoder models; beam search generates text",
+                                   param="token_type_ids")
     salts = [p.salt if isinstance(p, _Salted) else None for p in prompts]   # a dict prompt's cache_salt
     prompts = [p.prompt if isinstance(p, _Salted) else p for p in prompts]
     if any(isinstance(p, PromptEmbeds) for p in prompts):

@@ -22,6 +22,7 @@ from plinth.core.pooling import (
     check_cross_encoder,
     cosine_scores,
     cut_pair,
+    pair_types,
 )
 from plinth.core.request import RequestOutput, SamplingParams, cache_salt_problem
 from plinth.errors import RequestFailedError
@@ -44,47 +45,49 @@ _TASK_USE = {"generate": "a text generation model: use LLM.generate or LLM.chat"
                          "cross-encoder)"}
 
 
-def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> list[int]:
+def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> dict[str, Any]:
     """A cross-encoder's input: two texts tokenized as a pair, or two token-id lists joined; cut to ``keep`` tokens
-    as the tokenizer cuts a pair (the longer first, both keeping their beginning)."""
+    as the tokenizer cuts a pair (the longer first, both keeping their beginning); with its token types where the
+    model reads segments (BERT)."""
     if isinstance(first, str) and isinstance(second, str):
-        if keep is None:
-            return engine.tokenize(first, pair=second)
-        return engine.tokenize(first, pair=second, pair_max_tokens=keep,
-                               max_chars=max(engine.chars_per_token * engine.max_model_len, MAX_TRUNCATED_CHARS))
-    if isinstance(first, str) or isinstance(second, str):
+        limit = None if keep is None else max(engine.chars_per_token * engine.max_model_len, MAX_TRUNCATED_CHARS)
+        ids, types = engine.tokenize_pair(first, second, max_chars=limit, max_tokens=keep)
+    elif isinstance(first, str) or isinstance(second, str):
         raise ValueError("a cross-encoder reads text_1 and text_2 together: give both as texts or both as token ids")
-    if not first or not second:
+    elif not first or not second:
         raise ValueError(f"{'text_1' if not first else 'text_2'} must not hold an empty token list")
-    # (an encoder's special tokens at the lists' ends stay: only the text between is cut)
-    return cut_pair(first, second, keep, engine.special_ids if getattr(engine, "encoder", False) else ())
+    else:   # (an encoder's special tokens at the lists' ends stay: only the text between is cut)
+        ids, split = cut_pair(first, second, keep, engine.special_ids if getattr(engine, "encoder", False) else ())
+        types = pair_types(len(ids), split) if engine.num_token_types > 1 else None
+    return {"prompt_token_ids": ids, **({"token_type_ids": types} if types is not None else {})}
 
 
 class _Salted(NamedTuple):
     """A dict prompt's text or token ids with its ``cache_salt``, its ``multi_modal_data`` and the settings of the
-    image processor for its images, ``mm_processor_kwargs`` (each may be ``None``)."""
+    image processor for its images, ``mm_processor_kwargs``, and its ``token_type_ids`` (each may be ``None``)."""
 
     prompt: Any
     salt: str | None
     multi_modal_data: Any = None
     processor_kwargs: Any = None
+    token_type_ids: Any = None
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+_PROMPT_OPTIONS = ("cache_salt", "multi_modal_data", "mm_processor_kwargs", "token_type_ids")
 
 
 def _one_prompt(prompt: Any) -> Any:
     """A dict prompt as its text, token ids or :class:`~plinth.core.prompt_embeds.PromptEmbeds` (other forms as they
-    are), as a :class:`_Salted` where it has a ``cache_salt`` or ``multi_modal_data``."""
+    are), as a :class:`_Salted` where it has a ``cache_salt``, ``multi_modal_data`` or ``token_type_ids``."""
     if not isinstance(prompt, dict):
         return prompt
     keys = set(prompt) & set(_PROMPT_KEYS)
-    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt", "multi_modal_data", "mm_processor_kwargs"},
-                     key=repr)
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, *_PROMPT_OPTIONS}, key=repr)
     if len(keys) != 1 or unknown:
         raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text), 'prompt_token_ids' (token ids) and "
                          f"'prompt_embeds' (a [positions, hidden_size] tensor), and optionally 'cache_salt', "
-                         f"'multi_modal_data' and 'mm_processor_kwargs'"
+                         f"'multi_modal_data', 'mm_processor_kwargs' and 'token_type_ids' (with token ids)"
                          f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
     if "prompt_embeds" in prompt:
         from plinth.core.prompt_embeds import PromptEmbeds
@@ -98,22 +101,25 @@ def _one_prompt(prompt: Any) -> Any:
         raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
     value = value.tolist() if getattr(value, "ndim", None) == 1 else value
     salt, mm, settings = prompt.get("cache_salt"), prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs")
+    types = prompt.get("token_type_ids")
     if settings is not None and mm is None:
         raise ValueError("'mm_processor_kwargs' sets how the prompt's images are processed: give them in "
                          "'multi_modal_data'")
-    if salt is None and mm is None:   # absent or null: no salt, no images
+    if types is not None and "prompt_token_ids" not in prompt:
+        raise ValueError("'token_type_ids' (one per token) go with 'prompt_token_ids'")
+    if salt is None and mm is None and types is None:   # absent or null: no salt, no images, no token types
         return value
     problem = cache_salt_problem(salt)
     if problem is not None:
         raise ValueError(f"'cache_salt' {problem}")
-    return _Salted(value, salt, mm, settings)
+    return _Salted(value, salt, mm, settings, types.tolist() if getattr(types, "ndim", None) == 1 else types)
 
 
 def _unsalted(prompts: list[Any], what: str) -> list[Any]:
     """``prompts`` for a method that takes no ``cache_salt``: a clear error for one that has one."""
     if any(isinstance(p, _Salted) for p in prompts):
-        raise ValueError(f"{what} takes no 'cache_salt' or 'multi_modal_data' (give the prompts as texts or token "
-                         "ids)")
+        raise ValueError(f"{what} takes no 'cache_salt', 'multi_modal_data' or 'token_type_ids' (give the prompts "
+                         "as texts or token ids)")
     return prompts
 
 
@@ -321,10 +327,11 @@ class LLM:
             with GcPause():   # (queuing a batch makes many objects and no garbage: no collections scanning them)
                 for i, (prompt, params, rank, lora) in enumerate(requests):
                     rid = f"llm-{next(self._ids)}"
-                    prompt, salt, mm, settings = prompt if isinstance(prompt, _Salted) else (prompt, None, None, None)
+                    prompt, salt, mm, _, types = (prompt if isinstance(prompt, _Salted)
+                                                  else (prompt, None, None, None, None))
                     mm = prepared.get(i, mm)
                     self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt,
-                                            multi_modal_data=mm)
+                                            multi_modal_data=mm, token_type_ids=types)
                     ids.append(rid)
         except BaseException:
             if ids:

@@ -357,8 +357,6 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
     tokenizer = model_config.tokenizer
     if tokenizer is None and any((path / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = str(path)
-    if is_encoder_architecture(arch):
-        _encoder_separator(cfg, tokenizer, path, model_config.task)
     return ModelSource("dummy" if fmt == "dummy" else "hf_dir", str(path), cfg, arch, tokenizer, headless, text_only,
                        classifier, mm_config)
 
@@ -436,34 +434,6 @@ def is_encoder_architecture(arch: str) -> bool:
         return bool(getattr(ModelRegistry.resolve(arch), "is_encoder", False))
     except UnsupportedModelError:
         return False
-
-
-def _encoder_separator(cfg: Any, tokenizer: str | None, where: Any, task: str) -> None:
-    """Give the config of a BERT classifier, which reads text pairs as two segments, ``segment_token_id``: the
-    ``[SEP]`` that ends the first segment (the config's ``sep_token_id``, else its tokenizer's). An embedding model
-    reads every input as one segment (what its tokenizer gives a single text), and so does a classifier without a
-    separator."""
-    from plinth.model_registry.models.bert import uses_segments
-
-    cfg.segment_token_id = None
-    if task != "classify" or not uses_segments(cfg):
-        return
-    sep = getattr(cfg, "sep_token_id", None)
-    if isinstance(sep, int) and not isinstance(sep, bool):
-        cfg.segment_token_id = sep
-        return
-    if tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            sep = AutoTokenizer.from_pretrained(tokenizer).sep_token_id
-        except Exception as exc:  # noqa: BLE001 - the tokenizer's own load reports it again with the model's name
-            logger.warning("%s: cannot read the tokenizer's [SEP] token (%s)", where, exc)
-    if isinstance(sep, int):
-        cfg.segment_token_id = sep
-    else:
-        logger.warning("%s: no sep_token_id in the config or the tokenizer: every input is read as one segment "
-                       "(token type 0), also text pairs", where)
 
 
 def _causal_of(cfg: Any, stem: str) -> str:

@@ -139,6 +139,8 @@ class FlatBatch(Sequence[SeqBatchEntry]):
         state_rows: ``[N]`` int64, each sequence's row of the model's recurrent state (its block-table row, its own
             while it runs; models with Mamba layers), or ``None``: the model keeps no such state.
         state_checkpoints: the step's restores and saves of such states' prefix-cache checkpoints, or ``None``.
+        token_types: ``[T]`` int64, each token's segment (token type: an encoder's text pairs), or ``None``: every
+            token's is 0.
     """
 
     token_ids: np.ndarray
@@ -157,6 +159,7 @@ class FlatBatch(Sequence[SeqBatchEntry]):
     rope_shift: np.ndarray | None = None
     state_rows: np.ndarray | None = None
     state_checkpoints: StateCheckpoints | None = None
+    token_types: np.ndarray | None = None
     _entries: list[SeqBatchEntry] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -377,6 +380,7 @@ class BatchBuilder:
         expanded: list[int] | None = None   # drafts as rows: rows per scheduled entry
         images: list[Any] | None = None
         shifts: list[tuple[int, np.ndarray]] | None = None   # (first row, shifts) of multimodal-RoPE sequences
+        types: list[tuple[int, np.ndarray]] | None = None    # (first row, token types) of sequences that have them
         for i, s in enumerate(out.scheduled):
             req = s.request
             row = row_of(req.request_id, req.block_ids)
@@ -415,6 +419,10 @@ class BatchBuilder:
                 num_logits.append(1)
             if req.images and start < len(req.prompt_token_ids):
                 images = _image_rows(req.images, start, num_new, len(tokens), images)
+            if req.token_types is not None:
+                if types is None:
+                    types = []
+                types.append((len(tokens), req.token_types[start:start + num_new]))
             if num_new == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -452,7 +460,8 @@ class BatchBuilder:
             lora_loads=lora_loads,
             num_logits=np.array(num_logits, dtype=np.int64) if num_logits is not None else None,
             images=images,
-            rope_shift=_rope_shift(shifts, len(tokens)) if shifts else None,
+            rope_shift=_at_rows(shifts, len(tokens)) if shifts else None,
+            token_types=_at_rows(types, len(tokens)) if types else None,
             state_rows=row_array if self.carries_state_rows else None,
             state_checkpoints=(StateCheckpoints.of({s.request.request_id: i for i, s in enumerate(out.scheduled)},
                                                    out.state_restores, out.state_saves)
@@ -461,8 +470,8 @@ class BatchBuilder:
         return batch, sampled
 
 
-def _rope_shift(parts: list[tuple[int, np.ndarray]], num_tokens: int) -> np.ndarray:
-    """``[T]`` int64: each part's shifts at its rows, 0 elsewhere."""
+def _at_rows(parts: list[tuple[int, np.ndarray]], num_tokens: int) -> np.ndarray:
+    """``[T]`` int64: each part's values at its rows (from its first row on), 0 elsewhere."""
     out = np.zeros(num_tokens, dtype=np.int64)
     for base, values in parts:
         out[base:base + len(values)] = values

@@ -273,8 +273,11 @@ class ModelRunner:
             int64 += [feed.rows, feed.src]
         if batch.state_rows is not None:
             int64.append(batch.state_rows)
+        if batch.token_types is not None:
+            int64.append(batch.token_types)
         (input_ids, positions_t, slots, rows, *extra), (qsl_t, lens_t, ctx_t, tables_t) = self.staging.upload(
             int64, [qsl, seq_lens, starts, tables])
+        token_types = extra.pop() if batch.token_types is not None else None
         state_rows = extra.pop() if batch.state_rows is not None else None
         fed = extra
         if feed is not None:   # the step in flight's sampled tokens, gathered on the device
@@ -297,6 +300,7 @@ class ModelRunner:
             state_saves=_inner_saves(batch),
             image_spans=(_image_spans(batch.images, qsl, seq_lens)
                          if batch.images and getattr(self.model, "bidirectional_images", False) else None),
+            token_types=token_types,
         )
         return StepInputs(input_ids=input_ids, positions=positions_t, metadata=metadata, sample_rows=rows,
                           sample_seqs=sample_seqs.tolist())

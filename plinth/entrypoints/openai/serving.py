@@ -237,19 +237,28 @@ class ServerContext:
                 f"model's maximum context length ({limit} tokens); shorten the prompt", param,
                 "context_length_exceeded")
 
-    async def tokenize(self, text: str, add_special_tokens: bool, param: str, truncating: bool = False,
-                       pair: str | None = None, pair_max_tokens: int | None = None) -> list[int]:
-        """Token ids of ``text`` (and ``pair``, tokenized together as a pair, cut to ``pair_max_tokens``),
-        tokenized in a worker thread (a long prompt does not stall the server); the engine's refusals (text that is
-        not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``. ``truncating``: see
-        :meth:`check_text`."""
-        self.check_text(len(text) + len(pair or ""), param, truncating)
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str, truncating: bool = False) -> list[int]:
+        """Token ids of ``text``, tokenized in a worker thread (a long prompt does not stall the server); the
+        engine's refusals (text that is not valid Unicode, a lone UTF-16 surrogate) are 400s naming ``param``.
+        ``truncating``: see :meth:`check_text`."""
+        self.check_text(len(text), param, truncating)
         max_chars = self.truncated_text_limit() if truncating else None
+        return await self._tokenized(param, lambda: self.front.tokenize(text, add_special_tokens=add_special_tokens,
+                                                                        max_chars=max_chars))
 
-        def run() -> list[int]:
+    async def tokenize_pair(self, first: str, second: str, add_special_tokens: bool, param: str,
+                            max_tokens: int | None = None) -> tuple[list[int], list[int] | None]:
+        """Two texts tokenized together as a pair, cut to ``max_tokens`` (see ``LLMEngine.tokenize_pair``): token ids
+        and token types, as :meth:`tokenize` (``truncating`` where ``max_tokens`` is given)."""
+        self.check_text(len(first) + len(second), param, max_tokens is not None)
+        max_chars = self.truncated_text_limit() if max_tokens is not None else None
+        return await self._tokenized(param, lambda: self.front.tokenize_pair(
+            first, second, add_special_tokens=add_special_tokens, max_chars=max_chars, max_tokens=max_tokens))
+
+    async def _tokenized(self, param: str, tokenize: Callable[[], Any]) -> Any:
+        def run() -> Any:
             with self._tokenize_lock:
-                return self.front.tokenize(text, add_special_tokens=add_special_tokens, max_chars=max_chars,
-                                           pair=pair, pair_max_tokens=pair_max_tokens)
+                return tokenize()
 
         try:
             return await asyncio.to_thread(run)
@@ -358,15 +367,17 @@ class ServerContext:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams,
                        priority: int = 0, lora: LoRARequest | None = None,
                        accepted: asyncio.Future[None] | None = None, cache_salt: str | None = None,
-                       multi_modal_data: dict[str, Any] | None = None,
+                       multi_modal_data: dict[str, Any] | None = None, token_type_ids: list[int] | None = None,
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """``front.generate`` with metrics (an embedding engine takes PoolingParams); closing it aborts the engine
         request. ``accepted`` is resolved when the engine takes the request (see :func:`start`)."""
         await self._ensure_lora(lora)
         tracker = self.metrics.request()
+        extra: dict[str, Any] = {} if multi_modal_data is None else {"multi_modal_data": multi_modal_data}
+        if token_type_ids is not None:
+            extra["token_type_ids"] = token_type_ids
         inner = self.front.generate(request_id, prompt_ids, params, priority, lora, accepted=accepted,
-                                    cache_salt=cache_salt, **({"multi_modal_data": multi_modal_data}
-                                                              if multi_modal_data is not None else {}))
+                                    cache_salt=cache_salt, **extra)
         error = False
         try:
             async for out in inner:
@@ -603,21 +614,25 @@ class Started(NamedTuple):
 
 async def start(ctx: ServerContext, requests: Sequence[tuple[str, list[int], Any]], priority: int = 0,
                 lora: LoRARequest | None = None, param: str | Sequence[str] = "prompt",
-                cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None) -> Started:
+                cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None,
+                token_types: Sequence[list[int] | None] | None = None) -> Started:
     """Submit ``(request id, prompt ids, params)`` requests and wait until the engine has taken every
     one (not for their first tokens, which may come much later when the batch is full), so that a
     rejected prompt fails the whole request before a response starts. On any failure (or
     cancellation) every stream is closed, which aborts its engine request. ``param``: the client's field
     holding the prompts, or each request's (a refusal then names the refused one's). ``multi_modal_data``: the
-    images of every request (a chat request's)."""
+    images of every request (a chat request's). ``token_types``: each request's ``token_type_ids`` (a cross-encoder's
+    text pairs), or ``None``."""
     counts = [getattr(params, "n", 1) for _, _, params in requests]
     fields = [param] * len(requests) if isinstance(param, str) else list(param)
     ctx.check_room(sum(counts), "n" if max(counts, default=1) > 1 else fields[-1] if fields else "prompt")
     loop = asyncio.get_running_loop()
     accepted = [loop.create_future() for _ in requests]
     images = {"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}
-    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut, cache_salt=cache_salt, **images)
-               for (rid, ids, params), fut in zip(requests, accepted, strict=True)]
+    types = list(token_types) if token_types is not None else [None] * len(requests)
+    streams = [ctx.generate(rid, ids, params, priority, lora, accepted=fut, cache_salt=cache_salt, **images,
+                            **({"token_type_ids": kinds} if kinds is not None else {}))
+               for (rid, ids, params), fut, kinds in zip(requests, accepted, types, strict=True)]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]   # type: ignore[arg-type]
     try:
         while True:

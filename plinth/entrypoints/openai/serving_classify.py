@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.pooling import PoolingParams, check_cross_encoder, cut_pair
+from plinth.core.pooling import PoolingParams, check_cross_encoder, cut_pair, pair_types
 from plinth.core.scheduler import RequestRejectedError
 from plinth.entrypoints.openai.errors import bad_request
 from plinth.entrypoints.openai.protocol import (
@@ -52,12 +52,14 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
         raise bad_request(f"{params[1]} holds {len(pairs)} items; at most {MAX_CHOICES} per request", params[1])
     keep = ctx.keep_tokens(req)
     inputs: list[list[int]] = []
+    types: list[list[int] | None] = []
     special = ctx.front.special_ids if getattr(ctx.front, "encoder", False) else ()
+    segments = getattr(ctx.front, "num_token_types", 0) > 1
     for first, second in pairs:
         longer = params[0] if len(first) >= len(second) else params[1]   # named where the pair is too long
         if isinstance(first, str) and isinstance(second, str):
-            ids = await ctx.tokenize(first, add_special_tokens=req.add_special_tokens, param=longer,
-                                     truncating=keep is not None, pair=second, pair_max_tokens=keep)
+            ids, kinds = await ctx.tokenize_pair(first, second, add_special_tokens=req.add_special_tokens,
+                                                 param=longer, max_tokens=keep)
         elif isinstance(first, str) or isinstance(second, str):
             raise bad_request(f"a cross-encoder reads {params[0]} and {params[1]} together: give both as texts or "
                               f"both as token ids", params[1])
@@ -66,11 +68,13 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
                 if not item:
                     raise bad_request(f"{param} must not hold an empty token list", param)
                 ctx.check_token_ids(item, param)
-            ids = cut_pair(first, second, keep, special)
+            ids, split = cut_pair(first, second, keep, special)
+            kinds = pair_types(len(ids), split) if segments else None
         if not ids:
             raise bad_request(f"{params[0]} and {params[1]} must not be empty", params[0])
         ctx.check_length(len(ids), None, longer, pooling=True)   # at most max_model_len tokens
         inputs.append(ids)
+        types.append(kinds)
     outs = await pool_all(ctx, raw, rid, inputs, PoolingParams(), req.priority, lora, params[1],
-                          cache_salt=req.cache_salt)
+                          cache_salt=req.cache_salt, token_types=types)
     return [o.probs[0] for o in outs], sum(len(ids) for ids in inputs)

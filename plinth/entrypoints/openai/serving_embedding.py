@@ -71,12 +71,13 @@ async def embed_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[lis
 
 async def pool_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list[int]], params: PoolingParams,
                    priority: int, lora: object, param: str | Sequence[str] = "input",
-                   cache_salt: str | None = None) -> list[Any]:
-    """The pooled results (``EmbeddingOutput`` or ``ClassificationOutput``) of ``inputs``, as :func:`embed_all`."""
+                   cache_salt: str | None = None, token_types: Sequence[list[int] | None] | None = None) -> list[Any]:
+    """The pooled results (``EmbeddingOutput`` or ``ClassificationOutput``) of ``inputs`` (with ``token_types``: each
+    input's token types), as :func:`embed_all`."""
     requests = [(f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
     try:
         started = await unless_disconnected(raw, start(ctx, requests, priority, lora, param=param,
-                                                           cache_salt=cache_salt))
+                                                           cache_salt=cache_salt, token_types=token_types))
     except RequestRejectedError as exc:
         raise bad_request(str(exc), exc.param or (param if isinstance(param, str) else "input")) from None
     events = merge(started)

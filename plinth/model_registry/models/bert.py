@@ -7,11 +7,10 @@ for these models) and keeps no KV cache. The layers are post-norm: ``LayerNorm(x
 ``LayerNorm(x + MLP(x))``; the embeddings are the token's, its absolute position's and its segment's (token type),
 summed and normed.
 
-Segments: a BERT classifier reads a text pair as ``[CLS] a [SEP] b [SEP]`` with token type 1 after the first
-``[SEP]``, as its tokenizer's ``token_type_ids`` say; the model derives them from the ``[SEP]`` tokens of each input
-(``segment_token_id``, set by the loader for ``task="classify"`` from the config's or the tokenizer's
-``sep_token_id``), so a single text that holds a ``[SEP]`` is read as a pair there. An embedding model reads every
-input as one segment. RoBERTa and XLM-RoBERTa use one segment, and count positions
+Segments: a BERT cross-encoder reads a text pair as ``[CLS] a [SEP] b [SEP]`` with token type 1 for ``b [SEP]``, as its
+tokenizer's ``token_type_ids`` say; the types come with the request (the engine's ``token_type_ids``, made where a pair
+is tokenized) and reach the model as the step's ``metadata.token_types``. Any other input is one segment (type 0), as
+the tokenizer types a single text, whatever ``[SEP]`` tokens it holds. RoBERTa and XLM-RoBERTa use one segment, and count positions
 from ``pad_token_id + 1`` (a pad token inside an input takes the pad position and does not advance the count, as
 transformers' ``create_position_ids_from_input_ids``).
 """
@@ -58,11 +57,6 @@ def position_offset(cfg: Any) -> int:
         pad = getattr(cfg, "pad_token_id", None)
         return int(pad) + 1 if isinstance(pad, int) else 0
     return 0
-
-
-def uses_segments(cfg: Any) -> bool:
-    """Whether an input's token types come from its ``[SEP]`` tokens (BERT with more than one token type)."""
-    return getattr(cfg, "model_type", None) not in ROBERTA_TYPES and int(getattr(cfg, "type_vocab_size", 1) or 1) > 1
 
 
 @functools.cache
@@ -279,8 +273,6 @@ class BertModel(EncoderModel):
         self.layers = nn.ModuleList(EncoderLayer(ctx) for _ in range(int(cfg.num_hidden_layers)))
         self.position_start = position_offset(cfg)
         self.pad_token_id = getattr(cfg, "pad_token_id", None) if self.position_start else None
-        # (a classifier's text pairs: see plinth.model_registry.loader._encoder_separator)
-        self.sep_token_id = getattr(cfg, "segment_token_id", None) if uses_segments(cfg) else None
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         for prefix in _PREFIXES:
@@ -315,25 +307,11 @@ class BertModel(EncoderModel):
         out[:seq.shape[0]] = torch.where(real[:seq.shape[0]].bool(), mine + self.pad_token_id, self.pad_token_id)
         return out
 
-    def _token_types(self, input_ids: torch.Tensor, step: EncoderStep) -> torch.Tensor | None:
-        if self.sep_token_id is None:
-            return None
-        # type 1 after an input's first [SEP]: [CLS] a [SEP] | b [SEP]
-        seps = (input_ids == self.sep_token_id).to(torch.int64)
-        counts = torch.cumsum(seps, 0) - seps                                  # [SEP]s before each row
-        n = sum(step.lens)
-        seq = torch.repeat_interleave(torch.arange(step.num_seqs, device=input_ids.device),
-                                      torch.tensor(step.lens, device=input_ids.device), output_size=n)
-        first = torch.cat([counts.new_zeros(1), torch.cumsum(seps, 0)])[step.starts]
-        types = torch.zeros_like(input_ids)
-        types[:n] = ((counts[:n] - first[seq]) > 0).to(torch.int64)
-        return types
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         step = EncoderStep(metadata, input_ids.device, input_ids.shape[0], self.position_embeddings.dtype)
         pos = self._positions(input_ids, positions, step).clamp_(0, self.position_embeddings.shape[0] - 1)
         x = self.word_embeddings(input_ids) + self.position_embeddings[pos]
-        types = self._token_types(input_ids, step)
+        types = metadata.token_types   # (the engine checked them against type_vocab_size)
         x = x + (self.token_type_embeddings[0] if types is None else self.token_type_embeddings[types])
         x = self.embeddings_norm(x)
         for layer in self.layers:
