@@ -121,6 +121,9 @@ class _InFlight:
     pooled: list[_PoolSpan] | None = None   # the embedding requests' rows it computes (see LLMEngine._pool_spans)
 
 
+#: a pooling request's sampling: its prompt's prefill, then one token (dropped); checked once, as it is made
+_POOLING_STEP = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
 #: the floor of ``LLMEngine.chars_per_token`` (real text has a few characters per token)
 MIN_CHARS_PER_TOKEN = 64
 
@@ -752,7 +755,7 @@ class LLMEngine:
         keep = getattr(params, "truncate_prompt_tokens", None)   # (a PoolingParams' too)
         pooling = self._pooling_request(params)
         if pooling is not None:   # the prompt's prefill; the one token sampled after it is dropped
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)   # (checked as it is made)
+            params = _POOLING_STEP   # (no one changes a request's parameters: one object serves every request)
         else:
             params = params or self.default_sampling_params()
             if not isinstance(params, SamplingParams):
