@@ -224,7 +224,8 @@ def test_token_types_come_with_the_request_not_from_sep_tokens(tmp_path):
     assert out[0].prompt_token_ids == ids[:5] + ids[-1:]
     assert abs(out[0].outputs.probs[0] - hf_logit(input_ids=ids[:5] + ids[-1:], token_type_ids=types[:5] + types[-1:])) < 1e-5
     for bad, match in (([0, 1], "holds 2 values for a prompt of 10 tokens"), ([0] * 9 + [2], r"in \[0, 2\).* got 2"),
-                       ([0] * 9 + [-1], "got -1"), (["a"] * 10, "must be a list of integers")):
+                       ([0] * 9 + [-1], "got -1"), (["a"] * 10, "must be a list of integers"),
+                       (dict.fromkeys(range(10), 1), "must be a list of integers")):
         with pytest.raises(RequestRejectedError, match=match) as info:
             llm.classify({"prompt_token_ids": ids, "token_type_ids": bad})
         assert info.value.param == "token_type_ids"
@@ -396,6 +397,14 @@ def test_server_embeddings_and_rerank(tmp_path):
         results = r.json()["results"]
         assert [x["index"] for x in results] == best
         np.testing.assert_allclose([x["relevance_score"] for x in results], [ref[i] for i in best], atol=1e-5)
+        # token-id pairs: joined and typed as the tokenizer types the texts (a [SEP] of the first list included)
+        query, docs = tokenizer("the cat")["input_ids"], [tokenizer(d)["input_ids"][1:] for d in TEXTS[:2]]
+        r = client.post("/v1/score", json={"text_1": query, "text_2": docs})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose([x["score"] for x in r.json()["data"]], ref[:2], atol=1e-5)
+        r = client.post("/v1/rerank", json={"query": query, "documents": docs})
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        np.testing.assert_allclose([got[0], got[1]], ref[:2], atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -142,6 +142,7 @@ class AsyncLLMEngine:
         self.classifier = getattr(engine, "classifier", None)   # a sequence classifier's head (its labels)
         self.encoder: bool = bool(getattr(engine, "encoder", False))   # an encoder-only model (BERT, ...)
         self.special_ids: frozenset[int] = frozenset(getattr(engine, "special_ids", ()))
+        self.num_token_types: int = int(getattr(engine, "num_token_types", 0) or 0)   # (BERT's segments: 2)
         self.config: Any = getattr(engine, "config", None)     # the engine's resolved configuration
         self.max_logprobs: int = getattr(engine, "max_logprobs", 20)
         self.logprobs_as_logits: bool = getattr(engine, "logprobs_as_logits", False)

@@ -982,6 +982,8 @@ class LLMEngine:
             raise RequestRejectedError("token_type_ids are for encoder models (BERT-style), which read text pairs as "
                                        "two segments; this model has no token types", param="token_type_ids")
         try:
+            if isinstance(token_type_ids, dict | set | frozenset | str):
+                raise RequestRejectedError("not a sequence")
             types = _token_ids(token_type_ids)
         except RequestRejectedError:
             raise RequestRejectedError("token_type_ids must be a list of integers", param="token_type_ids") from None

@@ -54,7 +54,7 @@ async def cross_encoder_scores(ctx: ServerContext, raw: Request, req: Any, rid: 
     inputs: list[list[int]] = []
     types: list[list[int] | None] = []
     special = ctx.front.special_ids if getattr(ctx.front, "encoder", False) else ()
-    segments = getattr(ctx.front, "num_token_types", 0) > 1
+    segments = ctx.front.num_token_types > 1
     for first, second in pairs:
         longer = params[0] if len(first) >= len(second) else params[1]   # named where the pair is too long
         if isinstance(first, str) and isinstance(second, str):
