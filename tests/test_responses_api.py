@@ -352,6 +352,19 @@ def test_echoed_fields_that_cannot_be_written_back_are_400s(client, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_echoed_fields_with_numbers_json_cannot_carry_are_400s(client, stream):
+    """``NaN`` and ``Infinity`` (which the body's parser takes) in an echoed field cannot be written back as standard
+    JSON: a 400 naming the field, not a 500 (or a stream of events that are not JSON)."""
+    for value in ('{"format": {"type": "json_schema", "name": "x", "schema": {"type": "integer"}, "strict": NaN}}',
+                  '{"format": {"type": "text"}, "extra": [Infinity]}'):
+        raw = f'{{"input": "hi", "max_output_tokens": 2, "stream": {json.dumps(stream)}, "text": {value}}}'
+        r = client.post("/v1/responses", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, (value, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "text" and "NaN or Infinity" in err["message"], err
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_echoed_values_a_client_would_refuse_are_400s(client, stream):
     """``truncation``, ``text.verbosity`` and a json_schema ``text.format`` come back in the response: values the
     API does not define (which the SDK's response model refuses) are 400s naming the field; defined ones are echoed."""

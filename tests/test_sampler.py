@@ -167,6 +167,19 @@ def test_penalties_follow_the_openai_and_ctrl_definitions():
         assert tokens[i].item() == int(np.argmax(reference_penalised(logits[i], *case)))
 
 
+@pytest.mark.parametrize("temperature, repetition_penalty", [(1e39, 1.0), (1.0, 1e-50), (0.0, 1e-50), (1.0, 1e-40)])
+def test_extreme_temperatures_and_repetition_penalties_keep_the_masks(temperature, repetition_penalty):
+    """A temperature or repetition penalty that is finite but beyond float32 (or below its smallest normal
+    number) still samples only allowed tokens: no factor of inf or 0 turns the masked logits into NaN."""
+    logits = torch.from_numpy(np.random.default_rng(0).normal(0, 3, size=(1, V)).astype(np.float32))
+    reqs = [make(SamplingParams(temperature=temperature, repetition_penalty=repetition_penalty, seed=i,
+                                allowed_token_ids=[5, 6, 7]), prompt=(1, 2, 5, 9)) for i in range(40)]
+    tokens = Sampler(seed=1).sample(logits.expand(len(reqs), -1).clone(), batch_of(reqs)).sampled_token_ids
+    assert set(tokens.tolist()) <= {5, 6, 7}, tokens.tolist()
+    if repetition_penalty < 1:
+        assert set(tokens.tolist()) == {5}   # the one allowed token already seen, as the penalty's limit has it
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.zeros(4, V)
     logits[:, 0] = 10.0    # EOS

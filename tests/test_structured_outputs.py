@@ -122,6 +122,8 @@ def test_constrained_and_free_requests_share_a_batch(llm):
 
 @pytest.mark.parametrize("spec, needle", [
     ({"regex": "("}, "regex"),
+    ({"regex": "ab\\"}, "regex"),
+    ({"regex": "\\"}, "regex"),
     ({"json": {"type": "nonsense"}}, "json"),
     ({"json": "{not json"}, "json"),
     ({"grammar": "start: undefined_rule"}, "grammar"),
@@ -159,7 +161,8 @@ def test_vllm_class_forms(llm):
 
 def test_malformed_specs_name_the_parameter():
     for bad in ({"json": 1}, {"regex": ""}, {"choice": []}, {"choice": ["a", 3]}, {"xml": "a"},
-                {"regex": "a", "choice": ["b"]}, "json", {"json_object": "yes"}):
+                {"regex": "a", "choice": ["b"]}, "json", {"json_object": "yes"},
+                {"json": {"type": "number", "maximum": math.inf}}, {"json": {"enum": [math.nan]}}):
         with pytest.raises(ValueError, match="structured_outputs"):
             SamplingParams(structured_outputs=bad)
     with pytest.raises(ValueError, match="min_tokens"):

@@ -521,6 +521,18 @@ def test_bad_tool_requests_are_400_naming_the_field(http, body, param):
     assert r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize("choice", ['"required"', '{"type": "function", "function": {"name": "a"}}', '"none"'])
+def test_tool_schemas_with_numbers_json_cannot_carry_are_400s_naming_tools(http, choice):
+    """``NaN`` or ``Infinity`` (which the body's parser takes) in a tool's parameters: a 400 naming ``tools``."""
+    tools = '[{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": ' \
+            '{"x": {"type": "number", "maximum": Infinity}}}}}]'
+    raw = f'{{"messages": {json.dumps(MESSAGES)}, "max_tokens": 2, "tools": {tools}, "tool_choice": {choice}}}'
+    r = http.post("/v1/chat/completions", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "NaN or Infinity" in err["message"], err
+
+
 def test_auto_without_a_parser_is_refused_and_the_flag_names_its_choices(model_dir: Path):
     from starlette.testclient import TestClient
 

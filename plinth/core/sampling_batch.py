@@ -24,6 +24,10 @@ from plinth.core.request import Request, SamplingParams
 from plinth.core.structured import allowed_tokens
 
 SAMPLING_EPS = 1e-5   # temperatures below this are greedy
+#: the range temperatures and repetition penalties are held to as float32 factors: beyond it sampling is
+#: the same (uniform, or the seen tokens first), but a factor that overflows to inf or underflows to 0
+#: makes logits NaN
+FACTOR_RANGE = (1e-30, 1e30)
 M32 = 0xFFFFFFFF
 
 
@@ -133,7 +137,8 @@ class _Composition:
         if self.custom_rows is None and all(map(_plain_greedy, distinct)):
             self.plain = SamplingBatch.plain_greedy(len(params), device)
             return
-        temp = np.array([p.temperature for p in params], dtype=np.float32)
+        low, high = FACTOR_RANGE
+        temp = np.array([min(p.temperature, high) for p in params], dtype=np.float32)
         greedy = temp < SAMPLING_EPS
         temp[greedy] = 1.0
         random = ~greedy
@@ -143,7 +148,7 @@ class _Composition:
         use_k = bool((top_k[random] < V).any())
         use_p = bool((top_p[random] < 1.0).any())
         use_min_p = bool((min_p[random] > 0.0).any())
-        rep = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        rep = np.array([min(max(p.repetition_penalty, low), high) for p in params], dtype=np.float32)
         freq = np.array([p.frequency_penalty for p in params], dtype=np.float32)
         pres = np.array([p.presence_penalty for p in params], dtype=np.float32)
         use_rep = bool((rep != 1.0).any())

@@ -107,7 +107,7 @@ def normalize(spec: Any) -> dict[str, Any] | None:
         raise ValueError(f"choice has {len(value)} entries, more than {MAX_CHOICES}")
     try:
         size = (sum(map(len, value)) if kind == "choice" else len(value) if isinstance(value, str)
-                else len(json.dumps(value)) if kind == "json" else 0)
+                else len(json.dumps(value, allow_nan=False)) if kind == "json" else 0)
     except (TypeError, ValueError) as e:   # a schema built in Python holding a set, a NaN key...
         raise ValueError(f"json must hold JSON values only: {e}") from e
     if size > MAX_SPEC_CHARS:
@@ -140,6 +140,8 @@ def _regex_escape(text: str) -> str:
 def _grammar(kind: str, text: str) -> str:
     import llguidance
 
+    if kind == "regex" and (len(text) - len(text.rstrip("\\"))) % 2:   # (llguidance would drop the backslash)
+        raise StructuredOutputError("invalid regex: it ends in an incomplete escape (a lone backslash)")
     try:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text)

@@ -220,16 +220,19 @@ VERBOSITIES = ("low", "medium", "high")
 
 
 def _check_echoed(req: ResponsesRequest) -> None:
-    """Refuse echoed fields that cannot be written back as UTF-8 (JSON allows a lone UTF-16 surrogate escape), or
-    whose values a client's response model would refuse (``truncation``, ``text.verbosity``)."""
+    """Refuse echoed fields that cannot be written back as UTF-8 (JSON allows a lone UTF-16 surrogate
+    escape) or as standard JSON (``NaN``, ``Infinity``), or whose values a client's response model would
+    refuse (``truncation``, ``text.verbosity``)."""
     for name in _ECHOED:
         value = getattr(req, name, None)
         if value is None:
             continue
         try:
-            json.dumps(value, ensure_ascii=False).encode()
+            json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
         except UnicodeEncodeError:
             raise bad_request(f"{name} holds text that is not valid Unicode (a lone UTF-16 surrogate)", name) from None
+        except ValueError:
+            raise bad_request(f"{name} holds a number JSON cannot carry (NaN or Infinity)", name) from None
     if req.truncation is not None and req.truncation not in TRUNCATIONS:
         raise bad_request(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {req.truncation!r}", "truncation")
     verbosity = (req.text or {}).get("verbosity")

@@ -177,6 +177,11 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
         raise SamplingParamsError("tools", f"{where}: parameters must be a JSON schema of an object "
                                   f'({{"type": "object", "properties": {{...}}}})')
+    try:
+        json.dumps(params, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise SamplingParamsError("tools", f"{where}: parameters must hold JSON values only (no NaN or "
+                                  f"Infinity): {exc}") from None
     if params is not None and not isinstance(params.get("x-guidance", {}), dict | None):
         raise SamplingParamsError("tools", f"{where}: parameters' x-guidance must be an object of options, "
                                   f"got {params['x-guidance']!r}")
