@@ -278,6 +278,36 @@ def test_row_ids_from_parquet_integer_columns_with_nulls_and_null_ids():
         parse_row(5, {"id": 10.0, "prompt": "x"}, base)
 
 
+def test_a_null_prompt_field_is_absent_as_an_empty_cell_is():
+    """pandas' ``to_json(orient="records", lines=True)`` writes every column on every line, null where a row
+    does not use it: such a JSONL row means what the same row of a Parquet file means."""
+    from plinth import SamplingParams
+    from plinth.entrypoints.generate_cmd import RowError, parse_row
+
+    base = SamplingParams()
+    chat = [{"role": "user", "content": "Hi"}]
+    assert parse_row(1, {"prompt": "x", "messages": None, "prompt_token_ids": None}, base)[1] == "x"
+    _, prompt, _, is_chat = parse_row(2, {"prompt": None, "messages": chat, "prompt_token_ids": None}, base)
+    assert prompt == chat and is_chat
+    with pytest.raises(RowError, match="row 3: needs exactly one of"):
+        parse_row(3, {"prompt": None, "messages": None}, base)
+
+
+def test_an_output_line_python_cannot_parse_is_not_a_result(tmp_path):
+    """An ``--output`` line nested too deeply for Python's parser, or holding an integer of too many digits, is
+    refused as any other line that is not a result, and the file is left alone."""
+    from plinth.entrypoints.generate_cmd import done_ids
+    from plinth.errors import CliError
+
+    for name, text in (("deep.jsonl", "[" * 100_000 + "\n"), ("digits.jsonl", '{"id": ' + "1" * 5001 + "}\n"),
+                       ("last.jsonl", '{"id": ' + "1" * 5001 + "}")):
+        out = tmp_path / name
+        out.write_text(text)
+        with pytest.raises(CliError, match="line 1 is not a result of plinth generate"):
+            done_ids(out)
+        assert out.read_text() == text
+
+
 def test_csv_stop_cells_are_json_lists_or_one_string():
     from plinth.entrypoints.generate_cmd import _coerce
 

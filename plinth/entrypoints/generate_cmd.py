@@ -29,6 +29,8 @@ from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_a
 from plinth.errors import CliError, RequestFailedError
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+#: the fields a row gives its prompt in (exactly one of them)
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 
 
 class RowError(ValueError):
@@ -244,7 +246,7 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     rid = str(rid)
     if not encodable_text(rid):
         raise RowError(line, f"'id' is not valid Unicode text (a lone surrogate escape): {rid!r}")
-    sources = [k for k in ("prompt", "messages", "prompt_token_ids") if k in row]
+    sources = [k for k in PROMPT_FIELDS if row.get(k) is not None]   # a null one is absent, as an empty cell
     if len(sources) != 1:
         raise RowError(line, "needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")
     key = sources[0]
@@ -265,7 +267,7 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     if key == "prompt_token_ids" and not (isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value)):
         raise RowError(line, "'prompt_token_ids' must be a non-empty list of integers")
-    unknown = set(row) - SAMPLING_FIELDS - {"id", key}
+    unknown = set(row) - SAMPLING_FIELDS - {"id", *PROMPT_FIELDS}
     if unknown:
         raise RowError(line, f"unknown field(s) {', '.join(sorted(unknown))}")
     overrides = {}
@@ -335,6 +337,8 @@ def done_ids(output: Path) -> set[str]:
                     f.truncate(len(data) - len(raw))
                 torn = True
                 break
+            ok = False
+        except (ValueError, RecursionError):   # JSON no record holds: a 5,000-digit number, nesting too deep
             ok = False
         if not ok:
             raise CliError(f"{output} line {n} is not a result of plinth generate; give another --output "
