@@ -370,6 +370,11 @@ def test_server_embeddings_and_rerank(tmp_path):
     with TestClient(build_app(AsyncLLMEngine(engine))) as client:
         r = client.post("/v1/embeddings", json={"input": TEXTS[:2]})
         assert r.status_code == 200, r.text
+        # without --served-model-name the model argument as given names the model too (vLLM's served name), and
+        # the reported name stays the folder's
+        r2 = client.post("/v1/embeddings", json={"input": TEXTS[:2], "model": str(path)})
+        assert r2.status_code == 200 and r2.json()["data"] == r.json()["data"] and r2.json()["model"] == "srv"
+        assert client.post("/v1/embeddings", json={"input": "a", "model": str(path) + "x"}).status_code == 404
         for text, item in zip(TEXTS[:2], r.json()["data"], strict=True):
             with torch.no_grad():
                 ref = hf(**hf_inputs(tokenizer, hf, text)).last_hidden_state[0, 0].double()

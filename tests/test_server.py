@@ -649,8 +649,11 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server, client, engin
     assert client.completions.create(model="tiny", prompt="hello", max_tokens=2).choices[0].text is not None
 
 
-def test_malformed_json_unknown_model_and_route(server, client):
+def test_malformed_json_unknown_model_and_route(server, client, model_dir):
     assert_error(post(server, "/v1/completions", '{"prompt": "x",'), 400, code="invalid_json")
+    # with --served-model-name, the model's path is no name of it
+    assert_error(post(server, "/v1/completions", {"model": str(model_dir), "prompt": "x"}), 404, "model",
+                 "model_not_found")
     assert_error(post(server, "/v1/chat/completions", b"\xff\xfe"), 400)
     assert_error(post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model", "model_not_found")
     assert_error(post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),

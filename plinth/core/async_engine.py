@@ -148,6 +148,7 @@ class AsyncLLMEngine:
         self.logprobs_as_logits: bool = getattr(engine, "logprobs_as_logits", False)
         self.served_model_name: str = engine.served_model_name
         self.served_model_aliases: tuple[str, ...] = tuple(getattr(engine, "served_model_aliases", ()))
+        self.model_argument: str | None = getattr(engine, "model_argument", None)
         self.selection = engine.selection
         self.load_time_s: float = getattr(engine, "load_time_s", 0.0)
         self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()

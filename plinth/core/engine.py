@@ -441,6 +441,9 @@ class LLMEngine:
         self._reasoning = self._reasoning_markers(reasoning)
         self.served_model_name = config.model.served_model_name or parts.model_name
         self.served_model_aliases: tuple[str, ...] = config.model.served_model_aliases
+        #: without a served name, the model argument as given (a path, as vLLM serves it by default) names it too
+        self.model_argument: str | None = (config.model.model if config.model.served_model_name is None
+                                           and isinstance(config.model.model, str) else None)
         # (-1, no limit: as many as any request may ask for)
         self.max_logprobs: int = config.model.max_logprobs if config.model.max_logprobs != -1 \
             else SamplingParams.LOGPROBS_CEILING

@@ -145,8 +145,8 @@ class ServerContext:
         Raises:
             APIError: 404, no such model or adapter.
         """
-        if not name or name in self.model_names:
-            return None
+        if not name or name in self.model_names or name == getattr(self.front, "model_argument", None):
+            return None   # (the model argument as given: what vLLM serves it as without --served-model-name)
         lora = self.loras.get(name)
         if lora is None:
             adapters = f" and the LoRA adapters {', '.join(map(repr, self.loras))}" if self.loras else ""
