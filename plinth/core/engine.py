@@ -845,7 +845,7 @@ class LLMEngine:
             if len(ids) > keep:   # (an encoder's first tokens: see kept_tokens)
                 cut = kept_tokens(ids, keep, self.encoder, self.special_ids)
                 if types is not None:   # the same positions: the first ones, and the closing token where it stays
-                    closing = int(cut[-1:] == ids[-1:] and len(cut) > 1 and ids[-1] in self.special_ids)
+                    closing = int(len(cut) > 1 and ids[-1] in self.special_ids)   # (as kept_tokens keeps it)
                     types = types[:len(cut) - closing] + types[len(types) - closing:]
                 text, ids = None, cut
         if embeds is not None:
