@@ -843,11 +843,9 @@ class LLMEngine:
                                            f"({self.max_model_len}); give a smaller value (or -1: the context)",
                                            param="truncate_prompt_tokens")
             if len(ids) > keep:   # (an encoder's first tokens: see kept_tokens)
-                cut = kept_tokens(ids, keep, self.encoder, self.special_ids)
-                if types is not None:   # the same positions: the first ones, and the closing token where it stays
-                    closing = int(len(cut) > 1 and ids[-1] in self.special_ids)   # (as kept_tokens keeps it)
-                    types = types[:len(cut) - closing] + types[len(types) - closing:]
-                text, ids = None, cut
+                if types is not None:   # the same positions
+                    types = kept_tokens(types, keep, self.encoder, closing=ids[-1] in self.special_ids)
+                text, ids = None, kept_tokens(ids, keep, self.encoder, self.special_ids)
         if embeds is not None:
             from plinth.core.prompt_embeds import embeds_items
             from plinth.multimodal.images import salted_key
@@ -985,11 +983,11 @@ class LLMEngine:
             raise RequestRejectedError("token_type_ids are for encoder models (BERT-style), which read text pairs as "
                                        "two segments; this model has no token types", param="token_type_ids")
         try:
-            if isinstance(token_type_ids, dict | set | frozenset | str):
-                raise RequestRejectedError("not a sequence")
-            types = _token_ids(token_type_ids)
+            types = None if isinstance(token_type_ids, dict | set | frozenset | str) else _token_ids(token_type_ids)
         except RequestRejectedError:
-            raise RequestRejectedError("token_type_ids must be a list of integers", param="token_type_ids") from None
+            types = None
+        if types is None:
+            raise RequestRejectedError("token_type_ids must be a list of integers", param="token_type_ids")
         if len(types) != len(ids):
             raise RequestRejectedError(f"token_type_ids holds {len(types)} values for a prompt of {len(ids)} tokens: "
                                        "give one per token", param="token_type_ids")
@@ -1594,9 +1592,8 @@ class LLMEngine:
                     assert prev is not None
                     batch.feed.tokens = prev.step.device_tokens
                 spans = self._pool_spans(out) if self.pooling is not None else None
-                step = (self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs),
-                                          [(a, b) for _, _, a, b in spans]) if spans
-                        else self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs)))
+                pool = ([(a, b) for _, _, a, b in spans],) if spans else ()   # (the rows embedding requests read)
+                step = self._run_guarded(self.executor.launch, batch, self._make_sampling_batch(reqs), *pool)
                 for r in reqs:
                     r.num_pending_tokens += 1
                 self._in_flight = _InFlight(out, reqs, step, {r.request_id: i for i, r in enumerate(reqs)},

@@ -286,15 +286,18 @@ def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[flo
     return np.clip(scores, -1.0, 1.0).tolist()
 
 
-def kept_tokens(ids: list[int], keep: int, encoder: bool = False, special_ids: Any = ()) -> list[int]:
+def kept_tokens(ids: list[int], keep: int, encoder: bool = False, special_ids: Any = (),
+                closing: bool | None = None) -> list[int]:
     """The tokens ``truncate_prompt_tokens`` keeps of ``ids``, which are more than ``keep``: the last ``keep`` (vLLM's
     rule); for an encoder-only model, which reads its first token, the first ones and a closing special token
     (``[SEP]``, ``</s>``) where ``ids`` end with one in ``special_ids``: what its tokenizer's
-    ``truncation=True, max_length=keep`` gives."""
+    ``truncation=True, max_length=keep`` gives. ``closing``: whether the last one closes the input, said instead
+    of read (the same positions of a list that runs beside the tokens, such as their token types)."""
     if not encoder:
         return ids[-keep:]
-    closing = ids[-1:] if keep > 1 and ids[-1] in special_ids else []
-    return ids[:keep - len(closing)] + closing
+    ends = ids[-1] in special_ids if closing is None else closing
+    tail = ids[-1:] if keep > 1 and ends else []
+    return ids[:keep - len(tail)] + tail
 
 
 def pair_types(length: int, split: int) -> list[int]:

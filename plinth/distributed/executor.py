@@ -130,6 +130,30 @@ class PendingStep:
         return host[: len(self.output.sampled_token_ids)].tolist()
 
 
+class PinnedPair:
+    """Two pinned host buffers used in turn, for a step's results copied off the device while the next step is
+    launched (the other buffer may still be read by the step in flight's owner); they grow as needed."""
+
+    def __init__(self, dtype: torch.dtype, min_size: int = 0):
+        self.dtype = dtype
+        self.min_size = min_size
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """``values`` (on a CUDA device) on their way to the next buffer: (a host view of ``values``' shape, the event
+        after the copy)."""
+        n = values.numel()
+        if not self._buffers or self._buffers[0].numel() < n:
+            size = max(n, self.min_size, 2 * self._buffers[0].numel() if self._buffers else 0)
+            self._buffers = [torch.empty(size, dtype=self.dtype, pin_memory=True) for _ in range(2)]
+        self._buffers.reverse()
+        host = self._buffers[0][:n].view(values.shape)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
+
+
 def gather_rows(hidden: torch.Tensor | None, ranges: list[tuple[int, int]], on_device: bool = False) -> torch.Tensor:
     """Rows ``[a, b)`` of ``hidden`` for each range, concatenated, float32 on the host (``on_device``: where
     ``hidden`` is).
@@ -261,8 +285,8 @@ class UniprocExecutor(Executor):
         self.selection = selection
         # the engine seed: rows without their own seed draw from it; the engine's custom logits processors
         self.sampler = Sampler(seed, processors, logprobs_mode)
-        self._pinned: list[torch.Tensor] = []   # two host buffers for sampled tokens, used in turn
-        self._pinned_rows: list[torch.Tensor] = []   # and two for pooled hidden-state rows (float32, flat)
+        self._pinned_tokens = PinnedPair(torch.int64, 256)   # sampled tokens
+        self._pinned_rows = PinnedPair(torch.float32)        # pooled hidden-state rows
         device = getattr(runner, "device", None)
         sync = (lambda: torch.cuda.synchronize(device)) if device is not None and device.type == "cuda" else (
             lambda: None)
@@ -281,18 +305,7 @@ class UniprocExecutor(Executor):
                     ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The rows of ``ranges`` on their way to the host: (a host tensor, the event after its copy)."""
         rows = gather_rows(hidden, ranges, on_device=True)
-        if rows.device.type != "cuda":
-            return rows.cpu(), None
-        n = rows.numel()
-        if not self._pinned_rows or self._pinned_rows[0].numel() < n:
-            size = max(n, 2 * self._pinned_rows[0].numel() if self._pinned_rows else 0)
-            self._pinned_rows = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
-        self._pinned_rows.reverse()   # the other buffer may still be read by the step in flight's owner
-        host = self._pinned_rows[0][:n].view(rows.shape)
-        host.copy_(rows, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return host, copied
+        return self._pinned_rows.copy(rows) if rows.device.type == "cuda" else (rows.cpu(), None)
 
     def _sample_async(self, logits: torch.Tensor, sample_seqs: list[int],
                       make_sampling_batch: MakeSamplingBatch | None) -> PendingStep:
@@ -302,16 +315,7 @@ class UniprocExecutor(Executor):
         tokens = out.sampled_token_ids
         if tokens.device.type != "cuda":
             return PendingStep(out)
-        n = len(tokens)
-        if not self._pinned or self._pinned[0].numel() < n:
-            size = max(n, 256, 2 * self._pinned[0].numel() if self._pinned else 0)
-            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._pinned.reverse()   # the other buffer may still be read by the step in flight's owner
-        host = self._pinned[0]
-        host[:n].copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return PendingStep(out, host, copied)
+        return PendingStep(out, *self._pinned_tokens.copy(tokens))
 
     def execute(self, entries: Sequence[SeqBatchEntry],
                 make_sampling_batch: MakeSamplingBatch | None) -> tuple[SamplerOutput | None, Any]:
