@@ -129,7 +129,7 @@ def test_refusals(tmp_path):
         LLM(str(tmp_path / "c"), dtype="float32", selection="off")
     from conftest import save_tiny_model
 
-    with pytest.raises(ModelLoadError, match="--task classify needs a sequence classifier"):
+    with pytest.raises(ModelLoadError, match="--task classify needs a sequence or token classifier"):
         LLM(str(save_tiny_model(tmp_path / "g")), task="classify", dtype="float32", selection="off")
     llm = LLM(str(tmp_path / "c"), task="classify", dtype="float32", selection="off")
     with pytest.raises(RequestRejectedError, match="scoring pairs needs a cross-encoder.*has 3"):
@@ -230,7 +230,7 @@ def test_classify_route(tmp_path):
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "use /classify" in r.json()["error"]["message"]
         r = client.post("/v1/embeddings", json={"input": "hi"})
-        assert r.status_code == 400 and "is a sequence classifier (--task classify)" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "is a classifier (--task classify)" in r.json()["error"]["message"]
 
 
 def test_score_and_rerank_routes_with_a_cross_encoder(tmp_path):

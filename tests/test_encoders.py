@@ -318,7 +318,7 @@ def test_refusals(tmp_path):
     path = save_encoder(tmp_path / "r")
     with pytest.raises(ModelLoadError, match="encoder-only model .*cannot generate text; serve it with --task embed"):
         LLM(str(path), dtype="float32", selection="off")
-    with pytest.raises(ModelLoadError, match="--task classify needs a sequence classifier"):
+    with pytest.raises(ModelLoadError, match="--task classify needs a sequence or token classifier"):
         LLM(str(path), task="classify", dtype="float32", selection="off")
     with pytest.raises(ConfigError, match="BertModel declares no layers that take LoRA adapters"):
         LLM(str(path), task="embed", dtype="float32", selection="off", enable_lora=True)

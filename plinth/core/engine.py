@@ -30,10 +30,12 @@ from plinth.core.pooling import (
     ClassifierHead,
     EmbeddingOutput,
     PoolingConfig,
+    PoolingOutput,
     PoolingParams,
     PoolingRequestOutput,
     PoolState,
     finish_embedding,
+    finish_embeddings,
     kept_tokens,
     resolve_pooling,
 )
@@ -120,6 +122,9 @@ class _InFlight:
     rows: dict[str, int]       # request id -> row of its token in the step's output
     pooled: list[_PoolSpan] | None = None   # the embedding requests' rows it computes (see LLMEngine._pool_spans)
 
+
+#: the pooling tasks that give one row per prompt position
+_TOKEN_TASKS = ("token_embed", "token_classify")
 
 #: a pooling request's sampling: its prompt's prefill, then one token (dropped); checked once, as it is made
 _POOLING_STEP = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -291,17 +296,19 @@ class LLMEngine:
         if self.task == "classify":
             from plinth.model_registry.loader import load_classifier_head
 
-            encoder = parts.source.encoder
+            encoder, per_token = parts.source.encoder, parts.source.token_classifier
             self.classifier = ClassifierHead.of(parts.source.hf_config,
                                                 *load_classifier_head(parts.source, config.model.seed, parts.tokenizer),
-                                                encoder=encoder)
+                                                encoder=encoder, per_token=per_token)
             # (an encoder's head reads the first token, which has seen every token, or the mean: ModernBERT's
-            # classifier_pooling)
+            # classifier_pooling; a token classifier's every position)
             kind = (getattr(parts.source.hf_config, "classifier_pooling", None) or "cls") if encoder else "last"
-            if encoder and kind not in ("cls", "mean"):
+            if encoder and kind not in ("cls", "mean") and not per_token:
                 raise ModelLoadError(f"classifier_pooling {kind!r}: plinth pools a classifier's cls token or mean")
-            self.pooling = PoolingConfig(kind, False, "the sequence classifier")
-            logger.info("sequence classifier: %d labels (%s), %s", len(self.classifier.labels),
+            self.pooling = PoolingConfig("all" if per_token else kind, False,
+                                         "the token classifier" if per_token else "the sequence classifier")
+            logger.info("%s classifier: %d labels (%s), %s", "token" if per_token else "sequence",
+                        len(self.classifier.labels),
                         ", ".join(self.classifier.labels[:8]) + (" ..." if len(self.classifier.labels) > 8 else ""),
                         self.classifier.activation)
         self.hidden_size: int = int(getattr(parts.source.hf_config, "hidden_size", 0) or 0)
@@ -339,7 +346,7 @@ class LLMEngine:
         if self.pooling is not None and self.classifier is None:
             logger.info("embedding model: %s pooling%s (from %s)", self.pooling.kind,
                         ", normalized" if self.pooling.normalize else "", self.pooling.origin)
-            if self.pooling.kind != "last" and prefix_caching:
+            if self.pooling.kind != "last" and prefix_caching:   # (a request for token embeddings skips it alone)
                 logger.info("%s pooling needs every prompt position computed: the prefix cache is off",
                             self.pooling.kind)
                 prefix_caching = False
@@ -901,7 +908,8 @@ class LLMEngine:
         if matcher is not None and (params.allowed_token_ids or any(len(w) == 1 for w in bad_words)):
             self._check_grammar_start(matcher, params, bad_words)
         seqs: list[_Sequence] = []
-        run_ids = self.classifier.read_tokens(ids) if self.classifier is not None else ids
+        run_ids = (self.classifier.read_tokens(ids) if self.classifier is not None and pooling is not None
+                   and pooling.task == "classify" else ids)
         group = _Group(request_id, text, ids if embeds is None else [], params, seqs,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                        lora_request=lora_request, num_prompt_embeds=0 if embeds is None else len(ids))
@@ -920,7 +928,8 @@ class LLMEngine:
                 req.prompt_is_embeds = embeds is not None
                 req.rope_layout = rope_layout
                 if pooling is not None:
-                    req.pooling = PoolState(self.pooling.kind, len(run_ids), pooling)   # type: ignore[union-attr]
+                    kind = "all" if pooling.task in _TOKEN_TASKS else self.pooling.kind   # type: ignore[union-attr]
+                    req.pooling = PoolState(kind, len(run_ids), pooling)
                 if types is not None and any(types):
                     req.token_types = np.asarray(types[:len(run_ids)], dtype=np.int64)
                 if matcher is not None:
@@ -1015,6 +1024,18 @@ class LLMEngine:
             raise RequestRejectedError(f"this engine serves {what} (task={self.task!r}): it takes "
                                        "PoolingParams, not sampling parameters")
         pooling = params or PoolingParams()
+        tasks = (("token_classify",) if self.classifier is not None and self.classifier.per_token
+                 else ("classify",) if self.task == "classify" and self.encoder   # (its head reads the first token)
+                 else ("classify", "token_classify") if self.task == "classify" else ("embed", "token_embed"))
+        if pooling.task is None:
+            pooling = dataclasses.replace(pooling, task=tasks[0])
+        elif pooling.task not in tasks:
+            kind = "a token classifier" if tasks[0] == "token_classify" else what
+            hint = {"classify": ": use the token_classify task (LLM.encode, /pooling)",
+                    "token_classify": ": token classifiers (*ForTokenClassification) and decoders' sequence "
+                                      "classifiers serve it"}
+            raise RequestRejectedError(f"the {pooling.task} task is not one of {kind}'s ({', '.join(tasks)})"
+                                       + hint.get(pooling.task, ""), param="task")
         if self.task == "classify":
             wrong = next((f for f in ("dimensions", "normalize") if getattr(pooling, f) is not None), None)
             if wrong is not None:
@@ -1855,6 +1876,15 @@ class LLMEngine:
             finished = group.finished
             vector = state.vector
             done = finished and not group.aborted and req.finish_reason != FinishReason.ABORT and vector is not None
+            if state.params.task in _TOKEN_TASKS:   # one row per prompt position
+                data = None
+                if done and self.classifier is not None:
+                    data = torch.from_numpy(self.classifier.probs_of(vector, state.params.use_activation is not False))
+                elif done:
+                    data = torch.from_numpy(finish_embeddings(vector, state.params, self.pooling))
+                return PoolingRequestOutput(group.request_id, group.prompt_token_ids,
+                                            PoolingOutput(data) if done else None, finished, req.num_cached_tokens,
+                                            metrics=dataclasses.replace(req.metrics))
             if self.classifier is not None:
                 probs = (ClassificationOutput(self.classifier.probs(vector, state.params.use_activation is not False))
                          if done else None)

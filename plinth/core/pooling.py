@@ -39,6 +39,10 @@ from plinth.errors import ModelLoadError
 #: N): it is tokenized whole up to this many characters (~16 MiB of text, a few seconds of tokenizing)
 MAX_TRUNCATED_CHARS = 1 << 24
 
+#: what a pooling request asks for (vLLM's pooling tasks): one vector (``embed``) or one set of label probabilities
+#: (``classify``) for the prompt, or one for each prompt token (``token_embed``, ``token_classify``)
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
                      "pooling_mode_cls_token": "cls"}
 
@@ -55,6 +59,8 @@ class PoolingParams:
             true: its softmax or sigmoid) or its raw logits (false); for embeddings, their normalization (as
             ``normalize``, which wins where both are given).
         activation: the older name of ``use_activation`` (vLLM's, deprecated there).
+        task: one of :data:`POOLING_TASKS` (``None``: the engine's own: ``embed``, ``classify``, or a token
+            classifier's ``token_classify``); ``LLM.encode`` sets it from its ``pooling_task``.
     """
 
     normalize: bool | None = None
@@ -62,9 +68,13 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None
     activation: bool | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         from plinth.core.request import truncation_problem
+
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
 
         problem = truncation_problem(self.truncate_prompt_tokens)
         if problem is not None:
@@ -143,8 +153,8 @@ def _sentence_transformers(folder: Path) -> tuple[str, bool, str] | None:
 
 
 class PoolState:
-    """What an embedding request has gathered of its prompt's hidden states (float64 on the host), and its
-    options."""
+    """What an embedding request has gathered of its prompt's hidden states (float64 on the host; each position's
+    as float32 for ``kind`` ``all``: a per-token task), and its options."""
 
     def __init__(self, kind: str, num_prompt: int, params: PoolingParams):
         self.kind = kind
@@ -152,7 +162,8 @@ class PoolState:
         self.params = params
         self.covered = 0            # positions added to ``total`` (a preempted prefill starts again at 0)
         self.total: np.ndarray | None = None
-        self.vector: np.ndarray | None = None
+        self.parts: list[np.ndarray] = []   # ``all``: the positions' rows so far, in order
+        self.vector: np.ndarray | None = None   # the pooled vector (``all``: the [positions, hidden] matrix)
 
     def rows_wanted(self, start: int, num_new: int) -> tuple[int, int] | None:
         """The positions ``[a, b)`` of the chunk ``[start, start + num_new)`` whose hidden states are needed."""
@@ -167,10 +178,17 @@ class PoolState:
     def add(self, first: int, rows: np.ndarray) -> None:
         """Hidden states ``[n, hidden]`` of positions ``first ..`` (those before ``covered``, added already by an
         earlier step, are skipped: a prefill preempted and recomputed while a step was in flight)."""
-        if self.kind == "mean" and first < self.covered:
+        if self.kind in ("mean", "all") and first < self.covered:
             rows, first = rows[self.covered - first:], self.covered
             if not len(rows):
                 return
+        if self.kind == "all":
+            self.parts.append(np.asarray(rows, dtype=np.float32))
+            self.covered = first + len(rows)
+            if self.covered >= self.num_prompt:
+                self.vector = np.concatenate(self.parts)
+                self.parts = []
+            return
         rows = rows.astype(np.float64)
         if self.kind == "mean":
             self.total = rows.sum(axis=0) if self.total is None else self.total + rows.sum(axis=0)
@@ -184,13 +202,19 @@ class PoolState:
 def finish_embedding(vector: np.ndarray, params: PoolingParams, config: PoolingConfig) -> list[float]:
     """The pooled vector cut to ``params.dimensions`` (checked against the model's size when the request
     arrived) and normalized as asked, as Python floats."""
+    return finish_embeddings(vector, params, config).tolist()
+
+
+def finish_embeddings(vectors: np.ndarray, params: PoolingParams, config: PoolingConfig) -> np.ndarray:
+    """:func:`finish_embedding` of a vector or of each row of a matrix (a per-token task's), float32."""
     if params.dimensions is not None:
-        vector = vector[:params.dimensions]
+        vectors = vectors[..., :params.dimensions]
+    vectors = np.asarray(vectors, dtype=np.float64)
     normalize = params.normalize if params.normalize is not None else params.use_activation
     if config.normalize if normalize is None else normalize:
-        norm = float(np.linalg.norm(vector))
-        vector = vector / norm if norm > 0 else vector
-    return vector.astype(np.float32).tolist()
+        norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+        vectors = np.divide(vectors, norms, out=vectors.copy(), where=norms > 0)
+    return vectors.astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,11 +231,12 @@ class Projection:
         import torch
         from transformers.activations import ACT2FN
 
-        x = self.weight @ vector + (self.bias if self.bias is not None else 0.0)
+        x = vector @ self.weight.T + (self.bias if self.bias is not None else 0.0)   # (a vector, or one per row)
         x = ACT2FN[self.activation](torch.from_numpy(np.asarray(x, dtype=np.float64))).numpy()
         if self.norm is not None:
             weight, bias, eps = self.norm
-            x = (x - x.mean()) / np.sqrt(x.var() + eps) * weight + (bias if bias is not None else 0.0)
+            mean, var = x.mean(axis=-1, keepdims=True), x.var(axis=-1, keepdims=True)
+            x = (x - mean) / np.sqrt(var + eps) * weight + (bias if bias is not None else 0.0)
         return x
 
 
@@ -228,25 +253,28 @@ class ClassifierHead:
     pad_token_id: int | None = None   # trailing ones are not read (transformers pools the last other token)
     #: an encoder's layer before the head (BERT's pooler, RoBERTa's dense layer, ModernBERT's head), or ``None``
     pre: Projection | None = None
+    #: a token classifier (``*ForTokenClassification``): the head labels each prompt position
+    per_token: bool = False
 
     @classmethod
     def of(cls, hf_config: Any, weight: np.ndarray, bias: np.ndarray | None,
            labels: tuple[str, ...] | None = None, pre: Projection | None = None,
-           encoder: bool = False) -> ClassifierHead:
+           encoder: bool = False, per_token: bool = False) -> ClassifierHead:
         """The head of ``weight`` and ``bias``; ``labels``: their names (default: the config's ``id2label``);
         ``pre``: an encoder's projection before it; ``encoder``: the model reads its first token (every token: no
-        trailing pad tokens are left out)."""
+        trailing pad tokens are left out); ``per_token``: a token classifier (every position labeled, softmax over
+        the labels as transformers' token-classification pipeline takes it)."""
         problem = getattr(hf_config, "problem_type", None)
         count = weight.shape[0]
-        activation = ("none" if problem == "regression"
+        activation = ("none" if problem == "regression" and not per_token
                       else "sigmoid" if problem == "multi_label_classification" or count == 1 else "softmax")
         names = dict(getattr(hf_config, "id2label", None) or {})
         labels = labels or tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count))
         pad = getattr(hf_config, "pad_token_id", None)
-        if head_from_tokens(hf_config) or encoder:   # a causal LM's head rows read at the last token, pad or not (as
-            pad = None                                 # vLLM); an encoder's first token, which sees every token
+        if head_from_tokens(hf_config) or encoder or per_token:   # a causal LM's head rows read at the last token,
+            pad = None      # pad or not (as vLLM); an encoder's first token, which sees every token; every token
         return cls(weight, bias, activation, labels,
-                   pad if isinstance(pad, int) and not isinstance(pad, bool) else None, pre)
+                   pad if isinstance(pad, int) and not isinstance(pad, bool) else None, pre, per_token)
 
     def read_tokens(self, ids: list[int]) -> list[int]:
         """The prompt tokens the classifier reads: without trailing pad tokens (transformers' classes pool the last
@@ -261,18 +289,22 @@ class ClassifierHead:
 
     def probs(self, vector: np.ndarray, activation: bool = True) -> list[float]:
         """The label probabilities of a pooled hidden state (its raw logits without ``activation``)."""
-        vector = np.asarray(vector, dtype=np.float64)
+        return self.probs_of(vector, activation).tolist()
+
+    def probs_of(self, vectors: np.ndarray, activation: bool = True) -> np.ndarray:
+        """:meth:`probs` of a hidden state or of each row of a matrix (a token classifier's positions), float32."""
+        vectors = np.asarray(vectors, dtype=np.float64)
         if self.pre is not None:
-            vector = self.pre(vector)
-        logits = self.weight @ vector
+            vectors = self.pre(vectors)
+        logits = vectors @ self.weight.T
         if self.bias is not None:
             logits = logits + self.bias
         if activation and self.activation == "softmax":
-            logits = np.exp(logits - logits.max())
-            logits = logits / logits.sum()
+            logits = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            logits = logits / logits.sum(axis=-1, keepdims=True)
         elif activation and self.activation == "sigmoid":
             logits = 0.5 * (1.0 + np.tanh(0.5 * logits))   # the logistic function, without overflow
-        return logits.astype(np.float32).tolist()
+        return logits.astype(np.float32)
 
 
 def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:
@@ -349,6 +381,9 @@ def check_cross_encoder(head: ClassifierHead | None) -> None:
     """
     from plinth.core.scheduler import RequestRejectedError
 
+    if head is not None and head.per_token:
+        raise RequestRejectedError("scoring pairs needs a cross-encoder, a sequence classifier with one label; this is "
+                                   "a token classifier")
     if head is not None and len(head.labels) != 1:
         raise RequestRejectedError(f"scoring pairs needs a cross-encoder, a classifier with one label; this one has "
                                    f"{len(head.labels)} ({', '.join(head.labels[:8])}): use classification instead")
@@ -368,6 +403,15 @@ class ClassificationOutput:
     @property
     def num_classes(self) -> int:
         return len(self.probs)
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """A pooling request's result as ``LLM.encode`` gives it (vLLM's ``PoolingOutput``): ``data``, a float32 tensor:
+    the embedding or the label probabilities (``[dim]``), or one row per prompt token (``[tokens, dim]``: the
+    ``token_embed`` and ``token_classify`` tasks)."""
+
+    data: Any
 
 
 @dataclasses.dataclass

@@ -487,6 +487,13 @@ class Request:
             self.metrics.arrival_time = arrival_time
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position is computed, none taken from the prefix cache: its prompt logprobs, or its
+        hidden states (a per-token pooling task), are wanted."""
+        return self.sampling_params.prompt_logprobs is not None or (self.pooling is not None
+                                                                    and self.pooling.kind == "all")
+
+    @property
     def lora_id(self) -> int:
         """Its adapter's ``lora_int_id``; 0 for the base model."""
         return self.lora.lora_id if self.lora is not None else 0

@@ -479,12 +479,12 @@ class Scheduler:
     def _queries(req: Request) -> bool:
         """Whether admitting ``req`` counts as a prefix-cache query: its first admission, with the lookup made
         (a resumed request finding its own blocks again is no query, as in vLLM's hit rate)."""
-        return req.status == RequestStatus.WAITING and req.sampling_params.prompt_logprobs is None
+        return req.status == RequestStatus.WAITING and not req.computes_whole_prompt
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
-        if req.sampling_params.prompt_logprobs is None:
+        if not req.computes_whole_prompt:
             return self.block_manager.get_computed_blocks(req)
-        return [], 0   # every prompt position's logits are wanted
+        return [], 0   # every prompt position's logits (or hidden states) are wanted
 
     def _admit(self, req: Request, num_new: int, num_cached: int, index: int = 0) -> ScheduledRequest:
         """Move waiting request ``index`` (the head, or one behind requests waiting for an adapter slot), whose

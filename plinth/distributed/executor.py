@@ -150,7 +150,7 @@ class PinnedPair:
         host = self._buffers[0][:n].view(values.shape)
         host.copy_(values, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(values.device))
         return host, copied
 
 

@@ -111,7 +111,7 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str, model_positio
                         "[positions, hidden_size] as the model's input embedding layer gives them")
     g.add_argument("--task", default="generate", choices=TASKS,
                    help="generate text, serve an embedding model (embed: /v1/embeddings, LLM.embed) or a sequence "
-                        "classifier (classify: /classify, LLM.classify)")
+                        "or token classifier (classify: /classify, LLM.classify; /pooling and LLM.encode for both)")
     g.add_argument("--pooling", default=None, choices=POOLING_TYPES,
                    help="an embedding model's pooling (default: its sentence-transformers configuration, else last)")
     g.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=None,

@@ -14,7 +14,11 @@ from plinth.config import EngineConfig
 from plinth.core.gc_pause import GcPause
 from plinth.core.pooling import (
     MAX_TRUNCATED_CHARS,
+    POOLING_TASKS,
+    ClassificationOutput,
     ClassificationRequestOutput,
+    EmbeddingOutput,
+    PoolingOutput,
     PoolingParams,
     PoolingRequestOutput,
     ScoringOutput,
@@ -41,8 +45,8 @@ PromptType = str | Sequence[int] | dict[str, Any]
 #: what an engine of each task serves, and the LLM method for it
 _TASK_USE = {"generate": "a text generation model: use LLM.generate or LLM.chat",
              "embed": "an embedding model (task='embed'): use LLM.embed or LLM.score",
-             "classify": "a sequence classifier (task='classify'): use LLM.classify (LLM.score for a one-label "
-                         "cross-encoder)"}
+             "classify": "a classifier (task='classify'): use LLM.classify (LLM.score for a one-label "
+                         "cross-encoder; LLM.encode for a token classifier)"}
 
 
 def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> dict[str, Any]:
@@ -369,7 +373,7 @@ class LLM:
             RequestRejectedError: the engine generates text, or a prompt cannot run (empty, too long).
         """
         self._need_task("embed", "LLM.embed")
-        return self._pool(prompts, pooling_params, lora_request, use_tqdm, truncate_prompt_tokens)
+        return self._pool(prompts, pooling_params, lora_request, use_tqdm, truncate_prompt_tokens, "embed")
 
     def classify(self, prompts: PromptType | Sequence[PromptType],
                  pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
@@ -384,7 +388,44 @@ class LLM:
             RequestRejectedError: the engine is not a classifier, or a prompt cannot run (empty, too long).
         """
         self._need_task("classify", "LLM.classify")
-        return self._pool(prompts, pooling_params, lora_request, use_tqdm, truncate_prompt_tokens)
+        return self._pool(prompts, pooling_params, lora_request, use_tqdm, truncate_prompt_tokens, "classify")
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output as a tensor (vLLM's ``LLM.encode``), in prompt order: ``outputs.data``, float32.
+        ``pooling_task`` (else each ``PoolingParams.task``, else the engine's own) is one of
+
+        - ``embed`` (an embedding engine): the embedding, ``[dim]``, as :meth:`embed` gives it;
+        - ``token_embed`` (an embedding engine): each prompt token's final hidden state, ``[tokens, dim]``,
+          normalized as the embeddings are (``PoolingParams.normalize``, ``dimensions``);
+        - ``classify`` (a sequence classifier): the label probabilities, ``[labels]``, as :meth:`classify`;
+        - ``token_classify`` (a token classifier, ``*ForTokenClassification``: the default there): each prompt
+          token's label probabilities, ``[tokens, labels]`` (raw logits with ``PoolingParams(use_activation=False)``).
+
+        A per-token request computes its whole prompt (no prefix-cache hits).
+
+        Raises:
+            RequestRejectedError: the engine generates text, a task the model does not serve, or a prompt that
+                cannot run (empty, too long).
+        """
+        import torch
+
+        if self.engine.task == "generate":
+            from plinth.core.scheduler import RequestRejectedError
+
+            raise RequestRejectedError(f"LLM.encode needs an embedding or classification engine: this LLM serves "
+                                       f"{_TASK_USE[self.engine.task]}")
+        if pooling_task is not None and pooling_task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r}")
+        outputs = self._pool(prompts, pooling_params, lora_request, use_tqdm, truncate_prompt_tokens, pooling_task)
+        for out in outputs:   # (a whole-prompt task's embedding or probabilities as a tensor, as the others')
+            if isinstance(out.outputs, EmbeddingOutput | ClassificationOutput):
+                values = out.outputs.embedding if isinstance(out.outputs, EmbeddingOutput) else out.outputs.probs
+                out.outputs = PoolingOutput(torch.tensor(values, dtype=torch.float32))
+        return outputs
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -400,12 +441,14 @@ class LLM:
                                        f"{_TASK_USE[self.engine.task]}")
 
     def _pool(self, prompts: Any, pooling_params: Any, lora_request: Any, use_tqdm: bool,
-              truncate_prompt_tokens: int | None) -> list[Any]:
+              truncate_prompt_tokens: int | None, task: str | None) -> list[Any]:
         prompts = _prompt_list(prompts)
         params_list = _per_prompt_params(pooling_params if pooling_params is not None else PoolingParams(),
                                          PoolingParams, "pooling_params", len(prompts))
         if truncate_prompt_tokens is not None:
             params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        if task is not None:
+            params_list = [dataclasses.replace(p, task=task) for p in params_list]
         loras = _per_prompt_loras(lora_request, len(prompts))
         return self._submit_and_run(((prompt, params, 0, lora) for prompt, lora, params
                                      in zip(prompts, loras, params_list, strict=True)), use_tqdm)

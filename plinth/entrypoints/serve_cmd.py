@@ -1,7 +1,7 @@
 """``plinth serve [MODEL]``: the OpenAI-compatible HTTP server.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings (--task embed), /classify
-(--task classify), /v1/score and /v1/rerank (either), /v1/models,
+(--task classify), /pooling, /v1/score and /v1/rerank (either), /v1/models,
 /tokenize, /detokenize, /health, /version, /metrics (and, with --allow-runtime-lora-updating,
 /v1/load_lora_adapter and /v1/unload_lora_adapter; with --enable-weight-updates, /update_weights and
 /reset_prefix_cache; with --enable-sleep-mode, /sleep, /wake_up and /is_sleeping). With --api-key (or $PLINTH_API_KEY) every route needs

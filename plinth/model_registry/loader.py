@@ -75,6 +75,13 @@ class ModelSource:
     mm_config: Any = None
 
     @property
+    def token_classifier(self) -> bool:
+        """A token classifier (``BertForTokenClassification``, ``LlamaForTokenClassification`` and the like: its head
+        labels every position; ``classifier`` is true too)."""
+        names = getattr(self.hf_config, "architectures", None) or [self.architecture]
+        return self.classifier and str(names[0]).endswith("ForTokenClassification")
+
+    @property
     def encoder(self) -> bool:
         """An encoder-only model (BERT, RoBERTa, XLM-RoBERTa): embeddings and classifiers only, each input run whole
         in one step (:mod:`plinth.model_registry.models.bert`)."""
@@ -95,14 +102,15 @@ class ModelSource:
             raise ModelLoadError(f"{self.path or 'the model'} is an encoder-only model "
                                  f"({self.hf_config.architectures[0]}): it cannot generate text; serve it with "
                                  f"--task embed" + (" or --task classify" if self.classifier else ""))
+        what = "token" if self.token_classifier else "sequence"
         if self.classifier and task == "generate":
-            raise ModelLoadError(f"{self.path} is a sequence classifier ({self.hf_config.architectures[0]}): it cannot "
+            raise ModelLoadError(f"{self.path} is a {what} classifier ({self.hf_config.architectures[0]}): it cannot "
                                  f"generate text; serve it with --task classify (or --task embed for its hidden states)")
         if task == "classify" and not self.classifier:
             arch = (getattr(self.hf_config, "architectures", None) or [self.architecture])[0]
-            raise ModelLoadError(f"--task classify needs a sequence classifier (a checkpoint whose architecture ends "
-                                 f"in ForSequenceClassification, with a 'score' layer); {self.path or 'the model'} is "
-                                 f"{arch}")
+            raise ModelLoadError(f"--task classify needs a sequence or token classifier (a checkpoint whose "
+                                 f"architecture ends in ForSequenceClassification or ForTokenClassification, with a "
+                                 f"'score' layer); {self.path or 'the model'} is {arch}")
 
 
 def list_presets() -> list[str]:
@@ -399,19 +407,20 @@ def _origin(where: Any, model_config: ModelConfig) -> str:
 
 
 def _decoder_of(cfg: Any, arch: str, where: Any) -> tuple[str, bool, bool]:
-    """``(architecture, headless, classifier)``: a base model (``MistralModel``) or a sequence classifier
-    (``LlamaForSequenceClassification``) runs as the causal LM of its decoder, its head tied to the embeddings
-    (unused); any other architecture as it is.
+    """``(architecture, headless, classifier)``: a base model (``MistralModel``) or a sequence or token classifier
+    (``LlamaForSequenceClassification``, ``LlamaForTokenClassification``) runs as the causal LM of its decoder, its
+    head tied to the embeddings (unused); any other architecture as it is.
 
     Raises:
         UnsupportedModelError: a classifier whose decoder plinth does not run, or one of an image-and-text model.
     """
-    if arch.endswith("ForSequenceClassification") and is_encoder_architecture(arch):
+    suffix = next((s for s in _CLASSIFIER_SUFFIXES if arch.endswith(s)), None)
+    if suffix is not None and is_encoder_architecture(arch):
         return arch, False, True   # (an encoder's classifier: its pooler and head run in the engine)
-    if arch.endswith("ForSequenceClassification") and not ModelRegistry.is_native(arch):
-        causal = _causal_of(cfg, arch.removesuffix("ForSequenceClassification"))
+    if suffix is not None and not ModelRegistry.is_native(arch):
+        causal = _causal_of(cfg, arch.removesuffix(suffix))
         if not ModelRegistry.is_native(causal):
-            raise UnsupportedModelError(f"{where}: sequence classifiers run on plinth's native decoders; {arch} has "
+            raise UnsupportedModelError(f"{where}: classifiers run on plinth's native decoders; {arch} has "
                                         f"none ({causal} is not among them)")
         if getattr(cfg, "text_config", None) is not None:
             raise UnsupportedModelError(f"{where}: {arch} is the classifier of an image-and-text model; plinth runs "
@@ -424,6 +433,10 @@ def _decoder_of(cfg: Any, arch: str, where: Any) -> tuple[str, bool, bool]:
             cfg.tie_word_embeddings = True   # the (unused) head reads the embedding matrix
             return causal, True, False
     return arch, False, False
+
+
+#: the architecture names of classifiers: a label set for the input, or for each of its tokens
+_CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
 
 
 def is_encoder_architecture(arch: str) -> bool:
@@ -567,6 +580,12 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
     if source.encoder:
         return _encoder_head(source, seed)
     hidden = int(cfg.hidden_size)
+    if source.token_classifier and source.kind == "dummy":   # (a bias, as transformers' score layer has)
+        gen = torch.Generator().manual_seed(seed)
+        std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
+        labels = int(getattr(cfg, "num_labels", 0) or 0)
+        draw = lambda *shape: (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).numpy()  # noqa: E731
+        return draw(labels, hidden), draw(labels), None, None
     labels = int(getattr(cfg, "num_labels", 0) or 0)
     if source.kind == "dummy":
         gen = torch.Generator().manual_seed(seed)
@@ -577,7 +596,7 @@ def load_classifier_head(source: ModelSource, seed: int = 0, tokenizer: Any = No
     found = dict(widened_if_bnb(head, source, torch.float32, torch.device("cpu")))
     weight, bias = found.pop("score.weight", None), found.pop("score.bias", None)
     if weight is None:
-        raise ModelLoadError(f"{source.path}: the sequence classifier has no 'score.weight' tensor")
+        raise ModelLoadError(f"{source.path}: the classifier has no 'score.weight' tensor")
     if found:
         raise ModelLoadError(f"{source.path}: unexpected classifier tensors {sorted(found)} (plinth reads "
                              f"score.weight and score.bias)")
@@ -616,10 +635,14 @@ def _encoder_head(source: ModelSource, seed: int) -> tuple[Any, Any, None, Any]:
         gen = torch.Generator().manual_seed(seed)
         std = float(getattr(cfg, "initializer_range", 0.02) or 0.02)
         draw = lambda *shape: (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).numpy()  # noqa: E731
-        return draw(labels, hidden), draw(labels), None, Projection(draw(hidden, hidden), draw(hidden))
+        weight, bias = draw(labels, hidden), draw(labels)
+        return weight, bias, None, None if source.token_classifier else Projection(draw(hidden, hidden), draw(hidden))
     assert source.path is not None
     if getattr(cfg, "model_type", None) == "modernbert":
         return _modernbert_head(source)
+    if source.token_classifier:   # BERT's and RoBERTa's: a linear layer over each position's state
+        out = _head_tensors(source, {"classifier.weight": (labels or None, hidden), "classifier.bias": (labels or None,)})
+        return out["classifier.weight"], out["classifier.bias"], None, None
     pre, head = _ENCODER_HEADS["roberta" if getattr(cfg, "model_type", None) in ROBERTA_TYPES else "bert"]
     out = _head_tensors(source, {pre + "weight": (hidden, hidden), pre + "bias": (hidden,),
                                  head + "weight": (labels or None, hidden), head + "bias": (labels or None,)})
@@ -673,7 +696,7 @@ def _head_tensors(source: ModelSource, shapes: dict[str, tuple[int | None, ...]]
     for name, shape in shapes.items():
         tensor = found.get(name)
         if tensor is None:
-            raise ModelLoadError(f"{source.path}: the sequence classifier has no {name!r} tensor")
+            raise ModelLoadError(f"{source.path}: the classifier has no {name!r} tensor")
         if not tensor.is_floating_point() or tensor.dim() != len(shape) or any(
                 want is not None and got != want for got, want in zip(tensor.shape, shape, strict=True)):
             raise ModelLoadError(f"{source.path}: {name!r} must be a float tensor of shape "

@@ -46,6 +46,7 @@ from plinth.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    PoolingRequest,
     RerankRequest,
     ResponsesRequest,
     ScoreRequest,
@@ -58,7 +59,7 @@ from plinth.entrypoints.openai.serving import LoRANameError, ServerContext
 from plinth.entrypoints.openai.serving_chat import create_chat_completion
 from plinth.entrypoints.openai.serving_classify import create_classification
 from plinth.entrypoints.openai.serving_completion import create_completion
-from plinth.entrypoints.openai.serving_embedding import create_embedding
+from plinth.entrypoints.openai.serving_embedding import create_embedding, create_pooling
 from plinth.entrypoints.openai.serving_responses import create_response
 from plinth.entrypoints.openai.serving_score import create_rerank, create_score
 from plinth.entrypoints.openai.serving_tokenize import detokenize, tokenize
@@ -364,6 +365,11 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         return await answer(create_embedding, body, raw)
+
+    @app.post("/pooling")
+    @app.post("/v1/pooling")
+    async def pooling(body: PoolingRequest, raw: Request) -> Response:
+        return await answer(create_pooling, body, raw)
 
     @app.post("/classify")
     @app.post("/v1/classify")

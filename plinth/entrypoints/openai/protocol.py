@@ -369,6 +369,34 @@ class ClassificationResponse(_ListResponse):
     usage: ClassificationUsage
 
 
+class PoolingRequest(_NamedExtras):
+    """``POST /pooling`` (vLLM's; an embedding or classification engine): each input's pooled output as numbers,
+    for any of the model's pooling tasks (``token_embed``, ``token_classify``: one row per input token)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class PoolingData(BaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | list[list[float]] | str   # base64: the little-endian float32 bytes, rows one after another
+
+
+class PoolingResponse(_ListResponse):
+    data: list[PoolingData]
+    usage: ClassificationUsage
+
+
 class ScoreRequest(_NamedExtras):
     """``POST /v1/score`` (vLLM's): the similarity of ``text_1`` with each ``text_2`` (one against many), or of the
     pairs of two lists of the same length; texts or token-id lists."""

@@ -68,12 +68,12 @@ class LoRANameError(ValueError):
 
 #: what a server of each task is, what a route of each task needs, and the routes each task serves
 _TASK_IS = {"generate": "generates text", "embed": "is an embedding model (--task embed)",
-            "classify": "is a sequence classifier (--task classify)"}
+            "classify": "is a classifier (--task classify)"}
 _TASK_NEEDS = {"generate": "a text generation model", "embed": "an embedding model served with --task embed",
-               "classify": "a sequence classifier served with --task classify"}
+               "classify": "a classifier served with --task classify"}
 _TASK_ROUTES = {"generate": "/v1/chat/completions, /v1/completions or /v1/responses",
-                "embed": "/v1/embeddings, /v1/score or /v1/rerank",
-                "classify": "/classify (and /v1/score or /v1/rerank for a one-label cross-encoder)"}
+                "embed": "/v1/embeddings, /pooling, /v1/score or /v1/rerank",
+                "classify": "/classify or /pooling (and /v1/score or /v1/rerank for a one-label cross-encoder)"}
 
 
 @dataclasses.dataclass

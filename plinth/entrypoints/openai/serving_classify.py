@@ -25,7 +25,8 @@ from plinth.entrypoints.openai.serving_embedding import pool_all, pool_request
 
 async def create_classification(ctx: ServerContext, req: ClassificationRequest, raw: Request) -> Response:
     lora, rid, inputs, outs = await pool_request(ctx, req, raw, "/classify", "classify",
-                                                 {"use_activation": req.use_activation, "activation": req.activation},
+                                                 {"use_activation": req.use_activation, "activation": req.activation,
+                                                  "task": "classify"},
                                                  "use_activation", "classify")
     labels = ctx.front.classifier.labels
     data = [ClassificationData(index=i, label=labels[max(range(len(o.probs)), key=o.probs.__getitem__)],

@@ -11,14 +11,18 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from plinth.core.pooling import PoolingParams
+from plinth.core.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams
 from plinth.core.scheduler import RequestRejectedError
 from plinth.entrypoints.openai.errors import APIError, bad_request
 from plinth.entrypoints.openai.protocol import (
+    ClassificationUsage,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
     random_id,
 )
 from plinth.entrypoints.openai.serving import MAX_CHOICES, ServerContext, collect, finish, merge, start
@@ -88,7 +92,9 @@ async def pool_all(ctx: ServerContext, raw: Request, rid: str, inputs: list[list
     return [out.outputs for out in finals]
 
 
-def _encode(vector: list[float], fmt: str) -> list[float] | str:
+def _encode(vector: Any, fmt: str) -> Any:
+    """A vector (or a matrix: its rows one after another) as numbers, or as base64 of its little-endian float32
+    bytes."""
     if fmt == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector
@@ -113,12 +119,28 @@ async def pool_request(ctx: ServerContext, req: Any, raw: Request, route: str, t
 
 async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, raw: Request) -> Response:
     lora, rid, inputs, outs = await pool_request(ctx, req, raw, "/v1/embeddings", "embed",
-                                                 {"normalize": req.normalize, "dimensions": req.dimensions},
-                                                 "dimensions", "embd")
+                                                 {"normalize": req.normalize, "dimensions": req.dimensions,
+                                                  "task": "embed"}, "dimensions", "embd")
     vectors = [out.embedding for out in outs]
     prompt_tokens = sum(len(ids) for ids in inputs)
     body = EmbeddingResponse(id=rid, model=ctx.reply_model(lora),
                              data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
                                    for i, v in enumerate(vectors)],
                              usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
+    return JSONResponse(body.model_dump())
+
+
+async def create_pooling(ctx: ServerContext, req: PoolingRequest, raw: Request) -> Response:
+    """vLLM's ``/pooling``: the pooled output of each input as numbers: an embedding or label probabilities, or one
+    row per input token (``task`` ``token_embed`` / ``token_classify``); the engine's own task by default."""
+    lora, rid, inputs, outs = await pool_request(ctx, req, raw, "/pooling", ("embed", "classify"),
+                                                 {"normalize": req.normalize, "dimensions": req.dimensions,
+                                                  "use_activation": req.use_activation, "task": req.task},
+                                                 "task", "pool")
+    rows = [o.embedding if isinstance(o, EmbeddingOutput) else o.probs if isinstance(o, ClassificationOutput)
+            else o.data.tolist() for o in outs]
+    tokens = sum(len(ids) for ids in inputs)
+    body = PoolingResponse(id=rid, model=ctx.reply_model(lora),
+                           data=[PoolingData(index=i, data=_encode(v, req.encoding_format)) for i, v in enumerate(rows)],
+                           usage=ClassificationUsage(prompt_tokens=tokens, total_tokens=tokens))
     return JSONResponse(body.model_dump())

@@ -55,10 +55,14 @@ def plinth_models() -> dict[str, str]:
         # encoder-only models: embeddings (task "embed") and classifiers (task "classify")
         "BertModel": f"{_M}.bert:BertModel",
         "BertForSequenceClassification": f"{_M}.bert:BertModel",
+        "BertForTokenClassification": f"{_M}.bert:BertModel",
         "RobertaModel": f"{_M}.bert:BertModel",
         "RobertaForSequenceClassification": f"{_M}.bert:BertModel",
+        "RobertaForTokenClassification": f"{_M}.bert:BertModel",
         "XLMRobertaModel": f"{_M}.bert:BertModel",
         "XLMRobertaForSequenceClassification": f"{_M}.bert:BertModel",
+        "XLMRobertaForTokenClassification": f"{_M}.bert:BertModel",
         "ModernBertModel": f"{_M}.modernbert:ModernBertModel",
         "ModernBertForSequenceClassification": f"{_M}.modernbert:ModernBertModel",
+        "ModernBertForTokenClassification": f"{_M}.modernbert:ModernBertModel",
     }
