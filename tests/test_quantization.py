@@ -309,6 +309,51 @@ def test_fp8_ignored_layers_stay_float(tiny_llama_dir, tmp_path):
     compare(model, backend, reference_model(tiny_llama_dir, deq), atol=1e-3, min_agreement=0.95)
 
 
+def test_fp8_image_and_text_checkpoint_ignores_its_language_models_layers_by_their_names(tmp_path):
+    """An image-and-text checkpoint's ignore list names its language model's layers as the checkpoint does
+    (``language_model.model.layers...`` or ``model.language_model.layers...``), not as the causal LM plinth runs
+    calls them: those layers load as the float weights they are."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from plinth.model_registry.layers.linear import UnquantizedLinearMethod
+
+    text = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+    torch.manual_seed(3)
+    hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=299)).eval()
+    hf.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    ignored = [n.removesuffix(".weight") for n in state if n.endswith("layers.1.mlp.down_proj.weight")]
+    assert len(ignored) == 1 and not ignored[0].startswith("model.layers.")
+    tensors, deq = {}, {}
+    for name, w in state.items():
+        if ".layers." in name and name.endswith("_proj.weight") and "vision" not in name \
+                and name.removesuffix(".weight") not in ignored:
+            s = w.abs().amax(1, keepdim=True) / FP8_MAX
+            tensors[name], tensors[name.replace(".weight", ".weight_scale")] = (w / s).to(torch.float8_e4m3fn), s
+            deq[name] = tensors[name].float() * s
+        else:
+            tensors[name] = w
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "ignored_layers": ignored + ["lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, backend, method = load_plinth(tmp_path)
+    assert isinstance(model.model.layers[1].mlp.down_proj.linear_method, UnquantizedLinearMethod)
+    assert model.model.layers[0].mlp.down_proj.linear_method is method
+    state = hf.state_dict()   # (named in transformers' own layout, which it may write in another)
+    ours = {name.split(".layers.", 1)[1]: name for name in state if ".layers." in name and "vision" not in name}
+    with torch.no_grad():
+        for name, value in deq.items():
+            state[ours[name.split(".layers.", 1)[1]]].copy_(value)
+    compare(model, backend, hf, atol=1e-3, min_agreement=0.95)
+
+
 def test_fp8_partly_ignored_fused_layer_is_refused(tiny_llama_dir, tmp_path):
     path, _ = _fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", "channel", ignored=("layers.0.self_attn.k_proj",))
     with pytest.raises(ConfigError, match="fuses .*q_proj.*k_proj.*only some"):

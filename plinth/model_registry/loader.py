@@ -536,6 +536,16 @@ def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
                 break
 
 
+def _language_model_prefix(model_dir: Path) -> str:
+    """What an image-and-text checkpoint calls its language model's ``model.`` (``language_model.model.``,
+    ``model.language_model.``, ...), read from its shards' headers."""
+    names = SafetensorsWeights(list_safetensors_files(model_dir)).names()
+    for prefix, target in _TEXT_PREFIXES:
+        if target.startswith("model.") and any(name.startswith(prefix) for name in names):
+            return prefix.removesuffix(target.removeprefix("model."))
+    return "model."
+
+
 def language_model_names(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """An image-and-text model's tensors with its language model's names as the causal LM's (a transformers
     ``LlavaForConditionalGeneration.state_dict()`` handed to ``update_weights``); other names (the causal LM's own,
@@ -876,6 +886,8 @@ def load_model(source: ModelSource, ctx: ModelContext, *, seed: int = 0) -> Caus
     model = build_model(source.architecture, ctx)
     quant = ctx.quant_method
     if quant is not None:  # which layers it quantizes, and its GEMM kernel (plinth.quantization)
+        if source.text_only and source.kind == "hf_dir":   # (its settings name the checkpoint's modules)
+            quant.checkpoint_prefix = _language_model_prefix(Path(source.path or ""))  # type: ignore[attr-defined]
         quant.prepare_model(model)  # type: ignore[attr-defined]
     if source.kind == "dummy":
         init_dummy_weights(model, seed)

@@ -115,6 +115,10 @@ class QuantizationMethod(abc.ABC):
     reference_kernel: ClassVar[str] = "dequant"
     #: it can quantize the LM head's float weight (``--quantize-lm-head``; see :meth:`float_weights`)
     quantizes_lm_head: ClassVar[bool] = False
+    #: what the checkpoint calls the modules the model names ``model.*`` (an image-and-text checkpoint's language
+    #: model: ``language_model.model.``, ``model.language_model.``; the loader sets it): its settings (ignore lists,
+    #: targets) name them so
+    checkpoint_prefix: str = "model."
 
     def __init__(self, ctx: QuantContext):
         self.ctx = ctx
@@ -316,7 +320,7 @@ class QuantizationMethod(abc.ABC):
             if getattr(layer, "linear_method", None) is not self:
                 continue
             names = checkpoint_names(model, name, layer)
-            verdicts = [self.applies_to(n) for n in names]
+            verdicts = [self.applies_to(self._in_checkpoint(n)) for n in names]
             if all(verdicts):
                 shapes.append((sum(layer.output_sizes_per_partition), layer.input_size_per_partition))
             elif not any(verdicts):
@@ -329,6 +333,10 @@ class QuantizationMethod(abc.ABC):
                               f"(architectures run through the transformers fallback cannot be quantized)")
         self.prepare_experts(model)
         self.select_kernel(shapes)
+
+    def _in_checkpoint(self, name: str) -> str:
+        """The checkpoint's name of the model's module ``name`` (see :attr:`checkpoint_prefix`)."""
+        return self.checkpoint_prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
     def expert_method(self, layer: nn.Module) -> Any:
         """How the experts of a mixture-of-experts layer (:class:`~plinth.model_registry.layers.moe.FusedMoE`) are
@@ -356,7 +364,7 @@ class QuantizationMethod(abc.ABC):
                      for e in range(layer.num_experts) for which, role in (("w13", "gate"), ("w13", "up"),
                                                                            ("w2", "down"))}
             layer.__dict__["expert_checkpoint_names"] = names
-            verdicts = {n: self.applies_to(n) for n in dict.fromkeys(names.values())}
+            verdicts = {n: self.applies_to(self._in_checkpoint(n)) for n in dict.fromkeys(names.values())}
             if not any(verdicts.values()):
                 continue
             if not all(verdicts.values()):
