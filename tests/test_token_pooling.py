@@ -244,3 +244,29 @@ def test_server_pooling_route(tmp_path, llama_dir):
         np.testing.assert_allclose(body["data"][0]["data"], softmax(ref), atol=1e-5)
         refused = client.post("/classify", json={"input": PROMPTS[0]})
         assert refused.status_code == 400 and "token_classify" in refused.json()["error"]["message"]
+
+
+def test_tensor_parallel_worker_processes(tmp_path, processes):
+    """TP=2 CPU worker processes (pooling steps run one after another there): the same rows as one process."""
+    from plinth.config import EngineConfig
+    from plinth.core.engine import LLMEngine
+    from plinth.distributed.executor_mp import MultiprocExecutor
+
+    save_token_classifier(tmp_path, "llama")
+    one = LLM(str(tmp_path), dtype="float32", selection="off", task="classify", platform="cpu").encode(PROMPTS)
+    config = EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", selection="off", task="classify",
+                                      tensor_parallel_size=2, distributed_executor="mp", max_num_batched_tokens=8,
+                                      platform="cpu")
+    engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, PoolingParams())
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs.data
+    finally:
+        engine.shutdown()
+    for i, out in enumerate(one):
+        np.testing.assert_allclose(done[f"r{i}"].numpy(), out.outputs.data.numpy(), atol=1e-5)
