@@ -456,6 +456,14 @@ def test_n_samples_and_seeds(llm):
     assert not {tuple(c.token_ids) for c in nearby} & {tuple(c.token_ids) for c in a.outputs[1:]}
 
 
+def test_seed_minus_one_is_no_seed(llm):
+    """vLLM's ``seed=-1`` means no seed: each call draws new samples (not the fixed samples of a seed -1)."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=-1, ignore_eos=True)
+    assert params.seed is None and params.clone().seed is None
+    runs = {tuple(llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(runs) > 1
+
+
 def test_prompts_and_params_of_the_wrong_type_are_clear_errors(llm, tiny_llama_dir):
     import numpy as np
 
@@ -544,6 +552,21 @@ def test_token_id_prompts_and_rejections(llm, tiny_llama_dir):
                                                  stop_token_ids=[10**6], **extra), use_tqdm=False)
         assert odd[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_tokens_prompt_may_carry_its_text(llm):
+    """vLLM's ``TokensPrompt`` takes the ids' text as ``prompt`` (the output reports it); the ids are what runs."""
+    from plinth import TokensPrompt
+
+    ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids, prompt="shown"), ids,
+                         {"prompt_token_ids": ids, "prompt": None, "cache_salt": "s"}], greedy(), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["shown", None, None]
+    assert outs[0].prompt_token_ids == ids and token_ids(outs) == [outs[1].outputs[0].token_ids] * 3
+    with pytest.raises(ValueError, match="'prompt' must be text, got int"):
+        llm.generate({"prompt_token_ids": ids, "prompt": 5}, greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of"):
+        llm.generate({"prompt_token_ids": ids, "prompt": "a", "prompt_embeds": None}, greedy(), use_tqdm=False)
 
 
 def test_chat_uses_template(llm):

@@ -407,7 +407,7 @@ def test_llm_dict_prompts(model_dir):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert llm.generate({"prompt_token_ids": torch.tensor(ids)}, params)[0].outputs[0].token_ids == \
         expected[1].outputs[0].token_ids
-    for bad, message in (({"text": "x"}, "exactly one"), ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
+    for bad, message in (({"text": "x"}, "exactly one"), ({"prompt": "x", "prompt_embeds": [1]}, "exactly one"),
                          ({"prompt": [1, 2]}, "must be text"), ({"prompt_token_ids": "abc"}, "list of token ids"),
                          ({"prompt": "x", "multi_modal_data": {}}, "takes no image inputs"),
                          ({"prompt": "x", "mm_processor_kwargs": {}}, "give them in 'multi_modal_data'"),

@@ -44,10 +44,11 @@ class TextPrompt(TypedDict):
 
 
 class TokensPrompt(TypedDict):
-    """A prompt as token ids (vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}``); ``cache_salt``: see
-    :meth:`plinth.core.engine.LLMEngine.add_request`."""
+    """A prompt as token ids (vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}``); ``prompt``: their text, which
+    the output reports as its ``prompt``; ``cache_salt``: see :meth:`plinth.core.engine.LLMEngine.add_request`."""
 
     prompt_token_ids: list[int]
+    prompt: NotRequired[str]
     cache_salt: NotRequired[str]
 
 
@@ -97,7 +98,7 @@ class SamplingParams:
     ``{"grammar": ...}``; see :mod:`plinth.core.structured`). ``allowed_token_ids`` restricts every
     sampled token to the listed ids (vLLM's parameter). ``bad_words`` (vLLM's) are never generated: each word,
     tokenized alone and after a space, has its last token banned wherever the output ends with the tokens
-    before it (a one-token word is banned everywhere). ``extra_args`` (vLLM's) is a mapping with string keys handed
+    before it (a one-token word is banned everywhere). ``seed=-1`` is no seed, as in vLLM. ``extra_args`` (vLLM's) is a mapping with string keys handed
     to the engine's custom logits processors (:mod:`plinth.core.logits_processors`); plinth itself reads none of it.
     """
 
@@ -154,6 +155,8 @@ class SamplingParams:
         """The forms each field is accepted in (numpy numbers, one stop string, digit-string bias keys, ...) as
         the one the engine reads."""
         self._plain_numbers()
+        if self.seed == -1:   # vLLM's "no seed"
+            self.seed = None
         self._lists()
         self.logit_bias = _token_bias(self.logit_bias)
         if isinstance(self.bad_words, str):

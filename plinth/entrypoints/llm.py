@@ -68,13 +68,15 @@ def _pair_prompt(engine: Any, first: Any, second: Any, keep: int | None) -> dict
 
 class _Salted(NamedTuple):
     """A dict prompt's text or token ids with its ``cache_salt``, its ``multi_modal_data`` and the settings of the
-    image processor for its images, ``mm_processor_kwargs``, and its ``token_type_ids`` (each may be ``None``)."""
+    image processor for its images, ``mm_processor_kwargs``, its ``token_type_ids``, and the text of its token ids
+    that its output reports as ``prompt`` (each may be ``None``)."""
 
     prompt: Any
     salt: str | None
     multi_modal_data: Any = None
     processor_kwargs: Any = None
     token_type_ids: Any = None
+    text: str | None = None
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
@@ -83,25 +85,34 @@ _PROMPT_OPTIONS = ("cache_salt", "multi_modal_data", "mm_processor_kwargs", "tok
 
 def _one_prompt(prompt: Any) -> Any:
     """A dict prompt as its text, token ids or :class:`~plinth.core.prompt_embeds.PromptEmbeds` (other forms as they
-    are), as a :class:`_Salted` where it has a ``cache_salt``, ``multi_modal_data`` or ``token_type_ids``."""
+    are), as a :class:`_Salted` where it has a ``cache_salt``, ``multi_modal_data`` or ``token_type_ids``, or the text
+    of its token ids as ``prompt`` (vLLM's ``TokensPrompt`` field)."""
     if not isinstance(prompt, dict):
         return prompt
     keys = set(prompt) & set(_PROMPT_KEYS)
     unknown = sorted(set(prompt) - {*_PROMPT_KEYS, *_PROMPT_OPTIONS}, key=repr)
+    text = None   # vLLM's TokensPrompt may carry the ids' text as 'prompt', for the output
+    if keys == {"prompt", "prompt_token_ids"}:
+        keys.discard("prompt")
+        text = prompt["prompt"]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"'prompt' must be text, got {type(text).__name__}")
     if len(keys) != 1 or unknown:
         raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text), 'prompt_token_ids' (token ids) and "
-                         f"'prompt_embeds' (a [positions, hidden_size] tensor), and optionally 'cache_salt', "
+                         f"'prompt_embeds' (a [positions, hidden_size] tensor) ('prompt' may go with "
+                         f"'prompt_token_ids' as their text), and optionally 'cache_salt', "
                          f"'multi_modal_data', 'mm_processor_kwargs' and 'token_type_ids' (with token ids)"
                          f"{'; unknown keys: ' + ', '.join(map(repr, unknown)) if unknown else ''}")
     if "prompt_embeds" in prompt:
         from plinth.core.prompt_embeds import PromptEmbeds
 
         prompt = {**prompt, "prompt_embeds": PromptEmbeds(prompt["prompt_embeds"])}
-    value = prompt[keys.pop()]
-    if "prompt" in prompt and not isinstance(value, str):
+    key = keys.pop()
+    value = prompt[key]
+    if key == "prompt" and not isinstance(value, str):
         raise ValueError(f"'prompt' must be text, got {type(value).__name__}")
-    if "prompt_token_ids" in prompt and (isinstance(value, str) or not isinstance(value, Sequence)
-                                          and getattr(value, "ndim", None) != 1):
+    if key == "prompt_token_ids" and (isinstance(value, str) or not isinstance(value, Sequence)
+                                      and getattr(value, "ndim", None) != 1):
         raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
     value = value.tolist() if getattr(value, "ndim", None) == 1 else value
     salt, mm, settings = prompt.get("cache_salt"), prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs")
@@ -111,20 +122,21 @@ def _one_prompt(prompt: Any) -> Any:
                          "'multi_modal_data'")
     if types is not None and "prompt_token_ids" not in prompt:
         raise ValueError("'token_type_ids' (one per token) go with 'prompt_token_ids'")
-    if salt is None and mm is None and types is None:   # absent or null: no salt, no images, no token types
+    if salt is None and mm is None and types is None and text is None:   # absent or null: nothing but the prompt
         return value
     problem = cache_salt_problem(salt)
     if problem is not None:
         raise ValueError(f"'cache_salt' {problem}")
-    return _Salted(value, salt, mm, settings, types.tolist() if getattr(types, "ndim", None) == 1 else types)
+    return _Salted(value, salt, mm, settings, types.tolist() if getattr(types, "ndim", None) == 1 else types, text)
 
 
 def _unsalted(prompts: list[Any], what: str) -> list[Any]:
     """``prompts`` for a method that takes no ``cache_salt``: a clear error for one that has one."""
-    if any(isinstance(p, _Salted) for p in prompts):
+    if any(isinstance(p, _Salted) and (p.salt, p.multi_modal_data, p.token_type_ids) != (None, None, None)
+           for p in prompts):
         raise ValueError(f"{what} takes no 'cache_salt', 'multi_modal_data' or 'token_type_ids' (give the prompts "
                          "as texts or token ids)")
-    return prompts
+    return [p.prompt if isinstance(p, _Salted) else p for p in prompts]
 
 
 def _per_prompt_loras(lora_request: Any, count: int) -> list[Any]:
@@ -290,8 +302,8 @@ class LLM:
         """Generate completions; outputs come back in the order of ``prompts``.
 
         ``prompts`` is a string, a list of token ids, a dict (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
-        either with an optional ``"cache_salt"``: see :meth:`~plinth.core.engine.LLMEngine.add_request`), or a list
-        of these.
+        either with an optional ``"cache_salt"``: see :meth:`~plinth.core.engine.LLMEngine.add_request`; the token ids
+        with an optional ``"prompt"``, their text, which the output reports as its ``prompt``), or a list of these.
         ``sampling_params`` is one for all prompts or one per prompt (default:
         :meth:`get_default_sampling_params`).
         ``priority``: one per prompt, lower first (an engine with ``scheduling_policy="priority"``).
@@ -318,8 +330,10 @@ class LLM:
         """Queue the requests and step the engine until they finish. One caller at a time: the stepping caller
         takes only its own requests' outputs, so another thread's would be lost and that thread would wait for
         ever."""
+        requests = list(requests)
+        texts = [r[0].text if isinstance(r[0], _Salted) else None for r in requests]
         with self._lock:
-            return self._run(self._submit(requests), use_tqdm)
+            return self._run(self._submit(requests), use_tqdm, texts)
 
     def _submit(self, requests: Any) -> list[str]:
         """Queue ``(prompt, params, priority, lora_request)`` tuples; their ids. A rejected prompt leaves none of
@@ -331,8 +345,8 @@ class LLM:
             with GcPause():   # (queuing a batch makes many objects and no garbage: no collections scanning them)
                 for i, (prompt, params, rank, lora) in enumerate(requests):
                     rid = f"llm-{next(self._ids)}"
-                    prompt, salt, mm, _, types = (prompt if isinstance(prompt, _Salted)
-                                                  else (prompt, None, None, None, None))
+                    prompt, salt, mm, _, types, _ = (prompt if isinstance(prompt, _Salted)
+                                                     else (prompt, None, None, None, None, None))
                     mm = prepared.get(i, mm)
                     self.engine.add_request(rid, prompt, params, priority=rank, lora_request=lora, cache_salt=salt,
                                             multi_modal_data=mm, token_type_ids=types)
@@ -566,7 +580,9 @@ class LLM:
             out.prompt = text
         return outputs
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool, texts: Sequence[str | None] = ()) -> list[RequestOutput]:
+        """Step the engine until the requests ``ids`` finish; their outputs in order (``texts``: the prompt text
+        each output reports, where a dict prompt gave its token ids' text)."""
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -591,6 +607,9 @@ class LLM:
             if bar is not None:
                 bar.close()
         outputs = [results[i] for i in ids]
+        for out, text in zip(outputs, texts, strict=False):
+            if text is not None and hasattr(out, "prompt"):   # (a pooling output reports no prompt)
+                out.prompt = text
         failed = [out for out in outputs if getattr(out, "error", None)]
         if failed:   # after every request is done: the others' work is in the error's outputs
             raise RequestFailedError(f"{len(failed)} of {len(ids)} request(s) failed; the first: {failed[0].error}",
