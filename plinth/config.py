@@ -282,6 +282,9 @@ class ModelConfig:
         object.__setattr__(self, "logits_processors", tuple(procs))
         _check_texts(self, ("tokenizer", "chat_template", "allowed_local_media_path"),
                      paths=("tokenizer", "chat_template", "allowed_local_media_path"))
+        for name in ("tokenizer", "allowed_local_media_path"):   # "~/tokenizers/x", as the model's path is taken
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         aliases = self.served_model_aliases

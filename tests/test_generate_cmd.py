@@ -125,6 +125,71 @@ def test_interrupted_run_resumes_without_duplicates(tiny_llama_dir, tmp_path, js
         assert final[rid]["outputs"][0]["token_ids"] == jsonl_result[rid]["outputs"][0]["token_ids"]
 
 
+def test_a_rerun_on_results_of_other_requests_is_refused_naming_them(tiny_llama_dir, tmp_path, capsys):
+    """Results are matched to rows by id and by a fingerprint of the request (prompt and sampling parameters,
+    command-line defaults included): a row changed since its result was written, or another input file with the
+    same ids, stops the run naming the ids, and the results file is left as it was. The same requests from a CSV
+    file resume; a record without a fingerprint (written by an earlier plinth) is taken as before."""
+    rows = [{"id": "a", "prompt": "The quick brown fox", "max_tokens": 3},
+            {"id": "b", "prompt": "Paris is", "stop": ["x"]}]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    args = [*engine_args(tiny_llama_dir), "--max-tokens", "4", "--input", str(inp), "--output", str(out)]
+    assert main(args) == 0
+    written = out.read_text()
+    assert all(len(r["fingerprint"]) == 16 for r in read_out(out).values())
+    (tmp_path / "in.csv").write_text('id,prompt,max_tokens,stop\na,The quick brown fox,3,\nb,Paris is,,"[""x""]"\n')
+    capsys.readouterr()
+    for same in (args, [*args[:-3], str(tmp_path / "in.csv"), *args[-2:]]):
+        assert main(same) == 0
+        assert "0 rows to run, 2 already done" in capsys.readouterr().err
+    changed = write_jsonl(tmp_path / "changed.jsonl", [rows[0], {**rows[1], "prompt": "Berlin is"}])
+    for extra, needle in (([*args[:-3], str(changed), *args[-2:]], "id 'b' (row 2)"),
+                          ([*args, "--max-tokens", "5"], "id 'b' (row 2)"),        # b's default changed, not a's
+                          ([*args, "--temperature", "0.5"], "id 'a' (row 1), id 'b' (row 2)")):
+        assert main(extra) == 2
+        err = capsys.readouterr().err
+        assert f"holds results of other requests for {needle.count('id ')} row(s)" in err and needle in err, err
+        assert out.read_text() == written
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "fingerprint"}) + "\n"
+                              for r in read_out(out).values()))
+    assert main([*args[:-3], str(changed), "--output", str(legacy)]) == 0
+    assert "0 rows to run, 2 already done" in capsys.readouterr().err
+
+
+def test_flags_generate_has_no_use_for_are_refused(tiny_llama_dir, tmp_path, capsys):
+    """Engine flags every command takes but ``plinth generate`` could not use stop it before the model loads,
+    saying why, rather than changing nothing."""
+    inp = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    for flags, needle in ((["--enable-lora"], "--enable-lora: a row cannot name an adapter"),
+                          (["--max-lora-rank", "8"], "--max-loras, --max-lora-rank or --max-cpu-loras"),
+                          (["--scheduling-policy", "priority"], "--scheduling-policy priority: its rows carry no"),
+                          (["--enable-prompt-embeds"], "--enable-prompt-embeds"),
+                          (["--enable-sleep-mode"], "--enable-sleep-mode"),
+                          (["--served-model-name", "x"], "--served-model-name"),
+                          (["--override-generation-config", '{"temperature": 0.5}'], "--override-generation-config")):
+        for mode in (["--prompt", "hi"], ["--input", str(inp), "--output", str(tmp_path / "o.jsonl")]):
+            assert main([*engine_args(tiny_llama_dir), *mode, *flags]) == 2
+            assert f"plinth generate: error: plinth generate has no use for {needle}" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_home_is_expanded_in_path_flags(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """``~`` in --input, --output, --tokenizer, --chat-template and --allowed-local-media-path is the home folder
+    (a shell leaves it as it is in quotes or after ``=``)."""
+    from plinth.config import ModelConfig
+    from plinth.worker.setup import read_chat_template
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    assert main([*engine_args(tiny_llama_dir), "--input", "~/in.jsonl", "--output=~/res/out.jsonl"]) == 0
+    assert set(read_out(tmp_path / "res" / "out.jsonl")) == {"a"}
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template("~/t.jinja") == "{{ messages[0]['content'] }}"
+    config = ModelConfig(tokenizer="~/tok", allowed_local_media_path="~")
+    assert (config.tokenizer, config.allowed_local_media_path) == (str(tmp_path / "tok"), str(tmp_path))
+
+
 def test_bad_rows_fail_or_skip_with_line_numbers(tiny_llama_dir, tmp_path):
     inp = tmp_path / "bad.jsonl"
     inp.write_text(
@@ -319,6 +384,20 @@ def test_csv_stop_cells_are_json_lists_or_one_string():
         _coerce("stop", '["a", 1]', [], True)
     with pytest.raises(ValueError, match="true or false"):
         _coerce("ignore_eos", "maybe", False, True)
+
+
+def test_a_stop_given_as_an_object_is_refused_not_taken_as_its_keys():
+    """``{"stop": {"a": 1}}`` (or a Parquet struct) was read as the stop string "a": a row's ``stop`` is a string or a
+    list of strings, as in the OpenAI API, and anything else is a bad row naming it."""
+    from plinth import SamplingParams
+    from plinth.entrypoints.generate_cmd import RowError, parse_row
+
+    base = SamplingParams()
+    for row in ({"prompt": "x", "stop": {"a": 1}}, {"prompt": "x", "stop": {"a": "b"}, "_cells": True},
+                {"prompt": "x", "stop_token_ids": {"7": 1}}):
+        with pytest.raises(RowError, match=r"row 3: stop(_token_ids)?: must be .* or a list of them, got an object"):
+            parse_row(3, row, base)
+    assert parse_row(1, {"prompt": "x", "stop": "a"}, base)[2].stop == ["a"]
 
 
 def test_csv_list_cells_of_bad_words_and_allowed_token_ids():

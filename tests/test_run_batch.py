@@ -239,3 +239,39 @@ def test_one_request_that_cannot_be_sent_fails_alone():
     by_id = {r["custom_id"]: r for r in records}
     assert (failed, not_run) == (1, 0) and by_id["ok"]["response"]["status_code"] == 200
     assert by_id["bad"]["response"]["status_code"] == 500 and "TypeError" in by_id["bad"]["error"]["message"]
+
+
+def test_a_rerun_on_results_of_other_requests_is_refused_and_home_is_expanded(tmp_path, monkeypatch, capsys):
+    """Results are matched to lines by custom_id and a fingerprint of the request (method, URL, body): a line whose
+    request changed since its final result was written stops the rerun naming it, before the model loads and with
+    the results file left as it was (a record without a fingerprint, of an earlier plinth, is taken as before).
+    ``~`` in -i and -o is the home folder; flags run-batch has no use for are refused."""
+    from plinth.entrypoints.run_batch_cmd import settled_ids
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = save_tiny_model(tmp_path / "m")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    a = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": PROMPT, "max_tokens": 2}}
+    b = {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x", "temperature": -1}}   # a final 400
+    write_lines(inp, [a, b])
+    args = ["run-batch", str(model), "--dtype", "float32", "--selection", "off", "-i", "~/in.jsonl", "-o", "~/out.jsonl"]
+    assert main(args) == 0
+    written = out.read_text()
+    assert {r["custom_id"]: r["response"]["status_code"] for r in map(json.loads, written.splitlines())} == \
+           {"a": 200, "b": 400}
+    capsys.readouterr()
+    write_lines(inp, [b, a, {**a, "body": {"prompt": "other"}}])   # the same requests (a repeated line is not a's)
+    assert main(args) == 0
+    assert "0 requests to run, 2 already done, 1 invalid" in capsys.readouterr().err
+    out.write_text(written)
+    write_lines(inp, [{**a, "body": {**a["body"], "max_tokens": 3}}, {**b, "url": "/v1/chat/completions"}])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "holds results of other requests for 2 custom_id(s) of --input '" in err and "'a', 'b'" in err, err
+    assert out.read_text() == written
+    out.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "fingerprint"}) + "\n"
+                           for line in written.splitlines()))
+    assert settled_ids(out, inp) == {"a": None, "b": None}
+    for flag, needle in ((["--enable-sleep-mode"], "has no use for --enable-sleep-mode"),
+                         (["--enable-lora"], "--enable-lora serves the adapters of --lora-modules")):
+        assert main([*args, *flag]) == 2 and needle in capsys.readouterr().err

@@ -169,6 +169,29 @@ def test_malformed_specs_name_the_parameter():
         SamplingParams(structured_outputs={"regex": "a+"}, min_tokens=3)
 
 
+def test_the_min_tokens_conflict_names_the_field_the_constraint_was_given_in():
+    """``min_tokens`` with a constraint is refused naming the field the user gave it in, not always
+    ``structured_outputs``."""
+    from plinth.core.request import SamplingParamsError
+    from plinth.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    def refusal(make, *args, **kwargs):
+        with pytest.raises(SamplingParamsError) as info:
+            make(*args, **kwargs)
+        assert info.value.param == "min_tokens"
+        return str(info.value)
+
+    assert "combined with structured_outputs" in refusal(SamplingParams, structured_outputs={"regex": "a+"},
+                                                         min_tokens=3)
+    assert "combined with guided_decoding" in refusal(SamplingParams, guided_decoding={"regex": "a+"}, min_tokens=3)
+    chat = [{"role": "user", "content": "hi"}]
+    for field, value in (("response_format", {"type": "json_object"}), ("guided_regex", "a+"),
+                         ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"})):
+        for req in (CompletionRequest(prompt="x", min_tokens=2, **{field: value}),
+                    ChatCompletionRequest(messages=chat, min_tokens=2, **{field: value})):
+            assert f"min_tokens: cannot be combined with {field} " in refusal(req.sampling_params, 8, None)
+
+
 def test_sampler_draws_only_allowed_tokens_in_proportion():
     """The mask sets disallowed logits to -inf before sampling: the draws follow the renormalised
     distribution over the allowed tokens (chi-square against the float64 probabilities)."""

@@ -12,6 +12,7 @@ import functools
 import math
 import numbers
 import time
+from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
 
 from plinth.core import structured
@@ -59,6 +60,10 @@ class EmbedsPrompt(TypedDict):
 
     prompt_embeds: Any
     cache_salt: NotRequired[str]
+
+
+#: the message of ``min_tokens`` given with a structured output constraint (formatted with the constraint's field)
+MIN_TOKENS_CONFLICT = "cannot be combined with {} (the grammar decides where the text may end)"
 
 
 class SamplingParamsError(ValueError):
@@ -149,7 +154,7 @@ class SamplingParams:
                                                              "earlier name), not both")
             self.structured_outputs = guided_decoding
         self._normalize()
-        self.validate()
+        self.validate(structured_name="structured_outputs" if guided_decoding is None else "guided_decoding")
 
     def _normalize(self) -> None:
         """The forms each field is accepted in (numpy numbers, one stop string, digit-string bias keys, ...) as
@@ -190,12 +195,15 @@ class SamplingParams:
             self.stop_token_ids = [self.stop_token_ids]   # (numpy ids become ints below)
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
+            if isinstance(value, Mapping):   # list() would take its keys
+                raise SamplingParamsError(name, f"must be {'a string' if name == 'stop' else 'an integer'} or a list "
+                                                f"of them, got an object ({type(value).__name__})")
             try:
                 setattr(self, name, list(value if value is not None else []))
             except TypeError:
                 raise SamplingParamsError(name, f"must be a list, got {type(value).__name__}") from None
         self.stop_token_ids = _plain_ids(self.stop_token_ids)
-        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str | Mapping):
             try:
                 self.allowed_token_ids = _plain_ids(list(self.allowed_token_ids))
             except TypeError:
@@ -211,7 +219,9 @@ class SamplingParams:
         self._normalize()   # in the forms the constructor takes
         self.validate()
 
-    def validate(self) -> None:
+    def validate(self, structured_name: str = "structured_outputs") -> None:
+        """Raise :class:`SamplingParamsError` naming the first invalid parameter (``structured_name``: the name the
+        constraint was given under, for messages)."""
         def check(cond: bool, param: str, msg: str) -> None:
             if not cond:
                 raise SamplingParamsError(param, msg)
@@ -267,7 +277,7 @@ class SamplingParams:
         check(extra is None or (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)), "extra_args",
               f"must be a mapping with string keys, got {extra!r}"[:300])
         check(not (self.structured_outputs and self.min_tokens), "min_tokens",
-              "cannot be combined with structured_outputs (the grammar decides where the text may end)")
+              MIN_TOKENS_CONFLICT.format(structured_name))
         bound = self.MAX_LOGIT_BIAS
         bad = next(((t, v) for t, v in (self.logit_bias or {}).items() if not -bound <= v <= bound), None)
         check(bad is None, "logit_bias", f"values must be numbers in [-{bound:g}, {bound:g}], got {bad and bad[1]!r} "

@@ -2,7 +2,9 @@
 
 File mode reads JSONL, CSV or Parquet rows and writes one JSON line per finished row to
 ``--output``, as soon as each row finishes. Rerunning the same command after an interruption
-skips the rows already in the output file: nothing is lost and nothing is done twice.
+skips the rows already in the output file: nothing is lost and nothing is done twice. A result is matched to its
+row by id and by a fingerprint of the request (prompt and sampling parameters): a row changed since its result was
+written stops the run, naming it.
 
 A row has an ``id`` (default: its 1-based row number), one of ``prompt`` (text),
 ``messages`` (a chat conversation, list of {role, content}) or ``prompt_token_ids``, and
@@ -16,6 +18,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -283,6 +286,26 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
     return rid, value, params, key == "messages"
 
 
+def fingerprint(payload: Any) -> str:
+    """A short hash of a request's JSON form (keys sorted), written with its result so that a rerun knows whether the
+    result is of the same request (see :func:`row_fingerprint`)."""
+    text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+_PLAIN_PARAMS = SamplingParams()
+
+
+def row_fingerprint(prompt: Any, params: SamplingParams, is_chat: bool) -> str:
+    """The fingerprint of a row's request: its prompt (text, messages or token ids) and every sampling parameter
+    that differs from ``SamplingParams()``'s (command-line defaults included), so that the same request gives the
+    same fingerprint from a JSONL, CSV or Parquet row."""
+    kind = "messages" if is_chat else "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    changed = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+               if getattr(params, f.name) != getattr(_PLAIN_PARAMS, f.name)}
+    return fingerprint({kind: prompt, "params": changed})
+
+
 def add_when_room(engine: Any, request_id: str, prompt: Any, params: SamplingParams, step: Any,
                   multi_modal_data: dict[str, Any] | None = None) -> None:
     """``engine.add_request``, calling ``step()`` (which steps the engine) while its waiting queue is full
@@ -312,18 +335,19 @@ def torn_record(raw: bytes, start: bytes) -> bool:
     return raw.startswith(start) or start.startswith(raw)
 
 
-def done_ids(output: Path) -> set[str]:
-    """Ids already in ``output`` (a results file of an earlier run). A last line cut short by an interrupted
-    write is removed; any other line that is not a result record stops the run before anything is changed.
+def done_ids(output: Path) -> dict[str, str | None]:
+    """Ids already in ``output`` (a results file of an earlier run), each with its request's fingerprint (``None``
+    in records written before plinth kept one). A last line cut short by an interrupted write is removed; any other
+    line that is not a result record stops the run before anything is changed.
 
     Raises:
         CliError: the file holds lines that are not ``plinth generate`` records.
     """
     if not output.exists():
-        return set()
+        return {}
     data = output.read_bytes()
     lines = data.split(b"\n")
-    ids: set[str] = set()
+    ids: dict[str, str | None] = {}
     torn = False
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -343,11 +367,41 @@ def done_ids(output: Path) -> set[str]:
         if not ok:
             raise CliError(f"{output} line {n} is not a result of plinth generate; give another --output "
                            "(an existing results file is resumed, never overwritten)")
-        ids.add(str(rec["id"]))
+        ids[str(rec["id"])] = rec.get("fingerprint")
     if not torn and lines[-1].strip():   # a complete last record without its newline
         with output.open("ab") as f:
             f.write(b"\n")
     return ids
+
+
+def _check_unused_flags(args: argparse.Namespace) -> None:
+    """Refuse the engine flags this command takes (they are every command's) but has no use for, before the model
+    loads: they would change nothing."""
+    from plinth.config import LoRAConfig
+
+    lora = LoRAConfig()
+    unused = (
+        ("--enable-lora", args.enable_lora,
+         "a row cannot name an adapter (`plinth run-batch --lora-modules NAME=PATH` runs requests naming one, as "
+         "LLM.generate(..., lora_request=) does)"),
+        ("--max-loras, --max-lora-rank or --max-cpu-loras",
+         (args.max_loras, args.max_lora_rank, args.max_cpu_loras) != (lora.max_loras, lora.max_lora_rank,
+                                                                       lora.max_cpu_loras),
+         "they size LoRA adapters, which its rows cannot name"),
+        ("--scheduling-policy priority", args.scheduling_policy == "priority",
+         "its rows carry no priority, so every one would rank the same (`plinth run-batch` takes a body's "
+         "priority, LLM.generate(..., priority=) a list)"),
+        ("--enable-prompt-embeds", args.enable_prompt_embeds,
+         "its rows cannot give prompt embeddings (`plinth run-batch` takes /v1/completions' prompt_embeds)"),
+        ("--enable-sleep-mode", args.enable_sleep_mode, "nothing puts its engine to sleep"),
+        ("--served-model-name", args.served_model_name is not None, "its results name no model"),
+        ("--override-generation-config", args.override_generation_config is not None,
+         "its defaults are its own flags (--max-tokens, --temperature, --top-p, --top-k) and a row's values "
+         "override them"),
+    )
+    for flag, given, why in unused:
+        if given:
+            raise CliError(f"plinth generate has no use for {flag}: {why}")
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -365,7 +419,7 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise CliError("--chat formats --prompt; in an --input file give the conversation as 'messages'")
     if args.output is None:
         raise CliError("--input needs --output FILE.jsonl")
-    inp, out = Path(args.input), Path(args.output)
+    inp, out = Path(args.input).expanduser(), Path(args.output).expanduser()
     if not inp.exists():
         raise CliError(f"input file {args.input!r} does not exist")
     if not inp.is_file():
@@ -423,12 +477,13 @@ def run(args: argparse.Namespace) -> int:
                        f"LLM(model, task={args.task!r}) from Python")
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    _check_unused_flags(args)
     _check_paths(args)
     from plinth.core.engine import LLMEngine
 
     if args.input is None:
         return _run_prompts(LLMEngine(engine_config_from_args(args)), args, base)
-    inp, output, bad_rows = Path(args.input), Path(args.output), args.bad_rows or "fail"
+    inp, output, bad_rows = Path(args.input).expanduser(), Path(args.output).expanduser(), args.bad_rows or "fail"
     with output_lock(output):
         skip = done_ids(output)
         # the most sequences an idle engine takes at once (known before it loads when both flags are given)
@@ -437,7 +492,12 @@ def run(args: argparse.Namespace) -> int:
         checked = _checked_rows(inp, base, skip, bad_rows, room)
         if checked is None:
             return 2
-        rows, bad = checked
+        rows, bad, changed = checked
+        if changed:   # never reused as the new request's result, never overwritten
+            raise CliError(f"--output {args.output!r} holds results of other requests for {len(changed)} row(s) of "
+                           f"{args.input!r}: {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''} (the row "
+                           "or the sampling flags changed since they were written); give another --output, or delete "
+                           "those ids' lines from it to run them again")
         if args.max_waiting_requests is None:   # rows are tokenized and queued as they are needed
             args.max_waiting_requests = max([FILE_QUEUE, args.max_num_seqs or 0] + [r[3].n for r in rows])
         print(f"{len(rows)} rows to run, {len(skip)} already done, {bad} skipped", file=sys.stderr)
@@ -490,7 +550,7 @@ def _logprobs(positions: Any) -> Any:
             for pos in positions]
 
 
-def _record(out: Any, line: int | None, rid: str) -> dict[str, Any]:
+def _record(out: Any, line: int | None, rid: str, digest: str) -> dict[str, Any]:
     outputs = []
     for c in out.outputs:
         item: dict[str, Any] = {"text": c.text, "token_ids": c.token_ids, "finish_reason": str(c.finish_reason),
@@ -501,7 +561,7 @@ def _record(out: Any, line: int | None, rid: str) -> dict[str, Any]:
         outputs.append(item)
     rec: dict[str, Any] = {"id": rid, "line": line, "outputs": outputs, "text": out.outputs[0].text,
                            "prompt_tokens": len(out.prompt_token_ids),
-                           "completion_tokens": sum(len(c.token_ids) for c in out.outputs)}
+                           "completion_tokens": sum(len(c.token_ids) for c in out.outputs), "fingerprint": digest}
     if out.prompt_logprobs is not None:
         rec["prompt_logprobs"] = _logprobs(out.prompt_logprobs)
     return rec
@@ -516,16 +576,18 @@ def _report(inp: Path, bad_rows: str, msg: str) -> bool:
     return True
 
 
-Row = tuple[int, str, Any, SamplingParams, bool]   # line, id, prompt, params, is_chat
+Row = tuple[int, str, Any, SamplingParams, bool, str]   # line, id, prompt, params, is_chat, fingerprint
 
 
-def _checked_rows(inp: Path, base: SamplingParams, skip: set[str], bad_rows: str,
-                  queue: int | None) -> tuple[list[Row], int] | None:
-    """Every row of ``inp`` validated before the model loads: the rows to run (those not in ``skip``)
-    and the number skipped as bad; ``None`` when a bad row stops the run (``fail``)."""
+def _checked_rows(inp: Path, base: SamplingParams, skip: dict[str, str | None], bad_rows: str,
+                  queue: int | None) -> tuple[list[Row], int, list[str]] | None:
+    """Every row of ``inp`` validated before the model loads: the rows to run (those not in ``skip``), the number
+    skipped as bad, and the rows done in ``skip`` for another request (``id 'x' (row N)``: the row, or the
+    command-line defaults, changed since); ``None`` when a bad row stops the run (``fail``)."""
     rows: list[Row] = []
     bad = 0
     seen: set[str] = set()
+    changed: list[str] = []
     for line, row in read_rows(inp):
         try:
             if isinstance(row, RowError):
@@ -541,9 +603,12 @@ def _checked_rows(inp: Path, base: SamplingParams, skip: set[str], bad_rows: str
             if not _report(inp, bad_rows, str(exc)):
                 return None
             continue
+        digest = row_fingerprint(prompt, params, is_chat)
         if rid not in skip:
-            rows.append((line, rid, prompt, params, is_chat))
-    return rows, bad
+            rows.append((line, rid, prompt, params, is_chat, digest))
+        elif skip[rid] not in (None, digest):   # (None: a record of a plinth that kept no fingerprint)
+            changed.append(f"id {rid!r} (row {line})")
+    return rows, bad, changed
 
 
 def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: str) -> int:
@@ -555,18 +620,18 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
     from plinth.core.scheduler import QueueFullError, RequestRejectedError
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    submitted: dict[str, tuple[int, str]] = {}   # engine request id ("row-LINE") -> (line, the row's id)
+    submitted: dict[str, tuple[int, str, str]] = {}   # engine request id ("row-LINE") -> (line, id, fingerprint)
     failed: list[str] = []   # rows the engine ended with an error (a custom logits processor's): not written
     with output.open("a", encoding="utf-8") as f, tqdm(total=len(rows), unit="row", disable=None) as bar:
         def step() -> None:
             for out in engine.step(final_only=True):
                 if out.finished:
-                    line, rid = submitted.pop(out.request_id)
+                    line, rid, digest = submitted.pop(out.request_id)
                     bar.update(1)
                     if out.error:   # not done: a later run retries it
                         failed.append(f"row {line}: {out.error}")
                         continue
-                    f.write(json.dumps(_record(out, line, rid), ensure_ascii=False) + "\n")
+                    f.write(json.dumps(_record(out, line, rid, digest), ensure_ascii=False) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
 
@@ -580,7 +645,7 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
                     return True
             return False
 
-        for line, rid, prompt, params, is_chat in rows:
+        for line, rid, prompt, params, is_chat, digest in rows:
             try:
                 images = None
                 if is_chat:
@@ -596,7 +661,7 @@ def _run_file(engine: Any, inp: Path, output: Path, rows: list[Row], bad_rows: s
                 if stop():
                     return 2
                 continue
-            submitted[f"row-{line}"] = (line, rid)
+            submitted[f"row-{line}"] = (line, rid, digest)
             if stop():
                 return 2
         while engine.has_unfinished_requests():

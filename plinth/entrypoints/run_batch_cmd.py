@@ -17,7 +17,9 @@ set; a line that is not a request (not JSON, no ``custom_id``, another method or
 named ``<line N>``). The requests run concurrently through the same handlers as ``plinth serve``
 (in this process; no port is opened), so bodies mean exactly what they mean to the server. Rerunning the command
 after an interruption skips the requests whose results are final in ``--output`` (answered, with a status below
-500); the others (server errors, lines that were not requests) are dropped from it and run again.
+500); the others (server errors, lines that were not requests) are dropped from it and run again. Each result also
+carries a ``fingerprint`` of its request (method, URL, body): a rerun whose line of a ``custom_id`` with a result
+asks for another request stops, naming it.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import os
 import re
 import sys
 import uuid
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
 from plinth.core.request import encodable_text
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from plinth.entrypoints.generate_cmd import check_output, output_lock, torn_record
+from plinth.entrypoints.generate_cmd import check_output, fingerprint, output_lock, torn_record
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, check_tool_flags, lora_modules
 from plinth.errors import CliError
 
@@ -72,20 +75,22 @@ def _final(record: Any) -> bool:
     return isinstance(response, dict) and isinstance(response.get("status_code"), int) and response["status_code"] < 500
 
 
-def settled_ids(output: Path) -> set[str]:
-    """The ``custom_id``s with a final result in ``output`` (see :func:`_final`). Other records and a last line cut
-    short by an interrupted write are dropped from the file (rewritten whole, then renamed over it), so that a
-    rerun writes each request's result once.
+def settled_ids(output: Path, inp: Path | None = None) -> dict[str, str | None]:
+    """The ``custom_id``s with a final result in ``output`` (see :func:`_final`), each with its request's
+    fingerprint (``None`` in records written before plinth kept one). Other records and a last line cut short by an
+    interrupted write are dropped from the file (rewritten whole, then renamed over it), so that a rerun writes each
+    request's result once.
 
     Raises:
-        CliError: a line that is not a ``plinth run-batch`` record (the file is left alone).
+        CliError: a line that is not a ``plinth run-batch`` record, or (given the input file ``inp``) a final result
+            of another request than ``inp``'s line of its ``custom_id`` (the file is left alone).
     """
     if not output.exists():
-        return set()
+        return {}
     data = output.read_bytes()
     lines = data.split(b"\n")
     kept: list[bytes] = []
-    ids: set[str] = set()
+    ids: dict[str, str | None] = {}
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -99,8 +104,10 @@ def settled_ids(output: Path) -> set[str]:
             raise CliError(f"{output} line {n} is not a result of plinth run-batch; give another --output "
                            "(an existing results file is resumed, never overwritten)")
         if _final(record) and str(record["custom_id"]) not in ids:
-            ids.add(str(record["custom_id"]))
+            ids[str(record["custom_id"])] = record.get("fingerprint")
             kept.append(raw.rstrip(b"\r"))
+    if inp is not None:
+        _check_same_requests(output, ids, inp)
     body = b"".join(line + b"\n" for line in kept)
     if body != data:
         partial = output.with_name(output.name + ".partial")
@@ -109,8 +116,39 @@ def settled_ids(output: Path) -> set[str]:
     return ids
 
 
-def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(requests to run, results for lines that are not requests)``, skipping ``custom_id``s in ``done``.
+def _request_fingerprint(item: dict[str, Any]) -> str | None:
+    """The fingerprint of a request line: its method, URL and body (``None``: a body too deep to encode)."""
+    try:
+        return fingerprint({"method": item.get("method", "POST"), "url": item.get("url"), "body": item.get("body")})
+    except (ValueError, RecursionError):
+        return None
+
+
+def _check_same_requests(output: Path, done: dict[str, str | None], inp: Path) -> None:
+    """Refuse results in ``output`` of other requests than ``inp``'s lines of the same ``custom_id`` (the line changed
+    since, or another input file), naming them; a result is never reused for another request, nor overwritten.
+
+    Raises:
+        CliError: naming the ``custom_id``s.
+    """
+    changed, seen = [], set()
+    for item, _ in _lines(inp):
+        custom_id = item.get("custom_id") if isinstance(item, dict) else None
+        if not isinstance(custom_id, str) or custom_id in seen:   # (a repeated custom_id's line is not its request)
+            continue
+        seen.add(custom_id)
+        if done.get(custom_id) not in (None, _request_fingerprint(item)):
+            changed.append(repr(custom_id))
+    if changed:
+        raise CliError(f"--output {str(output)!r} holds results of other requests for {len(changed)} custom_id(s) of "
+                       f"--input {str(inp)!r}: {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''} (the "
+                       "line changed since they were written); give another --output, or delete their lines from it "
+                       "to run them again")
+
+
+def _lines(path: Path) -> Any:
+    """``(item, line number)`` for each line of ``path`` that is not blank (``item``: the decoded JSON, or the
+    exception that stopped decoding it).
 
     Raises:
         CliError: the file cannot be read as UTF-8 text.
@@ -119,17 +157,28 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"cannot read --input {path}: {exc}") from None
-    requests, invalid = [], []
-    seen: set[str] = set()
     for n, line in enumerate(text.split("\n"), 1):   # not splitlines(): JSON strings may hold U+2028 and the like
         line = line.removesuffix("\r")
         if not line.strip():
             continue
-        anonymous = f"<line {n}>"   # the custom_id of the result of a line without a usable one
         try:
-            item = json.loads(line)
+            yield json.loads(line), n
         except (ValueError, RecursionError) as exc:   # JSONDecodeError, a huge integer, nesting too deep to parse
-            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            yield exc, n
+
+
+def read_requests(path: Path, done: Container[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(requests to run, results for lines that are not requests)``, skipping ``custom_id``s in ``done``.
+
+    Raises:
+        CliError: the file cannot be read as UTF-8 text.
+    """
+    requests, invalid = [], []
+    seen: set[str] = set()
+    for item, n in _lines(path):
+        anonymous = f"<line {n}>"   # the custom_id of the result of a line without a usable one
+        if isinstance(item, Exception):
+            reason = item.msg if isinstance(item, json.JSONDecodeError) else str(item)
             invalid.append(_invalid(anonymous, f"line {n} is not JSON: {reason}"))
             continue
         custom_id = item.get("custom_id") if isinstance(item, dict) else None
@@ -162,6 +211,7 @@ def read_requests(path: Path, done: set[str]) -> tuple[list[dict[str, Any]], lis
         if problem is None:
             try:   # encoded here, once: a body nested too deeply to encode again is this line's error
                 item["_payload"] = json.dumps(item["body"]).encode()
+                item["_fingerprint"] = _request_fingerprint(item)
             except (ValueError, RecursionError) as exc:
                 problem = f"line {n}: the body cannot be encoded as JSON ({type(exc).__name__})"
         if problem is not None:
@@ -229,7 +279,8 @@ def result_record(request: dict[str, Any], status: int, body: Any) -> dict[str, 
     if not isinstance(request_id, str):   # an error body has no id; OpenAI's request_id is always a string
         request_id = f"req_{uuid.uuid4().hex}"
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request["custom_id"],
-            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": error}
+            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": error,
+            "fingerprint": request.get("_fingerprint")}   # (plinth's: a rerun skips it only for the same request)
 
 
 def _queue_full(status: int, body: Any) -> bool:
@@ -278,10 +329,15 @@ async def run_requests(app: Any, requests: list[dict[str, Any]], concurrency: in
 
 
 def run(args: argparse.Namespace) -> int:
-    inp, out = Path(args.input), Path(args.output)
+    inp, out = Path(args.input).expanduser(), Path(args.output).expanduser()
     if not inp.is_file():
         raise CliError(f"--input {args.input!r} is not a file")
     check_output(inp, out)
+    if args.enable_sleep_mode:
+        raise CliError("plinth run-batch has no use for --enable-sleep-mode: nothing puts its engine to sleep")
+    if args.enable_lora and not args.lora_modules:
+        raise CliError("--enable-lora serves the adapters of --lora-modules NAME=PATH, which a request's 'model' "
+                       "names; give them (plinth run-batch loads no adapters while it runs)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CliError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     config = engine_config_from_args(args)
@@ -295,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, config: Any, inp: Path, out: Path) -> int:
-    done = settled_ids(out)
+    done = settled_ids(out, inp)
     requests, invalid = read_requests(inp, done)
     print(f"{len(requests)} requests to run, {len(done)} already done, {len(invalid)} invalid", file=sys.stderr)
 

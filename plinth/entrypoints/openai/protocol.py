@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer, model_validator
 
-from plinth.core.request import SamplingParams, SamplingParamsError
+from plinth.core.request import MIN_TOKENS_CONFLICT, SamplingParams, SamplingParamsError
 from plinth.core.structured import normalize as normalize_structured
 from plinth.entrypoints.openai.tools import tool_mode
 
@@ -182,6 +182,8 @@ class _SamplingFields(_NamedExtras):
                 spec = normalize_structured(spec)
             except ValueError as exc:
                 raise SamplingParamsError(field, str(exc)) from None
+            if (self.min_tokens or 0) > 0:   # named as given: response_format, guided_json, tool_choice, ...
+                raise SamplingParamsError("min_tokens", MIN_TOKENS_CONFLICT.format(field))
 
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
