@@ -288,6 +288,30 @@ def test_server_embeddings(http):
     assert 'finish_reason="stop"' in metrics
 
 
+def test_server_embeddings_of_a_conversation(http):
+    """vLLM's chat-form pooling requests: ``messages`` rendered with the chat template (no assistant opening unless
+    asked, no special tokens added by the tokenizer unless asked), in /v1/embeddings and /pooling."""
+    client, engine, model = http
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[1]}]
+    tokenizer = engine.tokenizer
+    for extra, generation_prompt in (({}, False), ({"add_generation_prompt": True}, True)):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        r = client.post("/v1/embeddings", json={"messages": messages, "normalize": False, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], reference(model, ids, "last", False), atol=2e-5)
+    pooled = client.post("/pooling", json={"messages": messages, "task": "token_embed"}).json()
+    assert len(pooled["data"][0]["data"]) == len(tokenizer(tokenizer.apply_chat_template(
+        messages, tokenize=False), add_special_tokens=False)["input_ids"])
+    for body, param in (({"input": "x", "messages": messages}, "messages"), ({}, "input"),
+                        ({"messages": []}, "messages"),
+                        ({"messages": messages, "continue_final_message": True, "add_generation_prompt": True},
+                         "continue_final_message")):
+        r = client.post("/v1/embeddings", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_embeddings_route_on_a_generation_server(tmp_path):
     from starlette.testclient import TestClient
 

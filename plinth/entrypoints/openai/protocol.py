@@ -302,16 +302,32 @@ class ChatCompletionRequest(_SamplingFields):
         return super().unsupported()
 
 
-class EmbeddingRequest(_NamedExtras):
+class _PoolingInput(_NamedExtras):
+    """The input of a pooling route: ``input`` (texts or token ids), or a conversation as vLLM's chat-form
+    pooling requests give it: ``messages`` rendered with the chat template (without the assistant's opening unless
+    ``add_generation_prompt``; the template writes the special tokens, so ``add_special_tokens`` defaults to false
+    there)."""
+
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None   # default: true for an input, false for messages
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (as asked, else for ``input`` but not ``messages``)."""
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+class EmbeddingRequest(_PoolingInput):
     """``POST /v1/embeddings`` (an engine with ``task="embed"``)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: str | None = None
     # vLLM's extensions
-    add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
     priority: int = 0
@@ -342,13 +358,11 @@ class EmbeddingResponse(_ListResponse):
     data: list[EmbeddingData]
 
 
-class ClassificationRequest(_NamedExtras):
+class ClassificationRequest(_PoolingInput):
     """``POST /classify`` (vLLM's; an engine with ``task="classify"``): each input's label probabilities."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     user: str | None = None
-    add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None
     activation: bool | None = None   # use_activation's older name
@@ -371,19 +385,17 @@ class ClassificationResponse(_ListResponse):
     usage: ClassificationUsage
 
 
-class PoolingRequest(_NamedExtras):
+class PoolingRequest(_PoolingInput):
     """``POST /pooling`` (vLLM's; an embedding or classification engine): each input's pooled output as numbers,
     for any of the model's pooling tasks (``token_embed``, ``token_classify``: one row per input token)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
     user: str | None = None
-    add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     priority: int = 0
 

@@ -31,7 +31,20 @@ from plinth.entrypoints.openai.streaming import unless_disconnected
 
 async def request_inputs(ctx: ServerContext, req: Any) -> list[list[int]]:
     """The request's ``input`` (an embedding or classification request's) as token ids (texts tokenized, each
-    truncated as asked and checked against the context)."""
+    truncated as asked and checked against the context), or its ``messages`` as the chat template renders them (one
+    input)."""
+    if (req.input is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'input' and 'messages'", "input" if req.input is None else "messages")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if getattr(ctx.front, "images", None) is not None:
+            raise bad_request("a model with image inputs takes its pooling inputs as 'input' (texts or token ids), "
+                              "not 'messages'", "messages")
+        from plinth.entrypoints.openai.serving_chat import render_messages
+
+        text = render_messages(ctx, req, None)
+        return await token_lists(ctx, req, [text], "messages")
     raw = req.input
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
@@ -52,7 +65,8 @@ async def token_lists(ctx: ServerContext, req: Any, items: list[str | list[int]]
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = await ctx.tokenize(item, add_special_tokens=req.add_special_tokens, param=param, truncating=truncating)
+            special = req.special_tokens() if hasattr(req, "special_tokens") else req.add_special_tokens
+            ids = await ctx.tokenize(item, add_special_tokens=special, param=param, truncating=truncating)
         else:
             ids = list(item)
             ctx.check_token_ids(ids, param)
