@@ -549,3 +549,33 @@ def test_stop_signals_graceful_then_cut_short_then_forced():
     assert (server.force_exit, aborted) == (False, [True])
     server.handle_exit(signal.SIGTERM, None)
     assert server.force_exit
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(model_dir):
+    """``--enable-force-include-usage`` (vLLM's): a stream that did not ask for its usage ends with it anyway; vLLM's
+    logging flags are accepted."""
+    from starlette.testclient import TestClient
+
+    from plinth.entrypoints.cli import build_parser
+    from plinth.entrypoints.openai.api_server import build_app
+
+    def chunks(client, path, body):
+        with client.stream("POST", path, json={**body, "max_tokens": 3, "temperature": 0, "stream": True,
+                                                    "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for force in (True, False):
+        with TestClient(build_app(own_front(model_dir), force_include_usage=force)) as client:
+            for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi"})):
+                got = chunks(client, path, body)
+                if force:
+                    assert got[-1]["usage"]["completion_tokens"] == 3 and got[-1]["choices"] == []
+                    assert all(c["usage"] is None for c in got[:-1])
+                else:
+                    assert all("usage" not in c for c in got)
+    argv = ["serve", "--enable-force-include-usage", "--enable-log-requests", "--disable-uvicorn-access-log",
+            "--enable-prompt-tokens-details"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.enable_force_include_usage and args.access_log is False

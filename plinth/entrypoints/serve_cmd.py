@@ -69,8 +69,10 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default: %(default)s)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per HTTP request")
-    g.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted as vLLM's flag; plinth never logs request contents (only the access line)")
+    g.add_argument("--disable-log-requests", "--enable-log-requests", action="store_true",
+                   help="accepted as vLLM's flags; plinth never logs request contents (only the access line)")
+    g.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
+                   help="vLLM's name of --no-access-log")
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="accepted as vLLM's flag (how much of a prompt its request log shows); plinth never logs "
                         "prompts")
@@ -116,6 +118,11 @@ def add_api_args(g: Any) -> None:
     g.add_argument("--response-role", default="assistant", metavar="ROLE",
                    help="the role of chat replies to requests with add_generation_prompt (the default); without it a "
                         "reply continues the last message and has its role (default: %(default)s)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed reply ends with a usage chunk, as if the request's stream_options asked for "
+                        "one (vLLM's flag; non-streamed replies always carry their usage)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted as vLLM's flag; usage always has prompt_tokens_details.cached_tokens")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' (requests may still say return_tokens_as_token_ids: false)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -190,7 +197,8 @@ def api_app(front: Any, args: argparse.Namespace, **kwargs: Any) -> Any:
         return build_app(front, tool_parser=resolve_tool_parser(args.tool_call_parser),
                          reasoning_parser=resolve_reasoning_parser(args.reasoning_parser),
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         lora_modules=lora_modules(args), response_role=args.response_role, **kwargs)
+                         lora_modules=lora_modules(args), response_role=args.response_role,
+                         force_include_usage=args.enable_force_include_usage, **kwargs)
     except ValueError as exc:
         raise ServeError(f"--lora-modules: {exc}") from None
 

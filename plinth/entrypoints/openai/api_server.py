@@ -191,7 +191,7 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
               cors: CorsSettings | None = None, lora_modules: Sequence[tuple[str, str]] = (),
               allow_lora_updates: bool = False, openapi: bool = True, response_role: str = "assistant",
               allow_weight_updates: bool = False,
-              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, force_include_usage: bool = False) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
     tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
     ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
@@ -200,7 +200,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     load and unload adapters while serving; ``openapi``: serve the API's schema at ``/openapi.json``;
     ``response_role``: the role of chat replies to requests with ``add_generation_prompt``;
     ``allow_weight_updates``: the routes that load new weights from the server's disk and forget the prefix cache;
-    ``max_request_bytes``: the largest request body read (larger ones are 413s; ``None``: no limit).
+    ``max_request_bytes``: the largest request body read (larger ones are 413s; ``None``: no limit);
+    ``force_include_usage``: every stream ends with a usage chunk, as if it asked for one (``stream_options``).
 
     Raises:
         ValueError: an adapter cannot be served, or its name is taken.
@@ -208,7 +209,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     ctx = ServerContext(front=front, metrics=ServerMetrics(front.served_model_name),
                         model_name=front.served_model_name, tool_parser=tool_parser,
                         reasoning_parser=reasoning_parser, return_tokens_as_token_ids=return_tokens_as_token_ids,
-                        allow_lora_updates=allow_lora_updates, response_role=response_role)
+                        allow_lora_updates=allow_lora_updates, response_role=response_role,
+                        force_include_usage=force_include_usage)
     for name, path in lora_modules:
         ctx.add_lora(name, path)
     if tool_parser is not None and "tools" not in (front.chat_template_source or ""):

@@ -95,6 +95,8 @@ class ServerContext:
     allow_lora_updates: bool = False
     #: ``--response-role``: the role of chat replies to requests with ``add_generation_prompt`` (the default)
     response_role: str = "assistant"
+    #: ``--enable-force-include-usage``: every stream ends with a usage chunk, asked for or not
+    force_include_usage: bool = False
     _lora_ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))
     _loading: set[str] = dataclasses.field(default_factory=set)   # adapter names being read
     _lora_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)

@@ -453,6 +453,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         usage = None
         if options is not None and options.include_usage:
             usage = "every" if options.continuous_usage_stats else "end"
+        elif ctx.force_include_usage:
+            usage = "end"
         return SSEResponse(_stream(ctx, rid, params.n, k, prep.prompt_len, events, usage, ctx.token_namer(req), mode,
                                    _echoed(ctx, req), ctx.reply_model(lora), req.include_reasoning, _reply_role(ctx, req)),
                             on_close=events.aclose)

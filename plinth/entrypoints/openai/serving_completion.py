@@ -289,7 +289,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                                                    cache_salt=req.cache_salt))
     events = merge(started)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage) or ctx.force_include_usage
         return SSEResponse(_stream(ctx, req, rid, prompts, params, events, include_usage, ctx.reply_model(lora)),
                            on_close=events.aclose)
     finals = await finish(raw, events, collect(events, len(prompts)))
