@@ -60,6 +60,17 @@ def test_gptq_experts(qwen3_moe, tmp_path, bits, desc_act, symmetric, fmt):
     _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
 
 
+def test_gptq_experts_without_g_idx(qwen3_moe, tmp_path):
+    """Without act order the experts' (and the linear layers') ``g_idx`` may be left out, as it can only be
+    ``k // g``."""
+    path, deq = gptq_checkpoint(qwen3_moe, tmp_path / "gptq", 4, 32, False, False)
+    state = load_file(str(path / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.down_proj.g_idx" in state
+    save_file({n: t for n, t in state.items() if not n.endswith(".g_idx")}, str(path / "model.safetensors"))
+    model, backend, _ = load_plinth(path)
+    _check(model, backend, _reference(qwen3_moe, deq, tmp_path / "ref"))
+
+
 def test_int4_quantizes_float_experts(qwen3_moe, tmp_path):
     """``--quantization int4`` on a float MoE checkpoint: the experts are quantized like the linear layers (groups of
     32 here: the dense layer's 96 input features rule out 64)."""

@@ -403,6 +403,15 @@ def test_fp8_checkpoint_format_and_scheme_checks(tiny_llama_dir):
         fp8.from_config({"quant_method": "fp8", "activation_scheme": "per_group"}, ctx)
 
 
+def test_fp8_ignored_layers_must_be_a_list():
+    """A single string was read character by character: refused, naming the setting."""
+    ctx = QuantContext(hf_config=None, dtype=torch.float32, device=CPU)
+    fp8 = get_plugin_manager().registrations("quantization_methods")["fp8"].load()
+    with pytest.raises(ConfigError, match="fp8: ignored_layers must be a list of module names, got 'lm_head'"):
+        fp8.from_config({"quant_method": "fp8", "ignored_layers": "lm_head"}, ctx)
+    assert fp8.from_config({"quant_method": "fp8", "ignored_layers": ["lm_head"]}, ctx).ignored == ("lm_head",)
+
+
 def test_fp8_tensor_core_kernel_refused_without_fp8_hardware(tiny_llama_dir):
     """Forcing the FP8 tensor-core kernel where there are none fails at load with the reason."""
     with pytest.raises(SelectionError, match="fp8_scaled_mm.*cannot run here: .*need an NVIDIA GPU"):

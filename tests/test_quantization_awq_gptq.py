@@ -344,6 +344,104 @@ def test_unsupported_settings_fail_at_load(tiny_llama_dir, tmp_path, config, mes
         load_plinth(path)
 
 
+@pytest.mark.parametrize("config,message", [
+    ({"quant_method": "gptq", "bits": None}, r"gptq: bits must be an integer \(4 or 8 bits\), got None"),
+    ({"quant_method": "gptq", "bits": "4"}, r"gptq: bits must be an integer \(4 or 8 bits\), got '4'"),
+    ({"quant_method": "awq", "bits": True}, r"awq: bits must be an integer \(4 bits\), got True"),
+    ({"quant_method": "awq", "w_bit": None}, r"awq: w_bit must be an integer \(4 bits\), got None"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": "128"}, "gptq: group_size must be a positive integer or -1"),
+], ids=["gptq-null", "gptq-string", "awq-bool", "awq-w_bit-null", "group_size-string"])
+def test_mistyped_bits_are_refused(tiny_llama_dir, tmp_path, config, message):
+    """``bits`` (and the group size) must be JSON integers: null, a string or a bool is refused naming the field and
+    the widths that load (not a TypeError, nor ``true`` read as 1 bit)."""
+    path = write_checkpoint(tiny_llama_dir, tmp_path / "q", float_state(tiny_llama_dir), config)
+    with pytest.raises(ConfigError, match=message):
+        load_plinth(path)
+
+
+@pytest.mark.parametrize("method,key,value", [
+    ("gptq", "desc_act", "false"), ("gptq", "sym", 0), ("gptq", "lm_head", "false"), ("awq", "zero_point", "false"),
+])
+def test_settings_that_are_booleans_must_be_json_booleans(tiny_llama_dir, tmp_path, method, key, value):
+    """``"desc_act": "false"`` was read as act order (a non-empty string is true): a string or a number in place of
+    a boolean is refused, naming the setting, rather than guessed."""
+    config = {"quant_method": method, "bits": 4, "group_size": 32, key: value}
+    path = write_checkpoint(tiny_llama_dir, tmp_path / "q", float_state(tiny_llama_dir), config)
+    with pytest.raises(ConfigError, match=f"{method}: {key} must be true or false, got {value!r}"):
+        load_plinth(path)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_modules_to_not_convert_must_be_a_list(tiny_llama_dir, tmp_path, method):
+    """A single string was read character by character (every module with an 'l' or an 'm' in a dotted part...):
+    refused, as transformers and vLLM take only a list."""
+    config = {"quant_method": method, "bits": 4, "group_size": 32, "modules_to_not_convert": "down_proj"}
+    path = write_checkpoint(tiny_llama_dir, tmp_path / "q", float_state(tiny_llama_dir), config)
+    with pytest.raises(ConfigError, match=f"{method}: modules_to_not_convert must be a list of module names, got "
+                                          f"'down_proj'"):
+        load_plinth(path)
+
+
+@pytest.mark.parametrize("kind,tensor,dtype", [
+    ("gptq", "model.layers.0.self_attn.q_proj.qweight", torch.int64),
+    ("gptq", "model.layers.1.mlp.down_proj.qzeros", torch.int16),
+    ("gptq", "model.layers.0.mlp.up_proj.g_idx", torch.int64),
+    ("awq", "model.layers.1.self_attn.o_proj.qweight", torch.int64),
+])
+def test_packed_tensors_of_another_integer_dtype_are_refused(tiny_llama_dir, tmp_path, kind, tensor, dtype):
+    """Packed words and ``g_idx`` are int32 in the published layouts: another integer type was cast silently; it is
+    refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from plinth.errors import ModelLoadError
+
+    if kind == "gptq":
+        path, _ = gptq_checkpoint(tiny_llama_dir, tmp_path / kind, 4, 32, False, False)
+    else:
+        path, _ = awq_checkpoint(tiny_llama_dir, tmp_path / kind, group=32)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[tensor] = tensors[tensor].to(dtype)
+    save_file(tensors, str(path / "model.safetensors"))
+    dtype_name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ModelLoadError, match=rf"tensor '{tensor}': expected an int32 tensor .*checkpoint has "
+                                             rf"{dtype_name}"):
+        load_plinth(path, gemm_kernel="dequant")
+
+
+def test_gptq_without_g_idx_loads_unless_act_order(tiny_llama_dir, tmp_path):
+    """Without act order ``g_idx`` can only be ``k // g`` and writers may leave it out: such a checkpoint gives the
+    logits of the same one with its ``g_idx`` (also a row-parallel rank's, whose groups start at its first input
+    feature); with act order a missing ``g_idx`` is still refused."""
+    from safetensors.torch import load_file, save_file
+    from test_quantization_support import plinth_logits_and_greedy
+
+    from plinth.errors import ModelLoadError
+
+    with_idx, _ = gptq_checkpoint(tiny_llama_dir, tmp_path / "with", 4, 32, False, False)
+    without = tmp_path / "without"
+    shutil.copytree(with_idx, without)
+    tensors = load_file(str(without / "model.safetensors"))
+    assert any(n.endswith(".g_idx") for n in tensors)
+    save_file({n: t for n, t in tensors.items() if not n.endswith(".g_idx")}, str(without / "model.safetensors"))
+    expected, expected_tokens = plinth_logits_and_greedy(*load_plinth(with_idx, gemm_kernel="dequant")[:2])
+    got, got_tokens = plinth_logits_and_greedy(*load_plinth(without, gemm_kernel="dequant")[:2])
+    assert got_tokens == expected_tokens
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+    def row_parallel(path):   # rank 1 of 2
+        layer = load_plinth(path, gemm_kernel="dequant", tp=(1, 2))[0].model.layers[1]
+        return [_dequantized_layer(layer.mlp.down_proj), _dequantized_layer(layer.self_attn.o_proj)]
+
+    assert all(torch.equal(a, b) for a, b in zip(row_parallel(without), row_parallel(with_idx), strict=True))
+
+    act_order, _ = gptq_checkpoint(tiny_llama_dir, tmp_path / "act_order", 4, 32, True, False)
+    tensors = load_file(str(act_order / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.g_idx"]
+    save_file(tensors, str(act_order / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.1\.mlp\.down_proj\.g_idx'"):
+        load_plinth(act_order, gemm_kernel="dequant")
+
+
 def test_awq_needs_an_awq_checkpoint(tiny_llama_dir):
     with pytest.raises(ConfigError, match="'awq' reads checkpoints quantized with it.*float weights.*fp8, int4"):
         load_plinth(tiny_llama_dir, "awq")

@@ -185,3 +185,20 @@ def test_two_bit_weights_are_refused(tiny_llama_dir, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="2-bit pack-quantized weights are not supported"):
         load_plinth(path)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("group_size", "32", "config_groups.group_0.weights.group_size must be an integer"),
+    ("num_bits", None, r"invalid quantization_config[\s\S]*num_bits"),
+])
+def test_mistyped_weight_settings_are_refused(tiny_llama_dir, tmp_path, key, value, message):
+    """Refused naming the setting (the library's own validation; a string group size reached its validator as it was
+    and raised a TypeError there)."""
+    import json
+
+    path = _config_with(tmp_path, tiny_llama_dir)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"][key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"compressed-tensors: {message}"):
+        load_plinth(path)

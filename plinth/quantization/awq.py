@@ -29,16 +29,58 @@ from plinth.quantization.params import PackedLayout, packed_parameter
 
 
 def parse_group_size(value: Any, method: str) -> int | None:
-    """``-1`` (or missing) means one group per output channel (``None``)."""
-    if value is None or int(value) == -1:
+    """``-1`` (or missing) means one group per output channel (``None``).
+
+    Raises:
+        ConfigError: not an integer (a string, a bool, a float), or neither positive nor -1."""
+    if value is None:
         return None
-    if int(value) <= 0:
-        raise ConfigError(f"{method}: group_size must be positive or -1, got {value!r}")
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or (value <= 0 and value != -1):
+        raise ConfigError(f"{method}: group_size must be a positive integer or -1, got {value!r}")
+    return None if value == -1 else value
 
 
-def skip_list(quant_config: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(quant_config.get("modules_to_not_convert") or ())
+def config_bits(quant_config: dict[str, Any], keys: tuple[str, ...], allowed: tuple[int, ...], method: str) -> int:
+    """The bit width under the first of ``keys`` present (4 where none is).
+
+    Raises:
+        ConfigError: not a JSON integer (null, a string, a bool, a float), or not one of ``allowed``."""
+    key = next((k for k in keys if k in quant_config), keys[0])
+    value = quant_config.get(key, 4)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{method}: {key} must be an integer ({' or '.join(map(str, allowed))} bits), got "
+                          f"{value!r}")
+    if value not in allowed:
+        raise ConfigError(f"{method}: {value}-bit checkpoints are not supported "
+                          f"({' and '.join(map(str, allowed))} bits are)")
+    return value
+
+
+def config_flag(quant_config: dict[str, Any], key: str, default: bool, method: str) -> bool:
+    """A boolean setting, ``default`` where missing.
+
+    Raises:
+        ConfigError: present and not a JSON boolean (``"false"`` or ``0`` is not read as one)."""
+    value = quant_config.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{method}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def skip_list(quant_config: dict[str, Any], method: str, keys: tuple[str, ...] = ("modules_to_not_convert",)
+              ) -> tuple[str, ...]:
+    """The module names of the first non-empty list under ``keys`` (layers kept in floating point).
+
+    Raises:
+        ConfigError: a value that is not a list of strings (a single string is refused, as transformers and vLLM
+            would read it character by character)."""
+    key = next((k for k in keys if quant_config.get(k)), None)
+    if key is None:
+        return ()
+    value = quant_config[key]
+    if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
+        raise ConfigError(f"{method}: {key} must be a list of module names, got {value!r}")
+    return tuple(value)
 
 
 def name_in(name: str, fragments: tuple[str, ...]) -> bool:
@@ -75,16 +117,14 @@ class AWQMethod(IntWeightMethod):
     def from_config(cls, quant_config: dict[str, Any] | None, ctx: QuantContext) -> AWQMethod:
         if quant_config is None:
             raise ConfigError("awq reads AWQ checkpoints; it cannot quantize float weights")
-        bits = int(quant_config.get("bits", quant_config.get("w_bit", 4)))
-        if bits != 4:
-            raise ConfigError(f"awq: {bits}-bit checkpoints are not supported; AWQ runs 4-bit weights")
+        config_bits(quant_config, ("bits", "w_bit"), (4,), "awq")
         version = str(quant_config.get("version", "gemm")).lower()
         if version != "gemm":
             raise ConfigError(f"awq: version {version!r} is not supported; only the GEMM layout is (version 'gemm')")
-        if not quant_config.get("zero_point", True):
+        if not config_flag(quant_config, "zero_point", True, "awq"):
             raise ConfigError("awq: checkpoints without zero points (zero_point: false) are not supported")
         group = parse_group_size(quant_config.get("group_size", quant_config.get("q_group_size", 128)), "awq")
-        return cls(ctx, group_size=group, skip=skip_list(quant_config))
+        return cls(ctx, group_size=group, skip=skip_list(quant_config, "awq"))
 
     def applies_to(self, name: str) -> bool:
         return not name_in(name, self.skip)

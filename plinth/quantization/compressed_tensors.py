@@ -98,6 +98,19 @@ def _scheme(group: Any, default_format: str | None) -> Scheme:
                   block, activation, static, input_symmetric)
 
 
+def _check_group_sizes(quant_config: dict[str, Any]) -> None:
+    """Each scheme's ``group_size`` is an integer or null (the library's validator compares it with -1 as it is: a
+    string raised a TypeError there)."""
+    groups = quant_config.get("config_groups")
+    for name, group in groups.items() if isinstance(groups, dict) else ():
+        for role in ("weights", "input_activations", "output_activations"):
+            args = group.get(role) if isinstance(group, dict) else None
+            value = args.get("group_size") if isinstance(args, dict) else None
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"compressed-tensors: config_groups.{name}.{role}.group_size must be an integer "
+                                  f"(or null), got {value!r}")
+
+
 def parse_config(quant_config: dict[str, Any]) -> tuple[Scheme, list[list[str]], list[str]]:
     """(the one scheme, each group's targets, the ignore list) of a ``quantization_config``.
 
@@ -110,6 +123,7 @@ def parse_config(quant_config: dict[str, Any]) -> tuple[Scheme, list[list[str]],
     except ImportError as exc:
         raise ConfigError("compressed-tensors checkpoints need the compressed-tensors package "
                           "(pip install compressed-tensors)") from exc
+    _check_group_sizes(quant_config)
     try:
         config = QuantizationConfig.model_validate(quant_config)
     except ValueError as exc:

@@ -25,7 +25,7 @@ from torch import nn
 
 from plinth.config import ConfigError
 from plinth.errors import ModelLoadError
-from plinth.quantization.awq import name_in
+from plinth.quantization.awq import name_in, skip_list
 from plinth.quantization.formats import FP8Weights
 from plinth.quantization.interface import QuantContext, QuantizationMethod
 from plinth.quantization.kernels.interface import GemmProblem
@@ -125,8 +125,8 @@ class FP8Method(QuantizationMethod):
             if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
                 raise ConfigError(f"fp8: weight_block_size must be [rows, cols], got {block!r}")
             block = (int(block[0]), int(block[1]))
-        ignored = quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or ()
-        return cls(ctx, from_checkpoint=True, block=block, static_input=scheme == "static", ignored=tuple(ignored))
+        ignored = skip_list(quant_config, "fp8", ("ignored_layers", "modules_to_not_convert"))
+        return cls(ctx, from_checkpoint=True, block=block, static_input=scheme == "static", ignored=ignored)
 
     def applies_to(self, name: str) -> bool:
         """Not for a module an ignore entry names: the module itself, a dotted part of its name, or a parent (a whole

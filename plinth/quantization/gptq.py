@@ -11,6 +11,7 @@ group size ``g``:
 - ``scales`` float16 ``[K / g, N]``;
 - ``g_idx`` int32 ``[K]``: the group of each input feature. With ``desc_act`` (act order) the groups
   are not contiguous; plinth sorts the input features by group once and permutes the activations.
+  Without it ``g_idx`` may be left out (it can only be ``k // g``).
 
 ``w[n, k] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``.
 """
@@ -25,7 +26,14 @@ from torch import nn
 
 from plinth.config import ConfigError
 from plinth.errors import ModelLoadError
-from plinth.quantization.awq import group_params, name_in, parse_group_size, skip_list
+from plinth.quantization.awq import (
+    config_bits,
+    config_flag,
+    group_params,
+    name_in,
+    parse_group_size,
+    skip_list,
+)
 from plinth.quantization.formats import IntWeights
 from plinth.quantization.int_method import IntWeightMethod
 from plinth.quantization.interface import QuantContext
@@ -119,22 +127,20 @@ class GPTQMethod(IntWeightMethod):
     def from_config(cls, quant_config: dict[str, Any] | None, ctx: QuantContext) -> GPTQMethod:
         if quant_config is None:
             raise ConfigError("gptq reads GPTQ checkpoints; it cannot quantize float weights")
-        bits = int(quant_config.get("bits", 4))
-        if bits not in (4, 8):
-            raise ConfigError(f"gptq: {bits}-bit checkpoints are not supported (4 and 8 bits are)")
+        bits = config_bits(quant_config, ("bits",), (4, 8), "gptq")
         fmt = str(quant_config.get("checkpoint_format", "gptq")).lower()
         if fmt not in FORMATS:
             raise ConfigError(f"gptq: checkpoint_format {fmt!r} is not supported ({', '.join(FORMATS)})")
-        if quant_config.get("lm_head"):
+        if config_flag(quant_config, "lm_head", False, "gptq"):
             raise ConfigError("gptq: checkpoints with a quantized lm_head are not supported")
         group = parse_group_size(quant_config.get("group_size", 128), "gptq")
-        desc_act = bool(quant_config.get("desc_act", False))
+        desc_act = config_flag(quant_config, "desc_act", False, "gptq")
         if desc_act and group is not None and ctx.tp_size > 1:
             raise ConfigError("gptq: act-order (desc_act) checkpoints with groups run with tensor-parallel size 1 "
                               "only")
-        symmetric = bool(quant_config.get("sym", True))
+        symmetric = config_flag(quant_config, "sym", True, "gptq")
         return cls(ctx, bits=bits, group_size=group, desc_act=desc_act and group is not None, symmetric=symmetric,
-                   zero_offset=1 if fmt == "gptq" else 0, skip=skip_list(quant_config),
+                   zero_offset=1 if fmt == "gptq" else 0, skip=skip_list(quant_config, "gptq"),
                    dynamic_rules=_dynamic_rules(quant_config.get("dynamic"), {
                        "bits": bits, "group_size": quant_config.get("group_size", 128), "desc_act": desc_act,
                        "sym": symmetric}),
@@ -154,7 +160,10 @@ class GPTQMethod(IntWeightMethod):
         packed_parameter(layer, "qweight", (input_size // per_word, n), torch.int32,
                          PackedLayout(in_dim=0, in_per_elem=per_word, out_dim=1))
         group_params(layer, input_size, n, self.group_size, per_word, zeros_packed=True)
-        packed_parameter(layer, "g_idx", (input_size,), torch.int32, PackedLayout(in_dim=0, same_for_all_shards=True))
+        g_idx = packed_parameter(layer, "g_idx", (input_size,), torch.int32,
+                                 PackedLayout(in_dim=0, same_for_all_shards=True))
+        # without act order g_idx can only be k // g: AutoGPTQ and GPTQModel may leave it out
+        g_idx.optional_in_checkpoint = not self.act_order  # type: ignore[attr-defined]
 
     def convert_weights(self, layer: nn.Module) -> IntWeights:
         mask = (1 << self.bits) - 1
@@ -164,7 +173,7 @@ class GPTQMethod(IntWeightMethod):
         scales = layer.scales.data.t().to(torch.float32).contiguous()
         group = self.group_for(q.shape[1])
         perm = None
-        if self.group_size is not None:
+        if self.group_size is not None and getattr(layer.g_idx, "loaded_once", False):   # (else groups in order)
             start, _size, _total = input_range(layer)  # a row-parallel rank's groups start at start / g
             q, perm = sort_by_group(q, layer.g_idx.data.to(torch.int64) - start // group, group)
         return IntWeights(q, scales, zeros, self.bits, group, perm=perm, symmetric=self.symmetric)

@@ -66,7 +66,10 @@ class IntExpertMethod:
                     stand_ins[x, role] = ColumnParallelLinear(h, i * layer.tp_size, bias=False, **tp)
                 stand_ins[x, "down"] = RowParallelLinear(i * layer.tp_size, h, bias=False, **tp)
         layer.__dict__["int_stand_ins"] = stand_ins      # not submodules: the model's loader must not see them
-        self.kinds = [k for k, p in stand_ins[0, "gate"]._parameters.items() if p is not None]
+        params = stand_ins[0, "gate"]._parameters
+        self.kinds = [k for k, p in params.items() if p is not None]
+        # kinds whose default stands where the checkpoint has none (GPTQ's g_idx without act order)
+        self.optional = {k for k in self.kinds if getattr(params[k], "optional_in_checkpoint", False)}
         self.packed: set[tuple[int, str, str]] = set()   # (expert, role, kind) loaded
         self.floats: set[tuple[int, str]] = set()        # (expert, role) loaded as a float weight
         for which in _ROLES:
@@ -115,7 +118,7 @@ class IntExpertMethod:
             return "float"
         for s in shards:
             for kind in self.kinds:
-                if (*s, kind) not in self.packed:
+                if (*s, kind) not in self.packed and kind not in self.optional:
                     raise ModelLoadError(f"checkpoint is missing tensor '{names.get(s, s)}.{kind}'")
         return "packed"
 
@@ -231,6 +234,7 @@ class WidenedIntWeight:
         with torch.device("meta"):
             example = self.make_stand_in()
         self.kinds = {kind for kind, p in example._parameters.items() if p is not None and kind != "weight"}
+        self.optional = {k for k in self.kinds if getattr(example._parameters[k], "optional_in_checkpoint", False)}
         self.stand_in: nn.Module | None = None
         self.loaded: set[str] = set()
         self.saw_float = False
@@ -259,7 +263,7 @@ class WidenedIntWeight:
         for kind in self.kinds:
             del layer._parameters[kind]
         if self.loaded:
-            missing = sorted(self.kinds - self.loaded)
+            missing = sorted(self.kinds - self.loaded - self.optional)
             if missing:
                 raise ModelLoadError(f"{type(layer).__name__}: the checkpoint has {', '.join(sorted(self.loaded))} "
                                      f"but not {', '.join(missing)}")

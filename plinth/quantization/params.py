@@ -101,13 +101,16 @@ def load_packed(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, sha
     """Copy this rank's part of checkpoint tensor ``loaded`` (of shard ``shard_id``) into ``param``.
 
     Raises:
-        ModelLoadError: a shape that does not fit the layer, a dtype of the wrong kind, or a cut
-            that does not fall on an element boundary.
+        ModelLoadError: a shape that does not fit the layer, a dtype of the wrong kind (or, for an int32
+            parameter, any dtype but int32), or a cut that does not fall on an element boundary.
     """
     layout: PackedLayout = param.packed_layout  # type: ignore[attr-defined]
     if loaded.is_floating_point() != param.is_floating_point():
         kind = "floating-point" if param.is_floating_point() else "integer"
         raise ModelLoadError(f"expected a {kind} tensor, checkpoint has {str(loaded.dtype).removeprefix('torch.')}")
+    if param.dtype == torch.int32 and loaded.dtype != torch.int32:   # not cast: another width is another layout
+        raise ModelLoadError(f"expected an int32 tensor (the published layout of packed words and g_idx), "
+                             f"checkpoint has {str(loaded.dtype).removeprefix('torch.')}")
     src, dst = loaded, param.data
     if layout.out_dim is not None:
         offset, size, start, total = output_range(layer, shard_id)
