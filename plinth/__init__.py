@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "RequestOutputKind", "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
-           "StructuredOutputsParams",
+           "PoolingOutput", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "StructuredOutputsParams",
            "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "EmbedsPrompt", "LoRARequest", "ModelRegistry", "__version__"]
 
 # Public names resolve lazily so that `import plinth` (and plugin discovery) stays cheap.
@@ -24,6 +24,10 @@ _LAZY = {
     "EmbeddingRequestOutput": "plinth.core.pooling:PoolingRequestOutput",
     "ScoringRequestOutput": "plinth.core.pooling:ScoringRequestOutput",
     "ClassificationRequestOutput": "plinth.core.pooling:ClassificationRequestOutput",
+    "PoolingOutput": "plinth.core.pooling:PoolingOutput",
+    "EmbeddingOutput": "plinth.core.pooling:EmbeddingOutput",
+    "ClassificationOutput": "plinth.core.pooling:ClassificationOutput",
+    "ScoringOutput": "plinth.core.pooling:ScoringOutput",
     "StructuredOutputsParams": "plinth.core.structured:StructuredOutputsParams",
     "GuidedDecodingParams": "plinth.core.structured:StructuredOutputsParams",
     "TextPrompt": "plinth.core.request:TextPrompt",
@@ -35,9 +39,13 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from plinth.core.pooling import (
+        ClassificationOutput,
         ClassificationRequestOutput,
+        EmbeddingOutput,
+        PoolingOutput,
         PoolingParams,
         PoolingRequestOutput,
+        ScoringOutput,
         ScoringRequestOutput,
     )
     from plinth.core.pooling import PoolingRequestOutput as EmbeddingRequestOutput

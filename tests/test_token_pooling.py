@@ -11,8 +11,8 @@ import transformers
 from conftest import decisive_weights, make_tokenizer, save_tiny_model
 from test_encoders import TEXTS, hf_inputs, save_encoder
 
-from plinth import LLM, PoolingParams
-from plinth.core.pooling import PoolingOutput, PoolState
+from plinth import LLM, PoolingOutput, PoolingParams
+from plinth.core.pooling import PoolState
 from plinth.core.scheduler import RequestRejectedError
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France, and Berlin is the capital of Germany.", "0",
