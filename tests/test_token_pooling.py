@@ -147,6 +147,28 @@ def test_a_decoders_sequence_classifier_labels_every_position(tmp_path):
     llm.close()
 
 
+def test_a_token_classifier_keeps_each_chunks_logits_not_its_hidden_states(tmp_path):
+    """A long prompt's positions are kept as their label logits ([tokens, labels]) as each chunk comes, not as
+    float32 hidden states ([tokens, hidden]) until the prompt ends."""
+    model = save_token_classifier(tmp_path, "llama")
+    llm = LLM(str(tmp_path), task="classify", dtype="float32", selection="off", max_num_batched_tokens=8)
+    engine = llm.engine
+    ids = engine.tokenize(PROMPTS[1])
+    assert len(ids) > 16
+    engine.add_request("r", ids, PoolingParams(use_activation=False))
+    state = engine.scheduler.waiting[0].pooling
+    widths, out = set(), None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+        widths |= {part.shape[-1] for part in state.parts}
+    assert widths == {5}
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].double().numpy()
+    np.testing.assert_allclose(out.outputs.data.numpy(), ref, atol=3e-5)
+    llm.close()
+
+
 @pytest.mark.parametrize("kind", ["bert", "xlmr", "modernbert"])
 def test_encoder_token_classifiers_match_transformers(tmp_path, kind):
     """BERT's and RoBERTa's linear layer over each position, ModernBERT's head and classifier."""
@@ -181,6 +203,11 @@ def test_refusals(tmp_path, llama_dir):
         PoolingParams(task="embedding")
     with pytest.raises(RequestRejectedError, match="token_classify task is not one of an embedding model's"):
         llm.encode(PROMPTS[0], pooling_task="token_classify", use_tqdm=False)
+    # (the hint names what serves classify: a sequence classifier, not the token_classify task refused here too)
+    with pytest.raises(RequestRejectedError, match=r"classify task is not one of an embedding model's "
+                                                   r"\(embed, token_embed\): sequence classifiers") as refused:
+        llm.encode(PROMPTS[0], pooling_task="classify", use_tqdm=False)
+    assert "token_classify" not in str(refused.value)
     llm.close()
     llm = LLM(str(save_encoder(tmp_path / "bert", "bert", labels=2)), dtype="float32", selection="off",
               task="classify")
@@ -234,6 +261,8 @@ def test_server_pooling_route(tmp_path, llama_dir):
         bad = client.post("/pooling", json={"input": "a", "task": "token_classify"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "task"
         assert client.post("/pooling", json={"input": "a", "task": "tokens"}).status_code == 400
+        bad = client.post("/pooling", json={"input": "a", "dimensions": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
     model = save_token_classifier(tmp_path / "tok", "qwen2")
     client, engine = serve(tmp_path / "tok", "classify")
     with client:

@@ -929,7 +929,9 @@ class LLMEngine:
                 req.rope_layout = rope_layout
                 if pooling is not None:
                     kind = "all" if pooling.task in _TOKEN_TASKS else self.pooling.kind   # type: ignore[union-attr]
-                    req.pooling = PoolState(kind, len(run_ids), pooling)
+                    # (a token classifier keeps each position's logits as it comes, not its hidden state)
+                    reduce = self.classifier.logits_of if self.classifier is not None and kind == "all" else None
+                    req.pooling = PoolState(kind, len(run_ids), pooling, reduce)
                 if types is not None and any(types):
                     req.token_types = np.asarray(types[:len(run_ids)], dtype=np.int64)
                 if matcher is not None:
@@ -1019,28 +1021,31 @@ class LLMEngine:
                 raise RequestRejectedError("embeddings need an engine started with task='embed' (--task embed), "
                                            "classification one with task='classify'")
             return None
-        what = "an embedding model" if self.task == "embed" else "a sequence classifier"
+        per_token = self.classifier is not None and self.classifier.per_token
+        what = ("an embedding model" if self.task == "embed" else "a token classifier" if per_token
+                else "a sequence classifier")
         if params is not None and not isinstance(params, PoolingParams):
             raise RequestRejectedError(f"this engine serves {what} (task={self.task!r}): it takes "
                                        "PoolingParams, not sampling parameters")
         pooling = params or PoolingParams()
-        tasks = (("token_classify",) if self.classifier is not None and self.classifier.per_token
+        tasks = (("token_classify",) if per_token
                  else ("classify",) if self.task == "classify" and self.encoder   # (its head reads the first token)
                  else ("classify", "token_classify") if self.task == "classify" else ("embed", "token_embed"))
         if pooling.task is None:
             pooling = dataclasses.replace(pooling, task=tasks[0])
         elif pooling.task not in tasks:
-            kind = "a token classifier" if tasks[0] == "token_classify" else what
-            hint = {"classify": ": use the token_classify task (LLM.encode, /pooling)",
+            # (the hint names what serves the task: a token classifier's own task; a sequence classifier)
+            hint = {"classify": ": use the token_classify task (LLM.encode, /pooling)" if per_token
+                    else ": sequence classifiers (*ForSequenceClassification, --task classify) serve it",
                     "token_classify": ": token classifiers (*ForTokenClassification) and decoders' sequence "
                                       "classifiers serve it"}
-            raise RequestRejectedError(f"the {pooling.task} task is not one of {kind}'s ({', '.join(tasks)})"
+            raise RequestRejectedError(f"the {pooling.task} task is not one of {what}'s ({', '.join(tasks)})"
                                        + hint.get(pooling.task, ""), param="task")
         if self.task == "classify":
             wrong = next((f for f in ("dimensions", "normalize") if getattr(pooling, f) is not None), None)
             if wrong is not None:
-                raise RequestRejectedError(f"{wrong} applies to embeddings, not to a sequence classifier's "
-                                           f"probabilities", param=wrong)
+                raise RequestRejectedError(f"{wrong} applies to embeddings, not to {what}'s probabilities",
+                                           param=wrong)
         if pooling.dimensions is not None and self.hidden_size and pooling.dimensions > self.hidden_size:
             raise RequestRejectedError(f"dimensions is {pooling.dimensions}, but this model's embeddings have "
                                        f"{self.hidden_size}", param="dimensions")
@@ -1878,8 +1883,8 @@ class LLMEngine:
             done = finished and not group.aborted and req.finish_reason != FinishReason.ABORT and vector is not None
             if state.params.task in _TOKEN_TASKS:   # one row per prompt position
                 data = None
-                if done and self.classifier is not None:
-                    data = torch.from_numpy(self.classifier.probs_of(vector, state.params.use_activation is not False))
+                if done and self.classifier is not None:   # (the rows are logits already: PoolState.reduce)
+                    data = torch.from_numpy(self.classifier.activate(vector, state.params.use_activation is not False))
                 elif done:
                     data = torch.from_numpy(finish_embeddings(vector, state.params, self.pooling))
                 return PoolingRequestOutput(group.request_id, group.prompt_token_ids,

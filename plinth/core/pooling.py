@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,12 +155,15 @@ def _sentence_transformers(folder: Path) -> tuple[str, bool, str] | None:
 
 class PoolState:
     """What an embedding request has gathered of its prompt's hidden states (float64 on the host; each position's
-    as float32 for ``kind`` ``all``: a per-token task), and its options."""
+    as float32 for ``kind`` ``all``: a per-token task, or as ``reduce`` makes it), and its options."""
 
-    def __init__(self, kind: str, num_prompt: int, params: PoolingParams):
+    def __init__(self, kind: str, num_prompt: int, params: PoolingParams,
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None):
         self.kind = kind
         self.num_prompt = num_prompt
         self.params = params
+        #: ``all``: what each row is kept as (a token classifier's logits: ``[n, labels]``, not ``[n, hidden]``)
+        self.reduce = reduce
         self.covered = 0            # positions added to ``total`` (a preempted prefill starts again at 0)
         self.total: np.ndarray | None = None
         self.parts: list[np.ndarray] = []   # ``all``: the positions' rows so far, in order
@@ -183,7 +187,7 @@ class PoolState:
             if not len(rows):
                 return
         if self.kind == "all":
-            self.parts.append(np.asarray(rows, dtype=np.float32))
+            self.parts.append(self.reduce(rows) if self.reduce is not None else np.array(rows, dtype=np.float32))
             self.covered = first + len(rows)
             if self.covered >= self.num_prompt:
                 self.vector = np.concatenate(self.parts)
@@ -293,12 +297,18 @@ class ClassifierHead:
 
     def probs_of(self, vectors: np.ndarray, activation: bool = True) -> np.ndarray:
         """:meth:`probs` of a hidden state or of each row of a matrix (a token classifier's positions), float32."""
+        return self.activate(self.logits_of(vectors), activation)
+
+    def logits_of(self, vectors: np.ndarray) -> np.ndarray:
+        """The head's logits (float64) of a hidden state or of each row of a matrix."""
         vectors = np.asarray(vectors, dtype=np.float64)
         if self.pre is not None:
             vectors = self.pre(vectors)
         logits = vectors @ self.weight.T
-        if self.bias is not None:
-            logits = logits + self.bias
+        return logits + self.bias if self.bias is not None else logits
+
+    def activate(self, logits: np.ndarray, activation: bool = True) -> np.ndarray:
+        """:meth:`logits_of`'s logits as probabilities (the raw logits without ``activation``), float32."""
         if activation and self.activation == "softmax":
             logits = np.exp(logits - logits.max(axis=-1, keepdims=True))
             logits = logits / logits.sum(axis=-1, keepdims=True)

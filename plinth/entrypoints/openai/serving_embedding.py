@@ -150,7 +150,7 @@ async def create_pooling(ctx: ServerContext, req: PoolingRequest, raw: Request) 
     lora, rid, inputs, outs = await pool_request(ctx, req, raw, "/pooling", ("embed", "classify"),
                                                  {"normalize": req.normalize, "dimensions": req.dimensions,
                                                   "use_activation": req.use_activation, "task": req.task},
-                                                 "task", "pool")
+                                                 "dimensions", "pool")   # (the one value pydantic lets through)
     rows = [o.embedding if isinstance(o, EmbeddingOutput) else o.probs if isinstance(o, ClassificationOutput)
             else o.data.tolist() for o in outs]
     tokens = sum(len(ids) for ids in inputs)
