@@ -271,6 +271,10 @@ def test_server_pooling_route(tmp_path, llama_dir):
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0].double().numpy()
         np.testing.assert_allclose(body["data"][0]["data"], softmax(ref), atol=1e-5)
+        raw = client.post("/pooling", json={"input": PROMPTS[0], "activation": False}).json()   # the older name
+        np.testing.assert_allclose(raw["data"][0]["data"], ref, atol=3e-5)
+        both = client.post("/pooling", json={"input": "a", "activation": False, "use_activation": True})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "use_activation"
         refused = client.post("/classify", json={"input": PROMPTS[0]})
         assert refused.status_code == 400 and "token_classify" in refused.json()["error"]["message"]
 

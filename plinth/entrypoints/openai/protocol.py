@@ -395,6 +395,7 @@ class PoolingRequest(_PoolingInput):
     dimensions: StrictInt | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
+    activation: bool | None = None   # use_activation's older name
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0

@@ -149,8 +149,11 @@ async def create_pooling(ctx: ServerContext, req: PoolingRequest, raw: Request) 
     row per input token (``task`` ``token_embed`` / ``token_classify``); the engine's own task by default."""
     lora, rid, inputs, outs = await pool_request(ctx, req, raw, "/pooling", ("embed", "classify"),
                                                  {"normalize": req.normalize, "dimensions": req.dimensions,
-                                                  "use_activation": req.use_activation, "task": req.task},
-                                                 "dimensions", "pool")   # (the one value pydantic lets through)
+                                                  "use_activation": req.use_activation, "activation": req.activation,
+                                                  "task": req.task},
+                                                 # (the values pydantic lets through: a bad dimensions; the two
+                                                 # names of use_activation disagreeing)
+                                                 "dimensions" if req.activation is None else "use_activation", "pool")
     rows = [o.embedding if isinstance(o, EmbeddingOutput) else o.probs if isinstance(o, ClassificationOutput)
             else o.data.tolist() for o in outs]
     tokens = sum(len(ids) for ids in inputs)
