@@ -423,3 +423,27 @@ def test_failed_read_back_of_a_stopped_requests_step_keeps_the_outputs(tiny_llam
     assert broken and final.outputs[0].token_ids == full[: stop_at + 1]
     assert final.outputs[0].finish_reason == "stop"
     assert engine._in_flight is None and not engine.has_unfinished_requests()
+
+
+def test_a_failed_step_in_flight_uncaches_the_blocks_of_a_request_aborted_meanwhile(tiny_llama_dir, reference):
+    """A request aborted while its step is in flight, then that step fails on the device: the blocks registered for
+    the step's tokens leave the prefix cache though the request holds them no more (the same prompt again found
+    them: unwritten keys and values)."""
+    llm = llm_for(tiny_llama_dir, async_scheduling=True, max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[2], greedy())
+    engine.step()   # its first chunk in flight, two full blocks registered
+    assert engine.block_manager.num_cached_blocks == 2
+
+    def failing_read_back():
+        raise RuntimeError("device error")
+
+    engine._in_flight.step.token_ids = failing_read_back
+    engine.abort_request("a")
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_cached_blocks == 0
+    again = llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == reference[2]

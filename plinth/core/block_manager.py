@@ -302,14 +302,16 @@ class BlockManager:
     def uncache_unwritten(self, request: Request, num_written: int) -> None:
         """Take the request's blocks past its first ``num_written`` tokens out of the prefix cache: they were
         registered when allocated for a step that failed, so their contents were never written (a hit on them
-        would read garbage)."""
-        if not self.enable_prefix_caching or not request.block_ids:
+        would read garbage). A request freed since (aborted or preempted while the step was in flight) holds no
+        blocks: the cached ones of its tokens are found by their keys."""
+        if not self.enable_prefix_caching:
             return
         first = num_written // self.block_size
-        for block in request.block_ids[first:]:
+        held = bool(request.block_ids)
+        for block in (request.block_ids if held else self._cached_chain(request))[first:]:
             if self._key[block] is not None:
                 self._uncache(block)
-        chain = self._chains.get(request.request_id)
+        chain = self._chains.get(request.request_id) if held else None   # (a freed request's id may be another's)
         if chain is not None:
             del chain[first:]
 
@@ -430,6 +432,20 @@ class BlockManager:
                 return i
             parent = self._prefix_id[block]
         return (request.num_prompt_tokens - 1) // bs
+
+    def _cached_chain(self, request: Request) -> list[int]:
+        """The cached blocks that hold the leading full blocks of tokens of a request that holds no blocks (filling
+        ones included)."""
+        tokens, bs = request.all_token_ids, self.block_size
+        parent = self._root(request)
+        blocks: list[int] = []
+        for i in range(len(tokens) // bs):
+            block = self._cache.get((parent, _block_tokens(request, tokens, i, bs)))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = self._prefix_id[block]
+        return blocks
 
     def _plan_one(self, request: Request, start: int, mark: int, rolling: bool) -> None:
         rid = request.request_id
