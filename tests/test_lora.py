@@ -276,6 +276,10 @@ def _edit(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Pat
     ("fp8", "is torch.float8_e4m3fn; LoRA weights are float32, float16 or bfloat16"),
     ("int", "is torch.int32"),
     ("twice", "has a second lora_A weight"),
+    # PiSSA, OLoRA, ... subtract the initial adapter from the base weights (PEFT does it again on loading): the
+    # adapter is not a plain one until PEFT converts it
+    ("pissa", "init_lora_weights='pissa_niter_4' changes the base model's weights"),
+    ("olora", "init_lora_weights='olora' changes the base model's weights"),
 ])
 def test_bad_adapters_are_refused(model_dir, adapters, tmp_path, case, message):
     src = adapters["all"]
@@ -316,6 +320,8 @@ def test_bad_adapters_are_refused(model_dir, adapters, tmp_path, case, message):
     elif case == "twice":   # the same module with and without PEFT's prefix
         path = _edit(src, tmp_path / case, tensors=lambda w: {
             **w, f"{q.removeprefix('base_model.model.')}.lora_A.weight": w[f"{q}.lora_A.weight"].clone()})
+    elif case in ("pissa", "olora"):
+        path = _edit(src, tmp_path / case, {"init_lora_weights": "pissa_niter_4" if case == "pissa" else "olora"})
     elif case == "alora":   # a LoRA variant that applies the adapter after an invocation sequence only
         path = _edit(src, tmp_path / case, {"alora_invocation_tokens": [5, 6]})
     elif case == "no_config":

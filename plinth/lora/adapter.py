@@ -57,6 +57,9 @@ HARMLESS_CONFIG_KEYS = frozenset({
     "lora_bias", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "runtime_config",
     "auto_mapping", "peft_version", "ensure_weight_tying", "qalora_group_size",
 })
+#: ``init_lora_weights`` methods that also change the base model's weights (PEFT subtracts the initial adapter from
+#: them, and does so again whenever it loads such an adapter): the adapter alone does not hold what it computes
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 BIN_FILE = "adapter_model.bin"
@@ -135,6 +138,12 @@ def read_adapter_config(path: str) -> dict[str, Any]:
                              ("lora_bias", "LoRA biases")):
         if cfg.get(key):
             raise _fail(path, f"{unsupported} are not supported ({key} is set)")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise _fail(path, f"init_lora_weights={init!r} changes the base model's weights as well as the adapter's; "
+                          "plinth runs the base model as its checkpoint holds it: serve the adapter converted into a "
+                          "plain LoRA adapter (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion="
+                          "...)), or the changed base model itself")
     if cfg.get("bias", "none") not in (None, "none"):
         raise _fail(path, f"bias={cfg['bias']!r} is not supported (only 'none')")
     if cfg.get("modules_to_save"):
