@@ -229,6 +229,13 @@ def test_lora_request_checks(model_dir, adapters, tmp_path):
     # a path object, and a leading ~ (the user's home), as vLLM takes them
     assert LoRARequest("x", 4, "~/adapters/x").lora_path == os.path.join(os.path.expanduser("~"), "adapters", "x")
     assert LoRARequest("x", 4, Path("/a/b")).lora_path == "/a/b"
+    # vLLM's other fields: the path with a trailing slash is the same adapter; the deprecated lora_local_path
+    llm.generate("hi", greedy(), lora_request=LoRARequest("attn", 2, str(adapters["attn-r4"]) + "/",
+                                                          base_model_name="tiny"), use_tqdm=False)
+    assert LoRARequest("x", 4, lora_local_path="/a/b").lora_path == "/a/b"
+    for field, value in (("long_lora_max_len", 4096), ("tensorizer_config_dict", {}), ("load_inplace", True)):
+        with pytest.raises(ValueError, match=field):
+            LoRARequest("x", 4, "/a", **{field: value})
     with pytest.raises(ValueError, match="got 1 LoRA requests for 2 prompts"):
         llm.generate(["a", "b"], greedy(), lora_request=[ok])
     # a rejected prompt among several leaves none of them queued, and the engine serves on
