@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from conftest import decisive_weights, make_tokenizer, save_tiny_model
+from engine_driving import drive
 from test_encoders import TEXTS, hf_inputs, save_encoder
 
 from plinth import LLM, PoolingOutput, PoolingParams
@@ -292,14 +293,8 @@ def test_tensor_parallel_worker_processes(tmp_path, processes):
                                       platform="cpu")
     engine = LLMEngine(config, executor_factory=lambda c: MultiprocExecutor(c, processes))
     try:
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, PoolingParams())
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs.data
+        done = drive(engine, [(0, f"r{i}", prompt, PoolingParams()) for i, prompt in enumerate(PROMPTS)], {}, 200)
     finally:
         engine.shutdown()
     for i, out in enumerate(one):
-        np.testing.assert_allclose(done[f"r{i}"].numpy(), out.outputs.data.numpy(), atol=1e-5)
+        np.testing.assert_allclose(done[f"r{i}"].outputs.data.numpy(), out.outputs.data.numpy(), atol=1e-5)
