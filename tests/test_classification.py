@@ -273,7 +273,9 @@ def test_run_batch_classify_and_score_lines(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [{"custom_id": "c", "method": "POST", "url": "/classify", "body": {"input": PROMPTS[1]}},
              {"custom_id": "s", "method": "POST", "url": "/v1/score", "body": {"text_1": "a", "text_2": ["b", "c"]}},
-             {"custom_id": "r", "method": "POST", "url": "/v1/rerank", "body": {"query": "a", "documents": ["b"]}}]
+             {"custom_id": "r", "method": "POST", "url": "/v1/rerank", "body": {"query": "a", "documents": ["b"]}},
+             {"custom_id": "p", "method": "POST", "url": "/pooling",
+              "body": {"input": PROMPTS[1], "task": "token_classify", "use_activation": False}}]
     inp.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     assert main(["run-batch", str(tmp_path / "m"), "--task", "classify", "--dtype", "float32", "--selection", "off",
                  "-i", str(inp), "-o", str(out)]) == 0
@@ -283,6 +285,10 @@ def test_run_batch_classify_and_score_lines(tmp_path):
     np.testing.assert_allclose(by_id["c"]["response"]["body"]["data"][0]["probs"],
                                1 / (1 + np.exp(-reference_logits(model, ids))), atol=2e-6)
     assert len(by_id["s"]["response"]["body"]["data"]) == 2 and len(by_id["r"]["response"]["body"]["results"]) == 1
+    torch_model = model.eval()
+    with torch.no_grad():   # the score layer at every position
+        per_token = torch_model.score(torch_model.model(torch.tensor([ids])).last_hidden_state)[0].double().numpy()
+    np.testing.assert_allclose(by_id["p"]["response"]["body"]["data"][0]["data"], per_token, atol=2e-5)
 
 
 def test_trailing_pad_tokens_are_not_read(tmp_path):

@@ -5,7 +5,7 @@ Each input line is one request in OpenAI's batch format::
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
 
 (``url``: ``/v1/chat/completions``, ``/v1/completions``; ``/v1/embeddings`` with ``--task embed``; ``/classify``
-with ``--task classify``; ``/v1/score`` and ``/v1/rerank`` with either). Each
+with ``--task classify``; ``/v1/score``, ``/v1/rerank`` and ``/pooling`` with either). Each
 result is one output line in OpenAI's batch output format, written as soon as its request finishes::
 
     {"id": "batch_req_...", "custom_id": "q1", "response": {"status_code": 200, "request_id": "chatcmpl-...",
@@ -41,7 +41,8 @@ from plinth.entrypoints.generate_cmd import check_output, fingerprint, output_lo
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, check_tool_flags, lora_modules
 from plinth.errors import CliError
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/classify")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/classify",
+          "/pooling")
 #: requests in flight at once by default: enough to fill the engine's batch, not the whole file
 DEFAULT_CONCURRENCY = 256
 
