@@ -503,12 +503,16 @@ def test_server_checks_of_image_requests(llava):
 
 def test_refusals(llava, llm, tiny_llama_dir, tmp_path):
     """Clear errors: images that the prompt does not name (or names too often), an image token without an image, a
-    run of image tokens of the wrong length, something that is not an image, a thin strip, an image-and-text model
+    run of image tokens of the wrong length, something that is not an image (a PIL image of a truncated file too), a
+    thin strip, an image-and-text model
     whose language model plinth does not run (BLIP-2 over OPT), images for a text-only model, and an image part in a
     text-only model's chat."""
     img = _picture(11)
     engine = llm.llm_engine
     image_id = llava[1].config.image_token_index
+    buf = io.BytesIO()
+    img.convert("L").save(buf, format="PNG")
+    truncated = Image.open(io.BytesIO(buf.getvalue()[:len(buf.getvalue()) // 2]))   # (opened lazily: read later)
     cases = [
         ("The fox", {"image": img}, r"names 0 image\(s\)"),
         ("<image> and <image>", {"image": img}, r"names 2 image\(s\)"),
@@ -517,6 +521,7 @@ def test_refusals(llava, llm, tiny_llama_dir, tmp_path):
         ("The <image> fox", {"image": "cat.png"}, "must be a PIL image"),
         ("The <image> fox", {"video": img}, "images only"),
         ("The <image> fox", {"image": b"not an image"}, "cannot be read as an image"),
+        ("The <image> fox", {"image": truncated}, "cannot be read as an image"),
         ("The <image> fox", {"image": Image.new("RGB", (5000, 10))}, "longer than 100 times its width"),
     ]
     for prompt, data, words in cases:

@@ -345,7 +345,10 @@ def _as_pil(image: Any, where: str) -> Any:
 
     if isinstance(image, Image.Image):
         check_size(image.width, image.height, where)
-        return _rgb(image)
+        try:   # (an image opened lazily is read here: a truncated file fails now)
+            return _rgb(image)
+        except Exception as exc:   # noqa: BLE001 - PIL raises many kinds for a bad file or a mode it cannot convert
+            raise RequestRejectedError(f"{where} cannot be read as an image: {type(exc).__name__}: {exc}") from None
     if isinstance(image, bytes | bytearray):
         return decode_image(bytes(image), where)
     raise RequestRejectedError(f"{where} must be a PIL image or an image file's bytes, got {type(image).__name__}")
