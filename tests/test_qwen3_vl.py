@@ -477,6 +477,19 @@ def test_video_file_frames_sampled_as_transformers_reads_them(tmp_path):
     assert every_frame.indices == tuple(range(30))   # (do_sample_frames off: all of them, as transformers reads it)
 
 
+def test_a_file_stating_billions_of_frames_is_refused_before_its_frame_list_is_made():
+    """do_sample_frames off picks every frame the header states: a count of 10**12 is refused, not allocated."""
+    import types
+
+    from plinth.core.scheduler import RequestRejectedError
+    from plinth.multimodal import video as v
+
+    every = v.file_sampler(types.SimpleNamespace(qwen3=True, sample_frames=False))
+    with pytest.raises(RequestRejectedError, match=f"1000000000000 frames, at most {v.MAX_FRAMES}"):
+        v._picked(every(10**12, 30.0), "video")
+    assert v._picked(every(3, 30.0), "video") == [0, 1, 2]
+
+
 def test_video_file_stating_more_frames_than_it_has(monkeypatch):
     """A file whose frames end before the last one picked (it states more than it has) is picked again among the
     frames it has; the frames kept are bounded as they are decoded, before they are copied together."""

@@ -394,8 +394,8 @@ def file_sampler(settings: VideoSettings | None) -> Any:
     second (Qwen2-VL)."""
     if settings is None or not settings.qwen3:
         return None
-    if not settings.sample_frames:   # (every frame, as transformers reads a file it does not sample)
-        return lambda total, fps: np.arange(total)
+    if not settings.sample_frames:   # (every frame, as transformers reads a file it does not sample; a range: a
+        return lambda total, fps: range(total)   # header's count of billions is refused, not allocated)
     return lambda total, fps: sampled(settings, Video(np.empty((total, 0, 0, 3), np.uint8), fps))
 
 
@@ -488,12 +488,19 @@ def _sampled_file(data: bytes, sample: Any, where: str) -> Video | None:
         total, rate = int(stream.frames or 0), float(stream.average_rate or 0)
         if total <= 0 or not MIN_FPS <= rate <= MAX_FPS:
             return None
-        video, decoded = _decode_picked(container, stream, [int(i) for i in sample(total, rate)], rate, where)
+        video, decoded = _decode_picked(container, stream, _picked(sample(total, rate), where), rate, where)
     if video is None and decoded >= 2:   # (fewer frames than it states)
         with av.open(io.BytesIO(data), mode="r") as container:
-            video, _ = _decode_picked(container, container.streams.video[0], [int(i) for i in sample(decoded, rate)],
+            video, _ = _decode_picked(container, container.streams.video[0], _picked(sample(decoded, rate), where),
                                       rate, where)
     return video
+
+
+def _picked(indices: Any, where: str) -> list[int]:
+    """A sampler's frame numbers as a list, refused before it is made where they are more than :data:`MAX_FRAMES`."""
+    if len(indices) > MAX_FRAMES:
+        raise RequestRejectedError(f"{where}: {len(indices)} frames, at most {MAX_FRAMES}", param="multi_modal_data")
+    return [int(i) for i in indices]
 
 
 def _decode_picked(container: Any, stream: Any, picked: list[int], fps: float, where: str) -> tuple[Video | None, int]:
