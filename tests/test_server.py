@@ -1079,6 +1079,15 @@ def test_taken_port_fails_fast_with_a_clear_error(model_dir):
     assert time.monotonic() - t0 < 60   # refused before the model loads
 
 
+def test_the_server_is_announced_only_once_it_listens(server):
+    """The port is bound before the model loads (a taken one fails fast) but listens only after: uvicorn's "Uvicorn
+    running on" line at the bind announced a server that refused connections while the model loaded; plinth's own
+    "serving ... on" line comes once it is ready."""
+    log = server.output()
+    assert "engine ready" in log and "serving tiny on http://127.0.0.1:" in log
+    assert "Uvicorn running on" not in log, log
+
+
 def test_usage_reports_prompt_tokens_from_the_prefix_cache(client):
     """usage.prompt_tokens_details.cached_tokens: 0 for a new prompt, whole cached blocks when it comes again."""
     prompt = "A long and unusual prompt about prefix caching, " * 8

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -284,7 +285,8 @@ def test_api_key_under_a_root_path(model_dir):
 
 def test_the_api_schema_is_served_unless_disabled(model_dir):
     """``/openapi.json`` is served (``/docs`` and ``/redoc`` never are); ``--disable-fastapi-docs`` (vLLM's flag)
-    turns it off; ``--enable-request-id-headers`` is taken (X-Request-Id is always echoed)."""
+    turns it off; ``--enable-request-id-headers`` is taken (X-Request-Id is always echoed; with it, as in vLLM, a
+    response to a request without one gets a new one)."""
     from starlette.testclient import TestClient
 
     from plinth.entrypoints.cli import build_parser
@@ -296,9 +298,15 @@ def test_the_api_schema_is_served_unless_disabled(model_dir):
             assert client.get("/docs").status_code == client.get("/redoc").status_code == 404
             r = client.get("/v1/models", headers={"X-Request-Id": "r-1"})
             assert r.headers["X-Request-Id"] == "r-1"
+            assert "X-Request-Id" not in client.get("/v1/models").headers
     argv = ["serve", "--disable-fastapi-docs", "--enable-request-id-headers", "--max-log-len", "100"]
     args = build_parser(argv).parse_args(argv)
     assert args.disable_fastapi_docs and args.enable_request_id_headers and args.max_log_len == 100
+    with TestClient(build_app(own_front(model_dir), api_key="k", request_id_headers=True)) as client:
+        for path in ("/v1/models", "/health"):   # (a refusal too)
+            ids = [client.get(path).headers.get("X-Request-Id") for _ in range(2)]
+            assert all(i is not None and re.fullmatch(r"[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1], ids
+        assert client.get("/health", headers={"X-Request-Id": "r-2"}).headers.get_list("X-Request-Id") == ["r-2"]
 
 def test_reply_role(model_dir):
     """The reply's role, streamed and not (vLLM's rule): ``--response-role`` with ``add_generation_prompt``, the last
@@ -391,6 +399,15 @@ def test_server_flag_checks(tmp_path, capsys):
         mp.setenv("PLINTH_API_KEY", " ")
         assert main(["serve"]) == 2
         assert "PLINTH_API_KEY is set but empty" in capsys.readouterr().err
+    # a key no client can send (HTTP strips a header's outer whitespace, carries no newline) would make every
+    # request a 401: refused before anything loads
+    for key in ("sekret\n", " sekret", "sek\tret"):
+        assert main(["serve", str(tmp_path / "no-such-model"), "--api-key", key]) == 2
+        assert "--api-key has whitespace at an end or a control character" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as mp:   # (a key file read with its newline)
+        mp.setenv("PLINTH_API_KEY", "sekret\n")
+        assert main(["serve", str(tmp_path / "no-such-model")]) == 2
+        assert "PLINTH_API_KEY has whitespace at an end" in capsys.readouterr().err
     # a model path that does not exist fails before the port is bound (and announced as running)
     port = free_port()
     assert main(["serve", str(tmp_path / "no-such-model"), "--port", str(port)]) == 2

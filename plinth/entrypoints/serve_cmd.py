@@ -77,7 +77,8 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
                    help="accepted as vLLM's flag (how much of a prompt its request log shows); plinth never logs "
                         "prompts")
     g.add_argument("--enable-request-id-headers", action="store_true",
-                   help="accepted as vLLM's flag; plinth always echoes a request's X-Request-Id")
+                   help="a response to a request without an X-Request-Id header gets a new one (a request's own is "
+                        "always echoed)")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="do not serve the API's schema at /openapi.json (the /docs and /redoc pages are never served)")
     g.add_argument("--uvicorn-log-level", default=None,
@@ -339,6 +340,22 @@ def check_tls_files(keyfile: str, certfile: str) -> None:
                          f"{getattr(exc, 'reason', None) or exc}") from None
 
 
+def bind_quietly(uv_config: Any) -> Any:
+    """uvicorn's ``bind_socket`` without its "Uvicorn running on ..." line: the socket is bound before the model loads
+    but listens only once it has (plinth's own "serving ... on" line says when); that line would announce a server that
+    refuses connections for as long as the model takes to load, or one whose load then fails."""
+    uv_logger = logging.getLogger("uvicorn.error")
+
+    def not_running_yet(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Uvicorn running on")
+
+    uv_logger.addFilter(not_running_yet)
+    try:
+        return uv_config.bind_socket()
+    finally:
+        uv_logger.removeFilter(not_running_yet)
+
+
 def run(args: argparse.Namespace) -> int:
     startup = GcPause(freeze=True)   # no garbage collection while the server imports and loads the model
     previous = _interrupt_the_start()
@@ -393,6 +410,11 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
         raise ServeError(f"{API_KEY_ENV} is set but empty: give the key clients must send, or unset it to serve "
                          f"without one")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and (api_key != api_key.strip() or not api_key.isprintable()):
+        # (HTTP strips a header value's outer whitespace and cannot carry a newline: every request would be a 401)
+        raise ServeError(f"{'--api-key' if args.api_key is not None else API_KEY_ENV} has whitespace at an end or a "
+                         "control character (a newline read from a key file?), which no client can send in its "
+                         "Authorization header; give the key alone")
     if args.enable_weight_updates and api_key is None:
         logger.warning("--enable-weight-updates without an API key: anyone who reaches this server can load "
                        "checkpoints from its disk into the model (give --api-key or $%s)", API_KEY_ENV)
@@ -424,7 +446,7 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
         root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
     )
     try:
-        sock = uv_config.bind_socket()   # fail on a taken port before the model loads
+        sock = bind_quietly(uv_config)   # fail on a taken port before the model loads
     except SystemExit as exc:
         raise ServeError(f"cannot listen on {args.host}:{args.port}") from exc
     try:
@@ -434,7 +456,8 @@ def _serve(args: argparse.Namespace, startup: GcPause) -> int:
                                     allow_lora_updates=args.allow_runtime_lora_updating,
                                     allow_weight_updates=args.enable_weight_updates,
                                     openapi=not args.disable_fastapi_docs,
-                                    max_request_bytes=max_request_bytes)
+                                    max_request_bytes=max_request_bytes,
+                                    request_id_headers=args.enable_request_id_headers)
             server = _server_class()(uv_config, args.shutdown_timeout, lambda: front.shutdown(wait=False))
             host, port = sock.getsockname()[:2]
             logger.info("serving %s on %s://%s:%d%s", front.served_model_name,

@@ -6,7 +6,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/resp
 ``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (also ``GET|POST /ping``),
 ``GET /version``, ``GET /metrics``; with ``--allow-runtime-lora-updating`` also ``POST /v1/load_lora_adapter`` and
 ``POST /v1/unload_lora_adapter``; with ``--enable-weight-updates`` also ``POST /update_weights`` and
-``POST /reset_prefix_cache``. A request's ``X-Request-Id`` header comes back on its response.
+``POST /reset_prefix_cache``. A request's ``X-Request-Id`` header comes back on its response (with
+``--enable-request-id-headers``, a new one on a response to a request without one).
 
 With an API key, every route but ``/health``, ``/ping``, ``/version`` and ``/metrics`` needs
 ``Authorization: Bearer <key>``; those stay open so that orchestrators and Prometheus can reach them
@@ -23,6 +24,7 @@ import dataclasses
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -156,13 +158,17 @@ class RequestSizeMiddleware:
 
 
 class RequestIdMiddleware:
-    """Send a request's ``X-Request-Id`` header back on its response (for tracing through proxies)."""
+    """Send a request's ``X-Request-Id`` header back on its response (for tracing through proxies); with ``generate``
+    (``--enable-request-id-headers``, as vLLM's), a response to a request without one gets a new one (uuid4, hex)."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, generate: bool = False):
         self.app = app
+        self.generate = generate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = dict(scope["headers"]).get(b"x-request-id") if scope["type"] == "http" else None
+        if (not given or len(given) > 256) and self.generate and scope["type"] == "http":
+            given = uuid.uuid4().hex.encode()
         if not given or len(given) > 256:
             await self.app(scope, receive, send)
             return
@@ -191,7 +197,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
               cors: CorsSettings | None = None, lora_modules: Sequence[tuple[str, str]] = (),
               allow_lora_updates: bool = False, openapi: bool = True, response_role: str = "assistant",
               allow_weight_updates: bool = False,
-              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, force_include_usage: bool = False) -> FastAPI:
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, force_include_usage: bool = False,
+              request_id_headers: bool = False) -> FastAPI:
     """The server app around a running engine front (shut down with the app); ``tool_parser`` finds the
     tool calls of ``tool_choice: "auto"`` requests, ``reasoning_parser`` the thinking of chat replies;
     ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N`` unless a request says otherwise; ``cors``:
@@ -201,7 +208,8 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
     ``response_role``: the role of chat replies to requests with ``add_generation_prompt``;
     ``allow_weight_updates``: the routes that load new weights from the server's disk and forget the prefix cache;
     ``max_request_bytes``: the largest request body read (larger ones are 413s; ``None``: no limit);
-    ``force_include_usage``: every stream ends with a usage chunk, as if it asked for one (``stream_options``).
+    ``force_include_usage``: every stream ends with a usage chunk, as if it asked for one (``stream_options``);
+    ``request_id_headers``: a response to a request without an ``X-Request-Id`` gets a new one (it always gets its own).
 
     Raises:
         ValueError: an adapter cannot be served, or its name is taken.
@@ -234,7 +242,7 @@ def build_app(front: AsyncLLMEngine, api_key: str | None = None, tool_parser: ty
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                            allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
                            allow_headers=list(cors.allowed_headers))
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, generate=request_id_headers)
 
     @app.api_route("/ping", methods=["GET", "POST"])   # the health check's name on some hosting platforms
     @app.get("/health")
