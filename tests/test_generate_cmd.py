@@ -189,6 +189,56 @@ def test_home_is_expanded_in_path_flags(tiny_llama_dir, tmp_path, monkeypatch, c
     config = ModelConfig(tokenizer="~/tok", allowed_local_media_path="~")
     assert (config.tokenizer, config.allowed_local_media_path) == (str(tmp_path / "tok"), str(tmp_path))
 
+def test_a_path_beginning_with_a_tilde_that_names_no_user_is_that_file(tmp_path, monkeypatch, capsys):
+    """``~in.jsonl`` (``~`` and no user of that name) is the file of that name, as a shell leaves it: it was a
+    RuntimeError traceback (``Path.expanduser`` raises where ``os.path.expanduser`` leaves the text as it is)."""
+    from plinth.worker.setup import read_chat_template
+
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "~in.jsonl", ROWS[:1])
+    for argv in (["generate", "--input", "~in.jsonl", "--output", "~in.jsonl"],
+                 ["run-batch", "-i", "~in.jsonl", "-o", "~in.jsonl"]):
+        assert main(argv) == 2
+        assert "--output '~in.jsonl' is the input file" in capsys.readouterr().err
+    (tmp_path / "~t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template("~t.jinja") == "{{ messages[0]['content'] }}"
+
+
+def test_the_fingerprint_of_a_row_is_that_of_its_csv_and_parquet_twins(tmp_path):
+    """A real-valued parameter is one number whether it came as a JSON integer (2), a CSV cell or command-line flag
+    (2.0), or -0.0: a row converted to CSV, or giving the command-line default itself, resumes its result."""
+    from plinth import SamplingParams
+    from plinth.entrypoints.generate_cmd import parse_row, read_rows, row_fingerprint
+
+    base = SamplingParams(max_tokens=128, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False)
+    row = {"id": "a", "prompt": "hi", "temperature": 2, "presence_penalty": 1, "min_p": -0.0}
+    write_jsonl(tmp_path / "in.jsonl", [row, {"id": "b", "prompt": "hi", "temperature": 0}, {"id": "c", "prompt": "hi"}])
+    (tmp_path / "in.csv").write_text("id,prompt,temperature,presence_penalty\na,hi,2,1\n")
+    pd.DataFrame([{**row, "temperature": 2.0, "presence_penalty": 1.0}]).to_parquet(tmp_path / "in.parquet")
+    digests: dict[str, set[str]] = {}
+    for name in ("in.jsonl", "in.csv", "in.parquet"):
+        for line, r in read_rows(tmp_path / name):
+            rid, prompt, params, is_chat = parse_row(line, r, base)
+            digests.setdefault(rid, set()).add(row_fingerprint(prompt, params, is_chat))
+    assert len(digests["a"]) == 1 and digests["b"] == digests["c"], digests
+
+
+def test_a_value_nested_about_as_deeply_as_json_reads_is_a_bad_row(tmp_path, capsys):
+    """Messages or extra_args nested just within what the JSON reader takes (but deeper than a copy, repr or the
+    fingerprint can go) are a bad row, never a RecursionError traceback."""
+    from plinth import SamplingParams
+    from plinth.entrypoints.generate_cmd import _checked_rows
+
+    inp = tmp_path / "in.jsonl"
+    for depth in range(940, 1010):
+        nested = '{"a":' * depth + "1" + "}" * depth
+        inp.write_text(f'{{"messages": [{{"role": "user", "content": "hi", "x": {nested}}}]}}\n'
+                       f'{{"prompt": "hi", "extra_args": {nested}}}\n')
+        rows, bad, changed = _checked_rows(inp, SamplingParams(), {}, "skip", None)
+        assert len(rows) + bad == 2 and not changed
+    assert "nested too deeply" in capsys.readouterr().err
+
+
 
 def test_bad_rows_fail_or_skip_with_line_numbers(tiny_llama_dir, tmp_path):
     inp = tmp_path / "bad.jsonl"

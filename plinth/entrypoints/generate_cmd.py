@@ -170,6 +170,7 @@ def _is_missing(v: Any) -> bool:
 FILE_QUEUE = 512
 
 INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.type in ("int", "int | None")}
+REAL_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.type == "float"}
 
 
 def _coerce(name: str, value: Any, default: Any, cells: bool) -> Any:
@@ -281,8 +282,8 @@ def parse_row(line: int, row: dict[str, Any], base: SamplingParams) -> tuple[str
             raise RowError(line, f"{k}: {_json_problem(exc) if isinstance(exc, RecursionError) else exc}") from None
     try:
         params = base.clone(**overrides)
-    except (SamplingParamsError, ValueError, TypeError) as exc:
-        raise RowError(line, str(exc)) from None
+    except (SamplingParamsError, ValueError, TypeError, RecursionError) as exc:   # (extra_args nested very deeply)
+        raise RowError(line, _json_problem(exc) if isinstance(exc, RecursionError) else str(exc)) from None
     return rid, value, params, key == "messages"
 
 
@@ -303,6 +304,8 @@ def row_fingerprint(prompt: Any, params: SamplingParams, is_chat: bool) -> str:
     kind = "messages" if is_chat else "prompt" if isinstance(prompt, str) else "prompt_token_ids"
     changed = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
                if getattr(params, f.name) != getattr(_PLAIN_PARAMS, f.name)}
+    for name in REAL_FIELDS & set(changed):   # a JSON 2 is a CSV cell's or a flag's 2.0 (and -0.0 is 0.0)
+        changed[name] = float(changed[name]) + 0.0
     return fingerprint({kind: prompt, "params": changed})
 
 
@@ -404,6 +407,12 @@ def _check_unused_flags(args: argparse.Namespace) -> None:
             raise CliError(f"plinth generate has no use for {flag}: {why}")
 
 
+def home_path(value: str) -> Path:
+    """A path flag's value with a leading ``~`` or ``~user`` expanded where it names a home folder (``~notes.jsonl``,
+    naming no user, is that file: ``Path.expanduser`` raises ``RuntimeError`` for it)."""
+    return Path(os.path.expanduser(value))
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     """Refuse option combinations that would be ignored and paths that cannot work, before the model loads."""
     if args.input is None and not args.prompt:
@@ -419,7 +428,7 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise CliError("--chat formats --prompt; in an --input file give the conversation as 'messages'")
     if args.output is None:
         raise CliError("--input needs --output FILE.jsonl")
-    inp, out = Path(args.input).expanduser(), Path(args.output).expanduser()
+    inp, out = home_path(args.input), home_path(args.output)
     if not inp.exists():
         raise CliError(f"input file {args.input!r} does not exist")
     if not inp.is_file():
@@ -483,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.input is None:
         return _run_prompts(LLMEngine(engine_config_from_args(args)), args, base)
-    inp, output, bad_rows = Path(args.input).expanduser(), Path(args.output).expanduser(), args.bad_rows or "fail"
+    inp, output, bad_rows = home_path(args.input), home_path(args.output), args.bad_rows or "fail"
     with output_lock(output):
         skip = done_ids(output)
         # the most sequences an idle engine takes at once (known before it loads when both flags are given)
@@ -597,13 +606,16 @@ def _checked_rows(inp: Path, base: SamplingParams, skip: dict[str, str | None], 
                 raise RowError(line, f"duplicate id {rid!r}")
             if queue is not None and params.n > queue:
                 raise RowError(line, f"n is {params.n}, more than --max-num-seqs plus --max-waiting-requests ({queue})")
+            try:
+                digest = row_fingerprint(prompt, params, is_chat)
+            except RecursionError:   # a value nested about as deeply as the JSON reader allows
+                raise RowError(line, "a value is nested too deeply") from None
             seen.add(rid)
         except RowError as exc:
             bad += 1
             if not _report(inp, bad_rows, str(exc)):
                 return None
             continue
-        digest = row_fingerprint(prompt, params, is_chat)
         if rid not in skip:
             rows.append((line, rid, prompt, params, is_chat, digest))
         elif skip[rid] not in (None, digest):   # (None: a record of a plinth that kept no fingerprint)

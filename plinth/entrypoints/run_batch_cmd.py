@@ -37,7 +37,7 @@ from typing import Any
 
 from plinth.core.request import encodable_text
 from plinth.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from plinth.entrypoints.generate_cmd import check_output, fingerprint, output_lock, torn_record
+from plinth.entrypoints.generate_cmd import check_output, fingerprint, home_path, output_lock, torn_record
 from plinth.entrypoints.serve_cmd import add_api_args, api_app, check_tool_flags, lora_modules
 from plinth.errors import CliError
 
@@ -330,7 +330,7 @@ async def run_requests(app: Any, requests: list[dict[str, Any]], concurrency: in
 
 
 def run(args: argparse.Namespace) -> int:
-    inp, out = Path(args.input).expanduser(), Path(args.output).expanduser()
+    inp, out = home_path(args.input), home_path(args.output)
     if not inp.is_file():
         raise CliError(f"--input {args.input!r} is not a file")
     check_output(inp, out)

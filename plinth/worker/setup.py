@@ -228,9 +228,10 @@ def read_chat_template(value: str | None) -> str | None:
     """``--chat-template`` is template text or a path to a file holding one."""
     if value is None:
         return None
-    if "{" not in value and Path(value).expanduser().is_file():
+    path = Path(os.path.expanduser(value))   # (not Path.expanduser: "~t.jinja", naming no user, is that file)
+    if "{" not in value and path.is_file():
         try:
-            return _checked_template(Path(value).expanduser().read_text(encoding="utf-8"))
+            return _checked_template(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"--chat-template file {value!r} cannot be read as UTF-8 text: {exc}") from None
     if "{" not in value:
