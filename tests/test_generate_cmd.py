@@ -202,6 +202,14 @@ def test_a_path_beginning_with_a_tilde_that_names_no_user_is_that_file(tmp_path,
         assert "--output '~in.jsonl' is the input file" in capsys.readouterr().err
     (tmp_path / "~t.jinja").write_text("{{ messages[0]['content'] }}")
     assert read_chat_template("~t.jinja") == "{{ messages[0]['content'] }}"
+    # the model argument and --generation-config too: a clear message, not the RuntimeError
+    for argv, said in ((["generate", "~nosuchuser-plinth/model", "--prompt", "hi"],
+                        "model path '~nosuchuser-plinth/model' does not exist"),
+                       (["generate", "tiny-llama", "--load-format", "dummy", "--prompt", "hi",
+                         "--generation-config", "~nosuchuser-plinth/cfg"],
+                        "--generation-config '~nosuchuser-plinth/cfg': no generation_config.json there")):
+        assert main(argv) != 0
+        assert said in capsys.readouterr().err
 
 
 def test_the_fingerprint_of_a_row_is_that_of_its_csv_and_parquet_twins(tmp_path):

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ def _config_file(setting: str, model_path: str | None, kind: str) -> Path | None
             return None
         path = Path(model_path) / FILE_NAME
         return path if path.is_file() else None
-    path = Path(setting).expanduser()
+    path = Path(os.path.expanduser(setting))
     if path.is_dir():
         path = path / FILE_NAME
     if not path.is_file():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -301,7 +302,7 @@ def resolve_model_source(model_config: ModelConfig) -> ModelSource:
         from plinth.model_registry.default_model import default_model_path
 
         model = str(default_model_path())
-    path = Path(model).expanduser()
+    path = Path(os.path.expanduser(model))   # (os.path: a "~name" naming no user stays as it is)
     if not path.exists():
         if fmt == "dummy":
             cfg = load_preset(model, model_config.hf_overrides)
