@@ -43,6 +43,17 @@ def unpicklable_result(model):
     return (p for p in model.parameters())
 
 
+def first_rank_fails_the_other_is_slow(model):
+    import time
+
+    from plinth.distributed.parallel_state import get_parallel_state
+
+    if get_parallel_state().layout.rank == 0:
+        raise ValueError("rank 0 refuses")
+    time.sleep(2.0)
+    return "late"
+
+
 @pytest.fixture(autouse=True)
 def _plain_weights(monkeypatch):
     """The CPU path's plain weights (on CPUs without native bfloat16 it multiplies repacked copies of float32 ones)."""
@@ -120,3 +131,23 @@ def test_every_rank_runs_it(model_dir, processes):
         assert tokens(llm) == [[0] * 8] * 2
     finally:
         engine.shutdown()
+
+
+def test_a_function_failing_while_another_rank_is_still_busy_stops_the_workers(model_dir, monkeypatch):
+    """A function that raises on one rank while another has not finished it in time: that rank's answer would be read
+    as the next call's (here the last pipeline stage's, as the next step's tokens: wrong outputs), so the function's
+    error goes to the caller, the workers stop, and the next call says why."""
+    from test_distributed_helpers import wait_gone
+
+    import plinth.distributed.executor_mp as executor_mp
+    from plinth.core.async_engine import EngineDeadError
+
+    monkeypatch.setattr(executor_mp, "DRAIN_WAIT_S", 0.2)
+    with LLM(str(model_dir), dtype="float32", selection="off", distributed_executor="mp", platform="cpu",
+             pipeline_parallel_size=2) as llm:
+        pids = llm.engine.executor.worker_pids
+        with pytest.raises(ValueError, match="rank 0 refuses"):
+            llm.apply_model(first_rank_fails_the_other_is_slow)
+        with pytest.raises(EngineDeadError, match="'apply_model' failed on a worker"):
+            tokens(llm)
+        assert wait_gone(pids, 10.0) == []

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_distributed_helpers import ENGINE_KW, PROMPTS, children, greedy, run_greedy, save_family, wait_gone
@@ -140,6 +141,48 @@ def test_workers_exit_when_their_driver_dies(tmp_path):
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2
     assert wait_gone(pids, 10.0) == []
+
+
+_CTRL_C_DRIVER = """
+import time
+from plinth.distributed.executor_mp import WorkerProcesses
+if __name__ == "__main__":
+    procs = WorkerProcesses(2)
+    try:
+        print(" ".join(map(str, procs.pids)), flush=True)
+        time.sleep(60)
+    except KeyboardInterrupt:
+        procs.stop()
+        print("stopped", flush=True)
+"""
+
+
+def _python_handles_sigint(pid: int) -> bool:
+    """Whether process ``pid`` catches or ignores SIGINT (a Python interpreter past its start does one or the other)."""
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    return bool((int(status["SigCgt"], 16) | int(status["SigIgn"], 16)) & (1 << (signal.SIGINT - 1)))
+
+
+def test_ctrl_c_while_the_workers_start_interrupts_only_the_driver(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) while the workers still import their modules, before
+    they ignore it: the driver is interrupted and stops them, and no worker prints a KeyboardInterrupt traceback."""
+    script = tmp_path / "driver.py"
+    script.write_text(_CTRL_C_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        deadline = time.monotonic() + 30.0   # each worker's interpreter is up (it would turn SIGINT into an exception)
+        while not all(map(_python_handles_sigint, pids)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "stopped" in out, err
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    assert len(pids) == 2 and wait_gone(pids, 10.0) == []
 
 
 @pytest.mark.server

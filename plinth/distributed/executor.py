@@ -498,7 +498,8 @@ class DistributedExecutor(Executor):
         except Exception:   # a rank that could not sleep: the others wake again (the engine stays awake)
             from plinth.worker.sleep import SLEEP_TAGS
 
-            self._call_all("wake_up", list(SLEEP_TAGS), timeout_s=self.start_timeout_s)
+            if self._dead is None:   # (else that failure stopped the workers)
+                self._call_all("wake_up", list(SLEEP_TAGS), timeout_s=self.start_timeout_s)
             raise
 
     def wake_up(self, tags: list[str]) -> None:

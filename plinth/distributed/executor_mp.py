@@ -91,7 +91,8 @@ class WorkerProcesses:
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"plinth-worker-{index}",
                                args=(index, child, os.getpid(), timeout_s))
-            proc.start()
+            with _sigint_blocked():   # (inherited: a Ctrl-C while the worker starts is no traceback there)
+                proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
@@ -279,14 +280,25 @@ class MultiprocExecutor(DistributedExecutor):
         return self._procs.pids[: self.world_size]
 
     def _call_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        self._check_alive()
-        self._settle()
-        return self._procs.call(range(self.world_size), method, args, timeout_s, self._describe)
+        return self._call(range(self.world_size), method, args, timeout_s)
 
     def _call_one(self, rank: int, method: str, *args: Any, timeout_s: float) -> Any:
+        return self._call([rank], method, args, timeout_s)[0]
+
+    def _call(self, ranks: Any, method: str, args: tuple, timeout_s: float) -> list[Any]:
         self._check_alive()
         self._settle()
-        return self._procs.call([rank], method, args, timeout_s, self._describe)[0]
+        try:
+            return self._procs.call(ranks, method, args, timeout_s, self._describe)
+        except Exception as exc:
+            if self._procs.broken and self._dead is None and not isinstance(exc, WorkerDiedError):
+                # a rank raised and another did not answer in time (its answer would be read as the next call's):
+                # the error goes on, and the workers stop
+                self._dead = WorkerDiedError(f"{method!r} failed on a worker ({type(exc).__name__}: {exc}) while "
+                                             f"another had not answered it within {DRAIN_WAIT_S:.0f} s")
+                logger.error("%s; stopping all workers", self._dead)
+                self.shutdown()
+            raise
 
     # ------------------------------------------------------------------ asynchronous steps
 
@@ -402,6 +414,24 @@ class MultiprocExecutor(DistributedExecutor):
         self._store = None
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Any:
+    """SIGINT blocked in this thread meanwhile (one that comes is delivered after). A process started meanwhile
+    inherits the mask: a terminal's Ctrl-C, sent to the whole process group, does not interrupt a worker while it
+    imports its modules, before it ignores SIGINT (``_worker_main``); the driver stops the workers."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()   # (the first spawn starts it, and that start unblocks SIGINT)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _td(seconds: float) -> Any:
     import datetime
 
@@ -457,6 +487,8 @@ def _worker_main(index: int, conn: Any, parent_pid: int, timeout_s: float) -> No
     """A worker process: serves one rank at a time (``__init_worker__`` .. ``__release__``)."""
     _watch_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the driver, which stops the workers
+    if hasattr(signal, "pthread_sigmask"):   # (blocked since the start: see _sigint_blocked)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # the ranks of one machine talk over loopback
     from plinth.distributed.parallel_state import destroy_parallel_state
