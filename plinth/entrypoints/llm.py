@@ -416,8 +416,9 @@ class LLM:
         - ``token_embed`` (an embedding engine): each prompt token's final hidden state, ``[tokens, dim]``,
           normalized as the embeddings are (``PoolingParams.normalize``, ``dimensions``);
         - ``classify`` (a sequence classifier): the label probabilities, ``[labels]``, as :meth:`classify`;
-        - ``token_classify`` (a token classifier, ``*ForTokenClassification``: the default there): each prompt
-          token's label probabilities, ``[tokens, labels]`` (raw logits with ``PoolingParams(use_activation=False)``).
+        - ``token_classify`` (a token classifier, ``*ForTokenClassification``: the default there; a decoder's sequence
+          classifier too): each prompt token's label probabilities, ``[tokens, labels]`` (raw logits with
+          ``PoolingParams(use_activation=False)``).
 
         A per-token request computes its whole prompt (no prefix-cache hits).
 
