@@ -238,14 +238,18 @@ def test_a_value_nested_about_as_deeply_as_json_reads_is_a_bad_row(tmp_path, cap
     from plinth.entrypoints.generate_cmd import _checked_rows
 
     inp = tmp_path / "in.jsonl"
-    for depth in range(940, 1010):
-        nested = '{"a":' * depth + "1" + "}" * depth
-        inp.write_text(f'{{"messages": [{{"role": "user", "content": "hi", "x": {nested}}}]}}\n'
-                       f'{{"prompt": "hi", "extra_args": {nested}}}\n')
-        rows, bad, changed = _checked_rows(inp, SamplingParams(), {}, "skip", None)
-        assert len(rows) + bad == 2 and not changed
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)   # (Python's default: a module imported by another test may have raised it)
+    try:
+        for depth in range(940, 1010):
+            nested = '{"a":' * depth + "1" + "}" * depth
+            inp.write_text(f'{{"messages": [{{"role": "user", "content": "hi", "x": {nested}}}]}}\n'
+                           f'{{"prompt": "hi", "extra_args": {nested}}}\n')
+            rows, bad, changed = _checked_rows(inp, SamplingParams(), {}, "skip", None)
+            assert len(rows) + bad == 2 and not changed
+    finally:
+        sys.setrecursionlimit(limit)
     assert "nested too deeply" in capsys.readouterr().err
-
 
 
 def test_bad_rows_fail_or_skip_with_line_numbers(tiny_llama_dir, tmp_path):

@@ -156,7 +156,7 @@ class ServerContext:
                            "not_found_error", "model", "model_not_found")
         held = getattr(self.front, "lora_adapter", None)
         return HeldLoRA(lora.lora_name, lora.lora_int_id, lora.lora_path,
-                        held(lora.lora_int_id) if held is not None else None)
+                        adapter=held(lora.lora_int_id) if held is not None else None)
 
     def reply_model(self, lora: LoRARequest | None) -> str:
         """The ``model`` of a reply: the adapter's name for a request that named one (decided when it arrived,
